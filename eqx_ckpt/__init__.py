@@ -1,0 +1,31 @@
+"""eqx_ckpt: Equinox checkpoints that know where each leaf lives."""
+
+from ._checkpoint import Checkpoint as Checkpoint, skeleton as skeleton
+from ._deserialise import (
+    default_deserialise_filter_spec as default_deserialise_filter_spec,
+    tree_deserialise_leaves as tree_deserialise_leaves,
+)
+from ._errors import (
+    CheckpointError as CheckpointError,
+    CheckpointExistsError as CheckpointExistsError,
+    CheckpointKeyError as CheckpointKeyError,
+    CheckpointNotFoundError as CheckpointNotFoundError,
+    CheckpointTypeError as CheckpointTypeError,
+    CheckpointValueError as CheckpointValueError,
+    CorruptCheckpointError as CorruptCheckpointError,
+    IntegrityError as IntegrityError,
+    LeafError as LeafError,
+)
+from ._handle import LeafHandle as LeafHandle
+from ._initialise import load_or_initialise as load_or_initialise
+from ._lazy import LazyArray as LazyArray, materialise as materialise
+from ._manager import CheckpointManager as CheckpointManager
+from ._migrate import convert_eqx_file as convert_eqx_file
+from ._serialise import (
+    PendingSave as PendingSave,
+    default_serialise_filter_spec as default_serialise_filter_spec,
+    tree_serialise_leaves as tree_serialise_leaves,
+)
+from ._verify import CheckpointDiff as CheckpointDiff, Problem as Problem, diff as diff, verify as verify
+
+__version__ = "0.1.0"

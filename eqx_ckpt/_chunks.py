@@ -1,0 +1,94 @@
+"""Reading every chunk of many leaves with bounded memory, for `verify` and `diff`.
+
+A leaf is read chunk by chunk, never whole, and only so many bytes are in flight
+at once; a hostile manifest may claim billions of chunks, so chunk indices are
+generated lazily and a leaf stops at its first failure.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from . import _dtypes
+from ._manifest import LeafRecord
+
+# How many bytes of chunks may be in flight at once, and how many reads.
+_WINDOW_BYTES = 256 * 2**20
+_WINDOW_READS = 64
+
+Progress = Callable[[int], Any]
+
+
+def chunks(record: LeafRecord, *, stop: Callable[[], bool]) -> Iterator[tuple[slice, ...]]:
+    """The index of every chunk of a leaf, lazily and until `stop()`: a hostile
+    shape may claim billions of chunks, and the first missing one ends the leaf."""
+    counts = [-(-n // c) for n, c in zip(record.stored_shape, record.chunks)]
+    for position in _positions(counts):
+        if stop():
+            return
+        yield tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(position, record.chunks, record.stored_shape))
+
+
+def _positions(counts: list[int]) -> Iterator[tuple[int, ...]]:
+    """Every position in a grid, lazily (`itertools.product` would first build
+    each axis's full range)."""
+    if not counts:
+        yield ()
+        return
+    for i in range(counts[0]):
+        for rest in _positions(counts[1:]):
+            yield (i, *rest)
+
+
+def _chunk_bytes(record: LeafRecord, index: tuple[slice, ...]) -> int:
+    return math.prod(s.stop - s.start for s in index) * _dtypes.dtype_from_name(record.stored_dtype).itemsize
+
+
+def windowed(
+    jobs: Iterator[tuple[LeafRecord, Any, tuple[slice, ...]]],
+    *,
+    skip: Callable[[LeafRecord], bool],
+    failed: Callable[[LeafRecord, BaseException], None],
+    read: Callable[[Any, tuple[slice, ...]], Any] | None = None,
+) -> Iterator[tuple[LeafRecord, Any, int]]:
+    """Run chunk reads with a bounded number of bytes in flight; yield each
+    `(record, value, bytes)` that read cleanly, and report the others."""
+    read = read or (lambda store, index: store[index].read() if index else store.read())
+    flight: collections.deque[tuple[LeafRecord, Any, int]] = collections.deque()
+    in_flight = 0
+
+    def drain() -> Iterator[tuple[LeafRecord, Any, int]]:
+        nonlocal in_flight
+        record, future, size = flight.popleft()
+        in_flight -= size
+        try:
+            value = future.result() if hasattr(future, "result") else future()
+        except Exception as e:
+            failed(record, e)
+            return
+        yield record, value, size
+
+    for record, store, index in jobs:
+        if skip(record):
+            continue
+        size = _chunk_bytes(record, index)
+        while flight and (in_flight + size > _WINDOW_BYTES or len(flight) >= _WINDOW_READS):
+            yield from drain()
+        flight.append((record, read(store, index), size))
+        in_flight += size
+    while flight:
+        yield from drain()
+
+
+def progress_function(progress: bool | Progress, total: int, what: str) -> tuple[Progress, Callable[[], None]]:
+    if callable(progress):
+        return progress, lambda: None
+    if not progress:
+        return (lambda n: None), lambda: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=what)
+    return bar.update, bar.close

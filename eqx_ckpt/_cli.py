@@ -1,0 +1,157 @@
+"""`eqx-ckpt`: inspect, verify and compare checkpoints; run the demo.
+
+The CLI only parses and formats: every command calls a public library function.
+Exit codes: 0 success (for `verify`: sound; for `diff`: equal), 1 `verify`
+found damage or `diff` found differences, 2 an error (bad path, not a
+checkpoint, bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ._checkpoint import Checkpoint, describe
+from ._errors import CheckpointError, CheckpointValueError
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_listing(ckpt: Checkpoint, *, depth: int | None = None) -> str:
+    """The sorted tree of keys, with dtype[shape] and size, then totals."""
+    rows: list[tuple[str, str, str]] = []
+    shown: set[tuple[str, ...]] = set()
+    for key in ckpt:
+        parts = tuple(key.split(".")) if key else ("<root>",)
+        for i in range(len(parts) - 1):
+            if parts[: i + 1] not in shown and (depth is None or i < depth):
+                shown.add(parts[: i + 1])
+                rows.append(("  " * i + parts[i] + "/", "", ""))
+        if depth is None or len(parts) - 1 < depth:
+            record = ckpt.record(key)
+            rows.append(("  " * (len(parts) - 1) + parts[-1], describe(record), human(record.nbytes)))
+    width = max((len(r[0]) for r in rows), default=0)
+    kind = max((len(r[1]) for r in rows), default=0)
+    lines = [f"{a:<{width}}  {b:<{kind}}  {c:>10}".rstrip() for a, b, c in rows]
+    lines.append(f"{len(ckpt)} leaves, {human(ckpt.total_bytes)}")
+    return "\n".join(lines)
+
+
+def _path(text: str) -> Any:
+    """A path, URL, or (starting with `{`) a TensorStore kvstore spec as JSON, for
+    object stores that need an endpoint or credentials options."""
+    if text.lstrip().startswith("{"):
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise CheckpointValueError(f"{text!r} starts with '{{' but is not a JSON kvstore spec: {e}") from None
+    return text
+
+
+def _ls(args: argparse.Namespace) -> int:
+    print(format_listing(Checkpoint(_path(args.path)), depth=args.depth))
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    ckpt = Checkpoint(_path(args.path))
+    print(f"path:            {ckpt.path}")
+    print(f"format:          eqx_ckpt {ckpt.format_version} (zarr v3 arrays, manifest.json)")
+    print(f"layout:          {ckpt.layout}")
+    print(f"library version: {ckpt.library_version}")
+    print(f"created:         {ckpt.created}")
+    print(f"leaves:          {len(ckpt)}")
+    print(f"bytes:           {ckpt.total_bytes} ({human(ckpt.total_bytes)})")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from . import _verify
+
+    problems = _verify.verify(_path(args.path), progress=_progress())
+    for problem in problems:
+        print(problem)
+    print(f"{args.path}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
+    return 1 if problems else 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from . import _verify
+
+    differences = _verify.diff(_path(args.a), _path(args.b), progress=_progress())
+    for line in differences:
+        print(line)
+    return 1 if differences else 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ._demo import run
+
+    return run(args.dir, steps=args.steps)
+
+
+def _progress() -> bool:
+    return sys.stderr.isatty()
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="eqx-ckpt",
+        description="Inspect, verify and compare eqx_ckpt checkpoints. Exit codes: 0 ok "
+        "(verify: sound, diff: equal), 1 verify found damage / diff found differences, 2 error.",
+    )
+    commands = top.add_subparsers(dest="command", required=True)
+    ls = commands.add_parser("ls", help="sorted tree of keys with dtype[shape] and size")
+    ls.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
+    ls.add_argument("--depth", type=int, default=None, help="show only this many levels")
+    ls.set_defaults(run=_ls)
+    info = commands.add_parser("info", help="format and library version, creation time, leaf count, bytes")
+    info.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
+    info.set_defaults(run=_info)
+    verify = commands.add_parser("verify", help="read and check every byte; exit 0 sound, 1 damaged")
+    verify.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
+    verify.set_defaults(run=_verify)
+    diff = commands.add_parser("diff", help="compare two checkpoints; exit 0 equal, 1 different, 2 error")
+    diff.add_argument("a")
+    diff.add_argument("b")
+    diff.set_defaults(run=_diff)
+    demo = commands.add_parser("demo", help="train a small model, save, list and reload it")
+    demo.add_argument("--dir", default=None, help="where to save (default: a new temporary directory)")
+    demo.add_argument("--steps", type=int, default=50, help="training steps")
+    demo.set_defaults(run=_demo)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `eqx-ckpt` with `argv`; returns the exit code."""
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:
+        return int(e.code) if isinstance(e.code, int) else 2
+    try:
+        code: Any = args.run(args)
+    except CheckpointError as e:
+        print(f"eqx-ckpt {args.command}: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # The reader (`| head`) went away; that is not an error of ours.
+        sys.stdout = open(os.devnull, "w")
+        return 0
+    except OSError as e:
+        print(f"eqx-ckpt {args.command}: {e}", file=sys.stderr)
+        return 2
+    return int(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

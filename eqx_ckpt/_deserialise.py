@@ -1,0 +1,361 @@
+"""`tree_deserialise_leaves`: full, partial, re-rooted, renamed and lazy loads."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jaxtyping import PyTree
+
+from . import _commit, _dtypes, _io, _keypath, _layout, _read, _select, _tree
+from ._errors import CheckpointError, CheckpointValueError, LeafError, describe_leaf, leaf_message
+from ._handle import LeafHandle
+from ._lazy import LazyArray
+from ._manifest import LeafRecord, Manifest
+from ._spec import Location, location
+
+
+def default_deserialise_filter_spec(handle: LeafHandle, x: Any) -> Any:
+    """Default filter specification for deserialising a leaf.
+
+    **Arguments:**
+
+    - `handle`: the leaf's storage location, a [`eqx_ckpt.LeafHandle`][].
+    - `x`: the leaf of `like`.
+
+    **Returns:**
+
+    The loaded leaf for JAX arrays, `jax.ShapeDtypeStruct`s, NumPy arrays and
+    scalars and Python `bool`/`int`/`float`/`complex`; `x` itself for every other
+    leaf.
+
+    !!! example
+
+        Keep the JAX arrays of `like` and load the rest:
+
+        ```python
+        import jax, jax.numpy as jnp, numpy as np
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", (jnp.ones(2), np.ones(2)))
+        spec = lambda h, x: x if isinstance(x, jax.Array) else eqx_ckpt.default_deserialise_filter_spec(h, x)
+        tree = eqx_ckpt.tree_deserialise_leaves("ckpt", (jnp.zeros(2), np.zeros(2)), spec)
+        ```
+    """
+    if _dtypes.like_type(x) is None:
+        return x
+    return handle.read(x)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What a load does with one selected leaf of `like`."""
+
+    index: int
+    keypath: tuple[Any, ...]
+    like: Any
+    stored: str
+    record: LeafRecord | None = None
+
+
+class _Report:
+    """Every problem a load finds, raised together as one `LeafError`."""
+
+    def __init__(self, loc: Location):
+        self.loc = loc
+        self.lines: list[str] = []
+        self.keypaths: list[tuple[Any, ...]] = []
+        self.dotted: list[str] = []
+
+    def add(self, what: str, plan: _Plan | None, stored: str) -> None:
+        name = describe_leaf(plan.keypath, stored) if plan is not None else describe_leaf(None, stored)
+        self.lines.append(f"  - {name}: {what}")
+        if plan is not None:
+            self.keypaths.append(plan.keypath)
+        self.dotted.append(stored)
+
+    def raise_if_any(self) -> None:
+        if not self.lines:
+            return
+        count = len(self.lines)
+        raise LeafError(
+            f"Cannot load checkpoint {self.loc.display!r} into `like`: {count} "
+            f"lea{'f does' if count == 1 else 'ves do'} not match.\n"
+            + "\n".join(self.lines)
+            + "\nTo load anyway: `missing='keep'` keeps `like`'s value for missing "
+            "leaves, `cast=True` converts dtypes, `where=`/`prefix=`/`rename=` pick "
+            "and map what is loaded; shapes must match.",
+            path=self.loc.display,
+            keypaths=self.keypaths,
+            dotted=self.dotted,
+        )
+
+
+def tree_deserialise_leaves(
+    path: Any,
+    like: PyTree,
+    filter_spec: Any = default_deserialise_filter_spec,
+    is_leaf: Callable[[Any], bool] | None = None,
+    *,
+    where: Callable[[PyTree], Any] | None = None,
+    prefix: str | None = None,
+    rename: Mapping[str, str] | Callable[[str], str] | None = None,
+    missing: str = "error",
+    strict: bool = False,
+    cast: bool = False,
+    lazy: bool = False,
+) -> PyTree:
+    """Load the leaves of a PyTree from a checkpoint directory.
+
+    **Arguments:**
+
+    - `path`: the checkpoint directory, or a kvstore URL.
+    - `like`: a PyTree with the structure and leaf types of what is loaded;
+        concrete, or abstract (`jax.ShapeDtypeStruct` leaves, such as
+        `eqx.filter_eval_shape` gives). Loaded leaves replace those of `like`;
+        a loaded JAX array is placed with the sharding of `like`'s leaf.
+    - `filter_spec`: how to load each leaf: a callable `(handle, leaf) -> leaf`
+        or a PyTree prefix of `like` of them. (See
+        [`eqx_ckpt.default_deserialise_filter_spec`][].)
+    - `is_leaf`: called on every node of `like`; where it returns `True` the
+        node is treated as a leaf.
+    - `where`: load only these sub-trees, selected as in `eqx.tree_at`
+        (`lambda t: t["model"]`, `lambda m: (m.encoder, m.embed)`). Nothing else
+        is read; every other leaf comes back exactly as it is in `like`.
+    - `prefix`: the dotted path in the checkpoint that `like` corresponds to
+        (`"model"` loads a bare model out of `{"model": ..., "opt_state": ...}`).
+    - `rename`: a mapping or callable from a dotted path in `like` to one in the
+        checkpoint (below `prefix`). A mapping renames whole sub-trees
+        (`{"body": "encoder"}`); unmapped paths pass through.
+    - `missing`: `"error"` (the default) or `"keep"`: keep `like`'s leaf where the
+        checkpoint has none.
+    - `strict`: also report stored leaves (below `prefix`) that `like` lacks.
+    - `cast`: convert stored dtypes to `like`'s instead of raising.
+    - `lazy`: return [`eqx_ckpt.LazyArray`][]s that read when asked (see
+        [`eqx_ckpt.materialise`][]).
+
+    **Returns:**
+
+    `like`, with the selected leaves replaced by those loaded.
+
+    **Raises:**
+
+    One [`eqx_ckpt.LeafError`][] listing every missing, shape- or dtype-changed
+    (and, with `strict=True`, unexpected) leaf.
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax
+        import eqx_ckpt
+
+        make = lambda: eqx.nn.MLP(2, 2, 8, 2, key=jax.random.key(0))
+        eqx_ckpt.tree_serialise_leaves("mlp_ckpt", make())
+        model = eqx_ckpt.tree_deserialise_leaves("mlp_ckpt", eqx.filter_eval_shape(make))
+        ```
+    """
+    if missing not in ("error", "keep"):
+        raise CheckpointValueError(f"`missing` must be 'error' or 'keep', not {missing!r}.")
+    loc = location(path)
+    manifest = _commit.require_manifest(loc)
+    data = _layout.data_location(loc, manifest.data_root, manifest.layout)
+    flat, treedef = _tree.flatten(like, is_leaf)
+    specs = _tree.leaf_specs(filter_spec, like, is_leaf)
+    chosen = _select.selected(where, treedef, len(flat))
+    root = _select.check_prefix(prefix)
+    to_stored = _select.renamer(rename)
+    records = manifest.by_path()
+    if root and not any(_keypath.is_within(p, root) for p in records):
+        raise CheckpointValueError(
+            f"`prefix` {root!r} is not in checkpoint {loc.display!r}; its top-level keys are {_top_keys(manifest)}.",
+            path=loc.display,
+        )
+
+    def stored_path(keypath: tuple[Any, ...]) -> str:
+        return _keypath.join_dotted(root, to_stored(_keypath.dotted(keypath)))
+
+    leaves = [leaf for _, leaf in flat]
+    report = _Report(loc)
+    plans: list[_Plan] = []
+    custom: list[tuple[_Plan, Any]] = []
+    for i in sorted(chosen):
+        keypath, leaf = flat[i]
+        stored = stored_path(keypath)
+        plan = _Plan(i, keypath, leaf, stored, records.get(stored))
+        if specs[i] is not default_deserialise_filter_spec:
+            custom.append((plan, specs[i]))
+        elif _dtypes.like_type(leaf) is not None:
+            if _check(plan, report, missing=missing, cast=cast):
+                plans.append(plan)
+    if strict:
+        _report_unexpected(flat, specs, stored_path, root, records, report)
+    report.raise_if_any()
+    for plan, spec in custom:
+        leaves[plan.index] = _run_custom(spec, plan, data, loc, cast, lazy)
+    loaded = _load(data, plans, lazy=lazy)
+    for plan, value in zip(plans, loaded):
+        leaves[plan.index] = value
+    return treedef.unflatten(leaves)
+
+
+def _top_keys(manifest: Manifest) -> str:
+    keys = sorted({_keypath.split_dotted(leaf.path)[0] for leaf in manifest.leaves if leaf.path})
+    shown = ", ".join(repr(k) for k in keys[:20])
+    return shown + (", ..." if len(keys) > 20 else "") if keys else "(none)"
+
+
+def _check(plan: _Plan, report: _Report, *, missing: str, cast: bool) -> bool:
+    """Whether the leaf will be read; problems go to `report`."""
+    record = plan.record
+    if record is None:
+        if missing == "error":
+            report.add("missing: it is not in the checkpoint.", plan, plan.stored)
+        return False
+    problem = _dtypes.compatible(record, plan.like)
+    if problem is not None:
+        report.add(f"type changed: {problem}.", plan, plan.stored)
+        return False
+    shape, dtype = _dtypes.expected(plan.like)
+    if _dtypes.like_type(plan.like) in ("bool", "int", "float", "complex"):
+        return True
+    if tuple(record.shape) != shape:
+        report.add(
+            f"shape changed: Deserialised leaf at path {plan.keypath!r} has changed shape "
+            f"from {shape} in `like` to {record.shape} on disk.",
+            plan,
+            plan.stored,
+        )
+        return False
+    if dtype not in (record.dtype, record.stored_dtype) and not (cast and _castable(record, plan.like)):
+        report.add(
+            f"dtype changed: Deserialised leaf at path {plan.keypath!r} has changed dtype "
+            f"from {dtype} in `like` to {record.dtype} on disk (pass `cast=True` to convert).",
+            plan,
+            plan.stored,
+        )
+        return False
+    return True
+
+
+def _castable(record: LeafRecord, like: Any) -> bool:
+    return record.type != "prng_key" and _dtypes.like_type(like) != "prng_key"
+
+
+def _report_unexpected(
+    flat: list[Any], specs: list[Any], stored_path: Any, root: str, records: dict[str, LeafRecord], report: _Report
+) -> None:
+    wanted = {
+        stored_path(keypath)
+        for (keypath, leaf), spec in zip(flat, specs)
+        if _dtypes.like_type(leaf) is not None or spec is not default_deserialise_filter_spec
+    }
+    for path in sorted(records):
+        if _keypath.is_within(path, root) and path not in wanted:
+            report.add("unexpected: it is in the checkpoint but not in `like` (you passed `strict=True`).", None, path)
+
+
+def _target_dtype(like: Any) -> np.dtype | None:
+    kind = _dtypes.like_type(like)
+    if kind in ("jax", "numpy", "numpy_scalar"):
+        return np.dtype(like.dtype)
+    return None
+
+
+# Bytes of host buffers in flight at once during a load. All reads at once would
+# hold every leaf twice (TensorStore's buffer and the array made from it); a window
+# keeps the peak near the loaded size while still giving TensorStore plenty to do.
+READ_WINDOW = 128 * 2**20
+
+
+def _load(data: Location, plans: list[_Plan], *, lazy: bool) -> list[Any]:
+    """Open every array, then read leaves concurrently within `READ_WINDOW` bytes,
+    converting (and freeing the host buffer of) the oldest as new reads start."""
+    records = [_record_of(plan) for plan in plans]
+    if lazy:
+        return [LazyArray(data, record, plan.like) for plan, record in zip(plans, records)]
+    opens = [_io.open_array(data, record) for record in records]
+    results: list[Any] = [None] * len(plans)
+    window: collections.deque[tuple[int, int, Callable[[], Any]]] = collections.deque()
+    in_flight = 0
+    for i, (plan, record, opened) in enumerate(zip(plans, records, opens)):
+        try:
+            store = opened.result()
+        except Exception as e:
+            raise _io.leaf_io_error(e, record, data, "open") from e
+        while window and in_flight + record.nbytes > READ_WINDOW:
+            j, size, finish = window.popleft()
+            results[j] = finish()
+            in_flight -= size
+        window.append((i, record.nbytes, _read.start(store, data, record, plan.like, dtype=_target_dtype(plan.like))))
+        in_flight += record.nbytes
+    while window:
+        j, _, finish = window.popleft()
+        results[j] = finish()
+    return results
+
+
+def _record_of(plan: _Plan) -> LeafRecord:
+    if plan.record is None:
+        raise CheckpointValueError(f"Internal error: leaf `{plan.stored}` has no record to read.")
+    return plan.record
+
+
+def _run_custom(spec: Any, plan: _Plan, data: Location, loc: Location, cast: bool, lazy: bool) -> Any:
+    """Call a user's filter spec with a handle whose `read` loads one leaf."""
+
+    def read(like: Any) -> Any:
+        report = _Report(loc)
+        sub = dataclasses.replace(plan, like=like)
+        if not _check(sub, report, missing="error", cast=cast):
+            report.raise_if_any()
+        return _load(data, [sub], lazy=lazy)[0]
+
+    handle = LeafHandle(plan.keypath, plan.stored, loc.display, read=read)
+    try:
+        value = spec(handle, plan.like)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        message = leaf_message(
+            f"the filter spec raised {type(e).__name__}: {e}",
+            keypath=plan.keypath,
+            dotted=plan.stored,
+            path=loc.display,
+        )
+        raise LeafError(
+            f"Error at leaf with path {plan.keypath!r}. {message}",
+            path=loc.display,
+            keypaths=[plan.keypath],
+            dotted=[plan.stored],
+        ) from e
+    _assert_same(value, plan, loc)
+    return value
+
+
+def _assert_same(value: Any, plan: _Plan, loc: Location) -> None:
+    """What a custom filter spec returns must match `like`, as Equinox checks."""
+    like = plan.like
+    abstract = isinstance(like, jax.ShapeDtypeStruct) and isinstance(value, (jax.Array, jax.ShapeDtypeStruct))
+    if isinstance(value, LazyArray):
+        return
+    if not abstract and type(value) is not type(like):
+        raise _changed(plan, loc, f"type from {type(like)} in `like` to {type(value)} on disk.")
+    for attr in ("shape", "dtype"):
+        old, new = getattr(like, attr, None), getattr(value, attr, None)
+        if old is not None and new is not None and old != new:
+            raise _changed(plan, loc, f"{attr} from {old} in `like` to {new} on disk.")
+
+
+def _changed(plan: _Plan, loc: Location, what: str) -> LeafError:
+    """Equinox's message for a loaded leaf that differs from `like`."""
+    message = leaf_message(
+        f"Deserialised leaf at path {plan.keypath!r} has changed {what}",
+        keypath=plan.keypath,
+        dotted=plan.stored,
+        path=loc.display,
+    )
+    return LeafError(message, path=loc.display, keypaths=[plan.keypath], dotted=[plan.stored])

@@ -1,0 +1,125 @@
+"""Exception classes, and the one helper that formats messages about leaves."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax.tree_util as jtu
+
+
+class CheckpointError(Exception):
+    """Base class of every error eqx_ckpt raises for something a user can cause.
+
+    Each error is also an instance of the fitting built-in exception, so
+    `except FileNotFoundError` and the like keep working.
+
+    **Attributes:**
+
+    - `path`: the checkpoint the error is about, as given, or `None`.
+    """
+
+    path: str | None = None
+
+    def __init__(self, message: str, *, path: Any = None):
+        super().__init__(message)
+        self.path = None if path is None else str(path)
+
+    def __str__(self) -> str:
+        # `KeyError.__str__` would show the message in quotes.
+        return str(self.args[0]) if self.args else ""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """There is no committed checkpoint at the path."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """The destination holds a checkpoint (with `overwrite=False`), or other files."""
+
+
+class CheckpointTypeError(CheckpointError, TypeError):
+    """An argument has the wrong type, such as a file object instead of a path."""
+
+
+class CheckpointValueError(CheckpointError, ValueError):
+    """An argument has a value that cannot be used, such as an unknown option."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """The manifest is unreadable, invalid, edited or hostile."""
+
+
+class CheckpointKeyError(CheckpointError, KeyError):
+    """A dotted key is not in the checkpoint."""
+
+
+class LeafError(CheckpointError, RuntimeError):
+    """Something is wrong with one or more leaves: it cannot be saved, it is
+    missing, or its shape, dtype or type differs from `like`.
+
+    **Attributes:**
+
+    - `path`: the checkpoint.
+    - `keypaths`: the key paths (tuples of JAX keys) of the leaves concerned.
+    - `dotted`: their dotted paths in the checkpoint.
+    """
+
+    keypaths: tuple[tuple[Any, ...], ...] = ()
+    dotted: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: Any = None,
+        keypaths: Sequence[tuple[Any, ...]] = (),
+        dotted: Sequence[str] = (),
+    ):
+        super().__init__(message, path=path)
+        self.keypaths = tuple(tuple(k) for k in keypaths)
+        self.dotted = tuple(dotted)
+
+
+class IntegrityError(LeafError):
+    """A leaf's stored bytes or metadata fail their integrity check."""
+
+
+for _cls in (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointExistsError,
+    CheckpointTypeError,
+    CheckpointValueError,
+    CorruptCheckpointError,
+    CheckpointKeyError,
+    LeafError,
+    IntegrityError,
+):
+    _cls.__module__ = "eqx_ckpt"
+
+
+def describe_leaf(keypath: tuple[Any, ...] | None, dotted: str) -> str:
+    """How every message names a leaf: its dotted path, its `keystr`, and the
+    key-path tuple that Equinox prints, so that code matching either keeps working.
+    """
+    if keypath is None:
+        return f"`{dotted}`"
+    shown = jtu.keystr(keypath) if keypath else "<root>"
+    return f"`{dotted or '<root>'}` (key path {shown}, {keypath!r})"
+
+
+def leaf_message(
+    what: str,
+    *,
+    keypath: tuple[Any, ...] | None,
+    dotted: str,
+    path: Any,
+    fix: str = "",
+) -> str:
+    """One sentence about one leaf: what differs, where, in which checkpoint, and
+    what to do about it."""
+    message = f"Leaf {describe_leaf(keypath, dotted)} in checkpoint {str(path)!r}: {what}"
+    if fix:
+        message += f" {fix}"
+    return message

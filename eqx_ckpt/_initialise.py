@@ -1,0 +1,73 @@
+"""Load what a checkpoint has; initialise only what it lacks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from ._deserialise import tree_deserialise_leaves
+
+
+def load_or_initialise(
+    path: Any,
+    init: Callable[[], PyTree],
+    *,
+    prefix: str | None = None,
+    rename: Mapping[str, str] | Callable[[str], str] | None = None,
+    strict: bool = False,
+    cast: bool = False,
+) -> PyTree:
+    """Build `init()`'s tree from a checkpoint, computing only the leaves the
+    checkpoint does not have.
+
+    The skeleton comes from `eqx.filter_eval_shape(init)` (nothing allocated);
+    every leaf the checkpoint has is loaded into it; then `init` runs under
+    `jax.jit` returning only the missing leaves, so the initial values of the
+    loaded ones are never computed or held in memory. This is how a new head or
+    adapter is added to a pretrained body.
+
+    **Arguments:**
+
+    - `path`: the checkpoint directory, or a kvstore URL.
+    - `init`: a function of no arguments returning the tree (use
+        `functools.partial` or a lambda to bind a model's arguments). It must be
+        traceable by `jax.jit`, as any Equinox constructor is.
+    - `prefix`, `rename`, `strict`, `cast`: as for
+        [`eqx_ckpt.tree_deserialise_leaves`][].
+
+    **Returns:**
+
+    The tree, every array leaf concrete.
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax
+        import eqx_ckpt
+
+        body = eqx.nn.MLP(4, 4, 16, 2, key=jax.random.key(0))
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"body": body})
+        make = lambda: {"body": eqx.nn.MLP(4, 4, 16, 2, key=jax.random.key(1)),
+                        "head": eqx.nn.Linear(4, 3, key=jax.random.key(2))}
+        model = eqx_ckpt.load_or_initialise("ckpt", make)   # body loaded, head initialised
+        ```
+    """
+    like = eqx.filter_eval_shape(init)
+    loaded = tree_deserialise_leaves(path, like, prefix=prefix, rename=rename, missing="keep", strict=strict, cast=cast)
+    leaves, treedef = jtu.tree_flatten(loaded)
+    todo = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if todo:
+
+        def missing_leaves() -> list[Any]:
+            everything = jtu.tree_leaves(init())
+            return [everything[i] for i in todo]
+
+        # Leaves not returned are dead code to XLA: they are never computed.
+        for i, value in zip(todo, jax.jit(missing_leaves)()):
+            leaves[i] = value
+    return jtu.tree_unflatten(treedef, leaves)

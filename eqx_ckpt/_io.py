@@ -1,0 +1,189 @@
+"""Reading and writing through TensorStore: small files, listings, and arrays.
+
+Everything here returns or composes TensorStore futures; callers block with
+`.result()` only at the public boundary.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import os
+import shutil
+from collections.abc import Iterable
+
+import tensorstore as ts
+
+from ._errors import CheckpointError, IntegrityError, describe_leaf
+from ._local import check_leaf_files, refuse_links
+from ._manifest import LeafRecord
+from ._spec import CONTEXT, UNSYNCED, Location, array_spec
+
+
+def kvstore(loc: Location, *, synced: bool = True) -> ts.KvStore:
+    return ts.KvStore.open(loc.kvstore, context=_context(loc, synced)).result()
+
+
+def _context(loc: Location, synced: bool) -> ts.Context:
+    return UNSYNCED if not synced and _on_local_disk(loc) else CONTEXT
+
+
+def _on_local_disk(loc: Location) -> bool:
+    """Whether writes to `loc` go through the `file` driver, so can skip fsync
+    (and must then be flushed)."""
+    return loc.local is not None and loc.kvstore.get("driver") == "file"
+
+
+def flush(loc: Location) -> None:
+    """Make everything written under `loc` without fsync durable, before a commit.
+
+    Every file (and directory) is fsynced, many at once: the file system's journal
+    batches concurrent syncs, where one fsync after each write would wait for each.
+
+    In a multi-process save the other processes may still be writing here: their
+    temporary files (TensorStore's `*.__lock`) come and go, so those are skipped
+    and a file that vanishes before it is opened is not an error. What each process
+    wrote is final before it flushes, and each process flushes, so every file and
+    directory entry of the save is synced by the process that wrote it.
+    """
+    local = loc.local if _on_local_disk(loc) else None
+    if local is None:
+        return
+    paths = [local]
+    for root, dirs, files in os.walk(local):
+        paths.extend(os.path.join(root, name) for name in [*dirs, *files] if not name.endswith(TEMPORARY))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=32) as pool:
+        for _ in pool.map(functools.partial(_fsync, missing_ok=True), paths):
+            pass
+
+
+# The file driver writes `<name>` as `<name>.__lock` and renames it into place.
+TEMPORARY = ".__lock"
+
+
+def _fsync(path: str, *, missing_ok: bool = False) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_file(loc: Location, name: str, *, limit: int) -> bytes | None:
+    """The bytes of a small file, or `None` if it does not exist."""
+    if loc.local is not None:
+        full = os.path.join(loc.local, name)
+        refuse_links(loc, name)
+        if not os.path.isfile(full):
+            return None
+        with open(full, "rb") as f:
+            return f.read(limit + 1)
+    result = kvstore(loc).read(name).result()
+    return result.value if result.state == "value" else None
+
+
+def write_file(loc: Location, name: str, data: bytes) -> None:
+    """Write a small file atomically (TensorStore writes beside, then renames)."""
+    try:
+        store = kvstore(loc)
+        store.write(name, data).result()
+        if loc.local is not None:
+            _fsync(loc.local)
+    except Exception as e:
+        raise _write_error(loc, name, e) from e
+
+
+def _write_error(loc: Location, name: str, error: BaseException) -> CheckpointError:
+    """A full disk, a read-only or forbidden destination: say so, not TensorStore's code."""
+    return CheckpointError(
+        f"Cannot write {name!r} in {loc.display!r}: {error}. Check that the destination is writable "
+        f"and has free space.",
+        path=loc.display,
+    )
+
+
+def delete_file(loc: Location, name: str) -> None:
+    kvstore(loc).delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()
+
+
+def list_names(loc: Location) -> list[str]:
+    """The top-level entries of a checkpoint directory."""
+    if loc.local is not None:
+        return sorted(os.listdir(loc.local)) if os.path.isdir(loc.local) else []
+    keys = kvstore(loc).list().result()
+    return sorted({key.decode("utf-8", "replace").split("/", 1)[0] for key in keys})
+
+
+def remove(loc: Location, names: Iterable[str]) -> None:
+    """Remove top-level entries (files or directories) of a checkpoint."""
+    names = list(names)
+    if loc.local is not None:
+        for name in names:
+            full = os.path.join(loc.local, name)
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full, ignore_errors=True)
+            elif os.path.lexists(full):
+                os.unlink(full)
+        return
+    store = kvstore(loc)
+    futures = [store.delete_range(ts.KvStore.KeyRange(name, name + "\0")) for name in names]
+    futures += [store.delete_range(ts.KvStore.KeyRange(name + "/", name + "0")) for name in names]
+    for future in futures:
+        future.result()
+
+
+def ensure_directory(loc: Location) -> None:
+    if loc.local is not None:
+        try:
+            os.makedirs(loc.local, exist_ok=True)
+        except OSError as e:
+            raise _write_error(loc, ".", e) from e
+
+
+def transaction() -> ts.Transaction:
+    """A (non-atomic) TensorStore transaction: writes staged in it are written out
+    only by its `commit_async()`."""
+    return ts.Transaction()
+
+
+def create_array(loc: Location, record: LeafRecord, *, synced: bool = True) -> ts.Future:
+    spec = array_spec(
+        loc, record.directory, shape=record.stored_shape, stored_dtype=record.stored_dtype, chunks=list(record.chunks)
+    )
+    return ts.open(spec, create=True, context=_context(loc, synced))
+
+
+def open_array(loc: Location, record: LeafRecord, *, synced: bool = True) -> ts.Future:
+    """Open a stored leaf, checking its zarr.json against the manifest: shape,
+    data type, chunks and the crc32c codec must all be as recorded."""
+    check_leaf_files(loc, record)
+    spec = array_spec(
+        loc, record.directory, shape=record.stored_shape, stored_dtype=record.stored_dtype, chunks=list(record.chunks)
+    )
+    return ts.open(spec, open=True, context=_context(loc, synced))
+
+
+def leaf_io_error(error: BaseException, record: LeafRecord, loc: Location, doing: str) -> CheckpointError:
+    """Explain a TensorStore failure on one leaf."""
+    if isinstance(error, CheckpointError):
+        return error
+    text = str(error)
+    name = describe_leaf(None, record.path)
+    if "NOT_FOUND" in text or "DATA_LOSS" in text or "FAILED_PRECONDITION" in text or "digest" in text.lower():
+        return IntegrityError(
+            f"Leaf {name} in checkpoint {loc.display!r} is damaged or incomplete: "
+            f"{text}. Its bytes do not match what was saved; restore the checkpoint "
+            f"from a good copy, or run `eqx-ckpt verify` to list every damaged leaf.",
+            path=loc.display,
+            dotted=[record.path],
+        )
+    return IntegrityError(
+        f"Could not {doing} leaf {name} in checkpoint {loc.display!r}: {text}",
+        path=loc.display,
+        dotted=[record.path],
+    )

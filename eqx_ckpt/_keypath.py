@@ -1,0 +1,164 @@
+"""Key paths <-> the names leaves have on disk and in dotted paths.
+
+One escaping function makes a path segment out of one JAX key. Escaped segments
+only ever contain `[A-Za-z0-9_-]` and `%`, so they never contain `.` or `/`: a
+dotted path is the segments joined by `.`, a directory the segments joined by
+`/`, and both are injective. Names containing a `.` (`manifest.json`,
+`gen.2`) are therefore free for the checkpoint's own files.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax.tree_util as jtu
+
+_SAFE = re.compile(r"[A-Za-z0-9_-]")
+_SEGMENT = re.compile(r"^(%e|%i-?[0-9]+|%r(?:[A-Za-z0-9_-]|%[0-9A-F]{2})*|(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+)$")
+MAX_SEGMENT = 200
+
+
+def escape(text: str) -> str:
+    """Percent-encode every UTF-8 byte of `text` outside `[A-Za-z0-9_-]`.
+
+    The empty string becomes `%e` (lower case, so it never reads as a byte).
+    """
+    if text == "":
+        return "%e"
+    out = []
+    for char in text:
+        if _SAFE.fullmatch(char):
+            out.append(char)
+        else:
+            out.extend(f"%{byte:02X}" for byte in char.encode("utf-8", "surrogatepass"))
+    return "".join(out)
+
+
+def segment(key: Any) -> str:
+    """The escaped path segment of one key of `jax.tree_util.tree_flatten_with_path`.
+
+    Derived from the key's manifest record, so that what a save writes and what a
+    reader recomputes from the manifest (`stored_segment`) can never disagree.
+    """
+    return stored_segment(*key_record(key))
+
+
+def segments(keypath: tuple[Any, ...]) -> tuple[str, ...]:
+    return tuple(segment(key) for key in keypath)
+
+
+def dotted(keypath: tuple[Any, ...]) -> str:
+    """The dotted path of a key path: `model.layers.0.weight`."""
+    return ".".join(segments(keypath))
+
+
+def split_dotted(path: str) -> tuple[str, ...]:
+    """The segments of a dotted path ("" is the root)."""
+    return tuple(path.split(".")) if path else ()
+
+
+def join_dotted(*parts: str) -> str:
+    return ".".join(part for part in parts if part)
+
+
+def is_valid_dotted(path: str) -> bool:
+    return all(_SEGMENT.match(part) for part in split_dotted(path))
+
+
+def to_directory(path: str) -> str:
+    """The directory, relative to the data root, of a dotted path."""
+    return path.replace(".", "/")
+
+
+def is_within(path: str, prefix: str) -> bool:
+    """Whether dotted `path` is `prefix` or lies under it."""
+    return not prefix or path == prefix or path.startswith(prefix + ".")
+
+
+def relative(path: str, prefix: str) -> str:
+    """`path` with the dotted `prefix` removed (it must lie under it)."""
+    if not prefix:
+        return path
+    return "" if path == prefix else path[len(prefix) + 1 :]
+
+
+def key_record(key: Any) -> tuple[str, Any]:
+    """The manifest record of one key: `(kind, value)`."""
+    if isinstance(key, jtu.SequenceKey):
+        return "index", key.idx
+    if isinstance(key, jtu.FlattenedIndexKey):
+        return "flat", key.key
+    if isinstance(key, jtu.GetAttrKey):
+        return "attr", key.name
+    if isinstance(key, jtu.DictKey) and isinstance(key.key, str):
+        return "key", key.key
+    if isinstance(key, jtu.DictKey) and type(key.key) is int:
+        return "key_int", key.key
+    if isinstance(key, jtu.DictKey):
+        return "key_repr", repr(key.key)
+    return "other", str(key)
+
+
+def to_json(keypath: tuple[Any, ...]) -> list[list[Any]]:
+    """A JSON record of the exact key path, for the manifest."""
+    return [list(key_record(key)) for key in keypath]
+
+
+def from_json(record: Any) -> tuple[Any, ...]:
+    """Rebuild a key path from its manifest record; raises `ValueError` if malformed."""
+    if not isinstance(record, list):
+        raise ValueError("a key path must be a list")
+    keys: list[Any] = []
+    for item in record:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+            raise ValueError(f"malformed key {item!r}")
+        kind, value = item
+        if kind in ("index", "flat", "key_int"):
+            if type(value) is not int:
+                raise ValueError(f"key {item!r} needs an integer")
+        elif not isinstance(value, str):
+            raise ValueError(f"key {item!r} needs a string")
+        if kind == "index":
+            keys.append(jtu.SequenceKey(value))
+        elif kind == "flat":
+            keys.append(jtu.FlattenedIndexKey(value))
+        elif kind == "attr":
+            keys.append(jtu.GetAttrKey(value))
+        elif kind in ("key", "key_int"):
+            keys.append(jtu.DictKey(value))
+        elif kind in ("key_repr", "other"):
+            keys.append(_ReprKey(value))
+        else:
+            raise ValueError(f"unknown key kind {kind!r}")
+    return tuple(keys)
+
+
+class _ReprKey:
+    """A stored key that cannot be rebuilt exactly (a non-str, non-int dict key)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"DictKey(key={self.text})"
+
+    def __str__(self) -> str:
+        return f"[{self.text}]"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ReprKey) and other.text == self.text
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+
+def stored_segment(kind: str, value: Any) -> str:
+    """The segment a manifest key record must have (readers recompute, never trust)."""
+    if kind in ("index", "flat"):
+        return str(value)
+    if kind == "key_int":
+        return f"%i{value}"
+    if kind in ("key_repr", "other"):
+        return "%r" + escape(value)
+    return escape(value)

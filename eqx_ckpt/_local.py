@@ -1,0 +1,81 @@
+"""Checks on a local checkpoint directory before TensorStore reads from it.
+
+A checkpoint may come from elsewhere, so its files are untrusted:
+
+- eqx_ckpt never writes a symbolic link, so a link inside a checkpoint came from
+  elsewhere; following one could make a load read files outside the checkpoint.
+  Every local read of a leaf or a small file checks its path first.
+- A load allocates what the manifest says a leaf holds. The chunk files of a
+  leaf must hold at least that many bytes before it is read, so an absurd shape
+  in a hostile manifest is an error, not an attempt to allocate terabytes.
+
+Object stores have no links and list sizes only at a cost, so only local paths
+are checked.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ._errors import CheckpointError, CorruptCheckpointError, IntegrityError
+from ._manifest import LeafRecord
+from ._spec import Location
+
+
+def refuse_links(loc: Location, relative: str, *, leaf: str | None = None, subtree: bool = False) -> int:
+    """Raise if any component of `relative` below `loc` is a symbolic link, or
+    (with `subtree=True`) anything inside it. `leaf` names the leaf concerned.
+
+    **Returns:**
+
+    The total size of the regular files inside (with `subtree=True`), else 0.
+    """
+    if loc.local is None:
+        return 0
+    current = loc.local
+    for part in (p for p in relative.split("/") if p):
+        current = os.path.join(current, part)
+        if os.path.islink(current):
+            raise _link_error(loc, current, leaf)
+    return _scan(loc, current, leaf) if subtree and os.path.isdir(current) else 0
+
+
+def check_leaf_files(loc: Location, record: LeafRecord) -> None:
+    """Before a local leaf is opened: no links, and enough bytes on disk."""
+    if loc.local is None:
+        return
+    found = refuse_links(loc, record.directory, leaf=record.path, subtree=True)
+    if found < record.nbytes:
+        raise IntegrityError(
+            f"Leaf `{record.path or '<root>'}` in checkpoint {loc.display!r} is damaged or incomplete: the "
+            f"manifest gives it shape {list(record.stored_shape)} ({record.nbytes} bytes), but its folder holds "
+            f"only {found} bytes, so chunk files are missing or the manifest is wrong. Nothing was read; restore "
+            f"the checkpoint from a good copy, or run `eqx-ckpt verify` to list every damaged leaf.",
+            path=loc.display,
+            dotted=[record.path],
+        )
+
+
+def _scan(loc: Location, directory: str, leaf: str | None) -> int:
+    total = 0
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.is_symlink():
+                raise _link_error(loc, entry.path, leaf)
+            if entry.is_dir(follow_symlinks=False):
+                total += _scan(loc, entry.path, leaf)
+            elif entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+def _link_error(loc: Location, found: str, leaf: str | None) -> CheckpointError:
+    name = os.path.relpath(found, loc.local or ".")
+    what = (
+        f"{name!r} in checkpoint {loc.display!r} is a symbolic link. eqx_ckpt never writes links and follows none "
+        f"inside a checkpoint, so that no checkpoint can make it read files outside itself. If you made the link, "
+        f"replace it with a copy of what it points to."
+    )
+    if leaf is None:
+        return CorruptCheckpointError(what, path=loc.display)
+    return IntegrityError(f"Leaf `{leaf or '<root>'}`: {what}", path=loc.display, dotted=[leaf])

@@ -1,0 +1,269 @@
+"""The manifest: one JSON file at the root of a checkpoint, written last.
+
+Its presence is what makes a checkpoint exist. It lists every saved leaf with its
+exact key path, and is treated as untrusted input when read: every field is
+type-checked, every directory is recomputed from the key path (never taken from
+the file), and a digest over the content detects edits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import itertools
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from . import _keypath
+from ._errors import CorruptCheckpointError
+
+FORMAT = "eqx_ckpt"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SAVING = "saving.json"
+DATA_ROOTS = ("", "gen.2")
+# How arrays sit under the data root (see `_layout`).
+LAYOUTS = ("directories", "ocdbt")
+MAX_MANIFEST_BYTES = 256 * 2**20
+MAX_RANK = 32
+MAX_ELEMENTS = 2**53
+
+# How a leaf came in, which decides what a load gives back when `like` is silent.
+LEAF_TYPES = ("jax", "numpy", "numpy_scalar", "prng_key", "bool", "int", "float", "complex")
+ENCODINGS = ("plain", "view", "key_data")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRecord:
+    """One saved leaf.
+
+    **Attributes:**
+
+    - `path`: the dotted path (`model.layers.0.weight`).
+    - `keypath`: the key path as a JSON list of `[kind, value]` pairs.
+    - `type`: one of `LEAF_TYPES`.
+    - `shape`, `dtype`: as the leaf had them (`dtype` "key<threefry2x32>" for keys).
+    - `stored_shape`, `stored_dtype`: of the zarr array (they differ for PRNG keys,
+      for dtypes stored as raw bytes, and when cast on save).
+    - `encoding`: "plain", "view" (raw bytes as unsigned ints) or "key_data".
+    - `chunks`: the zarr chunk shape.
+    - `impl`: the PRNG implementation name of a key array, else "".
+    """
+
+    path: str
+    keypath: list[list[Any]]
+    type: str
+    shape: tuple[int, ...]
+    dtype: str
+    stored_shape: tuple[int, ...]
+    stored_dtype: str
+    encoding: str
+    chunks: tuple[int, ...]
+    impl: str = ""
+
+    @property
+    def directory(self) -> str:
+        return _keypath.to_directory(self.path)
+
+    @property
+    def nbytes(self) -> int:
+        from ._spec import dtype_from_name
+
+        return math.prod(self.stored_shape) * dtype_from_name(self.stored_dtype).itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.update(shape=list(self.shape), stored_shape=list(self.stored_shape), chunks=list(self.chunks))
+        out["nbytes"] = self.nbytes
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    leaves: tuple[LeafRecord, ...]
+    data_root: str = ""
+    created: str = ""
+    library_version: str = ""
+    format_version: int = FORMAT_VERSION
+    layout: str = "directories"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(leaf.nbytes for leaf in self.leaves)
+
+    def by_path(self) -> dict[str, LeafRecord]:
+        return {leaf.path: leaf for leaf in self.leaves}
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "format": FORMAT,
+            "format_version": self.format_version,
+            "library_version": self.library_version,
+            "created": self.created,
+            "data_root": self.data_root,
+            "layout": self.layout,
+            "leaf_count": len(self.leaves),
+            "total_bytes": self.total_bytes,
+            "leaves": [leaf.to_json() for leaf in self.leaves],
+        }
+        body["digest"] = _digest(body)
+        return json.dumps(body, indent=1, allow_nan=False).encode()
+
+
+def new_manifest(leaves: Sequence[LeafRecord], data_root: str, layout: str = "directories") -> Manifest:
+    from . import __version__
+
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return Manifest(tuple(leaves), data_root, now, __version__, layout=layout)
+
+
+def _digest(body: dict[str, Any]) -> str:
+    content = {k: v for k, v in body.items() if k != "digest"}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate JSON key {key!r}")
+        out[key] = value
+    return out
+
+
+def parse(data: bytes, *, where: str) -> Manifest:
+    """Parse and validate manifest bytes; any problem is a `CorruptCheckpointError`."""
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"The manifest of checkpoint {where!r} is invalid: {why}. The checkpoint "
+            f"is damaged or was not written by eqx_ckpt; do not load it.",
+            path=where,
+        )
+
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise bad(f"it is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
+    try:
+        body = json.loads(data, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"not valid JSON ({e})") from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise bad('it does not say `"format": "eqx_ckpt"`')
+    version = body.get("format_version")
+    if type(version) is not int or version > FORMAT_VERSION or version < 1:
+        raise bad(
+            f"format version {version!r} is not one this eqx_ckpt reads (up to {FORMAT_VERSION}); upgrade eqx_ckpt"
+        )
+    if body.get("digest") != _digest(body):
+        raise bad("its digest does not match its content, so it was edited or damaged")
+    if body.get("data_root") not in DATA_ROOTS:
+        raise bad(f"data root {body.get('data_root')!r} is not one of {DATA_ROOTS}")
+    if body.get("layout", "directories") not in LAYOUTS:
+        raise bad(f"layout {body.get('layout')!r} is not one of {LAYOUTS}")
+    leaves = body.get("leaves")
+    if not isinstance(leaves, list):
+        raise bad("`leaves` is not a list")
+    records = []
+    for i, item in enumerate(leaves):
+        try:
+            records.append(_parse_leaf(item))
+        except (ValueError, TypeError, KeyError) as e:
+            raise bad(f"leaf #{i} ({_peek_path(item)}): {e}") from None
+    _check_paths(records, bad)
+    for key in ("created", "library_version"):
+        if not isinstance(body.get(key, ""), str):
+            raise bad(f"`{key}` is not a string")
+    return Manifest(
+        tuple(records), body["data_root"], body.get("created", ""), body.get("library_version", ""), version,
+        layout=body.get("layout", "directories"),
+    )  # fmt: skip
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _peek_path(item: Any) -> str:
+    path = item.get("path") if isinstance(item, dict) else None
+    return repr(path)[:200] if isinstance(path, str) else "no path"
+
+
+def _shape(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_RANK:
+        raise ValueError(f"`{name}` must be a list of at most {MAX_RANK} integers")
+    if not all(type(n) is int and 0 <= n < 2**62 for n in value):
+        raise ValueError(f"`{name}` must hold non-negative integers, got {value!r}")
+    if math.prod(value) > MAX_ELEMENTS:
+        raise ValueError(f"`{name}` {value} has more than 2**53 elements")
+    return tuple(value)
+
+
+def _parse_leaf(item: Any) -> LeafRecord:
+    from ._dtypes import is_known_dtype
+
+    if not isinstance(item, dict):
+        raise TypeError("not a JSON object")
+    path, keypath = item["path"], item["keypath"]
+    if not isinstance(path, str):
+        raise TypeError("`path` is not a string")
+    _keypath.from_json(keypath)
+    expected = _keypath.join_dotted(*(_keypath.stored_segment(k, v) for k, v in keypath))
+    if path != expected or not _keypath.is_valid_dotted(path):
+        raise ValueError(f"`path` {path[:200]!r} does not match its key path (expected {expected[:200]!r})")
+    strings = {k: item[k] for k in ("type", "dtype", "stored_dtype", "encoding", "impl")}
+    if not all(isinstance(v, str) for v in strings.values()):
+        raise TypeError("`type`, `dtype`, `stored_dtype`, `encoding` and `impl` must be strings")
+    if strings["type"] not in LEAF_TYPES:
+        raise ValueError(f"unknown leaf type {strings['type']!r}")
+    if strings["encoding"] not in ENCODINGS:
+        raise ValueError(f"unknown encoding {strings['encoding']!r}")
+    if not is_known_dtype(strings["stored_dtype"]):
+        raise ValueError(f"unknown stored dtype {strings['stored_dtype']!r}")
+    if strings["type"] != "prng_key" and not is_known_dtype(strings["dtype"]):
+        raise ValueError(f"unknown dtype {strings['dtype']!r}")
+    shape = _shape(item["shape"], "shape")
+    stored_shape = _shape(item["stored_shape"], "stored_shape")
+    chunks = _shape(item["chunks"], "chunks")
+    if len(chunks) != len(stored_shape) or any(c < 1 for c in chunks):
+        raise ValueError("`chunks` must give a positive size for every stored dimension")
+    _check_consistent(strings["type"], strings["encoding"], shape, stored_shape, chunks)
+    return LeafRecord(
+        path, keypath, strings["type"], shape, strings["dtype"], stored_shape,
+        strings["stored_dtype"], strings["encoding"], chunks, strings["impl"],
+    )  # fmt: skip
+
+
+def _check_consistent(
+    kind: str, encoding: str, shape: tuple[int, ...], stored: tuple[int, ...], chunks: tuple[int, ...]
+) -> None:
+    """What eqx_ckpt writes always agrees with itself; a hostile manifest that
+    does not could otherwise make a load read (and allocate) far more than `like`
+    asks for, or a chunk far larger than the array."""
+    if kind in ("bool", "int", "float", "complex", "numpy_scalar") and shape != ():
+        raise ValueError(f"a {kind} scalar must have shape [], not {list(shape)}")
+    if encoding == "key_data" and (len(stored) != len(shape) + 1 or stored[: len(shape)] != shape):
+        raise ValueError(f"`stored_shape` {list(stored)} does not extend `shape` {list(shape)} by the key data")
+    if encoding != "key_data" and stored != shape:
+        raise ValueError(f"`stored_shape` {list(stored)} differs from `shape` {list(shape)}")
+    if any(c > max(1, n) for c, n in zip(chunks, stored)):
+        raise ValueError(f"`chunks` {list(chunks)} are larger than the array {list(stored)}")
+
+
+def _check_paths(records: list[LeafRecord], bad: Any) -> None:
+    seen: set[str] = set()
+    for record in records:
+        if record.path in seen:
+            raise bad(f"leaf {record.path!r} is listed twice")
+        seen.add(record.path)
+    # A leaf cannot have children: one path being a prefix of another would make
+    # one array's directory hold another array.
+    ordered = sorted(seen)
+    for a, b in itertools.pairwise(ordered):
+        if _keypath.is_within(b, a):
+            raise bad(f"leaf {b!r} lies inside leaf {a!r}")
+    if "" in seen and len(seen) > 1:
+        raise bad("a root leaf cannot sit beside other leaves")

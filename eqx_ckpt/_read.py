@@ -1,0 +1,134 @@
+"""Reading one stored leaf as the type, dtype and placement of `like`'s leaf."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _dtypes, _io, _sharding
+from ._manifest import LeafRecord
+from ._spec import Location
+
+
+def target_sharding(like: Any) -> Any:
+    """Where a loaded leaf goes: `like`'s sharding, or `None` (the default device)."""
+    if isinstance(like, jax.Array):
+        return like.sharding
+    if isinstance(like, jax.ShapeDtypeStruct):
+        return concrete(getattr(like, "sharding", None))
+    return None
+
+
+def concrete(sharding: Any) -> Any:
+    """A sharding over real devices. `eqx.filter_eval_shape` gives shardings over
+    an `AbstractMesh` (axis names and sizes, no devices): lay that mesh out over
+    this process's devices the way `jax.make_mesh` does."""
+    mesh = getattr(sharding, "mesh", None)
+    if not isinstance(mesh, jax.sharding.AbstractMesh):
+        return sharding
+    devices = jax.make_mesh(mesh.axis_sizes, mesh.axis_names, axis_types=mesh.axis_types)
+    return jax.sharding.NamedSharding(devices, sharding.spec, memory_kind=sharding.memory_kind)
+
+
+def host_converter(record: LeafRecord, dtype: Any) -> Callable[[np.ndarray], np.ndarray]:
+    """Stored bytes -> the logical dtype -> `dtype`, when given and different."""
+
+    def convert(array: np.ndarray) -> np.ndarray:
+        array = _dtypes.decode(array, record)
+        return array if dtype is None or array.dtype == dtype else array.astype(dtype)
+
+    return convert
+
+
+# A large leaf is read in slabs of whole chunks into one 64-byte-aligned buffer,
+# which `jax.device_put` adopts without a copy: the leaf is held once, plus two
+# slabs in flight, instead of TensorStore's buffer and a copy of it.
+SLAB_BYTES = 64 * 2**20
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    offset = (-raw.ctypes.data) % align
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+def _start_in_slabs(
+    store: Any, record: LeafRecord, like: Any, sharding: Any, failed: Callable[[BaseException], Exception]
+) -> Callable[[], Any]:
+    dtype = _dtypes.dtype_from_name(record.stored_dtype)
+    rows, row_bytes = record.shape[0], record.nbytes // max(record.shape[0], 1)
+    step = max(record.chunks[0], SLAB_BYTES // max(row_bytes, 1) // record.chunks[0] * record.chunks[0])
+    slabs = iter([(lo, min(lo + step, rows)) for lo in range(0, rows, step)])
+    pending: collections.deque[tuple[int, int, Any]] = collections.deque()
+
+    def launch() -> None:
+        slab = next(slabs, None)
+        if slab is not None:
+            pending.append((*slab, store[slab[0] : slab[1]].read()))
+
+    launch()
+    launch()
+
+    def finish() -> Any:
+        out = _aligned_empty(tuple(record.shape), dtype)
+        try:
+            while pending:
+                lo, hi, future = pending.popleft()
+                launch()
+                out[lo:hi] = future.result()
+        except Exception as e:
+            raise failed(e) from e
+        return _dtypes.to_result(out, like, sharding=sharding)
+
+    return finish
+
+
+def start(store: Any, loc: Location, record: LeafRecord, like: Any, *, dtype: Any = None) -> Callable[[], Any]:
+    """Start reading a leaf; the returned function waits and builds the value.
+
+    `dtype`, when given, is the dtype the value must have (`like`'s).
+    """
+    convert = host_converter(record, dtype)
+    sharding = target_sharding(like)
+    kind = _dtypes.like_type(like)
+
+    def failed(e: BaseException) -> Exception:
+        return _io.leaf_io_error(e, record, loc, "read")
+
+    if kind == "jax" and sharding is not None and len(sharding.device_set) > 1:
+
+        def read(index: tuple[slice, ...]) -> Any:
+            return store[index].read() if index else store.read()
+
+        finish_placed = _sharding.read_placed(read, record.shape, sharding, convert)
+
+        def finish_sharded() -> Any:
+            try:
+                return finish_placed()
+            except Exception as e:
+                raise failed(e) from e
+
+        return finish_sharded
+
+    if kind in ("jax", "numpy") and record.nbytes > SLAB_BYTES and record.shape and record.encoding == "plain":
+        if dtype is None or np.dtype(dtype) == _dtypes.dtype_from_name(record.stored_dtype):
+            return _start_in_slabs(store, record, like, sharding, failed)
+
+    future = store.read()
+
+    def finish() -> Any:
+        try:
+            array = convert(future.result())
+        except Exception as e:
+            raise failed(e) from e
+        if kind == "prng_key":
+            keys = _dtypes.wrap_keys(jax.numpy.asarray(array), record.impl)
+            return jax.device_put(keys, sharding) if sharding is not None else keys
+        return _dtypes.to_result(array, like, sharding=sharding)
+
+    return finish

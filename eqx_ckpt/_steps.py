@@ -1,0 +1,169 @@
+"""Step folders of a `CheckpointManager`: names, scanning, metrics, retention."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _io
+from ._errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
+from ._manifest import MANIFEST
+from ._spec import Location
+
+# Eight digits keep names sorting as numbers up to step 99,999,999; larger steps
+# simply have more digits, and the manager always sorts by the number itself.
+_STEP = re.compile(r"^step_([0-9]{8,})$")
+_METRICS = re.compile(r"^(step_[0-9]{8,})\.metrics\.json$")
+_MAX_METRICS_BYTES = 2**20
+
+
+def step_name(step: int) -> str:
+    """The folder name of a step: `step_00000042`."""
+    return f"step_{step:08d}"
+
+
+def _parse_step(name: str) -> int | None:
+    """The step of a folder name the manager wrote, or `None` for any other name
+    (a non-canonical spelling such as `step_000000042` is not the manager's)."""
+    match = _STEP.match(name)
+    if match is None or step_name(int(match.group(1))) != name:
+        return None
+    return int(match.group(1))
+
+
+def _metrics_name(step: int) -> str:
+    return step_name(step) + ".metrics.json"
+
+
+def _kept(
+    steps: list[int], ranked: list[int], *, max_to_keep: int | None, keep_every: int | None, best_n: int | None
+) -> set[int]:
+    """The union of what each rule keeps, plus the latest step. `steps` is sorted;
+    `ranked` lists steps best first."""
+    keep = set(steps[-1:])
+    if max_to_keep is not None:
+        keep.update(steps[-max_to_keep:])
+    if keep_every is not None:
+        keep.update(step for step in steps if step % keep_every == 0)
+    if best_n is not None:
+        keep.update(ranked[:best_n])
+    return keep
+
+
+def _rank(metrics: dict[int, dict[str, Any]], name: str | None, mode: str) -> list[int]:
+    """Steps having metric `name`, best first; ties go to the later step."""
+    sign = 1.0 if mode == "min" else -1.0
+    scored = [(sign * float(m[name]), -step) for step, m in metrics.items() if name in m and not math.isnan(m[name])]
+    return [-negated for _, negated in sorted(scored)]
+
+
+def _primary() -> bool:
+    """Whether this process writes and deletes the manager's own files: with several
+    JAX processes, process 0 alone does (each writes its shards of a step)."""
+    return jax.process_index() == 0
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+        raise CheckpointTypeError(f"A step must be an int, not {type(step).__name__} ({step!r}).")
+    if step < 0:
+        raise CheckpointValueError(f"A step must be non-negative, not {step}.")
+    return int(step)
+
+
+def _scan(loc: Location) -> dict[int, bool]:
+    """Every step folder of the manager's own naming, and whether it is committed."""
+    if loc.local is not None:
+        import os
+
+        return {
+            step: os.path.isfile(os.path.join(loc.local, name, MANIFEST))
+            for name in _io.list_names(loc)
+            if (step := _parse_step(name)) is not None
+        }
+    keys = [key.decode("utf-8", "replace") for key in _io.kvstore(loc).list().result()]
+    found: dict[int, bool] = {}
+    for key in keys:
+        head, _, rest = key.partition("/")
+        step = _parse_step(head)
+        if step is not None and rest:
+            found[step] = found.get(step, False) or rest == MANIFEST
+    return found
+
+
+def _clean_interrupted(loc: Location, state: dict[int, bool]) -> None:
+    """Remove step folders without a manifest, and metrics without a committed step."""
+    if not _primary():
+        return
+    stale = [step_name(step) for step, committed in state.items() if not committed]
+    for name in _io.list_names(loc):
+        match = _METRICS.match(name)
+        step = None if match is None else _parse_step(match.group(1))
+        if step is not None and not state.get(step, False):
+            stale.append(name)
+    _io.remove(loc, stale)
+
+
+def _undo(loc: Location, step: int, committed: bool, previous: bytes | None) -> None:
+    """After a failed save: a new step leaves nothing; a step being overwritten keeps
+    its old arrays, so it gets its old metrics back."""
+    if not committed:
+        _io.remove(loc, [step_name(step), _metrics_name(step)])
+    elif previous is None:
+        _io.delete_file(loc, _metrics_name(step))
+    else:
+        _io.write_file(loc, _metrics_name(step), previous)
+
+
+def _metrics_json(step: int, metrics: Mapping[str, Any] | None, directory: str) -> bytes:
+    """The metrics file's bytes; non-finite values are spelt as strings, so the file
+    stays standard JSON."""
+    if metrics is None:
+        metrics = {}
+    if not isinstance(metrics, Mapping):
+        raise CheckpointTypeError(f"`metrics` must be a mapping from name to number, not {type(metrics).__name__}.")
+    values: dict[str, Any] = {}
+    for name, value in metrics.items():
+        array = np.asarray(value)
+        if not isinstance(name, str) or array.ndim != 0 or array.dtype.kind not in "biuf":
+            raise CheckpointTypeError(
+                f"Metric {name!r} of step {step} (for {directory!r}) must be named by a "
+                f"str and be a real number (Python, NumPy or 0-d JAX scalar), not {value!r}."
+            )
+        number = array.item()
+        values[name] = number if math.isfinite(number) else str(number)
+    return json.dumps({"step": step, "metrics": values}, indent=1).encode()
+
+
+def _read_metrics(loc: Location, step: int) -> dict[str, Any]:
+    data = _io.read_file(loc, _metrics_name(step), limit=_MAX_METRICS_BYTES)
+    if data is None:
+        return {}
+    try:
+        body = json.loads(data)
+        values = body["metrics"]
+        if len(data) > _MAX_METRICS_BYTES or body["step"] != step or not isinstance(values, dict):
+            raise ValueError("unexpected content")
+        if not all(isinstance(v, (bool, int, float, str)) for v in values.values()):
+            raise ValueError("a metric is not a number")
+        return {str(k): float(v) if isinstance(v, str) else v for k, v in values.items()}
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(
+            f"The metrics file {_metrics_name(step)!r} in {loc.display!r} is invalid ({e}). "
+            f"Delete it to keep step {step} without metrics.",
+            path=loc.display,
+        ) from None
+
+
+def _show(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    if len(steps) <= 12:
+        return str(steps)
+    return f"[{', '.join(map(str, steps[:5]))}, ..., {', '.join(map(str, steps[-5:]))}] ({len(steps)} steps)"

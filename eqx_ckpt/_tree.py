@@ -1,0 +1,60 @@
+"""Flattening with key paths, and mapping a prefix tree of filter specs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax.tree_util as jtu
+
+from . import _keypath
+from ._errors import LeafError
+
+
+def leaf_specs(filter_spec: Any, tree: Any, is_leaf: Callable[[Any], bool] | None) -> list[Any]:
+    """One filter spec per leaf of `tree`: `filter_spec` is a callable or a PyTree
+    prefix of `tree` whose leaves are callables, as in Equinox."""
+    specs: list[Any] = []
+
+    def expand(spec: Any, sub: Any) -> None:
+        specs.extend([spec] * len(jtu.tree_leaves(sub, is_leaf=is_leaf)))
+
+    jtu.tree_map(expand, filter_spec, tree)
+    return specs
+
+
+def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None) -> tuple[list[tuple[tuple[Any, ...], Any]], Any]:
+    return jtu.tree_flatten_with_path(tree, is_leaf=is_leaf)
+
+
+def check_unique(keypaths: list[tuple[Any, ...]], *, checkpoint: str) -> list[str]:
+    """The dotted path of every key path; two leaves sharing one is an error."""
+    seen: dict[str, tuple[Any, ...]] = {}
+    out = []
+    for keypath in keypaths:
+        path = _keypath.dotted(keypath)
+        if path in seen:
+            other = seen[path]
+            raise LeafError(
+                f"Leaves at key paths {jtu.keystr(other)} ({other!r}) and "
+                f"{jtu.keystr(keypath)} ({keypath!r}) would both be stored at "
+                f"`{path}` in checkpoint {checkpoint!r}: their keys have different "
+                f"types but the same name. Rename one of the keys.",
+                path=checkpoint,
+                keypaths=[other, keypath],
+                dotted=[path],
+            )
+        for segment in _keypath.split_dotted(path):
+            if len(segment) > _keypath.MAX_SEGMENT:
+                raise LeafError(
+                    f"The key {segment[:40]}... at key path {jtu.keystr(keypath)} "
+                    f"({keypath!r}) is {len(segment)} characters once escaped, more "
+                    f"than the {_keypath.MAX_SEGMENT} a directory name may have. "
+                    f"Use a shorter key.",
+                    path=checkpoint,
+                    keypaths=[keypath],
+                    dotted=[path],
+                )
+        seen[path] = keypath
+        out.append(path)
+    return out

@@ -1,0 +1,109 @@
+"""A process that saves checkpoints on command, to be killed mid-save by
+tests/test_crash.py or to race another by tests/test_concurrency.py; and
+`Worker`, the parent's handle on one.
+
+It reads commands from stdin, one per line: `MODE PATH GENERATION`, saves
+`tree(GENERATION)` to `PATH` the way `MODE` says, and prints `done` when the
+save has returned (`error CLASS: MESSAGE` if it raised an eqx_ckpt error). It
+prints `ready` once imported, so the parent can start the clock only when the
+save itself starts.
+
+Modes: `save` (blocking `tree_serialise_leaves`), `async` (`blocking=False`,
+then `wait()`), `manager` (`CheckpointManager(PATH, max_to_keep=2).save`, the
+generation being the step).
+"""
+
+import os
+import pathlib
+import select
+import signal
+import subprocess
+import sys
+
+import numpy as np
+
+import eqx_ckpt
+
+LAYERS = 40
+SCRIPT = pathlib.Path(__file__)
+
+
+def tree(generation: int) -> dict:
+    """Many small leaves (so a kill lands between them), every value depending
+    on the generation (so a mix of two generations is visible)."""
+    return {
+        f"layer{i:03d}": {
+            "w": np.full((8, 8), generation * 1000 + i, np.float32),
+            "b": np.arange(8, dtype=np.int64) + generation,
+        }
+        for i in range(LAYERS)
+    } | {"step": generation}
+
+
+def save(mode: str, path: str, generation: int) -> None:
+    if mode == "save":
+        eqx_ckpt.tree_serialise_leaves(path, tree(generation))
+    elif mode == "async":
+        pending = eqx_ckpt.tree_serialise_leaves(path, tree(generation), blocking=False)
+        assert pending is not None
+        pending.wait()
+    elif mode == "manager":
+        eqx_ckpt.CheckpointManager(path, max_to_keep=2).save(generation, tree(generation))
+    else:
+        raise ValueError(mode)
+
+
+class Worker:
+    """The parent's side: a worker process, started at once, importing in the background."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self.ready = False
+        self.last = ""
+
+    def start(self, mode: str, path: pathlib.Path, generation: int) -> None:
+        if not self.ready:
+            assert self.process.stdout is not None and self.process.stdout.readline().strip() == "ready"
+            self.ready = True
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"{mode} {path} {generation}\n")
+        self.process.stdin.flush()
+
+    def finished_within(self, seconds: float) -> bool:
+        """Whether the save returned within `seconds` (the worker then lives on)."""
+        assert self.process.stdout is not None
+        readable, _, _ = select.select([self.process.stdout], [], [], seconds)
+        if not readable:
+            return False
+        self.last = self.process.stdout.readline().strip()
+        assert self.last == "done" or self.last.startswith("error "), f"worker failed: {self.last!r}"
+        return True
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                pipe.close()
+
+    def close(self) -> None:
+        self.kill()
+
+
+def main() -> None:
+    print("ready", flush=True)
+    for line in sys.stdin:
+        mode, path, generation = line.split()
+        try:
+            save(mode, path, int(generation))
+        except eqx_ckpt.CheckpointError as e:
+            print(f"error {type(e).__name__}: {e}".replace("\n", " "), flush=True)
+        else:
+            print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

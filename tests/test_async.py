@@ -1,0 +1,150 @@
+"""Asynchronous save: `tree_serialise_leaves(..., blocking=False)`.
+
+The S3 tests hold or refuse the server's chunk writes (see `s3_server.Gate`), so a
+save is provably still in flight, or fails in the background, when they act.
+"""
+
+import re
+import threading
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+
+import eqx_ckpt
+from eqx_ckpt import _commit, _io
+
+
+def _tree(step):
+    return {"w": np.arange(12, dtype=np.float32).reshape(3, 4) + step, "b": jnp.full(5, step, dtype=jnp.int32)}
+
+
+def _manifest(store):
+    return ts.KvStore.open(store).result().read("manifest.json").result().value
+
+
+def test_local_round_trip(tmp_path):
+    tree = _tree(1)
+    expected = {"w": tree["w"].copy(), "b": jnp.array(tree["b"])}
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, blocking=False)
+    assert isinstance(pending, eqx_ckpt.PendingSave)
+    tree["w"][...] = -1.0
+    tree["b"].delete()
+    pending.wait()
+    assert pending.done()
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path, _tree(0))
+    assert eqx.tree_equal(out, expected, typematch=True)
+    assert eqx_ckpt.tree_serialise_leaves(tmp_path, _tree(2)) is None  # a blocking save returns nothing
+
+
+def test_caller_may_change_its_arrays_before_anything_is_written(tmp_path, monkeypatch):
+    """A slow disk: nothing is written out (or even encoded) until the caller has
+    overwritten and deleted the arrays it saved."""
+    release = threading.Event()
+
+    class SlowDisk(ts.Transaction):
+        def commit_async(self):
+            promise, future = ts.Promise.new()
+
+            def later():
+                release.wait(timeout=30)
+                try:
+                    promise.set_result(super(SlowDisk, self).commit_async().result())
+                except Exception as e:
+                    promise.set_exception(e)
+
+            threading.Thread(target=later, daemon=True).start()
+            return future
+
+    monkeypatch.setattr(_io, "transaction", SlowDisk)
+    tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": jnp.arange(5, dtype=jnp.int32)}
+    expected = {"w": tree["w"].copy(), "b": jnp.arange(5, dtype=jnp.int32)}
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, blocking=False)
+    tree["w"][...] = -1.0
+    tree["b"].delete()
+    del tree
+    assert not pending.done()
+    release.set()
+    pending.wait()
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, expected), expected, typematch=True)
+
+
+def test_returns_with_writes_in_flight_and_keeps_original_values(s3, store):
+    s3.gate.open.clear()  # the server holds every chunk PUT until released
+    tree = _tree(1)
+    expected = {"w": tree["w"].copy(), "b": np.asarray(tree["b"])}
+    pending = eqx_ckpt.tree_serialise_leaves(store, tree, blocking=False)
+    assert s3.gate.held.wait(timeout=30) and not pending.done()
+    # The caller's buffers may be reused or freed as soon as the call returns.
+    tree["w"][...] = -1.0
+    tree["b"].delete()
+    del tree
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError):
+        eqx_ckpt.Checkpoint(store)  # not committed yet: nothing to see
+    s3.gate.open.set()
+    pending.wait()
+    out = eqx_ckpt.tree_deserialise_leaves(store, _tree(0))
+    np.testing.assert_array_equal(out["w"], expected["w"])
+    np.testing.assert_array_equal(out["b"], expected["b"])
+
+
+def test_donating_the_arrays_after_return_keeps_original_values(s3, store):
+    """A training step that donates the parameters it was given may reuse their
+    buffers while the save is still writing them."""
+    s3.gate.open.clear()
+    params = {"w": jnp.arange(1024, dtype=jnp.float32), "b": jnp.ones(8, dtype=jnp.float32)}
+    expected = jax.tree.map(np.array, params)
+    pending = eqx_ckpt.tree_serialise_leaves(store, params, blocking=False)
+    assert s3.gate.held.wait(timeout=30) and not pending.done()
+    step = jax.jit(lambda p: jax.tree.map(lambda x: x * 0 - 7, p), donate_argnums=0)
+    params = step(params)
+    jax.block_until_ready(params)
+    s3.gate.open.set()
+    pending.wait()
+    out = eqx_ckpt.tree_deserialise_leaves(store, jax.tree.map(np.array, params))
+    assert eqx.tree_equal(out, expected, typematch=True)
+
+
+def test_background_failure_raises_on_wait_and_commits_nothing(s3, store):
+    before = _tree(1)
+    eqx_ckpt.tree_serialise_leaves(store, before)
+    manifest = _manifest(store)
+    s3.gate.open.clear()
+    s3.gate.refuse = True  # once released, the server answers 403 AccessDenied
+    pending = eqx_ckpt.tree_serialise_leaves(store, _tree(2), blocking=False)
+    s3.gate.open.set()
+    with pytest.raises(eqx_ckpt.CheckpointError, match=re.escape("nothing was committed")) as info:
+        pending.wait()
+    assert "AccessDenied" in str(info.value)
+    s3.gate.reset()
+    assert _manifest(store) == manifest
+    names = {k.decode().split("/")[0] for k in ts.KvStore.open(store).result().list().result()}
+    assert "gen.2" not in names and "saving.json" not in names
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
+
+
+def test_second_save_to_the_same_path_waits_for_the_first(s3, store, monkeypatch):
+    s3.gate.open.clear()
+    first = eqx_ckpt.tree_serialise_leaves(store, _tree(1), blocking=False)
+    assert s3.gate.held.wait(timeout=30)
+    begun_after_first_finished = []
+    begin = _commit.begin
+
+    def spy(*args, **kwargs):
+        begun_after_first_finished.append(first.done())
+        return begin(*args, **kwargs)
+
+    monkeypatch.setattr(_commit, "begin", spy)
+    second = threading.Thread(target=eqx_ckpt.tree_serialise_leaves, args=(store, _tree(2)))
+    second.start()
+    # Were it not waiting, the second save would begin now, while the first is held.
+    second.join(timeout=1.0)
+    s3.gate.open.set()
+    second.join()
+    first.wait()
+    assert begun_after_first_finished == [True]
+    out = eqx_ckpt.tree_deserialise_leaves(store, _tree(0))
+    assert eqx.tree_equal(out, _tree(2), typematch=True)

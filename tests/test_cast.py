@@ -1,0 +1,123 @@
+"""Cast on save: store arrays in another dtype (`float32` as `bfloat16`)."""
+
+import json
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import eqx_ckpt
+
+
+def _tree():
+    return {
+        "w": jnp.linspace(-3.0, 3.0, 12, dtype=jnp.float32).reshape(3, 4) / 7,
+        "n": jnp.arange(4, dtype=jnp.int32),
+        "host": np.full(3, 1 / 3, np.float32),
+        "lr": 0.1,
+    }
+
+
+def _bf16_rounded(x):
+    return np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _record(path, name):
+    leaves = json.loads((path / "manifest.json").read_text())["leaves"]
+    return next(leaf for leaf in leaves if leaf["path"] == name)
+
+
+def test_manifest_and_zarr_record_both_dtypes(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, _tree(), cast={jnp.float32: jnp.bfloat16})
+    for name in ("w", "host"):
+        record = _record(tmp_path, name)
+        assert (record["dtype"], record["stored_dtype"]) == ("float32", "bfloat16")
+        assert json.loads((tmp_path / name / "zarr.json").read_text())["data_type"] == "bfloat16"
+    # Other dtypes, and Python scalars (always stored exactly), are untouched.
+    assert _record(tmp_path, "n")["stored_dtype"] == "int32"
+    assert _record(tmp_path, "lr")["stored_dtype"] == "float64"
+    assert _record(tmp_path, "w")["nbytes"] == 12 * 2
+
+
+def test_load_into_float32_upcasts(tmp_path):
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree, cast={jnp.float32: jnp.bfloat16})
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, eqx.filter_eval_shape(_tree))
+    assert loaded["w"].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(loaded["w"]), _bf16_rounded(tree["w"]))
+    assert not np.array_equal(np.asarray(loaded["w"]), np.asarray(tree["w"]))  # it was rounded
+    host = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)["host"]
+    assert isinstance(host, np.ndarray) and host.dtype == np.float32
+    np.testing.assert_array_equal(host, _bf16_rounded(tree["host"]))
+
+
+def test_load_into_bfloat16(tmp_path):
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree, cast={jnp.float32: jnp.bfloat16})
+    like = {**tree, "w": jax.ShapeDtypeStruct((3, 4), jnp.bfloat16)}
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    expected = {**tree, "w": tree["w"].astype(jnp.bfloat16), "host": _bf16_rounded(tree["host"])}
+    assert eqx.tree_equal(loaded, expected, typematch=True)
+
+
+def test_other_dtypes_still_need_cast_true(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, _tree(), cast={jnp.float32: jnp.bfloat16})
+    like = {**_tree(), "w": jax.ShapeDtypeStruct((3, 4), jnp.float16)}
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("['w']")):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, cast=True)
+    assert loaded["w"].dtype == jnp.float16
+
+
+def test_callable_picks_leaves_by_path(tmp_path):
+    tree = {"model": {"w": jnp.ones(3) / 3}, "opt": {"mu": jnp.ones(3) / 3}}
+    seen = []
+
+    def cast(path, dtype):
+        seen.append((path, dtype))
+        return jnp.bfloat16 if path.startswith("model.") else None
+
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree, cast=cast)
+    assert sorted(seen) == [("model.w", np.dtype("float32")), ("opt.mu", np.dtype("float32"))]
+    assert _record(tmp_path, "model.w")["stored_dtype"] == "bfloat16"
+    assert _record(tmp_path, "opt.mu")["stored_dtype"] == "float32"
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
+    np.testing.assert_array_equal(np.asarray(loaded["opt"]["mu"]), np.asarray(tree["opt"]["mu"]))
+
+
+def test_lazy_and_checkpoint_give_the_saved_dtype(tmp_path):
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree, cast={jnp.float32: jnp.bfloat16})
+    lazy = eqx_ckpt.Checkpoint(tmp_path)["w"]
+    assert lazy.dtype == np.float32
+    assert np.asarray(lazy).dtype == np.float32 and lazy[1:].dtype == np.float32
+    np.testing.assert_array_equal(lazy[1:], _bf16_rounded(tree["w"])[1:])
+
+
+def test_sharded_array_cast_and_loaded_sharded(tmp_path):
+    mesh = jax.make_mesh((4,), ("x",))
+    sharding = NamedSharding(mesh, P("x"))
+    value = jax.device_put(jnp.arange(16.0).reshape(8, 2) / 3, sharding)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": value}, cast={jnp.float32: jnp.bfloat16})
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": value})["w"]
+    assert loaded.sharding == sharding and loaded.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(loaded), _bf16_rounded(value))
+
+
+def test_cast_in_the_ocdbt_layout(tmp_path):
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree, cast={jnp.float32: jnp.bfloat16}, layout="ocdbt")
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
+    np.testing.assert_array_equal(np.asarray(loaded["w"]), _bf16_rounded(tree["w"]))
+
+
+@pytest.mark.parametrize("target", [ml_dtypes.float8_e4m3, object, "not a dtype"])
+def test_target_zarr_cannot_store_is_refused(tmp_path, target):
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("['w']")):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2)}, cast=lambda path, dtype: target)
+    assert list(tmp_path.iterdir()) == []

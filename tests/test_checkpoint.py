@@ -1,0 +1,124 @@
+"""`Checkpoint(path)`: a read-only mapping over a checkpoint, and `skeleton`."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_ckpt
+
+
+def _save(path):
+    tree = {
+        "model": {"head": {"weight": jnp.arange(6.0).reshape(2, 3), "bias": jnp.zeros(2, jnp.bfloat16)}},
+        "step": 7,
+        "lr": 0.1,
+        "flag": True,
+        "np_scalar": np.float32(1.5),
+        "a.b": np.arange(4, dtype=np.int64),
+    }
+    eqx_ckpt.tree_serialise_leaves(path, tree)
+    return tree
+
+
+def test_keys_are_sorted_dotted_paths(tmp_path):
+    _save(tmp_path)
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)
+    keys = list(ckpt.keys())
+    assert keys == sorted(keys)
+    assert set(keys) == {"model.head.weight", "model.head.bias", "step", "lr", "flag", "np_scalar", "a%2Eb"}
+    assert len(ckpt) == 7
+    assert "model.head.weight" in ckpt
+    assert "model.head" not in ckpt
+    assert "a.b" not in ckpt
+    assert list(iter(ckpt)) == keys
+
+
+def test_values_are_lazy_arrays_or_scalars(tmp_path):
+    tree = _save(tmp_path)
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)
+    weight = ckpt["model.head.weight"]
+    assert isinstance(weight, eqx_ckpt.LazyArray)
+    assert weight.shape == (2, 3) and weight.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(weight), np.asarray(tree["model"]["head"]["weight"]))
+    assert ckpt["model.head.bias"].dtype == jnp.bfloat16
+    assert ckpt["step"] == 7 and type(ckpt["step"]) is int
+    assert ckpt["lr"] == 0.1 and type(ckpt["lr"]) is float
+    assert ckpt["flag"] is True
+    assert ckpt["np_scalar"] == np.float32(1.5) and type(ckpt["np_scalar"]) is np.float32
+    np.testing.assert_array_equal(np.asarray(ckpt["a%2Eb"]), np.arange(4))
+    items = dict(ckpt.items())
+    assert set(items) == set(ckpt.keys())
+    assert items["step"] == 7
+
+
+def test_unknown_key_is_a_key_error_naming_it(tmp_path):
+    _save(tmp_path)
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)
+    with pytest.raises(eqx_ckpt.CheckpointKeyError, match=re.escape("'model.head.wieght'")) as info:
+        ckpt["model.head.wieght"]
+    assert isinstance(info.value, KeyError)
+    assert "model.head.weight" in str(info.value)
+    assert ckpt.get("nope", "default") == "default"
+
+
+def test_total_bytes_and_records(tmp_path):
+    _save(tmp_path)
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)
+    expected = 6 * 4 + 2 * 2 + 8 + 8 + 1 + 4 + 4 * 8
+    assert ckpt.total_bytes == expected
+    assert sum(ckpt.record(k).nbytes for k in ckpt) == expected
+    assert ckpt.record("model.head.bias").dtype == "bfloat16"
+    assert ckpt.library_version == eqx_ckpt.__version__
+    assert ckpt.format_version == 1
+    assert ckpt.created
+    assert "7 leaves" in repr(ckpt)
+
+
+def test_tree_view_is_nested(tmp_path):
+    _save(tmp_path)
+    view = eqx_ckpt.Checkpoint(tmp_path).tree()
+    assert view["model"]["head"]["weight"] == "float32[2,3]"
+    assert view["model"]["head"]["bias"] == "bfloat16[2]"
+    assert view["step"] == "int64[]"
+    assert set(view) == {"model", "step", "lr", "flag", "np_scalar", "a%2Eb"}
+
+
+def test_is_read_only(tmp_path):
+    _save(tmp_path)
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)
+    with pytest.raises(TypeError):
+        ckpt["step"] = 3
+
+
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError):
+        eqx_ckpt.Checkpoint(tmp_path / "none")
+
+
+def test_checkpoint_of_an_overwritten_save_reads_the_new_data(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": jnp.zeros(3)})
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"y": jnp.ones(2)})
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)
+    assert list(ckpt) == ["y"]
+    np.testing.assert_array_equal(np.asarray(ckpt["y"]), np.ones(2))
+
+
+def test_skeleton_equals_filter_eval_shape():
+    args = (3, 2, 8, 2)
+    kwargs = {"key": jax.random.key(0)}
+    made = eqx_ckpt.skeleton(eqx.nn.MLP, *args, **kwargs)
+    expected = eqx.filter_eval_shape(eqx.nn.MLP, *args, **kwargs)
+    assert eqx.tree_equal(made, expected)
+    assert isinstance(made.layers[0].weight, jax.ShapeDtypeStruct)
+    assert made.layers[0].weight.shape == (8, 3)
+
+
+def test_skeleton_loads(tmp_path):
+    model = eqx.nn.Linear(3, 4, key=jax.random.key(1))
+    eqx_ckpt.tree_serialise_leaves(tmp_path, model)
+    like = eqx_ckpt.skeleton(eqx.nn.Linear, 3, 4, key=jax.random.key(2))
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, like), model, typematch=True)

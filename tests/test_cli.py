@@ -1,0 +1,125 @@
+"""The installed `eqx-ckpt` command, run as a user runs it."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_ckpt
+from eqx_ckpt._cli import main
+
+EXE = shutil.which("eqx-ckpt", path=os.path.dirname(sys.executable)) or "eqx-ckpt"
+
+
+def run(*args, check_code=None):
+    done = subprocess.run([EXE, *map(str, args)], capture_output=True, text=True, timeout=120)
+    if check_code is not None:
+        assert done.returncode == check_code, (done.stdout, done.stderr)
+    return done
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    path = tmp_path / "ckpt"
+    tree = {"model": {"w": jnp.ones((3, 4)), "b": np.zeros(4, np.float16)}, "step": 7, "a.b": jnp.ones(2)}
+    eqx_ckpt.tree_serialise_leaves(path, tree)
+    return path
+
+
+def test_ls_is_a_sorted_tree_with_sizes(ckpt):
+    out = run("ls", ckpt, check_code=0).stdout.splitlines()
+    names = [line.split()[0] for line in out[:-1]]
+    assert names == ["a%2Eb", "model/", "b", "w", "step"]
+    assert out[2].split()[1:] == ["float16[4]", "8", "B"]
+    assert out[3].split()[1:] == ["float32[3,4]", "48", "B"]
+    assert out[-1] == "4 leaves, 72 B"
+
+
+def test_ls_depth_limits_levels(ckpt):
+    out = run("ls", ckpt, "--depth", "1", check_code=0).stdout.splitlines()
+    assert [line.split()[0] for line in out[:-1]] == ["a%2Eb", "model/", "step"]
+
+
+def test_info_reports_format_and_counts(ckpt):
+    out = run("info", ckpt, check_code=0).stdout
+    assert "eqx_ckpt 1" in out
+    assert f"library version: {eqx_ckpt.__version__}" in out
+    assert "leaves:          4" in out
+    assert "bytes:           72 " in out
+
+
+def test_missing_checkpoint_exits_2_with_message(tmp_path):
+    done = run("ls", tmp_path / "nope", check_code=2)
+    assert "no eqx_ckpt checkpoint" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_help_everywhere():
+    assert "Exit codes" in run("--help", check_code=0).stdout
+    for command in ("ls", "info", "verify", "diff", "demo"):
+        assert "usage: eqx-ckpt " + command in run(command, "--help", check_code=0).stdout
+
+
+def test_bad_arguments_exit_2():
+    assert main(["frobnicate"]) == 2
+    assert main([]) == 2
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    out = run("demo", "--dir", tmp_path / "demo", "--steps", "5", check_code=0).stdout
+    assert "Full load into an eqx.filter_eval_shape skeleton" in out
+    assert "equal to what was saved: True" in out
+    assert "Params-only load (prefix='model'" in out
+    assert "equal to the trained model: True" in out
+    assert (pathlib.Path(tmp_path) / "demo" / "model" / "layers" / "0" / "weight" / "zarr.json").is_file()
+    listed = run("ls", tmp_path / "demo", check_code=0).stdout
+    assert "opt_state/" in listed and "step" in listed
+
+
+def _chunk_files(path):
+    return sorted(p for p in pathlib.Path(path).rglob("*") if p.is_file() and "c" in p.relative_to(path).parts)
+
+
+def test_verify_sound_then_damaged_names_the_leaf(ckpt):
+    done = run("verify", ckpt, check_code=0)
+    assert done.stdout.strip().endswith(": sound")
+    chunk = next(p for p in _chunk_files(ckpt) if "w" in p.parts)
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    done = run("verify", ckpt, check_code=1)
+    assert "model.w" in done.stdout
+    assert "1 problem(s)" in done.stdout
+
+
+def test_verify_detects_a_deleted_chunk(ckpt):
+    chunk = next(p for p in _chunk_files(ckpt) if "step" in p.parts)
+    chunk.unlink()
+    done = run("verify", ckpt, check_code=1)
+    assert "step" in done.stdout
+
+
+def test_diff_exit_codes_and_lines(tmp_path, ckpt):
+    other = tmp_path / "other"
+    tree = {"model": {"w": jnp.ones((3, 4)), "b": np.ones(4, np.float16)}, "step": 7, "new": jnp.zeros(1)}
+    eqx_ckpt.tree_serialise_leaves(other, tree)
+    assert run("diff", ckpt, ckpt, check_code=0).stdout == ""
+    lines = run("diff", ckpt, other, check_code=1).stdout.splitlines()
+    assert any(line.startswith("- a%2Eb") for line in lines)
+    assert any(line.startswith("+ new") for line in lines)
+    assert any(line.startswith("! model.b") for line in lines)
+    assert not any("model.w" in line for line in lines)
+    assert run("diff", ckpt, tmp_path / "missing", check_code=2).stderr
+
+
+def test_kvstore_spec_as_json(tmp_path, ckpt):
+    spec = json.dumps({"driver": "file", "path": ckpt.as_posix()})
+    out = run("ls", spec, check_code=0).stdout
+    assert out.splitlines()[-1] == "4 leaves, 72 B"
+    assert "not a JSON kvstore spec" in run("info", "{nope", check_code=2).stderr

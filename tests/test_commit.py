@@ -1,0 +1,245 @@
+"""Atomic commit: overwrites alternate data roots, and a failed save leaves the
+previous checkpoint as it was."""
+
+import itertools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import threading
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from disk import snapshot
+
+import eqx_ckpt
+from eqx_ckpt import _io, _spec
+
+
+def _array_dirs(root):
+    def is_array(d):
+        with open(os.path.join(d, "zarr.json")) as f:
+            return json.load(f).get("node_type") == "array"
+
+    return sorted(os.path.relpath(d, root) for d, _, files in os.walk(root) if "zarr.json" in files and is_array(d))
+
+
+def _data_root(path):
+    return json.loads((path / "manifest.json").read_text())["data_root"]
+
+
+def test_overwrites_alternate_and_leave_nothing_stale(tmp_path):
+    trees = [
+        {"a": jnp.full(3, 1.0), "old": {"x": jnp.zeros(2)}},
+        {"a": jnp.full(3, 2.0), "b": jnp.ones(4, jnp.int32)},
+        {"a": jnp.full(3, 3.0), "c": np.arange(2)},
+    ]
+    roots, expected_dirs = [], [["a", "old/x"], ["gen.2/a", "gen.2/b"], ["a", "c"]]
+    for tree, dirs in zip(trees, expected_dirs):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+        roots.append(_data_root(tmp_path))
+        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+        assert _array_dirs(tmp_path) == dirs
+        assert list(eqx_ckpt.Checkpoint(tmp_path)) == [d.removeprefix("gen.2/").replace("/", ".") for d in dirs]
+    assert roots == ["", "gen.2", ""]
+    assert not (tmp_path / "old").exists()
+    assert not (tmp_path / "gen.2").exists()
+    assert not (tmp_path / "saving.json").exists()
+    assert sorted(eqx_ckpt.Checkpoint(tmp_path)) == ["a", "c"]
+
+
+def test_old_checkpoint_loads_until_the_new_manifest_is_written(tmp_path, monkeypatch):
+    old = {"a": jnp.arange(3), "b": 1.5}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, old)
+    before = snapshot(tmp_path)
+    real_write = _io.write_file
+
+    seen = {}
+
+    def write_file(loc, name, data):
+        if name == "manifest.json":
+            # Everything new is written; the old checkpoint is still the visible one.
+            seen["new arrays"] = _array_dirs(tmp_path)
+            seen["old loads"] = eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
+            raise OSError("disk full")
+        real_write(loc, name, data)
+
+    monkeypatch.setattr(_io, "write_file", write_file)
+    with pytest.raises(eqx_ckpt.CheckpointError, match="nothing was committed"):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.arange(3) + 10, "b": 2.5})
+    monkeypatch.undo()
+    assert seen == {"new arrays": ["a", "b", "gen.2/a", "gen.2/b"], "old loads": True}
+    assert snapshot(tmp_path) == before
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
+
+
+# A save killed after writing every array, just before its manifest.
+_KILLED_SAVE = textwrap.dedent(
+    """
+    import os, sys
+    import jax.numpy as jnp
+    import eqx_ckpt
+    from eqx_ckpt import _io
+
+    real_write = _io.write_file
+
+    def write_file(loc, name, data):
+        if name == "manifest.json":
+            os._exit(17)
+        real_write(loc, name, data)
+
+    _io.write_file = write_file
+    eqx_ckpt.tree_serialise_leaves(sys.argv[1], {"half": jnp.ones(3)})
+    """
+)
+
+
+def _killed_save(path):
+    result = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(path)], capture_output=True, text=True)
+    assert result.returncode == 17, result.stderr
+
+
+def test_interrupted_save_leaves_no_checkpoint_and_next_save_cleans_up(tmp_path):
+    _killed_save(tmp_path)
+    assert (tmp_path / "saving.json").is_file()
+    assert _array_dirs(tmp_path) == ["half"]
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"half": jnp.zeros(3)})
+    tree = {"a": jnp.ones(2)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert sorted(os.listdir(tmp_path)) == ["a", "manifest.json", "zarr.json"]
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+
+
+def test_interrupted_overwrite_keeps_the_old_checkpoint(tmp_path):
+    old = {"a": jnp.arange(3)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, old)
+    _killed_save(tmp_path)
+    assert _array_dirs(tmp_path) == ["a", "gen.2/half"]
+    assert list(eqx_ckpt.Checkpoint(tmp_path)) == ["a"]
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
+    new = {"b": jnp.arange(3) * 5}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, new)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, new), new, typematch=True)
+    assert _array_dirs(tmp_path) == ["gen.2/b"]
+    assert not (tmp_path / "saving.json").exists()
+
+
+def test_overwrite_false_on_empty_directory_is_fine(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": 1}, overwrite=False)
+    assert eqx_ckpt.tree_deserialise_leaves(tmp_path, {"a": 0}) == {"a": 1}
+    with pytest.raises(eqx_ckpt.CheckpointExistsError) as info:
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": 2}, overwrite=False)
+    assert isinstance(info.value, FileExistsError)
+    assert eqx_ckpt.tree_deserialise_leaves(tmp_path, {"a": 0}) == {"a": 1}
+
+
+def test_files_next_to_a_checkpoint_survive_an_overwrite(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(2)})
+    (tmp_path / "README.txt").write_text("notes")
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.ones(2)})
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.full(2, 2.0)})
+    assert (tmp_path / "README.txt").read_text() == "notes"
+
+
+def test_user_files_named_like_keys_survive_overwrites(tmp_path):
+    # Only names a save wrote (listed in the old manifest or in `saving.json`) are
+    # ever deleted, even when a user's file is named like a key.
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(2), "b": jnp.zeros(1)})
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "run1").write_text("log")
+    (tmp_path / "NOTES").write_text("notes")
+    for value in (1.0, 2.0, 3.0):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.full(2, value)})
+        assert eqx.tree_equal(
+            eqx_ckpt.tree_deserialise_leaves(tmp_path, {"a": jnp.zeros(2)}), {"a": jnp.full(2, value)}
+        )
+    assert (tmp_path / "logs" / "run1").read_text() == "log"
+    assert (tmp_path / "NOTES").read_text() == "notes"
+    # ...while the arrays of replaced checkpoints are gone.
+    assert not (tmp_path / "b").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["NOTES", "gen.2", "logs", "manifest.json"]
+
+
+def test_manifest_is_written_last(tmp_path, monkeypatch):
+    order = []
+    real_write = _io.write_file
+
+    def write_file(loc, name, data):
+        order.append((name, sorted(_array_dirs(tmp_path))))
+        real_write(loc, name, data)
+
+    monkeypatch.setattr(_io, "write_file", write_file)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(2), "b": {"c": jnp.ones(3)}})
+    names = [name for name, _ in order]
+    assert names[-1] == "manifest.json"
+    assert order[-1][1] == ["a", "b/c"]
+
+
+def test_lock_files_of_a_killed_write_are_cleared(tmp_path):
+    # TensorStore writes `<name>.__lock` and renames it: a save killed while writing
+    # `saving.json` leaves only that file, which must not block the next save.
+    (tmp_path / "saving.json.__lock").write_text('{"tar')
+    (tmp_path / "zarr.json.__lock").write_text("{")
+    tree = {"a": jnp.arange(3)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert sorted(os.listdir(tmp_path)) == ["a", "manifest.json", "zarr.json"]
+    (tmp_path / "manifest.json.__lock").write_text("{")
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert sorted(os.listdir(tmp_path)) == ["gen.2", "manifest.json"]
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+
+
+def test_arrays_are_flushed_before_the_manifest_commits(tmp_path, monkeypatch):
+    # Arrays are written without a per-file fsync; one flush of every file the save
+    # wrote must come before the manifest, or a power cut could commit lost data.
+    events = []
+    real_flush, real_write = _io.flush, _io.write_file
+
+    def flush(loc):
+        events.append(("flush", sorted(p.name for p in pathlib.Path(loc.local).iterdir())))
+        real_flush(loc)
+
+    def write_file(loc, name, data):
+        events.append(("write", name))
+        real_write(loc, name, data)
+
+    monkeypatch.setattr(_io, "flush", flush)
+    monkeypatch.setattr(_io, "write_file", write_file)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(2), "b": {"c": jnp.ones(3)}})
+    kinds = [e[0] if e[0] == "flush" else e[1] for e in events]
+    assert kinds == ["saving.json", "flush", "manifest.json"]
+    assert events[1][1] == ["a", "b", "saving.json", "zarr.json"]
+
+
+def test_flush_tolerates_another_writers_temporary_files(tmp_path):
+    # In a multi-process save the other processes are still writing under the same
+    # data root while this one flushes: their `<name>.__lock` files appear and are
+    # renamed away at any moment. A file vanishing mid-flush must not fail the save.
+    loc = _spec.location(tmp_path)
+    (tmp_path / "kept").write_bytes(b"x")
+    (tmp_path / "gone").symlink_to(tmp_path / "never-there")  # listed, then cannot be opened
+    stop = threading.Event()
+
+    def other_writer():
+        for i in itertools.cycle(range(8)):  # a bounded set of chunks, rewritten
+            if stop.is_set():
+                return
+            (tmp_path / f"c{i}.__lock").write_bytes(b"chunk")
+            os.rename(tmp_path / f"c{i}.__lock", tmp_path / f"c{i}")
+
+    writer = threading.Thread(target=other_writer)
+    writer.start()
+    try:
+        for _ in range(20):
+            _io.flush(loc)
+    finally:
+        stop.set()
+        writer.join()
+    assert (tmp_path / "kept").read_bytes() == b"x"
+    with pytest.raises(FileNotFoundError):
+        _io._fsync(str(tmp_path / "gone"))  # outside a flush, a missing file is an error

@@ -1,0 +1,310 @@
+"""Damage on disk is found by `verify` and by a load of the damaged leaf, and the
+error names that leaf; `diff` reports every kind of difference."""
+
+import json
+import pathlib
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import eqx_ckpt
+
+
+def _tree():
+    mesh = jax.make_mesh((4,), ("x",))
+    sharded = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, PartitionSpec("x")))
+    return {
+        "a": jnp.arange(1000.0),
+        "b": {"c": np.arange(12, dtype=np.int32).reshape(3, 4)},
+        "sharded": sharded,
+        "half": jnp.ones(5, jnp.bfloat16),
+        "key": jax.random.key(3),
+        "step": 7,
+    }
+
+
+def _like():
+    # Abstract leaves with the concrete sharding of the saved array.
+    abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+    return jax.tree.map(abstract, _tree())
+
+
+def _same(a, b) -> bool:
+    """`eqx.tree_equal(a, b, typematch=True)`, leaf by leaf on the host (the sharded
+    leaf lives on 4 devices, the others on one, and one jitted `&` cannot mix them)."""
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        if not eqx.tree_equal(jax.device_get(x), jax.device_get(y), typematch=True) or type(x) is not type(y):
+            return False
+    return True
+
+
+def _save(path: pathlib.Path):
+    eqx_ckpt.tree_serialise_leaves(path, _tree())
+    assert eqx_ckpt.verify(path) == []
+    return path
+
+
+def _chunk_files(path: pathlib.Path, leaf: str) -> list[pathlib.Path]:
+    folder = path.joinpath(*leaf.split("."), "c")
+    files = [folder] if folder.is_file() else sorted(p for p in folder.rglob("*") if p.is_file())
+    assert files, f"no chunk files for {leaf}"
+    return files
+
+
+def _assert_detected(path: pathlib.Path, leaf: str, error=eqx_ckpt.IntegrityError):
+    problems = eqx_ckpt.verify(path)
+    assert [p.leaf for p in problems] == [leaf], problems
+    assert isinstance(problems[0], eqx_ckpt.Problem)
+    # A full load, a load of that leaf alone, and a lazy read all fail naming it.
+    with pytest.raises(error, match=re.escape(f"`{leaf}`")):
+        eqx_ckpt.tree_deserialise_leaves(path, _like())
+    top = leaf.split(".")[0]
+    with pytest.raises(error, match=re.escape(f"`{leaf}`")):
+        eqx_ckpt.tree_deserialise_leaves(path, _like(), where=lambda t: t[top])
+    with pytest.raises(error, match=re.escape(f"`{leaf}`")):
+        np.asarray(eqx_ckpt.Checkpoint(path)[leaf])
+    # Every other leaf still loads.
+    others = [k for k in _like() if k != top]
+    loaded = eqx_ckpt.tree_deserialise_leaves(path, _like(), where=lambda t: [t[k] for k in others])
+    assert _same([loaded[k] for k in others], [_tree()[k] for k in others])
+
+
+def test_sound_checkpoints_verify_clean(tmp_path):
+    _save(tmp_path / "one")
+    # An overwrite writes the gen.2 data root, and then the plain one again.
+    for _ in range(2):
+        eqx_ckpt.tree_serialise_leaves(tmp_path / "one", _tree())
+        assert eqx_ckpt.verify(tmp_path / "one") == []
+    eqx_ckpt.tree_serialise_leaves("memory://integrity/", _tree())
+    assert eqx_ckpt.verify("memory://integrity/") == []
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ocdbt", _tree(), layout="ocdbt")
+    assert eqx_ckpt.verify(tmp_path / "ocdbt") == []
+
+
+def test_verify_progress_counts_every_byte(tmp_path):
+    _save(tmp_path)
+    seen = []
+    assert eqx_ckpt.verify(tmp_path, progress=seen.append) == []
+    assert sum(seen) == eqx_ckpt.Checkpoint(tmp_path).total_bytes
+
+
+def test_verify_missing_checkpoint(tmp_path):
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(str(tmp_path / "nope"))):
+        eqx_ckpt.verify(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("leaf", ["a", "b.c", "half", "key", "step"])
+def test_flipped_byte(tmp_path, leaf):
+    _save(tmp_path)
+    chunk = _chunk_files(tmp_path, leaf)[0]
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    _assert_detected(tmp_path, leaf)
+
+
+def test_flipped_checksum_byte(tmp_path):
+    _save(tmp_path)
+    chunk = _chunk_files(tmp_path, "a")[0]
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    _assert_detected(tmp_path, "a")
+
+
+@pytest.mark.parametrize("keep", [0, 1, -4, -1])
+def test_truncated_chunk(tmp_path, keep):
+    _save(tmp_path)
+    chunk = _chunk_files(tmp_path, "b.c")[0]
+    data = chunk.read_bytes()
+    chunk.write_bytes(data[: keep if keep >= 0 else len(data) + keep])
+    _assert_detected(tmp_path, "b.c")
+
+
+@pytest.mark.parametrize("leaf", ["a", "step", "sharded"])
+def test_deleted_chunk_is_not_read_as_fill_values(tmp_path, leaf):
+    _save(tmp_path)
+    files = _chunk_files(tmp_path, leaf)
+    files[len(files) // 2].unlink()
+    _assert_detected(tmp_path, leaf)
+
+
+def test_extra_bytes_appended_to_chunk(tmp_path):
+    # TensorStore ignores bytes after the checksum, so the values still load
+    # exactly; `verify` checks every chunk file's size and reports them.
+    _save(tmp_path)
+    chunk = _chunk_files(tmp_path, "a")[0]
+    chunk.write_bytes(chunk.read_bytes() + b"\0")
+    problems = eqx_ckpt.verify(tmp_path)
+    assert [p.leaf for p in problems] == ["a"]
+    assert "4004" in problems[0].message and "4005" in problems[0].message
+    assert _same(eqx_ckpt.tree_deserialise_leaves(tmp_path, _like()), _tree())
+
+
+def _edit_zarr_json(path: pathlib.Path, leaf: str, edit) -> None:
+    file = path.joinpath(*leaf.split("."), "zarr.json")
+    metadata = json.loads(file.read_text())
+    edit(metadata)
+    file.write_text(json.dumps(metadata))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m.update(shape=[4, 3]),
+        lambda m: m.update(data_type="uint32"),
+        lambda m: m.update(codecs=m["codecs"][:1]),
+        lambda m: m["chunk_grid"]["configuration"].update(chunk_shape=[1, 4]),
+        lambda m: m.update(node_type="group"),
+    ],
+    ids=["shape", "dtype", "no-checksum", "chunks", "group"],
+)
+def test_edited_zarr_json(tmp_path, edit):
+    _save(tmp_path)
+    _edit_zarr_json(tmp_path, "b.c", edit)
+    _assert_detected(tmp_path, "b.c")
+
+
+def test_garbled_or_deleted_zarr_json(tmp_path):
+    _save(tmp_path / "x")
+    tmp_path.joinpath("x", "b", "c", "zarr.json").write_text("{not json")
+    _assert_detected(tmp_path / "x", "b.c")
+    _save(tmp_path / "y")
+    tmp_path.joinpath("y", "a", "zarr.json").unlink()
+    _assert_detected(tmp_path / "y", "a")
+
+
+def test_edited_fill_value_is_reported_by_verify(tmp_path):
+    # A load never reads the fill value (a missing chunk is an error, not fill),
+    # so the bytes still load exactly; verify still reports the edit.
+    _save(tmp_path)
+    _edit_zarr_json(tmp_path, "a", lambda m: m.update(fill_value=1.0))
+    problems = eqx_ckpt.verify(tmp_path)
+    assert [p.leaf for p in problems] == ["a"]
+    assert "fill_value" in problems[0].message
+    assert _same(eqx_ckpt.tree_deserialise_leaves(tmp_path, _like()), _tree())
+
+
+def test_deleted_leaf_folder(tmp_path):
+    _save(tmp_path)
+    for file in sorted(tmp_path.joinpath("b").rglob("*"), reverse=True):
+        file.unlink() if file.is_file() else file.rmdir()
+    tmp_path.joinpath("b").rmdir()
+    _assert_detected(tmp_path, "b.c")
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda text: text.replace('"int32"', '"int16"', 1),
+        lambda text: text.replace('"shape": [\n    3,', '"shape": [\n    2,', 1),
+        lambda text: text[: len(text) // 2],
+        lambda text: text.replace("sha256:", "sha256:0", 1),
+        lambda text: text + " ",
+    ],
+    ids=["dtype", "shape", "truncated", "digest", "trailing-space"],
+)
+def test_edited_manifest(tmp_path, edit):
+    _save(tmp_path)
+    manifest = tmp_path / "manifest.json"
+    text = manifest.read_text()
+    edited = edit(text)
+    if edited.rstrip() == text.rstrip():
+        # Whitespace does not change the content the digest covers: still sound.
+        manifest.write_text(edited)
+        assert eqx_ckpt.verify(tmp_path) == []
+        return
+    assert edited != text
+    manifest.write_text(edited)
+    problems = eqx_ckpt.verify(tmp_path)
+    assert len(problems) == 1 and problems[0].leaf is None
+    assert "manifest" in problems[0].message
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(str(tmp_path))):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, _like())
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError):
+        eqx_ckpt.Checkpoint(tmp_path)
+
+
+def test_several_damaged_leaves_are_all_named(tmp_path):
+    _save(tmp_path)
+    _chunk_files(tmp_path, "a")[0].unlink()
+    chunk = _chunk_files(tmp_path, "half")[0]
+    chunk.write_bytes(chunk.read_bytes()[:-1])
+    assert [p.leaf for p in eqx_ckpt.verify(tmp_path)] == ["a", "half"]
+
+
+def test_damage_in_the_gen2_data_root(tmp_path):
+    _save(tmp_path)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, _tree())
+    assert json.loads((tmp_path / "manifest.json").read_text())["data_root"] == "gen.2"
+    chunk = _chunk_files(tmp_path / "gen.2", "a")[0]
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    _assert_detected(tmp_path, "a")
+
+
+def test_diff_equal_and_different(tmp_path):
+    _save(tmp_path / "x")
+    _save(tmp_path / "y")
+    same = eqx_ckpt.diff(tmp_path / "x", tmp_path / "y")
+    assert not same and list(same) == [] and len(same) == 0
+    tree = _tree()
+    tree["new"] = jnp.zeros(2)
+    del tree["half"]
+    tree["a"] = tree["a"].at[999].set(-1.0)
+    tree["b"]["c"] = tree["b"]["c"].astype(np.int64)
+    tree["step"] = 8
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "y", tree)
+    result = eqx_ckpt.diff(tmp_path / "x", tmp_path / "y")
+    assert result.added == ("new",)
+    assert result.removed == ("half",)
+    assert result.changed == (("b.c", "int32[3,4] -> int64[3,4]"),)
+    assert result.values == ("a", "step")
+    assert list(result) == [
+        "! a: values differ",
+        "~ b.c: int32[3,4] -> int64[3,4]",
+        "- half",
+        "+ new",
+        "! step: values differ",
+    ]
+    metadata_only = eqx_ckpt.diff(tmp_path / "x", tmp_path / "y", values=False)
+    assert metadata_only.values == () and len(metadata_only) == 3
+
+
+def test_diff_is_bitwise(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "x", {"v": jnp.array([0.0, jnp.nan])})
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "y", {"v": jnp.array([0.0, jnp.nan])})
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "z", {"v": jnp.array([-0.0, jnp.nan])})
+    assert len(eqx_ckpt.diff(tmp_path / "x", tmp_path / "y")) == 0
+    assert eqx_ckpt.diff(tmp_path / "x", tmp_path / "z").values == ("v",)
+
+
+def test_diff_type_and_cast_changes(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "x", {"n": 3, "w": jnp.ones(4)})
+    eqx_ckpt.tree_serialise_leaves(
+        tmp_path / "y", {"n": np.int64(3), "w": jnp.ones(4)}, cast={jnp.float32: jnp.bfloat16}
+    )
+    result = eqx_ckpt.diff(tmp_path / "x", tmp_path / "y")
+    assert [k for k, _ in result.changed] == ["n"]
+    # Stored as bfloat16, but 1.0 survives the cast: the values are equal.
+    assert result.values == ()
+
+
+def test_diff_names_a_damaged_leaf(tmp_path):
+    _save(tmp_path / "x")
+    _save(tmp_path / "y")
+    _chunk_files(tmp_path / "y", "b.c")[0].unlink()
+    with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("`b.c`")):
+        eqx_ckpt.diff(tmp_path / "x", tmp_path / "y")
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError):
+        eqx_ckpt.diff(tmp_path / "x", tmp_path / "missing")

@@ -1,0 +1,131 @@
+"""Key paths -> directory names: escaping is injective and never leaves the checkpoint."""
+
+import collections
+import enum
+import os
+import pathlib
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+
+import eqx_ckpt
+from eqx_ckpt import _keypath
+
+AWKWARD_KEYS = [
+    "a.b",
+    "a/b",
+    "a%2Eb",
+    "%",
+    "%e",
+    "%i0",
+    "with space",
+    "ünï©ødé",
+    "日本",
+    "",
+    ".",
+    "..",
+    "../..",
+    "/abs",
+    "0",
+]
+
+
+def _files_under(root: pathlib.Path) -> list[pathlib.Path]:
+    return [pathlib.Path(d) / f for d, _, files in os.walk(root) for f in files]
+
+
+def test_escape_keeps_safe_characters_and_encodes_the_rest():
+    assert _keypath.escape("layer_1-a") == "layer_1-a"
+    assert _keypath.escape("a.b") == "a%2Eb"
+    assert _keypath.escape("a/b") == "a%2Fb"
+    assert _keypath.escape("%") == "%25"
+    assert _keypath.escape("") == "%e"
+    assert _keypath.escape("é") == "%C3%A9"
+
+
+def test_escape_is_injective_on_awkward_keys():
+    escaped = [_keypath.escape(k) for k in AWKWARD_KEYS]
+    assert len(set(escaped)) == len(AWKWARD_KEYS)
+    for segment in escaped:
+        assert "." not in segment and "/" not in segment
+        assert segment not in ("", ".", "..")
+
+
+def test_segments_of_every_key_kind():
+    keypath = (jtu.GetAttrKey("layers"), jtu.SequenceKey(3), jtu.DictKey("w.x"), jtu.DictKey(7), jtu.DictKey((1, 2)))
+    assert _keypath.dotted(keypath) == "layers.3.w%2Ex.%i7.%r%281%2C%202%29"
+    assert _keypath.to_directory(_keypath.dotted(keypath)) == "layers/3/w%2Ex/%i7/%r%281%2C%202%29"
+
+
+def test_int_key_and_string_key_differ():
+    assert _keypath.segment(jtu.DictKey(0)) != _keypath.segment(jtu.DictKey("0"))
+    assert _keypath.segment(jtu.DictKey(-1)) != _keypath.segment(jtu.DictKey("-1"))
+
+
+def test_manifest_record_round_trips_the_key_path():
+    keypath = (jtu.GetAttrKey("a"), jtu.SequenceKey(1), jtu.DictKey("k"), jtu.DictKey(5))
+    assert _keypath.from_json(_keypath.to_json(keypath)) == keypath
+
+
+def test_awkward_keys_round_trip_and_stay_inside(tmp_path):
+    tree = collections.OrderedDict((key, jnp.full(2, i, dtype=jnp.int32)) for i, key in enumerate(AWKWARD_KEYS))
+    tree[0] = jnp.full(2, 100, dtype=jnp.int32)
+    tree[-3] = jnp.full(2, 101, dtype=jnp.int32)
+    tree[(1, "x")] = jnp.full(2, 102, dtype=jnp.int32)
+    ckpt = tmp_path / "ckpt"
+    eqx_ckpt.tree_serialise_leaves(ckpt, tree)
+
+    loaded = eqx_ckpt.tree_deserialise_leaves(ckpt, tree)
+    assert eqx.tree_equal(loaded, tree, typematch=True)
+    # Every leaf has its own key and array folder: nothing collided.
+    keys = list(eqx_ckpt.Checkpoint(ckpt))
+    assert len(keys) == len(tree)
+    assert len(set(keys)) == len(tree)
+    array_dirs = {p.parent for p in _files_under(ckpt) if p.name == "zarr.json"} - {ckpt}
+    assert len(array_dirs) == len(tree)
+    for key in keys:
+        np.testing.assert_array_equal(np.asarray(eqx_ckpt.Checkpoint(ckpt)[key]), np.asarray(tree[_lookup(tree, key)]))
+    # Nothing was written outside the checkpoint directory.
+    outside = [p for p in _files_under(tmp_path) if not p.resolve().is_relative_to(ckpt.resolve())]
+    assert outside == []
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def _lookup(tree, dotted):
+    for keypath, _ in jtu.tree_flatten_with_path(tree)[0]:
+        if _keypath.dotted(keypath) == dotted:
+            return keypath[0].key
+    raise AssertionError(dotted)
+
+
+def test_nested_dot_keys_do_not_alias_nesting(tmp_path):
+    # {"a.b": x} and {"a": {"b": y}} must not share a folder.
+    tree = {"a.b": jnp.zeros(2), "a": {"b": jnp.ones(2)}}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert (tmp_path / "a%2Eb" / "zarr.json").is_file()
+    assert (tmp_path / "a" / "b" / "zarr.json").is_file()
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
+    assert eqx.tree_equal(loaded, tree, typematch=True)
+
+
+def test_too_long_key_is_a_clear_error(tmp_path):
+    tree = {"x" * 300: jnp.zeros(1)}
+    with pytest.raises(eqx_ckpt.LeafError, match="characters once escaped"):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert os.listdir(tmp_path) == []
+
+
+def test_int_enum_dict_keys_round_trip(tmp_path):
+    # An IntEnum is an int but not exactly one: what the save writes and what the
+    # manifest check recomputes must agree on its segment.
+    class Colour(enum.IntEnum):
+        RED = 1
+
+    tree = {Colour.RED: jnp.ones(2), 2: jnp.zeros(3)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path, {Colour.RED: jnp.zeros(2), 2: jnp.ones(3)})
+    assert eqx.tree_equal(out, tree, typematch=True)
+    assert sorted(eqx_ckpt.Checkpoint(tmp_path)) == ["%i2", "%r" + _keypath.escape(repr(Colour.RED))]

@@ -1,0 +1,155 @@
+"""`lazy=True`, `LazyArray` and `materialise`."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_ckpt
+from eqx_ckpt import _spec
+
+
+def _tree():
+    return {
+        "w": jnp.arange(24.0).reshape(6, 4),
+        "n": np.arange(5, dtype=np.int16),
+        "bf": jnp.linspace(0, 1, 3).astype(jnp.bfloat16),
+        "key": jax.random.key(3),
+        "s": 2.5,
+        "fn": jnp.tanh,
+    }
+
+
+def test_lazy_leaves_know_their_metadata(tmp_path):
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree, lazy=True)
+    w = lazy["w"]
+    assert isinstance(w, eqx_ckpt.LazyArray)
+    assert w.shape == (6, 4) and w.ndim == 2 and w.size == 24 and len(w) == 6
+    assert w.dtype == np.float32
+    assert w.nbytes == 24 * 4
+    assert w.path == "w"
+    assert lazy["bf"].dtype == jnp.bfloat16
+    assert lazy["n"].nbytes == 10
+    assert lazy["fn"] is jnp.tanh
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(tree["w"]))
+    np.testing.assert_array_equal(w[1:3, 2], np.asarray(tree["w"])[1:3, 2])
+    assert np.asarray(lazy["bf"]).dtype == jnp.bfloat16
+
+
+def test_materialise_gives_the_eager_result(tmp_path):
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    like = eqx.filter_eval_shape(lambda: {k: v for k, v in tree.items() if k != "n"})
+    like["n"] = np.zeros(5, np.int16)
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, lazy=True)
+    eager = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    materialised = eqx_ckpt.materialise(lazy)
+    assert eqx.tree_equal(materialised, eager, typematch=True)
+    assert eqx.tree_equal(materialised, tree, typematch=True)
+    assert type(materialised["n"]) is np.ndarray
+    assert isinstance(materialised["w"], jax.Array)
+
+
+def test_lazy_read_honours_cast(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": jnp.arange(3, dtype=jnp.int32)})
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": jnp.zeros(3)}, lazy=True, cast=True)
+    assert eqx.tree_equal(eqx_ckpt.materialise(lazy), {"x": jnp.arange(3.0)}, typematch=True)
+
+
+def test_slicing_reads_only_that_region(tmp_path, monkeypatch):
+    # 32-byte chunks: an (8, 4) float32 array is four chunks of two rows.
+    monkeypatch.setattr(_spec, "CHUNK_BYTES", 32)
+    x = jnp.arange(32.0).reshape(8, 4)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": x})
+    monkeypatch.undo()
+    record = eqx_ckpt.Checkpoint(tmp_path).record("x")
+    assert record.chunks == (2, 4)
+    chunk_files = sorted(p for p in (tmp_path / "x").rglob("*") if p.is_file() and p.name != "zarr.json")
+    assert len(chunk_files) == 4
+    # Remove the chunk of rows 6 and 7.
+    (tmp_path / "x" / "c" / "3" / "0").unlink()
+
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": jnp.zeros((8, 4))}, lazy=True)["x"]
+    np.testing.assert_array_equal(lazy[0:6], np.asarray(x)[0:6])
+    np.testing.assert_array_equal(lazy[2], np.asarray(x)[2])
+    with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("`x`")):
+        np.asarray(lazy)
+    with pytest.raises(eqx_ckpt.IntegrityError):
+        lazy[5:7]
+    with pytest.raises(eqx_ckpt.IntegrityError):
+        eqx_ckpt.materialise({"x": lazy})
+    with pytest.raises(eqx_ckpt.IntegrityError):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": jnp.zeros((8, 4))})
+
+
+def test_lazy_prng_key_slicing(tmp_path):
+    keys = jax.random.split(jax.random.key(0), 4)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"k": keys})
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"k": keys}, lazy=True)["k"]
+    assert lazy.shape == (4,)
+    np.testing.assert_array_equal(lazy[1:3], np.asarray(jax.random.key_data(keys))[1:3])
+    assert eqx.tree_equal(lazy.read(), keys, typematch=True)
+
+
+def test_lazy_array_is_not_an_array(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": jnp.ones(3)})
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": jnp.zeros(3)}, lazy=True)
+    assert not eqx.is_array(lazy["x"])
+    assert eqx.filter(lazy, eqx.is_array)["x"] is None
+    with pytest.raises(TypeError):
+        jax.jit(lambda t: t["x"] + 1)(lazy)
+    with pytest.raises(TypeError):
+        hash(lazy["x"])
+
+
+def test_lazy_load_reads_no_data_until_asked(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.ones(3), "b": jnp.zeros(2)})
+    for chunk in (tmp_path / "a").rglob("*"):
+        if chunk.is_file() and chunk.name != "zarr.json":
+            chunk.unlink()
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"a": jnp.zeros(3), "b": jnp.ones(2)}, lazy=True)
+    np.testing.assert_array_equal(np.asarray(lazy["b"]), np.zeros(2))
+    with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("`a`")):
+        lazy["a"].read()
+
+
+def test_materialise_keeps_non_lazy_leaves():
+    tree = {"a": jnp.ones(2), "b": "text", "c": None}
+    out = eqx_ckpt.materialise(tree)
+    assert out["a"] is tree["a"] and out["b"] == "text" and out["c"] is None
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        np.s_[-1],
+        np.s_[-2:],
+        np.s_[1:100],
+        np.s_[::-1],
+        np.s_[::2, -3],
+        np.s_[4:1],
+        np.s_[4:1:-1],
+        np.s_[..., -1],
+        np.s_[None, 1, ...],
+        np.s_[np.int64(-2), :],
+        (),
+    ],
+)
+def test_slicing_follows_numpy(tmp_path, index):
+    x = np.arange(30, dtype=np.int32).reshape(6, 5)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": x})
+    got = eqx_ckpt.Checkpoint(tmp_path)["x"][index]
+    assert got.shape == x[index].shape
+    np.testing.assert_array_equal(got, x[index])
+
+
+@pytest.mark.parametrize("index", [np.s_[6], np.s_[-7], np.s_[0, 0, 0], np.s_[..., 0, ...]])
+def test_out_of_bounds_index_is_an_index_error(tmp_path, index):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": np.zeros((6, 5))})
+    with pytest.raises(IndexError):
+        eqx_ckpt.Checkpoint(tmp_path)["x"][index]

@@ -1,0 +1,347 @@
+"""`CheckpointManager`: steps on disk, retention, interrupted saves, async saves, restore."""
+
+import json
+import math
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_ckpt
+from eqx_ckpt import _commit
+
+
+def _state(seed=0):
+    model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(seed))
+    opt_state = optax.adam(1e-3).init(eqx.filter(model, eqx.is_array))
+    return {"model": model, "opt_state": opt_state, "step": seed}
+
+
+def _tree(value):
+    return {"w": jnp.full((2,), float(value)), "n": value}
+
+
+def _save_all(manager, losses):
+    for step, loss in losses.items():
+        manager.save(step, _tree(step), metrics={"loss": loss})
+
+
+def _listing(path):
+    return sorted(p.name for p in path.iterdir())
+
+
+def test_round_trip_and_layout(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path / "run")
+    state = _state(7)
+    manager.save(42, state, metrics={"loss": np.float32(0.5), "epoch": 3, "ok": True})
+    assert _listing(tmp_path / "run") == ["step_00000042", "step_00000042.metrics.json"]
+    assert (tmp_path / "run" / "step_00000042" / "manifest.json").is_file()
+    assert manager.step_path(42) == str(tmp_path / "run" / "step_00000042")
+    assert manager.all_steps() == [42] and manager.latest_step() == 42
+    assert manager.metrics(42) == {"loss": 0.5, "epoch": 3, "ok": True}
+    assert type(manager.metrics(42)["epoch"]) is int
+    restored = manager.restore(eqx.filter_eval_shape(_state, 1))
+    assert eqx.tree_equal(restored, state, typematch=True)
+    # The step's folder is an ordinary checkpoint.
+    assert "model.layers.0.weight" in eqx_ckpt.Checkpoint(manager.step_path(42))
+
+
+def test_large_steps_sort_by_number(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path)
+    for step in (123_456_789, 5, 99_999_999):
+        manager.save(step, _tree(1))
+    assert manager.all_steps() == [5, 99_999_999, 123_456_789]
+    assert (tmp_path / "step_123456789").is_dir()
+
+
+def test_no_policy_keeps_everything(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path)
+    _save_all(manager, {step: 1.0 for step in range(6)})
+    assert manager.all_steps() == list(range(6))
+
+
+def test_max_to_keep(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=2)
+    _save_all(manager, {step: 1.0 for step in range(5)})
+    assert manager.all_steps() == [3, 4]
+    # The deleted steps' folders and metrics are gone, not just their manifests.
+    assert _listing(tmp_path) == [
+        "step_00000003", "step_00000003.metrics.json", "step_00000004", "step_00000004.metrics.json"
+    ]  # fmt: skip
+
+
+def test_keep_every_keeps_multiples_and_the_latest(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path, keep_every=3)
+    _save_all(manager, {step: 1.0 for step in range(8)})
+    assert manager.all_steps() == [0, 3, 6, 7]
+
+
+@pytest.mark.parametrize("mode, kept, best", [("min", [1, 4, 5], 1), ("max", [0, 2, 5], 2)])
+def test_best_n(tmp_path, mode, kept, best):
+    manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=1, best_n=2, best_metric="loss", best_mode=mode)
+    _save_all(manager, {0: 5.0, 1: 1.0, 2: 9.0, 3: 3.0, 4: 2.0, 5: 4.0})
+    assert manager.all_steps() == kept
+    assert manager.best_step() == best
+
+
+def test_policies_keep_the_union(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(
+        tmp_path, max_to_keep=2, keep_every=4, best_n=1, best_metric="acc", best_mode="max"
+    )
+    accuracy = {0: 0.1, 1: 0.2, 2: 0.9, 3: 0.3, 4: 0.4, 5: 0.5, 6: 0.6, 7: 0.7, 9: 0.0, 10: 0.0}
+    for step, acc in accuracy.items():
+        manager.save(step, _tree(step), metrics={"acc": acc})
+    # last two: 9, 10; every 4th: 0, 4; best accuracy: 2.
+    assert manager.all_steps() == [0, 2, 4, 9, 10]
+    assert manager.best_step() == 2
+
+
+def test_best_step_ignores_missing_and_nan_and_prefers_later_ties(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path, best_metric="loss")
+    assert manager.best_step() is None
+    manager.save(0, _tree(0))
+    manager.save(1, _tree(1), metrics={"loss": float("nan")})
+    manager.save(2, _tree(2), metrics={"other": 0.0})
+    assert manager.best_step() is None
+    manager.save(3, _tree(3), metrics={"loss": 2.0})
+    manager.save(4, _tree(4), metrics={"loss": jnp.float32(2.0)})
+    manager.save(5, _tree(5), metrics={"loss": 3.0})
+    assert manager.best_step() == 4
+    assert math.isnan(manager.metrics(1)["loss"])
+    assert manager.metrics(0) == {}
+    # Non-finite values are kept as strings, so the file stays standard JSON.
+    text = (tmp_path / "step_00000001.metrics.json").read_text()
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(c))["metrics"] == {"loss": "nan"}
+
+
+def test_best_n_never_keeps_nan(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=1, best_n=1, best_metric="loss")
+    _save_all(manager, {0: float("nan"), 1: 3.0, 2: float("nan")})
+    assert manager.all_steps() == [1, 2]
+
+
+def test_best_step_needs_a_metric(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path)
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("best_metric=")):
+        manager.best_step()
+
+
+def test_interrupted_step_folder_is_not_a_step_and_is_cleaned_up(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=5)
+    manager.save(1, _tree(1), metrics={"loss": 1.0})
+    # What a process killed mid-save leaves: arrays and metrics, no manifest.
+    (tmp_path / "step_00000002" / "w").mkdir(parents=True)
+    (tmp_path / "step_00000002" / "w" / "zarr.json").write_text("{}")
+    (tmp_path / "step_00000002.metrics.json").write_text('{"step": 2, "metrics": {"loss": 0.0}}')
+    (tmp_path / "step_00000007.metrics.json").write_text('{"step": 7, "metrics": {}}')
+    fresh = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=5, best_metric="loss")
+    assert fresh.all_steps() == [1] and fresh.latest_step() == 1 and fresh.best_step() == 1
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape("no committed step 2")):
+        fresh.restore(_tree(0), step=2)
+    fresh.save(3, _tree(3))
+    assert _listing(tmp_path) == [
+        "step_00000001", "step_00000001.metrics.json", "step_00000003", "step_00000003.metrics.json"
+    ]  # fmt: skip
+    # The interrupted step can be saved again.
+    fresh.save(2, _tree(2))
+    assert fresh.all_steps() == [1, 2, 3]
+
+
+def test_save_whose_filter_spec_raises_leaves_nothing(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=1)
+    manager.save(1, _tree(1))
+
+    def broken(handle, x):
+        raise ValueError("no space for this leaf")
+
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("no space for this leaf")):
+        manager.save(2, _tree(2), metrics={"loss": 0.0}, filter_spec=broken)
+    assert manager.all_steps() == [1]
+    assert _listing(tmp_path) == ["step_00000001", "step_00000001.metrics.json"]
+    assert eqx.tree_equal(manager.restore(_tree(0)), _tree(1), typematch=True)
+    manager.save(2, _tree(2))
+    assert manager.all_steps() == [2]
+
+
+def test_async_saves(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=2, blocking=False)
+    trees = {}
+    for step in range(4):
+        trees[step] = {"w": jnp.arange(3.0) + step}
+        assert manager.save(step, trees[step], metrics={"loss": float(step)}) is None
+    manager.wait_until_finished()
+    assert manager.all_steps() == [2, 3]
+    for step in (2, 3):
+        assert eqx.tree_equal(manager.restore({"w": jnp.zeros(3)}, step), trees[step], typematch=True)
+    manager.wait_until_finished()  # nothing in flight: a no-op
+
+
+def test_async_error_surfaces_on_next_save_and_leaves_nothing(tmp_path, monkeypatch):
+    manager = eqx_ckpt.CheckpointManager(tmp_path, blocking=False)
+    manager.save(0, _tree(0))
+    manager.wait_until_finished()
+    real_commit = _commit.commit
+
+    def commit_failing_for_step_1(tx, manifest):
+        if tx.loc.display.endswith("step_00000001"):
+            raise OSError("disk full")
+        real_commit(tx, manifest)
+
+    monkeypatch.setattr(_commit, "commit", commit_failing_for_step_1)
+    manager.save(1, _tree(1), metrics={"loss": 1.0})
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("disk full")):
+        manager.save(2, _tree(2))
+    assert manager.all_steps() == [0]
+    assert _listing(tmp_path) == ["step_00000000", "step_00000000.metrics.json"]
+    # The error was reported once; saving goes on.
+    manager.save(2, _tree(2))
+    manager.wait_until_finished()
+    assert manager.all_steps() == [0, 2]
+
+
+def test_async_error_surfaces_on_wait(tmp_path, monkeypatch):
+    manager = eqx_ckpt.CheckpointManager(tmp_path, blocking=False)
+    monkeypatch.setattr(_commit, "commit", lambda tx, manifest: (_ for _ in ()).throw(OSError("disk full")))
+    manager.save(5, _tree(5))
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("disk full")):
+        manager.wait_until_finished()
+    assert manager.all_steps() == [] and _listing(tmp_path) == []
+
+
+def test_context_manager_waits(tmp_path):
+    with eqx_ckpt.CheckpointManager(tmp_path, blocking=False) as manager:
+        manager.save(3, _tree(3))
+    assert eqx_ckpt.CheckpointManager(tmp_path).all_steps() == [3]
+
+
+def test_restore_options(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path)
+    state = _state(3)
+    manager.save(10, state)
+    fresh = _state(0)
+    # `prefix`: the model alone, without an optimiser skeleton.
+    model = manager.restore(eqx.filter_eval_shape(lambda: _state(0)["model"]), prefix="model")
+    assert eqx.tree_equal(model, state["model"], typematch=True)
+    # `where`: only the model is read; the rest stays as in `like`.
+    partial = manager.restore(fresh, where=lambda t: t["model"])
+    assert eqx.tree_equal(partial["model"], state["model"], typematch=True)
+    assert eqx.tree_equal(partial["opt_state"], fresh["opt_state"], typematch=True)
+    assert partial["step"] == 0
+    # `rename`, `lazy`, `missing`, `strict`, `cast` reach the loader.
+    renamed = manager.restore({"body": {"w": jnp.zeros((8, 3))}}, rename={"body.w": "model.layers.0.weight"})
+    assert eqx.tree_equal(renamed["body"]["w"], state["model"].layers[0].weight)
+    lazy = manager.restore(
+        {"w": jax.ShapeDtypeStruct((8,), jnp.float32)}, rename={"w": "model.layers.0.bias"}, lazy=True
+    )
+    assert isinstance(lazy["w"], eqx_ckpt.LazyArray)
+    assert np.array_equal(np.asarray(lazy["w"]), state["model"].layers[0].bias)
+    kept = manager.restore({"step": 0, "extra": jnp.ones(2)}, missing="keep")
+    assert kept["step"] == 3 and eqx.tree_equal(kept["extra"], jnp.ones(2))
+    assert eqx.tree_equal(manager.restore(fresh["model"], prefix="model", strict=True), state["model"])
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("`opt_state.0.count`")):
+        manager.restore({"step": 0}, strict=True)
+    like = {"w": jnp.zeros((8, 3), jnp.bfloat16)}
+    cast = manager.restore(like, rename={"w": "model.layers.0.weight"}, cast=True)
+    assert eqx.tree_equal(cast["w"], state["model"].layers[0].weight.astype(jnp.bfloat16), typematch=True)
+
+
+def test_restore_filter_spec_and_is_leaf(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path)
+    manager.save(0, {"a": jnp.ones(2), "b": jnp.ones(2)})
+    keep_b = {"a": eqx_ckpt.default_deserialise_filter_spec, "b": lambda handle, x: x}
+    out = manager.restore({"a": jnp.zeros(2), "b": jnp.zeros(2)}, filter_spec=keep_b)
+    assert eqx.tree_equal(out, {"a": jnp.ones(2), "b": jnp.zeros(2)}, typematch=True)
+
+
+def test_unknown_steps(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path / "run")
+    assert manager.all_steps() == [] and manager.latest_step() is None
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape("no committed step in")):
+        manager.restore(_tree(0))
+    _save_all(manager, {2: 1.0, 4: 1.0})
+    message = f"There is no committed step 3 in {str(tmp_path / 'run')!r}; the committed steps are [2, 4]."
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(message)):
+        manager.restore(_tree(0), step=3)
+    with pytest.raises(FileNotFoundError, match=re.escape("steps are [2, 4]")):
+        manager.metrics(3)
+
+
+def test_saving_a_step_twice(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path)
+    manager.save(1, _tree(1), metrics={"loss": 1.0})
+    with pytest.raises(eqx_ckpt.CheckpointExistsError, match=re.escape("Step 1 already exists")):
+        manager.save(1, _tree(5), metrics={"loss": 0.0})
+    assert manager.metrics(1) == {"loss": 1.0}
+    assert eqx.tree_equal(manager.restore(_tree(0)), _tree(1), typematch=True)
+
+    # A failed overwrite keeps the old step whole: arrays and metrics.
+    def broken(handle, x):
+        raise OSError("broken disk")
+
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("broken disk")):
+        manager.save(1, _tree(5), metrics={"loss": 0.5}, overwrite=True, filter_spec=broken)
+    assert manager.metrics(1) == {"loss": 1.0}
+    assert eqx.tree_equal(manager.restore(_tree(0)), _tree(1), typematch=True)
+    manager.save(1, _tree(5), metrics={"loss": 0.0}, overwrite=True)
+    assert manager.metrics(1) == {"loss": 0.0}
+    assert eqx.tree_equal(manager.restore(_tree(0)), _tree(5), typematch=True)
+
+
+def test_other_files_are_never_touched(tmp_path):
+    (tmp_path / "notes.txt").write_text("keep me")
+    for name in ("step_5", "step_000000001", "step_00000001.bak", "logs"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text("{}")
+    (tmp_path / "step_00000001.metrics.json.bak").write_text("{}")
+    before = _listing(tmp_path)
+    manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=1)
+    assert manager.all_steps() == []
+    _save_all(manager, {1: 1.0, 2: 1.0, 3: 1.0})
+    assert _listing(tmp_path) == sorted([*before, "step_00000003", "step_00000003.metrics.json"])
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_restore_or_initialise(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path)
+    step, state = manager.restore_or_initialise(lambda: _state(0))
+    assert step is None and eqx.tree_equal(state, _state(0), typematch=True)
+    manager.save(3, _state(1))
+    manager.save(8, _state(2))
+    step, state = eqx_ckpt.CheckpointManager(tmp_path).restore_or_initialise(lambda: _state(0))
+    assert step == 8 and eqx.tree_equal(state, _state(2), typematch=True)
+
+
+def test_kvstore_url(tmp_path):
+    manager = eqx_ckpt.CheckpointManager("memory://manager_test/run/", max_to_keep=1, best_n=1, best_metric="loss")
+    _save_all(manager, {0: 2.0, 1: 1.0, 2: 3.0, 3: 4.0})
+    assert manager.all_steps() == [1, 3] and manager.metrics(1) == {"loss": 1.0}
+    assert eqx.tree_equal(manager.restore(_tree(0), step=1), _tree(1), typematch=True)
+
+
+def test_invalid_arguments(tmp_path):
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("pass `best_metric`")):
+        eqx_ckpt.CheckpointManager(tmp_path, best_n=2)
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("`best_mode` must be 'min' or 'max'")):
+        eqx_ckpt.CheckpointManager(tmp_path, best_metric="acc", best_mode="maximum")
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("`max_to_keep` must be a positive int")):
+        eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=0)
+    manager = eqx_ckpt.CheckpointManager(tmp_path)
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape("A step must be an int, not bool")):
+        manager.save(True, _tree(1))
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("non-negative")):
+        manager.save(-1, _tree(1))
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape("Metric 'loss' of step 1")):
+        manager.save(1, _tree(1), metrics={"loss": jnp.ones(2)})
+    assert _listing(tmp_path) == []
+
+
+def test_corrupt_metrics_file(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path)
+    manager.save(1, _tree(1), metrics={"loss": 1.0})
+    (tmp_path / "step_00000001.metrics.json").write_text('{"step": 1, "metrics": {"loss": [1]}}')
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("step_00000001.metrics.json")):
+        manager.metrics(1)

@@ -1,0 +1,118 @@
+"""The manifest: what it records, and that a damaged or hostile one is refused."""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_ckpt
+from eqx_ckpt import _manifest
+
+
+def _save(path):
+    tree = {
+        "model": {"layers": [{"weight": jnp.ones((2, 3)), "bias": jnp.zeros(2, jnp.bfloat16)}]},
+        "key": jax.random.key(0),
+        "np": np.arange(3, dtype=np.int64),
+        "lr": 0.1,
+        "flag": True,
+        "f8": jnp.ones(4, jnp.float8_e4m3),
+        "skipped": "text",
+    }
+    eqx_ckpt.tree_serialise_leaves(path, tree)
+    return tree
+
+
+def _body(path):
+    return json.loads((path / "manifest.json").read_text())
+
+
+def _rewrite(path, edit):
+    """Edit the manifest and re-sign it, as an attacker could."""
+    body = _body(path)
+    edit(body)
+    body["digest"] = _manifest._digest(body)
+    (path / "manifest.json").write_text(json.dumps(body))
+
+
+def test_manifest_lists_every_leaf(tmp_path):
+    _save(tmp_path)
+    body = _body(tmp_path)
+    assert body["format"] == "eqx_ckpt"
+    assert body["format_version"] == 1
+    assert body["library_version"] == eqx_ckpt.__version__
+    assert body["digest"].startswith("sha256:")
+    leaves = {leaf["path"]: leaf for leaf in body["leaves"]}
+    assert sorted(leaves) == ["f8", "flag", "key", "lr", "model.layers.0.bias", "model.layers.0.weight", "np"]
+    assert body["leaf_count"] == 7
+    weight = leaves["model.layers.0.weight"]
+    assert weight["type"] == "jax" and weight["shape"] == [2, 3] and weight["dtype"] == "float32"
+    assert weight["keypath"] == [["key", "model"], ["key", "layers"], ["index", 0], ["key", "weight"]]
+    assert leaves["model.layers.0.bias"]["dtype"] == "bfloat16"
+    assert leaves["np"]["type"] == "numpy" and leaves["np"]["dtype"] == "int64"
+    assert leaves["lr"]["type"] == "float" and leaves["lr"]["dtype"] == "float64" and leaves["lr"]["shape"] == []
+    assert leaves["flag"]["type"] == "bool"
+    assert leaves["key"]["type"] == "prng_key" and leaves["key"]["impl"]
+    assert leaves["key"]["stored_shape"] == [2] and leaves["key"]["stored_dtype"] == "uint32"
+    assert leaves["f8"]["dtype"] == "float8_e4m3" and leaves["f8"]["encoding"] == "view"
+    assert body["total_bytes"] == sum(leaf["nbytes"] for leaf in body["leaves"])
+
+
+def test_edited_manifest_is_detected(tmp_path):
+    _save(tmp_path)
+    text = (tmp_path / "manifest.json").read_text()
+    (tmp_path / "manifest.json").write_text(text.replace('"float32"', '"float16"', 1))
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match="digest does not match") as info:
+        eqx_ckpt.Checkpoint(tmp_path)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda b: b["leaves"][0].update(path="../../etc"), "does not match its key path"),
+        (lambda b: b["leaves"][0].update(keypath=[["key", "../../etc"]], path="../../etc"), "does not match"),
+        (lambda b: b["leaves"][0].update(keypath=[["key", "/abs"]], path="/abs"), "does not match"),
+        (lambda b: b["leaves"][0].update(shape=[2**40, 2**40], stored_shape=[2**40, 2**40]), "2**53 elements"),
+        (lambda b: b["leaves"][0].update(shape=[-1]), "non-negative"),
+        (lambda b: b["leaves"][0].update(shape="big"), "must be a list"),
+        (lambda b: b["leaves"][0].update(dtype="object"), "unknown dtype"),
+        (lambda b: b["leaves"][0].update(stored_dtype="|O"), "unknown stored dtype"),
+        (lambda b: b["leaves"][0].update(type="pickle"), "unknown leaf type"),
+        (lambda b: b["leaves"][0].update(chunks=[0]), "positive size"),
+        (lambda b: b.update(data_root="../elsewhere"), "data root"),
+        (lambda b: b.update(leaves={}), "not a list"),
+        (lambda b: b.update(format_version=99), "upgrade eqx_ckpt"),
+        (lambda b: b["leaves"].append(dict(b["leaves"][0])), "listed twice"),
+    ],
+)
+def test_hostile_manifest_is_refused(tmp_path, edit, message):
+    _save(tmp_path)
+    _rewrite(tmp_path, edit)
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(message)):
+        eqx_ckpt.Checkpoint(tmp_path)
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"f8": jnp.zeros(4, jnp.float8_e4m3)}, where=lambda t: t["f8"])
+
+
+def test_non_json_and_foreign_manifests(tmp_path):
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match="not valid JSON"):
+        eqx_ckpt.Checkpoint(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "orbax"}))
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match="eqx_ckpt"):
+        eqx_ckpt.Checkpoint(tmp_path)
+    (tmp_path / "manifest.json").write_text('{"format": "eqx_ckpt", "format": "eqx_ckpt"}')
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match="duplicate"):
+        eqx_ckpt.Checkpoint(tmp_path)
+
+
+def test_manifest_round_trips_through_parse(tmp_path):
+    _save(tmp_path)
+    data = (tmp_path / "manifest.json").read_bytes()
+    parsed = _manifest.parse(data, where="x")
+    assert parsed.to_bytes() == data
+    assert parsed.by_path()["model.layers.0.weight"].directory == "model/layers/0/weight"

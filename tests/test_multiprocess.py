@@ -1,0 +1,122 @@
+"""Several JAX processes saving one checkpoint, for real: two processes on this
+machine, each with 2 CPU devices, joined by `jax.distributed`."""
+
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import eqx_ckpt
+
+WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
+ROWS_COLS = (8, 4)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_workers(path: pathlib.Path, count: int = 2, timeout: float = 55) -> list[str]:
+    """Run the worker in `count` processes; their output, or a failure with it."""
+    port = _free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    # Output goes to files: a full pipe would block a worker that nobody reads yet.
+    logs = [path.parent / f"worker{i}.log" for i in range(count)]
+    procs = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as out:
+            command = [sys.executable, str(WORKER), str(i), str(count), str(port), str(path)]
+            procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
+    deadline, timed_out = time.monotonic() + timeout, False
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        # Never leave a worker behind, whatever happened.
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for proc in procs:
+        proc.wait()
+    outputs = [log.read_text() for log in logs]
+    assert not timed_out, "the workers did not finish in time:\n" + "\n".join(out[-4000:] for out in outputs)
+    for i, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0 and f"worker {i} ok" in out, f"worker {i} failed:\n{out[-4000:]}"
+    return outputs
+
+
+def _value(scale: float) -> np.ndarray:
+    return (np.arange(np.prod(ROWS_COLS), dtype=np.float32) * scale).reshape(ROWS_COLS)
+
+
+def _chunk_files(folder: pathlib.Path) -> int:
+    return sum(1 for f in (folder / "c").rglob("*") if f.is_file())
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, list[str]]:
+    path = tmp_path_factory.mktemp("multiprocess") / "ckpt"
+    return path, _run_workers(path)
+
+
+@pytest.fixture(scope="module")
+def saved(workers: tuple[pathlib.Path, list[str]]) -> pathlib.Path:
+    return workers[0]
+
+
+def test_each_shard_written_once(workers: tuple[pathlib.Path, list[str]]) -> None:
+    saved, outputs = workers
+    # The workers' last save overwrote the first one, so its arrays are in gen.2/.
+    data = saved / "gen.2"
+    assert sorted(p.name for p in saved.iterdir()) == ["gen.2", "manifest.json"]
+    assert _chunk_files(data / "sharded") == 4
+    assert _chunk_files(data / "half") == 2
+    assert _chunk_files(data / "replicated") == 1
+    assert _chunk_files(data / "small" / "table") == 1
+    # Every file of that save was written by one process, once: the writes of all
+    # processes add up to its files, plus manifest.json and saving.json.
+    writes = [int(re.search(r"worker \d wrote (\d+) files", out).group(1)) for out in outputs]
+    files = sum(1 for f in data.rglob("*") if f.is_file())
+    assert sum(writes) == files + 2
+    assert all(n > 0 for n in writes)
+
+
+def _like(sharding: jax.sharding.Sharding | None) -> dict:
+    arrays = {
+        name: jax.ShapeDtypeStruct(ROWS_COLS, np.float32, sharding=sharding)
+        for name in ("sharded", "half", "replicated")
+    }
+    return {**arrays, "small": {"table": np.zeros(3, np.int32), "rate": 0.0}, "step": 0}
+
+
+@pytest.mark.parametrize("devices", [4, 1])
+def test_one_process_loads_all(saved: pathlib.Path, devices: int) -> None:
+    mesh = jax.make_mesh((devices,), ("x",), devices=jax.devices()[:devices])
+    sharding = NamedSharding(mesh, P("x")) if devices > 1 else None
+    loaded = eqx_ckpt.tree_deserialise_leaves(saved, _like(sharding))
+    value = _value(2.0)
+    expected = {
+        "sharded": value,
+        "half": value,
+        "replicated": value,
+        "small": {"table": np.arange(3, dtype=np.int32) + 2, "rate": 1.0},
+        "step": 14,
+    }
+    host = {**loaded, **{name: np.asarray(loaded[name]) for name in ("sharded", "half", "replicated")}}
+    assert eqx.tree_equal(host, expected, typematch=True)
+    if sharding is not None:
+        assert loaded["sharded"].sharding == sharding

@@ -1,0 +1,168 @@
+"""Checkpoints on an S3-compatible object store (moto, started on 127.0.0.1)."""
+
+import json
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+
+import eqx_ckpt
+from eqx_ckpt import _commit, _io
+from eqx_ckpt._spec import location
+
+
+def _keys(s3, spec):
+    """Every object under the checkpoint, relative to it."""
+    bucket = ts.KvStore.open({**s3.spec(""), "path": ""}).result()
+    prefix = spec["path"]
+    return sorted(k.decode()[len(prefix) :] for k in bucket.list().result() if k.decode().startswith(prefix))
+
+
+def _tree(step):
+    return {
+        "model": {
+            "encoder": {
+                "w": np.arange(24, dtype=np.float32).reshape(4, 6) + step,
+                "b": jnp.full(6, step, dtype=jnp.int32),
+            }
+        },
+        "opt_state": {"mu": np.full((4, 6), 0.5 * step)},
+        "step": step,
+    }
+
+
+def test_url_and_spec_name_the_same_store():
+    url = location("s3://eqx-ckpt-test/runs/a")
+    spec = location({"driver": "s3", "bucket": "eqx-ckpt-test", "path": "runs/a", "endpoint": "http://127.0.0.1:9"})
+    assert url.kvstore == {"driver": "s3", "bucket": "eqx-ckpt-test", "path": "runs/a/"}
+    assert {k: v for k, v in spec.kvstore.items() if k != "endpoint"} == url.kvstore
+    assert spec.display == "s3://eqx-ckpt-test/runs/a" and spec.local is None
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match="not a kvstore spec TensorStore understands"):
+        location({"driver": "s3"})
+
+
+def test_save_load_overwrite(s3, store):
+    first = _tree(1)
+    eqx_ckpt.tree_serialise_leaves(store, first)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, first), first, typematch=True)
+    assert "manifest.json" in _keys(s3, store) and "saving.json" not in _keys(s3, store)
+    assert "model/encoder/w/zarr.json" in _keys(s3, store)
+
+    second = _tree(2)
+    eqx_ckpt.tree_serialise_leaves(store, second)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, first), second, typematch=True)
+    # The overwrite went to the other data root, and the old arrays were deleted
+    # (delete_range over a prefix works on the object store).
+    keys = _keys(s3, store)
+    assert "gen.2/model/encoder/w/zarr.json" in keys
+    assert [k for k in keys if not k.startswith("gen.2/")] == ["manifest.json"]
+
+    with pytest.raises(eqx_ckpt.CheckpointExistsError, match=re.escape("`overwrite=False`")):
+        eqx_ckpt.tree_serialise_leaves(store, first, overwrite=False)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, first), second, typematch=True)
+
+
+def test_partial_load(store):
+    tree = _tree(3)
+    eqx_ckpt.tree_serialise_leaves(store, tree)
+    like = eqx.filter_eval_shape(lambda: _tree(0))
+    out = eqx_ckpt.tree_deserialise_leaves(store, like, where=lambda t: t["model"])
+    # Loaded into an abstract skeleton, every leaf comes back as a jax.Array.
+    assert eqx.tree_equal(out["model"], jax.tree.map(jnp.asarray, tree["model"]), typematch=True)
+    assert out["opt_state"] == like["opt_state"] and out["step"] == like["step"]
+
+    encoder = eqx_ckpt.tree_deserialise_leaves(store, _tree(0)["model"]["encoder"], prefix="model.encoder")
+    assert eqx.tree_equal(encoder, tree["model"]["encoder"], typematch=True)
+
+
+def test_checkpoint_inspection_and_lazy_reads(store):
+    tree = _tree(4)
+    eqx_ckpt.tree_serialise_leaves(store, tree)
+    ckpt = eqx_ckpt.Checkpoint(store)
+    assert sorted(ckpt.keys()) == ["model.encoder.b", "model.encoder.w", "opt_state.mu", "step"]
+    w = ckpt["model.encoder.w"]
+    assert (w.shape, w.dtype, w.nbytes) == ((4, 6), np.dtype(np.float32), 96)
+    np.testing.assert_array_equal(w[1:3, 2:4], tree["model"]["encoder"]["w"][1:3, 2:4])
+    lazy = eqx_ckpt.tree_deserialise_leaves(store, tree, lazy=True)
+    assert isinstance(lazy["opt_state"]["mu"], eqx_ckpt.LazyArray)
+    assert eqx.tree_equal(eqx_ckpt.materialise(lazy), tree, typematch=True)
+
+
+def test_not_a_checkpoint_is_never_written_into(s3, store):
+    kv = ts.KvStore.open(store).result()
+    kv.write("notes.txt", b"someone else's").result()
+    with pytest.raises(eqx_ckpt.CheckpointExistsError, match="is not an eqx_ckpt checkpoint"):
+        eqx_ckpt.tree_serialise_leaves(store, _tree(1))
+    assert _keys(s3, store) == ["notes.txt"]
+
+
+def test_failed_writes_commit_nothing(s3, store):
+    before = _tree(1)
+    eqx_ckpt.tree_serialise_leaves(store, before)
+    manifest = ts.KvStore.open(store).result().read("manifest.json").result().value
+    s3.gate.refuse = True  # the server refuses every chunk PUT, with 403 AccessDenied
+    with pytest.raises(eqx_ckpt.CheckpointError, match=re.escape("nothing was committed")) as info:
+        eqx_ckpt.tree_serialise_leaves(store, _tree(2))
+    assert "AccessDenied" in str(info.value)
+    s3.gate.reset()
+    assert ts.KvStore.open(store).result().read("manifest.json").result().value == manifest
+    assert not any(k.startswith("gen.2/") or k == "saving.json" for k in _keys(s3, store))
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
+
+
+def test_interrupted_save_is_invisible(s3, store, monkeypatch):
+    """A process killed after writing every array but before the manifest: no
+    cleanup runs. Readers still see the previous checkpoint, whole."""
+
+    class Killed(BaseException):
+        pass
+
+    def killed(*args, **kwargs):
+        raise Killed
+
+    before = _tree(1)
+    eqx_ckpt.tree_serialise_leaves(store, before)
+    with monkeypatch.context() as m:
+        m.setattr(_commit, "commit", killed)
+        m.setattr(_commit, "abort", lambda tx: None)
+        with pytest.raises(eqx_ckpt.CheckpointError):
+            eqx_ckpt.tree_serialise_leaves(store, _tree(2))
+    keys = _keys(s3, store)
+    assert "gen.2/model/encoder/w/c/0/0" in keys and "saving.json" in keys  # the new arrays were written...
+    manifest = json.loads(ts.KvStore.open(store).result().read("manifest.json").result().value)
+    assert manifest["data_root"] == ""  # ...but the manifest still points at the old ones
+    assert sorted(eqx_ckpt.Checkpoint(store).keys()) == ["model.encoder.b", "model.encoder.w", "opt_state.mu", "step"]
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
+
+    # The next save clears the leftovers and commits normally.
+    after = _tree(3)
+    eqx_ckpt.tree_serialise_leaves(store, after)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, after), after, typematch=True)
+    assert "saving.json" not in _keys(s3, store)
+
+
+def test_remove_and_list_names(store):
+    loc = location(store)
+    kv = ts.KvStore.open(store).result()
+    for key in ["a/zarr.json", "a/c/0", "ab/zarr.json", "a.txt", "b"]:
+        kv.write(key, b"x").result()
+    assert _io.list_names(loc) == ["a", "a.txt", "ab", "b"]
+    _io.remove(loc, ["a", "b"])
+    # "a" went with everything below it; "ab" and "a.txt" share its first letter and stayed.
+    assert _io.list_names(loc) == ["a.txt", "ab"]
+    assert sorted(kv.list().result()) == [b"a.txt", b"ab/zarr.json"]
+
+
+def test_manager_on_s3(s3, store):
+    manager = eqx_ckpt.CheckpointManager(store, max_to_keep=2)
+    for step in range(4):
+        manager.save(step, _tree(step))
+    manager.wait_until_finished()
+    assert manager.all_steps() == [2, 3] and manager.latest_step() == 3
+    assert eqx.tree_equal(manager.restore(_tree(0)), _tree(3), typematch=True)
+    # Retention deleted the objects of the steps it dropped.
+    assert {k.split("/")[0] for k in _keys(s3, store) if "/" in k} == {"step_00000002", "step_00000003"}

@@ -1,0 +1,251 @@
+"""`tree_serialise_leaves`: on-disk layout, where it may write, filter specs."""
+
+import collections
+import json
+import os
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+from disk import snapshot
+
+import eqx_ckpt
+
+
+def _mlp():
+    return eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
+
+
+def _open(directory):
+    return ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(directory)}}).result()
+
+
+def test_layout_one_zarr_array_per_leaf(tmp_path):
+    tree = {"model": _mlp(), "step": 3}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert (tmp_path / "manifest.json").is_file()
+    assert (tmp_path / "model" / "layers" / "0" / "weight" / "zarr.json").is_file()
+    assert (tmp_path / "model" / "layers" / "1" / "bias" / "zarr.json").is_file()
+    assert (tmp_path / "step" / "zarr.json").is_file()
+    weight = tree["model"].layers[0].weight
+    array = _open(tmp_path / "model" / "layers" / "0" / "weight")
+    assert array.shape == weight.shape
+    np.testing.assert_array_equal(array.read().result(), np.asarray(weight))
+    assert _open(tmp_path / "step").read().result() == 3
+
+
+def test_every_array_folder_opens_with_plain_tensorstore(tmp_path):
+    model = _mlp()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, model)
+    for keypath, leaf in jax.tree_util.tree_leaves_with_path(eqx.filter(model, eqx.is_array)):
+        directory = tmp_path.joinpath(*[str(getattr(k, "name", getattr(k, "idx", None))) for k in keypath])
+        np.testing.assert_array_equal(_open(directory).read().result(), np.asarray(leaf))
+
+
+def test_group_metadata_above_every_leaf(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"model": _mlp()})
+    for group in (tmp_path, tmp_path / "model", tmp_path / "model" / "layers", tmp_path / "model" / "layers" / "0"):
+        meta = json.loads((group / "zarr.json").read_text())
+        assert meta["zarr_format"] == 3
+        assert meta["node_type"] == "group"
+    leaf_meta = json.loads((tmp_path / "model" / "layers" / "0" / "weight" / "zarr.json").read_text())
+    assert leaf_meta["node_type"] == "array"
+    assert [c["name"] for c in leaf_meta["codecs"]] == ["bytes", "crc32c"]
+
+
+def test_saving_into_an_existing_empty_directory(tmp_path):
+    assert tmp_path.is_dir() and os.listdir(tmp_path) == []
+    tree = {"a": jnp.arange(3)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+
+
+def test_saving_creates_missing_parents(tmp_path):
+    path = tmp_path / "a" / "b" / "ckpt"
+    eqx_ckpt.tree_serialise_leaves(str(path), {"x": 1.5})
+    assert eqx_ckpt.tree_deserialise_leaves(str(path), {"x": 0.0}) == {"x": 1.5}
+
+
+def test_non_checkpoint_directory_is_refused_and_untouched(tmp_path):
+    (tmp_path / "notes.txt").write_text("precious")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "data.bin").write_bytes(b"\x00\x01")
+    before = snapshot(tmp_path)
+    with pytest.raises(eqx_ckpt.CheckpointExistsError, match="not an eqx_ckpt checkpoint"):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(2)})
+    assert snapshot(tmp_path) == before
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "sub"]
+
+
+def test_directory_with_a_stray_folder_named_like_a_leaf_is_refused(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "keep.txt").write_text("mine")
+    with pytest.raises(eqx_ckpt.CheckpointExistsError):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(2)})
+    assert (tmp_path / "a" / "keep.txt").read_text() == "mine"
+
+
+def test_path_that_is_a_file_is_refused(tmp_path):
+    target = tmp_path / "model.eqx"
+    target.write_bytes(b"not a checkpoint")
+    with pytest.raises(eqx_ckpt.CheckpointExistsError, match="is a file"):
+        eqx_ckpt.tree_serialise_leaves(target, {"a": jnp.zeros(2)})
+    assert target.read_bytes() == b"not a checkpoint"
+
+
+def test_file_object_is_a_type_error_saying_what_to_pass(tmp_path):
+    with open(tmp_path / "model.eqx", "wb") as f:
+        with pytest.raises(eqx_ckpt.CheckpointTypeError, match="pass the directory's path") as info:
+            eqx_ckpt.tree_serialise_leaves(f, {"a": jnp.zeros(2)})
+    assert isinstance(info.value, TypeError)
+    with open(tmp_path / "model.eqx", "rb") as f:
+        with pytest.raises(TypeError, match="not a file object"):
+            eqx_ckpt.tree_deserialise_leaves(f, {"a": jnp.zeros(2)})
+
+
+def test_non_path_argument_is_a_type_error(tmp_path):
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match="must be a `str`"):
+        eqx_ckpt.tree_serialise_leaves(123, {"a": jnp.zeros(2)})
+
+
+def test_overwrite_false_refuses_and_keeps_the_old_checkpoint(tmp_path):
+    old = {"a": jnp.arange(3)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, old)
+    with pytest.raises(eqx_ckpt.CheckpointExistsError, match="overwrite=False"):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.arange(3) + 1}, overwrite=False)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (np.array([object(), 1], dtype=object), "cannot save an array of dtype object"),
+        (2**70, "does not fit in int64"),
+        (np.array(["a", "b"]), "cannot save an array of dtype <U1"),
+    ],
+)
+def test_bad_leaf_leaves_existing_checkpoint_untouched(tmp_path, bad, message):
+    old = {"a": jnp.arange(3), "b": np.float32(2.0)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, old)
+    before = snapshot(tmp_path)
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(message)) as info:
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.arange(3) + 1, "b": bad})
+    assert "['b']" in str(info.value)
+    assert "(DictKey(key='b'),)" in str(info.value)
+    assert isinstance(info.value, RuntimeError)
+    assert snapshot(tmp_path) == before
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
+
+
+def test_custom_filter_spec_callable(tmp_path):
+    def spec(handle, x):
+        # Store only the NumPy leaves; record what the handle knows.
+        seen.append(handle.path)
+        if isinstance(x, np.ndarray):
+            handle.write(x)
+
+    seen = []
+    tree = {"j": jnp.ones(2), "n": np.arange(3), "s": 1.0}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree, spec)
+    assert seen == ["j", "n", "s"]
+    assert list(eqx_ckpt.Checkpoint(tmp_path)) == ["n"]
+
+
+def test_custom_filter_spec_pytree_prefix(tmp_path):
+    skip = lambda handle, x: None
+    tree = {"keep": {"a": jnp.ones(2), "b": 2}, "skip": {"c": jnp.zeros(3)}}
+    spec = {"keep": eqx_ckpt.default_serialise_filter_spec, "skip": skip}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree, spec)
+    assert list(eqx_ckpt.Checkpoint(tmp_path)) == ["keep.a", "keep.b"]
+    assert not (tmp_path / "skip").exists()
+
+
+def test_filter_spec_can_store_a_transformed_value(tmp_path):
+    spec = lambda handle, x: handle.write(x * 2)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.arange(3)}, spec)
+    np.testing.assert_array_equal(np.asarray(eqx_ckpt.Checkpoint(tmp_path)["a"]), [0, 2, 4])
+
+
+def test_filter_spec_error_names_the_leaf(tmp_path):
+    def spec(handle, x):
+        raise ValueError("nope")
+
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("(DictKey(key='a'),)")) as info:
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(1)}, spec)
+    assert "ValueError: nope" in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_is_leaf_stores_a_node_as_one_leaf(tmp_path):
+    class Pair(eqx.Module):
+        a: jax.Array
+        b: jax.Array
+
+    tree = {"p": Pair(jnp.ones(2), jnp.zeros(2))}
+    is_pair = lambda x: isinstance(x, Pair)
+
+    def spec(handle, x):
+        if isinstance(x, Pair):
+            handle.write(jnp.stack([x.a, x.b]))
+
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree, spec, is_leaf=is_pair)
+    assert list(eqx_ckpt.Checkpoint(tmp_path)) == ["p"]
+    assert eqx_ckpt.Checkpoint(tmp_path)["p"].shape == (2, 2)
+
+    def load(handle, x):
+        both = handle.read(jax.ShapeDtypeStruct((2, 2), jnp.float32))
+        return Pair(both[0], both[1])
+
+    like = {"p": Pair(jnp.zeros(2), jnp.zeros(2))}
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, load, is_leaf=is_pair)
+    assert eqx.tree_equal(loaded, tree, typematch=True)
+
+
+def test_int_and_str_keys_side_by_side(tmp_path):
+    tree = collections.OrderedDict([("a", jnp.zeros(1)), (0, jnp.ones(1)), ("0", jnp.full(1, 2.0))])
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert list(eqx_ckpt.Checkpoint(tmp_path)) == ["%i0", "0", "a"]
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+
+
+class _SameRepr:
+    def __repr__(self):
+        return "same"
+
+
+def test_keys_stored_at_the_same_path_are_refused(tmp_path):
+    # Two distinct non-string keys with one repr would share a folder.
+    first, second = _SameRepr(), _SameRepr()
+    tree = collections.OrderedDict([(first, jnp.zeros(1)), (second, jnp.ones(1))])
+    with pytest.raises(eqx_ckpt.LeafError, match="would both be stored at"):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert os.listdir(tmp_path) == []
+
+
+def test_empty_tree_saves_and_loads(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {})
+    assert len(eqx_ckpt.Checkpoint(tmp_path)) == 0
+    assert eqx_ckpt.tree_deserialise_leaves(tmp_path, {}) == {}
+
+
+def test_root_leaf(tmp_path):
+    x = jnp.arange(4.0)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, x)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, jnp.zeros(4)), x, typematch=True)
+
+
+def test_kvstore_url_round_trip(tmp_path):
+    tree = {"model": _mlp(), "step": 4}
+    url = f"memory://{tmp_path.name}/ckpt/"
+    eqx_ckpt.tree_serialise_leaves(url, tree)
+    loaded = eqx_ckpt.tree_deserialise_leaves(url, eqx.filter_eval_shape(lambda: tree))
+    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert "model.layers.0.weight" in eqx_ckpt.Checkpoint(url)
+    file_url = (tmp_path / "on_disk").as_uri()
+    eqx_ckpt.tree_serialise_leaves(file_url, tree)
+    assert (tmp_path / "on_disk" / "model" / "layers" / "0" / "weight" / "zarr.json").is_file()
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "on_disk", tree), tree, typematch=True)

@@ -1,0 +1,142 @@
+"""Sharded arrays on 4 CPU devices: chunks line up with shards; loads reshard."""
+
+import json
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+import eqx_ckpt
+from eqx_ckpt import _spec
+
+
+@pytest.fixture
+def mesh():
+    assert len(jax.devices()) == 4
+    return Mesh(np.array(jax.devices()), ("x",))
+
+
+@pytest.fixture
+def mesh2d():
+    return Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
+
+
+def _saved(path, mesh):
+    values = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    tree = {
+        "sharded": jax.device_put(values, NamedSharding(mesh, P("x"))),
+        "replicated": jax.device_put(values * 2, NamedSharding(mesh, P())),
+    }
+    eqx_ckpt.tree_serialise_leaves(path, tree)
+    return values, tree
+
+
+def _chunk_shape(path, key):
+    return json.loads((path / key / "zarr.json").read_text())["chunk_grid"]["configuration"]["chunk_shape"]
+
+
+def _chunk_files(path, key):
+    return sorted(p for p in (path / key).rglob("*") if p.is_file() and p.name != "zarr.json")
+
+
+def test_chunks_line_up_with_shards(tmp_path, mesh):
+    _, tree = _saved(tmp_path, mesh)
+    assert tree["sharded"].sharding.shard_shape((8, 6)) == (2, 6)
+    assert _chunk_shape(tmp_path, "sharded") == [2, 6]
+    assert len(_chunk_files(tmp_path, "sharded")) == 4
+    # Replicated data is one block, written once.
+    assert _chunk_shape(tmp_path, "replicated") == [8, 6]
+    assert len(_chunk_files(tmp_path, "replicated")) == 1
+
+
+def test_small_chunks_stay_inside_shards(tmp_path, mesh, monkeypatch):
+    monkeypatch.setattr(_spec, "CHUNK_BYTES", 16)
+    x = jax.device_put(jnp.arange(16 * 4, dtype=jnp.float32).reshape(16, 4), NamedSharding(mesh, P("x")))
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": x})
+    chunk = _chunk_shape(tmp_path, "x")
+    shard = x.sharding.shard_shape(x.shape)
+    assert all(s % c == 0 for s, c in zip(shard, chunk))
+    assert np.prod(chunk) * 4 <= 16
+
+
+def test_round_trip_keeps_the_saved_sharding_of_like(tmp_path, mesh):
+    values, tree = _saved(tmp_path, mesh)
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
+    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert loaded["sharded"].sharding == tree["sharded"].sharding
+    assert loaded["replicated"].sharding == tree["replicated"].sharding
+    np.testing.assert_array_equal(np.asarray(loaded["sharded"]), values)
+
+
+def test_load_with_a_different_sharding(tmp_path, mesh, mesh2d):
+    values, _ = _saved(tmp_path, mesh)
+    columns = NamedSharding(mesh2d, P("a", "b"))
+    replicated = NamedSharding(mesh2d, P())
+    like = {
+        "sharded": jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=columns),
+        "replicated": jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=replicated),
+    }
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    assert loaded["sharded"].sharding == columns
+    assert loaded["replicated"].sharding == replicated
+    np.testing.assert_array_equal(np.asarray(loaded["sharded"]), values)
+    np.testing.assert_array_equal(np.asarray(loaded["replicated"]), values * 2)
+    for shard in loaded["sharded"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), values[shard.index])
+        assert shard.data.shape == (4, 3)
+
+
+def test_replicated_save_loads_sharded(tmp_path, mesh):
+    values, _ = _saved(tmp_path, mesh)
+    rows = NamedSharding(mesh, P("x"))
+    like = {"replicated": jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=rows)}
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    assert loaded["replicated"].sharding == rows
+    np.testing.assert_array_equal(np.asarray(loaded["replicated"]), values * 2)
+
+
+def test_load_onto_one_device(tmp_path, mesh):
+    values, _ = _saved(tmp_path, mesh)
+    device = jax.devices()[3]
+    like = {
+        "sharded": jax.device_put(jnp.zeros((8, 6)), device),
+        "replicated": jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=SingleDeviceSharding(device)),
+    }
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    for key in like:
+        assert loaded[key].sharding == SingleDeviceSharding(device)
+        assert loaded[key].devices() == {device}
+    np.testing.assert_array_equal(np.asarray(loaded["sharded"]), values)
+    np.testing.assert_array_equal(np.asarray(loaded["replicated"]), values * 2)
+    plain = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"sharded": jnp.zeros((8, 6)), "replicated": jnp.zeros((8, 6))})
+    assert len(plain["sharded"].devices()) == 1
+    np.testing.assert_array_equal(np.asarray(plain["sharded"]), values)
+
+
+def test_sharded_prng_keys_and_lazy_region_reads(tmp_path, mesh):
+    keys = jax.device_put(jax.random.split(jax.random.key(0), 8), NamedSharding(mesh, P("x")))
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"k": keys})
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"k": keys})
+    assert eqx.tree_equal(loaded, {"k": keys}, typematch=True)
+    assert loaded["k"].sharding == keys.sharding
+    lazy = eqx_ckpt.Checkpoint(tmp_path)["k"]
+    np.testing.assert_array_equal(lazy[2:4], np.asarray(jax.random.key_data(keys))[2:4])
+
+
+def test_filter_eval_shape_skeleton_with_abstract_mesh_is_placed(tmp_path):
+    # `eqx.filter_eval_shape` gives shardings over an AbstractMesh (no devices).
+    mesh = jax.make_mesh((4,), ("x",))
+
+    def make():
+        return {"w": jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("x")))}
+
+    eqx_ckpt.tree_serialise_leaves(tmp_path, make())
+    like = eqx.filter_eval_shape(make)
+    assert isinstance(like["w"].sharding.mesh, jax.sharding.AbstractMesh)
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    assert eqx.tree_equal(out, make(), typematch=True)
+    assert out["w"].sharding.spec == P("x", None)
+    assert len(out["w"].sharding.device_set) == 4
