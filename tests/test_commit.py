@@ -5,8 +5,10 @@ import itertools
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 
@@ -243,3 +245,45 @@ def test_flush_tolerates_another_writers_temporary_files(tmp_path):
     assert (tmp_path / "kept").read_bytes() == b"x"
     with pytest.raises(FileNotFoundError):
         _io._fsync(str(tmp_path / "gone"))  # outside a flush, a missing file is an error
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="statfs magic numbers are Linux's")
+def test_file_system_type_matches_stat(tmp_path):
+    # The magic number read through ctypes is the one coreutils reports.
+    expected = subprocess.run(["stat", "-f", "-c", "%t", str(tmp_path)], capture_output=True, text=True, check=True)
+    assert _io.file_system_type(str(tmp_path)) == int(expected.stdout, 16)
+
+
+@pytest.mark.parametrize("count", [3, _io.SYNCFS_FROM])
+def test_flush_syncs_the_file_system_only_for_many_files_on_a_local_disk(tmp_path, monkeypatch, count):
+    for i in range(count):
+        (tmp_path / f"f{i}").write_bytes(b"x")
+    calls = []
+    real_fsync, real_syncfs = _io._fsync, _io._syncfs
+    monkeypatch.setattr(_io, "_fsync", lambda path, **kw: (calls.append(("fsync", path)), real_fsync(path, **kw)))
+    monkeypatch.setattr(_io, "_syncfs", lambda path: (calls.append(("syncfs", path)), real_syncfs(path)))
+    _io.flush(_spec.location(tmp_path))
+    journaled = _io.file_system_type(str(tmp_path)) in _io._SYNCFS_FILE_SYSTEMS
+    if count >= _io.SYNCFS_FROM and journaled:
+        assert calls == [("syncfs", str(tmp_path))]
+    else:
+        # The directory itself and every file in it, each synced on its own.
+        assert sorted(p for _, p in calls) == sorted([str(tmp_path), *(str(tmp_path / f"f{i}") for i in range(count))])
+        assert {kind for kind, _ in calls} == {"fsync"}
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs at /dev/shm")
+def test_flush_never_trusts_syncfs_on_other_file_systems(monkeypatch):
+    # A FUSE or network mount may answer syncfs without writing anything: only the
+    # listed local file systems get it. tmpfs stands in for "another" file system.
+    directory = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        for i in range(_io.SYNCFS_FROM):
+            with open(os.path.join(directory, f"f{i}"), "wb") as f:
+                f.write(b"x")
+        used = []
+        monkeypatch.setattr(_io, "_syncfs", lambda path: used.append(path))
+        _io.flush(_spec.location(directory))
+        assert used == []
+    finally:
+        shutil.rmtree(directory)
