@@ -57,15 +57,20 @@ def check_leaf_files(loc: Location, record: LeafRecord) -> None:
 
 
 def _scan(loc: Location, directory: str, leaf: str | None) -> int:
+    # A file or folder removed while it is scanned (a reader racing an overwrite's
+    # cleanup) counts as no bytes, so the load fails with an IntegrityError.
     total = 0
-    with os.scandir(directory) as entries:
-        for entry in entries:
-            if entry.is_symlink():
-                raise _link_error(loc, entry.path, leaf)
-            if entry.is_dir(follow_symlinks=False):
-                total += _scan(loc, entry.path, leaf)
-            elif entry.is_file(follow_symlinks=False):
-                total += entry.stat(follow_symlinks=False).st_size
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    raise _link_error(loc, entry.path, leaf)
+                if entry.is_dir(follow_symlinks=False):
+                    total += _scan(loc, entry.path, leaf)
+                elif entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+    except FileNotFoundError:
+        pass
     return total
 
 

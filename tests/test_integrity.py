@@ -4,6 +4,7 @@ error names that leaf; `diff` reports every kind of difference."""
 import json
 import pathlib
 import re
+import shutil
 
 import equinox as eqx
 import jax
@@ -308,3 +309,24 @@ def test_diff_names_a_damaged_leaf(tmp_path):
         eqx_ckpt.diff(tmp_path / "x", tmp_path / "y")
     with pytest.raises(eqx_ckpt.CheckpointNotFoundError):
         eqx_ckpt.diff(tmp_path / "x", tmp_path / "missing")
+
+
+def test_a_leaf_folder_removed_while_it_is_checked_is_an_integrity_error(tmp_path):
+    # A reader racing an overwrite can find a leaf's folder, then see it deleted by
+    # the overwrite's cleanup before listing it: that must be the documented
+    # IntegrityError (retry), not a bare FileNotFoundError.
+    from eqx_ckpt import _local, _spec
+
+    loc = _spec.location(tmp_path)
+    assert _local._scan(loc, str(tmp_path / "gone"), "a") == 0
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", {"a": jnp.arange(4)})
+    real_scan = _local._scan
+
+    def scan_after_cleanup(loc, directory, leaf):
+        shutil.rmtree(directory)  # the folder existed when checked; now it is gone
+        return real_scan(loc, directory, leaf)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_local, "_scan", scan_after_cleanup)
+        with pytest.raises(eqx_ckpt.IntegrityError, match=r"Leaf `a` .* is damaged or incomplete"):
+            eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", {"a": jnp.zeros(4, jnp.int32)})
