@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import functools
+import math
 import os
 import shutil
 import sys
@@ -207,10 +208,45 @@ def open_array(loc: Location, record: LeafRecord, *, synced: bool = True) -> ts.
     """Open a stored leaf, checking its zarr.json against the manifest: shape,
     data type, chunks and the crc32c codec must all be as recorded."""
     check_leaf_files(loc, record)
+    refuse_beyond_memory(loc, record, chunk_bytes(record), "one of its chunks")
     spec = array_spec(
         loc, record.directory, shape=record.stored_shape, stored_dtype=record.stored_dtype, chunks=list(record.chunks)
     )
     return ts.open(spec, open=True, context=_context(loc, synced))
+
+
+def chunk_bytes(record: LeafRecord) -> int:
+    return math.prod(record.chunks) * (record.nbytes // max(math.prod(record.stored_shape), 1))
+
+
+@functools.cache
+def physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: str) -> None:
+    """Refuse a read that would allocate more than this machine's memory.
+
+    Such a read cannot succeed, and TensorStore would abort the whole process on
+    the failed allocation. On a local disk the chunk files are counted first
+    (`_local.check_leaf_files`); on an object store this is what stands between a
+    hostile manifest's absurd shape and a crash.
+    """
+    memory = physical_memory()
+    if memory is None or nbytes <= memory:
+        return
+    raise IntegrityError(
+        f"Leaf {describe_leaf(None, record.path)} in checkpoint {loc.display!r}: reading {what} needs "
+        f"{nbytes} bytes (shape {list(record.stored_shape)}, chunks {list(record.chunks)} in the manifest), more "
+        f"than this machine's {memory} bytes of memory. Nothing was read. A manifest this large is damaged or "
+        f"hostile; if the leaf really is this large, read it in slices (`eqx_ckpt.Checkpoint(path)[key][...]`) or "
+        f"load it sharded across devices.",
+        path=loc.display,
+        dotted=[record.path],
+    )
 
 
 def leaf_io_error(error: BaseException, record: LeafRecord, loc: Location, doing: str) -> CheckpointError:

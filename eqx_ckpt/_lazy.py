@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -87,6 +88,8 @@ class LazyArray:
         """Read only the region `index` selects (basic indexing: ints and slices)."""
         index = _numpy_index(index, self.shape)
         store = self._open()
+        per_element = self._record.nbytes // max(self.size, 1)
+        _io.refuse_beyond_memory(self._loc, self._record, _region_size(index) * per_element, "this region")
         if self._record.type == "prng_key":
             index = index if isinstance(index, tuple) else (index,)
             # The key data is the last stored axis; a second `...` would be an error.
@@ -149,6 +152,12 @@ def _numpy_index(index: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:
                 raise IndexError(f"index {item} is out of bounds for axis {axis - 1} with size {n}")
             out[i] = int(item) % n
     return tuple(out)
+
+
+def _region_size(index: tuple[Any, ...]) -> int:
+    """How many elements a normalised index (see `_numpy_index`) selects."""
+    lengths = [len(range(item.start, item.stop, item.step)) for item in index if isinstance(item, slice)]
+    return math.prod(lengths)
 
 
 def is_lazy(x: Any) -> bool:

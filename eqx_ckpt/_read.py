@@ -115,6 +115,7 @@ def start(store: Any, loc: Location, record: LeafRecord, like: Any, *, dtype: An
 
         return finish_sharded
 
+    _io.refuse_beyond_memory(loc, record, record.nbytes, "it")
     if kind in ("jax", "numpy") and record.nbytes > SLAB_BYTES and record.shape and record.encoding == "plain":
         if dtype is None or np.dtype(dtype) == _dtypes.dtype_from_name(record.stored_dtype):
             return _start_in_slabs(store, record, like, sharding, failed)

@@ -166,3 +166,57 @@ def test_manager_on_s3(s3, store):
     assert eqx.tree_equal(manager.restore(_tree(0)), _tree(3), typematch=True)
     # Retention deleted the objects of the steps it dropped.
     assert {k.split("/")[0] for k in _keys(s3, store) if "/" in k} == {"step_00000002", "step_00000003"}
+
+
+HUGE = 10**12
+
+
+def _make_absurd(store, *, huge_chunks):
+    """A checkpoint whose manifest and zarr.json both claim leaf `a` holds 10^12
+    float32 (4 TB), digest recomputed: what a hostile upload could look like."""
+    from eqx_ckpt import _manifest
+
+    eqx_ckpt.tree_serialise_leaves(store, {"a": np.ones(1000, np.float32), "b": np.arange(3)})
+    kv = ts.KvStore.open(store).result()
+    chunks = [HUGE] if huge_chunks else [1000]
+    body = json.loads(kv.read("manifest.json").result().value)
+    (leaf,) = [leaf for leaf in body["leaves"] if leaf["path"] == "a"]
+    leaf.update(shape=[HUGE], stored_shape=[HUGE], chunks=chunks, nbytes=4 * HUGE)
+    body["total_bytes"] = sum(leaf["nbytes"] for leaf in body["leaves"])
+    body["digest"] = _manifest._digest(body)
+    kv.write("manifest.json", json.dumps(body)).result()
+    metadata = json.loads(kv.read("a/zarr.json").result().value)
+    metadata["shape"] = [HUGE]
+    metadata["chunk_grid"]["configuration"]["chunk_shape"] = chunks
+    kv.write("a/zarr.json", json.dumps(metadata)).result()
+
+
+def test_absurd_shape_is_refused_before_any_allocation(store):
+    # Without the memory bound, TensorStore's failed allocation aborted the whole
+    # process (std::bad_alloc): an object store has no files to count first.
+    _make_absurd(store, huge_chunks=False)
+    ckpt = eqx_ckpt.Checkpoint(store)
+    assert ckpt["a"].shape == (HUGE,)
+    refused = r"Leaf `a` in checkpoint .*: reading (this region|it) needs 4000000000000 bytes .* Nothing was read"
+    with pytest.raises(eqx_ckpt.IntegrityError, match=refused):
+        np.asarray(ckpt["a"])
+    with pytest.raises(eqx_ckpt.IntegrityError, match=refused):
+        like = {"a": jax.ShapeDtypeStruct((HUGE,), jnp.float32), "b": np.zeros(3, int)}
+        eqx_ckpt.tree_deserialise_leaves(store, like)
+    # A small region is still read; the chunks beyond the first are missing.
+    assert np.array_equal(ckpt["a"][:10], np.ones(10, np.float32))
+    with pytest.raises(eqx_ckpt.IntegrityError, match=r"Leaf `a`.*is damaged or incomplete"):
+        ckpt["a"][990:1010]
+    assert [p.leaf for p in eqx_ckpt.verify(store)] == ["a"]
+    # The other leaves still load.
+    assert np.array_equal(eqx_ckpt.tree_deserialise_leaves(store, {"b": np.zeros(3, int)})["b"], np.arange(3))
+
+
+def test_absurd_chunk_is_refused_on_open(store):
+    _make_absurd(store, huge_chunks=True)
+    ckpt = eqx_ckpt.Checkpoint(store)
+    refused = r"Leaf `a` .*reading one of its chunks needs 4000000000000 bytes"
+    with pytest.raises(eqx_ckpt.IntegrityError, match=refused):
+        ckpt["a"][:10]
+    (problem,) = eqx_ckpt.verify(store)
+    assert problem.leaf == "a" and "one of its chunks" in problem.message
