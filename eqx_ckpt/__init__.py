@@ -5,6 +5,7 @@ from ._deserialise import (
     default_deserialise_filter_spec as default_deserialise_filter_spec,
     tree_deserialise_leaves as tree_deserialise_leaves,
 )
+from ._diff import CheckpointDiff as CheckpointDiff, diff as diff
 from ._errors import (
     CheckpointError as CheckpointError,
     CheckpointExistsError as CheckpointExistsError,
@@ -26,6 +27,6 @@ from ._serialise import (
     default_serialise_filter_spec as default_serialise_filter_spec,
     tree_serialise_leaves as tree_serialise_leaves,
 )
-from ._verify import CheckpointDiff as CheckpointDiff, Problem as Problem, diff as diff, verify as verify
+from ._verify import Problem as Problem, verify as verify
 
 __version__ = "0.1.0"

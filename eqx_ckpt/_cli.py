@@ -86,9 +86,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from . import _verify
+    from . import _diff
 
-    differences = _verify.diff(_path(args.a), _path(args.b), progress=_progress())
+    differences = _diff.diff(_path(args.a), _path(args.b), progress=_progress())
     for line in differences:
         print(line)
     return 1 if differences else 0

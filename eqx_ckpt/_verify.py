@@ -1,6 +1,6 @@
-"""`verify`: read and check every byte of a checkpoint; `diff`: compare two.
+"""`verify`: read and check every byte of a checkpoint.
 
-Both read chunk by chunk, a bounded number of bytes at a time, so a checkpoint of
+It reads chunk by chunk, a bounded number of bytes at a time, so a checkpoint of
 any size (or a hostile one claiming an absurd shape) is checked in bounded memory.
 """
 
@@ -10,13 +10,10 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from . import _chunks, _commit, _dtypes, _io, _layout
-from ._checkpoint import describe
 from ._chunks import Progress
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._manifest import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, Manifest
@@ -197,162 +194,3 @@ def _reference_metadata(shape: tuple[int, ...], dtype: str, chunks: tuple[int, .
         _REFERENCE[key] = json.loads(_io.read_file(scratch, "x/zarr.json", limit=_MAX_ZARR_JSON) or b"{}")
         _io.remove(scratch, ["x"])
     return _REFERENCE[key]
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointDiff:
-    """How two checkpoints differ, as [`eqx_ckpt.diff`][] finds it.
-
-    Iterating gives one sorted line per differing key (`+ key` added, `- key`
-    removed, `~ key` shape, dtype or type changed, `! key` values differ);
-    `len()` counts them, so the diff is falsy exactly when the checkpoints hold
-    the same leaves with the same bytes.
-
-    **Attributes:**
-
-    - `added`: dotted paths only in the second checkpoint.
-    - `removed`: dotted paths only in the first.
-    - `changed`: `(dotted path, "before -> after")` pairs whose shape, dtype or
-        leaf type differ.
-    - `values`: dotted paths with the same shape and dtype but different values.
-    """
-
-    added: tuple[str, ...] = ()
-    removed: tuple[str, ...] = ()
-    changed: tuple[tuple[str, str], ...] = ()
-    values: tuple[str, ...] = ()
-
-    def lines(self) -> list[str]:
-        out = [(k, f"+ {k}") for k in self.added] + [(k, f"- {k}") for k in self.removed]
-        out += [(k, f"~ {k}: {what}") for k, what in self.changed] + [(k, f"! {k}: values differ") for k in self.values]
-        return [line for _, line in sorted(out)]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.lines())
-
-    def __len__(self) -> int:
-        return len(self.added) + len(self.removed) + len(self.changed) + len(self.values)
-
-
-def diff(a: Any, b: Any, *, values: bool = True, progress: bool | Progress = False) -> CheckpointDiff:
-    """Compare two checkpoints key by key.
-
-    **Arguments:**
-
-    - `a`, `b`: checkpoint directories or kvstore URLs.
-    - `values`: also read both copies of every leaf whose shape and dtype agree,
-        and compare their bytes (chunk by chunk, in bounded memory). With `False`
-        only the manifests are compared.
-    - `progress`: `True` shows a progress bar on stderr; a callable is called
-        with the number of bytes just compared.
-
-    **Returns:**
-
-    A [`eqx_ckpt.CheckpointDiff`][]: empty (falsy) when the checkpoints are equal.
-
-    **Raises:**
-
-    [`eqx_ckpt.CheckpointNotFoundError`][] or
-    [`eqx_ckpt.CorruptCheckpointError`][] if either is missing or its manifest
-    is invalid; [`eqx_ckpt.IntegrityError`][] naming the leaf if a leaf cannot
-    be read.
-
-    !!! example
-
-        ```python
-        import jax.numpy as jnp
-        import eqx_ckpt
-
-        eqx_ckpt.tree_serialise_leaves("a", {"w": jnp.ones(3), "b": jnp.ones(2)})
-        eqx_ckpt.tree_serialise_leaves("b", {"w": jnp.zeros(3), "c": jnp.ones(2)})
-        print(list(eqx_ckpt.diff("a", "b")))  # ['- b', '+ c', '! w: values differ']
-        ```
-    """
-    loc_a, loc_b = location(a), location(b)
-    man_a, man_b = _commit.require_manifest(loc_a), _commit.require_manifest(loc_b)
-    recs_a, recs_b = man_a.by_path(), man_b.by_path()
-    changed, same = [], []
-    for key in sorted(set(recs_a) & set(recs_b)):
-        ra, rb = recs_a[key], recs_b[key]
-        before, after = _signature(ra), _signature(rb)
-        if before != after:
-            changed.append((key, f"{before} -> {after}"))
-        else:
-            same.append((ra, rb))
-    differ: list[str] = []
-    if values:
-        data_a = _layout.data_location(loc_a, man_a.data_root, man_a.layout)
-        data_b = _layout.data_location(loc_b, man_b.data_root, man_b.layout)
-        update, close = _chunks.progress_function(progress, sum(ra.nbytes for ra, _ in same), "diff")
-        try:
-            differ = _compare_values(data_a, data_b, same, update)
-        finally:
-            close()
-    return CheckpointDiff(
-        added=tuple(sorted(set(recs_b) - set(recs_a))),
-        removed=tuple(sorted(set(recs_a) - set(recs_b))),
-        changed=tuple(changed),
-        values=tuple(differ),
-    )
-
-
-def _signature(record: LeafRecord) -> str:
-    shown = describe(record).split(" (stored")[0]
-    return shown if record.type in ("jax", "numpy") else f"{shown} ({record.type})"
-
-
-def _compare_values(
-    data_a: Location, data_b: Location, pairs: list[tuple[LeafRecord, LeafRecord]], update: Progress
-) -> list[str]:
-    opened = []
-    for ra, rb in pairs:
-        stores = []
-        for data, record in ((data_a, ra), (data_b, rb)):
-            try:
-                stores.append(_io.open_array(data, record).result())
-            except CheckpointError:
-                raise
-            except Exception as e:
-                raise _io.leaf_io_error(e, record, data, "open") from e
-        opened.append((ra, rb, stores[0], stores[1]))
-    errors: list[BaseException] = []
-    differ: set[str] = set()
-
-    def read(pair: Any, index: tuple[slice, ...]) -> Callable[[], bool]:
-        ra, rb, sa, sb = pair
-        fa, fb = (s[index].read() if index else s.read() for s in (sa, sb))
-        return lambda: _same(_logical(_result(fa, ra, data_a), ra), _logical(_result(fb, rb, data_b), rb))
-
-    def stop(path: str) -> Callable[[], bool]:
-        return lambda: bool(errors) or path in differ
-
-    jobs = ((pair[0], pair, index) for pair in opened for index in _chunks.chunks(pair[0], stop=stop(pair[0].path)))
-    done = _chunks.windowed(
-        jobs, skip=lambda r: r.path in differ or bool(errors), failed=lambda r, e: errors.append(e), read=read
-    )
-    for record, equal, size in done:
-        if not equal:
-            differ.add(record.path)
-        update(size)
-    if errors:
-        raise errors[0]
-    return sorted(differ)
-
-
-def _result(future: Any, record: LeafRecord, data: Location) -> np.ndarray:
-    try:
-        return np.asarray(future.result())
-    except Exception as e:
-        raise _io.leaf_io_error(e, record, data, "read") from e
-
-
-def _logical(array: np.ndarray, record: LeafRecord) -> np.ndarray:
-    """Stored bytes as the leaf's own dtype (undoing a cast on save)."""
-    if record.encoding == "plain" and record.type != "prng_key" and record.stored_dtype != record.dtype:
-        return array.astype(_dtypes.dtype_from_name(record.dtype))
-    return _dtypes.decode(array, record)
-
-
-def _same(x: np.ndarray, y: np.ndarray) -> bool:
-    """Bitwise equality: NaNs with equal bits are equal, 0.0 and -0.0 are not."""
-    return x.shape == y.shape and x.dtype == y.dtype and x.tobytes() == y.tobytes()
