@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import functools
-import math
 import os
 import shutil
 import sys
@@ -45,8 +44,9 @@ def flush(loc: Location) -> None:
     When a save wrote many files to a local ext4, XFS or Btrfs file system, one
     `syncfs` of that file system replaces them (for 10,000 leaves, 0.6-1.3 s
     instead of 5.7-7.9 s on a busy machine); it may also wait for other programs'
-    unwritten data there, which is why a save of a few files fsyncs them instead. Other file systems (network,
-    FUSE) always get an fsync per file: their `syncfs` may not reach the server.
+    unwritten data there, which is why a save of a few files fsyncs them instead.
+    Other file systems (network, FUSE) always get an fsync per file: their
+    `syncfs` may not reach the server.
 
     In a multi-process save the other processes may still be writing here: their
     temporary files (TensorStore's `*.__lock`) come and go, so those are skipped
@@ -208,15 +208,11 @@ def open_array(loc: Location, record: LeafRecord, *, synced: bool = True) -> ts.
     """Open a stored leaf, checking its zarr.json against the manifest: shape,
     data type, chunks and the crc32c codec must all be as recorded."""
     check_leaf_files(loc, record)
-    refuse_beyond_memory(loc, record, chunk_bytes(record), "one of its chunks")
+    refuse_beyond_memory(loc, record, record.chunk_nbytes, "one of its chunks")
     spec = array_spec(
         loc, record.directory, shape=record.stored_shape, stored_dtype=record.stored_dtype, chunks=list(record.chunks)
     )
     return ts.open(spec, open=True, context=_context(loc, synced))
-
-
-def chunk_bytes(record: LeafRecord) -> int:
-    return math.prod(record.chunks) * (record.nbytes // max(math.prod(record.stored_shape), 1))
 
 
 @functools.cache

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Callable
 from typing import Any
 
-from . import _chunks, _commit, _dtypes, _io, _layout
+from . import _chunks, _commit, _io, _layout
 from ._chunks import Progress
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._manifest import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, Manifest
@@ -145,7 +144,7 @@ def _check_file_sizes(data: Location, record: LeafRecord) -> Problem | None:
     if data.local is None:
         return None
     folder = os.path.join(data.local, record.directory, "c")
-    expected = math.prod(record.chunks) * _dtypes.dtype_from_name(record.stored_dtype).itemsize + 4
+    expected = record.chunk_nbytes + 4
     files = [folder] if os.path.isfile(folder) else [os.path.join(r, f) for r, _, fs in os.walk(folder) for f in fs]
     for file in files:
         size = os.path.getsize(file)
