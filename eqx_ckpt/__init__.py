@@ -1,6 +1,7 @@
 """eqx_ckpt: Equinox checkpoints that know where each leaf lives."""
 
 from ._checkpoint import Checkpoint as Checkpoint, skeleton as skeleton
+from ._commit import CommitWarning as CommitWarning
 from ._deserialise import (
     default_deserialise_filter_spec as default_deserialise_filter_spec,
     tree_deserialise_leaves as tree_deserialise_leaves,
@@ -11,6 +12,7 @@ from ._errors import (
     CheckpointExistsError as CheckpointExistsError,
     CheckpointKeyError as CheckpointKeyError,
     CheckpointNotFoundError as CheckpointNotFoundError,
+    CheckpointReplacedError as CheckpointReplacedError,
     CheckpointTypeError as CheckpointTypeError,
     CheckpointValueError as CheckpointValueError,
     CorruptCheckpointError as CorruptCheckpointError,

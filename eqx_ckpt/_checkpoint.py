@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -50,6 +51,7 @@ class Checkpoint(Mapping[str, Any]):
         self._manifest = _commit.require_manifest(self._loc)
         self._data = _layout.data_location(self._loc, self._manifest.data_root, self._manifest.layout)
         self._records = dict(sorted(self._manifest.by_path().items()))
+        self._check = functools.partial(_commit.check_unchanged, self._loc, self._manifest)
 
     @property
     def path(self) -> str:
@@ -89,7 +91,7 @@ class Checkpoint(Mapping[str, Any]):
         return f"{key!r} is not a leaf of checkpoint {self.path!r}.{hint} `Checkpoint(path).keys()` lists them all."
 
     def __getitem__(self, key: str) -> Any:
-        lazy = LazyArray(self._data, self.record(key))
+        lazy = LazyArray(self._data, self.record(key), check=self._check)
         if self._records[key].type in _SCALARS:
             value = lazy[()]
             return value.item() if self._records[key].type != "numpy_scalar" else value[()]

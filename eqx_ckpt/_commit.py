@@ -1,43 +1,67 @@
-"""Atomic commit: a checkpoint exists only once its manifest has been written.
+"""The save transaction: begun, written, committed, cleaned.
 
-The arrays of a checkpoint live under its *data root*: the checkpoint directory
-itself, or its `gen.2/` sub-directory. A save over an existing checkpoint writes
-its arrays under the root the current one does not use, then replaces
-`manifest.json` in one atomic write (a rename on a local disk, a single PUT on an
-object store), and only then deletes the old arrays. A process killed at any
-moment leaves the old manifest pointing at untouched old arrays, or the new one
-pointing at complete new arrays. `saving.json` marks a save in progress and
-lists the top-level names it writes and will delete, so the next save knows
-exactly which leftovers are its own: nothing else in the directory is touched.
+A checkpoint exists only once its `manifest.json` does. Its arrays live under
+its *data root*: the checkpoint directory itself for a first save into an empty
+directory, or a folder `gen.<commit>` named after the save's own random commit
+identity for every later save. A data root name is therefore never reused, and
+a save never writes into a name it did not create.
+
+The states and what is legal in each:
+
+- BEGUN: the save holds the directory's lease (`_lease`, file `saving.json`),
+  which doubles as its journal: the names it will create and, once committed,
+  the names it will delete (those the previous manifest records). Leftovers of
+  a save that died are cleared here, as its journal lists them.
+- WRITTEN: the caller has written and synced every array.
+- COMMITTED: the new manifest replaced the old one in one conditional write (a
+  rename on a local disk, one PUT on an object store) that succeeds only if the
+  manifest is still the one the save began from. From here nothing undoes the
+  save: `abort()` is refused, and an error or an interrupt during the clean-up
+  leaves the new checkpoint whole (the next save deletes what is left).
+- CLEANED: the old arrays and the journal are gone.
+- ABORTED (only from BEGUN or WRITTEN): what this save wrote is deleted; the
+  old checkpoint was never touched.
+
+A save deletes only names its journal or an earlier manifest of this
+checkpoint records, and only after checking that they look like names eqx_ckpt
+writes; the user's files beside a checkpoint are never touched.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
+import contextlib
+import enum
 import json
 import os
 import re
+import warnings
 from collections.abc import Sequence
+from typing import Any
 
-from . import _io, _keypath, _layout, _lock
-from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from . import _io, _keypath, _layout, _lease
+from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointReplacedError
 from ._local import refuse_links
-from ._manifest import DATA_ROOTS, LAYOUTS, MANIFEST, MAX_MANIFEST_BYTES, SAVING, Manifest, parse
+from ._manifest import MANIFEST, MAX_MANIFEST_BYTES, SAVING, Manifest, is_data_root, parse
 from ._spec import Location
 
 # What a top-level name written by a save can look like: an escaped segment (see
-# `_keypath`), the root group's metadata, or the OCDBT database. Names read back
-# from `saving.json` must match, so a damaged marker cannot delete anything else.
-_OURS = re.compile(r"^(%e|%i-?[0-9]+|%r[A-Za-z0-9_%-]*|[A-Za-z0-9_%-]+|zarr\.json|ocdbt\.db)$")
-# A save killed mid-write leaves a temporary `<name>.__lock` behind (see
-# `_io.TEMPORARY`); it is ours as `<name>` is.
-_STALE = (MANIFEST + _io.TEMPORARY, SAVING + _io.TEMPORARY)
+# `_keypath`), the root group's metadata, an OCDBT database or a data root.
+# Names read back from a journal must match, so a damaged one cannot delete
+# anything else.
+_OURS = re.compile(r"^(%e|%i-?[0-9]+|%r[A-Za-z0-9_%-]*|[A-Za-z0-9_%-]+|zarr\.json|ocdbt\.db|gen\.[0-9a-f]+)$")
+
+
+class State(enum.Enum):
+    BEGUN = "begun"
+    WRITTEN = "written"
+    COMMITTED = "committed"
+    CLEANED = "cleaned"
+    ABORTED = "aborted"
 
 
 def read_manifest(loc: Location) -> Manifest | None:
-    data = _io.read_file(loc, MANIFEST, limit=MAX_MANIFEST_BYTES)
-    return None if data is None else parse(data, where=loc.display)
+    data, stamp = _io.read_file_stamped(loc, MANIFEST, limit=MAX_MANIFEST_BYTES)
+    return None if data is None else parse(data, where=loc.display, stamp=stamp)
 
 
 def require_manifest(loc: Location) -> Manifest:
@@ -54,21 +78,21 @@ def require_manifest(loc: Location) -> Manifest:
     return manifest
 
 
-@dataclasses.dataclass(frozen=True)
-class Transaction:
-    loc: Location
-    old: Manifest | None
-    target: str
-    layout: str = "directories"
-    lock: _lock.Lock | None = dataclasses.field(default=None, compare=False)
-    names: tuple[str, ...] = ()
+def check_unchanged(loc: Location, manifest: Manifest) -> None:
+    """Raise if the checkpoint at `loc` was replaced since `manifest` was read.
 
-    @property
-    def data(self) -> Location:
-        return _layout.data_location(self.loc, self.target, self.layout)
+    A reader calls this after reading arrays: an overwrite deletes the old
+    arrays only after its commit, so if the manifest is still the one read, every
+    byte read came from it."""
+    if _io.file_changed(loc, MANIFEST, manifest.stamp):
+        raise CheckpointReplacedError(
+            f"Checkpoint {loc.display!r} was replaced by a newer save after it was opened, so what was read "
+            f"from it may belong to either save and was discarded. Open or load it again to read the new one.",
+            path=loc.display,
+        )
 
 
-def top_names(paths: list[str], layout: str) -> tuple[str, ...]:
+def top_names(paths: Sequence[str], layout: str) -> tuple[str, ...]:
     """The top-level entries of a data root holding leaves at dotted `paths`."""
     if layout == "ocdbt":
         return (_layout.OCDBT_FOLDER,)
@@ -79,130 +103,236 @@ def top_names(paths: list[str], layout: str) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def begin(loc: Location, *, overwrite: bool, layout: str = "directories", paths: Sequence[str] = ()) -> Transaction:
-    """Check the destination may be written, clear leftovers, mark a save begun.
-
-    `paths` are the dotted paths of the leaves the save will write."""
-    if loc.local is not None and _exists_not_dir(loc.local):
-        raise CheckpointExistsError(
-            f"{loc.display!r} is a file, not a directory. eqx_ckpt saves a checkpoint "
-            f"as a directory; choose another path.",
-            path=loc.display,
-        )
-    # Locked before looking: two saves must not both take the other's files for leftovers.
-    _io.ensure_directory(loc)
-    lock = _lock.acquire(loc)
-    try:
-        return dataclasses.replace(_begin(loc, overwrite=overwrite, layout=layout, paths=list(paths)), lock=lock)
-    except BaseException:
-        _lock.release(lock)
-        raise
-
-
-def _begin(loc: Location, *, overwrite: bool, layout: str, paths: list[str]) -> Transaction:
-    names = _io.list_names(loc)
-    old = read_manifest(loc) if MANIFEST in names else None
-    if old is None:
-        if names and SAVING not in names and SAVING + _io.TEMPORARY not in names:
-            raise CheckpointExistsError(
-                f"{loc.display!r} is not empty and is not an eqx_ckpt checkpoint, so "
-                f"nothing was written into it. Save into a new or empty directory.",
-                path=loc.display,
-            )
-        target = ""
-    elif not overwrite:
-        raise CheckpointExistsError(
-            f"A checkpoint already exists at {loc.display!r} and `overwrite=False`. "
-            f"Pass `overwrite=True` to replace it, or choose another path.",
-            path=loc.display,
-        )
-    else:
-        target = DATA_ROOTS[1] if old.data_root == "" else ""
-    new = top_names(paths, layout)
-    _io.ensure_directory(loc)
-    _io.remove(loc, _leftovers(loc, names, old, target, new))
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat()
-    old_names = _area(old) if old is not None else ()
-    marker = {"target": target, "layout": layout, "started": started, "names": new, "old_names": old_names}
-    _io.write_file(loc, SAVING, json.dumps(marker).encode())
-    return Transaction(loc, old, target, layout, names=new)
-
-
-def _area(manifest: Manifest) -> tuple[str, ...]:
+def area(manifest: Manifest) -> tuple[str, ...]:
     """The top-level entries a committed checkpoint's arrays occupy."""
     if manifest.data_root:
         return (manifest.data_root,)
     return top_names([leaf.path for leaf in manifest.leaves], manifest.layout)
 
 
-def _leftovers(loc: Location, names: list[str], old: Manifest | None, target: str, new: tuple[str, ...]) -> list[str]:
-    """What must go before writing into `target`: anything an interrupted save
-    wrote there (as its `saving.json` lists), and whatever holds the names this
-    save needs; never the live checkpoint's arrays."""
-    if target:
-        return [target] if target in names else []
-    marker = _read_marker(loc) if SAVING in names else {}
-    stale = [*new, *marker.get("names", ()), *marker.get("old_names", ())]
-    live = set(_area(old)) if old is not None else set()
-    return sorted({n for n in stale if n in names and n not in live} | {n for n in names if n in _STALE})
+class Transaction:
+    """One save in progress; see the module docstring for its states."""
+
+    def __init__(self, loc: Location, old: Manifest | None, target: str, layout: str, commit_id: str):
+        self.loc, self.old, self.target, self.layout, self.commit_id = loc, old, target, layout, commit_id
+        # The manifest's generation when the save began (absent for a first save).
+        self.expected = _lease.ABSENT
+        self.state = State.BEGUN
+        self.lease: _lease.Lease | None = None
+        self.names: tuple[str, ...] = ()
+
+    @property
+    def data(self) -> Location:
+        return _layout.data_location(self.loc, self.target, self.layout)
+
+    def written(self) -> None:
+        self._require(State.BEGUN)
+        self.state = State.WRITTEN
+
+    def commit(self, manifest: Manifest) -> None:
+        """Replace the manifest, if it is still the one this save began from.
+
+        An interrupt while the manifest is being written waits for the write to
+        finish, so that the state is known, and is raised afterwards."""
+        self._require(State.WRITTEN)
+        if self.lease is not None:
+            self.lease.check()
+        written, error, interrupt = _io.write_conditional(self.loc, MANIFEST, manifest.to_bytes(), self.expected)
+        if written or _committed_by(self.loc, self.commit_id):
+            self.state = State.COMMITTED
+        if interrupt is not None:
+            raise interrupt
+        if self.state is not State.COMMITTED:
+            if error is not None:
+                raise error
+            raise CheckpointExistsError(
+                f"Another save committed {self.loc.display!r} while this one was writing, so this one was not "
+                f"committed (its arrays were deleted; the other save's checkpoint is whole). Only one writer "
+                f"should save to a checkpoint at a time.",
+                path=self.loc.display,
+            )
+        if error is not None:
+            _warn(f"Checkpoint {self.loc.display!r} was committed, but syncing it failed: {error}")
+
+    def clean(self) -> None:
+        """After the commit: delete the old arrays and the journal. A failure is
+        a warning (the checkpoint is whole); an interrupt propagates."""
+        self._require(State.COMMITTED)
+        stale = [n for n in (area(self.old) if self.old is not None else ()) if n not in self.names]
+        try:
+            _io.remove(self.loc, stale)
+            self._release()
+        except Exception as e:
+            _warn(
+                f"Checkpoint {self.loc.display!r} was committed, but the arrays of the checkpoint it replaced "
+                f"could not all be deleted ({e}); the next save to it deletes them."
+            )
+            return
+        self.state = State.CLEANED
+
+    def abort(self) -> None:
+        """Before the commit: delete what this save wrote; the old checkpoint stays.
+        If that is cut short, the journal stays behind for the next save."""
+        if self.state in (State.COMMITTED, State.CLEANED):
+            raise CheckpointError(
+                f"Internal error: the save of {self.loc.display!r} was asked to abort after it committed; "
+                f"the committed checkpoint was kept.",
+                path=self.loc.display,
+            )
+        if self.state is State.ABORTED:
+            return
+        self.state = State.ABORTED
+        try:
+            if self.lease is None or _owns_lease(self.lease):
+                _io.remove(self.loc, self.names)
+        except BaseException as e:
+            if self.lease is not None:
+                self.lease.release(keep_file=True)
+            if not isinstance(e, Exception):
+                raise
+            return  # the original error matters more
+        self._release()
+
+    def leave(self) -> None:
+        """Stop without aborting (after the commit, or when interrupted): the
+        journal stays, and the next save finishes the clean-up."""
+        if self.lease is not None:
+            self.lease.release(keep_file=True)
+
+    def _release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
+    def _require(self, state: State) -> None:
+        if self.state is not state:
+            raise CheckpointError(
+                f"Internal error: the save of {self.loc.display!r} is {self.state.value}, not {state.value}.",
+                path=self.loc.display,
+            )
 
 
-def _read_marker(loc: Location) -> dict[str, list[str]]:
+def _owns_lease(lease: _lease.Lease) -> bool:
     try:
-        marker = json.loads(_io.read_file(loc, SAVING, limit=2**24) or b"{}")
-    except ValueError:
-        return {}
-    out = {}
-    for key in ("names", "old_names"):
-        value = marker.get(key, []) if isinstance(marker, dict) else []
-        ok = isinstance(value, list) and all(isinstance(n, str) for n in value)
-        out[key] = [n for n in value if _OURS.match(n) and n not in (MANIFEST, SAVING)] if ok else []
-    return out
+        lease.check()
+    except CheckpointExistsError:
+        return False
+    return True
+
+
+def _committed_by(loc: Location, commit_id: str) -> bool:
+    """Whether the manifest at `loc` is the one of save `commit_id` (after a
+    manifest write that failed, or was interrupted, part way)."""
+    try:
+        current = read_manifest(loc)
+    except Exception:
+        return False
+    return current is not None and current.commit == commit_id
+
+
+def begin(loc: Location, *, overwrite: bool, layout: str = "directories", paths: Sequence[str] = ()) -> Transaction:
+    """Take the directory's lease, clear leftovers of a save that died, and
+    choose where this save writes. `paths` are the dotted paths it will write."""
+    if loc.local is not None and os.path.lexists(loc.local) and not os.path.isdir(loc.local):
+        raise CheckpointExistsError(
+            f"{loc.display!r} is a file, not a directory. eqx_ckpt saves a checkpoint "
+            f"as a directory; choose another path.",
+            path=loc.display,
+        )
+    _io.ensure_directory(loc)
+    lease, stale = _lease.acquire(loc, SAVING, what="save")
+    try:
+        tx = _begin(loc, lease, stale, overwrite=overwrite, layout=layout, paths=paths)
+    except BaseException:
+        lease.release()
+        raise
+    tx.lease = lease
+    return tx
+
+
+def _begin(
+    loc: Location,
+    lease: _lease.Lease,
+    stale: dict[str, Any] | None,
+    *,
+    overwrite: bool,
+    layout: str,
+    paths: Sequence[str],
+) -> Transaction:
+    data, generation = _io.read_file_generation(loc, MANIFEST, limit=MAX_MANIFEST_BYTES)
+    old = None if data is None else parse(data, where=loc.display)
+    if stale:
+        _finish_dead_save(loc, stale, old)
+    # TensorStore writes `<name>.__lock` and renames it into place: one of ours
+    # left by a killed write (we hold the lease, so its writer is gone) goes.
+    _io.remove(loc, [n for n in _io.list_names(loc) if _is_our_temporary(n)])
+    names = [n for n in _io.list_names(loc) if n != SAVING]
+    if old is None and names:
+        raise CheckpointExistsError(
+            f"{loc.display!r} is not empty and is not an eqx_ckpt checkpoint, so "
+            f"nothing was written into it. Save into a new or empty directory.",
+            path=loc.display,
+        )
+    if old is not None and not overwrite:
+        raise CheckpointExistsError(
+            f"A checkpoint already exists at {loc.display!r} and `overwrite=False`. "
+            f"Pass `overwrite=True` to replace it, or choose another path.",
+            path=loc.display,
+        )
+    commit_id = lease.token
+    target = "" if old is None else f"gen.{commit_id}"
+    tx = Transaction(loc, old, target, layout, commit_id)
+    tx.expected = generation
+    tx.names = top_names(paths, layout) if target == "" else (target,)
+    journal = {"target": target, "layout": layout, "names": list(tx.names), "state": State.BEGUN.value}
+    journal["old_names"] = list(area(old)) if old is not None else []
+    lease.update(journal)
+    return tx
+
+
+def _finish_dead_save(loc: Location, journal: dict[str, Any], current: Manifest | None) -> None:
+    """Delete what a save that died left: its own arrays if it never committed,
+    or the arrays it replaced if it did. Never what the live manifest uses."""
+    committed = current is not None and (
+        current.commit == journal.get("token") if current.commit else current.data_root == journal.get("target")
+    )
+    live = set(area(current)) if current is not None else set()
+    listed = journal.get("old_names" if committed else "names", [])
+    if not isinstance(listed, list):
+        return
+    doomed = [n for n in listed if isinstance(n, str) and _OURS.match(n) and n not in live and n != MANIFEST]
+    _io.remove(loc, doomed)
+
+
+def _is_our_temporary(name: str) -> bool:
+    base = name.removesuffix(_io.TEMPORARY)
+    return base != name and (base in (MANIFEST, SAVING) or bool(_OURS.match(base)))
 
 
 def join(loc: Location) -> Transaction:
-    """The transaction another process began at `loc` (read from `saving.json`)."""
-    data = _io.read_file(loc, SAVING, limit=2**16)
+    """The transaction another process began at `loc` (read from its journal)."""
+    data = _io.read_file(loc, SAVING, limit=_lease.MAX_LEASE_BYTES)
     try:
-        marker = json.loads(data or b"null")
-        target, layout = marker["target"], marker["layout"]
+        journal = json.loads(data or b"null")
+        target, layout, token = journal["target"], journal["layout"], journal["token"]
     except (ValueError, TypeError, KeyError):
-        target = layout = None
-    if target not in DATA_ROOTS or layout not in LAYOUTS:
+        target = layout = token = None
+    if not isinstance(target, str) or not (target == "" or is_data_root(target)) or not isinstance(token, str):
         raise CheckpointError(
             f"Process 0 began saving {loc.display!r}, but this process cannot read its "
             f"{SAVING} there. Every process must save to the same shared storage (a "
             f"shared file system or an object store), not to a local disk each.",
             path=loc.display,
         )
-    return Transaction(loc, None, target, layout)
+    return Transaction(loc, None, target, str(layout), token)
 
 
-def commit(tx: Transaction, manifest: Manifest) -> None:
-    """Make the new checkpoint visible, then delete what the old one used."""
-    _io.write_file(tx.loc, MANIFEST, manifest.to_bytes())
-    # Committed: from here on a failure must not fail the save (which would
-    # delete the new arrays). Leftovers are cleared by the next save.
-    try:
-        if tx.old is not None:
-            stale = _area(tx.old)
-            # Writing into the root, the new arrays may reuse the old names there.
-            _io.remove(tx.loc, [n for n in stale if tx.target or n not in tx.names])
-        _io.delete_file(tx.loc, SAVING)
-    except Exception:
-        pass
-    _lock.release(tx.lock)
+def _warn(message: str) -> None:
+    with contextlib.suppress(Exception):
+        warnings.warn(message, CommitWarning, stacklevel=4)
 
 
-def abort(tx: Transaction) -> None:
-    """After a failed save: delete what it wrote; the old checkpoint stays."""
-    try:
-        _io.remove(tx.loc, [tx.target] if tx.target else list(tx.names))
-        _io.delete_file(tx.loc, SAVING)
-    except Exception:  # the original error matters more
-        pass
-    _lock.release(tx.lock)
+class CommitWarning(UserWarning):
+    """A committed save could not tidy up after itself; the checkpoint is whole."""
 
 
-def _exists_not_dir(path: str) -> bool:
-    return os.path.lexists(path) and not os.path.isdir(path)
+CommitWarning.__module__ = "eqx_ckpt"

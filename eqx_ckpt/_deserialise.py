@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -194,9 +195,16 @@ def tree_deserialise_leaves(
     if strict:
         _report_unexpected(flat, specs, stored_path, root, records, report)
     report.raise_if_any()
-    for plan, spec in custom:
-        leaves[plan.index] = _run_custom(spec, plan, data, loc, cast, lazy)
-    loaded = _load(data, plans, lazy=lazy)
+    check = functools.partial(_commit.check_unchanged, loc, manifest)
+    try:
+        for plan, spec in custom:
+            leaves[plan.index] = _run_custom(spec, plan, data, loc, cast, lazy, check)
+        loaded = _load(data, plans, lazy=lazy, check=check)
+    except Exception:
+        check()  # a read that failed because the checkpoint was replaced says so
+        raise
+    if not lazy:
+        check()
     for plan, value in zip(plans, loaded):
         leaves[plan.index] = value
     return treedef.unflatten(leaves)
@@ -271,12 +279,12 @@ def _target_dtype(like: Any) -> np.dtype | None:
 READ_WINDOW = 128 * 2**20
 
 
-def _load(data: Location, plans: list[_Plan], *, lazy: bool) -> list[Any]:
+def _load(data: Location, plans: list[_Plan], *, lazy: bool, check: Callable[[], None]) -> list[Any]:
     """Open every array, then read leaves concurrently within `READ_WINDOW` bytes,
     converting (and freeing the host buffer of) the oldest as new reads start."""
     records = [_record_of(plan) for plan in plans]
     if lazy:
-        return [LazyArray(data, record, plan.like) for plan, record in zip(plans, records)]
+        return [LazyArray(data, record, plan.like, check) for plan, record in zip(plans, records)]
     opens = [_io.open_array(data, record) for record in records]
     results: list[Any] = [None] * len(plans)
     window: collections.deque[tuple[int, int, Callable[[], Any]]] = collections.deque()
@@ -304,7 +312,9 @@ def _record_of(plan: _Plan) -> LeafRecord:
     return plan.record
 
 
-def _run_custom(spec: Any, plan: _Plan, data: Location, loc: Location, cast: bool, lazy: bool) -> Any:
+def _run_custom(
+    spec: Any, plan: _Plan, data: Location, loc: Location, cast: bool, lazy: bool, check: Callable[[], None]
+) -> Any:
     """Call a user's filter spec with a handle whose `read` loads one leaf."""
 
     def read(like: Any) -> Any:
@@ -312,7 +322,7 @@ def _run_custom(spec: Any, plan: _Plan, data: Location, loc: Location, cast: boo
         sub = dataclasses.replace(plan, like=like)
         if not _check(sub, report, missing="error", cast=cast):
             report.raise_if_any()
-        return _load(data, [sub], lazy=lazy)[0]
+        return _load(data, [sub], lazy=lazy, check=check)[0]
 
     handle = LeafHandle(plan.keypath, plan.stored, loc.display, read=read)
     try:

@@ -50,6 +50,12 @@ class CorruptCheckpointError(CheckpointError, ValueError):
     """The manifest is unreadable, invalid, edited or hostile."""
 
 
+class CheckpointReplacedError(CheckpointError, RuntimeError):
+    """The checkpoint was replaced by a newer save after it was opened (by a
+    `Checkpoint`, a lazy load, or a load still reading). Nothing of the newer
+    save was returned; open or load it again to read it."""
+
+
 class CheckpointKeyError(CheckpointError, KeyError):
     """A dotted key is not in the checkpoint."""
 
@@ -93,6 +99,7 @@ for _cls in (
     CheckpointValueError,
     CorruptCheckpointError,
     CheckpointKeyError,
+    CheckpointReplacedError,
     LeafError,
     IntegrityError,
 ):

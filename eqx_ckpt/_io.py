@@ -122,15 +122,84 @@ def _syncfs(path: str) -> None:
 
 def read_file(loc: Location, name: str, *, limit: int) -> bytes | None:
     """The bytes of a small file, or `None` if it does not exist."""
+    return read_file_stamped(loc, name, limit=limit)[0]
+
+
+def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | None, bytes]:
+    """A small file's bytes (or `None`) and a stamp that changes whenever the
+    file is replaced (see `file_changed`)."""
     if loc.local is not None:
         full = os.path.join(loc.local, name)
         refuse_links(loc, name)
         if not os.path.isfile(full):
-            return None
+            return None, b""
         with open(full, "rb") as f:
-            return f.read(limit + 1)
+            return f.read(limit + 1), _stat_stamp(os.fstat(f.fileno()))
     result = kvstore(loc).read(name).result()
-    return result.value if result.state == "value" else None
+    return (result.value if result.state == "value" else None), result.stamp.generation
+
+
+def _stat_stamp(st: os.stat_result) -> bytes:
+    # A replaced file (written beside, then renamed) has another inode; an
+    # edited one another modification time or size.
+    return f"{st.st_dev}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_size}".encode()
+
+
+def file_changed(loc: Location, name: str, stamp: bytes) -> bool:
+    """Whether the file `name` is no longer the one `read_file_stamped` stamped."""
+    if loc.local is not None:
+        try:
+            return _stat_stamp(os.stat(os.path.join(loc.local, name))) != stamp
+        except FileNotFoundError:
+            return True
+    return kvstore(loc).read(name, if_not_equal=stamp).result().state != "unspecified"
+
+
+def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes | None, bytes]:
+    """A small file's bytes (or `None`) and its TensorStore storage generation,
+    for a write conditional on it (`write_conditional`)."""
+    refuse_links(loc, name)
+    result = kvstore(loc).read(name).result()
+    if result.state != "value":
+        return None, result.stamp.generation
+    return result.value[: limit + 1], result.stamp.generation
+
+
+def write_conditional(
+    loc: Location, name: str, data: bytes, if_equal: bytes
+) -> tuple[bool, BaseException | None, BaseException | None]:
+    """Write a small file only if its generation is still `if_equal`.
+
+    Returns `(written, error, interrupt)`. An interrupt (Ctrl-C, `sys.exit`
+    from a signal handler) while the write is under way does not abandon it:
+    the write is waited for, so that whether it happened is known, and the
+    interrupt is returned for the caller to raise once that is recorded."""
+    future = kvstore(loc).write(name, data, if_equal=if_equal)
+    interrupt: BaseException | None = None
+    error: BaseException | None = None
+    written = False
+    while True:
+        try:
+            written = bool(future.result().generation)
+            break
+        except Exception as e:
+            error = write_error(loc, name, e)
+            break
+        except BaseException as e:  # kept and returned, so the write's outcome is known first
+            interrupt = interrupt or e
+    if written and loc.local is not None:
+        try:
+            sync_directory(loc.local)
+        except Exception as e:
+            error = write_error(loc, name, e)
+        except BaseException as e:  # the commit happened; the caller raises it afterwards
+            interrupt = interrupt or e
+    return written, error, interrupt
+
+
+def sync_directory(path: str) -> None:
+    """Make the entries of a local directory (created, renamed, deleted) durable."""
+    _fsync(path)
 
 
 def write_file(loc: Location, name: str, data: bytes) -> None:
@@ -141,10 +210,10 @@ def write_file(loc: Location, name: str, data: bytes) -> None:
         if loc.local is not None:
             _fsync(loc.local)
     except Exception as e:
-        raise _write_error(loc, name, e) from e
+        raise write_error(loc, name, e) from e
 
 
-def _write_error(loc: Location, name: str, error: BaseException) -> CheckpointError:
+def write_error(loc: Location, name: str, error: BaseException) -> CheckpointError:
     """A full disk, a read-only or forbidden destination: say so, not TensorStore's code."""
     return CheckpointError(
         f"Cannot write {name!r} in {loc.display!r}: {error}. Check that the destination is writable "
@@ -184,11 +253,21 @@ def remove(loc: Location, names: Iterable[str]) -> None:
 
 
 def ensure_directory(loc: Location) -> None:
-    if loc.local is not None:
-        try:
-            os.makedirs(loc.local, exist_ok=True)
-        except OSError as e:
-            raise _write_error(loc, ".", e) from e
+    """Create a local directory (and its parents), durably: the entry of each
+    new directory is synced in its parent, so a crash cannot lose the folder of
+    a committed checkpoint."""
+    if loc.local is None:
+        return
+    missing, path = [], os.path.abspath(loc.local)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    try:
+        os.makedirs(loc.local, exist_ok=True)
+        for created in reversed(missing):
+            _fsync(os.path.dirname(created))
+    except OSError as e:
+        raise write_error(loc, ".", e) from e
 
 
 def transaction() -> ts.Transaction:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -29,13 +30,16 @@ class LazyArray:
     raises. Materialise first.
     """
 
-    __slots__ = ("_like", "_loc", "_record", "_store")
+    __slots__ = ("_check", "_like", "_loc", "_record", "_store")
 
-    def __init__(self, loc: Location, record: LeafRecord, like: Any = None):
+    def __init__(self, loc: Location, record: LeafRecord, like: Any = None, check: Callable[[], None] | None = None):
         self._loc = loc
         self._record = record
         self._like = like
         self._store: Any = None
+        # Raises if the checkpoint was replaced since it was opened: called after
+        # every read, so a read never returns a later save's bytes.
+        self._check = check if check is not None else _no_check
 
     # Unhashable on purpose: `jax.jit` would otherwise try to treat it as static.
     __hash__ = None  # type: ignore[assignment]
@@ -81,6 +85,7 @@ class LazyArray:
             try:
                 self._store = _io.open_array(self._loc, self._record).result()
             except Exception as e:
+                self._check()
                 raise _io.leaf_io_error(e, self._record, self._loc, "open") from e
         return self._store
 
@@ -97,7 +102,9 @@ class LazyArray:
         try:
             array = store[index].read().result()
         except Exception as e:
+            self._check()
             raise _io.leaf_io_error(e, self._record, self._loc, "read") from e
+        self._check()
         array = _dtypes.decode(array, self._record)
         # A leaf cast on save reads back in the dtype it was saved from, as `dtype` says.
         if self._record.type != "prng_key" and array.dtype != self.dtype:
@@ -108,11 +115,24 @@ class LazyArray:
         array = self[...]
         return array if dtype is None else array.astype(dtype)
 
-    def start(self) -> Any:
-        """Start reading; the returned function waits and gives the value."""
+    def start(self, *, checked: bool = True) -> Any:
+        """Start reading; the returned function waits and gives the value (and,
+        unless `checked=False`, checks the checkpoint was not replaced)."""
         like = self._like if self._like is not None else jax.ShapeDtypeStruct(self.shape, self.dtype)
         target = np.dtype(like.dtype) if _dtypes.like_type(like) in ("jax", "numpy", "numpy_scalar") else None
-        return _read.start(self._open(), self._loc, self._record, like, dtype=target)
+        finish = _read.start(self._open(), self._loc, self._record, like, dtype=target)
+
+        def value() -> Any:
+            try:
+                out = finish()
+            except Exception:
+                self._check()
+                raise
+            if checked:
+                self._check()
+            return out
+
+        return value
 
     def read(self) -> Any:
         """Read the whole leaf, as the type of the `like` leaf it stands for."""
@@ -187,6 +207,14 @@ def materialise(tree: PyTree) -> PyTree:
         ```
     """
     leaves, treedef = jtu.tree_flatten(tree, is_leaf=is_lazy)
-    finishers = [leaf.start() if is_lazy(leaf) else None for leaf in leaves]
+    finishers = [leaf.start(checked=False) if is_lazy(leaf) else None for leaf in leaves]
     values = [finish() if finish is not None else leaf for leaf, finish in zip(leaves, finishers)]
+    # Once per checkpoint the leaves came from, not once per leaf.
+    checks = {id(leaf._check): leaf._check for leaf in leaves if is_lazy(leaf)}
+    for check in checks.values():
+        check()
     return jtu.tree_unflatten(treedef, values)
+
+
+def _no_check() -> None:
+    pass

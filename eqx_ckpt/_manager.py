@@ -3,11 +3,14 @@
 On disk, in the manager's directory:
 
     step_00000042/                 a complete eqx_ckpt checkpoint (manifest.json last)
-    step_00000042.metrics.json     its metrics, written before the save begins
+    manager.json                   the lease of the manager writing here (see `_lease`)
 
 A step exists only once `step_<step>/manifest.json` does, so a save interrupted at
-any moment is never reported. Such leftovers are removed by the next save.
-Anything else in the directory is never touched.
+any moment is never reported. Its metrics are in that manifest, so they commit
+with it. (Version 1 kept them beside the step, in `step_00000042.metrics.json`;
+such files are still read.) Leftovers of interrupted saves are removed by the
+next save, by the one manager holding the directory's lease. Anything else in
+the directory is never touched.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import PyTree
 
-from . import _io
+from . import _io, _lease, _serialise
 from ._deserialise import default_deserialise_filter_spec, tree_deserialise_leaves
 from ._errors import (
     CheckpointExistsError,
@@ -26,21 +29,19 @@ from ._errors import (
     CheckpointValueError,
 )
 from ._manifest import MANIFEST
-from ._serialise import PendingSave, default_serialise_filter_spec, tree_serialise_leaves
+from ._serialise import PendingSave, default_serialise_filter_spec
 from ._spec import location
 from ._steps import (
-    _MAX_METRICS_BYTES,
     _check_step,
     _clean_interrupted,
     _kept,
-    _metrics_json,
     _metrics_name,
+    _metrics_values,
     _primary,
     _rank,
     _read_metrics,
     _scan,
     _show,
-    _undo,
     step_name,
 )
 
@@ -52,7 +53,11 @@ class CheckpointManager:
     **Arguments:**
 
     - `directory`: the folder holding the steps (created on the first save), or a
-        kvstore URL. One manager at a time should write to it.
+        kvstore URL. One manager at a time writes to it: from its first `save`
+        until `close()` (or the end of a `with` block, or of the process), a
+        manager holds the directory's lease, and a second manager's `save`
+        (a job launched twice) raises `CheckpointExistsError` instead of
+        deleting the first one's steps. Restoring needs no lease.
     - `max_to_keep`: keep the `max_to_keep` most recent steps.
     - `keep_every`: also keep every step with `step % keep_every == 0`.
     - `best_n`: also keep the `best_n` steps with the best value of `best_metric`.
@@ -109,6 +114,7 @@ class CheckpointManager:
         self.best_metric, self.best_mode, self.blocking = best_metric, best_mode, blocking
         self._pending: PendingSave | None = None
         self._pending_step: int | None = None
+        self._lease: _lease.Lease | None = None
 
     @property
     def directory(self) -> str:
@@ -125,11 +131,28 @@ class CheckpointManager:
 
     def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
         try:
-            self.wait_until_finished()
+            self.close()
         except Exception:
             # An error already on its way out of the `with` block matters more.
             if error is None:
                 raise
+
+    def close(self) -> None:
+        """Wait for the background save (if any), then give up the directory's
+        lease so that another manager may write to it. Saving again takes it
+        back."""
+        try:
+            self.wait_until_finished()
+        finally:
+            lease, self._lease = self._lease, None
+            if lease is not None:
+                lease.release()
+
+    def _hold_directory(self) -> None:
+        """Take the directory's lease (once): only one manager writes here."""
+        if self._lease is None and _primary():
+            _io.ensure_directory(self._loc)
+            self._lease, _ = _lease.acquire(self._loc, _MANAGER_LEASE, what="CheckpointManager", journal=False)
 
     def step_path(self, step: int) -> str:
         """The path of a step's checkpoint (for `eqx_ckpt.Checkpoint`, or `eqx-ckpt ls`).
@@ -216,7 +239,10 @@ class CheckpointManager:
         """
         self.wait_until_finished()
         step = _check_step(step)
-        record = _metrics_json(step, metrics, self.directory)
+        values = _metrics_values(step, metrics, self.directory)
+        self._hold_directory()
+        if self._lease is not None:
+            self._lease.check()
         state = _scan(self._loc)
         _clean_interrupted(self._loc, state)
         if state.get(step) and not overwrite:
@@ -225,26 +251,20 @@ class CheckpointManager:
                 f"to replace it, or save under another step.",
                 path=self.directory,
             )
-        # Before the save begins, so that a committed step always has its metrics.
-        previous = _io.read_file(self._loc, _metrics_name(step), limit=_MAX_METRICS_BYTES) if state.get(step) else None
-        if _primary():
-            _io.ensure_directory(self._loc)
-            _io.write_file(self._loc, _metrics_name(step), record)
-        undo = lambda: _undo(self._loc, step, bool(state.get(step)), previous) if _primary() else None
         target = self._loc.joined(step_name(step))
+        # The metrics go into the step's manifest, so they commit with it; a
+        # leftover file of version 1 would shadow nothing, but is stale now.
+        if state.get(step) and _primary():
+            _io.remove(self._loc, [_metrics_name(step)])
         try:
-            pending = tree_serialise_leaves(
-                target,
-                pytree,
-                filter_spec,
-                is_leaf,
-                overwrite=overwrite,
-                blocking=self.blocking,
-                cast=cast,
-                layout=layout,
-            )
+            pending = _serialise.save(
+                target, pytree, filter_spec, is_leaf,
+                overwrite=overwrite, blocking=self.blocking, cast=cast, layout=layout, metrics=values,
+            )  # fmt: skip
+        except CheckpointExistsError:
+            raise  # another writer's save: nothing of it is ours to remove
         except BaseException:
-            undo()
+            self._undo(step)
             raise
         if pending is None:
             self._apply_retention()
@@ -254,11 +274,17 @@ class CheckpointManager:
             try:
                 pending.wait()
             except BaseException:
-                undo()
+                self._undo(step)
                 raise
             self._apply_retention()
 
         self._pending, self._pending_step = PendingSave(finish), step
+
+    def _undo(self, step: int) -> None:
+        """After a failed save: a step folder this save created, and that holds
+        no committed checkpoint, goes. A committed step is never deleted here."""
+        if _primary() and not _scan(self._loc).get(step, False):
+            _io.remove(self._loc, [step_name(step)])
 
     def wait_until_finished(self) -> None:
         """Block until the background save (if any) has committed and old steps are
@@ -267,11 +293,7 @@ class CheckpointManager:
         pending, self._pending, self._pending_step = self._pending, None, None
         if pending is None:
             return
-        try:
-            pending.wait()
-        except BaseException:
-            _clean_interrupted(self._loc, _scan(self._loc))
-            raise
+        pending.wait()
 
     def restore(
         self,
@@ -377,3 +399,7 @@ class CheckpointManager:
             if step not in keep:
                 _io.delete_file(self._loc.joined(step_name(step)), MANIFEST)
                 _io.remove(self._loc, [step_name(step), _metrics_name(step)])
+
+
+# The lease file of the manager writing to a directory.
+_MANAGER_LEASE = "manager.json"

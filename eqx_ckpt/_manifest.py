@@ -14,6 +14,7 @@ import hashlib
 import itertools
 import json
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,10 +22,13 @@ from . import _keypath
 from ._errors import CorruptCheckpointError
 
 FORMAT = "eqx_ckpt"
-FORMAT_VERSION = 1
+# Version 2 adds the commit identity, per-save data roots (`gen.<commit>`) and
+# metrics; version 1 checkpoints are still read.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 SAVING = "saving.json"
-DATA_ROOTS = ("", "gen.2")
+# Data roots: "" or `gen.2` (version 1, alternating), `gen.<commit>` (version 2).
+_DATA_ROOT = re.compile(r"^gen\.([0-9a-f]{16}|2)$")
 # How arrays sit under the data root (see `_layout`).
 LAYOUTS = ("directories", "ocdbt")
 MAX_MANIFEST_BYTES = 256 * 2**20
@@ -97,6 +101,12 @@ class Manifest:
     library_version: str = ""
     format_version: int = FORMAT_VERSION
     layout: str = "directories"
+    # The save that wrote it (a random id; "" for version 1).
+    commit: str = ""
+    # Numbers stored with the save (a manager's metrics), committed with it.
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Where the reader found it: changes when the manifest file is replaced.
+    stamp: bytes = dataclasses.field(default=b"", compare=False)
 
     @property
     def total_bytes(self) -> int:
@@ -113,6 +123,8 @@ class Manifest:
             "created": self.created,
             "data_root": self.data_root,
             "layout": self.layout,
+            "commit": self.commit,
+            "metrics": self.metrics,
             "leaf_count": len(self.leaves),
             "total_bytes": self.total_bytes,
             "leaves": [leaf.to_json() for leaf in self.leaves],
@@ -121,11 +133,23 @@ class Manifest:
         return json.dumps(body, indent=1, allow_nan=False).encode()
 
 
-def new_manifest(leaves: Sequence[LeafRecord], data_root: str, layout: str = "directories") -> Manifest:
+def new_manifest(
+    leaves: Sequence[LeafRecord],
+    data_root: str,
+    layout: str = "directories",
+    *,
+    commit: str = "",
+    metrics: dict[str, Any] | None = None,
+) -> Manifest:
     from . import __version__
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return Manifest(tuple(leaves), data_root, now, __version__, layout=layout)
+    return Manifest(tuple(leaves), data_root, now, __version__, layout=layout, commit=commit, metrics=metrics or {})
+
+
+def is_data_root(name: str) -> bool:
+    """Whether `name` is a data root folder eqx_ckpt writes (`gen.<commit>`)."""
+    return bool(_DATA_ROOT.match(name))
 
 
 def _digest(body: dict[str, Any]) -> str:
@@ -143,7 +167,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def parse(data: bytes, *, where: str) -> Manifest:
+def parse(data: bytes, *, where: str, stamp: bytes = b"") -> Manifest:
     """Parse and validate manifest bytes; any problem is a `CorruptCheckpointError`."""
 
     def bad(why: str) -> CorruptCheckpointError:
@@ -168,8 +192,16 @@ def parse(data: bytes, *, where: str) -> Manifest:
         )
     if body.get("digest") != _digest(body):
         raise bad("its digest does not match its content, so it was edited or damaged")
-    if body.get("data_root") not in DATA_ROOTS:
-        raise bad(f"data root {body.get('data_root')!r} is not one of {DATA_ROOTS}")
+    root = body.get("data_root")
+    if not (root == "" or (isinstance(root, str) and is_data_root(root))):
+        raise bad(f"data root {root!r} is neither '' nor a `gen.<commit>` folder")
+    commit, metrics = body.get("commit", ""), body.get("metrics", {})
+    if not isinstance(commit, str) or not re.fullmatch(r"([0-9a-f]{16})?", commit):
+        raise bad(f"commit {commit!r} is not a 16-digit hex identity")
+    if not isinstance(metrics, dict) or not all(
+        isinstance(k, str) and isinstance(v, (bool, int, float, str)) for k, v in metrics.items()
+    ):
+        raise bad("`metrics` is not a mapping from name to number")
     if body.get("layout", "directories") not in LAYOUTS:
         raise bad(f"layout {body.get('layout')!r} is not one of {LAYOUTS}")
     leaves = body.get("leaves")
@@ -187,7 +219,7 @@ def parse(data: bytes, *, where: str) -> Manifest:
             raise bad(f"`{key}` is not a string")
     return Manifest(
         tuple(records), body["data_root"], body.get("created", ""), body.get("library_version", ""), version,
-        layout=body.get("layout", "directories"),
+        layout=body.get("layout", "directories"), commit=commit, metrics=metrics, stamp=stamp,
     )  # fmt: skip
 
 

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import functools
-import json
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _commit, _dtypes, _io, _layout, _manifest, _multihost, _tree, _write
+from . import _commit, _dtypes, _io, _layout, _lease, _manifest, _multihost, _tree, _write
 from ._errors import CheckpointError, CheckpointValueError, LeafError, leaf_message
 from ._handle import LeafHandle
-from ._manifest import LeafRecord
+from ._lazy import LazyArray
 from ._spec import Location, location
 
 
@@ -28,8 +29,11 @@ def default_serialise_filter_spec(handle: LeafHandle, x: Any) -> None:
 
     **Returns:**
 
-    Nothing. JAX arrays (PRNG key arrays included), NumPy arrays and scalars, and
-    Python `bool`/`int`/`float`/`complex` are written; every other leaf is skipped.
+    Nothing. JAX arrays (PRNG key arrays included), NumPy arrays and scalars,
+    Python `bool`/`int`/`float`/`complex`, and the [`eqx_ckpt.LazyArray`][]
+    leaves of a lazily loaded tree (with their values) are written; every other
+    leaf is skipped. An abstract leaf (`jax.ShapeDtypeStruct`, as
+    `eqx.filter_eval_shape` gives) has no value to save and is an error.
 
     !!! example
 
@@ -46,12 +50,13 @@ def default_serialise_filter_spec(handle: LeafHandle, x: Any) -> None:
         eqx_ckpt.tree_serialise_leaves("ckpt", (jnp.ones(2), np.ones(2)), spec)
         ```
     """
-    if _dtypes.leaf_type(x) is not None:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        raise handle.error(
+            f"it is abstract ({x.dtype}{list(x.shape)}, as `eqx.filter_eval_shape` gives): it has no value to save.",
+            "Save a concrete tree, or skip abstract leaves with a `filter_spec`.",
+        )
+    if _dtypes.leaf_type(x) is not None or isinstance(x, LazyArray):
         handle.write(x)
-
-
-_IN_FLIGHT: dict[str, PendingSave] = {}
-_IN_FLIGHT_LOCK = threading.Lock()
 
 
 class PendingSave:
@@ -60,15 +65,18 @@ class PendingSave:
 
     Call `wait()` to block until the checkpoint is committed; it raises any error
     the background writes hit (and then nothing was committed). A later save to
-    the same path waits for this one to finish before it starts writing.
+    the same path waits for this one to finish before it starts. A program that
+    ends with saves in flight waits for them before it exits (and says so on
+    stderr), so a script's last checkpoint is never lost.
     """
 
-    def __init__(self, run: Callable[[], None], destination: str = ""):
+    def __init__(self, run: Callable[[], None]):
         self._error: BaseException | None = None
-        self._destination = destination
-        self._thread = threading.Thread(target=self._run, args=(run,), daemon=True, name="eqx_ckpt-save")
-        with _IN_FLIGHT_LOCK:
-            _IN_FLIGHT[destination] = self
+        # Not a daemon: the interpreter waits for it at exit, while TensorStore
+        # can still finish the writes.
+        self._thread = threading.Thread(target=self._run, args=(run,), name="eqx_ckpt-save")
+        with _PENDING_LOCK:
+            _PENDING.add(self)
         self._thread.start()
 
     def _run(self, run: Callable[[], None]) -> None:
@@ -77,9 +85,8 @@ class PendingSave:
         except BaseException as e:  # re-raised by `wait`
             self._error = e
         finally:
-            with _IN_FLIGHT_LOCK:
-                if _IN_FLIGHT.get(self._destination) is self:
-                    del _IN_FLIGHT[self._destination]
+            with _PENDING_LOCK:
+                _PENDING.discard(self)
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""
@@ -90,6 +97,23 @@ class PendingSave:
         self._thread.join()
         if self._error is not None:
             raise self._error
+
+
+_PENDING: set[PendingSave] = set()
+_PENDING_LOCK = threading.Lock()
+
+
+def _announce_wait_at_exit() -> None:
+    with _PENDING_LOCK:
+        count = len(_PENDING)
+    if count:
+        print(f"eqx_ckpt: waiting for {count} checkpoint save(s) to commit before exiting.", file=sys.stderr)
+
+
+# Run when the interpreter starts to shut down, before it joins the save threads.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_announce_wait_at_exit)
 
 
 def tree_serialise_leaves(
@@ -155,61 +179,120 @@ def tree_serialise_leaves(
         eqx_ckpt.tree_serialise_leaves("mlp_ckpt", model)
         ```
     """
-    loc = location(path)
-    _layout.check(layout)
-    cast_fn = _write.cast_function(cast)
-    pending = _collect(loc, pytree, filter_spec, is_leaf, cast_fn)
+    return save(
+        location(path), pytree, filter_spec, is_leaf, overwrite=overwrite, blocking=blocking, cast=cast, layout=layout
+    )
+
+
+def save(
+    loc: Location,
+    pytree: PyTree,
+    filter_spec: Any = default_serialise_filter_spec,
+    is_leaf: Callable[[Any], bool] | None = None,
+    *,
+    overwrite: bool = True,
+    blocking: bool = True,
+    cast: Any = None,
+    layout: str = "directories",
+    metrics: dict[str, Any] | None = None,
+) -> PendingSave | None:
+    """`tree_serialise_leaves`, with `metrics` committed in the manifest."""
     group = _multihost.Group()
-    if layout == "ocdbt" and group.count > 1:
-        raise CheckpointValueError(
-            f"`layout='ocdbt'` is not supported with {group.count} JAX processes: one "
-            f"OCDBT database has a single writer. Save with `layout='directories'`.",
-            path=loc.display,
-        )
-    _wait_for_earlier(loc)
-    tx = _begin(group, loc, overwrite=overwrite, layout=layout, paths=[p.record.path for p in pending])
+    # Every process reaches this first barrier, even one whose tree is bad, so
+    # that a failure anywhere fails the save everywhere at once.
+    pending: list[_write.Pending] = []
+    error: BaseException | None = None
     try:
-        commits, early = _write.start_writes(tx, pending, group, copy=not blocking), None
-    except BaseException as e:
-        if group.count == 1:
-            _commit.abort(tx)
-            if isinstance(e, CheckpointError) or not isinstance(e, Exception):
-                raise
-            # A full disk while creating the arrays, say: not TensorStore's bare message.
-            raise LeafError(
-                f"Saving checkpoint {loc.display!r} failed, and nothing was committed: {e}", path=loc.display
-            ) from e
-        # The other processes must still learn of it, at the next barrier.
-        commits, early = [], e
-
-    finish = functools.partial(_finish, tx, group, [p.record for p in pending], commits, early)
+        _layout.check(layout)
+        cast_fn = _write.cast_function(cast)
+        pending = _collect(loc, pytree, filter_spec, is_leaf, cast_fn)
+        if layout == "ocdbt" and group.count > 1:
+            raise CheckpointValueError(
+                f"`layout='ocdbt'` is not supported with {group.count} JAX processes: one "
+                f"OCDBT database has a single writer. Save with `layout='directories'`.",
+                path=loc.display,
+            )
+    except Exception as e:
+        error = e
+    error = group.sync("prepared", error)
+    if error is not None:
+        raise error
+    exclusive = _lease.acquire_exclusive(loc)
+    try:
+        tx = _begin(group, loc, overwrite=overwrite, layout=layout, paths=[p.record.path for p in pending])
+    except BaseException:
+        exclusive.release()
+        raise
+    run = functools.partial(_write_and_commit, tx, group, pending, copy=not blocking, metrics=metrics)
     if blocking:
-        finish()
+        try:
+            run(started=None)
+        finally:
+            exclusive.release()
         return None
-    return PendingSave(finish, _destination(loc))
+    started = threading.Event()
+    try:
+        pending_save = PendingSave(functools.partial(_in_background, run, started, exclusive))
+    except BaseException:
+        tx.abort()
+        exclusive.release()
+        raise
+    # Return once every array is safe on the host: staged, or copied. (If this
+    # wait is interrupted, the save goes on, and the program's exit waits for it.)
+    started.wait()
+    return pending_save
 
 
-def _finish(
+def _in_background(run: Callable[..., None], started: threading.Event, exclusive: threading.Lock) -> None:
+    try:
+        run(started=started)
+    finally:
+        started.set()
+        exclusive.release()
+
+
+def _write_and_commit(
     tx: _commit.Transaction,
     group: _multihost.Group,
-    records: list[LeafRecord],
-    commits: list[Any],
-    error: BaseException | None,
+    pending: list[_write.Pending],
+    *,
+    copy: bool,
+    metrics: dict[str, Any] | None,
+    started: threading.Event | None,
 ) -> None:
-    """Wait until every process's data is durable, then commit once (process 0);
-    on any failure, process 0 deletes what the save wrote and all raise."""
-    error = _write.wait_all(commits, error)
-    # Each process makes its own writes durable; only then may process 0 commit.
-    error = error or _write.attempt(lambda: _io.flush(tx.data))
-    error = group.sync("written", error)
-    if error is None and group.primary:
-        manifest = _manifest.new_manifest(records, tx.target, tx.layout)
-        error = _write.attempt(lambda: _commit.commit(tx, manifest))
-    error = group.sync("committed", error)
+    """Write every array, make it durable, then commit once (process 0). Before
+    the commit, any failure or interrupt deletes what this save wrote; after it,
+    nothing undoes the save."""
+    commits: list[Any] = []
+    error: BaseException | None = None
+    try:
+        try:
+            commits = _write.start_writes(tx, pending, group, copy=copy)
+        except Exception as e:
+            error = e
+        if started is not None:
+            started.set()
+        error = _write.wait_all(commits, error)
+        # Each process makes its own writes durable; only then may process 0 commit.
+        error = error or _write.attempt(lambda: _io.flush(tx.data))
+        error = group.sync("written", error)
+        if error is None and group.primary:
+            tx.written()
+            records = [p.record for p in pending]
+            manifest = _manifest.new_manifest(records, tx.target, tx.layout, commit=tx.commit_id, metrics=metrics)
+            error = _write.attempt(lambda: tx.commit(manifest))
+        error = group.sync("committed", error)
+    except BaseException:
+        # An interrupt (KeyboardInterrupt, SystemExit): undo only what is not committed.
+        _write.settle(commits)
+        _stop(tx, group)
+        raise
     if error is None:
+        if group.primary:
+            _clean(tx)
         return
-    if group.primary:
-        _commit.abort(tx)
+    _write.settle(commits)
+    _stop(tx, group)
     if isinstance(error, CheckpointError):
         raise error
     display = tx.loc.display
@@ -217,17 +300,21 @@ def _finish(
     raise LeafError(message, path=display) from error
 
 
-def _destination(loc: Location) -> str:
-    return json.dumps(loc.kvstore, sort_keys=True)
+def _stop(tx: _commit.Transaction, group: _multihost.Group) -> None:
+    if not group.primary:
+        return
+    if tx.state in (_commit.State.COMMITTED, _commit.State.CLEANED):
+        tx.leave()
+    else:
+        tx.abort()
 
 
-def _wait_for_earlier(loc: Location) -> None:
-    """Wait for a background save to the same destination (its error, if any, is
-    raised by its own `wait()`, not here)."""
-    with _IN_FLIGHT_LOCK:
-        earlier = _IN_FLIGHT.get(_destination(loc))
-    if earlier is not None:
-        earlier._thread.join()
+def _clean(tx: _commit.Transaction) -> None:
+    try:
+        tx.clean()
+    except BaseException:  # an interrupt after the commit: the checkpoint is whole
+        tx.leave()
+        raise
 
 
 def _begin(
@@ -243,7 +330,7 @@ def _begin(
         group.sync("begin", None)  # only this process can fail at `begin`, and it did not
         error = group.sync("joined", None)
         if error is not None:
-            _commit.abort(tx)
+            tx.abort()
             raise error
         return tx
     error = group.sync("begin", None)

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from . import _io
+from ._commit import read_manifest
 from ._errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
 from ._manifest import MANIFEST
 from ._spec import Location
@@ -110,20 +111,9 @@ def _clean_interrupted(loc: Location, state: dict[int, bool]) -> None:
     _io.remove(loc, stale)
 
 
-def _undo(loc: Location, step: int, committed: bool, previous: bytes | None) -> None:
-    """After a failed save: a new step leaves nothing; a step being overwritten keeps
-    its old arrays, so it gets its old metrics back."""
-    if not committed:
-        _io.remove(loc, [step_name(step), _metrics_name(step)])
-    elif previous is None:
-        _io.delete_file(loc, _metrics_name(step))
-    else:
-        _io.write_file(loc, _metrics_name(step), previous)
-
-
-def _metrics_json(step: int, metrics: Mapping[str, Any] | None, directory: str) -> bytes:
-    """The metrics file's bytes; non-finite values are spelt as strings, so the file
-    stays standard JSON."""
+def _metrics_values(step: int, metrics: Mapping[str, Any] | None, directory: str) -> dict[str, Any]:
+    """The metrics as stored in the step's manifest; non-finite values are spelt
+    as strings, so the manifest stays standard JSON."""
     if metrics is None:
         metrics = {}
     if not isinstance(metrics, Mapping):
@@ -138,10 +128,19 @@ def _metrics_json(step: int, metrics: Mapping[str, Any] | None, directory: str) 
             )
         number = array.item()
         values[name] = number if math.isfinite(number) else str(number)
-    return json.dumps({"step": step, "metrics": values}, indent=1).encode()
+    return values
 
 
 def _read_metrics(loc: Location, step: int) -> dict[str, Any]:
+    """A committed step's metrics: from its manifest, or, for a step saved by
+    version 1, from the file beside it."""
+    manifest = read_manifest(loc.joined(step_name(step)))
+    if manifest is not None and manifest.format_version >= 2:
+        return {k: float(v) if isinstance(v, str) else v for k, v in manifest.metrics.items()}
+    return _read_metrics_file(loc, step)
+
+
+def _read_metrics_file(loc: Location, step: int) -> dict[str, Any]:
     data = _io.read_file(loc, _metrics_name(step), limit=_MAX_METRICS_BYTES)
     if data is None:
         return {}

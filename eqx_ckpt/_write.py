@@ -13,6 +13,7 @@ import numpy as np
 
 from . import _commit, _dtypes, _io, _keypath, _multihost, _sharding
 from ._handle import LeafHandle
+from ._lazy import LazyArray
 from ._manifest import LeafRecord
 from ._spec import Location, chunk_shape
 
@@ -25,6 +26,11 @@ class Pending:
 
 def prepare(handle: LeafHandle, x: Any, cast: Callable[[str, np.dtype], Any] | None) -> Pending:
     """The manifest record and the host pieces of one leaf."""
+    if isinstance(x, LazyArray):
+        # A leaf of a lazily loaded tree is saved with its value: read it now,
+        # before anything is written (it may come from the checkpoint being
+        # replaced, which stays whole until this save commits).
+        x = x.read()
     kind = _dtypes.leaf_type(x)
     if kind is None:
         raise handle.error(
@@ -150,9 +156,11 @@ def _group_writes(data: Location, paths: list[str]) -> list[Any]:
 
 
 def attempt(run: Callable[[], Any]) -> BaseException | None:
+    """Run `run`; its error, or `None`. Interrupts (KeyboardInterrupt,
+    SystemExit) are not errors of the save: they propagate as themselves."""
     try:
         run()
-    except BaseException as e:  # returned, and raised by the caller
+    except Exception as e:  # returned, and raised by the caller
         return e
     return None
 
@@ -162,3 +170,21 @@ def wait_all(futures: list[Any], error: BaseException | None) -> BaseException |
     for future in futures:
         error = error or attempt(future.result)
     return error
+
+
+def settle(futures: list[Any]) -> None:
+    """Wait until no write of `futures` is still running, so that deleting what
+    they wrote cannot race them. Errors are ignored (the save has failed
+    already); a further interrupt is raised once all have settled."""
+    interrupt: BaseException | None = None
+    for future in futures:
+        while True:
+            try:
+                future.result()
+                break
+            except Exception:
+                break
+            except BaseException as e:  # raised below, once every write has stopped
+                interrupt = interrupt or e
+    if interrupt is not None:
+        raise interrupt

@@ -5,6 +5,7 @@ import itertools
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -34,47 +35,66 @@ def _data_root(path):
     return json.loads((path / "manifest.json").read_text())["data_root"]
 
 
-def test_overwrites_alternate_and_leave_nothing_stale(tmp_path):
+def _is_generation(name):
+    return re.fullmatch(r"gen\.[0-9a-f]{16}", name) is not None
+
+
+def test_overwrites_use_fresh_data_roots_and_leave_nothing_stale(tmp_path):
+    # A first save writes at the key paths themselves; every overwrite writes a
+    # new `gen.<commit>` folder, so no data root name is ever reused.
     trees = [
         {"a": jnp.full(3, 1.0), "old": {"x": jnp.zeros(2)}},
         {"a": jnp.full(3, 2.0), "b": jnp.ones(4, jnp.int32)},
         {"a": jnp.full(3, 3.0), "c": np.arange(2)},
     ]
-    roots, expected_dirs = [], [["a", "old/x"], ["gen.2/a", "gen.2/b"], ["a", "c"]]
-    for tree, dirs in zip(trees, expected_dirs):
+    roots = []
+    for tree in trees:
         eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
-        roots.append(_data_root(tmp_path))
+        root = _data_root(tmp_path)
+        roots.append(root)
         assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
-        assert _array_dirs(tmp_path) == dirs
-        assert list(eqx_ckpt.Checkpoint(tmp_path)) == [d.removeprefix("gen.2/").replace("/", ".") for d in dirs]
-    assert roots == ["", "gen.2", ""]
-    assert not (tmp_path / "old").exists()
-    assert not (tmp_path / "gen.2").exists()
-    assert not (tmp_path / "saving.json").exists()
+        keys = sorted(eqx_ckpt.Checkpoint(tmp_path))
+        assert _array_dirs(tmp_path) == [f"{root}/{k}" if root else k.replace(".", "/") for k in keys]
+        assert sorted(os.listdir(tmp_path)) == sorted(
+            ["manifest.json", root] if root else ["a", "old", "zarr.json", "manifest.json"]
+        )
+    assert roots[0] == "" and all(_is_generation(r) for r in roots[1:]) and roots[1] != roots[2]
+    commits = {json.loads((tmp_path / "manifest.json").read_text())["commit"]}
+    assert roots[2] == "gen." + commits.pop()
     assert sorted(eqx_ckpt.Checkpoint(tmp_path)) == ["a", "c"]
+
+
+def _fail_manifest(monkeypatch, before=None, exit_code=None):
+    """Make the commit (the manifest's conditional write) fail, or kill the process there."""
+    real = _io.write_conditional
+
+    def write_conditional(loc, name, data, if_equal):
+        if name == "manifest.json":
+            if before is not None:
+                before()
+            raise OSError("disk full")
+        return real(loc, name, data, if_equal)
+
+    monkeypatch.setattr(_io, "write_conditional", write_conditional)
 
 
 def test_old_checkpoint_loads_until_the_new_manifest_is_written(tmp_path, monkeypatch):
     old = {"a": jnp.arange(3), "b": 1.5}
     eqx_ckpt.tree_serialise_leaves(tmp_path, old)
     before = snapshot(tmp_path)
-    real_write = _io.write_file
-
     seen = {}
 
-    def write_file(loc, name, data):
-        if name == "manifest.json":
-            # Everything new is written; the old checkpoint is still the visible one.
-            seen["new arrays"] = _array_dirs(tmp_path)
-            seen["old loads"] = eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
-            raise OSError("disk full")
-        real_write(loc, name, data)
+    def check():
+        # Everything new is written; the old checkpoint is still the visible one.
+        seen["new arrays"] = _array_dirs(tmp_path)
+        seen["old loads"] = eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
 
-    monkeypatch.setattr(_io, "write_file", write_file)
+    _fail_manifest(monkeypatch, check)
     with pytest.raises(eqx_ckpt.CheckpointError, match="nothing was committed"):
         eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.arange(3) + 10, "b": 2.5})
     monkeypatch.undo()
-    assert seen == {"new arrays": ["a", "b", "gen.2/a", "gen.2/b"], "old loads": True}
+    new = [d for d in seen["new arrays"] if d not in ("a", "b")]
+    assert len(new) == 2 and _is_generation(new[0].split("/")[0]) and seen["old loads"]
     assert snapshot(tmp_path) == before
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
 
@@ -87,14 +107,14 @@ _KILLED_SAVE = textwrap.dedent(
     import eqx_ckpt
     from eqx_ckpt import _io
 
-    real_write = _io.write_file
+    real = _io.write_conditional
 
-    def write_file(loc, name, data):
+    def write_conditional(loc, name, data, if_equal):
         if name == "manifest.json":
             os._exit(17)
-        real_write(loc, name, data)
+        return real(loc, name, data, if_equal)
 
-    _io.write_file = write_file
+    _io.write_conditional = write_conditional
     eqx_ckpt.tree_serialise_leaves(sys.argv[1], {"half": jnp.ones(3)})
     """
 )
@@ -121,13 +141,14 @@ def test_interrupted_overwrite_keeps_the_old_checkpoint(tmp_path):
     old = {"a": jnp.arange(3)}
     eqx_ckpt.tree_serialise_leaves(tmp_path, old)
     _killed_save(tmp_path)
-    assert _array_dirs(tmp_path) == ["a", "gen.2/half"]
+    dead = [d for d in _array_dirs(tmp_path) if d != "a"]
+    assert len(dead) == 1 and dead[0].endswith("/half")
     assert list(eqx_ckpt.Checkpoint(tmp_path)) == ["a"]
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
     new = {"b": jnp.arange(3) * 5}
     eqx_ckpt.tree_serialise_leaves(tmp_path, new)
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, new), new, typematch=True)
-    assert _array_dirs(tmp_path) == ["gen.2/b"]
+    assert _array_dirs(tmp_path) == [f"{_data_root(tmp_path)}/b"]
     assert not (tmp_path / "saving.json").exists()
 
 
@@ -150,36 +171,35 @@ def test_files_next_to_a_checkpoint_survive_an_overwrite(tmp_path):
 
 def test_user_files_named_like_keys_survive_overwrites(tmp_path):
     # Only names a save wrote (listed in the old manifest or in `saving.json`) are
-    # ever deleted, even when a user's file is named like a key.
+    # ever deleted, and a save never writes into a name it did not create, even
+    # when a user's folder is named like a key of the new tree.
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(2), "b": jnp.zeros(1)})
     (tmp_path / "logs").mkdir()
-    (tmp_path / "logs" / "run1").write_text("log")
+    (tmp_path / "logs" / "run1.txt").write_text("log")
     (tmp_path / "NOTES").write_text("notes")
     for value in (1.0, 2.0, 3.0):
-        eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.full(2, value)})
-        assert eqx.tree_equal(
-            eqx_ckpt.tree_deserialise_leaves(tmp_path, {"a": jnp.zeros(2)}), {"a": jnp.full(2, value)}
-        )
-    assert (tmp_path / "logs" / "run1").read_text() == "log"
+        tree = {"a": jnp.full(2, value), "logs": jnp.full(3, value)}
+        eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+        assert (tmp_path / "logs" / "run1.txt").read_text() == "log"
+    assert sorted(os.listdir(tmp_path / "logs")) == ["run1.txt"]
     assert (tmp_path / "NOTES").read_text() == "notes"
     # ...while the arrays of replaced checkpoints are gone.
     assert not (tmp_path / "b").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["NOTES", "gen.2", "logs", "manifest.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["NOTES", _data_root(tmp_path), "logs", "manifest.json"]
 
 
 def test_manifest_is_written_last(tmp_path, monkeypatch):
     order = []
-    real_write = _io.write_file
+    real = _io.write_conditional
 
-    def write_file(loc, name, data):
+    def write_conditional(loc, name, data, if_equal):
         order.append((name, sorted(_array_dirs(tmp_path))))
-        real_write(loc, name, data)
+        return real(loc, name, data, if_equal)
 
-    monkeypatch.setattr(_io, "write_file", write_file)
+    monkeypatch.setattr(_io, "write_conditional", write_conditional)
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(2), "b": {"c": jnp.ones(3)}})
-    names = [name for name, _ in order]
-    assert names[-1] == "manifest.json"
-    assert order[-1][1] == ["a", "b/c"]
+    assert order == [("manifest.json", ["a", "b/c"])]
 
 
 def test_lock_files_of_a_killed_write_are_cleared(tmp_path):
@@ -192,7 +212,7 @@ def test_lock_files_of_a_killed_write_are_cleared(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["a", "manifest.json", "zarr.json"]
     (tmp_path / "manifest.json.__lock").write_text("{")
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
-    assert sorted(os.listdir(tmp_path)) == ["gen.2", "manifest.json"]
+    assert sorted(os.listdir(tmp_path)) == sorted([_data_root(tmp_path), "manifest.json"])
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
 
 
@@ -200,22 +220,22 @@ def test_arrays_are_flushed_before_the_manifest_commits(tmp_path, monkeypatch):
     # Arrays are written without a per-file fsync; one flush of every file the save
     # wrote must come before the manifest, or a power cut could commit lost data.
     events = []
-    real_flush, real_write = _io.flush, _io.write_file
+    real_flush, real_write = _io.flush, _io.write_conditional
 
     def flush(loc):
         events.append(("flush", sorted(p.name for p in pathlib.Path(loc.local).iterdir())))
         real_flush(loc)
 
-    def write_file(loc, name, data):
+    def write_conditional(loc, name, data, if_equal):
         events.append(("write", name))
-        real_write(loc, name, data)
+        return real_write(loc, name, data, if_equal)
 
     monkeypatch.setattr(_io, "flush", flush)
-    monkeypatch.setattr(_io, "write_file", write_file)
+    monkeypatch.setattr(_io, "write_conditional", write_conditional)
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(2), "b": {"c": jnp.ones(3)}})
     kinds = [e[0] if e[0] == "flush" else e[1] for e in events]
-    assert kinds == ["saving.json", "flush", "manifest.json"]
-    assert events[1][1] == ["a", "b", "saving.json", "zarr.json"]
+    assert kinds == ["flush", "manifest.json"]
+    assert events[0][1] == ["a", "b", "saving.json", "zarr.json"]
 
 
 def test_flush_tolerates_another_writers_temporary_files(tmp_path):

@@ -46,7 +46,7 @@ def _committed_entries(path: pathlib.Path) -> set[str]:
     no second data root."""
     root = eqx_ckpt.Checkpoint(path)._manifest.data_root
     names = set(os.listdir(path))
-    return names - ({"manifest.json", "gen.2"} if root else {"manifest.json", "zarr.json", "w", "layers", "step"})
+    return names - ({"manifest.json", root} if root else {"manifest.json", "zarr.json", "w", "layers", "step"})
 
 
 @pytest.fixture

@@ -103,7 +103,7 @@ RAW_MANIFESTS = {
     "duplicate-json-key": lambda text: text.replace(
         '"format": "eqx_ckpt"', '"format": "eqx_ckpt", "format": "eqx_ckpt"'
     ),
-    "nan-constant": lambda text: text.replace('"format_version": 1', '"format_version": NaN'),
+    "nan-constant": lambda text: text.replace('"format_version": 2', '"format_version": NaN'),
     "deep-nesting": lambda text: "[" * 100_000 + "]" * 100_000,
     "top-level-list": lambda text: "[]",
     "binary": lambda text: "\x00\xff\xfe garbage",
@@ -265,10 +265,11 @@ def test_manifest_symlink_is_refused(tmp_path):
 def test_data_root_symlink_is_refused(tmp_path):
     outside = _outside_copy(tmp_path)
     ckpt = _make(tmp_path / "ckpt")
-    eqx_ckpt.tree_serialise_leaves(ckpt, _tree())  # now in gen.2
-    shutil.rmtree(ckpt / "gen.2")
-    (ckpt / "gen.2").symlink_to(outside, target_is_directory=True)
-    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=r"'gen\.2' .* is a symbolic link"):
+    eqx_ckpt.tree_serialise_leaves(ckpt, _tree())  # now in gen.<commit>
+    root = json.loads((ckpt / "manifest.json").read_text())["data_root"]
+    shutil.rmtree(ckpt / root)
+    (ckpt / root).symlink_to(outside, target_is_directory=True)
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=rf"'{re.escape(root)}' .* is a symbolic link"):
         eqx_ckpt.tree_deserialise_leaves(ckpt, _like())
     with pytest.raises(eqx_ckpt.CorruptCheckpointError):
         eqx_ckpt.Checkpoint(ckpt)

@@ -38,7 +38,7 @@ def test_round_trip_and_layout(tmp_path):
     manager = eqx_ckpt.CheckpointManager(tmp_path / "run")
     state = _state(7)
     manager.save(42, state, metrics={"loss": np.float32(0.5), "epoch": 3, "ok": True})
-    assert _listing(tmp_path / "run") == ["step_00000042", "step_00000042.metrics.json"]
+    assert _listing(tmp_path / "run") == ["step_00000042"]  # the metrics are in its manifest
     assert (tmp_path / "run" / "step_00000042" / "manifest.json").is_file()
     assert manager.step_path(42) == str(tmp_path / "run" / "step_00000042")
     assert manager.all_steps() == [42] and manager.latest_step() == 42
@@ -68,10 +68,8 @@ def test_max_to_keep(tmp_path):
     manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=2)
     _save_all(manager, {step: 1.0 for step in range(5)})
     assert manager.all_steps() == [3, 4]
-    # The deleted steps' folders and metrics are gone, not just their manifests.
-    assert _listing(tmp_path) == [
-        "step_00000003", "step_00000003.metrics.json", "step_00000004", "step_00000004.metrics.json"
-    ]  # fmt: skip
+    # The deleted steps' folders are gone, not just their manifests.
+    assert _listing(tmp_path) == ["step_00000003", "step_00000004"]
 
 
 def test_keep_every_keeps_multiples_and_the_latest(tmp_path):
@@ -113,8 +111,8 @@ def test_best_step_ignores_missing_and_nan_and_prefers_later_ties(tmp_path):
     assert manager.best_step() == 4
     assert math.isnan(manager.metrics(1)["loss"])
     assert manager.metrics(0) == {}
-    # Non-finite values are kept as strings, so the file stays standard JSON.
-    text = (tmp_path / "step_00000001.metrics.json").read_text()
+    # Non-finite values are kept as strings, so the manifest stays standard JSON.
+    text = (tmp_path / "step_00000001" / "manifest.json").read_text()
     assert json.loads(text, parse_constant=lambda c: pytest.fail(c))["metrics"] == {"loss": "nan"}
 
 
@@ -133,7 +131,9 @@ def test_best_step_needs_a_metric(tmp_path):
 def test_interrupted_step_folder_is_not_a_step_and_is_cleaned_up(tmp_path):
     manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=5)
     manager.save(1, _tree(1), metrics={"loss": 1.0})
-    # What a process killed mid-save leaves: arrays and metrics, no manifest.
+    manager.close()
+    # What a process killed mid-save leaves: arrays, no manifest (and, from
+    # version 1, metrics files beside steps).
     (tmp_path / "step_00000002" / "w").mkdir(parents=True)
     (tmp_path / "step_00000002" / "w" / "zarr.json").write_text("{}")
     (tmp_path / "step_00000002.metrics.json").write_text('{"step": 2, "metrics": {"loss": 0.0}}')
@@ -143,9 +143,7 @@ def test_interrupted_step_folder_is_not_a_step_and_is_cleaned_up(tmp_path):
     with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape("no committed step 2")):
         fresh.restore(_tree(0), step=2)
     fresh.save(3, _tree(3))
-    assert _listing(tmp_path) == [
-        "step_00000001", "step_00000001.metrics.json", "step_00000003", "step_00000003.metrics.json"
-    ]  # fmt: skip
+    assert _listing(tmp_path) == ["step_00000001", "step_00000003"]
     # The interrupted step can be saved again.
     fresh.save(2, _tree(2))
     assert fresh.all_steps() == [1, 2, 3]
@@ -161,7 +159,7 @@ def test_save_whose_filter_spec_raises_leaves_nothing(tmp_path):
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("no space for this leaf")):
         manager.save(2, _tree(2), metrics={"loss": 0.0}, filter_spec=broken)
     assert manager.all_steps() == [1]
-    assert _listing(tmp_path) == ["step_00000001", "step_00000001.metrics.json"]
+    assert _listing(tmp_path) == ["step_00000001"]
     assert eqx.tree_equal(manager.restore(_tree(0)), _tree(1), typematch=True)
     manager.save(2, _tree(2))
     assert manager.all_steps() == [2]
@@ -184,19 +182,19 @@ def test_async_error_surfaces_on_next_save_and_leaves_nothing(tmp_path, monkeypa
     manager = eqx_ckpt.CheckpointManager(tmp_path, blocking=False)
     manager.save(0, _tree(0))
     manager.wait_until_finished()
-    real_commit = _commit.commit
+    real_commit = _commit.Transaction.commit
 
     def commit_failing_for_step_1(tx, manifest):
         if tx.loc.display.endswith("step_00000001"):
             raise OSError("disk full")
         real_commit(tx, manifest)
 
-    monkeypatch.setattr(_commit, "commit", commit_failing_for_step_1)
+    monkeypatch.setattr(_commit.Transaction, "commit", commit_failing_for_step_1)
     manager.save(1, _tree(1), metrics={"loss": 1.0})
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("disk full")):
         manager.save(2, _tree(2))
     assert manager.all_steps() == [0]
-    assert _listing(tmp_path) == ["step_00000000", "step_00000000.metrics.json"]
+    assert _listing(tmp_path) == ["step_00000000"]
     # The error was reported once; saving goes on.
     manager.save(2, _tree(2))
     manager.wait_until_finished()
@@ -205,7 +203,7 @@ def test_async_error_surfaces_on_next_save_and_leaves_nothing(tmp_path, monkeypa
 
 def test_async_error_surfaces_on_wait(tmp_path, monkeypatch):
     manager = eqx_ckpt.CheckpointManager(tmp_path, blocking=False)
-    monkeypatch.setattr(_commit, "commit", lambda tx, manifest: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr(_commit.Transaction, "commit", lambda tx, manifest: (_ for _ in ()).throw(OSError("disk full")))
     manager.save(5, _tree(5))
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("disk full")):
         manager.wait_until_finished()
@@ -301,7 +299,7 @@ def test_other_files_are_never_touched(tmp_path):
     manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=1)
     assert manager.all_steps() == []
     _save_all(manager, {1: 1.0, 2: 1.0, 3: 1.0})
-    assert _listing(tmp_path) == sorted([*before, "step_00000003", "step_00000003.metrics.json"])
+    assert _listing(tmp_path) == sorted([*before, "step_00000003"])
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
@@ -339,9 +337,10 @@ def test_invalid_arguments(tmp_path):
     assert _listing(tmp_path) == []
 
 
-def test_corrupt_metrics_file(tmp_path):
+def test_edited_metrics_are_detected(tmp_path):
     manager = eqx_ckpt.CheckpointManager(tmp_path)
     manager.save(1, _tree(1), metrics={"loss": 1.0})
-    (tmp_path / "step_00000001.metrics.json").write_text('{"step": 1, "metrics": {"loss": [1]}}')
-    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("step_00000001.metrics.json")):
+    manifest = tmp_path / "step_00000001" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"loss": 1.0', '"loss": 0.1'))
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("its digest does not match")):
         manager.metrics(1)

@@ -1,6 +1,7 @@
 """Several JAX processes saving one checkpoint, for real: two processes on this
 machine, each with 2 CPU devices, joined by `jax.distributed`."""
 
+import json
 import os
 import pathlib
 import re
@@ -80,18 +81,20 @@ def saved(workers: tuple[pathlib.Path, list[str]]) -> pathlib.Path:
 
 def test_each_shard_written_once(workers: tuple[pathlib.Path, list[str]]) -> None:
     saved, outputs = workers
-    # The workers' last save overwrote the first one, so its arrays are in gen.2/.
-    data = saved / "gen.2"
-    assert sorted(p.name for p in saved.iterdir()) == ["gen.2", "manifest.json"]
+    # The workers' last save overwrote the first one, so its arrays are in gen.<commit>/.
+    root = json.loads((saved / "manifest.json").read_text())["data_root"]
+    data = saved / root
+    assert root.startswith("gen.") and sorted(p.name for p in saved.iterdir()) == [root, "manifest.json"]
     assert _chunk_files(data / "sharded") == 4
     assert _chunk_files(data / "half") == 2
     assert _chunk_files(data / "replicated") == 1
     assert _chunk_files(data / "small" / "table") == 1
     # Every file of that save was written by one process, once: the writes of all
-    # processes add up to its files, plus manifest.json and saving.json.
+    # processes add up to its files, plus manifest.json and the three writes of
+    # the lease `saving.json` (created, its journal, deleted).
     writes = [int(re.search(r"worker \d wrote (\d+) files", out).group(1)) for out in outputs]
     files = sum(1 for f in data.rglob("*") if f.is_file())
-    assert sum(writes) == files + 2
+    assert sum(writes) == files + 4
     assert all(n > 0 for n in writes)
 
 

@@ -106,26 +106,30 @@ def test_checkpoint_and_lazy_reads(tmp_path):
     assert eqx.tree_equal(eqx_ckpt.materialise(lazy), tree, typematch=True)
 
 
-def test_overwrite_alternates_and_removes_the_old_database(tmp_path):
+def _root(path):
+    return json.loads((path / "manifest.json").read_text())["data_root"]
+
+
+def test_overwrite_writes_a_new_database_and_removes_the_old_one(tmp_path):
     first, second, third = ({"w": jnp.arange(4) + i, "step": i} for i in range(3))
     eqx_ckpt.tree_serialise_leaves(tmp_path, first, layout="ocdbt")
-    eqx_ckpt.tree_serialise_leaves(tmp_path, second, layout="ocdbt")
-    assert sorted(os.listdir(tmp_path)) == ["gen.2", "manifest.json"]
-    assert os.listdir(tmp_path / "gen.2") == ["ocdbt.db"]
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, first), second, typematch=True)
-    # Back to the first data root, where a database was deleted and is made anew.
-    eqx_ckpt.tree_serialise_leaves(tmp_path, third, layout="ocdbt")
     assert sorted(os.listdir(tmp_path)) == ["manifest.json", "ocdbt.db"]
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, first), third, typematch=True)
+    for tree in (second, third):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, tree, layout="ocdbt")
+        assert sorted(os.listdir(tmp_path)) == sorted([_root(tmp_path), "manifest.json"])
+        assert os.listdir(tmp_path / _root(tmp_path)) == ["ocdbt.db"]
+        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, first), tree, typematch=True)
 
 
 def test_switching_layouts_on_overwrite(tmp_path):
     tree = {"a": {"b": jnp.arange(3)}}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree, layout="ocdbt")
-    assert sorted(os.listdir(tmp_path)) == ["gen.2", "manifest.json"]
+    assert sorted(os.listdir(tmp_path)) == sorted([_root(tmp_path), "manifest.json"])
+    assert os.listdir(tmp_path / _root(tmp_path)) == ["ocdbt.db"]
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
-    assert sorted(os.listdir(tmp_path)) == ["a", "manifest.json", "zarr.json"]
+    assert sorted(os.listdir(tmp_path)) == sorted([_root(tmp_path), "manifest.json"])
+    assert os.listdir(tmp_path / _root(tmp_path)) == ["a", "zarr.json"]
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
 
 

@@ -129,7 +129,7 @@ def _assert_contained(parent: pathlib.Path) -> None:
         # Below a leaf's `c/` chunk folder, names are chunk indices.
         in_chunks = "c" in relative
         for name in dirs:
-            assert in_chunks or name in ("c", "gen.2") or _NAME.match(name), name
+            assert in_chunks or name == "c" or re.fullmatch(r"gen\.[0-9a-f]{16}", name) or _NAME.match(name), name
         for name in files:
             assert name in ("zarr.json", "manifest.json", "c") or (in_chunks and name.isdigit()), name
 

@@ -2,6 +2,8 @@
 
 import json
 import re
+import subprocess
+import sys
 
 import equinox as eqx
 import jax
@@ -11,7 +13,7 @@ import pytest
 import tensorstore as ts
 
 import eqx_ckpt
-from eqx_ckpt import _commit, _io
+from eqx_ckpt import _io, _lease
 from eqx_ckpt._spec import location
 
 
@@ -55,11 +57,12 @@ def test_save_load_overwrite(s3, store):
     second = _tree(2)
     eqx_ckpt.tree_serialise_leaves(store, second)
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, first), second, typematch=True)
-    # The overwrite went to the other data root, and the old arrays were deleted
+    # The overwrite went to a new data root, and the old arrays were deleted
     # (delete_range over a prefix works on the object store).
     keys = _keys(s3, store)
-    assert "gen.2/model/encoder/w/zarr.json" in keys
-    assert [k for k in keys if not k.startswith("gen.2/")] == ["manifest.json"]
+    root = json.loads(ts.KvStore.open(store).result().read("manifest.json").result().value)["data_root"]
+    assert f"{root}/model/encoder/w/zarr.json" in keys
+    assert [k for k in keys if not k.startswith(f"{root}/")] == ["manifest.json"]
 
     with pytest.raises(eqx_ckpt.CheckpointExistsError, match=re.escape("`overwrite=False`")):
         eqx_ckpt.tree_serialise_leaves(store, first, overwrite=False)
@@ -110,39 +113,72 @@ def test_failed_writes_commit_nothing(s3, store):
     assert "AccessDenied" in str(info.value)
     s3.gate.reset()
     assert ts.KvStore.open(store).result().read("manifest.json").result().value == manifest
-    assert not any(k.startswith("gen.2/") or k == "saving.json" for k in _keys(s3, store))
+    assert not any(k.startswith("gen.") or k == "saving.json" for k in _keys(s3, store))
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
 
 
-def test_interrupted_save_is_invisible(s3, store, monkeypatch):
+_KILLED_SAVE = """
+import json, os, sys
+import numpy as np
+import eqx_ckpt
+from eqx_ckpt import _io
+
+real = _io.write_conditional
+
+def write_conditional(loc, name, data, if_equal):
+    if name == "manifest.json":
+        os._exit(17)  # killed after every array, before the manifest
+    return real(loc, name, data, if_equal)
+
+_io.write_conditional = write_conditional
+tree = {"model": {"encoder": {"w": np.full((4, 3), 2.0, np.float32)}}}
+eqx_ckpt.tree_serialise_leaves(json.loads(sys.argv[1]), tree)
+"""
+
+
+def test_killed_save_is_invisible_and_its_lease_goes_stale(s3, store, monkeypatch):
     """A process killed after writing every array but before the manifest: no
-    cleanup runs. Readers still see the previous checkpoint, whole."""
-
-    class Killed(BaseException):
-        pass
-
-    def killed(*args, **kwargs):
-        raise Killed
-
+    cleanup runs. Readers still see the previous checkpoint, whole; the next
+    save waits until the dead writer's lease is stale, then clears its arrays."""
     before = _tree(1)
     eqx_ckpt.tree_serialise_leaves(store, before)
-    with monkeypatch.context() as m:
-        m.setattr(_commit, "commit", killed)
-        m.setattr(_commit, "abort", lambda tx: None)
-        with pytest.raises(eqx_ckpt.CheckpointError):
-            eqx_ckpt.tree_serialise_leaves(store, _tree(2))
+    result = subprocess.run([sys.executable, "-c", _KILLED_SAVE, json.dumps(store)], capture_output=True, text=True)
+    assert result.returncode == 17, result.stderr
     keys = _keys(s3, store)
-    assert "gen.2/model/encoder/w/c/0/0" in keys and "saving.json" in keys  # the new arrays were written...
+    dead = {k.split("/")[0] for k in keys if k.startswith("gen.")}
+    assert len(dead) == 1 and "saving.json" in keys  # the new arrays were written...
     manifest = json.loads(ts.KvStore.open(store).result().read("manifest.json").result().value)
     assert manifest["data_root"] == ""  # ...but the manifest still points at the old ones
     assert sorted(eqx_ckpt.Checkpoint(store).keys()) == ["model.encoder.b", "model.encoder.w", "opt_state.mu", "step"]
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
 
-    # The next save clears the leftovers and commits normally.
+    # The next save waits `STALE_SECONDS` without a heartbeat, then takes over.
+    monkeypatch.setattr(_lease, "STALE_SECONDS", 1.0)
     after = _tree(3)
     eqx_ckpt.tree_serialise_leaves(store, after)
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, after), after, typematch=True)
-    assert "saving.json" not in _keys(s3, store)
+    keys = _keys(s3, store)
+    assert "saving.json" not in keys and not any(k.split("/")[0] in dead for k in keys)
+
+
+def test_a_live_writer_in_another_process_is_refused(s3, store, monkeypatch):
+    """Across processes an object store has no lock: the lease's heartbeat tells
+    a live writer from a dead one. (The other process is stood in for by a lease
+    this process does not know it holds.)"""
+    eqx_ckpt.tree_serialise_leaves(store, _tree(1))
+    monkeypatch.setattr(_lease, "HEARTBEAT_SECONDS", 0.2)
+    monkeypatch.setattr(_lease, "STALE_SECONDS", 3.0)
+    other, _ = _lease.acquire(location(store), "saving.json", what="save")
+    monkeypatch.setattr(_lease, "_held", {})  # as if it were held elsewhere
+    try:
+        refused = r"Another save is writing to .*lock file is being renewed"
+        with pytest.raises(eqx_ckpt.CheckpointExistsError, match=refused):
+            eqx_ckpt.tree_serialise_leaves(store, _tree(2))
+    finally:
+        other.release()
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, _tree(0)), _tree(1), typematch=True)
+    eqx_ckpt.tree_serialise_leaves(store, _tree(2))  # once released, saves go ahead
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, _tree(0)), _tree(2), typematch=True)
 
 
 def test_remove_and_list_names(store):
