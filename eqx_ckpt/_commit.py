@@ -163,9 +163,10 @@ class Transaction:
             _io.remove(self.loc, stale)
             self._release()
         except Exception as e:
+            self.leave()
             _warn(
-                f"Checkpoint {self.loc.display!r} was committed, but the arrays of the checkpoint it replaced "
-                f"could not all be deleted ({e}); the next save to it deletes them."
+                f"Checkpoint {self.loc.display!r} was committed, but tidying up after it failed ({e}): the "
+                f"arrays of the checkpoint it replaced, or its {SAVING}, may be left; the next save deletes them."
             )
             return
         self.state = State.CLEANED
@@ -186,18 +187,21 @@ class Transaction:
             if self.lease is None or _owns_lease(self.lease):
                 _io.remove(self.loc, self.names)
         except BaseException as e:
-            if self.lease is not None:
-                self.lease.release(keep_file=True)
+            self.leave()
             if not isinstance(e, Exception):
                 raise
             return  # the original error matters more
-        self._release()
+        try:
+            self._release()
+        except Exception:
+            pass  # the original error matters more; a stale lease is taken over by the next save
 
     def leave(self) -> None:
         """Stop without aborting (after the commit, or when interrupted): the
         journal stays, and the next save finishes the clean-up."""
         if self.lease is not None:
-            self.lease.release(keep_file=True)
+            with contextlib.suppress(Exception):  # keeping the file does no I/O
+                self.lease.release(keep_file=True)
 
     def _release(self) -> None:
         if self.lease is not None:
@@ -243,7 +247,8 @@ def begin(loc: Location, *, overwrite: bool, layout: str = "directories", paths:
     try:
         tx = _begin(loc, lease, stale, overwrite=overwrite, layout=layout, paths=paths)
     except BaseException:
-        lease.release()
+        with contextlib.suppress(Exception):  # the original error matters more
+            lease.release()
         raise
     tx.lease = lease
     return tx

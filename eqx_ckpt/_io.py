@@ -7,12 +7,13 @@ Everything here returns or composes TensorStore futures; callers block with
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import functools
 import os
 import shutil
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import tensorstore as ts
 
@@ -211,6 +212,22 @@ def write_file(loc: Location, name: str, data: bytes) -> None:
             _fsync(loc.local)
     except Exception as e:
         raise write_error(loc, name, e) from e
+
+
+@contextlib.contextmanager
+def explained(loc: Location, doing: str) -> Iterator[None]:
+    """Turn a storage failure (TensorStore's or the OS's) into a `CheckpointError`
+    saying what was being done, where, and that nothing was changed."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(
+            f"{doing} {loc.display!r} failed, and nothing was changed: {e}. Check that the storage is reachable "
+            f"and writable, then try again.",
+            path=loc.display,
+        ) from e
 
 
 def write_error(loc: Location, name: str, error: BaseException) -> CheckpointError:

@@ -139,19 +139,20 @@ class Lease:
         `keep_file=True`, leave it as the journal of an unfinished save for the
         next writer. Idempotent."""
         self._stop.set()
-        with self._mutex:
-            if self._generation != ABSENT and self._lost is None and not keep_file:
-                with contextlib.suppress(Exception):
-                    _io.kvstore(self.loc).write(self.name, None, if_equal=self._generation).result()
+        try:
+            with self._mutex:
+                generation, self._generation = self._generation, ABSENT
+                if generation != ABSENT and self._lost is None and not keep_file:
+                    _io.kvstore(self.loc).write(self.name, None, if_equal=generation).result()
                     if self.loc.local is not None:
                         _io.sync_directory(self.loc.local)
-            self._generation = ABSENT
+        finally:
             fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
-        key = _held_key(self.loc, self.name)
-        if _held.get(key) is self:
-            del _held[key]
+            if fd is not None:
+                os.close(fd)
+            key = _held_key(self.loc, self.name)
+            if _held.get(key) is self:
+                del _held[key]
 
     def __del__(self) -> None:
         # A lease dropped without release (a test, a crash) must not hold the

@@ -15,6 +15,7 @@ the directory is never touched.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ import equinox as eqx
 from jaxtyping import PyTree
 
 from . import _io, _lease, _serialise
+from ._commit import CommitWarning
 from ._deserialise import default_deserialise_filter_spec, tree_deserialise_leaves
 from ._errors import (
     CheckpointExistsError,
@@ -240,11 +242,12 @@ class CheckpointManager:
         self.wait_until_finished()
         step = _check_step(step)
         values = _metrics_values(step, metrics, self.directory)
-        self._hold_directory()
-        if self._lease is not None:
-            self._lease.check()
-        state = _scan(self._loc)
-        _clean_interrupted(self._loc, state)
+        with _io.explained(self._loc, f"Saving step {step} to"):
+            self._hold_directory()
+            if self._lease is not None:
+                self._lease.check()
+            state = _scan(self._loc)
+            _clean_interrupted(self._loc, state)
         if state.get(step) and not overwrite:
             raise CheckpointExistsError(
                 f"Step {step} already exists in {self.directory!r}. Pass `overwrite=True` "
@@ -255,7 +258,8 @@ class CheckpointManager:
         # The metrics go into the step's manifest, so they commit with it; a
         # leftover file of version 1 would shadow nothing, but is stale now.
         if state.get(step) and _primary():
-            _io.remove(self._loc, [_metrics_name(step)])
+            with _io.explained(self._loc, f"Saving step {step} to"):
+                _io.remove(self._loc, [_metrics_name(step)])
         try:
             pending = _serialise.save(
                 target, pytree, filter_spec, is_leaf,
@@ -388,6 +392,19 @@ class CheckpointManager:
         return {step: _read_metrics(self._loc, step) for step in steps}
 
     def _apply_retention(self) -> None:
+        """After a step committed: delete the steps no rule keeps. A failure here is
+        a warning (the new step is saved; the next save retries the deletion)."""
+        try:
+            self._delete_unkept()
+        except Exception as e:
+            warnings.warn(
+                f"Step saved in {self.directory!r}, but deleting the steps the retention rules drop failed ({e}); "
+                f"the next save tries again.",
+                CommitWarning,
+                stacklevel=3,
+            )
+
+    def _delete_unkept(self) -> None:
         """Delete the committed steps no rule keeps: the manifest first, so that a
         step disappears at once even if the deletion is interrupted."""
         if (self.max_to_keep is None and self.keep_every is None and self.best_n is None) or not _primary():

@@ -219,7 +219,8 @@ def save(
         raise error
     exclusive = _lease.acquire_exclusive(loc)
     try:
-        tx = _begin(group, loc, overwrite=overwrite, layout=layout, paths=[p.record.path for p in pending])
+        with _io.explained(loc, "Saving checkpoint"):
+            tx = _begin(group, loc, overwrite=overwrite, layout=layout, paths=[p.record.path for p in pending])
     except BaseException:
         exclusive.release()
         raise

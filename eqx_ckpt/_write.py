@@ -112,28 +112,46 @@ def start_writes(
     data, groups, created = tx.data, [], None
     if group.primary:
         _io.ensure_directory(data)
-        opens = [_io.create_array(data, p.record, synced=False) for p in pending]
-        groups = _group_writes(data, [p.record.path for p in pending])
+        opens, groups = [], []
+        try:
+            for p in pending:
+                opens.append(_io.create_array(data, p.record, synced=False))
+            groups = _group_writes(data, [p.record.path for p in pending])
+        except BaseException:
+            # What was started must finish before an abort deletes it.
+            settle(opens)
+            raise
         # Every future, not just up to the first failure: an abort must find every file.
         created = wait_all([*opens, *groups], None)
     error = group.sync("created", created)
     if error is not None:
         raise error
     if not group.primary:
-        opens = [_io.open_array(data, p.record, synced=False) for p in pending]
+        opens = []
+        try:
+            for p in pending:
+                opens.append(_io.open_array(data, p.record, synced=False))
+        except BaseException:
+            settle(opens)
+            raise
     # Staged in one transaction, every write only references its source until
     # the background commit; staging returns at once.
     transaction, writes = _io.transaction(), []
-    for p, opened in zip(pending, opens, strict=True):
-        store = opened.result().with_transaction(transaction)
-        # The host data of a jax.Array never changes (a view of it keeps its buffer
-        # alive through `delete()` and donation); a NumPy array's can, so a save
-        # that returns before writing stages a copy.
-        private = copy and p.record.type == "numpy"
-        for index, piece in p.pieces:
-            source = np.array(piece, copy=True) if private else piece
-            target = store[index] if index else store
-            writes.append(target.write(source, can_reference_source_data_indefinitely=True))
+    try:
+        for p, opened in zip(pending, opens, strict=True):
+            store = opened.result().with_transaction(transaction)
+            # The host data of a jax.Array never changes (a view of it keeps its buffer
+            # alive through `delete()` and donation); a NumPy array's can, so a save
+            # that returns before writing stages a copy.
+            private = copy and p.record.type == "numpy"
+            for index, piece in p.pieces:
+                source = np.array(piece, copy=True) if private else piece
+                target = store[index] if index else store
+                writes.append(target.write(source, can_reference_source_data_indefinitely=True))
+    except BaseException:
+        transaction.abort()  # nothing staged was written out
+        settle([*opens, *writes])
+        raise
     staged = wait_all(writes, None)
     if staged is not None:
         transaction.abort()  # nothing was written out

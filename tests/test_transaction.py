@@ -1,0 +1,188 @@
+"""Fault injection into the save transaction: every I/O step of a save fails in
+turn, first with an exception, then with a KeyboardInterrupt (what Ctrl-C or a
+SIGTERM handler calling `sys.exit` raises in the saving thread).
+
+For a first save, an overwrite and a manager save, the I/O entry points of
+`_io` and `_lease` are counted on a clean run; then the save is repeated with
+call k failing, for every k. After each: the checkpoint loads as exactly the old
+or exactly the new save, an interrupt reaches the caller as itself, the user's
+files in the directory are unchanged, and the next save succeeds and leaves
+nothing behind.
+"""
+
+import contextlib
+import os
+import pathlib
+import warnings
+
+import equinox as eqx
+import numpy as np
+import pytest
+from disk import snapshot
+
+import eqx_ckpt
+from eqx_ckpt import _io
+
+# Every function through which a save touches storage.
+_IO = [
+    (_io, "kvstore"),
+    (_io, "create_array"),
+    (_io, "transaction"),
+    (_io, "flush"),
+    (_io, "remove"),
+    (_io, "list_names"),
+    (_io, "read_file_stamped"),
+    (_io, "read_file_generation"),
+    (_io, "write_conditional"),
+    (_io, "sync_directory"),
+    (_io, "ensure_directory"),
+    (_io, "delete_file"),
+]
+
+
+class Injected(OSError):
+    pass
+
+
+@contextlib.contextmanager
+def inject(monkeypatch, fail_at, error):
+    """Count calls of the I/O entry points; call number `fail_at` raises `error`."""
+    calls = []
+
+    def wrap(module, name, real):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            if len(calls) - 1 == fail_at:
+                raise error(f"injected at call {fail_at} ({name})")
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    with monkeypatch.context() as m:
+        for module, name in _IO:
+            m.setattr(module, name, wrap(module, name, getattr(module, name)))
+        yield calls
+
+
+def _tree(generation):
+    return {"a": np.full(3, generation, np.float32), "b": {"c": np.arange(2) + generation}, "step": generation}
+
+
+def _holds(path, generation):
+    loaded = eqx_ckpt.tree_deserialise_leaves(path, _tree(0))
+    return eqx.tree_equal(loaded, _tree(generation), typematch=True) and eqx_ckpt.verify(path) == []
+
+
+def _user_files(directory: pathlib.Path):
+    (directory / "logs").mkdir(parents=True, exist_ok=True)
+    (directory / "logs" / "run1.txt").write_text("user log")
+    (directory / "notes.txt").write_text("user notes")
+    return {k: v for k, v in snapshot(directory).items() if k.startswith(("logs", "notes"))}
+
+
+def _unchanged(directory, files):
+    return {k: v for k, v in snapshot(directory).items() if k.startswith(("logs", "notes"))} == files
+
+
+class _Scenario:
+    """One kind of save: `prepare` makes the state before, `save` runs the save
+    under test, `which` says which generation is visible."""
+
+    def __init__(self, kind, directory):
+        self.kind, self.directory = kind, directory
+        self.manager = None
+
+    def prepare(self):
+        if self.kind == "overwrite":
+            eqx_ckpt.tree_serialise_leaves(self.directory, _tree(1))
+        elif self.kind == "manager":
+            self.manager = eqx_ckpt.CheckpointManager(self.directory, max_to_keep=1)
+            self.manager.save(1, _tree(1), metrics={"loss": 1.0})
+        else:
+            # A first save is only made into an empty directory: no user files.
+            self.directory.mkdir()
+            return {}
+        return _user_files(self.directory)
+
+    def save(self, generation):
+        if self.kind == "manager":
+            self.manager.save(generation, _tree(generation), metrics={"loss": float(generation)})
+        else:
+            eqx_ckpt.tree_serialise_leaves(self.directory, _tree(generation))
+
+    def which(self, generations):
+        if self.kind == "manager":
+            fresh = eqx_ckpt.CheckpointManager(self.directory)
+            steps = fresh.all_steps()
+            assert len(steps) >= 1 and set(steps) <= set(generations), steps
+            for step in steps:
+                assert _holds(fresh.step_path(step), step)
+                assert fresh.metrics(step) == {"loss": float(step)}
+            return max(steps)
+        if not (self.directory / "manifest.json").exists():
+            return None
+        [found] = [g for g in generations if _holds(self.directory, g)]
+        return found
+
+    def close(self):
+        if self.manager is not None:
+            self.manager.close()
+
+    def leftovers(self):
+        """What is in the directory besides the checkpoint(s) and the user's files."""
+        names = set(os.listdir(self.directory)) - {"logs", "notes.txt"}
+        if self.kind == "manager":
+            return {n for n in names if not n.startswith("step_")}
+        manifest = eqx_ckpt.Checkpoint(self.directory)._manifest
+        live = {manifest.data_root} if manifest.data_root else {"a", "b", "step", "zarr.json"}
+        return names - live - {"manifest.json"}
+
+
+def _count(tmp_path, monkeypatch, kind):
+    scenario = _Scenario(kind, tmp_path / "count")
+    scenario.prepare()
+    with inject(monkeypatch, None, Injected) as calls:
+        scenario.save(2)
+    scenario.close()
+    return len(calls)
+
+
+@pytest.mark.parametrize("kind", ["first", "overwrite", "manager"])
+@pytest.mark.parametrize("error", [Injected, KeyboardInterrupt])
+def test_every_io_step_failing(tmp_path, monkeypatch, kind, error):
+    total = _count(tmp_path, monkeypatch, kind)
+    assert total >= 10, total
+    outcomes = {"old": 0, "new": 0, "none": 0}
+    old = None if kind == "first" else 1
+    for k in range(total):
+        scenario = _Scenario(kind, tmp_path / f"{kind}{k}")
+        files = scenario.prepare()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with inject(monkeypatch, k, error):
+                raised = None
+                try:
+                    scenario.save(2)
+                except BaseException as e:
+                    raised = e
+        where = f"{kind}: {error.__name__} at I/O call {k} of {total}"
+        found = scenario.which([1, 2])
+        assert found in (old, 2), where
+        if found == 2 and raised is None:
+            # Committed, and only the clean-up failed: a warning, never an error.
+            assert error is Injected and any(issubclass(w.category, eqx_ckpt.CommitWarning) for w in caught), where
+        elif error is KeyboardInterrupt:
+            assert type(raised) is KeyboardInterrupt, f"{where}: got {raised!r}"
+        else:
+            assert isinstance(raised, eqx_ckpt.CheckpointError) and "injected at call" in str(raised), where
+            assert found == old, f"{where}: a failed save must not commit"
+        assert _unchanged(scenario.directory, files), f"{where}: the user's files changed"
+        outcomes["none" if found is None else "new" if found == 2 else "old"] += 1
+        # Whatever was left, the next save succeeds and clears it.
+        scenario.save(3)
+        assert scenario.which([3]) == 3, where
+        assert scenario.leftovers() == set(), where
+        assert _unchanged(scenario.directory, files), where
+        scenario.close()
+    print(f"{kind}, {error.__name__} at each of {total} I/O calls: {outcomes}")
+    assert outcomes["new"] >= 1 and outcomes["old" if old else "none"] >= 1
