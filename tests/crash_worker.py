@@ -8,9 +8,12 @@ save has returned (`error CLASS: MESSAGE` if it raised an eqx_ckpt error). It
 prints `ready` once imported, so the parent can start the clock only when the
 save itself starts.
 
-Modes: `save` (blocking `tree_serialise_leaves`), `async` (`blocking=False`,
-then `wait()`), `manager` (`CheckpointManager(PATH, max_to_keep=2).save`, the
-generation being the step).
+Modes: `save` (blocking `tree_serialise_leaves`), `big` (the same, with a tree
+of about 1,500 leaves), `async` (`blocking=False`, then `wait()`), `manager`
+(`CheckpointManager(PATH, max_to_keep=2).save`, the generation being the step).
+
+Like a preemptible training job, the worker exits on SIGTERM through a handler
+calling `sys.exit(143)`; SIGINT raises KeyboardInterrupt as Python does.
 """
 
 import os
@@ -25,10 +28,11 @@ import numpy as np
 import eqx_ckpt
 
 LAYERS = 40
+BIG_LAYERS = 750
 SCRIPT = pathlib.Path(__file__)
 
 
-def tree(generation: int) -> dict:
+def tree(generation: int, layers: int = LAYERS) -> dict:
     """Many small leaves (so a kill lands between them), every value depending
     on the generation (so a mix of two generations is visible)."""
     return {
@@ -36,13 +40,15 @@ def tree(generation: int) -> dict:
             "w": np.full((8, 8), generation * 1000 + i, np.float32),
             "b": np.arange(8, dtype=np.int64) + generation,
         }
-        for i in range(LAYERS)
+        for i in range(layers)
     } | {"step": generation}
 
 
 def save(mode: str, path: str, generation: int) -> None:
     if mode == "save":
         eqx_ckpt.tree_serialise_leaves(path, tree(generation))
+    elif mode == "big":
+        eqx_ckpt.tree_serialise_leaves(path, tree(generation, BIG_LAYERS))
     elif mode == "async":
         pending = eqx_ckpt.tree_serialise_leaves(path, tree(generation), blocking=False)
         assert pending is not None
@@ -81,19 +87,28 @@ class Worker:
         assert self.last == "done" or self.last.startswith("error "), f"worker failed: {self.last!r}"
         return True
 
-    def kill(self) -> None:
+    def kill(self, sig: int = signal.SIGKILL) -> int:
+        """Send `sig` and wait for the process to end (a SIGINT or SIGTERM lets
+        it run its handlers, and wait for an asynchronous save); its exit code."""
         if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+            os.kill(self.process.pid, sig)
+            try:
+                self.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+                raise AssertionError(f"the worker did not exit within 120 s of signal {sig}") from None
         for pipe in (self.process.stdin, self.process.stdout):
             if pipe is not None:
                 pipe.close()
+        return self.process.returncode
 
     def close(self) -> None:
         self.kill()
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *args: sys.exit(143))
     print("ready", flush=True)
     for line in sys.stdin:
         mode, path, generation = line.split()

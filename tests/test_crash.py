@@ -15,11 +15,12 @@ import collections
 import os
 import pathlib
 import random
+import signal
 import time
 
 import equinox as eqx
 import pytest
-from crash_worker import Worker, tree
+from crash_worker import BIG_LAYERS, LAYERS, Worker, tree
 
 import eqx_ckpt
 
@@ -37,9 +38,9 @@ class _Pool:
         self.current, self.spare = Worker(), Worker()
         self.seconds: dict[str, float] = {}
 
-    def run(self, mode: str, path: pathlib.Path, generation: int, fraction: float) -> bool:
-        """Start a save and SIGKILL it after `fraction` of a save's usual time;
-        whether it was killed."""
+    def run(self, mode: str, path: pathlib.Path, generation: int, fraction: float, sig: int = signal.SIGKILL) -> bool:
+        """Start a save and send `sig` (SIGKILL by default) after `fraction` of a
+        save's usual time; whether it was signalled."""
         self.current.start(mode, path, generation)
         start = time.perf_counter()
         # The first save of a mode is not killed: it measures how long one takes.
@@ -47,7 +48,11 @@ class _Pool:
             assert self.current.last == "done", self.current.last
             self.seconds[mode] = time.perf_counter() - start
             return False
-        self.current.kill()
+        code = self.current.kill(sig)
+        # SIGINT: KeyboardInterrupt ends the process (Python re-raises SIGINT, or
+        # exits 1 if it landed in a handler); SIGTERM: the handler's sys.exit(143).
+        expected = {signal.SIGKILL: {-9}, signal.SIGINT: {-2, 1}, signal.SIGTERM: {143}}[sig]
+        assert code in expected, f"the worker exited with {code} after signal {sig}"
         self.current, self.spare = self.spare, Worker()
         return True
 
@@ -69,14 +74,14 @@ def rng():
     return random.Random(SEED)
 
 
-def _which(path: pathlib.Path, generations: list[int]) -> int | None:
+def _which(path: pathlib.Path, generations: list[int], layers: int = LAYERS) -> int | None:
     """Which generation the checkpoint at `path` holds, exactly; `None` if there
     is none. Anything else (a mix, a damaged leaf) fails the test."""
     try:
-        loaded = eqx_ckpt.tree_deserialise_leaves(path, tree(0))
+        loaded = eqx_ckpt.tree_deserialise_leaves(path, tree(0, layers))
     except eqx_ckpt.CheckpointNotFoundError:
         return None
-    matches = [g for g in generations if eqx.tree_equal(loaded, tree(g), typematch=True)]
+    matches = [g for g in generations if eqx.tree_equal(loaded, tree(g, layers), typematch=True)]
     assert len(matches) == 1, f"{path} holds none of generations {generations}: a mix"
     assert eqx_ckpt.verify(path) == []
     return matches[0]
@@ -152,3 +157,51 @@ def test_leftovers_of_a_killed_save_are_not_a_checkpoint(tmp_path, pool):
         eqx_ckpt.Checkpoint(path)
     eqx_ckpt.tree_serialise_leaves(path, tree(3))
     assert _which(path, [3]) == 3
+
+
+# Interrupts that run Python code in the saving process, where SIGKILL runs none:
+# Ctrl-C (KeyboardInterrupt) and a preempted job's SIGTERM handler (sys.exit),
+# landing anywhere in a save, including its clean-up after the commit.
+SIGNAL_TRIALS = 2
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupt_campaign(tmp_path, pool, rng, sig):
+    outcomes = collections.Counter()
+    # A first save: nothing, or the new checkpoint whole.
+    for trial in range(SIGNAL_TRIALS):
+        path = tmp_path / f"first{trial}"
+        hit = pool.run("save", path, 1, rng.uniform(0, 1.2), sig)
+        outcomes[f"first-{'hit' if hit else 'finished'}-{_which(path, [1])}"] += 1
+        eqx_ckpt.tree_serialise_leaves(path, tree(2))
+        assert _which(path, [2]) == 2
+    # Overwrites of a tree of about 1,500 leaves, and asynchronous overwrites.
+    for mode, layers in (("big", BIG_LAYERS), ("async", LAYERS)):
+        path = tmp_path / mode
+        eqx_ckpt.tree_serialise_leaves(path, tree(0, layers))
+        old = 0
+        for _ in range(SIGNAL_TRIALS):
+            hit = pool.run(mode, path, old + 1, rng.uniform(0, 1.2), sig)
+            found = _which(path, [old, old + 1], layers)
+            assert found is not None, "the previous checkpoint was lost"
+            outcomes[f"{mode}-{'hit' if hit else 'finished'}-{'old' if found == old else 'new'}"] += 1
+            eqx_ckpt.tree_serialise_leaves(path, tree(old + 2, layers))
+            assert _which(path, [old + 2], layers) == old + 2
+            old += 2
+    # Manager saves (with retention deleting old steps).
+    directory = tmp_path / "run"
+    with eqx_ckpt.CheckpointManager(directory, max_to_keep=2) as first:
+        first.save(0, tree(0))
+    last = 0
+    for _ in range(SIGNAL_TRIALS):
+        hit = pool.run("manager", directory, last + 1, rng.uniform(0, 1.2), sig)
+        with eqx_ckpt.CheckpointManager(directory, max_to_keep=2) as manager:
+            steps = manager.all_steps()
+            assert last in steps or last + 1 in steps, f"steps {steps} lost the last committed one"
+            for step in steps:
+                assert eqx.tree_equal(manager.restore(tree(0), step=step), tree(step), typematch=True)
+            outcomes[f"manager-{'hit' if hit else 'finished'}-{'old' if manager.latest_step() == last else 'new'}"] += 1
+            manager.save(last + 2, tree(last + 2))
+        last += 2
+    _report(signal.Signals(sig).name, outcomes)
+    assert sum(v for k, v in outcomes.items() if "-hit-" in k) > 0
