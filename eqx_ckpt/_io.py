@@ -64,9 +64,14 @@ def flush(loc: Location) -> None:
     if len(paths) >= SYNCFS_FROM and _syncfs_is_complete(local):
         _syncfs(local)
         return
-    with concurrent.futures.ThreadPoolExecutor(max_workers=32) as pool:
-        for _ in pool.map(functools.partial(_fsync, missing_ok=True), paths):
-            pass
+    sync = functools.partial(_fsync, missing_ok=True)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=32) as pool:
+            for _ in pool.map(sync, paths):
+                pass
+    except RuntimeError:  # at interpreter exit no thread pool starts: one at a time, then
+        for path in paths:
+            sync(path)
 
 
 # The file driver writes `<name>` as `<name>.__lock` and renames it into place.

@@ -103,17 +103,25 @@ _PENDING: set[PendingSave] = set()
 _PENDING_LOCK = threading.Lock()
 
 
-def _announce_wait_at_exit() -> None:
+def _wait_at_exit() -> None:
+    """Finish the saves still in flight, and say so: a script whose last line
+    starts an asynchronous save must not lose it."""
     with _PENDING_LOCK:
-        count = len(_PENDING)
-    if count:
-        print(f"eqx_ckpt: waiting for {count} checkpoint save(s) to commit before exiting.", file=sys.stderr)
+        pending = list(_PENDING)
+    if not pending:
+        return
+    print(f"eqx_ckpt: waiting for {len(pending)} checkpoint save(s) to commit before exiting.", file=sys.stderr)
+    for save in pending:
+        save._thread.join()
+        if save._error is not None:
+            print(f"eqx_ckpt: a checkpoint save failed: {save._error}", file=sys.stderr)
 
 
-# Run when the interpreter starts to shut down, before it joins the save threads.
+# Run when the interpreter starts to shut down, before it joins other threads and
+# before `concurrent.futures` (registered earlier, run later) refuses new work.
 _register = getattr(threading, "_register_atexit", None)
 if _register is not None:
-    _register(_announce_wait_at_exit)
+    _register(_wait_at_exit)
 
 
 def tree_serialise_leaves(

@@ -5,6 +5,9 @@ save is provably still in flight, or fails in the background, when they act.
 """
 
 import re
+import subprocess
+import sys
+import textwrap
 import threading
 
 import equinox as eqx
@@ -148,3 +151,28 @@ def test_second_save_to_the_same_path_waits_for_the_first(s3, store, monkeypatch
     assert begun_after_first_committed == [True]
     out = eqx_ckpt.tree_deserialise_leaves(store, _tree(0))
     assert eqx.tree_equal(out, _tree(2), typematch=True)
+
+
+def test_a_script_ending_with_a_save_in_flight_waits_for_it(tmp_path):
+    # Once the interpreter's exit tore the save down ("terminate called without an
+    # active exception", exit 134) and the checkpoint was lost.
+    script = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        import eqx_ckpt
+
+        tree = {f"layer{i}": np.full(50_000, i, np.float32) for i in range(40)}
+        pending = eqx_ckpt.tree_serialise_leaves(sys.argv[1], tree, blocking=False)
+        assert not pending.done()
+        print("returned", flush=True)
+        """
+    )
+    path = tmp_path / "ckpt"
+    result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "returned\n"
+    assert "eqx_ckpt: waiting for 1 checkpoint save(s) to commit before exiting." in result.stderr
+    expected = {f"layer{i}": np.full(50_000, i, np.float32) for i in range(40)}
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, expected), expected, typematch=True)
+    assert eqx_ckpt.verify(path) == []

@@ -344,3 +344,19 @@ def test_edited_metrics_are_detected(tmp_path):
     manifest.write_text(manifest.read_text().replace('"loss": 1.0', '"loss": 0.1'))
     with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("its digest does not match")):
         manager.metrics(1)
+
+
+def test_a_failed_overwrite_keeps_the_steps_metrics(tmp_path, monkeypatch):
+    # The metrics commit with the step (they are in its manifest): an overwrite
+    # that fails, or is killed, leaves the old step with its old metrics.
+    manager = eqx_ckpt.CheckpointManager(tmp_path, best_metric="loss")
+    manager.save(1, _tree(1), metrics={"loss": 5.0})
+    manager.save(2, _tree(2), metrics={"loss": 3.0})
+    with monkeypatch.context() as m:
+        m.setattr(_commit.Transaction, "commit", lambda tx, manifest: (_ for _ in ()).throw(OSError("disk full")))
+        with pytest.raises(eqx_ckpt.LeafError, match=re.escape("disk full")):
+            manager.save(1, _tree(7), metrics={"loss": 0.5}, overwrite=True)
+    assert manager.metrics(1) == {"loss": 5.0} and manager.best_step() == 2
+    assert eqx.tree_equal(manager.restore(_tree(0), step=1), _tree(1), typematch=True)
+    manager.save(1, _tree(7), metrics={"loss": 0.5}, overwrite=True)
+    assert manager.metrics(1) == {"loss": 0.5} and manager.best_step() == 1

@@ -249,3 +249,34 @@ def test_kvstore_url_round_trip(tmp_path):
     eqx_ckpt.tree_serialise_leaves(file_url, tree)
     assert (tmp_path / "on_disk" / "model" / "layers" / "0" / "weight" / "zarr.json").is_file()
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "on_disk", tree), tree, typematch=True)
+
+
+def test_a_lazily_loaded_tree_saved_back_keeps_every_value(tmp_path):
+    # Lazy leaves were once skipped by the default filter spec, so saving back a
+    # lazily loaded tree replaced a whole checkpoint with its few eager leaves.
+    tree = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": {"c": np.ones(4, np.int32)}, "step": 7}
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree, lazy=True)
+    assert isinstance(lazy["w"], eqx_ckpt.LazyArray)
+    lazy["step"] = 8
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "copy", lazy)  # elsewhere
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", lazy)  # and over the checkpoint it comes from
+    # That replaced its source: the lazy tree says so instead of reading the new save.
+    with pytest.raises(eqx_ckpt.CheckpointReplacedError):
+        eqx_ckpt.tree_serialise_leaves(tmp_path / "again", lazy)
+    expected = {**tree, "step": 8}
+    for path in ("ckpt", "copy"):
+        assert sorted(eqx_ckpt.Checkpoint(tmp_path / path)) == ["b.c", "step", "w"]
+        loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path / path, tree)
+        assert eqx.tree_equal(loaded, expected, typematch=True)
+
+
+def test_an_abstract_tree_is_refused_not_saved_empty(tmp_path):
+    make = lambda: eqx.nn.Linear(2, 3, key=jax.random.key(0))
+    skeleton = eqx.filter_eval_shape(make)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, make())
+    message = "Leaf `weight` (key path .weight, (GetAttrKey(name='weight'),)) in checkpoint"
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(message) + ".*it is abstract") as info:
+        eqx_ckpt.tree_serialise_leaves(tmp_path, skeleton)
+    assert "filter_eval_shape" in str(info.value)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, skeleton), make(), typematch=True)
