@@ -109,10 +109,11 @@ def start_writes(
     Process 0 creates the arrays' metadata; the other processes open the arrays
     once it has (a store cannot be written before its metadata exists).
     """
-    data, groups, created = tx.data, [], None
+    data, created = tx.data, None
+    opens: list[Any] = []
+    groups: list[Any] = []
     if group.primary:
         _io.ensure_directory(data)
-        opens, groups = [], []
         try:
             for p in pending:
                 opens.append(_io.create_array(data, p.record, synced=False))
