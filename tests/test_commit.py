@@ -307,3 +307,20 @@ def test_flush_never_trusts_syncfs_on_other_file_systems(monkeypatch):
         assert used == []
     finally:
         shutil.rmtree(directory)
+
+
+def test_new_directories_are_synced_in_their_parents(tmp_path, monkeypatch):
+    # A crash right after a save must not lose the checkpoint's own folder (or a
+    # missing parent of it): each new directory's entry is fsynced in its parent.
+    synced = []
+    real = _io._fsync
+    monkeypatch.setattr(_io, "_fsync", lambda path, **kw: (synced.append(path), real(path, **kw))[1])
+    path = tmp_path / "runs" / "a" / "ckpt"
+    eqx_ckpt.tree_serialise_leaves(path, {"w": jnp.ones(2)})
+    for directory in (tmp_path, tmp_path / "runs", tmp_path / "runs" / "a"):
+        assert str(directory) in synced, directory
+    # The manifest's rename is synced in the checkpoint directory, after it.
+    assert synced[-1] == str(path) or str(path) in synced
+    eqx_ckpt.tree_serialise_leaves(path, {"w": jnp.zeros(2)})
+    root = _data_root(path)
+    assert str(path) in synced and root.startswith("gen.")
