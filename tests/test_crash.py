@@ -3,9 +3,10 @@
 After every kill the checkpoint at the path loads exactly as the previous one or
 exactly as the new one (never a mix, never unloadable), `verify` finds it sound,
 and the next save into the same path succeeds. Covered: a first save into an
-empty directory, overwrites (which alternate between the two data roots), async
+empty directory, overwrites (each into a new `gen.<commit>` data root), async
 saves (`blocking=False`, then `wait()`), and `CheckpointManager.save` (with
-retention deleting old steps).
+retention deleting old steps). Then the same with SIGINT and with SIGTERM
+handled by `sys.exit`, which run Python code in the saving process.
 
 The randomness is seeded (set `EQX_CKPT_CRASH_SEED` to replay a run) and the seed
 is printed. Workers are started one ahead, so their import overlaps the checks.
@@ -112,7 +113,7 @@ def test_kill_overwrite(tmp_path, pool, rng, mode):
     eqx_ckpt.tree_serialise_leaves(path, tree(0))
     old, outcomes = 0, collections.Counter()
     for _ in range(TRIALS[mode]):
-        root = eqx_ckpt.Checkpoint(path)._manifest.data_root or "root"
+        root = "gen" if eqx_ckpt.Checkpoint(path)._manifest.data_root else "root"
         killed = pool.run("async" if mode == "async" else "save", path, old + 1, rng.uniform(0, 1.2))
         found = _which(path, [old, old + 1])
         assert found is not None, "the previous checkpoint was lost"
