@@ -332,8 +332,7 @@ def join(loc: Location) -> Transaction:
 
 
 def _warn(message: str) -> None:
-    with contextlib.suppress(Exception):
-        warnings.warn(message, CommitWarning, stacklevel=4)
+    warnings.warn(message, CommitWarning, stacklevel=4)
 
 
 class CommitWarning(UserWarning):
