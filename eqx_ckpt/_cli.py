@@ -15,36 +15,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ._checkpoint import Checkpoint, describe
+from ._checkpoint import Checkpoint, human
 from ._errors import CheckpointError, CheckpointValueError
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def format_listing(ckpt: Checkpoint, *, depth: int | None = None) -> str:
     """The sorted tree of keys, with dtype[shape] and size, then totals."""
-    rows: list[tuple[str, str, str]] = []
-    shown: set[tuple[str, ...]] = set()
-    for key in ckpt:
-        parts = tuple(key.split(".")) if key else ("<root>",)
-        for i in range(len(parts) - 1):
-            if parts[: i + 1] not in shown and (depth is None or i < depth):
-                shown.add(parts[: i + 1])
-                rows.append(("  " * i + parts[i] + "/", "", ""))
-        if depth is None or len(parts) - 1 < depth:
-            record = ckpt.record(key)
-            rows.append(("  " * (len(parts) - 1) + parts[-1], describe(record), human(record.nbytes)))
-    width = max((len(r[0]) for r in rows), default=0)
-    kind = max((len(r[1]) for r in rows), default=0)
-    lines = [f"{a:<{width}}  {b:<{kind}}  {c:>10}".rstrip() for a, b, c in rows]
-    lines.append(f"{len(ckpt)} leaves, {human(ckpt.total_bytes)}")
-    return "\n".join(lines)
+    return ckpt.listing(depth=depth)
 
 
 def _path(text: str) -> Any:

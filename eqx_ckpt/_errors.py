@@ -100,13 +100,20 @@ for _cls in (
 
 
 def describe_leaf(keypath: tuple[Any, ...] | None, dotted: str) -> str:
-    """How every message names a leaf: its dotted path, its `keystr`, and the
-    key-path tuple that Equinox prints, so that code matching either keeps working.
-    """
+    """How every message names a leaf: its dotted path and its `keystr`."""
     if keypath is None:
         return f"`{dotted}`"
     shown = jtu.keystr(keypath) if keypath else "<root>"
-    return f"`{dotted or '<root>'}` (key path {shown}, {keypath!r})"
+    return f"`{dotted or '<root>'}` (key path {shown})"
+
+
+def leaf_line(what: str, *, keypath: tuple[Any, ...] | None, dotted: str, where: str = "") -> str:
+    """One leaf and what is wrong with it. A leaf of `like` (known by its key
+    path) starts with Equinox's own words, `Error at leaf with path (DictKey(key='a'),)`,
+    so that code and tests written against Equinox's messages keep matching."""
+    if keypath is None:
+        return f"Leaf {describe_leaf(None, dotted)}{where}: {what}"
+    return f"Error at leaf with path {keypath!r}: leaf {describe_leaf(keypath, dotted)}{where}: {what}"
 
 
 def leaf_message(
@@ -119,7 +126,7 @@ def leaf_message(
 ) -> str:
     """One sentence about one leaf: what differs, where, in which checkpoint, and
     what to do about it."""
-    message = f"Leaf {describe_leaf(keypath, dotted)} in checkpoint {str(path)!r}: {what}"
+    message = leaf_line(what, keypath=keypath, dotted=dotted, where=f" in checkpoint {str(path)!r}")
     if fix:
         message += f" {fix}"
     return message

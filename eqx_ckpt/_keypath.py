@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 import jax.tree_util as jtu
+import numpy as np
 
 _SAFE = re.compile(r"[A-Za-z0-9_-]")
 _SEGMENT = re.compile(r"^(%e|%i-?[0-9]+|%r(?:[A-Za-z0-9_-]|%[0-9A-F]{2})*|(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+)$")
@@ -93,11 +94,29 @@ def key_record(key: Any) -> tuple[str, Any]:
         return "attr", key.name
     if isinstance(key, jtu.DictKey) and isinstance(key.key, str):
         return "key", key.key
-    if isinstance(key, jtu.DictKey) and type(key.key) is int:
-        return "key_int", key.key
+    if isinstance(key, jtu.DictKey) and _is_integer(key.key):
+        # `np.int64(3)` and `3` are one key to JAX (equal, same hash): one name here too.
+        return "key_int", int(key.key)
     if isinstance(key, jtu.DictKey):
         return "key_repr", repr(key.key)
     return "other", str(key)
+
+
+def _is_integer(value: Any) -> bool:
+    return type(value) is int or isinstance(value, np.integer)
+
+
+_NUMBER = re.compile(r"^(%i)?(-?[0-9]+)$")
+
+
+def sort_key(path: str) -> tuple[tuple[int, int, str], ...]:
+    """Sort dotted paths segment by segment, numbers by value: `layers.2` before
+    `layers.10`, as a list's items come."""
+    out = []
+    for part in split_dotted(path):
+        match = _NUMBER.match(part)
+        out.append((0, int(match.group(2)), part) if match else (1, 0, part))
+    return tuple(out)
 
 
 def to_json(keypath: tuple[Any, ...]) -> list[list[Any]]:

@@ -110,13 +110,30 @@ class LazyArray:
 
     def start(self) -> Any:
         """Start reading; the returned function waits and gives the value."""
-        like = self._like if self._like is not None else jax.ShapeDtypeStruct(self.shape, self.dtype)
+        like = self._like if self._like is not None else _saved_like(self._record)
         target = np.dtype(like.dtype) if _dtypes.like_type(like) in ("jax", "numpy", "numpy_scalar") else None
         return _read.start(self._open(), self._loc, self._record, like, dtype=target)
 
     def read(self) -> Any:
-        """Read the whole leaf, as the type of the `like` leaf it stands for."""
+        """Read the whole leaf, as the type of the `like` leaf it stands for (without
+        one, as the type it was saved from: a NumPy array stays NumPy)."""
         return self.start()()
+
+
+def _saved_like(record: LeafRecord) -> Any:
+    """A stand-in `like` for a leaf opened without one: it reads back as the type
+    it was saved from (a NumPy array stays NumPy, a JAX array becomes one)."""
+    if record.type == "prng_key":
+        data = jax.ShapeDtypeStruct(tuple(record.stored_shape), _dtypes.dtype_from_name(record.stored_dtype))
+        return jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=record.impl), data)
+    dtype = _dtypes.dtype_from_name(record.dtype)
+    if record.type == "numpy":
+        return np.zeros((0,), dtype)
+    if record.type == "numpy_scalar":
+        return dtype.type(0)
+    if record.type in ("bool", "int", "float", "complex"):
+        return {"bool": False, "int": 0, "float": 0.0, "complex": 0j}[record.type]
+    return jax.ShapeDtypeStruct(tuple(record.shape), dtype)
 
 
 def _numpy_index(index: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:

@@ -280,7 +280,5 @@ def _collect(loc: Location, pytree: Any, filter_spec: Any, is_leaf: Any, cast: A
         except Exception as e:
             what = f"the filter spec raised {type(e).__name__}: {e}"
             message = leaf_message(what, keypath=keypath, dotted=dotted, path=loc.display)
-            raise LeafError(
-                f"Error at leaf with path {keypath!r}. {message}", path=loc.display, keypaths=[keypath], dotted=[dotted]
-            ) from e
+            raise LeafError(message, path=loc.display, keypaths=[keypath], dotted=[dotted]) from e
     return pending
