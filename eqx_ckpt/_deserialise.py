@@ -348,12 +348,14 @@ def _check(plan: _Plan, report: _Report, *, missing: str, cast: bool) -> bool:
         )
         return False
     if dtype not in (record.dtype, record.stored_dtype) and not (cast and _castable(record, plan.like)):
+        kind = "dtype changed"
         if record.type == "prng_key" or _dtypes.like_type(plan.like) == "prng_key":
+            kind = "key type changed"
             why = "PRNG key arrays of different implementations cannot be converted (not even with `cast=True`)"
         else:
             why = "pass `cast=True` to convert" if not cast else "`cast=True` cannot convert these"
         report.add(
-            "dtype changed",
+            kind,
             f"Deserialised leaf at path {plan.keypath!r} has changed dtype "
             f"from {dtype} in `like` to {record.dtype} on disk ({why}).",
             plan,

@@ -132,11 +132,16 @@ def _check_integer_range(array: np.ndarray, source: str, target: np.dtype) -> No
         raise ValueError(f"the value {shown_i} does not fit in {target} ([{info.min}, {info.max}])")
 
 
+def is_floating(dtype: np.dtype) -> bool:
+    """Whether `dtype` is a real floating type (bfloat16 and float8 types included)."""
+    return _kind(dtype) == "f"
+
+
 def x64_missing(dtype: Any) -> bool:
     """Whether a JAX array of `dtype` cannot exist here: a 64-bit dtype while
     JAX's 64-bit mode is off (`jax.device_put` would silently narrow it)."""
     dtype = np.dtype(dtype)
-    return dtype.itemsize == 8 * (2 if dtype.kind == "c" else 1) and not jax.config.read("jax_enable_x64")
+    return jax.dtypes.canonicalize_dtype(dtype) != dtype
 
 
 def like_type(like: Any) -> str | None:
