@@ -85,7 +85,11 @@ class LazyArray:
         return self._store
 
     def __getitem__(self, index: Any) -> np.ndarray:
-        """Read only the region `index` selects (basic indexing: ints and slices)."""
+        """Read the region `index` selects, as NumPy indexes: ints, slices, `...`
+        and `None` read only that region; integer arrays and boolean masks (NumPy's
+        advanced indexing) read the whole leaf, then select."""
+        if _is_advanced(index):
+            return self[...][index]
         index = _numpy_index(index, self.shape)
         store = self._open()
         per_element = self._record.nbytes // max(self.size, 1)
@@ -136,11 +140,25 @@ def _saved_like(record: LeafRecord) -> Any:
     return jax.ShapeDtypeStruct(tuple(record.shape), dtype)
 
 
+def _is_advanced(index: Any) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(item, (list, np.ndarray, jax.Array, bool, np.bool_)) for item in items)
+
+
+_VALID = (
+    "only integers, slices (`:`), ellipsis (`...`), None and integer or boolean arrays are valid indices "
+    "of a LazyArray, as of a NumPy array"
+)
+
+
 def _numpy_index(index: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:
     """`index` with NumPy's meaning made explicit: TensorStore reads negative and
     out-of-range bounds as literal coordinates, NumPy counts them from the end and
     clips them. Returns one entry per axis (plus any `None`s), no `...`."""
     items = list(index) if isinstance(index, tuple) else [index]
+    for item in items:
+        if not (item is None or item is Ellipsis or isinstance(item, (slice, int, np.integer))):
+            raise IndexError(f"{_VALID}, not {type(item).__name__} ({item!r})")
     axes = sum(1 for item in items if item is not None and item is not Ellipsis)
     if axes > len(shape):
         raise IndexError(f"too many indices for a LazyArray of shape {shape}")

@@ -129,3 +129,18 @@ def test_int_enum_dict_keys_round_trip(tmp_path):
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, {Colour.RED: jnp.zeros(2), 2: jnp.ones(3)})
     assert eqx.tree_equal(out, tree, typematch=True)
     assert sorted(eqx_ckpt.Checkpoint(tmp_path)) == ["%i2", "%r" + _keypath.escape(repr(Colour.RED))]
+
+
+def test_numpy_integer_dict_keys_are_the_int_keys(tmp_path):
+    saved = {np.int64(3): jnp.ones(2), np.int32(-1): jnp.zeros(2)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, saved)
+    assert list(eqx_ckpt.Checkpoint(tmp_path)) == ["%i-1", "%i3"]
+    # JAX gives `{3: ...}` and `{np.int64(3): ...}` one treedef; a load takes either.
+    like = {3: jnp.zeros(2), -1: jnp.ones(2)}
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    assert eqx.tree_equal(loaded, {3: jnp.ones(2), -1: jnp.zeros(2)}, typematch=True)
+
+
+def test_sort_key_orders_numbers_by_value():
+    paths = ["a.10", "a.2", "b", "a.%i-3", "a.x", "a.1.c", "a.1"]
+    assert sorted(paths, key=_keypath.sort_key) == ["a.%i-3", "a.1", "a.1.c", "a.2", "a.10", "a.x", "b"]
