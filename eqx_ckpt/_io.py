@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import tensorstore as ts
 
-from ._errors import CheckpointError, IntegrityError, describe_leaf
+from ._errors import CheckpointError, CorruptCheckpointError, IntegrityError, describe_leaf
 from ._local import check_leaf_files, refuse_links
 from ._manifest import LeafRecord
 from ._spec import CONTEXT, UNSYNCED, Location, array_spec
@@ -121,16 +121,45 @@ def _syncfs(path: str) -> None:
 
 
 def read_file(loc: Location, name: str, *, limit: int) -> bytes | None:
-    """The bytes of a small file, or `None` if it does not exist."""
+    """The bytes of a small file, or `None` if it does not exist. A file of more
+    than `limit` bytes is a `CorruptCheckpointError`, found before it is read (on
+    an object store, by asking for the one byte past the limit), so a hostile
+    checkpoint cannot make us download or allocate a huge file."""
     if loc.local is not None:
         full = os.path.join(loc.local, name)
         refuse_links(loc, name)
         if not os.path.isfile(full):
             return None
+        if os.path.getsize(full) > limit:
+            raise _too_large(loc, name, limit, os.path.getsize(full))
         with open(full, "rb") as f:
-            return f.read(limit + 1)
-    result = kvstore(loc).read(name).result()
-    return result.value if result.state == "value" else None
+            data = f.read(limit + 1)
+    else:
+        store = kvstore(loc)
+        try:
+            probe = store.read(name, byte_range=slice(limit, limit + 1)).result()
+        except ValueError as e:
+            if "OUT_OF_RANGE" not in str(e):
+                raise
+            probe = None  # the file ends before `limit`
+        if probe is not None and probe.state == "value" and len(probe.value):
+            raise _too_large(loc, name, limit, None)
+        result = store.read(name).result()
+        if result.state != "value":
+            return None
+        data = result.value
+    if len(data) > limit:  # it grew between the check and the read
+        raise _too_large(loc, name, limit, len(data))
+    return data
+
+
+def _too_large(loc: Location, name: str, limit: int, size: int | None) -> CorruptCheckpointError:
+    shown = f"is {size} bytes, more than the {limit} allowed" if size is not None else f"holds more than {limit} bytes"
+    return CorruptCheckpointError(
+        f"The file {name!r} of checkpoint {loc.display!r} {shown}, so it "
+        f"was not read. The checkpoint is damaged or was not written by eqx_ckpt; do not load it.",
+        path=loc.display,
+    )
 
 
 def write_file(loc: Location, name: str, data: bytes) -> None:

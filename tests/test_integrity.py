@@ -330,3 +330,17 @@ def test_a_leaf_folder_removed_while_it_is_checked_is_an_integrity_error(tmp_pat
         m.setattr(_local, "_scan", scan_after_cleanup)
         with pytest.raises(eqx_ckpt.IntegrityError, match=r"Leaf `a` .* is damaged or incomplete"):
             eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", {"a": jnp.zeros(4, jnp.int32)})
+
+
+def test_verify_from_several_threads_at_once(tmp_path):
+    import concurrent.futures
+
+    # Distinct shapes and chunks, so every thread needs new reference metadata at once.
+    paths = []
+    for i in range(6):
+        path = tmp_path / f"c{i}"
+        eqx_ckpt.tree_serialise_leaves(path, {f"w{j}": np.zeros((i + 2, j + 3), np.float32) for j in range(4)})
+        paths.append(path)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
+        results = list(pool.map(eqx_ckpt.verify, paths * 3))
+    assert results == [[]] * 18
