@@ -478,7 +478,7 @@ def _assert_same(value: Any, plan: _Plan, loc: Location) -> None:
         return
     if not abstract and type(value) is not type(like):
         # Equinox names the leaf by `keystr` in quotes here, and by the key-path tuple below.
-        where = repr(jax.tree_util.keystr(plan.keypath))
+        where = f"'{jax.tree_util.keystr(plan.keypath)}'"
         raise _changed(plan, loc, f"type from {type(like)} in `like` to {type(value)} on disk.", where)
     for attr in ("shape", "dtype"):
         old, new = getattr(like, attr, None), getattr(value, attr, None)
