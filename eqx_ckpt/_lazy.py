@@ -27,6 +27,19 @@ class LazyArray:
     A `LazyArray` is not a JAX array: `eqx.is_array` is `False` for it, so
     `eqx.filter` treats it as static, and passing it to a `jax.jit`-ted function
     raises. Materialise first.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"emb": jnp.arange(12.0).reshape(4, 3)})
+        lazy = eqx_ckpt.Checkpoint("ckpt")["emb"]     # nothing read yet
+        print(lazy.shape, lazy.dtype, lazy.nbytes)   # (4, 3) float32 48
+        rows = lazy[1:3]                              # reads two rows, as NumPy
+        emb = lazy.read()                             # the whole leaf, as a JAX array
+        ```
     """
 
     __slots__ = ("_like", "_loc", "_record", "_store")

@@ -61,6 +61,18 @@ class PendingSave:
     Call `wait()` to block until the checkpoint is committed; it raises any error
     the background writes hit (and then nothing was committed). A later save to
     the same path waits for this one to finish before it starts writing.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        pending = eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(1000)}, blocking=False)
+        # ... training goes on while the arrays are written ...
+        pending.wait()                      # committed (or the save's error is raised)
+        assert pending.done()
+        ```
     """
 
     def __init__(self, run: Callable[[], None], destination: str = ""):

@@ -33,6 +33,19 @@ class Problem:
     - `leaf`: the dotted path of the damaged leaf, or `None` for the checkpoint as
         a whole (its manifest).
     - `message`: what is wrong, in a full sentence.
+
+    !!! example
+
+        ```python
+        import os
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(3)})
+        os.remove("ckpt/w/c/0")                 # a lost chunk file
+        for problem in eqx_ckpt.verify("ckpt"):
+            print(problem.leaf, problem.message)   # w ...
+        ```
     """
 
     leaf: str | None

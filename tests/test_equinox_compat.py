@@ -220,8 +220,7 @@ def test_changed_shape_dtype_and_type_in_equinoxs_words(tmp_path):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, [jnp.zeros(2), {"a": jnp.zeros(2)}])
     # A filter spec whose result is not of `like`'s type, as Equinox checks it.
     changed = (
-        "Deserialised leaf at path '[1]['a']' has changed type from <class 'int'> in `like` to "
-        "<class 'float'> on disk."
+        "Deserialised leaf at path '[1]['a']' has changed type from <class 'int'> in `like` to <class 'float'> on disk."
     )
     with pytest.raises(RuntimeError, match=re.escape(changed)):
         spec = [eqx_ckpt.default_deserialise_filter_spec, lambda handle, x: 1.5]
