@@ -10,13 +10,14 @@ import concurrent.futures
 import ctypes
 import functools
 import os
+import re
 import shutil
 import sys
 from collections.abc import Iterable
 
 import tensorstore as ts
 
-from ._errors import CheckpointError, CorruptCheckpointError, IntegrityError, describe_leaf
+from ._errors import CheckpointError, CheckpointTypeError, CorruptCheckpointError, IntegrityError, describe_leaf
 from ._local import check_leaf_files, refuse_links
 from ._manifest import LeafRecord
 from ._spec import CONTEXT, UNSYNCED, Location, array_spec
@@ -190,8 +191,22 @@ def list_names(loc: Location) -> list[str]:
     """The top-level entries of a checkpoint directory."""
     if loc.local is not None:
         return sorted(os.listdir(loc.local)) if os.path.isdir(loc.local) else []
-    keys = kvstore(loc).list().result()
-    return sorted({key.decode("utf-8", "replace").split("/", 1)[0] for key in keys})
+    return sorted({key.split("/", 1)[0] for key in list_keys(loc)})
+
+
+def list_keys(loc: Location) -> list[str]:
+    """Every key below `loc`, relative to it."""
+    try:
+        keys = kvstore(loc).list().result()
+    except NotImplementedError:
+        driver = loc.kvstore.get("driver")
+        raise CheckpointTypeError(
+            f"{loc.display!r} is on a store that cannot list its keys (TensorStore's {driver!r} driver), so "
+            f"eqx_ckpt cannot save or manage checkpoints there. Save to a local directory or an object store "
+            f"(s3://, gs://); a checkpoint can still be loaded over http.",
+            path=loc.display,
+        ) from None
+    return [key.decode("utf-8", "replace") for key in keys]
 
 
 def remove(loc: Location, names: Iterable[str]) -> None:
@@ -278,7 +293,9 @@ def leaf_io_error(error: BaseException, record: LeafRecord, loc: Location, doing
     """Explain a TensorStore failure on one leaf."""
     if isinstance(error, CheckpointError):
         return error
-    text = str(error)
+    # TensorStore appends the whole spec it was opening (every context resource,
+    # the metadata): noise to a user, and long.
+    text = re.sub(r"\s*\[(tensorstore_spec|source locations)='.*?'\]", "", str(error), flags=re.S)
     name = describe_leaf(None, record.path)
     if "NOT_FOUND" in text or "DATA_LOSS" in text or "FAILED_PRECONDITION" in text or "digest" in text.lower():
         return IntegrityError(

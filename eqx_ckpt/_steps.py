@@ -102,7 +102,7 @@ def _scan(loc: Location) -> dict[int, bool]:
             for name in _io.list_names(loc)
             if (step := _parse_step(name)) is not None
         }
-    keys = [key.decode("utf-8", "replace") for key in _io.kvstore(loc).list().result()]
+    keys = _io.list_keys(loc)
     found: dict[int, bool] = {}
     for key in keys:
         head, _, rest = key.partition("/")

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _commit, _dtypes, _io, _keypath, _multihost, _sharding
+from . import _commit, _dtypes, _io, _keypath, _manifest, _multihost, _sharding
 from ._errors import CheckpointTypeError
 from ._handle import LeafHandle
 from ._manifest import LeafRecord
@@ -26,6 +26,11 @@ class Pending:
 
 def prepare(handle: LeafHandle, x: Any, cast: Callable[[str, np.dtype], Any] | None) -> Pending:
     """The manifest record and the host pieces of one leaf."""
+    if isinstance(x, jax.core.Tracer):
+        raise handle.error(
+            "it is a traced value: a save inside `jax.jit` (or `vmap`, `grad`...) sees no values.",
+            "Save outside the transformed function, with the arrays it returns.",
+        )
     kind = _dtypes.leaf_type(x)
     if kind is None:
         raise handle.error(
@@ -48,6 +53,11 @@ def prepare(handle: LeafHandle, x: Any, cast: Callable[[str, np.dtype], Any] | N
         if not _dtypes.is_known_dtype(x.dtype.name):
             raise handle.error(f"cannot save an array of dtype {x.dtype}.", "Only numeric and bool arrays are stored.")
         dtype_name, shape = x.dtype.name, tuple(x.shape)
+    if len(shape) > _manifest.MAX_RANK:
+        raise handle.error(
+            f"it has {len(shape)} dimensions; a zarr v3 array (TensorStore) has at most {_manifest.MAX_RANK}.",
+            "Reshape it before saving (and back after loading), or let the filter spec skip it.",
+        )
     block = _sharding.block_shape(x)
     pieces = _sharding.host_pieces(x) if _multihost.writes(x) else []
     logical = _cast_dtype(handle, x.dtype, cast) if kind in ("jax", "numpy") else np.dtype(x.dtype)

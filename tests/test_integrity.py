@@ -344,3 +344,27 @@ def test_verify_from_several_threads_at_once(tmp_path):
     with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
         results = list(pool.map(eqx_ckpt.verify, paths * 3))
     assert results == [[]] * 18
+
+
+def test_diff_against_an_edited_zarr_json_names_the_leaf_briefly(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "a", {"w": jnp.ones(2)})
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "b", {"w": jnp.ones(2)})
+    metadata = tmp_path / "b" / "w" / "zarr.json"
+    body = json.loads(metadata.read_text())
+    body["shape"] = [3]
+    metadata.write_text(json.dumps(body))
+    with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("Leaf `w` in checkpoint")) as info:
+        eqx_ckpt.diff(tmp_path / "a", tmp_path / "b")
+    assert "tensorstore_spec" not in str(info.value)
+    assert len(str(info.value)) < 500
+
+
+def test_errors_name_the_checkpoint_not_its_data_root(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2)})
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2)})
+    assert json.loads((tmp_path / "manifest.json").read_text())["data_root"] == "gen.2"
+    (tmp_path / "gen.2" / "w" / "c" / "0").unlink()
+    with pytest.raises(eqx_ckpt.IntegrityError) as info:
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(2)})
+    assert f"in checkpoint {str(tmp_path)!r}" in str(info.value)
+    assert f"{str(tmp_path / 'gen.2')!r}" not in str(info.value)

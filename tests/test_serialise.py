@@ -249,3 +249,28 @@ def test_kvstore_url_round_trip(tmp_path):
     eqx_ckpt.tree_serialise_leaves(file_url, tree)
     assert (tmp_path / "on_disk" / "model" / "layers" / "0" / "weight" / "zarr.json").is_file()
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "on_disk", tree), tree, typematch=True)
+
+
+def test_a_store_that_cannot_list_is_refused_clearly():
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape("is on a store that cannot list its keys")):
+        eqx_ckpt.tree_serialise_leaves("http://127.0.0.1:9/ckpt/", {"w": jnp.ones(2)})
+
+
+def test_rank_beyond_zarr_is_refused_naming_the_leaf(tmp_path):
+    tree = {"ok": np.zeros(2), "deep": np.zeros((1,) * 33)}
+    message = "Error at leaf with path (DictKey(key='deep'),): leaf `deep`"
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(message)) as info:
+        eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert "it has 33 dimensions; a zarr v3 array (TensorStore) has at most 32" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_saving_inside_jit_is_a_clear_error(tmp_path):
+    @jax.jit
+    def step(x):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": x})
+        return x
+
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("it is a traced value: a save inside `jax.jit`")):
+        step(jnp.ones(2))
+    assert list(tmp_path.iterdir()) == []
