@@ -9,6 +9,7 @@ dotted path is the segments joined by `.`, a directory the segments joined by
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 
@@ -16,8 +17,16 @@ import jax.tree_util as jtu
 import numpy as np
 
 _SAFE = re.compile(r"[A-Za-z0-9_-]")
-_SEGMENT = re.compile(r"^(%e|%i-?[0-9]+|%r(?:[A-Za-z0-9_-]|%[0-9A-F]{2})*|(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+)$")
+_SEGMENT = re.compile(
+    r"^(%e|%i-?[0-9]+|%r(?:[A-Za-z0-9_-]|%[0-9A-F]{2})*(?:%h[0-9a-f]{32})?"
+    r"|(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+(?:%h[0-9a-f]{32})?)$"
+)
+# Longer escaped segments are shortened (a file name may have 255 bytes): their
+# first characters, then `%h` and a digest of the whole segment. Escaping never
+# writes `%h`, so a shortened name can only equal another shortened one, of a key
+# with the same digest.
 MAX_SEGMENT = 200
+_KEPT = 160
 
 
 def escape(text: str) -> str:
@@ -179,5 +188,16 @@ def stored_segment(kind: str, value: Any) -> str:
     if kind == "key_int":
         return f"%i{value}"
     if kind in ("key_repr", "other"):
-        return "%r" + escape(value)
-    return escape(value)
+        return _shortened("%r" + escape(value))
+    return _shortened(escape(value))
+
+
+def _shortened(text: str) -> str:
+    if len(text) <= MAX_SEGMENT:
+        return text
+    cut = _KEPT
+    # Never cut a `%XX` escape in two.
+    while "%" in text[cut - 2 : cut]:
+        cut -= 1
+    digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+    return f"{text[:cut]}%h{digest}"

@@ -63,17 +63,6 @@ def check_unique(keypaths: list[tuple[Any, ...]], *, checkpoint: str) -> list[st
                 keypaths=[other, keypath],
                 dotted=[path],
             )
-        for segment in _keypath.split_dotted(path):
-            if len(segment) > _keypath.MAX_SEGMENT:
-                raise LeafError(
-                    f"The key {segment[:40]}... at key path {jtu.keystr(keypath)} "
-                    f"({keypath!r}) is {len(segment)} characters once escaped, more "
-                    f"than the {_keypath.MAX_SEGMENT} a directory name may have. "
-                    f"Use a shorter key.",
-                    path=checkpoint,
-                    keypaths=[keypath],
-                    dotted=[path],
-                )
         seen[path] = keypath
         out.append(path)
     return out
