@@ -231,7 +231,7 @@ for _cls in (
 def describe_leaf(keypath: tuple[Any, ...] | None, dotted: str) -> str:
     """How every message names a leaf: its dotted path and its `keystr`."""
     if keypath is None:
-        return f"`{dotted}`"
+        return f"`{dotted or '<root>'}`"
     shown = jtu.keystr(keypath) if keypath else "<root>"
     return f"`{dotted or '<root>'}` (key path {shown})"
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import tensorstore as ts
 
-from ._errors import CheckpointError, CheckpointTypeError, CorruptCheckpointError, IntegrityError, describe_leaf
+from ._errors import CheckpointError, CheckpointTypeError, CorruptCheckpointError, IntegrityError, leaf_message
 from ._local import check_leaf_files, refuse_links
 from ._manifest import LeafRecord
 from ._spec import CONTEXT, UNSYNCED, Location, array_spec
@@ -278,15 +278,16 @@ def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: s
     memory = physical_memory()
     if memory is None or nbytes <= memory:
         return
-    raise IntegrityError(
-        f"Leaf {describe_leaf(None, record.path)} in checkpoint {loc.display!r}: reading {what} needs "
-        f"{nbytes} bytes (shape {list(record.stored_shape)}, chunks {list(record.chunks)} in the manifest), more "
-        f"than this machine's {memory} bytes of memory. Nothing was read. A manifest this large is damaged or "
-        f"hostile; if the leaf really is this large, read it in slices (`eqx_ckpt.Checkpoint(path)[key][...]`) or "
-        f"load it sharded across devices.",
+    message = leaf_message(
+        f"reading {what} needs {nbytes} bytes (shape {list(record.stored_shape)}, chunks {list(record.chunks)} in "
+        f"the manifest), more than this machine's {memory} bytes of memory. Nothing was read.",
+        keypath=None,
+        dotted=record.path,
         path=loc.display,
-        dotted=[record.path],
+        fix="A manifest this large is damaged or hostile; if the leaf really is this large, read it in slices "
+        "(`eqx_ckpt.Checkpoint(path)[key][...]`) or load it sharded across devices.",
     )
+    raise IntegrityError(message, path=loc.display, dotted=[record.path])
 
 
 def leaf_io_error(error: BaseException, record: LeafRecord, loc: Location, doing: str) -> CheckpointError:
@@ -296,17 +297,16 @@ def leaf_io_error(error: BaseException, record: LeafRecord, loc: Location, doing
     # TensorStore appends the whole spec it was opening (every context resource,
     # the metadata): noise to a user, and long.
     text = re.sub(r"\s*\[(tensorstore_spec|source locations)='.*?'\]", "", str(error), flags=re.S)
-    name = describe_leaf(None, record.path)
     if "NOT_FOUND" in text or "DATA_LOSS" in text or "FAILED_PRECONDITION" in text or "digest" in text.lower():
-        return IntegrityError(
-            f"Leaf {name} in checkpoint {loc.display!r} is damaged or incomplete: "
-            f"{text}. Its bytes do not match what was saved; restore the checkpoint "
-            f"from a good copy, or run `eqx-ckpt verify` to list every damaged leaf.",
+        message = leaf_message(
+            f"it is damaged or incomplete: {text}.",
+            keypath=None,
+            dotted=record.path,
             path=loc.display,
-            dotted=[record.path],
+            fix="Its bytes do not match what was saved. If the checkpoint was overwritten or deleted while this "
+            "read ran, read it again; otherwise restore it from a good copy, or run `eqx-ckpt verify` to list "
+            "every damaged leaf.",
         )
-    return IntegrityError(
-        f"Could not {doing} leaf {name} in checkpoint {loc.display!r}: {text}",
-        path=loc.display,
-        dotted=[record.path],
-    )
+    else:
+        message = leaf_message(f"could not {doing} it: {text}", keypath=None, dotted=record.path, path=loc.display)
+    return IntegrityError(message, path=loc.display, dotted=[record.path])
