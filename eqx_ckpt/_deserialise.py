@@ -14,7 +14,6 @@ from jaxtyping import PyTree
 from . import _commit, _dtypes, _io, _keypath, _layout, _read, _select, _tree
 from ._errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     CheckpointValueError,
     IntegrityError,
     LeafError,
@@ -300,9 +299,10 @@ def _first_top(manifest: Manifest) -> str:
     return tops[0] if tops else ""
 
 
-def _raise_if_replaced(loc: Location, manifest: Manifest, error: Exception) -> None:
+def _raise_if_replaced(loc: Location, manifest: Manifest, error: IntegrityError) -> None:
     """A read that fails because the checkpoint was overwritten (or deleted by a
-    manager's retention) meanwhile: say so, rather than that it is damaged."""
+    manager's retention) meanwhile: say so, rather than that it is damaged. (Still
+    an `IntegrityError`: the bytes read are not the ones the manifest promised.)"""
     try:
         now = _commit.read_manifest(loc)
     except CheckpointError:
@@ -310,11 +310,12 @@ def _raise_if_replaced(loc: Location, manifest: Manifest, error: Exception) -> N
     if now == manifest:
         return
     what = "deleted" if now is None else "replaced by a newer save"
-    raise CheckpointNotFoundError(
+    raise IntegrityError(
         f"Checkpoint {loc.display!r} was {what} while it was being read, so this load "
         f"was stopped. Nothing is damaged: "
         + ("load it again to read the new save." if now is not None else "load another checkpoint."),
         path=loc.display,
+        dotted=error.dotted,
     ) from error
 
 

@@ -397,7 +397,7 @@ def test_a_load_racing_an_overwrite_says_the_checkpoint_was_replaced(tmp_path, m
         return load(data, plans, lazy=lazy)
 
     monkeypatch.setattr(_deserialise, "_load", overwritten_meanwhile)
-    with pytest.raises(eqx_ckpt.CheckpointError) as info:
+    with pytest.raises(eqx_ckpt.IntegrityError) as info:
         eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(3)})
     message = str(info.value)
     assert message.startswith(f"Checkpoint {str(tmp_path)!r} was replaced by a newer save while it was being read")

@@ -92,8 +92,12 @@ def test_every_public_name_has_an_example(name):
         assert _examples(value), f"eqx_ckpt.{name} has no ```python example in its docstring"
 
 
-@pytest.mark.parametrize("name, value", [(n, v) for n, v in _documented() if _examples(v)], ids=lambda x: str(x))
-def test_docstring_examples_run(name, value, tmp_path, monkeypatch, capsys):
+_WITH_EXAMPLES = {name: value for name, value in _documented() if _examples(value)}
+
+
+@pytest.mark.parametrize("name", sorted(_WITH_EXAMPLES))
+def test_docstring_examples_run(name, tmp_path, monkeypatch, capsys):
+    value = _WITH_EXAMPLES[name]
     monkeypatch.chdir(tmp_path)
     for example in _examples(value):
         exec(compile(example, f"<docstring of eqx_ckpt.{name}>", "exec"), {"__name__": "__example__"})
