@@ -129,7 +129,8 @@ class LazyArray:
         """Start reading; the returned function waits and gives the value."""
         like = self._like if self._like is not None else _saved_like(self._record)
         target = np.dtype(like.dtype) if _dtypes.like_type(like) in ("jax", "numpy", "numpy_scalar") else None
-        return _read.start(self._open(), self._loc, self._record, like, dtype=target)
+        finish = _read.start(self._open(), self._loc, self._record, like, dtype=target)
+        return lambda: _dtypes.keep_weak_type(finish(), like)
 
     def read(self) -> Any:
         """Read the whole leaf, as the type of the `like` leaf it stands for (without

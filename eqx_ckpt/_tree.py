@@ -8,7 +8,7 @@ from typing import Any
 import jax.tree_util as jtu
 
 from . import _keypath
-from ._errors import CheckpointTypeError, CheckpointValueError, LeafError
+from ._errors import CheckpointTypeError, CheckpointValueError, LeafError, leaf_message
 
 
 def leaf_specs(
@@ -54,15 +54,15 @@ def check_unique(keypaths: list[tuple[Any, ...]], *, checkpoint: str) -> list[st
         path = _keypath.dotted(keypath)
         if path in seen:
             other = seen[path]
-            raise LeafError(
-                f"Leaves at key paths {jtu.keystr(other)} ({other!r}) and "
-                f"{jtu.keystr(keypath)} ({keypath!r}) would both be stored at "
-                f"`{path}` in checkpoint {checkpoint!r}: their keys have different "
-                f"types but the same name. Rename one of the keys.",
+            message = leaf_message(
+                f"it would be stored at the same place as the leaf at key path {jtu.keystr(other)} "
+                f"({other!r}): their keys have different types but the same name.",
+                keypath=keypath,
+                dotted=path,
                 path=checkpoint,
-                keypaths=[other, keypath],
-                dotted=[path],
+                fix="Rename one of the keys.",
             )
+            raise LeafError(message, path=checkpoint, keypaths=[other, keypath], dotted=[path])
         seen[path] = keypath
         out.append(path)
     return out

@@ -193,3 +193,14 @@ def test_read_without_like_gives_the_saved_type(tmp_path):
     assert eqx.tree_equal(got["j"], tree["j"], typematch=True)
     assert jax.random.key_impl(got["k"]) == jax.random.key_impl(tree["k"])
     assert jnp.array_equal(jax.random.key_data(got["k"]), jax.random.key_data(tree["k"]))
+
+
+def test_lazy_read_keeps_the_weak_type_of_like(tmp_path):
+    like = {"scale": jnp.asarray(2.0)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, like)
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"scale": jnp.zeros(3)[0] + 1.0}, lazy=True)
+    assert not eqx_ckpt.materialise(lazy)["scale"].weak_type
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, lazy=True)
+    loaded = eqx_ckpt.materialise(lazy)
+    assert loaded["scale"].weak_type
+    assert eqx.tree_equal(loaded, like, typematch=True)
