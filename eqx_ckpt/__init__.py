@@ -1,5 +1,7 @@
 """eqx_ckpt: Equinox checkpoints that know where each leaf lives."""
 
+import importlib.metadata as _metadata
+
 from ._checkpoint import Checkpoint as Checkpoint, skeleton as skeleton
 from ._commit import CommitWarning as CommitWarning
 from ._deserialise import (
@@ -31,4 +33,7 @@ from ._serialise import (
 )
 from ._verify import Problem as Problem, verify as verify
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("eqx_ckpt")
+except _metadata.PackageNotFoundError:  # imported from a source tree that is not installed
+    __version__ = "0+unknown"

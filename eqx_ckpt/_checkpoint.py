@@ -21,8 +21,10 @@ _SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
 class Checkpoint(Mapping[str, Any]):
     """A committed checkpoint, opened without reading any array.
 
-    A read-only mapping from dotted key (sorted) to [`eqx_ckpt.LazyArray`][], or,
-    for a scalar leaf, its value (read when looked up).
+    A read-only mapping from dotted key to [`eqx_ckpt.LazyArray`][], or, for a
+    scalar leaf, its value (read when looked up). Keys are sorted segment by
+    segment, numbers by value (`layers.2` before `layers.10`). `print(ckpt)`
+    shows the saved tree, as `eqx-ckpt ls` does (cut short for large ones).
 
     **Arguments:**
 
@@ -50,7 +52,7 @@ class Checkpoint(Mapping[str, Any]):
         self._loc = location(path)
         self._manifest = _commit.require_manifest(self._loc)
         self._data = _layout.data_location(self._loc, self._manifest.data_root, self._manifest.layout)
-        self._records = dict(sorted(self._manifest.by_path().items()))
+        self._records = dict(sorted(self._manifest.by_path().items(), key=lambda item: _keypath.sort_key(item[0])))
         self._check = functools.partial(_commit.check_unchanged, self._loc, self._manifest)
 
     @property
@@ -109,6 +111,55 @@ class Checkpoint(Mapping[str, Any]):
     def __repr__(self) -> str:
         return f"Checkpoint({self.path!r}, {len(self)} leaves, {self.total_bytes} bytes)"
 
+    def __str__(self) -> str:
+        return f"Checkpoint {self.path!r}:\n" + self.listing(max_rows=_MAX_ROWS)
+
+    def listing(self, *, depth: int | None = None, max_rows: int | None = None) -> str:
+        """The saved tree, one key per line, indented, with `dtype[shape]` and size,
+        then the totals (what `eqx-ckpt ls` prints).
+
+        **Arguments:**
+
+        - `depth`: show only this many levels.
+        - `max_rows`: show at most this many lines of the tree, then how many more
+            leaves there are.
+
+        **Returns:**
+
+        The listing, as a string.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import eqx_ckpt
+
+            eqx_ckpt.tree_serialise_leaves("ckpt", {"model": {"w": jnp.ones((2, 3))}, "step": 7})
+            print(eqx_ckpt.Checkpoint("ckpt").listing())
+            ```
+        """
+        rows: list[tuple[str, str, str]] = []
+        shown: set[tuple[str, ...]] = set()
+        left = 0
+        for key, record in self._records.items():
+            if max_rows is not None and len(rows) >= max_rows:
+                left += 1
+                continue
+            parts = _keypath.split_dotted(key) or ("<root>",)
+            for i in range(len(parts) - 1):
+                if parts[: i + 1] not in shown and (depth is None or i < depth):
+                    shown.add(parts[: i + 1])
+                    rows.append(("  " * i + parts[i] + "/", "", ""))
+            if depth is None or len(parts) - 1 < depth:
+                rows.append(("  " * (len(parts) - 1) + parts[-1], describe(record), human(record.nbytes)))
+        width = max((len(r[0]) for r in rows), default=0)
+        kind = max((len(r[1]) for r in rows), default=0)
+        lines = [f"{a:<{width}}  {b:<{kind}}  {c:>10}".rstrip() for a, b, c in rows]
+        if left:
+            lines.append(f"... and {left} more leaves (`Checkpoint(path).listing()` shows them all)")
+        lines.append(f"{len(self)} leaves, {human(self.total_bytes)}")
+        return "\n".join(lines)
+
     def tree(self) -> dict[str, Any]:
         """The saved tree as nested dicts of dotted segments, with a
         `"shape dtype"` description at each leaf (never reads arrays)."""
@@ -122,6 +173,19 @@ class Checkpoint(Mapping[str, Any]):
                 node = node.setdefault(part, {})
             node[parts[-1]] = describe(record)
         return out
+
+
+# The lines `print(Checkpoint(path))` shows at most.
+_MAX_ROWS = 60
+
+
+def human(n: float) -> str:
+    """A byte count for people: `1.5 MiB`."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def describe(record: LeafRecord) -> str:

@@ -15,36 +15,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ._checkpoint import Checkpoint, describe
-from ._errors import CheckpointError, CheckpointValueError
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+from . import __version__
+from ._checkpoint import Checkpoint, human
+from ._errors import CheckpointError, CheckpointNotFoundError, CheckpointValueError
+from ._manager import CheckpointManager
 
 
 def format_listing(ckpt: Checkpoint, *, depth: int | None = None) -> str:
     """The sorted tree of keys, with dtype[shape] and size, then totals."""
-    rows: list[tuple[str, str, str]] = []
-    shown: set[tuple[str, ...]] = set()
-    for key in ckpt:
-        parts = tuple(key.split(".")) if key else ("<root>",)
-        for i in range(len(parts) - 1):
-            if parts[: i + 1] not in shown and (depth is None or i < depth):
-                shown.add(parts[: i + 1])
-                rows.append(("  " * i + parts[i] + "/", "", ""))
-        if depth is None or len(parts) - 1 < depth:
-            record = ckpt.record(key)
-            rows.append(("  " * (len(parts) - 1) + parts[-1], describe(record), human(record.nbytes)))
-    width = max((len(r[0]) for r in rows), default=0)
-    kind = max((len(r[1]) for r in rows), default=0)
-    lines = [f"{a:<{width}}  {b:<{kind}}  {c:>10}".rstrip() for a, b, c in rows]
-    lines.append(f"{len(ckpt)} leaves, {human(ckpt.total_bytes)}")
-    return "\n".join(lines)
+    return ckpt.listing(depth=depth)
 
 
 def _path(text: str) -> Any:
@@ -58,18 +37,51 @@ def _path(text: str) -> Any:
     return text
 
 
+def printable(text: str) -> str:
+    """`text` with terminal control characters (and other unprintable ones)
+    escaped, so that a hostile manifest cannot drive the terminal."""
+    return "\n".join(
+        "".join(char if char.isprintable() else repr(char)[1:-1] for char in line) for line in text.split("\n")
+    )
+
+
 def _ls(args: argparse.Namespace) -> int:
-    print(format_listing(Checkpoint(_path(args.path)), depth=args.depth))
+    path = _path(args.path)
+    try:
+        ckpt = Checkpoint(path)
+    except CheckpointNotFoundError:
+        manager = CheckpointManager(path)
+        steps = manager.all_steps()
+        if not steps:
+            raise
+        print(_format_steps(manager, steps))
+        return 0
+    print(printable(format_listing(ckpt, depth=args.depth)))
     return 0
+
+
+def _format_steps(manager: CheckpointManager, steps: list[int]) -> str:
+    """A manager's directory: its committed steps, each with its size and metrics."""
+    rows = []
+    for step in steps:
+        ckpt = Checkpoint(manager.step_path(step))
+        metrics = ", ".join(f"{name}={value}" for name, value in sorted(manager.metrics(step).items()))
+        rows.append((f"step {step}", f"{len(ckpt)} leaves", human(ckpt.total_bytes), metrics))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {d}".rstrip() for a, b, c, d in rows]
+    lines.append(
+        f"{len(steps)} steps in a CheckpointManager directory; `eqx-ckpt ls {manager.step_path(steps[-1])}` lists one"
+    )
+    return printable("\n".join(lines))
 
 
 def _info(args: argparse.Namespace) -> int:
     ckpt = Checkpoint(_path(args.path))
-    print(f"path:            {ckpt.path}")
+    print(f"path:            {printable(ckpt.path)}")
     print(f"format:          eqx_ckpt {ckpt.format_version} (zarr v3 arrays, manifest.json)")
     print(f"layout:          {ckpt.layout}")
-    print(f"library version: {ckpt.library_version}")
-    print(f"created:         {ckpt.created}")
+    print(f"library version: {printable(ckpt.library_version)}")
+    print(f"created:         {printable(ckpt.created)}")
     print(f"leaves:          {len(ckpt)}")
     print(f"bytes:           {ckpt.total_bytes} ({human(ckpt.total_bytes)})")
     return 0
@@ -80,7 +92,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     problems = _verify.verify(_path(args.path), progress=_progress())
     for problem in problems:
-        print(problem)
+        print(printable(str(problem)))
     print(f"{args.path}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
     return 1 if problems else 0
 
@@ -90,7 +102,9 @@ def _diff(args: argparse.Namespace) -> int:
 
     differences = _diff.diff(_path(args.a), _path(args.b), progress=_progress())
     for line in differences:
-        print(line)
+        print(printable(line))
+    if not differences:
+        print(f"{printable(args.a)} and {printable(args.b)} are equal: the same leaves, dtypes, shapes and values.")
     return 1 if differences else 0
 
 
@@ -110,6 +124,7 @@ def parser() -> argparse.ArgumentParser:
         description="Inspect, verify and compare eqx_ckpt checkpoints. Exit codes: 0 ok "
         "(verify: sound, diff: equal), 1 verify found damage / diff found differences, 2 error.",
     )
+    top.add_argument("--version", action="version", version=f"eqx-ckpt {__version__}")
     commands = top.add_subparsers(dest="command", required=True)
     ls = commands.add_parser("ls", help="sorted tree of keys with dtype[shape] and size")
     ls.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -11,8 +12,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._checkpoint import Checkpoint
+from ._checkpoint import Checkpoint, human
 from ._deserialise import tree_deserialise_leaves
+from ._errors import CheckpointExistsError, CheckpointValueError
 from ._serialise import tree_serialise_leaves
 
 
@@ -47,15 +49,21 @@ def _train(steps: int, say: Callable[[str], None]) -> dict[str, Any]:
 def run(directory: str | None = None, *, steps: int = 50, say: Callable[[str], None] = print) -> int:
     """Train, save `{"model", "opt_state", "step"}`, list it, reload it into a
     skeleton and a params-only skeleton, and check both. Returns an exit code."""
-    from ._cli import format_listing, human
-
+    if type(steps) is not int or steps < 1:
+        raise CheckpointValueError(f"The demo trains for `steps` steps: give a positive number, not {steps!r}.")
+    if directory is not None and os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
+        raise CheckpointExistsError(
+            f"{directory!r} exists and is not an empty directory; the demo saves a new checkpoint there. "
+            f"Give a new or empty directory, or leave `--dir` out to use a temporary one.",
+            path=directory,
+        )
     directory = directory or tempfile.mkdtemp(prefix="eqx_ckpt_demo_")
     state = _train(steps, say)
     start = time.perf_counter()
     tree_serialise_leaves(directory, state)
     ckpt = Checkpoint(directory)
     say(f"Saved {len(ckpt)} leaves ({human(ckpt.total_bytes)}) to {directory} in {time.perf_counter() - start:.2f} s:")
-    say(format_listing(ckpt))
+    say(ckpt.listing())
 
     like = eqx.filter_eval_shape(_train_skeleton, steps)
     loaded = tree_deserialise_leaves(directory, like)

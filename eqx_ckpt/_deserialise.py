@@ -13,7 +13,13 @@ import numpy as np
 from jaxtyping import PyTree
 
 from . import _commit, _dtypes, _io, _keypath, _layout, _read, _select, _tree
-from ._errors import CheckpointError, CheckpointValueError, LeafError, describe_leaf, leaf_message
+from ._errors import (
+    CheckpointError,
+    CheckpointValueError,
+    LeafError,
+    leaf_line,
+    leaf_message,
+)
 from ._handle import LeafHandle
 from ._lazy import LazyArray
 from ._manifest import LeafRecord, Manifest
@@ -63,18 +69,29 @@ class _Plan:
     record: LeafRecord | None = None
 
 
+# How many leaves a failed load names; the rest are counted (and all are in the
+# error's `dotted` attribute). A forgotten `prefix=` on a large tree would
+# otherwise print every leaf.
+_SHOWN = 12
+_SHOWN_UNEXPECTED = 8
+
+
 class _Report:
     """Every problem a load finds, raised together as one `LeafError`."""
 
-    def __init__(self, loc: Location):
+    def __init__(self, loc: Location, *, cast: bool = False):
         self.loc = loc
+        self.cast = cast
         self.lines: list[str] = []
+        self.kinds: set[str] = set()
         self.keypaths: list[tuple[Any, ...]] = []
         self.dotted: list[str] = []
+        self.unexpected: list[str] = []
 
-    def add(self, what: str, plan: _Plan | None, stored: str) -> None:
-        name = describe_leaf(plan.keypath, stored) if plan is not None else describe_leaf(None, stored)
-        self.lines.append(f"  - {name}: {what}")
+    def add(self, kind: str, what: str, plan: _Plan | None, stored: str) -> None:
+        keypath = plan.keypath if plan is not None else None
+        self.lines.append("  - " + _clip(leaf_line(f"{kind}: {what}", keypath=keypath, dotted=stored)))
+        self.kinds.add(kind)
         if plan is not None:
             self.keypaths.append(plan.keypath)
         self.dotted.append(stored)
@@ -83,17 +100,40 @@ class _Report:
         if not self.lines:
             return
         count = len(self.lines)
+        shown = self.lines[:_SHOWN]
+        if count > _SHOWN:
+            shown.append(f"  ... and {count - _SHOWN} more (the error's `dotted` attribute lists them all).")
+        if self.unexpected and "missing" in self.kinds:
+            extra = len(self.unexpected) - _SHOWN_UNEXPECTED
+            shown.append(
+                "Stored leaves that `like` lacks (perhaps the missing ones, renamed):\n"
+                + "\n".join(f"  + `{path}` (stored, not in `like`)" for path in self.unexpected[:_SHOWN_UNEXPECTED])
+                + (f"\n  ... and {extra} more." if extra > 0 else "")
+            )
         raise LeafError(
             f"Cannot load checkpoint {self.loc.display!r} into `like`: {count} "
-            f"lea{'f does' if count == 1 else 'ves do'} not match.\n"
-            + "\n".join(self.lines)
-            + "\nTo load anyway: `missing='keep'` keeps `like`'s value for missing "
-            "leaves, `cast=True` converts dtypes, `where=`/`prefix=`/`rename=` pick "
-            "and map what is loaded; shapes must match.",
+            f"lea{'f does' if count == 1 else 'ves do'} not match.\n" + "\n".join(shown) + "\n" + self._fixes(),
             path=self.loc.display,
             keypaths=self.keypaths,
             dotted=self.dotted,
         )
+
+    def _fixes(self) -> str:
+        fixes = []
+        if "missing" in self.kinds:
+            fixes.append("`missing='keep'` keeps `like`'s value for missing leaves")
+            fixes.append("`where=`/`prefix=`/`rename=` pick and map what is loaded")
+        if "dtype changed" in self.kinds and not self.cast:
+            fixes.append("`cast=True` converts dtypes (an error if a value would change beyond rounding)")
+        if "shape changed" in self.kinds:
+            fixes.append("shapes must match: build `like` with the saved shapes")
+        if "unexpected" in self.kinds:
+            fixes.append("`strict=False` allows stored leaves that `like` lacks")
+        return ("To load anyway: " + "; ".join(fixes) + ".") if fixes else ""
+
+
+def _clip(line: str, limit: int = 400) -> str:
+    return line if len(line) <= limit else line[: limit - 5] + " ...]"
 
 
 def tree_deserialise_leaves(
@@ -135,7 +175,11 @@ def tree_deserialise_leaves(
     - `missing`: `"error"` (the default) or `"keep"`: keep `like`'s leaf where the
         checkpoint has none.
     - `strict`: also report stored leaves (below `prefix`) that `like` lacks.
-    - `cast`: convert stored dtypes to `like`'s instead of raising.
+    - `cast`: `True` converts stored dtypes to `like`'s instead of raising. Rounding
+        (to a narrower float, or a large integer to a float) is what a cast
+        does; a value that would change otherwise (an integer that does not
+        fit, NaN or infinity into an integer, a float beyond the target's range)
+        is an error naming the leaf.
     - `lazy`: return [`eqx_ckpt.LazyArray`][]s that read when asked (see
         [`eqx_ckpt.materialise`][]).
 
@@ -146,7 +190,11 @@ def tree_deserialise_leaves(
     **Raises:**
 
     One [`eqx_ckpt.LeafError`][] listing every missing, shape- or dtype-changed
-    (and, with `strict=True`, unexpected) leaf.
+    (and, with `strict=True`, unexpected) leaf, and the stored leaves `like`
+    lacks (often the missing ones under another name). A load that matches no
+    leaf at all is an error even with `missing="keep"`: it names the
+    checkpoint's top-level keys and suggests `prefix=`. A 64-bit leaf loaded as
+    a JAX array while JAX's 64-bit mode is off is an error, never a wrapped value.
 
     !!! example
 
@@ -161,11 +209,16 @@ def tree_deserialise_leaves(
     """
     if missing not in ("error", "keep"):
         raise CheckpointValueError(f"`missing` must be 'error' or 'keep', not {missing!r}.")
+    if not isinstance(cast, (bool, np.bool_)):
+        raise CheckpointValueError(
+            f"`cast` of a load must be `True` or `False`, not {cast!r}: a load converts to "
+            f"the dtypes of `like`. (A dtype to store in is `tree_serialise_leaves`'s `cast`.)"
+        )
     loc = location(path)
     manifest = _commit.require_manifest(loc)
     data = _layout.data_location(loc, manifest.data_root, manifest.layout)
     flat, treedef = _tree.flatten(like, is_leaf)
-    specs = _tree.leaf_specs(filter_spec, like, is_leaf)
+    specs = _tree.leaf_specs(filter_spec, like, is_leaf, what="like")
     chosen = _select.selected(where, treedef, len(flat))
     root = _select.check_prefix(prefix)
     to_stored = _select.renamer(rename)
@@ -180,9 +233,10 @@ def tree_deserialise_leaves(
         return _keypath.join_dotted(root, to_stored(_keypath.dotted(keypath)))
 
     leaves = [leaf for _, leaf in flat]
-    report = _Report(loc)
+    report = _Report(loc, cast=bool(cast))
     plans: list[_Plan] = []
     custom: list[tuple[_Plan, Any]] = []
+    wanted: list[_Plan] = []
     for i in sorted(chosen):
         keypath, leaf = flat[i]
         stored = stored_path(keypath)
@@ -190,15 +244,23 @@ def tree_deserialise_leaves(
         if specs[i] is not default_deserialise_filter_spec:
             custom.append((plan, specs[i]))
         elif _dtypes.like_type(leaf) is not None:
-            if _check(plan, report, missing=missing, cast=cast):
+            wanted.append(plan)
+            if _check(plan, report, missing=missing, cast=bool(cast)):
                 plans.append(plan)
+    if not strict:  # with `strict=True` the report below lists both sides anyway
+        _refuse_no_match(wanted, custom, manifest, loc, root)
     if strict:
         _report_unexpected(flat, specs, stored_path, root, records, report)
+    elif report.lines:
+        found = {plan.stored for plan in wanted} | {plan.stored for plan, _ in custom}
+        report.unexpected = sorted(
+            (p for p in records if _keypath.is_within(p, root) and p not in found), key=_keypath.sort_key
+        )
     report.raise_if_any()
     check = functools.partial(_commit.check_unchanged, loc, manifest)
     try:
         for plan, spec in custom:
-            leaves[plan.index] = _run_custom(spec, plan, data, loc, cast, lazy, check)
+            leaves[plan.index] = _run_custom(spec, plan, data, loc, bool(cast), lazy, check)
         loaded = _load(data, plans, lazy=lazy, check=check)
     except Exception:
         check()  # a read that failed because the checkpoint was replaced says so
@@ -210,8 +272,38 @@ def tree_deserialise_leaves(
     return treedef.unflatten(leaves)
 
 
+def _refuse_no_match(
+    wanted: list[_Plan], custom: list[tuple[_Plan, Any]], manifest: Manifest, loc: Location, root: str
+) -> None:
+    """A load that finds none of `like`'s leaves is almost always a forgotten
+    `prefix=`, or the wrong checkpoint: never return `like` unchanged for it."""
+    if not wanted or any(plan.record is not None for plan in wanted):
+        return
+    if any(plan.record is not None for plan, _ in custom):
+        return
+    looked = ", ".join(f"`{plan.stored}`" for plan in wanted[:3]) + (", ..." if len(wanted) > 3 else "")
+    keys = _top_keys(manifest) if not root else repr(root)
+    hint = (
+        f"If `like` is one part of what was saved, pass `prefix=` naming it (e.g. `prefix={_first_top(manifest)!r}`)."
+        if not root
+        else "Check `prefix=` and `rename=` against `Checkpoint(path).keys()`."
+    )
+    raise LeafError(
+        f"None of the {len(wanted)} leaves of `like` is in checkpoint {loc.display!r} "
+        f"(looked for {looked}); its top-level keys are {keys}. {hint}",
+        path=loc.display,
+        keypaths=[plan.keypath for plan in wanted[:_SHOWN]],
+        dotted=[plan.stored for plan in wanted],
+    )
+
+
+def _first_top(manifest: Manifest) -> str:
+    tops = sorted({_keypath.split_dotted(leaf.path)[0] for leaf in manifest.leaves if leaf.path}, key=_keypath.sort_key)
+    return tops[0] if tops else ""
+
+
 def _top_keys(manifest: Manifest) -> str:
-    keys = sorted({_keypath.split_dotted(leaf.path)[0] for leaf in manifest.leaves if leaf.path})
+    keys = sorted({_keypath.split_dotted(leaf.path)[0] for leaf in manifest.leaves if leaf.path}, key=_keypath.sort_key)
     shown = ", ".join(repr(k) for k in keys[:20])
     return shown + (", ..." if len(keys) > 20 else "") if keys else "(none)"
 
@@ -221,27 +313,35 @@ def _check(plan: _Plan, report: _Report, *, missing: str, cast: bool) -> bool:
     record = plan.record
     if record is None:
         if missing == "error":
-            report.add("missing: it is not in the checkpoint.", plan, plan.stored)
+            report.add("missing", "it is not in the checkpoint.", plan, plan.stored)
         return False
     problem = _dtypes.compatible(record, plan.like)
     if problem is not None:
-        report.add(f"type changed: {problem}.", plan, plan.stored)
+        report.add("type changed", f"{problem}.", plan, plan.stored)
         return False
     shape, dtype = _dtypes.expected(plan.like)
     if _dtypes.like_type(plan.like) in ("bool", "int", "float", "complex"):
         return True
     if tuple(record.shape) != shape:
         report.add(
-            f"shape changed: Deserialised leaf at path {plan.keypath!r} has changed shape "
+            "shape changed",
+            f"Deserialised leaf at path {plan.keypath!r} has changed shape "
             f"from {shape} in `like` to {record.shape} on disk.",
             plan,
             plan.stored,
         )
         return False
     if dtype not in (record.dtype, record.stored_dtype) and not (cast and _castable(record, plan.like)):
+        kind = "dtype changed"
+        if record.type == "prng_key" or _dtypes.like_type(plan.like) == "prng_key":
+            kind = "key type changed"
+            why = "PRNG key arrays of different implementations cannot be converted (not even with `cast=True`)"
+        else:
+            why = "pass `cast=True` to convert" if not cast else "`cast=True` cannot convert these"
         report.add(
-            f"dtype changed: Deserialised leaf at path {plan.keypath!r} has changed dtype "
-            f"from {dtype} in `like` to {record.dtype} on disk (pass `cast=True` to convert).",
+            kind,
+            f"Deserialised leaf at path {plan.keypath!r} has changed dtype "
+            f"from {dtype} in `like` to {record.dtype} on disk ({why}).",
             plan,
             plan.stored,
         )
@@ -261,9 +361,11 @@ def _report_unexpected(
         for (keypath, leaf), spec in zip(flat, specs)
         if _dtypes.like_type(leaf) is not None or spec is not default_deserialise_filter_spec
     }
-    for path in sorted(records):
+    for path in sorted(records, key=_keypath.sort_key):
         if _keypath.is_within(path, root) and path not in wanted:
-            report.add("unexpected: it is in the checkpoint but not in `like` (you passed `strict=True`).", None, path)
+            report.add(
+                "unexpected", "it is in the checkpoint but not in `like` (you passed `strict=True`).", None, path
+            )
 
 
 def _target_dtype(like: Any) -> np.dtype | None:
@@ -272,6 +374,8 @@ def _target_dtype(like: Any) -> np.dtype | None:
         return np.dtype(like.dtype)
     return None
 
+
+_SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
 
 # Bytes of host buffers in flight at once during a load. All reads at once would
 # hold every leaf twice (TensorStore's buffer and the array made from it); a window
@@ -282,9 +386,15 @@ READ_WINDOW = 128 * 2**20
 def _load(data: Location, plans: list[_Plan], *, lazy: bool, check: Callable[[], None]) -> list[Any]:
     """Open every array, then read leaves concurrently within `READ_WINDOW` bytes,
     converting (and freeing the host buffer of) the oldest as new reads start."""
-    records = [_record_of(plan) for plan in plans]
     if lazy:
-        return [LazyArray(data, record, plan.like, check) for plan, record in zip(plans, records)]
+        # Scalars come back as values, as `Checkpoint(path)[key]` gives them.
+        scalars = [i for i, plan in enumerate(plans) if _dtypes.like_type(plan.like) in _SCALARS]
+        out: list[Any] = [LazyArray(data, _record_of(plan), plan.like, check) for plan in plans]
+        values = _load(data, [plans[i] for i in scalars], lazy=False, check=check)
+        for i, value in zip(scalars, values):
+            out[i] = value
+        return out
+    records = [_record_of(plan) for plan in plans]
     opens = [_io.open_array(data, record) for record in records]
     results: list[Any] = [None] * len(plans)
     window: collections.deque[tuple[int, int, Callable[[], Any]]] = collections.deque()
@@ -303,7 +413,7 @@ def _load(data: Location, plans: list[_Plan], *, lazy: bool, check: Callable[[],
     while window:
         j, _, finish = window.popleft()
         results[j] = finish()
-    return results
+    return [_dtypes.keep_weak_type(value, plan.like) for value, plan in zip(results, plans)]
 
 
 def _record_of(plan: _Plan) -> LeafRecord:
@@ -318,7 +428,7 @@ def _run_custom(
     """Call a user's filter spec with a handle whose `read` loads one leaf."""
 
     def read(like: Any) -> Any:
-        report = _Report(loc)
+        report = _Report(loc, cast=cast)
         sub = dataclasses.replace(plan, like=like)
         if not _check(sub, report, missing="error", cast=cast):
             report.raise_if_any()
@@ -337,7 +447,7 @@ def _run_custom(
             path=loc.display,
         )
         raise LeafError(
-            f"Error at leaf with path {plan.keypath!r}. {message}",
+            message,
             path=loc.display,
             keypaths=[plan.keypath],
             dotted=[plan.stored],
@@ -353,17 +463,19 @@ def _assert_same(value: Any, plan: _Plan, loc: Location) -> None:
     if isinstance(value, LazyArray):
         return
     if not abstract and type(value) is not type(like):
-        raise _changed(plan, loc, f"type from {type(like)} in `like` to {type(value)} on disk.")
+        # Equinox names the leaf by `keystr` in quotes here, and by the key-path tuple below.
+        where = f"'{jax.tree_util.keystr(plan.keypath)}'"
+        raise _changed(plan, loc, f"type from {type(like)} in `like` to {type(value)} on disk.", where)
     for attr in ("shape", "dtype"):
         old, new = getattr(like, attr, None), getattr(value, attr, None)
         if old is not None and new is not None and old != new:
             raise _changed(plan, loc, f"{attr} from {old} in `like` to {new} on disk.")
 
 
-def _changed(plan: _Plan, loc: Location, what: str) -> LeafError:
+def _changed(plan: _Plan, loc: Location, what: str, where: str | None = None) -> LeafError:
     """Equinox's message for a loaded leaf that differs from `like`."""
     message = leaf_message(
-        f"Deserialised leaf at path {plan.keypath!r} has changed {what}",
+        f"Deserialised leaf at path {where or repr(plan.keypath)} has changed {what}",
         keypath=plan.keypath,
         dotted=plan.stored,
         path=loc.display,

@@ -36,6 +36,19 @@ class CheckpointDiff:
     - `changed`: `(dotted path, "before -> after")` pairs whose shape, dtype or
         leaf type differ.
     - `values`: dotted paths with the same shape and dtype but different values.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("a", {"w": jnp.ones(2), "b": jnp.zeros(2)})
+        eqx_ckpt.tree_serialise_leaves("b", {"w": jnp.full(2, 2.0), "lr": 0.1})
+        changes = eqx_ckpt.diff("a", "b")
+        print(list(changes))   # ['- b', '+ lr', '! w: values differ']
+        print(changes.values)  # ('w',)
+        ```
     """
 
     added: tuple[str, ...] = ()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from ._spec import NATIVE_DTYPES, dtype_from_name
@@ -72,6 +73,77 @@ def decode(array: np.ndarray, record: Any) -> np.ndarray:
     return array
 
 
+def checked_cast(array: np.ndarray, dtype: Any) -> np.ndarray:
+    """`array` converted to `dtype`, or `ValueError` saying why the values would
+    change beyond rounding: an integer that does not fit, NaN or infinity into an
+    integer, a finite float beyond the target's range, a complex with an imaginary
+    part into a real type. Rounding to a narrower float, or an integer too large to
+    be exact in a float, is what a cast means and is allowed."""
+    target = np.dtype(dtype)
+    if array.dtype == target:
+        return array
+    source = _kind(array.dtype)
+    goal = _kind(target)
+    if source == "c" and goal != "c":
+        if array.size and np.any(np.imag(array) != 0):
+            raise ValueError(f"{array.dtype} values with an imaginary part cannot become {target}")
+        array = np.real(array)
+        source = _kind(array.dtype)
+    if goal in "biu" and array.size:
+        _check_integer_range(array, source, target)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = array.astype(target)
+    if goal in "fc" and source in "fc" and array.size:
+        overflowed = np.isinf(out) & ~np.isinf(array)
+        if np.any(overflowed):
+            value = np.asarray(array)[overflowed].flat[0].item()
+            raise ValueError(f"the value {value!r} is beyond the range of {target}")
+    return out
+
+
+def _kind(dtype: np.dtype) -> str:
+    # ml_dtypes' types report kind 'V' in NumPy: 2- and 4-bit integers, and floats.
+    if dtype.kind != "V":
+        return dtype.kind
+    return "u" if dtype.name.startswith("uint") else "i" if dtype.name.startswith("int") else "f"
+
+
+def _check_integer_range(array: np.ndarray, source: str, target: np.dtype) -> None:
+    if target.kind == "b":
+        if source != "b" and np.any((array != 0) & (array != 1)):
+            raise ValueError(f"only 0 and 1 become {target} unchanged; the values include others")
+        return
+    info = ml_dtypes.iinfo(target)
+    if source == "b":
+        return
+    if source == "f":
+        values = array.astype(np.float64) if array.dtype.itemsize < 8 else array
+        if not np.all(np.isfinite(values)):
+            raise ValueError(f"NaN or infinity cannot become {target}")
+        low, high = float(np.min(np.trunc(values))), float(np.max(np.trunc(values)))
+        # Both bounds as exact powers of two, so the comparison is exact in floats.
+        if low < float(info.min) or high >= float(info.max) + 1:
+            shown = low if low < float(info.min) else high
+            raise ValueError(f"the value {shown!r} does not fit in {target} ([{info.min}, {info.max}])")
+        return
+    low_i, high_i = int(np.min(array)), int(np.max(array))
+    if low_i < int(info.min) or high_i > int(info.max):
+        shown_i = low_i if low_i < int(info.min) else high_i
+        raise ValueError(f"the value {shown_i} does not fit in {target} ([{info.min}, {info.max}])")
+
+
+def is_floating(dtype: np.dtype) -> bool:
+    """Whether `dtype` is a real floating type (bfloat16 and float8 types included)."""
+    return _kind(dtype) == "f"
+
+
+def x64_missing(dtype: Any) -> bool:
+    """Whether a JAX array of `dtype` cannot exist here: a 64-bit dtype while
+    JAX's 64-bit mode is off (`jax.device_put` would silently narrow it)."""
+    dtype = np.dtype(dtype)
+    return jax.dtypes.canonicalize_dtype(dtype) != dtype
+
+
 def like_type(like: Any) -> str | None:
     """What a leaf of `like` asks to be loaded as, or `None` if it is not loaded."""
     if isinstance(like, jax.ShapeDtypeStruct):
@@ -120,6 +192,19 @@ def to_result(array: np.ndarray, like: Any, *, sharding: Any = None) -> Any:
         return type(like)(array.item())
     # `device_put` makes one copy; `jnp.asarray` of a NumPy array briefly holds two.
     return jax.device_put(array, sharding)
+
+
+def keep_weak_type(value: Any, like: Any) -> Any:
+    """`value` weakly typed if `like`'s leaf is (a Python scalar made into an array
+    is), so that a `jax.jit` traced with `like` is not traced again for the loaded
+    tree. Equinox drops the flag."""
+    if not (getattr(like, "weak_type", False) and isinstance(value, jax.Array)) or value.weak_type:
+        return value
+    try:
+        from jax._src.lax.lax import _convert_element_type
+    except ImportError:  # a JAX without it: the value is right, only the flag is lost
+        return value
+    return _convert_element_type(value, weak_type=True)
 
 
 def wrap_keys(data: jax.Array, impl: str) -> jax.Array:

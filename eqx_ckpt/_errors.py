@@ -17,6 +17,17 @@ class CheckpointError(Exception):
     **Attributes:**
 
     - `path`: the checkpoint the error is about, as given, or `None`.
+
+    !!! example
+
+        ```python
+        import eqx_ckpt
+
+        try:
+            eqx_ckpt.Checkpoint("no_such_checkpoint")
+        except eqx_ckpt.CheckpointError as e:   # every error eqx_ckpt raises
+            print(type(e).__name__, e.path)     # CheckpointNotFoundError no_such_checkpoint
+        ```
     """
 
     path: str | None = None
@@ -31,23 +42,95 @@ class CheckpointError(Exception):
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """There is no committed checkpoint at the path."""
+    """There is no committed checkpoint at the path.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        try:
+            eqx_ckpt.tree_deserialise_leaves("not_saved_yet", {"w": jnp.zeros(2)})
+        except FileNotFoundError as e:          # also a CheckpointNotFoundError
+            print(e)
+        ```
+    """
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
-    """The destination holds a checkpoint (with `overwrite=False`), or other files."""
+    """The destination holds a checkpoint (with `overwrite=False`), or other files.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(2)})
+        try:
+            eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.zeros(2)}, overwrite=False)
+        except eqx_ckpt.CheckpointExistsError as e:
+            print(e)
+        ```
+    """
 
 
 class CheckpointTypeError(CheckpointError, TypeError):
-    """An argument has the wrong type, such as a file object instead of a path."""
+    """An argument has the wrong type, such as a file object instead of a path.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        with open("model.eqx", "wb") as f:
+            try:
+                eqx_ckpt.tree_serialise_leaves(f, {"w": jnp.ones(2)})
+            except TypeError as e:              # pass a directory path instead
+                print(e)
+        ```
+    """
 
 
 class CheckpointValueError(CheckpointError, ValueError):
-    """An argument has a value that cannot be used, such as an unknown option."""
+    """An argument has a value that cannot be used, such as an unknown option.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(2)})
+        try:
+            eqx_ckpt.tree_deserialise_leaves("ckpt", {"w": jnp.zeros(2)}, missing="ignore")
+        except ValueError as e:
+            print(e)                            # `missing` must be 'error' or 'keep', ...
+        ```
+    """
 
 
 class CorruptCheckpointError(CheckpointError, ValueError):
-    """The manifest is unreadable, invalid, edited or hostile."""
+    """The manifest is unreadable, invalid, edited or hostile.
+
+    !!! example
+
+        ```python
+        import pathlib
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(2)})
+        manifest = pathlib.Path("ckpt/manifest.json")
+        manifest.write_text(manifest.read_text().replace('"w"', '"v"'))   # an edit
+        try:
+            eqx_ckpt.Checkpoint("ckpt")
+        except eqx_ckpt.CorruptCheckpointError as e:
+            print(e)                            # ... its digest does not match its content ...
+        ```
+    """
 
 
 class CheckpointReplacedError(CheckpointError, RuntimeError):
@@ -57,7 +140,21 @@ class CheckpointReplacedError(CheckpointError, RuntimeError):
 
 
 class CheckpointKeyError(CheckpointError, KeyError):
-    """A dotted key is not in the checkpoint."""
+    """A dotted key is not in the checkpoint.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"model": {"w": jnp.ones(2)}})
+        try:
+            eqx_ckpt.Checkpoint("ckpt")["model.v"]
+        except KeyError as e:
+            print(e)                            # 'model.v' is not a leaf of checkpoint 'ckpt'. ...
+        ```
+    """
 
 
 class LeafError(CheckpointError, RuntimeError):
@@ -69,6 +166,19 @@ class LeafError(CheckpointError, RuntimeError):
     - `path`: the checkpoint.
     - `keypaths`: the key paths (tuples of JAX keys) of the leaves concerned.
     - `dotted`: their dotted paths in the checkpoint.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"encoder": {"w": jnp.ones(2)}})
+        try:
+            eqx_ckpt.tree_deserialise_leaves("ckpt", {"encoder": {"w": jnp.ones(2), "b": jnp.zeros(2)}})
+        except eqx_ckpt.LeafError as e:     # also a RuntimeError, as Equinox raises
+            print(e.dotted)                 # ('encoder.b',)
+        ```
     """
 
     keypaths: tuple[tuple[Any, ...], ...] = ()
@@ -88,7 +198,26 @@ class LeafError(CheckpointError, RuntimeError):
 
 
 class IntegrityError(LeafError):
-    """A leaf's stored bytes or metadata fail their integrity check."""
+    """A leaf's stored bytes or metadata fail their integrity check.
+
+    !!! example
+
+        ```python
+        import pathlib
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(3)})
+        chunk = pathlib.Path("ckpt/w/c/0")
+        data = bytearray(chunk.read_bytes())
+        data[0] ^= 0xFF                         # one flipped bit of storage
+        chunk.write_bytes(bytes(data))
+        try:
+            eqx_ckpt.tree_deserialise_leaves("ckpt", {"w": jnp.zeros(3)})
+        except eqx_ckpt.IntegrityError as e:
+            print(e.dotted)                     # ('w',)
+        ```
+    """
 
 
 for _cls in (
@@ -107,13 +236,20 @@ for _cls in (
 
 
 def describe_leaf(keypath: tuple[Any, ...] | None, dotted: str) -> str:
-    """How every message names a leaf: its dotted path, its `keystr`, and the
-    key-path tuple that Equinox prints, so that code matching either keeps working.
-    """
+    """How every message names a leaf: its dotted path and its `keystr`."""
     if keypath is None:
-        return f"`{dotted}`"
+        return f"`{dotted or '<root>'}`"
     shown = jtu.keystr(keypath) if keypath else "<root>"
-    return f"`{dotted or '<root>'}` (key path {shown}, {keypath!r})"
+    return f"`{dotted or '<root>'}` (key path {shown})"
+
+
+def leaf_line(what: str, *, keypath: tuple[Any, ...] | None, dotted: str, where: str = "") -> str:
+    """One leaf and what is wrong with it. A leaf of `like` (known by its key
+    path) starts with Equinox's own words, `Error at leaf with path (DictKey(key='a'),)`,
+    so that code and tests written against Equinox's messages keep matching."""
+    if keypath is None:
+        return f"Leaf {describe_leaf(None, dotted)}{where}: {what}"
+    return f"Error at leaf with path {keypath!r}: leaf {describe_leaf(keypath, dotted)}{where}: {what}"
 
 
 def leaf_message(
@@ -126,7 +262,7 @@ def leaf_message(
 ) -> str:
     """One sentence about one leaf: what differs, where, in which checkpoint, and
     what to do about it."""
-    message = f"Leaf {describe_leaf(keypath, dotted)} in checkpoint {str(path)!r}: {what}"
+    message = leaf_line(what, keypath=keypath, dotted=dotted, where=f" in checkpoint {str(path)!r}")
     if fix:
         message += f" {fix}"
     return message

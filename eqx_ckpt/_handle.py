@@ -23,6 +23,23 @@ class LeafHandle:
     A serialising filter spec calls `handle.write(value)`; a deserialising one
     calls `handle.read(like)`. `default_serialise_filter_spec` and
     `default_deserialise_filter_spec` do exactly that for array-like leaves.
+
+    !!! example
+
+        Save only the leaves under `model`, naming the others as they go by:
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        def only_model(handle, x):
+            if handle.path.startswith("model."):
+                handle.write(x)
+            else:
+                print("skipped", handle.keystr)   # skipped ['cache']
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"model": {"w": jnp.ones(2)}, "cache": jnp.zeros(9)}, only_model)
+        ```
     """
 
     def __init__(

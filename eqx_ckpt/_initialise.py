@@ -44,6 +44,20 @@ def load_or_initialise(
 
     The tree, every array leaf concrete.
 
+    **Raises:**
+
+    A [`eqx_ckpt.LeafError`][] if no leaf of `init()`'s tree is in the
+    checkpoint: that is a forgotten `prefix=` (or the wrong checkpoint), not a
+    fresh start. The error names the checkpoint's top-level keys.
+
+    !!! warning
+
+        `eqx.nn.State` keys its leaves by position, as Equinox flattens it: a
+        stateful layer (`BatchNorm`) inserted before others in the new tree takes
+        the statistics of the layer that used to sit there, and the last one is
+        initialised. Save such state keyed by the layers' names instead (see
+        docs/loading.md, "Stateful layers").
+
     !!! example
 
         ```python

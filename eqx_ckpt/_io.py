@@ -11,13 +11,14 @@ import contextlib
 import ctypes
 import functools
 import os
+import re
 import shutil
 import sys
 from collections.abc import Iterable, Iterator
 
 import tensorstore as ts
 
-from ._errors import CheckpointError, IntegrityError, describe_leaf
+from ._errors import CheckpointError, CheckpointTypeError, CorruptCheckpointError, IntegrityError, leaf_message
 from ._local import check_leaf_files, refuse_links
 from ._manifest import LeafRecord
 from ._spec import CONTEXT, UNSYNCED, Location, array_spec
@@ -127,22 +128,56 @@ def _syncfs(path: str) -> None:
 
 
 def read_file(loc: Location, name: str, *, limit: int) -> bytes | None:
-    """The bytes of a small file, or `None` if it does not exist."""
+    """The bytes of a small file, or `None` if it does not exist. A file of more
+    than `limit` bytes is a `CorruptCheckpointError`, found before it is read (on
+    an object store, by asking for the one byte past the limit), so a hostile
+    checkpoint cannot make us download or allocate a huge file."""
     return read_file_stamped(loc, name, limit=limit)[0]
 
 
 def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | None, bytes]:
-    """A small file's bytes (or `None`) and a stamp that changes whenever the
-    file is replaced (see `file_changed`)."""
+    """`read_file`, and a stamp that changes whenever the file is replaced (see
+    `file_changed`)."""
     if loc.local is not None:
         full = os.path.join(loc.local, name)
         refuse_links(loc, name)
         if not os.path.isfile(full):
             return None, b""
         with open(full, "rb") as f:
-            return f.read(limit + 1), _stat_stamp(os.fstat(f.fileno()))
-    result = kvstore(loc).read(name).result()
-    return (result.value if result.state == "value" else None), result.stamp.generation
+            st = os.fstat(f.fileno())
+            if st.st_size > limit:
+                raise _too_large(loc, name, limit, st.st_size)
+            data, stamp = f.read(limit + 1), _stat_stamp(st)
+    else:
+        _refuse_large_object(loc, name, limit)
+        result = kvstore(loc).read(name).result()
+        if result.state != "value":
+            return None, result.stamp.generation
+        data, stamp = result.value, result.stamp.generation
+    if len(data) > limit:  # it grew between the check and the read
+        raise _too_large(loc, name, limit, len(data))
+    return data, stamp
+
+
+def _refuse_large_object(loc: Location, name: str, limit: int) -> None:
+    """On an object store, ask for the one byte past `limit` before downloading."""
+    try:
+        probe = kvstore(loc).read(name, byte_range=slice(limit, limit + 1)).result()
+    except ValueError as e:
+        if "OUT_OF_RANGE" not in str(e):
+            raise
+        return  # the file ends before `limit`
+    if probe.state == "value" and len(probe.value):
+        raise _too_large(loc, name, limit, None)
+
+
+def _too_large(loc: Location, name: str, limit: int, size: int | None) -> CorruptCheckpointError:
+    shown = f"is {size} bytes, more than the {limit} allowed" if size is not None else f"holds more than {limit} bytes"
+    return CorruptCheckpointError(
+        f"The file {name!r} of checkpoint {loc.display!r} {shown}, so it "
+        f"was not read. The checkpoint is damaged or was not written by eqx_ckpt; do not load it.",
+        path=loc.display,
+    )
 
 
 def _stat_stamp(st: os.stat_result) -> bytes:
@@ -162,13 +197,21 @@ def file_changed(loc: Location, name: str, stamp: bytes) -> bool:
 
 
 def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes | None, bytes]:
-    """A small file's bytes (or `None`) and its TensorStore storage generation,
-    for a write conditional on it (`write_conditional`)."""
+    """`read_file`, and the file's TensorStore storage generation, for a write
+    conditional on it (`write_conditional`)."""
     refuse_links(loc, name)
+    if loc.local is not None:
+        full = os.path.join(loc.local, name)
+        if os.path.isfile(full) and os.path.getsize(full) > limit:
+            raise _too_large(loc, name, limit, os.path.getsize(full))
+    else:
+        _refuse_large_object(loc, name, limit)
     result = kvstore(loc).read(name).result()
     if result.state != "value":
         return None, result.stamp.generation
-    return result.value[: limit + 1], result.stamp.generation
+    if len(result.value) > limit:
+        raise _too_large(loc, name, limit, len(result.value))
+    return result.value, result.stamp.generation
 
 
 def write_conditional(
@@ -252,8 +295,22 @@ def list_names(loc: Location) -> list[str]:
     """The top-level entries of a checkpoint directory."""
     if loc.local is not None:
         return sorted(os.listdir(loc.local)) if os.path.isdir(loc.local) else []
-    keys = kvstore(loc).list().result()
-    return sorted({key.decode("utf-8", "replace").split("/", 1)[0] for key in keys})
+    return sorted({key.split("/", 1)[0] for key in list_keys(loc)})
+
+
+def list_keys(loc: Location) -> list[str]:
+    """Every key below `loc`, relative to it."""
+    try:
+        keys = kvstore(loc).list().result()
+    except NotImplementedError:
+        driver = loc.kvstore.get("driver")
+        raise CheckpointTypeError(
+            f"{loc.display!r} is on a store that cannot list its keys (TensorStore's {driver!r} driver), so "
+            f"eqx_ckpt cannot save or manage checkpoints there. Save to a local directory or an object store "
+            f"(s3://, gs://); a checkpoint can still be loaded over http.",
+            path=loc.display,
+        ) from None
+    return [key.decode("utf-8", "replace") for key in keys]
 
 
 def remove(loc: Location, names: Iterable[str]) -> None:
@@ -335,33 +392,35 @@ def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: s
     memory = physical_memory()
     if memory is None or nbytes <= memory:
         return
-    raise IntegrityError(
-        f"Leaf {describe_leaf(None, record.path)} in checkpoint {loc.display!r}: reading {what} needs "
-        f"{nbytes} bytes (shape {list(record.stored_shape)}, chunks {list(record.chunks)} in the manifest), more "
-        f"than this machine's {memory} bytes of memory. Nothing was read. A manifest this large is damaged or "
-        f"hostile; if the leaf really is this large, read it in slices (`eqx_ckpt.Checkpoint(path)[key][...]`) or "
-        f"load it sharded across devices.",
+    message = leaf_message(
+        f"reading {what} needs {nbytes} bytes (shape {list(record.stored_shape)}, chunks {list(record.chunks)} in "
+        f"the manifest), more than this machine's {memory} bytes of memory. Nothing was read.",
+        keypath=None,
+        dotted=record.path,
         path=loc.display,
-        dotted=[record.path],
+        fix="A manifest this large is damaged or hostile; if the leaf really is this large, read it in slices "
+        "(`eqx_ckpt.Checkpoint(path)[key][...]`) or load it sharded across devices.",
     )
+    raise IntegrityError(message, path=loc.display, dotted=[record.path])
 
 
 def leaf_io_error(error: BaseException, record: LeafRecord, loc: Location, doing: str) -> CheckpointError:
     """Explain a TensorStore failure on one leaf."""
     if isinstance(error, CheckpointError):
         return error
-    text = str(error)
-    name = describe_leaf(None, record.path)
+    # TensorStore appends the whole spec it was opening (every context resource,
+    # the metadata): noise to a user, and long.
+    text = re.sub(r"\s*\[(tensorstore_spec|source locations)='.*?'\]", "", str(error), flags=re.S)
     if "NOT_FOUND" in text or "DATA_LOSS" in text or "FAILED_PRECONDITION" in text or "digest" in text.lower():
-        return IntegrityError(
-            f"Leaf {name} in checkpoint {loc.display!r} is damaged or incomplete: "
-            f"{text}. Its bytes do not match what was saved; restore the checkpoint "
-            f"from a good copy, or run `eqx-ckpt verify` to list every damaged leaf.",
+        message = leaf_message(
+            f"it is damaged or incomplete: {text}.",
+            keypath=None,
+            dotted=record.path,
             path=loc.display,
-            dotted=[record.path],
+            fix="Its bytes do not match what was saved. If the checkpoint was overwritten or deleted while this "
+            "read ran, read it again; otherwise restore it from a good copy, or run `eqx-ckpt verify` to list "
+            "every damaged leaf.",
         )
-    return IntegrityError(
-        f"Could not {doing} leaf {name} in checkpoint {loc.display!r}: {text}",
-        path=loc.display,
-        dotted=[record.path],
-    )
+    else:
+        message = leaf_message(f"could not {doing} it: {text}", keypath=None, dotted=record.path, path=loc.display)
+    return IntegrityError(message, path=loc.display, dotted=[record.path])

@@ -9,14 +9,24 @@ dotted path is the segments joined by `.`, a directory the segments joined by
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 
 import jax.tree_util as jtu
+import numpy as np
 
 _SAFE = re.compile(r"[A-Za-z0-9_-]")
-_SEGMENT = re.compile(r"^(%e|%i-?[0-9]+|%r(?:[A-Za-z0-9_-]|%[0-9A-F]{2})*|(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+)$")
+_SEGMENT = re.compile(
+    r"^(%e|%i-?[0-9]+|%r(?:[A-Za-z0-9_-]|%[0-9A-F]{2})*(?:%h[0-9a-f]{32})?"
+    r"|(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+(?:%h[0-9a-f]{32})?)$"
+)
+# Longer escaped segments are shortened (a file name may have 255 bytes): their
+# first characters, then `%h` and a digest of the whole segment. Escaping never
+# writes `%h`, so a shortened name can only equal another shortened one, of a key
+# with the same digest.
 MAX_SEGMENT = 200
+_KEPT = 160
 
 
 def escape(text: str) -> str:
@@ -93,11 +103,29 @@ def key_record(key: Any) -> tuple[str, Any]:
         return "attr", key.name
     if isinstance(key, jtu.DictKey) and isinstance(key.key, str):
         return "key", key.key
-    if isinstance(key, jtu.DictKey) and type(key.key) is int:
-        return "key_int", key.key
+    if isinstance(key, jtu.DictKey) and _is_integer(key.key):
+        # `np.int64(3)` and `3` are one key to JAX (equal, same hash): one name here too.
+        return "key_int", int(key.key)
     if isinstance(key, jtu.DictKey):
         return "key_repr", repr(key.key)
     return "other", str(key)
+
+
+def _is_integer(value: Any) -> bool:
+    return type(value) is int or isinstance(value, np.integer)
+
+
+_NUMBER = re.compile(r"^(%i)?(-?[0-9]+)$")
+
+
+def sort_key(path: str) -> tuple[tuple[int, int, str], ...]:
+    """Sort dotted paths segment by segment, numbers by value: `layers.2` before
+    `layers.10`, as a list's items come."""
+    out = []
+    for part in split_dotted(path):
+        match = _NUMBER.match(part)
+        out.append((0, int(match.group(2)), part) if match else (1, 0, part))
+    return tuple(out)
 
 
 def to_json(keypath: tuple[Any, ...]) -> list[list[Any]]:
@@ -160,5 +188,16 @@ def stored_segment(kind: str, value: Any) -> str:
     if kind == "key_int":
         return f"%i{value}"
     if kind in ("key_repr", "other"):
-        return "%r" + escape(value)
-    return escape(value)
+        return _shortened("%r" + escape(value))
+    return _shortened(escape(value))
+
+
+def _shortened(text: str) -> str:
+    if len(text) <= MAX_SEGMENT:
+        return text
+    cut = _KEPT
+    # Never cut a `%XX` escape in two.
+    while "%" in text[cut - 2 : cut]:
+        cut -= 1
+    digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+    return f"{text[:cut]}%h{digest}"

@@ -14,6 +14,8 @@ deletes it whole.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ._errors import CheckpointValueError
 from ._manifest import LAYOUTS
 from ._spec import Location
@@ -31,9 +33,12 @@ def check(layout: str) -> str:
 
 
 def data_location(loc: Location, data_root: str, layout: str) -> Location:
-    """The location the arrays' keys (`model/w/zarr.json`...) are relative to."""
-    root = loc.joined(data_root) if data_root else loc
+    """The location the arrays' keys (`model/w/zarr.json`...) are relative to.
+
+    Messages name it as the checkpoint (`loc.display`): a user can pass that
+    back, where an internal data root such as `ckpt/gen.2` means nothing."""
+    root = dataclasses.replace(loc.joined(data_root), display=loc.display) if data_root else loc
     if layout == "directories":
         return root
     spec = {"driver": "ocdbt", "base": root.child(OCDBT_FOLDER), "path": ""}
-    return Location(spec, root.display.rstrip("/") + "/" + OCDBT_FOLDER, None)
+    return Location(spec, loc.display, None)

@@ -28,6 +28,19 @@ class LazyArray:
     A `LazyArray` is not a JAX array: `eqx.is_array` is `False` for it, so
     `eqx.filter` treats it as static, and passing it to a `jax.jit`-ted function
     raises. Materialise first.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"emb": jnp.arange(12.0).reshape(4, 3)})
+        lazy = eqx_ckpt.Checkpoint("ckpt")["emb"]     # nothing read yet
+        print(lazy.shape, lazy.dtype, lazy.nbytes)   # (4, 3) float32 48
+        rows = lazy[1:3]                              # reads two rows, as NumPy
+        emb = lazy.read()                             # the whole leaf, as a JAX array
+        ```
     """
 
     __slots__ = ("_check", "_like", "_loc", "_record", "_store")
@@ -90,7 +103,11 @@ class LazyArray:
         return self._store
 
     def __getitem__(self, index: Any) -> np.ndarray:
-        """Read only the region `index` selects (basic indexing: ints and slices)."""
+        """Read the region `index` selects, as NumPy indexes: ints, slices, `...`
+        and `None` read only that region; integer arrays and boolean masks (NumPy's
+        advanced indexing) read the whole leaf, then select."""
+        if _is_advanced(index):
+            return self[...][index]
         index = _numpy_index(index, self.shape)
         store = self._open()
         per_element = self._record.nbytes // max(self.size, 1)
@@ -118,7 +135,7 @@ class LazyArray:
     def start(self, *, checked: bool = True) -> Any:
         """Start reading; the returned function waits and gives the value (and,
         unless `checked=False`, checks the checkpoint was not replaced)."""
-        like = self._like if self._like is not None else jax.ShapeDtypeStruct(self.shape, self.dtype)
+        like = self._like if self._like is not None else _saved_like(self._record)
         target = np.dtype(like.dtype) if _dtypes.like_type(like) in ("jax", "numpy", "numpy_scalar") else None
         finish = _read.start(self._open(), self._loc, self._record, like, dtype=target)
 
@@ -130,13 +147,41 @@ class LazyArray:
                 raise
             if checked:
                 self._check()
-            return out
+            return _dtypes.keep_weak_type(out, like)
 
         return value
 
     def read(self) -> Any:
-        """Read the whole leaf, as the type of the `like` leaf it stands for."""
+        """Read the whole leaf, as the type of the `like` leaf it stands for (without
+        one, as the type it was saved from: a NumPy array stays NumPy)."""
         return self.start()()
+
+
+def _saved_like(record: LeafRecord) -> Any:
+    """A stand-in `like` for a leaf opened without one: it reads back as the type
+    it was saved from (a NumPy array stays NumPy, a JAX array becomes one)."""
+    if record.type == "prng_key":
+        data = jax.ShapeDtypeStruct(tuple(record.stored_shape), _dtypes.dtype_from_name(record.stored_dtype))
+        return jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=record.impl), data)
+    dtype = _dtypes.dtype_from_name(record.dtype)
+    if record.type == "numpy":
+        return np.zeros((0,), dtype)
+    if record.type == "numpy_scalar":
+        return dtype.type(0)
+    if record.type in ("bool", "int", "float", "complex"):
+        return {"bool": False, "int": 0, "float": 0.0, "complex": 0j}[record.type]
+    return jax.ShapeDtypeStruct(tuple(record.shape), dtype)
+
+
+def _is_advanced(index: Any) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(item, (list, np.ndarray, jax.Array, bool, np.bool_)) for item in items)
+
+
+_VALID = (
+    "only integers, slices (`:`), ellipsis (`...`), None and integer or boolean arrays are valid indices "
+    "of a LazyArray, as of a NumPy array"
+)
 
 
 def _numpy_index(index: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:
@@ -144,6 +189,9 @@ def _numpy_index(index: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:
     out-of-range bounds as literal coordinates, NumPy counts them from the end and
     clips them. Returns one entry per axis (plus any `None`s), no `...`."""
     items = list(index) if isinstance(index, tuple) else [index]
+    for item in items:
+        if not (item is None or item is Ellipsis or isinstance(item, (slice, int, np.integer))):
+            raise IndexError(f"{_VALID}, not {type(item).__name__} ({item!r})")
     axes = sum(1 for item in items if item is not None and item is not Ellipsis)
     if axes > len(shape):
         raise IndexError(f"too many indices for a LazyArray of shape {shape}")

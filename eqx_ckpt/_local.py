@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from ._errors import CheckpointError, CorruptCheckpointError, IntegrityError
+from ._errors import CheckpointError, CorruptCheckpointError, IntegrityError, leaf_line, leaf_message
 from ._manifest import LeafRecord
 from ._spec import Location
 
@@ -46,14 +46,17 @@ def check_leaf_files(loc: Location, record: LeafRecord) -> None:
         return
     found = refuse_links(loc, record.directory, leaf=record.path, subtree=True)
     if found < record.nbytes:
-        raise IntegrityError(
-            f"Leaf `{record.path or '<root>'}` in checkpoint {loc.display!r} is damaged or incomplete: the "
-            f"manifest gives it shape {list(record.stored_shape)} ({record.nbytes} bytes), but its folder holds "
-            f"only {found} bytes, so chunk files are missing or the manifest is wrong. Nothing was read; restore "
-            f"the checkpoint from a good copy, or run `eqx-ckpt verify` to list every damaged leaf.",
+        message = leaf_message(
+            f"it is damaged or incomplete: the manifest gives it shape {list(record.stored_shape)} "
+            f"({record.nbytes} bytes), but its folder holds only {found} bytes, so chunk files are missing or "
+            f"the manifest is wrong. Nothing was read.",
+            keypath=None,
+            dotted=record.path,
             path=loc.display,
-            dotted=[record.path],
+            fix="If the checkpoint was overwritten or deleted while this read ran, read it again; otherwise "
+            "restore it from a good copy, or run `eqx-ckpt verify` to list every damaged leaf.",
         )
+        raise IntegrityError(message, path=loc.display, dotted=[record.path])
 
 
 def _scan(loc: Location, directory: str, leaf: str | None) -> int:
@@ -83,4 +86,4 @@ def _link_error(loc: Location, found: str, leaf: str | None) -> CheckpointError:
     )
     if leaf is None:
         return CorruptCheckpointError(what, path=loc.display)
-    return IntegrityError(f"Leaf `{leaf or '<root>'}`: {what}", path=loc.display, dotted=[leaf])
+    return IntegrityError(leaf_line(what, keypath=None, dotted=leaf), path=loc.display, dotted=[leaf])

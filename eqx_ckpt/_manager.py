@@ -15,6 +15,7 @@ the directory is never touched.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -60,7 +61,8 @@ class CheckpointManager:
         manager holds the directory's lease, and a second manager's `save`
         (a job launched twice) raises `CheckpointExistsError` instead of
         deleting the first one's steps. Restoring needs no lease.
-    - `max_to_keep`: keep the `max_to_keep` most recent steps.
+    - `max_to_keep`: keep the `max_to_keep` highest steps (steps are ordered by
+        number, as in orbax; see `delete_steps_after` to roll back).
     - `keep_every`: also keep every step with `step % keep_every == 0`.
     - `best_n`: also keep the `best_n` steps with the best value of `best_metric`.
     - `best_metric`: the name of the metric (passed to `save`) that ranks steps, for
@@ -71,7 +73,8 @@ class CheckpointManager:
         background. The next `save` (or `wait_until_finished()`) waits for it, and
         raises its error if it failed.
 
-    A step survives if any rule keeps it, and the latest step always survives.
+    A step survives if any rule keeps it; the latest (highest) step and the step
+    just saved always survive.
     With none of `max_to_keep`, `keep_every` and `best_n` given, nothing is deleted.
     Old steps are deleted only after the new one has committed.
 
@@ -112,6 +115,12 @@ class CheckpointManager:
         if best_mode not in ("min", "max"):
             raise CheckpointValueError(f"`best_mode` must be 'min' or 'max', not {best_mode!r}.")
         self._loc = location(directory)
+        if self._loc.local is not None and os.path.lexists(self._loc.local) and not os.path.isdir(self._loc.local):
+            raise CheckpointValueError(
+                f"{self.directory!r} is a file, not a directory: a CheckpointManager keeps one "
+                f"folder per step in a directory. Give the path of a directory (it is created on the first save).",
+                path=self.directory,
+            )
         self.max_to_keep, self.keep_every, self.best_n = max_to_keep, keep_every, best_n
         self.best_metric, self.best_mode, self.blocking = best_metric, best_mode, blocking
         self._pending: PendingSave | None = None
@@ -174,7 +183,9 @@ class CheckpointManager:
         return sorted(step for step, committed in _scan(self._loc).items() if committed)
 
     def latest_step(self) -> int | None:
-        """The highest committed step, or `None` if there is none."""
+        """The highest committed step, or `None` if there is none. (After rolling
+        back to an earlier step, `delete_steps_after` removes the abandoned ones,
+        so that this is the step of the new run.)"""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
@@ -220,10 +231,11 @@ class CheckpointManager:
 
         **Arguments:**
 
-        - `step`: a non-negative int.
+        - `step`: a non-negative int (Python, NumPy, or a 0-d JAX integer array).
         - `pytree`: what to save (typically `{"model": ..., "opt_state": ...}`).
         - `metrics`: an optional mapping from name to number (Python, NumPy or
-            0-d JAX scalar), stored beside the step; `best_metric` is looked up here.
+            0-d JAX scalar), stored in the step's manifest (so they commit with it);
+            `best_metric` is looked up here.
         - `filter_spec`, `is_leaf`, `cast`, `layout`: as for [`eqx_ckpt.tree_serialise_leaves`][].
         - `overwrite`: replace the step if it already exists (atomically: the old
             one stays loadable until the new one is committed). By default, saving
@@ -271,7 +283,7 @@ class CheckpointManager:
             self._undo(step)
             raise
         if pending is None:
-            self._apply_retention()
+            self._apply_retention(step)
             return
 
         def finish() -> None:
@@ -280,7 +292,7 @@ class CheckpointManager:
             except BaseException:
                 self._undo(step)
                 raise
-            self._apply_retention()
+            self._apply_retention(step)
 
         self._pending, self._pending_step = PendingSave(finish), step
 
@@ -367,8 +379,17 @@ class CheckpointManager:
         !!! example
 
             ```python
-            step, state = manager.restore_or_initialise(make_state)
+            import jax.numpy as jnp
+            import eqx_ckpt
+
+            def make_state():
+                return {"w": jnp.zeros(3), "step": 0}
+
+            manager = eqx_ckpt.CheckpointManager("run_resume")
+            step, state = manager.restore_or_initialise(make_state)   # (None, make_state())
             start = 0 if step is None else step + 1
+            manager.save(start, state)
+            step, state = manager.restore_or_initialise(make_state)   # (0, the saved state)
             ```
         """
         step = self.latest_step()
@@ -391,11 +412,59 @@ class CheckpointManager:
     def _all_metrics(self, steps: list[int]) -> dict[int, dict[str, Any]]:
         return {step: _read_metrics(self._loc, step) for step in steps}
 
-    def _apply_retention(self) -> None:
+    def delete_steps_after(self, step: int) -> list[int]:
+        """Roll back: delete every committed step after `step`.
+
+        Steps are ordered by number, as in orbax: `latest_step()` is the highest,
+        and `max_to_keep` keeps the highest. After restoring an earlier step to
+        train again from it (a loss spike, a bug), the later steps belong to the
+        abandoned run; delete them, so that `latest_step()` and retention follow
+        the new run.
+
+        **Arguments:**
+
+        - `step`: the step to keep as the latest (it need not exist).
+
+        **Returns:**
+
+        The steps deleted, sorted.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import eqx_ckpt
+
+            manager = eqx_ckpt.CheckpointManager("run_rollback", max_to_keep=3)
+            for step in (100, 200, 300):
+                manager.save(step, {"w": jnp.full(2, float(step))})
+            state = manager.restore({"w": jnp.zeros(2)}, step=200)
+            manager.delete_steps_after(200)         # [300]
+            manager.save(210, state)
+            print(manager.latest_step())           # 210
+            ```
+        """
+        step = _check_step(step)
+        self.wait_until_finished()
+        with _io.explained(self._loc, "Deleting steps from"):
+            self._hold_directory()  # deleting steps is writing: one manager at a time
+        later = [s for s in self.all_steps() if s > step]
+        if _primary():
+            for s in later:
+                self._delete(s)
+        return later
+
+    def _delete(self, step: int) -> None:
+        """The manifest first, so that a step disappears at once even if the
+        deletion of its arrays is interrupted."""
+        _io.delete_file(self._loc.joined(step_name(step)), MANIFEST)
+        _io.remove(self._loc, [step_name(step), _metrics_name(step)])
+
+    def _apply_retention(self, saved: int | None = None) -> None:
         """After a step committed: delete the steps no rule keeps. A failure here is
         a warning (the new step is saved; the next save retries the deletion)."""
         try:
-            self._delete_unkept()
+            self._delete_unkept(saved)
         except Exception as e:
             warnings.warn(
                 f"Step saved in {self.directory!r}, but deleting the steps the retention rules drop failed ({e}); "
@@ -404,18 +473,18 @@ class CheckpointManager:
                 stacklevel=3,
             )
 
-    def _delete_unkept(self) -> None:
-        """Delete the committed steps no rule keeps: the manifest first, so that a
-        step disappears at once even if the deletion is interrupted."""
+    def _delete_unkept(self, saved: int | None) -> None:
+        """Delete the committed steps no rule keeps (never the one just `saved`)."""
         if (self.max_to_keep is None and self.keep_every is None and self.best_n is None) or not _primary():
             return
         steps = self.all_steps()
         ranked = _rank(self._all_metrics(steps), self.best_metric, self.best_mode) if self.best_n else []
-        keep = _kept(steps, ranked, max_to_keep=self.max_to_keep, keep_every=self.keep_every, best_n=self.best_n)
+        keep = _kept(
+            steps, ranked, max_to_keep=self.max_to_keep, keep_every=self.keep_every, best_n=self.best_n, saved=saved
+        )
         for step in steps:
             if step not in keep:
-                _io.delete_file(self._loc.joined(step_name(step)), MANIFEST)
-                _io.remove(self._loc, [step_name(step), _metrics_name(step)])
+                self._delete(step)
 
 
 # The lease file of the manager writing to a directory.

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
-import itertools
 import json
 import math
 import re
@@ -299,11 +298,14 @@ def _check_paths(records: list[LeafRecord], bad: Any) -> None:
         if record.path in seen:
             raise bad(f"leaf {record.path!r} is listed twice")
         seen.add(record.path)
-    # A leaf cannot have children: one path being a prefix of another would make
-    # one array's directory hold another array.
-    ordered = sorted(seen)
-    for a, b in itertools.pairwise(ordered):
-        if _keypath.is_within(b, a):
-            raise bad(f"leaf {b!r} lies inside leaf {a!r}")
     if "" in seen and len(seen) > 1:
         raise bad("a root leaf cannot sit beside other leaves")
+    # A leaf cannot have children: one path being a prefix of another would make
+    # one array's directory hold another array. Every ancestor of every leaf is
+    # looked up (sorted neighbours are not enough: `a`, `a-x`, `a.c` sort so).
+    for path in seen:
+        parts = _keypath.split_dotted(path)
+        for i in range(1, len(parts)):
+            ancestor = ".".join(parts[:i])
+            if ancestor in seen:
+                raise bad(f"leaf {path!r} lies inside leaf {ancestor!r}")

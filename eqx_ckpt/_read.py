@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from . import _dtypes, _io, _sharding
+from ._errors import LeafError, leaf_message
 from ._manifest import LeafRecord
 from ._spec import Location
 
@@ -34,14 +35,49 @@ def concrete(sharding: Any) -> Any:
     return jax.sharding.NamedSharding(devices, sharding.spec, memory_kind=sharding.memory_kind)
 
 
-def host_converter(record: LeafRecord, dtype: Any) -> Callable[[np.ndarray], np.ndarray]:
-    """Stored bytes -> the logical dtype -> `dtype`, when given and different."""
+def host_converter(record: LeafRecord, dtype: Any, loc: Location) -> Callable[[np.ndarray], np.ndarray]:
+    """Stored bytes -> the logical dtype -> `dtype`, when given and different.
+    A conversion that would change values beyond rounding is an error."""
 
     def convert(array: np.ndarray) -> np.ndarray:
         array = _dtypes.decode(array, record)
-        return array if dtype is None or array.dtype == dtype else array.astype(dtype)
+        if dtype is None or array.dtype == dtype:
+            return array
+        try:
+            return _dtypes.checked_cast(array, dtype)
+        except ValueError as e:
+            raise cast_error(loc, record, np.dtype(dtype), e) from None
 
     return convert
+
+
+def cast_error(loc: Location, record: LeafRecord, dtype: np.dtype, why: Exception) -> LeafError:
+    message = leaf_message(
+        f"cannot convert it from {record.dtype} to {dtype}: {why}.",
+        keypath=None,
+        dotted=record.path,
+        path=loc.display,
+        fix="Nothing was loaded. Load it into a `like` of a dtype that holds its values (or leave `cast` off).",
+    )
+    return LeafError(message, path=loc.display, dotted=[record.path])
+
+
+def refuse_narrowing(loc: Location, record: LeafRecord, dtype: Any) -> None:
+    """A 64-bit leaf cannot become a JAX array while JAX's 64-bit mode is off:
+    `jax.device_put` would silently wrap or round its values."""
+    if not _dtypes.x64_missing(dtype):
+        return
+    message = leaf_message(
+        f"it holds {np.dtype(dtype)} values, and JAX's 64-bit mode is off, so a JAX array "
+        f"would hold them as {np.dtype(dtype).name.replace('64', '32')} and change them.",
+        keypath=None,
+        dotted=record.path,
+        path=loc.display,
+        fix="Enable it (`jax.config.update('jax_enable_x64', True)`), read the leaf as NumPy "
+        "(a NumPy `like` leaf, or `np.asarray` of a lazy leaf), or load into a 32-bit `like` "
+        "with `cast=True` (an error if a value does not fit).",
+    )
+    raise LeafError(message, path=loc.display, dotted=[record.path])
 
 
 # A large leaf is read in slabs of whole chunks into one 64-byte-aligned buffer,
@@ -93,9 +129,11 @@ def start(store: Any, loc: Location, record: LeafRecord, like: Any, *, dtype: An
 
     `dtype`, when given, is the dtype the value must have (`like`'s).
     """
-    convert = host_converter(record, dtype)
+    convert = host_converter(record, dtype, loc)
     sharding = target_sharding(like)
     kind = _dtypes.like_type(like)
+    if kind == "jax":
+        refuse_narrowing(loc, record, dtype if dtype is not None else _dtypes.dtype_from_name(record.dtype))
 
     def failed(e: BaseException) -> Exception:
         return _io.leaf_io_error(e, record, loc, "read")

@@ -68,6 +68,18 @@ class PendingSave:
     the same path waits for this one to finish before it starts. A program that
     ends with saves in flight waits for them before it exits (and says so on
     stderr), so a script's last checkpoint is never lost.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        pending = eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(1000)}, blocking=False)
+        # ... training goes on while the arrays are written ...
+        pending.wait()                      # committed (or the save's error is raised)
+        assert pending.done()
+        ```
     """
 
     def __init__(self, run: Callable[[], None]):
@@ -376,7 +388,5 @@ def _collect(loc: Location, pytree: Any, filter_spec: Any, is_leaf: Any, cast: A
         except Exception as e:
             what = f"the filter spec raised {type(e).__name__}: {e}"
             message = leaf_message(what, keypath=keypath, dotted=dotted, path=loc.display)
-            raise LeafError(
-                f"Error at leaf with path {keypath!r}. {message}", path=loc.display, keypaths=[keypath], dotted=[dotted]
-            ) from e
+            raise LeafError(message, path=loc.display, keypaths=[keypath], dotted=[dotted]) from e
     return pending

@@ -43,11 +43,18 @@ def _metrics_name(step: int) -> str:
 
 
 def _kept(
-    steps: list[int], ranked: list[int], *, max_to_keep: int | None, keep_every: int | None, best_n: int | None
+    steps: list[int],
+    ranked: list[int],
+    *,
+    max_to_keep: int | None,
+    keep_every: int | None,
+    best_n: int | None,
+    saved: int | None = None,
 ) -> set[int]:
-    """The union of what each rule keeps, plus the latest step. `steps` is sorted;
+    """The union of what each rule keeps, plus the latest step and the step just
+    `saved` (which may lie below others, after a rollback). `steps` is sorted;
     `ranked` lists steps best first."""
-    keep = set(steps[-1:])
+    keep = set(steps[-1:]) | ({saved} if saved is not None else set())
     if max_to_keep is not None:
         keep.update(steps[-max_to_keep:])
     if keep_every is not None:
@@ -71,8 +78,16 @@ def _primary() -> bool:
 
 
 def _check_step(step: Any) -> int:
+    """A step as an `int`: Python, NumPy and 0-d JAX integers are accepted (a
+    training loop's step counter is often a `jnp.int32`)."""
+    if isinstance(step, jax.Array) and not isinstance(step, jax.core.Tracer) and step.ndim == 0:
+        if jax.numpy.issubdtype(step.dtype, jax.numpy.integer):
+            step = int(step)
     if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
-        raise CheckpointTypeError(f"A step must be an int, not {type(step).__name__} ({step!r}).")
+        raise CheckpointTypeError(
+            f"A step must be an int, not {type(step).__name__} ({step!r}); Python and NumPy ints and "
+            f"0-d JAX integer arrays are accepted."
+        )
     if step < 0:
         raise CheckpointValueError(f"A step must be non-negative, not {step}.")
     return int(step)
@@ -88,7 +103,7 @@ def _scan(loc: Location) -> dict[int, bool]:
             for name in _io.list_names(loc)
             if (step := _parse_step(name)) is not None
         }
-    keys = [key.decode("utf-8", "replace") for key in _io.kvstore(loc).list().result()]
+    keys = _io.list_keys(loc)
     found: dict[int, bool] = {}
     for key in keys:
         head, _, rest = key.partition("/")

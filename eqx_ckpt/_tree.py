@@ -8,19 +8,38 @@ from typing import Any
 import jax.tree_util as jtu
 
 from . import _keypath
-from ._errors import LeafError
+from ._errors import CheckpointTypeError, CheckpointValueError, LeafError, leaf_message
 
 
-def leaf_specs(filter_spec: Any, tree: Any, is_leaf: Callable[[Any], bool] | None) -> list[Any]:
+def leaf_specs(
+    filter_spec: Any, tree: Any, is_leaf: Callable[[Any], bool] | None, *, what: str = "pytree"
+) -> list[Any]:
     """One filter spec per leaf of `tree`: `filter_spec` is a callable or a PyTree
     prefix of `tree` whose leaves are callables, as in Equinox."""
     specs: list[Any] = []
 
     def expand(spec: Any, sub: Any) -> None:
+        if not callable(spec):
+            raise CheckpointTypeError(
+                f"Every leaf of `filter_spec` must be a callable `(handle, leaf) -> ...`, not {spec!r}."
+            )
         specs.extend([spec] * len(jtu.tree_leaves(sub, is_leaf=is_leaf)))
 
-    jtu.tree_map(expand, filter_spec, tree)
+    try:
+        jtu.tree_map(expand, filter_spec, tree)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, CheckpointTypeError):
+            raise
+        raise CheckpointValueError(
+            f"`filter_spec` must be a callable, or a PyTree prefix of `{what}` whose leaves are callables "
+            f"(as `eqx.tree_serialise_leaves` takes it); its structure does not match `{what}`: {_short(e)}"
+        ) from None
     return specs
+
+
+def _short(error: Exception, limit: int = 300) -> str:
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None) -> tuple[list[tuple[tuple[Any, ...], Any]], Any]:
@@ -35,26 +54,15 @@ def check_unique(keypaths: list[tuple[Any, ...]], *, checkpoint: str) -> list[st
         path = _keypath.dotted(keypath)
         if path in seen:
             other = seen[path]
-            raise LeafError(
-                f"Leaves at key paths {jtu.keystr(other)} ({other!r}) and "
-                f"{jtu.keystr(keypath)} ({keypath!r}) would both be stored at "
-                f"`{path}` in checkpoint {checkpoint!r}: their keys have different "
-                f"types but the same name. Rename one of the keys.",
+            message = leaf_message(
+                f"it would be stored at the same place as the leaf at key path {jtu.keystr(other)} "
+                f"({other!r}): their keys have different types but the same name.",
+                keypath=keypath,
+                dotted=path,
                 path=checkpoint,
-                keypaths=[other, keypath],
-                dotted=[path],
+                fix="Rename one of the keys.",
             )
-        for segment in _keypath.split_dotted(path):
-            if len(segment) > _keypath.MAX_SEGMENT:
-                raise LeafError(
-                    f"The key {segment[:40]}... at key path {jtu.keystr(keypath)} "
-                    f"({keypath!r}) is {len(segment)} characters once escaped, more "
-                    f"than the {_keypath.MAX_SEGMENT} a directory name may have. "
-                    f"Use a shorter key.",
-                    path=checkpoint,
-                    keypaths=[keypath],
-                    dotted=[path],
-                )
+            raise LeafError(message, path=checkpoint, keypaths=[other, keypath], dotted=[path])
         seen[path] = keypath
         out.append(path)
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,19 @@ class Problem:
     - `leaf`: the dotted path of the damaged leaf, or `None` for the checkpoint as
         a whole (its manifest).
     - `message`: what is wrong, in a full sentence.
+
+    !!! example
+
+        ```python
+        import os
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(3)})
+        os.remove("ckpt/w/c/0")                 # a lost chunk file
+        for problem in eqx_ckpt.verify("ckpt"):
+            print(problem.leaf, problem.message)   # w ...
+        ```
     """
 
     leaf: str | None
@@ -185,11 +199,16 @@ _REFERENCE: dict[tuple[Any, ...], dict[str, Any]] = {}
 def _reference_metadata(shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]) -> dict[str, Any]:
     """The zarr.json TensorStore writes for such an array, made in memory."""
     key = (shape, dtype, chunks)
-    if key not in _REFERENCE:
-        scratch = location("memory://eqx_ckpt_verify_reference/")
+    cached = _REFERENCE.get(key)
+    if cached is None:
+        # A scratch store of its own, so that verifies in several threads never
+        # create, read or remove one another's reference array.
+        scratch = location(f"memory://eqx_ckpt_verify_reference/{uuid.uuid4().hex}/")
         record = LeafRecord("x", [["key", "x"]], "numpy", shape, dtype, shape, dtype, "plain", chunks)
-        _io.remove(scratch, ["x"])
-        _io.create_array(scratch, record).result()
-        _REFERENCE[key] = json.loads(_io.read_file(scratch, "x/zarr.json", limit=_MAX_ZARR_JSON) or b"{}")
-        _io.remove(scratch, ["x"])
-    return _REFERENCE[key]
+        try:
+            _io.create_array(scratch, record).result()
+            cached = json.loads(_io.read_file(scratch, "x/zarr.json", limit=_MAX_ZARR_JSON) or b"{}")
+        finally:
+            _io.remove(scratch, ["x"])
+        _REFERENCE[key] = cached
+    return cached

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _commit, _dtypes, _io, _keypath, _multihost, _sharding
+from . import _commit, _dtypes, _io, _keypath, _manifest, _multihost, _sharding
+from ._errors import CheckpointTypeError
 from ._handle import LeafHandle
 from ._lazy import LazyArray
 from ._manifest import LeafRecord
@@ -26,6 +27,11 @@ class Pending:
 
 def prepare(handle: LeafHandle, x: Any, cast: Callable[[str, np.dtype], Any] | None) -> Pending:
     """The manifest record and the host pieces of one leaf."""
+    if isinstance(x, jax.core.Tracer):
+        raise handle.error(
+            "it is a traced value: a save inside `jax.jit` (or `vmap`, `grad`...) sees no values.",
+            "Save outside the transformed function, with the arrays it returns.",
+        )
     if isinstance(x, LazyArray):
         # A leaf of a lazily loaded tree is saved with its value: read it now,
         # before anything is written (it may come from the checkpoint being
@@ -53,11 +59,22 @@ def prepare(handle: LeafHandle, x: Any, cast: Callable[[str, np.dtype], Any] | N
         if not _dtypes.is_known_dtype(x.dtype.name):
             raise handle.error(f"cannot save an array of dtype {x.dtype}.", "Only numeric and bool arrays are stored.")
         dtype_name, shape = x.dtype.name, tuple(x.shape)
+    if len(shape) > _manifest.MAX_RANK:
+        raise handle.error(
+            f"it has {len(shape)} dimensions; a zarr v3 array (TensorStore) has at most {_manifest.MAX_RANK}.",
+            "Reshape it before saving (and back after loading), or let the filter spec skip it.",
+        )
     block = _sharding.block_shape(x)
     pieces = _sharding.host_pieces(x) if _multihost.writes(x) else []
     logical = _cast_dtype(handle, x.dtype, cast) if kind in ("jax", "numpy") else np.dtype(x.dtype)
     if logical != x.dtype:
-        pieces = [(index, piece.astype(logical)) for index, piece in pieces]
+        try:
+            pieces = [(index, _dtypes.checked_cast(np.asarray(piece), logical)) for index, piece in pieces]
+        except ValueError as e:
+            raise handle.error(
+                f"cannot store it as {logical} (`cast`): {e}.",
+                "Nothing was written. Cast it to a dtype that holds its values.",
+            ) from None
     stored, encoding = _dtypes.stored_dtype(logical)
     if kind == "prng_key":
         encoding = "key_data"
@@ -93,10 +110,37 @@ def _cast_dtype(handle: LeafHandle, dtype: Any, cast: Callable[[str, np.dtype], 
 
 
 def cast_function(cast: Any) -> Callable[[str, np.dtype], Any] | None:
-    if cast is None or callable(cast):
+    """`cast` as a function `(dotted_path, dtype) -> dtype | None`. A dtype (or its
+    name) means: store every floating leaf in it."""
+    if cast is None:
+        return None
+    if isinstance(cast, Mapping):
+        try:
+            table = {_dtype(k): _dtype(v) for k, v in cast.items()}
+        except TypeError as e:
+            raise CheckpointTypeError(f"`cast` maps {e}; both sides must be dtypes, such as `jnp.float32`.") from None
+        return lambda _, dtype: table.get(np.dtype(dtype))
+    if isinstance(cast, (str, np.dtype, type)) or (callable(cast) and hasattr(cast, "dtype")):
+        try:
+            target = _dtype(cast)
+        except TypeError:
+            target = None
+        if target is not None:
+            return lambda _, dtype: target if _dtypes.is_floating(np.dtype(dtype)) else None
+    if callable(cast):
         return cast
-    table = {np.dtype(k): np.dtype(v) for k, v in dict(cast).items()}
-    return lambda _, dtype: table.get(np.dtype(dtype))
+    raise CheckpointTypeError(
+        f"`cast` must be a dtype (floating leaves are stored in it, e.g. `jnp.bfloat16` or 'bfloat16'), "
+        f"a mapping from dtype to dtype, or a callable `(dotted_path, dtype) -> dtype | None`; not {cast!r}."
+    )
+
+
+def _dtype(value: Any) -> np.dtype:
+    """A dtype from a dtype, a scalar type or a name; `TypeError` naming `value` otherwise."""
+    try:
+        return _dtypes.dtype_from_name(value) if isinstance(value, str) else np.dtype(value)
+    except (TypeError, ValueError, AttributeError):
+        raise TypeError(f"{value!r}, which is not a dtype") from None
 
 
 def start_writes(

@@ -30,9 +30,13 @@ class Gate:
         self.open.set()
         self.refuse = False
         self.held = threading.Event()
+        # (path, Range header) of every GET, for tests of what a read downloads.
+        self.gets: list[tuple[str, str | None]] = []
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
         path = environ.get("PATH_INFO", "")
+        if environ["REQUEST_METHOD"] == "GET":
+            self.gets.append((path, environ.get("HTTP_RANGE")))
         if environ["REQUEST_METHOD"] == "PUT" and ("/c/" in path or path.endswith("/c")):
             self.held.set()
             self.open.wait(timeout=30)

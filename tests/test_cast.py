@@ -121,3 +121,70 @@ def test_target_zarr_cannot_store_is_refused(tmp_path, target):
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("['w']")):
         eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2)}, cast=lambda path, dtype: target)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("cast", [jnp.bfloat16, "bfloat16", ml_dtypes.bfloat16, np.dtype(ml_dtypes.bfloat16)])
+def test_a_dtype_stores_floating_leaves_in_it(tmp_path, cast):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, _tree(), cast=cast)
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)
+    assert ckpt.record("w").stored_dtype == "bfloat16"
+    assert ckpt.record("host").stored_dtype == "bfloat16"
+    assert ckpt.record("n").stored_dtype == "int32"  # integers are not floating
+    assert ckpt.record("lr").stored_dtype == "float64"  # Python scalars keep their type
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, _tree())
+    assert np.array_equal(np.asarray(loaded["w"]), _bf16_rounded(_tree()["w"]))
+
+
+@pytest.mark.parametrize("cast", [5, "not_a_dtype", {jnp.float32: "nope"}])
+def test_a_bad_cast_is_a_clear_error(tmp_path, cast):
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape("`cast`")):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, _tree(), cast=cast)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_cast_must_be_a_bool(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, _tree())
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("`cast` of a load must be `True` or `False`")):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, _tree(), cast=jnp.bfloat16)
+
+
+def test_cast_on_save_refuses_values_that_would_wrap(tmp_path):
+    tree = {"x": np.array([1.5, 300.7], np.float32)}
+    message = "Error at leaf with path (DictKey(key='x'),): leaf `x` (key path ['x']) in checkpoint"
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(message)) as info:
+        eqx_ckpt.tree_serialise_leaves(tmp_path, tree, cast={np.float32: np.int8})
+    assert "the value 300.0 does not fit in int8" in str(info.value)
+    assert not (tmp_path / "manifest.json").exists()
+    # Values that fit are stored (truncated toward zero, as NumPy converts).
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": np.array([1.5, -100.7], np.float32)}, cast={np.float32: np.int8})
+    assert np.array_equal(eqx_ckpt.Checkpoint(tmp_path)["x"][...], np.array([1.0, -100.0], np.float32))
+
+
+@pytest.mark.parametrize(
+    "saved, like, why",
+    [
+        (np.array([2**40], np.int64), np.zeros(1, np.int32), "the value 1099511627776 does not fit in int32"),
+        (np.array([np.nan], np.float32), np.zeros(1, np.int32), "NaN or infinity cannot become int32"),
+        (np.array([-np.inf], np.float64), np.zeros(1, np.int64), "NaN or infinity cannot become int64"),
+        (np.array([300.7], np.float32), np.zeros(1, np.int8), "the value 300.0 does not fit in int8"),
+        (np.array([-1], np.int16), np.zeros(1, np.uint16), "the value -1 does not fit in uint16"),
+        (np.array([1e300]), np.zeros(1, np.float32), "the value 1e+300 is beyond the range of float32"),
+        (np.array([1 + 1j]), np.zeros(1, np.float64), "values with an imaginary part cannot become float64"),
+    ],
+)
+def test_cast_true_on_load_refuses_values_that_would_change(tmp_path, saved, like, why):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"model": {"x": saved}})
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(why)) as info:
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"model": {"x": like}}, cast=True)
+    assert "Leaf `model.x` in checkpoint" in str(info.value)
+    assert info.value.dotted == ("model.x",)
+
+
+def test_cast_true_rounds_floats_and_converts_what_fits(tmp_path):
+    saved = {"f": np.array([1 / 3, 1e30]), "i": np.array([7, -8], np.int64), "nan": np.array([np.nan], np.float32)}
+    like = {"f": np.zeros(2, ml_dtypes.bfloat16), "i": np.zeros(2, np.int8), "nan": np.zeros(1, np.float16)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, saved)
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, cast=True)
+    assert np.array_equal(loaded["f"], saved["f"].astype(ml_dtypes.bfloat16))
+    assert np.array_equal(loaded["i"], np.array([7, -8], np.int8))
+    assert np.isnan(loaded["nan"][0]) and loaded["nan"].dtype == np.float16

@@ -122,3 +122,31 @@ def test_skeleton_loads(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, model)
     like = eqx_ckpt.skeleton(eqx.nn.Linear, 3, 4, key=jax.random.key(2))
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, like), model, typematch=True)
+
+
+def test_numeric_keys_sort_by_value(tmp_path):
+    tree = {"layers": [jnp.zeros(1) for _ in range(12)], "b": {10: 1, 2: 2, -1: 3}}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    keys = list(eqx_ckpt.Checkpoint(tmp_path))
+    assert keys == ["b.%i-1", "b.%i2", "b.%i10"] + [f"layers.{i}" for i in range(12)]
+
+
+def test_print_shows_the_nested_structure(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"model": {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}, "step": 7})
+    text = str(eqx_ckpt.Checkpoint(tmp_path))
+    lines = text.splitlines()
+    assert lines[0] == f"Checkpoint {str(tmp_path)!r}:"
+    assert lines[1] == "model/"
+    assert lines[2].split() == ["b", "float32[3]", "12", "B"]
+    assert lines[3].split() == ["w", "float32[2,3]", "24", "B"]
+    assert lines[4].split() == ["step", "int64[]", "8", "B"]
+    assert lines[5] == "3 leaves, 44 B"
+
+
+def test_print_of_a_large_checkpoint_is_cut_short(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": [np.zeros(1) for _ in range(500)]}, layout="ocdbt")
+    text = str(eqx_ckpt.Checkpoint(tmp_path))
+    assert len(text.splitlines()) < 70
+    assert "... and 441 more leaves (`Checkpoint(path).listing()` shows them all)" in text
+    assert text.endswith("500 leaves, 3.9 KiB")
+    assert len(eqx_ckpt.Checkpoint(tmp_path).listing().splitlines()) == 502

@@ -109,7 +109,9 @@ def test_diff_exit_codes_and_lines(tmp_path, ckpt):
     other = tmp_path / "other"
     tree = {"model": {"w": jnp.ones((3, 4)), "b": np.ones(4, np.float16)}, "step": 7, "new": jnp.zeros(1)}
     eqx_ckpt.tree_serialise_leaves(other, tree)
-    assert run("diff", ckpt, ckpt, check_code=0).stdout == ""
+    assert run("diff", ckpt, ckpt, check_code=0).stdout == (
+        f"{ckpt} and {ckpt} are equal: the same leaves, dtypes, shapes and values.\n"
+    )
     lines = run("diff", ckpt, other, check_code=1).stdout.splitlines()
     assert any(line.startswith("- a%2Eb") for line in lines)
     assert any(line.startswith("+ new") for line in lines)
@@ -123,3 +125,52 @@ def test_kvstore_spec_as_json(tmp_path, ckpt):
     out = run("ls", spec, check_code=0).stdout
     assert out.splitlines()[-1] == "4 leaves, 72 B"
     assert "not a JSON kvstore spec" in run("info", "{nope", check_code=2).stderr
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"eqx-ckpt {eqx_ckpt.__version__}\n"
+    import importlib.metadata
+
+    assert eqx_ckpt.__version__ == importlib.metadata.version("eqx_ckpt")
+
+
+def test_info_and_ls_escape_terminal_control_characters(ckpt, capsys):
+    from eqx_ckpt import _manifest
+
+    body = json.loads((ckpt / "manifest.json").read_text())
+    body["created"] = "2026\x1b[2J\x1b]0;pwned\x07"
+    body["library_version"] = "0.1\r\x1b[31m"
+    body["digest"] = _manifest._digest(body)
+    (ckpt / "manifest.json").write_text(json.dumps(body))
+    assert main(["info", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\r" not in out
+    assert "created:         2026\\x1b[2J\\x1b]0;pwned\\x07" in out
+    assert "library version: 0.1\\r\\x1b[31m" in out
+    assert main(["ls", str(ckpt)]) == 0
+    assert "\x1b" not in capsys.readouterr().out
+
+
+def test_ls_on_a_manager_directory_lists_its_steps(tmp_path, capsys):
+    manager = eqx_ckpt.CheckpointManager(tmp_path / "run")
+    for step in (2, 10):
+        manager.save(step, {"w": jnp.ones(3)}, metrics={"loss": step / 4})
+    assert main(["ls", str(tmp_path / "run")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["step", "2", "1", "leaves", "12", "B", "loss=0.5"]
+    assert lines[1].split() == ["step", "10", "1", "leaves", "12", "B", "loss=2.5"]
+    assert lines[2].startswith("2 steps in a CheckpointManager directory")
+    assert main(["ls", str(tmp_path / "nothing")]) == 2
+    assert "no eqx_ckpt checkpoint" in capsys.readouterr().err
+
+
+def test_demo_refuses_bad_arguments_before_training(tmp_path, capsys):
+    assert main(["demo", "--steps", "0"]) == 2
+    assert "give a positive number, not 0" in capsys.readouterr().err
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    assert main(["demo", "--dir", str(tmp_path / "full"), "--steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "exists and is not an empty directory" in err and "Trained" not in err
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["notes.txt"]

@@ -260,3 +260,148 @@ def test_custom_spec_result_is_checked_against_like(tmp_path):
     # An abstract `like` accepts the JAX array the spec reads.
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, eqx.filter_eval_shape(lambda: like), lambda h, x: h.read(x))
     assert eqx.tree_equal(out, {"w": jnp.ones(3)}, typematch=True)
+
+
+def _state(seed=0):
+    return {"model": _mlp(seed), "opt_state": {"mu": jnp.zeros(3)}, "step": 5}
+
+
+@pytest.mark.parametrize("missing", ["error", "keep"])
+def test_a_load_matching_nothing_names_the_top_level_keys(tmp_path, missing):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, _state())
+    with pytest.raises(eqx_ckpt.LeafError) as info:
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, _mlp(1), missing=missing)
+    message = str(info.value)
+    assert message.startswith("None of the 6 leaves of `like` is in checkpoint")
+    assert "its top-level keys are 'model', 'opt_state', 'step'" in message
+    assert "pass `prefix=` naming it (e.g. `prefix='model'`)" in message
+    assert len(message) < 600
+    # With the prefix, the same load works.
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, _mlp(1), prefix="model", missing=missing)
+    assert eqx.tree_equal(loaded, _mlp(0), typematch=True)
+
+
+def test_a_failed_load_lists_stored_leaves_like_lacks_and_stays_short(tmp_path):
+    saved = {"encoder": {f"w{i}": jnp.zeros(2) for i in range(40)}, "head": jnp.zeros(2)}
+    like = {"body": {f"w{i}": jnp.zeros(2) for i in range(40)}, "head": jnp.zeros(2)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, saved)
+    with pytest.raises(eqx_ckpt.LeafError) as info:
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    message = str(info.value)
+    assert "40 leaves do not match" in message
+    assert "Error at leaf with path (DictKey(key='body'), DictKey(key='w0')): leaf `body.w0`" in message
+    assert "... and 28 more (the error's `dotted` attribute lists them all)." in message
+    assert "Stored leaves that `like` lacks (perhaps the missing ones, renamed):" in message
+    assert "  + `encoder.w0` (stored, not in `like`)" in message
+    assert "... and 32 more." in message
+    assert len(message) < 4000
+    assert len(info.value.dotted) == 40
+
+
+def test_lazy_scalars_come_back_as_values(tmp_path):
+    tree = {"step": 7, "lr": np.float32(0.5), "flag": True, "w": jnp.ones(2), "n": np.ones(2)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree, lazy=True)
+    assert lazy["step"] == 7 and type(lazy["step"]) is int
+    assert lazy["lr"] == np.float32(0.5) and type(lazy["lr"]) is np.float32
+    assert lazy["flag"] is True
+    assert isinstance(lazy["w"], eqx_ckpt.LazyArray) and isinstance(lazy["n"], eqx_ckpt.LazyArray)
+    assert eqx.tree_equal(eqx_ckpt.materialise(lazy), tree, typematch=True)
+
+
+def test_weak_type_of_like_is_kept(tmp_path):
+    like = {"scale": jnp.asarray(2.0), "w": jnp.ones(2)}
+    assert like["scale"].weak_type
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"scale": jnp.asarray(3.0), "w": jnp.ones(2)})
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    assert loaded["scale"].weak_type and not loaded["w"].weak_type
+    assert eqx.tree_equal(loaded, {"scale": jnp.asarray(3.0), "w": jnp.ones(2)}, typematch=True)
+    abstract = eqx.filter_eval_shape(lambda: like)
+    assert eqx_ckpt.tree_deserialise_leaves(tmp_path, abstract)["scale"].weak_type
+    traces = []
+
+    @jax.jit
+    def f(tree):
+        traces.append(None)
+        return tree["scale"] * 2
+
+    f(like)
+    f(loaded)
+    assert len(traces) == 1
+
+
+def test_64_bit_values_are_exact_or_refused_without_x64(tmp_path):
+    value = 2**40 + 5
+    with jax.enable_x64(True):
+        saved = {"j": jnp.array([value], jnp.int64), "n": np.array([value], np.int64), "f": jnp.array([0.1])}
+        eqx_ckpt.tree_serialise_leaves(tmp_path, saved)
+    assert not jax.config.read("jax_enable_x64")
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)
+    # NumPy holds 64-bit values in any process.
+    assert ckpt["j"][...].tolist() == [value] and ckpt["j"][...].dtype == np.int64
+    assert np.asarray(ckpt["n"]).tolist() == [value]
+    assert type(ckpt["n"].read()) is np.ndarray and ckpt["n"].read().tolist() == [value]
+    like = {"j": np.zeros(1, np.int64), "n": np.zeros(1, np.int64), "f": np.zeros(1)}
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    assert loaded["j"].tolist() == [value] and loaded["f"].tolist() == [0.1]
+    # A JAX array cannot hold them: a clear error, never 5.
+    refused = "it holds int64 values, and JAX's 64-bit mode is off"
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("Leaf `j` in checkpoint")) as info:
+        ckpt["j"].read()
+    assert refused in str(info.value)
+    abstract = {"j": jax.ShapeDtypeStruct((1,), np.int64)}
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(refused)):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, abstract)
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, abstract, lazy=True)
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(refused)):
+        eqx_ckpt.materialise(lazy)
+    # Into int32 with `cast=True`: converted only if it fits.
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("the value 1099511627781 does not fit in int32")):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"j": jnp.zeros(1, jnp.int32)}, cast=True)
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("it holds float64 values")):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"f": jax.ShapeDtypeStruct((1,), np.float64)})
+    small = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"f": jnp.zeros(1, jnp.float32)}, cast=True)
+    assert eqx.tree_equal(small, {"f": jnp.array([0.1], jnp.float32)}, typematch=True)
+
+
+def test_prng_implementation_mismatch_does_not_suggest_cast(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"k": jax.random.key(0, impl="rbg")})
+    like = {"k": jax.random.key(1, impl="threefry2x32")}
+    for cast in (False, True):
+        with pytest.raises(eqx_ckpt.LeafError) as info:
+            eqx_ckpt.tree_deserialise_leaves(tmp_path, like, cast=cast)
+        message = str(info.value)
+        assert "PRNG key arrays of different implementations cannot be converted" in message
+        assert "`cast=True` converts dtypes" not in message
+
+
+def test_filter_spec_that_is_not_a_prefix_is_a_clear_error(tmp_path):
+    tree = {"a": jnp.ones(1), "b": jnp.ones(1)}
+    spec = {"a": eqx_ckpt.default_serialise_filter_spec}
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("its structure does not match `pytree`")):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, tree, spec)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    spec = [eqx_ckpt.default_deserialise_filter_spec]
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("its structure does not match `like`")):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, tree, spec)
+
+
+def test_a_load_racing_an_overwrite_says_the_checkpoint_was_replaced(tmp_path, monkeypatch):
+    from eqx_ckpt import _deserialise
+
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.zeros(3)})
+    load = _deserialise._load
+
+    def overwritten_meanwhile(data, plans, *, lazy, check):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(3)})
+        return load(data, plans, lazy=lazy, check=check)
+
+    monkeypatch.setattr(_deserialise, "_load", overwritten_meanwhile)
+    with pytest.raises(eqx_ckpt.CheckpointReplacedError) as info:
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(3)})
+    message = str(info.value)
+    assert message.startswith(f"Checkpoint {str(tmp_path)!r} was replaced by a newer save after it was opened")
+    assert "Open or load it again to read the new one" in message
+    assert "gen." not in message
+    monkeypatch.undo()
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(3)}), {"w": jnp.ones(3)})

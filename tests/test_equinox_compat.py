@@ -1,5 +1,7 @@
 """What Equinox's serialisation promises, checked against eqx_ckpt with a directory."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -166,3 +168,108 @@ def test_shape_mismatch_uses_equinoxs_phrase(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, (jnp.zeros(2),))
     with pytest.raises(RuntimeError, match=r"has changed shape from \(3,\) in `like` to \(2,\) on disk"):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, (jnp.zeros(3),))
+
+
+# Equinox's own messages, literally as its `_serialisation.py` words them; code and
+# tests written against Equinox match on these.
+_AT_1_A = "Error at leaf with path (SequenceKey(idx=1), DictKey(key='a'))"
+
+
+def test_missing_leaf_is_named_in_equinoxs_words(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, [jnp.array(1.0), {"b": jnp.array(2.0)}])
+    with pytest.raises(RuntimeError, match=re.escape(_AT_1_A)):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, [jnp.array(0.0), {"a": jnp.array(0.0), "b": jnp.array(0.0)}])
+
+
+def test_unloadable_leaf_is_named_in_equinoxs_words(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, [1, {"a": jnp.ones(3)}])
+    with pytest.raises(RuntimeError, match=re.escape(_AT_1_A)):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, [1, {"a": 2}])
+
+
+def test_filter_spec_errors_are_named_in_equinoxs_words(tmp_path):
+    def broken(handle, x):
+        if handle.path == "1.a":
+            raise ValueError("no")
+        return eqx_ckpt.default_serialise_filter_spec(handle, x)
+
+    tree = [jnp.array(1.0), {"a": jnp.array(2.0)}]
+    with pytest.raises(RuntimeError, match=re.escape(_AT_1_A)):
+        eqx_ckpt.tree_serialise_leaves(tmp_path / "a", tree, broken)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "b", tree)
+
+    def broken_load(handle, x):
+        if handle.path == "1.a":
+            raise ValueError("no")
+        return eqx_ckpt.default_deserialise_filter_spec(handle, x)
+
+    with pytest.raises(RuntimeError, match=re.escape(_AT_1_A)):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path / "b", tree, broken_load)
+
+
+def test_changed_shape_dtype_and_type_in_equinoxs_words(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, [jnp.zeros(2), {"a": jnp.zeros(2, jnp.int32)}])
+    shape = "Deserialised leaf at path (SequenceKey(idx=0),) has changed shape from (3,) in `like` to (2,) on disk."
+    with pytest.raises(RuntimeError, match=re.escape(shape)):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, [jnp.zeros(3), {"a": jnp.zeros(2, jnp.int32)}])
+    dtype = (
+        "Deserialised leaf at path (SequenceKey(idx=1), DictKey(key='a')) has changed dtype from float32 "
+        "in `like` to int32 on disk"
+    )
+    with pytest.raises(RuntimeError, match=re.escape(dtype)):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, [jnp.zeros(2), {"a": jnp.zeros(2)}])
+    # A filter spec whose result is not of `like`'s type, as Equinox checks it.
+    changed = (
+        "Deserialised leaf at path '[1]['a']' has changed type from <class 'int'> in `like` to <class 'float'> on disk."
+    )
+    with pytest.raises(RuntimeError, match=re.escape(changed)):
+        spec = [eqx_ckpt.default_deserialise_filter_spec, lambda handle, x: 1.5]
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, [jnp.zeros(2), {"a": 0}], spec)
+
+
+def _named_state(model, state):
+    """The safe pattern of docs/loading.md: each layer's state keyed by where the
+    layer sits in the model, not by its position in `eqx.nn.State`."""
+    is_index = lambda x: isinstance(x, eqx.nn.StateIndex)
+    found = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_index)[0]
+    return {jax.tree_util.keystr(path): state.get(index) for path, index in found if is_index(index)}
+
+
+def _set_named_state(model, state, named):
+    is_index = lambda x: isinstance(x, eqx.nn.StateIndex)
+    for path, index in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_index)[0]:
+        if is_index(index) and jax.tree_util.keystr(path) in named:
+            state = state.set(index, named[jax.tree_util.keystr(path)])
+    return state
+
+
+class _ThreeNorms(eqx.Module):
+    extra: eqx.nn.BatchNorm  # a stateful layer inserted before the others
+    norm1: eqx.nn.BatchNorm
+    norm2: eqx.nn.BatchNorm
+
+    def __init__(self):
+        self.extra = eqx.nn.BatchNorm(3, "batch", mode="ema")
+        self.norm1 = eqx.nn.BatchNorm(3, "batch", mode="ema")
+        self.norm2 = eqx.nn.BatchNorm(3, "batch", mode="ema")
+
+
+def test_state_is_keyed_by_position_and_the_named_pattern_is_safe(tmp_path):
+    model = _TwoNorms(jax.random.key(0))
+    state = eqx.nn.State(model)
+    _, state = _run(model, state, jnp.arange(12.0).reshape(4, 3))
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "positional", state)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "named", _named_state(model, state))
+
+    bigger = _ThreeNorms()
+    fresh = eqx.nn.State(bigger)
+    want = state.get(model.norm1.ema_state_index)
+    # By position, the inserted layer takes norm1's statistics (and norm1 norm2's).
+    positional = eqx_ckpt.tree_deserialise_leaves(tmp_path / "positional", fresh, missing="keep")
+    assert eqx.tree_equal(positional.get(bigger.extra.ema_state_index), want)
+    # By name, each layer gets its own; the new one keeps its initial state.
+    named = eqx_ckpt.tree_deserialise_leaves(tmp_path / "named", _named_state(bigger, fresh), missing="keep")
+    initial = fresh.get(bigger.extra.ema_state_index)
+    loaded = _set_named_state(bigger, fresh, named)  # `State.set` consumes `fresh`
+    assert eqx.tree_equal(loaded.get(bigger.norm1.ema_state_index), want)
+    assert eqx.tree_equal(loaded.get(bigger.extra.ema_state_index), initial)

@@ -1,5 +1,6 @@
 """`load_or_initialise`: the checkpoint's leaves are loaded, only the others computed."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -130,3 +131,13 @@ def test_peak_memory_of_load_or_initialise(tmp_path):
     assert result.returncode == 0, result.stderr
     growth = int(result.stdout.split()[-1])
     assert growth < 1.5 * body_bytes, f"peak RSS grew by {growth / body_bytes:.2f}x the body size"
+
+
+def test_a_checkpoint_matching_nothing_is_an_error_not_a_fresh_start(tmp_path):
+    make = lambda: eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0))
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"model": make(), "step": 3})
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("its top-level keys are 'model', 'step'")) as info:
+        eqx_ckpt.load_or_initialise(tmp_path, make)
+    assert "`prefix='model'`" in str(info.value)
+    model = eqx_ckpt.load_or_initialise(tmp_path, make, prefix="model")
+    assert eqx.tree_equal(model, make(), typematch=True)

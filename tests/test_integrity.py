@@ -331,3 +331,41 @@ def test_a_leaf_folder_removed_while_it_is_checked_is_an_integrity_error(tmp_pat
         m.setattr(_local, "_scan", scan_after_cleanup)
         with pytest.raises(eqx_ckpt.IntegrityError, match=r"Leaf `a` .* is damaged or incomplete"):
             eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", {"a": jnp.zeros(4, jnp.int32)})
+
+
+def test_verify_from_several_threads_at_once(tmp_path):
+    import concurrent.futures
+
+    # Distinct shapes and chunks, so every thread needs new reference metadata at once.
+    paths = []
+    for i in range(6):
+        path = tmp_path / f"c{i}"
+        eqx_ckpt.tree_serialise_leaves(path, {f"w{j}": np.zeros((i + 2, j + 3), np.float32) for j in range(4)})
+        paths.append(path)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
+        results = list(pool.map(eqx_ckpt.verify, paths * 3))
+    assert results == [[]] * 18
+
+
+def test_diff_against_an_edited_zarr_json_names_the_leaf_briefly(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "a", {"w": jnp.ones(2)})
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "b", {"w": jnp.ones(2)})
+    metadata = tmp_path / "b" / "w" / "zarr.json"
+    body = json.loads(metadata.read_text())
+    body["shape"] = [3]
+    metadata.write_text(json.dumps(body))
+    with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("Leaf `w` in checkpoint")) as info:
+        eqx_ckpt.diff(tmp_path / "a", tmp_path / "b")
+    assert "tensorstore_spec" not in str(info.value)
+    assert len(str(info.value)) < 500
+
+
+def test_errors_name_the_checkpoint_not_its_data_root(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2)})
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2)})
+    assert json.loads((tmp_path / "manifest.json").read_text())["data_root"] == "gen.2"
+    (tmp_path / "gen.2" / "w" / "c" / "0").unlink()
+    with pytest.raises(eqx_ckpt.IntegrityError) as info:
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(2)})
+    assert f"in checkpoint {str(tmp_path)!r}" in str(info.value)
+    assert f"{str(tmp_path / 'gen.2')!r}" not in str(info.value)

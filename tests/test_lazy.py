@@ -153,3 +153,54 @@ def test_out_of_bounds_index_is_an_index_error(tmp_path, index):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": np.zeros((6, 5))})
     with pytest.raises(IndexError):
         eqx_ckpt.Checkpoint(tmp_path)["x"][index]
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        np.s_[[0, -1, 2]],
+        np.s_[[-1, -2], 1:3],
+        np.s_[np.array([True, False, True, False, False, True])],
+        np.s_[np.arange(30).reshape(6, 5) % 3 == 0],
+        np.s_[:, [4, -5]],
+        np.s_[np.array([[0, 1], [-1, -2]])],
+    ],
+)
+def test_advanced_indices_follow_numpy(tmp_path, index):
+    x = np.arange(30, dtype=np.int32).reshape(6, 5)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": x})
+    got = eqx_ckpt.Checkpoint(tmp_path)["x"][index]
+    np.testing.assert_array_equal(got, x[index])
+    assert got.shape == x[index].shape
+
+
+@pytest.mark.parametrize("index", [1.0, "a", np.s_[0, 1.5], np.s_[{}]])
+def test_invalid_indices_are_index_errors_not_damage(tmp_path, index):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": np.zeros((6, 5))})
+    with pytest.raises(IndexError, match=re.escape("are valid indices of a LazyArray")):
+        eqx_ckpt.Checkpoint(tmp_path)["x"][index]
+    with pytest.raises(TypeError):
+        eqx_ckpt.Checkpoint(tmp_path)["x"][0.5:2]
+
+
+def test_read_without_like_gives_the_saved_type(tmp_path):
+    tree = {"n": np.arange(3), "j": jnp.arange(3.0), "k": jax.random.key(0, impl="rbg")}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)
+    got = {key: ckpt[key].read() for key in tree}
+    assert type(got["n"]) is np.ndarray
+    assert eqx.tree_equal(got["n"], tree["n"], typematch=True)
+    assert eqx.tree_equal(got["j"], tree["j"], typematch=True)
+    assert jax.random.key_impl(got["k"]) == jax.random.key_impl(tree["k"])
+    assert jnp.array_equal(jax.random.key_data(got["k"]), jax.random.key_data(tree["k"]))
+
+
+def test_lazy_read_keeps_the_weak_type_of_like(tmp_path):
+    like = {"scale": jnp.asarray(2.0)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, like)
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"scale": jnp.zeros(3)[0] + 1.0}, lazy=True)
+    assert not eqx_ckpt.materialise(lazy)["scale"].weak_type
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, lazy=True)
+    loaded = eqx_ckpt.materialise(lazy)
+    assert loaded["scale"].weak_type
+    assert eqx.tree_equal(loaded, like, typematch=True)

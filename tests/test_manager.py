@@ -360,3 +360,52 @@ def test_a_failed_overwrite_keeps_the_steps_metrics(tmp_path, monkeypatch):
     assert eqx.tree_equal(manager.restore(_tree(0), step=1), _tree(1), typematch=True)
     manager.save(1, _tree(7), metrics={"loss": 0.5}, overwrite=True)
     assert manager.metrics(1) == {"loss": 0.5} and manager.best_step() == 1
+
+
+def test_integer_scalars_are_steps(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path)
+    manager.save(jnp.int32(46), _tree(1))
+    manager.save(np.int64(47), _tree(2))
+    manager.save(jnp.array(48, jnp.uint8), _tree(3))
+    assert manager.all_steps() == [46, 47, 48]
+    assert type(manager.latest_step()) is int
+    assert eqx.tree_equal(manager.restore(_tree(0), step=jnp.int32(47)), _tree(2))
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape("A step must be an int")):
+        manager.save(jnp.float32(49), _tree(1))
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape("A step must be an int")):
+        manager.save(jnp.arange(2), _tree(1))
+
+
+def test_a_file_is_not_a_manager_directory(tmp_path):
+    (tmp_path / "file").write_text("hello")
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("is a file, not a directory")):
+        eqx_ckpt.CheckpointManager(tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "hello"
+
+
+def test_rollback_drops_the_abandoned_steps(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=3)
+    for step in (100, 200, 300):
+        manager.save(step, _tree(step), metrics={"loss": float(step)})
+    state = manager.restore(_tree(0), step=200)
+    assert manager.delete_steps_after(200) == [300]
+    assert manager.latest_step() == 200
+    for step in (210, 220, 230):
+        manager.save(step, state)
+    assert manager.all_steps() == [210, 220, 230]
+    assert manager.latest_step() == 230
+    assert _listing(tmp_path) == ["step_00000210", "step_00000220", "step_00000230"]
+
+
+def test_a_step_saved_below_the_latest_is_not_deleted_at_once(tmp_path):
+    # Steps are ordered by number: without a rollback the higher ones stay, but
+    # the step just saved is never the one retention deletes.
+    manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=2)
+    for step in (100, 200, 300):
+        manager.save(step, _tree(step))
+    assert manager.all_steps() == [200, 300]
+    manager.save(210, _tree(210))
+    assert manager.all_steps() == [210, 300]
+    assert manager.latest_step() == 300
+    manager.save(400, _tree(400))
+    assert manager.all_steps() == [300, 400]

@@ -116,3 +116,16 @@ def test_manifest_round_trips_through_parse(tmp_path):
     parsed = _manifest.parse(data, where="x")
     assert parsed.to_bytes() == data
     assert parsed.by_path()["model.layers.0.weight"].directory == "model/layers/0/weight"
+
+
+def test_a_leaf_inside_a_leaf_is_refused_whatever_sits_between(tmp_path):
+    # `a-x` sorts between `a` and `a.c`: a check of sorted neighbours misses `a.c`.
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.ones(1), "a-x": jnp.ones(1), "b": {"c": jnp.ones(1)}})
+
+    def nest(body):
+        leaf = next(item for item in body["leaves"] if item["path"] == "b.c")
+        leaf.update(path="a.c", keypath=[["key", "a"], ["key", "c"]])
+
+    _rewrite(tmp_path, nest)
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("leaf 'a.c' lies inside leaf 'a'")):
+        eqx_ckpt.Checkpoint(tmp_path)

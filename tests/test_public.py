@@ -61,3 +61,43 @@ def test_key_error_message_is_not_quoted():
     error = eqx_ckpt.CheckpointKeyError("'a.b' is not a leaf", path="ckpt")
     assert str(error) == "'a.b' is not a leaf"
     assert error.path == "ckpt"
+
+
+def _examples(value):
+    """The ```python blocks of a docstring (dedented)."""
+    import re
+    import textwrap
+
+    doc = inspect.getdoc(value) or ""
+    return [textwrap.dedent(block) for block in re.findall(r"```python\n(.*?)```", doc, flags=re.S)]
+
+
+def _documented():
+    """Every public name, and every public method or property of a public class."""
+    for name in PUBLIC:
+        value = getattr(eqx_ckpt, name)
+        if not (inspect.isclass(value) or inspect.isfunction(value)):
+            continue
+        yield name, value
+        if inspect.isclass(value) and not issubclass(value, BaseException):
+            for attr, member in vars(value).items():
+                if not attr.startswith("_") and (inspect.isfunction(member) or isinstance(member, property)):
+                    yield f"{name}.{attr}", member
+
+
+@pytest.mark.parametrize("name", [name for name in PUBLIC if not name.startswith("__")])
+def test_every_public_name_has_an_example(name):
+    value = getattr(eqx_ckpt, name)
+    if inspect.isclass(value) or inspect.isfunction(value):
+        assert _examples(value), f"eqx_ckpt.{name} has no ```python example in its docstring"
+
+
+_WITH_EXAMPLES = {name: value for name, value in _documented() if _examples(value)}
+
+
+@pytest.mark.parametrize("name", sorted(_WITH_EXAMPLES))
+def test_docstring_examples_run(name, tmp_path, monkeypatch, capsys):
+    value = _WITH_EXAMPLES[name]
+    monkeypatch.chdir(tmp_path)
+    for example in _examples(value):
+        exec(compile(example, f"<docstring of eqx_ckpt.{name}>", "exec"), {"__name__": "__example__"})

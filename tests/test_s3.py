@@ -256,3 +256,20 @@ def test_absurd_chunk_is_refused_on_open(store):
         ckpt["a"][:10]
     (problem,) = eqx_ckpt.verify(store)
     assert problem.leaf == "a" and "one of its chunks" in problem.message
+
+
+def test_a_huge_manifest_is_refused_without_downloading_it(s3, store):
+    eqx_ckpt.tree_serialise_leaves(store, {"w": jnp.ones(3)})
+    limit = 2**20
+    kvstore = ts.KvStore.open(store).result()
+    kvstore.write("manifest.json", b" " * (limit + 10)).result()
+    where = location(store)
+    s3.gate.gets.clear()
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(f"holds more than {limit} bytes")):
+        _io.read_file(where, "manifest.json", limit=limit)
+    manifest_gets = [rng for path, rng in s3.gate.gets if path.endswith("/manifest.json")]
+    assert manifest_gets == [f"bytes={limit}-{limit}"]
+    # A file within the limit is read whole.
+    kvstore.write("small.json", b"{}").result()
+    assert _io.read_file(where, "small.json", limit=limit) == b"{}"
+    assert _io.read_file(where, "absent.json", limit=limit) is None

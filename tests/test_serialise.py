@@ -221,7 +221,7 @@ def test_keys_stored_at_the_same_path_are_refused(tmp_path):
     # Two distinct non-string keys with one repr would share a folder.
     first, second = _SameRepr(), _SameRepr()
     tree = collections.OrderedDict([(first, jnp.zeros(1)), (second, jnp.ones(1))])
-    with pytest.raises(eqx_ckpt.LeafError, match="would both be stored at"):
+    with pytest.raises(eqx_ckpt.LeafError, match="would be stored at the same place as the leaf at key path"):
         eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     assert os.listdir(tmp_path) == []
 
@@ -280,3 +280,28 @@ def test_an_abstract_tree_is_refused_not_saved_empty(tmp_path):
         eqx_ckpt.tree_serialise_leaves(tmp_path, skeleton)
     assert "filter_eval_shape" in str(info.value)
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, skeleton), make(), typematch=True)
+
+
+def test_a_store_that_cannot_list_is_refused_clearly():
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape("is on a store that cannot list its keys")):
+        eqx_ckpt.tree_serialise_leaves("http://127.0.0.1:9/ckpt/", {"w": jnp.ones(2)})
+
+
+def test_rank_beyond_zarr_is_refused_naming_the_leaf(tmp_path):
+    tree = {"ok": np.zeros(2), "deep": np.zeros((1,) * 33)}
+    message = "Error at leaf with path (DictKey(key='deep'),): leaf `deep`"
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(message)) as info:
+        eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert "it has 33 dimensions; a zarr v3 array (TensorStore) has at most 32" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_saving_inside_jit_is_a_clear_error(tmp_path):
+    @jax.jit
+    def step(x):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": x})
+        return x
+
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("it is a traced value: a save inside `jax.jit`")):
+        step(jnp.ones(2))
+    assert list(tmp_path.iterdir()) == []
