@@ -15,6 +15,7 @@ import re
 import shutil
 import sys
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import tensorstore as ts
 
@@ -25,11 +26,27 @@ from ._spec import CONTEXT, UNSYNCED, Location, array_spec
 
 
 def kvstore(loc: Location, *, synced: bool = True) -> ts.KvStore:
-    return ts.KvStore.open(loc.kvstore, context=_context(loc, synced)).result()
+    return result(ts.KvStore.open(loc.kvstore, context=_context(loc, synced)))
 
 
 def _context(loc: Location, synced: bool) -> ts.Context:
     return UNSYNCED if not synced and _on_local_disk(loc) else CONTEXT
+
+
+def result(future: ts.Future) -> Any:
+    """`future.result()`, except that an interrupt (Ctrl-C, `sys.exit` from a
+    signal handler) waits for the operation to finish before it is raised: an
+    operation left running when the interpreter exits aborts the process, and a
+    save must know whether a write happened before it decides what to undo."""
+    try:
+        return future.result()
+    except Exception:
+        raise
+    except BaseException:
+        while not future.done():
+            with contextlib.suppress(BaseException):
+                future.result()
+        raise
 
 
 def _on_local_disk(loc: Location) -> bool:
@@ -150,10 +167,10 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
             data, stamp = f.read(limit + 1), _stat_stamp(st)
     else:
         _refuse_large_object(loc, name, limit)
-        result = kvstore(loc).read(name).result()
-        if result.state != "value":
-            return None, result.stamp.generation
-        data, stamp = result.value, result.stamp.generation
+        found = result(kvstore(loc).read(name))
+        if found.state != "value":
+            return None, found.stamp.generation
+        data, stamp = found.value, found.stamp.generation
     if len(data) > limit:  # it grew between the check and the read
         raise _too_large(loc, name, limit, len(data))
     return data, stamp
@@ -162,7 +179,7 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
 def _refuse_large_object(loc: Location, name: str, limit: int) -> None:
     """On an object store, ask for the one byte past `limit` before downloading."""
     try:
-        probe = kvstore(loc).read(name, byte_range=slice(limit, limit + 1)).result()
+        probe = result(kvstore(loc).read(name, byte_range=slice(limit, limit + 1)))
     except ValueError as e:
         if "OUT_OF_RANGE" not in str(e):
             raise
@@ -193,7 +210,7 @@ def file_changed(loc: Location, name: str, stamp: bytes) -> bool:
             return _stat_stamp(os.stat(os.path.join(loc.local, name))) != stamp
         except FileNotFoundError:
             return True
-    return kvstore(loc).read(name, if_not_equal=stamp).result().state != "unspecified"
+    return result(kvstore(loc).read(name, if_not_equal=stamp)).state != "unspecified"
 
 
 def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes | None, bytes]:
@@ -206,12 +223,12 @@ def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes
             raise _too_large(loc, name, limit, os.path.getsize(full))
     else:
         _refuse_large_object(loc, name, limit)
-    result = kvstore(loc).read(name).result()
-    if result.state != "value":
-        return None, result.stamp.generation
-    if len(result.value) > limit:
-        raise _too_large(loc, name, limit, len(result.value))
-    return result.value, result.stamp.generation
+    found = result(kvstore(loc).read(name))
+    if found.state != "value":
+        return None, found.stamp.generation
+    if len(found.value) > limit:
+        raise _too_large(loc, name, limit, len(found.value))
+    return found.value, found.stamp.generation
 
 
 def write_conditional(
@@ -255,7 +272,7 @@ def write_file(loc: Location, name: str, data: bytes) -> None:
     """Write a small file atomically (TensorStore writes beside, then renames)."""
     try:
         store = kvstore(loc)
-        store.write(name, data).result()
+        result(store.write(name, data))
         if loc.local is not None:
             _fsync(loc.local)
     except Exception as e:
@@ -288,7 +305,7 @@ def write_error(loc: Location, name: str, error: BaseException) -> CheckpointErr
 
 
 def delete_file(loc: Location, name: str) -> None:
-    kvstore(loc).delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()
+    result(kvstore(loc).delete_range(ts.KvStore.KeyRange(name, name + "\0")))
 
 
 def list_names(loc: Location) -> list[str]:
@@ -301,7 +318,7 @@ def list_names(loc: Location) -> list[str]:
 def list_keys(loc: Location) -> list[str]:
     """Every key below `loc`, relative to it."""
     try:
-        keys = kvstore(loc).list().result()
+        keys = result(kvstore(loc).list())
     except NotImplementedError:
         driver = loc.kvstore.get("driver")
         raise CheckpointTypeError(
@@ -328,7 +345,7 @@ def remove(loc: Location, names: Iterable[str]) -> None:
     futures = [store.delete_range(ts.KvStore.KeyRange(name, name + "\0")) for name in names]
     futures += [store.delete_range(ts.KvStore.KeyRange(name + "/", name + "0")) for name in names]
     for future in futures:
-        future.result()
+        result(future)
 
 
 def ensure_directory(loc: Location) -> None:

@@ -143,7 +143,7 @@ class Lease:
             with self._mutex:
                 generation, self._generation = self._generation, ABSENT
                 if generation != ABSENT and self._lost is None and not keep_file:
-                    _io.kvstore(self.loc).write(self.name, None, if_equal=generation).result()
+                    _io.result(_io.kvstore(self.loc).write(self.name, None, if_equal=generation))
                     if self.loc.local is not None:
                         _io.sync_directory(self.loc.local)
         finally:
@@ -245,21 +245,21 @@ def _flock(loc: Location, what: str) -> int | None:
 
 
 def _read(loc: Location, name: str) -> tuple[dict[str, Any], bytes] | None:
-    result = _io.kvstore(loc).read(name).result()
-    if result.state != "value":
+    found = _io.result(_io.kvstore(loc).read(name))
+    if found.state != "value":
         return None
     try:
-        body = json.loads(result.value[:MAX_LEASE_BYTES])
+        body = json.loads(found.value[:MAX_LEASE_BYTES])
     except ValueError:
         body = {}
-    return (body if isinstance(body, dict) else {}), result.stamp.generation
+    return (body if isinstance(body, dict) else {}), found.stamp.generation
 
 
 def _conditional_write(loc: Location, name: str, body: dict[str, Any], if_equal: bytes) -> bytes | None:
     """Write `body` if the file's generation is `if_equal`; the new generation,
     or `None` if it was not (TensorStore then returns an empty generation)."""
     try:
-        stamp = _io.kvstore(loc).write(name, json.dumps(body).encode(), if_equal=if_equal).result()
+        stamp = _io.result(_io.kvstore(loc).write(name, json.dumps(body).encode(), if_equal=if_equal))
     except Exception as e:
         raise _io.write_error(loc, name, e) from e
     if not stamp.generation:

@@ -167,7 +167,11 @@ def start_writes(
             settle(opens)
             raise
         # Every future, not just up to the first failure: an abort must find every file.
-        created = wait_all([*opens, *groups], None)
+        try:
+            created = wait_all([*opens, *groups], None)
+        except BaseException:  # an interrupt: nothing may be left running
+            settle([*opens, *groups])
+            raise
     error = group.sync("created", created)
     if error is not None:
         raise error
