@@ -107,7 +107,9 @@ class _Report:
             extra = len(self.unexpected) - _SHOWN_UNEXPECTED
             shown.append(
                 "Stored leaves that `like` lacks (perhaps the missing ones, renamed):\n"
-                + "\n".join(f"  + `{path}` (stored, not in `like`)" for path in self.unexpected[:_SHOWN_UNEXPECTED])
+                + "\n".join(
+                    _clip(f"  + `{path}` (stored, not in `like`)") for path in self.unexpected[:_SHOWN_UNEXPECTED]
+                )
                 + (f"\n  ... and {extra} more." if extra > 0 else "")
             )
         raise LeafError(
