@@ -8,10 +8,11 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import PyTree
 
-from . import _commit, _keypath, _layout
+from . import _commit, _keypath, _layout, _nested
 from ._errors import CheckpointKeyError
 from ._lazy import LazyArray
 from ._manifest import LeafRecord
+from ._progress import Progress
 from ._spec import location
 
 _SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
@@ -106,6 +107,50 @@ class Checkpoint(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.path!r}, {len(self)} leaves, {self.total_bytes} bytes)"
+
+    def load(self, key: str | None = None, *, lazy: bool = False, progress: Progress = None) -> Any:
+        """Load the checkpoint, or the sub-tree at dotted `key`, without a skeleton.
+
+        The tree is rebuilt from the key paths in the manifest, as nested dicts
+        (for dict keys and attribute names) and lists (for sequence indices; an
+        index that holds no saved leaf, such as an activation function between
+        layers, is `None`). Arrays saved from JAX come back as JAX arrays on the
+        default device, NumPy arrays as NumPy arrays, scalars as their values.
+
+        **Arguments:**
+
+        - `key`: a dotted path (`"model.encoder"`, or one leaf's path); `None` loads
+            everything.
+        - `lazy`: return [`eqx_ckpt.LazyArray`][]s that read when asked (scalars
+            still come back as values); [`eqx_ckpt.materialise`][] reads them.
+        - `progress`: as for [`eqx_ckpt.tree_deserialise_leaves`][].
+
+        **Returns:**
+
+        Nested dicts and lists of arrays and scalars (or the leaf itself when `key`
+        names one).
+
+        **Raises:**
+
+        [`eqx_ckpt.CheckpointKeyError`][] if no leaf lies at or below `key`.
+
+        !!! example
+
+            ```python
+            import equinox as eqx, jax
+            import eqx_ckpt
+
+            model = eqx.nn.MLP(2, 2, 8, 2, key=jax.random.key(0))
+            eqx_ckpt.tree_serialise_leaves("ckpt", {"model": model, "step": 3})
+            state = eqx_ckpt.Checkpoint("ckpt").load()
+            print(state["step"], state["model"]["layers"][0]["weight"].shape)  # 3 (8, 2)
+            ```
+        """
+        key = key or ""
+        records = [r for path, r in self._records.items() if _keypath.is_within(path, key)]
+        if key and not records:
+            raise CheckpointKeyError(self._missing(key), path=self.path)
+        return _nested.load(self._data, records, key, lazy=lazy, progress=progress)
 
     def tree(self) -> dict[str, Any]:
         """The saved tree as nested dicts of dotted segments, with a

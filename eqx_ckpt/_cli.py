@@ -78,7 +78,7 @@ def _info(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from . import _verify
 
-    problems = _verify.verify(_path(args.path), progress=_progress())
+    problems = _verify.verify(_path(args.path))
     for problem in problems:
         print(problem)
     print(f"{args.path}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
@@ -88,7 +88,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _diff(args: argparse.Namespace) -> int:
     from . import _diff
 
-    differences = _diff.diff(_path(args.a), _path(args.b), progress=_progress())
+    differences = _diff.diff(_path(args.a), _path(args.b))
     for line in differences:
         print(line)
     return 1 if differences else 0
@@ -98,10 +98,6 @@ def _demo(args: argparse.Namespace) -> int:
     from ._demo import run
 
     return run(args.dir, steps=args.steps)
-
-
-def _progress() -> bool:
-    return sys.stderr.isatty()
 
 
 def parser() -> argparse.ArgumentParser:

@@ -16,6 +16,7 @@ from ._errors import CheckpointError, CheckpointValueError, LeafError, describe_
 from ._handle import LeafHandle
 from ._lazy import LazyArray
 from ._manifest import LeafRecord, Manifest
+from ._progress import Progress, Tracker
 from ._spec import Location, location
 
 
@@ -108,6 +109,7 @@ def tree_deserialise_leaves(
     strict: bool = False,
     cast: bool = False,
     lazy: bool = False,
+    progress: Progress = None,
 ) -> PyTree:
     """Load the leaves of a PyTree from a checkpoint directory.
 
@@ -137,6 +139,10 @@ def tree_deserialise_leaves(
     - `cast`: convert stored dtypes to `like`'s instead of raising.
     - `lazy`: return [`eqx_ckpt.LazyArray`][]s that read when asked (see
         [`eqx_ckpt.materialise`][]).
+    - `progress`: by default a progress bar (bytes and leaves) shows on stderr
+        when it is a terminal and the load is large; `False` hides it, `True`
+        shows it whatever the size, and a callable is called as
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
 
     **Returns:**
 
@@ -196,7 +202,7 @@ def tree_deserialise_leaves(
     report.raise_if_any()
     for plan, spec in custom:
         leaves[plan.index] = _run_custom(spec, plan, data, loc, cast, lazy)
-    loaded = _load(data, plans, lazy=lazy)
+    loaded = _load(data, plans, lazy=lazy, progress=progress)
     for plan, value in zip(plans, loaded):
         leaves[plan.index] = value
     return treedef.unflatten(leaves)
@@ -271,12 +277,17 @@ def _target_dtype(like: Any) -> np.dtype | None:
 READ_WINDOW = 128 * 2**20
 
 
-def _load(data: Location, plans: list[_Plan], *, lazy: bool) -> list[Any]:
+def _load(data: Location, plans: list[_Plan], *, lazy: bool, progress: Progress = False) -> list[Any]:
     """Open every array, then read leaves concurrently within `READ_WINDOW` bytes,
     converting (and freeing the host buffer of) the oldest as new reads start."""
     records = [_record_of(plan) for plan in plans]
     if lazy:
         return [LazyArray(data, record, plan.like) for plan, record in zip(plans, records)]
+    with Tracker(progress, leaves=len(records), nbytes=sum(r.nbytes for r in records), what="load") as tracker:
+        return _read_all(data, plans, records, tracker)
+
+
+def _read_all(data: Location, plans: list[_Plan], records: list[LeafRecord], tracker: Tracker) -> list[Any]:
     opens = [_io.open_array(data, record) for record in records]
     results: list[Any] = [None] * len(plans)
     window: collections.deque[tuple[int, int, Callable[[], Any]]] = collections.deque()
@@ -290,11 +301,13 @@ def _load(data: Location, plans: list[_Plan], *, lazy: bool) -> list[Any]:
             j, size, finish = window.popleft()
             results[j] = finish()
             in_flight -= size
+            tracker.advance(leaves=1, nbytes=size)
         window.append((i, record.nbytes, _read.start(store, data, record, plan.like, dtype=_target_dtype(plan.like))))
         in_flight += record.nbytes
     while window:
-        j, _, finish = window.popleft()
+        j, size, finish = window.popleft()
         results[j] = finish()
+        tracker.advance(leaves=1, nbytes=size)
     return results
 
 

@@ -12,6 +12,7 @@ from jaxtyping import PyTree
 
 from . import _dtypes, _io, _read
 from ._manifest import LeafRecord
+from ._progress import Progress, Tracker
 from ._spec import Location
 
 
@@ -164,12 +165,16 @@ def is_lazy(x: Any) -> bool:
     return isinstance(x, LazyArray)
 
 
-def materialise(tree: PyTree) -> PyTree:
+def materialise(tree: PyTree, *, progress: Progress = None) -> PyTree:
     """Read every [`eqx_ckpt.LazyArray`][] of a tree, all at once.
 
     **Arguments:**
 
     - `tree`: any PyTree; its lazy leaves are read concurrently, others are kept.
+    - `progress`: by default a progress bar (bytes and leaves) shows on stderr
+        when it is a terminal and there is much to read; `False` hides it,
+        `True` shows it whatever the size, and a callable is called as
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
 
     **Returns:**
 
@@ -187,6 +192,11 @@ def materialise(tree: PyTree) -> PyTree:
         ```
     """
     leaves, treedef = jtu.tree_flatten(tree, is_leaf=is_lazy)
-    finishers = [leaf.start() if is_lazy(leaf) else None for leaf in leaves]
-    values = [finish() if finish is not None else leaf for leaf, finish in zip(leaves, finishers)]
+    lazy = [leaf for leaf in leaves if is_lazy(leaf)]
+    with Tracker(progress, leaves=len(lazy), nbytes=sum(x.nbytes for x in lazy), what="materialise") as tracker:
+        finishers = [leaf.start() if is_lazy(leaf) else None for leaf in leaves]
+        values = []
+        for leaf, finish in zip(leaves, finishers):
+            values.append(leaf if finish is None else finish())
+            tracker.advance(leaves=int(finish is not None), nbytes=leaf.nbytes if finish is not None else 0)
     return jtu.tree_unflatten(treedef, values)

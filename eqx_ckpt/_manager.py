@@ -190,6 +190,7 @@ class CheckpointManager:
         cast: Any = None,
         layout: str = "directories",
         overwrite: bool = False,
+        progress: Any = None,
     ) -> None:
         """Save `pytree` as step `step`, then delete the steps no rule keeps.
 
@@ -199,7 +200,8 @@ class CheckpointManager:
         - `pytree`: what to save (typically `{"model": ..., "opt_state": ...}`).
         - `metrics`: an optional mapping from name to number (Python, NumPy or
             0-d JAX scalar), stored beside the step; `best_metric` is looked up here.
-        - `filter_spec`, `is_leaf`, `cast`, `layout`: as for [`eqx_ckpt.tree_serialise_leaves`][].
+        - `filter_spec`, `is_leaf`, `cast`, `layout`, `progress`: as for
+            [`eqx_ckpt.tree_serialise_leaves`][].
         - `overwrite`: replace the step if it already exists (atomically: the old
             one stays loadable until the new one is committed). By default, saving
             a step twice is an error.
@@ -242,6 +244,7 @@ class CheckpointManager:
                 blocking=self.blocking,
                 cast=cast,
                 layout=layout,
+                progress=progress,
             )
         except BaseException:
             undo()

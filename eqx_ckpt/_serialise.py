@@ -15,6 +15,7 @@ from . import _commit, _dtypes, _io, _layout, _manifest, _multihost, _tree, _wri
 from ._errors import CheckpointError, CheckpointValueError, LeafError, leaf_message
 from ._handle import LeafHandle
 from ._manifest import LeafRecord
+from ._progress import Progress, Tracker
 from ._spec import Location, location
 
 
@@ -102,6 +103,7 @@ def tree_serialise_leaves(
     blocking: bool = True,
     cast: Callable[[str, np.dtype], Any] | dict[Any, Any] | None = None,
     layout: str = "directories",
+    progress: Progress = None,
 ) -> PendingSave | None:
     """Save the leaves of a PyTree as a checkpoint directory.
 
@@ -136,6 +138,12 @@ def tree_serialise_leaves(
         tool) or `"ocdbt"` (every array in one TensorStore OCDBT database: a few
         files instead of two per leaf, for trees of many small leaves; one
         process only). Loads need not be told. See docs/scaling.md.
+    - `progress`: by default a progress bar (bytes and leaves) shows on stderr
+        when it is a terminal and the save is large; `False` hides it, `True`
+        shows it whatever the size, and a callable is called as
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)` (from
+        TensorStore's threads) as each leaf's data is handed to TensorStore; the
+        commit that makes them durable follows.
 
     With `jax.distributed` initialised, call this in every process with the same
     tree: each process writes its own shards, and the checkpoint is committed once,
@@ -167,10 +175,13 @@ def tree_serialise_leaves(
             path=loc.display,
         )
     _wait_for_earlier(loc)
+    nbytes = sum(piece.nbytes for p in pending for _, piece in p.pieces)
+    tracker = Tracker(progress, leaves=len(pending), nbytes=nbytes, what="save")
     tx = _begin(group, loc, overwrite=overwrite, layout=layout, paths=[p.record.path for p in pending])
     try:
-        commits, early = _write.start_writes(tx, pending, group, copy=not blocking), None
+        commits, early = _write.start_writes(tx, pending, group, copy=not blocking, tracker=tracker), None
     except BaseException as e:
+        tracker.close()
         if group.count == 1:
             _commit.abort(tx)
             if isinstance(e, CheckpointError) or not isinstance(e, Exception):
@@ -184,8 +195,10 @@ def tree_serialise_leaves(
 
     finish = functools.partial(_finish, tx, group, [p.record for p in pending], commits, early)
     if blocking:
-        finish()
+        with tracker:
+            finish()
         return None
+    tracker.close()
     return PendingSave(finish, _destination(loc))
 
 

@@ -4,6 +4,7 @@ arrays themselves, created and written concurrently through TensorStore."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,7 @@ import numpy as np
 from . import _commit, _dtypes, _io, _keypath, _multihost, _sharding
 from ._handle import LeafHandle
 from ._manifest import LeafRecord
+from ._progress import Tracker
 from ._spec import Location, chunk_shape
 
 
@@ -94,7 +96,12 @@ def cast_function(cast: Any) -> Callable[[str, np.dtype], Any] | None:
 
 
 def start_writes(
-    tx: _commit.Transaction, pending: list[Pending], group: _multihost.Group, *, copy: bool = False
+    tx: _commit.Transaction,
+    pending: list[Pending],
+    group: _multihost.Group,
+    *,
+    copy: bool = False,
+    tracker: Tracker | None = None,
 ) -> list[Any]:
     """Create every array and stage every write; return once the caller may change
     its arrays (with `copy=True`, for a save that returns before it has written,
@@ -124,10 +131,16 @@ def start_writes(
         # alive through `delete()` and donation); a NumPy array's can, so a save
         # that returns before writing stages a copy.
         private = copy and p.record.type == "numpy"
-        for index, piece in p.pieces:
+        for i, (index, piece) in enumerate(p.pieces):
             source = np.array(piece, copy=True) if private else piece
             target = store[index] if index else store
             writes.append(target.write(source, can_reference_source_data_indefinitely=True))
+            if tracker is not None:
+                last = int(i == len(p.pieces) - 1)
+                done = functools.partial(tracker.advance, leaves=last, nbytes=piece.nbytes)
+                writes[-1].commit.add_done_callback(lambda f, done=done: None if f.exception() else done())
+        if tracker is not None and not p.pieces:
+            tracker.advance(leaves=1)
     staged = wait_all(writes, None)
     if staged is not None:
         transaction.abort()  # nothing was written out
