@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from ._checkpoint import Checkpoint, describe
 from ._errors import CheckpointError, CheckpointValueError
@@ -27,9 +30,14 @@ def human(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def format_listing(ckpt: Checkpoint, *, depth: int | None = None) -> str:
-    """The sorted tree of keys, with dtype[shape] and size, then totals."""
-    rows: list[tuple[str, str, str]] = []
+# `ls --values` prints leaves of at most this many elements.
+SMALL_VALUES = 16
+
+
+def format_listing(ckpt: Checkpoint, *, depth: int | None = None, values: bool = False) -> str:
+    """The sorted tree of keys, with dtype[shape] and size (and, with `values`, the
+    value of each small leaf), then totals."""
+    rows: list[tuple[str, ...]] = []
     shown: set[tuple[str, ...]] = set()
     for key in ckpt:
         parts = tuple(key.split(".")) if key else ("<root>",)
@@ -39,12 +47,20 @@ def format_listing(ckpt: Checkpoint, *, depth: int | None = None) -> str:
                 rows.append(("  " * i + parts[i] + "/", "", ""))
         if depth is None or len(parts) - 1 < depth:
             record = ckpt.record(key)
-            rows.append(("  " * (len(parts) - 1) + parts[-1], describe(record), human(record.nbytes)))
+            value = f"  = {_value(ckpt[key])}" if values and math.prod(record.shape) <= SMALL_VALUES else ""
+            rows.append(("  " * (len(parts) - 1) + parts[-1], describe(record), human(record.nbytes), value))
     width = max((len(r[0]) for r in rows), default=0)
     kind = max((len(r[1]) for r in rows), default=0)
-    lines = [f"{a:<{width}}  {b:<{kind}}  {c:>10}".rstrip() for a, b, c in rows]
+    lines = [f"{r[0]:<{width}}  {r[1]:<{kind}}  {r[2]:>10}{''.join(r[3:])}".rstrip() for r in rows]
     lines.append(f"{len(ckpt)} leaves, {human(ckpt.total_bytes)}")
     return "\n".join(lines)
+
+
+def _value(leaf: Any) -> str:
+    """A small leaf's value on one line (a scalar leaf is its value already)."""
+    if isinstance(leaf, (bool, int, float, complex)):
+        return repr(leaf)
+    return np.array2string(np.asarray(leaf), separator=", ", max_line_width=2**31).replace("\n", "")
 
 
 def _path(text: str) -> Any:
@@ -59,7 +75,7 @@ def _path(text: str) -> Any:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    print(format_listing(Checkpoint(_path(args.path)), depth=args.depth))
+    print(format_listing(Checkpoint(_path(args.path)), depth=args.depth, values=args.values))
     return 0
 
 
@@ -110,6 +126,7 @@ def parser() -> argparse.ArgumentParser:
     ls = commands.add_parser("ls", help="sorted tree of keys with dtype[shape] and size")
     ls.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
     ls.add_argument("--depth", type=int, default=None, help="show only this many levels")
+    ls.add_argument("--values", action="store_true", help=f"print leaves of at most {SMALL_VALUES} elements")
     ls.set_defaults(run=_ls)
     info = commands.add_parser("info", help="format and library version, creation time, leaf count, bytes")
     info.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
