@@ -61,6 +61,12 @@ class Tracker:
         if self._callback is not None:
             self._callback(*counts)
 
+    def describe(self, what: str) -> None:
+        """Rename the bar, and show its counts now (a save says it is committing)."""
+        if self._bar is not None:
+            self._bar.set_description_str(what, refresh=False)
+            self._bar.refresh()
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

@@ -196,6 +196,7 @@ def tree_serialise_leaves(
     finish = functools.partial(_finish, tx, group, [p.record for p in pending], commits, early)
     if blocking:
         with tracker:
+            tracker.describe("save: committing")
             finish()
         return None
     tracker.close()
