@@ -197,6 +197,9 @@ def materialise(tree: PyTree, *, progress: Progress = None) -> PyTree:
         finishers = [leaf.start() if is_lazy(leaf) else None for leaf in leaves]
         values = []
         for leaf, finish in zip(leaves, finishers):
-            values.append(leaf if finish is None else finish())
-            tracker.advance(leaves=int(finish is not None), nbytes=leaf.nbytes if finish is not None else 0)
+            if finish is None:
+                values.append(leaf)
+            else:
+                values.append(finish())
+                tracker.advance(leaves=1, nbytes=leaf.nbytes)
     return jtu.tree_unflatten(treedef, values)

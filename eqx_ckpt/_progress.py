@@ -20,6 +20,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
+from ._errors import CheckpointTypeError
+
 Callback: TypeAlias = Callable[[int, int, int, int], Any]
 Progress: TypeAlias = bool | Callback | None
 
@@ -31,15 +33,15 @@ MIN_LEAVES = 2000
 class Tracker:
     """Running counts of one job, shown as a bar or passed to a callback.
 
-    `advance` may be called from TensorStore's threads (saves count a leaf when
-    its write completes), so the counts are guarded by a lock.
+    The counts are guarded by a lock, so that a job may report from several
+    threads; the callback is called outside it.
     """
 
     def __init__(self, progress: Progress, *, leaves: int, nbytes: int, what: str):
         self.leaves_total, self.bytes_total = leaves, nbytes
         self.leaves_done = self.bytes_done = 0
         self._lock = threading.Lock()
-        progress = check(progress)
+        progress = _check(progress)
         self._callback = progress if callable(progress) and not isinstance(progress, bool) else None
         self._bar: Any = None
         if self._callback is None and _wants_bar(progress, leaves, nbytes):
@@ -68,9 +70,10 @@ class Tracker:
             self._bar.refresh()
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        with self._lock:
+            bar, self._bar = self._bar, None
+        if bar is not None:
+            bar.close()
 
     def __enter__(self) -> Tracker:
         return self
@@ -93,12 +96,10 @@ def _is_terminal() -> bool:
         return False
 
 
-def check(progress: Any) -> Progress:
+def _check(progress: Any) -> Progress:
     """`progress` itself, once it is known to be one of the accepted kinds."""
     if progress is None or isinstance(progress, bool) or callable(progress):
         return progress
-    from ._errors import CheckpointTypeError
-
     raise CheckpointTypeError(
         f"`progress` must be `None` (a bar on a terminal for large jobs), `True`, `False`, or a callable "
         f"`(leaves_done, leaves_total, bytes_done, bytes_total)`, not {type(progress).__name__}."

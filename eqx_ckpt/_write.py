@@ -4,7 +4,6 @@ arrays themselves, created and written concurrently through TensorStore."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -124,7 +123,7 @@ def start_writes(
         opens = [_io.open_array(data, p.record, synced=False) for p in pending]
     # Staged in one transaction, every write only references its source until
     # the background commit; staging returns at once.
-    transaction, writes = _io.transaction(), []
+    transaction, writes, counts = _io.transaction(), [], []
     for p, opened in zip(pending, opens, strict=True):
         store = opened.result().with_transaction(transaction)
         # The host data of a jax.Array never changes (a view of it keeps its buffer
@@ -135,13 +134,15 @@ def start_writes(
             source = np.array(piece, copy=True) if private else piece
             target = store[index] if index else store
             writes.append(target.write(source, can_reference_source_data_indefinitely=True))
-            if tracker is not None:
-                last = int(i == len(p.pieces) - 1)
-                done = functools.partial(tracker.advance, leaves=last, nbytes=piece.nbytes)
-                writes[-1].commit.add_done_callback(lambda f, done=done: None if f.exception() else done())
-        if tracker is not None and not p.pieces:
-            tracker.advance(leaves=1)
-    staged = wait_all(writes, None)
+            counts.append((int(i == len(p.pieces) - 1), piece.nbytes))
+    # Waited in order, so that progress is reported from this thread as writes complete.
+    if tracker is not None:
+        tracker.advance(leaves=sum(1 for p in pending if not p.pieces))
+    staged = None
+    for write, (leaves, nbytes) in zip(writes, counts):
+        staged = staged or attempt(write.result)
+        if staged is None and tracker is not None:
+            tracker.advance(leaves=leaves, nbytes=nbytes)
     if staged is not None:
         transaction.abort()  # nothing was written out
         raise staged
