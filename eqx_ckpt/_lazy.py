@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Any
 
@@ -166,11 +167,13 @@ def is_lazy(x: Any) -> bool:
 
 
 def materialise(tree: PyTree, *, progress: Progress = None) -> PyTree:
-    """Read every [`eqx_ckpt.LazyArray`][] of a tree, all at once.
+    """Read every [`eqx_ckpt.LazyArray`][] of a tree, concurrently.
 
     **Arguments:**
 
-    - `tree`: any PyTree; its lazy leaves are read concurrently, others are kept.
+    - `tree`: any PyTree; its lazy leaves are read concurrently (within a bounded
+        number of bytes in flight, so the peak memory stays near the result's
+        size), others are kept.
     - `progress`: by default a progress bar (bytes and leaves) shows on stderr
         when it is a terminal and there is much to read; `False` hides it,
         `True` shows it whatever the size, and a callable is called as
@@ -191,15 +194,29 @@ def materialise(tree: PyTree, *, progress: Progress = None) -> PyTree:
         tree = eqx_ckpt.materialise(lazy)
         ```
     """
-    leaves, treedef = jtu.tree_flatten(tree, is_leaf=is_lazy)
-    lazy = [leaf for leaf in leaves if is_lazy(leaf)]
-    with Tracker(progress, leaves=len(lazy), nbytes=sum(x.nbytes for x in lazy), what="materialise") as tracker:
-        finishers = [leaf.start() if is_lazy(leaf) else None for leaf in leaves]
-        values = []
-        for leaf, finish in zip(leaves, finishers):
-            if finish is None:
-                values.append(leaf)
-            else:
-                values.append(finish())
-                tracker.advance(leaves=1, nbytes=leaf.nbytes)
+    from ._deserialise import READ_WINDOW  # one memory budget for every load
+
+    values, treedef = jtu.tree_flatten(tree, is_leaf=is_lazy)
+    lazy = [i for i, leaf in enumerate(values) if is_lazy(leaf)]
+    nbytes = sum(values[i].nbytes for i in lazy)
+    window: collections.deque[tuple[int, Any]] = collections.deque()
+    in_flight = 0
+    with Tracker(progress, leaves=len(lazy), nbytes=nbytes, what="materialise") as tracker:
+        # Reads run concurrently within the window; the oldest finishes as new ones start.
+        for i in lazy:
+            while window and in_flight + values[i].nbytes > READ_WINDOW:
+                in_flight -= _finish_oldest(window, values, tracker)
+            window.append((i, values[i].start()))
+            in_flight += values[i].nbytes
+        while window:
+            _finish_oldest(window, values, tracker)
     return jtu.tree_unflatten(treedef, values)
+
+
+def _finish_oldest(window: collections.deque[tuple[int, Any]], values: list[Any], tracker: Tracker) -> int:
+    """Wait for the oldest read of the window; its bytes."""
+    i, finish = window.popleft()
+    size = values[i].nbytes
+    values[i] = finish()
+    tracker.advance(leaves=1, nbytes=size)
+    return size

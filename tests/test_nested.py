@@ -64,6 +64,11 @@ def test_sub_tree_leaf_and_lazy(tmp_path):
     assert ckpt.load(lazy=True)["step"] == 7  # scalars are values, lazy or not
     assert eqx.tree_equal(eqx_ckpt.materialise(lazy), ckpt.load("model"), typematch=True)
 
+    seen = []
+    ckpt.load("model", progress=lambda *counts: seen.append(counts))
+    model_bytes = sum(ckpt.record(k).nbytes for k in ckpt if k.startswith("model."))
+    assert seen[-1] == (6, 6, model_bytes, model_bytes)
+
 
 def test_gaps_in_a_sequence_are_none(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, [jnp.ones(2), jax.nn.relu, np.arange(3)])

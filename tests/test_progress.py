@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _progress
+from eqx_ckpt import _deserialise, _progress
 from eqx_ckpt._cli import main
 
 
@@ -59,13 +59,18 @@ def test_callbacks_of_save_load_verify_diff(tmp_path):
     compared.check(6, stored)
 
 
-def test_callbacks_of_lazy_reads_and_the_manager(tmp_path):
+def test_callbacks_of_lazy_reads_and_the_manager(tmp_path, monkeypatch):
     tree = _tree()
     eqx_ckpt.tree_serialise_leaves(tmp_path / "a", tree)
     lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path / "a", tree, lazy=True)
     read = Calls()
     assert eqx.tree_equal(eqx_ckpt.materialise(lazy, progress=read), tree, typematch=True)
     read.check(6, eqx_ckpt.Checkpoint(tmp_path / "a").total_bytes)
+    # With a window smaller than any leaf, reads finish one by one, in order.
+    monkeypatch.setattr(_deserialise, "READ_WINDOW", 1)
+    read = Calls()
+    assert eqx.tree_equal(eqx_ckpt.materialise(lazy, progress=read), tree, typematch=True)
+    assert [c[0] for c in read] == [1, 2, 3, 4, 5, 6]
 
     manager = eqx_ckpt.CheckpointManager(tmp_path / "runs")
     saved = Calls()
