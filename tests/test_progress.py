@@ -1,8 +1,17 @@
 """Progress: callbacks with running counts, a tqdm bar only on a terminal."""
 
+import fcntl
 import io
 import itertools
+import os
+import pty
 import re
+import shutil
+import struct
+import subprocess
+import sys
+import termios
+import threading
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -126,3 +135,41 @@ def test_quiet_when_stderr_is_not_a_terminal(tmp_path, monkeypatch, capfd):
     assert main(["verify", str(tmp_path)]) == 0
     out, err = capfd.readouterr()
     assert err == "" and out == f"{tmp_path}: sound\n"
+
+
+def test_cli_bar_on_a_real_terminal(tmp_path):
+    """`eqx-ckpt verify` with its stderr on a pseudo-terminal, as in a shell: a
+    checkpoint of `MIN_LEAVES` leaves shows the bar; stdout stays clean."""
+    tree = {f"leaf{i}": np.full(2, i % 100, np.int8) for i in range(_progress.MIN_LEAVES)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    exe = shutil.which("eqx-ckpt", path=os.path.dirname(sys.executable)) or "eqx-ckpt"
+    leader, follower = pty.openpty()
+    # A terminal of 120 columns (a fresh pseudo-terminal has none, and tqdm draws to the width).
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    shown = []
+
+    def read_terminal():
+        # Read while the command runs: a full terminal buffer would block its writes.
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the command closed the terminal
+                return
+            if not chunk:
+                return
+            shown.append(chunk)
+
+    reader = threading.Thread(target=read_terminal, daemon=True)
+    reader.start()
+    try:
+        done = subprocess.run(
+            [exe, "verify", str(tmp_path)], stderr=follower, stdout=subprocess.PIPE, text=True, timeout=300
+        )
+    finally:
+        os.close(follower)
+        reader.join(timeout=60)
+        os.close(leader)
+    text = b"".join(shown).decode()
+    assert done.returncode == 0 and done.stdout == f"{tmp_path}: sound\n"
+    assert text.startswith("\rverify:") and "verify: 100%" in text
+    assert f"{_progress.MIN_LEAVES}/{_progress.MIN_LEAVES} leaves" in text
