@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import equinox as eqx
+import numpy as np
 from jaxtyping import PyTree
 
-from . import _commit, _keypath, _layout
+from . import _commit, _keypath, _layout, _nested
 from ._errors import CheckpointKeyError
 from ._lazy import LazyArray
 from ._manifest import LeafRecord
+from ._progress import Progress
 from ._spec import location
 
 _SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
@@ -114,7 +117,7 @@ class Checkpoint(Mapping[str, Any]):
     def __str__(self) -> str:
         return f"Checkpoint {self.path!r}:\n" + self.listing(max_rows=_MAX_ROWS)
 
-    def listing(self, *, depth: int | None = None, max_rows: int | None = None) -> str:
+    def listing(self, *, depth: int | None = None, max_rows: int | None = None, values: bool = False) -> str:
         """The saved tree, one key per line, indented, with `dtype[shape]` and size,
         then the totals (what `eqx-ckpt ls` prints).
 
@@ -123,6 +126,8 @@ class Checkpoint(Mapping[str, Any]):
         - `depth`: show only this many levels.
         - `max_rows`: show at most this many lines of the tree, then how many more
             leaves there are.
+        - `values`: also print the value of every leaf of at most
+            `SMALL_VALUES` (16) elements (what `eqx-ckpt ls --values` prints).
 
         **Returns:**
 
@@ -138,7 +143,7 @@ class Checkpoint(Mapping[str, Any]):
             print(eqx_ckpt.Checkpoint("ckpt").listing())
             ```
         """
-        rows: list[tuple[str, str, str]] = []
+        rows: list[tuple[str, ...]] = []
         shown: set[tuple[str, ...]] = set()
         left = 0
         for key, record in self._records.items():
@@ -151,14 +156,56 @@ class Checkpoint(Mapping[str, Any]):
                     shown.add(parts[: i + 1])
                     rows.append(("  " * i + parts[i] + "/", "", ""))
             if depth is None or len(parts) - 1 < depth:
-                rows.append(("  " * (len(parts) - 1) + parts[-1], describe(record), human(record.nbytes)))
+                small = values and math.prod(record.shape) <= SMALL_VALUES
+                value = f"  = {_one_line(self[key])}" if small else ""
+                rows.append(("  " * (len(parts) - 1) + parts[-1], describe(record), human(record.nbytes), value))
         width = max((len(r[0]) for r in rows), default=0)
         kind = max((len(r[1]) for r in rows), default=0)
-        lines = [f"{a:<{width}}  {b:<{kind}}  {c:>10}".rstrip() for a, b, c in rows]
+        lines = [f"{r[0]:<{width}}  {r[1]:<{kind}}  {r[2]:>10}{''.join(r[3:])}".rstrip() for r in rows]
         if left:
             lines.append(f"... and {left} more leaves (`Checkpoint(path).listing()` shows them all)")
         lines.append(f"{len(self)} leaves, {human(self.total_bytes)}")
         return "\n".join(lines)
+
+    def load(self, key: str | None = None, *, lazy: bool = False, progress: Progress = None) -> Any:
+        """Load the checkpoint, or the sub-tree at dotted `key`, without a skeleton.
+
+        The tree is rebuilt from the key paths in the manifest, as nested dicts
+        (for dict keys and attribute names) and lists (for sequence indices; an
+        index that holds no saved leaf, such as an activation function between
+        layers, is `None`). Arrays saved from JAX come back as JAX arrays on the
+        default device, NumPy arrays as NumPy arrays, scalars as their values.
+
+        **Arguments:**
+
+        - `key`: a dotted path (`"model.encoder"`, or one leaf's path); `None` loads
+            everything.
+        - `lazy`: return [`eqx_ckpt.LazyArray`][]s that read when asked (scalars
+            still come back as values); [`eqx_ckpt.materialise`][] reads them.
+        - `progress`: as for [`eqx_ckpt.tree_deserialise_leaves`][].
+
+        **Returns:**
+
+        Nested dicts and lists of arrays and scalars (or the leaf itself when `key`
+        names one).
+
+        **Raises:**
+
+        [`eqx_ckpt.CheckpointKeyError`][] if no leaf lies at or below `key`.
+            import equinox as eqx, jax
+            import eqx_ckpt
+
+            model = eqx.nn.MLP(2, 2, 8, 2, key=jax.random.key(0))
+            eqx_ckpt.tree_serialise_leaves("ckpt", {"model": model, "step": 3})
+            state = eqx_ckpt.Checkpoint("ckpt").load()
+            print(state["step"], state["model"]["layers"][0]["weight"].shape)  # 3 (8, 2)
+            ```
+        """
+        key = key or ""
+        records = [r for path, r in self._records.items() if _keypath.is_within(path, key)]
+        if key and not records:
+            raise CheckpointKeyError(self._missing(key), path=self.path)
+        return _nested.load(self._data, records, key, lazy=lazy, progress=progress)
 
     def tree(self) -> dict[str, Any]:
         """The saved tree as nested dicts of dotted segments, with a
@@ -210,3 +257,14 @@ def skeleton(fn: Callable[..., PyTree], *args: Any, **kwargs: Any) -> PyTree:
         ```
     """
     return eqx.filter_eval_shape(fn, *args, **kwargs)
+
+
+# `listing(values=True)` (and `eqx-ckpt ls --values`) prints leaves of at most this many elements.
+SMALL_VALUES = 16
+
+
+def _one_line(leaf: Any) -> str:
+    """A small leaf's value on one line (a scalar leaf is its value already)."""
+    if isinstance(leaf, (bool, int, float, complex)):
+        return repr(leaf)
+    return np.array2string(np.asarray(leaf), separator=", ", max_line_width=2**31).replace("\n", "")

@@ -14,12 +14,11 @@ from typing import Any
 
 from . import _dtypes
 from ._manifest import LeafRecord
+from ._progress import Tracker
 
 # How many bytes of chunks may be in flight at once, and how many reads.
 _WINDOW_BYTES = 256 * 2**20
 _WINDOW_READS = 64
-
-Progress = Callable[[int], Any]
 
 
 def chunks(record: LeafRecord, *, stop: Callable[[], bool]) -> Iterator[tuple[slice, ...]]:
@@ -83,12 +82,15 @@ def windowed(
         yield from drain()
 
 
-def progress_function(progress: bool | Progress, total: int, what: str) -> tuple[Progress, Callable[[], None]]:
-    if callable(progress):
-        return progress, lambda: None
-    if not progress:
-        return (lambda n: None), lambda: None
-    from tqdm import tqdm
+class LeafCounter:
+    """Turns the chunks `windowed` yields into progress: bytes at every chunk, a
+    leaf once its last chunk is done (a leaf with no bytes is done at once)."""
 
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=what)
-    return bar.update, bar.close
+    def __init__(self, records: list[LeafRecord], tracker: Tracker):
+        self._left = {r.path: r.nbytes for r in records}
+        self._tracker = tracker
+        tracker.advance(leaves=sum(1 for r in records if r.nbytes == 0))
+
+    def __call__(self, record: LeafRecord, size: int) -> None:
+        self._left[record.path] -= size
+        self._tracker.advance(leaves=int(self._left[record.path] == 0), nbytes=size)

@@ -16,14 +16,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
-from ._checkpoint import Checkpoint, human
+from ._checkpoint import SMALL_VALUES, Checkpoint, human
 from ._errors import CheckpointError, CheckpointNotFoundError, CheckpointValueError
 from ._manager import CheckpointManager
 
 
-def format_listing(ckpt: Checkpoint, *, depth: int | None = None) -> str:
-    """The sorted tree of keys, with dtype[shape] and size, then totals."""
-    return ckpt.listing(depth=depth)
+def format_listing(ckpt: Checkpoint, *, depth: int | None = None, values: bool = False) -> str:
+    """The sorted tree of keys, with dtype[shape] and size (and, with `values`, the
+    value of each small leaf), then totals."""
+    return ckpt.listing(depth=depth, values=values)
 
 
 def _path(text: str) -> Any:
@@ -56,7 +57,7 @@ def _ls(args: argparse.Namespace) -> int:
             raise
         print(_format_steps(manager, steps))
         return 0
-    print(printable(format_listing(ckpt, depth=args.depth)))
+    print(printable(format_listing(ckpt, depth=args.depth, values=args.values)))
     return 0
 
 
@@ -90,7 +91,7 @@ def _info(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from . import _verify
 
-    problems = _verify.verify(_path(args.path), progress=_progress())
+    problems = _verify.verify(_path(args.path))
     for problem in problems:
         print(printable(str(problem)))
     print(f"{args.path}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
@@ -100,7 +101,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _diff(args: argparse.Namespace) -> int:
     from . import _diff
 
-    differences = _diff.diff(_path(args.a), _path(args.b), progress=_progress())
+    differences = _diff.diff(_path(args.a), _path(args.b))
     for line in differences:
         print(printable(line))
     if not differences:
@@ -114,10 +115,6 @@ def _demo(args: argparse.Namespace) -> int:
     return run(args.dir, steps=args.steps)
 
 
-def _progress() -> bool:
-    return sys.stderr.isatty()
-
-
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="eqx-ckpt",
@@ -129,6 +126,7 @@ def parser() -> argparse.ArgumentParser:
     ls = commands.add_parser("ls", help="sorted tree of keys with dtype[shape] and size")
     ls.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
     ls.add_argument("--depth", type=int, default=None, help="show only this many levels")
+    ls.add_argument("--values", action="store_true", help=f"print leaves of at most {SMALL_VALUES} elements")
     ls.set_defaults(run=_ls)
     info = commands.add_parser("info", help="format and library version, creation time, leaf count, bytes")
     info.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")

@@ -23,6 +23,7 @@ from ._errors import (
 from ._handle import LeafHandle
 from ._lazy import LazyArray
 from ._manifest import LeafRecord, Manifest
+from ._progress import Progress, Tracker
 from ._spec import Location, location
 
 
@@ -151,6 +152,7 @@ def tree_deserialise_leaves(
     strict: bool = False,
     cast: bool = False,
     lazy: bool = False,
+    progress: Progress = None,
 ) -> PyTree:
     """Load the leaves of a PyTree from a checkpoint directory.
 
@@ -184,6 +186,10 @@ def tree_deserialise_leaves(
         is an error naming the leaf.
     - `lazy`: return [`eqx_ckpt.LazyArray`][]s that read when asked (see
         [`eqx_ckpt.materialise`][]).
+    - `progress`: by default a progress bar (bytes and leaves) shows on stderr
+        when it is a terminal and the load is large; `False` hides it, `True`
+        shows it whatever the size, and a callable is called as
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
 
     **Returns:**
 
@@ -263,7 +269,7 @@ def tree_deserialise_leaves(
     try:
         for plan, spec in custom:
             leaves[plan.index] = _run_custom(spec, plan, data, loc, bool(cast), lazy, check)
-        loaded = _load(data, plans, lazy=lazy, check=check)
+        loaded = _load(data, plans, lazy=lazy, check=check, progress=progress)
     except Exception:
         check()  # a read that failed because the checkpoint was replaced says so
         raise
@@ -385,7 +391,9 @@ _SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
 READ_WINDOW = 128 * 2**20
 
 
-def _load(data: Location, plans: list[_Plan], *, lazy: bool, check: Callable[[], None]) -> list[Any]:
+def _load(
+    data: Location, plans: list[_Plan], *, lazy: bool, check: Callable[[], None], progress: Progress = False
+) -> list[Any]:
     """Open every array, then read leaves concurrently within `READ_WINDOW` bytes,
     converting (and freeing the host buffer of) the oldest as new reads start."""
     if lazy:
@@ -397,6 +405,11 @@ def _load(data: Location, plans: list[_Plan], *, lazy: bool, check: Callable[[],
             out[i] = value
         return out
     records = [_record_of(plan) for plan in plans]
+    with Tracker(progress, leaves=len(records), nbytes=sum(r.nbytes for r in records), what="load") as tracker:
+        return _read_all(data, plans, records, tracker)
+
+
+def _read_all(data: Location, plans: list[_Plan], records: list[LeafRecord], tracker: Tracker) -> list[Any]:
     opens = [_io.open_array(data, record) for record in records]
     results: list[Any] = [None] * len(plans)
     window: collections.deque[tuple[int, int, Callable[[], Any]]] = collections.deque()
@@ -410,11 +423,13 @@ def _load(data: Location, plans: list[_Plan], *, lazy: bool, check: Callable[[],
             j, size, finish = window.popleft()
             results[j] = finish()
             in_flight -= size
+            tracker.advance(leaves=1, nbytes=size)
         window.append((i, record.nbytes, _read.start(store, data, record, plan.like, dtype=_target_dtype(plan.like))))
         in_flight += record.nbytes
     while window:
-        j, _, finish = window.popleft()
+        j, size, finish = window.popleft()
         results[j] = finish()
+        tracker.advance(leaves=1, nbytes=size)
     return [_dtypes.keep_weak_type(value, plan.like) for value, plan in zip(results, plans)]
 
 

@@ -14,9 +14,9 @@ import numpy as np
 
 from . import _chunks, _commit, _dtypes, _io, _layout
 from ._checkpoint import describe
-from ._chunks import Progress
 from ._errors import CheckpointError
 from ._manifest import LeafRecord
+from ._progress import Progress, Tracker
 from ._spec import Location, location
 
 
@@ -68,7 +68,7 @@ class CheckpointDiff:
         return len(self.added) + len(self.removed) + len(self.changed) + len(self.values)
 
 
-def diff(a: Any, b: Any, *, values: bool = True, progress: bool | Progress = False) -> CheckpointDiff:
+def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None) -> CheckpointDiff:
     """Compare two checkpoints key by key.
 
     **Arguments:**
@@ -77,8 +77,10 @@ def diff(a: Any, b: Any, *, values: bool = True, progress: bool | Progress = Fal
     - `values`: also read both copies of every leaf whose shape and dtype agree,
         and compare their bytes (chunk by chunk, in bounded memory). With `False`
         only the manifests are compared.
-    - `progress`: `True` shows a progress bar on stderr; a callable is called
-        with the number of bytes just compared.
+    - `progress`: by default a progress bar (bytes and leaves) shows on stderr
+        when it is a terminal and there is much to compare; `False` hides it,
+        `True` shows it whatever the size, and a callable is called as
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
 
     **Returns:**
 
@@ -117,11 +119,8 @@ def diff(a: Any, b: Any, *, values: bool = True, progress: bool | Progress = Fal
     if values:
         data_a = _layout.data_location(loc_a, man_a.data_root, man_a.layout)
         data_b = _layout.data_location(loc_b, man_b.data_root, man_b.layout)
-        update, close = _chunks.progress_function(progress, sum(ra.nbytes for ra, _ in same), "diff")
-        try:
-            differ = _compare_values(data_a, data_b, same, update)
-        finally:
-            close()
+        with Tracker(progress, leaves=len(same), nbytes=sum(ra.nbytes for ra, _ in same), what="diff") as tracker:
+            differ = _compare_values(data_a, data_b, same, tracker)
     return CheckpointDiff(
         added=tuple(sorted(set(recs_b) - set(recs_a))),
         removed=tuple(sorted(set(recs_a) - set(recs_b))),
@@ -136,7 +135,7 @@ def _signature(record: LeafRecord) -> str:
 
 
 def _compare_values(
-    data_a: Location, data_b: Location, pairs: list[tuple[LeafRecord, LeafRecord]], update: Progress
+    data_a: Location, data_b: Location, pairs: list[tuple[LeafRecord, LeafRecord]], tracker: Tracker
 ) -> list[str]:
     opened = []
     for ra, rb in pairs:
@@ -164,10 +163,11 @@ def _compare_values(
     done = _chunks.windowed(
         jobs, skip=lambda r: r.path in differ or bool(errors), failed=lambda r, e: errors.append(e), read=read
     )
+    count = _chunks.LeafCounter([ra for ra, _ in pairs], tracker)
     for record, equal, size in done:
         if not equal:
             differ.add(record.path)
-        update(size)
+        count(record, size)
     if errors:
         raise errors[0]
     return sorted(differ)

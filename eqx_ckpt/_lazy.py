@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,7 @@ from jaxtyping import PyTree
 
 from . import _dtypes, _io, _read
 from ._manifest import LeafRecord
+from ._progress import Progress, Tracker
 from ._spec import Location
 
 
@@ -232,12 +234,18 @@ def is_lazy(x: Any) -> bool:
     return isinstance(x, LazyArray)
 
 
-def materialise(tree: PyTree) -> PyTree:
-    """Read every [`eqx_ckpt.LazyArray`][] of a tree, all at once.
+def materialise(tree: PyTree, *, progress: Progress = None) -> PyTree:
+    """Read every [`eqx_ckpt.LazyArray`][] of a tree, concurrently.
 
     **Arguments:**
 
-    - `tree`: any PyTree; its lazy leaves are read concurrently, others are kept.
+    - `tree`: any PyTree; its lazy leaves are read concurrently (within a bounded
+        number of bytes in flight, so the peak memory stays near the result's
+        size), others are kept.
+    - `progress`: by default a progress bar (bytes and leaves) shows on stderr
+        when it is a terminal and there is much to read; `False` hides it,
+        `True` shows it whatever the size, and a callable is called as
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
 
     **Returns:**
 
@@ -254,14 +262,36 @@ def materialise(tree: PyTree) -> PyTree:
         tree = eqx_ckpt.materialise(lazy)
         ```
     """
-    leaves, treedef = jtu.tree_flatten(tree, is_leaf=is_lazy)
-    finishers = [leaf.start(checked=False) if is_lazy(leaf) else None for leaf in leaves]
-    values = [finish() if finish is not None else leaf for leaf, finish in zip(leaves, finishers)]
-    # Once per checkpoint the leaves came from, not once per leaf.
-    checks = {id(leaf._check): leaf._check for leaf in leaves if is_lazy(leaf)}
+    from ._deserialise import READ_WINDOW  # one memory budget for every load
+
+    values, treedef = jtu.tree_flatten(tree, is_leaf=is_lazy)
+    lazy = [i for i, leaf in enumerate(values) if is_lazy(leaf)]
+    # Once per checkpoint the leaves came from, after every read, not once per leaf.
+    checks = {id(values[i]._check): values[i]._check for i in lazy}
+    nbytes = sum(values[i].nbytes for i in lazy)
+    window: collections.deque[tuple[int, Any]] = collections.deque()
+    in_flight = 0
+    with Tracker(progress, leaves=len(lazy), nbytes=nbytes, what="materialise") as tracker:
+        # Reads run concurrently within the window; the oldest finishes as new ones start.
+        for i in lazy:
+            while window and in_flight + values[i].nbytes > READ_WINDOW:
+                in_flight -= _finish_oldest(window, values, tracker)
+            window.append((i, values[i].start(checked=False)))
+            in_flight += values[i].nbytes
+        while window:
+            _finish_oldest(window, values, tracker)
     for check in checks.values():
         check()
     return jtu.tree_unflatten(treedef, values)
+
+
+def _finish_oldest(window: collections.deque[tuple[int, Any]], values: list[Any], tracker: Tracker) -> int:
+    """Wait for the oldest read of the window; its bytes."""
+    i, finish = window.popleft()
+    size = values[i].nbytes
+    values[i] = finish()
+    tracker.advance(leaves=1, nbytes=size)
+    return size
 
 
 def _no_check() -> None:

@@ -226,6 +226,7 @@ class CheckpointManager:
         cast: Any = None,
         layout: str = "directories",
         overwrite: bool = False,
+        progress: Any = None,
     ) -> None:
         """Save `pytree` as step `step`, then delete the steps no rule keeps.
 
@@ -236,7 +237,8 @@ class CheckpointManager:
         - `metrics`: an optional mapping from name to number (Python, NumPy or
             0-d JAX scalar), stored in the step's manifest (so they commit with it);
             `best_metric` is looked up here.
-        - `filter_spec`, `is_leaf`, `cast`, `layout`: as for [`eqx_ckpt.tree_serialise_leaves`][].
+        - `filter_spec`, `is_leaf`, `cast`, `layout`, `progress`: as for
+            [`eqx_ckpt.tree_serialise_leaves`][].
         - `overwrite`: replace the step if it already exists (atomically: the old
             one stays loadable until the new one is committed). By default, saving
             a step twice is an error.
@@ -276,6 +278,7 @@ class CheckpointManager:
             pending = _serialise.save(
                 target, pytree, filter_spec, is_leaf,
                 overwrite=overwrite, blocking=self.blocking, cast=cast, layout=layout, metrics=values,
+                progress=progress,
             )  # fmt: skip
         except CheckpointExistsError:
             raise  # another writer's save: nothing of it is ours to remove

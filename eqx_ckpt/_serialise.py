@@ -16,6 +16,7 @@ from . import _commit, _dtypes, _io, _layout, _lease, _manifest, _multihost, _tr
 from ._errors import CheckpointError, CheckpointValueError, LeafError, leaf_message
 from ._handle import LeafHandle
 from ._lazy import LazyArray
+from ._progress import Progress, Tracker
 from ._spec import Location, location
 
 
@@ -146,6 +147,7 @@ def tree_serialise_leaves(
     blocking: bool = True,
     cast: Callable[[str, np.dtype], Any] | dict[Any, Any] | None = None,
     layout: str = "directories",
+    progress: Progress = None,
 ) -> PendingSave | None:
     """Save the leaves of a PyTree as a checkpoint directory.
 
@@ -180,6 +182,12 @@ def tree_serialise_leaves(
         tool) or `"ocdbt"` (every array in one TensorStore OCDBT database: a few
         files instead of two per leaf, for trees of many small leaves; one
         process only). Loads need not be told. See docs/scaling.md.
+    - `progress`: by default a progress bar (bytes and leaves) shows on stderr
+        when it is a terminal and the save is large; `False` hides it, `True`
+        shows it whatever the size, and a callable is called as
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)` as each
+        leaf's data is handed to TensorStore; the commit that makes them durable
+        follows.
 
     With `jax.distributed` initialised, call this in every process with the same
     tree: each process writes its own shards, and the checkpoint is committed once,
@@ -200,8 +208,9 @@ def tree_serialise_leaves(
         ```
     """
     return save(
-        location(path), pytree, filter_spec, is_leaf, overwrite=overwrite, blocking=blocking, cast=cast, layout=layout
-    )
+        location(path), pytree, filter_spec, is_leaf,
+        overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, progress=progress,
+    )  # fmt: skip
 
 
 def save(
@@ -215,6 +224,7 @@ def save(
     cast: Any = None,
     layout: str = "directories",
     metrics: dict[str, Any] | None = None,
+    progress: Progress = None,
 ) -> PendingSave | None:
     """`tree_serialise_leaves`, with `metrics` committed in the manifest."""
     group = _multihost.Group()
@@ -237,14 +247,17 @@ def save(
     error = group.sync("prepared", error)
     if error is not None:
         raise error
+    nbytes = sum(piece.nbytes for p in pending for _, piece in p.pieces)
+    tracker = Tracker(progress, leaves=len(pending), nbytes=nbytes, what="save")
     exclusive = _lease.acquire_exclusive(loc)
     try:
         with _io.explained(loc, "Saving checkpoint"):
             tx = _begin(group, loc, overwrite=overwrite, layout=layout, paths=[p.record.path for p in pending])
     except BaseException:
         exclusive.release()
+        tracker.close()
         raise
-    run = functools.partial(_write_and_commit, tx, group, pending, copy=not blocking, metrics=metrics)
+    run = functools.partial(_write_and_commit, tx, group, pending, copy=not blocking, metrics=metrics, tracker=tracker)
     if blocking:
         try:
             run(started=None)
@@ -257,6 +270,7 @@ def save(
     except BaseException:
         tx.abort()
         exclusive.release()
+        tracker.close()
         raise
     # Return once every array is safe on the host: staged, or copied. (If this
     # wait is interrupted, the save goes on, and the program's exit waits for it.)
@@ -279,20 +293,36 @@ def _write_and_commit(
     *,
     copy: bool,
     metrics: dict[str, Any] | None,
+    tracker: Tracker,
     started: threading.Event | None,
 ) -> None:
     """Write every array, make it durable, then commit once (process 0). Before
     the commit, any failure or interrupt deletes what this save wrote; after it,
     nothing undoes the save."""
+    with tracker:
+        _write_and_commit_tracked(tx, group, pending, copy=copy, metrics=metrics, tracker=tracker, started=started)
+
+
+def _write_and_commit_tracked(
+    tx: _commit.Transaction,
+    group: _multihost.Group,
+    pending: list[_write.Pending],
+    *,
+    copy: bool,
+    metrics: dict[str, Any] | None,
+    tracker: Tracker,
+    started: threading.Event | None,
+) -> None:
     commits: list[Any] = []
     error: BaseException | None = None
     try:
         try:
-            commits = _write.start_writes(tx, pending, group, copy=copy)
+            commits = _write.start_writes(tx, pending, group, copy=copy, tracker=tracker)
         except Exception as e:
             error = e
         if started is not None:
             started.set()
+        tracker.describe("save: committing")
         error = _write.wait_all(commits, error)
         # Each process makes its own writes durable; only then may process 0 commit.
         error = error or _write.attempt(lambda: _io.flush(tx.data))

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _chunks, _commit, _io, _layout
-from ._chunks import Progress
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._manifest import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, Manifest
+from ._progress import Progress, Tracker
 from ._spec import Location, location
 
 # Metadata keys that do not change how the bytes are read.
@@ -55,7 +55,7 @@ class Problem:
         return self.message if self.leaf is None else f"{self.leaf or '<root>'}: {self.message}"
 
 
-def verify(path: Any, *, progress: bool | Progress = False) -> list[Problem]:
+def verify(path: Any, *, progress: Progress = None) -> list[Problem]:
     """Read and check every byte of a checkpoint.
 
     Checks the manifest (its digest, its schema, its totals), every leaf's
@@ -67,8 +67,10 @@ def verify(path: Any, *, progress: bool | Progress = False) -> list[Problem]:
     **Arguments:**
 
     - `path`: the checkpoint directory, or a kvstore URL.
-    - `progress`: `True` shows a progress bar on stderr; a callable is called
-        with the number of bytes just checked (`tqdm(...).update` fits).
+    - `progress`: by default a progress bar (bytes and leaves) shows on stderr
+        when it is a terminal and the checkpoint is large; `False` hides it,
+        `True` shows it whatever the size, and a callable is called as
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
 
     **Returns:**
 
@@ -96,11 +98,8 @@ def verify(path: Any, *, progress: bool | Progress = False) -> list[Problem]:
         return [Problem(None, str(e))]
     problems = _check_totals(loc, manifest)
     data = _layout.data_location(loc, manifest.data_root, manifest.layout)
-    update, close = _chunks.progress_function(progress, manifest.total_bytes, "verify")
-    try:
-        problems += _check_leaves(data, sorted(manifest.leaves, key=lambda r: r.path), update)
-    finally:
-        close()
+    with Tracker(progress, leaves=len(manifest.leaves), nbytes=manifest.total_bytes, what="verify") as tracker:
+        problems += _check_leaves(data, sorted(manifest.leaves, key=lambda r: r.path), tracker)
     return problems
 
 
@@ -118,7 +117,7 @@ def _check_totals(loc: Location, manifest: Manifest) -> list[Problem]:
     return problems
 
 
-def _check_leaves(data: Location, records: list[LeafRecord], update: Progress) -> list[Problem]:
+def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -> list[Problem]:
     bad: dict[str, Problem] = {}
     stores: dict[str, Any] = {}
     for record in records:
@@ -141,8 +140,9 @@ def _check_leaves(data: Location, records: list[LeafRecord], update: Progress) -
     def failed(record: LeafRecord, error: BaseException) -> None:
         bad.setdefault(record.path, Problem(record.path, str(_io.leaf_io_error(error, record, data, "read"))))
 
-    for _record, _, size in _chunks.windowed(jobs, skip=lambda r: r.path in bad, failed=failed):
-        update(size)
+    count = _chunks.LeafCounter(records, tracker)
+    for record, _, size in _chunks.windowed(jobs, skip=lambda r: r.path in bad, failed=failed):
+        count(record, size)
     for record in records:
         problem = None if record.path in bad else _check_file_sizes(data, record)
         if problem is not None:

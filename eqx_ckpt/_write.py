@@ -16,6 +16,7 @@ from ._errors import CheckpointTypeError
 from ._handle import LeafHandle
 from ._lazy import LazyArray
 from ._manifest import LeafRecord
+from ._progress import Tracker
 from ._spec import Location, chunk_shape
 
 
@@ -144,7 +145,12 @@ def _dtype(value: Any) -> np.dtype:
 
 
 def start_writes(
-    tx: _commit.Transaction, pending: list[Pending], group: _multihost.Group, *, copy: bool = False
+    tx: _commit.Transaction,
+    pending: list[Pending],
+    group: _multihost.Group,
+    *,
+    copy: bool = False,
+    tracker: Tracker | None = None,
 ) -> list[Any]:
     """Create every array and stage every write; return once the caller may change
     its arrays (with `copy=True`, for a save that returns before it has written,
@@ -185,7 +191,7 @@ def start_writes(
             raise
     # Staged in one transaction, every write only references its source until
     # the background commit; staging returns at once.
-    transaction, writes = _io.transaction(), []
+    transaction, writes, counts = _io.transaction(), [], []
     try:
         for p, opened in zip(pending, opens, strict=True):
             store = opened.result().with_transaction(transaction)
@@ -193,15 +199,23 @@ def start_writes(
             # alive through `delete()` and donation); a NumPy array's can, so a save
             # that returns before writing stages a copy.
             private = copy and p.record.type == "numpy"
-            for index, piece in p.pieces:
+            for i, (index, piece) in enumerate(p.pieces):
                 source = np.array(piece, copy=True) if private else piece
                 target = store[index] if index else store
                 writes.append(target.write(source, can_reference_source_data_indefinitely=True))
+                counts.append((int(i == len(p.pieces) - 1), piece.nbytes))
+        # Waited in order, so that progress is reported from this thread as writes complete.
+        if tracker is not None:
+            tracker.advance(leaves=sum(1 for p in pending if not p.pieces))
+        staged = None
+        for write, (leaves, nbytes) in zip(writes, counts):
+            staged = staged or attempt(write.result)
+            if staged is None and tracker is not None:
+                tracker.advance(leaves=leaves, nbytes=nbytes)
     except BaseException:
         transaction.abort()  # nothing staged was written out
         settle([*opens, *writes])
         raise
-    staged = wait_all(writes, None)
     if staged is not None:
         transaction.abort()  # nothing was written out
         raise staged

@@ -228,7 +228,7 @@ def test_changed_shape_dtype_and_type_in_equinoxs_words(tmp_path):
 
 
 def _named_state(model, state):
-    """The safe pattern of docs/loading.md: each layer's state keyed by where the
+    """The safe pattern of docs/values.md: each layer's state keyed by where the
     layer sits in the model, not by its position in `eqx.nn.State`."""
     is_index = lambda x: isinstance(x, eqx.nn.StateIndex)
     found = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_index)[0]

@@ -94,8 +94,9 @@ def test_sound_checkpoints_verify_clean(tmp_path):
 def test_verify_progress_counts_every_byte(tmp_path):
     _save(tmp_path)
     seen = []
-    assert eqx_ckpt.verify(tmp_path, progress=seen.append) == []
-    assert sum(seen) == eqx_ckpt.Checkpoint(tmp_path).total_bytes
+    assert eqx_ckpt.verify(tmp_path, progress=lambda *counts: seen.append(counts)) == []
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)
+    assert seen[-1] == (len(ckpt), len(ckpt), ckpt.total_bytes, ckpt.total_bytes)
 
 
 def test_verify_missing_checkpoint(tmp_path):

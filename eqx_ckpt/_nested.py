@@ -1,0 +1,93 @@
+"""Loading without a skeleton: a checkpoint (or a sub-tree of it) as nested dicts
+and lists, built from the key paths the manifest records.
+
+For inspecting a checkpoint, or converting one whose code is gone. The structure
+comes from each leaf's recorded key path: sequence indices become lists, every
+other key (dict keys, attribute names) a dict key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _dtypes, _keypath
+from ._lazy import LazyArray, materialise
+from ._manifest import LeafRecord
+from ._progress import Progress
+from ._spec import Location
+
+_PYTHON = {"bool": False, "int": 0, "float": 0.0, "complex": 0j}
+
+
+def load(data: Location, records: list[LeafRecord], key: str, *, lazy: bool, progress: Progress) -> Any:
+    """The leaves of `records` (all at or below dotted `key`) as nested containers."""
+    depth = len(_keypath.split_dotted(key))
+    if len(records) == 1 and records[0].path == key:
+        tree = _leaf(data, records[0])
+    else:
+        root = _Node()
+        for record in records:
+            _insert(root, [_plain_key(kind, value) for kind, value in record.keypath[depth:]], _leaf(data, record))
+        tree = _finish(root) if root else {}
+    return tree if lazy else materialise(tree, progress=progress)
+
+
+def _leaf(data: Location, record: LeafRecord) -> Any:
+    """A `LazyArray` standing for the leaf as the type it was saved as; scalars
+    are read at once (they come back as values, lazy or not)."""
+    lazy = LazyArray(data, record, _like(record))
+    if record.type in _PYTHON or record.type == "numpy_scalar":
+        return lazy.read()
+    return lazy
+
+
+def _like(record: LeafRecord) -> Any:
+    """A leaf of `like`, allocating nothing, that asks for the saved type on the
+    default device."""
+    if record.type in _PYTHON:
+        return _PYTHON[record.type]
+    if record.type == "prng_key":
+        data = jax.ShapeDtypeStruct(record.stored_shape, jnp.uint32)
+        return jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=record.impl), data)
+    dtype = _dtypes.dtype_from_name(record.dtype)
+    if record.type == "numpy_scalar":
+        return dtype.type(0)
+    # 64-bit values in a process without x64 stay in NumPy, which keeps them exactly.
+    if record.type == "numpy" or jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        return np.broadcast_to(np.zeros((), dtype), record.shape)
+    return jax.ShapeDtypeStruct(record.shape, dtype)
+
+
+def _plain_key(kind: str, value: Any) -> Any:
+    """Sequence indices stay ints (and become list positions); other keys keep
+    their value (attribute names and string dict keys as they are)."""
+    return ("index", value) if kind in ("index", "flat") else ("key", value)
+
+
+class _Node(dict):
+    """A container being built: its children by `(kind, key)`."""
+
+
+def _insert(node: _Node, keys: list[tuple[str, Any]], leaf: Any) -> None:
+    # The manifest guarantees that no leaf's path lies below another leaf's.
+    for key in keys[:-1]:
+        node = node.setdefault(key, _Node())
+    node[keys[-1]] = leaf
+
+
+def _finish(node: Any) -> Any:
+    """`_Node`s as lists (when every key is a sequence index; indices that were
+    not saved, such as the activations between layers, are `None`) or dicts (also
+    for indices too sparse to be a list, as a hostile manifest may claim)."""
+    if not isinstance(node, _Node):
+        return node
+    if all(kind == "index" for kind, _ in node) and max(i for _, i in node) < 2 * len(node) + 8:
+        out: list[Any] = [None] * (max(i for _, i in node) + 1)
+        for (_, i), child in node.items():
+            out[i] = _finish(child)
+        return out
+    return {key: _finish(child) for (_, key), child in node.items()}

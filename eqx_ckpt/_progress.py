@@ -1,0 +1,106 @@
+"""Progress of long jobs (saves, loads, verify, diff): a tqdm bar on a terminal,
+or the caller's callback.
+
+Every job that moves many bytes takes `progress=`:
+
+- `None` (the default): a bar on stderr when stderr is a terminal and the job is
+    large (`MIN_BYTES` or `MIN_LEAVES`); nothing otherwise, so logs and pipes stay
+    clean.
+- `True`: a bar on stderr whatever the size (still only on a terminal).
+- `False`: nothing.
+- a callable: called as `progress(leaves_done, leaves_total, bytes_done,
+    bytes_total)` each time some leaves or bytes are done, with running totals
+    that only grow and end equal to the totals.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, TypeAlias
+
+from ._errors import CheckpointTypeError
+
+Callback: TypeAlias = Callable[[int, int, int, int], Any]
+Progress: TypeAlias = bool | Callback | None
+
+# A job is large enough for a bar from this many bytes or leaves.
+MIN_BYTES = 256 * 2**20
+MIN_LEAVES = 2000
+
+
+class Tracker:
+    """Running counts of one job, shown as a bar or passed to a callback.
+
+    The counts are guarded by a lock, so that a job may report from several
+    threads; the callback is called outside it.
+    """
+
+    def __init__(self, progress: Progress, *, leaves: int, nbytes: int, what: str):
+        self.leaves_total, self.bytes_total = leaves, nbytes
+        self.leaves_done = self.bytes_done = 0
+        self._lock = threading.Lock()
+        progress = _check(progress)
+        self._callback = progress if callable(progress) and not isinstance(progress, bool) else None
+        self._bar: Any = None
+        if self._callback is None and _wants_bar(progress, leaves, nbytes):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc=what, file=sys.stderr)
+            self._bar.set_postfix_str(f"0/{leaves} leaves", refresh=False)
+
+    def advance(self, *, leaves: int = 0, nbytes: int = 0) -> None:
+        if not leaves and not nbytes:
+            return
+        with self._lock:
+            self.leaves_done += leaves
+            self.bytes_done += nbytes
+            counts = (self.leaves_done, self.leaves_total, self.bytes_done, self.bytes_total)
+            if self._bar is not None:
+                self._bar.set_postfix_str(f"{counts[0]}/{counts[1]} leaves", refresh=False)
+                self._bar.update(nbytes)
+        if self._callback is not None:
+            self._callback(*counts)
+
+    def describe(self, what: str) -> None:
+        """Rename the bar, and show its counts now (a save says it is committing)."""
+        if self._bar is not None:
+            self._bar.set_description_str(what, refresh=False)
+            self._bar.refresh()
+
+    def close(self) -> None:
+        with self._lock:
+            bar, self._bar = self._bar, None
+        if bar is not None:
+            bar.close()
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _wants_bar(progress: Progress, leaves: int, nbytes: int) -> bool:
+    if progress is False or not _is_terminal():
+        return False
+    return progress is True or nbytes >= MIN_BYTES or leaves >= MIN_LEAVES
+
+
+def _is_terminal() -> bool:
+    isatty = getattr(sys.stderr, "isatty", None)
+    try:
+        return bool(isatty is not None and isatty())
+    except ValueError:  # a closed stream
+        return False
+
+
+def _check(progress: Any) -> Progress:
+    """`progress` itself, once it is known to be one of the accepted kinds."""
+    if progress is None or isinstance(progress, bool) or callable(progress):
+        return progress
+    raise CheckpointTypeError(
+        f"`progress` must be `None` (a bar on a terminal for large jobs), `True`, `False`, or a callable "
+        f"`(leaves_done, leaves_total, bytes_done, bytes_total)`, not {type(progress).__name__}."
+    )

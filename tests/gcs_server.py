@@ -1,0 +1,66 @@
+"""A Google Cloud Storage-compatible server on 127.0.0.1 for the tests.
+
+`gcp-storage-emulator` (in the `test` extra) implements GCS's JSON API in
+Python. TensorStore's `gcs` kvstore driver talks to it over HTTP when
+`TENSORSTORE_GCS_HTTP_URL` names it and `GOOGLE_AUTH_TOKEN_FOR_TESTING` gives a
+bearer token (the emulator checks none), exactly as it would to Google.
+
+One gap is filled here: the emulator ignores the `startOffset`/`endOffset` of an
+object listing, and TensorStore lists with them to delete a key range, so a
+range delete would remove every object under the prefix. The handler below
+applies them; everything else is the emulator's own behaviour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+BUCKET = "eqx-ckpt-test"
+
+
+def _with_offsets(ls: Any) -> Any:
+    def listing(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+        start = (request.query.get("startOffset") or [""])[0]
+        end = (request.query.get("endOffset") or [None])[0]
+        send = response.json
+
+        def within(body: dict[str, Any]) -> None:
+            items = body.get("items") or []
+            body["items"] = [i for i in items if i["name"] >= start and (end is None or i["name"] < end)]
+            send(body)
+
+        response.json = within
+        return ls(request, response, storage, *args, **kwargs)
+
+    return listing
+
+
+@contextlib.contextmanager
+def running(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Start the emulator with an empty bucket; yields its URL."""
+    emulator = pytest.importorskip(
+        "gcp_storage_emulator.server",
+        reason="gcp-storage-emulator is not installed; `pip install -e .[test]` installs it "
+        "(the GCS tests need a local GCS server)",
+    )
+    from gcp_storage_emulator.handlers import objects
+
+    # It logs every missing object (a normal answer to TensorStore) as an error.
+    logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)
+    for _, handlers in emulator.HANDLERS:
+        if handlers.get(emulator.GET) is objects.ls:
+            monkeypatch.setitem(handlers, emulator.GET, _with_offsets(objects.ls))
+    server = emulator.create_server("127.0.0.1", 0, in_memory=True, default_bucket=BUCKET)
+    server.start()
+    try:
+        url = "http://{}:{}".format(*server._api._httpd.server_address[:2])
+        monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", url)
+        monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "eqx-ckpt-test-token")
+        yield url
+    finally:
+        server.stop()

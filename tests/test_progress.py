@@ -1,0 +1,175 @@
+"""Progress: callbacks with running counts, a tqdm bar only on a terminal."""
+
+import fcntl
+import io
+import itertools
+import os
+import pty
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import termios
+import threading
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_ckpt
+from eqx_ckpt import _deserialise, _progress
+from eqx_ckpt._cli import main
+
+
+def _tree():
+    return {
+        "model": {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.zeros(4), "empty": np.zeros((0, 3), np.float32)},
+        "opt": [np.arange(5, dtype=np.int32), np.ones((2, 2), np.float16)],
+        "step": 7,
+    }
+
+
+class Calls(list):
+    def __call__(self, *counts):
+        self.append(counts)
+
+    def check(self, leaves, nbytes):
+        """Monotone running counts with fixed totals, ending at the totals."""
+        assert self, "the callback was never called"
+        assert {(c[1], c[3]) for c in self} == {(leaves, nbytes)}
+        for before, after in itertools.pairwise(self):
+            assert after[0] >= before[0] and after[2] >= before[2]
+        assert (self[-1][0], self[-1][2]) == (leaves, nbytes)
+
+
+def test_callbacks_of_save_load_verify_diff(tmp_path):
+    tree = _tree()
+    saved = Calls()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "a", tree, progress=saved)
+    stored = eqx_ckpt.Checkpoint(tmp_path / "a").total_bytes
+    # Every leaf (the scalar `step` and the empty array too); bytes as stored.
+    saved.check(6, stored)
+    assert stored == 12 * 4 + 4 * 4 + 5 * 4 + 4 * 2 + 8
+
+    loaded = Calls()
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "a", tree, progress=loaded)
+    assert eqx.tree_equal(out, tree, typematch=True)
+    loaded.check(6, stored)
+
+    verified = Calls()
+    assert eqx_ckpt.verify(tmp_path / "a", progress=verified) == []
+    verified.check(6, stored)
+
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "b", {**tree, "step": 8})
+    compared = Calls()
+    assert list(eqx_ckpt.diff(tmp_path / "a", tmp_path / "b", progress=compared)) == ["! step: values differ"]
+    compared.check(6, stored)
+
+
+def test_callbacks_of_lazy_reads_and_the_manager(tmp_path, monkeypatch):
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "a", tree)
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path / "a", tree, lazy=True)
+    read = Calls()
+    assert eqx.tree_equal(eqx_ckpt.materialise(lazy, progress=read), tree, typematch=True)
+    read.check(6, eqx_ckpt.Checkpoint(tmp_path / "a").total_bytes)
+    # With a window smaller than any leaf, reads finish one by one, in order.
+    monkeypatch.setattr(_deserialise, "READ_WINDOW", 1)
+    read = Calls()
+    assert eqx.tree_equal(eqx_ckpt.materialise(lazy, progress=read), tree, typematch=True)
+    assert [c[0] for c in read] == [1, 2, 3, 4, 5, 6]
+
+    manager = eqx_ckpt.CheckpointManager(tmp_path / "runs")
+    saved = Calls()
+    manager.save(1, tree, progress=saved)
+    saved.check(6, eqx_ckpt.Checkpoint(tmp_path / "runs" / "step_00000001").total_bytes)
+
+
+def test_progress_false_and_bad_values(tmp_path, monkeypatch, capsys):
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, _tree(), progress=False)
+    assert eqx_ckpt.verify(tmp_path, progress=False) == []
+    assert terminal.getvalue() == ""
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape("`progress` must be `None`")):
+        eqx_ckpt.verify(tmp_path, progress="yes")
+
+
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal, and keeps what was written to it."""
+
+    def isatty(self):
+        return True
+
+
+def test_bar_on_a_terminal_for_large_jobs_only(tmp_path, monkeypatch):
+    tree = {f"leaf{i}": np.full(3, i, np.float32) for i in range(12)}
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    # Below the thresholds: no bar, even on a terminal.
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "small", tree)
+    assert terminal.getvalue() == ""
+
+    monkeypatch.setattr(_progress, "MIN_LEAVES", 10)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "large", tree)
+    shown = terminal.getvalue()
+    assert "save" in shown and "12/12 leaves" in shown and "144/144" in shown
+    terminal.truncate(0)
+    eqx_ckpt.tree_deserialise_leaves(tmp_path / "large", tree)
+    assert "load" in terminal.getvalue() and "12/12 leaves" in terminal.getvalue()
+
+    # `True` shows a bar whatever the size.
+    terminal.truncate(0)
+    eqx_ckpt.verify(tmp_path / "small", progress=True)
+    assert "verify" in terminal.getvalue() and "12/12 leaves" in terminal.getvalue()
+
+
+def test_quiet_when_stderr_is_not_a_terminal(tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr(_progress, "MIN_LEAVES", 1)
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
+    assert eqx_ckpt.verify(tmp_path) == []
+    assert main(["verify", str(tmp_path)]) == 0
+    out, err = capfd.readouterr()
+    assert err == "" and out == f"{tmp_path}: sound\n"
+
+
+def test_cli_bar_on_a_real_terminal(tmp_path):
+    """`eqx-ckpt verify` with its stderr on a pseudo-terminal, as in a shell: a
+    checkpoint of `MIN_LEAVES` leaves shows the bar; stdout stays clean."""
+    tree = {f"leaf{i}": np.full(2, i % 100, np.int8) for i in range(_progress.MIN_LEAVES)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    exe = shutil.which("eqx-ckpt", path=os.path.dirname(sys.executable)) or "eqx-ckpt"
+    leader, follower = pty.openpty()
+    # A terminal of 120 columns (a fresh pseudo-terminal has none, and tqdm draws to the width).
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    shown = []
+
+    def read_terminal():
+        # Read while the command runs: a full terminal buffer would block its writes.
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the command closed the terminal
+                return
+            if not chunk:
+                return
+            shown.append(chunk)
+
+    reader = threading.Thread(target=read_terminal, daemon=True)
+    reader.start()
+    try:
+        done = subprocess.run(
+            [exe, "verify", str(tmp_path)], stderr=follower, stdout=subprocess.PIPE, text=True, timeout=300
+        )
+    finally:
+        os.close(follower)
+        reader.join(timeout=60)
+        os.close(leader)
+    text = b"".join(shown).decode()
+    assert done.returncode == 0 and done.stdout == f"{tmp_path}: sound\n"
+    assert text.startswith("\rverify:") and "verify: 100%" in text
+    assert f"{_progress.MIN_LEAVES}/{_progress.MIN_LEAVES} leaves" in text
