@@ -336,7 +336,20 @@ def _warn(message: str) -> None:
 
 
 class CommitWarning(UserWarning):
-    """A committed save could not tidy up after itself; the checkpoint is whole."""
+    """A save committed, but could not tidy up after itself (delete the arrays of
+    the checkpoint it replaced, or the steps a manager's retention drops). The
+    new checkpoint is whole; the next save to the same place finishes the job.
+
+    !!! example
+
+        ```python
+        import warnings
+        import eqx_ckpt
+
+        # Make a clean-up failure an error, as for any warning:
+        warnings.simplefilter("error", eqx_ckpt.CommitWarning)
+        ```
+    """
 
 
 CommitWarning.__module__ = "eqx_ckpt"

@@ -136,7 +136,23 @@ class CorruptCheckpointError(CheckpointError, ValueError):
 class CheckpointReplacedError(CheckpointError, RuntimeError):
     """The checkpoint was replaced by a newer save after it was opened (by a
     `Checkpoint`, a lazy load, or a load still reading). Nothing of the newer
-    save was returned; open or load it again to read it."""
+    save was returned; open or load it again to read it.
+
+    !!! example
+
+        ```python
+        import numpy as np
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"w": np.zeros(3)})
+        old = eqx_ckpt.Checkpoint("ckpt")["w"]          # a lazy leaf of this save
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"w": np.ones(3)})
+        try:
+            np.asarray(old)
+        except eqx_ckpt.CheckpointReplacedError:
+            print(np.asarray(eqx_ckpt.Checkpoint("ckpt")["w"]))   # [1. 1. 1.]
+        ```
+    """
 
 
 class CheckpointKeyError(CheckpointError, KeyError):
