@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 
+import jax
 import numpy as np
 
 import eqx_ckpt
@@ -109,6 +110,10 @@ class Worker:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, lambda *args: sys.exit(143))
+    # As in a training job, JAX's backend is up before any save. (An interrupt
+    # while XLA starts its thread pools can make the process abort at exit: a
+    # JAX matter, which the saves of this worker need not exercise.)
+    jax.devices()
     print("ready", flush=True)
     for line in sys.stdin:
         mode, path, generation = line.split()
