@@ -8,11 +8,10 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import PyTree
 
-from . import _commit, _keypath, _layout
+from . import _keypath, _source
 from ._errors import CheckpointKeyError
 from ._lazy import LazyArray
 from ._manifest import LeafRecord
-from ._spec import location
 
 _SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
 
@@ -25,11 +24,13 @@ class Checkpoint(Mapping[str, Any]):
 
     **Arguments:**
 
-    - `path`: the checkpoint directory or kvstore URL.
+    - `path`: the checkpoint directory or kvstore URL; or a `.safetensors`
+        file, a Hugging Face directory of safetensors shards, or an orbax
+        PyTree checkpoint (see `docs/interop.md`).
 
     **Attributes:**
 
-    - `total_bytes`, `created`, `library_version`, `format_version`.
+    - `total_bytes`, `created`, `library_version`, `format_version`, `format`.
 
     !!! example
 
@@ -46,9 +47,10 @@ class Checkpoint(Mapping[str, Any]):
     """
 
     def __init__(self, path: Any):
-        self._loc = location(path)
-        self._manifest = _commit.require_manifest(self._loc)
-        self._data = _layout.data_location(self._loc, self._manifest.data_root, self._manifest.layout)
+        self._source = _source.open_source(path)
+        self._loc = self._source.loc
+        self._manifest = self._source.manifest
+        self._data = self._source.data
         self._records = dict(sorted(self._manifest.by_path().items()))
 
     @property
@@ -73,6 +75,11 @@ class Checkpoint(Mapping[str, Any]):
         return self._manifest.layout
 
     @property
+    def format(self) -> str:
+        """`"eqx_ckpt"`, or the format of another source: `"safetensors"`, `"orbax"`."""
+        return self._source.format
+
+    @property
     def format_version(self) -> int:
         return self._manifest.format_version
 
@@ -89,7 +96,7 @@ class Checkpoint(Mapping[str, Any]):
         return f"{key!r} is not a leaf of checkpoint {self.path!r}.{hint} `Checkpoint(path).keys()` lists them all."
 
     def __getitem__(self, key: str) -> Any:
-        lazy = LazyArray(self._data, self.record(key))
+        lazy = LazyArray(self._data, self.record(key), opener=self._source.opener)
         if self._records[key].type in _SCALARS:
             value = lazy[()]
             return value.item() if self._records[key].type != "numpy_scalar" else value[()]

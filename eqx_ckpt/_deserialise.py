@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _commit, _dtypes, _io, _keypath, _layout, _read, _select, _tree
+from . import _dtypes, _io, _keypath, _read, _select, _source, _transform, _tree
 from ._errors import CheckpointError, CheckpointValueError, LeafError, describe_leaf, leaf_message
 from ._handle import LeafHandle
 from ._lazy import LazyArray
 from ._manifest import LeafRecord, Manifest
-from ._spec import Location, location
+from ._source import Source
+from ._spec import Location
 
 
 def default_deserialise_filter_spec(handle: LeafHandle, x: Any) -> Any:
@@ -103,17 +104,21 @@ def tree_deserialise_leaves(
     *,
     where: Callable[[PyTree], Any] | None = None,
     prefix: str | None = None,
-    rename: Mapping[str, str] | Callable[[str], str] | None = None,
+    rename: Mapping[str, str] | Callable[[str], str] | Sequence[tuple[str, Any]] | None = None,
     missing: str = "error",
     strict: bool = False,
     cast: bool = False,
     lazy: bool = False,
+    transform: Any = None,
 ) -> PyTree:
     """Load the leaves of a PyTree from a checkpoint directory.
 
     **Arguments:**
 
-    - `path`: the checkpoint directory, or a kvstore URL.
+    - `path`: the checkpoint directory, or a kvstore URL. It may also be a
+        `.safetensors` file, a directory of Hugging Face sharded safetensors
+        (`model.safetensors.index.json`), or an orbax PyTree checkpoint: the
+        format is recognised from the files (see `docs/interop.md`).
     - `like`: a PyTree with the structure and leaf types of what is loaded;
         concrete, or abstract (`jax.ShapeDtypeStruct` leaves, such as
         `eqx.filter_eval_shape` gives). Loaded leaves replace those of `like`;
@@ -130,13 +135,23 @@ def tree_deserialise_leaves(
         (`"model"` loads a bare model out of `{"model": ..., "opt_state": ...}`).
     - `rename`: a mapping or callable from a dotted path in `like` to one in the
         checkpoint (below `prefix`). A mapping renames whole sub-trees
-        (`{"body": "encoder"}`); unmapped paths pass through.
+        (`{"body": "encoder"}`); unmapped paths pass through. Or an ordered
+        list of regular-expression rules `(pattern, replacement)`: the first
+        rule whose pattern is found rewrites the path (`re.sub`, once); a
+        replacement of `None` leaves that leaf unloaded (it keeps `like`'s
+        value), a tuple of replacements reads several stored arrays, which a
+        `transform` combines.
     - `missing`: `"error"` (the default) or `"keep"`: keep `like`'s leaf where the
         checkpoint has none.
     - `strict`: also report stored leaves (below `prefix`) that `like` lacks.
     - `cast`: convert stored dtypes to `like`'s instead of raising.
     - `lazy`: return [`eqx_ckpt.LazyArray`][]s that read when asked (see
         [`eqx_ckpt.materialise`][]).
+    - `transform`: per-leaf layout changes, stored array(s) -> the array `like`
+        expects: a mapping from dotted paths of `like` to functions, or a list of
+        `(pattern, function)` rules (first match wins). A transformed leaf is read
+        whole at load time, also with `lazy=True`. See
+        [`eqx_ckpt.torch_layout`][] for PyTorch's layers.
 
     **Returns:**
 
@@ -160,14 +175,14 @@ def tree_deserialise_leaves(
     """
     if missing not in ("error", "keep"):
         raise CheckpointValueError(f"`missing` must be 'error' or 'keep', not {missing!r}.")
-    loc = location(path)
-    manifest = _commit.require_manifest(loc)
-    data = _layout.data_location(loc, manifest.data_root, manifest.layout)
+    source = _source.open_source(path)
+    loc, manifest = source.loc, source.manifest
     flat, treedef = _tree.flatten(like, is_leaf)
     specs = _tree.leaf_specs(filter_spec, like, is_leaf)
     chosen = _select.selected(where, treedef, len(flat))
     root = _select.check_prefix(prefix)
     to_stored = _select.renamer(rename)
+    to_transform = _transform.finder(transform)
     records = manifest.by_path()
     if root and not any(_keypath.is_within(p, root) for p in records):
         raise CheckpointValueError(
@@ -175,16 +190,29 @@ def tree_deserialise_leaves(
             path=loc.display,
         )
 
-    def stored_path(keypath: tuple[Any, ...]) -> str:
-        return _keypath.join_dotted(root, to_stored(_keypath.dotted(keypath)))
+    def stored_path(keypath: tuple[Any, ...]) -> _select.Target:
+        target = to_stored(_keypath.dotted(keypath))
+        if isinstance(target, tuple):
+            return tuple(_keypath.join_dotted(root, t) for t in target)
+        return None if target is None else _keypath.join_dotted(root, target)
 
     leaves = [leaf for _, leaf in flat]
     report = _Report(loc)
     plans: list[_Plan] = []
     custom: list[tuple[_Plan, Any]] = []
+    changed: list[_transform.Plan] = []
     for i in sorted(chosen):
         keypath, leaf = flat[i]
         stored = stored_path(keypath)
+        if stored is None:
+            continue
+        fn = to_transform(_keypath.dotted(keypath))
+        if (fn is not None or isinstance(stored, tuple)) and specs[i] is default_deserialise_filter_spec:
+            _plan_transform(changed, i, keypath, leaf, stored, fn, records, report, missing=missing)
+            continue
+        if isinstance(stored, tuple):
+            raise CheckpointValueError(f"`rename` gives several stored paths {stored} for `{_keypath.dotted(keypath)}`, "
+                                       "but a custom filter spec loads it; only a `transform` combines several.")
         plan = _Plan(i, keypath, leaf, stored, records.get(stored))
         if specs[i] is not default_deserialise_filter_spec:
             custom.append((plan, specs[i]))
@@ -195,11 +223,41 @@ def tree_deserialise_leaves(
         _report_unexpected(flat, specs, stored_path, root, records, report)
     report.raise_if_any()
     for plan, spec in custom:
-        leaves[plan.index] = _run_custom(spec, plan, data, loc, cast, lazy)
-    loaded = _load(data, plans, lazy=lazy)
+        leaves[plan.index] = _run_custom(spec, plan, source, cast, lazy)
+    values, problems = _transform.load(source, changed, cast=cast)
+    for tplan, what in problems:
+        report.add(what, _Plan(tplan.index, tplan.keypath, tplan.like, ", ".join(tplan.stored)), ", ".join(tplan.stored))
+    report.raise_if_any()
+    for tplan, value in zip(changed, values):
+        leaves[tplan.index] = value
+    loaded = _load(source, plans, lazy=lazy)
     for plan, value in zip(plans, loaded):
         leaves[plan.index] = value
     return treedef.unflatten(leaves)
+
+
+def _plan_transform(
+    changed: list[_transform.Plan], i: int, keypath: Any, leaf: Any, stored: str | tuple[str, ...],
+    fn: Any, records: dict[str, LeafRecord], report: _Report, *, missing: str,
+) -> None:  # fmt: skip
+    """Plan a leaf made by `transform` from one or more stored arrays."""
+    names = stored if isinstance(stored, tuple) else (stored,)
+    if fn is None:
+        fn = _need_transform(names)
+    absent = [name for name in names if name not in records]
+    if absent:
+        if missing == "error":
+            report.add(f"missing: {', '.join(absent)} not in the checkpoint.", _Plan(i, keypath, leaf, names[0]), names[0])
+        return
+    if _dtypes.like_type(leaf) is not None:
+        changed.append(_transform.Plan(i, keypath, leaf, names, tuple(records[n] for n in names), fn))
+
+
+def _need_transform(names: tuple[str, ...]) -> Any:
+    def fn(*arrays: Any) -> Any:
+        raise CheckpointValueError(f"{len(names)} stored arrays ({', '.join(names)}) need a `transform` to combine them")
+
+    return fn
 
 
 def _top_keys(manifest: Manifest) -> str:
@@ -248,11 +306,11 @@ def _castable(record: LeafRecord, like: Any) -> bool:
 def _report_unexpected(
     flat: list[Any], specs: list[Any], stored_path: Any, root: str, records: dict[str, LeafRecord], report: _Report
 ) -> None:
-    wanted = {
-        stored_path(keypath)
-        for (keypath, leaf), spec in zip(flat, specs)
-        if _dtypes.like_type(leaf) is not None or spec is not default_deserialise_filter_spec
-    }
+    wanted: set[str] = set()
+    for (keypath, leaf), spec in zip(flat, specs):
+        if _dtypes.like_type(leaf) is not None or spec is not default_deserialise_filter_spec:
+            target = stored_path(keypath)
+            wanted.update(target if isinstance(target, tuple) else () if target is None else (target,))
     for path in sorted(records):
         if _keypath.is_within(path, root) and path not in wanted:
             report.add("unexpected: it is in the checkpoint but not in `like` (you passed `strict=True`).", None, path)
@@ -271,13 +329,14 @@ def _target_dtype(like: Any) -> np.dtype | None:
 READ_WINDOW = 128 * 2**20
 
 
-def _load(data: Location, plans: list[_Plan], *, lazy: bool) -> list[Any]:
+def _load(source: Source, plans: list[_Plan], *, lazy: bool) -> list[Any]:
     """Open every array, then read leaves concurrently within `READ_WINDOW` bytes,
     converting (and freeing the host buffer of) the oldest as new reads start."""
     records = [_record_of(plan) for plan in plans]
+    data = source.data
     if lazy:
-        return [LazyArray(data, record, plan.like) for plan, record in zip(plans, records)]
-    opens = [_io.open_array(data, record) for record in records]
+        return [LazyArray(data, record, plan.like, opener=source.opener) for plan, record in zip(plans, records)]
+    opens = [source.open(record) for record in records]
     results: list[Any] = [None] * len(plans)
     window: collections.deque[tuple[int, int, Callable[[], Any]]] = collections.deque()
     in_flight = 0
@@ -304,7 +363,7 @@ def _record_of(plan: _Plan) -> LeafRecord:
     return plan.record
 
 
-def _run_custom(spec: Any, plan: _Plan, data: Location, loc: Location, cast: bool, lazy: bool) -> Any:
+def _run_custom(spec: Any, plan: _Plan, source: Source, cast: bool, lazy: bool) -> Any:
     """Call a user's filter spec with a handle whose `read` loads one leaf."""
 
     def read(like: Any) -> Any:
@@ -312,8 +371,9 @@ def _run_custom(spec: Any, plan: _Plan, data: Location, loc: Location, cast: boo
         sub = dataclasses.replace(plan, like=like)
         if not _check(sub, report, missing="error", cast=cast):
             report.raise_if_any()
-        return _load(data, [sub], lazy=lazy)[0]
+        return _load(source, [sub], lazy=lazy)[0]
 
+    loc = source.loc
     handle = LeafHandle(plan.keypath, plan.stored, loc.display, read=read)
     try:
         value = spec(handle, plan.like)

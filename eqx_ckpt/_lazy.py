@@ -29,13 +29,15 @@ class LazyArray:
     raises. Materialise first.
     """
 
-    __slots__ = ("_like", "_loc", "_record", "_store")
+    __slots__ = ("_like", "_loc", "_opener", "_record", "_store")
 
-    def __init__(self, loc: Location, record: LeafRecord, like: Any = None):
+    def __init__(self, loc: Location, record: LeafRecord, like: Any = None, *, opener: Any = None):
         self._loc = loc
         self._record = record
         self._like = like
         self._store: Any = None
+        # How a leaf of another format (safetensors, orbax) is opened; see `_source`.
+        self._opener = opener
 
     # Unhashable on purpose: `jax.jit` would otherwise try to treat it as static.
     __hash__ = None  # type: ignore[assignment]
@@ -79,7 +81,8 @@ class LazyArray:
     def _open(self) -> Any:
         if self._store is None:
             try:
-                self._store = _io.open_array(self._loc, self._record).result()
+                opened = self._opener(self._record) if self._opener else _io.open_array(self._loc, self._record)
+                self._store = opened.result()
             except Exception as e:
                 raise _io.leaf_io_error(e, self._record, self._loc, "open") from e
         return self._store
