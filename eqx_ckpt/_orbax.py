@@ -99,7 +99,7 @@ def _record(loc: Location, keypath: list[list[Any]], name: str, kind: str, store
     if not kind:
         kind = _SCALARS.get(store.dtype.numpy_dtype.kind, "numpy_scalar") if shape == () else "numpy"
     path = _keypath.join_dotted(*(_keypath.stored_segment(k, v) for k, v in keypath))
-    chunks = tuple(store.chunk_layout.read_chunk.shape)
+    chunks = tuple(store.chunk_layout.read_chunk.shape or ())
     return LeafRecord(path, keypath, kind, shape, dtype, shape, dtype, "plain", chunks)
 
 
