@@ -211,8 +211,10 @@ def tree_deserialise_leaves(
             _plan_transform(changed, i, keypath, leaf, stored, fn, records, report, missing=missing)
             continue
         if isinstance(stored, tuple):
-            raise CheckpointValueError(f"`rename` gives several stored paths {stored} for `{_keypath.dotted(keypath)}`, "
-                                       "but a custom filter spec loads it; only a `transform` combines several.")
+            raise CheckpointValueError(
+                f"`rename` gives several stored paths {stored} for `{_keypath.dotted(keypath)}`, "
+                "but a custom filter spec loads it; only a `transform` combines several."
+            )
         plan = _Plan(i, keypath, leaf, stored, records.get(stored))
         if specs[i] is not default_deserialise_filter_spec:
             custom.append((plan, specs[i]))
@@ -226,7 +228,9 @@ def tree_deserialise_leaves(
         leaves[plan.index] = _run_custom(spec, plan, source, cast, lazy)
     values, problems = _transform.load(source, changed, cast=cast)
     for tplan, what in problems:
-        report.add(what, _Plan(tplan.index, tplan.keypath, tplan.like, ", ".join(tplan.stored)), ", ".join(tplan.stored))
+        report.add(
+            what, _Plan(tplan.index, tplan.keypath, tplan.like, ", ".join(tplan.stored)), ", ".join(tplan.stored)
+        )
     report.raise_if_any()
     for tplan, value in zip(changed, values):
         leaves[tplan.index] = value
@@ -247,7 +251,9 @@ def _plan_transform(
     absent = [name for name in names if name not in records]
     if absent:
         if missing == "error":
-            report.add(f"missing: {', '.join(absent)} not in the checkpoint.", _Plan(i, keypath, leaf, names[0]), names[0])
+            report.add(
+                f"missing: {', '.join(absent)} not in the checkpoint.", _Plan(i, keypath, leaf, names[0]), names[0]
+            )
         return
     if _dtypes.like_type(leaf) is not None:
         changed.append(_transform.Plan(i, keypath, leaf, names, tuple(records[n] for n in names), fn))
@@ -255,7 +261,9 @@ def _plan_transform(
 
 def _need_transform(names: tuple[str, ...]) -> Any:
     def fn(*arrays: Any) -> Any:
-        raise CheckpointValueError(f"{len(names)} stored arrays ({', '.join(names)}) need a `transform` to combine them")
+        raise CheckpointValueError(
+            f"{len(names)} stored arrays ({', '.join(names)}) need a `transform` to combine them"
+        )
 
     return fn
 

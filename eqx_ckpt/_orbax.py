@@ -42,10 +42,10 @@ def find(loc: Location) -> tuple[str, Manifest, Any] | None:
         tree = body["tree_metadata"]
         driver = "zarr3" if body.get("use_zarr3") else "zarr"
         ocdbt = bool(body.get("use_ocdbt"))
-        leaves = [_leaf(entry) for entry in tree.values()]
+        found = [_leaf(entry) for entry in tree.values()]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise _corrupt(loc, f"its {METADATA} does not describe a PyTree ({type(e).__name__}: {e})") from None
-    leaves = [leaf for leaf in leaves if leaf is not None]
+    leaves = [leaf for leaf in found if leaf is not None]
     opens = [ts.open(_spec(loc, driver, ocdbt, name), open=True, read=True, context=CONTEXT) for _, name, _ in leaves]
     records: dict[str, LeafRecord] = {}
     stores: dict[str, Any] = {}
@@ -104,6 +104,6 @@ def _record(loc: Location, keypath: list[list[Any]], name: str, kind: str, store
 
 
 def _ready(store: Any) -> ts.Future:
-    promise, future = ts.Promise.new()
+    promise, future = ts.Promise.new()  # type: ignore[var-annotated]
     promise.set_result(store)
     return future

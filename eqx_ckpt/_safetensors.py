@@ -52,7 +52,7 @@ def find(loc: Location) -> tuple[str, Manifest, Any] | None:
     Hugging Face index (`model.safetensors.index.json`) and its shards; `None`
     if `loc` is neither."""
     if is_file_path(loc):
-        folder, name = _split_file(loc)
+        folder, name = split_file(loc)
         return _tensors(loc, folder, [name], index=None)
     kv = _kvstore(loc.kvstore)
     for name in _candidates(loc, INDEX, ".safetensors.index.json"):
@@ -74,7 +74,7 @@ def _candidates(loc: Location, usual: str, suffix: str) -> list[str]:
     return [usual] if usual in names or len(names) != 1 else names
 
 
-def _split_file(loc: Location) -> tuple[dict[str, Any], str]:
+def split_file(loc: Location) -> tuple[dict[str, Any], str]:
     path = loc.kvstore["path"].rstrip("/")
     folder, _, name = path.rpartition("/")
     return {**loc.kvstore, "path": folder + "/" if folder else ""}, name
@@ -86,8 +86,7 @@ def _kvstore(spec: dict[str, Any]) -> ts.KvStore:
 
 def _corrupt(loc: Location, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(
-        f"{loc.display!r} is not a valid safetensors checkpoint: {what}. It is damaged or incomplete; "
-        f"do not load it.",
+        f"{loc.display!r} is not a valid safetensors checkpoint: {what}. It is damaged or incomplete; do not load it.",
         path=loc.display,
     )
 
@@ -195,7 +194,7 @@ def _open(kv: ts.KvStore, places: dict[str, tuple[str, int]], record: LeafRecord
     read = functools.partial(_read_rows, kv, file, start, dtype, record.shape)
     layout = ts.ChunkLayout(read_chunk_shape=record.chunks) if record.shape else None
     store = ts.virtual_chunked(read, dtype=ts.dtype(dtype.name), shape=record.shape, chunk_layout=layout)
-    promise, future = ts.Promise.new()
+    promise, future = ts.Promise.new()  # type: ignore[var-annotated]
     promise.set_result(store)
     return future
 
@@ -207,7 +206,7 @@ def _read_rows(
     row = math.prod(shape[1:]) * dtype.itemsize
     lo, hi = (domain[0].inclusive_min, domain[0].exclusive_max) if shape else (0, 1)
     want = (hi - lo) * row if shape else dtype.itemsize
-    promise, done = ts.Promise.new()
+    promise, done = ts.Promise.new()  # type: ignore[var-annotated]
 
     def fill(future: ts.Future) -> None:
         try:

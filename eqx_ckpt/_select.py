@@ -55,7 +55,7 @@ def check_prefix(prefix: str | None) -> str:
 
 # Where a leaf of `like` is loaded from: a dotted path, several (combined by a
 # `transform`), or `None` (not loaded: it keeps `like`'s value).
-Target = Union[str, tuple[str, ...], None]
+Target = Union[str, tuple[str, ...], None]  # noqa: UP007 (a runtime alias on Python 3.10)
 
 
 def renamer(rename: Any) -> Callable[[str], Target]:

@@ -38,7 +38,9 @@ def finder(transform: Any) -> Callable[[str], Transform | None]:
         table = dict(transform)
         for key, fn in table.items():
             if not isinstance(key, str) or not callable(fn):
-                raise CheckpointValueError(f"`transform` maps {key!r} to {fn!r}; it must map dotted paths to functions.")
+                raise CheckpointValueError(
+                    f"`transform` maps {key!r} to {fn!r}; it must map dotted paths to functions."
+                )
         return table.get
     if isinstance(transform, Sequence) and not isinstance(transform, str):
         rules = []
