@@ -89,13 +89,21 @@ def torch_layout(
         module = to_torch(_keypath.dotted(keypath))
         if isinstance(module, tuple):
             raise CheckpointValueError(f"`rename` must give one PyTorch module name for `{where}`, not {module}.")
-        for leaf, torch_name, fn in _entries(layer, state, paths, where):
+        entries = _entries(layer, state, paths, where)
+        # Python scalars of a layer (dropout's `p`, `inference` flags) are not in a state dict.
+        done = {leaf for leaf, _, _ in entries}
+        entries += [(leaf, None, None) for leaf in _leaf_paths(layer, where) if leaf not in done]
+        for leaf, torch_name, fn in entries:
             target = _torch_names(module, torch_name)
             names.append(("^" + re.escape(leaf) + "$", target))
             if fn is not None:
                 transforms.append(("^" + re.escape(leaf) + "$", fn))
     names += list(rename)
     return names, transforms
+
+
+def _leaf_paths(layer: Any, where: str) -> list[str]:
+    return [_keypath.join_dotted(where, _keypath.dotted(kp)) for kp, _ in jtu.tree_flatten_with_path(layer)[0]]
 
 
 def _is_model_and_state(like: Any) -> bool:
