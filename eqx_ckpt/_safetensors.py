@@ -26,7 +26,7 @@ import tensorstore as ts
 from . import _keypath
 from ._errors import CheckpointNotFoundError, CorruptCheckpointError
 from ._manifest import MAX_ELEMENTS, MAX_RANK, LeafRecord, Manifest
-from ._spec import CHUNK_BYTES, CONTEXT, Location, dtype_from_name
+from ._spec import CONTEXT, Location, dtype_from_name
 
 # Safetensors dtype names -> the names eqx_ckpt (and ml_dtypes) use.
 DTYPES = {
@@ -39,6 +39,9 @@ NAMES = {ours: theirs for theirs, ours in DTYPES.items()}
 # The safetensors library refuses headers above 100 MB; so do we.
 MAX_HEADER = 100 * 2**20
 SUFFIX = ".safetensors"
+# A tensor is read in runs of rows of about this many bytes: one range request
+# each, many at once, and a slice or a device's shard reads only its runs.
+ROW_CHUNK_BYTES = 4 * 2**20
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -60,8 +63,10 @@ def find(loc: Location) -> tuple[str, Manifest, Any] | None:
         if result.state == "value":
             return _tensors(loc, loc.kvstore, _shard_names(loc, name, result.value), index=name)
     for name in _candidates(loc, SINGLE, SUFFIX):
-        if kv.read(name, byte_range=slice(0, 8)).result().state == "value":
+        try:
             return _tensors(loc, loc.kvstore, [name], index=None)
+        except CheckpointNotFoundError:
+            continue
     return None
 
 
@@ -179,7 +184,7 @@ def _record(name: str, entry: Any) -> tuple[LeafRecord, int]:
     if offsets[1] - offsets[0] != math.prod(shape) * itemsize:
         raise ValueError(f"`data_offsets` {offsets} do not span {shape} x {itemsize} bytes")
     row = math.prod(shape[1:]) * itemsize
-    rows = max(1, min(shape[0] if shape else 1, CHUNK_BYTES // max(row, 1)))
+    rows = max(1, min(shape[0] if shape else 1, ROW_CHUNK_BYTES // max(row, 1)))
     chunks = (rows, *(max(1, n) for n in shape[1:])) if shape else ()
     path = dotted(name)
     keypath = [["key", part] for part in name.split(".")] if name else [["key", ""]]

@@ -130,8 +130,10 @@ def test_multihead_attention_separate_kv_sizes(tmp_path):
     model = _load(tmp_path, t, like)
     q_in, k_in, v_in = _random(3, dim), _random(6, kdim), _random(6, vdim)
     split = lambda a: a.reshape(a.shape[0], heads, dim // heads).transpose(1, 0, 2)
-    q, k, v = split(q_in @ t["attn.q_proj_weight"].T), split(k_in @ t["attn.k_proj_weight"].T), split(
-        v_in @ t["attn.v_proj_weight"].T
+    q, k, v = (
+        split(q_in @ t["attn.q_proj_weight"].T),
+        split(k_in @ t["attn.k_proj_weight"].T),
+        split(v_in @ t["attn.v_proj_weight"].T),
     )
     out = (_softmax(q @ k.transpose(0, 2, 1) / np.sqrt(dim // heads)) @ v).transpose(1, 0, 2).reshape(3, dim)
     got = model["attn"](jnp.asarray(q_in), jnp.asarray(k_in), jnp.asarray(v_in))
@@ -213,5 +215,7 @@ def test_a_rule_to_none_skips_the_layer_and_a_bad_rule_is_explained(tmp_path):
     model = _load(tmp_path, t, like, rename=[(r"^b$", None)])
     _close(model["a"].weight, t["a.weight"])
     assert model["b"] is like["b"] or eqx.tree_equal(model["b"], like["b"])
-    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("`rename` rules must be `(pattern, replacement)`")):
+    with pytest.raises(
+        eqx_ckpt.CheckpointValueError, match=re.escape("`rename` rules must be `(pattern, replacement)`")
+    ):
         eqx_ckpt.torch_layout(like, rename=["a"])
