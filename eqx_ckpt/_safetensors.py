@@ -215,8 +215,13 @@ def _read_rows(
 
     def fill(future: ts.Future) -> None:
         try:
-            result = future.result()
-            if result.state != "value" or len(result.value) != want:
+            try:
+                result = future.result()
+            except Exception as e:
+                if "OUT_OF_RANGE" not in str(e):
+                    raise
+                result = None
+            if result is None or result.state != "value" or len(result.value) != want:
                 raise OSError(
                     f"DATA_LOSS: {file!r} ends before the tensor's bytes {start + lo * row}..{start + lo * row + want} "
                     f"(the file is truncated)"
