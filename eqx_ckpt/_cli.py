@@ -109,9 +109,7 @@ def _export(args: argparse.Namespace) -> int:
     rules: list[tuple[str, str | None]] = []
     for rule in args.rename:
         pattern, sep, replacement = rule.partition("=")
-        if not sep:
-            raise CheckpointValueError(f"`--rename {rule}` must be PATTERN=REPLACEMENT (an empty replacement drops).")
-        rules.append((pattern, replacement or None))
+        rules.append((pattern, replacement if sep else None))
     written = export_safetensors(
         _path(args.out), Checkpoint(_path(args.ckpt)), max_shard_size=args.max_shard_size,
         rename=rules or None, progress=_progress(),
@@ -152,8 +150,9 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
     export.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB, 500MB (default 5GB)")
     export.add_argument(
-        "--rename", action="append", default=[], metavar="PATTERN=REPLACEMENT",
-        help="regex rule from dotted path to tensor name (repeatable; first match wins; empty replacement drops)",
+        "--rename", action="append", default=[], metavar="PATTERN[=REPLACEMENT]",
+        help="regex rule from dotted path to tensor name (repeatable, first match wins); a PATTERN alone leaves "
+        "the matching leaves out",
     )  # fmt: skip
     export.set_defaults(run=_export)
     demo = commands.add_parser("demo", help="train a small model, save, list and reload it")
