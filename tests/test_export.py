@@ -50,7 +50,7 @@ def test_checkpoint_exported_in_shards_round_trips(tmp_path):
     tensors = {}
     for shard in shards:
         with safe_open(str(tmp_path / "hf" / shard), framework="np") as f:
-            assert all(index["weight_map"][k] == shard for k in f.keys())  # noqa: SIM118 (not a dict)
+            assert all(index["weight_map"][k] == shard for k in f.keys())
         tensors.update(load_file(str(tmp_path / "hf" / shard)))
     np.testing.assert_array_equal(
         tensors["model.mlp.layers.0.weight"], np.asarray(tree["model"]["mlp"].layers[0].weight)
@@ -66,7 +66,7 @@ def test_tree_to_one_file_with_rename_and_metadata(tmp_path):
     assert written == ["one.safetensors"]
     with safe_open(str(tmp_path / "one.safetensors"), framework="np") as f:
         assert f.metadata() == {"format": "pt"}
-        assert "mlp.1.bias" in f.keys() and "lr" not in f.keys()  # noqa: SIM118 (not a dict)
+        assert "mlp.1.bias" in f.keys() and "lr" not in f.keys()
     # Loading back uses the same rules the other way round.
     back = eqx_ckpt.tree_deserialise_leaves(tmp_path / "one.safetensors", tree, rename=rename)
     assert eqx.tree_equal(back, tree, typematch=True)
