@@ -2,6 +2,8 @@
 
 import importlib
 import inspect
+import re
+import textwrap
 
 import pytest
 
@@ -13,6 +15,7 @@ CORE = [
     "CheckpointTypeError", "CheckpointValueError", "CorruptCheckpointError", "IntegrityError", "LazyArray",
     "LeafError", "LeafHandle", "default_deserialise_filter_spec", "default_serialise_filter_spec",
     "load_or_initialise", "materialise", "skeleton", "tree_deserialise_leaves", "tree_serialise_leaves",
+    "export_safetensors", "torch_layout",
 ]  # fmt: skip
 BUILTINS = {
     "CheckpointNotFoundError": FileNotFoundError,
@@ -61,3 +64,12 @@ def test_key_error_message_is_not_quoted():
     error = eqx_ckpt.CheckpointKeyError("'a.b' is not a leaf", path="ckpt")
     assert str(error) == "'a.b' is not a leaf"
     assert error.path == "ckpt"
+
+
+@pytest.mark.parametrize("name", ["export_safetensors", "torch_layout"])
+def test_interop_examples_run(name, tmp_path, monkeypatch):
+    doc = inspect.getdoc(getattr(eqx_ckpt, name))
+    code = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(textwrap.dedent(code), f"eqx_ckpt.{name}", "exec"), {})
+    assert any(p.suffix == ".safetensors" for p in tmp_path.rglob("*"))
