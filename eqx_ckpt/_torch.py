@@ -4,7 +4,8 @@
 rules and transforms that load the tensors PyTorch's matching module saves
 (`state_dict()` names, PyTorch's shapes) into it. Layouts, Equinox <- PyTorch:
 
-- `Linear`, `Embedding`, `LayerNorm`, `RMSNorm`, `GroupNorm`: same names, same shapes.
+- `Linear`, `Embedding`, `LayerNorm`, `RMSNorm`, `GroupNorm`: same names, same
+  shapes (PyTorch's `RMSNorm` has no bias: Equinox's keeps `like`'s value).
 - `Conv1d/2d/3d`: same weight; the bias `(out,)` becomes `(out, 1, ...)`.
 - `ConvTranspose1d/2d/3d`: PyTorch's weight `(in, out/groups, *k)` has its
   channel axes swapped (per group) and its kernel flipped, as Equinox's
@@ -124,6 +125,9 @@ def _entries(layer: Any, state: Any, paths: dict[int, str], where: str) -> list[
     own = jtu.tree_flatten_with_path(layer)[0]
     arrays = {_keypath.dotted(kp): leaf for kp, leaf in own if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}
     full = lambda name: _keypath.join_dotted(where, name)
+    if isinstance(layer, eqx.nn.RMSNorm):
+        # PyTorch's RMSNorm has no bias: Equinox's optional one keeps `like`'s value.
+        return [(full(name), name if name == "weight" else None, None) for name in arrays]
     if isinstance(layer, _SAME):
         return [(full(name), name, None) for name in arrays]
     if isinstance(layer, eqx.nn.Conv):

@@ -106,3 +106,12 @@ def test_export_to_an_object_store(store):
     bucket = ts.KvStore.open(store).result()
     assert load(bucket.read("model-00002-of-00002.safetensors").result().value)["w"].shape == (2, 3)
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, tree), tree, typematch=True)
+
+
+def test_cli_lists_other_formats(tmp_path, capsys):
+    eqx_ckpt.export_safetensors(tmp_path / "one.safetensors", {"model": {"w": jnp.ones((2, 3))}, "step": 1})
+    assert main(["ls", str(tmp_path / "one.safetensors")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines[:3]] == [["model/"], ["w", "float32[2,3]"], ["step", "int64[]"]]
+    assert main(["info", str(tmp_path / "one.safetensors")]) == 0
+    assert "format:          safetensors" in capsys.readouterr().out

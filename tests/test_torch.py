@@ -75,6 +75,18 @@ def test_linear_embedding_layer_norm(tmp_path):
     _close(model["norm"](jnp.asarray(y)), ref)
 
 
+def test_rms_norm_and_group_norm(tmp_path):
+    like = {"rms": eqx.nn.RMSNorm(6, eps=1e-6), "gn": eqx.nn.GroupNorm(2, 6)}
+    t = {"rms.weight": _random(6), "gn.weight": _random(6), "gn.bias": _random(6)}
+    model = _load(tmp_path, t, like, rename=[(r"^rms$", "rms")])
+    x = _random(6)
+    _close(model["rms"](jnp.asarray(x)), x / np.sqrt((x**2).mean() + 1e-6) * t["rms.weight"])
+    y = _random(6, 5)
+    groups = y.reshape(2, -1)
+    normed = ((groups - groups.mean(-1, keepdims=True)) / np.sqrt(groups.var(-1, keepdims=True) + 1e-5)).reshape(6, 5)
+    _close(model["gn"](jnp.asarray(y)), normed * t["gn.weight"][:, None] + t["gn.bias"][:, None])
+
+
 @pytest.mark.parametrize("nd", [1, 2, 3])
 def test_conv(tmp_path, nd):
     like = {"conv": eqx.filter_eval_shape(eqx.nn.Conv, nd, 2, 3, 3, padding=1, key=jax.random.key(0))}
