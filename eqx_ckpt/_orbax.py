@@ -25,6 +25,7 @@ from ._manifest import MAX_MANIFEST_BYTES, LeafRecord, Manifest
 from ._spec import CONTEXT, Location
 
 METADATA = "_METADATA"
+DEFAULT_ITEM = "default"
 # orbax's `value_type` -> the leaf type a load without `like` gives back.
 _TYPES = {"jax.Array": "jax", "np.ndarray": "numpy", "scalar": ""}
 _SCALARS = {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}
@@ -36,7 +37,12 @@ def find(loc: Location) -> tuple[str, Manifest, Any] | None:
     """The leaves of an orbax PyTree checkpoint at `loc`, or `None` if it is not one."""
     data = _io.read_file(loc, METADATA, limit=MAX_MANIFEST_BYTES)
     if data is None:
-        return None
+        # A step of an orbax `CheckpointManager` keeps its one item in `default/`.
+        item = loc.joined(DEFAULT_ITEM)
+        data = _io.read_file(item, METADATA, limit=MAX_MANIFEST_BYTES)
+        if data is None:
+            return None
+        loc = item
     try:
         body = json.loads(data)
         tree = body["tree_metadata"]

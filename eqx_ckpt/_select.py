@@ -73,7 +73,10 @@ def renamer(rename: Any) -> Callable[[str], Target]:
     if isinstance(rename, Sequence) and not isinstance(rename, str):
         return rules(rename, what="rename")
     if not isinstance(rename, Mapping):
-        raise CheckpointValueError(f"`rename` must be a mapping or a callable, not {type(rename).__name__}.")
+        raise CheckpointValueError(
+            f"`rename` must be a mapping, a callable or a list of `(pattern, replacement)` rules, "
+            f"not {type(rename).__name__}."
+        )
     table = dict(rename)
     for key, value in table.items():
         if not (isinstance(key, str) and isinstance(value, str) and _keypath.is_valid_dotted(value)):
@@ -104,7 +107,7 @@ def _target(out: Any, where: str) -> Target:
         return out
     if not isinstance(out, str) or not _keypath.is_valid_dotted(out):
         raise CheckpointValueError(
-            f"{where}; it must give a dotted path as `Checkpoint(path).keys()` lists them "
+            f"{where}; it must return a dotted path as `Checkpoint(path).keys()` lists them "
             f"(or a tuple of them, combined by a `transform`)."
         )
     return out

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _commit, _io, _layout, _orbax, _safetensors
+from ._errors import CheckpointNotFoundError
 from ._manifest import LeafRecord, Manifest
 from ._spec import Location, location
 
@@ -49,19 +50,24 @@ def open_source(path: Any) -> Source:
     """The source at `path`, recognised from its files; an eqx_ckpt checkpoint
     when nothing else matches (so its error names what is missing)."""
     loc = location(path)
-    if not _safetensors.is_file_path(loc):
-        manifest = _commit.read_manifest(loc)
-        if manifest is not None:
-            return _eqx_ckpt(loc)
-    for find in (_safetensors.find, _orbax.find):
-        found = find(loc)
-        if found is not None:
-            fmt, manifest, opener = found
-            return Source(fmt, loc, loc, manifest, opener)
-    return _eqx_ckpt(loc)
-
-
-def _eqx_ckpt(loc: Location) -> Source:
-    manifest = _commit.require_manifest(loc)
+    if _safetensors.is_file_path(loc):
+        return _foreign(loc, _safetensors.find(loc))
+    try:
+        manifest = _commit.require_manifest(loc)
+    except CheckpointNotFoundError as e:
+        for find in (_safetensors.find, _orbax.find):
+            found = find(loc)
+            if found is not None:
+                return _foreign(loc, found)
+        raise CheckpointNotFoundError(
+            f"{e} Nor is it another format eqx_ckpt reads: no `{_safetensors.INDEX}`, `{_safetensors.SINGLE}` "
+            f"or orbax `{_orbax.METADATA}` there either (see docs/interop.md).",
+            path=loc.display,
+        ) from None
     data = _layout.data_location(loc, manifest.data_root, manifest.layout)
     return Source("eqx_ckpt", loc, data, manifest)
+
+
+def _foreign(loc: Location, found: Any) -> Source:
+    fmt, manifest, opener = found
+    return Source(fmt, loc, loc, manifest, opener)

@@ -98,3 +98,16 @@ def test_equinox_model_saved_by_standard_checkpointer(tmp_path):
     loaded = eqx_ckpt.load_or_initialise(tmp_path / "std", make)
     assert eqx.tree_equal(loaded["encoder"], model["encoder"]) and eqx.tree_equal(loaded["head"], model["head"])
     assert eqx.tree_equal(loaded["adapter"], make()["adapter"])
+
+
+def test_a_checkpoint_manager_step_and_an_empty_directory(tmp_path):
+    with ocp.CheckpointManager(tmp_path / "run") as manager:
+        manager.save(3, args=ocp.args.StandardSave({"w": jnp.arange(3.0)}))
+        manager.wait_until_finished()
+    # A step's single item sits in `default/`; the step directory is enough.
+    assert eqx.tree_equal(
+        eqx_ckpt.tree_deserialise_leaves(tmp_path / "run" / "3", {"w": jnp.zeros(3)}), {"w": jnp.arange(3.0)}
+    )
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape("or orbax `_METADATA` there either")):
+        eqx_ckpt.Checkpoint(tmp_path / "empty")
