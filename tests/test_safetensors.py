@@ -130,7 +130,7 @@ def test_sharded_directory_and_load_or_initialise(tmp_path):
     np.testing.assert_array_equal(loaded["new"], np.ones(3))
 
 
-def test_sharded_like_leaves_read_their_own_rows(tmp_path):
+def test_sharded_like_leaves(tmp_path):
     big = np.arange(64 * 6, dtype=np.float32).reshape(64, 6)
     path = tmp_path / "big.safetensors"
     save_file({"w": big}, str(path))
@@ -214,6 +214,16 @@ def test_only_the_selected_tensors_bytes_are_read(tmp_path):
         np.testing.assert_array_equal(lazy[3], large[3])
         # One row reads the run of rows (4 MiB) that holds it, not the whole tensor.
         assert 0 < _RangeServer.sent <= header + large.nbytes // 4
+        # Sharded by rows over 4 devices: each device reads its own quarter, so the
+        # tensor is read once in all, not once per device.
+        _RangeServer.sent = 0
+        mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+        like = {"large": jax.ShapeDtypeStruct(large.shape, jnp.float32, sharding=sharding)}
+        loaded = eqx_ckpt.tree_deserialise_leaves(f"{url}/hf/", like)
+        assert loaded["large"].sharding == sharding
+        np.testing.assert_array_equal(np.asarray(loaded["large"]), large)
+        assert _RangeServer.sent == header + large.nbytes
 
 
 def test_on_an_object_store(s3, store):
