@@ -150,7 +150,7 @@ def tree_deserialise_leaves(
     - `transform`: per-leaf layout changes, stored array(s) -> the array `like`
         expects: a mapping from dotted paths of `like` to functions, or a list of
         `(pattern, function)` rules (first match wins). A transformed leaf is read
-        whole at load time, also with `lazy=True`. See
+        whole (lazily: when it is first read). See
         [`eqx_ckpt.torch_layout`][] for PyTorch's layers.
 
     **Returns:**
@@ -226,7 +226,7 @@ def tree_deserialise_leaves(
     report.raise_if_any()
     for plan, spec in custom:
         leaves[plan.index] = _run_custom(spec, plan, source, cast, lazy)
-    values, problems = _transform.load(source, changed, cast=cast)
+    values, problems = _transform.load(source, changed, cast=cast, lazy=lazy)
     for tplan, what in problems:
         report.add(
             what, _Plan(tplan.index, tplan.keypath, tplan.like, ", ".join(tplan.stored)), ", ".join(tplan.stored)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -17,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from . import _dtypes, _io, _read
-from ._errors import CheckpointValueError
+from ._errors import CheckpointValueError, LeafError, leaf_message
+from ._lazy import LazyArray
 from ._manifest import LeafRecord
 
 Transform = Callable[..., Any]
@@ -73,9 +75,16 @@ class Plan:
     fn: Transform
 
 
-def load(source: Any, plans: list[Plan], *, cast: bool) -> tuple[list[Any], list[tuple[Plan, str]]]:
+def load(source: Any, plans: list[Plan], *, cast: bool, lazy: bool) -> tuple[list[Any], list[tuple[Plan, str]]]:
     """Read, transform and check every plan; returns the values (`None` where a
-    problem was found) and the problems, to be reported together."""
+    problem was found) and the problems, to be reported together. With `lazy`,
+    array leaves become `TransformedArray`s, read and transformed when asked."""
+    if lazy:
+        arrays = [i for i, plan in enumerate(plans) if _dtypes.like_type(plan.like) in ("jax", "numpy")]
+        now, found = load(source, [p for i, p in enumerate(plans) if i not in arrays], cast=cast, lazy=False)
+        eager = iter(now)
+        lazies = {i: TransformedArray(source, plans[i], cast=cast) for i in arrays}
+        return [lazies[i] if i in lazies else next(eager) for i in range(len(plans))], found
     values: list[Any] = [None] * len(plans)
     problems: list[tuple[Plan, str]] = []
     window: collections.deque[tuple[int, int, list[Any]]] = collections.deque()
@@ -97,7 +106,7 @@ def load(source: Any, plans: list[Plan], *, cast: bool) -> tuple[list[Any], list
         except Exception as e:
             problems.append((plan, f"its `transform` raised {type(e).__name__}: {e}."))
             return
-        values[i], problem = _finish(out, plan.like, cast)
+        values[i], problem = finish_value(out, plan.like, cast)
         if problem:
             problems.append((plan, problem))
 
@@ -121,16 +130,77 @@ def _start(source: Any, record: LeafRecord) -> Any:
     return store.read()
 
 
-def _finish(out: np.ndarray, like: Any, cast: bool) -> tuple[Any, str]:
+def finish_value(out: np.ndarray, like: Any, cast: bool) -> tuple[Any, str]:
+    """The transformed array as `like`'s type and placement, or a problem."""
+    out, problem = checked(out, like, cast)
+    if problem:
+        return None, problem
+    return _dtypes.to_result(out, like, sharding=_read.target_sharding(like)), ""
+
+
+def checked(out: np.ndarray, like: Any, cast: bool) -> tuple[np.ndarray, str]:
     shape, dtype = _dtypes.expected(like)
     kind = _dtypes.like_type(like)
     if tuple(out.shape) != shape:
-        return None, f"after its `transform` the shape is {tuple(out.shape)}, but `like` has {shape}."
+        return out, f"after its `transform` the shape is {tuple(out.shape)}, but `like` has {shape}."
     if kind in ("jax", "numpy", "numpy_scalar") and out.dtype.name != dtype:
         if not cast:
-            return None, (
+            return out, (
                 f"after its `transform` the dtype is {out.dtype.name}, but `like` has {dtype} (pass `cast=True` "
                 f"to convert, or convert in the transform)."
             )
         out = out.astype(np.dtype(like.dtype))
-    return _dtypes.to_result(out, like, sharding=_read.target_sharding(like)), ""
+    return out, ""
+
+
+class TransformedArray(LazyArray):
+    """A lazy leaf made by a `transform` of stored arrays. It has `like`'s shape
+    and dtype; reading any of it reads the stored arrays whole and transforms them
+    (a function of the whole array cannot be read in slices)."""
+
+    __slots__ = ("_cast", "_fn", "_keypath", "_parts")
+
+    def __init__(self, source: Any, plan: Plan, *, cast: bool):
+        super().__init__(source.data, plan.records[0], plan.like, opener=source.opener)
+        self._parts = tuple(LazyArray(source.data, r, opener=source.opener) for r in plan.records)
+        self._fn, self._cast, self._keypath = plan.fn, cast, plan.keypath
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._like.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return np.dtype(self._like.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def __repr__(self) -> str:
+        return f"TransformedArray({self.path!r}, shape={self.shape}, dtype={self.dtype})"
+
+    def _value(self) -> np.ndarray:
+        arrays = [np.asarray(part) for part in self._parts]
+        try:
+            out, problem = checked(np.asarray(self._fn(*arrays)), self._like, self._cast)
+        except Exception as e:
+            out, problem = np.empty(0), f"its `transform` raised {type(e).__name__}: {e}."
+        if problem:
+            message = leaf_message(problem, keypath=self._keypath, dotted=self.path, path=self._loc.display)
+            raise LeafError(message, path=self._loc.display, keypaths=[self._keypath], dotted=[self.path])
+        return out
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        return self._value()[index]
+
+    def start(self) -> Any:
+        return lambda: _dtypes.to_result(self._value(), self._like, sharding=_read.target_sharding(self._like))

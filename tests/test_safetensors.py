@@ -111,6 +111,16 @@ def test_regex_rules_and_transform(single):
         eqx_ckpt.tree_deserialise_leaves(
             single, {"k": jnp.zeros((4, 3))}, rename=[("^k$", "model.w")], transform={"k": np.asarray}
         )
+    # Lazily: the leaf has `like`'s shape, and is read and transformed when asked.
+    lazy = eqx_ckpt.tree_deserialise_leaves(single, like, rename=rules, transform=transform, lazy=True)
+    assert isinstance(lazy["layers"][0]["kernel"], eqx_ckpt.LazyArray) and lazy["layers"][0]["kernel"].shape == (4, 3)
+    np.testing.assert_array_equal(lazy["layers"][0]["kernel"][1:3], W.T[1:3])
+    assert eqx.tree_equal(eqx_ckpt.materialise(lazy), expected, typematch=True)
+    bad = eqx_ckpt.tree_deserialise_leaves(
+        single, {"k": jnp.zeros((4, 3))}, rename=[("^k$", "model.w")], transform={"k": np.asarray}, lazy=True
+    )
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("Leaf `model.w` (key path ['k']")):
+        eqx_ckpt.materialise(bad)
     with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("is not a regular expression")):
         eqx_ckpt.tree_deserialise_leaves(single, like, rename=[("(", "x")])
 
