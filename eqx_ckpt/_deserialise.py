@@ -208,7 +208,10 @@ def tree_deserialise_leaves(
             continue
         fn = to_transform(_keypath.dotted(keypath))
         if (fn is not None or isinstance(stored, tuple)) and specs[i] is default_deserialise_filter_spec:
-            _plan_transform(changed, i, keypath, leaf, stored, fn, records, report, missing=missing)
+            tplan, problem = _transform.plan(i, keypath, leaf, stored, fn, records, missing=missing)
+            if problem:
+                report.add(problem, _Plan(i, keypath, leaf, _transform.shown(stored)), _transform.shown(stored))
+            changed += [tplan] if tplan is not None else []
             continue
         if isinstance(stored, tuple):
             raise CheckpointValueError(
@@ -228,9 +231,8 @@ def tree_deserialise_leaves(
         leaves[plan.index] = _run_custom(spec, plan, source, cast, lazy)
     values, problems = _transform.load(source, changed, cast=cast, lazy=lazy)
     for tplan, what in problems:
-        report.add(
-            what, _Plan(tplan.index, tplan.keypath, tplan.like, ", ".join(tplan.stored)), ", ".join(tplan.stored)
-        )
+        shown = _transform.shown(tplan.stored)
+        report.add(what, _Plan(tplan.index, tplan.keypath, tplan.like, shown), shown)
     report.raise_if_any()
     for tplan, value in zip(changed, values):
         leaves[tplan.index] = value
@@ -238,34 +240,6 @@ def tree_deserialise_leaves(
     for plan, value in zip(plans, loaded):
         leaves[plan.index] = value
     return treedef.unflatten(leaves)
-
-
-def _plan_transform(
-    changed: list[_transform.Plan], i: int, keypath: Any, leaf: Any, stored: str | tuple[str, ...],
-    fn: Any, records: dict[str, LeafRecord], report: _Report, *, missing: str,
-) -> None:  # fmt: skip
-    """Plan a leaf made by `transform` from one or more stored arrays."""
-    names = stored if isinstance(stored, tuple) else (stored,)
-    if fn is None:
-        fn = _need_transform(names)
-    absent = [name for name in names if name not in records]
-    if absent:
-        if missing == "error":
-            report.add(
-                f"missing: {', '.join(absent)} not in the checkpoint.", _Plan(i, keypath, leaf, names[0]), names[0]
-            )
-        return
-    if _dtypes.like_type(leaf) is not None:
-        changed.append(_transform.Plan(i, keypath, leaf, names, tuple(records[n] for n in names), fn))
-
-
-def _need_transform(names: tuple[str, ...]) -> Any:
-    def fn(*arrays: Any) -> Any:
-        raise CheckpointValueError(
-            f"{len(names)} stored arrays ({', '.join(names)}) need a `transform` to combine them"
-        )
-
-    return fn
 
 
 def _top_keys(manifest: Manifest) -> str:

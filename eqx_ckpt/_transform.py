@@ -13,7 +13,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from . import _dtypes, _io, _read
 from ._errors import CheckpointValueError, LeafError, leaf_message
 from ._lazy import LazyArray
 from ._manifest import LeafRecord
+
+if TYPE_CHECKING:
+    from ._source import Source
 
 Transform = Callable[..., Any]
 
@@ -75,7 +78,28 @@ class Plan:
     fn: Transform
 
 
-def load(source: Any, plans: list[Plan], *, cast: bool, lazy: bool) -> tuple[list[Any], list[tuple[Plan, str]]]:
+def plan(
+    index: int, keypath: tuple[Any, ...], like: Any, stored: str | tuple[str, ...], fn: Transform | None,
+    records: dict[str, LeafRecord], *, missing: str,
+) -> tuple[Plan | None, str]:  # fmt: skip
+    """The plan of a leaf made by `fn` from one or more stored arrays, or why not."""
+    names = stored if isinstance(stored, tuple) else (stored,)
+    if fn is None:
+        return None, f"`rename` gives {len(names)} stored paths ({', '.join(names)}) but no `transform` combines them."
+    absent = [name for name in names if name not in records]
+    if absent:
+        return None, f"missing: {', '.join(absent)} not in the checkpoint." if missing == "error" else ""
+    if _dtypes.like_type(like) is None:
+        return None, ""
+    return Plan(index, keypath, like, names, tuple(records[n] for n in names), fn), ""
+
+
+def shown(stored: str | tuple[str, ...]) -> str:
+    """How messages name the stored path(s) of a transformed leaf."""
+    return ", ".join(stored) if isinstance(stored, tuple) else stored
+
+
+def load(source: Source, plans: list[Plan], *, cast: bool, lazy: bool) -> tuple[list[Any], list[tuple[Plan, str]]]:
     """Read, transform and check every plan; returns the values (`None` where a
     problem was found) and the problems, to be reported together. With `lazy`,
     array leaves become `TransformedArray`s, read and transformed when asked."""
@@ -121,7 +145,7 @@ def load(source: Any, plans: list[Plan], *, cast: bool, lazy: bool) -> tuple[lis
     return values, problems
 
 
-def _start(source: Any, record: LeafRecord) -> Any:
+def _start(source: Source, record: LeafRecord) -> Any:
     _io.refuse_beyond_memory(source.data, record, record.nbytes, "it")
     try:
         store = source.open(record).result()
@@ -160,7 +184,7 @@ class TransformedArray(LazyArray):
 
     __slots__ = ("_cast", "_fn", "_keypath", "_parts")
 
-    def __init__(self, source: Any, plan: Plan, *, cast: bool):
+    def __init__(self, source: Source, plan: Plan, *, cast: bool):
         super().__init__(source.data, plan.records[0], plan.like, opener=source.opener)
         self._parts = tuple(LazyArray(source.data, r, opener=source.opener) for r in plan.records)
         self._fn, self._cast, self._keypath = plan.fn, cast, plan.keypath

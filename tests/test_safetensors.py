@@ -104,6 +104,10 @@ def test_regex_rules_and_transform(single):
         transform={"x": lambda a, b: (a + b) * 1.0},
     )
     np.testing.assert_array_equal(both["x"], 2.0 * B)
+    with pytest.raises(
+        eqx_ckpt.LeafError, match=re.escape("gives 2 stored paths (model.b, model.w) but no `transform`")
+    ):
+        eqx_ckpt.tree_deserialise_leaves(single, {"x": np.zeros(4)}, rename=[("^x$", ("model.b", "model.w"))])
     # A transform giving the wrong shape is reported with the leaf's name.
     with pytest.raises(
         eqx_ckpt.LeafError, match=re.escape("after its `transform` the shape is (3, 4), but `like` has (4, 3)")
