@@ -115,7 +115,7 @@ def _tensors(loc: Location, folder: dict[str, Any], files: list[str], *, index: 
     heads = [kv.read(name, byte_range=slice(0, 8)) for name in files]
     sizes = []
     for name, head in zip(files, heads):
-        result = head.result()
+        result = _result(loc, name, head, "is shorter than a safetensors header")
         if result.state != "value":
             where = f" (listed in {index})" if index else ""
             raise CheckpointNotFoundError(f"There is no safetensors file {name!r}{where} at {loc.display!r}.")
@@ -129,7 +129,7 @@ def _tensors(loc: Location, folder: dict[str, Any], files: list[str], *, index: 
     records: dict[str, LeafRecord] = {}
     places: dict[str, tuple[str, int]] = {}
     for name, size, body in zip(files, sizes, bodies):
-        data = body.result().value
+        data = _result(loc, name, body, "ends inside its header").value
         if len(data) != size:
             raise _corrupt(loc, f"{name!r} ends inside its header")
         for record, offset in _parse_header(loc, name, data):
@@ -139,6 +139,16 @@ def _tensors(loc: Location, folder: dict[str, Any], files: list[str], *, index: 
             places[record.path] = (name, 8 + size + offset)
     ordered = tuple(records[path] for path in sorted(records))
     return "safetensors", Manifest(ordered, layout="safetensors"), functools.partial(_open, kv, places)
+
+
+def _result(loc: Location, name: str, read: ts.Future, short: str) -> Any:
+    """A byte-range read's result; a range past the end of the file means `short`."""
+    try:
+        return read.result()
+    except Exception as e:
+        if "OUT_OF_RANGE" in str(e):
+            raise _corrupt(loc, f"{name!r} {short}") from None
+        raise
 
 
 def _parse_header(loc: Location, file: str, data: bytes) -> list[tuple[LeafRecord, int]]:

@@ -165,6 +165,14 @@ def test_damaged_files_are_explained(tmp_path, single):
     with pytest.raises(eqx_ckpt.IntegrityError, match=damaged):
         for key in ckpt:
             np.asarray(ckpt[key])
+    (tmp_path / "short.safetensors").write_bytes(b"abc")
+    with pytest.raises(
+        eqx_ckpt.CorruptCheckpointError, match=re.escape("'short.safetensors' is shorter than a safetensors header")
+    ):
+        eqx_ckpt.Checkpoint(tmp_path / "short.safetensors")
+    (tmp_path / "short.safetensors").write_bytes((64).to_bytes(8, "little") + b"{}")
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("'short.safetensors' ends inside its header")):
+        eqx_ckpt.Checkpoint(tmp_path / "short.safetensors")
     (tmp_path / "bad.safetensors").write_bytes((10).to_bytes(8, "little") + b"not json!!")
     with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("is not valid JSON")):
         eqx_ckpt.Checkpoint(tmp_path / "bad.safetensors")
