@@ -89,6 +89,10 @@ def export_safetensors(
         ```
     """
     limit = _shard_bytes(max_shard_size)
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointValueError(
+            f"`metadata` must map strings to strings (safetensors stores no other), not {metadata!r}."
+        )
     tensors = _named(_tensors(pytree), rename)
     loc, single = _destination(path)
     shards = _plan(tensors, limit) if single is None else [tensors]

@@ -73,12 +73,18 @@ def test_tree_to_one_file_with_rename_and_metadata(tmp_path):
 
 
 def test_small_export_is_one_file_and_errors(tmp_path):
-    assert eqx_ckpt.export_safetensors(tmp_path / "hf", {"w": jnp.ones(3)}) == ["model.safetensors"]
+    done = []
+    assert eqx_ckpt.export_safetensors(tmp_path / "hf", {"w": jnp.ones(3)}, progress=done.append) == [
+        "model.safetensors"
+    ]
+    assert done == [12]
     assert load_file(str(tmp_path / "hf" / "model.safetensors"))["w"].tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("`max_shard_size` must be a positive number")):
         eqx_ckpt.export_safetensors(tmp_path / "x", {"w": jnp.ones(3)}, max_shard_size="big")
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("Leaf `key` in checkpoint '<export>': its dtype key<fry>")):
         eqx_ckpt.export_safetensors(tmp_path / "x", {"key": jax.random.key(0)})
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("`metadata` must map strings to strings")):
+        eqx_ckpt.export_safetensors(tmp_path / "x", {"w": jnp.ones(3)}, metadata={"step": 3})
     with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("gives the name 'w' to both `a` and `b`")):
         eqx_ckpt.export_safetensors(tmp_path / "x", {"a": jnp.ones(1), "b": jnp.ones(1)}, rename=[(".*", "w")])
 
