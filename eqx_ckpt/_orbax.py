@@ -48,11 +48,14 @@ def find(loc: Location) -> tuple[str, Manifest, Any] | None:
         tree = body["tree_metadata"]
         driver = "zarr3" if body.get("use_zarr3") else "zarr"
         ocdbt = bool(body.get("use_ocdbt"))
+        # orbax then writes every chunk, so a missing one is damage, not zeros.
+        complete = body.get("store_array_data_equal_to_fill_value") is True
         found = [_leaf(entry) for entry in tree.values()]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise _corrupt(loc, f"its {METADATA} does not describe a PyTree ({type(e).__name__}: {e})") from None
     leaves = [leaf for leaf in found if leaf is not None]
-    opens = [ts.open(_spec(loc, driver, ocdbt, name), open=True, read=True, context=CONTEXT) for _, name, _ in leaves]
+    specs = [_spec(loc, driver, ocdbt, name) | {"fill_missing_data_reads": not complete} for _, name, _ in leaves]
+    opens = [ts.open(spec, open=True, read=True, context=CONTEXT) for spec in specs]
     records: dict[str, LeafRecord] = {}
     stores: dict[str, Any] = {}
     for (keypath, name, kind), opened in zip(leaves, opens):

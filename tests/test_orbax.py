@@ -111,3 +111,12 @@ def test_a_checkpoint_manager_step_and_an_empty_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape("or orbax `_METADATA` there either")):
         eqx_ckpt.Checkpoint(tmp_path / "empty")
+
+
+def test_a_deleted_chunk_is_damage_not_zeros(tmp_path):
+    path = _save(tmp_path / "orbax", {"w": jnp.arange(6.0), "b": jnp.ones(2)}, ocdbt=False, zarr3=False)
+    (path / "w" / "0").unlink()
+    ckpt = eqx_ckpt.Checkpoint(path)
+    np.testing.assert_array_equal(np.asarray(ckpt["b"]), np.ones(2))
+    with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("Leaf `w` in checkpoint") + ".*is missing"):
+        np.asarray(ckpt["w"])
