@@ -24,7 +24,7 @@ import numpy as np
 import tensorstore as ts
 
 from . import _keypath
-from ._errors import CheckpointNotFoundError, CorruptCheckpointError
+from ._errors import CheckpointNotFoundError, CheckpointValueError, CorruptCheckpointError
 from ._manifest import MAX_ELEMENTS, MAX_RANK, LeafRecord, Manifest
 from ._spec import CONTEXT, Location, dtype_from_name
 
@@ -162,6 +162,13 @@ def _parse_header(loc: Location, file: str, data: bytes) -> list[tuple[LeafRecor
     for name, entry in header.items():
         if name == "__metadata__":
             continue
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        if isinstance(dtype, str) and dtype not in DTYPES and re.fullmatch(r"[A-Z][A-Z0-9_]*", dtype):
+            raise CheckpointValueError(
+                f"Tensor {name!r} in {file!r} of {loc.display!r} has the safetensors dtype {dtype!r}, which eqx_ckpt "
+                f"does not read (it reads {', '.join(DTYPES)}). Convert the file, or export it without that tensor.",
+                path=loc.display,
+            )
         try:
             out.append(_record(name, entry))
         except (ValueError, TypeError, KeyError) as e:

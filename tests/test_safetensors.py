@@ -176,6 +176,12 @@ def test_damaged_files_are_explained(tmp_path, single):
     (tmp_path / "bad.safetensors").write_bytes((10).to_bytes(8, "little") + b"not json!!")
     with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("is not valid JSON")):
         eqx_ckpt.Checkpoint(tmp_path / "bad.safetensors")
+    header = json.dumps({"packed": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode()
+    (tmp_path / "f4.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0")
+    with pytest.raises(
+        eqx_ckpt.CheckpointValueError, match=re.escape("has the safetensors dtype 'F4', which eqx_ckpt")
+    ):
+        eqx_ckpt.Checkpoint(tmp_path / "f4.safetensors")
     hostile = _shard(tmp_path / "hostile", [{"a": W}])
     (hostile / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../outside.safetensors"}}))
     with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("names the shard '../outside.safetensors'")):
