@@ -188,6 +188,9 @@ def test_damaged_files_are_explained(tmp_path, single):
         eqx_ckpt.Checkpoint(hostile)
 
 
+_COUNTING = threading.Lock()
+
+
 class _RangeServer(http.server.BaseHTTPRequestHandler):
     """Serves files from `root` with HTTP range requests, counting body bytes sent."""
 
@@ -207,8 +210,10 @@ class _RangeServer(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {lo}-{lo + len(body) - 1}/{len(data)}")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        # Counted before sending: once the client has the bytes, the count has them.
+        with _COUNTING:
+            type(self).sent += len(body)
         self.wfile.write(body)
-        type(self).sent += len(body)
 
     def log_message(self, *args):
         pass
