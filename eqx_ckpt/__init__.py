@@ -21,6 +21,7 @@ from ._errors import (
     IntegrityError as IntegrityError,
     LeafError as LeafError,
 )
+from ._export import export_safetensors as export_safetensors
 from ._handle import LeafHandle as LeafHandle
 from ._initialise import load_or_initialise as load_or_initialise
 from ._lazy import LazyArray as LazyArray, materialise as materialise
@@ -31,6 +32,7 @@ from ._serialise import (
     default_serialise_filter_spec as default_serialise_filter_spec,
     tree_serialise_leaves as tree_serialise_leaves,
 )
+from ._torch import torch_layout as torch_layout
 from ._verify import Problem as Problem, verify as verify
 
 try:

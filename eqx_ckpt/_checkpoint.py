@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -11,12 +10,11 @@ import equinox as eqx
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _commit, _keypath, _layout, _nested
+from . import _keypath, _nested, _source
 from ._errors import CheckpointKeyError
 from ._lazy import LazyArray
 from ._manifest import LeafRecord
 from ._progress import Progress
-from ._spec import location
 
 _SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
 
@@ -31,11 +29,13 @@ class Checkpoint(Mapping[str, Any]):
 
     **Arguments:**
 
-    - `path`: the checkpoint directory or kvstore URL.
+    - `path`: the checkpoint directory or kvstore URL; or a `.safetensors`
+        file, a Hugging Face directory of safetensors shards, or an orbax
+        PyTree checkpoint (see `docs/interop.md`).
 
     **Attributes:**
 
-    - `total_bytes`, `created`, `library_version`, `format_version`.
+    - `total_bytes`, `created`, `library_version`, `format_version`, `format`.
 
     !!! example
 
@@ -52,11 +52,11 @@ class Checkpoint(Mapping[str, Any]):
     """
 
     def __init__(self, path: Any):
-        self._loc = location(path)
-        self._manifest = _commit.require_manifest(self._loc)
-        self._data = _layout.data_location(self._loc, self._manifest.data_root, self._manifest.layout)
+        self._source = _source.open_source(path)
+        self._loc = self._source.loc
+        self._manifest = self._source.manifest
+        self._data = self._source.data
         self._records = dict(sorted(self._manifest.by_path().items(), key=lambda item: _keypath.sort_key(item[0])))
-        self._check = functools.partial(_commit.check_unchanged, self._loc, self._manifest)
 
     @property
     def path(self) -> str:
@@ -80,6 +80,11 @@ class Checkpoint(Mapping[str, Any]):
         return self._manifest.layout
 
     @property
+    def format(self) -> str:
+        """`"eqx_ckpt"`, or the format of another source: `"safetensors"`, `"orbax"`."""
+        return self._source.format
+
+    @property
     def format_version(self) -> int:
         return self._manifest.format_version
 
@@ -96,7 +101,7 @@ class Checkpoint(Mapping[str, Any]):
         return f"{key!r} is not a leaf of checkpoint {self.path!r}.{hint} `Checkpoint(path).keys()` lists them all."
 
     def __getitem__(self, key: str) -> Any:
-        lazy = LazyArray(self._data, self.record(key), check=self._check)
+        lazy = LazyArray(self._data, self.record(key), opener=self._source.opener, check=self._source.check)
         if self._records[key].type in _SCALARS:
             value = lazy[()]
             return value.item() if self._records[key].type != "numpy_scalar" else value[()]
@@ -205,7 +210,9 @@ class Checkpoint(Mapping[str, Any]):
         records = [r for path, r in self._records.items() if _keypath.is_within(path, key)]
         if key and not records:
             raise CheckpointKeyError(self._missing(key), path=self.path)
-        return _nested.load(self._data, records, key, lazy=lazy, progress=progress)
+        return _nested.load(
+            self._data, records, key, lazy=lazy, progress=progress, opener=self._source.opener, check=self._source.check
+        )
 
     def tree(self) -> dict[str, Any]:
         """The saved tree as nested dicts of dotted segments, with a

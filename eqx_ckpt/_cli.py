@@ -79,7 +79,10 @@ def _format_steps(manager: CheckpointManager, steps: list[int]) -> str:
 def _info(args: argparse.Namespace) -> int:
     ckpt = Checkpoint(_path(args.path))
     print(f"path:            {printable(ckpt.path)}")
-    print(f"format:          eqx_ckpt {ckpt.format_version} (zarr v3 arrays, manifest.json)")
+    if ckpt.format == "eqx_ckpt":
+        print(f"format:          eqx_ckpt {ckpt.format_version} (zarr v3 arrays, manifest.json)")
+    else:
+        print(f"format:          {ckpt.format}")
     print(f"layout:          {ckpt.layout}")
     print(f"library version: {printable(ckpt.library_version)}")
     print(f"created:         {printable(ckpt.created)}")
@@ -115,6 +118,22 @@ def _demo(args: argparse.Namespace) -> int:
     return run(args.dir, steps=args.steps)
 
 
+def _export(args: argparse.Namespace) -> int:
+    from ._export import export_safetensors
+
+    rules: list[tuple[str, str | None]] = []
+    for rule in args.rename:
+        pattern, sep, replacement = rule.partition("=")
+        rules.append((pattern, replacement if sep else None))
+    written = export_safetensors(
+        _path(args.out), Checkpoint(_path(args.ckpt)), max_shard_size=args.max_shard_size,
+        rename=rules or None,
+    )  # fmt: skip
+    for name in written:
+        print(name)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="eqx-ckpt",
@@ -138,6 +157,17 @@ def parser() -> argparse.ArgumentParser:
     diff.add_argument("a")
     diff.add_argument("b")
     diff.set_defaults(run=_diff)
+    export = commands.add_parser("export", help="write a checkpoint as (Hugging Face sharded) safetensors")
+    export.add_argument("ckpt", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
+    export.add_argument("out", help="output directory (or a path ending in .safetensors for one file)")
+    export.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
+    export.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB, 500MB (default 5GB)")
+    export.add_argument(
+        "--rename", action="append", default=[], metavar="PATTERN[=REPLACEMENT]",
+        help="regex rule from dotted path to tensor name (repeatable, first match wins); a PATTERN alone leaves "
+        "the matching leaves out",
+    )  # fmt: skip
+    export.set_defaults(run=_export)
     demo = commands.add_parser("demo", help="train a small model, save, list and reload it")
     demo.add_argument("--dir", default=None, help="where to save (default: a new temporary directory)")
     demo.add_argument("--steps", type=int, default=50, help="training steps")

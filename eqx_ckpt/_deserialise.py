@@ -4,27 +4,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _commit, _dtypes, _io, _keypath, _layout, _read, _select, _tree
-from ._errors import (
-    CheckpointError,
-    CheckpointValueError,
-    LeafError,
-    leaf_line,
-    leaf_message,
-)
+from . import _dtypes, _io, _keypath, _read, _select, _source, _transform, _tree
+from ._errors import CheckpointError, CheckpointValueError, LeafError, leaf_line, leaf_message
 from ._handle import LeafHandle
 from ._lazy import LazyArray
 from ._manifest import LeafRecord, Manifest
 from ._progress import Progress, Tracker
-from ._spec import Location, location
+from ._source import Source
+from ._spec import Location
 
 
 def default_deserialise_filter_spec(handle: LeafHandle, x: Any) -> Any:
@@ -147,18 +141,22 @@ def tree_deserialise_leaves(
     *,
     where: Callable[[PyTree], Any] | None = None,
     prefix: str | None = None,
-    rename: Mapping[str, str] | Callable[[str], str] | None = None,
+    rename: Mapping[str, str] | Callable[[str], str] | Sequence[tuple[str, Any]] | None = None,
     missing: str = "error",
     strict: bool = False,
     cast: bool = False,
     lazy: bool = False,
+    transform: Any = None,
     progress: Progress = None,
 ) -> PyTree:
     """Load the leaves of a PyTree from a checkpoint directory.
 
     **Arguments:**
 
-    - `path`: the checkpoint directory, or a kvstore URL.
+    - `path`: the checkpoint directory, or a kvstore URL. It may also be a
+        `.safetensors` file, a directory of Hugging Face sharded safetensors
+        (`model.safetensors.index.json`), or an orbax PyTree checkpoint: the
+        format is recognised from the files (see `docs/interop.md`).
     - `like`: a PyTree with the structure and leaf types of what is loaded;
         concrete, or abstract (`jax.ShapeDtypeStruct` leaves, such as
         `eqx.filter_eval_shape` gives). Loaded leaves replace those of `like`;
@@ -175,7 +173,12 @@ def tree_deserialise_leaves(
         (`"model"` loads a bare model out of `{"model": ..., "opt_state": ...}`).
     - `rename`: a mapping or callable from a dotted path in `like` to one in the
         checkpoint (below `prefix`). A mapping renames whole sub-trees
-        (`{"body": "encoder"}`); unmapped paths pass through.
+        (`{"body": "encoder"}`); unmapped paths pass through. Or an ordered
+        list of regular-expression rules `(pattern, replacement)`: the first
+        rule whose pattern is found rewrites the path (`re.sub`, once); a
+        replacement of `None` leaves that leaf unloaded (it keeps `like`'s
+        value), a tuple of replacements reads several stored arrays, which a
+        `transform` combines.
     - `missing`: `"error"` (the default) or `"keep"`: keep `like`'s leaf where the
         checkpoint has none.
     - `strict`: also report stored leaves (below `prefix`) that `like` lacks.
@@ -186,6 +189,11 @@ def tree_deserialise_leaves(
         is an error naming the leaf.
     - `lazy`: return [`eqx_ckpt.LazyArray`][]s that read when asked (see
         [`eqx_ckpt.materialise`][]).
+    - `transform`: per-leaf layout changes, stored array(s) -> the array `like`
+        expects: a mapping from dotted paths of `like` to functions, or a list of
+        `(pattern, function)` rules (first match wins). A transformed leaf is read
+        whole (lazily: when it is first read). See
+        [`eqx_ckpt.torch_layout`][] for PyTorch's layers.
     - `progress`: by default a progress bar (bytes and leaves) shows on stderr
         when it is a terminal and the load is large; `False` hides it, `True`
         shows it whatever the size, and a callable is called as
@@ -222,14 +230,14 @@ def tree_deserialise_leaves(
             f"`cast` of a load must be `True` or `False`, not {cast!r}: a load converts to "
             f"the dtypes of `like`. (A dtype to store in is `tree_serialise_leaves`'s `cast`.)"
         )
-    loc = location(path)
-    manifest = _commit.require_manifest(loc)
-    data = _layout.data_location(loc, manifest.data_root, manifest.layout)
+    source = _source.open_source(path)
+    loc, manifest = source.loc, source.manifest
     flat, treedef = _tree.flatten(like, is_leaf)
     specs = _tree.leaf_specs(filter_spec, like, is_leaf, what="like")
     chosen = _select.selected(where, treedef, len(flat))
     root = _select.check_prefix(prefix)
     to_stored = _select.renamer(rename)
+    to_transform = _transform.finder(transform)
     records = manifest.by_path()
     if root and not any(_keypath.is_within(p, root) for p in records):
         raise CheckpointValueError(
@@ -237,17 +245,36 @@ def tree_deserialise_leaves(
             path=loc.display,
         )
 
-    def stored_path(keypath: tuple[Any, ...]) -> str:
-        return _keypath.join_dotted(root, to_stored(_keypath.dotted(keypath)))
+    def stored_path(keypath: tuple[Any, ...]) -> _select.Target:
+        target = to_stored(_keypath.dotted(keypath))
+        if isinstance(target, tuple):
+            return tuple(_keypath.join_dotted(root, t) for t in target)
+        return None if target is None else _keypath.join_dotted(root, target)
 
     leaves = [leaf for _, leaf in flat]
     report = _Report(loc, cast=bool(cast))
     plans: list[_Plan] = []
     custom: list[tuple[_Plan, Any]] = []
     wanted: list[_Plan] = []
+    changed: list[_transform.Plan] = []
     for i in sorted(chosen):
         keypath, leaf = flat[i]
         stored = stored_path(keypath)
+        if stored is None:
+            continue
+        fn = to_transform(_keypath.dotted(keypath))
+        if (fn is not None or isinstance(stored, tuple)) and specs[i] is default_deserialise_filter_spec:
+            tplan, problem = _transform.plan(i, keypath, leaf, stored, fn, records, missing=missing)
+            if problem:
+                kind, what = _split_problem(problem)
+                report.add(kind, what, _Plan(i, keypath, leaf, _transform.shown(stored)), _transform.shown(stored))
+            changed += [tplan] if tplan is not None else []
+            continue
+        if isinstance(stored, tuple):
+            raise CheckpointValueError(
+                f"`rename` gives several stored paths {stored} for `{_keypath.dotted(keypath)}`, "
+                "but a custom filter spec loads it; only a `transform` combines several."
+            )
         plan = _Plan(i, keypath, leaf, stored, records.get(stored))
         if specs[i] is not default_deserialise_filter_spec:
             custom.append((plan, specs[i]))
@@ -256,7 +283,7 @@ def tree_deserialise_leaves(
             if _check(plan, report, missing=missing, cast=bool(cast)):
                 plans.append(plan)
     if not strict:  # with `strict=True` the report below lists both sides anyway
-        _refuse_no_match(wanted, custom, manifest, loc, root)
+        _refuse_no_match(wanted, custom, changed, manifest, loc, root)
     if strict:
         _report_unexpected(flat, specs, stored_path, root, records, report)
     elif report.lines:
@@ -265,27 +292,45 @@ def tree_deserialise_leaves(
             (p for p in records if _keypath.is_within(p, root) and p not in found), key=_keypath.sort_key
         )
     report.raise_if_any()
-    check = functools.partial(_commit.check_unchanged, loc, manifest)
     try:
         for plan, spec in custom:
-            leaves[plan.index] = _run_custom(spec, plan, data, loc, bool(cast), lazy, check)
-        loaded = _load(data, plans, lazy=lazy, check=check, progress=progress)
+            leaves[plan.index] = _run_custom(spec, plan, source, bool(cast), lazy)
+        values, problems = _transform.load(source, changed, cast=bool(cast), lazy=lazy)
+        for tplan, what in problems:
+            shown = _transform.shown(tplan.stored)
+            report.add(*_split_problem(what), _Plan(tplan.index, tplan.keypath, tplan.like, shown), shown)
+        report.raise_if_any()
+        for tplan, value in zip(changed, values):
+            leaves[tplan.index] = value
+        loaded = _load(source, plans, lazy=lazy, progress=progress)
     except Exception:
-        check()  # a read that failed because the checkpoint was replaced says so
+        source.check()  # a read that failed because the checkpoint was replaced says so
         raise
     if not lazy:
-        check()
+        source.check()
     for plan, value in zip(plans, loaded):
         leaves[plan.index] = value
     return treedef.unflatten(leaves)
 
 
+def _split_problem(problem: str) -> tuple[str, str]:
+    """A transform's problem as the report's (kind, what): `missing: ...` is a
+    missing leaf; anything else is about the transform."""
+    kind, sep, what = problem.partition(": ")
+    return (kind, what) if sep and kind == "missing" else ("transform", problem)
+
+
 def _refuse_no_match(
-    wanted: list[_Plan], custom: list[tuple[_Plan, Any]], manifest: Manifest, loc: Location, root: str
+    wanted: list[_Plan],
+    custom: list[tuple[_Plan, Any]],
+    changed: list[Any],
+    manifest: Manifest,
+    loc: Location,
+    root: str,
 ) -> None:
     """A load that finds none of `like`'s leaves is almost always a forgotten
     `prefix=`, or the wrong checkpoint: never return `like` unchanged for it."""
-    if not wanted or any(plan.record is not None for plan in wanted):
+    if not wanted or changed or any(plan.record is not None for plan in wanted):
         return
     if any(plan.record is not None for plan, _ in custom):
         return
@@ -364,11 +409,11 @@ def _castable(record: LeafRecord, like: Any) -> bool:
 def _report_unexpected(
     flat: list[Any], specs: list[Any], stored_path: Any, root: str, records: dict[str, LeafRecord], report: _Report
 ) -> None:
-    wanted = {
-        stored_path(keypath)
-        for (keypath, leaf), spec in zip(flat, specs)
-        if _dtypes.like_type(leaf) is not None or spec is not default_deserialise_filter_spec
-    }
+    wanted: set[str] = set()
+    for (keypath, leaf), spec in zip(flat, specs):
+        if _dtypes.like_type(leaf) is not None or spec is not default_deserialise_filter_spec:
+            target = stored_path(keypath)
+            wanted.update(target if isinstance(target, tuple) else () if target is None else (target,))
     for path in sorted(records, key=_keypath.sort_key):
         if _keypath.is_within(path, root) and path not in wanted:
             report.add(
@@ -391,26 +436,28 @@ _SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
 READ_WINDOW = 128 * 2**20
 
 
-def _load(
-    data: Location, plans: list[_Plan], *, lazy: bool, check: Callable[[], None], progress: Progress = False
-) -> list[Any]:
+def _load(source: Source, plans: list[_Plan], *, lazy: bool, progress: Progress = False) -> list[Any]:
     """Open every array, then read leaves concurrently within `READ_WINDOW` bytes,
     converting (and freeing the host buffer of) the oldest as new reads start."""
+    data = source.data
     if lazy:
         # Scalars come back as values, as `Checkpoint(path)[key]` gives them.
         scalars = [i for i, plan in enumerate(plans) if _dtypes.like_type(plan.like) in _SCALARS]
-        out: list[Any] = [LazyArray(data, _record_of(plan), plan.like, check) for plan in plans]
-        values = _load(data, [plans[i] for i in scalars], lazy=False, check=check)
+        out: list[Any] = [
+            LazyArray(data, _record_of(plan), plan.like, opener=source.opener, check=source.check) for plan in plans
+        ]
+        values = _load(source, [plans[i] for i in scalars], lazy=False)
         for i, value in zip(scalars, values):
             out[i] = value
         return out
     records = [_record_of(plan) for plan in plans]
     with Tracker(progress, leaves=len(records), nbytes=sum(r.nbytes for r in records), what="load") as tracker:
-        return _read_all(data, plans, records, tracker)
+        return _read_all(source, plans, records, tracker)
 
 
-def _read_all(data: Location, plans: list[_Plan], records: list[LeafRecord], tracker: Tracker) -> list[Any]:
-    opens = [_io.open_array(data, record) for record in records]
+def _read_all(source: Source, plans: list[_Plan], records: list[LeafRecord], tracker: Tracker) -> list[Any]:
+    data = source.data
+    opens = [source.open(record) for record in records]
     results: list[Any] = [None] * len(plans)
     window: collections.deque[tuple[int, int, Callable[[], Any]]] = collections.deque()
     in_flight = 0
@@ -439,9 +486,7 @@ def _record_of(plan: _Plan) -> LeafRecord:
     return plan.record
 
 
-def _run_custom(
-    spec: Any, plan: _Plan, data: Location, loc: Location, cast: bool, lazy: bool, check: Callable[[], None]
-) -> Any:
+def _run_custom(spec: Any, plan: _Plan, source: Source, cast: bool, lazy: bool) -> Any:
     """Call a user's filter spec with a handle whose `read` loads one leaf."""
 
     def read(like: Any) -> Any:
@@ -449,8 +494,9 @@ def _run_custom(
         sub = dataclasses.replace(plan, like=like)
         if not _check(sub, report, missing="error", cast=cast):
             report.raise_if_any()
-        return _load(data, [sub], lazy=lazy, check=check)[0]
+        return _load(source, [sub], lazy=lazy)[0]
 
+    loc = source.loc
     handle = LeafHandle(plan.keypath, plan.stored, loc.display, read=read)
     try:
         value = spec(handle, plan.like)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -18,9 +18,10 @@ def load_or_initialise(
     init: Callable[[], PyTree],
     *,
     prefix: str | None = None,
-    rename: Mapping[str, str] | Callable[[str], str] | None = None,
+    rename: Mapping[str, str] | Callable[[str], str] | Sequence[tuple[str, Any]] | None = None,
     strict: bool = False,
     cast: bool = False,
+    transform: Any = None,
 ) -> PyTree:
     """Build `init()`'s tree from a checkpoint, computing only the leaves the
     checkpoint does not have.
@@ -37,7 +38,7 @@ def load_or_initialise(
     - `init`: a function of no arguments returning the tree (use
         `functools.partial` or a lambda to bind a model's arguments). It must be
         traceable by `jax.jit`, as any Equinox constructor is.
-    - `prefix`, `rename`, `strict`, `cast`: as for
+    - `prefix`, `rename`, `strict`, `cast`, `transform`: as for
         [`eqx_ckpt.tree_deserialise_leaves`][].
 
     **Returns:**
@@ -72,7 +73,9 @@ def load_or_initialise(
         ```
     """
     like = eqx.filter_eval_shape(init)
-    loaded = tree_deserialise_leaves(path, like, prefix=prefix, rename=rename, missing="keep", strict=strict, cast=cast)
+    loaded = tree_deserialise_leaves(
+        path, like, prefix=prefix, rename=rename, missing="keep", strict=strict, cast=cast, transform=transform
+    )
     leaves, treedef = jtu.tree_flatten(loaded)
     todo = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.ShapeDtypeStruct)]
     if todo:

@@ -45,13 +45,23 @@ class LazyArray:
         ```
     """
 
-    __slots__ = ("_check", "_like", "_loc", "_record", "_store")
+    __slots__ = ("_check", "_like", "_loc", "_opener", "_record", "_store")
 
-    def __init__(self, loc: Location, record: LeafRecord, like: Any = None, check: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        loc: Location,
+        record: LeafRecord,
+        like: Any = None,
+        *,
+        opener: Any = None,
+        check: Callable[[], None] | None = None,
+    ):
         self._loc = loc
         self._record = record
         self._like = like
         self._store: Any = None
+        # How a leaf of another format (safetensors, orbax) is opened; see `_source`.
+        self._opener = opener
         # Raises if the checkpoint was replaced since it was opened: called after
         # every read, so a read never returns a later save's bytes.
         self._check = check if check is not None else _no_check
@@ -98,7 +108,8 @@ class LazyArray:
     def _open(self) -> Any:
         if self._store is None:
             try:
-                self._store = _io.open_array(self._loc, self._record).result()
+                opened = self._opener(self._record) if self._opener else _io.open_array(self._loc, self._record)
+                self._store = opened.result()
             except Exception as e:
                 self._check()
                 raise _io.leaf_io_error(e, self._record, self._loc, "open") from e

@@ -8,6 +8,7 @@ other key (dict keys, attribute names) a dict key.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -23,23 +24,34 @@ from ._spec import Location
 _PYTHON = {"bool": False, "int": 0, "float": 0.0, "complex": 0j}
 
 
-def load(data: Location, records: list[LeafRecord], key: str, *, lazy: bool, progress: Progress) -> Any:
-    """The leaves of `records` (all at or below dotted `key`) as nested containers."""
+def load(
+    data: Location,
+    records: list[LeafRecord],
+    key: str,
+    *,
+    lazy: bool,
+    progress: Progress,
+    opener: Any = None,
+    check: Any = None,
+) -> Any:
+    """The leaves of `records` (all at or below dotted `key`) as nested containers.
+    `opener` and `check` are the source's (see `LazyArray`)."""
     depth = len(_keypath.split_dotted(key))
+    leaf = functools.partial(_leaf, data, opener=opener, check=check)
     if len(records) == 1 and records[0].path == key:
-        tree = _leaf(data, records[0])
+        tree = leaf(records[0])
     else:
         root = _Node()
         for record in records:
-            _insert(root, [_plain_key(kind, value) for kind, value in record.keypath[depth:]], _leaf(data, record))
+            _insert(root, [_plain_key(kind, value) for kind, value in record.keypath[depth:]], leaf(record))
         tree = _finish(root) if root else {}
     return tree if lazy else materialise(tree, progress=progress)
 
 
-def _leaf(data: Location, record: LeafRecord) -> Any:
+def _leaf(data: Location, record: LeafRecord, *, opener: Any, check: Any) -> Any:
     """A `LazyArray` standing for the leaf as the type it was saved as; scalars
     are read at once (they come back as values, lazy or not)."""
-    lazy = LazyArray(data, record, _like(record))
+    lazy = LazyArray(data, record, _like(record), opener=opener, check=check)
     if record.type in _PYTHON or record.type == "numpy_scalar":
         return lazy.read()
     return lazy

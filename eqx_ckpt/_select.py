@@ -3,8 +3,9 @@ which dotted path of the checkpoint."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
 
 import jax.tree_util as jtu
 
@@ -52,18 +53,30 @@ def check_prefix(prefix: str | None) -> str:
     return prefix
 
 
-def renamer(rename: Mapping[str, str] | Callable[[str], str] | None) -> Callable[[str], str]:
+# Where a leaf of `like` is loaded from: a dotted path, several (combined by a
+# `transform`), or `None` (not loaded: it keeps `like`'s value).
+Target = Union[str, tuple[str, ...], None]  # noqa: UP007 (a runtime alias on Python 3.10)
+
+
+def renamer(rename: Any) -> Callable[[str], Target]:
     """`rename` as a function from a dotted path of `like` to one of the checkpoint.
 
     A mapping renames whole sub-trees: the longest key that is the path or a
-    dotted prefix of it is replaced by its value. Unmapped paths pass through.
+    dotted prefix of it is replaced by its value. A list of `(pattern,
+    replacement)` rules rewrites the path with the first rule whose pattern is
+    found in it (see `rules`). Unmapped paths pass through.
     """
     if rename is None:
         return lambda path: path
     if callable(rename):
         return _checked(rename)
+    if isinstance(rename, Sequence) and not isinstance(rename, str):
+        return rules(rename, what="rename")
     if not isinstance(rename, Mapping):
-        raise CheckpointValueError(f"`rename` must be a mapping or a callable, not {type(rename).__name__}.")
+        raise CheckpointValueError(
+            f"`rename` must be a mapping, a callable or a list of `(pattern, replacement)` rules, "
+            f"not {type(rename).__name__}."
+        )
     table = dict(rename)
     for key, value in table.items():
         if not (isinstance(key, str) and isinstance(value, str) and _keypath.is_valid_dotted(value)):
@@ -79,13 +92,61 @@ def renamer(rename: Mapping[str, str] | Callable[[str], str] | None) -> Callable
     return apply
 
 
-def _checked(fn: Callable[[str], str]) -> Callable[[str], str]:
-    def apply(path: str) -> str:
+def _checked(fn: Callable[[str], Any]) -> Callable[[str], Target]:
+    def apply(path: str) -> Target:
         out = fn(path)
         if out is None:
             return path
-        if not isinstance(out, str) or not _keypath.is_valid_dotted(out):
-            raise CheckpointValueError(f"`rename` returned {out!r} for `{path}`; it must return a dotted path.")
+        return _target(out, f"`rename` returned {out!r} for `{path}`")
+
+    return apply
+
+
+def _target(out: Any, where: str) -> Target:
+    if isinstance(out, tuple) and out and all(isinstance(o, str) and _keypath.is_valid_dotted(o) for o in out):
         return out
+    if not isinstance(out, str) or not _keypath.is_valid_dotted(out):
+        raise CheckpointValueError(
+            f"{where}; it must return a dotted path as `Checkpoint(path).keys()` lists them "
+            f"(or a tuple of them, combined by a `transform`)."
+        )
+    return out
+
+
+def rules(table: Sequence[Any], *, what: str) -> Callable[[str], Target]:
+    """Ordered `(pattern, replacement)` rules as a function of a dotted path.
+
+    The first rule whose regular expression is found in the path (`re.search`)
+    wins: the path becomes `re.sub(pattern, replacement, path, count=1)`
+    (`\\1` refers to a group). A replacement of `None` gives `None` (the leaf is
+    not loaded), a tuple of replacements a tuple of paths. No match: unchanged.
+    """
+    compiled = []
+    for rule in table:
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], (str, re.Pattern))):
+            raise CheckpointValueError(
+                f"`{what}` rules must be `(pattern, replacement)` pairs, like "
+                f"`(r'^blocks\\.(\\d+)\\.', r'model.layers.\\1.')`; got {rule!r}."
+            )
+        try:
+            compiled.append((re.compile(rule[0]), rule[1]))
+        except re.error as e:
+            raise CheckpointValueError(f"`{what}` rule {rule[0]!r} is not a regular expression: {e}.") from None
+
+    def apply(path: str) -> Target:
+        for pattern, replacement in compiled:
+            if pattern.search(path) is None:
+                continue
+            if replacement is None:
+                return None
+            try:
+                if isinstance(replacement, tuple):
+                    out: Any = tuple(pattern.sub(r, path, count=1) for r in replacement)
+                else:
+                    out = pattern.sub(replacement, path, count=1)
+            except (re.error, IndexError, TypeError) as e:
+                raise CheckpointValueError(f"`{what}` rule {pattern.pattern!r} -> {replacement!r}: {e}.") from None
+            return _target(out, f"`{what}` rule {pattern.pattern!r} -> {replacement!r} gave {out!r} for `{path}`")
+        return path
 
     return apply

@@ -2,6 +2,8 @@
 
 import importlib
 import inspect
+import re
+import textwrap
 
 import pytest
 
@@ -13,6 +15,7 @@ CORE = [
     "CheckpointTypeError", "CheckpointValueError", "CorruptCheckpointError", "IntegrityError", "LazyArray",
     "LeafError", "LeafHandle", "default_deserialise_filter_spec", "default_serialise_filter_spec",
     "load_or_initialise", "materialise", "skeleton", "tree_deserialise_leaves", "tree_serialise_leaves",
+    "export_safetensors", "torch_layout",
 ]  # fmt: skip
 BUILTINS = {
     "CheckpointNotFoundError": FileNotFoundError,
@@ -65,8 +68,6 @@ def test_key_error_message_is_not_quoted():
 
 def _examples(value):
     """The ```python blocks of a docstring (dedented)."""
-    import re
-    import textwrap
 
     doc = inspect.getdoc(value) or ""
     return [textwrap.dedent(block) for block in re.findall(r"```python\n(.*?)```", doc, flags=re.S)]

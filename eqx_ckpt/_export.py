@@ -1,0 +1,268 @@
+"""`export_safetensors`: a checkpoint or a tree as Hugging Face sharded safetensors.
+
+Leaves are read one at a time (from the checkpoint's storage, so a checkpoint
+saved by several processes or kept on an object store exports without
+gathering live arrays). On a local disk each shard is written as it is read,
+leaf by leaf; an object store takes whole objects, so there a shard is
+assembled in memory first: peak memory is about one shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+from . import _dtypes, _io, _keypath, _safetensors, _select
+from ._checkpoint import Checkpoint
+from ._errors import CheckpointValueError, LeafError, leaf_message
+from ._lazy import LazyArray
+from ._progress import Progress, Tracker
+from ._spec import Location, location
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    read: Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(_dtypes.dtype_from_name(self.dtype)).itemsize
+
+
+def export_safetensors(
+    path: Any,
+    pytree: PyTree,
+    *,
+    max_shard_size: int | str = "5GB",
+    rename: Any = None,
+    metadata: dict[str, str] | None = None,
+    progress: Progress = None,
+) -> list[str]:
+    """Write a checkpoint or a tree as safetensors, sharded as Hugging Face does.
+
+    **Arguments:**
+
+    - `path`: a directory (local, or a kvstore URL / spec) that receives
+        `model.safetensors`, or, above `max_shard_size`,
+        `model-00001-of-0000N.safetensors`... and `model.safetensors.index.json`;
+        or a path ending in `.safetensors`: one file.
+    - `pytree`: what to export: a PyTree of arrays and scalars, or a
+        [`eqx_ckpt.Checkpoint`][] (any source it opens), whose leaves are read
+        from storage one by one. Non-array leaves of a tree are skipped.
+    - `max_shard_size`: bytes per shard (an int, or `"5GB"`, `"500MB"`, `"1GiB"`);
+        a larger tensor gets a shard of its own.
+    - `rename`: as `rename` of [`eqx_ckpt.tree_deserialise_leaves`][], from
+        a leaf's dotted path to its tensor name (a rule to `None` leaves the
+        leaf out). Without it, tensor names are the dotted paths.
+    - `metadata`: the header's `__metadata__` (strings), e.g. `{"format": "pt"}`.
+    - `progress`: as for [`eqx_ckpt.tree_serialise_leaves`][]: a bar on a
+        terminal for a large export, `False` for none, or a callable receiving
+        `(leaves_done, leaves_total, bytes_done, bytes_total)`.
+
+    **Returns:**
+
+    The names of the files written, relative to the directory.
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax
+        import eqx_ckpt
+
+        model = eqx.nn.MLP(4, 4, 16, 2, key=jax.random.key(0))
+        eqx_ckpt.tree_serialise_leaves("mlp_ckpt", model)
+        eqx_ckpt.export_safetensors("mlp_hf", eqx_ckpt.Checkpoint("mlp_ckpt"), max_shard_size="1KB")
+        ```
+    """
+    limit = _shard_bytes(max_shard_size)
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointValueError(
+            f"`metadata` must map strings to strings (safetensors stores no other), not {metadata!r}."
+        )
+    tensors = _named(_tensors(pytree), rename)
+    loc, single = _destination(path)
+    shards = _plan(tensors, limit) if single is None else [tensors]
+    names = [single] if single else _file_names(len(shards))
+    with Tracker(progress, leaves=len(tensors), nbytes=sum(t.nbytes for t in tensors), what="export") as tracker:
+        for name, shard in zip(names, shards):
+            _write_shard(loc, name, shard, metadata or {}, lambda n: tracker.advance(leaves=1, nbytes=n))
+    if len(names) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+            "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard},
+        }
+        _io.write_file(loc, _safetensors.INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
+        names.append(_safetensors.INDEX)
+    return names
+
+
+def _shard_bytes(size: int | str) -> int:
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(size))
+    if match is None or match.group(2).upper() not in _UNITS or float(match.group(1)) <= 0:
+        raise CheckpointValueError(
+            f"`max_shard_size` must be a positive number of bytes or a size like '5GB' or '500MiB', not {size!r}."
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def _tensors(pytree: Any) -> list[_Tensor]:
+    if isinstance(pytree, (str, os.PathLike)):
+        pytree = Checkpoint(pytree)
+    if isinstance(pytree, Checkpoint):
+        return [_stored(pytree, key) for key in pytree]
+    out = []
+    for keypath, leaf in jtu.tree_flatten_with_path(pytree, is_leaf=lambda x: isinstance(x, LazyArray))[0]:
+        if isinstance(leaf, LazyArray) or _dtypes.leaf_type(leaf) not in (None, "prng_key"):
+            array = leaf if isinstance(leaf, LazyArray) else _host(leaf)
+            name = _keypath.dotted(keypath)
+            out.append(_Tensor(name, _dtype_name(name, array.dtype), tuple(array.shape), _reader(array)))
+        elif _dtypes.leaf_type(leaf) == "prng_key":
+            raise _unsupported(_keypath.dotted(keypath), str(leaf.dtype))
+    return out
+
+
+def _reader(array: Any) -> Callable[[], np.ndarray]:
+    return lambda: np.asarray(array)
+
+
+def _host(leaf: Any) -> Any:
+    if isinstance(leaf, jax.Array):
+        return leaf
+    if isinstance(leaf, (bool, int, float, complex)):
+        return _dtypes.python_scalar_array(leaf)
+    return np.asarray(leaf)
+
+
+def _stored(ckpt: Checkpoint, key: str) -> _Tensor:
+    record = ckpt.record(key)
+    if record.type == "prng_key":
+        raise _unsupported(key, record.dtype)
+    return _Tensor(key, _dtype_name(key, record.dtype), tuple(record.shape), lambda: np.asarray(ckpt[key]))
+
+
+def _dtype_name(name: str, dtype: Any) -> str:
+    dtype = np.dtype(dtype).name
+    if dtype not in _safetensors.NAMES:
+        raise _unsupported(name, dtype)
+    return dtype
+
+
+def _unsupported(name: str, dtype: str) -> LeafError:
+    message = leaf_message(
+        f"its dtype {dtype} has no safetensors equivalent ({', '.join(sorted(_safetensors.NAMES))}).",
+        keypath=None,
+        dotted=name,
+        path="<export>",
+        fix="Convert it first, or leave it out with a `rename` rule to `None`.",
+    )
+    return LeafError(message, dotted=[name])
+
+
+def _named(tensors: list[_Tensor], rename: Any) -> list[_Tensor]:
+    to_name = _select.renamer(rename)
+    out: list[_Tensor] = []
+    seen: dict[str, str] = {}
+    for tensor in tensors:
+        name = to_name(tensor.name)
+        if name is None:
+            continue
+        if isinstance(name, tuple):
+            raise CheckpointValueError(f"`rename` gives several names {name} for `{tensor.name}`; an export needs one.")
+        if name in seen:
+            raise CheckpointValueError(f"`rename` gives the name {name!r} to both `{seen[name]}` and `{tensor.name}`.")
+        seen[name] = tensor.name
+        out.append(dataclasses.replace(tensor, name=name))
+    return out
+
+
+def _destination(path: Any) -> tuple[Location, str | None]:
+    loc = location(path)
+    if not _safetensors.is_file_path(loc):
+        _io.ensure_directory(loc)
+        return loc, None
+    spec, name = _safetensors.split_file(loc)
+    local = os.path.dirname(loc.local) if loc.local is not None else None
+    folder = Location(spec, os.path.dirname(loc.display.rstrip("/")) or ".", local)
+    _io.ensure_directory(folder)
+    return folder, name
+
+
+def _plan(tensors: list[_Tensor], limit: int) -> list[list[_Tensor]]:
+    shards: list[list[_Tensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if shards[-1] and size + tensor.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += tensor.nbytes
+    return shards
+
+
+def _file_names(count: int) -> list[str]:
+    if count == 1:
+        return [_safetensors.SINGLE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _header(shard: list[_Tensor], metadata: dict[str, str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for tensor in shard:
+        dtype = _safetensors.NAMES[tensor.dtype]
+        header[tensor.name] = {
+            "dtype": dtype,
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + tensor.nbytes],
+        }
+        offset += tensor.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    # The data starts 8-byte aligned, padded with spaces as the safetensors library does.
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def _bytes(tensor: _Tensor) -> memoryview:
+    # Scalars read back as Python values: give them their stored dtype again.
+    array = np.asarray(tensor.read(), dtype=_dtypes.dtype_from_name(tensor.dtype), order="C")
+    if tuple(array.shape) != tensor.shape:
+        raise CheckpointValueError(f"Leaf `{tensor.name}` changed while it was exported; export again.")
+    return memoryview(array.reshape(-1).view(np.uint8).data)
+
+
+def _write_shard(loc: Location, name: str, shard: list[_Tensor], metadata: dict[str, str], update: Any) -> None:
+    head = _header(shard, metadata)
+    if loc.local is not None:
+        temporary = os.path.join(loc.local, name + ".partial")
+        with open(temporary, "wb") as f:
+            f.write(head)
+            for tensor in shard:
+                f.write(_bytes(tensor))
+                update(tensor.nbytes)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, os.path.join(loc.local, name))
+        return
+    buffer = bytearray(head)
+    for tensor in shard:
+        buffer += _bytes(tensor)
+        update(tensor.nbytes)
+    _io.write_file(loc, name, bytes(buffer))

@@ -1,0 +1,118 @@
+"""orbax-checkpoint PyTree checkpoints as a source of leaves, read with TensorStore.
+
+An orbax PyTree checkpoint (`StandardCheckpointer`, `PyTreeCheckpointer`) is a
+directory with a `_METADATA` JSON file listing every leaf's key path, and one
+zarr (v2) or zarr3 array per leaf, named by the leaf's keys joined with `.`:
+either a folder per array, or, with OCDBT (orbax's default), keys of an OCDBT
+database at the checkpoint's root. TensorStore reads both; orbax itself is not
+needed. Dotted paths are the key paths, escaped as eqx_ckpt escapes its own.
+
+Like `_io` and `_spec`, this module talks to TensorStore directly: it is the
+orbax reader.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import tensorstore as ts
+
+from . import _io, _keypath
+from ._dtypes import is_known_dtype
+from ._errors import CorruptCheckpointError
+from ._manifest import MAX_MANIFEST_BYTES, LeafRecord, Manifest
+from ._spec import CONTEXT, Location
+
+METADATA = "_METADATA"
+DEFAULT_ITEM = "default"
+# orbax's `value_type` -> the leaf type a load without `like` gives back.
+_TYPES = {"jax.Array": "jax", "np.ndarray": "numpy", "scalar": ""}
+_SCALARS = {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}
+# orbax's `key_type`: 1 a sequence index, 2 a dict key (and an attribute name).
+_SEQUENCE = 1
+
+
+def find(loc: Location) -> tuple[str, Manifest, Any] | None:
+    """The leaves of an orbax PyTree checkpoint at `loc`, or `None` if it is not one."""
+    data = _io.read_file(loc, METADATA, limit=MAX_MANIFEST_BYTES)
+    if data is None:
+        # A step of an orbax `CheckpointManager` keeps its one item in `default/`.
+        item = loc.joined(DEFAULT_ITEM)
+        data = _io.read_file(item, METADATA, limit=MAX_MANIFEST_BYTES)
+        if data is None:
+            return None
+        loc = item
+    try:
+        body = json.loads(data)
+        tree = body["tree_metadata"]
+        driver = "zarr3" if body.get("use_zarr3") else "zarr"
+        ocdbt = bool(body.get("use_ocdbt"))
+        # orbax then writes every chunk, so a missing one is damage, not zeros.
+        complete = body.get("store_array_data_equal_to_fill_value") is True
+        found = [_leaf(entry) for entry in tree.values()]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _corrupt(loc, f"its {METADATA} does not describe a PyTree ({type(e).__name__}: {e})") from None
+    leaves = [leaf for leaf in found if leaf is not None]
+    specs = [_spec(loc, driver, ocdbt, name) | {"fill_missing_data_reads": not complete} for _, name, _ in leaves]
+    opens = [ts.open(spec, open=True, read=True, context=CONTEXT) for spec in specs]
+    records: dict[str, LeafRecord] = {}
+    stores: dict[str, Any] = {}
+    for (keypath, name, kind), opened in zip(leaves, opens):
+        try:
+            store = opened.result()
+        except Exception as e:
+            raise _corrupt(loc, f"its array {name!r} cannot be opened ({e})") from None
+        record = _record(loc, keypath, name, kind, store)
+        records[record.path] = record
+        stores[record.path] = store
+    manifest = Manifest(tuple(records[path] for path in sorted(records)), layout="orbax")
+    return "orbax", manifest, lambda record: _ready(stores[record.path])
+
+
+def _corrupt(loc: Location, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{loc.display!r} is not a readable orbax checkpoint: {what}. It is damaged, incomplete, or of an "
+        f"orbax format eqx_ckpt does not read (it reads PyTree checkpoints: zarr or zarr3, with or without OCDBT).",
+        path=loc.display,
+    )
+
+
+def _leaf(entry: dict[str, Any]) -> tuple[list[list[Any]], str, str] | None:
+    """(key path as manifest JSON, orbax's array name, leaf type), or `None` for
+    leaves orbax stored no array for."""
+    value = entry["value_metadata"]
+    kind = _TYPES.get(value.get("value_type"))
+    if kind is None or value.get("skip_deserialize"):
+        return None
+    keys = entry["key_metadata"]
+    keypath = [["index", int(k["key"])] if k["key_type"] == _SEQUENCE else ["key", str(k["key"])] for k in keys]
+    name = ".".join(str(k["key"]) for k in keys)
+    # The names are untrusted: without OCDBT they are folders of the checkpoint.
+    if not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise ValueError(f"the array name {name!r} is not a name inside the checkpoint")
+    return keypath, name, kind
+
+
+def _spec(loc: Location, driver: str, ocdbt: bool, name: str) -> dict[str, Any]:
+    if ocdbt:
+        return {"driver": driver, "kvstore": {"driver": "ocdbt", "base": loc.kvstore, "path": name + "/"}}
+    return {"driver": driver, "kvstore": loc.child(name)}
+
+
+def _record(loc: Location, keypath: list[list[Any]], name: str, kind: str, store: Any) -> LeafRecord:
+    dtype = store.dtype.name
+    if not is_known_dtype(dtype):
+        raise _corrupt(loc, f"its array {name!r} has the data type {dtype!r}, which eqx_ckpt does not read")
+    shape = tuple(store.shape)
+    if not kind:
+        kind = _SCALARS.get(store.dtype.numpy_dtype.kind, "numpy_scalar") if shape == () else "numpy"
+    path = _keypath.join_dotted(*(_keypath.stored_segment(k, v) for k, v in keypath))
+    chunks = tuple(store.chunk_layout.read_chunk.shape or ())
+    return LeafRecord(path, keypath, kind, shape, dtype, shape, dtype, "plain", chunks)
+
+
+def _ready(store: Any) -> ts.Future:
+    promise, future = ts.Promise.new()  # type: ignore[var-annotated]
+    promise.set_result(store)
+    return future

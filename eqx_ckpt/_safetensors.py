@@ -1,0 +1,253 @@
+"""Safetensors files, and Hugging Face directories of them, as a source of leaves.
+
+A safetensors file is 8 bytes (little-endian header length), a JSON header
+(`name -> {dtype, shape, data_offsets}`), then each tensor's raw little-endian
+C-order bytes. Each tensor becomes a TensorStore array (`ts.virtual_chunked`)
+whose chunks are runs of rows, read with byte-range reads of the file through
+the same kvstore as any checkpoint: a load reads the headers and the bytes of
+the tensors (or rows) it selects, nothing else, locally or on an object store.
+
+Like `_io` and `_spec`, this module talks to TensorStore directly: it is the
+safetensors reader.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from . import _keypath
+from ._errors import CheckpointNotFoundError, CheckpointValueError, CorruptCheckpointError
+from ._manifest import MAX_ELEMENTS, MAX_RANK, LeafRecord, Manifest
+from ._spec import CONTEXT, Location, dtype_from_name
+
+# Safetensors dtype names -> the names eqx_ckpt (and ml_dtypes) use.
+DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32",
+    "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
+    "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+}  # fmt: skip
+NAMES = {ours: theirs for theirs, ours in DTYPES.items()}
+# The safetensors library refuses headers above 100 MB; so do we.
+MAX_HEADER = 100 * 2**20
+SUFFIX = ".safetensors"
+# A tensor is read in runs of rows of about this many bytes: one range request
+# each, many at once, and a slice or a device's shard reads only its runs.
+ROW_CHUNK_BYTES = 4 * 2**20
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def is_file_path(loc: Location) -> bool:
+    return loc.kvstore.get("path", "").rstrip("/").endswith(SUFFIX)
+
+
+def find(loc: Location) -> tuple[str, Manifest, Any] | None:
+    """The tensors of a `.safetensors` file, or of a directory holding one or a
+    Hugging Face index (`model.safetensors.index.json`) and its shards; `None`
+    if `loc` is neither."""
+    if is_file_path(loc):
+        folder, name = split_file(loc)
+        return _tensors(loc, folder, [name], index=None)
+    kv = _kvstore(loc.kvstore)
+    for name in _candidates(loc, INDEX, ".safetensors.index.json"):
+        result = kv.read(name).result()
+        if result.state == "value":
+            return _tensors(loc, loc.kvstore, _shard_names(loc, name, result.value), index=name)
+    for name in _candidates(loc, SINGLE, SUFFIX):
+        try:
+            return _tensors(loc, loc.kvstore, [name], index=None)
+        except CheckpointNotFoundError:
+            continue
+    return None
+
+
+def _candidates(loc: Location, usual: str, suffix: str) -> list[str]:
+    """`usual`, or in a local directory the one file ending in `suffix`
+    (`diffusion_pytorch_model.safetensors`, `adapter_model.safetensors`...)."""
+    if loc.local is None or not os.path.isdir(loc.local):
+        return [usual]
+    names = sorted(n for n in os.listdir(loc.local) if n.endswith(suffix))
+    return [usual] if usual in names or len(names) != 1 else names
+
+
+def split_file(loc: Location) -> tuple[dict[str, Any], str]:
+    path = loc.kvstore["path"].rstrip("/")
+    folder, _, name = path.rpartition("/")
+    return {**loc.kvstore, "path": folder + "/" if folder else ""}, name
+
+
+def _kvstore(spec: dict[str, Any]) -> ts.KvStore:
+    return ts.KvStore.open(spec, context=CONTEXT).result()
+
+
+def _corrupt(loc: Location, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{loc.display!r} is not a valid safetensors checkpoint: {what}. It is damaged or incomplete; do not load it.",
+        path=loc.display,
+    )
+
+
+def _shard_names(loc: Location, index: str, data: bytes) -> list[str]:
+    try:
+        body = json.loads(data)
+        names = sorted(set(body["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _corrupt(loc, f"{index} has no `weight_map` of tensor names to files ({e})") from None
+    for name in names:
+        # The index is untrusted: a shard must be a file beside it.
+        if not isinstance(name, str) or not re.fullmatch(r"[^/\\]+", name) or name.startswith("."):
+            raise _corrupt(loc, f"{index} names the shard {name!r}, which is not a file name in that directory")
+    return names
+
+
+def _tensors(loc: Location, folder: dict[str, Any], files: list[str], *, index: str | None) -> tuple:
+    """Read every file's header (two small reads each, all files at once)."""
+    kv = _kvstore(folder)
+    heads = [kv.read(name, byte_range=slice(0, 8)) for name in files]
+    sizes = []
+    for name, head in zip(files, heads):
+        result = _result(loc, name, head, "is shorter than a safetensors header")
+        if result.state != "value":
+            where = f" (listed in {index})" if index else ""
+            raise CheckpointNotFoundError(f"There is no safetensors file {name!r}{where} at {loc.display!r}.")
+        if len(result.value) < 8:
+            raise _corrupt(loc, f"{name!r} is shorter than a safetensors header")
+        size = int.from_bytes(result.value, "little")
+        if size > MAX_HEADER:
+            raise _corrupt(loc, f"{name!r} declares a {size}-byte header, more than the {MAX_HEADER} allowed")
+        sizes.append(size)
+    bodies = [kv.read(name, byte_range=slice(8, 8 + size)) for name, size in zip(files, sizes)]
+    records: dict[str, LeafRecord] = {}
+    places: dict[str, tuple[str, int]] = {}
+    for name, size, body in zip(files, sizes, bodies):
+        data = _result(loc, name, body, "ends inside its header").value
+        if len(data) != size:
+            raise _corrupt(loc, f"{name!r} ends inside its header")
+        for record, offset in _parse_header(loc, name, data):
+            if record.path in records:
+                raise _corrupt(loc, f"tensor {record.path!r} is in two files ({places[record.path][0]!r}, {name!r})")
+            records[record.path] = record
+            places[record.path] = (name, 8 + size + offset)
+    ordered = tuple(records[path] for path in sorted(records))
+    return "safetensors", Manifest(ordered, layout="safetensors"), functools.partial(_open, kv, places)
+
+
+def _result(loc: Location, name: str, read: ts.Future, short: str) -> Any:
+    """A byte-range read's result; a range past the end of the file means `short`."""
+    try:
+        return read.result()
+    except Exception as e:
+        if "OUT_OF_RANGE" in str(e):
+            raise _corrupt(loc, f"{name!r} {short}") from None
+        raise
+
+
+def _parse_header(loc: Location, file: str, data: bytes) -> list[tuple[LeafRecord, int]]:
+    try:
+        header = json.loads(data, parse_constant=_reject)
+    except (ValueError, RecursionError) as e:
+        raise _corrupt(loc, f"the header of {file!r} is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise _corrupt(loc, f"the header of {file!r} is not a JSON object")
+    out = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        if isinstance(dtype, str) and dtype not in DTYPES and re.fullmatch(r"[A-Z][A-Z0-9_]*", dtype):
+            raise CheckpointValueError(
+                f"Tensor {name!r} in {file!r} of {loc.display!r} has the safetensors dtype {dtype!r}, which eqx_ckpt "
+                f"does not read (it reads {', '.join(DTYPES)}). Convert the file, or export it without that tensor.",
+                path=loc.display,
+            )
+        try:
+            out.append(_record(name, entry))
+        except (ValueError, TypeError, KeyError) as e:
+            raise _corrupt(loc, f"tensor {name!r} in {file!r}: {e}") from None
+    return out
+
+
+def _reject(name: str) -> None:
+    raise ValueError(f"{name} is not allowed")
+
+
+def dotted(name: str) -> str:
+    """The dotted path of a tensor name: its `.`-separated parts, each escaped
+    as `Checkpoint(path).keys()` escapes keys (so `model.layers.0.weight` stays)."""
+    return _keypath.join_dotted(*(_keypath.escape(part) for part in name.split("."))) if name else "%e"
+
+
+def _record(name: str, entry: Any) -> tuple[LeafRecord, int]:
+    dtype = DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise ValueError(f"dtype {entry['dtype']!r} is not one eqx_ckpt reads ({', '.join(DTYPES)})")
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not (isinstance(shape, list) and len(shape) <= MAX_RANK and all(type(n) is int and n >= 0 for n in shape)):
+        raise ValueError(f"`shape` {shape!r} is not a list of non-negative integers")
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise ValueError(f"`shape` {shape} has more than 2**53 elements")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int and n >= 0 for n in offsets)):
+        raise ValueError(f"`data_offsets` {offsets!r} is not two non-negative integers")
+    itemsize = dtype_from_name(dtype).itemsize
+    if offsets[1] - offsets[0] != math.prod(shape) * itemsize:
+        raise ValueError(f"`data_offsets` {offsets} do not span {shape} x {itemsize} bytes")
+    row = math.prod(shape[1:]) * itemsize
+    rows = max(1, min(shape[0] if shape else 1, ROW_CHUNK_BYTES // max(row, 1)))
+    chunks = (rows, *(max(1, n) for n in shape[1:])) if shape else ()
+    path = dotted(name)
+    keypath = [["key", part] for part in name.split(".")] if name else [["key", ""]]
+    shape = tuple(shape)
+    return LeafRecord(path, keypath, "jax", shape, dtype, shape, dtype, "plain", chunks), offsets[0]
+
+
+def _open(kv: ts.KvStore, places: dict[str, tuple[str, int]], record: LeafRecord) -> ts.Future:
+    """A read-only TensorStore array over the tensor's bytes, as a future."""
+    file, start = places[record.path]
+    dtype = dtype_from_name(record.stored_dtype)
+    read = functools.partial(_read_rows, kv, file, start, dtype, record.shape)
+    layout = ts.ChunkLayout(read_chunk_shape=record.chunks) if record.shape else None
+    store = ts.virtual_chunked(read, dtype=ts.dtype(dtype.name), shape=record.shape, chunk_layout=layout)
+    promise, future = ts.Promise.new()  # type: ignore[var-annotated]
+    promise.set_result(store)
+    return future
+
+
+def _read_rows(
+    kv: ts.KvStore, file: str, start: int, dtype: np.dtype, shape: tuple[int, ...], domain: Any, array: Any, _: Any
+) -> ts.Future:
+    """Fill one chunk (a run of whole rows) from one byte-range read."""
+    row = math.prod(shape[1:]) * dtype.itemsize
+    lo, hi = (domain[0].inclusive_min, domain[0].exclusive_max) if shape else (0, 1)
+    want = (hi - lo) * row if shape else dtype.itemsize
+    promise, done = ts.Promise.new()  # type: ignore[var-annotated]
+
+    def fill(future: ts.Future) -> None:
+        try:
+            try:
+                result = future.result()
+            except Exception as e:
+                if "OUT_OF_RANGE" not in str(e):
+                    raise
+                result = None
+            if result is None or result.state != "value" or len(result.value) != want:
+                raise OSError(
+                    f"DATA_LOSS: {file!r} ends before the tensor's bytes {start + lo * row}..{start + lo * row + want} "
+                    f"(the file is truncated)"
+                )
+            # Safetensors bytes are little-endian, as are the hosts JAX runs on.
+            array[...] = np.frombuffer(result.value, dtype).reshape(array.shape)
+            promise.set_result(None)
+        except Exception as e:
+            promise.set_exception(e)
+
+    kv.read(file, byte_range=slice(start + lo * row, start + lo * row + want)).add_done_callback(fill)
+    return done

@@ -1,0 +1,80 @@
+"""Where a load reads leaves from: an eqx_ckpt checkpoint, safetensors, or orbax.
+
+Every load path (`tree_deserialise_leaves`, `Checkpoint`, lazy leaves,
+`load_or_initialise`, export) asks `open_source(path)` for a `Source`: the
+stored leaves as manifest records keyed by dotted path, and a function that
+opens one of them as a TensorStore array. Which format it is decides only how
+those two are made; everything after (selection, checks, windows of reads,
+sharded placement, lazy reads) is the same code for every format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from . import _commit, _io, _layout, _orbax, _safetensors
+from ._errors import CheckpointNotFoundError
+from ._manifest import LeafRecord, Manifest
+from ._spec import Location, location
+
+Opener = Callable[[LeafRecord], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """The stored leaves of one checkpoint, whatever wrote it.
+
+    **Attributes:**
+
+    - `format`: `"eqx_ckpt"`, `"safetensors"` or `"orbax"`.
+    - `loc`: the path as given (messages name it).
+    - `data`: the location the leaves' errors are reported against.
+    - `manifest`: the leaves' records (made from the files for other formats).
+    - `opener`: record -> future of the TensorStore array holding that leaf;
+        `None` for eqx_ckpt's own zarr3 arrays under `data` (`_io.open_array`).
+    """
+
+    format: str
+    loc: Location
+    data: Location
+    manifest: Manifest
+    opener: Opener | None = None
+
+    def open(self, record: LeafRecord) -> Any:
+        return self.opener(record) if self.opener is not None else _io.open_array(self.data, record)
+
+    def check(self) -> None:
+        """Raise `CheckpointReplacedError` if an eqx_ckpt checkpoint was replaced
+        since it was opened (see `_commit.check_unchanged`). Other formats have
+        no commit to check: a file replaced under a reader is theirs to avoid."""
+        if self.format == "eqx_ckpt":
+            _commit.check_unchanged(self.loc, self.manifest)
+
+
+def open_source(path: Any) -> Source:
+    """The source at `path`, recognised from its files; an eqx_ckpt checkpoint
+    when nothing else matches (so its error names what is missing)."""
+    loc = location(path)
+    if _safetensors.is_file_path(loc):
+        return _foreign(loc, _safetensors.find(loc))
+    try:
+        manifest = _commit.require_manifest(loc)
+    except CheckpointNotFoundError as e:
+        for find in (_safetensors.find, _orbax.find):
+            found = find(loc)
+            if found is not None:
+                return _foreign(loc, found)
+        raise CheckpointNotFoundError(
+            f"{e} Nor is it another format eqx_ckpt reads: no `{_safetensors.INDEX}`, `{_safetensors.SINGLE}` "
+            f"or orbax `{_orbax.METADATA}` there either (see docs/interop.md).",
+            path=loc.display,
+        ) from None
+    data = _layout.data_location(loc, manifest.data_root, manifest.layout)
+    return Source("eqx_ckpt", loc, data, manifest)
+
+
+def _foreign(loc: Location, found: Any) -> Source:
+    fmt, manifest, opener = found
+    return Source(fmt, loc, loc, manifest, opener)

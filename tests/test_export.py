@@ -1,0 +1,123 @@
+"""`export_safetensors` and `eqx-ckpt export`: Hugging Face sharded safetensors
+that the `safetensors` library opens, and that load back as the same tree."""
+
+import json
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorstore as ts
+from safetensors import safe_open
+from safetensors.numpy import load, load_file
+
+import eqx_ckpt
+from eqx_ckpt._cli import main
+
+
+def _tree():
+    return {
+        "model": {
+            "mlp": eqx.nn.MLP(4, 4, 16, 2, key=jax.random.key(0)),
+            "embed": jnp.arange(12, dtype=jnp.bfloat16).reshape(3, 4),
+        },
+        "mask": np.array([True, False]),
+        "step": 7,
+        "lr": 0.25,
+    }
+
+
+def _files(directory):
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_checkpoint_exported_in_shards_round_trips(tmp_path):
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
+    written = eqx_ckpt.export_safetensors(tmp_path / "hf", eqx_ckpt.Checkpoint(tmp_path / "ckpt"), max_shard_size=300)
+    shards = [name for name in written if name.endswith(".safetensors")]
+    assert len(shards) >= 3 and written[-1] == "model.safetensors.index.json"
+    assert _files(tmp_path / "hf") == sorted(written)
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    ckpt = eqx_ckpt.Checkpoint(tmp_path / "ckpt")
+    assert sorted(index["weight_map"]) == list(ckpt)
+    assert index["metadata"]["total_size"] == ckpt.total_bytes
+    # The real `safetensors` library reads every shard, with the dotted names.
+    tensors = {}
+    for shard in shards:
+        with safe_open(str(tmp_path / "hf" / shard), framework="np") as f:
+            assert all(index["weight_map"][k] == shard for k in f.keys())
+        tensors.update(load_file(str(tmp_path / "hf" / shard)))
+    np.testing.assert_array_equal(
+        tensors["model.mlp.layers.0.weight"], np.asarray(tree["model"]["mlp"].layers[0].weight)
+    )
+    assert tensors["model.embed"].dtype == ml_dtypes.bfloat16 and tensors["step"].dtype == np.int64
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "hf", tree), tree, typematch=True)
+
+
+def test_tree_to_one_file_with_rename_and_metadata(tmp_path):
+    tree = _tree()
+    rename = [(r"^model\.mlp\.layers\.(\d+)\.", r"mlp.\1."), (r"^lr$", None)]
+    written = eqx_ckpt.export_safetensors(tmp_path / "one.safetensors", tree, rename=rename, metadata={"format": "pt"})
+    assert written == ["one.safetensors"]
+    with safe_open(str(tmp_path / "one.safetensors"), framework="np") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert "mlp.1.bias" in f.keys() and "lr" not in f.keys()
+    # Loading back uses the same rules the other way round.
+    back = eqx_ckpt.tree_deserialise_leaves(tmp_path / "one.safetensors", tree, rename=rename)
+    assert eqx.tree_equal(back, tree, typematch=True)
+
+
+def test_small_export_is_one_file_and_errors(tmp_path):
+    done = []
+    assert eqx_ckpt.export_safetensors(tmp_path / "hf", {"w": jnp.ones(3)}, progress=lambda *n: done.append(n)) == [
+        "model.safetensors"
+    ]
+    assert done == [(1, 1, 12, 12)]
+    assert load_file(str(tmp_path / "hf" / "model.safetensors"))["w"].tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("`max_shard_size` must be a positive number")):
+        eqx_ckpt.export_safetensors(tmp_path / "x", {"w": jnp.ones(3)}, max_shard_size="big")
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("Leaf `key` in checkpoint '<export>': its dtype key<fry>")):
+        eqx_ckpt.export_safetensors(tmp_path / "x", {"key": jax.random.key(0)})
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("`metadata` must map strings to strings")):
+        eqx_ckpt.export_safetensors(tmp_path / "x", {"w": jnp.ones(3)}, metadata={"step": 3})
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("gives the name 'w' to both `a` and `b`")):
+        eqx_ckpt.export_safetensors(tmp_path / "x", {"a": jnp.ones(1), "b": jnp.ones(1)}, rename=[(".*", "w")])
+
+
+def test_cli_export_from_an_object_store(tmp_path, store):
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(store, tree)
+    out = tmp_path / "hf"
+    code = main(["export", json.dumps(store), str(out), "--format", "safetensors", "--max-shard-size", "0.3KB",
+                 "--rename", r"^model\.=", "--rename", "^step$"])  # fmt: skip
+    assert code == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert "mlp.layers.0.weight" in index["weight_map"] and "step" not in index["weight_map"]
+    back = eqx_ckpt.tree_deserialise_leaves(out, tree["model"])
+    assert eqx.tree_equal(back, tree["model"], typematch=True)
+
+
+def test_export_to_an_object_store(store):
+    tree = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3, jnp.int32)}
+    assert eqx_ckpt.export_safetensors(store, tree, max_shard_size=24) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    bucket = ts.KvStore.open(store).result()
+    assert load(bucket.read("model-00002-of-00002.safetensors").result().value)["w"].shape == (2, 3)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, tree), tree, typematch=True)
+
+
+def test_cli_lists_other_formats(tmp_path, capsys):
+    eqx_ckpt.export_safetensors(tmp_path / "one.safetensors", {"model": {"w": jnp.ones((2, 3))}, "step": 1})
+    assert main(["ls", str(tmp_path / "one.safetensors")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines[:3]] == [["model/"], ["w", "float32[2,3]"], ["step", "int64[]"]]
+    assert main(["info", str(tmp_path / "one.safetensors")]) == 0
+    assert "format:          safetensors" in capsys.readouterr().out

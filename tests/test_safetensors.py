@@ -1,0 +1,273 @@
+"""Safetensors files and Hugging Face sharded directories as sources of leaves,
+with every load option; only the selected tensors' bytes are read."""
+
+import contextlib
+import http.server
+import json
+import re
+import threading
+import typing
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorstore as ts
+from safetensors.numpy import save, save_file
+
+import eqx_ckpt
+
+W = np.arange(12, dtype=np.float32).reshape(3, 4)
+B = np.arange(4, dtype=np.int64)
+
+
+def _tensors():
+    return {"model.w": W, "model.b": B, "head.w": np.full((2, 2), 0.5, ml_dtypes.bfloat16), "step": np.array(3)}
+
+
+@pytest.fixture
+def single(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file(_tensors(), str(path), metadata={"format": "pt"})
+    return path
+
+
+def _shard(directory, groups):
+    """A Hugging Face sharded directory: one file per group plus the index."""
+    directory.mkdir(exist_ok=True)
+    weight_map = {}
+    for i, group in enumerate(groups, 1):
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file(group, str(directory / name))
+        weight_map.update(dict.fromkeys(group, name))
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    return directory
+
+
+def test_checkpoint_lists_a_file_and_reads_regions(single):
+    ckpt = eqx_ckpt.Checkpoint(single)
+    assert ckpt.format == "safetensors"
+    assert list(ckpt) == ["head.w", "model.b", "model.w", "step"]
+    assert ckpt["model.w"].shape == (3, 4) and ckpt["model.w"].dtype == np.float32
+    np.testing.assert_array_equal(ckpt["model.w"][1:3, 2], W[1:3, 2])
+    assert ckpt.total_bytes == W.nbytes + B.nbytes + 8 + 8
+    assert ckpt.tree()["model"] == {"b": "int64[4]", "w": "float32[3,4]"}
+
+
+def test_load_with_options(single):
+    like = {"w": jnp.zeros((3, 4)), "b": np.zeros(4, np.int64)}
+    loaded = eqx_ckpt.tree_deserialise_leaves(single, like, prefix="model")
+    assert eqx.tree_equal(loaded, {"w": jnp.asarray(W), "b": B}, typematch=True)
+    # `where`: only the selected leaf is loaded, the other is `like`'s.
+    part = eqx_ckpt.tree_deserialise_leaves(single, like, prefix="model", where=lambda t: t["w"])
+    assert eqx.tree_equal(part, {"w": jnp.asarray(W), "b": like["b"]}, typematch=True)
+    # Mapping `rename` and `missing="keep"`.
+    like2 = {"weight": jnp.zeros((3, 4)), "extra": jnp.ones(2)}
+    loaded = eqx_ckpt.tree_deserialise_leaves(single, like2, rename={"weight": "model.w"}, missing="keep")
+    assert eqx.tree_equal(loaded, {"weight": jnp.asarray(W), "extra": jnp.ones(2)}, typematch=True)
+    # `cast`: bfloat16 on disk, float32 asked for.
+    head = eqx_ckpt.tree_deserialise_leaves(single, {"w": jnp.zeros((2, 2))}, prefix="head", cast=True)
+    assert eqx.tree_equal(head, {"w": jnp.full((2, 2), 0.5)}, typematch=True)
+    # Lazy leaves read on demand; a Python scalar of `like` comes back as one.
+    lazy = eqx_ckpt.tree_deserialise_leaves(single, {"model": like, "step": 0}, lazy=True)
+    assert isinstance(lazy["model"]["w"], eqx_ckpt.LazyArray)
+    assert eqx.tree_equal(eqx_ckpt.materialise(lazy), {"model": {"w": jnp.asarray(W), "b": B}, "step": 3})
+
+
+def test_load_problems_are_reported_together(single):
+    like = {"model": {"w": jnp.zeros((4, 3)), "b": jnp.zeros(4, jnp.int32), "gone": jnp.zeros(1)}}
+    with pytest.raises(eqx_ckpt.LeafError) as info:
+        eqx_ckpt.tree_deserialise_leaves(single, like, strict=True)
+    message = str(info.value)
+    assert "3 leaves do not match" not in message
+    assert re.search(re.escape("`model.w` (key path ['model']['w']") + ".*shape changed", message)
+    assert re.search(re.escape("`model.b` (key path ['model']['b']") + ".*dtype changed", message)
+    assert "`model.gone` (key path ['model']['gone']" in message and "missing" in message
+    assert "`head.w`: unexpected" in message and "`step`: unexpected" in message
+
+
+def test_regex_rules_and_transform(single):
+    like = {"layers": [{"kernel": jnp.zeros((4, 3)), "bias": jnp.zeros(4)}], "skip": jnp.ones(2)}
+    rules = [(r"^layers\.(\d+)\.kernel$", r"model.w"), (r"^layers\.\d+\.bias$", "model.b"), (r"^skip$", None)]
+    transform = [(r"kernel$", np.transpose), (r"bias$", lambda b: b.astype(np.float32))]
+    loaded = eqx_ckpt.tree_deserialise_leaves(single, like, rename=rules, transform=transform, strict=False)
+    expected = {"layers": [{"kernel": jnp.asarray(W.T), "bias": jnp.asarray(B, jnp.float32)}], "skip": jnp.ones(2)}
+    assert eqx.tree_equal(loaded, expected, typematch=True)
+    # Several stored tensors combined by one transform.
+    both = eqx_ckpt.tree_deserialise_leaves(
+        single,
+        {"x": np.zeros(4)},
+        rename=[("^x$", ("model.b", "model.b"))],
+        transform={"x": lambda a, b: (a + b) * 1.0},
+    )
+    np.testing.assert_array_equal(both["x"], 2.0 * B)
+    with pytest.raises(
+        eqx_ckpt.LeafError, match=re.escape("gives 2 stored paths (model.b, model.w) but no `transform`")
+    ):
+        eqx_ckpt.tree_deserialise_leaves(single, {"x": np.zeros(4)}, rename=[("^x$", ("model.b", "model.w"))])
+    # A transform giving the wrong shape is reported with the leaf's name.
+    with pytest.raises(
+        eqx_ckpt.LeafError, match=re.escape("after its `transform` the shape is (3, 4), but `like` has (4, 3)")
+    ):
+        eqx_ckpt.tree_deserialise_leaves(
+            single, {"k": jnp.zeros((4, 3))}, rename=[("^k$", "model.w")], transform={"k": np.asarray}
+        )
+    # Lazily: the leaf has `like`'s shape, and is read and transformed when asked.
+    lazy = eqx_ckpt.tree_deserialise_leaves(single, like, rename=rules, transform=transform, lazy=True)
+    assert isinstance(lazy["layers"][0]["kernel"], eqx_ckpt.LazyArray) and lazy["layers"][0]["kernel"].shape == (4, 3)
+    np.testing.assert_array_equal(lazy["layers"][0]["kernel"][1:3], W.T[1:3])
+    assert eqx.tree_equal(eqx_ckpt.materialise(lazy), expected, typematch=True)
+    bad = eqx_ckpt.tree_deserialise_leaves(
+        single, {"k": jnp.zeros((4, 3))}, rename=[("^k$", "model.w")], transform={"k": np.asarray}, lazy=True
+    )
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("Leaf `model.w` (key path ['k']")):
+        eqx_ckpt.materialise(bad)
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("is not a regular expression")):
+        eqx_ckpt.tree_deserialise_leaves(single, like, rename=[("(", "x")])
+
+
+def test_sharded_directory_and_load_or_initialise(tmp_path):
+    directory = _shard(tmp_path / "hf", [{"model.w": W}, {"model.b": B, "step": np.array(3)}])
+    ckpt = eqx_ckpt.Checkpoint(directory)
+    assert list(ckpt) == ["model.b", "model.w", "step"]
+    make = lambda: {
+        "model": {"w": jnp.zeros((3, 4)), "b": jnp.zeros(4, jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)},
+        "new": jnp.ones(3),
+    }
+    with pytest.raises(eqx_ckpt.LeafError, match="dtype changed"):
+        eqx_ckpt.load_or_initialise(directory, make)
+    loaded = eqx_ckpt.load_or_initialise(directory, make, cast=True)
+    np.testing.assert_array_equal(loaded["model"]["w"], W)
+    np.testing.assert_array_equal(loaded["new"], np.ones(3))
+
+
+def test_sharded_like_leaves(tmp_path):
+    big = np.arange(64 * 6, dtype=np.float32).reshape(64, 6)
+    path = tmp_path / "big.safetensors"
+    save_file({"w": big}, str(path))
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    loaded = eqx_ckpt.tree_deserialise_leaves(
+        path, {"w": jax.ShapeDtypeStruct((64, 6), jnp.float32, sharding=sharding)}
+    )
+    assert loaded["w"].sharding == sharding
+    np.testing.assert_array_equal(np.asarray(loaded["w"]), big)
+
+
+def test_damaged_files_are_explained(tmp_path, single):
+    data = single.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-8])
+    ckpt = eqx_ckpt.Checkpoint(tmp_path / "cut.safetensors")
+    damaged = r"is damaged or incomplete: DATA_LOSS: .*\(the file is truncated\)"
+    with pytest.raises(eqx_ckpt.IntegrityError, match=damaged):
+        for key in ckpt:
+            np.asarray(ckpt[key])
+    (tmp_path / "short.safetensors").write_bytes(b"abc")
+    with pytest.raises(
+        eqx_ckpt.CorruptCheckpointError, match=re.escape("'short.safetensors' is shorter than a safetensors header")
+    ):
+        eqx_ckpt.Checkpoint(tmp_path / "short.safetensors")
+    (tmp_path / "short.safetensors").write_bytes((64).to_bytes(8, "little") + b"{}")
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("'short.safetensors' ends inside its header")):
+        eqx_ckpt.Checkpoint(tmp_path / "short.safetensors")
+    (tmp_path / "bad.safetensors").write_bytes((10).to_bytes(8, "little") + b"not json!!")
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("is not valid JSON")):
+        eqx_ckpt.Checkpoint(tmp_path / "bad.safetensors")
+    header = json.dumps({"packed": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode()
+    (tmp_path / "f4.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0")
+    with pytest.raises(
+        eqx_ckpt.CheckpointValueError, match=re.escape("has the safetensors dtype 'F4', which eqx_ckpt")
+    ):
+        eqx_ckpt.Checkpoint(tmp_path / "f4.safetensors")
+    hostile = _shard(tmp_path / "hostile", [{"a": W}])
+    (hostile / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../outside.safetensors"}}))
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("names the shard '../outside.safetensors'")):
+        eqx_ckpt.Checkpoint(hostile)
+
+
+_COUNTING = threading.Lock()
+
+
+class _RangeServer(http.server.BaseHTTPRequestHandler):
+    """Serves files from `root` with HTTP range requests, counting body bytes sent."""
+
+    root: typing.ClassVar[dict[str, bytes]] = {}
+    sent = 0
+
+    def do_GET(self):
+        data = self.root.get(self.path.lstrip("/"))
+        if data is None:
+            self.send_error(404)
+            return
+        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        lo, hi = (int(match.group(1)), int(match.group(2) or len(data) - 1)) if match else (0, len(data) - 1)
+        body = data[lo : hi + 1]
+        self.send_response(206 if match else 200)
+        if match:
+            self.send_header("Content-Range", f"bytes {lo}-{lo + len(body) - 1}/{len(data)}")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        # Counted before sending: once the client has the bytes, the count has them.
+        with _COUNTING:
+            type(self).sent += len(body)
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def _serving(files):
+    _RangeServer.root, _RangeServer.sent = files, 0
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RangeServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_only_the_selected_tensors_bytes_are_read(tmp_path):
+    small, large = np.arange(10, dtype=np.float32), np.ones((2048, 2048), np.float32)
+    save_file({"large": large, "small": small}, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    header = 8 + int.from_bytes(data[:8], "little")
+    with _serving({"hf/model.safetensors": data}) as url:
+        loaded = eqx_ckpt.tree_deserialise_leaves(f"{url}/hf/", {"small": np.zeros(10, np.float32)})
+        np.testing.assert_array_equal(loaded["small"], small)
+        # The header and the 40 bytes of `small`: not one byte of the 16 MiB of `large`.
+        assert _RangeServer.sent == header + small.nbytes
+        _RangeServer.sent = 0
+        lazy = eqx_ckpt.Checkpoint(f"{url}/hf/model.safetensors")["large"]
+        np.testing.assert_array_equal(lazy[3], large[3])
+        # One row reads the run of rows (4 MiB) that holds it, not the whole tensor.
+        assert 0 < _RangeServer.sent <= header + large.nbytes // 4
+        # Sharded by rows over 4 devices: each device reads its own quarter, so the
+        # tensor is read once in all, not once per device.
+        _RangeServer.sent = 0
+        mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+        like = {"large": jax.ShapeDtypeStruct(large.shape, jnp.float32, sharding=sharding)}
+        loaded = eqx_ckpt.tree_deserialise_leaves(f"{url}/hf/", like)
+        assert loaded["large"].sharding == sharding
+        np.testing.assert_array_equal(np.asarray(loaded["large"]), large)
+        assert _RangeServer.sent == header + large.nbytes
+
+
+def test_on_an_object_store(s3, store):
+    bucket = ts.KvStore.open(store).result()
+    shards = {"model-00001-of-00002.safetensors": {"model.w": W}, "model-00002-of-00002.safetensors": {"model.b": B}}
+    for name, group in shards.items():
+        bucket.write(name, save(group)).result()
+    weight_map = {"model.w": "model-00001-of-00002.safetensors", "model.b": "model-00002-of-00002.safetensors"}
+    bucket.write("model.safetensors.index.json", json.dumps({"weight_map": weight_map})).result()
+    loaded = eqx_ckpt.tree_deserialise_leaves(
+        store, {"w": jnp.zeros((3, 4)), "b": np.zeros(4, np.int64)}, prefix="model"
+    )
+    assert eqx.tree_equal(loaded, {"w": jnp.asarray(W), "b": B}, typematch=True)
+    assert eqx_ckpt.Checkpoint(store).format == "safetensors"
