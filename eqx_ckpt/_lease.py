@@ -260,6 +260,8 @@ def _conditional_write(loc: Location, name: str, body: dict[str, Any], if_equal:
     or `None` if it was not (TensorStore then returns an empty generation)."""
     try:
         stamp = _io.result(_io.kvstore(loc).write(name, json.dumps(body).encode(), if_equal=if_equal))
+    except NotImplementedError:
+        raise _io.read_only_store(loc) from None
     except Exception as e:
         raise _io.write_error(loc, name, e) from e
     if not stamp.generation:

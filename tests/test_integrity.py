@@ -364,9 +364,10 @@ def test_diff_against_an_edited_zarr_json_names_the_leaf_briefly(tmp_path):
 def test_errors_name_the_checkpoint_not_its_data_root(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2)})
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2)})
-    assert json.loads((tmp_path / "manifest.json").read_text())["data_root"] == "gen.2"
-    (tmp_path / "gen.2" / "w" / "c" / "0").unlink()
+    root = json.loads((tmp_path / "manifest.json").read_text())["data_root"]
+    assert root.startswith("gen.")
+    (tmp_path / root / "w" / "c" / "0").unlink()
     with pytest.raises(eqx_ckpt.IntegrityError) as info:
         eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(2)})
     assert f"in checkpoint {str(tmp_path)!r}" in str(info.value)
-    assert f"{str(tmp_path / 'gen.2')!r}" not in str(info.value)
+    assert f"{str(tmp_path / root)!r}" not in str(info.value)

@@ -14,6 +14,7 @@ import termios
 import threading
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -72,14 +73,17 @@ def test_callbacks_of_lazy_reads_and_the_manager(tmp_path, monkeypatch):
     tree = _tree()
     eqx_ckpt.tree_serialise_leaves(tmp_path / "a", tree)
     lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path / "a", tree, lazy=True)
+    # Scalars come back as values even when lazy: only the arrays are left to read.
+    arrays = [x for x in jax.tree.leaves(lazy, is_leaf=eqx_ckpt._lazy.is_lazy) if eqx_ckpt._lazy.is_lazy(x)]
+    assert 0 < len(arrays) < 6
     read = Calls()
     assert eqx.tree_equal(eqx_ckpt.materialise(lazy, progress=read), tree, typematch=True)
-    read.check(6, eqx_ckpt.Checkpoint(tmp_path / "a").total_bytes)
+    read.check(len(arrays), sum(x.nbytes for x in arrays))
     # With a window smaller than any leaf, reads finish one by one, in order.
     monkeypatch.setattr(_deserialise, "READ_WINDOW", 1)
     read = Calls()
     assert eqx.tree_equal(eqx_ckpt.materialise(lazy, progress=read), tree, typematch=True)
-    assert [c[0] for c in read] == [1, 2, 3, 4, 5, 6]
+    assert [c[0] for c in read] == list(range(1, len(arrays) + 1))
 
     manager = eqx_ckpt.CheckpointManager(tmp_path / "runs")
     saved = Calls()

@@ -275,7 +275,7 @@ def test_an_abstract_tree_is_refused_not_saved_empty(tmp_path):
     make = lambda: eqx.nn.Linear(2, 3, key=jax.random.key(0))
     skeleton = eqx.filter_eval_shape(make)
     eqx_ckpt.tree_serialise_leaves(tmp_path, make())
-    message = "Leaf `weight` (key path .weight, (GetAttrKey(name='weight'),)) in checkpoint"
+    message = "Error at leaf with path (GetAttrKey(name='weight'),): leaf `weight` (key path .weight) in checkpoint"
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape(message) + ".*it is abstract") as info:
         eqx_ckpt.tree_serialise_leaves(tmp_path, skeleton)
     assert "filter_eval_shape" in str(info.value)
