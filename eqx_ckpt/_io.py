@@ -356,6 +356,10 @@ def remove(loc: Location, names: Iterable[str]) -> None:
             full = os.path.join(loc.local, name)
             if os.path.isdir(full) and not os.path.islink(full):
                 shutil.rmtree(full, ignore_errors=True)
+                if os.path.lexists(full):
+                    # A file that landed while the tree was removed: once more, and
+                    # an error now is raised (the caller's journal keeps the name).
+                    shutil.rmtree(full)
             elif os.path.lexists(full):
                 os.unlink(full)
         return
