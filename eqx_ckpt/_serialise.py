@@ -260,17 +260,21 @@ def save(
     run = functools.partial(_write_and_commit, tx, group, pending, copy=not blocking, metrics=metrics, tracker=tracker)
     if blocking:
         try:
-            run(started=None)
+            with tracker:
+                run(started=None)
         finally:
             exclusive.release()
         return None
-    started = threading.Event()
+    started, handoff = threading.Event(), _Handoff()
     try:
-        pending_save = PendingSave(functools.partial(_in_background, run, started, exclusive))
+        pending_save = PendingSave(functools.partial(_in_background, run, started, exclusive, tracker, handoff))
     except BaseException:
-        tx.abort()
-        exclusive.release()
-        tracker.close()
+        # Interrupted while the thread started: whichever side decides first
+        # owns the save, so it is undone (or finished) exactly once.
+        if handoff.take_back():
+            tx.abort()
+            exclusive.release()
+            tracker.close()
         raise
     # Return once every array is safe on the host: staged, or copied. (If this
     # wait is interrupted, the save goes on, and the program's exit waits for it.)
@@ -278,12 +282,37 @@ def save(
     return pending_save
 
 
-def _in_background(run: Callable[..., None], started: threading.Event, exclusive: threading.Lock) -> None:
+def _in_background(
+    run: Callable[..., None], started: threading.Event, exclusive: threading.Lock, tracker: Tracker, handoff: _Handoff
+) -> None:
+    if not handoff.claim():
+        started.set()
+        return  # the caller took the save back before this thread began
     try:
-        run(started=started)
+        with tracker:
+            run(started=started)
     finally:
         started.set()
         exclusive.release()
+
+
+class _Handoff:
+    """Who finishes an asynchronous save: the background thread, once it
+    begins, or the caller, if it is interrupted before then."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner = ""
+
+    def claim(self) -> bool:
+        with self._lock:
+            self._owner = self._owner or "background"
+            return self._owner == "background"
+
+    def take_back(self) -> bool:
+        with self._lock:
+            self._owner = self._owner or "caller"
+            return self._owner == "caller"
 
 
 def _write_and_commit(
@@ -299,20 +328,6 @@ def _write_and_commit(
     """Write every array, make it durable, then commit once (process 0). Before
     the commit, any failure or interrupt deletes what this save wrote; after it,
     nothing undoes the save."""
-    with tracker:
-        _write_and_commit_tracked(tx, group, pending, copy=copy, metrics=metrics, tracker=tracker, started=started)
-
-
-def _write_and_commit_tracked(
-    tx: _commit.Transaction,
-    group: _multihost.Group,
-    pending: list[_write.Pending],
-    *,
-    copy: bool,
-    metrics: dict[str, Any] | None,
-    tracker: Tracker,
-    started: threading.Event | None,
-) -> None:
     commits: list[Any] = []
     error: BaseException | None = None
     try:
