@@ -51,6 +51,9 @@ from ._spec import Location
 _OURS = re.compile(r"^(%e|%i-?[0-9]+|%r[A-Za-z0-9_%-]*|[A-Za-z0-9_%-]+|zarr\.json|ocdbt\.db|gen\.[0-9a-f]+)$")
 
 
+_GENERATION = re.compile(r"^gen\.[0-9a-f]{16}$")
+
+
 class State(enum.Enum):
     BEGUN = "begun"
     WRITTEN = "written"
@@ -160,7 +163,11 @@ class Transaction:
         self._require(State.COMMITTED)
         stale = [n for n in (area(self.old) if self.old is not None else ()) if n not in self.names]
         try:
-            _io.remove(self.loc, stale)
+            # `gen.<commit>` folders are the format's own namespace (no key maps
+            # there), and this save holds the lease: one the new manifest does
+            # not use is what a failed or killed save of this checkpoint left.
+            stale += [n for n in _io.list_names(self.loc) if _GENERATION.match(n) and n != self.target]
+            _io.remove(self.loc, sorted(set(stale)))
             self._release()
         except Exception as e:
             self.leave()

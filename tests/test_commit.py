@@ -326,3 +326,16 @@ def test_new_directories_are_synced_in_their_parents(tmp_path, monkeypatch):
     monkeypatch.setattr(_io, "write_conditional", lambda *args: (synced.append("commit"), real_write(*args))[1])
     eqx_ckpt.tree_serialise_leaves(path, {"w": jnp.zeros(2)})
     assert str(path) in synced[: synced.index("commit")]
+
+
+def test_a_generation_folder_no_manifest_uses_is_cleared_by_the_next_save(tmp_path):
+    # Whatever left it (a save that failed while its clean-up also failed), a
+    # `gen.<commit>` folder the manifest does not name is the format's own garbage.
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(2)})
+    (tmp_path / "gen.0123456789abcdef" / "a").mkdir(parents=True)
+    (tmp_path / "gen.0123456789abcdef" / "a" / "zarr.json").write_text("{}")
+    (tmp_path / "gen.notes").mkdir()  # not a generation's name: the user's
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.ones(2)})
+    root = _data_root(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == sorted([root, "gen.notes", "manifest.json"])
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"a": jnp.zeros(2)}), {"a": jnp.ones(2)})
