@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax.tree_util as jtu
 
@@ -251,6 +251,9 @@ for _cls in (
     _cls.__module__ = "eqx_ckpt"
 
 
+_Leaf = TypeVar("_Leaf", bound=LeafError)
+
+
 def describe_leaf(keypath: tuple[Any, ...] | None, dotted: str) -> str:
     """How every message names a leaf: its dotted path and its `keystr`."""
     if keypath is None:
@@ -282,3 +285,10 @@ def leaf_message(
     if fix:
         message += f" {fix}"
     return message
+
+
+def stored_leaf_error(cls: type[_Leaf], what: str, *, dotted: str, path: Any, fix: str = "") -> _Leaf:
+    """A `LeafError` (or subclass) about one stored leaf, known by its dotted
+    path only: the message and the error's `path`/`dotted` from one place."""
+    message = leaf_message(what, keypath=None, dotted=dotted, path=path, fix=fix)
+    return cls(message, path=path, dotted=[dotted])

@@ -19,7 +19,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ._errors import CheckpointError, CheckpointTypeError, CorruptCheckpointError, IntegrityError, leaf_message
+from ._errors import CheckpointError, CheckpointTypeError, CorruptCheckpointError, IntegrityError, stored_leaf_error
 from ._local import check_leaf_files, refuse_links
 from ._manifest import LeafRecord
 from ._spec import CONTEXT, UNSYNCED, Location, array_spec
@@ -431,16 +431,15 @@ def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: s
     memory = physical_memory()
     if memory is None or nbytes <= memory:
         return
-    message = leaf_message(
+    raise stored_leaf_error(
+        IntegrityError,
         f"reading {what} needs {nbytes} bytes (shape {list(record.stored_shape)}, chunks {list(record.chunks)} in "
         f"the manifest), more than this machine's {memory} bytes of memory. Nothing was read.",
-        keypath=None,
         dotted=record.path,
         path=loc.display,
         fix="A manifest this large is damaged or hostile; if the leaf really is this large, read it in slices "
         "(`eqx_ckpt.Checkpoint(path)[key][...]`) or load it sharded across devices.",
     )
-    raise IntegrityError(message, path=loc.display, dotted=[record.path])
 
 
 def leaf_io_error(error: BaseException, record: LeafRecord, loc: Location, doing: str) -> CheckpointError:
@@ -451,15 +450,13 @@ def leaf_io_error(error: BaseException, record: LeafRecord, loc: Location, doing
     # the metadata): noise to a user, and long.
     text = re.sub(r"\s*\[(tensorstore_spec|source locations)='.*?'\]", "", str(error), flags=re.S)
     if "NOT_FOUND" in text or "DATA_LOSS" in text or "FAILED_PRECONDITION" in text or "digest" in text.lower():
-        message = leaf_message(
+        return stored_leaf_error(
+            IntegrityError,
             f"it is damaged or incomplete: {text}.",
-            keypath=None,
             dotted=record.path,
             path=loc.display,
             fix="Its bytes do not match what was saved. If the checkpoint was overwritten or deleted while this "
             "read ran, read it again; otherwise restore it from a good copy, or run `eqx-ckpt verify` to list "
             "every damaged leaf.",
         )
-    else:
-        message = leaf_message(f"could not {doing} it: {text}", keypath=None, dotted=record.path, path=loc.display)
-    return IntegrityError(message, path=loc.display, dotted=[record.path])
+    return stored_leaf_error(IntegrityError, f"could not {doing} it: {text}", dotted=record.path, path=loc.display)

@@ -2,8 +2,8 @@
 
 One discipline for every writer, on every store:
 
-1. In this process, one writer per destination at a time: `exclusive(loc)` is a
-   lock per destination, and a second save to the same destination waits for
+1. In this process, one writer per destination at a time: `acquire_exclusive`
+   takes a lock per destination, and a second save to the same destination waits for
    the first (an asynchronous save holds it until it has committed).
 2. Across processes, a *lease*: a small JSON file (`saving.json` for a save,
    `manager.json` for a manager) created with a conditional write that succeeds
@@ -39,7 +39,6 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 from . import _io
@@ -63,16 +62,6 @@ _held: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
 
 def destination(loc: Location) -> str:
     return json.dumps(loc.kvstore, sort_keys=True)
-
-
-@contextlib.contextmanager
-def exclusive(loc: Location) -> Iterator[None]:
-    """Hold this process's lock on `loc` (waiting for another thread's save)."""
-    lock = acquire_exclusive(loc)
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def acquire_exclusive(loc: Location) -> threading.Lock:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from ._errors import CheckpointError, CorruptCheckpointError, IntegrityError, leaf_line, leaf_message
+from ._errors import CheckpointError, CorruptCheckpointError, IntegrityError, leaf_line, stored_leaf_error
 from ._manifest import LeafRecord
 from ._spec import Location
 
@@ -46,17 +46,16 @@ def check_leaf_files(loc: Location, record: LeafRecord) -> None:
         return
     found = refuse_links(loc, record.directory, leaf=record.path, subtree=True)
     if found < record.nbytes:
-        message = leaf_message(
+        raise stored_leaf_error(
+            IntegrityError,
             f"it is damaged or incomplete: the manifest gives it shape {list(record.stored_shape)} "
             f"({record.nbytes} bytes), but its folder holds only {found} bytes, so chunk files are missing or "
             f"the manifest is wrong. Nothing was read.",
-            keypath=None,
             dotted=record.path,
             path=loc.display,
             fix="If the checkpoint was overwritten or deleted while this read ran, read it again; otherwise "
             "restore it from a good copy, or run `eqx-ckpt verify` to list every damaged leaf.",
         )
-        raise IntegrityError(message, path=loc.display, dotted=[record.path])
 
 
 def _scan(loc: Location, directory: str, leaf: str | None) -> int:

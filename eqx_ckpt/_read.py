@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from . import _dtypes, _io, _sharding
-from ._errors import LeafError, leaf_message
+from ._errors import LeafError, stored_leaf_error
 from ._manifest import LeafRecord
 from ._spec import Location
 
@@ -52,14 +52,13 @@ def host_converter(record: LeafRecord, dtype: Any, loc: Location) -> Callable[[n
 
 
 def cast_error(loc: Location, record: LeafRecord, dtype: np.dtype, why: Exception) -> LeafError:
-    message = leaf_message(
+    return stored_leaf_error(
+        LeafError,
         f"cannot convert it from {record.dtype} to {dtype}: {why}.",
-        keypath=None,
         dotted=record.path,
         path=loc.display,
         fix="Nothing was loaded. Load it into a `like` of a dtype that holds its values (or leave `cast` off).",
     )
-    return LeafError(message, path=loc.display, dotted=[record.path])
 
 
 def refuse_narrowing(loc: Location, record: LeafRecord, dtype: Any) -> None:
@@ -67,17 +66,16 @@ def refuse_narrowing(loc: Location, record: LeafRecord, dtype: Any) -> None:
     `jax.device_put` would silently wrap or round its values."""
     if not _dtypes.x64_missing(dtype):
         return
-    message = leaf_message(
+    raise stored_leaf_error(
+        LeafError,
         f"it holds {np.dtype(dtype)} values, and JAX's 64-bit mode is off, so a JAX array "
         f"would hold them as {np.dtype(dtype).name.replace('64', '32')} and change them.",
-        keypath=None,
         dotted=record.path,
         path=loc.display,
         fix="Enable it (`jax.config.update('jax_enable_x64', True)`), read the leaf as NumPy "
         "(a NumPy `like` leaf, or `np.asarray` of a lazy leaf), or load into a 32-bit `like` "
         "with `cast=True` (an error if a value does not fit).",
     )
-    raise LeafError(message, path=loc.display, dotted=[record.path])
 
 
 # A large leaf is read in slabs of whole chunks into one 64-byte-aligned buffer,
