@@ -48,7 +48,9 @@ from ._spec import Location
 # `_keypath`), the root group's metadata, an OCDBT database or a data root.
 # Names read back from a journal must match, so a damaged one cannot delete
 # anything else.
-_OURS = re.compile(r"^(%e|%i-?[0-9]+|%r[A-Za-z0-9_%-]*|[A-Za-z0-9_%-]+|zarr\.json|ocdbt\.db|gen\.[0-9a-f]+)$")
+_OURS = re.compile(
+    r"^(%e|%i-?[0-9]+|%r[A-Za-z0-9_%-]*|[A-Za-z0-9_%-]+|zarr\.json|ocdbt\.db|gen\.[0-9a-f]+|packed\.[a-z0-9_]+)$"
+)
 
 
 _GENERATION = re.compile(r"^gen\.[0-9a-f]{16}$")
@@ -95,11 +97,12 @@ def check_unchanged(loc: Location, manifest: Manifest) -> None:
         )
 
 
-def top_names(paths: Sequence[str], layout: str) -> tuple[str, ...]:
-    """The top-level entries of a data root holding leaves at dotted `paths`."""
+def top_names(paths: Sequence[str], layout: str, packs: Sequence[str] = ()) -> tuple[str, ...]:
+    """The top-level entries of a data root holding leaves at dotted `paths`
+    (those with arrays of their own) and the packs named `packs`."""
     if layout == "ocdbt":
         return (_layout.OCDBT_FOLDER,)
-    names = {"zarr.json"}
+    names = {"zarr.json", *packs}
     for path in paths:
         # A root leaf is an array at the data root itself: its chunk is `c`.
         names.add(_keypath.split_dotted(path)[0] if path else "c")
@@ -110,7 +113,8 @@ def area(manifest: Manifest) -> tuple[str, ...]:
     """The top-level entries a committed checkpoint's arrays occupy."""
     if manifest.data_root:
         return (manifest.data_root,)
-    return top_names([leaf.path for leaf in manifest.leaves], manifest.layout)
+    paths = [leaf.path for leaf in manifest.leaves if leaf.pack is None]
+    return top_names(paths, manifest.layout, [pack.name for pack in manifest.packs])
 
 
 class Transaction:
@@ -240,9 +244,17 @@ def _committed_by(loc: Location, commit_id: str) -> bool:
     return current is not None and current.commit == commit_id
 
 
-def begin(loc: Location, *, overwrite: bool, layout: str = "directories", paths: Sequence[str] = ()) -> Transaction:
+def begin(
+    loc: Location,
+    *,
+    overwrite: bool,
+    layout: str = "directories",
+    paths: Sequence[str] = (),
+    packs: Sequence[str] = (),
+) -> Transaction:
     """Take the directory's lease, clear leftovers of a save that died, and
-    choose where this save writes. `paths` are the dotted paths it will write."""
+    choose where this save writes. `paths` are the dotted paths it will write
+    (into arrays of their own or packs), `packs` the packs' names."""
     if loc.local is not None and os.path.lexists(loc.local) and not os.path.isdir(loc.local):
         raise CheckpointExistsError(
             f"{loc.display!r} is a file, not a directory. eqx_ckpt saves a checkpoint "
@@ -252,7 +264,7 @@ def begin(loc: Location, *, overwrite: bool, layout: str = "directories", paths:
     _io.ensure_directory(loc)
     lease, stale = _lease.acquire(loc, SAVING, what="save")
     try:
-        tx = _begin(loc, lease, stale, overwrite=overwrite, layout=layout, paths=paths)
+        tx = _begin(loc, lease, stale, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
     except BaseException:
         with contextlib.suppress(Exception):  # the original error matters more
             lease.release()
@@ -269,6 +281,7 @@ def _begin(
     overwrite: bool,
     layout: str,
     paths: Sequence[str],
+    packs: Sequence[str],
 ) -> Transaction:
     data, generation = _io.read_file_generation(loc, MANIFEST, limit=MAX_MANIFEST_BYTES)
     old = None if data is None else parse(data, where=loc.display)
@@ -294,7 +307,7 @@ def _begin(
     target = "" if old is None else f"gen.{commit_id}"
     tx = Transaction(loc, old, target, layout, commit_id)
     tx.expected = generation
-    tx.names = top_names(paths, layout) if target == "" else (target,)
+    tx.names = top_names(paths, layout, packs) if target == "" else (target,)
     journal = {"target": target, "layout": layout, "names": list(tx.names), "state": State.BEGUN.value}
     journal["old_names"] = list(area(old)) if old is not None else []
     lease.update(journal)

@@ -20,9 +20,11 @@ from typing import Any
 import tensorstore as ts
 
 from ._errors import CheckpointError, CheckpointTypeError, CorruptCheckpointError, IntegrityError, stored_leaf_error
-from ._local import check_leaf_files, refuse_links
+from ._local import check_leaf_files, check_pack_files, refuse_links
 from ._manifest import LeafRecord
-from ._spec import CONTEXT, UNSYNCED, Location, array_spec
+from ._spec import CACHED, CONTEXT, UNSYNCED, Location, array_spec
+
+__all__ = ["check_pack_files", "refuse_links"]
 
 
 def kvstore(loc: Location, *, synced: bool = True) -> ts.KvStore:
@@ -401,15 +403,35 @@ def create_array(loc: Location, record: LeafRecord, *, synced: bool = True) -> t
     return ts.open(spec, create=True, context=_context(loc, synced))
 
 
-def open_array(loc: Location, record: LeafRecord, *, synced: bool = True) -> ts.Future:
-    """Open a stored leaf, checking its zarr.json against the manifest: shape,
-    data type, chunks and the crc32c codec must all be as recorded."""
+def create_spec(spec: dict[str, Any], loc: Location, *, synced: bool = True) -> ts.Future:
+    return ts.open(spec, create=True, context=_context(loc, synced))
+
+
+def open_array(loc: Location, record: LeafRecord, *, synced: bool = True, checked: bool = True) -> ts.Future:
+    """Open a stored leaf (a packed one as an in-memory copy of its elements).
+
+    With `checked`, its zarr.json is read and checked against the manifest
+    (shape, data type, chunks and the crc32c codec must all be as recorded);
+    without, the manifest's metadata is taken as it is, and a file whose chunks
+    do not decode that way fails its checksum when read."""
+    if record.pack is not None:
+        from . import _pack
+
+        return _pack.open_leaf(loc, record)
     check_leaf_files(loc, record)
     refuse_beyond_memory(loc, record, record.chunk_nbytes, "one of its chunks")
     spec = array_spec(
         loc, record.directory, shape=record.stored_shape, stored_dtype=record.stored_dtype, chunks=list(record.chunks)
     )
+    if not checked:
+        return ts.open(spec, open=True, assume_metadata=True, context=_context(loc, synced))
     return ts.open(spec, open=True, context=_context(loc, synced))
+
+
+def open_spec(spec: dict[str, Any], loc: Location, *, cached: bool = False) -> ts.Future:
+    """Open an existing array from its full spec, checking its zarr.json;
+    `cached` keeps decoded chunks in a shared cache (`_spec.CACHED`)."""
+    return ts.open(spec, open=True, context=CACHED if cached else CONTEXT)
 
 
 @functools.cache
@@ -442,13 +464,17 @@ def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: s
     )
 
 
+def explain(error: BaseException) -> str:
+    """A TensorStore error's message, without the whole spec it appends (every
+    context resource, the metadata: noise to a user, and long)."""
+    return re.sub(r"\s*\[(tensorstore_spec|source locations)='.*?'\]", "", str(error), flags=re.S)
+
+
 def leaf_io_error(error: BaseException, record: LeafRecord, loc: Location, doing: str) -> CheckpointError:
     """Explain a TensorStore failure on one leaf."""
     if isinstance(error, CheckpointError):
         return error
-    # TensorStore appends the whole spec it was opening (every context resource,
-    # the metadata): noise to a user, and long.
-    text = re.sub(r"\s*\[(tensorstore_spec|source locations)='.*?'\]", "", str(error), flags=re.S)
+    text = explain(error)
     if "NOT_FOUND" in text or "DATA_LOSS" in text or "FAILED_PRECONDITION" in text or "digest" in text.lower():
         return stored_leaf_error(
             IntegrityError,

@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 
 from ._errors import CheckpointError, CorruptCheckpointError, IntegrityError, leaf_line, stored_leaf_error
-from ._manifest import LeafRecord
-from ._spec import Location
+from ._manifest import LeafRecord, PackRecord
+from ._spec import Location, dtype_from_name
 
 
 def refuse_links(loc: Location, relative: str, *, leaf: str | None = None, subtree: bool = False) -> int:
@@ -56,6 +56,28 @@ def check_leaf_files(loc: Location, record: LeafRecord) -> None:
             fix="If the checkpoint was overwritten or deleted while this read ran, read it again; otherwise "
             "restore it from a good copy, or run `eqx-ckpt verify` to list every damaged leaf.",
         )
+
+
+def check_pack_files(loc: Location, pack: PackRecord, *, leaf: str | None = None) -> None:
+    """Before a local pack is opened: no links, and enough bytes on disk.
+    `leaf` names the leaf being read, if one is."""
+    if loc.local is None:
+        return
+    found = refuse_links(loc, pack.name, leaf=leaf, subtree=True)
+    nbytes = pack.size * dtype_from_name(pack.dtype).itemsize
+    if found >= nbytes:
+        return
+    what = (
+        f"the pack {pack.name!r} (the small leaves of dtype {pack.dtype}) is damaged or incomplete: the manifest "
+        f"gives it {nbytes} bytes, but its folder holds only {found}. Nothing was read."
+    )
+    fix = (
+        "If the checkpoint was overwritten or deleted while this read ran, read it again; otherwise restore it "
+        "from a good copy, or run `eqx-ckpt verify` to list every damaged leaf."
+    )
+    if leaf is not None:
+        raise stored_leaf_error(IntegrityError, f"it is in {what}", dotted=leaf, path=loc.display, fix=fix)
+    raise CorruptCheckpointError(f"In checkpoint {loc.display!r}, {what} {fix}", path=loc.display)
 
 
 def _scan(loc: Location, directory: str, leaf: str | None) -> int:

@@ -22,8 +22,9 @@ from ._errors import CorruptCheckpointError
 
 FORMAT = "eqx_ckpt"
 # Version 2 adds the commit identity, per-save data roots (`gen.<commit>`) and
-# metrics; version 1 checkpoints are still read.
-FORMAT_VERSION = 2
+# metrics; version 3 packs small leaves together (`packs`, and a leaf's `pack`
+# and `offset`). Versions 1 and 2 are still read.
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 SAVING = "saving.json"
 # Data roots: "" or `gen.2` (version 1, alternating), `gen.<commit>` (version 2).
@@ -37,6 +38,42 @@ MAX_ELEMENTS = 2**53
 # How a leaf came in, which decides what a load gives back when `like` is silent.
 LEAF_TYPES = ("jax", "numpy", "numpy_scalar", "prng_key", "bool", "int", "float", "complex")
 ENCODINGS = ("plain", "view", "key_data")
+
+
+# A pack's folder: `packed.<stored dtype>` (a name with a `.`, so no key maps there).
+_PACK_NAME = re.compile(r"^packed\.([a-z0-9_]+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class PackRecord:
+    """One array holding several small leaves back to back (see `_pack`).
+
+    **Attributes:**
+
+    - `name`: its folder under the data root, `packed.<dtype>`.
+    - `dtype`: the stored dtype of every leaf in it.
+    - `size`: its length in elements (it is one-dimensional).
+    - `chunk`: the length of its chunks, in elements.
+    - `commit`: the commit of the manifest that lists it (not stored: it tells
+        apart the packs of two saves that used the same folder).
+    """
+
+    name: str
+    dtype: str
+    size: int
+    chunk: int
+    commit: str = dataclasses.field(default="", compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": [self.size], "chunks": [self.chunk]}
+
+
+def pack_name(stored_dtype: str) -> str:
+    return f"packed.{stored_dtype}"
+
+
+def is_pack_name(name: str) -> bool:
+    return bool(_PACK_NAME.match(name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +91,8 @@ class LeafRecord:
     - `encoding`: "plain", "view" (raw bytes as unsigned ints) or "key_data".
     - `chunks`: the zarr chunk shape.
     - `impl`: the PRNG implementation name of a key array, else "".
+    - `pack`: the pack holding it, or `None` when it has its own array.
+    - `offset`: where its elements start in its pack (C order).
     """
 
     path: str
@@ -66,6 +105,13 @@ class LeafRecord:
     encoding: str
     chunks: tuple[int, ...]
     impl: str = ""
+    pack: PackRecord | None = None
+    offset: int = 0
+
+    @property
+    def size(self) -> int:
+        """Its number of stored elements."""
+        return math.prod(self.stored_shape)
 
     @property
     def directory(self) -> str:
@@ -89,6 +135,9 @@ class LeafRecord:
         out = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         out.update(shape=list(self.shape), stored_shape=list(self.stored_shape), chunks=list(self.chunks))
         out["nbytes"] = self.nbytes
+        del out["pack"], out["offset"]
+        if self.pack is not None:
+            out.update(pack=self.pack.name, offset=self.offset)
         return out
 
 
@@ -106,6 +155,8 @@ class Manifest:
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Where the reader found it: changes when the manifest file is replaced.
     stamp: bytes = dataclasses.field(default=b"", compare=False)
+    # The arrays holding packed leaves.
+    packs: tuple[PackRecord, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -124,6 +175,7 @@ class Manifest:
             "layout": self.layout,
             "commit": self.commit,
             "metrics": self.metrics,
+            "packs": [pack.to_json() for pack in self.packs],
             "leaf_count": len(self.leaves),
             "total_bytes": self.total_bytes,
             "leaves": [leaf.to_json() for leaf in self.leaves],
@@ -143,7 +195,11 @@ def new_manifest(
     from . import __version__
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return Manifest(tuple(leaves), data_root, now, __version__, layout=layout, commit=commit, metrics=metrics or {})
+    packs = {leaf.pack.name: leaf.pack for leaf in leaves if leaf.pack is not None}
+    return Manifest(
+        tuple(leaves), data_root, now, __version__,
+        layout=layout, commit=commit, metrics=metrics or {}, packs=tuple(packs[name] for name in sorted(packs)),
+    )  # fmt: skip
 
 
 def is_data_root(name: str) -> bool:
@@ -203,13 +259,14 @@ def parse(data: bytes, *, where: str, stamp: bytes = b"") -> Manifest:
         raise bad("`metrics` is not a mapping from name to number")
     if body.get("layout", "directories") not in LAYOUTS:
         raise bad(f"layout {body.get('layout')!r} is not one of {LAYOUTS}")
+    packs = _parse_packs(body.get("packs", []), commit, bad)
     leaves = body.get("leaves")
     if not isinstance(leaves, list):
         raise bad("`leaves` is not a list")
     records = []
     for i, item in enumerate(leaves):
         try:
-            records.append(_parse_leaf(item))
+            records.append(_parse_leaf(item, packs))
         except (ValueError, TypeError, KeyError) as e:
             raise bad(f"leaf #{i} ({_peek_path(item)}): {e}") from None
     _check_paths(records, bad)
@@ -219,6 +276,7 @@ def parse(data: bytes, *, where: str, stamp: bytes = b"") -> Manifest:
     return Manifest(
         tuple(records), body["data_root"], body.get("created", ""), body.get("library_version", ""), version,
         layout=body.get("layout", "directories"), commit=commit, metrics=metrics, stamp=stamp,
+        packs=tuple(packs.values()),
     )  # fmt: skip
 
 
@@ -241,7 +299,33 @@ def _shape(value: Any, name: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _parse_leaf(item: Any) -> LeafRecord:
+def _parse_packs(items: Any, commit: str, bad: Any) -> dict[str, PackRecord]:
+    from ._dtypes import is_known_dtype
+
+    if not isinstance(items, list):
+        raise bad("`packs` is not a list")
+    packs: dict[str, PackRecord] = {}
+    for i, item in enumerate(items):
+        try:
+            if not isinstance(item, dict):
+                raise TypeError("not a JSON object")
+            name, dtype = item["name"], item["dtype"]
+            if not isinstance(name, str) or not isinstance(dtype, str):
+                raise TypeError("`name` and `dtype` must be strings")
+            if not is_known_dtype(dtype) or name != pack_name(dtype):
+                raise ValueError(f"a pack of dtype {dtype[:50]!r} cannot be named {name[:50]!r}")
+            (size,), (chunk,) = _shape(item["shape"], "shape"), _shape(item["chunks"], "chunks")
+            if not 1 <= chunk <= max(1, size):
+                raise ValueError(f"`chunks` [{chunk}] do not fit the pack's shape [{size}]")
+        except (ValueError, TypeError, KeyError) as e:
+            raise bad(f"pack #{i}: {e}") from None
+        if name in packs:
+            raise bad(f"pack {name!r} is listed twice")
+        packs[name] = PackRecord(name, dtype, size, chunk, commit)
+    return packs
+
+
+def _parse_leaf(item: Any, packs: dict[str, PackRecord]) -> LeafRecord:
     from ._dtypes import is_known_dtype
 
     if not isinstance(item, dict):
@@ -270,9 +354,20 @@ def _parse_leaf(item: Any) -> LeafRecord:
     if len(chunks) != len(stored_shape) or any(c < 1 for c in chunks):
         raise ValueError("`chunks` must give a positive size for every stored dimension")
     _check_consistent(strings["type"], strings["encoding"], shape, stored_shape, chunks)
+    pack, offset = None, 0
+    if "pack" in item:
+        pack, offset = packs.get(item["pack"]), item["offset"]
+        if pack is None:
+            raise ValueError(f"its pack {str(item['pack'])[:50]!r} is not among the manifest's `packs`")
+        if pack.dtype != strings["stored_dtype"]:
+            raise ValueError(f"it is stored as {strings['stored_dtype']}, but its pack holds {pack.dtype}")
+        if type(offset) is not int or not 0 <= offset <= pack.size - math.prod(stored_shape):
+            raise ValueError(f"`offset` {offset!r} does not place it inside its pack of {pack.size} elements")
+        if chunks != tuple(max(1, n) for n in stored_shape):
+            raise ValueError("a packed leaf is one chunk: `chunks` must equal its shape")
     return LeafRecord(
         path, keypath, strings["type"], shape, strings["dtype"], stored_shape,
-        strings["stored_dtype"], strings["encoding"], chunks, strings["impl"],
+        strings["stored_dtype"], strings["encoding"], chunks, strings["impl"], pack, offset,
     )  # fmt: skip
 
 

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _commit, _dtypes, _io, _layout, _lease, _manifest, _multihost, _tree, _write
+from . import _commit, _dtypes, _io, _layout, _lease, _manifest, _multihost, _pack, _tree, _write
 from ._errors import CheckpointError, CheckpointValueError, LeafError, leaf_message
 from ._handle import LeafHandle
 from ._lazy import LazyArray
@@ -171,7 +171,8 @@ def tree_serialise_leaves(
         one stays loadable until the new one is committed). With `False`, an
         existing checkpoint is an error.
     - `blocking`: with `False`, return a [`eqx_ckpt.PendingSave`][] as soon as
-        every array is safe on the host; writing and committing go on in the
+        every array is safe on the host (NumPy arrays are copied; a `jax.Array`
+        needs no copy); creating, writing and committing go on in the
         background. Call its `wait()` before relying on the checkpoint. A later
         save to the same `path` first waits for this one.
     - `cast`: store some arrays in another dtype: a mapping from dtype to dtype
@@ -236,6 +237,12 @@ def save(
         _layout.check(layout)
         cast_fn = _write.cast_function(cast)
         pending = _collect(loc, pytree, filter_spec, is_leaf, cast_fn)
+        if group.count == 1:
+            which = [_pack.packable(p.record, p.pieces) for p in pending]
+            for p, record in zip(pending, _pack.assign([p.record for p in pending], which)):
+                p.record = record
+        if not blocking:
+            _write.private_copies(pending)
         if layout == "ocdbt" and group.count > 1:
             raise CheckpointValueError(
                 f"`layout='ocdbt'` is not supported with {group.count} JAX processes: one "
@@ -252,22 +259,33 @@ def save(
     exclusive = _lease.acquire_exclusive(loc)
     try:
         with _io.explained(loc, "Saving checkpoint"):
-            tx = _begin(group, loc, overwrite=overwrite, layout=layout, paths=[p.record.path for p in pending])
+            records = [p.record for p in pending]
+            packs = [pack.name for pack in _pack.packs_of(records)]
+            tx = _begin(
+                group,
+                loc,
+                overwrite=overwrite,
+                layout=layout,
+                paths=[r.path for r in records if r.pack is None],
+                packs=packs,
+            )
     except BaseException:
         exclusive.release()
         tracker.close()
         raise
-    run = functools.partial(_write_and_commit, tx, group, pending, copy=not blocking, metrics=metrics, tracker=tracker)
+    run = functools.partial(_write_and_commit, tx, group, pending, metrics=metrics, tracker=tracker)
     if blocking:
         try:
             with tracker:
-                run(started=None)
+                run()
         finally:
             exclusive.release()
         return None
-    started, handoff = threading.Event(), _Handoff()
+    # Every array is safe on the host already (a jax.Array's host data never
+    # changes; NumPy arrays were copied): everything else happens in the background.
+    handoff = _Handoff()
     try:
-        pending_save = PendingSave(functools.partial(_in_background, run, started, exclusive, tracker, handoff))
+        return PendingSave(functools.partial(_in_background, run, exclusive, tracker, handoff))
     except BaseException:
         # Interrupted while the thread started: whichever side decides first
         # owns the save, so it is undone (or finished) exactly once.
@@ -276,23 +294,15 @@ def save(
             exclusive.release()
             tracker.close()
         raise
-    # Return once every array is safe on the host: staged, or copied. (If this
-    # wait is interrupted, the save goes on, and the program's exit waits for it.)
-    started.wait()
-    return pending_save
 
 
-def _in_background(
-    run: Callable[..., None], started: threading.Event, exclusive: threading.Lock, tracker: Tracker, handoff: _Handoff
-) -> None:
+def _in_background(run: Callable[[], None], exclusive: threading.Lock, tracker: Tracker, handoff: _Handoff) -> None:
     if not handoff.claim():
-        started.set()
         return  # the caller took the save back before this thread began
     try:
         with tracker:
-            run(started=started)
+            run()
     finally:
-        started.set()
         exclusive.release()
 
 
@@ -320,10 +330,8 @@ def _write_and_commit(
     group: _multihost.Group,
     pending: list[_write.Pending],
     *,
-    copy: bool,
     metrics: dict[str, Any] | None,
     tracker: Tracker,
-    started: threading.Event | None,
 ) -> None:
     """Write every array, make it durable, then commit once (process 0). Before
     the commit, any failure or interrupt deletes what this save wrote; after it,
@@ -332,11 +340,9 @@ def _write_and_commit(
     error: BaseException | None = None
     try:
         try:
-            commits = _write.start_writes(tx, pending, group, copy=copy, tracker=tracker)
+            commits = _write.start_writes(tx, pending, group, tracker=tracker)
         except Exception as e:
             error = e
-        if started is not None:
-            started.set()
         tracker.describe("save: committing")
         error = _write.wait_all(commits, error)
         # Each process makes its own writes durable; only then may process 0 commit.
@@ -384,12 +390,12 @@ def _clean(tx: _commit.Transaction) -> None:
 
 
 def _begin(
-    group: _multihost.Group, loc: Location, *, overwrite: bool, layout: str, paths: list[str]
+    group: _multihost.Group, loc: Location, *, overwrite: bool, layout: str, paths: list[str], packs: list[str]
 ) -> _commit.Transaction:
     """Process 0 begins the transaction; the others then join it."""
     if group.primary:
         try:
-            tx = _commit.begin(loc, overwrite=overwrite, layout=layout, paths=paths)
+            tx = _commit.begin(loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
         except BaseException as e:
             group.sync("begin", e)
             raise

@@ -23,6 +23,9 @@ CONTEXT = ts.Context()
 # cost seconds each batch); the save flushes once before it commits (`_io.flush`).
 # Only for the `file` driver: a `memory://` store lives in its context.
 UNSYNCED = ts.Context({"file_io_sync": False})
+# For packs read one leaf at a time: their decoded chunks are kept, so that the
+# leaves of one chunk read it once. (A child of `CONTEXT`: same `memory://` stores.)
+CACHED = ts.Context({"cache_pool": {"total_bytes_limit": 64 * 2**20}}, parent=CONTEXT)
 
 # Data types the zarr3 driver stores natively. Others (uint2, uint4, float8_e4m3)
 # are stored as the raw bytes, viewed as an unsigned integer of the same size.

@@ -6,6 +6,7 @@ any size (or a hostile one claiming an absurd shape) is checked in bounded memor
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -13,11 +14,14 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from . import _chunks, _commit, _io, _layout
+from . import _chunks, _commit, _io, _layout, _pack
 from ._errors import CheckpointError, CorruptCheckpointError
-from ._manifest import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, Manifest
+from ._manifest import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, Manifest, PackRecord
 from ._progress import Progress, Tracker
-from ._spec import Location, location
+from ._spec import Location, dtype_from_name, location
+
+# Pack chunks read at once.
+_PACK_READS = 16
 
 # Metadata keys that do not change how the bytes are read.
 _FREE_KEYS = frozenset({"attributes", "dimension_names"})
@@ -42,7 +46,7 @@ class Problem:
         import eqx_ckpt
 
         eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(3)})
-        os.remove("ckpt/w/c/0")                 # a lost chunk file
+        os.remove("ckpt/packed.float32/c/0")    # a lost chunk of the small float32 leaves
         for problem in eqx_ckpt.verify("ckpt"):
             print(problem.leaf, problem.message)   # w ...
         ```
@@ -98,9 +102,11 @@ def verify(path: Any, *, progress: Progress = None) -> list[Problem]:
         return [Problem(None, str(e))]
     problems = _check_totals(loc, manifest)
     data = _layout.data_location(loc, manifest.data_root, manifest.layout)
+    records = sorted(manifest.leaves, key=lambda r: r.path)
     with Tracker(progress, leaves=len(manifest.leaves), nbytes=manifest.total_bytes, what="verify") as tracker:
-        problems += _check_leaves(data, sorted(manifest.leaves, key=lambda r: r.path), tracker)
-    return problems
+        bad = _check_packs(data, manifest, tracker)
+        bad |= _check_leaves(data, [r for r in records if r.pack is None], tracker)
+    return problems + [bad[r.path] for r in records if r.path in bad]
 
 
 def _check_totals(loc: Location, manifest: Manifest) -> list[Problem]:
@@ -117,11 +123,56 @@ def _check_totals(loc: Location, manifest: Manifest) -> list[Problem]:
     return problems
 
 
-def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -> list[Problem]:
+def _check_packs(data: Location, manifest: Manifest, tracker: Tracker) -> dict[str, Problem]:
+    """Every pack, chunk by chunk; a damaged chunk is a problem of each leaf in it."""
+    bad: dict[str, Problem] = {}
+    for pack in manifest.packs:
+        members = sorted((r for r in manifest.leaves if r.pack == pack), key=lambda r: r.offset)
+        problem = _check_metadata(data, pack.name, (pack.size,), pack.dtype, (pack.chunk,))
+        problem = problem or _check_file_sizes(data, pack.name, pack.chunk * dtype_from_name(pack.dtype).itemsize)
+        damaged: dict[int, str] = {}
+        if problem is None:
+            try:
+                damaged = _read_pack(data, pack)
+            except CheckpointError as e:
+                problem = str(e)
+            except Exception as e:
+                problem = str(_io.leaf_io_error(e, members[0], data, "open")) if members else str(e)
+        for record in members:
+            chunks = range(record.offset // pack.chunk, -(-(record.offset + record.size) // pack.chunk))
+            why = problem or next((damaged[k] for k in chunks if k in damaged), None)
+            if why is not None:
+                bad[record.path] = Problem(record.path, f"its pack {pack.name!r} is damaged: {why}")
+        tracker.advance(leaves=len(members), nbytes=sum(r.nbytes for r in members))
+    return bad
+
+
+def _read_pack(data: Location, pack: PackRecord) -> dict[int, str]:
+    """Read every chunk of a pack, a few at a time; what is wrong, by chunk."""
+    store = _pack.open_pack(data, pack, cached=False).result()
+    damaged: dict[int, str] = {}
+    flight: collections.deque[tuple[int, Any]] = collections.deque()
+    count = -(-pack.size // pack.chunk)
+    for k in range(count + _PACK_READS):
+        if k < count:
+            flight.append((k, store[k * pack.chunk : min((k + 1) * pack.chunk, pack.size)].read()))
+        if len(flight) >= _PACK_READS or k >= count:
+            if not flight:
+                break
+            done, future = flight.popleft()
+            try:
+                future.result()
+            except Exception as e:
+                damaged[done] = _io.explain(e)
+    return damaged
+
+
+def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -> dict[str, Problem]:
     bad: dict[str, Problem] = {}
     stores: dict[str, Any] = {}
     for record in records:
-        problem = _check_metadata(data, record)
+        why = _check_metadata(data, record.directory, record.stored_shape, record.stored_dtype, record.chunks)
+        problem = None if why is None else Problem(record.path, why)
         if problem is None:
             try:
                 stores[record.path] = _io.open_array(data, record).result()
@@ -144,52 +195,55 @@ def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -
     for record, _, size in _chunks.windowed(jobs, skip=lambda r: r.path in bad, failed=failed):
         count(record, size)
     for record in records:
-        problem = None if record.path in bad else _check_file_sizes(data, record)
-        if problem is not None:
-            bad[record.path] = problem
-    return [bad[r.path] for r in records if r.path in bad]
+        if record.path not in bad:
+            why = _check_file_sizes(data, record.directory, record.chunk_nbytes)
+            if why is not None:
+                bad[record.path] = Problem(record.path, why)
+    return bad
 
 
-def _check_file_sizes(data: Location, record: LeafRecord) -> Problem | None:
+def _check_file_sizes(data: Location, directory: str, chunk_nbytes: int) -> str | None:
     """Every chunk file holds exactly one full chunk and its 4-byte checksum.
 
     TensorStore ignores bytes appended after the checksum, so reads alone would
     not notice them. Only local folders can be listed this cheaply."""
     if data.local is None:
         return None
-    folder = os.path.join(data.local, record.directory, "c")
-    expected = record.chunk_nbytes + 4
+    folder = os.path.join(data.local, directory, "c")
+    expected = chunk_nbytes + 4
     files = [folder] if os.path.isfile(folder) else [os.path.join(r, f) for r, _, fs in os.walk(folder) for f in fs]
     for file in files:
         size = os.path.getsize(file)
         if size != expected:
             name = os.path.relpath(file, data.local)
-            return Problem(record.path, f"its chunk file {name!r} is {size} bytes, not {expected}.")
+            return f"its chunk file {name!r} is {size} bytes, not {expected}."
     return None
 
 
-def _check_metadata(data: Location, record: LeafRecord) -> Problem | None:
-    """A leaf's `zarr.json` must be exactly what eqx_ckpt writes for its record."""
-    prefix = record.directory + "/" if record.directory else ""
+def _check_metadata(
+    data: Location, directory: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]
+) -> str | None:
+    """An array's `zarr.json` must be exactly what eqx_ckpt writes for it."""
+    prefix = directory + "/" if directory else ""
     try:
         raw = _io.read_file(data, prefix + "zarr.json", limit=_MAX_ZARR_JSON)
     except CheckpointError as e:
-        return Problem(record.path, str(e))
+        return str(e)
     except Exception as e:  # a damaged OCDBT database fails the read itself
-        return Problem(record.path, str(_io.leaf_io_error(e, record, data, "read")))
+        return f"its zarr.json could not be read: {_io.explain(e)}"
     if raw is None:
-        return Problem(record.path, f"its zarr.json is missing from {data.display!r}.")
+        return f"its zarr.json is missing from {data.display!r}."
     try:
         actual = json.loads(raw)
     except ValueError:
-        return Problem(record.path, "its zarr.json is not valid JSON.")
-    expected = _reference_metadata(record.stored_shape, record.stored_dtype, record.chunks)
+        return "its zarr.json is not valid JSON."
+    expected = _reference_metadata(shape, dtype, chunks)
     if not isinstance(actual, dict):
-        return Problem(record.path, "its zarr.json is not a JSON object.")
+        return "its zarr.json is not a JSON object."
     differ = sorted(k for k in (set(actual) | set(expected)) - _FREE_KEYS if actual.get(k) != expected.get(k))
     if differ:
         shown = ", ".join(f"{k}: {actual.get(k)!r} instead of {expected.get(k)!r}" for k in differ)
-        return Problem(record.path, f"its zarr.json disagrees with the manifest ({shown}).")
+        return f"its zarr.json disagrees with the manifest ({shown})."
     return None
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _commit, _dtypes, _io, _keypath, _manifest, _multihost, _sharding
+from . import _commit, _dtypes, _io, _keypath, _manifest, _multihost, _pack, _sharding
 from ._errors import CheckpointTypeError
 from ._handle import LeafHandle
 from ._lazy import LazyArray
@@ -149,25 +149,29 @@ def start_writes(
     pending: list[Pending],
     group: _multihost.Group,
     *,
-    copy: bool = False,
     tracker: Tracker | None = None,
 ) -> list[Any]:
-    """Create every array and stage every write; return once the caller may change
-    its arrays (with `copy=True`, for a save that returns before it has written,
-    NumPy arrays are copied). Returns the future that finishes when data is durable.
+    """Create every array and stage every write, then start writing them out.
+    Returns the future that finishes when the data is written (not yet durable).
 
     Process 0 creates the arrays' metadata; the other processes open the arrays
     once it has (a store cannot be written before its metadata exists).
+    Packed leaves are copied into their packs here (see `_pack`).
     """
     data, created = tx.data, None
+    own = [p for p in pending if p.record.pack is None]
+    packed = [p for p in pending if p.record.pack is not None]
+    packs = _pack.packs_of([p.record for p in packed])
     opens: list[Any] = []
     groups: list[Any] = []
     if group.primary:
         _io.ensure_directory(data)
         try:
-            for p in pending:
+            for p in own:
                 opens.append(_io.create_array(data, p.record, synced=False))
-            groups = _group_writes(data, [p.record.path for p in pending])
+            for pack in packs:
+                opens.append(_io.create_spec(_pack.spec(data, pack), data, synced=False))
+            groups = _group_writes(data, [p.record.path for p in own])
         except BaseException:
             # What was started must finish before an abort deletes it.
             settle(opens)
@@ -184,29 +188,32 @@ def start_writes(
     if not group.primary:
         opens = []
         try:
-            for p in pending:
+            for p in own:
                 opens.append(_io.open_array(data, p.record, synced=False))
         except BaseException:
             settle(opens)
             raise
     # Staged in one transaction, every write only references its source until
-    # the background commit; staging returns at once.
+    # the background commit. (The host data of a jax.Array never changes: a view
+    # of it keeps its buffer alive through `delete()` and donation; the caller's
+    # NumPy arrays were copied before an asynchronous save returned.)
     transaction, writes, counts = _io.transaction(), [], []
     try:
-        for p, opened in zip(pending, opens, strict=True):
+        for p, opened in zip(own, opens, strict=False):
             store = opened.result().with_transaction(transaction)
-            # The host data of a jax.Array never changes (a view of it keeps its buffer
-            # alive through `delete()` and donation); a NumPy array's can, so a save
-            # that returns before writing stages a copy.
-            private = copy and p.record.type == "numpy"
             for i, (index, piece) in enumerate(p.pieces):
-                source = np.array(piece, copy=True) if private else piece
                 target = store[index] if index else store
-                writes.append(target.write(source, can_reference_source_data_indefinitely=True))
+                writes.append(target.write(piece, can_reference_source_data_indefinitely=True))
                 counts.append((int(i == len(p.pieces) - 1), piece.nbytes))
+        for pack, opened in zip(packs, opens[len(own) :], strict=True):
+            members = [p for p in packed if p.record.pack is not None and p.record.pack.name == pack.name]
+            contents = _pack.buffer(pack, [p.record for p in members], [p.pieces[0][1] for p in members])
+            store = opened.result().with_transaction(transaction)
+            writes.append(store.write(contents, can_reference_source_data_indefinitely=True))
+            counts.append((len(members), sum(p.record.nbytes for p in members)))
         # Waited in order, so that progress is reported from this thread as writes complete.
         if tracker is not None:
-            tracker.advance(leaves=sum(1 for p in pending if not p.pieces))
+            tracker.advance(leaves=sum(1 for p in own if not p.pieces))
         staged = None
         for write, (leaves, nbytes) in zip(writes, counts):
             staged = staged or attempt(write.result)
@@ -220,6 +227,14 @@ def start_writes(
         transaction.abort()  # nothing was written out
         raise staged
     return [transaction.commit_async()]
+
+
+def private_copies(pending: list[Pending]) -> None:
+    """Copy the host data of NumPy leaves, which the caller may change once an
+    asynchronous save has returned (a jax.Array's host data never changes)."""
+    for p in pending:
+        if p.record.type == "numpy":
+            p.pieces = [(index, np.array(piece, copy=True)) for index, piece in p.pieces]
 
 
 _GROUP = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()

@@ -41,7 +41,7 @@ def test_every_measurement_ran_and_loaded_the_saved_values(results):
     assert saves["raw"]["files"] == 1
     # The raw file is the arrays' bytes back to back, nothing else.
     assert saves["raw"]["bytes"] == workload.state_bytes(workload.skeleton(workload.PRESETS["tiny"]))
-    assert saves["eqx_ckpt"]["files"] > 88 and saves["eqx_ckpt"]["bytes"] > saves["raw"]["bytes"]
+    assert saves["eqx_ckpt"]["files"] >= 4 and saves["eqx_ckpt"]["bytes"] > saves["raw"]["bytes"]
     # The checkpoints are deleted after the run.
     assert not any((directory / "run-tiny").glob("*"))
 

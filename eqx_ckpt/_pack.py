@@ -1,0 +1,190 @@
+"""Small leaves packed together: one zarr v3 array per stored dtype.
+
+A leaf of at most `PACK_BYTES` stored bytes does not get a folder of its own:
+its elements (C order) are placed in the one-dimensional array
+`packed.<dtype>/` of the data root, at an offset the manifest records, each
+leaf starting on a 64-byte boundary. The pack is an ordinary zarr v3 array
+(chunks of `PACK_CHUNK_BYTES`, each with its crc32c), so any zarr v3 reader
+gets a leaf back as `pack[offset : offset + size].reshape(shape)`; eqx_ckpt
+addresses it by its dotted path everywhere, as any other leaf.
+
+Why: a folder, a `zarr.json`, a chunk file and a TensorStore open per leaf cost
+far more than the bytes of a small leaf (ten thousand 4 kB leaves took seconds
+to save and load, against a fraction of a second for one file). Leaves are
+packed in the order of their dotted paths, so a sub-tree (`model`, say) is one
+contiguous run of the pack and a partial load reads only the chunks it covers.
+
+Only single-process saves pack, and only leaves whose data is one host piece
+(not sharded over several devices): those are written by one writer in one go.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _dtypes, _io
+from ._manifest import LeafRecord, PackRecord, pack_name
+from ._spec import Location
+
+# Leaves of at most this many stored bytes are packed.
+PACK_BYTES = 1 << 20
+# The chunk length of a pack, in bytes: what a partial load reads at least.
+PACK_CHUNK_BYTES = 4 << 20
+ALIGN_BYTES = 64
+# Two runs of a load closer than this are read as one.
+_GAP_BYTES = 256 << 10
+
+
+def packable(record: LeafRecord, pieces: Sequence[tuple[tuple[slice, ...], Any]]) -> bool:
+    return record.nbytes <= PACK_BYTES and len(pieces) == 1 and not pieces[0][0]
+
+
+def assign(records: Sequence[LeafRecord], which: Sequence[bool]) -> list[LeafRecord]:
+    """`records`, with those `which` selects placed in packs by dtype, in order."""
+    ends: dict[str, int] = collections.defaultdict(int)
+    placed: list[tuple[int, str, int]] = []
+    for i, (record, chosen) in enumerate(zip(records, which, strict=True)):
+        if chosen:
+            dtype = record.stored_dtype
+            step = max(1, ALIGN_BYTES // _dtypes.dtype_from_name(dtype).itemsize)
+            offset = -(-ends[dtype] // step) * step
+            ends[dtype] = offset + record.size
+            placed.append((i, dtype, offset))
+    packs = {}
+    for dtype, size in ends.items():
+        itemsize = _dtypes.dtype_from_name(dtype).itemsize
+        chunk = max(1, min(size, PACK_CHUNK_BYTES // itemsize))
+        packs[dtype] = PackRecord(pack_name(dtype), dtype, size, chunk)
+    out = list(records)
+    for i, dtype, offset in placed:
+        out[i] = _with_pack(records[i], packs[dtype], offset)
+    return out
+
+
+def _with_pack(record: LeafRecord, pack: PackRecord, offset: int) -> LeafRecord:
+    import dataclasses
+
+    chunks = tuple(max(1, n) for n in record.stored_shape)
+    return dataclasses.replace(record, pack=pack, offset=offset, chunks=chunks)
+
+
+def packs_of(records: Sequence[LeafRecord]) -> list[PackRecord]:
+    """Every pack `records` use, by name."""
+    found = {r.pack.name: r.pack for r in records if r.pack is not None}
+    return [found[name] for name in sorted(found)]
+
+
+def buffer(pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequence[np.ndarray]) -> np.ndarray:
+    """The contents of `pack`: each leaf's bytes at its offset (zeros between)."""
+    out = np.zeros(pack.size, _dtypes.dtype_from_name(pack.dtype))
+    for record, piece in zip(records, pieces, strict=True):
+        out[record.offset : record.offset + record.size] = np.asarray(piece).reshape(-1)
+    return out
+
+
+def spec(loc: Location, pack: PackRecord) -> dict[str, Any]:
+    from ._spec import array_spec
+
+    return array_spec(loc, pack.name, shape=(pack.size,), stored_dtype=pack.dtype, chunks=[pack.chunk])
+
+
+# Packs opened for reading single leaves (lazy leaves, `Checkpoint[...]`, verify,
+# diff), with a cache of their decoded chunks: reading a hundred leaves of one
+# chunk reads (and checks) that chunk once.
+_OPEN: collections.OrderedDict[str, Any] = collections.OrderedDict()
+_OPEN_MAX = 8
+
+
+def open_pack(loc: Location, pack: PackRecord, *, cached: bool, leaf: str | None = None) -> Any:
+    """A future of the pack's TensorStore array (its `zarr.json` is read and
+    checked against the manifest). `leaf` names the leaf it is opened for."""
+    _io.check_pack_files(loc, pack, leaf=leaf)
+    if not cached:
+        return _io.open_spec(spec(loc, pack), loc)
+    key = json.dumps([loc.kvstore, pack.name, pack.size, pack.chunk, pack.commit], sort_keys=True)
+    opened = _OPEN.get(key)
+    if opened is None:
+        opened = _io.open_spec(spec(loc, pack), loc, cached=True)
+        _OPEN[key] = opened
+        while len(_OPEN) > _OPEN_MAX:
+            _OPEN.popitem(last=False)
+    _OPEN.move_to_end(key)
+    return opened
+
+
+def open_leaf(loc: Location, record: LeafRecord) -> Any:
+    """A future of one packed leaf as an in-memory TensorStore array of its
+    stored shape (a packed leaf is small: it is read when opened)."""
+    import tensorstore as ts
+
+    assert record.pack is not None
+    opened = open_pack(loc, record.pack, cached=True, leaf=record.path)
+    promise, future = ts.Promise.new()
+    try:
+        read = opened.result()[record.offset : record.offset + record.size].read()
+    except Exception as e:  # raised by whoever waits for the leaf, as any read error
+        promise.set_exception(e)
+        return future
+
+    def done(f: Any) -> None:
+        try:
+            promise.set_result(ts.array(f.result().reshape(record.stored_shape)))
+        except Exception as e:
+            promise.set_exception(e)
+
+    read.add_done_callback(done)
+    return future
+
+
+def read_leaves(
+    loc: Location, records: Sequence[LeafRecord], *, window: int
+) -> Iterator[tuple[list[int], int, Callable[[], np.ndarray]]]:
+    """Read packed leaves in a few large reads: for each run of a pack that
+    covers some of them, `(indices into records, start, finish)`, where
+    `finish()` waits and returns the run's elements from offset `start` on.
+
+    Runs are started ahead of their use, within `window` bytes."""
+    by_pack: dict[str, list[int]] = collections.defaultdict(list)
+    for i, record in enumerate(records):
+        assert record.pack is not None
+        by_pack[record.pack.name].append(i)
+    runs: list[tuple[PackRecord, int, int, list[int]]] = []
+    for indices in by_pack.values():
+        pack = records[indices[0]].pack
+        assert pack is not None
+        itemsize = _dtypes.dtype_from_name(pack.dtype).itemsize
+        gap, most = _GAP_BYTES // itemsize, max(window // itemsize, pack.chunk)
+        indices.sort(key=lambda i: records[i].offset)
+        start = stop = -1
+        members: list[int] = []
+        for i in indices:
+            lo, hi = records[i].offset, records[i].offset + records[i].size
+            if members and (lo > stop + gap or hi - start > most):
+                runs.append((pack, start, stop, members))
+                members = []
+            if not members:
+                start, stop = lo, hi
+            stop = max(stop, hi)
+            members.append(i)
+        if members:
+            runs.append((pack, start, stop, members))
+    stores = {pack.name: open_pack(loc, pack, cached=False) for pack, *_ in runs}
+    flight: collections.deque[tuple[list[int], int, Any, int]] = collections.deque()
+    in_flight = 0
+    for pack, start, stop, members in runs:
+        size = (stop - start) * _dtypes.dtype_from_name(pack.dtype).itemsize
+        while flight and in_flight + size > window:
+            *done, done_size = flight.popleft()
+            in_flight -= done_size
+            yield done[0], done[1], done[2]
+        store = stores[pack.name].result()
+        flight.append((members, start, store[start:stop].read().result, size))
+        in_flight += size
+    while flight:
+        members, start, finish, _ = flight.popleft()
+        yield members, start, finish

@@ -1,0 +1,270 @@
+"""Small leaves packed into one zarr v3 array per dtype (eqx_ckpt/_pack.py):
+the files on disk, reading a packed leaf without eqx_ckpt, every kind of load,
+damage to a pack, hostile pack records, and checkpoints written before packing."""
+
+import hashlib
+import json
+import os
+import pathlib
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+
+import eqx_ckpt
+from eqx_ckpt import _pack
+
+
+def _tree():
+    return {
+        "model": {
+            "w": jnp.arange(12.0).reshape(3, 4),
+            "b": jnp.ones(5, jnp.bfloat16),
+            "big": jnp.arange(300_000, dtype=jnp.float32),  # 1.2 MB: an array of its own
+        },
+        "opt": {"count": np.int32(7), "mu": np.full((2, 3), 2.5, np.float32), "flag": True},
+        "key": jax.random.key(3),
+    }
+
+
+def _manifest(path: pathlib.Path) -> dict:
+    return json.loads((path / "manifest.json").read_text())
+
+
+def _leaf(body: dict, name: str) -> dict:
+    return next(leaf for leaf in body["leaves"] if leaf["path"] == name)
+
+
+def test_small_leaves_share_one_array_per_dtype(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, _tree())
+    names = sorted(os.listdir(tmp_path))
+    assert names == [
+        "manifest.json", "model", "packed.bfloat16", "packed.bool", "packed.float32", "packed.int32",
+        "packed.uint32", "zarr.json",
+    ]  # fmt: skip
+    # Only the large leaf has a folder of its own.
+    assert sorted(os.listdir(tmp_path / "model")) == ["big", "zarr.json"]
+    body = _manifest(tmp_path)
+    assert body["format_version"] == 3
+    packs = {pack["name"]: pack for pack in body["packs"]}
+    assert set(packs) == {n for n in names if n.startswith("packed.")}
+    w, mu = _leaf(body, "model.w"), _leaf(body, "opt.mu")
+    assert w["pack"] == mu["pack"] == "packed.float32"
+    assert "pack" not in _leaf(body, "model.big")
+    # Every leaf starts on a 64-byte boundary, in dotted-path order.
+    assert (w["offset"] * 4) % 64 == 0 and (mu["offset"] * 4) % 64 == 0 and w["offset"] < mu["offset"]
+
+
+def test_a_packed_leaf_reads_back_with_tensorstore_alone(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, _tree())
+    leaf = _leaf(_manifest(tmp_path), "opt.mu")
+    pack = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / leaf["pack"])}}).result()
+    size = int(np.prod(leaf["shape"]))
+    values = pack[leaf["offset"] : leaf["offset"] + size].read().result().reshape(leaf["shape"])
+    np.testing.assert_array_equal(values, np.full((2, 3), 2.5, np.float32))
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_every_load_of_packed_leaves(tmp_path, lazy):
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    skeleton = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x, tree)
+    back = eqx_ckpt.tree_deserialise_leaves(tmp_path, skeleton, lazy=lazy)
+    assert eqx.tree_equal(eqx_ckpt.materialise(back), tree, typematch=True)
+    model = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree["model"], prefix="model", lazy=lazy)
+    assert eqx.tree_equal(eqx_ckpt.materialise(model), tree["model"], typematch=True)
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)
+    np.testing.assert_array_equal(ckpt["model.w"][1:, ::2], np.arange(12.0).reshape(3, 4)[1:, ::2])
+    assert ckpt["opt.count"] == 7 and ckpt["opt.flag"] is True
+    assert eqx_ckpt.verify(tmp_path) == []
+    assert not eqx_ckpt.diff(tmp_path, tmp_path)
+
+
+def test_a_packed_leaf_loads_onto_several_devices(tmp_path):
+    mesh = jax.make_mesh((4,), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    tree = {"v": jnp.arange(8.0)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert "pack" in _leaf(_manifest(tmp_path), "v")
+    like = {"v": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=sharding)}
+    back = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    assert back["v"].sharding == sharding and eqx.tree_equal(back, tree, typematch=True)
+
+
+def test_a_sharded_leaf_keeps_its_own_array(tmp_path):
+    mesh = jax.make_mesh((4,), ("x",))
+    sharded = jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"v": sharded, "s": jnp.ones(3)})
+    body = _manifest(tmp_path)
+    assert "pack" not in _leaf(body, "v") and "pack" in _leaf(body, "s")
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"v": sharded, "s": jnp.ones(3)})["v"], sharded)
+
+
+def test_overwrites_remove_the_old_packs(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.ones(3)})
+    assert "packed.float32" in os.listdir(tmp_path)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(3, jnp.int32)})
+    (generation,) = [n for n in os.listdir(tmp_path) if n.startswith("gen.")]
+    assert sorted(os.listdir(tmp_path)) == [generation, "manifest.json"]
+    assert sorted(os.listdir(tmp_path / generation)) == ["packed.int32", "zarr.json"]
+    assert eqx.tree_equal(
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"a": jnp.ones(3, jnp.int32)}), {"a": jnp.zeros(3, jnp.int32)}
+    )
+
+
+def _many(count=2000):
+    return {f"l{i:04d}": np.full(1000, i, np.float32) for i in range(count)}  # 4 kB each
+
+
+def _damage_chunk(path: pathlib.Path, name: str, index: int) -> None:
+    chunk = path / name / "c" / str(index)
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+
+
+def _chunk_of(body: dict, name: str) -> int:
+    pack = next(p for p in body["packs"] if p["name"] == "packed.float32")
+    return _leaf(body, name)["offset"] // pack["chunks"][0]
+
+
+def test_damage_to_a_pack_names_the_leaves_in_that_chunk(tmp_path):
+    tree = _many()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    body = _manifest(tmp_path)
+    assert len(os.listdir(tmp_path / "packed.float32" / "c")) >= 2, "the test needs a pack of several chunks"
+    _damage_chunk(tmp_path, "packed.float32", 1)
+    in_chunk = sorted(
+        k
+        for k in tree
+        if _leaf(body, k)["offset"] // _pack_chunk(body) <= 1 <= (_leaf(body, k)["offset"] + 999) // _pack_chunk(body)
+    )
+    problems = eqx_ckpt.verify(tmp_path)
+    assert [p.leaf for p in problems] == in_chunk
+    assert all("packed.float32" in p.message and "damaged" in p.message for p in problems)
+    # A load that needs the chunk fails naming a leaf in it...
+    with pytest.raises(eqx_ckpt.IntegrityError, match=in_chunk[0]):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
+    with pytest.raises(eqx_ckpt.IntegrityError, match=in_chunk[-1]):
+        eqx_ckpt.Checkpoint(tmp_path)[in_chunk[-1]][...]
+    # ...one that does not never reads it: a partial load reads only its chunks.
+    first = {k: v for k, v in tree.items() if _chunk_of(body, k) == 0 and k not in in_chunk}
+    back = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree, where=lambda t: [t[k] for k in first])
+    assert eqx.tree_equal({k: back[k] for k in first}, first)
+
+
+def _pack_chunk(body: dict) -> int:
+    return next(p for p in body["packs"] if p["name"] == "packed.float32")["chunks"][0]
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated", "appended"])
+def test_a_missing_or_resized_pack_chunk_is_found(tmp_path, damage):
+    tree = _many()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    chunk = tmp_path / "packed.float32" / "c" / "0"
+    if damage == "deleted":
+        chunk.unlink()
+    elif damage == "truncated":
+        chunk.write_bytes(chunk.read_bytes()[:-10])
+    else:
+        chunk.write_bytes(chunk.read_bytes() + b"\0")
+    problems = eqx_ckpt.verify(tmp_path)
+    assert "l0000" in [p.leaf for p in problems]
+    if damage != "appended":  # bytes after the checksum change no value; verify alone reports them
+        with pytest.raises(eqx_ckpt.IntegrityError, match="l0000"):
+            eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
+
+
+def _digest(body: dict) -> str:
+    content = {k: v for k, v in body.items() if k != "digest"}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _rewrite(path: pathlib.Path, edit) -> None:
+    body = _manifest(path)
+    edit(body)
+    body["digest"] = _digest(body)
+    (path / "manifest.json").write_text(json.dumps(body))
+
+
+def _edit_leaf(name, **fields):
+    return lambda body: _leaf(body, name).update(fields)
+
+
+def _edit_pack(**fields):
+    return lambda body: body["packs"][0].update(fields)
+
+
+HOSTILE = {
+    "offset beyond the pack": (_edit_leaf("a", offset=10**9), "does not place it inside its pack"),
+    "negative offset": (_edit_leaf("a", offset=-1), "does not place it inside its pack"),
+    "offset not an integer": (_edit_leaf("a", offset=1.5), "does not place it inside its pack"),
+    "unknown pack": (_edit_leaf("a", pack="packed.int8"), "is not among the manifest's `packs`"),
+    "pack of another dtype": (_edit_leaf("a", stored_dtype="int32", dtype="int32"), "but its pack holds float32"),
+    "pack name leads elsewhere": (_edit_pack(name="../../etc"), "cannot be named"),
+    "pack name of another dtype": (_edit_pack(name="packed.int8"), "cannot be named"),
+    "absurd pack": (_edit_pack(shape=[2**60]), "more than 2\\*\\*53 elements"),
+    "chunks beyond the pack": (_edit_pack(chunks=[10**6]), "do not fit the pack's shape"),
+    "packs not a list": (lambda body: body.update(packs={}), "`packs` is not a list"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_pack_records_are_refused(tmp_path, name):
+    edit, message = HOSTILE[name]
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.ones(3), "b": jnp.zeros(2)})
+    _rewrite(tmp_path, edit)
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=message):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"a": jnp.ones(3), "b": jnp.zeros(2)})
+
+
+def test_a_pack_folder_symlink_is_refused(tmp_path):
+    path = tmp_path / "ckpt"
+    eqx_ckpt.tree_serialise_leaves(path, {"a": jnp.ones(3)})
+    outside = tmp_path / "outside"
+    (path / "packed.float32").rename(outside)
+    (path / "packed.float32").symlink_to(outside)
+    with pytest.raises(eqx_ckpt.IntegrityError, match="symbolic link"):
+        eqx_ckpt.tree_deserialise_leaves(path, {"a": jnp.ones(3)})
+
+
+def test_checkpoints_written_before_packing_still_load(tmp_path, monkeypatch):
+    tree = _tree()
+    monkeypatch.setattr(_pack, "PACK_BYTES", -1)  # a leaf folder each, as format 2 wrote
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    monkeypatch.undo()
+
+    def version_2(body):
+        body["format_version"] = 2
+        del body["packs"]
+
+    _rewrite(tmp_path, version_2)
+    assert os.path.isdir(tmp_path / "model" / "w")
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+    assert eqx_ckpt.Checkpoint(tmp_path).format_version == 2 and eqx_ckpt.verify(tmp_path) == []
+    # Overwritten by this version, it is packed, and the old folders are gone.
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert not os.path.exists(tmp_path / "model") and _manifest(tmp_path)["format_version"] == 3
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+
+
+def test_ocdbt_layout_packs_too(tmp_path):
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree, layout="ocdbt")
+    assert any(leaf.get("pack") for leaf in _manifest(tmp_path)["leaves"])
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+    assert eqx_ckpt.verify(tmp_path) == []
+
+
+def test_an_asynchronous_save_copies_numpy_leaves_before_it_returns(tmp_path):
+    tree = _many(200)
+    expected = {k: v.copy() for k, v in tree.items()}
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, blocking=False)
+    for value in tree.values():
+        value[:] = -1  # the caller changes its arrays while the save is written
+    pending.wait()
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), expected)
