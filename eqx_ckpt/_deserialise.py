@@ -494,6 +494,12 @@ def _read_packed(
         try:
             run = finish()
         except Exception as e:
+            # Which leaf of the run is damaged: read them one by one.
+            for m in members:
+                try:
+                    _pack.read_each(data, [records[m]])
+                except Exception as each:
+                    raise _io.leaf_io_error(each, records[m], data, "read") from e
             raise _io.leaf_io_error(e, records[members[0]], data, "read") from e
         hosts = [run[records[m].offset - start :][: records[m].size].reshape(records[m].stored_shape) for m in members]
         values = _read.place(data, hosts, [records[m] for m in members], [plans[m].like for m in members])

@@ -141,6 +141,13 @@ def open_leaf(loc: Location, record: LeafRecord) -> Any:
     return future
 
 
+def read_each(loc: Location, records: Sequence[LeafRecord]) -> None:
+    """Read `records` one by one, to name the first one that cannot be read
+    (after a run holding them failed)."""
+    for record in records:
+        open_leaf(loc, record).result()
+
+
 def read_leaves(
     loc: Location, records: Sequence[LeafRecord], *, window: int
 ) -> Iterator[tuple[list[int], int, Callable[[], np.ndarray]]]:
@@ -173,7 +180,7 @@ def read_leaves(
             members.append(i)
         if members:
             runs.append((pack, start, stop, members))
-    stores = {pack.name: open_pack(loc, pack, cached=False) for pack, *_ in runs}
+    stores = {pack.name: open_pack(loc, pack, cached=False, leaf=records[m[0]].path) for pack, _, _, m in runs}
     flight: collections.deque[tuple[list[int], int, Any, int]] = collections.deque()
     in_flight = 0
     for pack, start, stop, members in runs:

@@ -171,7 +171,7 @@ def start_writes(
                 opens.append(_io.create_array(data, p.record, synced=False))
             for pack in packs:
                 opens.append(_io.create_spec(_pack.spec(data, pack), data, synced=False))
-            groups = _group_writes(data, [p.record.path for p in own])
+            groups = _group_writes(data, [p.record.path for p in own], root=bool(packs))
         except BaseException:
             # What was started must finish before an abort deletes it.
             settle(opens)
@@ -240,10 +240,10 @@ def private_copies(pending: list[Pending]) -> None:
 _GROUP = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
 
 
-def _group_writes(data: Location, paths: list[str]) -> list[Any]:
-    """Zarr v3 group metadata for every directory above a leaf, so zarr tools
-    can walk the tree."""
-    groups = {""} if paths and paths != [""] else set()
+def _group_writes(data: Location, paths: list[str], *, root: bool) -> list[Any]:
+    """Zarr v3 group metadata for every directory above a leaf (and for the data
+    root when it holds packs), so zarr tools can walk the tree."""
+    groups = {""} if root or (paths and paths != [""]) else set()
     for path in paths:
         parts = _keypath.split_dotted(path)
         groups.update(".".join(parts[:i]) for i in range(1, len(parts)))
