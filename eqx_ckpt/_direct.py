@@ -9,13 +9,20 @@ and each chunk's crc32c is checked with the hardware instruction (the `crc32c`
 package: it takes any buffer and releases the GIL; `google-crc32c` 1.9 accepts
 only `bytes`, which would cost a copy, and releases the GIL only for those).
 
-The buffer is anonymous `mmap` memory, as `benchmarks/contenders.py` reads into:
-on the 2-core development VM, a 1 GiB file from the page cache read by 4 threads
-into a fresh buffer ran at a median 1.0-1.5 GB/s into `mmap` memory (0.96-1.58
-over 10 runs) and 1.0-1.4 GB/s into `np.empty` (0.48-1.82: NumPy asks for huge
-pages, and compacting memory for them stalls some runs). Populating the mapping
-up front (`MAP_POPULATE`) was no faster overall. Faulting in fresh pages, not
-copying, dominates there: a pre-faulted buffer took the same read at 3.2 GB/s.
+The buffer is anonymous `mmap` memory, as `benchmarks/contenders.py` reads into.
+On the 2-core development VM (shared, load 3-4), 4 threads reading a 1 GiB file
+from the page cache into a fresh buffer, three batches of 5 runs, gave medians
+of 0.99, 1.17 and 1.49 GB/s into `mmap` memory (runs 0.95-1.58) and 0.97, 1.01
+and 1.44 GB/s into `np.empty` (runs 0.48-1.82: NumPy asks for huge pages, and
+compacting memory for them stalls some runs). Populating the mapping first
+(`MAP_POPULATE`, 1.30-1.32) was no clear gain; populating each piece in its
+thread (`MADV_POPULATE_WRITE`, 0.63) a loss. Faulting in fresh pages dominates
+there: into a buffer already faulted in, one thread read at 3.2 GB/s.
+
+A 1 GiB float32 leaf (16 chunks of 64 MiB) to a JAX array on the same VM (load
+5-6), median of 7 (`benchmarks/direct_read.py`): warm 1.88 s here, 1.71 s by
+raw parallel `pread` of the same bytes as one file, 7.87 s by TensorStore's
+read; cold 3.12, 2.81 and 11.2 s.
 
 The bytes are returned as stored; decoding ("view", "key_data") is the caller's.
 Only eqx_ckpt's own zarr v3 arrays (`Source.opener is None`) are laid out so.
