@@ -5,6 +5,7 @@ import dataclasses
 import os
 import pathlib
 import re
+import shutil
 import threading
 import time
 
@@ -212,3 +213,9 @@ def test_interrupt_waits_for_the_readers(tmp_path, small, monkeypatch):
     assert len(started) < 64, "the reads not yet started are cancelled"
     time.sleep(0.05)
     assert finished_after == []
+
+
+def test_missing_folder(tmp_path, small):
+    data, record, folder = _damage_setup(tmp_path)
+    shutil.rmtree(folder)
+    _refused(data, record, "folder cannot be opened")
