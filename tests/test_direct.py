@@ -1,0 +1,221 @@
+"""`_direct.read_leaf`: a large local leaf read straight into one aligned buffer
+gives TensorStore's bytes, and refuses every kind of damage naming the leaf."""
+
+import dataclasses
+import os
+import pathlib
+import re
+import shutil
+import threading
+import time
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+import eqx_ckpt
+from eqx_ckpt import _direct, _io, _spec
+from eqx_ckpt._manifest import LeafRecord
+from eqx_ckpt._source import open_source
+
+
+@pytest.fixture
+def small(monkeypatch):
+    """Chunks of at most 1 KiB read in pieces of 1000 bytes (cutting through
+    elements), and no size floor, so small arrays exercise many chunks, pieces
+    and an edge chunk."""
+    monkeypatch.setattr(_spec, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(_direct, "PIECE_BYTES", 1000)
+    monkeypatch.setattr(_direct, "MIN_BYTES", 1)
+
+
+def _values(shape, dtype):
+    rng = np.random.default_rng(0)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, shape).astype(np.bool_)
+    if np.dtype(dtype).kind in "iu":
+        return rng.integers(-100, 100, shape).astype(dtype)
+    if np.dtype(dtype).kind == "c":
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _saved(path, tree):
+    eqx_ckpt.tree_serialise_leaves(path, tree)
+    return open_source(path).data, eqx_ckpt.Checkpoint(path)
+
+
+def _ts_read(data, record):
+    return _io.open_array(data, record).result().read().result()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int8, np.bool_, np.complex64])
+@pytest.mark.parametrize("shape", [(1001, 3), (4099,), (101, 5, 3)])
+def test_same_bytes_as_tensorstore(tmp_path, small, dtype, shape):
+    x = _values(shape, dtype)
+    data, ckpt = _saved(tmp_path, {"model": {"w": x}})
+    record = ckpt.record("model.w")
+    assert record.chunks[0] < shape[0] and shape[0] % record.chunks[0], "want several chunks and an edge chunk"
+    y = _direct.read_leaf(data, record)
+    assert y.dtype == np.dtype(dtype) and y.shape == shape and y.flags.c_contiguous
+    np.testing.assert_array_equal(y, _ts_read(data, record))
+    np.testing.assert_array_equal(y, x)
+
+
+def test_default_pieces_and_chunks(tmp_path, monkeypatch):
+    # Real constants, but chunks of 256 KiB: a 4 MiB leaf in 16 chunks and one piece each.
+    monkeypatch.setattr(_spec, "CHUNK_BYTES", 2**18)
+    x = _values((1025, 1024), np.float32)
+    data, ckpt = _saved(tmp_path, {"w": x})
+    np.testing.assert_array_equal(_direct.read_leaf(data, ckpt.record("w")), x)
+
+
+def test_stored_encodings_come_back_as_stored(tmp_path, small):
+    # "view" (float8_e4m3 as raw bytes) and "key_data" leaves: the stored bytes, undecoded.
+    f8 = _values((300, 7), np.float32).astype(ml_dtypes.float8_e4m3)
+    tree = {"f8": f8, "key": jax.random.split(jax.random.key(0), 700)}
+    data, ckpt = _saved(tmp_path, tree)
+    for name in tree:
+        record = ckpt.record(name)
+        assert record.encoding in ("view", "key_data")
+        np.testing.assert_array_equal(_direct.read_leaf(data, record), _ts_read(data, record))
+
+
+def test_tensorstore_pads_edge_chunks_to_full_size(tmp_path, small):
+    """What `read_leaf` relies on: TensorStore itself writes an edge chunk as a
+    whole chunk plus the checksum."""
+    loc = _spec.location(tmp_path)
+    record = LeafRecord("x", [["key", "x"]], "numpy", (10, 3), "int16", (10, 3), "int16", "plain", (4, 3))
+    x = np.arange(30, dtype=np.int16).reshape(10, 3)
+    _io.create_array(loc, record).result().write(x).result()
+    sizes = {name: os.path.getsize(tmp_path / "x" / "c" / name / "0") for name in os.listdir(tmp_path / "x" / "c")}
+    assert sizes == {"0": 4 * 3 * 2 + 4, "1": 4 * 3 * 2 + 4, "2": 4 * 3 * 2 + 4}
+    np.testing.assert_array_equal(_direct.read_leaf(loc, record), x)
+
+
+def test_aligned_and_adopted_by_jax(tmp_path, small):
+    data, ckpt = _saved(tmp_path, {"w": _values((1001, 3), np.float32)})
+    y = _direct.read_leaf(data, ckpt.record("w"))
+    assert y.ctypes.data % 64 == 0
+    device = jax.devices("cpu")[0]
+    assert jax.device_put(y, device).unsafe_buffer_pointer() == y.ctypes.data
+
+
+def test_ineligible_leaves(tmp_path, monkeypatch):
+    monkeypatch.setattr(_spec, "CHUNK_BYTES", 4096)
+    tree = {"small": np.ones(10, np.float32), "wide": np.ones((1, 300_000), np.float32), "tall": np.ones((300_000, 1))}
+    data, ckpt = _saved(tmp_path / "local", tree)
+    assert _direct.read_leaf(data, ckpt.record("small")) is None  # under MIN_BYTES
+    assert ckpt.record("wide").chunks[1] < 300_000
+    assert _direct.read_leaf(data, ckpt.record("wide")) is None  # chunks split the second axis
+    assert _direct.read_leaf(data, ckpt.record("tall")) is not None
+    for elsewhere, options in [("memory://direct/", {}), (tmp_path / "ocdbt", {"layout": "ocdbt"})]:
+        eqx_ckpt.tree_serialise_leaves(elsewhere, tree, **options)
+        assert _direct.read_leaf(open_source(elsewhere).data, ckpt.record("tall")) is None
+
+
+def _damage_setup(tmp_path):
+    # Chunks of 63 rows: c/3/0 is the edge chunk, 61 rows and 2 of padding.
+    data, ckpt = _saved(tmp_path, {"model": {"w": _values((250, 3), np.float32)}})
+    record = ckpt.record("model.w")
+    assert record.chunks == (63, 3)
+    folder = pathlib.Path(data.local, record.directory)
+    return data, record, folder
+
+
+def _refused(data, record, *words):
+    with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("`model.w`")) as info:
+        _direct.read_leaf(data, record)
+    assert info.value.dotted == ("model.w",)
+    for word in words:
+        assert word in str(info.value)
+
+
+def _edit(chunk: pathlib.Path, edit):
+    data = bytearray(chunk.read_bytes())
+    edit(data)
+    chunk.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda c: c.unlink(), ["'c/3/0'", "missing"]),
+        (lambda c: _edit(c, lambda d: d.pop()), ["'c/3/0'", "holds"]),
+        (lambda c: _edit(c, lambda d: d.append(0)), ["'c/3/0'", "holds"]),
+        (lambda c: c.write_bytes(b""), ["'c/3/0'", "holds 0 bytes"]),
+        (lambda c: _edit(c, lambda d: d.__setitem__(5, d[5] ^ 0x10)), ["'c/3/0'", "checksum"]),
+        (lambda c: _edit(c, lambda d: d.__setitem__(-1, d[-1] ^ 0x01)), ["'c/3/0'", "checksum"]),
+        (lambda c: _edit(c, lambda d: d.__setitem__(-6, d[-6] ^ 0x01)), ["'c/3/0'", "checksum"]),  # edge padding
+        (lambda c: (c.unlink(), c.mkdir()), ["'c/3/0'", "not a regular file"]),
+        (lambda c: (c.unlink(), os.mkfifo(c)), ["'c/3/0'", "not a regular file"]),
+    ],
+    ids=["missing", "shorter", "longer", "empty", "data", "checksum", "padding", "folder", "fifo"],
+)
+def test_damaged_chunk(tmp_path, small, damage, words):
+    data, record, folder = _damage_setup(tmp_path)
+    damage(folder / "c" / "3" / "0")
+    _refused(data, record, *words)
+
+
+@pytest.mark.parametrize("where", ["model", "model/w", "model/w/c", "model/w/c/1", "model/w/c/1/0"])
+def test_links_are_refused(tmp_path, small, where):
+    """A folder or chunk file replaced by a link to its copy outside the checkpoint."""
+    data, record, _ = _damage_setup(tmp_path / "ckpt")
+    inside, outside = pathlib.Path(data.local, where), tmp_path / "outside"
+    inside.rename(outside)
+    inside.symlink_to(outside)
+    _refused(data, record, "symbolic link", repr(where))
+
+
+def test_absurd_shape_allocates_nothing(tmp_path, small, monkeypatch):
+    data, record, _ = _damage_setup(tmp_path)
+    allocated = []
+    monkeypatch.setattr(_direct.mmap, "mmap", lambda *a, **k: allocated.append(a))
+    hostile = dataclasses.replace(record, stored_shape=(10**15, 3), shape=(10**15, 3))
+    _refused(data, hostile, "'c/4/0'", "missing")
+    bigger = dataclasses.replace(record, stored_shape=(10**15, 3), shape=(10**15, 3), chunks=(10**14, 3))
+    _refused(data, bigger, "'c/0/0'", "holds")
+    assert allocated == []
+
+
+def test_interrupt_waits_for_the_readers(tmp_path, small, monkeypatch):
+    data, ckpt = _saved(tmp_path, {"w": _values((4000, 3), np.float32)})
+    assert ckpt.record("w").chunks == (63, 3)  # 64 chunks of one piece each
+    in_flight, started, finished_after = [0], [], []
+    returned = threading.Event()
+    lock = threading.Lock()
+    pread_all = _direct._pread_all
+
+    def slow(*args):
+        with lock:
+            in_flight[0] += 1
+            started.append(args)
+        time.sleep(0.01)
+        try:
+            return pread_all(*args)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+            if returned.is_set():
+                finished_after.append(args)
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_direct, "_pread_all", slow)
+    monkeypatch.setattr(_direct, "_check_crc", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _direct.read_leaf(data, ckpt.record("w"))
+    returned.set()
+    assert in_flight[0] == 0
+    assert len(started) < 64, "the reads not yet started are cancelled"
+    time.sleep(0.05)
+    assert finished_after == []
+
+
+def test_missing_folder(tmp_path, small):
+    data, record, folder = _damage_setup(tmp_path)
+    shutil.rmtree(folder)
+    _refused(data, record, "folder cannot be opened")
