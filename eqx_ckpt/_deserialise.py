@@ -462,22 +462,28 @@ def _read_all(source: Source, plans: list[_Plan], records: list[LeafRecord], tra
     if packed:
         _read_packed(data, [plans[i] for i in packed], [records[i] for i in packed], tracker, packed, results)
     own = [i for i, record in enumerate(records) if record.pack is None]
-    # Opened ahead of the reads (the manifest knows their metadata: nothing is read to open them).
-    opens = {i: source.open(records[i]) for i in own}
+    # Large local leaves are read straight into their buffers; the others
+    # through TensorStore, opened ahead of the reads.
+    direct = {i for i in own if source.opener is None and _read.direct(data, records[i], plans[i].like)}
+    opens = {i: source.open(records[i]) for i in own if i not in direct}
     window: collections.deque[tuple[int, int, Callable[[], Any]]] = collections.deque()
     in_flight = 0
     for i in own:
         plan, record = plans[i], records[i]
-        try:
-            store = opens.pop(i).result()
-        except Exception as e:
-            raise _io.leaf_io_error(e, record, data, "open") from e
         while window and in_flight + record.nbytes > READ_WINDOW:
             j, size, finish = window.popleft()
             results[j] = finish()
             in_flight -= size
             tracker.advance(leaves=1, nbytes=size)
-        window.append((i, record.nbytes, _read.start(store, data, record, plan.like, dtype=_target_dtype(plan.like))))
+        dtype = _target_dtype(plan.like)
+        if i in direct:
+            window.append((i, record.nbytes, _read.start_direct(data, record, plan.like, dtype=dtype)))
+        else:
+            try:
+                store = opens.pop(i).result()
+            except Exception as e:
+                raise _io.leaf_io_error(e, record, data, "open") from e
+            window.append((i, record.nbytes, _read.start(store, data, record, plan.like, dtype=dtype)))
         in_flight += record.nbytes
     while window:
         j, size, finish = window.popleft()

@@ -36,7 +36,8 @@ import mmap
 import os
 import stat
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import crc32c
 import numpy as np
@@ -77,31 +78,47 @@ def read_leaf(loc: Location, record: LeafRecord) -> np.ndarray | None:
     (the stored bytes, not decoded), whose data is 64-byte aligned, so
     `jax.device_put` on CPU adopts it without a copy; or `None`.
     """
-    if not _eligible(loc, record):
+    finish = start_leaf(loc, record)
+    return None if finish is None else finish()
+
+
+def start_leaf(loc: Location, record: LeafRecord) -> Callable[[], np.ndarray] | None:
+    """`read_leaf`, started: the reads run in a shared pool of threads (so the
+    reads of several leaves overlap); the returned function waits for them,
+    checks the checksums and returns the array. `None` if not eligible."""
+    if not eligible(loc, record):
         return None
     refuse_links(loc, record.directory, leaf=record.path)
+    path = os.path.join(loc.local or "", record.directory)
     try:
-        folder = os.open(os.path.join(loc.local or "", record.directory), _FOLDER_FLAGS)
+        folder = os.open(path, _FOLDER_FLAGS)
     except OSError as e:
         raise _damaged(loc, record, f"its folder cannot be opened ({e.strerror})") from None
     try:
         for key in _chunk_keys(record):
             os.close(_open_chunk(folder, loc, record, key))
-        refuse_beyond_memory(loc, record, record.nbytes, "it")
-        out = np.frombuffer(mmap.mmap(-1, record.nbytes), np.uint8)
-        _read_chunks(folder, loc, record, out.data)
     finally:
         os.close(folder)
-    return out.view(dtype_from_name(record.stored_dtype)).reshape(record.stored_shape)
+    refuse_beyond_memory(loc, record, record.nbytes, "it")
+    out = np.frombuffer(mmap.mmap(-1, record.nbytes), np.uint8)
+    wait = _read_chunks(path, loc, record, out.data)
+
+    def finish() -> np.ndarray:
+        wait()
+        return out.view(dtype_from_name(record.stored_dtype)).reshape(record.stored_shape)
+
+    return finish
 
 
-def _eligible(loc: Location, record: LeafRecord) -> bool:
+def eligible(loc: Location, record: LeafRecord) -> bool:
+    """Whether `read_leaf` reads this leaf (else it returns `None`)."""
     return (
         _SUPPORTED
         and loc.local is not None
         and loc.kvstore.get("driver") == "file"
         and record.encoding in _ENCODINGS
         and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
+        and record.pack is None
         and record.nbytes >= max(MIN_BYTES, 1)
     )
 
@@ -156,9 +173,21 @@ def _open_below(folder: int, key: str) -> int:
             os.close(current)
 
 
-def _read_chunks(folder: int, loc: Location, record: LeafRecord, out: memoryview) -> None:
-    """Read every chunk into its slice of `out` and check its checksum, in order,
-    while the threads read the chunks after it."""
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="eqx_ckpt-read")
+        return _POOL
+
+
+def _read_chunks(path: str, loc: Location, record: LeafRecord, out: memoryview) -> Callable[[], None]:
+    """Start reading every chunk into its slice of `out`; the returned function
+    checks each chunk's checksum as soon as it is read, in order."""
     size = record.chunk_nbytes
     keys = list(_chunk_keys(record))
     # Only the last chunk runs past the array (zarr stores edge chunks full-size):
@@ -171,13 +200,19 @@ def _read_chunks(folder: int, loc: Location, record: LeafRecord, out: memoryview
         stored = checksums[_CHECKSUM * i : _CHECKSUM * (i + 1)]
         chunks.append((key, [data, padding if len(data) < size else padding[:0]], stored))
     futures: list[list[concurrent.futures.Future[None]]] = []
-    with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+    pool = _pool()
+    try:
+        for key, segments, stored in chunks:
+            pieces: list[concurrent.futures.Future[None]] = []
+            futures.append(pieces)  # before submitting: an interrupt then still finds every read
+            for offset, views in _pieces([*segments, stored]):
+                pieces.append(pool.submit(_read_piece, path, loc, record, key, offset, views))
+    except BaseException:
+        _settle([piece for pieces in futures for piece in pieces])
+        raise
+
+    def wait() -> None:
         try:
-            for key, segments, stored in chunks:
-                pieces: list[concurrent.futures.Future[None]] = []
-                futures.append(pieces)  # before submitting: an interrupt then still finds every read
-                for offset, views in _pieces([*segments, stored]):
-                    pieces.append(pool.submit(_read_piece, folder, loc, record, key, offset, views))
             for (key, segments, stored), pieces in zip(chunks, futures):
                 for piece in pieces:
                     piece.result()
@@ -185,6 +220,8 @@ def _read_chunks(folder: int, loc: Location, record: LeafRecord, out: memoryview
         except BaseException:
             _settle([piece for pieces in futures for piece in pieces])
             raise
+
+    return wait
 
 
 def _pieces(segments: list[memoryview]) -> Iterator[tuple[int, list[memoryview]]]:
@@ -202,8 +239,15 @@ def _pieces(segments: list[memoryview]) -> Iterator[tuple[int, list[memoryview]]
         yield lo, views
 
 
-def _read_piece(folder: int, loc: Location, record: LeafRecord, key: str, offset: int, views: list[memoryview]) -> None:
-    fd = _open_chunk(folder, loc, record, key)
+def _read_piece(path: str, loc: Location, record: LeafRecord, key: str, offset: int, views: list[memoryview]) -> None:
+    try:
+        folder = os.open(path, _FOLDER_FLAGS)
+    except OSError as e:
+        raise _damaged(loc, record, f"its folder cannot be opened ({e.strerror})") from None
+    try:
+        fd = _open_chunk(folder, loc, record, key)
+    finally:
+        os.close(folder)
     try:
         wanted = sum(len(v) for v in views)
         got = _pread_all(fd, views, offset)

@@ -108,7 +108,11 @@ class LazyArray:
     def _open(self) -> Any:
         if self._store is None:
             try:
-                opened = self._opener(self._record) if self._opener else _io.open_array(self._loc, self._record)
+                opened = (
+                    self._opener(self._record)
+                    if self._opener
+                    else _io.open_array(self._loc, self._record, checked=False)
+                )
                 self._store = opened.result()
             except Exception as e:
                 self._check()

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _dtypes, _io, _sharding
+from . import _direct, _dtypes, _io, _sharding
 from ._errors import LeafError, stored_leaf_error
 from ._manifest import LeafRecord
 from ._spec import Location
@@ -192,9 +192,36 @@ def start(store: Any, loc: Location, record: LeafRecord, like: Any, *, dtype: An
             array = convert(future.result())
         except Exception as e:
             raise failed(e) from e
-        if kind == "prng_key":
-            keys = _dtypes.wrap_keys(jax.numpy.asarray(array), record.impl)
-            return jax.device_put(keys, sharding) if sharding is not None else keys
-        return _dtypes.to_result(array, like, sharding=sharding)
+        return _value(array, record, like, sharding)
+
+    return finish
+
+
+def _value(array: np.ndarray, record: LeafRecord, like: Any, sharding: Any) -> Any:
+    if _dtypes.like_type(like) == "prng_key":
+        keys = _dtypes.wrap_keys(jax.numpy.asarray(array), record.impl)
+        return jax.device_put(keys, sharding) if sharding is not None else keys
+    return _dtypes.to_result(array, like, sharding=sharding)
+
+
+def direct(loc: Location, record: LeafRecord, like: Any) -> bool:
+    """Whether `start_direct` reads this leaf: a large one in its own array on a
+    local disk, going to one device (or to NumPy)."""
+    sharding = target_sharding(like)
+    placed = _dtypes.like_type(like) == "jax" and sharding is not None and len(sharding.device_set) > 1
+    return not placed and _direct.eligible(loc, record)
+
+
+def start_direct(loc: Location, record: LeafRecord, like: Any, *, dtype: Any = None) -> Callable[[], Any]:
+    """`start`, for a leaf `direct` accepts: its chunk files are read straight
+    into one aligned buffer, which becomes the value without another copy."""
+    convert = host_converter(record, dtype, loc)
+    if _dtypes.like_type(like) == "jax":
+        refuse_narrowing(loc, record, dtype if dtype is not None else _dtypes.dtype_from_name(record.dtype))
+    read = _direct.start_leaf(loc, record)
+    assert read is not None
+
+    def finish() -> Any:
+        return _value(convert(read()), record, like, target_sharding(like))
 
     return finish

@@ -43,7 +43,7 @@ class Source:
     opener: Opener | None = None
 
     def open(self, record: LeafRecord) -> Any:
-        return self.opener(record) if self.opener is not None else _io.open_array(self.data, record)
+        return self.opener(record) if self.opener is not None else _io.open_array(self.data, record, checked=False)
 
     def check(self) -> None:
         """Raise `CheckpointReplacedError` if an eqx_ckpt checkpoint was replaced

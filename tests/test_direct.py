@@ -15,9 +15,15 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _direct, _io, _spec
+from eqx_ckpt import _direct, _io, _pack, _spec
 from eqx_ckpt._manifest import LeafRecord
 from eqx_ckpt._source import open_source
+
+
+@pytest.fixture(autouse=True)
+def own_folders(monkeypatch):
+    """Every leaf in a folder of its own: these tests are about those arrays."""
+    monkeypatch.setattr(_pack, "PACK_BYTES", -1)
 
 
 @pytest.fixture
