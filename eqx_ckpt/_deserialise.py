@@ -451,7 +451,8 @@ def _load(source: Source, plans: list[_Plan], *, lazy: bool, progress: Progress 
             out[i] = value
         return out
     records = [_record_of(plan) for plan in plans]
-    with Tracker(progress, leaves=len(records), nbytes=sum(r.nbytes for r in records), what="load") as tracker:
+    total = sum(r.nbytes for r in records)
+    with _tree.gc_paused(), Tracker(progress, leaves=len(records), nbytes=total, what="load") as tracker:
         return _read_all(source, plans, records, tracker)
 
 

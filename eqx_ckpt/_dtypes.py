@@ -3,6 +3,7 @@ comes back as the type of `like`'s leaf."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -26,7 +27,20 @@ def is_known_dtype(name: str) -> bool:
 
 def is_prng_key(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return dtype is not None and _is_key_dtype(dtype)
+
+
+# Per dtype, not per leaf: NumPy's `dtype.name` and JAX's `issubdtype` cost
+# microseconds each, which ten thousand leaves multiply into a large part of a save.
+@functools.lru_cache(maxsize=256)
+def _is_key_dtype(dtype: Any) -> bool:
+    return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+
+@functools.lru_cache(maxsize=256)
+def name(dtype: np.dtype) -> str:
+    """`dtype.name`, remembered."""
+    return dtype.name
 
 
 def leaf_type(x: Any) -> str | None:
@@ -44,6 +58,7 @@ def leaf_type(x: Any) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=256)
 def stored_dtype(dtype: np.dtype) -> tuple[str, str]:
     """(stored dtype name, encoding) for an array of `dtype`."""
     if dtype.name in NATIVE_DTYPES:
@@ -140,7 +155,11 @@ def is_floating(dtype: np.dtype) -> bool:
 def x64_missing(dtype: Any) -> bool:
     """Whether a JAX array of `dtype` cannot exist here: a 64-bit dtype while
     JAX's 64-bit mode is off (`jax.device_put` would silently narrow it)."""
-    dtype = np.dtype(dtype)
+    return _narrowed(np.dtype(dtype), bool(jax.config.jax_enable_x64))
+
+
+@functools.lru_cache(maxsize=256)
+def _narrowed(dtype: np.dtype, x64: bool) -> bool:
     return jax.dtypes.canonicalize_dtype(dtype) != dtype
 
 

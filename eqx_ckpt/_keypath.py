@@ -9,6 +9,7 @@ dotted path is the segments joined by `.`, a directory the segments joined by
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from typing import Any
@@ -133,11 +134,13 @@ def to_json(keypath: tuple[Any, ...]) -> list[list[Any]]:
     return [list(key_record(key)) for key in keypath]
 
 
-def from_json(record: Any) -> tuple[Any, ...]:
-    """Rebuild a key path from its manifest record; raises `ValueError` if malformed."""
+_KINDS = frozenset({"index", "flat", "attr", "key", "key_int", "key_repr", "other"})
+
+
+def check_json(record: Any) -> None:
+    """Raise `ValueError` unless `record` is a well-formed key path record."""
     if not isinstance(record, list):
         raise ValueError("a key path must be a list")
-    keys: list[Any] = []
     for item in record:
         if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
             raise ValueError(f"malformed key {item!r}")
@@ -147,6 +150,15 @@ def from_json(record: Any) -> tuple[Any, ...]:
                 raise ValueError(f"key {item!r} needs an integer")
         elif not isinstance(value, str):
             raise ValueError(f"key {item!r} needs a string")
+        if kind not in _KINDS:
+            raise ValueError(f"unknown key kind {kind!r}")
+
+
+def from_json(record: Any) -> tuple[Any, ...]:
+    """Rebuild a key path from its manifest record; raises `ValueError` if malformed."""
+    check_json(record)
+    keys: list[Any] = []
+    for kind, value in record:
         if kind == "index":
             keys.append(jtu.SequenceKey(value))
         elif kind == "flat":
@@ -181,6 +193,7 @@ class _ReprKey:
         return hash(self.text)
 
 
+@functools.lru_cache(maxsize=2**16)
 def stored_segment(kind: str, value: Any) -> str:
     """The segment a manifest key record must have (readers recompute, never trust)."""
     if kind in ("index", "flat"):

@@ -146,6 +146,12 @@ def place(loc: Location, hosts: list[np.ndarray], records: list[LeafRecord], lik
         else:
             out[i] = _dtypes.to_result(array, like, sharding=sharding)
     for sharding, indices in batch.items():
+        if sharding is None:
+            # `jnp.array` of one small array took less time than `device_put` of
+            # a list of them (80 against 110 microseconds a leaf here).
+            for i in indices:
+                out[i] = jax.numpy.array(out[i])
+            continue
         for i, value in zip(indices, jax.device_put([out[i] for i in indices], sharding)):
             out[i] = value
     return out

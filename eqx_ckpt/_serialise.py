@@ -236,7 +236,8 @@ def save(
     try:
         _layout.check(layout)
         cast_fn = _write.cast_function(cast)
-        pending = _collect(loc, pytree, filter_spec, is_leaf, cast_fn)
+        with _tree.gc_paused():
+            pending = _collect(loc, pytree, filter_spec, is_leaf, cast_fn)
         if group.count == 1:
             which = [_pack.packable(p.record, p.pieces) for p in pending]
             for p, record in zip(pending, _pack.assign([p.record for p in pending], which)):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 from typing import Any
 
@@ -143,7 +144,7 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, block: tuple[int, ...] | 
     """A chunk grid that lines up with `block` (a shard's shape) and keeps chunks
     under `CHUNK_BYTES`, so large arrays are read and written in parallel."""
     chunk = [max(1, n) for n in (block if block is not None else shape)]
-    while int(np.prod(chunk)) * itemsize > CHUNK_BYTES:
+    while math.prod(chunk) * itemsize > CHUNK_BYTES:
         for axis, n in enumerate(chunk):
             if n > 1:
                 # Halving keeps every chunk inside one shard when `n` is even.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax.tree_util as jtu
@@ -66,3 +68,18 @@ def check_unique(keypaths: list[tuple[Any, ...]], *, checkpoint: str) -> list[st
         seen[path] = keypath
         out.append(path)
     return out
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a block makes many small,
+    acyclic objects (a manifest's records, a tree's leaves): its collections,
+    triggered by the count of new objects, took a third of the time of parsing
+    a manifest of ten thousand leaves. Reference counting still frees memory."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

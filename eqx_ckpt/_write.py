@@ -57,9 +57,9 @@ def prepare(handle: LeafHandle, x: Any, cast: Callable[[str, np.dtype], Any] | N
     elif not isinstance(x, jax.Array):
         x = np.asarray(x)
     if kind != "prng_key":
-        if not _dtypes.is_known_dtype(x.dtype.name):
+        if not _dtypes.is_known_dtype(_dtypes.name(x.dtype)):
             raise handle.error(f"cannot save an array of dtype {x.dtype}.", "Only numeric and bool arrays are stored.")
-        dtype_name, shape = x.dtype.name, tuple(x.shape)
+        dtype_name, shape = _dtypes.name(x.dtype), tuple(x.shape)
     if len(shape) > _manifest.MAX_RANK:
         raise handle.error(
             f"it has {len(shape)} dimensions; a zarr v3 array (TensorStore) has at most {_manifest.MAX_RANK}.",
