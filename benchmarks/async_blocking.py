@@ -10,6 +10,11 @@ is stalled) and then `wait()`. Prints the three times and the blocked/synchronou
 ratio. An asynchronous save stages `jax.Array`s without copying them (their host
 data cannot change) and copies NumPy arrays (the caller may change them), so the
 two kinds block for very different times.
+
+`python -m benchmarks.run` measures the same on each benchmark workload's tree
+(its `save_async` operation) and reports it among the targets of
+docs/benchmarks.md; this script is the quick check on arbitrary sizes and on
+NumPy trees.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@
 `load(path, like)` returns the state as JAX arrays; `load_params(path, like)`
 returns only `like["model"]` from the params + Adam checkpoint; `open_lazy(path)`
 opens a checkpoint without reading its arrays (only formats that can).
+`save_async(path, state)` (eqx_ckpt only) starts a save that goes on in the
+background and returns an object whose `wait()` blocks until it is committed.
 
 orbax and safetensors are imported only by their own contender, so the smoke test
 runs without them.
@@ -55,6 +57,11 @@ class EqxCkpt:
 
     def save(self, path: str, state: Any) -> None:
         self.lib.tree_serialise_leaves(path, state)
+
+    def save_async(self, path: str, state: Any) -> Any:
+        """`blocking=False`: returns a `PendingSave` once every array is safe on
+        the host; the writes and the commit go on in a background thread."""
+        return self.lib.tree_serialise_leaves(path, state, blocking=False)
 
     def load(self, path: str, like: Any) -> Any:
         return self.lib.tree_deserialise_leaves(path, like)

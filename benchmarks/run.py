@@ -4,12 +4,15 @@ Every measurement runs in a fresh subprocess (`benchmarks.worker`), one at a tim
 `--reps` times. Results are written as JSON lines to
 `benchmarks/results/<workload>.jsonl` (rewritten for each workload run); then,
 unless `--no-report`, `docs/benchmarks.md` and `docs/benchmarks.png` are
-regenerated from every results file there.
+regenerated from every results file there. A measurement that fails (an
+exception, a crash, a timeout) is written as a line with an `error` and the run
+goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -26,28 +29,39 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 ALL_CONTENDERS = list(contenders.CONTENDERS)
 # Which operations each workload measures; `open` only where it means something.
+# `save_async` is run by the contenders that have it (eqx_ckpt), next to `save`.
 OPS = {
-    "large": ["save", "load_cold", "load_warm", "params_cold", "params_warm"],
-    "small": ["save", "load_cold", "load_warm", "params_cold", "params_warm"],
-    "many": ["save", "load_cold", "load_warm", "open_cold", "open_warm"],
-    "tiny": ["save", "load_cold", "load_warm", "params_cold", "params_warm", "open_cold", "open_warm"],
+    "large": ["save", "save_async", "load_cold", "load_warm", "params_cold", "params_warm"],
+    "small": ["save", "save_async", "load_cold", "load_warm", "params_cold", "params_warm"],
+    "many": ["save", "save_async", "load_cold", "load_warm", "open_cold", "open_warm"],
+    "tiny": ["save", "save_async", "load_cold", "load_warm", "params_cold", "params_warm", "open_cold", "open_warm"],
 }
+SAVES = ("save", "save_async")
+# Seconds one measurement may take before it is recorded as failed.
+JOB_TIMEOUT = 1800.0
 
 
 def run_job(job: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run one measurement in a fresh interpreter and return its result."""
+    """Run one measurement in a fresh interpreter and return its result (a failed
+    measurement's result has an `error`; a crash raises `RuntimeError`)."""
     wait_for_memory(job)
     command = [sys.executable, "-m", "benchmarks.worker", json.dumps(job)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(HERE))
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"benchmark job {job} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    raise RuntimeError(f"worker exited with status {done.returncode} and no result:\n{done.stderr[-4000:]}")
+
+
+@functools.cache
+def state_bytes(sizes: workload.Sizes) -> int:
+    # Once per workload: tracing the `many` skeleton takes seconds.
+    return workload.state_bytes(workload.skeleton(sizes))
 
 
 def wait_for_memory(job: dict[str, Any], patience: float = 300.0) -> None:
     """Other people share this machine: wait until three copies of the state fit."""
-    needed = 3 * workload.state_bytes(workload.skeleton(workload.Sizes(**job["sizes"])))
+    needed = 3 * state_bytes(workload.Sizes(**job["sizes"]))
     deadline = time.monotonic() + patience
     while psutil.virtual_memory().available < needed and time.monotonic() < deadline:
         time.sleep(5)
@@ -61,40 +75,78 @@ def remove(path: str) -> None:
 
 
 def has_op(name: str, op: str) -> bool:
-    return not op.startswith("open") or hasattr(contenders.CONTENDERS[name], "open_lazy")
+    contender = contenders.CONTENDERS[name]
+    if op.startswith("open"):
+        return hasattr(contender, "open_lazy")
+    if op == "save_async":
+        return hasattr(contender, "save_async")
+    return True
 
 
-def bench_workload(names: list[str], ops: list[str], base: dict[str, Any], directory: str, reps: int, log: Any) -> None:
-    """Every contender saves (`reps` times, keeping the last checkpoint); then the
-    loads run interleaved, contender after contender within each repetition, so
-    a change in machine load hits them all alike. Checkpoints are deleted after."""
-    paths = {name: os.path.join(directory, name + contenders.CONTENDERS[name].suffix) for name in names}
+def split_op(op: str) -> tuple[str, str | None]:
+    """`load_cold` -> (`load`, `cold`); the saves have no page-cache state."""
+    if op in SAVES:
+        return op, None
+    kind, _, cache = op.partition("_")
+    return kind, cache or None
+
+
+def bench_workload(
+    names: list[str], ops: list[str], base: dict[str, Any], directory: str, reps: int, log: Any
+) -> list[dict[str, Any]]:
+    """Every contender saves (`reps` times, keeping the last checkpoint; with
+    `save_async` in `ops`, each synchronous save is followed by an asynchronous
+    one of the same tree to another path); then the loads run interleaved,
+    contender after contender within each repetition, so a change in machine load
+    hits them all alike. Checkpoints are deleted after. Returns the failures."""
+    suffix = {name: contenders.CONTENDERS[name].suffix for name in names}
+    paths = {name: os.path.join(directory, name + suffix[name]) for name in names}
+    async_paths = {name: os.path.join(directory, name + "-async" + suffix[name]) for name in names}
+    failures: list[dict[str, Any]] = []
 
     def one(name: str, op: str, rep: int) -> None:
-        kind, _, cache = op.partition("_")
-        job = {**base, "contender": name, "op": kind, "cache": cache or None, "path": paths[name], "rep": rep}
-        try:
-            result = run_job(job, timeout=1800)
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            # Keep going: one failed measurement should not cost the whole run.
-            print(f"  {name:12s} {op:12s} rep {rep}: FAILED\n{e}", flush=True)
-            return
+        kind, cache = split_op(op)
+        path = async_paths[name] if op == "save_async" else paths[name]
+        job = {**base, "contender": name, "op": kind, "cache": cache, "path": path, "rep": rep}
+        if kind not in SAVES and not os.path.lexists(path):
+            result = {**job, "error": "no checkpoint to read (the contender's last save failed)"}
+        else:
+            started = time.monotonic()
+            try:
+                result = run_job(job, timeout=JOB_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                result = {**job, "error": f"timed out after {JOB_TIMEOUT:.0f} s"}
+            except Exception as e:
+                # Keep going: one failed measurement should not cost the whole run.
+                result = {**job, "error": f"{type(e).__name__}: {e}"[-4000:]}
+            # The whole job, process start and set-up included (for run-time estimates).
+            result["job_seconds"] = time.monotonic() - started
         log.write(json.dumps(result) + "\n")
         log.flush()
-        print(f"  {name:12s} {op:12s} rep {rep}: {result['seconds']:.3f} s", flush=True)
+        if "error" in result:
+            failures.append(result)
+            print(f"  {name:12s} {op:12s} rep {rep}: FAILED: {result['error']}", flush=True)
+        else:
+            blocked = f" (blocked {result['blocked']:.3f} s)" if "blocked" in result else ""
+            print(f"  {name:12s} {op:12s} rep {rep}: {result['seconds']:.3f} s{blocked}", flush=True)
 
     try:
         for name in names:
             for rep in range(reps):
                 one(name, "save", rep)
+                if "save_async" in ops and has_op(name, "save_async"):
+                    one(name, "save_async", rep)
+        for path in async_paths.values():
+            remove(path)
         for rep in range(reps):
             for op in ops:
                 for name in names:
-                    if op != "save" and has_op(name, op):
+                    if op not in SAVES and has_op(name, op):
                         one(name, op, rep)
     finally:
-        for path in paths.values():
+        for path in [*paths.values(), *async_paths.values()]:
             remove(path)
+    return failures
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,7 +164,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     workloads = ["small", "many", "large"] if args.all else (args.workload or ["small"])
     names = [n for n in args.contenders.split(",") if n]
+    unknown = [n for n in names if n not in contenders.CONTENDERS]
+    if unknown:
+        parser.error(f"unknown contenders {unknown}; choose from {ALL_CONTENDERS}")
+    chosen_ops = [op for op in (args.ops or "").split(",") if op]
+    unknown = [op for op in chosen_ops if not any(op in ops for ops in OPS.values())]
+    if unknown:
+        parser.error(f"unknown operations {unknown}; choose from {OPS['tiny']}")
     os.makedirs(args.results, exist_ok=True)
+    failures: list[dict[str, Any]] = []
     for name in workloads:
         sizes = workload.PRESETS[name]
         overrides = {k: getattr(args, k) for k in ("layers", "width", "vocab") if getattr(args, k)}
@@ -120,11 +180,15 @@ def main(argv: list[str] | None = None) -> None:
         base = {"workload": name, "sizes": sizes.__dict__, "verify": name == "tiny"}
         directory = os.path.join(args.results, f"run-{name}")
         os.makedirs(directory, exist_ok=True)
-        print(f"{name}: {sizes}, {workload.state_bytes(workload.skeleton(sizes)) / 1e9:.3f} GB", flush=True)
+        print(f"{name}: {sizes}, {state_bytes(sizes) / 1e9:.3f} GB", flush=True)
         with open(os.path.join(args.results, f"{name}.jsonl"), "w") as log:
-            ops = [op for op in OPS[name] if not args.ops or op in args.ops.split(",")]
-            bench_workload(names, ops, base, directory, args.reps, log)
+            ops = [op for op in OPS[name] if not chosen_ops or op in chosen_ops]
+            failures += bench_workload(names, ops, base, directory, args.reps, log)
         shutil.rmtree(directory, ignore_errors=True)
+    if failures:
+        print(f"{len(failures)} measurements failed (recorded with an `error` in the results):", flush=True)
+        for f in failures:
+            print(f"  {f['workload']} {f['contender']} {f['op']} {f['cache'] or ''} rep {f['rep']}: {f['error']}")
     if not args.no_report:
         from . import report
 

@@ -1,6 +1,7 @@
 """Smoke test of the benchmark harness (benchmarks/), so it cannot rot: the tiny
 workload, eqx_ckpt and raw only, page cache warm (dropping it would slow everyone
-else on the machine), one repetition, each measurement in its own process."""
+else on the machine), one repetition, each measurement in its own process; and
+that a failed measurement is recorded and the run goes on."""
 
 import json
 import pathlib
@@ -20,7 +21,7 @@ from benchmarks import contenders, report, run, workload  # noqa: E402
 def results(tmp_path_factory):
     directory = tmp_path_factory.mktemp("bench")
     argv = ["--workload", "tiny", "--contenders", "eqx_ckpt,raw", "--reps", "1"]
-    argv += ["--ops", "save,load_warm", "--results", str(directory), "--no-report"]
+    argv += ["--ops", "save,save_async,load_warm", "--results", str(directory), "--no-report"]
     run.main(argv)
     with open(directory / "tiny.jsonl") as f:
         return directory, [json.loads(line) for line in f]
@@ -31,12 +32,19 @@ def test_every_measurement_ran_and_loaded_the_saved_values(results):
     done = {(r["contender"], r["op"], r["cache"]) for r in rows}
     for contender in ("eqx_ckpt", "raw"):
         assert {(contender, "save", None), (contender, "load", "warm")} <= done
+    # Only eqx_ckpt saves asynchronously.
+    assert [(r["contender"], r["op"]) for r in rows if r["op"] == "save_async"] == [("eqx_ckpt", "save_async")]
     for row in rows:
-        assert row["seconds"] > 0
-        if row["op"] in ("load", "params"):
-            # The worker compares what was loaded with the tree that was saved.
+        assert "error" not in row, row
+        assert row["seconds"] > 0 and row["job_seconds"] >= row["seconds"]
+        if row["op"] in ("load", "params", "save_async"):
+            # The worker compares what was loaded (or saved asynchronously, then
+            # loaded) with the tree that was saved.
             assert row["verified"] is True, row
+        if row["op"] in ("load", "params"):
             assert row["rss_added"] >= 0
+        if row["op"] == "save_async":
+            assert 0 < row["blocked"] <= row["committed"] <= row["seconds"]
     saves = {r["contender"]: r for r in rows if r["op"] == "save"}
     assert saves["raw"]["files"] == 1
     # The raw file is the arrays' bytes back to back, nothing else.
@@ -53,6 +61,12 @@ def test_report_tables_name_both_contenders(results, tmp_path):
     assert "### `tiny`: 88 leaves" in text
     table = [line for line in text.splitlines() if line.startswith("| `")]
     assert [line.split("|")[1].strip() for line in table] == ["`eqx_ckpt`", "`raw`"]
+    # The targets table lists every target, measured or not.
+    targets = [line.split("|") for line in text.splitlines() if line.startswith("| 1 ") or line.startswith("| 3 ")]
+    assert {(cells[2].strip(), cells[1].strip()) for cells in targets} >= {("tiny", "1"), ("tiny", "3"), ("large", "1")}
+    async_row = next(cells for cells in targets if cells[1].strip() == "3" and cells[2].strip() == "tiny")
+    assert async_row[-2].strip() in ("yes", "no"), async_row
+    assert "| 2 | large | peak RSS added by a full load" in text
     # Rewriting keeps one generated part, replacing the old one.
     report.write(str(directory), "again", docs=str(tmp_path), with_chart=False)
     assert (tmp_path / "benchmarks.md").read_text().count("<!-- end of generated part -->") == 1
@@ -68,3 +82,55 @@ def test_params_only_load_reads_the_model_of_the_saved_state(name, tmp_path):
     loaded = contender.load_params(path, workload.skeleton(sizes))
     assert eqx.tree_equal(loaded, state["model"], typematch=True)
     assert not eqx.tree_equal(loaded, workload.concrete(sizes, seed=1)["model"])
+
+
+def test_a_failed_measurement_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    """raw's saves and eqx_ckpt's asynchronous ones fail: they and raw's loads
+    (nothing to read) are recorded as failures, the other measurements all run,
+    and the report says what failed."""
+    ran = []
+
+    def fake_run_job(job, timeout):
+        ran.append((job["contender"], job["op"], job["cache"], job["rep"]))
+        if job["contender"] == "raw" and job["op"] == "save":
+            raise RuntimeError("worker exited with status -9 and no result:\nKilled")
+        if job["op"] == "save_async":
+            return {**job, "error": "OSError: disk full", "traceback": "..."}
+        if job["op"] == "save":
+            pathlib.Path(job["path"]).mkdir(exist_ok=True)
+            return {**job, "seconds": 2.0, "files": 3, "bytes": 10}
+        return {**job, "seconds": 1.0, "rss_added": 100}
+
+    monkeypatch.setattr(run, "run_job", fake_run_job)
+    base = {"workload": "tiny", "sizes": workload.PRESETS["tiny"].__dict__, "verify": False}
+    directory = tmp_path / "run-tiny"
+    directory.mkdir()
+    with open(tmp_path / "tiny.jsonl", "w") as log:
+        failures = run.bench_workload(
+            ["eqx_ckpt", "raw"], ["save", "save_async", "load_warm"], base, str(directory), 2, log
+        )
+    rows = [json.loads(line) for line in (tmp_path / "tiny.jsonl").read_text().splitlines()]
+    expected = [("eqx_ckpt", "save_async")] * 2 + [("raw", "save")] * 2 + [("raw", "load")] * 2
+    assert [(f["contender"], f["op"]) for f in failures] == expected
+    assert "no checkpoint to read" in failures[-1]["error"]
+    # The loads of raw were not even started: there was nothing to read.
+    assert ("raw", "load", "warm", 0) not in ran
+    assert sum(1 for r in rows if r["contender"] == "eqx_ckpt" and "error" not in r) == 4
+    assert not any(directory.iterdir())
+
+    report.write(str(tmp_path), "python -m benchmarks.run --workload tiny", docs=str(tmp_path), with_chart=False)
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "| `raw` | failed | – | – | – | failed |" in text
+    assert "- `raw`, durable save, run 1: RuntimeError: worker exited with status -9 and no result:" in text
+    assert "- `eqx_ckpt`, `blocking=False` save, run 2: OSError: disk full" in text
+    assert "| 3 | tiny | `blocking=False` blocks the caller" in text
+    target = next(line for line in text.splitlines() if line.startswith("| 3 | tiny"))
+    assert target.endswith("| not measured (failed) |")
+
+
+def test_the_worker_reports_its_own_failure(tmp_path):
+    job = {"workload": "tiny", "sizes": workload.PRESETS["tiny"].__dict__, "contender": "raw", "op": "load"}
+    job |= {"cache": "warm", "path": str(tmp_path / "missing.bin"), "rep": 0}
+    result = run.run_job(job, timeout=600)
+    assert result["error"].startswith("FileNotFoundError"), result
+    assert "Traceback" in result["traceback"] and "seconds" not in result
