@@ -22,3 +22,20 @@ def store(s3, monkeypatch, request):
     s3.gate.reset()
     yield s3.spec(f"{request.node.name}/ckpt/")
     s3.gate.reset()  # never leave a save of a failed test blocked in the server
+
+
+@pytest.fixture
+def unpacked(monkeypatch):
+    """Every leaf in a folder of its own (no packs), for tests of that layout."""
+    import eqx_ckpt._pack
+
+    monkeypatch.setattr(eqx_ckpt._pack, "PACK_BYTES", -1)
+
+
+@pytest.fixture(params=["packed", "unpacked"])
+def packing(request):
+    """Run a test over both layouts: small leaves packed (the default), and every
+    leaf in a folder of its own. The value is the layout's name."""
+    if request.param == "unpacked":
+        request.getfixturevalue("unpacked")
+    return request.param

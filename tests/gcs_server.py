@@ -5,10 +5,14 @@ Python. TensorStore's `gcs` kvstore driver talks to it over HTTP when
 `TENSORSTORE_GCS_HTTP_URL` names it and `GOOGLE_AUTH_TOKEN_FOR_TESTING` gives a
 bearer token (the emulator checks none), exactly as it would to Google.
 
-One gap is filled here: the emulator ignores the `startOffset`/`endOffset` of an
-object listing, and TensorStore lists with them to delete a key range, so a
-range delete would remove every object under the prefix. The handler below
-applies them; everything else is the emulator's own behaviour.
+Two gaps are filled here. The emulator ignores the `startOffset`/`endOffset` of
+an object listing, and TensorStore lists with them to delete a key range, so a
+range delete would remove every object under the prefix: `_with_offsets` applies
+them. And a download carries no `x-goog-generation` header and ignores
+`ifGenerationNotMatch`, so TensorStore cannot revalidate what it cached (a read
+through a cache pool, as of packed leaves, fails "Malformed StorageGeneration"):
+`_with_generations` sends the header and answers 304 Not Modified as GCS does.
+Everything else is the emulator's own behaviour.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from http import HTTPStatus
 from typing import Any
 
 import pytest
@@ -40,6 +45,25 @@ def _with_offsets(ls: Any) -> Any:
     return listing
 
 
+def _with_generations(get: Any) -> Any:
+    def getting(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+        if (request.query.get("alt") or [""])[0] == "media":
+            from gcp_storage_emulator.exceptions import NotFound
+
+            bucket, name = request.params["bucket_name"], request.params["object_id"]
+            try:
+                generation = storage.get_file_obj(bucket, name)["generation"]
+            except NotFound:
+                return get(request, response, storage, *args, **kwargs)
+            response["x-goog-generation"] = generation
+            if (request.query.get("ifGenerationNotMatch") or [None])[0] == generation:
+                response.status = HTTPStatus.NOT_MODIFIED
+                return None
+        return get(request, response, storage, *args, **kwargs)
+
+    return getting
+
+
 @contextlib.contextmanager
 def running(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Start the emulator with an empty bucket; yields its URL."""
@@ -55,6 +79,8 @@ def running(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     for _, handlers in emulator.HANDLERS:
         if handlers.get(emulator.GET) is objects.ls:
             monkeypatch.setitem(handlers, emulator.GET, _with_offsets(objects.ls))
+        elif handlers.get(emulator.GET) is objects.get:
+            monkeypatch.setitem(handlers, emulator.GET, _with_generations(objects.get))
     server = emulator.create_server("127.0.0.1", 0, in_memory=True, default_bucket=BUCKET)
     server.start()
     try:

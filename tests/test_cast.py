@@ -32,12 +32,15 @@ def _record(path, name):
     return next(leaf for leaf in leaves if leaf["path"] == name)
 
 
-def test_manifest_and_zarr_record_both_dtypes(tmp_path):
+def test_manifest_and_zarr_record_both_dtypes(tmp_path, packing):
     eqx_ckpt.tree_serialise_leaves(tmp_path, _tree(), cast={jnp.float32: jnp.bfloat16})
     for name in ("w", "host"):
         record = _record(tmp_path, name)
         assert (record["dtype"], record["stored_dtype"]) == ("float32", "bfloat16")
-        assert json.loads((tmp_path / name / "zarr.json").read_text())["data_type"] == "bfloat16"
+        # A small leaf is packed with the others of its stored dtype, unless packing is off.
+        folder = name if packing == "unpacked" else "packed.bfloat16"
+        assert record.get("pack", name) == folder
+        assert json.loads((tmp_path / folder / "zarr.json").read_text())["data_type"] == "bfloat16"
     # Other dtypes, and Python scalars (always stored exactly), are untouched.
     assert _record(tmp_path, "n")["stored_dtype"] == "int32"
     assert _record(tmp_path, "lr")["stored_dtype"] == "float64"

@@ -73,7 +73,7 @@ def test_total_bytes_and_records(tmp_path):
     assert sum(ckpt.record(k).nbytes for k in ckpt) == expected
     assert ckpt.record("model.head.bias").dtype == "bfloat16"
     assert ckpt.library_version == eqx_ckpt.__version__
-    assert ckpt.format_version == 2
+    assert ckpt.format_version == 3
     assert ckpt.created
     assert "7 leaves" in repr(ckpt)
 

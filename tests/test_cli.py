@@ -24,11 +24,15 @@ def run(*args, check_code=None):
     return done
 
 
+def _save(path):
+    tree = {"model": {"w": jnp.ones((3, 4)), "b": np.zeros(4, np.float16)}, "step": 7, "a.b": jnp.ones(2)}
+    eqx_ckpt.tree_serialise_leaves(path, tree)
+
+
 @pytest.fixture
 def ckpt(tmp_path):
     path = tmp_path / "ckpt"
-    tree = {"model": {"w": jnp.ones((3, 4)), "b": np.zeros(4, np.float16)}, "step": 7, "a.b": jnp.ones(2)}
-    eqx_ckpt.tree_serialise_leaves(path, tree)
+    _save(path)
     return path
 
 
@@ -48,7 +52,7 @@ def test_ls_depth_limits_levels(ckpt):
 
 def test_info_reports_format_and_counts(ckpt):
     out = run("info", ckpt, check_code=0).stdout
-    assert "eqx_ckpt 2" in out
+    assert "eqx_ckpt 3" in out
     assert f"library version: {eqx_ckpt.__version__}" in out
     assert "leaves:          4" in out
     assert "bytes:           72 " in out
@@ -77,30 +81,41 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "equal to what was saved: True" in out
     assert "Params-only load (prefix='model'" in out
     assert "equal to the trained model: True" in out
-    assert (pathlib.Path(tmp_path) / "demo" / "model" / "layers" / "0" / "weight" / "zarr.json").is_file()
+    # The MLP's small leaves are packed: one zarr v3 array per stored dtype, and the manifest.
+    demo = pathlib.Path(tmp_path) / "demo"
+    assert (demo / "packed.float32" / "zarr.json").is_file() and (demo / "manifest.json").is_file()
+    leaves = json.loads((demo / "manifest.json").read_text())["leaves"]
+    assert next(leaf for leaf in leaves if leaf["path"] == "model.layers.0.weight")["pack"] == "packed.float32"
     listed = run("ls", tmp_path / "demo", check_code=0).stdout
     assert "opt_state/" in listed and "step" in listed
 
 
-def _chunk_files(path):
-    return sorted(p for p in pathlib.Path(path).rglob("*") if p.is_file() and "c" in p.relative_to(path).parts)
+def _chunk_file(path, leaf):
+    """The (first) chunk file holding `leaf`: its pack's, or its own folder's."""
+    record = next(r for r in json.loads((path / "manifest.json").read_text())["leaves"] if r["path"] == leaf)
+    chunks = path / record.get("pack", leaf.replace(".", "/")) / "c"
+    return chunks if chunks.is_file() else min(p for p in chunks.rglob("*") if p.is_file())  # a 0-d leaf: `c`
 
 
-def test_verify_sound_then_damaged_names_the_leaf(ckpt):
+def test_verify_sound_then_damaged_names_the_leaf(tmp_path, packing):
+    ckpt = tmp_path / "ckpt"
+    _save(ckpt)
     done = run("verify", ckpt, check_code=0)
     assert done.stdout.strip().endswith(": sound")
-    chunk = next(p for p in _chunk_files(ckpt) if "w" in p.parts)
+    chunk = _chunk_file(ckpt, "model.w")
     data = bytearray(chunk.read_bytes())
     data[0] ^= 0xFF
     chunk.write_bytes(bytes(data))
     done = run("verify", ckpt, check_code=1)
     assert "model.w" in done.stdout
-    assert "1 problem(s)" in done.stdout
+    # A damaged chunk of a pack is a problem of every leaf in it (`a.b` is float32 too).
+    assert ("1 problem(s)" if packing == "unpacked" else "2 problem(s)") in done.stdout
 
 
-def test_verify_detects_a_deleted_chunk(ckpt):
-    chunk = next(p for p in _chunk_files(ckpt) if "step" in p.parts)
-    chunk.unlink()
+def test_verify_detects_a_deleted_chunk(tmp_path, packing):
+    ckpt = tmp_path / "ckpt"
+    _save(ckpt)
+    _chunk_file(ckpt, "step").unlink()
     done = run("verify", ckpt, check_code=1)
     assert "step" in done.stdout
 

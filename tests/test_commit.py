@@ -39,7 +39,7 @@ def _is_generation(name):
     return re.fullmatch(r"gen\.[0-9a-f]{16}", name) is not None
 
 
-def test_overwrites_use_fresh_data_roots_and_leave_nothing_stale(tmp_path):
+def test_overwrites_use_fresh_data_roots_and_leave_nothing_stale(tmp_path, packing):
     # A first save writes at the key paths themselves; every overwrite writes a
     # new `gen.<commit>` folder, so no data root name is ever reused.
     trees = [
@@ -47,16 +47,19 @@ def test_overwrites_use_fresh_data_roots_and_leave_nothing_stale(tmp_path):
         {"a": jnp.full(3, 2.0), "b": jnp.ones(4, jnp.int32)},
         {"a": jnp.full(3, 3.0), "c": np.arange(2)},
     ]
+    # The arrays of each save: a folder per leaf, or (packed) one array per stored dtype.
+    packs = [["packed.float32"], ["packed.float32", "packed.int32"], ["packed.float32", "packed.int64"]]
     roots = []
-    for tree in trees:
+    for tree, packed in zip(trees, packs):
         eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
         root = _data_root(tmp_path)
         roots.append(root)
         assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
-        keys = sorted(eqx_ckpt.Checkpoint(tmp_path))
-        assert _array_dirs(tmp_path) == [f"{root}/{k}" if root else k.replace(".", "/") for k in keys]
+        arrays = packed if packing == "packed" else [k.replace(".", "/") for k in sorted(eqx_ckpt.Checkpoint(tmp_path))]
+        assert _array_dirs(tmp_path) == [f"{root}/{a}" if root else a for a in arrays]
+        first = {a.split("/")[0] for a in arrays}
         assert sorted(os.listdir(tmp_path)) == sorted(
-            ["manifest.json", root] if root else ["a", "old", "zarr.json", "manifest.json"]
+            ["manifest.json", root] if root else [*first, "zarr.json", "manifest.json"]
         )
     assert roots[0] == "" and all(_is_generation(r) for r in roots[1:]) and roots[1] != roots[2]
     commits = {json.loads((tmp_path / "manifest.json").read_text())["commit"]}
@@ -81,7 +84,7 @@ def _fail_manifest(monkeypatch, before=None, exit_code=None):
 def test_old_checkpoint_loads_until_the_new_manifest_is_written(tmp_path, monkeypatch):
     old = {"a": jnp.arange(3), "b": 1.5}
     eqx_ckpt.tree_serialise_leaves(tmp_path, old)
-    before = snapshot(tmp_path)
+    before, old_arrays = snapshot(tmp_path), _array_dirs(tmp_path)
     seen = {}
 
     def check():
@@ -93,7 +96,7 @@ def test_old_checkpoint_loads_until_the_new_manifest_is_written(tmp_path, monkey
     with pytest.raises(eqx_ckpt.CheckpointError, match="nothing was committed"):
         eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.arange(3) + 10, "b": 2.5})
     monkeypatch.undo()
-    new = [d for d in seen["new arrays"] if d not in ("a", "b")]
+    new = [d for d in seen["new arrays"] if d not in old_arrays]  # (packed) an int32 and a float64 array
     assert len(new) == 2 and _is_generation(new[0].split("/")[0]) and seen["old loads"]
     assert snapshot(tmp_path) == before
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
@@ -128,12 +131,12 @@ def _killed_save(path):
 def test_interrupted_save_leaves_no_checkpoint_and_next_save_cleans_up(tmp_path):
     _killed_save(tmp_path)
     assert (tmp_path / "saving.json").is_file()
-    assert _array_dirs(tmp_path) == ["half"]
+    assert _array_dirs(tmp_path) == ["packed.float32"]  # `half` is packed
     with pytest.raises(eqx_ckpt.CheckpointNotFoundError):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, {"half": jnp.zeros(3)})
-    tree = {"a": jnp.ones(2)}
+    tree = {"a": jnp.ones(2, jnp.int32)}  # another dtype: the dead save's pack must be cleared, not reused
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
-    assert sorted(os.listdir(tmp_path)) == ["a", "manifest.json", "zarr.json"]
+    assert sorted(os.listdir(tmp_path)) == ["manifest.json", "packed.int32", "zarr.json"]
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
 
 
@@ -141,14 +144,14 @@ def test_interrupted_overwrite_keeps_the_old_checkpoint(tmp_path):
     old = {"a": jnp.arange(3)}
     eqx_ckpt.tree_serialise_leaves(tmp_path, old)
     _killed_save(tmp_path)
-    dead = [d for d in _array_dirs(tmp_path) if d != "a"]
-    assert len(dead) == 1 and dead[0].endswith("/half")
+    dead = [d for d in _array_dirs(tmp_path) if d != "packed.int32"]
+    assert len(dead) == 1 and dead[0].endswith("/packed.float32")  # the killed save's `half`
     assert list(eqx_ckpt.Checkpoint(tmp_path)) == ["a"]
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
     new = {"b": jnp.arange(3) * 5}
     eqx_ckpt.tree_serialise_leaves(tmp_path, new)
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, new), new, typematch=True)
-    assert _array_dirs(tmp_path) == [f"{_data_root(tmp_path)}/b"]
+    assert _array_dirs(tmp_path) == [f"{_data_root(tmp_path)}/packed.int32"]
     assert not (tmp_path / "saving.json").exists()
 
 
@@ -189,7 +192,7 @@ def test_user_files_named_like_keys_survive_overwrites(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["NOTES", _data_root(tmp_path), "logs", "manifest.json"]
 
 
-def test_manifest_is_written_last(tmp_path, monkeypatch):
+def test_manifest_is_written_last(tmp_path, monkeypatch, packing):
     order = []
     real = _io.write_conditional
 
@@ -199,7 +202,7 @@ def test_manifest_is_written_last(tmp_path, monkeypatch):
 
     monkeypatch.setattr(_io, "write_conditional", write_conditional)
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(2), "b": {"c": jnp.ones(3)}})
-    assert order == [("manifest.json", ["a", "b/c"])]
+    assert order == [("manifest.json", ["a", "b/c"] if packing == "unpacked" else ["packed.float32"])]
 
 
 def test_lock_files_of_a_killed_write_are_cleared(tmp_path):
@@ -209,7 +212,7 @@ def test_lock_files_of_a_killed_write_are_cleared(tmp_path):
     (tmp_path / "zarr.json.__lock").write_text("{")
     tree = {"a": jnp.arange(3)}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
-    assert sorted(os.listdir(tmp_path)) == ["a", "manifest.json", "zarr.json"]
+    assert sorted(os.listdir(tmp_path)) == ["manifest.json", "packed.int32", "zarr.json"]
     (tmp_path / "manifest.json.__lock").write_text("{")
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     assert sorted(os.listdir(tmp_path)) == sorted([_data_root(tmp_path), "manifest.json"])
@@ -235,7 +238,7 @@ def test_arrays_are_flushed_before_the_manifest_commits(tmp_path, monkeypatch):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(2), "b": {"c": jnp.ones(3)}})
     kinds = [e[0] if e[0] == "flush" else e[1] for e in events]
     assert kinds == ["flush", "manifest.json"]
-    assert events[0][1] == ["a", "b", "saving.json", "zarr.json"]
+    assert events[0][1] == ["packed.float32", "saving.json", "zarr.json"]
 
 
 def test_flush_tolerates_another_writers_temporary_files(tmp_path):

@@ -61,7 +61,7 @@ def _same_bits(a, b):
 
 
 @pytest.mark.parametrize("name", JAX_DTYPES)
-def test_jax_array_round_trip(tmp_path, name):
+def test_jax_array_round_trip(tmp_path, name, packing):
     x = jnp.asarray(_values(name))
     assert x.dtype == _dtype(name)
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": x})
@@ -74,7 +74,7 @@ def test_jax_array_round_trip(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", JAX_DTYPES + X64_DTYPES)
-def test_numpy_array_round_trip(tmp_path, name):
+def test_numpy_array_round_trip(tmp_path, name, packing):
     x = _values(name)
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": x})
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": np.zeros_like(x)})
@@ -114,7 +114,14 @@ def test_special_float_values_are_bit_exact(tmp_path):
         assert _same_bits(loaded[key], tree[key]), key
 
 
-def test_zarr_data_type_is_native_where_tensorstore_has_it(tmp_path):
+def _array_of(path, leaf):
+    """The folder of the zarr array holding `leaf` (its pack, or its own), and
+    where its elements start in it."""
+    record = next(r for r in json.loads((path / "manifest.json").read_text())["leaves"] if r["path"] == leaf)
+    return path / record.get("pack", leaf), record.get("offset", 0)
+
+
+def test_zarr_data_type_is_native_where_tensorstore_has_it(tmp_path, packing):
     tree = {
         "bf16": jnp.ones(2, jnp.bfloat16),
         "f8": jnp.ones(2, jnp.float8_e4m3fn),
@@ -122,21 +129,25 @@ def test_zarr_data_type_is_native_where_tensorstore_has_it(tmp_path):
         "u4": jnp.ones(2, jnp.uint4),
     }
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
-    data_type = lambda k: json.loads((tmp_path / k / "zarr.json").read_text())["data_type"]
+    data_type = lambda k: json.loads((_array_of(tmp_path, k)[0] / "zarr.json").read_text())["data_type"]
     assert data_type("bf16") == "bfloat16"
     assert data_type("f8") == "float8_e4m3fn"
     # What TensorStore lacks is stored as raw bytes of the same width.
     assert data_type("e4m3") == "uint8"
     assert data_type("u4") == "uint8"
-    raw = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "e4m3")}}).result()
-    np.testing.assert_array_equal(raw.read().result(), np.ones(2, ml_dtypes.float8_e4m3).view(np.uint8))
+    folder, offset = _array_of(tmp_path, "e4m3")
+    assert folder.name == ("packed.uint8" if packing == "packed" else "e4m3")
+    raw = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(folder)}}).result()
+    np.testing.assert_array_equal(
+        raw[offset : offset + 2].read().result(), np.ones(2, ml_dtypes.float8_e4m3).view(np.uint8)
+    )
 
 
-def test_cast_on_save_then_load(tmp_path):
+def test_cast_on_save_then_load(tmp_path, packing):
     x = jnp.array([1.0, 1.0 + 2**-10, 3.0], jnp.float32)
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": x, "i": jnp.arange(3)}, cast={jnp.float32: jnp.bfloat16})
-    assert json.loads((tmp_path / "x" / "zarr.json").read_text())["data_type"] == "bfloat16"
-    assert json.loads((tmp_path / "i" / "zarr.json").read_text())["data_type"] == "int32"
+    assert json.loads((_array_of(tmp_path, "x")[0] / "zarr.json").read_text())["data_type"] == "bfloat16"
+    assert json.loads((_array_of(tmp_path, "i")[0] / "zarr.json").read_text())["data_type"] == "int32"
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": jnp.zeros(3), "i": jnp.zeros(3, jnp.int32)}, cast=True)
     expected = x.astype(jnp.bfloat16).astype(jnp.float32)
     assert eqx.tree_equal(loaded["x"], expected, typematch=True)

@@ -15,6 +15,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import eqx_ckpt
 
+# Damage to a leaf's own folder (its chunk files, its zarr.json): every leaf gets
+# one. Damage to a pack of small leaves is tested in test_pack.py.
+per_leaf = pytest.mark.usefixtures("unpacked")
+
 
 def _tree():
     mesh = jax.make_mesh((4,), ("x",))
@@ -79,7 +83,7 @@ def _assert_detected(path: pathlib.Path, leaf: str, error=eqx_ckpt.IntegrityErro
     assert _same([loaded[k] for k in others], [_tree()[k] for k in others])
 
 
-def test_sound_checkpoints_verify_clean(tmp_path):
+def test_sound_checkpoints_verify_clean(tmp_path, packing):
     _save(tmp_path / "one")
     # Each overwrite writes a new `gen.<commit>` data root.
     for _ in range(2):
@@ -91,7 +95,7 @@ def test_sound_checkpoints_verify_clean(tmp_path):
     assert eqx_ckpt.verify(tmp_path / "ocdbt") == []
 
 
-def test_verify_progress_counts_every_byte(tmp_path):
+def test_verify_progress_counts_every_byte(tmp_path, packing):
     _save(tmp_path)
     seen = []
     assert eqx_ckpt.verify(tmp_path, progress=lambda *counts: seen.append(counts)) == []
@@ -104,6 +108,7 @@ def test_verify_missing_checkpoint(tmp_path):
         eqx_ckpt.verify(tmp_path / "nope")
 
 
+@per_leaf
 @pytest.mark.parametrize("leaf", ["a", "b.c", "half", "key", "step"])
 def test_flipped_byte(tmp_path, leaf):
     _save(tmp_path)
@@ -114,6 +119,7 @@ def test_flipped_byte(tmp_path, leaf):
     _assert_detected(tmp_path, leaf)
 
 
+@per_leaf
 def test_flipped_checksum_byte(tmp_path):
     _save(tmp_path)
     chunk = _chunk_files(tmp_path, "a")[0]
@@ -123,6 +129,7 @@ def test_flipped_checksum_byte(tmp_path):
     _assert_detected(tmp_path, "a")
 
 
+@per_leaf
 @pytest.mark.parametrize("keep", [0, 1, -4, -1])
 def test_truncated_chunk(tmp_path, keep):
     _save(tmp_path)
@@ -132,6 +139,7 @@ def test_truncated_chunk(tmp_path, keep):
     _assert_detected(tmp_path, "b.c")
 
 
+@per_leaf
 @pytest.mark.parametrize("leaf", ["a", "step", "sharded"])
 def test_deleted_chunk_is_not_read_as_fill_values(tmp_path, leaf):
     _save(tmp_path)
@@ -140,6 +148,7 @@ def test_deleted_chunk_is_not_read_as_fill_values(tmp_path, leaf):
     _assert_detected(tmp_path, leaf)
 
 
+@per_leaf
 def test_extra_bytes_appended_to_chunk(tmp_path):
     # TensorStore ignores bytes after the checksum, so the values still load
     # exactly; `verify` checks every chunk file's size and reports them.
@@ -159,6 +168,7 @@ def _edit_zarr_json(path: pathlib.Path, leaf: str, edit) -> None:
     file.write_text(json.dumps(metadata))
 
 
+@per_leaf
 @pytest.mark.parametrize(
     "edit",
     [
@@ -176,6 +186,7 @@ def test_edited_zarr_json(tmp_path, edit):
     _assert_detected(tmp_path, "b.c")
 
 
+@per_leaf
 def test_garbled_or_deleted_zarr_json(tmp_path):
     _save(tmp_path / "x")
     tmp_path.joinpath("x", "b", "c", "zarr.json").write_text("{not json")
@@ -185,6 +196,7 @@ def test_garbled_or_deleted_zarr_json(tmp_path):
     _assert_detected(tmp_path / "y", "a")
 
 
+@per_leaf
 def test_edited_fill_value_is_reported_by_verify(tmp_path):
     # A load never reads the fill value (a missing chunk is an error, not fill),
     # so the bytes still load exactly; verify still reports the edit.
@@ -196,6 +208,7 @@ def test_edited_fill_value_is_reported_by_verify(tmp_path):
     assert _same(eqx_ckpt.tree_deserialise_leaves(tmp_path, _like()), _tree())
 
 
+@per_leaf
 def test_deleted_leaf_folder(tmp_path):
     _save(tmp_path)
     for file in sorted(tmp_path.joinpath("b").rglob("*"), reverse=True):
@@ -236,6 +249,7 @@ def test_edited_manifest(tmp_path, edit):
         eqx_ckpt.Checkpoint(tmp_path)
 
 
+@per_leaf
 def test_several_damaged_leaves_are_all_named(tmp_path):
     _save(tmp_path)
     _chunk_files(tmp_path, "a")[0].unlink()
@@ -244,6 +258,7 @@ def test_several_damaged_leaves_are_all_named(tmp_path):
     assert [p.leaf for p in eqx_ckpt.verify(tmp_path)] == ["a", "half"]
 
 
+@per_leaf
 def test_damage_in_a_generation_data_root(tmp_path):
     _save(tmp_path)
     eqx_ckpt.tree_serialise_leaves(tmp_path, _tree())
@@ -256,7 +271,7 @@ def test_damage_in_a_generation_data_root(tmp_path):
     _assert_detected(tmp_path, "a")
 
 
-def test_diff_equal_and_different(tmp_path):
+def test_diff_equal_and_different(tmp_path, packing):
     _save(tmp_path / "x")
     _save(tmp_path / "y")
     same = eqx_ckpt.diff(tmp_path / "x", tmp_path / "y")
@@ -303,6 +318,7 @@ def test_diff_type_and_cast_changes(tmp_path):
     assert result.values == ()
 
 
+@per_leaf
 def test_diff_names_a_damaged_leaf(tmp_path):
     _save(tmp_path / "x")
     _save(tmp_path / "y")
@@ -313,6 +329,7 @@ def test_diff_names_a_damaged_leaf(tmp_path):
         eqx_ckpt.diff(tmp_path / "x", tmp_path / "missing")
 
 
+@per_leaf
 def test_a_leaf_folder_removed_while_it_is_checked_is_an_integrity_error(tmp_path):
     # A reader racing an overwrite can find a leaf's folder, then see it deleted by
     # the overwrite's cleanup before listing it: that must be the documented
@@ -348,6 +365,7 @@ def test_verify_from_several_threads_at_once(tmp_path):
     assert results == [[]] * 18
 
 
+@per_leaf
 def test_diff_against_an_edited_zarr_json_names_the_leaf_briefly(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path / "a", {"w": jnp.ones(2)})
     eqx_ckpt.tree_serialise_leaves(tmp_path / "b", {"w": jnp.ones(2)})
@@ -361,12 +379,12 @@ def test_diff_against_an_edited_zarr_json_names_the_leaf_briefly(tmp_path):
     assert len(str(info.value)) < 500
 
 
-def test_errors_name_the_checkpoint_not_its_data_root(tmp_path):
+def test_errors_name_the_checkpoint_not_its_data_root(tmp_path, packing):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2)})
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2)})
     root = json.loads((tmp_path / "manifest.json").read_text())["data_root"]
     assert root.startswith("gen.")
-    (tmp_path / root / "w" / "c" / "0").unlink()
+    (tmp_path / root / ("packed.float32" if packing == "packed" else "w") / "c" / "0").unlink()
     with pytest.raises(eqx_ckpt.IntegrityError) as info:
         eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(2)})
     assert f"in checkpoint {str(tmp_path)!r}" in str(info.value)

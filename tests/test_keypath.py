@@ -9,6 +9,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+import pytest
 
 import eqx_ckpt
 from eqx_ckpt import _keypath
@@ -69,7 +70,7 @@ def test_manifest_record_round_trips_the_key_path():
     assert _keypath.from_json(_keypath.to_json(keypath)) == keypath
 
 
-def test_awkward_keys_round_trip_and_stay_inside(tmp_path):
+def test_awkward_keys_round_trip_and_stay_inside(tmp_path, packing):
     tree = collections.OrderedDict((key, jnp.full(2, i, dtype=jnp.int32)) for i, key in enumerate(AWKWARD_KEYS))
     tree[0] = jnp.full(2, 100, dtype=jnp.int32)
     tree[-3] = jnp.full(2, 101, dtype=jnp.int32)
@@ -79,12 +80,12 @@ def test_awkward_keys_round_trip_and_stay_inside(tmp_path):
 
     loaded = eqx_ckpt.tree_deserialise_leaves(ckpt, tree)
     assert eqx.tree_equal(loaded, tree, typematch=True)
-    # Every leaf has its own key and array folder: nothing collided.
+    # Every leaf has its own key and (unpacked) array folder: nothing collided.
     keys = list(eqx_ckpt.Checkpoint(ckpt))
     assert len(keys) == len(tree)
     assert len(set(keys)) == len(tree)
     array_dirs = {p.parent for p in _files_under(ckpt) if p.name == "zarr.json"} - {ckpt}
-    assert len(array_dirs) == len(tree)
+    assert len(array_dirs) == (len(tree) if packing == "unpacked" else 1)  # packed: `packed.int32` alone
     for key in keys:
         np.testing.assert_array_equal(np.asarray(eqx_ckpt.Checkpoint(ckpt)[key]), np.asarray(tree[_lookup(tree, key)]))
     # Nothing was written outside the checkpoint directory.
@@ -100,6 +101,7 @@ def _lookup(tree, dotted):
     raise AssertionError(dotted)
 
 
+@pytest.mark.usefixtures("unpacked")  # the folders of keys
 def test_nested_dot_keys_do_not_alias_nesting(tmp_path):
     # {"a.b": x} and {"a": {"b": y}} must not share a folder.
     tree = {"a.b": jnp.zeros(2), "a": {"b": jnp.ones(2)}}
@@ -110,6 +112,7 @@ def test_nested_dot_keys_do_not_alias_nesting(tmp_path):
     assert eqx.tree_equal(loaded, tree, typematch=True)
 
 
+@pytest.mark.usefixtures("unpacked")  # the folders of keys
 def test_keys_longer_than_a_file_name_are_stored(tmp_path):
     long_a, long_b = "x" * 300, "x" * 299 + "y"  # alike for far longer than is kept
     tree = {long_a: jnp.zeros(1), long_b: jnp.ones(1), "é" * 150: jnp.full(1, 2.0), "short": jnp.ones(1)}

@@ -61,6 +61,7 @@ def test_lazy_read_honours_cast(tmp_path):
     assert eqx.tree_equal(eqx_ckpt.materialise(lazy), {"x": jnp.arange(3.0)}, typematch=True)
 
 
+@pytest.mark.usefixtures("unpacked")  # a leaf of several chunks (a packed leaf is read whole)
 def test_slicing_reads_only_that_region(tmp_path, monkeypatch):
     # 32-byte chunks: an (8, 4) float32 array is four chunks of two rows.
     monkeypatch.setattr(_spec, "CHUNK_BYTES", 32)
@@ -107,13 +108,14 @@ def test_lazy_array_is_not_an_array(tmp_path):
         hash(lazy["x"])
 
 
-def test_lazy_load_reads_no_data_until_asked(tmp_path):
-    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.ones(3), "b": jnp.zeros(2)})
-    for chunk in (tmp_path / "a").rglob("*"):
+def test_lazy_load_reads_no_data_until_asked(tmp_path, packing):
+    # Two dtypes, so that packed, `a` and `b` are in packs of their own too.
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.ones(3), "b": jnp.zeros(2, jnp.int32)})
+    for chunk in (tmp_path / ("a" if packing == "unpacked" else "packed.float32")).rglob("*"):
         if chunk.is_file() and chunk.name != "zarr.json":
             chunk.unlink()
-    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"a": jnp.zeros(3), "b": jnp.ones(2)}, lazy=True)
-    np.testing.assert_array_equal(np.asarray(lazy["b"]), np.zeros(2))
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"a": jnp.zeros(3), "b": jnp.ones(2, jnp.int32)}, lazy=True)
+    np.testing.assert_array_equal(np.asarray(lazy["b"]), np.zeros(2, np.int32))
     with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("`a`")):
         lazy["a"].read()
 

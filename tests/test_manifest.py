@@ -42,7 +42,7 @@ def test_manifest_lists_every_leaf(tmp_path):
     _save(tmp_path)
     body = _body(tmp_path)
     assert body["format"] == "eqx_ckpt"
-    assert body["format_version"] == 2
+    assert body["format_version"] == 3
     assert body["library_version"] == eqx_ckpt.__version__
     assert body["digest"].startswith("sha256:")
     leaves = {leaf["path"]: leaf for leaf in body["leaves"]}
@@ -59,6 +59,12 @@ def test_manifest_lists_every_leaf(tmp_path):
     assert leaves["key"]["stored_shape"] == [2] and leaves["key"]["stored_dtype"] == "uint32"
     assert leaves["f8"]["dtype"] == "float8_e4m3" and leaves["f8"]["encoding"] == "view"
     assert body["total_bytes"] == sum(leaf["nbytes"] for leaf in body["leaves"])
+    # Every leaf is small: packed, one array per stored dtype.
+    assert weight["pack"] == "packed.float32" and weight["offset"] == 0
+    assert [pack["name"] for pack in body["packs"]] == sorted({leaf["pack"] for leaf in body["leaves"]})
+    assert next(p for p in body["packs"] if p["name"] == "packed.float32") == {
+        "name": "packed.float32", "dtype": "float32", "shape": [6], "chunks": [6]
+    }  # fmt: skip
 
 
 def test_edited_manifest_is_detected(tmp_path):
