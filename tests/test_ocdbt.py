@@ -53,6 +53,7 @@ def test_round_trip_and_few_files(tmp_path):
     assert len(_files(tmp_path)) < leaves
 
 
+@pytest.mark.usefixtures("unpacked")  # (packs in a database: test_pack.py)
 def test_database_holds_the_same_per_leaf_zarr_arrays(tmp_path):
     tree = _tree()
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree, layout="ocdbt")
@@ -65,13 +66,17 @@ def test_database_holds_the_same_per_leaf_zarr_arrays(tmp_path):
     assert half.dtype.numpy_dtype == np.dtype(ml_dtypes.bfloat16)
 
 
-def test_partial_load_reads_only_the_selection(tmp_path):
+def test_partial_load_reads_only_the_selection(tmp_path, packing):
     tree = _tree()
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree, layout="ocdbt")
     # Remove every array but the model's from the database: a load that touched
-    # any of them would fail.
+    # any of them would fail. (Packed, the model's leaves are the float32 pack.)
     database = _database(tmp_path / "ocdbt.db")
-    for name in ("half", "key", "table", "step", "lr", "odd%2Ekey%2Fname"):
+    others = ("half", "key", "table", "step", "lr", "odd%2Ekey%2Fname")
+    if packing == "packed":
+        others = tuple(f"packed.{dtype}" for dtype in ("bfloat16", "uint32", "uint8", "int64", "float64", "int32"))
+    for name in others:
+        assert database.list(ts.KvStore.KeyRange(name + "/", name + "0")).result(), name
         database.delete_range(ts.KvStore.KeyRange(name + "/", name + "0")).result()
     like = eqx.filter_eval_shape(_tree)
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, where=lambda t: t["model"])
@@ -129,7 +134,7 @@ def test_switching_layouts_on_overwrite(tmp_path):
     assert os.listdir(tmp_path / _root(tmp_path)) == ["ocdbt.db"]
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     assert sorted(os.listdir(tmp_path)) == sorted([_root(tmp_path), "manifest.json"])
-    assert sorted(os.listdir(tmp_path / _root(tmp_path))) == ["a", "zarr.json"]
+    assert sorted(os.listdir(tmp_path / _root(tmp_path))) == ["packed.int32", "zarr.json"]
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
 
 
@@ -156,7 +161,7 @@ def test_memory_store_and_background_save():
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves("memory://ocdbt_test/ckpt/", tree), tree, typematch=True)
 
 
-def test_damaged_database_is_an_integrity_error(tmp_path):
+def test_damaged_database_is_an_integrity_error(tmp_path, packing):
     tree = {"w": jnp.arange(64.0)}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree, layout="ocdbt")
     for name in _files(tmp_path / "ocdbt.db"):
@@ -169,10 +174,11 @@ def test_damaged_database_is_an_integrity_error(tmp_path):
     assert cli_main(["verify", str(tmp_path)]) == 1
 
 
-def test_verify_reads_every_chunk_in_the_database(tmp_path):
+def test_verify_reads_every_chunk_in_the_database(tmp_path, packing):
     eqx_ckpt.tree_serialise_leaves(tmp_path, _tree(), layout="ocdbt")
     assert cli_main(["verify", str(tmp_path)]) == 0
-    _database(tmp_path / "ocdbt.db").delete_range(ts.KvStore.KeyRange("half/c/", "half/c0")).result()
+    half = "half" if packing == "unpacked" else "packed.bfloat16"  # packed, the only bfloat16 leaf
+    _database(tmp_path / "ocdbt.db").delete_range(ts.KvStore.KeyRange(f"{half}/c/", f"{half}/c0")).result()
     assert cli_main(["verify", str(tmp_path)]) == 1
 
 

@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqx_ckpt
-from eqx_ckpt import _keypath
+from eqx_ckpt import _keypath, _pack
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -95,6 +96,17 @@ def _containers(children: Any) -> Any:
 
 TREES = st.recursive(st.one_of(arrays(), SCALARS), _containers, max_leaves=10)
 
+# The largest leaf packed: none (a folder per leaf), the tiniest only (a mix of
+# packs and folders in one checkpoint), or as saved by default (all of these).
+PACK_BYTES = st.sampled_from([-1, 16, _pack.PACK_BYTES])
+
+
+def _save(path: pathlib.Path, tree: Any, pack_bytes: int) -> None:
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_pack, "PACK_BYTES", pack_bytes)
+        eqx_ckpt.tree_serialise_leaves(path, tree)
+
+
 _counter = itertools.count()
 
 
@@ -116,6 +128,8 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 _NAME = re.compile(r"^(%e|%i-?[0-9]+|%r(?:[A-Za-z0-9_-]|%[0-9A-F]{2})*|(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+)$")
+_DATA_ROOT = re.compile(r"gen\.[0-9a-f]{16}")
+_PACK = re.compile(r"packed\.[a-z0-9_]+")
 
 
 def _assert_contained(parent: pathlib.Path) -> None:
@@ -126,19 +140,27 @@ def _assert_contained(parent: pathlib.Path) -> None:
         here = pathlib.Path(folder)
         assert not here.is_symlink() and here.resolve().is_relative_to(root.resolve())
         relative = here.relative_to(root).parts
-        # Below a leaf's `c/` chunk folder, names are chunk indices.
+        # Below a leaf's (or a pack's) `c/` chunk folder, names are chunk indices.
         in_chunks = "c" in relative
+        # Packs lie at the top of a data root: the checkpoint, or a `gen.<commit>` in it.
+        data_root = relative == () or (len(relative) == 1 and _DATA_ROOT.fullmatch(relative[0]))
         for name in dirs:
-            assert in_chunks or name == "c" or re.fullmatch(r"gen\.[0-9a-f]{16}", name) or _NAME.match(name), name
+            assert (
+                in_chunks
+                or name == "c"
+                or _DATA_ROOT.fullmatch(name)
+                or (data_root and _PACK.fullmatch(name))
+                or _NAME.match(name)
+            ), name
         for name in files:
             assert name in ("zarr.json", "manifest.json", "c") or (in_chunks and name.isdigit()), name
 
 
 @SETTINGS
-@given(tree=TREES)
-def test_round_trip(tmp_path, tree):
+@given(tree=TREES, pack_bytes=PACK_BYTES)
+def test_round_trip(tmp_path, tree, pack_bytes):
     parent = _fresh(tmp_path)
-    eqx_ckpt.tree_serialise_leaves(parent / "ckpt", tree)
+    _save(parent / "ckpt", tree, pack_bytes)
     _assert_contained(parent)
     assert _equal(eqx_ckpt.tree_deserialise_leaves(parent / "ckpt", tree), tree)
     # Abstract `like`, as `eqx.filter_eval_shape` gives, loads the same arrays.
@@ -151,11 +173,11 @@ def test_round_trip(tmp_path, tree):
 
 
 @SETTINGS
-@given(first=TREES, second=TREES)
-def test_overwrite_round_trip(tmp_path, first, second):
+@given(first=TREES, second=TREES, first_pack_bytes=PACK_BYTES, second_pack_bytes=PACK_BYTES)
+def test_overwrite_round_trip(tmp_path, first, second, first_pack_bytes, second_pack_bytes):
     parent = _fresh(tmp_path)
-    eqx_ckpt.tree_serialise_leaves(parent / "ckpt", first)
-    eqx_ckpt.tree_serialise_leaves(parent / "ckpt", second)
+    _save(parent / "ckpt", first, first_pack_bytes)
+    _save(parent / "ckpt", second, second_pack_bytes)
     _assert_contained(parent)
     assert _equal(eqx_ckpt.tree_deserialise_leaves(parent / "ckpt", second), second)
 
@@ -170,6 +192,7 @@ def test_dict_keys_never_collide(keys):
     assert all(_NAME.match(s) and "." not in s and "/" not in s for s in segments)
 
 
+@pytest.mark.usefixtures("unpacked")  # the folders of keys
 @SETTINGS
 @given(
     keys=st.lists(

@@ -13,8 +13,9 @@ from eqx_ckpt import _deserialise, _read, _spec
 
 
 @pytest.fixture
-def small_slabs(monkeypatch):
-    # Exercise the slab path with small arrays: 1 KiB chunks, 4 KiB slabs.
+def small_slabs(monkeypatch, unpacked):
+    # Exercise the slab path with small arrays: 1 KiB chunks, 4 KiB slabs. They
+    # stand for large leaves, so each has a folder of its own (is not packed).
     monkeypatch.setattr(_spec, "CHUNK_BYTES", 1024)
     monkeypatch.setattr(_read, "SLAB_BYTES", 4096)
 
@@ -53,7 +54,7 @@ def test_damage_in_a_later_slab_names_the_leaf(tmp_path, small_slabs):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros((64, 64), jnp.float32)})
 
 
-def test_a_small_window_still_loads_everything_in_order(tmp_path, monkeypatch):
+def test_a_small_window_still_loads_everything_in_order(tmp_path, monkeypatch, packing):
     monkeypatch.setattr(_deserialise, "READ_WINDOW", 1)  # one leaf in flight at a time
     tree = {f"l{i}": jnp.full((i + 1, 3), i, jnp.int32) for i in range(12)}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)

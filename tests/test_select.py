@@ -25,6 +25,23 @@ class Net(eqx.Module):
         self.head = eqx.nn.Linear(4, head_size, key=k3)
 
 
+@pytest.fixture
+def packed_reads(monkeypatch):
+    """The dotted paths of the packed leaves that loads read. (A partial load reads
+    the runs of a pack that hold its leaves, at chunk granularity: test_pack.py.)"""
+    from eqx_ckpt import _pack
+
+    read, real = [], _pack.read_leaves
+
+    def read_leaves(loc, records, *, window):
+        for members, start, finish in real(loc, records, window=window):
+            read.extend(records[m].path for m in members)
+            yield members, start, finish
+
+    monkeypatch.setattr(_pack, "read_leaves", read_leaves)
+    return read
+
+
 def _save_net(path, seed=0):
     net = Net(jax.random.key(seed))
     eqx_ckpt.tree_serialise_leaves(path, net)
@@ -62,15 +79,20 @@ def test_where_tuple_of_nodes(tmp_path):
     assert not eqx.tree_equal(loaded.head, net.head)
 
 
-def test_where_reads_nothing_outside_the_selection(tmp_path):
+def test_where_reads_nothing_outside_the_selection(tmp_path, packing, packed_reads):
     net = _save_net(tmp_path)
-    shutil.rmtree(tmp_path / "head")
-    shutil.rmtree(tmp_path / "encoder" / "layers" / "1")
+    if packing == "unpacked":
+        shutil.rmtree(tmp_path / "head")
+        shutil.rmtree(tmp_path / "encoder" / "layers" / "1")
     like = eqx.filter_eval_shape(Net, jax.random.key(1))
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, where=lambda m: (m.embed, m.encoder.layers[0]))
     assert eqx.tree_equal(loaded.embed, net.embed, typematch=True)
     assert eqx.tree_equal(loaded.encoder.layers[0], net.encoder.layers[0], typematch=True)
     assert _is_abstract(loaded.head) and _is_abstract(loaded.encoder.layers[1])
+    if packing == "packed":
+        selected = ["embed.weight", "encoder.layers.0.bias", "encoder.layers.0.weight"]
+        assert sorted(packed_reads) == selected
+        return
     # The deleted folders really are needed by a full load: it fails on them.
     with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("`encoder.layers.1.")):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, like, where=lambda m: m.encoder)
@@ -100,15 +122,18 @@ def _train_state(seed):
     return {"model": model, "opt_state": opt_state, "step": 10}
 
 
-def test_prefix_loads_a_bare_model_out_of_a_training_state(tmp_path):
+def test_prefix_loads_a_bare_model_out_of_a_training_state(tmp_path, packing, packed_reads):
     state = _train_state(0)
     eqx_ckpt.tree_serialise_leaves(tmp_path, state)
     assert "opt_state.0.mu.encoder.layers.0.weight" in eqx_ckpt.Checkpoint(tmp_path)
     # The optimiser state is never read.
-    shutil.rmtree(tmp_path / "opt_state")
+    if packing == "unpacked":
+        shutil.rmtree(tmp_path / "opt_state")
     like = eqx.filter_eval_shape(Net, jax.random.key(1))
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, prefix="model")
     assert eqx.tree_equal(loaded, state["model"], typematch=True)
+    model = [k for k in eqx_ckpt.Checkpoint(tmp_path) if k.startswith("model.")]
+    assert sorted(packed_reads) == (sorted(model) if packing == "packed" else [])
 
 
 def test_prefix_with_where(tmp_path):

@@ -42,14 +42,19 @@ def _chunk_files(path, key):
     return sorted(p for p in (path / key).rglob("*") if p.is_file() and p.name != "zarr.json")
 
 
-def test_chunks_line_up_with_shards(tmp_path, mesh):
+def test_chunks_line_up_with_shards(tmp_path, mesh, packing):
     _, tree = _saved(tmp_path, mesh)
     assert tree["sharded"].sharding.shard_shape((8, 6)) == (2, 6)
-    assert _chunk_shape(tmp_path, "sharded") == [2, 6]
+    assert _chunk_shape(tmp_path, "sharded") == [2, 6]  # sharded: never packed
     assert len(_chunk_files(tmp_path, "sharded")) == 4
-    # Replicated data is one block, written once.
-    assert _chunk_shape(tmp_path, "replicated") == [8, 6]
-    assert len(_chunk_files(tmp_path, "replicated")) == 1
+    # Replicated data is one block, written once: in a chunk of its own, or packed.
+    if packing == "unpacked":
+        assert _chunk_shape(tmp_path, "replicated") == [8, 6]
+        assert len(_chunk_files(tmp_path, "replicated")) == 1
+    else:
+        assert not (tmp_path / "replicated").exists()
+        record = eqx_ckpt.Checkpoint(tmp_path).record("replicated")
+        assert record.pack is not None and record.pack.name == "packed.float32" and record.chunks == (8, 6)
 
 
 def test_small_chunks_stay_inside_shards(tmp_path, mesh, monkeypatch):

@@ -22,12 +22,13 @@ import pytest
 from disk import snapshot
 
 import eqx_ckpt
-from eqx_ckpt import _io
+from eqx_ckpt import _io, _pack
 
 # Every function through which a save touches storage.
 _IO = [
     (_io, "kvstore"),
     (_io, "create_array"),
+    (_io, "create_spec"),  # a pack of small leaves
     (_io, "transaction"),
     (_io, "flush"),
     (_io, "remove"),
@@ -72,6 +73,14 @@ def inject(monkeypatch, fail_at, error):
 
 def _tree(generation):
     return {"a": np.full(3, generation, np.float32), "b": {"c": np.arange(2) + generation}, "step": generation}
+
+
+@pytest.fixture(autouse=True)
+def mixed(monkeypatch):
+    """Leaves of at most 8 bytes packed: every save writes both kinds of array, a
+    pack (`step`) and arrays of their own (`a`, `b.c`), as a model's few large
+    weights and many small leaves would."""
+    monkeypatch.setattr(_pack, "PACK_BYTES", 8)
 
 
 def _holds(path, generation):
@@ -140,7 +149,7 @@ class _Scenario:
         if self.kind == "manager":
             return {n for n in names if not n.startswith("step_")}
         manifest = eqx_ckpt.Checkpoint(self.directory)._manifest
-        live = {manifest.data_root} if manifest.data_root else {"a", "b", "step", "zarr.json"}
+        live = {manifest.data_root} if manifest.data_root else {"a", "b", "packed.int64", "zarr.json"}
         return names - live - {"manifest.json"}
 
 
