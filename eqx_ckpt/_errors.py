@@ -224,7 +224,7 @@ class IntegrityError(LeafError):
         import eqx_ckpt
 
         eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(3)})
-        chunk = pathlib.Path("ckpt/w/c/0")
+        chunk = pathlib.Path("ckpt/packed.float32/c/0")
         data = bytearray(chunk.read_bytes())
         data[0] ^= 0xFF                         # one flipped bit of storage
         chunk.write_bytes(bytes(data))

@@ -189,7 +189,10 @@ def read_leaves(
             *done, done_size = flight.popleft()
             in_flight -= done_size
             yield done[0], done[1], done[2]
-        store = stores[pack.name].result()
+        try:
+            store = stores[pack.name].result()
+        except Exception as e:
+            raise _io.leaf_io_error(e, records[members[0]], loc, "open") from e
         flight.append((members, start, store[start:stop].read().result, size))
         in_flight += size
     while flight:

@@ -24,7 +24,7 @@ def _open(directory):
     return ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(directory)}}).result()
 
 
-def test_layout_one_zarr_array_per_leaf(tmp_path):
+def test_layout_one_zarr_array_per_leaf(tmp_path, unpacked):
     tree = {"model": _mlp(), "step": 3}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     assert (tmp_path / "manifest.json").is_file()
@@ -38,7 +38,7 @@ def test_layout_one_zarr_array_per_leaf(tmp_path):
     assert _open(tmp_path / "step").read().result() == 3
 
 
-def test_every_array_folder_opens_with_plain_tensorstore(tmp_path):
+def test_every_array_folder_opens_with_plain_tensorstore(tmp_path, unpacked):
     model = _mlp()
     eqx_ckpt.tree_serialise_leaves(tmp_path, model)
     for keypath, leaf in jax.tree_util.tree_leaves_with_path(eqx.filter(model, eqx.is_array)):
@@ -46,7 +46,7 @@ def test_every_array_folder_opens_with_plain_tensorstore(tmp_path):
         np.testing.assert_array_equal(_open(directory).read().result(), np.asarray(leaf))
 
 
-def test_group_metadata_above_every_leaf(tmp_path):
+def test_group_metadata_above_every_leaf(tmp_path, unpacked):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"model": _mlp()})
     for group in (tmp_path, tmp_path / "model", tmp_path / "model" / "layers", tmp_path / "model" / "layers" / "0"):
         meta = json.loads((group / "zarr.json").read_text())
@@ -238,7 +238,7 @@ def test_root_leaf(tmp_path):
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, jnp.zeros(4)), x, typematch=True)
 
 
-def test_kvstore_url_round_trip(tmp_path):
+def test_kvstore_url_round_trip(tmp_path, unpacked):
     tree = {"model": _mlp(), "step": 4}
     url = f"memory://{tmp_path.name}/ckpt/"
     eqx_ckpt.tree_serialise_leaves(url, tree)
