@@ -155,7 +155,7 @@ def is_floating(dtype: np.dtype) -> bool:
 def x64_missing(dtype: Any) -> bool:
     """Whether a JAX array of `dtype` cannot exist here: a 64-bit dtype while
     JAX's 64-bit mode is off (`jax.device_put` would silently narrow it)."""
-    return _narrowed(np.dtype(dtype), bool(jax.config.jax_enable_x64))
+    return _narrowed(np.dtype(dtype), bool(jax.config.read("jax_enable_x64")))
 
 
 @functools.lru_cache(maxsize=256)

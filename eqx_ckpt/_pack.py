@@ -124,6 +124,8 @@ def open_leaf(loc: Location, record: LeafRecord) -> Any:
 
     assert record.pack is not None
     opened = open_pack(loc, record.pack, cached=True, leaf=record.path)
+    promise: Any
+    future: Any
     promise, future = ts.Promise.new()
     try:
         read = opened.result()[record.offset : record.offset + record.size].read()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -139,7 +140,7 @@ def place(loc: Location, hosts: list[np.ndarray], records: list[LeafRecord], lik
             out[i] = array
             batch[sharding].append(i)
         elif kind == "jax":
-            out[i] = jax.make_array_from_callback(array.shape, sharding, lambda index, a=array: a[index])
+            out[i] = jax.make_array_from_callback(array.shape, sharding, functools.partial(_region, array))
         elif kind == "prng_key":
             keys = _dtypes.wrap_keys(jax.numpy.asarray(array), record.impl)
             out[i] = jax.device_put(keys, sharding) if sharding is not None else keys
@@ -155,6 +156,10 @@ def place(loc: Location, hosts: list[np.ndarray], records: list[LeafRecord], lik
         for i, value in zip(indices, jax.device_put([out[i] for i in indices], sharding)):
             out[i] = value
     return out
+
+
+def _region(array: np.ndarray, index: Any) -> np.ndarray:
+    return array[index]
 
 
 def start(store: Any, loc: Location, record: LeafRecord, like: Any, *, dtype: Any = None) -> Callable[[], Any]:
