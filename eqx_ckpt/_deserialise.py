@@ -504,7 +504,7 @@ def _read_packed(
             # Which leaf of the run is damaged: read them one by one.
             for m in members:
                 try:
-                    _pack.read_each(data, [records[m]])
+                    _pack.open_leaf(data, records[m]).result()
                 except Exception as each:
                     raise _io.leaf_io_error(each, records[m], data, "read") from e
             raise _io.leaf_io_error(e, records[members[0]], data, "read") from e

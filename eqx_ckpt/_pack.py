@@ -143,13 +143,6 @@ def open_leaf(loc: Location, record: LeafRecord) -> Any:
     return future
 
 
-def read_each(loc: Location, records: Sequence[LeafRecord]) -> None:
-    """Read `records` one by one, to name the first one that cannot be read
-    (after a run holding them failed)."""
-    for record in records:
-        open_leaf(loc, record).result()
-
-
 def read_leaves(
     loc: Location, records: Sequence[LeafRecord], *, window: int
 ) -> Iterator[tuple[list[int], int, Callable[[], np.ndarray]]]:
@@ -182,15 +175,20 @@ def read_leaves(
             members.append(i)
         if members:
             runs.append((pack, start, stop, members))
-    stores = {pack.name: open_pack(loc, pack, cached=False, leaf=records[m[0]].path) for pack, _, _, m in runs}
+    # One open (and one check of its files) per pack, not per run.
+    stores = {}
+    for name, indices in by_pack.items():
+        first = records[indices[0]]
+        assert first.pack is not None
+        stores[name] = open_pack(loc, first.pack, cached=False, leaf=first.path)
     flight: collections.deque[tuple[list[int], int, Any, int]] = collections.deque()
     in_flight = 0
     for pack, start, stop, members in runs:
         size = (stop - start) * _dtypes.dtype_from_name(pack.dtype).itemsize
         while flight and in_flight + size > window:
-            *done, done_size = flight.popleft()
+            done_members, done_start, done_finish, done_size = flight.popleft()
             in_flight -= done_size
-            yield done[0], done[1], done[2]
+            yield done_members, done_start, done_finish
         try:
             store = stores[pack.name].result()
         except Exception as e:
