@@ -144,7 +144,16 @@ class Transaction:
         self._require(State.WRITTEN)
         if self.lease is not None:
             self.lease.check()
-        written, error, interrupt = _io.write_conditional(self.loc, MANIFEST, manifest.to_bytes(), self.expected)
+        data = manifest.to_bytes()
+        outcome: list[tuple[bool, BaseException | None, BaseException | None]] = []
+        try:
+            # In a helper thread: the write's future cannot be lost to an interrupt.
+            _io.uninterrupted(lambda: outcome.append(_io.write_conditional(self.loc, MANIFEST, data, self.expected)))
+            written, error, interrupt = outcome[0]
+        except BaseException as e:
+            if not outcome:
+                raise  # the write never started (or failed unexpectedly): nothing to record
+            (written, error, _), interrupt = outcome[0], e
         if written or _committed_by(self.loc, self.commit_id):
             self.state = State.COMMITTED
         if interrupt is not None:

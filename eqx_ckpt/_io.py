@@ -11,10 +11,12 @@ import contextlib
 import ctypes
 import functools
 import os
+import queue
 import re
 import shutil
 import sys
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import tensorstore as ts
@@ -49,6 +51,76 @@ def result(future: ts.Future) -> Any:
             with contextlib.suppress(BaseException):
                 future.result()
         raise
+
+
+def uninterrupted(fn: Callable[[], Any]) -> None:
+    """Run `fn` to its end, however the caller is interrupted.
+
+    Python raises an interrupt (Ctrl-C, `sys.exit` from a signal handler) in the
+    main thread, between any two bytecodes: also between a call that starts an
+    operation and the line that keeps its future, which is then lost, and a
+    save cannot know what it must wait for before it undoes anything (a
+    manifest write that landed after the abort deleted the arrays committed a
+    checkpoint without its data). In the main thread, `fn` therefore runs in a
+    helper thread, which signals never reach: it keeps what it starts (it
+    stores its results itself, in objects the caller holds), and an interrupt
+    while waiting is raised once `fn` has finished. In other threads `fn` just
+    runs. `fn`'s own error is raised as it is.
+
+    (Not `Thread.join`: an interrupted join in Python 3.11 can mark a running
+    thread as finished, and the next join returns at once.)
+    """
+    if threading.current_thread() is not threading.main_thread():
+        fn()
+        return
+    _ensure_helper()  # an interrupt here has started nothing
+    job = _Job(fn)
+    _JOBS.put(job)  # one C call: the job is queued, or the interrupt came first
+    interrupt: BaseException | None = None
+    while not job.done.is_set():
+        try:
+            job.done.wait(0.05)
+        except BaseException as e:
+            interrupt = interrupt or e
+    if interrupt is not None:
+        raise interrupt
+    if job.error is not None:
+        raise job.error
+
+
+class _Job:
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.fn()
+        except BaseException as e:
+            self.error = e
+        finally:
+            self.done.set()
+
+
+_JOBS: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+_HELPERS: list[threading.Thread] = []
+_HELPERS_LOCK = threading.Lock()
+
+
+def _helper() -> None:
+    while True:
+        _JOBS.get().run()
+
+
+def _ensure_helper() -> None:
+    """Start the helper thread of `uninterrupted` unless one runs. (A start cut
+    short by an interrupt may leave two: each job is still run once.)"""
+    with _HELPERS_LOCK:
+        if not any(thread.is_alive() for thread in _HELPERS):
+            thread = threading.Thread(target=_helper, name="eqx_ckpt-io", daemon=True)
+            thread.start()
+            _HELPERS.append(thread)
 
 
 def _on_local_disk(loc: Location) -> bool:

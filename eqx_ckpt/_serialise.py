@@ -232,18 +232,22 @@ def save(
     # Every process reaches this first barrier, even one whose tree is bad, so
     # that a failure anywhere fails the save everywhere at once.
     pending: list[_write.Pending] = []
+    held: list[tuple[tuple[Any, ...], Any]] | None = None
     error: BaseException | None = None
     try:
         _layout.check(layout)
         cast_fn = _write.cast_function(cast)
-        with _tree.gc_paused():
-            pending = _collect(loc, pytree, filter_spec, is_leaf, cast_fn)
-        if group.count == 1:
-            which = [_pack.packable(p.record, p.pieces) for p in pending]
-            for p, record in zip(pending, _pack.assign([p.record for p in pending], which)):
-                p.record = record
-        if not blocking:
-            _write.private_copies(pending)
+        if not blocking and group.count == 1:
+            with _tree.gc_paused():
+                held = _hold(pytree, filter_spec, is_leaf)
+        if held is None:
+            flat, specs = _tree.flatten(pytree, is_leaf)[0], _tree.leaf_specs(filter_spec, pytree, is_leaf)
+            with _tree.gc_paused():
+                pending = _collect(loc, flat, specs, cast_fn)
+            if group.count == 1:
+                _assign_packs(pending)
+            if not blocking:
+                _write.private_copies(pending)
         if layout == "ocdbt" and group.count > 1:
             raise CheckpointValueError(
                 f"`layout='ocdbt'` is not supported with {group.count} JAX processes: one "
@@ -255,24 +259,17 @@ def save(
     error = group.sync("prepared", error)
     if error is not None:
         raise error
-    nbytes = sum(piece.nbytes for p in pending for _, piece in p.pieces)
-    tracker = Tracker(progress, leaves=len(pending), nbytes=nbytes, what="save")
+    options: dict[str, Any] = dict(overwrite=overwrite, layout=layout, metrics=metrics, progress=progress)
     exclusive = _lease.acquire_exclusive(loc)
+    if held is not None:
+        # Every array is safe on the host already: the records, the transaction and
+        # the writes all happen in the background.
+        run = functools.partial(_prepare_and_write, loc, group, held, cast_fn, **options)
+        return _start_background(run, exclusive, undo=exclusive.release)
     try:
-        with _io.explained(loc, "Saving checkpoint"):
-            records = [p.record for p in pending]
-            packs = [pack.name for pack in _pack.packs_of(records)]
-            tx = _begin(
-                group,
-                loc,
-                overwrite=overwrite,
-                layout=layout,
-                paths=[r.path for r in records if r.pack is None],
-                packs=packs,
-            )
+        tx, tracker = _begin_save(loc, group, pending, **options)
     except BaseException:
         exclusive.release()
-        tracker.close()
         raise
     run = functools.partial(_write_and_commit, tx, group, pending, metrics=metrics, tracker=tracker)
     if blocking:
@@ -282,27 +279,110 @@ def save(
         finally:
             exclusive.release()
         return None
+
+    def undo() -> None:
+        tx.abort()
+        exclusive.release()
+        tracker.close()
+
     # Every array is safe on the host already (a jax.Array's host data never
     # changes; NumPy arrays were copied): everything else happens in the background.
+    return _start_background(functools.partial(_with_tracker, tracker, run), exclusive, undo=undo)
+
+
+def _hold(pytree: Any, filter_spec: Any, is_leaf: Any) -> list[tuple[tuple[Any, ...], Any]] | None:
+    """For an asynchronous save with the default filter spec: every leaf with its
+    host data held, which is all the caller must wait for (NumPy arrays are
+    copied, each `jax.Array`'s host pieces taken, so a later donation or change
+    cannot reach the save). `None` when the tree needs the caller's thread: a
+    custom filter spec, or a leaf whose error should be raised at once."""
+    if filter_spec is not default_serialise_filter_spec:
+        return None
+    flat, _ = _tree.flatten(pytree, is_leaf)
+    out = []
+    primary = jax.process_index() == 0
+    for keypath, x in flat:
+        if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+            return None
+        if isinstance(x, jax.Array):
+            x = _write.hold(x, primary)
+        elif isinstance(x, np.ndarray):
+            x = np.array(x, copy=True)
+        out.append((keypath, x))
+    return out
+
+
+def _default_or_held(handle: LeafHandle, x: Any) -> None:
+    if isinstance(x, _write.Held):
+        handle.write(x)
+    else:
+        default_serialise_filter_spec(handle, x)
+
+
+def _prepare_and_write(
+    loc: Location, group: _multihost.Group, held: list[tuple[tuple[Any, ...], Any]], cast: Any, **options: Any
+) -> None:
+    """The background part of an asynchronous save whose leaves were held."""
+    with _tree.gc_paused():
+        pending = _collect(loc, held, [_default_or_held] * len(held), cast)
+    _assign_packs(pending)
+    tx, tracker = _begin_save(loc, group, pending, **options)
+    with tracker:
+        _write_and_commit(tx, group, pending, metrics=options["metrics"], tracker=tracker)
+
+
+def _assign_packs(pending: list[_write.Pending]) -> None:
+    which = [_pack.packable(p.record, p.pieces) for p in pending]
+    for p, record in zip(pending, _pack.assign([p.record for p in pending], which)):
+        p.record = record
+
+
+def _begin_save(
+    loc: Location,
+    group: _multihost.Group,
+    pending: list[_write.Pending],
+    *,
+    overwrite: bool,
+    layout: str,
+    metrics: dict[str, Any] | None,
+    progress: Progress,
+) -> tuple[_commit.Transaction, Tracker]:
+    nbytes = sum(piece.nbytes for p in pending for _, piece in p.pieces)
+    tracker = Tracker(progress, leaves=len(pending), nbytes=nbytes, what="save")
+    try:
+        with _io.explained(loc, "Saving checkpoint"):
+            records = [p.record for p in pending]
+            packs = [pack.name for pack in _pack.packs_of(records)]
+            paths = [r.path for r in records if r.pack is None]
+            tx = _begin(group, loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
+    except BaseException:
+        tracker.close()
+        raise
+    return tx, tracker
+
+
+def _with_tracker(tracker: Tracker, run: Callable[[], None]) -> None:
+    with tracker:
+        run()
+
+
+def _start_background(run: Callable[[], None], exclusive: threading.Lock, *, undo: Callable[[], None]) -> PendingSave:
     handoff = _Handoff()
     try:
-        return PendingSave(functools.partial(_in_background, run, exclusive, tracker, handoff))
+        return PendingSave(functools.partial(_in_background, run, exclusive, handoff))
     except BaseException:
         # Interrupted while the thread started: whichever side decides first
         # owns the save, so it is undone (or finished) exactly once.
         if handoff.take_back():
-            tx.abort()
-            exclusive.release()
-            tracker.close()
+            undo()
         raise
 
 
-def _in_background(run: Callable[[], None], exclusive: threading.Lock, tracker: Tracker, handoff: _Handoff) -> None:
+def _in_background(run: Callable[[], None], exclusive: threading.Lock, handoff: _Handoff) -> None:
     if not handoff.claim():
         return  # the caller took the save back before this thread began
     try:
-        with tracker:
-            run()
+        run()
     finally:
         exclusive.release()
 
@@ -341,7 +421,7 @@ def _write_and_commit(
     error: BaseException | None = None
     try:
         try:
-            commits = _write.start_writes(tx, pending, group, tracker=tracker)
+            _write.start_writes(tx, pending, group, tracker=tracker, out=commits)
         except Exception as e:
             error = e
         tracker.describe("save: committing")
@@ -420,16 +500,17 @@ def _begin(
     return tx
 
 
-def _collect(loc: Location, pytree: Any, filter_spec: Any, is_leaf: Any, cast: Any) -> list[_write.Pending]:
-    """Run the filter specs over the tree; nothing is written yet, so a bad leaf
+def _collect(
+    loc: Location, flat: list[tuple[tuple[Any, ...], Any]], specs: list[Any], cast: Any
+) -> list[_write.Pending]:
+    """Run the filter specs over the leaves; nothing is written yet, so a bad leaf
     leaves the destination untouched."""
-    flat, _ = _tree.flatten(pytree, is_leaf)
-    specs = _tree.leaf_specs(filter_spec, pytree, is_leaf)
     paths = _tree.check_unique([keypath for keypath, _ in flat], checkpoint=loc.display)
     pending: list[_write.Pending] = []
+    primary = jax.process_index() == 0
 
     def write(handle: LeafHandle, value: Any) -> None:
-        pending.append(_write.prepare(handle, value, cast))
+        pending.append(_write.prepare(handle, value, cast, primary=primary))
 
     for (keypath, leaf), dotted, spec in zip(flat, paths, specs, strict=True):
         handle = LeafHandle(keypath, dotted, loc.display, write=write)

@@ -23,7 +23,7 @@ def host_pieces(x: Any) -> list[tuple[tuple[slice, ...], Any]]:
     Only the first replica of each shard is written, so replicated data is written
     once, and each process writes only the shards it can address.
     """
-    if not isinstance(x, jax.Array):
+    if not isinstance(x, jax.Array) or isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
         return [((), np.asarray(x))]
     if x.is_fully_replicated and x.is_fully_addressable:
         return [((), np.asarray(x))]

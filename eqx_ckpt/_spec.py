@@ -6,6 +6,7 @@ Only this module and `_io.py` import `tensorstore`. Specs stay plain dicts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import math
 import os
@@ -135,6 +136,7 @@ def codecs(stored_dtype: str) -> list[dict[str, Any]]:
     return [first, {"name": "crc32c"}]
 
 
+@functools.lru_cache(maxsize=256)
 def dtype_from_name(name: str) -> np.dtype:
     """The NumPy dtype of a zarr/manifest dtype name (`ml_dtypes` for bfloat16 and co)."""
     return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -70,16 +71,30 @@ def check_unique(keypaths: list[tuple[Any, ...]], *, checkpoint: str) -> list[st
     return out
 
 
+_GC_LOCK = threading.Lock()
+_gc_pauses = 0
+_gc_was_enabled = False
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector while a block makes many small,
     acyclic objects (a manifest's records, a tree's leaves): its collections,
     triggered by the count of new objects, took a third of the time of parsing
-    a manifest of ten thousand leaves. Reference counting still frees memory."""
-    enabled = gc.isenabled()
-    gc.disable()
+    a manifest of ten thousand leaves. Reference counting still frees memory.
+
+    Counted, so that a background save and the caller's thread may both pause
+    it: the last to leave restores what the first found."""
+    global _gc_pauses, _gc_was_enabled
+    with _GC_LOCK:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        with _GC_LOCK:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()

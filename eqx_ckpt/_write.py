@@ -26,8 +26,36 @@ class Pending:
     pieces: list[tuple[tuple[slice, ...], np.ndarray]]
 
 
-def prepare(handle: LeafHandle, x: Any, cast: Callable[[str, np.dtype], Any] | None) -> Pending:
-    """The manifest record and the host pieces of one leaf."""
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A `jax.Array` leaf of an asynchronous save, with the host data the save
+    writes taken while the caller waited: a donation or deletion of the array
+    after the call returns cannot reach it.
+
+    - `value`: the array (its shape, dtype and sharding are read later).
+    - `data`: what is stored: the array, or a PRNG key array's key data.
+    - `pieces`: `_sharding.host_pieces(data)`, or `[]` when another process writes it.
+    """
+
+    value: jax.Array
+    data: jax.Array
+    pieces: list[tuple[tuple[slice, ...], Any]]
+
+
+def hold(x: jax.Array, primary: bool) -> Held:
+    """`x` with its host data taken; `primary`: whether this is process 0."""
+    data = jax.random.key_data(x) if _dtypes.is_prng_key(x) else x
+    return Held(x, data, _sharding.host_pieces(data) if _multihost.writes(data, primary) else [])
+
+
+def prepare(
+    handle: LeafHandle, x: Any, cast: Callable[[str, np.dtype], Any] | None, *, primary: bool | None = None
+) -> Pending:
+    """The manifest record and the host pieces of one leaf; `primary`: whether
+    this is process 0 (asked of JAX when not given)."""
+    held = None
+    if isinstance(x, Held):
+        held, x = x, x.value
     if isinstance(x, jax.core.Tracer):
         raise handle.error(
             "it is a traced value: a save inside `jax.jit` (or `vmap`, `grad`...) sees no values.",
@@ -48,7 +76,7 @@ def prepare(handle: LeafHandle, x: Any, cast: Callable[[str, np.dtype], Any] | N
     impl = ""
     if kind == "prng_key":
         impl, dtype_name, shape = str(jax.random.key_impl(x)), str(x.dtype), tuple(x.shape)
-        x = jax.random.key_data(x)
+        x = jax.random.key_data(x) if held is None else held.data
     elif kind in ("bool", "int", "float", "complex"):
         try:
             x = _dtypes.python_scalar_array(x)
@@ -66,7 +94,10 @@ def prepare(handle: LeafHandle, x: Any, cast: Callable[[str, np.dtype], Any] | N
             "Reshape it before saving (and back after loading), or let the filter spec skip it.",
         )
     block = _sharding.block_shape(x)
-    pieces = _sharding.host_pieces(x) if _multihost.writes(x) else []
+    if held is not None:
+        pieces = held.pieces
+    else:
+        pieces = _sharding.host_pieces(x) if _multihost.writes(x, primary) else []
     logical = _cast_dtype(handle, x.dtype, cast) if kind in ("jax", "numpy") else np.dtype(x.dtype)
     if logical != x.dtype:
         try:
@@ -150,9 +181,12 @@ def start_writes(
     group: _multihost.Group,
     *,
     tracker: Tracker | None = None,
-) -> list[Any]:
+    out: list[Any],
+) -> None:
     """Create every array and stage every write, then start writing them out.
-    Returns the future that finishes when the data is written (not yet durable).
+    Puts in `out` the future that finishes when the data is written (not yet
+    durable): an interrupt after it started still leaves it there, so an abort
+    waits for it before deleting anything.
 
     Process 0 creates the arrays' metadata; the other processes open the arrays
     once it has (a store cannot be written before its metadata exists).
@@ -165,16 +199,23 @@ def start_writes(
     opens: list[Any] = []
     groups: list[Any] = []
     if group.primary:
-        _io.ensure_directory(data)
-        try:
+
+        def create() -> None:
+            # In a helper thread, which keeps every future it starts (see
+            # `_io.uninterrupted`): a creation landing after an abort would leave
+            # a file the next save refuses to write beside.
+            _io.ensure_directory(data)
             for p in own:
                 opens.append(_io.create_array(data, p.record, synced=False))
             for pack in packs:
                 opens.append(_io.create_spec(_pack.spec(data, pack), data, synced=False))
-            groups = _group_writes(data, [p.record.path for p in own], root=bool(packs))
+            groups.extend(_group_writes(data, [p.record.path for p in own], root=bool(packs)))
+
+        try:
+            _io.uninterrupted(create)
         except BaseException:
             # What was started must finish before an abort deletes it.
-            settle(opens)
+            settle([*opens, *groups])
             raise
         # Every future, not just up to the first failure: an abort must find every file.
         try:
@@ -226,7 +267,7 @@ def start_writes(
     if staged is not None:
         transaction.abort()  # nothing was written out
         raise staged
-    return [transaction.commit_async()]
+    _io.uninterrupted(lambda: out.append(transaction.commit_async()))
 
 
 def private_copies(pending: list[Pending]) -> None:

@@ -69,6 +69,7 @@ class Worker:
         )
         self.ready = False
         self.last = ""
+        self.resent = False
 
     def start(self, mode: str, path: pathlib.Path, generation: int) -> None:
         if not self.ready:
@@ -94,6 +95,15 @@ class Worker:
         if self.process.poll() is None:
             os.kill(self.process.pid, sig)
             try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                # Python drops an exception raised while it runs a garbage
+                # collector callback ("Exception ignored in: _xla_gc_callback",
+                # JAX's): a signal that lands then is lost, as a Ctrl-C can be.
+                # Sent once more, as a user would press Ctrl-C again; counted.
+                self.resent = True
+                os.kill(self.process.pid, sig)
+            try:
                 self.process.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 os.kill(self.process.pid, signal.SIGKILL)
@@ -115,7 +125,15 @@ def main() -> None:
     # JAX matter, which the saves of this worker need not exercise.)
     jax.devices()
     print("ready", flush=True)
-    for line in sys.stdin:
+    while True:
+        # Wait for the next command in short steps: a signal the kernel hands to
+        # another thread (TensorStore's, XLA's) does not interrupt a blocking read
+        # of the main thread, whose Python handler would then never run.
+        while not select.select([sys.stdin], [], [], 0.1)[0]:
+            pass
+        line = sys.stdin.readline()
+        if not line:
+            return
         mode, path, generation = line.split()
         try:
             save(mode, path, int(generation))

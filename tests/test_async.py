@@ -4,6 +4,7 @@ The S3 tests hold or refuse the server's chunk writes (see `s3_server.Gate`), so
 save is provably still in flight, or fails in the background, when they act.
 """
 
+import gc
 import re
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 import tensorstore as ts
 
 import eqx_ckpt
-from eqx_ckpt import _commit, _io
+from eqx_ckpt import _commit, _io, _tree as tree_util, _write
 
 
 def _tree(step):
@@ -176,3 +177,93 @@ def test_a_script_ending_with_a_save_in_flight_waits_for_it(tmp_path):
     expected = {f"layer{i}": np.full(50_000, i, np.float32) for i in range(40)}
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, expected), expected, typematch=True)
     assert eqx_ckpt.verify(path) == []
+
+
+def _held_back(monkeypatch):
+    """Make the background part of a save wait for `release` before it makes any
+    leaf record; return (release, the names of the threads that made records)."""
+    release, threads = threading.Event(), []
+    prepare = _write.prepare
+
+    def slow(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        assert release.wait(timeout=60)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(_write, "prepare", slow)
+    return release, threads
+
+
+def test_the_caller_waits_only_for_host_data(tmp_path, monkeypatch):
+    """The leaf records, the transaction and the writes all happen in the
+    background: the call returns before any record is made, and arrays donated,
+    deleted or changed after it returns (PRNG keys included) are saved as they were."""
+    release, threads = _held_back(monkeypatch)
+    tree = {"params": jnp.arange(1024, dtype=jnp.float32), "key": jax.random.key(7), "host": np.ones(3), "step": 5}
+    expected = {"params": np.arange(1024, dtype=np.float32), "key": jax.random.key(7), "host": np.ones(3), "step": 5}
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, blocking=False)
+    assert not pending.done() and not (tmp_path / "saving.json").exists()
+
+    step = jax.jit(lambda t: {"params": t["params"] * 0 - 7, "key": jax.random.split(t["key"])[0]}, donate_argnums=0)
+    donated = step({"params": tree["params"], "key": tree["key"]})
+    jax.block_until_ready(donated)
+    tree["host"][...] = -1.0
+    del tree
+    release.set()
+    pending.wait()
+    assert set(threads) == {"eqx_ckpt-save"}
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path, expected)
+    np.testing.assert_array_equal(out["params"], expected["params"])
+    np.testing.assert_array_equal(jax.random.key_data(out["key"]), jax.random.key_data(expected["key"]))
+    assert np.array_equal(out["host"], expected["host"]) and out["step"] == 5
+
+
+def test_a_leaf_that_cannot_be_saved_fails_on_wait_and_writes_nothing(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"ok": jnp.ones(2)})
+    before = (tmp_path / "manifest.json").read_bytes()
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path, {"ok": jnp.zeros(2), "bad": np.array(["text"])}, blocking=False)
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("cannot save an array of dtype <U4")) as info:
+        pending.wait()
+    assert list(info.value.dotted) == ["bad"]
+    assert (tmp_path / "manifest.json").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "packed.float32", "zarr.json"]
+
+
+def test_a_custom_filter_spec_runs_in_the_callers_thread(tmp_path, monkeypatch):
+    release, threads = _held_back(monkeypatch)
+    release.set()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, _tree(1), lambda handle, x: handle.write(x), blocking=False).wait()
+    assert set(threads) == {threading.current_thread().name}
+
+
+def test_a_traced_or_abstract_leaf_is_refused_at_once(tmp_path):
+    def save(x):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": x}, blocking=False)
+        return x
+
+    with pytest.raises(eqx_ckpt.LeafError, match="it is a traced value"):
+        jax.jit(save)(jnp.ones(2))
+    with pytest.raises(eqx_ckpt.LeafError, match="it is abstract"):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": jax.ShapeDtypeStruct((2,), jnp.float32)}, blocking=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_garbage_collector_paused_from_two_threads_is_restored_once_both_leave():
+    # A background save and the caller may both pause it: the first to leave
+    # must not turn it back on under the other.
+    assert gc.isenabled()
+    entered, leave = threading.Event(), threading.Event()
+
+    def other():
+        with tree_util.gc_paused():
+            entered.set()
+            assert leave.wait(timeout=30)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert entered.wait(timeout=30)
+    with tree_util.gc_paused():
+        leave.set()
+        thread.join()
+        assert not gc.isenabled()
+    assert gc.isenabled()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
+from eqx_ckpt import _manifest
 
 
 def _save(path):
@@ -73,7 +74,7 @@ def test_total_bytes_and_records(tmp_path):
     assert sum(ckpt.record(k).nbytes for k in ckpt) == expected
     assert ckpt.record("model.head.bias").dtype == "bfloat16"
     assert ckpt.library_version == eqx_ckpt.__version__
-    assert ckpt.format_version == 3
+    assert ckpt.format_version == _manifest.FORMAT_VERSION == 4
     assert ckpt.created
     assert "7 leaves" in repr(ckpt)
 

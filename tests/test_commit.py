@@ -7,11 +7,13 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
 import threading
+import time
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -342,3 +344,71 @@ def test_a_generation_folder_no_manifest_uses_is_cleared_by_the_next_save(tmp_pa
     root = _data_root(tmp_path)
     assert sorted(os.listdir(tmp_path)) == sorted([root, "gen.notes", "manifest.json"])
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"a": jnp.zeros(2)}), {"a": jnp.ones(2)})
+
+
+class _Interrupt(BaseException):
+    """What a signal handler raises (as KeyboardInterrupt or SystemExit would)."""
+
+
+@pytest.fixture
+def interrupt_after():
+    """`interrupt_after(seconds)`: the main thread is interrupted (by SIGUSR1,
+    whose handler raises `_Interrupt`) that many seconds from now."""
+    previous = signal.signal(signal.SIGUSR1, lambda *args: (_ for _ in ()).throw(_Interrupt()))
+    timers = []
+
+    def start(seconds):
+        timer = threading.Timer(seconds, os.kill, args=(os.getpid(), signal.SIGUSR1))
+        timers.append(timer)
+        timer.start()
+
+    yield start
+    for timer in timers:
+        timer.join()
+    signal.signal(signal.SIGUSR1, previous)
+
+
+def test_uninterrupted_finishes_its_work_before_the_interrupt_is_raised(interrupt_after):
+    done = []
+
+    def work():
+        time.sleep(0.5)
+        done.append(threading.current_thread() is threading.main_thread())
+
+    interrupt_after(0.1)
+    start = time.perf_counter()
+    with pytest.raises(_Interrupt):
+        _io.uninterrupted(work)
+    assert done == [False] and time.perf_counter() - start >= 0.5
+    with pytest.raises(ZeroDivisionError):  # its own error is raised as it is
+        _io.uninterrupted(lambda: 1 / 0)
+
+
+def test_an_interrupt_while_the_manifest_is_written_never_commits_a_checkpoint_without_its_data(
+    tmp_path, monkeypatch, interrupt_after
+):
+    """Found by the interrupt campaign: the manifest write had started when the
+    interrupt was raised, its future was lost, the abort deleted the arrays, and
+    then the manifest landed (a committed step with an empty pack). Here the
+    write is started by one call and lands later, as a lost future's would."""
+    old, new = {"w": np.zeros(64, np.float32), "n": 1}, {"w": np.ones(64, np.float32), "n": 2}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, old)
+    real = _io.write_conditional
+
+    def slow(*args):
+        outcome = []
+        writer = threading.Thread(target=lambda: outcome.append(real(*args)))
+        writer.start()  # the write is under way...
+        time.sleep(0.5)  # ...and the interrupt lands here
+        writer.join()
+        return outcome[0]
+
+    monkeypatch.setattr(_io, "write_conditional", slow)
+    interrupt_after(0.2)
+    with pytest.raises(_Interrupt):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, new)
+    time.sleep(0.6)  # anything still in flight has landed by now
+    monkeypatch.undo()
+    # The write happened, so the save is committed, and whole.
+    assert eqx_ckpt.verify(tmp_path) == []
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), new, typematch=True)

@@ -1,10 +1,12 @@
 """The manifest: what it records, and that a damaged or hostile one is refused."""
 
 import json
+import math
 import re
 
 import jax
 import jax.numpy as jnp
+import manifests
 import numpy as np
 import pytest
 
@@ -26,6 +28,12 @@ def _save(path):
     return tree
 
 
+def _itemsize(name):
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name, name)).itemsize
+
+
 def _body(path):
     return json.loads((path / "manifest.json").read_text())
 
@@ -34,15 +42,14 @@ def _rewrite(path, edit):
     """Edit the manifest and re-sign it, as an attacker could."""
     body = _body(path)
     edit(body)
-    body["digest"] = _manifest._digest(body)
-    (path / "manifest.json").write_text(json.dumps(body))
+    (path / "manifest.json").write_bytes(manifests.sign(body))
 
 
 def test_manifest_lists_every_leaf(tmp_path):
     _save(tmp_path)
     body = _body(tmp_path)
     assert body["format"] == "eqx_ckpt"
-    assert body["format_version"] == 3
+    assert body["format_version"] == 4
     assert body["library_version"] == eqx_ckpt.__version__
     assert body["digest"].startswith("sha256:")
     leaves = {leaf["path"]: leaf for leaf in body["leaves"]}
@@ -58,7 +65,13 @@ def test_manifest_lists_every_leaf(tmp_path):
     assert leaves["key"]["type"] == "prng_key" and leaves["key"]["impl"]
     assert leaves["key"]["stored_shape"] == [2] and leaves["key"]["stored_dtype"] == "uint32"
     assert leaves["f8"]["dtype"] == "float8_e4m3" and leaves["f8"]["encoding"] == "view"
-    assert body["total_bytes"] == sum(leaf["nbytes"] for leaf in body["leaves"])
+    stored = [
+        (leaf.get("stored_shape", leaf["shape"]), leaf.get("stored_dtype", leaf["dtype"])) for leaf in leaves.values()
+    ]
+    assert body["total_bytes"] == sum(math.prod(shape) * _itemsize(dtype) for shape, dtype in stored) == 73
+    # What equals its default is left out: a plain float32 leaf packed as one chunk.
+    assert set(weight) == {"path", "keypath", "type", "shape", "dtype", "pack", "offset"}
+    assert set(leaves["key"]) - set(weight) == {"stored_shape", "stored_dtype", "encoding", "impl"}
     # Every leaf is small: packed, one array per stored dtype.
     assert weight["pack"] == "packed.float32" and weight["offset"] == 0
     assert [pack["name"] for pack in body["packs"]] == sorted({leaf["pack"] for leaf in body["leaves"]})

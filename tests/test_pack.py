@@ -2,7 +2,6 @@
 the files on disk, reading a packed leaf without eqx_ckpt, every kind of load,
 damage to a pack, hostile pack records, and checkpoints written before packing."""
 
-import hashlib
 import json
 import os
 import pathlib
@@ -10,6 +9,7 @@ import pathlib
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import manifests
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -48,7 +48,7 @@ def test_small_leaves_share_one_array_per_dtype(tmp_path):
     # Only the large leaf has a folder of its own.
     assert sorted(os.listdir(tmp_path / "model")) == ["big", "zarr.json"]
     body = _manifest(tmp_path)
-    assert body["format_version"] == 3
+    assert body["format_version"] == 4
     packs = {pack["name"]: pack for pack in body["packs"]}
     assert set(packs) == {n for n in names if n.startswith("packed.")}
     w, mu = _leaf(body, "model.w"), _leaf(body, "opt.mu")
@@ -178,17 +178,10 @@ def test_a_missing_or_resized_pack_chunk_is_found(tmp_path, damage):
             eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
 
 
-def _digest(body: dict) -> str:
-    content = {k: v for k, v in body.items() if k != "digest"}
-    text = json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
-
-
 def _rewrite(path: pathlib.Path, edit) -> None:
     body = _manifest(path)
     edit(body)
-    body["digest"] = _digest(body)
-    (path / "manifest.json").write_text(json.dumps(body))
+    (path / "manifest.json").write_bytes(manifests.sign(body))
 
 
 def _edit_leaf(name, **fields):
@@ -238,17 +231,15 @@ def test_checkpoints_written_before_packing_still_load(tmp_path, monkeypatch):
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     monkeypatch.undo()
 
-    def version_2(body):
-        body["format_version"] = 2
-        del body["packs"]
-
-    _rewrite(tmp_path, version_2)
+    body = _manifest(tmp_path)
+    del body["packs"]
+    (tmp_path / "manifest.json").write_bytes(manifests.as_version(body, 2))
     assert os.path.isdir(tmp_path / "model" / "w")
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
     assert eqx_ckpt.Checkpoint(tmp_path).format_version == 2 and eqx_ckpt.verify(tmp_path) == []
     # Overwritten by this version, it is packed, and the old folders are gone.
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
-    assert not os.path.exists(tmp_path / "model") and _manifest(tmp_path)["format_version"] == 3
+    assert not os.path.exists(tmp_path / "model") and _manifest(tmp_path)["format_version"] == 4
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
 
 
