@@ -172,9 +172,11 @@ def tree_serialise_leaves(
         existing checkpoint is an error.
     - `blocking`: with `False`, return a [`eqx_ckpt.PendingSave`][] as soon as
         every array is safe on the host (NumPy arrays are copied; a `jax.Array`
-        needs no copy); creating, writing and committing go on in the
-        background. Call its `wait()` before relying on the checkpoint. A later
-        save to the same `path` first waits for this one.
+        needs no copy); with the default `filter_spec`, the leaf records,
+        creating, writing and committing all go on in the background, and an
+        error (a leaf that cannot be saved, say) is raised by its `wait()`.
+        Call `wait()` before relying on the checkpoint. A later save to the
+        same `path` first waits for this one.
     - `cast`: store some arrays in another dtype: a mapping from dtype to dtype
         (`{jnp.float32: jnp.bfloat16}`) or a callable `(dotted_path, dtype) ->
         dtype | None`. The manifest records both dtypes. A load into `like`

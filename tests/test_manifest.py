@@ -1,9 +1,11 @@
 """The manifest: what it records, and that a damaged or hostile one is refused."""
 
+import hashlib
 import json
 import math
 import re
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import manifests
@@ -148,3 +150,41 @@ def test_a_leaf_inside_a_leaf_is_refused_whatever_sits_between(tmp_path):
     _rewrite(tmp_path, nest)
     with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("leaf 'a.c' lies inside leaf 'a'")):
         eqx_ckpt.Checkpoint(tmp_path)
+
+
+def test_version_4_digest_covers_the_files_bytes_and_comes_last(tmp_path):
+    tree = _save(tmp_path)
+    path = tmp_path / "manifest.json"
+    data = path.read_bytes()
+    head, tail = data.rsplit(b',\n"digest": "', 1)
+    assert tail == b"sha256:" + hashlib.sha256(head).hexdigest().encode() + b'"}\n'
+    # Whitespace after the closing brace changes nothing.
+    path.write_bytes(data + b"\n  \n")
+    assert eqx_ckpt.verify(tmp_path) == []
+    # The same content with its digest moved (valid JSON, digest of the content
+    # as versions 1-3 computed it) is refused: version 4 hashes the bytes.
+    body = _body(tmp_path)
+    body["digest"] = _manifest._digest(body)
+    path.write_text(json.dumps(dict(reversed(list(body.items())))))
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match="does not end with its digest"):
+        eqx_ckpt.Checkpoint(tmp_path)
+    # One byte changed anywhere before the digest is refused.
+    path.write_bytes(data.replace(b'"created": "', b'"created": "1', 1))
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match="digest does not match"):
+        eqx_ckpt.Checkpoint(tmp_path)
+    del tree
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_manifests_of_earlier_versions_still_load(tmp_path, version, unpacked):
+    tree = _save(tmp_path)
+    body = _body(tmp_path)
+    del body["packs"]
+    if version == 1:
+        body.pop("commit"), body.pop("metrics")
+    (tmp_path / "manifest.json").write_bytes(manifests.as_version(body, version))
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)
+    assert ckpt.format_version == version and eqx_ckpt.verify(tmp_path) == []
+    like = {k: v for k, v in tree.items() if k != "skipped"}
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    assert eqx.tree_equal(out["model"], like["model"], typematch=True) and out["lr"] == 0.1
