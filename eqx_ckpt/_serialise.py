@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import threading
@@ -234,7 +235,7 @@ def save(
     # Every process reaches this first barrier, even one whose tree is bad, so
     # that a failure anywhere fails the save everywhere at once.
     pending: list[_write.Pending] = []
-    held: list[tuple[tuple[Any, ...], Any]] | None = None
+    held: _HeldTree | None = None
     error: BaseException | None = None
     try:
         _layout.check(layout)
@@ -292,26 +293,48 @@ def save(
     return _start_background(functools.partial(_with_tracker, tracker, run), exclusive, undo=undo)
 
 
-def _hold(pytree: Any, filter_spec: Any, is_leaf: Any) -> list[tuple[tuple[Any, ...], Any]] | None:
+@dataclasses.dataclass
+class _HeldTree:
+    """What an asynchronous save keeps of the caller's tree: its structure, its
+    leaves as they were, and each leaf with its host data held (`_hold`)."""
+
+    treedef: Any
+    leaves: list[Any]
+    held: list[Any]
+
+    def flat(self) -> list[tuple[tuple[Any, ...], Any]]:
+        """(key path, held leaf) for every leaf. The key paths are computed here,
+        in the background, from a copy of the tree's structure: the caller's
+        containers may have changed since."""
+        flat, _ = _tree.flatten(jax.tree_util.tree_unflatten(self.treedef, self.leaves), None)
+        if len(flat) != len(self.held):
+            raise CheckpointError(
+                f"Internal error: the tree has {len(flat)} leaves once rebuilt, not {len(self.held)}; "
+                f"save it with `blocking=True`."
+            )
+        return [(keypath, leaf) for (keypath, _), leaf in zip(flat, self.held)]
+
+
+def _hold(pytree: Any, filter_spec: Any, is_leaf: Any) -> _HeldTree | None:
     """For an asynchronous save with the default filter spec: every leaf with its
     host data held, which is all the caller must wait for (NumPy arrays are
     copied, each `jax.Array`'s host pieces taken, so a later donation or change
     cannot reach the save). `None` when the tree needs the caller's thread: a
-    custom filter spec, or a leaf whose error should be raised at once."""
-    if filter_spec is not default_serialise_filter_spec:
+    custom filter spec or `is_leaf`, or a leaf whose error should be raised at once."""
+    if filter_spec is not default_serialise_filter_spec or is_leaf is not None:
         return None
-    flat, _ = _tree.flatten(pytree, is_leaf)
-    out = []
+    leaves, treedef = jax.tree_util.tree_flatten(pytree)
+    held = []
     primary = jax.process_index() == 0
-    for keypath, x in flat:
+    for x in leaves:
         if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
             return None
         if isinstance(x, jax.Array):
             x = _write.hold(x, primary)
         elif isinstance(x, np.ndarray):
             x = np.array(x, copy=True)
-        out.append((keypath, x))
-    return out
+        held.append(x)
+    return _HeldTree(treedef, leaves, held)
 
 
 def _default_or_held(handle: LeafHandle, x: Any) -> None:
@@ -321,12 +344,11 @@ def _default_or_held(handle: LeafHandle, x: Any) -> None:
         default_serialise_filter_spec(handle, x)
 
 
-def _prepare_and_write(
-    loc: Location, group: _multihost.Group, held: list[tuple[tuple[Any, ...], Any]], cast: Any, **options: Any
-) -> None:
+def _prepare_and_write(loc: Location, group: _multihost.Group, held: _HeldTree, cast: Any, **options: Any) -> None:
     """The background part of an asynchronous save whose leaves were held."""
     with _tree.gc_paused():
-        pending = _collect(loc, held, [_default_or_held] * len(held), cast)
+        flat = held.flat()
+        pending = _collect(loc, flat, [_default_or_held] * len(flat), cast)
     _assign_packs(pending)
     tx, tracker = _begin_save(loc, group, pending, **options)
     with tracker:

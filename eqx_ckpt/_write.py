@@ -26,7 +26,6 @@ class Pending:
     pieces: list[tuple[tuple[slice, ...], np.ndarray]]
 
 
-@dataclasses.dataclass(frozen=True)
 class Held:
     """A `jax.Array` leaf of an asynchronous save, with the host data the save
     writes taken while the caller waited: a donation or deletion of the array
@@ -35,15 +34,21 @@ class Held:
     - `value`: the array (its shape, dtype and sharding are read later).
     - `data`: what is stored: the array, or a PRNG key array's key data.
     - `pieces`: `_sharding.host_pieces(data)`, or `[]` when another process writes it.
+
+    (A plain class with slots: one is made per leaf while the caller waits.)
     """
 
-    value: jax.Array
-    data: jax.Array
-    pieces: list[tuple[tuple[slice, ...], Any]]
+    __slots__ = ("data", "pieces", "value")
+
+    def __init__(self, value: jax.Array, data: jax.Array, pieces: list[tuple[tuple[slice, ...], Any]]):
+        self.value, self.data, self.pieces = value, data, pieces
 
 
 def hold(x: jax.Array, primary: bool) -> Held:
     """`x` with its host data taken; `primary`: whether this is process 0."""
+    if type(x.sharding) is jax.sharding.SingleDeviceSharding and not _dtypes.is_prng_key(x):
+        # The common case, kept short: the caller waits for it, leaf by leaf.
+        return Held(x, x, [((), np.asarray(x))] if primary else [])
     data = jax.random.key_data(x) if _dtypes.is_prng_key(x) else x
     return Held(x, data, _sharding.host_pieces(data) if _multihost.writes(data, primary) else [])
 
