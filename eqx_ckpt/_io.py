@@ -472,7 +472,7 @@ def create_array(loc: Location, record: LeafRecord, *, synced: bool = True) -> t
     spec = array_spec(
         loc, record.directory, shape=record.stored_shape, stored_dtype=record.stored_dtype, chunks=list(record.chunks)
     )
-    return ts.open(spec, create=True, context=_context(loc, synced))
+    return create_spec(spec, loc, synced=synced)
 
 
 def create_spec(spec: dict[str, Any], loc: Location, *, synced: bool = True) -> ts.Future:

@@ -434,7 +434,7 @@ def _parse_leaf(item: Any, packs: dict[str, PackRecord]) -> LeafRecord:
             raise ValueError(f"it is stored as {strings['stored_dtype']}, but its pack holds {pack.dtype}")
         if type(offset) is not int or not 0 <= offset <= pack.size - math.prod(stored_shape):
             raise ValueError(f"`offset` {offset!r} does not place it inside its pack of {pack.size} elements")
-        if chunks != tuple(max(1, n) for n in stored_shape):
+        if chunks != whole_chunks(stored_shape):
             raise ValueError("a packed leaf is one chunk: `chunks` must equal its shape")
     return LeafRecord(
         path, keypath, strings["type"], shape, strings["dtype"], stored_shape,

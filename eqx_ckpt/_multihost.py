@@ -21,6 +21,7 @@ from typing import Any
 import jax
 
 from ._errors import CheckpointError
+from ._sharding import on_one_device
 
 # A barrier waits this long for the slowest process: it covers writing that
 # process's whole share of a checkpoint.
@@ -88,12 +89,6 @@ def writes(x: Any, primary: bool | None = None) -> bool:
     """
     # `primary`: whether this is process 0, when the caller knows (asking JAX
     # costs 10 us, three times a leaf before it was passed in).
-    if isinstance(x, jax.Array) and not _on_one_device(x) and not x.is_fully_addressable:
+    if isinstance(x, jax.Array) and not on_one_device(x) and not x.is_fully_addressable:
         return True
     return jax.process_index() == 0 if primary is None else primary
-
-
-def _on_one_device(x: jax.Array) -> bool:
-    """Whether `x` lives on one device (of this process: JAX makes no array on
-    another process's single device)."""
-    return isinstance(x.sharding, jax.sharding.SingleDeviceSharding)

@@ -81,6 +81,15 @@ def _with_pack(r: LeafRecord, pack: PackRecord, offset: int) -> LeafRecord:
     )  # fmt: skip
 
 
+def by_pack(records: Sequence[LeafRecord]) -> dict[str, list[int]]:
+    """The indices of the packed `records`, by the name of their pack."""
+    groups: dict[str, list[int]] = collections.defaultdict(list)
+    for i, record in enumerate(records):
+        if record.pack is not None:
+            groups[record.pack.name].append(i)
+    return groups
+
+
 def packs_of(records: Sequence[LeafRecord]) -> list[PackRecord]:
     """Every pack `records` use, by name."""
     found = {r.pack.name: r.pack for r in records if r.pack is not None}
@@ -159,12 +168,10 @@ def read_leaves(
     `finish()` waits and returns the run's elements from offset `start` on.
 
     Runs are started ahead of their use, within `window` bytes."""
-    by_pack: dict[str, list[int]] = collections.defaultdict(list)
-    for i, record in enumerate(records):
-        assert record.pack is not None
-        by_pack[record.pack.name].append(i)
+    groups = by_pack(records)
+    assert sum(map(len, groups.values())) == len(records), "every record must be packed"
     runs: list[tuple[PackRecord, int, int, list[int]]] = []
-    for indices in by_pack.values():
+    for indices in groups.values():
         pack = records[indices[0]].pack
         assert pack is not None
         itemsize = _dtypes.dtype_from_name(pack.dtype).itemsize
@@ -185,7 +192,7 @@ def read_leaves(
             runs.append((pack, start, stop, members))
     # One open (and one check of its files) per pack, not per run.
     stores = {}
-    for name, indices in by_pack.items():
+    for name, indices in groups.items():
         first = records[indices[0]]
         assert first.pack is not None
         stores[name] = open_pack(loc, first.pack, cached=False, leaf=first.path)

@@ -127,8 +127,9 @@ def _check_totals(loc: Location, manifest: Manifest) -> list[Problem]:
 def _check_packs(data: Location, manifest: Manifest, tracker: Tracker) -> dict[str, Problem]:
     """Every pack, chunk by chunk; a damaged chunk is a problem of each leaf in it."""
     bad: dict[str, Problem] = {}
+    groups = _pack.by_pack(manifest.leaves)
     for pack in manifest.packs:
-        members = sorted((r for r in manifest.leaves if r.pack == pack), key=lambda r: r.offset)
+        members = sorted((manifest.leaves[i] for i in groups.get(pack.name, [])), key=lambda r: r.offset)
         problem = _check_metadata(data, pack.name, (pack.size,), pack.dtype, (pack.chunk,))
         problem = problem or _check_file_sizes(data, pack.name, pack.chunk * dtype_from_name(pack.dtype).itemsize)
         damaged: dict[int, str] = {}

@@ -46,10 +46,11 @@ class Held:
 
 def hold(x: jax.Array, primary: bool) -> Held:
     """`x` with its host data taken; `primary`: whether this is process 0."""
-    if type(x.sharding) is jax.sharding.SingleDeviceSharding and not _dtypes.is_prng_key(x):
+    key = _dtypes.is_prng_key(x)
+    if not key and _sharding.on_one_device(x):
         # The common case, kept short: the caller waits for it, leaf by leaf.
         return Held(x, x, [((), np.asarray(x))] if primary else [])
-    data = jax.random.key_data(x) if _dtypes.is_prng_key(x) else x
+    data = jax.random.key_data(x) if key else x
     return Held(x, data, _sharding.host_pieces(data) if _multihost.writes(data, primary) else [])
 
 
@@ -245,14 +246,15 @@ def start_writes(
     # NumPy arrays were copied before an asynchronous save returned.)
     transaction, writes, counts = _io.transaction(), [], []
     try:
-        for p, opened in zip(own, opens, strict=False):
+        for p, opened in zip(own, opens[: len(own)], strict=True):
             store = opened.result().with_transaction(transaction)
             for i, (index, piece) in enumerate(p.pieces):
                 target = store[index] if index else store
                 writes.append(target.write(piece, can_reference_source_data_indefinitely=True))
                 counts.append((int(i == len(p.pieces) - 1), piece.nbytes))
+        members_of = _pack.by_pack([p.record for p in packed])
         for pack, opened in zip(packs, opens[len(own) :], strict=True):
-            members = [p for p in packed if p.record.pack is not None and p.record.pack.name == pack.name]
+            members = [packed[i] for i in members_of[pack.name]]
             contents = _pack.buffer(pack, [p.record for p in members], [p.pieces[0][1] for p in members])
             store = opened.result().with_transaction(transaction)
             writes.append(store.write(contents, can_reference_source_data_indefinitely=True))
