@@ -133,6 +133,8 @@ def _clip(line: str, limit: int = 400) -> str:
     return line if len(line) <= limit else line[: limit - 5] + " ...]"
 
 
+# Loads make many small objects (see `_tree.gc_paused`).
+@_tree.gc_paused()
 def tree_deserialise_leaves(
     path: Any,
     like: PyTree,

@@ -55,7 +55,7 @@ PIECE_BYTES = 16 * 2**20
 _CHECKSUM = 4  # each chunk file ends in the crc32c of its bytes, little-endian
 _ENCODINGS = ("plain", "view", "key_data")
 # Little-endian bytes need a little-endian host; the checks need O_NOFOLLOW and preadv.
-_SUPPORTED = sys.byteorder == "little" and hasattr(os, "preadv") and hasattr(os, "O_NOFOLLOW") and crc32c.hardware_based
+SUPPORTED = sys.byteorder == "little" and hasattr(os, "preadv") and hasattr(os, "O_NOFOLLOW") and crc32c.hardware_based
 # O_NONBLOCK: a FIFO planted as a chunk file must not block the open (fstat then refuses it).
 _FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 _FOLDER_FLAGS = _FILE_FLAGS | getattr(os, "O_DIRECTORY", 0)
@@ -95,7 +95,7 @@ def start_leaf(loc: Location, record: LeafRecord) -> Callable[[], np.ndarray] | 
     except OSError as e:
         raise _damaged(loc, record, f"its folder cannot be opened ({e.strerror})") from None
     try:
-        for key in _chunk_keys(record):
+        for key in chunk_keys(record.stored_shape, record.chunks):
             os.close(_open_chunk(folder, loc, record, key))
     finally:
         os.close(folder)
@@ -113,7 +113,7 @@ def start_leaf(loc: Location, record: LeafRecord) -> Callable[[], np.ndarray] | 
 def eligible(loc: Location, record: LeafRecord) -> bool:
     """Whether `read_leaf` reads this leaf (else it returns `None`)."""
     return (
-        _SUPPORTED
+        SUPPORTED
         and loc.local is not None
         and loc.kvstore.get("driver") == "file"
         and record.encoding in _ENCODINGS
@@ -123,14 +123,17 @@ def eligible(loc: Location, record: LeafRecord) -> bool:
     )
 
 
-def _chunk_keys(record: LeafRecord) -> Iterator[str]:
-    """The chunk files in order, lazily: a hostile manifest's absurd shape fails
-    at its first missing file without listing a trillion names first."""
-    if not record.stored_shape:
+def chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...]) -> Iterator[str]:
+    """The chunk files, in order, of an array whose chunks split only its first
+    axis; lazily: a hostile manifest's absurd shape fails at its first missing
+    file without listing a trillion names first. An empty array has none."""
+    if not shape:
         yield "c"
         return
-    rest = "/0" * (len(record.stored_shape) - 1)
-    for i in range(-(-record.stored_shape[0] // record.chunks[0])):
+    if 0 in shape:
+        return
+    rest = "/0" * (len(shape) - 1)
+    for i in range(-(-shape[0] // chunks[0])):
         yield f"c/{i}{rest}"
 
 
@@ -189,7 +192,7 @@ def _read_chunks(path: str, loc: Location, record: LeafRecord, out: memoryview) 
     """Start reading every chunk into its slice of `out`; the returned function
     checks each chunk's checksum as soon as it is read, in order."""
     size = record.chunk_nbytes
-    keys = list(_chunk_keys(record))
+    keys = list(chunk_keys(record.stored_shape, record.chunks))
     # Only the last chunk runs past the array (zarr stores edge chunks full-size):
     # its padding is read, for the checksum, into a buffer dropped on return.
     padding = memoryview(bytearray(len(keys) * size - len(out)))

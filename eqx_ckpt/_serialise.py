@@ -217,6 +217,9 @@ def tree_serialise_leaves(
     )  # fmt: skip
 
 
+# A save makes many small objects and frees them again: Python's cyclic
+# collector, triggered by their count, would walk them all repeatedly.
+@_tree.gc_paused()
 def save(
     loc: Location,
     pytree: PyTree,
@@ -241,12 +244,10 @@ def save(
         _layout.check(layout)
         cast_fn = _write.cast_function(cast)
         if not blocking and group.count == 1:
-            with _tree.gc_paused():
-                held = _hold(pytree, filter_spec, is_leaf)
+            held = _hold(pytree, filter_spec, is_leaf)
         if held is None:
             flat, specs = _tree.flatten(pytree, is_leaf)[0], _tree.leaf_specs(filter_spec, pytree, is_leaf)
-            with _tree.gc_paused():
-                pending = _collect(loc, flat, specs, cast_fn)
+            pending = _collect(loc, flat, specs, cast_fn)
             if group.count == 1:
                 _assign_packs(pending)
             if not blocking:

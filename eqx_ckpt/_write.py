@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _commit, _dtypes, _io, _keypath, _manifest, _multihost, _pack, _sharding
+from . import _commit, _direct_write, _dtypes, _io, _keypath, _manifest, _multihost, _pack, _sharding
 from ._errors import CheckpointTypeError
 from ._handle import LeafHandle
 from ._lazy import LazyArray
@@ -240,20 +240,44 @@ def start_writes(
         except BaseException:
             settle(opens)
             raise
+    # On a local disk, the chunk files of most leaves and of the packs are written
+    # by eqx_ckpt's own threads, each file's writeback started at once (`_direct_write`).
+    single = group.count == 1 and tx.layout == "directories"
+    fast = {i for i, p in enumerate(own) if single and _direct_write.eligible(data, p.record, p.pieces)}
+    fast_packs = single and _direct_write.supported(data)
+    members_of = _pack.by_pack([p.record for p in packed])
+    direct: list[tuple[int, int, list[Any]]] = []  # (leaves, bytes, futures) in order
+
+    def start_direct() -> None:
+        # In the helper thread too: every future started is kept in `out`.
+        for i in sorted(fast):
+            futures = _direct_write.start_leaf(data, own[i].record, own[i].pieces[0][1])
+            out.extend(futures)
+            direct.append((1, own[i].record.nbytes, futures))
+        for pack in packs if fast_packs else []:
+            members = [packed[i] for i in members_of[pack.name]]
+            records = [p.record for p in members]
+            futures = _direct_write.start_pack(data, pack, records, [p.pieces[0][1] for p in members])
+            out.extend(futures)
+            direct.append((len(members), sum(r.nbytes for r in records), futures))
+
+    if fast or (fast_packs and packs):
+        _io.uninterrupted(start_direct)
     # Staged in one transaction, every write only references its source until
     # the background commit. (The host data of a jax.Array never changes: a view
     # of it keeps its buffer alive through `delete()` and donation; the caller's
     # NumPy arrays were copied before an asynchronous save returned.)
     transaction, writes, counts = _io.transaction(), [], []
     try:
-        for p, opened in zip(own, opens[: len(own)], strict=True):
+        for i, (p, opened) in enumerate(zip(own, opens[: len(own)], strict=True)):
+            if i in fast:
+                continue
             store = opened.result().with_transaction(transaction)
             for i, (index, piece) in enumerate(p.pieces):
                 target = store[index] if index else store
                 writes.append(target.write(piece, can_reference_source_data_indefinitely=True))
                 counts.append((int(i == len(p.pieces) - 1), piece.nbytes))
-        members_of = _pack.by_pack([p.record for p in packed])
-        for pack, opened in zip(packs, opens[len(own) :], strict=True):
+        for pack, opened in zip(packs if not fast_packs else [], opens[len(own) :]):
             members = [packed[i] for i in members_of[pack.name]]
             contents = _pack.buffer(pack, [p.record for p in members], [p.pieces[0][1] for p in members])
             store = opened.result().with_transaction(transaction)
@@ -275,6 +299,10 @@ def start_writes(
         transaction.abort()  # nothing was written out
         raise staged
     _io.uninterrupted(lambda: out.append(transaction.commit_async()))
+    # A failed write is reported by the caller's wait for `out`; here only progress.
+    for leaves, nbytes, futures in direct:
+        if all(attempt(future.result) is None for future in futures) and tracker is not None:
+            tracker.advance(leaves=leaves, nbytes=nbytes)
 
 
 def private_copies(pending: list[Pending]) -> None:

@@ -4,7 +4,9 @@ window of bytes in flight."""
 import re
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -60,3 +62,65 @@ def test_a_small_window_still_loads_everything_in_order(tmp_path, monkeypatch, p
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, eqx.filter_eval_shape(lambda: tree))
     assert eqx.tree_equal(out, tree, typematch=True)
+
+
+def _put_cases():
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    return [
+        base,
+        base.astype(ml_dtypes.bfloat16),
+        base.astype(np.int8),
+        base > 10,
+        (base + 1j).astype(np.complex64),
+        np.zeros((0, 3), np.float16),
+        np.array(3.5, np.float32),
+        np.arange(5, dtype=np.int64),  # not kept as it is without x64: `device_put`'s way
+        base[:, ::2],  # not contiguous: `device_put`'s way
+    ]
+
+
+def _same_arrays(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
+        assert type(a) is type(b)
+        assert (a.shape, a.dtype, a.weak_type, a.sharding, a.committed) == (
+            b.shape,
+            b.dtype,
+            b.weak_type,
+            b.sharding,
+            b.committed,
+        )
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("x64", [False, True])
+@pytest.mark.parametrize("placed", [False, True], ids=["default-device", "single-device-sharding"])
+def test_put_gives_what_device_put_gives(x64, placed):
+    """`_read.put` calls JAX's internal `batched_device_put` where it can: its
+    arrays must be those `jax.device_put` makes, one case at a time and in a batch."""
+    assert _read._fast_put is not None, "the fast path is not in use with this JAX"
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0]) if placed else None
+    with jax.enable_x64(x64):
+        cases = _put_cases()
+        for case in cases:
+            _same_arrays(_read.put([case], sharding), jax.device_put([case], sharding))
+        fast = cases[:7]
+        _same_arrays(_read.put(fast, sharding), jax.device_put(fast, sharding))
+    assert _read._fast_put is not None
+
+
+def test_put_falls_back_to_device_put_for_good_when_the_internal_call_fails(monkeypatch):
+    def changed(*args, **kwargs):
+        raise TypeError("batched_device_put() takes 4 positional arguments")
+
+    shaped, _ = _read._fast_put
+    monkeypatch.setattr(_read, "_fast_put", (shaped, changed))
+    cases = _put_cases()[:7]
+    _same_arrays(_read.put(cases, None), jax.device_put(cases))
+    assert _read._fast_put is None
+
+
+def test_put_honours_a_default_device():
+    device = jax.devices()[-1]
+    with jax.default_device(device):
+        (value,) = _read.put([np.ones(3, np.float32)], None)
+    assert value.devices() == {device}
