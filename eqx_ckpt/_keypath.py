@@ -52,7 +52,37 @@ def segment(key: Any) -> str:
     Derived from the key's manifest record, so that what a save writes and what a
     reader recomputes from the manifest (`stored_segment`) can never disagree.
     """
-    return stored_segment(*key_record(key))
+    memo = _memo_key(key)
+    if memo is None:
+        return stored_segment(*key_record(key))
+    found = _SEGMENTS.get(memo)
+    if found is None:
+        if len(_SEGMENTS) >= _MEMO_MAX:
+            _SEGMENTS.clear()
+        found = _SEGMENTS[memo] = stored_segment(*key_record(key))
+    return found
+
+
+# The segments of keys met before: a tree's few attribute names and indices recur
+# in thousands of key paths, each asked for on every save and load.
+_SEGMENTS: dict[tuple[type, Any, type], str] = {}
+_MEMO_MAX = 2**16
+
+
+def _memo_key(key: Any) -> tuple[type, Any, type] | None:
+    """What identifies a common key exactly (its value's type too: `True` and
+    `1` are equal dict keys with different segments); `None` for the others."""
+    cls = type(key)
+    if cls is jtu.GetAttrKey:
+        value = key.name
+    elif cls is jtu.SequenceKey:
+        value = key.idx
+    elif cls is jtu.DictKey:
+        value = key.key
+    else:
+        return None
+    kind = type(value)
+    return (cls, value, kind) if kind is str or kind is int else None
 
 
 def segments(keypath: tuple[Any, ...]) -> tuple[str, ...]:
@@ -131,7 +161,22 @@ def sort_key(path: str) -> tuple[tuple[int, int, str], ...]:
 
 def to_json(keypath: tuple[Any, ...]) -> list[list[Any]]:
     """A JSON record of the exact key path, for the manifest."""
-    return [list(key_record(key)) for key in keypath]
+    return [list(_remembered_record(key)) for key in keypath]
+
+
+def _remembered_record(key: Any) -> tuple[str, Any]:
+    memo = _memo_key(key)
+    if memo is None:
+        return key_record(key)
+    found = _RECORDS.get(memo)
+    if found is None:
+        if len(_RECORDS) >= _MEMO_MAX:
+            _RECORDS.clear()
+        found = _RECORDS[memo] = key_record(key)
+    return found
+
+
+_RECORDS: dict[tuple[type, Any, type], tuple[str, Any]] = {}
 
 
 _KINDS = frozenset({"index", "flat", "attr", "key", "key_int", "key_repr", "other"})
@@ -152,6 +197,33 @@ def check_json(record: Any) -> None:
             raise ValueError(f"key {item!r} needs a string")
         if kind not in _KINDS:
             raise ValueError(f"unknown key kind {kind!r}")
+
+
+def stored_dotted(record: Any, checked: dict[tuple[Any, Any, type], str]) -> str:
+    """The dotted path a manifest's key path record must come with; raises
+    `ValueError` if the record is malformed. `checked` remembers the keys
+    already checked and their segments (the same few keys recur in every leaf
+    of a manifest); the value's type is part of its key, so that `true` never
+    passes for the `1` it equals."""
+    if type(record) is not list:
+        raise ValueError("a key path must be a list")
+    parts = []
+    for item in record:
+        segment = None
+        if type(item) is list and len(item) == 2:
+            try:
+                segment = checked.get((item[0], item[1], type(item[1])))
+            except TypeError:  # an unhashable value: malformed, said below
+                pass
+        if segment is None:
+            check_json([item])
+            kind, value = item
+            segment = stored_segment(kind, value)
+            if not _SEGMENT.match(segment):
+                raise ValueError(f"key {item!r} gives the invalid segment {segment!r}")
+            checked[(kind, value, type(value))] = segment
+        parts.append(segment)
+    return ".".join(parts)
 
 
 def from_json(record: Any) -> tuple[Any, ...]:

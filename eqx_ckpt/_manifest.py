@@ -122,16 +122,12 @@ class LeafRecord:
 
     @functools.cached_property
     def nbytes(self) -> int:
-        from ._spec import dtype_from_name
-
-        return math.prod(self.stored_shape) * dtype_from_name(self.stored_dtype).itemsize
+        return math.prod(self.stored_shape) * _itemsize(self.stored_dtype)
 
     @property
     def chunk_nbytes(self) -> int:
         """The bytes of one full chunk as stored (before its checksum)."""
-        from ._spec import dtype_from_name
-
-        return math.prod(self.chunks) * dtype_from_name(self.stored_dtype).itemsize
+        return math.prod(self.chunks) * _itemsize(self.stored_dtype)
 
     def to_json(self) -> dict[str, Any]:
         """Its record in a version 4 manifest: what equals its default is left
@@ -154,6 +150,13 @@ class LeafRecord:
         if self.pack is not None:
             out.update(pack=self.pack.name, offset=self.offset)
         return out
+
+
+@functools.lru_cache(maxsize=256)
+def _itemsize(dtype: str) -> int:
+    from ._spec import dtype_from_name
+
+    return dtype_from_name(dtype).itemsize
 
 
 def whole_chunks(stored_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -321,9 +324,10 @@ def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
         raise bad("`leaves` is not a list")
     records = []
     lean = version >= 4
+    checked: dict[Any, Any] = {}
     for i, item in enumerate(leaves):
         try:
-            records.append(_parse_leaf(_with_defaults(item) if lean else item, packs))
+            records.append(_parse_leaf(item, packs, lean=lean, checked=checked))
         except (ValueError, TypeError, KeyError) as e:
             raise bad(f"leaf #{i} ({_peek_path(item)}): {e}") from None
     _check_paths(records, bad)
@@ -337,20 +341,6 @@ def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
     )  # fmt: skip
 
 
-def _with_defaults(item: Any) -> Any:
-    """A version 4 leaf record with the fields it leaves out filled in."""
-    if not isinstance(item, dict):
-        return item
-    full = dict(item)
-    full.setdefault("stored_shape", item.get("shape"))
-    full.setdefault("stored_dtype", item.get("dtype"))
-    full.setdefault("encoding", "plain")
-    full.setdefault("impl", "")
-    if "chunks" not in full and isinstance(full["stored_shape"], list):
-        full["chunks"] = [max(1, n) if type(n) is int else n for n in full["stored_shape"]]
-    return full
-
-
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not allowed")
 
@@ -361,10 +351,11 @@ def _peek_path(item: Any) -> str:
 
 
 def _shape(value: Any, name: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or len(value) > MAX_RANK:
+    if type(value) is not list or len(value) > MAX_RANK:
         raise ValueError(f"`{name}` must be a list of at most {MAX_RANK} integers")
-    if not all(type(n) is int and 0 <= n < 2**62 for n in value):
-        raise ValueError(f"`{name}` must hold non-negative integers, got {value!r}")
+    for n in value:
+        if type(n) is not int or not 0 <= n < 2**62:
+            raise ValueError(f"`{name}` must hold non-negative integers, got {value!r}")
     if math.prod(value) > MAX_ELEMENTS:
         raise ValueError(f"`{name}` {value} has more than 2**53 elements")
     return tuple(value)
@@ -396,50 +387,66 @@ def _parse_packs(items: Any, commit: str, bad: Any) -> dict[str, PackRecord]:
     return packs
 
 
-def _parse_leaf(item: Any, packs: dict[str, PackRecord]) -> LeafRecord:
+_STRINGS = ("type", "dtype", "stored_dtype", "encoding", "impl")
+
+
+def _parse_leaf(item: Any, packs: dict[str, PackRecord], *, lean: bool, checked: dict[Any, Any]) -> LeafRecord:
+    """One leaf record, every field checked. `lean`: a version 4 record, whose
+    fields equal to their defaults are left out. `checked`: see `stored_dotted`.
+    (Called for every leaf of a manifest, hence written for speed.)"""
     from ._dtypes import is_known_dtype
 
-    if not isinstance(item, dict):
+    if type(item) is not dict:
         raise TypeError("not a JSON object")
-    path, keypath = item["path"], item["keypath"]
-    if not isinstance(path, str):
+    path = item["path"]
+    if type(path) is not str:
         raise TypeError("`path` is not a string")
-    _keypath.check_json(keypath)
-    expected = _keypath.join_dotted(*(_keypath.stored_segment(k, v) for k, v in keypath))
-    if path != expected or not _keypath.is_valid_dotted(path):
+    expected = _keypath.stored_dotted(item["keypath"], checked)
+    if path != expected:
         raise ValueError(f"`path` {path[:200]!r} does not match its key path (expected {expected[:200]!r})")
-    strings = {k: item[k] for k in ("type", "dtype", "stored_dtype", "encoding", "impl")}
-    if not all(isinstance(v, str) for v in strings.values()):
+    kind, dtype = item["type"], item["dtype"]
+    stored_dtype: Any
+    if lean:
+        stored_dtype, encoding, impl = (
+            item.get("stored_dtype", dtype),
+            item.get("encoding", "plain"),
+            item.get("impl", ""),
+        )
+    else:
+        stored_dtype, encoding, impl = item["stored_dtype"], item["encoding"], item["impl"]
+    if not all(type(v) is str for v in (kind, dtype, stored_dtype, encoding, impl)):
         raise TypeError("`type`, `dtype`, `stored_dtype`, `encoding` and `impl` must be strings")
-    if strings["type"] not in LEAF_TYPES:
-        raise ValueError(f"unknown leaf type {strings['type']!r}")
-    if strings["encoding"] not in ENCODINGS:
-        raise ValueError(f"unknown encoding {strings['encoding']!r}")
-    if not is_known_dtype(strings["stored_dtype"]):
-        raise ValueError(f"unknown stored dtype {strings['stored_dtype']!r}")
-    if strings["type"] != "prng_key" and not is_known_dtype(strings["dtype"]):
-        raise ValueError(f"unknown dtype {strings['dtype']!r}")
+    if kind not in LEAF_TYPES:
+        raise ValueError(f"unknown leaf type {kind!r}")
+    if encoding not in ENCODINGS:
+        raise ValueError(f"unknown encoding {encoding!r}")
+    if not is_known_dtype(stored_dtype):
+        raise ValueError(f"unknown stored dtype {stored_dtype!r}")
+    if kind != "prng_key" and not is_known_dtype(dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
     shape = _shape(item["shape"], "shape")
-    stored_shape = _shape(item["stored_shape"], "stored_shape")
-    chunks = _shape(item["chunks"], "chunks")
-    if len(chunks) != len(stored_shape) or any(c < 1 for c in chunks):
+    stored_shape = _shape(item["stored_shape"], "stored_shape") if "stored_shape" in item or not lean else shape
+    if "chunks" in item or not lean:
+        chunks = _shape(item["chunks"], "chunks")
+    else:
+        chunks = whole_chunks(stored_shape)
+    if len(chunks) != len(stored_shape) or 0 in chunks:
         raise ValueError("`chunks` must give a positive size for every stored dimension")
-    _check_consistent(strings["type"], strings["encoding"], shape, stored_shape, chunks)
+    _check_consistent(kind, encoding, shape, stored_shape, chunks)
     pack, offset = None, 0
     if "pack" in item:
         pack, offset = packs.get(item["pack"]), item["offset"]
         if pack is None:
             raise ValueError(f"its pack {str(item['pack'])[:50]!r} is not among the manifest's `packs`")
-        if pack.dtype != strings["stored_dtype"]:
-            raise ValueError(f"it is stored as {strings['stored_dtype']}, but its pack holds {pack.dtype}")
+        if pack.dtype != stored_dtype:
+            raise ValueError(f"it is stored as {stored_dtype}, but its pack holds {pack.dtype}")
         if type(offset) is not int or not 0 <= offset <= pack.size - math.prod(stored_shape):
             raise ValueError(f"`offset` {offset!r} does not place it inside its pack of {pack.size} elements")
         if chunks != whole_chunks(stored_shape):
             raise ValueError("a packed leaf is one chunk: `chunks` must equal its shape")
     return LeafRecord(
-        path, keypath, strings["type"], shape, strings["dtype"], stored_shape,
-        strings["stored_dtype"], strings["encoding"], chunks, strings["impl"], pack, offset,
-    )  # fmt: skip
+        path, item["keypath"], kind, shape, dtype, stored_shape, stored_dtype, encoding, chunks, impl, pack, offset
+    )
 
 
 def _check_consistent(

@@ -65,6 +65,27 @@ def test_int_key_and_string_key_differ():
     assert _keypath.segment(jtu.DictKey(-1)) != _keypath.segment(jtu.DictKey("-1"))
 
 
+@pytest.mark.parametrize("order", ["int first", "equal keys first"])
+def test_equal_keys_of_other_types_keep_their_own_segments(order):
+    """Segments are remembered by key; `True`, `1.0`, `np.int64(1)` equal `1` as
+    dict keys, and each must still get its own segment, whichever came first."""
+    keys = [jtu.DictKey(1), jtu.DictKey(True), jtu.DictKey(1.0), jtu.DictKey(np.int64(1)), jtu.SequenceKey(1)]
+    expected = {0: "%i1", 1: "%rTrue", 2: "%r1%2E0", 3: "%i1", 4: "1"}
+    indices = list(range(len(keys))) if order == "int first" else list(reversed(range(len(keys))))
+    records = {0: ["key_int", 1], 1: ["key_repr", "True"], 2: ["key_repr", "1.0"], 3: ["key_int", 1], 4: ["index", 1]}
+    for _ in range(2):  # computed, then remembered
+        assert {i: _keypath.segment(keys[i]) for i in indices} == expected
+        assert {i: _keypath.to_json((keys[i],))[0] for i in indices} == records
+
+
+def test_the_segment_memo_stays_bounded(monkeypatch):
+    monkeypatch.setattr(_keypath, "_MEMO_MAX", 10)
+    monkeypatch.setattr(_keypath, "_SEGMENTS", {})
+    for i in range(25):
+        assert _keypath.segment(jtu.GetAttrKey(f"a{i}")) == f"a{i}"
+    assert len(_keypath._SEGMENTS) <= 10
+
+
 def test_manifest_record_round_trips_the_key_path():
     keypath = (jtu.GetAttrKey("a"), jtu.SequenceKey(1), jtu.DictKey("k"), jtu.DictKey(5))
     assert _keypath.from_json(_keypath.to_json(keypath)) == keypath

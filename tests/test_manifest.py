@@ -188,3 +188,19 @@ def test_manifests_of_earlier_versions_still_load(tmp_path, version, unpacked):
     like = {k: v for k, v in tree.items() if k != "skipped"}
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
     assert eqx.tree_equal(out["model"], like["model"], typematch=True) and out["lr"] == 0.1
+
+
+@pytest.mark.parametrize("value", [True, 1.0, [1], {"1": 1}, None], ids=repr)
+def test_a_key_equal_to_one_already_checked_is_still_checked(tmp_path, value):
+    """Parsing remembers the keys it has checked; a later key whose value equals
+    a remembered one (`true == 1`) but has another type is refused all the same."""
+    tree = {"a": [np.zeros(2, np.float32), np.ones(2, np.float32)], "b": [np.zeros(3, np.float32)] * 2}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+
+    def edit(body):
+        (leaf,) = [leaf for leaf in body["leaves"] if leaf["path"] == "b.1"]
+        leaf["keypath"] = [["key", "b"], ["index", value]]
+
+    _rewrite(tmp_path, edit)
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=r"leaf #3 \('b\.1'\): key .* needs an integer"):
+        eqx_ckpt.Checkpoint(tmp_path)
