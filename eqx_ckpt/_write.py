@@ -3,6 +3,7 @@ arrays themselves, created and written concurrently through TensorStore."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 from collections.abc import Callable, Mapping
@@ -344,6 +345,14 @@ def wait_all(futures: list[Any], error: BaseException | None) -> BaseException |
     return error
 
 
+def _stored(future: Any) -> BaseException | None:
+    """The exception a finished `concurrent.futures.Future` holds (TensorStore's
+    futures never hold an interrupt)."""
+    if isinstance(future, concurrent.futures.Future) and future.done() and not future.cancelled():
+        return future.exception()
+    return None
+
+
 def settle(futures: list[Any]) -> None:
     """Wait until no write of `futures` is still running, so that deleting what
     they wrote cannot race them. Errors are ignored (the save has failed
@@ -357,6 +366,8 @@ def settle(futures: list[Any]) -> None:
             except Exception:
                 break
             except BaseException as e:  # raised below, once every write has stopped
+                if _stored(future) is e:
+                    break  # the write's own outcome (raised in a writer thread), not an interrupt of the wait
                 interrupt = interrupt or e
     if interrupt is not None:
         raise interrupt

@@ -3,6 +3,7 @@ byte for byte what TensorStore writes for the same array, read back by
 TensorStore alone, and a failure or an interrupt at any chunk file leaves the
 old checkpoint whole and nothing behind."""
 
+import concurrent.futures
 import errno
 import os
 import pathlib
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _direct_write, _io, _pack, _spec
+from eqx_ckpt import _direct_write, _io, _pack, _spec, _write
 from eqx_ckpt._source import open_source
 
 pytestmark = pytest.mark.skipif(not _direct_write._direct.SUPPORTED, reason="no direct writes on this host")
@@ -238,3 +239,28 @@ def test_progress_counts_every_leaf_and_byte(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree, progress=lambda *a: seen.append(a))
     total = sum(x.nbytes for x in jax.tree.leaves(tree))
     assert seen[-1] == (6, 6, total, total)
+
+
+def test_settling_a_write_that_raised_an_interrupt_in_its_thread_waits_once():
+    """A writer thread's own `KeyboardInterrupt` (or `SystemExit`) is that write's
+    outcome: settling must not take it for an interrupt of the wait and wait
+    again (it did, forever, each raise growing the traceback until memory ran out)."""
+
+    class Counting(concurrent.futures.Future):
+        calls = 0
+
+        def result(self, timeout=None):
+            self.calls += 1
+            if self.calls > 3:  # a settle that loops stops here, and the test fails
+                return None
+            return super().result(timeout)
+
+    for error in (KeyboardInterrupt(), SystemExit(1), OSError("disk")):
+        future = Counting()
+        future.set_exception(error)
+        raised = None
+        try:
+            _write.settle([future])
+        except BaseException as e:  # a looping settle raises the stored interrupt at last
+            raised = e
+        assert (future.calls, raised) == (1, None), error

@@ -3,8 +3,9 @@ turn, first with an exception, then with a KeyboardInterrupt (what Ctrl-C or a
 SIGTERM handler calling `sys.exit` raises in the saving thread).
 
 For a first save, an overwrite and a manager save, the I/O entry points of
-`_io` and `_lease` are counted on a clean run; then the save is repeated with
-call k failing, for every k. After each: the checkpoint loads as exactly the old
+`_io` and the chunk writes of `_direct_write` are counted on a clean run, in
+every thread the save uses; then the save is repeated with call k failing, for
+every k. After each: the checkpoint loads as exactly the old
 or exactly the new save, an interrupt reaches the caller as itself, the user's
 files in the directory are unchanged, and the next save succeeds and leaves
 nothing behind.
@@ -22,7 +23,7 @@ import pytest
 from disk import snapshot
 
 import eqx_ckpt
-from eqx_ckpt import _io, _pack
+from eqx_ckpt import _direct_write, _io, _pack
 
 # Every function through which a save touches storage.
 _IO = [
@@ -39,7 +40,12 @@ _IO = [
     (_io, "sync_directory"),
     (_io, "ensure_directory"),
     (_io, "delete_file"),
+    (_direct_write, "_write_chunk"),  # a chunk file written by eqx_ckpt itself
 ]
+
+# The threads a save does its I/O in: the caller's, the helper that keeps every
+# future an interrupt could lose (`_io.uninterrupted`), and the chunk writers.
+_SAVE_THREADS = ("eqx_ckpt-io", "eqx_ckpt-write")
 
 
 class Injected(OSError):
@@ -49,17 +55,21 @@ class Injected(OSError):
 @contextlib.contextmanager
 def inject(monkeypatch, fail_at, error):
     """Count calls of the I/O entry points; call number `fail_at` raises `error`.
-    Only this thread's calls count: another test's object-store lease, still
+    Only the save's own threads count: another test's object-store lease, still
     held by a manager in this process, renews itself from its own thread."""
     calls = []
     me = threading.get_ident()
+    lock = threading.Lock()
 
     def wrap(module, name, real):
         def wrapper(*args, **kwargs):
-            if threading.get_ident() != me:
+            thread = threading.current_thread()
+            if thread.ident != me and not thread.name.startswith(_SAVE_THREADS):
                 return real(*args, **kwargs)
-            calls.append(name)
-            if len(calls) - 1 == fail_at:
+            with lock:
+                calls.append(name)
+                failing = len(calls) - 1 == fail_at
+            if failing:
                 raise error(f"injected at call {fail_at} ({name})")
             return real(*args, **kwargs)
 
