@@ -45,7 +45,7 @@ import numpy as np
 from ._errors import IntegrityError, stored_leaf_error
 from ._io import leaf_io_error, refuse_beyond_memory
 from ._local import refuse_links
-from ._manifest import LeafRecord
+from ._manifest import LeafRecord, PackRecord
 from ._spec import Location, dtype_from_name
 
 # Smaller leaves gain little over TensorStore (and will be packed together).
@@ -88,26 +88,59 @@ def start_leaf(loc: Location, record: LeafRecord) -> Callable[[], np.ndarray] | 
     checks the checksums and returns the array. `None` if not eligible."""
     if not eligible(loc, record):
         return None
-    refuse_links(loc, record.directory, leaf=record.path)
-    path = os.path.join(loc.local or "", record.directory)
-    try:
-        folder = os.open(path, _FOLDER_FLAGS)
-    except OSError as e:
-        raise _damaged(loc, record, f"its folder cannot be opened ({e.strerror})") from None
-    try:
-        for key in chunk_keys(record.stored_shape, record.chunks):
-            os.close(_open_chunk(folder, loc, record, key))
-    finally:
-        os.close(folder)
+    keys = chunk_keys(record.stored_shape, record.chunks)
+    path = _check_chunk_files(loc, record, record.directory, keys)
     refuse_beyond_memory(loc, record, record.nbytes, "it")
     out = np.frombuffer(mmap.mmap(-1, record.nbytes), np.uint8)
-    wait = _read_chunks(path, loc, record, out.data)
+    wait = _read_chunks(path, loc, record, out.data, list(chunk_keys(record.stored_shape, record.chunks)))
 
     def finish() -> np.ndarray:
         wait()
         return out.view(dtype_from_name(record.stored_dtype)).reshape(record.stored_shape)
 
     return finish
+
+
+def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Callable[[], np.ndarray] | None:
+    """Start reading elements `[start, stop)` of a pack (whole chunks: those
+    that hold them) the same way; the returned function waits, checks every
+    chunk's checksum and returns those elements. `None` where the pack is not
+    on a local disk (TensorStore reads it then). A failure names the pack; the
+    caller finds the damaged leaf."""
+    if not (SUPPORTED and loc.local is not None and loc.kvstore.get("driver") == "file") or stop <= start:
+        return None
+    first, count = start // pack.chunk, (stop - 1) // pack.chunk - start // pack.chunk + 1
+    # The chunks read, as one array of their own: its chunk files are the pack's from `first` on.
+    shape = (count * pack.chunk,)
+    record = LeafRecord(pack.name, [], "numpy", shape, pack.dtype, shape, pack.dtype, "plain", (pack.chunk,))
+    keys = [f"c/{first + i}" for i in range(count)]
+    path = _check_chunk_files(loc, record, pack.name, iter(keys))
+    out = np.frombuffer(mmap.mmap(-1, record.nbytes), np.uint8)
+    wait = _read_chunks(path, loc, record, out.data, keys)
+
+    def finish() -> np.ndarray:
+        wait()
+        offset = first * pack.chunk
+        return out.view(dtype_from_name(pack.dtype))[start - offset : stop - offset]
+
+    return finish
+
+
+def _check_chunk_files(loc: Location, record: LeafRecord, directory: str, keys: Iterator[str]) -> str:
+    """Check the array's folder `directory` and each of its chunk files `keys`
+    (no links, a regular file of one full chunk and its checksum); the folder's path."""
+    refuse_links(loc, directory, leaf=record.path)
+    path = os.path.join(loc.local or "", directory)
+    try:
+        folder = os.open(path, _FOLDER_FLAGS)
+    except OSError as e:
+        raise _damaged(loc, record, f"its folder cannot be opened ({e.strerror})") from None
+    try:
+        for key in keys:
+            os.close(_open_chunk(folder, loc, record, key, directory))
+    finally:
+        os.close(folder)
+    return path
 
 
 def eligible(loc: Location, record: LeafRecord) -> bool:
@@ -137,15 +170,16 @@ def chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...]) -> Iterator[str]
         yield f"c/{i}{rest}"
 
 
-def _open_chunk(folder: int, loc: Location, record: LeafRecord, key: str) -> int:
-    """Open a chunk file below the leaf's folder, following no link, and check
-    that it is a regular file of one full chunk and its checksum."""
+def _open_chunk(folder: int, loc: Location, record: LeafRecord, key: str, directory: str) -> int:
+    """Open a chunk file below the array's folder (`directory`, open as
+    `folder`), following no link, and check that it is a regular file of one
+    full chunk and its checksum."""
     try:
         fd = _open_below(folder, key)
     except FileNotFoundError:
         raise _damaged(loc, record, f"its chunk file {key!r} is missing") from None
     except OSError as e:
-        refuse_links(loc, f"{record.directory}/{key}", leaf=record.path)
+        refuse_links(loc, f"{directory}/{key}", leaf=record.path)
         raise _damaged(loc, record, f"its chunk file {key!r} cannot be opened ({e.strerror})") from None
     try:
         st = os.fstat(fd)
@@ -188,11 +222,10 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
         return _POOL
 
 
-def _read_chunks(path: str, loc: Location, record: LeafRecord, out: memoryview) -> Callable[[], None]:
-    """Start reading every chunk into its slice of `out`; the returned function
-    checks each chunk's checksum as soon as it is read, in order."""
+def _read_chunks(path: str, loc: Location, record: LeafRecord, out: memoryview, keys: list[str]) -> Callable[[], None]:
+    """Start reading the chunk files `keys` into their slices of `out`; the
+    returned function checks each chunk's checksum as soon as it is read, in order."""
     size = record.chunk_nbytes
-    keys = list(chunk_keys(record.stored_shape, record.chunks))
     # Only the last chunk runs past the array (zarr stores edge chunks full-size):
     # its padding is read, for the checksum, into a buffer dropped on return.
     padding = memoryview(bytearray(len(keys) * size - len(out)))
@@ -248,7 +281,7 @@ def _read_piece(path: str, loc: Location, record: LeafRecord, key: str, offset: 
     except OSError as e:
         raise _damaged(loc, record, f"its folder cannot be opened ({e.strerror})") from None
     try:
-        fd = _open_chunk(folder, loc, record, key)
+        fd = _open_chunk(folder, loc, record, key, os.path.relpath(path, loc.local or ""))
     finally:
         os.close(folder)
     try:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes, _io
+from . import _direct, _dtypes, _io
 from ._manifest import LeafRecord, PackRecord, pack_name, whole_chunks
 from ._spec import Location
 
@@ -160,6 +160,20 @@ def open_leaf(loc: Location, record: LeafRecord) -> Any:
     return future
 
 
+def _start_direct(loc: Location, pack: PackRecord, start: int, stop: int) -> Any:
+    """`_direct.start_pack_run`; a failure is raised when the run is finished,
+    where the caller finds which leaf is damaged."""
+    try:
+        return _direct.start_pack_run(loc, pack, start, stop)
+    except Exception as e:
+        error = e
+
+        def failed() -> Any:
+            raise error
+
+        return failed
+
+
 def read_leaves(
     loc: Location, records: Sequence[LeafRecord], *, window: int
 ) -> Iterator[tuple[list[int], int, Callable[[], np.ndarray]]]:
@@ -190,12 +204,10 @@ def read_leaves(
             members.append(i)
         if members:
             runs.append((pack, start, stop, members))
-    # One open (and one check of its files) per pack, not per run.
-    stores = {}
-    for name, indices in groups.items():
-        first = records[indices[0]]
-        assert first.pack is not None
-        stores[name] = open_pack(loc, first.pack, cached=False, leaf=first.path)
+    # A pack on a local disk is read by eqx_ckpt itself (`_direct`), each chunk
+    # file checked before it is read; others through TensorStore, with one open
+    # (and one check of its files) per pack, not per run.
+    stores: dict[str, Any] = {}
     flight: collections.deque[tuple[list[int], int, Any, int]] = collections.deque()
     in_flight = 0
     for pack, start, stop, members in runs:
@@ -204,11 +216,16 @@ def read_leaves(
             done_members, done_start, done_finish, done_size = flight.popleft()
             in_flight -= done_size
             yield done_members, done_start, done_finish
-        try:
-            store = stores[pack.name].result()
-        except Exception as e:
-            raise _io.leaf_io_error(e, records[members[0]], loc, "open") from e
-        flight.append((members, start, store[start:stop].read().result, size))
+        finish = _start_direct(loc, pack, start, stop)
+        if finish is None:
+            if pack.name not in stores:
+                stores[pack.name] = open_pack(loc, pack, cached=False, leaf=records[members[0]].path)
+            try:
+                store = stores[pack.name].result()
+            except Exception as e:
+                raise _io.leaf_io_error(e, records[members[0]], loc, "open") from e
+            finish = store[start:stop].read().result
+        flight.append((members, start, finish, size))
         in_flight += size
     while flight:
         members, start, finish, _ = flight.popleft()

@@ -259,3 +259,70 @@ def test_an_asynchronous_save_copies_numpy_leaves_before_it_returns(tmp_path):
         value[:] = -1  # the caller changes its arrays while the save is written
     pending.wait()
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), expected)
+
+
+def _striped(count=60):
+    """Leaves of assorted sizes over many 4 KiB chunks of one pack."""
+    rng = np.random.default_rng(1)
+    return {f"l{i:02d}": rng.standard_normal(int(rng.integers(1, 900))).astype(np.float32) for i in range(count)}
+
+
+@pytest.fixture
+def small_pack_chunks(monkeypatch):
+    monkeypatch.setattr(_pack, "PACK_CHUNK_BYTES", 4096)
+
+
+def test_local_packs_are_read_by_eqx_ckpt_only_the_chunks_a_load_needs(tmp_path, monkeypatch, small_pack_chunks):
+    """On a local disk a pack's chunk files are read without TensorStore
+    (`_direct.start_pack_run`), and a partial load reads only the chunks holding
+    the selected leaves, even when they start and end inside a chunk."""
+    from eqx_ckpt import _direct
+
+    tree = _striped()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    body = _manifest(tmp_path)
+    assert _pack_chunk(body) == 1024 and len(os.listdir(tmp_path / "packed.float32" / "c")) > 8
+
+    def no_tensorstore(*args, **kwargs):
+        raise AssertionError("a local pack was opened with TensorStore")
+
+    monkeypatch.setattr(_pack, "open_pack", no_tensorstore)
+    read = []
+    real_read_piece = _direct._read_piece
+    monkeypatch.setattr(
+        _direct,
+        "_read_piece",
+        lambda path, loc, record, key, *a: read.append(key) or real_read_piece(path, loc, record, key, *a),
+    )
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+    assert sorted(set(read)) == sorted(f"c/{i}" for i in range(len(os.listdir(tmp_path / "packed.float32" / "c"))))
+    chosen = ["l20", "l21", "l22"]
+    needed = {f"c/{c}" for k in chosen for c in range(_chunk_of(body, k), _last_chunk_of(body, k) + 1)}
+    read.clear()
+    back = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree, where=lambda t: [t[k] for k in chosen])
+    assert eqx.tree_equal({k: back[k] for k in chosen}, {k: tree[k] for k in chosen}, typematch=True)
+    assert set(read) == needed
+
+
+def _last_chunk_of(body: dict, name: str) -> int:
+    leaf = _leaf(body, name)
+    return (leaf["offset"] + int(np.prod(leaf["shape"])) - 1) // _pack_chunk(body)
+
+
+def test_a_pack_chunk_file_symlink_is_refused(tmp_path, small_pack_chunks):
+    tree = _striped()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    chunk = tmp_path / "packed.float32" / "c" / "3"
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    chunk.rename(outside)
+    chunk.symlink_to(outside)
+    # Named: the link, and a leaf of the pack (the refusal comes before any read).
+    with pytest.raises(eqx_ckpt.IntegrityError, match=r"Leaf `l\d\d`: 'packed.float32/c/3' .* is a symbolic link"):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
+    assert outside.exists()
+
+
+def test_packs_elsewhere_are_read_through_tensorstore(small_pack_chunks):
+    tree = _striped()
+    eqx_ckpt.tree_serialise_leaves("memory://striped/", tree)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves("memory://striped/", tree), tree, typematch=True)
