@@ -210,16 +210,22 @@ def _open_below(folder: int, key: str) -> int:
             os.close(current)
 
 
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
+_POOLS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def shared_pool(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's pool of `threads` threads named `name`, made on first use
+    (one for the readers here, one for the writers of `_direct_write`)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(name)
+        if pool is None:
+            pool = _POOLS[name] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=name)
+        return pool
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="eqx_ckpt-read")
-        return _POOL
+    return shared_pool("eqx_ckpt-read", THREADS)
 
 
 def _read_chunks(path: str, loc: Location, record: LeafRecord, out: memoryview, keys: list[str]) -> Callable[[], None]:

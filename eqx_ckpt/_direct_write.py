@@ -28,7 +28,6 @@ import concurrent.futures.thread  # now: at interpreter exit its import fails
 import ctypes
 import functools
 import os
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -219,13 +218,5 @@ def _start_writeback(fd: int) -> None:
         fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="eqx_ckpt-write")
-        return _POOL
+    return _direct.shared_pool("eqx_ckpt-write", THREADS)

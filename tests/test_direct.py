@@ -13,6 +13,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from arrays import values
 
 import eqx_ckpt
 from eqx_ckpt import _direct, _io, _pack, _spec
@@ -36,17 +37,6 @@ def small(monkeypatch):
     monkeypatch.setattr(_direct, "MIN_BYTES", 1)
 
 
-def _values(shape, dtype):
-    rng = np.random.default_rng(0)
-    if dtype == np.bool_:
-        return rng.integers(0, 2, shape).astype(np.bool_)
-    if np.dtype(dtype).kind in "iu":
-        return rng.integers(-100, 100, shape).astype(dtype)
-    if np.dtype(dtype).kind == "c":
-        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
-    return rng.standard_normal(shape).astype(dtype)
-
-
 def _saved(path, tree):
     eqx_ckpt.tree_serialise_leaves(path, tree)
     return open_source(path).data, eqx_ckpt.Checkpoint(path)
@@ -59,7 +49,7 @@ def _ts_read(data, record):
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int8, np.bool_, np.complex64])
 @pytest.mark.parametrize("shape", [(1001, 3), (4099,), (101, 5, 3)])
 def test_same_bytes_as_tensorstore(tmp_path, small, dtype, shape):
-    x = _values(shape, dtype)
+    x = values(shape, dtype)
     data, ckpt = _saved(tmp_path, {"model": {"w": x}})
     record = ckpt.record("model.w")
     assert record.chunks[0] < shape[0] and shape[0] % record.chunks[0], "want several chunks and an edge chunk"
@@ -72,14 +62,14 @@ def test_same_bytes_as_tensorstore(tmp_path, small, dtype, shape):
 def test_default_pieces_and_chunks(tmp_path, monkeypatch):
     # Real constants, but chunks of 256 KiB: a 4 MiB leaf in 16 chunks and one piece each.
     monkeypatch.setattr(_spec, "CHUNK_BYTES", 2**18)
-    x = _values((1025, 1024), np.float32)
+    x = values((1025, 1024), np.float32)
     data, ckpt = _saved(tmp_path, {"w": x})
     np.testing.assert_array_equal(_direct.read_leaf(data, ckpt.record("w")), x)
 
 
 def test_stored_encodings_come_back_as_stored(tmp_path, small):
     # "view" (float8_e4m3 as raw bytes) and "key_data" leaves: the stored bytes, undecoded.
-    f8 = _values((300, 7), np.float32).astype(ml_dtypes.float8_e4m3)
+    f8 = values((300, 7), np.float32).astype(ml_dtypes.float8_e4m3)
     tree = {"f8": f8, "key": jax.random.split(jax.random.key(0), 700)}
     data, ckpt = _saved(tmp_path, tree)
     for name in tree:
@@ -101,7 +91,7 @@ def test_tensorstore_pads_edge_chunks_to_full_size(tmp_path, small):
 
 
 def test_aligned_and_adopted_by_jax(tmp_path, small):
-    data, ckpt = _saved(tmp_path, {"w": _values((1001, 3), np.float32)})
+    data, ckpt = _saved(tmp_path, {"w": values((1001, 3), np.float32)})
     y = _direct.read_leaf(data, ckpt.record("w"))
     assert y.ctypes.data % 64 == 0
     device = jax.devices("cpu")[0]
@@ -123,7 +113,7 @@ def test_ineligible_leaves(tmp_path, monkeypatch):
 
 def _damage_setup(tmp_path):
     # Chunks of 63 rows: c/3/0 is the edge chunk, 61 rows and 2 of padding.
-    data, ckpt = _saved(tmp_path, {"model": {"w": _values((250, 3), np.float32)}})
+    data, ckpt = _saved(tmp_path, {"model": {"w": values((250, 3), np.float32)}})
     record = ckpt.record("model.w")
     assert record.chunks == (63, 3)
     folder = pathlib.Path(data.local, record.directory)
@@ -187,7 +177,7 @@ def test_absurd_shape_allocates_nothing(tmp_path, small, monkeypatch):
 
 
 def test_interrupt_waits_for_the_readers(tmp_path, small, monkeypatch):
-    data, ckpt = _saved(tmp_path, {"w": _values((4000, 3), np.float32)})
+    data, ckpt = _saved(tmp_path, {"w": values((4000, 3), np.float32)})
     assert ckpt.record("w").chunks == (63, 3)  # 64 chunks of one piece each
     in_flight, started, finished_after = [0], [], []
     returned = threading.Event()

@@ -16,6 +16,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from arrays import values
 
 import eqx_ckpt
 from eqx_ckpt import _direct_write, _io, _pack, _spec, _write
@@ -29,17 +30,6 @@ def own_folders(monkeypatch):
     """Every leaf in its own folder, in chunks of at most 1 KiB."""
     monkeypatch.setattr(_pack, "PACK_BYTES", -1)
     monkeypatch.setattr(_spec, "CHUNK_BYTES", 1024)
-
-
-def _values(shape, dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    if dtype == np.bool_:
-        return rng.integers(0, 2, shape).astype(np.bool_)
-    if np.dtype(dtype).kind in "iu":
-        return rng.integers(-100, 100, shape).astype(dtype)
-    if np.dtype(dtype).kind == "c":
-        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
-    return rng.standard_normal(shape).astype(dtype)
 
 
 def _files(folder: pathlib.Path) -> dict[str, bytes]:
@@ -64,7 +54,7 @@ def _written_by_tensorstore(tmp_path, spec_of, stored: np.ndarray, folder: str =
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int8, np.bool_, np.complex64, np.float64])
 @pytest.mark.parametrize("shape", [(1001, 3), (4099,), (101, 5, 3), (7,)])
 def test_a_leafs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, own_folders, dtype, shape):
-    x = _values(shape, dtype)
+    x = values(shape, dtype)
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", {"model": {"w": x}})
     data = open_source(tmp_path / "ckpt").data
     record = eqx_ckpt.Checkpoint(tmp_path / "ckpt").record("model.w")
@@ -85,7 +75,7 @@ def test_a_leafs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, own_fold
 
 
 def test_big_endian_arrays_are_stored_little_endian(tmp_path, own_folders):
-    x = _values((300, 2), np.float32)
+    x = values((300, 2), np.float32)
     tree = {"big": x.astype(">f4"), "little": x}
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
     assert _files(tmp_path / "ckpt" / "big") == _files(tmp_path / "ckpt" / "little")
@@ -96,8 +86,8 @@ def test_big_endian_arrays_are_stored_little_endian(tmp_path, own_folders):
 def test_encoded_leaves_round_trip_through_tensorstore(tmp_path, own_folders):
     # "view" (float8_e4m3, int4: raw bytes) and "key_data" leaves.
     tree = {
-        "f8": _values((300, 7), np.float32).astype(ml_dtypes.float8_e4m3),
-        "i4": _values((513,), np.int8).clip(-8, 7).astype(ml_dtypes.int4),
+        "f8": values((300, 7), np.float32).astype(ml_dtypes.float8_e4m3),
+        "i4": values((513,), np.int8).clip(-8, 7).astype(ml_dtypes.int4),
         "key": jax.random.split(jax.random.key(0), 300),
     }
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
@@ -111,9 +101,9 @@ def test_a_packs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, monkeypa
     monkeypatch.setattr(_pack, "PACK_CHUNK_BYTES", 4096)
     monkeypatch.setattr(_direct_write, "_MAX_PARTS", max_parts)
     sizes = [1, 3, 700, 17, 1500, 2, 1, 64, 900, *([1] * 80), 333, 2500]
-    tree = {f"l{i}": _values((n,), np.float32, seed=i) for i, n in enumerate(sizes)}
+    tree = {f"l{i}": values((n,), np.float32, seed=i) for i, n in enumerate(sizes)}
     tree["scalar"] = np.float32(2.5)
-    tree["flags"] = _values((37,), np.bool_)
+    tree["flags"] = values((37,), np.bool_)
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
     ckpt = eqx_ckpt.Checkpoint(tmp_path / "ckpt")
     data = open_source(tmp_path / "ckpt").data
