@@ -43,7 +43,7 @@ import crc32c
 import numpy as np
 
 from ._errors import IntegrityError, stored_leaf_error
-from ._io import leaf_io_error, refuse_beyond_memory
+from ._io import leaf_io_error, on_local_disk, refuse_beyond_memory
 from ._local import refuse_links
 from ._manifest import LeafRecord, PackRecord
 from ._spec import Location, dtype_from_name
@@ -107,7 +107,7 @@ def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Ca
     chunk's checksum and returns those elements. `None` where the pack is not
     on a local disk (TensorStore reads it then). A failure names the pack; the
     caller finds the damaged leaf."""
-    if not (SUPPORTED and loc.local is not None and loc.kvstore.get("driver") == "file") or stop <= start:
+    if not supported(loc) or stop <= start:
         return None
     first, count = start // pack.chunk, (stop - 1) // pack.chunk - start // pack.chunk + 1
     # The chunks read, as one array of their own: its chunk files are the pack's from `first` on.
@@ -143,12 +143,16 @@ def _check_chunk_files(loc: Location, record: LeafRecord, directory: str, keys: 
     return path
 
 
+def supported(loc: Location) -> bool:
+    """Whether chunk files under `loc` can be read (and written, `_direct_write`)
+    without TensorStore: a local disk, on a host that has what this needs."""
+    return SUPPORTED and on_local_disk(loc)
+
+
 def eligible(loc: Location, record: LeafRecord) -> bool:
     """Whether `read_leaf` reads this leaf (else it returns `None`)."""
     return (
-        SUPPORTED
-        and loc.local is not None
-        and loc.kvstore.get("driver") == "file"
+        supported(loc)
         and record.encoding in _ENCODINGS
         and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
         and record.pack is None

@@ -50,17 +50,12 @@ def eligible(loc: Location, record: LeafRecord, pieces: Sequence[tuple[tuple[sli
     """Whether this leaf's chunk files are written here: a local disk, one host
     piece holding the whole array, and chunks that split only its first axis."""
     return (
-        supported(loc)
+        _direct.supported(loc)
         and record.pack is None
         and len(pieces) == 1
         and not pieces[0][0]
         and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
     )
-
-
-def supported(loc: Location) -> bool:
-    """Whether arrays under `loc` can be written here at all."""
-    return _direct.SUPPORTED and loc.local is not None and loc.kvstore.get("driver") == "file"
 
 
 def start_leaf(loc: Location, record: LeafRecord, piece: Any) -> list[concurrent.futures.Future[None]]:

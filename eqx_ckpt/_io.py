@@ -34,7 +34,7 @@ def kvstore(loc: Location, *, synced: bool = True) -> ts.KvStore:
 
 
 def _context(loc: Location, synced: bool) -> ts.Context:
-    return UNSYNCED if not synced and _on_local_disk(loc) else CONTEXT
+    return UNSYNCED if not synced and on_local_disk(loc) else CONTEXT
 
 
 def result(future: ts.Future) -> Any:
@@ -123,9 +123,10 @@ def _ensure_helper() -> None:
             _HELPERS.append(thread)
 
 
-def _on_local_disk(loc: Location) -> bool:
-    """Whether writes to `loc` go through the `file` driver, so can skip fsync
-    (and must then be flushed)."""
+def on_local_disk(loc: Location) -> bool:
+    """Whether `loc` is a local directory reached through the `file` driver (so
+    writes can skip fsync and must then be flushed, and eqx_ckpt may read and
+    write its chunk files itself)."""
     return loc.local is not None and loc.kvstore.get("driver") == "file"
 
 
@@ -147,7 +148,7 @@ def flush(loc: Location) -> None:
     wrote is final before it flushes, and each process flushes, so every file and
     directory entry of the save is synced by the process that wrote it.
     """
-    local = loc.local if _on_local_disk(loc) else None
+    local = loc.local if on_local_disk(loc) else None
     if local is None:
         return
     paths = [local]

@@ -52,21 +52,7 @@ def segment(key: Any) -> str:
     Derived from the key's manifest record, so that what a save writes and what a
     reader recomputes from the manifest (`stored_segment`) can never disagree.
     """
-    memo = _memo_key(key)
-    if memo is None:
-        return stored_segment(*key_record(key))
-    found = _SEGMENTS.get(memo)
-    if found is None:
-        if len(_SEGMENTS) >= _MEMO_MAX:
-            _SEGMENTS.clear()
-        found = _SEGMENTS[memo] = stored_segment(*key_record(key))
-    return found
-
-
-# The segments of keys met before: a tree's few attribute names and indices recur
-# in thousands of key paths, each asked for on every save and load.
-_SEGMENTS: dict[tuple[type, Any, type], str] = {}
-_MEMO_MAX = 2**16
+    return stored_segment(*_remembered_record(key))
 
 
 def _memo_key(key: Any) -> tuple[type, Any, type] | None:
@@ -165,6 +151,8 @@ def to_json(keypath: tuple[Any, ...]) -> list[list[Any]]:
 
 
 def _remembered_record(key: Any) -> tuple[str, Any]:
+    """`key_record(key)`, remembered for the common keys: a tree's few attribute
+    names and indices recur in thousands of key paths, on every save and load."""
     memo = _memo_key(key)
     if memo is None:
         return key_record(key)
@@ -177,6 +165,7 @@ def _remembered_record(key: Any) -> tuple[str, Any]:
 
 
 _RECORDS: dict[tuple[type, Any, type], tuple[str, Any]] = {}
+_MEMO_MAX = 2**16
 
 
 _KINDS = frozenset({"index", "flat", "attr", "key", "key_int", "key_repr", "other"})

@@ -345,11 +345,11 @@ def _default_or_held(handle: LeafHandle, x: Any) -> None:
         default_serialise_filter_spec(handle, x)
 
 
+@_tree.gc_paused()  # as `save` is, for the part of it that runs here
 def _prepare_and_write(loc: Location, group: _multihost.Group, held: _HeldTree, cast: Any, **options: Any) -> None:
     """The background part of an asynchronous save whose leaves were held."""
-    with _tree.gc_paused():
-        flat = held.flat()
-        pending = _collect(loc, flat, [_default_or_held] * len(flat), cast)
+    flat = held.flat()
+    pending = _collect(loc, flat, [_default_or_held] * len(flat), cast)
     _assign_packs(pending)
     tx, tracker = _begin_save(loc, group, pending, **options)
     with tracker:

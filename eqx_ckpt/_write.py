@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _commit, _direct_write, _dtypes, _io, _keypath, _manifest, _multihost, _pack, _sharding
+from . import _commit, _direct, _direct_write, _dtypes, _io, _keypath, _manifest, _multihost, _pack, _sharding
 from ._errors import CheckpointTypeError
 from ._handle import LeafHandle
 from ._lazy import LazyArray
@@ -245,7 +245,7 @@ def start_writes(
     # by eqx_ckpt's own threads, each file's writeback started at once (`_direct_write`).
     single = group.count == 1 and tx.layout == "directories"
     fast = {i for i, p in enumerate(own) if single and _direct_write.eligible(data, p.record, p.pieces)}
-    fast_packs = single and _direct_write.supported(data)
+    fast_packs = single and _direct.supported(data)
     members_of = _pack.by_pack([p.record for p in packed])
     direct: list[tuple[int, int, list[Any]]] = []  # (leaves, bytes, futures) in order
 
@@ -270,8 +270,8 @@ def start_writes(
     # NumPy arrays were copied before an asynchronous save returned.)
     transaction, writes, counts = _io.transaction(), [], []
     try:
-        for i, (p, opened) in enumerate(zip(own, opens[: len(own)], strict=True)):
-            if i in fast:
+        for n, (p, opened) in enumerate(zip(own, opens[: len(own)], strict=True)):
+            if n in fast:
                 continue
             store = opened.result().with_transaction(transaction)
             for i, (index, piece) in enumerate(p.pieces):

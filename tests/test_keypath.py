@@ -78,12 +78,12 @@ def test_equal_keys_of_other_types_keep_their_own_segments(order):
         assert {i: _keypath.to_json((keys[i],))[0] for i in indices} == records
 
 
-def test_the_segment_memo_stays_bounded(monkeypatch):
+def test_the_key_memo_stays_bounded(monkeypatch):
     monkeypatch.setattr(_keypath, "_MEMO_MAX", 10)
-    monkeypatch.setattr(_keypath, "_SEGMENTS", {})
+    monkeypatch.setattr(_keypath, "_RECORDS", {})
     for i in range(25):
         assert _keypath.segment(jtu.GetAttrKey(f"a{i}")) == f"a{i}"
-    assert len(_keypath._SEGMENTS) <= 10
+    assert len(_keypath._RECORDS) <= 10
 
 
 def test_manifest_record_round_trips_the_key_path():
