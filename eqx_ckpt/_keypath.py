@@ -150,6 +150,32 @@ def to_json(keypath: tuple[Any, ...]) -> list[list[Any]]:
     return [list(_remembered_record(key)) for key in keypath]
 
 
+def named(keypaths: list[tuple[Any, ...]]) -> tuple[list[str], list[list[list[Any]]]]:
+    """The dotted path and the manifest record (`to_json`) of every key path of
+    one flattened tree, in one pass.
+
+    `jax.tree_util.tree_flatten_with_path` gives the leaves under one node the
+    same key objects for their common prefix, so each key object is named once
+    (by identity: `keypaths` keeps every key alive meanwhile). The records of
+    the keys are shared between the key paths returned: never mutated."""
+    seen: dict[int, tuple[str, list[Any]]] = {}
+    dotted: list[str] = []
+    records: list[list[list[Any]]] = []
+    for keypath in keypaths:
+        parts = []
+        record = []
+        for key in keypath:
+            found = seen.get(id(key))
+            if found is None:
+                kind, value = _remembered_record(key)
+                found = seen[id(key)] = (stored_segment(kind, value), [kind, value])
+            parts.append(found[0])
+            record.append(found[1])
+        dotted.append(".".join(parts))
+        records.append(record)
+    return dotted, records
+
+
 def _remembered_record(key: Any) -> tuple[str, Any]:
     """`key_record(key)`, remembered for the common keys: a tree's few attribute
     names and indices recur in thousands of key paths, on every save and load."""

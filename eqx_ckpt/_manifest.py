@@ -79,7 +79,10 @@ def is_pack_name(name: str) -> bool:
     return bool(_PACK_NAME.match(name))
 
 
-@dataclasses.dataclass(frozen=True)
+# Not `frozen`: a frozen dataclass's `__init__` costs six times as much, and a
+# save or load of ten thousand leaves makes a record for each. Never changed
+# once made (a changed record is a new one: `_pack._with_pack`).
+@dataclasses.dataclass
 class LeafRecord:
     """One saved leaf.
 
@@ -120,7 +123,7 @@ class LeafRecord:
     def directory(self) -> str:
         return _keypath.to_directory(self.path)
 
-    @functools.cached_property
+    @property
     def nbytes(self) -> int:
         return math.prod(self.stored_shape) * _itemsize(self.stored_dtype)
 
@@ -159,6 +162,7 @@ def _itemsize(dtype: str) -> int:
     return dtype_from_name(dtype).itemsize
 
 
+@functools.lru_cache(maxsize=4096)
 def whole_chunks(stored_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The chunk shape of an array stored as one chunk."""
     return tuple(max(1, n) for n in stored_shape)

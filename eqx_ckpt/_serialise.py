@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _commit, _dtypes, _io, _layout, _lease, _manifest, _multihost, _pack, _tree, _write
+from . import _commit, _dtypes, _io, _keypath, _layout, _lease, _manifest, _multihost, _pack, _tree, _write
 from ._errors import CheckpointError, CheckpointValueError, LeafError, leaf_message
 from ._handle import LeafHandle
 from ._lazy import LazyArray
@@ -246,7 +246,8 @@ def save(
         if not blocking and group.count == 1:
             held = _hold(pytree, filter_spec, is_leaf)
         if held is None:
-            flat, specs = _tree.flatten(pytree, is_leaf)[0], _tree.leaf_specs(filter_spec, pytree, is_leaf)
+            flat = _tree.flatten(pytree, is_leaf)[0]
+            specs = _tree.leaf_specs(filter_spec, pytree, is_leaf, count=len(flat))
             pending = _collect(loc, flat, specs, cast_fn)
             if group.count == 1:
                 _assign_packs(pending)
@@ -530,17 +531,25 @@ def _collect(
 ) -> list[_write.Pending]:
     """Run the filter specs over the leaves; nothing is written yet, so a bad leaf
     leaves the destination untouched."""
-    paths = _tree.check_unique([keypath for keypath, _ in flat], checkpoint=loc.display)
+    keypaths = [keypath for keypath, _ in flat]
+    paths, records = _keypath.named(keypaths)
+    _tree.check_unique(keypaths, paths, checkpoint=loc.display)
+    record_of = dict(zip(paths, records))
     pending: list[_write.Pending] = []
     primary = jax.process_index() == 0
 
     def write(handle: LeafHandle, value: Any) -> None:
-        pending.append(_write.prepare(handle, value, cast, primary=primary))
+        keypath = record_of.get(handle.path) or _keypath.to_json(handle.keypath)
+        pending.append(_write.prepare(handle, value, cast, primary=primary, keypath=keypath))
 
-    for (keypath, leaf), dotted, spec in zip(flat, paths, specs, strict=True):
+    for (keypath, leaf), dotted, record, spec in zip(flat, paths, records, specs, strict=True):
         handle = LeafHandle(keypath, dotted, loc.display, write=write)
         try:
-            spec(handle, leaf)
+            if (spec is default_serialise_filter_spec or spec is _default_or_held) and _is_array(leaf):
+                # What the default spec does with an array, without the calls between.
+                pending.append(_write.prepare(handle, leaf, cast, primary=primary, keypath=record))
+            else:
+                spec(handle, leaf)
         except CheckpointError:
             raise
         except Exception as e:
@@ -548,3 +557,9 @@ def _collect(
             message = leaf_message(what, keypath=keypath, dotted=dotted, path=loc.display)
             raise LeafError(message, path=loc.display, keypaths=[keypath], dotted=[dotted]) from e
     return pending
+
+
+def _is_array(x: Any) -> bool:
+    """Whether the default spec writes `x` as it is: a NumPy or JAX array, or a
+    held one (a tracer too: writing it raises the error it should)."""
+    return type(x) is np.ndarray or type(x) is _write.Held or isinstance(x, jax.Array)

@@ -10,15 +10,22 @@ from typing import Any
 
 import jax.tree_util as jtu
 
-from . import _keypath
 from ._errors import CheckpointTypeError, CheckpointValueError, LeafError, leaf_message
 
 
 def leaf_specs(
-    filter_spec: Any, tree: Any, is_leaf: Callable[[Any], bool] | None, *, what: str = "pytree"
+    filter_spec: Any,
+    tree: Any,
+    is_leaf: Callable[[Any], bool] | None,
+    *,
+    what: str = "pytree",
+    count: int | None = None,
 ) -> list[Any]:
     """One filter spec per leaf of `tree`: `filter_spec` is a callable or a PyTree
-    prefix of `tree` whose leaves are callables, as in Equinox."""
+    prefix of `tree` whose leaves are callables, as in Equinox. `count`: the
+    number of leaves of `tree`, when the caller knows it."""
+    if count is not None and callable(filter_spec) and jtu.treedef_is_leaf(jtu.tree_structure(filter_spec)):
+        return [filter_spec] * count  # one function for every leaf: nothing to map
     specs: list[Any] = []
 
     def expand(spec: Any, sub: Any) -> None:
@@ -49,12 +56,12 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None) -> tuple[list[tupl
     return jtu.tree_flatten_with_path(tree, is_leaf=is_leaf)
 
 
-def check_unique(keypaths: list[tuple[Any, ...]], *, checkpoint: str) -> list[str]:
-    """The dotted path of every key path; two leaves sharing one is an error."""
+def check_unique(keypaths: list[tuple[Any, ...]], paths: list[str], *, checkpoint: str) -> None:
+    """Raise unless the dotted paths of `keypaths` (`paths`) are all different."""
+    if len(set(paths)) == len(paths):
+        return
     seen: dict[str, tuple[Any, ...]] = {}
-    out = []
-    for keypath in keypaths:
-        path = _keypath.dotted(keypath)
+    for keypath, path in zip(keypaths, paths, strict=True):
         if path in seen:
             other = seen[path]
             message = leaf_message(
@@ -67,8 +74,6 @@ def check_unique(keypaths: list[tuple[Any, ...]], *, checkpoint: str) -> list[st
             )
             raise LeafError(message, path=checkpoint, keypaths=[other, keypath], dotted=[path])
         seen[path] = keypath
-        out.append(path)
-    return out
 
 
 _GC_LOCK = threading.Lock()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -56,13 +57,41 @@ def hold(x: jax.Array, primary: bool) -> Held:
 
 
 def prepare(
-    handle: LeafHandle, x: Any, cast: Callable[[str, np.dtype], Any] | None, *, primary: bool | None = None
+    handle: LeafHandle,
+    x: Any,
+    cast: Callable[[str, np.dtype], Any] | None,
+    *,
+    primary: bool | None = None,
+    keypath: list[list[Any]] | None = None,
 ) -> Pending:
     """The manifest record and the host pieces of one leaf; `primary`: whether
-    this is process 0 (asked of JAX when not given)."""
+    this is process 0 (asked of JAX when not given); `keypath`: the manifest
+    record of `handle.keypath`, when the caller has it."""
     held = None
     if isinstance(x, Held):
         held, x = x, x.value
+    if keypath is None:
+        keypath = _keypath.to_json(handle.keypath)
+    numpy = type(x) is np.ndarray
+    if cast is None and (
+        numpy or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and _sharding.on_one_device(x))
+    ):
+        plain = _plain_dtype(x.dtype)
+        if plain is not None and len(x.shape) <= _manifest.MAX_RANK:
+            # The common leaf, kept short (ten thousand of them cost a large part
+            # of a save): one host piece, stored as it is, in its whole-array chunks.
+            # `tests/test_write.py` checks it gives what the general path below gives.
+            if held is not None:
+                pieces = held.pieces
+            else:
+                primary = jax.process_index() == 0 if primary is None else primary
+                pieces = [((), np.asarray(x))] if primary else []
+            shape = x.shape
+            record = LeafRecord(
+                handle.path, keypath, "numpy" if numpy else "jax", shape, plain, shape, plain, "plain",
+                _chunks(shape, x.dtype.itemsize),
+            )  # fmt: skip
+            return Pending(record, pieces)
     if isinstance(x, jax.core.Tracer):
         raise handle.error(
             "it is a traced value: a save inside `jax.jit` (or `vmap`, `grad`...) sees no values.",
@@ -121,10 +150,27 @@ def prepare(
     itemsize = _dtypes.dtype_from_name(stored).itemsize
     chunks = chunk_shape(tuple(x.shape), itemsize, block)
     record = LeafRecord(
-        handle.path, _keypath.to_json(handle.keypath), kind, shape, dtype_name,
+        handle.path, keypath, kind, shape, dtype_name,
         tuple(x.shape), stored, encoding, tuple(chunks), impl,
     )  # fmt: skip
     return Pending(record, pieces)
+
+
+@functools.lru_cache(maxsize=256)
+def _plain_dtype(dtype: np.dtype) -> str | None:
+    """The name of `dtype` when an array of it is stored as it is (not a PRNG
+    key, a dtype zarr v3 has); else `None`."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return None
+    name = _dtypes.name(dtype)
+    if not _dtypes.is_known_dtype(name) or _dtypes.stored_dtype(dtype) != (name, "plain"):
+        return None
+    return name
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    return tuple(chunk_shape(shape, itemsize))
 
 
 def _cast_dtype(handle: LeafHandle, dtype: Any, cast: Callable[[str, np.dtype], Any] | None) -> np.dtype:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
+from jax.random import key as jax_key
 
 import eqx_ckpt
 from eqx_ckpt import _keypath
@@ -76,6 +77,22 @@ def test_equal_keys_of_other_types_keep_their_own_segments(order):
     for _ in range(2):  # computed, then remembered
         assert {i: _keypath.segment(keys[i]) for i in indices} == expected
         assert {i: _keypath.to_json((keys[i],))[0] for i in indices} == records
+
+
+def test_named_gives_each_key_path_its_dotted_path_and_record():
+    """`named` names each key object once per tree; what it gives is what
+    `dotted` and `to_json` give, key path by key path, for every kind of key."""
+    keys = [jtu.DictKey(1), jtu.DictKey(True), jtu.DictKey(1.0), jtu.DictKey(np.int64(1)), jtu.SequenceKey(1)]
+    tree = {
+        "a.b": [jnp.ones(1), {k: jnp.ones(1) for k in AWKWARD_KEYS[:8]}],
+        "n": {1: {True: 2.0}},
+        "m": eqx.nn.Linear(2, 2, key=jax_key(0)),
+    }
+    keypaths = [keypath for keypath, _ in jtu.tree_flatten_with_path(tree)[0]]
+    keypaths += [(k,) for k in keys]
+    dotted, records = _keypath.named(keypaths)
+    assert dotted == [_keypath.dotted(k) for k in keypaths]
+    assert records == [_keypath.to_json(k) for k in keypaths]
 
 
 def test_the_key_memo_stays_bounded(monkeypatch):

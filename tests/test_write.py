@@ -1,0 +1,79 @@
+"""`_write.prepare`: the short path for the common leaf gives exactly what the
+general path gives."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from arrays import values
+
+from eqx_ckpt import LeafHandle, _write
+
+DTYPES = [
+    np.float32, np.float64, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
+    np.int8, np.int32, np.uint16, np.int64, np.bool_, np.complex64,
+]  # fmt: skip
+SHAPES = [(), (0,), (3,), (4, 5), (2, 0, 3), (1, 1, 1, 7)]
+
+
+def _never_cast(path: str, dtype: np.dtype) -> None:
+    """A `cast` that changes nothing, so `prepare` takes its general path."""
+    return None
+
+
+def _both(x):
+    handle = LeafHandle((jax.tree_util.DictKey("w"),), "w", "ckpt")
+    short = _write.prepare(handle, x, None, primary=True)
+    general = _write.prepare(handle, x, _never_cast, primary=True)
+    return short, general
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("as_jax", [False, True], ids=["numpy", "jax"])
+def test_short_path_gives_the_general_record(dtype, shape, as_jax):
+    x = values(shape, dtype)
+    if as_jax:
+        if np.dtype(dtype).itemsize == 8 and not jax.config.jax_enable_x64:
+            pytest.skip("64-bit jax arrays need x64")
+        x = jax.device_put(x)
+    short, general = _both(x)
+    assert short.record == general.record
+    assert len(short.pieces) == len(general.pieces) == 1
+    assert short.pieces[0][0] == general.pieces[0][0] == ()
+    (a,), (b,) = [p[1] for p in short.pieces], [p[1] for p in general.pieces]
+    assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def test_short_path_is_not_taken_for_other_leaves():
+    """Keys, big-endian arrays and arrays of more than 32 dimensions go the
+    general way (key data, byte order, the rank error)."""
+    key = jax.random.key(0)
+    short, general = _both(key)
+    assert short.record == general.record and short.record.type == "prng_key"
+    swapped = values((3,), np.float32).astype(">f4")
+    short, general = _both(swapped)
+    assert short.record == general.record
+    assert short.pieces[0][1].tobytes() == general.pieces[0][1].tobytes()
+    with pytest.raises(RuntimeError, match="dimensions"):
+        _write.prepare(LeafHandle((), "w", "ckpt"), np.zeros((1,) * 33, np.float32), None, primary=True)
+
+
+def test_a_traced_leaf_is_refused_on_the_short_path_too():
+    handle = LeafHandle((jax.tree_util.DictKey("w"),), "w", "ckpt")
+
+    @jax.jit
+    def f(x):
+        with pytest.raises(RuntimeError, match="traced value"):
+            _write.prepare(handle, x, None, primary=True)
+        return x
+
+    f(jnp.ones(3))
+
+
+def test_other_processes_write_no_pieces():
+    short = _write.prepare(LeafHandle((), "w", "ckpt"), jnp.ones(3), None, primary=False)
+    assert short.pieces == [] and short.record.shape == (3,)
