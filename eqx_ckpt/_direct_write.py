@@ -41,8 +41,6 @@ from ._spec import Location, dtype_from_name
 THREADS = 4
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _IOV_MAX = 1024
-# A chunk of more parts than this is assembled in a buffer first.
-_MAX_PARTS = 16
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -62,21 +60,80 @@ def start_leaf(loc: Location, record: LeafRecord, piece: Any) -> list[concurrent
     """Start writing every chunk file of one leaf (its `zarr.json` exists);
     `piece` is its stored array. One future per chunk file."""
     data = _bytes_of(piece, record.stored_dtype)
-    what = f"leaf `{record.path}`"
-    return _start(loc, record.directory, what, record.stored_shape, record.chunks, [(0, data)], data.nbytes)
+    shape, keys = record.stored_shape, list(_direct.chunk_keys(record.stored_shape, record.chunks))
+    # A chunk is `chunks[0]` rows of the array (the whole array for a scalar).
+    size = record.chunks[0] * (data.nbytes // shape[0]) if keys and shape else data.nbytes
+    jobs: list[tuple[str, Callable[[], list[Any]]]] = [
+        (key, functools.partial(_rows, data, i * size, size)) for i, key in enumerate(keys)
+    ]
+    return _start(loc, record.directory, f"leaf `{record.path}`", jobs)
+
+
+def _rows(data: np.ndarray, start: int, size: int) -> list[Any]:
+    """The chunk of `size` bytes from `start` on, padded with zeros past the end."""
+    view = data.data[start : start + size]
+    return [view, _zeros(size - len(view))]
 
 
 def start_pack(
     loc: Location, pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequence[Any]
 ) -> list[concurrent.futures.Future[None]]:
-    """Start writing the chunk files of `pack`: each member's bytes at its
-    offset, zeros between (from the members' own buffers: never one copy of the
-    whole pack, at most one of a chunk)."""
-    itemsize = dtype_from_name(pack.dtype).itemsize
-    placed = [(r.offset * itemsize, _bytes_of(piece, pack.dtype)) for r, piece in zip(records, pieces, strict=True)]
-    segments = sorted(placed, key=lambda s: s[0])
-    what = f"pack `{pack.name}` (small leaves)"
-    return _start(loc, pack.name, what, (pack.size,), (pack.chunk,), segments, pack.size * itemsize)
+    """Start writing the chunk files of `pack`: each member's elements at its
+    offset, zeros between. Each chunk is assembled by its writer in one
+    `np.concatenate` of its members (never one copy of the whole pack)."""
+    order = sorted(range(len(records)), key=lambda i: records[i].offset)
+    starts = np.fromiter((records[i].offset for i in order), np.int64, len(order))
+    stops = starts + np.fromiter((records[i].size for i in order), np.int64, len(order))
+    members = [pieces[i] for i in order]
+    dtype = dtype_from_name(pack.dtype)
+    jobs: list[tuple[str, Callable[[], list[Any]]]] = []
+    for n, key in enumerate(_direct.chunk_keys((pack.size,), (pack.chunk,))):
+        lo, hi = n * pack.chunk, (n + 1) * pack.chunk
+        # The members with elements in [lo, hi): sizes are positive, offsets increase.
+        first, last = int(np.searchsorted(stops, lo, "right")), int(np.searchsorted(starts, hi, "left"))
+        chunk = _Chunk(members[first:last], starts[first:last], stops[first:last], lo, hi, dtype)
+        jobs.append((key, chunk.assemble))
+    return _start(loc, pack.name, f"pack `{pack.name}` (small leaves)", jobs)
+
+
+class _Chunk:
+    """One chunk of a pack, `[lo, hi)` in elements, to be assembled by its
+    writer: `members` (host arrays) placed at `[starts, stops)`, zeros between."""
+
+    def __init__(self, members: list[Any], starts: np.ndarray, stops: np.ndarray, lo: int, hi: int, dtype: Any):
+        self.members, self.starts, self.stops, self.lo, self.hi, self.dtype = members, starts, stops, lo, hi, dtype
+
+    def assemble(self) -> list[Any]:
+        """The chunk's bytes, in one copy."""
+        parts: list[Any] = list(self.members)
+        gaps = np.nonzero(self.starts[1:] != self.stops[:-1])[0]
+        first_cut = bool(len(parts)) and self.starts[0] < self.lo
+        last_cut = bool(len(parts)) and self.stops[-1] > self.hi
+        if len(gaps) or first_cut or last_cut:
+            parts = self._placed()
+        else:
+            # Back to back, as most packs are (64-byte multiples need no padding).
+            head = int(self.starts[0]) - self.lo if parts else self.hi - self.lo
+            tail = self.hi - int(self.stops[-1]) if parts else 0
+            parts = [np.zeros(head, self.dtype), *parts, np.zeros(tail, self.dtype)]
+        out = np.concatenate(parts, axis=None, dtype=self.dtype, casting="equiv")
+        return [out.view(np.uint8).data]
+
+    def _placed(self) -> list[Any]:
+        """The parts one by one, cut at the chunk's edges, zeros in the gaps."""
+        parts: list[Any] = []
+        position = self.lo
+        for member, start, stop in zip(self.members, self.starts.tolist(), self.stops.tolist(), strict=True):
+            flat = np.ravel(member)
+            if start < self.lo:
+                flat, start = flat[self.lo - start :], self.lo
+            if stop > self.hi:
+                flat, stop = flat[: self.hi - start], self.hi
+            parts.append(np.zeros(start - position, self.dtype))
+            parts.append(flat)
+            position = stop
+        parts.append(np.zeros(self.hi - position, self.dtype))
+        return parts
 
 
 def _bytes_of(piece: Any, dtype: str) -> np.ndarray:
@@ -88,21 +145,14 @@ def _bytes_of(piece: Any, dtype: str) -> np.ndarray:
 
 
 def _start(
-    loc: Location,
-    directory: str,
-    what: str,
-    shape: tuple[int, ...],
-    chunks: tuple[int, ...],
-    segments: list[tuple[int, np.ndarray]],
-    total: int,
+    loc: Location, directory: str, what: str, jobs: list[tuple[str, Callable[[], list[Any]]]]
 ) -> list[concurrent.futures.Future[None]]:
+    """Write each chunk file `key` of `jobs` with the bytes its `make()` gives,
+    by the pool's threads. One future per file."""
     folder = os.path.join(loc.local or "", directory) if directory else (loc.local or "")
-    keys = list(_direct.chunk_keys(shape, chunks))
-    # A chunk is `chunks[0]` rows of the array (the whole array for a scalar).
-    chunk_bytes = chunks[0] * (total // shape[0]) if keys and shape else total
     futures = []
-    for key, parts in zip(keys, _cut(segments, chunk_bytes, len(keys)), strict=True):
-        job = functools.partial(_write_chunk, folder, directory, key, what, parts, chunk_bytes)
+    for key, make in jobs:
+        job = functools.partial(_write_chunk, folder, directory, key, what, make)
         try:
             futures.append(_pool().submit(job))
         except RuntimeError:  # at interpreter exit no thread starts: written here, in turn
@@ -120,43 +170,9 @@ def _run_now(job: Callable[[], None]) -> concurrent.futures.Future[None]:
     return future
 
 
-def _cut(segments: list[tuple[int, np.ndarray]], size: int, count: int) -> list[list[tuple[int, memoryview]]]:
-    """`segments` (sorted `(start, bytes)`, not overlapping) cut into `count`
-    chunks of `size` bytes: for each, its parts as `(start within it, view)`."""
-    out: list[list[tuple[int, memoryview]]] = [[] for _ in range(count)]
-    for start, data in segments:
-        view, stop = data.data, start + data.nbytes
-        position = start
-        while position < stop:
-            chunk = position // size
-            end = min(stop, (chunk + 1) * size)
-            out[chunk].append((position - chunk * size, view[position - start : end - start]))
-            position = end
-    return out
-
-
-def _write_chunk(
-    folder: str, directory: str, key: str, what: str, parts: list[tuple[int, memoryview]], size: int
-) -> None:
-    """One chunk file: `size` bytes, `parts` at their places and zeros between,
-    then their crc32c."""
-    views: list[Any] = []
-    position = 0
-    if len(parts) > _MAX_PARTS:
-        # Many small leaves: one copy into a chunk buffer costs less than a
-        # checksum call and an I/O vector for each.
-        buffer = np.zeros(size, np.uint8)
-        for start, view in parts:
-            buffer[start : start + len(view)] = view
-        parts, position = [], size
-        views.append(buffer.data)
-    for start, view in parts:
-        if start > position:
-            views.append(_zeros(start - position))
-        views.append(view)
-        position = start + len(view)
-    if size > position:
-        views.append(_zeros(size - position))
+def _write_chunk(folder: str, directory: str, key: str, what: str, make: Callable[[], list[Any]]) -> None:
+    """One chunk file: the bytes `make()` gives, then their crc32c."""
+    views = make()
     checksum = 0
     for view in views:
         checksum = crc32c.crc32c(view, checksum)

@@ -358,9 +358,7 @@ def _prepare_and_write(loc: Location, group: _multihost.Group, held: _HeldTree, 
 
 
 def _assign_packs(pending: list[_write.Pending]) -> None:
-    which = [_pack.packable(p.record, p.pieces) for p in pending]
-    for p, record in zip(pending, _pack.assign([p.record for p in pending], which)):
-        p.record = record
+    _pack.assign([p.record for p in pending], [_pack.packable(p.record, p.pieces) for p in pending])
 
 
 def _begin_save(

@@ -95,12 +95,15 @@ def test_encoded_leaves_round_trip_through_tensorstore(tmp_path, own_folders):
     assert eqx_ckpt.verify(tmp_path / "ckpt") == []
 
 
-@pytest.mark.parametrize("max_parts", [16, 10**9], ids=["assembled", "one-vector-per-leaf"])
-def test_a_packs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, monkeypatch, max_parts):
+PADDED = [1, 3, 700, 17, 1500, 2, 1, 64, 900, *([1] * 80), 333, 2500]
+# Multiples of 16 float32s (64 bytes): back to back, the chunks' usual case.
+BACK_TO_BACK = [16, 32, 1024, 48, 512, *([16] * 40), 2048, 160]
+
+
+@pytest.mark.parametrize("sizes", [PADDED, BACK_TO_BACK], ids=["padded", "back-to-back"])
+def test_a_packs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, monkeypatch, sizes):
     # Chunks of 4 KiB: up to 64 leaves in one chunk, and leaves across chunk boundaries.
     monkeypatch.setattr(_pack, "PACK_CHUNK_BYTES", 4096)
-    monkeypatch.setattr(_direct_write, "_MAX_PARTS", max_parts)
-    sizes = [1, 3, 700, 17, 1500, 2, 1, 64, 900, *([1] * 80), 333, 2500]
     tree = {f"l{i}": values((n,), np.float32, seed=i) for i, n in enumerate(sizes)}
     tree["scalar"] = np.float32(2.5)
     tree["flags"] = values((37,), np.bool_)
@@ -183,7 +186,7 @@ def test_an_existing_file_is_never_overwritten(tmp_path):
     loc = _spec.location(tmp_path)
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "0").write_bytes(b"keep")
-    futures = _direct_write._start(loc, "", "leaf `x`", (4,), (4,), [(0, np.zeros(16, np.uint8))], 16)
+    futures = _direct_write._start(loc, "", "leaf `x`", [("c/0", lambda: [memoryview(bytes(16))])])
     with pytest.raises(FileExistsError):
         futures[0].result()
     assert (tmp_path / "c" / "0").read_bytes() == b"keep"
