@@ -95,9 +95,9 @@ def test_encoded_leaves_round_trip_through_tensorstore(tmp_path, own_folders):
     assert eqx_ckpt.verify(tmp_path / "ckpt") == []
 
 
-PADDED = [1, 3, 700, 17, 1500, 2, 1, 64, 900, *([1] * 80), 333, 2500]
+PADDED = [1, 3, 700, 17, 1500, 2, 1, 0, 64, 900, *([1] * 80), 333, 0, 2500]
 # Multiples of 16 float32s (64 bytes): back to back, the chunks' usual case.
-BACK_TO_BACK = [16, 32, 1024, 48, 512, *([16] * 40), 2048, 160]
+BACK_TO_BACK = [16, 32, 1024, 48, 512, *([16] * 40), 0, 2048, 160]
 
 
 @pytest.mark.parametrize("sizes", [PADDED, BACK_TO_BACK], ids=["padded", "back-to-back"])
