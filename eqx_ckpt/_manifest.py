@@ -243,14 +243,15 @@ def new_manifest(
     *,
     commit: str = "",
     metrics: dict[str, Any] | None = None,
+    packs: Sequence[PackRecord] = (),
 ) -> Manifest:
+    """A manifest of `leaves`, which use `packs` (sorted by name)."""
     from . import __version__
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    packs = {leaf.pack.name: leaf.pack for leaf in leaves if leaf.pack is not None}
     return Manifest(
         tuple(leaves), data_root, now, __version__,
-        layout=layout, commit=commit, metrics=metrics or {}, packs=tuple(packs[name] for name in sorted(packs)),
+        layout=layout, commit=commit, metrics=metrics or {}, packs=tuple(packs),
     )  # fmt: skip
 
 

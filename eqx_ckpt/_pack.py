@@ -82,12 +82,6 @@ def by_pack(records: Sequence[LeafRecord]) -> dict[str, list[int]]:
     return groups
 
 
-def packs_of(records: Sequence[LeafRecord]) -> list[PackRecord]:
-    """Every pack `records` use, by name."""
-    found = {r.pack.name: r.pack for r in records if r.pack is not None}
-    return [found[name] for name in sorted(found)]
-
-
 def buffer(pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequence[np.ndarray]) -> np.ndarray:
     """The contents of `pack`: each leaf's bytes at its offset (zeros between)."""
     out = np.zeros(pack.size, _dtypes.dtype_from_name(pack.dtype))

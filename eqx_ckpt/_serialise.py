@@ -272,11 +272,12 @@ def save(
         run = functools.partial(_prepare_and_write, loc, group, held, cast_fn, **options)
         return _start_background(run, exclusive, undo=exclusive.release)
     try:
-        tx, tracker = _begin_save(loc, group, pending, **options)
+        batch = _write.Batch(pending)
+        tx, tracker = _begin_save(loc, group, batch, **options)
     except BaseException:
         exclusive.release()
         raise
-    run = functools.partial(_write_and_commit, tx, group, pending, metrics=metrics, tracker=tracker)
+    run = functools.partial(_write_and_commit, tx, group, batch, metrics=metrics, tracker=tracker)
     if blocking:
         try:
             with tracker:
@@ -352,9 +353,10 @@ def _prepare_and_write(loc: Location, group: _multihost.Group, held: _HeldTree, 
     flat = held.flat()
     pending = _collect(loc, flat, [_default_or_held] * len(flat), cast)
     _assign_packs(pending)
-    tx, tracker = _begin_save(loc, group, pending, **options)
+    batch = _write.Batch(pending)
+    tx, tracker = _begin_save(loc, group, batch, **options)
     with tracker:
-        _write_and_commit(tx, group, pending, metrics=options["metrics"], tracker=tracker)
+        _write_and_commit(tx, group, batch, metrics=options["metrics"], tracker=tracker)
 
 
 def _assign_packs(pending: list[_write.Pending]) -> None:
@@ -364,20 +366,18 @@ def _assign_packs(pending: list[_write.Pending]) -> None:
 def _begin_save(
     loc: Location,
     group: _multihost.Group,
-    pending: list[_write.Pending],
+    batch: _write.Batch,
     *,
     overwrite: bool,
     layout: str,
     metrics: dict[str, Any] | None,
     progress: Progress,
 ) -> tuple[_commit.Transaction, Tracker]:
-    nbytes = sum(piece.nbytes for p in pending for _, piece in p.pieces)
-    tracker = Tracker(progress, leaves=len(pending), nbytes=nbytes, what="save")
+    tracker = Tracker(progress, leaves=len(batch.pending), nbytes=batch.nbytes, what="save")
     try:
         with _io.explained(loc, "Saving checkpoint"):
-            records = [p.record for p in pending]
-            packs = [pack.name for pack in _pack.packs_of(records)]
-            paths = [r.path for r in records if r.pack is None]
+            packs = [pack.name for pack, _ in batch.packs]
+            paths = [p.record.path for p in batch.own]
             tx = _begin(group, loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
     except BaseException:
         tracker.close()
@@ -433,7 +433,7 @@ class _Handoff:
 def _write_and_commit(
     tx: _commit.Transaction,
     group: _multihost.Group,
-    pending: list[_write.Pending],
+    batch: _write.Batch,
     *,
     metrics: dict[str, Any] | None,
     tracker: Tracker,
@@ -445,7 +445,7 @@ def _write_and_commit(
     error: BaseException | None = None
     try:
         try:
-            _write.start_writes(tx, pending, group, tracker=tracker, out=commits)
+            _write.start_writes(tx, batch, group, tracker=tracker, out=commits)
         except Exception as e:
             error = e
         tracker.describe("save: committing")
@@ -455,8 +455,10 @@ def _write_and_commit(
         error = group.sync("written", error)
         if error is None and group.primary:
             tx.written()
-            records = [p.record for p in pending]
-            manifest = _manifest.new_manifest(records, tx.target, tx.layout, commit=tx.commit_id, metrics=metrics)
+            records, packs = batch.records(), [pack for pack, _ in batch.packs]
+            manifest = _manifest.new_manifest(
+                records, tx.target, tx.layout, commit=tx.commit_id, metrics=metrics, packs=packs
+            )
             error = _write.attempt(lambda: tx.commit(manifest))
         error = group.sync("committed", error)
     except BaseException:

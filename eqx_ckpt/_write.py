@@ -17,7 +17,7 @@ from . import _commit, _direct, _direct_write, _dtypes, _io, _keypath, _manifest
 from ._errors import CheckpointTypeError
 from ._handle import LeafHandle
 from ._lazy import LazyArray
-from ._manifest import LeafRecord
+from ._manifest import LeafRecord, PackRecord
 from ._progress import Tracker
 from ._spec import Location, chunk_shape
 
@@ -26,6 +26,33 @@ from ._spec import Location, chunk_shape
 class Pending:
     record: LeafRecord
     pieces: list[tuple[tuple[slice, ...], np.ndarray]]
+
+
+class Batch:
+    """A save's pending leaves (records final, packs assigned), sorted once by
+    where they are written: `own`, the leaves with an array of their own, and
+    `packs`, each pack with its members, by name; `nbytes`, their host bytes."""
+
+    def __init__(self, pending: list[Pending]):
+        self.pending = pending
+        self.own: list[Pending] = []
+        members: dict[str, tuple[PackRecord, list[Pending]]] = {}
+        nbytes = 0
+        for p in pending:
+            pack = p.record.pack
+            if pack is None:
+                self.own.append(p)
+            elif pack.name in members:
+                members[pack.name][1].append(p)
+            else:
+                members[pack.name] = (pack, [p])
+            for _, piece in p.pieces:
+                nbytes += piece.nbytes
+        self.packs = [members[name] for name in sorted(members)]
+        self.nbytes = nbytes
+
+    def records(self) -> list[LeafRecord]:
+        return [p.record for p in self.pending]
 
 
 class Held:
@@ -230,7 +257,7 @@ def _dtype(value: Any) -> np.dtype:
 
 def start_writes(
     tx: _commit.Transaction,
-    pending: list[Pending],
+    batch: Batch,
     group: _multihost.Group,
     *,
     tracker: Tracker | None = None,
@@ -245,10 +272,7 @@ def start_writes(
     once it has (a store cannot be written before its metadata exists).
     Packed leaves are copied into their packs here (see `_pack`).
     """
-    data, created = tx.data, None
-    own = [p for p in pending if p.record.pack is None]
-    packed = [p for p in pending if p.record.pack is not None]
-    packs = _pack.packs_of([p.record for p in packed])
+    data, created, own = tx.data, None, batch.own
     opens: list[Any] = []
     groups: list[Any] = []
     if group.primary:
@@ -260,9 +284,9 @@ def start_writes(
             _io.ensure_directory(data)
             for p in own:
                 opens.append(_io.create_array(data, p.record, synced=False))
-            for pack in packs:
+            for pack, _ in batch.packs:
                 opens.append(_io.create_spec(_pack.spec(data, pack), data, synced=False))
-            groups.extend(_group_writes(data, [p.record.path for p in own], root=bool(packs)))
+            groups.extend(_group_writes(data, [p.record.path for p in own], root=bool(batch.packs)))
 
         try:
             _io.uninterrupted(create)
@@ -292,7 +316,6 @@ def start_writes(
     single = group.count == 1 and tx.layout == "directories"
     fast = {i for i, p in enumerate(own) if single and _direct_write.eligible(data, p.record, p.pieces)}
     fast_packs = single and _direct.supported(data)
-    members_of = _pack.by_pack([p.record for p in packed])
     direct: list[tuple[int, int, list[Any]]] = []  # (leaves, bytes, futures) in order
 
     def start_direct() -> None:
@@ -301,14 +324,13 @@ def start_writes(
             futures = _direct_write.start_leaf(data, own[i].record, own[i].pieces[0][1])
             out.extend(futures)
             direct.append((1, own[i].record.nbytes, futures))
-        for pack in packs if fast_packs else []:
-            members = [packed[i] for i in members_of[pack.name]]
+        for pack, members in batch.packs if fast_packs else []:
             records = [p.record for p in members]
             futures = _direct_write.start_pack(data, pack, records, [p.pieces[0][1] for p in members])
             out.extend(futures)
             direct.append((len(members), sum(r.nbytes for r in records), futures))
 
-    if fast or (fast_packs and packs):
+    if fast or (fast_packs and batch.packs):
         _io.uninterrupted(start_direct)
     # Staged in one transaction, every write only references its source until
     # the background commit. (The host data of a jax.Array never changes: a view
@@ -324,8 +346,7 @@ def start_writes(
                 target = store[index] if index else store
                 writes.append(target.write(piece, can_reference_source_data_indefinitely=True))
                 counts.append((int(i == len(p.pieces) - 1), piece.nbytes))
-        for pack, opened in zip(packs if not fast_packs else [], opens[len(own) :]):
-            members = [packed[i] for i in members_of[pack.name]]
+        for (pack, members), opened in zip(batch.packs if not fast_packs else [], opens[len(own) :]):
             contents = _pack.buffer(pack, [p.record for p in members], [p.pieces[0][1] for p in members])
             store = opened.result().with_transaction(transaction)
             writes.append(store.write(contents, can_reference_source_data_indefinitely=True))
