@@ -89,12 +89,20 @@ class PendingSave:
         # Not a daemon: the interpreter waits for it at exit, while TensorStore
         # can still finish the writes.
         self._thread = threading.Thread(target=self._run, args=(run,), name="eqx_ckpt-save")
+        # The thread waits until `start` has returned here: running at once, it
+        # would hold the GIL, and the caller would wait a switch interval (5 ms)
+        # to get it back.
+        self._started = threading.Event()
         with _PENDING_LOCK:
             _PENDING.add(self)
-        self._thread.start()
+        try:
+            self._thread.start()
+        finally:
+            self._started.set()
 
     def _run(self, run: Callable[[], None]) -> None:
         try:
+            self._started.wait(timeout=1.0)  # bounded: an interrupt could come between
             run()
         except BaseException as e:  # re-raised by `wait`
             self._error = e
@@ -330,14 +338,34 @@ def _hold(pytree: Any, filter_spec: Any, is_leaf: Any) -> _HeldTree | None:
     held = []
     primary = jax.process_index() == 0
     for x in leaves:
-        if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
-            return None
-        if isinstance(x, jax.Array):
+        kind = _HOLD_KINDS.get(type(x)) or _hold_kind(type(x))
+        if kind == "hold":
             x = _write.hold(x, primary)
-        elif isinstance(x, np.ndarray):
+        elif kind == "copy":
             x = np.array(x, copy=True)
+        elif kind == "refuse":
+            return None
         held.append(x)
     return _HeldTree(treedef, leaves, held)
+
+
+def _hold_kind(cls: type) -> str:
+    """What `_hold` does with a leaf of type `cls`, remembered by type (an
+    `isinstance` against JAX's classes costs a microsecond, which the caller
+    waits for leaf by leaf)."""
+    if issubclass(cls, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+        kind = "refuse"
+    elif issubclass(cls, jax.Array):
+        kind = "hold"
+    elif issubclass(cls, np.ndarray):
+        kind = "copy"
+    else:
+        kind = "keep"
+    _HOLD_KINDS[cls] = kind
+    return kind
+
+
+_HOLD_KINDS: dict[type, str] = {}
 
 
 def _default_or_held(handle: LeafHandle, x: Any) -> None:
@@ -392,12 +420,18 @@ def _with_tracker(tracker: Tracker, run: Callable[[], None]) -> None:
 
 def _start_background(run: Callable[[], None], exclusive: threading.Lock, *, undo: Callable[[], None]) -> PendingSave:
     handoff = _Handoff()
+    # The collector stays paused from the caller's part to the background part
+    # (resumed by whichever side owns the save): enabled in between, it would
+    # walk the objects just made before the caller gets its thread back (10 ms
+    # of an asynchronous save of ten thousand leaves).
+    _tree.pause_gc()
     try:
         return PendingSave(functools.partial(_in_background, run, exclusive, handoff))
     except BaseException:
         # Interrupted while the thread started: whichever side decides first
         # owns the save, so it is undone (or finished) exactly once.
         if handoff.take_back():
+            _tree.resume_gc()
             undo()
         raise
 
@@ -409,6 +443,7 @@ def _in_background(run: Callable[[], None], exclusive: threading.Lock, handoff: 
         run()
     finally:
         exclusive.release()
+        _tree.resume_gc()
 
 
 class _Handoff:

@@ -90,16 +90,29 @@ def gc_paused() -> Iterator[None]:
 
     Counted, so that a background save and the caller's thread may both pause
     it: the last to leave restores what the first found."""
+    pause_gc()
+    try:
+        yield
+    finally:
+        resume_gc()
+
+
+def pause_gc() -> None:
+    """`gc_paused`, entered; each call is ended by one `resume_gc` (possibly
+    in another thread: an asynchronous save's caller pauses the collector for
+    the background part, so that no collection of the objects it just made
+    falls between the two)."""
     global _gc_pauses, _gc_was_enabled
     with _GC_LOCK:
         if _gc_pauses == 0:
             _gc_was_enabled = gc.isenabled()
             gc.disable()
         _gc_pauses += 1
-    try:
-        yield
-    finally:
-        with _GC_LOCK:
-            _gc_pauses -= 1
-            if _gc_pauses == 0 and _gc_was_enabled:
-                gc.enable()
+
+
+def resume_gc() -> None:
+    global _gc_pauses
+    with _GC_LOCK:
+        _gc_pauses -= 1
+        if _gc_pauses == 0 and _gc_was_enabled:
+            gc.enable()

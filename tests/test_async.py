@@ -269,6 +269,61 @@ def test_the_garbage_collector_paused_from_two_threads_is_restored_once_both_lea
     assert gc.isenabled()
 
 
+@pytest.mark.parametrize("held", [True, False], ids=["held", "custom-spec"])
+@pytest.mark.parametrize("fails", [False, True], ids=["commits", "fails"])
+def test_the_collector_stays_paused_until_the_background_part_ends(tmp_path, monkeypatch, held, fails):
+    """The caller hands its pause of the garbage collector to the background
+    thread (no collection falls between the two), which ends it once: the
+    collector is enabled again after `wait()`, whether the save committed or failed."""
+    release, start_writes = threading.Event(), _write.start_writes
+
+    def held_back(*args, **kwargs):
+        assert release.wait(timeout=60)
+        if fails:
+            raise OSError("disk full")
+        return start_writes(*args, **kwargs)
+
+    monkeypatch.setattr(_write, "start_writes", held_back)
+    spec = eqx_ckpt.default_serialise_filter_spec if held else (lambda handle, x: handle.write(x))
+    assert gc.isenabled()
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path, _tree(1), spec, blocking=False)
+    assert not pending.done() and not gc.isenabled()
+    release.set()
+    if fails:
+        with pytest.raises(eqx_ckpt.CheckpointError, match="disk full"):
+            pending.wait()
+        assert not (tmp_path / "manifest.json").exists()
+    else:
+        pending.wait()
+        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, _tree(0)), _tree(1), typematch=True)
+    assert gc.isenabled()
+
+
+def test_what_the_caller_holds_is_decided_by_type(tmp_path):
+    """NumPy arrays (subclasses too) are copied, `jax.Array`s held, other leaves
+    kept as they are; the kind is remembered per type."""
+    from eqx_ckpt import _serialise
+
+    class Sub(np.ndarray):
+        pass
+
+    sub = np.arange(4.0).view(Sub)
+    tree = {"sub": sub, "np": np.ones(2), "jax": jnp.arange(3), "step": 4, "name": "x"}
+    held = _serialise._hold(tree, eqx_ckpt.default_serialise_filter_spec, None)
+    by_key = dict(zip(sorted(tree), held.held))
+    assert type(by_key["sub"]) is np.ndarray and not np.shares_memory(by_key["sub"], sub)
+    assert not np.shares_memory(by_key["np"], tree["np"])
+    assert type(by_key["jax"]) is _write.Held and by_key["jax"].value is tree["jax"]
+    assert by_key["step"] == 4 and by_key["name"] == "x"
+    assert _serialise._HOLD_KINDS[Sub] == "copy" and _serialise._HOLD_KINDS[int] == "keep"
+    abstract = {"x": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    assert _serialise._hold(abstract, eqx_ckpt.default_serialise_filter_spec, None) is None
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, blocking=False)
+    sub[...] = -1
+    pending.wait()
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, np.zeros(4), prefix="sub"), np.arange(4.0))
+
+
 def test_the_trees_containers_may_change_after_the_call(tmp_path, monkeypatch):
     """The key paths are worked out in the background from the tree's structure
     as it was during the call, not from containers the caller changed since."""
