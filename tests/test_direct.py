@@ -211,6 +211,57 @@ def test_interrupt_waits_for_the_readers(tmp_path, small, monkeypatch):
     assert finished_after == []
 
 
+def test_interrupt_while_the_files_are_checked_stops_the_reads_they_start(tmp_path, small, monkeypatch):
+    """The checks of a leaf's files run in a thread of their own, which then
+    starts the reads: a real SIGALRM interrupting the wait for the checks is
+    raised only once they and every read they started have stopped."""
+    import signal
+
+    data, ckpt = _saved(tmp_path, {"w": values((4000, 3), np.float32)})
+    in_flight, reads, after = [0], [], []
+    returned = threading.Event()
+    lock = threading.Lock()
+    check, pread_all = _direct._check_chunk_files, _direct._pread_all
+
+    def slow_check(*args):
+        time.sleep(0.3)
+        return check(*args)
+
+    def slow_read(*args):
+        with lock:
+            in_flight[0] += 1
+            reads.append(args)
+        time.sleep(0.01)
+        try:
+            return pread_all(*args)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+            if returned.is_set():
+                after.append(args)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_direct, "_check_chunk_files", slow_check)
+    monkeypatch.setattr(_direct, "_pread_all", slow_read)
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            _direct.read_leaf(data, ckpt.record("w"))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    returned.set()
+    assert time.monotonic() - started >= 0.3, "raised only once the checks had finished"
+    assert in_flight[0] == 0
+    assert 0 < len(reads) < 64, "reads were started, and those not yet running cancelled"
+    time.sleep(0.05)
+    assert after == []
+
+
 def test_missing_folder(tmp_path, small):
     data, record, folder = _damage_setup(tmp_path)
     shutil.rmtree(folder)
