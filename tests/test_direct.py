@@ -221,7 +221,12 @@ def test_interrupt_while_the_files_are_checked_stops_the_reads_they_start(tmp_pa
     in_flight, reads, after = [0], [], []
     returned = threading.Event()
     lock = threading.Lock()
-    check, pread_all = _direct._check_chunk_files, _direct._pread_all
+    check, pread_all, read_chunks = _direct._check_chunk_files, _direct._pread_all, _direct._read_chunks
+    submitted = []
+
+    def recorded_read_chunks(*args):
+        submitted.append(args)
+        return read_chunks(*args)
 
     def slow_check(*args):
         time.sleep(0.3)
@@ -245,6 +250,7 @@ def test_interrupt_while_the_files_are_checked_stops_the_reads_they_start(tmp_pa
 
     monkeypatch.setattr(_direct, "_check_chunk_files", slow_check)
     monkeypatch.setattr(_direct, "_pread_all", slow_read)
+    monkeypatch.setattr(_direct, "_read_chunks", recorded_read_chunks)
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.1)
@@ -257,7 +263,8 @@ def test_interrupt_while_the_files_are_checked_stops_the_reads_they_start(tmp_pa
     returned.set()
     assert time.monotonic() - started >= 0.3, "raised only once the checks had finished"
     assert in_flight[0] == 0
-    assert 0 < len(reads) < 64, "reads were started, and those not yet running cancelled"
+    assert len(submitted) == 1, "the checks went on to start the reads"
+    assert len(reads) < 64, "the reads not yet running were cancelled"
     time.sleep(0.05)
     assert after == []
 
