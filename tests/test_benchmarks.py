@@ -84,6 +84,18 @@ def test_params_only_load_reads_the_model_of_the_saved_state(name, tmp_path):
     assert not eqx.tree_equal(loaded, workload.concrete(sizes, seed=1)["model"])
 
 
+_TINY = {"workload": "tiny", "sizes": workload.PRESETS["tiny"].__dict__, "verify": False}
+
+
+def _measured(job):
+    """What a worker returns for a measurement that succeeded (a save leaves
+    its checkpoint behind)."""
+    if job["op"] == "save":
+        pathlib.Path(job["path"]).mkdir(exist_ok=True)
+        return {**job, "seconds": 2.0, "files": 3, "bytes": 10}
+    return {**job, "seconds": 1.0, "rss_added": 100}
+
+
 def test_a_failed_measurement_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     """raw's saves and eqx_ckpt's asynchronous ones fail: they and raw's loads
     (nothing to read) are recorded as failures, the other measurements all run,
@@ -96,18 +108,14 @@ def test_a_failed_measurement_is_recorded_and_the_run_goes_on(tmp_path, monkeypa
             raise RuntimeError("worker exited with status -9 and no result:\nKilled")
         if job["op"] == "save_async":
             return {**job, "error": "OSError: disk full", "traceback": "..."}
-        if job["op"] == "save":
-            pathlib.Path(job["path"]).mkdir(exist_ok=True)
-            return {**job, "seconds": 2.0, "files": 3, "bytes": 10}
-        return {**job, "seconds": 1.0, "rss_added": 100}
+        return _measured(job)
 
     monkeypatch.setattr(run, "run_job", fake_run_job)
-    base = {"workload": "tiny", "sizes": workload.PRESETS["tiny"].__dict__, "verify": False}
     directory = tmp_path / "run-tiny"
     directory.mkdir()
     with open(tmp_path / "tiny.jsonl", "w") as log:
         failures = run.bench_workload(
-            ["eqx_ckpt", "raw"], ["save", "save_async", "load_warm"], base, str(directory), 2, log
+            ["eqx_ckpt", "raw"], ["save", "save_async", "load_warm"], _TINY, str(directory), 2, log
         )
     rows = [json.loads(line) for line in (tmp_path / "tiny.jsonl").read_text().splitlines()]
     expected = [("eqx_ckpt", "save_async")] * 2 + [("raw", "save")] * 2 + [("raw", "load")] * 2
@@ -135,17 +143,13 @@ def test_each_repetition_of_the_loads_starts_with_another_contender(tmp_path, mo
 
     def fake_run_job(job, timeout):
         ran.append((job["rep"], job["op"], job["cache"], job["contender"]))
-        if job["op"] == "save":
-            pathlib.Path(job["path"]).mkdir(exist_ok=True)
-            return {**job, "seconds": 2.0, "files": 3, "bytes": 10}
-        return {**job, "seconds": 1.0, "rss_added": 100}
+        return _measured(job)
 
     monkeypatch.setattr(run, "run_job", fake_run_job)
-    base = {"workload": "tiny", "sizes": workload.PRESETS["tiny"].__dict__, "verify": False}
     names = ["eqx_ckpt", "equinox", "raw"]
     (tmp_path / "run").mkdir()
     with open(tmp_path / "tiny.jsonl", "w") as log:
-        run.bench_workload(names, ["save", "load_cold", "load_warm"], base, str(tmp_path / "run"), 3, log)
+        run.bench_workload(names, ["save", "load_cold", "load_warm"], _TINY, str(tmp_path / "run"), 3, log)
     order = {
         (rep, cache): [n for r, op, c, n in ran if (r, op, c) == (rep, "load", cache)]
         for rep in range(3)

@@ -176,39 +176,48 @@ def test_absurd_shape_allocates_nothing(tmp_path, small, monkeypatch):
     assert allocated == []
 
 
+class _SlowReads:
+    """`_direct._pread_all`, slowed down and watched: how many reads are
+    running, which started, and which finished after `returned` was set."""
+
+    def __init__(self, monkeypatch):
+        self.in_flight, self.started, self.finished_after = 0, [], []
+        self.returned, self._lock, self._pread_all = threading.Event(), threading.Lock(), _direct._pread_all
+        monkeypatch.setattr(_direct, "_pread_all", self._read)
+
+    def _read(self, *args):
+        with self._lock:
+            self.in_flight += 1
+            self.started.append(args)
+        time.sleep(0.01)
+        try:
+            return self._pread_all(*args)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+            if self.returned.is_set():
+                self.finished_after.append(args)
+
+    def check_all_stopped(self):
+        self.returned.set()
+        assert self.in_flight == 0
+        assert len(self.started) < 64, "the reads not yet started are cancelled"
+        time.sleep(0.05)
+        assert self.finished_after == []
+
+
 def test_interrupt_waits_for_the_readers(tmp_path, small, monkeypatch):
     data, ckpt = _saved(tmp_path, {"w": values((4000, 3), np.float32)})
     assert ckpt.record("w").chunks == (63, 3)  # 64 chunks of one piece each
-    in_flight, started, finished_after = [0], [], []
-    returned = threading.Event()
-    lock = threading.Lock()
-    pread_all = _direct._pread_all
-
-    def slow(*args):
-        with lock:
-            in_flight[0] += 1
-            started.append(args)
-        time.sleep(0.01)
-        try:
-            return pread_all(*args)
-        finally:
-            with lock:
-                in_flight[0] -= 1
-            if returned.is_set():
-                finished_after.append(args)
+    reads = _SlowReads(monkeypatch)
 
     def interrupted(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_direct, "_pread_all", slow)
     monkeypatch.setattr(_direct, "_check_crc", interrupted)
     with pytest.raises(KeyboardInterrupt):
         _direct.read_leaf(data, ckpt.record("w"))
-    returned.set()
-    assert in_flight[0] == 0
-    assert len(started) < 64, "the reads not yet started are cancelled"
-    time.sleep(0.05)
-    assert finished_after == []
+    reads.check_all_stopped()
 
 
 def test_interrupt_while_the_files_are_checked_stops_the_reads_they_start(tmp_path, small, monkeypatch):
@@ -218,10 +227,8 @@ def test_interrupt_while_the_files_are_checked_stops_the_reads_they_start(tmp_pa
     import signal
 
     data, ckpt = _saved(tmp_path, {"w": values((4000, 3), np.float32)})
-    in_flight, reads, after = [0], [], []
-    returned = threading.Event()
-    lock = threading.Lock()
-    check, pread_all, read_chunks = _direct._check_chunk_files, _direct._pread_all, _direct._read_chunks
+    reads = _SlowReads(monkeypatch)
+    check, read_chunks = _direct._check_chunk_files, _direct._read_chunks
     submitted = []
 
     def recorded_read_chunks(*args):
@@ -232,24 +239,10 @@ def test_interrupt_while_the_files_are_checked_stops_the_reads_they_start(tmp_pa
         time.sleep(0.3)
         return check(*args)
 
-    def slow_read(*args):
-        with lock:
-            in_flight[0] += 1
-            reads.append(args)
-        time.sleep(0.01)
-        try:
-            return pread_all(*args)
-        finally:
-            with lock:
-                in_flight[0] -= 1
-            if returned.is_set():
-                after.append(args)
-
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(_direct, "_check_chunk_files", slow_check)
-    monkeypatch.setattr(_direct, "_pread_all", slow_read)
     monkeypatch.setattr(_direct, "_read_chunks", recorded_read_chunks)
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
@@ -260,13 +253,9 @@ def test_interrupt_while_the_files_are_checked_stops_the_reads_they_start(tmp_pa
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    returned.set()
     assert time.monotonic() - started >= 0.3, "raised only once the checks had finished"
-    assert in_flight[0] == 0
     assert len(submitted) == 1, "the checks went on to start the reads"
-    assert len(reads) < 64, "the reads not yet running were cancelled"
-    time.sleep(0.05)
-    assert after == []
+    reads.check_all_stopped()
 
 
 def test_missing_folder(tmp_path, small):
