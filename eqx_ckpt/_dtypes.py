@@ -27,13 +27,13 @@ def is_known_dtype(name: str) -> bool:
 
 def is_prng_key(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and is_key_dtype(dtype)
+    return dtype is not None and _is_key_dtype(dtype)
 
 
 # Per dtype, not per leaf: NumPy's `dtype.name` and JAX's `issubdtype` cost
 # microseconds each, which ten thousand leaves multiply into a large part of a save.
 @functools.lru_cache(maxsize=256)
-def is_key_dtype(dtype: Any) -> bool:
+def _is_key_dtype(dtype: Any) -> bool:
     return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
 
 

@@ -75,8 +75,8 @@ class Held:
 
 def hold(x: jax.Array, primary: bool) -> Held:
     """`x` with its host data taken; `primary`: whether this is process 0."""
-    key = _dtypes.is_key_dtype(x.dtype)
-    if not key and type(x.sharding) is jax.sharding.SingleDeviceSharding:
+    key = _dtypes.is_prng_key(x)
+    if not key and _sharding.on_one_device(x):
         # The common case, kept short: the caller waits for it, leaf by leaf.
         return Held(x, x, [((), np.asarray(x))] if primary else [])
     data = jax.random.key_data(x) if key else x
