@@ -9,11 +9,13 @@ import shutil
 import threading
 import time
 
+import crc32c
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
 from arrays import values
+from hypothesis import given, settings, strategies as st
 
 import eqx_ckpt
 from eqx_ckpt import _direct, _io, _pack, _spec
@@ -29,11 +31,12 @@ def own_folders(monkeypatch):
 
 @pytest.fixture
 def small(monkeypatch):
-    """Chunks of at most 1 KiB read in pieces of 1000 bytes (cutting through
-    elements), and no size floor, so small arrays exercise many chunks, pieces
-    and an edge chunk."""
+    """Chunks of at most 1 KiB read in pieces of 1000 bytes and steps of 300
+    (cutting through elements), and no size floor, so small arrays exercise
+    many chunks, pieces, steps and an edge chunk."""
     monkeypatch.setattr(_spec, "CHUNK_BYTES", 1024)
     monkeypatch.setattr(_direct, "PIECE_BYTES", 1000)
+    monkeypatch.setattr(_direct, "STEP_BYTES", 300)
     monkeypatch.setattr(_direct, "MIN_BYTES", 1)
 
 
@@ -153,6 +156,32 @@ def test_damaged_chunk(tmp_path, small, damage, words):
     data, record, folder = _damage_setup(tmp_path)
     damage(folder / "c" / "3" / "0")
     _refused(data, record, *words)
+
+
+@pytest.mark.parametrize("position", [0, 299, 300, 301, 999, 1000, 1019])
+def test_every_piece_and_step_is_checked(tmp_path, small, position):
+    """A chunk of 1,020 bytes and its checksum is read in two pieces (bytes
+    0-999 and the rest), the first in four steps: a flipped bit anywhere in
+    it, at either side of each cut, fails the joined checksum."""
+    data, ckpt = _saved(tmp_path, {"model": {"w": values((510, 1), np.float32)}})
+    record = ckpt.record("model.w")
+    assert record.chunks == (255, 1) and record.chunk_nbytes == 1020
+    _edit(pathlib.Path(data.local, record.directory, "c", "1", "0"), lambda d: d.__setitem__(position, d[position] ^ 4))
+    _refused(data, record, "'c/1/0'", "fails its crc32c checksum")
+
+
+@given(st.binary(max_size=3000), st.binary(max_size=3000), st.binary(max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_crc32c_combine(a, b, c):
+    """The checksum of a chunk joined from its pieces' is the checksum of its bytes."""
+    ab = _direct.crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(b), len(b))
+    assert ab == crc32c.crc32c(a + b)
+    assert _direct.crc32c_combine(ab, crc32c.crc32c(c), len(c)) == crc32c.crc32c(a + b + c)
+
+
+def test_crc32c_combine_of_long_pieces():
+    a, b = os.urandom(2**20 + 3), os.urandom(17 * 2**20 + 5)
+    assert _direct.crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(b), len(b)) == crc32c.crc32c(a + b)
 
 
 @pytest.mark.parametrize("where", ["model", "model/w", "model/w/c", "model/w/c/1", "model/w/c/1/0"])
