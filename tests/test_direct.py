@@ -170,6 +170,21 @@ def test_every_piece_and_step_is_checked(tmp_path, small, position):
     _refused(data, record, "'c/1/0'", "fails its crc32c checksum")
 
 
+def test_file_shrinking_during_the_read(tmp_path, small, monkeypatch):
+    """A chunk file cut short after its checks (an overwrite racing the load):
+    the step that reads past its new end names the file and its size."""
+    data, record, folder = _damage_setup(tmp_path)
+    chunk, read = folder / "c" / "1" / "0", _direct._pread_all
+
+    def racing(fd, views, offset):
+        if os.fstat(fd).st_ino == chunk.stat().st_ino:
+            os.truncate(chunk, 100)
+        return read(fd, views, offset)
+
+    monkeypatch.setattr(_direct, "_pread_all", racing)
+    _refused(data, record, "'c/1/0'", "holds 100 bytes")
+
+
 @given(st.binary(max_size=3000), st.binary(max_size=3000), st.binary(max_size=300))
 @settings(max_examples=300, deadline=None)
 def test_crc32c_combine(a, b, c):
