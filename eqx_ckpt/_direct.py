@@ -20,7 +20,7 @@ Each reading thread checksums what it just read, a step of `STEP_BYTES` at a
 time while the bytes are still in its core's cache; the loading thread only
 joins the pieces' checksums (`crc32c_combine`) and compares. Seven warm loads
 of the `large` benchmark checkpoint (3.1 GB) in one process, two processes
-each: minimum/median 1.35/1.44 and 1.40/1.53 s so, against 1.51/1.60 and
+each, minimum/median: 1.35/1.44 and 1.40/1.53 s so checked, against 1.51/1.60 and
 1.59/2.08 s with the check in the loading thread (every byte read again from
 memory), and 1.31/1.39 and 1.37/1.55 s for the raw reference.
 
