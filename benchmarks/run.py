@@ -104,11 +104,12 @@ def rotated(names: list[str], rep: int) -> list[str]:
 def bench_workload(
     names: list[str], ops: list[str], base: dict[str, Any], directory: str, reps: int, log: Any
 ) -> list[dict[str, Any]]:
-    """Every contender saves (`reps` times, keeping the last checkpoint; with
+    """Every contender saves `reps` times, keeping the last checkpoint (with
     `save_async` in `ops`, each synchronous save is followed by an asynchronous
-    one of the same tree to another path); then the loads run interleaved,
-    contender after contender within each repetition (starting one further
-    along in each, `rotated`), so a change in machine load hits them all alike.
+    one of the same tree to another path); then the loads run. Both run
+    interleaved, contender after contender within each repetition (starting
+    one further along in each, `rotated`), so a change in machine load hits
+    them all alike.
     Checkpoints are deleted after. Returns the failures."""
     suffix = {name: contenders.CONTENDERS[name].suffix for name in names}
     paths = {name: os.path.join(directory, name + suffix[name]) for name in names}
@@ -142,8 +143,10 @@ def bench_workload(
             print(f"  {name:12s} {op:12s} rep {rep}: {result['seconds']:.3f} s{blocked}", flush=True)
 
     try:
-        for name in names:
-            for rep in range(reps):
+        # Interleaved and rotated like the loads: a save of each contender in
+        # turn, so that a change in machine load does not fall on one of them.
+        for rep in range(reps):
+            for name in rotated(names, rep):
                 one(name, "save", rep)
                 if "save_async" in ops and has_op(name, "save_async"):
                     one(name, "save_async", rep)
