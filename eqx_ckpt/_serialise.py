@@ -338,34 +338,15 @@ def _hold(pytree: Any, filter_spec: Any, is_leaf: Any) -> _HeldTree | None:
     held = []
     primary = jax.process_index() == 0
     for x in leaves:
-        kind = _HOLD_KINDS.get(type(x)) or _hold_kind(type(x))
-        if kind == "hold":
+        kind = _write.array_kind(type(x))
+        if kind == "jax":
             x = _write.hold(x, primary)
-        elif kind == "copy":
+        elif kind in ("numpy", "ndarray"):
             x = np.array(x, copy=True)
-        elif kind == "refuse":
+        elif kind == "abstract":
             return None
         held.append(x)
     return _HeldTree(treedef, leaves, held)
-
-
-def _hold_kind(cls: type) -> str:
-    """What `_hold` does with a leaf of type `cls`, remembered by type (an
-    `isinstance` against JAX's classes costs a microsecond, which the caller
-    waits for leaf by leaf)."""
-    if issubclass(cls, (jax.core.Tracer, jax.ShapeDtypeStruct)):
-        kind = "refuse"
-    elif issubclass(cls, jax.Array):
-        kind = "hold"
-    elif issubclass(cls, np.ndarray):
-        kind = "copy"
-    else:
-        kind = "keep"
-    _HOLD_KINDS[cls] = kind
-    return kind
-
-
-_HOLD_KINDS: dict[type, str] = {}
 
 
 def _default_or_held(handle: LeafHandle, x: Any) -> None:
@@ -578,10 +559,15 @@ def _collect(
         pending.append(_write.prepare(handle, value, cast, primary=primary, keypath=keypath))
 
     for (keypath, leaf), dotted, record, spec in zip(flat, paths, records, specs, strict=True):
+        if cast is None and (spec is default_serialise_filter_spec or spec is _default_or_held):
+            # What the default spec does with the common leaf, without the calls between.
+            common = _write.plain(leaf, dotted, record, primary)
+            if common is not None:
+                pending.append(common)
+                continue
         handle = LeafHandle(keypath, dotted, loc.display, write=write)
         try:
             if (spec is default_serialise_filter_spec or spec is _default_or_held) and _is_array(leaf):
-                # What the default spec does with an array, without the calls between.
                 pending.append(_write.prepare(handle, leaf, cast, primary=primary, keypath=record))
             else:
                 spec(handle, leaf)

@@ -94,31 +94,16 @@ def prepare(
     """The manifest record and the host pieces of one leaf; `primary`: whether
     this is process 0 (asked of JAX when not given); `keypath`: the manifest
     record of `handle.keypath`, when the caller has it."""
+    if keypath is None:
+        keypath = _keypath.to_json(handle.keypath)
+    if cast is None:
+        primary = jax.process_index() == 0 if primary is None else primary
+        common = plain(x, handle.path, keypath, primary)
+        if common is not None:
+            return common
     held = None
     if isinstance(x, Held):
         held, x = x, x.value
-    if keypath is None:
-        keypath = _keypath.to_json(handle.keypath)
-    numpy = type(x) is np.ndarray
-    if cast is None and (
-        numpy or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and _sharding.on_one_device(x))
-    ):
-        plain = _plain_dtype(x.dtype)
-        if plain is not None and len(x.shape) <= _manifest.MAX_RANK:
-            # The common leaf, kept short (ten thousand of them cost a large part
-            # of a save): one host piece, stored as it is, in its whole-array chunks.
-            # `tests/test_write.py` checks it gives what the general path below gives.
-            if held is not None:
-                pieces = held.pieces
-            else:
-                primary = jax.process_index() == 0 if primary is None else primary
-                pieces = [((), np.asarray(x))] if primary else []
-            shape = x.shape
-            record = LeafRecord(
-                handle.path, keypath, "numpy" if numpy else "jax", shape, plain, shape, plain, "plain",
-                _chunks(shape, x.dtype.itemsize),
-            )  # fmt: skip
-            return Pending(record, pieces)
     if isinstance(x, jax.core.Tracer):
         raise handle.error(
             "it is a traced value: a save inside `jax.jit` (or `vmap`, `grad`...) sees no values.",
@@ -181,6 +166,52 @@ def prepare(
         tuple(x.shape), stored, encoding, tuple(chunks), impl,
     )  # fmt: skip
     return Pending(record, pieces)
+
+
+def plain(x: Any, path: str, keypath: list[list[Any]], primary: bool) -> Pending | None:
+    """`prepare` of the common leaf, or `None` for any other: a NumPy array or a
+    `jax.Array` on one device (or either held), of a dtype stored as it is, not
+    cast. One host piece, in whole-array chunks. Kept short: ten thousand of
+    these made a large part of a save. (`tests/test_write.py` checks that it
+    gives what `prepare`'s general path gives.)"""
+    held = x if type(x) is Held else None
+    if held is not None:
+        x = held.value
+    kind = array_kind(type(x))
+    if not (kind == "numpy" or (kind == "jax" and _sharding.on_one_device(x))):
+        return None
+    dtype, shape = x.dtype, x.shape
+    name = _plain_dtype(dtype)
+    if name is None or len(shape) > _manifest.MAX_RANK:
+        return None
+    if held is not None:
+        pieces = held.pieces
+    else:
+        pieces = [((), np.asarray(x))] if primary else []
+    record = LeafRecord(path, keypath, kind, shape, name, shape, name, "plain", _chunks(shape, dtype.itemsize))
+    return Pending(record, pieces)
+
+
+def array_kind(cls: type) -> str:
+    """What a leaf of type `cls` is: "jax" (a `jax.Array` with values), "numpy"
+    (exactly `np.ndarray`), "ndarray" (a subclass of it), "abstract" (a tracer or
+    a `jax.ShapeDtypeStruct`) or "other". Remembered by type: an `isinstance`
+    against JAX's classes costs about a microsecond, ten thousand times a save."""
+    kind = _KINDS.get(cls)
+    if kind is None:
+        if issubclass(cls, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+            kind = "abstract"
+        elif issubclass(cls, jax.Array):
+            kind = "jax"
+        elif issubclass(cls, np.ndarray):
+            kind = "numpy" if cls is np.ndarray else "ndarray"
+        else:
+            kind = "other"
+        _KINDS[cls] = kind
+    return kind
+
+
+_KINDS: dict[type, str] = {}
 
 
 @functools.lru_cache(maxsize=256)

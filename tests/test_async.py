@@ -315,7 +315,7 @@ def test_what_the_caller_holds_is_decided_by_type(tmp_path):
     assert not np.shares_memory(by_key["np"], tree["np"])
     assert type(by_key["jax"]) is _write.Held and by_key["jax"].value is tree["jax"]
     assert by_key["step"] == 4 and by_key["name"] == "x"
-    assert _serialise._HOLD_KINDS[Sub] == "copy" and _serialise._HOLD_KINDS[int] == "keep"
+    assert _write._KINDS[Sub] == "ndarray" and _write._KINDS[int] == "other"
     abstract = {"x": jax.ShapeDtypeStruct((2,), jnp.float32)}
     assert _serialise._hold(abstract, eqx_ckpt.default_serialise_filter_spec, None) is None
     pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, blocking=False)

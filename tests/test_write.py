@@ -77,3 +77,25 @@ def test_a_traced_leaf_is_refused_on_the_short_path_too():
 def test_other_processes_write_no_pieces():
     short = _write.prepare(LeafHandle((), "w", "ckpt"), jnp.ones(3), None, primary=False)
     assert short.pieces == [] and short.record.shape == (3,)
+
+
+def test_kinds_are_remembered_by_type():
+    """`array_kind` decides by type, once per type: what `plain` (the short
+    path) and an asynchronous save's hold both ask."""
+
+    class Sub(np.ndarray):
+        pass
+
+    tracers = []
+    jax.jit(lambda x: tracers.append(type(x)) or x)(jnp.ones(2))
+    kinds = {
+        np.ndarray: "numpy", Sub: "ndarray", type(jnp.ones(2)): "jax", tracers[0]: "abstract",
+        jax.ShapeDtypeStruct: "abstract", int: "other", str: "other",
+    }  # fmt: skip
+    for cls, kind in kinds.items():
+        assert _write.array_kind(cls) == kind
+        assert _write._KINDS[cls] == kind
+    handle = LeafHandle((jax.tree_util.DictKey("w"),), "w", "ckpt")
+    assert _write.plain(np.arange(3.0).view(Sub), "w", [["key", "w"]], True) is None
+    assert _write.plain(jnp.ones(2), "w", [["key", "w"]], True).record.type == "jax"
+    assert _write.prepare(handle, np.arange(3.0).view(Sub), None, primary=True).record.type == "numpy"
