@@ -1,24 +1,25 @@
 """Reading every chunk of many leaves with bounded memory, for `verify` and `diff`.
 
-A leaf is read chunk by chunk, never whole, and only so many bytes are in flight
-at once; a hostile manifest may claim billions of chunks, so chunk indices are
-generated lazily and a leaf stops at its first failure.
+A leaf is read chunk by chunk, never whole, within the read budget of every
+reader (`_window`) and at most `MAX_READS` chunks at once; a hostile manifest
+may claim billions of chunks, so chunk indices are generated lazily and a leaf
+stops at its first failure.
 """
 
 from __future__ import annotations
 
-import collections
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import _dtypes
+from . import _dtypes, _window
 from ._manifest import LeafRecord
 from ._progress import Tracker
 
-# How many bytes of chunks may be in flight at once, and how many reads.
-_WINDOW_BYTES = 256 * 2**20
-_WINDOW_READS = 64
+# How many chunk reads may be in flight at once (chunks of a few bytes would
+# otherwise start thousands of reads within the budget).
+MAX_READS = 64
 
 
 def chunks(record: LeafRecord, *, stop: Callable[[], bool]) -> Iterator[tuple[slice, ...]]:
@@ -56,30 +57,19 @@ def windowed(
     """Run chunk reads with a bounded number of bytes in flight; yield each
     `(record, value, bytes)` that read cleanly, and report the others."""
     read = read or (lambda store, index: store[index].read() if index else store.read())
-    flight: collections.deque[tuple[LeafRecord, Any, int]] = collections.deque()
-    in_flight = 0
-
-    def drain() -> Iterator[tuple[LeafRecord, Any, int]]:
-        nonlocal in_flight
-        record, future, size = flight.popleft()
-        in_flight -= size
+    # `skip` is asked as each chunk is about to start: a leaf stops at its first failure.
+    starts = (
+        (record, _chunk_bytes(record, index), functools.partial(read, store, index))
+        for record, store, index in jobs
+        if not skip(record)
+    )
+    for record, size, future in _window.windowed(starts, max_reads=MAX_READS):
         try:
             value = future.result() if hasattr(future, "result") else future()
         except Exception as e:
             failed(record, e)
-            return
-        yield record, value, size
-
-    for record, store, index in jobs:
-        if skip(record):
             continue
-        size = _chunk_bytes(record, index)
-        while flight and (in_flight + size > _WINDOW_BYTES or len(flight) >= _WINDOW_READS):
-            yield from drain()
-        flight.append((record, read(store, index), size))
-        in_flight += size
-    while flight:
-        yield from drain()
+        yield record, value, size
 
 
 class LeafCounter:

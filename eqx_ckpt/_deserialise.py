@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _dtypes, _io, _keypath, _pack, _read, _select, _source, _transform, _tree
+from . import _dtypes, _io, _keypath, _pack, _read, _select, _source, _transform, _tree, _window
 from ._errors import CheckpointError, CheckpointValueError, LeafError, leaf_line, leaf_message
 from ._handle import LeafHandle
 from ._lazy import LazyArray
@@ -432,15 +432,11 @@ def _target_dtype(like: Any) -> np.dtype | None:
 
 _SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
 
-# Bytes of host buffers in flight at once during a load. All reads at once would
-# hold every leaf twice (TensorStore's buffer and the array made from it); a window
-# keeps the peak near the loaded size while still giving TensorStore plenty to do.
-READ_WINDOW = 128 * 2**20
-
 
 def _load(source: Source, plans: list[_Plan], *, lazy: bool, progress: Progress = False) -> list[Any]:
-    """Open every array, then read leaves concurrently within `READ_WINDOW` bytes,
-    converting (and freeing the host buffer of) the oldest as new reads start."""
+    """Open every array, then read leaves concurrently within the read budget
+    (`_window`), converting (and freeing the host buffer of) the oldest as new
+    reads start."""
     data = source.data
     if lazy:
         # Scalars come back as values, as `Checkpoint(path)[key]` gives them.
@@ -469,28 +465,20 @@ def _read_all(source: Source, plans: list[_Plan], records: list[LeafRecord], tra
     # through TensorStore, opened ahead of the reads.
     direct = {i for i in own if source.opener is None and _read.direct(data, records[i], plans[i].like)}
     opens = {i: source.open(records[i]) for i in own if i not in direct}
-    window: collections.deque[tuple[int, int, Callable[[], Any]]] = collections.deque()
-    in_flight = 0
-    for i in own:
+
+    def start(i: int) -> Callable[[], Any]:
         plan, record = plans[i], records[i]
-        while window and in_flight + record.nbytes > READ_WINDOW:
-            j, size, finish = window.popleft()
-            results[j] = finish()
-            in_flight -= size
-            tracker.advance(leaves=1, nbytes=size)
         dtype = _target_dtype(plan.like)
         if i in direct:
-            window.append((i, record.nbytes, _read.start_direct(data, record, plan.like, dtype=dtype)))
-        else:
-            try:
-                store = opens.pop(i).result()
-            except Exception as e:
-                raise _io.leaf_io_error(e, record, data, "open") from e
-            window.append((i, record.nbytes, _read.start(store, data, record, plan.like, dtype=dtype)))
-        in_flight += record.nbytes
-    while window:
-        j, size, finish = window.popleft()
-        results[j] = finish()
+            return _read.start_direct(data, record, plan.like, dtype=dtype)
+        try:
+            store = opens.pop(i).result()
+        except Exception as e:
+            raise _io.leaf_io_error(e, record, data, "open") from e
+        return _read.start(store, data, record, plan.like, dtype=dtype)
+
+    for i, size, finish in _window.windowed((i, records[i].nbytes, functools.partial(start, i)) for i in own):
+        results[i] = finish()
         tracker.advance(leaves=1, nbytes=size)
     return [_dtypes.keep_weak_type(value, plan.like) for value, plan in zip(results, plans)]
 
@@ -499,7 +487,7 @@ def _read_packed(
     data: Location, plans: list[_Plan], records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any]
 ) -> None:
     """Packed leaves, read in a few runs of their packs and placed together."""
-    for members, start, finish in _pack.read_leaves(data, records, window=READ_WINDOW):
+    for members, start, finish in _pack.read_leaves(data, records):
         try:
             run = finish()
         except Exception as e:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import collections
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _dtypes, _io, _read
+from . import _dtypes, _io, _read, _window
 from ._manifest import LeafRecord
 from ._progress import Progress, Tracker
 from ._spec import Location
@@ -277,36 +277,20 @@ def materialise(tree: PyTree, *, progress: Progress = None) -> PyTree:
         tree = eqx_ckpt.materialise(lazy)
         ```
     """
-    from ._deserialise import READ_WINDOW  # one memory budget for every load
-
     values, treedef = jtu.tree_flatten(tree, is_leaf=is_lazy)
     lazy = [i for i, leaf in enumerate(values) if is_lazy(leaf)]
     # Once per checkpoint the leaves came from, after every read, not once per leaf.
     checks = {id(values[i]._check): values[i]._check for i in lazy}
     nbytes = sum(values[i].nbytes for i in lazy)
-    window: collections.deque[tuple[int, Any]] = collections.deque()
-    in_flight = 0
     with Tracker(progress, leaves=len(lazy), nbytes=nbytes, what="materialise") as tracker:
-        # Reads run concurrently within the window; the oldest finishes as new ones start.
-        for i in lazy:
-            while window and in_flight + values[i].nbytes > READ_WINDOW:
-                in_flight -= _finish_oldest(window, values, tracker)
-            window.append((i, values[i].start(checked=False)))
-            in_flight += values[i].nbytes
-        while window:
-            _finish_oldest(window, values, tracker)
+        # Reads run concurrently within the read budget; the oldest finishes as new ones start.
+        jobs = ((i, values[i].nbytes, functools.partial(values[i].start, checked=False)) for i in lazy)
+        for i, size, finish in _window.windowed(jobs):
+            values[i] = finish()
+            tracker.advance(leaves=1, nbytes=size)
     for check in checks.values():
         check()
     return jtu.tree_unflatten(treedef, values)
-
-
-def _finish_oldest(window: collections.deque[tuple[int, Any]], values: list[Any], tracker: Tracker) -> int:
-    """Wait for the oldest read of the window; its bytes."""
-    i, finish = window.popleft()
-    size = values[i].nbytes
-    values[i] = finish()
-    tracker.advance(leaves=1, nbytes=size)
-    return size
 
 
 def _no_check() -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _direct, _dtypes, _io
+from . import _direct, _dtypes, _io, _window
 from ._manifest import LeafRecord, PackRecord, pack_name, whole_chunks
 from ._spec import Location
 
@@ -161,13 +161,14 @@ def _start_direct(loc: Location, pack: PackRecord, start: int, stop: int) -> Any
 
 
 def read_leaves(
-    loc: Location, records: Sequence[LeafRecord], *, window: int
+    loc: Location, records: Sequence[LeafRecord]
 ) -> Iterator[tuple[list[int], int, Callable[[], np.ndarray]]]:
     """Read packed leaves in a few large reads: for each run of a pack that
     covers some of them, `(indices into records, start, finish)`, where
     `finish()` waits and returns the run's elements from offset `start` on.
 
-    Runs are started ahead of their use, within `window` bytes."""
+    Runs are at most the read budget long (`_window`), and started ahead of
+    their use within it."""
     groups = by_pack(records)
     assert sum(map(len, groups.values())) == len(records), "every record must be packed"
     runs: list[tuple[PackRecord, int, int, list[int]]] = []
@@ -175,7 +176,7 @@ def read_leaves(
         pack = records[indices[0]].pack
         assert pack is not None
         itemsize = _dtypes.dtype_from_name(pack.dtype).itemsize
-        gap, most = _GAP_BYTES // itemsize, max(window // itemsize, pack.chunk)
+        gap, most = _GAP_BYTES // itemsize, max(_window.READ_BUDGET // itemsize, pack.chunk)
         indices.sort(key=lambda i: records[i].offset)
         start = stop = -1
         members: list[int] = []
@@ -194,25 +195,23 @@ def read_leaves(
     # file checked before it is read; others through TensorStore, with one open
     # (and one check of its files) per pack, not per run.
     stores: dict[str, Any] = {}
-    flight: collections.deque[tuple[list[int], int, Any, int]] = collections.deque()
-    in_flight = 0
-    for pack, start, stop, members in runs:
-        size = (stop - start) * _dtypes.dtype_from_name(pack.dtype).itemsize
-        while flight and in_flight + size > window:
-            done_members, done_start, done_finish, done_size = flight.popleft()
-            in_flight -= done_size
-            yield done_members, done_start, done_finish
+
+    def start_run(pack: PackRecord, start: int, stop: int, members: list[int]) -> Callable[[], np.ndarray]:
         finish = _start_direct(loc, pack, start, stop)
-        if finish is None:
-            if pack.name not in stores:
-                stores[pack.name] = open_pack(loc, pack, cached=False, leaf=records[members[0]].path)
-            try:
-                store = stores[pack.name].result()
-            except Exception as e:
-                raise _io.leaf_io_error(e, records[members[0]], loc, "open") from e
-            finish = store[start:stop].read().result
-        flight.append((members, start, finish, size))
-        in_flight += size
-    while flight:
-        members, start, finish, _ = flight.popleft()
-        yield members, start, finish
+        if finish is not None:
+            return finish
+        if pack.name not in stores:
+            stores[pack.name] = open_pack(loc, pack, cached=False, leaf=records[members[0]].path)
+        try:
+            store = stores[pack.name].result()
+        except Exception as e:
+            raise _io.leaf_io_error(e, records[members[0]], loc, "open") from e
+        return store[start:stop].read().result
+
+    jobs = (
+        ((members, start), (stop - start) * _dtypes.dtype_from_name(pack.dtype).itemsize,
+         functools.partial(start_run, pack, start, stop, members))
+        for pack, start, stop, members in runs
+    )  # fmt: skip
+    for (members, first), _, finish in _window.windowed(jobs):
+        yield members, first, finish

@@ -8,8 +8,8 @@ passed through its function, checked against `like`, then placed like any other.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _dtypes, _io, _read
+from . import _dtypes, _io, _read, _window
 from ._errors import CheckpointValueError, LeafError, leaf_message
 from ._lazy import LazyArray
 from ._manifest import LeafRecord
@@ -26,9 +26,6 @@ if TYPE_CHECKING:
     from ._source import Source
 
 Transform = Callable[..., Any]
-
-# Bytes of stored arrays read ahead of the transform that consumes them.
-READ_WINDOW = 128 * 2**20
 
 
 def finder(transform: Any) -> Callable[[str], Transform | None]:
@@ -111,13 +108,8 @@ def load(source: Source, plans: list[Plan], *, cast: bool, lazy: bool) -> tuple[
         return [lazies[i] if i in lazies else next(eager) for i in range(len(plans))], found
     values: list[Any] = [None] * len(plans)
     problems: list[tuple[Plan, str]] = []
-    window: collections.deque[tuple[int, int, list[Any]]] = collections.deque()
-    in_flight = 0
 
-    def finish() -> None:
-        nonlocal in_flight
-        i, size, reads = window.popleft()
-        in_flight -= size
+    def finish(i: int, reads: list[Any]) -> None:
         plan = plans[i]
         arrays = []
         for record, future in zip(plan.records, reads):
@@ -134,14 +126,13 @@ def load(source: Source, plans: list[Plan], *, cast: bool, lazy: bool) -> tuple[
         if problem:
             problems.append((plan, problem))
 
-    for i, plan in enumerate(plans):
-        size = sum(record.nbytes for record in plan.records)
-        while window and in_flight + size > READ_WINDOW:
-            finish()
-        window.append((i, size, [_start(source, record) for record in plan.records]))
-        in_flight += size
-    while window:
-        finish()
+    def start(plan: Plan) -> list[Any]:
+        return [_start(source, record) for record in plan.records]
+
+    # The stored arrays of a plan are read ahead of the transform that consumes them.
+    jobs = ((i, sum(r.nbytes for r in plan.records), functools.partial(start, plan)) for i, plan in enumerate(plans))
+    for i, _, reads in _window.windowed(jobs):
+        finish(i, reads)
     return values, problems
 
 

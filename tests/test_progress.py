@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _deserialise, _progress
+from eqx_ckpt import _progress, _window
 from eqx_ckpt._cli import main
 
 
@@ -80,7 +80,7 @@ def test_callbacks_of_lazy_reads_and_the_manager(tmp_path, monkeypatch):
     assert eqx.tree_equal(eqx_ckpt.materialise(lazy, progress=read), tree, typematch=True)
     read.check(len(arrays), sum(x.nbytes for x in arrays))
     # With a window smaller than any leaf, reads finish one by one, in order.
-    monkeypatch.setattr(_deserialise, "READ_WINDOW", 1)
+    monkeypatch.setattr(_window, "READ_BUDGET", 1)
     read = Calls()
     assert eqx.tree_equal(eqx_ckpt.materialise(lazy, progress=read), tree, typematch=True)
     assert [c[0] for c in read] == list(range(1, len(arrays) + 1))

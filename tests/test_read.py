@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _deserialise, _read, _spec
+from eqx_ckpt import _read, _spec, _window
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def test_damage_in_a_later_slab_names_the_leaf(tmp_path, small_slabs):
 
 
 def test_a_small_window_still_loads_everything_in_order(tmp_path, monkeypatch, packing):
-    monkeypatch.setattr(_deserialise, "READ_WINDOW", 1)  # one leaf in flight at a time
+    monkeypatch.setattr(_window, "READ_BUDGET", 1)  # one leaf in flight at a time
     tree = {f"l{i}": jnp.full((i + 1, 3), i, jnp.int32) for i in range(12)}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, eqx.filter_eval_shape(lambda: tree))

@@ -33,8 +33,8 @@ def packed_reads(monkeypatch):
 
     read, real = [], _pack.read_leaves
 
-    def read_leaves(loc, records, *, window):
-        for members, start, finish in real(loc, records, window=window):
+    def read_leaves(loc, records):
+        for members, start, finish in real(loc, records):
             read.extend(records[m].path for m in members)
             yield members, start, finish
 

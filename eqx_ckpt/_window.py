@@ -1,0 +1,46 @@
+"""One host-memory budget for every reader of a checkpoint.
+
+A load, `materialise`, a transformed load, `verify` and `diff` all start their
+reads through `windowed`: as many at once as fit in `READ_BUDGET` bytes, the
+oldest finished before the next one starts once the budget is full. All reads at
+once would hold every leaf twice (the read's buffer and the array made from it,
+or the chunk and its comparison); one at a time would leave TensorStore and the
+disk idle between reads.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
+# Bytes of reads in flight at once, for every reader. (A read larger than the
+# budget runs alone.)
+READ_BUDGET = 128 * 2**20
+
+K = TypeVar("K")
+F = TypeVar("F")
+
+
+def windowed(
+    jobs: Iterable[tuple[K, int, Callable[[], F]]], *, max_reads: int | None = None
+) -> Iterator[tuple[K, int, F]]:
+    """Start each job (`(key, size in bytes, start)`: `start()` begins its read
+    and returns what finishes it) while they fit in `READ_BUDGET` bytes and,
+    with `max_reads`, that many reads; yield `(key, size, started)` oldest
+    first, whenever the next job needs room and after the last has started.
+
+    Jobs are taken from `jobs` only as they start, so a lazy iterable may decide
+    at that moment what comes next. The caller finishes each yielded read before
+    asking for the next: that is what frees its bytes."""
+    flight: collections.deque[tuple[K, int, F]] = collections.deque()
+    in_flight = 0
+    for key, size, start in jobs:
+        while flight and (in_flight + size > READ_BUDGET or (max_reads is not None and len(flight) >= max_reads)):
+            done = flight.popleft()
+            in_flight -= done[1]
+            yield done
+        flight.append((key, size, start()))
+        in_flight += size
+    while flight:
+        yield flight.popleft()
