@@ -15,8 +15,10 @@ The states and what is legal in each:
 - WRITTEN: the caller has written and synced every array.
 - COMMITTED: the new manifest replaced the old one in one conditional write (a
   rename on a local disk, one PUT on an object store) that succeeds only if the
-  manifest is still the one the save began from. From here nothing undoes the
-  save: `abort()` is refused, and an error or an interrupt during the clean-up
+  manifest is still the one the save began from (recorded by the thread that
+  wrote it). From here nothing undoes the save: `abort()` is refused (and an
+  abort from WRITTEN first reads the live manifest, keeping everything if it
+  may be this save's), and an error or an interrupt during the clean-up
   leaves the new checkpoint whole (the next save deletes what is left).
 - CLEANED: the old arrays and the journal are gone.
 - ABORTED (only from BEGUN or WRITTEN): what this save wrote is deleted; the
@@ -145,17 +147,26 @@ class Transaction:
         if self.lease is not None:
             self.lease.check()
         data = manifest.to_bytes()
-        outcome: list[tuple[bool, BaseException | None, BaseException | None]] = []
+        outcome: list[tuple[BaseException | None, BaseException | None]] = []
+
+        def write() -> None:
+            written, error, interrupt = _io.write_conditional(self.loc, MANIFEST, data, self.expected)
+            # Recorded here, in the helper thread that signals never reach: an
+            # interrupt landing in the caller between the write and this line
+            # would leave the save looking uncommitted, and its abort would
+            # delete the arrays of the checkpoint it had just committed.
+            if written or _committed_by(self.loc, self.commit_id):
+                self.state = State.COMMITTED
+            outcome.append((error, interrupt))
+
         try:
             # In a helper thread: the write's future cannot be lost to an interrupt.
-            _io.uninterrupted(lambda: outcome.append(_io.write_conditional(self.loc, MANIFEST, data, self.expected)))
-            written, error, interrupt = outcome[0]
+            _io.uninterrupted(write)
+            error, interrupt = outcome[0]
         except BaseException as e:
             if not outcome:
                 raise  # the write never started (or failed unexpectedly): nothing to record
-            (written, error, _), interrupt = outcome[0], e
-        if written or _committed_by(self.loc, self.commit_id):
-            self.state = State.COMMITTED
+            (error, _), interrupt = outcome[0], e
         if interrupt is not None:
             raise interrupt
         if self.state is not State.COMMITTED:
@@ -202,8 +213,16 @@ class Transaction:
             )
         if self.state is State.ABORTED:
             return
-        self.state = State.ABORTED
         try:
+            if self.state is State.WRITTEN and _maybe_committed_by(self.loc, self.commit_id):
+                # Whatever said this save had not committed, the live manifest may
+                # be its own (or cannot be read to tell): what it uses stays, and
+                # the journal is left for the next save to finish from.
+                if _committed_by(self.loc, self.commit_id):
+                    self.state = State.COMMITTED
+                self.leave()
+                return
+            self.state = State.ABORTED
             if self.lease is None or _owns_lease(self.lease):
                 _io.remove(self.loc, self.names)
         except BaseException as e:
@@ -241,6 +260,16 @@ def _owns_lease(lease: _lease.Lease) -> bool:
     except CheckpointExistsError:
         return False
     return True
+
+
+def _maybe_committed_by(loc: Location, commit_id: str) -> bool:
+    """Whether the manifest at `loc` is, or may be, the one of save `commit_id`:
+    `False` only when it is known to be another's, or absent."""
+    try:
+        current = read_manifest(loc)
+    except Exception:
+        return True
+    return current is not None and current.commit == commit_id
 
 
 def _committed_by(loc: Location, commit_id: str) -> bool:

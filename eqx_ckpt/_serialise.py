@@ -477,15 +477,17 @@ def _write_and_commit(
             )
             error = _write.attempt(lambda: tx.commit(manifest))
         error = group.sync("committed", error)
+        if error is None:
+            if group.primary:
+                # Inside the `try`: an interrupt from here on still leaves the
+                # checkpoint whole and hands the lease back (`_stop`).
+                tx.clean()
+            return
     except BaseException:
         # An interrupt (KeyboardInterrupt, SystemExit): undo only what is not committed.
         _write.settle(commits)
         _stop(tx, group)
         raise
-    if error is None:
-        if group.primary:
-            _clean(tx)
-        return
     _write.settle(commits)
     _stop(tx, group)
     if isinstance(error, CheckpointError):
@@ -502,14 +504,6 @@ def _stop(tx: _commit.Transaction, group: _multihost.Group) -> None:
         tx.leave()
     else:
         tx.abort()
-
-
-def _clean(tx: _commit.Transaction) -> None:
-    try:
-        tx.clean()
-    except BaseException:  # an interrupt after the commit: the checkpoint is whole
-        tx.leave()
-        raise
 
 
 def _begin(

@@ -12,8 +12,10 @@ nothing behind.
 """
 
 import contextlib
+import linecache
 import os
 import pathlib
+import sys
 import threading
 import warnings
 
@@ -211,3 +213,135 @@ def test_every_io_step_failing(tmp_path, monkeypatch, kind, error):
         scenario.close()
     print(f"{kind}, {error.__name__} at each of {total} I/O calls: {outcomes}")
     assert outcomes["new"] >= 1 and outcomes["old" if old else "none"] >= 1
+
+
+# What a commit runs in the caller's thread: the transaction, and the part of
+# the save that writes and commits it. (Not the lines of `save` after it, which
+# hand back the process's lock on the destination: an interrupt exactly there
+# leaves a later save in this process waiting; noted on issue 11.)
+_COMMIT_MODULES = ("eqx_ckpt._commit",)
+_COMMIT_FUNCTIONS = ("_write_and_commit", "_stop")
+
+
+def _counted(frame):
+    module = frame.f_globals.get("__name__")
+    return module in _COMMIT_MODULES or (module == "eqx_ckpt._serialise" and frame.f_code.co_name in _COMMIT_FUNCTIONS)
+
+
+@contextlib.contextmanager
+def interrupt_at_line(fail_at):
+    """From the manifest's write on (`Transaction.commit` handing it to the
+    helper thread), count the lines of the transaction that run in this
+    thread (`_counted`); line number `fail_at` raises KeyboardInterrupt, as a signal whose
+    handler raises can between any two lines. (A trace function's exception is
+    raised in the traced frame, and ends the tracing.)
+
+    Not at a `with` line: there, the line event also comes between a block's
+    last line and its `__exit__`, which an exception would skip (Python itself
+    does not promise `__exit__` against a signal landing there)."""
+    from eqx_ckpt import _commit
+
+    lines = []
+    armed = []
+
+    def local(frame, event, arg):
+        if event == "line" and not linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip().startswith(
+            "with "
+        ):
+            lines.append(f"{frame.f_globals['__name__']}.{frame.f_code.co_name}:{frame.f_lineno}")
+            if len(lines) - 1 == fail_at:
+                raise KeyboardInterrupt(f"injected at line {fail_at} ({lines[-1]})")
+        return local
+
+    def calls(frame, event, arg):
+        if not armed and frame.f_code is _io.uninterrupted.__code__:
+            if frame.f_back is not None and frame.f_back.f_code is _commit.Transaction.commit.__code__:
+                armed.append(True)
+                # The frames already running (the commit, the save around it) count too.
+                caller = frame.f_back
+                while caller is not None:
+                    if _counted(caller):
+                        caller.f_trace = local
+                    caller = caller.f_back
+        if armed and _counted(frame):
+            return local
+        return None
+
+    sys.settrace(calls)
+    try:
+        yield lines
+    finally:
+        sys.settrace(None)
+
+
+@pytest.mark.parametrize("kind", ["first", "overwrite"])
+def test_an_interrupt_at_every_line_of_the_commit(tmp_path, kind):
+    """A signal lands between two lines, not only in I/O: from the manifest's
+    write on, through recording the commit and the clean-up, an interrupt at
+    each line the caller's thread runs leaves the old or the new checkpoint
+    whole (an interrupt that landed after the manifest was written, but before
+    the save had recorded it, once made its abort delete the arrays the new
+    manifest uses)."""
+    scenario = _Scenario(kind, tmp_path / "count")
+    scenario.prepare()
+    with interrupt_at_line(None) as lines:
+        scenario.save(2)
+    total = len(lines)
+    assert total >= 20, total
+    old = None if kind == "first" else 1
+    outcomes = {"old": 0, "new": 0, "none": 0}
+    for k in range(total):
+        scenario = _Scenario(kind, tmp_path / f"{kind}{k}")
+        files = scenario.prepare()
+        raised = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", eqx_ckpt.CommitWarning)
+            with interrupt_at_line(k) as lines:
+                try:
+                    scenario.save(2)
+                except BaseException as e:
+                    raised = e
+        where = f"{kind}: KeyboardInterrupt at line {k} of {total} ({lines[k] if k < len(lines) else 'not reached'})"
+        assert raised is None or type(raised) is KeyboardInterrupt, f"{where}: got {raised!r}"
+        found = scenario.which([1, 2])
+        assert found in (old, 2), where
+        assert _unchanged(scenario.directory, files), where
+        outcomes["none" if found is None else "new" if found == 2 else "old"] += 1
+        scenario.save(3)
+        assert scenario.which([3]) == 3, where
+        assert scenario.leftovers() == set(), where
+    print(f"{kind}, KeyboardInterrupt at each of {total} lines from the commit on: {outcomes}")
+    assert outcomes["new"] >= 1
+
+
+@pytest.mark.parametrize("kind", ["first", "overwrite"])
+@pytest.mark.parametrize("manifest", ["its own", "unreadable"])
+def test_an_abort_never_deletes_what_the_live_manifest_may_use(tmp_path, monkeypatch, kind, manifest):
+    """However a save came to abort after its manifest was written (here: the
+    record of the commit lost, then an interrupt), the abort checks the live
+    manifest first: when it is the save's own, or cannot be read to tell, the
+    arrays stay and the journal is left for the next save."""
+    from eqx_ckpt import _commit
+
+    scenario = _Scenario(kind, tmp_path / kind)
+    files = scenario.prepare()
+    real_commit, real_read = _commit.Transaction.commit, _commit.read_manifest
+
+    def commit_then_forget(self, manifest_):
+        real_commit(self, manifest_)
+        self.state = _commit.State.WRITTEN
+        if manifest == "unreadable":
+            monkeypatch.setattr(_commit, "read_manifest", lambda loc: (_ for _ in ()).throw(OSError("unreadable")))
+        raise KeyboardInterrupt("after the manifest was written")
+
+    monkeypatch.setattr(_commit.Transaction, "commit", commit_then_forget)
+    with pytest.raises(KeyboardInterrupt):
+        scenario.save(2)
+    monkeypatch.setattr(_commit.Transaction, "commit", real_commit)
+    monkeypatch.setattr(_commit, "read_manifest", real_read)
+    assert (scenario.directory / "saving.json").exists()  # the journal, for the next save
+    assert scenario.which([1, 2]) == 2
+    assert _unchanged(scenario.directory, files)
+    scenario.save(3)
+    assert scenario.which([3]) == 3
+    assert scenario.leftovers() == set()
