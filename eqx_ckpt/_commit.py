@@ -214,11 +214,12 @@ class Transaction:
         if self.state is State.ABORTED:
             return
         try:
-            if self.state is State.WRITTEN and _maybe_committed_by(self.loc, self.commit_id):
+            live = _live_commit(self.loc) if self.state is State.WRITTEN else ""
+            if live is None or live == self.commit_id:
                 # Whatever said this save had not committed, the live manifest may
                 # be its own (or cannot be read to tell): what it uses stays, and
                 # the journal is left for the next save to finish from.
-                if _committed_by(self.loc, self.commit_id):
+                if live == self.commit_id:
                     self.state = State.COMMITTED
                 self.leave()
                 return
@@ -262,24 +263,20 @@ def _owns_lease(lease: _lease.Lease) -> bool:
     return True
 
 
-def _maybe_committed_by(loc: Location, commit_id: str) -> bool:
-    """Whether the manifest at `loc` is, or may be, the one of save `commit_id`:
-    `False` only when it is known to be another's, or absent."""
+def _live_commit(loc: Location) -> str | None:
+    """The commit of the manifest at `loc`: "" when there is none (or it has no
+    commit), `None` when it cannot be read to tell."""
     try:
         current = read_manifest(loc)
     except Exception:
-        return True
-    return current is not None and current.commit == commit_id
+        return None
+    return "" if current is None else current.commit
 
 
 def _committed_by(loc: Location, commit_id: str) -> bool:
     """Whether the manifest at `loc` is the one of save `commit_id` (after a
     manifest write that failed, or was interrupted, part way)."""
-    try:
-        current = read_manifest(loc)
-    except Exception:
-        return False
-    return current is not None and current.commit == commit_id
+    return _live_commit(loc) == commit_id
 
 
 def begin(
