@@ -105,7 +105,6 @@ class _Job:
 
 _JOBS: queue.SimpleQueue[_Job] = queue.SimpleQueue()
 _HELPERS: list[threading.Thread] = []
-_HELPERS_LOCK = threading.Lock()
 
 
 def _helper() -> None:
@@ -114,13 +113,14 @@ def _helper() -> None:
 
 
 def _ensure_helper() -> None:
-    """Start the helper thread of `uninterrupted` unless one runs. (A start cut
-    short by an interrupt may leave two: each job is still run once.)"""
-    with _HELPERS_LOCK:
-        if not any(thread.is_alive() for thread in _HELPERS):
-            thread = threading.Thread(target=_helper, name="eqx_ckpt-io", daemon=True)
-            thread.start()
-            _HELPERS.append(thread)
+    """Start the helper thread of `uninterrupted` unless one runs. Two threads
+    starting at once, or a start cut short by an interrupt, may leave two
+    helpers, which is harmless: each job is taken from the queue once. (No lock
+    here: one that an interrupt left held would stop every later save.)"""
+    if not any(thread.is_alive() for thread in _HELPERS):
+        thread = threading.Thread(target=_helper, name="eqx_ckpt-io", daemon=True)
+        thread.start()
+        _HELPERS.append(thread)
 
 
 def on_local_disk(loc: Location) -> bool:

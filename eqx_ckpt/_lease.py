@@ -3,8 +3,10 @@
 One discipline for every writer, on every store:
 
 1. In this process, one writer per destination at a time: `acquire_exclusive`
-   takes a lock per destination, and a second save to the same destination waits for
-   the first (an asynchronous save holds it until it has committed).
+   gives a save the destination's `Claim`, and a second save to the same
+   destination waits for the first (an asynchronous save holds it until it has
+   committed). A claim that an interrupt left behind in a thread is taken over
+   by that thread's next save, so it cannot block the destination for ever.
 2. Across processes, a *lease*: a small JSON file (`saving.json` for a save,
    `manager.json` for a manager) created with a conditional write that succeeds
    only if the file is absent. Every store TensorStore drives supports such
@@ -53,8 +55,8 @@ MAX_LEASE_BYTES = 2**20
 # conditional on it creates the key only if it is absent.
 ABSENT = b"\x02"
 
-_locks: dict[str, threading.Lock] = {}
-_locks_guard = threading.Lock()
+_places: dict[str, _Place] = {}
+_places_guard = threading.Lock()
 # Leases this process holds, so a second writer here is refused at once instead
 # of waiting `STALE_SECONDS` to learn that the holder is alive.
 _held: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
@@ -64,13 +66,64 @@ def destination(loc: Location) -> str:
     return json.dumps(loc.kvstore, sort_keys=True)
 
 
-def acquire_exclusive(loc: Location) -> threading.Lock:
-    """This process's lock on `loc`, acquired; the caller releases it (possibly
-    from another thread, as an asynchronous save does when it has committed)."""
-    with _locks_guard:
-        lock = _locks.setdefault(destination(loc), threading.Lock())
-    lock.acquire()
-    return lock
+def acquire_exclusive(loc: Location) -> Claim:
+    """This process's claim on `loc`, once no other save holds it; the save
+    releases it when it ends (from another thread, for an asynchronous save).
+
+    A claim still recorded for the calling thread is taken over at once: a
+    blocking save in this thread has ended, or it would not be calling, so its
+    claim was left by an interrupt that skipped the release (a signal lands
+    between any two lines, also just after the claim was taken or just before
+    it is released). Only claims handed to a background thread (`hand_over`)
+    make a later save wait, however it was started."""
+    with _places_guard:
+        place = _places.setdefault(destination(loc), _Place())
+    me = threading.get_ident()
+    with place.changed:
+        while place.holder is not None and place.holder.thread != me:
+            place.changed.wait()
+        place.holder = Claim(place, me)
+        return place.holder
+
+
+class _Place:
+    """One destination's claims: who holds it, and a condition to wait on."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition(threading.Lock())
+        self.holder: Claim | None = None
+
+
+class Claim:
+    """One save's hold on its destination in this process (`acquire_exclusive`)."""
+
+    def __init__(self, place: _Place, thread: int | None):
+        self._place = place
+        # The thread whose next save may take this claim over; `None` once a
+        # background thread carries the save on.
+        self.thread = thread
+
+    def hand_over(self) -> None:
+        """The save goes on in a background thread, which releases the claim:
+        until then, every later save waits."""
+        self.thread = None
+
+    def release(self) -> None:
+        """Give the claim up, unless a later save has taken it over. Idempotent."""
+        with self._place.changed:
+            if self._place.holder is self:
+                self._place.holder = None
+                self._place.changed.notify_all()
+
+    @property
+    def held(self) -> bool:
+        return self._place.holder is self
+
+
+def holder(loc: Location) -> Claim | None:
+    """The claim on `loc` in this process, if any."""
+    place = _places.get(destination(loc))
+    return None if place is None else place.holder
 
 
 class Lease:

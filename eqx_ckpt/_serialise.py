@@ -93,10 +93,15 @@ class PendingSave:
         # would hold the GIL, and the caller would wait a switch interval (5 ms)
         # to get it back.
         self._started = threading.Event()
-        with _PENDING_LOCK:
-            _PENDING.add(self)
         try:
+            with _PENDING_LOCK:
+                _PENDING.add(self)
             self._thread.start()
+        except BaseException:
+            if self._thread.ident is None:  # interrupted before the thread began
+                with _PENDING_LOCK:
+                    _PENDING.discard(self)
+            raise
         finally:
             self._started.set()
 
@@ -274,34 +279,38 @@ def save(
         raise error
     options: dict[str, Any] = dict(overwrite=overwrite, layout=layout, metrics=metrics, progress=progress)
     exclusive = _lease.acquire_exclusive(loc)
-    if held is not None:
-        # Every array is safe on the host already: the records, the transaction and
-        # the writes all happen in the background.
-        run = functools.partial(_prepare_and_write, loc, group, held, cast_fn, **options)
-        return _start_background(run, exclusive, undo=exclusive.release)
+    handoff = _Handoff()
+    tx: _commit.Transaction | None = None
+    tracker: Tracker | None = None
     try:
+        if held is not None:
+            # Every array is safe on the host already: the records, the transaction and
+            # the writes all happen in the background.
+            run = functools.partial(_prepare_and_write, loc, group, held, cast_fn, **options)
+            return _start_background(run, exclusive, handoff)
         batch = _write.Batch(pending)
         tx, tracker = _begin_save(loc, group, batch, **options)
-    except BaseException:
-        exclusive.release()
-        raise
-    run = functools.partial(_write_and_commit, tx, group, batch, metrics=metrics, tracker=tracker)
-    if blocking:
-        try:
+        run = functools.partial(_write_and_commit, tx, group, batch, metrics=metrics, tracker=tracker)
+        if blocking:
             with tracker:
                 run()
-        finally:
             exclusive.release()
-        return None
-
-    def undo() -> None:
-        tx.abort()
-        exclusive.release()
-        tracker.close()
-
-    # Every array is safe on the host already (a jax.Array's host data never
-    # changes; NumPy arrays were copied): everything else happens in the background.
-    return _start_background(functools.partial(_with_tracker, tracker, run), exclusive, undo=undo)
+            return None
+        # Every array is safe on the host already (a jax.Array's host data never
+        # changes; NumPy arrays were copied): everything else happens in the background.
+        return _start_background(functools.partial(_with_tracker, tracker, run), exclusive, handoff)
+    except BaseException:
+        # A failure, or an interrupt between any two lines: unless a background
+        # thread has taken the save over, what was begun is undone (or, once
+        # committed, left whole) and the destination handed back, so that nothing
+        # kept alive by this exception's traceback holds the lease.
+        if handoff.take_back():
+            if tx is not None:
+                _stop(tx, group)
+            if tracker is not None:
+                tracker.close()
+            exclusive.release()
+        raise
 
 
 @dataclasses.dataclass
@@ -399,32 +408,35 @@ def _with_tracker(tracker: Tracker, run: Callable[[], None]) -> None:
         run()
 
 
-def _start_background(run: Callable[[], None], exclusive: threading.Lock, *, undo: Callable[[], None]) -> PendingSave:
-    handoff = _Handoff()
+def _start_background(run: Callable[[], None], exclusive: _lease.Claim, handoff: _Handoff) -> PendingSave:
+    """Run `run` in a new thread, which owns the save once it claims `handoff`;
+    until then, the caller's `handoff.take_back()` undoes it instead."""
     # The collector stays paused from the caller's part to the background part
-    # (resumed by whichever side owns the save): enabled in between, it would
-    # walk the objects just made before the caller gets its thread back (10 ms
-    # of an asynchronous save of ten thousand leaves).
-    _tree.pause_gc()
+    # (the pause is adopted by the background thread, or ended by whichever
+    # side owns the save): enabled in between, it would walk the objects just
+    # made before the caller gets its thread back (10 ms of an asynchronous
+    # save of ten thousand leaves).
+    pause = _tree.GcPause()
     try:
-        return PendingSave(functools.partial(_in_background, run, exclusive, handoff))
+        pause.begin(None)  # until the background thread adopts it, or either side ends it
+        exclusive.hand_over()
+        return PendingSave(functools.partial(_in_background, run, exclusive, handoff, pause))
     except BaseException:
-        # Interrupted while the thread started: whichever side decides first
-        # owns the save, so it is undone (or finished) exactly once.
         if handoff.take_back():
-            _tree.resume_gc()
-            undo()
+            pause.resume()
         raise
 
 
-def _in_background(run: Callable[[], None], exclusive: threading.Lock, handoff: _Handoff) -> None:
+def _in_background(run: Callable[[], None], exclusive: _lease.Claim, handoff: _Handoff, pause: _tree.GcPause) -> None:
     if not handoff.claim():
+        pause.resume()
         return  # the caller took the save back before this thread began
     try:
+        pause.adopt()
         run()
     finally:
         exclusive.release()
-        _tree.resume_gc()
+        pause.resume()
 
 
 class _Handoff:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -77,8 +79,73 @@ def check_unique(keypaths: list[tuple[Any, ...]], paths: list[str], *, checkpoin
 
 
 _GC_LOCK = threading.Lock()
-_gc_pauses = 0
-_gc_was_enabled = False
+# The `GcPause`s begun and not yet resumed: id -> (thread ident, the frame the
+# pause belongs to), or None while it waits for a background thread to adopt it.
+_active: dict[int, tuple[int, types.FrameType] | None] = {}
+_restore: bool | None = None  # the collector's state before the first of them
+
+
+class GcPause:
+    """Python's cyclic garbage collector paused from `begin()` to `resume()`.
+    Pauses nest, also across threads (an asynchronous save's caller pauses the
+    collector for the background part, so that no collection of the objects
+    it just made falls between the two): the last to resume restores what the
+    first found.
+
+    Safe against an interrupt at any line (a signal's exception is raised
+    between any two, also on entering the `resume()` of a `finally`): a pause
+    belongs to the frame it was begun for, and one whose frame has left its
+    thread's stack without resuming it is dropped by the next pause or resume
+    in that thread, which also finishes a change of the collector's state that
+    an interrupt cut short. (A pause begun for no frame, to be adopted by a
+    background thread, must be ended explicitly.)"""
+
+    def begin(self, frame: types.FrameType | None) -> None:
+        """Pause for as long as `frame` runs (or, with `None`, until `adopt`)."""
+        owner = None if frame is None else (threading.get_ident(), frame)
+        with _GC_LOCK:
+            _active[id(self)] = owner
+            _settle()
+
+    def adopt(self) -> None:
+        """The calling thread takes the pause over, for its caller's frame."""
+        with _GC_LOCK:
+            if id(self) in _active:
+                _active[id(self)] = (threading.get_ident(), sys._getframe(1))
+
+    def resume(self) -> None:
+        """End this pause. Idempotent."""
+        with _GC_LOCK:
+            _active.pop(id(self), None)
+            _settle()
+
+
+def _settle() -> None:
+    """Drop this thread's pauses whose frame has returned; then the collector
+    is off while any pause is active, and back as it was once none is. Each
+    line can be repeated, so a call cut short is finished by the next."""
+    global _restore
+    me = threading.get_ident()
+    mine = [(key, owner[1]) for key, owner in _active.items() if owner is not None and owner[0] == me]
+    if mine:
+        running = {id(frame) for frame in _stack(sys._getframe(1))}
+        for key, frame in mine:
+            if id(frame) not in running:
+                del _active[key]
+    if _active:
+        if _restore is None:
+            _restore = gc.isenabled()
+        gc.disable()
+    elif _restore is not None:
+        if _restore:
+            gc.enable()
+        _restore = None
+
+
+def _stack(frame: types.FrameType | None) -> Iterator[types.FrameType]:
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
 
 
 @contextlib.contextmanager
@@ -87,32 +154,10 @@ def gc_paused() -> Iterator[None]:
     acyclic objects (a manifest's records, a tree's leaves): its collections,
     triggered by the count of new objects, took a third of the time of parsing
     a manifest of ten thousand leaves. Reference counting still frees memory.
-
-    Counted, so that a background save and the caller's thread may both pause
-    it: the last to leave restores what the first found."""
-    pause_gc()
+    See `GcPause`."""
+    pause = GcPause()
     try:
+        pause.begin(sys._getframe(2))  # the frame of the `with` (past `__enter__`)
         yield
     finally:
-        resume_gc()
-
-
-def pause_gc() -> None:
-    """`gc_paused`, entered; each call is ended by one `resume_gc` (possibly
-    in another thread: an asynchronous save's caller pauses the collector for
-    the background part, so that no collection of the objects it just made
-    falls between the two)."""
-    global _gc_pauses, _gc_was_enabled
-    with _GC_LOCK:
-        if _gc_pauses == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_pauses += 1
-
-
-def resume_gc() -> None:
-    global _gc_pauses
-    with _GC_LOCK:
-        _gc_pauses -= 1
-        if _gc_pauses == 0 and _gc_was_enabled:
-            gc.enable()
+        pause.resume()

@@ -12,6 +12,7 @@ nothing behind.
 """
 
 import contextlib
+import gc
 import linecache
 import os
 import pathlib
@@ -216,9 +217,8 @@ def test_every_io_step_failing(tmp_path, monkeypatch, kind, error):
 
 
 # What a commit runs in the caller's thread: the transaction, and the part of
-# the save that writes and commits it. (Not the lines of `save` after it, which
-# hand back the process's lock on the destination: an interrupt exactly there
-# leaves a later save in this process waiting; noted on issue 11.)
+# the save that writes and commits it. (The lines of `save` around it are
+# `test_an_interrupt_at_every_line_around_the_commit`'s.)
 _COMMIT_MODULES = ("eqx_ckpt._commit",)
 _COMMIT_FUNCTIONS = ("_write_and_commit", "_stop")
 
@@ -345,3 +345,118 @@ def test_an_abort_never_deletes_what_the_live_manifest_may_use(tmp_path, monkeyp
     scenario.save(3)
     assert scenario.which([3]) == 3
     assert scenario.leftovers() == set()
+
+
+def _around_the_commit():
+    """The code a save runs in the caller's thread around its transaction: the
+    entry and exit of `save`, the process's claim on the destination, the
+    collector's pause, and the start of an asynchronous save's thread."""
+    from eqx_ckpt import _lease, _serialise, _tree as tree_module
+
+    functions = [
+        _serialise.save.__wrapped__,
+        _serialise._start_background,
+        _serialise.PendingSave.__init__,
+        _lease.acquire_exclusive,
+        _lease.Claim.__init__,
+        _lease.Claim.hand_over,
+        _lease.Claim.release,
+        tree_module.gc_paused.__wrapped__,
+        tree_module.GcPause.begin,
+        tree_module.GcPause.resume,
+        tree_module._settle,
+    ]
+    return {f.__code__ for f in functions}
+
+
+@contextlib.contextmanager
+def interrupt_in(codes, fail_at):
+    """Count the lines that run in this thread in functions whose code is in
+    `codes`; line number `fail_at` raises KeyboardInterrupt (not at `with`
+    lines, as in `interrupt_at_line`)."""
+    lines = []
+
+    def local(frame, event, arg):
+        if event == "line" and not linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip().startswith(
+            "with "
+        ):
+            lines.append(f"{frame.f_code.co_qualname}:{frame.f_lineno}")
+            if len(lines) - 1 == fail_at:
+                raise KeyboardInterrupt(f"injected at line {fail_at} ({lines[-1]})")
+        return local
+
+    sys.settrace(lambda frame, event, arg: local if frame.f_code in codes else None)
+    try:
+        yield lines
+    finally:
+        sys.settrace(None)
+
+
+@contextlib.contextmanager
+def deadline(seconds, what):
+    """Fail, instead of hanging, when the block is still running after `seconds`
+    (SIGALRM interrupts a wait on a lock in the main thread)."""
+    import signal
+
+    def expired(signum, frame):
+        raise TimeoutError(f"{what}: still waiting after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_an_interrupt_at_every_line_around_the_commit(tmp_path, blocking):
+    """The lines of `save` outside the transaction hold process-wide state: the
+    claim on the destination, the collector's pause, the list of saves in
+    flight. An interrupt at any of them (before the claim is kept, or just
+    before it is handed back) once left the claim held, and the next save to
+    that path in the process waited for ever. Now every such interrupt leaves
+    a checkpoint whole, the collector as it was, and the next save in the same
+    thread runs."""
+    from eqx_ckpt import _lease, _serialise, _spec, _tree as tree_module
+
+    codes = _around_the_commit()
+
+    def save(directory, generation):
+        pending = eqx_ckpt.tree_serialise_leaves(directory, _tree(generation), blocking=blocking)
+        if pending is not None:
+            pending.wait()
+
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "count", _tree(1))
+    with interrupt_in(codes, None) as lines:
+        save(tmp_path / "count", 2)
+    total = len(lines)
+    assert total >= 30, lines
+    interrupted = 0
+    for k in range(total):
+        directory = tmp_path / f"at{k}"
+        eqx_ckpt.tree_serialise_leaves(directory, _tree(1))
+        raised = None
+        with interrupt_in(codes, k):
+            try:
+                save(directory, 2)
+            except BaseException as e:
+                raised = e
+        where = f"KeyboardInterrupt at line {k} of {total} ({lines[k]})"
+        assert raised is None or type(raised) is KeyboardInterrupt, f"{where}: got {raised!r}"
+        interrupted += raised is not None
+        with deadline(60, f"{where}: the next save"):
+            for p in list(_serialise._PENDING):
+                p.wait()  # a save the interrupt left running in the background
+            claim = _lease.holder(_spec.location(directory))
+            assert claim is None or claim.thread == threading.get_ident(), where
+            try:
+                save(directory, 3)
+            except Exception as e:
+                raise AssertionError(f"{where}: the next save failed: {e}") from e
+        assert _holds(directory, 3), where
+        assert _lease.holder(_spec.location(directory)) is None, where
+        assert not tree_module._active and gc.isenabled(), f"{where}: the collector was left paused"
+        assert not (directory / "saving.json").exists(), where
+    assert interrupted >= total - 3, (interrupted, total)
