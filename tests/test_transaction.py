@@ -460,3 +460,48 @@ def test_an_interrupt_at_every_line_around_the_commit(tmp_path, blocking):
         assert not tree_module._active and gc.isenabled(), f"{where}: the collector was left paused"
         assert not (directory / "saving.json").exists(), where
     assert interrupted >= total - 3, (interrupted, total)
+
+
+def test_an_interrupt_at_every_line_of_a_manager_save(tmp_path):
+    """The same over a `CheckpointManager.save` (with its retention), from the
+    scan of the directory to the deletion of the step it no longer keeps: after
+    each interrupt, every step left is whole, and the next save runs and
+    leaves only itself."""
+    from eqx_ckpt import _manager
+
+    manager_functions = [
+        _manager.CheckpointManager.save,
+        _manager.CheckpointManager._undo,
+        _manager.CheckpointManager._apply_retention,
+        _manager.CheckpointManager._delete_unkept,
+        _manager.CheckpointManager._delete,
+    ]
+    codes = _around_the_commit() | {f.__code__ for f in manager_functions}
+    scenario = _Scenario("manager", tmp_path / "count")
+    scenario.prepare()
+    with interrupt_in(codes, None) as lines:
+        scenario.save(2)
+    scenario.close()
+    total = len(lines)
+    assert total >= 60, lines
+    for k in range(total):
+        scenario = _Scenario("manager", tmp_path / f"at{k}")
+        files = scenario.prepare()
+        raised = None
+        with interrupt_in(codes, k):
+            try:
+                scenario.save(2)
+            except BaseException as e:
+                raised = e
+        where = f"KeyboardInterrupt at line {k} of {total} ({lines[k]})"
+        assert raised is None or type(raised) is KeyboardInterrupt, f"{where}: got {raised!r}"
+        assert scenario.which([1, 2]) in (1, 2), where
+        assert _unchanged(scenario.directory, files), where
+        with deadline(60, f"{where}: the next save"):
+            try:
+                scenario.save(3)
+            except Exception as e:
+                raise AssertionError(f"{where}: the next save failed: {e}") from e
+        assert scenario.which([3]) == 3, where
+        assert scenario.leftovers() == set(), where
+        scenario.close()
