@@ -13,11 +13,13 @@ nothing behind.
 
 import contextlib
 import gc
+import inspect
 import linecache
 import os
 import pathlib
 import sys
 import threading
+import types
 import warnings
 
 import equinox as eqx
@@ -505,3 +507,48 @@ def test_an_interrupt_at_every_line_of_a_manager_save(tmp_path):
         assert scenario.which([3]) == 3, where
         assert scenario.leftovers() == set(), where
         scenario.close()
+
+
+def _functions_of(*modules):
+    """The code of every function and method defined in `modules`."""
+    codes = set()
+    for module in modules:
+        for value in vars(module).values():
+            if getattr(value, "__module__", None) != module.__name__:
+                continue
+            if isinstance(value, types.FunctionType):
+                codes.add(inspect.unwrap(value).__code__)
+            elif isinstance(value, type):
+                codes |= {m.__code__ for m in vars(value).values() if isinstance(m, types.FunctionType)}
+    return codes
+
+
+def test_an_interrupt_at_every_line_of_a_load(tmp_path):
+    """A load holds process-wide state too (the collector's pause, reads in
+    flight in the read window): an interrupt at any line of the load's modules
+    leaves the collector as it was, and the next load returns the checkpoint."""
+    from eqx_ckpt import _deserialise, _direct, _pack, _read, _tree as tree_module, _window
+
+    codes = _functions_of(_deserialise, _window, tree_module, _read, _direct, _pack)
+    directory = tmp_path / "ckpt"
+    eqx_ckpt.tree_serialise_leaves(directory, _tree(1))
+    eqx_ckpt.tree_deserialise_leaves(directory, _tree(0))  # as every load after it: caches filled
+    with interrupt_in(codes, None) as lines:
+        eqx_ckpt.tree_deserialise_leaves(directory, _tree(0))
+    total = len(lines)
+    assert total >= 500, total
+    interrupted = 0
+    for k in range(total):
+        raised = None
+        with interrupt_in(codes, k):
+            try:
+                eqx_ckpt.tree_deserialise_leaves(directory, _tree(0))
+            except BaseException as e:
+                raised = e
+        where = f"KeyboardInterrupt at line {k} of {total} ({lines[k]})"
+        assert raised is None or type(raised) is KeyboardInterrupt, f"{where}: got {raised!r}"
+        interrupted += raised is not None
+        loaded = eqx_ckpt.tree_deserialise_leaves(directory, _tree(0))
+        assert eqx.tree_equal(loaded, _tree(1), typematch=True), where
+        assert not tree_module._active and gc.isenabled(), f"{where}: the collector was left paused"
+    assert interrupted >= total - 3, (interrupted, total)
