@@ -230,6 +230,32 @@ def _counted(frame):
     return module in _COMMIT_MODULES or (module == "eqx_ckpt._serialise" and frame.f_code.co_name in _COMMIT_FUNCTIONS)
 
 
+def _raised(call, *args):
+    """What `call(*args)` raised (KeyboardInterrupt too), or `None`."""
+    try:
+        call(*args)
+    except BaseException as e:
+        return e
+    return None
+
+
+def _line_tracer(lines, fail_at):
+    """A local trace function that appends each line it sees to `lines` and
+    raises KeyboardInterrupt at line number `fail_at` (never at a `with` line;
+    see `interrupt_at_line`)."""
+
+    def local(frame, event, arg):
+        if event == "line" and not linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip().startswith(
+            "with "
+        ):
+            lines.append(f"{frame.f_globals['__name__']}.{frame.f_code.co_qualname}:{frame.f_lineno}")
+            if len(lines) - 1 == fail_at:
+                raise KeyboardInterrupt(f"injected at line {fail_at} ({lines[-1]})")
+        return local
+
+    return local
+
+
 @contextlib.contextmanager
 def interrupt_at_line(fail_at):
     """From the manifest's write on (`Transaction.commit` handing it to the
@@ -245,15 +271,7 @@ def interrupt_at_line(fail_at):
 
     lines = []
     armed = []
-
-    def local(frame, event, arg):
-        if event == "line" and not linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip().startswith(
-            "with "
-        ):
-            lines.append(f"{frame.f_globals['__name__']}.{frame.f_code.co_name}:{frame.f_lineno}")
-            if len(lines) - 1 == fail_at:
-                raise KeyboardInterrupt(f"injected at line {fail_at} ({lines[-1]})")
-        return local
+    local = _line_tracer(lines, fail_at)
 
     def calls(frame, event, arg):
         if not armed and frame.f_code is _io.uninterrupted.__code__:
@@ -295,14 +313,10 @@ def test_an_interrupt_at_every_line_of_the_commit(tmp_path, kind):
     for k in range(total):
         scenario = _Scenario(kind, tmp_path / f"{kind}{k}")
         files = scenario.prepare()
-        raised = None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", eqx_ckpt.CommitWarning)
             with interrupt_at_line(k) as lines:
-                try:
-                    scenario.save(2)
-                except BaseException as e:
-                    raised = e
+                raised = _raised(scenario.save, 2)
         where = f"{kind}: KeyboardInterrupt at line {k} of {total} ({lines[k] if k < len(lines) else 'not reached'})"
         assert raised is None or type(raised) is KeyboardInterrupt, f"{where}: got {raised!r}"
         found = scenario.which([1, 2])
@@ -377,16 +391,7 @@ def interrupt_in(codes, fail_at):
     `codes`; line number `fail_at` raises KeyboardInterrupt (not at `with`
     lines, as in `interrupt_at_line`)."""
     lines = []
-
-    def local(frame, event, arg):
-        if event == "line" and not linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip().startswith(
-            "with "
-        ):
-            lines.append(f"{frame.f_code.co_qualname}:{frame.f_lineno}")
-            if len(lines) - 1 == fail_at:
-                raise KeyboardInterrupt(f"injected at line {fail_at} ({lines[-1]})")
-        return local
-
+    local = _line_tracer(lines, fail_at)
     sys.settrace(lambda frame, event, arg: local if frame.f_code in codes else None)
     try:
         yield lines
@@ -439,12 +444,8 @@ def test_an_interrupt_at_every_line_around_the_commit(tmp_path, blocking):
     for k in range(total):
         directory = tmp_path / f"at{k}"
         eqx_ckpt.tree_serialise_leaves(directory, _tree(1))
-        raised = None
         with interrupt_in(codes, k):
-            try:
-                save(directory, 2)
-            except BaseException as e:
-                raised = e
+            raised = _raised(save, directory, 2)
         where = f"KeyboardInterrupt at line {k} of {total} ({lines[k]})"
         assert raised is None or type(raised) is KeyboardInterrupt, f"{where}: got {raised!r}"
         interrupted += raised is not None
@@ -489,12 +490,8 @@ def test_an_interrupt_at_every_line_of_a_manager_save(tmp_path):
     for k in range(total):
         scenario = _Scenario("manager", tmp_path / f"at{k}")
         files = scenario.prepare()
-        raised = None
         with interrupt_in(codes, k):
-            try:
-                scenario.save(2)
-            except BaseException as e:
-                raised = e
+            raised = _raised(scenario.save, 2)
         where = f"KeyboardInterrupt at line {k} of {total} ({lines[k]})"
         assert raised is None or type(raised) is KeyboardInterrupt, f"{where}: got {raised!r}"
         assert scenario.which([1, 2]) in (1, 2), where
@@ -539,12 +536,8 @@ def test_an_interrupt_at_every_line_of_a_load(tmp_path):
     assert total >= 500, total
     interrupted = 0
     for k in range(total):
-        raised = None
         with interrupt_in(codes, k):
-            try:
-                eqx_ckpt.tree_deserialise_leaves(directory, _tree(0))
-            except BaseException as e:
-                raised = e
+            raised = _raised(eqx_ckpt.tree_deserialise_leaves, directory, _tree(0))
         where = f"KeyboardInterrupt at line {k} of {total} ({lines[k]})"
         assert raised is None or type(raised) is KeyboardInterrupt, f"{where}: got {raised!r}"
         interrupted += raised is not None
