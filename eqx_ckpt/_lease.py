@@ -74,8 +74,10 @@ def acquire_exclusive(loc: Location) -> Claim:
     blocking save in this thread has ended, or it would not be calling, so its
     claim was left by an interrupt that skipped the release (a signal lands
     between any two lines, also just after the claim was taken or just before
-    it is released). Only claims handed to a background thread (`hand_over`)
-    make a later save wait, however it was started."""
+    it is released). (A save to the same path nested in a save's progress
+    callback takes the claim too, and is then refused by the lease at once,
+    where it used to wait for ever.) Only claims handed to a background
+    thread (`hand_over`) make a later save from the same thread wait."""
     with _places_guard:
         place = _places.setdefault(destination(loc), _Place())
     me = threading.get_ident()
@@ -114,10 +116,6 @@ class Claim:
             if self._place.holder is self:
                 self._place.holder = None
                 self._place.changed.notify_all()
-
-    @property
-    def held(self) -> bool:
-        return self._place.holder is self
 
 
 def holder(loc: Location) -> Claim | None:

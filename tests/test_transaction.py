@@ -545,3 +545,22 @@ def test_an_interrupt_at_every_line_of_a_load(tmp_path):
         assert eqx.tree_equal(loaded, _tree(1), typematch=True), where
         assert not tree_module._active and gc.isenabled(), f"{where}: the collector was left paused"
     assert interrupted >= total - 3, (interrupted, total)
+
+
+def test_a_save_to_the_same_path_from_a_progress_callback_is_refused(tmp_path):
+    """A save nested in a save's progress callback, to the same path, takes the
+    thread's claim over and is refused by the lease at once (it used to wait
+    for ever); the outer save commits."""
+    refused = []
+
+    def progress(*counts):
+        if not refused:
+            with pytest.raises(eqx_ckpt.CheckpointExistsError, match="in this process") as info:
+                eqx_ckpt.tree_serialise_leaves(tmp_path, _tree(3))
+            refused.append(info.value)
+
+    with deadline(60, "the nested save"):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, _tree(2), progress=progress)
+    assert len(refused) == 1 and _holds(tmp_path, 2)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, _tree(4))
+    assert _holds(tmp_path, 4)
