@@ -565,7 +565,8 @@ def _collect(
         pending.append(_write.prepare(handle, value, cast, primary=primary, keypath=keypath))
 
     for (keypath, leaf), dotted, record, spec in zip(flat, paths, records, specs, strict=True):
-        if cast is None and (spec is default_serialise_filter_spec or spec is _default_or_held):
+        default = spec is default_serialise_filter_spec or spec is _default_or_held
+        if cast is None and default:
             # What the default spec does with the common leaf, without the calls between.
             common = _write.plain(leaf, dotted, record, primary)
             if common is not None:
@@ -573,7 +574,7 @@ def _collect(
                 continue
         handle = LeafHandle(keypath, dotted, loc.display, write=write)
         try:
-            if (spec is default_serialise_filter_spec or spec is _default_or_held) and _is_array(leaf):
+            if default and _is_array(leaf):
                 pending.append(_write.prepare(handle, leaf, cast, primary=primary, keypath=record))
             else:
                 spec(handle, leaf)
