@@ -204,3 +204,23 @@ def test_a_key_equal_to_one_already_checked_is_still_checked(tmp_path, value):
     _rewrite(tmp_path, edit)
     with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=r"leaf #3 \('b\.1'\): key .* needs an integer"):
         eqx_ckpt.Checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "key", ["poids_été", "权重", 2**70, -(2**64), "\ud800x"], ids=["latin", "cjk", "int_2_70", "int_-2_64", "surrogate"]
+)
+def test_a_key_orjson_cannot_encode_or_writes_as_utf8_round_trips(tmp_path, key):
+    """Leaf records are encoded by orjson, in UTF-8; the keys it refuses (integers
+    beyond 64 bits, strings that are not valid Unicode) fall back to the standard
+    encoder. Either way the manifest parses back to the same bytes and the leaf loads."""
+    tree = {"a": {key: np.arange(3, dtype=np.float32)}, "other": {"b": np.ones(2, np.int32)}}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    data = (tmp_path / "manifest.json").read_bytes()
+    assert _manifest.parse(data, where="x").to_bytes() == data
+    if isinstance(key, str) and not key.startswith("\ud800"):
+        assert key.encode() in data  # written in UTF-8, not escaped
+    else:
+        assert json.dumps(key).encode() in data  # the standard encoder's spelling
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
+    assert eqx.tree_equal(out, tree, typematch=True)
+    assert eqx_ckpt.verify(tmp_path) == []
