@@ -138,15 +138,15 @@ class Transaction:
         self._require(State.BEGUN)
         self.state = State.WRITTEN
 
-    def commit(self, manifest: Manifest) -> None:
-        """Replace the manifest, if it is still the one this save began from.
+    def commit(self, data: bytes) -> None:
+        """Replace the manifest with `data` (a `Manifest.to_bytes()`), if it is
+        still the one this save began from.
 
         An interrupt while the manifest is being written waits for the write to
         finish, so that the state is known, and is raised afterwards."""
         self._require(State.WRITTEN)
         if self.lease is not None:
             self.lease.check()
-        data = manifest.to_bytes()
         outcome: list[tuple[BaseException | None, BaseException | None]] = []
 
         def write() -> None:

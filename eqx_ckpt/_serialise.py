@@ -471,11 +471,17 @@ def _write_and_commit(
     nothing undoes the save."""
     commits: list[Any] = []
     error: BaseException | None = None
+    encoded: list[bytes] = []
     try:
         try:
-            _write.start_writes(tx, batch, group, tracker=tracker, out=commits)
+            writing = _write.start_writes(tx, batch, group, tracker=tracker, out=commits)
         except Exception as e:
-            error = e
+            error, writing = e, []
+        if error is None and group.primary:
+            # While the data is being written: encoding the manifest of ten
+            # thousand leaves takes as long as writing them.
+            error = _write.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, metrics)))
+        _write.follow(writing, tracker)
         tracker.describe("save: committing")
         error = _write.wait_all(commits, error)
         # Each process makes its own writes durable; only then may process 0 commit.
@@ -483,11 +489,7 @@ def _write_and_commit(
         error = group.sync("written", error)
         if error is None and group.primary:
             tx.written()
-            records, packs = batch.records(), [pack for pack, _ in batch.packs]
-            manifest = _manifest.new_manifest(
-                records, tx.target, tx.layout, commit=tx.commit_id, metrics=metrics, packs=packs
-            )
-            error = _write.attempt(lambda: tx.commit(manifest))
+            error = _write.attempt(lambda: tx.commit(encoded[0]))
         error = group.sync("committed", error)
         if error is None:
             if group.primary:
@@ -507,6 +509,14 @@ def _write_and_commit(
     display = tx.loc.display
     message = f"Saving checkpoint {display!r} failed, and nothing was committed: {error}"
     raise LeafError(message, path=display) from error
+
+
+def _manifest_bytes(tx: _commit.Transaction, batch: _write.Batch, metrics: dict[str, Any] | None) -> bytes:
+    packs = [pack for pack, _ in batch.packs]
+    manifest = _manifest.new_manifest(
+        batch.records(), tx.target, tx.layout, commit=tx.commit_id, metrics=metrics, packs=packs
+    )
+    return manifest.to_bytes()
 
 
 def _stop(tx: _commit.Transaction, group: _multihost.Group) -> None:

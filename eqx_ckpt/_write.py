@@ -286,6 +286,10 @@ def _dtype(value: Any) -> np.dtype:
         raise TypeError(f"{value!r}, which is not a dtype") from None
 
 
+# (leaves, bytes, futures) of the writes `start_writes` leaves running, in order.
+Writing = list[tuple[int, int, list[Any]]]
+
+
 def start_writes(
     tx: _commit.Transaction,
     batch: Batch,
@@ -293,11 +297,12 @@ def start_writes(
     *,
     tracker: Tracker | None = None,
     out: list[Any],
-) -> None:
+) -> Writing:
     """Create every array and stage every write, then start writing them out.
     Puts in `out` the future that finishes when the data is written (not yet
     durable): an interrupt after it started still leaves it there, so an abort
-    waits for it before deleting anything.
+    waits for it before deleting anything. Returns what `follow` reports the
+    progress of; the caller may work while the data is written.
 
     Process 0 creates the arrays' metadata; the other processes open the arrays
     once it has (a store cannot be written before its metadata exists).
@@ -347,7 +352,7 @@ def start_writes(
     single = group.count == 1 and tx.layout == "directories"
     fast = {i for i, p in enumerate(own) if single and _direct_write.eligible(data, p.record, p.pieces)}
     fast_packs = single and _direct.supported(data)
-    direct: list[tuple[int, int, list[Any]]] = []  # (leaves, bytes, futures) in order
+    direct: Writing = []
 
     def start_direct() -> None:
         # In the helper thread too: every future started is kept in `out`.
@@ -398,9 +403,14 @@ def start_writes(
         transaction.abort()  # nothing was written out
         raise staged
     _io.uninterrupted(lambda: out.append(transaction.commit_async()))
-    # A failed write is reported by the caller's wait for `out`; here only progress.
-    for leaves, nbytes, futures in direct:
-        if all(attempt(future.result) is None for future in futures) and tracker is not None:
+    return direct
+
+
+def follow(writing: Writing, tracker: Tracker) -> None:
+    """Report the progress of `writing` as it finishes. A failed write is
+    reported by the caller's wait for `start_writes`'s futures; here only progress."""
+    for leaves, nbytes, futures in writing:
+        if all(attempt(future.result) is None for future in futures):
             tracker.advance(leaves=leaves, nbytes=nbytes)
 
 
