@@ -76,6 +76,12 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
         jax.block_until_ready(state)
         if os.path.lexists(path):
             shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+        # Data other processes left unwritten (a contender that does not sync
+        # every file, the checkpoint just deleted) is written out now, not
+        # during this save's own syncs: on ext4 a sync commits the journal, which
+        # waits for every file's data in it. Without this, whichever save ran
+        # first after another contender's took up to 3x its usual time.
+        os.sync()
         gc.collect()
         if op == "save":
             start = time.perf_counter()
