@@ -78,9 +78,9 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
             shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
         # Data other processes left unwritten (a contender that does not sync
         # every file, the checkpoint just deleted) is written out now, not
-        # during this save's own syncs: on ext4 a sync commits the journal, which
-        # waits for every file's data in it. Without this, whichever save ran
-        # first after another contender's took up to 3x its usual time.
+        # during this save's own syncs (on ext4 a sync commits the journal,
+        # which waits for the data of every file in it). It did not remove the
+        # slow first save of a workload (docs/benchmarks.md), which is not this.
         os.sync()
         gc.collect()
         if op == "save":
