@@ -233,7 +233,7 @@ def encode(body: dict[str, Any]) -> bytes:
     records = body.pop("leaves")
     try:
         leaves = orjson.dumps(records)
-    except TypeError:  # orjson.JSONEncodeError
+    except orjson.JSONEncodeError:
         # The records hold no cycles: the encoder need not look for them.
         leaves = json.dumps(records, allow_nan=False, separators=(",", ":"), check_circular=False).encode()
     head = json.dumps(body, allow_nan=False)[:-1].encode()
