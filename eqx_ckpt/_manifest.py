@@ -15,7 +15,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -82,10 +82,11 @@ def is_pack_name(name: str) -> bool:
 
 
 # Not `frozen`: a frozen dataclass's `__init__` costs six times as much, and a
-# save or load of ten thousand leaves makes a record for each. Never changed
+# save or load of ten thousand leaves makes a record for each (slots: 190
+# bytes a record instead of 240, memory whose fresh pages a save pays for). Never changed
 # once made, except by `_pack.assign` while its save has made it and no one else
 # has seen it.
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class LeafRecord:
     """One saved leaf.
 
@@ -212,33 +213,68 @@ class Manifest:
             "packs": [pack.to_json() for pack in self.packs],
             "leaf_count": len(self.leaves),
             "total_bytes": self.total_bytes,
-            "leaves": [leaf.to_json() for leaf in self.leaves],
         }
-        return encode(body)
+        return _encoded(body, self.leaves, LeafRecord.to_json)
 
 
 def encode(body: dict[str, Any]) -> bytes:
-    """The bytes of a version 4 manifest holding `body` (without its digest),
-    the digest last: `sha256` of every byte before it.
+    """The bytes of a version 4 manifest holding `body` (its `leaves` a list of
+    records as `LeafRecord.to_json` gives them), without its digest, the digest
+    last: `sha256` of every byte before it."""
+    body = dict(body)
+    body.pop("digest", None)
+    leaves = body.pop("leaves")
+    if not isinstance(leaves, list):  # as a damaged manifest (in tests) has it
+        text = json.dumps(body, allow_nan=False)[:-1].encode() + b',\n"leaves": ' + json.dumps(leaves).encode()
+        return text + _tail(hashlib.sha256(text))
+    return _encoded(body, leaves, None)
+
+
+# Leaf records encoded at a time: their dicts are freed before the next ones are
+# made, so a save reuses the same memory (fresh pages cost more than the encoding).
+_BATCH = 256
+
+
+def _encoded(body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any], Any] | None) -> bytes:
+    """`encode`, with each of `leaves` made a record by `to_json` (`None`: they are).
 
     One line per leaf. The leaves are encoded by `orjson` (a fifth of the time
     of the standard library's encoder: 6 ms against 30 ms for ten thousand
-    leaves), as compact JSON in UTF-8; a record it cannot encode (an integer
-    key beyond 64 bits, a string that is not valid Unicode) falls back to the
-    standard encoder, which escapes. Paths and key strings are JSON strings,
-    in which `},{"path"` cannot occur unescaped.
+    leaves), as compact JSON in UTF-8; a batch of records it cannot encode (an
+    integer key beyond 64 bits, a string that is not valid Unicode) falls back
+    to the standard encoder, which escapes. Paths and key strings are JSON
+    strings, in which `},{"path"` cannot occur unescaped. The bytes are
+    copied once, into the result.
     """
-    body = dict(body)
-    body.pop("digest", None)
-    records = body.pop("leaves")
-    try:
-        leaves = orjson.dumps(records)
-    except orjson.JSONEncodeError:
-        # The records hold no cycles: the encoder need not look for them.
-        leaves = json.dumps(records, allow_nan=False, separators=(",", ":"), check_circular=False).encode()
-    head = json.dumps(body, allow_nan=False)[:-1].encode()
-    text = head + b',\n"leaves": ' + leaves.replace(b'},{"path":', b'},\n{"path":')
-    return text + b',\n"digest": "sha256:' + hashlib.sha256(text).hexdigest().encode() + b'"}\n'
+    head = json.dumps(body, allow_nan=False)[:-1].encode() + b',\n"leaves": ['
+    digest = hashlib.sha256(head)
+    parts: list[Any] = [head]
+    for start in range(0, len(leaves), _BATCH):
+        records = leaves[start : start + _BATCH]
+        if to_json is not None:
+            records = [to_json(record) for record in records]
+        try:
+            text = orjson.dumps(records)
+        except orjson.JSONEncodeError:
+            # The records hold no cycles: the encoder need not look for them.
+            text = json.dumps(records, allow_nan=False, separators=(",", ":"), check_circular=False).encode()
+        del records
+        # Without the batch's brackets; batches joined as records are.
+        lines = memoryview(text.replace(b'},{"path":', b'},\n{"path":'))[1:-1]
+        if start:
+            parts.append(b",\n")
+            digest.update(b",\n")
+        parts.append(lines)
+        digest.update(lines)
+    parts.append(b"]")
+    digest.update(b"]")
+    parts.append(_tail(digest))
+    return b"".join(parts)
+
+
+def _tail(digest: Any) -> bytes:
+    """The end of a version 4 manifest, after the bytes that `digest` has hashed."""
+    return b',\n"digest": "sha256:' + digest.hexdigest().encode() + b'"}\n'
 
 
 # The end of a version 4 manifest: its digest, of every byte before this.

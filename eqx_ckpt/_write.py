@@ -22,7 +22,7 @@ from ._progress import Tracker
 from ._spec import Location, chunk_shape
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Pending:
     record: LeafRecord
     pieces: list[tuple[tuple[slice, ...], np.ndarray]]

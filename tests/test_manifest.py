@@ -224,3 +224,32 @@ def test_a_key_orjson_cannot_encode_or_writes_as_utf8_round_trips(tmp_path, key)
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
     assert eqx.tree_equal(out, tree, typematch=True)
     assert eqx_ckpt.verify(tmp_path) == []
+
+
+@pytest.mark.parametrize("count", [0, 1, _manifest._BATCH, _manifest._BATCH + 1, 2 * _manifest._BATCH + 3])
+def test_records_encoded_in_batches_make_one_line_per_leaf(tmp_path, count):
+    """Leaf records are encoded a batch at a time (the memory of one batch is
+    reused for the next): across batch edges the manifest still has one line
+    per leaf, in order, and the digest covers every byte. A key orjson refuses
+    in the second batch makes only that batch fall back to the standard encoder."""
+    tree = {f"leaf{i:04d}": np.full(2, i, np.int32) for i in range(count)}
+    bad = 2**70
+    if count > _manifest._BATCH:
+        tree["zz"] = {bad: np.ones(1, np.float32)}  # sorts last: in the last batch
+        tree["a_été"] = np.zeros(1, np.int8)  # sorts first: in the first batch
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    data = (tmp_path / "manifest.json").read_bytes()
+    lines = [line.removeprefix(b'"leaves": [') for line in data.split(b"\n")]
+    leaf_lines = [line for line in lines if line.startswith(b'{"path":')]
+    body = json.loads(data)
+    assert len(body["leaves"]) == len(leaf_lines) == len(jax.tree.leaves(tree))
+    assert [json.loads(line.rstrip(b",").removesuffix(b"]"))["path"] for line in leaf_lines] == [
+        leaf["path"] for leaf in body["leaves"]
+    ]
+    assert _manifest.parse(data, where="x").to_bytes() == data
+    assert body["digest"] == "sha256:" + hashlib.sha256(data[: data.rindex(b',\n"digest"')]).hexdigest()
+    if count > _manifest._BATCH:
+        assert json.dumps(str(bad)).encode()[1:-1] in data  # the standard encoder's spelling of the big key
+        assert "a_été".encode() in data  # the first batch, by orjson, is UTF-8 still
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
+    assert eqx.tree_equal(out, tree, typematch=True)
