@@ -16,12 +16,14 @@ Like a preemptible training job, the worker exits on SIGTERM through a handler
 calling `sys.exit(143)`; SIGINT raises KeyboardInterrupt as Python does.
 """
 
+import faulthandler
 import os
 import pathlib
 import select
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -106,9 +108,14 @@ class Worker:
             try:
                 self.process.wait(timeout=120)
             except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGUSR1)  # its threads' stacks, on stderr
+                time.sleep(2)
                 os.kill(self.process.pid, signal.SIGKILL)
                 self.process.wait()
-                raise AssertionError(f"the worker did not exit within 120 s of signal {sig}") from None
+                raise AssertionError(
+                    f"the worker did not exit within 120 s of signal {sig} (its threads' stacks are "
+                    f"in the captured stderr)"
+                ) from None
         for pipe in (self.process.stdin, self.process.stdout):
             if pipe is not None:
                 pipe.close()
@@ -120,6 +127,9 @@ class Worker:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, lambda *args: sys.exit(143))
+    # The parent asks for every thread's stack (on stderr) before it kills a
+    # worker that did not exit: a hang is then reported with where it waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # As in a training job, JAX's backend is up before any save. (An interrupt
     # while XLA starts its thread pools can make the process abort at exit: a
     # JAX matter, which the saves of this worker need not exercise.)
