@@ -82,10 +82,10 @@ def is_pack_name(name: str) -> bool:
 
 
 # Not `frozen`: a frozen dataclass's `__init__` costs six times as much, and a
-# save or load of ten thousand leaves makes a record for each (slots: 190
-# bytes a record instead of 240, memory whose fresh pages a save pays for). Never changed
-# once made, except by `_pack.assign` while its save has made it and no one else
-# has seen it.
+# save or load of ten thousand leaves makes a record for each (with slots, 190
+# bytes a record instead of 240: memory whose fresh pages a save pays for).
+# Never changed once made, except by `_pack.assign` while its save has made it
+# and no one else has seen it.
 @dataclasses.dataclass(slots=True)
 class LeafRecord:
     """One saved leaf.
@@ -246,9 +246,7 @@ def _encoded(body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any
     strings, in which `},{"path"` cannot occur unescaped. The bytes are
     copied once, into the result.
     """
-    head = json.dumps(body, allow_nan=False)[:-1].encode() + b',\n"leaves": ['
-    digest = hashlib.sha256(head)
-    parts: list[Any] = [head]
+    parts: list[Any] = [json.dumps(body, allow_nan=False)[:-1].encode() + b',\n"leaves": [']
     for start in range(0, len(leaves), _BATCH):
         records = leaves[start : start + _BATCH]
         if to_json is not None:
@@ -260,16 +258,14 @@ def _encoded(body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any
             text = json.dumps(records, allow_nan=False, separators=(",", ":"), check_circular=False).encode()
         del records
         # Without the batch's brackets; batches joined as records are.
-        lines = memoryview(text.replace(b'},{"path":', b'},\n{"path":'))[1:-1]
         if start:
             parts.append(b",\n")
-            digest.update(b",\n")
-        parts.append(lines)
-        digest.update(lines)
+        parts.append(memoryview(text.replace(b'},{"path":', b'},\n{"path":'))[1:-1])
     parts.append(b"]")
-    digest.update(b"]")
-    parts.append(_tail(digest))
-    return b"".join(parts)
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    return b"".join([*parts, _tail(digest)])
 
 
 def _tail(digest: Any) -> bytes:
