@@ -190,11 +190,7 @@ def test_every_io_step_failing(tmp_path, monkeypatch, kind, error):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with inject(monkeypatch, k, error):
-                raised = None
-                try:
-                    scenario.save(2)
-                except BaseException as e:
-                    raised = e
+                raised = _raised(scenario.save, 2)
         where = f"{kind}: {error.__name__} at I/O call {k} of {total}"
         found = scenario.which([1, 2])
         assert found in (old, 2), where
