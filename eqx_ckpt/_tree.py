@@ -78,7 +78,11 @@ def check_unique(keypaths: list[tuple[Any, ...]], paths: list[str], *, checkpoin
         seen[path] = keypath
 
 
-_GC_LOCK = threading.Lock()
+# Reentrant: freeing an object inside the lock (a dropped pause's frame) or a
+# collection started by an allocation there may run a finalizer in the same
+# thread, and the finalizer of a `gc_paused` left suspended by an interrupt
+# resumes its pause. With a plain lock that thread waited on itself for ever.
+_GC_LOCK = threading.RLock()
 # The `GcPause`s begun and not yet resumed: id -> (thread ident, the frame the
 # pause belongs to), or None while it waits for a background thread to adopt it.
 _active: dict[int, tuple[int, types.FrameType] | None] = {}
@@ -123,15 +127,20 @@ class GcPause:
 def _settle() -> None:
     """Drop this thread's pauses whose frame has returned; then the collector
     is off while any pause is active, and back as it was once none is. Each
-    line can be repeated, so a call cut short is finished by the next."""
+    line can be repeated, so a call cut short is finished by the next, and a
+    whole `begin` or `resume` may run inside it (a finalizer, see `_GC_LOCK`):
+    it reads a copy of `_active` (copied without allocating per item, so no
+    finalizer runs midway) and decides the collector's state last, after the
+    lines that allocate or free."""
     global _restore
     me = threading.get_ident()
-    mine = [(key, owner[1]) for key, owner in _active.items() if owner is not None and owner[0] == me]
+    mine = [(key, owner[1]) for key, owner in _active.copy().items() if owner is not None and owner[0] == me]
     if mine:
         running = {id(frame) for frame in _stack(sys._getframe(1))}
         for key, frame in mine:
             if id(frame) not in running:
-                del _active[key]
+                _active.pop(key, None)
+        del mine, frame  # the last references to returned frames go here, not below
     if _active:
         if _restore is None:
             _restore = gc.isenabled()

@@ -108,13 +108,15 @@ class Worker:
             try:
                 self.process.wait(timeout=120)
             except subprocess.TimeoutExpired:
+                signals = _signal_state(self.process.pid)
                 os.kill(self.process.pid, signal.SIGUSR1)  # its threads' stacks, on stderr
                 time.sleep(2)
                 os.kill(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+                printed = self.process.stdout.read() if self.process.stdout is not None else ""
                 raise AssertionError(
                     f"the worker did not exit within 120 s of signal {sig} (its threads' stacks are "
-                    f"in the captured stderr)"
+                    f"in the captured stderr); it printed {printed!r}; its signal masks: {signals}"
                 ) from None
         for pipe in (self.process.stdin, self.process.stdout):
             if pipe is not None:
@@ -123,6 +125,22 @@ class Worker:
 
     def close(self) -> None:
         self.kill()
+
+
+def _signal_state(pid: int) -> str:
+    """The kernel's view of a process's signals: pending for the process and for
+    each thread, blocked, caught (hexadecimal masks; SIGINT is bit 1, 0x2)."""
+    fields = ("SigPnd", "ShdPnd", "SigBlk", "SigCgt", "SigIgn")
+
+    def masks(status: pathlib.Path) -> str:
+        try:
+            lines = status.read_text().splitlines()
+        except OSError as e:
+            return repr(e)
+        return " ".join(line.replace("\t", "") for line in lines if line.startswith(fields))
+
+    tasks = sorted(pathlib.Path(f"/proc/{pid}/task").glob("*"))
+    return "; ".join(f"thread {task.name}: {masks(task / 'status')}" for task in tasks)
 
 
 def main() -> None:

@@ -269,6 +269,53 @@ def test_the_garbage_collector_paused_from_two_threads_is_restored_once_both_lea
     assert gc.isenabled()
 
 
+# Run in a child process: with the bug, the child waits on itself for ever.
+_FINALIZER_INSIDE_THE_LOCK = """
+import gc, sys, threading
+from eqx_ckpt import _tree
+
+def interrupted_enter():
+    # As a signal landing just as `__enter__` returns leaves it: the pause
+    # begun, the `with` never entered, so `__exit__` never runs. The paused
+    # frame keeps the suspended generator alive.
+    pause = _tree.gc_paused()
+    pause.__enter__()
+
+def next_pause():
+    # Dropping the pause of the returned frame frees that frame inside the
+    # lock; the generator's `finally` then resumes its own pause there.
+    other = _tree.GcPause()
+    other.begin(sys._getframe())
+    print("inside:", gc.isenabled(), len(_tree._active), flush=True)
+    other.resume()
+
+{where}
+print("after:", gc.isenabled(), len(_tree._active), flush=True)
+"""
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["caller", "background-thread"])
+def test_a_finalizer_that_resumes_a_pause_inside_the_lock_does_not_deadlock(thread):
+    """A signal arriving as `gc_paused().__enter__` returns leaves a suspended
+    generator whose `finally` resumes its pause. It was freed (or collected)
+    while `_GC_LOCK` was held by the next pause in the same thread, and that
+    thread then waited for ever on its own lock: an interrupted save in one
+    thread, and the next save (or an asynchronous save's thread) hung."""
+    where = "interrupted_enter()\nnext_pause()"
+    if thread:
+        where = "t = threading.Thread(target=lambda: (interrupted_enter(), next_pause()))\nt.start()\nt.join()"
+    code = _FINALIZER_INSIDE_THE_LOCK.format(where=where)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the next pause waited on its own lock (deadlock)")
+    assert done.returncode == 0, done.stderr
+    # The abandoned pause is gone once its frame is, the collector is off
+    # during the next pause and back on after it, and no exception was swallowed.
+    assert done.stdout.splitlines() == ["inside: False 1", "after: True 0"], done.stdout
+    assert "Exception ignored" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("held", [True, False], ids=["held", "custom-spec"])
 @pytest.mark.parametrize("fails", [False, True], ids=["commits", "fails"])
 def test_the_collector_stays_paused_until_the_background_part_ends(tmp_path, monkeypatch, held, fails):
