@@ -145,6 +145,12 @@ def _signal_state(pid: int) -> str:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, lambda *args: sys.exit(143))
+    # Python installs its Ctrl-C handler only where SIGINT is not ignored
+    # already, and a job a non-interactive shell starts in the background (`&`,
+    # as some CI runners do) inherits SIGINT ignored: the worker then went on
+    # after every SIGINT, and the campaign waited for it in vain. A training job
+    # in a terminal has Python's handler; so does the worker, whatever started it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # The parent asks for every thread's stack (on stderr) before it kills a
     # worker that did not exit: a hang is then reported with where it waits.
     faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -222,3 +222,24 @@ def test_interrupt_campaign(tmp_path, pool, rng, sig):
     pool.aborts = pool.resent = 0
     _report(signal.Signals(sig).name, outcomes)
     assert sum(v for k, v in outcomes.items() if "-hit-" in k) > 0
+
+
+def test_a_worker_started_with_sigint_ignored_still_stops_on_sigint(tmp_path):
+    """A non-interactive shell starts a background job (`cmd &`, as some CI
+    runners do) with SIGINT ignored, its children inherit that, and Python then
+    leaves SIGINT ignored instead of raising KeyboardInterrupt: the interrupt
+    campaign's worker went on after every SIGINT and the campaign hung (seen
+    twice, each time in a suite started in the background). The worker installs
+    Python's handler itself, so the campaign tests Ctrl-C whatever started it."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        worker = Worker()  # inherits SIGINT ignored, as under `pytest &`
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        worker.start("save", tmp_path / "ckpt", 1)
+        assert worker.finished_within(120) and worker.last == "done"
+        assert worker.kill(signal.SIGINT) in {-signal.SIGINT, 1}
+        assert not worker.resent, "the first SIGINT was not acted on"
+    finally:
+        worker.close()
