@@ -225,7 +225,7 @@ def encode(body: dict[str, Any]) -> bytes:
     body.pop("digest", None)
     leaves = body.pop("leaves")
     if not isinstance(leaves, list):  # as a damaged manifest (in tests) has it
-        text = json.dumps(body, allow_nan=False)[:-1].encode() + b',\n"leaves": ' + json.dumps(leaves).encode()
+        text = _head(body) + json.dumps(leaves).encode()
         return text + _tail(hashlib.sha256(text))
     return _encoded(body, leaves, None)
 
@@ -246,7 +246,7 @@ def _encoded(body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any
     strings, in which `},{"path"` cannot occur unescaped. The bytes are
     copied once, into the result.
     """
-    parts: list[Any] = [json.dumps(body, allow_nan=False)[:-1].encode() + b',\n"leaves": [']
+    parts: list[Any] = [_head(body) + b"["]
     for start in range(0, len(leaves), _BATCH):
         records = leaves[start : start + _BATCH]
         if to_json is not None:
@@ -266,6 +266,11 @@ def _encoded(body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any
     for part in parts:
         digest.update(part)
     return b"".join([*parts, _tail(digest)])
+
+
+def _head(body: dict[str, Any]) -> bytes:
+    """The start of a version 4 manifest, up to its `leaves` value."""
+    return json.dumps(body, allow_nan=False)[:-1].encode() + b',\n"leaves": '
 
 
 def _tail(digest: Any) -> bytes:

@@ -231,7 +231,7 @@ def test_records_encoded_in_batches_make_one_line_per_leaf(tmp_path, count):
     """Leaf records are encoded a batch at a time (the memory of one batch is
     reused for the next): across batch edges the manifest still has one line
     per leaf, in order, and the digest covers every byte. A key orjson refuses
-    in the second batch makes only that batch fall back to the standard encoder."""
+    in the last batch makes only that batch fall back to the standard encoder."""
     tree = {f"leaf{i:04d}": np.full(2, i, np.int32) for i in range(count)}
     bad = 2**70
     if count > _manifest._BATCH:
