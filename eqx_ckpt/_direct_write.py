@@ -1,14 +1,22 @@
 """Writing chunk files on a local disk without TensorStore, writeback started at once.
 
 The mirror of `_direct` (reads). A save to a local disk writes every chunk file
-of a leaf whose chunks split only its first axis, and of every pack, itself:
-the chunk's bytes straight from the leaf's host buffer (no copy) and their
-crc32c, with one `writev`, by a small pool of threads. Right after each file is
-written, its writeback to the disk is started (`sync_file_range`), so the disk
-works while the save goes on; the flush before the commit (`_io.flush`) then
-waits only for what is still in flight. Through TensorStore, every file waited
-in the page cache until that flush, and the save took the time of writing into
-memory plus the time of writing to disk.
+of a leaf whose chunks split only its first axis, and of every pack, itself,
+by a small pool of threads, with the bytes' crc32c after them:
+
+- a leaf's chunk, straight from the leaf's host buffer with one `writev`; from
+  `UNBUFFERED_FROM` bytes on, past the page cache (`O_DIRECT`) where the file
+  system takes it, through a small staging buffer of the writing thread (or
+  straight from the buffer, where it is page-aligned);
+- a pack's chunk, gathered into that staging buffer a part at a time (one
+  NumPy copy of its members each) and written from there.
+
+Right after a file is written through the page cache, its writeback to the
+disk is started (`sync_file_range`), so the disk works while the save goes on;
+the flush before the commit (`_io.flush`) then waits only for what is still in
+flight. Through TensorStore, every file waited in the page cache until that
+flush, and the save took the time of writing into memory plus the time of
+writing to disk.
 
 The files are exactly what TensorStore's zarr3 driver writes for the metadata
 that TensorStore itself created (`zarr.json`, written first): a chunk file is
@@ -26,9 +34,13 @@ from __future__ import annotations
 import concurrent.futures
 import concurrent.futures.thread  # now: at interpreter exit its import fails
 import ctypes
+import errno
+import fcntl
 import functools
+import mmap
 import operator
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -95,52 +107,60 @@ def start_pack(
         # The members with elements in [lo, hi) (offsets increase, sizes are positive).
         first, last = int(np.searchsorted(stops, lo, "right")), int(np.searchsorted(starts, hi, "left"))
         chunk = _Chunk(members[first:last], starts[first:last], stops[first:last], lo, hi, dtype)
-        jobs.append((key, chunk.views))
+        jobs.append((key, functools.partial(_given, chunk)))
     return _start(loc, pack.name, f"pack `{pack.name}` (small leaves)", jobs)
+
+
+def _given(content: Any) -> Any:
+    return content
 
 
 class _Chunk:
     """One chunk of a pack, `[lo, hi)` in elements: `members` (host arrays) at
-    `[starts, stops)`, zeros between. Its writer makes the views to write.
-
-    Views of the members' own memory, not one buffer: a fresh buffer's pages
-    cost more to fault in than the copy itself (0.1 s for the 42 MB of ten
-    thousand leaves, in a new process here), and the kernel copies anyway."""
+    `[starts, stops)`, zeros between. Its writer gathers it into its staging
+    buffer, a part at a time (`part`, `gather`): a buffer reused from file to
+    file, as fresh pages cost more to fault in than the copy itself (0.1 s for
+    the 42 MB of ten thousand leaves, in a new process here)."""
 
     def __init__(self, members: list[Any], starts: np.ndarray, stops: np.ndarray, lo: int, hi: int, dtype: Any):
         self.members, self.starts, self.stops, self.lo, self.hi, self.dtype = members, starts, stops, lo, hi, dtype
 
-    def views(self) -> list[Any]:
-        itemsize = self.dtype.itemsize
-        if not self.members:
-            return [_zeros((self.hi - self.lo) * itemsize)]
-        if self.starts[0] >= self.lo and self.stops[-1] <= self.hi and not np.any(self.starts[1:] != self.stops[:-1]):
-            # Back to back, as most packs are (sizes of 64-byte multiples need no padding).
-            return [
-                _zeros((int(self.starts[0]) - self.lo) * itemsize),
-                *[self._bytes(member) for member in self.members],
-                _zeros((self.hi - int(self.stops[-1])) * itemsize),
-            ]
-        views: list[Any] = []
-        position = self.lo
-        for member, start, stop in zip(self.members, self.starts.tolist(), self.stops.tolist(), strict=True):
-            view = self._bytes(member)
-            # Cut at the chunk's edges.
-            view = view[max(0, self.lo - start) * itemsize : (min(stop, self.hi) - start) * itemsize]
-            start = max(start, self.lo)
-            views.append(_zeros((start - position) * itemsize))
-            views.append(view)
-            position = start + len(view) // itemsize
-        views.append(_zeros((self.hi - position) * itemsize))
-        return views
+    @property
+    def nbytes(self) -> int:
+        return (self.hi - self.lo) * self.dtype.itemsize
 
-    def _bytes(self, member: Any) -> memoryview:
-        if type(member) is np.ndarray and member.dtype == self.dtype and member.flags.c_contiguous:
+    def part(self, lo: int, hi: int) -> _Chunk:
+        """The elements `[lo, hi)` of this chunk, as a chunk of their own."""
+        first = int(np.searchsorted(self.stops, lo, "right"))
+        last = int(np.searchsorted(self.starts, hi, "left"))
+        return _Chunk(self.members[first:last], self.starts[first:last], self.stops[first:last], lo, hi, self.dtype)
+
+    def gather(self, out: np.ndarray) -> None:
+        """Write the chunk's bytes into `out` (uint8, at least `nbytes` long)."""
+        lo = self.lo
+        members, starts, stops = list(self.members), self.starts.tolist(), self.stops.tolist()
+        if members and starts[0] < lo:  # begins in the chunk before
+            members[0], starts[0] = _flat(members[0], self.dtype)[lo - starts[0] :], lo
+        if members and stops[-1] > self.hi:  # ends in the chunk after
+            members[-1], stops[-1] = _flat(members[-1], self.dtype)[: self.hi - starts[-1]], self.hi
+        elements = out[: self.nbytes].view(self.dtype)
+        if not members:
+            elements[:] = 0
+            return
+        first, last = starts[0] - lo, stops[-1] - lo
+        elements[:first] = 0
+        elements[last:] = 0
+        if starts[1:] == stops[:-1]:
+            # Back to back, as most packs are (sizes of 64-byte multiples need no
+            # padding): one copy of every member, without a Python step each.
             try:
-                return memoryview(member).cast("B")  # type: ignore[arg-type]
-            except (TypeError, ValueError):  # a dtype the buffer protocol lacks (bfloat16, float8...)
+                np.concatenate(members, axis=None, out=elements[first:last], casting="no")
+                return
+            except TypeError:  # a member of another byte order: copied one by one, below
                 pass
-        return _bytes_of(member, self.dtype).data
+        elements[first:last] = 0
+        for member, start, stop in zip(members, starts, stops, strict=True):
+            elements[start - lo : stop - lo] = _flat(member, self.dtype)
 
 
 def _bytes_of(piece: Any, dtype: Any) -> np.ndarray:
@@ -150,6 +170,11 @@ def _bytes_of(piece: Any, dtype: Any) -> np.ndarray:
     dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
     array = np.asarray(piece).astype(dtype, casting="equiv", copy=False)
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def _flat(piece: Any, dtype: np.dtype) -> np.ndarray:
+    """A host piece's elements as a flat array of the stored `dtype` (little-endian)."""
+    return np.asarray(piece).astype(dtype, casting="equiv", copy=False).reshape(-1)
 
 
 def _start(
@@ -178,20 +203,16 @@ def _run_now(job: Callable[[], None]) -> concurrent.futures.Future[None]:
     return future
 
 
-def _write_chunk(folder: str, directory: str, key: str, what: str, make: Callable[[], list[Any]]) -> None:
-    """One chunk file: the bytes `make()` gives, then their crc32c."""
-    views = make()
-    checksum = 0
-    for view in views:
-        checksum = crc32c.crc32c(view, checksum)
-    views.append(checksum.to_bytes(4, "little"))
+def _write_chunk(folder: str, directory: str, key: str, what: str, make: Callable[[], Any]) -> None:
+    """One chunk file: the bytes `make()` gives (a list of views, or a pack's
+    `_Chunk`), then their crc32c."""
+    content = make()
     path = os.path.join(folder, *key.split("/"))
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, _FLAGS, 0o666)
         try:
-            _write_all(fd, views)
-            _start_writeback(fd)
+            _write_all(fd, content)
         finally:
             os.close(fd)
     except OSError as e:
@@ -199,14 +220,189 @@ def _write_chunk(folder: str, directory: str, key: str, what: str, make: Callabl
         raise OSError(e.errno, f"{e.strerror}: cannot write chunk file {name!r} of {what}") from None
 
 
-def _write_all(fd: int, views: list[Any]) -> None:
+def _write_all(fd: int, content: Any) -> None:
+    """Write `content` (a pack's `_Chunk`, or a list of views) and its crc32c
+    into the new file `fd`, its writeback started at once.
+
+    A pack's chunk is gathered into the writer's stage, a part at a time, and
+    written from there: one copy of its members by NumPy, instead of a view
+    and a checksum call for each of them (ten thousand small leaves in 42 MB:
+    median save 0.20 s against 0.24 s, fresh processes). A file of
+    `UNBUFFERED_FROM` bytes or more goes past the page cache where the file
+    system allows it (`_write_unbuffered`): copying 3 GB into fresh page cache
+    cost more than the disk's own time (median save of `large` 1.5 s against
+    3.7 s). Anything else is written from its views with one `writev`."""
+    if isinstance(content, _Chunk):
+        staged = _Staged(fd, direct=False)
+        step = STAGE_BYTES // content.dtype.itemsize
+        for lo in range(content.lo, content.hi, step):
+            staged.gather(content.part(lo, min(lo + step, content.hi)))
+        staged.finish()
+        _start_writeback(fd)
+        return
+    if sum(len(view) for view in content) >= UNBUFFERED_FROM and _set_direct(fd, True):
+        try:
+            _write_unbuffered(fd, content)
+            return
+        except _NotUnbuffered:
+            # Refused (an alignment this device does not take): written again,
+            # from the start, through the page cache.
+            _set_direct(fd, False)
+            os.ftruncate(fd, 0)
+    checksum = 0
+    for view in content:
+        checksum = crc32c.crc32c(view, checksum)
+    _write_buffered(fd, [*content, checksum.to_bytes(_CHECKSUM, "little")])
+    _start_writeback(fd)
+
+
+def _write_buffered(fd: int, views: list[Any]) -> None:
     views = [v for v in views if len(v)]
+    offset = 0
     while views:
-        n = os.writev(fd, views[:_IOV_MAX])
+        n = os.pwritev(fd, views[:_IOV_MAX], offset)
+        offset += n
         while views and n >= len(views[0]):
             n -= len(views.pop(0))
         if n:
             views[0] = memoryview(views[0])[n:]
+
+
+# Unbuffered (`O_DIRECT`) writes go from memory straight to the disk: every
+# write starts at a file offset, and from a memory address, that are multiples
+# of `_BLOCK`, and is a multiple of it long. The bytes are gathered into a
+# staging buffer of each writer thread (`STAGE_BYTES`), or written from the
+# source itself where it is aligned. Smaller files go through the page cache:
+# their writeback runs while the save goes on, where an unbuffered write waits
+# for the disk (`small`'s 4 MB packs: median save 0.17 s unbuffered against
+# 0.13 s).
+UNBUFFERED_FROM = 8 << 20
+_BLOCK = 4096
+# A stage's fresh pages are paid for once per thread: small, and kept.
+STAGE_BYTES = 1 << 20
+_CHECKSUM = 4
+# From this many bytes, a view is copied by NumPy (without the GIL).
+_BIG_COPY = 64 << 10
+
+
+class _NotUnbuffered(Exception):
+    """This file cannot be written unbuffered after all."""
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn `O_DIRECT` on or off for `fd`; whether it is now as asked (a file
+    system without direct I/O refuses it, and that file is written buffered)."""
+    direct = getattr(os, "O_DIRECT", 0)
+    if not direct:
+        return not on
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | direct) if on else (flags & ~direct))
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            return not on
+        raise
+    return True
+
+
+def _write_unbuffered(fd: int, views: list[Any]) -> None:
+    """Write `views` and their crc32c through `fd` (`O_DIRECT`), then cut the
+    file to their length (its last write is padded to a whole block)."""
+    staged = _Staged(fd, direct=True)
+    for view in views:
+        staged.copy(view)
+    staged.finish()
+
+
+class _Staged:
+    """One file written from the stage: bytes are staged until it is full, then
+    written (unbuffered with `direct`); their crc32c follows them."""
+
+    def __init__(self, fd: int, *, direct: bool):
+        self.fd, self.direct = fd, direct
+        self.stage, self.staged = _stage()
+        self.pos = self.offset = self.checksum = 0
+
+    def gather(self, part: _Chunk) -> None:
+        """Stage a part of a pack's chunk (it fits in what is left)."""
+        part.gather(self.staged[self.pos :])
+        self.pos += part.nbytes
+        self._flush_if_full()
+
+    def copy(self, view: Any) -> None:
+        n, start = len(view), 0
+        if self.direct and self.pos == 0 and n >= STAGE_BYTES and _address(view) % _BLOCK == 0:
+            # Aligned already (a page-aligned host buffer): written as it is.
+            start = n - n % _BLOCK
+            self._write(memoryview(view)[:start])
+        while start < n:
+            k = min(n - start, STAGE_BYTES - self.pos)
+            if k >= _BIG_COPY:
+                np.copyto(self.staged[self.pos : self.pos + k], np.frombuffer(view, np.uint8, k, start))
+            else:
+                self.stage[self.pos : self.pos + k] = view[start : start + k]
+            self.pos, start = self.pos + k, start + k
+            self._flush_if_full()
+
+    def finish(self) -> None:
+        """Write what is staged and the checksum, and end the file there."""
+        stage, pos = self.stage, self.pos
+        checksum = crc32c.crc32c(stage[:pos], self.checksum).to_bytes(_CHECKSUM, "little")
+        if pos + _CHECKSUM > STAGE_BYTES:
+            # No room left for the checksum: out with the whole blocks first.
+            whole = pos - pos % _BLOCK
+            _pwrite(self.fd, stage[:whole], self.offset, direct=self.direct)
+            stage[: pos - whole] = stage[whole:pos]
+            pos, self.offset = pos - whole, self.offset + whole
+        stage[pos : pos + _CHECKSUM] = checksum
+        pos += _CHECKSUM
+        if not self.direct:
+            _pwrite(self.fd, stage[:pos], self.offset, direct=False)
+            return
+        padded = -(-pos // _BLOCK) * _BLOCK
+        stage[pos:padded] = _zero_block(_BLOCK)[: padded - pos]
+        _pwrite(self.fd, stage[:padded], self.offset, direct=True)
+        os.ftruncate(self.fd, self.offset + pos)
+
+    def _flush_if_full(self) -> None:
+        if self.pos == STAGE_BYTES:
+            self._write(self.stage)
+            self.pos = 0
+
+    def _write(self, view: memoryview) -> None:
+        self.checksum = crc32c.crc32c(view, self.checksum)
+        _pwrite(self.fd, view, self.offset, direct=self.direct)
+        self.offset += len(view)
+
+
+def _pwrite(fd: int, view: memoryview, offset: int, *, direct: bool) -> None:
+    while len(view):
+        try:
+            n = os.pwrite(fd, view, offset)
+        except OSError as e:
+            if direct and e.errno == errno.EINVAL:
+                raise _NotUnbuffered from None
+            raise
+        if direct and n % _BLOCK and n < len(view):
+            raise _NotUnbuffered  # what is left would start off a block boundary
+        view, offset = view[n:], offset + n
+
+
+def _address(view: Any) -> int:
+    return int(np.frombuffer(view, np.uint8).ctypes.data) if len(view) else 0
+
+
+_STAGES = threading.local()
+
+
+def _stage() -> tuple[memoryview, np.ndarray]:
+    """This thread's staging buffer (page-aligned anonymous memory, kept for
+    the thread's next file), as a memoryview and as a NumPy array."""
+    stage = getattr(_STAGES, "buffer", None)
+    if stage is None or len(stage[0]) != STAGE_BYTES:
+        memory = mmap.mmap(-1, STAGE_BYTES)
+        stage = _STAGES.buffer = (memoryview(memory), np.frombuffer(memory, np.uint8))
+    return stage
 
 
 @functools.lru_cache(maxsize=8)
@@ -215,7 +411,7 @@ def _zero_block(size: int) -> memoryview:
 
 
 def _zeros(size: int) -> memoryview:
-    """`size` zero bytes (a shared block for the small gaps between packed leaves)."""
+    """`size` zero bytes (a shared block when they are few: the padding of a leaf's edge chunk)."""
     return _zero_block(64)[:size] if size <= 64 else memoryview(bytearray(size))
 
 

@@ -25,6 +25,14 @@ from eqx_ckpt._source import open_source
 pytestmark = pytest.mark.skipif(not _direct_write._direct.SUPPORTED, reason="no direct writes on this host")
 
 
+@pytest.fixture(params=["unbuffered", "buffered"])
+def either_way(request, monkeypatch):
+    """A leaf's chunk files written past the page cache (`O_DIRECT`, which this
+    file system takes), whatever their size, or through it."""
+    monkeypatch.setattr(_direct_write, "UNBUFFERED_FROM", 0 if request.param == "unbuffered" else 2**62)
+    return request.param
+
+
 @pytest.fixture
 def own_folders(monkeypatch):
     """Every leaf in its own folder, in chunks of at most 1 KiB."""
@@ -53,7 +61,7 @@ def _written_by_tensorstore(tmp_path, spec_of, stored: np.ndarray, folder: str =
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int8, np.bool_, np.complex64, np.float64])
 @pytest.mark.parametrize("shape", [(1001, 3), (4099,), (101, 5, 3), (7,)])
-def test_a_leafs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, own_folders, dtype, shape):
+def test_a_leafs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, own_folders, either_way, dtype, shape):
     x = values(shape, dtype)
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", {"model": {"w": x}})
     data = open_source(tmp_path / "ckpt").data
@@ -101,7 +109,7 @@ BACK_TO_BACK = [16, 32, 1024, 48, 512, *([16] * 40), 0, 2048, 160]
 
 
 @pytest.mark.parametrize("sizes", [PADDED, BACK_TO_BACK], ids=["padded", "back-to-back"])
-def test_a_packs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, monkeypatch, sizes):
+def test_a_packs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, monkeypatch, either_way, sizes):
     # Chunks of 4 KiB: up to 64 leaves in one chunk, and leaves across chunk boundaries.
     monkeypatch.setattr(_pack, "PACK_CHUNK_BYTES", 4096)
     tree = {f"l{i}": values((n,), np.float32, seed=i) for i, n in enumerate(sizes)}
@@ -257,3 +265,166 @@ def test_settling_a_write_that_raised_an_interrupt_in_its_thread_waits_once():
         except BaseException as e:  # a looping settle raises the stored interrupt at last
             raised = e
         assert (future.calls, raised) == (1, None), error
+
+
+# Unbuffered (`O_DIRECT`) writes: a small stage here, so that files cross it,
+# end just short of it (no room for the checksum) and start on aligned sources.
+_STAGE = 2 * 4096
+
+
+@pytest.fixture
+def small_stage(monkeypatch):
+    monkeypatch.setattr(_direct_write, "UNBUFFERED_FROM", 0)
+    monkeypatch.setattr(_direct_write, "STAGE_BYTES", _STAGE)
+    monkeypatch.setattr(_direct_write, "_BIG_COPY", 1000)  # NumPy's copy, too
+
+
+@pytest.fixture
+def unbuffered_calls(monkeypatch):
+    """The files written unbuffered (their descriptors), as they are written."""
+    calls = []
+    write = _direct_write._write_unbuffered
+
+    def spy(fd, content):
+        write(fd, content)
+        calls.append(fd)
+
+    monkeypatch.setattr(_direct_write, "_write_unbuffered", spy)
+    return calls
+
+
+def _chunks_of(path: pathlib.Path) -> dict[str, bytes]:
+    """The chunk files of a checkpoint (its manifest differs from save to save)."""
+    return {name: data for name, data in _files(path).items() if "/c/" in f"/{name}"}
+
+
+def _page_aligned(data: bytes) -> memoryview:
+    import mmap
+
+    memory = mmap.mmap(-1, len(data))
+    memory[:] = data
+    return memoryview(memory)
+
+
+def _write_new(path, views) -> bytes:
+    fd = os.open(path, _direct_write._FLAGS, 0o666)
+    try:
+        _direct_write._write_all(fd, views)
+    finally:
+        os.close(fd)
+    return pathlib.Path(path).read_bytes()
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[0], [1], [4095], [4096], [_STAGE - 4], [_STAGE - 3], [_STAGE - 1], [_STAGE], [_STAGE + 1], [3, _STAGE - 5],
+     [5000, 5000, 5000], [100] * 300, [3 * _STAGE + 17], [0, 7, 0]],
+)  # fmt: skip
+@pytest.mark.parametrize("aligned", [False, True], ids=["copied", "page-aligned"])
+def test_an_unbuffered_file_is_its_bytes_then_their_crc32c(tmp_path, small_stage, unbuffered_calls, sizes, aligned):
+    import crc32c
+
+    rng = np.random.default_rng(len(sizes) * 1000 + sum(sizes))
+    parts = [rng.integers(0, 256, n, np.uint8).tobytes() for n in sizes]
+    views = [_page_aligned(p) if aligned and len(p) else memoryview(p) for p in parts]
+    data = b"".join(parts)
+    assert _write_new(tmp_path / "f", views) == data + crc32c.crc32c(data).to_bytes(4, "little")
+    assert len(unbuffered_calls) == 1
+
+
+def test_a_file_system_that_refuses_unbuffered_writes_gets_buffered_ones(
+    tmp_path, monkeypatch, small_stage, unbuffered_calls
+):
+    """A file system without `O_DIRECT` (injected: `fcntl` refuses to set it, as
+    such a file system does) gets the same files through the page cache."""
+    import fcntl
+
+    setfl = fcntl.fcntl
+
+    def refuse(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return setfl(fd, cmd, arg)
+
+    tree = _generation(4)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "unbuffered", tree)
+    assert unbuffered_calls
+    unbuffered_calls.clear()
+    monkeypatch.setattr(fcntl, "fcntl", refuse)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "buffered", tree)
+    assert unbuffered_calls == []
+    assert _chunks_of(tmp_path / "buffered") == _chunks_of(tmp_path / "unbuffered")
+    assert _loads_as(tmp_path / "buffered", 4)
+
+
+def test_a_write_refused_part_way_is_written_again_through_the_page_cache(tmp_path, monkeypatch, small_stage):
+    """A device that refuses an unbuffered write after the first (injected:
+    `EINVAL`, as an alignment it does not take gives) gets the whole file again,
+    buffered."""
+    pwrite, refused = os.pwrite, []
+
+    def second_refused(fd, data, offset):
+        import fcntl
+
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and offset > 0:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return pwrite(fd, data, offset)
+
+    tree = _generation(5)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "plain", tree)
+    monkeypatch.setattr(os, "pwrite", second_refused)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "refused", tree)
+    monkeypatch.undo()
+    assert refused, "no unbuffered write was refused"
+    assert _chunks_of(tmp_path / "refused") == _chunks_of(tmp_path / "plain")
+    assert _loads_as(tmp_path / "refused", 5)
+
+
+def test_a_failed_unbuffered_write_names_the_file_and_leaves_the_old_checkpoint_whole(
+    tmp_path, monkeypatch, small_stage
+):
+    path = tmp_path / "ckpt"
+    eqx_ckpt.tree_serialise_leaves(path, _generation(1))
+    before = sorted(os.listdir(path))
+    pwrite = os.pwrite
+
+    def full(fd, data, offset):
+        import fcntl
+
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(eqx_ckpt.CheckpointError, match=r"No space left on device: cannot write chunk file '.*/c/"):
+        eqx_ckpt.tree_serialise_leaves(path, _generation(2))
+    monkeypatch.undo()
+    assert _loads_as(path, 1)
+    assert sorted(os.listdir(path)) == before
+
+
+@pytest.mark.parametrize("sizes", [PADDED, BACK_TO_BACK], ids=["padded", "back-to-back"])
+@pytest.mark.parametrize("chunk", [1000, 2048, 5003])
+def test_a_packs_chunk_gathered_in_the_stage_is_its_bytes_then_their_crc32c(tmp_path, small_stage, sizes, chunk):
+    """Gathered part by part into the stage (parts of 2048 elements here), a
+    pack's chunk is exactly its elements: members cut at the chunk's and the
+    parts' edges, zeros between, one member big-endian."""
+    import crc32c
+
+    members = [values((n,), np.float32, seed=i) for i, n in enumerate(sizes) if n]
+    members[len(members) // 2] = members[len(members) // 2].astype(">f4")
+    step = _pack.ALIGN_BYTES // 4
+    starts = np.cumsum([0] + [-(-m.size // step) * step for m in members[:-1]])
+    stops = starts + [m.size for m in members]
+    total = int(stops[-1])
+    pack = np.zeros(-(-total // chunk) * chunk, "<f4")
+    for member, start, stop in zip(members, starts, stops):
+        pack[start:stop] = member
+    for n, lo in enumerate(range(0, total, chunk)):
+        hi = lo + chunk
+        first, last = int(np.searchsorted(stops, lo, "right")), int(np.searchsorted(starts, hi, "left"))
+        part = _direct_write._Chunk(members[first:last], starts[first:last], stops[first:last], lo, hi, np.dtype("<f4"))
+        data = pack[lo:hi].tobytes()
+        written = _write_new(tmp_path / f"c{n}", part)
+        assert written == data + crc32c.crc32c(data).to_bytes(4, "little"), f"chunk {n}"
