@@ -166,14 +166,14 @@ class _Chunk:
 def _bytes_of(piece: Any, dtype: Any) -> np.ndarray:
     """The stored bytes of a host piece, as a flat uint8 array (a view when it is
     C-contiguous already). `dtype`: the stored dtype, or its name."""
-    # Little-endian, as the codec says: only the byte order may change here.
     dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
-    array = np.asarray(piece).astype(dtype, casting="equiv", copy=False)
-    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return np.ascontiguousarray(_flat(piece, dtype)).view(np.uint8)
 
 
 def _flat(piece: Any, dtype: np.dtype) -> np.ndarray:
-    """A host piece's elements as a flat array of the stored `dtype` (little-endian)."""
+    """A host piece's elements as a flat array of the stored `dtype` (a view
+    where it can be)."""
+    # Little-endian, as the codec says: only the byte order may change here.
     return np.asarray(piece).astype(dtype, casting="equiv", copy=False).reshape(-1)
 
 
