@@ -288,7 +288,7 @@ def save(
             # the writes all happen in the background.
             run = functools.partial(_prepare_and_write, loc, group, held, cast_fn, **options)
             return _start_background(run, exclusive, handoff)
-        batch = _write.Batch(pending)
+        batch = _write.Batch(pending, made=flat)
         tx, tracker = _begin_save(loc, group, batch, **options)
         run = functools.partial(_write_and_commit, tx, group, batch, metrics=metrics, tracker=tracker)
         if blocking:
@@ -371,7 +371,7 @@ def _prepare_and_write(loc: Location, group: _multihost.Group, held: _HeldTree, 
     flat = held.flat()
     pending = _collect(loc, flat, [_default_or_held] * len(flat), cast)
     _assign_packs(pending)
-    batch = _write.Batch(pending)
+    batch = _write.Batch(pending, made=flat)
     tx, tracker = _begin_save(loc, group, batch, **options)
     with tracker:
         _write_and_commit(tx, group, batch, metrics=options["metrics"], tracker=tracker)
@@ -481,6 +481,7 @@ def _write_and_commit(
             # While the data is being written (the manifest of ten thousand
             # leaves takes about 25 ms to encode).
             error = _write.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, metrics)))
+        batch.free()
         _write.follow(writing, tracker)
         tracker.describe("save: committing")
         error = _write.wait_all(commits, error)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import weakref
 
 import equinox as eqx
 import jax
@@ -402,3 +403,62 @@ def test_is_leaf_with_an_asynchronous_save(tmp_path):
     pending.wait()
     # The tuple is one leaf, which the default filter spec skips.
     assert list(eqx_ckpt.Checkpoint(tmp_path)) == ["w"]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_the_records_are_freed_while_the_writes_keep_their_data(where, tmp_path, monkeypatch, request):
+    """A save frees its records and host views once the manifest is encoded,
+    before its writes finish (`Batch.free`). The writes keep their own
+    references to what they still need: the private copies of an asynchronous
+    save's NumPy arrays (a custom filter spec, so the batch alone holds them)
+    outlive the batch while eqx_ckpt's own chunk writers wait (TensorStore, on
+    S3, may have encoded them already), and what is saved is what the caller
+    had, though it changed its arrays and new arrays took the freed memory."""
+    freed, release = threading.Event(), threading.Event()
+    free = _write.Batch.free
+
+    def spy(self):
+        free(self)
+        freed.set()
+
+    monkeypatch.setattr(_write.Batch, "free", spy)
+    if where == "local":
+        from eqx_ckpt import _direct_write
+
+        write_all = _direct_write._write_all
+
+        def held_back(fd, content):
+            assert release.wait(timeout=60)
+            write_all(fd, content)
+
+        monkeypatch.setattr(_direct_write, "_write_all", held_back)
+        path = tmp_path
+    else:
+        s3 = request.getfixturevalue("s3")
+        path = request.getfixturevalue("store")
+        s3.gate.open.clear()
+        release = s3.gate.open
+    copies = []
+    private_copies = _write.private_copies
+
+    def kept(pending):
+        private_copies(pending)
+        copies.extend(weakref.ref(piece) for p in pending for _, piece in p.pieces)
+
+    monkeypatch.setattr(_write, "private_copies", kept)
+    tree = {"w": np.arange(4096, dtype=np.float32), "b": np.full(3, 7, dtype=np.int64)}
+    expected = jax.tree.map(np.copy, tree)
+    pending = eqx_ckpt.tree_serialise_leaves(path, tree, lambda handle, x: handle.write(x), blocking=False)
+    assert freed.wait(timeout=60) and not pending.done()
+    tree["w"][...] = -1.0
+    tree["b"][...] = -1
+    gc.collect()
+    assert len(copies) == 2
+    if where == "local":
+        assert all(ref() is not None for ref in copies)  # held by the waiting chunk writers alone
+    junk = [np.full(n, -5, dtype) for n, dtype in [(4096, np.float32), (3, np.int64)] * 100]
+    release.set()
+    pending.wait()
+    out = eqx_ckpt.tree_deserialise_leaves(path, expected)
+    assert eqx.tree_equal(out, expected, typematch=True)
+    del junk

@@ -3,6 +3,9 @@ general path gives."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -10,7 +13,7 @@ import numpy as np
 import pytest
 from arrays import values
 
-from eqx_ckpt import LeafHandle, _write
+from eqx_ckpt import LeafHandle, _pack, _write
 
 DTYPES = [
     np.float32, np.float64, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
@@ -99,3 +102,23 @@ def test_kinds_are_remembered_by_type():
     assert _write.plain(np.arange(3.0).view(Sub), "w", [["key", "w"]], True) is None
     assert _write.plain(jnp.ones(2), "w", [["key", "w"]], True).record.type == "jax"
     assert _write.prepare(handle, np.arange(3.0).view(Sub), None, primary=True).record.type == "numpy"
+
+
+def test_a_freed_batch_is_empty_and_refuses_to_give_records():
+    """Once freed, a batch holds nothing and asking for its records is an
+    internal error, never an empty manifest."""
+    leaves = [jnp.arange(n, dtype=jnp.float32) for n in (3, 5000, 7)]
+    pending = [_write.plain(x, f"x{i}", [["key", f"x{i}"]], True) for i, x in enumerate(leaves)]
+    _pack.assign([p.record for p in pending], [_pack.packable(p.record, p.pieces) for p in pending])
+    flat = [((), x) for x in leaves]
+    batch = _write.Batch(pending, made=flat)
+    assert [r.path for r in batch.records()] == ["x0", "x1", "x2"]
+    assert batch.packs and batch.nbytes == sum(x.nbytes for x in leaves)
+    views = [weakref.ref(p.pieces[0][1]) for p in pending]  # NumPy views of the jax.Arrays
+    batch.free()
+    # The save's own lists are emptied with it (`pending` is the batch's).
+    assert batch.pending == [] and pending == [] and batch.own == [] and batch.packs == [] and flat == []
+    gc.collect()
+    assert all(view() is None for view in views)  # nothing else held the host views
+    with pytest.raises(RuntimeError, match="after they were freed"):
+        batch.records()
