@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from arrays import values
 
-from eqx_ckpt import LeafHandle, _pack, _write
+from eqx_ckpt import LeafHandle, _serialise, _write
 
 DTYPES = [
     np.float32, np.float64, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
@@ -109,7 +109,7 @@ def test_a_freed_batch_is_empty_and_refuses_to_give_records():
     internal error, never an empty manifest."""
     leaves = [jnp.arange(n, dtype=jnp.float32) for n in (3, 5000, 7)]
     pending = [_write.plain(x, f"x{i}", [["key", f"x{i}"]], True) for i, x in enumerate(leaves)]
-    _pack.assign([p.record for p in pending], [_pack.packable(p.record, p.pieces) for p in pending])
+    _serialise._assign_packs(pending)
     flat = [((), x) for x in leaves]
     batch = _write.Batch(pending, made=flat)
     assert [r.path for r in batch.records()] == ["x0", "x1", "x2"]
