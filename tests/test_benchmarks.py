@@ -8,13 +8,14 @@ import pathlib
 import sys
 
 import equinox as eqx
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # benchmarks/ is a folder at the repository root, not part of the installed package.
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import contenders, report, run, workload  # noqa: E402
+from benchmarks import contenders, report, run, warm_memory, workload  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +183,26 @@ def test_the_worker_reports_its_own_failure(tmp_path):
     result = run.run_job(job, timeout=600)
     assert result["error"].startswith("FileNotFoundError"), result
     assert "Traceback" in result["traceback"] and "seconds" not in result
+
+
+def test_warm_memory_measures_every_kind_after_each_warm_up_and_cleans_up(tmp_path):
+    rows = warm_memory.main(["--workload", "tiny", "--rounds", "1", "--dir", str(tmp_path)])
+    assert sorted((r["kind"], r["contender"]) for r in rows) == sorted(
+        (kind, name) for kind in warm_memory.KINDS for name in warm_memory.NAMES
+    )
+    for row in rows:
+        assert row["seconds"] > 0 and row["system"] >= 0, row
+    assert not any(tmp_path.iterdir())
+
+
+def test_warm_memory_reads_files_whole_and_touches_every_page(tmp_path):
+    rng = np.random.default_rng(0)
+    contents = [rng.bytes(warm_memory.PIECE + 3), b"", rng.bytes(5)]
+    names = []
+    for i, data in enumerate(contents):
+        names.append(str(tmp_path / f"f{i}"))
+        pathlib.Path(names[-1]).write_bytes(data)
+    buffers = warm_memory.read_files(names)
+    assert [bytes(b[: len(data)]) for b, data in zip(buffers, contents)] == contents
+    touched = np.frombuffer(warm_memory.touch(3 * warm_memory.PAGE + 1), np.uint8)
+    assert touched[:: warm_memory.PAGE].tolist() == [1, 1, 1, 1] and touched.sum() == 4
