@@ -72,23 +72,19 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
 
 def read_files(names: list[str]) -> list[mmap.mmap]:
     """Every file in `names` read into a fresh anonymous mapping of its size."""
-    buffers = [mmap.mmap(-1, max(os.path.getsize(name), 1)) for name in names]
+    sizes = [os.path.getsize(name) for name in names]
+    buffers = [mmap.mmap(-1, max(size, 1)) for size in sizes]
     pieces = [
-        (name, buffer, offset)
-        for name, buffer in zip(names, buffers, strict=True)
-        for offset in range(0, os.path.getsize(name), PIECE)
+        (name, memoryview(buffer)[offset : min(offset + PIECE, size)], offset)
+        for name, buffer, size in zip(names, buffers, sizes, strict=True)
+        for offset in range(0, size, PIECE)
     ]
 
-    def read(piece: tuple[str, mmap.mmap, int]) -> None:
-        name, buffer, offset = piece
-        view = memoryview(buffer)[offset : offset + PIECE]
+    def read(piece: tuple[str, memoryview, int]) -> None:
+        name, view, offset = piece
         fd = os.open(name, os.O_RDONLY)
         try:
-            while len(view):
-                n = os.preadv(fd, [view], offset)
-                if n <= 0:
-                    break
-                view, offset = view[n:], offset + n
+            contenders._pread_all(fd, view, offset)
         finally:
             os.close(fd)
 
