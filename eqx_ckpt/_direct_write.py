@@ -101,7 +101,7 @@ def start_pack(
     stops = starts + np.fromiter((size for _, size, _ in placed), np.int64, len(placed))
     members = [piece for _, _, piece in placed]
     dtype = dtype_from_name(pack.dtype)
-    jobs: list[tuple[str, Callable[[], list[Any]]]] = []
+    jobs: list[tuple[str, Callable[[], _Chunk]]] = []
     for n, key in enumerate(_direct.chunk_keys((pack.size,), (pack.chunk,))):
         lo, hi = n * pack.chunk, (n + 1) * pack.chunk
         # The members with elements in [lo, hi) (offsets increase, sizes are positive).
@@ -111,7 +111,7 @@ def start_pack(
     return _start(loc, pack.name, f"pack `{pack.name}` (small leaves)", jobs)
 
 
-def _given(content: Any) -> Any:
+def _given(content: _Chunk) -> _Chunk:
     return content
 
 
@@ -178,10 +178,10 @@ def _flat(piece: Any, dtype: np.dtype) -> np.ndarray:
 
 
 def _start(
-    loc: Location, directory: str, what: str, jobs: list[tuple[str, Callable[[], list[Any]]]]
+    loc: Location, directory: str, what: str, jobs: list[tuple[str, Callable[[], Any]]]
 ) -> list[concurrent.futures.Future[None]]:
-    """Write each chunk file `key` of `jobs` with the bytes its `make()` gives,
-    by the pool's threads. One future per file."""
+    """Write each chunk file `key` of `jobs` with what its `make()` gives (a
+    leaf's views, or a pack's `_Chunk`), by the pool's threads. One future per file."""
     folder = os.path.join(loc.local or "", directory) if directory else (loc.local or "")
     futures = []
     for key, make in jobs:
