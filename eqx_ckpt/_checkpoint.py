@@ -95,7 +95,13 @@ class Checkpoint(Mapping[str, Any]):
         except KeyError:
             raise CheckpointKeyError(self._missing(key), path=self.path) from None
 
-    def _missing(self, key: str) -> str:
+    def _missing(self, key: Any) -> str:
+        if not isinstance(key, str):
+            return (
+                f"{key!r} is not a leaf of checkpoint {self.path!r}: leaves are named by their dotted "
+                f"paths, strings such as {next(iter(self._records), 'model.weight')!r}. "
+                f"`Checkpoint(path).keys()` lists them all."
+            )
         close = [k for k in self._records if k.startswith(key.split(".")[0])][:5]
         hint = f" Keys starting alike: {close}." if close else ""
         return f"{key!r} is not a leaf of checkpoint {self.path!r}.{hint} `Checkpoint(path).keys()` lists them all."

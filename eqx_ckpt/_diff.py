@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _chunks, _commit, _dtypes, _io, _layout
+from . import _chunks, _commit, _dtypes, _io, _layout, _read
 from ._checkpoint import describe
 from ._errors import CheckpointError
 from ._manifest import LeafRecord
@@ -154,7 +154,9 @@ def _compare_values(
     def read(pair: Any, index: tuple[slice, ...]) -> Callable[[], bool]:
         ra, rb, sa, sb = pair
         fa, fb = (s[index].read() if index else s.read() for s in (sa, sb))
-        return lambda: _same(_logical(_result(fa, ra, data_a), ra), _logical(_result(fb, rb, data_b), rb))
+        return lambda: _same(
+            _logical(_result(fa, ra, data_a), ra, data_a), _logical(_result(fb, rb, data_b), rb, data_b)
+        )
 
     def stop(path: str) -> Callable[[], bool]:
         return lambda: bool(errors) or path in differ
@@ -180,11 +182,11 @@ def _result(future: Any, record: LeafRecord, data: Location) -> np.ndarray:
         raise _io.leaf_io_error(e, record, data, "read") from e
 
 
-def _logical(array: np.ndarray, record: LeafRecord) -> np.ndarray:
-    """Stored bytes as the leaf's own dtype (undoing a cast on save)."""
-    if record.encoding == "plain" and record.type != "prng_key" and record.stored_dtype != record.dtype:
-        return array.astype(_dtypes.dtype_from_name(record.dtype))
-    return _dtypes.decode(array, record)
+def _logical(array: np.ndarray, record: LeafRecord, data: Location) -> np.ndarray:
+    """Stored bytes as the leaf's own dtype (undoing a cast on save: an error if
+    a stored value cannot become it)."""
+    dtype = None if record.type == "prng_key" else _dtypes.dtype_from_name(record.dtype)
+    return _read.host_converter(record, dtype, data)(array)
 
 
 def _same(x: np.ndarray, y: np.ndarray) -> bool:

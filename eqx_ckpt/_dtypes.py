@@ -4,6 +4,7 @@ comes back as the type of `like`'s leaf."""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -91,7 +92,8 @@ def decode(array: np.ndarray, record: Any) -> np.ndarray:
 def checked_cast(array: np.ndarray, dtype: Any) -> np.ndarray:
     """`array` converted to `dtype`, or `ValueError` saying why the values would
     change beyond rounding: an integer that does not fit, NaN or infinity into an
-    integer, a finite float beyond the target's range, a complex with an imaginary
+    integer, a finite value (float or integer) beyond a float target's range,
+    infinity or NaN into a float type without them, a complex with an imaginary
     part into a real type. Rounding to a narrower float, or an integer too large to
     be exact in a float, is what a cast means and is allowed."""
     target = np.dtype(dtype)
@@ -108,12 +110,44 @@ def checked_cast(array: np.ndarray, dtype: Any) -> np.ndarray:
         _check_integer_range(array, source, target)
     with np.errstate(over="ignore", invalid="ignore"):
         out = array.astype(target)
-    if goal in "fc" and source in "fc" and array.size:
-        overflowed = np.isinf(out) & ~np.isinf(array)
-        if np.any(overflowed):
-            value = np.asarray(array)[overflowed].flat[0].item()
-            raise ValueError(f"the value {value!r} is beyond the range of {target}")
+    if goal in "fc" and array.size:
+        if goal == "c":
+            _check_float_range(np.real(array), np.real(out), target)
+            _check_float_range(np.imag(array), np.imag(out), target)
+        else:
+            _check_float_range(array, out, target)
     return out
+
+
+def _check_float_range(before: np.ndarray, after: np.ndarray, target: np.dtype) -> None:
+    """`ValueError` unless each value of `after` (`before` cast to the real or
+    complex `target`) is its value rounded: a finite value beyond the largest of
+    `target` (by more than rounding) becomes infinity in IEEE types, NaN in the
+    float8 types without infinity and the largest value in `float4_e2m1fn`;
+    infinity and NaN become NaN or a number in the types without them; a
+    negative value becomes NaN in the unsigned `float8_e8m0fnu`."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        values = np.asarray(before).astype(np.float64)
+        got = np.asarray(after).astype(np.float64)
+    nan = np.isnan(values)
+    finite = np.isfinite(values)
+    changed = (nan != np.isnan(got)) | (np.isinf(values) & (got != values))
+    changed |= finite & (~np.isfinite(got) | (np.abs(values) >= _overflow_limit(target)))
+    changed |= finite & (values < 0) & (got > 0)
+    if np.any(changed):
+        value = np.asarray(before)[changed].flat[0].item()
+        raise ValueError(f"the value {value!r} is beyond the range of {target}")
+
+
+@functools.lru_cache(maxsize=64)
+def _overflow_limit(target: np.dtype) -> float:
+    """The magnitude from which a value no longer rounds to the largest finite
+    value of the real part of `target`: that value plus half its spacing."""
+    real = np.dtype(np.real(np.zeros(1, target)).dtype)
+    info = ml_dtypes.finfo(real)
+    largest = float(info.max)
+    with np.errstate(over="ignore"):
+        return float(np.float64(largest) + np.float64(2.0 ** (math.floor(math.log2(largest)) - int(info.nmant) - 1)))
 
 
 def _kind(dtype: np.dtype) -> str:
@@ -202,13 +236,18 @@ def compatible(record: Any, like: Any) -> str | None:
 
 
 def to_result(array: np.ndarray, like: Any, *, sharding: Any = None) -> Any:
-    """A host array (already decoded) as the type `like` asks for."""
+    """A host array (already decoded) as the type `like` asks for; `ValueError`
+    if `like` is a Python scalar that cannot hold its value exactly."""
     if isinstance(like, np.ndarray):
         return array
     if isinstance(like, np.generic):
         return type(like)(array[()])
     if isinstance(like, (bool, int, float, complex)):
-        return type(like)(array.item())
+        value = array.item()
+        out = type(like)(value)
+        if isinstance(value, int) and out != value:  # an integer beyond 2**53 into a float
+            raise ValueError(f"{value} would become {out!r}")
+        return out
     # `device_put` makes one copy; `jnp.asarray` of a NumPy array briefly holds two.
     return jax.device_put(array, sharding)
 
@@ -224,6 +263,17 @@ def keep_weak_type(value: Any, like: Any) -> Any:
     except ImportError:  # a JAX without it: the value is right, only the flag is lost
         return value
     return _convert_element_type(value, weak_type=True)
+
+
+@functools.lru_cache(maxsize=32)
+def key_data_shape(impl: str) -> tuple[int, ...] | None:
+    """The trailing shape of the key data of one PRNG key of the implementation
+    named `impl` ("threefry2x32": `(2,)`), or `None` if JAX has no such one."""
+    try:
+        key = jax.eval_shape(lambda: jax.random.key(0, impl=impl))
+        return tuple(jax.eval_shape(jax.random.key_data, key).shape)
+    except Exception:
+        return None
 
 
 def wrap_keys(data: jax.Array, impl: str) -> jax.Array:

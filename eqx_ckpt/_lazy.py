@@ -139,11 +139,10 @@ class LazyArray:
             self._check()
             raise _io.leaf_io_error(e, self._record, self._loc, "read") from e
         self._check()
-        array = _dtypes.decode(array, self._record)
-        # A leaf cast on save reads back in the dtype it was saved from, as `dtype` says.
-        if self._record.type != "prng_key" and array.dtype != self.dtype:
-            array = array.astype(self.dtype)
-        return array
+        # A leaf cast on save reads back in the dtype it was saved from, as `dtype`
+        # says (an error if a stored value cannot become it).
+        dtype = None if self._record.type == "prng_key" else self.dtype
+        return _read.host_converter(self._record, dtype, self._loc)(array)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         array = self[...]

@@ -486,6 +486,10 @@ def _parse_leaf(item: Any, packs: dict[str, PackRecord], *, lean: bool, checked:
     if len(chunks) != len(stored_shape) or 0 in chunks:
         raise ValueError("`chunks` must give a positive size for every stored dimension")
     _check_consistent(kind, encoding, shape, stored_shape, chunks)
+    if kind == "prng_key":
+        _check_key_data(impl, shape, stored_shape, stored_dtype)
+    elif impl:
+        raise ValueError(f"a {kind} leaf has no PRNG implementation (`impl` {impl[:50]!r})")
     pack, offset = None, 0
     if "pack" in item:
         pack, offset = packs.get(item["pack"]), item["offset"]
@@ -516,6 +520,21 @@ def _check_consistent(
         raise ValueError(f"`stored_shape` {list(stored)} differs from `shape` {list(shape)}")
     if any(c > max(1, n) for c, n in zip(chunks, stored)):
         raise ValueError(f"`chunks` {list(chunks)} are larger than the array {list(stored)}")
+
+
+def _check_key_data(impl: str, shape: tuple[int, ...], stored: tuple[int, ...], stored_dtype: str) -> None:
+    """A PRNG key leaf names an implementation JAX has, and its stored key data
+    has that implementation's shape and dtype."""
+    from ._dtypes import key_data_shape
+
+    key_shape = key_data_shape(impl) if len(impl) <= 100 else None
+    if key_shape is None:
+        raise ValueError(f"unknown PRNG implementation {impl[:100]!r}")
+    if stored != shape + key_shape or stored_dtype != "uint32":
+        raise ValueError(
+            f"the key data of {impl!r} keys of shape {list(shape)} is uint32 of shape "
+            f"{list(shape + key_shape)}, not {stored_dtype} of shape {list(stored)}"
+        )
 
 
 def _check_paths(records: list[LeafRecord], bad: Any) -> None:

@@ -3,7 +3,9 @@ and lists, built from the key paths the manifest records.
 
 For inspecting a checkpoint, or converting one whose code is gone. The structure
 comes from each leaf's recorded key path: sequence indices become lists, every
-other key (dict keys, attribute names) a dict key.
+other key (dict keys, attribute names) a dict key; keys of one container that
+cannot be sorted together (indices beside names, from a custom pytree node)
+become their names in dotted paths.
 """
 
 from __future__ import annotations
@@ -74,10 +76,11 @@ def _like(record: LeafRecord) -> Any:
     return jax.ShapeDtypeStruct(record.shape, dtype)
 
 
-def _plain_key(kind: str, value: Any) -> Any:
+def _plain_key(kind: str, value: Any) -> tuple[str, Any, str]:
     """Sequence indices stay ints (and become list positions); other keys keep
-    their value (attribute names and string dict keys as they are)."""
-    return ("index", value) if kind in ("index", "flat") else ("key", value)
+    their value (attribute names and string dict keys as they are). Last, the
+    key's name in dotted paths, for a dict whose keys cannot be sorted."""
+    return ("index" if kind in ("index", "flat") else "key", value, _keypath.stored_segment(kind, value))
 
 
 class _Node(dict):
@@ -97,9 +100,15 @@ def _finish(node: Any) -> Any:
     for indices too sparse to be a list, as a hostile manifest may claim)."""
     if not isinstance(node, _Node):
         return node
-    if all(kind == "index" for kind, _ in node) and max(i for _, i in node) < 2 * len(node) + 8:
-        out: list[Any] = [None] * (max(i for _, i in node) + 1)
-        for (_, i), child in node.items():
+    if all(kind == "index" for kind, _, _ in node) and max(i for _, i, _ in node) < 2 * len(node) + 8:
+        out: list[Any] = [None] * (max(i for _, i, _ in node) + 1)
+        for (_, i, _), child in node.items():
             out[i] = _finish(child)
         return out
-    return {key: _finish(child) for (_, key), child in node.items()}
+    try:
+        sorted(key for _, key, _ in node)
+    except TypeError:
+        # Keys JAX cannot sort (a custom node's indices beside names): each is
+        # named as in the dotted paths instead, which tells them apart.
+        return {name: _finish(child) for (_, _, name), child in node.items()}
+    return {key: _finish(child) for (_, key, _), child in node.items()}

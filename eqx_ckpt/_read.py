@@ -47,19 +47,38 @@ def host_converter(record: LeafRecord, dtype: Any, loc: Location) -> Callable[[n
         try:
             return _dtypes.checked_cast(array, dtype)
         except ValueError as e:
-            raise cast_error(loc, record, np.dtype(dtype), e) from None
+            raise cast_error(loc, record, array.dtype, np.dtype(dtype), e) from None
 
     return convert
 
 
-def cast_error(loc: Location, record: LeafRecord, dtype: np.dtype, why: Exception) -> LeafError:
+def cast_error(loc: Location, record: LeafRecord, source: np.dtype, dtype: np.dtype, why: Exception) -> LeafError:
+    """`source`: the dtype of the values converted (the stored one, for a leaf
+    cast on save)."""
+    stored = f"{source.name} (how this {record.dtype} leaf is stored)" if source.name != record.dtype else record.dtype
     return stored_leaf_error(
         LeafError,
-        f"cannot convert it from {record.dtype} to {dtype}: {why}.",
+        f"cannot convert it from {stored} to {dtype}: {why}.",
         dotted=record.path,
         path=loc.display,
         fix="Nothing was loaded. Load it into a `like` of a dtype that holds its values (or leave `cast` off).",
     )
+
+
+def scalar_result(loc: Location, record: LeafRecord, array: np.ndarray, like: Any) -> Any:
+    """`_dtypes.to_result` for a `like` leaf that is a Python scalar: a stored
+    value it cannot hold exactly (an integer beyond 2**53 as a `float`) is an error."""
+    try:
+        return _dtypes.to_result(array, like)
+    except ValueError as e:
+        raise stored_leaf_error(
+            LeafError,
+            f"`like` holds a Python {type(like).__name__}, which cannot hold it exactly: {e}.",
+            dotted=record.path,
+            path=loc.display,
+            fix="Nothing was loaded. Load it into a `like` that holds its values (a Python int, or a "
+            "NumPy or JAX leaf of its dtype; `cast=True` rounds into a narrower one).",
+        ) from None
 
 
 def refuse_narrowing(loc: Location, record: LeafRecord, dtype: Any) -> None:
@@ -70,7 +89,7 @@ def refuse_narrowing(loc: Location, record: LeafRecord, dtype: Any) -> None:
     raise stored_leaf_error(
         LeafError,
         f"it holds {np.dtype(dtype)} values, and JAX's 64-bit mode is off, so a JAX array "
-        f"would hold them as {np.dtype(dtype).name.replace('64', '32')} and change them.",
+        f"would hold them as {np.dtype(jax.dtypes.canonicalize_dtype(dtype)).name} and change them.",
         dotted=record.path,
         path=loc.display,
         fix="Enable it (`jax.config.update('jax_enable_x64', True)`), read the leaf as NumPy "
@@ -145,7 +164,7 @@ def place(loc: Location, hosts: list[np.ndarray], records: list[LeafRecord], lik
             keys = _dtypes.wrap_keys(jax.numpy.asarray(array), record.impl)
             out[i] = jax.device_put(keys, sharding) if sharding is not None else keys
         else:
-            out[i] = _dtypes.to_result(array, like, sharding=sharding)
+            out[i] = scalar_result(loc, record, array, like)
     for sharding, indices in batch.items():
         for i, value in zip(indices, put([out[i] for i in indices], sharding)):
             out[i] = value
@@ -259,15 +278,18 @@ def start(store: Any, loc: Location, record: LeafRecord, like: Any, *, dtype: An
             array = convert(future.result())
         except Exception as e:
             raise failed(e) from e
-        return _value(array, record, like, sharding)
+        return _value(loc, array, record, like, sharding)
 
     return finish
 
 
-def _value(array: np.ndarray, record: LeafRecord, like: Any, sharding: Any) -> Any:
-    if _dtypes.like_type(like) == "prng_key":
+def _value(loc: Location, array: np.ndarray, record: LeafRecord, like: Any, sharding: Any) -> Any:
+    kind = _dtypes.like_type(like)
+    if kind == "prng_key":
         keys = _dtypes.wrap_keys(jax.numpy.asarray(array), record.impl)
         return jax.device_put(keys, sharding) if sharding is not None else keys
+    if kind in ("bool", "int", "float", "complex"):
+        return scalar_result(loc, record, array, like)
     return _dtypes.to_result(array, like, sharding=sharding)
 
 
@@ -289,6 +311,6 @@ def start_direct(loc: Location, record: LeafRecord, like: Any, *, dtype: Any = N
     assert read is not None
 
     def finish() -> Any:
-        return _value(convert(read()), record, like, target_sharding(like))
+        return _value(loc, convert(read()), record, like, target_sharding(like))
 
     return finish

@@ -346,15 +346,18 @@ def _hold(pytree: Any, filter_spec: Any, is_leaf: Any) -> _HeldTree | None:
     leaves, treedef = jax.tree_util.tree_flatten(pytree)
     held = []
     primary = jax.process_index() == 0
-    for x in leaves:
-        kind = _write.array_kind(type(x))
-        if kind == "jax":
-            x = _write.hold(x, primary)
-        elif kind in ("numpy", "ndarray"):
-            x = np.array(x, copy=True)
-        elif kind == "abstract":
-            return None
-        held.append(x)
+    try:
+        for x in leaves:
+            kind = _write.array_kind(type(x))
+            if kind == "jax":
+                x = _write.hold(x, primary)
+            elif kind == "numpy" or (kind == "ndarray" and not isinstance(x, np.ma.MaskedArray)):
+                x = np.array(x, copy=True)
+            elif kind in ("ndarray", "abstract"):  # a masked array's error is raised at once
+                return None
+            held.append(x)
+    except Exception:
+        return None  # a leaf that cannot be held (a deleted array): the caller's thread names it
     return _HeldTree(treedef, leaves, held)
 
 
@@ -571,20 +574,28 @@ def _collect(
     pending: list[_write.Pending] = []
     primary = jax.process_index() == 0
 
+    written: set[str] = set()
+
     def write(handle: LeafHandle, value: Any) -> None:
+        if handle.path in written:
+            raise handle.error(
+                "the filter spec wrote it twice; a checkpoint holds one value per leaf.",
+                "Call `handle.write` once for each leaf (or not at all, to leave it out).",
+            )
+        written.add(handle.path)
         keypath = record_of.get(handle.path) or _keypath.to_json(handle.keypath)
         pending.append(_write.prepare(handle, value, cast, primary=primary, keypath=keypath))
 
     for (keypath, leaf), dotted, record, spec in zip(flat, paths, records, specs, strict=True):
         default = spec is default_serialise_filter_spec or spec is _default_or_held
-        if cast is None and default:
-            # What the default spec does with the common leaf, without the calls between.
-            common = _write.plain(leaf, dotted, record, primary)
-            if common is not None:
-                pending.append(common)
-                continue
-        handle = LeafHandle(keypath, dotted, loc.display, write=write)
         try:
+            if cast is None and default:
+                # What the default spec does with the common leaf, without the calls between.
+                common = _write.plain(leaf, dotted, record, primary)
+                if common is not None:
+                    pending.append(common)
+                    continue
+            handle = LeafHandle(keypath, dotted, loc.display, write=write)
             if default and _is_array(leaf):
                 pending.append(_write.prepare(handle, leaf, cast, primary=primary, keypath=record))
             else:
@@ -592,10 +603,22 @@ def _collect(
         except CheckpointError:
             raise
         except Exception as e:
-            what = f"the filter spec raised {type(e).__name__}: {e}"
-            message = leaf_message(what, keypath=keypath, dotted=dotted, path=loc.display)
-            raise LeafError(message, path=loc.display, keypaths=[keypath], dotted=[dotted]) from e
+            raise _leaf_failed(e, loc, keypath, dotted, leaf) from e
     return pending
+
+
+def _leaf_failed(error: Exception, loc: Location, keypath: tuple[Any, ...], dotted: str, leaf: Any) -> LeafError:
+    """The error of a leaf that could not be prepared (the filter spec raised)."""
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        what = (
+            "it is a deleted `jax.Array` (deleted, or donated to a function compiled with "
+            "`donate_argnums`): its values are gone."
+        )
+        fix = "Save the arrays before they are donated, or save the ones the donating function returned."
+    else:
+        what, fix = f"the filter spec raised {type(error).__name__}: {error}", ""
+    message = leaf_message(what, keypath=keypath, dotted=dotted, path=loc.display, fix=fix)
+    return LeafError(message, path=loc.display, keypaths=[keypath], dotted=[dotted])
 
 
 def _is_array(x: Any) -> bool:

@@ -150,7 +150,10 @@ def finish_value(out: np.ndarray, like: Any, cast: bool) -> tuple[Any, str]:
     out, problem = checked(out, like, cast)
     if problem:
         return None, problem
-    return _dtypes.to_result(out, like, sharding=_read.target_sharding(like)), ""
+    try:
+        return _dtypes.to_result(out, like, sharding=_read.target_sharding(like)), ""
+    except ValueError as e:
+        return None, f"after its `transform`, `like`'s Python {type(like).__name__} cannot hold it exactly: {e}."
 
 
 def checked(out: np.ndarray, like: Any, cast: bool) -> tuple[np.ndarray, str]:
@@ -164,7 +167,10 @@ def checked(out: np.ndarray, like: Any, cast: bool) -> tuple[np.ndarray, str]:
                 f"after its `transform` the dtype is {out.dtype.name}, but `like` has {dtype} (pass `cast=True` "
                 f"to convert, or convert in the transform)."
             )
-        out = out.astype(np.dtype(like.dtype))
+        try:
+            out = _dtypes.checked_cast(out, np.dtype(like.dtype))
+        except ValueError as e:
+            return out, f"after its `transform` it cannot become {np.dtype(like.dtype)}: {e}."
     return out, ""
 
 
@@ -210,12 +216,21 @@ class TransformedArray(LazyArray):
         except Exception as e:
             out, problem = np.empty(0), f"its `transform` raised {type(e).__name__}: {e}."
         if problem:
-            message = leaf_message(problem, keypath=self._keypath, dotted=self.path, path=self._loc.display)
-            raise LeafError(message, path=self._loc.display, keypaths=[self._keypath], dotted=[self.path])
+            raise self._error(problem)
         return out
+
+    def _error(self, problem: str) -> LeafError:
+        message = leaf_message(problem, keypath=self._keypath, dotted=self.path, path=self._loc.display)
+        return LeafError(message, path=self._loc.display, keypaths=[self._keypath], dotted=[self.path])
 
     def __getitem__(self, index: Any) -> np.ndarray:
         return self._value()[index]
 
     def start(self, *, checked: bool = True) -> Any:
-        return lambda: _dtypes.to_result(self._value(), self._like, sharding=_read.target_sharding(self._like))
+        def finish() -> Any:
+            value, problem = finish_value(self._value(), self._like, self._cast)
+            if problem:
+                raise self._error(problem)
+            return value
+
+        return finish

@@ -152,6 +152,12 @@ def prepare(
             x = _dtypes.python_scalar_array(x)
         except OverflowError as e:
             raise handle.error(f"{e}.", "Store it as a float, or split it into smaller ints.") from None
+    elif isinstance(x, np.ma.MaskedArray):
+        raise handle.error(
+            "it is a NumPy masked array, whose mask a checkpoint would lose (it stores plain arrays).",
+            "Save its data and its mask as two leaves (`x.data` and `np.ma.getmaskarray(x)`), or a "
+            "filled copy (`x.filled()`).",
+        )
     elif not isinstance(x, jax.Array):
         x = np.asarray(x)
     if kind != "prng_key":

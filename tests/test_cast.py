@@ -192,3 +192,55 @@ def test_cast_true_rounds_floats_and_converts_what_fits(tmp_path):
     assert np.array_equal(loaded["f"], saved["f"].astype(ml_dtypes.bfloat16))
     assert np.array_equal(loaded["i"], np.array([7, -8], np.int8))
     assert np.isnan(loaded["nan"][0]) and loaded["nan"].dtype == np.float16
+
+
+# Float types without infinity (float8 `fn` types give NaN, float4_e2m1fn its
+# largest value), an integer beyond a float's range, infinity and NaN into types
+# without them, a negative value into an unsigned float: each once became another
+# value silently, on save and on load.
+_OUT_OF_RANGE = [
+    (np.array([1000.0, 1.0], np.float32), ml_dtypes.float8_e4m3fn, "the value 1000.0"),
+    (np.array([300.0], np.float32), ml_dtypes.float8_e4m3fnuz, "the value 300.0"),
+    (np.array([7.0], np.float32), ml_dtypes.float4_e2m1fn, "the value 7.0"),
+    (np.array([np.inf], np.float32), ml_dtypes.float8_e4m3fn, "the value inf"),
+    (np.array([np.nan], np.float32), ml_dtypes.float4_e2m1fn, "the value nan"),
+    (np.array([-2.0], np.float32), ml_dtypes.float8_e8m0fnu, "the value -2.0"),
+    (np.array([70000, 1], np.int64), np.float16, "the value 70000"),
+    (np.array([2**17], np.int32), ml_dtypes.float8_e5m2, "the value 131072"),
+    (np.array([1e39 + 1j]), np.complex64, "the value 1e+39"),
+]
+
+
+@pytest.mark.parametrize("saved, target, why", _OUT_OF_RANGE)
+def test_cast_refuses_values_beyond_any_float_types_range(tmp_path, saved, target, why):
+    name = np.dtype(target).name
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(f"{why} is beyond the range of {name}")):
+        eqx_ckpt.tree_serialise_leaves(tmp_path / "save", {"x": saved}, cast={saved.dtype.type: target})
+    assert not (tmp_path / "save").exists()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "load", {"x": saved})
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(f"{why} is beyond the range of {name}")) as info:
+        eqx_ckpt.tree_deserialise_leaves(tmp_path / "load", {"x": np.zeros(saved.shape, target)}, cast=True)
+    assert "Leaf `x` in checkpoint" in str(info.value)
+
+
+def test_cast_rounds_to_the_largest_value_but_no_further(tmp_path):
+    """Within half a step of a type's largest value is rounding (to it); beyond is an error."""
+    saved = {"e4m3": np.array([455.0, -455.0], np.float32), "half": np.array([65519.0], np.float32)}
+    cast = {"e4m3": ml_dtypes.float8_e4m3fn, "half": np.float16}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, saved, cast=lambda path, dtype: cast[path])
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {k: np.zeros_like(v) for k, v in saved.items()})
+    assert np.array_equal(loaded["e4m3"], [448.0, -448.0]) and np.array_equal(loaded["half"], [65504.0])
+
+
+def test_a_stored_value_that_cannot_become_the_leafs_dtype_is_an_error(tmp_path):
+    """A leaf cast on save reads back in its own dtype (lazily too, and in
+    `diff`, all through `_read.host_converter`): a stored value that cannot
+    (infinity for an integer leaf, as a hand-made checkpoint may hold) is an
+    error naming the stored dtype, never a wrapped integer."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"n": np.array([7, 1])}, cast={np.int64: np.float16})
+    ck = eqx_ckpt.Checkpoint(tmp_path)
+    assert np.array_equal(ck["n"][...], [7, 1]) and ck["n"][...].dtype == np.int64
+    converter = eqx_ckpt._read.host_converter(ck.record("n"), np.dtype(np.int64), ck._data)
+    why = "cannot convert it from float16 (how this int64 leaf is stored) to int64: NaN or infinity cannot become int64"
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(why)):
+        converter(np.array([np.inf, 1.0], np.float16))

@@ -151,3 +151,33 @@ def test_print_of_a_large_checkpoint_is_cut_short(tmp_path):
     assert "... and 441 more leaves (`Checkpoint(path).listing()` shows them all)" in text
     assert text.endswith("500 leaves, 3.9 KiB")
     assert len(eqx_ckpt.Checkpoint(tmp_path).listing().splitlines()) == 502
+
+
+@pytest.mark.parametrize("key", [0, None, ("a",)])
+def test_a_key_that_is_not_a_string_is_a_key_error(tmp_path, key):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": np.zeros(2)})
+    with pytest.raises(eqx_ckpt.CheckpointKeyError, match=re.escape("leaves are named by their dotted paths")):
+        eqx_ckpt.Checkpoint(tmp_path)[key]
+
+
+class _Mixed:
+    """A custom node whose children are keyed by an index and by a name."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+jax.tree_util.register_pytree_with_keys(
+    _Mixed,
+    lambda n: (((jax.tree_util.SequenceKey(0), n.a), (jax.tree_util.DictKey("b"), n.b)), None),
+    lambda _, children: _Mixed(*children),
+)
+
+
+def test_load_without_like_names_keys_that_cannot_be_sorted_as_dotted_paths_do(tmp_path):
+    """Once a bare `ValueError` from JAX sorting `{0: ..., "b": ...}`."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"m": _Mixed(np.zeros(3), np.ones(2)), "l": [np.ones(1)]})
+    loaded = eqx_ckpt.Checkpoint(tmp_path).load()
+    expected = {"l": [np.ones(1)], "m": {"0": np.zeros(3), "b": np.ones(2)}}
+    assert eqx.tree_equal(loaded, expected, typematch=True)
+    assert sorted(eqx_ckpt.Checkpoint(tmp_path).keys()) == ["l.0", "m.0", "m.b"]

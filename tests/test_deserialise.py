@@ -359,8 +359,9 @@ def test_64_bit_values_are_exact_or_refused_without_x64(tmp_path):
     # Into int32 with `cast=True`: converted only if it fits.
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("the value 1099511627781 does not fit in int32")):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, {"j": jnp.zeros(1, jnp.int32)}, cast=True)
-    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("it holds float64 values")):
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("it holds float64 values")) as info:
         eqx_ckpt.tree_deserialise_leaves(tmp_path, {"f": jax.ShapeDtypeStruct((1,), np.float64)})
+    assert "would hold them as float32 and change them" in str(info.value)
     small = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"f": jnp.zeros(1, jnp.float32)}, cast=True)
     assert eqx.tree_equal(small, {"f": jnp.array([0.1], jnp.float32)}, typematch=True)
 
@@ -406,3 +407,20 @@ def test_a_load_racing_an_overwrite_says_the_checkpoint_was_replaced(tmp_path, m
     assert "gen." not in message
     monkeypatch.undo()
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(3)}), {"w": jnp.ones(3)})
+
+
+def test_a_python_scalar_like_holds_the_stored_value_exactly_or_is_an_error(tmp_path):
+    """A Python `float` or `complex` `like` takes a stored integer only when it
+    holds it exactly: `2**53 + 1` once came back as `2**53` with no `cast`."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"step": 2**53 + 1, "small": 7, "flag": True})
+    for like in (0.0, 0j):
+        with pytest.raises(eqx_ckpt.LeafError, match=re.escape("Leaf `step` in checkpoint")) as info:
+            eqx_ckpt.tree_deserialise_leaves(tmp_path, {"step": like, "small": 0, "flag": False})
+        kind = type(like).__name__
+        assert f"`like` holds a Python {kind}, which cannot hold it exactly: 9007199254740993 would become" in str(
+            info.value
+        )
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"step": 0, "small": 0.0, "flag": 0})
+    assert eqx.tree_equal(loaded, {"step": 2**53 + 1, "small": 7.0, "flag": 1}, typematch=True)
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("which cannot hold it exactly")):  # lazily too
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"step": 0.0, "small": 0, "flag": False}, lazy=True)

@@ -177,13 +177,14 @@ def test_absurd_shape(tmp_path, zarr_too, huge_chunks):
 
 @pytest.mark.usefixtures("unpacked")
 def test_huge_key_data(tmp_path):
-    # A key's data axis cannot be checked against its implementation without
-    # JAX; the files on disk bound what is read instead.
+    # A key's data axis is checked against its implementation (threefry: 2
+    # uint32 words) when the manifest is read, before anything is read or allocated.
     _rewrite(_make(tmp_path), _set_leaf("k", stored_shape=[HUGE], chunks=[1000], nbytes=4 * HUGE))
-    with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("Leaf `k`")):
+    why = f"('k'): the key data of 'threefry2x32' keys of shape [] is uint32 of shape [2], not uint32 of shape [{HUGE}]"
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(why)):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, _like())
-    with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("Leaf `k`")):
-        np.asarray(eqx_ckpt.Checkpoint(tmp_path)["k"])
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(why)):
+        eqx_ckpt.Checkpoint(tmp_path)
 
 
 @pytest.mark.usefixtures("unpacked")  # (a packed leaf's dtype must be its pack's: test_pack.py)
@@ -324,3 +325,30 @@ def test_hostile_loads_under_memory_limit(tmp_path):
     for result in results:
         for action in ("load", "lazy", "checkpoint", "verify"):
             assert result[action].startswith("eqx_ckpt."), (result["path"], action, result[action])
+
+
+@pytest.mark.parametrize(
+    "fields, why",
+    [
+        ({"impl": "bogus"}, "unknown PRNG implementation 'bogus'"),
+        ({"impl": "rbg"}, "the key data of 'rbg' keys of shape [] is uint32 of shape [4], not uint32 of shape [2]"),
+        ({"impl": "x" * 10_000}, "unknown PRNG implementation 'xxxx"),
+    ],
+)
+def test_a_key_leaf_with_a_bad_prng_implementation_is_refused(tmp_path, fields, why):
+    """Once a bare JAX `ValueError` or `TypeError` on load, and sound to `verify`."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path, _tree())
+    _rewrite(tmp_path, _set_leaf("k", **fields))
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(why)):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, _like())
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(why)):
+        eqx_ckpt.Checkpoint(tmp_path)
+    problems = eqx_ckpt.verify(tmp_path)
+    assert len(problems) == 1 and why in problems[0].message
+
+
+def test_an_array_leaf_with_a_prng_implementation_is_refused(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, _tree())
+    _rewrite(tmp_path, _set_leaf("a", impl="threefry2x32"))
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("a numpy leaf has no PRNG implementation")):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, _like())

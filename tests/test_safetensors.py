@@ -271,3 +271,20 @@ def test_on_an_object_store(s3, store):
     )
     assert eqx.tree_equal(loaded, {"w": jnp.asarray(W), "b": B}, typematch=True)
     assert eqx_ckpt.Checkpoint(store).format == "safetensors"
+
+
+def test_a_transform_cast_refuses_values_that_would_change(single):
+    """`cast=True` after a `transform` follows the load's rule: a value beyond
+    the target's range is an error (it once became infinity), eagerly and lazily."""
+    rename, transform = [("^x$", "model.b")], {"x": lambda b: np.asarray(b) * 1e6}
+    like = {"x": np.zeros(4, np.float16)}
+    why = "after its `transform` it cannot become float16: the value"
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(why)):
+        eqx_ckpt.tree_deserialise_leaves(single, like, rename=rename, transform=transform, cast=True)
+    lazy = eqx_ckpt.tree_deserialise_leaves(single, like, rename=rename, transform=transform, cast=True, lazy=True)
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(why)):
+        eqx_ckpt.materialise(lazy)
+    within = eqx_ckpt.tree_deserialise_leaves(
+        single, like, rename=rename, transform={"x": lambda b: np.asarray(b) * 2}, cast=True
+    )
+    np.testing.assert_array_equal(within["x"], (2 * B).astype(np.float16))

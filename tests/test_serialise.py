@@ -305,3 +305,47 @@ def test_saving_inside_jit_is_a_clear_error(tmp_path):
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("it is a traced value: a save inside `jax.jit`")):
         step(jnp.ones(2))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_filter_spec_that_writes_a_leaf_twice_is_an_error_and_nothing_is_written(tmp_path):
+    """Once, both values were committed and the checkpoint (listing the leaf
+    twice) could be neither loaded nor overwritten."""
+
+    def twice(handle, x):
+        handle.write(x)
+        handle.write(x + 1)
+
+    path = tmp_path / "ckpt"
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("the filter spec wrote it twice")) as info:
+        eqx_ckpt.tree_serialise_leaves(path, {"y": np.ones(1)}, filter_spec=twice)
+    assert info.value.dotted == ("y",)
+    assert not path.exists()
+    eqx_ckpt.tree_serialise_leaves(path, {"y": np.ones(1)})
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, {"y": np.zeros(1)}), {"y": np.ones(1)})
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_deleted_array_is_an_error_naming_the_leaf(tmp_path, blocking):
+    donated = jnp.ones(3)
+    jax.jit(lambda x: x + 1, donate_argnums=0)(donated)
+    assert donated.is_deleted()
+    tree = {"ok": jnp.zeros(2), "gone": donated}
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("leaf `gone` (key path ['gone'])")) as info:
+        eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree, blocking=blocking)
+    assert "it is a deleted `jax.Array` (deleted, or donated to a function compiled with `donate_argnums`)" in str(
+        info.value
+    )
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_masked_array_is_refused_not_saved_without_its_mask(tmp_path, blocking):
+    masked = np.ma.masked_array([1.0, -999.0, 3.0], mask=[False, True, False])
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("it is a NumPy masked array, whose mask")) as info:
+        eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", {"m": masked}, blocking=blocking)
+    assert info.value.dotted == ("m",)
+    assert not (tmp_path / "ckpt").exists()
+    # What the message suggests round-trips.
+    tree = {"data": masked.data, "mask": np.ma.getmaskarray(masked)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), tree, typematch=True)
