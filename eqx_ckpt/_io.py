@@ -235,7 +235,11 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
         refuse_links(loc, name)
         if not os.path.isfile(full):
             return None, b""
-        with open(full, "rb") as f:
+        try:
+            f = open(full, "rb")
+        except FileNotFoundError:  # deleted since the check (a writer's retention)
+            return None, b""
+        with f:
             st = os.fstat(f.fileno())
             if st.st_size > limit:
                 raise _too_large(loc, name, limit, st.st_size)

@@ -31,7 +31,6 @@ of one that was killed.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import fcntl
 import json
@@ -197,10 +196,15 @@ class Lease:
     def __del__(self) -> None:
         # A lease dropped without release (a test, a crash) must not hold the
         # directory for the rest of the process; its file goes stale.
-        self._stop.set()
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
+        # At interpreter exit, modules this would use may already be torn down:
+        # nothing here may raise (it would print "Exception ignored in...").
+        try:
+            self._stop.set()
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                os.close(fd)
+        except Exception:
+            pass
 
 
 def acquire(loc: Location, name: str, *, what: str, journal: bool = True) -> tuple[Lease, dict[str, Any] | None]:

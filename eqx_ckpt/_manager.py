@@ -274,16 +274,21 @@ class CheckpointManager:
         if state.get(step) and _primary():
             with _io.explained(self._loc, f"Saving step {step} to"):
                 _io.remove(self._loc, [_metrics_name(step)])
+        handoff = _serialise.Handoff()
         try:
             pending = _serialise.save(
                 target, pytree, filter_spec, is_leaf,
                 overwrite=overwrite, blocking=self.blocking, cast=cast, layout=layout, metrics=values,
-                progress=progress,
+                progress=progress, handoff=handoff,
             )  # fmt: skip
         except CheckpointExistsError:
             raise  # another writer's save: nothing of it is ours to remove
         except BaseException:
-            self._undo(step)
+            # An interrupt once the save went to the background (as `save` returned):
+            # that thread commits it or removes what it wrote; removing the step
+            # folder under it could leave a committed step without its arrays.
+            if not handoff.in_background():
+                self._undo(step)
             raise
         if pending is None:
             self._apply_retention(step)

@@ -87,7 +87,7 @@ class _Node(dict):
     """A container being built: its children by `(kind, key)`."""
 
 
-def _insert(node: _Node, keys: list[tuple[str, Any]], leaf: Any) -> None:
+def _insert(node: _Node, keys: list[tuple[str, Any, str]], leaf: Any) -> None:
     # The manifest guarantees that no leaf's path lies below another leaf's.
     for key in keys[:-1]:
         node = node.setdefault(key, _Node())

@@ -245,8 +245,12 @@ def save(
     layout: str = "directories",
     metrics: dict[str, Any] | None = None,
     progress: Progress = None,
+    handoff: Handoff | None = None,
 ) -> PendingSave | None:
-    """`tree_serialise_leaves`, with `metrics` committed in the manifest."""
+    """`tree_serialise_leaves`, with `metrics` committed in the manifest.
+    `handoff`: tells the caller, after any exception, whether an asynchronous
+    save went on in the background (a `CheckpointManager` must not remove what
+    that save is writing)."""
     group = _multihost.Group()
     # Every process reaches this first barrier, even one whose tree is bad, so
     # that a failure anywhere fails the save everywhere at once.
@@ -279,7 +283,7 @@ def save(
         raise error
     options: dict[str, Any] = dict(overwrite=overwrite, layout=layout, metrics=metrics, progress=progress)
     exclusive = _lease.acquire_exclusive(loc)
-    handoff = _Handoff()
+    handoff = handoff if handoff is not None else Handoff()
     tx: _commit.Transaction | None = None
     tracker: Tracker | None = None
     try:
@@ -411,7 +415,7 @@ def _with_tracker(tracker: Tracker, run: Callable[[], None]) -> None:
         run()
 
 
-def _start_background(run: Callable[[], None], exclusive: _lease.Claim, handoff: _Handoff) -> PendingSave:
+def _start_background(run: Callable[[], None], exclusive: _lease.Claim, handoff: Handoff) -> PendingSave:
     """Run `run` in a new thread, which owns the save once it claims `handoff`;
     until then, the caller's `handoff.take_back()` undoes it instead."""
     # The collector stays paused from the caller's part to the background part
@@ -423,6 +427,7 @@ def _start_background(run: Callable[[], None], exclusive: _lease.Claim, handoff:
     try:
         pause.begin(None)  # until the background thread adopts it, or either side ends it
         exclusive.hand_over()
+        handoff.begun = True
         return PendingSave(functools.partial(_in_background, run, exclusive, handoff, pause))
     except BaseException:
         if handoff.take_back():
@@ -430,7 +435,7 @@ def _start_background(run: Callable[[], None], exclusive: _lease.Claim, handoff:
         raise
 
 
-def _in_background(run: Callable[[], None], exclusive: _lease.Claim, handoff: _Handoff, pause: _tree.GcPause) -> None:
+def _in_background(run: Callable[[], None], exclusive: _lease.Claim, handoff: Handoff, pause: _tree.GcPause) -> None:
     if not handoff.claim():
         pause.resume()
         return  # the caller took the save back before this thread began
@@ -442,13 +447,14 @@ def _in_background(run: Callable[[], None], exclusive: _lease.Claim, handoff: _H
         pause.resume()
 
 
-class _Handoff:
+class Handoff:
     """Who finishes an asynchronous save: the background thread, once it
     begins, or the caller, if it is interrupted before then."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._owner = ""
+        self.begun = False  # whether a background thread was (about to be) started
 
     def claim(self) -> bool:
         with self._lock:
@@ -459,6 +465,13 @@ class _Handoff:
         with self._lock:
             self._owner = self._owner or "caller"
             return self._owner == "caller"
+
+    def in_background(self) -> bool:
+        """Whether, once `save` has returned or raised, its background thread owns
+        the save (or will when it starts): it commits it or removes what it
+        wrote, and nothing else may."""
+        with self._lock:
+            return self.begun and self._owner != "caller"
 
 
 def _write_and_commit(

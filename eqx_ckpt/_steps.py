@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _io
+from . import _dtypes, _io
 from ._commit import read_manifest
 from ._errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
 from ._manifest import MANIFEST
@@ -136,6 +136,8 @@ def _metrics_values(step: int, metrics: Mapping[str, Any] | None, directory: str
     values: dict[str, Any] = {}
     for name, value in metrics.items():
         array = np.asarray(value)
+        if _dtypes.is_floating(array.dtype):  # bfloat16 and float8 too (NumPy kind 'V')
+            array = array.astype(np.float64)
         if not isinstance(name, str) or array.ndim != 0 or array.dtype.kind not in "biuf":
             raise CheckpointTypeError(
                 f"Metric {name!r} of step {step} (for {directory!r}) must be named by a "

@@ -409,3 +409,93 @@ def test_a_step_saved_below_the_latest_is_not_deleted_at_once(tmp_path):
     assert manager.latest_step() == 300
     manager.save(400, _tree(400))
     assert manager.all_steps() == [300, 400]
+
+
+def test_an_interrupt_after_an_asynchronous_save_went_to_the_background_never_removes_it(tmp_path, monkeypatch):
+    """A Ctrl-C landing after `save` handed the step to its background thread
+    (here: as the inner save returns) once made the manager remove the step
+    folder while that thread was still writing it; the thread then committed a
+    step without its arrays. Forced order: the removal, if any, runs just
+    before the background thread writes the manifest."""
+    import threading
+
+    from eqx_ckpt import _io, _manager, _serialise
+
+    undone, at_commit = threading.Event(), threading.Event()
+    real_undo, real_save, real_write = _manager.CheckpointManager._undo, _serialise.save, _io.write_conditional
+
+    def undo(self, step):
+        at_commit.wait(10)
+        try:
+            real_undo(self, step)
+        finally:
+            undone.set()
+
+    def save(*args, **kwargs):
+        pending = real_save(*args, **kwargs)
+        if pending is not None:
+            raise KeyboardInterrupt
+        return pending
+
+    def write_conditional(loc, name, *args, **kwargs):
+        if name == "manifest.json" and threading.current_thread() is not threading.main_thread():
+            at_commit.set()
+            undone.wait(2)  # with the fix, nothing is undone
+        return real_write(loc, name, *args, **kwargs)
+
+    monkeypatch.setattr(_manager.CheckpointManager, "_undo", undo)
+    monkeypatch.setattr(_serialise, "save", save)
+    monkeypatch.setattr(_io, "write_conditional", write_conditional)
+    tree = {"w": jnp.arange(1000.0), "big": jnp.ones(400_000)}
+    manager = eqx_ckpt.CheckpointManager(tmp_path, blocking=False)
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(7, tree)
+    for pending in list(_serialise._PENDING):
+        pending.wait()
+    assert not undone.is_set()
+    manager.close()
+    fresh = eqx_ckpt.CheckpointManager(tmp_path)
+    assert fresh.all_steps() == [7]
+    loaded = fresh.restore({"w": jnp.zeros(1000), "big": jnp.zeros(400_000)})
+    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert eqx_ckpt.verify(fresh.step_path(7)) == []
+
+
+def test_a_script_that_leaves_its_manager_open_exits_quietly(tmp_path):
+    """The lease is released at the end of the process without a word on
+    stderr (once, "Exception ignored in: <function Lease.__del__ ...>")."""
+    import subprocess
+    import sys
+
+    script = (
+        "import jax.numpy as jnp, eqx_ckpt, sys\n"
+        "m = eqx_ckpt.CheckpointManager(sys.argv[1], max_to_keep=2)\n"
+        "m.save(0, {'w': jnp.ones(3)})\n"
+        "m.save(1, {'w': jnp.ones(3)}, metrics={'loss': jnp.mean(jnp.ones(4, jnp.bfloat16))})\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert eqx_ckpt.CheckpointManager(tmp_path).all_steps() == [0, 1]
+
+
+def test_a_step_deleted_between_the_check_and_the_read_is_not_found_not_a_bare_os_error(tmp_path, monkeypatch):
+    """Another process's retention deletes a step's manifest first; between the
+    reader's check for the file and its `open` it once escaped as a bare
+    `FileNotFoundError`."""
+    import os
+
+    manager = eqx_ckpt.CheckpointManager(tmp_path)
+    manager.save(0, {"w": jnp.ones(3)})
+    manager.close()
+    real_isfile = os.path.isfile
+
+    def isfile(path):
+        found = real_isfile(path)
+        if found and str(path).endswith(os.path.join("step_00000000", "manifest.json")):
+            os.unlink(path)  # as the other process's retention does, just after the check
+        return found
+
+    monkeypatch.setattr(os.path, "isfile", isfile)
+    with pytest.raises(eqx_ckpt.CheckpointError):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path / "step_00000000", {"w": jnp.zeros(3)})
