@@ -125,18 +125,27 @@ def _check_float_range(before: np.ndarray, after: np.ndarray, target: np.dtype) 
     `target` (by more than rounding) becomes infinity in IEEE types, NaN in the
     float8 types without infinity and the largest value in `float4_e2m1fn`;
     infinity and NaN become NaN or a number in the types without them; a
-    negative value becomes NaN in the unsigned `float8_e8m0fnu`."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        values = np.asarray(before).astype(np.float64)
-        got = np.asarray(after).astype(np.float64)
-    nan = np.isnan(values)
-    finite = np.isfinite(values)
-    changed = (nan != np.isnan(got)) | (np.isinf(values) & (got != values))
-    changed |= finite & (~np.isfinite(got) | (np.abs(values) >= _overflow_limit(target)))
-    changed |= finite & (values < 0) & (got > 0)
-    if np.any(changed):
-        value = np.asarray(before)[changed].flat[0].item()
-        raise ValueError(f"the value {value!r} is beyond the range of {target}")
+    negative value becomes NaN in the unsigned `float8_e8m0fnu`.
+
+    Compared in float64 a block at a time: a cast of a large leaf (`float32` to
+    `bfloat16` on save) must not hold two float64 copies of it."""
+    before, after = np.ravel(before), np.ravel(after)
+    limit = _overflow_limit(target)
+    for lo in range(0, before.size, _CHECK_BLOCK):
+        with np.errstate(over="ignore", invalid="ignore"):
+            values = before[lo : lo + _CHECK_BLOCK].astype(np.float64)
+            got = after[lo : lo + _CHECK_BLOCK].astype(np.float64)
+        finite = np.isfinite(values)
+        changed = (np.isnan(values) != np.isnan(got)) | (np.isinf(values) & (got != values))
+        changed |= finite & (~np.isfinite(got) | (np.abs(values) >= limit))
+        changed |= finite & (values < 0) & (got > 0)
+        if np.any(changed):
+            value = before[lo : lo + _CHECK_BLOCK][changed].flat[0].item()
+            raise ValueError(f"the value {value!r} is beyond the range of {target}")
+
+
+# Elements compared at a time by `_check_float_range` (two float64 blocks of 8 MiB).
+_CHECK_BLOCK = 2**20
 
 
 @functools.lru_cache(maxsize=64)

@@ -65,11 +65,12 @@ def cast_error(loc: Location, record: LeafRecord, source: np.dtype, dtype: np.dt
     )
 
 
-def scalar_result(loc: Location, record: LeafRecord, array: np.ndarray, like: Any) -> Any:
-    """`_dtypes.to_result` for a `like` leaf that is a Python scalar: a stored
-    value it cannot hold exactly (an integer beyond 2**53 as a `float`) is an error."""
+def result(loc: Location, record: LeafRecord, array: np.ndarray, like: Any, sharding: Any = None) -> Any:
+    """`_dtypes.to_result`, with its refusal of a stored value that a Python
+    scalar `like` cannot hold exactly (an integer beyond 2**53 as a `float`)
+    as an error naming the leaf."""
     try:
-        return _dtypes.to_result(array, like)
+        return _dtypes.to_result(array, like, sharding=sharding)
     except ValueError as e:
         raise stored_leaf_error(
             LeafError,
@@ -164,7 +165,7 @@ def place(loc: Location, hosts: list[np.ndarray], records: list[LeafRecord], lik
             keys = _dtypes.wrap_keys(jax.numpy.asarray(array), record.impl)
             out[i] = jax.device_put(keys, sharding) if sharding is not None else keys
         else:
-            out[i] = scalar_result(loc, record, array, like)
+            out[i] = result(loc, record, array, like, sharding)
     for sharding, indices in batch.items():
         for i, value in zip(indices, put([out[i] for i in indices], sharding)):
             out[i] = value
@@ -284,13 +285,10 @@ def start(store: Any, loc: Location, record: LeafRecord, like: Any, *, dtype: An
 
 
 def _value(loc: Location, array: np.ndarray, record: LeafRecord, like: Any, sharding: Any) -> Any:
-    kind = _dtypes.like_type(like)
-    if kind == "prng_key":
+    if _dtypes.like_type(like) == "prng_key":
         keys = _dtypes.wrap_keys(jax.numpy.asarray(array), record.impl)
         return jax.device_put(keys, sharding) if sharding is not None else keys
-    if kind in ("bool", "int", "float", "complex"):
-        return scalar_result(loc, record, array, like)
-    return _dtypes.to_result(array, like, sharding=sharding)
+    return result(loc, record, array, like, sharding)
 
 
 def direct(loc: Location, record: LeafRecord, like: Any) -> bool:

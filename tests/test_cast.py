@@ -244,3 +244,19 @@ def test_a_stored_value_that_cannot_become_the_leafs_dtype_is_an_error(tmp_path)
     why = "cannot convert it from float16 (how this int64 leaf is stored) to int64: NaN or infinity cannot become int64"
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape(why)):
         converter(np.array([np.inf, 1.0], np.float16))
+
+
+def test_the_range_check_reaches_every_block(monkeypatch):
+    """The check runs a block at a time (bounded memory): a value in the last,
+    partial block of a 2-D array, or in an imaginary part, is still caught."""
+    from eqx_ckpt import _dtypes
+
+    monkeypatch.setattr(_dtypes, "_CHECK_BLOCK", 3)
+    values = np.ones((3, 4), np.float32)
+    values[2, 3] = 1000.0
+    with pytest.raises(ValueError, match=re.escape("the value 1000.0 is beyond the range of float8_e4m3fn")):
+        _dtypes.checked_cast(values, ml_dtypes.float8_e4m3fn)
+    with pytest.raises(ValueError, match=re.escape("the value 1e+39 is beyond the range of complex64")):
+        _dtypes.checked_cast(np.array([1 + 1j, 2, 3, 4, 1e39j]), np.complex64)
+    values[2, 3] = 2.0
+    assert np.array_equal(_dtypes.checked_cast(values, ml_dtypes.float8_e4m3fn).astype(np.float32), values)
