@@ -26,7 +26,10 @@ The states and what is legal in each:
 
 A save deletes only names its journal or an earlier manifest of this
 checkpoint records, and only after checking that they look like names eqx_ckpt
-writes; the user's files beside a checkpoint are never touched.
+writes; the user's files beside a checkpoint are never touched. Inside the
+arrays of a checkpoint it replaced, it deletes only the files saves write
+(`_io.written_by_a_save`) and the folders that leaves empty, so a user's file
+put in a leaf's folder stays (with the folders leading to it).
 """
 
 from __future__ import annotations
@@ -191,7 +194,8 @@ class Transaction:
             # there), and this save holds the lease: one the new manifest does
             # not use is what a failed or killed save of this checkpoint left.
             stale += [n for n in _io.list_names(self.loc) if _GENERATION.match(n) and n != self.target]
-            _io.remove(self.loc, sorted(set(stale)))
+            # Only the files saves write: a user's file in an old leaf's folder stays.
+            _io.remove_written(self.loc, sorted(set(stale)))
             self._release()
         except Exception as e:
             self.leave()
@@ -360,7 +364,9 @@ def _finish_dead_save(loc: Location, journal: dict[str, Any], current: Manifest 
     if not isinstance(listed, list):
         return
     doomed = [n for n in listed if isinstance(n, str) and _OURS.match(n) and n not in live and n != MANIFEST]
-    _io.remove(loc, doomed)
+    # The arrays a committed save replaced may hold a user's files, which stay;
+    # what an uncommitted save created is its own, and goes whole.
+    (_io.remove_written if committed else _io.remove)(loc, doomed)
 
 
 def _is_our_temporary(name: str) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import errno
 import functools
 import os
 import queue
@@ -444,9 +445,71 @@ def remove(loc: Location, names: Iterable[str]) -> None:
         return
     store = kvstore(loc)
     futures = [store.delete_range(ts.KvStore.KeyRange(name, name + "\0")) for name in names]
-    futures += [store.delete_range(ts.KvStore.KeyRange(name + "/", name + "0")) for name in names]
+    futures += [store.delete_range(_below(name)) for name in names]
     for future in futures:
         result(future)
+
+
+# The files a save writes inside a data root, by their path below it: zarr
+# metadata (`zarr.json`) in every folder, a leaf's chunks (`c`, then the
+# chunk's indices), an OCDBT database's manifests and data files, and
+# TensorStore's temporaries of any of them.
+_CHUNK = re.compile(r"(^|/)c(/[0-9]+)*$")
+_DATABASE = re.compile(r"(^|/)ocdbt\.db/(manifest\.ocdbt|manifest\.[0-9a-f]+|d/[0-9a-f]+)$")
+
+
+def written_by_a_save(key: str) -> bool:
+    """Whether the file at `key` (relative to a checkpoint) has a name a save writes."""
+    key = key.removesuffix(TEMPORARY)
+    return key.rsplit("/", 1)[-1] == "zarr.json" or bool(_CHUNK.search(key) or _DATABASE.search(key))
+
+
+def remove_written(loc: Location, names: Iterable[str]) -> None:
+    """Remove what saves wrote under the top-level entries `names` of a
+    checkpoint: every file `written_by_a_save`, then every folder left empty.
+
+    Anything else (a user's notes in a leaf's folder) stays, with the folders
+    that lead to it: a save deletes only what saves wrote (SPEC 3)."""
+    names = list(names)
+    if loc.local is None:
+        store = kvstore(loc)
+        ranges = [r for name in names for r in (ts.KvStore.KeyRange(name, name + "\0"), _below(name))]
+        keys = [key.decode("utf-8", "surrogateescape") for r in ranges for key in result(store.list(r))]
+        futures = [store.delete_range(ts.KvStore.KeyRange(k, k + "\0")) for k in keys if written_by_a_save(k)]
+        for future in futures:
+            result(future)
+        return
+    for name in names:
+        full = os.path.join(loc.local, name)
+        if os.path.islink(full) or not os.path.isdir(full):
+            if os.path.lexists(full) and written_by_a_save(name):
+                _unlink(full)
+            continue
+
+        def fail(error: OSError) -> None:
+            if not isinstance(error, FileNotFoundError):
+                raise error
+
+        for root, _, files in os.walk(full, topdown=False, onerror=fail):
+            relative = os.path.relpath(root, loc.local).replace(os.sep, "/")
+            for file in files:
+                if written_by_a_save(f"{relative}/{file}"):
+                    _unlink(os.path.join(root, file))
+            try:
+                os.rmdir(root)
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                    raise
+
+
+def _below(name: str) -> ts.KvStore.KeyRange:
+    """The keys inside a folder `name` ("0" follows "/")."""
+    return ts.KvStore.KeyRange(name + "/", name + "0")
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def ensure_directory(loc: Location) -> None:

@@ -217,6 +217,94 @@ def test_user_files_named_like_keys_survive_overwrites(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["NOTES", _data_root(tmp_path), "logs", "manifest.json"]
 
 
+def _outside(path):
+    """Every file of `path` outside its live data root, and the manifest."""
+    root = _data_root(path)
+    return sorted(k for k in snapshot(path) if k != "manifest.json" and not (root and k.startswith(root + os.sep)))
+
+
+@pytest.mark.parametrize("layout", ["directories", "ocdbt"])
+def test_a_users_files_inside_a_replaced_checkpoints_folders_survive(tmp_path, layout):
+    # An overwrite once removed the old leaf folders whole, and with them a
+    # user's notes put inside (SPEC 3: a save deletes only what saves wrote).
+    tree = {"model": {"w": np.ones((600, 600), np.float32), "b": np.zeros(3, np.float32)}}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree, layout=layout)
+    mine = {
+        "directories": ["model/README.txt", "model/w/NOTES", "model/w/c/notes.txt", "packed.float32/why"],
+        "ocdbt": ["ocdbt.db/README.txt"],
+    }[layout]
+    for name in mine:
+        (tmp_path / name).write_text(f"mine: {name}")
+    before = _outside(tmp_path)
+    assert len(before) > len(mine)  # the old checkpoint's own files are there too
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree, layout=layout)
+    # Every file of the old arrays went; the user's stayed, with their folders.
+    assert _outside(tmp_path) == sorted(n.replace("/", os.sep) for n in mine)
+    for name in mine:
+        assert (tmp_path / name).read_text() == f"mine: {name}"
+    if layout == "directories":
+        assert sorted(os.listdir(tmp_path / "model" / "w")) == ["NOTES", "c"]
+        assert os.listdir(tmp_path / "model" / "w" / "c") == ["notes.txt"]
+    # A data root holding a user's file outlives the next overwrite (and every
+    # later sweep of `gen.<commit>` folders) as that file alone.
+    root = _data_root(tmp_path)
+    (tmp_path / root / "kept.txt").write_text("mine")
+    for _ in range(2):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, tree, layout=layout)
+    assert (tmp_path / root / "kept.txt").read_text() == "mine"
+    assert os.listdir(tmp_path / root) == ["kept.txt"]
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+    assert eqx_ckpt.verify(tmp_path) == []
+
+
+def test_a_save_killed_after_its_commit_leaves_a_users_files_to_the_next_save(tmp_path, monkeypatch):
+    # The next save finishes a dead save's clean-up from its journal, which
+    # names only the top-level folders of the arrays it replaced.
+    tree = {"model": {"w": np.ones((600, 600), np.float32)}}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    (tmp_path / "model" / "README.txt").write_text("mine")
+    real = _io.remove_written
+
+    def fail(loc, names):
+        raise OSError("the clean-up died")
+
+    monkeypatch.setattr(_io, "remove_written", fail)
+    with pytest.warns(eqx_ckpt.CommitWarning, match="the clean-up died"):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    journal = json.loads((tmp_path / "saving.json").read_text())
+    assert journal["old_names"] == ["model", "zarr.json"]
+    assert (tmp_path / "model" / "w" / "zarr.json").exists()
+    monkeypatch.setattr(_io, "remove_written", real)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert not (tmp_path / "saving.json").exists()
+    assert _outside(tmp_path) == [os.path.join("model", "README.txt")]
+    assert (tmp_path / "model" / "README.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    ("key", "ours"),
+    [
+        ("zarr.json", True),
+        ("model/w/zarr.json", True),
+        ("model/w/zarr.json.__lock", True),
+        ("model/w/c", True),  # the chunk of a 0-d array
+        ("model/w/c/0/12", True),
+        ("gen.0123456789abcdef/packed.float32/c/3", True),
+        ("ocdbt.db/manifest.ocdbt", True),
+        ("gen.0123456789abcdef/ocdbt.db/d/0a1b2c", True),
+        ("model/README.txt", False),
+        ("model/w/c/notes.txt", False),
+        ("model/w/c/0/notes", False),
+        ("model/w/cc", False),
+        ("model/w/zarr.json.bak", False),
+        ("ocdbt.db/README.txt", False),
+        ("ocdbt.db/d/notes.txt", False),
+    ],
+)
+def test_the_names_a_save_writes(key, ours):
+    assert _io.written_by_a_save(key) is ours
+
+
 def test_manifest_is_written_last(tmp_path, monkeypatch, packing):
     order = []
     real = _io.write_conditional

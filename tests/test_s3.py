@@ -193,6 +193,30 @@ def test_remove_and_list_names(store):
     assert sorted(kv.list().result()) == [b"a.txt", b"ab/zarr.json"]
 
 
+def test_remove_written_keeps_other_objects_under_the_same_prefix(store):
+    loc = location(store)
+    kv = ts.KvStore.open(store).result()
+    ours = ["a/zarr.json", "a/w/zarr.json", "a/w/c/0/1", "a/w/c/2/0.__lock", "packed.int8/c/0"]
+    theirs = ["a/README.txt", "a/w/c/notes", "ab/zarr.json", "packed.int8/why"]
+    for key in ours + theirs:
+        kv.write(key, b"x").result()
+    _io.remove_written(loc, ["a", "packed.int8"])
+    # Only the files a save writes went; "ab" shares the prefix "a" and stayed.
+    assert sorted(k.decode() for k in kv.list().result()) == sorted(theirs)
+
+
+@pytest.mark.usefixtures("unpacked")  # the leaves have folders (here, prefixes) of their own
+def test_an_overwrite_keeps_a_users_object_in_an_old_folder(s3, store):
+    eqx_ckpt.tree_serialise_leaves(store, _tree(1))
+    kv = ts.KvStore.open(store).result()
+    kv.write("model/README.txt", b"mine").result()
+    eqx_ckpt.tree_serialise_leaves(store, _tree(2))
+    root = json.loads(kv.read("manifest.json").result().value)["data_root"]
+    assert [k for k in _keys(s3, store) if not k.startswith(f"{root}/")] == ["manifest.json", "model/README.txt"]
+    assert kv.read("model/README.txt").result().value == b"mine"
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, _tree(0)), _tree(2), typematch=True)
+
+
 def test_manager_on_s3(s3, store):
     manager = eqx_ckpt.CheckpointManager(store, max_to_keep=2)
     for step in range(4):

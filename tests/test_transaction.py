@@ -38,6 +38,7 @@ _IO = [
     (_io, "transaction"),
     (_io, "flush"),
     (_io, "remove"),
+    (_io, "remove_written"),
     (_io, "list_names"),
     (_io, "read_file_stamped"),
     (_io, "read_file_generation"),
@@ -103,15 +104,26 @@ def _holds(path, generation):
     return eqx.tree_equal(loaded, _tree(generation), typematch=True) and eqx_ckpt.verify(path) == []
 
 
-def _user_files(directory: pathlib.Path):
+# The user's files: beside the checkpoint, and (for an overwrite) inside the
+# folders of the checkpoint it replaces: a leaf's (`a`) and a group's (`b`).
+_USERS = ("logs", "notes", "a/notes", "b/notes")
+
+
+def _user_files(directory: pathlib.Path, inside=()):
     (directory / "logs").mkdir(parents=True, exist_ok=True)
     (directory / "logs" / "run1.txt").write_text("user log")
     (directory / "notes.txt").write_text("user notes")
-    return {k: v for k, v in snapshot(directory).items() if k.startswith(("logs", "notes"))}
+    for folder in inside:
+        (directory / folder / "notes.txt").write_text(f"user notes in {folder}")
+    return _users(directory)
+
+
+def _users(directory):
+    return {k: v for k, v in snapshot(directory).items() if k.startswith(_USERS)}
 
 
 def _unchanged(directory, files):
-    return {k: v for k, v in snapshot(directory).items() if k.startswith(("logs", "notes"))} == files
+    return _users(directory) == files
 
 
 class _Scenario:
@@ -125,6 +137,7 @@ class _Scenario:
     def prepare(self):
         if self.kind == "overwrite":
             eqx_ckpt.tree_serialise_leaves(self.directory, _tree(1))
+            return _user_files(self.directory, inside=("a", "b"))
         elif self.kind == "manager":
             self.manager = eqx_ckpt.CheckpointManager(self.directory, max_to_keep=1)
             self.manager.save(1, _tree(1), metrics={"loss": 1.0})
@@ -159,13 +172,13 @@ class _Scenario:
             self.manager.close()
 
     def leftovers(self):
-        """What is in the directory besides the checkpoint(s) and the user's files."""
-        names = set(os.listdir(self.directory)) - {"logs", "notes.txt"}
+        """The files in the directory besides the checkpoint(s) and the user's."""
+        files = set(snapshot(self.directory)) - set(_users(self.directory))
         if self.kind == "manager":
-            return {n for n in names if not n.startswith("step_")}
+            return {f for f in files if not f.startswith("step_")}
         manifest = eqx_ckpt.Checkpoint(self.directory)._manifest
         live = {manifest.data_root} if manifest.data_root else {"a", "b", "packed.int64", "zarr.json"}
-        return names - live - {"manifest.json"}
+        return {f for f in files if f.split(os.sep)[0] not in live} - {"manifest.json"}
 
 
 def _count(tmp_path, monkeypatch, kind):
