@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from . import _keypath, _nested, _source
-from ._errors import CheckpointKeyError
+from ._errors import CheckpointKeyError, CheckpointTypeError, check_flag
 from ._lazy import LazyArray
 from ._manifest import LeafRecord
 from ._progress import Progress
@@ -212,6 +212,14 @@ class Checkpoint(Mapping[str, Any]):
             print(state["step"], state["model"]["layers"][0]["weight"].shape)  # 3 (8, 2)
             ```
         """
+        if key is not None and not isinstance(key, str):
+            raise CheckpointTypeError(
+                f"`Checkpoint.load`'s `key` must be a dotted path such as 'model.encoder' (or `None` for "
+                f"everything), not {type(key).__name__}. To load into a skeleton such as `like`, use "
+                f"`eqx_ckpt.tree_deserialise_leaves(path, like)`.",
+                path=self.path,
+            )
+        lazy = check_flag("lazy", lazy, "whether to return `LazyArray`s that read when asked")
         key = key or ""
         records = [r for path, r in self._records.items() if _keypath.is_within(path, key)]
         if key and not records:

@@ -12,7 +12,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from . import _dtypes, _io, _keypath, _pack, _read, _select, _source, _transform, _tree, _window
-from ._errors import CheckpointError, CheckpointValueError, LeafError, leaf_line, leaf_message
+from ._errors import CheckpointError, CheckpointValueError, LeafError, check_flag, leaf_line, leaf_message
 from ._handle import LeafHandle
 from ._lazy import LazyArray
 from ._manifest import LeafRecord, Manifest
@@ -227,6 +227,8 @@ def tree_deserialise_leaves(
     """
     if missing not in ("error", "keep"):
         raise CheckpointValueError(f"`missing` must be 'error' or 'keep', not {missing!r}.")
+    strict = check_flag("strict", strict, "whether stored leaves `like` lacks are an error")
+    lazy = check_flag("lazy", lazy, "whether to return `LazyArray`s that read when asked")
     if not isinstance(cast, (bool, np.bool_)):
         raise CheckpointValueError(
             f"`cast` of a load must be `True` or `False`, not {cast!r}: a load converts to "

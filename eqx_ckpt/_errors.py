@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import jax.tree_util as jtu
+import numpy as np
 
 
 class CheckpointError(Exception):
@@ -292,3 +293,11 @@ def stored_leaf_error(cls: type[_Leaf], what: str, *, dotted: str, path: Any, fi
     path only: the message and the error's `path`/`dotted` from one place."""
     message = leaf_message(what, keypath=None, dotted=dotted, path=path, fix=fix)
     return cls(message, path=path, dotted=[dotted])
+
+
+def check_flag(name: str, value: Any, meaning: str) -> bool:
+    """`value` of the option `name` as a `bool`, or a `CheckpointTypeError`: a
+    string such as `"no"` is truthy, and would silently mean yes."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise CheckpointTypeError(f"`{name}` must be `True` or `False` ({meaning}), not {value!r}.")
+    return bool(value)

@@ -30,6 +30,7 @@ from ._errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointValueError,
+    check_flag,
 )
 from ._manifest import MANIFEST
 from ._serialise import PendingSave, default_serialise_filter_spec
@@ -122,6 +123,7 @@ class CheckpointManager:
                 path=self.directory,
             )
         self.max_to_keep, self.keep_every, self.best_n = max_to_keep, keep_every, best_n
+        blocking = check_flag("blocking", blocking, "`False` saves in the background")
         self.best_metric, self.best_mode, self.blocking = best_metric, best_mode, blocking
         self._pending: PendingSave | None = None
         self._pending_step: int | None = None
@@ -174,9 +176,12 @@ class CheckpointManager:
 
         **Returns:**
 
-        The path, as a string, whether or not the step exists.
+        The path, as a string, whether or not the step exists: absolute for a
+        local directory (the manager's, resolved when it was created, so that an
+        `os.chdir` since changes nothing), else the URL.
         """
-        return self._loc.joined(step_name(_check_step(step))).display
+        loc = self._loc.joined(step_name(_check_step(step)))
+        return loc.display if loc.local is None else loc.local
 
     def all_steps(self) -> list[int]:
         """The committed steps, sorted. A save in flight or interrupted is not one."""
@@ -255,6 +260,7 @@ class CheckpointManager:
         """
         self.wait_until_finished()
         step = _check_step(step)
+        overwrite = check_flag("overwrite", overwrite, "whether to replace a step already there")
         values = _metrics_values(step, metrics, self.directory)
         with _io.explained(self._loc, f"Saving step {step} to"):
             self._hold_directory()

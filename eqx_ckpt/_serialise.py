@@ -14,7 +14,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from . import _commit, _dtypes, _io, _keypath, _layout, _lease, _manifest, _multihost, _pack, _tree, _write
-from ._errors import CheckpointError, CheckpointValueError, LeafError, leaf_message
+from ._errors import CheckpointError, CheckpointValueError, LeafError, check_flag, leaf_message
 from ._handle import LeafHandle
 from ._lazy import LazyArray
 from ._progress import Progress, Tracker
@@ -259,6 +259,8 @@ def save(
     error: BaseException | None = None
     try:
         _layout.check(layout)
+        overwrite = check_flag("overwrite", overwrite, "whether to replace a checkpoint already there")
+        blocking = check_flag("blocking", blocking, "`False` saves in the background")
         cast_fn = _write.cast_function(cast)
         if not blocking and group.count == 1:
             held = _hold(pytree, filter_spec, is_leaf)

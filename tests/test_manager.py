@@ -50,6 +50,18 @@ def test_round_trip_and_layout(tmp_path):
     assert "model.layers.0.weight" in eqx_ckpt.Checkpoint(manager.step_path(42))
 
 
+def test_step_path_names_the_step_after_the_working_directory_changes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    manager = eqx_ckpt.CheckpointManager("run")
+    manager.save(1, _state(1))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    # It once gave "run/step_00000001" back: relative to a directory left since.
+    assert manager.step_path(1) == str(tmp_path / "run" / "step_00000001")
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(manager.step_path(1), _state(0)), _state(1), typematch=True)
+    manager.close()
+
+
 def test_large_steps_sort_by_number(tmp_path):
     manager = eqx_ckpt.CheckpointManager(tmp_path)
     for step in (123_456_789, 5, 99_999_999):

@@ -5,7 +5,9 @@ import inspect
 import re
 import textwrap
 
+import numpy as np
 import pytest
+from disk import snapshot
 
 import eqx_ckpt
 
@@ -102,3 +104,33 @@ def test_docstring_examples_run(name, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     for example in _examples(value):
         exec(compile(example, f"<docstring of eqx_ckpt.{name}>", "exec"), {"__name__": "__example__"})
+
+
+_FLAGS = {
+    "strict": lambda path, value: eqx_ckpt.tree_deserialise_leaves(path, {"a": np.zeros(3)}, strict=value),
+    "lazy": lambda path, value: eqx_ckpt.tree_deserialise_leaves(path, {"a": np.zeros(3)}, lazy=value),
+    "overwrite": lambda path, value: eqx_ckpt.tree_serialise_leaves(path, {"a": np.ones(3)}, overwrite=value),
+    "blocking": lambda path, value: eqx_ckpt.tree_serialise_leaves(path, {"a": np.ones(3)}, blocking=value),
+    "Checkpoint.load lazy": lambda path, value: eqx_ckpt.Checkpoint(path).load(lazy=value),
+    "manager blocking": lambda path, value: eqx_ckpt.CheckpointManager(path / "run", blocking=value),
+    "manager overwrite": lambda path, value: eqx_ckpt.CheckpointManager(path / "run").save(1, {}, overwrite=value),
+}
+
+
+@pytest.mark.parametrize("flag", sorted(_FLAGS))
+@pytest.mark.parametrize("value", ["no", "False", 0, None])
+def test_a_yes_or_no_option_takes_only_a_bool(tmp_path, flag, value):
+    # A string is truthy: `strict="no"` once meant strict, `overwrite="no"` replaced.
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": np.arange(3.0)})
+    before = snapshot(tmp_path)
+    expected = rf"`{flag.split()[-1]}` must be `True` or `False` \(.*\), not {value!r}"
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match=expected):
+        _FLAGS[flag](tmp_path, value)
+    assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("run")} == before
+    _FLAGS[flag](tmp_path, np.True_)  # a NumPy bool is a bool
+
+
+def test_checkpoint_load_names_its_key_argument_when_given_a_skeleton(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": np.arange(3.0)})
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match=r"dotted path .* not dict\. To load into a skeleton"):
+        eqx_ckpt.Checkpoint(tmp_path).load({"a": np.zeros(3)})
