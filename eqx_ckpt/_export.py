@@ -24,8 +24,9 @@ from jaxtyping import PyTree
 
 from . import _dtypes, _io, _keypath, _safetensors, _select
 from ._checkpoint import Checkpoint
-from ._errors import CheckpointValueError, LeafError, leaf_message
+from ._errors import CheckpointExistsError, CheckpointValueError, LeafError, leaf_message
 from ._lazy import LazyArray
+from ._manifest import MANIFEST, MAX_MANIFEST_BYTES
 from ._progress import Progress, Tracker
 from ._spec import Location, location
 
@@ -109,7 +110,15 @@ def export_safetensors(
         }
         _io.write_file(loc, _safetensors.INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
         names.append(_safetensors.INDEX)
+    if single in (None, _safetensors.SINGLE):
+        # What an earlier export left here and this one did not rewrite: a stale
+        # index beside a new `model.safetensors` would be read instead of it.
+        _io.remove(loc, [n for n in _io.list_names(loc) if _EXPORTED.match(n) and n not in names])
     return names
+
+
+# The files an export into a directory writes (and their temporaries).
+_EXPORTED = re.compile(r"^model(-[0-9]{5}-of-[0-9]{5})?\.safetensors(\.index\.json)?(\.partial)?$")
 
 
 def _shard_bytes(size: int | str) -> int:
@@ -194,13 +203,22 @@ def _named(tensors: list[_Tensor], rename: Any) -> list[_Tensor]:
 
 
 def _destination(path: Any) -> tuple[Location, str | None]:
+    """The folder an export writes into, and its one file's name (or `None`
+    for a directory of Hugging Face shards)."""
     loc = location(path)
     if not _safetensors.is_file_path(loc):
-        _io.ensure_directory(loc)
-        return loc, None
-    spec, name = _safetensors.split_file(loc)
-    local = os.path.dirname(loc.local) if loc.local is not None else None
-    folder = Location(spec, os.path.dirname(loc.display.rstrip("/")) or ".", local)
+        folder, name = loc, None
+    else:
+        spec, name = _safetensors.split_file(loc)
+        local = os.path.dirname(loc.local) if loc.local is not None else None
+        folder = Location(spec, os.path.dirname(loc.display.rstrip("/")) or ".", local)
+    if _io.read_file(folder, MANIFEST, limit=MAX_MANIFEST_BYTES) is not None:
+        # (`eqx-ckpt export ckpt ckpt` once wrote the export into the checkpoint.)
+        raise CheckpointExistsError(
+            f"{folder.display!r} holds an eqx_ckpt checkpoint; an export there would mix its files with the "
+            f"checkpoint's. Export to another directory.",
+            path=folder.display,
+        )
     _io.ensure_directory(folder)
     return folder, name
 

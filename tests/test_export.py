@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensorstore as ts
+from disk import snapshot
 from safetensors import safe_open
 from safetensors.numpy import load, load_file
 
@@ -87,6 +88,49 @@ def test_small_export_is_one_file_and_errors(tmp_path):
         eqx_ckpt.export_safetensors(tmp_path / "x", {"w": jnp.ones(3)}, metadata={"step": 3})
     with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("gives the name 'w' to both `a` and `b`")):
         eqx_ckpt.export_safetensors(tmp_path / "x", {"a": jnp.ones(1), "b": jnp.ones(1)}, rename=[(".*", "w")])
+
+
+@pytest.mark.parametrize("into", ["directory", "model.safetensors"])
+def test_an_export_replaces_an_earlier_export_and_leaves_other_files(tmp_path, into):
+    # Exported whole into one file over an earlier sharded export, the stale
+    # index stayed and was read instead: the load gave the earlier values.
+    old = {"a": np.ones(1000, np.float32), "b": np.ones(1000, np.float32)}
+    new = {"a": np.zeros(1000, np.float32), "b": np.full(1000, 2, np.float32)}
+    out = tmp_path / "hf"
+    eqx_ckpt.export_safetensors(out, old, max_shard_size="5KB")
+    (out / "config.json").write_text("{}")
+    (out / "model-00001-of-00002.safetensors.partial").write_text("a killed export's")
+    assert len(_files(out)) == 5
+    eqx_ckpt.export_safetensors(out if into == "directory" else out / into, new)
+    assert _files(out) == ["config.json", "model.safetensors"]
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(out, old), new, typematch=True)
+    # Sharded again, over the single file: the shards and their index only.
+    eqx_ckpt.export_safetensors(out, old, max_shard_size="5KB")
+    assert _files(out) == [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(out, new), old, typematch=True)
+
+
+@pytest.mark.parametrize("out", ["ckpt", "ckpt/weights.safetensors"])
+def test_an_export_into_a_checkpoint_is_refused(tmp_path, out):
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
+    before = snapshot(tmp_path / "ckpt")
+    with pytest.raises(eqx_ckpt.CheckpointExistsError, match=r"holds an eqx_ckpt checkpoint.*Export to another"):
+        eqx_ckpt.export_safetensors(tmp_path / out, eqx_ckpt.Checkpoint(tmp_path / "ckpt"))
+    assert snapshot(tmp_path / "ckpt") == before
+
+
+def test_cli_export_of_a_checkpoint_onto_itself_is_refused(tmp_path, capsys):
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", _tree())
+    before = snapshot(tmp_path / "ckpt")
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "ckpt")]) == 2
+    assert "holds an eqx_ckpt checkpoint" in capsys.readouterr().err
+    assert snapshot(tmp_path / "ckpt") == before
 
 
 def test_cli_export_from_an_object_store(tmp_path, store):
