@@ -73,7 +73,7 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
 def read_files(names: list[str]) -> list[mmap.mmap]:
     """Every file in `names` read into a fresh anonymous mapping of its size."""
     sizes = [os.path.getsize(name) for name in names]
-    buffers = [mmap.mmap(-1, max(size, 1)) for size in sizes]
+    buffers = [mmap.mmap(-1, max(size, 1), flags=workload.PRIVATE) for size in sizes]
     pieces = [
         (name, memoryview(buffer)[offset : min(offset + PIECE, size)], offset)
         for name, buffer, size in zip(names, buffers, sizes, strict=True)
@@ -94,8 +94,8 @@ def read_files(names: list[str]) -> list[mmap.mmap]:
 
 
 def touch(nbytes: int) -> mmap.mmap:
-    """A fresh anonymous shared mapping of `nbytes`, every page written once."""
-    memory = mmap.mmap(-1, nbytes)
+    """A fresh private anonymous mapping of `nbytes`, every page written once."""
+    memory = mmap.mmap(-1, nbytes, flags=workload.PRIVATE)
     np.frombuffer(memory, np.uint8)[::PAGE] = 1
     return memory
 

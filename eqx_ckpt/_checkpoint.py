@@ -154,6 +154,10 @@ class Checkpoint(Mapping[str, Any]):
             print(eqx_ckpt.Checkpoint("ckpt").listing())
             ```
         """
+        values = check_flag("values", values, "whether to print small leaves' values")
+        for name, count in (("depth", depth), ("max_rows", max_rows)):
+            if count is not None and (type(count) is not int or count < 0):
+                raise CheckpointTypeError(f"`{name}` must be an int of at least 0 or None, not {count!r}.")
         rows: list[tuple[str, ...]] = []
         shown: set[tuple[str, ...]] = set()
         left = 0
@@ -231,6 +235,7 @@ class Checkpoint(Mapping[str, Any]):
     def tree(self) -> dict[str, Any]:
         """The saved tree as nested dicts of dotted segments, with a
         `"shape dtype"` description at each leaf (never reads arrays)."""
+        _nested.refuse_leaves_with_children(list(self._records), self.path)
         out: dict[str, Any] = {}
         for path, record in self._records.items():
             parts = _keypath.split_dotted(path)

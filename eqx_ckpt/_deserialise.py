@@ -239,13 +239,23 @@ def tree_deserialise_leaves(
     flat, treedef = _tree.flatten(like, is_leaf)
     specs = _tree.leaf_specs(filter_spec, like, is_leaf, what="like")
     chosen = _select.selected(where, treedef, len(flat))
+    if where is not None and not any(
+        specs[i] is not default_deserialise_filter_spec or _dtypes.like_type(flat[i][1]) is not None for i in chosen
+    ):
+        shown = ", ".join(f"`{_keypath.dotted(flat[i][0])}`" for i in sorted(chosen)[:3])
+        raise CheckpointValueError(
+            f"`where` selected only leaves of `like` that are not loaded ({shown}: not arrays or scalars, such "
+            f"as functions or strings, which stay as `like` has them), so nothing would be loaded. Select the "
+            f"sub-trees holding the arrays to load."
+        )
     root = _select.check_prefix(prefix)
     to_stored = _select.renamer(rename)
     to_transform = _transform.finder(transform)
     records = manifest.by_path()
     if root and not any(_keypath.is_within(p, root) for p in records):
         raise CheckpointValueError(
-            f"`prefix` {root!r} is not in checkpoint {loc.display!r}; its top-level keys are {_top_keys(manifest)}.",
+            f"`prefix` {root!r} is not in checkpoint {loc.display!r}; its top-level keys are "
+            f"{_shown_keys(_keys_below(manifest, ''))}.",
             path=loc.display,
         )
 
@@ -278,6 +288,13 @@ def tree_deserialise_leaves(
             raise CheckpointValueError(
                 f"`rename` gives several stored paths {stored} for `{_keypath.dotted(keypath)}`, "
                 "but a custom filter spec loads it; only a `transform` combines several."
+            )
+        if fn is not None:
+            # Skipped, it once left the leaf untransformed without a word.
+            raise CheckpointValueError(
+                f"`transform` applies to `{_keypath.dotted(keypath)}`, but a custom filter spec loads it, and a "
+                f"filter spec reads the stored array itself. Transform inside the filter spec, or leave this "
+                f"leaf to `eqx_ckpt.default_deserialise_filter_spec`."
             )
         plan = _Plan(i, keypath, leaf, stored, records.get(stored))
         if specs[i] is not default_deserialise_filter_spec:
@@ -339,30 +356,43 @@ def _refuse_no_match(
     if any(plan.record is not None for plan, _ in custom):
         return
     looked = ", ".join(f"`{plan.stored}`" for plan in wanted[:3]) + (", ..." if len(wanted) > 3 else "")
-    keys = _top_keys(manifest) if not root else repr(root)
-    hint = (
-        f"If `like` is one part of what was saved, pass `prefix=` naming it (e.g. `prefix={_first_top(manifest)!r}`)."
-        if not root
-        else "Check `prefix=` and `rename=` against `Checkpoint(path).keys()`."
-    )
+    below = _keys_below(manifest, root)
+    if not below:
+        where, hint = "it holds no leaves", "Check the path."
+    elif not root and below == [""]:
+        where, hint = "it holds one array, saved as the whole tree", "Load it into a `like` that is one array leaf."
+    elif not root:
+        where = f"its top-level keys are {_shown_keys(below)}"
+        hint = f"If `like` is one part of what was saved, pass `prefix=` naming it (e.g. `prefix={below[0]!r}`)."
+    elif below == [""]:
+        parent = root.rpartition(".")[0]
+        where = f"`prefix` {root!r} names one leaf, so `like` must be that leaf alone"
+        hint = f"To load the sub-tree holding it, pass `prefix={parent!r}`." if parent else "Pass no `prefix`."
+    else:
+        where = f"its keys below `prefix` {root!r} are {_shown_keys(below)}"
+        hint = "Check `prefix=` and `rename=` against `Checkpoint(path).keys()`."
     raise LeafError(
         f"None of the {len(wanted)} leaves of `like` is in checkpoint {loc.display!r} "
-        f"(looked for {looked}); its top-level keys are {keys}. {hint}",
+        f"(looked for {looked}); {where}. {hint}",
         path=loc.display,
         keypaths=[plan.keypath for plan in wanted[:_SHOWN]],
         dotted=[plan.stored for plan in wanted],
     )
 
 
-def _first_top(manifest: Manifest) -> str:
-    tops = sorted({_keypath.split_dotted(leaf.path)[0] for leaf in manifest.leaves if leaf.path}, key=_keypath.sort_key)
-    return tops[0] if tops else ""
+def _keys_below(manifest: Manifest, root: str) -> list[str]:
+    """The first segments of the leaves' paths below dotted `root`, sorted (`""`
+    for a leaf at `root` itself)."""
+    firsts = set()
+    for leaf in manifest.leaves:
+        if _keypath.is_within(leaf.path, root):
+            rest = _keypath.split_dotted(_keypath.relative(leaf.path, root))
+            firsts.add(rest[0] if rest else "")
+    return sorted(firsts, key=_keypath.sort_key)
 
 
-def _top_keys(manifest: Manifest) -> str:
-    keys = sorted({_keypath.split_dotted(leaf.path)[0] for leaf in manifest.leaves if leaf.path}, key=_keypath.sort_key)
-    shown = ", ".join(repr(k) for k in keys[:20])
-    return shown + (", ..." if len(keys) > 20 else "") if keys else "(none)"
+def _shown_keys(keys: list[str]) -> str:
+    return ", ".join(repr(k) for k in keys[:20]) + (", ..." if len(keys) > 20 else "") if keys else "(none)"
 
 
 def _check(plan: _Plan, report: _Report, *, missing: str, cast: bool) -> bool:

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _chunks, _commit, _dtypes, _io, _layout, _read
 from ._checkpoint import describe
-from ._errors import CheckpointError
+from ._errors import CheckpointError, check_flag
 from ._manifest import LeafRecord
 from ._progress import Progress, Tracker
 from ._spec import Location, location
@@ -104,6 +104,7 @@ def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None) -> C
         print(list(eqx_ckpt.diff("a", "b")))  # ['- b', '+ c', '! w: values differ']
         ```
     """
+    values = check_flag("values", values, "whether to compare the values of leaves that agree in shape and dtype")
     loc_a, loc_b = location(a), location(b)
     man_a, man_b = _commit.require_manifest(loc_a), _commit.require_manifest(loc_b)
     recs_a, recs_b = man_a.by_path(), man_b.by_path()

@@ -24,7 +24,13 @@ each, minimum/median: 1.35/1.44 and 1.40/1.53 s so checked, against 1.51/1.60 an
 1.59/2.08 s with the check in the loading thread (every byte read again from
 memory), and 1.31/1.39 and 1.37/1.55 s for the raw reference.
 
-The buffer is anonymous `mmap` memory, as `benchmarks/contenders.py` reads into.
+The buffer is private anonymous `mmap` memory (`fresh_bytes`), as the raw
+contender of `benchmarks/` reads into. Python's `mmap.mmap(-1, n)` maps shared
+memory, which the kernel backs with shmem: 100 files of 30 MB read from the
+page cache by 4 threads of `preadv`, fresh processes alternating, took 0.92-1.63
+s (median 0.98) into private mappings against 1.19-1.77 s (median 1.39) into
+shared ones (9 pairs; private faster in 7), and first-touching 2 GiB 0.92-1.16
+s against 1.59-5.46 s.
 On the 2-core development VM (shared, load 3-4), 4 threads reading a 1 GiB file
 from the page cache into a fresh buffer, three batches of 5 runs, gave medians
 of 0.99, 1.17 and 1.49 GB/s into `mmap` memory (runs 0.95-1.58) and 0.97, 1.01
@@ -131,7 +137,7 @@ def _start_checked(loc: Location, record: LeafRecord) -> tuple[np.ndarray, _Read
     keys = chunk_keys(record.stored_shape, record.chunks)
     path = _check_chunk_files(loc, record, record.directory, keys)
     refuse_beyond_memory(loc, record, record.nbytes, "it")
-    out = np.frombuffer(mmap.mmap(-1, record.nbytes), np.uint8)
+    out = fresh_bytes(record.nbytes)
     return out, _read_chunks(path, loc, record, out.data, list(chunk_keys(record.stored_shape, record.chunks)))
 
 
@@ -149,7 +155,7 @@ def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Ca
     record = LeafRecord(pack.name, [], "numpy", shape, pack.dtype, shape, pack.dtype, "plain", (pack.chunk,))
     keys = [f"c/{first + i}" for i in range(count)]
     path = _check_chunk_files(loc, record, pack.name, iter(keys))
-    out = np.frombuffer(mmap.mmap(-1, record.nbytes), np.uint8)
+    out = fresh_bytes(record.nbytes)
     reads = _read_chunks(path, loc, record, out.data, keys)
 
     def finish() -> np.ndarray:
@@ -175,6 +181,18 @@ def _check_chunk_files(loc: Location, record: LeafRecord, directory: str, keys: 
     finally:
         os.close(folder)
     return path
+
+
+# Private anonymous memory: a shared mapping (`mmap`'s default) is backed by
+# shmem, whose first touch of each page costs more (see the module docstring).
+_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+
+
+def fresh_bytes(nbytes: int) -> np.ndarray:
+    """`nbytes` of page-aligned anonymous memory (uninitialised, in fact zero),
+    as a NumPy `uint8` array that `jax.device_put` can adopt without a copy."""
+    memory = mmap.mmap(-1, nbytes, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, nbytes)
+    return np.frombuffer(memory, np.uint8)
 
 
 def supported(loc: Location) -> bool:

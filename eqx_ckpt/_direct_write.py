@@ -37,7 +37,6 @@ import ctypes
 import errno
 import fcntl
 import functools
-import mmap
 import operator
 import os
 import threading
@@ -400,8 +399,8 @@ def _stage() -> tuple[memoryview, np.ndarray]:
     the thread's next file), as a memoryview and as a NumPy array."""
     stage = getattr(_STAGES, "buffer", None)
     if stage is None or len(stage[0]) != STAGE_BYTES:
-        memory = mmap.mmap(-1, STAGE_BYTES)
-        stage = _STAGES.buffer = (memoryview(memory), np.frombuffer(memory, np.uint8))
+        memory = _direct.fresh_bytes(STAGE_BYTES)
+        stage = _STAGES.buffer = (memory.data, memory)
     return stage
 
 

@@ -201,6 +201,15 @@ def x64_missing(dtype: Any) -> bool:
     return _narrowed(np.dtype(dtype), bool(jax.config.read("jax_enable_x64")))
 
 
+def x64_message(dtype: Any) -> str:
+    """Why a JAX array of `dtype` (`x64_missing`) would change its values."""
+    held = np.dtype(jax.dtypes.canonicalize_dtype(dtype)).name
+    return (
+        f"it holds {np.dtype(dtype)} values, and JAX's 64-bit mode is off, so a JAX array would hold them as "
+        f"{held} and change them"
+    )
+
+
 @functools.lru_cache(maxsize=256)
 def _narrowed(dtype: np.dtype, x64: bool) -> bool:
     return jax.dtypes.canonicalize_dtype(dtype) != dtype
@@ -253,9 +262,14 @@ def to_result(array: np.ndarray, like: Any, *, sharding: Any = None) -> Any:
         return type(like)(array[()])
     if isinstance(like, (bool, int, float, complex)):
         value = array.item()
-        out = type(like)(value)
-        if isinstance(value, int) and out != value:  # an integer beyond 2**53 into a float
-            raise ValueError(f"{value} would become {out!r}")
+        try:
+            out = type(like)(value)
+        except TypeError:  # a complex value into an int or a float
+            raise ValueError(f"{value!r} has an imaginary part") from None
+        # An integer beyond 2**53 into a float, a fraction into an int, 2 into a
+        # bool: each would change (NaN stays NaN, and is not equal to itself).
+        if out != value and not (out != out and value != value):
+            raise ValueError(f"{value!r} would become {out!r}")
         return out
     # `device_put` makes one copy; `jnp.asarray` of a NumPy array briefly holds two.
     return jax.device_put(array, sharding)

@@ -481,7 +481,10 @@ def remove_written(loc: Location, names: Iterable[str]) -> None:
         return
     for name in names:
         full = os.path.join(loc.local, name)
-        if os.path.islink(full) or not os.path.isdir(full):
+        if os.path.islink(full):
+            _unlink(full)  # in place of an entry a save wrote: the link goes, never what it points to
+            continue
+        if not os.path.isdir(full):
             if os.path.lexists(full) and written_by_a_save(name):
                 _unlink(full)
             continue
@@ -490,9 +493,10 @@ def remove_written(loc: Location, names: Iterable[str]) -> None:
             if not isinstance(error, FileNotFoundError):
                 raise error
 
-        for root, _, files in os.walk(full, topdown=False, onerror=fail):
+        for root, folders, files in os.walk(full, topdown=False, onerror=fail):
             relative = os.path.relpath(root, loc.local).replace(os.sep, "/")
-            for file in files:
+            links = [f for f in folders if os.path.islink(os.path.join(root, f))]  # (never walked into)
+            for file in files + links:
                 if written_by_a_save(f"{relative}/{file}"):
                     _unlink(os.path.join(root, file))
             try:

@@ -230,6 +230,9 @@ def _numpy_index(index: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:
             start, stop, step = item.indices(n)
             # An empty NumPy slice (stop before start) is an empty interval.
             stop = max(stop, start) if step > 0 else min(stop, start)
+            # A step longer than the axis selects at most one element: as long as
+            # the axis, it selects the same and fits the int64 TensorStore takes.
+            step = max(-max(n, 1), min(max(n, 1), step))
             out[i] = slice(start, stop, step)
         elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
             if not -n <= item < n:

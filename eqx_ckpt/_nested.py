@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _dtypes, _keypath
+from ._errors import CheckpointValueError
 from ._lazy import LazyArray, materialise
 from ._manifest import LeafRecord
 from ._progress import Progress
@@ -38,6 +39,7 @@ def load(
 ) -> Any:
     """The leaves of `records` (all at or below dotted `key`) as nested containers.
     `opener` and `check` are the source's (see `LazyArray`)."""
+    refuse_leaves_with_children([record.path for record in records], data.display)
     depth = len(_keypath.split_dotted(key))
     leaf = functools.partial(_leaf, data, opener=opener, check=check)
     if len(records) == 1 and records[0].path == key:
@@ -87,8 +89,25 @@ class _Node(dict):
     """A container being built: its children by `(kind, key)`."""
 
 
+def refuse_leaves_with_children(paths: list[str], where: str) -> None:
+    """Nested containers cannot show a leaf with leaves below it. An eqx_ckpt
+    manifest never has one; a safetensors file may (tensors `a` and `a.b`)."""
+    known = set(paths)
+    for path in paths:
+        parts = _keypath.split_dotted(path)
+        for n in range(1, len(parts)):
+            above = ".".join(parts[:n])
+            if above in known:
+                raise CheckpointValueError(
+                    f"`{above}` in {where!r} is a leaf and also has leaves below it (`{path}`), so the "
+                    f"checkpoint cannot be shown as nested containers. Read leaves by dotted path "
+                    f"(`Checkpoint(path)[{path!r}]`), or load into a `like` with `tree_deserialise_leaves`.",
+                    path=where,
+                )
+
+
 def _insert(node: _Node, keys: list[tuple[str, Any, str]], leaf: Any) -> None:
-    # The manifest guarantees that no leaf's path lies below another leaf's.
+    # No leaf's path lies below another leaf's (`refuse_leaves_with_children`).
     for key in keys[:-1]:
         node = node.setdefault(key, _Node())
     node[keys[-1]] = leaf

@@ -89,8 +89,7 @@ def refuse_narrowing(loc: Location, record: LeafRecord, dtype: Any) -> None:
         return
     raise stored_leaf_error(
         LeafError,
-        f"it holds {np.dtype(dtype)} values, and JAX's 64-bit mode is off, so a JAX array "
-        f"would hold them as {np.dtype(jax.dtypes.canonicalize_dtype(dtype)).name} and change them.",
+        f"{_dtypes.x64_message(dtype)}.",
         dotted=record.path,
         path=loc.display,
         fix="Enable it (`jax.config.update('jax_enable_x64', True)`), read the leaf as NumPy "

@@ -61,7 +61,8 @@ def find(loc: Location) -> tuple[str, Manifest, Any] | None:
     for name in _candidates(loc, INDEX, ".safetensors.index.json"):
         result = kv.read(name).result()
         if result.state == "value":
-            return _tensors(loc, loc.kvstore, _shard_names(loc, name, result.value), index=name)
+            weight_map = _weight_map(loc, name, result.value)
+            return _tensors(loc, loc.kvstore, sorted(set(weight_map.values())), index=name, weight_map=weight_map)
     for name in _candidates(loc, SINGLE, SUFFIX):
         try:
             return _tensors(loc, loc.kvstore, [name], index=None)
@@ -96,20 +97,29 @@ def _corrupt(loc: Location, what: str) -> CorruptCheckpointError:
     )
 
 
-def _shard_names(loc: Location, index: str, data: bytes) -> list[str]:
+def _weight_map(loc: Location, index: str, data: bytes) -> dict[str, str]:
+    """The index's tensor names -> the shards holding them."""
     try:
-        body = json.loads(data)
-        names = sorted(set(body["weight_map"].values()))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        weight_map = json.loads(data)["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(t, str) for t in weight_map):
+            raise TypeError("it is not an object of tensor names")
+    except (ValueError, KeyError, TypeError) as e:
         raise _corrupt(loc, f"{index} has no `weight_map` of tensor names to files ({e})") from None
-    for name in names:
+    for name in set(weight_map.values()):
         # The index is untrusted: a shard must be a file beside it.
         if not isinstance(name, str) or not re.fullmatch(r"[^/\\]+", name) or name.startswith("."):
             raise _corrupt(loc, f"{index} names the shard {name!r}, which is not a file name in that directory")
-    return names
+    return weight_map
 
 
-def _tensors(loc: Location, folder: dict[str, Any], files: list[str], *, index: str | None) -> tuple:
+def _tensors(
+    loc: Location,
+    folder: dict[str, Any],
+    files: list[str],
+    *,
+    index: str | None,
+    weight_map: dict[str, str] | None = None,
+) -> tuple:
     """Read every file's header (two small reads each, all files at once)."""
     kv = _kvstore(folder)
     heads = [kv.read(name, byte_range=slice(0, 8)) for name in files]
@@ -137,6 +147,10 @@ def _tensors(loc: Location, folder: dict[str, Any], files: list[str], *, index: 
                 raise _corrupt(loc, f"tensor {record.path!r} is in two files ({places[record.path][0]!r}, {name!r})")
             records[record.path] = record
             places[record.path] = (name, 8 + size + offset)
+    for tensor, file in (weight_map or {}).items():
+        # A shard replaced by another version may have lost a tensor the index promises.
+        if places.get(dotted(tensor), ("",))[0] != file:
+            raise _corrupt(loc, f"{index} lists the tensor {tensor!r} in {file!r}, which does not hold it")
     ordered = tuple(records[path] for path in sorted(records))
     return "safetensors", Manifest(ordered, layout="safetensors"), functools.partial(_open, kv, places)
 
@@ -153,7 +167,7 @@ def _result(loc: Location, name: str, read: ts.Future, short: str) -> Any:
 
 def _parse_header(loc: Location, file: str, data: bytes) -> list[tuple[LeafRecord, int]]:
     try:
-        header = json.loads(data, parse_constant=_reject)
+        header = json.loads(data, parse_constant=_reject, object_pairs_hook=_unique)
     except (ValueError, RecursionError) as e:
         raise _corrupt(loc, f"the header of {file!r} is not valid JSON ({e})") from None
     if not isinstance(header, dict):
@@ -173,11 +187,29 @@ def _parse_header(loc: Location, file: str, data: bytes) -> list[tuple[LeafRecor
             out.append(_record(name, entry))
         except (ValueError, TypeError, KeyError) as e:
             raise _corrupt(loc, f"tensor {name!r} in {file!r}: {e}") from None
+    # As the format (and the `safetensors` library) requires: the tensors' bytes
+    # follow one another from the start of the data, no two sharing a byte.
+    end = 0
+    for record, start in sorted(out, key=lambda item: (item[1], item[0].nbytes)):
+        if start != end:
+            what = "overlaps the tensor before it" if start < end else f"leaves bytes {end} to {start} unused"
+            raise _corrupt(loc, f"tensor {record.path!r} in {file!r} {what}")
+        end = start + record.nbytes
     return out
 
 
 def _reject(name: str) -> None:
     raise ValueError(f"{name} is not allowed")
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose names are all different (`json` keeps the last of two)."""
+    out: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in out:
+            raise ValueError(f"it names {name!r} twice")
+        out[name] = value
+    return out
 
 
 def dotted(name: str) -> str:

@@ -94,7 +94,13 @@ def renamer(rename: Any) -> Callable[[str], Target]:
 
 def _checked(fn: Callable[[str], Any]) -> Callable[[str], Target]:
     def apply(path: str) -> Target:
-        out = fn(path)
+        try:
+            out = fn(path)
+        except Exception as e:
+            raise CheckpointValueError(
+                f"`rename` raised {type(e).__name__}: {e} (called with `{path}`). It is called with every "
+                f"dotted path of `like` and must return the stored path, or `None` to keep the path as it is."
+            ) from e
         if out is None:
             return path
         return _target(out, f"`rename` returned {out!r} for `{path}`")

@@ -171,6 +171,12 @@ def checked(out: np.ndarray, like: Any, cast: bool) -> tuple[np.ndarray, str]:
             out = _dtypes.checked_cast(out, np.dtype(like.dtype))
         except ValueError as e:
             return out, f"after its `transform` it cannot become {np.dtype(like.dtype)}: {e}."
+    if kind == "jax" and _dtypes.x64_missing(out.dtype):
+        # `jax.device_put` would wrap or round it, as `_read.refuse_narrowing` says of a stored leaf.
+        return out, (
+            f"after its `transform` {_dtypes.x64_message(out.dtype)}. Enable it "
+            f"(`jax.config.update('jax_enable_x64', True)`), or load into a NumPy `like` leaf."
+        )
     return out, ""
 
 

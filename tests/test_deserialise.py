@@ -424,3 +424,89 @@ def test_a_python_scalar_like_holds_the_stored_value_exactly_or_is_an_error(tmp_
     assert eqx.tree_equal(loaded, {"step": 2**53 + 1, "small": 7.0, "flag": 1}, typematch=True)
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("which cannot hold it exactly")):  # lazily too
         eqx_ckpt.tree_deserialise_leaves(tmp_path, {"step": 0.0, "small": 0, "flag": False}, lazy=True)
+
+
+# Found by a pass of adversarial use of the load side: a transform's result
+# once skipped checks a plain load makes, and some mistakes left no trace.
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_transformed_64_bit_leaf_is_refused_without_x64(tmp_path, lazy):
+    with jax.enable_x64(True):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {"i": np.array([2**40 + 5, 7]), "f": np.array([1e300, 0.1])})
+    assert not jax.config.read("jax_enable_x64")
+    for name, dtype in (("i", jnp.int64), ("f", jnp.float64)):
+        like = {name: jax.ShapeDtypeStruct((2,), dtype)}
+        # It once came back as int32 [5, 7], and float32 [inf, 0.1].
+        with pytest.raises(eqx_ckpt.LeafError, match=rf"leaf `{name}`.*64-bit mode is off, so a JAX array would"):
+            out = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, transform={name: lambda a: a}, lazy=lazy)
+            eqx_ckpt.materialise(out)
+    # Into NumPy, the values are exact.
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"i": np.zeros(2, np.int64)}, transform={"i": lambda a: a})
+    assert out["i"].tolist() == [2**40 + 5, 7]
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize(
+    ("like", "fn", "said"),
+    [
+        (0, lambda a: a + 0.7, "5.7 would become 5"),
+        (0, lambda a: 2.1 - a, "-2.9 would become -2"),
+        (False, lambda a: a * 0.1, "0.5 would become True"),
+        (0, lambda a: a + 1j, r"\(5\+1j\) has an imaginary part"),
+        (0.0, lambda a: a + 1j, r"\(5\+1j\) has an imaginary part"),
+    ],
+)
+def test_a_transform_into_a_python_scalar_holds_the_value_exactly_or_is_an_error(tmp_path, like, fn, said, lazy):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": 5})
+    # Once truncated silently (5.7 -> 5), or a bare TypeError for a complex value.
+    with pytest.raises(eqx_ckpt.LeafError, match=rf"leaf `x`.*cannot hold it exactly: {said}"):
+        eqx_ckpt.materialise(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": like}, transform={"x": fn}, lazy=lazy))
+    exact = (lambda a: a > 3) if type(like) is bool else (lambda a: a * 2)
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": like}, transform={"x": exact})
+    assert out == {"x": True if type(like) is bool else 10} and type(out["x"]) is type(like)
+
+
+def test_a_transform_for_a_leaf_a_custom_filter_spec_loads_is_an_error(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": np.arange(4.0).reshape(2, 2)})
+    spec = lambda handle, x: eqx_ckpt.default_deserialise_filter_spec(handle, x)
+    # The transform was once skipped: the matrix came back untransposed.
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=r"`transform` applies to `w`, but a custom filter spec"):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": np.zeros((2, 2))}, spec, transform={"w": np.transpose})
+
+
+def test_a_rename_callable_that_raises_is_a_checkpoint_error(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": np.ones(2)})
+    with pytest.raises(
+        eqx_ckpt.CheckpointValueError, match=r"`rename` raised KeyError: 'w' \(called with `w`\)"
+    ) as info:
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": np.zeros(2)}, rename=lambda path: {}[path])
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_where_selecting_only_leaves_that_are_not_loaded_is_an_error(tmp_path):
+    class Net(eqx.Module):
+        w: jax.Array
+        act: object
+        name: str
+
+    eqx_ckpt.tree_serialise_leaves(tmp_path, Net(jnp.ones(3), jax.nn.relu, "n"))
+    like = Net(jnp.zeros(3), jax.nn.relu, "n")
+    for where in (lambda m: m.act, lambda m: (m.act, m.name)):
+        with pytest.raises(eqx_ckpt.CheckpointValueError, match=r"selected only leaves of `like` that are not loaded"):
+            eqx_ckpt.tree_deserialise_leaves(tmp_path, like, where=where)
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, where=lambda m: (m.w, m.act))
+    assert eqx.tree_equal(loaded, Net(jnp.ones(3), jax.nn.relu, "n"))
+
+
+def test_a_prefix_naming_one_leaf_says_so(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"model": {"w": jnp.ones((3, 4))}, "step": 1})
+    like = {"weight": jax.ShapeDtypeStruct((3, 4), jnp.float32)}
+    # It once said "its top-level keys are 'model.w'".
+    expected = r"`prefix` 'model\.w' names one leaf, so `like` must be that leaf alone\. .* pass `prefix='model'`"
+    with pytest.raises(eqx_ckpt.LeafError, match=expected):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, like, prefix="model.w")
+    with pytest.raises(eqx_ckpt.LeafError, match=r"its keys below `prefix` 'model' are 'w'\."):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, like, prefix="model")
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like["weight"], prefix="model.w")
+    assert eqx.tree_equal(loaded, jnp.ones((3, 4)))

@@ -206,3 +206,11 @@ def test_lazy_read_keeps_the_weak_type_of_like(tmp_path):
     loaded = eqx_ckpt.materialise(lazy)
     assert loaded["scale"].weak_type
     assert eqx.tree_equal(loaded, like, typematch=True)
+
+
+@pytest.mark.parametrize("index", [np.s_[:: 10**20], np.s_[:, :: -(10**20)], np.s_[1 :: 2**63], np.s_[:: -(2**63)]])
+def test_a_step_longer_than_the_axis_reads_as_numpy_does(tmp_path, index):
+    # A step beyond int64 once reached TensorStore and read as "damaged".
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.arange(12.0).reshape(3, 4)})
+    reference = np.arange(12.0).reshape(3, 4)
+    np.testing.assert_array_equal(eqx_ckpt.Checkpoint(tmp_path)["w"][index], reference[index])

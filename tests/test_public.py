@@ -114,6 +114,9 @@ _FLAGS = {
     "Checkpoint.load lazy": lambda path, value: eqx_ckpt.Checkpoint(path).load(lazy=value),
     "manager blocking": lambda path, value: eqx_ckpt.CheckpointManager(path / "run", blocking=value),
     "manager overwrite": lambda path, value: eqx_ckpt.CheckpointManager(path / "run").save(1, {}, overwrite=value),
+    # `diff(values=None)` once said that two checkpoints with different values were equal.
+    "values": lambda path, value: eqx_ckpt.diff(path, path, values=value),
+    "listing values": lambda path, value: eqx_ckpt.Checkpoint(path).listing(values=value),
 }
 
 
@@ -134,3 +137,11 @@ def test_checkpoint_load_names_its_key_argument_when_given_a_skeleton(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": np.arange(3.0)})
     with pytest.raises(eqx_ckpt.CheckpointTypeError, match=r"dotted path .* not dict\. To load into a skeleton"):
         eqx_ckpt.Checkpoint(tmp_path).load({"a": np.zeros(3)})
+
+
+@pytest.mark.parametrize("option", ["depth", "max_rows"])
+@pytest.mark.parametrize("value", ["1", -1, 1.5, True])
+def test_listing_counts_are_ints(tmp_path, option, value):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": np.arange(3.0)})
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match=rf"`{option}` must be an int of at least 0 or None"):
+        eqx_ckpt.Checkpoint(tmp_path).listing(**{option: value})

@@ -288,3 +288,70 @@ def test_a_transform_cast_refuses_values_that_would_change(single):
         single, like, rename=rename, transform={"x": lambda b: np.asarray(b) * 2}, cast=True
     )
     np.testing.assert_array_equal(within["x"], (2 * B).astype(np.float16))
+
+
+def _raw_file(path, header: str, data: bytes):
+    """A safetensors file with the header text given as is."""
+    body = header.encode()
+    path.write_bytes(len(body).to_bytes(8, "little") + body + data)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("header", "said"),
+    [
+        # JSON keeps the last of two names: the file once loaded as w = [2, 3].
+        (
+            '{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},'
+            ' "w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}',
+            "it names 'w' twice",
+        ),
+        (
+            '{"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]},'
+            ' "v": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}',
+            "tensor 'v' in 'x.safetensors' overlaps the tensor before it",
+        ),
+        (
+            '{"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}',
+            "tensor 'w' in 'x.safetensors' leaves bytes 0 to 8 unused",
+        ),
+    ],
+)
+def test_a_header_the_safetensors_library_refuses_is_corrupt(tmp_path, header, said):
+    path = _raw_file(tmp_path / "x.safetensors", header, np.arange(4, dtype=np.float32).tobytes())
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(said)):
+        eqx_ckpt.Checkpoint(path)
+
+
+def test_a_tensor_with_tensors_below_it_cannot_be_shown_nested(tmp_path):
+    path = str(tmp_path / "ab.safetensors")
+    save_file({"a": np.ones(2, np.float32), "a.b": np.zeros(3, np.float32)}, path)
+    ckpt = eqx_ckpt.Checkpoint(path)
+    # Each once raised a bare TypeError or IndexError.
+    for call in (ckpt.tree, ckpt.load, lambda: ckpt.load("a"), lambda: ckpt.load(lazy=True)):
+        with pytest.raises(eqx_ckpt.CheckpointValueError, match=r"`a` in .* is a leaf and also has leaves below it"):
+            call()
+    # By dotted path, or into a `like`, each is there.
+    np.testing.assert_array_equal(ckpt["a.b"].read(), np.zeros(3, np.float32))
+    loaded = eqx_ckpt.tree_deserialise_leaves(path, {"a": np.zeros(2, np.float32)})
+    assert eqx.tree_equal(loaded, {"a": np.ones(2, np.float32)}, typematch=True)
+
+
+def test_an_index_listing_a_tensor_its_shard_lacks_is_corrupt(tmp_path):
+    save_file({"l.0.w": np.ones(2, np.float32)}, str(tmp_path / "s1.safetensors"))
+    save_file({"l.1.w": np.full(2, 2, np.float32)}, str(tmp_path / "s2.safetensors"))
+    weight_map = {"l.0.w": "s1.safetensors", "l.1.w": "s2.safetensors", "l.2.w": "s2.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    like = {"l": [{"w": np.zeros(2, np.float32)} for _ in range(3)]}
+    # `missing="keep"` once kept l.2.w's initial value without a word.
+    expected = "lists the tensor 'l.2.w' in 's2.safetensors', which does not hold it"
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(expected)):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, like, missing="keep")
+
+
+def test_an_index_with_no_tensors_says_the_checkpoint_holds_none(tmp_path):
+    save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "s1.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    # Once: "pass `prefix=` naming it (e.g. `prefix=''`)".
+    with pytest.raises(eqx_ckpt.LeafError, match=r"\(looked for `w`\); it holds no leaves\. Check the path\."):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": np.zeros(2, np.float32)})
