@@ -10,17 +10,28 @@
 
 The database sits in its own folder so that deleting a data root (see `_commit`)
 deletes it whole.
+
+Either way, the folders above the leaves are zarr v3 groups (`groups`): a save
+writes their `zarr.json`, so that zarr tools can walk the tree, and `verify`
+checks them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Iterable
 
+from . import _keypath
 from ._errors import CheckpointValueError
-from ._manifest import LAYOUTS
+from ._manifest import LAYOUTS, LeafRecord
 from ._spec import Location
 
 OCDBT_FOLDER = "ocdbt.db"
+
+# The `zarr.json` of every group a save writes.
+GROUP = {"zarr_format": 3, "node_type": "group", "attributes": {}}
+GROUP_JSON = json.dumps(GROUP).encode()
 
 
 def check(layout: str) -> str:
@@ -42,3 +53,24 @@ def data_location(loc: Location, data_root: str, layout: str) -> Location:
         return root
     spec = {"driver": "ocdbt", "base": root.child(OCDBT_FOLDER), "path": ""}
     return Location(spec, loc.display, None)
+
+
+def groups(records: Iterable[LeafRecord]) -> list[str]:
+    """The zarr v3 groups of a data root holding `records`: their folders below
+    it, sorted ("" is the data root itself). Every folder above a leaf with an
+    array of its own is one, and so is the data root, unless nothing is stored
+    there or its only array is a leaf at the root (a checkpoint of one array)."""
+    found: set[str] = set()
+    for record in records:
+        if record.pack is not None:
+            found.add("")
+            continue
+        parts = _keypath.split_dotted(record.path)
+        found.update("/".join(parts[:i]) for i in range(len(parts)))
+    return sorted(found)
+
+
+def metadata_key(folder: str) -> str:
+    """The key of the `zarr.json` of the group or array in `folder` (below the
+    data root; "" is the data root itself)."""
+    return folder + "/zarr.json" if folder else "zarr.json"

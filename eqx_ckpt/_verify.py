@@ -26,6 +26,8 @@ _PACK_READS = 16
 # Metadata keys that do not change how the bytes are read.
 _FREE_KEYS = frozenset({"attributes", "dimension_names"})
 _MAX_ZARR_JSON = 2**20
+# Characters of an unexpected metadata value shown in a problem.
+_SHOWN = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +37,8 @@ class Problem:
     **Attributes:**
 
     - `leaf`: the dotted path of the damaged leaf, or `None` for the checkpoint as
-        a whole (its manifest).
+        a whole (its manifest, or the zarr group metadata of one of its folders,
+        which the message names).
     - `message`: what is wrong, in a full sentence.
 
     !!! example
@@ -63,10 +66,12 @@ def verify(path: Any, *, progress: Progress = None) -> list[Problem]:
     """Read and check every byte of a checkpoint.
 
     Checks the manifest (its digest, its schema, its totals), every leaf's
-    `zarr.json` against the manifest, and every chunk of every leaf against its
-    crc32c checksum; a chunk file that is missing, truncated or altered, a
-    symlink inside the checkpoint, or edited metadata is a problem. Nothing is
-    loaded onto a device, and memory use stays bounded whatever the size.
+    `zarr.json` against the manifest, the zarr group metadata of the folders
+    above the leaves (which zarr tools need, though loads do not), and every
+    chunk of every leaf against its crc32c checksum; a chunk file that is
+    missing, truncated or altered, a symlink inside the checkpoint, or edited
+    metadata is a problem. Nothing is loaded onto a device, and memory use
+    stays bounded whatever the size.
 
     **Arguments:**
 
@@ -79,7 +84,8 @@ def verify(path: Any, *, progress: Progress = None) -> list[Problem]:
     **Returns:**
 
     A list of [`eqx_ckpt.Problem`][]s, empty when the checkpoint is sound. Each
-    names the damaged leaf by its dotted path.
+    names the damaged leaf by its dotted path (problems of the manifest and of
+    group metadata, which belong to no leaf, come first).
 
     **Raises:**
 
@@ -104,6 +110,7 @@ def verify(path: Any, *, progress: Progress = None) -> list[Problem]:
     data = _layout.data_location(loc, manifest.data_root, manifest.layout)
     records = sorted(manifest.leaves, key=lambda r: r.path)
     with Tracker(progress, leaves=len(manifest.leaves), nbytes=manifest.total_bytes, what="verify") as tracker:
+        problems += _check_groups(data, manifest)
         bad = _check_packs(data, manifest, tracker)
         bad |= _check_leaves(data, [r for r in records if r.pack is None], tracker)
     return problems + [bad[r.path] for r in records if r.path in bad]
@@ -226,27 +233,91 @@ def _check_metadata(
     data: Location, directory: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]
 ) -> str | None:
     """An array's `zarr.json` must be exactly what eqx_ckpt writes for it."""
-    prefix = directory + "/" if directory else ""
-    try:
-        raw = _io.read_file(data, prefix + "zarr.json", limit=_MAX_ZARR_JSON)
-    except CheckpointError as e:
-        return str(e)
-    except Exception as e:  # a damaged OCDBT database fails the read itself
-        return f"its zarr.json could not be read: {_io.explain(e)}"
-    if raw is None:
-        return f"its zarr.json is missing from {data.display!r}."
-    try:
-        actual = json.loads(raw)
-    except ValueError:
-        return "its zarr.json is not valid JSON."
+    actual, why = _read_object(data, _layout.metadata_key(directory), "its zarr.json")
+    if actual is None:
+        return why
     expected = _reference_metadata(shape, dtype, chunks)
-    if not isinstance(actual, dict):
-        return "its zarr.json is not a JSON object."
     differ = sorted(k for k in (set(actual) | set(expected)) - _FREE_KEYS if actual.get(k) != expected.get(k))
     if differ:
-        shown = ", ".join(f"{k}: {actual.get(k)!r} instead of {expected.get(k)!r}" for k in differ)
+        shown = ", ".join(f"{k}: {_brief(actual.get(k))} instead of {expected.get(k)!r}" for k in differ)
         return f"its zarr.json disagrees with the manifest ({shown})."
     return None
+
+
+def _check_groups(data: Location, manifest: Manifest) -> list[Problem]:
+    """The `zarr.json` of every group a save of the manifest's leaves writes
+    (`_layout.groups`). Loads never read them, but zarr tools walking the
+    checkpoint's folders do, and refuse a missing or broken one."""
+    # The first version that packed leaves (format 3) wrote no root group beside
+    # packs when no leaf had a folder of its own: its absence is no problem there.
+    optional = manifest.format_version == 3 and all(r.pack is not None or not r.path for r in manifest.leaves)
+    problems = []
+    for folder in _layout.groups(manifest.leaves):
+        key = _layout.metadata_key(folder)
+        what = f"The zarr group metadata {key!r}"
+        actual, why = _read_object(data, key, what, optional=optional and folder == "")
+        if actual is not None:
+            why = _group_differs(actual, what)
+        if why is not None:
+            fix = f"restore it from a good copy, or write {_layout.GROUP_JSON.decode()} in its place"
+            problems.append(Problem(None, f"{why} Loads do not read it, but zarr tools do: {fix}."))
+    return problems
+
+
+def _group_differs(actual: dict[str, Any], what: str) -> str | None:
+    """How a group's `zarr.json` differs from what a save writes (`_layout.GROUP`).
+
+    Two additions leave it the same group to every zarr reader, and a user's
+    zarr tool may well make them, so they are no problem: `attributes` of its
+    own (xarray and others annotate groups; the zarr v3 spec makes them
+    optional), and an extension field marked `"must_understand": false`, which
+    the spec lets any reader ignore (zarr-python's consolidated metadata in the
+    root group). Anything else changes what the node is, or makes a reader
+    refuse it."""
+    differ = []
+    for name in sorted(set(actual) | set(_layout.GROUP)):
+        value, expected = actual.get(name), _layout.GROUP.get(name)
+        if name == "attributes":
+            if name in actual and not isinstance(value, dict):
+                differ.append(f"attributes: {_brief(value)}, not a JSON object")
+        elif name not in _layout.GROUP:
+            if not (isinstance(value, dict) and value.get("must_understand") is False):
+                differ.append(f"{name}: {_brief(value)}, a field no zarr reader knows")
+        elif type(value) is not type(expected) or value != expected:
+            differ.append(f"{name}: {_brief(value)} instead of {expected!r}")
+    if not differ:
+        return None
+    return f"{what} is not the zarr v3 group eqx_ckpt writes ({', '.join(differ)})."
+
+
+def _read_object(
+    data: Location, key: str, what: str, *, optional: bool = False
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The JSON object in the small metadata file `key`, or what is wrong with
+    it, said of `what` (neither, when an `optional` file is missing). The file
+    is untrusted: its size is bounded before it is read, and bytes that are not
+    a JSON object are a problem, never an error."""
+    try:
+        raw = _io.read_file(data, key, limit=_MAX_ZARR_JSON)
+    except CheckpointError as e:
+        return None, str(e)
+    except Exception as e:  # a damaged OCDBT database fails the read itself
+        return None, f"{what} could not be read: {_io.explain(e)}"
+    if raw is None:
+        return None, None if optional else f"{what} is missing from {data.display!r}."
+    try:
+        actual = json.loads(raw)
+    except (ValueError, RecursionError):  # RecursionError: `[[[[...` nested deeper than Python recurses
+        return None, f"{what} is not valid JSON."
+    if not isinstance(actual, dict):
+        return None, f"{what} is not a JSON object."
+    return actual, None
+
+
+def _brief(value: Any) -> str:
+    """`repr(value)`, cut short: an edited file may hold a megabyte in one field."""
+    shown = repr(value)
+    return shown if len(shown) <= _SHOWN else shown[: _SHOWN - 3] + "..."
 
 
 _REFERENCE: dict[tuple[Any, ...], dict[str, Any]] = {}

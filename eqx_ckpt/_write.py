@@ -6,14 +6,13 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _commit, _direct, _direct_write, _dtypes, _io, _keypath, _manifest, _multihost, _pack, _sharding
+from . import _commit, _direct, _direct_write, _dtypes, _io, _keypath, _layout, _manifest, _multihost, _pack, _sharding
 from ._errors import CheckpointTypeError
 from ._handle import LeafHandle
 from ._lazy import LazyArray
@@ -350,7 +349,7 @@ def start_writes(
                 opens.append(_io.create_array(data, p.record, synced=False))
             for pack, _ in batch.packs:
                 opens.append(_io.create_spec(_pack.spec(data, pack), data, synced=False))
-            groups.extend(_group_writes(data, [p.record.path for p in own], root=bool(batch.packs)))
+            groups.extend(_group_writes(data, batch.records()))
 
         try:
             _io.uninterrupted(create)
@@ -450,18 +449,11 @@ def private_copies(pending: list[Pending]) -> None:
             p.pieces = [(index, np.array(piece, copy=True)) for index, piece in p.pieces]
 
 
-_GROUP = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
-
-
-def _group_writes(data: Location, paths: list[str], *, root: bool) -> list[Any]:
-    """Zarr v3 group metadata for every directory above a leaf (and for the data
-    root when it holds packs), so zarr tools can walk the tree."""
-    groups = {""} if root or (paths and paths != [""]) else set()
-    for path in paths:
-        parts = _keypath.split_dotted(path)
-        groups.update(".".join(parts[:i]) for i in range(1, len(parts)))
+def _group_writes(data: Location, records: list[LeafRecord]) -> list[Any]:
+    """Zarr v3 group metadata for every folder above a leaf (and for the data
+    root: see `_layout.groups`), so zarr tools can walk the tree."""
     store = _io.kvstore(data, synced=False)
-    return [store.write(_keypath.to_directory(g) + ("/" if g else "") + "zarr.json", _GROUP) for g in sorted(groups)]
+    return [store.write(_layout.metadata_key(g), _layout.GROUP_JSON) for g in _layout.groups(records)]
 
 
 def attempt(run: Callable[[], Any]) -> BaseException | None:

@@ -120,6 +120,14 @@ def test_verify_detects_a_deleted_chunk(tmp_path, packing):
     assert "step" in done.stdout
 
 
+def test_verify_reports_damaged_group_metadata(ckpt):
+    (ckpt / "zarr.json").write_bytes(b"\x00garbage")
+    done = run("verify", ckpt, check_code=1)
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("The zarr group metadata 'zarr.json' is not valid JSON. Loads do not read it")
+    assert lines[-1] == f"{ckpt}: 1 problem(s)"
+
+
 def test_diff_exit_codes_and_lines(tmp_path, ckpt):
     other = tmp_path / "other"
     tree = {"model": {"w": jnp.ones((3, 4)), "b": np.ones(4, np.float16)}, "step": 7, "new": jnp.zeros(1)}

@@ -11,9 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec
 
 import eqx_ckpt
+from eqx_ckpt import _layout, _manifest
 
 # Damage to a leaf's own folder (its chunk files, its zarr.json): every leaf gets
 # one. Damage to a pack of small leaves is tested in test_pack.py.
@@ -77,10 +79,15 @@ def _assert_reported_but_loads(path: pathlib.Path, leaf: str) -> None:
     np.testing.assert_array_equal(np.asarray(eqx_ckpt.Checkpoint(path)[leaf]), np.asarray(saved))
 
 
-def _assert_detected(path: pathlib.Path, leaf: str, error=eqx_ckpt.IntegrityError):
+def _assert_detected(path: pathlib.Path, leaf: str, error=eqx_ckpt.IntegrityError, *, groups=()):
+    """Damage to the bytes of `leaf`: `verify` names it (after the group metadata
+    `groups`, by key, found missing), and every read of it fails naming it; the
+    other leaves still load."""
     problems = eqx_ckpt.verify(path)
-    assert [p.leaf for p in problems] == [leaf], problems
-    assert isinstance(problems[0], eqx_ckpt.Problem)
+    assert [p.leaf for p in problems] == [None] * len(groups) + [leaf], problems
+    for problem, key in zip(problems, groups):
+        assert problem.message.startswith(f"The zarr group metadata {key!r} is missing"), problem
+    assert all(isinstance(p, eqx_ckpt.Problem) for p in problems)
     # A full load, a load of that leaf alone, and a lazy read all fail naming it.
     with pytest.raises(error, match=re.escape(f"`{leaf}`")):
         eqx_ckpt.tree_deserialise_leaves(path, _like())
@@ -226,7 +233,157 @@ def test_deleted_leaf_folder(tmp_path):
     for file in sorted(tmp_path.joinpath("b").rglob("*"), reverse=True):
         file.unlink() if file.is_file() else file.rmdir()
     tmp_path.joinpath("b").rmdir()
-    _assert_detected(tmp_path, "b.c")
+    _assert_detected(tmp_path, "b.c", groups=["b/zarr.json"])
+
+
+# The zarr.json of every group (the data root, every folder above a leaf): loads
+# never read them, zarr tools do.
+_GROUPED = {"model": {"w": np.ones((600, 600), np.float32), "b": np.zeros(3)}}
+_NOT_A_GROUP = json.dumps({"zarr_format": 3, "node_type": "array", "attributes": {}}).encode()
+_GROUP_DAMAGE = {
+    "garbage": (lambda db, key: db.write(key, b"\x89PNG\x00\xff garbage"), "is not valid JSON."),
+    "missing": (lambda db, key: db.delete_range(ts.KvStore.KeyRange(key, key + "\0")), "is missing from"),
+    "array": (
+        lambda db, key: db.write(key, _NOT_A_GROUP),
+        "is not the zarr v3 group eqx_ckpt writes (node_type: 'array' instead of 'group').",
+    ),
+}
+
+
+def _arrays(path: pathlib.Path) -> ts.KvStore:
+    """The keys of a checkpoint's arrays: its data root, or the OCDBT database in it."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    root = {"driver": "file", "path": f"{path / manifest['data_root']}/"}
+    if manifest.get("layout") == "ocdbt":
+        root = {"driver": "ocdbt", "base": {**root, "path": f"{path / manifest['data_root'] / 'ocdbt.db'}/"}}
+    return ts.KvStore.open(root).result()
+
+
+@pytest.mark.parametrize("layout", ["directories", "ocdbt"])
+@pytest.mark.parametrize("damage", sorted(_GROUP_DAMAGE))
+@pytest.mark.parametrize("key", ["zarr.json", "model/zarr.json"])
+def test_damaged_group_metadata_is_reported(tmp_path, layout, damage, key):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, _GROUPED, layout=layout)
+    assert eqx_ckpt.verify(tmp_path) == []
+    edit, says = _GROUP_DAMAGE[damage]
+    edit(_arrays(tmp_path), key).result()
+    [problem] = eqx_ckpt.verify(tmp_path)
+    assert problem.leaf is None and str(problem) == problem.message
+    assert re.match(re.escape(f"The zarr group metadata {key!r} {says}"), problem.message), problem
+    assert "Loads do not read it, but zarr tools do" in problem.message
+    # Loads never read it.
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, _GROUPED), _GROUPED, typematch=True)
+
+
+@pytest.mark.parametrize("layout", ["directories", "ocdbt"])
+def test_group_metadata_of_a_generation_data_root(tmp_path, layout):
+    for _ in range(2):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, _GROUPED, layout=layout)
+    assert json.loads((tmp_path / "manifest.json").read_text())["data_root"].startswith("gen.")
+    assert eqx_ckpt.verify(tmp_path) == []
+    arrays = _arrays(tmp_path)
+    arrays.write("zarr.json", b"").result()
+    arrays.delete_range(ts.KvStore.KeyRange("model/zarr.json", "model/zarr.json\0")).result()
+    messages = [p.message for p in eqx_ckpt.verify(tmp_path)]
+    assert [m.split(" Loads")[0] for m in messages] == [
+        "The zarr group metadata 'zarr.json' is not valid JSON.",
+        f"The zarr group metadata 'model/zarr.json' is missing from {str(tmp_path)!r}.",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        # What a zarr tool may add to a group, which leaves it one: sound.
+        ({"attributes": {"note": "tuned", "xarray": [1, 2]}}, None),
+        ({"attributes": None}, "attributes: None, not a JSON object"),
+        ({"consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": {}}}, None),
+        (
+            {"extension": {"must_understand": True}},
+            "extension: {'must_understand': True}, a field no zarr reader knows",
+        ),
+        ({"extension": 1}, "extension: 1, a field no zarr reader knows"),
+        ({"zarr_format": 2}, "zarr_format: 2 instead of 3"),
+        ({"zarr_format": 3.0}, "zarr_format: 3.0 instead of 3"),
+        ({"node_type": ...}, "node_type: None instead of 'group'"),  # (`...`: left out)
+        ({"extension": "x" * 10**6}, "extension: '" + "x" * 196 + "..., a field"),
+    ],
+    ids=[
+        "attributes",
+        "attributes-null",
+        "consolidated",
+        "must-understand",
+        "extension",
+        "v2",
+        "float",
+        "no-type",
+        "huge",
+    ],
+)
+def test_group_metadata_is_compared_with_what_saves_write(tmp_path, body, says):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, _GROUPED)
+    metadata = {"zarr_format": 3, "node_type": "group", "attributes": {}, **body}
+    (tmp_path / "model" / "zarr.json").write_text(json.dumps({k: v for k, v in metadata.items() if v is not ...}))
+    problems = eqx_ckpt.verify(tmp_path)
+    if says is None:
+        assert problems == []
+    else:
+        [problem] = problems
+        assert problem.message.startswith("The zarr group metadata 'model/zarr.json' is not the zarr v3 group")
+        assert says in problem.message and len(problem.message) < 600
+
+
+def test_group_metadata_is_read_as_untrusted_input(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", _GROUPED)
+    model = tmp_path / "ckpt" / "model"
+    for content, says in [
+        (b"[" * 100_000, "is not valid JSON."),  # deeper than Python recurses
+        (b"\xff\xfe\x00\xd8" * 1000, "is not valid JSON."),
+        (b'["zarr_format", 3]', "is not a JSON object."),
+        (b" " * (2**20 + 1), "is 1048577 bytes, more than the 1048576 allowed"),
+    ]:
+        (model / "zarr.json").write_bytes(content)
+        [problem] = eqx_ckpt.verify(tmp_path / "ckpt")
+        assert problem.leaf is None and says in problem.message and "'model/zarr.json'" in problem.message
+    # A link is never followed, even to a sound group's metadata.
+    (tmp_path / "group.json").write_bytes(b'{"zarr_format": 3, "node_type": "group", "attributes": {}}')
+    (model / "zarr.json").unlink()
+    (model / "zarr.json").symlink_to(tmp_path / "group.json")
+    [problem] = eqx_ckpt.verify(tmp_path / "ckpt")
+    assert problem.leaf is None and "symbolic link" in problem.message
+
+
+@per_leaf
+def test_a_leafs_zarr_json_nested_too_deep_is_a_problem_not_a_crash(tmp_path):
+    _save(tmp_path)
+    tmp_path.joinpath("b", "c", "zarr.json").write_bytes(b"[" * 100_000)
+    [problem] = eqx_ckpt.verify(tmp_path)
+    assert problem.leaf == "b.c" and problem.message == "its zarr.json is not valid JSON."
+
+
+def test_verify_expects_exactly_the_groups_a_save_writes(tmp_path, packing):
+    big, small = np.ones((600, 600), np.float32), np.zeros(3)
+    trees = [{"model": {"layers": [{"w": big, "b": small}], "head": big}, "opt": {"mu": small}, "step": 1}, big, small]
+    for i, tree in enumerate(trees):
+        path = tmp_path / str(i)
+        eqx_ckpt.tree_serialise_leaves(path, tree)
+        files = path.rglob("zarr.json")
+        written = sorted(
+            f.relative_to(path).as_posix() for f in files if json.loads(f.read_text())["node_type"] == "group"
+        )
+        manifest = _manifest.parse((path / "manifest.json").read_bytes(), where=str(path))
+        assert written == sorted(_layout.metadata_key(g) for g in _layout.groups(manifest.leaves))
+        assert eqx_ckpt.verify(path) == []
+    assert json.loads((tmp_path / "1" / "zarr.json").read_text())["node_type"] == "array"  # a bare array: at the root
+
+
+def test_a_data_root_holding_only_packs_is_a_group_too(tmp_path, packing):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": {"b": np.ones(3)}})
+    assert (tmp_path / "a").is_dir() == (packing == "unpacked")  # packed, `a` has no folder, nor group
+    assert eqx_ckpt.verify(tmp_path) == []
+    (tmp_path / "zarr.json").unlink()
+    [problem] = eqx_ckpt.verify(tmp_path)
+    assert problem.message.startswith("The zarr group metadata 'zarr.json' is missing")
 
 
 @pytest.mark.parametrize(

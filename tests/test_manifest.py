@@ -188,6 +188,10 @@ def test_manifests_of_earlier_versions_still_load(tmp_path, version, unpacked):
     like = {k: v for k, v in tree.items() if k != "skipped"}
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
     assert eqx.tree_equal(out["model"], like["model"], typematch=True) and out["lr"] == 0.1
+    # Their group metadata is what saves wrote then too, and is checked.
+    (tmp_path / "model" / "zarr.json").unlink()
+    [problem] = eqx_ckpt.verify(tmp_path)
+    assert problem.message.startswith("The zarr group metadata 'model/zarr.json' is missing")
 
 
 @pytest.mark.parametrize("value", [True, 1.0, [1], {"1": 1}, None], ids=repr)

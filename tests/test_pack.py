@@ -243,6 +243,22 @@ def test_checkpoints_written_before_packing_still_load(tmp_path, monkeypatch):
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
 
 
+def test_the_first_packed_format_verifies_without_a_root_group(tmp_path):
+    # Format 3 as first written wrote no group metadata at the data root when
+    # every leaf was packed; a save now does (zarr tools see the packs in a group).
+    tree = {"a": np.ones(3, np.float32), "b": {"c": np.arange(4)}}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    (tmp_path / "zarr.json").unlink()
+    [problem] = eqx_ckpt.verify(tmp_path)
+    assert problem.message.startswith("The zarr group metadata 'zarr.json' is missing")
+    (tmp_path / "manifest.json").write_bytes(manifests.as_version(_manifest(tmp_path), 3))
+    assert eqx_ckpt.Checkpoint(tmp_path).format_version == 3 and eqx_ckpt.verify(tmp_path) == []
+    # Damaged, rather than missing, it is a problem in format 3 too.
+    (tmp_path / "zarr.json").write_bytes(b"garbage")
+    [problem] = eqx_ckpt.verify(tmp_path)
+    assert problem.message.startswith("The zarr group metadata 'zarr.json' is not valid JSON.")
+
+
 def test_ocdbt_layout_packs_too(tmp_path):
     tree = _tree()
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree, layout="ocdbt")

@@ -298,3 +298,29 @@ def test_a_huge_manifest_is_refused_without_downloading_it(s3, store):
     kvstore.write("small.json", b"{}").result()
     assert _io.read_file(where, "small.json", limit=limit) == b"{}"
     assert _io.read_file(where, "absent.json", limit=limit) is None
+
+
+@pytest.mark.usefixtures("unpacked")  # a folder (here, keys) per leaf, and a group above each
+def test_verify_checks_the_group_metadata(s3, store):
+    eqx_ckpt.tree_serialise_leaves(store, _tree(1))
+    assert eqx_ckpt.verify(store) == []
+    kvstore = ts.KvStore.open(store).result()
+    kvstore.write("zarr.json", json.dumps({"zarr_format": 3, "node_type": "array"})).result()
+    kvstore.delete_range(ts.KvStore.KeyRange("model/zarr.json", "model/zarr.json\0")).result()
+    kvstore.write("model/encoder/zarr.json", b"\x00\xff garbage").result()
+    kvstore.write("opt_state/zarr.json", b" " * (2**20 + 10)).result()
+    s3.gate.gets.clear()
+    problems = eqx_ckpt.verify(store)
+    assert [p.leaf for p in problems] == [None] * 4
+    assert [p.message.split(" Loads do not read it")[0] for p in problems] == [
+        "The zarr group metadata 'zarr.json' is not the zarr v3 group eqx_ckpt writes (node_type: 'array' "
+        "instead of 'group').",
+        f"The zarr group metadata 'model/zarr.json' is missing from {location(store).display!r}.",
+        "The zarr group metadata 'model/encoder/zarr.json' is not valid JSON.",
+        f"The file 'opt_state/zarr.json' of checkpoint {location(store).display!r} holds more than 1048576 bytes, "
+        f"so it was not read. The checkpoint is damaged or was not written by eqx_ckpt; do not load it.",
+    ]
+    # The oversized file was never downloaded: only the byte past the limit was asked for.
+    assert [rng for path, rng in s3.gate.gets if path.endswith("/opt_state/zarr.json")] == ["bytes=1048576-1048576"]
+    # Loads never read them.
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, _tree(0)), _tree(1), typematch=True)
