@@ -10,6 +10,7 @@ from ._deserialise import (
 )
 from ._diff import CheckpointDiff as CheckpointDiff, diff as diff
 from ._errors import (
+    CheckpointConnectionError as CheckpointConnectionError,
     CheckpointError as CheckpointError,
     CheckpointExistsError as CheckpointExistsError,
     CheckpointKeyError as CheckpointKeyError,

@@ -59,6 +59,27 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """
 
 
+class CheckpointConnectionError(CheckpointError, ConnectionError):
+    """The storage could not be reached: a server that refuses the connection, a
+    host name that does not resolve, a connection that timed out. It says
+    nothing about the checkpoint, which may well be there, so it is not a
+    `CheckpointNotFoundError` (code that starts afresh on `FileNotFoundError`
+    does not start afresh on it): check the URL and the server, then try again.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        try:                                    # nothing listens on port 1
+            eqx_ckpt.tree_deserialise_leaves("http://127.0.0.1:1/ckpt", {"w": jnp.zeros(2)})
+        except ConnectionError as e:            # also a CheckpointConnectionError, within seconds
+            print(e)
+        ```
+    """
+
+
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """The destination holds a checkpoint (with `overwrite=False`), or other files.
 
@@ -240,6 +261,7 @@ class IntegrityError(LeafError):
 for _cls in (
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointConnectionError,
     CheckpointExistsError,
     CheckpointTypeError,
     CheckpointValueError,

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import errno
 import functools
+import hashlib
 import os
 import queue
 import re
@@ -22,7 +23,14 @@ from typing import Any
 
 import tensorstore as ts
 
-from ._errors import CheckpointError, CheckpointTypeError, CorruptCheckpointError, IntegrityError, stored_leaf_error
+from ._errors import (
+    CheckpointConnectionError,
+    CheckpointError,
+    CheckpointTypeError,
+    CorruptCheckpointError,
+    IntegrityError,
+    stored_leaf_error,
+)
 from ._local import check_leaf_files, check_pack_files, refuse_links
 from ._manifest import LeafRecord
 from ._spec import CACHED, CONTEXT, UNSYNCED, Location, array_spec
@@ -247,10 +255,10 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
             data, stamp = f.read(limit + 1), _stat_stamp(st)
     else:
         _refuse_large_object(loc, name, limit)
-        found = result(kvstore(loc).read(name))
+        found = _read(loc, name)
         if found.state != "value":
             return None, found.stamp.generation
-        data, stamp = found.value, found.stamp.generation
+        data, stamp = found.value, _digest(found.value) + found.stamp.generation
     if len(data) > limit:  # it grew between the check and the read
         raise _too_large(loc, name, limit, len(data))
     return data, stamp
@@ -259,7 +267,7 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
 def _refuse_large_object(loc: Location, name: str, limit: int) -> None:
     """On an object store, ask for the one byte past `limit` before downloading."""
     try:
-        probe = result(kvstore(loc).read(name, byte_range=slice(limit, limit + 1)))
+        probe = _read(loc, name, byte_range=slice(limit, limit + 1))
     except ValueError:
         # OUT_OF_RANGE: the file ends before `limit`. (Some servers answer a range
         # past the end otherwise, e.g. gcp-storage-emulator with a malformed
@@ -267,6 +275,37 @@ def _refuse_large_object(loc: Location, name: str, limit: int) -> None:
         return
     if probe.state == "value" and len(probe.value):
         raise _too_large(loc, name, limit, None)
+
+
+def _read(loc: Location, name: str, **options: Any) -> Any:
+    """One read of a file of an object store or server (`ts.KvStore.read`);
+    storage that cannot be reached is a `CheckpointConnectionError`."""
+    try:
+        return result(kvstore(loc).read(name, **options))
+    except Exception as e:
+        error = unreachable(loc, e)
+        if error is None:
+            raise
+        raise error from None
+
+
+# curl's codes for a connection that was never made: a proxy (5) or host (6)
+# name that does not resolve, a refused connection (7), a timeout (28).
+# TensorStore reports them, once its retries are spent, as `[curl_code='7']`.
+_UNREACHABLE = re.compile(r"\[curl_code='(5|6|7|28)'\]")
+
+
+def unreachable(loc: Location, error: BaseException) -> CheckpointConnectionError | None:
+    """The error for storage that could not be reached, if `error` (TensorStore's)
+    says so; `None` for any other failure."""
+    text = explain(error)
+    if not _UNREACHABLE.search(text):
+        return None
+    return CheckpointConnectionError(
+        f"Cannot reach {loc.display!r}: {text}. Check the URL (host name and port) and that the server is "
+        f"running and reachable from this machine, then try again.",
+        path=loc.display,
+    )
 
 
 def _too_large(loc: Location, name: str, limit: int, size: int | None) -> CorruptCheckpointError:
@@ -291,13 +330,27 @@ def file_changed(loc: Location, name: str, stamp: bytes) -> bool:
             return _stat_stamp(os.stat(os.path.join(loc.local, name))) != stamp
         except FileNotFoundError:
             return True
-    store = kvstore(loc)
+    digest, generation = stamp[:_DIGEST_BYTES], stamp[_DIGEST_BYTES:]
     try:
-        return result(store.read(name, if_not_equal=stamp)).state != "unspecified"
+        found = _read(loc, name, if_not_equal=generation)
     except ValueError:
         # A server whose generations TensorStore cannot send back in a condition
         # (gcp-storage-emulator's): compare the generation of a one-byte read.
-        return result(store.read(name, byte_range=slice(0, 1))).stamp.generation != stamp
+        return _read(loc, name, byte_range=slice(0, 1)).stamp.generation != generation
+    if found.state == "unspecified":  # not modified since
+        return False
+    # A plain HTTP server may send the file again although it is unchanged: one
+    # that ignores `If-None-Match` or sends no `ETag` (Python's own http.server
+    # does both). Its content then decides.
+    return found.state != "value" or _digest(found.value) != digest
+
+
+# On an object store or server, a stamp is the SHA-256 of the file, then its generation.
+_DIGEST_BYTES = 32
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
 
 
 def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes | None, bytes]:
@@ -618,6 +671,9 @@ def leaf_io_error(error: BaseException, record: LeafRecord, loc: Location, doing
     """Explain a TensorStore failure on one leaf."""
     if isinstance(error, CheckpointError):
         return error
+    connection = unreachable(loc, error)
+    if connection is not None:
+        return connection
     text = explain(error)
     if "NOT_FOUND" in text or "DATA_LOSS" in text or "FAILED_PRECONDITION" in text or "digest" in text.lower():
         return stored_leaf_error(

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from . import _keypath
+from . import _io, _keypath
 from ._errors import CheckpointNotFoundError, CheckpointValueError, CorruptCheckpointError
 from ._manifest import MAX_ELEMENTS, MAX_RANK, LeafRecord, Manifest
 from ._spec import CONTEXT, Location, dtype_from_name
@@ -162,6 +162,9 @@ def _result(loc: Location, name: str, read: ts.Future, short: str) -> Any:
     except Exception as e:
         if "OUT_OF_RANGE" in str(e):
             raise _corrupt(loc, f"{name!r} {short}") from None
+        unreachable = _io.unreachable(loc, e)
+        if unreachable is not None:
+            raise unreachable from None
         raise
 
 

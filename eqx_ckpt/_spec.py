@@ -20,7 +20,17 @@ from ._errors import CheckpointTypeError
 
 # One context for every open: it is what makes `memory://` stores persist between
 # calls, and what bounds file I/O concurrency for the whole process.
-CONTEXT = ts.Context()
+#
+# Its `http_request_retries` make a plain `http://` server that cannot be reached
+# an error within about 5 s: TensorStore's default (32 attempts, backing off from
+# 1 s to 32 s) retried a refused connection for a quarter of an hour, and a load
+# seemed to hang. Four attempts over about 4 s still ride out a server's brief
+# hiccup (a 503, a dropped connection). Only the `http` driver reads this
+# resource: `s3://` and `gs://` keep their own, `s3_request_retries` and
+# `gcs_request_retries`, at TensorStore's defaults, where retrying for minutes
+# is what a busy object store needs. A kvstore spec dict may carry its own
+# `"http_request_retries"`, which wins over this one.
+CONTEXT = ts.Context({"http_request_retries": {"max_retries": 4, "initial_delay": "0.25s", "max_delay": "2s"}})
 # For the arrays of a save to a local disk: no fsync per file (thousands of them
 # cost seconds each batch); the save flushes once before it commits (`_io.flush`).
 # Only for the `file` driver: a `memory://` store lives in its context.
@@ -112,9 +122,13 @@ def _from_spec(spec: dict[str, Any]) -> Location:
         spec = ts.KvStore.Spec(spec).to_json()
     except Exception as e:
         raise CheckpointTypeError(f"{spec!r} is not a kvstore spec TensorStore understands: {e}") from None
-    # Messages name the store as a URL; the endpoint and credentials stay out of them.
+    # Messages name the store as a URL; the endpoint and credentials stay out of them
+    # (for an http server, its URL without the query string, which may hold a token).
     bucket = spec.get("bucket")
-    display = f"{spec.get('driver')}://" + (f"{bucket}/" if bucket else "") + spec.get("path", "")
+    if spec.get("driver") == "http":
+        display = spec["base_url"].split("?", 1)[0] + spec.get("path", "")
+    else:
+        display = f"{spec.get('driver')}://" + (f"{bucket}/" if bucket else "") + spec.get("path", "")
     return _directory(spec, display)
 
 

@@ -1,8 +1,10 @@
 """`Checkpoint(path)`: a read-only mapping over a checkpoint, and `skeleton`."""
 
 import re
+import time
 
 import equinox as eqx
+import http_server
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -181,3 +183,75 @@ def test_load_without_like_names_keys_that_cannot_be_sorted_as_dotted_paths_do(t
     expected = {"l": [np.ones(1)], "m": {"0": np.zeros(3), "b": np.ones(2)}}
     assert eqx.tree_equal(loaded, expected, typematch=True)
     assert sorted(eqx_ckpt.Checkpoint(tmp_path).keys()) == ["l.0", "m.0", "m.b"]
+
+
+def _with_a_large_leaf():
+    # `big` is over `_pack.PACK_BYTES`, so it is an array of its own; the others are packed.
+    return {"big": np.arange(2**18 + 1, dtype=np.float32), "model": {"w": jnp.arange(6.0).reshape(2, 3)}, "step": 7}
+
+
+def test_a_checkpoint_loads_over_http(tmp_path):
+    """From a plain file server (read-only, no range requests): `Checkpoint`,
+    full, lazy and sliced reads."""
+    tree = _with_a_large_leaf()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
+    with http_server.serving(tmp_path) as root:
+        url = f"{root}/ckpt"
+        ckpt = eqx_ckpt.Checkpoint(url)
+        assert list(ckpt.keys()) == ["big", "model.w", "step"]
+        np.testing.assert_array_equal(ckpt["big"][5:9], tree["big"][5:9])
+        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(url, tree), tree, typematch=True)
+        lazy = eqx_ckpt.tree_deserialise_leaves(url, tree, lazy=True)
+        assert eqx.tree_equal(eqx_ckpt.materialise(lazy), tree, typematch=True)
+
+
+def test_an_unreachable_server_is_a_connection_error_within_seconds():
+    """Once, TensorStore retried a refused connection for a quarter of an hour,
+    and `Checkpoint(url)` or a load seemed to hang."""
+    url = http_server.refused_url("ckpt")
+    raised = http_server.raised(f"""
+        import numpy as np
+        import eqx_ckpt
+        CALLS = {{
+            "Checkpoint": lambda: eqx_ckpt.Checkpoint({url!r}),
+            "tree_deserialise_leaves": lambda: eqx_ckpt.tree_deserialise_leaves({url!r}, {{"w": np.zeros(2)}}),
+        }}
+    """)
+    assert sorted(raised) == ["Checkpoint", "tree_deserialise_leaves"]
+    for call, error in raised.items():
+        assert error["type"] == "eqx_ckpt.CheckpointConnectionError", (call, error)
+        assert re.match(re.escape(f"Cannot reach {url!r}: ") + ".*Check the URL", error["message"]), (call, error)
+        assert error["seconds"] < 20, (call, error)
+
+
+def test_an_http_spec_dict_is_named_by_its_url_and_keeps_its_own_retries():
+    """A kvstore spec dict's `http_request_retries` win over eqx_ckpt's; messages
+    name its URL, without the query string (it may hold a token)."""
+    base = http_server.refused_url("").rstrip("/")
+    retries = {"max_retries": 1, "initial_delay": "10ms", "max_delay": "10ms"}
+    spec = {"driver": "http", "base_url": f"{base}?token=secret", "path": "/ckpt/", "http_request_retries": retries}
+    start = time.monotonic()
+    with pytest.raises(eqx_ckpt.CheckpointConnectionError, match=re.escape(f"Cannot reach '{base}/ckpt/': ")) as info:
+        eqx_ckpt.Checkpoint(spec)
+    assert time.monotonic() - start < 3  # one attempt, where eqx_ckpt's own retries take about 4 s
+    assert "secret" not in str(info.value) and isinstance(info.value, ConnectionError)
+
+
+def test_a_server_gone_after_the_open_is_a_connection_error(tmp_path):
+    """Leaves opened while the server ran, read after it stopped."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", _with_a_large_leaf())
+    raised = http_server.raised(f"""
+        import numpy as np
+        import eqx_ckpt
+        from http_server import serving
+        with serving({str(tmp_path)!r}) as root:
+            leaf = eqx_ckpt.Checkpoint(root + "/ckpt")["big"]
+            like = {{"big": np.zeros(2**18 + 1, np.float32)}}
+            lazy = eqx_ckpt.tree_deserialise_leaves(root + "/ckpt", like, lazy=True)
+        CALLS = {{"read": lambda: np.asarray(leaf), "materialise": lambda: eqx_ckpt.materialise(lazy)}}
+    """)
+    assert sorted(raised) == ["materialise", "read"]
+    for call, error in raised.items():
+        assert error["type"] == "eqx_ckpt.CheckpointConnectionError", (call, error)
+        assert re.match(re.escape("Cannot reach 'http://127.0.0.1:") + r"[0-9]+/ckpt': ", error["message"]), error
+        assert error["seconds"] < 30, (call, error)  # the read, then the check that the checkpoint is unchanged

@@ -6,7 +6,9 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
+import http_server
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -61,6 +63,17 @@ def test_info_reports_format_and_counts(ckpt):
 def test_missing_checkpoint_exits_2_with_message(tmp_path):
     done = run("ls", tmp_path / "nope", check_code=2)
     assert "no eqx_ckpt checkpoint" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_an_unreachable_server_exits_2_within_seconds():
+    """Once `eqx-ckpt info http://localhost:1/x` never returned: TensorStore
+    retried the refused connection for a quarter of an hour."""
+    url = http_server.refused_url("ckpt")
+    start = time.monotonic()
+    done = run("info", url, check_code=2)
+    assert time.monotonic() - start < 60
+    assert done.stderr.startswith(f"eqx-ckpt info: Cannot reach {url!r}: "), done.stderr
     assert "Traceback" not in done.stderr
 
 

@@ -21,6 +21,7 @@ CORE = [
 ]  # fmt: skip
 BUILTINS = {
     "CheckpointNotFoundError": FileNotFoundError,
+    "CheckpointConnectionError": ConnectionError,
     "CheckpointExistsError": FileExistsError,
     "CheckpointTypeError": TypeError,
     "CheckpointValueError": ValueError,

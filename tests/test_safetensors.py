@@ -9,6 +9,7 @@ import threading
 import typing
 
 import equinox as eqx
+import http_server
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -230,6 +231,24 @@ def _serving(files):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_an_unreachable_server_is_a_connection_error_within_seconds():
+    """A file or a Hugging Face directory on a server that refuses the connection."""
+    file, folder = http_server.refused_url("hf/model.safetensors"), http_server.refused_url("hf/")
+    raised = http_server.raised(f"""
+        import numpy as np
+        import eqx_ckpt
+        CALLS = {{
+            "file": lambda: eqx_ckpt.Checkpoint({file!r}),
+            "folder": lambda: eqx_ckpt.tree_deserialise_leaves({folder!r}, {{"small": np.zeros(10, np.float32)}}),
+        }}
+    """)
+    assert sorted(raised) == ["file", "folder"]
+    for url, error in [(file, raised["file"]), (folder, raised["folder"])]:
+        assert error["type"] == "eqx_ckpt.CheckpointConnectionError", error
+        assert error["message"].startswith(f"Cannot reach {url!r}: "), error
+        assert error["seconds"] < 20, error
 
 
 def test_only_the_selected_tensors_bytes_are_read(tmp_path):

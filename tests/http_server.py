@@ -1,0 +1,76 @@
+"""Loads over plain `http://`: a local directory served on 127.0.0.1, a URL whose
+port nothing listens on, and a way to run loads that might hang."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import http.server
+import json
+import pathlib
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def serving(directory: Any) -> Iterator[str]:
+    """Serve `directory` as Python's own file server does (no range requests:
+    a byte range is answered with the whole file), yielding its base URL. On
+    leaving, the port is closed: a later connection to it is refused."""
+    handler = functools.partial(_Quiet, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def refused_url(path: str) -> str:
+    """A URL on 127.0.0.1 whose port was free a moment ago: a connection to it is refused."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"http://127.0.0.1:{port}/{path}"
+
+
+_CHILD = """
+import json, sys, time
+sys.path.insert(0, {tests!r})
+{code}
+for name, call in CALLS.items():
+    start = time.monotonic()
+    try:
+        call()
+        raised = None
+    except Exception as e:
+        raised = e
+    kind = type(raised)
+    print(json.dumps({{"call": name, "seconds": time.monotonic() - start, "message": str(raised),
+                       "type": f"{{kind.__module__}}.{{kind.__qualname__}}"}}), flush=True)
+"""
+
+
+def raised(code: str, *, timeout: float = 120) -> dict[str, dict[str, Any]]:
+    """Run `code`, which defines `CALLS` (a dict, name -> function of no
+    arguments), in a fresh Python; for each call, what it raised: its `type`
+    (`eqx_ckpt.CheckpointConnectionError`), `message` and `seconds`. A call that
+    hangs fails the test at `timeout` instead of blocking the whole run."""
+    child = _CHILD.format(tests=str(pathlib.Path(__file__).parent), code=textwrap.dedent(code))
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {line.pop("call"): line for line in lines}
