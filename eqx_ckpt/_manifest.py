@@ -313,7 +313,9 @@ def _digest(body: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose names are all different (`json` keeps the last of two),
+    as `json.loads`' `object_pairs_hook`."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
@@ -340,7 +342,7 @@ def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise bad(f"it is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
     try:
-        body = json.loads(data, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+        body = json.loads(data, object_pairs_hook=no_duplicates, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:
         raise bad(f"not valid JSON ({e})") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT:

@@ -25,7 +25,7 @@ import tensorstore as ts
 
 from . import _io, _keypath
 from ._errors import CheckpointNotFoundError, CheckpointValueError, CorruptCheckpointError
-from ._manifest import MAX_ELEMENTS, MAX_RANK, LeafRecord, Manifest
+from ._manifest import MAX_ELEMENTS, MAX_RANK, LeafRecord, Manifest, no_duplicates
 from ._spec import CONTEXT, Location, dtype_from_name
 
 # Safetensors dtype names -> the names eqx_ckpt (and ml_dtypes) use.
@@ -170,7 +170,7 @@ def _result(loc: Location, name: str, read: ts.Future, short: str) -> Any:
 
 def _parse_header(loc: Location, file: str, data: bytes) -> list[tuple[LeafRecord, int]]:
     try:
-        header = json.loads(data, parse_constant=_reject, object_pairs_hook=_unique)
+        header = json.loads(data, parse_constant=_reject, object_pairs_hook=no_duplicates)
     except (ValueError, RecursionError) as e:
         raise _corrupt(loc, f"the header of {file!r} is not valid JSON ({e})") from None
     if not isinstance(header, dict):
@@ -203,16 +203,6 @@ def _parse_header(loc: Location, file: str, data: bytes) -> list[tuple[LeafRecor
 
 def _reject(name: str) -> None:
     raise ValueError(f"{name} is not allowed")
-
-
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose names are all different (`json` keeps the last of two)."""
-    out: dict[str, Any] = {}
-    for name, value in pairs:
-        if name in out:
-            raise ValueError(f"it names {name!r} twice")
-        out[name] = value
-    return out
 
 
 def dotted(name: str) -> str:

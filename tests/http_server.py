@@ -27,7 +27,14 @@ def serving(directory: Any) -> Iterator[str]:
     """Serve `directory` as Python's own file server does (no range requests:
     a byte range is answered with the whole file), yielding its base URL. On
     leaving, the port is closed: a later connection to it is refused."""
-    handler = functools.partial(_Quiet, directory=str(directory))
+    with serve(functools.partial(_Quiet, directory=str(directory))) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serve(handler: Any) -> Iterator[str]:
+    """Serve requests with `handler` (a request handler class) on 127.0.0.1,
+    yielding the base URL; on leaving, the port is closed."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

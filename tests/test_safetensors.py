@@ -223,14 +223,8 @@ class _RangeServer(http.server.BaseHTTPRequestHandler):
 @contextlib.contextmanager
 def _serving(files):
     _RangeServer.root, _RangeServer.sent = files, 0
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RangeServer)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server.serve(_RangeServer) as url:
+        yield url
 
 
 def test_an_unreachable_server_is_a_connection_error_within_seconds():
@@ -323,7 +317,7 @@ def _raw_file(path, header: str, data: bytes):
         (
             '{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},'
             ' "w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}',
-            "it names 'w' twice",
+            "duplicate JSON key 'w'",
         ),
         (
             '{"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]},'
