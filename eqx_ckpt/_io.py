@@ -84,11 +84,21 @@ def uninterrupted(fn: Callable[[], Any]) -> None:
         return
     _ensure_helper()  # an interrupt here has started nothing
     job = _Job(fn)
-    _JOBS.put(job)  # one C call: the job is queued, or the interrupt came first
     interrupt: BaseException | None = None
-    while not job.done.is_set():
+    while True:
+        # An interrupt may land before or after the job is queued: it is queued
+        # again, and runs once. (Once, it landed in the wait loop's condition,
+        # outside any `try`: the save aborted while the queued manifest write
+        # went on, and committed a checkpoint whose arrays the abort deleted.)
         try:
-            job.done.wait(0.05)
+            _JOBS.put(job)
+            break
+        except BaseException as e:
+            interrupt = interrupt or e
+    while True:
+        try:
+            if job.done.wait(0.05):
+                break
         except BaseException as e:
             interrupt = interrupt or e
     if interrupt is not None:
@@ -102,8 +112,11 @@ class _Job:
         self.fn = fn
         self.error: BaseException | None = None
         self.done = threading.Event()
+        self._claim = threading.Lock()
 
     def run(self) -> None:
+        if not self._claim.acquire(blocking=False):
+            return  # queued twice (see `uninterrupted`): it runs once
         try:
             self.fn()
         except BaseException as e:

@@ -523,3 +523,35 @@ def test_an_interrupt_while_the_manifest_is_written_never_commits_a_checkpoint_w
     # The write happened, so the save is committed, and whole.
     assert eqx_ckpt.verify(tmp_path) == []
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), new, typematch=True)
+
+
+@pytest.mark.parametrize("queued", [True, False], ids=["after-the-put", "before-the-put"])
+def test_an_interrupt_around_queuing_the_job_still_waits_for_it_and_runs_it_once(monkeypatch, queued):
+    # An interrupt landed once between queuing the manifest write and the wait
+    # for it: the save aborted and deleted its arrays while the write went on,
+    # committing a checkpoint without them (seen once in the SIGINT campaign).
+    real, runs, raised = _io._JOBS, [], []
+
+    class Interrupting:
+        def put(self, job):
+            if not raised:
+                raised.append(True)
+                if queued:
+                    real.put(job)
+                raise _Interrupt()
+            real.put(job)
+
+        def get(self):
+            return real.get()
+
+    monkeypatch.setattr(_io, "_JOBS", Interrupting())
+
+    def write():
+        time.sleep(0.2)
+        runs.append("written")
+
+    with pytest.raises(_Interrupt):
+        _io.uninterrupted(write)
+    assert runs == ["written"]  # finished before the interrupt was raised, and once
+    time.sleep(0.3)
+    assert runs == ["written"]
