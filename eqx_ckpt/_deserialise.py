@@ -239,9 +239,7 @@ def tree_deserialise_leaves(
     flat, treedef = _tree.flatten(like, is_leaf)
     specs = _tree.leaf_specs(filter_spec, like, is_leaf, what="like")
     chosen = _select.selected(where, treedef, len(flat))
-    if where is not None and not any(
-        specs[i] is not default_deserialise_filter_spec or _dtypes.like_type(flat[i][1]) is not None for i in chosen
-    ):
+    if where is not None and not any(_loaded(flat[i][1], specs[i]) for i in chosen):
         shown = ", ".join(f"`{_keypath.dotted(flat[i][0])}`" for i in sorted(chosen)[:3])
         raise CheckpointValueError(
             f"`where` selected only leaves of `like` that are not loaded ({shown}: not arrays or scalars, such "
@@ -440,12 +438,18 @@ def _castable(record: LeafRecord, like: Any) -> bool:
     return record.type != "prng_key" and _dtypes.like_type(like) != "prng_key"
 
 
+def _loaded(leaf: Any, spec: Any) -> bool:
+    """Whether a leaf of `like` is loaded: an array or a scalar, or any leaf a
+    custom filter spec is given (functions and strings otherwise stay as they are)."""
+    return _dtypes.like_type(leaf) is not None or spec is not default_deserialise_filter_spec
+
+
 def _report_unexpected(
     flat: list[Any], specs: list[Any], stored_path: Any, root: str, records: dict[str, LeafRecord], report: _Report
 ) -> None:
     wanted: set[str] = set()
     for (keypath, leaf), spec in zip(flat, specs):
-        if _dtypes.like_type(leaf) is not None or spec is not default_deserialise_filter_spec:
+        if _loaded(leaf, spec):
             target = stored_path(keypath)
             wanted.update(target if isinstance(target, tuple) else () if target is None else (target,))
     for path in sorted(records, key=_keypath.sort_key):

@@ -554,12 +554,7 @@ def remove_written(loc: Location, names: Iterable[str]) -> None:
             if os.path.lexists(full) and written_by_a_save(name):
                 _unlink(full)
             continue
-
-        def fail(error: OSError) -> None:
-            if not isinstance(error, FileNotFoundError):
-                raise error
-
-        for root, folders, files in os.walk(full, topdown=False, onerror=fail):
+        for root, folders, files in os.walk(full, topdown=False, onerror=_unless_missing):
             relative = os.path.relpath(root, loc.local).replace(os.sep, "/")
             links = [f for f in folders if os.path.islink(os.path.join(root, f))]  # (never walked into)
             for file in files + links:
@@ -570,6 +565,12 @@ def remove_written(loc: Location, names: Iterable[str]) -> None:
             except OSError as e:
                 if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
                     raise
+
+
+def _unless_missing(error: OSError) -> None:
+    """Raise `error`, unless it says a file is gone already."""
+    if not isinstance(error, FileNotFoundError):
+        raise error
 
 
 def _below(name: str) -> ts.KvStore.KeyRange:
