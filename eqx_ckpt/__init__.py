@@ -16,6 +16,7 @@ from ._errors import (
     CheckpointKeyError as CheckpointKeyError,
     CheckpointNotFoundError as CheckpointNotFoundError,
     CheckpointReplacedError as CheckpointReplacedError,
+    CheckpointStorageError as CheckpointStorageError,
     CheckpointTypeError as CheckpointTypeError,
     CheckpointValueError as CheckpointValueError,
     CorruptCheckpointError as CorruptCheckpointError,

@@ -59,7 +59,31 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """
 
 
-class CheckpointConnectionError(CheckpointError, ConnectionError):
+class CheckpointStorageError(CheckpointError, OSError):
+    """The storage would not serve the checkpoint: it refused (forbidden,
+    unauthenticated, a local file's permissions), it failed (server errors once
+    the retries were spent), or it could not be reached
+    ([`eqx_ckpt.CheckpointConnectionError`][], a subclass). It says nothing
+    about the checkpoint, which may well be whole: it is neither an
+    `IntegrityError` nor a `CheckpointNotFoundError`, and
+    [`eqx_ckpt.verify`][] raises it instead of reporting damage. Check access
+    and the storage, then try again.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        try:                                    # expired credentials would raise it too
+            eqx_ckpt.tree_deserialise_leaves("http://127.0.0.1:1/ckpt", {"w": jnp.zeros(2)})
+        except eqx_ckpt.CheckpointStorageError as e:
+            print(type(e).__name__)             # CheckpointConnectionError: nothing listens on port 1
+        ```
+    """
+
+
+class CheckpointConnectionError(CheckpointStorageError, ConnectionError):
     """The storage could not be reached: a server that refuses the connection, a
     host name that does not resolve, a connection that timed out. It says
     nothing about the checkpoint, which may well be there, so it is not a
@@ -261,6 +285,7 @@ class IntegrityError(LeafError):
 for _cls in (
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointStorageError,
     CheckpointConnectionError,
     CheckpointExistsError,
     CheckpointTypeError,

@@ -26,6 +26,7 @@ import tensorstore as ts
 from ._errors import (
     CheckpointConnectionError,
     CheckpointError,
+    CheckpointStorageError,
     CheckpointTypeError,
     CorruptCheckpointError,
     IntegrityError,
@@ -267,8 +268,9 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
                 raise _too_large(loc, name, limit, st.st_size)
             data, stamp = f.read(limit + 1), _stat_stamp(st)
     else:
-        _refuse_large_object(loc, name, limit)
-        found = _read(loc, name)
+        with read_explained(loc, name):
+            _refuse_large_object(loc, name, limit)
+            found = _read(loc, name)
         if found.state != "value":
             return None, found.stamp.generation
         data, stamp = found.value, _digest(found.value) + found.stamp.generation
@@ -308,6 +310,27 @@ def _read(loc: Location, name: str, **options: Any) -> Any:
 _UNREACHABLE = re.compile(r"\[curl_code='(5|6|7|28)'\]")
 
 
+# TensorStore's codes for storage that answered but would not serve: forbidden
+# (HTTP 403, or a local file's permissions), unauthenticated (401), failing
+# (5xx: `ABORTED: All 4 retry attempts failed`, or `UNAVAILABLE`).
+_REFUSED = re.compile(r"^(PERMISSION_DENIED|UNAUTHENTICATED|UNAVAILABLE|ABORTED):")
+
+
+def storage_failure(loc: Location, error: BaseException, what: str) -> CheckpointStorageError | None:
+    """The error for storage that could not be reached or would not serve
+    `what` (a file, a leaf), if `error` (TensorStore's) says so; `None` for any
+    other failure."""
+    connection = unreachable(loc, error)
+    text = explain(error)
+    if connection is not None or not _REFUSED.match(text):
+        return connection
+    return CheckpointStorageError(
+        f"The storage would not serve {what} of checkpoint {loc.display!r}: {text}. The checkpoint may well be "
+        f"whole: check that you may read it (credentials, permissions) and that the storage works, then try again.",
+        path=loc.display,
+    )
+
+
 def unreachable(loc: Location, error: BaseException) -> CheckpointConnectionError | None:
     """The error for storage that could not be reached, if `error` (TensorStore's)
     says so; `None` for any other failure."""
@@ -344,12 +367,13 @@ def file_changed(loc: Location, name: str, stamp: bytes) -> bool:
         except FileNotFoundError:
             return True
     digest, generation = stamp[:_DIGEST_BYTES], stamp[_DIGEST_BYTES:]
-    try:
-        found = _read(loc, name, if_not_equal=generation)
-    except ValueError:
-        # A server whose generations TensorStore cannot send back in a condition
-        # (gcp-storage-emulator's): compare the generation of a one-byte read.
-        return _read(loc, name, byte_range=slice(0, 1)).stamp.generation != generation
+    with read_explained(loc, name):
+        try:
+            found = _read(loc, name, if_not_equal=generation)
+        except ValueError:
+            # A server whose generations TensorStore cannot send back in a condition
+            # (gcp-storage-emulator's): compare the generation of a one-byte read.
+            return _read(loc, name, byte_range=slice(0, 1)).stamp.generation != generation
     if found.state == "unspecified":  # not modified since
         return False
     # A plain HTTP server may send the file again although it is unchanged: one
@@ -452,6 +476,27 @@ def explained(loc: Location, doing: str) -> Iterator[None]:
             f"and writable, then try again.",
             path=loc.display,
         ) from e
+
+
+@contextlib.contextmanager
+def read_explained(loc: Location, name: str) -> Iterator[None]:
+    """Turn a failed read of the file `name` into `read_error`'s error."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise read_error(loc, name, e) from e
+
+
+def read_error(loc: Location, name: str, error: BaseException) -> CheckpointError:
+    """The error of a failed read of the file `name` (TensorStore's `error`,
+    once its retries were spent)."""
+    refused = storage_failure(loc, error, f"{name!r}")
+    if refused is not None:
+        return refused
+    message = f"Reading {name!r} of checkpoint {loc.display!r} failed: {explain(error)}."
+    return CheckpointError(message, path=loc.display)
 
 
 def write_error(loc: Location, name: str, error: BaseException) -> CheckpointError:
@@ -685,9 +730,9 @@ def leaf_io_error(error: BaseException, record: LeafRecord, loc: Location, doing
     """Explain a TensorStore failure on one leaf."""
     if isinstance(error, CheckpointError):
         return error
-    connection = unreachable(loc, error)
-    if connection is not None:
-        return connection
+    refused = storage_failure(loc, error, f"leaf `{record.path}`")
+    if refused is not None:
+        return refused
     text = explain(error)
     if "NOT_FOUND" in text or "DATA_LOSS" in text or "FAILED_PRECONDITION" in text or "digest" in text.lower():
         return stored_leaf_error(

@@ -59,7 +59,8 @@ def find(loc: Location) -> tuple[str, Manifest, Any] | None:
         return _tensors(loc, folder, [name], index=None)
     kv = _kvstore(loc.kvstore)
     for name in _candidates(loc, INDEX, ".safetensors.index.json"):
-        result = kv.read(name).result()
+        with _io.read_explained(loc, name):
+            result = _io.result(kv.read(name))
         if result.state == "value":
             weight_map = _weight_map(loc, name, result.value)
             return _tensors(loc, loc.kvstore, sorted(set(weight_map.values())), index=name, weight_map=weight_map)
@@ -162,10 +163,7 @@ def _result(loc: Location, name: str, read: ts.Future, short: str) -> Any:
     except Exception as e:
         if "OUT_OF_RANGE" in str(e):
             raise _corrupt(loc, f"{name!r} {short}") from None
-        unreachable = _io.unreachable(loc, e)
-        if unreachable is not None:
-            raise unreachable from None
-        raise
+        raise _io.read_error(loc, name, e) from None
 
 
 def _parse_header(loc: Location, file: str, data: bytes) -> list[tuple[LeafRecord, int]]:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _chunks, _commit, _io, _layout, _pack
-from ._errors import CheckpointError, CorruptCheckpointError
+from ._errors import CheckpointError, CheckpointStorageError, CorruptCheckpointError
 from ._manifest import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, Manifest, PackRecord
 from ._progress import Progress, Tracker
 from ._spec import Location, dtype_from_name, location
@@ -143,10 +143,12 @@ def _check_packs(data: Location, manifest: Manifest, tracker: Tracker) -> dict[s
         if problem is None:
             try:
                 damaged = _read_pack(data, pack)
+            except CheckpointStorageError:
+                raise
             except CheckpointError as e:
                 problem = str(e)
             except Exception as e:
-                problem = str(_io.leaf_io_error(e, members[0], data, "open")) if members else str(e)
+                problem = str(_damage(e, members[0], data, "open")) if members else str(e)
         for record in members:
             chunks = range(record.offset // pack.chunk, -(-(record.offset + record.size) // pack.chunk))
             why = problem or next((damaged[k] for k in chunks if k in damaged), None)
@@ -172,6 +174,9 @@ def _read_pack(data: Location, pack: PackRecord) -> dict[int, str]:
             try:
                 future.result()
             except Exception as e:
+                refused = _io.storage_failure(data, e, f"pack {pack.name!r}")
+                if refused is not None:
+                    raise refused from None
                 damaged[done] = _io.explain(e)
     return damaged
 
@@ -185,10 +190,12 @@ def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -
         if problem is None:
             try:
                 stores[record.path] = _io.open_array(data, record).result()
+            except CheckpointStorageError:
+                raise
             except CheckpointError as e:
                 problem = Problem(record.path, str(e))
             except Exception as e:
-                problem = Problem(record.path, str(_io.leaf_io_error(e, record, data, "open")))
+                problem = Problem(record.path, str(_damage(e, record, data, "open")))
         if problem is not None:
             bad[record.path] = problem
 
@@ -198,7 +205,7 @@ def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -
     jobs = ((r, stores[r.path], i) for r in records if r.path in stores for i in _chunks.chunks(r, stop=stop(r.path)))
 
     def failed(record: LeafRecord, error: BaseException) -> None:
-        bad.setdefault(record.path, Problem(record.path, str(_io.leaf_io_error(error, record, data, "read"))))
+        bad.setdefault(record.path, Problem(record.path, str(_damage(error, record, data, "read"))))
 
     count = _chunks.LeafCounter(records, tracker)
     for record, _, size in _chunks.windowed(jobs, skip=lambda r: r.path in bad, failed=failed):
@@ -209,6 +216,15 @@ def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -
             if why is not None:
                 bad[record.path] = Problem(record.path, why)
     return bad
+
+
+def _damage(error: BaseException, record: LeafRecord, data: Location, doing: str) -> CheckpointError:
+    """What a failure to `doing` a leaf says of the checkpoint; raised instead
+    when the storage would not serve it, which says nothing about the checkpoint."""
+    explained = _io.leaf_io_error(error, record, data, doing)
+    if isinstance(explained, CheckpointStorageError):
+        raise explained from None
+    return explained
 
 
 def _check_file_sizes(data: Location, directory: str, chunk_nbytes: int) -> str | None:
@@ -299,9 +315,13 @@ def _read_object(
     a JSON object are a problem, never an error."""
     try:
         raw = _io.read_file(data, key, limit=_MAX_ZARR_JSON)
+    except CheckpointStorageError:
+        raise
     except CheckpointError as e:
         return None, str(e)
     except Exception as e:  # a damaged OCDBT database fails the read itself
+        if (refused := _io.storage_failure(data, e, f"{key!r}")) is not None:
+            raise refused from None
         return None, f"{what} could not be read: {_io.explain(e)}"
     if raw is None:
         return None, None if optional else f"{what} is missing from {data.display!r}."

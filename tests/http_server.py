@@ -17,7 +17,9 @@ from collections.abc import Iterator
 from typing import Any
 
 
-class _Quiet(http.server.SimpleHTTPRequestHandler):
+class Files(http.server.SimpleHTTPRequestHandler):
+    """Python's own file server, without a log line per request."""
+
     def log_message(self, *args):
         pass
 
@@ -27,7 +29,7 @@ def serving(directory: Any) -> Iterator[str]:
     """Serve `directory` as Python's own file server does (no range requests:
     a byte range is answered with the whole file), yielding its base URL. On
     leaving, the port is closed: a later connection to it is refused."""
-    with serve(functools.partial(_Quiet, directory=str(directory))) as url:
+    with serve(functools.partial(Files, directory=str(directory))) as url:
         yield url
 
 

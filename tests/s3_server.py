@@ -29,6 +29,8 @@ class Gate:
         self.open = threading.Event()
         self.open.set()
         self.refuse = False
+        # GETs of a path containing this are refused with 403 AccessDenied ("": none).
+        self.forbidden = ""
         self.held = threading.Event()
         # (path, Range header) of every GET, for tests of what a read downloads.
         self.gets: list[tuple[str, str | None]] = []
@@ -37,17 +39,24 @@ class Gate:
         path = environ.get("PATH_INFO", "")
         if environ["REQUEST_METHOD"] == "GET":
             self.gets.append((path, environ.get("HTTP_RANGE")))
+            if self.forbidden and self.forbidden in path:
+                return self._refused(start_response)
         if environ["REQUEST_METHOD"] == "PUT" and ("/c/" in path or path.endswith("/c")):
             self.held.set()
             self.open.wait(timeout=30)
             if self.refuse:
-                body = b"<Error><Code>AccessDenied</Code><Message>refused by the test</Message></Error>"
-                start_response("403 Forbidden", [("Content-Type", "application/xml")])
-                return [body]
+                return self._refused(start_response)
         return self.app(environ, start_response)
+
+    @staticmethod
+    def _refused(start_response: Any) -> list[bytes]:
+        body = b"<Error><Code>AccessDenied</Code><Message>refused by the test</Message></Error>"
+        start_response("403 Forbidden", [("Content-Type", "application/xml")])
+        return [body]
 
     def reset(self) -> None:
         self.refuse = False
+        self.forbidden = ""
         self.held.clear()
         self.open.set()
 

@@ -1,5 +1,6 @@
 """The installed `eqx-ckpt` command, run as a user runs it."""
 
+import functools
 import json
 import os
 import pathlib
@@ -75,6 +76,26 @@ def test_an_unreachable_server_exits_2_within_seconds():
     assert time.monotonic() - start < 60
     assert done.stderr.startswith(f"eqx-ckpt info: Cannot reach {url!r}: "), done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_verify_of_storage_that_fails_to_serve_exits_2_not_1(tmp_path, capsys):
+    """A server error on the chunk files says nothing about the checkpoint:
+    `verify` once reported each leaf as damaged (exit 1)."""
+    _save(tmp_path / "ckpt")
+
+    class Failing(http_server.Files):
+        def do_GET(self):
+            if "/c/" in self.path or self.path.endswith("/c"):
+                self.send_error(500)
+                return
+            super().do_GET()
+
+    with http_server.serve(functools.partial(Failing, directory=str(tmp_path))) as url:
+        assert main(["verify", f"{url}/ckpt"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eqx-ckpt verify: The storage would not serve "), err
+    assert "[HTTP code 500]" in err and "may well be whole" in err and "damaged" not in err
+    assert main(["verify", str(tmp_path / "ckpt")]) == 0
 
 
 def test_help_everywhere():

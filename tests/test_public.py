@@ -22,6 +22,7 @@ CORE = [
 BUILTINS = {
     "CheckpointNotFoundError": FileNotFoundError,
     "CheckpointConnectionError": ConnectionError,
+    "CheckpointStorageError": OSError,
     "CheckpointExistsError": FileExistsError,
     "CheckpointTypeError": TypeError,
     "CheckpointValueError": ValueError,

@@ -117,6 +117,39 @@ def test_failed_writes_commit_nothing(s3, store):
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
 
 
+@pytest.mark.parametrize(
+    "refused",
+    ["/manifest.json", "/big/c/", "/big/zarr.json", "/zarr.json"],
+    ids=["manifest", "chunk", "leaf-metadata", "group-metadata"],
+)
+def test_storage_that_refuses_reads_is_a_storage_error_never_damage(s3, store, refused):
+    """Expired credentials (403 AccessDenied on a read) once made a load raise an
+    `IntegrityError` ("damaged") or a bare TensorStore error, and made `verify`
+    report a sound checkpoint as damaged. The checkpoint is whole: a
+    `CheckpointStorageError` naming what could not be read, from every call."""
+    tree = {"w": np.arange(4, dtype=np.float32), "big": np.arange(300_000, dtype=np.float32)}
+    eqx_ckpt.tree_serialise_leaves(store, tree)
+    s3.gate.forbidden = store["path"] + refused.lstrip("/") if refused == "/zarr.json" else refused
+    calls = {
+        "load": lambda: eqx_ckpt.tree_deserialise_leaves(store, tree),
+        "load_or_initialise": lambda: eqx_ckpt.load_or_initialise(store, lambda: tree),
+        "verify": lambda: eqx_ckpt.verify(store),
+    }
+    if refused.endswith("zarr.json"):  # only `verify` reads the arrays' and groups' metadata
+        calls = {"verify": calls["verify"]}
+    what = {"/manifest.json": "'manifest.json'", "/big/c/": "leaf `big`"}.get(refused, repr(refused.lstrip("/")))
+    for name, call in calls.items():
+        with pytest.raises(eqx_ckpt.CheckpointStorageError, match="PERMISSION_DENIED") as info:
+            call()
+        message = str(info.value)
+        assert not isinstance(info.value, (eqx_ckpt.IntegrityError, FileNotFoundError)), name
+        assert f"would not serve {what} of checkpoint" in message, (name, message)
+        assert "may well be whole" in message and "AccessDenied" in message, (name, message)
+    s3.gate.reset()
+    assert eqx_ckpt.verify(store) == []
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, tree), tree, typematch=True)
+
+
 _KILLED_SAVE = """
 import json, os, sys
 import numpy as np

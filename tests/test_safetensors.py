@@ -245,6 +245,42 @@ def test_an_unreachable_server_is_a_connection_error_within_seconds():
         assert error["seconds"] < 20, error
 
 
+class _Failing(_RangeServer):
+    """`_RangeServer`, except that a request for `failing` gets a 500."""
+
+    failing = ""
+
+    def do_GET(self):
+        if self.path.lstrip("/") == self.failing:
+            self.send_error(500)
+            return
+        super().do_GET()
+
+
+_SHARDS = ["model.safetensors.index.json", "model-00001-of-00002.safetensors"]
+
+
+@pytest.mark.parametrize("failing", ["hf/manifest.json", *(f"hf/{name}" for name in _SHARDS)])
+def test_a_server_error_is_a_storage_error_naming_the_file(failing):
+    """A server answering 500 (once its retries were spent) for the manifest,
+    the index or a shard's header: once a bare TensorStore `ValueError`."""
+    shards = {"model-00001-of-00002.safetensors": {"w": W}, "model-00002-of-00002.safetensors": {"b": B}}
+    files = {f"hf/{name}": save(group) for name, group in shards.items()}
+    weight_map = {tensor: name for name, group in shards.items() for tensor in group}
+    files["hf/model.safetensors.index.json"] = json.dumps({"weight_map": weight_map}).encode()
+    _Failing.root, _Failing.failing = files, failing
+    with http_server.serve(_Failing) as url:
+        retries = {"max_retries": 1, "initial_delay": "10ms", "max_delay": "10ms"}
+        spec = {"driver": "http", "base_url": url, "path": "/hf/", "http_request_retries": retries}
+        name = failing.removeprefix("hf/")
+        with pytest.raises(eqx_ckpt.CheckpointStorageError, match=re.escape(f"would not serve {name!r} of")) as info:
+            eqx_ckpt.tree_deserialise_leaves(spec, {"w": np.zeros((3, 4), np.float32)}, missing="keep")
+        assert "[HTTP code 500]" in str(info.value) and "may well be whole" in str(info.value)
+        _Failing.failing = ""
+        loaded = eqx_ckpt.tree_deserialise_leaves(spec, {"w": np.zeros((3, 4), np.float32)}, missing="keep")
+        np.testing.assert_array_equal(loaded["w"], W)
+
+
 def test_only_the_selected_tensors_bytes_are_read(tmp_path):
     small, large = np.arange(10, dtype=np.float32), np.ones((2048, 2048), np.float32)
     save_file({"large": large, "small": small}, str(tmp_path / "model.safetensors"))
