@@ -50,8 +50,11 @@ def _ls(args: argparse.Namespace) -> int:
     path = _path(args.path)
     try:
         ckpt = Checkpoint(path)
-    except CheckpointNotFoundError:
-        manager = CheckpointManager(path)
+    except CheckpointNotFoundError as missing:
+        try:
+            manager = CheckpointManager(path)
+        except CheckpointValueError:  # a file: no manager's directory either
+            raise missing from None
         steps = manager.all_steps()
         if not steps:
             raise
@@ -95,21 +98,23 @@ def _verify(args: argparse.Namespace) -> int:
     from . import _verify
 
     problems = _verify.verify(_path(args.path))
+    args.code = 1 if problems else 0  # the answer, even if the reader goes away (`main`)
     for problem in problems:
         print(printable(str(problem)))
     print(f"{args.path}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
-    return 1 if problems else 0
+    return args.code
 
 
 def _diff(args: argparse.Namespace) -> int:
     from . import _diff
 
     differences = _diff.diff(_path(args.a), _path(args.b))
+    args.code = 1 if differences else 0
     for line in differences:
         print(printable(line))
     if not differences:
         print(f"{printable(args.a)} and {printable(args.b)} are equal: the same leaves, dtypes, shapes and values.")
-    return 1 if differences else 0
+    return args.code
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -187,9 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"eqx-ckpt {args.command}: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:
-        # The reader (`| head`) went away; that is not an error of ours.
+        # The reader (`| head`) went away; that is not an error of ours. The
+        # answer stands: `verify` found damage, `diff` differences (`args.code`).
         sys.stdout = open(os.devnull, "w")
-        return 0
+        return int(getattr(args, "code", 0))
     except OSError as e:
         print(f"eqx-ckpt {args.command}: {e}", file=sys.stderr)
         return 2

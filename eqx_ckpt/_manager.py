@@ -15,7 +15,9 @@ the directory is never touched.
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -48,6 +50,17 @@ from ._steps import (
     _show,
     step_name,
 )
+
+
+def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A manager method that runs while no other thread runs one (`_lock`)."""
+
+    @functools.wraps(method)
+    def run(self: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class CheckpointManager:
@@ -127,6 +140,9 @@ class CheckpointManager:
         self.best_metric, self.best_mode, self.blocking = best_metric, best_mode, blocking
         self._pending: PendingSave | None = None
         self._pending_step: int | None = None
+        # Saves and deletions from several threads take turns (a second thread's
+        # save once cleaned the first's step folder away as an interrupted save).
+        self._lock = threading.RLock()
         self._lease: _lease.Lease | None = None
 
     @property
@@ -154,12 +170,14 @@ class CheckpointManager:
         """Wait for the background save (if any), then give up the directory's
         lease so that another manager may write to it. Saving again takes it
         back."""
-        try:
-            self.wait_until_finished()
-        finally:
-            lease, self._lease = self._lease, None
-            if lease is not None:
-                lease.release()
+        with self._lock:
+            try:
+                self.wait_until_finished()
+            finally:
+                if self._pending is None:  # never while a save still writes (an interrupted wait)
+                    lease, self._lease = self._lease, None
+                    if lease is not None:
+                        lease.release()
 
     def _hold_directory(self) -> None:
         """Take the directory's lease (once): only one manager writes here."""
@@ -220,6 +238,7 @@ class CheckpointManager:
         self._require(_check_step(step))
         return _read_metrics(self._loc, step)
 
+    @_one_at_a_time
     def save(
         self,
         step: int,
@@ -320,10 +339,18 @@ class CheckpointManager:
         """Block until the background save (if any) has committed and old steps are
         deleted. Raises that save's error if it failed; nothing of it was committed,
         and its leftovers are removed."""
-        pending, self._pending, self._pending_step = self._pending, None, None
-        if pending is None:
-            return
-        pending.wait()
+        with self._lock:
+            pending = self._pending
+            if pending is None:
+                return
+            try:
+                pending.wait()
+            finally:
+                # Forgotten once finished, its error raised once; an interrupt
+                # while it runs leaves it in flight, and still this manager's:
+                # the next save must wait for it, not clean its folder away.
+                if pending.done():
+                    self._pending, self._pending_step = None, None
 
     def restore(
         self,
@@ -426,6 +453,7 @@ class CheckpointManager:
     def _all_metrics(self, steps: list[int]) -> dict[int, dict[str, Any]]:
         return {step: _read_metrics(self._loc, step) for step in steps}
 
+    @_one_at_a_time
     def delete_steps_after(self, step: int) -> list[int]:
         """Roll back: delete every committed step after `step`.
 

@@ -93,6 +93,10 @@ class PendingSave:
         # would hold the GIL, and the caller would wait a switch interval (5 ms)
         # to get it back.
         self._started = threading.Event()
+        # Set when the save has finished. Waited on, never `Thread.join`: an
+        # interrupted join in Python 3.11 can mark the running thread as
+        # finished, and every later wait (the exit's too) returned at once.
+        self._finished = threading.Event()
         try:
             with _PENDING_LOCK:
                 _PENDING.add(self)
@@ -114,14 +118,15 @@ class PendingSave:
         finally:
             with _PENDING_LOCK:
                 _PENDING.discard(self)
+            self._finished.set()
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""
-        return not self._thread.is_alive()
+        return self._finished.is_set()
 
     def wait(self) -> None:
         """Block until committed; raise the save's error if it failed."""
-        self._thread.join()
+        self._finished.wait()
         if self._error is not None:
             raise self._error
 
@@ -139,7 +144,7 @@ def _wait_at_exit() -> None:
         return
     print(f"eqx_ckpt: waiting for {len(pending)} checkpoint save(s) to commit before exiting.", file=sys.stderr)
     for save in pending:
-        save._thread.join()
+        save._finished.wait()
         if save._error is not None:
             print(f"eqx_ckpt: a checkpoint save failed: {save._error}", file=sys.stderr)
 

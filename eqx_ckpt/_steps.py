@@ -94,14 +94,22 @@ def _check_step(step: Any) -> int:
 
 
 def _scan(loc: Location) -> dict[int, bool]:
-    """Every step folder of the manager's own naming, and whether it is committed."""
-    if loc.local is not None:
+    """Every step folder of the manager's own naming, and whether it is committed.
+    On a local disk only real folders count: a file or a symbolic link of that
+    name is a user's, never listed, restored or deleted (retention deleting the
+    manifest through a link once destroyed a checkpoint outside the directory)."""
+    local = loc.local
+    if local is not None:
         import os
 
+        def folder(name: str) -> bool:
+            full = os.path.join(local, name)
+            return os.path.isdir(full) and not os.path.islink(full)
+
         return {
-            step: os.path.isfile(os.path.join(loc.local, name, MANIFEST))
+            step: os.path.isfile(os.path.join(local, name, MANIFEST))
             for name in _io.list_names(loc)
-            if (step := _parse_step(name)) is not None
+            if (step := _parse_step(name)) is not None and folder(name)
         }
     keys = _io.list_keys(loc)
     found: dict[int, bool] = {}

@@ -5,6 +5,7 @@ save is provably still in flight, or fails in the background, when they act.
 """
 
 import gc
+import json
 import re
 import subprocess
 import sys
@@ -462,3 +463,58 @@ def test_the_records_are_freed_while_the_writes_keep_their_data(where, tmp_path,
     out = eqx_ckpt.tree_deserialise_leaves(path, expected)
     assert eqx.tree_equal(out, expected, typematch=True)
     del junk
+
+
+_WAIT_INTERRUPTED = """
+import json, os, signal, sys, threading
+import numpy as np
+import eqx_ckpt
+
+path, manager = sys.argv[1], sys.argv[2] == "manager"
+interrupted = threading.Event()
+
+def slow(*_):
+    # The save cannot finish before the caller's wait was interrupted.
+    interrupted.wait(timeout=30)
+
+tree = {f"l{i}": np.full(8, float(i)) for i in range(6)}
+if manager:
+    saver = eqx_ckpt.CheckpointManager(path, blocking=False)
+    saver.save(1, tree, progress=slow)
+    wait = saver.wait_until_finished
+else:
+    wait = eqx_ckpt.tree_serialise_leaves(path, tree, blocking=False, progress=slow).wait
+threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    wait()
+    raise SystemExit("the first wait was not interrupted")
+except KeyboardInterrupt:
+    interrupted.set()
+if manager:
+    saver.save(2, tree)  # what a training script's Ctrl-C handler does: a last save
+    saver.close()
+    print(json.dumps({"steps": saver.all_steps()}))
+else:
+    wait()
+    print(json.dumps({"committed": os.path.isfile(os.path.join(path, "manifest.json"))}))
+"""
+
+
+@pytest.mark.parametrize("saver", ["function", "manager"])
+def test_a_wait_interrupted_by_ctrl_c_can_be_waited_for_again(tmp_path, saver):
+    """Python 3.11 marks a thread as finished when a `join` of it is
+    interrupted: the next `wait()` returned at once, before the commit (the
+    exit's wait too), and a manager forgot its save in flight, whose step the
+    next save then deleted as an interrupted one, raising nothing."""
+    path = tmp_path / "ckpt"
+    done = subprocess.run(
+        [sys.executable, "-c", _WAIT_INTERRUPTED, str(path), saver], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    if saver == "manager":
+        assert result == {"steps": [1, 2]}
+        step = eqx_ckpt.CheckpointManager(path).restore({f"l{i}": np.zeros(8) for i in range(6)}, step=1)
+        assert eqx.tree_equal(step, {f"l{i}": np.full(8, float(i)) for i in range(6)}, typematch=True)
+    else:
+        assert result == {"committed": True}

@@ -241,3 +241,26 @@ def test_ls_values_prints_small_leaves(tmp_path):
     assert lines[1].split() == ["lr", "float64[]", "8", "B", "=", "0.25"]
     assert lines[2].endswith("= [0, 1, 2]") and lines[3].endswith("B  = 7")
     assert "=" not in run("ls", path, check_code=0).stdout
+
+
+def test_verify_and_diff_keep_their_answer_when_the_reader_goes_away(tmp_path):
+    """`eqx-ckpt verify damaged | head -1` exited 0 ("sound") and `diff a b | head -1`
+    0 ("equal") once the pipe closed; with `set -o pipefail` a script concluded
+    that a damaged checkpoint was sound."""
+    for name, value in (("a", 0.0), ("b", 1.0)):
+        eqx_ckpt.tree_serialise_leaves(tmp_path / name, {f"k{i}": np.full(3, value + i) for i in range(3000)})
+    shutil.copytree(tmp_path / "a", tmp_path / "damaged")
+    (tmp_path / "damaged" / "packed.float64" / "c" / "0").unlink()
+    for args in (["verify", tmp_path / "damaged"], ["diff", tmp_path / "a", tmp_path / "b"]):
+        process = subprocess.Popen([EXE, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert process.stdout.readline()  # the first line, then the reader goes away
+        process.stdout.close()
+        assert process.wait(timeout=120) == 1, (args, process.stderr.read())
+        process.stderr.close()
+
+
+def test_ls_of_a_file_says_there_is_no_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    done = run("ls", tmp_path / "notes.txt", check_code=2)
+    assert done.stderr.startswith("eqx-ckpt ls: There is no eqx_ckpt checkpoint at "), done.stderr
+    assert "CheckpointManager" not in done.stderr

@@ -3,6 +3,8 @@
 import json
 import math
 import re
+import threading
+import time
 
 import equinox as eqx
 import jax
@@ -511,3 +513,57 @@ def test_a_step_deleted_between_the_check_and_the_read_is_not_found_not_a_bare_o
     monkeypatch.setattr(os.path, "isfile", isfile)
     with pytest.raises(eqx_ckpt.CheckpointError):
         eqx_ckpt.tree_deserialise_leaves(tmp_path / "step_00000000", {"w": jnp.zeros(3)})
+
+
+def test_a_link_or_a_file_named_like_a_step_is_never_a_step(tmp_path):
+    """Retention once followed a link `step_00000000 -> another run's
+    checkpoint` and deleted that checkpoint's manifest; a user's file named
+    `step_00000009` was deleted as an interrupted save."""
+    other = tmp_path / "other_run"
+    eqx_ckpt.tree_serialise_leaves(other, {"w": np.arange(3.0)})
+    before = sorted(p.name for p in other.iterdir())
+    directory = tmp_path / "run"
+    directory.mkdir()
+    (directory / "step_00000000").symlink_to(other, target_is_directory=True)
+    (directory / "step_00000009").write_text("a user's notes")
+    manager = eqx_ckpt.CheckpointManager(directory, max_to_keep=1)
+    assert manager.all_steps() == []
+    for step in (1, 2):
+        manager.save(step, {"w": np.full(3, float(step))})
+    assert manager.all_steps() == [2]
+    steps = sorted(p.name for p in directory.iterdir() if p.name.startswith("step_"))
+    assert steps == ["step_00000000", "step_00000002", "step_00000009"]
+    assert sorted(p.name for p in other.iterdir()) == before
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(other, {"w": np.zeros(3)}), {"w": np.arange(3.0)})
+    assert (directory / "step_00000009").read_text() == "a user's notes"
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError):
+        manager.restore({"w": np.zeros(3)}, step=0)
+
+
+def test_saves_from_two_threads_take_turns(tmp_path):
+    """One manager, two threads saving different steps: the second once removed
+    the first's step folder as an interrupted save, and the first failed."""
+    manager = eqx_ckpt.CheckpointManager(tmp_path / "run")
+    inside, errors = threading.Event(), []
+
+    def slow(*_):
+        inside.set()
+        time.sleep(0.05)
+
+    def save(step, **options):
+        try:
+            manager.save(step, {f"l{i}": np.full(4, float(step)) for i in range(20)}, **options)
+        except Exception as e:
+            errors.append(e)
+
+    first = threading.Thread(target=save, args=(1,), kwargs={"progress": slow})
+    first.start()
+    assert inside.wait(timeout=30)  # the first save is writing
+    second = threading.Thread(target=save, args=(2,))
+    second.start()
+    first.join()
+    second.join()
+    assert errors == [] and manager.all_steps() == [1, 2]
+    for step in (1, 2):
+        restored = manager.restore({f"l{i}": np.zeros(4) for i in range(20)}, step=step)
+        assert eqx.tree_equal(restored, {f"l{i}": np.full(4, float(step)) for i in range(20)}, typematch=True)
