@@ -80,8 +80,12 @@ class LazyArray:
 
     @property
     def dtype(self) -> Any:
+        """The dtype it reads as (slices too): its `like` leaf's, for an array
+        `like` (the dtype a load with `cast=True` converts to), else the saved one."""
         if self._record.type == "prng_key":
             return self._record.dtype
+        if self._like is not None and _dtypes.like_type(self._like) in ("jax", "numpy", "numpy_scalar"):
+            return np.dtype(self._like.dtype)
         return _dtypes.dtype_from_name(self._record.dtype)
 
     @property

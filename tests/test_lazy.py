@@ -214,3 +214,31 @@ def test_a_step_longer_than_the_axis_reads_as_numpy_does(tmp_path, index):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.arange(12.0).reshape(3, 4)})
     reference = np.arange(12.0).reshape(3, 4)
     np.testing.assert_array_equal(eqx_ckpt.Checkpoint(tmp_path)["w"][index], reference[index])
+
+
+def test_a_leaf_loaded_with_cast_reads_as_its_like_dtype_in_every_way(tmp_path):
+    """A lazy leaf loaded into a bfloat16 `like` with `cast=True` said `dtype`
+    float32 and sliced as float32 while `read()` gave bfloat16, so exporting the
+    lazy tree and exporting `materialise(lazy)` wrote different files."""
+    path = tmp_path / "ckpt"
+    eqx_ckpt.tree_serialise_leaves(path, {"w": jnp.arange(6.0) + 0.001, "i": jnp.arange(3), "big": np.full(2, 1e6)})
+    like = {
+        "w": jax.ShapeDtypeStruct((6,), jnp.bfloat16),
+        "i": jax.ShapeDtypeStruct((3,), jnp.float32),
+        "big": np.zeros(2, np.float16),
+    }
+    lazy = eqx_ckpt.tree_deserialise_leaves(path, like, cast=True, lazy=True)
+    eager = {k: v for k, v in eqx_ckpt.materialise({k: lazy[k] for k in ("w", "i")}).items()}
+    for name in ("w", "i"):
+        assert lazy[name].dtype == like[name].dtype == eager[name].dtype
+        region = lazy[name][1:3]
+        assert region.dtype == like[name].dtype
+        np.testing.assert_array_equal(region, np.asarray(eager[name])[1:3])
+        assert np.asarray(lazy[name]).dtype == like[name].dtype
+    exported = tmp_path / "export.safetensors"
+    eqx_ckpt.export_safetensors(exported, {k: lazy[k] for k in ("w", "i")})
+    assert {k: v.dtype for k, v in eqx_ckpt.Checkpoint(exported).items()} == {"i": np.float32, "w": jnp.bfloat16}
+    # A value the like's dtype cannot hold is an error from a slice too, as from a load.
+    assert lazy["big"].dtype == np.float16
+    with pytest.raises(eqx_ckpt.LeafError, match="cannot convert it from float64 to float16"):
+        lazy["big"][:1]
