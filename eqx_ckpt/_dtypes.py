@@ -234,6 +234,10 @@ def expected(like: Any) -> tuple[tuple[int, ...], str]:
     return (), ""
 
 
+# The NumPy kinds of the stored values that a Python scalar `like` leaf holds exactly.
+SCALAR_KINDS = {"bool": "b", "int": "biu", "float": "biuf", "complex": "biufc"}
+
+
 def compatible(record: Any, like: Any) -> str | None:
     """Why the stored leaf cannot replace `like` (dtype aside), or `None`."""
     kind = like_type(like)
@@ -242,7 +246,7 @@ def compatible(record: Any, like: Any) -> str | None:
     if kind != "prng_key" and record.type == "prng_key":
         return f"the checkpoint holds a PRNG key array ({record.dtype}) but `like` holds {type(like).__name__}"
     if kind in ("bool", "int", "float", "complex"):
-        allowed = {"bool": "b", "int": "biu", "float": "biuf", "complex": "biufc"}[kind]
+        allowed = SCALAR_KINDS[kind]
         stored = dtype_from_name(record.dtype)
         # bfloat16 and float8 types report kind 'V' in NumPy; they are floats.
         code = "f" if stored.kind == "V" else stored.kind
