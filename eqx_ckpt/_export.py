@@ -3,8 +3,12 @@
 Leaves are read one at a time (from the checkpoint's storage, so a checkpoint
 saved by several processes or kept on an object store exports without
 gathering live arrays). On a local disk each shard is written as it is read,
-leaf by leaf; an object store takes whole objects, so there a shard is
-assembled in memory first: peak memory is about one shard.
+leaf by leaf, to a `.partial` file, and every shard is renamed into place only
+once all are written: the leaves may come from the very files being replaced
+(an export of a directory onto itself). An object store takes whole objects and
+has no rename, so there a shard is assembled in memory first (peak memory is
+about one shard) and written at once, and an export whose source is in the
+destination directory is refused.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from jaxtyping import PyTree
 
 from . import _dtypes, _io, _keypath, _safetensors, _select
 from ._checkpoint import Checkpoint
-from ._errors import CheckpointExistsError, CheckpointValueError, LeafError, leaf_message
+from ._errors import CheckpointExistsError, CheckpointTypeError, CheckpointValueError, LeafError, leaf_message
 from ._lazy import LazyArray
 from ._manifest import MANIFEST, MAX_MANIFEST_BYTES
 from ._progress import Progress, Tracker
@@ -91,18 +95,32 @@ def export_safetensors(
         eqx_ckpt.export_safetensors("mlp_hf", eqx_ckpt.Checkpoint("mlp_ckpt"), max_shard_size="1KB")
         ```
     """
+    # Everything is checked before anything is written or deleted.
     limit = _shard_bytes(max_shard_size)
-    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise CheckpointValueError(
-            f"`metadata` must map strings to strings (safetensors stores no other), not {metadata!r}."
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise CheckpointTypeError(
+            f"`metadata` must be a dict mapping strings to strings (safetensors stores no other), not {metadata!r}."
         )
+    if isinstance(pytree, (str, os.PathLike)):
+        pytree = Checkpoint(pytree)
     tensors = _named(_tensors(pytree), rename)
+    if not tensors:
+        raise CheckpointValueError(
+            "There is nothing to export: the tree has no array or scalar leaves (or `rename` left them all out)."
+        )
     loc, single = _destination(path)
+    _refuse_source_in_destination(loc, pytree)
     shards = _plan(tensors, limit) if single is None else [tensors]
     names = [single] if single else _file_names(len(shards))
     with Tracker(progress, leaves=len(tensors), nbytes=sum(t.nbytes for t in tensors), what="export") as tracker:
         for name, shard in zip(names, shards):
             _write_shard(loc, name, shard, metadata or {}, lambda n: tracker.advance(leaves=1, nbytes=n))
+    if loc.local is not None:
+        # Only now, with every leaf read: the source may be these very files.
+        for name in names:
+            os.replace(os.path.join(loc.local, name + ".partial"), os.path.join(loc.local, name))
     if len(names) > 1:
         index = {
             "metadata": {"total_size": sum(t.nbytes for t in tensors)},
@@ -133,31 +151,47 @@ def _shard_bytes(size: int | str) -> int:
 
 
 def _tensors(pytree: Any) -> list[_Tensor]:
-    if isinstance(pytree, (str, os.PathLike)):
-        pytree = Checkpoint(pytree)
     if isinstance(pytree, Checkpoint):
         return [_stored(pytree, key) for key in pytree]
-    out = []
-    for keypath, leaf in jtu.tree_flatten_with_path(pytree, is_leaf=lambda x: isinstance(x, LazyArray))[0]:
-        if isinstance(leaf, LazyArray) or _dtypes.leaf_type(leaf) not in (None, "prng_key"):
-            array = leaf if isinstance(leaf, LazyArray) else _host(leaf)
-            name = _keypath.dotted(keypath)
-            out.append(_Tensor(name, _dtype_name(name, array.dtype), tuple(array.shape), _reader(array)))
-        elif _dtypes.leaf_type(leaf) == "prng_key":
-            raise _unsupported(_keypath.dotted(keypath), str(leaf.dtype))
-    return out
+    leaves = jtu.tree_flatten_with_path(pytree, is_leaf=lambda x: isinstance(x, LazyArray))[0]
+    abstract = [(keypath, leaf) for keypath, leaf in leaves if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if abstract:
+        raise _abstract(abstract)
+    return [tensor for keypath, leaf in leaves if (tensor := _leaf(_keypath.dotted(keypath), leaf)) is not None]
+
+
+def _leaf(name: str, leaf: Any) -> _Tensor | None:
+    kind = "lazy" if isinstance(leaf, LazyArray) else _dtypes.leaf_type(leaf)
+    if kind is None:
+        return None
+    if kind == "prng_key":
+        raise _unsupported(name, str(leaf.dtype))
+    if kind in ("bool", "int", "float", "complex"):
+        try:
+            leaf = _dtypes.python_scalar_array(leaf)
+        except OverflowError as e:
+            raise _leaf_error(name, f"{e}, the largest integer safetensors stores.", "Export it as a float.") from None
+    elif kind in ("numpy", "numpy_scalar"):
+        leaf = np.asarray(leaf)
+    return _Tensor(name, _dtype_name(name, leaf.dtype), tuple(leaf.shape), _reader(leaf))
 
 
 def _reader(array: Any) -> Callable[[], np.ndarray]:
     return lambda: np.asarray(array)
 
 
-def _host(leaf: Any) -> Any:
-    if isinstance(leaf, jax.Array):
-        return leaf
-    if isinstance(leaf, (bool, int, float, complex)):
-        return _dtypes.python_scalar_array(leaf)
-    return np.asarray(leaf)
+def _abstract(leaves: list[tuple[Any, jax.ShapeDtypeStruct]]) -> LeafError:
+    (keypath, leaf), names = leaves[0], [_keypath.dotted(keypath) for keypath, _ in leaves]
+    others = f" So are {len(names) - 1} other leaves ({', '.join(names[1:6])}{', ...' * (len(names) > 6)})."
+    message = leaf_message(
+        f"it is abstract ({leaf.dtype}{list(leaf.shape)}, as `eqx.filter_eval_shape` gives): it has no value "
+        f"to export.{others if len(names) > 1 else ''}",
+        keypath=keypath,
+        dotted=names[0],
+        path="<export>",
+        fix="Export a concrete tree, or a `Checkpoint`.",
+    )
+    return LeafError(message, keypaths=[keypath for keypath, _ in leaves], dotted=names)
 
 
 def _stored(ckpt: Checkpoint, key: str) -> _Tensor:
@@ -175,14 +209,15 @@ def _dtype_name(name: str, dtype: Any) -> str:
 
 
 def _unsupported(name: str, dtype: str) -> LeafError:
-    message = leaf_message(
+    return _leaf_error(
+        name,
         f"its dtype {dtype} has no safetensors equivalent ({', '.join(sorted(_safetensors.NAMES))}).",
-        keypath=None,
-        dotted=name,
-        path="<export>",
-        fix="Convert it first, or leave it out with a `rename` rule to `None`.",
+        "Convert it first, or leave it out with a `rename` rule to `None`.",
     )
-    return LeafError(message, dotted=[name])
+
+
+def _leaf_error(name: str, what: str, fix: str) -> LeafError:
+    return LeafError(leaf_message(what, keypath=None, dotted=name, path="<export>", fix=fix), dotted=[name])
 
 
 def _named(tensors: list[_Tensor], rename: Any) -> list[_Tensor]:
@@ -198,8 +233,45 @@ def _named(tensors: list[_Tensor], rename: Any) -> list[_Tensor]:
         if name in seen:
             raise CheckpointValueError(f"`rename` gives the name {name!r} to both `{seen[name]}` and `{tensor.name}`.")
         seen[name] = tensor.name
-        out.append(dataclasses.replace(tensor, name=name))
+        out.append(dataclasses.replace(tensor, name=_tensor_name(tensor.name, name)))
     return out
+
+
+def _tensor_name(leaf: str, path: str) -> str:
+    """The tensor name that reads back as the dotted `path` (see `_safetensors.dotted`)."""
+    name = _safetensors.tensor_name(path)
+    if name is None:
+        raise _leaf_error(
+            leaf,
+            f"no safetensors tensor name reads back as `{path}` (a tensor name is split at `.`, so a key "
+            f"holding a `.`, an integer dict key or a very long key has none).",
+            "Give it a name with `rename`, and load it back with the same `rename`.",
+        )
+    if name == "__metadata__":
+        raise _leaf_error(
+            leaf,
+            "its tensor name would be `__metadata__`, which safetensors keeps for the header's metadata.",
+            "Give it another name with `rename`.",
+        )
+    return name
+
+
+def _refuse_source_in_destination(loc: Location, pytree: Any) -> None:
+    """On an object store a shard replaces its file at once, so a later leaf
+    read from that file would read the new bytes: refuse a source there."""
+    if loc.local is not None:
+        return
+    lazy = [x for x in jtu.tree_leaves(pytree, is_leaf=lambda x: isinstance(x, LazyArray)) if isinstance(x, LazyArray)]
+    for source in [pytree] if isinstance(pytree, Checkpoint) else lazy:
+        folder = (
+            _safetensors.split_file(source._loc)[0] if _safetensors.is_file_path(source._loc) else source._loc.kvstore
+        )
+        if folder == loc.kvstore:
+            raise CheckpointExistsError(
+                f"The export reads from {source._loc.display!r}, in the directory it writes to ({loc.display!r}); "
+                f"on an object store the files it replaces would be read afterwards. Export to another directory.",
+                path=loc.display,
+            )
 
 
 def _destination(path: Any) -> tuple[Location, str | None]:
@@ -269,15 +341,13 @@ def _bytes(tensor: _Tensor) -> memoryview:
 def _write_shard(loc: Location, name: str, shard: list[_Tensor], metadata: dict[str, str], update: Any) -> None:
     head = _header(shard, metadata)
     if loc.local is not None:
-        temporary = os.path.join(loc.local, name + ".partial")
-        with open(temporary, "wb") as f:
+        with open(os.path.join(loc.local, name + ".partial"), "wb") as f:
             f.write(head)
             for tensor in shard:
                 f.write(_bytes(tensor))
                 update(tensor.nbytes)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(temporary, os.path.join(loc.local, name))
         return
     buffer = bytearray(head)
     for tensor in shard:

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import urllib.parse
 from typing import Any
 
 import numpy as np
@@ -139,15 +140,24 @@ def _tensors(
     bodies = [kv.read(name, byte_range=slice(8, 8 + size)) for name, size in zip(files, sizes)]
     records: dict[str, LeafRecord] = {}
     places: dict[str, tuple[str, int]] = {}
+    ends = []
     for name, size, body in zip(files, sizes, bodies):
         data = _result(loc, name, body, "ends inside its header").value
         if len(data) != size:
             raise _corrupt(loc, f"{name!r} ends inside its header")
-        for record, offset in _parse_header(loc, name, data):
+        parsed = _parse_header(loc, name, data)
+        for record, offset in parsed:
             if record.path in records:
                 raise _corrupt(loc, f"tensor {record.path!r} is in two files ({places[record.path][0]!r}, {name!r})")
             records[record.path] = record
             places[record.path] = (name, 8 + size + offset)
+        ends.append(8 + size + sum(record.nbytes for record, _ in parsed))
+    # The last byte a tensor uses and the one after it, which must not be there:
+    # one read per file, all at once. (A range starting at the end of the file is
+    # answered oddly by some servers; one ending past it is refused by all.)
+    for name, end, probe in [(n, end, kv.read(n, byte_range=slice(end - 1, end + 1))) for n, end in zip(files, ends)]:
+        if _beyond_end(loc, name, probe):
+            raise _corrupt(loc, f"{name!r} has bytes after its last tensor (byte {end} on), which no tensor uses")
     for tensor, file in (weight_map or {}).items():
         # A shard replaced by another version may have lost a tensor the index promises.
         if places.get(dotted(tensor), ("",))[0] != file:
@@ -166,6 +176,16 @@ def _result(loc: Location, name: str, read: ts.Future, short: str) -> Any:
         raise _io.read_error(loc, name, e) from None
 
 
+def _beyond_end(loc: Location, name: str, probe: ts.Future) -> bool:
+    try:
+        result = probe.result()
+    except Exception as e:
+        if "OUT_OF_RANGE" in str(e):
+            return False
+        raise _io.read_error(loc, name, e) from None
+    return result.state == "value" and len(result.value) > 1
+
+
 def _parse_header(loc: Location, file: str, data: bytes) -> list[tuple[LeafRecord, int]]:
     try:
         header = json.loads(data, parse_constant=_reject, object_pairs_hook=no_duplicates)
@@ -176,6 +196,8 @@ def _parse_header(loc: Location, file: str, data: bytes) -> list[tuple[LeafRecor
     out = []
     for name, entry in header.items():
         if name == "__metadata__":
+            if not (isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())):
+                raise _corrupt(loc, f"the `__metadata__` of {file!r} is not a map of strings to strings")
             continue
         dtype = entry.get("dtype") if isinstance(entry, dict) else None
         if isinstance(dtype, str) and dtype not in DTYPES and re.fullmatch(r"[A-Z][A-Z0-9_]*", dtype):
@@ -207,6 +229,16 @@ def dotted(name: str) -> str:
     """The dotted path of a tensor name: its `.`-separated parts, each escaped
     as `Checkpoint(path).keys()` escapes keys (so `model.layers.0.weight` stays)."""
     return _keypath.join_dotted(*(_keypath.escape(part) for part in name.split("."))) if name else "%e"
+
+
+def tensor_name(path: str) -> str | None:
+    """The tensor name whose `dotted` path is `path`, or `None` if none is
+    (a part holding a `.`, an integer dict key `%i3`, a shortened long key)."""
+    try:
+        name = ".".join("" if part == "%e" else urllib.parse.unquote(part, errors="strict") for part in path.split("."))
+    except UnicodeDecodeError:
+        return None
+    return name if dotted(name) == path else None
 
 
 def _record(name: str, entry: Any) -> tuple[LeafRecord, int]:

@@ -84,8 +84,9 @@ def test_small_export_is_one_file_and_errors(tmp_path):
         eqx_ckpt.export_safetensors(tmp_path / "x", {"w": jnp.ones(3)}, max_shard_size="big")
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("Leaf `key` in checkpoint '<export>': its dtype key<fry>")):
         eqx_ckpt.export_safetensors(tmp_path / "x", {"key": jax.random.key(0)})
-    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("`metadata` must map strings to strings")):
-        eqx_ckpt.export_safetensors(tmp_path / "x", {"w": jnp.ones(3)}, metadata={"step": 3})
+    for metadata in ({"step": 3}, [("format", "pt")]):  # a list once raised a bare AttributeError
+        with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape("`metadata` must be a dict mapping strings")):
+            eqx_ckpt.export_safetensors(tmp_path / "x", {"w": jnp.ones(3)}, metadata=metadata)
     with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("gives the name 'w' to both `a` and `b`")):
         eqx_ckpt.export_safetensors(tmp_path / "x", {"a": jnp.ones(1), "b": jnp.ones(1)}, rename=[(".*", "w")])
 
@@ -165,3 +166,98 @@ def test_cli_lists_other_formats(tmp_path, capsys):
     assert [line.split()[:2] for line in lines[:3]] == [["model/"], ["w", "float32[2,3]"], ["step", "int64[]"]]
     assert main(["info", str(tmp_path / "one.safetensors")]) == 0
     assert "format:          safetensors" in capsys.readouterr().out
+
+
+def test_a_sharded_directory_exported_onto_itself_keeps_its_values(tmp_path):
+    # Shard 1 was replaced, then `b` was read from the new file at its old offset: garbage, no error.
+    tree = {"a": np.arange(8, dtype=np.float32), "b": np.arange(4, dtype=np.float32) + 100, "c": np.ones(4, np.float32)}
+    out = tmp_path / "hf"
+    eqx_ckpt.export_safetensors(out, tree, max_shard_size=48)
+    for metadata in ({"format": "pt", "about": "a header longer than before " * 4}, None):
+        eqx_ckpt.export_safetensors(out, eqx_ckpt.Checkpoint(out), max_shard_size=32, metadata=metadata)
+        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(out, tree), tree, typematch=True)
+    # The same file names, [a, b] + [c] before, [a] + [b, c] now: nothing else left behind.
+    assert _files(out) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    # A lazily loaded tree of the same files, into one file over them.
+    lazy = eqx_ckpt.tree_deserialise_leaves(out, tree, lazy=True)
+    eqx_ckpt.export_safetensors(out, lazy)
+    assert _files(out) == ["model.safetensors"]
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(out, tree), tree, typematch=True)
+
+
+def test_an_export_onto_its_source_on_an_object_store_is_refused(store):
+    tree = {"a": np.arange(8, dtype=np.float32), "b": np.arange(4, dtype=np.float32)}
+    eqx_ckpt.export_safetensors(store, tree, max_shard_size=32)
+    bucket = ts.KvStore.open(store).result()
+    before = {key: bucket.read(key).result().value for key in bucket.list().result()}
+    for source in (eqx_ckpt.Checkpoint(store), eqx_ckpt.tree_deserialise_leaves(store, tree, lazy=True)):
+        with pytest.raises(eqx_ckpt.CheckpointExistsError, match="in the directory it writes to"):
+            eqx_ckpt.export_safetensors(store, source, max_shard_size=32, metadata={"format": "pt"})
+    assert {key: bucket.read(key).result().value for key in bucket.list().result()} == before
+
+
+@pytest.mark.parametrize("key", ["é", "", "a/b", "x%2Ey", "sp ace"])
+def test_tensor_names_load_back_as_the_same_keys(tmp_path, key):
+    # Tensors were named by the escaped path (`a/b` -> `a%2Fb`), which reads back escaped twice.
+    tree = {"m": {key: jnp.ones(2)}, key: np.arange(3)}
+    eqx_ckpt.export_safetensors(tmp_path / "one.safetensors", tree)
+    assert sorted(load_file(str(tmp_path / "one.safetensors"))) == sorted([f"m.{key}", key])
+    back = eqx_ckpt.tree_deserialise_leaves(tmp_path / "one.safetensors", tree)
+    assert eqx.tree_equal(back, tree, typematch=True)
+
+
+@pytest.mark.parametrize(("tree", "leaf"), [({"x.y": 1.0, "x%2Ey": 2.0}, "x%2Ey"), ({1: 1.0}, "%i1")])
+def test_a_key_no_tensor_name_reads_back_as_is_refused(tmp_path, tree, leaf):
+    # `x.y` was written as `x%2Ey`, which `x%2Ey`'s leaf then loaded.
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(f"Leaf `{leaf}` in checkpoint '<export>': no safetensors")):
+        eqx_ckpt.export_safetensors(tmp_path / "hf", tree)
+    assert not (tmp_path / "hf").exists()
+    # Named by `rename`, loaded back by the same `rename`.
+    rename = {leaf: "renamed"}
+    eqx_ckpt.export_safetensors(tmp_path / "hf", tree, rename=rename)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "hf", tree, rename=rename), tree)
+
+
+@pytest.mark.parametrize("rename", [None, {"w": "__metadata__"}])
+def test_a_tensor_named_metadata_is_refused(tmp_path, rename):
+    # It overwrote the header's metadata: a file the safetensors library refuses, read as empty.
+    tree = {"__metadata__" if rename is None else "w": np.ones(3, np.float32)}
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("its tensor name would be `__metadata__`")):
+        eqx_ckpt.export_safetensors(tmp_path / "m.safetensors", tree, rename=rename, metadata={"format": "pt"})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_abstract_tree_or_nothing_to_export_is_refused_before_any_file_changes(tmp_path):
+    model = eqx.nn.MLP(4, 4, 8, 2, key=jax.random.key(0))
+    out = tmp_path / "hf"
+    eqx_ckpt.export_safetensors(out, model, max_shard_size=200)
+    before = snapshot(out)
+    # It wrote a file with no tensors and deleted the shards of the earlier export.
+    skeleton = eqx.filter_eval_shape(eqx.nn.MLP, 4, 4, 8, 2, key=jax.random.key(0))
+    said = "leaf `layers.0.weight` (key path .layers[0].weight) in checkpoint '<export>': it is abstract (float32[8, 4]"
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(said) + ".*So are 5 other leaves") as info:
+        eqx_ckpt.export_safetensors(out, skeleton)
+    assert len(info.value.dotted) == 6
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("There is nothing to export")):
+        eqx_ckpt.export_safetensors(out, model, rename=[(".*", None)])
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("There is nothing to export")):
+        eqx_ckpt.export_safetensors(out / "x.safetensors", {"note": "text"})
+    assert snapshot(out) == before
+
+
+def test_numpy_scalars_export_and_bad_scalars_are_leaf_errors(tmp_path):
+    # `np.float64` and `np.complex128` subclass Python's float and complex: a bare StopIteration.
+    tree = {"lr": np.float64(1.5), "beta": np.float32(0.5), "step": np.int64(3), "flag": np.bool_(True)}
+    eqx_ckpt.export_safetensors(tmp_path / "s.safetensors", tree)
+    assert load_file(str(tmp_path / "s.safetensors"))["lr"].dtype == np.float64
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "s.safetensors", tree), tree, typematch=True)
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("Leaf `z` in checkpoint '<export>': its dtype complex128")):
+        eqx_ckpt.export_safetensors(tmp_path / "c.safetensors", {"z": np.complex128(1 + 2j)})
+    # An int beyond int64: a bare OverflowError.
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("Leaf `step` in checkpoint '<export>': the int 2361")):
+        eqx_ckpt.export_safetensors(tmp_path / "i.safetensors", {"step": 2**71})
+    assert _files(tmp_path) == ["s.safetensors"]

@@ -289,13 +289,14 @@ def test_only_the_selected_tensors_bytes_are_read(tmp_path):
     with _serving({"hf/model.safetensors": data}) as url:
         loaded = eqx_ckpt.tree_deserialise_leaves(f"{url}/hf/", {"small": np.zeros(10, np.float32)})
         np.testing.assert_array_equal(loaded["small"], small)
-        # The header and the 40 bytes of `small`: not one byte of the 16 MiB of `large`.
-        assert _RangeServer.sent == header + small.nbytes
+        # The header and the 40 bytes of `small`: not one byte of the 16 MiB of `large`
+        # but the file's last (read to check that no bytes follow the last tensor).
+        assert _RangeServer.sent == header + 1 + small.nbytes
         _RangeServer.sent = 0
         lazy = eqx_ckpt.Checkpoint(f"{url}/hf/model.safetensors")["large"]
         np.testing.assert_array_equal(lazy[3], large[3])
         # One row reads the run of rows (4 MiB) that holds it, not the whole tensor.
-        assert 0 < _RangeServer.sent <= header + large.nbytes // 4
+        assert 0 < _RangeServer.sent <= header + 1 + large.nbytes // 4
         # Sharded by rows over 4 devices: each device reads its own quarter, so the
         # tensor is read once in all, not once per device.
         _RangeServer.sent = 0
@@ -305,7 +306,7 @@ def test_only_the_selected_tensors_bytes_are_read(tmp_path):
         loaded = eqx_ckpt.tree_deserialise_leaves(f"{url}/hf/", like)
         assert loaded["large"].sharding == sharding
         np.testing.assert_array_equal(np.asarray(loaded["large"]), large)
-        assert _RangeServer.sent == header + large.nbytes
+        assert _RangeServer.sent == header + 1 + large.nbytes
 
 
 def test_on_an_object_store(s3, store):
@@ -363,6 +364,20 @@ def _raw_file(path, header: str, data: bytes):
         (
             '{"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}',
             "tensor 'w' in 'x.safetensors' leaves bytes 0 to 8 unused",
+        ),
+        # Bytes after the last tensor were accepted: a tensor entry lost from a header went unnoticed.
+        (
+            '{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}',
+            "'x.safetensors' has bytes after its last tensor",
+        ),
+        # A `__metadata__` that is not strings was skipped: the file held no tensors, without an error.
+        (
+            '{"__metadata__": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}',
+            "the `__metadata__` of 'x.safetensors' is not a map of strings to strings",
+        ),
+        (
+            '{"__metadata__": {"step": 3}, "w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}',
+            "the `__metadata__` of 'x.safetensors' is not a map of strings to strings",
         ),
     ],
 )
