@@ -294,6 +294,12 @@ def begin(
     """Take the directory's lease, clear leftovers of a save that died, and
     choose where this save writes. `paths` are the dotted paths it will write
     (into arrays of their own or packs), `packs` the packs' names."""
+    if loc.local is not None and os.path.islink(loc.local) and not os.path.exists(loc.local):
+        raise CheckpointExistsError(
+            f"{loc.display!r} is a broken symbolic link (to {os.readlink(loc.local)!r}, which does not exist), "
+            f"so nothing was written. Save to the directory it should point to, or remove the link.",
+            path=loc.display,
+        )
     if loc.local is not None and os.path.lexists(loc.local) and not os.path.isdir(loc.local):
         raise CheckpointExistsError(
             f"{loc.display!r} is a file, not a directory. eqx_ckpt saves a checkpoint "

@@ -237,7 +237,7 @@ def tree_deserialise_leaves(
     source = _source.open_source(path)
     loc, manifest = source.loc, source.manifest
     flat, treedef = _tree.flatten(like, is_leaf)
-    specs = _tree.leaf_specs(filter_spec, like, is_leaf, what="like")
+    specs = _tree.leaf_specs(filter_spec, like, is_leaf, what="like", count=len(flat))
     chosen = _select.selected(where, treedef, len(flat))
     if where is not None and not any(_loaded(flat[i][1], specs[i]) for i in chosen):
         shown = ", ".join(f"`{_keypath.dotted(flat[i][0])}`" for i in sorted(chosen)[:3])

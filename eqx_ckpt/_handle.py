@@ -20,7 +20,9 @@ class LeafHandle:
     - `path`: its dotted path in the checkpoint (`model.layers.0.weight`).
     - `checkpoint`: the checkpoint path, as given.
 
-    A serialising filter spec calls `handle.write(value)`; a deserialising one
+    A serialising filter spec calls `handle.write(value)` while it runs (a
+    handle kept and written after the save has run its filter specs raises a
+    `LeafError`: the save has begun without that value); a deserialising one
     calls `handle.read(like)`. `default_serialise_filter_spec` and
     `default_deserialise_filter_spec` do exactly that for array-like leaves.
 

@@ -11,14 +11,28 @@ A checkpoint may come from elsewhere, so its files are untrusted:
 
 Object stores have no links and list sizes only at a cost, so only local paths
 are checked.
+
+A save checks one thing before it writes: that no file in a leaf's folder
+would have a path longer than the system allows (PATH_MAX), which TensorStore
+would report only midway, in a message of many kilobytes naming no leaf.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
-from ._errors import CheckpointError, CorruptCheckpointError, IntegrityError, leaf_line, stored_leaf_error
-from ._manifest import LeafRecord, PackRecord
+from ._errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IntegrityError,
+    LeafError,
+    leaf_line,
+    leaf_message,
+    stored_leaf_error,
+)
+from ._keypath import from_json
+from ._manifest import MAX_RANK, LeafRecord, PackRecord
 from ._spec import Location, dtype_from_name
 
 
@@ -96,6 +110,53 @@ def _scan(loc: Location, directory: str, leaf: str | None) -> int:
     except FileNotFoundError:
         pass
     return total
+
+
+# What a leaf's folder holds beyond its name, at most: `/c` and a chunk index
+# of up to 20 digits per dimension, or `/zarr.json`; TensorStore adds `.__lock`
+# while it writes one.
+_INSIDE = len("/c") + MAX_RANK * len("/18446744073709551615") + len(".__lock")
+
+
+def check_path_lengths(loc: Location, records: Sequence[LeafRecord]) -> None:
+    """Raise, before a save writes anything, if a file in the folder of a leaf
+    of `records` (leaves with an array of their own) would have a path longer
+    than the system allows."""
+    if loc.local is None or not records:
+        return
+    limit = _path_max(loc.local)
+    # A later save writes under a data root `gen.<16 hex digits>` (`_commit`).
+    base = len(os.fsencode(os.path.join(loc.local, "gen." + "0" * 16))) + len("/")
+    if base + max(len(r.path) for r in records) + _INSIDE < limit:
+        return  # the common case: no path comes close
+    for r in records:
+        grid = [-(-size // chunk) if chunk else 1 for size, chunk in zip(r.stored_shape, r.chunks, strict=True)]
+        inside = max(len("/zarr.json"), len("/c") + sum(1 + len(str(max(n - 1, 0))) for n in grid))
+        longest = base + len(r.path) + inside + len(".__lock")  # a dotted path is its folder, in ASCII
+        if longest >= limit:  # PATH_MAX counts the terminating NUL
+            what = (
+                f"the path of a file in its folder would have about {longest} bytes, more than the "
+                f"{limit - 1} this system allows (PATH_MAX), so nothing was written."
+            )
+            fix = (
+                'Save with `layout="ocdbt"` (all arrays in one database: no folder per leaf), or use '
+                "shorter keys or a shorter checkpoint path."
+            )
+            keypath = from_json(r.keypath)
+            message = leaf_message(what, keypath=keypath, dotted=r.path, path=loc.display, fix=fix)
+            raise LeafError(message, path=loc.display, keypaths=[keypath], dotted=[r.path])
+
+
+def _path_max(path: str) -> int:
+    """PATH_MAX of the file system holding `path` (or what would hold it)."""
+    while True:
+        try:
+            return os.pathconf(path, "PC_PATH_MAX")
+        except (OSError, ValueError):
+            parent = os.path.dirname(path)
+            if parent == path:
+                return 4096  # Linux's
+            path = parent
 
 
 def _link_error(loc: Location, found: str, leaf: str | None) -> CheckpointError:

@@ -129,9 +129,11 @@ class CheckpointManager:
         if best_mode not in ("min", "max"):
             raise CheckpointValueError(f"`best_mode` must be 'min' or 'max', not {best_mode!r}.")
         self._loc = location(directory)
-        if self._loc.local is not None and os.path.lexists(self._loc.local) and not os.path.isdir(self._loc.local):
+        local = self._loc.local
+        if local is not None and os.path.lexists(local) and not os.path.isdir(local):
+            what = "a broken symbolic link" if os.path.islink(local) else "a file"
             raise CheckpointValueError(
-                f"{self.directory!r} is a file, not a directory: a CheckpointManager keeps one "
+                f"{self.directory!r} is {what}, not a directory: a CheckpointManager keeps one "
                 f"folder per step in a directory. Give the path of a directory (it is created on the first save).",
                 path=self.directory,
             )

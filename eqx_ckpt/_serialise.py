@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 import threading
@@ -13,7 +12,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _commit, _dtypes, _io, _keypath, _layout, _lease, _manifest, _multihost, _pack, _tree, _write
+from . import _commit, _dtypes, _io, _keypath, _layout, _lease, _local, _manifest, _multihost, _pack, _tree, _write
 from ._errors import CheckpointError, CheckpointValueError, LeafError, check_flag, leaf_message
 from ._handle import LeafHandle
 from ._lazy import LazyArray
@@ -260,7 +259,7 @@ def save(
     # Every process reaches this first barrier, even one whose tree is bad, so
     # that a failure anywhere fails the save everywhere at once.
     pending: list[_write.Pending] = []
-    held: _HeldTree | None = None
+    held: list[tuple[tuple[Any, ...], Any]] | None = None
     error: BaseException | None = None
     try:
         _layout.check(layout)
@@ -324,41 +323,22 @@ def save(
         raise
 
 
-@dataclasses.dataclass
-class _HeldTree:
-    """What an asynchronous save keeps of the caller's tree: its structure, its
-    leaves as they were, and each leaf with its host data held (`_hold`)."""
-
-    treedef: Any
-    leaves: list[Any]
-    held: list[Any]
-
-    def flat(self) -> list[tuple[tuple[Any, ...], Any]]:
-        """(key path, held leaf) for every leaf. The key paths are computed here,
-        in the background, from a copy of the tree's structure: the caller's
-        containers may have changed since."""
-        flat, _ = _tree.flatten(jax.tree_util.tree_unflatten(self.treedef, self.leaves), None)
-        if len(flat) != len(self.held):
-            raise CheckpointError(
-                f"Internal error: the tree has {len(flat)} leaves once rebuilt, not {len(self.held)}; "
-                f"save it with `blocking=True`."
-            )
-        return [(keypath, leaf) for (keypath, _), leaf in zip(flat, self.held)]
-
-
-def _hold(pytree: Any, filter_spec: Any, is_leaf: Any) -> _HeldTree | None:
-    """For an asynchronous save with the default filter spec: every leaf with its
-    host data held, which is all the caller must wait for (NumPy arrays are
-    copied, each `jax.Array`'s host pieces taken, so a later donation or change
-    cannot reach the save). `None` when the tree needs the caller's thread: a
-    custom filter spec or `is_leaf`, or a leaf whose error should be raised at once."""
+def _hold(pytree: Any, filter_spec: Any, is_leaf: Any) -> list[tuple[tuple[Any, ...], Any]] | None:
+    """For an asynchronous save with the default filter spec: (key path, leaf)
+    for every leaf, with its host data held, which is all the caller must wait
+    for (NumPy arrays are copied, each `jax.Array`'s host pieces taken, so a
+    later donation or change cannot reach the save). The key paths are taken
+    here too: the background never rebuilds the caller's tree, whose custom
+    nodes could run code on arrays deleted by then. `None` when the tree needs
+    the caller's thread: a custom filter spec or `is_leaf`, or a leaf whose
+    error should be raised at once."""
     if filter_spec is not default_serialise_filter_spec or is_leaf is not None:
         return None
-    leaves, treedef = jax.tree_util.tree_flatten(pytree)
+    flat, _ = _tree.flatten(pytree, None)
     held = []
     primary = jax.process_index() == 0
     try:
-        for x in leaves:
+        for keypath, x in flat:
             kind = _write.array_kind(type(x))
             if kind == "jax":
                 x = _write.hold(x, primary)
@@ -366,10 +346,10 @@ def _hold(pytree: Any, filter_spec: Any, is_leaf: Any) -> _HeldTree | None:
                 x = np.array(x, copy=True)
             elif kind in ("ndarray", "abstract"):  # a masked array's error is raised at once
                 return None
-            held.append(x)
+            held.append((keypath, x))
     except Exception:
         return None  # a leaf that cannot be held (a deleted array): the caller's thread names it
-    return _HeldTree(treedef, leaves, held)
+    return held
 
 
 def _default_or_held(handle: LeafHandle, x: Any) -> None:
@@ -380,9 +360,10 @@ def _default_or_held(handle: LeafHandle, x: Any) -> None:
 
 
 @_tree.gc_paused()  # as `save` is, for the part of it that runs here
-def _prepare_and_write(loc: Location, group: _multihost.Group, held: _HeldTree, cast: Any, **options: Any) -> None:
-    """The background part of an asynchronous save whose leaves were held."""
-    flat = held.flat()
+def _prepare_and_write(
+    loc: Location, group: _multihost.Group, flat: list[tuple[tuple[Any, ...], Any]], cast: Any, **options: Any
+) -> None:
+    """The background part of an asynchronous save whose leaves were held (`_hold`)."""
     pending = _collect(loc, flat, [_default_or_held] * len(flat), cast)
     _assign_packs(pending)
     batch = _write.Batch(pending, made=flat)
@@ -405,6 +386,8 @@ def _begin_save(
     metrics: dict[str, Any] | None,
     progress: Progress,
 ) -> tuple[_commit.Transaction, Tracker]:
+    if layout == "directories":
+        _local.check_path_lengths(loc, [p.record for p in batch.own])
     tracker = Tracker(progress, leaves=len(batch.pending), nbytes=batch.nbytes, what="save")
     try:
         with _io.explained(loc, "Saving checkpoint"):
@@ -595,8 +578,15 @@ def _collect(
     primary = jax.process_index() == 0
 
     written: set[str] = set()
+    collecting = True  # until the specs have run: `pending` is then the save's, and final
 
     def write(handle: LeafHandle, value: Any) -> None:
+        if not collecting:
+            raise handle.error(
+                "`handle.write` was called after the filter spec returned: the save has already "
+                "begun (or finished) with what the filter spec wrote while it ran, without this value.",
+                "Call `handle.write` inside the filter spec, while `tree_serialise_leaves` runs it.",
+            )
         if handle.path in written:
             raise handle.error(
                 "the filter spec wrote it twice; a checkpoint holds one value per leaf.",
@@ -606,24 +596,29 @@ def _collect(
         keypath = record_of.get(handle.path) or _keypath.to_json(handle.keypath)
         pending.append(_write.prepare(handle, value, cast, primary=primary, keypath=keypath))
 
-    for (keypath, leaf), dotted, record, spec in zip(flat, paths, records, specs, strict=True):
-        default = spec is default_serialise_filter_spec or spec is _default_or_held
-        try:
-            if cast is None and default:
-                # What the default spec does with the common leaf, without the calls between.
-                common = _write.plain(leaf, dotted, record, primary)
-                if common is not None:
-                    pending.append(common)
-                    continue
-            handle = LeafHandle(keypath, dotted, loc.display, write=write)
-            if default and _is_array(leaf):
-                pending.append(_write.prepare(handle, leaf, cast, primary=primary, keypath=record))
-            else:
-                spec(handle, leaf)
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise _leaf_failed(e, loc, keypath, dotted, leaf) from e
+    try:
+        for (keypath, leaf), dotted, record, spec in zip(flat, paths, records, specs, strict=True):
+            default = spec is default_serialise_filter_spec or spec is _default_or_held
+            try:
+                if cast is None and default:
+                    # What the default spec does with the common leaf, without the calls between.
+                    common = _write.plain(leaf, dotted, record, primary)
+                    if common is not None:
+                        pending.append(common)
+                        continue
+                handle = LeafHandle(keypath, dotted, loc.display, write=write)
+                if default and _is_array(leaf):
+                    pending.append(_write.prepare(handle, leaf, cast, primary=primary, keypath=record))
+                else:
+                    spec(handle, leaf)
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise _leaf_failed(e, loc, keypath, dotted, leaf) from e
+    finally:
+        # A handle kept past this point (and written through later) must not
+        # add a leaf the manifest would list and no write would store.
+        collecting = False
     return pending
 
 

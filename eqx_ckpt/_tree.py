@@ -46,6 +46,15 @@ def leaf_specs(
             f"`filter_spec` must be a callable, or a PyTree prefix of `{what}` whose leaves are callables "
             f"(as `eqx.tree_serialise_leaves` takes it); its structure does not match `{what}`: {_short(e)}"
         ) from None
+    if count is not None and len(specs) != count:
+        # `filter_spec` is mapped over the nodes of `tree`, `is_leaf` or not (as
+        # in Equinox), so a prefix reaching inside a node `is_leaf` makes one leaf
+        # splits that leaf.
+        raise CheckpointValueError(
+            f"`filter_spec` reaches inside a node that `is_leaf` makes one leaf of `{what}`: it gives "
+            f"{len(specs)} filter specs for the {count} leaves of `{what}`. Give one callable for each node "
+            f"`is_leaf` accepts (or for a node above it), or change `is_leaf`."
+        )
     return specs
 
 
@@ -68,7 +77,7 @@ def check_unique(keypaths: list[tuple[Any, ...]], paths: list[str], *, checkpoin
             other = seen[path]
             message = leaf_message(
                 f"it would be stored at the same place as the leaf at key path {jtu.keystr(other)} "
-                f"({other!r}): their keys have different types but the same name.",
+                f"({other!r}): {_same_name(other, keypath)}",
                 keypath=keypath,
                 dotted=path,
                 path=checkpoint,
@@ -76,6 +85,20 @@ def check_unique(keypaths: list[tuple[Any, ...]], paths: list[str], *, checkpoin
             )
             raise LeafError(message, path=checkpoint, keypaths=[other, keypath], dotted=[path])
         seen[path] = keypath
+
+
+def _same_name(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
+    """Why two different key paths have the same dotted path, said of the first
+    keys where they differ."""
+    first, second = next(((x, y) for x, y in zip(a, b, strict=False) if x != y), (a[-1], b[-1]))
+    if type(first) is not type(second) or type(getattr(first, "key", None)) is not type(getattr(second, "key", None)):
+        return "their keys have different types but the same name."
+    if isinstance(first, jtu.DictKey):
+        return (
+            f"their keys are two different {type(first.key).__name__} objects with the same repr "
+            f"({first.key!r}), which is what names such a key on disk."
+        )
+    return f"their keys differ but are written the same ({first})."
 
 
 # Reentrant: freeing an object inside the lock (a dropped pause's frame) or a

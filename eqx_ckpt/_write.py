@@ -260,7 +260,10 @@ def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
 
 def _cast_dtype(handle: LeafHandle, dtype: Any, cast: Callable[[str, np.dtype], Any] | None) -> np.dtype:
     """The dtype a leaf is stored in: `dtype`, or what `cast` maps it to."""
-    target = cast(handle.path, np.dtype(dtype)) if cast is not None else None
+    try:
+        target = cast(handle.path, np.dtype(dtype)) if cast is not None else None
+    except Exception as e:
+        raise handle.error(f"the `cast` callable raised {type(e).__name__}: {e}.", "Nothing was written.") from e
     if target is None:
         return np.dtype(dtype)
     try:

@@ -359,7 +359,7 @@ def test_what_the_caller_holds_is_decided_by_type(tmp_path):
     sub = np.arange(4.0).view(Sub)
     tree = {"sub": sub, "np": np.ones(2), "jax": jnp.arange(3), "step": 4, "name": "x"}
     held = _serialise._hold(tree, eqx_ckpt.default_serialise_filter_spec, None)
-    by_key = dict(zip(sorted(tree), held.held))
+    by_key = {keypath[0].key: leaf for keypath, leaf in held}
     assert type(by_key["sub"]) is np.ndarray and not np.shares_memory(by_key["sub"], sub)
     assert not np.shares_memory(by_key["np"], tree["np"])
     assert type(by_key["jax"]) is _write.Held and by_key["jax"].value is tree["jax"]
@@ -374,18 +374,18 @@ def test_what_the_caller_holds_is_decided_by_type(tmp_path):
 
 
 def test_the_trees_containers_may_change_after_the_call(tmp_path, monkeypatch):
-    """The key paths are worked out in the background from the tree's structure
-    as it was during the call, not from containers the caller changed since."""
+    """The key paths are those of the tree as it was during the call, not of
+    containers the caller changed since."""
     from eqx_ckpt import _serialise
 
     release = threading.Event()
-    flat = _serialise._HeldTree.flat
+    prepare_and_write = _serialise._prepare_and_write
 
-    def held_back(self):
+    def held_back(*args, **kwargs):
         assert release.wait(timeout=60)
-        return flat(self)
+        return prepare_and_write(*args, **kwargs)
 
-    monkeypatch.setattr(_serialise._HeldTree, "flat", held_back)
+    monkeypatch.setattr(_serialise, "_prepare_and_write", held_back)
     tree = {"a": jnp.ones(2), "b": [np.zeros(3), 1.5]}
     expected = {"a": jnp.ones(2), "b": [np.zeros(3), 1.5]}
     pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, blocking=False)
@@ -518,3 +518,37 @@ def test_a_wait_interrupted_by_ctrl_c_can_be_waited_for_again(tmp_path, saver):
         assert eqx.tree_equal(step, {f"l{i}": np.full(8, float(i)) for i in range(6)}, typematch=True)
     else:
         assert result == {"committed": True}
+
+
+class _Checked:
+    """A custom node whose constructor checks its array, as a user's may."""
+
+    built = 0
+
+    def __init__(self, w):
+        if not bool(jnp.all(jnp.isfinite(w))):
+            raise ValueError("non-finite")
+        type(self).built += 1
+        self.w = w
+
+
+jax.tree_util.register_pytree_with_keys(
+    _Checked, lambda node: (((jax.tree_util.GetAttrKey("w"), node.w),), None), lambda _, children: _Checked(*children)
+)
+
+
+def test_a_custom_node_is_not_rebuilt_from_arrays_deleted_after_the_call(tmp_path):
+    """The background once rebuilt the caller's tree from its leaves (for the key
+    paths), running the node's constructor on an array deleted (or donated) since
+    the call returned: `wait()` raised a bare `RuntimeError: Array has been
+    deleted`. The key paths are now taken during the call; nothing is rebuilt."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"params": _Checked(jnp.zeros(1000)), "step": 2})
+    params = _Checked(jnp.ones(1000))
+    _Checked.built = 0
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path, {"params": params, "step": 3}, blocking=False)
+    params.w.delete()
+    pending.wait()
+    assert _Checked.built == 0
+    assert sorted(eqx_ckpt.Checkpoint(tmp_path)) == ["params.w", "step"]
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"params": _Checked(jnp.zeros(1000)), "step": 0})
+    assert eqx.tree_equal(loaded, {"params": _Checked(jnp.ones(1000)), "step": 3}, typematch=True)

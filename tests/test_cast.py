@@ -260,3 +260,16 @@ def test_the_range_check_reaches_every_block(monkeypatch):
         _dtypes.checked_cast(np.array([1 + 1j, 2, 3, 4, 1e39j]), np.complex64)
     values[2, 3] = 2.0
     assert np.array_equal(_dtypes.checked_cast(values, ml_dtypes.float8_e4m3fn).astype(np.float32), values)
+
+
+def test_a_cast_callable_that_raises_is_named(tmp_path):
+    """It was reported as the filter spec raising."""
+
+    def cast(path, dtype):
+        raise KeyError("oops")
+
+    message = "the `cast` callable raised KeyError: 'oops'. Nothing was written."
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(message)) as info:
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": np.ones(2, np.float32)}, cast=cast)
+    assert info.value.dotted == ("x",)
+    assert list(tmp_path.iterdir()) == []

@@ -349,3 +349,107 @@ def test_a_masked_array_is_refused_not_saved_without_its_mask(tmp_path, blocking
     tree = {"data": masked.data, "mask": np.ma.getmaskarray(masked)}
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), tree, typematch=True)
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_handle_written_after_the_filter_spec_returned_is_refused(tmp_path, blocking):
+    """Once, a filter spec that kept a handle and wrote through it after the call
+    returned was not refused: an asynchronous save committed a manifest listing
+    that leaf with no array (over a good checkpoint), a blocking one dropped it
+    silently. Now the late write is an error, and the save holds what the filter
+    spec wrote while it ran."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.zeros(3), "b": np.ones(2)})
+    kept = []
+
+    def deferred(handle, x):
+        if handle.path == "w":
+            handle.write(x)
+        else:
+            kept.append((handle, x))
+
+    tree = {"w": jnp.ones(3), "b": np.zeros(2)}
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, deferred, blocking=blocking)
+    [(handle, x)] = kept
+    message = "`handle.write` was called after the filter spec returned: the save has already begun"
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(message)) as info:
+        handle.write(x)
+    assert info.value.dotted == ("b",)
+    if pending is not None:
+        pending.wait()
+    assert list(eqx_ckpt.Checkpoint(tmp_path)) == ["w"]
+    assert [r["path"] for r in json.loads((tmp_path / "manifest.json").read_text())["leaves"]] == ["w"]
+    assert eqx_ckpt.verify(tmp_path) == []
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(3)})
+    assert eqx.tree_equal(loaded, {"w": jnp.ones(3)}, typematch=True)
+
+
+def test_a_filter_spec_finer_than_is_leaf_is_a_clear_error(tmp_path):
+    """Once a bare `ValueError` from inside the library (`zip()` of specs and leaves)."""
+    spec = eqx_ckpt.default_serialise_filter_spec
+    tree = {"a": [jnp.ones(1), jnp.ones(2)], "b": jnp.zeros(3)}
+    is_list = lambda node: isinstance(node, list)
+    message = "`filter_spec` reaches inside a node that `is_leaf` makes one leaf of `pytree`: it gives 3 filter specs"
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape(message)):
+        eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree, {"a": [spec, spec], "b": spec}, is_leaf=is_list)
+    assert not (tmp_path / "ckpt").exists()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
+    load = eqx_ckpt.default_deserialise_filter_spec
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("`is_leaf` makes one leaf of `like`")):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree, {"a": [load, load], "b": load}, is_leaf=is_list)
+
+
+def test_a_leaf_path_longer_than_the_system_allows_names_the_leaf(tmp_path, unpacked):
+    """Once TensorStore's message of 15 kB ("Error reading local file", its whole
+    spec), naming no leaf. Nothing is written, and the old checkpoint stays."""
+    tree = np.arange(4, dtype=np.float32)
+    for i in range(25):
+        tree = {chr(97 + i) * 190: tree}  # a folder path of about 4,800 bytes
+    dotted = ".".join(chr(97 + i) * 190 for i in reversed(range(25)))
+    path = tmp_path / "ckpt"
+    eqx_ckpt.tree_serialise_leaves(path, {"x": jnp.ones(2)})
+    before = snapshot(path)
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("more than the 4095 this system allows (PATH_MAX)")) as info:
+        eqx_ckpt.tree_serialise_leaves(path, tree)
+    assert info.value.dotted == (dotted,)
+    assert 'Save with `layout="ocdbt"`' in str(info.value) and "Error reading local file" not in str(info.value)
+    assert snapshot(path) == before
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, {"x": jnp.zeros(2)}), {"x": jnp.ones(2)})
+    eqx_ckpt.tree_serialise_leaves(path, tree, layout="ocdbt")
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, tree), tree, typematch=True)
+
+
+class _Tag:
+    """A dict key whose repr is the same for every value."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self):
+        return "Tag"
+
+    def __hash__(self):
+        return hash(self.value)
+
+    def __eq__(self, other):
+        return isinstance(other, _Tag) and other.value == self.value
+
+    def __lt__(self, other):
+        return self.value < other.value
+
+
+def test_keys_of_one_type_with_the_same_repr_are_said_to_be_so(tmp_path):
+    """They were said to have "different types but the same name"."""
+    message = "their keys are two different _Tag objects with the same repr (Tag)"
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(message)):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {_Tag(1): jnp.ones(1), _Tag(2): jnp.zeros(1)})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_broken_symbolic_link_is_named_so(tmp_path):
+    """It was called "a file, not a directory"."""
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(eqx_ckpt.CheckpointExistsError, match=re.escape("link' is a broken symbolic link (to ")):
+        eqx_ckpt.tree_serialise_leaves(str(tmp_path / "link"), {"x": jnp.ones(1)})
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("is a broken symbolic link, not a directory")):
+        eqx_ckpt.CheckpointManager(tmp_path / "link")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link"] and (tmp_path / "link").is_symlink()
