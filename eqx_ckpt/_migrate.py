@@ -18,7 +18,6 @@ from . import _dtypes, _keypath, _tree
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
-    CheckpointValueError,
     CorruptCheckpointError,
     LeafError,
     leaf_line,
@@ -87,10 +86,7 @@ def convert_eqx_file(
             path=eqx_path,
         )
     leaves, treedef = _tree.flatten(like, is_leaf)
-    try:
-        specs = _spec_per_leaf(filter_spec, like, is_leaf, treedef)
-    except ValueError as e:
-        raise CheckpointValueError(f"`filter_spec` must be a callable or a prefix of `like` ({e}).") from None
+    specs = _tree.leaf_specs(filter_spec, like, is_leaf, what="like", count=len(leaves))
     # The file named, exactly: Equinox would open `weights.eqx` when given `weights`.
     with open(eqx_path, "rb") as f:
         out = [_read_leaf(f, eqx_path, keypath, leaf, spec) for (keypath, leaf), spec in zip(leaves, specs)]
@@ -112,12 +108,6 @@ _LIKE_FIX = (
 )
 # `np.save` writes headers of about a hundred bytes; NumPy's own limit is 10000.
 _MAX_HEADER = 2**16
-
-
-def _spec_per_leaf(filter_spec: Any, like: PyTree, is_leaf: Callable[[Any], bool] | None, treedef: Any) -> list[Any]:
-    """The `filter_spec` callable of each leaf of `like` (`treedef`), in order."""
-    per_leaf = jtu.tree_map(lambda spec, sub: jtu.tree_map(lambda _: spec, sub, is_leaf=is_leaf), filter_spec, like)
-    return treedef.flatten_up_to(per_leaf)
 
 
 def _error(what: str, keypath: Any, eqx_path: str, *, fix: str = _LIKE_FIX) -> LeafError:

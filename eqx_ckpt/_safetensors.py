@@ -156,7 +156,8 @@ def _tensors(
     # one read per file, all at once. (A range starting at the end of the file is
     # answered oddly by some servers; one ending past it is refused by all.)
     for name, end, probe in [(n, end, kv.read(n, byte_range=slice(end - 1, end + 1))) for n, end in zip(files, ends)]:
-        if _beyond_end(loc, name, probe):
+        found = _result(loc, name, probe, None)
+        if found is not None and found.state == "value" and len(found.value) > 1:
             raise _corrupt(loc, f"{name!r} has bytes after its last tensor (byte {end} on), which no tensor uses")
     for tensor, file in (weight_map or {}).items():
         # A shard replaced by another version may have lost a tensor the index promises.
@@ -166,24 +167,17 @@ def _tensors(
     return "safetensors", Manifest(ordered, layout="safetensors"), functools.partial(_open, kv, places)
 
 
-def _result(loc: Location, name: str, read: ts.Future, short: str) -> Any:
-    """A byte-range read's result; a range past the end of the file means `short`."""
+def _result(loc: Location, name: str, read: ts.Future, short: str | None) -> Any:
+    """A byte-range read's result; a range past the end of the file means
+    `short` (the file is corrupt), or, without one, `None`."""
     try:
         return read.result()
     except Exception as e:
-        if "OUT_OF_RANGE" in str(e):
-            raise _corrupt(loc, f"{name!r} {short}") from None
-        raise _io.read_error(loc, name, e) from None
-
-
-def _beyond_end(loc: Location, name: str, probe: ts.Future) -> bool:
-    try:
-        result = probe.result()
-    except Exception as e:
-        if "OUT_OF_RANGE" in str(e):
-            return False
-        raise _io.read_error(loc, name, e) from None
-    return result.state == "value" and len(result.value) > 1
+        if "OUT_OF_RANGE" not in str(e):
+            raise _io.read_error(loc, name, e) from None
+        if short is None:
+            return None
+        raise _corrupt(loc, f"{name!r} {short}") from None
 
 
 def _parse_header(loc: Location, file: str, data: bytes) -> list[tuple[LeafRecord, int]]:
