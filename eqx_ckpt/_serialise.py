@@ -259,7 +259,7 @@ def save(
     # Every process reaches this first barrier, even one whose tree is bad, so
     # that a failure anywhere fails the save everywhere at once.
     pending: list[_write.Pending] = []
-    held: list[tuple[tuple[Any, ...], Any]] | None = None
+    held: Callable[[], list[tuple[tuple[Any, ...], Any]]] | None = None
     error: BaseException | None = None
     try:
         _layout.check(layout)
@@ -323,33 +323,60 @@ def save(
         raise
 
 
-def _hold(pytree: Any, filter_spec: Any, is_leaf: Any) -> list[tuple[tuple[Any, ...], Any]] | None:
-    """For an asynchronous save with the default filter spec: (key path, leaf)
-    for every leaf, with its host data held, which is all the caller must wait
-    for (NumPy arrays are copied, each `jax.Array`'s host pieces taken, so a
-    later donation or change cannot reach the save). The key paths are taken
-    here too: the background never rebuilds the caller's tree, whose custom
-    nodes could run code on arrays deleted by then. `None` when the tree needs
-    the caller's thread: a custom filter spec or `is_leaf`, or a leaf whose
-    error should be raised at once."""
+def _hold(pytree: Any, filter_spec: Any, is_leaf: Any) -> Callable[[], list[tuple[tuple[Any, ...], Any]]] | None:
+    """For an asynchronous save with the default filter spec, what the caller
+    must wait for: every leaf's host data held (NumPy arrays copied, each
+    `jax.Array`'s host data taken, so that a later donation or change cannot
+    reach the save). Returns what the background calls for the (key path, leaf)
+    of every leaf. `None` when the tree needs the caller's thread: a custom
+    filter spec or `is_leaf`, or a leaf whose error should be raised at once.
+
+    The key paths are the structure's, never the caller's tree's (which the
+    caller may change once this returns): rebuilt in the background from the
+    structure when its nodes rebuild without code of the user's
+    (`_tree.rebuilds_plainly`), else taken here (a custom node's constructor
+    must not run in the background, on arrays the caller may have deleted by
+    then). Ten thousand leaves flatten in 11 ms, and in 19 ms with their key
+    paths."""
     if filter_spec is not default_serialise_filter_spec or is_leaf is not None:
         return None
-    flat, _ = _tree.flatten(pytree, None)
-    held = []
-    primary = jax.process_index() == 0
+    leaves, treedef = jax.tree_util.tree_flatten(pytree)
+    keypaths = None
+    if not _tree.rebuilds_plainly(treedef):
+        keypaths = [keypath for keypath, _ in _tree.flatten(pytree, None)[0]]
+    held: list[Any] = []
+    kinds, one_device = _write.array_kind, jax.sharding.SingleDeviceSharding
     try:
-        for keypath, x in flat:
-            kind = _write.array_kind(type(x))
+        for x in leaves:
+            kind = kinds(type(x))
             if kind == "jax":
-                x = _write.hold(x, primary)
+                if type(x.sharding) is one_device:
+                    # The common leaf, kept short (the caller waits for ten
+                    # thousand of these): its host view, made a `Held` later.
+                    try:
+                        held.append(np.asarray(x))
+                        continue
+                    except TypeError:
+                        pass  # a PRNG key array, whose key data is held below
+                x = _write.hold(x, True)
             elif kind == "numpy" or (kind == "ndarray" and not isinstance(x, np.ma.MaskedArray)):
                 x = np.array(x, copy=True)
             elif kind in ("ndarray", "abstract"):  # a masked array's error is raised at once
                 return None
-            held.append((keypath, x))
+            held.append(x)
     except Exception:
         return None  # a leaf that cannot be held (a deleted array): the caller's thread names it
-    return held
+
+    def flat() -> list[tuple[tuple[Any, ...], Any]]:
+        paths = keypaths if keypaths is not None else _tree.keypaths(treedef)
+        out = []
+        for keypath, x, data in zip(paths, leaves, held, strict=True):
+            if type(data) is np.ndarray and kinds(type(x)) == "jax":
+                data = _write.Held(x, x, [((), data)])
+            out.append((keypath, data))
+        return out
+
+    return flat
 
 
 def _default_or_held(handle: LeafHandle, x: Any) -> None:
@@ -361,9 +388,14 @@ def _default_or_held(handle: LeafHandle, x: Any) -> None:
 
 @_tree.gc_paused()  # as `save` is, for the part of it that runs here
 def _prepare_and_write(
-    loc: Location, group: _multihost.Group, flat: list[tuple[tuple[Any, ...], Any]], cast: Any, **options: Any
+    loc: Location,
+    group: _multihost.Group,
+    held: Callable[[], list[tuple[tuple[Any, ...], Any]]],
+    cast: Any,
+    **options: Any,
 ) -> None:
     """The background part of an asynchronous save whose leaves were held (`_hold`)."""
+    flat = held()
     pending = _collect(loc, flat, [_default_or_held] * len(flat), cast)
     _assign_packs(pending)
     batch = _write.Batch(pending, made=flat)

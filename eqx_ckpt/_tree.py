@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import sys
@@ -10,6 +11,7 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import equinox as eqx
 import jax.tree_util as jtu
 
 from ._errors import CheckpointTypeError, CheckpointValueError, LeafError, leaf_message
@@ -65,6 +67,66 @@ def _short(error: Exception, limit: int = 300) -> str:
 
 def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None) -> tuple[list[tuple[tuple[Any, ...], Any]], Any]:
     return jtu.tree_flatten_with_path(tree, is_leaf=is_leaf)
+
+
+def keypaths(treedef: Any) -> list[tuple[Any, ...]]:
+    """The key paths of the leaves of a tree of structure `treedef`, rebuilt
+    from the structure alone (with numbers for leaves): for a structure whose
+    nodes `rebuilds_plainly`, so that no code of the user's runs."""
+    count = treedef.num_leaves
+    flat, _ = jtu.tree_flatten_with_path(jtu.tree_unflatten(treedef, range(count)))
+    if [leaf for _, leaf in flat] != list(range(count)):
+        raise RuntimeError(f"Internal error: a tree rebuilt from its structure {treedef} flattens differently.")
+    return [keypath for keypath, _ in flat]
+
+
+def rebuilds_plainly(treedef: Any) -> bool:
+    """Whether every node of `treedef` is rebuilt by `tree_unflatten` without
+    running code of the user's (a class's `__init__`, a registered unflatten
+    function): dicts, lists, tuples, `None`, plain namedtuples and Equinox
+    modules (which Equinox rebuilds field by field). Remembered by structure:
+    a training loop saves one structure again and again."""
+    found = _PLAIN.get(treedef)
+    if found is None:
+        if len(_PLAIN) >= 64:
+            _PLAIN.clear()
+        found = _PLAIN[treedef] = all(_rebuilds_plainly(cls) for cls in _node_types(treedef))
+    return found
+
+
+_PLAIN: dict[Any, bool] = {}
+
+
+def _node_types(treedef: Any) -> set[type]:
+    """The types of the nodes of `treedef`. Each distinct subtree is walked once
+    (a model's blocks share one structure): a few hundred steps for a tree of
+    ten thousand leaves."""
+    types_: set[type] = set()
+    seen: set[Any] = set()
+    stack = [treedef]
+    while stack:
+        node = stack.pop()
+        data = node.node_data()
+        if data is None or node in seen:
+            continue  # a leaf, or a subtree already walked
+        seen.add(node)
+        types_.add(data[0])
+        stack.extend(node.children())
+    return types_
+
+
+def _rebuilds_plainly(cls: type) -> bool:
+    if cls in _BUILTIN_NODES or issubclass(cls, eqx.Module):
+        return True
+    if issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        # A namedtuple is rebuilt by calling it: plain unless a class has given it
+        # its own `__new__` or `__init__`.
+        new_made_by_namedtuple = getattr(cls.__new__, "__module__", "").startswith("namedtuple_")
+        return new_made_by_namedtuple and cls.__init__ is object.__init__
+    return False
+
+
+_BUILTIN_NODES = frozenset({dict, list, tuple, type(None), collections.OrderedDict, collections.defaultdict})
 
 
 def check_unique(keypaths: list[tuple[Any, ...]], paths: list[str], *, checkpoint: str) -> None:

@@ -4,6 +4,7 @@ The S3 tests hold or refuse the server's chunk writes (see `s3_server.Gate`), so
 save is provably still in flight, or fails in the background, when they act.
 """
 
+import collections
 import gc
 import json
 import re
@@ -12,6 +13,7 @@ import sys
 import textwrap
 import threading
 import weakref
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -358,7 +360,7 @@ def test_what_the_caller_holds_is_decided_by_type(tmp_path):
 
     sub = np.arange(4.0).view(Sub)
     tree = {"sub": sub, "np": np.ones(2), "jax": jnp.arange(3), "step": 4, "name": "x"}
-    held = _serialise._hold(tree, eqx_ckpt.default_serialise_filter_spec, None)
+    held = _serialise._hold(tree, eqx_ckpt.default_serialise_filter_spec, None)()
     by_key = {keypath[0].key: leaf for keypath, leaf in held}
     assert type(by_key["sub"]) is np.ndarray and not np.shares_memory(by_key["sub"], sub)
     assert not np.shares_memory(by_key["np"], tree["np"])
@@ -537,18 +539,83 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-def test_a_custom_node_is_not_rebuilt_from_arrays_deleted_after_the_call(tmp_path):
+class _CheckedTuple(collections.namedtuple("_CheckedTuple", ["w"])):
+    """A namedtuple whose own `__new__` checks its array: JAX rebuilds it by calling it."""
+
+    built = 0
+
+    def __new__(cls, w):
+        if not bool(jnp.all(jnp.isfinite(w))):
+            raise ValueError("non-finite")
+        cls.built += 1
+        return super().__new__(cls, w)
+
+
+class _InitTuple(collections.namedtuple("_InitTuple", ["w"])):
+    def __init__(self, w):
+        self.checked = True
+
+
+@pytest.mark.parametrize("node", [_Checked, _CheckedTuple], ids=["registered", "namedtuple-with-new"])
+def test_a_custom_node_is_not_rebuilt_from_arrays_deleted_after_the_call(tmp_path, node):
     """The background once rebuilt the caller's tree from its leaves (for the key
     paths), running the node's constructor on an array deleted (or donated) since
     the call returned: `wait()` raised a bare `RuntimeError: Array has been
-    deleted`. The key paths are now taken during the call; nothing is rebuilt."""
-    eqx_ckpt.tree_serialise_leaves(tmp_path, {"params": _Checked(jnp.zeros(1000)), "step": 2})
-    params = _Checked(jnp.ones(1000))
-    _Checked.built = 0
+    deleted`. A structure with a node whose rebuilding runs the user's code has
+    its key paths taken during the call; nothing of it is rebuilt."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"params": node(jnp.zeros(1000)), "step": 2})
+    params = node(jnp.ones(1000))
+    node.built = 0
     pending = eqx_ckpt.tree_serialise_leaves(tmp_path, {"params": params, "step": 3}, blocking=False)
     params.w.delete()
     pending.wait()
-    assert _Checked.built == 0
+    assert node.built == 0
     assert sorted(eqx_ckpt.Checkpoint(tmp_path)) == ["params.w", "step"]
-    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"params": _Checked(jnp.zeros(1000)), "step": 0})
-    assert eqx.tree_equal(loaded, {"params": _Checked(jnp.ones(1000)), "step": 3}, typematch=True)
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"params": node(jnp.zeros(1000)), "step": 0})
+    assert eqx.tree_equal(loaded, {"params": node(jnp.ones(1000)), "step": 3}, typematch=True)
+
+
+class _Adam(NamedTuple):
+    count: Any
+    mu: Any
+
+
+def test_which_structures_are_rebuilt_in_the_background():
+    """Only nodes that rebuild without the user's code: dicts, lists, tuples,
+    `None`, plain namedtuples and Equinox modules; the answer is remembered by
+    structure."""
+    plain = {
+        "model": eqx.nn.Linear(2, 3, key=jax.random.key(0)),
+        "opt": (_Adam(jnp.zeros(()), [None, {"m": jnp.ones(2)}]),),
+        "ordered": collections.OrderedDict(b=1, a=2),
+        "default": collections.defaultdict(list, x=[3.0]),
+    }
+    structure = jax.tree_util.tree_structure(plain)
+    assert tree_util.rebuilds_plainly(structure)
+    assert tree_util.rebuilds_plainly(structure)  # remembered
+    assert tree_util._PLAIN[structure] is True
+    for node in (_Checked(jnp.ones(2)), _CheckedTuple(jnp.ones(2)), _InitTuple(jnp.ones(2))):
+        assert not tree_util.rebuilds_plainly(jax.tree_util.tree_structure({"a": plain, "b": [node]})), node
+    flat = jax.tree_util.tree_flatten_with_path(plain)[0]
+    assert tree_util.keypaths(structure) == [keypath for keypath, _ in flat]
+
+
+def test_an_asynchronous_save_names_and_stores_leaves_as_a_synchronous_one(tmp_path):
+    """The key paths an asynchronous save rebuilds from the structure are those
+    of the tree: same manifest records, same values loaded back."""
+    tree = {
+        "model": eqx.nn.Linear(2, 3, key=jax.random.key(0)),
+        "opt": (_Adam(jnp.zeros((), jnp.int32), [None, {"m": np.ones(2), "n": 1.5}]),),
+        "ordered": collections.OrderedDict(b=jnp.ones(1), a=np.int8(2)),
+        "default": collections.defaultdict(list, x=[3.0, jax.random.key(1)]),
+    }
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "sync", tree)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "async", tree, blocking=False).wait()
+    records = {}
+    for name in ("sync", "async"):
+        ckpt = eqx_ckpt.Checkpoint(tmp_path / name)
+        records[name] = [(key, ckpt.record(key).keypath, ckpt.record(key).type, ckpt.record(key).dtype) for key in ckpt]
+    assert records["sync"] == records["async"] and len(records["sync"]) == len(jax.tree_util.tree_leaves(tree))
+    loaded = [eqx_ckpt.tree_deserialise_leaves(tmp_path / name, tree) for name in ("sync", "async")]
+    assert eqx.tree_equal(loaded[0], loaded[1], typematch=True)
+    assert eqx.tree_equal(jax.random.key_data(loaded[1]["default"]["x"][1]), jax.random.key_data(jax.random.key(1)))
