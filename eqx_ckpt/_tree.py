@@ -86,11 +86,17 @@ def rebuilds_plainly(treedef: Any) -> bool:
     function): dicts, lists, tuples, `None`, plain namedtuples and Equinox
     modules (which Equinox rebuilds field by field). Remembered by structure:
     a training loop saves one structure again and again."""
-    found = _PLAIN.get(treedef)
-    if found is None:
-        if len(_PLAIN) >= 64:
-            _PLAIN.clear()
-        found = _PLAIN[treedef] = all(_rebuilds_plainly(cls) for cls in _node_types(treedef))
+    try:
+        found = _PLAIN.get(treedef)
+        if found is None:
+            if len(_PLAIN) >= 64:
+                _PLAIN.clear()
+            found = _PLAIN[treedef] = all(_rebuilds_plainly(cls) for cls in _node_types(treedef))
+    except Exception:
+        # Node data that cannot be hashed or compared (an array in a static
+        # field of an Equinox module: JAX raises comparing two such
+        # structures): said not to, so the key paths are taken in the caller.
+        return False
     return found
 
 

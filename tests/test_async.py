@@ -600,6 +600,26 @@ def test_which_structures_are_rebuilt_in_the_background():
     assert tree_util.keypaths(structure) == [keypath for keypath, _ in flat]
 
 
+class _StaticArray(eqx.Module):
+    w: jax.Array
+    table: np.ndarray = eqx.field(static=True)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_structure_that_cannot_be_compared_is_saved_with_its_key_paths_taken_in_the_call(tmp_path):
+    """JAX raises comparing two structures whose Equinox modules hold equal
+    arrays in static fields (looking up the second structure once raised out
+    of `tree_serialise_leaves`): such a structure has its key paths taken
+    during the call, as a custom node's."""
+    first, second = ({"m": _StaticArray(jnp.full(3, float(i)), np.ones(2))} for i in (1, 2))
+    with pytest.raises(ValueError, match="metadata"):
+        _ = jax.tree_util.tree_structure(first) == jax.tree_util.tree_structure(second)
+    for i, tree in enumerate((first, second)):
+        eqx_ckpt.tree_serialise_leaves(tmp_path / str(i), tree, blocking=False).wait()
+        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / str(i), tree), tree, typematch=True)
+    assert not tree_util.rebuilds_plainly(jax.tree_util.tree_structure(second))
+
+
 def test_an_asynchronous_save_names_and_stores_leaves_as_a_synchronous_one(tmp_path):
     """The key paths an asynchronous save rebuilds from the structure are those
     of the tree: same manifest records, same values loaded back."""
