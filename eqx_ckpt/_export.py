@@ -13,6 +13,7 @@ destination directory is refused.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -114,9 +115,18 @@ def export_safetensors(
     _refuse_source_in_destination(loc, pytree)
     shards = _plan(tensors, limit) if single is None else [tensors]
     names = [single] if single else _file_names(len(shards))
-    with Tracker(progress, leaves=len(tensors), nbytes=sum(t.nbytes for t in tensors), what="export") as tracker:
-        for name, shard in zip(names, shards):
-            _write_shard(loc, name, shard, metadata or {}, lambda n: tracker.advance(leaves=1, nbytes=n))
+    try:
+        with Tracker(progress, leaves=len(tensors), nbytes=sum(t.nbytes for t in tensors), what="export") as tracker:
+            for name, shard in zip(names, shards):
+                _write_shard(loc, name, shard, metadata or {}, lambda n: tracker.advance(leaves=1, nbytes=n))
+    except BaseException:
+        # A leaf that cannot be read (or an interrupt): the destination is left
+        # as it was, without this export's temporaries.
+        if loc.local is not None:
+            for name in names:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(loc.local, name + ".partial"))
+        raise
     if loc.local is not None:
         # Only now, with every leaf read: the source may be these very files.
         for name in names:

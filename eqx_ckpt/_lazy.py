@@ -176,6 +176,17 @@ class LazyArray:
         one, as the type it was saved from: a NumPy array stays NumPy)."""
         return self.start()()
 
+    def to_save(self) -> tuple[Any, str | None]:
+        """What a save of this leaf writes, and the leaf type it records when
+        that is not the value's own: `read()`'s value, except that a leaf read
+        as a JAX array of a 64-bit dtype in a process without JAX's 64-bit mode
+        is read as NumPy, its values exact, and recorded as the JAX array it
+        stands for (a lazily opened checkpoint saved again is a copy)."""
+        like = self._like if self._like is not None else _saved_like(self._record)
+        if _dtypes.like_type(like) == "jax" and _dtypes.x64_missing(self.dtype):
+            return np.asarray(self), "jax"
+        return self.read(), None
+
 
 def _saved_like(record: LeafRecord) -> Any:
     """A stand-in `like` for a leaf opened without one: it reads back as the type

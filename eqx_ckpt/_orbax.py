@@ -20,7 +20,7 @@ import tensorstore as ts
 
 from . import _io, _keypath
 from ._dtypes import is_known_dtype
-from ._errors import CorruptCheckpointError
+from ._errors import CheckpointValueError, CorruptCheckpointError
 from ._manifest import MAX_MANIFEST_BYTES, LeafRecord, Manifest
 from ._spec import CONTEXT, Location
 
@@ -51,6 +51,12 @@ def find(loc: Location) -> tuple[str, Manifest, Any] | None:
         # orbax then writes every chunk, so a missing one is damage, not zeros.
         complete = body.get("store_array_data_equal_to_fill_value") is True
         found = [_leaf(entry) for entry in tree.values()]
+    except _Unopenable as e:
+        raise CheckpointValueError(
+            f"orbax checkpoint {loc.display!r} has a leaf eqx_ckpt does not open: {e}. Restore it with orbax, "
+            f"rename the key, and save again.",
+            path=loc.display,
+        ) from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise _corrupt(loc, f"its {METADATA} does not describe a PyTree ({type(e).__name__}: {e})") from None
     leaves = [leaf for leaf in found if leaf is not None]
@@ -89,9 +95,17 @@ def _leaf(entry: dict[str, Any]) -> tuple[list[list[Any]], str, str] | None:
     keypath = [["index", int(k["key"])] if k["key_type"] == _SEQUENCE else ["key", str(k["key"])] for k in keys]
     name = ".".join(str(k["key"]) for k in keys)
     # The names are untrusted: without OCDBT they are folders of the checkpoint.
-    if not name or "/" in name or "\\" in name or name in (".", ".."):
-        raise ValueError(f"the array name {name!r} is not a name inside the checkpoint")
+    # A key holding `/` (`{"dense/kernel": w}`) makes nested folders, which is
+    # fine; an empty, `.` or `..` part would name no folder inside it.
+    if "\\" in name or any(part in ("", ".", "..") for part in name.split("/")):
+        raise _Unopenable(
+            f"its key path {keypath} gives the array name {name!r}, which is not a name inside the checkpoint"
+        )
     return keypath, name, kind
+
+
+class _Unopenable(Exception):
+    """A leaf of a sound orbax checkpoint whose array name eqx_ckpt will not open."""
 
 
 def _spec(loc: Location, driver: str, ocdbt: bool, name: str) -> dict[str, Any]:

@@ -130,12 +130,13 @@ def prepare(
             "it is a traced value: a save inside `jax.jit` (or `vmap`, `grad`...) sees no values.",
             "Save outside the transformed function, with the arrays it returns.",
         )
+    recorded_as = None
     if isinstance(x, LazyArray):
         # A leaf of a lazily loaded tree is saved with its value: read it now,
         # before anything is written (it may come from the checkpoint being
         # replaced, which stays whole until this save commits).
-        x = x.read()
-    kind = _dtypes.leaf_type(x)
+        x, recorded_as = x.to_save()
+    kind = recorded_as or _dtypes.leaf_type(x)
     if kind is None:
         raise handle.error(
             f"cannot save a leaf of type {type(x).__name__}.",

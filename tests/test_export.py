@@ -261,3 +261,23 @@ def test_numpy_scalars_export_and_bad_scalars_are_leaf_errors(tmp_path):
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("Leaf `step` in checkpoint '<export>': the int 2361")):
         eqx_ckpt.export_safetensors(tmp_path / "i.safetensors", {"step": 2**71})
     assert _files(tmp_path) == ["s.safetensors"]
+
+
+def test_an_export_that_fails_midway_leaves_the_destination_as_it_was(tmp_path):
+    """A leaf that cannot be read (here a damaged chunk) after other shards were
+    written: the error is raised, the earlier export stays whole and no
+    `.partial` file is left behind."""
+    tree = {name: np.arange(1_000_000, dtype=np.float32) + i for i, name in enumerate(("a", "b", "c"))}
+    source, out = tmp_path / "ckpt", tmp_path / "hf"
+    eqx_ckpt.tree_serialise_leaves(source, tree)
+    eqx_ckpt.export_safetensors(out, source, max_shard_size=5_000_000)
+    before = snapshot(out)
+    assert len(_files(out)) == 4  # three shards and their index
+    chunks = [p for p in source.rglob("*") if p.is_file() and p.parent.name == "c" and p.parent.parent.name == "b"]
+    assert len(chunks) == 1
+    damaged = bytearray(chunks[0].read_bytes())
+    damaged[100] ^= 0xFF
+    chunks[0].write_bytes(bytes(damaged))
+    with pytest.raises(eqx_ckpt.IntegrityError, match="`b`"):
+        eqx_ckpt.export_safetensors(out, source, max_shard_size=5_000_000)
+    assert snapshot(out) == before

@@ -242,3 +242,65 @@ def test_a_leaf_loaded_with_cast_reads_as_its_like_dtype_in_every_way(tmp_path):
     assert lazy["big"].dtype == np.float16
     with pytest.raises(eqx_ckpt.LeafError, match="cannot convert it from float64 to float16"):
         lazy["big"][:1]
+
+
+_SAVE_X64 = """
+import sys
+import jax
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp
+import eqx_ckpt
+tree = {"f": jnp.array([1 / 3]), "i": jnp.array([2**40 + 5]), "s": jnp.float32(2.5)}
+eqx_ckpt.tree_serialise_leaves(sys.argv[1], tree)
+"""
+
+_LOAD_X64 = """
+import json, sys
+import jax
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp
+import eqx_ckpt
+like = {"f": jnp.zeros(1), "i": jnp.zeros(1, jnp.int64), "s": jnp.float32(0)}
+out = eqx_ckpt.tree_deserialise_leaves(sys.argv[1], like)
+print(json.dumps({k: [type(v).__name__, str(v.dtype), v.tolist()] for k, v in out.items()}))
+"""
+
+
+@pytest.mark.skipif(jax.config.read("jax_enable_x64"), reason="about a process without JAX's 64-bit mode")
+@pytest.mark.parametrize("opened", ["checkpoint", "lazy-load"])
+def test_a_lazy_checkpoint_of_64_bit_jax_leaves_saves_again_without_x64(tmp_path, opened):
+    """Saving a lazily opened checkpoint is a copy: 64-bit JAX leaves, which this
+    process cannot hold as JAX arrays, were refused with the x64 error. They
+    are written as their exact host values, recorded as JAX leaves, also back
+    onto the checkpoint itself."""
+    import json
+    import subprocess
+    import sys
+
+    source = tmp_path / "source"
+    subprocess.run([sys.executable, "-c", _SAVE_X64, str(source)], check=True, timeout=120)
+    for destination in (tmp_path / "copy", source):
+        if opened == "checkpoint":
+            tree = dict(eqx_ckpt.Checkpoint(source).items())
+        else:
+            like = {k: jax.ShapeDtypeStruct((1,), t) for k, t in (("f", np.float64), ("i", np.int64))}
+            like["s"] = jax.ShapeDtypeStruct((), jnp.float32)
+            tree = eqx_ckpt.tree_deserialise_leaves(source, like, lazy=True)
+        eqx_ckpt.tree_serialise_leaves(destination, tree)
+        saved = eqx_ckpt.Checkpoint(destination)
+        assert {k: (saved.record(k).type, saved.record(k).dtype) for k in saved} == {
+            "f": ("jax", "float64"),
+            "i": ("jax", "int64"),
+            "s": ("jax", "float32"),
+        }
+        host = saved.load()
+        assert host["i"].tolist() == [2**40 + 5] and host["f"].tolist() == [1 / 3]
+        done = subprocess.run(
+            [sys.executable, "-c", _LOAD_X64, str(destination)], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(done.stdout) == {
+            "f": ["ArrayImpl", "float64", [1 / 3]],
+            "i": ["ArrayImpl", "int64", [2**40 + 5]],
+            "s": ["ArrayImpl", "float32", 2.5],
+        }

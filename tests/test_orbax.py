@@ -120,3 +120,17 @@ def test_a_deleted_chunk_is_damage_not_zeros(tmp_path):
     np.testing.assert_array_equal(np.asarray(ckpt["b"]), np.ones(2))
     with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("Leaf `w` in checkpoint") + ".*is missing"):
         np.asarray(ckpt["w"])
+
+
+@pytest.mark.parametrize(("ocdbt", "zarr3"), FORMATS)
+def test_keys_holding_a_slash_load_and_an_empty_key_is_refused_by_name(tmp_path, ocdbt, zarr3):
+    """Orbax restores both; a key with `/` was refused as "damaged" (with the
+    whole checkpoint); it loads now. An empty key names no folder: refused,
+    as such, not as damage."""
+    tree = {"dense/kernel": jnp.arange(6.0).reshape(2, 3), "w": jnp.zeros(3)}
+    path = _save(tmp_path / "slash", tree, ocdbt=ocdbt, zarr3=zarr3)
+    assert sorted(eqx_ckpt.Checkpoint(path)) == ["dense%2Fkernel", "w"]
+    _same(eqx_ckpt.tree_deserialise_leaves(path, tree), tree)
+    empty = _save(tmp_path / "empty", {"": jnp.ones(2), "w": jnp.zeros(3)}, ocdbt=ocdbt, zarr3=zarr3)
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("gives the array name '', which is not a name")):
+        eqx_ckpt.Checkpoint(empty)
