@@ -125,12 +125,12 @@ def export_safetensors(
         if loc.local is not None:
             for name in names:
                 with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(loc.local, name + ".partial"))
+                    os.unlink(_partial(loc, name))
         raise
     if loc.local is not None:
         # Only now, with every leaf read: the source may be these very files.
         for name in names:
-            os.replace(os.path.join(loc.local, name + ".partial"), os.path.join(loc.local, name))
+            os.replace(_partial(loc, name), os.path.join(loc.local, name))
     if len(names) > 1:
         index = {
             "metadata": {"total_size": sum(t.nbytes for t in tensors)},
@@ -348,10 +348,15 @@ def _bytes(tensor: _Tensor) -> memoryview:
     return memoryview(array.reshape(-1).view(np.uint8).data)
 
 
+def _partial(loc: Location, name: str) -> str:
+    """Where the shard `name` is written on a local disk until every shard is."""
+    return os.path.join(loc.local or "", name + ".partial")
+
+
 def _write_shard(loc: Location, name: str, shard: list[_Tensor], metadata: dict[str, str], update: Any) -> None:
     head = _header(shard, metadata)
     if loc.local is not None:
-        with open(os.path.join(loc.local, name + ".partial"), "wb") as f:
+        with open(_partial(loc, name), "wb") as f:
             f.write(head)
             for tensor in shard:
                 f.write(_bytes(tensor))

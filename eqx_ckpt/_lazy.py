@@ -155,7 +155,7 @@ class LazyArray:
     def start(self, *, checked: bool = True) -> Any:
         """Start reading; the returned function waits and gives the value (and,
         unless `checked=False`, checks the checkpoint was not replaced)."""
-        like = self._like if self._like is not None else _saved_like(self._record)
+        like = self._read_as()
         target = np.dtype(like.dtype) if _dtypes.like_type(like) in ("jax", "numpy", "numpy_scalar") else None
         finish = _read.start(self._open(), self._loc, self._record, like, dtype=target)
 
@@ -171,6 +171,10 @@ class LazyArray:
 
         return value
 
+    def _read_as(self) -> Any:
+        """The `like` leaf it is read as: its own, or one of the type it was saved from."""
+        return self._like if self._like is not None else _saved_like(self._record)
+
     def read(self) -> Any:
         """Read the whole leaf, as the type of the `like` leaf it stands for (without
         one, as the type it was saved from: a NumPy array stays NumPy)."""
@@ -182,7 +186,7 @@ class LazyArray:
         as a JAX array of a 64-bit dtype in a process without JAX's 64-bit mode
         is read as NumPy, its values exact, and recorded as the JAX array it
         stands for (a lazily opened checkpoint saved again is a copy)."""
-        like = self._like if self._like is not None else _saved_like(self._record)
+        like = self._read_as()
         if _dtypes.like_type(like) == "jax" and _dtypes.x64_missing(self.dtype):
             return np.asarray(self), "jax"
         return self.read(), None

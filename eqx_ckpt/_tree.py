@@ -74,7 +74,7 @@ def keypaths(treedef: Any) -> list[tuple[Any, ...]]:
     from the structure alone (with numbers for leaves): for a structure whose
     nodes `rebuilds_plainly`, so that no code of the user's runs."""
     count = treedef.num_leaves
-    flat, _ = jtu.tree_flatten_with_path(jtu.tree_unflatten(treedef, range(count)))
+    flat, _ = flatten(jtu.tree_unflatten(treedef, range(count)), None)
     if [leaf for _, leaf in flat] != list(range(count)):
         raise RuntimeError(f"Internal error: a tree rebuilt from its structure {treedef} flattens differently.")
     return [keypath for keypath, _ in flat]

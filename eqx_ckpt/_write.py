@@ -85,7 +85,7 @@ class Held:
     - `data`: what is stored: the array, or a PRNG key array's key data.
     - `pieces`: `_sharding.host_pieces(data)`, or `[]` when another process writes it.
 
-    (A plain class with slots: one is made per leaf while the caller waits.)
+    (A plain class with slots: one is made per leaf.)
     """
 
     __slots__ = ("data", "pieces", "value")
@@ -95,12 +95,10 @@ class Held:
 
 
 def hold(x: jax.Array, primary: bool) -> Held:
-    """`x` with its host data taken; `primary`: whether this is process 0."""
-    key = _dtypes.is_prng_key(x)
-    if not key and _sharding.on_one_device(x):
-        # The common case, kept short: the caller waits for it, leaf by leaf.
-        return Held(x, x, [((), np.asarray(x))] if primary else [])
-    data = jax.random.key_data(x) if key else x
+    """`x` with its host data taken; `primary`: whether this is process 0. (The
+    common leaf, a plain array on one device, an asynchronous save's caller
+    holds by its NumPy view alone: `_serialise._hold`.)"""
+    data = jax.random.key_data(x) if _dtypes.is_prng_key(x) else x
     return Held(x, data, _sharding.host_pieces(data) if _multihost.writes(data, primary) else [])
 
 
