@@ -52,7 +52,7 @@ def segment(key: Any) -> str:
     Derived from the key's manifest record, so that what a save writes and what a
     reader recomputes from the manifest (`stored_segment`) can never disagree.
     """
-    return stored_segment(*_remembered_record(key))
+    return stored_segment(*remembered_record(key))
 
 
 def _memo_key(key: Any) -> tuple[type, Any, type] | None:
@@ -147,7 +147,7 @@ def sort_key(path: str) -> tuple[tuple[int, int, str], ...]:
 
 def to_json(keypath: tuple[Any, ...]) -> list[list[Any]]:
     """A JSON record of the exact key path, for the manifest."""
-    return [list(_remembered_record(key)) for key in keypath]
+    return [list(remembered_record(key)) for key in keypath]
 
 
 def named(keypaths: list[tuple[Any, ...]]) -> tuple[list[str], list[list[list[Any]]]]:
@@ -167,7 +167,7 @@ def named(keypaths: list[tuple[Any, ...]]) -> tuple[list[str], list[list[list[An
         for key in keypath:
             found = seen.get(id(key))
             if found is None:
-                kind, value = _remembered_record(key)
+                kind, value = remembered_record(key)
                 found = seen[id(key)] = (stored_segment(kind, value), [kind, value])
             parts.append(found[0])
             record.append(found[1])
@@ -176,7 +176,7 @@ def named(keypaths: list[tuple[Any, ...]]) -> tuple[list[str], list[list[list[An
     return dotted, records
 
 
-def _remembered_record(key: Any) -> tuple[str, Any]:
+def remembered_record(key: Any) -> tuple[str, Any]:
     """`key_record(key)`, remembered for the common keys: a tree's few attribute
     names and indices recur in thousands of key paths, on every save and load."""
     memo = _memo_key(key)

@@ -193,3 +193,195 @@ def test_numpy_integer_dict_keys_are_the_int_keys(tmp_path):
 def test_sort_key_orders_numbers_by_value():
     paths = ["a.10", "a.2", "b", "a.%i-3", "a.x", "a.1.c", "a.1"]
     assert sorted(paths, key=_keypath.sort_key) == ["a.%i-3", "a.1", "a.1.c", "a.2", "a.10", "a.x", "b"]
+
+
+# Naming a tree from its structure (`_tree.flatten_named`) must give exactly
+# what naming it from its key paths gives.
+
+_Moments = collections.namedtuple("_Moments", ["count", "mu", "nu"])
+
+
+class _Block(eqx.Module):
+    w: jnp.ndarray
+    b: jnp.ndarray | None
+    extra: dict
+    act: str = eqx.field(static=True, default="relu")
+
+
+class _Color(enum.StrEnum):
+    RED = "red"
+
+
+class _StaticTable(eqx.Module):
+    w: jnp.ndarray
+    table: np.ndarray = eqx.field(static=True)
+
+
+def _by_key_paths(tree, is_leaf=None):
+    flat = jtu.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+    keypaths = [keypath for keypath, _ in flat]
+    dotted, records = _keypath.named(keypaths)
+    return [leaf for _, leaf in flat], dotted, records, keypaths
+
+
+def _check_named_as_by_key_paths(tree, is_leaf=None):
+    from eqx_ckpt import _tree
+
+    leaves, names = _tree.flatten_named(tree, is_leaf)
+    expected_leaves, dotted, records, keypaths = _by_key_paths(tree, is_leaf)
+    assert len(leaves) == len(expected_leaves) and all(a is b for a, b in zip(leaves, expected_leaves, strict=True))
+    assert names.paths == dotted
+    assert names.records == records
+    assert [names.keypath(i) for i in range(len(leaves))] == keypaths
+    # Every key of the same type as JAX's (`1` and `np.int64(1)` are one key to JAX, not to `is`).
+    for i, keypath in enumerate(keypaths):
+        assert [type(getattr(k, "key", k)) for k in names.keypath(i)] == [type(getattr(k, "key", k)) for k in keypath]
+    return names
+
+
+def _block(i, extra):
+    return _Block(jnp.full(2, float(i)), None if i % 2 else jnp.ones(1), extra)
+
+
+_TREES = {
+    "repeated blocks and Adam moments": lambda: {
+        "model": [_block(i, {"s": jnp.ones(1)}) for i in range(5)],
+        "opt": (_Moments(jnp.zeros(()), [_block(i, {"s": 1}) for i in range(5)], [_block(i, {}) for i in range(5)]),),
+    },
+    "equal dict keys of other types": lambda: {
+        "a": {1: jnp.ones(1), 2: 2},
+        "b": {True: jnp.ones(1), False: 2},
+        "c": {1.0: jnp.ones(1), 2.0: 2},
+        "d": {np.int64(1): jnp.ones(1), 2: 2},
+        "e": [{1: 3}, {True: 3}, {1: 3}, {1.0: 3}],
+    },
+    "string enum keys beside strings": lambda: {"a": {_Color.RED: 1.0}, "b": {"red": 1.0}, "c": {_Color.RED: 1.0}},
+    "awkward keys": lambda: {k: [jnp.ones(1), {k: 2}] for k in AWKWARD_KEYS},
+    "ordered and default dicts, None, empty nodes": lambda: {
+        "o": collections.OrderedDict(b=1, a=[2, None, ()]),
+        "d": collections.defaultdict(list, z=[3.0], y={}),
+        "n": None,
+        "e": [[], {}, ()],
+    },
+    "a single leaf": lambda: jnp.ones(3),
+    "static arrays that cannot be compared": lambda: [_StaticTable(jnp.ones(2), np.ones(2)) for _ in range(3)],
+}
+
+
+@pytest.mark.filterwarnings("ignore:A JAX array is being set as static")
+@pytest.mark.parametrize("which", list(_TREES))
+def test_names_from_the_structure_are_those_of_the_key_paths(which):
+    _check_named_as_by_key_paths(_TREES[which]())
+
+
+@pytest.mark.filterwarnings("ignore:A JAX array is being set as static")
+def test_structures_that_cannot_be_compared_are_named_apart():
+    """JAX raises comparing two Equinox modules holding equal arrays (distinct
+    objects) in a static field; `rebuilds_plainly` sends such trees to their key
+    paths, and naming from the structure does not fail on them either."""
+    from eqx_ckpt import _tree
+
+    tree = [_StaticTable(jnp.full(2, float(i)), np.ones(2)) for i in range(3)]
+    treedef = jtu.tree_structure(tree)
+    assert not _tree.rebuilds_plainly(treedef)
+    names = _tree.named_structure(treedef)
+    assert names.paths == _by_key_paths(tree)[1] == ["0.w", "1.w", "2.w"]
+
+
+def test_names_from_the_structure_with_is_leaf():
+    tree = {"model": [_block(i, {"s": jnp.ones(1)}) for i in range(3)], "other": (1, 2)}
+    _check_named_as_by_key_paths(tree, is_leaf=lambda x: isinstance(x, _Block) and x.b is None)
+
+
+def test_equal_structures_with_differently_named_keys_are_named_apart(tmp_path):
+    """`{1: x}` and `{True: x}` are equal structures to JAX: the second must not
+    be given the first one's names."""
+    tree = {"a": {1: jnp.ones(1)}, "b": {True: jnp.full(1, 2.0)}}
+    names = _check_named_as_by_key_paths(tree)
+    assert names.paths == ["a.%i1", "b.%rTrue"]
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "c", tree)
+    assert sorted(eqx_ckpt.Checkpoint(tmp_path / "c")) == ["a.%i1", "b.%rTrue"]
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", tree), tree, typematch=True)
+
+
+class _Registered:
+    def __init__(self, x):
+        self.x = x
+
+
+jtu.register_pytree_with_keys(
+    _Registered, lambda r: (((jtu.GetAttrKey("x"), r.x),), None), lambda _, c: _Registered(*c)
+)
+
+
+def test_a_tree_with_another_node_is_named_from_its_key_paths(monkeypatch):
+    """A registered node may run code of the user's when rebuilt: its tree is
+    named from its key paths, never rebuilt; which way a root type went is
+    remembered for the next tree of that type."""
+    from eqx_ckpt import _tree
+
+    def refuse(*args):
+        raise AssertionError("rebuilt")
+
+    monkeypatch.setattr(_tree, "_PLAIN_ROOTS", {})
+    tree = {"r": [_Registered(jnp.ones(2)), _Registered(3.0)], "p": jnp.zeros(1)}
+    monkeypatch.setattr(_tree, "named_structure", refuse)
+    _check_named_as_by_key_paths(tree)
+    assert _tree._PLAIN_ROOTS == {dict: False}
+    _check_named_as_by_key_paths(tree)  # tried with key paths first this time, as remembered
+
+
+class _Pair(eqx.Module):
+    a: object
+    b: object
+
+
+def _twin(tree):
+    """`tree` with every number key `k` of a dict replaced by `float(k)` (equal,
+    of the same hash, named `%r1.0` instead of `%i1` or `%rTrue`)."""
+    if isinstance(tree, dict):
+        return {(float(k) if isinstance(k, int) else k): _twin(v) for k, v in tree.items()}
+    if isinstance(tree, _Moments):
+        return _Moments(*map(_twin, tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map(_twin, tree))
+    if isinstance(tree, _Pair):
+        return _Pair(_twin(tree.a), _twin(tree.b))
+    return tree
+
+
+def _trees():
+    from hypothesis import strategies as st
+
+    leaves = st.one_of(st.integers(-3, 3), st.floats(-1, 1), st.just(None), st.builds(jnp.ones, st.integers(0, 2)))
+    keys = st.one_of(
+        st.lists(st.sampled_from(["a", "b", "", "a.b", "%i1", "1"]), unique=True, max_size=3),
+        st.lists(st.integers(-2, 2), unique=True, max_size=3),
+        st.lists(st.booleans(), unique=True, max_size=2),
+        st.lists(st.sampled_from([0.0, 1.0, 1.5]), unique=True, max_size=2),
+    )
+
+    def nodes(children):
+        return st.one_of(
+            st.builds(lambda ks, vs: dict(zip(ks, vs)), keys, st.lists(children, min_size=3, max_size=3)),
+            st.lists(children, max_size=3),
+            st.lists(children, max_size=3).map(tuple),
+            st.builds(_Moments, children, children, children),
+            st.builds(_Pair, children, children),
+            # The same subtree again and again, as a model's blocks are.
+            st.builds(lambda t, n: [t] * n, children, st.integers(1, 3)),
+        )
+
+    return st.recursive(leaves, nodes, max_leaves=12)
+
+
+def test_names_from_the_structure_are_those_of_the_key_paths_on_any_tree():
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(_trees())
+    def check(tree):
+        # With its twin: an equal structure to JAX whose number keys are named otherwise.
+        _check_named_as_by_key_paths({"x": tree, "y": [tree, {"z": _twin(tree)}, tree]})
+
+    check()

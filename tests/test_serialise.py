@@ -453,3 +453,31 @@ def test_a_broken_symbolic_link_is_named_so(tmp_path):
     with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("is a broken symbolic link, not a directory")):
         eqx_ckpt.CheckpointManager(tmp_path / "link")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link"] and (tmp_path / "link").is_symlink()
+
+
+def test_a_filter_spec_is_given_each_leafs_key_path(tmp_path):
+    tree = {"model": [eqx.nn.Linear(2, 2, key=jax.random.key(i)) for i in range(3)], "step": 3, "opt": (jnp.ones(1),)}
+    given = []
+
+    def spec(handle, x):
+        given.append((handle.keypath, handle.path))
+        eqx_ckpt.default_serialise_filter_spec(handle, x)
+
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "c", tree, spec)
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    assert [keypath for keypath, _ in given] == [keypath for keypath, _ in flat]
+    assert given[1] == (flat[1][0], "model.0.bias")
+
+
+@pytest.mark.parametrize("which", [2, 40])
+def test_a_leaf_that_cannot_be_saved_is_named_by_its_key_path(tmp_path, which):
+    """Names come from the tree's structure; the key path of a failed leaf is
+    found there: by descent, or all at once once many leaves (the floats, each
+    given a handle) have asked."""
+    tree = {"blocks": [{"w": jnp.full(2, float(i)), "p": 0.5} for i in range(30)]}
+    tree["blocks"][which // 2]["w"].delete()
+    with pytest.raises(eqx_ckpt.LeafError, match=rf"blocks\.{which // 2}\.w.*deleted") as info:
+        eqx_ckpt.tree_serialise_leaves(tmp_path / "c", tree)
+    keys = jax.tree_util
+    assert list(info.value.keypaths) == [(keys.DictKey("blocks"), keys.SequenceKey(which // 2), keys.DictKey("w"))]
+    assert not (tmp_path / "c").exists()
