@@ -67,6 +67,27 @@ def wait_for_memory(job: dict[str, Any], patience: float = 300.0) -> None:
         time.sleep(5)
 
 
+def disk_needed(sizes: workload.Sizes, names: list[str], ops: list[str]) -> int:
+    """Bytes a workload's checkpoints take at once: every contender's last
+    save is kept until the loads are done, and eqx_ckpt's asynchronous save
+    writes a second checkpoint beside its first. A tenth more for formats'
+    overheads, and 1 GB to spare."""
+    copies = len(names) + sum(1 for name in names if "save_async" in ops and has_op(name, "save_async"))
+    return int(copies * state_bytes(sizes) * 1.1) + 10**9
+
+
+def check_disk(directory: str, needed: int) -> None:
+    """Refuse to start a run the disk cannot hold (a full disk made one fail
+    midway, after many minutes, with a contender's save)."""
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise SystemExit(
+            f"The benchmark needs about {needed / 1e9:.1f} GB free under {directory!r} for its checkpoints, "
+            f"and {free / 1e9:.1f} GB are. Free some space, pass `--results` on a larger disk, or measure "
+            f"fewer contenders (`--contenders`) or workloads."
+        )
+
+
 def remove(path: str) -> None:
     if os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)
@@ -186,17 +207,19 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown operations {unknown}; choose from {OPS['tiny']}")
     os.makedirs(args.results, exist_ok=True)
+    overrides = {k: getattr(args, k) for k in ("layers", "width", "vocab") if getattr(args, k)}
+    sizes_of = {name: workload.Sizes(**{**workload.PRESETS[name].__dict__, **overrides}) for name in workloads}
+    ops_of = {name: [op for op in OPS[name] if not chosen_ops or op in chosen_ops] for name in workloads}
+    # Checked before the first measurement: each workload's checkpoints are deleted before the next.
+    check_disk(args.results, max(disk_needed(sizes_of[name], names, ops_of[name]) for name in workloads))
     failures: list[dict[str, Any]] = []
     for name in workloads:
-        sizes = workload.PRESETS[name]
-        overrides = {k: getattr(args, k) for k in ("layers", "width", "vocab") if getattr(args, k)}
-        sizes = workload.Sizes(**{**sizes.__dict__, **overrides})
+        sizes, ops = sizes_of[name], ops_of[name]
         base = {"workload": name, "sizes": sizes.__dict__, "verify": name == "tiny"}
         directory = os.path.join(args.results, f"run-{name}")
         os.makedirs(directory, exist_ok=True)
         print(f"{name}: {sizes}, {state_bytes(sizes) / 1e9:.3f} GB", flush=True)
         with open(os.path.join(args.results, f"{name}.jsonl"), "w") as log:
-            ops = [op for op in OPS[name] if not chosen_ops or op in chosen_ops]
             failures += bench_workload(names, ops, base, directory, args.reps, log)
         shutil.rmtree(directory, ignore_errors=True)
     if failures:

@@ -12,7 +12,20 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _commit, _direct, _direct_write, _dtypes, _io, _keypath, _layout, _manifest, _multihost, _pack, _sharding
+from . import (
+    _commit,
+    _direct,
+    _direct_write,
+    _dtypes,
+    _io,
+    _keypath,
+    _layout,
+    _manifest,
+    _multihost,
+    _pack,
+    _sharding,
+    _spec,
+)
 from ._errors import CheckpointTypeError
 from ._handle import LeafHandle
 from ._lazy import LazyArray
@@ -214,7 +227,8 @@ def plain(x: Any, path: str, keypath: list[list[Any]], primary: bool) -> Pending
         pieces = held.pieces
     else:
         pieces = [((), np.asarray(x))] if primary else []
-    record = LeafRecord(path, keypath, kind, shape, name, shape, name, "plain", _chunks(shape, dtype.itemsize))
+    chunks = _chunks(shape, dtype.itemsize, _spec.CHUNK_BYTES)
+    record = LeafRecord(path, keypath, kind, shape, name, shape, name, "plain", chunks)
     return Pending(record, pieces)
 
 
@@ -253,7 +267,9 @@ def _plain_dtype(dtype: np.dtype) -> str | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+def _chunks(shape: tuple[int, ...], itemsize: int, limit: int) -> tuple[int, ...]:
+    """`chunk_shape`, remembered; `limit` (`CHUNK_BYTES`, which tests change)
+    is part of the key, so that no chunk shape outlives the limit it was made for."""
     return tuple(chunk_shape(shape, itemsize))
 
 

@@ -206,3 +206,19 @@ def test_warm_memory_reads_files_whole_and_touches_every_page(tmp_path):
     assert [bytes(b[: len(data)]) for b, data in zip(buffers, contents)] == contents
     touched = np.frombuffer(warm_memory.touch(3 * warm_memory.PAGE + 1), np.uint8)
     assert touched[:: warm_memory.PAGE].tolist() == [1, 1, 1, 1] and touched.sum() == 4
+
+
+def test_a_run_the_disk_cannot_hold_is_refused_before_it_starts(tmp_path, monkeypatch):
+    """`large` keeps every contender's 3.1 GB checkpoint until its loads are
+    done: a run that cannot fit stops at once, saying how much it needs."""
+    import shutil
+
+    needed = run.disk_needed(workload.PRESETS["large"], ["eqx_ckpt", "raw"], run.OPS["large"])
+    assert 3 * 3.1e9 < needed < 3 * 3.3e9 + 2e9  # two checkpoints and eqx_ckpt's asynchronous one
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(run.shutil, "disk_usage", lambda path: usage._replace(free=needed - 1))
+    monkeypatch.setattr(run, "run_job", lambda *a, **k: pytest.fail("a measurement ran"))
+    argv = ["--workload", "large", "--contenders", "eqx_ckpt,raw", "--results", str(tmp_path), "--no-report"]
+    with pytest.raises(SystemExit, match=r"needs about 1\d\.\d GB free .* Free some space"):
+        run.main(argv)
+    assert not list(tmp_path.glob("*.jsonl"))
