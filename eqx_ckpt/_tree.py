@@ -103,20 +103,18 @@ def flatten_named(
     12-14 ms and 6-8 ms from the structure. A tree with another node is
     flattened once more, with its key paths; which way the last tree of the
     same type went decides which is tried first."""
-    if keypaths:
-        flat = flatten(tree, is_leaf)[0]
-        return [leaf for _, leaf in flat], named([keypath for keypath, _ in flat])
-    if _PLAIN_ROOTS.get(type(tree), True):
+    if not keypaths and _PLAIN_ROOTS.get(type(tree), True):
         leaves, treedef = jtu.tree_flatten(tree, is_leaf)
         if rebuilds_plainly(treedef):
             return leaves, named_structure(treedef)
     flat, treedef = flatten(tree, is_leaf)
-    if len(_PLAIN_ROOTS) >= 64:
-        _PLAIN_ROOTS.clear()
-    _PLAIN_ROOTS[type(tree)] = plain = rebuilds_plainly(treedef)
     leaves = [leaf for _, leaf in flat]
-    if plain:
-        return leaves, named_structure(treedef)
+    if not keypaths:
+        if len(_PLAIN_ROOTS) >= 64:
+            _PLAIN_ROOTS.clear()
+        _PLAIN_ROOTS[type(tree)] = plain = rebuilds_plainly(treedef)
+        if plain:
+            return leaves, named_structure(treedef)
     return leaves, named([keypath for keypath, _ in flat])
 
 
@@ -197,10 +195,17 @@ def _child_keys(node: Any, count: int) -> list[Any]:
     children. (`jax.tree_util.flatten_one_level_with_keys` gave every field
     of a namedtuple the first field's key in JAX 0.10.2.)"""
     shell = node.from_node_data_and_children(jtu.default_registry, node.node_data(), [_LEAF] * count)
-    keyed = jtu.tree_flatten_with_path(shell.unflatten(range(count)))[0]
-    if [leaf for _, leaf in keyed] != list(range(count)):
-        raise RuntimeError(f"Internal error: the node {node} rebuilt around numbers flattens differently.")
-    return [keypath[0] for keypath, _ in keyed]
+    return [keypath[0] for keypath in _rebuilt_keypaths(shell)]
+
+
+def _rebuilt_keypaths(treedef: Any) -> list[tuple[Any, ...]]:
+    """The key paths of the leaves of a tree of structure `treedef` (whose
+    nodes `rebuilds_plainly`), from a copy of it with numbers for leaves."""
+    count = treedef.num_leaves
+    flat = jtu.tree_flatten_with_path(treedef.unflatten(range(count)))[0]
+    if [leaf for _, leaf in flat] != list(range(count)):
+        raise RuntimeError(f"Internal error: a tree rebuilt from {treedef} flattens differently.")
+    return [keypath for keypath, _ in flat]
 
 
 class _StructureKeypaths:
@@ -221,11 +226,7 @@ class _StructureKeypaths:
             self.asked += 1
             if self.asked <= self._DESCENTS:
                 return self._descend(i)
-            count = self.treedef.num_leaves
-            flat = jtu.tree_flatten_with_path(self.treedef.unflatten(range(count)))[0]
-            if [leaf for _, leaf in flat] != list(range(count)):
-                raise RuntimeError(f"Internal error: a tree rebuilt from {self.treedef} flattens differently.")
-            self.all = [keypath for keypath, _ in flat]
+            self.all = _rebuilt_keypaths(self.treedef)
         return self.all[i]
 
     def _descend(self, i: int) -> tuple[Any, ...]:
