@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -41,22 +42,31 @@ ALIGN_BYTES = 64
 _GAP_BYTES = 256 << 10
 
 
-def packable(record: LeafRecord, pieces: Sequence[tuple[tuple[slice, ...], Any]]) -> bool:
-    return len(pieces) == 1 and not pieces[0][0] and record.nbytes <= PACK_BYTES
-
-
-def assign(records: Sequence[LeafRecord], which: Sequence[bool]) -> None:
-    """Place the `records` that `which` selects in packs by dtype, in order. In
-    place: a save's records are new, and seen by nothing else yet."""
+def assign(records: Sequence[LeafRecord], pieces: Sequence[Sequence[tuple[tuple[slice, ...], Any]]]) -> None:
+    """Place in packs by dtype, in order, the `records` of at most `PACK_BYTES`
+    whose host data (`pieces`, the leaf's) is one whole piece. In place: a
+    save's records are new, and seen by nothing else yet."""
     ends: dict[str, int] = {}
     placed: list[LeafRecord] = []
-    for record, chosen in zip(records, which, strict=True):
-        if chosen:
-            dtype = record.stored_dtype
-            step = _align_step(dtype)
-            record.offset = offset = -(-ends.get(dtype, 0) // step) * step
-            ends[dtype] = offset + record.size
-            placed.append(record)
+    # (stored dtype, stored shape) -> (elements, bytes, alignment step, chunks):
+    # worked out once for each (ten thousand leaves have a few dozen).
+    known: dict[tuple[str, tuple[int, ...]], tuple[int, int, int, tuple[int, ...]]] = {}
+    for record, leaf_pieces in zip(records, pieces, strict=True):
+        if len(leaf_pieces) != 1 or leaf_pieces[0][0]:
+            continue
+        dtype, shape = record.stored_dtype, record.stored_shape
+        sizes = known.get((dtype, shape))
+        if sizes is None:
+            size = math.prod(shape)
+            itemsize = _dtypes.dtype_from_name(dtype).itemsize
+            sizes = known[dtype, shape] = (size, size * itemsize, _align_step(dtype), whole_chunks(shape))
+        size, nbytes, step, chunks = sizes
+        if nbytes > PACK_BYTES:
+            continue
+        record.offset = offset = -(-ends.get(dtype, 0) // step) * step
+        record.chunks = chunks
+        ends[dtype] = offset + size
+        placed.append(record)
     packs = {}
     for dtype, size in ends.items():
         itemsize = _dtypes.dtype_from_name(dtype).itemsize
@@ -64,7 +74,6 @@ def assign(records: Sequence[LeafRecord], which: Sequence[bool]) -> None:
         packs[dtype] = PackRecord(pack_name(dtype), dtype, size, chunk)
     for record in placed:
         record.pack = packs[record.stored_dtype]
-        record.chunks = whole_chunks(record.stored_shape)
 
 
 @functools.lru_cache(maxsize=64)

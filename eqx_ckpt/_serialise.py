@@ -407,7 +407,7 @@ def _prepare_and_write(
 
 
 def _assign_packs(pending: list[_write.Pending]) -> None:
-    _pack.assign([p.record for p in pending], [_pack.packable(p.record, p.pieces) for p in pending])
+    _pack.assign([p.record for p in pending], [p.pieces for p in pending])
 
 
 def _begin_save(
@@ -604,9 +604,17 @@ def _collect(loc: Location, leaves: list[Any], names: _tree.Names, specs: list[A
     leaves the destination untouched."""
     paths, records = names.paths, names.records
     _tree.check_unique(names, checkpoint=loc.display)
+    primary = jax.process_index() == 0
+    # What the default spec does with the common leaf, without the calls between
+    # (in one loop when every leaf has the default spec).
+    defaults = [spec is default_serialise_filter_spec or spec is _default_or_held for spec in specs]
+    commons = None
+    if cast is None and all(defaults):
+        commons = _write.plain_leaves(leaves, paths, records, primary)
+        if not any(common is None for common in commons):
+            return commons  # type: ignore[return-value]
     record_of = dict(zip(paths, records))
     pending: list[_write.Pending] = []
-    primary = jax.process_index() == 0
 
     written: set[str] = set()
     collecting = True  # until the specs have run: `pending` is then the save's, and final
@@ -629,11 +637,10 @@ def _collect(loc: Location, leaves: list[Any], names: _tree.Names, specs: list[A
 
     try:
         for i, (leaf, dotted, record, spec) in enumerate(zip(leaves, paths, records, specs, strict=True)):
-            default = spec is default_serialise_filter_spec or spec is _default_or_held
+            default = defaults[i]
             try:
                 if cast is None and default:
-                    # What the default spec does with the common leaf, without the calls between.
-                    common = _write.plain(leaf, dotted, record, primary)
+                    common = commons[i] if commons is not None else _write.plain(leaf, dotted, record, primary)
                     if common is not None:
                         pending.append(common)
                         continue

@@ -210,26 +210,58 @@ def prepare(
 def plain(x: Any, path: str, keypath: list[list[Any]], primary: bool) -> Pending | None:
     """`prepare` of the common leaf, or `None` for any other: a NumPy array or a
     `jax.Array` on one device (or either held), of a dtype stored as it is, not
-    cast. One host piece, in whole-array chunks. Kept short: ten thousand of
-    these made a large part of a save. (`tests/test_write.py` checks that it
-    gives what `prepare`'s general path gives.)"""
-    held = x if type(x) is Held else None
-    if held is not None:
-        x = held.value
-    kind = array_kind(type(x))
-    if not (kind == "numpy" or (kind == "jax" and _sharding.on_one_device(x))):
-        return None
-    dtype, shape = x.dtype, x.shape
-    name = _plain_dtype(dtype)
-    if name is None or len(shape) > _manifest.MAX_RANK:
-        return None
-    if held is not None:
-        pieces = held.pieces
-    else:
-        pieces = [((), np.asarray(x))] if primary else []
-    chunks = _chunks(shape, dtype.itemsize, _spec.CHUNK_BYTES)
-    record = LeafRecord(path, keypath, kind, shape, name, shape, name, "plain", chunks)
-    return Pending(record, pieces)
+    cast. One host piece, in whole-array chunks."""
+    return plain_leaves([x], [path], [keypath], primary)[0]
+
+
+def plain_leaves(
+    leaves: list[Any], paths: list[str], keypaths: list[list[list[Any]]], primary: bool
+) -> list[Pending | None]:
+    """`plain` of every leaf, in one loop: what a save with the default filter
+    spec and no `cast` does with each leaf (`None` for a leaf that is not the
+    common one). The record's fixed part is worked out once per dtype and shape
+    (ten thousand leaves: 26 ms against 42 ms leaf by leaf, 17 of them JAX's
+    `np.asarray`). `tests/test_write.py` checks that it gives what `plain` gives."""
+    out: list[Pending | None] = []
+    append = out.append
+    kinds, one_device, limit = _KINDS, jax.sharding.SingleDeviceSharding, _spec.CHUNK_BYTES
+    # (dtype, shape) -> (dtype name, chunk shape); the name `None` when not stored as it is.
+    fixed: dict[tuple[Any, tuple[int, ...]], tuple[str | None, tuple[int, ...]]] = {}
+    for x, path, keypath in zip(leaves, paths, keypaths, strict=True):
+        try:
+            cls = type(x)
+            held = None
+            if cls is Held:
+                held, x = x, x.value
+                cls = type(x)
+            kind = kinds.get(cls) or array_kind(cls)
+            if kind == "jax":
+                if type(x.sharding) is not one_device and not _sharding.on_one_device(x):
+                    append(None)
+                    continue
+            elif kind != "numpy":
+                append(None)
+                continue
+            dtype, shape = x.dtype, x.shape
+            known = fixed.get((dtype, shape))
+            if known is None:
+                name = _plain_dtype(dtype) if len(shape) <= _manifest.MAX_RANK else None
+                known = fixed[dtype, shape] = (name, _chunks(shape, dtype.itemsize, limit) if name else ())
+            name, chunks = known
+            if name is None:
+                append(None)
+                continue
+            if held is not None:
+                pieces = held.pieces
+            else:
+                pieces = [((), np.asarray(x))] if primary else []
+        except Exception:
+            # (A deleted `jax.Array`, say.) `prepare`'s general path raises the
+            # error again, where the save names the leaf.
+            append(None)
+            continue
+        append(Pending(LeafRecord(path, keypath, kind, shape, name, shape, name, "plain", chunks), pieces))
+    return out
 
 
 def array_kind(cls: type) -> str:

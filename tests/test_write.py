@@ -65,6 +65,37 @@ def test_short_path_is_not_taken_for_other_leaves():
         _write.prepare(LeafHandle((), "w", "ckpt"), np.zeros((1,) * 33, np.float32), None, primary=True)
 
 
+def test_one_loop_over_every_leaf_gives_what_each_leaf_gives_alone():
+    """`plain_leaves`, which a save runs over the whole tree, works the record's
+    fixed part out once per (dtype, shape): leaves sharing one but of another
+    kind, held leaves, a big-endian copy, keys and a deleted array (`None`: the
+    general path names it) must each come out as `plain` makes them alone."""
+    deleted = jnp.arange(4.0)
+    deleted.delete()
+    x = values((4,), np.float32)
+    leaves = [
+        x, jax.device_put(x), x.astype(">f4"), jax.random.key(0), deleted,
+        _write.Held(jax.device_put(x), None, [((), x)]), values((2, 3), np.int8),
+        jnp.asarray(x, jnp.bfloat16), x[None], 3.0, values((4,), np.float16),
+    ]  # fmt: skip
+    paths = [f"x{i}" for i in range(len(leaves))]
+    keypaths = [[["key", p]] for p in paths]
+    for primary in (True, False):
+        together = _write.plain_leaves(leaves, paths, keypaths, primary)
+        alone = [_write.plain(*args, primary) for args in zip(leaves, paths, keypaths, strict=True)]
+        assert [p is None for p in together] == [p is None for p in alone]
+        # Another process writes nothing, so it never reads the deleted array.
+        assert [i for i, p in enumerate(together) if p is None] == ([3, 4, 9] if primary else [3, 9])
+        for a, b in zip(together, alone, strict=True):
+            if a is not None:
+                assert a.record == b.record
+                assert [(i, v.tobytes()) for i, v in a.pieces] == [(i, v.tobytes()) for i, v in b.pieces]
+        kinds = [p.record.type for p in together if p is not None]
+        deleted_kind = [] if primary else ["jax"]
+        assert kinds == ["numpy", "jax", "numpy", *deleted_kind, "jax", "numpy", "jax", "numpy", "numpy"]
+        assert all(p.pieces == [] for p in together if p is not None and p.record.path != "x5") is not primary
+
+
 def test_a_traced_leaf_is_refused_on_the_short_path_too():
     handle = LeafHandle((jax.tree_util.DictKey("w"),), "w", "ckpt")
 
