@@ -37,7 +37,6 @@ import ctypes
 import errno
 import fcntl
 import functools
-import operator
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -91,14 +90,17 @@ def start_pack(
     loc: Location, pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequence[Any]
 ) -> list[concurrent.futures.Future[None]]:
     """Start writing the chunk files of `pack`: each member's elements at its
-    offset, zeros between, written from the members' own buffers (no copy)."""
-    placed = sorted(
-        ((r.offset, r.size, piece) for r, piece in zip(records, pieces, strict=True) if r.size),
-        key=operator.itemgetter(0),
-    )
-    starts = np.fromiter((offset for offset, _, _ in placed), np.int64, len(placed))
-    stops = starts + np.fromiter((size for _, size, _ in placed), np.int64, len(placed))
-    members = [piece for _, _, piece in placed]
+    offset, zeros between, written from the members' own buffers (no copy).
+    `records` in the order of their offsets, as `_pack.assign` placed them."""
+    n = len(records)
+    starts = np.fromiter((r.offset for r in records), np.int64, n)
+    stops = starts + np.fromiter((r.size for r in records), np.int64, n)
+    if n > 1 and bool((starts[1:] < stops[:-1]).any()):
+        raise RuntimeError(f"Internal error: the members of pack `{pack.name}` overlap, or are out of order.")
+    members = list(pieces)
+    if bool((stops == starts).any()):  # empty leaves: nothing to write
+        kept = np.flatnonzero(stops > starts)
+        starts, stops, members = starts[kept], stops[kept], [members[i] for i in kept]
     dtype = dtype_from_name(pack.dtype)
     jobs: list[tuple[str, Callable[[], _Chunk]]] = []
     for n, key in enumerate(_direct.chunk_keys((pack.size,), (pack.chunk,))):

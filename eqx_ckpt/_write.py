@@ -438,10 +438,10 @@ def start_writes(
             out.extend(futures)
             direct.append((1, own[i].record.nbytes, futures))
         for pack, members in batch.packs if fast_packs else []:
-            records = [p.record for p in members]
-            futures = _direct_write.start_pack(data, pack, records, [p.pieces[0][1] for p in members])
+            views = [p.pieces[0][1] for p in members]
+            futures = _direct_write.start_pack(data, pack, [p.record for p in members], views)
             out.extend(futures)
-            direct.append((len(members), sum(r.nbytes for r in records), futures))
+            direct.append((len(members), sum(view.nbytes for view in views), futures))
 
     if fast or (fast_packs and batch.packs):
         _io.uninterrupted(start_direct)
