@@ -288,6 +288,22 @@ def state_description(rows: list[dict[str, Any]]) -> str:
     return f"{len(workload.array_leaves(like))} leaves, {total} (params {params})"
 
 
+def repetitions(rows: list[dict[str, Any]]) -> str:
+    """How many runs each figure is of ("3 runs", or "5 runs for saves and 3
+    for loads")."""
+
+    def count(saves: bool) -> int:
+        return max((r.get("rep", 0) + 1 for r in rows if (r["op"] in ("save", "save_async")) == saves), default=0)
+
+    def runs(n: int) -> str:
+        return f"{n} run" if n == 1 else f"{n} runs"
+
+    saves, loads = count(True), count(False)
+    if saves and loads and saves != loads:
+        return f"{runs(saves)} for saves and {loads} for loads"
+    return runs(max(saves, loads))
+
+
 def write(directory: str, command: str, docs: str = DOCS, *, with_chart: bool = True) -> None:
     """Rewrite the generated part of `docs/benchmarks.md` and the chart."""
     results = load_results(directory)
@@ -298,14 +314,12 @@ def write(directory: str, command: str, docs: str = DOCS, *, with_chart: bool = 
     lines += ["### Targets", "", "Medians of this run; the reference is measured in the same run.", ""]
     lines += [*targets(results), ""]
     for name, rows in results.items():
-        reps = max((r.get("rep", 0) for r in rows), default=0) + 1
         loads = [r["loadavg"] for r in rows if "loadavg" in r]
         load_note = f"; 1-minute load average during the runs {min(loads):.1f} to {max(loads):.1f}" if loads else ""
         took = sum(r.get("job_seconds", 0.0) for r in rows)
         took_note = f"; the workload's {len(rows)} measurements took {took / 60:.1f} min in all" if took else ""
         lines += [f"### `{name}`: {state_description(rows)}", ""]
-        runs = "run" if reps == 1 else "runs"
-        lines += [f"Seconds, min / median of {reps} {runs}, each in a fresh process{load_note}{took_note}.", ""]
+        lines += [f"Seconds, min / median of {repetitions(rows)}, each in a fresh process{load_note}{took_note}.", ""]
         lines += [*table(name, rows), ""]
         if failed_lines := failures(rows):
             lines += ["Failed measurements:", "", *failed_lines, ""]

@@ -1,7 +1,7 @@
 """Run the checkpoint benchmarks: `python -m benchmarks.run --workload large`.
 
 Every measurement runs in a fresh subprocess (`benchmarks.worker`), one at a time,
-`--reps` times. Results are written as JSON lines to
+`--save-reps` times for saves and `--reps` times for loads. Results are written as JSON lines to
 `benchmarks/results/<workload>.jsonl` (rewritten for each workload run); then,
 unless `--no-report`, `docs/benchmarks.md` and `docs/benchmarks.png` are
 regenerated from every results file there. A measurement that fails (an
@@ -123,9 +123,16 @@ def rotated(names: list[str], rep: int) -> list[str]:
 
 
 def bench_workload(
-    names: list[str], ops: list[str], base: dict[str, Any], directory: str, reps: int, log: Any
+    names: list[str],
+    ops: list[str],
+    base: dict[str, Any],
+    directory: str,
+    reps: int,
+    log: Any,
+    *,
+    save_reps: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Every contender saves `reps` times, keeping the last checkpoint (with
+    """Every contender saves `save_reps` times (`reps` when not given), keeping the last checkpoint (with
     `save_async` in `ops`, each synchronous save is followed by an asynchronous
     one of the same tree to another path); then the loads run. Both run
     interleaved, contender after contender within each repetition (starting
@@ -166,7 +173,7 @@ def bench_workload(
     try:
         # Interleaved and rotated like the loads: a save of each contender in
         # turn, so that a change in machine load does not fall on one of them.
-        for rep in range(reps):
+        for rep in range(reps if save_reps is None else save_reps):
             for name in rotated(names, rep):
                 one(name, "save", rep)
                 if "save_async" in ops and has_op(name, "save_async"):
@@ -189,7 +196,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workload", choices=list(workload.PRESETS), action="append", help="repeatable")
     parser.add_argument("--all", action="store_true", help="small, many and large")
     parser.add_argument("--contenders", default=",".join(ALL_CONTENDERS), help="comma-separated")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3, help="runs of each load")
+    parser.add_argument(
+        "--save-reps",
+        type=int,
+        default=5,
+        help="runs of each save (a save takes a fraction of a second, and a slow phase of the disk "
+        "moved the median of 3 once)",
+    )
     parser.add_argument("--ops", help="comma-separated subset of the workload's operations, e.g. save,load_warm")
     parser.add_argument("--layers", type=int, help="override the workload's number of blocks")
     parser.add_argument("--width", type=int, help="override the workload's width")
@@ -220,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         os.makedirs(directory, exist_ok=True)
         print(f"{name}: {sizes}, {state_bytes(sizes) / 1e9:.3f} GB", flush=True)
         with open(os.path.join(args.results, f"{name}.jsonl"), "w") as log:
-            failures += bench_workload(names, ops, base, directory, args.reps, log)
+            failures += bench_workload(names, ops, base, directory, args.reps, log, save_reps=args.save_reps)
         shutil.rmtree(directory, ignore_errors=True)
     if failures:
         print(f"{len(failures)} measurements failed (recorded with an `error` in the results):", flush=True)

@@ -21,7 +21,7 @@ from benchmarks import contenders, report, run, warm_memory, workload  # noqa: E
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     directory = tmp_path_factory.mktemp("bench")
-    argv = ["--workload", "tiny", "--contenders", "eqx_ckpt,raw", "--reps", "1"]
+    argv = ["--workload", "tiny", "--contenders", "eqx_ckpt,raw", "--reps", "1", "--save-reps", "2"]
     argv += ["--ops", "save,save_async,load_warm", "--results", str(directory), "--no-report"]
     run.main(argv)
     with open(directory / "tiny.jsonl") as f:
@@ -33,8 +33,12 @@ def test_every_measurement_ran_and_loaded_the_saved_values(results):
     done = {(r["contender"], r["op"], r["cache"]) for r in rows}
     for contender in ("eqx_ckpt", "raw"):
         assert {(contender, "save", None), (contender, "load", "warm")} <= done
+    # Saves run `--save-reps` times, loads `--reps` times.
+    for contender in ("eqx_ckpt", "raw"):
+        assert sorted(r["rep"] for r in rows if r["contender"] == contender and r["op"] == "save") == [0, 1]
+        assert sorted(r["rep"] for r in rows if r["contender"] == contender and r["op"] == "load") == [0]
     # Only eqx_ckpt saves asynchronously.
-    assert [(r["contender"], r["op"]) for r in rows if r["op"] == "save_async"] == [("eqx_ckpt", "save_async")]
+    assert [(r["contender"], r["op"]) for r in rows if r["op"] == "save_async"] == [("eqx_ckpt", "save_async")] * 2
     for row in rows:
         assert "error" not in row, row
         assert row["seconds"] > 0 and row["job_seconds"] >= row["seconds"]
@@ -60,6 +64,7 @@ def test_report_tables_name_both_contenders(results, tmp_path):
     report.write(str(directory), "python -m benchmarks.run --workload tiny", docs=str(tmp_path), with_chart=False)
     text = (tmp_path / "benchmarks.md").read_text()
     assert "### `tiny`: 88 leaves" in text
+    assert "Seconds, min / median of 2 runs for saves and 1 for loads, each in a fresh process" in text
     table = [line for line in text.splitlines() if line.startswith("| `")]
     assert [line.split("|")[1].strip() for line in table] == ["`eqx_ckpt`", "`raw`"]
     # The targets table lists every target, measured or not.
