@@ -60,14 +60,15 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class CheckpointStorageError(CheckpointError, OSError):
-    """The storage would not serve the checkpoint: it refused (forbidden,
-    unauthenticated, a local file's permissions), it failed (server errors once
-    the retries were spent), or it could not be reached
-    ([`eqx_ckpt.CheckpointConnectionError`][], a subclass). It says nothing
-    about the checkpoint, which may well be whole: it is neither an
-    `IntegrityError` nor a `CheckpointNotFoundError`, and
-    [`eqx_ckpt.verify`][] raises it instead of reporting damage. Check access
-    and the storage, then try again.
+    """The storage would not serve the checkpoint, or take a save: it refused
+    (forbidden, unauthenticated, a local file's permissions, a read-only or
+    full disk), it failed (server errors once the retries were spent), or it
+    could not be reached ([`eqx_ckpt.CheckpointConnectionError`][], a
+    subclass). It says nothing about the checkpoint, which may well be whole:
+    it is neither an `IntegrityError` nor a `CheckpointNotFoundError`, and
+    [`eqx_ckpt.verify`][] raises it instead of reporting damage. A save it
+    stops commits nothing (an overwritten checkpoint stays as it was). Check
+    access, space and the storage, then try again.
 
     !!! example
 

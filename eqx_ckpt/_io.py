@@ -316,6 +316,33 @@ _UNREACHABLE = re.compile(r"\[curl_code='(5|6|7|28)'\]")
 _REFUSED = re.compile(r"^(PERMISSION_DENIED|UNAUTHENTICATED|UNAVAILABLE|ABORTED):")
 
 
+# The OS's codes for a destination that will not take a write: forbidden
+# (EACCES, EPERM), read-only (EROFS), full (ENOSPC, EDQUOT, and EFBIG past a
+# file size limit), failing (EIO). TensorStore writes them as `[os_error_code='28']`
+# (or `[OS error 28: ...]`).
+_WRITE_REFUSED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+_OS_ERROR = re.compile(r"(?:\[OS error |\[os_error_code=')(\d+)")
+
+
+def write_refusal(error: BaseException) -> type[CheckpointStorageError] | None:
+    """The class of error for a write that failed with `error` (TensorStore's or
+    the OS's) because of the storage: `CheckpointConnectionError` when it could
+    not be reached, `CheckpointStorageError` when it would not take the write
+    (forbidden, read-only, full, failing once the retries were spent); `None`
+    for any other failure."""
+    if isinstance(error, CheckpointStorageError):
+        return type(error)
+    text = explain(error)
+    if _UNREACHABLE.search(text):
+        return CheckpointConnectionError
+    codes = {int(code) for code in _OS_ERROR.findall(text)}
+    if isinstance(error, OSError) and error.errno is not None:
+        codes.add(error.errno)
+    if _REFUSED.match(text) or codes & _WRITE_REFUSED:
+        return CheckpointStorageError
+    return None
+
+
 def storage_failure(loc: Location, error: BaseException, what: str) -> CheckpointStorageError | None:
     """The error for storage that could not be reached or would not serve
     `what` (a file, a leaf), if `error` (TensorStore's) says so; `None` for any
@@ -471,7 +498,7 @@ def explained(loc: Location, doing: str) -> Iterator[None]:
     except CheckpointError:
         raise
     except Exception as e:
-        raise CheckpointError(
+        raise (write_refusal(e) or CheckpointError)(
             f"{doing} {loc.display!r} failed, and nothing was changed: {e}. Check that the storage is reachable "
             f"and writable, then try again.",
             path=loc.display,
@@ -500,8 +527,9 @@ def read_error(loc: Location, name: str, error: BaseException) -> CheckpointErro
 
 
 def write_error(loc: Location, name: str, error: BaseException) -> CheckpointError:
-    """A full disk, a read-only or forbidden destination: say so, not TensorStore's code."""
-    return CheckpointError(
+    """A full disk, a read-only or forbidden destination: say so, not TensorStore's
+    code (a `CheckpointStorageError` when `error` says the storage refused)."""
+    return (write_refusal(error) or CheckpointError)(
         f"Cannot write {name!r} in {loc.display!r}: {error}. Check that the destination is writable "
         f"and has free space.",
         path=loc.display,

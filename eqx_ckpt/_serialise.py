@@ -549,6 +549,14 @@ def _write_and_commit(
         raise error
     display = tx.loc.display
     message = f"Saving checkpoint {display!r} failed, and nothing was committed: {error}"
+    refused = _io.write_refusal(error)
+    if refused is not None:
+        # The storage would not take the save: no leaf is at fault.
+        message = message.rstrip(". ") + (
+            ". Check that you may write there (credentials, permissions), that it has free space and that the "
+            "storage works, then save again."
+        )
+        raise refused(message, path=display) from error
     raise LeafError(message, path=display) from error
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -22,7 +23,8 @@ BUCKET = "eqx-ckpt-test"
 
 class Gate:
     """WSGI middleware: holds or refuses `PUT`s of zarr chunk objects (keys with a
-    `c` path segment, as zarr v3's default chunk key encoding writes)."""
+    `c` path segment, as zarr v3's default chunk key encoding writes), refuses
+    `GET`s and `PUT`s of chosen paths, and records the paths asked for."""
 
     def __init__(self, app: Any):
         self.app = app
@@ -32,14 +34,22 @@ class Gate:
         # GETs of a path containing this are refused with 403 AccessDenied ("": none).
         self.forbidden = ""
         self.held = threading.Event()
+        # PUTs of a path this regular expression finds something in are refused too ("": none).
+        self.forbidden_puts = ""
         # (path, Range header) of every GET, for tests of what a read downloads.
         self.gets: list[tuple[str, str | None]] = []
+        # The path of every PUT, for tests of what a save writes.
+        self.puts: list[str] = []
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
         path = environ.get("PATH_INFO", "")
         if environ["REQUEST_METHOD"] == "GET":
             self.gets.append((path, environ.get("HTTP_RANGE")))
             if self.forbidden and self.forbidden in path:
+                return self._refused(start_response)
+        if environ["REQUEST_METHOD"] == "PUT":
+            self.puts.append(path)
+            if self.forbidden_puts and re.search(self.forbidden_puts, path):
                 return self._refused(start_response)
         if environ["REQUEST_METHOD"] == "PUT" and ("/c/" in path or path.endswith("/c")):
             self.held.set()
@@ -57,6 +67,7 @@ class Gate:
     def reset(self) -> None:
         self.refuse = False
         self.forbidden = ""
+        self.forbidden_puts = ""
         self.held.clear()
         self.open.set()
 

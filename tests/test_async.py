@@ -124,7 +124,7 @@ def test_background_failure_raises_on_wait_and_commits_nothing(s3, store):
     s3.gate.refuse = True  # once released, the server answers 403 AccessDenied
     pending = eqx_ckpt.tree_serialise_leaves(store, _tree(2), blocking=False)
     s3.gate.open.set()
-    with pytest.raises(eqx_ckpt.CheckpointError, match=re.escape("nothing was committed")) as info:
+    with pytest.raises(eqx_ckpt.CheckpointStorageError, match=re.escape("nothing was committed")) as info:
         pending.wait()
     assert "AccessDenied" in str(info.value)
     s3.gate.reset()

@@ -108,13 +108,51 @@ def test_failed_writes_commit_nothing(s3, store):
     eqx_ckpt.tree_serialise_leaves(store, before)
     manifest = ts.KvStore.open(store).result().read("manifest.json").result().value
     s3.gate.refuse = True  # the server refuses every chunk PUT, with 403 AccessDenied
-    with pytest.raises(eqx_ckpt.CheckpointError, match=re.escape("nothing was committed")) as info:
+    with pytest.raises(eqx_ckpt.CheckpointStorageError, match=re.escape("nothing was committed")) as info:
         eqx_ckpt.tree_serialise_leaves(store, _tree(2))
-    assert "AccessDenied" in str(info.value)
+    assert "AccessDenied" in str(info.value) and "Check that you may write there" in str(info.value)
+    assert not isinstance(info.value, eqx_ckpt.LeafError)
     s3.gate.reset()
     assert ts.KvStore.open(store).result().read("manifest.json").result().value == manifest
     assert not any(k.startswith("gen.") or k == "saving.json" for k in _keys(s3, store))
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
+
+
+def _what_a_put_writes(path: str) -> str:
+    """A pattern for the kind of file a PUT of `path` writes: its name, with
+    any generated id in it (a save's data root, a lease's) matched by any."""
+    if "/c/" in path or path.endswith("/c"):
+        return "/c(/|$)"
+    name = path.rsplit("/", 1)[-1]
+    return re.sub(r"[0-9a-f]{6,}", "[0-9a-f]+", re.escape(name)) + "$"
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
+def test_a_save_the_storage_refuses_at_any_write_is_a_storage_error(s3, store, blocking):
+    """403 AccessDenied on each kind of file a save writes (the lease, group and
+    array metadata, chunks, the manifest...), one at a time: a
+    `CheckpointStorageError` (never a `LeafError`) and nothing committed."""
+    before = _tree(1)
+    eqx_ckpt.tree_serialise_leaves(store, before)
+    s3.gate.puts.clear()
+    eqx_ckpt.tree_serialise_leaves(store, before)
+    kinds = sorted({_what_a_put_writes(path) for path in s3.gate.puts})
+    assert {"/c(/|$)", "manifest\\.json$", "saving\\.json$", "zarr\\.json$"} <= set(kinds), kinds
+    for kind in kinds:
+        s3.gate.forbidden_puts = kind
+        with pytest.raises(eqx_ckpt.CheckpointStorageError, match="AccessDenied") as info:
+            pending = eqx_ckpt.tree_serialise_leaves(store, _tree(2), blocking=blocking)
+            if pending is not None:
+                pending.wait()
+        assert not isinstance(info.value, eqx_ckpt.LeafError), kind
+        message = str(info.value)
+        # What failed: the save as a whole, or the file that could not be written.
+        assert "nothing was" in message or "Cannot write '" in message, (kind, message)
+        assert store["path"] in message, (kind, message)
+        s3.gate.reset()
+        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True), kind
+    eqx_ckpt.tree_serialise_leaves(store, _tree(2))
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, _tree(2)), _tree(2), typematch=True)
 
 
 @pytest.mark.parametrize(
