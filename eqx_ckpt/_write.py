@@ -461,10 +461,11 @@ def start_writes(
                 writes.append(target.write(piece, can_reference_source_data_indefinitely=True))
                 counts.append((int(i == len(p.pieces) - 1), piece.nbytes))
         for (pack, members), opened in zip(batch.packs if not fast_packs else [], opens[len(own) :]):
-            contents = _pack.buffer(pack, [p.record for p in members], [p.pieces[0][1] for p in members])
+            views = [p.pieces[0][1] for p in members]
+            contents = _pack.buffer(pack, [p.record for p in members], views)
             store = opened.result().with_transaction(transaction)
             writes.append(store.write(contents, can_reference_source_data_indefinitely=True))
-            counts.append((len(members), sum(p.record.nbytes for p in members)))
+            counts.append((len(members), sum(view.nbytes for view in views)))
         # Waited in order, so that progress is reported from this thread as writes complete.
         if tracker is not None:
             tracker.advance(leaves=sum(1 for p in own if not p.pieces))
