@@ -174,7 +174,8 @@ class Transaction:
             raise interrupt
         if self.state is not State.COMMITTED:
             if error is not None:
-                raise error
+                unchanged = "nothing was committed and any checkpoint there before is unchanged"
+                raise _io.write_error(self.loc, MANIFEST, error, unchanged) from error
             raise CheckpointExistsError(
                 f"Another save committed {self.loc.display!r} while this one was writing, so this one was not "
                 f"committed (its arrays were deleted; the other save's checkpoint is whole). Only one writer "
@@ -182,7 +183,11 @@ class Transaction:
                 path=self.loc.display,
             )
         if error is not None:
-            _warn(f"Checkpoint {self.loc.display!r} was committed, but syncing it failed: {error}")
+            _warn(
+                f"Checkpoint {self.loc.display!r} was committed (its manifest is this save's), but writing or "
+                f"syncing the manifest then reported an error, so the commit may not survive a power loss: "
+                f"{_io.explain(error)}"
+            )
 
     def clean(self) -> None:
         """After the commit: delete the old arrays and the journal. A failure is

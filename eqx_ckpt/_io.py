@@ -443,7 +443,10 @@ def write_conditional(
     Returns `(written, error, interrupt)`. An interrupt (Ctrl-C, `sys.exit`
     from a signal handler) while the write is under way does not abandon it:
     the write is waited for, so that whether it happened is known, and the
-    interrupt is returned for the caller to raise once that is recorded."""
+    interrupt is returned for the caller to raise once that is recorded.
+    `error` is the write's failure or, once written, the directory sync's, as
+    raised: the caller, which can tell whether the file is its own, says what
+    it left."""
     future = kvstore(loc).write(name, data, if_equal=if_equal)
     interrupt: BaseException | None = None
     error: BaseException | None = None
@@ -459,7 +462,7 @@ def write_conditional(
                 # cannot be expressed there, so the write is made without it.
                 future, if_equal = kvstore(loc).write(name, data), b""
                 continue
-            error = write_error(loc, name, e)
+            error = e
             break
         except BaseException as e:  # kept and returned, so the write's outcome is known first
             interrupt = interrupt or e
@@ -467,7 +470,7 @@ def write_conditional(
         try:
             sync_directory(loc.local)
         except Exception as e:
-            error = write_error(loc, name, e)
+            error = e
         except BaseException as e:  # the commit happened; the caller raises it afterwards
             interrupt = interrupt or e
     return written, error, interrupt
@@ -526,11 +529,14 @@ def read_error(loc: Location, name: str, error: BaseException) -> CheckpointErro
     return CheckpointError(message, path=loc.display)
 
 
-def write_error(loc: Location, name: str, error: BaseException) -> CheckpointError:
+def write_error(loc: Location, name: str, error: BaseException, outcome: str = "") -> CheckpointError:
     """A full disk, a read-only or forbidden destination: say so, not TensorStore's
-    code (a `CheckpointStorageError` when `error` says the storage refused)."""
+    code (a `CheckpointStorageError` when `error` says the storage refused).
+    `outcome`, when the caller knows it, says what the failure left ("nothing
+    was written")."""
+    so = f", so {outcome}" if outcome else ""
     return (write_refusal(error) or CheckpointError)(
-        f"Cannot write {name!r} in {loc.display!r}: {error}. Check that the destination is writable "
+        f"Cannot write {name!r} in {loc.display!r}{so}: {error}. Check that the destination is writable "
         f"and has free space.",
         path=loc.display,
     )
@@ -671,7 +677,7 @@ def ensure_directory(loc: Location) -> None:
         for created in reversed(missing):
             _fsync(os.path.dirname(created))
     except OSError as e:
-        raise write_error(loc, ".", e) from e
+        raise write_error(loc, ".", e, "nothing was written") from e
 
 
 def transaction() -> ts.Transaction:

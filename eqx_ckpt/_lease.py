@@ -301,13 +301,14 @@ def _read(loc: Location, name: str) -> tuple[dict[str, Any], bytes] | None:
 
 def _conditional_write(loc: Location, name: str, body: dict[str, Any], if_equal: bytes) -> bytes | None:
     """Write `body` if the file's generation is `if_equal`; the new generation,
-    or `None` if it was not (TensorStore then returns an empty generation)."""
+    or `None` if it was not (TensorStore then returns an empty generation).
+    A lease is written before its holder writes anything: a failure says so."""
     try:
         stamp = _io.result(_io.kvstore(loc).write(name, json.dumps(body).encode(), if_equal=if_equal))
     except NotImplementedError:
         raise _io.read_only_store(loc) from None
     except Exception as e:
-        raise _io.write_error(loc, name, e) from e
+        raise _io.write_error(loc, name, e, "nothing was written") from e
     if not stamp.generation:
         return None
     if loc.local is not None:

@@ -1,6 +1,7 @@
 """Atomic commit: overwrites alternate data roots, and a failed save leaves the
 previous checkpoint as it was."""
 
+import errno
 import itertools
 import json
 import os
@@ -153,6 +154,36 @@ _KILLED_SAVE = textwrap.dedent(
 def _killed_save(path):
     result = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(path)], capture_output=True, text=True)
     assert result.returncode == 17, result.stderr
+
+
+def test_a_sync_failing_after_the_manifest_landed_is_a_warning_that_it_was_committed(tmp_path, monkeypatch):
+    """The manifest is written, then syncing its directory fails (EIO): the save
+    is committed (it loads), so the failure is a `CommitWarning` saying so and
+    what it may cost, not an error claiming nothing was committed."""
+    path = tmp_path / "ckpt"
+    old, new = {"a": jnp.arange(3), "b": 1.5}, {"a": jnp.arange(3) + 10, "b": 2.5}
+    eqx_ckpt.tree_serialise_leaves(path, old)
+    real_write, real_sync = _io.write_conditional, _io.sync_directory
+
+    def failing_sync(directory):
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    def write_conditional(*args, **kwargs):
+        monkeypatch.setattr(_io, "sync_directory", failing_sync)
+        try:
+            return real_write(*args, **kwargs)
+        finally:
+            monkeypatch.setattr(_io, "sync_directory", real_sync)
+
+    monkeypatch.setattr(_io, "write_conditional", write_conditional)
+    with pytest.warns(eqx_ckpt.CommitWarning) as caught:
+        eqx_ckpt.tree_serialise_leaves(path, new)
+    message = " ".join(str(w.message) for w in caught)
+    assert "was committed (its manifest is this save's)" in message, message
+    assert "may not survive a power loss" in message and "injected" in message, message
+    monkeypatch.undo()
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, old), new, typematch=True)
+    assert eqx_ckpt.verify(path) == []
 
 
 def test_interrupted_save_leaves_no_checkpoint_and_next_save_cleans_up(tmp_path):

@@ -142,13 +142,17 @@ def test_read_only_destination(small_fs):
     eqx_ckpt.tree_serialise_leaves(path, _tree(0))
     subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
     try:
-        with pytest.raises(eqx_ckpt.CheckpointStorageError, match="Read-only file system"):
+        # Refused before anything is written: the message says so.
+        with pytest.raises(eqx_ckpt.CheckpointStorageError, match="Read-only file system") as info:
             eqx_ckpt.tree_serialise_leaves(path, _tree(1))
-        with pytest.raises(eqx_ckpt.CheckpointStorageError, match="Read-only file system"):
+        assert "so nothing was written" in str(info.value)
+        with pytest.raises(eqx_ckpt.CheckpointStorageError, match="Read-only file system") as info:
             eqx_ckpt.tree_serialise_leaves(small_fs / "new", _tree(1))
+        assert "so nothing was written" in str(info.value)
         with pytest.raises(eqx_ckpt.CheckpointStorageError, match="Read-only file system") as info:
             eqx_ckpt.tree_serialise_leaves(path, _tree(1), blocking=False).wait()
         assert not isinstance(info.value, eqx_ckpt.LeafError)
+        assert "so nothing was written" in str(info.value)
         # Reading needs no write access.
         assert _loads_as(path, 0)
     finally:
