@@ -329,7 +329,7 @@ class CheckpointManager:
                 raise
             self._apply_retention(step)
 
-        self._pending, self._pending_step = PendingSave(finish), step
+        self._pending, self._pending_step = PendingSave(finish, wraps=pending), step
 
     def _undo(self, step: int) -> None:
         """After a failed save: a step folder this save created, and that holds

@@ -83,8 +83,11 @@ class PendingSave:
         ```
     """
 
-    def __init__(self, run: Callable[[], None]):
+    def __init__(self, run: Callable[[], None], *, wraps: PendingSave | None = None):
+        # `wraps`: a save this one waits for and finishes (a manager's retention
+        # after its step's save): the two are one save to the user.
         self._error: BaseException | None = None
+        self._outer: PendingSave | None = None
         # Not a daemon: the interpreter waits for it at exit, while TensorStore
         # can still finish the writes.
         self._thread = threading.Thread(target=self._run, args=(run,), name="eqx_ckpt-save")
@@ -99,6 +102,8 @@ class PendingSave:
         try:
             with _PENDING_LOCK:
                 _PENDING.add(self)
+                if wraps is not None:
+                    wraps._outer = self
             self._thread.start()
         except BaseException:
             if self._thread.ident is None:  # interrupted before the thread began
@@ -138,7 +143,8 @@ def _wait_at_exit() -> None:
     """Finish the saves still in flight, and say so: a script whose last line
     starts an asynchronous save must not lose it."""
     with _PENDING_LOCK:
-        pending = list(_PENDING)
+        # A save wrapped by another (a manager's) is waited for through it.
+        pending = [save for save in _PENDING if save._outer is None or save._outer not in _PENDING]
     if not pending:
         return
     print(f"eqx_ckpt: waiting for {len(pending)} checkpoint save(s) to commit before exiting.", file=sys.stderr)

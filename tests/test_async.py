@@ -183,6 +183,36 @@ def test_a_script_ending_with_a_save_in_flight_waits_for_it(tmp_path):
     assert eqx_ckpt.verify(path) == []
 
 
+def test_a_script_ending_with_a_managers_save_in_flight_counts_it_once(tmp_path):
+    """A manager's asynchronous save is two threads (the save, and the one that
+    applies retention after it): the exit waits for both, and says one save."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        import eqx_ckpt
+
+        manager = eqx_ckpt.CheckpointManager(sys.argv[1], max_to_keep=1, blocking=False)
+        tree = {f"layer{i}": np.full(50_000, i, np.float32) for i in range(40)}
+        manager.save(0, tree)
+        manager.wait_until_finished()
+        tree = {f"layer{i}": np.full(50_000, -i, np.float32) for i in range(40)}
+        manager.save(1, tree)
+        assert not manager._pending.done()
+        print("returned", flush=True)
+        """
+    )
+    path = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "returned\n"
+    assert "eqx_ckpt: waiting for 1 checkpoint save(s) to commit before exiting." in result.stderr
+    manager = eqx_ckpt.CheckpointManager(path)
+    assert manager.all_steps() == [1]  # step 0 went: retention ran after the save
+    expected = {f"layer{i}": np.full(50_000, -i, np.float32) for i in range(40)}
+    assert eqx.tree_equal(manager.restore(expected), expected, typematch=True)
+
+
 def _held_back(monkeypatch):
     """Make the background part of a save wait for `release` before it makes any
     leaf record; return (release, the names of the threads that made records)."""
