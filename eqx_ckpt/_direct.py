@@ -195,6 +195,54 @@ def fresh_bytes(nbytes: int) -> np.ndarray:
     return np.frombuffer(memory, np.uint8)
 
 
+# NumPy asks the kernel for huge pages for every array of 4 MiB or more, and
+# with the page cache full (after a save, on a training machine) the kernel
+# compacts memory to find them. Forty-eight arrays of 64 MiB copied after 3 GiB
+# were written to a file: 6.6-6.8 s by `np.array(x, copy=True)`, 1.5-1.6 s into
+# `fresh_bytes` memory. Smaller arrays stay NumPy's (a mapping per leaf costs
+# system calls and rounds each up to whole pages).
+FRESH_MIN_BYTES = 4 * 2**20
+
+
+def fresh_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous array, page-aligned in `fresh_bytes` memory
+    when it has at least `FRESH_MIN_BYTES`, else NumPy's own."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < FRESH_MIN_BYTES or dtype.hasobject:
+        return np.empty(shape, dtype)
+    return fresh_bytes(nbytes).view(dtype).reshape(shape)
+
+
+def private_copy(x: Any) -> np.ndarray:
+    """A C-contiguous copy of host data that nothing else references (`fresh_empty`)."""
+    x = np.asarray(x)
+    out = fresh_empty(x.shape, x.dtype)
+    np.copyto(out, x, casting="no")
+    return out
+
+
+def private_copies(arrays: Sequence[Any]) -> list[np.ndarray]:
+    """`private_copy` of each; those of `FRESH_MIN_BYTES` or more by a few
+    threads (the copy releases the GIL, and faulting fresh pages in is most of
+    its cost): 48 arrays of 64 MiB, as above, 0.76-0.83 s by two threads
+    against 1.42-1.61 s by one."""
+    arrays = [np.asarray(x) for x in arrays]
+    big = [i for i, x in enumerate(arrays) if x.nbytes >= FRESH_MIN_BYTES]
+    if len(big) < 2:
+        return [private_copy(x) for x in arrays]
+    copies = list(arrays)  # each replaced by its copy below
+    workers = min(len(big), max(os.cpu_count() or 1, 2), 4)
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="eqx_ckpt-copy") as pool:
+        futures = [(i, pool.submit(private_copy, arrays[i])) for i in big]
+        for i, x in enumerate(arrays):
+            if x.nbytes < FRESH_MIN_BYTES:
+                copies[i] = private_copy(x)
+        for i, future in futures:
+            copies[i] = future.result()
+    return copies
+
+
 def supported(loc: Location) -> bool:
     """Whether chunk files under `loc` can be read (and written, `_direct_write`)
     without TensorStore: a local disk, on a host that has what this needs."""

@@ -106,6 +106,8 @@ SLAB_BYTES = 64 * 2**20
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes >= _direct.FRESH_MIN_BYTES:
+        return _direct.fresh_empty(shape, dtype)  # page-aligned
     raw = np.empty(nbytes + align, np.uint8)
     offset = (-raw.ctypes.data) % align
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)

@@ -12,7 +12,21 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _commit, _dtypes, _io, _keypath, _layout, _lease, _local, _manifest, _multihost, _pack, _tree, _write
+from . import (
+    _commit,
+    _direct,
+    _dtypes,
+    _io,
+    _keypath,
+    _layout,
+    _lease,
+    _local,
+    _manifest,
+    _multihost,
+    _pack,
+    _tree,
+    _write,
+)
 from ._errors import CheckpointError, CheckpointValueError, LeafError, check_flag, leaf_message
 from ._handle import LeafHandle
 from ._lazy import LazyArray
@@ -353,6 +367,7 @@ def _hold(pytree: Any, filter_spec: Any, is_leaf: Any) -> Callable[[], tuple[lis
     if not _tree.rebuilds_plainly(treedef):
         keypaths = [keypath for keypath, _ in _tree.flatten(pytree, None)[0]]
     held: list[Any] = []
+    copied: list[int] = []  # NumPy leaves, copied once all are found
     kinds, one_device = _write.array_kind, jax.sharding.SingleDeviceSharding
     try:
         for x in leaves:
@@ -368,10 +383,12 @@ def _hold(pytree: Any, filter_spec: Any, is_leaf: Any) -> Callable[[], tuple[lis
                         pass  # a PRNG key array, whose key data is held below
                 x = _write.hold(x, True)
             elif kind == "numpy" or (kind == "ndarray" and not isinstance(x, np.ma.MaskedArray)):
-                x = np.array(x, copy=True)
+                copied.append(len(held))
             elif kind in ("ndarray", "abstract"):  # a masked array's error is raised at once
                 return None
             held.append(x)
+        for i, copy in zip(copied, _direct.private_copies([held[i] for i in copied]), strict=True):
+            held[i] = copy
     except Exception:
         return None  # a leaf that cannot be held (a deleted array): the caller's thread names it
 

@@ -496,9 +496,10 @@ def follow(writing: Writing, tracker: Tracker) -> None:
 def private_copies(pending: list[Pending]) -> None:
     """Copy the host data of NumPy leaves, which the caller may change once an
     asynchronous save has returned (a jax.Array's host data never changes)."""
-    for p in pending:
-        if p.record.type == "numpy":
-            p.pieces = [(index, np.array(piece, copy=True)) for index, piece in p.pieces]
+    mine = [p for p in pending if p.record.type == "numpy"]
+    copies = iter(_direct.private_copies([piece for p in mine for _, piece in p.pieces]))
+    for p in mine:
+        p.pieces = [(index, next(copies)) for index, _ in p.pieces]
 
 
 def _group_writes(data: Location, records: list[LeafRecord]) -> list[Any]:

@@ -23,7 +23,7 @@ import pytest
 import tensorstore as ts
 
 import eqx_ckpt
-from eqx_ckpt import _commit, _io, _tree as tree_util, _write
+from eqx_ckpt import _commit, _direct, _io, _tree as tree_util, _write
 
 
 def _tree(step):
@@ -158,26 +158,35 @@ def test_second_save_to_the_same_path_waits_for_the_first(s3, store, monkeypatch
     assert eqx.tree_equal(out, _tree(2), typematch=True)
 
 
-def test_a_script_ending_with_a_save_in_flight_waits_for_it(tmp_path):
-    # Once the interpreter's exit tore the save down ("terminate called without an
-    # active exception", exit 134) and the checkpoint was lost.
-    script = textwrap.dedent(
-        """
-        import sys
-        import numpy as np
-        import eqx_ckpt
+_SCRIPT_HEAD = """
+import sys
+import numpy as np
+import eqx_ckpt
 
-        tree = {f"layer{i}": np.full(50_000, i, np.float32) for i in range(40)}
-        pending = eqx_ckpt.tree_serialise_leaves(sys.argv[1], tree, blocking=False)
-        assert not pending.done()
-        print("returned", flush=True)
-        """
-    )
-    path = tmp_path / "ckpt"
+tree = {f"layer{i}": np.full(50_000, i, np.float32) for i in range(40)}
+"""
+
+
+def _script_ending_in_flight(body, path):
+    """Run a script that starts a save of `tree` (40 leaves of 200 KB) in the
+    background and ends while it is in flight; require that the exit waited for
+    it and said so, as one save."""
+    script = _SCRIPT_HEAD + textwrap.dedent(body) + 'print("returned", flush=True)\n'
     result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "returned\n"
     assert "eqx_ckpt: waiting for 1 checkpoint save(s) to commit before exiting." in result.stderr
+
+
+def test_a_script_ending_with_a_save_in_flight_waits_for_it(tmp_path):
+    # Once the interpreter's exit tore the save down ("terminate called without an
+    # active exception", exit 134) and the checkpoint was lost.
+    path = tmp_path / "ckpt"
+    body = """
+        pending = eqx_ckpt.tree_serialise_leaves(sys.argv[1], tree, blocking=False)
+        assert not pending.done()
+        """
+    _script_ending_in_flight(body, path)
     expected = {f"layer{i}": np.full(50_000, i, np.float32) for i in range(40)}
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, expected), expected, typematch=True)
     assert eqx_ckpt.verify(path) == []
@@ -186,30 +195,18 @@ def test_a_script_ending_with_a_save_in_flight_waits_for_it(tmp_path):
 def test_a_script_ending_with_a_managers_save_in_flight_counts_it_once(tmp_path):
     """A manager's asynchronous save is two threads (the save, and the one that
     applies retention after it): the exit waits for both, and says one save."""
-    script = textwrap.dedent(
-        """
-        import sys
-        import numpy as np
-        import eqx_ckpt
-
+    path = tmp_path / "run"
+    body = """
         manager = eqx_ckpt.CheckpointManager(sys.argv[1], max_to_keep=1, blocking=False)
-        tree = {f"layer{i}": np.full(50_000, i, np.float32) for i in range(40)}
-        manager.save(0, tree)
+        manager.save(0, {name: -x for name, x in tree.items()})
         manager.wait_until_finished()
-        tree = {f"layer{i}": np.full(50_000, -i, np.float32) for i in range(40)}
         manager.save(1, tree)
         assert not manager._pending.done()
-        print("returned", flush=True)
         """
-    )
-    path = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == "returned\n"
-    assert "eqx_ckpt: waiting for 1 checkpoint save(s) to commit before exiting." in result.stderr
+    _script_ending_in_flight(body, path)
     manager = eqx_ckpt.CheckpointManager(path)
     assert manager.all_steps() == [1]  # step 0 went: retention ran after the save
-    expected = {f"layer{i}": np.full(50_000, -i, np.float32) for i in range(40)}
+    expected = {f"layer{i}": np.full(50_000, i, np.float32) for i in range(40)}
     assert eqx.tree_equal(manager.restore(expected), expected, typematch=True)
 
 
@@ -226,6 +223,31 @@ def _held_back(monkeypatch):
 
     monkeypatch.setattr(_write, "prepare", slow)
     return release, threads
+
+
+@pytest.mark.parametrize("spec", ["default", "custom"])
+def test_large_numpy_leaves_changed_after_the_call_are_saved_as_they_were(tmp_path, spec):
+    """NumPy leaves of `FRESH_MIN_BYTES` and more are copied into mapped memory
+    by a few threads (with the default filter spec, and in the caller's
+    thread's collection with a custom one): each copy is the leaf as it was
+    when the call returned, whatever its layout and byte order."""
+    n = _direct.FRESH_MIN_BYTES // 4
+    tree = {
+        "a": np.arange(n, dtype=np.float32),
+        "b": np.asfortranarray(np.arange(2 * n, dtype=np.float32).reshape(256, -1)),
+        "c": np.arange(2 * n, dtype=">i4")[::2],
+        "small": np.arange(5, dtype=np.int16),
+    }
+    expected = {k: np.array(v, copy=True) for k, v in tree.items()}
+    kwargs = {} if spec == "default" else {"filter_spec": lambda handle, x: handle.write(x)}
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, blocking=False, **kwargs)
+    for leaf in tree.values():
+        leaf[...] = 0
+    pending.wait()
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, expected)
+    assert eqx.tree_equal(loaded, expected, typematch=True)
+    assert loaded["c"].dtype == np.dtype(">i4")
+    assert eqx_ckpt.verify(tmp_path) == []
 
 
 def test_the_caller_waits_only_for_host_data(tmp_path, monkeypatch):

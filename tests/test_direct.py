@@ -2,6 +2,7 @@
 gives TensorStore's bytes, and refuses every kind of damage naming the leaf."""
 
 import dataclasses
+import mmap
 import os
 import pathlib
 import re
@@ -306,3 +307,50 @@ def test_missing_folder(tmp_path, small):
     data, record, folder = _damage_setup(tmp_path)
     shutil.rmtree(folder)
     _refused(data, record, "folder cannot be opened")
+
+
+def _owner_is_a_mapping(array):
+    owner = array
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    return isinstance(owner, (mmap.mmap, memoryview)) and (
+        not isinstance(owner, memoryview) or isinstance(owner.obj, mmap.mmap)
+    )
+
+
+def _private_copy_cases():
+    big = 2 * _direct.FRESH_MIN_BYTES // 4  # float32 elements: twice the threshold
+    return {
+        "big": np.arange(big, dtype=np.float32),
+        "big-fortran": np.asfortranarray(np.arange(big, dtype=np.float32).reshape(1024, -1)),
+        "big-strided": np.arange(2 * big, dtype=np.float32)[::2],
+        "big-big-endian": np.arange(big, dtype=">i4"),
+        "big-bool": np.arange(4 * big) % 3 == 0,
+        "small": np.arange(10, dtype=np.int16),
+        "zero-size": np.zeros((0, 3), np.float64),
+        "scalar": np.asarray(np.float32(1.5)),
+        "objects": np.array([1, "a"], dtype=object),
+    }
+
+
+def test_a_private_copy_is_equal_contiguous_and_shares_nothing():
+    """The copies an asynchronous save makes of NumPy leaves: the same values,
+    dtype (byte order included) and shape, C-contiguous, and independent of
+    the original; from `FRESH_MIN_BYTES` on, in page-aligned mapped memory (not
+    NumPy's, which asks for huge pages)."""
+    cases = _private_copy_cases()
+    copies = _direct.private_copies(list(cases.values()))
+    assert len(copies) == len(cases)
+    for (name, original), copy in zip(cases.items(), copies, strict=True):
+        single = _direct.private_copy(original)
+        for out in (copy, single):
+            assert type(out) is np.ndarray and out.dtype == original.dtype, name
+            assert out.shape == original.shape and np.array_equal(out, original), name
+            assert out.flags.c_contiguous and out.flags.writeable, name
+            assert not np.shares_memory(out, original), name
+            mapped = original.nbytes >= _direct.FRESH_MIN_BYTES and not original.dtype.hasobject
+            assert _owner_is_a_mapping(out) == mapped, name
+            assert out.ctypes.data % mmap.PAGESIZE == 0 or not mapped, name
+    before = copies[0].copy()
+    cases["big"][:] = -1  # the caller goes on
+    assert np.array_equal(copies[0], before)
