@@ -1,6 +1,7 @@
 """How leaves are read: large leaves in slabs into aligned buffers, and a bounded
 window of bytes in flight."""
 
+import mmap
 import re
 
 import equinox as eqx
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _read, _spec, _window
+from eqx_ckpt import _direct, _read, _spec, _window
 
 
 @pytest.fixture
@@ -34,6 +35,26 @@ def test_large_leaves_round_trip_through_slabs(tmp_path, small_slabs):
     assert eqx.tree_equal(out, tree, typematch=True)
     # The JAX array adopted the aligned buffer: no second copy was made.
     assert out["jax"].unsafe_buffer_pointer() % 64 == 0
+
+
+def test_slab_buffers_from_the_threshold_on_are_mapped_memory(tmp_path, small_slabs, monkeypatch):
+    """A leaf read in slabs of `FRESH_MIN_BYTES` or more goes into fresh mapped
+    memory (NumPy's own asks for huge pages, which stalled copies when the page
+    cache was full): the values are the same, a NumPy leaf's array lives in a
+    mapping, and a JAX array adopts its page-aligned buffer."""
+    monkeypatch.setattr(_direct, "FRESH_MIN_BYTES", 8192)
+    tree = {
+        "jax": jnp.arange(100 * 37, dtype=jnp.float32).reshape(100, 37),
+        "numpy": np.arange(3 * 999).reshape(999, 3),
+    }
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
+    assert eqx.tree_equal(out, tree, typematch=True)
+    owner = out["numpy"]
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    assert isinstance(getattr(owner, "obj", owner), mmap.mmap), owner
+    assert out["jax"].unsafe_buffer_pointer() % mmap.PAGESIZE == 0
 
 
 def test_slab_reads_cast_when_asked(tmp_path, small_slabs):
