@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
 
@@ -15,3 +17,11 @@ def values(shape, dtype, seed: int = 0) -> np.ndarray:
     if np.dtype(dtype).kind == "c":
         return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
     return rng.standard_normal(shape).astype(dtype)
+
+
+def in_a_mapping(array: np.ndarray) -> bool:
+    """Whether `array`'s memory belongs to an `mmap` (through any views of it)."""
+    owner = array
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    return isinstance(getattr(owner, "obj", owner), mmap.mmap)

@@ -15,7 +15,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from arrays import values
+from arrays import in_a_mapping, values
 from hypothesis import given, settings, strategies as st
 
 import eqx_ckpt
@@ -309,15 +309,6 @@ def test_missing_folder(tmp_path, small):
     _refused(data, record, "folder cannot be opened")
 
 
-def _owner_is_a_mapping(array):
-    owner = array
-    while isinstance(owner, np.ndarray):
-        owner = owner.base
-    return isinstance(owner, (mmap.mmap, memoryview)) and (
-        not isinstance(owner, memoryview) or isinstance(owner.obj, mmap.mmap)
-    )
-
-
 def _private_copy_cases():
     big = 2 * _direct.FRESH_MIN_BYTES // 4  # float32 elements: twice the threshold
     return {
@@ -349,7 +340,7 @@ def test_a_private_copy_is_equal_contiguous_and_shares_nothing():
             assert out.flags.c_contiguous and out.flags.writeable, name
             assert not np.shares_memory(out, original), name
             mapped = original.nbytes >= _direct.FRESH_MIN_BYTES and not original.dtype.hasobject
-            assert _owner_is_a_mapping(out) == mapped, name
+            assert in_a_mapping(out) == mapped, name
             assert out.ctypes.data % mmap.PAGESIZE == 0 or not mapped, name
     before = copies[0].copy()
     cases["big"][:] = -1  # the caller goes on
