@@ -1,6 +1,6 @@
 """One large leaf read three ways, each ending in a JAX array on the CPU:
 
-- `direct`: `eqx_ckpt._direct.read_leaf` (preadv into one aligned buffer, crc32c);
+- `direct`: `eqx_ckpt._local_read.read_leaf` (preadv into one aligned buffer, crc32c);
 - `ts`: TensorStore's read of the same zarr array (what a load does today);
 - `raw`: the same bytes as one file, read by parallel `pread` into an aligned
   buffer, as the `raw` contender does: no checksum, no chunk files.
@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 import eqx_ckpt
-from eqx_ckpt import _direct, _io
+from eqx_ckpt import _local_read, _storage
 from eqx_ckpt._source import open_source
 
 from . import contenders, workload
@@ -68,8 +68,8 @@ def main(gib: float = 1.0, repeats: int = 5) -> None:
         contenders.Raw().save(str(base / "raw.bin"), {"w": x})
         data, record = open_source(base / "ckpt").data, eqx_ckpt.Checkpoint(base / "ckpt").record("w")
         ways: dict[str, Callable[[], np.ndarray | None]] = {
-            "direct": lambda: _direct.read_leaf(data, record),
-            "ts": lambda: _io.open_array(data, record).result().read().result(),
+            "direct": lambda: _local_read.read_leaf(data, record),
+            "ts": lambda: _storage.open_array(data, record).result().read().result(),
             "raw": lambda: _raw(base / "raw.bin", x.shape),
         }
         print(f"{x.nbytes / 2**30:.2f} GiB, chunks {list(record.chunks)}, {repeats} runs, load {os.getloadavg()}")

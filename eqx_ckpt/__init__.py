@@ -3,7 +3,6 @@
 import importlib.metadata as _metadata
 
 from ._checkpoint import Checkpoint as Checkpoint, skeleton as skeleton
-from ._commit import CommitWarning as CommitWarning
 from ._deserialise import (
     default_deserialise_filter_spec as default_deserialise_filter_spec,
     tree_deserialise_leaves as tree_deserialise_leaves,
@@ -35,6 +34,7 @@ from ._serialise import (
     tree_serialise_leaves as tree_serialise_leaves,
 )
 from ._torch import torch_layout as torch_layout
+from ._transaction import CommitWarning as CommitWarning
 from ._verify import Problem as Problem, verify as verify
 
 try:

@@ -12,8 +12,8 @@ from jaxtyping import PyTree
 
 from . import _keypath, _nested, _source
 from ._errors import CheckpointKeyError, CheckpointTypeError, check_flag
+from ._format import LeafRecord
 from ._lazy import LazyArray
-from ._manifest import LeafRecord
 from ._progress import Progress
 
 _SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")

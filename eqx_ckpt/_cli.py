@@ -17,8 +17,12 @@ from typing import Any
 
 from . import __version__
 from ._checkpoint import SMALL_VALUES, Checkpoint, human
+from ._demo import run
+from ._diff import diff
 from ._errors import CheckpointError, CheckpointNotFoundError, CheckpointValueError
+from ._export import export_safetensors
 from ._manager import CheckpointManager
+from ._verify import verify
 
 
 def format_listing(ckpt: Checkpoint, *, depth: int | None = None, values: bool = False) -> str:
@@ -95,9 +99,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from . import _verify
-
-    problems = _verify.verify(_path(args.path))
+    problems = verify(_path(args.path))
     args.code = 1 if problems else 0  # the answer, even if the reader goes away (`main`)
     for problem in problems:
         print(printable(str(problem)))
@@ -106,9 +108,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from . import _diff
-
-    differences = _diff.diff(_path(args.a), _path(args.b))
+    differences = diff(_path(args.a), _path(args.b))
     args.code = 1 if differences else 0
     for line in differences:
         print(printable(line))
@@ -118,14 +118,10 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ._demo import run
-
     return run(args.dir, steps=args.steps)
 
 
 def _export(args: argparse.Namespace) -> int:
-    from ._export import export_safetensors
-
     rules: list[tuple[str, str | None]] = []
     for rule in args.rename:
         pattern, sep, replacement = rule.partition("=")

@@ -11,14 +11,28 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _dtypes, _io, _keypath, _pack, _read, _select, _source, _transform, _tree, _window
+from . import (
+    _dtypes,
+    _gc,
+    _keypath,
+    _pack,
+    _read,
+    _select,
+    _source,
+    _storage,
+    _storage_errors,
+    _transform,
+    _tree,
+    _window,
+)
 from ._errors import CheckpointError, CheckpointValueError, LeafError, check_flag, leaf_line, leaf_message
+from ._format import LeafRecord
 from ._handle import LeafHandle
 from ._lazy import LazyArray
-from ._manifest import LeafRecord, Manifest
+from ._location import Location
+from ._manifest import Manifest
 from ._progress import Progress, Tracker
 from ._source import Source
-from ._spec import Location
 
 
 def default_deserialise_filter_spec(handle: LeafHandle, x: Any) -> Any:
@@ -133,8 +147,8 @@ def _clip(line: str, limit: int = 400) -> str:
     return line if len(line) <= limit else line[: limit - 5] + " ...]"
 
 
-# Loads make many small objects (see `_tree.gc_paused`).
-@_tree.gc_paused()
+# Loads make many small objects (see `_gc.gc_paused`).
+@_gc.gc_paused()
 def tree_deserialise_leaves(
     path: Any,
     like: PyTree,
@@ -237,9 +251,9 @@ def tree_deserialise_leaves(
     source = _source.open_source(path)
     loc, manifest = source.loc, source.manifest
     flat, treedef = _tree.flatten(like, is_leaf)
-    # Each leaf's dotted path, each key named once (`_keypath.named`): naming
+    # Each leaf's dotted path, each key named once (`_keypath.dotted_and_records`): naming
     # every key path apart took 6 us a leaf, twice, for ten thousand leaves.
-    dotted = _keypath.named([keypath for keypath, _ in flat])[0]
+    dotted = _keypath.dotted_and_records([keypath for keypath, _ in flat])[0]
     specs = _tree.leaf_specs(filter_spec, like, is_leaf, what="like", count=len(flat))
     chosen = _select.selected(where, treedef, len(flat))
     if where is not None and not any(_loaded(flat[i][1], specs[i]) for i in chosen):
@@ -490,7 +504,7 @@ def _load(source: Source, plans: list[_Plan], *, lazy: bool, progress: Progress 
         return out
     records = [_record_of(plan) for plan in plans]
     total = sum(r.nbytes for r in records)
-    with _tree.gc_paused(), Tracker(progress, leaves=len(records), nbytes=total, what="load") as tracker:
+    with _gc.gc_paused(), Tracker(progress, leaves=len(records), nbytes=total, what="load") as tracker:
         return _read_all(source, plans, records, tracker)
 
 
@@ -514,7 +528,7 @@ def _read_all(source: Source, plans: list[_Plan], records: list[LeafRecord], tra
         try:
             store = opens.pop(i).result()
         except Exception as e:
-            raise _io.leaf_io_error(e, record, data, "open") from e
+            raise _storage_errors.leaf_io_error(e, record, data, "open") from e
         return _read.start(store, data, record, plan.like, dtype=dtype)
 
     for i, size, finish in _window.windowed((i, records[i].nbytes, functools.partial(start, i)) for i in own):
@@ -534,10 +548,10 @@ def _read_packed(
             # Which leaf of the run is damaged: read them one by one.
             for m in members:
                 try:
-                    _pack.open_leaf(data, records[m]).result()
+                    _storage.open_packed(data, records[m]).result()
                 except Exception as each:
-                    raise _io.leaf_io_error(each, records[m], data, "read") from e
-            raise _io.leaf_io_error(e, records[members[0]], data, "read") from e
+                    raise _storage_errors.leaf_io_error(each, records[m], data, "read") from e
+            raise _storage_errors.leaf_io_error(e, records[members[0]], data, "read") from e
         hosts = [run[records[m].offset - start :][: records[m].size].reshape(records[m].stored_shape) for m in members]
         values = _read.place(data, hosts, [records[m] for m in members], [plans[m].like for m in members])
         for m, value in zip(members, values):

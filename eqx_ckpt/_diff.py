@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from . import _chunks, _commit, _dtypes, _io, _layout, _read
+from . import _chunk_scan, _dtypes, _layout, _manifest, _read, _storage, _storage_errors
 from ._checkpoint import describe
 from ._errors import CheckpointError, check_flag
-from ._manifest import LeafRecord
+from ._format import LeafRecord
+from ._location import Location, location
 from ._progress import Progress, Tracker
-from ._spec import Location, location
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,7 @@ def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None) -> C
     """
     values = check_flag("values", values, "whether to compare the values of leaves that agree in shape and dtype")
     loc_a, loc_b = location(a), location(b)
-    man_a, man_b = _commit.require_manifest(loc_a), _commit.require_manifest(loc_b)
+    man_a, man_b = _manifest.require_manifest(loc_a), _manifest.require_manifest(loc_b)
     recs_a, recs_b = man_a.by_path(), man_b.by_path()
     changed, same = [], []
     for key in sorted(set(recs_a) & set(recs_b)):
@@ -143,11 +143,11 @@ def _compare_values(
         stores = []
         for data, record in ((data_a, ra), (data_b, rb)):
             try:
-                stores.append(_io.open_array(data, record).result())
+                stores.append(_storage.open_array(data, record).result())
             except CheckpointError:
                 raise
             except Exception as e:
-                raise _io.leaf_io_error(e, record, data, "open") from e
+                raise _storage_errors.leaf_io_error(e, record, data, "open") from e
         opened.append((ra, rb, stores[0], stores[1]))
     errors: list[BaseException] = []
     differ: set[str] = set()
@@ -162,11 +162,15 @@ def _compare_values(
     def stop(path: str) -> Callable[[], bool]:
         return lambda: bool(errors) or path in differ
 
-    jobs = ((pair[0], pair, index) for pair in opened for index in _chunks.chunks(pair[0], stop=stop(pair[0].path)))
-    done = _chunks.windowed(
+    jobs = (
+        (pair[0], pair, index)
+        for pair in opened
+        for index in _chunk_scan.chunk_indices(pair[0], stop=stop(pair[0].path))
+    )
+    done = _chunk_scan.read_chunks(
         jobs, skip=lambda r: r.path in differ or bool(errors), failed=lambda r, e: errors.append(e), read=read
     )
-    count = _chunks.LeafCounter([ra for ra, _ in pairs], tracker)
+    count = _chunk_scan.LeafCounter([ra for ra, _ in pairs], tracker)
     for record, equal, size in done:
         if not equal:
             differ.add(record.path)
@@ -180,7 +184,7 @@ def _result(future: Any, record: LeafRecord, data: Location) -> np.ndarray:
     try:
         return np.asarray(future.result())
     except Exception as e:
-        raise _io.leaf_io_error(e, record, data, "read") from e
+        raise _storage_errors.leaf_io_error(e, record, data, "read") from e
 
 
 def _logical(array: np.ndarray, record: LeafRecord, data: Location) -> np.ndarray:

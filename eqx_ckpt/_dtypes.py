@@ -11,7 +11,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from ._spec import NATIVE_DTYPES, dtype_from_name
+from ._format import NATIVE_DTYPES, dtype_from_name
 
 _PYTHON_SCALARS = {
     bool: ("bool", np.bool_),

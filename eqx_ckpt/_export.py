@@ -27,13 +27,13 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _dtypes, _io, _keypath, _safetensors, _select
+from . import _dtypes, _durable, _keypath, _safetensors, _select, _storage
 from ._checkpoint import Checkpoint
 from ._errors import CheckpointExistsError, CheckpointTypeError, CheckpointValueError, LeafError, leaf_message
+from ._format import MANIFEST, MAX_MANIFEST_BYTES
 from ._lazy import LazyArray
-from ._manifest import MANIFEST, MAX_MANIFEST_BYTES
+from ._location import Location, location
 from ._progress import Progress, Tracker
-from ._spec import Location, location
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
@@ -136,12 +136,12 @@ def export_safetensors(
             "metadata": {"total_size": sum(t.nbytes for t in tensors)},
             "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard},
         }
-        _io.write_file(loc, _safetensors.INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
+        _storage.write_file(loc, _safetensors.INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
         names.append(_safetensors.INDEX)
     if single in (None, _safetensors.SINGLE):
         # What an earlier export left here and this one did not rewrite: a stale
         # index beside a new `model.safetensors` would be read instead of it.
-        _io.remove(loc, [n for n in _io.list_names(loc) if _EXPORTED.match(n) and n not in names])
+        _storage.remove(loc, [n for n in _storage.list_names(loc) if _EXPORTED.match(n) and n not in names])
     return names
 
 
@@ -294,14 +294,14 @@ def _destination(path: Any) -> tuple[Location, str | None]:
         spec, name = _safetensors.split_file(loc)
         local = os.path.dirname(loc.local) if loc.local is not None else None
         folder = Location(spec, os.path.dirname(loc.display.rstrip("/")) or ".", local)
-    if _io.read_file(folder, MANIFEST, limit=MAX_MANIFEST_BYTES) is not None:
+    if _storage.read_file(folder, MANIFEST, limit=MAX_MANIFEST_BYTES) is not None:
         # (`eqx-ckpt export ckpt ckpt` once wrote the export into the checkpoint.)
         raise CheckpointExistsError(
             f"{folder.display!r} holds an eqx_ckpt checkpoint; an export there would mix its files with the "
             f"checkpoint's. Export to another directory.",
             path=folder.display,
         )
-    _io.ensure_directory(folder)
+    _durable.ensure_directory(folder)
     return folder, name
 
 
@@ -368,4 +368,4 @@ def _write_shard(loc: Location, name: str, shard: list[_Tensor], metadata: dict[
     for tensor in shard:
         buffer += _bytes(tensor)
         update(tensor.nbytes)
-    _io.write_file(loc, name, bytes(buffer))
+    _storage.write_file(loc, name, bytes(buffer))

@@ -150,7 +150,7 @@ def to_json(keypath: tuple[Any, ...]) -> list[list[Any]]:
     return [list(remembered_record(key)) for key in keypath]
 
 
-def named(keypaths: list[tuple[Any, ...]]) -> tuple[list[str], list[list[list[Any]]]]:
+def dotted_and_records(keypaths: list[tuple[Any, ...]]) -> tuple[list[str], list[list[list[Any]]]]:
     """The dotted path and the manifest record (`to_json`) of every key path of
     one flattened tree, in one pass.
 

@@ -8,7 +8,7 @@
   inside the database are the same per-leaf paths, so the zarr arrays, the
   manifest and every kind of load are unchanged; only the number of files is not.
 
-The database sits in its own folder so that deleting a data root (see `_commit`)
+The database sits in its own folder so that deleting a data root (see `_transaction`)
 deletes it whole.
 
 Either way, the folders above the leaves are zarr v3 groups (`groups`): a save
@@ -19,19 +19,12 @@ checks them.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterable
 
-from . import _keypath
+from . import _format, _keypath
 from ._errors import CheckpointValueError
-from ._manifest import LAYOUTS, LeafRecord
-from ._spec import Location
-
-OCDBT_FOLDER = "ocdbt.db"
-
-# The `zarr.json` of every group a save writes.
-GROUP = {"zarr_format": 3, "node_type": "group", "attributes": {}}
-GROUP_JSON = json.dumps(GROUP).encode()
+from ._format import LAYOUTS, LeafRecord
+from ._location import Location
 
 
 def check(layout: str) -> str:
@@ -51,7 +44,7 @@ def data_location(loc: Location, data_root: str, layout: str) -> Location:
     root = dataclasses.replace(loc.joined(data_root), display=loc.display) if data_root else loc
     if layout == "directories":
         return root
-    spec = {"driver": "ocdbt", "base": root.child(OCDBT_FOLDER), "path": ""}
+    spec = {"driver": "ocdbt", "base": root.child(_format.OCDBT_FOLDER), "path": ""}
     return Location(spec, loc.display, None)
 
 
@@ -68,9 +61,3 @@ def groups(records: Iterable[LeafRecord]) -> list[str]:
         parts = _keypath.split_dotted(record.path)
         found.update("/".join(parts[:i]) for i in range(len(parts)))
     return sorted(found)
-
-
-def metadata_key(folder: str) -> str:
-    """The key of the `zarr.json` of the group or array in `folder` (below the
-    data root; "" is the data root itself)."""
-    return folder + "/zarr.json" if folder else "zarr.json"

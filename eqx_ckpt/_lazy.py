@@ -12,10 +12,10 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _dtypes, _io, _read, _window
-from ._manifest import LeafRecord
+from . import _dtypes, _memory, _read, _storage, _storage_errors, _window
+from ._format import LeafRecord
+from ._location import Location
 from ._progress import Progress, Tracker
-from ._spec import Location
 
 
 class LazyArray:
@@ -115,12 +115,12 @@ class LazyArray:
                 opened = (
                     self._opener(self._record)
                     if self._opener
-                    else _io.open_array(self._loc, self._record, checked=False)
+                    else _storage.open_array(self._loc, self._record, checked=False)
                 )
                 self._store = opened.result()
             except Exception as e:
                 self._check()
-                raise _io.leaf_io_error(e, self._record, self._loc, "open") from e
+                raise _storage_errors.leaf_io_error(e, self._record, self._loc, "open") from e
         return self._store
 
     def __getitem__(self, index: Any) -> np.ndarray:
@@ -132,7 +132,7 @@ class LazyArray:
         index = _numpy_index(index, self.shape)
         store = self._open()
         per_element = self._record.nbytes // max(self.size, 1)
-        _io.refuse_beyond_memory(self._loc, self._record, _region_size(index) * per_element, "this region")
+        _memory.refuse_beyond_memory(self._loc, self._record, _region_size(index) * per_element, "this region")
         if self._record.type == "prng_key":
             index = index if isinstance(index, tuple) else (index,)
             # The key data is the last stored axis; a second `...` would be an error.
@@ -141,7 +141,7 @@ class LazyArray:
             array = store[index].read().result()
         except Exception as e:
             self._check()
-            raise _io.leaf_io_error(e, self._record, self._loc, "read") from e
+            raise _storage_errors.leaf_io_error(e, self._record, self._loc, "read") from e
         self._check()
         # A leaf cast on save reads back in the dtype it was saved from, as `dtype`
         # says (an error if a stored value cannot become it).

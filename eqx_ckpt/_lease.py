@@ -24,7 +24,7 @@ One discipline for every writer, on every store:
    step that cannot be undone; a holder whose lease was taken over stops, and
    deletes nothing but what it wrote itself.
 
-The lease file is also the save's journal (see `_commit`): what it wrote, and
+The lease file is also the save's journal (see `_transaction`): what it wrote, and
 what it will delete once committed, so the next writer can finish the clean-up
 of one that was killed.
 """
@@ -42,9 +42,9 @@ import time
 import weakref
 from typing import Any
 
-from . import _io
+from . import _durable, _storage, _storage_errors
 from ._errors import CheckpointExistsError
-from ._spec import Location
+from ._location import Location
 
 HEARTBEAT_SECONDS = 5.0
 STALE_SECONDS = 20.0
@@ -182,9 +182,9 @@ class Lease:
             with self._mutex:
                 generation, self._generation = self._generation, ABSENT
                 if generation != ABSENT and self._lost is None and not keep_file:
-                    _io.result(_io.kvstore(self.loc).write(self.name, None, if_equal=generation))
+                    _storage.result(_storage.kvstore(self.loc).write(self.name, None, if_equal=generation))
                     if self.loc.local is not None:
-                        _io.sync_directory(self.loc.local)
+                        _durable.sync_directory(self.loc.local)
         finally:
             fd, self._fd = self._fd, None
             if fd is not None:
@@ -289,7 +289,7 @@ def _flock(loc: Location, what: str) -> int | None:
 
 
 def _read(loc: Location, name: str) -> tuple[dict[str, Any], bytes] | None:
-    found = _io.result(_io.kvstore(loc).read(name))
+    found = _storage.result(_storage.kvstore(loc).read(name))
     if found.state != "value":
         return None
     try:
@@ -304,15 +304,15 @@ def _conditional_write(loc: Location, name: str, body: dict[str, Any], if_equal:
     or `None` if it was not (TensorStore then returns an empty generation).
     A lease is written before its holder writes anything: a failure says so."""
     try:
-        stamp = _io.result(_io.kvstore(loc).write(name, json.dumps(body).encode(), if_equal=if_equal))
+        stamp = _storage.result(_storage.kvstore(loc).write(name, json.dumps(body).encode(), if_equal=if_equal))
     except NotImplementedError:
-        raise _io.read_only_store(loc) from None
+        raise _storage_errors.read_only_store(loc) from None
     except Exception as e:
-        raise _io.write_error(loc, name, e, "nothing was written") from e
+        raise _storage_errors.write_error(loc, name, e, "nothing was written") from e
     if not stamp.generation:
         return None
     if loc.local is not None:
-        _io.sync_directory(loc.local)
+        _durable.sync_directory(loc.local)
     return stamp.generation
 
 

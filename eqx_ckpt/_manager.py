@@ -25,8 +25,7 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import PyTree
 
-from . import _io, _lease, _serialise
-from ._commit import CommitWarning
+from . import _durable, _lease, _serialise, _storage, _storage_errors
 from ._deserialise import default_deserialise_filter_spec, tree_deserialise_leaves
 from ._errors import (
     CheckpointExistsError,
@@ -34,22 +33,21 @@ from ._errors import (
     CheckpointValueError,
     check_flag,
 )
-from ._manifest import MANIFEST
+from ._format import MANIFEST, metrics_name as _metrics_name, step_name
+from ._location import location
 from ._serialise import PendingSave, default_serialise_filter_spec
-from ._spec import location
 from ._steps import (
     _check_step,
     _clean_interrupted,
     _kept,
-    _metrics_name,
     _metrics_values,
     _primary,
     _rank,
     _read_metrics,
     _scan,
     _show,
-    step_name,
 )
+from ._transaction import CommitWarning
 
 
 def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -184,7 +182,7 @@ class CheckpointManager:
     def _hold_directory(self) -> None:
         """Take the directory's lease (once): only one manager writes here."""
         if self._lease is None and _primary():
-            _io.ensure_directory(self._loc)
+            _durable.ensure_directory(self._loc)
             self._lease, _ = _lease.acquire(self._loc, _MANAGER_LEASE, what="CheckpointManager", journal=False)
 
     def step_path(self, step: int) -> str:
@@ -283,7 +281,7 @@ class CheckpointManager:
         step = _check_step(step)
         overwrite = check_flag("overwrite", overwrite, "whether to replace a step already there")
         values = _metrics_values(step, metrics, self.directory)
-        with _io.explained(self._loc, f"Saving step {step} to"):
+        with _storage_errors.explained(self._loc, f"Saving step {step} to"):
             self._hold_directory()
             if self._lease is not None:
                 self._lease.check()
@@ -299,8 +297,8 @@ class CheckpointManager:
         # The metrics go into the step's manifest, so they commit with it; a
         # leftover file of version 1 would shadow nothing, but is stale now.
         if state.get(step) and _primary():
-            with _io.explained(self._loc, f"Saving step {step} to"):
-                _io.remove(self._loc, [_metrics_name(step)])
+            with _storage_errors.explained(self._loc, f"Saving step {step} to"):
+                _storage.remove(self._loc, [_metrics_name(step)])
         handoff = _serialise.Handoff()
         try:
             pending = _serialise.save(
@@ -335,7 +333,7 @@ class CheckpointManager:
         """After a failed save: a step folder this save created, and that holds
         no committed checkpoint, goes. A committed step is never deleted here."""
         if _primary() and not _scan(self._loc).get(step, False):
-            _io.remove(self._loc, [step_name(step)])
+            _storage.remove(self._loc, [step_name(step)])
 
     def wait_until_finished(self) -> None:
         """Block until the background save (if any) has committed and old steps are
@@ -490,7 +488,7 @@ class CheckpointManager:
         """
         step = _check_step(step)
         self.wait_until_finished()
-        with _io.explained(self._loc, "Deleting steps from"):
+        with _storage_errors.explained(self._loc, "Deleting steps from"):
             self._hold_directory()  # deleting steps is writing: one manager at a time
         later = [s for s in self.all_steps() if s > step]
         if _primary():
@@ -501,8 +499,8 @@ class CheckpointManager:
     def _delete(self, step: int) -> None:
         """The manifest first, so that a step disappears at once even if the
         deletion of its arrays is interrupted."""
-        _io.delete_file(self._loc.joined(step_name(step)), MANIFEST)
-        _io.remove(self._loc, [step_name(step), _metrics_name(step)])
+        _storage.delete_file(self._loc.joined(step_name(step)), MANIFEST)
+        _storage.remove(self._loc, [step_name(step), _metrics_name(step)])
 
     def _apply_retention(self, saved: int | None = None) -> None:
         """After a step committed: delete the steps no rule keeps. A failure here is

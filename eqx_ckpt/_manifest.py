@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import hashlib
 import json
 import math
@@ -20,158 +19,26 @@ from typing import Any
 
 import orjson
 
-from . import _keypath, _tree
-from ._errors import CorruptCheckpointError
-
-FORMAT = "eqx_ckpt"
-# Version 2 adds the commit identity, per-save data roots (`gen.<commit>`) and
-# metrics; version 3 packs small leaves together (`packs`, and a leaf's `pack`
-# and `offset`); version 4 leaves out of a leaf's record what equals its default
-# (see `LeafRecord.to_json`) and takes the digest over the file's own bytes.
-# Versions 1 to 3 are still read.
-FORMAT_VERSION = 4
-MANIFEST = "manifest.json"
-SAVING = "saving.json"
-# Data roots: "" or `gen.2` (version 1, alternating), `gen.<commit>` (version 2).
-_DATA_ROOT = re.compile(r"^gen\.([0-9a-f]{16}|2)$")
-# How arrays sit under the data root (see `_layout`).
-LAYOUTS = ("directories", "ocdbt")
-MAX_MANIFEST_BYTES = 256 * 2**20
-MAX_RANK = 32
-MAX_ELEMENTS = 2**53
-
-# How a leaf came in, which decides what a load gives back when `like` is silent.
-LEAF_TYPES = ("jax", "numpy", "numpy_scalar", "prng_key", "bool", "int", "float", "complex")
-ENCODINGS = ("plain", "view", "key_data")
-
-
-# A pack's folder: `packed.<stored dtype>` (a name with a `.`, so no key maps there).
-_PACK_NAME = re.compile(r"^packed\.([a-z0-9_]+)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class PackRecord:
-    """One array holding several small leaves back to back (see `_pack`).
-
-    **Attributes:**
-
-    - `name`: its folder under the data root, `packed.<dtype>`.
-    - `dtype`: the stored dtype of every leaf in it.
-    - `size`: its length in elements (it is one-dimensional).
-    - `chunk`: the length of its chunks, in elements.
-    - `commit`: the commit of the manifest that lists it (not stored: it tells
-        apart the packs of two saves that used the same folder).
-    """
-
-    name: str
-    dtype: str
-    size: int
-    chunk: int
-    commit: str = dataclasses.field(default="", compare=False)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": [self.size], "chunks": [self.chunk]}
-
-
-def pack_name(stored_dtype: str) -> str:
-    return f"packed.{stored_dtype}"
-
-
-def is_pack_name(name: str) -> bool:
-    return bool(_PACK_NAME.match(name))
-
-
-# Not `frozen`: a frozen dataclass's `__init__` costs six times as much, and a
-# save or load of ten thousand leaves makes a record for each (with slots, 190
-# bytes a record instead of 240: memory whose fresh pages a save pays for).
-# Never changed once made, except by `_pack.assign` while its save has made it
-# and no one else has seen it.
-@dataclasses.dataclass(slots=True)
-class LeafRecord:
-    """One saved leaf.
-
-    **Attributes:**
-
-    - `path`: the dotted path (`model.layers.0.weight`).
-    - `keypath`: the key path as a JSON list of `[kind, value]` pairs.
-    - `type`: one of `LEAF_TYPES`.
-    - `shape`, `dtype`: as the leaf had them (`dtype` "key<threefry2x32>" for keys).
-    - `stored_shape`, `stored_dtype`: of the zarr array (they differ for PRNG keys,
-      for dtypes stored as raw bytes, and when cast on save).
-    - `encoding`: "plain", "view" (raw bytes as unsigned ints) or "key_data".
-    - `chunks`: the zarr chunk shape.
-    - `impl`: the PRNG implementation name of a key array, else "".
-    - `pack`: the pack holding it, or `None` when it has its own array.
-    - `offset`: where its elements start in its pack (C order).
-    """
-
-    path: str
-    keypath: list[list[Any]]
-    type: str
-    shape: tuple[int, ...]
-    dtype: str
-    stored_shape: tuple[int, ...]
-    stored_dtype: str
-    encoding: str
-    chunks: tuple[int, ...]
-    impl: str = ""
-    pack: PackRecord | None = None
-    offset: int = 0
-
-    @property
-    def size(self) -> int:
-        """Its number of stored elements."""
-        return math.prod(self.stored_shape)
-
-    @property
-    def directory(self) -> str:
-        return _keypath.to_directory(self.path)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.stored_shape) * _itemsize(self.stored_dtype)
-
-    @property
-    def chunk_nbytes(self) -> int:
-        """The bytes of one full chunk as stored (before its checksum)."""
-        return math.prod(self.chunks) * _itemsize(self.stored_dtype)
-
-    def to_json(self) -> dict[str, Any]:
-        """Its record in a version 4 manifest: what equals its default is left
-        out (`stored_shape` and `stored_dtype` equal to `shape` and `dtype`,
-        `encoding` "plain", `chunks` equal to the stored shape, `impl` "").
-        Shapes stay tuples, which the encoders write as JSON arrays (a `list`
-        of each took a third of this call's time, ten thousand times a save)."""
-        shape, stored = self.shape, self.stored_shape
-        out: dict[str, Any] = {
-            "path": self.path, "keypath": self.keypath, "type": self.type, "shape": shape, "dtype": self.dtype,
-        }  # fmt: skip
-        if stored != shape:
-            out["stored_shape"] = stored
-        if self.stored_dtype != self.dtype:
-            out["stored_dtype"] = self.stored_dtype
-        if self.encoding != "plain":
-            out["encoding"] = self.encoding
-        if self.chunks != stored and self.chunks != whole_chunks(stored):
-            out["chunks"] = self.chunks
-        if self.impl:
-            out["impl"] = self.impl
-        if self.pack is not None:
-            out["pack"], out["offset"] = self.pack.name, self.offset
-        return out
-
-
-@functools.lru_cache(maxsize=256)
-def _itemsize(dtype: str) -> int:
-    from ._spec import dtype_from_name
-
-    return dtype_from_name(dtype).itemsize
-
-
-@functools.lru_cache(maxsize=4096)
-def whole_chunks(stored_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The chunk shape of an array stored as one chunk."""
-    return tuple(max(1, n) for n in stored_shape)
+from . import _format, _gc, _keypath, _storage, _untrusted
+from ._dtypes import is_known_dtype, key_data_shape
+from ._errors import CheckpointNotFoundError, CheckpointReplacedError, CorruptCheckpointError
+from ._format import (
+    ENCODINGS,
+    FORMAT,
+    FORMAT_VERSION,
+    LAYOUTS,
+    LEAF_TYPES,
+    MANIFEST,
+    MAX_ELEMENTS,
+    MAX_MANIFEST_BYTES,
+    MAX_RANK,
+    LeafRecord,
+    PackRecord,
+    is_data_root,
+    pack_name,
+    whole_chunks,
+)
+from ._location import Location
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +75,7 @@ class Manifest:
         return {leaf.path: leaf for leaf in self.leaves}
 
     def to_bytes(self) -> bytes:
-        with _tree.gc_paused():
+        with _gc.gc_paused():
             return self._to_bytes()
 
     def _to_bytes(self) -> bytes:
@@ -312,11 +179,6 @@ def new_manifest(
     )  # fmt: skip
 
 
-def is_data_root(name: str) -> bool:
-    """Whether `name` is a data root folder eqx_ckpt writes (`gen.<commit>`)."""
-    return bool(_DATA_ROOT.match(name))
-
-
 def _digest(body: dict[str, Any]) -> str:
     """The digest of a version 1-3 manifest: of its content, keys sorted."""
     content = {k: v for k, v in body.items() if k != "digest"}
@@ -337,7 +199,7 @@ def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def parse(data: bytes, *, where: str, stamp: bytes = b"") -> Manifest:
     """Parse and validate manifest bytes; any problem is a `CorruptCheckpointError`."""
-    with _tree.gc_paused():
+    with _gc.gc_paused():
         return _parse(data, where=where, stamp=stamp)
 
 
@@ -428,8 +290,6 @@ def _shape(value: Any, name: str) -> tuple[int, ...]:
 
 
 def _parse_packs(items: Any, commit: str, bad: Any) -> dict[str, PackRecord]:
-    from ._dtypes import is_known_dtype
-
     if not isinstance(items, list):
         raise bad("`packs` is not a list")
     packs: dict[str, PackRecord] = {}
@@ -460,8 +320,6 @@ def _parse_leaf(item: Any, packs: dict[str, PackRecord], *, lean: bool, checked:
     """One leaf record, every field checked. `lean`: a version 4 record, whose
     fields equal to their defaults are left out. `checked`: see `stored_dotted`.
     (Called for every leaf of a manifest, hence written for speed.)"""
-    from ._dtypes import is_known_dtype
-
     if type(item) is not dict:
         raise TypeError("not a JSON object")
     path = item["path"]
@@ -538,8 +396,6 @@ def _check_consistent(
 def _check_key_data(impl: str, shape: tuple[int, ...], stored: tuple[int, ...], stored_dtype: str) -> None:
     """A PRNG key leaf names an implementation JAX has, and its stored key data
     has that implementation's shape and dtype."""
-    from ._dtypes import key_data_shape
-
     key_shape = key_data_shape(impl) if len(impl) <= 100 else None
     if key_shape is None:
         raise ValueError(f"unknown PRNG implementation {impl[:100]!r}")
@@ -567,3 +423,42 @@ def _check_paths(records: list[LeafRecord], bad: Any) -> None:
             ancestor = ".".join(parts[:i])
             if ancestor in seen:
                 raise bad(f"leaf {path!r} lies inside leaf {ancestor!r}")
+
+
+# -- Reading the manifest of a checkpoint ----------------------------------------------------------
+
+
+def read_manifest(loc: Location) -> Manifest | None:
+    """The manifest at `loc`, parsed and checked, or `None` where there is none."""
+    data, stamp = _storage.read_file_stamped(loc, MANIFEST, limit=MAX_MANIFEST_BYTES)
+    return None if data is None else parse(data, where=loc.display, stamp=stamp)
+
+
+def require_manifest(loc: Location) -> Manifest:
+    """The manifest at `loc`; no checkpoint there, or a data root that leads out
+    of it, is an error."""
+    manifest = read_manifest(loc)
+    if manifest is None:
+        raise CheckpointNotFoundError(
+            f"There is no eqx_ckpt checkpoint at {loc.display!r} (no {MANIFEST}). "
+            f"Check the path; a save that was interrupted leaves no checkpoint.",
+            path=loc.display,
+        )
+    # The data root (and an OCDBT database in it) must not lead out of the checkpoint.
+    ocdbt = manifest.layout == "ocdbt"
+    _untrusted.refuse_links(loc, manifest.data_root + ("/" + _format.OCDBT_FOLDER if ocdbt else ""), subtree=ocdbt)
+    return manifest
+
+
+def check_unchanged(loc: Location, manifest: Manifest) -> None:
+    """Raise if the checkpoint at `loc` was replaced since `manifest` was read.
+
+    A reader calls this after reading arrays: an overwrite deletes the old
+    arrays only after its commit, so if the manifest is still the one read, every
+    byte read came from it."""
+    if _storage.file_changed(loc, MANIFEST, manifest.stamp):
+        raise CheckpointReplacedError(
+            f"Checkpoint {loc.display!r} was replaced by a newer save after it was opened, so what was read "
+            f"from it may belong to either save and was discarded. Open or load it again to read the new one.",
+            path=loc.display,
+        )

@@ -19,10 +19,10 @@ import numpy as np
 
 from . import _dtypes, _keypath
 from ._errors import CheckpointValueError
+from ._format import LeafRecord
 from ._lazy import LazyArray, materialise
-from ._manifest import LeafRecord
+from ._location import Location
 from ._progress import Progress
-from ._spec import Location
 
 _PYTHON = {"bool": False, "int": 0, "float": 0.0, "complex": 0j}
 

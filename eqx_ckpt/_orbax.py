@@ -7,8 +7,7 @@ either a folder per array, or, with OCDBT (orbax's default), keys of an OCDBT
 database at the checkpoint's root. TensorStore reads both; orbax itself is not
 needed. Dotted paths are the key paths, escaped as eqx_ckpt escapes its own.
 
-Like `_io` and `_spec`, this module talks to TensorStore directly: it is the
-orbax reader.
+TensorStore opens orbax's arrays (through `_storage`); orbax itself is not imported.
 """
 
 from __future__ import annotations
@@ -16,13 +15,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import tensorstore as ts
-
-from . import _io, _keypath
+from . import _keypath, _storage
 from ._dtypes import is_known_dtype
 from ._errors import CheckpointValueError, CorruptCheckpointError
-from ._manifest import MAX_MANIFEST_BYTES, LeafRecord, Manifest
-from ._spec import CONTEXT, Location
+from ._format import MAX_MANIFEST_BYTES, LeafRecord
+from ._location import Location
+from ._manifest import Manifest
 
 METADATA = "_METADATA"
 DEFAULT_ITEM = "default"
@@ -35,11 +33,11 @@ _SEQUENCE = 1
 
 def find(loc: Location) -> tuple[str, Manifest, Any] | None:
     """The leaves of an orbax PyTree checkpoint at `loc`, or `None` if it is not one."""
-    data = _io.read_file(loc, METADATA, limit=MAX_MANIFEST_BYTES)
+    data = _storage.read_file(loc, METADATA, limit=MAX_MANIFEST_BYTES)
     if data is None:
         # A step of an orbax `CheckpointManager` keeps its one item in `default/`.
         item = loc.joined(DEFAULT_ITEM)
-        data = _io.read_file(item, METADATA, limit=MAX_MANIFEST_BYTES)
+        data = _storage.read_file(item, METADATA, limit=MAX_MANIFEST_BYTES)
         if data is None:
             return None
         loc = item
@@ -60,8 +58,8 @@ def find(loc: Location) -> tuple[str, Manifest, Any] | None:
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise _corrupt(loc, f"its {METADATA} does not describe a PyTree ({type(e).__name__}: {e})") from None
     leaves = [leaf for leaf in found if leaf is not None]
-    specs = [_spec(loc, driver, ocdbt, name) | {"fill_missing_data_reads": not complete} for _, name, _ in leaves]
-    opens = [ts.open(spec, open=True, read=True, context=CONTEXT) for spec in specs]
+    specs = [_array_spec(loc, driver, ocdbt, name) | {"fill_missing_data_reads": not complete} for _, name, _ in leaves]
+    opens = [_storage.open_for_reading(spec) for spec in specs]
     records: dict[str, LeafRecord] = {}
     stores: dict[str, Any] = {}
     for (keypath, name, kind), opened in zip(leaves, opens):
@@ -73,7 +71,7 @@ def find(loc: Location) -> tuple[str, Manifest, Any] | None:
         records[record.path] = record
         stores[record.path] = store
     manifest = Manifest(tuple(records[path] for path in sorted(records)), layout="orbax")
-    return "orbax", manifest, lambda record: _ready(stores[record.path])
+    return "orbax", manifest, lambda record: _storage.ready(stores[record.path])
 
 
 def _corrupt(loc: Location, what: str) -> CorruptCheckpointError:
@@ -108,7 +106,7 @@ class _Unopenable(Exception):
     """A leaf of a sound orbax checkpoint whose array name eqx_ckpt will not open."""
 
 
-def _spec(loc: Location, driver: str, ocdbt: bool, name: str) -> dict[str, Any]:
+def _array_spec(loc: Location, driver: str, ocdbt: bool, name: str) -> dict[str, Any]:
     if ocdbt:
         return {"driver": driver, "kvstore": {"driver": "ocdbt", "base": loc.kvstore, "path": name + "/"}}
     return {"driver": driver, "kvstore": loc.child(name)}
@@ -124,9 +122,3 @@ def _record(loc: Location, keypath: list[list[Any]], name: str, kind: str, store
     path = _keypath.join_dotted(*(_keypath.stored_segment(k, v) for k, v in keypath))
     chunks = tuple(store.chunk_layout.read_chunk.shape or ())
     return LeafRecord(path, keypath, kind, shape, dtype, shape, dtype, "plain", chunks)
-
-
-def _ready(store: Any) -> ts.Future:
-    promise, future = ts.Promise.new()  # type: ignore[var-annotated]
-    promise.set_result(store)
-    return future

@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import collections
 import functools
-import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from . import _direct, _dtypes, _io, _window
-from ._manifest import LeafRecord, PackRecord, pack_name, whole_chunks
-from ._spec import Location
+from . import _dtypes, _local_read, _storage, _storage_errors, _window
+from ._format import LeafRecord, PackRecord, pack_name, whole_chunks
+from ._location import Location
 
 # Leaves of at most this many stored bytes are packed.
 PACK_BYTES = 1 << 20
@@ -99,67 +98,11 @@ def buffer(pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequence[np.
     return out
 
 
-def spec(loc: Location, pack: PackRecord) -> dict[str, Any]:
-    from ._spec import array_spec
-
-    return array_spec(loc, pack.name, shape=(pack.size,), stored_dtype=pack.dtype, chunks=[pack.chunk])
-
-
-# Packs opened for reading single leaves (lazy leaves, `Checkpoint[...]`, verify,
-# diff), with a cache of their decoded chunks: reading a hundred leaves of one
-# chunk reads (and checks) that chunk once.
-_OPEN: collections.OrderedDict[str, Any] = collections.OrderedDict()
-_OPEN_MAX = 8
-
-
-def open_pack(loc: Location, pack: PackRecord, *, cached: bool, leaf: str | None = None) -> Any:
-    """A future of the pack's TensorStore array (its `zarr.json` is read and
-    checked against the manifest). `leaf` names the leaf it is opened for."""
-    _io.check_pack_files(loc, pack, leaf=leaf)
-    if not cached:
-        return _io.open_spec(spec(loc, pack), loc)
-    key = json.dumps([loc.kvstore, pack.name, pack.size, pack.chunk, pack.commit], sort_keys=True)
-    opened = _OPEN.get(key)
-    if opened is None:
-        opened = _io.open_spec(spec(loc, pack), loc, cached=True)
-        _OPEN[key] = opened
-        while len(_OPEN) > _OPEN_MAX:
-            _OPEN.popitem(last=False)
-    _OPEN.move_to_end(key)
-    return opened
-
-
-def open_leaf(loc: Location, record: LeafRecord) -> Any:
-    """A future of one packed leaf as an in-memory TensorStore array of its
-    stored shape (a packed leaf is small: it is read when opened)."""
-    import tensorstore as ts
-
-    assert record.pack is not None
-    opened = open_pack(loc, record.pack, cached=True, leaf=record.path)
-    promise: Any
-    future: Any
-    promise, future = ts.Promise.new()
-    try:
-        read = opened.result()[record.offset : record.offset + record.size].read()
-    except Exception as e:  # raised by whoever waits for the leaf, as any read error
-        promise.set_exception(e)
-        return future
-
-    def done(f: Any) -> None:
-        try:
-            promise.set_result(ts.array(f.result().reshape(record.stored_shape)))
-        except Exception as e:
-            promise.set_exception(e)
-
-    read.add_done_callback(done)
-    return future
-
-
 def _start_direct(loc: Location, pack: PackRecord, start: int, stop: int) -> Any:
-    """`_direct.start_pack_run`; a failure is raised when the run is finished,
+    """`_local_read.start_pack_run`; a failure is raised when the run is finished,
     where the caller finds which leaf is damaged."""
     try:
-        return _direct.start_pack_run(loc, pack, start, stop)
+        return _local_read.start_pack_run(loc, pack, start, stop)
     except Exception as e:
         error = e
 
@@ -200,7 +143,7 @@ def read_leaves(
             members.append(i)
         if members:
             runs.append((pack, start, stop, members))
-    # A pack on a local disk is read by eqx_ckpt itself (`_direct`), each chunk
+    # A pack on a local disk is read by eqx_ckpt itself (`_local_read`), each chunk
     # file checked before it is read; others through TensorStore, with one open
     # (and one check of its files) per pack, not per run.
     stores: dict[str, Any] = {}
@@ -210,11 +153,11 @@ def read_leaves(
         if finish is not None:
             return finish
         if pack.name not in stores:
-            stores[pack.name] = open_pack(loc, pack, cached=False, leaf=records[members[0]].path)
+            stores[pack.name] = _storage.open_pack(loc, pack, cached=False, leaf=records[members[0]].path)
         try:
             store = stores[pack.name].result()
         except Exception as e:
-            raise _io.leaf_io_error(e, records[members[0]], loc, "open") from e
+            raise _storage_errors.leaf_io_error(e, records[members[0]], loc, "open") from e
         return store[start:stop].read().result
 
     jobs = (

@@ -10,10 +10,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _direct, _dtypes, _io, _sharding
+from . import _dtypes, _local_read, _memory, _sharding, _storage_errors
 from ._errors import LeafError, stored_leaf_error
-from ._manifest import LeafRecord
-from ._spec import Location
+from ._format import LeafRecord
+from ._location import Location
 
 
 def target_sharding(like: Any) -> Any:
@@ -106,8 +106,8 @@ SLAB_BYTES = 64 * 2**20
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes >= _direct.FRESH_MIN_BYTES:
-        return _direct.fresh_empty(shape, dtype)  # page-aligned
+    if nbytes >= _memory.FRESH_MIN_BYTES:
+        return _memory.fresh_empty(shape, dtype)  # page-aligned
     raw = np.empty(nbytes + align, np.uint8)
     offset = (-raw.ctypes.data) % align
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
@@ -251,7 +251,7 @@ def start(store: Any, loc: Location, record: LeafRecord, like: Any, *, dtype: An
         refuse_narrowing(loc, record, dtype if dtype is not None else _dtypes.dtype_from_name(record.dtype))
 
     def failed(e: BaseException) -> Exception:
-        return _io.leaf_io_error(e, record, loc, "read")
+        return _storage_errors.leaf_io_error(e, record, loc, "read")
 
     if kind == "jax" and sharding is not None and len(sharding.device_set) > 1:
 
@@ -268,7 +268,7 @@ def start(store: Any, loc: Location, record: LeafRecord, like: Any, *, dtype: An
 
         return finish_sharded
 
-    _io.refuse_beyond_memory(loc, record, record.nbytes, "it")
+    _memory.refuse_beyond_memory(loc, record, record.nbytes, "it")
     if kind in ("jax", "numpy") and record.nbytes > SLAB_BYTES and record.shape and record.encoding == "plain":
         if dtype is None or np.dtype(dtype) == _dtypes.dtype_from_name(record.stored_dtype):
             return _start_in_slabs(store, record, like, sharding, failed)
@@ -297,7 +297,7 @@ def direct(loc: Location, record: LeafRecord, like: Any) -> bool:
     local disk, going to one device (or to NumPy)."""
     sharding = target_sharding(like)
     placed = _dtypes.like_type(like) == "jax" and sharding is not None and len(sharding.device_set) > 1
-    return not placed and _direct.eligible(loc, record)
+    return not placed and _local_read.eligible(loc, record)
 
 
 def start_direct(loc: Location, record: LeafRecord, like: Any, *, dtype: Any = None) -> Callable[[], Any]:
@@ -306,7 +306,7 @@ def start_direct(loc: Location, record: LeafRecord, like: Any, *, dtype: Any = N
     convert = host_converter(record, dtype, loc)
     if _dtypes.like_type(like) == "jax":
         refuse_narrowing(loc, record, dtype if dtype is not None else _dtypes.dtype_from_name(record.dtype))
-    read = _direct.start_leaf(loc, record)
+    read = _local_read.start_read(loc, record)
     assert read is not None
 
     def finish() -> Any:

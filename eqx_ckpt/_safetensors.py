@@ -7,7 +7,7 @@ whose chunks are runs of rows, read with byte-range reads of the file through
 the same kvstore as any checkpoint: a load reads the headers and the bytes of
 the tensors (or rows) it selects, nothing else, locally or on an object store.
 
-Like `_io` and `_spec`, this module talks to TensorStore directly: it is the
+Like `_storage` and `_location`, this module talks to TensorStore directly: it is the
 safetensors reader.
 """
 
@@ -22,12 +22,12 @@ import urllib.parse
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
-from . import _io, _keypath
+from . import _keypath, _storage, _storage_errors
 from ._errors import CheckpointNotFoundError, CheckpointValueError, CorruptCheckpointError
-from ._manifest import MAX_ELEMENTS, MAX_RANK, LeafRecord, Manifest, no_duplicates
-from ._spec import CONTEXT, Location, dtype_from_name
+from ._format import MAX_ELEMENTS, MAX_RANK, LeafRecord, dtype_from_name
+from ._location import Location
+from ._manifest import Manifest, no_duplicates
 
 # Safetensors dtype names -> the names eqx_ckpt (and ml_dtypes) use.
 DTYPES = {
@@ -60,8 +60,8 @@ def find(loc: Location) -> tuple[str, Manifest, Any] | None:
         return _tensors(loc, folder, [name], index=None)
     kv = _kvstore(loc.kvstore)
     for name in _candidates(loc, INDEX, ".safetensors.index.json"):
-        with _io.read_explained(loc, name):
-            result = _io.result(kv.read(name))
+        with _storage_errors.read_explained(loc, name):
+            result = _storage.result(kv.read(name))
         if result.state == "value":
             weight_map = _weight_map(loc, name, result.value)
             return _tensors(loc, loc.kvstore, sorted(set(weight_map.values())), index=name, weight_map=weight_map)
@@ -88,8 +88,8 @@ def split_file(loc: Location) -> tuple[dict[str, Any], str]:
     return {**loc.kvstore, "path": folder + "/" if folder else ""}, name
 
 
-def _kvstore(spec: dict[str, Any]) -> ts.KvStore:
-    return ts.KvStore.open(spec, context=CONTEXT).result()
+def _kvstore(spec: dict[str, Any]) -> _storage.KvStore:
+    return _storage.open_kvstore(spec)
 
 
 def _corrupt(loc: Location, what: str) -> CorruptCheckpointError:
@@ -167,14 +167,14 @@ def _tensors(
     return "safetensors", Manifest(ordered, layout="safetensors"), functools.partial(_open, kv, places)
 
 
-def _result(loc: Location, name: str, read: ts.Future, short: str | None) -> Any:
+def _result(loc: Location, name: str, read: _storage.Future, short: str | None) -> Any:
     """A byte-range read's result; a range past the end of the file means
     `short` (the file is corrupt), or, without one, `None`."""
     try:
         return read.result()
     except Exception as e:
         if "OUT_OF_RANGE" not in str(e):
-            raise _io.read_error(loc, name, e) from None
+            raise _storage_errors.read_error(loc, name, e) from None
         if short is None:
             return None
         raise _corrupt(loc, f"{name!r} {short}") from None
@@ -258,28 +258,31 @@ def _record(name: str, entry: Any) -> tuple[LeafRecord, int]:
     return LeafRecord(path, keypath, "jax", shape, dtype, shape, dtype, "plain", chunks), offsets[0]
 
 
-def _open(kv: ts.KvStore, places: dict[str, tuple[str, int]], record: LeafRecord) -> ts.Future:
+def _open(kv: _storage.KvStore, places: dict[str, tuple[str, int]], record: LeafRecord) -> _storage.Future:
     """A read-only TensorStore array over the tensor's bytes, as a future."""
     file, start = places[record.path]
     dtype = dtype_from_name(record.stored_dtype)
     read = functools.partial(_read_rows, kv, file, start, dtype, record.shape)
-    layout = ts.ChunkLayout(read_chunk_shape=record.chunks) if record.shape else None
-    store = ts.virtual_chunked(read, dtype=ts.dtype(dtype.name), shape=record.shape, chunk_layout=layout)
-    promise, future = ts.Promise.new()  # type: ignore[var-annotated]
-    promise.set_result(store)
-    return future
+    return _storage.ready(_storage.virtual_array(read, dtype=dtype, shape=record.shape, chunks=record.chunks))
 
 
 def _read_rows(
-    kv: ts.KvStore, file: str, start: int, dtype: np.dtype, shape: tuple[int, ...], domain: Any, array: Any, _: Any
-) -> ts.Future:
+    kv: _storage.KvStore,
+    file: str,
+    start: int,
+    dtype: np.dtype,
+    shape: tuple[int, ...],
+    domain: Any,
+    array: Any,
+    _: Any,
+) -> _storage.Future:
     """Fill one chunk (a run of whole rows) from one byte-range read."""
     row = math.prod(shape[1:]) * dtype.itemsize
     lo, hi = (domain[0].inclusive_min, domain[0].exclusive_max) if shape else (0, 1)
     want = (hi - lo) * row if shape else dtype.itemsize
-    promise, done = ts.Promise.new()  # type: ignore[var-annotated]
+    promise, done = _storage.pending()
 
-    def fill(future: ts.Future) -> None:
+    def fill(future: _storage.Future) -> None:
         try:
             try:
                 result = future.result()

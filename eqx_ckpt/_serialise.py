@@ -13,25 +13,27 @@ import numpy as np
 from jaxtyping import PyTree
 
 from . import (
-    _commit,
-    _direct,
     _dtypes,
-    _io,
+    _durable,
+    _gc,
     _keypath,
     _layout,
     _lease,
-    _local,
     _manifest,
+    _memory,
     _multihost,
     _pack,
+    _storage_errors,
+    _transaction,
     _tree,
+    _untrusted,
     _write,
 )
 from ._errors import CheckpointError, CheckpointValueError, LeafError, check_flag, leaf_message
 from ._handle import LeafHandle
 from ._lazy import LazyArray
+from ._location import Location, location
 from ._progress import Progress, Tracker
-from ._spec import Location, location
 
 
 def default_serialise_filter_spec(handle: LeafHandle, x: Any) -> None:
@@ -256,7 +258,7 @@ def tree_serialise_leaves(
 
 # A save makes many small objects and frees them again: Python's cyclic
 # collector, triggered by their count, would walk them all repeatedly.
-@_tree.gc_paused()
+@_gc.gc_paused()
 def save(
     loc: Location,
     pytree: PyTree,
@@ -312,7 +314,7 @@ def save(
     options: dict[str, Any] = dict(overwrite=overwrite, layout=layout, metrics=metrics, progress=progress)
     exclusive = _lease.acquire_exclusive(loc)
     handoff = handoff if handoff is not None else Handoff()
-    tx: _commit.Transaction | None = None
+    tx: _transaction.Transaction | None = None
     tracker: Tracker | None = None
     try:
         if held is not None:
@@ -356,7 +358,7 @@ def _hold(pytree: Any, filter_spec: Any, is_leaf: Any) -> Callable[[], tuple[lis
     The key paths are the structure's, never the caller's tree's (which the
     caller may change once this returns): rebuilt in the background from the
     structure when its nodes rebuild without code of the user's
-    (`_tree.named_structure`), else taken here (a custom node's constructor
+    (`_tree.names_from_structure`), else taken here (a custom node's constructor
     must not run in the background, on arrays the caller may have deleted by
     then). Ten thousand leaves flatten in 11 ms, and in 19 ms with their key
     paths."""
@@ -387,13 +389,13 @@ def _hold(pytree: Any, filter_spec: Any, is_leaf: Any) -> Callable[[], tuple[lis
             elif kind in ("ndarray", "abstract"):  # a masked array's error is raised at once
                 return None
             held.append(x)
-        for i, copy in zip(copied, _direct.private_copies([held[i] for i in copied]), strict=True):
+        for i, copy in zip(copied, _memory.private_copies([held[i] for i in copied]), strict=True):
             held[i] = copy
     except Exception:
         return None  # a leaf that cannot be held (a deleted array): the caller's thread names it
 
     def flat() -> tuple[list[Any], _tree.Names]:
-        names = _tree.named(keypaths) if keypaths is not None else _tree.named_structure(treedef)
+        names = _tree.names_from_keypaths(keypaths) if keypaths is not None else _tree.names_from_structure(treedef)
         out = []
         for x, data in zip(leaves, held, strict=True):
             if type(data) is np.ndarray and kinds(type(x)) == "jax":
@@ -411,7 +413,7 @@ def _default_or_held(handle: LeafHandle, x: Any) -> None:
         default_serialise_filter_spec(handle, x)
 
 
-@_tree.gc_paused()  # as `save` is, for the part of it that runs here
+@_gc.gc_paused()  # as `save` is, for the part of it that runs here
 def _prepare_and_write(
     loc: Location,
     group: _multihost.Group,
@@ -442,12 +444,12 @@ def _begin_save(
     layout: str,
     metrics: dict[str, Any] | None,
     progress: Progress,
-) -> tuple[_commit.Transaction, Tracker]:
+) -> tuple[_transaction.Transaction, Tracker]:
     if layout == "directories":
-        _local.check_path_lengths(loc, [p.record for p in batch.own])
+        _untrusted.check_path_lengths(loc, [p.record for p in batch.own])
     tracker = Tracker(progress, leaves=len(batch.pending), nbytes=batch.nbytes, what="save")
     try:
-        with _io.explained(loc, "Saving checkpoint"):
+        with _storage_errors.explained(loc, "Saving checkpoint"):
             packs = [pack.name for pack, _ in batch.packs]
             paths = [p.record.path for p in batch.own]
             tx = _begin(group, loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
@@ -470,7 +472,7 @@ def _start_background(run: Callable[[], None], exclusive: _lease.Claim, handoff:
     # side owns the save): enabled in between, it would walk the objects just
     # made before the caller gets its thread back (10 ms of an asynchronous
     # save of ten thousand leaves).
-    pause = _tree.GcPause()
+    pause = _gc.GcPause()
     try:
         pause.begin(None)  # until the background thread adopts it, or either side ends it
         exclusive.hand_over()
@@ -482,7 +484,7 @@ def _start_background(run: Callable[[], None], exclusive: _lease.Claim, handoff:
         raise
 
 
-def _in_background(run: Callable[[], None], exclusive: _lease.Claim, handoff: Handoff, pause: _tree.GcPause) -> None:
+def _in_background(run: Callable[[], None], exclusive: _lease.Claim, handoff: Handoff, pause: _gc.GcPause) -> None:
     if not handoff.claim():
         pause.resume()
         return  # the caller took the save back before this thread began
@@ -522,7 +524,7 @@ class Handoff:
 
 
 def _write_and_commit(
-    tx: _commit.Transaction,
+    tx: _transaction.Transaction,
     group: _multihost.Group,
     batch: _write.Batch,
     *,
@@ -549,7 +551,7 @@ def _write_and_commit(
         tracker.describe("save: committing")
         error = _write.wait_all(commits, error)
         # Each process makes its own writes durable; only then may process 0 commit.
-        error = error or _write.attempt(lambda: _io.flush(tx.data))
+        error = error or _write.attempt(lambda: _durable.flush(tx.data))
         error = group.sync("written", error)
         if error is None and group.primary:
             tx.written()
@@ -572,7 +574,7 @@ def _write_and_commit(
         raise error
     display = tx.loc.display
     message = f"Saving checkpoint {display!r} failed, and nothing was committed: {error}"
-    refused = _io.write_refusal(error)
+    refused = _storage_errors.write_refusal(error)
     if refused is not None:
         # The storage would not take the save: no leaf is at fault.
         message = message.rstrip(". ") + (
@@ -583,7 +585,7 @@ def _write_and_commit(
     raise LeafError(message, path=display) from error
 
 
-def _manifest_bytes(tx: _commit.Transaction, batch: _write.Batch, metrics: dict[str, Any] | None) -> bytes:
+def _manifest_bytes(tx: _transaction.Transaction, batch: _write.Batch, metrics: dict[str, Any] | None) -> bytes:
     packs = [pack for pack, _ in batch.packs]
     manifest = _manifest.new_manifest(
         batch.records(), tx.target, tx.layout, commit=tx.commit_id, metrics=metrics, packs=packs
@@ -591,10 +593,10 @@ def _manifest_bytes(tx: _commit.Transaction, batch: _write.Batch, metrics: dict[
     return manifest.to_bytes()
 
 
-def _stop(tx: _commit.Transaction, group: _multihost.Group) -> None:
+def _stop(tx: _transaction.Transaction, group: _multihost.Group) -> None:
     if not group.primary:
         return
-    if tx.state in (_commit.State.COMMITTED, _commit.State.CLEANED):
+    if tx.state in (_transaction.State.COMMITTED, _transaction.State.CLEANED):
         tx.leave()
     else:
         tx.abort()
@@ -602,11 +604,11 @@ def _stop(tx: _commit.Transaction, group: _multihost.Group) -> None:
 
 def _begin(
     group: _multihost.Group, loc: Location, *, overwrite: bool, layout: str, paths: list[str], packs: list[str]
-) -> _commit.Transaction:
+) -> _transaction.Transaction:
     """Process 0 begins the transaction; the others then join it."""
     if group.primary:
         try:
-            tx = _commit.begin(loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
+            tx = _transaction.begin(loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
         except BaseException as e:
             group.sync("begin", e)
             raise
@@ -620,7 +622,7 @@ def _begin(
     if error is not None:
         raise error
     try:
-        tx = _commit.join(loc)
+        tx = _transaction.join(loc)
     except BaseException as e:
         group.sync("joined", e)
         raise

@@ -14,10 +14,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from . import _commit, _io, _layout, _orbax, _safetensors
+from . import _layout, _manifest, _orbax, _safetensors, _storage
 from ._errors import CheckpointNotFoundError
-from ._manifest import LeafRecord, Manifest
-from ._spec import Location, location
+from ._format import LeafRecord
+from ._location import Location, location
+from ._manifest import Manifest
 
 Opener = Callable[[LeafRecord], Any]
 
@@ -33,7 +34,7 @@ class Source:
     - `data`: the location the leaves' errors are reported against.
     - `manifest`: the leaves' records (made from the files for other formats).
     - `opener`: record -> future of the TensorStore array holding that leaf;
-        `None` for eqx_ckpt's own zarr3 arrays under `data` (`_io.open_array`).
+        `None` for eqx_ckpt's own zarr3 arrays under `data` (`_storage.open_array`).
     """
 
     format: str
@@ -43,14 +44,14 @@ class Source:
     opener: Opener | None = None
 
     def open(self, record: LeafRecord) -> Any:
-        return self.opener(record) if self.opener is not None else _io.open_array(self.data, record, checked=False)
+        return self.opener(record) if self.opener is not None else _storage.open_array(self.data, record, checked=False)
 
     def check(self) -> None:
         """Raise `CheckpointReplacedError` if an eqx_ckpt checkpoint was replaced
-        since it was opened (see `_commit.check_unchanged`). Other formats have
+        since it was opened (see `_manifest.check_unchanged`). Other formats have
         no commit to check: a file replaced under a reader is theirs to avoid."""
         if self.format == "eqx_ckpt":
-            _commit.check_unchanged(self.loc, self.manifest)
+            _manifest.check_unchanged(self.loc, self.manifest)
 
 
 def open_source(path: Any) -> Source:
@@ -60,7 +61,7 @@ def open_source(path: Any) -> Source:
     if _safetensors.is_file_path(loc):
         return _foreign(loc, _safetensors.find(loc))
     try:
-        manifest = _commit.require_manifest(loc)
+        manifest = _manifest.require_manifest(loc)
     except CheckpointNotFoundError as e:
         for find in (_safetensors.find, _orbax.find):
             found = find(loc)

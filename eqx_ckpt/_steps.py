@@ -4,42 +4,19 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _dtypes, _io
-from ._commit import read_manifest
+from . import _dtypes, _format, _storage
 from ._errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
-from ._manifest import MANIFEST
-from ._spec import Location
+from ._format import MANIFEST
+from ._location import Location
+from ._manifest import read_manifest
 
-# Eight digits keep names sorting as numbers up to step 99,999,999; larger steps
-# simply have more digits, and the manager always sorts by the number itself.
-_STEP = re.compile(r"^step_([0-9]{8,})$")
-_METRICS = re.compile(r"^(step_[0-9]{8,})\.metrics\.json$")
 _MAX_METRICS_BYTES = 2**20
-
-
-def step_name(step: int) -> str:
-    """The folder name of a step: `step_00000042`."""
-    return f"step_{step:08d}"
-
-
-def _parse_step(name: str) -> int | None:
-    """The step of a folder name the manager wrote, or `None` for any other name
-    (a non-canonical spelling such as `step_000000042` is not the manager's)."""
-    match = _STEP.match(name)
-    if match is None or step_name(int(match.group(1))) != name:
-        return None
-    return int(match.group(1))
-
-
-def _metrics_name(step: int) -> str:
-    return step_name(step) + ".metrics.json"
 
 
 def _kept(
@@ -108,14 +85,14 @@ def _scan(loc: Location) -> dict[int, bool]:
 
         return {
             step: os.path.isfile(os.path.join(local, name, MANIFEST))
-            for name in _io.list_names(loc)
-            if (step := _parse_step(name)) is not None and folder(name)
+            for name in _storage.list_names(loc)
+            if (step := _format.parse_step(name)) is not None and folder(name)
         }
-    keys = _io.list_keys(loc)
+    keys = _storage.list_keys(loc)
     found: dict[int, bool] = {}
     for key in keys:
         head, _, rest = key.partition("/")
-        step = _parse_step(head)
+        step = _format.parse_step(head)
         if step is not None and rest:
             found[step] = found.get(step, False) or rest == MANIFEST
     return found
@@ -125,13 +102,12 @@ def _clean_interrupted(loc: Location, state: dict[int, bool]) -> None:
     """Remove step folders without a manifest, and metrics without a committed step."""
     if not _primary():
         return
-    stale = [step_name(step) for step, committed in state.items() if not committed]
-    for name in _io.list_names(loc):
-        match = _METRICS.match(name)
-        step = None if match is None else _parse_step(match.group(1))
+    stale = [_format.step_name(step) for step, committed in state.items() if not committed]
+    for name in _storage.list_names(loc):
+        step = _format.parse_metrics_name(name)
         if step is not None and not state.get(step, False):
             stale.append(name)
-    _io.remove(loc, stale)
+    _storage.remove(loc, stale)
 
 
 def _metrics_values(step: int, metrics: Mapping[str, Any] | None, directory: str) -> dict[str, Any]:
@@ -159,14 +135,14 @@ def _metrics_values(step: int, metrics: Mapping[str, Any] | None, directory: str
 def _read_metrics(loc: Location, step: int) -> dict[str, Any]:
     """A committed step's metrics: from its manifest, or, for a step saved by
     version 1, from the file beside it."""
-    manifest = read_manifest(loc.joined(step_name(step)))
+    manifest = read_manifest(loc.joined(_format.step_name(step)))
     if manifest is not None and manifest.format_version >= 2:
         return {k: float(v) if isinstance(v, str) else v for k, v in manifest.metrics.items()}
     return _read_metrics_file(loc, step)
 
 
 def _read_metrics_file(loc: Location, step: int) -> dict[str, Any]:
-    data = _io.read_file(loc, _metrics_name(step), limit=_MAX_METRICS_BYTES)
+    data = _storage.read_file(loc, _format.metrics_name(step), limit=_MAX_METRICS_BYTES)
     if data is None:
         return {}
     try:
@@ -179,7 +155,7 @@ def _read_metrics_file(loc: Location, step: int) -> dict[str, Any]:
         return {str(k): float(v) if isinstance(v, str) else v for k, v in values.items()}
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(
-            f"The metrics file {_metrics_name(step)!r} in {loc.display!r} is invalid ({e}). "
+            f"The metrics file {_format.metrics_name(step)!r} in {loc.display!r} is invalid ({e}). "
             f"Delete it to keep step {step} without metrics.",
             path=loc.display,
         ) from None

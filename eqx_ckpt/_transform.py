@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _dtypes, _io, _read, _window
+from . import _dtypes, _memory, _read, _storage_errors, _window
 from ._errors import CheckpointValueError, LeafError, leaf_message
+from ._format import LeafRecord
 from ._lazy import LazyArray
-from ._manifest import LeafRecord
 
 if TYPE_CHECKING:
     from ._source import Source
@@ -116,7 +116,7 @@ def load(source: Source, plans: list[Plan], *, cast: bool, lazy: bool) -> tuple[
             try:
                 arrays.append(_dtypes.decode(future.result(), record))
             except Exception as e:
-                raise _io.leaf_io_error(e, record, source.data, "read") from e
+                raise _storage_errors.leaf_io_error(e, record, source.data, "read") from e
         try:
             out = np.asarray(plan.fn(*arrays))
         except Exception as e:
@@ -137,11 +137,11 @@ def load(source: Source, plans: list[Plan], *, cast: bool, lazy: bool) -> tuple[
 
 
 def _start(source: Source, record: LeafRecord) -> Any:
-    _io.refuse_beyond_memory(source.data, record, record.nbytes, "it")
+    _memory.refuse_beyond_memory(source.data, record, record.nbytes, "it")
     try:
         store = source.open(record).result()
     except Exception as e:
-        raise _io.leaf_io_error(e, record, source.data, "open") from e
+        raise _storage_errors.leaf_io_error(e, record, source.data, "open") from e
     return store.read()
 
 

@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import collections
-import contextlib
-import gc
-import sys
-import threading
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -85,9 +80,9 @@ class Names:
         return self._keypath(i)
 
 
-def named(keypaths: list[tuple[Any, ...]]) -> Names:
+def names_from_keypaths(keypaths: list[tuple[Any, ...]]) -> Names:
     """The names of the leaves of a tree flattened with these key paths."""
-    paths, records = _keypath.named(keypaths)
+    paths, records = _keypath.dotted_and_records(keypaths)
     return Names(paths, records, keypaths.__getitem__)
 
 
@@ -106,7 +101,7 @@ def flatten_named(
     if not keypaths and _PLAIN_ROOTS.get(type(tree), True):
         leaves, treedef = jtu.tree_flatten(tree, is_leaf)
         if rebuilds_plainly(treedef):
-            return leaves, named_structure(treedef)
+            return leaves, names_from_structure(treedef)
     flat, treedef = flatten(tree, is_leaf)
     leaves = [leaf for _, leaf in flat]
     if not keypaths:
@@ -114,14 +109,14 @@ def flatten_named(
             _PLAIN_ROOTS.clear()
         _PLAIN_ROOTS[type(tree)] = plain = rebuilds_plainly(treedef)
         if plain:
-            return leaves, named_structure(treedef)
-    return leaves, named([keypath for keypath, _ in flat])
+            return leaves, names_from_structure(treedef)
+    return leaves, names_from_keypaths([keypath for keypath, _ in flat])
 
 
 _PLAIN_ROOTS: dict[type, bool] = {}
 
 
-def named_structure(treedef: Any) -> Names:
+def names_from_structure(treedef: Any) -> Names:
     """The names of the leaves of a tree of structure `treedef`, whose nodes
     `rebuilds_plainly`, from the structure alone.
 
@@ -332,97 +327,3 @@ def _same_name(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
             f"({first.key!r}), which is what names such a key on disk."
         )
     return f"their keys differ but are written the same ({first})."
-
-
-# Reentrant: freeing an object inside the lock (a dropped pause's frame) or a
-# collection started by an allocation there may run a finalizer in the same
-# thread, and the finalizer of a `gc_paused` left suspended by an interrupt
-# resumes its pause. With a plain lock that thread waited on itself for ever.
-_GC_LOCK = threading.RLock()
-# The `GcPause`s begun and not yet resumed: id -> (thread ident, the frame the
-# pause belongs to), or None while it waits for a background thread to adopt it.
-_active: dict[int, tuple[int, types.FrameType] | None] = {}
-_restore: bool | None = None  # the collector's state before the first of them
-
-
-class GcPause:
-    """Python's cyclic garbage collector paused from `begin()` to `resume()`.
-    Pauses nest, also across threads (an asynchronous save's caller pauses the
-    collector for the background part, so that no collection of the objects
-    it just made falls between the two): the last to resume restores what the
-    first found.
-
-    Safe against an interrupt at any line (a signal's exception is raised
-    between any two, also on entering the `resume()` of a `finally`): a pause
-    belongs to the frame it was begun for, and one whose frame has left its
-    thread's stack without resuming it is dropped by the next pause or resume
-    in that thread, which also finishes a change of the collector's state that
-    an interrupt cut short. (A pause begun for no frame, to be adopted by a
-    background thread, must be ended explicitly.)"""
-
-    def begin(self, frame: types.FrameType | None) -> None:
-        """Pause for as long as `frame` runs (or, with `None`, until `adopt`)."""
-        owner = None if frame is None else (threading.get_ident(), frame)
-        with _GC_LOCK:
-            _active[id(self)] = owner
-            _settle()
-
-    def adopt(self) -> None:
-        """The calling thread takes the pause over, for its caller's frame."""
-        with _GC_LOCK:
-            if id(self) in _active:
-                _active[id(self)] = (threading.get_ident(), sys._getframe(1))
-
-    def resume(self) -> None:
-        """End this pause. Idempotent."""
-        with _GC_LOCK:
-            _active.pop(id(self), None)
-            _settle()
-
-
-def _settle() -> None:
-    """Drop this thread's pauses whose frame has returned; then the collector
-    is off while any pause is active, and back as it was once none is. Each
-    line can be repeated, so a call cut short is finished by the next, and a
-    whole `begin` or `resume` may run inside it (a finalizer, see `_GC_LOCK`):
-    it reads a copy of `_active` (copied without allocating per item, so no
-    finalizer runs midway) and decides the collector's state last, after the
-    lines that allocate or free."""
-    global _restore
-    me = threading.get_ident()
-    mine = [(key, owner[1]) for key, owner in _active.copy().items() if owner is not None and owner[0] == me]
-    if mine:
-        running = {id(frame) for frame in _stack(sys._getframe(1))}
-        for key, frame in mine:
-            if id(frame) not in running:
-                _active.pop(key, None)
-        del mine, frame  # the last references to returned frames go here, not below
-    if _active:
-        if _restore is None:
-            _restore = gc.isenabled()
-        gc.disable()
-    elif _restore is not None:
-        if _restore:
-            gc.enable()
-        _restore = None
-
-
-def _stack(frame: types.FrameType | None) -> Iterator[types.FrameType]:
-    while frame is not None:
-        yield frame
-        frame = frame.f_back
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a block makes many small,
-    acyclic objects (a manifest's records, a tree's leaves): its collections,
-    triggered by the count of new objects, took a third of the time of parsing
-    a manifest of ten thousand leaves. Reference counting still frees memory.
-    See `GcPause`."""
-    pause = GcPause()
-    try:
-        pause.begin(sys._getframe(2))  # the frame of the `with` (past `__enter__`)
-        yield
-    finally:
-        pause.resume()

@@ -14,11 +14,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from . import _chunks, _commit, _io, _layout, _pack
+from . import _chunk_scan, _format, _layout, _manifest, _pack, _storage, _storage_errors
 from ._errors import CheckpointError, CheckpointStorageError, CorruptCheckpointError
-from ._manifest import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, Manifest, PackRecord
+from ._format import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, PackRecord, dtype_from_name
+from ._location import Location, location
+from ._manifest import Manifest
 from ._progress import Progress, Tracker
-from ._spec import Location, dtype_from_name, location
 
 # Pack chunks read at once.
 _PACK_READS = 16
@@ -103,7 +104,7 @@ def verify(path: Any, *, progress: Progress = None) -> list[Problem]:
     """
     loc = location(path)
     try:
-        manifest = _commit.require_manifest(loc)
+        manifest = _manifest.require_manifest(loc)
     except CorruptCheckpointError as e:
         return [Problem(None, str(e))]
     problems = _check_totals(loc, manifest)
@@ -118,7 +119,7 @@ def verify(path: Any, *, progress: Progress = None) -> list[Problem]:
 
 def _check_totals(loc: Location, manifest: Manifest) -> list[Problem]:
     """The redundant counts in the manifest must agree with its leaf records."""
-    body = json.loads(_io.read_file(loc, MANIFEST, limit=MAX_MANIFEST_BYTES) or b"{}")
+    body = json.loads(_storage.read_file(loc, MANIFEST, limit=MAX_MANIFEST_BYTES) or b"{}")
     problems = []
     if body.get("leaf_count") != len(manifest.leaves) or body.get("total_bytes") != manifest.total_bytes:
         problems.append(Problem(None, f"The manifest of {loc.display!r} gives totals that disagree with its leaves."))
@@ -160,7 +161,7 @@ def _check_packs(data: Location, manifest: Manifest, tracker: Tracker) -> dict[s
 
 def _read_pack(data: Location, pack: PackRecord) -> dict[int, str]:
     """Read every chunk of a pack, a few at a time; what is wrong, by chunk."""
-    store = _pack.open_pack(data, pack, cached=False).result()
+    store = _storage.open_pack(data, pack, cached=False).result()
     damaged: dict[int, str] = {}
     flight: collections.deque[tuple[int, Any]] = collections.deque()
     count = -(-pack.size // pack.chunk)
@@ -174,10 +175,10 @@ def _read_pack(data: Location, pack: PackRecord) -> dict[int, str]:
             try:
                 future.result()
             except Exception as e:
-                refused = _io.storage_failure(data, e, f"pack {pack.name!r}")
+                refused = _storage_errors.storage_failure(data, e, f"pack {pack.name!r}")
                 if refused is not None:
                     raise refused from None
-                damaged[done] = _io.explain(e)
+                damaged[done] = _storage_errors.explain(e)
     return damaged
 
 
@@ -189,7 +190,7 @@ def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -
         problem = None if why is None else Problem(record.path, why)
         if problem is None:
             try:
-                stores[record.path] = _io.open_array(data, record).result()
+                stores[record.path] = _storage.open_array(data, record).result()
             except CheckpointStorageError:
                 raise
             except CheckpointError as e:
@@ -202,13 +203,18 @@ def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -
     def stop(path: str) -> Callable[[], bool]:
         return lambda: path in bad
 
-    jobs = ((r, stores[r.path], i) for r in records if r.path in stores for i in _chunks.chunks(r, stop=stop(r.path)))
+    jobs = (
+        (r, stores[r.path], i)
+        for r in records
+        if r.path in stores
+        for i in _chunk_scan.chunk_indices(r, stop=stop(r.path))
+    )
 
     def failed(record: LeafRecord, error: BaseException) -> None:
         bad.setdefault(record.path, Problem(record.path, str(_damage(error, record, data, "read"))))
 
-    count = _chunks.LeafCounter(records, tracker)
-    for record, _, size in _chunks.windowed(jobs, skip=lambda r: r.path in bad, failed=failed):
+    count = _chunk_scan.LeafCounter(records, tracker)
+    for record, _, size in _chunk_scan.read_chunks(jobs, skip=lambda r: r.path in bad, failed=failed):
         count(record, size)
     for record in records:
         if record.path not in bad:
@@ -221,7 +227,7 @@ def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -
 def _damage(error: BaseException, record: LeafRecord, data: Location, doing: str) -> CheckpointError:
     """What a failure to `doing` a leaf says of the checkpoint; raised instead
     when the storage would not serve it, which says nothing about the checkpoint."""
-    explained = _io.leaf_io_error(error, record, data, doing)
+    explained = _storage_errors.leaf_io_error(error, record, data, doing)
     if isinstance(explained, CheckpointStorageError):
         raise explained from None
     return explained
@@ -249,7 +255,7 @@ def _check_metadata(
     data: Location, directory: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]
 ) -> str | None:
     """An array's `zarr.json` must be exactly what eqx_ckpt writes for it."""
-    actual, why = _read_object(data, _layout.metadata_key(directory), "its zarr.json")
+    actual, why = _read_object(data, _format.metadata_key(directory), "its zarr.json")
     if actual is None:
         return why
     expected = _reference_metadata(shape, dtype, chunks)
@@ -269,19 +275,19 @@ def _check_groups(data: Location, manifest: Manifest) -> list[Problem]:
     optional = manifest.format_version == 3 and all(r.pack is not None or not r.path for r in manifest.leaves)
     problems = []
     for folder in _layout.groups(manifest.leaves):
-        key = _layout.metadata_key(folder)
+        key = _format.metadata_key(folder)
         what = f"The zarr group metadata {key!r}"
         actual, why = _read_object(data, key, what, optional=optional and folder == "")
         if actual is not None:
             why = _group_differs(actual, what)
         if why is not None:
-            fix = f"restore it from a good copy, or write {_layout.GROUP_JSON.decode()} in its place"
+            fix = f"restore it from a good copy, or write {_format.GROUP_JSON.decode()} in its place"
             problems.append(Problem(None, f"{why} Loads do not read it, but zarr tools do: {fix}."))
     return problems
 
 
 def _group_differs(actual: dict[str, Any], what: str) -> str | None:
-    """How a group's `zarr.json` differs from what a save writes (`_layout.GROUP`).
+    """How a group's `zarr.json` differs from what a save writes (`_format.GROUP`).
 
     Two additions leave it the same group to every zarr reader, and a user's
     zarr tool may well make them, so they are no problem: `attributes` of its
@@ -291,12 +297,12 @@ def _group_differs(actual: dict[str, Any], what: str) -> str | None:
     root group). Anything else changes what the node is, or makes a reader
     refuse it."""
     differ = []
-    for name in sorted(set(actual) | set(_layout.GROUP)):
-        value, expected = actual.get(name), _layout.GROUP.get(name)
+    for name in sorted(set(actual) | set(_format.GROUP)):
+        value, expected = actual.get(name), _format.GROUP.get(name)
         if name == "attributes":
             if name in actual and not isinstance(value, dict):
                 differ.append(f"attributes: {_brief(value)}, not a JSON object")
-        elif name not in _layout.GROUP:
+        elif name not in _format.GROUP:
             if not (isinstance(value, dict) and value.get("must_understand") is False):
                 differ.append(f"{name}: {_brief(value)}, a field no zarr reader knows")
         elif type(value) is not type(expected) or value != expected:
@@ -314,15 +320,15 @@ def _read_object(
     is untrusted: its size is bounded before it is read, and bytes that are not
     a JSON object are a problem, never an error."""
     try:
-        raw = _io.read_file(data, key, limit=_MAX_ZARR_JSON)
+        raw = _storage.read_file(data, key, limit=_MAX_ZARR_JSON)
     except CheckpointStorageError:
         raise
     except CheckpointError as e:
         return None, str(e)
     except Exception as e:  # a damaged OCDBT database fails the read itself
-        if (refused := _io.storage_failure(data, e, f"{key!r}")) is not None:
+        if (refused := _storage_errors.storage_failure(data, e, f"{key!r}")) is not None:
             raise refused from None
-        return None, f"{what} could not be read: {_io.explain(e)}"
+        return None, f"{what} could not be read: {_storage_errors.explain(e)}"
     if raw is None:
         return None, None if optional else f"{what} is missing from {data.display!r}."
     try:
@@ -353,9 +359,9 @@ def _reference_metadata(shape: tuple[int, ...], dtype: str, chunks: tuple[int, .
         scratch = location(f"memory://eqx_ckpt_verify_reference/{uuid.uuid4().hex}/")
         record = LeafRecord("x", [["key", "x"]], "numpy", shape, dtype, shape, dtype, "plain", chunks)
         try:
-            _io.create_array(scratch, record).result()
-            cached = json.loads(_io.read_file(scratch, "x/zarr.json", limit=_MAX_ZARR_JSON) or b"{}")
+            _storage.create_array(scratch, record).result()
+            cached = json.loads(_storage.read_file(scratch, "x/zarr.json", limit=_MAX_ZARR_JSON) or b"{}")
         finally:
-            _io.remove(scratch, ["x"])
+            _storage.remove(scratch, ["x"])
         _REFERENCE[key] = cached
     return cached

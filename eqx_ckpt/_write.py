@@ -13,25 +13,27 @@ import jax
 import numpy as np
 
 from . import (
-    _commit,
-    _direct,
-    _direct_write,
     _dtypes,
-    _io,
+    _durable,
+    _format,
+    _interrupts,
     _keypath,
     _layout,
-    _manifest,
+    _local_read,
+    _local_write,
+    _memory,
     _multihost,
     _pack,
     _sharding,
-    _spec,
+    _storage,
+    _transaction,
 )
 from ._errors import CheckpointTypeError
+from ._format import LeafRecord, PackRecord, chunk_shape
 from ._handle import LeafHandle
 from ._lazy import LazyArray
-from ._manifest import LeafRecord, PackRecord
+from ._location import Location
 from ._progress import Tracker
-from ._spec import Location, chunk_shape
 
 
 @dataclasses.dataclass(slots=True)
@@ -175,9 +177,9 @@ def prepare(
         if not _dtypes.is_known_dtype(_dtypes.name(x.dtype)):
             raise handle.error(f"cannot save an array of dtype {x.dtype}.", "Only numeric and bool arrays are stored.")
         dtype_name, shape = _dtypes.name(x.dtype), tuple(x.shape)
-    if len(shape) > _manifest.MAX_RANK:
+    if len(shape) > _format.MAX_RANK:
         raise handle.error(
-            f"it has {len(shape)} dimensions; a zarr v3 array (TensorStore) has at most {_manifest.MAX_RANK}.",
+            f"it has {len(shape)} dimensions; a zarr v3 array (TensorStore) has at most {_format.MAX_RANK}.",
             "Reshape it before saving (and back after loading), or let the filter spec skip it.",
         )
     block = _sharding.block_shape(x)
@@ -225,7 +227,7 @@ def plain_leaves(
     that it gives what `plain` gives."""
     out: list[Pending | None] = []
     append = out.append
-    kinds, one_device, limit = _KINDS, jax.sharding.SingleDeviceSharding, _spec.CHUNK_BYTES
+    kinds, one_device, limit = _KINDS, jax.sharding.SingleDeviceSharding, _format.CHUNK_BYTES
     # (dtype, shape) -> (dtype name, chunk shape); the name `None` when not stored as it is.
     fixed: dict[tuple[Any, tuple[int, ...]], tuple[str | None, tuple[int, ...]]] = {}
     for x, path, keypath in zip(leaves, paths, keypaths, strict=True):
@@ -246,8 +248,8 @@ def plain_leaves(
             dtype, shape = x.dtype, x.shape
             known = fixed.get((dtype, shape))
             if known is None:
-                name = _plain_dtype(dtype) if len(shape) <= _manifest.MAX_RANK else None
-                known = fixed[dtype, shape] = (name, _chunks(shape, dtype.itemsize, limit) if name else ())
+                name = _plain_dtype(dtype) if len(shape) <= _format.MAX_RANK else None
+                known = fixed[dtype, shape] = (name, _chunk_grid(shape, dtype.itemsize, limit) if name else ())
             name, chunks = known
             if name is None:
                 append(None)
@@ -300,7 +302,7 @@ def _plain_dtype(dtype: np.dtype) -> str | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _chunks(shape: tuple[int, ...], itemsize: int, limit: int) -> tuple[int, ...]:
+def _chunk_grid(shape: tuple[int, ...], itemsize: int, limit: int) -> tuple[int, ...]:
     """`chunk_shape`, remembered; `limit` (`CHUNK_BYTES`, which tests change)
     is part of the key, so that no chunk shape outlives the limit it was made for."""
     return tuple(chunk_shape(shape, itemsize))
@@ -369,7 +371,7 @@ Writing = list[tuple[int, int, list[Any]]]
 
 
 def start_writes(
-    tx: _commit.Transaction,
+    tx: _transaction.Transaction,
     batch: Batch,
     group: _multihost.Group,
     *,
@@ -393,17 +395,17 @@ def start_writes(
 
         def create() -> None:
             # In a helper thread, which keeps every future it starts (see
-            # `_io.uninterrupted`): a creation landing after an abort would leave
+            # `_interrupts.uninterrupted`): a creation landing after an abort would leave
             # a file the next save refuses to write beside.
-            _io.ensure_directory(data)
+            _durable.ensure_directory(data)
             for p in own:
-                opens.append(_io.create_array(data, p.record, synced=False))
+                opens.append(_storage.create_array(data, p.record, synced=False))
             for pack, _ in batch.packs:
-                opens.append(_io.create_spec(_pack.spec(data, pack), data, synced=False))
+                opens.append(_storage.create_spec(_storage.pack_spec(data, pack), data, synced=False))
             groups.extend(_group_writes(data, batch.records()))
 
         try:
-            _io.uninterrupted(create)
+            _interrupts.uninterrupted(create)
         except BaseException:
             # What was started must finish before an abort deletes it.
             settle([*opens, *groups])
@@ -421,36 +423,36 @@ def start_writes(
         opens = []
         try:
             for p in own:
-                opens.append(_io.open_array(data, p.record, synced=False))
+                opens.append(_storage.open_array(data, p.record, synced=False))
         except BaseException:
             settle(opens)
             raise
     # On a local disk, the chunk files of most leaves and of the packs are written
-    # by eqx_ckpt's own threads, each file's writeback started at once (`_direct_write`).
+    # by eqx_ckpt's own threads, each file's writeback started at once (`_local_write`).
     single = group.count == 1 and tx.layout == "directories"
-    fast = {i for i, p in enumerate(own) if single and _direct_write.eligible(data, p.record, p.pieces)}
-    fast_packs = single and _direct.supported(data)
+    fast = {i for i, p in enumerate(own) if single and _local_write.eligible(data, p.record, p.pieces)}
+    fast_packs = single and _local_read.supported(data)
     direct: Writing = []
 
     def start_direct() -> None:
         # In the helper thread too: every future started is kept in `out`.
         for i in sorted(fast):
-            futures = _direct_write.start_leaf(data, own[i].record, own[i].pieces[0][1])
+            futures = _local_write.start_write(data, own[i].record, own[i].pieces[0][1])
             out.extend(futures)
             direct.append((1, own[i].record.nbytes, futures))
         for pack, members in batch.packs if fast_packs else []:
             views = [p.pieces[0][1] for p in members]
-            futures = _direct_write.start_pack(data, pack, [p.record for p in members], views)
+            futures = _local_write.start_pack(data, pack, [p.record for p in members], views)
             out.extend(futures)
             direct.append((len(members), sum(view.nbytes for view in views), futures))
 
     if fast or (fast_packs and batch.packs):
-        _io.uninterrupted(start_direct)
+        _interrupts.uninterrupted(start_direct)
     # Staged in one transaction, every write only references its source until
     # the background commit. (The host data of a jax.Array never changes: a view
     # of it keeps its buffer alive through `delete()` and donation; the caller's
     # NumPy arrays were copied before an asynchronous save returned.)
-    transaction, writes, counts = _io.transaction(), [], []
+    transaction, writes, counts = _storage.transaction(), [], []
     try:
         for n, (p, opened) in enumerate(zip(own, opens[: len(own)], strict=True)):
             if n in fast:
@@ -481,7 +483,7 @@ def start_writes(
     if staged is not None:
         transaction.abort()  # nothing was written out
         raise staged
-    _io.uninterrupted(lambda: out.append(transaction.commit_async()))
+    _interrupts.uninterrupted(lambda: out.append(transaction.commit_async()))
     return direct
 
 
@@ -497,7 +499,7 @@ def private_copies(pending: list[Pending]) -> None:
     """Copy the host data of NumPy leaves, which the caller may change once an
     asynchronous save has returned (a jax.Array's host data never changes)."""
     mine = [p for p in pending if p.record.type == "numpy"]
-    copies = iter(_direct.private_copies([piece for p in mine for _, piece in p.pieces]))
+    copies = iter(_memory.private_copies([piece for p in mine for _, piece in p.pieces]))
     for p in mine:
         p.pieces = [(index, next(copies)) for index, _ in p.pieces]
 
@@ -505,8 +507,8 @@ def private_copies(pending: list[Pending]) -> None:
 def _group_writes(data: Location, records: list[LeafRecord]) -> list[Any]:
     """Zarr v3 group metadata for every folder above a leaf (and for the data
     root: see `_layout.groups`), so zarr tools can walk the tree."""
-    store = _io.kvstore(data, synced=False)
-    return [store.write(_layout.metadata_key(g), _layout.GROUP_JSON) for g in _layout.groups(records)]
+    store = _storage.kvstore(data, synced=False)
+    return [store.write(_format.metadata_key(g), _format.GROUP_JSON) for g in _layout.groups(records)]
 
 
 def attempt(run: Callable[[], Any]) -> BaseException | None:

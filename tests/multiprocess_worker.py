@@ -132,8 +132,8 @@ def main(process_id: int, num_processes: int, port: int, path: str) -> None:
     # others waited an hour for it there), to join the transaction, or to open
     # the arrays to write.
     check_failure_elsewhere(process_id, path + "_collect", tree, eqx_ckpt._serialise, "_collect")
-    check_failure_elsewhere(process_id, path + "_join", tree, eqx_ckpt._commit, "join")
-    check_failure_elsewhere(process_id, path + "_write", tree, eqx_ckpt._io, "open_array")
+    check_failure_elsewhere(process_id, path + "_join", tree, eqx_ckpt._transaction, "join")
+    check_failure_elsewhere(process_id, path + "_write", tree, eqx_ckpt._storage, "open_array")
     try:
         eqx_ckpt.tree_serialise_leaves(path + "_ocdbt", tree, layout="ocdbt")
     except eqx_ckpt.CheckpointValueError as e:

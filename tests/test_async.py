@@ -23,7 +23,7 @@ import pytest
 import tensorstore as ts
 
 import eqx_ckpt
-from eqx_ckpt import _commit, _direct, _io, _tree as tree_util, _write
+from eqx_ckpt import _gc, _memory, _storage, _transaction, _tree as tree_util, _write
 
 
 def _tree(step):
@@ -67,7 +67,7 @@ def test_caller_may_change_its_arrays_before_anything_is_written(tmp_path, monke
             threading.Thread(target=later, daemon=True).start()
             return future
 
-    monkeypatch.setattr(_io, "transaction", SlowDisk)
+    monkeypatch.setattr(_storage, "transaction", SlowDisk)
     tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": jnp.arange(5, dtype=jnp.int32)}
     expected = {"w": tree["w"].copy(), "b": jnp.arange(5, dtype=jnp.int32)}
     pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, blocking=False)
@@ -139,13 +139,13 @@ def test_second_save_to_the_same_path_waits_for_the_first(s3, store, monkeypatch
     first = eqx_ckpt.tree_serialise_leaves(store, _tree(1), blocking=False)
     assert s3.gate.held.wait(timeout=30)
     begun_after_first_committed = []
-    begin = _commit.begin
+    begin = _transaction.begin
 
     def spy(*args, **kwargs):
         begun_after_first_committed.append(_manifest(store) != b"")
         return begin(*args, **kwargs)
 
-    monkeypatch.setattr(_commit, "begin", spy)
+    monkeypatch.setattr(_transaction, "begin", spy)
     second = threading.Thread(target=eqx_ckpt.tree_serialise_leaves, args=(store, _tree(2)))
     second.start()
     # Were it not waiting, the second save would begin now, while the first is held.
@@ -231,7 +231,7 @@ def test_large_numpy_leaves_changed_after_the_call_are_saved_as_they_were(tmp_pa
     by a few threads (with the default filter spec, and in the caller's
     thread's collection with a custom one): each copy is the leaf as it was
     when the call returned, whatever its layout and byte order."""
-    n = _direct.FRESH_MIN_BYTES // 4
+    n = _memory.FRESH_MIN_BYTES // 4
     tree = {
         "a": np.arange(n, dtype=np.float32),
         "b": np.asfortranarray(np.arange(2 * n, dtype=np.float32).reshape(256, -1)),
@@ -311,14 +311,14 @@ def test_the_garbage_collector_paused_from_two_threads_is_restored_once_both_lea
     entered, leave = threading.Event(), threading.Event()
 
     def other():
-        with tree_util.gc_paused():
+        with _gc.gc_paused():
             entered.set()
             assert leave.wait(timeout=30)
 
     thread = threading.Thread(target=other)
     thread.start()
     assert entered.wait(timeout=30)
-    with tree_util.gc_paused():
+    with _gc.gc_paused():
         leave.set()
         thread.join()
         assert not gc.isenabled()
@@ -328,25 +328,25 @@ def test_the_garbage_collector_paused_from_two_threads_is_restored_once_both_lea
 # Run in a child process: with the bug, the child waits on itself for ever.
 _FINALIZER_INSIDE_THE_LOCK = """
 import gc, sys, threading
-from eqx_ckpt import _tree
+from eqx_ckpt import _gc
 
 def interrupted_enter():
     # As a signal landing just as `__enter__` returns leaves it: the pause
     # begun, the `with` never entered, so `__exit__` never runs. The paused
     # frame keeps the suspended generator alive.
-    pause = _tree.gc_paused()
+    pause = _gc.gc_paused()
     pause.__enter__()
 
 def next_pause():
     # Dropping the pause of the returned frame frees that frame inside the
     # lock; the generator's `finally` then resumes its own pause there.
-    other = _tree.GcPause()
+    other = _gc.GcPause()
     other.begin(sys._getframe())
-    print("inside:", gc.isenabled(), len(_tree._active), flush=True)
+    print("inside:", gc.isenabled(), len(_gc._active), flush=True)
     other.resume()
 
 {where}
-print("after:", gc.isenabled(), len(_tree._active), flush=True)
+print("after:", gc.isenabled(), len(_gc._active), flush=True)
 """
 
 
@@ -478,15 +478,15 @@ def test_the_records_are_freed_while_the_writes_keep_their_data(where, tmp_path,
 
     monkeypatch.setattr(_write.Batch, "free", spy)
     if where == "local":
-        from eqx_ckpt import _direct_write
+        from eqx_ckpt import _local_write
 
-        write_all = _direct_write._write_all
+        write_all = _local_write._write_all
 
         def held_back(fd, content):
             assert release.wait(timeout=60)
             write_all(fd, content)
 
-        monkeypatch.setattr(_direct_write, "_write_all", held_back)
+        monkeypatch.setattr(_local_write, "_write_all", held_back)
         path = tmp_path
     else:
         s3 = request.getfixturevalue("s3")

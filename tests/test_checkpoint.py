@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _manifest
+from eqx_ckpt import _format
 
 
 def _save(path):
@@ -76,7 +76,7 @@ def test_total_bytes_and_records(tmp_path):
     assert sum(ckpt.record(k).nbytes for k in ckpt) == expected
     assert ckpt.record("model.head.bias").dtype == "bfloat16"
     assert ckpt.library_version == eqx_ckpt.__version__
-    assert ckpt.format_version == _manifest.FORMAT_VERSION == 4
+    assert ckpt.format_version == _format.FORMAT_VERSION == 4
     assert ckpt.created
     assert "7 leaves" in repr(ckpt)
 

@@ -23,7 +23,7 @@ import pytest
 from disk import snapshot
 
 import eqx_ckpt
-from eqx_ckpt import _io, _spec
+from eqx_ckpt import _durable, _format, _interrupts, _location, _storage
 
 
 def _array_dirs(root):
@@ -72,7 +72,7 @@ def test_overwrites_use_fresh_data_roots_and_leave_nothing_stale(tmp_path, packi
 
 def _fail_manifest(monkeypatch, before=None, exit_code=None):
     """Make the commit (the manifest's conditional write) fail, or kill the process there."""
-    real = _io.write_conditional
+    real = _storage.write_conditional
 
     def write_conditional(loc, name, data, if_equal):
         if name == "manifest.json":
@@ -81,7 +81,7 @@ def _fail_manifest(monkeypatch, before=None, exit_code=None):
             raise OSError("disk full")
         return real(loc, name, data, if_equal)
 
-    monkeypatch.setattr(_io, "write_conditional", write_conditional)
+    monkeypatch.setattr(_storage, "write_conditional", write_conditional)
 
 
 def test_old_checkpoint_loads_until_the_new_manifest_is_written(tmp_path, monkeypatch):
@@ -136,16 +136,16 @@ _KILLED_SAVE = textwrap.dedent(
     import os, sys
     import jax.numpy as jnp
     import eqx_ckpt
-    from eqx_ckpt import _io
+    from eqx_ckpt import _storage
 
-    real = _io.write_conditional
+    real = _storage.write_conditional
 
     def write_conditional(loc, name, data, if_equal):
         if name == "manifest.json":
             os._exit(17)
         return real(loc, name, data, if_equal)
 
-    _io.write_conditional = write_conditional
+    _storage.write_conditional = write_conditional
     eqx_ckpt.tree_serialise_leaves(sys.argv[1], {"half": jnp.ones(3)})
     """
 )
@@ -163,19 +163,19 @@ def test_a_sync_failing_after_the_manifest_landed_is_a_warning_that_it_was_commi
     path = tmp_path / "ckpt"
     old, new = {"a": jnp.arange(3), "b": 1.5}, {"a": jnp.arange(3) + 10, "b": 2.5}
     eqx_ckpt.tree_serialise_leaves(path, old)
-    real_write, real_sync = _io.write_conditional, _io.sync_directory
+    real_write, real_sync = _storage.write_conditional, _durable.sync_directory
 
     def failing_sync(directory):
         raise OSError(errno.EIO, "Input/output error (injected)")
 
     def write_conditional(*args, **kwargs):
-        monkeypatch.setattr(_io, "sync_directory", failing_sync)
+        monkeypatch.setattr(_durable, "sync_directory", failing_sync)
         try:
             return real_write(*args, **kwargs)
         finally:
-            monkeypatch.setattr(_io, "sync_directory", real_sync)
+            monkeypatch.setattr(_durable, "sync_directory", real_sync)
 
-    monkeypatch.setattr(_io, "write_conditional", write_conditional)
+    monkeypatch.setattr(_storage, "write_conditional", write_conditional)
     with pytest.warns(eqx_ckpt.CommitWarning) as caught:
         eqx_ckpt.tree_serialise_leaves(path, new)
     message = " ".join(str(w.message) for w in caught)
@@ -296,18 +296,18 @@ def test_a_save_killed_after_its_commit_leaves_a_users_files_to_the_next_save(tm
     tree = {"model": {"w": np.ones((600, 600), np.float32)}}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     (tmp_path / "model" / "README.txt").write_text("mine")
-    real = _io.remove_written
+    real = _storage.remove_written
 
     def fail(loc, names):
         raise OSError("the clean-up died")
 
-    monkeypatch.setattr(_io, "remove_written", fail)
+    monkeypatch.setattr(_storage, "remove_written", fail)
     with pytest.warns(eqx_ckpt.CommitWarning, match="the clean-up died"):
         eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     journal = json.loads((tmp_path / "saving.json").read_text())
     assert journal["old_names"] == ["model", "zarr.json"]
     assert (tmp_path / "model" / "w" / "zarr.json").exists()
-    monkeypatch.setattr(_io, "remove_written", real)
+    monkeypatch.setattr(_storage, "remove_written", real)
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     assert not (tmp_path / "saving.json").exists()
     assert _outside(tmp_path) == [os.path.join("model", "README.txt")]
@@ -335,18 +335,18 @@ def test_a_save_killed_after_its_commit_leaves_a_users_files_to_the_next_save(tm
     ],
 )
 def test_the_names_a_save_writes(key, ours):
-    assert _io.written_by_a_save(key) is ours
+    assert _format.written_by_a_save(key) is ours
 
 
 def test_manifest_is_written_last(tmp_path, monkeypatch, packing):
     order = []
-    real = _io.write_conditional
+    real = _storage.write_conditional
 
     def write_conditional(loc, name, data, if_equal):
         order.append((name, sorted(_array_dirs(tmp_path))))
         return real(loc, name, data, if_equal)
 
-    monkeypatch.setattr(_io, "write_conditional", write_conditional)
+    monkeypatch.setattr(_storage, "write_conditional", write_conditional)
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(2), "b": {"c": jnp.ones(3)}})
     assert order == [("manifest.json", ["a", "b/c"] if packing == "unpacked" else ["packed.float32"])]
 
@@ -369,7 +369,7 @@ def test_arrays_are_flushed_before_the_manifest_commits(tmp_path, monkeypatch):
     # Arrays are written without a per-file fsync; one flush of every file the save
     # wrote must come before the manifest, or a power cut could commit lost data.
     events = []
-    real_flush, real_write = _io.flush, _io.write_conditional
+    real_flush, real_write = _durable.flush, _storage.write_conditional
 
     def flush(loc):
         events.append(("flush", sorted(p.name for p in pathlib.Path(loc.local).iterdir())))
@@ -379,8 +379,8 @@ def test_arrays_are_flushed_before_the_manifest_commits(tmp_path, monkeypatch):
         events.append(("write", name))
         return real_write(loc, name, data, if_equal)
 
-    monkeypatch.setattr(_io, "flush", flush)
-    monkeypatch.setattr(_io, "write_conditional", write_conditional)
+    monkeypatch.setattr(_durable, "flush", flush)
+    monkeypatch.setattr(_storage, "write_conditional", write_conditional)
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(2), "b": {"c": jnp.ones(3)}})
     kinds = [e[0] if e[0] == "flush" else e[1] for e in events]
     assert kinds == ["flush", "manifest.json"]
@@ -391,7 +391,7 @@ def test_flush_tolerates_another_writers_temporary_files(tmp_path):
     # In a multi-process save the other processes are still writing under the same
     # data root while this one flushes: their `<name>.__lock` files appear and are
     # renamed away at any moment. A file vanishing mid-flush must not fail the save.
-    loc = _spec.location(tmp_path)
+    loc = _location.location(tmp_path)
     (tmp_path / "kept").write_bytes(b"x")
     (tmp_path / "gone").symlink_to(tmp_path / "never-there")  # listed, then cannot be opened
     stop = threading.Event()
@@ -407,33 +407,33 @@ def test_flush_tolerates_another_writers_temporary_files(tmp_path):
     writer.start()
     try:
         for _ in range(20):
-            _io.flush(loc)
+            _durable.flush(loc)
     finally:
         stop.set()
         writer.join()
     assert (tmp_path / "kept").read_bytes() == b"x"
     with pytest.raises(FileNotFoundError):
-        _io._fsync(str(tmp_path / "gone"))  # outside a flush, a missing file is an error
+        _durable.fsync(str(tmp_path / "gone"))  # outside a flush, a missing file is an error
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="statfs magic numbers are Linux's")
 def test_file_system_type_matches_stat(tmp_path):
     # The magic number read through ctypes is the one coreutils reports.
     expected = subprocess.run(["stat", "-f", "-c", "%t", str(tmp_path)], capture_output=True, text=True, check=True)
-    assert _io.file_system_type(str(tmp_path)) == int(expected.stdout, 16)
+    assert _durable.file_system_type(str(tmp_path)) == int(expected.stdout, 16)
 
 
-@pytest.mark.parametrize("count", [3, _io.SYNCFS_FROM])
+@pytest.mark.parametrize("count", [3, _durable.SYNCFS_FROM])
 def test_flush_syncs_the_file_system_only_for_many_files_on_a_local_disk(tmp_path, monkeypatch, count):
     for i in range(count):
         (tmp_path / f"f{i}").write_bytes(b"x")
     calls = []
-    real_fsync, real_syncfs = _io._fsync, _io._syncfs
-    monkeypatch.setattr(_io, "_fsync", lambda path, **kw: (calls.append(("fsync", path)), real_fsync(path, **kw)))
-    monkeypatch.setattr(_io, "_syncfs", lambda path: (calls.append(("syncfs", path)), real_syncfs(path)))
-    _io.flush(_spec.location(tmp_path))
-    journaled = _io.file_system_type(str(tmp_path)) in _io._SYNCFS_FILE_SYSTEMS
-    if count >= _io.SYNCFS_FROM and journaled:
+    real_fsync, real_syncfs = _durable.fsync, _durable._syncfs
+    monkeypatch.setattr(_durable, "fsync", lambda path, **kw: (calls.append(("fsync", path)), real_fsync(path, **kw)))
+    monkeypatch.setattr(_durable, "_syncfs", lambda path: (calls.append(("syncfs", path)), real_syncfs(path)))
+    _durable.flush(_location.location(tmp_path))
+    journaled = _durable.file_system_type(str(tmp_path)) in _durable._SYNCFS_FILE_SYSTEMS
+    if count >= _durable.SYNCFS_FROM and journaled:
         assert calls == [("syncfs", str(tmp_path))]
     else:
         # The directory itself and every file in it, each synced on its own.
@@ -447,12 +447,12 @@ def test_flush_never_trusts_syncfs_on_other_file_systems(monkeypatch):
     # listed local file systems get it. tmpfs stands in for "another" file system.
     directory = tempfile.mkdtemp(dir="/dev/shm")
     try:
-        for i in range(_io.SYNCFS_FROM):
+        for i in range(_durable.SYNCFS_FROM):
             with open(os.path.join(directory, f"f{i}"), "wb") as f:
                 f.write(b"x")
         used = []
-        monkeypatch.setattr(_io, "_syncfs", lambda path: used.append(path))
-        _io.flush(_spec.location(directory))
+        monkeypatch.setattr(_durable, "_syncfs", lambda path: used.append(path))
+        _durable.flush(_location.location(directory))
         assert used == []
     finally:
         shutil.rmtree(directory)
@@ -462,8 +462,8 @@ def test_new_directories_are_synced_in_their_parents(tmp_path, monkeypatch):
     # A crash right after a save must not lose the checkpoint's own folder (or a
     # missing parent of it): each new directory's entry is fsynced in its parent.
     synced = []
-    real = _io._fsync
-    monkeypatch.setattr(_io, "_fsync", lambda path, **kw: (synced.append(path), real(path, **kw))[1])
+    real = _durable.fsync
+    monkeypatch.setattr(_durable, "fsync", lambda path, **kw: (synced.append(path), real(path, **kw))[1])
     path = tmp_path / "runs" / "a" / "ckpt"
     eqx_ckpt.tree_serialise_leaves(path, {"w": jnp.ones(2)})
     for directory in (tmp_path, tmp_path / "runs", tmp_path / "runs" / "a"):
@@ -471,8 +471,8 @@ def test_new_directories_are_synced_in_their_parents(tmp_path, monkeypatch):
     # An overwrite's new data root is synced in the checkpoint directory before
     # the manifest that names it is committed.
     synced.clear()
-    real_write = _io.write_conditional
-    monkeypatch.setattr(_io, "write_conditional", lambda *args: (synced.append("commit"), real_write(*args))[1])
+    real_write = _storage.write_conditional
+    monkeypatch.setattr(_storage, "write_conditional", lambda *args: (synced.append("commit"), real_write(*args))[1])
     eqx_ckpt.tree_serialise_leaves(path, {"w": jnp.zeros(2)})
     assert str(path) in synced[: synced.index("commit")]
 
@@ -522,10 +522,10 @@ def test_uninterrupted_finishes_its_work_before_the_interrupt_is_raised(interrup
     interrupt_after(0.1)
     start = time.perf_counter()
     with pytest.raises(_Interrupt):
-        _io.uninterrupted(work)
+        _interrupts.uninterrupted(work)
     assert done == [False] and time.perf_counter() - start >= 0.5
     with pytest.raises(ZeroDivisionError):  # its own error is raised as it is
-        _io.uninterrupted(lambda: 1 / 0)
+        _interrupts.uninterrupted(lambda: 1 / 0)
 
 
 def test_an_interrupt_while_the_manifest_is_written_never_commits_a_checkpoint_without_its_data(
@@ -537,7 +537,7 @@ def test_an_interrupt_while_the_manifest_is_written_never_commits_a_checkpoint_w
     write is started by one call and lands later, as a lost future's would."""
     old, new = {"w": np.zeros(64, np.float32), "n": 1}, {"w": np.ones(64, np.float32), "n": 2}
     eqx_ckpt.tree_serialise_leaves(tmp_path, old)
-    real = _io.write_conditional
+    real = _storage.write_conditional
 
     def slow(*args):
         outcome = []
@@ -547,7 +547,7 @@ def test_an_interrupt_while_the_manifest_is_written_never_commits_a_checkpoint_w
         writer.join()
         return outcome[0]
 
-    monkeypatch.setattr(_io, "write_conditional", slow)
+    monkeypatch.setattr(_storage, "write_conditional", slow)
     interrupt_after(0.2)
     with pytest.raises(_Interrupt):
         eqx_ckpt.tree_serialise_leaves(tmp_path, new)
@@ -563,7 +563,7 @@ def test_an_interrupt_around_queuing_the_job_still_waits_for_it_and_runs_it_once
     # An interrupt landed once between queuing the manifest write and the wait
     # for it: the save aborted and deleted its arrays while the write went on,
     # committing a checkpoint without them (seen once in the SIGINT campaign).
-    real, runs, raised = _io._JOBS, [], []
+    real, runs, raised = _interrupts._JOBS, [], []
 
     class Interrupting:
         def put(self, job):
@@ -577,14 +577,14 @@ def test_an_interrupt_around_queuing_the_job_still_waits_for_it_and_runs_it_once
         def get(self):
             return real.get()
 
-    monkeypatch.setattr(_io, "_JOBS", Interrupting())
+    monkeypatch.setattr(_interrupts, "_JOBS", Interrupting())
 
     def write():
         time.sleep(0.2)
         runs.append("written")
 
     with pytest.raises(_Interrupt):
-        _io.uninterrupted(write)
+        _interrupts.uninterrupted(write)
     assert runs == ["written"]  # finished before the interrupt was raised, and once
     time.sleep(0.3)
     assert runs == ["written"]

@@ -1,4 +1,4 @@
-"""`_direct.read_leaf`: a large local leaf read straight into one aligned buffer
+"""`_local_read.start_read`: a large local leaf read straight into one aligned buffer
 gives TensorStore's bytes, and refuses every kind of damage naming the leaf."""
 
 import dataclasses
@@ -19,8 +19,8 @@ from arrays import in_a_mapping, values
 from hypothesis import given, settings, strategies as st
 
 import eqx_ckpt
-from eqx_ckpt import _direct, _io, _pack, _spec
-from eqx_ckpt._manifest import LeafRecord
+from eqx_ckpt import _format, _local_read, _location, _memory, _pack, _storage
+from eqx_ckpt._format import LeafRecord
 from eqx_ckpt._source import open_source
 
 
@@ -35,10 +35,10 @@ def small(monkeypatch):
     """Chunks of at most 1 KiB read in pieces of 1000 bytes and steps of 300
     (cutting through elements), and no size floor, so small arrays exercise
     many chunks, pieces, steps and an edge chunk."""
-    monkeypatch.setattr(_spec, "CHUNK_BYTES", 1024)
-    monkeypatch.setattr(_direct, "PIECE_BYTES", 1000)
-    monkeypatch.setattr(_direct, "STEP_BYTES", 300)
-    monkeypatch.setattr(_direct, "MIN_BYTES", 1)
+    monkeypatch.setattr(_format, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(_local_read, "PIECE_BYTES", 1000)
+    monkeypatch.setattr(_local_read, "STEP_BYTES", 300)
+    monkeypatch.setattr(_local_read, "MIN_BYTES", 1)
 
 
 def _saved(path, tree):
@@ -46,8 +46,14 @@ def _saved(path, tree):
     return open_source(path).data, eqx_ckpt.Checkpoint(path)
 
 
+def read_leaf(data, record):
+    """A whole leaf by the local fast path, or `None` where it does not apply."""
+    finish = _local_read.start_read(data, record)
+    return None if finish is None else finish()
+
+
 def _ts_read(data, record):
-    return _io.open_array(data, record).result().read().result()
+    return _storage.open_array(data, record).result().read().result()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int8, np.bool_, np.complex64])
@@ -57,7 +63,7 @@ def test_same_bytes_as_tensorstore(tmp_path, small, dtype, shape):
     data, ckpt = _saved(tmp_path, {"model": {"w": x}})
     record = ckpt.record("model.w")
     assert record.chunks[0] < shape[0] and shape[0] % record.chunks[0], "want several chunks and an edge chunk"
-    y = _direct.read_leaf(data, record)
+    y = read_leaf(data, record)
     assert y.dtype == np.dtype(dtype) and y.shape == shape and y.flags.c_contiguous
     np.testing.assert_array_equal(y, _ts_read(data, record))
     np.testing.assert_array_equal(y, x)
@@ -65,10 +71,10 @@ def test_same_bytes_as_tensorstore(tmp_path, small, dtype, shape):
 
 def test_default_pieces_and_chunks(tmp_path, monkeypatch):
     # Real constants, but chunks of 256 KiB: a 4 MiB leaf in 16 chunks and one piece each.
-    monkeypatch.setattr(_spec, "CHUNK_BYTES", 2**18)
+    monkeypatch.setattr(_format, "CHUNK_BYTES", 2**18)
     x = values((1025, 1024), np.float32)
     data, ckpt = _saved(tmp_path, {"w": x})
-    np.testing.assert_array_equal(_direct.read_leaf(data, ckpt.record("w")), x)
+    np.testing.assert_array_equal(read_leaf(data, ckpt.record("w")), x)
 
 
 def test_stored_encodings_come_back_as_stored(tmp_path, small):
@@ -79,40 +85,40 @@ def test_stored_encodings_come_back_as_stored(tmp_path, small):
     for name in tree:
         record = ckpt.record(name)
         assert record.encoding in ("view", "key_data")
-        np.testing.assert_array_equal(_direct.read_leaf(data, record), _ts_read(data, record))
+        np.testing.assert_array_equal(read_leaf(data, record), _ts_read(data, record))
 
 
 def test_tensorstore_pads_edge_chunks_to_full_size(tmp_path, small):
     """What `read_leaf` relies on: TensorStore itself writes an edge chunk as a
     whole chunk plus the checksum."""
-    loc = _spec.location(tmp_path)
+    loc = _location.location(tmp_path)
     record = LeafRecord("x", [["key", "x"]], "numpy", (10, 3), "int16", (10, 3), "int16", "plain", (4, 3))
     x = np.arange(30, dtype=np.int16).reshape(10, 3)
-    _io.create_array(loc, record).result().write(x).result()
+    _storage.create_array(loc, record).result().write(x).result()
     sizes = {name: os.path.getsize(tmp_path / "x" / "c" / name / "0") for name in os.listdir(tmp_path / "x" / "c")}
     assert sizes == {"0": 4 * 3 * 2 + 4, "1": 4 * 3 * 2 + 4, "2": 4 * 3 * 2 + 4}
-    np.testing.assert_array_equal(_direct.read_leaf(loc, record), x)
+    np.testing.assert_array_equal(read_leaf(loc, record), x)
 
 
 def test_aligned_and_adopted_by_jax(tmp_path, small):
     data, ckpt = _saved(tmp_path, {"w": values((1001, 3), np.float32)})
-    y = _direct.read_leaf(data, ckpt.record("w"))
+    y = read_leaf(data, ckpt.record("w"))
     assert y.ctypes.data % 64 == 0
     device = jax.devices("cpu")[0]
     assert jax.device_put(y, device).unsafe_buffer_pointer() == y.ctypes.data
 
 
 def test_ineligible_leaves(tmp_path, monkeypatch):
-    monkeypatch.setattr(_spec, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(_format, "CHUNK_BYTES", 4096)
     tree = {"small": np.ones(10, np.float32), "wide": np.ones((1, 300_000), np.float32), "tall": np.ones((300_000, 1))}
     data, ckpt = _saved(tmp_path / "local", tree)
-    assert _direct.read_leaf(data, ckpt.record("small")) is None  # under MIN_BYTES
+    assert read_leaf(data, ckpt.record("small")) is None  # under MIN_BYTES
     assert ckpt.record("wide").chunks[1] < 300_000
-    assert _direct.read_leaf(data, ckpt.record("wide")) is None  # chunks split the second axis
-    assert _direct.read_leaf(data, ckpt.record("tall")) is not None
+    assert read_leaf(data, ckpt.record("wide")) is None  # chunks split the second axis
+    assert read_leaf(data, ckpt.record("tall")) is not None
     for elsewhere, options in [("memory://direct/", {}), (tmp_path / "ocdbt", {"layout": "ocdbt"})]:
         eqx_ckpt.tree_serialise_leaves(elsewhere, tree, **options)
-        assert _direct.read_leaf(open_source(elsewhere).data, ckpt.record("tall")) is None
+        assert read_leaf(open_source(elsewhere).data, ckpt.record("tall")) is None
 
 
 def _damage_setup(tmp_path):
@@ -126,7 +132,7 @@ def _damage_setup(tmp_path):
 
 def _refused(data, record, *words):
     with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("`model.w`")) as info:
-        _direct.read_leaf(data, record)
+        read_leaf(data, record)
     assert info.value.dotted == ("model.w",)
     for word in words:
         assert word in str(info.value)
@@ -175,14 +181,14 @@ def test_file_shrinking_during_the_read(tmp_path, small, monkeypatch):
     """A chunk file cut short after its checks (an overwrite racing the load):
     the step that reads past its new end names the file and its size."""
     data, record, folder = _damage_setup(tmp_path)
-    chunk, read = folder / "c" / "1" / "0", _direct._pread_all
+    chunk, read = folder / "c" / "1" / "0", _local_read._pread_all
 
     def racing(fd, views, offset):
         if os.fstat(fd).st_ino == chunk.stat().st_ino:
             os.truncate(chunk, 100)
         return read(fd, views, offset)
 
-    monkeypatch.setattr(_direct, "_pread_all", racing)
+    monkeypatch.setattr(_local_read, "_pread_all", racing)
     _refused(data, record, "'c/1/0'", "holds 100 bytes")
 
 
@@ -190,14 +196,14 @@ def test_file_shrinking_during_the_read(tmp_path, small, monkeypatch):
 @settings(max_examples=300, deadline=None)
 def test_crc32c_combine(a, b, c):
     """The checksum of a chunk joined from its pieces' is the checksum of its bytes."""
-    ab = _direct.crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(b), len(b))
+    ab = _local_read.crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(b), len(b))
     assert ab == crc32c.crc32c(a + b)
-    assert _direct.crc32c_combine(ab, crc32c.crc32c(c), len(c)) == crc32c.crc32c(a + b + c)
+    assert _local_read.crc32c_combine(ab, crc32c.crc32c(c), len(c)) == crc32c.crc32c(a + b + c)
 
 
 def test_crc32c_combine_of_long_pieces():
     a, b = os.urandom(2**20 + 3), os.urandom(17 * 2**20 + 5)
-    assert _direct.crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(b), len(b)) == crc32c.crc32c(a + b)
+    assert _local_read.crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(b), len(b)) == crc32c.crc32c(a + b)
 
 
 @pytest.mark.parametrize("where", ["model", "model/w", "model/w/c", "model/w/c/1", "model/w/c/1/0"])
@@ -213,7 +219,7 @@ def test_links_are_refused(tmp_path, small, where):
 def test_absurd_shape_allocates_nothing(tmp_path, small, monkeypatch):
     data, record, _ = _damage_setup(tmp_path)
     allocated = []
-    monkeypatch.setattr(_direct.mmap, "mmap", lambda *a, **k: allocated.append(a))
+    monkeypatch.setattr(_memory.mmap, "mmap", lambda *a, **k: allocated.append(a))
     hostile = dataclasses.replace(record, stored_shape=(10**15, 3), shape=(10**15, 3))
     _refused(data, hostile, "'c/4/0'", "missing")
     bigger = dataclasses.replace(record, stored_shape=(10**15, 3), shape=(10**15, 3), chunks=(10**14, 3))
@@ -222,13 +228,13 @@ def test_absurd_shape_allocates_nothing(tmp_path, small, monkeypatch):
 
 
 class _SlowReads:
-    """`_direct._pread_all`, slowed down and watched: how many reads are
+    """`_local_read._pread_all`, slowed down and watched: how many reads are
     running, which started, and which finished after `returned` was set."""
 
     def __init__(self, monkeypatch):
         self.in_flight, self.started, self.finished_after = 0, [], []
-        self.returned, self._lock, self._pread_all = threading.Event(), threading.Lock(), _direct._pread_all
-        monkeypatch.setattr(_direct, "_pread_all", self._read)
+        self.returned, self._lock, self._pread_all = threading.Event(), threading.Lock(), _local_read._pread_all
+        monkeypatch.setattr(_local_read, "_pread_all", self._read)
 
     def _read(self, *args):
         with self._lock:
@@ -259,9 +265,9 @@ def test_interrupt_waits_for_the_readers(tmp_path, small, monkeypatch):
     def interrupted(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_direct, "_check_crc", interrupted)
+    monkeypatch.setattr(_local_read, "_check_crc", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        _direct.read_leaf(data, ckpt.record("w"))
+        read_leaf(data, ckpt.record("w"))
     reads.check_all_stopped()
 
 
@@ -273,7 +279,7 @@ def test_interrupt_while_the_files_are_checked_stops_the_reads_they_start(tmp_pa
 
     data, ckpt = _saved(tmp_path, {"w": values((4000, 3), np.float32)})
     reads = _SlowReads(monkeypatch)
-    check, read_chunks = _direct._check_chunk_files, _direct._read_chunks
+    check, read_chunks = _local_read._check_chunk_files, _local_read._read_chunks
     submitted = []
 
     def recorded_read_chunks(*args):
@@ -287,14 +293,14 @@ def test_interrupt_while_the_files_are_checked_stops_the_reads_they_start(tmp_pa
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_direct, "_check_chunk_files", slow_check)
-    monkeypatch.setattr(_direct, "_read_chunks", recorded_read_chunks)
+    monkeypatch.setattr(_local_read, "_check_chunk_files", slow_check)
+    monkeypatch.setattr(_local_read, "_read_chunks", recorded_read_chunks)
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.1)
         started = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
-            _direct.read_leaf(data, ckpt.record("w"))
+            read_leaf(data, ckpt.record("w"))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -310,7 +316,7 @@ def test_missing_folder(tmp_path, small):
 
 
 def _private_copy_cases():
-    big = 2 * _direct.FRESH_MIN_BYTES // 4  # float32 elements: twice the threshold
+    big = 2 * _memory.FRESH_MIN_BYTES // 4  # float32 elements: twice the threshold
     return {
         "big": np.arange(big, dtype=np.float32),
         "big-fortran": np.asfortranarray(np.arange(big, dtype=np.float32).reshape(1024, -1)),
@@ -330,16 +336,16 @@ def test_a_private_copy_is_equal_contiguous_and_shares_nothing():
     the original; from `FRESH_MIN_BYTES` on, in page-aligned mapped memory (not
     NumPy's, which asks for huge pages)."""
     cases = _private_copy_cases()
-    copies = _direct.private_copies(list(cases.values()))
+    copies = _memory.private_copies(list(cases.values()))
     assert len(copies) == len(cases)
     for (name, original), copy in zip(cases.items(), copies, strict=True):
-        single = _direct.private_copy(original)
+        single = _memory.private_copy(original)
         for out in (copy, single):
             assert type(out) is np.ndarray and out.dtype == original.dtype, name
             assert out.shape == original.shape and np.array_equal(out, original), name
             assert out.flags.c_contiguous and out.flags.writeable, name
             assert not np.shares_memory(out, original), name
-            mapped = original.nbytes >= _direct.FRESH_MIN_BYTES and not original.dtype.hasobject
+            mapped = original.nbytes >= _memory.FRESH_MIN_BYTES and not original.dtype.hasobject
             assert in_a_mapping(out) == mapped, name
             assert out.ctypes.data % mmap.PAGESIZE == 0 or not mapped, name
     before = copies[0].copy()

@@ -1,4 +1,4 @@
-"""Chunk files that eqx_ckpt writes itself on a local disk (`_direct_write`):
+"""Chunk files that eqx_ckpt writes itself on a local disk (`_local_write`):
 byte for byte what TensorStore writes for the same array, read back by
 TensorStore alone, and a failure or an interrupt at any chunk file leaves the
 old checkpoint whole and nothing behind."""
@@ -19,17 +19,17 @@ import pytest
 from arrays import values
 
 import eqx_ckpt
-from eqx_ckpt import _direct_write, _io, _pack, _spec, _write
+from eqx_ckpt import _format, _local_write, _location, _pack, _storage, _write
 from eqx_ckpt._source import open_source
 
-pytestmark = pytest.mark.skipif(not _direct_write._direct.SUPPORTED, reason="no direct writes on this host")
+pytestmark = pytest.mark.skipif(not _local_write._local_read.SUPPORTED, reason="no direct writes on this host")
 
 
 @pytest.fixture(params=["unbuffered", "buffered"])
 def either_way(request, monkeypatch):
     """A leaf's chunk files written past the page cache (`O_DIRECT`, which this
     file system takes), whatever their size, or through it."""
-    monkeypatch.setattr(_direct_write, "UNBUFFERED_FROM", 0 if request.param == "unbuffered" else 2**62)
+    monkeypatch.setattr(_local_write, "UNBUFFERED_FROM", 0 if request.param == "unbuffered" else 2**62)
     return request.param
 
 
@@ -37,7 +37,7 @@ def either_way(request, monkeypatch):
 def own_folders(monkeypatch):
     """Every leaf in its own folder, in chunks of at most 1 KiB."""
     monkeypatch.setattr(_pack, "PACK_BYTES", -1)
-    monkeypatch.setattr(_spec, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(_format, "CHUNK_BYTES", 1024)
 
 
 def _files(folder: pathlib.Path) -> dict[str, bytes]:
@@ -54,8 +54,8 @@ def _files(folder: pathlib.Path) -> dict[str, bytes]:
 def _written_by_tensorstore(tmp_path, spec_of, stored: np.ndarray, folder: str = "") -> dict[str, bytes]:
     """The chunk files TensorStore itself writes for `stored` with the same
     metadata (`spec_of(location)`, whose array is in `folder`)."""
-    loc = _spec.location(tmp_path / "by-tensorstore")
-    _io.create_spec(spec_of(loc), loc).result().write(stored).result()
+    loc = _location.location(tmp_path / "by-tensorstore")
+    _storage.create_spec(spec_of(loc), loc).result().write(stored).result()
     return _files(tmp_path / "by-tensorstore" / folder)
 
 
@@ -66,20 +66,20 @@ def test_a_leafs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, own_fold
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", {"model": {"w": x}})
     data = open_source(tmp_path / "ckpt").data
     record = eqx_ckpt.Checkpoint(tmp_path / "ckpt").record("model.w")
-    assert _direct_write.eligible(data, record, [((), x)])
+    assert _local_write.eligible(data, record, [((), x)])
     ours = _files(tmp_path / "ckpt" / "model" / "w")
     if x.nbytes > 1024:
         assert len(ours) > 1 and shape[0] % record.chunks[0], "want several chunks and an edge chunk"
     theirs = _written_by_tensorstore(
         tmp_path,
-        lambda loc: _spec.array_spec(
+        lambda loc: _storage.array_spec(
             loc, "", shape=shape, stored_dtype=record.stored_dtype, chunks=list(record.chunks)
         ),
         x,
     )
     assert ours == theirs
     # Read by TensorStore alone, through the checkpoint's own zarr.json.
-    np.testing.assert_array_equal(_io.open_array(data, record).result().read().result(), x)
+    np.testing.assert_array_equal(_storage.open_array(data, record).result().read().result(), x)
 
 
 def test_big_endian_arrays_are_stored_little_endian(tmp_path, own_folders):
@@ -126,8 +126,10 @@ def test_a_packs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, monkeypa
         if record.pack is not None and record.pack.name == pack.name:
             expected[record.offset : record.offset + record.size] = np.ravel(value)
     ours = _files(tmp_path / "ckpt" / pack.name)
-    assert ours == _written_by_tensorstore(tmp_path, lambda loc: _pack.spec(loc, pack), expected, pack.name)
-    np.testing.assert_array_equal(_io.open_spec(_pack.spec(data, pack), data).result().read().result(), expected)
+    assert ours == _written_by_tensorstore(tmp_path, lambda loc: _storage.pack_spec(loc, pack), expected, pack.name)
+    np.testing.assert_array_equal(
+        _storage.open_spec(_storage.pack_spec(data, pack), data).result().read().result(), expected
+    )
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), tree, typematch=True)
 
 
@@ -148,13 +150,13 @@ def _chunk_files(path) -> int:
 
 
 def test_a_failed_write_of_any_chunk_file_leaves_the_old_checkpoint_whole(tmp_path, monkeypatch):
-    monkeypatch.setattr(_spec, "CHUNK_BYTES", 2**20)  # `big` (2.4 MB) in chunks of 150 rows
+    monkeypatch.setattr(_format, "CHUNK_BYTES", 2**20)  # `big` (2.4 MB) in chunks of 150 rows
     path = tmp_path / "ckpt"
     eqx_ckpt.tree_serialise_leaves(path, _generation(1))
     before = sorted(os.listdir(path))
     files = _chunk_files(path)
     assert files == 5  # four chunks of `big`, one of the pack
-    write_all = _direct_write._write_all
+    write_all = _local_write._write_all
     for failing in range(files):
         calls = []
         lock = threading.Lock()
@@ -167,7 +169,7 @@ def test_a_failed_write_of_any_chunk_file_leaves_the_old_checkpoint_whole(tmp_pa
                 raise OSError(errno.ENOSPC, "No space left on device")
             write_all(fd, views)
 
-        monkeypatch.setattr(_direct_write, "_write_all", fail_one)
+        monkeypatch.setattr(_local_write, "_write_all", fail_one)
         with pytest.raises(
             eqx_ckpt.CheckpointError, match=r"No space left on device: cannot write chunk file '.*/c/\d+"
         ):
@@ -175,7 +177,7 @@ def test_a_failed_write_of_any_chunk_file_leaves_the_old_checkpoint_whole(tmp_pa
         assert len(calls) == files
         assert _loads_as(path, 1)
         assert sorted(os.listdir(path)) == before, "the failed save left something behind"
-    monkeypatch.setattr(_direct_write, "_write_all", write_all)
+    monkeypatch.setattr(_local_write, "_write_all", write_all)
     eqx_ckpt.tree_serialise_leaves(path, _generation(3))
     assert _loads_as(path, 3)
 
@@ -184,17 +186,17 @@ def test_the_error_names_the_leaf(tmp_path, monkeypatch):
     def full(fd, views):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_direct_write, "_write_all", full)
+    monkeypatch.setattr(_local_write, "_write_all", full)
     with pytest.raises(eqx_ckpt.CheckpointError, match=r"chunk file 'big/c/0/0' of leaf `big`"):
         eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", {"big": _generation(1)["big"]})
     assert os.listdir(tmp_path / "ckpt") == []
 
 
 def test_an_existing_file_is_never_overwritten(tmp_path):
-    loc = _spec.location(tmp_path)
+    loc = _location.location(tmp_path)
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "0").write_bytes(b"keep")
-    futures = _direct_write._start(loc, "", "leaf `x`", [("c/0", lambda: [memoryview(bytes(16))])])
+    futures = _local_write._start(loc, "", "leaf `x`", [("c/0", lambda: [memoryview(bytes(16))])])
     with pytest.raises(FileExistsError):
         futures[0].result()
     assert (tmp_path / "c" / "0").read_bytes() == b"keep"
@@ -207,18 +209,18 @@ class _Interrupt(BaseException):
 def test_an_interrupt_while_chunk_files_are_written_waits_for_them_and_commits_nothing(tmp_path, monkeypatch):
     """The main thread is interrupted while the writer threads are busy: the
     save waits for every one of them before it deletes what they wrote."""
-    monkeypatch.setattr(_spec, "CHUNK_BYTES", 2**20)
+    monkeypatch.setattr(_format, "CHUNK_BYTES", 2**20)
     path = tmp_path / "ckpt"
     eqx_ckpt.tree_serialise_leaves(path, _generation(1))
     before = sorted(os.listdir(path))
-    write_all, finished = _direct_write._write_all, []
+    write_all, finished = _local_write._write_all, []
 
     def slow(fd, views):
         time.sleep(0.5)
         write_all(fd, views)
         finished.append(time.perf_counter())
 
-    monkeypatch.setattr(_direct_write, "_write_all", slow)
+    monkeypatch.setattr(_local_write, "_write_all", slow)
     previous = signal.signal(signal.SIGUSR1, lambda *args: (_ for _ in ()).throw(_Interrupt()))
     timer = threading.Timer(0.2, os.kill, args=(os.getpid(), signal.SIGUSR1))
     try:
@@ -274,22 +276,22 @@ _STAGE = 2 * 4096
 
 @pytest.fixture
 def small_stage(monkeypatch):
-    monkeypatch.setattr(_direct_write, "UNBUFFERED_FROM", 0)
-    monkeypatch.setattr(_direct_write, "STAGE_BYTES", _STAGE)
-    monkeypatch.setattr(_direct_write, "_BIG_COPY", 1000)  # NumPy's copy, too
+    monkeypatch.setattr(_local_write, "UNBUFFERED_FROM", 0)
+    monkeypatch.setattr(_local_write, "STAGE_BYTES", _STAGE)
+    monkeypatch.setattr(_local_write, "_BIG_COPY", 1000)  # NumPy's copy, too
 
 
 @pytest.fixture
 def unbuffered_calls(monkeypatch):
     """The files written unbuffered (their descriptors), as they are written."""
     calls = []
-    write = _direct_write._write_unbuffered
+    write = _local_write._write_unbuffered
 
     def spy(fd, content):
         write(fd, content)
         calls.append(fd)
 
-    monkeypatch.setattr(_direct_write, "_write_unbuffered", spy)
+    monkeypatch.setattr(_local_write, "_write_unbuffered", spy)
     return calls
 
 
@@ -307,9 +309,9 @@ def _page_aligned(data: bytes) -> memoryview:
 
 
 def _write_new(path, views) -> bytes:
-    fd = os.open(path, _direct_write._FLAGS, 0o666)
+    fd = os.open(path, _local_write._FLAGS, 0o666)
     try:
-        _direct_write._write_all(fd, views)
+        _local_write._write_all(fd, views)
     finally:
         os.close(fd)
     return pathlib.Path(path).read_bytes()
@@ -424,7 +426,7 @@ def test_a_packs_chunk_gathered_in_the_stage_is_its_bytes_then_their_crc32c(tmp_
     for n, lo in enumerate(range(0, total, chunk)):
         hi = lo + chunk
         first, last = int(np.searchsorted(stops, lo, "right")), int(np.searchsorted(starts, hi, "left"))
-        part = _direct_write._Chunk(members[first:last], starts[first:last], stops[first:last], lo, hi, np.dtype("<f4"))
+        part = _local_write._Chunk(members[first:last], starts[first:last], stops[first:last], lo, hi, np.dtype("<f4"))
         data = pack[lo:hi].tobytes()
         written = _write_new(tmp_path / f"c{n}", part)
         assert written == data + crc32c.crc32c(data).to_bytes(4, "little"), f"chunk {n}"

@@ -15,7 +15,7 @@ import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec
 
 import eqx_ckpt
-from eqx_ckpt import _layout, _manifest
+from eqx_ckpt import _format, _layout, _manifest
 
 # Damage to a leaf's own folder (its chunk files, its zarr.json): every leaf gets
 # one. Damage to a pack of small leaves is tested in test_pack.py.
@@ -372,7 +372,7 @@ def test_verify_expects_exactly_the_groups_a_save_writes(tmp_path, packing):
             f.relative_to(path).as_posix() for f in files if json.loads(f.read_text())["node_type"] == "group"
         )
         manifest = _manifest.parse((path / "manifest.json").read_bytes(), where=str(path))
-        assert written == sorted(_layout.metadata_key(g) for g in _layout.groups(manifest.leaves))
+        assert written == sorted(_format.metadata_key(g) for g in _layout.groups(manifest.leaves))
         assert eqx_ckpt.verify(path) == []
     assert json.loads((tmp_path / "1" / "zarr.json").read_text())["node_type"] == "array"  # a bare array: at the root
 
@@ -503,19 +503,19 @@ def test_a_leaf_folder_removed_while_it_is_checked_is_an_integrity_error(tmp_pat
     # A reader racing an overwrite can find a leaf's folder, then see it deleted by
     # the overwrite's cleanup before listing it: that must be the documented
     # IntegrityError (retry), not a bare FileNotFoundError.
-    from eqx_ckpt import _local, _spec
+    from eqx_ckpt import _location, _untrusted
 
-    loc = _spec.location(tmp_path)
-    assert _local._scan(loc, str(tmp_path / "gone"), "a") == 0
+    loc = _location.location(tmp_path)
+    assert _untrusted._scan(loc, str(tmp_path / "gone"), "a") == 0
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", {"a": jnp.arange(4)})
-    real_scan = _local._scan
+    real_scan = _untrusted._scan
 
     def scan_after_cleanup(loc, directory, leaf):
         shutil.rmtree(directory)  # the folder existed when checked; now it is gone
         return real_scan(loc, directory, leaf)
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(_local, "_scan", scan_after_cleanup)
+        m.setattr(_untrusted, "_scan", scan_after_cleanup)
         with pytest.raises(eqx_ckpt.IntegrityError, match=r"Leaf `a` .* is damaged or incomplete"):
             eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", {"a": jnp.zeros(4, jnp.int32)})
 

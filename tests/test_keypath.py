@@ -90,7 +90,7 @@ def test_named_gives_each_key_path_its_dotted_path_and_record():
     }
     keypaths = [keypath for keypath, _ in jtu.tree_flatten_with_path(tree)[0]]
     keypaths += [(k,) for k in keys]
-    dotted, records = _keypath.named(keypaths)
+    dotted, records = _keypath.dotted_and_records(keypaths)
     assert dotted == [_keypath.dotted(k) for k in keypaths]
     assert records == [_keypath.to_json(k) for k in keypaths]
 
@@ -220,7 +220,7 @@ class _StaticTable(eqx.Module):
 def _by_key_paths(tree, is_leaf=None):
     flat = jtu.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
     keypaths = [keypath for keypath, _ in flat]
-    dotted, records = _keypath.named(keypaths)
+    dotted, records = _keypath.dotted_and_records(keypaths)
     return [leaf for _, leaf in flat], dotted, records, keypaths
 
 
@@ -284,7 +284,7 @@ def test_structures_that_cannot_be_compared_are_named_apart():
     tree = [_StaticTable(jnp.full(2, float(i)), np.ones(2)) for i in range(3)]
     treedef = jtu.tree_structure(tree)
     assert not _tree.rebuilds_plainly(treedef)
-    names = _tree.named_structure(treedef)
+    names = _tree.names_from_structure(treedef)
     assert names.paths == _by_key_paths(tree)[1] == ["0.w", "1.w", "2.w"]
 
 
@@ -325,7 +325,7 @@ def test_a_tree_with_another_node_is_named_from_its_key_paths(monkeypatch):
 
     monkeypatch.setattr(_tree, "_PLAIN_ROOTS", {})
     tree = {"r": [_Registered(jnp.ones(2)), _Registered(3.0)], "p": jnp.zeros(1)}
-    monkeypatch.setattr(_tree, "named_structure", refuse)
+    monkeypatch.setattr(_tree, "names_from_structure", refuse)
     _check_named_as_by_key_paths(tree)
     assert _tree._PLAIN_ROOTS == {dict: False}
     _check_named_as_by_key_paths(tree)  # tried with key paths first this time, as remembered

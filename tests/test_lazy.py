@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _spec
+from eqx_ckpt import _format
 
 
 def _tree():
@@ -64,7 +64,7 @@ def test_lazy_read_honours_cast(tmp_path):
 @pytest.mark.usefixtures("unpacked")  # a leaf of several chunks (a packed leaf is read whole)
 def test_slicing_reads_only_that_region(tmp_path, monkeypatch):
     # 32-byte chunks: an (8, 4) float32 array is four chunks of two rows.
-    monkeypatch.setattr(_spec, "CHUNK_BYTES", 32)
+    monkeypatch.setattr(_format, "CHUNK_BYTES", 32)
     x = jnp.arange(32.0).reshape(8, 4)
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": x})
     monkeypatch.undo()

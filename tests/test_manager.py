@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _commit
+from eqx_ckpt import _transaction
 
 
 def _state(seed=0):
@@ -196,14 +196,14 @@ def test_async_error_surfaces_on_next_save_and_leaves_nothing(tmp_path, monkeypa
     manager = eqx_ckpt.CheckpointManager(tmp_path, blocking=False)
     manager.save(0, _tree(0))
     manager.wait_until_finished()
-    real_commit = _commit.Transaction.commit
+    real_commit = _transaction.Transaction.commit
 
     def commit_failing_for_step_1(tx, manifest):
         if tx.loc.display.endswith("step_00000001"):
             raise OSError("disk full")
         real_commit(tx, manifest)
 
-    monkeypatch.setattr(_commit.Transaction, "commit", commit_failing_for_step_1)
+    monkeypatch.setattr(_transaction.Transaction, "commit", commit_failing_for_step_1)
     manager.save(1, _tree(1), metrics={"loss": 1.0})
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("disk full")):
         manager.save(2, _tree(2))
@@ -217,7 +217,9 @@ def test_async_error_surfaces_on_next_save_and_leaves_nothing(tmp_path, monkeypa
 
 def test_async_error_surfaces_on_wait(tmp_path, monkeypatch):
     manager = eqx_ckpt.CheckpointManager(tmp_path, blocking=False)
-    monkeypatch.setattr(_commit.Transaction, "commit", lambda tx, manifest: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr(
+        _transaction.Transaction, "commit", lambda tx, manifest: (_ for _ in ()).throw(OSError("disk full"))
+    )
     manager.save(5, _tree(5))
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("disk full")):
         manager.wait_until_finished()
@@ -367,7 +369,7 @@ def test_a_failed_overwrite_keeps_the_steps_metrics(tmp_path, monkeypatch):
     manager.save(1, _tree(1), metrics={"loss": 5.0})
     manager.save(2, _tree(2), metrics={"loss": 3.0})
     with monkeypatch.context() as m:
-        m.setattr(_commit.Transaction, "commit", lambda tx, manifest: (_ for _ in ()).throw(OSError("disk full")))
+        m.setattr(_transaction.Transaction, "commit", lambda tx, manifest: (_ for _ in ()).throw(OSError("disk full")))
         with pytest.raises(eqx_ckpt.LeafError, match=re.escape("disk full")):
             manager.save(1, _tree(7), metrics={"loss": 0.5}, overwrite=True)
     assert manager.metrics(1) == {"loss": 5.0} and manager.best_step() == 2
@@ -433,10 +435,10 @@ def test_an_interrupt_after_an_asynchronous_save_went_to_the_background_never_re
     before the background thread writes the manifest."""
     import threading
 
-    from eqx_ckpt import _io, _manager, _serialise
+    from eqx_ckpt import _manager, _serialise, _storage
 
     undone, at_commit = threading.Event(), threading.Event()
-    real_undo, real_save, real_write = _manager.CheckpointManager._undo, _serialise.save, _io.write_conditional
+    real_undo, real_save, real_write = _manager.CheckpointManager._undo, _serialise.save, _storage.write_conditional
 
     def undo(self, step):
         at_commit.wait(10)
@@ -459,7 +461,7 @@ def test_an_interrupt_after_an_asynchronous_save_went_to_the_background_never_re
 
     monkeypatch.setattr(_manager.CheckpointManager, "_undo", undo)
     monkeypatch.setattr(_serialise, "save", save)
-    monkeypatch.setattr(_io, "write_conditional", write_conditional)
+    monkeypatch.setattr(_storage, "write_conditional", write_conditional)
     tree = {"w": jnp.arange(1000.0), "big": jnp.ones(400_000)}
     manager = eqx_ckpt.CheckpointManager(tmp_path, blocking=False)
     with pytest.raises(KeyboardInterrupt):

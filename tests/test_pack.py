@@ -15,7 +15,7 @@ import pytest
 import tensorstore as ts
 
 import eqx_ckpt
-from eqx_ckpt import _pack
+from eqx_ckpt import _pack, _storage
 
 
 def _tree():
@@ -290,9 +290,9 @@ def small_pack_chunks(monkeypatch):
 
 def test_local_packs_are_read_by_eqx_ckpt_only_the_chunks_a_load_needs(tmp_path, monkeypatch, small_pack_chunks):
     """On a local disk a pack's chunk files are read without TensorStore
-    (`_direct.start_pack_run`), and a partial load reads only the chunks holding
+    (`_local_read.start_pack_run`), and a partial load reads only the chunks holding
     the selected leaves, even when they start and end inside a chunk."""
-    from eqx_ckpt import _direct
+    from eqx_ckpt import _local_read
 
     tree = _striped()
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
@@ -302,11 +302,11 @@ def test_local_packs_are_read_by_eqx_ckpt_only_the_chunks_a_load_needs(tmp_path,
     def no_tensorstore(*args, **kwargs):
         raise AssertionError("a local pack was opened with TensorStore")
 
-    monkeypatch.setattr(_pack, "open_pack", no_tensorstore)
+    monkeypatch.setattr(_storage, "open_pack", no_tensorstore)
     read = []
-    real_read_piece = _direct._read_piece
+    real_read_piece = _local_read._read_piece
     monkeypatch.setattr(
-        _direct,
+        _local_read,
         "_read_piece",
         lambda path, loc, record, key, *a: read.append(key) or real_read_piece(path, loc, record, key, *a),
     )

@@ -13,14 +13,14 @@ import pytest
 from arrays import in_a_mapping
 
 import eqx_ckpt
-from eqx_ckpt import _direct, _read, _spec, _window
+from eqx_ckpt import _format, _memory, _read, _window
 
 
 @pytest.fixture
 def small_slabs(monkeypatch, unpacked):
     # Exercise the slab path with small arrays: 1 KiB chunks, 4 KiB slabs. They
     # stand for large leaves, so each has a folder of its own (is not packed).
-    monkeypatch.setattr(_spec, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(_format, "CHUNK_BYTES", 1024)
     monkeypatch.setattr(_read, "SLAB_BYTES", 4096)
 
 
@@ -43,7 +43,7 @@ def test_slab_buffers_from_the_threshold_on_are_mapped_memory(tmp_path, small_sl
     memory (NumPy's own asks for huge pages, which stalled copies when the page
     cache was full): the values are the same, a NumPy leaf's array lives in a
     mapping, and a JAX array adopts its page-aligned buffer."""
-    monkeypatch.setattr(_direct, "FRESH_MIN_BYTES", 8192)
+    monkeypatch.setattr(_memory, "FRESH_MIN_BYTES", 8192)
     tree = {
         "jax": jnp.arange(100 * 37, dtype=jnp.float32).reshape(100, 37),
         "numpy": np.arange(3 * 999).reshape(999, 3),

@@ -13,8 +13,8 @@ import pytest
 import tensorstore as ts
 
 import eqx_ckpt
-from eqx_ckpt import _io, _lease
-from eqx_ckpt._spec import location
+from eqx_ckpt import _lease, _storage
+from eqx_ckpt._location import location
 
 
 def _keys(s3, spec):
@@ -198,16 +198,16 @@ _KILLED_SAVE = """
 import json, os, sys
 import numpy as np
 import eqx_ckpt
-from eqx_ckpt import _io
+from eqx_ckpt import _storage
 
-real = _io.write_conditional
+real = _storage.write_conditional
 
 def write_conditional(loc, name, data, if_equal):
     if name == "manifest.json":
         os._exit(17)  # killed after every array, before the manifest
     return real(loc, name, data, if_equal)
 
-_io.write_conditional = write_conditional
+_storage.write_conditional = write_conditional
 tree = {"model": {"encoder": {"w": np.full((4, 3), 2.0, np.float32)}}}
 eqx_ckpt.tree_serialise_leaves(json.loads(sys.argv[1]), tree)
 """
@@ -263,10 +263,10 @@ def test_remove_and_list_names(store):
     kv = ts.KvStore.open(store).result()
     for key in ["a/zarr.json", "a/c/0", "ab/zarr.json", "a.txt", "b"]:
         kv.write(key, b"x").result()
-    assert _io.list_names(loc) == ["a", "a.txt", "ab", "b"]
-    _io.remove(loc, ["a", "b"])
+    assert _storage.list_names(loc) == ["a", "a.txt", "ab", "b"]
+    _storage.remove(loc, ["a", "b"])
     # "a" went with everything below it; "ab" and "a.txt" share its first letter and stayed.
-    assert _io.list_names(loc) == ["a.txt", "ab"]
+    assert _storage.list_names(loc) == ["a.txt", "ab"]
     assert sorted(kv.list().result()) == [b"a.txt", b"ab/zarr.json"]
 
 
@@ -277,7 +277,7 @@ def test_remove_written_keeps_other_objects_under_the_same_prefix(store):
     theirs = ["a/README.txt", "a/w/c/notes", "ab/zarr.json", "packed.int8/why"]
     for key in ours + theirs:
         kv.write(key, b"x").result()
-    _io.remove_written(loc, ["a", "packed.int8"])
+    _storage.remove_written(loc, ["a", "packed.int8"])
     # Only the files a save writes went; "ab" shares the prefix "a" and stayed.
     assert sorted(k.decode() for k in kv.list().result()) == sorted(theirs)
 
@@ -368,13 +368,13 @@ def test_a_huge_manifest_is_refused_without_downloading_it(s3, store):
     where = location(store)
     s3.gate.gets.clear()
     with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(f"holds more than {limit} bytes")):
-        _io.read_file(where, "manifest.json", limit=limit)
+        _storage.read_file(where, "manifest.json", limit=limit)
     manifest_gets = [rng for path, rng in s3.gate.gets if path.endswith("/manifest.json")]
     assert manifest_gets == [f"bytes={limit}-{limit}"]
     # A file within the limit is read whole.
     kvstore.write("small.json", b"{}").result()
-    assert _io.read_file(where, "small.json", limit=limit) == b"{}"
-    assert _io.read_file(where, "absent.json", limit=limit) is None
+    assert _storage.read_file(where, "small.json", limit=limit) == b"{}"
+    assert _storage.read_file(where, "absent.json", limit=limit) is None
 
 
 @pytest.mark.usefixtures("unpacked")  # a folder (here, keys) per leaf, and a group above each

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import eqx_ckpt
-from eqx_ckpt import _spec
+from eqx_ckpt import _format
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_chunks_line_up_with_shards(tmp_path, mesh, packing):
 
 
 def test_small_chunks_stay_inside_shards(tmp_path, mesh, monkeypatch):
-    monkeypatch.setattr(_spec, "CHUNK_BYTES", 16)
+    monkeypatch.setattr(_format, "CHUNK_BYTES", 16)
     x = jax.device_put(jnp.arange(16 * 4, dtype=jnp.float32).reshape(16, 4), NamedSharding(mesh, P("x")))
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": x})
     chunk = _chunk_shape(tmp_path, "x")

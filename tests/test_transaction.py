@@ -3,7 +3,7 @@ turn, first with an exception, then with a KeyboardInterrupt (what Ctrl-C or a
 SIGTERM handler calling `sys.exit` raises in the saving thread).
 
 For a first save, an overwrite and a manager save, the I/O entry points of
-`_io` and the chunk writes of `_direct_write` are counted on a clean run, in
+`_storage` and the chunk writes of `_local_write` are counted on a clean run, in
 every thread the save uses; then the save is repeated with call k failing, for
 every k. After each: the checkpoint loads as exactly the old
 or exactly the new save, an interrupt reaches the caller as itself, the user's
@@ -28,29 +28,29 @@ import pytest
 from disk import snapshot
 
 import eqx_ckpt
-from eqx_ckpt import _direct_write, _io, _pack
+from eqx_ckpt import _durable, _interrupts, _local_read, _local_write, _location, _memory, _pack, _storage
 
 # Every function through which a save touches storage.
 _IO = [
-    (_io, "kvstore"),
-    (_io, "create_array"),
-    (_io, "create_spec"),  # a pack of small leaves
-    (_io, "transaction"),
-    (_io, "flush"),
-    (_io, "remove"),
-    (_io, "remove_written"),
-    (_io, "list_names"),
-    (_io, "read_file_stamped"),
-    (_io, "read_file_generation"),
-    (_io, "write_conditional"),
-    (_io, "sync_directory"),
-    (_io, "ensure_directory"),
-    (_io, "delete_file"),
-    (_direct_write, "_write_chunk"),  # a chunk file written by eqx_ckpt itself
+    (_storage, "kvstore"),
+    (_storage, "create_array"),
+    (_storage, "create_spec"),  # a pack of small leaves
+    (_storage, "transaction"),
+    (_durable, "flush"),
+    (_storage, "remove"),
+    (_storage, "remove_written"),
+    (_storage, "list_names"),
+    (_storage, "read_file_stamped"),
+    (_storage, "read_file_generation"),
+    (_storage, "write_conditional"),
+    (_durable, "sync_directory"),
+    (_durable, "ensure_directory"),
+    (_storage, "delete_file"),
+    (_local_write, "_write_chunk"),  # a chunk file written by eqx_ckpt itself
 ]
 
 # The threads a save does its I/O in: the caller's, the helper that keeps every
-# future an interrupt could lose (`_io.uninterrupted`), and the chunk writers.
+# future an interrupt could lose (`_interrupts.uninterrupted`), and the chunk writers.
 _SAVE_THREADS = ("eqx_ckpt-io", "eqx_ckpt-write")
 
 
@@ -230,7 +230,7 @@ def test_every_io_step_failing(tmp_path, monkeypatch, kind, error):
 # What a commit runs in the caller's thread: the transaction, and the part of
 # the save that writes and commits it. (The lines of `save` around it are
 # `test_an_interrupt_at_every_line_around_the_commit`'s.)
-_COMMIT_MODULES = ("eqx_ckpt._commit",)
+_COMMIT_MODULES = ("eqx_ckpt._transaction",)
 _COMMIT_FUNCTIONS = ("_write_and_commit", "_stop")
 
 
@@ -276,15 +276,15 @@ def interrupt_at_line(fail_at):
     Not at a `with` line: there, the line event also comes between a block's
     last line and its `__exit__`, which an exception would skip (Python itself
     does not promise `__exit__` against a signal landing there)."""
-    from eqx_ckpt import _commit
+    from eqx_ckpt import _transaction
 
     lines = []
     armed = []
     local = _line_tracer(lines, fail_at)
 
     def calls(frame, event, arg):
-        if not armed and frame.f_code is _io.uninterrupted.__code__:
-            if frame.f_back is not None and frame.f_back.f_code is _commit.Transaction.commit.__code__:
+        if not armed and frame.f_code is _interrupts.uninterrupted.__code__:
+            if frame.f_back is not None and frame.f_back.f_code is _transaction.Transaction.commit.__code__:
                 armed.append(True)
                 # The frames already running (the commit, the save around it) count too.
                 caller = frame.f_back
@@ -346,24 +346,24 @@ def test_an_abort_never_deletes_what_the_live_manifest_may_use(tmp_path, monkeyp
     record of the commit lost, then an interrupt), the abort checks the live
     manifest first: when it is the save's own, or cannot be read to tell, the
     arrays stay and the journal is left for the next save."""
-    from eqx_ckpt import _commit
+    from eqx_ckpt import _manifest, _transaction
 
     scenario = _Scenario(kind, tmp_path / kind)
     files = scenario.prepare()
-    real_commit, real_read = _commit.Transaction.commit, _commit.read_manifest
+    real_commit, real_read = _transaction.Transaction.commit, _manifest.read_manifest
 
     def commit_then_forget(self, manifest_):
         real_commit(self, manifest_)
-        self.state = _commit.State.WRITTEN
+        self.state = _transaction.State.WRITTEN
         if manifest == "unreadable":
-            monkeypatch.setattr(_commit, "read_manifest", lambda loc: (_ for _ in ()).throw(OSError("unreadable")))
+            monkeypatch.setattr(_manifest, "read_manifest", lambda loc: (_ for _ in ()).throw(OSError("unreadable")))
         raise KeyboardInterrupt("after the manifest was written")
 
-    monkeypatch.setattr(_commit.Transaction, "commit", commit_then_forget)
+    monkeypatch.setattr(_transaction.Transaction, "commit", commit_then_forget)
     with pytest.raises(KeyboardInterrupt):
         scenario.save(2)
-    monkeypatch.setattr(_commit.Transaction, "commit", real_commit)
-    monkeypatch.setattr(_commit, "read_manifest", real_read)
+    monkeypatch.setattr(_transaction.Transaction, "commit", real_commit)
+    monkeypatch.setattr(_manifest, "read_manifest", real_read)
     assert (scenario.directory / "saving.json").exists()  # the journal, for the next save
     assert scenario.which([1, 2]) == 2
     assert _unchanged(scenario.directory, files)
@@ -376,7 +376,7 @@ def _around_the_commit():
     """The code a save runs in the caller's thread around its transaction: the
     entry and exit of `save`, the process's claim on the destination, the
     collector's pause, and the start of an asynchronous save's thread."""
-    from eqx_ckpt import _lease, _serialise, _tree as tree_module
+    from eqx_ckpt import _gc, _lease, _serialise
 
     functions = [
         _serialise.save.__wrapped__,
@@ -386,10 +386,10 @@ def _around_the_commit():
         _lease.Claim.__init__,
         _lease.Claim.hand_over,
         _lease.Claim.release,
-        tree_module.gc_paused.__wrapped__,
-        tree_module.GcPause.begin,
-        tree_module.GcPause.resume,
-        tree_module._settle,
+        _gc.gc_paused.__wrapped__,
+        _gc.GcPause.begin,
+        _gc.GcPause.resume,
+        _gc._settle,
     ]
     return {f.__code__ for f in functions}
 
@@ -435,7 +435,7 @@ def test_an_interrupt_at_every_line_around_the_commit(tmp_path, blocking):
     that path in the process waited for ever. Now every such interrupt leaves
     a checkpoint whole, the collector as it was, and the next save in the same
     thread runs."""
-    from eqx_ckpt import _lease, _serialise, _spec, _tree as tree_module
+    from eqx_ckpt import _gc, _lease, _serialise
 
     codes = _around_the_commit()
 
@@ -461,15 +461,15 @@ def test_an_interrupt_at_every_line_around_the_commit(tmp_path, blocking):
         with deadline(60, f"{where}: the next save"):
             for p in list(_serialise._PENDING):
                 p.wait()  # a save the interrupt left running in the background
-            claim = _lease.holder(_spec.location(directory))
+            claim = _lease.holder(_location.location(directory))
             assert claim is None or claim.thread == threading.get_ident(), where
             try:
                 save(directory, 3)
             except Exception as e:
                 raise AssertionError(f"{where}: the next save failed: {e}") from e
         assert _holds(directory, 3), where
-        assert _lease.holder(_spec.location(directory)) is None, where
-        assert not tree_module._active and gc.isenabled(), f"{where}: the collector was left paused"
+        assert _lease.holder(_location.location(directory)) is None, where
+        assert not _gc._active and gc.isenabled(), f"{where}: the collector was left paused"
         assert not (directory / "saving.json").exists(), where
     assert interrupted >= total - 3, (interrupted, total)
 
@@ -533,9 +533,9 @@ def test_an_interrupt_at_every_line_of_a_load(tmp_path):
     """A load holds process-wide state too (the collector's pause, reads in
     flight in the read window): an interrupt at any line of the load's modules
     leaves the collector as it was, and the next load returns the checkpoint."""
-    from eqx_ckpt import _deserialise, _direct, _pack, _read, _tree as tree_module, _window
+    from eqx_ckpt import _deserialise, _gc, _pack, _read, _tree as tree_module, _window
 
-    codes = _functions_of(_deserialise, _window, tree_module, _read, _direct, _pack)
+    codes = _functions_of(_deserialise, _window, tree_module, _gc, _read, _local_read, _memory, _pack, _storage)
     directory = tmp_path / "ckpt"
     eqx_ckpt.tree_serialise_leaves(directory, _tree(1))
     eqx_ckpt.tree_deserialise_leaves(directory, _tree(0))  # as every load after it: caches filled
@@ -552,7 +552,7 @@ def test_an_interrupt_at_every_line_of_a_load(tmp_path):
         interrupted += raised is not None
         loaded = eqx_ckpt.tree_deserialise_leaves(directory, _tree(0))
         assert eqx.tree_equal(loaded, _tree(1), typematch=True), where
-        assert not tree_module._active and gc.isenabled(), f"{where}: the collector was left paused"
+        assert not _gc._active and gc.isenabled(), f"{where}: the collector was left paused"
     assert interrupted >= total - 3, (interrupted, total)
 
 

@@ -1,6 +1,6 @@
 """Writing chunk files on a local disk without TensorStore, writeback started at once.
 
-The mirror of `_direct` (reads). A save to a local disk writes every chunk file
+The mirror of `_local_read` (reads). A save to a local disk writes every chunk file
 of a leaf whose chunks split only its first axis, and of every pack, itself,
 by a small pool of threads, with the bytes' crc32c after them:
 
@@ -13,7 +13,7 @@ by a small pool of threads, with the bytes' crc32c after them:
 
 Right after a file is written through the page cache, its writeback to the
 disk is started (`sync_file_range`), so the disk works while the save goes on;
-the flush before the commit (`_io.flush`) then waits only for what is still in
+the flush before the commit (`_durable.flush`) then waits only for what is still in
 flight. Through TensorStore, every file waited in the page cache until that
 flush, and the save took the time of writing into memory plus the time of
 writing to disk.
@@ -45,9 +45,9 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from . import _direct
-from ._manifest import LeafRecord, PackRecord
-from ._spec import Location, dtype_from_name
+from . import _format, _local_read, _memory
+from ._format import LeafRecord, PackRecord, dtype_from_name
+from ._location import Location
 
 THREADS = 4
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -59,7 +59,7 @@ def eligible(loc: Location, record: LeafRecord, pieces: Sequence[tuple[tuple[sli
     """Whether this leaf's chunk files are written here: a local disk, one host
     piece holding the whole array, and chunks that split only its first axis."""
     return (
-        _direct.supported(loc)
+        _local_read.supported(loc)
         and record.pack is None
         and len(pieces) == 1
         and not pieces[0][0]
@@ -67,11 +67,11 @@ def eligible(loc: Location, record: LeafRecord, pieces: Sequence[tuple[tuple[sli
     )
 
 
-def start_leaf(loc: Location, record: LeafRecord, piece: Any) -> list[concurrent.futures.Future[None]]:
+def start_write(loc: Location, record: LeafRecord, piece: Any) -> list[concurrent.futures.Future[None]]:
     """Start writing every chunk file of one leaf (its `zarr.json` exists);
     `piece` is its stored array. One future per chunk file."""
     data = _bytes_of(piece, record.stored_dtype)
-    shape, keys = record.stored_shape, list(_direct.chunk_keys(record.stored_shape, record.chunks))
+    shape, keys = record.stored_shape, list(_format.chunk_keys(record.stored_shape, record.chunks))
     # A chunk is `chunks[0]` rows of the array (the whole array for a scalar).
     size = record.chunks[0] * (data.nbytes // shape[0]) if keys and shape else data.nbytes
     jobs: list[tuple[str, Callable[[], list[Any]]]] = [
@@ -103,7 +103,7 @@ def start_pack(
         starts, stops, members = starts[kept], stops[kept], [members[i] for i in kept]
     dtype = dtype_from_name(pack.dtype)
     jobs: list[tuple[str, Callable[[], _Chunk]]] = []
-    for n, key in enumerate(_direct.chunk_keys((pack.size,), (pack.chunk,))):
+    for n, key in enumerate(_format.chunk_keys((pack.size,), (pack.chunk,))):
         lo, hi = n * pack.chunk, (n + 1) * pack.chunk
         # The members with elements in [lo, hi) (offsets increase, sizes are positive).
         first, last = int(np.searchsorted(stops, lo, "right")), int(np.searchsorted(starts, hi, "left"))
@@ -253,7 +253,7 @@ def _write_all(fd: int, content: Any) -> None:
     checksum = 0
     for view in content:
         checksum = crc32c.crc32c(view, checksum)
-    _write_buffered(fd, [*content, checksum.to_bytes(_CHECKSUM, "little")])
+    _write_buffered(fd, [*content, checksum.to_bytes(_format.CHECKSUM_BYTES, "little")])
     _start_writeback(fd)
 
 
@@ -281,7 +281,6 @@ UNBUFFERED_FROM = 8 << 20
 _BLOCK = 4096
 # A stage's fresh pages are paid for once per thread: small, and kept.
 STAGE_BYTES = 1 << 20
-_CHECKSUM = 4
 # From this many bytes, a view is copied by NumPy (without the GIL).
 _BIG_COPY = 64 << 10
 
@@ -348,15 +347,15 @@ class _Staged:
     def finish(self) -> None:
         """Write what is staged and the checksum, and end the file there."""
         stage, pos = self.stage, self.pos
-        checksum = crc32c.crc32c(stage[:pos], self.checksum).to_bytes(_CHECKSUM, "little")
-        if pos + _CHECKSUM > STAGE_BYTES:
+        checksum = crc32c.crc32c(stage[:pos], self.checksum).to_bytes(_format.CHECKSUM_BYTES, "little")
+        if pos + _format.CHECKSUM_BYTES > STAGE_BYTES:
             # No room left for the checksum: out with the whole blocks first.
             whole = pos - pos % _BLOCK
             _pwrite(self.fd, stage[:whole], self.offset, direct=self.direct)
             stage[: pos - whole] = stage[whole:pos]
             pos, self.offset = pos - whole, self.offset + whole
-        stage[pos : pos + _CHECKSUM] = checksum
-        pos += _CHECKSUM
+        stage[pos : pos + _format.CHECKSUM_BYTES] = checksum
+        pos += _format.CHECKSUM_BYTES
         if not self.direct:
             _pwrite(self.fd, stage[:pos], self.offset, direct=False)
             return
@@ -401,7 +400,7 @@ def _stage() -> tuple[memoryview, np.ndarray]:
     the thread's next file), as a memoryview and as a NumPy array."""
     stage = getattr(_STAGES, "buffer", None)
     if stage is None or len(stage[0]) != STAGE_BYTES:
-        memory = _direct.fresh_bytes(STAGE_BYTES)
+        memory = _memory.fresh_bytes(STAGE_BYTES)
         stage = _STAGES.buffer = (memory.data, memory)
     return stage
 
@@ -435,4 +434,4 @@ def _start_writeback(fd: int) -> None:
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    return _direct.shared_pool("eqx_ckpt-write", THREADS)
+    return _memory.shared_pool("eqx_ckpt-write", THREADS)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import _dtypes, _window
-from ._manifest import LeafRecord
+from ._format import LeafRecord
 from ._progress import Tracker
 
 # How many chunk reads may be in flight at once (chunks of a few bytes would
@@ -22,7 +22,7 @@ from ._progress import Tracker
 MAX_READS = 64
 
 
-def chunks(record: LeafRecord, *, stop: Callable[[], bool]) -> Iterator[tuple[slice, ...]]:
+def chunk_indices(record: LeafRecord, *, stop: Callable[[], bool]) -> Iterator[tuple[slice, ...]]:
     """The index of every chunk of a leaf, lazily and until `stop()`: a hostile
     shape may claim billions of chunks, and the first missing one ends the leaf."""
     counts = [-(-n // c) for n, c in zip(record.stored_shape, record.chunks)]
@@ -47,7 +47,7 @@ def _chunk_bytes(record: LeafRecord, index: tuple[slice, ...]) -> int:
     return math.prod(s.stop - s.start for s in index) * _dtypes.dtype_from_name(record.stored_dtype).itemsize
 
 
-def windowed(
+def read_chunks(
     jobs: Iterator[tuple[LeafRecord, Any, tuple[slice, ...]]],
     *,
     skip: Callable[[LeafRecord], bool],

@@ -54,22 +54,22 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
-import mmap
 import os
 import stat
 import sys
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import crc32c
 import numpy as np
 
+from . import _format, _memory
 from ._errors import IntegrityError, stored_leaf_error
-from ._io import leaf_io_error, on_local_disk, refuse_beyond_memory
-from ._local import refuse_links
-from ._manifest import LeafRecord, PackRecord
-from ._spec import Location, dtype_from_name
+from ._format import LeafRecord, PackRecord, dtype_from_name
+from ._location import Location, on_local_disk
+from ._memory import refuse_beyond_memory
+from ._storage_errors import leaf_io_error
+from ._untrusted import refuse_links
 
 # Smaller leaves gain little over TensorStore (and will be packed together).
 MIN_BYTES = 2**20
@@ -77,8 +77,6 @@ THREADS = 4
 PIECE_BYTES = 16 * 2**20
 # Each piece is read and checked a step at a time: a step fits in a core's cache.
 STEP_BYTES = 2**19
-_CHECKSUM = 4  # each chunk file ends in the crc32c of its bytes, little-endian
-_ENCODINGS = ("plain", "view", "key_data")
 # Little-endian bytes need a little-endian host; the checks need O_NOFOLLOW and preadv.
 SUPPORTED = sys.byteorder == "little" and hasattr(os, "preadv") and hasattr(os, "O_NOFOLLOW") and crc32c.hardware_based
 # O_NONBLOCK: a FIFO planted as a chunk file must not block the open (fstat then refuses it).
@@ -86,36 +84,32 @@ _FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXE
 _FOLDER_FLAGS = _FILE_FLAGS | getattr(os, "O_DIRECTORY", 0)
 
 
-def read_leaf(loc: Location, record: LeafRecord) -> np.ndarray | None:
-    """Read a whole leaf stored in its own zarr v3 array on a local disk straight
-    into one aligned host buffer; None when this leaf cannot be read this way
-    (not local, not eligible), so the caller falls back to TensorStore.
+def start_read(loc: Location, record: LeafRecord) -> Callable[[], np.ndarray] | None:
+    """Start reading a whole leaf stored in its own zarr v3 array on a local
+    disk straight into one aligned host buffer; `None` when this leaf cannot be
+    read this way (not local, not `eligible`), so the caller falls back to
+    TensorStore.
 
-    Every chunk file is checked (no links, a regular file of exactly a chunk's
-    bytes and its checksum) before the buffer is allocated, and every chunk's
-    crc32c before the array is returned; any failure is an `IntegrityError`
-    naming the leaf. An interrupt waits for the reading threads before it is
-    raised, so none writes into the buffer afterwards.
+    The reads run in a shared pool of threads (so the reads of several leaves
+    overlap); the returned function waits for them, checks the checksums and
+    returns the array. Every chunk file is checked (no links, a regular file of
+    exactly a chunk's bytes and its checksum) before the buffer is allocated,
+    and every chunk's crc32c before the array is returned; any failure is an
+    `IntegrityError` naming the leaf. An interrupt waits for the reading
+    threads before it is raised, so none writes into the buffer afterwards.
 
     **Returns:**
 
-    A C-ordered NumPy array of `record.stored_shape` and `record.stored_dtype`
-    (the stored bytes, not decoded), whose data is 64-byte aligned, so
-    `jax.device_put` on CPU adopts it without a copy; or `None`.
+    A function returning a C-ordered NumPy array of `record.stored_shape` and
+    `record.stored_dtype` (the stored bytes, not decoded), whose data is
+    64-byte aligned, so `jax.device_put` on CPU adopts it without a copy; or
+    `None`.
     """
-    finish = start_leaf(loc, record)
-    return None if finish is None else finish()
-
-
-def start_leaf(loc: Location, record: LeafRecord) -> Callable[[], np.ndarray] | None:
-    """`read_leaf`, started: the reads run in a shared pool of threads (so the
-    reads of several leaves overlap); the returned function waits for them,
-    checks the checksums and returns the array. `None` if not eligible."""
     if not eligible(loc, record):
         return None
     # The checks of its files (on a cold cache, a wait on the disk for each) in a
     # thread of their own, so that those of the next leaves overlap.
-    started = shared_pool("eqx_ckpt-open", THREADS).submit(_start_checked, loc, record)
+    started = _memory.shared_pool("eqx_ckpt-open", THREADS).submit(_start_checked, loc, record)
 
     def finish() -> np.ndarray:
         try:
@@ -134,11 +128,11 @@ def start_leaf(loc: Location, record: LeafRecord) -> Callable[[], np.ndarray] | 
 
 
 def _start_checked(loc: Location, record: LeafRecord) -> tuple[np.ndarray, _Reads]:
-    keys = chunk_keys(record.stored_shape, record.chunks)
+    keys = _format.chunk_keys(record.stored_shape, record.chunks)
     path = _check_chunk_files(loc, record, record.directory, keys)
     refuse_beyond_memory(loc, record, record.nbytes, "it")
-    out = fresh_bytes(record.nbytes)
-    return out, _read_chunks(path, loc, record, out.data, list(chunk_keys(record.stored_shape, record.chunks)))
+    out = _memory.fresh_bytes(record.nbytes)
+    return out, _read_chunks(path, loc, record, out.data, list(_format.chunk_keys(record.stored_shape, record.chunks)))
 
 
 def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Callable[[], np.ndarray] | None:
@@ -155,7 +149,7 @@ def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Ca
     record = LeafRecord(pack.name, [], "numpy", shape, pack.dtype, shape, pack.dtype, "plain", (pack.chunk,))
     keys = [f"c/{first + i}" for i in range(count)]
     path = _check_chunk_files(loc, record, pack.name, iter(keys))
-    out = fresh_bytes(record.nbytes)
+    out = _memory.fresh_bytes(record.nbytes)
     reads = _read_chunks(path, loc, record, out.data, keys)
 
     def finish() -> np.ndarray:
@@ -183,95 +177,21 @@ def _check_chunk_files(loc: Location, record: LeafRecord, directory: str, keys: 
     return path
 
 
-# Private anonymous memory: a shared mapping (`mmap`'s default) is backed by
-# shmem, whose first touch of each page costs more (see the module docstring).
-_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-
-
-def fresh_bytes(nbytes: int) -> np.ndarray:
-    """`nbytes` of page-aligned anonymous memory (uninitialised, in fact zero),
-    as a NumPy `uint8` array that `jax.device_put` can adopt without a copy."""
-    memory = mmap.mmap(-1, nbytes, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, nbytes)
-    return np.frombuffer(memory, np.uint8)
-
-
-# NumPy asks the kernel for huge pages for every array of 4 MiB or more, and
-# with the page cache full (after a save, on a training machine) the kernel
-# compacts memory to find them. Forty-eight arrays of 64 MiB copied after 3 GiB
-# were written to a file: 6.6-6.8 s by `np.array(x, copy=True)`, 1.5-1.6 s into
-# `fresh_bytes` memory. Smaller arrays stay NumPy's (a mapping per leaf costs
-# system calls and rounds each up to whole pages).
-FRESH_MIN_BYTES = 4 * 2**20
-
-
-def fresh_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialised C-contiguous array, page-aligned in `fresh_bytes` memory
-    when it has at least `FRESH_MIN_BYTES`, else NumPy's own."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes < FRESH_MIN_BYTES or dtype.hasobject:
-        return np.empty(shape, dtype)
-    return fresh_bytes(nbytes).view(dtype).reshape(shape)
-
-
-def private_copy(x: Any) -> np.ndarray:
-    """A C-contiguous copy of host data that nothing else references (`fresh_empty`)."""
-    x = np.asarray(x)
-    out = fresh_empty(x.shape, x.dtype)
-    np.copyto(out, x, casting="no")
-    return out
-
-
-def private_copies(arrays: Sequence[Any]) -> list[np.ndarray]:
-    """`private_copy` of each; those of `FRESH_MIN_BYTES` or more by a few
-    threads (the copy releases the GIL, and faulting fresh pages in is most of
-    its cost): 48 arrays of 64 MiB, as above, 0.76-0.83 s by two threads
-    against 1.42-1.61 s by one."""
-    arrays = [np.asarray(x) for x in arrays]
-    big = [i for i, x in enumerate(arrays) if x.nbytes >= FRESH_MIN_BYTES]
-    if len(big) < 2:
-        return [private_copy(x) for x in arrays]
-    copies = list(arrays)  # each replaced by its copy below
-    workers = min(len(big), max(os.cpu_count() or 1, 2), 4)
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="eqx_ckpt-copy") as pool:
-        futures = [(i, pool.submit(private_copy, arrays[i])) for i in big]
-        for i, x in enumerate(arrays):
-            if x.nbytes < FRESH_MIN_BYTES:
-                copies[i] = private_copy(x)
-        for i, future in futures:
-            copies[i] = future.result()
-    return copies
-
-
 def supported(loc: Location) -> bool:
-    """Whether chunk files under `loc` can be read (and written, `_direct_write`)
+    """Whether chunk files under `loc` can be read (and written, `_local_write`)
     without TensorStore: a local disk, on a host that has what this needs."""
     return SUPPORTED and on_local_disk(loc)
 
 
 def eligible(loc: Location, record: LeafRecord) -> bool:
-    """Whether `read_leaf` reads this leaf (else it returns `None`)."""
+    """Whether `start_read` reads this leaf (else it returns `None`)."""
     return (
         supported(loc)
-        and record.encoding in _ENCODINGS
+        and record.encoding in _format.ENCODINGS
         and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
         and record.pack is None
         and record.nbytes >= max(MIN_BYTES, 1)
     )
-
-
-def chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...]) -> Iterator[str]:
-    """The chunk files, in order, of an array whose chunks split only its first
-    axis; lazily: a hostile manifest's absurd shape fails at its first missing
-    file without listing a trillion names first. An empty array has none."""
-    if not shape:
-        yield "c"
-        return
-    if 0 in shape:
-        return
-    rest = "/0" * (len(shape) - 1)
-    for i in range(-(-shape[0] // chunks[0])):
-        yield f"c/{i}{rest}"
 
 
 def _open_chunk(folder: int, loc: Location, record: LeafRecord, key: str, directory: str) -> int:
@@ -287,7 +207,7 @@ def _open_chunk(folder: int, loc: Location, record: LeafRecord, key: str, direct
         raise _damaged(loc, record, f"its chunk file {key!r} cannot be opened ({e.strerror})") from None
     try:
         st = os.fstat(fd)
-        expected = record.chunk_nbytes + _CHECKSUM
+        expected = record.chunk_nbytes + _format.CHECKSUM_BYTES
         if not stat.S_ISREG(st.st_mode):
             raise _damaged(loc, record, f"its chunk file {key!r} is not a regular file")
         if st.st_size != expected:
@@ -314,22 +234,8 @@ def _open_below(folder: int, key: str) -> int:
             os.close(current)
 
 
-_POOLS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def shared_pool(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The process's pool of `threads` threads named `name`, made on first use
-    (one for the readers here, one for the writers of `_direct_write`)."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get(name)
-        if pool is None:
-            pool = _POOLS[name] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=name)
-        return pool
-
-
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    return shared_pool("eqx_ckpt-read", THREADS)
+    return _memory.shared_pool("eqx_ckpt-read", THREADS)
 
 
 def _read_chunks(path: str, loc: Location, record: LeafRecord, out: memoryview, keys: list[str]) -> _Reads:
@@ -338,11 +244,11 @@ def _read_chunks(path: str, loc: Location, record: LeafRecord, out: memoryview, 
     # Only the last chunk runs past the array (zarr stores edge chunks full-size):
     # its padding is read, for the checksum, into a buffer dropped on return.
     padding = memoryview(bytearray(len(keys) * size - len(out)))
-    checksums = memoryview(bytearray(_CHECKSUM * len(keys)))
+    checksums = memoryview(bytearray(_format.CHECKSUM_BYTES * len(keys)))
     chunks = []
     for i, key in enumerate(keys):
         data = out[i * size : (i + 1) * size]
-        stored = checksums[_CHECKSUM * i : _CHECKSUM * (i + 1)]
+        stored = checksums[_format.CHECKSUM_BYTES * i : _format.CHECKSUM_BYTES * (i + 1)]
         chunks.append((key, [data, padding if len(data) < size else padding[:0]], stored))
     reads = _Reads(loc, record, chunks)
     pool = _pool()
@@ -389,7 +295,7 @@ def _pieces(segments: list[memoryview]) -> Iterator[tuple[int, list[memoryview],
     `segments` are its bytes in file order, the checksum last. The last piece
     reads to the end; the bytes to check are the piece's first, up to the checksum."""
     total = sum(len(s) for s in segments)
-    cuts = [*range(0, total - _CHECKSUM, PIECE_BYTES)] or [0]
+    cuts = [*range(0, total - _format.CHECKSUM_BYTES, PIECE_BYTES)] or [0]
     for lo, hi in zip(cuts, [*cuts[1:], total]):
         views, position = [], 0
         for segment in segments:
@@ -397,7 +303,7 @@ def _pieces(segments: list[memoryview]) -> Iterator[tuple[int, list[memoryview],
             if start < stop:
                 views.append(segment[start:stop])
             position += len(segment)
-        yield lo, views, max(0, min(hi, total - _CHECKSUM) - lo)
+        yield lo, views, max(0, min(hi, total - _format.CHECKSUM_BYTES) - lo)
 
 
 def _read_piece(
@@ -536,7 +442,7 @@ def _settle(futures: Sequence[concurrent.futures.Future[Any]]) -> None:
 def _size_message(record: LeafRecord, key: str, size: int) -> str:
     return (
         f"its chunk file {key!r} holds {size} bytes, where a chunk of shape {list(record.chunks)} is "
-        f"{record.chunk_nbytes} bytes and a {_CHECKSUM}-byte checksum"
+        f"{record.chunk_nbytes} bytes and a {_format.CHECKSUM_BYTES}-byte checksum"
     )
 
 

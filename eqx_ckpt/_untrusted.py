@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from . import _format
 from ._errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -31,9 +32,9 @@ from ._errors import (
     leaf_message,
     stored_leaf_error,
 )
+from ._format import MAX_RANK, LeafRecord, PackRecord, dtype_from_name
 from ._keypath import from_json
-from ._manifest import MAX_RANK, LeafRecord, PackRecord
-from ._spec import Location, dtype_from_name
+from ._location import Location
 
 
 def refuse_links(loc: Location, relative: str, *, leaf: str | None = None, subtree: bool = False) -> int:
@@ -115,7 +116,7 @@ def _scan(loc: Location, directory: str, leaf: str | None) -> int:
 # What a leaf's folder holds beyond its name, at most: `/c` and a chunk index
 # of up to 20 digits per dimension, or `/zarr.json`; TensorStore adds `.__lock`
 # while it writes one.
-_INSIDE = len("/c") + MAX_RANK * len("/18446744073709551615") + len(".__lock")
+_INSIDE = len("/c") + MAX_RANK * len("/18446744073709551615") + len(_format.TEMPORARY)
 
 
 def check_path_lengths(loc: Location, records: Sequence[LeafRecord]) -> None:
@@ -125,14 +126,14 @@ def check_path_lengths(loc: Location, records: Sequence[LeafRecord]) -> None:
     if loc.local is None or not records:
         return
     limit = _path_max(loc.local)
-    # A later save writes under a data root `gen.<16 hex digits>` (`_commit`).
-    base = len(os.fsencode(os.path.join(loc.local, "gen." + "0" * 16))) + len("/")
+    # A later save writes under a data root `gen.<16 hex digits>` (`_transaction`).
+    base = len(os.fsencode(os.path.join(loc.local, _format.data_root_name("0" * 16)))) + len("/")
     if base + max(len(r.path) for r in records) + _INSIDE < limit:
         return  # the common case: no path comes close
     for r in records:
         grid = [-(-size // chunk) if chunk else 1 for size, chunk in zip(r.stored_shape, r.chunks, strict=True)]
-        inside = max(len("/zarr.json"), len("/c") + sum(1 + len(str(max(n - 1, 0))) for n in grid))
-        longest = base + len(r.path) + inside + len(".__lock")  # a dotted path is its folder, in ASCII
+        inside = max(len("/" + _format.ZARR_JSON), len("/c") + sum(1 + len(str(max(n - 1, 0))) for n in grid))
+        longest = base + len(r.path) + inside + len(_format.TEMPORARY)  # a dotted path is its folder, in ASCII
         if longest >= limit:  # PATH_MAX counts the terminating NUL
             what = (
                 f"the path of a file in its folder would have about {longest} bytes, more than the "

@@ -28,7 +28,7 @@ A save deletes only names its journal or an earlier manifest of this
 checkpoint records, and only after checking that they look like names eqx_ckpt
 writes; the user's files beside a checkpoint are never touched. Inside the
 arrays of a checkpoint it replaced, it deletes only the files saves write
-(`_io.written_by_a_save`) and the folders that leaves empty, so a user's file
+(`_format.written_by_a_save`) and the folders that leaves empty, so a user's file
 put in a leaf's folder stays (with the folders leading to it).
 """
 
@@ -38,27 +38,25 @@ import contextlib
 import enum
 import json
 import os
-import re
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from . import _io, _keypath, _layout, _lease
-from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointReplacedError
-from ._local import refuse_links
-from ._manifest import MANIFEST, MAX_MANIFEST_BYTES, SAVING, Manifest, is_data_root, parse
-from ._spec import Location
-
-# What a top-level name written by a save can look like: an escaped segment (see
-# `_keypath`), the root group's metadata, an OCDBT database or a data root.
-# Names read back from a journal must match, so a damaged one cannot delete
-# anything else.
-_OURS = re.compile(
-    r"^(%e|%i-?[0-9]+|%r[A-Za-z0-9_%-]*|[A-Za-z0-9_%-]+|zarr\.json|ocdbt\.db|gen\.[0-9a-f]+|packed\.[a-z0-9_]+)$"
+from . import (
+    _durable,
+    _format,
+    _interrupts,
+    _keypath,
+    _layout,
+    _lease,
+    _manifest,
+    _storage,
+    _storage_errors,
 )
-
-
-_GENERATION = re.compile(r"^gen\.[0-9a-f]{16}$")
+from ._errors import CheckpointError, CheckpointExistsError
+from ._format import MANIFEST, MAX_MANIFEST_BYTES, SAVING, is_data_root
+from ._location import Location
+from ._manifest import Manifest, parse
 
 
 class State(enum.Enum):
@@ -69,45 +67,12 @@ class State(enum.Enum):
     ABORTED = "aborted"
 
 
-def read_manifest(loc: Location) -> Manifest | None:
-    data, stamp = _io.read_file_stamped(loc, MANIFEST, limit=MAX_MANIFEST_BYTES)
-    return None if data is None else parse(data, where=loc.display, stamp=stamp)
-
-
-def require_manifest(loc: Location) -> Manifest:
-    manifest = read_manifest(loc)
-    if manifest is None:
-        raise CheckpointNotFoundError(
-            f"There is no eqx_ckpt checkpoint at {loc.display!r} (no {MANIFEST}). "
-            f"Check the path; a save that was interrupted leaves no checkpoint.",
-            path=loc.display,
-        )
-    # The data root (and an OCDBT database in it) must not lead out of the checkpoint.
-    ocdbt = manifest.layout == "ocdbt"
-    refuse_links(loc, manifest.data_root + ("/" + _layout.OCDBT_FOLDER if ocdbt else ""), subtree=ocdbt)
-    return manifest
-
-
-def check_unchanged(loc: Location, manifest: Manifest) -> None:
-    """Raise if the checkpoint at `loc` was replaced since `manifest` was read.
-
-    A reader calls this after reading arrays: an overwrite deletes the old
-    arrays only after its commit, so if the manifest is still the one read, every
-    byte read came from it."""
-    if _io.file_changed(loc, MANIFEST, manifest.stamp):
-        raise CheckpointReplacedError(
-            f"Checkpoint {loc.display!r} was replaced by a newer save after it was opened, so what was read "
-            f"from it may belong to either save and was discarded. Open or load it again to read the new one.",
-            path=loc.display,
-        )
-
-
 def top_names(paths: Sequence[str], layout: str, packs: Sequence[str] = ()) -> tuple[str, ...]:
     """The top-level entries of a data root holding leaves at dotted `paths`
     (those with arrays of their own) and the packs named `packs`."""
     if layout == "ocdbt":
-        return (_layout.OCDBT_FOLDER,)
-    names = {"zarr.json", *packs}
+        return (_format.OCDBT_FOLDER,)
+    names = {_format.ZARR_JSON, *packs}
     for path in paths:
         # A root leaf is an array at the data root itself: its chunk is `c`.
         names.add(_keypath.split_dotted(path)[0] if path else "c")
@@ -153,7 +118,7 @@ class Transaction:
         outcome: list[tuple[BaseException | None, BaseException | None]] = []
 
         def write() -> None:
-            written, error, interrupt = _io.write_conditional(self.loc, MANIFEST, data, self.expected)
+            written, error, interrupt = _storage.write_conditional(self.loc, MANIFEST, data, self.expected)
             # Recorded here, in the helper thread that signals never reach: an
             # interrupt landing in the caller between the write and this line
             # would leave the save looking uncommitted, and its abort would
@@ -164,7 +129,7 @@ class Transaction:
 
         try:
             # In a helper thread: the write's future cannot be lost to an interrupt.
-            _io.uninterrupted(write)
+            _interrupts.uninterrupted(write)
             error, interrupt = outcome[0]
         except BaseException as e:
             if not outcome:
@@ -175,7 +140,7 @@ class Transaction:
         if self.state is not State.COMMITTED:
             if error is not None:
                 unchanged = "nothing was committed and any checkpoint there before is unchanged"
-                raise _io.write_error(self.loc, MANIFEST, error, unchanged) from error
+                raise _storage_errors.write_error(self.loc, MANIFEST, error, unchanged) from error
             raise CheckpointExistsError(
                 f"Another save committed {self.loc.display!r} while this one was writing, so this one was not "
                 f"committed (its arrays were deleted; the other save's checkpoint is whole). Only one writer "
@@ -186,7 +151,7 @@ class Transaction:
             _warn(
                 f"Checkpoint {self.loc.display!r} was committed (its manifest is this save's), but writing or "
                 f"syncing the manifest then reported an error, so the commit may not survive a power loss: "
-                f"{_io.explain(error)}"
+                f"{_storage_errors.explain(error)}"
             )
 
     def clean(self) -> None:
@@ -198,9 +163,9 @@ class Transaction:
             # `gen.<commit>` folders are the format's own namespace (no key maps
             # there), and this save holds the lease: one the new manifest does
             # not use is what a failed or killed save of this checkpoint left.
-            stale += [n for n in _io.list_names(self.loc) if _GENERATION.match(n) and n != self.target]
+            stale += [n for n in _storage.list_names(self.loc) if _format.is_generation(n) and n != self.target]
             # Only the files saves write: a user's file in an old leaf's folder stays.
-            _io.remove_written(self.loc, sorted(set(stale)))
+            _storage.remove_written(self.loc, sorted(set(stale)))
             self._release()
         except Exception as e:
             self.leave()
@@ -234,7 +199,7 @@ class Transaction:
                 return
             self.state = State.ABORTED
             if self.lease is None or _owns_lease(self.lease):
-                _io.remove(self.loc, self.names)
+                _storage.remove(self.loc, self.names)
         except BaseException as e:
             self.leave()
             if not isinstance(e, Exception):
@@ -276,7 +241,7 @@ def _live_commit(loc: Location) -> str | None:
     """The commit of the manifest at `loc`: "" when there is none (or it has no
     commit), `None` when it cannot be read to tell."""
     try:
-        current = read_manifest(loc)
+        current = _manifest.read_manifest(loc)
     except Exception:
         return None
     return "" if current is None else current.commit
@@ -311,7 +276,7 @@ def begin(
             f"as a directory; choose another path.",
             path=loc.display,
         )
-    _io.ensure_directory(loc)
+    _durable.ensure_directory(loc)
     lease, stale = _lease.acquire(loc, SAVING, what="save")
     try:
         tx = _begin(loc, lease, stale, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
@@ -333,14 +298,14 @@ def _begin(
     paths: Sequence[str],
     packs: Sequence[str],
 ) -> Transaction:
-    data, generation = _io.read_file_generation(loc, MANIFEST, limit=MAX_MANIFEST_BYTES)
+    data, generation = _storage.read_file_generation(loc, MANIFEST, limit=MAX_MANIFEST_BYTES)
     old = None if data is None else parse(data, where=loc.display)
     if stale:
         _finish_dead_save(loc, stale, old)
     # TensorStore writes `<name>.__lock` and renames it into place: one of ours
     # left by a killed write (we hold the lease, so its writer is gone) goes.
-    _io.remove(loc, [n for n in _io.list_names(loc) if _is_our_temporary(n)])
-    names = [n for n in _io.list_names(loc) if n != SAVING]
+    _storage.remove(loc, [n for n in _storage.list_names(loc) if _format.is_save_temporary(n)])
+    names = [n for n in _storage.list_names(loc) if n != SAVING]
     if old is None and names:
         raise CheckpointExistsError(
             f"{loc.display!r} is not empty and is not an eqx_ckpt checkpoint, so "
@@ -354,7 +319,7 @@ def _begin(
             path=loc.display,
         )
     commit_id = lease.token
-    target = "" if old is None else f"gen.{commit_id}"
+    target = "" if old is None else _format.data_root_name(commit_id)
     tx = Transaction(loc, old, target, layout, commit_id)
     tx.expected = generation
     tx.names = top_names(paths, layout, packs) if target == "" else (target,)
@@ -374,20 +339,17 @@ def _finish_dead_save(loc: Location, journal: dict[str, Any], current: Manifest 
     listed = journal.get("old_names" if committed else "names", [])
     if not isinstance(listed, list):
         return
-    doomed = [n for n in listed if isinstance(n, str) and _OURS.match(n) and n not in live and n != MANIFEST]
+    doomed = [
+        n for n in listed if isinstance(n, str) and _format.is_top_level_name(n) and n not in live and n != MANIFEST
+    ]
     # The arrays a committed save replaced may hold a user's files, which stay;
     # what an uncommitted save created is its own, and goes whole.
-    (_io.remove_written if committed else _io.remove)(loc, doomed)
-
-
-def _is_our_temporary(name: str) -> bool:
-    base = name.removesuffix(_io.TEMPORARY)
-    return base != name and (base in (MANIFEST, SAVING) or bool(_OURS.match(base)))
+    (_storage.remove_written if committed else _storage.remove)(loc, doomed)
 
 
 def join(loc: Location) -> Transaction:
     """The transaction another process began at `loc` (read from its journal)."""
-    data = _io.read_file(loc, SAVING, limit=_lease.MAX_LEASE_BYTES)
+    data = _storage.read_file(loc, SAVING, limit=_lease.MAX_LEASE_BYTES)
     try:
         journal = json.loads(data or b"null")
         target, layout, token = journal["target"], journal["layout"], journal["token"]

@@ -1,0 +1,115 @@
+"""Pausing Python's cyclic garbage collector while a save or load makes many
+small, acyclic objects (leaf records, a manifest's parsed items).
+
+Its collections, triggered by the count of new objects, took a third of the
+time of parsing a manifest of ten thousand leaves; reference counting still
+frees memory meanwhile. A pause is per call and may be handed to a background
+thread (an asynchronous save); the collector is off while any pause is
+active, and back as it was once none is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+import threading
+import types
+from collections.abc import Iterator
+
+# Reentrant: freeing an object inside the lock (a dropped pause's frame) or a
+# collection started by an allocation there may run a finalizer in the same
+# thread, and the finalizer of a `gc_paused` left suspended by an interrupt
+# resumes its pause. With a plain lock that thread waited on itself for ever.
+_GC_LOCK = threading.RLock()
+
+
+# The `GcPause`s begun and not yet resumed: id -> (thread ident, the frame the
+# pause belongs to), or None while it waits for a background thread to adopt it.
+_active: dict[int, tuple[int, types.FrameType] | None] = {}
+
+
+_restore: bool | None = None  # the collector's state before the first of them
+
+
+class GcPause:
+    """Python's cyclic garbage collector paused from `begin()` to `resume()`.
+    Pauses nest, also across threads (an asynchronous save's caller pauses the
+    collector for the background part, so that no collection of the objects
+    it just made falls between the two): the last to resume restores what the
+    first found.
+
+    Safe against an interrupt at any line (a signal's exception is raised
+    between any two, also on entering the `resume()` of a `finally`): a pause
+    belongs to the frame it was begun for, and one whose frame has left its
+    thread's stack without resuming it is dropped by the next pause or resume
+    in that thread, which also finishes a change of the collector's state that
+    an interrupt cut short. (A pause begun for no frame, to be adopted by a
+    background thread, must be ended explicitly.)"""
+
+    def begin(self, frame: types.FrameType | None) -> None:
+        """Pause for as long as `frame` runs (or, with `None`, until `adopt`)."""
+        owner = None if frame is None else (threading.get_ident(), frame)
+        with _GC_LOCK:
+            _active[id(self)] = owner
+            _settle()
+
+    def adopt(self) -> None:
+        """The calling thread takes the pause over, for its caller's frame."""
+        with _GC_LOCK:
+            if id(self) in _active:
+                _active[id(self)] = (threading.get_ident(), sys._getframe(1))
+
+    def resume(self) -> None:
+        """End this pause. Idempotent."""
+        with _GC_LOCK:
+            _active.pop(id(self), None)
+            _settle()
+
+
+def _settle() -> None:
+    """Drop this thread's pauses whose frame has returned; then the collector
+    is off while any pause is active, and back as it was once none is. Each
+    line can be repeated, so a call cut short is finished by the next, and a
+    whole `begin` or `resume` may run inside it (a finalizer, see `_GC_LOCK`):
+    it reads a copy of `_active` (copied without allocating per item, so no
+    finalizer runs midway) and decides the collector's state last, after the
+    lines that allocate or free."""
+    global _restore
+    me = threading.get_ident()
+    mine = [(key, owner[1]) for key, owner in _active.copy().items() if owner is not None and owner[0] == me]
+    if mine:
+        running = {id(frame) for frame in _stack(sys._getframe(1))}
+        for key, frame in mine:
+            if id(frame) not in running:
+                _active.pop(key, None)
+        del mine, frame  # the last references to returned frames go here, not below
+    if _active:
+        if _restore is None:
+            _restore = gc.isenabled()
+        gc.disable()
+    elif _restore is not None:
+        if _restore:
+            gc.enable()
+        _restore = None
+
+
+def _stack(frame: types.FrameType | None) -> Iterator[types.FrameType]:
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a block makes many small,
+    acyclic objects (a manifest's records, a tree's leaves): its collections,
+    triggered by the count of new objects, took a third of the time of parsing
+    a manifest of ten thousand leaves. Reference counting still frees memory.
+    See `GcPause`."""
+    pause = GcPause()
+    try:
+        pause.begin(sys._getframe(2))  # the frame of the `with` (past `__enter__`)
+        yield
+    finally:
+        pause.resume()

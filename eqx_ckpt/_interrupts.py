@@ -1,0 +1,94 @@
+"""Running I/O to its end however the main thread is interrupted (Ctrl-C, or
+`sys.exit` from a signal handler), so a save always knows what it started."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+def uninterrupted(fn: Callable[[], Any]) -> None:
+    """Run `fn` to its end, however the caller is interrupted.
+
+    Python raises an interrupt (Ctrl-C, `sys.exit` from a signal handler) in the
+    main thread, between any two bytecodes: also between a call that starts an
+    operation and the line that keeps its future, which is then lost, and a
+    save cannot know what it must wait for before it undoes anything (a
+    manifest write that landed after the abort deleted the arrays committed a
+    checkpoint without its data). In the main thread, `fn` therefore runs in a
+    helper thread, which signals never reach: it keeps what it starts (it
+    stores its results itself, in objects the caller holds), and an interrupt
+    while waiting is raised once `fn` has finished. In other threads `fn` just
+    runs. `fn`'s own error is raised as it is.
+
+    (Not `Thread.join`: an interrupted join in Python 3.11 can mark a running
+    thread as finished, and the next join returns at once.)
+    """
+    if threading.current_thread() is not threading.main_thread():
+        fn()
+        return
+    _ensure_helper()  # an interrupt here has started nothing
+    job = _Job(fn)
+    interrupt: BaseException | None = None
+    while True:
+        # An interrupt may land before or after the job is queued: it is queued
+        # again, and runs once. (Once, it landed in the wait loop's condition,
+        # outside any `try`: the save aborted while the queued manifest write
+        # went on, and committed a checkpoint whose arrays the abort deleted.)
+        try:
+            _JOBS.put(job)
+            break
+        except BaseException as e:
+            interrupt = interrupt or e
+    while True:
+        try:
+            if job.done.wait(0.05):
+                break
+        except BaseException as e:
+            interrupt = interrupt or e
+    if interrupt is not None:
+        raise interrupt
+    if job.error is not None:
+        raise job.error
+
+
+class _Job:
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self._claim = threading.Lock()
+
+    def run(self) -> None:
+        if not self._claim.acquire(blocking=False):
+            return  # queued twice (see `uninterrupted`): it runs once
+        try:
+            self.fn()
+        except BaseException as e:
+            self.error = e
+        finally:
+            self.done.set()
+
+
+_JOBS: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+
+
+_HELPERS: list[threading.Thread] = []
+
+
+def _helper() -> None:
+    while True:
+        _JOBS.get().run()
+
+
+def _ensure_helper() -> None:
+    """Start the helper thread of `uninterrupted` unless one runs. Two threads
+    starting at once, or a start cut short by an interrupt, may leave two
+    helpers, which is harmless: each job is taken from the queue once. (No lock
+    here: one that an interrupt left held would stop every later save.)"""
+    if not any(thread.is_alive() for thread in _HELPERS):
+        thread = threading.Thread(target=_helper, name="eqx_ckpt-io", daemon=True)
+        thread.start()
+        _HELPERS.append(thread)

@@ -1,0 +1,117 @@
+"""Where a checkpoint lives: a `Location`, made once from what the user passed as `path`.
+
+A local path, a TensorStore kvstore URL (`memory://`, `file://`, `s3://`,
+`gs://`...) or a kvstore spec dict all become one: a kvstore spec whose path
+ends in `/`, the path as the user wrote it (for messages), and the local
+directory when there is one. URLs and spec dicts are normalised by
+TensorStore's own parser, which is why this module imports `tensorstore` (see
+`_storage` for everything else that does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from typing import Any
+
+import tensorstore as ts
+
+from ._errors import CheckpointTypeError
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """A checkpoint directory: a TensorStore kvstore spec whose path ends in `/`.
+
+    **Attributes:**
+
+    - `kvstore`: the kvstore spec dict.
+    - `display`: the path as the user wrote it, for messages.
+    - `local`: the absolute local directory, when it is one.
+    """
+
+    kvstore: dict[str, Any]
+    display: str
+    local: str | None
+
+    def key(self, relative: str) -> str:
+        return self.kvstore.get("path", "") + relative
+
+    def child(self, relative: str) -> dict[str, Any]:
+        """The kvstore spec of a directory below this one ("" is this one)."""
+        sub = relative.strip("/")
+        return {**self.kvstore, "path": self.key(sub + "/" if sub else "")}
+
+    def joined(self, relative: str) -> Location:
+        """The location of a sub-directory (used by the manager for its steps)."""
+        local = None if self.local is None else os.path.join(self.local, relative)
+        display = self.display.rstrip("/") + "/" + relative
+        return Location(self.child(relative), display, local)
+
+
+def location(path: Any) -> Location:
+    """Turn what the user passed as `path` into a `Location`.
+
+    Accepts a local path (`str` or `os.PathLike`), a TensorStore kvstore URL
+    (`memory://`, `file://`, `s3://`, `gs://`...), or a kvstore spec `dict` (for
+    options a URL cannot carry, such as an S3 `endpoint` or `aws_credentials`).
+    """
+    if isinstance(path, Location):
+        return path
+    if isinstance(path, dict):
+        return _from_spec(path)
+    if isinstance(path, io.IOBase) or hasattr(path, "read") or hasattr(path, "write"):
+        raise CheckpointTypeError(
+            f"`path` must be a checkpoint directory (a `str` or `pathlib.Path`) or a "
+            f"kvstore URL such as 'memory://name/', not a file object "
+            f"({type(path).__name__}). eqx_ckpt writes one array per leaf into a "
+            f"directory, so pass the directory's path instead."
+        )
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str):
+        raise CheckpointTypeError(
+            f"`path` must be a `str`, a `pathlib.Path`, a kvstore URL or a kvstore spec `dict`, "
+            f"not {type(path).__name__}."
+        )
+    if "://" not in path:
+        local = os.path.abspath(os.path.expanduser(path))
+        return Location({"driver": "file", "path": local.rstrip("/") + "/"}, path, local)
+    try:
+        spec = ts.KvStore.Spec(path).to_json()
+    except Exception as e:
+        raise CheckpointTypeError(f"{path!r} is not a kvstore URL TensorStore understands: {e}") from None
+    return _directory(spec, path)
+
+
+def _from_spec(spec: dict[str, Any]) -> Location:
+    """A kvstore spec dict, e.g. `{"driver": "s3", "bucket": ..., "endpoint": ...}`."""
+    try:
+        spec = ts.KvStore.Spec(spec).to_json()
+    except Exception as e:
+        raise CheckpointTypeError(f"{spec!r} is not a kvstore spec TensorStore understands: {e}") from None
+    # Messages name the store as a URL; the endpoint and credentials stay out of them
+    # (for an http server, its URL without the query string, which may hold a token).
+    bucket = spec.get("bucket")
+    if spec.get("driver") == "http":
+        display = spec["base_url"].split("?", 1)[0] + spec.get("path", "")
+    else:
+        display = f"{spec.get('driver')}://" + (f"{bucket}/" if bucket else "") + spec.get("path", "")
+    return _directory(spec, display)
+
+
+def _directory(spec: dict[str, Any], display: str) -> Location:
+    """The checkpoint directory at a kvstore spec: its path ends in `/`."""
+    spec["path"] = spec.get("path", "")
+    if spec["path"] and not spec["path"].endswith("/"):
+        spec["path"] += "/"
+    directory = spec["path"].rstrip("/") if spec.get("driver") == "file" else None
+    return Location(spec, display, directory)
+
+
+def on_local_disk(loc: Location) -> bool:
+    """Whether `loc` is a local directory reached through the `file` driver (so
+    writes can skip fsync and must then be flushed, and eqx_ckpt may read and
+    write its chunk files itself)."""
+    return loc.local is not None and loc.kvstore.get("driver") == "file"

@@ -1,0 +1,133 @@
+"""Host memory for leaves: page-aligned private buffers, private copies, the
+memory check before a read, and the process's shared thread pools.
+
+Why private anonymous mappings: NumPy asks the kernel for huge pages for every
+array of 4 MiB or more, and with the page cache full (after a save, on a
+training machine) the kernel compacts memory to find them; a shared mapping
+(`mmap`'s default) is backed by shmem, whose first touch of each page costs
+more. docs/benchmarks.md has the measurements.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._errors import IntegrityError, stored_leaf_error
+
+if TYPE_CHECKING:
+    from ._format import LeafRecord
+    from ._location import Location
+
+
+# Private anonymous memory: a shared mapping (`mmap`'s default) is backed by
+# shmem, whose first touch of each page costs more (see the module docstring).
+_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+
+
+def fresh_bytes(nbytes: int) -> np.ndarray:
+    """`nbytes` of page-aligned anonymous memory (uninitialised, in fact zero),
+    as a NumPy `uint8` array that `jax.device_put` can adopt without a copy."""
+    memory = mmap.mmap(-1, nbytes, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, nbytes)
+    return np.frombuffer(memory, np.uint8)
+
+
+# NumPy asks the kernel for huge pages for every array of 4 MiB or more, and
+# with the page cache full (after a save, on a training machine) the kernel
+# compacts memory to find them. Forty-eight arrays of 64 MiB copied after 3 GiB
+# were written to a file: 6.6-6.8 s by `np.array(x, copy=True)`, 1.5-1.6 s into
+# `fresh_bytes` memory. Smaller arrays stay NumPy's (a mapping per leaf costs
+# system calls and rounds each up to whole pages).
+FRESH_MIN_BYTES = 4 * 2**20
+
+
+def fresh_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous array, page-aligned in `fresh_bytes` memory
+    when it has at least `FRESH_MIN_BYTES`, else NumPy's own."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < FRESH_MIN_BYTES or dtype.hasobject:
+        return np.empty(shape, dtype)
+    return fresh_bytes(nbytes).view(dtype).reshape(shape)
+
+
+def private_copy(x: Any) -> np.ndarray:
+    """A C-contiguous copy of host data that nothing else references (`fresh_empty`)."""
+    x = np.asarray(x)
+    out = fresh_empty(x.shape, x.dtype)
+    np.copyto(out, x, casting="no")
+    return out
+
+
+def private_copies(arrays: Sequence[Any]) -> list[np.ndarray]:
+    """`private_copy` of each; those of `FRESH_MIN_BYTES` or more by a few
+    threads (the copy releases the GIL, and faulting fresh pages in is most of
+    its cost): 48 arrays of 64 MiB, as above, 0.76-0.83 s by two threads
+    against 1.42-1.61 s by one."""
+    arrays = [np.asarray(x) for x in arrays]
+    big = [i for i, x in enumerate(arrays) if x.nbytes >= FRESH_MIN_BYTES]
+    if len(big) < 2:
+        return [private_copy(x) for x in arrays]
+    copies = list(arrays)  # each replaced by its copy below
+    workers = min(len(big), max(os.cpu_count() or 1, 2), 4)
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="eqx_ckpt-copy") as pool:
+        futures = [(i, pool.submit(private_copy, arrays[i])) for i in big]
+        for i, x in enumerate(arrays):
+            if x.nbytes < FRESH_MIN_BYTES:
+                copies[i] = private_copy(x)
+        for i, future in futures:
+            copies[i] = future.result()
+    return copies
+
+
+_POOLS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+
+
+_POOLS_LOCK = threading.Lock()
+
+
+def shared_pool(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's pool of `threads` threads named `name`, made on first use
+    (one for the readers here, one for the writers of `_local_write`)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(name)
+        if pool is None:
+            pool = _POOLS[name] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=name)
+        return pool
+
+
+@functools.cache
+def physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: str) -> None:
+    """Refuse a read that would allocate more than this machine's memory.
+
+    Such a read cannot succeed, and TensorStore would abort the whole process on
+    the failed allocation. On a local disk the chunk files are counted first
+    (`_untrusted.check_leaf_files`); on an object store this is what stands between a
+    hostile manifest's absurd shape and a crash.
+    """
+    memory = physical_memory()
+    if memory is None or nbytes <= memory:
+        return
+    raise stored_leaf_error(
+        IntegrityError,
+        f"reading {what} needs {nbytes} bytes (shape {list(record.stored_shape)}, chunks {list(record.chunks)} in "
+        f"the manifest), more than this machine's {memory} bytes of memory. Nothing was read.",
+        dotted=record.path,
+        path=loc.display,
+        fix="A manifest this large is damaged or hostile; if the leaf really is this large, read it in slices "
+        "(`eqx_ckpt.Checkpoint(path)[key][...]`) or load it sharded across devices.",
+    )

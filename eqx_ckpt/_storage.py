@@ -1,0 +1,494 @@
+"""The storage seam: with `_location`, the only module that imports `tensorstore`
+(ruff's banned-api rule enforces it, see pyproject.toml).
+
+Everything eqx_ckpt reads or writes through TensorStore passes here: the
+contexts, small files (read with a size limit, stamped, written conditionally),
+listings, deletion of what a save wrote, and zarr arrays opened or created
+from their specs. Futures are returned, not waited for; callers block with
+`result` only at the public boundary. The local fast path, which reads and
+writes chunk files itself, is `_local_read` and `_local_write`; both are
+chosen per location by `local_io` below.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from . import _durable, _format, _location, _memory, _storage_errors, _untrusted
+from ._format import LeafRecord, PackRecord
+from ._location import Location
+from ._storage_errors import read_explained, read_only_store, unreachable, write_error
+
+# Types of what this module returns, for annotations elsewhere.
+Future = ts.Future
+KvStore = ts.KvStore
+
+# One context for every open: it is what makes `memory://` stores persist between
+# calls, and what bounds file I/O concurrency for the whole process.
+#
+# Its `http_request_retries` make a plain `http://` server that cannot be reached
+# an error within about 5 s: TensorStore's default (32 attempts, backing off from
+# 1 s to 32 s) retried a refused connection for a quarter of an hour, and a load
+# seemed to hang. Four attempts over about 4 s still ride out a server's brief
+# hiccup (a 503, a dropped connection). Only the `http` driver reads this
+# resource: `s3://` and `gs://` keep their own, `s3_request_retries` and
+# `gcs_request_retries`, at TensorStore's defaults, where retrying for minutes
+# is what a busy object store needs. A kvstore spec dict may carry its own
+# `"http_request_retries"`, which wins over this one.
+CONTEXT = ts.Context({"http_request_retries": {"max_retries": 4, "initial_delay": "0.25s", "max_delay": "2s"}})
+
+
+# For the arrays of a save to a local disk: no fsync per file (thousands of them
+# cost seconds each batch); the save flushes once before it commits (`_durable.flush`).
+# Only for the `file` driver: a `memory://` store lives in its context.
+UNSYNCED = ts.Context({"file_io_sync": False})
+
+
+# For packs read one leaf at a time: their decoded chunks are kept, so that the
+# leaves of one chunk read it once. (A child of `CONTEXT`: same `memory://` stores.)
+CACHED = ts.Context({"cache_pool": {"total_bytes_limit": 64 * 2**20}}, parent=CONTEXT)
+
+
+def array_spec(
+    loc: Location, directory: str, *, shape: tuple[int, ...], stored_dtype: str, chunks: list[int]
+) -> dict[str, Any]:
+    """The spec that creates (or, opened, checks) one leaf's zarr v3 array."""
+    return {
+        "driver": "zarr3",
+        "kvstore": loc.child(directory),
+        "metadata": _format.array_metadata(shape, stored_dtype, chunks),
+        # A deleted chunk must be an error, not silently read back as zeros...
+        "fill_missing_data_reads": False,
+        # ...so every chunk is written, even one that equals the fill value.
+        "store_data_equal_to_fill_value": True,
+    }
+
+
+def kvstore(loc: Location, *, synced: bool = True) -> ts.KvStore:
+    return result(ts.KvStore.open(loc.kvstore, context=_context(loc, synced)))
+
+
+def _context(loc: Location, synced: bool) -> ts.Context:
+    return UNSYNCED if not synced and _location.on_local_disk(loc) else CONTEXT
+
+
+def result(future: ts.Future) -> Any:
+    """`future.result()`, except that an interrupt (Ctrl-C, `sys.exit` from a
+    signal handler) waits for the operation to finish before it is raised: an
+    operation left running when the interpreter exits aborts the process, and a
+    save must know whether a write happened before it decides what to undo."""
+    try:
+        return future.result()
+    except Exception:
+        raise
+    except BaseException:
+        while not future.done():
+            with contextlib.suppress(BaseException):
+                future.result()
+        raise
+
+
+def read_file(loc: Location, name: str, *, limit: int) -> bytes | None:
+    """The bytes of a small file, or `None` if it does not exist. A file of more
+    than `limit` bytes is a `CorruptCheckpointError`, found before it is read (on
+    an object store, by asking for the one byte past the limit), so a hostile
+    checkpoint cannot make us download or allocate a huge file."""
+    return read_file_stamped(loc, name, limit=limit)[0]
+
+
+def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | None, bytes]:
+    """`read_file`, and a stamp that changes whenever the file is replaced (see
+    `file_changed`)."""
+    if loc.local is not None:
+        full = os.path.join(loc.local, name)
+        _untrusted.refuse_links(loc, name)
+        if not os.path.isfile(full):
+            return None, b""
+        try:
+            f = open(full, "rb")
+        except FileNotFoundError:  # deleted since the check (a writer's retention)
+            return None, b""
+        with f:
+            st = os.fstat(f.fileno())
+            if st.st_size > limit:
+                raise _storage_errors.too_large(loc, name, limit, st.st_size)
+            data, stamp = f.read(limit + 1), _stat_stamp(st)
+    else:
+        with read_explained(loc, name):
+            _refuse_large_object(loc, name, limit)
+            found = _read(loc, name)
+        if found.state != "value":
+            return None, found.stamp.generation
+        data, stamp = found.value, _digest(found.value) + found.stamp.generation
+    if len(data) > limit:  # it grew between the check and the read
+        raise _storage_errors.too_large(loc, name, limit, len(data))
+    return data, stamp
+
+
+def _refuse_large_object(loc: Location, name: str, limit: int) -> None:
+    """On an object store, ask for the one byte past `limit` before downloading."""
+    try:
+        probe = _read(loc, name, byte_range=slice(limit, limit + 1))
+    except ValueError:
+        # OUT_OF_RANGE: the file ends before `limit`. (Some servers answer a range
+        # past the end otherwise, e.g. gcp-storage-emulator with a malformed
+        # Content-Range: the size is then checked after the read.)
+        return
+    if probe.state == "value" and len(probe.value):
+        raise _storage_errors.too_large(loc, name, limit, None)
+
+
+def _read(loc: Location, name: str, **options: Any) -> Any:
+    """One read of a file of an object store or server (`ts.KvStore.read`);
+    storage that cannot be reached is a `CheckpointConnectionError`."""
+    try:
+        return result(kvstore(loc).read(name, **options))
+    except Exception as e:
+        error = unreachable(loc, e)
+        if error is None:
+            raise
+        raise error from None
+
+
+def _stat_stamp(st: os.stat_result) -> bytes:
+    # A replaced file (written beside, then renamed) has another inode; an
+    # edited one another modification time or size.
+    return f"{st.st_dev}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_size}".encode()
+
+
+def file_changed(loc: Location, name: str, stamp: bytes) -> bool:
+    """Whether the file `name` is no longer the one `read_file_stamped` stamped."""
+    if loc.local is not None:
+        try:
+            return _stat_stamp(os.stat(os.path.join(loc.local, name))) != stamp
+        except FileNotFoundError:
+            return True
+    digest, generation = stamp[:_DIGEST_BYTES], stamp[_DIGEST_BYTES:]
+    with read_explained(loc, name):
+        try:
+            found = _read(loc, name, if_not_equal=generation)
+        except ValueError:
+            # A server whose generations TensorStore cannot send back in a condition
+            # (gcp-storage-emulator's): compare the generation of a one-byte read.
+            return _read(loc, name, byte_range=slice(0, 1)).stamp.generation != generation
+    if found.state == "unspecified":  # not modified since
+        return False
+    # A plain HTTP server may send the file again although it is unchanged: one
+    # that ignores `If-None-Match` or sends no `ETag` (Python's own http.server
+    # does both). Its content then decides.
+    return found.state != "value" or _digest(found.value) != digest
+
+
+# On an object store or server, a stamp is the SHA-256 of the file, then its generation.
+_DIGEST_BYTES = 32
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes | None, bytes]:
+    """`read_file`, and the file's TensorStore storage generation, for a write
+    conditional on it (`write_conditional`)."""
+    _untrusted.refuse_links(loc, name)
+    if loc.local is not None:
+        full = os.path.join(loc.local, name)
+        if os.path.isfile(full) and os.path.getsize(full) > limit:
+            raise _storage_errors.too_large(loc, name, limit, os.path.getsize(full))
+    else:
+        _refuse_large_object(loc, name, limit)
+    found = result(kvstore(loc).read(name))
+    if found.state != "value":
+        return None, found.stamp.generation
+    if len(found.value) > limit:
+        raise _storage_errors.too_large(loc, name, limit, len(found.value))
+    return found.value, found.stamp.generation
+
+
+def write_conditional(
+    loc: Location, name: str, data: bytes, if_equal: bytes
+) -> tuple[bool, BaseException | None, BaseException | None]:
+    """Write a small file only if its generation is still `if_equal`.
+
+    Returns `(written, error, interrupt)`. An interrupt (Ctrl-C, `sys.exit`
+    from a signal handler) while the write is under way does not abandon it:
+    the write is waited for, so that whether it happened is known, and the
+    interrupt is returned for the caller to raise once that is recorded.
+    `error` is the write's failure or, once written, the directory sync's, as
+    raised: the caller, which can tell whether the file is its own, says what
+    it left."""
+    future = kvstore(loc).write(name, data, if_equal=if_equal)
+    interrupt: BaseException | None = None
+    error: BaseException | None = None
+    written = False
+    while True:
+        try:
+            written = bool(future.result().generation)
+            break
+        except Exception as e:
+            if "Malformed StorageGeneration" in str(e) and if_equal != b"":
+                # A server that reported a generation it cannot be asked for
+                # back (gcp-storage-emulator reports 0 on reads): the condition
+                # cannot be expressed there, so the write is made without it.
+                future, if_equal = kvstore(loc).write(name, data), b""
+                continue
+            error = e
+            break
+        except BaseException as e:  # kept and returned, so the write's outcome is known first
+            interrupt = interrupt or e
+    if written and loc.local is not None:
+        try:
+            _durable.sync_directory(loc.local)
+        except Exception as e:
+            error = e
+        except BaseException as e:  # the commit happened; the caller raises it afterwards
+            interrupt = interrupt or e
+    return written, error, interrupt
+
+
+def write_file(loc: Location, name: str, data: bytes) -> None:
+    """Write a small file atomically (TensorStore writes beside, then renames)."""
+    try:
+        store = kvstore(loc)
+        result(store.write(name, data))
+        if loc.local is not None:
+            _durable.fsync(loc.local)
+    except Exception as e:
+        raise write_error(loc, name, e) from e
+
+
+def delete_file(loc: Location, name: str) -> None:
+    result(kvstore(loc).delete_range(ts.KvStore.KeyRange(name, name + "\0")))
+
+
+def list_names(loc: Location) -> list[str]:
+    """The top-level entries of a checkpoint directory."""
+    if loc.local is not None:
+        return sorted(os.listdir(loc.local)) if os.path.isdir(loc.local) else []
+    return sorted({key.split("/", 1)[0] for key in list_keys(loc)})
+
+
+def list_keys(loc: Location) -> list[str]:
+    """Every key below `loc`, relative to it."""
+    try:
+        keys = result(kvstore(loc).list())
+    except NotImplementedError:
+        raise read_only_store(loc) from None
+    return [key.decode("utf-8", "replace") for key in keys]
+
+
+def remove(loc: Location, names: Iterable[str]) -> None:
+    """Remove top-level entries (files or directories) of a checkpoint."""
+    names = list(names)
+    if loc.local is not None:
+        for name in names:
+            full = os.path.join(loc.local, name)
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full, ignore_errors=True)
+                if os.path.lexists(full):
+                    # A file that landed while the tree was removed: once more, and
+                    # an error now is raised (the caller's journal keeps the name).
+                    shutil.rmtree(full)
+            elif os.path.lexists(full):
+                os.unlink(full)
+        return
+    store = kvstore(loc)
+    futures = [store.delete_range(ts.KvStore.KeyRange(name, name + "\0")) for name in names]
+    futures += [store.delete_range(_below(name)) for name in names]
+    for future in futures:
+        result(future)
+
+
+def remove_written(loc: Location, names: Iterable[str]) -> None:
+    """Remove what saves wrote under the top-level entries `names` of a
+    checkpoint: every file `written_by_a_save`, then every folder left empty.
+
+    Anything else (a user's notes in a leaf's folder) stays, with the folders
+    that lead to it: a save deletes only what saves wrote (SPEC 3)."""
+    names = list(names)
+    if loc.local is None:
+        store = kvstore(loc)
+        ranges = [r for name in names for r in (ts.KvStore.KeyRange(name, name + "\0"), _below(name))]
+        keys = [key.decode("utf-8", "surrogateescape") for r in ranges for key in result(store.list(r))]
+        futures = [store.delete_range(ts.KvStore.KeyRange(k, k + "\0")) for k in keys if _format.written_by_a_save(k)]
+        for future in futures:
+            result(future)
+        return
+    for name in names:
+        full = os.path.join(loc.local, name)
+        if os.path.islink(full):
+            _unlink(full)  # in place of an entry a save wrote: the link goes, never what it points to
+            continue
+        if not os.path.isdir(full):
+            if os.path.lexists(full) and _format.written_by_a_save(name):
+                _unlink(full)
+            continue
+        for root, folders, files in os.walk(full, topdown=False, onerror=_unless_missing):
+            relative = os.path.relpath(root, loc.local).replace(os.sep, "/")
+            links = [f for f in folders if os.path.islink(os.path.join(root, f))]  # (never walked into)
+            for file in files + links:
+                if _format.written_by_a_save(f"{relative}/{file}"):
+                    _unlink(os.path.join(root, file))
+            try:
+                os.rmdir(root)
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                    raise
+
+
+def _unless_missing(error: OSError) -> None:
+    """Raise `error`, unless it says a file is gone already."""
+    if not isinstance(error, FileNotFoundError):
+        raise error
+
+
+def _below(name: str) -> ts.KvStore.KeyRange:
+    """The keys inside a folder `name` ("0" follows "/")."""
+    return ts.KvStore.KeyRange(name + "/", name + "0")
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def transaction() -> ts.Transaction:
+    """A (non-atomic) TensorStore transaction: writes staged in it are written out
+    only by its `commit_async()`."""
+    return ts.Transaction()
+
+
+def create_array(loc: Location, record: LeafRecord, *, synced: bool = True) -> ts.Future:
+    spec = array_spec(
+        loc, record.directory, shape=record.stored_shape, stored_dtype=record.stored_dtype, chunks=list(record.chunks)
+    )
+    return create_spec(spec, loc, synced=synced)
+
+
+def create_spec(spec: dict[str, Any], loc: Location, *, synced: bool = True) -> ts.Future:
+    return ts.open(spec, create=True, context=_context(loc, synced))
+
+
+def open_array(loc: Location, record: LeafRecord, *, synced: bool = True, checked: bool = True) -> ts.Future:
+    """Open a stored leaf (a packed one as an in-memory copy of its elements).
+
+    With `checked`, its zarr.json is read and checked against the manifest
+    (shape, data type, chunks and the crc32c codec must all be as recorded);
+    without, the manifest's metadata is taken as it is, and a file whose chunks
+    do not decode that way fails its checksum when read."""
+    if record.pack is not None:
+        return open_packed(loc, record)
+    _untrusted.check_leaf_files(loc, record)
+    _memory.refuse_beyond_memory(loc, record, record.chunk_nbytes, "one of its chunks")
+    spec = array_spec(
+        loc, record.directory, shape=record.stored_shape, stored_dtype=record.stored_dtype, chunks=list(record.chunks)
+    )
+    if not checked:
+        return ts.open(spec, open=True, assume_metadata=True, context=_context(loc, synced))
+    return ts.open(spec, open=True, context=_context(loc, synced))
+
+
+def open_spec(spec: dict[str, Any], loc: Location, *, cached: bool = False) -> ts.Future:
+    """Open an existing array from its full spec, checking its zarr.json;
+    `cached` keeps decoded chunks in a shared cache (`_storage.CACHED`)."""
+    return ts.open(spec, open=True, context=CACHED if cached else CONTEXT)
+
+
+def pack_spec(loc: Location, pack: PackRecord) -> dict[str, Any]:
+    """The spec of a pack's zarr v3 array (see `_pack`)."""
+    return array_spec(loc, pack.name, shape=(pack.size,), stored_dtype=pack.dtype, chunks=[pack.chunk])
+
+
+# Packs opened for reading single leaves (lazy leaves, `Checkpoint[...]`, verify,
+# diff), with a cache of their decoded chunks: reading a hundred leaves of one
+# chunk reads (and checks) that chunk once.
+_OPEN: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+
+_OPEN_MAX = 8
+
+
+def open_pack(loc: Location, pack: PackRecord, *, cached: bool, leaf: str | None = None) -> Any:
+    """A future of the pack's TensorStore array (its `zarr.json` is read and
+    checked against the manifest). `leaf` names the leaf it is opened for."""
+    _untrusted.check_pack_files(loc, pack, leaf=leaf)
+    if not cached:
+        return open_spec(pack_spec(loc, pack), loc)
+    key = json.dumps([loc.kvstore, pack.name, pack.size, pack.chunk, pack.commit], sort_keys=True)
+    opened = _OPEN.get(key)
+    if opened is None:
+        opened = open_spec(pack_spec(loc, pack), loc, cached=True)
+        _OPEN[key] = opened
+        while len(_OPEN) > _OPEN_MAX:
+            _OPEN.popitem(last=False)
+    _OPEN.move_to_end(key)
+    return opened
+
+
+def open_packed(loc: Location, record: LeafRecord) -> Any:
+    """A future of one packed leaf as an in-memory TensorStore array of its
+    stored shape (a packed leaf is small: it is read when opened)."""
+    assert record.pack is not None
+    opened = open_pack(loc, record.pack, cached=True, leaf=record.path)
+    promise, future = pending()
+    try:
+        read = opened.result()[record.offset : record.offset + record.size].read()
+    except Exception as e:  # raised by whoever waits for the leaf, as any read error
+        promise.set_exception(e)
+        return future
+
+    def done(f: Any) -> None:
+        try:
+            promise.set_result(in_memory(f.result().reshape(record.stored_shape)))
+        except Exception as e:
+            promise.set_exception(e)
+
+    read.add_done_callback(done)
+    return future
+
+
+# -- For the readers of other formats (`_safetensors`, `_orbax`) ------------------------------------
+
+
+def open_kvstore(spec: dict[str, Any]) -> KvStore:
+    """The kvstore of a spec dict, opened in the shared context."""
+    return result(ts.KvStore.open(spec, context=CONTEXT))
+
+
+def open_for_reading(spec: dict[str, Any]) -> Future:
+    """Open an existing array read-only from its full spec (another program's arrays)."""
+    return ts.open(spec, open=True, read=True, context=CONTEXT)
+
+
+def pending() -> tuple[Any, Future]:
+    """A promise and its future, for a result a callback sets later."""
+    return ts.Promise.new()
+
+
+def ready(value: Any) -> Future:
+    """A future that already holds `value`."""
+    promise, future = pending()
+    promise.set_result(value)
+    return future
+
+
+def virtual_array(read: Any, *, dtype: Any, shape: tuple[int, ...], chunks: tuple[int, ...]) -> Any:
+    """A read-only array whose chunks `read(domain, array, params)` fills (a future)."""
+    layout = ts.ChunkLayout(read_chunk_shape=chunks) if shape else None
+    return ts.virtual_chunked(read, dtype=ts.dtype(np.dtype(dtype).name), shape=shape, chunk_layout=layout)
+
+
+def in_memory(array: Any) -> Any:
+    """A NumPy array as a TensorStore array (the type every opened leaf has)."""
+    return ts.array(array)
