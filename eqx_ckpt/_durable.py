@@ -22,8 +22,8 @@ def flush(loc: Location) -> None:
     Every file (and directory) is fsynced, many at once: the file system's journal
     batches concurrent syncs, where one fsync after each write would wait for each.
     When a save wrote many files to a local ext4, XFS or Btrfs file system, one
-    `syncfs` of that file system replaces them (for 10,000 leaves, 0.6-1.3 s
-    instead of 5.7-7.9 s on a busy machine); it may also wait for other programs'
+    `syncfs` of that file system replaces them (for 10,000 leaves, several
+    times faster: docs/benchmarks.md); it may also wait for other programs'
     unwritten data there, which is why a save of a few files fsyncs them instead.
     Other file systems (network, FUSE) always get an fsync per file: their
     `syncfs` may not reach the server.

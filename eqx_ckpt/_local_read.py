@@ -12,38 +12,18 @@ only `bytes`, which would cost a copy, and releases the GIL only for those).
 The checks of a leaf's files (each opened below its folder, no link followed,
 its size checked) run in a thread of a second pool, which then starts the
 reads: on a cold page cache each check waits on the disk, and made one after
-another in the loading thread they left the readers idle (a cold `large` load
-of 3.2 GB took 2.9-3.5 s, 2.1-2.3 s of it in those checks; 2.4-2.6 s with them
-in threads, against 2.3-2.4 s for the raw reference).
+another in the loading thread they left the readers idle.
 
 Each reading thread checksums what it just read, a step of `STEP_BYTES` at a
 time while the bytes are still in its core's cache; the loading thread only
-joins the pieces' checksums (`crc32c_combine`) and compares. Seven warm loads
-of the `large` benchmark checkpoint (3.1 GB) in one process, two processes
-each, minimum/median: 1.35/1.44 and 1.40/1.53 s so checked, against 1.51/1.60 and
-1.59/2.08 s with the check in the loading thread (every byte read again from
-memory), and 1.31/1.39 and 1.37/1.55 s for the raw reference.
+joins the pieces' checksums (`crc32c_combine`) and compares.
 
-The buffer is private anonymous `mmap` memory (`fresh_bytes`), as the raw
-contender of `benchmarks/` reads into. Python's `mmap.mmap(-1, n)` maps shared
-memory, which the kernel backs with shmem: 100 files of 30 MB read from the
-page cache by 4 threads of `preadv`, fresh processes alternating, took 0.92-1.63
-s (median 0.98) into private mappings against 1.19-1.77 s (median 1.39) into
-shared ones (9 pairs; private faster in 7), and first-touching 2 GiB 0.92-1.16
-s against 1.59-5.46 s.
-On the 2-core development VM (shared, load 3-4), 4 threads reading a 1 GiB file
-from the page cache into a fresh buffer, three batches of 5 runs, gave medians
-of 0.99, 1.17 and 1.49 GB/s into `mmap` memory (runs 0.95-1.58) and 0.97, 1.01
-and 1.44 GB/s into `np.empty` (runs 0.48-1.82: NumPy asks for huge pages, and
-compacting memory for them stalls some runs). Populating the mapping first
-(`MAP_POPULATE`, 1.30-1.32) was no clear gain; populating each piece in its
-thread (`MADV_POPULATE_WRITE`, 0.63) a loss. Faulting in fresh pages dominates
-there: into a buffer already faulted in, one thread read at 3.2 GB/s.
+The buffer is private anonymous `mmap` memory (`_memory.fresh_bytes`), as the
+raw contender of `benchmarks/` reads into: Python's `mmap.mmap(-1, n)` maps
+shared memory, which the kernel backs with shmem, slower to fault in.
 
-A 1 GiB float32 leaf (16 chunks of 64 MiB) to a JAX array on the same VM (load
-5-6), median of 7 (`benchmarks/direct_read.py`): warm 1.88 s here, 1.71 s by
-raw parallel `pread` of the same bytes as one file, 7.87 s by TensorStore's
-read; cold 3.12, 2.81 and 11.2 s.
+The measurements behind each of these choices are in docs/benchmarks.md,
+"Measurements behind the design".
 
 The bytes are returned as stored; decoding ("view", "key_data") is the caller's.
 Only eqx_ckpt's own zarr v3 arrays (`Source.opener is None`) are laid out so.
@@ -312,8 +292,7 @@ def _read_piece(
     """Read one piece of a chunk file into `views`; the crc32c of its first
     `checked` bytes, computed a step at a time right after each step's read,
     while those bytes are still in this core's cache (afterwards, in the loading
-    thread, the check cost a warm `large` load 0.3-0.45 s of reading them again
-    from memory)."""
+    thread, the check read every byte again from memory)."""
     try:
         folder = os.open(path, _FOLDER_FLAGS)
     except OSError as e:

@@ -120,8 +120,7 @@ class _Chunk:
     """One chunk of a pack, `[lo, hi)` in elements: `members` (host arrays) at
     `[starts, stops)`, zeros between. Its writer gathers it into its staging
     buffer, a part at a time (`part`, `gather`): a buffer reused from file to
-    file, as fresh pages cost more to fault in than the copy itself (0.1 s for
-    the 42 MB of ten thousand leaves, in a new process here)."""
+    file, as fresh pages cost more to fault in than the copy itself."""
 
     def __init__(self, members: list[Any], starts: np.ndarray, stops: np.ndarray, lo: int, hi: int, dtype: Any):
         self.members, self.starts, self.stops, self.lo, self.hi, self.dtype = members, starts, stops, lo, hi, dtype
@@ -227,12 +226,11 @@ def _write_all(fd: int, content: Any) -> None:
 
     A pack's chunk is gathered into the writer's stage, a part at a time, and
     written from there: one copy of its members by NumPy, instead of a view
-    and a checksum call for each of them (ten thousand small leaves in 42 MB:
-    median save 0.20 s against 0.24 s, fresh processes). A file of
-    `UNBUFFERED_FROM` bytes or more goes past the page cache where the file
-    system allows it (`_write_unbuffered`): copying 3 GB into fresh page cache
-    cost more than the disk's own time (median save of `large` 1.5 s against
-    3.7 s). Anything else is written from its views with one `writev`."""
+    and a checksum call for each of them. A file of `UNBUFFERED_FROM` bytes or
+    more goes past the page cache where the file system allows it
+    (`_write_unbuffered`): copying gigabytes into fresh page cache cost more
+    than the disk's own time. Anything else is written from its views with one
+    `writev`. (docs/benchmarks.md, "Measurements behind the design".)"""
     if isinstance(content, _Chunk):
         staged = _Staged(fd, direct=False)
         step = STAGE_BYTES // content.dtype.itemsize
@@ -275,8 +273,7 @@ def _write_buffered(fd: int, views: list[Any]) -> None:
 # staging buffer of each writer thread (`STAGE_BYTES`), or written from the
 # source itself where it is aligned. Smaller files go through the page cache:
 # their writeback runs while the save goes on, where an unbuffered write waits
-# for the disk (`small`'s 4 MB packs: median save 0.17 s unbuffered against
-# 0.13 s).
+# for the disk (measured on `small`'s 4 MB packs: docs/benchmarks.md).
 UNBUFFERED_FROM = 8 << 20
 _BLOCK = 4096
 # A stage's fresh pages are paid for once per thread: small, and kept.

@@ -41,10 +41,10 @@ def fresh_bytes(nbytes: int) -> np.ndarray:
 
 # NumPy asks the kernel for huge pages for every array of 4 MiB or more, and
 # with the page cache full (after a save, on a training machine) the kernel
-# compacts memory to find them. Forty-eight arrays of 64 MiB copied after 3 GiB
-# were written to a file: 6.6-6.8 s by `np.array(x, copy=True)`, 1.5-1.6 s into
-# `fresh_bytes` memory. Smaller arrays stay NumPy's (a mapping per leaf costs
-# system calls and rounds each up to whole pages).
+# compacts memory to find them, so copies that large go into `fresh_bytes`
+# memory (several times faster then: docs/benchmarks.md). Smaller arrays stay
+# NumPy's (a mapping per leaf costs system calls and rounds each up to whole
+# pages).
 FRESH_MIN_BYTES = 4 * 2**20
 
 
@@ -69,8 +69,7 @@ def private_copy(x: Any) -> np.ndarray:
 def private_copies(arrays: Sequence[Any]) -> list[np.ndarray]:
     """`private_copy` of each; those of `FRESH_MIN_BYTES` or more by a few
     threads (the copy releases the GIL, and faulting fresh pages in is most of
-    its cost): 48 arrays of 64 MiB, as above, 0.76-0.83 s by two threads
-    against 1.42-1.61 s by one."""
+    its cost; two threads halve it)."""
     arrays = [np.asarray(x) for x in arrays]
     big = [i for i, x in enumerate(arrays) if x.nbytes >= FRESH_MIN_BYTES]
     if len(big) < 2:

@@ -93,9 +93,8 @@ def flatten_named(
     node of it `rebuilds_plainly` (`named_structure`), else from its key paths,
     as also when the caller will ask for every leaf's key path (`keypaths`).
 
-    For the `many` benchmark tree (ten thousand leaves, Equinox modules), the
-    flattening and the names took 19-23 ms and 18-21 ms from the key paths, and
-    12-14 ms and 6-8 ms from the structure. A tree with another node is
+    From the structure is the faster way (for the `many` benchmark tree, about
+    half the time: docs/benchmarks.md). A tree with another node is
     flattened once more, with its key paths; which way the last tree of the
     same type went decides which is tried first."""
     if not keypaths and _PLAIN_ROOTS.get(type(tree), True):
