@@ -360,7 +360,7 @@ def _reference_metadata(shape: tuple[int, ...], dtype: str, chunks: tuple[int, .
         record = LeafRecord("x", [["key", "x"]], "numpy", shape, dtype, shape, dtype, "plain", chunks)
         try:
             _storage.create_array(scratch, record).result()
-            cached = json.loads(_storage.read_file(scratch, "x/zarr.json", limit=_MAX_ZARR_JSON) or b"{}")
+            cached = json.loads(_storage.read_file(scratch, _format.metadata_key("x"), limit=_MAX_ZARR_JSON) or b"{}")
         finally:
             _storage.remove(scratch, ["x"])
         _REFERENCE[key] = cached

@@ -1,0 +1,94 @@
+"""The architecture the code promises (docs/architecture.md), checked on the code
+itself so it cannot drift: the on-disk names live in `_format`, only the
+storage seam imports `tensorstore`, no module imports another that imports it
+back, and every module is on the contributor's map."""
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "eqx_ckpt"
+MODULES = sorted(PACKAGE.glob("*.py"))
+
+# Names of files and folders a checkpoint holds (see `_format`): a string that
+# holds one of these and no space is a file name, not a message.
+_ON_DISK = re.compile(
+    r"manifest\.json|saving\.json|zarr\.json|ocdbt\.db|\.__lock|^gen\.|^packed\.|^step_|\.metrics\.json"
+)
+
+
+def _tree(path: pathlib.Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def _imports(tree: ast.Module) -> set[str]:
+    """The eqx_ckpt modules `tree` imports at run time, at any depth (inside
+    functions too), leaving out imports under `if TYPE_CHECKING:`."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.ImportFrom) and child.level == 1:
+                targets = [child.module] if child.module else [alias.name for alias in child.names]
+                found.update(t for t in targets if (PACKAGE / f"{t}.py").exists())
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def test_on_disk_names_live_in_the_format_module():
+    misplaced = []
+    for path in MODULES:
+        if path.name == "_format.py":
+            continue
+        tree = _tree(path)
+        docstrings = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if _ON_DISK.search(node.value) and not re.search(r"\s", node.value):
+                    misplaced.append(f"{path.name}:{node.lineno}: {node.value!r}")
+    assert misplaced == [], "on-disk names belong in eqx_ckpt/_format.py:\n" + "\n".join(misplaced)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+def test_only_the_storage_seam_imports_tensorstore(path):
+    imported = any(
+        (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "tensorstore" for a in node.names))
+        or (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "tensorstore")
+        for node in ast.walk(_tree(path))
+    )
+    assert imported == (path.name in ("_storage.py", "_location.py"))
+
+
+def test_no_import_cycles():
+    graph = {path.stem: _imports(_tree(path)) for path in MODULES}
+    cycles = []
+
+    def walk(module: str, stack: list[str], done: set[str]) -> None:
+        for target in sorted(graph.get(module, ())):
+            if target in stack:
+                cycles.append(" -> ".join([*stack[stack.index(target) :], target]))
+            elif target not in done:
+                walk(target, [*stack, target], done)
+        done.add(module)
+
+    done: set[str] = set()
+    for module in sorted(graph):
+        if module not in done:
+            walk(module, [module], done)
+    assert cycles == []
