@@ -28,7 +28,9 @@ The points, with where they fire and the arguments they pass:
 - `storage.transaction` `()`: the TensorStore transaction that stages a save's
   writes through TensorStore is made.
 - `storage.create_array` `(loc)`: a zarr array (a leaf's, or a pack's) is created.
-- `storage.open_array` `(loc, record)`: a stored leaf's array is opened for reading.
+- `storage.open_array` `(loc, record)`: a stored leaf's array is opened
+  through TensorStore (to read or verify it; in a multi-process save, to write
+  into the array process 0 created).
 - `storage.remove` `(loc, names)`: top-level entries are deleted whole (what
   an aborted save created, a manager's dropped step).
 - `storage.remove_written` `(loc, names)`: what saves wrote under the
