@@ -31,6 +31,8 @@ The points, with where they fire and the arguments they pass:
 - `storage.open_array` `(loc, record)`: a stored leaf's array is opened
   through TensorStore (to read or verify it; in a multi-process save, to write
   into the array process 0 created).
+- `storage.open_pack` `(loc, pack)`: a pack's array is opened through
+  TensorStore (to read or verify its leaves).
 - `storage.remove` `(loc, names)`: top-level entries are deleted whole (what
   an aborted save created, a manager's dropped step).
 - `storage.remove_written` `(loc, names)`: what saves wrote under the
@@ -103,6 +105,7 @@ POINTS = frozenset(
         "storage.transaction",
         "storage.create_array",
         "storage.open_array",
+        "storage.open_pack",
         "storage.remove",
         "storage.remove_written",
         "storage.delete_file",

@@ -433,6 +433,7 @@ _OPEN_MAX = 8
 def open_pack(loc: Location, pack: PackRecord, *, cached: bool, leaf: str | None = None) -> Any:
     """A future of the pack's TensorStore array (its `zarr.json` is read and
     checked against the manifest). `leaf` names the leaf it is opened for."""
+    _faults.fire("storage.open_pack", loc, pack)
     _untrusted.check_pack_files(loc, pack, leaf=leaf)
     if not cached:
         return open_spec(pack_spec(loc, pack), loc)
