@@ -3,9 +3,9 @@ turn, first with an exception, then with a KeyboardInterrupt (what Ctrl-C or a
 SIGTERM handler calling `sys.exit` raises in the saving thread).
 
 For a first save, an overwrite and a manager save, the fault points of every
-I/O step (`eqx_ckpt._faults`: storage, syncs, the chunk writes) are counted on a
-clean run, in every thread the save uses; then the save is repeated with call k failing, for
-every k. After each: the checkpoint loads as exactly the old
+I/O step (`eqx_ckpt._faults`: storage, syncs, the chunk writes) are counted on
+a clean run, in every thread the save uses; then the save is repeated with
+call k failing, for every k. After each: the checkpoint loads as exactly the old
 or exactly the new save, an interrupt reaches the caller as itself, the user's
 files in the directory are unchanged, and the next save succeeds and leaves
 nothing behind.
