@@ -10,7 +10,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from . import _format, _location, _storage_errors
+from . import _faults, _format, _location, _storage_errors
 
 if TYPE_CHECKING:
     from ._location import Location
@@ -34,6 +34,7 @@ def flush(loc: Location) -> None:
     wrote is final before it flushes, and each process flushes, so every file and
     directory entry of the save is synced by the process that wrote it.
     """
+    _faults.fire("sync.flush", loc)
     local = loc.local if _location.on_local_disk(loc) else None
     if local is None:
         return
@@ -63,6 +64,7 @@ _SYNCFS_FILE_SYSTEMS = frozenset({0xEF53, 0x58465342, 0x9123683E})
 
 
 def fsync(path: str, *, missing_ok: bool = False) -> None:
+    _faults.fire("sync.file", path)
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -96,6 +98,7 @@ def _syncfs_is_complete(path: str) -> bool:
 
 
 def _syncfs(path: str) -> None:
+    _faults.fire("sync.file_system", path)
     fd = os.open(path, os.O_RDONLY)
     try:
         if _libc().syncfs(fd) != 0:
@@ -107,6 +110,7 @@ def _syncfs(path: str) -> None:
 
 def sync_directory(path: str) -> None:
     """Make the entries of a local directory (created, renamed, deleted) durable."""
+    _faults.fire("sync.directory", path)
     fsync(path)
 
 
@@ -114,6 +118,7 @@ def ensure_directory(loc: Location) -> None:
     """Create a local directory (and its parents), durably: the entry of each
     new directory is synced in its parent, so a crash cannot lose the folder of
     a committed checkpoint."""
+    _faults.fire("sync.create_directory", loc)
     if loc.local is None:
         return
     missing, path = [], os.path.abspath(loc.local)

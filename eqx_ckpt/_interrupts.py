@@ -8,6 +8,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from . import _faults
+
 
 def uninterrupted(fn: Callable[[], Any]) -> None:
     """Run `fn` to its end, however the caller is interrupted.
@@ -38,7 +40,9 @@ def uninterrupted(fn: Callable[[], Any]) -> None:
         # outside any `try`: the save aborted while the queued manifest write
         # went on, and committed a checkpoint whose arrays the abort deleted.)
         try:
+            _faults.fire("interrupts.queue", job)
             _JOBS.put(job)
+            _faults.fire("interrupts.queued", job)
             break
         except BaseException as e:
             interrupt = interrupt or e

@@ -42,7 +42,7 @@ import time
 import weakref
 from typing import Any
 
-from . import _durable, _storage, _storage_errors
+from . import _durable, _faults, _storage, _storage_errors
 from ._errors import CheckpointExistsError
 from ._location import Location
 
@@ -215,6 +215,7 @@ def acquire(loc: Location, name: str, *, what: str, journal: bool = True) -> tup
     writer holds it; `what` names that writer in the message. With
     `journal=False`, a directory that can be locked gets no lease file at all
     (the lock is the lease; nothing is to be journaled)."""
+    _faults.fire("lease.acquire", loc, name)
     key = _held_key(loc, name)
     if key in _held:
         raise _busy(loc, what, "in this process")

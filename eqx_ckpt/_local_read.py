@@ -43,7 +43,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from . import _format, _memory
+from . import _faults, _format, _memory
 from ._errors import IntegrityError, stored_leaf_error
 from ._format import LeafRecord, PackRecord, dtype_from_name
 from ._location import Location, on_local_disk
@@ -143,6 +143,7 @@ def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Ca
 def _check_chunk_files(loc: Location, record: LeafRecord, directory: str, keys: Iterator[str]) -> str:
     """Check the array's folder `directory` and each of its chunk files `keys`
     (no links, a regular file of one full chunk and its checksum); the folder's path."""
+    _faults.fire("local_read.check_files", directory)
     refuse_links(loc, directory, leaf=record.path)
     path = os.path.join(loc.local or "", directory)
     try:
@@ -220,6 +221,7 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 
 def _read_chunks(path: str, loc: Location, record: LeafRecord, out: memoryview, keys: list[str]) -> _Reads:
     """Start reading the chunk files `keys` into their slices of `out`."""
+    _faults.fire("local_read.start_reads", path, keys)
     size = record.chunk_nbytes
     # Only the last chunk runs past the array (zarr stores edge chunks full-size):
     # its padding is read, for the checksum, into a buffer dropped on return.
@@ -338,6 +340,7 @@ def _steps(views: list[memoryview], size: int) -> Iterator[list[memoryview]]:
 
 def _pread_all(fd: int, views: list[memoryview], offset: int) -> int:
     """Fill `views` from `offset` on; returns the bytes read (fewer at end of file)."""
+    _faults.fire("local_read.read", fd, offset)
     done, views = 0, [v for v in views if len(v)]
     while views:
         n = os.preadv(fd, views, offset + done)
@@ -352,6 +355,7 @@ def _pread_all(fd: int, views: list[memoryview], offset: int) -> int:
 
 
 def _check_crc(loc: Location, record: LeafRecord, key: str, computed: int, stored: memoryview) -> None:
+    _faults.fire("local_read.crc", key)
     expected = int.from_bytes(stored, "little")
     if computed != expected:
         raise _damaged(

@@ -45,7 +45,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from . import _format, _local_read, _memory
+from . import _faults, _format, _local_read, _memory
 from ._format import LeafRecord, PackRecord, dtype_from_name
 from ._location import Location
 
@@ -206,6 +206,7 @@ def _run_now(job: Callable[[], None]) -> concurrent.futures.Future[None]:
 def _write_chunk(folder: str, directory: str, key: str, what: str, make: Callable[[], Any]) -> None:
     """One chunk file: the bytes `make()` gives (a list of views, or a pack's
     `_Chunk`), then their crc32c."""
+    _faults.fire("local_write.chunk", directory, key)
     content = make()
     path = os.path.join(folder, *key.split("/"))
     try:
@@ -231,6 +232,7 @@ def _write_all(fd: int, content: Any) -> None:
     (`_write_unbuffered`): copying gigabytes into fresh page cache cost more
     than the disk's own time. Anything else is written from its views with one
     `writev`. (docs/benchmarks.md, "Measurements behind the design".)"""
+    _faults.fire("local_write.chunk_bytes", fd)
     if isinstance(content, _Chunk):
         staged = _Staged(fd, direct=False)
         step = STAGE_BYTES // content.dtype.itemsize
@@ -305,6 +307,7 @@ def _set_direct(fd: int, on: bool) -> bool:
 def _write_unbuffered(fd: int, views: list[Any]) -> None:
     """Write `views` and their crc32c through `fd` (`O_DIRECT`), then cut the
     file to their length (its last write is padded to a whole block)."""
+    _faults.fire("local_write.unbuffered", fd)
     staged = _Staged(fd, direct=True)
     for view in views:
         staged.copy(view)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from . import _durable, _format, _location, _memory, _storage_errors, _untrusted
+from . import _durable, _faults, _format, _location, _memory, _storage_errors, _untrusted
 from ._format import LeafRecord, PackRecord
 from ._location import Location
 from ._storage_errors import read_explained, read_only_store, unreachable, write_error
@@ -76,6 +76,7 @@ def array_spec(
 
 
 def kvstore(loc: Location, *, synced: bool = True) -> ts.KvStore:
+    _faults.fire("storage.open", loc)
     return result(ts.KvStore.open(loc.kvstore, context=_context(loc, synced)))
 
 
@@ -110,6 +111,7 @@ def read_file(loc: Location, name: str, *, limit: int) -> bytes | None:
 def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | None, bytes]:
     """`read_file`, and a stamp that changes whenever the file is replaced (see
     `file_changed`)."""
+    _faults.fire("storage.read_file", loc, name)
     if loc.local is not None:
         full = os.path.join(loc.local, name)
         _untrusted.refuse_links(loc, name)
@@ -201,6 +203,7 @@ def _digest(data: bytes) -> bytes:
 def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes | None, bytes]:
     """`read_file`, and the file's TensorStore storage generation, for a write
     conditional on it (`write_conditional`)."""
+    _faults.fire("storage.read_generation", loc, name)
     _untrusted.refuse_links(loc, name)
     if loc.local is not None:
         full = os.path.join(loc.local, name)
@@ -228,6 +231,7 @@ def write_conditional(
     `error` is the write's failure or, once written, the directory sync's, as
     raised: the caller, which can tell whether the file is its own, says what
     it left."""
+    _faults.fire("commit.manifest_write", loc, name)
     future = kvstore(loc).write(name, data, if_equal=if_equal)
     interrupt: BaseException | None = None
     error: BaseException | None = None
@@ -269,11 +273,13 @@ def write_file(loc: Location, name: str, data: bytes) -> None:
 
 
 def delete_file(loc: Location, name: str) -> None:
+    _faults.fire("storage.delete_file", loc, name)
     result(kvstore(loc).delete_range(ts.KvStore.KeyRange(name, name + "\0")))
 
 
 def list_names(loc: Location) -> list[str]:
     """The top-level entries of a checkpoint directory."""
+    _faults.fire("storage.list", loc)
     if loc.local is not None:
         return sorted(os.listdir(loc.local)) if os.path.isdir(loc.local) else []
     return sorted({key.split("/", 1)[0] for key in list_keys(loc)})
@@ -290,6 +296,7 @@ def list_keys(loc: Location) -> list[str]:
 
 def remove(loc: Location, names: Iterable[str]) -> None:
     """Remove top-level entries (files or directories) of a checkpoint."""
+    _faults.fire("storage.remove", loc, names)
     names = list(names)
     if loc.local is not None:
         for name in names:
@@ -316,6 +323,7 @@ def remove_written(loc: Location, names: Iterable[str]) -> None:
 
     Anything else (a user's notes in a leaf's folder) stays, with the folders
     that lead to it: a save deletes only what saves wrote (SPEC 3)."""
+    _faults.fire("storage.remove_written", loc, names)
     names = list(names)
     if loc.local is None:
         store = kvstore(loc)
@@ -366,6 +374,7 @@ def _unlink(path: str) -> None:
 def transaction() -> ts.Transaction:
     """A (non-atomic) TensorStore transaction: writes staged in it are written out
     only by its `commit_async()`."""
+    _faults.fire("storage.transaction")
     return ts.Transaction()
 
 
@@ -377,6 +386,7 @@ def create_array(loc: Location, record: LeafRecord, *, synced: bool = True) -> t
 
 
 def create_spec(spec: dict[str, Any], loc: Location, *, synced: bool = True) -> ts.Future:
+    _faults.fire("storage.create_array", loc)
     return ts.open(spec, create=True, context=_context(loc, synced))
 
 
@@ -387,6 +397,7 @@ def open_array(loc: Location, record: LeafRecord, *, synced: bool = True, checke
     (shape, data type, chunks and the crc32c codec must all be as recorded);
     without, the manifest's metadata is taken as it is, and a file whose chunks
     do not decode that way fails its checksum when read."""
+    _faults.fire("storage.open_array", loc, record)
     if record.pack is not None:
         return open_packed(loc, record)
     _untrusted.check_leaf_files(loc, record)
@@ -422,6 +433,7 @@ _OPEN_MAX = 8
 def open_pack(loc: Location, pack: PackRecord, *, cached: bool, leaf: str | None = None) -> Any:
     """A future of the pack's TensorStore array (its `zarr.json` is read and
     checked against the manifest). `leaf` names the leaf it is opened for."""
+    _faults.fire("storage.open_pack", loc, pack)
     _untrusted.check_pack_files(loc, pack, leaf=leaf)
     if not cached:
         return open_spec(pack_spec(loc, pack), loc)

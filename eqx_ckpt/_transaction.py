@@ -44,6 +44,7 @@ from typing import Any
 
 from . import (
     _durable,
+    _faults,
     _format,
     _interrupts,
     _keypath,
@@ -112,6 +113,7 @@ class Transaction:
 
         An interrupt while the manifest is being written waits for the write to
         finish, so that the state is known, and is raised afterwards."""
+        _faults.fire("transaction.commit", self.loc)
         self._require(State.WRITTEN)
         if self.lease is not None:
             self.lease.check()
@@ -264,6 +266,7 @@ def begin(
     """Take the directory's lease, clear leftovers of a save that died, and
     choose where this save writes. `paths` are the dotted paths it will write
     (into arrays of their own or packs), `packs` the packs' names."""
+    _faults.fire("transaction.begin", loc)
     if loc.local is not None and os.path.islink(loc.local) and not os.path.exists(loc.local):
         raise CheckpointExistsError(
             f"{loc.display!r} is a broken symbolic link (to {os.readlink(loc.local)!r}, which does not exist), "
@@ -349,6 +352,7 @@ def _finish_dead_save(loc: Location, journal: dict[str, Any], current: Manifest 
 
 def join(loc: Location) -> Transaction:
     """The transaction another process began at `loc` (read from its journal)."""
+    _faults.fire("transaction.join", loc)
     data = _storage.read_file(loc, SAVING, limit=_lease.MAX_LEASE_BYTES)
     try:
         journal = json.loads(data or b"null")

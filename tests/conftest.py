@@ -1,6 +1,10 @@
+import contextlib
+
 import jax
 import pytest
 import s3_server
+
+from eqx_ckpt import _faults
 
 # Several CPU devices, so sharded saves and loads are tested for real on one
 # machine; strict promotion, so no test passes by an accidental dtype promotion.
@@ -39,3 +43,11 @@ def packing(request):
     if request.param == "unpacked":
         request.getfixturevalue("unpacked")
     return request.param
+
+
+@pytest.fixture
+def faults():
+    """`faults(points, action)`: arm fault points (`eqx_ckpt._faults.armed`)
+    until the test ends."""
+    with contextlib.ExitStack() as stack:
+        yield lambda points, action=None: stack.enter_context(_faults.armed(points, action))

@@ -6,10 +6,12 @@ devices), saves them together, and checks what it loads back on its own devices.
 Prints `worker <id> ok` and exits 0 when every check passed.
 """
 
+import contextlib
 import os
 import re
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 START = time.perf_counter()  # the output shows how long the imports took (slow under load)
 
@@ -24,6 +26,7 @@ import equinox as eqx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqx_ckpt  # noqa: E402
+from eqx_ckpt import _faults  # noqa: E402
 
 ROWS_COLS = (8, 4)
 
@@ -69,27 +72,41 @@ def abstract(tree: dict, mesh: jax.sharding.Mesh, specs: dict) -> dict:
     return out
 
 
-def check_failure_elsewhere(process_id: int, path: str, tree: dict, module: object, name: str) -> None:
-    """A failure in process 1 (its `module.name` raises) fails the save in process
-    0 too, which removes what the save had written."""
-    original = getattr(module, name)
-    if process_id == 1:
+def check_failure_elsewhere(process_id: int, path: str, tree: dict, name: str, point: str | None = None) -> None:
+    """A failure in process 1 (the fault point `point` raises there, or, without
+    one, `eqx_ckpt._serialise`'s function `name`) fails the save in process 0
+    too, which removes what the save had written."""
 
-        def broken(*args: object, **kwargs: object) -> None:
-            raise OSError(f"broken {name}")
+    def fail(*args: object, **kwargs: object) -> None:
+        raise OSError(f"broken {name}")
 
-        setattr(module, name, broken)
+    if process_id != 1:
+        broken: contextlib.AbstractContextManager = contextlib.nullcontext()
+    elif point is not None:
+        broken = _faults.armed(point, fail)
+    else:
+        broken = _replaced(eqx_ckpt._serialise, name, fail)
     try:
-        eqx_ckpt.tree_serialise_leaves(path, tree)
+        with broken:
+            eqx_ckpt.tree_serialise_leaves(path, tree)
     except (eqx_ckpt.CheckpointError, OSError) as e:
         expected = f"process 1: OSError: broken {name}" if process_id == 0 else f"broken {name}"
         assert expected in str(e), str(e)
     else:
         raise AssertionError(f"a save whose {name} failed in process 1 did not fail")
-    finally:
-        setattr(module, name, original)
     if process_id == 0 and os.path.exists(path):  # which cleaned up before raising
         assert os.listdir(path) == [], os.listdir(path)
+
+
+@contextlib.contextmanager
+def _replaced(module: object, name: str, replacement: Callable[..., None]) -> Iterator[None]:
+    """`module.name` is `replacement` inside the block."""
+    original = getattr(module, name)
+    setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
 
 
 def file_writes() -> int:
@@ -131,9 +148,9 @@ def main(process_id: int, num_processes: int, port: int, path: str) -> None:
     # Process 1 fails before the first barrier (its tree cannot be saved: once the
     # others waited an hour for it there), to join the transaction, or to open
     # the arrays to write.
-    check_failure_elsewhere(process_id, path + "_collect", tree, eqx_ckpt._serialise, "_collect")
-    check_failure_elsewhere(process_id, path + "_join", tree, eqx_ckpt._transaction, "join")
-    check_failure_elsewhere(process_id, path + "_write", tree, eqx_ckpt._storage, "open_array")
+    check_failure_elsewhere(process_id, path + "_collect", tree, "_collect")
+    check_failure_elsewhere(process_id, path + "_join", tree, "join", "transaction.join")
+    check_failure_elsewhere(process_id, path + "_write", tree, "open_array", "storage.open_array")
     try:
         eqx_ckpt.tree_serialise_leaves(path + "_ocdbt", tree, layout="ocdbt")
     except eqx_ckpt.CheckpointValueError as e:

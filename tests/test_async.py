@@ -23,7 +23,7 @@ import pytest
 import tensorstore as ts
 
 import eqx_ckpt
-from eqx_ckpt import _gc, _memory, _storage, _transaction, _tree as tree_util, _write
+from eqx_ckpt import _gc, _memory, _tree as tree_util, _write
 
 
 def _tree(step):
@@ -48,26 +48,11 @@ def test_local_round_trip(tmp_path):
     assert eqx_ckpt.tree_serialise_leaves(tmp_path, _tree(2)) is None  # a blocking save returns nothing
 
 
-def test_caller_may_change_its_arrays_before_anything_is_written(tmp_path, monkeypatch):
+def test_caller_may_change_its_arrays_before_anything_is_written(tmp_path, faults):
     """A slow disk: nothing is written out (or even encoded) until the caller has
     overwritten and deleted the arrays it saved."""
     release = threading.Event()
-
-    class SlowDisk(ts.Transaction):
-        def commit_async(self):
-            promise, future = ts.Promise.new()
-
-            def later():
-                release.wait(timeout=30)
-                try:
-                    promise.set_result(super(SlowDisk, self).commit_async().result())
-                except Exception as e:
-                    promise.set_exception(e)
-
-            threading.Thread(target=later, daemon=True).start()
-            return future
-
-    monkeypatch.setattr(_storage, "transaction", SlowDisk)
+    faults("storage.transaction", lambda: release.wait(timeout=30))  # before the writes through TensorStore
     tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": jnp.arange(5, dtype=jnp.int32)}
     expected = {"w": tree["w"].copy(), "b": jnp.arange(5, dtype=jnp.int32)}
     pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, blocking=False)
@@ -134,18 +119,12 @@ def test_background_failure_raises_on_wait_and_commits_nothing(s3, store):
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
 
 
-def test_second_save_to_the_same_path_waits_for_the_first(s3, store, monkeypatch):
+def test_second_save_to_the_same_path_waits_for_the_first(s3, store, faults):
     s3.gate.open.clear()
     first = eqx_ckpt.tree_serialise_leaves(store, _tree(1), blocking=False)
     assert s3.gate.held.wait(timeout=30)
     begun_after_first_committed = []
-    begin = _transaction.begin
-
-    def spy(*args, **kwargs):
-        begun_after_first_committed.append(_manifest(store) != b"")
-        return begin(*args, **kwargs)
-
-    monkeypatch.setattr(_transaction, "begin", spy)
+    faults("transaction.begin", lambda loc: begun_after_first_committed.append(_manifest(store) != b""))
     second = threading.Thread(target=eqx_ckpt.tree_serialise_leaves, args=(store, _tree(2)))
     second.start()
     # Were it not waiting, the second save would begin now, while the first is held.
@@ -461,7 +440,7 @@ def test_is_leaf_with_an_asynchronous_save(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_the_records_are_freed_while_the_writes_keep_their_data(where, tmp_path, monkeypatch, request):
+def test_the_records_are_freed_while_the_writes_keep_their_data(where, tmp_path, monkeypatch, request, faults):
     """A save frees its records and host views once the manifest is encoded,
     before its writes finish (`Batch.free`). The writes keep their own
     references to what they still need: the private copies of an asynchronous
@@ -478,15 +457,11 @@ def test_the_records_are_freed_while_the_writes_keep_their_data(where, tmp_path,
 
     monkeypatch.setattr(_write.Batch, "free", spy)
     if where == "local":
-        from eqx_ckpt import _local_write
 
-        write_all = _local_write._write_all
-
-        def held_back(fd, content):
+        def held_back(fd):
             assert release.wait(timeout=60)
-            write_all(fd, content)
 
-        monkeypatch.setattr(_local_write, "_write_all", held_back)
+        faults("local_write.chunk_bytes", held_back)
         path = tmp_path
     else:
         s3 = request.getfixturevalue("s3")

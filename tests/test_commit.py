@@ -23,7 +23,7 @@ import pytest
 from disk import snapshot
 
 import eqx_ckpt
-from eqx_ckpt import _durable, _format, _interrupts, _location, _storage
+from eqx_ckpt import _durable, _faults, _format, _interrupts, _location
 
 
 def _array_dirs(root):
@@ -70,21 +70,19 @@ def test_overwrites_use_fresh_data_roots_and_leave_nothing_stale(tmp_path, packi
     assert sorted(eqx_ckpt.Checkpoint(tmp_path)) == ["a", "c"]
 
 
-def _fail_manifest(monkeypatch, before=None, exit_code=None):
-    """Make the commit (the manifest's conditional write) fail, or kill the process there."""
-    real = _storage.write_conditional
+def _fail_manifest(before=None):
+    """Make the commit (the manifest's conditional write) fail, inside the returned context."""
 
-    def write_conditional(loc, name, data, if_equal):
+    def write_conditional(loc, name):
         if name == "manifest.json":
             if before is not None:
                 before()
             raise OSError("disk full")
-        return real(loc, name, data, if_equal)
 
-    monkeypatch.setattr(_storage, "write_conditional", write_conditional)
+    return _faults.armed("commit.manifest_write", write_conditional)
 
 
-def test_old_checkpoint_loads_until_the_new_manifest_is_written(tmp_path, monkeypatch):
+def test_old_checkpoint_loads_until_the_new_manifest_is_written(tmp_path):
     old = {"a": jnp.arange(3), "b": 1.5}
     eqx_ckpt.tree_serialise_leaves(tmp_path, old)
     before, old_arrays = snapshot(tmp_path), _array_dirs(tmp_path)
@@ -95,10 +93,9 @@ def test_old_checkpoint_loads_until_the_new_manifest_is_written(tmp_path, monkey
         seen["new arrays"] = _array_dirs(tmp_path)
         seen["old loads"] = eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
 
-    _fail_manifest(monkeypatch, check)
-    with pytest.raises(eqx_ckpt.CheckpointError, match="nothing was committed"):
-        eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.arange(3) + 10, "b": 2.5})
-    monkeypatch.undo()
+    with _fail_manifest(check):
+        with pytest.raises(eqx_ckpt.CheckpointError, match="nothing was committed"):
+            eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.arange(3) + 10, "b": 2.5})
     new = [d for d in seen["new arrays"] if d not in old_arrays]  # (packed) an int32 and a float64 array
     assert len(new) == 2 and _is_generation(new[0].split("/")[0]) and seen["old loads"]
     assert snapshot(tmp_path) == before
@@ -136,17 +133,14 @@ _KILLED_SAVE = textwrap.dedent(
     import os, sys
     import jax.numpy as jnp
     import eqx_ckpt
-    from eqx_ckpt import _storage
+    from eqx_ckpt import _faults
 
-    real = _storage.write_conditional
-
-    def write_conditional(loc, name, data, if_equal):
+    def write_conditional(loc, name):
         if name == "manifest.json":
             os._exit(17)
-        return real(loc, name, data, if_equal)
 
-    _storage.write_conditional = write_conditional
-    eqx_ckpt.tree_serialise_leaves(sys.argv[1], {"half": jnp.ones(3)})
+    with _faults.armed("commit.manifest_write", write_conditional):
+        eqx_ckpt.tree_serialise_leaves(sys.argv[1], {"half": jnp.ones(3)})
     """
 )
 
@@ -156,32 +150,27 @@ def _killed_save(path):
     assert result.returncode == 17, result.stderr
 
 
-def test_a_sync_failing_after_the_manifest_landed_is_a_warning_that_it_was_committed(tmp_path, monkeypatch):
+def test_a_sync_failing_after_the_manifest_landed_is_a_warning_that_it_was_committed(tmp_path):
     """The manifest is written, then syncing its directory fails (EIO): the save
     is committed (it loads), so the failure is a `CommitWarning` saying so and
     what it may cost, not an error claiming nothing was committed."""
     path = tmp_path / "ckpt"
     old, new = {"a": jnp.arange(3), "b": 1.5}, {"a": jnp.arange(3) + 10, "b": 2.5}
     eqx_ckpt.tree_serialise_leaves(path, old)
-    real_write, real_sync = _storage.write_conditional, _durable.sync_directory
+    manifest_written = threading.Event()
 
     def failing_sync(directory):
-        raise OSError(errno.EIO, "Input/output error (injected)")
+        # Only the sync of the manifest's directory, the first after its write.
+        if manifest_written.is_set():
+            manifest_written.clear()
+            raise OSError(errno.EIO, "Input/output error (injected)")
 
-    def write_conditional(*args, **kwargs):
-        monkeypatch.setattr(_durable, "sync_directory", failing_sync)
-        try:
-            return real_write(*args, **kwargs)
-        finally:
-            monkeypatch.setattr(_durable, "sync_directory", real_sync)
-
-    monkeypatch.setattr(_storage, "write_conditional", write_conditional)
-    with pytest.warns(eqx_ckpt.CommitWarning) as caught:
+    faults = {"commit.manifest_write": lambda loc, name: manifest_written.set(), "sync.directory": failing_sync}
+    with _faults.armed(faults), pytest.warns(eqx_ckpt.CommitWarning) as caught:
         eqx_ckpt.tree_serialise_leaves(path, new)
     message = " ".join(str(w.message) for w in caught)
     assert "was committed (its manifest is this save's)" in message, message
     assert "may not survive a power loss" in message and "injected" in message, message
-    monkeypatch.undo()
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, old), new, typematch=True)
     assert eqx_ckpt.verify(path) == []
 
@@ -290,24 +279,18 @@ def test_a_users_files_inside_a_replaced_checkpoints_folders_survive(tmp_path, l
     assert eqx_ckpt.verify(tmp_path) == []
 
 
-def test_a_save_killed_after_its_commit_leaves_a_users_files_to_the_next_save(tmp_path, monkeypatch):
+def test_a_save_killed_after_its_commit_leaves_a_users_files_to_the_next_save(tmp_path):
     # The next save finishes a dead save's clean-up from its journal, which
     # names only the top-level folders of the arrays it replaced.
     tree = {"model": {"w": np.ones((600, 600), np.float32)}}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     (tmp_path / "model" / "README.txt").write_text("mine")
-    real = _storage.remove_written
-
-    def fail(loc, names):
-        raise OSError("the clean-up died")
-
-    monkeypatch.setattr(_storage, "remove_written", fail)
-    with pytest.warns(eqx_ckpt.CommitWarning, match="the clean-up died"):
-        eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    with _faults.armed("storage.remove_written", OSError("the clean-up died")):
+        with pytest.warns(eqx_ckpt.CommitWarning, match="the clean-up died"):
+            eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     journal = json.loads((tmp_path / "saving.json").read_text())
     assert journal["old_names"] == ["model", "zarr.json"]
     assert (tmp_path / "model" / "w" / "zarr.json").exists()
-    monkeypatch.setattr(_storage, "remove_written", real)
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     assert not (tmp_path / "saving.json").exists()
     assert _outside(tmp_path) == [os.path.join("model", "README.txt")]
@@ -338,15 +321,13 @@ def test_the_names_a_save_writes(key, ours):
     assert _format.written_by_a_save(key) is ours
 
 
-def test_manifest_is_written_last(tmp_path, monkeypatch, packing):
+def test_manifest_is_written_last(tmp_path, faults, packing):
     order = []
-    real = _storage.write_conditional
 
-    def write_conditional(loc, name, data, if_equal):
+    def write_conditional(loc, name):
         order.append((name, sorted(_array_dirs(tmp_path))))
-        return real(loc, name, data, if_equal)
 
-    monkeypatch.setattr(_storage, "write_conditional", write_conditional)
+    faults("commit.manifest_write", write_conditional)
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(2), "b": {"c": jnp.ones(3)}})
     assert order == [("manifest.json", ["a", "b/c"] if packing == "unpacked" else ["packed.float32"])]
 
@@ -365,22 +346,18 @@ def test_lock_files_of_a_killed_write_are_cleared(tmp_path):
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
 
 
-def test_arrays_are_flushed_before_the_manifest_commits(tmp_path, monkeypatch):
+def test_arrays_are_flushed_before_the_manifest_commits(tmp_path, faults):
     # Arrays are written without a per-file fsync; one flush of every file the save
     # wrote must come before the manifest, or a power cut could commit lost data.
     events = []
-    real_flush, real_write = _durable.flush, _storage.write_conditional
 
     def flush(loc):
         events.append(("flush", sorted(p.name for p in pathlib.Path(loc.local).iterdir())))
-        real_flush(loc)
 
-    def write_conditional(loc, name, data, if_equal):
+    def write_conditional(loc, name):
         events.append(("write", name))
-        return real_write(loc, name, data, if_equal)
 
-    monkeypatch.setattr(_durable, "flush", flush)
-    monkeypatch.setattr(_storage, "write_conditional", write_conditional)
+    faults({"sync.flush": flush, "commit.manifest_write": write_conditional})
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.zeros(2), "b": {"c": jnp.ones(3)}})
     kinds = [e[0] if e[0] == "flush" else e[1] for e in events]
     assert kinds == ["flush", "manifest.json"]
@@ -424,13 +401,12 @@ def test_file_system_type_matches_stat(tmp_path):
 
 
 @pytest.mark.parametrize("count", [3, _durable.SYNCFS_FROM])
-def test_flush_syncs_the_file_system_only_for_many_files_on_a_local_disk(tmp_path, monkeypatch, count):
+def test_flush_syncs_the_file_system_only_for_many_files_on_a_local_disk(tmp_path, faults, count):
     for i in range(count):
         (tmp_path / f"f{i}").write_bytes(b"x")
     calls = []
-    real_fsync, real_syncfs = _durable.fsync, _durable._syncfs
-    monkeypatch.setattr(_durable, "fsync", lambda path, **kw: (calls.append(("fsync", path)), real_fsync(path, **kw)))
-    monkeypatch.setattr(_durable, "_syncfs", lambda path: (calls.append(("syncfs", path)), real_syncfs(path)))
+    faults("sync.file", lambda path: calls.append(("fsync", path)))
+    faults("sync.file_system", lambda path: calls.append(("syncfs", path)))
     _durable.flush(_location.location(tmp_path))
     journaled = _durable.file_system_type(str(tmp_path)) in _durable._SYNCFS_FILE_SYSTEMS
     if count >= _durable.SYNCFS_FROM and journaled:
@@ -442,7 +418,7 @@ def test_flush_syncs_the_file_system_only_for_many_files_on_a_local_disk(tmp_pat
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs at /dev/shm")
-def test_flush_never_trusts_syncfs_on_other_file_systems(monkeypatch):
+def test_flush_never_trusts_syncfs_on_other_file_systems(faults):
     # A FUSE or network mount may answer syncfs without writing anything: only the
     # listed local file systems get it. tmpfs stands in for "another" file system.
     directory = tempfile.mkdtemp(dir="/dev/shm")
@@ -451,19 +427,18 @@ def test_flush_never_trusts_syncfs_on_other_file_systems(monkeypatch):
             with open(os.path.join(directory, f"f{i}"), "wb") as f:
                 f.write(b"x")
         used = []
-        monkeypatch.setattr(_durable, "_syncfs", lambda path: used.append(path))
+        faults("sync.file_system", used.append)
         _durable.flush(_location.location(directory))
         assert used == []
     finally:
         shutil.rmtree(directory)
 
 
-def test_new_directories_are_synced_in_their_parents(tmp_path, monkeypatch):
+def test_new_directories_are_synced_in_their_parents(tmp_path, faults):
     # A crash right after a save must not lose the checkpoint's own folder (or a
     # missing parent of it): each new directory's entry is fsynced in its parent.
     synced = []
-    real = _durable.fsync
-    monkeypatch.setattr(_durable, "fsync", lambda path, **kw: (synced.append(path), real(path, **kw))[1])
+    faults("sync.file", synced.append)
     path = tmp_path / "runs" / "a" / "ckpt"
     eqx_ckpt.tree_serialise_leaves(path, {"w": jnp.ones(2)})
     for directory in (tmp_path, tmp_path / "runs", tmp_path / "runs" / "a"):
@@ -471,8 +446,7 @@ def test_new_directories_are_synced_in_their_parents(tmp_path, monkeypatch):
     # An overwrite's new data root is synced in the checkpoint directory before
     # the manifest that names it is committed.
     synced.clear()
-    real_write = _storage.write_conditional
-    monkeypatch.setattr(_storage, "write_conditional", lambda *args: (synced.append("commit"), real_write(*args))[1])
+    faults("commit.manifest_write", lambda loc, name: synced.append("commit"))
     eqx_ckpt.tree_serialise_leaves(path, {"w": jnp.zeros(2)})
     assert str(path) in synced[: synced.index("commit")]
 
@@ -529,55 +503,39 @@ def test_uninterrupted_finishes_its_work_before_the_interrupt_is_raised(interrup
 
 
 def test_an_interrupt_while_the_manifest_is_written_never_commits_a_checkpoint_without_its_data(
-    tmp_path, monkeypatch, interrupt_after
+    tmp_path, interrupt_after
 ):
     """Found by the interrupt campaign: the manifest write had started when the
     interrupt was raised, its future was lost, the abort deleted the arrays, and
     then the manifest landed (a committed step with an empty pack). Here the
-    write is started by one call and lands later, as a lost future's would."""
+    write is held back while the interrupt lands, and made later, as a lost
+    future's would land."""
     old, new = {"w": np.zeros(64, np.float32), "n": 1}, {"w": np.ones(64, np.float32), "n": 2}
     eqx_ckpt.tree_serialise_leaves(tmp_path, old)
-    real = _storage.write_conditional
-
-    def slow(*args):
-        outcome = []
-        writer = threading.Thread(target=lambda: outcome.append(real(*args)))
-        writer.start()  # the write is under way...
-        time.sleep(0.5)  # ...and the interrupt lands here
-        writer.join()
-        return outcome[0]
-
-    monkeypatch.setattr(_storage, "write_conditional", slow)
     interrupt_after(0.2)
-    with pytest.raises(_Interrupt):
-        eqx_ckpt.tree_serialise_leaves(tmp_path, new)
-    time.sleep(0.6)  # anything still in flight has landed by now
-    monkeypatch.undo()
+    # The interrupt lands while the write waits here.
+    with _faults.armed("commit.manifest_write", lambda loc, name: time.sleep(0.5)):
+        with pytest.raises(_Interrupt):
+            eqx_ckpt.tree_serialise_leaves(tmp_path, new)
+        time.sleep(0.6)  # anything still in flight has landed by now
     # The write happened, so the save is committed, and whole.
     assert eqx_ckpt.verify(tmp_path) == []
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), new, typematch=True)
 
 
 @pytest.mark.parametrize("queued", [True, False], ids=["after-the-put", "before-the-put"])
-def test_an_interrupt_around_queuing_the_job_still_waits_for_it_and_runs_it_once(monkeypatch, queued):
+def test_an_interrupt_around_queuing_the_job_still_waits_for_it_and_runs_it_once(faults, queued):
     # An interrupt landed once between queuing the manifest write and the wait
     # for it: the save aborted and deleted its arrays while the write went on,
     # committing a checkpoint without them (seen once in the SIGINT campaign).
-    real, runs, raised = _interrupts._JOBS, [], []
+    runs, raised = [], []
 
-    class Interrupting:
-        def put(self, job):
-            if not raised:
-                raised.append(True)
-                if queued:
-                    real.put(job)
-                raise _Interrupt()
-            real.put(job)
+    def interrupting(job):
+        if not raised:
+            raised.append(True)
+            raise _Interrupt()
 
-        def get(self):
-            return real.get()
-
-    monkeypatch.setattr(_interrupts, "_JOBS", Interrupting())
+    faults("interrupts.queued" if queued else "interrupts.queue", interrupting)
 
     def write():
         time.sleep(0.2)

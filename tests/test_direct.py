@@ -177,18 +177,17 @@ def test_every_piece_and_step_is_checked(tmp_path, small, position):
     _refused(data, record, "'c/1/0'", "fails its crc32c checksum")
 
 
-def test_file_shrinking_during_the_read(tmp_path, small, monkeypatch):
+def test_file_shrinking_during_the_read(tmp_path, small, faults):
     """A chunk file cut short after its checks (an overwrite racing the load):
     the step that reads past its new end names the file and its size."""
     data, record, folder = _damage_setup(tmp_path)
-    chunk, read = folder / "c" / "1" / "0", _local_read._pread_all
+    chunk = folder / "c" / "1" / "0"
 
-    def racing(fd, views, offset):
+    def racing(fd, offset):
         if os.fstat(fd).st_ino == chunk.stat().st_ino:
             os.truncate(chunk, 100)
-        return read(fd, views, offset)
 
-    monkeypatch.setattr(_local_read, "_pread_all", racing)
+    faults("local_read.read", racing)
     _refused(data, record, "'c/1/0'", "holds 100 bytes")
 
 
@@ -228,21 +227,21 @@ def test_absurd_shape_allocates_nothing(tmp_path, small, monkeypatch):
 
 
 class _SlowReads:
-    """`_local_read._pread_all`, slowed down and watched: how many reads are
-    running, which started, and which finished after `returned` was set."""
+    """The reads of chunk files (fault point `local_read.read`, each step just
+    before it is read), slowed down and watched: how many reads are running,
+    which started, and which finished after `returned` was set."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, faults):
         self.in_flight, self.started, self.finished_after = 0, [], []
-        self.returned, self._lock, self._pread_all = threading.Event(), threading.Lock(), _local_read._pread_all
-        monkeypatch.setattr(_local_read, "_pread_all", self._read)
+        self.returned, self._lock = threading.Event(), threading.Lock()
+        faults("local_read.read", self._read)
 
     def _read(self, *args):
         with self._lock:
             self.in_flight += 1
             self.started.append(args)
-        time.sleep(0.01)
         try:
-            return self._pread_all(*args)
+            time.sleep(0.01)
         finally:
             with self._lock:
                 self.in_flight -= 1
@@ -257,44 +256,31 @@ class _SlowReads:
         assert self.finished_after == []
 
 
-def test_interrupt_waits_for_the_readers(tmp_path, small, monkeypatch):
+def test_interrupt_waits_for_the_readers(tmp_path, small, faults):
     data, ckpt = _saved(tmp_path, {"w": values((4000, 3), np.float32)})
     assert ckpt.record("w").chunks == (63, 3)  # 64 chunks of one piece each
-    reads = _SlowReads(monkeypatch)
-
-    def interrupted(*args):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(_local_read, "_check_crc", interrupted)
+    reads = _SlowReads(faults)
+    faults("local_read.crc", KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
         read_leaf(data, ckpt.record("w"))
     reads.check_all_stopped()
 
 
-def test_interrupt_while_the_files_are_checked_stops_the_reads_they_start(tmp_path, small, monkeypatch):
+def test_interrupt_while_the_files_are_checked_stops_the_reads_they_start(tmp_path, small, faults):
     """The checks of a leaf's files run in a thread of their own, which then
     starts the reads: a real SIGALRM interrupting the wait for the checks is
     raised only once they and every read they started have stopped."""
     import signal
 
     data, ckpt = _saved(tmp_path, {"w": values((4000, 3), np.float32)})
-    reads = _SlowReads(monkeypatch)
-    check, read_chunks = _local_read._check_chunk_files, _local_read._read_chunks
+    reads = _SlowReads(faults)
     submitted = []
-
-    def recorded_read_chunks(*args):
-        submitted.append(args)
-        return read_chunks(*args)
-
-    def slow_check(*args):
-        time.sleep(0.3)
-        return check(*args)
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_local_read, "_check_chunk_files", slow_check)
-    monkeypatch.setattr(_local_read, "_read_chunks", recorded_read_chunks)
+    faults("local_read.check_files", lambda directory: time.sleep(0.3))
+    faults("local_read.start_reads", lambda *args: submitted.append(args))
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.1)

@@ -19,7 +19,7 @@ import pytest
 from arrays import values
 
 import eqx_ckpt
-from eqx_ckpt import _format, _local_write, _location, _pack, _storage, _write
+from eqx_ckpt import _faults, _format, _local_write, _location, _pack, _storage, _write
 from eqx_ckpt._source import open_source
 
 pytestmark = pytest.mark.skipif(not _local_write._local_read.SUPPORTED, reason="no direct writes on this host")
@@ -156,37 +156,31 @@ def test_a_failed_write_of_any_chunk_file_leaves_the_old_checkpoint_whole(tmp_pa
     before = sorted(os.listdir(path))
     files = _chunk_files(path)
     assert files == 5  # four chunks of `big`, one of the pack
-    write_all = _local_write._write_all
     for failing in range(files):
         calls = []
         lock = threading.Lock()
 
-        def fail_one(fd, views, failing=failing, calls=calls, lock=lock):
+        def fail_one(fd, failing=failing, calls=calls, lock=lock):
             with lock:
                 calls.append(fd)
                 this = len(calls) - 1
             if this == failing:
                 raise OSError(errno.ENOSPC, "No space left on device")
-            write_all(fd, views)
 
-        monkeypatch.setattr(_local_write, "_write_all", fail_one)
-        with pytest.raises(
-            eqx_ckpt.CheckpointError, match=r"No space left on device: cannot write chunk file '.*/c/\d+"
-        ):
-            eqx_ckpt.tree_serialise_leaves(path, _generation(2))
+        with _faults.armed("local_write.chunk_bytes", fail_one):
+            with pytest.raises(
+                eqx_ckpt.CheckpointError, match=r"No space left on device: cannot write chunk file '.*/c/\d+"
+            ):
+                eqx_ckpt.tree_serialise_leaves(path, _generation(2))
         assert len(calls) == files
         assert _loads_as(path, 1)
         assert sorted(os.listdir(path)) == before, "the failed save left something behind"
-    monkeypatch.setattr(_local_write, "_write_all", write_all)
     eqx_ckpt.tree_serialise_leaves(path, _generation(3))
     assert _loads_as(path, 3)
 
 
-def test_the_error_names_the_leaf(tmp_path, monkeypatch):
-    def full(fd, views):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(_local_write, "_write_all", full)
+def test_the_error_names_the_leaf(tmp_path, faults):
+    faults("local_write.chunk_bytes", OSError(errno.ENOSPC, "No space left on device"))
     with pytest.raises(eqx_ckpt.CheckpointError, match=r"chunk file 'big/c/0/0' of leaf `big`"):
         eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", {"big": _generation(1)["big"]})
     assert os.listdir(tmp_path / "ckpt") == []
@@ -206,21 +200,20 @@ class _Interrupt(BaseException):
     pass
 
 
-def test_an_interrupt_while_chunk_files_are_written_waits_for_them_and_commits_nothing(tmp_path, monkeypatch):
+def test_an_interrupt_while_chunk_files_are_written_waits_for_them_and_commits_nothing(tmp_path, monkeypatch, faults):
     """The main thread is interrupted while the writer threads are busy: the
     save waits for every one of them before it deletes what they wrote."""
     monkeypatch.setattr(_format, "CHUNK_BYTES", 2**20)
     path = tmp_path / "ckpt"
     eqx_ckpt.tree_serialise_leaves(path, _generation(1))
     before = sorted(os.listdir(path))
-    write_all, finished = _local_write._write_all, []
+    finished = []
 
-    def slow(fd, views):
+    def slow(fd):
         time.sleep(0.5)
-        write_all(fd, views)
         finished.append(time.perf_counter())
 
-    monkeypatch.setattr(_local_write, "_write_all", slow)
+    faults("local_write.chunk_bytes", slow)  # each file then written, right after
     previous = signal.signal(signal.SIGUSR1, lambda *args: (_ for _ in ()).throw(_Interrupt()))
     timer = threading.Timer(0.2, os.kill, args=(os.getpid(), signal.SIGUSR1))
     try:
@@ -282,16 +275,10 @@ def small_stage(monkeypatch):
 
 
 @pytest.fixture
-def unbuffered_calls(monkeypatch):
-    """The files written unbuffered (their descriptors), as they are written."""
+def unbuffered_calls(faults):
+    """The files written unbuffered (their descriptors), as each write starts."""
     calls = []
-    write = _local_write._write_unbuffered
-
-    def spy(fd, content):
-        write(fd, content)
-        calls.append(fd)
-
-    monkeypatch.setattr(_local_write, "_write_unbuffered", spy)
+    faults("local_write.unbuffered", calls.append)
     return calls
 
 

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _transaction
+from eqx_ckpt import _faults
 
 
 def _state(seed=0):
@@ -192,18 +192,16 @@ def test_async_saves(tmp_path):
     manager.wait_until_finished()  # nothing in flight: a no-op
 
 
-def test_async_error_surfaces_on_next_save_and_leaves_nothing(tmp_path, monkeypatch):
+def test_async_error_surfaces_on_next_save_and_leaves_nothing(tmp_path, faults):
     manager = eqx_ckpt.CheckpointManager(tmp_path, blocking=False)
     manager.save(0, _tree(0))
     manager.wait_until_finished()
-    real_commit = _transaction.Transaction.commit
 
-    def commit_failing_for_step_1(tx, manifest):
-        if tx.loc.display.endswith("step_00000001"):
+    def commit_failing_for_step_1(loc):
+        if loc.display.endswith("step_00000001"):
             raise OSError("disk full")
-        real_commit(tx, manifest)
 
-    monkeypatch.setattr(_transaction.Transaction, "commit", commit_failing_for_step_1)
+    faults("transaction.commit", commit_failing_for_step_1)
     manager.save(1, _tree(1), metrics={"loss": 1.0})
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("disk full")):
         manager.save(2, _tree(2))
@@ -215,11 +213,9 @@ def test_async_error_surfaces_on_next_save_and_leaves_nothing(tmp_path, monkeypa
     assert manager.all_steps() == [0, 2]
 
 
-def test_async_error_surfaces_on_wait(tmp_path, monkeypatch):
+def test_async_error_surfaces_on_wait(tmp_path, faults):
     manager = eqx_ckpt.CheckpointManager(tmp_path, blocking=False)
-    monkeypatch.setattr(
-        _transaction.Transaction, "commit", lambda tx, manifest: (_ for _ in ()).throw(OSError("disk full"))
-    )
+    faults("transaction.commit", OSError("disk full"))
     manager.save(5, _tree(5))
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("disk full")):
         manager.wait_until_finished()
@@ -362,14 +358,13 @@ def test_edited_metrics_are_detected(tmp_path):
         manager.metrics(1)
 
 
-def test_a_failed_overwrite_keeps_the_steps_metrics(tmp_path, monkeypatch):
+def test_a_failed_overwrite_keeps_the_steps_metrics(tmp_path):
     # The metrics commit with the step (they are in its manifest): an overwrite
     # that fails, or is killed, leaves the old step with its old metrics.
     manager = eqx_ckpt.CheckpointManager(tmp_path, best_metric="loss")
     manager.save(1, _tree(1), metrics={"loss": 5.0})
     manager.save(2, _tree(2), metrics={"loss": 3.0})
-    with monkeypatch.context() as m:
-        m.setattr(_transaction.Transaction, "commit", lambda tx, manifest: (_ for _ in ()).throw(OSError("disk full")))
+    with _faults.armed("transaction.commit", OSError("disk full")):
         with pytest.raises(eqx_ckpt.LeafError, match=re.escape("disk full")):
             manager.save(1, _tree(7), metrics={"loss": 0.5}, overwrite=True)
     assert manager.metrics(1) == {"loss": 5.0} and manager.best_step() == 2
@@ -427,7 +422,7 @@ def test_a_step_saved_below_the_latest_is_not_deleted_at_once(tmp_path):
     assert manager.all_steps() == [300, 400]
 
 
-def test_an_interrupt_after_an_asynchronous_save_went_to_the_background_never_removes_it(tmp_path, monkeypatch):
+def test_an_interrupt_after_an_asynchronous_save_went_to_the_background_never_removes_it(tmp_path, monkeypatch, faults):
     """A Ctrl-C landing after `save` handed the step to its background thread
     (here: as the inner save returns) once made the manager remove the step
     folder while that thread was still writing it; the thread then committed a
@@ -435,10 +430,10 @@ def test_an_interrupt_after_an_asynchronous_save_went_to_the_background_never_re
     before the background thread writes the manifest."""
     import threading
 
-    from eqx_ckpt import _manager, _serialise, _storage
+    from eqx_ckpt import _manager, _serialise
 
     undone, at_commit = threading.Event(), threading.Event()
-    real_undo, real_save, real_write = _manager.CheckpointManager._undo, _serialise.save, _storage.write_conditional
+    real_undo, real_save = _manager.CheckpointManager._undo, _serialise.save
 
     def undo(self, step):
         at_commit.wait(10)
@@ -453,15 +448,14 @@ def test_an_interrupt_after_an_asynchronous_save_went_to_the_background_never_re
             raise KeyboardInterrupt
         return pending
 
-    def write_conditional(loc, name, *args, **kwargs):
+    def write_conditional(loc, name):
         if name == "manifest.json" and threading.current_thread() is not threading.main_thread():
             at_commit.set()
             undone.wait(2)  # with the fix, nothing is undone
-        return real_write(loc, name, *args, **kwargs)
 
     monkeypatch.setattr(_manager.CheckpointManager, "_undo", undo)
     monkeypatch.setattr(_serialise, "save", save)
-    monkeypatch.setattr(_storage, "write_conditional", write_conditional)
+    faults("commit.manifest_write", write_conditional)
     tree = {"w": jnp.arange(1000.0), "big": jnp.ones(400_000)}
     manager = eqx_ckpt.CheckpointManager(tmp_path, blocking=False)
     with pytest.raises(KeyboardInterrupt):

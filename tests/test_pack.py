@@ -15,7 +15,7 @@ import pytest
 import tensorstore as ts
 
 import eqx_ckpt
-from eqx_ckpt import _pack, _storage
+from eqx_ckpt import _pack
 
 
 def _tree():
@@ -288,12 +288,10 @@ def small_pack_chunks(monkeypatch):
     monkeypatch.setattr(_pack, "PACK_CHUNK_BYTES", 4096)
 
 
-def test_local_packs_are_read_by_eqx_ckpt_only_the_chunks_a_load_needs(tmp_path, monkeypatch, small_pack_chunks):
+def test_local_packs_are_read_by_eqx_ckpt_only_the_chunks_a_load_needs(tmp_path, faults, small_pack_chunks):
     """On a local disk a pack's chunk files are read without TensorStore
     (`_local_read.start_pack_run`), and a partial load reads only the chunks holding
     the selected leaves, even when they start and end inside a chunk."""
-    from eqx_ckpt import _local_read
-
     tree = _striped()
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     body = _manifest(tmp_path)
@@ -302,14 +300,9 @@ def test_local_packs_are_read_by_eqx_ckpt_only_the_chunks_a_load_needs(tmp_path,
     def no_tensorstore(*args, **kwargs):
         raise AssertionError("a local pack was opened with TensorStore")
 
-    monkeypatch.setattr(_storage, "open_pack", no_tensorstore)
+    faults("storage.open_pack", no_tensorstore)
     read = []
-    real_read_piece = _local_read._read_piece
-    monkeypatch.setattr(
-        _local_read,
-        "_read_piece",
-        lambda path, loc, record, key, *a: read.append(key) or real_read_piece(path, loc, record, key, *a),
-    )
+    faults("local_read.start_reads", lambda path, keys: read.extend(keys))
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
     assert sorted(set(read)) == sorted(f"c/{i}" for i in range(len(os.listdir(tmp_path / "packed.float32" / "c"))))
     chosen = ["l20", "l21", "l22"]

@@ -2,16 +2,17 @@
 turn, first with an exception, then with a KeyboardInterrupt (what Ctrl-C or a
 SIGTERM handler calling `sys.exit` raises in the saving thread).
 
-For a first save, an overwrite and a manager save, the I/O entry points of
-`_storage` and the chunk writes of `_local_write` are counted on a clean run, in
-every thread the save uses; then the save is repeated with call k failing, for
-every k. After each: the checkpoint loads as exactly the old
+For a first save, an overwrite and a manager save, the fault points of every
+I/O step (`eqx_ckpt._faults`: storage, syncs, the chunk writes) are counted on
+a clean run, in every thread the save uses; then the save is repeated with
+call k failing, for every k. After each: the checkpoint loads as exactly the old
 or exactly the new save, an interrupt reaches the caller as itself, the user's
 files in the directory are unchanged, and the next save succeeds and leaves
 nothing behind.
 """
 
 import contextlib
+import functools
 import gc
 import inspect
 import linecache
@@ -28,25 +29,24 @@ import pytest
 from disk import snapshot
 
 import eqx_ckpt
-from eqx_ckpt import _durable, _interrupts, _local_read, _local_write, _location, _memory, _pack, _storage
+from eqx_ckpt import _faults, _interrupts, _local_read, _location, _memory, _pack, _storage
 
-# Every function through which a save touches storage.
+# Every fault point at which a save touches storage (see `eqx_ckpt._faults`).
 _IO = [
-    (_storage, "kvstore"),
-    (_storage, "create_array"),
-    (_storage, "create_spec"),  # a pack of small leaves
-    (_storage, "transaction"),
-    (_durable, "flush"),
-    (_storage, "remove"),
-    (_storage, "remove_written"),
-    (_storage, "list_names"),
-    (_storage, "read_file_stamped"),
-    (_storage, "read_file_generation"),
-    (_storage, "write_conditional"),
-    (_durable, "sync_directory"),
-    (_durable, "ensure_directory"),
-    (_storage, "delete_file"),
-    (_local_write, "_write_chunk"),  # a chunk file written by eqx_ckpt itself
+    "storage.open",
+    "storage.create_array",  # an array of its own, or a pack of small leaves
+    "storage.transaction",
+    "sync.flush",
+    "storage.remove",
+    "storage.remove_written",
+    "storage.list",
+    "storage.read_file",
+    "storage.read_generation",
+    "commit.manifest_write",
+    "sync.directory",
+    "sync.create_directory",
+    "storage.delete_file",
+    "local_write.chunk",  # a chunk file written by eqx_ckpt itself
 ]
 
 # The threads a save does its I/O in: the caller's, the helper that keeps every
@@ -59,31 +59,26 @@ class Injected(OSError):
 
 
 @contextlib.contextmanager
-def inject(monkeypatch, fail_at, error):
-    """Count calls of the I/O entry points; call number `fail_at` raises `error`.
-    Only the save's own threads count: another test's object-store lease, still
-    held by a manager in this process, renews itself from its own thread."""
+def inject(fail_at, error):
+    """Count the fault points reached at the I/O steps; call number `fail_at`
+    raises `error`. Only the save's own threads count: another test's
+    object-store lease, still held by a manager in this process, renews itself
+    from its own thread."""
     calls = []
     me = threading.get_ident()
     lock = threading.Lock()
 
-    def wrap(module, name, real):
-        def wrapper(*args, **kwargs):
-            thread = threading.current_thread()
-            if thread.ident != me and not thread.name.startswith(_SAVE_THREADS):
-                return real(*args, **kwargs)
-            with lock:
-                calls.append(name)
-                failing = len(calls) - 1 == fail_at
-            if failing:
-                raise error(f"injected at call {fail_at} ({name})")
-            return real(*args, **kwargs)
+    def reached(name, *args):
+        thread = threading.current_thread()
+        if thread.ident != me and not thread.name.startswith(_SAVE_THREADS):
+            return
+        with lock:
+            calls.append(name)
+            failing = len(calls) - 1 == fail_at
+        if failing:
+            raise error(f"injected at call {fail_at} ({name})")
 
-        return wrapper
-
-    with monkeypatch.context() as m:
-        for module, name in _IO:
-            m.setattr(module, name, wrap(module, name, getattr(module, name)))
+    with _faults.armed({name: functools.partial(reached, name) for name in _IO}):
         yield calls
 
 
@@ -181,10 +176,10 @@ class _Scenario:
         return {f for f in files if f.split(os.sep)[0] not in live} - {"manifest.json"}
 
 
-def _count(tmp_path, monkeypatch, kind):
+def _count(tmp_path, kind):
     scenario = _Scenario(kind, tmp_path / "count")
     scenario.prepare()
-    with inject(monkeypatch, None, Injected) as calls:
+    with inject(None, Injected) as calls:
         scenario.save(2)
     scenario.close()
     return len(calls)
@@ -192,8 +187,8 @@ def _count(tmp_path, monkeypatch, kind):
 
 @pytest.mark.parametrize("kind", ["first", "overwrite", "manager"])
 @pytest.mark.parametrize("error", [Injected, KeyboardInterrupt])
-def test_every_io_step_failing(tmp_path, monkeypatch, kind, error):
-    total = _count(tmp_path, monkeypatch, kind)
+def test_every_io_step_failing(tmp_path, kind, error):
+    total = _count(tmp_path, kind)
     assert total >= 10, total
     outcomes = {"old": 0, "new": 0, "none": 0}
     old = None if kind == "first" else 1
@@ -202,7 +197,7 @@ def test_every_io_step_failing(tmp_path, monkeypatch, kind, error):
         files = scenario.prepare()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with inject(monkeypatch, k, error):
+            with inject(k, error):
                 raised = _raised(scenario.save, 2)
         where = f"{kind}: {error.__name__} at I/O call {k} of {total}"
         found = scenario.which([1, 2])

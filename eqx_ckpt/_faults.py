@@ -1,0 +1,198 @@
+"""Named fault points: the one seam through which tests inject faults into I/O.
+
+Each point sits at one step of a save or a load, as a call
+`_faults.fire("<name>", *args)`. A test arms a point (`armed`, or the `faults`
+fixture of `tests/conftest.py`) to raise an exception there, or to run a
+callback with the point's arguments: count the calls, block, send a signal,
+raise on the Nth call. Disarmed, a point costs a call and one global lookup.
+Points are named by what happens, not by the function they sit in, so code
+can move without its tests changing.
+
+Points fire in whatever thread reaches them: the caller's, the helper that
+keeps a save's futures from interrupts (`eqx_ckpt-io`), an asynchronous
+save's thread (`eqx_ckpt-save`), the chunk writers (`eqx_ckpt-write`), the
+file checks and readers of a load (`eqx_ckpt-open`, `eqx_ckpt-read`), a
+lease's heartbeat (`eqx_ckpt-lease`). Arming is seen by every thread at once;
+a callback that cares checks `threading.current_thread()`.
+
+The points, with where they fire and the arguments they pass:
+
+**Storage (`_storage`):**
+
+- `storage.open` `(loc)`: a TensorStore kvstore is opened, before every small
+  file read, written, listed or deleted through TensorStore (a lease file too).
+- `storage.read_file` `(loc, name)`: a small file (a manifest) is read for a load.
+- `storage.read_generation` `(loc, name)`: the manifest is read, with its
+  generation, as a save begins.
+- `storage.list` `(loc)`: the top-level entries of a checkpoint are listed.
+- `storage.transaction` `()`: the TensorStore transaction that stages a save's
+  writes through TensorStore is made.
+- `storage.create_array` `(loc)`: a zarr array (a leaf's, or a pack's) is created.
+- `storage.open_array` `(loc, record)`: a stored leaf's array is opened
+  through TensorStore (to read or verify it; in a multi-process save, to write
+  into the array process 0 created).
+- `storage.open_pack` `(loc, pack)`: a pack's array is opened through
+  TensorStore (to read or verify its leaves).
+- `storage.remove` `(loc, names)`: top-level entries are deleted whole (what
+  an aborted save created, a manager's dropped step).
+- `storage.remove_written` `(loc, names)`: what saves wrote under the
+  top-level entries `names` is deleted (after a commit, the arrays of the
+  checkpoint it replaced).
+- `storage.delete_file` `(loc, name)`: one small file is deleted (a manager
+  deleting a step's manifest first).
+
+**Commit (`_transaction`, `_lease`, `_interrupts`):**
+
+- `lease.acquire` `(loc, name)`: a save (or a manager) takes a directory's lease.
+- `transaction.begin` `(loc)`: a save begins its transaction (before the lease).
+- `transaction.join` `(loc)`: a process other than process 0 of a
+  multi-process save joins process 0's transaction.
+- `transaction.commit` `(loc)`: a save commits (before its lease is checked and
+  its manifest written).
+- `commit.manifest_write` `(loc, name)`: the manifest's conditional write,
+  before it is started (then its directory is synced: `sync.directory`).
+- `interrupts.queue` `(job)`: a job is about to be handed to the helper thread
+  that signals never reach (an interrupt raised here has queued nothing).
+- `interrupts.queued` `(job)`: the job was handed over (an interrupt raised
+  here has queued it).
+
+**Durability (`_durable`):**
+
+- `sync.flush` `(loc)`: before a commit, everything a save wrote to a local
+  disk is made durable.
+- `sync.file` `(path)`: one file or directory is fsynced.
+- `sync.file_system` `(path)`: the file system holding `path` is synced
+  (`syncfs`, a flush of many files).
+- `sync.directory` `(path)`: a directory's entries are made durable (after the
+  manifest landed, a lease file written).
+- `sync.create_directory` `(loc)`: a local directory and its missing parents
+  are created, durably.
+
+**Chunk files on a local disk (`_local_write`, `_local_read`):**
+
+- `local_write.chunk` `(directory, key)`: a chunk writer thread starts on chunk
+  file `key` of array `directory`.
+- `local_write.chunk_bytes` `(fd)`: that file is created, its bytes about to be
+  written; an `OSError` raised here is reported as the write's, naming the file.
+- `local_write.unbuffered` `(fd)`: the file is written past the page cache.
+- `local_read.check_files` `(directory)`: a load checks the folder and chunk
+  files of array `directory` (in a thread of its own for a whole leaf).
+- `local_read.start_reads` `(path, keys)`: the reads of those chunk files are
+  started in the reader threads.
+- `local_read.read` `(fd, offset)`: a reader thread reads one step of a chunk
+  file; an `OSError` raised here is reported as the read's.
+- `local_read.crc` `(key)`: a chunk's joined crc32c is compared with its stored one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+# An exception (instance or class) to raise at a point, or a callback called
+# with the point's arguments.
+Action = BaseException | type[BaseException] | Callable[..., object]
+
+
+POINTS = frozenset(
+    {
+        "storage.open",
+        "storage.read_file",
+        "storage.read_generation",
+        "storage.list",
+        "storage.transaction",
+        "storage.create_array",
+        "storage.open_array",
+        "storage.open_pack",
+        "storage.remove",
+        "storage.remove_written",
+        "storage.delete_file",
+        "lease.acquire",
+        "transaction.begin",
+        "transaction.join",
+        "transaction.commit",
+        "commit.manifest_write",
+        "interrupts.queue",
+        "interrupts.queued",
+        "sync.flush",
+        "sync.file",
+        "sync.file_system",
+        "sync.directory",
+        "sync.create_directory",
+        "local_write.chunk",
+        "local_write.chunk_bytes",
+        "local_write.unbuffered",
+        "local_read.check_files",
+        "local_read.start_reads",
+        "local_read.read",
+        "local_read.crc",
+    }
+)
+
+
+# The armed points. Replaced whole, never changed in place, so a thread firing a
+# point sees one consistent mapping without a lock; empty when nothing is armed.
+_ARMED: dict[str, Callable[..., object]] = {}
+_ARMING = threading.Lock()
+
+
+def fire(point: str, *args: Any) -> None:
+    """Reached at fault point `point` (one of `POINTS`): run what a test armed
+    there, if anything, with `args`."""
+    if _ARMED:
+        action = _ARMED.get(point)
+        if action is not None:
+            action(*args)
+
+
+@contextlib.contextmanager
+def armed(points: str | Iterable[str] | Mapping[str, Action], action: Action | None = None) -> Iterator[None]:
+    """Arm fault points for the duration of the block.
+
+    **Arguments:**
+
+    - `points`: a point's name, several names (each gets `action`), or a mapping
+      from names to their actions.
+    - `action`: an exception (instance or class), raised where the point fires,
+      or a callable, called there with the point's arguments (it may raise).
+
+    A point armed already gets the new action inside the block and its previous
+    one back after it, whether the block ends normally or by an exception.
+    """
+    if isinstance(points, Mapping):
+        actions = dict(points)
+    elif action is None:
+        raise ValueError("A fault point needs an action: an exception to raise, or a callable.")
+    else:
+        actions = dict.fromkeys([points] if isinstance(points, str) else points, action)
+    unknown = sorted(set(actions) - POINTS)
+    if unknown:
+        raise ValueError(f"Unknown fault points {unknown}; the points are {sorted(POINTS)}.")
+    global _ARMED
+    with _ARMING:
+        previous = {name: _ARMED.get(name) for name in actions}
+        _ARMED = {**_ARMED, **{name: _callable(a) for name, a in actions.items()}}
+    try:
+        yield
+    finally:
+        with _ARMING:
+            restored = dict(_ARMED)
+            for name, before in previous.items():
+                if before is None:
+                    restored.pop(name, None)
+                else:
+                    restored[name] = before
+            _ARMED = restored
+
+
+def _callable(action: Action) -> Callable[..., object]:
+    if isinstance(action, BaseException) or (isinstance(action, type) and issubclass(action, BaseException)):
+        error = action
+
+        def raise_it(*args: object) -> None:
+            raise error
+
+        return raise_it
+    return action
