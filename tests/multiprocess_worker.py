@@ -131,7 +131,7 @@ def main(process_id: int, num_processes: int, port: int, path: str) -> None:
     # Process 1 fails before the first barrier (its tree cannot be saved: once the
     # others waited an hour for it there), to join the transaction, or to open
     # the arrays to write.
-    check_failure_elsewhere(process_id, path + "_collect", tree, eqx_ckpt._serialise, "_collect")
+    check_failure_elsewhere(process_id, path + "_collect", tree, eqx_ckpt._records, "build")
     check_failure_elsewhere(process_id, path + "_join", tree, eqx_ckpt._transaction, "join")
     check_failure_elsewhere(process_id, path + "_write", tree, eqx_ckpt._storage, "open_array")
     try:
