@@ -191,7 +191,7 @@ def pack_name(stored_dtype: str) -> str:
 # Not `frozen`: a frozen dataclass's `__init__` costs six times as much, and a
 # save or load of ten thousand leaves makes a record for each (with slots, 190
 # bytes a record instead of 240: memory whose fresh pages a save pays for).
-# Never changed once made, except by `_pack.assign` while its save has made it
+# Never changed once made, except by `_records.assign` while its save has made it
 # and no one else has seen it.
 @dataclasses.dataclass(slots=True)
 class LeafRecord:

@@ -55,12 +55,20 @@ _IOV_MAX = 1024
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-def eligible(loc: Location, record: LeafRecord, pieces: Sequence[tuple[tuple[slice, ...], Any]]) -> bool:
-    """Whether this leaf's chunk files are written here: a local disk, one host
-    piece holding the whole array, and chunks that split only its first axis."""
+def chosen(loc: Location, *, processes: int, layout: str) -> bool:
+    """Whether a save to `loc` writes chunk files here rather than through
+    TensorStore: the choice of the path, made once per save. One process, the
+    "directories" layout, and a location `_local_read.supported` (the same
+    choice of the read side, per location)."""
+    return processes == 1 and layout == "directories" and _local_read.supported(loc)
+
+
+def eligible(record: LeafRecord, pieces: Sequence[tuple[tuple[slice, ...], Any]]) -> bool:
+    """Whether this leaf's chunk files are written here, in a save that has
+    `chosen` this path: one host piece holding the whole array, and chunks
+    that split only its first axis."""
     return (
-        _local_read.supported(loc)
-        and record.pack is None
+        record.pack is None
         and len(pieces) == 1
         and not pieces[0][0]
         and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
@@ -91,7 +99,7 @@ def start_pack(
 ) -> list[concurrent.futures.Future[None]]:
     """Start writing the chunk files of `pack`: each member's elements at its
     offset, zeros between, written from the members' own buffers (no copy).
-    `records` in the order of their offsets, as `_pack.assign` placed them."""
+    `records` in the order of their offsets, as `_records.assign` placed them."""
     n = len(records)
     starts = np.fromiter((r.offset for r in records), np.int64, n)
     stops = starts + np.fromiter((r.size for r in records), np.int64, n)

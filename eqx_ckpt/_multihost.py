@@ -20,7 +20,9 @@ from typing import Any
 
 import jax
 
+from . import _transaction
 from ._errors import CheckpointError
+from ._location import Location
 from ._sharding import on_one_device
 
 # A barrier waits this long for the slowest process: it covers writing that
@@ -74,6 +76,36 @@ class Group:
             return None
         lines = "\n".join(f"  - process {i}: {message}" for i, message in failed)
         return CheckpointError(f"Saving failed in {len(failed)} other process(es), so nothing was committed:\n{lines}")
+
+
+def begin(
+    group: Group, loc: Location, *, overwrite: bool, layout: str, paths: list[str], packs: list[str]
+) -> _transaction.Transaction:
+    """Process 0 begins the transaction; the others then join it."""
+    if group.primary:
+        try:
+            tx = _transaction.begin(loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
+        except BaseException as e:
+            group.sync("begin", e)
+            raise
+        group.sync("begin", None)  # only this process can fail at `begin`, and it did not
+        error = group.sync("joined", None)
+        if error is not None:
+            tx.abort()
+            raise error
+        return tx
+    error = group.sync("begin", None)
+    if error is not None:
+        raise error
+    try:
+        tx = _transaction.join(loc)
+    except BaseException as e:
+        group.sync("joined", e)
+        raise
+    error = group.sync("joined", None)
+    if error is not None:
+        raise error
+    return tx
 
 
 def _describe(error: BaseException) -> str:

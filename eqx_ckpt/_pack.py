@@ -1,11 +1,12 @@
-"""Small leaves packed together: one zarr v3 array per stored dtype.
+"""Reading small leaves from their packs: one zarr v3 array per stored dtype.
 
-A leaf of at most `PACK_BYTES` stored bytes does not get a folder of its own:
-its elements (C order) are placed in the one-dimensional array
+A leaf of at most `_records.PACK_BYTES` stored bytes does not get a folder of
+its own: its elements (C order) are placed in the one-dimensional array
 `packed.<dtype>/` of the data root, at an offset the manifest records, each
-leaf starting on a 64-byte boundary. The pack is an ordinary zarr v3 array
-(chunks of `PACK_CHUNK_BYTES`, each with its crc32c), so any zarr v3 reader
-gets a leaf back as `pack[offset : offset + size].reshape(shape)`; eqx_ckpt
+leaf starting on a 64-byte boundary (a save's packing plan:
+`_records.assign`). The pack is an ordinary zarr v3 array (chunks of
+`_records.PACK_CHUNK_BYTES`, each with its crc32c), so any zarr v3 reader gets
+a leaf back as `pack[offset : offset + size].reshape(shape)`; eqx_ckpt
 addresses it by its dotted path everywhere, as any other leaf.
 
 Why: a folder, a `zarr.json`, a chunk file and a TensorStore open per leaf cost
@@ -13,72 +14,23 @@ far more than the bytes of a small leaf (ten thousand 4 kB leaves took seconds
 to save and load, against a fraction of a second for one file). Leaves are
 packed in the order of their dotted paths, so a sub-tree (`model`, say) is one
 contiguous run of the pack and a partial load reads only the chunks it covers.
-
-Only single-process saves pack, and only leaves whose data is one host piece
-(not sharded over several devices): those are written by one writer in one go.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from . import _dtypes, _local_read, _storage, _storage_errors, _window
-from ._format import LeafRecord, PackRecord, pack_name, whole_chunks
+from ._format import LeafRecord, PackRecord
 from ._location import Location
 
-# Leaves of at most this many stored bytes are packed.
-PACK_BYTES = 1 << 20
-# The chunk length of a pack, in bytes: what a partial load reads at least.
-PACK_CHUNK_BYTES = 4 << 20
-ALIGN_BYTES = 64
 # Two runs of a load closer than this are read as one.
 _GAP_BYTES = 256 << 10
-
-
-def assign(records: Sequence[LeafRecord], pieces: Sequence[Sequence[tuple[tuple[slice, ...], Any]]]) -> None:
-    """Place in packs by dtype, in order, the `records` of at most `PACK_BYTES`
-    whose host data (`pieces`, the leaf's) is one whole piece. In place: a
-    save's records are new, and seen by nothing else yet."""
-    ends: dict[str, int] = {}
-    placed: list[LeafRecord] = []
-    # (stored dtype, stored shape) -> (elements, bytes, alignment step, chunks):
-    # worked out once for each (ten thousand leaves have a few dozen).
-    known: dict[tuple[str, tuple[int, ...]], tuple[int, int, int, tuple[int, ...]]] = {}
-    for record, leaf_pieces in zip(records, pieces, strict=True):
-        if len(leaf_pieces) != 1 or leaf_pieces[0][0]:
-            continue
-        dtype, shape = record.stored_dtype, record.stored_shape
-        sizes = known.get((dtype, shape))
-        if sizes is None:
-            size = math.prod(shape)
-            itemsize = _dtypes.dtype_from_name(dtype).itemsize
-            sizes = known[dtype, shape] = (size, size * itemsize, _align_step(dtype), whole_chunks(shape))
-        size, nbytes, step, chunks = sizes
-        if nbytes > PACK_BYTES:
-            continue
-        record.offset = offset = -(-ends.get(dtype, 0) // step) * step
-        record.chunks = chunks
-        ends[dtype] = offset + size
-        placed.append(record)
-    packs = {}
-    for dtype, size in ends.items():
-        itemsize = _dtypes.dtype_from_name(dtype).itemsize
-        chunk = max(1, min(size, PACK_CHUNK_BYTES // itemsize))
-        packs[dtype] = PackRecord(pack_name(dtype), dtype, size, chunk)
-    for record in placed:
-        record.pack = packs[record.stored_dtype]
-
-
-@functools.lru_cache(maxsize=64)
-def _align_step(dtype: str) -> int:
-    """Offsets (in elements of `dtype`) that start on a 64-byte boundary."""
-    return max(1, ALIGN_BYTES // _dtypes.dtype_from_name(dtype).itemsize)
 
 
 def by_pack(records: Sequence[LeafRecord]) -> dict[str, list[int]]:
@@ -88,14 +40,6 @@ def by_pack(records: Sequence[LeafRecord]) -> dict[str, list[int]]:
         if record.pack is not None:
             groups[record.pack.name].append(i)
     return groups
-
-
-def buffer(pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequence[np.ndarray]) -> np.ndarray:
-    """The contents of `pack`: each leaf's bytes at its offset (zeros between)."""
-    out = np.zeros(pack.size, _dtypes.dtype_from_name(pack.dtype))
-    for record, piece in zip(records, pieces, strict=True):
-        out[record.offset : record.offset + record.size] = np.asarray(piece).reshape(-1)
-    return out
 
 
 def _start_direct(loc: Location, pack: PackRecord, start: int, stop: int) -> Any:

@@ -1,10 +1,17 @@
-"""`tree_serialise_leaves`: one zarr array per leaf, then the manifest."""
+"""`tree_serialise_leaves`: collect -> plan -> write -> commit.
+
+A save collects the tree's leaves with their names and filter specs
+(`_collect`), plans what it writes (every leaf's record and host pieces, and
+the packs of small leaves: `_records`), begins the transaction, writes every
+array (`_write`) and commits the manifest. An asynchronous save returns once
+its arrays are safe on the host (with the default filter spec, once each
+leaf's host data is held: `_background.hold_tree`, and the plan is made in
+the background too); a background thread (`_background`) does the rest.
+"""
 
 from __future__ import annotations
 
 import functools
-import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -13,23 +20,23 @@ import numpy as np
 from jaxtyping import PyTree
 
 from . import (
+    _background,
     _dtypes,
     _durable,
     _gc,
-    _keypath,
     _layout,
     _lease,
     _manifest,
-    _memory,
     _multihost,
-    _pack,
+    _records,
     _storage_errors,
     _transaction,
     _tree,
     _untrusted,
     _write,
 )
-from ._errors import CheckpointError, CheckpointValueError, LeafError, check_flag, leaf_message
+from ._background import Handoff, PendingSave
+from ._errors import CheckpointError, CheckpointValueError, LeafError, check_flag
 from ._handle import LeafHandle
 from ._lazy import LazyArray
 from ._location import Location, location
@@ -74,107 +81,6 @@ def default_serialise_filter_spec(handle: LeafHandle, x: Any) -> None:
         )
     if _dtypes.leaf_type(x) is not None or isinstance(x, LazyArray):
         handle.write(x)
-
-
-class PendingSave:
-    """A save still being written. Returned by `tree_serialise_leaves(...,
-    blocking=False)` once every array is safe on the host.
-
-    Call `wait()` to block until the checkpoint is committed; it raises any error
-    the background writes hit (and then nothing was committed). A later save to
-    the same path waits for this one to finish before it starts. A program that
-    ends with saves in flight waits for them before it exits (and says so on
-    stderr), so a script's last checkpoint is never lost.
-
-    !!! example
-
-        ```python
-        import jax.numpy as jnp
-        import eqx_ckpt
-
-        pending = eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(1000)}, blocking=False)
-        # ... training goes on while the arrays are written ...
-        pending.wait()                      # committed (or the save's error is raised)
-        assert pending.done()
-        ```
-    """
-
-    def __init__(self, run: Callable[[], None], *, wraps: PendingSave | None = None):
-        # `wraps`: a save this one waits for and finishes (a manager's retention
-        # after its step's save): the two are one save to the user.
-        self._error: BaseException | None = None
-        self._outer: PendingSave | None = None
-        # Not a daemon: the interpreter waits for it at exit, while TensorStore
-        # can still finish the writes.
-        self._thread = threading.Thread(target=self._run, args=(run,), name="eqx_ckpt-save")
-        # The thread waits until `start` has returned here: running at once, it
-        # would hold the GIL, and the caller would wait a switch interval (5 ms)
-        # to get it back.
-        self._started = threading.Event()
-        # Set when the save has finished. Waited on, never `Thread.join`: an
-        # interrupted join in Python 3.11 can mark the running thread as
-        # finished, and every later wait (the exit's too) returned at once.
-        self._finished = threading.Event()
-        try:
-            with _PENDING_LOCK:
-                _PENDING.add(self)
-                if wraps is not None:
-                    wraps._outer = self
-            self._thread.start()
-        except BaseException:
-            if self._thread.ident is None:  # interrupted before the thread began
-                with _PENDING_LOCK:
-                    _PENDING.discard(self)
-            raise
-        finally:
-            self._started.set()
-
-    def _run(self, run: Callable[[], None]) -> None:
-        try:
-            self._started.wait(timeout=1.0)  # bounded: an interrupt could come between
-            run()
-        except BaseException as e:  # re-raised by `wait`
-            self._error = e
-        finally:
-            with _PENDING_LOCK:
-                _PENDING.discard(self)
-            self._finished.set()
-
-    def done(self) -> bool:
-        """Whether the save has finished (committed or failed)."""
-        return self._finished.is_set()
-
-    def wait(self) -> None:
-        """Block until committed; raise the save's error if it failed."""
-        self._finished.wait()
-        if self._error is not None:
-            raise self._error
-
-
-_PENDING: set[PendingSave] = set()
-_PENDING_LOCK = threading.Lock()
-
-
-def _wait_at_exit() -> None:
-    """Finish the saves still in flight, and say so: a script whose last line
-    starts an asynchronous save must not lose it."""
-    with _PENDING_LOCK:
-        # A save wrapped by another (a manager's) is waited for through it.
-        pending = [save for save in _PENDING if save._outer is None or save._outer not in _PENDING]
-    if not pending:
-        return
-    print(f"eqx_ckpt: waiting for {len(pending)} checkpoint save(s) to commit before exiting.", file=sys.stderr)
-    for save in pending:
-        save._finished.wait()
-        if save._error is not None:
-            print(f"eqx_ckpt: a checkpoint save failed: {save._error}", file=sys.stderr)
-
-
-# Run when the interpreter starts to shut down, before it joins other threads and
-# before `concurrent.futures` (registered earlier, run later) refuses new work.
-_register = getattr(threading, "_register_atexit", None)
-if _register is not None:
-    _register(_wait_at_exit)
 
 
 def tree_serialise_leaves(
@@ -278,53 +184,22 @@ def save(
     save went on in the background (a `CheckpointManager` must not remove what
     that save is writing)."""
     group = _multihost.Group()
-    # Every process reaches this first barrier, even one whose tree is bad, so
-    # that a failure anywhere fails the save everywhere at once.
-    pending: list[_write.Pending] = []
-    held: Callable[[], tuple[list[Any], _tree.Names]] | None = None
-    error: BaseException | None = None
-    try:
-        _layout.check(layout)
-        overwrite = check_flag("overwrite", overwrite, "whether to replace a checkpoint already there")
-        blocking = check_flag("blocking", blocking, "`False` saves in the background")
-        cast_fn = _write.cast_function(cast)
-        if not blocking and group.count == 1:
-            held = _hold(pytree, filter_spec, is_leaf)
-        if held is None:
-            # A custom filter spec is given every leaf's key path (in its `handle`).
-            custom = filter_spec is not default_serialise_filter_spec
-            leaves, names = _tree.flatten_named(pytree, is_leaf, keypaths=custom)
-            specs = _tree.leaf_specs(filter_spec, pytree, is_leaf, count=len(leaves))
-            pending = _collect(loc, leaves, names, specs, cast_fn)
-            if group.count == 1:
-                _assign_packs(pending)
-            if not blocking:
-                _write.private_copies(pending)
-        if layout == "ocdbt" and group.count > 1:
-            raise CheckpointValueError(
-                f"`layout='ocdbt'` is not supported with {group.count} JAX processes: one "
-                f"OCDBT database has a single writer. Save with `layout='directories'`.",
-                path=loc.display,
-            )
-    except Exception as e:
-        error = e
-    error = group.sync("prepared", error)
-    if error is not None:
-        raise error
+    overwrite, blocking, cast, planned = _collect_and_plan(
+        loc, group, pytree, filter_spec, is_leaf, overwrite=overwrite, blocking=blocking, cast=cast, layout=layout
+    )
     options: dict[str, Any] = dict(overwrite=overwrite, layout=layout, metrics=metrics, progress=progress)
     exclusive = _lease.acquire_exclusive(loc)
     handoff = handoff if handoff is not None else Handoff()
     tx: _transaction.Transaction | None = None
     tracker: Tracker | None = None
     try:
-        if held is not None:
-            # Every array is safe on the host already: the records, the transaction and
-            # the writes all happen in the background.
-            run = functools.partial(_prepare_and_write, loc, group, held, cast_fn, **options)
-            return _start_background(run, exclusive, handoff)
-        batch = _write.Batch(pending, made=[leaves, names.paths, names.records])
-        tx, tracker = _begin_save(loc, group, batch, **options)
-        run = functools.partial(_write_and_commit, tx, group, batch, metrics=metrics, tracker=tracker)
+        if not isinstance(planned, _write.Batch):
+            # Every array is safe on the host already: the plan, the transaction
+            # and the writes all happen in the background.
+            run = functools.partial(_plan_write_and_commit, loc, group, planned, cast, **options)
+            return _background.start(run, exclusive, handoff)
+        tx, tracker = _begin(loc, group, planned, **options)
+        run = functools.partial(_write_and_commit, tx, group, planned, metrics=metrics, tracker=tracker)
         if blocking:
             with tracker:
                 run()
@@ -332,7 +207,7 @@ def save(
             return None
         # Every array is safe on the host already (a jax.Array's host data never
         # changes; NumPy arrays were copied): everything else happens in the background.
-        return _start_background(functools.partial(_with_tracker, tracker, run), exclusive, handoff)
+        return _background.start(functools.partial(_with_tracker, tracker, run), exclusive, handoff)
     except BaseException:
         # A failure, or an interrupt between any two lines: unless a background
         # thread has taken the save over, what was begun is undone (or, once
@@ -347,95 +222,99 @@ def save(
         raise
 
 
-def _hold(pytree: Any, filter_spec: Any, is_leaf: Any) -> Callable[[], tuple[list[Any], _tree.Names]] | None:
-    """For an asynchronous save with the default filter spec, what the caller
-    must wait for: every leaf's host data held (NumPy arrays copied, each
-    `jax.Array`'s host data taken, so that a later donation or change cannot
-    reach the save). Returns what the background calls for the leaves and
-    their names. `None` when the tree needs the caller's thread: a custom
-    filter spec or `is_leaf`, or a leaf whose error should be raised at once.
-
-    The key paths are the structure's, never the caller's tree's (which the
-    caller may change once this returns): rebuilt in the background from the
-    structure when its nodes rebuild without code of the user's
-    (`_tree.names_from_structure`), else taken here (a custom node's constructor
-    must not run in the background, on arrays the caller may have deleted by
-    then). Ten thousand leaves flatten in 11 ms, and in 19 ms with their key
-    paths."""
-    if filter_spec is not default_serialise_filter_spec or is_leaf is not None:
-        return None
-    leaves, treedef = jax.tree_util.tree_flatten(pytree)
-    keypaths = None
-    if not _tree.rebuilds_plainly(treedef):
-        keypaths = [keypath for keypath, _ in _tree.flatten(pytree, None)[0]]
-    held: list[Any] = []
-    copied: list[int] = []  # NumPy leaves, copied once all are found
-    kinds, one_device = _write.array_kind, jax.sharding.SingleDeviceSharding
+def _collect_and_plan(
+    loc: Location,
+    group: _multihost.Group,
+    pytree: PyTree,
+    filter_spec: Any,
+    is_leaf: Callable[[Any], bool] | None,
+    *,
+    overwrite: Any,
+    blocking: Any,
+    cast: Any,
+    layout: str,
+) -> tuple[bool, bool, Callable[[str, np.dtype], Any] | None, _write.Batch | _background.HeldLeaves]:
+    """The options checked (`overwrite`, `blocking` and `cast` as `save` uses
+    them), then the leaves collected and planned; an asynchronous save's
+    leaves are held instead (`_background.hold_tree`), and planned in the background."""
+    planned: _write.Batch | _background.HeldLeaves | None = None
+    error: BaseException | None = None
+    # Every process reaches this first barrier, even one whose tree is bad, so
+    # that a failure anywhere fails the save everywhere at once.
     try:
-        for x in leaves:
-            kind = kinds(type(x))
-            if kind == "jax":
-                if type(x.sharding) is one_device:
-                    # The common leaf, kept short (the caller waits for ten
-                    # thousand of these): its host view, made a `Held` later.
-                    try:
-                        held.append(np.asarray(x))
-                        continue
-                    except TypeError:
-                        pass  # a PRNG key array, whose key data is held below
-                x = _write.hold(x, True)
-            elif kind == "numpy" or (kind == "ndarray" and not isinstance(x, np.ma.MaskedArray)):
-                copied.append(len(held))
-            elif kind in ("ndarray", "abstract"):  # a masked array's error is raised at once
-                return None
-            held.append(x)
-        for i, copy in zip(copied, _memory.private_copies([held[i] for i in copied]), strict=True):
-            held[i] = copy
-    except Exception:
-        return None  # a leaf that cannot be held (a deleted array): the caller's thread names it
-
-    def flat() -> tuple[list[Any], _tree.Names]:
-        names = _tree.names_from_keypaths(keypaths) if keypaths is not None else _tree.names_from_structure(treedef)
-        out = []
-        for x, data in zip(leaves, held, strict=True):
-            if type(data) is np.ndarray and kinds(type(x)) == "jax":
-                data = _write.Held(x, x, [((), data)])
-            out.append(data)
-        return out, names
-
-    return flat
+        _layout.check(layout)
+        overwrite = check_flag("overwrite", overwrite, "whether to replace a checkpoint already there")
+        blocking = check_flag("blocking", blocking, "`False` saves in the background")
+        cast = _records.cast_function(cast)
+        if not blocking and group.count == 1 and filter_spec is default_serialise_filter_spec and is_leaf is None:
+            planned = _background.hold_tree(pytree)
+        if planned is None:
+            leaves, names, specs = _collect(pytree, filter_spec, is_leaf)
+            planned = _plan(loc, group, leaves, names, specs, cast, private=not blocking)
+        if layout == "ocdbt" and group.count > 1:
+            raise CheckpointValueError(
+                f"`layout='ocdbt'` is not supported with {group.count} JAX processes: one "
+                f"OCDBT database has a single writer. Save with `layout='directories'`.",
+                path=loc.display,
+            )
+    except Exception as e:
+        error = e
+    error = group.sync("prepared", error)
+    if error is not None:
+        raise error
+    assert planned is not None
+    return overwrite, blocking, cast, planned
 
 
-def _default_or_held(handle: LeafHandle, x: Any) -> None:
-    if isinstance(x, _write.Held):
-        handle.write(x)
-    else:
-        default_serialise_filter_spec(handle, x)
+def _collect(
+    pytree: PyTree, filter_spec: Any, is_leaf: Callable[[Any], bool] | None
+) -> tuple[list[Any], _tree.Names, list[Any]]:
+    """The leaves of `pytree`, their names, and each one's filter spec."""
+    # A custom filter spec is given every leaf's key path (in its `handle`).
+    custom = filter_spec is not default_serialise_filter_spec
+    leaves, names = _tree.flatten_named(pytree, is_leaf, keypaths=custom)
+    return leaves, names, _tree.leaf_specs(filter_spec, pytree, is_leaf, count=len(leaves))
+
+
+def _plan(
+    loc: Location,
+    group: _multihost.Group,
+    leaves: list[Any],
+    names: _tree.Names,
+    specs: list[Any],
+    cast: Callable[[str, np.dtype], Any] | None,
+    *,
+    private: bool,
+) -> _write.Batch:
+    """What the save writes: every leaf's record and host pieces (the filter
+    specs run here) and, in a single process, the packs of small leaves.
+    `private`: copy the NumPy leaves' host data, which the caller may change
+    once an asynchronous save has returned."""
+    pending = _records.build(loc, leaves, names, specs, cast, default=default_serialise_filter_spec)
+    if group.count == 1:
+        _records.assign([p.record for p in pending], [p.pieces for p in pending])
+    if private:
+        _write.private_copies(pending)
+    return _write.Batch(pending, made=[leaves, names.paths, names.records])
 
 
 @_gc.gc_paused()  # as `save` is, for the part of it that runs here
-def _prepare_and_write(
+def _plan_write_and_commit(
     loc: Location,
     group: _multihost.Group,
-    held: Callable[[], tuple[list[Any], _tree.Names]],
-    cast: Any,
+    held: _background.HeldLeaves,
+    cast: Callable[[str, np.dtype], Any] | None,
     **options: Any,
 ) -> None:
-    """The background part of an asynchronous save whose leaves were held (`_hold`)."""
+    """The background part of an asynchronous save whose leaves were held (`_background.hold_tree`)."""
     leaves, names = held()
-    pending = _collect(loc, leaves, names, [_default_or_held] * len(leaves), cast)
-    _assign_packs(pending)
-    batch = _write.Batch(pending, made=[leaves, names.paths, names.records])
-    tx, tracker = _begin_save(loc, group, batch, **options)
+    batch = _plan(loc, group, leaves, names, [default_serialise_filter_spec] * len(leaves), cast, private=False)
+    tx, tracker = _begin(loc, group, batch, **options)
     with tracker:
         _write_and_commit(tx, group, batch, metrics=options["metrics"], tracker=tracker)
 
 
-def _assign_packs(pending: list[_write.Pending]) -> None:
-    _pack.assign([p.record for p in pending], [p.pieces for p in pending])
-
-
-def _begin_save(
+def _begin(
     loc: Location,
     group: _multihost.Group,
     batch: _write.Batch,
@@ -445,6 +324,7 @@ def _begin_save(
     metrics: dict[str, Any] | None,
     progress: Progress,
 ) -> tuple[_transaction.Transaction, Tracker]:
+    """Begin the transaction (with every process), and the progress report."""
     if layout == "directories":
         _untrusted.check_path_lengths(loc, [p.record for p in batch.own])
     tracker = Tracker(progress, leaves=len(batch.pending), nbytes=batch.nbytes, what="save")
@@ -452,7 +332,7 @@ def _begin_save(
         with _storage_errors.explained(loc, "Saving checkpoint"):
             packs = [pack.name for pack, _ in batch.packs]
             paths = [p.record.path for p in batch.own]
-            tx = _begin(group, loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
+            tx = _multihost.begin(group, loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
     except BaseException:
         tracker.close()
         raise
@@ -462,65 +342,6 @@ def _begin_save(
 def _with_tracker(tracker: Tracker, run: Callable[[], None]) -> None:
     with tracker:
         run()
-
-
-def _start_background(run: Callable[[], None], exclusive: _lease.Claim, handoff: Handoff) -> PendingSave:
-    """Run `run` in a new thread, which owns the save once it claims `handoff`;
-    until then, the caller's `handoff.take_back()` undoes it instead."""
-    # The collector stays paused from the caller's part to the background part
-    # (the pause is adopted by the background thread, or ended by whichever
-    # side owns the save): enabled in between, it would walk the objects just
-    # made before the caller gets its thread back (10 ms of an asynchronous
-    # save of ten thousand leaves).
-    pause = _gc.GcPause()
-    try:
-        pause.begin(None)  # until the background thread adopts it, or either side ends it
-        exclusive.hand_over()
-        handoff.begun = True
-        return PendingSave(functools.partial(_in_background, run, exclusive, handoff, pause))
-    except BaseException:
-        if handoff.take_back():
-            pause.resume()
-        raise
-
-
-def _in_background(run: Callable[[], None], exclusive: _lease.Claim, handoff: Handoff, pause: _gc.GcPause) -> None:
-    if not handoff.claim():
-        pause.resume()
-        return  # the caller took the save back before this thread began
-    try:
-        pause.adopt()
-        run()
-    finally:
-        exclusive.release()
-        pause.resume()
-
-
-class Handoff:
-    """Who finishes an asynchronous save: the background thread, once it
-    begins, or the caller, if it is interrupted before then."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._owner = ""
-        self.begun = False  # whether a background thread was (about to be) started
-
-    def claim(self) -> bool:
-        with self._lock:
-            self._owner = self._owner or "background"
-            return self._owner == "background"
-
-    def take_back(self) -> bool:
-        with self._lock:
-            self._owner = self._owner or "caller"
-            return self._owner == "caller"
-
-    def in_background(self) -> bool:
-        """Whether, once `save` has returned or raised, its background thread owns
-        the save (or will when it starts): it commits it or removes what it
-        wrote, and nothing else may."""
-        with self._lock:
-            return self.begun and self._owner != "caller"
 
 
 def _write_and_commit(
@@ -535,33 +356,10 @@ def _write_and_commit(
     the commit, any failure or interrupt deletes what this save wrote; after it,
     nothing undoes the save."""
     commits: list[Any] = []
-    error: BaseException | None = None
-    encoded: list[bytes] = []
     try:
-        try:
-            writing = _write.start_writes(tx, batch, group, tracker=tracker, out=commits)
-        except Exception as e:
-            error, writing = e, []
-        if error is None and group.primary:
-            # While the data is being written (the manifest of ten thousand
-            # leaves takes about 25 ms to encode).
-            error = _write.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, metrics)))
-        batch.free()
-        _write.follow(writing, tracker)
-        tracker.describe("save: committing")
-        error = _write.wait_all(commits, error)
-        # Each process makes its own writes durable; only then may process 0 commit.
-        error = error or _write.attempt(lambda: _durable.flush(tx.data))
-        error = group.sync("written", error)
-        if error is None and group.primary:
-            tx.written()
-            error = _write.attempt(lambda: tx.commit(encoded[0]))
-        error = group.sync("committed", error)
+        error, encoded = _write_all(tx, group, batch, metrics=metrics, tracker=tracker, out=commits)
+        error = _commit(tx, group, encoded, error)
         if error is None:
-            if group.primary:
-                # Inside the `try`: an interrupt from here on still leaves the
-                # checkpoint whole and hands the lease back (`_stop`).
-                tx.clean()
             return
     except BaseException:
         # An interrupt (KeyboardInterrupt, SystemExit): undo only what is not committed.
@@ -585,6 +383,54 @@ def _write_and_commit(
     raise LeafError(message, path=display) from error
 
 
+def _write_all(
+    tx: _transaction.Transaction,
+    group: _multihost.Group,
+    batch: _write.Batch,
+    *,
+    metrics: dict[str, Any] | None,
+    tracker: Tracker,
+    out: list[Any],
+) -> tuple[BaseException | None, list[bytes]]:
+    """Write this process's arrays and make them durable, while process 0
+    encodes the manifest; the first error, and the manifest's bytes. Puts in
+    `out` the futures an abort must wait for (`_write.start_writes`)."""
+    error: BaseException | None = None
+    encoded: list[bytes] = []
+    try:
+        writing = _write.start_writes(tx, batch, group, tracker=tracker, out=out)
+    except Exception as e:
+        error, writing = e, []
+    if error is None and group.primary:
+        # While the data is being written (the manifest of ten thousand
+        # leaves takes about 25 ms to encode).
+        error = _write.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, metrics)))
+    batch.free()
+    _write.follow(writing, tracker)
+    tracker.describe("save: committing")
+    error = _write.wait_all(out, error)
+    # Each process makes its own writes durable; only then may process 0 commit.
+    error = error or _write.attempt(lambda: _durable.flush(tx.data))
+    return error, encoded
+
+
+def _commit(
+    tx: _transaction.Transaction, group: _multihost.Group, encoded: list[bytes], error: BaseException | None
+) -> BaseException | None:
+    """Once every process has written its arrays, process 0 commits the
+    manifest (`encoded`), then cleans up; the first error (any process's)."""
+    error = group.sync("written", error)
+    if error is None and group.primary:
+        tx.written()
+        error = _write.attempt(lambda: tx.commit(encoded[0]))
+    error = group.sync("committed", error)
+    if error is None and group.primary:
+        # Inside the caller's `try`: an interrupt from here on still leaves the
+        # checkpoint whole and hands the lease back (`_stop`).
+        tx.clean()
+    return error
+
+
 def _manifest_bytes(tx: _transaction.Transaction, batch: _write.Batch, metrics: dict[str, Any] | None) -> bytes:
     packs = [pack for pack, _ in batch.packs]
     manifest = _manifest.new_manifest(
@@ -600,114 +446,3 @@ def _stop(tx: _transaction.Transaction, group: _multihost.Group) -> None:
         tx.leave()
     else:
         tx.abort()
-
-
-def _begin(
-    group: _multihost.Group, loc: Location, *, overwrite: bool, layout: str, paths: list[str], packs: list[str]
-) -> _transaction.Transaction:
-    """Process 0 begins the transaction; the others then join it."""
-    if group.primary:
-        try:
-            tx = _transaction.begin(loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
-        except BaseException as e:
-            group.sync("begin", e)
-            raise
-        group.sync("begin", None)  # only this process can fail at `begin`, and it did not
-        error = group.sync("joined", None)
-        if error is not None:
-            tx.abort()
-            raise error
-        return tx
-    error = group.sync("begin", None)
-    if error is not None:
-        raise error
-    try:
-        tx = _transaction.join(loc)
-    except BaseException as e:
-        group.sync("joined", e)
-        raise
-    error = group.sync("joined", None)
-    if error is not None:
-        raise error
-    return tx
-
-
-def _collect(loc: Location, leaves: list[Any], names: _tree.Names, specs: list[Any], cast: Any) -> list[_write.Pending]:
-    """Run the filter specs over the leaves; nothing is written yet, so a bad leaf
-    leaves the destination untouched."""
-    paths, records = names.paths, names.records
-    _tree.check_unique(names, checkpoint=loc.display)
-    primary = jax.process_index() == 0
-    # What the default spec does with the common leaf, without the calls between
-    # (in one loop when every leaf has the default spec).
-    defaults = [spec is default_serialise_filter_spec or spec is _default_or_held for spec in specs]
-    commons = None
-    if cast is None and all(defaults):
-        commons = _write.plain_leaves(leaves, paths, records, primary)
-        if not any(common is None for common in commons):
-            return commons  # type: ignore[return-value]
-    record_of = dict(zip(paths, records))
-    pending: list[_write.Pending] = []
-
-    written: set[str] = set()
-    collecting = True  # until the specs have run: `pending` is then the save's, and final
-
-    def write(handle: LeafHandle, value: Any) -> None:
-        if not collecting:
-            raise handle.error(
-                "`handle.write` was called after the filter spec returned: the save has already "
-                "begun (or finished) with what the filter spec wrote while it ran, without this value.",
-                "Call `handle.write` inside the filter spec, while `tree_serialise_leaves` runs it.",
-            )
-        if handle.path in written:
-            raise handle.error(
-                "the filter spec wrote it twice; a checkpoint holds one value per leaf.",
-                "Call `handle.write` once for each leaf (or not at all, to leave it out).",
-            )
-        written.add(handle.path)
-        keypath = record_of.get(handle.path) or _keypath.to_json(handle.keypath)
-        pending.append(_write.prepare(handle, value, cast, primary=primary, keypath=keypath))
-
-    try:
-        for i, (leaf, dotted, record, spec) in enumerate(zip(leaves, paths, records, specs, strict=True)):
-            default = defaults[i]
-            try:
-                if cast is None and default:
-                    common = commons[i] if commons is not None else _write.plain(leaf, dotted, record, primary)
-                    if common is not None:
-                        pending.append(common)
-                        continue
-                handle = LeafHandle(names.keypath(i), dotted, loc.display, write=write)
-                if default and _is_array(leaf):
-                    pending.append(_write.prepare(handle, leaf, cast, primary=primary, keypath=record))
-                else:
-                    spec(handle, leaf)
-            except CheckpointError:
-                raise
-            except Exception as e:
-                raise _leaf_failed(e, loc, names.keypath(i), dotted, leaf) from e
-    finally:
-        # A handle kept past this point (and written through later) must not
-        # add a leaf the manifest would list and no write would store.
-        collecting = False
-    return pending
-
-
-def _leaf_failed(error: Exception, loc: Location, keypath: tuple[Any, ...], dotted: str, leaf: Any) -> LeafError:
-    """The error of a leaf that could not be prepared (the filter spec raised)."""
-    if isinstance(leaf, jax.Array) and leaf.is_deleted():
-        what = (
-            "it is a deleted `jax.Array` (deleted, or donated to a function compiled with "
-            "`donate_argnums`): its values are gone."
-        )
-        fix = "Save the arrays before they are donated, or save the ones the donating function returned."
-    else:
-        what, fix = f"the filter spec raised {type(error).__name__}: {error}", ""
-    message = leaf_message(what, keypath=keypath, dotted=dotted, path=loc.display, fix=fix)
-    return LeafError(message, path=loc.display, keypaths=[keypath], dotted=[dotted])
-
-
-def _is_array(x: Any) -> bool:
-    """Whether the default spec writes `x` as it is: a NumPy or JAX array, or a
-    held one (a tracer too: writing it raises the error it should)."""
-    return type(x) is np.ndarray or type(x) is _write.Held or isinstance(x, jax.Array)

@@ -1,15 +1,16 @@
-"""What a save writes: each leaf's manifest record and host pieces, then the
-arrays themselves, created and written concurrently through TensorStore."""
+"""Writing a save's arrays: create them, write them (on a local disk by
+eqx_ckpt's own threads, `_local_write`; else through TensorStore), and wait for
+the writes, or let them settle before an abort deletes what they wrote.
+
+What is written comes planned (`_records`): a `Batch` of leaves, each with its
+record and host pieces, sorted by where they go."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from . import (
@@ -17,29 +18,17 @@ from . import (
     _durable,
     _format,
     _interrupts,
-    _keypath,
     _layout,
-    _local_read,
     _local_write,
     _memory,
     _multihost,
-    _pack,
-    _sharding,
     _storage,
     _transaction,
 )
-from ._errors import CheckpointTypeError
-from ._format import LeafRecord, PackRecord, chunk_shape
-from ._handle import LeafHandle
-from ._lazy import LazyArray
+from ._format import LeafRecord, PackRecord
 from ._location import Location
 from ._progress import Tracker
-
-
-@dataclasses.dataclass(slots=True)
-class Pending:
-    record: LeafRecord
-    pieces: list[tuple[tuple[slice, ...], np.ndarray]]
+from ._records import Pending
 
 
 class Batch:
@@ -91,281 +80,6 @@ class Batch:
 _FREE_STEP = 256
 
 
-class Held:
-    """A `jax.Array` leaf of an asynchronous save, with the host data the save
-    writes taken while the caller waited: a donation or deletion of the array
-    after the call returns cannot reach it.
-
-    - `value`: the array (its shape, dtype and sharding are read later).
-    - `data`: what is stored: the array, or a PRNG key array's key data.
-    - `pieces`: `_sharding.host_pieces(data)`, or `[]` when another process writes it.
-
-    (A plain class with slots: one is made per leaf.)
-    """
-
-    __slots__ = ("data", "pieces", "value")
-
-    def __init__(self, value: jax.Array, data: jax.Array, pieces: list[tuple[tuple[slice, ...], Any]]):
-        self.value, self.data, self.pieces = value, data, pieces
-
-
-def hold(x: jax.Array, primary: bool) -> Held:
-    """`x` with its host data taken; `primary`: whether this is process 0. (The
-    common leaf, a plain array on one device, an asynchronous save's caller
-    holds by its NumPy view alone: `_serialise._hold`.)"""
-    data = jax.random.key_data(x) if _dtypes.is_prng_key(x) else x
-    return Held(x, data, _sharding.host_pieces(data) if _multihost.writes(data, primary) else [])
-
-
-def prepare(
-    handle: LeafHandle,
-    x: Any,
-    cast: Callable[[str, np.dtype], Any] | None,
-    *,
-    primary: bool | None = None,
-    keypath: list[list[Any]] | None = None,
-) -> Pending:
-    """The manifest record and the host pieces of one leaf; `primary`: whether
-    this is process 0 (asked of JAX when not given); `keypath`: the manifest
-    record of `handle.keypath`, when the caller has it."""
-    if keypath is None:
-        keypath = _keypath.to_json(handle.keypath)
-    if cast is None:
-        primary = jax.process_index() == 0 if primary is None else primary
-        common = plain(x, handle.path, keypath, primary)
-        if common is not None:
-            return common
-    held = None
-    if isinstance(x, Held):
-        held, x = x, x.value
-    if isinstance(x, jax.core.Tracer):
-        raise handle.error(
-            "it is a traced value: a save inside `jax.jit` (or `vmap`, `grad`...) sees no values.",
-            "Save outside the transformed function, with the arrays it returns.",
-        )
-    recorded_as = None
-    if isinstance(x, LazyArray):
-        # A leaf of a lazily loaded tree is saved with its value: read it now,
-        # before anything is written (it may come from the checkpoint being
-        # replaced, which stays whole until this save commits).
-        x, recorded_as = x.to_save()
-    kind = recorded_as or _dtypes.leaf_type(x)
-    if kind is None:
-        raise handle.error(
-            f"cannot save a leaf of type {type(x).__name__}.",
-            "Only arrays and bool/int/float/complex scalars are stored; let the "
-            "filter spec skip this leaf, and it keeps `like`'s value on load.",
-        )
-    impl = ""
-    if kind == "prng_key":
-        impl, dtype_name, shape = str(jax.random.key_impl(x)), str(x.dtype), tuple(x.shape)
-        x = jax.random.key_data(x) if held is None else held.data
-    elif kind in ("bool", "int", "float", "complex"):
-        try:
-            x = _dtypes.python_scalar_array(x)
-        except OverflowError as e:
-            raise handle.error(f"{e}.", "Store it as a float, or split it into smaller ints.") from None
-    elif isinstance(x, np.ma.MaskedArray):
-        raise handle.error(
-            "it is a NumPy masked array, whose mask a checkpoint would lose (it stores plain arrays).",
-            "Save its data and its mask as two leaves (`x.data` and `np.ma.getmaskarray(x)`), or a "
-            "filled copy (`x.filled()`).",
-        )
-    elif not isinstance(x, jax.Array):
-        x = np.asarray(x)
-    if kind != "prng_key":
-        if not _dtypes.is_known_dtype(_dtypes.name(x.dtype)):
-            raise handle.error(f"cannot save an array of dtype {x.dtype}.", "Only numeric and bool arrays are stored.")
-        dtype_name, shape = _dtypes.name(x.dtype), tuple(x.shape)
-    if len(shape) > _format.MAX_RANK:
-        raise handle.error(
-            f"it has {len(shape)} dimensions; a zarr v3 array (TensorStore) has at most {_format.MAX_RANK}.",
-            "Reshape it before saving (and back after loading), or let the filter spec skip it.",
-        )
-    block = _sharding.block_shape(x)
-    if held is not None:
-        pieces = held.pieces
-    else:
-        pieces = _sharding.host_pieces(x) if _multihost.writes(x, primary) else []
-    logical = _cast_dtype(handle, x.dtype, cast) if kind in ("jax", "numpy") else np.dtype(x.dtype)
-    if logical != x.dtype:
-        try:
-            pieces = [(index, _dtypes.checked_cast(np.asarray(piece), logical)) for index, piece in pieces]
-        except ValueError as e:
-            raise handle.error(
-                f"cannot store it as {logical} (`cast`): {e}.",
-                "Nothing was written. Cast it to a dtype that holds its values.",
-            ) from None
-    stored, encoding = _dtypes.stored_dtype(logical)
-    if kind == "prng_key":
-        encoding = "key_data"
-    pieces = [(index, _dtypes.encode(piece, encoding)) for index, piece in pieces]
-    itemsize = _dtypes.dtype_from_name(stored).itemsize
-    chunks = chunk_shape(tuple(x.shape), itemsize, block)
-    record = LeafRecord(
-        handle.path, keypath, kind, shape, dtype_name,
-        tuple(x.shape), stored, encoding, tuple(chunks), impl,
-    )  # fmt: skip
-    return Pending(record, pieces)
-
-
-def plain(x: Any, path: str, keypath: list[list[Any]], primary: bool) -> Pending | None:
-    """`prepare` of the common leaf, or `None` for any other: a NumPy array or a
-    `jax.Array` on one device (or either held), of a dtype stored as it is, not
-    cast. One host piece, in whole-array chunks."""
-    return plain_leaves([x], [path], [keypath], primary)[0]
-
-
-def plain_leaves(
-    leaves: list[Any], paths: list[str], keypaths: list[list[list[Any]]], primary: bool
-) -> list[Pending | None]:
-    """`plain` of every leaf, in one loop: what a save with the default filter
-    spec and no `cast` does with each leaf (`None` for a leaf that is not the
-    common one). The record's fixed part is worked out once per dtype and shape
-    (the `many` benchmark tree's records: 32 ms in a save against 37 ms leaf by
-    leaf, about 17 of them JAX's `np.asarray`). `tests/test_write.py` checks
-    that it gives what `plain` gives."""
-    out: list[Pending | None] = []
-    append = out.append
-    kinds, one_device, limit = _KINDS, jax.sharding.SingleDeviceSharding, _format.CHUNK_BYTES
-    # (dtype, shape) -> (dtype name, chunk shape); the name `None` when not stored as it is.
-    fixed: dict[tuple[Any, tuple[int, ...]], tuple[str | None, tuple[int, ...]]] = {}
-    for x, path, keypath in zip(leaves, paths, keypaths, strict=True):
-        try:
-            cls = type(x)
-            held = None
-            if cls is Held:
-                held, x = x, x.value
-                cls = type(x)
-            kind = kinds.get(cls) or array_kind(cls)
-            if kind == "jax":
-                if type(x.sharding) is not one_device and not _sharding.on_one_device(x):
-                    append(None)
-                    continue
-            elif kind != "numpy":
-                append(None)
-                continue
-            dtype, shape = x.dtype, x.shape
-            known = fixed.get((dtype, shape))
-            if known is None:
-                name = _plain_dtype(dtype) if len(shape) <= _format.MAX_RANK else None
-                known = fixed[dtype, shape] = (name, _chunk_grid(shape, dtype.itemsize, limit) if name else ())
-            name, chunks = known
-            if name is None:
-                append(None)
-                continue
-            if held is not None:
-                pieces = held.pieces
-            else:
-                pieces = [((), np.asarray(x))] if primary else []
-        except Exception:
-            # (A deleted `jax.Array`, say.) `prepare`'s general path raises the
-            # error again, where the save names the leaf.
-            append(None)
-            continue
-        append(Pending(LeafRecord(path, keypath, kind, shape, name, shape, name, "plain", chunks), pieces))
-    return out
-
-
-def array_kind(cls: type) -> str:
-    """What a leaf of type `cls` is: "jax" (a `jax.Array` with values), "numpy"
-    (exactly `np.ndarray`), "ndarray" (a subclass of it), "abstract" (a tracer or
-    a `jax.ShapeDtypeStruct`) or "other". Remembered by type: an `isinstance`
-    against JAX's classes costs about a microsecond, ten thousand times a save."""
-    kind = _KINDS.get(cls)
-    if kind is None:
-        if issubclass(cls, (jax.core.Tracer, jax.ShapeDtypeStruct)):
-            kind = "abstract"
-        elif issubclass(cls, jax.Array):
-            kind = "jax"
-        elif issubclass(cls, np.ndarray):
-            kind = "numpy" if cls is np.ndarray else "ndarray"
-        else:
-            kind = "other"
-        _KINDS[cls] = kind
-    return kind
-
-
-_KINDS: dict[type, str] = {}
-
-
-@functools.lru_cache(maxsize=256)
-def _plain_dtype(dtype: np.dtype) -> str | None:
-    """The name of `dtype` when an array of it is stored as it is (not a PRNG
-    key, a dtype zarr v3 has); else `None`."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-        return None
-    name = _dtypes.name(dtype)
-    if not _dtypes.is_known_dtype(name) or _dtypes.stored_dtype(dtype) != (name, "plain"):
-        return None
-    return name
-
-
-@functools.lru_cache(maxsize=4096)
-def _chunk_grid(shape: tuple[int, ...], itemsize: int, limit: int) -> tuple[int, ...]:
-    """`chunk_shape`, remembered; `limit` (`CHUNK_BYTES`, which tests change)
-    is part of the key, so that no chunk shape outlives the limit it was made for."""
-    return tuple(chunk_shape(shape, itemsize))
-
-
-def _cast_dtype(handle: LeafHandle, dtype: Any, cast: Callable[[str, np.dtype], Any] | None) -> np.dtype:
-    """The dtype a leaf is stored in: `dtype`, or what `cast` maps it to."""
-    try:
-        target = cast(handle.path, np.dtype(dtype)) if cast is not None else None
-    except Exception as e:
-        raise handle.error(f"the `cast` callable raised {type(e).__name__}: {e}.", "Nothing was written.") from e
-    if target is None:
-        return np.dtype(dtype)
-    try:
-        target = np.dtype(target)
-    except TypeError:
-        raise handle.error(f"`cast` gave {target!r}, which is not a dtype.", "Return a dtype or `None`.") from None
-    if not _dtypes.is_known_dtype(target.name) or _dtypes.stored_dtype(target)[1] != "plain":
-        raise handle.error(
-            f"cannot cast {np.dtype(dtype)} to {target} on save: {target} has no zarr v3 data type.",
-            "Cast to a type zarr stores natively (bfloat16, float16, float8_e4m3fn...), or do not cast this leaf.",
-        )
-    return target
-
-
-# Saves still writing in the background, by destination. A later save to the same
-# destination waits for them: two saves at once would write the same data root.
-
-
-def cast_function(cast: Any) -> Callable[[str, np.dtype], Any] | None:
-    """`cast` as a function `(dotted_path, dtype) -> dtype | None`. A dtype (or its
-    name) means: store every floating leaf in it."""
-    if cast is None:
-        return None
-    if isinstance(cast, Mapping):
-        try:
-            table = {_dtype(k): _dtype(v) for k, v in cast.items()}
-        except TypeError as e:
-            raise CheckpointTypeError(f"`cast` maps {e}; both sides must be dtypes, such as `jnp.float32`.") from None
-        return lambda _, dtype: table.get(np.dtype(dtype))
-    if isinstance(cast, (str, np.dtype, type)) or (callable(cast) and hasattr(cast, "dtype")):
-        try:
-            target = _dtype(cast)
-        except TypeError:
-            target = None
-        if target is not None:
-            return lambda _, dtype: target if _dtypes.is_floating(np.dtype(dtype)) else None
-    if callable(cast):
-        return cast
-    raise CheckpointTypeError(
-        f"`cast` must be a dtype (floating leaves are stored in it, e.g. `jnp.bfloat16` or 'bfloat16'), "
-        f"a mapping from dtype to dtype, or a callable `(dotted_path, dtype) -> dtype | None`; not {cast!r}."
-    )
-
-
-def _dtype(value: Any) -> np.dtype:
-    """A dtype from a dtype, a scalar type or a name; `TypeError` naming `value` otherwise."""
-    try:
-        return _dtypes.dtype_from_name(value) if isinstance(value, str) else np.dtype(value)
-    except (TypeError, ValueError, AttributeError):
-        raise TypeError(f"{value!r}, which is not a dtype") from None
-
-
 # (leaves, bytes, futures) of the writes `start_writes` leaves running, in order.
 Writing = list[tuple[int, int, list[Any]]]
 
@@ -378,27 +92,39 @@ def start_writes(
     tracker: Tracker | None = None,
     out: list[Any],
 ) -> Writing:
-    """Create every array and stage every write, then start writing them out.
-    Puts in `out` the future that finishes when the data is written (not yet
-    durable): an interrupt after it started still leaves it there, so an abort
-    waits for it before deleting anything. Returns what `follow` reports the
-    progress of; the caller may work while the data is written.
-
-    Process 0 creates the arrays' metadata; the other processes open the arrays
-    once it has (a store cannot be written before its metadata exists).
-    Packed leaves are copied into their packs here (see `_pack`).
+    """Create every array, then start writing them: on a local disk by
+    eqx_ckpt's own threads, else staged in one TensorStore transaction whose
+    commit writes them out. Puts in `out` every future that finishes when data
+    is written (not yet durable): an interrupt after one started still leaves
+    it there, so an abort waits for it before deleting anything. Returns what
+    `follow` reports the progress of; the caller may work while the data is
+    written.
     """
-    data, created, own = tx.data, None, batch.own
+    data = tx.data
+    opens = _create(data, batch, group)
+    local = _local_write.chosen(data, processes=group.count, layout=tx.layout)
+    fast = {i for i, p in enumerate(batch.own) if local and _local_write.eligible(p.record, p.pieces)}
+    writing = _start_local(data, batch, fast, local, out)
+    _start_tensorstore(batch, opens, fast, local, tracker, out)
+    return writing
+
+
+def _create(data: Location, batch: Batch, group: _multihost.Group) -> list[Any]:
+    """Create the arrays: process 0 creates their metadata (and the groups'),
+    the other processes open them once it has (a store cannot be written
+    before its metadata exists). The futures of the opened arrays:
+    `batch.own`'s, then (in process 0) the packs'."""
     opens: list[Any] = []
-    groups: list[Any] = []
+    created: BaseException | None = None
     if group.primary:
+        groups: list[Any] = []
 
         def create() -> None:
             # In a helper thread, which keeps every future it starts (see
             # `_interrupts.uninterrupted`): a creation landing after an abort would leave
             # a file the next save refuses to write beside.
             _durable.ensure_directory(data)
-            for p in own:
+            for p in batch.own:
                 opens.append(_storage.create_array(data, p.record, synced=False))
             for pack, _ in batch.packs:
                 opens.append(_storage.create_spec(_storage.pack_spec(data, pack), data, synced=False))
@@ -420,51 +146,63 @@ def start_writes(
     if error is not None:
         raise error
     if not group.primary:
-        opens = []
         try:
-            for p in own:
+            for p in batch.own:
                 opens.append(_storage.open_array(data, p.record, synced=False))
         except BaseException:
             settle(opens)
             raise
-    # On a local disk, the chunk files of most leaves and of the packs are written
-    # by eqx_ckpt's own threads, each file's writeback started at once (`_local_write`).
-    single = group.count == 1 and tx.layout == "directories"
-    fast = {i for i, p in enumerate(own) if single and _local_write.eligible(data, p.record, p.pieces)}
-    fast_packs = single and _local_read.supported(data)
-    direct: Writing = []
+    return opens
 
-    def start_direct() -> None:
-        # In the helper thread too: every future started is kept in `out`.
+
+def _start_local(data: Location, batch: Batch, fast: set[int], packs: bool, out: list[Any]) -> Writing:
+    """Start writing, by eqx_ckpt's own threads (`_local_write`), the chunk
+    files of the leaves `fast` (indices into `batch.own`) and, with `packs`,
+    of every pack, each file's writeback started at once."""
+    own, direct = batch.own, []
+
+    def start() -> None:
+        # In a helper thread too: every future started is kept in `out`.
         for i in sorted(fast):
             futures = _local_write.start_write(data, own[i].record, own[i].pieces[0][1])
             out.extend(futures)
             direct.append((1, own[i].record.nbytes, futures))
-        for pack, members in batch.packs if fast_packs else []:
+        for pack, members in batch.packs if packs else []:
             views = [p.pieces[0][1] for p in members]
             futures = _local_write.start_pack(data, pack, [p.record for p in members], views)
             out.extend(futures)
             direct.append((len(members), sum(view.nbytes for view in views), futures))
 
-    if fast or (fast_packs and batch.packs):
-        _interrupts.uninterrupted(start_direct)
+    if fast or (packs and batch.packs):
+        _interrupts.uninterrupted(start)
+    return direct
+
+
+def _start_tensorstore(
+    batch: Batch, opens: list[Any], skip: set[int], local_packs: bool, tracker: Tracker | None, out: list[Any]
+) -> None:
+    """Write through TensorStore the leaves of `batch.own` not in `skip` and,
+    unless they went the local way (`local_packs`), the packs: every write
+    staged in one transaction (progress reported as each is staged), whose
+    commit then starts writing them out; its future goes in `out`."""
     # Staged in one transaction, every write only references its source until
     # the background commit. (The host data of a jax.Array never changes: a view
     # of it keeps its buffer alive through `delete()` and donation; the caller's
     # NumPy arrays were copied before an asynchronous save returned.)
+    own = batch.own
     transaction, writes, counts = _storage.transaction(), [], []
     try:
         for n, (p, opened) in enumerate(zip(own, opens[: len(own)], strict=True)):
-            if n in fast:
+            if n in skip:
                 continue
             store = opened.result().with_transaction(transaction)
             for i, (index, piece) in enumerate(p.pieces):
                 target = store[index] if index else store
                 writes.append(target.write(piece, can_reference_source_data_indefinitely=True))
                 counts.append((int(i == len(p.pieces) - 1), piece.nbytes))
-        for (pack, members), opened in zip(batch.packs if not fast_packs else [], opens[len(own) :]):
+        for (pack, members), opened in zip(batch.packs if not local_packs else [], opens[len(own) :]):
             views = [p.pieces[0][1] for p in members]
-            contents = _pack.buffer(pack, [p.record for p in members], views)
+            contents = _pack_contents(pack, [p.record for p in members], views)
             store = opened.result().with_transaction(transaction)
             writes.append(store.write(contents, can_reference_source_data_indefinitely=True))
             counts.append((len(members), sum(view.nbytes for view in views)))
@@ -484,7 +222,14 @@ def start_writes(
         transaction.abort()  # nothing was written out
         raise staged
     _interrupts.uninterrupted(lambda: out.append(transaction.commit_async()))
-    return direct
+
+
+def _pack_contents(pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequence[np.ndarray]) -> np.ndarray:
+    """The contents of `pack`: each leaf's bytes at its offset (zeros between)."""
+    out = np.zeros(pack.size, _dtypes.dtype_from_name(pack.dtype))
+    for record, piece in zip(records, pieces, strict=True):
+        out[record.offset : record.offset + record.size] = np.asarray(piece).reshape(-1)
+    return out
 
 
 def follow(writing: Writing, tracker: Tracker) -> None:

@@ -31,9 +31,9 @@ def store(s3, monkeypatch, request):
 @pytest.fixture
 def unpacked(monkeypatch):
     """Every leaf in a folder of its own (no packs), for tests of that layout."""
-    import eqx_ckpt._pack
+    import eqx_ckpt._records
 
-    monkeypatch.setattr(eqx_ckpt._pack, "PACK_BYTES", -1)
+    monkeypatch.setattr(eqx_ckpt._records, "PACK_BYTES", -1)
 
 
 @pytest.fixture(params=["packed", "unpacked"])

@@ -74,7 +74,7 @@ def abstract(tree: dict, mesh: jax.sharding.Mesh, specs: dict) -> dict:
 
 def check_failure_elsewhere(process_id: int, path: str, tree: dict, name: str, point: str | None = None) -> None:
     """A failure in process 1 (the fault point `point` raises there, or, without
-    one, `eqx_ckpt._serialise`'s function `name`) fails the save in process 0
+    one, `eqx_ckpt._records`'s function `name`) fails the save in process 0
     too, which removes what the save had written."""
 
     def fail(*args: object, **kwargs: object) -> None:
@@ -85,7 +85,7 @@ def check_failure_elsewhere(process_id: int, path: str, tree: dict, name: str, p
     elif point is not None:
         broken = _faults.armed(point, fail)
     else:
-        broken = _replaced(eqx_ckpt._serialise, name, fail)
+        broken = _replaced(eqx_ckpt._records, name, fail)
     try:
         with broken:
             eqx_ckpt.tree_serialise_leaves(path, tree)
@@ -148,7 +148,7 @@ def main(process_id: int, num_processes: int, port: int, path: str) -> None:
     # Process 1 fails before the first barrier (its tree cannot be saved: once the
     # others waited an hour for it there), to join the transaction, or to open
     # the arrays to write.
-    check_failure_elsewhere(process_id, path + "_collect", tree, "_collect")
+    check_failure_elsewhere(process_id, path + "_collect", tree, "build")
     check_failure_elsewhere(process_id, path + "_join", tree, "join", "transaction.join")
     check_failure_elsewhere(process_id, path + "_write", tree, "open_array", "storage.open_array")
     try:

@@ -23,7 +23,7 @@ import pytest
 import tensorstore as ts
 
 import eqx_ckpt
-from eqx_ckpt import _gc, _memory, _tree as tree_util, _write
+from eqx_ckpt import _background, _gc, _memory, _records, _tree as tree_util, _write
 
 
 def _tree(step):
@@ -193,14 +193,14 @@ def _held_back(monkeypatch):
     """Make the background part of a save wait for `release` before it makes any
     leaf record; return (release, the names of the threads that made records)."""
     release, threads = threading.Event(), []
-    prepare = _write.prepare
+    prepare = _records._prepare
 
     def slow(*args, **kwargs):
         threads.append(threading.current_thread().name)
         assert release.wait(timeout=60)
         return prepare(*args, **kwargs)
 
-    monkeypatch.setattr(_write, "prepare", slow)
+    monkeypatch.setattr(_records, "_prepare", slow)
     return release, threads
 
 
@@ -384,22 +384,21 @@ def test_the_collector_stays_paused_until_the_background_part_ends(tmp_path, mon
 def test_what_the_caller_holds_is_decided_by_type(tmp_path):
     """NumPy arrays (subclasses too) are copied, `jax.Array`s held, other leaves
     kept as they are; the kind is remembered per type."""
-    from eqx_ckpt import _serialise
 
     class Sub(np.ndarray):
         pass
 
     sub = np.arange(4.0).view(Sub)
     tree = {"sub": sub, "np": np.ones(2), "jax": jnp.arange(3), "step": 4, "name": "x"}
-    held, names = _serialise._hold(tree, eqx_ckpt.default_serialise_filter_spec, None)()
+    held, names = _background.hold_tree(tree)()
     by_key = dict(zip(names.paths, held, strict=True))
     assert type(by_key["sub"]) is np.ndarray and not np.shares_memory(by_key["sub"], sub)
     assert not np.shares_memory(by_key["np"], tree["np"])
-    assert type(by_key["jax"]) is _write.Held and by_key["jax"].value is tree["jax"]
+    assert type(by_key["jax"]) is _records.Held and by_key["jax"].value is tree["jax"]
     assert by_key["step"] == 4 and by_key["name"] == "x"
-    assert _write._KINDS[Sub] == "ndarray" and _write._KINDS[int] == "other"
+    assert _records._KINDS[Sub] == "ndarray" and _records._KINDS[int] == "other"
     abstract = {"x": jax.ShapeDtypeStruct((2,), jnp.float32)}
-    assert _serialise._hold(abstract, eqx_ckpt.default_serialise_filter_spec, None) is None
+    assert _background.hold_tree(abstract) is None
     pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, blocking=False)
     sub[...] = -1
     pending.wait()
@@ -412,13 +411,13 @@ def test_the_trees_containers_may_change_after_the_call(tmp_path, monkeypatch):
     from eqx_ckpt import _serialise
 
     release = threading.Event()
-    prepare_and_write = _serialise._prepare_and_write
+    plan_write_and_commit = _serialise._plan_write_and_commit
 
     def held_back(*args, **kwargs):
         assert release.wait(timeout=60)
-        return prepare_and_write(*args, **kwargs)
+        return plan_write_and_commit(*args, **kwargs)
 
-    monkeypatch.setattr(_serialise, "_prepare_and_write", held_back)
+    monkeypatch.setattr(_serialise, "_plan_write_and_commit", held_back)
     tree = {"a": jnp.ones(2), "b": [np.zeros(3), 1.5]}
     expected = {"a": jnp.ones(2), "b": [np.zeros(3), 1.5]}
     pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, blocking=False)

@@ -186,7 +186,7 @@ def test_load_without_like_names_keys_that_cannot_be_sorted_as_dotted_paths_do(t
 
 
 def _with_a_large_leaf():
-    # `big` is over `_pack.PACK_BYTES`, so it is an array of its own; the others are packed.
+    # `big` is over `_records.PACK_BYTES`, so it is an array of its own; the others are packed.
     return {"big": np.arange(2**18 + 1, dtype=np.float32), "model": {"w": jnp.arange(6.0).reshape(2, 3)}, "step": 7}
 
 

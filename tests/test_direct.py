@@ -19,7 +19,7 @@ from arrays import in_a_mapping, values
 from hypothesis import given, settings, strategies as st
 
 import eqx_ckpt
-from eqx_ckpt import _format, _local_read, _location, _memory, _pack, _storage
+from eqx_ckpt import _format, _local_read, _location, _memory, _records, _storage
 from eqx_ckpt._format import LeafRecord
 from eqx_ckpt._source import open_source
 
@@ -27,7 +27,7 @@ from eqx_ckpt._source import open_source
 @pytest.fixture(autouse=True)
 def own_folders(monkeypatch):
     """Every leaf in a folder of its own: these tests are about those arrays."""
-    monkeypatch.setattr(_pack, "PACK_BYTES", -1)
+    monkeypatch.setattr(_records, "PACK_BYTES", -1)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import pytest
 from arrays import values
 
 import eqx_ckpt
-from eqx_ckpt import _faults, _format, _local_write, _location, _pack, _storage, _write
+from eqx_ckpt import _faults, _format, _local_write, _location, _records, _storage, _write
 from eqx_ckpt._source import open_source
 
 pytestmark = pytest.mark.skipif(not _local_write._local_read.SUPPORTED, reason="no direct writes on this host")
@@ -36,7 +36,7 @@ def either_way(request, monkeypatch):
 @pytest.fixture
 def own_folders(monkeypatch):
     """Every leaf in its own folder, in chunks of at most 1 KiB."""
-    monkeypatch.setattr(_pack, "PACK_BYTES", -1)
+    monkeypatch.setattr(_records, "PACK_BYTES", -1)
     monkeypatch.setattr(_format, "CHUNK_BYTES", 1024)
 
 
@@ -66,7 +66,8 @@ def test_a_leafs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, own_fold
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", {"model": {"w": x}})
     data = open_source(tmp_path / "ckpt").data
     record = eqx_ckpt.Checkpoint(tmp_path / "ckpt").record("model.w")
-    assert _local_write.eligible(data, record, [((), x)])
+    assert _local_write.chosen(data, processes=1, layout="directories")
+    assert _local_write.eligible(record, [((), x)])
     ours = _files(tmp_path / "ckpt" / "model" / "w")
     if x.nbytes > 1024:
         assert len(ours) > 1 and shape[0] % record.chunks[0], "want several chunks and an edge chunk"
@@ -111,7 +112,7 @@ BACK_TO_BACK = [16, 32, 1024, 48, 512, *([16] * 40), 0, 2048, 160]
 @pytest.mark.parametrize("sizes", [PADDED, BACK_TO_BACK], ids=["padded", "back-to-back"])
 def test_a_packs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, monkeypatch, either_way, sizes):
     # Chunks of 4 KiB: up to 64 leaves in one chunk, and leaves across chunk boundaries.
-    monkeypatch.setattr(_pack, "PACK_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(_records, "PACK_CHUNK_BYTES", 4096)
     tree = {f"l{i}": values((n,), np.float32, seed=i) for i, n in enumerate(sizes)}
     tree["scalar"] = np.float32(2.5)
     tree["flags"] = values((37,), np.bool_)
@@ -403,7 +404,7 @@ def test_a_packs_chunk_gathered_in_the_stage_is_its_bytes_then_their_crc32c(tmp_
 
     members = [values((n,), np.float32, seed=i) for i, n in enumerate(sizes) if n]
     members[len(members) // 2] = members[len(members) // 2].astype(">f4")
-    step = _pack.ALIGN_BYTES // 4
+    step = _records.ALIGN_BYTES // 4
     starts = np.cumsum([0] + [-(-m.size // step) * step for m in members[:-1]])
     stops = starts + [m.size for m in members]
     total = int(stops[-1])

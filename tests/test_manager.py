@@ -430,7 +430,7 @@ def test_an_interrupt_after_an_asynchronous_save_went_to_the_background_never_re
     before the background thread writes the manifest."""
     import threading
 
-    from eqx_ckpt import _manager, _serialise
+    from eqx_ckpt import _background, _manager, _serialise
 
     undone, at_commit = threading.Event(), threading.Event()
     real_undo, real_save = _manager.CheckpointManager._undo, _serialise.save
@@ -460,7 +460,7 @@ def test_an_interrupt_after_an_asynchronous_save_went_to_the_background_never_re
     manager = eqx_ckpt.CheckpointManager(tmp_path, blocking=False)
     with pytest.raises(KeyboardInterrupt):
         manager.save(7, tree)
-    for pending in list(_serialise._PENDING):
+    for pending in list(_background._PENDING):
         pending.wait()
     assert not undone.is_set()
     manager.close()

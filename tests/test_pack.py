@@ -1,6 +1,7 @@
-"""Small leaves packed into one zarr v3 array per dtype (eqx_ckpt/_pack.py):
-the files on disk, reading a packed leaf without eqx_ckpt, every kind of load,
-damage to a pack, hostile pack records, and checkpoints written before packing."""
+"""Small leaves packed into one zarr v3 array per dtype (planned by
+eqx_ckpt/_records.py, read by eqx_ckpt/_pack.py): the files on disk, reading a
+packed leaf without eqx_ckpt, every kind of load, damage to a pack, hostile
+pack records, and checkpoints written before packing."""
 
 import json
 import os
@@ -15,7 +16,7 @@ import pytest
 import tensorstore as ts
 
 import eqx_ckpt
-from eqx_ckpt import _pack
+from eqx_ckpt import _records
 
 
 def _tree():
@@ -227,7 +228,7 @@ def test_a_pack_folder_symlink_is_refused(tmp_path):
 
 def test_checkpoints_written_before_packing_still_load(tmp_path, monkeypatch):
     tree = _tree()
-    monkeypatch.setattr(_pack, "PACK_BYTES", -1)  # a leaf folder each, as format 2 wrote
+    monkeypatch.setattr(_records, "PACK_BYTES", -1)  # a leaf folder each, as format 2 wrote
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     monkeypatch.undo()
 
@@ -285,7 +286,7 @@ def _striped(count=60):
 
 @pytest.fixture
 def small_pack_chunks(monkeypatch):
-    monkeypatch.setattr(_pack, "PACK_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(_records, "PACK_CHUNK_BYTES", 4096)
 
 
 def test_local_packs_are_read_by_eqx_ckpt_only_the_chunks_a_load_needs(tmp_path, faults, small_pack_chunks):

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqx_ckpt
-from eqx_ckpt import _keypath, _pack
+from eqx_ckpt import _keypath, _records
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -98,12 +98,12 @@ TREES = st.recursive(st.one_of(arrays(), SCALARS), _containers, max_leaves=10)
 
 # The largest leaf packed: none (a folder per leaf), the tiniest only (a mix of
 # packs and folders in one checkpoint), or as saved by default (all of these).
-PACK_BYTES = st.sampled_from([-1, 16, _pack.PACK_BYTES])
+PACK_BYTES = st.sampled_from([-1, 16, _records.PACK_BYTES])
 
 
 def _save(path: pathlib.Path, tree: Any, pack_bytes: int) -> None:
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(_pack, "PACK_BYTES", pack_bytes)
+        m.setattr(_records, "PACK_BYTES", pack_bytes)
         eqx_ckpt.tree_serialise_leaves(path, tree)
 
 

@@ -29,7 +29,16 @@ import pytest
 from disk import snapshot
 
 import eqx_ckpt
-from eqx_ckpt import _faults, _interrupts, _local_read, _location, _memory, _pack, _storage
+from eqx_ckpt import (
+    _faults,
+    _interrupts,
+    _local_read,
+    _location,
+    _memory,
+    _pack,
+    _records,
+    _storage,
+)
 
 # Every fault point at which a save touches storage (see `eqx_ckpt._faults`).
 _IO = [
@@ -91,7 +100,7 @@ def mixed(monkeypatch):
     """Leaves of at most 8 bytes packed: every save writes both kinds of array, a
     pack (`step`) and arrays of their own (`a`, `b.c`), as a model's few large
     weights and many small leaves would."""
-    monkeypatch.setattr(_pack, "PACK_BYTES", 8)
+    monkeypatch.setattr(_records, "PACK_BYTES", 8)
 
 
 def _holds(path, generation):
@@ -226,7 +235,7 @@ def test_every_io_step_failing(tmp_path, kind, error):
 # the save that writes and commits it. (The lines of `save` around it are
 # `test_an_interrupt_at_every_line_around_the_commit`'s.)
 _COMMIT_MODULES = ("eqx_ckpt._transaction",)
-_COMMIT_FUNCTIONS = ("_write_and_commit", "_stop")
+_COMMIT_FUNCTIONS = ("_write_and_commit", "_commit", "_stop")
 
 
 def _counted(frame):
@@ -371,12 +380,13 @@ def _around_the_commit():
     """The code a save runs in the caller's thread around its transaction: the
     entry and exit of `save`, the process's claim on the destination, the
     collector's pause, and the start of an asynchronous save's thread."""
-    from eqx_ckpt import _gc, _lease, _serialise
+    from eqx_ckpt import _background, _gc, _lease, _serialise
 
     functions = [
         _serialise.save.__wrapped__,
-        _serialise._start_background,
-        _serialise.PendingSave.__init__,
+        _serialise._collect_and_plan,
+        _background.start,
+        _background.PendingSave.__init__,
         _lease.acquire_exclusive,
         _lease.Claim.__init__,
         _lease.Claim.hand_over,
@@ -430,7 +440,7 @@ def test_an_interrupt_at_every_line_around_the_commit(tmp_path, blocking):
     that path in the process waited for ever. Now every such interrupt leaves
     a checkpoint whole, the collector as it was, and the next save in the same
     thread runs."""
-    from eqx_ckpt import _gc, _lease, _serialise
+    from eqx_ckpt import _background, _gc, _lease
 
     codes = _around_the_commit()
 
@@ -454,7 +464,7 @@ def test_an_interrupt_at_every_line_around_the_commit(tmp_path, blocking):
         assert raised is None or type(raised) is KeyboardInterrupt, f"{where}: got {raised!r}"
         interrupted += raised is not None
         with deadline(60, f"{where}: the next save"):
-            for p in list(_serialise._PENDING):
+            for p in list(_background._PENDING):
                 p.wait()  # a save the interrupt left running in the background
             claim = _lease.holder(_location.location(directory))
             assert claim is None or claim.thread == threading.get_ident(), where
@@ -528,7 +538,7 @@ def test_an_interrupt_at_every_line_of_a_load(tmp_path):
     """A load holds process-wide state too (the collector's pause, reads in
     flight in the read window): an interrupt at any line of the load's modules
     leaves the collector as it was, and the next load returns the checkpoint."""
-    from eqx_ckpt import _deserialise, _gc, _pack, _read, _tree as tree_module, _window
+    from eqx_ckpt import _deserialise, _gc, _read, _tree as tree_module, _window
 
     codes = _functions_of(_deserialise, _window, tree_module, _gc, _read, _local_read, _memory, _pack, _storage)
     directory = tmp_path / "ckpt"
