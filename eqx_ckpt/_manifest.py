@@ -204,6 +204,23 @@ def parse(data: bytes, *, where: str, stamp: bytes = b"") -> Manifest:
 
 
 def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
+    bad = _invalid(where)
+    body, version = _parse_json(data, bad)
+    commit, metrics = _check_header(body, bad)
+    packs = _parse_packs(body.get("packs", []), commit, bad)
+    records = _parse_leaves(body.get("leaves"), packs, version, bad)
+    for key in ("created", "library_version"):
+        if not isinstance(body.get(key, ""), str):
+            raise bad(f"`{key}` is not a string")
+    return Manifest(
+        tuple(records), body["data_root"], body.get("created", ""), body.get("library_version", ""), version,
+        layout=body.get("layout", "directories"), commit=commit, metrics=metrics, stamp=stamp,
+        packs=tuple(packs.values()),
+    )  # fmt: skip
+
+
+def _invalid(where: str) -> Callable[[str], CorruptCheckpointError]:
+    """The error of a manifest at `where` that is invalid, and why."""
 
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -212,6 +229,11 @@ def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
             path=where,
         )
 
+    return bad
+
+
+def _parse_json(data: bytes, bad: Callable[[str], Exception]) -> tuple[dict[str, Any], int]:
+    """The manifest's JSON object and format version, its digest checked."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise bad(f"it is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
     try:
@@ -234,6 +256,11 @@ def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
         digest = _digest(body)
     if body.get("digest") != digest:
         raise bad("its digest does not match its content, so it was edited or damaged")
+    return body, version
+
+
+def _check_header(body: dict[str, Any], bad: Callable[[str], Exception]) -> tuple[str, dict[str, Any]]:
+    """The manifest's fields other than its leaves and packs checked; its commit and metrics."""
     root = body.get("data_root")
     if not (root == "" or (isinstance(root, str) and is_data_root(root))):
         raise bad(f"data root {root!r} is neither '' nor a `gen.<commit>` folder")
@@ -246,8 +273,13 @@ def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
         raise bad("`metrics` is not a mapping from name to number")
     if body.get("layout", "directories") not in LAYOUTS:
         raise bad(f"layout {body.get('layout')!r} is not one of {LAYOUTS}")
-    packs = _parse_packs(body.get("packs", []), commit, bad)
-    leaves = body.get("leaves")
+    return commit, metrics
+
+
+def _parse_leaves(
+    leaves: Any, packs: dict[str, PackRecord], version: int, bad: Callable[[str], Exception]
+) -> list[LeafRecord]:
+    """Every leaf record, each checked, then their paths together."""
     if not isinstance(leaves, list):
         raise bad("`leaves` is not a list")
     records = []
@@ -259,14 +291,7 @@ def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
         except (ValueError, TypeError, KeyError) as e:
             raise bad(f"leaf #{i} ({_peek_path(item)}): {e}") from None
     _check_paths(records, bad)
-    for key in ("created", "library_version"):
-        if not isinstance(body.get(key, ""), str):
-            raise bad(f"`{key}` is not a string")
-    return Manifest(
-        tuple(records), body["data_root"], body.get("created", ""), body.get("library_version", ""), version,
-        layout=body.get("layout", "directories"), commit=commit, metrics=metrics, stamp=stamp,
-        packs=tuple(packs.values()),
-    )  # fmt: skip
+    return records
 
 
 def _reject_constant(name: str) -> None:
@@ -348,6 +373,18 @@ def _parse_leaf(item: Any, packs: dict[str, PackRecord], *, lean: bool, checked:
         raise ValueError(f"unknown stored dtype {stored_dtype!r}")
     if kind != "prng_key" and not is_known_dtype(dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
+    shape, stored_shape, chunks, pack, offset = _parse_layout(item, packs, kind, encoding, stored_dtype, impl, lean)
+    return LeafRecord(
+        path, item["keypath"], kind, shape, dtype, stored_shape, stored_dtype, encoding, chunks, impl, pack, offset
+    )
+
+
+def _parse_layout(
+    item: dict[str, Any], packs: dict[str, PackRecord], kind: str, encoding: str, stored_dtype: str, impl: str,
+    lean: bool,
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], PackRecord | None, int]:  # fmt: skip
+    """A leaf record's shape, stored shape, chunks, pack and offset in it, checked
+    against each other. (Part of `_parse_leaf`, called for every leaf.)"""
     shape = _shape(item["shape"], "shape")
     stored_shape = _shape(item["stored_shape"], "stored_shape") if "stored_shape" in item or not lean else shape
     if "chunks" in item or not lean:
@@ -356,7 +393,17 @@ def _parse_leaf(item: Any, packs: dict[str, PackRecord], *, lean: bool, checked:
         chunks = whole_chunks(stored_shape)
     if len(chunks) != len(stored_shape) or 0 in chunks:
         raise ValueError("`chunks` must give a positive size for every stored dimension")
-    _check_consistent(kind, encoding, shape, stored_shape, chunks)
+    # What eqx_ckpt writes always agrees with itself; a hostile manifest that
+    # does not could otherwise make a load read (and allocate) far more than `like`
+    # asks for, or a chunk far larger than the array.
+    if kind in ("bool", "int", "float", "complex", "numpy_scalar") and shape != ():
+        raise ValueError(f"a {kind} scalar must have shape [], not {list(shape)}")
+    if encoding == "key_data" and (len(stored_shape) != len(shape) + 1 or stored_shape[: len(shape)] != shape):
+        raise ValueError(f"`stored_shape` {list(stored_shape)} does not extend `shape` {list(shape)} by the key data")
+    if encoding != "key_data" and stored_shape != shape:
+        raise ValueError(f"`stored_shape` {list(stored_shape)} differs from `shape` {list(shape)}")
+    if any(c > max(1, n) for c, n in zip(chunks, stored_shape)):
+        raise ValueError(f"`chunks` {list(chunks)} are larger than the array {list(stored_shape)}")
     if kind == "prng_key":
         _check_key_data(impl, shape, stored_shape, stored_dtype)
     elif impl:
@@ -372,25 +419,7 @@ def _parse_leaf(item: Any, packs: dict[str, PackRecord], *, lean: bool, checked:
             raise ValueError(f"`offset` {offset!r} does not place it inside its pack of {pack.size} elements")
         if chunks != whole_chunks(stored_shape):
             raise ValueError("a packed leaf is one chunk: `chunks` must equal its shape")
-    return LeafRecord(
-        path, item["keypath"], kind, shape, dtype, stored_shape, stored_dtype, encoding, chunks, impl, pack, offset
-    )
-
-
-def _check_consistent(
-    kind: str, encoding: str, shape: tuple[int, ...], stored: tuple[int, ...], chunks: tuple[int, ...]
-) -> None:
-    """What eqx_ckpt writes always agrees with itself; a hostile manifest that
-    does not could otherwise make a load read (and allocate) far more than `like`
-    asks for, or a chunk far larger than the array."""
-    if kind in ("bool", "int", "float", "complex", "numpy_scalar") and shape != ():
-        raise ValueError(f"a {kind} scalar must have shape [], not {list(shape)}")
-    if encoding == "key_data" and (len(stored) != len(shape) + 1 or stored[: len(shape)] != shape):
-        raise ValueError(f"`stored_shape` {list(stored)} does not extend `shape` {list(shape)} by the key data")
-    if encoding != "key_data" and stored != shape:
-        raise ValueError(f"`stored_shape` {list(stored)} differs from `shape` {list(shape)}")
-    if any(c > max(1, n) for c, n in zip(chunks, stored)):
-        raise ValueError(f"`chunks` {list(chunks)} are larger than the array {list(stored)}")
+    return shape, stored_shape, chunks, pack, offset
 
 
 def _check_key_data(impl: str, shape: tuple[int, ...], stored: tuple[int, ...], stored_dtype: str) -> None:

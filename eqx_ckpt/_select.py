@@ -1,5 +1,9 @@
-"""`where`, `prefix` and `rename`: which leaves of `like` are loaded, and from
-which dotted path of the checkpoint."""
+"""The options that name leaves, each as a function: `where` (which leaves of
+`like` are loaded), `prefix` and `rename` (from which dotted path of the
+checkpoint), `transform` (made by which function of what is stored).
+
+They are parsed here and resolved for every leaf of `like` in `_load_plan`;
+`rules` also serves `export_safetensors`' `rename` and `torch_layout`."""
 
 from __future__ import annotations
 
@@ -156,3 +160,41 @@ def rules(table: Sequence[Any], *, what: str) -> Callable[[str], Target]:
         return path
 
     return apply
+
+
+Transform = Callable[..., Any]
+
+
+def finder(transform: Any) -> Callable[[str], Transform | None]:
+    """`transform` as a function from a dotted path of `like` to its function.
+
+    A mapping names exact dotted paths; a list of `(pattern, function)` rules
+    picks the first rule whose pattern is found in the path (`re.search`).
+    """
+    if transform is None:
+        return lambda path: None
+    if isinstance(transform, Mapping):
+        table = dict(transform)
+        for key, fn in table.items():
+            if not isinstance(key, str) or not callable(fn):
+                raise CheckpointValueError(
+                    f"`transform` maps {key!r} to {fn!r}; it must map dotted paths to functions."
+                )
+        return table.get
+    if isinstance(transform, Sequence) and not isinstance(transform, str):
+        rules = []
+        for rule in transform:
+            if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and callable(rule[1])):
+                raise CheckpointValueError(
+                    f"`transform` rules must be `(pattern, function)` pairs, like "
+                    f"`(r'conv\\.bias$', lambda b: b[:, None, None])`; got {rule!r}."
+                )
+            try:
+                rules.append((re.compile(rule[0]), rule[1]))
+            except (re.error, TypeError) as e:
+                raise CheckpointValueError(f"`transform` rule {rule[0]!r} is not a regular expression: {e}.") from None
+        return lambda path: next((fn for pattern, fn in rules if pattern.search(path)), None)
+    raise CheckpointValueError(
+        f"`transform` must be a mapping from dotted paths of `like` to functions, or a list of "
+        f"`(pattern, function)` rules, not {type(transform).__name__}."
+    )

@@ -4,8 +4,10 @@ Every load path (`tree_deserialise_leaves`, `Checkpoint`, lazy leaves,
 `load_or_initialise`, export) asks `open_source(path)` for a `Source`: the
 stored leaves as manifest records keyed by dotted path, and a function that
 opens one of them as a TensorStore array. Which format it is decides only how
-those two are made; everything after (selection, checks, windows of reads,
-sharded placement, lazy reads) is the same code for every format.
+those two are made; everything after is the same code for every format: the
+load plan (`_load_plan`: `where`, `prefix`, `rename`, `transform` and the
+checks of records against `like`), windows of reads, sharded placement, lazy
+reads.
 """
 
 from __future__ import annotations

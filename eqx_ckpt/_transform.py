@@ -4,99 +4,31 @@ For layouts that differ between frameworks (a PyTorch conv bias is `(out,)`,
 Equinox's `(out, 1, 1)`; PyTorch packs the query, key and value projections of
 attention into one tensor). A transformed leaf is read whole on the host,
 passed through its function, checked against `like`, then placed like any other.
+Which leaves are transformed, and from which stored arrays, the load plan says
+(`_load_plan.TransformPlan`; the option is parsed by `_select.finder`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-import re
-from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _dtypes, _memory, _read, _storage_errors, _window
-from ._errors import CheckpointValueError, LeafError, leaf_message
+from ._errors import LeafError, leaf_message
 from ._format import LeafRecord
 from ._lazy import LazyArray
 
 if TYPE_CHECKING:
+    from ._load_plan import TransformPlan
     from ._source import Source
 
-Transform = Callable[..., Any]
 
-
-def finder(transform: Any) -> Callable[[str], Transform | None]:
-    """`transform` as a function from a dotted path of `like` to its function.
-
-    A mapping names exact dotted paths; a list of `(pattern, function)` rules
-    picks the first rule whose pattern is found in the path (`re.search`).
-    """
-    if transform is None:
-        return lambda path: None
-    if isinstance(transform, Mapping):
-        table = dict(transform)
-        for key, fn in table.items():
-            if not isinstance(key, str) or not callable(fn):
-                raise CheckpointValueError(
-                    f"`transform` maps {key!r} to {fn!r}; it must map dotted paths to functions."
-                )
-        return table.get
-    if isinstance(transform, Sequence) and not isinstance(transform, str):
-        rules = []
-        for rule in transform:
-            if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and callable(rule[1])):
-                raise CheckpointValueError(
-                    f"`transform` rules must be `(pattern, function)` pairs, like "
-                    f"`(r'conv\\.bias$', lambda b: b[:, None, None])`; got {rule!r}."
-                )
-            try:
-                rules.append((re.compile(rule[0]), rule[1]))
-            except (re.error, TypeError) as e:
-                raise CheckpointValueError(f"`transform` rule {rule[0]!r} is not a regular expression: {e}.") from None
-        return lambda path: next((fn for pattern, fn in rules if pattern.search(path)), None)
-    raise CheckpointValueError(
-        f"`transform` must be a mapping from dotted paths of `like` to functions, or a list of "
-        f"`(pattern, function)` rules, not {type(transform).__name__}."
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """One leaf of `like` made by a function of one or more stored arrays."""
-
-    index: int
-    keypath: tuple[Any, ...]
-    like: Any
-    stored: tuple[str, ...]
-    records: tuple[LeafRecord, ...]
-    fn: Transform
-
-
-def plan(
-    index: int, keypath: tuple[Any, ...], like: Any, stored: str | tuple[str, ...], fn: Transform | None,
-    records: dict[str, LeafRecord], *, missing: str,
-) -> tuple[Plan | None, str]:  # fmt: skip
-    """The plan of a leaf made by `fn` from one or more stored arrays, or why not."""
-    names = stored if isinstance(stored, tuple) else (stored,)
-    if fn is None:
-        return None, f"`rename` gives {len(names)} stored paths ({', '.join(names)}) but no `transform` combines them."
-    absent = [name for name in names if name not in records]
-    if absent:
-        return None, f"missing: {', '.join(absent)} not in the checkpoint." if missing == "error" else ""
-    if _dtypes.like_type(like) is None:
-        return None, ""
-    return Plan(index, keypath, like, names, tuple(records[n] for n in names), fn), ""
-
-
-def shown(stored: str | tuple[str, ...]) -> str:
-    """How messages name the stored path(s) of a transformed leaf."""
-    return ", ".join(stored) if isinstance(stored, tuple) else stored
-
-
-def load(source: Source, plans: list[Plan], *, cast: bool, lazy: bool) -> tuple[list[Any], list[tuple[Plan, str]]]:
+def load(
+    source: Source, plans: list[TransformPlan], *, cast: bool, lazy: bool
+) -> tuple[list[Any], list[tuple[TransformPlan, str]]]:
     """Read, transform and check every plan; returns the values (`None` where a
     problem was found) and the problems, to be reported together. With `lazy`,
     array leaves become `TransformedArray`s, read and transformed when asked."""
@@ -107,7 +39,7 @@ def load(source: Source, plans: list[Plan], *, cast: bool, lazy: bool) -> tuple[
         lazies = {i: TransformedArray(source, plans[i], cast=cast) for i in arrays}
         return [lazies[i] if i in lazies else next(eager) for i in range(len(plans))], found
     values: list[Any] = [None] * len(plans)
-    problems: list[tuple[Plan, str]] = []
+    problems: list[tuple[TransformPlan, str]] = []
 
     def finish(i: int, reads: list[Any]) -> None:
         plan = plans[i]
@@ -126,7 +58,7 @@ def load(source: Source, plans: list[Plan], *, cast: bool, lazy: bool) -> tuple[
         if problem:
             problems.append((plan, problem))
 
-    def start(plan: Plan) -> list[Any]:
+    def start(plan: TransformPlan) -> list[Any]:
         return [_start(source, record) for record in plan.records]
 
     # The stored arrays of a plan are read ahead of the transform that consumes them.
@@ -187,7 +119,7 @@ class TransformedArray(LazyArray):
 
     __slots__ = ("_cast", "_fn", "_keypath", "_parts")
 
-    def __init__(self, source: Source, plan: Plan, *, cast: bool):
+    def __init__(self, source: Source, plan: TransformPlan, *, cast: bool):
         super().__init__(source.data, plan.records[0], plan.like, opener=source.opener, check=source.check)
         self._parts = tuple(LazyArray(source.data, r, opener=source.opener, check=source.check) for r in plan.records)
         self._fn, self._cast, self._keypath = plan.fn, cast, plan.keypath

@@ -392,13 +392,13 @@ def test_a_load_racing_an_overwrite_says_the_checkpoint_was_replaced(tmp_path, m
     from eqx_ckpt import _deserialise
 
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.zeros(3)})
-    load = _deserialise._load
+    load = _deserialise._read_stored
 
     def overwritten_meanwhile(data, plans, **options):
         eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(3)})
         return load(data, plans, **options)
 
-    monkeypatch.setattr(_deserialise, "_load", overwritten_meanwhile)
+    monkeypatch.setattr(_deserialise, "_read_stored", overwritten_meanwhile)
     with pytest.raises(eqx_ckpt.CheckpointReplacedError) as info:
         eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(3)})
     message = str(info.value)

@@ -538,9 +538,11 @@ def test_an_interrupt_at_every_line_of_a_load(tmp_path):
     """A load holds process-wide state too (the collector's pause, reads in
     flight in the read window): an interrupt at any line of the load's modules
     leaves the collector as it was, and the next load returns the checkpoint."""
-    from eqx_ckpt import _deserialise, _gc, _read, _tree as tree_module, _window
+    from eqx_ckpt import _deserialise, _gc, _load_plan, _load_report, _read, _tree as tree_module, _window
 
-    codes = _functions_of(_deserialise, _window, tree_module, _gc, _read, _local_read, _memory, _pack, _storage)
+    codes = _functions_of(
+        _deserialise, _load_plan, _load_report, _window, tree_module, _gc, _read, _local_read, _memory, _pack, _storage
+    )
     directory = tmp_path / "ckpt"
     eqx_ckpt.tree_serialise_leaves(directory, _tree(1))
     eqx_ckpt.tree_deserialise_leaves(directory, _tree(0))  # as every load after it: caches filled
