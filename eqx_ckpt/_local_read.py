@@ -36,17 +36,16 @@ import contextlib
 import functools
 import os
 import stat
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import crc32c
 import numpy as np
 
-from . import _faults, _format, _memory
+from . import _faults, _format, _memory, _storage
 from ._errors import IntegrityError, stored_leaf_error
 from ._format import LeafRecord, PackRecord, dtype_from_name
-from ._location import Location, on_local_disk
+from ._location import Location
 from ._memory import refuse_beyond_memory
 from ._storage_errors import leaf_io_error
 from ._untrusted import refuse_links
@@ -57,8 +56,6 @@ THREADS = 4
 PIECE_BYTES = 16 * 2**20
 # Each piece is read and checked a step at a time: a step fits in a core's cache.
 STEP_BYTES = 2**19
-# Little-endian bytes need a little-endian host; the checks need O_NOFOLLOW and preadv.
-SUPPORTED = sys.byteorder == "little" and hasattr(os, "preadv") and hasattr(os, "O_NOFOLLOW") and crc32c.hardware_based
 # O_NONBLOCK: a FIFO planted as a chunk file must not block the open (fstat then refuses it).
 _FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 _FOLDER_FLAGS = _FILE_FLAGS | getattr(os, "O_DIRECTORY", 0)
@@ -121,7 +118,7 @@ def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Ca
     chunk's checksum and returns those elements. `None` where the pack is not
     on a local disk (TensorStore reads it then). A failure names the pack; the
     caller finds the damaged leaf."""
-    if not supported(loc) or stop <= start:
+    if not _storage.local_chunk_files(loc) or stop <= start:
         return None
     first, count = start // pack.chunk, (stop - 1) // pack.chunk - start // pack.chunk + 1
     # The chunks read, as one array of their own: its chunk files are the pack's from `first` on.
@@ -158,16 +155,10 @@ def _check_chunk_files(loc: Location, record: LeafRecord, directory: str, keys: 
     return path
 
 
-def supported(loc: Location) -> bool:
-    """Whether chunk files under `loc` can be read (and written, `_local_write`)
-    without TensorStore: a local disk, on a host that has what this needs."""
-    return SUPPORTED and on_local_disk(loc)
-
-
 def eligible(loc: Location, record: LeafRecord) -> bool:
     """Whether `start_read` reads this leaf (else it returns `None`)."""
     return (
-        supported(loc)
+        _storage.local_chunk_files(loc)
         and record.encoding in _format.ENCODINGS
         and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
         and record.pack is None

@@ -45,7 +45,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from . import _faults, _format, _local_read, _memory
+from . import _faults, _format, _memory, _storage
 from ._format import LeafRecord, PackRecord, dtype_from_name
 from ._location import Location
 
@@ -58,9 +58,9 @@ _SYNC_FILE_RANGE_WRITE = 2
 def chosen(loc: Location, *, processes: int, layout: str) -> bool:
     """Whether a save to `loc` writes chunk files here rather than through
     TensorStore: the choice of the path, made once per save. One process, the
-    "directories" layout, and a location `_local_read.supported` (the same
-    choice of the read side, per location)."""
-    return processes == 1 and layout == "directories" and _local_read.supported(loc)
+    "directories" layout, and a location where `_storage.local_chunk_files`
+    (the same choice the read side makes, per location)."""
+    return processes == 1 and layout == "directories" and _storage.local_chunk_files(loc)
 
 
 def eligible(record: LeafRecord, pieces: Sequence[tuple[tuple[slice, ...], Any]]) -> bool:

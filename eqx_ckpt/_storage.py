@@ -5,9 +5,13 @@ Everything eqx_ckpt reads or writes through TensorStore passes here: the
 contexts, small files (read with a size limit, stamped, written conditionally),
 listings, deletion of what a save wrote, and zarr arrays opened or created
 from their specs. Futures are returned, not waited for; callers block with
-`result` only at the public boundary. The local fast path, which reads and
-writes chunk files itself, is `_local_read` and `_local_write`; both are
-chosen per location by `local_io` below.
+`result` only at the public boundary.
+
+A leaf's chunk files take one of two paths, chosen once per location by
+`local_chunk_files`: on a local disk eqx_ckpt reads and writes them itself
+(`_local_read`, `_local_write`), elsewhere TensorStore does (here). Per leaf,
+`_local_read.eligible` and `_local_write.eligible` then say whether its layout
+allows the local path (chunks that split only the first axis).
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterable
 from typing import Any
 
+import crc32c
 import numpy as np
 import tensorstore as ts
 
@@ -29,6 +35,20 @@ from . import _durable, _faults, _format, _location, _memory, _storage_errors, _
 from ._format import LeafRecord, PackRecord
 from ._location import Location
 from ._storage_errors import read_explained, read_only_store, unreachable, write_error
+
+# What the local path needs of the host: little-endian bytes (zarr's chunks are
+# little-endian), `preadv` and `O_NOFOLLOW` for the checked reads, a hardware crc32c.
+LOCAL_PATH_SUPPORTED = (
+    sys.byteorder == "little" and hasattr(os, "preadv") and hasattr(os, "O_NOFOLLOW") and crc32c.hardware_based
+)
+
+
+def local_chunk_files(loc: Location) -> bool:
+    """Whether eqx_ckpt reads and writes the chunk files under `loc` itself
+    (`_local_read`, `_local_write`) rather than through TensorStore: a local
+    disk reached through the `file` driver, on a host with what that needs."""
+    return LOCAL_PATH_SUPPORTED and _location.on_local_disk(loc)
+
 
 # Types of what this module returns, for annotations elsewhere.
 Future = ts.Future
@@ -117,15 +137,17 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
         _untrusted.refuse_links(loc, name)
         if not os.path.isfile(full):
             return None, b""
+        # One line opens and enters: an interrupt between the two would leave
+        # the file open until the traceback is freed (the load-interrupt sweep
+        # of tests/test_transaction.py found it).
         try:
-            f = open(full, "rb")
+            with open(full, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_size > limit:
+                    raise _storage_errors.too_large(loc, name, limit, st.st_size)
+                data, stamp = f.read(limit + 1), _stat_stamp(st)
         except FileNotFoundError:  # deleted since the check (a writer's retention)
             return None, b""
-        with f:
-            st = os.fstat(f.fileno())
-            if st.st_size > limit:
-                raise _storage_errors.too_large(loc, name, limit, st.st_size)
-            data, stamp = f.read(limit + 1), _stat_stamp(st)
     else:
         with read_explained(loc, name):
             _refuse_large_object(loc, name, limit)

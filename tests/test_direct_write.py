@@ -22,7 +22,7 @@ import eqx_ckpt
 from eqx_ckpt import _faults, _format, _local_write, _location, _records, _storage, _write
 from eqx_ckpt._source import open_source
 
-pytestmark = pytest.mark.skipif(not _local_write._local_read.SUPPORTED, reason="no direct writes on this host")
+pytestmark = pytest.mark.skipif(not _storage.LOCAL_PATH_SUPPORTED, reason="no direct writes on this host")
 
 
 @pytest.fixture(params=["unbuffered", "buffered"])
