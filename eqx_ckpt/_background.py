@@ -39,8 +39,8 @@ def hold_tree(pytree: Any) -> HeldLeaves | None:
     structure when its nodes rebuild without code of the user's
     (`_tree.names_from_structure`), else taken here (a custom node's constructor
     must not run in the background, on arrays the caller may have deleted by
-    then). Ten thousand leaves flatten in 11 ms, and in 19 ms with their key
-    paths."""
+    then). Flattening without key paths is the faster way (docs/benchmarks.md,
+    "Measurements behind the design")."""
     leaves, treedef = jax.tree_util.tree_flatten(pytree)
     keypaths = None
     if not _tree.rebuilds_plainly(treedef):
@@ -217,8 +217,7 @@ def start(run: Callable[[], None], exclusive: _lease.Claim, handoff: Handoff) ->
     # The collector stays paused from the caller's part to the background part
     # (the pause is adopted by the background thread, or ended by whichever
     # side owns the save): enabled in between, it would walk the objects just
-    # made before the caller gets its thread back (10 ms of an asynchronous
-    # save of ten thousand leaves).
+    # made before the caller gets its thread back (docs/benchmarks.md).
     pause = _gc.GcPause()
     try:
         pause.begin(None)  # until the background thread adopts it, or either side ends it

@@ -273,9 +273,8 @@ def _common(
     each common leaf, `None` for any other. The common leaf: a NumPy array or
     a `jax.Array` on one device (or either held), of a dtype stored as it is,
     not cast; one host piece, in whole-array chunks. The record's fixed part is
-    worked out once per dtype and shape (the `many` benchmark tree's records:
-    32 ms in a save against 37 ms leaf by leaf, about 17 of them JAX's
-    `np.asarray`). `tests/test_records.py` checks that it gives what the
+    worked out once per dtype and shape (faster than leaf by leaf:
+    docs/benchmarks.md). `tests/test_records.py` checks that it gives what the
     general way gives, and the same for a leaf alone as in a tree."""
     out: list[Pending | None] = []
     append = out.append

@@ -294,7 +294,7 @@ def _plan(
     if group.count == 1:
         _records.assign([p.record for p in pending], [p.pieces for p in pending])
     if private:
-        _write.private_copies(pending)
+        _write.copy_numpy_leaves(pending)
     return _write.Batch(pending, made=[leaves, names.paths, names.records])
 
 
@@ -402,8 +402,8 @@ def _write_all(
     except Exception as e:
         error, writing = e, []
     if error is None and group.primary:
-        # While the data is being written (the manifest of ten thousand
-        # leaves takes about 25 ms to encode).
+        # While the data is being written (encoding the manifest of many
+        # leaves takes a noticeable part of a save).
         error = _write.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, metrics)))
     batch.free()
     _write.follow(writing, tracker)

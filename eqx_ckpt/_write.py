@@ -66,9 +66,9 @@ class Batch:
     def free(self) -> None:
         """Empty this batch, freeing its records and host views (the writes keep
         references of their own to the data): called once the records are
-        encoded, while the writes are in flight. Ten thousand leaves' records,
-        views and key paths took 16-22 ms to free, which the end of a save
-        waited for; freed here, they overlap the writes. A few hundred at a
+        encoded, while the writes are in flight: freeing ten thousand leaves'
+        records, views and key paths is measurable (docs/benchmarks.md), and
+        the end of a save waited for it; freed here, it overlaps the writes. A few hundred at a
         time, so that the writer threads get the GIL between them."""
         self.freed = True
         lists: list[list[Any]] = [self.pending, self.own, *(members for _, members in self.packs)]
@@ -240,7 +240,7 @@ def follow(writing: Writing, tracker: Tracker) -> None:
             tracker.advance(leaves=leaves, nbytes=nbytes)
 
 
-def private_copies(pending: list[Pending]) -> None:
+def copy_numpy_leaves(pending: list[Pending]) -> None:
     """Copy the host data of NumPy leaves, which the caller may change once an
     asynchronous save has returned (a jax.Array's host data never changes)."""
     mine = [p for p in pending if p.record.type == "numpy"]

@@ -92,3 +92,35 @@ def test_no_import_cycles():
         if module not in done:
             walk(module, [module], done)
     assert cycles == []
+
+
+def test_every_module_is_on_the_contributors_map():
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    missing = [path.stem for path in MODULES if not path.stem.startswith("__") and f"`{path.stem}`" not in text]
+    assert missing == [], f"docs/architecture.md does not say what these modules own: {missing}"
+
+
+def _code_lines(function: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> int:
+    """Lines of code in a function's body: no docstring, blank line or comment."""
+    body = function.body
+    start = body[0].lineno
+    if (
+        isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
+        start = (body[0].end_lineno or start) + 1
+    inside = lines[start - 1 : function.end_lineno]
+    return sum(1 for line in inside if line.strip() and not line.strip().startswith("#"))
+
+
+def test_every_function_reads_in_one_screen():
+    """No function runs past 60 lines of code (STYLE.md: a step of a story is one
+    named function; a longer one is several steps)."""
+    long = []
+    for path in MODULES:
+        lines = path.read_text().splitlines()
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _code_lines(node, lines) > 60:
+                long.append(f"{path.name}: {node.name} ({_code_lines(node, lines)} lines)")
+    assert long == []

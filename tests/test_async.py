@@ -468,13 +468,13 @@ def test_the_records_are_freed_while_the_writes_keep_their_data(where, tmp_path,
         s3.gate.open.clear()
         release = s3.gate.open
     copies = []
-    private_copies = _write.private_copies
+    copy_numpy_leaves = _write.copy_numpy_leaves
 
     def kept(pending):
-        private_copies(pending)
+        copy_numpy_leaves(pending)
         copies.extend(weakref.ref(piece) for p in pending for _, piece in p.pieces)
 
-    monkeypatch.setattr(_write, "private_copies", kept)
+    monkeypatch.setattr(_write, "copy_numpy_leaves", kept)
     tree = {"w": np.arange(4096, dtype=np.float32), "b": np.full(3, 7, dtype=np.int64)}
     expected = jax.tree.map(np.copy, tree)
     pending = eqx_ckpt.tree_serialise_leaves(path, tree, lambda handle, x: handle.write(x), blocking=False)
