@@ -432,6 +432,20 @@ def open_array(loc: Location, record: LeafRecord, *, synced: bool = True, checke
     return ts.open(spec, open=True, context=_context(loc, synced))
 
 
+def open_to_write(loc: Location, record: LeafRecord) -> ts.Future:
+    """Open a leaf's array that another process of this save created, to write
+    this process's shards into it (its zarr.json checked against the record).
+
+    Not `open_array`: the checks a load makes of a leaf's files (that they hold
+    all of its bytes) fail here by design, while the other processes are still
+    writing their shards."""
+    _faults.fire("storage.open_array", loc, record)
+    spec = array_spec(
+        loc, record.directory, shape=record.stored_shape, stored_dtype=record.stored_dtype, chunks=list(record.chunks)
+    )
+    return ts.open(spec, open=True, context=_context(loc, synced=False))
+
+
 def open_spec(spec: dict[str, Any], loc: Location, *, cached: bool = False) -> ts.Future:
     """Open an existing array from its full spec, checking its zarr.json;
     `cached` keeps decoded chunks in a shared cache (`_storage.CACHED`)."""

@@ -148,7 +148,7 @@ def _create(data: Location, batch: Batch, group: _multihost.Group) -> list[Any]:
     if not group.primary:
         try:
             for p in batch.own:
-                opens.append(_storage.open_array(data, p.record, synced=False))
+                opens.append(_storage.open_to_write(data, p.record))
         except BaseException:
             settle(opens)
             raise

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import eqx_ckpt
 
 WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
+ROWS_WORKER = pathlib.Path(__file__).with_name("multiprocess_rows_worker.py")
 ROWS_COLS = (8, 4)
 
 
@@ -28,8 +29,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_workers(path: pathlib.Path, count: int = 2, timeout: float = 55) -> list[str]:
-    """Run the worker in `count` processes; their output, or a failure with it."""
+def _run_workers(path: pathlib.Path, count: int = 2, timeout: float = 55, worker: pathlib.Path = WORKER) -> list[str]:
+    """Run `worker` in `count` processes; their output, or a failure with it."""
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
@@ -38,7 +39,7 @@ def _run_workers(path: pathlib.Path, count: int = 2, timeout: float = 55) -> lis
     procs = []
     for i, log in enumerate(logs):
         with open(log, "w") as out:
-            command = [sys.executable, str(WORKER), str(i), str(count), str(port), str(path)]
+            command = [sys.executable, str(worker), str(i), str(count), str(port), str(path)]
             procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
     deadline, timed_out = time.monotonic() + timeout, False
     try:
@@ -136,3 +137,17 @@ def test_export_of_a_multiprocess_checkpoint(saved: pathlib.Path, tmp_path: path
     assert sorted(tensors) == sorted(eqx_ckpt.Checkpoint(saved))
     for name in ("sharded", "half", "replicated"):
         np.testing.assert_array_equal(tensors[name], _value(2.0))
+
+
+def test_processes_save_one_array_sharded_by_rows(tmp_path: pathlib.Path) -> None:
+    """Four processes, one device each, save one 16 MiB array sharded by rows,
+    and each loads its rows back. (A check of the load, that a leaf's folder
+    holds all of its bytes, once ran inside the save when a process opened the
+    array process 0 had created, before the others had written their rows:
+    with four processes the save failed every time.)"""
+    path = tmp_path / "ckpt"
+    _run_workers(path, count=4, timeout=150, worker=ROWS_WORKER)
+    shape = (4096, 1024)  # as the worker saves it: 16 MiB of float32, row i holding i * 1024 + column
+    loaded = eqx_ckpt.tree_deserialise_leaves(path, {"w": np.zeros(shape, np.float32)})
+    np.testing.assert_array_equal(loaded["w"], np.arange(np.prod(shape), dtype=np.float32).reshape(shape))
+    assert eqx_ckpt.verify(path) == []
