@@ -35,6 +35,7 @@ import datetime
 import fcntl
 import json
 import os
+import re
 import secrets
 import socket
 import threading
@@ -43,7 +44,7 @@ import weakref
 from typing import Any
 
 from . import _durable, _faults, _storage, _storage_errors
-from ._errors import CheckpointExistsError
+from ._errors import CheckpointError, CheckpointExistsError, CheckpointStorageError
 from ._location import Location
 
 HEARTBEAT_SECONDS = 5.0
@@ -232,6 +233,11 @@ def acquire(loc: Location, name: str, *, what: str, journal: bool = True) -> tup
             stale, seen = _wait_until_stale(loc, name, fd, what)
             generation = _conditional_write(loc, name, body, seen)
             if generation is None:
+                if _read(loc, name) is None:
+                    # Refused twice, and still no lease there: nobody holds it,
+                    # the storage will not create it (an S3 bucket that does not
+                    # exist answers a create-if-absent write so).
+                    raise _not_created(loc, name, what)
                 raise _busy(loc, what, "in another process, which took the stale lock over first")
     except BaseException:
         if fd is not None:
@@ -264,6 +270,23 @@ def _busy(loc: Location, what: str, where: str) -> CheckpointExistsError:
         f"Another {what} is writing to {loc.display!r} ({where}), so this one did not start and nothing was "
         f"changed. Two writers on one directory would delete each other's files: wait for the other to finish, "
         f"or write elsewhere.",
+        path=loc.display,
+    )
+
+
+def _not_created(loc: Location, name: str, what: str) -> CheckpointStorageError:
+    """The error for a store that would not create the lease file though none is there."""
+    try:
+        _storage.list_keys(loc)
+        why = "no lease is there, yet its conditional write was refused twice"
+    except CheckpointError as e:
+        why = str(e)
+    except Exception as e:
+        # The storage's own words, without the XML body of its answer.
+        why = re.sub(r"\s*\[http_response_body=.*", "", _storage_errors.explain(e), flags=re.S)
+    return CheckpointStorageError(
+        f"The storage would not create {name!r} in {loc.display!r}, so this {what} did not start and nothing "
+        f"was written ({why}). Check that the bucket exists and that these credentials may write to it.",
         path=loc.display,
     )
 

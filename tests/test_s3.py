@@ -398,3 +398,17 @@ def test_verify_checks_the_group_metadata(s3, store):
     assert [rng for path, rng in s3.gate.gets if path.endswith("/opt_state/zarr.json")] == ["bytes=1048576-1048576"]
     # Loads never read them.
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, _tree(0)), _tree(1), typematch=True)
+
+
+def test_a_save_to_a_bucket_that_does_not_exist_says_so(store):
+    """A create-if-absent write to a missing bucket gets no generation back, as a
+    write that lost a race does: the save once said another writer held the
+    checkpoint (`CheckpointExistsError`). It is a storage error naming the bucket."""
+    missing = {**store, "bucket": "no-such-bucket"}
+    with pytest.raises(eqx_ckpt.CheckpointStorageError, match=re.escape("'s3://no-such-bucket/")) as caught:
+        eqx_ckpt.tree_serialise_leaves(missing, {"w": np.ones(3, np.float32)})
+    assert not isinstance(caught.value, eqx_ckpt.CheckpointExistsError)
+    assert "NoSuchBucket" in str(caught.value) and "nothing was written" in str(caught.value)
+    assert "http_response_body" not in str(caught.value)
+    with pytest.raises(eqx_ckpt.CheckpointStorageError, match="NoSuchBucket"):
+        eqx_ckpt.CheckpointManager(missing).save(0, {"w": np.ones(3, np.float32)})
