@@ -35,7 +35,6 @@ import datetime
 import fcntl
 import json
 import os
-import re
 import secrets
 import socket
 import threading
@@ -280,10 +279,7 @@ def _not_created(loc: Location, name: str, what: str) -> CheckpointStorageError:
         _storage.list_keys(loc)
         why = "no lease is there, yet its conditional write was refused twice"
     except CheckpointError as e:
-        why = str(e)
-    except Exception as e:
-        # The storage's own words, without the XML body of its answer.
-        why = re.sub(r"\s*\[http_response_body=.*", "", _storage_errors.explain(e), flags=re.S)
+        why = _storage_errors.brief(e.__cause__ or e)
     return CheckpointStorageError(
         f"The storage would not create {name!r} in {loc.display!r}, so this {what} did not start and nothing "
         f"was written ({why}). Check that the bucket exists and that these credentials may write to it.",

@@ -313,6 +313,10 @@ def list_keys(loc: Location) -> list[str]:
         keys = result(kvstore(loc).list())
     except NotImplementedError:
         raise read_only_store(loc) from None
+    except Exception as e:
+        # A listing that fails is never "nothing there": a manager would read
+        # a missing bucket as a run with no steps.
+        raise _storage_errors.list_error(loc, e) from e
     return [key.decode("utf-8", "replace") for key in keys]
 
 

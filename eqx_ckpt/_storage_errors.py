@@ -189,3 +189,21 @@ def leaf_io_error(error: BaseException, record: LeafRecord, loc: Location, doing
             "every damaged leaf.",
         )
     return stored_leaf_error(IntegrityError, f"could not {doing} it: {text}", dotted=record.path, path=loc.display)
+
+
+def list_error(loc: Location, error: BaseException) -> CheckpointStorageError:
+    """The error of a listing of `loc` that failed (TensorStore's `error`, once
+    its retries were spent): unreachable, refused, or a bucket that is not there."""
+    refused = storage_failure(loc, error, "the listing of its files")
+    if refused is not None:
+        return refused
+    return CheckpointStorageError(
+        f"Cannot list the files of {loc.display!r}: {brief(error)}. Check the path (for an object store: that the "
+        f"bucket exists) and that these credentials may list it, then try again.",
+        path=loc.display,
+    )
+
+
+def brief(error: BaseException) -> str:
+    """`explain`, and without the body of an HTTP answer (an object store's XML)."""
+    return re.sub(r"\s*\[http_response_body=.*", "", explain(error), flags=re.S)

@@ -412,3 +412,23 @@ def test_a_save_to_a_bucket_that_does_not_exist_says_so(store):
     assert "http_response_body" not in str(caught.value)
     with pytest.raises(eqx_ckpt.CheckpointStorageError, match="NoSuchBucket"):
         eqx_ckpt.CheckpointManager(missing).save(0, {"w": np.ones(3, np.float32)})
+
+
+@pytest.mark.parametrize(
+    "where, error, said",
+    [
+        ({"bucket": "no-such-bucket"}, eqx_ckpt.CheckpointStorageError, "NoSuchBucket"),
+        ({"endpoint": "http://127.0.0.1:9"}, eqx_ckpt.CheckpointConnectionError, "Cannot reach"),
+    ],
+    ids=["missing-bucket", "unreachable"],
+)
+def test_a_manager_that_cannot_list_its_directory_raises_never_reports_no_steps(store, where, error, said):
+    """A listing that fails is not an empty run: `restore_or_initialise` would
+    start training afresh. It was TensorStore's bare message
+    (`NOT_FOUND: NoSuchBucket`, `ABORTED: All 3 retry attempts failed`)."""
+    manager = eqx_ckpt.CheckpointManager({**store, **where})
+    with pytest.raises(error, match=said) as caught:
+        manager.latest_step()
+    assert "http_response_body" not in str(caught.value)
+    with pytest.raises(error, match=said):
+        manager.all_steps()
