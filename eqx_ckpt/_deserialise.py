@@ -109,7 +109,9 @@ def tree_deserialise_leaves(
         rule whose pattern is found rewrites the path (`re.sub`, once); a
         replacement of `None` leaves that leaf unloaded (it keeps `like`'s
         value), a tuple of replacements reads several stored arrays, which a
-        `transform` combines.
+        `transform` combines. A mapping key that names no leaf or sub-tree of
+        `like` is a `CheckpointValueError` (whatever `missing` says); rules and
+        callables are not checked so.
     - `missing`: `"error"` (the default) or `"keep"`: keep `like`'s leaf where the
         checkpoint has none.
     - `strict`: also report stored leaves (below `prefix`) that `like` lacks.
@@ -122,8 +124,10 @@ def tree_deserialise_leaves(
         [`eqx_ckpt.materialise`][]).
     - `transform`: per-leaf layout changes, stored array(s) -> the array `like`
         expects: a mapping from dotted paths of `like` to functions, or a list of
-        `(pattern, function)` rules (first match wins). A transformed leaf is read
-        whole (lazily: when it is first read). See
+        `(pattern, function)` rules (first match wins). A mapping key that is
+        not a dotted path of a leaf of `like` (a typo, or the leaf's stored
+        name) is a `CheckpointValueError`; rules are not checked so. A
+        transformed leaf is read whole (lazily: when it is first read). See
         [`eqx_ckpt.torch_layout`][] for PyTorch's layers.
     - `progress`: by default a progress bar (bytes and leaves) shows on stderr
         when it is a terminal and the load is large; `False` hides it, `True`

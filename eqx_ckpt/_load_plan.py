@@ -13,7 +13,8 @@ the one place that sees every leaf of `like` with its stored name and record.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import difflib
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,7 +22,7 @@ import numpy as np
 from . import _dtypes, _keypath, _select, _tree
 from ._errors import CheckpointValueError, check_flag
 from ._format import LeafRecord
-from ._load_report import Report, keys_below, refuse_no_match, shown_keys
+from ._load_report import Report, Unmatched, keys_below, refuse_no_match, refuse_unmatched, shown_keys
 from ._location import Location
 from ._manifest import Manifest
 
@@ -114,6 +115,7 @@ def plan(source: Source, like: Any, is_leaf: Any, filter_spec: Any, default: Any
     leaves = _Leaves(flat, dotted, specs, default)
     chosen = _chosen(options.where, treedef, leaves)
     names = _names(source.loc, source.manifest, dotted, options)
+    _check_keys(options, dotted, names, source.loc)
     report = Report(source.loc, cast=options.cast)
     leaves.assign(chosen, names, report, missing=options.missing, cast=options.cast)
     _check_whole(leaves, names, report, source.manifest, strict=options.strict)
@@ -187,6 +189,56 @@ def _names(loc: Location, manifest: Manifest, dotted: list[str], options: Option
         return None if target is None else _keypath.join_dotted(root, target)
 
     return _Names(root, records, stored_path, to_transform)
+
+
+def _check_keys(options: Options, dotted: list[str], names: _Names, loc: Location) -> None:
+    """Refuse, before anything is read, a key of a `rename` or `transform` mapping
+    that names no leaf of `like` (any leaf, whatever `where` selects and
+    `missing` says; a `rename` key may also name a sub-tree). Such a key (a
+    typo, or the stored name, as load errors name leaves) once left a leaf as
+    `like` had it without a word. Rule lists and callables are not checked:
+    rules are often written for many models at once."""
+    unmatched: list[tuple[str, str, set[str]]] = []
+    if isinstance(options.rename, Mapping) and options.rename:
+        # Every sub-tree of `like` holding a leaf (the root, `""`, is not a key `rename` applies).
+        trees = {".".join(parts[:n]) for parts in map(_keypath.split_dotted, dotted) for n in range(1, len(parts) + 1)}
+        unmatched += [("rename", key, trees) for key in options.rename if key not in trees]
+    if isinstance(options.transform, Mapping) and options.transform:
+        leaves = set(dotted)
+        unmatched += [("transform", key, leaves) for key in options.transform if key not in leaves]
+    if unmatched:
+        shown = [_unmatched(*u, dotted, names) for u in unmatched[:_SHOWN_KEYS]]
+        refuse_unmatched(shown, {option for option, _, _ in unmatched}, len(unmatched), loc)
+
+
+# How many unmatched keys an error explains (each costs a search of `like`'s paths).
+_SHOWN_KEYS = 12
+
+
+def _unmatched(option: str, key: str, paths: set[str], dotted: list[str], names: _Names) -> Unmatched:
+    """What a key that names nothing in `like` is: the paths of `like` nearest to
+    it and, if it is a name in the checkpoint, the leaves of `like` loaded from it."""
+    as_stored = {key, _keypath.join_dotted(names.root, key)}
+    stored = bool(key) and any(_keypath.is_within(p, s) for p in names.records for s in as_stored)
+    loaded_from = []
+    if stored:
+        for i, path in enumerate(dotted):
+            try:
+                target = names.stored(i)
+            except CheckpointValueError:  # a rename callable's own error is raised where it is used
+                continue
+            if target in as_stored or (isinstance(target, tuple) and as_stored & set(target)):
+                loaded_from.append(path)
+    return Unmatched(option, key, stored, loaded_from[:3], _nearest(key, paths))
+
+
+def _nearest(key: str, paths: set[str]) -> list[str]:
+    """A few of `paths` near `key`: the closest spellings, else those ending in
+    its last segment (a stored name's leaf below another parent), else the first."""
+    close = difflib.get_close_matches(key, paths, n=3)
+    last = key.rpartition(".")[2]
+    ending = [p for p in paths if p.rpartition(".")[2] == last]
+    return close or sorted(ending or paths, key=_keypath.sort_key)[:3]
 
 
 class _Leaves:

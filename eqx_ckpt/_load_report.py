@@ -1,14 +1,16 @@
 """How a load says what does not match: every problem of a plan raised together
-as one `LeafError` (`Report`), and the errors of a load that matches nothing.
+as one `LeafError` (`Report`), and the errors of a load that matches nothing
+(no leaf at all, or a key of `rename` or `transform` naming no leaf of `like`).
 What is checked is decided in `_load_plan`."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from . import _keypath
-from ._errors import LeafError, leaf_line
+from ._errors import CheckpointValueError, LeafError, leaf_line
 from ._location import Location
 from ._manifest import Manifest
 
@@ -142,3 +144,49 @@ def keys_below(manifest: Manifest, root: str) -> list[str]:
 
 def shown_keys(keys: list[str]) -> str:
     return ", ".join(repr(k) for k in keys[:20]) + (", ..." if len(keys) > 20 else "") if keys else "(none)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Unmatched:
+    """A key of a `rename` or `transform` mapping (`option`) that names no leaf of `like`."""
+
+    option: str
+    key: str
+    # Whether the key is a name in the checkpoint (below `prefix`, or from its root).
+    stored: bool
+    # The leaves of `like` loaded from that stored name: the key to write instead.
+    loaded_from: list[str]
+    # The paths of `like` nearest to the key.
+    near: list[str]
+
+
+def refuse_unmatched(shown: Sequence[Unmatched], options: set[str], count: int, loc: Location) -> None:
+    """Refuse a load whose `rename` or `transform` mapping (`options`) has `count`
+    keys that name no leaf of `like` (`shown`: the first of them): such a key
+    would silently apply to nothing, leaving a leaf as `like` has it."""
+    which = " and ".join(f"`{option}`" for option in sorted(options))
+    lines = [f"  - {_clip(_unmatched_line(u))}" for u in shown]
+    if count > len(shown):
+        lines.append(f"  ... and {count - len(shown)} more.")
+    many = count > 1
+    raise CheckpointValueError(
+        f"Cannot load checkpoint {loc.display!r}: {count} key{'s' if many else ''} of {which} "
+        f"name{'' if many else 's'} no leaf of `like`, so {'they' if many else 'it'} would silently apply to "
+        f"nothing; nothing was read.\n"
+        + "\n".join(lines)
+        + "\nKeys of `rename` and `transform` are dotted paths of `like` (spelled as `Checkpoint(path).keys()` "
+        "spells stored ones; a `rename` key may name a sub-tree); values of `rename` are paths in the checkpoint "
+        "(below `prefix`). (Lists of rules and callables are not checked this way.)",
+        path=loc.display,
+    )
+
+
+def _unmatched_line(u: Unmatched) -> str:
+    line = f"`{u.option}` key `{u.key}` names no leaf of `like`"
+    if u.stored:
+        line += f": `{u.key}` is a name in the checkpoint; keys of `{u.option}` name leaves of `like`"
+        line += ", its values name paths in the checkpoint" if u.option == "rename" else ""
+        if u.loaded_from:
+            line += f" ({', '.join(f'`{p}`' for p in u.loaded_from)} {'is' if len(u.loaded_from) == 1 else 'are'} "
+            line += f"loaded from it: write `{u.loaded_from[0]}`)"
+    return line + f". The nearest paths of `like`: {', '.join(f'`{p}`' for p in u.near) or '(none)'}."
