@@ -123,7 +123,8 @@ def tree_deserialise_leaves(
     - `transform`: per-leaf layout changes, stored array(s) -> the array `like`
         expects: a mapping from dotted paths of `like` to functions, or a list of
         `(pattern, function)` rules (first match wins). A transformed leaf is read
-        whole (lazily: when it is first read). See
+        whole (lazily: when it is first read). A function that raises is a
+        `LeafError` naming the leaf, chained to its exception. See
         [`eqx_ckpt.torch_layout`][] for PyTorch's layers.
     - `progress`: by default a progress bar (bytes and leaves) shows on stderr
         when it is a terminal and the load is large; `False` hides it, `True`
@@ -183,8 +184,8 @@ def _read_transformed(source: Source, plan: LoadPlan) -> list[Any]:
     """The values of the transformed leaves; their problems raised together."""
     values, problems = _transform.load(source, plan.transformed, cast=plan.cast, lazy=plan.lazy)
     report = Report(plan.loc, cast=plan.cast)
-    for tplan, what in problems:
-        report.add_transform(tplan.keypath, tplan.stored, what)
+    for tplan, what, cause in problems:
+        report.add_transform(tplan.keypath, tplan.stored, what, cause=cause)
     report.raise_if_any()
     return values
 
