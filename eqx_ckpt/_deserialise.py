@@ -127,7 +127,9 @@ def tree_deserialise_leaves(
         `(pattern, function)` rules (first match wins). A mapping key that is
         not a dotted path of a leaf of `like` (a typo, or the leaf's stored
         name) is a `CheckpointValueError`; rules are not checked so. A
-        transformed leaf is read whole (lazily: when it is first read). See
+        transformed leaf is read whole (lazily: when it is first read). A
+        function that raises is a `LeafError` naming the leaf, chained to its
+        exception. See
         [`eqx_ckpt.torch_layout`][] for PyTorch's layers.
     - `progress`: by default a progress bar (bytes and leaves) shows on stderr
         when it is a terminal and the load is large; `False` hides it, `True`
@@ -187,8 +189,8 @@ def _read_transformed(source: Source, plan: LoadPlan) -> list[Any]:
     """The values of the transformed leaves; their problems raised together."""
     values, problems = _transform.load(source, plan.transformed, cast=plan.cast, lazy=plan.lazy)
     report = Report(plan.loc, cast=plan.cast)
-    for tplan, what in problems:
-        report.add_transform(tplan.keypath, tplan.stored, what)
+    for tplan, what, cause in problems:
+        report.add_transform(tplan.keypath, tplan.stored, what, cause=cause)
     report.raise_if_any()
     return values
 

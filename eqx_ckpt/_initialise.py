@@ -10,18 +10,21 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from ._deserialise import tree_deserialise_leaves
+from ._deserialise import default_deserialise_filter_spec, tree_deserialise_leaves
+from ._progress import Progress
 
 
 def load_or_initialise(
     path: Any,
     init: Callable[[], PyTree],
     *,
+    where: Callable[[PyTree], Any] | None = None,
     prefix: str | None = None,
     rename: Mapping[str, str] | Callable[[str], str] | Sequence[tuple[str, Any]] | None = None,
     strict: bool = False,
     cast: bool = False,
     transform: Any = None,
+    progress: Progress = None,
 ) -> PyTree:
     """Build `init()`'s tree from a checkpoint, computing only the leaves the
     checkpoint does not have.
@@ -38,8 +41,9 @@ def load_or_initialise(
     - `init`: a function of no arguments returning the tree (use
         `functools.partial` or a lambda to bind a model's arguments). It must be
         traceable by `jax.jit`, as any Equinox constructor is.
-    - `prefix`, `rename`, `strict`, `cast`, `transform`: as for
-        [`eqx_ckpt.tree_deserialise_leaves`][].
+    - `where`, `prefix`, `rename`, `strict`, `cast`, `transform`, `progress`: as
+        for [`eqx_ckpt.tree_deserialise_leaves`][]. The leaves `where` leaves
+        out are initialised, as the missing ones are.
 
     **Returns:**
 
@@ -72,10 +76,24 @@ def load_or_initialise(
         model = eqx_ckpt.load_or_initialise("ckpt", make)   # body loaded, head initialised
         ```
     """
-    like = eqx.filter_eval_shape(init)
-    loaded = tree_deserialise_leaves(
-        path, like, prefix=prefix, rename=rename, missing="keep", strict=strict, cast=cast, transform=transform
-    )
+    return initialise_unloaded(
+        path, init,
+        where=where, prefix=prefix, rename=rename, missing="keep", strict=strict, cast=cast, transform=transform,
+        progress=progress,
+    )  # fmt: skip
+
+
+def initialise_unloaded(
+    path: Any,
+    init: Callable[[], PyTree],
+    filter_spec: Any = default_deserialise_filter_spec,
+    is_leaf: Callable[[Any], bool] | None = None,
+    **options: Any,
+) -> PyTree:
+    """`init()`'s tree loaded from `path` with the load `options` (those of
+    `tree_deserialise_leaves`), and the leaves the load left abstract (missing
+    with `missing="keep"`, or outside `where`) computed by `init` alone."""
+    loaded = tree_deserialise_leaves(path, eqx.filter_eval_shape(init), filter_spec, is_leaf, **options)
     leaves, treedef = jtu.tree_flatten(loaded)
     todo = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.ShapeDtypeStruct)]
     if todo:

@@ -32,6 +32,8 @@ class Report:
         self.keypaths: list[tuple[Any, ...]] = []
         self.dotted: list[str] = []
         self.unexpected: list[str] = []
+        # The first exception behind a problem (a `transform` that raised): the error chains it.
+        self.cause: Exception | None = None
 
     def add(self, kind: str, what: str, keypath: tuple[Any, ...] | None, stored: str) -> None:
         """A problem of the leaf of `like` at `keypath` (`None`: a stored leaf `like` lacks)."""
@@ -41,9 +43,13 @@ class Report:
             self.keypaths.append(keypath)
         self.dotted.append(stored)
 
-    def add_transform(self, keypath: tuple[Any, ...], stored: str | tuple[str, ...], problem: str) -> None:
+    def add_transform(
+        self, keypath: tuple[Any, ...], stored: str | tuple[str, ...], problem: str, *, cause: Exception | None = None
+    ) -> None:
         """A problem of a transformed leaf: `missing: ...` is a missing leaf;
-        anything else is about the transform."""
+        anything else is about the transform (`cause`: the exception it raised)."""
+        if self.cause is None:
+            self.cause = cause
         kind, sep, what = problem.partition(": ")
         kind, what = (kind, what) if sep and kind == "missing" else ("transform", problem)
         self.add(kind, what, keypath, ", ".join(stored) if isinstance(stored, tuple) else stored)
@@ -64,13 +70,16 @@ class Report:
                 )
                 + (f"\n  ... and {extra} more." if extra > 0 else "")
             )
-        raise LeafError(
+        error = LeafError(
             f"Cannot load checkpoint {self.loc.display!r} into `like`: {count} "
             f"lea{'f does' if count == 1 else 'ves do'} not match.\n" + "\n".join(shown) + "\n" + self._fixes(),
             path=self.loc.display,
             keypaths=self.keypaths,
             dotted=self.dotted,
         )
+        if self.cause is not None:
+            raise error from self.cause
+        raise error
 
     def _fixes(self) -> str:
         fixes = []

@@ -19,13 +19,12 @@ import functools
 import os
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import equinox as eqx
 from jaxtyping import PyTree
 
-from . import _durable, _lease, _serialise, _storage, _storage_errors
+from . import _durable, _initialise, _lease, _serialise, _storage, _storage_errors
 from ._deserialise import default_deserialise_filter_spec, tree_deserialise_leaves
 from ._errors import (
     CheckpointExistsError,
@@ -35,6 +34,7 @@ from ._errors import (
 )
 from ._format import MANIFEST, metrics_name as _metrics_name, step_name
 from ._location import location
+from ._progress import Progress
 from ._serialise import PendingSave, default_serialise_filter_spec
 from ._steps import (
     _check_step,
@@ -361,11 +361,13 @@ class CheckpointManager:
         is_leaf: Callable[[Any], bool] | None = None,
         where: Callable[[PyTree], Any] | None = None,
         prefix: str | None = None,
-        rename: Mapping[str, str] | Callable[[str], str] | None = None,
+        rename: Mapping[str, str] | Callable[[str], str] | Sequence[tuple[str, Any]] | None = None,
         missing: str = "error",
         strict: bool = False,
         cast: bool = False,
         lazy: bool = False,
+        transform: Any = None,
+        progress: Progress = None,
     ) -> PyTree:
         """Load a step into `like`.
 
@@ -374,8 +376,9 @@ class CheckpointManager:
         - `like`: the skeleton, concrete or abstract (`eqx.filter_eval_shape`).
         - `step`: the step to load; the latest committed one by default.
         - `filter_spec`, `is_leaf`, `where`, `prefix`, `rename`, `missing`, `strict`,
-            `cast`, `lazy`: as for [`eqx_ckpt.tree_deserialise_leaves`][]; for
-            instance `prefix="model"` loads only the model of a
+            `cast`, `lazy`, `transform`, `progress`: every option of
+            [`eqx_ckpt.tree_deserialise_leaves`][], with its meaning and default;
+            for instance `prefix="model"` loads only the model of a
             `{"model": ..., "opt_state": ...}` step.
 
         **Returns:**
@@ -400,9 +403,25 @@ class CheckpointManager:
         return tree_deserialise_leaves(
             self._loc.joined(step_name(step)), like, filter_spec, is_leaf,
             where=where, prefix=prefix, rename=rename, missing=missing, strict=strict, cast=cast, lazy=lazy,
+            transform=transform, progress=progress,
         )  # fmt: skip
 
-    def restore_or_initialise(self, init: Callable[[], PyTree]) -> tuple[int | None, PyTree]:
+    def restore_or_initialise(
+        self,
+        init: Callable[[], PyTree],
+        *,
+        filter_spec: Any = default_deserialise_filter_spec,
+        is_leaf: Callable[[Any], bool] | None = None,
+        where: Callable[[PyTree], Any] | None = None,
+        prefix: str | None = None,
+        rename: Mapping[str, str] | Callable[[str], str] | Sequence[tuple[str, Any]] | None = None,
+        missing: str = "error",
+        strict: bool = False,
+        cast: bool = False,
+        lazy: bool = False,
+        transform: Any = None,
+        progress: Progress = None,
+    ) -> tuple[int | None, PyTree]:
         """Resume from the latest step, or start afresh if there is none.
 
         **Arguments:**
@@ -410,7 +429,15 @@ class CheckpointManager:
         - `init`: a function of no arguments building the initial tree (the same
             tree `save` is given). When there is a step, it is only traced, with
             `eqx.filter_eval_shape`, to get the skeleton to load into: no initial
-            value is computed.
+            value is computed, except for the leaves the load leaves out (see
+            `missing`), which `init` computes under `jax.jit` (as
+            [`eqx_ckpt.load_or_initialise`][] does).
+        - `filter_spec`, `is_leaf`, `where`, `prefix`, `rename`, `missing`, `strict`,
+            `cast`, `lazy`, `transform`, `progress`: every option of
+            [`eqx_ckpt.tree_deserialise_leaves`][], with its meaning and default.
+            `missing="keep"` resumes a state that gained leaves since the step was
+            saved (an EMA of the weights, a new head): those leaves get `init`'s
+            values. Leaves `where` does not select get `init`'s values too.
 
         **Returns:**
 
@@ -436,7 +463,11 @@ class CheckpointManager:
         step = self.latest_step()
         if step is None:
             return None, init()
-        return step, self.restore(eqx.filter_eval_shape(init), step)
+        return step, _initialise.initialise_unloaded(
+            self._loc.joined(step_name(step)), init, filter_spec, is_leaf,
+            where=where, prefix=prefix, rename=rename, missing=missing, strict=strict, cast=cast, lazy=lazy,
+            transform=transform, progress=progress,
+        )  # fmt: skip
 
     def _require(self, step: int) -> None:
         steps = self.all_steps()

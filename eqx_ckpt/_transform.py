@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
@@ -26,9 +26,12 @@ if TYPE_CHECKING:
     from ._source import Source
 
 
-def load(
-    source: Source, plans: list[TransformPlan], *, cast: bool, lazy: bool
-) -> tuple[list[Any], list[tuple[TransformPlan, str]]]:
+# A problem of a transformed leaf: its plan, what is wrong, and the exception the
+# `transform` raised (`None` if it returned a value that does not fit).
+Problem: TypeAlias = "tuple[TransformPlan, str, Exception | None]"
+
+
+def load(source: Source, plans: list[TransformPlan], *, cast: bool, lazy: bool) -> tuple[list[Any], list[Problem]]:
     """Read, transform and check every plan; returns the values (`None` where a
     problem was found) and the problems, to be reported together. With `lazy`,
     array leaves become `TransformedArray`s, read and transformed when asked."""
@@ -39,7 +42,7 @@ def load(
         lazies = {i: TransformedArray(source, plans[i], cast=cast) for i in arrays}
         return [lazies[i] if i in lazies else next(eager) for i in range(len(plans))], found
     values: list[Any] = [None] * len(plans)
-    problems: list[tuple[TransformPlan, str]] = []
+    problems: list[Problem] = []
 
     def finish(i: int, reads: list[Any]) -> None:
         plan = plans[i]
@@ -52,11 +55,11 @@ def load(
         try:
             out = np.asarray(plan.fn(*arrays))
         except Exception as e:
-            problems.append((plan, f"its `transform` raised {type(e).__name__}: {e}."))
+            problems.append((plan, _raised(e), e))
             return
         values[i], problem = finish_value(out, plan.like, cast)
         if problem:
-            problems.append((plan, problem))
+            problems.append((plan, problem, None))
 
     def start(plan: TransformPlan) -> list[Any]:
         return [_start(source, record) for record in plan.records]
@@ -75,6 +78,11 @@ def _start(source: Source, record: LeafRecord) -> Any:
     except Exception as e:
         raise _storage_errors.leaf_io_error(e, record, source.data, "open") from e
     return store.read()
+
+
+def _raised(e: Exception) -> str:
+    """The problem of a leaf whose `transform` raised `e` (which the error chains)."""
+    return f"its `transform` raised {type(e).__name__}: {e}."
 
 
 def finish_value(out: np.ndarray, like: Any, cast: bool) -> tuple[Any, str]:
@@ -150,9 +158,10 @@ class TransformedArray(LazyArray):
     def _value(self) -> np.ndarray:
         arrays = [np.asarray(part) for part in self._parts]
         try:
-            out, problem = checked(np.asarray(self._fn(*arrays)), self._like, self._cast)
+            made = np.asarray(self._fn(*arrays))
         except Exception as e:
-            out, problem = np.empty(0), f"its `transform` raised {type(e).__name__}: {e}."
+            raise self._error(_raised(e)) from e
+        out, problem = checked(made, self._like, self._cast)
         if problem:
             raise self._error(problem)
         return out

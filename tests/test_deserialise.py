@@ -475,6 +475,31 @@ def test_a_transform_for_a_leaf_a_custom_filter_spec_loads_is_an_error(tmp_path)
         eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": np.zeros((2, 2))}, spec, transform={"w": np.transpose})
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_transform_that_raises_is_the_cause_of_the_error(tmp_path, lazy):
+    """Issue 40, item 9: the `LeafError` for a `transform` that raised once lost
+    the exception (`__cause__` was None), and with it the traceback into the
+    user's function."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": np.ones(2, np.float32), "b": np.ones(2, np.float32)})
+    oops = ZeroDivisionError("oops")
+
+    def broken(a):
+        raise oops
+
+    like = {"w": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)}
+    transform = {"w": broken, "b": lambda a: a * 2}
+    said = re.escape("its `transform` raised ZeroDivisionError: oops.")
+    with pytest.raises(eqx_ckpt.LeafError, match=r"leaf `w`.*" + said) as info:
+        eqx_ckpt.materialise(eqx_ckpt.tree_deserialise_leaves(tmp_path, like, transform=transform, lazy=lazy))
+    assert info.value.__cause__ is oops and info.value.dotted == ("w",)
+    if lazy:  # a lazy leaf read on its own, not through `materialise`
+        loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, transform=transform, lazy=True)
+        with pytest.raises(eqx_ckpt.LeafError, match=said) as info:
+            np.asarray(loaded["w"])
+        assert info.value.__cause__ is oops
+        assert np.array_equal(np.asarray(loaded["b"]), np.full(2, 2, np.float32))
+
+
 def test_a_rename_callable_that_raises_is_a_checkpoint_error(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": np.ones(2)})
     with pytest.raises(

@@ -73,6 +73,19 @@ def test_prefix_and_rename(tmp_path):
     assert eqx.tree_equal(model["head"], _make()["head"], typematch=True)
 
 
+def test_where_and_progress(tmp_path):
+    """The leaves `where` leaves out are initialised, as the missing ones are."""
+    body, head = _body(0), eqx.nn.Linear(4, 3, key=jax.random.key(7))
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"body": body, "head": head})
+    calls = []
+    model = eqx_ckpt.load_or_initialise(
+        tmp_path, _make, where=lambda m: m["body"], progress=lambda *counts: calls.append(counts)
+    )
+    assert eqx.tree_equal(model, {"body": body, "head": _make()["head"]}, typematch=True)
+    body_leaves = len(jax.tree_util.tree_leaves(eqx.filter(body, eqx.is_array)))
+    assert calls and calls[-1][:2] == (body_leaves, body_leaves)
+
+
 def test_shape_change_is_still_an_error(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"body": _body(0), "head": eqx.nn.Linear(4, 5, key=jax.random.key(0))})
     with pytest.raises(eqx_ckpt.LeafError, match="has changed shape"):

@@ -1,5 +1,7 @@
 """`CheckpointManager`: steps on disk, retention, interrupted saves, async saves, restore."""
 
+import inspect
+import io
 import json
 import math
 import re
@@ -14,7 +16,7 @@ import optax
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _faults
+from eqx_ckpt import _faults, _progress
 
 
 def _state(seed=0):
@@ -265,6 +267,106 @@ def test_restore_filter_spec_and_is_leaf(tmp_path):
     keep_b = {"a": eqx_ckpt.default_deserialise_filter_spec, "b": lambda handle, x: x}
     out = manager.restore({"a": jnp.zeros(2), "b": jnp.zeros(2)}, filter_spec=keep_b)
     assert eqx.tree_equal(out, {"a": jnp.ones(2), "b": jnp.zeros(2)}, typematch=True)
+
+
+@pytest.mark.parametrize("method", ["restore", "restore_or_initialise"])
+def test_restore_takes_every_load_option_with_its_default(method):
+    """Issue 40, items 5 and 6: `restore(like, progress=False)` was a TypeError
+    and `transform` was not passed; `restore_or_initialise` took no option at all."""
+    loads = inspect.signature(eqx_ckpt.tree_deserialise_leaves).parameters
+    options = {name: p.default for name, p in loads.items() if name not in ("path", "like")}
+    params = inspect.signature(getattr(eqx_ckpt.CheckpointManager, method)).parameters
+    ours = {name: p.default for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert ours == options
+
+
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal, and keeps what was written to it."""
+
+    def isatty(self):
+        return True
+
+
+def test_restore_honours_progress_and_transform(tmp_path, monkeypatch):
+    manager = eqx_ckpt.CheckpointManager(tmp_path)
+    saved = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+    manager.save(0, saved)
+    like = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)}
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    monkeypatch.setattr(_progress, "MIN_LEAVES", 1)  # every load is large enough for a bar
+    assert eqx.tree_equal(manager.restore(like, progress=False), saved, typematch=True)
+    assert terminal.getvalue() == ""
+    manager.restore(like)
+    assert "load" in terminal.getvalue() and "2/2 leaves" in terminal.getvalue()
+    calls = []
+    manager.restore(like, progress=lambda *counts: calls.append(counts))
+    total = eqx_ckpt.Checkpoint(manager.step_path(0)).total_bytes
+    assert calls and calls[-1] == (2, 2, total, total)
+    # `transform`, eager and lazy.
+    transform = {"w": np.transpose}
+    out = manager.restore({"w": jnp.zeros((3, 2))}, transform=transform)
+    assert eqx.tree_equal(out, {"w": saved["w"].T}, typematch=True)
+    lazy = manager.restore({"w": jnp.zeros((3, 2))}, transform=transform, lazy=True)
+    assert isinstance(lazy["w"], eqx_ckpt.LazyArray)
+    assert eqx.tree_equal(eqx_ckpt.materialise(lazy), {"w": saved["w"].T}, typematch=True)
+
+
+def _with_ema(state):
+    """The state with an exponential moving average of the model's arrays."""
+    ema = jax.tree_util.tree_map(lambda x: x * 0.5, eqx.filter(state["model"], eqx.is_array))
+    return {**state, "ema": ema}
+
+
+def test_restore_or_initialise_resumes_a_state_that_gained_leaves(tmp_path):
+    """Issue 40, item 6: after an EMA was added to the state, resuming failed with
+    an error advising `missing='keep'`, which `restore_or_initialise` refused."""
+    manager = eqx_ckpt.CheckpointManager(tmp_path)
+    saved = _state(1)
+    manager.save(5, saved)
+    init = lambda: _with_ema(_state(0))
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("`ema.layers.0.weight`")) as info:
+        manager.restore_or_initialise(init)
+    assert "`missing='keep'` keeps `like`'s value for missing leaves" in str(info.value)
+    step, state = manager.restore_or_initialise(init, missing="keep")
+    # The EMA is `init`'s; everything else is the step's, bit for bit.
+    assert step == 5
+    assert eqx.tree_equal(state, {**saved, "ema": init()["ema"]}, typematch=True)
+    assert not eqx.tree_equal(state["ema"], _with_ema(saved)["ema"])
+
+
+def test_restore_or_initialise_honours_the_load_options(tmp_path, monkeypatch):
+    manager = eqx_ckpt.CheckpointManager(tmp_path)
+    w = jnp.arange(6.0).reshape(2, 3)
+    manager.save(0, {"model": {"w": w}, "extra": jnp.ones(2)})
+    # `prefix`, `rename`, `transform`, `cast`.
+    init = lambda: {"weight": jnp.zeros((3, 2), jnp.bfloat16)}
+    options = {"prefix": "model", "rename": {"weight": "w"}, "transform": {"weight": np.transpose}}
+    step, out = manager.restore_or_initialise(init, **options, cast=True)
+    assert step == 0 and eqx.tree_equal(out, {"weight": w.T.astype(jnp.bfloat16)}, typematch=True)
+    # `where`: the leaves it leaves out are `init`'s.
+    init = lambda: {"model": {"w": jnp.full((2, 3), 9.0)}, "extra": jnp.full(2, 5.0)}
+    _, out = manager.restore_or_initialise(init, where=lambda t: t["model"])
+    assert eqx.tree_equal(out, {"model": {"w": w}, "extra": jnp.full(2, 5.0)}, typematch=True)
+    # So are those a custom `filter_spec` does not load.
+    keep_extra = {"model": eqx_ckpt.default_deserialise_filter_spec, "extra": lambda handle, x: x}
+    _, out = manager.restore_or_initialise(init, filter_spec=keep_extra)
+    assert eqx.tree_equal(out, {"model": {"w": w}, "extra": jnp.full(2, 5.0)}, typematch=True)
+    # `strict`, `lazy`, `progress`.
+    init = lambda: {"model": {"w": jnp.zeros((2, 3))}}
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("`extra`")):
+        manager.restore_or_initialise(init, strict=True)
+    _, out = manager.restore_or_initialise(init, lazy=True)
+    assert isinstance(out["model"]["w"], eqx_ckpt.LazyArray)
+    assert eqx.tree_equal(eqx_ckpt.materialise(out), {"model": {"w": w}}, typematch=True)
+    calls = []
+    manager.restore_or_initialise(init, progress=lambda *counts: calls.append(counts))
+    assert calls and calls[-1][:2] == (1, 1)
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    monkeypatch.setattr(_progress, "MIN_LEAVES", 1)
+    manager.restore_or_initialise(init, progress=False)
+    assert terminal.getvalue() == ""
 
 
 def test_unknown_steps(tmp_path):
