@@ -292,5 +292,6 @@ SMALL_VALUES = 16
 def _one_line(leaf: Any) -> str:
     """A small leaf's value on one line (a scalar leaf is its value already)."""
     if isinstance(leaf, (bool, int, float, complex)):
-        return repr(leaf)
+        # A NumPy scalar (`np.float64` is a `float`) as its plain value, not `np.float64(0.1)`.
+        return repr(leaf.item() if isinstance(leaf, np.generic) else leaf)
     return np.array2string(np.asarray(leaf), separator=", ", max_line_width=2**31).replace("\n", "")

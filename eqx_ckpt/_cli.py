@@ -25,12 +25,6 @@ from ._manager import CheckpointManager
 from ._verify import verify
 
 
-def format_listing(ckpt: Checkpoint, *, depth: int | None = None, values: bool = False) -> str:
-    """The sorted tree of keys, with dtype[shape] and size (and, with `values`, the
-    value of each small leaf), then totals."""
-    return ckpt.listing(depth=depth, values=values)
-
-
 def _path(text: str) -> Any:
     """A path, URL, or (starting with `{`) a TensorStore kvstore spec as JSON, for
     object stores that need an endpoint or credentials options."""
@@ -64,7 +58,7 @@ def _ls(args: argparse.Namespace) -> int:
             raise
         print(_format_steps(manager, steps))
         return 0
-    print(printable(format_listing(ckpt, depth=args.depth, values=args.values)))
+    print(printable(ckpt.listing(depth=args.depth, values=args.values)))
     return 0
 
 

@@ -234,12 +234,17 @@ def test_demo_refuses_bad_arguments_before_training(tmp_path, capsys):
 
 def test_ls_values_prints_small_leaves(tmp_path):
     path = tmp_path / "ckpt"
-    tree = {"big": np.arange(17.0, dtype=np.float32), "small": np.arange(3, dtype=np.int32), "lr": 0.25, "step": 7}
+    tree = {
+        "big": np.arange(17.0, dtype=np.float32), "small": np.arange(3, dtype=np.int32), "lr": 0.25, "step": 7,
+        "momentum": np.float64(0.1),
+    }  # fmt: skip
     eqx_ckpt.tree_serialise_leaves(path, tree)
     lines = run("ls", "--values", path, check_code=0).stdout.splitlines()
     assert lines[0].split() == ["big", "float32[17]", "68", "B"]
     assert lines[1].split() == ["lr", "float64[]", "8", "B", "=", "0.25"]
-    assert lines[2].endswith("= [0, 1, 2]") and lines[3].endswith("B  = 7")
+    # A NumPy scalar prints as its value (it printed `np.float64(0.1)`).
+    assert lines[2].split() == ["momentum", "float64[]", "8", "B", "=", "0.1"]
+    assert lines[3].endswith("= [0, 1, 2]") and lines[4].endswith("B  = 7")
     assert "=" not in run("ls", path, check_code=0).stdout
 
 
