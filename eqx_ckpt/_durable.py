@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from . import _faults, _format, _location, _storage_errors
+from ._errors import CheckpointError
 
 if TYPE_CHECKING:
     from ._location import Location
@@ -130,4 +131,12 @@ def ensure_directory(loc: Location) -> None:
         for created in reversed(missing):
             fsync(os.path.dirname(created))
     except OSError as e:
+        # A file where a folder of the path should be (`notes.txt/ckpt`) is named as the cause.
+        blocker = next((p for p in reversed(missing) if os.path.lexists(p) and not os.path.isdir(p)), None)
+        if blocker is not None:
+            raise CheckpointError(
+                f"Cannot create the checkpoint directory {loc.display!r}: {blocker!r} is a file, not a folder, "
+                f"so nothing was written. Save to another path, or move that file.",
+                path=loc.display,
+            ) from e
         raise _storage_errors.write_error(loc, ".", e, "nothing was written") from e

@@ -481,3 +481,15 @@ def test_a_leaf_that_cannot_be_saved_is_named_by_its_key_path(tmp_path, which):
     keys = jax.tree_util
     assert list(info.value.keypaths) == [(keys.DictKey("blocks"), keys.SequenceKey(which // 2), keys.DictKey("w"))]
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("below", ["ckpt", "run/ckpt"])
+def test_a_file_where_a_folder_of_the_path_should_be_is_named(tmp_path, below):
+    """It said "Cannot write '.'", naming neither the file nor the folder."""
+    (tmp_path / "notes.txt").write_text("mine")
+    path = tmp_path / "notes.txt" / below
+    expected = f"{str(tmp_path / 'notes.txt')!r} is a file, not a folder, so nothing was written"
+    with pytest.raises(eqx_ckpt.CheckpointError, match=re.escape(expected)):
+        eqx_ckpt.tree_serialise_leaves(path, {"w": np.ones(2, np.float32)})
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
