@@ -21,6 +21,7 @@ from ._demo import run
 from ._diff import diff
 from ._errors import CheckpointError, CheckpointNotFoundError, CheckpointValueError
 from ._export import export_safetensors
+from ._format import MANIFEST
 from ._manager import CheckpointManager
 from ._verify import verify
 
@@ -81,12 +82,15 @@ def _info(args: argparse.Namespace) -> int:
     ckpt = Checkpoint(_path(args.path))
     print(f"path:            {printable(ckpt.path)}")
     if ckpt.format == "eqx_ckpt":
-        print(f"format:          eqx_ckpt {ckpt.format_version} (zarr v3 arrays, manifest.json)")
+        print(f"format:          eqx_ckpt {ckpt.format_version} (zarr v3 arrays, {MANIFEST})")
     else:
         print(f"format:          {ckpt.format}")
     print(f"layout:          {ckpt.layout}")
-    print(f"library version: {printable(ckpt.library_version)}")
-    print(f"created:         {printable(ckpt.created)}")
+    # Other formats record neither: their lines are left out, not printed empty.
+    if ckpt.library_version:
+        print(f"library version: {printable(ckpt.library_version)}")
+    if ckpt.created:
+        print(f"created:         {printable(ckpt.created)}")
     print(f"leaves:          {len(ckpt)}")
     print(f"bytes:           {ckpt.total_bytes} ({human(ckpt.total_bytes)})")
     return 0

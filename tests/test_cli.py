@@ -61,6 +61,19 @@ def test_info_reports_format_and_counts(ckpt):
     assert "bytes:           72 " in out
 
 
+def test_info_of_another_format_prints_no_empty_lines(tmp_path):
+    """A safetensors file records no library version or creation time: those
+    lines were printed empty."""
+    import safetensors.numpy
+
+    path = tmp_path / "model.safetensors"
+    safetensors.numpy.save_file({"w": np.ones((2, 3), np.float32)}, str(path))
+    out = run("info", path, check_code=0).stdout
+    assert "format:          safetensors" in out and "leaves:          1" in out
+    assert "library version" not in out and "created" not in out
+    assert all(line.split(":", 1)[1].strip() for line in out.splitlines()), out
+
+
 def test_missing_checkpoint_exits_2_with_message(tmp_path):
     done = run("ls", tmp_path / "nope", check_code=2)
     assert "no eqx_ckpt checkpoint" in done.stderr
