@@ -136,7 +136,10 @@ class Checkpoint(Mapping[str, Any]):
 
         - `depth`: show only this many levels.
         - `max_rows`: show at most this many lines of the tree, then how many more
-            leaves there are.
+            leaves there are; when the tree has more leaves than that, first one
+            line per top-level entry (a sub-tree with its number of leaves and
+            bytes), so no part of the tree goes unseen (`print(Checkpoint(path))`
+            shows 60).
         - `values`: also print the value of every leaf of at most
             `SMALL_VALUES` (16) elements (what `eqx-ckpt ls --values` prints).
 
@@ -159,10 +162,16 @@ class Checkpoint(Mapping[str, Any]):
             if count is not None and (type(count) is not int or count < 0):
                 raise CheckpointTypeError(f"`{name}` must be an int of at least 0 or None, not {count!r}.")
         rows: list[tuple[str, ...]] = []
+        if max_rows is not None and len(self._records) > max_rows:
+            # Too many leaves to list: every top-level entry first, so that a
+            # small sub-tree beside a large one is never cut off unseen.
+            rows += self._top_level(max_rows)
+            rows.append((f"first {max_rows} lines:", "", ""))
+        summary = len(rows)
         shown: set[tuple[str, ...]] = set()
         left = 0
         for key, record in self._records.items():
-            if max_rows is not None and len(rows) >= max_rows:
+            if max_rows is not None and len(rows) - summary >= max_rows:
                 left += 1
                 continue
             parts = _keypath.split_dotted(key) or ("<root>",)
@@ -181,6 +190,24 @@ class Checkpoint(Mapping[str, Any]):
             lines.append(f"... and {left} more leaves (`Checkpoint(path).listing()` shows them all)")
         lines.append(f"{len(self)} leaves, {human(self.total_bytes)}")
         return "\n".join(lines)
+
+    def _top_level(self, max_rows: int) -> list[tuple[str, ...]]:
+        """One row per top-level entry (at most `max_rows`): a leaf as in the
+        listing, a sub-tree with its number of leaves and bytes."""
+        totals: dict[str, list[int]] = {}
+        for key, record in self._records.items():
+            parts = _keypath.split_dotted(key) or ("<root>",)
+            name = parts[0] if len(parts) == 1 else parts[0] + "/"
+            count_bytes = totals.setdefault(name, [0, 0])
+            count_bytes[0] += 1
+            count_bytes[1] += record.nbytes
+        rows: list[tuple[str, ...]] = []
+        for name, (count, nbytes) in list(totals.items())[:max_rows]:
+            what = f"{count} leaves" if name.endswith("/") else describe(self._records[name])
+            rows.append((name, what, human(nbytes)))
+        if len(totals) > max_rows:
+            rows.append((f"... and {len(totals) - max_rows} more top-level entries", "", ""))
+        return rows
 
     def load(self, key: str | None = None, *, lazy: bool = False, progress: Progress = None) -> Any:
         """Load the checkpoint, or the sub-tree at dotted `key`, without a skeleton.

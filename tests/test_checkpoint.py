@@ -255,3 +255,23 @@ def test_a_server_gone_after_the_open_is_a_connection_error(tmp_path):
         assert error["type"] == "eqx_ckpt.CheckpointConnectionError", (call, error)
         assert re.match(re.escape("Cannot reach 'http://127.0.0.1:") + r"[0-9]+/ckpt': ", error["message"]), error
         assert error["seconds"] < 30, (call, error)  # the read, then the check that the checkpoint is unchanged
+
+
+def test_printing_a_large_checkpoint_summarises_every_top_level_entry_first(tmp_path):
+    """A small `model` beside 3,000 leaves of `big`: the printout showed the first
+    leaves of `big` and never `model`."""
+    tree = {
+        "big": {f"k{i}": np.full(3, i, np.float32) for i in range(3000)},
+        "model": {"w": np.ones((4, 4), np.float32), "b": np.zeros(4, np.float32)},
+        "step": 7,
+    }
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
+    lines = str(eqx_ckpt.Checkpoint(tmp_path / "ckpt")).splitlines()
+    assert lines[1].split() == ["big/", "3000", "leaves", "35.2", "KiB"]
+    assert lines[2].split() == ["model/", "2", "leaves", "80", "B"]
+    assert lines[3].split() == ["step", "int64[]", "8", "B"]
+    assert lines[4] == "first 60 lines:" and lines[-1] == "3003 leaves, 35.2 KiB"
+    assert lines[-2].startswith("... and 2944 more leaves")
+    # A checkpoint that fits is listed as before, without the summary.
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "small", {"model": tree["model"], "step": 7})
+    assert "first" not in str(eqx_ckpt.Checkpoint(tmp_path / "small"))
