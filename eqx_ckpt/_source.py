@@ -13,6 +13,7 @@ reads.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -71,7 +72,7 @@ def open_source(path: Any) -> Source:
                 return _foreign(loc, found)
         raise CheckpointNotFoundError(
             f"{e} Nor is it another format eqx_ckpt reads: no `{_safetensors.INDEX}`, `{_safetensors.SINGLE}` "
-            f"or orbax `{_orbax.METADATA}` there either (see docs/interop.md).",
+            f"or orbax `{_orbax.METADATA}` there either (see docs/interop.md).{_what_is_there(loc)}",
             path=loc.display,
         ) from None
     data = _layout.data_location(loc, manifest.data_root, manifest.layout)
@@ -81,3 +82,50 @@ def open_source(path: Any) -> Source:
 def _foreign(loc: Location, found: Any) -> Source:
     fmt, manifest, opener = found
     return Source(fmt, loc, loc, manifest, opener)
+
+
+# Files of PyTorch's pickle format, which eqx_ckpt never opens.
+_PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _what_is_there(loc: Location) -> str:
+    """What a local path that holds no format eqx_ckpt reads does hold, and what
+    to do with it: an Equinox `.eqx` file, PyTorch pickles, safetensors shards
+    without their index, orbax items or steps. ("" when nothing is recognised.)"""
+    path = loc.local
+    if path is None or not os.path.exists(path):
+        return ""
+    if not os.path.isdir(path):
+        if path.endswith(".eqx"):
+            return (
+                " It is an Equinox file (`eqx.tree_serialise_leaves` writes one stream with no names in it): "
+                "convert it once with `eqx_ckpt.convert_eqx_file(eqx_path, ckpt_path, like)`, then load the "
+                "checkpoint."
+            )
+        return " It is a file; an eqx_ckpt checkpoint is a directory."
+    names = sorted(os.listdir(path))
+    shards = [n for n in names if n.endswith(_safetensors.SUFFIX)]
+    if shards:
+        return (
+            f" It holds {len(shards)} safetensors files ({_shown(shards)}) but no `{_safetensors.INDEX}` saying "
+            f"which tensor is in which: load one file by its path, or write the index."
+        )
+    pickles = [n for n in names if n.endswith(_PICKLES)]
+    if pickles:
+        return (
+            f" It holds {_shown(pickles)}: pickled files (PyTorch's `torch.save`), which eqx_ckpt never reads, "
+            f"since unpickling runs code from the file. Where you trust the file, convert it with PyTorch "
+            f"(`safetensors.torch.save_file(torch.load(path), 'model.safetensors')`) and load that."
+        )
+    items = [n for n in names if os.path.isfile(os.path.join(path, n, _orbax.METADATA))]
+    if items:
+        return f" It is an orbax checkpoint of several items ({_shown(items)}): pass one item's folder."
+    steps = [n for n in names if n.isdigit() and os.path.isdir(os.path.join(path, n))]
+    if steps:
+        return f" It looks like an orbax CheckpointManager's directory (steps {_shown(steps)}): pass one step."
+    return ""
+
+
+def _shown(names: list[str]) -> str:
+    listed = ", ".join(f"`{n}`" for n in names[:5])
+    return listed + (f" and {len(names) - 5} more" if len(names) > 5 else "")

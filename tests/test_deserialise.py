@@ -535,3 +535,61 @@ def test_a_prefix_naming_one_leaf_says_so(tmp_path):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, like, prefix="model")
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like["weight"], prefix="model.w")
     assert eqx.tree_equal(loaded, jnp.ones((3, 4)))
+
+
+def _eqx_file(tmp_path):
+    path = tmp_path / "model.eqx"
+    eqx.tree_serialise_leaves(path, {"w": jnp.ones(3)})
+    return path
+
+
+def _pickles_only(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x02}q\x00.")  # a pickle; never opened
+    return tmp_path
+
+
+def _shards_without_index(tmp_path):
+    import safetensors.numpy
+
+    for i in (1, 2):
+        safetensors.numpy.save_file({f"w{i}": np.ones(2, np.float32)}, str(tmp_path / f"model-0000{i}.safetensors"))
+    return tmp_path
+
+
+def _orbax_items(tmp_path):
+    for item in ("params", "opt_state"):
+        (tmp_path / item).mkdir()
+        (tmp_path / item / "_METADATA").write_text("{}")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "make, said",
+    [
+        (
+            _eqx_file,
+            "It is an Equinox file (`eqx.tree_serialise_leaves` writes one stream with no names in it): "
+            "convert it once with `eqx_ckpt.convert_eqx_file(eqx_path, ckpt_path, like)`",
+        ),
+        (
+            _pickles_only,
+            "It holds `pytorch_model.bin`: pickled files (PyTorch's `torch.save`), which eqx_ckpt "
+            "never reads, since unpickling runs code from the file.",
+        ),
+        (
+            _shards_without_index,
+            "It holds 2 safetensors files (`model-00001.safetensors`, "
+            "`model-00002.safetensors`) but no `model.safetensors.index.json`",
+        ),
+        (_orbax_items, "It is an orbax checkpoint of several items (`opt_state`, `params`): pass one item's folder."),
+    ],
+    ids=["eqx-file", "pytorch-bin", "shards-without-index", "orbax-items"],
+)
+def test_a_path_holding_no_format_eqx_ckpt_reads_says_what_it_holds(tmp_path, make, said):
+    """Each said only "no manifest.json ... a save that was interrupted leaves no
+    checkpoint", which sent users looking for an interrupted save."""
+    path = make(tmp_path)
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(said)):
+        eqx_ckpt.tree_deserialise_leaves(path, {"w": np.ones(3, np.float32)})
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(said)):
+        eqx_ckpt.Checkpoint(path)
