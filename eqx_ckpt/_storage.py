@@ -404,11 +404,15 @@ def transaction() -> ts.Transaction:
     return ts.Transaction()
 
 
-def create_array(loc: Location, record: LeafRecord, *, synced: bool = True) -> ts.Future:
-    spec = array_spec(
+def _leaf_spec(loc: Location, record: LeafRecord) -> dict[str, Any]:
+    """The spec of a leaf's own zarr v3 array, as its record describes it."""
+    return array_spec(
         loc, record.directory, shape=record.stored_shape, stored_dtype=record.stored_dtype, chunks=list(record.chunks)
     )
-    return create_spec(spec, loc, synced=synced)
+
+
+def create_array(loc: Location, record: LeafRecord, *, synced: bool = True) -> ts.Future:
+    return create_spec(_leaf_spec(loc, record), loc, synced=synced)
 
 
 def create_spec(spec: dict[str, Any], loc: Location, *, synced: bool = True) -> ts.Future:
@@ -428,9 +432,7 @@ def open_array(loc: Location, record: LeafRecord, *, synced: bool = True, checke
         return open_packed(loc, record)
     _untrusted.check_leaf_files(loc, record)
     _memory.refuse_beyond_memory(loc, record, record.chunk_nbytes, "one of its chunks")
-    spec = array_spec(
-        loc, record.directory, shape=record.stored_shape, stored_dtype=record.stored_dtype, chunks=list(record.chunks)
-    )
+    spec = _leaf_spec(loc, record)
     if not checked:
         return ts.open(spec, open=True, assume_metadata=True, context=_context(loc, synced))
     return ts.open(spec, open=True, context=_context(loc, synced))
@@ -444,9 +446,7 @@ def open_to_write(loc: Location, record: LeafRecord) -> ts.Future:
     all of its bytes) fail here by design, while the other processes are still
     writing their shards."""
     _faults.fire("storage.open_array", loc, record)
-    spec = array_spec(
-        loc, record.directory, shape=record.stored_shape, stored_dtype=record.stored_dtype, chunks=list(record.chunks)
-    )
+    spec = _leaf_spec(loc, record)
     return ts.open(spec, open=True, context=_context(loc, synced=False))
 
 
