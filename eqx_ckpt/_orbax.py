@@ -13,6 +13,7 @@ TensorStore opens orbax's arrays (through `_storage`); orbax itself is not impor
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from . import _keypath, _storage
@@ -31,13 +32,15 @@ _SCALARS = {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}
 _SEQUENCE = 1
 
 
-def find(loc: Location) -> tuple[str, Manifest, Any] | None:
-    """The leaves of an orbax PyTree checkpoint at `loc`, or `None` if it is not one."""
-    data = _storage.read_file(loc, METADATA, limit=MAX_MANIFEST_BYTES)
+def find(loc: Location) -> tuple[str, Manifest, Any, Callable[[], str | None]] | None:
+    """The leaves of an orbax PyTree checkpoint at `loc`, or `None` if it is not
+    one. With them, the opener of each leaf and a function naming the file that
+    shows the checkpoint was saved again since (`None` while it was not)."""
+    data, stamp = _storage.read_file_stamped(loc, METADATA, limit=MAX_MANIFEST_BYTES)
     if data is None:
         # A step of an orbax `CheckpointManager` keeps its one item in `default/`.
         item = loc.joined(DEFAULT_ITEM)
-        data = _storage.read_file(item, METADATA, limit=MAX_MANIFEST_BYTES)
+        data, stamp = _storage.read_file_stamped(item, METADATA, limit=MAX_MANIFEST_BYTES)
         if data is None:
             return None
         loc = item
@@ -59,7 +62,8 @@ def find(loc: Location) -> tuple[str, Manifest, Any] | None:
         raise _corrupt(loc, f"its {METADATA} does not describe a PyTree ({type(e).__name__}: {e})") from None
     leaves = [leaf for leaf in found if leaf is not None]
     specs = [_array_spec(loc, driver, ocdbt, name) | {"fill_missing_data_reads": not complete} for _, name, _ in leaves]
-    opens = [_storage.open_for_reading(spec) for spec in specs]
+    context = _storage.reading_context()
+    opens = [_storage.open_for_reading(spec, context) for spec in specs]
     records: dict[str, LeafRecord] = {}
     stores: dict[str, Any] = {}
     for (keypath, name, kind), opened in zip(leaves, opens):
@@ -71,7 +75,10 @@ def find(loc: Location) -> tuple[str, Manifest, Any] | None:
         records[record.path] = record
         stores[record.path] = store
     manifest = Manifest(tuple(records[path] for path in sorted(records)), layout="orbax")
-    return "orbax", manifest, lambda record: _storage.ready(stores[record.path])
+    # Every save by orbax writes its `_METADATA` anew (a save with `force=True`
+    # replaces the whole directory): a new file, or a new generation of it.
+    changed = lambda: METADATA if _storage.file_changed(loc, METADATA, stamp) else None
+    return "orbax", manifest, lambda record: _storage.ready(stores[record.path]), changed
 
 
 def _corrupt(loc: Location, what: str) -> CorruptCheckpointError:
