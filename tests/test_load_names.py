@@ -10,13 +10,17 @@ orbax):
   replaced (`CheckpointReplacedError`): lazy leaves of a safetensors file or a
   Hugging Face directory once read the new file's bytes at the old offsets
   (another tensor's values), and a healthy orbax checkpoint saved again was
-  reported as damaged."""
+  reported as damaged;
+- `torch_layout`'s module rules mean the same paths for stock layers and for
+  leaves outside them, also when `like` is a `(model, state)` tuple."""
 
 import functools
 import json
 import re
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -267,3 +271,64 @@ class TestReplacedSources:
                 read()
         fresh = eqx_ckpt.tree_deserialise_leaves(path, _like(), prefix="model", rename=RENAME)
         assert eqx.tree_equal(fresh, {"embed": EMBED, "proj": PROJ}, typematch=True)
+
+
+def _nested(flat):
+    tree = {}
+    for name, value in flat.items():
+        *parents, last = name.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return tree
+
+
+def _save_flat(kind, path, flat):
+    """`flat` (tensor name -> array) saved as `kind` saves it; the path to load."""
+    if kind == "eqx_ckpt":
+        eqx_ckpt.tree_serialise_leaves(path, _nested(flat))
+    elif kind == "safetensors":
+        path = path.with_suffix(".safetensors")
+        save_file(flat, str(path))
+    elif kind == "hf":
+        eqx_ckpt.export_safetensors(path, _nested(flat), max_shard_size=24)
+        assert (path / "model.safetensors.index.json").is_file()
+    else:
+        ocp = pytest.importorskip("orbax.checkpoint")
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+            checkpointer.save(path, args=ocp.args.PyTreeSave(_nested(flat)))
+    return path
+
+
+class _NormAndGain(eqx.Module):
+    norm: eqx.nn.BatchNorm
+    gain: jax.Array
+
+    def __init__(self):
+        self.norm = eqx.nn.BatchNorm(3, "batch", mode="ema", inference=True)
+        self.gain = jnp.full(3, -1.0)
+
+
+class TestTorchLayoutRules:
+    """Issue 40, item 4, from every source: `torch_layout`'s rules mean the
+    same paths for a stock layer and a leaf outside layers of `(model, state)`."""
+
+    @pytest.mark.parametrize("kind", ["eqx_ckpt", "safetensors", "hf", "orbax"])
+    def test_a_bare_parameter_beside_a_batch_norm_is_loaded_by_its_rule(self, tmp_path, kind):
+        state_dict = {"bn.weight": EMBED[0, :3] + 1, "bn.bias": EMBED[1, :3], "bn.running_mean": EMBED[2, :3],
+                      "bn.running_var": EMBED[3, :3] + 1, "scale": PROJ[0]}  # fmt: skip
+        path = _save_flat(kind, tmp_path / "torch", state_dict)
+        make = lambda: eqx.nn.make_with_state(_NormAndGain)()
+        like = eqx.filter_eval_shape(make)
+        rename, transform = eqx_ckpt.torch_layout(like, rename=[(r"^norm$", "bn"), (r"^gain$", "scale")])
+        model, state = eqx_ckpt.load_or_initialise(path, make, rename=rename, transform=transform)
+        # Once the gain kept its initial value (-1) without a word.
+        np.testing.assert_array_equal(np.asarray(model.gain), PROJ[0])
+        np.testing.assert_array_equal(np.asarray(model.norm.weight), state_dict["bn.weight"])
+        mean, var = state.get(model.norm.ema_state_index)
+        np.testing.assert_array_equal(np.asarray(mean), state_dict["bn.running_mean"])
+        np.testing.assert_array_equal(np.asarray(var), state_dict["bn.running_var"])
+        # The whole tuple's spelling matches no path inside the model: refused, whatever the source.
+        with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("('^0\\\\.gain$', 'scale')")):
+            eqx_ckpt.torch_layout(like, rename=[(r"^norm$", "bn"), (r"^0\.gain$", "scale")])
