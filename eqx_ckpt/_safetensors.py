@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _keypath, _location, _storage, _storage_errors
-from ._errors import CheckpointNotFoundError, CheckpointValueError, CorruptCheckpointError
+from . import _faults, _keypath, _location, _storage, _storage_errors
+from ._errors import CheckpointNotFoundError, CheckpointReplacedError, CheckpointValueError, CorruptCheckpointError
 from ._format import MAX_ELEMENTS, MAX_RANK, LeafRecord, dtype_from_name
 from ._location import Location
 from ._manifest import Manifest, no_duplicates
@@ -127,9 +127,10 @@ def _tensors(
     """Read every file's header (two small reads each, all files at once)."""
     kv = _kvstore(folder)
     heads = [kv.read(name, byte_range=slice(0, 8)) for name in files]
-    sizes = []
+    sizes, versions = [], []
     for name, head in zip(files, heads):
         result = _result(loc, name, head, "is shorter than a safetensors header")
+        versions.append(result.stamp.generation)
         if result.state != "value":
             where = f" (listed in {index})" if index else ""
             raise CheckpointNotFoundError(f"There is no safetensors file {name!r}{where} at {loc.display!r}.")
@@ -139,14 +140,22 @@ def _tensors(
         if size > MAX_HEADER:
             raise _corrupt(loc, f"{name!r} declares a {size}-byte header, more than the {MAX_HEADER} allowed")
         sizes.append(size)
+    _faults.fire("safetensors.read_headers", loc, files)
     bodies = [kv.read(name, byte_range=slice(8, 8 + size)) for name, size in zip(files, sizes)]
     records: dict[str, LeafRecord] = {}
     places: dict[str, tuple[str, int]] = {}
     ends, generations = [], []
-    for name, size, body in zip(files, sizes, bodies):
+    for name, size, body, version in zip(files, sizes, bodies, versions):
         found = _result(loc, name, body, "ends inside its header")
         data = found.value
         generations.append(found.stamp.generation)
+        if found.stamp.generation != version:
+            # The header's length and the header came from two versions of the file.
+            raise CheckpointReplacedError(
+                f"The safetensors file {name!r} of {loc.display!r} was rewritten while it was being opened. "
+                f"Open or load it again once it is written.",
+                path=loc.display,
+            )
         if len(data) != size:
             raise _corrupt(loc, f"{name!r} ends inside its header")
         parsed = _parse_header(loc, name, data)

@@ -332,3 +332,23 @@ class TestTorchLayoutRules:
         # The whole tuple's spelling matches no path inside the model: refused, whatever the source.
         with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("('^0\\\\.gain$', 'scale')")):
             eqx_ckpt.torch_layout(like, rename=[(r"^norm$", "bn"), (r"^0\.gain$", "scale")])
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "hf"])
+def test_a_safetensors_file_rewritten_while_it_is_opened_is_replaced_not_damaged(tmp_path, faults, kind):
+    """Its header's length read from one version and its header from the next
+    once was a healthy file reported damaged (or a header misread)."""
+    path = (_safetensors if kind == "safetensors" else _hf)(tmp_path / "ckpt")
+    # Another tensor first: the new header is longer than the old one.
+    shard = path if kind == "safetensors" else path / "model-00002-of-00002.safetensors"
+    rewrite = lambda loc, files: save_file(
+        {"a.first": NEW["a.first"], "model.proj": PROJ, "step": NEW_STEP}, str(shard)
+    )
+    faults("safetensors.read_headers", rewrite)
+    with pytest.raises(
+        eqx_ckpt.CheckpointReplacedError,
+        match=re.escape(
+            f"The safetensors file {shard.name!r} of {str(path)!r} was rewritten while it was being opened"
+        ),
+    ):
+        eqx_ckpt.Checkpoint(path)
