@@ -75,10 +75,31 @@ def find(loc: Location) -> tuple[str, Manifest, Any, Callable[[], str | None]] |
         records[record.path] = record
         stores[record.path] = store
     manifest = Manifest(tuple(records[path] for path in sorted(records)), layout="orbax")
-    # Every save by orbax writes its `_METADATA` anew (a save with `force=True`
-    # replaces the whole directory): a new file, or a new generation of it.
-    changed = lambda: METADATA if _storage.file_changed(loc, METADATA, stamp) else None
+    stamps = [(METADATA, stamp), *_stamps(loc)]
+    changed = lambda: next((name for name, was in stamps if _storage.file_changed(loc, name, was)), None)
     return "orbax", manifest, lambda record: _storage.ready(stores[record.path]), changed
+
+
+# Files an orbax save writes anew besides `_METADATA`, which comes out the same
+# for a tree of the same structure (and on S3 an object's ETag is a digest of
+# its content): the save's timestamps, and an OCDBT database's manifest (its
+# random id). On a local disk every one is a new file (orbax saves into a
+# temporary directory and renames it; `force=True` deletes the old one first).
+_SAVED_ANEW = ("_CHECKPOINT_METADATA", "manifest.ocdbt")
+
+
+def _stamps(loc: Location) -> list[tuple[str, bytes]]:
+    """The stamps (`_storage.read_file_stamped`) of the files of `_SAVED_ANEW`
+    that `loc` holds (older versions of orbax write no `_CHECKPOINT_METADATA`)."""
+    out = []
+    for name in _SAVED_ANEW:
+        try:
+            data, stamp = _storage.read_file_stamped(loc, name, limit=MAX_MANIFEST_BYTES)
+        except CorruptCheckpointError:  # too large to read: a database of many versions
+            continue
+        if data is not None:
+            out.append((name, stamp))
+    return out
 
 
 def _corrupt(loc: Location, what: str) -> CorruptCheckpointError:

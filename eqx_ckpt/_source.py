@@ -65,9 +65,8 @@ class Source:
         if name is not None:
             raise CheckpointReplacedError(
                 f"{_LABELS[self.format]} {self.loc.display!r} was replaced after it was opened: its file `{name}` "
-                f"was rewritten (or removed) since, so what was read from it may belong to either version (at "
-                f"the offsets opened, another tensor's bytes) and was discarded. Open or load it again to read "
-                f"the new one.",
+                f"was rewritten (or removed) since, so what was read from it may belong to either version and "
+                f"was discarded. Open or load it again to read the new one.",
                 path=self.loc.display,
             )
 

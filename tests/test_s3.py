@@ -472,3 +472,28 @@ def test_a_safetensors_object_rewritten_smaller_is_replaced_not_truncated(store)
     kv.write("model.safetensors", save({"b": np.ones(2, np.float32)})).result()
     with pytest.raises(eqx_ckpt.CheckpointReplacedError, match=re.escape("its file `model.safetensors` was rewritten")):
         np.asarray(b)
+
+
+def test_an_orbax_checkpoint_saved_again_is_reported_as_replaced(store, tmp_path):
+    """Issue 40, item 1, on S3: orbax's files (saved locally, then uploaded as
+    a sync would) replaced by those of its next save."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    kv = ts.KvStore.open(store).result()
+
+    def save_and_upload(tree):
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+            checkpointer.save(tmp_path / "orbax", args=ocp.args.PyTreeSave(tree), force=True)
+        for file in sorted(p for p in (tmp_path / "orbax").rglob("*") if p.is_file()):
+            kv.write(file.relative_to(tmp_path / "orbax").as_posix(), file.read_bytes()).result()
+
+    save_and_upload({"w": np.arange(6, dtype=np.float32), "b": np.zeros(2, np.float32)})
+    ckpt = eqx_ckpt.Checkpoint(store)
+    assert ckpt.format == "orbax"
+    w = ckpt["w"]
+    np.testing.assert_array_equal(np.asarray(w), np.arange(6, dtype=np.float32))
+    save_and_upload({"w": np.arange(6, dtype=np.float32) + 1, "b": np.ones(2, np.float32)})
+    with pytest.raises(
+        eqx_ckpt.CheckpointReplacedError, match=re.escape("its file `_CHECKPOINT_METADATA` was rewritten")
+    ):
+        np.asarray(w)
+    np.testing.assert_array_equal(np.asarray(eqx_ckpt.Checkpoint(store)["w"]), np.arange(6, dtype=np.float32) + 1)
