@@ -130,10 +130,13 @@ def _refuse_unused(table: list[Any], layers: list[str], bare: list[str], tupled:
     if not unused:
         return
     shown = lambda paths: (
-        ", ".join(f"`{p}`" for p in paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+        ", ".join(f"`{p}`" if p else "the model itself (path ``)" for p in paths[:5])
+        + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
     )
     said = "; ".join(f"({getattr(r[0], 'pattern', r[0])!r}, {r[1]!r})" for r in unused)
-    inside = "inside the model (`like[0]`): `norm`, not `0.norm`" if tupled else "of `like`"
+    example = next((path for path in layers + bare if path), "")
+    inside = f"inside the model (`like[0]`{f': `{example}`, not `0.{example}`' if example else ''})"
+    inside = inside if tupled else "of `like`"
     raise CheckpointValueError(
         f"{len(unused)} `rename` {'rules' if len(unused) > 1 else 'rule'} of `torch_layout` "
         f"{'match' if len(unused) > 1 else 'matches'} no path (or only paths an earlier rule takes): {said}. "

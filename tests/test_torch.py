@@ -283,7 +283,7 @@ def test_a_torch_layout_rule_that_matches_no_path_is_refused(tmp_path, tupled):
     message = str(info.value)
     said = "3 `rename` rules of `torch_layout` match no path (or only paths an earlier rule takes): "
     assert re.search(re.escape(said + "('^0\\\\.gain$', 'scale'); ('^gian$', 'scale'); ('^no', 'x')."), message)
-    inside = "inside the model (`like[0]`): `norm`, not `0.norm`" if tupled else "of `like`"
+    inside = "inside the model (`like[0]`: `norm`, not `0.norm`)" if tupled else "of `like`"
     assert re.search(re.escape(f"dotted paths {inside}, of stock layers and of leaves outside them alike"), message)
     assert re.search(re.escape("The model's layers: `norm`; its leaves outside layers: `gain`."), message)
     # Refused before any load starts: `load_or_initialise` never keeps `gain`'s initial value for it.
