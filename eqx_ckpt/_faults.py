@@ -82,6 +82,11 @@ The points, with where they fire and the arguments they pass:
 - `local_read.read` `(fd, offset)`: a reader thread reads one step of a chunk
   file; an `OSError` raised here is reported as the read's.
 - `local_read.crc` `(key)`: a chunk's joined crc32c is compared with its stored one.
+
+**Other formats (`_safetensors`):**
+
+- `safetensors.read_headers` `(loc, files)`: a safetensors source is being
+  opened: each file's header length was read, its header is read next.
 """
 
 from __future__ import annotations
@@ -128,6 +133,7 @@ POINTS = frozenset(
         "local_read.start_reads",
         "local_read.read",
         "local_read.crc",
+        "safetensors.read_headers",
     }
 )
 

@@ -13,6 +13,7 @@ TensorStore opens orbax's arrays (through `_storage`); orbax itself is not impor
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from . import _keypath, _storage
@@ -31,13 +32,15 @@ _SCALARS = {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}
 _SEQUENCE = 1
 
 
-def find(loc: Location) -> tuple[str, Manifest, Any] | None:
-    """The leaves of an orbax PyTree checkpoint at `loc`, or `None` if it is not one."""
-    data = _storage.read_file(loc, METADATA, limit=MAX_MANIFEST_BYTES)
+def find(loc: Location) -> tuple[str, Manifest, Any, Callable[[], str | None]] | None:
+    """The leaves of an orbax PyTree checkpoint at `loc`, or `None` if it is not
+    one. With them, the opener of each leaf and a function naming the file that
+    shows the checkpoint was saved again since (`None` while it was not)."""
+    data, stamp = _storage.read_file_stamped(loc, METADATA, limit=MAX_MANIFEST_BYTES)
     if data is None:
         # A step of an orbax `CheckpointManager` keeps its one item in `default/`.
         item = loc.joined(DEFAULT_ITEM)
-        data = _storage.read_file(item, METADATA, limit=MAX_MANIFEST_BYTES)
+        data, stamp = _storage.read_file_stamped(item, METADATA, limit=MAX_MANIFEST_BYTES)
         if data is None:
             return None
         loc = item
@@ -59,7 +62,8 @@ def find(loc: Location) -> tuple[str, Manifest, Any] | None:
         raise _corrupt(loc, f"its {METADATA} does not describe a PyTree ({type(e).__name__}: {e})") from None
     leaves = [leaf for leaf in found if leaf is not None]
     specs = [_array_spec(loc, driver, ocdbt, name) | {"fill_missing_data_reads": not complete} for _, name, _ in leaves]
-    opens = [_storage.open_for_reading(spec) for spec in specs]
+    context = _storage.reading_context()
+    opens = [_storage.open_for_reading(spec, context) for spec in specs]
     records: dict[str, LeafRecord] = {}
     stores: dict[str, Any] = {}
     for (keypath, name, kind), opened in zip(leaves, opens):
@@ -71,7 +75,31 @@ def find(loc: Location) -> tuple[str, Manifest, Any] | None:
         records[record.path] = record
         stores[record.path] = store
     manifest = Manifest(tuple(records[path] for path in sorted(records)), layout="orbax")
-    return "orbax", manifest, lambda record: _storage.ready(stores[record.path])
+    stamps = [(METADATA, stamp), *_stamps(loc)]
+    changed = lambda: next((name for name, was in stamps if _storage.file_changed(loc, name, was)), None)
+    return "orbax", manifest, lambda record: _storage.ready(stores[record.path]), changed
+
+
+# Files an orbax save writes anew besides `_METADATA`, which comes out the same
+# for a tree of the same structure (and on S3 an object's ETag is a digest of
+# its content): the save's timestamps, and an OCDBT database's manifest (its
+# random id). On a local disk every one is a new file (orbax saves into a
+# temporary directory and renames it; `force=True` deletes the old one first).
+_SAVED_ANEW = ("_CHECKPOINT_METADATA", "manifest.ocdbt")
+
+
+def _stamps(loc: Location) -> list[tuple[str, bytes]]:
+    """The stamps (`_storage.read_file_stamped`) of the files of `_SAVED_ANEW`
+    that `loc` holds (older versions of orbax write no `_CHECKPOINT_METADATA`)."""
+    out = []
+    for name in _SAVED_ANEW:
+        try:
+            data, stamp = _storage.read_file_stamped(loc, name, limit=MAX_MANIFEST_BYTES)
+        except CorruptCheckpointError:  # too large to read: a database of many versions
+            continue
+        if data is not None:
+            out.append((name, stamp))
+    return out
 
 
 def _corrupt(loc: Location, what: str) -> CorruptCheckpointError:

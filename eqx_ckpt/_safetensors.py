@@ -19,12 +19,13 @@ import math
 import os
 import re
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from . import _keypath, _storage, _storage_errors
-from ._errors import CheckpointNotFoundError, CheckpointValueError, CorruptCheckpointError
+from . import _faults, _keypath, _location, _storage, _storage_errors
+from ._errors import CheckpointNotFoundError, CheckpointReplacedError, CheckpointValueError, CorruptCheckpointError
 from ._format import MAX_ELEMENTS, MAX_RANK, LeafRecord, dtype_from_name
 from ._location import Location
 from ._manifest import Manifest, no_duplicates
@@ -51,10 +52,11 @@ def is_file_path(loc: Location) -> bool:
     return loc.kvstore.get("path", "").rstrip("/").endswith(SUFFIX)
 
 
-def find(loc: Location) -> tuple[str, Manifest, Any] | None:
+def find(loc: Location) -> tuple[str, Manifest, Any, Callable[[], str | None]] | None:
     """The tensors of a `.safetensors` file, or of a directory holding one or a
     Hugging Face index (`model.safetensors.index.json`) and its shards; `None`
-    if `loc` is neither."""
+    if `loc` is neither. With them, the opener of each tensor and a function
+    naming a file rewritten since (`_Files.changed`)."""
     if is_file_path(loc):
         folder, name = split_file(loc)
         return _tensors(loc, folder, [name], index=None)
@@ -125,9 +127,10 @@ def _tensors(
     """Read every file's header (two small reads each, all files at once)."""
     kv = _kvstore(folder)
     heads = [kv.read(name, byte_range=slice(0, 8)) for name in files]
-    sizes = []
+    sizes, versions = [], []
     for name, head in zip(files, heads):
         result = _result(loc, name, head, "is shorter than a safetensors header")
+        versions.append(result.stamp.generation)
         if result.state != "value":
             where = f" (listed in {index})" if index else ""
             raise CheckpointNotFoundError(f"There is no safetensors file {name!r}{where} at {loc.display!r}.")
@@ -137,12 +140,22 @@ def _tensors(
         if size > MAX_HEADER:
             raise _corrupt(loc, f"{name!r} declares a {size}-byte header, more than the {MAX_HEADER} allowed")
         sizes.append(size)
+    _faults.fire("safetensors.read_headers", loc, files)
     bodies = [kv.read(name, byte_range=slice(8, 8 + size)) for name, size in zip(files, sizes)]
     records: dict[str, LeafRecord] = {}
     places: dict[str, tuple[str, int]] = {}
-    ends = []
-    for name, size, body in zip(files, sizes, bodies):
-        data = _result(loc, name, body, "ends inside its header").value
+    ends, generations = [], []
+    for name, size, body, version in zip(files, sizes, bodies, versions):
+        found = _result(loc, name, body, "ends inside its header")
+        data = found.value
+        generations.append(found.stamp.generation)
+        if found.stamp.generation != version:
+            # The header's length and the header came from two versions of the file.
+            raise CheckpointReplacedError(
+                f"The safetensors file {name!r} of {loc.display!r} was rewritten while it was being opened. "
+                f"Open or load it again once it is written.",
+                path=loc.display,
+            )
         if len(data) != size:
             raise _corrupt(loc, f"{name!r} ends inside its header")
         parsed = _parse_header(loc, name, data)
@@ -164,7 +177,50 @@ def _tensors(
         if places.get(dotted(tensor), ("",))[0] != file:
             raise _corrupt(loc, f"{index} lists the tensor {tensor!r} in {file!r}, which does not hold it")
     ordered = tuple(records[path] for path in sorted(records))
-    return "safetensors", Manifest(ordered, layout="safetensors"), functools.partial(_open, kv, places)
+    opened = _Files(loc, kv, dict(zip(files, generations)))
+    return (
+        "safetensors",
+        Manifest(ordered, layout="safetensors"),
+        functools.partial(_open, opened, places),
+        opened.changed,
+    )
+
+
+class _Files:
+    """The files of one opened source, as they were when their headers were read.
+
+    The offsets of its tensors hold only in those versions of the files: a file
+    rewritten since (by `safetensors`, by an export into the same directory)
+    has other tensors at those offsets. Every read of a tensor's bytes is checked
+    against the version the header came from (`read_matches`; on an object store
+    the generation comes with the bytes, in one response), and `changed` names
+    a file that is no longer that version."""
+
+    def __init__(self, loc: Location, kv: _storage.KvStore, generations: dict[str, bytes]):
+        self.loc, self.kv, self.generations = loc, kv, generations
+        # On a local disk a file can be rewritten in place while it is read, so
+        # the files read from are also checked after the reads.
+        self.local = _location.on_local_disk(loc)
+        self.opened: set[str] = set()
+        self.seen: list[str] = []  # files a read found in another version
+        # A read that found the file shorter: truncated, or rewritten smaller
+        # (a range past the end comes back with no generation to compare).
+        self.short = False
+
+    def read_matches(self, file: str, generation: bytes) -> bool:
+        if generation == self.generations[file]:
+            return True
+        self.seen.append(file)
+        return False
+
+    def changed(self) -> str | None:
+        if self.seen:
+            return self.seen[0]
+        for name in sorted(self.opened) if self.local or self.short else ():
+            with _storage_errors.read_explained(self.loc, name):
+                if _storage.generation_changed(self.kv, name, self.generations[name]):
+                    return name
+        return None
 
 
 def _result(loc: Location, name: str, read: _storage.Future, short: str | None) -> Any:
@@ -258,16 +314,17 @@ def _record(name: str, entry: Any) -> tuple[LeafRecord, int]:
     return LeafRecord(path, keypath, "jax", shape, dtype, shape, dtype, "plain", chunks), offsets[0]
 
 
-def _open(kv: _storage.KvStore, places: dict[str, tuple[str, int]], record: LeafRecord) -> _storage.Future:
+def _open(files: _Files, places: dict[str, tuple[str, int]], record: LeafRecord) -> _storage.Future:
     """A read-only TensorStore array over the tensor's bytes, as a future."""
     file, start = places[record.path]
+    files.opened.add(file)
     dtype = dtype_from_name(record.stored_dtype)
-    read = functools.partial(_read_rows, kv, file, start, dtype, record.shape)
+    read = functools.partial(_read_rows, files, file, start, dtype, record.shape)
     return _storage.ready(_storage.virtual_array(read, dtype=dtype, shape=record.shape, chunks=record.chunks))
 
 
 def _read_rows(
-    kv: _storage.KvStore,
+    files: _Files,
     file: str,
     start: int,
     dtype: np.dtype,
@@ -290,7 +347,10 @@ def _read_rows(
                 if "OUT_OF_RANGE" not in str(e):
                     raise
                 result = None
+            if result is not None and not files.read_matches(file, result.stamp.generation):
+                raise OSError(f"{file!r} was rewritten since it was opened: its tensors are at other offsets now")
             if result is None or result.state != "value" or len(result.value) != want:
+                files.short = True
                 raise OSError(
                     f"DATA_LOSS: {file!r} ends before the tensor's bytes {start + lo * row}..{start + lo * row + want} "
                     f"(the file is truncated)"
@@ -301,5 +361,5 @@ def _read_rows(
         except Exception as e:
             promise.set_exception(e)
 
-    kv.read(file, byte_range=slice(start + lo * row, start + lo * row + want)).add_done_callback(fill)
+    files.kv.read(file, byte_range=slice(start + lo * row, start + lo * row + want)).add_done_callback(fill)
     return done

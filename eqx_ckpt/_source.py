@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _layout, _manifest, _orbax, _safetensors, _storage
-from ._errors import CheckpointNotFoundError
+from ._errors import CheckpointNotFoundError, CheckpointReplacedError
 from ._format import LeafRecord
 from ._location import Location, location
 from ._manifest import Manifest
@@ -38,6 +38,8 @@ class Source:
     - `manifest`: the leaves' records (made from the files for other formats).
     - `opener`: record -> future of the TensorStore array holding that leaf;
         `None` for eqx_ckpt's own zarr3 arrays under `data` (`_storage.open_array`).
+    - `changed`: for other formats, the name of a file of the source that is
+        no longer the one opened (`None` while none is).
     """
 
     format: str
@@ -45,16 +47,31 @@ class Source:
     data: Location
     manifest: Manifest
     opener: Opener | None = None
+    changed: Callable[[], str | None] | None = None
 
     def open(self, record: LeafRecord) -> Any:
         return self.opener(record) if self.opener is not None else _storage.open_array(self.data, record, checked=False)
 
     def check(self) -> None:
-        """Raise `CheckpointReplacedError` if an eqx_ckpt checkpoint was replaced
-        since it was opened (see `_manifest.check_unchanged`). Other formats have
-        no commit to check: a file replaced under a reader is theirs to avoid."""
-        if self.format == "eqx_ckpt":
+        """Raise `CheckpointReplacedError` if the source was replaced since it was
+        opened. Readers call it after reading (and when a read fails), so what
+        they return was read from the source as it was opened: an eqx_ckpt
+        checkpoint by its manifest (`_manifest.check_unchanged`), other formats
+        by their files (`changed`)."""
+        if self.changed is None:
             _manifest.check_unchanged(self.loc, self.manifest)
+            return
+        name = self.changed()
+        if name is not None:
+            raise CheckpointReplacedError(
+                f"{_LABELS[self.format]} {self.loc.display!r} was replaced after it was opened: its file `{name}` "
+                f"was rewritten (or removed) since, so what was read from it may belong to either version and "
+                f"was discarded. Open or load it again to read the new one.",
+                path=self.loc.display,
+            )
+
+
+_LABELS = {"safetensors": "Safetensors checkpoint", "orbax": "orbax checkpoint"}
 
 
 def open_source(path: Any) -> Source:
@@ -80,8 +97,8 @@ def open_source(path: Any) -> Source:
 
 
 def _foreign(loc: Location, found: Any) -> Source:
-    fmt, manifest, opener = found
-    return Source(fmt, loc, loc, manifest, opener)
+    fmt, manifest, opener, changed = found
+    return Source(fmt, loc, loc, manifest, opener, changed)
 
 
 # Files of PyTorch's pickle format, which eqx_ckpt never opens.

@@ -518,9 +518,39 @@ def open_kvstore(spec: dict[str, Any]) -> KvStore:
     return result(ts.KvStore.open(spec, context=CONTEXT))
 
 
-def open_for_reading(spec: dict[str, Any]) -> Future:
+def reading_context() -> ts.Context:
+    """A context of its own for the arrays of one opening of another program's
+    checkpoint (`open_for_reading`). TensorStore shares an open OCDBT database
+    between opens of one context: an orbax checkpoint saved again at the same
+    path is another database, which the shared one refuses ("Configuration
+    mismatch on uuid") for as long as anything holds the old one open. (A child
+    of `CONTEXT`: same `memory://` stores, same limits.)"""
+    return ts.Context({"cache_pool": {}, "ocdbt_coordinator": {}}, parent=CONTEXT)
+
+
+def open_for_reading(spec: dict[str, Any], context: ts.Context | None = None) -> Future:
     """Open an existing array read-only from its full spec (another program's arrays)."""
-    return ts.open(spec, open=True, read=True, context=CONTEXT)
+    return ts.open(spec, open=True, read=True, context=context if context is not None else CONTEXT)
+
+
+def generation_changed(kv: KvStore, name: str, generation: bytes) -> bool:
+    """Whether the file `name` of `kv` is no longer the one a read found at
+    `generation` (`ReadResult.stamp.generation`): one read of one byte, sent
+    only if the generation differs (a local file's is its device, inode and
+    modification time; an object's, its generation or ETag)."""
+    try:
+        found = result(kv.read(name, byte_range=slice(0, 1), if_not_equal=generation))
+    except ValueError:
+        # A server whose generations TensorStore cannot send back in a condition
+        # (gcp-storage-emulator's), or a file now empty: compare a plain read's.
+        try:
+            found = result(kv.read(name, byte_range=slice(0, 1)))
+        except ValueError:
+            return True
+    if found.state == "unspecified":  # not modified since
+        return False
+    # A server that ignores the condition sends the byte again: its generation decides.
+    return found.state != "value" or found.stamp.generation != generation
 
 
 def pending() -> tuple[Any, Future]:

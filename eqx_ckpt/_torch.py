@@ -53,10 +53,14 @@ def torch_layout(
     - `like`: the Equinox tree to load into (concrete or from
         `eqx.filter_eval_shape`); for `BatchNorm`, a tuple `(model, state)` as
         `eqx.nn.make_with_state` gives, so its running statistics go into `state`.
-    - `rename`: `(pattern, replacement)` rules from a layer's dotted path in
-        `like` to the PyTorch module's name (`[(r"^blocks\\.(\\d+)\\.attn", r"h.\\1.attn")]`;
-        first match wins, a replacement of `None` skips the layer). They also
-        apply, after the layers' own rules, to leaves outside stock layers.
+    - `rename`: `(pattern, replacement)` rules from a dotted path inside the
+        model to its PyTorch name (`[(r"^blocks\\.(\\d+)\\.attn", r"h.\\1.attn")]`;
+        first match wins, a replacement of `None` skips it). The paths are those
+        of `like`, or of `model` in a `(model, state)` tuple (`norm`, not
+        `0.norm`), as PyTorch names them, and the rules mean the same for a
+        stock layer's path (its module name) and a leaf outside stock layers
+        (its tensor name). A rule that is the first match of no such path is a
+        `CheckpointValueError`, before anything is loaded.
 
     **Returns:**
 
@@ -77,30 +81,69 @@ def torch_layout(
         model = eqx_ckpt.tree_deserialise_leaves("conv.safetensors", like, rename=rename, transform=transform)
         ```
     """
-    to_torch = _select.rules(list(rename), what="rename")
+    table = list(rename)
+    to_torch = _select.rules(table, what="rename")
     model, state = like if _is_model_and_state(like) else (like, None)
     paths = {id(leaf): _keypath.dotted(kp) for kp, leaf in jtu.tree_flatten_with_path(like)[0]}
     prefix = (_keypath.segment(jtu.SequenceKey(0)),) if state is not None else ()
     names: list[tuple[str, Any]] = []
     transforms: list[tuple[str, Callable[..., Any]]] = []
-    for keypath, layer in jtu.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, _STOCK))[0]:
-        if not isinstance(layer, _STOCK):
+    # Every path the rules are matched against: inside the model, layer or not.
+    layers, bare = [], []
+    for keypath, node in jtu.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, _STOCK))[0]:
+        inside = _keypath.dotted(keypath)
+        where = _keypath.join_dotted(*prefix, inside)
+        module = to_torch(inside)
+        if not isinstance(node, _STOCK):
+            bare.append(inside)
+            if module != where:  # unchanged needs no rule (and its own path is its name)
+                names.append(("^" + re.escape(where) + "$", _literal(module)))
             continue
-        where = _keypath.join_dotted(*prefix, _keypath.dotted(keypath))
-        module = to_torch(_keypath.dotted(keypath))
+        layers.append(inside)
         if isinstance(module, tuple):
             raise CheckpointValueError(f"`rename` must give one PyTorch module name for `{where}`, not {module}.")
-        entries = _entries(layer, state, paths, where)
+        entries = _entries(node, state, paths, where)
         # Python scalars of a layer (dropout's `p`, `inference` flags) are not in a state dict.
         done = {leaf for leaf, _, _ in entries}
-        entries += [(leaf, None, None) for leaf in _leaf_paths(layer, where) if leaf not in done]
+        entries += [(leaf, None, None) for leaf in _leaf_paths(node, where) if leaf not in done]
         for leaf, torch_name, fn in entries:
-            target = _torch_names(module, torch_name)
-            names.append(("^" + re.escape(leaf) + "$", target))
+            names.append(("^" + re.escape(leaf) + "$", _literal(_torch_names(module, torch_name))))
             if fn is not None:
                 transforms.append(("^" + re.escape(leaf) + "$", fn))
-    names += list(rename)
+    _refuse_unused(table, layers, bare, state is not None)
     return names, transforms
+
+
+def _literal(target: Any) -> Any:
+    """A name as the replacement of a rule (`re.sub` reads `\\` in it as an escape)."""
+    if isinstance(target, tuple):
+        return tuple(_literal(t) for t in target)
+    return target if target is None else target.replace("\\", "\\\\")
+
+
+def _refuse_unused(table: list[Any], layers: list[str], bare: list[str], tupled: bool) -> None:
+    """A rule that is the first match of no path inside the model would leave
+    the leaf it was written for under a name PyTorch never wrote: an error."""
+    patterns = [re.compile(rule[0]) for rule in table]
+    used = {next((i for i, p in enumerate(patterns) if p.search(path)), None) for path in layers + bare}
+    unused = [table[i] for i in range(len(table)) if i not in used]
+    if not unused:
+        return
+    shown = lambda paths: (
+        ", ".join(f"`{p}`" if p else "the model itself (path ``)" for p in paths[:5])
+        + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+    )
+    said = "; ".join(f"({getattr(r[0], 'pattern', r[0])!r}, {r[1]!r})" for r in unused)
+    example = next((path for path in layers + bare if path), "")
+    inside = f"inside the model (`like[0]`{f': `{example}`, not `0.{example}`' if example else ''})"
+    inside = inside if tupled else "of `like`"
+    raise CheckpointValueError(
+        f"{len(unused)} `rename` {'rules' if len(unused) > 1 else 'rule'} of `torch_layout` "
+        f"{'match' if len(unused) > 1 else 'matches'} no path (or only paths an earlier rule takes): {said}. "
+        f"Rules are matched against the dotted paths {inside}, of stock layers and of leaves outside them "
+        f"alike. The model's layers: "
+        f"{shown(layers) or '(none)'}; its leaves outside layers: {shown(bare) or '(none)'}. Fix or remove the rule."
+    )
 
 
 def _leaf_paths(layer: Any, where: str) -> list[str]:

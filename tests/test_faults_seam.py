@@ -7,6 +7,7 @@ import os
 import re
 import threading
 
+import equinox as eqx
 import numpy as np
 import pytest
 
@@ -80,7 +81,8 @@ _ELSEWHERE = {
 @pytest.fixture(scope="module")
 def reached(tmp_path_factory):
     """How many times each point fired during a local save, load, overwrite,
-    load and verify, and two saves of a manager that keeps one step. Few files make a
+    load and verify, an export to safetensors loaded back, and two saves of a
+    manager that keeps one step. Few files make a
     flush `syncfs` here, and every chunk file of a leaf goes past the page cache."""
     counts = collections.Counter()
     lock = threading.Lock()
@@ -104,6 +106,9 @@ def reached(tmp_path_factory):
                 loaded = eqx_ckpt.tree_deserialise_leaves(path / "ckpt", like)
                 assert all(np.array_equal(loaded[k], tree[k] + generation) for k in tree)
             assert eqx_ckpt.verify(path / "ckpt") == []
+            # Another format's source (`_safetensors`).
+            eqx_ckpt.export_safetensors(path / "st", tree)
+            assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path / "st", like), tree)
             with eqx_ckpt.CheckpointManager(path / "steps", max_to_keep=1) as manager:
                 for step in (1, 2):
                     manager.save(step, tree)

@@ -86,3 +86,25 @@ def test_manager_on_gcs(url):
     assert eqx.tree_equal(manager.restore(_tree(0)), _tree(3), typematch=True)
     # Retention deleted the objects of the steps it dropped, and only those.
     assert {k.split("/")[0] for k in _keys(url) if "/" in k} == {"step_00000002", "step_00000003"}
+
+
+def test_a_rewritten_safetensors_object_is_reported_as_replaced(url):
+    """Issue 40, item 1, on GCS: a tensor read at the old offsets of an object
+    written again (another tensor first, or smaller) raises, never other bytes."""
+    from safetensors.numpy import save
+
+    bucket, _, path = url.removeprefix("gs://").partition("/")
+    store = ts.KvStore.open({"driver": "gcs", "bucket": bucket, "path": path + "/"}).result()
+    store.write(
+        "model.safetensors", save({"a": np.arange(64, dtype=np.float32), "b": np.ones(64, np.float32)})
+    ).result()
+    ckpt = eqx_ckpt.Checkpoint(url)
+    a, b = ckpt["a"], ckpt["b"]
+    np.testing.assert_array_equal(np.asarray(a), np.arange(64, dtype=np.float32))
+    store.write("model.safetensors", save({"_": np.zeros(64, np.float32), "a": np.zeros(64, np.float32)})).result()
+    with pytest.raises(eqx_ckpt.CheckpointReplacedError, match=re.escape("its file `model.safetensors` was rewritten")):
+        np.asarray(a)
+    store.write("model.safetensors", save({"b": np.ones(2, np.float32)})).result()
+    with pytest.raises(eqx_ckpt.CheckpointReplacedError, match=re.escape("its file `model.safetensors` was rewritten")):
+        np.asarray(b)
+    np.testing.assert_array_equal(np.asarray(eqx_ckpt.Checkpoint(url)["b"]), np.ones(2, np.float32))

@@ -1,13 +1,26 @@
-"""Names the user gives that match nothing are errors, for every source format:
-a key of a `rename` or `transform` mapping that names no leaf of `like` (a typo,
-or the stored name, as load errors name leaves) once loaded a square weight
-untransposed, or kept an embedding at its random initial value, without a word
-(issue 40)."""
+"""Other formats without silent wrong values (issue 40), checked once for every
+source format (eqx_ckpt, a safetensors file, a Hugging Face sharded directory,
+orbax):
 
+- names the user gives that match nothing are errors: a key of a `rename` or
+  `transform` mapping that names no leaf of `like` (a typo, or the stored name,
+  as load errors name leaves) once loaded a square weight untransposed, or kept
+  an embedding at its random initial value, without a word;
+- a source rewritten by its own writer after it was opened is reported as
+  replaced (`CheckpointReplacedError`): lazy leaves of a safetensors file or a
+  Hugging Face directory once read the new file's bytes at the old offsets
+  (another tensor's values), and a healthy orbax checkpoint saved again was
+  reported as damaged;
+- `torch_layout`'s module rules mean the same paths for stock layers and for
+  leaves outside them, also when `like` is a `(model, state)` tuple."""
+
+import functools
 import json
 import re
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -46,12 +59,16 @@ def _hf(directory):
     return directory
 
 
-def _orbax(path):
+def _orbax(path, **options):
     ocp = pytest.importorskip("orbax.checkpoint")
     tree = {"model": {"embed_tokens": EMBED, "proj": PROJ}, "step": STORED["step"]}
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**options)) as checkpointer:
         checkpointer.save(path, args=ocp.args.PyTreeSave(tree))
     return path
+
+
+# orbax's other layout: a zarr3 array per leaf, in folders named by its keys.
+_ORBAX_FOLDERS = {"use_ocdbt": False, "use_zarr3": True}
 
 
 def _like():
@@ -137,3 +154,201 @@ class TestNamesThatMatchNothing:
             transform=[("prj", np.transpose)],
         )
         assert eqx.tree_equal(loaded, {"embed": EMBED, "proj": PROJ}, typematch=True)
+
+
+# What each source is replaced with: other values, and a tensor stored first,
+# so that the old offsets of a safetensors file point at other bytes.
+NEW = {"a.first": np.full((5, 5), 7.0, np.float32), "model.embed_tokens": EMBED + 100, "model.proj": PROJ - 100}
+NEW_STEP = np.array(4, np.int32)
+NEW_TREE = {
+    "a": {"first": NEW["a.first"]},
+    "model": {"embed_tokens": NEW["model.embed_tokens"], "proj": NEW["model.proj"]},
+    "step": NEW_STEP,
+}
+
+
+def _replace_eqx_ckpt(path):
+    eqx_ckpt.tree_serialise_leaves(path, NEW_TREE)
+
+
+def _replace_safetensors_file(path):
+    save_file({**NEW, "step": NEW_STEP}, str(path))
+
+
+def _replace_hf_by_export(directory):
+    # Two shards again (of other sizes), as `export_safetensors` writes them.
+    names = eqx_ckpt.export_safetensors(directory, NEW_TREE, max_shard_size=120)
+    assert len(names) > 2
+
+
+def _replace_hf_shard(directory):
+    # The shard holding `model.proj` rewritten by safetensors, the index as it was.
+    shard = {"model.proj": NEW["model.proj"], "step": NEW_STEP, "a.first": NEW["a.first"]}
+    save_file(shard, str(directory / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+
+
+def _replace_orbax(path, **options):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**options)) as checkpointer:
+        checkpointer.save(path, args=ocp.args.PyTreeSave(NEW_TREE), force=True)
+
+
+REPLACEMENTS = {
+    "eqx_ckpt": (_eqx_ckpt, _replace_eqx_ckpt),
+    "safetensors": (_safetensors, _replace_safetensors_file),
+    "hf-export": (_hf, _replace_hf_by_export),
+    "hf-shard": (_hf, _replace_hf_shard),
+    "orbax": (_orbax, _replace_orbax),
+    "orbax-folders": (functools.partial(_orbax, **_ORBAX_FOLDERS), functools.partial(_replace_orbax, **_ORBAX_FOLDERS)),
+}
+
+
+@pytest.fixture(params=list(REPLACEMENTS))
+def replaced(request, tmp_path):
+    """A source, a function that rewrites it with its own writer, and which one it is."""
+    make, replace = REPLACEMENTS[request.param]
+    path = make(tmp_path / "ckpt")
+    return path, lambda: replace(path), request.param
+
+
+def _said_replaced(path):
+    return pytest.raises(
+        eqx_ckpt.CheckpointReplacedError, match=f"{re.escape(repr(str(path)))} was replaced .* Open or load it again"
+    )
+
+
+class TestReplacedSources:
+    def test_a_lazy_leaf_of_a_replaced_source_raises_never_other_bytes(self, replaced):
+        path, replace, kind = replaced
+        ckpt = eqx_ckpt.Checkpoint(path)
+        read_before, unread = ckpt["model.proj"], ckpt["model.embed_tokens"]
+        np.testing.assert_array_equal(np.asarray(read_before), PROJ)
+        lazy = eqx_ckpt.tree_deserialise_leaves(path, _like(), prefix="model", rename=RENAME, lazy=True)
+        replace()
+        for read in (
+            lambda: np.asarray(read_before),
+            lambda: read_before[1:],
+            lambda: np.asarray(unread),
+            lambda: unread.read(),
+            lambda: eqx_ckpt.materialise(lazy),
+            lambda: np.asarray(lazy["proj"]),
+        ):
+            with _said_replaced(path):
+                read()
+        # The new source is sound: opened again, it reads the new values (a
+        # rewritten shard leaves the other one's tensor as it was).
+        fresh = eqx_ckpt.tree_deserialise_leaves(path, _like(), prefix="model", rename=RENAME)
+        embed = EMBED if kind == "hf-shard" else NEW["model.embed_tokens"]
+        assert eqx.tree_equal(fresh, {"embed": embed, "proj": NEW["model.proj"]}, typematch=True)
+        np.testing.assert_array_equal(np.asarray(eqx_ckpt.Checkpoint(path)["model.proj"]), NEW["model.proj"])
+
+    def test_a_source_replaced_while_an_eager_load_runs_raises(self, replaced):
+        path, replace, _ = replaced
+        calls = []
+
+        def progress(*counts):
+            # The first report of the load's progress, while it runs.
+            if not calls:
+                replace()
+            calls.append(counts)
+
+        with _said_replaced(path):
+            eqx_ckpt.tree_deserialise_leaves(path, _like(), prefix="model", rename=RENAME, progress=progress)
+        assert calls
+
+    def test_a_directory_exported_onto_itself_reads_the_old_files_then_reports_them_replaced(self, tmp_path):
+        """The export docs/interop.md supports (`export_safetensors(d, Checkpoint(d))`)
+        reads every leaf from the old files; afterwards the `Checkpoint` it read
+        from, and lazy leaves opened before, are of files that are gone."""
+        path = _hf(tmp_path / "ckpt")
+        ckpt = eqx_ckpt.Checkpoint(path)
+        lazy = eqx_ckpt.tree_deserialise_leaves(path, _like(), prefix="model", rename=RENAME, lazy=True)
+        # One shard per tensor now: `model.proj` is at another offset of another file.
+        names = eqx_ckpt.export_safetensors(path, ckpt, max_shard_size=36, metadata={"format": "pt"})
+        assert names[:-1] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+        for read in (lambda: np.asarray(ckpt["model.proj"]), lambda: eqx_ckpt.materialise(lazy)):
+            with _said_replaced(path):
+                read()
+        fresh = eqx_ckpt.tree_deserialise_leaves(path, _like(), prefix="model", rename=RENAME)
+        assert eqx.tree_equal(fresh, {"embed": EMBED, "proj": PROJ}, typematch=True)
+
+
+def _nested(flat):
+    tree = {}
+    for name, value in flat.items():
+        *parents, last = name.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return tree
+
+
+def _save_flat(kind, path, flat):
+    """`flat` (tensor name -> array) saved as `kind` saves it; the path to load."""
+    if kind == "eqx_ckpt":
+        eqx_ckpt.tree_serialise_leaves(path, _nested(flat))
+    elif kind == "safetensors":
+        path = path.with_suffix(".safetensors")
+        save_file(flat, str(path))
+    elif kind == "hf":
+        eqx_ckpt.export_safetensors(path, _nested(flat), max_shard_size=24)
+        assert (path / "model.safetensors.index.json").is_file()
+    else:
+        ocp = pytest.importorskip("orbax.checkpoint")
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+            checkpointer.save(path, args=ocp.args.PyTreeSave(_nested(flat)))
+    return path
+
+
+class _NormAndGain(eqx.Module):
+    norm: eqx.nn.BatchNorm
+    gain: jax.Array
+
+    def __init__(self):
+        self.norm = eqx.nn.BatchNorm(3, "batch", mode="ema", inference=True)
+        self.gain = jnp.full(3, -1.0)
+
+
+class TestTorchLayoutRules:
+    """Issue 40, item 4, from every source: `torch_layout`'s rules mean the
+    same paths for a stock layer and a leaf outside layers of `(model, state)`."""
+
+    @pytest.mark.parametrize("kind", ["eqx_ckpt", "safetensors", "hf", "orbax"])
+    def test_a_bare_parameter_beside_a_batch_norm_is_loaded_by_its_rule(self, tmp_path, kind):
+        state_dict = {"bn.weight": EMBED[0, :3] + 1, "bn.bias": EMBED[1, :3], "bn.running_mean": EMBED[2, :3],
+                      "bn.running_var": EMBED[3, :3] + 1, "scale": PROJ[0]}  # fmt: skip
+        path = _save_flat(kind, tmp_path / "torch", state_dict)
+        make = lambda: eqx.nn.make_with_state(_NormAndGain)()
+        like = eqx.filter_eval_shape(make)
+        rename, transform = eqx_ckpt.torch_layout(like, rename=[(r"^norm$", "bn"), (r"^gain$", "scale")])
+        model, state = eqx_ckpt.load_or_initialise(path, make, rename=rename, transform=transform)
+        # Once the gain kept its initial value (-1) without a word.
+        np.testing.assert_array_equal(np.asarray(model.gain), PROJ[0])
+        np.testing.assert_array_equal(np.asarray(model.norm.weight), state_dict["bn.weight"])
+        mean, var = state.get(model.norm.ema_state_index)
+        np.testing.assert_array_equal(np.asarray(mean), state_dict["bn.running_mean"])
+        np.testing.assert_array_equal(np.asarray(var), state_dict["bn.running_var"])
+        # The whole tuple's spelling matches no path inside the model: refused, whatever the source.
+        with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("('^0\\\\.gain$', 'scale')")):
+            eqx_ckpt.torch_layout(like, rename=[(r"^norm$", "bn"), (r"^0\.gain$", "scale")])
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "hf"])
+def test_a_safetensors_file_rewritten_while_it_is_opened_is_replaced_not_damaged(tmp_path, faults, kind):
+    """Its header's length read from one version and its header from the next
+    once was a healthy file reported damaged (or a header misread)."""
+    path = (_safetensors if kind == "safetensors" else _hf)(tmp_path / "ckpt")
+    # Another tensor first: the new header is longer than the old one.
+    shard = path if kind == "safetensors" else path / "model-00002-of-00002.safetensors"
+    rewrite = lambda loc, files: save_file(
+        {"a.first": NEW["a.first"], "model.proj": PROJ, "step": NEW_STEP}, str(shard)
+    )
+    faults("safetensors.read_headers", rewrite)
+    with pytest.raises(
+        eqx_ckpt.CheckpointReplacedError,
+        match=re.escape(
+            f"The safetensors file {shard.name!r} of {str(path)!r} was rewritten while it was being opened"
+        ),
+    ):
+        eqx_ckpt.Checkpoint(path)

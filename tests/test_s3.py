@@ -432,3 +432,68 @@ def test_a_manager_that_cannot_list_its_directory_raises_never_reports_no_steps(
     assert "http_response_body" not in str(caught.value)
     with pytest.raises(error, match=said):
         manager.all_steps()
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_a_rewritten_safetensors_object_is_reported_as_replaced(store, layout):
+    """Issue 40, item 1, on an object store: every byte-range read of a tensor
+    is checked against the generation (ETag) its file's header was read at."""
+    from safetensors.numpy import save
+
+    old = {"a": np.arange(6, dtype=np.float32), "b": np.full(4, 2.0, np.float32)}
+    # Another tensor first: at the old offsets of `b` are now other bytes.
+    new = {"_": np.full(3, 9.0, np.float32), "a": old["a"] + 1, "b": old["b"] - 1}
+    kv = ts.KvStore.open(store).result()
+    name = "model.safetensors" if layout == "single" else "model-00001-of-00001.safetensors"
+    if layout == "sharded":
+        index = {"metadata": {}, "weight_map": dict.fromkeys(old, name)}
+        kv.write("model.safetensors.index.json", json.dumps(index).encode()).result()
+    kv.write(name, save(old)).result()
+    ckpt = eqx_ckpt.Checkpoint(store)
+    a, b = ckpt["a"], ckpt["b"]
+    np.testing.assert_array_equal(np.asarray(a), old["a"])
+    lazy = eqx_ckpt.tree_deserialise_leaves(store, {"b": np.zeros(4, np.float32)}, lazy=True)
+    kv.write(name, save(new)).result()
+    for read in (lambda: np.asarray(a), lambda: b[1:], lambda: eqx_ckpt.materialise(lazy)):
+        with pytest.raises(eqx_ckpt.CheckpointReplacedError, match=re.escape(f"its file `{name}` was rewritten")):
+            read()
+    if layout == "single":
+        np.testing.assert_array_equal(np.asarray(eqx_ckpt.Checkpoint(store)["b"]), new["b"])
+
+
+def test_a_safetensors_object_rewritten_smaller_is_replaced_not_truncated(store):
+    """A range past the end of the new object carries no generation to compare:
+    the short read makes the reader check the object's generation."""
+    from safetensors.numpy import save
+
+    kv = ts.KvStore.open(store).result()
+    kv.write("model.safetensors", save({"a": np.arange(64, dtype=np.float32), "b": np.ones(64, np.float32)})).result()
+    b = eqx_ckpt.Checkpoint(store)["b"]
+    kv.write("model.safetensors", save({"b": np.ones(2, np.float32)})).result()
+    with pytest.raises(eqx_ckpt.CheckpointReplacedError, match=re.escape("its file `model.safetensors` was rewritten")):
+        np.asarray(b)
+
+
+def test_an_orbax_checkpoint_saved_again_is_reported_as_replaced(store, tmp_path):
+    """Issue 40, item 1, on S3: orbax's files (saved locally, then uploaded as
+    a sync would) replaced by those of its next save."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    kv = ts.KvStore.open(store).result()
+
+    def save_and_upload(tree):
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+            checkpointer.save(tmp_path / "orbax", args=ocp.args.PyTreeSave(tree), force=True)
+        for file in sorted(p for p in (tmp_path / "orbax").rglob("*") if p.is_file()):
+            kv.write(file.relative_to(tmp_path / "orbax").as_posix(), file.read_bytes()).result()
+
+    save_and_upload({"w": np.arange(6, dtype=np.float32), "b": np.zeros(2, np.float32)})
+    ckpt = eqx_ckpt.Checkpoint(store)
+    assert ckpt.format == "orbax"
+    w = ckpt["w"]
+    np.testing.assert_array_equal(np.asarray(w), np.arange(6, dtype=np.float32))
+    save_and_upload({"w": np.arange(6, dtype=np.float32) + 1, "b": np.ones(2, np.float32)})
+    with pytest.raises(
+        eqx_ckpt.CheckpointReplacedError, match=re.escape("its file `_CHECKPOINT_METADATA` was rewritten")
+    ):
+        np.asarray(w)
+    np.testing.assert_array_equal(np.asarray(eqx_ckpt.Checkpoint(store)["w"]), np.arange(6, dtype=np.float32) + 1)

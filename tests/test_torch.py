@@ -231,3 +231,61 @@ def test_a_rule_to_none_skips_the_layer_and_a_bad_rule_is_explained(tmp_path):
         eqx_ckpt.CheckpointValueError, match=re.escape("`rename` rules must be `(pattern, replacement)`")
     ):
         eqx_ckpt.torch_layout(like, rename=["a"])
+
+
+class _NormAndGain(eqx.Module):
+    """A stock layer beside a bare parameter outside any layer."""
+
+    norm: eqx.nn.BatchNorm
+    gain: jax.Array
+
+    def __init__(self):
+        self.norm = eqx.nn.BatchNorm(3, "batch", mode="ema", inference=True)
+        self.gain = jnp.full(3, -1.0)
+
+
+def _norm_and_gain_state_dict(tmp_path):
+    t = {"bn.weight": _random(3), "bn.bias": _random(3), "bn.running_mean": _random(3),
+         "bn.running_var": np.abs(_random(3)) + 0.5, "scale": _random(3)}  # fmt: skip
+    save_file(t, str(tmp_path / "net.safetensors"))
+    return tmp_path / "net.safetensors", t
+
+
+def test_rules_mean_the_same_paths_for_layers_and_bare_leaves_of_a_model_and_state(tmp_path):
+    """Issue 40, item 4: with `like = (model, state)`, `^gain$` once met `0.gain`
+    and matched nothing, and `load_or_initialise` kept the initial gain."""
+    path, t = _norm_and_gain_state_dict(tmp_path)
+    make = lambda: eqx.nn.make_with_state(_NormAndGain)()
+    like = eqx.filter_eval_shape(make)
+    rename, transform = eqx_ckpt.torch_layout(like, rename=[(r"^norm$", "bn"), (r"^gain$", "scale")])
+    model, state = eqx_ckpt.load_or_initialise(path, make, rename=rename, transform=transform)
+    np.testing.assert_array_equal(np.asarray(model.gain), t["scale"])
+    np.testing.assert_array_equal(np.asarray(model.norm.weight), t["bn.weight"])
+    mean, var = state.get(model.norm.ema_state_index)
+    np.testing.assert_array_equal(np.asarray(mean), t["bn.running_mean"])
+    np.testing.assert_array_equal(np.asarray(var), t["bn.running_var"])
+    # A bare leaf no rule renames is the tensor of its path inside the model (PyTorch names no `0.`).
+    save_file({**t, "gain": t["scale"] * 2}, str(path))
+    rename, transform = eqx_ckpt.torch_layout(like, rename=[(r"^norm$", "bn")])
+    model, _ = eqx_ckpt.tree_deserialise_leaves(path, like, rename=rename, transform=transform, missing="keep")
+    np.testing.assert_array_equal(np.asarray(model.gain), t["scale"] * 2)
+
+
+@pytest.mark.parametrize("tupled", [True, False], ids=["model_and_state", "model"])
+def test_a_torch_layout_rule_that_matches_no_path_is_refused(tmp_path, tupled):
+    path, _ = _norm_and_gain_state_dict(tmp_path)
+    make = (lambda: eqx.nn.make_with_state(_NormAndGain)()) if tupled else _NormAndGain
+    like = eqx.filter_eval_shape(make)
+    # The whole tuple's paths, a typo, and a rule an earlier one shadows: none matches a path of the model.
+    rules = [(r"^norm$", "bn"), (r"^0\.gain$", "scale"), (r"^gian$", "scale"), (r"^no", "x")]
+    with pytest.raises(eqx_ckpt.CheckpointValueError) as info:
+        eqx_ckpt.torch_layout(like, rename=rules)
+    message = str(info.value)
+    said = "3 `rename` rules of `torch_layout` match no path (or only paths an earlier rule takes): "
+    assert re.search(re.escape(said + "('^0\\\\.gain$', 'scale'); ('^gian$', 'scale'); ('^no', 'x')."), message)
+    inside = "inside the model (`like[0]`: `norm`, not `0.norm`)" if tupled else "of `like`"
+    assert re.search(re.escape(f"dotted paths {inside}, of stock layers and of leaves outside them alike"), message)
+    assert re.search(re.escape("The model's layers: `norm`; its leaves outside layers: `gain`."), message)
+    # Refused before any load starts: `load_or_initialise` never keeps `gain`'s initial value for it.
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("`rename` rule of `torch_layout` matches")):
+        eqx_ckpt.load_or_initialise(path, make, rename=eqx_ckpt.torch_layout(like, rename=[(r"^gian$", "scale")])[0])
