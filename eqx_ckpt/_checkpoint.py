@@ -35,7 +35,8 @@ class Checkpoint(Mapping[str, Any]):
 
     **Attributes:**
 
-    - `total_bytes`, `created`, `library_version`, `format_version`, `format`.
+    - `total_bytes`, `created`, `library_version`, `format_version`, `format`,
+        `metadata` (a safetensors file's `__metadata__`).
 
     !!! example
 
@@ -88,6 +89,14 @@ class Checkpoint(Mapping[str, Any]):
     def format_version(self) -> int:
         return self._manifest.format_version
 
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The strings a safetensors file keeps in its header's `__metadata__`
+        (`{"format": "pt"}`); for a Hugging Face directory those of its shards
+        together (a key whose value differs between shards once per shard, as
+        `file:key`). Empty for other formats, and for a file without any."""
+        return dict(self._manifest.metadata)
+
     def record(self, key: str) -> LeafRecord:
         """The manifest record of one leaf (shape, dtype, stored dtype, chunks...)."""
         try:
@@ -126,7 +135,8 @@ class Checkpoint(Mapping[str, Any]):
         return f"Checkpoint({self.path!r}, {len(self)} leaves, {self.total_bytes} bytes)"
 
     def __str__(self) -> str:
-        return f"Checkpoint {self.path!r}:\n" + self.listing(max_rows=_MAX_ROWS)
+        metadata = f"metadata: {self._manifest.metadata}\n" if self._manifest.metadata else ""
+        return f"Checkpoint {self.path!r}:\n{metadata}" + self.listing(max_rows=_MAX_ROWS)
 
     def listing(self, *, depth: int | None = None, max_rows: int | None = None, values: bool = False) -> str:
         """The saved tree, one key per line, indented, with `dtype[shape]` and size,
