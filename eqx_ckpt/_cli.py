@@ -103,6 +103,8 @@ def _verify(args: argparse.Namespace) -> int:
     args.code = 1 if problems else 0  # the answer, even if the reader goes away (`main`)
     for problem in problems:
         print(printable(str(problem)))
+    for limit in problems.unchecked:
+        print(f"not checked: {limit}")
     print(f"{args.path}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
     return args.code
 
@@ -159,8 +161,11 @@ def parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="format and library version, creation time, leaf count, bytes")
     info.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
     info.set_defaults(run=_info)
-    verify = commands.add_parser("verify", help="read and check every byte; exit 0 sound, 1 damaged")
-    verify.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
+    verify = commands.add_parser(
+        "verify", help="read and check every byte (of other formats: what they can be checked for); exit 0 sound, "
+        "1 damaged",
+    )  # fmt: skip
+    verify.add_argument("path", help="checkpoint, .safetensors file, Hugging Face or orbax directory, kvstore URL")
     verify.set_defaults(run=_verify)
     diff = commands.add_parser("diff", help="compare two checkpoints; exit 0 equal, 1 different, 2 error")
     diff.add_argument("a")

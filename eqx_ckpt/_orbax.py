@@ -77,6 +77,21 @@ def find(loc: Location) -> tuple[str, Manifest, Any] | None:
     return "orbax", manifest, lambda record: _storage.ready(stores[record.path])
 
 
+def writes_every_chunk(loc: Location) -> bool:
+    """Whether the orbax checkpoint at `loc` records that every chunk was
+    written (`store_array_data_equal_to_fill_value`), so that a missing one is
+    damage; older orbax left out chunks equal to the fill value."""
+    for folder in (loc, loc.joined(DEFAULT_ITEM)):
+        data = _storage.read_file(folder, METADATA, limit=MAX_MANIFEST_BYTES)
+        if data is not None:
+            try:
+                body = json.loads(data)
+            except ValueError:
+                return False
+            return isinstance(body, dict) and body.get("store_array_data_equal_to_fill_value") is True
+    return False
+
+
 def _corrupt(loc: Location, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"{loc.display!r} is not a readable orbax checkpoint: {what}. It is damaged, incomplete, or of an "

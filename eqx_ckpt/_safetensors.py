@@ -129,8 +129,9 @@ def _tensors(
     for name, head in zip(files, heads):
         result = _result(loc, name, head, "is shorter than a safetensors header")
         if result.state != "value":
-            where = f" (listed in {index})" if index else ""
-            raise CheckpointNotFoundError(f"There is no safetensors file {name!r}{where} at {loc.display!r}.")
+            if index:  # the directory is there, and incomplete
+                raise _corrupt(loc, f"{index} lists the shard {name!r}, which is not there")
+            raise CheckpointNotFoundError(f"There is no safetensors file {name!r} at {loc.display!r}.")
         if len(result.value) < 8:
             raise _corrupt(loc, f"{name!r} is shorter than a safetensors header")
         size = int.from_bytes(result.value, "little")
