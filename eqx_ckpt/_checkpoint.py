@@ -35,7 +35,8 @@ class Checkpoint(Mapping[str, Any]):
 
     **Attributes:**
 
-    - `total_bytes`, `created`, `library_version`, `format_version`, `format`.
+    - `total_bytes`, `created`, `library_version`, `format_version`, `format`,
+        `metadata` (a safetensors file's `__metadata__`).
 
     !!! example
 
@@ -88,6 +89,14 @@ class Checkpoint(Mapping[str, Any]):
     def format_version(self) -> int:
         return self._manifest.format_version
 
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The strings a safetensors file keeps in its header's `__metadata__`
+        (`{"format": "pt"}`); for a Hugging Face directory those of its shards
+        together (a key whose value differs between shards once per shard, as
+        `file:key`). Empty for other formats, and for a file without any."""
+        return dict(self._manifest.metadata)
+
     def record(self, key: str) -> LeafRecord:
         """The manifest record of one leaf (shape, dtype, stored dtype, chunks...)."""
         try:
@@ -126,7 +135,8 @@ class Checkpoint(Mapping[str, Any]):
         return f"Checkpoint({self.path!r}, {len(self)} leaves, {self.total_bytes} bytes)"
 
     def __str__(self) -> str:
-        return f"Checkpoint {self.path!r}:\n" + self.listing(max_rows=_MAX_ROWS)
+        metadata = f"metadata: {self._manifest.metadata}\n" if self._manifest.metadata else ""
+        return f"Checkpoint {self.path!r}:\n{metadata}" + self.listing(max_rows=_MAX_ROWS)
 
     def listing(self, *, depth: int | None = None, max_rows: int | None = None, values: bool = False) -> str:
         """The saved tree, one key per line, indented, with `dtype[shape]` and size,
@@ -215,8 +225,11 @@ class Checkpoint(Mapping[str, Any]):
         The tree is rebuilt from the key paths in the manifest, as nested dicts
         (for dict keys and attribute names) and lists (for sequence indices; an
         index that holds no saved leaf, such as an activation function between
-        layers, is `None`). Arrays saved from JAX come back as JAX arrays on the
-        default device, NumPy arrays as NumPy arrays, scalars as their values.
+        layers, is `None`; in a safetensors file, whose names do not say what is
+        a list, children named `0`, `1`, ... without gaps). Arrays saved from
+        JAX come back as JAX arrays on the default device, or, when any of them
+        is 64-bit and JAX's x64 mode is off, all as NumPy arrays (which keep
+        every value); NumPy arrays as NumPy arrays, scalars as their values.
 
         **Arguments:**
 
@@ -234,6 +247,10 @@ class Checkpoint(Mapping[str, Any]):
         **Raises:**
 
         [`eqx_ckpt.CheckpointKeyError`][] if no leaf lies at or below `key`.
+
+        !!! example
+
+            ```python
             import equinox as eqx, jax
             import eqx_ckpt
 
@@ -255,24 +272,28 @@ class Checkpoint(Mapping[str, Any]):
         records = [r for path, r in self._records.items() if _keypath.is_within(path, key)]
         if key and not records:
             raise CheckpointKeyError(self._missing(key), path=self.path)
+        source = self._source
         return _nested.load(
-            self._data, records, key, lazy=lazy, progress=progress, opener=self._source.opener, check=self._source.check
-        )
+            self._data, records, key, lazy=lazy, progress=progress, opener=source.opener, check=source.check,
+            numbered=self._numbered,
+        )  # fmt: skip
 
-    def tree(self) -> dict[str, Any]:
-        """The saved tree as nested dicts of dotted segments, with a
-        `"shape dtype"` description at each leaf (never reads arrays)."""
+    @property
+    def _numbered(self) -> bool:
+        """Whether numbered children are lists though the key paths do not
+        say so: safetensors names (`layers.0.weight`) never do."""
+        return self._source.format == "safetensors"
+
+    def tree(self) -> Any:
+        """The saved tree as nested dicts of dotted segments (and lists, where
+        `load()` gives lists: sequence indices, and numbered names `0`, `1`...
+        of a safetensors file), with a `"dtype[shape]"` description at each
+        leaf (never reads arrays)."""
         _nested.refuse_leaves_with_children(list(self._records), self.path)
-        out: dict[str, Any] = {}
-        for path, record in self._records.items():
-            parts = _keypath.split_dotted(path)
-            if not parts:
-                return {"": describe(record)}
-            node = out
-            for part in parts[:-1]:
-                node = node.setdefault(part, {})
-            node[parts[-1]] = describe(record)
-        return out
+        records = list(self._records.values())
+        if len(records) == 1 and records[0].path == "":
+            return {"": describe(records[0])}
+        return _nested.structure(records, "", describe, numbered=self._numbered, names=True)
 
 
 # The lines `print(Checkpoint(path))` shows at most.

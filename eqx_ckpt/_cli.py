@@ -91,6 +91,8 @@ def _info(args: argparse.Namespace) -> int:
         print(f"library version: {printable(ckpt.library_version)}")
     if ckpt.created:
         print(f"created:         {printable(ckpt.created)}")
+    for key, value in ckpt.metadata.items():
+        print(f"metadata:        {printable(key)}={printable(value)}")
     print(f"leaves:          {len(ckpt)}")
     print(f"bytes:           {ckpt.total_bytes} ({human(ckpt.total_bytes)})")
     return 0
@@ -101,6 +103,8 @@ def _verify(args: argparse.Namespace) -> int:
     args.code = 1 if problems else 0  # the answer, even if the reader goes away (`main`)
     for problem in problems:
         print(printable(str(problem)))
+    for limit in problems.unchecked:
+        print(f"not checked: {limit}")
     print(f"{args.path}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
     return args.code
 
@@ -124,9 +128,17 @@ def _export(args: argparse.Namespace) -> int:
     for rule in args.rename:
         pattern, sep, replacement = rule.partition("=")
         rules.append((pattern, replacement if sep else None))
+    metadata: dict[str, str] = {}
+    for item in args.metadata:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise CheckpointValueError(f"`--metadata {item}` must be KEY=VALUE, e.g. `--metadata format=pt`.")
+        if metadata.get(key, value) != value:
+            raise CheckpointValueError(f"`--metadata` gives {key!r} twice ({metadata[key]!r} and {value!r}).")
+        metadata[key] = value
     written = export_safetensors(
         _path(args.out), Checkpoint(_path(args.ckpt)), max_shard_size=args.max_shard_size,
-        rename=rules or None,
+        rename=rules or None, metadata=metadata or None,
     )  # fmt: skip
     for name in written:
         print(name)
@@ -149,8 +161,11 @@ def parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="format and library version, creation time, leaf count, bytes")
     info.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
     info.set_defaults(run=_info)
-    verify = commands.add_parser("verify", help="read and check every byte; exit 0 sound, 1 damaged")
-    verify.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
+    verify = commands.add_parser(
+        "verify", help="read and check every byte (of other formats: what they can be checked for); exit 0 sound, "
+        "1 damaged",
+    )  # fmt: skip
+    verify.add_argument("path", help="checkpoint, .safetensors file, Hugging Face or orbax directory, kvstore URL")
     verify.set_defaults(run=_verify)
     diff = commands.add_parser("diff", help="compare two checkpoints; exit 0 equal, 1 different, 2 error")
     diff.add_argument("a")
@@ -165,6 +180,10 @@ def parser() -> argparse.ArgumentParser:
         "--rename", action="append", default=[], metavar="PATTERN[=REPLACEMENT]",
         help="regex rule from dotted path to tensor name (repeatable, first match wins); a PATTERN alone leaves "
         "the matching leaves out",
+    )  # fmt: skip
+    export.add_argument(
+        "--metadata", action="append", default=[], metavar="KEY=VALUE",
+        help="a string for each file's __metadata__, e.g. format=pt (repeatable)",
     )  # fmt: skip
     export.set_defaults(run=_export)
     demo = commands.add_parser("demo", help="train a small model, save, list and reload it")

@@ -111,7 +111,9 @@ def tree_deserialise_leaves(
         value), a tuple of replacements reads several stored arrays, which a
         `transform` combines. A mapping key that names no leaf or sub-tree of
         `like` is a `CheckpointValueError` (whatever `missing` says); rules and
-        callables are not checked so.
+        callables are not checked so. A stored name may also be given as its
+        file spells it (`params/Dense_0/kernel` for the dotted path
+        `params%2FDense_0%2Fkernel`).
     - `missing`: `"error"` (the default) or `"keep"`: keep `like`'s leaf where the
         checkpoint has none.
     - `strict`: also report stored leaves (below `prefix`) that `like` lacks.

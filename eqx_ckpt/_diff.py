@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from . import _chunk_scan, _dtypes, _layout, _manifest, _read, _storage, _storage_errors
+from . import _chunk_scan, _dtypes, _read, _source, _storage, _storage_errors
 from ._checkpoint import describe
 from ._errors import CheckpointError, check_flag
 from ._format import LeafRecord
-from ._location import Location, location
+from ._location import Location
 from ._progress import Progress, Tracker
 
 
@@ -73,7 +73,9 @@ def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None) -> C
 
     **Arguments:**
 
-    - `a`, `b`: checkpoint directories or kvstore URLs.
+    - `a`, `b`: checkpoint directories or kvstore URLs; or any other source
+        `Checkpoint` opens (a `.safetensors` file, a Hugging Face directory, an
+        orbax checkpoint), so an export can be compared with its checkpoint.
     - `values`: also read both copies of every leaf whose shape and dtype agree,
         and compare their bytes (chunk by chunk, in bounded memory). With `False`
         only the manifests are compared.
@@ -105,9 +107,8 @@ def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None) -> C
         ```
     """
     values = check_flag("values", values, "whether to compare the values of leaves that agree in shape and dtype")
-    loc_a, loc_b = location(a), location(b)
-    man_a, man_b = _manifest.require_manifest(loc_a), _manifest.require_manifest(loc_b)
-    recs_a, recs_b = man_a.by_path(), man_b.by_path()
+    source_a, source_b = _source.open_source(a), _source.open_source(b)
+    recs_a, recs_b = source_a.manifest.by_path(), source_b.manifest.by_path()
     changed, same = [], []
     for key in sorted(set(recs_a) & set(recs_b)):
         ra, rb = recs_a[key], recs_b[key]
@@ -118,10 +119,8 @@ def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None) -> C
             same.append((ra, rb))
     differ: list[str] = []
     if values:
-        data_a = _layout.data_location(loc_a, man_a.data_root, man_a.layout)
-        data_b = _layout.data_location(loc_b, man_b.data_root, man_b.layout)
         with Tracker(progress, leaves=len(same), nbytes=sum(ra.nbytes for ra, _ in same), what="diff") as tracker:
-            differ = _compare_values(data_a, data_b, same, tracker)
+            differ = _compare_values(source_a, source_b, same, tracker)
     return CheckpointDiff(
         added=tuple(sorted(set(recs_b) - set(recs_a))),
         removed=tuple(sorted(set(recs_a) - set(recs_b))),
@@ -135,19 +134,28 @@ def _signature(record: LeafRecord) -> str:
     return shown if record.type in ("jax", "numpy") else f"{shown} ({record.type})"
 
 
+def _open(source: _source.Source, record: LeafRecord) -> Any:
+    """A leaf's array: eqx_ckpt's with its zarr.json checked against the
+    manifest, another format's as its source opens it."""
+    if source.opener is None:
+        return _storage.open_array(source.data, record)
+    return source.open(record)
+
+
 def _compare_values(
-    data_a: Location, data_b: Location, pairs: list[tuple[LeafRecord, LeafRecord]], tracker: Tracker
+    source_a: _source.Source, source_b: _source.Source, pairs: list[tuple[LeafRecord, LeafRecord]], tracker: Tracker
 ) -> list[str]:
+    data_a, data_b = source_a.data, source_b.data
     opened = []
     for ra, rb in pairs:
         stores = []
-        for data, record in ((data_a, ra), (data_b, rb)):
+        for source, record in ((source_a, ra), (source_b, rb)):
             try:
-                stores.append(_storage.open_array(data, record).result())
+                stores.append(_open(source, record).result())
             except CheckpointError:
                 raise
             except Exception as e:
-                raise _storage_errors.leaf_io_error(e, record, data, "open") from e
+                raise _storage_errors.leaf_io_error(e, record, source.data, "open") from e
         opened.append((ra, rb, stores[0], stores[1]))
     errors: list[BaseException] = []
     differ: set[str] = set()

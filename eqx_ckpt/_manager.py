@@ -24,7 +24,7 @@ from typing import Any
 
 from jaxtyping import PyTree
 
-from . import _durable, _initialise, _lease, _serialise, _storage, _storage_errors
+from . import _durable, _initialise, _lease, _orbax, _serialise, _storage, _storage_errors
 from ._deserialise import default_deserialise_filter_spec, tree_deserialise_leaves
 from ._errors import (
     CheckpointExistsError,
@@ -133,6 +133,13 @@ class CheckpointManager:
             raise CheckpointValueError(
                 f"{self.directory!r} is {what}, not a directory: a CheckpointManager keeps one "
                 f"folder per step in a directory. Give the path of a directory (it is created on the first save).",
+                path=self.directory,
+            )
+        if local is not None and (orbax := _orbax.manager_steps(local)) and not any(_scan(self._loc)):
+            # It would report no steps, and its first save would start a new run beside orbax's.
+            raise CheckpointValueError(
+                f"{self.directory!r} is not an eqx_ckpt CheckpointManager's directory.{orbax} To save an "
+                f"eqx_ckpt run, give the CheckpointManager another directory.",
                 path=self.directory,
             )
         self.max_to_keep, self.keep_every, self.best_n = max_to_keep, keep_every, best_n

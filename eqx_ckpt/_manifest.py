@@ -57,6 +57,8 @@ class Manifest:
     stamp: bytes = dataclasses.field(default=b"", compare=False)
     # The arrays holding packed leaves.
     packs: tuple[PackRecord, ...] = ()
+    # Another format's own strings (a safetensors header's `__metadata__`).
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:

@@ -11,6 +11,8 @@ become their names in dotted paths.
 from __future__ import annotations
 
 import functools
+import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -36,34 +38,59 @@ def load(
     progress: Progress,
     opener: Any = None,
     check: Any = None,
+    numbered: bool = False,
 ) -> Any:
     """The leaves of `records` (all at or below dotted `key`) as nested containers.
-    `opener` and `check` are the source's (see `LazyArray`)."""
+    `opener` and `check` are the source's (see `LazyArray`); `numbered`: see
+    `structure`."""
     refuse_leaves_with_children([record.path for record in records], data.display)
-    depth = len(_keypath.split_dotted(key))
-    leaf = functools.partial(_leaf, data, opener=opener, check=check)
-    if len(records) == 1 and records[0].path == key:
-        tree = leaf(records[0])
-    else:
-        root = _Node()
-        for record in records:
-            _insert(root, [_plain_key(kind, value) for kind, value in record.keypath[depth:]], leaf(record))
-        tree = _finish(root) if root else {}
+    # One kind of array in one load: if a leaf saved from JAX cannot be a JAX
+    # array at full precision (64 bits without x64), none of them is.
+    host = any(_needs_host(record) for record in records)
+    leaf = functools.partial(_leaf, data, opener=opener, check=check, host=host)
+    tree = structure(records, key, leaf, numbered=numbered)
     return tree if lazy else materialise(tree, progress=progress)
 
 
-def _leaf(data: Location, record: LeafRecord, *, opener: Any, check: Any) -> Any:
-    """A `LazyArray` standing for the leaf as the type it was saved as; scalars
-    are read at once (they come back as values, lazy or not)."""
-    lazy = LazyArray(data, record, _like(record), opener=opener, check=check)
+def structure(
+    records: list[LeafRecord], key: str, leaf: Callable[[LeafRecord], Any], *, numbered: bool, names: bool = False
+) -> Any:
+    """`leaf(record)` for each record (all at or below dotted `key`), nested as
+    their key paths say. `numbered`: the source's key paths do not say which
+    keys index a sequence (safetensors names), so children named `0`, `1`, ...
+    (contiguous from 0) are a list. `names`: dicts are keyed by dotted-path
+    segments (escaped) rather than by the keys themselves."""
+    depth = len(_keypath.split_dotted(key))
+    if len(records) == 1 and records[0].path == key:
+        return leaf(records[0])
+    root = _Node()
+    for record in records:
+        _insert(root, [_plain_key(kind, value, numbered) for kind, value in record.keypath[depth:]], leaf(record))
+    return _finish(root, names) if root else {}
+
+
+def _needs_host(record: LeafRecord) -> bool:
+    """Whether a leaf saved from JAX holds 64-bit values this process's JAX
+    would round or wrap (x64 off): NumPy keeps them exactly."""
+    if record.type != "jax":
+        return False
+    dtype = _dtypes.dtype_from_name(record.dtype)
+    return bool(jax.dtypes.canonicalize_dtype(dtype) != dtype)
+
+
+def _leaf(data: Location, record: LeafRecord, *, opener: Any, check: Any, host: bool) -> Any:
+    """A `LazyArray` standing for the leaf as the type it was saved as (a NumPy
+    array where `host`); scalars are read at once (they come back as values,
+    lazy or not)."""
+    lazy = LazyArray(data, record, _like(record, host), opener=opener, check=check)
     if record.type in _PYTHON or record.type == "numpy_scalar":
         return lazy.read()
     return lazy
 
 
-def _like(record: LeafRecord) -> Any:
+def _like(record: LeafRecord, host: bool) -> Any:
     """A leaf of `like`, allocating nothing, that asks for the saved type on the
-    default device."""
+    default device (or NumPy, where `host`)."""
     if record.type in _PYTHON:
         return _PYTHON[record.type]
     if record.type == "prng_key":
@@ -72,17 +99,25 @@ def _like(record: LeafRecord) -> Any:
     dtype = _dtypes.dtype_from_name(record.dtype)
     if record.type == "numpy_scalar":
         return dtype.type(0)
-    # 64-bit values in a process without x64 stay in NumPy, which keeps them exactly.
-    if record.type == "numpy" or jax.dtypes.canonicalize_dtype(dtype) != dtype:
+    if record.type == "numpy" or host or _needs_host(record):
         return np.broadcast_to(np.zeros((), dtype), record.shape)
     return jax.ShapeDtypeStruct(record.shape, dtype)
 
 
-def _plain_key(kind: str, value: Any) -> tuple[str, Any, str]:
+_NUMBER = re.compile(r"0|[1-9][0-9]*")
+
+
+def _plain_key(kind: str, value: Any, numbered: bool) -> tuple[str, Any, str]:
     """Sequence indices stay ints (and become list positions); other keys keep
-    their value (attribute names and string dict keys as they are). Last, the
-    key's name in dotted paths, for a dict whose keys cannot be sorted."""
-    return ("index" if kind in ("index", "flat") else "key", value, _keypath.stored_segment(kind, value))
+    their value (attribute names and string dict keys as they are), marked as
+    a `number` where `numbered` and the key is one. Last, the key's name in
+    dotted paths, for a dict whose keys cannot be sorted."""
+    if kind in ("index", "flat"):
+        return ("index", value, _keypath.stored_segment(kind, value))
+    name = _keypath.stored_segment(kind, value)
+    if numbered and kind == "key" and isinstance(value, str) and _NUMBER.fullmatch(value):
+        return ("number", value, name)
+    return ("key", value, name)
 
 
 class _Node(dict):
@@ -113,21 +148,27 @@ def _insert(node: _Node, keys: list[tuple[str, Any, str]], leaf: Any) -> None:
     node[keys[-1]] = leaf
 
 
-def _finish(node: Any) -> Any:
+def _finish(node: Any, names: bool = False) -> Any:
     """`_Node`s as lists (when every key is a sequence index; indices that were
-    not saved, such as the activations between layers, are `None`) or dicts (also
+    not saved, such as the activations between layers, are `None`; or when
+    every key is a `number` and they run from 0 without a gap) or dicts (also
     for indices too sparse to be a list, as a hostile manifest may claim)."""
     if not isinstance(node, _Node):
         return node
-    if all(kind == "index" for kind, _, _ in node) and max(i for _, i, _ in node) < 2 * len(node) + 8:
+    kinds = {kind for kind, _, _ in node}
+    if kinds == {"index"} and max(i for _, i, _ in node) < 2 * len(node) + 8:
         out: list[Any] = [None] * (max(i for _, i, _ in node) + 1)
         for (_, i, _), child in node.items():
-            out[i] = _finish(child)
+            out[i] = _finish(child, names)
         return out
+    if kinds == {"number"} and {int(n) for _, n, _ in node} == set(range(len(node))):
+        return [_finish(child, names) for _, child in sorted(node.items(), key=lambda item: int(item[0][1]))]
+    if names:
+        return {name: _finish(child, names) for (_, _, name), child in node.items()}
     try:
         sorted(key for _, key, _ in node)
     except TypeError:
         # Keys JAX cannot sort (a custom node's indices beside names): each is
         # named as in the dotted paths instead, which tells them apart.
-        return {name: _finish(child) for (_, _, name), child in node.items()}
-    return {key: _finish(child) for (_, key, _), child in node.items()}
+        return {name: _finish(child, names) for (_, _, name), child in node.items()}
+    return {key: _finish(child, names) for (_, key, _), child in node.items()}

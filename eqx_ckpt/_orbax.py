@@ -13,6 +13,7 @@ TensorStore opens orbax's arrays (through `_storage`); orbax itself is not impor
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,8 @@ from ._manifest import Manifest
 
 METADATA = "_METADATA"
 DEFAULT_ITEM = "default"
+# What orbax's `CheckpointManager` writes in each step folder.
+STEP_METADATA = "_CHECKPOINT_METADATA"
 # orbax's `value_type` -> the leaf type a load without `like` gives back.
 _TYPES = {"jax.Array": "jax", "np.ndarray": "numpy", "scalar": ""}
 _SCALARS = {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}
@@ -102,6 +105,21 @@ def _stamps(loc: Location) -> list[tuple[str, bytes]]:
     return out
 
 
+def writes_every_chunk(loc: Location) -> bool:
+    """Whether the orbax checkpoint at `loc` records that every chunk was
+    written (`store_array_data_equal_to_fill_value`), so that a missing one is
+    damage; older orbax left out chunks equal to the fill value."""
+    for folder in (loc, loc.joined(DEFAULT_ITEM)):
+        data = _storage.read_file(folder, METADATA, limit=MAX_MANIFEST_BYTES)
+        if data is not None:
+            try:
+                body = json.loads(data)
+            except ValueError:
+                return False
+            return isinstance(body, dict) and body.get("store_array_data_equal_to_fill_value") is True
+    return False
+
+
 def _corrupt(loc: Location, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"{loc.display!r} is not a readable orbax checkpoint: {what}. It is damaged, incomplete, or of an "
@@ -150,3 +168,28 @@ def _record(loc: Location, keypath: list[list[Any]], name: str, kind: str, store
     path = _keypath.join_dotted(*(_keypath.stored_segment(k, v) for k, v in keypath))
     chunks = tuple(store.chunk_layout.read_chunk.shape or ())
     return LeafRecord(path, keypath, kind, shape, dtype, shape, dtype, "plain", chunks)
+
+
+def manager_steps(path: str) -> str:
+    """If the local directory `path` is an orbax `CheckpointManager`'s (numbered
+    step folders, each with its `_CHECKPOINT_METADATA` or an item's
+    `_METADATA`), a sentence naming its steps and how to load one; else ""."""
+    if not os.path.isdir(path):
+        return ""
+    steps = sorted(int(n) for n in os.listdir(path) if n.isdigit() and _is_step(os.path.join(path, n)))
+    if not steps:
+        return ""
+    step = os.path.join(path, str(steps[-1]))
+    items = sorted(n for n in os.listdir(step) if os.path.isfile(os.path.join(step, n, METADATA)))
+    one = step if DEFAULT_ITEM in items or not items else os.path.join(step, items[0])
+    shown = ", ".join(map(str, steps[:10])) + (f" and {len(steps) - 10} more" if len(steps) > 10 else "")
+    return (
+        f" It is an orbax CheckpointManager's directory (steps {shown}): load one step by its folder, e.g. "
+        f"`eqx_ckpt.tree_deserialise_leaves({one!r}, like)` or `eqx_ckpt.Checkpoint({one!r})`."
+    )
+
+
+def _is_step(folder: str) -> bool:
+    if os.path.isfile(os.path.join(folder, STEP_METADATA)):
+        return True
+    return os.path.isdir(folder) and any(os.path.isfile(os.path.join(folder, n, METADATA)) for n in os.listdir(folder))

@@ -132,8 +132,9 @@ def _tensors(
         result = _result(loc, name, head, "is shorter than a safetensors header")
         versions.append(result.stamp.generation)
         if result.state != "value":
-            where = f" (listed in {index})" if index else ""
-            raise CheckpointNotFoundError(f"There is no safetensors file {name!r}{where} at {loc.display!r}.")
+            if index:  # the directory is there, and incomplete
+                raise _corrupt(loc, f"{index} lists the shard {name!r}, which is not there")
+            raise CheckpointNotFoundError(f"There is no safetensors file {name!r} at {loc.display!r}.")
         if len(result.value) < 8:
             raise _corrupt(loc, f"{name!r} is shorter than a safetensors header")
         size = int.from_bytes(result.value, "little")
@@ -144,6 +145,7 @@ def _tensors(
     bodies = [kv.read(name, byte_range=slice(8, 8 + size)) for name, size in zip(files, sizes)]
     records: dict[str, LeafRecord] = {}
     places: dict[str, tuple[str, int]] = {}
+    metadata: dict[str, dict[str, str]] = {}
     ends, generations = [], []
     for name, size, body, version in zip(files, sizes, bodies, versions):
         found = _result(loc, name, body, "ends inside its header")
@@ -158,7 +160,7 @@ def _tensors(
             )
         if len(data) != size:
             raise _corrupt(loc, f"{name!r} ends inside its header")
-        parsed = _parse_header(loc, name, data)
+        parsed, metadata[name] = _parse_header(loc, name, data)
         for record, offset in parsed:
             if record.path in records:
                 raise _corrupt(loc, f"tensor {record.path!r} is in two files ({places[record.path][0]!r}, {name!r})")
@@ -180,7 +182,7 @@ def _tensors(
     opened = _Files(loc, kv, dict(zip(files, generations)))
     return (
         "safetensors",
-        Manifest(ordered, layout="safetensors"),
+        Manifest(ordered, layout="safetensors", metadata=_merged(metadata)),
         functools.partial(_open, opened, places),
         opened.changed,
     )
@@ -223,6 +225,21 @@ class _Files:
         return None
 
 
+def _merged(metadata: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The files' `__metadata__` as one map (Hugging Face shards repeat the
+    same); a key whose value differs between files appears once per file,
+    as `file:key`, rather than one value hiding the others."""
+    values: dict[str, set[str]] = {}
+    for strings in metadata.values():
+        for key, value in strings.items():
+            values.setdefault(key, set()).add(value)
+    out: dict[str, str] = {}
+    for file, strings in metadata.items():
+        for key, value in strings.items():
+            out[key if len(values[key]) == 1 else f"{file}:{key}"] = value
+    return dict(sorted(out.items()))
+
+
 def _result(loc: Location, name: str, read: _storage.Future, short: str | None) -> Any:
     """A byte-range read's result; a range past the end of the file means
     `short` (the file is corrupt), or, without one, `None`."""
@@ -236,7 +253,8 @@ def _result(loc: Location, name: str, read: _storage.Future, short: str | None) 
         raise _corrupt(loc, f"{name!r} {short}") from None
 
 
-def _parse_header(loc: Location, file: str, data: bytes) -> list[tuple[LeafRecord, int]]:
+def _parse_header(loc: Location, file: str, data: bytes) -> tuple[list[tuple[LeafRecord, int]], dict[str, str]]:
+    """The tensors of a header (with their offsets) and its `__metadata__`."""
     try:
         header = json.loads(data, parse_constant=_reject, object_pairs_hook=no_duplicates)
     except (ValueError, RecursionError) as e:
@@ -244,10 +262,12 @@ def _parse_header(loc: Location, file: str, data: bytes) -> list[tuple[LeafRecor
     if not isinstance(header, dict):
         raise _corrupt(loc, f"the header of {file!r} is not a JSON object")
     out = []
+    metadata: dict[str, str] = {}
     for name, entry in header.items():
         if name == "__metadata__":
             if not (isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())):
                 raise _corrupt(loc, f"the `__metadata__` of {file!r} is not a map of strings to strings")
+            metadata = entry
             continue
         dtype = entry.get("dtype") if isinstance(entry, dict) else None
         if isinstance(dtype, str) and dtype not in DTYPES and re.fullmatch(r"[A-Z][A-Z0-9_]*", dtype):
@@ -268,7 +288,7 @@ def _parse_header(loc: Location, file: str, data: bytes) -> list[tuple[LeafRecor
             what = "overlaps the tensor before it" if start < end else f"leaves bytes {end} to {start} unused"
             raise _corrupt(loc, f"tensor {record.path!r} in {file!r} {what}")
         end = start + record.nbytes
-    return out
+    return out, metadata
 
 
 def _reject(name: str) -> None:

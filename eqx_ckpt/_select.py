@@ -81,10 +81,13 @@ def renamer(rename: Any) -> Callable[[str], Target]:
             f"`rename` must be a mapping, a callable or a list of `(pattern, replacement)` rules, "
             f"not {type(rename).__name__}."
         )
-    table = dict(rename)
+    table = {key: spelt(value) for key, value in rename.items()}
     for key, value in table.items():
         if not (isinstance(key, str) and isinstance(value, str) and _keypath.is_valid_dotted(value)):
-            raise CheckpointValueError(f"`rename` maps {key!r} to {value!r}; both must be dotted paths (strings).")
+            raise CheckpointValueError(
+                f"`rename` maps {key!r} to {value!r}; both must be dotted paths (strings; the stored one may "
+                f"also be spelt as its file spells it)."
+            )
     keys = sorted(table, key=len, reverse=True)
 
     def apply(path: str) -> str:
@@ -112,7 +115,18 @@ def _checked(fn: Callable[[str], Any]) -> Callable[[str], Target]:
     return apply
 
 
+def spelt(name: Any) -> Any:
+    """A stored name as its file spells it (`params/Dense_0/kernel`, the
+    tensor name of a safetensors file) as the dotted path that names it
+    (`params%2FDense_0%2Fkernel`): each `.`-separated part escaped as
+    `Checkpoint(path).keys()` escapes keys. A dotted path stays as it is."""
+    if isinstance(name, str) and name and not _keypath.is_valid_dotted(name):
+        return _keypath.join_dotted(*(_keypath.escape(part) for part in name.split(".")))
+    return name
+
+
 def _target(out: Any, where: str) -> Target:
+    out = tuple(spelt(o) for o in out) if isinstance(out, tuple) else spelt(out)
     if isinstance(out, tuple) and out and all(isinstance(o, str) and _keypath.is_valid_dotted(o) for o in out):
         return out
     if not isinstance(out, str) or not _keypath.is_valid_dotted(out):

@@ -137,6 +137,9 @@ def _what_is_there(loc: Location) -> str:
     items = [n for n in names if os.path.isfile(os.path.join(path, n, _orbax.METADATA))]
     if items:
         return f" It is an orbax checkpoint of several items ({_shown(items)}): pass one item's folder."
+    orbax_manager = _orbax.manager_steps(path)
+    if orbax_manager:
+        return orbax_manager
     steps = [n for n in names if n.isdigit() and os.path.isdir(os.path.join(path, n))]
     if steps:
         return f" It looks like an orbax CheckpointManager's directory (steps {_shown(steps)}): pass one step."

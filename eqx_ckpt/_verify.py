@@ -11,11 +11,21 @@ import dataclasses
 import json
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import _chunk_scan, _format, _layout, _manifest, _pack, _storage, _storage_errors
-from ._errors import CheckpointError, CheckpointStorageError, CorruptCheckpointError
+from . import (
+    _chunk_scan,
+    _format,
+    _layout,
+    _manifest,
+    _pack,
+    _safetensors,
+    _storage,
+    _storage_errors,
+    _verify_sources,
+)
+from ._errors import CheckpointError, CheckpointNotFoundError, CheckpointStorageError, CorruptCheckpointError
 from ._format import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, PackRecord, dtype_from_name
 from ._location import Location, location
 from ._manifest import Manifest
@@ -63,7 +73,18 @@ class Problem:
         return self.message if self.leaf is None else f"{self.leaf or '<root>'}: {self.message}"
 
 
-def verify(path: Any, *, progress: Progress = None) -> list[Problem]:
+class Problems(list[Problem]):
+    """What [`eqx_ckpt.verify`][] returns: a list of [`eqx_ckpt.Problem`][]s
+    (empty when the checkpoint is sound), and `unchecked`: sentences saying
+    what its format cannot be checked for (empty for an eqx_ckpt checkpoint,
+    where every byte is)."""
+
+    def __init__(self, problems: Iterable[Problem] = (), unchecked: tuple[str, ...] = ()):
+        super().__init__(problems)
+        self.unchecked = unchecked
+
+
+def verify(path: Any, *, progress: Progress = None) -> Problems:
     """Read and check every byte of a checkpoint.
 
     Checks the manifest (its digest, its schema, its totals), every leaf's
@@ -74,9 +95,17 @@ def verify(path: Any, *, progress: Progress = None) -> list[Problem]:
     metadata is a problem. Nothing is loaded onto a device, and memory use
     stays bounded whatever the size.
 
+    A safetensors file, a Hugging Face directory or an orbax checkpoint is
+    checked for what its format can be checked for: its headers or metadata
+    (offsets in bounds, one after another, the file's size, the index's
+    shards and tensors), and that every tensor's bytes (every chunk) are there
+    and read. Neither format holds checksums, so a changed byte cannot be
+    detected: the result's `unchecked` says so.
+
     **Arguments:**
 
-    - `path`: the checkpoint directory, or a kvstore URL.
+    - `path`: the checkpoint directory, or a kvstore URL; or a `.safetensors`
+        file, a Hugging Face directory of them, or an orbax checkpoint.
     - `progress`: by default a progress bar (bytes and leaves) shows on stderr
         when it is a terminal and the checkpoint is large; `False` hides it,
         `True` shows it whatever the size, and a callable is called as
@@ -86,11 +115,14 @@ def verify(path: Any, *, progress: Progress = None) -> list[Problem]:
 
     A list of [`eqx_ckpt.Problem`][]s, empty when the checkpoint is sound. Each
     names the damaged leaf by its dotted path (problems of the manifest and of
-    group metadata, which belong to no leaf, come first).
+    group metadata, which belong to no leaf, come first). Its attribute
+    `unchecked` lists, in sentences, what the format cannot be checked for
+    (empty for eqx_ckpt's own checkpoints).
 
     **Raises:**
 
-    [`eqx_ckpt.CheckpointNotFoundError`][] if there is no checkpoint at `path`.
+    [`eqx_ckpt.CheckpointNotFoundError`][] if there is no checkpoint of any
+    format at `path` (saying what is there).
 
     !!! example
 
@@ -104,9 +136,14 @@ def verify(path: Any, *, progress: Progress = None) -> list[Problem]:
     """
     loc = location(path)
     try:
-        manifest = _manifest.require_manifest(loc)
+        manifest = None if _safetensors.is_file_path(loc) else _manifest.require_manifest(loc)
     except CorruptCheckpointError as e:
-        return [Problem(None, str(e))]
+        return Problems([Problem(None, str(e))])
+    except CheckpointNotFoundError:
+        manifest = None
+    if manifest is None:
+        found, unchecked = _verify_sources.check(loc, progress)
+        return Problems([Problem(leaf, message) for leaf, message in found], unchecked)
     problems = _check_totals(loc, manifest)
     data = _layout.data_location(loc, manifest.data_root, manifest.layout)
     records = sorted(manifest.leaves, key=lambda r: r.path)
@@ -114,7 +151,7 @@ def verify(path: Any, *, progress: Progress = None) -> list[Problem]:
         problems += _check_groups(data, manifest)
         bad = _check_packs(data, manifest, tracker)
         bad |= _check_leaves(data, [r for r in records if r.pack is None], tracker)
-    return problems + [bad[r.path] for r in records if r.path in bad]
+    return Problems(problems + [bad[r.path] for r in records if r.path in bad])
 
 
 def _check_totals(loc: Location, manifest: Manifest) -> list[Problem]:

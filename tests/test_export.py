@@ -13,7 +13,7 @@ import pytest
 import tensorstore as ts
 from disk import snapshot
 from safetensors import safe_open
-from safetensors.numpy import load, load_file
+from safetensors.numpy import load, load_file, save_file
 
 import eqx_ckpt
 from eqx_ckpt._cli import main
@@ -132,6 +132,50 @@ def test_cli_export_of_a_checkpoint_onto_itself_is_refused(tmp_path, capsys):
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "ckpt")]) == 2
     assert "holds an eqx_ckpt checkpoint" in capsys.readouterr().err
     assert snapshot(tmp_path / "ckpt") == before
+
+
+@pytest.mark.parametrize("shard", ["5GB", "0.3KB"])
+def test_cli_export_writes_metadata_and_checkpoint_and_info_show_it(tmp_path, capsys, shard):
+    """`eqx-ckpt export --metadata KEY=VALUE` (repeatable) fills every file's
+    `__metadata__`; `Checkpoint(...).metadata`, `print` and `eqx-ckpt info` show it."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", _tree())
+    out = tmp_path / "hf"
+    args = ["export", str(tmp_path / "ckpt"), str(out), "--max-shard-size", shard]
+    assert main([*args, "--metadata", "format=pt", "--metadata", "note=a=b"]) == 0
+    files = sorted(out.glob("*.safetensors"))
+    assert (len(files) == 1) == (shard == "5GB")
+    for file in files:
+        with safe_open(file, "np") as f:
+            assert f.metadata() == {"format": "pt", "note": "a=b"}
+    ckpt = eqx_ckpt.Checkpoint(out)
+    assert ckpt.metadata == {"format": "pt", "note": "a=b"}
+    assert "metadata: {'format': 'pt', 'note': 'a=b'}" in str(ckpt)
+    capsys.readouterr()
+    assert main(["info", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "metadata:        format=pt" in shown and "metadata:        note=a=b" in shown
+    # A key without `=`, or given twice with two values, is refused before anything is written.
+    for bad, said in (
+        (["--metadata", "format"], "must be KEY=VALUE"),
+        (["--metadata", "a=1", "--metadata", "a=2"], "twice"),
+    ):
+        assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "other"), *bad]) == 2
+        assert said in capsys.readouterr().err
+        assert not (tmp_path / "other").exists()
+
+
+def test_shards_with_different_metadata_keep_every_value(tmp_path):
+    out = tmp_path / "hf"
+    tree = {"a": np.ones(64, np.float32), "b": np.zeros(64, np.float32)}
+    eqx_ckpt.export_safetensors(out, tree, max_shard_size=300, metadata={"format": "pt", "part": "x"})
+    names = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(names) == 2
+    # Rewrite the second shard's header with another `part`.
+    save_file({"b": tree["b"]}, str(out / names[1]), metadata={"format": "pt", "part": "y"})
+    assert eqx_ckpt.Checkpoint(out).metadata == {"format": "pt", f"{names[0]}:part": "x", f"{names[1]}:part": "y"}
+    assert eqx_ckpt.Checkpoint(tmp_path / "hf" / names[1]).metadata == {"format": "pt", "part": "y"}
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
+    assert eqx_ckpt.Checkpoint(tmp_path / "ckpt").metadata == {}
 
 
 def test_cli_export_from_an_object_store(tmp_path, store):

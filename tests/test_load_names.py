@@ -352,3 +352,57 @@ def test_a_safetensors_file_rewritten_while_it_is_opened_is_replaced_not_damaged
         ),
     ):
         eqx_ckpt.Checkpoint(path)
+
+KERNEL = np.arange(6, dtype=np.float32).reshape(2, 3)
+FLAX = {"params/Dense_0/kernel": KERNEL, "params/Dense_0/bias": np.ones(3, np.float32)}
+
+
+def _flax_source(kind, tmp_path):
+    """Tensors named as Flax names them, `params/Dense_0/kernel`, in format `kind`."""
+    if kind == "safetensors":
+        save_file(FLAX, str(tmp_path / "flax.safetensors"))
+        return tmp_path / "flax.safetensors"
+    if kind == "hf":
+        eqx_ckpt.export_safetensors(tmp_path / "hf", FLAX, max_shard_size=4)
+        assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+        return tmp_path / "hf"
+    if kind == "orbax":
+        ocp = pytest.importorskip("orbax.checkpoint")
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(tmp_path / "orbax", FLAX)
+        return tmp_path / "orbax"
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", FLAX)
+    return tmp_path / "ckpt"
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "hf", "orbax", "eqx_ckpt"])
+@pytest.mark.parametrize(
+    "rename",
+    [
+        {"w": "params/Dense_0/kernel", "b": "params/Dense_0/bias"},
+        [(r"^w$", "params/Dense_0/kernel"), (r"^b$", "params/Dense_0/bias")],
+        lambda path: {"w": "params/Dense_0/kernel", "b": "params/Dense_0/bias"}[path],
+        {"w": "params%2FDense_0%2Fkernel", "b": "params%2FDense_0%2Fbias"},
+    ],
+    ids=["mapping", "rules", "callable", "dotted"],
+)
+def test_rename_targets_may_be_stored_names_as_the_file_spells_them(tmp_path, kind, rename):
+    """A stored name holding `/` is listed escaped (`params%2FDense_0%2Fkernel`);
+    a `rename` to `params/Dense_0/kernel`, the name as the file spells it, was
+    refused as "not a dotted path"."""
+    path = _flax_source(kind, tmp_path)
+    assert "params%2FDense_0%2Fkernel" in eqx_ckpt.Checkpoint(path)
+    like = {"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)}
+    out = eqx_ckpt.tree_deserialise_leaves(path, like, rename=rename)
+    expected = {"w": KERNEL, "b": np.ones(3, np.float32)}
+    assert eqx.tree_equal(out, expected, typematch=True)
+    # A name that matches nothing is still an error naming it, never nothing loaded.
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("params%2FDense_1%2Fkernel")):
+        eqx_ckpt.tree_deserialise_leaves(path, {"w": like["w"]}, rename={"w": "params/Dense_1/kernel"})
+
+
+def test_an_export_names_a_tensor_as_the_file_spells_it(tmp_path):
+    eqx_ckpt.export_safetensors(tmp_path / "out.safetensors", {"w": KERNEL}, rename={"w": "params/Dense_0/kernel"})
+    from safetensors.numpy import load_file
+
+    assert list(load_file(tmp_path / "out.safetensors")) == ["params/Dense_0/kernel"]

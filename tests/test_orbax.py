@@ -113,6 +113,41 @@ def test_a_checkpoint_manager_step_and_an_empty_directory(tmp_path):
         eqx_ckpt.Checkpoint(tmp_path / "empty")
 
 
+@pytest.mark.parametrize("item", [None, "state"])
+def test_an_eqx_ckpt_manager_on_an_orbax_managers_directory_names_its_steps(tmp_path, capsys, item):
+    """`CheckpointManager(orbax_root).all_steps()` said `[]`, and its first save
+    would have started a second run beside orbax's steps."""
+    root = tmp_path / "run"
+    with ocp.CheckpointManager(root, item_names=(item,) if item else None) as manager:
+        for step in (3, 5):
+            save = ocp.args.StandardSave({"w": jnp.arange(3.0) + step})
+            manager.save(step, args=ocp.args.Composite(**{item: save}) if item else save)
+        manager.wait_until_finished()
+    one = str(root / "5" / item) if item else str(root / "5")
+    said = (
+        "It is an orbax CheckpointManager's directory (steps 3, 5): load one step by its folder, e.g. "
+        f"`eqx_ckpt.tree_deserialise_leaves({one!r}, like)`"
+    )
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape(said)):
+        eqx_ckpt.CheckpointManager(root)
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+    # The advice is true advice, and the other entry points say the same.
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(one, {"w": jnp.zeros(3)}), {"w": jnp.arange(3.0) + 5})
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(said)):
+        eqx_ckpt.Checkpoint(root)
+    from eqx_ckpt._cli import main
+
+    assert main(["ls", str(root)]) == 2
+    assert said in capsys.readouterr().err
+    # An empty, a fresh and an eqx_ckpt manager's directory are as they were.
+    (tmp_path / "empty").mkdir()
+    for directory in (tmp_path / "empty", tmp_path / "fresh"):
+        assert eqx_ckpt.CheckpointManager(directory).all_steps() == []
+    eqx_ckpt.CheckpointManager(tmp_path / "ours").save(1, {"w": jnp.ones(2)})
+    assert eqx_ckpt.CheckpointManager(tmp_path / "ours").all_steps() == [1]
+
+
 def test_a_deleted_chunk_is_damage_not_zeros(tmp_path):
     path = _save(tmp_path / "orbax", {"w": jnp.arange(6.0), "b": jnp.ones(2)}, ocdbt=False, zarr3=False)
     (path / "w" / "0").unlink()

@@ -209,13 +209,13 @@ def test_rename_to_a_missing_path_is_reported_under_its_stored_name(tmp_path):
 @pytest.mark.parametrize(
     "rename, message",
     [
-        ({"a": "x/y"}, "both must be dotted paths"),
+        ({"a": ["x"]}, "both must be dotted paths"),
         ({"a": 3}, "both must be dotted paths"),
         (lambda p: 5, "it must return a dotted path"),
         (["a"], "`rename` rules must be `(pattern, replacement)` pairs"),
         (3, "must be a mapping, a callable or a list of `(pattern, replacement)` rules, not int"),
         ([("(", "x")], "`rename` rule '(' is not a regular expression"),
-        ([("a", "x/y")], "`rename` rule 'a' -> 'x/y' gave 'x/y' for `a`; it must return a dotted path"),
+        ([("a", ())], "`rename` rule 'a' -> () gave () for `a`; it must return a dotted path"),
     ],
 )
 def test_invalid_rename(tmp_path, rename, message):
