@@ -118,8 +118,11 @@ def tree_deserialise_leaves(
     - `cast`: `True` converts stored dtypes to `like`'s instead of raising. Rounding
         (to a narrower float, or a large integer to a float) is what a cast
         does; a value that would change otherwise (an integer that does not
-        fit, NaN or infinity into an integer, a float beyond the target's range)
-        is an error naming the leaf.
+        fit, a float with a fraction into an integer, NaN or infinity into an
+        integer, a float beyond the target's range) is an error naming the leaf
+        and the value. The rule is the same for array and scalar leaves of
+        `like`: `5.0` loads into a Python `int` (or an `int32` array) as `5`,
+        `5.7` into either is an error (see `docs/values.md`).
     - `lazy`: return [`eqx_ckpt.LazyArray`][]s that read when asked (see
         [`eqx_ckpt.materialise`][]).
     - `transform`: per-leaf layout changes, stored array(s) -> the array `like`

@@ -126,7 +126,10 @@ def tree_serialise_leaves(
     - `cast`: store some arrays in another dtype: a mapping from dtype to dtype
         (`{jnp.float32: jnp.bfloat16}`) or a callable `(dotted_path, dtype) ->
         dtype | None`. The manifest records both dtypes. A load into `like`
-        leaves of either dtype needs no `cast=True`.
+        leaves of either dtype needs no `cast=True`. Values change only by
+        rounding to a narrower float: a float with a fraction into an integer
+        dtype, an integer that does not fit, NaN or infinity into an integer
+        are errors naming the leaf, and nothing is written.
     - `layout`: `"directories"` (one folder per leaf, readable by any zarr v3
         tool) or `"ocdbt"` (every array in one TensorStore OCDBT database: a few
         files instead of two per leaf, for trees of many small leaves; one
