@@ -137,7 +137,9 @@ def tree_deserialise_leaves(
     - `progress`: by default a progress bar (bytes and leaves) shows on stderr
         when it is a terminal and the load is large; `False` hides it, `True`
         shows it whatever the size, and a callable is called as
-        `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)` as the
+        bytes are read (a chunk or a slab at a time, so a large leaf moves in
+        steps).
 
     **Returns:**
 
@@ -255,21 +257,23 @@ def _read_now(source: Source, plans: list[LeafPlan], records: list[LeafRecord], 
     # through TensorStore, opened ahead of the reads.
     direct = {i for i in own if source.opener is None and _read.direct(data, records[i], plans[i].like)}
     opens = {i: source.open(records[i]) for i in own if i not in direct}
+    # Bytes within each leaf, reported as its chunks or slabs land.
+    parts = {i: tracker.within(records[i].nbytes) for i in own}
 
     def start(i: int) -> Callable[[], Any]:
         plan, record = plans[i], records[i]
         dtype = _target_dtype(plan.like)
         if i in direct:
-            return _read.start_direct(data, record, plan.like, dtype=dtype)
+            return _read.start_direct(data, record, plan.like, dtype=dtype, on_bytes=parts[i])
         try:
             store = opens.pop(i).result()
         except Exception as e:
             raise _storage_errors.leaf_io_error(e, record, data, "open") from e
-        return _read.start(store, data, record, plan.like, dtype=dtype)
+        return _read.start(store, data, record, plan.like, dtype=dtype, on_bytes=parts[i])
 
-    for i, size, finish in _window.windowed((i, records[i].nbytes, functools.partial(start, i)) for i in own):
+    for i, _, finish in _window.windowed((i, records[i].nbytes, functools.partial(start, i)) for i in own):
         results[i] = finish()
-        tracker.advance(leaves=1, nbytes=size)
+        tracker.advance(leaves=1, nbytes=parts[i].rest())
     return [_dtypes.keep_weak_type(value, plan.like) for value, plan in zip(results, plans)]
 
 

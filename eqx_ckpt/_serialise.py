@@ -137,9 +137,10 @@ def tree_serialise_leaves(
     - `progress`: by default a progress bar (bytes and leaves) shows on stderr
         when it is a terminal and the save is large; `False` hides it, `True`
         shows it whatever the size, and a callable is called as
-        `progress(leaves_done, leaves_total, bytes_done, bytes_total)` as each
-        leaf's data is handed to TensorStore; the commit that makes them durable
-        follows.
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)` as the
+        bytes are written (a chunk file at a time on a local disk, so a large
+        leaf moves in steps; elsewhere as each leaf's data is handed to
+        TensorStore); the commit that makes them durable follows.
 
     With `jax.distributed` initialised, call this in every process with the same
     tree: each process writes its own shards, and the checkpoint is committed once,
