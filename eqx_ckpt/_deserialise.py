@@ -87,7 +87,7 @@ def tree_deserialise_leaves(
     - `path`: the checkpoint directory, or a kvstore URL. It may also be a
         `.safetensors` file, a directory of Hugging Face sharded safetensors
         (`model.safetensors.index.json`), or an orbax PyTree checkpoint: the
-        format is recognised from the files (see `docs/interop.md`).
+        format is recognised from the files (see [docs/interop.md](../interop.md)).
     - `like`: a PyTree with the structure and leaf types of what is loaded;
         concrete, or abstract (`jax.ShapeDtypeStruct` leaves, such as
         `eqx.filter_eval_shape` gives). Loaded leaves replace those of `like`;
@@ -122,7 +122,7 @@ def tree_deserialise_leaves(
         integer, a float beyond the target's range) is an error naming the leaf
         and the value. The rule is the same for array and scalar leaves of
         `like`: `5.0` loads into a Python `int` (or an `int32` array) as `5`,
-        `5.7` into either is an error (see `docs/values.md`).
+        `5.7` into either is an error (see [docs/values.md](../values.md)).
     - `lazy`: return [`eqx_ckpt.LazyArray`][]s that read when asked (see
         [`eqx_ckpt.materialise`][]).
     - `transform`: per-leaf layout changes, stored array(s) -> the array `like`

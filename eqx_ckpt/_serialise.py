@@ -97,15 +97,18 @@ def tree_serialise_leaves(
 ) -> PendingSave | None:
     """Save the leaves of a PyTree as a checkpoint directory.
 
-    Every array leaf becomes its own zarr v3 array in a folder named after its key
-    path (`model.layers.0.weight` -> `model/layers/0/weight/`); a `manifest.json`
-    written last commits the checkpoint.
+    Every array leaf is stored as a zarr v3 array, found by its key path: a large
+    leaf in a folder of its own named after it (`model.layers.0.weight` ->
+    `model/layers/0/weight/`), and leaves of at most 1 MiB packed, several to one
+    zarr v3 array per dtype, at offsets the manifest records (see
+    [docs/format.md](../format.md#small-leaves-packs)). A `manifest.json` written
+    last commits the checkpoint.
 
     **Arguments:**
 
     - `path`: the checkpoint directory (`str` or `pathlib.Path`), or a TensorStore
         kvstore URL (`memory://`, `file://`, `s3://`, `gs://`), or a kvstore spec `dict` (for an
-        S3 `endpoint` and other options a URL cannot carry; see `docs/storage.md`).
+        S3 `endpoint` and other options a URL cannot carry; see [docs/storage.md](../storage.md)).
     - `pytree`: the PyTree whose leaves are saved.
     - `filter_spec`: how to save each leaf: a callable `(handle, leaf) -> None`
         or a PyTree prefix of `pytree` of them. The default saves arrays and
@@ -133,7 +136,7 @@ def tree_serialise_leaves(
     - `layout`: `"directories"` (one folder per leaf, readable by any zarr v3
         tool) or `"ocdbt"` (every array in one TensorStore OCDBT database: a few
         files instead of two per leaf, for trees of many small leaves; one
-        process only). Loads need not be told. See docs/scaling.md.
+        process only). Loads need not be told. See [docs/scaling.md](../scaling.md).
     - `progress`: by default a progress bar (bytes and leaves) shows on stderr
         when it is a terminal and the save is large; `False` hides it, `True`
         shows it whatever the size, and a callable is called as
