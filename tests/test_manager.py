@@ -747,3 +747,16 @@ def test_an_invalid_retention_record_is_a_clear_error(tmp_path, content):
     with pytest.warns(eqx_ckpt.CommitWarning, match=re.escape("The retention record 'retention.json' in")):
         manager.save(1, _tree(1))
     assert manager.all_steps() == [0, 1]
+
+
+def test_an_asynchronous_save_warns_of_steps_left_in_place_too(tmp_path):
+    with eqx_ckpt.CheckpointManager(tmp_path) as before:
+        for step in range(5):
+            before.save(step, _tree(step))
+    manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=1, blocking=False)
+    with pytest.warns(eqx_ckpt.RetentionWarning, match=re.escape("Retention left 5 step(s)")):
+        manager.save(5, _tree(5))
+        manager.save(6, _tree(6))
+        manager.wait_until_finished()
+    assert manager.all_steps() == [0, 1, 2, 3, 4, 6]
+    manager.close()
