@@ -259,7 +259,8 @@ def start(
 
     `dtype`, when given, is the dtype the value must have (`like`'s);
     `on_bytes`, when given, is called with the bytes of each slab of a large
-    leaf as it lands (progress within the leaf).
+    leaf, or of each device's region of a sharded one, as it lands (progress
+    within the leaf).
     """
     convert = host_converter(record, dtype, loc)
     sharding = target_sharding(like)
@@ -275,7 +276,7 @@ def start(
         def read(index: tuple[slice, ...]) -> Any:
             return store[index].read() if index else store.read()
 
-        finish_placed = _sharding.read_placed(read, record.shape, sharding, convert)
+        finish_placed = _sharding.read_placed(read, record.shape, sharding, convert, on_bytes)
 
         def finish_sharded() -> Any:
             try:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_ckpt
 from eqx_ckpt import _format, _progress, _read, _window
@@ -119,6 +120,14 @@ def test_a_large_leaf_moves_in_steps(tmp_path, monkeypatch, request, store):
     loaded.check(1, total)
     assert len(_steps_within(loaded, total)) >= 7, loaded
     assert [c[0] for c in loaded] == [0] * (len(loaded) - 1) + [1]
+    # Placed over 4 devices, each device's region counts as it lands.
+    sharding = NamedSharding(jax.make_mesh((4,), ("x",)), P("x"))
+    like = {"w": jax.ShapeDtypeStruct(tree["w"].shape, tree["w"].dtype, sharding=sharding)}
+    placed = Calls()
+    out = eqx_ckpt.tree_deserialise_leaves(path, like, progress=placed)
+    assert out["w"].sharding == sharding and np.array_equal(np.asarray(out["w"]), tree["w"])
+    placed.check(1, total)
+    assert _steps_within(placed, total) == [total // 4, total // 2, 3 * total // 4], placed
 
 
 def test_bytes_within_leaves_reach_a_callback_in_steps(monkeypatch):
