@@ -92,8 +92,9 @@ class CheckpointManager:
         directory. By default they apply only to the steps saved under the same
         rules (by this manager, or by an earlier one with the same rules: a
         resumed run); other steps (an earlier run with other rules, a manager
-        without rules) are left in place, and a `eqx_ckpt.RetentionWarning`
-        names those the rules would drop.
+        without rules) are left in place, and an [`eqx_ckpt.RetentionWarning`][]
+        names those the rules would drop (see [docs/manager.md, "Steps saved
+        under other rules"](../manager.md#steps-saved-under-other-rules)).
 
     A step survives if any rule keeps it; the latest (highest) step and the step
     just saved always survive.
