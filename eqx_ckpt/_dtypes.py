@@ -92,10 +92,11 @@ def decode(array: np.ndarray, record: Any) -> np.ndarray:
 def checked_cast(array: np.ndarray, dtype: Any) -> np.ndarray:
     """`array` converted to `dtype`, or `ValueError` saying why the values would
     change beyond rounding: an integer that does not fit, a float that is not a
-    whole number, NaN or infinity into an integer, a finite value (float or integer) beyond a float target's range,
-    infinity or NaN into a float type without them, a complex with an imaginary
-    part into a real type. Rounding to a narrower float, or an integer too large to
-    be exact in a float, is what a cast means and is allowed."""
+    whole number, NaN or infinity into an integer, a finite value (float or
+    integer) beyond a float target's range, infinity or NaN into a float type
+    without them, a complex with an imaginary part into a real type. Rounding
+    to a narrower float, or an integer too large to be exact in a float, is
+    what a cast means and is allowed."""
     target = np.dtype(dtype)
     if array.dtype == target:
         return array
