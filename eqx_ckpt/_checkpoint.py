@@ -31,7 +31,7 @@ class Checkpoint(Mapping[str, Any]):
 
     - `path`: the checkpoint directory or kvstore URL; or a `.safetensors`
         file, a Hugging Face directory of safetensors shards, or an orbax
-        PyTree checkpoint (see `docs/interop.md`).
+        PyTree checkpoint (see [docs/interop.md](../interop.md)).
 
     **Attributes:**
 

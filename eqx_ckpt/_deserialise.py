@@ -87,7 +87,7 @@ def tree_deserialise_leaves(
     - `path`: the checkpoint directory, or a kvstore URL. It may also be a
         `.safetensors` file, a directory of Hugging Face sharded safetensors
         (`model.safetensors.index.json`), or an orbax PyTree checkpoint: the
-        format is recognised from the files (see `docs/interop.md`).
+        format is recognised from the files (see [docs/interop.md](../interop.md)).
     - `like`: a PyTree with the structure and leaf types of what is loaded;
         concrete, or abstract (`jax.ShapeDtypeStruct` leaves, such as
         `eqx.filter_eval_shape` gives). Loaded leaves replace those of `like`;
@@ -120,8 +120,11 @@ def tree_deserialise_leaves(
     - `cast`: `True` converts stored dtypes to `like`'s instead of raising. Rounding
         (to a narrower float, or a large integer to a float) is what a cast
         does; a value that would change otherwise (an integer that does not
-        fit, NaN or infinity into an integer, a float beyond the target's range)
-        is an error naming the leaf.
+        fit, a float with a fraction into an integer, NaN or infinity into an
+        integer, a float beyond the target's range) is an error naming the leaf
+        and the value. The rule is the same for array and scalar leaves of
+        `like`: `5.0` loads into a Python `int` (or an `int32` array) as `5`,
+        `5.7` into either is an error (see [docs/values.md](../values.md)).
     - `lazy`: return [`eqx_ckpt.LazyArray`][]s that read when asked (see
         [`eqx_ckpt.materialise`][]).
     - `transform`: per-leaf layout changes, stored array(s) -> the array `like`
@@ -136,7 +139,9 @@ def tree_deserialise_leaves(
     - `progress`: by default a progress bar (bytes and leaves) shows on stderr
         when it is a terminal and the load is large; `False` hides it, `True`
         shows it whatever the size, and a callable is called as
-        `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)` as the
+        bytes are read (a chunk or a slab at a time, so a large leaf moves in
+        steps).
 
     **Returns:**
 
@@ -254,21 +259,23 @@ def _read_now(source: Source, plans: list[LeafPlan], records: list[LeafRecord], 
     # through TensorStore, opened ahead of the reads.
     direct = {i for i in own if source.opener is None and _read.direct(data, records[i], plans[i].like)}
     opens = {i: source.open(records[i]) for i in own if i not in direct}
+    # Bytes within each leaf, reported as its chunks or slabs land.
+    parts = {i: tracker.within(records[i].nbytes) for i in own}
 
     def start(i: int) -> Callable[[], Any]:
         plan, record = plans[i], records[i]
         dtype = _target_dtype(plan.like)
         if i in direct:
-            return _read.start_direct(data, record, plan.like, dtype=dtype)
+            return _read.start_direct(data, record, plan.like, dtype=dtype, on_bytes=parts[i])
         try:
             store = opens.pop(i).result()
         except Exception as e:
             raise _storage_errors.leaf_io_error(e, record, data, "open") from e
-        return _read.start(store, data, record, plan.like, dtype=dtype)
+        return _read.start(store, data, record, plan.like, dtype=dtype, on_bytes=parts[i])
 
-    for i, size, finish in _window.windowed((i, records[i].nbytes, functools.partial(start, i)) for i in own):
+    for i, _, finish in _window.windowed((i, records[i].nbytes, functools.partial(start, i)) for i in own):
         results[i] = finish()
-        tracker.advance(leaves=1, nbytes=size)
+        tracker.advance(leaves=1, nbytes=parts[i].rest())
     return [_dtypes.keep_weak_type(value, plan.like) for value, plan in zip(results, plans)]
 
 

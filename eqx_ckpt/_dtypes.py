@@ -91,11 +91,12 @@ def decode(array: np.ndarray, record: Any) -> np.ndarray:
 
 def checked_cast(array: np.ndarray, dtype: Any) -> np.ndarray:
     """`array` converted to `dtype`, or `ValueError` saying why the values would
-    change beyond rounding: an integer that does not fit, NaN or infinity into an
-    integer, a finite value (float or integer) beyond a float target's range,
-    infinity or NaN into a float type without them, a complex with an imaginary
-    part into a real type. Rounding to a narrower float, or an integer too large to
-    be exact in a float, is what a cast means and is allowed."""
+    change beyond rounding: an integer that does not fit, a float that is not a
+    whole number, NaN or infinity into an integer, a finite value (float or
+    integer) beyond a float target's range, infinity or NaN into a float type
+    without them, a complex with an imaginary part into a real type. Rounding
+    to a narrower float, or an integer too large to be exact in a float, is
+    what a cast means and is allowed."""
     target = np.dtype(dtype)
     if array.dtype == target:
         return array
@@ -175,19 +176,42 @@ def _check_integer_range(array: np.ndarray, source: str, target: np.dtype) -> No
     if source == "b":
         return
     if source == "f":
-        values = array.astype(np.float64) if array.dtype.itemsize < 8 else array
-        if not np.all(np.isfinite(values)):
-            raise ValueError(f"NaN or infinity cannot become {target}")
-        low, high = float(np.min(np.trunc(values))), float(np.max(np.trunc(values)))
-        # Both bounds as exact powers of two, so the comparison is exact in floats.
-        if low < float(info.min) or high >= float(info.max) + 1:
-            shown = low if low < float(info.min) else high
-            raise ValueError(f"the value {shown!r} does not fit in {target} ([{info.min}, {info.max}])")
+        _check_whole_numbers(array, target, info)
         return
     low_i, high_i = int(np.min(array)), int(np.max(array))
     if low_i < int(info.min) or high_i > int(info.max):
         shown_i = low_i if low_i < int(info.min) else high_i
         raise ValueError(f"the value {shown_i} does not fit in {target} ([{info.min}, {info.max}])")
+
+
+def _check_whole_numbers(array: np.ndarray, target: np.dtype, info: Any) -> None:
+    """`ValueError` unless every value of the float `array` is a whole number
+    within `target`'s range: a float becomes an integer only when that changes
+    no value (SPEC: "Values are never changed silently"); dropping a fraction is
+    not rounding, and `2.7 -> 2` was once done silently. A block at a time, in
+    float64, as `_check_float_range`."""
+    flat = np.ravel(array)
+    for lo in range(0, flat.size, _CHECK_BLOCK):
+        block = flat[lo : lo + _CHECK_BLOCK]
+        values = block.astype(np.float64)
+        if not np.all(np.isfinite(values)):
+            raise ValueError(f"NaN or infinity cannot become {target}")
+        fraction = values != np.trunc(values)
+        if np.any(fraction):
+            raise ValueError(fraction_message(block[fraction][0], str(target)))
+        low, high = float(np.min(values)), float(np.max(values))
+        # Both bounds as exact powers of two, so the comparison is exact in floats.
+        if low < float(info.min) or high >= float(info.max) + 1:
+            shown = low if low < float(info.min) else high
+            raise ValueError(f"the value {shown!r} does not fit in {target} ([{info.min}, {info.max}])")
+
+
+def fraction_message(value: Any, target: str) -> str:
+    """Why a float `value` with a fraction cannot become the integer type `target`."""
+    return (
+        f"the value {value!s} is not a whole number, so {target} cannot hold it (a cast to an integer type "
+        f"never drops a fraction; round the values first, in a `transform` say, if that is meant)"
+    )
 
 
 def is_floating(dtype: np.dtype) -> bool:
@@ -236,9 +260,12 @@ def expected(like: Any) -> tuple[tuple[int, ...], str]:
 
 # The NumPy kinds of the stored values that a Python scalar `like` leaf holds exactly.
 SCALAR_KINDS = {"bool": "b", "int": "biu", "float": "biuf", "complex": "biufc"}
+# ... and with `cast=True`, which then converts each value it holds exactly (the
+# rule `checked_cast` applies to arrays: `5.0` into an `int`, not `5.7`).
+_CAST_SCALAR_KINDS = {"bool": "biuf", "int": "biuf", "float": "biuf", "complex": "biufc"}
 
 
-def compatible(record: Any, like: Any) -> str | None:
+def compatible(record: Any, like: Any, *, cast: bool = False) -> str | None:
     """Why the stored leaf cannot replace `like` (dtype aside), or `None`."""
     kind = like_type(like)
     if kind == "prng_key" and record.type != "prng_key":
@@ -246,7 +273,7 @@ def compatible(record: Any, like: Any) -> str | None:
     if kind != "prng_key" and record.type == "prng_key":
         return f"the checkpoint holds a PRNG key array ({record.dtype}) but `like` holds {type(like).__name__}"
     if kind in ("bool", "int", "float", "complex"):
-        allowed = SCALAR_KINDS[kind]
+        allowed = (_CAST_SCALAR_KINDS if cast else SCALAR_KINDS)[kind]
         stored = dtype_from_name(record.dtype)
         # bfloat16 and float8 types report kind 'V' in NumPy; they are floats.
         code = "f" if stored.kind == "V" else stored.kind
@@ -266,6 +293,12 @@ def to_result(array: np.ndarray, like: Any, *, sharding: Any = None) -> Any:
         return type(like)(array[()])
     if isinstance(like, (bool, int, float, complex)):
         value = array.item()
+        if type(like) is not bool and isinstance(like, int) and isinstance(value, float):
+            # As `checked_cast` into an integer array: no fraction is dropped.
+            if not math.isfinite(value):
+                raise ValueError(f"NaN or infinity cannot become a Python {type(like).__name__}")
+            if not value.is_integer():
+                raise ValueError(fraction_message(array[()], f"a Python {type(like).__name__}"))
         try:
             out = type(like)(value)
         except TypeError:  # a complex value into an int or a float

@@ -16,8 +16,9 @@ A checkpoint directory:
     gen.<commit>/            the data root of every save after the first
     ocdbt.db/                every array, with `layout="ocdbt"`
 
-and a manager's run holds `step_<8+ digits>/` checkpoints and their
-`step_<...>.metrics.json`.
+and a manager's run holds `step_<8+ digits>/` checkpoints, their
+`step_<...>.metrics.json` (version 1) and `retention.json` (the rules its steps
+were saved under, so that retention deletes no step saved under others).
 """
 
 from __future__ import annotations
@@ -129,6 +130,10 @@ def parse_step(name: str) -> int | None:
     if match is None or step_name(int(match.group(1))) != name:
         return None
     return int(match.group(1))
+
+
+# A manager's record of its retention rules and the steps saved under them.
+RETENTION = "retention.json"
 
 
 def metrics_name(step: int) -> str:

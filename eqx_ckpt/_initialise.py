@@ -61,7 +61,7 @@ def load_or_initialise(
         stateful layer (`BatchNorm`) inserted before others in the new tree takes
         the statistics of the layer that used to sit there, and the last one is
         initialised. Save such state keyed by the layers' names instead (see
-        docs/loading.md, "Stateful layers").
+        [docs/values.md, "Stateful layers"](../values.md#stateful-layers)).
 
     !!! example
 

@@ -326,7 +326,7 @@ def check_leaf(plan: LeafPlan, report: Report, *, missing: str, cast: bool) -> b
         if missing == "error":
             report.add("missing", "it is not in the checkpoint.", plan.keypath, plan.stored)
         return False
-    problem = _dtypes.compatible(record, plan.like)
+    problem = _dtypes.compatible(record, plan.like, cast=cast)
     if problem is not None:
         report.add("type changed", f"{problem}.", plan.keypath, plan.stored)
         return False

@@ -61,7 +61,9 @@ _FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXE
 _FOLDER_FLAGS = _FILE_FLAGS | getattr(os, "O_DIRECTORY", 0)
 
 
-def start_read(loc: Location, record: LeafRecord) -> Callable[[], np.ndarray] | None:
+def start_read(
+    loc: Location, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None
+) -> Callable[[], np.ndarray] | None:
     """Start reading a whole leaf stored in its own zarr v3 array on a local
     disk straight into one aligned host buffer; `None` when this leaf cannot be
     read this way (not local, not `eligible`), so the caller falls back to
@@ -74,6 +76,8 @@ def start_read(loc: Location, record: LeafRecord) -> Callable[[], np.ndarray] | 
     and every chunk's crc32c before the array is returned; any failure is an
     `IntegrityError` naming the leaf. An interrupt waits for the reading
     threads before it is raised, so none writes into the buffer afterwards.
+    `on_bytes`, when given, is called with the bytes of each chunk once it is
+    read and checked (progress within a large leaf).
 
     **Returns:**
 
@@ -98,7 +102,7 @@ def start_read(loc: Location, record: LeafRecord) -> Callable[[], np.ndarray] | 
             if not started.cancelled() and started.exception() is None:
                 started.result()[1].settle()
             raise
-        reads.wait()
+        reads.wait(on_bytes)
         return out.view(dtype_from_name(record.stored_dtype)).reshape(record.stored_shape)
 
     return finish
@@ -245,15 +249,18 @@ class _Reads:
         # Per chunk file, (bytes checked, future of their crc32c) for each piece.
         self.futures: list[list[tuple[int, concurrent.futures.Future[int]]]] = []
 
-    def wait(self) -> None:
+    def wait(self, on_bytes: Callable[[int], None] | None = None) -> None:
         """Wait for the reads, checking each chunk's checksum (its pieces'
-        checksums, joined) in order, as soon as its pieces are read."""
+        checksums, joined) in order, as soon as its pieces are read; then
+        `on_bytes` of its bytes."""
         try:
-            for (key, _, stored), pieces in zip(self.chunks, self.futures):
+            for (key, segments, stored), pieces in zip(self.chunks, self.futures):
                 computed = 0
                 for checked, piece in pieces:
                     computed = crc32c_combine(computed, piece.result(), checked)
                 _check_crc(self.loc, self.record, key, computed, stored)
+                if on_bytes is not None:
+                    on_bytes(len(segments[0]))
         except BaseException:
             self.settle()
             raise

@@ -4,6 +4,7 @@ On disk, in the manager's directory:
 
     step_00000042/                 a complete eqx_ckpt checkpoint (manifest.json last)
     manager.json                   the lease of the manager writing here (see `_lease`)
+    retention.json                 the retention rules and the steps saved under them
 
 A step exists only once `step_<step>/manifest.json` does, so a save interrupted at
 any moment is never reported. Its metrics are in that manifest, so they commit
@@ -37,6 +38,7 @@ from ._location import location
 from ._progress import Progress
 from ._serialise import PendingSave, default_serialise_filter_spec
 from ._steps import (
+    RetentionWarning,
     _check_step,
     _clean_interrupted,
     _kept,
@@ -44,8 +46,10 @@ from ._steps import (
     _primary,
     _rank,
     _read_metrics,
+    _read_retention,
     _scan,
     _show,
+    _write_retention,
 )
 from ._transaction import CommitWarning
 
@@ -84,6 +88,13 @@ class CheckpointManager:
         and the writing, the commit and the deletion of old steps go on in the
         background. The next `save` (or `wait_until_finished()`) waits for it, and
         raises its error if it failed.
+    - `adopt_steps`: with `True`, the retention rules apply to every step in the
+        directory. By default they apply only to the steps saved under the same
+        rules (by this manager, or by an earlier one with the same rules: a
+        resumed run); other steps (an earlier run with other rules, a manager
+        without rules) are left in place, and an [`eqx_ckpt.RetentionWarning`][]
+        names those the rules would drop (see [docs/manager.md, "Steps saved
+        under other rules"](../manager.md#steps-saved-under-other-rules)).
 
     A step survives if any rule keeps it; the latest (highest) step and the step
     just saved always survive.
@@ -118,6 +129,7 @@ class CheckpointManager:
         best_metric: str | None = None,
         best_mode: str = "min",
         blocking: bool = True,
+        adopt_steps: bool = False,
     ):
         for name, value in (("max_to_keep", max_to_keep), ("keep_every", keep_every), ("best_n", best_n)):
             if value is not None and (type(value) is not int or value < 1):
@@ -145,6 +157,10 @@ class CheckpointManager:
         self.max_to_keep, self.keep_every, self.best_n = max_to_keep, keep_every, best_n
         blocking = check_flag("blocking", blocking, "`False` saves in the background")
         self.best_metric, self.best_mode, self.blocking = best_metric, best_mode, blocking
+        self.adopt_steps = check_flag("adopt_steps", adopt_steps, "`True` applies retention to every step")
+        # The steps retention may delete (see `_governed_steps`), known from the first save on.
+        self._governed: set[int] | None = None
+        self._warned = False
         self._pending: PendingSave | None = None
         self._pending_step: int | None = None
         # Saves and deletions from several threads take turns (a second thread's
@@ -544,7 +560,7 @@ class CheckpointManager:
         """After a step committed: delete the steps no rule keeps. A failure here is
         a warning (the new step is saved; the next save retries the deletion)."""
         try:
-            self._delete_unkept(saved)
+            left = self._delete_unkept(saved)
         except Exception as e:
             warnings.warn(
                 f"Step saved in {self.directory!r}, but deleting the steps the retention rules drop failed ({e}); "
@@ -552,19 +568,61 @@ class CheckpointManager:
                 CommitWarning,
                 stacklevel=3,
             )
-
-    def _delete_unkept(self, saved: int | None) -> None:
-        """Delete the committed steps no rule keeps (never the one just `saved`)."""
-        if (self.max_to_keep is None and self.keep_every is None and self.best_n is None) or not _primary():
             return
+        if left:
+            warnings.warn(
+                f"Retention left {len(left)} step(s) in {self.directory!r} that were saved under other "
+                f"retention rules (or none) in place: {_show(left)}. This manager's rules apply to the steps "
+                f"saved under them; to apply them to every step, create the manager with `adopt_steps=True`.",
+                RetentionWarning,
+                stacklevel=3,
+            )
+
+    def _delete_unkept(self, saved: int | None) -> list[int]:
+        """Delete the steps retention governs that no rule keeps (never the one
+        just `saved`) and record the ones left. Returns the other steps that the
+        rules would drop, the first time there are any."""
+        if (self.max_to_keep is None and self.keep_every is None and self.best_n is None) or not _primary():
+            return []
         steps = self.all_steps()
-        ranked = _rank(self._all_metrics(steps), self.best_metric, self.best_mode) if self.best_n else []
-        keep = _kept(
-            steps, ranked, max_to_keep=self.max_to_keep, keep_every=self.keep_every, best_n=self.best_n, saved=saved
-        )
-        for step in steps:
+        governed = self._governed_steps(steps, saved)
+        mine = [step for step in steps if step in governed]
+        keep = self._keep(mine, saved)
+        for step in mine:
             if step not in keep:
                 self._delete(step)
+        self._governed = {step for step in mine if step in keep}
+        _write_retention(self._loc, self._rules(), sorted(self._governed))
+        if len(mine) == len(steps) or self._warned:
+            return []
+        self._warned = True
+        keep = self._keep(steps, saved)
+        return [step for step in steps if step not in governed and step not in keep]
+
+    def _rules(self) -> dict[str, Any]:
+        rules: dict[str, Any] = {"max_to_keep": self.max_to_keep, "keep_every": self.keep_every, "best_n": self.best_n}
+        if self.best_n is not None:
+            rules.update(best_metric=self.best_metric, best_mode=self.best_mode)
+        return rules
+
+    def _governed_steps(self, steps: list[int], saved: int | None) -> set[int]:
+        """The steps saved under this manager's rules: by it, or by an earlier
+        manager with the same rules (a resumed run, as `retention.json` records),
+        or every step with `adopt_steps=True`. Deleting any other step needs the
+        user's say (a run of 300 steps opened with a tighter `max_to_keep` once
+        lost 297 of them at the first save)."""
+        if self.adopt_steps:
+            return set(steps)
+        if self._governed is None:
+            record = _read_retention(self._loc)
+            self._governed = set(record[1]) if record is not None and record[0] == self._rules() else set()
+        return (self._governed | ({saved} if saved is not None else set())) & set(steps)
+
+    def _keep(self, steps: list[int], saved: int | None) -> set[int]:
+        ranked = _rank(self._all_metrics(steps), self.best_metric, self.best_mode) if self.best_n else []
+        return _kept(
+            steps, ranked, max_to_keep=self.max_to_keep, keep_every=self.keep_every, best_n=self.best_n, saved=saved
+        )
 
 
 # The lease file of the manager writing to a directory.

@@ -11,6 +11,12 @@ Every job that moves many bytes takes `progress=`:
 - a callable: called as `progress(leaves_done, leaves_total, bytes_done,
     bytes_total)` each time some leaves or bytes are done, with running totals
     that only grow and end equal to the totals.
+
+Bytes are counted as they are written or read, a chunk file or a slab at a
+time, so that one large leaf moves the bar in steps instead of from 0 to 100%
+at once. Such partial counts reach a callback only once they add up to
+`1 / PARTIAL_STEPS` of the job's bytes (a leaf done always does), so a job
+of many small chunks does not call it for every one.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ Progress: TypeAlias = bool | Callback | None
 # A job is large enough for a bar from this many bytes or leaves.
 MIN_BYTES = 256 * 2**20
 MIN_LEAVES = 2000
+# Bytes done within leaves reach a callback in steps of at least this fraction of the job.
+PARTIAL_STEPS = 256
 
 
 class Tracker:
@@ -40,6 +48,7 @@ class Tracker:
     def __init__(self, progress: Progress, *, leaves: int, nbytes: int, what: str):
         self.leaves_total, self.bytes_total = leaves, nbytes
         self.leaves_done = self.bytes_done = 0
+        self._called_at, self._step = 0, nbytes // PARTIAL_STEPS
         self._lock = threading.Lock()
         progress = _check(progress)
         self._callback = progress if callable(progress) and not isinstance(progress, bool) else None
@@ -60,8 +69,18 @@ class Tracker:
             if self._bar is not None:
                 self._bar.set_postfix_str(f"{counts[0]}/{counts[1]} leaves", refresh=False)
                 self._bar.update(nbytes)
-        if self._callback is not None:
+            # Bytes within a leaf are reported in steps; a leaf done, at once.
+            call = bool(leaves) or self.bytes_done - self._called_at >= max(self._step, 1)
+            if call:
+                self._called_at = self.bytes_done
+        if call and self._callback is not None:
             self._callback(*counts)
+
+    def within(self, nbytes: int) -> _Within:
+        """A function that reports bytes done within one leaf of `nbytes` (a chunk
+        or a slab at a time), with `rest()` giving what it left to report when
+        the leaf is done: partial counts never exceed the leaf's bytes."""
+        return _Within(self, nbytes)
 
     def describe(self, what: str) -> None:
         """Rename the bar, and show its counts now (a save says it is committing)."""
@@ -104,3 +123,18 @@ def _check(progress: Any) -> Progress:
         f"`progress` must be `None` (a bar on a terminal for large jobs), `True`, `False`, or a callable "
         f"`(leaves_done, leaves_total, bytes_done, bytes_total)`, not {type(progress).__name__}."
     )
+
+
+class _Within:
+    __slots__ = ("_left", "_tracker")
+
+    def __init__(self, tracker: Tracker, nbytes: int):
+        self._tracker, self._left = tracker, nbytes
+
+    def __call__(self, nbytes: int) -> None:
+        nbytes = min(nbytes, self._left)
+        self._left -= nbytes
+        self._tracker.advance(nbytes=nbytes)
+
+    def rest(self) -> int:
+        return self._left

@@ -114,7 +114,12 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> 
 
 
 def _start_in_slabs(
-    store: Any, record: LeafRecord, like: Any, sharding: Any, failed: Callable[[BaseException], Exception]
+    store: Any,
+    record: LeafRecord,
+    like: Any,
+    sharding: Any,
+    failed: Callable[[BaseException], Exception],
+    on_bytes: Callable[[int], None] | None,
 ) -> Callable[[], Any]:
     dtype = _dtypes.dtype_from_name(record.stored_dtype)
     rows, row_bytes = record.shape[0], record.nbytes // max(record.shape[0], 1)
@@ -137,6 +142,8 @@ def _start_in_slabs(
                 lo, hi, future = pending.popleft()
                 launch()
                 out[lo:hi] = future.result()
+                if on_bytes is not None:
+                    on_bytes((hi - lo) * row_bytes)
         except Exception as e:
             raise failed(e) from e
         return _dtypes.to_result(out, like, sharding=sharding)
@@ -239,10 +246,21 @@ def _region(array: np.ndarray, index: Any) -> np.ndarray:
     return array[index]
 
 
-def start(store: Any, loc: Location, record: LeafRecord, like: Any, *, dtype: Any = None) -> Callable[[], Any]:
+def start(
+    store: Any,
+    loc: Location,
+    record: LeafRecord,
+    like: Any,
+    *,
+    dtype: Any = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> Callable[[], Any]:
     """Start reading a leaf; the returned function waits and builds the value.
 
-    `dtype`, when given, is the dtype the value must have (`like`'s).
+    `dtype`, when given, is the dtype the value must have (`like`'s);
+    `on_bytes`, when given, is called with the bytes of each slab of a large
+    leaf, or of each device's region of a sharded one, as it lands (progress
+    within the leaf).
     """
     convert = host_converter(record, dtype, loc)
     sharding = target_sharding(like)
@@ -258,7 +276,7 @@ def start(store: Any, loc: Location, record: LeafRecord, like: Any, *, dtype: An
         def read(index: tuple[slice, ...]) -> Any:
             return store[index].read() if index else store.read()
 
-        finish_placed = _sharding.read_placed(read, record.shape, sharding, convert)
+        finish_placed = _sharding.read_placed(read, record.shape, sharding, convert, on_bytes)
 
         def finish_sharded() -> Any:
             try:
@@ -271,7 +289,7 @@ def start(store: Any, loc: Location, record: LeafRecord, like: Any, *, dtype: An
     _memory.refuse_beyond_memory(loc, record, record.nbytes, "it")
     if kind in ("jax", "numpy") and record.nbytes > SLAB_BYTES and record.shape and record.encoding == "plain":
         if dtype is None or np.dtype(dtype) == _dtypes.dtype_from_name(record.stored_dtype):
-            return _start_in_slabs(store, record, like, sharding, failed)
+            return _start_in_slabs(store, record, like, sharding, failed, on_bytes)
 
     future = store.read()
 
@@ -300,13 +318,16 @@ def direct(loc: Location, record: LeafRecord, like: Any) -> bool:
     return not placed and _local_read.eligible(loc, record)
 
 
-def start_direct(loc: Location, record: LeafRecord, like: Any, *, dtype: Any = None) -> Callable[[], Any]:
+def start_direct(
+    loc: Location, record: LeafRecord, like: Any, *, dtype: Any = None, on_bytes: Callable[[int], None] | None = None
+) -> Callable[[], Any]:
     """`start`, for a leaf `direct` accepts: its chunk files are read straight
-    into one aligned buffer, which becomes the value without another copy."""
+    into one aligned buffer, which becomes the value without another copy
+    (`on_bytes` of each chunk as it is read and checked)."""
     convert = host_converter(record, dtype, loc)
     if _dtypes.like_type(like) == "jax":
         refuse_narrowing(loc, record, dtype if dtype is not None else _dtypes.dtype_from_name(record.dtype))
-    read = _local_read.start_read(loc, record)
+    read = _local_read.start_read(loc, record, on_bytes=on_bytes)
     assert read is not None
 
     def finish() -> Any:

@@ -97,15 +97,18 @@ def tree_serialise_leaves(
 ) -> PendingSave | None:
     """Save the leaves of a PyTree as a checkpoint directory.
 
-    Every array leaf becomes its own zarr v3 array in a folder named after its key
-    path (`model.layers.0.weight` -> `model/layers/0/weight/`); a `manifest.json`
-    written last commits the checkpoint.
+    Every array leaf is stored as a zarr v3 array, found by its key path: a large
+    leaf in a folder of its own named after it (`model.layers.0.weight` ->
+    `model/layers/0/weight/`), and leaves of at most 1 MiB packed, several to one
+    zarr v3 array per dtype, at offsets the manifest records (see
+    [docs/format.md](../format.md#small-leaves-packs)). A `manifest.json` written
+    last commits the checkpoint.
 
     **Arguments:**
 
     - `path`: the checkpoint directory (`str` or `pathlib.Path`), or a TensorStore
         kvstore URL (`memory://`, `file://`, `s3://`, `gs://`), or a kvstore spec `dict` (for an
-        S3 `endpoint` and other options a URL cannot carry; see `docs/storage.md`).
+        S3 `endpoint` and other options a URL cannot carry; see [docs/storage.md](../storage.md)).
     - `pytree`: the PyTree whose leaves are saved.
     - `filter_spec`: how to save each leaf: a callable `(handle, leaf) -> None`
         or a PyTree prefix of `pytree` of them. The default saves arrays and
@@ -126,17 +129,21 @@ def tree_serialise_leaves(
     - `cast`: store some arrays in another dtype: a mapping from dtype to dtype
         (`{jnp.float32: jnp.bfloat16}`) or a callable `(dotted_path, dtype) ->
         dtype | None`. The manifest records both dtypes. A load into `like`
-        leaves of either dtype needs no `cast=True`.
+        leaves of either dtype needs no `cast=True`. Values change only by
+        rounding to a narrower float: a float with a fraction into an integer
+        dtype, an integer that does not fit, NaN or infinity into an integer
+        are errors naming the leaf, and nothing is written.
     - `layout`: `"directories"` (one folder per leaf, readable by any zarr v3
         tool) or `"ocdbt"` (every array in one TensorStore OCDBT database: a few
         files instead of two per leaf, for trees of many small leaves; one
-        process only). Loads need not be told. See docs/scaling.md.
+        process only). Loads need not be told. See [docs/scaling.md](../scaling.md).
     - `progress`: by default a progress bar (bytes and leaves) shows on stderr
         when it is a terminal and the save is large; `False` hides it, `True`
         shows it whatever the size, and a callable is called as
-        `progress(leaves_done, leaves_total, bytes_done, bytes_total)` as each
-        leaf's data is handed to TensorStore; the commit that makes them durable
-        follows.
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)` as the
+        bytes are written (a chunk file at a time on a local disk, so a large
+        leaf moves in steps; elsewhere as each leaf's data is handed to
+        TensorStore); the commit that makes them durable follows.
 
     With `jax.distributed` initialised, call this in every process with the same
     tree: each process writes its own shards, and the checkpoint is committed once,

@@ -50,12 +50,15 @@ def read_placed(
     shape: tuple[int, ...],
     sharding: Any,
     convert: Callable[[np.ndarray], np.ndarray],
+    on_bytes: Callable[[int], None] | None = None,
 ) -> Callable[[], jax.Array]:
     """Start reading each device's region of a leaf; return a function that
     waits and assembles the `jax.Array` with `sharding`.
 
     `read(region)` starts a TensorStore read and returns its future; replicated
     regions are read once and placed on every device that holds them.
+    `on_bytes`, when given, is called with the stored bytes of each region as
+    it lands (progress within the leaf).
     """
     index_map = sharding.addressable_devices_indices_map(shape)
     futures: dict[Any, Any] = {}
@@ -65,7 +68,12 @@ def read_placed(
             futures[key] = read(tuple(index) if index is not None else ())
 
     def finish() -> jax.Array:
-        hosts = {key: convert(future.result()) for key, future in futures.items()}
+        hosts = {}
+        for key, future in futures.items():
+            stored = future.result()
+            if on_bytes is not None:
+                on_bytes(stored.nbytes)
+            hosts[key] = convert(stored)
         arrays = [jax.device_put(hosts[_key(index, shape)], device) for device, index in index_map.items()]
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 

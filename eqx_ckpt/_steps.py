@@ -17,6 +17,30 @@ from ._location import Location
 from ._manifest import read_manifest
 
 _MAX_METRICS_BYTES = 2**20
+# A retention record lists steps: a million of them is still far below this.
+_MAX_RETENTION_BYTES = 2**24
+
+
+class RetentionWarning(UserWarning):
+    """A `CheckpointManager`'s retention rules would drop steps it did not save
+    (steps saved under other rules: an earlier run with another `max_to_keep`,
+    a manager without rules, an older eqx_ckpt), and left them in place. The
+    warning names them; `CheckpointManager(..., adopt_steps=True)` applies the
+    rules to them too.
+
+    !!! example
+
+        ```python
+        import warnings
+        import eqx_ckpt
+
+        # Make steps left in place an error, as for any warning:
+        warnings.simplefilter("error", eqx_ckpt.RetentionWarning)
+        ```
+    """
+
+
+RetentionWarning.__module__ = "eqx_ckpt"
 
 
 def _kept(
@@ -159,6 +183,31 @@ def _read_metrics_file(loc: Location, step: int) -> dict[str, Any]:
             f"Delete it to keep step {step} without metrics.",
             path=loc.display,
         ) from None
+
+
+def _read_retention(loc: Location) -> tuple[dict[str, Any], list[int]] | None:
+    """The rules and steps of the directory's retention record, if it has one."""
+    data = _storage.read_file(loc, _format.RETENTION, limit=_MAX_RETENTION_BYTES)
+    if data is None:
+        return None
+    try:
+        body = json.loads(data)
+        rules, steps = body["rules"], body["steps"]
+        if not isinstance(rules, dict) or not isinstance(steps, list):
+            raise ValueError("unexpected content")
+        if not all(type(step) is int and step >= 0 for step in steps):
+            raise ValueError("a step is not a non-negative int")
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(
+            f"The retention record {_format.RETENTION!r} in {loc.display!r} is invalid ({e}). Delete it: "
+            f"retention then leaves the steps saved so far in place (`adopt_steps=True` applies it to them).",
+            path=loc.display,
+        ) from None
+    return rules, steps
+
+
+def _write_retention(loc: Location, rules: dict[str, Any], steps: list[int]) -> None:
+    _storage.write_file(loc, _format.RETENTION, json.dumps({"rules": rules, "steps": sorted(steps)}).encode())
 
 
 def _show(steps: list[int]) -> str:

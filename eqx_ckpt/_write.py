@@ -233,10 +233,17 @@ def _pack_contents(pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequ
 
 
 def follow(writing: Writing, tracker: Tracker) -> None:
-    """Report the progress of `writing` as it finishes. A failed write is
-    reported by the caller's wait for `start_writes`'s futures; here only progress."""
+    """Report the progress of `writing` as it finishes: bytes as each chunk
+    file is written (a large leaf moves in steps), its leaves with the last.
+    A failed write is reported by the caller's wait for `start_writes`'s
+    futures; here only progress."""
     for leaves, nbytes, futures in writing:
-        if all(attempt(future.result) is None for future in futures):
+        n = len(futures)
+        for k, future in enumerate(futures):
+            if attempt(future.result) is not None:
+                break
+            tracker.advance(leaves=leaves if k == n - 1 else 0, nbytes=nbytes * (k + 1) // n - nbytes * k // n)
+        if not futures:
             tracker.advance(leaves=leaves, nbytes=nbytes)
 
 

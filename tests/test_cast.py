@@ -153,14 +153,17 @@ def test_load_cast_must_be_a_bool(tmp_path):
 
 
 def test_cast_on_save_refuses_values_that_would_wrap(tmp_path):
-    tree = {"x": np.array([1.5, 300.7], np.float32)}
+    tree = {"x": np.array([1.0, 300.0], np.float32)}
     message = "Error at leaf with path (DictKey(key='x'),): leaf `x` (key path ['x']) in checkpoint"
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape(message)) as info:
         eqx_ckpt.tree_serialise_leaves(tmp_path, tree, cast={np.float32: np.int8})
     assert "the value 300.0 does not fit in int8" in str(info.value)
     assert not (tmp_path / "manifest.json").exists()
-    # Values that fit are stored (truncated toward zero, as NumPy converts).
-    eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": np.array([1.5, -100.7], np.float32)}, cast={np.float32: np.int8})
+    # Whole numbers that fit are stored; a fraction is never dropped (issue 40, item 10).
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("the value 1.5 is not a whole number, so int8")):
+        eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": np.array([1.5, -100.0], np.float32)}, cast={np.float32: np.int8})
+    assert not (tmp_path / "manifest.json").exists()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": np.array([1.0, -100.0], np.float32)}, cast={np.float32: np.int8})
     assert np.array_equal(eqx_ckpt.Checkpoint(tmp_path)["x"][...], np.array([1.0, -100.0], np.float32))
 
 
@@ -170,7 +173,8 @@ def test_cast_on_save_refuses_values_that_would_wrap(tmp_path):
         (np.array([2**40], np.int64), np.zeros(1, np.int32), "the value 1099511627776 does not fit in int32"),
         (np.array([np.nan], np.float32), np.zeros(1, np.int32), "NaN or infinity cannot become int32"),
         (np.array([-np.inf], np.float64), np.zeros(1, np.int64), "NaN or infinity cannot become int64"),
-        (np.array([300.7], np.float32), np.zeros(1, np.int8), "the value 300.0 does not fit in int8"),
+        (np.array([300.0], np.float32), np.zeros(1, np.int8), "the value 300.0 does not fit in int8"),
+        (np.array([300.7], np.float32), np.zeros(1, np.int8), "the value 300.7 is not a whole number, so int8"),
         (np.array([-1], np.int16), np.zeros(1, np.uint16), "the value -1 does not fit in uint16"),
         (np.array([1e300]), np.zeros(1, np.float32), "the value 1e+300 is beyond the range of float32"),
         (np.array([1 + 1j]), np.zeros(1, np.float64), "values with an imaginary part cannot become float64"),
@@ -273,3 +277,67 @@ def test_a_cast_callable_that_raises_is_named(tmp_path):
         eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": np.ones(2, np.float32)}, cast=cast)
     assert info.value.dotted == ("x",)
     assert list(tmp_path.iterdir()) == []
+
+
+def _save_source(path, kind, model):
+    """`{"model": model}` saved as eqx_ckpt's format, or as a safetensors file."""
+    if kind == "eqx_ckpt":
+        eqx_ckpt.tree_serialise_leaves(path, {"model": model})
+        return path
+    from safetensors.numpy import save_file
+
+    path.mkdir()
+    save_file({f"model.{k}": v for k, v in model.items()}, str(path / "model.safetensors"))
+    return path / "model.safetensors"
+
+
+_INTEGER_LIKES = {
+    "numpy": lambda: np.zeros(2, np.int32),
+    "jax": lambda: jax.ShapeDtypeStruct((2,), jnp.int32),
+    "numpy scalar": lambda: np.int32(0),
+    "python int": lambda: 0,
+}
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("like_kind", list(_INTEGER_LIKES))
+@pytest.mark.parametrize("source", ["eqx_ckpt", "safetensors"])
+def test_cast_true_into_an_integer_never_drops_a_fraction(tmp_path, source, like_kind, lazy):
+    """One rule for every integer `like` (issue 40, item 10): `cast=True` turned
+    float `[2.7, -0.4]` into int32 `[2, 0]` silently while a Python `int` leaf
+    refused `5.7` even with `cast=True`. A float becomes an integer only when it
+    is a whole number that fits; otherwise the load names the leaf and a value."""
+    scalar = like_kind in ("numpy scalar", "python int")
+    fractions = np.array(5.7 if scalar else [2.0, -0.4])
+    whole = np.array(5.0 if scalar else [2.0, -3.0])
+    path = _save_source(tmp_path / "ckpt", source, {"x": fractions, "y": whole})
+    like = _INTEGER_LIKES[like_kind]()
+    shown = "5.7" if scalar else "-0.4"
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(f"the value {shown} is not a whole number")) as info:
+        eqx_ckpt.materialise(eqx_ckpt.tree_deserialise_leaves(path, {"model": {"x": like}}, cast=True, lazy=lazy))
+    assert "Leaf `model.x` in checkpoint" in str(info.value) and info.value.dotted == ("model.x",)
+    loaded = eqx_ckpt.materialise(eqx_ckpt.tree_deserialise_leaves(path, {"model": {"y": like}}, cast=True, lazy=lazy))
+    expected = {
+        "numpy": np.array([2, -3], np.int32),
+        "jax": jnp.array([2, -3], jnp.int32),
+        "numpy scalar": np.int32(5),
+        "python int": 5,
+    }[like_kind]
+    assert eqx.tree_equal(loaded, {"model": {"y": expected}}, typematch=True)
+
+
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan, 2.0**70])
+@pytest.mark.parametrize("like", [np.zeros(1, np.int64), np.int64(0), 0], ids=["numpy", "numpy scalar", "python int"])
+def test_cast_true_refuses_non_finite_and_out_of_range_floats_into_integers(tmp_path, value, like):
+    """NaN and infinity are errors for every integer `like` (`int(inf)` into a
+    Python `int` once raised a bare `OverflowError`); a value beyond int64 is an
+    error for int64 and loads exactly into a Python `int`, which holds it."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": np.full(np.shape(like), value)})
+    if value == 2.0**70 and isinstance(like, int):
+        loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": like}, cast=True)
+        assert eqx.tree_equal(loaded, {"x": 2**70}, typematch=True)
+        return
+    why = "does not fit in int64" if value == 2.0**70 else "NaN or infinity cannot become"
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(why)) as info:
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": like}, cast=True)
+    assert "Leaf `x` in checkpoint" in str(info.value)

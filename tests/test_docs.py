@@ -6,15 +6,21 @@ so the site is served over HTTP on 127.0.0.1, as a reader's browser would get it
 """
 
 import functools
+import html
 import http.server
+import inspect
+import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
 import threading
 
 import pytest
+
+import eqx_ckpt
 
 ROOT = pathlib.Path(__file__).parent.parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -52,13 +58,132 @@ def test_strict_build_fails_on_a_broken_link(tmp_path):
     """The strictness is real: one broken link fails the build."""
     copy = tmp_path / "repo"
     shutil.copytree(ROOT / "docs", copy / "docs")
-    shutil.copy(ROOT / "mkdocs.yml", copy / "mkdocs.yml")
+    shutil.copytree(ROOT / "notebooks", copy / "notebooks")
+    for name in ["mkdocs.yml", "mkdocs_hooks.py", "pyproject.toml"]:
+        shutil.copy(ROOT / name, copy / name)
     shutil.copytree(ROOT / "eqx_ckpt", copy / "eqx_ckpt")
     (copy / "docs" / "loading.md").write_text("# Loads\n\nSee [the missing page](missing.md).\n")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")]
     done = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "missing.md" in done.stderr
+
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def _signatures(page: str) -> list[str]:
+    """The text of each signature block of a built API page."""
+    blocks = re.findall(r'<div class="doc-signature highlight"><pre><span></span><code>(.*?)</code></pre>', page, re.S)
+    return [html.unescape(re.sub(r"<[^>]+>", "", block)) for block in blocks]
+
+
+def test_signatures_are_separate_and_wrapped(site):
+    """Issue 40, item 17: a signature was one unwrapped line under the heading,
+    with a horizontal scrollbar. Each is now a block of its own, one parameter
+    a line once it is long."""
+    signatures = [s for page in (site / "api").glob("*/index.html") for s in _signatures(page.read_text())]
+    assert len(signatures) >= 30
+    assert max(len(line) for s in signatures for line in s.splitlines()) <= 80
+    (save,) = [s for s in signatures if s.startswith("tree_serialise_leaves(")]
+    assert "\n    pytree: PyTree,\n" in save and "\n    *,\n" in save
+
+
+def test_the_notebooks_are_pages_of_the_site(site):
+    """Issue 40, item 17: the notebooks were not on the site. Each is a page
+    (in the navigation) with its cells and saved outputs, and links to its
+    `.ipynb`, which the site serves."""
+    home = (site / "index.html").read_text()
+    assert len(NOTEBOOKS) == 4
+    for notebook in NOTEBOOKS:
+        cells = json.loads(notebook.read_text())["cells"]
+        page = (site / "notebooks" / notebook.stem / "index.html").read_text()
+        title = "".join(cells[0]["source"]).splitlines()[0].removeprefix("# ")
+        text = html.unescape(re.sub(r"<[^>]+>", "", page))
+        assert title.replace("`", "") in text, notebook.name
+        assert f'href="../{notebook.name}"' in page
+        assert (site / "notebooks" / notebook.name).read_bytes() == notebook.read_bytes()
+        assert f'href="notebooks/{notebook.stem}/"' in home, notebook.name  # in the navigation
+        code = "".join(next(c for c in cells if c["cell_type"] == "code")["source"])
+        assert code.splitlines()[-1] in text
+    # Outputs saved with a notebook are shown.
+    inspected = html.unescape((site / "notebooks" / "inspect" / "index.html").read_text())
+    assert "Checkpoint('ckpt', 21 leaves, 1484 bytes)" in inspected
+
+
+def test_the_site_names_the_version_and_links_docstring_pages(site):
+    """Issue 40, item 17: no version on the site, and docstrings named
+    `docs/*.md` as plain text."""
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert f"eqx_ckpt {version}" in (site / "index.html").read_text()
+    page = (site / "api" / "save-load" / "index.html").read_text()
+    for target, text in [("../../storage/", "docs/storage.md"), ("../../format/#small-leaves-packs", "docs/format.md")]:
+        assert f'<a href="{target}">{text}</a>' in page
+
+
+def _public_docstrings():
+    for name in sorted(n for n in dir(eqx_ckpt) if not n.startswith("_")):
+        value = getattr(eqx_ckpt, name)
+        if inspect.isclass(value) or inspect.isfunction(value):
+            yield name, inspect.getdoc(value) or ""
+            for attr, member in vars(value).items() if inspect.isclass(value) else ():
+                if not attr.startswith("_") and (inspect.isfunction(member) or isinstance(member, property)):
+                    yield f"{name}.{attr}", inspect.getdoc(member) or ""
+
+
+def test_public_docstrings_link_the_pages_they_name():
+    """A docstring naming `docs/<page>.md` links it, relative to the API pages
+    (docs/api/), so that the site's link works and `help()` still shows the
+    path; the page (and its heading) exist."""
+    mentions = 0
+    for name, doc in _public_docstrings():
+        for mention in re.finditer(r"docs/([\w-]+)\.md", doc):
+            mentions += 1
+            link = re.compile(
+                r"\[docs/" + mention.group(1) + r"\.md[^\]]*\]\(\.\./" + mention.group(1) + r"\.md(#[\w-]+)?\)"
+            )
+            found = link.match(doc, doc.rfind("[", 0, mention.end()))
+            assert found, f"{name}: `{mention.group(0)}` is not a link"
+            page = ROOT / "docs" / f"{mention.group(1)}.md"
+            assert page.is_file(), f"{name}: {page.name} does not exist"
+            anchor = (found.group(1) or "#")[1:]
+            headings = [
+                re.sub(r"[^\w -]", "", h).strip().lower().replace(" ", "-")
+                for h in re.findall(r"^#+ (.*)$", page.read_text(), re.M)
+            ]
+            assert not anchor or anchor in headings, f"{name}: no heading #{anchor} in {page.name}"
+    assert mentions >= 6
+
+
+def test_a_notebook_page_shows_cells_and_outputs(tmp_path):
+    """The hook's rendering of one notebook: Markdown as is, code fenced, text
+    and image outputs shown, an error output left out."""
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed (`pip install -e .[test]`)")
+    sys.path.insert(0, str(ROOT))
+    try:
+        import mkdocs_hooks
+    finally:
+        sys.path.remove(str(ROOT))
+    cells = [
+        {"cell_type": "markdown", "source": ["# A title\n", "\n", "Some text."]},
+        {"cell_type": "code", "source": "print('x ```')", "outputs": [{"output_type": "stream", "text": ["x ```\n"]}]},
+        {
+            "cell_type": "code",
+            "source": ["1 + 1"],
+            "outputs": [
+                {"output_type": "execute_result", "data": {"text/plain": ["2"]}},
+                {"output_type": "display_data", "data": {"image/png": "iVBORw0K\n", "text/plain": "<Figure>"}},
+                {"output_type": "error", "ename": "ValueError", "evalue": "no", "traceback": []},
+            ],
+        },
+    ]
+    notebook = tmp_path / "demo.ipynb"
+    notebook.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    assert mkdocs_hooks.page(notebook) == (
+        "# A title\n\n[Download this notebook](demo.ipynb) (`notebooks/demo.ipynb` in the repository).\n\n"
+        "Some text.\n\n````python\nprint('x ```')\n````\n\n````text\nx ```\n````\n\n"
+        "```python\n1 + 1\n```\n\n```text\n2\n```\n\n![output](data:image/png;base64,iVBORw0K)\n"
+    )
 
 
 @pytest.fixture(scope="module")

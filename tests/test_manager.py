@@ -35,7 +35,9 @@ def _save_all(manager, losses):
 
 
 def _listing(path):
-    return sorted(p.name for p in path.iterdir())
+    """The directory's names, less the retention record a manager with rules keeps
+    (`test_retention_deletes_no_step_saved_under_other_rules` checks it)."""
+    return sorted(p.name for p in path.iterdir() if p.name != "retention.json")
 
 
 def test_round_trip_and_layout(tmp_path):
@@ -665,3 +667,96 @@ def test_saves_from_two_threads_take_turns(tmp_path):
     for step in (1, 2):
         restored = manager.restore({f"l{i}": np.zeros(4) for i in range(20)}, step=step)
         assert eqx.tree_equal(restored, {f"l{i}": np.full(4, float(step)) for i in range(20)}, typematch=True)
+
+
+_EARLIER_RUNS = {
+    # How the 40 steps already in the directory were saved: by a manager without
+    # rules, under looser rules, or under the same rules by an eqx_ckpt older than
+    # the retention record (a local directory: the record is removed by hand).
+    "no rules": {},
+    "other rules": {"max_to_keep": 100},
+    "no record": {"max_to_keep": 3},
+}
+
+
+@pytest.mark.parametrize(
+    "store, earlier", [(store, earlier) for earlier in _EARLIER_RUNS for store in ("local", "memory")][:-1]
+)
+def test_retention_deletes_no_step_saved_under_other_rules(tmp_path, request, store, earlier):
+    """Issue 40, item 14: a manager opened with a tighter `max_to_keep` on a run
+    of many steps deleted all but the last at its first save. Now retention
+    applies to the steps saved under its own rules; the others stay, and each
+    manager warns once, naming those the rules would drop."""
+    directory = str(tmp_path / "run") if store == "local" else f"memory://retention/{request.node.name}/"
+    with eqx_ckpt.CheckpointManager(directory, **_EARLIER_RUNS[earlier]) as before:
+        for step in range(40):
+            before.save(step, _tree(step))
+    if earlier == "no record":
+        (tmp_path / "run" / "retention.json").unlink()
+    old = eqx_ckpt.CheckpointManager(directory).all_steps()
+    manager = eqx_ckpt.CheckpointManager(directory, max_to_keep=3)
+    message = "Retention left {} step(s) in {!r} that were saved under other retention rules (or none) in place: {}"
+    left = old[:-2]  # the rules, applied to every step, would keep the last two and the new one
+    shown = str(left) if len(left) <= 12 else f"[0, 1, 2, 3, 4, ..., 33, 34, 35, 36, 37] ({len(left)} steps)"
+    with pytest.warns(eqx_ckpt.RetentionWarning, match=re.escape(message.format(len(left), directory, shown))):
+        manager.save(40, _tree(40))
+    assert manager.all_steps() == [*old, 40]
+    # Its own steps follow its rules; the warning is not repeated (warnings are errors here).
+    for step in (41, 42, 43):
+        manager.save(step, _tree(step))
+    assert manager.all_steps() == [*old, 41, 42, 43]
+    manager.close()
+    # Resumed with the same rules, the run's own steps are still its own; the others stay.
+    with eqx_ckpt.CheckpointManager(directory, max_to_keep=3) as resumed:
+        with pytest.warns(eqx_ckpt.RetentionWarning, match=re.escape(f"Retention left {len(old)} step(s)")):
+            resumed.save(44, _tree(44))
+        assert resumed.all_steps() == [*old, 42, 43, 44]
+    # Asked to, retention applies to every step.
+    with eqx_ckpt.CheckpointManager(directory, max_to_keep=3, adopt_steps=True) as adopting:
+        adopting.save(45, _tree(45))
+        assert adopting.all_steps() == [43, 44, 45]
+    assert eqx.tree_equal(eqx_ckpt.CheckpointManager(directory).restore(_tree(0)), _tree(45), typematch=True)
+    if store == "local":
+        record = json.loads((tmp_path / "run" / "retention.json").read_text())
+        assert record == {"rules": {"max_to_keep": 3, "keep_every": None, "best_n": None}, "steps": [43, 44, 45]}
+
+
+def test_a_resumed_run_with_the_same_rules_applies_them_to_its_earlier_steps(tmp_path):
+    """A job restarted after a preemption, with the same rules, neither warns
+    nor keeps its earlier run's steps beyond what the rules keep."""
+    rules = dict(max_to_keep=2, best_n=1, best_metric="loss")
+    with eqx_ckpt.CheckpointManager(tmp_path, **rules) as manager:
+        _save_all(manager, {0: 1.0, 1: 0.5, 2: 2.0, 3: 3.0})
+        assert manager.all_steps() == [1, 2, 3]
+    with eqx_ckpt.CheckpointManager(tmp_path, **rules) as resumed:
+        resumed.save(4, _tree(4), metrics={"loss": 0.1})
+        assert resumed.all_steps() == [3, 4]
+    # The metric's name is part of the rules: ranked by another metric, the steps are not its own.
+    with eqx_ckpt.CheckpointManager(tmp_path, **{**rules, "best_metric": "acc"}) as other:
+        with pytest.warns(eqx_ckpt.RetentionWarning, match=re.escape("in place: [3]")):
+            other.save(5, _tree(5), metrics={"acc": 1.0})
+        assert other.all_steps() == [3, 4, 5]
+
+
+@pytest.mark.parametrize("content", ["not json", '{"rules": {}, "steps": [-1]}', '{"steps": []}'])
+def test_an_invalid_retention_record_is_a_clear_error(tmp_path, content):
+    with eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=1) as manager:
+        manager.save(0, _tree(0))
+    (tmp_path / "retention.json").write_text(content)
+    manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=1)
+    with pytest.warns(eqx_ckpt.CommitWarning, match=re.escape("The retention record 'retention.json' in")):
+        manager.save(1, _tree(1))
+    assert manager.all_steps() == [0, 1]
+
+
+def test_an_asynchronous_save_warns_of_steps_left_in_place_too(tmp_path):
+    with eqx_ckpt.CheckpointManager(tmp_path) as before:
+        for step in range(5):
+            before.save(step, _tree(step))
+    manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=1, blocking=False)
+    with pytest.warns(eqx_ckpt.RetentionWarning, match=re.escape("Retention left 5 step(s)")):
+        manager.save(5, _tree(5))
+        manager.save(6, _tree(6))
+        manager.wait_until_finished()
+    assert manager.all_steps() == [0, 1, 2, 3, 4, 6]
+    manager.close()

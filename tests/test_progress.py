@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_ckpt
-from eqx_ckpt import _progress, _window
+from eqx_ckpt import _format, _progress, _read, _window
 from eqx_ckpt._cli import main
 
 
@@ -89,6 +90,63 @@ def test_callbacks_of_lazy_reads_and_the_manager(tmp_path, monkeypatch):
     saved = Calls()
     manager.save(1, tree, progress=saved)
     saved.check(6, eqx_ckpt.Checkpoint(tmp_path / "runs" / "step_00000001").total_bytes)
+
+
+def _steps_within(calls, total):
+    """The distinct byte counts strictly between 0 and `total`: bytes reported
+    while the one leaf was still being written or read."""
+    return sorted({c[2] for c in calls if 0 < c[2] < total})
+
+
+@pytest.mark.parametrize("store", ["local", "memory"])
+def test_a_large_leaf_moves_in_steps(tmp_path, monkeypatch, request, store):
+    """Issue 40, item 13: progress moved per leaf, so one 2 GB leaf jumped from
+    0 to 100%. Bytes are now counted as chunk files are written (on a local
+    disk) and as chunks or slabs are read (every store), in increasing steps
+    that end at the total, with the leaf counted once, at the end."""
+    monkeypatch.setattr(_format, "CHUNK_BYTES", 2**16)  # 32 chunks of 64 KiB
+    monkeypatch.setattr(_read, "SLAB_BYTES", 2**18)  # TensorStore reads it in 8 slabs
+    tree = {"w": np.arange(2**19, dtype=np.float32)}  # 2 MiB: in a folder of its own, not packed
+    total = tree["w"].nbytes
+    path = str(tmp_path) if store == "local" else f"memory://progress/{request.node.name}/"
+    saved = Calls()
+    eqx_ckpt.tree_serialise_leaves(path, tree, progress=saved)
+    saved.check(1, total)
+    if store == "local":  # elsewhere TensorStore writes every byte at the commit
+        assert len(_steps_within(saved, total)) >= 8, saved
+        assert [c[0] for c in saved] == [0] * (len(saved) - 1) + [1]
+    loaded = Calls()
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, tree, progress=loaded), tree, typematch=True)
+    loaded.check(1, total)
+    assert len(_steps_within(loaded, total)) >= 7, loaded
+    assert [c[0] for c in loaded] == [0] * (len(loaded) - 1) + [1]
+    # Placed over 4 devices, each device's region counts as it lands.
+    sharding = NamedSharding(jax.make_mesh((4,), ("x",)), P("x"))
+    like = {"w": jax.ShapeDtypeStruct(tree["w"].shape, tree["w"].dtype, sharding=sharding)}
+    placed = Calls()
+    out = eqx_ckpt.tree_deserialise_leaves(path, like, progress=placed)
+    assert out["w"].sharding == sharding and np.array_equal(np.asarray(out["w"]), tree["w"])
+    placed.check(1, total)
+    assert _steps_within(placed, total) == [total // 4, total // 2, 3 * total // 4], placed
+
+
+def test_bytes_within_leaves_reach_a_callback_in_steps(monkeypatch):
+    """Partial counts are throttled to `1 / PARTIAL_STEPS` of the job; a leaf done is always reported."""
+    calls = Calls()
+    tracker = _progress.Tracker(calls, leaves=2, nbytes=256 * 100, what="test")
+    part = tracker.within(256 * 60)
+    for _ in range(60):
+        part(256)  # 60 steps of exactly 1/100 of the job: each reported
+    monkeypatch.setattr(_progress, "PARTIAL_STEPS", 4)
+    tracker = _progress.Tracker(calls := Calls(), leaves=2, nbytes=400, what="test")
+    part = tracker.within(300)
+    for _ in range(30):
+        part(10)
+    assert [c[2] for c in calls] == [100, 200, 300]
+    part(50)  # beyond the leaf: not counted
+    tracker.advance(leaves=1, nbytes=part.rest())
+    tracker.advance(leaves=1, nbytes=100)
+    assert [c[:3] for c in calls[-2:]] == [(1, 2, 300), (2, 2, 400)]
 
 
 def test_progress_false_and_bad_values(tmp_path, monkeypatch, capsys):

@@ -115,6 +115,7 @@ _FLAGS = {
     "blocking": lambda path, value: eqx_ckpt.tree_serialise_leaves(path, {"a": np.ones(3)}, blocking=value),
     "Checkpoint.load lazy": lambda path, value: eqx_ckpt.Checkpoint(path).load(lazy=value),
     "manager blocking": lambda path, value: eqx_ckpt.CheckpointManager(path / "run", blocking=value),
+    "manager adopt_steps": lambda path, value: eqx_ckpt.CheckpointManager(path / "run", adopt_steps=value),
     "manager overwrite": lambda path, value: eqx_ckpt.CheckpointManager(path / "run").save(1, {}, overwrite=value),
     # `diff(values=None)` once said that two checkpoints with different values were equal.
     "values": lambda path, value: eqx_ckpt.diff(path, path, values=value),
