@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -241,3 +242,56 @@ class TestProcessMatrix:
         where = str(tmp_path / "ckpt")
         _run_matrix(tmp_path, 4, 1, [[where, "rows", 0]], shape=shape, save=True)
         _check_whole(where, shape, 0)
+
+
+KILL_WORKER = pathlib.Path(__file__).with_name("multiprocess_kill_worker.py")
+
+
+@pytest.mark.parametrize("processes, victim", [(2, 1), (4, 2), (2, 0), (4, 0)], ids=lambda v: str(v))
+def test_a_process_killed_mid_save(tmp_path: pathlib.Path, processes: int, victim: int) -> None:
+    """A process killed outright (SIGKILL) in the middle of a save: the others
+    stop within seconds, never hanging at a barrier; the checkpoint saved
+    before stays whole. (They once waited for `jax.distributed`'s heartbeat,
+    100 s, which then aborted them.) A process other than 0 is named by
+    eqx_ckpt's error; process 0 runs the coordination service, and without it
+    `jax.distributed` ends the others at once."""
+    path, marker = tmp_path / "ckpt", tmp_path / "victim-stopped"
+    job = json.dumps({"checkpoint": str(path), "victim": victim, "marker": str(marker)})
+    port, env = _free_port(), {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    logs = [tmp_path / f"worker{i}.log" for i in range(processes)]
+    procs = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as out:
+            command = [sys.executable, str(KILL_WORKER), str(i), str(processes), str(port), job]
+            procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert time.monotonic() < deadline and procs[victim].poll() is None, logs[victim].read_text()[-4000:]
+            time.sleep(0.1)
+        procs[victim].send_signal(signal.SIGKILL)
+        for proc in procs:
+            # A hang at a barrier would last 100 s (jax.distributed's heartbeat) or an hour.
+            proc.wait(timeout=60)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    outputs = [log.read_text() for log in logs]
+    assert procs[victim].returncode == -signal.SIGKILL
+    for i, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert f"worker {i} saved\n" in out and f"worker {i} saved again" not in out, out[-4000:]
+        if i == victim:
+            continue
+        assert proc.returncode != 0, out[-4000:]
+        if victim != 0:
+            assert proc.returncode == 3, out[-4000:]
+            assert f"Process {victim} of {processes} stopped answering during the save" in out, out[-4000:]
+            assert "Nothing was committed: the checkpoint saved before is unchanged" in out, out[-4000:]
+    shape = (64, 16)  # as the worker saves it: the first save holds value(1)
+    expected = {"w": np.arange(np.prod(shape), dtype=np.float32).reshape(shape)}
+    loaded = eqx_ckpt.tree_deserialise_leaves(path, {"w": np.zeros(shape, np.float32)})
+    assert eqx.tree_equal(loaded, expected, typematch=True)
+    assert eqx_ckpt.verify(path) == []
