@@ -87,11 +87,20 @@ def unreachable(loc: Location, error: BaseException) -> CheckpointConnectionErro
     text = explain(error)
     if not _UNREACHABLE.search(text):
         return None
-    return CheckpointConnectionError(
-        f"Cannot reach {loc.display!r}: {text}. Check the URL (host name and port) and that the server is "
-        f"running and reachable from this machine, then try again.",
-        path=loc.display,
-    )
+    return CheckpointConnectionError(f"Cannot reach {loc.display!r}: {text}. {REACH}", path=loc.display)
+
+
+REACH = (
+    "Check the URL (host name and port) and that the server is running and reachable from this machine, then try again."
+)
+
+
+def write_advice(refused: type[CheckpointStorageError] | None) -> str:
+    """What to do about a write the storage refused (`write_refusal`'s class):
+    reach it, or free space and check permissions."""
+    if refused is CheckpointConnectionError:
+        return REACH
+    return "Check that the destination is writable and has free space."
 
 
 def too_large(loc: Location, name: str, limit: int, size: int | None) -> CorruptCheckpointError:
@@ -146,10 +155,9 @@ def write_error(loc: Location, name: str, error: BaseException, outcome: str = "
     `outcome`, when the caller knows it, says what the failure left ("nothing
     was written")."""
     so = f", so {outcome}" if outcome else ""
-    return (write_refusal(error) or CheckpointError)(
-        f"Cannot write {name!r} in {loc.display!r}{so}: {error}. Check that the destination is writable "
-        f"and has free space.",
-        path=loc.display,
+    refused = write_refusal(error)
+    return (refused or CheckpointError)(
+        f"Cannot write {name!r} in {loc.display!r}{so}: {error}. {write_advice(refused)}", path=loc.display
     )
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import equinox as eqx
+import http_server
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -432,3 +433,48 @@ def test_a_manager_that_cannot_list_its_directory_raises_never_reports_no_steps(
     assert "http_response_body" not in str(caught.value)
     with pytest.raises(error, match=said):
         manager.all_steps()
+
+
+def test_an_unreachable_endpoint_fails_within_seconds_with_a_connection_message(store):
+    """TensorStore's own retries (32 attempts, up to 32 s apart) made a save,
+    a load or a manager's listing against an endpoint that refuses connections
+    hang for minutes, and the save's error advised freeing disk space. eqx_ckpt's
+    retries fail within seconds (the child process must finish in 60 s),
+    with `CheckpointConnectionError` saying to check the URL."""
+    endpoint = http_server.refused_url("").rstrip("/")
+    spec = {k: v for k, v in store.items() if k != "s3_request_retries"} | {"endpoint": endpoint}
+    raised = http_server.raised(
+        f"""
+        import numpy as np
+        import eqx_ckpt
+        spec = {spec!r}
+        CALLS = {{
+            "save": lambda: eqx_ckpt.tree_serialise_leaves(spec, {{"w": np.ones(3, np.float32)}}),
+            "load": lambda: eqx_ckpt.tree_deserialise_leaves(spec, {{"w": np.ones(3, np.float32)}}),
+            "latest_step": lambda: eqx_ckpt.CheckpointManager(spec).latest_step(),
+            "all_steps": lambda: eqx_ckpt.CheckpointManager(spec).all_steps(),
+        }}
+        """,
+        timeout=60,
+    )
+    assert sorted(raised) == ["all_steps", "latest_step", "load", "save"]
+    display = location(spec).display
+    for call, error in raised.items():
+        assert error["type"] == "eqx_ckpt.CheckpointConnectionError", (call, error)
+        message = error["message"]
+        assert "Could not connect to server" in message and "Check the URL (host name and port)" in message, call
+        assert display in message and "free space" not in message, (call, message)
+
+
+def test_a_save_that_loses_the_endpoint_midway_says_to_check_the_url(store, faults):
+    """The server goes away after the save began (its lease written): the
+    error is a `CheckpointConnectionError` saying to check the URL, not to
+    free disk space; the checkpoint before stays."""
+    before = _tree(1)
+    eqx_ckpt.tree_serialise_leaves(store, before)
+    lost = ValueError("ABORTED: All 5 retry attempts failed: CURL error Could not connect to server [curl_code='7']")
+    faults("storage.create_array", lost)
+    with pytest.raises(eqx_ckpt.CheckpointConnectionError, match=re.escape("nothing was committed")) as caught:
+        eqx_ckpt.tree_serialise_leaves(store, _tree(2))
+    assert "Check the URL (host name and port)" in str(caught.value) and "free space" not in str(caught.value)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
