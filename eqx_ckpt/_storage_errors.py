@@ -75,7 +75,7 @@ def storage_failure(loc: Location, error: BaseException, what: str) -> Checkpoin
     if connection is not None or not _REFUSED.match(text):
         return connection
     return CheckpointStorageError(
-        f"The storage would not serve {what} of checkpoint {loc.display!r}: {text}. The checkpoint may well be "
+        f"The storage would not serve {what} of checkpoint {loc.display!r}: {brief(error)}. The checkpoint may well be "
         f"whole: check that you may read it (credentials, permissions) and that the storage works, then try again.",
         path=loc.display,
     )

@@ -478,3 +478,29 @@ def test_a_save_that_loses_the_endpoint_midway_says_to_check_the_url(store, faul
         eqx_ckpt.tree_serialise_leaves(store, _tree(2))
     assert "Check the URL (host name and port)" in str(caught.value) and "free space" not in str(caught.value)
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
+
+
+@pytest.mark.parametrize("call", ["latest_step", "all_steps", "restore_or_initialise"])
+def test_a_manager_with_wrong_credentials_raises_a_storage_error(s3, store, monkeypatch, call):
+    """moto checking credentials, as S3 does: a key it does not know is refused
+    (403 InvalidAccessKeyId). A manager's listing raises eqx_ckpt's
+    `CheckpointStorageError` saying so, never TensorStore's bare
+    `PERMISSION_DENIED` nor "no steps" (`restore_or_initialise` would start afresh)."""
+    manager = eqx_ckpt.CheckpointManager(store)
+    manager.save(4, _tree(4))
+    manager.wait_until_finished()
+    import moto.settings
+
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # moto now checks every request
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG0")
+    fresh = eqx_ckpt.CheckpointManager(store)
+    calls = {
+        "latest_step": fresh.latest_step,
+        "all_steps": fresh.all_steps,
+        "restore_or_initialise": lambda: fresh.restore_or_initialise(lambda: _tree(0)),
+    }
+    with pytest.raises(eqx_ckpt.CheckpointStorageError, match="PERMISSION_DENIED") as caught:
+        calls[call]()
+    message = str(caught.value)
+    assert "InvalidAccessKeyId" in message and location(store).display in message, message
+    assert "credentials" in message and "http_response_body" not in message, message
