@@ -323,7 +323,37 @@ def list_keys(loc: Location) -> list[str]:
         # A listing that fails is never "nothing there": a manager would read
         # a missing bucket as a run with no steps.
         raise _storage_errors.list_error(loc, e) from e
+    if not keys and loc.kvstore.get("driver") == "gcs":
+        _check_gcs_listing(loc)
     return [key.decode("utf-8", "replace") for key in keys]
+
+
+# Where TensorStore's `gcs` driver sends its requests: this variable (an
+# emulator), else Google.
+GCS_URL_VARIABLE = "TENSORSTORE_GCS_HTTP_URL"
+
+
+def _check_gcs_listing(loc: Location) -> None:
+    """An empty listing from TensorStore's `gcs` driver, which lists nothing
+    when GCS answers 401, 403 or 404: raise unless the directory is really empty.
+
+    Credentials GCS refuses fail a read as well; a bucket that is not there
+    is what a request for its metadata says, asked without credentials (GCS
+    answers 404 only when the bucket does not exist; 401 or the metadata when
+    it does)."""
+    try:
+        result(kvstore(loc).read(_format.MANIFEST))
+    except Exception as e:
+        raise _storage_errors.list_error(loc, e) from e
+    bucket = loc.kvstore.get("bucket", "")
+    base = os.environ.get(GCS_URL_VARIABLE, "https://storage.googleapis.com").rstrip("/")
+    metadata = {"driver": "http", "base_url": f"{base}/storage/v1/b/"}  # the bucket's name is the key
+    try:
+        found = result(result(ts.KvStore.open(metadata, context=CONTEXT)).read(bucket))
+    except Exception:
+        return  # refused (401, 403) or failing: the bucket is there, or nothing more can be told
+    if found.state == "missing":
+        raise _storage_errors.missing_bucket(loc, bucket)
 
 
 def remove(loc: Location, names: Iterable[str]) -> None:

@@ -212,6 +212,16 @@ def list_error(loc: Location, error: BaseException) -> CheckpointStorageError:
     )
 
 
+def missing_bucket(loc: Location, bucket: str) -> CheckpointStorageError:
+    """The error of a listing of `loc` in a bucket that does not exist (which
+    TensorStore's `gcs` driver lists as empty)."""
+    return CheckpointStorageError(
+        f"Cannot list the files of {loc.display!r}: the bucket {bucket!r} does not exist (NOT_FOUND). Check the "
+        f"bucket's name in the path, then try again.",
+        path=loc.display,
+    )
+
+
 def brief(error: BaseException) -> str:
     """`explain`, and without the body of an HTTP answer (an object store's XML)."""
     return re.sub(r"\s*\[http_response_body=.*", "", explain(error), flags=re.S)
