@@ -61,9 +61,14 @@ def write_refusal(error: BaseException) -> type[CheckpointStorageError] | None:
     codes = {int(code) for code in _OS_ERROR.findall(text)}
     if isinstance(error, OSError) and error.errno is not None:
         codes.add(error.errno)
-    if _REFUSED.match(text) or codes & _WRITE_REFUSED:
+    if _REFUSED.match(text) or _MISSING.match(text) or codes & _WRITE_REFUSED:
         return CheckpointStorageError
     return None
+
+
+# An object store's answer to a write into a bucket that does not exist (GCS's
+# 404; an object write is never "not found" otherwise).
+_MISSING = re.compile(r"^NOT_FOUND:")
 
 
 def storage_failure(loc: Location, error: BaseException, what: str) -> CheckpointStorageError | None:
@@ -95,11 +100,14 @@ REACH = (
 )
 
 
-def write_advice(refused: type[CheckpointStorageError] | None) -> str:
-    """What to do about a write the storage refused (`write_refusal`'s class):
-    reach it, or free space and check permissions."""
+def write_advice(refused: type[CheckpointStorageError] | None, error: BaseException) -> str:
+    """What to do about a write that failed with `error` (`refused`:
+    `write_refusal`'s class): reach the storage, create the bucket, or free
+    space and check permissions."""
     if refused is CheckpointConnectionError:
         return REACH
+    if _MISSING.match(explain(error)):
+        return "Check that the bucket exists and that these credentials may write to it."
     return "Check that the destination is writable and has free space."
 
 
@@ -157,7 +165,7 @@ def write_error(loc: Location, name: str, error: BaseException, outcome: str = "
     so = f", so {outcome}" if outcome else ""
     refused = write_refusal(error)
     return (refused or CheckpointError)(
-        f"Cannot write {name!r} in {loc.display!r}{so}: {error}. {write_advice(refused)}", path=loc.display
+        f"Cannot write {name!r} in {loc.display!r}{so}: {error}. {write_advice(refused, error)}", path=loc.display
     )
 
 

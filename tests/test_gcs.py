@@ -130,3 +130,14 @@ def test_an_empty_directory_in_a_bucket_has_no_steps(url):
     manager = eqx_ckpt.CheckpointManager(url)
     assert manager.latest_step() is None and manager.all_steps() == []
     assert eqx.tree_equal(manager.restore_or_initialise(lambda: _tree(0)), (None, _tree(0)), typematch=True)
+
+
+def test_a_save_to_a_bucket_that_does_not_exist_says_so(gcs):
+    """GCS answers a write into a bucket that is not there with 404: the save
+    said "Check that the destination is writable and has free space"
+    (a plain `CheckpointError`)."""
+    with pytest.raises(eqx_ckpt.CheckpointStorageError, match=re.escape("'gs://no-such-bucket/run'")) as caught:
+        eqx_ckpt.tree_serialise_leaves("gs://no-such-bucket/run", _tree(1))
+    message = str(caught.value)
+    assert "NOT_FOUND" in message and "so nothing was written" in message, message
+    assert "Check that the bucket exists" in message and "free space" not in message, message
