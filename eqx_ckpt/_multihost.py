@@ -122,23 +122,26 @@ def _wait(client: Any, key: str, count: int, stage: str) -> CheckpointError | No
             if time.monotonic() > deadline:
                 return CheckpointError(
                     f"Process {index} of {count} did not reach stage {stage!r} of the save within "
-                    f"{TIMEOUT_MS // 60000} minutes, although it is still running, so nothing was committed. "
-                    f"Every process must call the save with the same tree, in the same order."
+                    f"{TIMEOUT_MS / 1000:g} s, although it is still running. {_outcome(stage)} Every process "
+                    f"must call the save with the same tree, in the same order."
                 )
     return None
 
 
 def _lost(index: int, count: int, stage: str) -> CheckpointError:
-    if stage == "committed":
-        outcome = "Process 0 may have committed it: load the checkpoint to see which save it holds."
-    else:
-        outcome = "Nothing was committed: the checkpoint saved before is unchanged."
     return CheckpointError(
         f"Process {index} of {count} stopped answering during the save (no heartbeat for {SILENT_SECONDS:g} s "
         f"while the others waited for it at stage {stage!r}): it was killed or crashed, so this save cannot "
-        f"finish. {outcome} Its own log says why it stopped; `jax.distributed` ends the remaining processes "
-        f"too once its own heartbeat times out."
+        f"finish. {_outcome(stage)} Its own log says why it stopped; `jax.distributed` ends the remaining "
+        f"processes too once its own heartbeat times out."
     )
+
+
+def _outcome(stage: str) -> str:
+    """What a save that stopped at `stage` left."""
+    if stage == "committed":
+        return "Process 0 may have committed it: load the checkpoint to see which save it holds."
+    return "Nothing was committed: the checkpoint saved before is unchanged."
 
 
 class _Silence:

@@ -2,8 +2,10 @@
 (not a test module).
 
 Run as `python multiprocess_kill_worker.py PROCESS_ID NUM_PROCESSES PORT JOB`,
-`JOB` a JSON object: `checkpoint` (a path), `victim` (the process the test
-kills), `marker` (a file the victim creates once its second save is under way).
+`JOB` a JSON object: `checkpoint` (a path or kvstore spec), `victim` (the
+process the test kills), `marker` (a file the victim creates once its second
+save is under way); with `absent`, the victim never calls the second save (it
+creates the marker and sleeps); `timeout_ms` replaces the barriers' timeout.
 
 Every process (one CPU device each) saves `value(1)` sharded by rows, then
 starts saving `value(2)`. The victim stops in the middle of that save (process
@@ -30,7 +32,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqx_ckpt  # noqa: E402
-from eqx_ckpt import _faults  # noqa: E402
+from eqx_ckpt import _faults, _multihost  # noqa: E402
 
 SHAPE = (64, 16)
 
@@ -62,6 +64,10 @@ def main(process_id: int, num_processes: int, port: int, job: dict) -> None:
 
     point = "storage.create_array" if job["victim"] == 0 else "storage.open_array"
     victim = process_id == job["victim"]
+    if victim and job.get("absent"):
+        stop()  # never calls the save, but stays alive
+    if "timeout_ms" in job:
+        _multihost.TIMEOUT_MS = job["timeout_ms"]
     try:
         with _faults.armed(point, stop) if victim else contextlib.nullcontext():
             eqx_ckpt.tree_serialise_leaves(job["checkpoint"], tree(2))

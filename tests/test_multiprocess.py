@@ -247,51 +247,88 @@ class TestProcessMatrix:
 KILL_WORKER = pathlib.Path(__file__).with_name("multiprocess_kill_worker.py")
 
 
-@pytest.mark.parametrize("processes, victim", [(2, 1), (4, 2), (2, 0), (4, 0)], ids=lambda v: str(v))
-def test_a_process_killed_mid_save(tmp_path: pathlib.Path, processes: int, victim: int) -> None:
-    """A process killed outright (SIGKILL) in the middle of a save: the others
-    stop within seconds, never hanging at a barrier; the checkpoint saved
-    before stays whole. (They once waited for `jax.distributed`'s heartbeat,
-    100 s, which then aborted them.) A process other than 0 is named by
-    eqx_ckpt's error; process 0 runs the coordination service, and without it
-    `jax.distributed` ends the others at once."""
-    path, marker = tmp_path / "ckpt", tmp_path / "victim-stopped"
-    job = json.dumps({"checkpoint": str(path), "victim": victim, "marker": str(marker)})
+def _run_victim(tmp_path: pathlib.Path, processes: int, job: dict, *, kill: bool) -> tuple[list[Any], list[str]]:
+    """Run `processes` kill workers with `job`; once the victim has stopped
+    (its marker file), SIGKILL it (`kill`), or else wait for the others and
+    then kill it. Every process must exit within 60 s of that (a hang at a
+    barrier would last 100 s, `jax.distributed`'s heartbeat, or an hour)."""
+    marker, victim = tmp_path / "victim-stopped", job["victim"]
+    argument = json.dumps({**job, "marker": str(marker)})
     port, env = _free_port(), {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     logs = [tmp_path / f"worker{i}.log" for i in range(processes)]
     procs = []
     for i, log in enumerate(logs):
         with open(log, "w") as out:
-            command = [sys.executable, str(KILL_WORKER), str(i), str(processes), str(port), job]
+            command = [sys.executable, str(KILL_WORKER), str(i), str(processes), str(port), argument]
             procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
     try:
         deadline = time.monotonic() + 120
         while not marker.exists():
             assert time.monotonic() < deadline and procs[victim].poll() is None, logs[victim].read_text()[-4000:]
             time.sleep(0.1)
-        procs[victim].send_signal(signal.SIGKILL)
-        for proc in procs:
-            # A hang at a barrier would last 100 s (jax.distributed's heartbeat) or an hour.
-            proc.wait(timeout=60)
+        if kill:
+            procs[victim].send_signal(signal.SIGKILL)
+        for i, proc in enumerate(procs):
+            if i != victim or kill:
+                proc.wait(timeout=60)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    outputs = [log.read_text() for log in logs]
-    assert procs[victim].returncode == -signal.SIGKILL
+    return procs, [log.read_text() for log in logs]
+
+
+def _check_survivors(procs: list[Any], outputs: list[str], victim: int, said: str) -> None:
     for i, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
         assert f"worker {i} saved\n" in out and f"worker {i} saved again" not in out, out[-4000:]
         if i == victim:
             continue
         assert proc.returncode != 0, out[-4000:]
-        if victim != 0:
-            assert proc.returncode == 3, out[-4000:]
-            assert f"Process {victim} of {processes} stopped answering during the save" in out, out[-4000:]
+        if said:
+            assert proc.returncode == 3 and said in out, out[-4000:]
             assert "Nothing was committed: the checkpoint saved before is unchanged" in out, out[-4000:]
-    shape = (64, 16)  # as the worker saves it: the first save holds value(1)
+
+
+def _check_first_save(where: Any) -> None:
+    shape = (64, 16)  # as the kill worker saves it: the first save holds value(1)
     expected = {"w": np.arange(np.prod(shape), dtype=np.float32).reshape(shape)}
-    loaded = eqx_ckpt.tree_deserialise_leaves(path, {"w": np.zeros(shape, np.float32)})
+    loaded = eqx_ckpt.tree_deserialise_leaves(where, {"w": np.zeros(shape, np.float32)})
     assert eqx.tree_equal(loaded, expected, typematch=True)
-    assert eqx_ckpt.verify(path) == []
+    assert eqx_ckpt.verify(where) == []
+
+
+@pytest.mark.parametrize(
+    "processes, victim, storage",
+    [(2, 1, "local"), (4, 2, "local"), (2, 0, "local"), (4, 0, "local"), (2, 1, "s3")],
+    ids=lambda v: str(v),
+)
+def test_a_process_killed_mid_save(
+    tmp_path: pathlib.Path, storage_for: Any, processes: int, victim: int, storage: str
+) -> None:
+    """A process killed outright (SIGKILL) in the middle of a save: the others
+    stop within seconds, never hanging at a barrier; the checkpoint saved
+    before stays whole. (They once waited for `jax.distributed`'s heartbeat,
+    100 s, which then aborted them.) A process other than 0 is named by
+    eqx_ckpt's error; process 0 runs the coordination service, and without it
+    `jax.distributed` ends the others at once."""
+    where = _where(tmp_path, storage, storage_for(storage), "ckpt")
+    procs, outputs = _run_victim(tmp_path, processes, {"checkpoint": where, "victim": victim}, kill=True)
+    assert procs[victim].returncode == -signal.SIGKILL
+    said = f"Process {victim} of {processes} stopped answering during the save" if victim else ""
+    _check_survivors(procs, outputs, victim, said)
+    _check_first_save(where)
+
+
+def test_a_process_that_never_calls_the_save_is_named(tmp_path: pathlib.Path) -> None:
+    """A process that is alive but never reaches the save (a different code
+    path): once the barrier's timeout has passed, the others raise an error
+    naming it (they raised `jax.distributed`'s bare DEADLINE_EXCEEDED). The
+    workers shorten the timeout (an hour) to 5 s."""
+    where = str(tmp_path / "ckpt")
+    job = {"checkpoint": where, "victim": 1, "absent": True, "timeout_ms": 5000}
+    procs, outputs = _run_victim(tmp_path, 2, job, kill=False)
+    said = "Process 1 of 2 did not reach stage 'prepared' of the save within 5 s, although it is still running"
+    _check_survivors(procs, outputs, 1, said)
+    _check_first_save(where)
