@@ -145,6 +145,16 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+# The one way the CLI reaches an S3-compatible server (docs/storage.md says the same).
+STORAGE_HELP = (
+    "An S3-compatible server (MinIO, Ceph, a local test server): set AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) "
+    "to its URL, e.g. http://127.0.0.1:9000, with the usual AWS credentials variables, and pass s3://bucket/path. "
+    "Other kvstore options (credentials, retries such as s3_request_retries): pass the path as a TensorStore "
+    'kvstore spec in JSON, e.g. \'{"driver": "s3", "bucket": "my-bucket", "path": "run/ckpt/", "s3_request_retries": '
+    '{"max_retries": 20}}\'. Storage that cannot be reached fails within seconds (exit 2).'
+)
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="eqx-ckpt",
@@ -153,25 +163,31 @@ def parser() -> argparse.ArgumentParser:
     )
     top.add_argument("--version", action="version", version=f"eqx-ckpt {__version__}")
     commands = top.add_subparsers(dest="command", required=True)
-    ls = commands.add_parser("ls", help="sorted tree of keys with dtype[shape] and size")
+    ls = commands.add_parser("ls", help="sorted tree of keys with dtype[shape] and size", epilog=STORAGE_HELP)
     ls.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
     ls.add_argument("--depth", type=int, default=None, help="show only this many levels")
     ls.add_argument("--values", action="store_true", help=f"print leaves of at most {SMALL_VALUES} elements")
     ls.set_defaults(run=_ls)
-    info = commands.add_parser("info", help="format and library version, creation time, leaf count, bytes")
+    info = commands.add_parser(
+        "info", help="format and library version, creation time, leaf count, bytes", epilog=STORAGE_HELP
+    )
     info.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
     info.set_defaults(run=_info)
     verify = commands.add_parser(
         "verify", help="read and check every byte (of other formats: what they can be checked for); exit 0 sound, "
-        "1 damaged",
+        "1 damaged", epilog=STORAGE_HELP,
     )  # fmt: skip
     verify.add_argument("path", help="checkpoint, .safetensors file, Hugging Face or orbax directory, kvstore URL")
     verify.set_defaults(run=_verify)
-    diff = commands.add_parser("diff", help="compare two checkpoints; exit 0 equal, 1 different, 2 error")
+    diff = commands.add_parser(
+        "diff", help="compare two checkpoints; exit 0 equal, 1 different, 2 error", epilog=STORAGE_HELP
+    )
     diff.add_argument("a")
     diff.add_argument("b")
     diff.set_defaults(run=_diff)
-    export = commands.add_parser("export", help="write a checkpoint as (Hugging Face sharded) safetensors")
+    export = commands.add_parser(
+        "export", help="write a checkpoint as (Hugging Face sharded) safetensors", epilog=STORAGE_HELP
+    )
     export.add_argument("ckpt", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
     export.add_argument("out", help="output directory (or a path ending in .safetensors for one file)")
     export.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")

@@ -56,6 +56,8 @@ def location(path: Any) -> Location:
     Accepts a local path (`str` or `os.PathLike`), a TensorStore kvstore URL
     (`memory://`, `file://`, `s3://`, `gs://`...), or a kvstore spec `dict` (for
     options a URL cannot carry, such as an S3 `endpoint` or `aws_credentials`).
+    An S3 location that names no `endpoint` reaches the server that
+    `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` names, as the AWS tools do.
     """
     if isinstance(path, Location):
         return path
@@ -101,9 +103,19 @@ def _from_spec(spec: dict[str, Any]) -> Location:
     return _directory(spec, display)
 
 
+# What the AWS tools read for an S3-compatible server's URL (the first set wins).
+# TensorStore reads neither: without them, an `s3://` URL went to AWS, and on a
+# machine that cannot reach AWS waited out the retries.
+ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+
 def _directory(spec: dict[str, Any], display: str) -> Location:
-    """The checkpoint directory at a kvstore spec: its path ends in `/`."""
+    """The checkpoint directory at a kvstore spec: its path ends in `/`; an
+    `s3` one without an `endpoint` takes the one `ENDPOINT_VARIABLES` name."""
     spec["path"] = spec.get("path", "")
+    endpoint = next((os.environ[name] for name in ENDPOINT_VARIABLES if os.environ.get(name)), None)
+    if spec.get("driver") == "s3" and "endpoint" not in spec and endpoint:
+        spec["endpoint"] = endpoint
     if spec["path"] and not spec["path"].endswith("/"):
         spec["path"] += "/"
     directory = spec["path"].rstrip("/") if spec.get("driver") == "file" else None

@@ -11,11 +11,21 @@ not at device collectives: that needs no collective support from the backend
 anywhere fails the save everywhere instead of hanging it, and is safe from the
 background thread of an asynchronous save, where a device collective could
 interleave with the training step's own.
+
+A barrier is each process's key in the coordination service's key-value store,
+waited for a second at a time. Between waits, the heartbeat of a process that
+has not arrived is checked: every process taking part in saves bumps a key of
+its own every `HEARTBEAT_SECONDS` from a thread, so a process killed outright
+(SIGKILL, out of memory) is found within `SILENT_SECONDS` and named, where
+`jax.distributed`'s own heartbeat takes 100 s and then ends every process.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import threading
+import time
 from typing import Any
 
 import jax
@@ -28,6 +38,17 @@ from ._sharding import on_one_device
 # A barrier waits this long for the slowest process: it covers writing that
 # process's whole share of a checkpoint.
 TIMEOUT_MS = 60 * 60 * 1000
+
+# Every process bumps its heartbeat key this often, from a thread of its own...
+HEARTBEAT_SECONDS = 1.0
+# ...and one whose heartbeat has not moved for this long, while the others wait
+# for it at a barrier, is taken for dead (killed, crashed, its machine gone).
+# Long enough for a process busy in code that holds the GIL (the thread then
+# cannot run); short enough that the others stop within seconds.
+SILENT_SECONDS = 10.0
+
+# One wait for a process's barrier key, between checks of its heartbeat.
+_WAIT_MS = 1000
 
 # Saves are numbered in the order each process makes them, which is the same in
 # every process, so the n-th save's barriers have the same names everywhere.
@@ -54,6 +75,7 @@ class Group:
         self.count = jax.process_count()
         self.index = jax.process_index()
         self._name = f"eqx_ckpt/save/{next(_saves)}" if self.count > 1 else ""
+        self._lost: CheckpointError | None = None
 
     @property
     def primary(self) -> bool:
@@ -62,20 +84,119 @@ class Group:
 
     def sync(self, stage: str, error: BaseException | None) -> BaseException | None:
         """Wait until every process has reached `stage`; return this process's
-        `error`, or else an error saying which other processes failed (or `None`)."""
+        `error`, or else an error saying which other processes failed or
+        stopped answering (or `None`)."""
         if self.count == 1:
             return error
+        if self._lost is not None:  # a process died at an earlier stage: nobody else will arrive
+            return error or self._lost
         client = _client()
+        _Heartbeat.start(client, self.index)
         key = f"{self._name}/{stage}"
         client.key_value_set(f"{key}/{self.index}", "" if error is None else _describe(error))
-        client.wait_at_barrier(key, TIMEOUT_MS)
-        if error is not None:
-            return error
+        self._lost = _wait(client, key, self.count, stage)
+        if error is not None or self._lost is not None:
+            return error or self._lost
         failed = sorted((int(k.rsplit("/", 1)[-1]), v) for k, v in client.key_value_dir_get(f"{key}/") if v)
         if not failed:
             return None
         lines = "\n".join(f"  - process {i}: {message}" for i, message in failed)
         return CheckpointError(f"Saving failed in {len(failed)} other process(es), so nothing was committed:\n{lines}")
+
+
+def _wait(client: Any, key: str, count: int, stage: str) -> CheckpointError | None:
+    """Wait for every process's key under `key`; the error naming a process
+    that stopped answering, or did not arrive within `TIMEOUT_MS`."""
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    silence = _Silence(client)
+    for index in range(count):
+        while True:
+            try:
+                client.blocking_key_value_get(f"{key}/{index}", _WAIT_MS)
+                break
+            except Exception as e:
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+            if silence.dead(index):
+                return _lost(index, count, stage)
+            if time.monotonic() > deadline:
+                return CheckpointError(
+                    f"Process {index} of {count} did not reach stage {stage!r} of the save within "
+                    f"{TIMEOUT_MS / 1000:g} s, although it is still running. {_outcome(stage)} Every process "
+                    f"must call the save with the same tree, in the same order."
+                )
+    return None
+
+
+def _lost(index: int, count: int, stage: str) -> CheckpointError:
+    return CheckpointError(
+        f"Process {index} of {count} stopped answering during the save (no heartbeat for {SILENT_SECONDS:g} s "
+        f"while the others waited for it at stage {stage!r}): it was killed or crashed, so this save cannot "
+        f"finish. {_outcome(stage)} Its own log says why it stopped; `jax.distributed` ends the remaining "
+        f"processes too once its own heartbeat times out."
+    )
+
+
+def _outcome(stage: str) -> str:
+    """What a save that stopped at `stage` left."""
+    if stage == "committed":
+        return "Process 0 may have committed it: load the checkpoint to see which save it holds."
+    return "Nothing was committed: the checkpoint saved before is unchanged."
+
+
+class _Silence:
+    """When each process's heartbeat was last seen to change (by this process's clock)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._seen: dict[int, tuple[str, float]] = {}
+
+    def dead(self, index: int) -> bool:
+        """Whether process `index` has been silent for `SILENT_SECONDS`. One
+        never seen beating (not yet in a save) is not judged."""
+        try:
+            beat = self._client.key_value_try_get(_Heartbeat.key(index))
+        except Exception:
+            return False
+        now = time.monotonic()
+        last = self._seen.get(index)
+        if last is None or last[0] != beat:
+            self._seen[index] = (beat, now)
+            return False
+        return now - last[1] > SILENT_SECONDS
+
+
+class _Heartbeat:
+    """This process's heartbeat: a thread that bumps its key in the
+    coordination service every `HEARTBEAT_SECONDS`, from its first save on."""
+
+    _started: threading.Thread | None = None
+    _stop = threading.Event()
+
+    @staticmethod
+    def key(index: int) -> str:
+        return f"eqx_ckpt/alive/{index}"
+
+    @classmethod
+    def start(cls, client: Any, index: int) -> None:
+        if cls._started is not None:
+            return
+        key = cls.key(index)
+        client.key_value_set(key, "0", allow_overwrite=True)  # seen before this process's first barrier key
+
+        def beat() -> None:
+            count = 0
+            while not cls._stop.wait(HEARTBEAT_SECONDS):
+                count += 1
+                try:
+                    client.key_value_set(key, str(count), allow_overwrite=True)
+                except Exception:
+                    return  # the coordination service is gone (shut down, or process 0 died)
+
+        cls._started = threading.Thread(target=beat, name="eqx_ckpt-heartbeat", daemon=True)
+        cls._started.start()
+        # Before `jax.distributed`'s own exit hook (registered earlier, so run later) shuts the client down.
+        atexit.register(cls._stop.set)
 
 
 def begin(

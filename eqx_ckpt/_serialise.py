@@ -36,7 +36,7 @@ from . import (
     _write,
 )
 from ._background import Handoff, PendingSave
-from ._errors import CheckpointError, CheckpointValueError, LeafError, check_flag
+from ._errors import CheckpointConnectionError, CheckpointError, CheckpointValueError, LeafError, check_flag
 from ._handle import LeafHandle
 from ._lazy import LazyArray
 from ._location import Location, location
@@ -108,7 +108,8 @@ def tree_serialise_leaves(
 
     - `path`: the checkpoint directory (`str` or `pathlib.Path`), or a TensorStore
         kvstore URL (`memory://`, `file://`, `s3://`, `gs://`), or a kvstore spec `dict` (for an
-        S3 `endpoint` and other options a URL cannot carry; see [docs/storage.md](../storage.md)).
+        S3 `endpoint` and other options a URL cannot carry; see [docs/storage.md](../storage.md)). An `s3://`
+        location without an `endpoint` uses `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` when set.
     - `pytree`: the PyTree whose leaves are saved.
     - `filter_spec`: how to save each leaf: a callable `(handle, leaf) -> None`
         or a PyTree prefix of `pytree` of them. The default saves arrays and
@@ -380,6 +381,8 @@ def _write_and_commit(
     display = tx.loc.display
     message = f"Saving checkpoint {display!r} failed, and nothing was committed: {error}"
     refused = _storage_errors.write_refusal(error)
+    if refused is CheckpointConnectionError:
+        raise refused(f"{message.rstrip('. ')}. {_storage_errors.REACH}", path=display) from error
     if refused is not None:
         # The storage would not take the save: no leaf is at fault.
         message = message.rstrip(". ") + (

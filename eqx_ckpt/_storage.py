@@ -57,16 +57,22 @@ KvStore = ts.KvStore
 # One context for every open: it is what makes `memory://` stores persist between
 # calls, and what bounds file I/O concurrency for the whole process.
 #
-# Its `http_request_retries` make a plain `http://` server that cannot be reached
-# an error within about 5 s: TensorStore's default (32 attempts, backing off from
-# 1 s to 32 s) retried a refused connection for a quarter of an hour, and a load
-# seemed to hang. Four attempts over about 4 s still ride out a server's brief
-# hiccup (a 503, a dropped connection). Only the `http` driver reads this
-# resource: `s3://` and `gs://` keep their own, `s3_request_retries` and
-# `gcs_request_retries`, at TensorStore's defaults, where retrying for minutes
-# is what a busy object store needs. A kvstore spec dict may carry its own
-# `"http_request_retries"`, which wins over this one.
-CONTEXT = ts.Context({"http_request_retries": {"max_retries": 4, "initial_delay": "0.25s", "max_delay": "2s"}})
+# Its retries make storage that cannot be reached an error within seconds.
+# TensorStore's defaults (32 attempts, backing off from 1 s to 32 s) retried a
+# refused connection for minutes, and a load, a save or a manager's listing
+# seemed to hang. TensorStore cannot tell a refused connection from a server's
+# brief hiccup (a 503, a dropped connection), so one setting serves both: for a
+# plain `http://` server four attempts over about 4 s; for an object store
+# (`s3://`, `gs://`) five over about 6 s, which rides out a throttled request
+# as AWS's own SDKs do (three attempts by default). A kvstore spec dict may carry
+# its own `"http_request_retries"`, `"s3_request_retries"` or
+# `"gcs_request_retries"`, which wins over these (docs/storage.md).
+RETRIES = {
+    "http_request_retries": {"max_retries": 4, "initial_delay": "0.25s", "max_delay": "2s"},
+    "s3_request_retries": {"max_retries": 5, "initial_delay": "0.25s", "max_delay": "2s"},
+    "gcs_request_retries": {"max_retries": 5, "initial_delay": "0.25s", "max_delay": "2s"},
+}
+CONTEXT = ts.Context(RETRIES)
 
 
 # For the arrays of a save to a local disk: no fsync per file (thousands of them
@@ -317,7 +323,37 @@ def list_keys(loc: Location) -> list[str]:
         # A listing that fails is never "nothing there": a manager would read
         # a missing bucket as a run with no steps.
         raise _storage_errors.list_error(loc, e) from e
+    if not keys and loc.kvstore.get("driver") == "gcs":
+        _check_gcs_listing(loc)
     return [key.decode("utf-8", "replace") for key in keys]
+
+
+# Where TensorStore's `gcs` driver sends its requests: this variable (an
+# emulator), else Google.
+GCS_URL_VARIABLE = "TENSORSTORE_GCS_HTTP_URL"
+
+
+def _check_gcs_listing(loc: Location) -> None:
+    """An empty listing from TensorStore's `gcs` driver, which lists nothing
+    when GCS answers 401, 403 or 404: raise unless the directory is really empty.
+
+    Credentials GCS refuses fail a read as well; a bucket that is not there
+    is what a request for its metadata says, asked without credentials (GCS
+    answers 404 only when the bucket does not exist; 401 or the metadata when
+    it does)."""
+    try:
+        result(kvstore(loc).read(_format.MANIFEST))
+    except Exception as e:
+        raise _storage_errors.list_error(loc, e) from e
+    bucket = loc.kvstore.get("bucket", "")
+    base = os.environ.get(GCS_URL_VARIABLE, "https://storage.googleapis.com").rstrip("/")
+    metadata = {"driver": "http", "base_url": f"{base}/storage/v1/b/"}  # the bucket's name is the key
+    try:
+        found = result(result(ts.KvStore.open(metadata, context=CONTEXT)).read(bucket))
+    except Exception:
+        return  # refused (401, 403) or failing: the bucket is there, or nothing more can be told
+    if found.state == "missing":
+        raise _storage_errors.missing_bucket(loc, bucket)
 
 
 def remove(loc: Location, names: Iterable[str]) -> None:

@@ -61,9 +61,14 @@ def write_refusal(error: BaseException) -> type[CheckpointStorageError] | None:
     codes = {int(code) for code in _OS_ERROR.findall(text)}
     if isinstance(error, OSError) and error.errno is not None:
         codes.add(error.errno)
-    if _REFUSED.match(text) or codes & _WRITE_REFUSED:
+    if _REFUSED.match(text) or _MISSING.match(text) or codes & _WRITE_REFUSED:
         return CheckpointStorageError
     return None
+
+
+# An object store's answer to a write into a bucket that does not exist (GCS's
+# 404; an object write is never "not found" otherwise).
+_MISSING = re.compile(r"^NOT_FOUND:")
 
 
 def storage_failure(loc: Location, error: BaseException, what: str) -> CheckpointStorageError | None:
@@ -75,7 +80,7 @@ def storage_failure(loc: Location, error: BaseException, what: str) -> Checkpoin
     if connection is not None or not _REFUSED.match(text):
         return connection
     return CheckpointStorageError(
-        f"The storage would not serve {what} of checkpoint {loc.display!r}: {text}. The checkpoint may well be "
+        f"The storage would not serve {what} of checkpoint {loc.display!r}: {brief(error)}. The checkpoint may well be "
         f"whole: check that you may read it (credentials, permissions) and that the storage works, then try again.",
         path=loc.display,
     )
@@ -87,11 +92,23 @@ def unreachable(loc: Location, error: BaseException) -> CheckpointConnectionErro
     text = explain(error)
     if not _UNREACHABLE.search(text):
         return None
-    return CheckpointConnectionError(
-        f"Cannot reach {loc.display!r}: {text}. Check the URL (host name and port) and that the server is "
-        f"running and reachable from this machine, then try again.",
-        path=loc.display,
-    )
+    return CheckpointConnectionError(f"Cannot reach {loc.display!r}: {text}. {REACH}", path=loc.display)
+
+
+REACH = (
+    "Check the URL (host name and port) and that the server is running and reachable from this machine, then try again."
+)
+
+
+def write_advice(refused: type[CheckpointStorageError] | None, error: BaseException) -> str:
+    """What to do about a write that failed with `error` (`refused`:
+    `write_refusal`'s class): reach the storage, create the bucket, or free
+    space and check permissions."""
+    if refused is CheckpointConnectionError:
+        return REACH
+    if _MISSING.match(explain(error)):
+        return "Check that the bucket exists and that these credentials may write to it."
+    return "Check that the destination is writable and has free space."
 
 
 def too_large(loc: Location, name: str, limit: int, size: int | None) -> CorruptCheckpointError:
@@ -146,10 +163,9 @@ def write_error(loc: Location, name: str, error: BaseException, outcome: str = "
     `outcome`, when the caller knows it, says what the failure left ("nothing
     was written")."""
     so = f", so {outcome}" if outcome else ""
-    return (write_refusal(error) or CheckpointError)(
-        f"Cannot write {name!r} in {loc.display!r}{so}: {error}. Check that the destination is writable "
-        f"and has free space.",
-        path=loc.display,
+    refused = write_refusal(error)
+    return (refused or CheckpointError)(
+        f"Cannot write {name!r} in {loc.display!r}{so}: {error}. {write_advice(refused, error)}", path=loc.display
     )
 
 
@@ -200,6 +216,16 @@ def list_error(loc: Location, error: BaseException) -> CheckpointStorageError:
     return CheckpointStorageError(
         f"Cannot list the files of {loc.display!r}: {brief(error)}. Check the path (for an object store: that the "
         f"bucket exists) and that these credentials may list it, then try again.",
+        path=loc.display,
+    )
+
+
+def missing_bucket(loc: Location, bucket: str) -> CheckpointStorageError:
+    """The error of a listing of `loc` in a bucket that does not exist (which
+    TensorStore's `gcs` driver lists as empty)."""
+    return CheckpointStorageError(
+        f"Cannot list the files of {loc.display!r}: the bucket {bucket!r} does not exist (NOT_FOUND). Check the "
+        f"bucket's name in the path, then try again.",
         path=loc.display,
     )
 

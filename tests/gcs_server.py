@@ -64,6 +64,60 @@ def _with_generations(get: Any) -> Any:
     return getting
 
 
+def _gcs_error(response: Any, status: HTTPStatus, message: str, reason: str) -> None:
+    """Answer as GCS answers an error: a JSON body (the emulator sends none)."""
+    response.status = status
+    error = {"code": status.value, "message": message, "errors": [{"message": message, "reason": reason}]}
+    response.json({"error": error})
+
+
+def _missing_bucket_as_gcs(ls: Any) -> Any:
+    """A listing of a bucket that does not exist: 404 with GCS's JSON body, as
+    from Google (the emulator sends an empty body, which TensorStore fails to parse)."""
+
+    def listing(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+        result = ls(request, response, storage, *args, **kwargs)
+        if response.status == HTTPStatus.NOT_FOUND:
+            _gcs_error(response, HTTPStatus.NOT_FOUND, "The specified bucket does not exist.", "notFound")
+        return result
+
+    return listing
+
+
+class Gate:
+    """Refuses every request with `status` (401: credentials GCS does not
+    accept; 403: credentials without the permission), as GCS answers them.
+    The emulator checks no credentials; the token TensorStore sends is read
+    once per process, so a test refuses requests here instead."""
+
+    status: HTTPStatus | None = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def refusing(cls, status: HTTPStatus) -> Iterator[None]:
+        cls.status = status
+        try:
+            yield
+        finally:
+            cls.status = None
+
+    @classmethod
+    def wrap(cls, handle: Any) -> Any:
+        def handling(router: Any, method: str) -> Any:
+            if cls.status is None:
+                return handle(router, method)
+            from gcp_storage_emulator.server import Response
+
+            response = Response(router._request_handler)
+            message = {401: "Invalid Credentials", 403: "The caller does not have storage.objects.list access."}
+            reason = {401: "authError", 403: "forbidden"}
+            _gcs_error(response, cls.status, message[cls.status.value], reason[cls.status.value])
+            response.close()
+            return None
+
+        return handling
+
+
 @contextlib.contextmanager
 def running(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Start the emulator with an empty bucket; yields its URL."""
@@ -76,9 +130,10 @@ def running(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
     # It logs every missing object (a normal answer to TensorStore) as an error.
     logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)
+    monkeypatch.setattr(emulator.Router, "handle", Gate.wrap(emulator.Router.handle))
     for _, handlers in emulator.HANDLERS:
         if handlers.get(emulator.GET) is objects.ls:
-            monkeypatch.setitem(handlers, emulator.GET, _with_offsets(objects.ls))
+            monkeypatch.setitem(handlers, emulator.GET, _missing_bucket_as_gcs(_with_offsets(objects.ls)))
         elif handlers.get(emulator.GET) is objects.get:
             monkeypatch.setitem(handlers, emulator.GET, _with_generations(objects.get))
     server = emulator.create_server("127.0.0.1", 0, in_memory=True, default_bucket=BUCKET)

@@ -13,6 +13,7 @@ import http_server
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import s3_server
 
 import eqx_ckpt
 from eqx_ckpt._cli import main
@@ -20,8 +21,8 @@ from eqx_ckpt._cli import main
 EXE = shutil.which("eqx-ckpt", path=os.path.dirname(sys.executable)) or "eqx-ckpt"
 
 
-def run(*args, check_code=None):
-    done = subprocess.run([EXE, *map(str, args)], capture_output=True, text=True, timeout=120)
+def run(*args, check_code=None, timeout=120):
+    done = subprocess.run([EXE, *map(str, args)], capture_output=True, text=True, timeout=timeout)
     if check_code is not None:
         assert done.returncode == check_code, (done.stdout, done.stderr)
     return done
@@ -282,3 +283,36 @@ def test_ls_of_a_file_says_there_is_no_checkpoint(tmp_path):
     done = run("ls", tmp_path / "notes.txt", check_code=2)
     assert done.stderr.startswith("eqx-ckpt ls: There is no eqx_ckpt checkpoint at "), done.stderr
     assert "CheckpointManager" not in done.stderr
+
+
+def test_ls_reaches_an_s3_server_through_aws_endpoint_url(s3, monkeypatch):
+    """The CLI's one way to an S3-compatible server, as `ls --help` and
+    docs/storage.md say: `AWS_ENDPOINT_URL`. (TensorStore does not read it: an
+    `s3://` URL went to AWS, and waited out its retries there.)"""
+    s3_server.credentials(monkeypatch)
+    eqx_ckpt.tree_serialise_leaves(s3.spec("cli/ckpt/"), {"w": np.arange(6, dtype=np.float32), "step": 3})
+    assert "AWS_ENDPOINT_URL" in run("ls", "--help", check_code=0).stdout
+    assert "AWS_ENDPOINT_URL" in (pathlib.Path(__file__).parents[1] / "docs" / "storage.md").read_text()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    done = run("ls", f"s3://{s3_server.BUCKET}/cli/ckpt", check_code=0, timeout=60)
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines[:-1]] == ["step", "w"] and lines[-1] == "2 leaves, 32 B", done.stdout
+    # `AWS_ENDPOINT_URL_S3` wins, as for the AWS tools.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", http_server.refused_url("").rstrip("/"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.endpoint)
+    run("ls", f"s3://{s3_server.BUCKET}/cli/ckpt", check_code=0, timeout=60)
+
+
+def test_ls_of_an_unreachable_s3_endpoint_exits_2_within_seconds(monkeypatch):
+    """An endpoint that refuses connections: exit 2 with a connection message,
+    within the subprocess's timeout (it once hung on TensorStore's default retries:
+    32 attempts, up to 32 s apart)."""
+    s3_server.credentials(monkeypatch)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", http_server.refused_url("").rstrip("/"))
+    url = f"s3://{s3_server.BUCKET}/run/ckpt"
+    done = run("ls", url, check_code=2, timeout=60)
+    # (TensorStore's AWS library may log lines of its own before it.)
+    assert f"\neqx-ckpt ls: Cannot reach '{url}': " in "\n" + done.stderr, done.stderr
+    assert "curl_code='7'" in done.stderr and "Check the URL" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

@@ -2,6 +2,7 @@
 on 127.0.0.1), through TensorStore's own `gcs` driver, as test_s3.py does for S3."""
 
 import re
+from http import HTTPStatus
 
 import equinox as eqx
 import gcs_server
@@ -108,3 +109,57 @@ def test_a_rewritten_safetensors_object_is_reported_as_replaced(url):
     with pytest.raises(eqx_ckpt.CheckpointReplacedError, match=re.escape("its file `model.safetensors` was rewritten")):
         np.asarray(b)
     np.testing.assert_array_equal(np.asarray(eqx_ckpt.Checkpoint(url)["b"]), np.ones(2, np.float32))
+
+
+@pytest.mark.parametrize("call", ["latest_step", "all_steps", "restore_or_initialise"])
+def test_a_manager_in_a_bucket_that_does_not_exist_raises(gcs, call):
+    """TensorStore's `gcs` driver lists nothing when GCS answers 404: a manager
+    reported no steps, and `restore_or_initialise` would have started afresh."""
+    manager = eqx_ckpt.CheckpointManager("gs://no-such-bucket/run")
+    calls = {
+        "latest_step": manager.latest_step,
+        "all_steps": manager.all_steps,
+        "restore_or_initialise": lambda: manager.restore_or_initialise(lambda: _tree(0)),
+    }
+    refused = re.escape(
+        "Cannot list the files of 'gs://no-such-bucket/run': the bucket 'no-such-bucket' does not exist"
+    )
+    with pytest.raises(eqx_ckpt.CheckpointStorageError, match=refused):
+        calls[call]()
+
+
+@pytest.mark.parametrize("status", [HTTPStatus.UNAUTHORIZED, HTTPStatus.FORBIDDEN], ids=["401", "403"])
+def test_a_manager_whose_credentials_gcs_refuses_raises(url, status):
+    """Credentials GCS does not accept (401), or without the permission (403):
+    TensorStore's `gcs` driver lists nothing, and a manager of a run with steps
+    reported none. It raises, naming GCS's answer."""
+    manager = eqx_ckpt.CheckpointManager(url)
+    manager.save(5, _tree(5))
+    manager.wait_until_finished()
+    fresh = eqx_ckpt.CheckpointManager(url)
+    with gcs_server.Gate.refusing(status):
+        for call in (fresh.latest_step, fresh.all_steps, lambda: fresh.restore_or_initialise(lambda: _tree(0))):
+            with pytest.raises(eqx_ckpt.CheckpointStorageError, match="PERMISSION_DENIED") as caught:
+                call()
+            message = str(caught.value)
+            assert f"would not serve the listing of its files of checkpoint {url!r}" in message, message
+            assert "credentials" in message and "http_response_body" not in message, message
+    assert fresh.latest_step() == 5
+
+
+def test_an_empty_directory_in_a_bucket_has_no_steps(url):
+    """The checks of an empty listing do not turn a new run into an error."""
+    manager = eqx_ckpt.CheckpointManager(url)
+    assert manager.latest_step() is None and manager.all_steps() == []
+    assert eqx.tree_equal(manager.restore_or_initialise(lambda: _tree(0)), (None, _tree(0)), typematch=True)
+
+
+def test_a_save_to_a_bucket_that_does_not_exist_says_so(gcs):
+    """GCS answers a write into a bucket that is not there with 404: the save
+    said "Check that the destination is writable and has free space"
+    (a plain `CheckpointError`)."""
+    with pytest.raises(eqx_ckpt.CheckpointStorageError, match=re.escape("'gs://no-such-bucket/run'")) as caught:
+        eqx_ckpt.tree_serialise_leaves("gs://no-such-bucket/run", _tree(1))
+    message = str(caught.value)
+    assert "NOT_FOUND" in message and "so nothing was written" in message, message
+    assert "Check that the bucket exists" in message and "free space" not in message, message

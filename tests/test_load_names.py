@@ -353,6 +353,7 @@ def test_a_safetensors_file_rewritten_while_it_is_opened_is_replaced_not_damaged
     ):
         eqx_ckpt.Checkpoint(path)
 
+
 KERNEL = np.arange(6, dtype=np.float32).reshape(2, 3)
 FLAX = {"params/Dense_0/kernel": KERNEL, "params/Dense_0/bias": np.ones(3, np.float32)}
 

@@ -1,25 +1,29 @@
-"""Several JAX processes saving one checkpoint, for real: two processes on this
-machine, each with 2 CPU devices, joined by `jax.distributed`."""
+"""Several JAX processes saving one checkpoint, for real: processes on this
+machine, each with 1 or 2 CPU devices, joined by `jax.distributed`, saving to a
+local directory or a local S3 server."""
 
 import json
 import os
 import pathlib
 import re
+import signal
 import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 import equinox as eqx
 import jax
 import numpy as np
 import pytest
+import s3_server
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_ckpt
 
 WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
-ROWS_WORKER = pathlib.Path(__file__).with_name("multiprocess_rows_worker.py")
+MATRIX_WORKER = pathlib.Path(__file__).with_name("multiprocess_matrix_worker.py")
 ROWS_COLS = (8, 4)
 
 
@@ -29,8 +33,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_workers(path: pathlib.Path, count: int = 2, timeout: float = 55, worker: pathlib.Path = WORKER) -> list[str]:
-    """Run `worker` in `count` processes; their output, or a failure with it."""
+def _run_workers(
+    path: pathlib.Path, count: int = 2, timeout: float = 55, worker: pathlib.Path = WORKER, job: str | None = None
+) -> list[str]:
+    """Run `worker` in `count` processes (its last argument `job`, or else
+    `path`); their output, or a failure with it. Logs go beside `path`."""
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
@@ -39,7 +46,7 @@ def _run_workers(path: pathlib.Path, count: int = 2, timeout: float = 55, worker
     procs = []
     for i, log in enumerate(logs):
         with open(log, "w") as out:
-            command = [sys.executable, str(worker), str(i), str(count), str(port), str(path)]
+            command = [sys.executable, str(worker), str(i), str(count), str(port), job or str(path)]
             procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
     deadline, timed_out = time.monotonic() + timeout, False
     try:
@@ -139,15 +146,189 @@ def test_export_of_a_multiprocess_checkpoint(saved: pathlib.Path, tmp_path: path
         np.testing.assert_array_equal(tensors[name], _value(2.0))
 
 
-def test_processes_save_one_array_sharded_by_rows(tmp_path: pathlib.Path) -> None:
-    """Four processes, one device each, save one 16 MiB array sharded by rows,
-    and each loads its rows back. (A check of the load, that a leaf's folder
-    holds all of its bytes, once ran inside the save when a process opened the
-    array process 0 had created, before the others had written their rows:
-    with four processes the save failed every time.)"""
-    path = tmp_path / "ckpt"
-    _run_workers(path, count=4, timeout=150, worker=ROWS_WORKER)
-    shape = (4096, 1024)  # as the worker saves it: 16 MiB of float32, row i holding i * 1024 + column
-    loaded = eqx_ckpt.tree_deserialise_leaves(path, {"w": np.zeros(shape, np.float32)})
-    np.testing.assert_array_equal(loaded["w"], np.arange(np.prod(shape), dtype=np.float32).reshape(shape))
-    assert eqx_ckpt.verify(path) == []
+def _matrix_value(shape: tuple[int, ...], scale: int) -> np.ndarray:
+    # As tests/multiprocess_matrix_worker.py makes it.
+    return (np.arange(np.prod(shape), dtype=np.float32) + np.float32(scale * 0.25)).reshape(shape)
+
+
+def _run_matrix(
+    tmp_path: pathlib.Path, processes: int, devices: int, checkpoints: list, *, shape: tuple[int, int], save: bool
+) -> None:
+    job = {"devices": devices, "shape": shape, "checkpoints": checkpoints, "save": save}
+    logs = tmp_path / f"logs-{processes}x{devices}-{'save' if save else 'load'}"
+    logs.mkdir()
+    _run_workers(logs / "_", count=processes, timeout=150, worker=MATRIX_WORKER, job=json.dumps(job))
+
+
+def _where(tmp_path: pathlib.Path, storage: str, s3: Any, name: str) -> Any:
+    return str(tmp_path / name) if storage == "local" else s3.spec(f"{tmp_path.name}/{name}/")
+
+
+def _check_whole(where: Any, shape: tuple[int, int], scale: int) -> None:
+    """One process, no sharding: the whole array, bit for bit, and nothing damaged."""
+    expected = _matrix_value(shape, scale)
+    loaded = eqx_ckpt.tree_deserialise_leaves(where, {"w": np.zeros(shape, np.float32)})
+    assert eqx.tree_equal(loaded, {"w": expected}, typematch=True)
+    assert loaded["w"].tobytes() == expected.tobytes()
+    assert eqx_ckpt.verify(where) == []
+
+
+MATRIX_SHAPE = (512, 512)  # 1 MiB of float32: rows and columns split evenly over up to 8 devices
+SHARDINGS = ("rows", "columns", "replicated")
+
+
+@pytest.fixture
+def storage_for(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """`storage_for(kind)`: the S3 server for "s3" (its credentials in the
+    environment the workers inherit), `None` for "local"."""
+
+    def storage(kind: str) -> Any:
+        if kind == "local":
+            return None
+        s3_server.credentials(monkeypatch)
+        return request.getfixturevalue("s3")
+
+    return storage
+
+
+class TestProcessMatrix:
+    """2, 4 and 8 processes (one CPU device each, or two), saving one array
+    sharded by rows, by columns, and replicated, to a local directory and to
+    S3: each process loads its shards back with the same sharding, bit for
+    bit, and one process loads the whole arrays. (Four processes saving a
+    sharded array once failed every time while two passed.) The full cross
+    product runs for 2 and 4 processes on a local disk; 8 processes (one
+    device each, on a local disk) and S3 (2 and 4 processes) run a subset:
+    8 processes of JAX are slow on a small machine, and slower on S3."""
+
+    @pytest.mark.parametrize(
+        "processes, devices, storage",
+        [
+            (2, 1, "local"),
+            (2, 2, "local"),
+            (4, 1, "local"),
+            (4, 2, "local"),
+            (8, 1, "local"),
+            (2, 2, "s3"),
+            (4, 1, "s3"),
+        ],
+        ids=lambda v: str(v),
+    )
+    def test_save_and_load(self, tmp_path: pathlib.Path, storage_for: Any, processes: int, devices: int, storage: str):
+        s3 = storage_for(storage)
+        checkpoints = [[_where(tmp_path, storage, s3, name), name, i] for i, name in enumerate(SHARDINGS)]
+        _run_matrix(tmp_path, processes, devices, checkpoints, shape=MATRIX_SHAPE, save=True)
+        for where, _, scale in checkpoints:
+            _check_whole(where, MATRIX_SHAPE, scale)
+
+    @pytest.mark.parametrize("storage", ["local", "s3"])
+    def test_four_processes_save_two_load_with_another_sharding(
+        self, tmp_path: pathlib.Path, storage_for: Any, storage: str
+    ):
+        s3 = storage_for(storage)
+        where = _where(tmp_path, storage, s3, "ckpt")
+        _run_matrix(tmp_path, 4, 1, [[where, "rows", 5]], shape=MATRIX_SHAPE, save=True)
+        # Two processes of two devices each: columns, then every value on every device.
+        _run_matrix(tmp_path, 2, 2, [[where, "columns", 5], [where, "replicated", 5]], shape=MATRIX_SHAPE, save=False)
+        _check_whole(where, MATRIX_SHAPE, 5)
+
+    def test_four_processes_save_one_array_of_16_mib_sharded_by_rows(self, tmp_path: pathlib.Path):
+        """Four processes, one device each, save one 16 MiB array sharded by rows,
+        and each loads its rows back. (A check of the load, that a leaf's folder
+        holds all of its bytes, once ran inside the save when a process opened the
+        array process 0 had created, before the others had written their rows:
+        with four processes the save failed every time.)"""
+        shape = (4096, 1024)
+        where = str(tmp_path / "ckpt")
+        _run_matrix(tmp_path, 4, 1, [[where, "rows", 0]], shape=shape, save=True)
+        _check_whole(where, shape, 0)
+
+
+KILL_WORKER = pathlib.Path(__file__).with_name("multiprocess_kill_worker.py")
+
+
+def _run_victim(tmp_path: pathlib.Path, processes: int, job: dict, *, kill: bool) -> tuple[list[Any], list[str]]:
+    """Run `processes` kill workers with `job`; once the victim has stopped
+    (its marker file), SIGKILL it (`kill`), or else wait for the others and
+    then kill it. Every process must exit within 60 s of that (a hang at a
+    barrier would last 100 s, `jax.distributed`'s heartbeat, or an hour)."""
+    marker, victim = tmp_path / "victim-stopped", job["victim"]
+    argument = json.dumps({**job, "marker": str(marker)})
+    port, env = _free_port(), {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    logs = [tmp_path / f"worker{i}.log" for i in range(processes)]
+    procs = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as out:
+            command = [sys.executable, str(KILL_WORKER), str(i), str(processes), str(port), argument]
+            procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert time.monotonic() < deadline and procs[victim].poll() is None, logs[victim].read_text()[-4000:]
+            time.sleep(0.1)
+        if kill:
+            procs[victim].send_signal(signal.SIGKILL)
+        for i, proc in enumerate(procs):
+            if i != victim or kill:
+                proc.wait(timeout=60)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return procs, [log.read_text() for log in logs]
+
+
+def _check_survivors(procs: list[Any], outputs: list[str], victim: int, said: str) -> None:
+    for i, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert f"worker {i} saved\n" in out and f"worker {i} saved again" not in out, out[-4000:]
+        if i == victim:
+            continue
+        assert proc.returncode != 0, out[-4000:]
+        if said:
+            assert proc.returncode == 3 and said in out, out[-4000:]
+            assert "Nothing was committed: the checkpoint saved before is unchanged" in out, out[-4000:]
+
+
+def _check_first_save(where: Any) -> None:
+    shape = (64, 16)  # as the kill worker saves it: the first save holds value(1)
+    expected = {"w": np.arange(np.prod(shape), dtype=np.float32).reshape(shape)}
+    loaded = eqx_ckpt.tree_deserialise_leaves(where, {"w": np.zeros(shape, np.float32)})
+    assert eqx.tree_equal(loaded, expected, typematch=True)
+    assert eqx_ckpt.verify(where) == []
+
+
+@pytest.mark.parametrize(
+    "processes, victim, storage",
+    [(2, 1, "local"), (4, 2, "local"), (2, 0, "local"), (4, 0, "local"), (2, 1, "s3")],
+    ids=lambda v: str(v),
+)
+def test_a_process_killed_mid_save(
+    tmp_path: pathlib.Path, storage_for: Any, processes: int, victim: int, storage: str
+) -> None:
+    """A process killed outright (SIGKILL) in the middle of a save: the others
+    stop within seconds, never hanging at a barrier; the checkpoint saved
+    before stays whole. (They once waited for `jax.distributed`'s heartbeat,
+    100 s, which then aborted them.) A process other than 0 is named by
+    eqx_ckpt's error; process 0 runs the coordination service, and without it
+    `jax.distributed` ends the others at once."""
+    where = _where(tmp_path, storage, storage_for(storage), "ckpt")
+    procs, outputs = _run_victim(tmp_path, processes, {"checkpoint": where, "victim": victim}, kill=True)
+    assert procs[victim].returncode == -signal.SIGKILL
+    said = f"Process {victim} of {processes} stopped answering during the save" if victim else ""
+    _check_survivors(procs, outputs, victim, said)
+    _check_first_save(where)
+
+
+def test_a_process_that_never_calls_the_save_is_named(tmp_path: pathlib.Path) -> None:
+    """A process that is alive but never reaches the save (a different code
+    path): once the barrier's timeout has passed, the others raise an error
+    naming it (they raised `jax.distributed`'s bare DEADLINE_EXCEEDED). The
+    workers shorten the timeout (an hour) to 5 s."""
+    where = str(tmp_path / "ckpt")
+    job = {"checkpoint": where, "victim": 1, "absent": True, "timeout_ms": 5000}
+    procs, outputs = _run_victim(tmp_path, 2, job, kill=False)
+    said = "Process 1 of 2 did not reach stage 'prepared' of the save within 5 s, although it is still running"
+    _check_survivors(procs, outputs, 1, said)
+    _check_first_save(where)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import equinox as eqx
+import http_server
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -497,3 +498,73 @@ def test_an_orbax_checkpoint_saved_again_is_reported_as_replaced(store, tmp_path
     ):
         np.asarray(w)
     np.testing.assert_array_equal(np.asarray(eqx_ckpt.Checkpoint(store)["w"]), np.arange(6, dtype=np.float32) + 1)
+
+
+def test_an_unreachable_endpoint_fails_within_seconds_with_a_connection_message(store):
+    """TensorStore's own retries (32 attempts, up to 32 s apart) made a save,
+    a load or a manager's listing against an endpoint that refuses connections
+    hang for minutes, and the save's error advised freeing disk space. eqx_ckpt's
+    retries fail within seconds (the child process must finish in 60 s),
+    with `CheckpointConnectionError` saying to check the URL."""
+    endpoint = http_server.refused_url("").rstrip("/")
+    spec = {k: v for k, v in store.items() if k != "s3_request_retries"} | {"endpoint": endpoint}
+    raised = http_server.raised(
+        f"""
+        import numpy as np
+        import eqx_ckpt
+        spec = {spec!r}
+        CALLS = {{
+            "save": lambda: eqx_ckpt.tree_serialise_leaves(spec, {{"w": np.ones(3, np.float32)}}),
+            "load": lambda: eqx_ckpt.tree_deserialise_leaves(spec, {{"w": np.ones(3, np.float32)}}),
+            "latest_step": lambda: eqx_ckpt.CheckpointManager(spec).latest_step(),
+        }}
+        """,
+        timeout=60,
+    )
+    assert sorted(raised) == ["latest_step", "load", "save"]
+    display = location(spec).display
+    for call, error in raised.items():
+        assert error["type"] == "eqx_ckpt.CheckpointConnectionError", (call, error)
+        message = error["message"]
+        assert "Could not connect to server" in message and "Check the URL (host name and port)" in message, call
+        assert display in message and "free space" not in message, (call, message)
+
+
+def test_a_save_that_loses_the_endpoint_midway_says_to_check_the_url(store, faults):
+    """The server goes away after the save began (its lease written): the
+    error is a `CheckpointConnectionError` saying to check the URL, not to
+    free disk space; the checkpoint before stays."""
+    before = _tree(1)
+    eqx_ckpt.tree_serialise_leaves(store, before)
+    lost = ValueError("ABORTED: All 5 retry attempts failed: CURL error Could not connect to server [curl_code='7']")
+    faults("storage.create_array", lost)
+    with pytest.raises(eqx_ckpt.CheckpointConnectionError, match=re.escape("nothing was committed")) as caught:
+        eqx_ckpt.tree_serialise_leaves(store, _tree(2))
+    assert "Check the URL (host name and port)" in str(caught.value) and "free space" not in str(caught.value)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
+
+
+@pytest.mark.parametrize("call", ["latest_step", "all_steps", "restore_or_initialise"])
+def test_a_manager_with_wrong_credentials_raises_a_storage_error(s3, store, monkeypatch, call):
+    """moto checking credentials, as S3 does: a key it does not know is refused
+    (403 InvalidAccessKeyId). A manager's listing raises eqx_ckpt's
+    `CheckpointStorageError` saying so, never TensorStore's bare
+    `PERMISSION_DENIED` nor "no steps" (`restore_or_initialise` would start afresh)."""
+    manager = eqx_ckpt.CheckpointManager(store)
+    manager.save(4, _tree(4))
+    manager.wait_until_finished()
+    import moto.settings
+
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # moto now checks every request
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG0")
+    fresh = eqx_ckpt.CheckpointManager(store)
+    calls = {
+        "latest_step": fresh.latest_step,
+        "all_steps": fresh.all_steps,
+        "restore_or_initialise": lambda: fresh.restore_or_initialise(lambda: _tree(0)),
+    }
+    with pytest.raises(eqx_ckpt.CheckpointStorageError, match="PERMISSION_DENIED") as caught:
+        calls[call]()
+    message = str(caught.value)
+    assert "InvalidAccessKeyId" in message and location(store).display in message, message
+    assert "credentials" in message and "http_response_body" not in message, message

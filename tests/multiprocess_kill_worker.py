@@ -1,0 +1,82 @@
+"""One of the JAX processes of `tests/test_multiprocess.py::test_a_process_killed_mid_save`
+(not a test module).
+
+Run as `python multiprocess_kill_worker.py PROCESS_ID NUM_PROCESSES PORT JOB`,
+`JOB` a JSON object: `checkpoint` (a path or kvstore spec), `victim` (the
+process the test kills), `marker` (a file the victim creates once its second
+save is under way); with `absent`, the victim never calls the second save (it
+creates the marker and sleeps); `timeout_ms` replaces the barriers' timeout.
+
+Every process (one CPU device each) saves `value(1)` sharded by rows, then
+starts saving `value(2)`. The victim stops in the middle of that save (process
+0 while it creates the arrays, any other once process 0 has created them, as
+it opens them to write its rows), creates the marker and sleeps until the test
+kills it. The others print `worker <id> failed: <message>` when the save
+raises, and exit with status 3 (without `jax.distributed`'s exit hook, which
+would wait for the dead process).
+"""
+
+import contextlib
+import json
+import os
+import pathlib
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 1)
+jax.config.update("jax_platforms", "cpu")
+
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import eqx_ckpt  # noqa: E402
+from eqx_ckpt import _faults, _multihost  # noqa: E402
+
+SHAPE = (64, 16)
+
+
+def value(scale: int) -> np.ndarray:
+    return np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE) * np.float32(scale)
+
+
+def main(process_id: int, num_processes: int, port: int, job: dict) -> None:
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=90,
+    )
+    mesh = jax.make_mesh((num_processes,), ("rows",), devices=jax.devices())
+    sharding = NamedSharding(mesh, P("rows"))
+
+    def tree(scale: int) -> dict:
+        full = value(scale)
+        return {"w": jax.make_array_from_callback(SHAPE, sharding, lambda index: full[index])}
+
+    eqx_ckpt.tree_serialise_leaves(job["checkpoint"], tree(1))
+    print(f"worker {process_id} saved", flush=True)
+
+    def stop(*args: object) -> None:
+        pathlib.Path(job["marker"]).touch()
+        time.sleep(600)  # until the test kills this process
+
+    point = "storage.create_array" if job["victim"] == 0 else "storage.open_array"
+    victim = process_id == job["victim"]
+    if victim and job.get("absent"):
+        stop()  # never calls the save, but stays alive
+    if "timeout_ms" in job:
+        _multihost.TIMEOUT_MS = job["timeout_ms"]
+    try:
+        with _faults.armed(point, stop) if victim else contextlib.nullcontext():
+            eqx_ckpt.tree_serialise_leaves(job["checkpoint"], tree(2))
+    except eqx_ckpt.CheckpointError as e:
+        print(f"worker {process_id} failed: {e}", flush=True)
+        os._exit(3)
+    print(f"worker {process_id} saved again", flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))
