@@ -24,7 +24,7 @@ from typing import Any
 
 from jaxtyping import PyTree
 
-from . import _durable, _initialise, _lease, _serialise, _storage, _storage_errors
+from . import _durable, _initialise, _lease, _preemption, _serialise, _storage, _storage_errors
 from ._deserialise import default_deserialise_filter_spec, tree_deserialise_leaves
 from ._errors import (
     CheckpointExistsError,
@@ -144,6 +144,7 @@ class CheckpointManager:
         # save once cleaned the first's step folder away as an interrupted save).
         self._lock = threading.RLock()
         self._lease: _lease.Lease | None = None
+        self._preemption = _preemption.Preemption()
 
     @property
     def directory(self) -> str:
@@ -169,15 +170,19 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for the background save (if any), then give up the directory's
         lease so that another manager may write to it. Saving again takes it
-        back."""
+        back. If `reached_preemption` installed a SIGTERM handler, the previous
+        one is put back."""
         with self._lock:
             try:
                 self.wait_until_finished()
             finally:
-                if self._pending is None:  # never while a save still writes (an interrupted wait)
-                    lease, self._lease = self._lease, None
-                    if lease is not None:
-                        lease.release()
+                try:
+                    if self._pending is None:  # never while a save still writes (an interrupted wait)
+                        lease, self._lease = self._lease, None
+                        if lease is not None:
+                            lease.release()
+                finally:
+                    self._preemption.close()
 
     def _hold_directory(self) -> None:
         """Take the directory's lease (once): only one manager writes here."""
@@ -351,6 +356,53 @@ class CheckpointManager:
                 # the next save must wait for it, not clean its folder away.
                 if pending.done():
                     self._pending, self._pending_step = None, None
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether the training loop should save `step` and exit, because this
+        process, or any process of a `jax.distributed` job, was sent SIGTERM (as
+        preemptible TPU and GPU fleets do, before a grace period ends).
+
+        Call it once per step, with the same steps in every process, and save and
+        exit when it answers `True`: it does so at the same `step` in every
+        process. Alone, a process answers `True` from the first call after the
+        signal. With several processes, a background thread in each agrees on
+        the step through JAX's coordination service (the first step after the
+        highest one any process has reached), so a step costs no round trip;
+        the call that follows a signal may wait for that agreement (one
+        barrier). The first call installs the manager's SIGTERM handler, from
+        the main thread: the handler only raises a flag (a previous Python
+        handler still runs after it; the default action, ending the process,
+        does not). `close()` puts the previous handler back.
+
+        **Arguments:**
+
+        - `step`: the loop's step (an int, as for `save`).
+
+        **Returns:**
+
+        `True` once the loop should save this step and exit; `False` before.
+
+        !!! example
+
+            ```python
+            import signal
+            import jax.numpy as jnp
+            import eqx_ckpt
+
+            with eqx_ckpt.CheckpointManager("run_preemptible") as manager:
+                step, state = manager.restore_or_initialise(lambda: {"w": jnp.zeros(3)})
+                start = 0 if step is None else step + 1
+                for step in range(start, 1000):
+                    state = {"w": state["w"] + 1}
+                    if step == 5:
+                        signal.raise_signal(signal.SIGTERM)   # what the fleet sends
+                    if manager.reached_preemption(step):
+                        manager.save(step, state)             # then exit; a relaunch resumes here
+                        break
+            print(manager.all_steps())   # [5]
+            ```
+        """
+        return self._preemption.reached(_check_step(step))
 
     def restore(
         self,
