@@ -33,7 +33,7 @@ from . import _multihost
 from ._errors import CheckpointError
 
 # How often a watcher looks for another process's request, in seconds.
-_POLL = 0.2
+_POLL = 0.05
 
 # Managers that follow preemption are numbered in the order each process asks,
 # which is the same in every process, so their keys match across processes.
@@ -112,8 +112,8 @@ class Preemption:
         try:
             while not self._closing.is_set():
                 if self._signalled.is_set():
-                    client.key_value_set(f"{prefix}/request", str(index), allow_overwrite=True)
-                if client.key_value_dir_get(f"{prefix}/request"):
+                    client.key_value_set(f"{prefix}/request/{index}", "SIGTERM", allow_overwrite=True)
+                if client.key_value_dir_get(f"{prefix}/request/"):
                     break
                 self._signalled.wait(_POLL)
             else:

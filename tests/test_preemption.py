@@ -1,13 +1,24 @@
 """Preemption and following a run: `CheckpointManager.reached_preemption` (a real
 SIGTERM, in this process and in real subprocesses) and `wait_for_new_step`."""
 
+import collections
+import os
+import pathlib
+import queue
+import random
 import re
 import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
+import preempt_worker
 import pytest
 
 import eqx_ckpt
@@ -154,3 +165,208 @@ def test_a_step_deleted_while_it_is_restored_is_a_clear_error(tmp_path, faults):
     with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(message)):
         evaluator.restore({"w": np.zeros(100_000, np.float32), "n": 0}, step=1)
     assert deleted
+
+
+# The campaign: a training run (tests/preempt_worker.py) is sent SIGTERM at
+# random moments and relaunched until it has done all its steps; its final state
+# is then bitwise the state of a run that was never interrupted. Seeded (set
+# `EQX_CKPT_PREEMPT_SEED` to replay a campaign); the figures are printed and
+# recorded in docs/reliability.md.
+
+SEED = int(os.environ.get("EQX_CKPT_PREEMPT_SEED", "20261125"))
+STEPS = 40
+WORKER = pathlib.Path(__file__).with_name("preempt_worker.py")
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Job:
+    """One launch of the training job: `count` worker processes, started at once
+    (their imports overlap whatever the parent does next), training on `go`."""
+
+    def __init__(
+        self, directory: pathlib.Path, count: int = 1, env: dict | None = None, args: list[str] | None = None
+    ) -> None:
+        environ = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+        environ.pop("XLA_FLAGS", None)  # one CPU device per process
+        environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), environ.get("PYTHONPATH", "")])
+        distributed = [] if count == 1 else [str(_free_port()), str(count)]
+        self.lines: queue.Queue = queue.Queue()
+        self.procs: list[subprocess.Popen] = []
+        self.readers: list[threading.Thread] = []
+        for i in range(count):
+            extra = [] if count == 1 else [str(i), distributed[1], distributed[0]]
+            command = [sys.executable, str(WORKER), *(args or [str(directory), str(STEPS)]), *extra]
+            proc = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ
+            )
+            reader = threading.Thread(target=self._read, args=(i, proc), daemon=True)
+            reader.start()
+            self.procs.append(proc)
+            self.readers.append(reader)
+        self.outputs: list[list[str]] = [[] for _ in range(count)]
+        self.ended = [0.0] * count  # when each process's output ended
+        self.died = 0.0  # when a process said it dies (EQX_CKPT_DIE_AT)
+
+    def _read(self, i: int, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.lines.put((i, line.rstrip("\n")))
+        self.lines.put((i, None))
+
+    def run(self, term_at: int | None = None, to: int = 0, delay: float = 0.0, limit: float = 180) -> list[int]:
+        """Let the job train; after process `to` reports step `term_at`, wait
+        `delay` seconds and send it SIGTERM. Returns the exit codes; a job still
+        running after `limit` seconds (a hang) is killed and fails the test."""
+        for proc in self.procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        deadline, open_ = time.monotonic() + limit, len(self.procs)
+        try:
+            while open_:
+                try:
+                    i, line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise AssertionError(f"the job hung:\n{self.text()}") from None
+                if line is None:
+                    open_ -= 1
+                    self.ended[i] = time.monotonic()
+                    continue
+                if line.startswith("process ") and " dies " in line:
+                    self.died = time.monotonic()
+                self.outputs[i].append(line)
+                if term_at is not None and i == to and line == f"step {term_at}":
+                    time.sleep(delay)
+                    self.procs[to].send_signal(signal.SIGTERM)
+        finally:
+            self.close()
+        return [proc.wait() for proc in self.procs]
+
+    def text(self) -> str:
+        return "\n".join(f"--- process {i}:\n" + "\n".join(out[-40:]) for i, out in enumerate(self.outputs))
+
+    def close(self) -> None:
+        for proc, reader in zip(self.procs, self.readers, strict=True):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            reader.join()
+            proc.stdin.close()
+            proc.stdout.close()
+
+
+def _final(directory: pathlib.Path) -> dict:
+    """The last step's state, as host arrays (keys as their data)."""
+    manager = eqx_ckpt.CheckpointManager(directory)
+    assert manager.latest_step() == STEPS - 1
+    state = manager.restore(eqx.filter_eval_shape(preempt_worker.make_state))
+    state["key"] = jax.random.key_data(state["key"])
+    return state
+
+
+def _bitwise_equal(a: dict, b: dict) -> bool:
+    leaves_a, tree_a = jax.tree.flatten(eqx.filter(a, eqx.is_array_like))
+    leaves_b, tree_b = jax.tree.flatten(eqx.filter(b, eqx.is_array_like))
+    same = tree_a == tree_b and len(leaves_a) == len(leaves_b)
+    return same and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The final state of a run that was never interrupted."""
+    directory = tmp_path_factory.mktemp("reference") / "run"
+    job = _Job(directory)
+    assert job.run() == [0], job.text()
+    assert job.outputs[0][-1] == "finished"
+    return _final(directory)
+
+
+def _campaign(directory: pathlib.Path, count: int, interruptions: int, rng: random.Random) -> collections.Counter:
+    """Train to the end under `interruptions` SIGTERMs (each to a random process,
+    at a random step and moment), relaunching after each; the figures."""
+    figures: collections.Counter = collections.Counter()
+    job = _Job(directory, count)
+    while True:
+        latest = eqx_ckpt.CheckpointManager(directory).latest_step()
+        start = 0 if latest is None else latest + 1
+        left = interruptions - figures["interruptions"]
+        signalled = left > 0 and start < STEPS - 8
+        # Spread over the steps left, so that every interruption fits in, and
+        # a few steps before the end, so that the processes can agree in time.
+        term_at = start + rng.randrange(max(1, (STEPS - 8 - start) // max(1, left))) if signalled else None
+        to, delay = rng.randrange(count), rng.uniform(0, 0.02)
+        spare = _Job(directory, count)  # the relaunch, importing meanwhile
+        codes = job.run(term_at, to, delay)
+        figures["runs"] += 1
+        figures["resumes"] += start > 0
+        stops = {out[-1] for out in job.outputs}
+        assert codes == [0] * count and len(stops) == 1, f"exit codes {codes}:\n{job.text()}"
+        (stop,) = stops
+        if stop == "finished":
+            spare.close()
+            return figures
+        # Every process saved the same step, at or after the one signalled, and exited.
+        assert signalled and stop.startswith("preempted at "), job.text()
+        step = int(stop.removeprefix("preempted at "))
+        assert term_at <= step and eqx_ckpt.CheckpointManager(directory).latest_step() == step
+        figures["interruptions"] += 1
+        job = spare
+
+
+@pytest.fixture(scope="module")
+def rng():
+    print(f"\npreemption campaign seeded with EQX_CKPT_PREEMPT_SEED={SEED}")
+    return random.Random(SEED)
+
+
+@pytest.mark.parametrize("count, interruptions", [(1, 5), (2, 3)], ids=["one-process", "two-processes"])
+def test_a_preempted_run_resumes_to_the_same_bits(tmp_path, reference, rng, count, interruptions):
+    figures = _campaign(tmp_path / "run", count, interruptions, rng)
+    equal = _bitwise_equal(_final(tmp_path / "run"), reference)
+    print(
+        f"{count} process(es): {figures['runs']} runs, {figures['interruptions']} SIGTERMs, "
+        f"{figures['resumes']} resumes, final state bitwise equal to an uninterrupted run: {equal}"
+    )
+    assert figures["interruptions"] == interruptions and figures["resumes"] == interruptions
+    assert equal
+
+
+@pytest.mark.parametrize("dying", [0, 1])
+def test_a_process_dying_mid_save_fails_the_other_and_the_run_resumes(tmp_path, reference, rng, dying):
+    """One of two processes is SIGKILLed in the middle of saving a step (process
+    0 before the commit, process 1 joining it). The other does not hang: the
+    coordination service reports the dead process (after the job's heartbeat
+    time-out, 10 s in the worker; at once if process 0, which runs the service,
+    died) and JAX ends the survivor ("another task died"). The last committed
+    step is whole, the step in flight is not one, and a relaunch resumes to the
+    same bits as a run that was never interrupted."""
+    directory = tmp_path / "run"
+    die_at = preempt_worker.EVERY * rng.randrange(2, 6) - 1  # a periodic save
+    job = _Job(directory, 2, env={"EQX_CKPT_DIE_AT": f"{die_at}:{dying}"})
+    codes = job.run()
+    survivor = 1 - dying
+    assert codes[dying] == -signal.SIGKILL and f"process {dying} dies saving step {die_at}" in job.text()
+    assert codes[survivor] != 0, job.text()
+    report = "\n".join(job.outputs[survivor])
+    assert "another task died" in report, job.text()
+    print(
+        f"process {dying} killed saving step {die_at}: process {survivor} failed "
+        f"{job.ended[survivor] - job.died:.1f} s later, exit code {codes[survivor]}"
+    )
+    manager = eqx_ckpt.CheckpointManager(directory)
+    latest = die_at - preempt_worker.EVERY
+    assert manager.all_steps() == [s for s in (latest - preempt_worker.EVERY, latest) if s >= 0]
+    assert not (directory / f"step_{die_at:08d}" / "manifest.json").exists()
+    assert eqx_ckpt.verify(manager.step_path(latest)) == []
+    restored = manager.restore(eqx.filter_eval_shape(preempt_worker.make_state))
+    assert restored["data"] == latest + 1
+    if dying == 1:
+        return  # the relaunch is the same as after process 0's death (CI's time)
+    relaunch = _Job(directory, 2)
+    assert relaunch.run() == [0, 0], relaunch.text()
+    assert [out[-1] for out in relaunch.outputs] == ["finished", "finished"]
+    assert _bitwise_equal(_final(directory), reference)
