@@ -16,7 +16,8 @@ DIRECTORY, as a preemptible job does:
         if preempted: exit
 
 It prints `step S` after asking about step S, then `preempted at S` or
-`finished`. With `EQX_CKPT_DIE_AT=STEP:PROCESS`, process PROCESS kills itself
+`finished`. As `python preempt_worker.py --trainer DIRECTORY STEPS`, it is the
+run an evaluator follows instead (`trainer`). With `EQX_CKPT_DIE_AT=STEP:PROCESS`, process PROCESS kills itself
 with SIGKILL in the middle of saving step STEP (before that step's commit in
 process 0, while joining it in the others): a process dying outright.
 """
@@ -27,6 +28,7 @@ import signal
 import sys
 import time
 
+import crash_worker
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -113,10 +115,23 @@ def train(directory: str, steps: int) -> None:
     print("finished", flush=True)
 
 
+def trainer(directory: str, steps: int) -> None:
+    """A run that an evaluator follows: every step saved in the background,
+    the last two kept; each a tree whose every value depends on the step (so
+    that a mix of two steps, or a partial one, is seen)."""
+    with eqx_ckpt.CheckpointManager(directory, max_to_keep=2, blocking=False) as manager:
+        for step in range(steps):
+            manager.save(step, crash_worker.tree(step))
+    print("finished", flush=True)
+
+
 def main(argv: list[str]) -> None:
     jax.config.update("jax_platforms", "cpu")
     print("ready", flush=True)
     sys.stdin.readline()
+    if argv[0] == "--trainer":
+        trainer(argv[1], int(argv[2]))
+        return
     if len(argv) > 2:
         process, count, port = map(int, argv[2:5])
         jax.distributed.initialize(

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+import crash_worker
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -370,3 +371,38 @@ def test_a_process_dying_mid_save_fails_the_other_and_the_run_resumes(tmp_path, 
     assert relaunch.run() == [0, 0], relaunch.text()
     assert [out[-1] for out in relaunch.outputs] == ["finished", "finished"]
     assert _bitwise_equal(_final(directory), reference)
+
+
+def test_an_evaluator_beside_a_training_run_never_sees_a_partial_step(tmp_path):
+    """A trainer process saves 30 steps in the background with `max_to_keep=2`;
+    this process follows it with a manager of its own (`wait_for_new_step`, then
+    `restore`). Every step restored is exactly the one saved; a step retention
+    deleted before or while it was restored is a `CheckpointNotFoundError`
+    naming the steps kept, and the evaluator goes on to the next; it ends on the
+    trainer's last step."""
+    steps, directory = 30, tmp_path / "run"
+    trainer, codes = _Job(directory, args=["--trainer", str(directory), str(steps)]), []
+    training = threading.Thread(target=lambda: codes.append(trainer.run()))
+    training.start()
+    evaluator = eqx_ckpt.CheckpointManager(directory)
+    like = crash_worker.tree(0)
+    seen, evaluated, deleted = None, [], []
+    try:
+        while seen != steps - 1:
+            step = evaluator.wait_for_new_step(after=seen, timeout=120)
+            assert step is not None, "the evaluator waited 120 s for a step"
+            assert seen is None or step > seen
+            try:
+                state = evaluator.restore(like, step=step)
+            except eqx_ckpt.CheckpointNotFoundError as e:
+                assert re.search(rf"[Ss]tep {step}\b.*the committed steps (now )?are \[", str(e)), str(e)
+                deleted.append(step)
+            else:
+                assert eqx.tree_equal(state, crash_worker.tree(step), typematch=True), f"step {step} is not as saved"
+                evaluated.append(step)
+            seen = step
+    finally:
+        training.join()
+    assert codes == [[0]] and trainer.outputs[0][-1] == "finished", trainer.text()
+    print(f"evaluator: {len(evaluated)} steps restored exactly, {len(deleted)} deleted by retention first")
+    assert evaluated[-1] == steps - 1
