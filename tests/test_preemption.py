@@ -406,3 +406,66 @@ def test_an_evaluator_beside_a_training_run_never_sees_a_partial_step(tmp_path):
     assert codes == [[0]] and trainer.outputs[0][-1] == "finished", trainer.text()
     print(f"evaluator: {len(evaluated)} steps restored exactly, {len(deleted)} deleted by retention first")
     assert evaluated[-1] == steps - 1
+
+
+def _documented(section: str) -> str:
+    """The first ```python block of a section of docs/manager.md."""
+    text = (ROOT / "docs" / "manager.md").read_text()
+    part = text[text.index(f"\n## {section}\n") + 1 :]
+    part = part[: part.index("\n## ")]
+    return re.search(r"```python\n(.*?)```", part, re.S).group(1)
+
+
+def _start(script: str, cwd: pathlib.Path) -> subprocess.Popen:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    command = [sys.executable, script]
+    return subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _finish(proc: subprocess.Popen, lines: list[str]) -> int:
+    """Read the rest of `proc`'s output into `lines`; its exit code."""
+    lines.extend(line.rstrip("\n") for line in proc.stdout)
+    proc.stdout.close()
+    return proc.wait()
+
+
+def test_the_documented_loops_run(tmp_path):
+    """docs/manager.md's `train.py` and `evaluate.py`, as written: the training
+    script is sent SIGTERM, saves the step it stopped at and exits 0; relaunched,
+    it resumes there and finishes; the evaluator beside it follows every launch
+    and ends on the last step."""
+    (tmp_path / "train.py").write_text(_documented("Preemption"))
+    (tmp_path / "evaluate.py").write_text(_documented("Following a run: an evaluator"))
+    evaluator = _start("evaluate.py", tmp_path)
+    trainer = _start("train.py", tmp_path)
+    procs = [evaluator, trainer]
+    # A hang fails the test instead of stalling the suite.
+    watchdog = threading.Timer(300, lambda: [p.kill() for p in procs if p.poll() is None])
+    watchdog.start()
+    try:
+        first: list[str] = []
+        for line in trainer.stdout:
+            first.append(line.rstrip("\n"))
+            if first[-1] == "step 100":
+                trainer.send_signal(signal.SIGTERM)
+                break
+        assert _finish(trainer, first) == 0, "\n".join(first)
+        assert first[0] == "starting at step 0" and first[-1].startswith("preempted: saved step "), first
+        stopped = int(first[-1].removeprefix("preempted: saved step "))
+        assert stopped >= 100
+        procs.append(relaunch := _start("train.py", tmp_path))
+        second: list[str] = []
+        assert _finish(relaunch, second) == 0, "\n".join(second)
+        assert second[0] == f"starting at step {stopped + 1}" and second[-1] == "done", second
+        evaluated: list[str] = []
+        assert _finish(evaluator, evaluated) == 0, "\n".join(evaluated)
+    finally:
+        watchdog.cancel()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                _finish(proc, [])
+    steps = [int(re.match(r"step (\d+): loss \d+\.\d+$", line).group(1)) for line in evaluated]
+    assert steps == sorted(set(steps)) and steps[-1] == 999, evaluated
