@@ -99,6 +99,7 @@ class Preemption:
 
     def _start_watcher(self) -> None:
         client = _multihost._client()
+        self._closing.clear()  # a manager closed and used again
         prefix = f"eqx_ckpt/preemption/{next(_numbers)}"
         self._watcher = threading.Thread(
             target=self._watch, args=(client, prefix), name="eqx_ckpt-preemption", daemon=True

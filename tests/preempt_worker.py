@@ -103,7 +103,7 @@ def train(directory: str, steps: int) -> None:
         for step in range(start, steps):
             state = train_step(state)
             if jax.process_count() > 1:
-                time.sleep(0.02)  # a step of a real job takes longer than the processes take to agree
+                time.sleep(0.03)  # a step of a real job takes longer than the processes take to agree
             preempted = manager.reached_preemption(step)
             print(f"step {step}", flush=True)
             if preempted or step % EVERY == EVERY - 1 or step == steps - 1:

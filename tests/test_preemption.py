@@ -295,10 +295,10 @@ def _campaign(directory: pathlib.Path, count: int, interruptions: int, rng: rand
         latest = eqx_ckpt.CheckpointManager(directory).latest_step()
         start = 0 if latest is None else latest + 1
         left = interruptions - figures["interruptions"]
-        signalled = left > 0 and start < STEPS - 8
+        signalled = left > 0 and start < STEPS - 12
         # Spread over the steps left, so that every interruption fits in, and
         # a few steps before the end, so that the processes can agree in time.
-        term_at = start + rng.randrange(max(1, (STEPS - 8 - start) // max(1, left))) if signalled else None
+        term_at = start + rng.randrange(max(1, (STEPS - 12 - start) // max(1, left))) if signalled else None
         to, delay = rng.randrange(count), rng.uniform(0, 0.02)
         spare = _Job(directory, count)  # the relaunch, importing meanwhile
         codes = job.run(term_at, to, delay)
