@@ -19,7 +19,9 @@ It prints `step S` after asking about step S, then `preempted at S` or
 `finished`. As `python preempt_worker.py --trainer DIRECTORY STEPS`, it is the
 run an evaluator follows instead (`trainer`). With `EQX_CKPT_DIE_AT=STEP:PROCESS`, process PROCESS kills itself
 with SIGKILL in the middle of saving step STEP (before that step's commit in
-process 0, while joining it in the others): a process dying outright.
+process 0, while joining it in the others): a process dying outright. With
+`EQX_CKPT_SLOW_PROCESS=PROCESS`, that process's steps take 0.2 s instead of
+0.03 s, so the others run ahead and wait for it in their next save.
 """
 
 import contextlib
@@ -95,6 +97,8 @@ def train(directory: str, steps: int) -> None:
     die = os.environ.get("EQX_CKPT_DIE_AT")
     if die is not None and int(die.split(":")[1]) == jax.process_index():
         _die_while_saving(int(die.split(":")[0]))
+    slow = os.environ.get("EQX_CKPT_SLOW_PROCESS")
+    pace = 0.2 if slow is not None and int(slow) == jax.process_index() else 0.03
     with eqx_ckpt.CheckpointManager(directory, max_to_keep=2) as manager:
         step, state = manager.restore_or_initialise(make_state)
         start = 0 if step is None else step + 1
@@ -103,7 +107,7 @@ def train(directory: str, steps: int) -> None:
         for step in range(start, steps):
             state = train_step(state)
             if jax.process_count() > 1:
-                time.sleep(0.03)  # a step of a real job takes longer than the processes take to agree
+                time.sleep(pace)  # a step of a real job takes longer than the processes take to agree
             preempted = manager.reached_preemption(step)
             print(f"step {step}", flush=True)
             if preempted or step % EVERY == EVERY - 1 or step == steps - 1:

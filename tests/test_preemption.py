@@ -336,6 +336,25 @@ def test_a_preempted_run_resumes_to_the_same_bits(tmp_path, reference, rng, coun
     assert equal
 
 
+def test_a_process_waiting_in_a_save_stops_at_the_same_step(tmp_path):
+    """Process 0 is slow, so process 1 runs ahead and waits for it in the
+    barriers of its next save; process 0 is then sent SIGTERM. Process 1's main
+    thread cannot answer while it waits there (a stop step agreed by the main
+    threads, at a barrier, would deadlock: each waiting for the other), but its
+    watcher thread can: both processes save the same step, after the one
+    process 1 was saving, and exit 0."""
+    job = _Job(tmp_path / "run", 2, env={"EQX_CKPT_SLOW_PROCESS": "0"})
+    codes = job.run(term_at=5, to=0)
+    assert codes == [0, 0], job.text()
+    stops = {out[-1] for out in job.outputs}
+    assert len(stops) == 1 and next(iter(stops)).startswith("preempted at "), job.text()
+    step = int(next(iter(stops)).removeprefix("preempted at "))
+    # When process 0 reported step 5, process 1 had asked about step 7 and was
+    # saving it (saves are at steps 3, 7, 11, ...), or was about to.
+    assert "step 7" in job.outputs[1] and step >= 7, job.text()
+    assert eqx_ckpt.CheckpointManager(tmp_path / "run").latest_step() == step
+
+
 @pytest.mark.parametrize("dying", [0, 1])
 def test_a_process_dying_mid_save_fails_the_other_and_the_run_resumes(tmp_path, reference, rng, dying):
     """One of two processes is SIGKILLed in the middle of saving a step (process
