@@ -352,6 +352,7 @@ def test_a_process_waiting_in_a_save_stops_at_the_same_step(tmp_path):
     # When process 0 reported step 5, process 1 had asked about step 7 and was
     # saving it (saves are at steps 3, 7, 11, ...), or was about to.
     assert "step 7" in job.outputs[1] and step >= 7, job.text()
+    print(f"process 1 ahead, waiting in a save; SIGTERM to process 0 after step 5: both stopped at step {step}")
     assert eqx_ckpt.CheckpointManager(tmp_path / "run").latest_step() == step
 
 
