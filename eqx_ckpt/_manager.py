@@ -19,15 +19,17 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxtyping import PyTree
 
-from . import _durable, _initialise, _lease, _orbax, _serialise, _storage, _storage_errors
+from . import _durable, _initialise, _lease, _orbax, _preemption, _serialise, _storage, _storage_errors
 from ._deserialise import default_deserialise_filter_spec, tree_deserialise_leaves
 from ._errors import (
+    CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointValueError,
@@ -167,6 +169,8 @@ class CheckpointManager:
         # save once cleaned the first's step folder away as an interrupted save).
         self._lock = threading.RLock()
         self._lease: _lease.Lease | None = None
+        self._preemption = _preemption.Preemption()
+        self._followed: set[int] = set()  # the steps `wait_for_new_step` returned
 
     @property
     def directory(self) -> str:
@@ -192,15 +196,19 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for the background save (if any), then give up the directory's
         lease so that another manager may write to it. Saving again takes it
-        back."""
+        back. If `reached_preemption` installed a SIGTERM handler, the previous
+        one is put back."""
         with self._lock:
             try:
                 self.wait_until_finished()
             finally:
-                if self._pending is None:  # never while a save still writes (an interrupted wait)
-                    lease, self._lease = self._lease, None
-                    if lease is not None:
-                        lease.release()
+                try:
+                    if self._pending is None:  # never while a save still writes (an interrupted wait)
+                        lease, self._lease = self._lease, None
+                        if lease is not None:
+                            lease.release()
+                finally:
+                    self._preemption.close()
 
     def _hold_directory(self) -> None:
         """Take the directory's lease (once): only one manager writes here."""
@@ -375,6 +383,114 @@ class CheckpointManager:
                 if pending.done():
                     self._pending, self._pending_step = None, None
 
+    def reached_preemption(self, step: int) -> bool:
+        """Whether the training loop should save `step` and exit, because this
+        process, or any process of a `jax.distributed` job, was sent SIGTERM (as
+        preemptible TPU and GPU fleets do, before a grace period ends).
+
+        Call it once per step, with the same steps in every process, and save and
+        exit when it answers `True`: it does so at the same `step` in every
+        process. Alone, a process answers `True` from the first call after the
+        signal. With several processes, a background thread in each agrees on
+        the step through JAX's coordination service (the first step after the
+        highest one any process has reached), so a step costs no round trip;
+        the call that follows a signal may wait for that agreement (one
+        barrier). The first call installs the manager's SIGTERM handler, from
+        the main thread: the handler only raises a flag (a previous Python
+        handler still runs after it; the default action, ending the process,
+        does not). `close()` puts the previous handler back.
+
+        **Arguments:**
+
+        - `step`: the loop's step (an int, as for `save`).
+
+        **Returns:**
+
+        `True` once the loop should save this step and exit; `False` before.
+
+        !!! example
+
+            ```python
+            import signal
+            import jax.numpy as jnp
+            import eqx_ckpt
+
+            with eqx_ckpt.CheckpointManager("run_preemptible") as manager:
+                step, state = manager.restore_or_initialise(lambda: {"w": jnp.zeros(3)})
+                start = 0 if step is None else step + 1
+                for step in range(start, 1000):
+                    state = {"w": state["w"] + 1}
+                    if step == 5:
+                        signal.raise_signal(signal.SIGTERM)   # what the fleet sends
+                    if manager.reached_preemption(step):
+                        manager.save(step, state)             # then exit; a relaunch resumes here
+                        break
+            print(manager.all_steps())   # [5]
+            ```
+        """
+        return self._preemption.reached(_check_step(step))
+
+    def wait_for_new_step(self, after: int | None = None, timeout: float | None = None) -> int | None:
+        """Wait for a committed step newer than `after`: an evaluator's loop beside
+        a training run (another process, or a thread, with a manager of its own
+        on the same directory).
+
+        The directory is listed again and again, at first every 10 ms, then
+        less often, up to once a second. Only committed steps count: a save in
+        flight, interrupted, or deleted is never returned.
+
+        **Arguments:**
+
+        - `after`: the last step the caller has seen; `None` for any step.
+        - `timeout`: give up after this many seconds; `None` to wait for ever.
+
+        **Returns:**
+
+        The lowest committed step above `after` (so an evaluator that falls
+        behind still sees every step the retention rules keep), or `None` if
+        there was none before `timeout`.
+
+        Retention in the training run may delete the step before the caller
+        restores it: `restore` then raises
+        [`eqx_ckpt.CheckpointNotFoundError`][], saying so and naming the steps
+        kept; catch it and wait again (the next step is newer).
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import eqx_ckpt
+
+            trainer = eqx_ckpt.CheckpointManager("run_followed", max_to_keep=2)
+            evaluator = eqx_ckpt.CheckpointManager("run_followed")
+            for step in (10, 20):
+                trainer.save(step, {"w": jnp.full(3, float(step))})
+            seen = None
+            while (step := evaluator.wait_for_new_step(after=seen, timeout=0.5)) is not None:
+                try:
+                    state = evaluator.restore({"w": jnp.zeros(3)}, step=step)
+                except eqx_ckpt.CheckpointNotFoundError:
+                    pass                      # deleted by the trainer's retention meanwhile
+                seen = step
+            print(seen)   # 20
+            ```
+        """
+        after = None if after is None else _check_step(after)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
+            raise CheckpointValueError(f"`timeout` must be a non-negative number of seconds or None, not {timeout!r}.")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = _FIRST_POLL
+        while True:
+            newer = [step for step in self.all_steps() if after is None or step > after]
+            if newer:
+                self._followed.add(newer[0])
+                return newer[0]
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            time.sleep(delay if left is None else min(delay, left))
+            delay = min(2 * delay, _LAST_POLL)
+
     def restore(
         self,
         like: PyTree,
@@ -423,11 +539,24 @@ class CheckpointManager:
                 )
         else:
             self._require(_check_step(step))
-        return tree_deserialise_leaves(
-            self._loc.joined(step_name(step)), like, filter_spec, is_leaf,
-            where=where, prefix=prefix, rename=rename, missing=missing, strict=strict, cast=cast, lazy=lazy,
-            transform=transform, progress=progress,
-        )  # fmt: skip
+        try:
+            return tree_deserialise_leaves(
+                self._loc.joined(step_name(step)), like, filter_spec, is_leaf,
+                where=where, prefix=prefix, rename=rename, missing=missing, strict=strict, cast=cast, lazy=lazy,
+                transform=transform, progress=progress,
+            )  # fmt: skip
+        except (CheckpointError, OSError) as e:
+            # Retention (this manager's, or that of the one saving here) deleted
+            # the step while it was read: say so, not what the read tripped on.
+            steps = self.all_steps()
+            if step in steps:
+                raise
+            raise CheckpointNotFoundError(
+                f"Step {step} was deleted from {self.directory!r} while it was being restored (by the retention "
+                f"rules of the manager saving there), so nothing of it is returned; the committed steps now are "
+                f"{_show(steps)}. Restore one of them.",
+                path=self.directory,
+            ) from e
 
     def restore_or_initialise(
         self,
@@ -499,6 +628,12 @@ class CheckpointManager:
         hint = ""
         if step == self._pending_step:
             hint = " Its save is still in progress: call `wait_until_finished()` first."
+        elif step in self._followed:
+            hint = (
+                " It was committed (`wait_for_new_step` returned it), and has been deleted since by the retention "
+                "rules of the manager saving there: restore the step `wait_for_new_step` returns at once, or "
+                "skip to a newer one."
+            )
         raise CheckpointNotFoundError(
             f"There is no committed step {step} in {self.directory!r}; the committed steps are {_show(steps)}.{hint}",
             path=self.directory,
@@ -624,6 +759,10 @@ class CheckpointManager:
             steps, ranked, max_to_keep=self.max_to_keep, keep_every=self.keep_every, best_n=self.best_n, saved=saved
         )
 
+
+# `wait_for_new_step` lists the directory after this many seconds, then twice
+# as long each time, up to the last.
+_FIRST_POLL, _LAST_POLL = 0.01, 1.0
 
 # The lease file of the manager writing to a directory.
 _MANAGER_LEASE = "manager.json"
