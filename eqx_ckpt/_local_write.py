@@ -45,7 +45,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from . import _faults, _format, _memory, _storage
+from . import _faults, _format, _memory, _share, _storage
 from ._format import LeafRecord, PackRecord, dtype_from_name
 from ._location import Location
 
@@ -75,9 +75,13 @@ def eligible(record: LeafRecord, pieces: Sequence[tuple[tuple[slice, ...], Any]]
     )
 
 
-def start_write(loc: Location, record: LeafRecord, piece: Any) -> list[concurrent.futures.Future[None]]:
+def start_write(
+    loc: Location, record: LeafRecord, piece: Any, base: str | None = None
+) -> list[concurrent.futures.Future[None]]:
     """Start writing every chunk file of one leaf (its `zarr.json` exists);
-    `piece` is its stored array. One future per chunk file."""
+    `piece` is its stored array. One future per chunk file. `base`: the folder
+    of the same leaf in the checkpoint this save follows, whose chunk files
+    are shared where they hold the same bytes (`_share`)."""
     data = _bytes_of(piece, record.stored_dtype)
     shape, keys = record.stored_shape, list(_format.chunk_keys(record.stored_shape, record.chunks))
     # A chunk is `chunks[0]` rows of the array (the whole array for a scalar).
@@ -85,7 +89,7 @@ def start_write(loc: Location, record: LeafRecord, piece: Any) -> list[concurren
     jobs: list[tuple[str, Callable[[], list[Any]]]] = [
         (key, functools.partial(_rows, data, i * size, size)) for i, key in enumerate(keys)
     ]
-    return _start(loc, record.directory, f"leaf `{record.path}`", jobs)
+    return _start(loc, record.directory, f"leaf `{record.path}`", jobs, base)
 
 
 def _rows(data: np.ndarray, start: int, size: int) -> list[Any]:
@@ -95,11 +99,13 @@ def _rows(data: np.ndarray, start: int, size: int) -> list[Any]:
 
 
 def start_pack(
-    loc: Location, pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequence[Any]
+    loc: Location, pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequence[Any], base: str | None = None
 ) -> list[concurrent.futures.Future[None]]:
     """Start writing the chunk files of `pack`: each member's elements at its
     offset, zeros between, written from the members' own buffers (no copy).
-    `records` in the order of their offsets, as `_records.assign` placed them."""
+    `records` in the order of their offsets, as `_records.assign` placed them.
+    `base`: as for `start_write`, the same pack's folder in the checkpoint
+    this save follows."""
     n = len(records)
     starts = np.fromiter((r.offset for r in records), np.int64, n)
     stops = starts + np.fromiter((r.size for r in records), np.int64, n)
@@ -117,7 +123,7 @@ def start_pack(
         first, last = int(np.searchsorted(stops, lo, "right")), int(np.searchsorted(starts, hi, "left"))
         chunk = _Chunk(members[first:last], starts[first:last], stops[first:last], lo, hi, dtype)
         jobs.append((key, functools.partial(_given, chunk)))
-    return _start(loc, pack.name, f"pack `{pack.name}` (small leaves)", jobs)
+    return _start(loc, pack.name, f"pack `{pack.name}` (small leaves)", jobs, base)
 
 
 def _given(content: _Chunk) -> _Chunk:
@@ -186,14 +192,16 @@ def _flat(piece: Any, dtype: np.dtype) -> np.ndarray:
 
 
 def _start(
-    loc: Location, directory: str, what: str, jobs: list[tuple[str, Callable[[], Any]]]
+    loc: Location, directory: str, what: str, jobs: list[tuple[str, Callable[[], Any]]], base: str | None
 ) -> list[concurrent.futures.Future[None]]:
     """Write each chunk file `key` of `jobs` with what its `make()` gives (a
-    leaf's views, or a pack's `_Chunk`), by the pool's threads. One future per file."""
+    leaf's views, or a pack's `_Chunk`), by the pool's threads (or link the
+    file of the same `key` in `base` where it holds the same bytes). One
+    future per file."""
     folder = os.path.join(loc.local or "", directory) if directory else (loc.local or "")
     futures = []
     for key, make in jobs:
-        job = functools.partial(_write_chunk, folder, directory, key, what, make)
+        job = functools.partial(_write_chunk, folder, directory, key, what, make, base)
         try:
             futures.append(_pool().submit(job))
         except RuntimeError:  # at interpreter exit no thread starts: written here, in turn
@@ -211,14 +219,17 @@ def _run_now(job: Callable[[], None]) -> concurrent.futures.Future[None]:
     return future
 
 
-def _write_chunk(folder: str, directory: str, key: str, what: str, make: Callable[[], Any]) -> None:
+def _write_chunk(folder: str, directory: str, key: str, what: str, make: Callable[[], Any], base: str | None) -> None:
     """One chunk file: the bytes `make()` gives (a list of views, or a pack's
-    `_Chunk`), then their crc32c."""
+    `_Chunk`), then their crc32c; or a link to the file `key` of `base`, where
+    that holds the same bytes."""
     _faults.fire("local_write.chunk", directory, key)
     content = make()
     path = os.path.join(folder, *key.split("/"))
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        if base is not None and _shared(os.path.join(base, *key.split("/")), path, content):
+            return
         fd = os.open(path, _FLAGS, 0o666)
         try:
             _write_all(fd, content)
@@ -227,6 +238,31 @@ def _write_chunk(folder: str, directory: str, key: str, what: str, make: Callabl
     except OSError as e:
         name = f"{directory}/{key}" if directory else key
         raise OSError(e.errno, f"{e.strerror}: cannot write chunk file {name!r} of {what}") from None
+
+
+def _shared(source: str, path: str, content: Any) -> bool:
+    """Whether `path` is now a link to the base's chunk file `source`, which
+    holds the same bytes as `content` (length and crc32c: `_share`)."""
+    nbytes = (content.nbytes if isinstance(content, _Chunk) else sum(len(v) for v in content)) + _format.CHECKSUM_BYTES
+    stored = _share.stored_checksum(source, nbytes)
+    return stored is not None and _checksum(content) == stored and _share.link(source, path, nbytes, stored)
+
+
+def _checksum(content: Any) -> int:
+    """The crc32c of a chunk's bytes: a pack's gathered into the writer's stage
+    a part at a time, a leaf's straight from its views."""
+    checksum = 0
+    if isinstance(content, _Chunk):
+        stage, staged = _stage()
+        step = STAGE_BYTES // content.dtype.itemsize
+        for lo in range(content.lo, content.hi, step):
+            part = content.part(lo, min(lo + step, content.hi))
+            part.gather(staged)
+            checksum = crc32c.crc32c(stage[: part.nbytes], checksum)
+        return checksum
+    for view in content:
+        checksum = crc32c.crc32c(view, checksum)
+    return checksum
 
 
 def _write_all(fd: int, content: Any) -> None:

@@ -29,6 +29,7 @@ from . import (
     _manifest,
     _multihost,
     _records,
+    _share,
     _storage_errors,
     _transaction,
     _tree,
@@ -178,11 +179,14 @@ def save(
     metrics: dict[str, Any] | None = None,
     progress: Progress = None,
     handoff: Handoff | None = None,
+    follows: Location | None = None,
 ) -> PendingSave | None:
     """`tree_serialise_leaves`, with `metrics` committed in the manifest.
     `handoff`: tells the caller, after any exception, whether an asynchronous
     save went on in the background (a `CheckpointManager` must not remove what
-    that save is writing)."""
+    that save is writing). `follows`: the checkpoint this save shares unchanged
+    chunk files with when `loc` holds none yet (a manager's previous step;
+    `_share`)."""
     group = _multihost.Group()
     overwrite, blocking, cast, planned = _collect_and_plan(
         loc, group, pytree, filter_spec, is_leaf, overwrite=overwrite, blocking=blocking, cast=cast, layout=layout
@@ -196,10 +200,12 @@ def save(
         if not isinstance(planned, _write.Batch):
             # Every array is safe on the host already: the plan, the transaction
             # and the writes all happen in the background.
-            run = functools.partial(_plan_write_and_commit, loc, group, planned, cast, **options)
+            run = functools.partial(_plan_write_and_commit, loc, group, planned, cast, follows, **options)
             return _background.start(run, exclusive, handoff)
         tx, tracker = _begin(loc, group, planned, **options)
-        run = functools.partial(_write_and_commit, tx, group, planned, metrics=metrics, tracker=tracker)
+        run = functools.partial(
+            _write_and_commit, tx, group, planned, metrics=metrics, tracker=tracker, follows=follows
+        )
         if blocking:
             with tracker:
                 run()
@@ -304,6 +310,7 @@ def _plan_write_and_commit(
     group: _multihost.Group,
     held: _background.HeldLeaves,
     cast: Callable[[str, np.dtype], Any] | None,
+    follows: Location | None,
     **options: Any,
 ) -> None:
     """The background part of an asynchronous save whose leaves were held (`_background.hold_tree`)."""
@@ -311,7 +318,7 @@ def _plan_write_and_commit(
     batch = _plan(loc, group, leaves, names, [default_serialise_filter_spec] * len(leaves), cast, private=False)
     tx, tracker = _begin(loc, group, batch, **options)
     with tracker:
-        _write_and_commit(tx, group, batch, metrics=options["metrics"], tracker=tracker)
+        _write_and_commit(tx, group, batch, metrics=options["metrics"], tracker=tracker, follows=follows)
 
 
 def _begin(
@@ -351,13 +358,14 @@ def _write_and_commit(
     *,
     metrics: dict[str, Any] | None,
     tracker: Tracker,
+    follows: Location | None = None,
 ) -> None:
     """Write every array, make it durable, then commit once (process 0). Before
     the commit, any failure or interrupt deletes what this save wrote; after it,
     nothing undoes the save."""
     commits: list[Any] = []
     try:
-        error, encoded = _write_all(tx, group, batch, metrics=metrics, tracker=tracker, out=commits)
+        error, encoded = _write_all(tx, group, batch, metrics=metrics, tracker=tracker, out=commits, follows=follows)
         error = _commit(tx, group, encoded, error)
         if error is None:
             return
@@ -391,14 +399,18 @@ def _write_all(
     metrics: dict[str, Any] | None,
     tracker: Tracker,
     out: list[Any],
+    follows: Location | None = None,
 ) -> tuple[BaseException | None, list[bytes]]:
     """Write this process's arrays and make them durable, while process 0
     encodes the manifest; the first error, and the manifest's bytes. Puts in
-    `out` the futures an abort must wait for (`_write.start_writes`)."""
+    `out` the futures an abort must wait for (`_write.start_writes`); chunk
+    files equal to those of the checkpoint this save replaces, or `follows`,
+    are shared (`_share`)."""
     error: BaseException | None = None
     encoded: list[bytes] = []
     try:
-        writing = _write.start_writes(tx, batch, group, tracker=tracker, out=out)
+        base = _base(tx, group, follows)
+        writing = _write.start_writes(tx, batch, group, tracker=tracker, out=out, base=base)
     except Exception as e:
         error, writing = e, []
     if error is None and group.primary:
@@ -412,6 +424,16 @@ def _write_all(
     # Each process makes its own writes durable; only then may process 0 commit.
     error = error or _write.attempt(lambda: _durable.flush(tx.data))
     return error, encoded
+
+
+def _base(tx: _transaction.Transaction, group: _multihost.Group, follows: Location | None) -> _share.Base | None:
+    """The checkpoint whose chunk files this save may share: the one it
+    replaces, else the one it `follows`; none for several processes."""
+    if group.count > 1:
+        return None
+    if tx.old is not None:
+        return _share.base(tx.loc, tx.old)
+    return _share.base_at(follows) if follows is not None else None
 
 
 def _commit(
