@@ -28,6 +28,7 @@ from . import (
     _lease,
     _manifest,
     _multihost,
+    _partial,
     _records,
     _share,
     _storage_errors,
@@ -95,6 +96,7 @@ def tree_serialise_leaves(
     cast: Callable[[str, np.dtype], Any] | dict[Any, Any] | None = None,
     layout: str = "directories",
     progress: Progress = None,
+    where: Callable[[PyTree], Any] | None = None,
 ) -> PendingSave | None:
     """Save the leaves of a PyTree as a checkpoint directory.
 
@@ -138,6 +140,14 @@ def tree_serialise_leaves(
         `progress(leaves_done, leaves_total, bytes_done, bytes_total)` as each
         leaf's data is handed to TensorStore; the commit that makes them durable
         follows.
+    - `where`: a partial save. A callable that picks nodes of `pytree`, as in
+        `eqx.tree_at` (`where=lambda t: t["head"]`, or a tuple of nodes): the
+        stored sub-tree at each picked node's path is replaced by that node
+        (whose structure may differ), and every other stored leaf is kept. The
+        rest of `pytree` is never looked at (it may be abstract, from
+        `eqx.filter_eval_shape`). The checkpoint at `path` must exist; the
+        save is atomic like any overwrite. See docs/format.md, "Incremental
+        and partial saves".
 
     With `jax.distributed` initialised, call this in every process with the same
     tree: each process writes its own shards, and the checkpoint is committed once,
@@ -159,7 +169,7 @@ def tree_serialise_leaves(
     """
     return save(
         location(path), pytree, filter_spec, is_leaf,
-        overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, progress=progress,
+        overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, progress=progress, where=where,
     )  # fmt: skip
 
 
@@ -180,17 +190,19 @@ def save(
     progress: Progress = None,
     handoff: Handoff | None = None,
     follows: Location | None = None,
+    where: Callable[[PyTree], Any] | None = None,
 ) -> PendingSave | None:
     """`tree_serialise_leaves`, with `metrics` committed in the manifest.
     `handoff`: tells the caller, after any exception, whether an asynchronous
     save went on in the background (a `CheckpointManager` must not remove what
     that save is writing). `follows`: the checkpoint this save shares unchanged
     chunk files with when `loc` holds none yet (a manager's previous step;
-    `_share`)."""
+    `_share`). `where`: a partial save (`_partial`)."""
     group = _multihost.Group()
-    overwrite, blocking, cast, planned = _collect_and_plan(
-        loc, group, pytree, filter_spec, is_leaf, overwrite=overwrite, blocking=blocking, cast=cast, layout=layout
-    )
+    overwrite, blocking, cast, planned, expected = _collect_and_plan(
+        loc, group, pytree, filter_spec, is_leaf,
+        overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, where=where,
+    )  # fmt: skip
     options: dict[str, Any] = dict(overwrite=overwrite, layout=layout, metrics=metrics, progress=progress)
     exclusive = _lease.acquire_exclusive(loc)
     handoff = handoff if handoff is not None else Handoff()
@@ -203,6 +215,8 @@ def save(
             run = functools.partial(_plan_write_and_commit, loc, group, planned, cast, follows, **options)
             return _background.start(run, exclusive, handoff)
         tx, tracker = _begin(loc, group, planned, **options)
+        if expected is not None:
+            _partial.check_unreplaced(tx.old, expected, loc)
         run = functools.partial(
             _write_and_commit, tx, group, planned, metrics=metrics, tracker=tracker, follows=follows
         )
@@ -239,11 +253,15 @@ def _collect_and_plan(
     blocking: Any,
     cast: Any,
     layout: str,
-) -> tuple[bool, bool, Callable[[str, np.dtype], Any] | None, _write.Batch | _background.HeldLeaves]:
+    where: Callable[[PyTree], Any] | None,
+) -> tuple[bool, bool, Callable[[str, np.dtype], Any] | None, _write.Batch | _background.HeldLeaves, str | None]:
     """The options checked (`overwrite`, `blocking` and `cast` as `save` uses
     them), then the leaves collected and planned; an asynchronous save's
-    leaves are held instead (`_background.hold_tree`), and planned in the background."""
+    leaves are held instead (`_background.hold_tree`), and planned in the
+    background. Last, for a partial save (`where`), the commit of the
+    checkpoint whose leaves it keeps."""
     planned: _write.Batch | _background.HeldLeaves | None = None
+    expected: str | None = None
     error: BaseException | None = None
     # Every process reaches this first barrier, even one whose tree is bad, so
     # that a failure anywhere fails the save everywhere at once.
@@ -252,7 +270,22 @@ def _collect_and_plan(
         overwrite = check_flag("overwrite", overwrite, "whether to replace a checkpoint already there")
         blocking = check_flag("blocking", blocking, "`False` saves in the background")
         cast = _records.cast_function(cast)
-        if not blocking and group.count == 1 and filter_spec is default_serialise_filter_spec and is_leaf is None:
+        if where is not None:
+            partial = _partial.collect(
+                loc,
+                pytree,
+                where,
+                filter_spec,
+                is_leaf,
+                cast,
+                overwrite=overwrite,
+                default=default_serialise_filter_spec,
+            )
+            planned = _plan(
+                loc, group, partial.leaves, partial.names, partial.specs, partial.cast, private=not blocking
+            )
+            expected = partial.commit
+        elif not blocking and group.count == 1 and filter_spec is default_serialise_filter_spec and is_leaf is None:
             planned = _background.hold_tree(pytree)
         if planned is None:
             leaves, names, specs = _collect(pytree, filter_spec, is_leaf)
@@ -269,7 +302,7 @@ def _collect_and_plan(
     if error is not None:
         raise error
     assert planned is not None
-    return overwrite, blocking, cast, planned
+    return overwrite, blocking, cast, planned, expected
 
 
 def _collect(
