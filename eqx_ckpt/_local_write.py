@@ -192,7 +192,7 @@ def _flat(piece: Any, dtype: np.dtype) -> np.ndarray:
 
 
 def _start(
-    loc: Location, directory: str, what: str, jobs: list[tuple[str, Callable[[], Any]]], base: str | None
+    loc: Location, directory: str, what: str, jobs: list[tuple[str, Callable[[], Any]]], base: str | None = None
 ) -> list[concurrent.futures.Future[None]]:
     """Write each chunk file `key` of `jobs` with what its `make()` gives (a
     leaf's views, or a pack's `_Chunk`), by the pool's threads (or link the
@@ -228,11 +228,14 @@ def _write_chunk(folder: str, directory: str, key: str, what: str, make: Callabl
     path = os.path.join(folder, *key.split("/"))
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        if base is not None and _shared(os.path.join(base, *key.split("/")), path, content):
-            return
+        checksum = None
+        if base is not None:
+            linked, checksum = _shared(os.path.join(base, *key.split("/")), path, content)
+            if linked:
+                return
         fd = os.open(path, _FLAGS, 0o666)
         try:
-            _write_all(fd, content)
+            _write_all(fd, content, checksum)
         finally:
             os.close(fd)
     except OSError as e:
@@ -240,12 +243,16 @@ def _write_chunk(folder: str, directory: str, key: str, what: str, make: Callabl
         raise OSError(e.errno, f"{e.strerror}: cannot write chunk file {name!r} of {what}") from None
 
 
-def _shared(source: str, path: str, content: Any) -> bool:
+def _shared(source: str, path: str, content: Any) -> tuple[bool, int | None]:
     """Whether `path` is now a link to the base's chunk file `source`, which
-    holds the same bytes as `content` (length and crc32c: `_share`)."""
+    holds the same bytes as `content` (length and crc32c: `_share`); and the
+    crc32c of `content` where it was computed (a write need not compute it again)."""
     nbytes = (content.nbytes if isinstance(content, _Chunk) else sum(len(v) for v in content)) + _format.CHECKSUM_BYTES
     stored = _share.stored_checksum(source, nbytes)
-    return stored is not None and _checksum(content) == stored and _share.link(source, path, nbytes, stored)
+    if stored is None:
+        return False, None
+    checksum = _checksum(content)
+    return checksum == stored and _share.link(source, path, nbytes, stored), checksum
 
 
 def _checksum(content: Any) -> int:
@@ -265,9 +272,10 @@ def _checksum(content: Any) -> int:
     return checksum
 
 
-def _write_all(fd: int, content: Any) -> None:
+def _write_all(fd: int, content: Any, checksum: int | None = None) -> None:
     """Write `content` (a pack's `_Chunk`, or a list of views) and its crc32c
-    into the new file `fd`, its writeback started at once.
+    (`checksum`, where the caller has it) into the new file `fd`, its
+    writeback started at once.
 
     A pack's chunk is gathered into the writer's stage, a part at a time, and
     written from there: one copy of its members by NumPy, instead of a view
@@ -278,7 +286,7 @@ def _write_all(fd: int, content: Any) -> None:
     `writev`. (docs/benchmarks.md, "Measurements behind the design".)"""
     _faults.fire("local_write.chunk_bytes", fd)
     if isinstance(content, _Chunk):
-        staged = _Staged(fd, direct=False)
+        staged = _Staged(fd, direct=False, checksum=checksum)
         step = STAGE_BYTES // content.dtype.itemsize
         for lo in range(content.lo, content.hi, step):
             staged.gather(content.part(lo, min(lo + step, content.hi)))
@@ -287,16 +295,17 @@ def _write_all(fd: int, content: Any) -> None:
         return
     if sum(len(view) for view in content) >= UNBUFFERED_FROM and _set_direct(fd, True):
         try:
-            _write_unbuffered(fd, content)
+            _write_unbuffered(fd, content, checksum)
             return
         except _NotUnbuffered:
             # Refused (an alignment this device does not take): written again,
             # from the start, through the page cache.
             _set_direct(fd, False)
             os.ftruncate(fd, 0)
-    checksum = 0
-    for view in content:
-        checksum = crc32c.crc32c(view, checksum)
+    if checksum is None:
+        checksum = 0
+        for view in content:
+            checksum = crc32c.crc32c(view, checksum)
     _write_buffered(fd, [*content, checksum.to_bytes(_format.CHECKSUM_BYTES, "little")])
     _start_writeback(fd)
 
@@ -348,11 +357,11 @@ def _set_direct(fd: int, on: bool) -> bool:
     return True
 
 
-def _write_unbuffered(fd: int, views: list[Any]) -> None:
+def _write_unbuffered(fd: int, views: list[Any], checksum: int | None = None) -> None:
     """Write `views` and their crc32c through `fd` (`O_DIRECT`), then cut the
     file to their length (its last write is padded to a whole block)."""
     _faults.fire("local_write.unbuffered", fd)
-    staged = _Staged(fd, direct=True)
+    staged = _Staged(fd, direct=True, checksum=checksum)
     for view in views:
         staged.copy(view)
     staged.finish()
@@ -360,10 +369,11 @@ def _write_unbuffered(fd: int, views: list[Any]) -> None:
 
 class _Staged:
     """One file written from the stage: bytes are staged until it is full, then
-    written (unbuffered with `direct`); their crc32c follows them."""
+    written (unbuffered with `direct`); their crc32c follows them (`checksum`,
+    where the caller has it, else computed as they are written)."""
 
-    def __init__(self, fd: int, *, direct: bool):
-        self.fd, self.direct = fd, direct
+    def __init__(self, fd: int, *, direct: bool, checksum: int | None = None):
+        self.fd, self.direct, self.known = fd, direct, checksum
         self.stage, self.staged = _stage()
         self.pos = self.offset = self.checksum = 0
 
@@ -391,7 +401,8 @@ class _Staged:
     def finish(self) -> None:
         """Write what is staged and the checksum, and end the file there."""
         stage, pos = self.stage, self.pos
-        checksum = crc32c.crc32c(stage[:pos], self.checksum).to_bytes(_format.CHECKSUM_BYTES, "little")
+        total = self.known if self.known is not None else crc32c.crc32c(stage[:pos], self.checksum)
+        checksum = total.to_bytes(_format.CHECKSUM_BYTES, "little")
         if pos + _format.CHECKSUM_BYTES > STAGE_BYTES:
             # No room left for the checksum: out with the whole blocks first.
             whole = pos - pos % _BLOCK
@@ -414,7 +425,8 @@ class _Staged:
             self.pos = 0
 
     def _write(self, view: memoryview) -> None:
-        self.checksum = crc32c.crc32c(view, self.checksum)
+        if self.known is None:
+            self.checksum = crc32c.crc32c(view, self.checksum)
         _pwrite(self.fd, view, self.offset, direct=self.direct)
         self.offset += len(view)
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _faults, _format, _manifest, _records
+from eqx_ckpt import _faults, _format, _local_write, _manifest, _records
 from eqx_ckpt._location import location
 
 # Large enough for arrays of their own (not packed), small enough to be quick.
@@ -105,9 +105,14 @@ _CHANGES = {
 }
 
 
+@pytest.mark.parametrize("unbuffered", [False, True])
 @pytest.mark.parametrize("change", sorted(_CHANGES))
 @pytest.mark.parametrize("where", ["overwrite", "manager"])
-def test_changed_bytes_are_written_even_where_equal_by_value(tmp_path, change, where):
+def test_changed_bytes_are_written_even_where_equal_by_value(tmp_path, monkeypatch, change, where, unbuffered):
+    """...with the checksum computed for the comparison reused by the write,
+    through the page cache and past it."""
+    if unbuffered:
+        monkeypatch.setattr(_local_write, "UNBUFFERED_FROM", 0)
     first = np.zeros((ROWS, COLS), np.float32)
     if change == "nan payload":
         first = np.full((ROWS, COLS), np.nan, np.float32)
