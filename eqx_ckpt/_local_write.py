@@ -240,7 +240,9 @@ def _write_chunk(folder: str, directory: str, key: str, what: str, make: Callabl
             os.close(fd)
     except OSError as e:
         name = f"{directory}/{key}" if directory else key
-        raise OSError(e.errno, f"{e.strerror}: cannot write chunk file {name!r} of {what}") from None
+        # An OSError made without an errno (`OSError("...")`) has its words in `str(e)`.
+        reason = e.strerror if e.errno is not None else str(e)
+        raise OSError(e.errno, f"{reason}: cannot write chunk file {name!r} of {what}") from None
 
 
 def _shared(source: str, path: str, content: Any) -> tuple[bool, int | None]:
