@@ -21,7 +21,7 @@ from typing import Any
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _keypath, _manifest, _source, _tree
+from . import _keypath, _manifest, _source, _transaction, _tree
 from ._errors import CheckpointNotFoundError, CheckpointReplacedError, CheckpointValueError
 from ._format import MANIFEST
 from ._lazy import LazyArray
@@ -50,6 +50,16 @@ class Partial:
         cast: Callable[[str, np.dtype], Any] | None,
     ):
         self.leaves, self.names, self.specs, self.commit, self.cast = leaves, names, specs, commit, cast
+        self.chunks: dict[str, tuple[int, ...]] = {}
+
+    def keep_chunks(self, pending: list[Any]) -> None:
+        """Give each kept leaf with an array of its own (in `pending`, the
+        save's plan) the chunk grid it had (a sharded leaf's is its shards'),
+        so that its chunks are those stored, and shared with them."""
+        for p in pending:
+            chunks = self.chunks.get(p.record.path)
+            if chunks is not None and p.record.pack is None and len(chunks) == len(p.record.chunks):
+                p.record.chunks = chunks
 
 
 def collect(
@@ -105,19 +115,23 @@ def collect(
         [names.records[i] for i in new] + [r.keypath for r in kept],
         keypaths.__getitem__,
     )
-    return Partial(
+    partial = Partial(
         [leaves[i] for i in new] + stored,
         combined,
         [specs[i] for i in new] + [default] * len(kept),
         manifest.commit,
         _keeping_dtypes(cast, {r.path: r.stored_dtype for r in kept if r.stored_dtype != r.dtype}),
     )
+    partial.chunks = {r.path: tuple(r.chunks) for r in kept if r.pack is None}
+    return partial
 
 
-def check_unreplaced(live: _manifest.Manifest | None, commit: str, loc: Location) -> None:
+def check_unreplaced(tx: _transaction.Transaction, *, commit: str) -> None:
     """Refuse a partial save whose checkpoint was replaced after its kept
-    leaves were read: committing would undo the other save's sub-trees."""
-    if live is None or live.commit != commit:
+    leaves were read (`commit` is theirs): committing would undo the other
+    save's sub-trees."""
+    loc = tx.loc
+    if tx.old is None or tx.old.commit != commit:
         raise CheckpointReplacedError(
             f"Checkpoint {loc.display!r} was replaced by another save while this save with `where` read the "
             f"leaves it keeps; nothing was written. Save again.",

@@ -214,9 +214,8 @@ def save(
             # and the writes all happen in the background.
             run = functools.partial(_plan_write_and_commit, loc, group, planned, cast, follows, **options)
             return _background.start(run, exclusive, handoff)
-        tx, tracker = _begin(loc, group, planned, **options)
-        if expected is not None:
-            _partial.check_unreplaced(tx.old, expected, loc)
+        check = None if expected is None else functools.partial(_partial.check_unreplaced, commit=expected)
+        tx, tracker = _begin(loc, group, planned, check=check, **options)
         run = functools.partial(
             _write_and_commit, tx, group, planned, metrics=metrics, tracker=tracker, follows=follows
         )
@@ -284,6 +283,7 @@ def _collect_and_plan(
             planned = _plan(
                 loc, group, partial.leaves, partial.names, partial.specs, partial.cast, private=not blocking
             )
+            partial.keep_chunks(planned.pending)
             expected = partial.commit
         elif not blocking and group.count == 1 and filter_spec is default_serialise_filter_spec and is_leaf is None:
             planned = _background.hold_tree(pytree)
@@ -363,8 +363,10 @@ def _begin(
     layout: str,
     metrics: dict[str, Any] | None,
     progress: Progress,
+    check: Callable[[_transaction.Transaction], None] | None = None,
 ) -> tuple[_transaction.Transaction, Tracker]:
-    """Begin the transaction (with every process), and the progress report."""
+    """Begin the transaction (with every process; `check` may refuse it, see
+    `_multihost.begin`), and the progress report."""
     if layout == "directories":
         _untrusted.check_path_lengths(loc, [p.record for p in batch.own])
     tracker = Tracker(progress, leaves=len(batch.pending), nbytes=batch.nbytes, what="save")
@@ -372,7 +374,7 @@ def _begin(
         with _storage_errors.explained(loc, "Saving checkpoint"):
             packs = [pack.name for pack, _ in batch.packs]
             paths = [p.record.path for p in batch.own]
-            tx = _multihost.begin(group, loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
+            tx = _multihost.begin(group, loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs, check=check)
     except BaseException:
         tracker.close()
         raise

@@ -187,3 +187,26 @@ def test_a_partial_save_on_s3(s3, store):
     assert sorted(after) == ["base.b", "base.w", "head.w2", "step"]
     assert after["base.w"].tobytes() == first["base"]["w"].tobytes()
     assert eqx_ckpt.verify(store) == []
+
+
+def test_sharded_arrays_picked_and_kept(tmp_path):
+    """A sharded array in the picked sub-tree is written shard by shard; a kept
+    one keeps its chunk grid (its shards'), so its chunks are shared as stored."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    sharded = lambda v: jax.device_put(v, NamedSharding(mesh, P("x")))
+    value = np.arange(64 * 8192, dtype=np.float32).reshape(64, 8192)  # 2 MiB: not packed
+    path = tmp_path / "ckpt"
+    eqx_ckpt.tree_serialise_leaves(path, {"kept": sharded(value), "head": sharded(value)})
+    chunks = {r.path: r.chunks for r in _manifest.read_manifest(location(str(path))).leaves}
+    assert chunks["kept"] == (16, 8192)
+    new = {"kept": jax.ShapeDtypeStruct(value.shape, value.dtype), "head": sharded(value * 2)}
+    eqx_ckpt.tree_serialise_leaves(path, new, where=lambda t: t["head"])
+    after = {r.path: r.chunks for r in _manifest.read_manifest(location(str(path))).leaves}
+    assert after == chunks
+    like = {"kept": sharded(np.zeros_like(value)), "head": sharded(np.zeros_like(value))}
+    loaded = eqx_ckpt.tree_deserialise_leaves(path, like)
+    np.testing.assert_array_equal(np.asarray(loaded["kept"]), value)
+    np.testing.assert_array_equal(np.asarray(loaded["head"]), value * 2)
+    assert loaded["head"].sharding == like["head"].sharding
