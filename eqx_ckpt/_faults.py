@@ -75,6 +75,9 @@ The points, with where they fire and the arguments they pass:
 - `local_write.chunk_bytes` `(fd)`: that file is created, its bytes about to be
   written; an `OSError` raised here is reported as the write's, naming the file.
 - `local_write.unbuffered` `(fd)`: the file is written past the page cache.
+- `share.link` `(source, path)`: an incremental save is about to make chunk
+  file `path` a hard link to `source`, the same bytes in the checkpoint it
+  follows (`_share`).
 - `local_read.check_files` `(directory)`: a load checks the folder and chunk
   files of array `directory` (in a thread of its own for a whole leaf).
 - `local_read.start_reads` `(path, keys)`: the reads of those chunk files are
@@ -129,6 +132,7 @@ POINTS = frozenset(
         "local_write.chunk",
         "local_write.chunk_bytes",
         "local_write.unbuffered",
+        "share.link",
         "local_read.check_files",
         "local_read.start_reads",
         "local_read.read",

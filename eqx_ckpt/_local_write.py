@@ -45,7 +45,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from . import _faults, _format, _memory, _storage
+from . import _faults, _format, _memory, _share, _storage
 from ._format import LeafRecord, PackRecord, dtype_from_name
 from ._location import Location
 
@@ -75,9 +75,13 @@ def eligible(record: LeafRecord, pieces: Sequence[tuple[tuple[slice, ...], Any]]
     )
 
 
-def start_write(loc: Location, record: LeafRecord, piece: Any) -> list[concurrent.futures.Future[None]]:
+def start_write(
+    loc: Location, record: LeafRecord, piece: Any, base: str | None = None
+) -> list[concurrent.futures.Future[None]]:
     """Start writing every chunk file of one leaf (its `zarr.json` exists);
-    `piece` is its stored array. One future per chunk file."""
+    `piece` is its stored array. One future per chunk file. `base`: the folder
+    of the same leaf in the checkpoint this save follows, whose chunk files
+    are shared where they hold the same bytes (`_share`)."""
     data = _bytes_of(piece, record.stored_dtype)
     shape, keys = record.stored_shape, list(_format.chunk_keys(record.stored_shape, record.chunks))
     # A chunk is `chunks[0]` rows of the array (the whole array for a scalar).
@@ -85,7 +89,7 @@ def start_write(loc: Location, record: LeafRecord, piece: Any) -> list[concurren
     jobs: list[tuple[str, Callable[[], list[Any]]]] = [
         (key, functools.partial(_rows, data, i * size, size)) for i, key in enumerate(keys)
     ]
-    return _start(loc, record.directory, f"leaf `{record.path}`", jobs)
+    return _start(loc, record.directory, f"leaf `{record.path}`", jobs, base)
 
 
 def _rows(data: np.ndarray, start: int, size: int) -> list[Any]:
@@ -95,11 +99,13 @@ def _rows(data: np.ndarray, start: int, size: int) -> list[Any]:
 
 
 def start_pack(
-    loc: Location, pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequence[Any]
+    loc: Location, pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequence[Any], base: str | None = None
 ) -> list[concurrent.futures.Future[None]]:
     """Start writing the chunk files of `pack`: each member's elements at its
     offset, zeros between, written from the members' own buffers (no copy).
-    `records` in the order of their offsets, as `_records.assign` placed them."""
+    `records` in the order of their offsets, as `_records.assign` placed them.
+    `base`: as for `start_write`, the same pack's folder in the checkpoint
+    this save follows."""
     n = len(records)
     starts = np.fromiter((r.offset for r in records), np.int64, n)
     stops = starts + np.fromiter((r.size for r in records), np.int64, n)
@@ -117,7 +123,7 @@ def start_pack(
         first, last = int(np.searchsorted(stops, lo, "right")), int(np.searchsorted(starts, hi, "left"))
         chunk = _Chunk(members[first:last], starts[first:last], stops[first:last], lo, hi, dtype)
         jobs.append((key, functools.partial(_given, chunk)))
-    return _start(loc, pack.name, f"pack `{pack.name}` (small leaves)", jobs)
+    return _start(loc, pack.name, f"pack `{pack.name}` (small leaves)", jobs, base)
 
 
 def _given(content: _Chunk) -> _Chunk:
@@ -186,14 +192,16 @@ def _flat(piece: Any, dtype: np.dtype) -> np.ndarray:
 
 
 def _start(
-    loc: Location, directory: str, what: str, jobs: list[tuple[str, Callable[[], Any]]]
+    loc: Location, directory: str, what: str, jobs: list[tuple[str, Callable[[], Any]]], base: str | None = None
 ) -> list[concurrent.futures.Future[None]]:
     """Write each chunk file `key` of `jobs` with what its `make()` gives (a
-    leaf's views, or a pack's `_Chunk`), by the pool's threads. One future per file."""
+    leaf's views, or a pack's `_Chunk`), by the pool's threads (or link the
+    file of the same `key` in `base` where it holds the same bytes). One
+    future per file."""
     folder = os.path.join(loc.local or "", directory) if directory else (loc.local or "")
     futures = []
     for key, make in jobs:
-        job = functools.partial(_write_chunk, folder, directory, key, what, make)
+        job = functools.partial(_write_chunk, folder, directory, key, what, make, base)
         try:
             futures.append(_pool().submit(job))
         except RuntimeError:  # at interpreter exit no thread starts: written here, in turn
@@ -211,27 +219,65 @@ def _run_now(job: Callable[[], None]) -> concurrent.futures.Future[None]:
     return future
 
 
-def _write_chunk(folder: str, directory: str, key: str, what: str, make: Callable[[], Any]) -> None:
+def _write_chunk(folder: str, directory: str, key: str, what: str, make: Callable[[], Any], base: str | None) -> None:
     """One chunk file: the bytes `make()` gives (a list of views, or a pack's
-    `_Chunk`), then their crc32c."""
+    `_Chunk`), then their crc32c; or a link to the file `key` of `base`, where
+    that holds the same bytes."""
     _faults.fire("local_write.chunk", directory, key)
     content = make()
     path = os.path.join(folder, *key.split("/"))
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        checksum = None
+        if base is not None:
+            linked, checksum = _shared(os.path.join(base, *key.split("/")), path, content)
+            if linked:
+                return
         fd = os.open(path, _FLAGS, 0o666)
         try:
-            _write_all(fd, content)
+            _write_all(fd, content, checksum)
         finally:
             os.close(fd)
     except OSError as e:
         name = f"{directory}/{key}" if directory else key
-        raise OSError(e.errno, f"{e.strerror}: cannot write chunk file {name!r} of {what}") from None
+        # An OSError made without an errno (`OSError("...")`) has its words in `str(e)`.
+        reason = e.strerror if e.errno is not None else str(e)
+        raise OSError(e.errno, f"{reason}: cannot write chunk file {name!r} of {what}") from None
 
 
-def _write_all(fd: int, content: Any) -> None:
+def _shared(source: str, path: str, content: Any) -> tuple[bool, int | None]:
+    """Whether `path` is now a link to the base's chunk file `source`, which
+    holds the same bytes as `content` (length and crc32c: `_share`); and the
+    crc32c of `content` where it was computed (a write need not compute it again)."""
+    nbytes = (content.nbytes if isinstance(content, _Chunk) else sum(len(v) for v in content)) + _format.CHECKSUM_BYTES
+    stored = _share.stored_checksum(source, nbytes)
+    if stored is None:
+        return False, None
+    checksum = _checksum(content)
+    return checksum == stored and _share.link(source, path, nbytes, stored), checksum
+
+
+def _checksum(content: Any) -> int:
+    """The crc32c of a chunk's bytes: a pack's gathered into the writer's stage
+    a part at a time, a leaf's straight from its views."""
+    checksum = 0
+    if isinstance(content, _Chunk):
+        stage, staged = _stage()
+        step = STAGE_BYTES // content.dtype.itemsize
+        for lo in range(content.lo, content.hi, step):
+            part = content.part(lo, min(lo + step, content.hi))
+            part.gather(staged)
+            checksum = crc32c.crc32c(stage[: part.nbytes], checksum)
+        return checksum
+    for view in content:
+        checksum = crc32c.crc32c(view, checksum)
+    return checksum
+
+
+def _write_all(fd: int, content: Any, checksum: int | None = None) -> None:
     """Write `content` (a pack's `_Chunk`, or a list of views) and its crc32c
-    into the new file `fd`, its writeback started at once.
+    (`checksum`, where the caller has it) into the new file `fd`, its
+    writeback started at once.
 
     A pack's chunk is gathered into the writer's stage, a part at a time, and
     written from there: one copy of its members by NumPy, instead of a view
@@ -242,7 +288,7 @@ def _write_all(fd: int, content: Any) -> None:
     `writev`. (docs/benchmarks.md, "Measurements behind the design".)"""
     _faults.fire("local_write.chunk_bytes", fd)
     if isinstance(content, _Chunk):
-        staged = _Staged(fd, direct=False)
+        staged = _Staged(fd, direct=False, checksum=checksum)
         step = STAGE_BYTES // content.dtype.itemsize
         for lo in range(content.lo, content.hi, step):
             staged.gather(content.part(lo, min(lo + step, content.hi)))
@@ -251,16 +297,17 @@ def _write_all(fd: int, content: Any) -> None:
         return
     if sum(len(view) for view in content) >= UNBUFFERED_FROM and _set_direct(fd, True):
         try:
-            _write_unbuffered(fd, content)
+            _write_unbuffered(fd, content, checksum)
             return
         except _NotUnbuffered:
             # Refused (an alignment this device does not take): written again,
             # from the start, through the page cache.
             _set_direct(fd, False)
             os.ftruncate(fd, 0)
-    checksum = 0
-    for view in content:
-        checksum = crc32c.crc32c(view, checksum)
+    if checksum is None:
+        checksum = 0
+        for view in content:
+            checksum = crc32c.crc32c(view, checksum)
     _write_buffered(fd, [*content, checksum.to_bytes(_format.CHECKSUM_BYTES, "little")])
     _start_writeback(fd)
 
@@ -312,11 +359,11 @@ def _set_direct(fd: int, on: bool) -> bool:
     return True
 
 
-def _write_unbuffered(fd: int, views: list[Any]) -> None:
+def _write_unbuffered(fd: int, views: list[Any], checksum: int | None = None) -> None:
     """Write `views` and their crc32c through `fd` (`O_DIRECT`), then cut the
     file to their length (its last write is padded to a whole block)."""
     _faults.fire("local_write.unbuffered", fd)
-    staged = _Staged(fd, direct=True)
+    staged = _Staged(fd, direct=True, checksum=checksum)
     for view in views:
         staged.copy(view)
     staged.finish()
@@ -324,10 +371,11 @@ def _write_unbuffered(fd: int, views: list[Any]) -> None:
 
 class _Staged:
     """One file written from the stage: bytes are staged until it is full, then
-    written (unbuffered with `direct`); their crc32c follows them."""
+    written (unbuffered with `direct`); their crc32c follows them (`checksum`,
+    where the caller has it, else computed as they are written)."""
 
-    def __init__(self, fd: int, *, direct: bool):
-        self.fd, self.direct = fd, direct
+    def __init__(self, fd: int, *, direct: bool, checksum: int | None = None):
+        self.fd, self.direct, self.known = fd, direct, checksum
         self.stage, self.staged = _stage()
         self.pos = self.offset = self.checksum = 0
 
@@ -355,7 +403,8 @@ class _Staged:
     def finish(self) -> None:
         """Write what is staged and the checksum, and end the file there."""
         stage, pos = self.stage, self.pos
-        checksum = crc32c.crc32c(stage[:pos], self.checksum).to_bytes(_format.CHECKSUM_BYTES, "little")
+        total = self.known if self.known is not None else crc32c.crc32c(stage[:pos], self.checksum)
+        checksum = total.to_bytes(_format.CHECKSUM_BYTES, "little")
         if pos + _format.CHECKSUM_BYTES > STAGE_BYTES:
             # No room left for the checksum: out with the whole blocks first.
             whole = pos - pos % _BLOCK
@@ -378,7 +427,8 @@ class _Staged:
             self.pos = 0
 
     def _write(self, view: memoryview) -> None:
-        self.checksum = crc32c.crc32c(view, self.checksum)
+        if self.known is None:
+            self.checksum = crc32c.crc32c(view, self.checksum)
         _pwrite(self.fd, view, self.offset, direct=self.direct)
         self.offset += len(view)
 

@@ -331,11 +331,14 @@ class CheckpointManager:
             with _storage_errors.explained(self._loc, f"Saving step {step} to"):
                 _storage.remove(self._loc, [_metrics_name(step)])
         handoff = _serialise.Handoff()
+        # The newest committed step: unchanged chunk files are shared with it (`_share`).
+        before = max((s for s, committed in state.items() if committed and s != step), default=None)
+        follows = None if before is None else self._loc.joined(step_name(before))
         try:
             pending = _serialise.save(
                 target, pytree, filter_spec, is_leaf,
                 overwrite=overwrite, blocking=self.blocking, cast=cast, layout=layout, metrics=values,
-                progress=progress, handoff=handoff,
+                progress=progress, handoff=handoff, follows=follows,
             )  # fmt: skip
         except CheckpointExistsError:
             raise  # another writer's save: nothing of it is ours to remove

@@ -26,6 +26,7 @@ import atexit
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -200,12 +201,26 @@ class _Heartbeat:
 
 
 def begin(
-    group: Group, loc: Location, *, overwrite: bool, layout: str, paths: list[str], packs: list[str]
+    group: Group,
+    loc: Location,
+    *,
+    overwrite: bool,
+    layout: str,
+    paths: list[str],
+    packs: list[str],
+    check: Callable[[_transaction.Transaction], None] | None = None,
 ) -> _transaction.Transaction:
-    """Process 0 begins the transaction; the others then join it."""
+    """Process 0 begins the transaction, and runs `check` on it (which may
+    refuse it: the transaction is aborted); the others then join it."""
     if group.primary:
         try:
             tx = _transaction.begin(loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
+            if check is not None:
+                try:
+                    check(tx)
+                except BaseException:
+                    tx.abort()
+                    raise
         except BaseException as e:
             group.sync("begin", e)
             raise

@@ -28,7 +28,9 @@ from . import (
     _lease,
     _manifest,
     _multihost,
+    _partial,
     _records,
+    _share,
     _storage_errors,
     _transaction,
     _tree,
@@ -94,6 +96,7 @@ def tree_serialise_leaves(
     cast: Callable[[str, np.dtype], Any] | dict[Any, Any] | None = None,
     layout: str = "directories",
     progress: Progress = None,
+    where: Callable[[PyTree], Any] | None = None,
 ) -> PendingSave | None:
     """Save the leaves of a PyTree as a checkpoint directory.
 
@@ -145,6 +148,14 @@ def tree_serialise_leaves(
         bytes are written (a chunk file at a time on a local disk, so a large
         leaf moves in steps; elsewhere as each leaf's data is handed to
         TensorStore); the commit that makes them durable follows.
+    - `where`: a partial save. A callable that picks nodes of `pytree`, as in
+        `eqx.tree_at` (`where=lambda t: t["head"]`, or a tuple of nodes): the
+        stored sub-tree at each picked node's path is replaced by that node
+        (whose structure may differ), and every other stored leaf is kept. The
+        rest of `pytree` is never looked at (it may be abstract, from
+        `eqx.filter_eval_shape`). The checkpoint at `path` must exist; the
+        save is atomic like any overwrite. See
+        [docs/format.md](../format.md#incremental-and-partial-saves).
 
     With `jax.distributed` initialised, call this in every process with the same
     tree: each process writes its own shards, and the checkpoint is committed once,
@@ -166,7 +177,7 @@ def tree_serialise_leaves(
     """
     return save(
         location(path), pytree, filter_spec, is_leaf,
-        overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, progress=progress,
+        overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, progress=progress, where=where,
     )  # fmt: skip
 
 
@@ -186,15 +197,20 @@ def save(
     metrics: dict[str, Any] | None = None,
     progress: Progress = None,
     handoff: Handoff | None = None,
+    follows: Location | None = None,
+    where: Callable[[PyTree], Any] | None = None,
 ) -> PendingSave | None:
     """`tree_serialise_leaves`, with `metrics` committed in the manifest.
     `handoff`: tells the caller, after any exception, whether an asynchronous
     save went on in the background (a `CheckpointManager` must not remove what
-    that save is writing)."""
+    that save is writing). `follows`: the checkpoint this save shares unchanged
+    chunk files with when `loc` holds none yet (a manager's previous step;
+    `_share`). `where`: a partial save (`_partial`)."""
     group = _multihost.Group()
-    overwrite, blocking, cast, planned = _collect_and_plan(
-        loc, group, pytree, filter_spec, is_leaf, overwrite=overwrite, blocking=blocking, cast=cast, layout=layout
-    )
+    overwrite, blocking, cast, planned, expected = _collect_and_plan(
+        loc, group, pytree, filter_spec, is_leaf,
+        overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, where=where,
+    )  # fmt: skip
     options: dict[str, Any] = dict(overwrite=overwrite, layout=layout, metrics=metrics, progress=progress)
     exclusive = _lease.acquire_exclusive(loc)
     handoff = handoff if handoff is not None else Handoff()
@@ -204,10 +220,13 @@ def save(
         if not isinstance(planned, _write.Batch):
             # Every array is safe on the host already: the plan, the transaction
             # and the writes all happen in the background.
-            run = functools.partial(_plan_write_and_commit, loc, group, planned, cast, **options)
+            run = functools.partial(_plan_write_and_commit, loc, group, planned, cast, follows, **options)
             return _background.start(run, exclusive, handoff)
-        tx, tracker = _begin(loc, group, planned, **options)
-        run = functools.partial(_write_and_commit, tx, group, planned, metrics=metrics, tracker=tracker)
+        check = None if expected is None else functools.partial(_partial.check_unreplaced, commit=expected)
+        tx, tracker = _begin(loc, group, planned, check=check, **options)
+        run = functools.partial(
+            _write_and_commit, tx, group, planned, metrics=metrics, tracker=tracker, follows=follows
+        )
         if blocking:
             with tracker:
                 run()
@@ -241,11 +260,15 @@ def _collect_and_plan(
     blocking: Any,
     cast: Any,
     layout: str,
-) -> tuple[bool, bool, Callable[[str, np.dtype], Any] | None, _write.Batch | _background.HeldLeaves]:
+    where: Callable[[PyTree], Any] | None,
+) -> tuple[bool, bool, Callable[[str, np.dtype], Any] | None, _write.Batch | _background.HeldLeaves, str | None]:
     """The options checked (`overwrite`, `blocking` and `cast` as `save` uses
     them), then the leaves collected and planned; an asynchronous save's
-    leaves are held instead (`_background.hold_tree`), and planned in the background."""
+    leaves are held instead (`_background.hold_tree`), and planned in the
+    background. Last, for a partial save (`where`), the commit of the
+    checkpoint whose leaves it keeps."""
     planned: _write.Batch | _background.HeldLeaves | None = None
+    expected: str | None = None
     error: BaseException | None = None
     # Every process reaches this first barrier, even one whose tree is bad, so
     # that a failure anywhere fails the save everywhere at once.
@@ -254,7 +277,23 @@ def _collect_and_plan(
         overwrite = check_flag("overwrite", overwrite, "whether to replace a checkpoint already there")
         blocking = check_flag("blocking", blocking, "`False` saves in the background")
         cast = _records.cast_function(cast)
-        if not blocking and group.count == 1 and filter_spec is default_serialise_filter_spec and is_leaf is None:
+        if where is not None:
+            partial = _partial.collect(
+                loc,
+                pytree,
+                where,
+                filter_spec,
+                is_leaf,
+                cast,
+                overwrite=overwrite,
+                default=default_serialise_filter_spec,
+            )
+            planned = _plan(
+                loc, group, partial.leaves, partial.names, partial.specs, partial.cast, private=not blocking
+            )
+            partial.keep_chunks(planned.pending)
+            expected = partial.commit
+        elif not blocking and group.count == 1 and filter_spec is default_serialise_filter_spec and is_leaf is None:
             planned = _background.hold_tree(pytree)
         if planned is None:
             leaves, names, specs = _collect(pytree, filter_spec, is_leaf)
@@ -271,7 +310,7 @@ def _collect_and_plan(
     if error is not None:
         raise error
     assert planned is not None
-    return overwrite, blocking, cast, planned
+    return overwrite, blocking, cast, planned, expected
 
 
 def _collect(
@@ -312,6 +351,7 @@ def _plan_write_and_commit(
     group: _multihost.Group,
     held: _background.HeldLeaves,
     cast: Callable[[str, np.dtype], Any] | None,
+    follows: Location | None,
     **options: Any,
 ) -> None:
     """The background part of an asynchronous save whose leaves were held (`_background.hold_tree`)."""
@@ -319,7 +359,7 @@ def _plan_write_and_commit(
     batch = _plan(loc, group, leaves, names, [default_serialise_filter_spec] * len(leaves), cast, private=False)
     tx, tracker = _begin(loc, group, batch, **options)
     with tracker:
-        _write_and_commit(tx, group, batch, metrics=options["metrics"], tracker=tracker)
+        _write_and_commit(tx, group, batch, metrics=options["metrics"], tracker=tracker, follows=follows)
 
 
 def _begin(
@@ -331,8 +371,10 @@ def _begin(
     layout: str,
     metrics: dict[str, Any] | None,
     progress: Progress,
+    check: Callable[[_transaction.Transaction], None] | None = None,
 ) -> tuple[_transaction.Transaction, Tracker]:
-    """Begin the transaction (with every process), and the progress report."""
+    """Begin the transaction (with every process; `check` may refuse it, see
+    `_multihost.begin`), and the progress report."""
     if layout == "directories":
         _untrusted.check_path_lengths(loc, [p.record for p in batch.own])
     tracker = Tracker(progress, leaves=len(batch.pending), nbytes=batch.nbytes, what="save")
@@ -340,7 +382,7 @@ def _begin(
         with _storage_errors.explained(loc, "Saving checkpoint"):
             packs = [pack.name for pack, _ in batch.packs]
             paths = [p.record.path for p in batch.own]
-            tx = _multihost.begin(group, loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
+            tx = _multihost.begin(group, loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs, check=check)
     except BaseException:
         tracker.close()
         raise
@@ -359,13 +401,14 @@ def _write_and_commit(
     *,
     metrics: dict[str, Any] | None,
     tracker: Tracker,
+    follows: Location | None = None,
 ) -> None:
     """Write every array, make it durable, then commit once (process 0). Before
     the commit, any failure or interrupt deletes what this save wrote; after it,
     nothing undoes the save."""
     commits: list[Any] = []
     try:
-        error, encoded = _write_all(tx, group, batch, metrics=metrics, tracker=tracker, out=commits)
+        error, encoded = _write_all(tx, group, batch, metrics=metrics, tracker=tracker, out=commits, follows=follows)
         error = _commit(tx, group, encoded, error)
         if error is None:
             return
@@ -401,14 +444,18 @@ def _write_all(
     metrics: dict[str, Any] | None,
     tracker: Tracker,
     out: list[Any],
+    follows: Location | None = None,
 ) -> tuple[BaseException | None, list[bytes]]:
     """Write this process's arrays and make them durable, while process 0
     encodes the manifest; the first error, and the manifest's bytes. Puts in
-    `out` the futures an abort must wait for (`_write.start_writes`)."""
+    `out` the futures an abort must wait for (`_write.start_writes`); chunk
+    files equal to those of the checkpoint this save replaces, or `follows`,
+    are shared (`_share`)."""
     error: BaseException | None = None
     encoded: list[bytes] = []
     try:
-        writing = _write.start_writes(tx, batch, group, tracker=tracker, out=out)
+        base = _base(tx, group, follows)
+        writing = _write.start_writes(tx, batch, group, tracker=tracker, out=out, base=base)
     except Exception as e:
         error, writing = e, []
     if error is None and group.primary:
@@ -422,6 +469,16 @@ def _write_all(
     # Each process makes its own writes durable; only then may process 0 commit.
     error = error or _write.attempt(lambda: _durable.flush(tx.data))
     return error, encoded
+
+
+def _base(tx: _transaction.Transaction, group: _multihost.Group, follows: Location | None) -> _share.Base | None:
+    """The checkpoint whose chunk files this save may share: the one it
+    replaces, else the one it `follows`; none for several processes."""
+    if group.count > 1:
+        return None
+    if tx.old is not None:
+        return _share.base(tx.loc, tx.old)
+    return _share.base_at(follows) if follows is not None else None
 
 
 def _commit(

@@ -22,6 +22,7 @@ from . import (
     _local_write,
     _memory,
     _multihost,
+    _share,
     _storage,
     _transaction,
 )
@@ -91,6 +92,7 @@ def start_writes(
     *,
     tracker: Tracker | None = None,
     out: list[Any],
+    base: _share.Base | None = None,
 ) -> Writing:
     """Create every array, then start writing them: on a local disk by
     eqx_ckpt's own threads, else staged in one TensorStore transaction whose
@@ -104,7 +106,7 @@ def start_writes(
     opens = _create(data, batch, group)
     local = _local_write.chosen(data, processes=group.count, layout=tx.layout)
     fast = {i for i, p in enumerate(batch.own) if local and _local_write.eligible(p.record, p.pieces)}
-    writing = _start_local(data, batch, fast, local, out)
+    writing = _start_local(data, batch, fast, local, out, base if local else None)
     _start_tensorstore(batch, opens, fast, local, tracker, out)
     return writing
 
@@ -155,21 +157,26 @@ def _create(data: Location, batch: Batch, group: _multihost.Group) -> list[Any]:
     return opens
 
 
-def _start_local(data: Location, batch: Batch, fast: set[int], packs: bool, out: list[Any]) -> Writing:
+def _start_local(
+    data: Location, batch: Batch, fast: set[int], packs: bool, out: list[Any], base: _share.Base | None
+) -> Writing:
     """Start writing, by eqx_ckpt's own threads (`_local_write`), the chunk
     files of the leaves `fast` (indices into `batch.own`) and, with `packs`,
-    of every pack, each file's writeback started at once."""
+    of every pack, each file's writeback started at once (or shared with
+    `base`'s, `_share`)."""
     own, direct = batch.own, []
 
     def start() -> None:
         # In a helper thread too: every future started is kept in `out`.
         for i in sorted(fast):
-            futures = _local_write.start_write(data, own[i].record, own[i].pieces[0][1])
+            folder = base.leaf_folder(own[i].record) if base is not None else None
+            futures = _local_write.start_write(data, own[i].record, own[i].pieces[0][1], folder)
             out.extend(futures)
             direct.append((1, own[i].record.nbytes, futures))
         for pack, members in batch.packs if packs else []:
             views = [p.pieces[0][1] for p in members]
-            futures = _local_write.start_pack(data, pack, [p.record for p in members], views)
+            folder = base.pack_folder(pack) if base is not None else None
+            futures = _local_write.start_pack(data, pack, [p.record for p in members], views, folder)
             out.extend(futures)
             direct.append((len(members), sum(view.nbytes for view in views), futures))
 

@@ -72,6 +72,24 @@ def abstract(tree: dict, mesh: jax.sharding.Mesh, specs: dict) -> dict:
     return out
 
 
+def check_partial_save(path: str, mesh: jax.sharding.Mesh, tree: dict) -> None:
+    """A partial save by every process, into a checkpoint of `tree` at scale
+    2: only `sharded` is replaced (the rest of the tree given is abstract),
+    every other stored leaf kept."""
+    eqx_ckpt.tree_serialise_leaves(path, make_tree(mesh, 2.0))
+    new = abstract(make_tree(mesh, 3.0), mesh, {"half": P("a"), "replicated": P()})
+    new["small"] = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), new["small"]
+    )
+    eqx_ckpt.tree_serialise_leaves(path, new, where=lambda t: t["sharded"])
+    loaded = eqx_ckpt.tree_deserialise_leaves(path, tree)
+    for name, scale in (("sharded", 3.0), ("half", 2.0), ("replicated", 2.0)):
+        for shard in loaded[name].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), global_value(scale)[shard.index])
+    expected = {"table": np.arange(3, dtype=np.int32) + 2, "rate": 1.0}
+    assert eqx.tree_equal(loaded["small"], expected, typematch=True), loaded["small"]
+
+
 def check_failure_elsewhere(process_id: int, path: str, tree: dict, name: str, point: str | None = None) -> None:
     """A failure in process 1 (the fault point `point` raises there, or, without
     one, `eqx_ckpt._records`'s function `name`) fails the save in process 0
@@ -157,6 +175,7 @@ def main(process_id: int, num_processes: int, port: int, path: str) -> None:
         assert "layout='ocdbt'" in str(e), str(e)
     else:
         raise AssertionError("an OCDBT save from several processes did not fail")
+    check_partial_save(path + "_partial", mesh, tree)
     print(f"worker {process_id} ok after {time.perf_counter() - START:.1f} s", flush=True)
 
 

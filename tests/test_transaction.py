@@ -56,6 +56,7 @@ _IO = [
     "sync.create_directory",
     "storage.delete_file",
     "local_write.chunk",  # a chunk file written by eqx_ckpt itself
+    "share.link",  # a chunk file shared with the save before (incremental saves)
 ]
 
 # The threads a save does its I/O in: the caller's, the helper that keeps every
@@ -92,7 +93,14 @@ def inject(fail_at, error):
 
 
 def _tree(generation):
-    return {"a": np.full(3, generation, np.float32), "b": {"c": np.arange(2) + generation}, "step": generation}
+    # `frozen` never changes: an overwrite or a manager's next step shares its
+    # chunk file with the save before (`share.link`), as incremental saves do.
+    return {
+        "a": np.full(3, generation, np.float32),
+        "b": {"c": np.arange(2) + generation},
+        "frozen": np.arange(4, dtype=np.float32),
+        "step": generation,
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -181,7 +189,7 @@ class _Scenario:
         if self.kind == "manager":
             return {f for f in files if not f.startswith("step_")}
         manifest = eqx_ckpt.Checkpoint(self.directory)._manifest
-        live = {manifest.data_root} if manifest.data_root else {"a", "b", "packed.int64", "zarr.json"}
+        live = {manifest.data_root} if manifest.data_root else {"a", "b", "frozen", "packed.int64", "zarr.json"}
         return {f for f in files if f.split(os.sep)[0] not in live} - {"manifest.json"}
 
 

@@ -1,0 +1,164 @@
+"""Incremental saves: a fine-tuning run whose large base never changes.
+
+`python -m benchmarks.incremental [--base-gib 1] [--head-mib 24] [--steps 6] [--reps 5] [--dir DIR] [--json FILE]`
+
+The workload of SPEC §4: a frozen base of `--base-gib` GiB (float32
+`jax.Array`s of 64 MiB) and a trainable head of `--head-mib` MiB (arrays of
+4 MiB) that changes at every step. The base is new array objects with the
+same values at every step (`p + 0`, as an optimiser update that leaves it
+alone gives), so nothing but its bytes tells that it did not change.
+
+It measures, in one run:
+
+- `fresh_head`: a first save of only the head into a new directory (the cost of
+  writing just the changed bytes), the median of `--reps`;
+- `manager_step`: a `CheckpointManager` step of the whole tree (base and head)
+  after the first, the median over `--steps` steps, and the disk each step adds
+  (blocks of files not seen before, so a hard-linked file counts once);
+- `first_save` and `overwrite_changed`: a first save of the whole tree into a new
+  directory, and an overwrite of it where every byte changed (the cost of
+  comparing, plus the old generation's deletion), medians of `--reps`.
+
+Then prints the three ratios SPEC §4 bounds (step / fresh head <= 2, disk per
+step / changed bytes <= 1.2, overwrite / first save <= 1.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import eqx_ckpt
+
+BASE_LEAF = (4096, 4096)  # 64 MiB of float32
+HEAD_LEAF = (1024, 1024)  # 4 MiB of float32
+
+
+def make_tree(base_gib: float, head_mib: float) -> dict[str, Any]:
+    n_base = max(1, round(base_gib * 2**30 / (BASE_LEAF[0] * BASE_LEAF[1] * 4)))
+    n_head = max(1, round(head_mib * 2**20 / (HEAD_LEAF[0] * HEAD_LEAF[1] * 4)))
+    key = jax.random.key(0)
+    base = {f"layer{i:03d}": jax.random.normal(jax.random.fold_in(key, i), BASE_LEAF) for i in range(n_base)}
+    head = {f"w{i}": jnp.full(HEAD_LEAF, 0.5 + i, jnp.float32) for i in range(n_head)}
+    tree = {"base": base, "head": head, "step": 0}
+    jax.block_until_ready(tree)
+    return tree
+
+
+def nbytes(tree: Any) -> int:
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "nbytes"))
+
+
+def disk_blocks(directory: str, seen: set[tuple[int, int]]) -> int:
+    """Bytes of the blocks of the files under `directory` not in `seen` (by
+    device and inode), which it then holds."""
+    total = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            st = os.lstat(os.path.join(root, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def timed(run: Any) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def step_tree(tree: dict[str, Any], step: int) -> dict[str, Any]:
+    """The next step's tree: the base as new arrays of the same bytes, the head changed."""
+    base = {k: v + 0 for k, v in tree["base"].items()}
+    head = {k: v + step for k, v in tree["head"].items()}
+    out = {"base": base, "head": head, "step": step}
+    jax.block_until_ready(out)
+    return out
+
+
+def measure(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    tree = make_tree(args.base_gib, args.head_mib)
+    head_bytes = nbytes(tree["head"])
+    # Once before any timing: the first save of a process pays for imports and thread pools.
+    eqx_ckpt.tree_serialise_leaves(os.path.join(root, "warm-up"), step_tree(tree, 1)["head"])
+    fresh = [
+        timed(lambda r=r: eqx_ckpt.tree_serialise_leaves(os.path.join(root, f"head{r}"), step_tree(tree, r)["head"]))
+        for r in range(args.reps)
+    ]
+    steps, added = [], []
+    seen: set[tuple[int, int]] = set()
+    with eqx_ckpt.CheckpointManager(os.path.join(root, "run"), max_to_keep=3) as manager:
+        for step in range(args.steps + 1):
+            current = step_tree(tree, step)
+            seconds = timed(lambda s=step, c=current: manager.save(s, c))
+            grew = disk_blocks(manager.step_path(step), seen)
+            if step:  # the first step writes everything
+                steps.append(seconds)
+                added.append(grew)
+    first, overwrite = [], []
+    for r in range(args.reps):
+        path = os.path.join(root, f"full{r}")
+        first.append(timed(lambda p=path: eqx_ckpt.tree_serialise_leaves(p, tree)))
+        changed = jax.tree_util.tree_map(lambda x: x + 1, tree)
+        jax.block_until_ready(changed)
+        overwrite.append(timed(lambda p=path, c=changed: eqx_ckpt.tree_serialise_leaves(p, c)))
+        shutil.rmtree(path)
+    result = {
+        "base_bytes": nbytes(tree["base"]),
+        "head_bytes": head_bytes,
+        "fresh_head_s": fresh,
+        "manager_step_s": steps,
+        "step_added_bytes": added,
+        "first_save_s": first,
+        "overwrite_changed_s": overwrite,
+    }
+    result["ratios"] = {
+        "step_over_fresh_head": statistics.median(steps) / statistics.median(fresh),
+        "worst_step_over_fresh_head": max(steps) / statistics.median(fresh),
+        "disk_per_step_over_changed": statistics.median(added) / head_bytes,
+        "overwrite_over_first_save": statistics.median(overwrite) / statistics.median(first),
+    }
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base-gib", type=float, default=1.0)
+    parser.add_argument("--head-mib", type=float, default=24.0)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary folder)")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    root = tempfile.mkdtemp(prefix="eqx_ckpt_incremental_", dir=args.dir)
+    try:
+        result = measure(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    med = statistics.median
+    print(f"base {result['base_bytes'] / 2**20:.0f} MiB, head {result['head_bytes'] / 2**20:.0f} MiB")
+    print(f"fresh save of the head:     median {med(result['fresh_head_s']):.3f} s")
+    steps = result["manager_step_s"]
+    print(f"manager step (whole tree):  median {med(steps):.3f} s, worst {max(steps):.3f} s")
+    print(f"disk added per step:        median {med(result['step_added_bytes']) / 2**20:.1f} MiB")
+    print(f"first save of the tree:     median {med(result['first_save_s']):.3f} s")
+    print(f"overwrite, all changed:     median {med(result['overwrite_changed_s']):.3f} s")
+    for name, value in result["ratios"].items():
+        print(f"{name}: {value:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
