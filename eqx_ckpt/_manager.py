@@ -162,6 +162,9 @@ class CheckpointManager:
         self.adopt_steps = check_flag("adopt_steps", adopt_steps, "`True` applies retention to every step")
         # The steps retention may delete (see `_governed_steps`), known from the first save on.
         self._governed: set[int] | None = None
+        # Every step this manager began to save: its own, even where an interrupt
+        # after the commit came before retention recorded it.
+        self._saving: set[int] = set()
         self._warned = False
         self._pending: PendingSave | None = None
         self._pending_step: int | None = None
@@ -330,6 +333,7 @@ class CheckpointManager:
         if state.get(step) and _primary():
             with _storage_errors.explained(self._loc, f"Saving step {step} to"):
                 _storage.remove(self._loc, [_metrics_name(step)])
+        self._saving.add(step)
         handoff = _serialise.Handoff()
         # The newest committed step: unchanged chunk files are shared with it (`_share`).
         before = max((s for s, committed in state.items() if committed and s != step), default=None)
@@ -754,7 +758,7 @@ class CheckpointManager:
         if self._governed is None:
             record = _read_retention(self._loc)
             self._governed = set(record[1]) if record is not None and record[0] == self._rules() else set()
-        return (self._governed | ({saved} if saved is not None else set())) & set(steps)
+        return (self._governed | self._saving | ({saved} if saved is not None else set())) & set(steps)
 
     def _keep(self, steps: list[int], saved: int | None) -> set[int]:
         ranked = _rank(self._all_metrics(steps), self.best_metric, self.best_mode) if self.best_n else []

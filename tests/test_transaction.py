@@ -31,6 +31,7 @@ from disk import snapshot
 import eqx_ckpt
 from eqx_ckpt import (
     _faults,
+    _format,
     _interrupts,
     _local_read,
     _location,
@@ -187,7 +188,8 @@ class _Scenario:
         """The files in the directory besides the checkpoint(s) and the user's."""
         files = set(snapshot(self.directory)) - set(_users(self.directory))
         if self.kind == "manager":
-            return {f for f in files if not f.startswith("step_")}
+            # Its steps, and the record of the steps its retention rules govern.
+            return {f for f in files if not f.startswith("step_") and f != _format.RETENTION}
         manifest = eqx_ckpt.Checkpoint(self.directory)._manifest
         live = {manifest.data_root} if manifest.data_root else {"a", "b", "frozen", "packed.int64", "zarr.json"}
         return {f for f in files if f.split(os.sep)[0] not in live} - {"manifest.json"}
