@@ -10,14 +10,12 @@ import subprocess
 import sys
 import textwrap
 
-import gcs_server
 import jax
 import numpy as np
 import pytest
-import s3_server
 
 import eqx_ckpt
-from eqx_ckpt import _faults, _format, _local_write, _manifest, _records, _storage
+from eqx_ckpt import _faults, _format, _local_write, _manifest, _records
 from eqx_ckpt._location import location
 
 # Large enough for arrays of their own (not packed), small enough to be quick.
@@ -297,38 +295,3 @@ def test_an_asynchronous_manager_save_shares_too(tmp_path):
         manager.wait_until_finished()
         assert _chunk_files(manager.step_path(1), "base.w1") == _chunk_files(manager.step_path(2), "base.w1")
         _loads_as(manager.step_path(2), trees[1])
-
-
-@pytest.fixture(scope="module")
-def gcs():
-    with pytest.MonkeyPatch.context() as monkeypatch, gcs_server.running(monkeypatch) as url:
-        yield url
-
-
-def _object_store(kind, request):
-    if kind == "s3":
-        s3 = request.getfixturevalue("s3")
-        s3_server.credentials(request.getfixturevalue("monkeypatch"))
-        return s3.spec(f"{request.node.name}/run/")
-    request.getfixturevalue("gcs")
-    return f"gs://{gcs_server.BUCKET}/{request.node.name}/run"
-
-
-@pytest.mark.parametrize("kind", ["s3", "gcs"])
-def test_on_object_stores_every_step_is_written_whole(request, kind):
-    """Object stores have no hard links: each step is written in full (the
-    documented choice), so deleting the others by hand leaves it whole."""
-    store = _object_store(kind, request)
-    trees = [_tree(step) for step in range(3)]
-    with eqx_ckpt.CheckpointManager(store) as manager:
-        for step, tree in enumerate(trees):
-            manager.save(step, tree)
-        # Every object of steps 0 and 1 deleted, as `aws s3 rm --recursive` would.
-        _storage.remove(location(store), [_format.step_name(0), _format.step_name(1)])
-        assert _storage.list_keys(_step(store, 0)) == []
-        _loads_as(_step(store, 2), trees[2])
-
-
-def _step(store, step):
-    """The location of a step of the manager at `store` (a spec keeps its endpoint)."""
-    return location(store).joined(_format.step_name(step))
