@@ -3,14 +3,13 @@ directories created so that a crash cannot lose them."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import functools
 import os
 import sys
 from typing import TYPE_CHECKING
 
-from . import _faults, _format, _location, _storage_errors
+from . import _faults, _format, _location, _memory, _storage_errors
 from ._errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -47,9 +46,10 @@ def flush(loc: Location) -> None:
         return
     sync = functools.partial(fsync, missing_ok=True)
     try:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=32) as pool:
-            for _ in pool.map(sync, paths):
-                pass
+        # The process's pool, kept from save to save: starting 32 threads for
+        # every save cost several milliseconds of a small one.
+        for _ in _memory.shared_pool("eqx_ckpt-sync", 32).map(sync, paths):
+            pass
     except RuntimeError:  # at interpreter exit no thread pool starts: one at a time, then
         for path in paths:
             sync(path)
