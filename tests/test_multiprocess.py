@@ -286,9 +286,14 @@ def _check_survivors(procs: list[Any], outputs: list[str], victim: int, said: st
         if i == victim:
             continue
         assert proc.returncode != 0, out[-4000:]
-        if said:
+        if said and (i == 0 or proc.returncode == 3):
             assert proc.returncode == 3 and said in out, out[-4000:]
             assert "Nothing was committed: the checkpoint saved before is unchanged" in out, out[-4000:]
+        elif said:
+            # Process 0 raised first and exited, and with it the coordination
+            # service: `jax.distributed` ended this one before its own wait had
+            # noticed (a race, seen in CI). It stopped all the same.
+            assert proc.returncode == -signal.SIGABRT and "coordination service" in out, out[-4000:]
 
 
 def _check_first_save(where: Any) -> None:
