@@ -15,13 +15,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import __version__
+from . import __version__, _share
 from ._checkpoint import SMALL_VALUES, Checkpoint, human
 from ._demo import run
 from ._diff import diff
 from ._errors import CheckpointError, CheckpointNotFoundError, CheckpointValueError
 from ._export import export_safetensors
 from ._format import MANIFEST
+from ._location import location
 from ._manager import CheckpointManager
 from ._verify import verify
 
@@ -95,6 +96,11 @@ def _info(args: argparse.Namespace) -> int:
         print(f"metadata:        {printable(key)}={printable(value)}")
     print(f"leaves:          {len(ckpt)}")
     print(f"bytes:           {ckpt.total_bytes} ({human(ckpt.total_bytes)})")
+    if ckpt.format == "eqx_ckpt":
+        shared = _share.shared_files(location(_path(args.path)))
+        if shared is not None:
+            count, nbytes = shared
+            print(f"shared:          {count} files, {human(nbytes)}, also used by other checkpoints or steps")
     return 0
 
 

@@ -121,3 +121,23 @@ def link(source: str, path: str, nbytes: int, checksum: int) -> bool:
         return True
     os.unlink(path)
     return False
+
+
+def shared_files(loc: Location) -> tuple[int, int] | None:
+    """How many files of the checkpoint at `loc`, and how many bytes, other
+    checkpoints or steps also use (hard links: more than one name); `None`
+    where files are never shared (not on a local disk, the OCDBT layout, or
+    no eqx_ckpt checkpoint there)."""
+    if loc.local is None:
+        return None
+    manifest = _manifest.read_manifest(loc)
+    if manifest is None or manifest.layout != "directories":
+        return None
+    root = _layout.data_location(loc, manifest.data_root, manifest.layout).local or loc.local
+    count = nbytes = 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            info = os.lstat(os.path.join(folder, name))
+            if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+                count, nbytes = count + 1, nbytes + info.st_size
+    return count, nbytes

@@ -16,6 +16,7 @@ import pytest
 
 import eqx_ckpt
 from eqx_ckpt import _faults, _format, _local_write, _manifest, _records
+from eqx_ckpt._checkpoint import human
 from eqx_ckpt._location import location
 
 # Large enough for arrays of their own (not packed), small enough to be quick.
@@ -295,3 +296,21 @@ def test_an_asynchronous_manager_save_shares_too(tmp_path):
         manager.wait_until_finished()
         assert _chunk_files(manager.step_path(1), "base.w1") == _chunk_files(manager.step_path(2), "base.w1")
         _loads_as(manager.step_path(2), trees[1])
+
+
+def test_info_says_how_much_is_shared(tmp_path, capsys):
+    from eqx_ckpt import _cli
+
+    with eqx_ckpt.CheckpointManager(tmp_path / "run") as manager:
+        manager.save(0, _tree(0))
+        manager.save(1, _tree(1))
+        paths = [manager.step_path(0), manager.step_path(1)]
+    assert _cli.main(["info", paths[1]]) == 0
+    # The three base arrays' chunk files are shared with step 0.
+    base = 3 * (ROWS * COLS * 4 + _format.CHECKSUM_BYTES)
+    assert (
+        f"shared:          3 files, {human(base)}, also used by other checkpoints or steps" in capsys.readouterr().out
+    )
+    shutil.rmtree(paths[0])
+    assert _cli.main(["info", paths[1]]) == 0
+    assert "shared:          0 files, 0 B" in capsys.readouterr().out
