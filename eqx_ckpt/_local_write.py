@@ -253,6 +253,11 @@ def _shared(source: str, path: str, content: Any) -> tuple[bool, int | None]:
     stored = _share.stored_checksum(source, nbytes)
     if stored is None:
         return False, None
+    if nbytes >= UNBUFFERED_FROM and not isinstance(content, _Chunk) and not _share.same_start(source, content[0]):
+        # Its first bytes changed: written at once, its checksum computed as it
+        # is staged (the pass over the bytes a checksum here would add was the
+        # cost of comparing, on an overwrite where everything changed).
+        return False, None
     checksum = _checksum(content)
     return checksum == stored and _share.link(source, path, nbytes, stored), checksum
 

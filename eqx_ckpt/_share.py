@@ -105,6 +105,28 @@ def stored_checksum(path: str, nbytes: int) -> int | None:
     return int.from_bytes(tail, "little") if len(tail) == _format.CHECKSUM_BYTES else None
 
 
+def same_start(path: str, data: Any) -> bool:
+    """Whether the base's chunk file `path` begins with the first bytes of
+    `data` (a buffer): a cheap look before the checksum of a large chunk,
+    which costs a pass over all of its bytes. A chunk whose first bytes
+    changed (an overwrite where everything changed) is written at once."""
+    head = memoryview(data).cast("B")[:START_BYTES]
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        return os.pread(fd, len(head), 0) == head
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+# How many first bytes of a large chunk are compared before its checksum is computed.
+START_BYTES = 4096
+
+
 def link(source: str, path: str, nbytes: int, checksum: int) -> bool:
     """Make `path` (which does not exist) a hard link to the base's chunk file
     `source`; whether it is one, still of `nbytes` bytes ending in `checksum`

@@ -104,6 +104,8 @@ _CHANGES = {
     "value": lambda a: a + 1,
     "negative zero": lambda a: np.where(a == a.flat[0], -0.0, a).astype(a.dtype),
     "nan payload": lambda a: a.view(np.uint32).__or__(np.uint32(1)).view(np.float32),
+    # The first bytes the same (a large chunk's first look), the last one not.
+    "last element": lambda a: np.concatenate([a.reshape(-1)[:-1], a.reshape(-1)[-1:] + 1]).reshape(a.shape),
 }
 
 
