@@ -91,7 +91,7 @@ def like_of(path: str) -> Any:
     tree: dict[str, Any] = {}
     for file in files_of(path):
         with safe_open(file, "numpy") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            for name in f.keys():
                 piece = f.get_slice(name)
                 node = tree
                 *parents, last = name.split(".")
