@@ -478,6 +478,14 @@ def test_runs_return_every_tensors_exact_bytes(tmp_path, faults):
         if name in as_jax:
             assert isinstance(as_jax[name], jax.Array)
             assert np.asarray(as_jax[name]).tobytes() == want.tobytes(), name
+    # `Checkpoint.load` (no `like`) reads the same one run.
+    runs.clear()
+    loaded = eqx_ckpt.Checkpoint(path).load()
+    assert len(runs) == 1
+    for name in jax_dtypes:
+        assert np.asarray(loaded[name]).tobytes() == MIXED[name].tobytes(), name
+    for i in range(200):
+        assert np.asarray(loaded["many"][f"{i:03d}"]).tobytes() == MIXED[f"many.{i:03d}"].tobytes(), i
 
 
 def _nested_like(flat, make):
@@ -530,6 +538,13 @@ def test_a_rewrite_between_the_header_and_the_run_is_reported_replaced(tmp_path,
     like = {"model": {name.split(".")[1]: np.zeros(8, np.float32) for name in tensors}}
     with pytest.raises(eqx_ckpt.CheckpointReplacedError, match="was replaced after it was opened"):
         eqx_ckpt.tree_deserialise_leaves(path, like)
+    assert rewritten
+    # `Checkpoint.load` (no `like`) reads the same runs.
+    tensors, changed = changed, {name: value + 1 for name, value in changed.items()}
+    ckpt = eqx_ckpt.Checkpoint(path)
+    rewritten.clear()
+    with pytest.raises(eqx_ckpt.CheckpointReplacedError, match="was replaced after it was opened"):
+        ckpt.load()
     assert rewritten
 
 
