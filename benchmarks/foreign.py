@@ -20,8 +20,9 @@ before the runs):
 - `eqx_ckpt`: `eqx_ckpt.tree_deserialise_leaves(path, like)`, `like` a tree of
   `jax.ShapeDtypeStruct`s;
 - `checkpoint`: `eqx_ckpt.Checkpoint(path).load()` (no `like`);
-- for the large file, `raw`: the file read whole into one buffer (`readinto`),
-  against which the `eqx_ckpt` load is compared.
+- for the large file, `raw`: the file read whole into fresh anonymous memory
+  by 4 threads of `preadv` in 16 MiB pieces (the harness's raw reads,
+  `benchmarks/contenders.py`), against which the `eqx_ckpt` load is compared.
 
 Prints the median and worst of `--reps` runs of each, and the ratio of each
 median to the reference's (for the large file, to `raw`).
@@ -30,7 +31,9 @@ median to the reference's (for the large file, to `raw`).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -45,6 +48,7 @@ import numpy as np
 LAYER = {"norm": (64,), "bias": (128,), "w": (32, 32), "scale": (16,), "proj": (16, 32)}
 SHARDS = 4
 LARGE_TENSOR = (4096, 4096)  # 64 MiB of float32
+READ_THREADS, PIECE = 4, 16 * 2**20
 
 
 def small_tensors(count: int) -> dict[str, np.ndarray]:
@@ -70,8 +74,10 @@ def write_files(root: str, count: int, large_gib: float) -> dict[str, str]:
     with open(os.path.join(paths["hf"], "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     if large_gib:
-        count = max(1, round(large_gib * 2**30 / (LARGE_TENSOR[0] * LARGE_TENSOR[1] * 4)))
-        large = {f"layer{i:03d}": np.full(LARGE_TENSOR, i, np.float32) for i in range(count)}
+        nbytes = round(large_gib * 2**30)
+        count = max(1, nbytes // (LARGE_TENSOR[0] * LARGE_TENSOR[1] * 4))
+        shape = LARGE_TENSOR if count > 1 else (max(1, nbytes // (LARGE_TENSOR[1] * 4)), LARGE_TENSOR[1])
+        large = {f"layer{i:03d}": np.full(shape, i, np.float32) for i in range(count)}
         paths["large"] = os.path.join(root, "large.safetensors")
         save_file(large, paths["large"])
     return paths
@@ -123,14 +129,33 @@ def measure(op: str, path: str) -> float:
     elif op == "checkpoint":
         jax.block_until_ready(eqx_ckpt.Checkpoint(path).load())
     elif op == "raw":
-        buffer = bytearray(os.path.getsize(path))
-        with open(path, "rb", buffering=0) as f:
-            view, done = memoryview(buffer), 0
-            while done < len(buffer):
-                done += f.readinto(view[done:])
+        raw_read(path)
     else:
         raise ValueError(op)
     return time.perf_counter() - start
+
+
+def raw_read(path: str) -> memoryview:
+    """The file read whole into fresh anonymous memory, as the harness's raw
+    contender reads: `READ_THREADS` threads of `preadv` in `PIECE`-byte pieces."""
+    size = os.path.getsize(path)
+    view = memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+
+        def piece(offset: int) -> None:
+            done, want = 0, min(PIECE, size - offset)
+            while done < want:
+                n = os.preadv(fd, [view[offset + done : offset + want]], offset + done)
+                if n == 0:
+                    raise EOFError(f"{path} is shorter than it was")
+                done += n
+
+        with concurrent.futures.ThreadPoolExecutor(READ_THREADS) as pool:
+            list(pool.map(piece, range(0, size, PIECE)))
+    finally:
+        os.close(fd)
+    return view
 
 
 def in_fresh_process(op: str, path: str) -> float:

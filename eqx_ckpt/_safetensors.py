@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _faults, _keypath, _location, _storage, _storage_errors, _window
+from . import _faults, _keypath, _local_read, _location, _memory, _storage, _storage_errors, _window
 from ._errors import CheckpointNotFoundError, CheckpointReplacedError, CheckpointValueError, CorruptCheckpointError
 from ._format import MAX_ELEMENTS, MAX_RANK, LeafRecord, dtype_from_name
 from ._location import Location
@@ -185,7 +185,8 @@ def _tensors(
         if places.get(dotted(tensor), ("",))[0] != file:
             raise _corrupt(loc, f"{index} lists the tensor {tensor!r} in {file!r}, which does not hold it")
     ordered = tuple(records[path] for path in sorted(records))
-    opened = _Files(loc, kv, dict(zip(files, generations)))
+    local = folder["path"] if _location.on_local_disk(loc) else None
+    opened = _Files(loc, kv, dict(zip(files, generations)), local)
     return (
         "safetensors",
         Manifest(ordered, layout="safetensors", metadata=_merged(metadata)),
@@ -205,8 +206,10 @@ class _Files:
     the generation comes with the bytes, in one response), and `changed` names
     a file that is no longer that version."""
 
-    def __init__(self, loc: Location, kv: _storage.KvStore, generations: dict[str, bytes]):
+    def __init__(self, loc: Location, kv: _storage.KvStore, generations: dict[str, bytes], folder: str | None):
         self.loc, self.kv, self.generations = loc, kv, generations
+        # The local directory of the files, which runs are read from with `os.preadv`.
+        self.folder = folder
         # On a local disk a file can be rewritten in place while it is read, so
         # the files read from are also checked after the reads.
         self.local = _location.on_local_disk(loc)
@@ -408,7 +411,11 @@ def read_runs(
     them. Tensors more than `GAP_BYTES` apart, or a run longer than the read
     budget, start another run, so a partial load reads little more than it
     wants. Runs are started ahead of their use within the read budget (`_window`)."""
-    small = [i for i, record in enumerate(records) if record.nbytes <= SMALL_BYTES]
+    # On a local disk a larger tensor is read whole the same way, into memory
+    # `jax.device_put` adopts without a copy: three copies of its bytes fewer
+    # than through a TensorStore array (the read's, the chunk's, the array's).
+    most = _window.READ_BUDGET if files.folder is not None else SMALL_BYTES
+    small = [i for i, record in enumerate(records) if record.nbytes <= most]
     jobs = (
         (run[3], run[2] - run[1], functools.partial(_start_run, files, run, [records[m] for m in run[3]], places))
         for run in _runs(places, records, small)
@@ -429,7 +436,8 @@ def _runs(places: dict[str, tuple[str, int]], records: Sequence[LeafRecord], wan
         lo = hi = 0
         for start, i in starts:
             end = start + records[i].nbytes
-            if members and (start > hi + GAP_BYTES or end - lo > _window.READ_BUDGET):
+            alone = end - start > SMALL_BYTES or (members and records[members[-1]].nbytes > SMALL_BYTES)
+            if members and (alone or start > hi + GAP_BYTES or end - lo > _window.READ_BUDGET):
                 runs.append((file, lo, hi, members))
                 members = []
             if not members:
@@ -450,10 +458,22 @@ def _start_run(
     file, start, end, _ = run
     files.opened.add(file)
     _faults.fire("safetensors.read_run", files.loc, file, start, end)
-    read = files.kv.read(file, byte_range=slice(start, end)) if end > start else _storage.ready(None)
+    if files.folder is not None:
+        # Checked after the reads, as every read of a local file is (`_Files.changed`).
+        local = _memory.shared_pool("eqx_ckpt-read", _local_read.THREADS).submit(
+            _read_local, os.path.join(files.folder, file), start, end
+        )
+    else:
+        read = files.kv.read(file, byte_range=slice(start, end)) if end > start else _storage.ready(None)
 
     def finish() -> list[np.ndarray]:
-        data = _run_bytes(files, file, start, end, read, records[0])
+        if files.folder is not None:
+            try:
+                data = local.result()
+            except OSError as e:
+                raise _storage_errors.leaf_io_error(e, records[0], files.loc, "read") from e
+        else:
+            data = _run_bytes(files, file, start, end, read, records[0])
         if data is None:
             files.short = True
             raise _truncated(files, file, records, places)
@@ -488,6 +508,23 @@ def _run_bytes(
     if result.state != "value" or len(result.value) != end - start:
         return None
     return np.frombuffer(result.value, np.uint8)
+
+
+def _read_local(path: str, start: int, end: int) -> np.ndarray | None:
+    """Bytes `start` to `end` of a local file (page-aligned when large), or
+    `None` if the file ends before `end`."""
+    out = _memory.fresh_empty((end - start,), np.uint8)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        done, view = 0, out.data
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], start + done)
+            if n == 0:
+                return None
+            done += n
+    finally:
+        os.close(fd)
+    return out
 
 
 def _truncated(files: _Files, file: str, records: list[LeafRecord], places: dict[str, tuple[str, int]]) -> Exception:

@@ -582,3 +582,24 @@ def test_a_partial_load_reads_only_the_runs_it_needs(tmp_path, faults):
     lazy = eqx_ckpt.tree_deserialise_leaves(path, like("a"), prefix="a", lazy=True)
     np.testing.assert_array_equal(np.asarray(lazy["3"]), tensors["a.3"])
     assert runs == []
+
+
+def test_a_large_local_tensor_is_a_run_of_its_own(tmp_path, faults):
+    big = np.arange(2**19, dtype=np.float32).reshape(512, 1024)  # 2 MiB: more than a small tensor
+    tensors = {"a": np.ones(3, np.float32), "b": big, "c": big[::-1].copy(), "d": np.zeros(5, np.float32)}
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    offsets = _offsets(path)
+    runs = _runs(faults)
+    loaded = eqx_ckpt.tree_deserialise_leaves(path, {k: jnp.zeros(v.shape) for k, v in tensors.items()})
+    assert all(np.asarray(loaded[k]).tobytes() == v.tobytes() for k, v in tensors.items())
+    # a, d (small) and b, c (large) each a run: a large tensor is never part of another's run.
+    assert sorted(runs) == sorted(("model.safetensors", *offsets[k]) for k in "abcd")
+    # Placed by rows over 4 devices from the one read.
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    loaded = eqx_ckpt.tree_deserialise_leaves(
+        path, {"b": jax.ShapeDtypeStruct(big.shape, jnp.float32, sharding=sharding)}, prefix=None, strict=False
+    )
+    assert loaded["b"].sharding == sharding
+    np.testing.assert_array_equal(np.asarray(loaded["b"]), big)
