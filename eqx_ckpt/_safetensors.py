@@ -436,7 +436,7 @@ def _runs(places: dict[str, tuple[str, int]], records: Sequence[LeafRecord], wan
         lo = hi = 0
         for start, i in starts:
             end = start + records[i].nbytes
-            alone = end - start > SMALL_BYTES or (members and records[members[-1]].nbytes > SMALL_BYTES)
+            alone = end - start > SMALL_BYTES or bool(members and records[members[-1]].nbytes > SMALL_BYTES)
             if members and (alone or start > hi + GAP_BYTES or end - lo > _window.READ_BUDGET):
                 runs.append((file, lo, hi, members))
                 members = []
@@ -539,7 +539,9 @@ def _truncated(files: _Files, file: str, records: list[LeafRecord], places: dict
         try:
             found = files.kv.read(file, byte_range=slice(last - 1, last)).result()
             whole = found.state == "value" and len(found.value) == 1
-        except Exception:
+        except Exception as e:
+            if "OUT_OF_RANGE" not in str(e):  # not the end of the file: a failed read
+                return _storage_errors.leaf_io_error(e, cut[mid], files.loc, "read")
             whole = False
         if whole and not files.read_matches(file, found.stamp.generation):
             return OSError(f"{file!r} was rewritten since it was opened: its tensors are at other offsets now")
