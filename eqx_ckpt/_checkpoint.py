@@ -275,7 +275,7 @@ class Checkpoint(Mapping[str, Any]):
         source = self._source
         return _nested.load(
             self._data, records, key, lazy=lazy, progress=progress, opener=source.opener, check=source.check,
-            numbered=self._numbered,
+            numbered=self._numbered, runs=source.runs,
         )  # fmt: skip
 
     @property

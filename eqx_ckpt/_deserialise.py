@@ -255,6 +255,8 @@ def _read_now(source: Source, plans: list[LeafPlan], records: list[LeafRecord], 
     if packed:
         _read_packed(data, [plans[i] for i in packed], [records[i] for i in packed], tracker, packed, results)
     own = [i for i, record in enumerate(records) if record.pack is None]
+    if source.runs is not None and own:
+        own = _read_runs(source, [plans[i] for i in own], [records[i] for i in own], tracker, own, results)
     # Large local leaves are read straight into their buffers; the others
     # through TensorStore, opened ahead of the reads.
     direct = {i for i in own if source.opener is None and _read.direct(data, records[i], plans[i].like)}
@@ -299,6 +301,24 @@ def _read_packed(
         for m, value in zip(members, values):
             out[slots[m]] = value
         tracker.advance(leaves=len(members), nbytes=sum(records[m].nbytes for m in members))
+
+
+def _read_runs(
+    source: Source, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any]
+) -> list[int]:
+    """The small leaves of another format that reads runs of adjacent leaves at
+    once (`Source.runs`), placed run by run; the slots of the others, left to
+    be read one by one."""
+    assert source.runs is not None
+    taken, runs = source.runs(records)
+    for members, finish in runs:
+        hosts = finish()
+        values = _read.place(source.data, hosts, [records[m] for m in members], [plans[m].like for m in members])
+        for m, value in zip(members, values):
+            out[slots[m]] = value
+        tracker.advance(leaves=len(members), nbytes=sum(records[m].nbytes for m in members))
+    done = {slots[m] for m in taken}
+    return [slot for slot in slots if slot not in done]
 
 
 def _record_of(plan: LeafPlan) -> LeafRecord:

@@ -90,6 +90,8 @@ The points, with where they fire and the arguments they pass:
 
 - `safetensors.read_headers` `(loc, files)`: a safetensors source is being
   opened: each file's header length was read, its header is read next.
+- `safetensors.read_run` `(loc, file, start, end)`: a load starts the one
+  range read of a run of adjacent small tensors of `file` (bytes `start` to `end`).
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ POINTS = frozenset(
         "local_read.read",
         "local_read.crc",
         "safetensors.read_headers",
+        "safetensors.read_run",
     }
 )
 

@@ -18,6 +18,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 _SAFE = re.compile(r"[A-Za-z0-9_-]")
+_ALL_SAFE = re.compile(r"[A-Za-z0-9_-]+")
 _SEGMENT = re.compile(
     r"^(%e|%i-?[0-9]+|%r(?:[A-Za-z0-9_-]|%[0-9A-F]{2})*(?:%h[0-9a-f]{32})?"
     r"|(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+(?:%h[0-9a-f]{32})?)$"
@@ -37,6 +38,8 @@ def escape(text: str) -> str:
     """
     if text == "":
         return "%e"
+    if _ALL_SAFE.fullmatch(text):  # most keys: one match, not one per character
+        return text
     out = []
     for char in text:
         if _SAFE.fullmatch(char):

@@ -40,6 +40,8 @@ class Source:
         `None` for eqx_ckpt's own zarr3 arrays under `data` (`_storage.open_array`).
     - `changed`: for other formats, the name of a file of the source that is
         no longer the one opened (`None` while none is).
+    - `runs`: for safetensors, the reader of many small tensors in a few large
+        reads (`_safetensors.read_runs`); `None` for the others.
     """
 
     format: str
@@ -48,6 +50,7 @@ class Source:
     manifest: Manifest
     opener: Opener | None = None
     changed: Callable[[], str | None] | None = None
+    runs: Callable[[list[LeafRecord]], tuple[list[int], Any]] | None = None
 
     def open(self, record: LeafRecord) -> Any:
         return self.opener(record) if self.opener is not None else _storage.open_array(self.data, record, checked=False)
@@ -97,8 +100,8 @@ def open_source(path: Any) -> Source:
 
 
 def _foreign(loc: Location, found: Any) -> Source:
-    fmt, manifest, opener, changed = found
-    return Source(fmt, loc, loc, manifest, opener, changed)
+    fmt, manifest, opener, changed, *runs = found
+    return Source(fmt, loc, loc, manifest, opener, changed, *runs)
 
 
 # Files of PyTorch's pickle format, which eqx_ckpt never opens.

@@ -15,7 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # benchmarks/ is a folder at the repository root, not part of the installed package.
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import contenders, report, run, warm_memory, workload  # noqa: E402
+import eqx_ckpt  # noqa: E402
+from benchmarks import contenders, foreign, report, run, warm_memory, workload  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -227,3 +228,16 @@ def test_a_run_the_disk_cannot_hold_is_refused_before_it_starts(tmp_path, monkey
     with pytest.raises(SystemExit, match=r"needs about 1\d\.\d GB free .* Free some space"):
         run.main(argv)
     assert not list(tmp_path.glob("*.jsonl"))
+
+
+def test_the_foreign_benchmark_loads_what_it_wrote(tmp_path):
+    """benchmarks/foreign.py on 12 tensors and a tiny large file, each
+    measurement in this process (the script runs each in a fresh one)."""
+    paths = foreign.write_files(str(tmp_path), 12, 1 / 1024)
+    like = foreign.like_of(paths["hf"])
+    assert sum(len(layer) for layer in like["model"]["layers"].values()) == 12
+    loaded = eqx_ckpt.tree_deserialise_leaves(paths["hf"], like)
+    np.testing.assert_array_equal(loaded["model"]["layers"]["1"]["w"], foreign.small_tensors(12)["model.layers.1.w"])
+    for name, ops in [("single", ("load_file", "reference", "eqx_ckpt", "checkpoint")), ("large", ("raw", "eqx_ckpt"))]:
+        for op in ops:
+            assert foreign.measure(op, paths[name]) > 0

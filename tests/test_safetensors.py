@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensorstore as ts
-from safetensors.numpy import save, save_file
+from safetensors.numpy import load_file, save, save_file
 
 import eqx_ckpt
 
@@ -419,3 +419,187 @@ def test_an_index_with_no_tensors_says_the_checkpoint_holds_none(tmp_path):
     # Once: "pass `prefix=` naming it (e.g. `prefix=''`)".
     with pytest.raises(eqx_ckpt.LeafError, match=r"\(looked for `w`\); it holds no leaves\. Check the path\."):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": np.zeros(2, np.float32)})
+
+
+# Small tensors are read in runs of adjacent tensors, one range read per run
+# (`_safetensors.read_runs`); these tests watch the runs through the fault
+# point `safetensors.read_run`.
+
+MIXED = {
+    "f32": np.linspace(-1, 1, 33, dtype=np.float32),
+    "bf16": np.arange(-8, 9, dtype=np.float32).astype(ml_dtypes.bfloat16).reshape(17, 1),
+    "f16": np.array([[np.inf, -0.0], [np.nan, 65504]], np.float16),
+    "i8": np.arange(-128, 127, 17, dtype=np.int8),
+    "u8": np.arange(7, dtype=np.uint8),
+    "i64": np.array([-(2**62), 2**62 + 1], np.int64),
+    "b": np.array([True, False, True]),
+    "scalar": np.array(2.5, np.float32),
+    "scalar_i8": np.array(-3, np.int8),
+    "empty": np.zeros((0,), np.float32),
+    "empty2": np.zeros((3, 0), np.int8),
+    **{f"many.{i:03d}": np.full(i % 7 + 1, i, np.float32) for i in range(200)},
+}
+
+
+def _runs(faults):
+    """The `(file, start, end)` of every run read from now on."""
+    seen = []
+    faults("safetensors.read_run", lambda loc, file, start, end: seen.append((file, start, end)))
+    return seen
+
+
+def _offsets(path):
+    """Each tensor's `(start, end)` in the file."""
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    header.pop("__metadata__", None)
+    return {name: (8 + size + e["data_offsets"][0], 8 + size + e["data_offsets"][1]) for name, e in header.items()}
+
+
+def test_runs_return_every_tensors_exact_bytes(tmp_path, faults):
+    path = tmp_path / "mixed.safetensors"
+    save_file(MIXED, str(path))
+    runs = _runs(faults)
+    as_numpy = eqx_ckpt.tree_deserialise_leaves(path, _nested_like(MIXED, np.zeros))
+    # Every tensor in one read of the file's data (the header's end to the last byte).
+    offsets = _offsets(path)
+    assert runs == [("mixed.safetensors", min(s for s, _ in offsets.values()), max(e for _, e in offsets.values()))]
+    jax_dtypes = ("f32", "bf16", "f16", "i8", "u8", "b", "scalar", "scalar_i8", "empty", "empty2")
+    as_jax = eqx_ckpt.tree_deserialise_leaves(
+        path, {k: jax.ShapeDtypeStruct(MIXED[k].shape, MIXED[k].dtype) for k in jax_dtypes}
+    )
+    for name, want in MIXED.items():
+        got = as_numpy
+        for part in name.split("."):
+            got = got[part]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert got.tobytes() == want.tobytes(), name
+        if name in as_jax:
+            assert isinstance(as_jax[name], jax.Array)
+            assert np.asarray(as_jax[name]).tobytes() == want.tobytes(), name
+    # `Checkpoint.load` (no `like`) reads the same one run.
+    runs.clear()
+    loaded = eqx_ckpt.Checkpoint(path).load()
+    assert len(runs) == 1
+    for name in jax_dtypes:
+        assert np.asarray(loaded[name]).tobytes() == MIXED[name].tobytes(), name
+    for i in range(200):
+        assert np.asarray(loaded["many"][f"{i:03d}"]).tobytes() == MIXED[f"many.{i:03d}"].tobytes(), i
+
+
+def _nested_like(flat, make):
+    tree: dict = {}
+    for name, value in flat.items():
+        *parents, last = name.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = make(value.shape, value.dtype)
+    return tree
+
+
+def test_a_file_cut_inside_a_run_names_the_first_tensor_it_cuts(tmp_path, faults):
+    tensors = {f"t{i:03d}": np.full(16, i, np.float32) for i in range(100)}
+    path = tmp_path / "cut.safetensors"
+    save_file(tensors, str(path))
+    start, _ = _offsets(path)["t037"]
+    path.write_bytes(path.read_bytes()[: start + 10])  # inside t037; every tensor after it is gone too
+    runs = _runs(faults)
+    with pytest.raises(eqx_ckpt.IntegrityError, match=r"t037.*damaged or incomplete: DATA_LOSS: .*truncated") as e:
+        eqx_ckpt.tree_deserialise_leaves(path, {name: np.zeros(16, np.float32) for name in tensors})
+    assert "t036" not in str(e.value) and "t099" not in str(e.value)
+    assert len(runs) == 1
+    # A load of the tensors before the cut reads them.
+    before = {f"t{i:03d}": np.zeros(16, np.float32) for i in range(37)}
+    loaded = eqx_ckpt.tree_deserialise_leaves(path, before)
+    assert all(np.array_equal(loaded[name], tensors[name]) for name in before)
+
+
+@pytest.mark.parametrize("kind", ["file", "shard"])
+def test_a_rewrite_between_the_header_and_the_run_is_reported_replaced(tmp_path, faults, kind):
+    tensors = {f"model.t{i:03d}": np.full(8, i, np.float32) for i in range(50)}
+    changed = {name: value + 1 for name, value in tensors.items()}
+    if kind == "file":
+        path = tmp_path / "model.safetensors"
+        save_file(tensors, str(path))
+        target = path
+    else:
+        path = _shard(tmp_path / "hf", [dict(list(tensors.items())[:25]), dict(list(tensors.items())[25:])])
+        target = path / "model-00002-of-00002.safetensors"
+    rewritten = []
+
+    def rewrite(loc, file, start, end):
+        if not rewritten:  # the same names, shapes and offsets; other values
+            save_file({k: changed[k] for k in load_file(str(target))}, str(target))
+            rewritten.append(file)
+
+    faults("safetensors.read_run", rewrite)
+    like = {"model": {name.split(".")[1]: np.zeros(8, np.float32) for name in tensors}}
+    with pytest.raises(eqx_ckpt.CheckpointReplacedError, match="was replaced after it was opened"):
+        eqx_ckpt.tree_deserialise_leaves(path, like)
+    assert rewritten
+    # `Checkpoint.load` (no `like`) reads the same runs.
+    tensors, changed = changed, {name: value + 1 for name, value in changed.items()}
+    ckpt = eqx_ckpt.Checkpoint(path)
+    rewritten.clear()
+    with pytest.raises(eqx_ckpt.CheckpointReplacedError, match="was replaced after it was opened"):
+        ckpt.load()
+    assert rewritten
+
+
+def test_a_partial_load_reads_only_the_runs_it_needs(tmp_path, faults):
+    # In the file (sorted by name): a.*, then b (1 MiB, between the two groups), then c.*.
+    tensors = {
+        **{f"a.{i}": np.full(4, i, np.float32) for i in range(10)},
+        "b": np.zeros(2**18, np.float32),
+        **{f"c.{i}": np.full(4, -i, np.float32) for i in range(10)},
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    offsets = _offsets(path)
+
+    def span(group):
+        return (
+            min(offsets[n][0] for n in tensors if n.startswith(group)),
+            max(offsets[n][1] for n in tensors if n.startswith(group)),
+        )
+
+    def like(group):
+        return {str(i): np.zeros(4, np.float32) for i in range(10)}
+
+    runs = _runs(faults)
+    loaded = eqx_ckpt.tree_deserialise_leaves(path, like("c"), prefix="c")
+    assert all(np.array_equal(loaded[str(i)], tensors[f"c.{i}"]) for i in range(10))
+    assert runs == [("model.safetensors", *span("c."))]  # c's 160 bytes, not a byte of b
+    runs.clear()
+    both = {"a": like("a"), "c": like("c"), "b": np.zeros(2**18, np.float32)}
+    eqx_ckpt.tree_deserialise_leaves(path, both, where=lambda t: (t["a"], t["c"]))
+    # Two runs: b (1 MiB, unwanted) lies between them, more than the gap read through.
+    assert runs == [("model.safetensors", *span("a.")), ("model.safetensors", *span("c."))]
+    runs.clear()
+    # A lazy leaf reads its own tensor, not a run.
+    lazy = eqx_ckpt.tree_deserialise_leaves(path, like("a"), prefix="a", lazy=True)
+    np.testing.assert_array_equal(np.asarray(lazy["3"]), tensors["a.3"])
+    assert runs == []
+
+
+def test_a_large_local_tensor_is_a_run_of_its_own(tmp_path, faults):
+    big = np.arange(2**19, dtype=np.float32).reshape(512, 1024)  # 2 MiB: more than a small tensor
+    tensors = {"a": np.ones(3, np.float32), "b": big, "c": big[::-1].copy(), "d": np.zeros(5, np.float32)}
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    offsets = _offsets(path)
+    runs = _runs(faults)
+    loaded = eqx_ckpt.tree_deserialise_leaves(path, {k: jnp.zeros(v.shape) for k, v in tensors.items()})
+    assert all(np.asarray(loaded[k]).tobytes() == v.tobytes() for k, v in tensors.items())
+    # a, d (small) and b, c (large) each a run: a large tensor is never part of another's run.
+    assert sorted(runs) == sorted(("model.safetensors", *offsets[k]) for k in "abcd")
+    # Placed by rows over 4 devices from the one read.
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    loaded = eqx_ckpt.tree_deserialise_leaves(
+        path, {"b": jax.ShapeDtypeStruct(big.shape, jnp.float32, sharding=sharding)}, prefix=None, strict=False
+    )
+    assert loaded["b"].sharding == sharding
+    np.testing.assert_array_equal(np.asarray(loaded["b"]), big)
