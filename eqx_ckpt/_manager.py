@@ -33,6 +33,7 @@ from ._errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointValueError,
+    CorruptCheckpointError,
     check_flag,
 )
 from ._format import MANIFEST, metrics_name as _metrics_name, step_name
@@ -334,6 +335,12 @@ class CheckpointManager:
             with _storage_errors.explained(self._loc, f"Saving step {step} to"):
                 _storage.remove(self._loc, [_metrics_name(step)])
         self._saving.add(step)
+        if _primary() and not self.adopt_steps and self._has_rules():
+            # Recorded before the save: a process killed after the commit and
+            # before retention ran leaves a step the next manager with the same
+            # rules knows for its own (and prunes), not another's (and keeps).
+            with _storage_errors.explained(self._loc, f"Saving step {step} to"):
+                self._record_governed(step)
         handoff = _serialise.Handoff()
         # The newest committed step: unchanged chunk files are shared with it (`_share`).
         before = max((s for s, committed in state.items() if committed and s != step), default=None)
@@ -720,11 +727,25 @@ class CheckpointManager:
                 stacklevel=3,
             )
 
+    def _has_rules(self) -> bool:
+        return not (self.max_to_keep is None and self.keep_every is None and self.best_n is None)
+
+    def _record_governed(self, step: int) -> None:
+        """Add `step` to the retention record of the steps saved under this
+        manager's rules (see `_governed_steps`)."""
+        if self._governed is None:
+            try:
+                record = _read_retention(self._loc)
+            except CorruptCheckpointError:
+                return  # the save goes on; retention after its commit says what is wrong
+            self._governed = set(record[1]) if record is not None and record[0] == self._rules() else set()
+        _write_retention(self._loc, self._rules(), sorted(self._governed | {step}))
+
     def _delete_unkept(self, saved: int | None) -> list[int]:
         """Delete the steps retention governs that no rule keeps (never the one
         just `saved`) and record the ones left. Returns the other steps that the
         rules would drop, the first time there are any."""
-        if (self.max_to_keep is None and self.keep_every is None and self.best_n is None) or not _primary():
+        if not self._has_rules() or not _primary():
             return []
         steps = self.all_steps()
         governed = self._governed_steps(steps, saved)

@@ -7,6 +7,7 @@ import math
 import re
 import threading
 import time
+import warnings
 
 import equinox as eqx
 import jax
@@ -760,3 +761,21 @@ def test_an_asynchronous_save_warns_of_steps_left_in_place_too(tmp_path):
         manager.wait_until_finished()
     assert manager.all_steps() == [0, 1, 2, 3, 4, 6]
     manager.close()
+
+
+def test_a_step_committed_before_retention_ran_is_still_the_runs_own(tmp_path):
+    """A process stopped after a step's commit and before retention recorded
+    it (a kill, or an interrupt during the clean-up): the next manager with the
+    same rules prunes that step as its own, instead of keeping it, with a
+    warning, as another run's (a crash campaign saw three steps under
+    `max_to_keep=2`)."""
+    with eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=1) as first:
+        first.save(0, _tree(0))
+        with _faults.armed("storage.remove_written", KeyboardInterrupt), pytest.raises(KeyboardInterrupt):
+            first.save(1, _tree(1))
+        assert first.all_steps() == [0, 1]  # committed; retention never ran
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", eqx_ckpt.RetentionWarning)
+        with eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=1) as resumed:
+            resumed.save(2, _tree(2))
+            assert resumed.all_steps() == [2]
