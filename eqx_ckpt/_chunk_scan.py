@@ -13,8 +13,10 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import _dtypes, _window
+from . import _dtypes, _storage_errors, _window
+from ._errors import CheckpointError, CheckpointStorageError
 from ._format import LeafRecord
+from ._location import Location
 from ._progress import Tracker
 
 # How many chunk reads may be in flight at once (chunks of a few bytes would
@@ -70,6 +72,36 @@ def read_chunks(
             failed(record, e)
             continue
         yield record, value, size
+
+
+def scan_leaves(
+    records: list[LeafRecord],
+    stores: dict[str, Any],
+    bad: dict[str, Any],
+    failed: Callable[[LeafRecord, BaseException], None],
+    tracker: Tracker,
+) -> None:
+    """Read every chunk of each of `records` whose opened array is in `stores`
+    (by dotted path), for `verify`: a leaf stops at its first failure, which
+    `failed` records in `bad` (a leaf already in `bad` is not read); progress
+    goes to `tracker`."""
+
+    def stop(path: str) -> Callable[[], bool]:
+        return lambda: path in bad
+
+    jobs = ((r, stores[r.path], i) for r in records if r.path in stores for i in chunk_indices(r, stop=stop(r.path)))
+    count = LeafCounter(records, tracker)
+    for record, _, size in read_chunks(jobs, skip=lambda r: r.path in bad, failed=failed):
+        count(record, size)
+
+
+def damage(error: BaseException, record: LeafRecord, data: Location, doing: str) -> CheckpointError:
+    """What a failure to `doing` a leaf says of the checkpoint; raised instead
+    when the storage would not serve it, which says nothing about the checkpoint."""
+    explained = _storage_errors.leaf_io_error(error, record, data, doing)
+    if isinstance(explained, CheckpointStorageError):
+        raise explained from None
+    return explained
 
 
 class LeafCounter:

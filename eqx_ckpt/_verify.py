@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from . import (
@@ -186,7 +186,7 @@ def _check_packs(data: Location, manifest: Manifest, tracker: Tracker) -> dict[s
             except CheckpointError as e:
                 problem = str(e)
             except Exception as e:
-                problem = str(_damage(e, members[0], data, "open")) if members else str(e)
+                problem = str(_chunk_scan.damage(e, members[0], data, "open")) if members else str(e)
         for record in members:
             chunks = range(record.offset // pack.chunk, -(-(record.offset + record.size) // pack.chunk))
             why = problem or next((damaged[k] for k in chunks if k in damaged), None)
@@ -233,41 +233,20 @@ def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -
             except CheckpointError as e:
                 problem = Problem(record.path, str(e))
             except Exception as e:
-                problem = Problem(record.path, str(_damage(e, record, data, "open")))
+                problem = Problem(record.path, str(_chunk_scan.damage(e, record, data, "open")))
         if problem is not None:
             bad[record.path] = problem
 
-    def stop(path: str) -> Callable[[], bool]:
-        return lambda: path in bad
-
-    jobs = (
-        (r, stores[r.path], i)
-        for r in records
-        if r.path in stores
-        for i in _chunk_scan.chunk_indices(r, stop=stop(r.path))
-    )
-
     def failed(record: LeafRecord, error: BaseException) -> None:
-        bad.setdefault(record.path, Problem(record.path, str(_damage(error, record, data, "read"))))
+        bad.setdefault(record.path, Problem(record.path, str(_chunk_scan.damage(error, record, data, "read"))))
 
-    count = _chunk_scan.LeafCounter(records, tracker)
-    for record, _, size in _chunk_scan.read_chunks(jobs, skip=lambda r: r.path in bad, failed=failed):
-        count(record, size)
+    _chunk_scan.scan_leaves(records, stores, bad, failed, tracker)
     for record in records:
         if record.path not in bad:
             why = _check_file_sizes(data, record.directory, record.chunk_nbytes)
             if why is not None:
                 bad[record.path] = Problem(record.path, why)
     return bad
-
-
-def _damage(error: BaseException, record: LeafRecord, data: Location, doing: str) -> CheckpointError:
-    """What a failure to `doing` a leaf says of the checkpoint; raised instead
-    when the storage would not serve it, which says nothing about the checkpoint."""
-    explained = _storage_errors.leaf_io_error(error, record, data, doing)
-    if isinstance(explained, CheckpointStorageError):
-        raise explained from None
-    return explained
 
 
 def _check_file_sizes(data: Location, directory: str, chunk_nbytes: int) -> str | None:

@@ -14,11 +14,10 @@ detected; the result says so (`unchecked`), never passes over it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from . import _chunk_scan, _orbax, _source, _storage_errors
-from ._errors import CheckpointStorageError, CorruptCheckpointError
+from . import _chunk_scan, _orbax, _source
+from ._errors import CorruptCheckpointError
 from ._format import LeafRecord
 from ._location import Location
 from ._progress import Progress, Tracker
@@ -66,29 +65,12 @@ def _read_every_chunk(source: _source.Source, records: list[LeafRecord], tracker
         except Exception as e:
             bad[record.path] = _damage(e, record, source.data, "open")
 
-    def stop(path: str) -> Callable[[], bool]:
-        return lambda: path in bad
-
-    jobs = (
-        (r, stores[r.path], i)
-        for r in records
-        if r.path in stores
-        for i in _chunk_scan.chunk_indices(r, stop=stop(r.path))
-    )
-
     def failed(record: LeafRecord, error: BaseException) -> None:
         bad.setdefault(record.path, _damage(error, record, source.data, "read"))
 
-    count = _chunk_scan.LeafCounter(records, tracker)
-    for record, _, size in _chunk_scan.read_chunks(jobs, skip=lambda r: r.path in bad, failed=failed):
-        count(record, size)
+    _chunk_scan.scan_leaves(records, stores, bad, failed, tracker)
     return bad
 
 
 def _damage(error: BaseException, record: LeafRecord, data: Location, doing: str) -> str:
-    """What a failure to `doing` a tensor says of the checkpoint; raised instead
-    when the storage would not serve it, which says nothing about the file."""
-    explained = _storage_errors.leaf_io_error(error, record, data, doing)
-    if isinstance(explained, CheckpointStorageError):
-        raise explained from None
-    return str(explained)
+    return str(_chunk_scan.damage(error, record, data, doing))
