@@ -19,10 +19,9 @@ import json
 import re
 
 import equinox as eqx
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from layers import NormAndGain
 from safetensors.numpy import save_file
 
 import eqx_ckpt
@@ -301,15 +300,6 @@ def _save_flat(kind, path, flat):
     return path
 
 
-class _NormAndGain(eqx.Module):
-    norm: eqx.nn.BatchNorm
-    gain: jax.Array
-
-    def __init__(self):
-        self.norm = eqx.nn.BatchNorm(3, "batch", mode="ema", inference=True)
-        self.gain = jnp.full(3, -1.0)
-
-
 class TestTorchLayoutRules:
     """Issue 40, item 4, from every source: `torch_layout`'s rules mean the
     same paths for a stock layer and a leaf outside layers of `(model, state)`."""
@@ -319,7 +309,7 @@ class TestTorchLayoutRules:
         state_dict = {"bn.weight": EMBED[0, :3] + 1, "bn.bias": EMBED[1, :3], "bn.running_mean": EMBED[2, :3],
                       "bn.running_var": EMBED[3, :3] + 1, "scale": PROJ[0]}  # fmt: skip
         path = _save_flat(kind, tmp_path / "torch", state_dict)
-        make = lambda: eqx.nn.make_with_state(_NormAndGain)()
+        make = lambda: eqx.nn.make_with_state(NormAndGain)()
         like = eqx.filter_eval_shape(make)
         rename, transform = eqx_ckpt.torch_layout(like, rename=[(r"^norm$", "bn"), (r"^gain$", "scale")])
         model, state = eqx_ckpt.load_or_initialise(path, make, rename=rename, transform=transform)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from layers import NormAndGain
 from safetensors.numpy import save_file
 
 import eqx_ckpt
@@ -233,17 +234,6 @@ def test_a_rule_to_none_skips_the_layer_and_a_bad_rule_is_explained(tmp_path):
         eqx_ckpt.torch_layout(like, rename=["a"])
 
 
-class _NormAndGain(eqx.Module):
-    """A stock layer beside a bare parameter outside any layer."""
-
-    norm: eqx.nn.BatchNorm
-    gain: jax.Array
-
-    def __init__(self):
-        self.norm = eqx.nn.BatchNorm(3, "batch", mode="ema", inference=True)
-        self.gain = jnp.full(3, -1.0)
-
-
 def _norm_and_gain_state_dict(tmp_path):
     t = {"bn.weight": _random(3), "bn.bias": _random(3), "bn.running_mean": _random(3),
          "bn.running_var": np.abs(_random(3)) + 0.5, "scale": _random(3)}  # fmt: skip
@@ -255,7 +245,7 @@ def test_rules_mean_the_same_paths_for_layers_and_bare_leaves_of_a_model_and_sta
     """Issue 40, item 4: with `like = (model, state)`, `^gain$` once met `0.gain`
     and matched nothing, and `load_or_initialise` kept the initial gain."""
     path, t = _norm_and_gain_state_dict(tmp_path)
-    make = lambda: eqx.nn.make_with_state(_NormAndGain)()
+    make = lambda: eqx.nn.make_with_state(NormAndGain)()
     like = eqx.filter_eval_shape(make)
     rename, transform = eqx_ckpt.torch_layout(like, rename=[(r"^norm$", "bn"), (r"^gain$", "scale")])
     model, state = eqx_ckpt.load_or_initialise(path, make, rename=rename, transform=transform)
@@ -274,7 +264,7 @@ def test_rules_mean_the_same_paths_for_layers_and_bare_leaves_of_a_model_and_sta
 @pytest.mark.parametrize("tupled", [True, False], ids=["model_and_state", "model"])
 def test_a_torch_layout_rule_that_matches_no_path_is_refused(tmp_path, tupled):
     path, _ = _norm_and_gain_state_dict(tmp_path)
-    make = (lambda: eqx.nn.make_with_state(_NormAndGain)()) if tupled else _NormAndGain
+    make = (lambda: eqx.nn.make_with_state(NormAndGain)()) if tupled else NormAndGain
     like = eqx.filter_eval_shape(make)
     # The whole tuple's paths, a typo, and a rule an earlier one shadows: none matches a path of the model.
     rules = [(r"^norm$", "bn"), (r"^0\.gain$", "scale"), (r"^gian$", "scale"), (r"^no", "x")]
