@@ -733,13 +733,11 @@ class CheckpointManager:
     def _record_governed(self, step: int) -> None:
         """Add `step` to the retention record of the steps saved under this
         manager's rules (see `_governed_steps`)."""
-        if self._governed is None:
-            try:
-                record = _read_retention(self._loc)
-            except CorruptCheckpointError:
-                return  # the save goes on; retention after its commit says what is wrong
-            self._governed = set(record[1]) if record is not None and record[0] == self._rules() else set()
-        _write_retention(self._loc, self._rules(), sorted(self._governed | {step}))
+        try:
+            governed = self._recorded()
+        except CorruptCheckpointError:
+            return  # the save goes on; retention after its commit says what is wrong
+        _write_retention(self._loc, self._rules(), sorted(governed | {step}))
 
     def _delete_unkept(self, saved: int | None) -> list[int]:
         """Delete the steps retention governs that no rule keeps (never the one
@@ -776,10 +774,15 @@ class CheckpointManager:
         lost 297 of them at the first save)."""
         if self.adopt_steps:
             return set(steps)
+        return (self._recorded() | self._saving | ({saved} if saved is not None else set())) & set(steps)
+
+    def _recorded(self) -> set[int]:
+        """The steps the retention record lists under this manager's rules,
+        read once (then kept up to date by this manager)."""
         if self._governed is None:
             record = _read_retention(self._loc)
             self._governed = set(record[1]) if record is not None and record[0] == self._rules() else set()
-        return (self._governed | self._saving | ({saved} if saved is not None else set())) & set(steps)
+        return self._governed
 
     def _keep(self, steps: list[int], saved: int | None) -> set[int]:
         ranked = _rank(self._all_metrics(steps), self.best_metric, self.best_mode) if self.best_n else []
