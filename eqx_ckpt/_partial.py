@@ -39,7 +39,8 @@ class Partial:
     """A partial save's leaves: the new ones (of the picked nodes) and the kept
     stored ones, with their names and filter specs, in that order; `commit`,
     the stored checkpoint's commit, which must still be the live one when the
-    save begins; `cast`, the save's `cast` with each kept leaf's stored dtype."""
+    save begins; `cast`, the save's `cast` with each kept leaf's stored dtype;
+    `chunks`, the stored chunk grid of each kept leaf with an array of its own."""
 
     def __init__(
         self,
@@ -48,9 +49,10 @@ class Partial:
         specs: list[Any],
         commit: str,
         cast: Callable[[str, np.dtype], Any] | None,
+        chunks: dict[str, tuple[int, ...]],
     ):
         self.leaves, self.names, self.specs, self.commit, self.cast = leaves, names, specs, commit, cast
-        self.chunks: dict[str, tuple[int, ...]] = {}
+        self.chunks = chunks
 
     def keep_chunks(self, pending: list[Any]) -> None:
         """Give each kept leaf with an array of its own (in `pending`, the
@@ -115,15 +117,14 @@ def collect(
         [names.records[i] for i in new] + [r.keypath for r in kept],
         keypaths.__getitem__,
     )
-    partial = Partial(
+    return Partial(
         [leaves[i] for i in new] + stored,
         combined,
         [specs[i] for i in new] + [default] * len(kept),
         manifest.commit,
         _keeping_dtypes(cast, {r.path: r.stored_dtype for r in kept if r.stored_dtype != r.dtype}),
+        {r.path: tuple(r.chunks) for r in kept if r.pack is None},
     )
-    partial.chunks = {r.path: tuple(r.chunks) for r in kept if r.pack is None}
-    return partial
 
 
 def check_unreplaced(tx: _transaction.Transaction, *, commit: str) -> None:
