@@ -250,13 +250,13 @@ def _shared(source: str, path: str, content: Any) -> tuple[bool, int | None]:
     holds the same bytes as `content` (length and crc32c: `_share`); and the
     crc32c of `content` where it was computed (a write need not compute it again)."""
     nbytes = (content.nbytes if isinstance(content, _Chunk) else sum(len(v) for v in content)) + _format.CHECKSUM_BYTES
-    stored = _share.stored_checksum(source, nbytes)
+    # A large chunk's first bytes are looked at first: one whose start changed
+    # is written at once, checksummed as it is staged (the pass over its bytes
+    # a checksum here would add was the cost of comparing, on an overwrite
+    # where everything changed).
+    large = nbytes >= UNBUFFERED_FROM and not isinstance(content, _Chunk)
+    stored = _share.stored_checksum(source, nbytes, content[0] if large else None)
     if stored is None:
-        return False, None
-    if nbytes >= UNBUFFERED_FROM and not isinstance(content, _Chunk) and not _share.same_start(source, content[0]):
-        # Its first bytes changed: written at once, its checksum computed as it
-        # is staged (the pass over the bytes a checksum here would add was the
-        # cost of comparing, on an overwrite where everything changed).
         return False, None
     checksum = _checksum(content)
     return checksum == stored and _share.link(source, path, nbytes, stored), checksum

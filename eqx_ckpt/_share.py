@@ -86,9 +86,14 @@ def base_at(loc: Location) -> Base | None:
         return None
 
 
-def stored_checksum(path: str, nbytes: int) -> int | None:
+def stored_checksum(path: str, nbytes: int, start: Any = None) -> int | None:
     """The crc32c a base's chunk file `path` ends with, if it is a regular
-    file of `nbytes` bytes (data and checksum); else `None`."""
+    file of `nbytes` bytes (data and checksum), and, given `start` (a buffer),
+    its first bytes are those of `start`; else `None`.
+
+    `start` is a cheap look before the checksum of a large chunk, which costs a
+    pass over all of its bytes: a chunk whose first bytes changed (an overwrite
+    where everything changed) is written at once."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError:
@@ -97,30 +102,16 @@ def stored_checksum(path: str, nbytes: int) -> int | None:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_size != nbytes:
             return None
+        if start is not None:
+            head = memoryview(start).cast("B")[:START_BYTES]
+            if os.pread(fd, len(head), 0) != head:
+                return None
         tail = os.pread(fd, _format.CHECKSUM_BYTES, nbytes - _format.CHECKSUM_BYTES)
     except OSError:
         return None
     finally:
         os.close(fd)
     return int.from_bytes(tail, "little") if len(tail) == _format.CHECKSUM_BYTES else None
-
-
-def same_start(path: str, data: Any) -> bool:
-    """Whether the base's chunk file `path` begins with the first bytes of
-    `data` (a buffer): a cheap look before the checksum of a large chunk,
-    which costs a pass over all of its bytes. A chunk whose first bytes
-    changed (an overwrite where everything changed) is written at once."""
-    head = memoryview(data).cast("B")[:START_BYTES]
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return False
-    try:
-        return os.pread(fd, len(head), 0) == head
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 # How many first bytes of a large chunk are compared before its checksum is computed.
