@@ -22,10 +22,15 @@ before the runs):
 - `checkpoint`: `eqx_ckpt.Checkpoint(path).load()` (no `like`);
 - for the large file, `raw`: the file read whole into fresh anonymous memory
   by 4 threads of `preadv` in 16 MiB pieces (the harness's raw reads,
-  `benchmarks/contenders.py`), against which the `eqx_ckpt` load is compared.
+  `benchmarks/contenders.py`), against which the `eqx_ckpt` and `checkpoint`
+  loads are compared.
 
 Prints the median and worst of `--reps` runs of each, and the ratio of each
 median to the reference's (for the large file, to `raw`).
+
+`python -m benchmarks.run --all` (or `--workload foreign`) runs the same
+measurements (`bench`) as its `foreign` workload, through its worker, and
+reports them against their targets.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -49,6 +55,11 @@ LAYER = {"norm": (64,), "bias": (128,), "w": (32, 32), "scale": (16,), "proj": (
 SHARDS = 4
 LARGE_TENSOR = (4096, 4096)  # 64 MiB of float32
 READ_THREADS, PIECE = 4, 16 * 2**20
+# What each file is loaded by, in the order a repetition runs them.
+SMALL_OPS = ("load_file", "reference", "eqx_ckpt", "checkpoint")
+CASES = {"single": SMALL_OPS, "hf": SMALL_OPS, "large": ("raw", "eqx_ckpt", "checkpoint")}
+# The reference each case is compared against.
+BASES = {"single": "reference", "hf": "reference", "large": "raw"}
 
 
 def small_tensors(count: int) -> dict[str, np.ndarray]:
@@ -74,13 +85,30 @@ def write_files(root: str, count: int, large_gib: float) -> dict[str, str]:
     with open(os.path.join(paths["hf"], "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     if large_gib:
-        nbytes = round(large_gib * 2**30)
-        count = max(1, nbytes // (LARGE_TENSOR[0] * LARGE_TENSOR[1] * 4))
-        shape = LARGE_TENSOR if count > 1 else (max(1, nbytes // (LARGE_TENSOR[1] * 4)), LARGE_TENSOR[1])
+        count, shape = large_tensors(large_gib)
         large = {f"layer{i:03d}": np.full(shape, i, np.float32) for i in range(count)}
         paths["large"] = os.path.join(root, "large.safetensors")
         save_file(large, paths["large"])
     return paths
+
+
+def large_tensors(large_gib: float) -> tuple[int, tuple[int, int]]:
+    """How many float32 tensors of which shape make the large file."""
+    nbytes = round(large_gib * 2**30)
+    count = max(1, nbytes // (LARGE_TENSOR[0] * LARGE_TENSOR[1] * 4))
+    return count, LARGE_TENSOR if count > 1 else (max(1, nbytes // (LARGE_TENSOR[1] * 4)), LARGE_TENSOR[1])
+
+
+def disk_needed(count: int, large_gib: float) -> int:
+    """Bytes `write_files` writes: the small tensors twice (a file, a
+    directory), a generous allowance for the headers, and the large file."""
+    per_layer = sum(4 * int(np.prod(shape)) for shape in LAYER.values())
+    small = 2 * (-(-count // len(LAYER)) * per_layer + 200 * count)
+    large = 0
+    if large_gib:
+        tensors, shape = large_tensors(large_gib)
+        large = tensors * shape[0] * shape[1] * 4
+    return small + large
 
 
 def files_of(path: str) -> list[str]:
@@ -158,6 +186,28 @@ def raw_read(path: str) -> memoryview:
     return view
 
 
+def bench(
+    paths: dict[str, str], reps: int, one: Callable[[str, str, int], float | None]
+) -> dict[str, dict[str, list[float]]]:
+    """Every measurement of every case in `paths`, in the order both this
+    script and the harness run them: a case's files read once (the page cache
+    warm: they were just written), then `reps` repetitions, each op in turn
+    within one, so that a slow phase of the machine hits every op.
+    `one(case, op, rep)` measures one in a fresh process and returns its
+    seconds (`None`: it failed). Returns the seconds, by case and op."""
+    times: dict[str, dict[str, list[float]]] = {}
+    for case, ops in CASES.items():
+        if case not in paths:
+            continue
+        warm(paths[case])
+        times[case] = {op: [] for op in ops}
+        for rep in range(reps):
+            for op in ops:
+                if (seconds := one(case, op, rep)) is not None:
+                    times[case][op].append(seconds)
+    return times
+
+
 def in_fresh_process(op: str, path: str) -> float:
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.foreign", "--child", op, path], check=True, capture_output=True, text=True
@@ -194,19 +244,10 @@ def main(argv: list[str] | None = None) -> None:
     root = tempfile.mkdtemp(prefix="eqx_ckpt_foreign_", dir=args.dir)
     try:
         paths = write_files(root, args.tensors, args.large_gib)
-        cases = [("single", ("load_file", "reference", "eqx_ckpt", "checkpoint")), ("hf", None)]
-        cases[1] = ("hf", cases[0][1])
-        if "large" in paths:
-            cases.append(("large", ("raw", "eqx_ckpt")))
         print(f"{args.tensors} small float32 tensors; {args.reps} runs each, fresh processes, warm page cache")
-        for name, ops in cases:
-            assert ops is not None
-            warm(paths[name])
-            times: dict[str, list[float]] = {op: [] for op in ops}
-            for _ in range(args.reps):
-                for op in ops:  # interleaved, so a slow phase of the machine hits every op
-                    times[op].append(in_fresh_process(op, paths[name]))
-            report(name, times, "raw" if name == "large" else "reference")
+        times = bench(paths, args.reps, lambda case, op, rep: in_fresh_process(op, paths[case]))
+        for case, runs in times.items():
+            report(case, runs, BASES[case])
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

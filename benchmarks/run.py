@@ -1,7 +1,9 @@
 """Run the checkpoint benchmarks: `python -m benchmarks.run --workload large`.
 
 Every measurement runs in a fresh subprocess (`benchmarks.worker`), one at a time,
-`--save-reps` times for saves and `--reps` times for loads. Results are written as JSON lines to
+`--save-reps` times for saves and `--reps` times for loads; the `foreign`
+workload's loads of safetensors files (`benchmarks/foreign.py`) `--foreign-reps`
+times. Results are written as JSON lines to
 `benchmarks/results/<workload>.jsonl` (rewritten for each workload run); then,
 unless `--no-report`, `docs/benchmarks.md` and `docs/benchmarks.png` are
 regenerated from every results file there. A measurement that fails (an
@@ -23,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from . import contenders, workload
+from . import contenders, foreign, workload
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -37,6 +39,7 @@ OPS = {
     "tiny": ["save", "save_async", "load_cold", "load_warm", "params_cold", "params_warm", "open_cold", "open_warm"],
 }
 SAVES = ("save", "save_async")
+FOREIGN = "foreign"
 # Seconds one measurement may take before it is recorded as failed.
 JOB_TIMEOUT = 1800.0
 
@@ -44,7 +47,7 @@ JOB_TIMEOUT = 1800.0
 def run_job(job: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run one measurement in a fresh interpreter and return its result (a failed
     measurement's result has an `error`; a crash raises `RuntimeError`)."""
-    wait_for_memory(job)
+    wait_for_memory(job_bytes(job))
     command = [sys.executable, "-m", "benchmarks.worker", json.dumps(job)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(HERE))
     for line in done.stdout.splitlines():
@@ -59,9 +62,16 @@ def state_bytes(sizes: workload.Sizes) -> int:
     return workload.state_bytes(workload.skeleton(sizes))
 
 
-def wait_for_memory(job: dict[str, Any], patience: float = 300.0) -> None:
+def job_bytes(job: dict[str, Any]) -> int:
+    """The bytes of the state a job saves or loads (of the files, for `foreign`)."""
+    if job["workload"] == FOREIGN:
+        return sum(os.path.getsize(f) for f in foreign.files_of(job["path"]))
+    return state_bytes(workload.Sizes(**job["sizes"]))
+
+
+def wait_for_memory(nbytes: int, patience: float = 300.0) -> None:
     """Other people share this machine: wait until three copies of the state fit."""
-    needed = 3 * state_bytes(workload.Sizes(**job["sizes"]))
+    needed = 3 * nbytes
     deadline = time.monotonic() + patience
     while psutil.virtual_memory().available < needed and time.monotonic() < deadline:
         time.sleep(5)
@@ -74,6 +84,11 @@ def disk_needed(sizes: workload.Sizes, names: list[str], ops: list[str]) -> int:
     overheads, and 1 GB to spare."""
     copies = len(names) + sum(1 for name in names if "save_async" in ops and has_op(name, "save_async"))
     return int(copies * state_bytes(sizes) * 1.1) + 10**9
+
+
+def foreign_disk_needed(tensors: int, large_gib: float) -> int:
+    """Bytes the `foreign` workload's files take (they are only read), and 1 GB to spare."""
+    return foreign.disk_needed(tensors, large_gib) + 10**9
 
 
 def check_disk(directory: str, needed: int) -> None:
@@ -122,6 +137,35 @@ def rotated(names: list[str], rep: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
+def measure_job(job: dict[str, Any], log: Any) -> dict[str, Any]:
+    """Run one measurement (`run_job`), write its result to `log` and print it.
+    A failure is recorded as a result with an `error`, and the run goes on."""
+    started = time.monotonic()
+    try:
+        result = run_job(job, timeout=JOB_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        result = {**job, "error": f"timed out after {JOB_TIMEOUT:.0f} s"}
+    except Exception as e:
+        # Keep going: one failed measurement should not cost the whole run.
+        result = {**job, "error": f"{type(e).__name__}: {e}"[-4000:]}
+    # The whole job, process start and set-up included (for run-time estimates).
+    result["job_seconds"] = time.monotonic() - started
+    show(result, log)
+    return result
+
+
+def show(result: dict[str, Any], log: Any) -> None:
+    log.write(json.dumps(result) + "\n")
+    log.flush()
+    name, rep = result["contender"], result["rep"]
+    op = result["op"] + (f"_{result['cache']}" if result.get("cache") else "")
+    if "error" in result:
+        print(f"  {name:12s} {op:12s} rep {rep}: FAILED: {result['error']}", flush=True)
+    else:
+        blocked = f" (blocked {result['blocked']:.3f} s, floor {result['floor']:.3f} s)" if "blocked" in result else ""
+        print(f"  {name:12s} {op:12s} rep {rep}: {result['seconds']:.3f} s{blocked}", flush=True)
+
+
 def bench_workload(
     names: list[str],
     ops: list[str],
@@ -150,25 +194,11 @@ def bench_workload(
         job = {**base, "contender": name, "op": kind, "cache": cache, "path": path, "rep": rep}
         if kind not in SAVES and not os.path.lexists(path):
             result = {**job, "error": "no checkpoint to read (the contender's last save failed)"}
+            show(result, log)
         else:
-            started = time.monotonic()
-            try:
-                result = run_job(job, timeout=JOB_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                result = {**job, "error": f"timed out after {JOB_TIMEOUT:.0f} s"}
-            except Exception as e:
-                # Keep going: one failed measurement should not cost the whole run.
-                result = {**job, "error": f"{type(e).__name__}: {e}"[-4000:]}
-            # The whole job, process start and set-up included (for run-time estimates).
-            result["job_seconds"] = time.monotonic() - started
-        log.write(json.dumps(result) + "\n")
-        log.flush()
+            result = measure_job(job, log)
         if "error" in result:
             failures.append(result)
-            print(f"  {name:12s} {op:12s} rep {rep}: FAILED: {result['error']}", flush=True)
-        else:
-            blocked = f" (blocked {result['blocked']:.3f} s)" if "blocked" in result else ""
-            print(f"  {name:12s} {op:12s} rep {rep}: {result['seconds']:.3f} s{blocked}", flush=True)
 
     try:
         # Interleaved and rotated like the loads: a save of each contender in
@@ -191,10 +221,40 @@ def bench_workload(
     return failures
 
 
+def bench_foreign(results: str, tensors: int, large_gib: float, reps: int) -> list[dict[str, Any]]:
+    """The `foreign` workload: `benchmarks/foreign.py`'s files written under
+    `results`, then its measurements (`foreign.bench`: warm page cache,
+    repetitions interleaved), each in a fresh worker process, written to
+    `<results>/foreign.jsonl`. Every way of loading is a contender; the file or
+    directory loaded is the `op` (`single`, `hf`, `large`). The files are
+    deleted after. Returns the failures."""
+    print(f"{FOREIGN}: {tensors} small tensors, a {large_gib} GiB file", flush=True)
+    directory = os.path.join(results, f"run-{FOREIGN}")
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
+    failures: list[dict[str, Any]] = []
+
+    def one(case: str, op: str, rep: int) -> float | None:
+        job = {"workload": FOREIGN, "tensors": tensors, "large_gib": large_gib, "contender": op, "op": case}
+        result = measure_job({**job, "cache": "warm", "path": paths[case], "rep": rep}, log)
+        if "error" in result:
+            failures.append(result)
+            return None
+        return float(result["seconds"])
+
+    try:
+        with open(os.path.join(results, f"{FOREIGN}.jsonl"), "w") as log:
+            paths = foreign.write_files(directory, tensors, large_gib)
+            foreign.bench(paths, reps, one)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return failures
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=list(workload.PRESETS), action="append", help="repeatable")
-    parser.add_argument("--all", action="store_true", help="small, many and large")
+    parser.add_argument("--workload", choices=[*workload.PRESETS, FOREIGN], action="append", help="repeatable")
+    parser.add_argument("--all", action="store_true", help="small, many, large and foreign")
     parser.add_argument("--contenders", default=",".join(ALL_CONTENDERS), help="comma-separated")
     parser.add_argument("--reps", type=int, default=3, help="runs of each load")
     parser.add_argument(
@@ -208,10 +268,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, help="override the workload's number of blocks")
     parser.add_argument("--width", type=int, help="override the workload's width")
     parser.add_argument("--vocab", type=int, help="override the workload's vocabulary")
+    parser.add_argument(
+        "--foreign-tensors", type=int, default=10000, help="small tensors in the foreign file and directory"
+    )
+    parser.add_argument("--foreign-large-gib", type=float, default=3.0, help="GiB of the large foreign file (0: none)")
+    parser.add_argument(
+        "--foreign-reps",
+        type=int,
+        default=5,
+        help="runs of each foreign load (most take a fraction of a second, like the saves)",
+    )
     parser.add_argument("--results", default=RESULTS, help="where results and checkpoints go")
     parser.add_argument("--no-report", action="store_true", help="do not rewrite docs/benchmarks.*")
     args = parser.parse_args(argv)
-    workloads = ["small", "many", "large"] if args.all else (args.workload or ["small"])
+    workloads = ["small", "many", "large", FOREIGN] if args.all else (args.workload or ["small"])
     names = [n for n in args.contenders.split(",") if n]
     unknown = [n for n in names if n not in contenders.CONTENDERS]
     if unknown:
@@ -222,12 +292,19 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown operations {unknown}; choose from {OPS['tiny']}")
     os.makedirs(args.results, exist_ok=True)
     overrides = {k: getattr(args, k) for k in ("layers", "width", "vocab") if getattr(args, k)}
-    sizes_of = {name: workload.Sizes(**{**workload.PRESETS[name].__dict__, **overrides}) for name in workloads}
-    ops_of = {name: [op for op in OPS[name] if not chosen_ops or op in chosen_ops] for name in workloads}
+    trees = [name for name in workloads if name != FOREIGN]
+    sizes_of = {name: workload.Sizes(**{**workload.PRESETS[name].__dict__, **overrides}) for name in trees}
+    ops_of = {name: [op for op in OPS[name] if not chosen_ops or op in chosen_ops] for name in trees}
     # Checked before the first measurement: each workload's checkpoints are deleted before the next.
-    check_disk(args.results, max(disk_needed(sizes_of[name], names, ops_of[name]) for name in workloads))
+    needs = [disk_needed(sizes_of[name], names, ops_of[name]) for name in trees]
+    if FOREIGN in workloads:
+        needs.append(foreign_disk_needed(args.foreign_tensors, args.foreign_large_gib))
+    check_disk(args.results, max(needs))
     failures: list[dict[str, Any]] = []
     for name in workloads:
+        if name == FOREIGN:
+            failures += bench_foreign(args.results, args.foreign_tensors, args.foreign_large_gib, args.foreign_reps)
+            continue
         sizes, ops = sizes_of[name], ops_of[name]
         base = {"workload": name, "sizes": sizes.__dict__, "verify": name == "tiny"}
         directory = os.path.join(args.results, f"run-{name}")

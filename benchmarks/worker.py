@@ -1,7 +1,9 @@
 """One measurement in a fresh process: `python -m benchmarks.worker '<json>'`.
 
 The JSON names the contender, the operation, the workload sizes, the checkpoint
-path and the page-cache state; the result is printed as one JSON line.
+path and the page-cache state; the result is printed as one JSON line. A job
+of the `foreign` workload names one of `benchmarks/foreign.py`'s ways of
+loading as its contender and the file (or directory) as its case (`op`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import sys
 import time
 import traceback
@@ -18,9 +21,10 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
 import psutil
 
-from . import contenders, workload
+from . import contenders, foreign, workload
 
 DROP_CACHES = "/proc/sys/vm/drop_caches"
 
@@ -68,6 +72,9 @@ def peak_rss() -> int:
 
 
 def measure(job: dict[str, Any]) -> dict[str, Any]:
+    if job["workload"] == "foreign":
+        # The files were read once before the runs (`foreign.bench`): warm.
+        return {"seconds": foreign.measure(job["contender"], job["path"]), **disk_usage(job["path"])}
     sizes = workload.Sizes(**job["sizes"])
     contender = contenders.CONTENDERS[job["contender"]]()
     path, op = job["path"], job["op"]
@@ -114,7 +121,9 @@ def save_async(contender: Any, path: str, state: Any) -> dict[str, float]:
     """`blocked`: how long the `blocking=False` call held the caller; `committed`:
     until `wait()` returned; `seconds`: that plus an `fsync` of every file and
     directory the save wrote, the end point every contender's save reaches (the
-    library's commit has already made them durable, so it writes nothing)."""
+    library's commit has already made them durable, so it writes nothing);
+    `floor`: what any such call must do in the caller's thread (`hold_floor`),
+    measured after the save, so nothing of it was done for the timed call."""
     start = time.perf_counter()
     pending = contender.save_async(path, state)
     blocked = time.perf_counter() - start
@@ -122,7 +131,34 @@ def save_async(contender: Any, path: str, state: Any) -> dict[str, float]:
     committed = time.perf_counter() - start
     contenders.fsync_tree(path)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "blocked": blocked, "committed": committed}
+    return {"seconds": seconds, "blocked": blocked, "committed": committed, "floor": hold_floor(state)}
+
+
+def hold_floor(state: Any) -> float:
+    """The least an asynchronous save can block its caller: flattening the tree
+    and one host (NumPy) view of each array leaf, which is what
+    `eqx_ckpt/_background.py:hold_tree` does before the call returns (the
+    view is what keeps a later donation or change from reaching the save).
+
+    Timed on twins of `state`, fresh copies whose arrays were never converted:
+    `np.asarray` of a CPU `jax.Array` caches its NumPy value, so on `state`
+    itself (which the save just viewed) the views would cost less than they
+    did in the call. The
+    median of 3 twins, or 1 for a state of 1 GB or more (a twin is a second
+    copy of it in memory)."""
+    leaves = jax.tree_util.tree_leaves(state)
+    nbytes = sum(x.nbytes for x in leaves if isinstance(x, jax.Array))
+    times = []
+    for _ in range(3 if nbytes < 10**9 else 1):
+        twin = jax.block_until_ready(jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, state))
+        gc.collect()
+        start = time.perf_counter()
+        for x in jax.tree_util.tree_flatten(twin)[0]:
+            if isinstance(x, jax.Array):
+                np.asarray(x)
+        times.append(time.perf_counter() - start)
+        del twin
+    return statistics.median(times)
 
 
 def verify(job: dict[str, Any], path: str, sizes: workload.Sizes) -> dict[str, bool]:

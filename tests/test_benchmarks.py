@@ -1,10 +1,12 @@
 """Smoke test of the benchmark harness (benchmarks/), so it cannot rot: the tiny
 workload, eqx_ckpt and raw only, page cache warm (dropping it would slow everyone
-else on the machine), one repetition, each measurement in its own process; and
-that a failed measurement is recorded and the run goes on."""
+else on the machine), one repetition, each measurement in its own process, and
+the foreign workload on 50 tensors and a 4 MB file in the same run; that a
+failed measurement is recorded and the run goes on; and the report's rules."""
 
 import json
 import pathlib
+import re
 import sys
 
 import equinox as eqx
@@ -24,9 +26,14 @@ def results(tmp_path_factory):
     directory = tmp_path_factory.mktemp("bench")
     argv = ["--workload", "tiny", "--contenders", "eqx_ckpt,raw", "--reps", "1", "--save-reps", "2"]
     argv += ["--ops", "save,save_async,load_warm", "--results", str(directory), "--no-report"]
+    argv += ["--workload", "foreign", "--foreign-tensors", "50", "--foreign-large-gib", "0.004", "--foreign-reps", "1"]
     run.main(argv)
     with open(directory / "tiny.jsonl") as f:
         return directory, [json.loads(line) for line in f]
+
+
+def _rows(path):
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
 
 
 def test_every_measurement_ran_and_loaded_the_saved_values(results):
@@ -51,6 +58,9 @@ def test_every_measurement_ran_and_loaded_the_saved_values(results):
             assert row["rss_added"] >= 0
         if row["op"] == "save_async":
             assert 0 < row["blocked"] <= row["committed"] <= row["seconds"]
+            # The floor of the call (flattening, a host view of each of the
+            # 88 arrays), measured on twins of the state in the same process.
+            assert 0 < row["floor"] < row["seconds"]
     saves = {r["contender"]: r for r in rows if r["op"] == "save"}
     assert saves["raw"]["files"] == 1
     # The raw file is the arrays' bytes back to back, nothing else.
@@ -60,20 +70,72 @@ def test_every_measurement_ran_and_loaded_the_saved_values(results):
     assert not any((directory / "run-tiny").glob("*"))
 
 
+def test_the_foreign_workload_records_every_way_of_loading(results):
+    """Each way of loading each foreign file ran once, in its own process, as
+    a row shaped like the other workloads' (what report.py reads); the files
+    are deleted after."""
+    directory, _ = results
+    rows = _rows(directory / "foreign.jsonl")
+    expected = {(op, case) for case, ops in foreign.CASES.items() for op in ops}
+    assert sorted((r["contender"], r["op"]) for r in rows) == sorted(expected)
+    assert {"reference", "load_file", "eqx_ckpt", "checkpoint", "raw"} == {r["contender"] for r in rows}
+    for row in rows:
+        assert "error" not in row, row
+        assert row["workload"] == "foreign" and row["cache"] == "warm" and row["rep"] == 0 and row["tensors"] == 50
+        assert 0 < row["seconds"] <= row["job_seconds"] and "loadavg" in row
+    large = next(r for r in rows if r["op"] == "large")
+    assert 4 * 10**6 < large["bytes"] < 5 * 10**6
+    assert not (directory / "run-foreign").exists()
+
+
 def test_report_tables_name_both_contenders(results, tmp_path):
     directory, _ = results
     report.write(str(directory), "python -m benchmarks.run --workload tiny", docs=str(tmp_path), with_chart=False)
     text = (tmp_path / "benchmarks.md").read_text()
     assert "### `tiny`: 88 leaves" in text
     assert "Seconds, min / median of 2 runs for saves and 1 for loads, each in a fresh process" in text
-    table = [line for line in text.splitlines() if line.startswith("| `")]
+    tiny = text[text.index("### `tiny`") : text.index("### `foreign`")]
+    table = [line for line in tiny.splitlines() if line.startswith("| `")]
     assert [line.split("|")[1].strip() for line in table] == ["`eqx_ckpt`", "`raw`"]
+    # The floor of an asynchronous save has its column, measured for eqx_ckpt only.
+    head = next(line for line in tiny.splitlines() if line.startswith("| contender"))
+    floor = head.split(" | ").index("`blocking=False`: floor (flatten + host views)")
+    assert table[0].split(" | ")[floor][0].isdigit() and table[1].split(" | ")[floor] == "–"
     # The targets table lists every target, measured or not.
-    targets = [line.split("|") for line in text.splitlines() if line.startswith("| 1 ") or line.startswith("| 3 ")]
+    targets = [line.split("|") for line in text.splitlines() if line[:4] in ("| 1 ", "| 3 ", "| 5 ")]
     assert {(cells[2].strip(), cells[1].strip()) for cells in targets} >= {("tiny", "1"), ("tiny", "3"), ("large", "1")}
     async_row = next(cells for cells in targets if cells[1].strip() == "3" and cells[2].strip() == "tiny")
     assert async_row[-2].strip() in ("yes", "no"), async_row
+    worst = async_row[-3].strip()  # the slower of two runs over their mean
+    assert re.fullmatch(r"\d+\.\d\dx", worst) and float(worst[:-1]) >= 1.0, async_row
+    # Its reference is the larger of the two bounds, and it says which applies
+    # and what both are.
+    assert "applies" in async_row[5] and "10% of the synchronous save, " in async_row[5]
+    assert "1.25x the floor of " in async_row[5]
     assert "| 2 | large | peak RSS added by a full load" in text
+    assert "| 2 | large | durable save <= 1.1x raw (`writev` + `fsync`) |" in text
+    # The foreign targets: both ways of loading the file, the directory and
+    # the large file, each against its reference, measured in this run.
+    foreign_rows = [cells for cells in targets if cells[1].strip() == "5"]
+    assert [cells[3].strip() for cells in foreign_rows] == [
+        f"{what}, {how} <= {bound}"
+        for what, bound in (
+            ("one safetensors file of 50 small tensors", "2.0x `load_file` + `jnp.asarray`"),
+            ("a Hugging Face directory of 50 small tensors", "2.0x `load_file` + `jnp.asarray`"),
+            ("a 4.29 MB safetensors file", "1.2x raw reads of it"),
+        )
+        for how in ("`tree_deserialise_leaves`", "`Checkpoint(path).load()`")
+    ]
+    for cells in foreign_rows:
+        assert cells[6].strip().endswith("x") and cells[-2].strip() in ("yes", "no"), cells
+    assert "Stability (issue 42: no run of eqx_ckpt's worse than 1.5x the median of its runs): holds" in text
+    # The foreign workload's own table: every way of loading, every file.
+    assert "### `foreign`: 50 small float32 tensors in one safetensors file and in a directory of 4 shards" in text
+    section = text[text.index("### `foreign`") :]
+    assert "Seconds, min / median of 1 run, each in a fresh process, page cache warm" in section
+    cells = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in section.splitlines() if line.startswith("| `")}
+    assert list(cells) == ["`reference`", "`load_file`", "`eqx_ckpt`", "`checkpoint`", "`raw`"]
+    assert cells["`raw`"][:2] == ["–", "–"] and cells["`load_file`"][2] == "– |"
     # Rewriting keeps one generated part, replacing the old one.
     report.write(str(directory), "again", docs=str(tmp_path), with_chart=False)
     assert (tmp_path / "benchmarks.md").read_text().count("<!-- end of generated part -->") == 1
@@ -135,7 +197,7 @@ def test_a_failed_measurement_is_recorded_and_the_run_goes_on(tmp_path, monkeypa
 
     report.write(str(tmp_path), "python -m benchmarks.run --workload tiny", docs=str(tmp_path), with_chart=False)
     text = (tmp_path / "benchmarks.md").read_text()
-    assert "| `raw` | failed | – | – | – | failed |" in text
+    assert "| `raw` | failed | – | – | – | – | failed |" in text
     assert "- `raw`, durable save, run 1: RuntimeError: worker exited with status -9 and no result:" in text
     assert "- `eqx_ckpt`, `blocking=False` save, run 2: OSError: disk full" in text
     assert "| 3 | tiny | `blocking=False` blocks the caller" in text
@@ -241,3 +303,70 @@ def test_the_foreign_benchmark_loads_what_it_wrote(tmp_path):
     for name, ops in [("single", ("load_file", "reference", "eqx_ckpt", "checkpoint")), ("large", ("raw", "eqx_ckpt"))]:
         for op in ops:
             assert foreign.measure(op, paths[name]) > 0
+
+
+def _timed(workload_name, contender, op, cache, runs, **extra):
+    return [
+        {"workload": workload_name, "contender": contender, "op": op, "cache": cache, "rep": i, "seconds": s, **extra}
+        for i, s in enumerate(runs)
+    ]
+
+
+def test_a_target_with_a_run_over_one_and_a_half_times_its_median_is_not_met():
+    """Issue 42: a target is met only if its median ratio is and no run of
+    eqx_ckpt's is worse than 1.5x their median. eqx_ckpt's saves here are
+    half safetensors' at the median, but one of five took 1.6x the median;
+    its cold loads vary less (1.4x) and meet theirs."""
+    rows = _timed("small", "eqx_ckpt", "save", None, [1.0, 1.0, 1.6, 0.9, 1.1])
+    rows += _timed("small", "safetensors", "save", None, [2.0] * 5)
+    rows += _timed("small", "eqx_ckpt", "load", "cold", [1.0, 1.4, 0.9])
+    rows += _timed("small", "safetensors", "load", "cold", [2.0] * 3)
+    # The floor decides the asynchronous target: 1.25 x 0.096 s against 10% of 1 s.
+    rows += _timed("small", "eqx_ckpt", "save_async", None, [1.2] * 5, blocked=0.09, floor=0.096)
+    text = "\n".join(report.targets({"small": rows}))
+    line = {row.split(" | ")[2]: row for row in text.splitlines() if row.startswith("| ") and "small" in row}
+    save = line["durable save <= 1.0x the faster of equinox and safetensors"]
+    assert save.endswith("| 0.50x | 1.60x | no (a run over 1.5x the median) |"), save
+    cold = line["full load, cold <= 1.0x the faster of equinox and safetensors"]
+    assert cold.endswith("| 0.50x | 1.40x | yes |"), cold
+    blocked = line["`blocking=False` blocks the caller <= max(10% of a synchronous save, 1.25x the floor)"]
+    assert "| 0.090 s | 0.120 s (1.25x the floor of 0.096 s, 0.120 s, applies; 10% of the synchronous save, " in blocked
+    assert blocked.endswith("| 0.75x | 1.00x | yes |"), blocked
+    assert (
+        "Stability (issue 42: no run of eqx_ckpt's worse than 1.5x the median of its runs): does not hold for "
+        "1 `small` durable save <= 1.0x the faster of equinox and safetensors (1.60x)."
+    ) in text
+    # Without the slow run, the same save meets its target and the rule holds.
+    rows[2]["seconds"] = 1.4
+    text = "\n".join(report.targets({"small": rows}))
+    assert "| 0.50x | 1.40x | yes |" in text.split("durable save <= 1.0x")[1].splitlines()[0]
+    assert "its runs): holds for every measured target." in text
+
+
+def test_a_run_with_foreign_files_the_disk_cannot_hold_is_refused(tmp_path, monkeypatch):
+    """The foreign workload's 3 GiB file and its small files count in the check."""
+    import shutil
+
+    needed = run.foreign_disk_needed(10000, 3.0)
+    assert 3 * 2**30 + 2 * 14 * 10**6 < needed - 10**9 < 3 * 2**30 + 2 * 20 * 10**6
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(run.shutil, "disk_usage", lambda path: usage._replace(free=needed - 1))
+    monkeypatch.setattr(run, "run_job", lambda *a, **k: pytest.fail("a measurement ran"))
+    argv = ["--workload", "tiny", "--workload", "foreign", "--results", str(tmp_path), "--no-report"]
+    with pytest.raises(SystemExit, match=r"needs about 4\.\d GB free"):
+        run.main(argv)
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_foreign_script_still_runs_on_its_own(tmp_path, monkeypatch, capsys):
+    """`python -m benchmarks.foreign` measures what the harness does and prints
+    each case against its reference (its fresh processes replaced here by
+    measurements in this one)."""
+    monkeypatch.setattr(foreign, "in_fresh_process", foreign.measure)
+    foreign.main(["--tensors", "12", "--reps", "2", "--large-gib", str(1 / 1024), "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    for case, ops in foreign.CASES.items():
+        section = out.split(f"\n{case}:\n")[1]
+        for op in ops:
+            assert re.search(rf"  {op} +median +[0-9.]+ s  worst +[0-9.]+ s +[0-9.]+x {foreign.BASES[case]}", section)
+    assert not any(tmp_path.iterdir())
