@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import eqx_ckpt  # noqa: E402
-from benchmarks import contenders, foreign, report, run, warm_memory, workload  # noqa: E402
+from benchmarks import contenders, foreign, page_sizes, report, run, warm_memory, workload  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -370,3 +370,19 @@ def test_the_foreign_script_still_runs_on_its_own(tmp_path, monkeypatch, capsys)
         for op in ops:
             assert re.search(rf"  {op} +median +[0-9.]+ s  worst +[0-9.]+ s +[0-9.]+x {foreign.BASES[case]}", section)
     assert not any(tmp_path.iterdir())
+
+
+def test_page_sizes_reads_the_file_every_way(tmp_path):
+    """`benchmarks.page_sizes` (issue 42's comparison of 4 KiB and huge pages
+    for a load's fresh memory): every way reads the file's bytes, each
+    measurement in a fresh process."""
+    path = tmp_path / "data.bin"
+    page_sizes.write_file(str(path), 3 * page_sizes.BUFFER_BYTES // 2 + 5)
+    expected = path.read_bytes()
+    for way in page_sizes.WAYS:
+        buffers = page_sizes.read(str(path), way)
+        assert b"".join(bytes(memoryview(b)) for b in buffers) == expected, way
+    rows = page_sizes.main(["--gib", "0.01", "--rounds", "1", "--cache", "warm", "--dir", str(tmp_path)])
+    assert sorted(rows) == sorted((way, "warm") for way in page_sizes.WAYS)
+    assert all(len(runs) == 1 and runs[0]["seconds"] > 0 for runs in rows.values())
+    assert [p.name for p in tmp_path.iterdir()] == ["data.bin"]  # its own file was deleted
