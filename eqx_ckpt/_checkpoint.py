@@ -10,7 +10,7 @@ import equinox as eqx
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _keypath, _nested, _source
+from . import _gc, _keypath, _nested, _source
 from ._errors import CheckpointKeyError, CheckpointTypeError, check_flag
 from ._format import LeafRecord
 from ._lazy import LazyArray
@@ -52,6 +52,9 @@ class Checkpoint(Mapping[str, Any]):
         ```
     """
 
+    # Opening and loading make a few objects a leaf (records, sort keys, the
+    # tree's containers), as `tree_deserialise_leaves` does (see `_gc.gc_paused`).
+    @_gc.gc_paused()
     def __init__(self, path: Any):
         self._source = _source.open_source(path)
         self._loc = self._source.loc
@@ -219,6 +222,7 @@ class Checkpoint(Mapping[str, Any]):
             rows.append((f"... and {len(totals) - max_rows} more top-level entries", "", ""))
         return rows
 
+    @_gc.gc_paused()
     def load(self, key: str | None = None, *, lazy: bool = False, progress: Progress = None) -> Any:
         """Load the checkpoint, or the sub-tree at dotted `key`, without a skeleton.
 

@@ -239,6 +239,12 @@ def _narrowed(dtype: np.dtype, x64: bool) -> bool:
     return jax.dtypes.canonicalize_dtype(dtype) != dtype
 
 
+@functools.lru_cache(maxsize=256)
+def _str(dtype: Any) -> str:
+    """`str(dtype)`, remembered (NumPy works it out anew each time)."""
+    return str(dtype)
+
+
 def like_type(like: Any) -> str | None:
     """What a leaf of `like` asks to be loaded as, or `None` if it is not loaded."""
     if isinstance(like, jax.ShapeDtypeStruct):
@@ -252,7 +258,7 @@ def expected(like: Any) -> tuple[tuple[int, ...], str]:
         # `name`, not `str`: a big-endian float32 is '>f4' but still float32.
         return tuple(like.shape), like.dtype.name
     if isinstance(like, (jax.Array, jax.ShapeDtypeStruct)):
-        return tuple(like.shape), str(like.dtype)
+        return tuple(like.shape), _str(like.dtype)
     if isinstance(like, np.generic):
         return (), like.dtype.name
     return (), ""

@@ -89,7 +89,7 @@ def split_dotted(path: str) -> tuple[str, ...]:
 
 
 def join_dotted(*parts: str) -> str:
-    return ".".join(part for part in parts if part)
+    return ".".join([part for part in parts if part])
 
 
 def is_valid_dotted(path: str) -> bool:
@@ -141,11 +141,15 @@ _NUMBER = re.compile(r"^(%i)?(-?[0-9]+)$")
 def sort_key(path: str) -> tuple[tuple[int, int, str], ...]:
     """Sort dotted paths segment by segment, numbers by value: `layers.2` before
     `layers.10`, as a list's items come."""
-    out = []
-    for part in split_dotted(path):
-        match = _NUMBER.match(part)
-        out.append((0, int(match.group(2)), part) if match else (1, 0, part))
-    return tuple(out)
+    return tuple(map(_segment_key, path.split("."))) if path else ()
+
+
+@functools.lru_cache(maxsize=2**16)
+def _segment_key(part: str) -> tuple[int, int, str]:
+    """One segment's `sort_key`, remembered: a tree's few names and indices
+    recur in thousands of paths."""
+    match = _NUMBER.match(part)
+    return (0, int(match.group(2)), part) if match else (1, 0, part)
 
 
 def to_json(keypath: tuple[Any, ...]) -> list[list[Any]]:

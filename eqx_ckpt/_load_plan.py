@@ -184,6 +184,8 @@ def _names(loc: Location, manifest: Manifest, dotted: list[str], options: Option
     def stored_path(i: int) -> _select.Target:
         """Where leaf `i` of `like` is stored."""
         target = to_stored(dotted[i])
+        if not root:  # most loads: the stored path is the target itself
+            return target
         if isinstance(target, tuple):
             return tuple(_keypath.join_dotted(root, t) for t in target)
         return None if target is None else _keypath.join_dotted(root, target)

@@ -190,11 +190,13 @@ def _digest(body: dict[str, Any]) -> str:
 def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object whose names are all different (`json` keeps the last of two),
     as `json.loads`' `object_pairs_hook`."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate JSON key {key!r}")
-        out[key] = value
+    out = dict(pairs)
+    if len(out) != len(pairs):  # looked for one key at a time only then: this runs for every object of a header
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate JSON key {key!r}")
+            seen.add(key)
     return out
 
 

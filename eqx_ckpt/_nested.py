@@ -47,9 +47,10 @@ def load(
     refuse_leaves_with_children([record.path for record in records], data.display)
     # One kind of array in one load: if a leaf saved from JAX cannot be a JAX
     # array at full precision (64 bits without x64), none of them is.
-    host = any(_needs_host(record) for record in records)
-    read = _read_runs(data, records, runs, check, host) if runs is not None and not lazy else {}
-    leaf = functools.partial(_leaf, data, opener=opener, check=check, host=host, read=read)
+    host = any(_needs_host(dtype) for dtype in {record.dtype for record in records if record.type == "jax"})
+    like = _Likes(host)
+    read = _read_runs(data, records, runs, check, like) if runs is not None and not lazy else {}
+    leaf = functools.partial(_leaf, data, opener=opener, check=check, like=like, read=read)
     tree = structure(records, key, leaf, numbered=numbered)
     return tree if lazy else materialise(tree, progress=progress)
 
@@ -66,21 +67,45 @@ def structure(
     if len(records) == 1 and records[0].path == key:
         return leaf(records[0])
     root = _Node()
+    # Each key made once (the same few recur in every leaf's key path); by
+    # value and type, so that `True` is never taken for the `1` it equals.
+    made: dict[tuple[str, Any, type], tuple[str, Any, str]] = {}
     for record in records:
-        _insert(root, [_plain_key(kind, value, numbered) for kind, value in record.keypath[depth:]], leaf(record))
+        keys = []
+        for kind, value in record.keypath[depth:]:
+            found = made.get((kind, value, type(value)))
+            if found is None:
+                found = made[(kind, value, type(value))] = _plain_key(kind, value, numbered)
+            keys.append(found)
+        _insert(root, keys, leaf(record))
     return _finish(root, names) if root else {}
 
 
-def _needs_host(record: LeafRecord) -> bool:
-    """Whether a leaf saved from JAX holds 64-bit values this process's JAX
-    would round or wrap (x64 off): NumPy keeps them exactly."""
-    if record.type != "jax":
-        return False
-    dtype = _dtypes.dtype_from_name(record.dtype)
+def _needs_host(dtype_name: str) -> bool:
+    """Whether a leaf saved from JAX as `dtype_name` holds 64-bit values this
+    process's JAX would round or wrap (x64 off): NumPy keeps them exactly."""
+    dtype = _dtypes.dtype_from_name(dtype_name)
     return bool(jax.dtypes.canonicalize_dtype(dtype) != dtype)
 
 
-def _read_runs(data: Location, records: list[LeafRecord], runs: Any, check: Any, host: bool) -> dict[str, Any]:
+class _Likes:
+    """`_like` of each record, one object for all the records of one type,
+    dtype and shape: it is only asked for those (ten thousand tensors of a
+    model have a few dozen shapes)."""
+
+    def __init__(self, host: bool):
+        self.host = host
+        self.made: dict[tuple[Any, ...], Any] = {}
+
+    def __call__(self, record: LeafRecord) -> Any:
+        key = (record.type, record.dtype, tuple(record.shape), tuple(record.stored_shape), record.impl)
+        found = self.made.get(key)
+        if found is None:
+            found = self.made[key] = _like(record, self.host)
+        return found
+
+
+def _read_runs(data: Location, records: list[LeafRecord], runs: Any, check: Any, like: _Likes) -> dict[str, Any]:
     """The leaves a source reads in runs of adjacent leaves (`Source.runs`: the
     small tensors of a safetensors file), read now, by dotted path; reading
     them one `LazyArray` each took seconds for ten thousand."""
@@ -88,7 +113,7 @@ def _read_runs(data: Location, records: list[LeafRecord], runs: Any, check: Any,
     try:
         for members, finish in runs(records)[1]:
             chosen = [records[m] for m in members]
-            likes = [_like(record, host) for record in chosen]
+            likes = [like(record) for record in chosen]
             for record, value in zip(chosen, _read.place(data, finish(), chosen, likes)):
                 out[record.path] = value
     except Exception:
@@ -98,13 +123,13 @@ def _read_runs(data: Location, records: list[LeafRecord], runs: Any, check: Any,
     return out
 
 
-def _leaf(data: Location, record: LeafRecord, *, opener: Any, check: Any, host: bool, read: dict[str, Any]) -> Any:
+def _leaf(data: Location, record: LeafRecord, *, opener: Any, check: Any, like: _Likes, read: dict[str, Any]) -> Any:
     """A `LazyArray` standing for the leaf as the type it was saved as (a NumPy
     array where `host`), or its value if it was `read` already; scalars are
     read at once (they come back as values, lazy or not)."""
     if record.path in read:
         return read[record.path]
-    lazy = LazyArray(data, record, _like(record, host), opener=opener, check=check)
+    lazy = LazyArray(data, record, like(record), opener=opener, check=check)
     if record.type in _PYTHON or record.type == "numpy_scalar":
         return lazy.read()
     return lazy
@@ -112,7 +137,7 @@ def _leaf(data: Location, record: LeafRecord, *, opener: Any, check: Any, host: 
 
 def _like(record: LeafRecord, host: bool) -> Any:
     """A leaf of `like`, allocating nothing, that asks for the saved type on the
-    default device (or NumPy, where `host`)."""
+    default device (or NumPy, where `host`: any leaf of the load needs it)."""
     if record.type in _PYTHON:
         return _PYTHON[record.type]
     if record.type == "prng_key":
@@ -121,7 +146,7 @@ def _like(record: LeafRecord, host: bool) -> Any:
     dtype = _dtypes.dtype_from_name(record.dtype)
     if record.type == "numpy_scalar":
         return dtype.type(0)
-    if record.type == "numpy" or host or _needs_host(record):
+    if record.type == "numpy" or host:
         return np.broadcast_to(np.zeros((), dtype), record.shape)
     return jax.ShapeDtypeStruct(record.shape, dtype)
 
@@ -150,6 +175,16 @@ def refuse_leaves_with_children(paths: list[str], where: str) -> None:
     """Nested containers cannot show a leaf with leaves below it. An eqx_ckpt
     manifest never has one; a safetensors file may (tensors `a` and `a.b`)."""
     known = set(paths)
+    # Every path with a leaf below it, each walked up from once: a leaf among
+    # them is rare, and only then are the paths looked through for the message.
+    parents: set[str] = set()
+    for path in paths:
+        parent, dot, _ = path.rpartition(".")
+        while dot and parent not in parents:
+            parents.add(parent)
+            parent, dot, _ = parent.rpartition(".")
+    if known.isdisjoint(parents):
+        return
     for path in paths:
         parts = _keypath.split_dotted(path)
         for n in range(1, len(parts)):

@@ -157,12 +157,19 @@ def place(loc: Location, hosts: list[np.ndarray], records: list[LeafRecord], lik
     placement (one `jax.device_put` of many arrays costs far less than many)."""
     out: list[Any] = [None] * len(hosts)
     batch: dict[Any, list[int]] = collections.defaultdict(list)
+    narrowed: dict[Any, bool] = {}  # `x64_missing` of each dtype, asked once
     for i, (host, record, like) in enumerate(zip(hosts, records, likes, strict=True)):
         kind = _dtypes.like_type(like)
         dtype = like.dtype if kind in ("jax", "numpy", "numpy_scalar") else None
         if kind == "jax":
-            refuse_narrowing(loc, record, dtype)
-        array = host_converter(record, dtype, loc)(host)
+            if dtype not in narrowed:
+                narrowed[dtype] = _dtypes.x64_missing(dtype)
+            if narrowed[dtype]:
+                refuse_narrowing(loc, record, dtype)
+        if record.encoding == "plain" and (dtype is None or host.dtype == dtype):
+            array = host  # what `host_converter` gives it, without making one a leaf
+        else:
+            array = host_converter(record, dtype, loc)(host)
         sharding = target_sharding(like)
         if kind == "jax" and (sharding is None or len(sharding.device_set) == 1):
             out[i] = array
@@ -198,8 +205,17 @@ def put(hosts: list[np.ndarray], sharding: Any) -> list[jax.Array]:
         x64 = bool(jax.config.read("jax_enable_x64"))
         if all(type(x) is np.ndarray and x.flags.c_contiguous and _canonical(x.dtype, x64) for x in hosts):
             shaped, batched = _fast_put
+            # One aval (immutable) per shape and dtype: a model's leaves have few.
+            avals: dict[tuple[Any, ...], Any] = {}
+
+            def aval(x: np.ndarray) -> Any:
+                found = avals.get((x.shape, x.dtype))
+                if found is None:
+                    found = avals[(x.shape, x.dtype)] = shaped(x.shape, x.dtype)
+                return found
+
             try:
-                return [batched(shaped(x.shape, x.dtype), placed, [x], [device], committed) for x in hosts]
+                return [batched(aval(x), placed, [x], [device], committed) for x in hosts]
             except Exception:  # a JAX whose internals differ: the public call from now on
                 _fast_put = None
     return jax.device_put(hosts, sharding)

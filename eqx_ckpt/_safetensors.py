@@ -38,6 +38,8 @@ DTYPES = {
     "F8_E8M0": "float8_e8m0fnu",
 }  # fmt: skip
 NAMES = {ours: theirs for theirs, ours in DTYPES.items()}
+# The NumPy dtype of each of our names, looked up once, not once a tensor.
+_NUMPY = {ours: dtype_from_name(ours) for ours in DTYPES.values()}
 # The safetensors library refuses headers above 100 MB; so do we.
 MAX_HEADER = 100 * 2**20
 SUFFIX = ".safetensors"
@@ -151,6 +153,9 @@ def _tensors(
     bodies = [kv.read(name, byte_range=slice(8, 8 + size)) for name, size in zip(files, sizes)]
     records: dict[str, LeafRecord] = {}
     places: dict[str, tuple[str, int]] = {}
+    # Each tensor's file by its name in the headers (one dotted path per name:
+    # `dotted` is one-to-one), for the index's check below.
+    holder: dict[str, str] = {}
     metadata: dict[str, dict[str, str]] = {}
     ends, generations = [], []
     for name, size, body, version in zip(files, sizes, bodies, versions):
@@ -166,13 +171,14 @@ def _tensors(
             )
         if len(data) != size:
             raise _corrupt(loc, f"{name!r} ends inside its header")
-        parsed, metadata[name] = _parse_header(loc, name, data)
-        for record, offset in parsed:
+        parsed, metadata[name], used = _parse_header(loc, name, data)
+        for tensor, record, offset in parsed:
             if record.path in records:
                 raise _corrupt(loc, f"tensor {record.path!r} is in two files ({places[record.path][0]!r}, {name!r})")
             records[record.path] = record
             places[record.path] = (name, 8 + size + offset)
-        ends.append(8 + size + sum(record.nbytes for record, _ in parsed))
+            holder[tensor] = name
+        ends.append(8 + size + used)
     # The last byte a tensor uses and the one after it, which must not be there:
     # one read per file, all at once. (A range starting at the end of the file is
     # answered oddly by some servers; one ending past it is refused by all.)
@@ -182,7 +188,7 @@ def _tensors(
             raise _corrupt(loc, f"{name!r} has bytes after its last tensor (byte {end} on), which no tensor uses")
     for tensor, file in (weight_map or {}).items():
         # A shard replaced by another version may have lost a tensor the index promises.
-        if places.get(dotted(tensor), ("",))[0] != file:
+        if holder.get(tensor) != file:
             raise _corrupt(loc, f"{index} lists the tensor {tensor!r} in {file!r}, which does not hold it")
     ordered = tuple(records[path] for path in sorted(records))
     local = folder["path"] if _location.on_local_disk(loc) else None
@@ -263,15 +269,19 @@ def _result(loc: Location, name: str, read: _storage.Future, short: str | None) 
         raise _corrupt(loc, f"{name!r} {short}") from None
 
 
-def _parse_header(loc: Location, file: str, data: bytes) -> tuple[list[tuple[LeafRecord, int]], dict[str, str]]:
-    """The tensors of a header (with their offsets) and its `__metadata__`."""
+def _parse_header(
+    loc: Location, file: str, data: bytes
+) -> tuple[list[tuple[str, LeafRecord, int]], dict[str, str], int]:
+    """The tensors of a header (each with its name and offset), its
+    `__metadata__`, and how many bytes of data its tensors use."""
     try:
         header = json.loads(data, parse_constant=_reject, object_pairs_hook=no_duplicates)
     except (ValueError, RecursionError) as e:
         raise _corrupt(loc, f"the header of {file!r} is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise _corrupt(loc, f"the header of {file!r} is not a JSON object")
-    out = []
+    out: list[tuple[str, LeafRecord, int]] = []
+    spans: list[tuple[int, int, int]] = []  # (first byte, bytes, index into `out`) of each tensor
     metadata: dict[str, str] = {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -287,18 +297,24 @@ def _parse_header(loc: Location, file: str, data: bytes) -> tuple[list[tuple[Lea
                 path=loc.display,
             )
         try:
-            out.append(_record(name, entry))
+            record, start, nbytes = _record(name, entry)
         except (ValueError, TypeError, KeyError) as e:
             raise _corrupt(loc, f"tensor {name!r} in {file!r}: {e}") from None
+        spans.append((start, nbytes, len(out)))
+        out.append((name, record, start))
     # As the format (and the `safetensors` library) requires: the tensors' bytes
     # follow one another from the start of the data, no two sharing a byte.
     end = 0
-    for record, start in sorted(out, key=lambda item: (item[1], item[0].nbytes)):
+    for start, nbytes, i in sorted(spans):
         if start != end:
             what = "overlaps the tensor before it" if start < end else f"leaves bytes {end} to {start} unused"
-            raise _corrupt(loc, f"tensor {record.path!r} in {file!r} {what}")
-        end = start + record.nbytes
-    return out, metadata
+            raise _corrupt(loc, f"tensor {out[i][1].path!r} in {file!r} {what}")
+        end = start + nbytes
+    return out, metadata, end
+
+
+# A name whose parts are all non-empty and need no escaping (`_keypath.escape`).
+_PLAIN = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
 
 
 def _reject(name: str) -> None:
@@ -308,6 +324,8 @@ def _reject(name: str) -> None:
 def dotted(name: str) -> str:
     """The dotted path of a tensor name: its `.`-separated parts, each escaped
     as `Checkpoint(path).keys()` escapes keys (so `model.layers.0.weight` stays)."""
+    if _PLAIN.fullmatch(name):  # most names: nothing to escape, one match for the whole name
+        return name
     return _keypath.join_dotted(*(_keypath.escape(part) for part in name.split("."))) if name else "%e"
 
 
@@ -321,34 +339,43 @@ def tensor_name(path: str) -> str | None:
     return name if dotted(name) == path else None
 
 
-def _record(name: str, entry: Any) -> tuple[LeafRecord, int]:
+def _record(name: str, entry: Any) -> tuple[LeafRecord, int, int]:
+    """A header entry's record, its first byte and its number of bytes."""
     dtype = DTYPES.get(entry["dtype"])
     if dtype is None:
         raise ValueError(f"dtype {entry['dtype']!r} is not one eqx_ckpt reads ({', '.join(DTYPES)})")
     shape, offsets = entry["shape"], entry["data_offsets"]
     if not (isinstance(shape, list) and len(shape) <= MAX_RANK and all(type(n) is int and n >= 0 for n in shape)):
         raise ValueError(f"`shape` {shape!r} is not a list of non-negative integers")
-    if math.prod(shape) > MAX_ELEMENTS:
+    size = math.prod(shape)
+    if size > MAX_ELEMENTS:
         raise ValueError(f"`shape` {shape} has more than 2**53 elements")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int and n >= 0 for n in offsets)):
         raise ValueError(f"`data_offsets` {offsets!r} is not two non-negative integers")
-    itemsize = dtype_from_name(dtype).itemsize
-    if offsets[1] - offsets[0] != math.prod(shape) * itemsize:
+    itemsize = _NUMPY[dtype].itemsize
+    if offsets[1] - offsets[0] != size * itemsize:
         raise ValueError(f"`data_offsets` {offsets} do not span {shape} x {itemsize} bytes")
-    row = math.prod(shape[1:]) * itemsize
-    rows = max(1, min(shape[0] if shape else 1, ROW_CHUNK_BYTES // max(row, 1)))
-    chunks = (rows, *(max(1, n) for n in shape[1:])) if shape else ()
+    shape = tuple(shape)
     path = dotted(name)
     keypath = [["key", part] for part in name.split(".")] if name else [["key", ""]]
-    shape = tuple(shape)
-    return LeafRecord(path, keypath, "jax", shape, dtype, shape, dtype, "plain", chunks), offsets[0]
+    record = LeafRecord(path, keypath, "jax", shape, dtype, shape, dtype, "plain", _chunks(shape, itemsize))
+    return record, offsets[0], size * itemsize
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Runs of whole rows of about `ROW_CHUNK_BYTES` (a model's few shapes
+    recur in thousands of tensors)."""
+    row = math.prod(shape[1:]) * itemsize
+    rows = max(1, min(shape[0] if shape else 1, ROW_CHUNK_BYTES // max(row, 1)))
+    return (rows, *(max(1, n) for n in shape[1:])) if shape else ()
 
 
 def _open(files: _Files, places: dict[str, tuple[str, int]], record: LeafRecord) -> _storage.Future:
     """A read-only TensorStore array over the tensor's bytes, as a future."""
     file, start = places[record.path]
     files.opened.add(file)
-    dtype = dtype_from_name(record.stored_dtype)
+    dtype = _NUMPY[record.stored_dtype]
     read = functools.partial(_read_rows, files, file, start, dtype, record.shape)
     return _storage.ready(_storage.virtual_array(read, dtype=dtype, shape=record.shape, chunks=record.chunks))
 
@@ -415,16 +442,19 @@ def read_runs(
     # `jax.device_put` adopts without a copy: three copies of its bytes fewer
     # than through a TensorStore array (the read's, the chunk's, the array's).
     most = _window.READ_BUDGET if files.folder is not None else SMALL_BYTES
-    small = [i for i, record in enumerate(records) if record.nbytes <= most]
+    sizes = [record.nbytes for record in records]
+    small = [i for i, nbytes in enumerate(sizes) if nbytes <= most]
     jobs = (
         (run[3], run[2] - run[1], functools.partial(_start_run, files, run, [records[m] for m in run[3]], places))
-        for run in _runs(places, records, small)
+        for run in _runs(places, records, sizes, small)
     )
     return small, ((members, finish) for members, _, finish in _window.windowed(jobs))
 
 
-def _runs(places: dict[str, tuple[str, int]], records: Sequence[LeafRecord], wanted: list[int]) -> list[Run]:
-    """The runs covering the `wanted` records, file by file in the order of their bytes."""
+def _runs(
+    places: dict[str, tuple[str, int]], records: Sequence[LeafRecord], sizes: list[int], wanted: list[int]
+) -> list[Run]:
+    """The runs covering the `wanted` records (of `sizes` bytes), file by file in the order of their bytes."""
     by_file: dict[str, list[tuple[int, int]]] = {}
     for i in wanted:
         file, start = places[records[i].path]
@@ -435,8 +465,8 @@ def _runs(places: dict[str, tuple[str, int]], records: Sequence[LeafRecord], wan
         members: list[int] = []
         lo = hi = 0
         for start, i in starts:
-            end = start + records[i].nbytes
-            alone = end - start > SMALL_BYTES or bool(members and records[members[-1]].nbytes > SMALL_BYTES)
+            end = start + sizes[i]
+            alone = end - start > SMALL_BYTES or bool(members and sizes[members[-1]] > SMALL_BYTES)
             if members and (alone or start > hi + GAP_BYTES or end - lo > _window.READ_BUDGET):
                 runs.append((file, lo, hi, members))
                 members = []
@@ -480,11 +510,12 @@ def _start_run(
         out = []
         for record in records:
             offset = places[record.path][1] - start
-            if not 0 <= offset <= offset + record.nbytes <= len(data):  # `_runs` made it so; checked all the same
+            nbytes = record.nbytes
+            if not 0 <= offset <= offset + nbytes <= len(data):  # `_runs` made it so; checked all the same
                 raise _corrupt(files.loc, f"tensor {record.path!r} in {file!r} is not within bytes {start}..{end}")
-            dtype = dtype_from_name(record.stored_dtype)
-            # Safetensors bytes are little-endian, as are the hosts JAX runs on.
-            out.append(data[offset : offset + record.nbytes].view(dtype).reshape(record.shape))
+            # Safetensors bytes are little-endian, as are the hosts JAX runs on. (A view
+            # of the run's bytes made in one call, not a slice, a view and a reshape.)
+            out.append(np.ndarray(record.shape, _NUMPY[record.stored_dtype], data, offset))
         return out
 
     return finish

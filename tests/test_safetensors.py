@@ -2,6 +2,7 @@
 with every load option; only the selected tensors' bytes are read."""
 
 import contextlib
+import gc
 import http.server
 import json
 import re
@@ -385,6 +386,42 @@ def test_a_header_the_safetensors_library_refuses_is_corrupt(tmp_path, header, s
     path = _raw_file(tmp_path / "x.safetensors", header, np.arange(4, dtype=np.float32).tobytes())
     with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(said)):
         eqx_ckpt.Checkpoint(path)
+
+
+def test_a_tensor_with_a_tensor_further_below_it_is_named_with_it(tmp_path):
+    path = str(tmp_path / "deep.safetensors")
+    save_file({"x.a": np.ones(2, np.float32), "x.a.b.c": np.zeros(3, np.float32), "x.c": np.ones(1)}, path)
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=r"`x\.a` in .* has leaves below it \(`x\.a\.b\.c`\)"):
+        eqx_ckpt.Checkpoint(path).load()
+
+
+def test_names_that_need_escaping_load_from_a_sharded_directory(tmp_path):
+    # Plain names are their own dotted paths; these are escaped, and the index
+    # (which names tensors as the files do) is checked against the headers all the same.
+    groups = [{"layer 0.w": W, "é.b": B}, {"a..b": np.ones(2, np.float32), "": np.zeros(1, np.float32)}]
+    ckpt = eqx_ckpt.Checkpoint(_shard(tmp_path / "hf", groups))
+    assert list(ckpt) == ["%C3%A9.b", "%e", "a.%e.b", "layer%200.w"]
+    tree = ckpt.load()
+    assert set(tree) == {"layer 0", "é", "a", ""}
+    np.testing.assert_array_equal(tree["layer 0"]["w"], W)
+    np.testing.assert_array_equal(tree["a"][""]["b"], np.ones(2, np.float32))
+
+
+def test_checkpoint_opens_and_loads_with_the_garbage_collector_paused(single, monkeypatch):
+    # As `tree_deserialise_leaves` does. Its collections, triggered by the
+    # objects made for each tensor with JAX's many objects alive, came to a
+    # third of `Checkpoint(path).load()` of ten thousand small tensors.
+    from eqx_ckpt import _nested, _safetensors
+
+    enabled = []
+    for module, name in ((_safetensors, "_parse_header"), (_nested, "structure")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, **k: enabled.append(gc.isenabled()) or real(*a, **k))
+    assert gc.isenabled()
+    tree = eqx_ckpt.Checkpoint(single).load()
+    assert enabled == [False, False]
+    assert gc.isenabled()
+    np.testing.assert_array_equal(tree["model"]["w"], W)
 
 
 def test_a_tensor_with_tensors_below_it_cannot_be_shown_nested(tmp_path):
