@@ -149,7 +149,14 @@ def _segment_key(part: str) -> tuple[int, int, str]:
     """One segment's `sort_key`, remembered: a tree's few names and indices
     recur in thousands of paths."""
     match = _NUMBER.match(part)
-    return (0, int(match.group(2)), part) if match else (1, 0, part)
+    # Python refuses `int()` of more than 4,300 digits: a segment that long (a
+    # hostile file's) sorts as a name.
+    if match and len(match.group(2)) <= _LONGEST_NUMBER:
+        return (0, int(match.group(2)), part)
+    return (1, 0, part)
+
+
+_LONGEST_NUMBER = 4000
 
 
 def to_json(keypath: tuple[Any, ...]) -> list[list[Any]]:

@@ -640,3 +640,16 @@ def test_a_large_local_tensor_is_a_run_of_its_own(tmp_path, faults):
     )
     assert loaded["b"].sharding == sharding
     np.testing.assert_array_equal(np.asarray(loaded["b"]), big)
+
+
+def test_a_name_with_a_number_too_long_for_int_is_listed_and_loaded(tmp_path):
+    """Numbered segments sort by value; one of more digits than Python's `int()`
+    accepts (4,300), in a hostile file, sorts as a name instead of raising."""
+    huge = "9" * 5000
+    path = tmp_path / "long.safetensors"
+    tensors = {f"layers.{huge}": np.ones(2, np.float32), "layers.10": np.zeros(1, np.float32)}
+    tensors["layers.2"] = np.full(3, 2, np.float32)
+    save_file(tensors, str(path))
+    ckpt = eqx_ckpt.Checkpoint(path)
+    assert list(ckpt) == ["layers.2", "layers.10", f"layers.{huge}"]
+    assert np.array_equal(np.asarray(ckpt[f"layers.{huge}"]), np.ones(2, np.float32))
