@@ -11,6 +11,7 @@ destination's claim until then. Until the thread claims the save, the caller's
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 import threading
 from collections.abc import Callable
@@ -45,6 +46,53 @@ def hold_tree(pytree: Any) -> HeldLeaves | None:
     keypaths = None
     if not _tree.rebuilds_plainly(treedef):
         keypaths = [keypath for keypath, _ in _tree.flatten(pytree, None)[0]]
+    held = _views(leaves)
+    if held is None:
+        held = _held(leaves)
+        if held is None:
+            return None
+    kinds = _records.array_kind
+
+    def flat() -> tuple[list[Any], _tree.Names]:
+        names = _tree.names_from_keypaths(keypaths) if keypaths is not None else _tree.names_from_structure(treedef)
+        out = []
+        for x, data in zip(leaves, held, strict=True):
+            if type(data) is np.ndarray and kinds(type(x)) == "jax":
+                data = _records.Held(x, x, [((), data)])
+            out.append(data)
+        return out, names
+
+    return flat
+
+
+# A leaf's sharding, read for every leaf without a step of Python's own.
+_SHARDING = operator.attrgetter("sharding")
+
+
+def _views(leaves: list[Any]) -> list[Any] | None:
+    """The NumPy view of every leaf, when every one is a `jax.Array` on one
+    device (the common tree; a view is a `jax.Array`'s host data, which never
+    changes); else `None`. The caller waits for this, so no step of it is
+    Python's per leaf: the types and shardings are checked as sets, and the
+    views made by `map` (docs/benchmarks.md, "Measurements behind the
+    design")."""
+    kinds = _records.array_kind
+    if not all(kinds(cls) == "jax" for cls in set(map(type, leaves))):
+        return None
+    try:
+        if set(map(type, map(_SHARDING, leaves))) != {jax.sharding.SingleDeviceSharding}:
+            return None
+        return list(map(np.asarray, leaves))
+    except Exception:
+        return None  # a PRNG key array (it has no view), a deleted array: held leaf by leaf
+
+
+def _held(leaves: list[Any]) -> list[Any] | None:
+    """Every leaf's host data held, leaf by leaf (the tree `_views` does not
+    take): a `jax.Array` on one device by its view, any other by its host
+    pieces (`_records.hold`), NumPy arrays copied. `None` when a leaf's error
+    is for the caller's thread to raise (a masked or abstract array, a leaf
+    that cannot be held)."""
     held: list[Any] = []
     copied: list[int] = []  # NumPy leaves, copied once all are found
     kinds, one_device = _records.array_kind, jax.sharding.SingleDeviceSharding
@@ -53,8 +101,7 @@ def hold_tree(pytree: Any) -> HeldLeaves | None:
             kind = kinds(type(x))
             if kind == "jax":
                 if type(x.sharding) is one_device:
-                    # The common leaf, kept short (the caller waits for ten
-                    # thousand of these): its host view, made a `Held` later.
+                    # Its host view, made a `Held` later (`flat`).
                     try:
                         held.append(np.asarray(x))
                         continue
@@ -70,17 +117,7 @@ def hold_tree(pytree: Any) -> HeldLeaves | None:
             held[i] = copy
     except Exception:
         return None  # a leaf that cannot be held (a deleted array): the caller's thread names it
-
-    def flat() -> tuple[list[Any], _tree.Names]:
-        names = _tree.names_from_keypaths(keypaths) if keypaths is not None else _tree.names_from_structure(treedef)
-        out = []
-        for x, data in zip(leaves, held, strict=True):
-            if type(data) is np.ndarray and kinds(type(x)) == "jax":
-                data = _records.Held(x, x, [((), data)])
-            out.append(data)
-        return out, names
-
-    return flat
+    return held
 
 
 class PendingSave:

@@ -405,6 +405,57 @@ def test_what_the_caller_holds_is_decided_by_type(tmp_path):
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, np.zeros(4), prefix="sub"), np.arange(4.0))
 
 
+def test_a_tree_of_arrays_on_one_device_is_held_with_no_step_per_leaf(tmp_path, monkeypatch):
+    """The common tree, every leaf a `jax.Array` on one device: the caller's
+    part looks at each leaf's type once per type, not once per leaf, and
+    what it holds is still the values at the call."""
+    calls = []
+    kind = _records.array_kind
+    monkeypatch.setattr(_records, "array_kind", lambda cls: calls.append(cls) or kind(cls))
+    tree = {f"w{i}": jnp.full(3, i, dtype=jnp.float32) for i in range(40)}
+    expected = jax.tree.map(np.array, tree)
+    flat = _background.hold_tree(tree)
+    assert flat is not None and len(calls) == 1
+    for x in tree.values():
+        x.delete()
+    held, names = flat()
+    assert all(type(h) is _records.Held and len(h.pieces) == 1 for h in held)
+    assert {p: h.pieces[0][1].tolist() for p, h in zip(names.paths, held, strict=True)} == {
+        p: x.tolist() for p, x in expected.items()
+    }
+
+
+def test_a_tree_of_jax_arrays_not_all_plain_is_held_leaf_by_leaf(tmp_path):
+    """A tree of `jax.Array`s only, one of them not a plain array on one
+    device: a sharded array is held by its shards (never gathered into one
+    copy), a PRNG key array by its key data, and a deleted array is named at once."""
+    mesh = jax.make_mesh((4,), ("x",))
+    sharded = jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
+
+    def held(tree):
+        leaves, names = _background.hold_tree(tree)()
+        return dict(zip(names.paths, leaves, strict=True))
+
+    assert [index for index, _ in held({"a": jnp.ones(2), "s": sharded})["s"].pieces] == [
+        (slice(i, i + 2),) for i in range(0, 8, 2)
+    ]
+    key = jax.random.key(3)
+    assert np.array_equal(held({"a": jnp.ones(2), "k": key})["k"].pieces[0][1], jax.random.key_data(key))
+    tree = {"a": jnp.ones(2), "s": sharded, "k": key}
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, blocking=False)
+    sharded.delete()
+    pending.wait()
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"a": jnp.zeros(2), "s": jnp.zeros(8), "k": jax.random.key(0)})
+    assert np.array_equal(out["s"], np.arange(8.0)) and np.array_equal(out["a"], np.ones(2))
+    assert np.array_equal(jax.random.key_data(out["k"]), jax.random.key_data(key))
+    gone = jnp.ones(3)
+    gone.delete()
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("it is a deleted `jax.Array`")) as info:
+        eqx_ckpt.tree_serialise_leaves(tmp_path / "gone", {"a": jnp.ones(2), "gone": gone}, blocking=False)
+    assert list(info.value.dotted) == ["gone"]
+    assert not (tmp_path / "gone").exists()
+
+
 def test_the_trees_containers_may_change_after_the_call(tmp_path, monkeypatch):
     """The key paths are those of the tree as it was during the call, not of
     containers the caller changed since."""
