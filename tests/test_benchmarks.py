@@ -105,7 +105,8 @@ def test_report_tables_name_both_contenders(results, tmp_path):
     targets = [line.split("|") for line in text.splitlines() if line[:4] in ("| 1 ", "| 3 ", "| 5 ")]
     assert {(cells[2].strip(), cells[1].strip()) for cells in targets} >= {("tiny", "1"), ("tiny", "3"), ("large", "1")}
     async_row = next(cells for cells in targets if cells[1].strip() == "3" and cells[2].strip() == "tiny")
-    assert async_row[-2].strip() in ("yes", "no"), async_row
+    # Met or not (two runs on a busy machine may also break the stability rule).
+    assert async_row[-2].strip() in ("yes", "no", "no (a run over 1.5x the median)"), async_row
     worst = async_row[-3].strip()  # the slower of two runs over their mean
     assert re.fullmatch(r"\d+\.\d\dx", worst) and float(worst[:-1]) >= 1.0, async_row
     # Its reference is the larger of the two bounds, and it says which applies
