@@ -12,7 +12,10 @@ buffers of `BUFFER_BYTES` (a large leaf's), each buffer obtained one way:
 - `numpy`: `np.empty`, for which NumPy itself asks for huge pages (every array
   of 4 MiB or more), as a hand-written reader gets them;
 - `populate`: the `4k` mapping, each reading thread first faulting its piece in
-  with `madvise(MADV_POPULATE_WRITE)` (Linux 5.14), then reading into it.
+  with `madvise(MADV_POPULATE_WRITE)` (Linux 5.14), then reading into it;
+- `reused`: `4k` buffers already faulted in by a read before the clock starts,
+  what a pool of buffers kept across loads in one process would give at best
+  (no fresh memory at all).
 
 With the page cache `warm` (dropped, then the file read once) or `cold`
 (dropped). Prints, for each way and cache state, the median and worst seconds
@@ -40,7 +43,7 @@ import numpy as np
 
 from . import contenders, run, worker
 
-WAYS = ("4k", "huge", "numpy", "populate")
+WAYS = ("4k", "huge", "numpy", "populate", "reused")
 BUFFER_BYTES = 32 * 2**20
 READ_THREADS, PIECE = 4, 16 * 2**20
 MADV_POPULATE_WRITE = 23  # Linux's value; `mmap` has no name for it before Python 3.13
@@ -57,10 +60,12 @@ def fresh(way: str, nbytes: int) -> Any:
     return memory
 
 
-def read(path: str, way: str) -> list[Any]:
-    """The file read into buffers of `BUFFER_BYTES` obtained `way`."""
+def read(path: str, way: str, buffers: list[Any] | None = None) -> list[Any]:
+    """The file read into `buffers`, or into new buffers of `BUFFER_BYTES` obtained `way`."""
     size = os.path.getsize(path)
-    buffers = [fresh(way, min(BUFFER_BYTES, size - start)) for start in range(0, size, BUFFER_BYTES)]
+    if buffers is None:
+        fresh_way = "4k" if way == "reused" else way
+        buffers = [fresh(fresh_way, min(BUFFER_BYTES, size - start)) for start in range(0, size, BUFFER_BYTES)]
     pieces = [
         (start + offset, memoryview(buffer)[offset : offset + PIECE])
         for start, buffer in zip(range(0, size, BUFFER_BYTES), buffers, strict=True)
@@ -94,9 +99,10 @@ def _madvise(address: int, length: int, advice: int) -> None:
 
 
 def measure(path: str, way: str, cache: str) -> dict[str, float]:
+    reused = read(path, way) if way == "reused" else None
     worker.set_cache(path, cache)
     before, start = os.times(), time.perf_counter()
-    read(path, way)
+    read(path, way, reused)
     seconds, after = time.perf_counter() - start, os.times()
     return {"seconds": seconds, "system": after.system - before.system}
 
