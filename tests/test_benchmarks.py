@@ -7,6 +7,7 @@ failed measurement is recorded and the run goes on; and the report's rules."""
 import json
 import pathlib
 import re
+import shutil
 import sys
 
 import equinox as eqx
@@ -280,17 +281,20 @@ def test_warm_memory_reads_files_whole_and_touches_every_page(tmp_path):
 def test_a_run_the_disk_cannot_hold_is_refused_before_it_starts(tmp_path, monkeypatch):
     """`large` keeps every contender's 3.1 GB checkpoint until its loads are
     done: a run that cannot fit stops at once, saying how much it needs."""
-    import shutil
-
     needed = run.disk_needed(workload.PRESETS["large"], ["eqx_ckpt", "raw"], run.OPS["large"])
     assert 3 * 3.1e9 < needed < 3 * 3.3e9 + 2e9  # two checkpoints and eqx_ckpt's asynchronous one
+    argv = ["--workload", "large", "--contenders", "eqx_ckpt,raw"]
+    _refused_for_disk(tmp_path, monkeypatch, needed, argv, r"needs about 1\d\.\d GB free .* Free some space")
+    assert not list(tmp_path.glob("*.jsonl"))
+
+
+def _refused_for_disk(tmp_path, monkeypatch, needed, argv, match):
+    """`run.main(argv)` with one byte less free than `needed` stops before any measurement."""
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(run.shutil, "disk_usage", lambda path: usage._replace(free=needed - 1))
     monkeypatch.setattr(run, "run_job", lambda *a, **k: pytest.fail("a measurement ran"))
-    argv = ["--workload", "large", "--contenders", "eqx_ckpt,raw", "--results", str(tmp_path), "--no-report"]
-    with pytest.raises(SystemExit, match=r"needs about 1\d\.\d GB free .* Free some space"):
-        run.main(argv)
-    assert not list(tmp_path.glob("*.jsonl"))
+    with pytest.raises(SystemExit, match=match):
+        run.main([*argv, "--results", str(tmp_path), "--no-report"])
 
 
 def test_the_foreign_benchmark_loads_what_it_wrote(tmp_path):
@@ -346,16 +350,10 @@ def test_a_target_with_a_run_over_one_and_a_half_times_its_median_is_not_met():
 
 def test_a_run_with_foreign_files_the_disk_cannot_hold_is_refused(tmp_path, monkeypatch):
     """The foreign workload's 3 GiB file and its small files count in the check."""
-    import shutil
-
     needed = run.foreign_disk_needed(10000, 3.0)
     assert 3 * 2**30 + 2 * 14 * 10**6 < needed - 10**9 < 3 * 2**30 + 2 * 20 * 10**6
-    usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(run.shutil, "disk_usage", lambda path: usage._replace(free=needed - 1))
-    monkeypatch.setattr(run, "run_job", lambda *a, **k: pytest.fail("a measurement ran"))
-    argv = ["--workload", "tiny", "--workload", "foreign", "--results", str(tmp_path), "--no-report"]
-    with pytest.raises(SystemExit, match=r"needs about 4\.\d GB free"):
-        run.main(argv)
+    argv = ["--workload", "tiny", "--workload", "foreign"]
+    _refused_for_disk(tmp_path, monkeypatch, needed, argv, r"needs about 4\.\d GB free")
     assert not list(tmp_path.iterdir())
 
 
