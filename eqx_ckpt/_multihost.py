@@ -197,7 +197,17 @@ class _Heartbeat:
         cls._started = threading.Thread(target=beat, name="eqx_ckpt-heartbeat", daemon=True)
         cls._started.start()
         # Before `jax.distributed`'s own exit hook (registered earlier, so run later) shuts the client down.
-        atexit.register(cls._stop.set)
+        atexit.register(cls.halt)
+
+    @classmethod
+    def halt(cls) -> None:
+        """Stop the heartbeat and wait for a beat in flight. A daemon thread still
+        in the client's call when the interpreter finalises is ended inside that
+        C++ call, which aborted a process at exit ("FATAL: exception not
+        rethrown") after its saves had all succeeded."""
+        cls._stop.set()
+        if cls._started is not None:
+            cls._started.join(SILENT_SECONDS)
 
 
 def begin(

@@ -130,7 +130,10 @@ def test_report_tables_name_both_contenders(results, tmp_path):
     ]
     for cells in foreign_rows:
         assert cells[6].strip().endswith("x") and cells[-2].strip() in ("yes", "no"), cells
-    assert "Stability (issue 42: no run of eqx_ckpt's worse than 1.5x the median of its runs): holds" in text
+    # The stability line is there; whether it holds depends on the machine (two
+    # saves on a busy one may differ by more than 1.5x; its rule is tested below).
+    stability = "Stability (issue 42: no run of eqx_ckpt's worse than 1.5x the median of its runs): "
+    assert stability + "holds" in text or stability + "does not hold for " in text
     # The foreign workload's own table: every way of loading, every file.
     assert "### `foreign`: 50 small float32 tensors in one safetensors file and in a directory of 4 shards" in text
     section = text[text.index("### `foreign`") :]
