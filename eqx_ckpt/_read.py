@@ -40,16 +40,18 @@ def host_converter(record: LeafRecord, dtype: Any, loc: Location) -> Callable[[n
     """Stored bytes -> the logical dtype -> `dtype`, when given and different.
     A conversion that would change values beyond rounding is an error."""
 
-    def convert(array: np.ndarray) -> np.ndarray:
-        array = _dtypes.decode(array, record)
-        if dtype is None or array.dtype == dtype:
-            return array
-        try:
-            return _dtypes.checked_cast(array, dtype)
-        except ValueError as e:
-            raise cast_error(loc, record, array.dtype, np.dtype(dtype), e) from None
+    return functools.partial(converted, record=record, dtype=dtype, loc=loc)
 
-    return convert
+
+def converted(array: np.ndarray, record: LeafRecord, dtype: Any, loc: Location) -> np.ndarray:
+    """`host_converter(record, dtype, loc)(array)`, called at once (no function made a leaf)."""
+    array = _dtypes.decode(array, record)
+    if dtype is None or array.dtype == dtype:
+        return array
+    try:
+        return _dtypes.checked_cast(array, dtype)
+    except ValueError as e:
+        raise cast_error(loc, record, array.dtype, np.dtype(dtype), e) from None
 
 
 def cast_error(loc: Location, record: LeafRecord, source: np.dtype, dtype: np.dtype, why: Exception) -> LeafError:
@@ -166,10 +168,7 @@ def place(loc: Location, hosts: list[np.ndarray], records: list[LeafRecord], lik
                 narrowed[dtype] = _dtypes.x64_missing(dtype)
             if narrowed[dtype]:
                 refuse_narrowing(loc, record, dtype)
-        if record.encoding == "plain" and (dtype is None or host.dtype == dtype):
-            array = host  # what `host_converter` gives it, without making one a leaf
-        else:
-            array = host_converter(record, dtype, loc)(host)
+        array = converted(host, record, dtype, loc)
         sharding = target_sharding(like)
         if kind == "jax" and (sharding is None or len(sharding.device_set) == 1):
             out[i] = array
