@@ -1,0 +1,232 @@
+"""Old checkpoints keep loading: every fixture under tests/fixtures/ (one per
+format version, each written by the code that introduced that version, with
+tests/fixtures/make_fixture.py) loads bit for bit with today's eqx_ckpt, is
+listed, verified, read lazily and in part; and a checkpoint of a newer format
+than this eqx_ckpt knows is refused, saying to upgrade. A new format's fixture
+is picked up by its folder alone."""
+
+import hashlib
+import importlib.util
+import json
+import pathlib
+import re
+import shutil
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+import eqx_ckpt
+from eqx_ckpt._format import FORMAT_VERSION
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+FOLDERS = sorted(FIXTURES.glob("format_*"), key=lambda p: int(p.name.removeprefix("format_")))
+
+_spec = importlib.util.spec_from_file_location("make_fixture", FIXTURES / "make_fixture.py")
+assert _spec is not None and _spec.loader is not None
+make_fixture = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_fixture)
+
+# Every stored leaf's dotted path, in the order `jax.tree.leaves` gives them:
+# the documented spellings (docs/format.md, "Leaf directories: escaping").
+KEYS = [
+    "big",
+    "containers.0.0",
+    "containers.1.0",
+    "empty.jax",
+    "empty.numpy",
+    "escaped.a%2Eb",
+    "escaped.c%2Fd",
+    "escaped.%E6%9D%83%E9%87%8D",
+    "int_keys.%i-1",
+    "int_keys.%i3",
+    "keys.many",
+    "keys.one",
+    "model.layers.0.weight",
+    "model.layers.0.bias",
+    "model.layers.1.weight",
+    "model.layers.1.bias",
+    "scalars.bool",
+    "scalars.complex",
+    "scalars.float",
+    "scalars.int",
+    "scalars.large_int",
+    "scalars.np_f64",
+    "scalars.np_i8",
+    "small.bf16",
+    "small.bool",
+    "small.c64",
+    "small.f32",
+    "small.f8",
+    "small.i8",
+    "small.np_f64",
+    "small.u32",
+    "small.u4",
+    "special.bf16",
+    "special.f32",
+]
+
+
+def _version(folder: pathlib.Path) -> int:
+    return int(folder.name.removeprefix("format_"))
+
+
+def _digests() -> dict[str, str]:
+    return {
+        str(p.relative_to(FIXTURES)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(FIXTURES.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fixtures_untouched():
+    """No test may change a fixture: they are what old code wrote, and cannot be made again."""
+    before = _digests()
+    yield
+    assert _digests() == before
+
+
+@pytest.fixture(params=FOLDERS, ids=[p.name for p in FOLDERS])
+def fixture(request) -> pathlib.Path:
+    return request.param
+
+
+def _stored(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+
+
+def _bits(x: Any) -> Any:
+    """A leaf as what must come back exactly: its type, dtype, shape and bytes
+    (a NaN's payload, -0.0, bfloat16's bits); other leaves as themselves."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return ("key", str(jax.random.key_impl(x)), x.shape, np.asarray(jax.random.key_data(x)).tobytes())
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        array = np.asarray(x)
+        return (type(x), array.dtype.name, array.shape, array.tobytes())
+    return (type(x), x)
+
+
+def _all_bits(tree: Any) -> list[tuple[str, Any]]:
+    return [(jax.tree_util.keystr(path), _bits(x)) for path, x in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _assert_loaded(loaded: Any, expected: Any) -> None:
+    """Equal as Equinox sees it (NaNs aside, which never equal themselves), and bit for bit."""
+    assert eqx.tree_equal({**loaded, "special": None}, {**expected, "special": None}, typematch=True), (
+        "the loaded tree differs from the saved one"
+    )
+    assert _all_bits(loaded) == _all_bits(expected)
+
+
+def test_every_format_version_has_a_fixture():
+    # A format change adds its fixture (see docs/format.md, "Compatibility").
+    assert [_version(p) for p in FOLDERS] == list(range(1, FORMAT_VERSION + 1))
+
+
+def test_the_fixture_is_the_version_its_folder_names(fixture):
+    manifest = json.loads((fixture / "manifest.json").read_text())
+    assert manifest["format_version"] == _version(fixture)
+    assert eqx_ckpt.Checkpoint(fixture).format_version == _version(fixture)
+
+
+def test_the_fixture_holds_what_its_format_wrote(fixture):
+    """Representative: a large leaf in a folder of its own, small ones packed
+    where the format packs (version 3 on), in folders of their own before."""
+    assert (fixture / "big" / "c" / "0" / "0").stat().st_size > make_fixture.PACK_BYTES
+    packs = sorted(p.name for p in fixture.glob("packed.*"))
+    if _version(fixture) >= 3:
+        assert {"packed.bfloat16", "packed.float32", "packed.uint32", "packed.uint8"} <= set(packs)
+        assert not (fixture / "small").exists()
+    else:
+        assert packs == []
+        assert (fixture / "small" / "u4" / "zarr.json").is_file()
+        assert (fixture / "escaped" / "a%2Eb" / "zarr.json").is_file()
+    records = {leaf["path"]: leaf for leaf in json.loads((fixture / "manifest.json").read_text())["leaves"]}
+    if _version(fixture) <= 4:  # written with TensorStore 0.1.86, which has no uint4: its bytes as uint8
+        assert records["small.u4"]["encoding"] == "view"
+    assert records["keys.many"]["encoding"] == "key_data"
+
+
+def test_it_loads_bit_for_bit(fixture):
+    like = make_fixture.like()
+    assert not eqx.tree_equal(like["scalars"], make_fixture.expected()["scalars"])  # so a load that reads nothing fails
+    loaded = eqx_ckpt.tree_deserialise_leaves(fixture, like)
+    _assert_loaded(loaded, make_fixture.expected())
+
+
+def test_checkpoint_lists_and_reads_every_key(fixture):
+    ckpt = eqx_ckpt.Checkpoint(fixture)
+    assert sorted(ckpt) == sorted(KEYS) and len(ckpt) == len(KEYS)
+    leaves = [x for x in jax.tree.leaves(make_fixture.expected()) if _stored(x)]
+    for key, leaf in zip(KEYS, leaves, strict=True):
+        value = ckpt[key]
+        value = value.read() if isinstance(value, eqx_ckpt.LazyArray) else value
+        assert _bits(value) == _bits(leaf), key
+
+
+def test_verify_finds_it_sound(fixture):
+    problems = eqx_ckpt.verify(fixture)
+    assert problems == [] and problems.unchecked == ()
+
+
+def test_a_lazy_load_reads_it(fixture):
+    expected = make_fixture.expected()
+    lazy = eqx_ckpt.tree_deserialise_leaves(fixture, make_fixture.like(), lazy=True)
+    assert isinstance(lazy["big"], eqx_ckpt.LazyArray) and isinstance(lazy["small"]["u4"], eqx_ckpt.LazyArray)
+    assert np.asarray(lazy["big"][3:5, 7]).tobytes() == np.asarray(expected["big"][3:5, 7]).tobytes()
+    assert np.asarray(lazy["special"]["f32"][1:4]).tobytes() == expected["special"]["f32"][1:4].tobytes()
+    _assert_loaded(eqx_ckpt.materialise(lazy), expected)
+
+
+def test_a_partial_load_reads_only_the_selection(fixture):
+    like, expected = make_fixture.like(), make_fixture.expected()
+    loaded = eqx_ckpt.tree_deserialise_leaves(fixture, like, where=lambda t: (t["model"], t["escaped"]))
+    assert _all_bits(loaded["model"]) == _all_bits(expected["model"])
+    assert _all_bits(loaded["escaped"]) == _all_bits(expected["escaped"])
+    # Everything else is `like`'s own leaf, unread.
+    assert loaded["big"] is like["big"] and eqx.tree_equal(loaded["scalars"], like["scalars"], typematch=True)
+
+
+def test_a_load_by_prefix_reads_a_sub_tree(fixture):
+    like, expected = make_fixture.like(), make_fixture.expected()
+    model = eqx_ckpt.tree_deserialise_leaves(fixture, like["model"], prefix="model")
+    assert eqx.tree_equal(model, expected["model"], typematch=True)
+    escaped = eqx_ckpt.tree_deserialise_leaves(fixture, like["escaped"]["权重"], prefix="escaped.%E6%9D%83%E9%87%8D")
+    assert _bits(escaped) == _bits(expected["escaped"]["权重"])
+
+
+def _newer(tmp_path: pathlib.Path) -> tuple[pathlib.Path, int]:
+    """A copy of the newest fixture whose manifest claims the next format version."""
+    copy = tmp_path / "newer"
+    shutil.copytree(FOLDERS[-1], copy)
+    manifest = copy / "manifest.json"
+    text, count = re.subn(
+        r'"format_version":\s*[0-9]+', f'"format_version": {FORMAT_VERSION + 1}', manifest.read_text()
+    )
+    assert count == 1
+    manifest.write_text(text)
+    return copy, FORMAT_VERSION + 1
+
+
+def test_a_newer_format_says_to_upgrade(tmp_path):
+    newer, version = _newer(tmp_path)
+    message = re.escape(
+        f"format version {version} is not one this eqx_ckpt reads (up to {FORMAT_VERSION}); upgrade eqx_ckpt"
+    )
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=message):
+        eqx_ckpt.Checkpoint(newer)
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=message):
+        eqx_ckpt.tree_deserialise_leaves(newer, make_fixture.like())
+    [problem] = eqx_ckpt.verify(newer)
+    assert problem.leaf is None and re.search(message, problem.message)
+
+
+def test_a_newer_format_is_never_saved_over(tmp_path):
+    newer, version = _newer(tmp_path)
+    before = sorted((p.relative_to(newer), p.read_bytes()) for p in newer.rglob("*") if p.is_file())
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(f"format version {version} is not one")):
+        eqx_ckpt.tree_serialise_leaves(newer, {"w": np.ones(3, np.float32)})
+    assert sorted((p.relative_to(newer), p.read_bytes()) for p in newer.rglob("*") if p.is_file()) == before
