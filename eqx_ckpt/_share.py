@@ -188,7 +188,7 @@ def base_file(path: str, nbytes: int, what: str, start: Any = None) -> Verified 
     try:
         fd = os.open(path, _READ_FLAGS)
     except OSError as e:
-        _warn(path, what, _UNOPENED.get(e.errno, f"cannot be opened ({e.strerror})"))
+        _warn(path, what, _UNOPENED.get(e.errno or 0, f"cannot be opened ({e.strerror})"))
         return None
     try:
         info = os.fstat(fd)
