@@ -33,6 +33,7 @@ from ._serialise import (
     default_serialise_filter_spec as default_serialise_filter_spec,
     tree_serialise_leaves as tree_serialise_leaves,
 )
+from ._share import IntegrityWarning as IntegrityWarning
 from ._steps import RetentionWarning as RetentionWarning
 from ._torch import torch_layout as torch_layout
 from ._transaction import CommitWarning as CommitWarning

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import _dtypes, _storage_errors, _window
+from . import _dtypes, _share, _storage_errors, _window
 from ._errors import CheckpointError, CheckpointStorageError
 from ._format import LeafRecord
 from ._location import Location
@@ -101,6 +101,7 @@ def damage(error: BaseException, record: LeafRecord, data: Location, doing: str)
     explained = _storage_errors.leaf_io_error(error, record, data, doing)
     if isinstance(explained, CheckpointStorageError):
         raise explained from None
+    _share.forget_damaged(explained, data, record)
     return explained
 
 

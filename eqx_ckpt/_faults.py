@@ -75,6 +75,9 @@ The points, with where they fire and the arguments they pass:
 - `local_write.chunk_bytes` `(fd)`: that file is created, its bytes about to be
   written; an `OSError` raised here is reported as the write's, naming the file.
 - `local_write.unbuffered` `(fd)`: the file is written past the page cache.
+- `share.verify` `(path)`: an incremental save reads the chunk file `path` of
+  the checkpoint it follows whole, to verify it before sharing it: once per
+  process per file (`_share`).
 - `share.link` `(source, path)`: an incremental save is about to make chunk
   file `path` a hard link to `source`, the same bytes in the checkpoint it
   follows (`_share`).
@@ -134,6 +137,7 @@ POINTS = frozenset(
         "local_write.chunk",
         "local_write.chunk_bytes",
         "local_write.unbuffered",
+        "share.verify",
         "share.link",
         "local_read.check_files",
         "local_read.start_reads",

@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _dtypes, _memory, _read, _storage, _storage_errors, _window
+from . import _dtypes, _memory, _read, _share, _storage, _storage_errors, _window
 from ._format import LeafRecord
 from ._location import Location
 from ._progress import Progress, Tracker
@@ -141,7 +141,8 @@ class LazyArray:
             array = store[index].read().result()
         except Exception as e:
             self._check()
-            raise _storage_errors.leaf_io_error(e, self._record, self._loc, "read") from e
+            error = _storage_errors.leaf_io_error(e, self._record, self._loc, "read")
+            raise _share.forget_damaged(error, self._loc, self._record) from e
         self._check()
         # A leaf cast on save reads back in the dtype it was saved from, as `dtype`
         # says (an error if a stored value cannot become it).

@@ -42,7 +42,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from . import _faults, _format, _memory, _storage
+from . import _faults, _format, _memory, _share, _storage
 from ._errors import IntegrityError, stored_leaf_error
 from ._format import LeafRecord, PackRecord, dtype_from_name
 from ._location import Location
@@ -428,7 +428,7 @@ def _size_message(record: LeafRecord, key: str, size: int) -> str:
 
 
 def _damaged(loc: Location, record: LeafRecord, what: str) -> IntegrityError:
-    return stored_leaf_error(
+    error = stored_leaf_error(
         IntegrityError,
         f"it is damaged or incomplete: {what}. Nothing was loaded.",
         dotted=record.path,
@@ -436,3 +436,5 @@ def _damaged(loc: Location, record: LeafRecord, what: str) -> IntegrityError:
         fix="If the checkpoint was overwritten or deleted while this read ran, read it again; otherwise restore it "
         "from a good copy, or run `eqx-ckpt verify` to list every damaged leaf.",
     )
+    _share.forget_damaged(error, loc, record)
+    return error

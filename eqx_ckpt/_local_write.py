@@ -44,6 +44,7 @@ from typing import Any
 
 import crc32c
 import numpy as np
+import xxhash
 
 from . import _faults, _format, _memory, _share, _storage
 from ._format import LeafRecord, PackRecord, dtype_from_name
@@ -228,14 +229,16 @@ def _write_chunk(folder: str, directory: str, key: str, what: str, make: Callabl
     path = os.path.join(folder, *key.split("/"))
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        checksum = None
+        digest = checksum = None
         if base is not None:
-            linked, checksum = _shared(os.path.join(base, *key.split("/")), path, content)
+            linked, digest, checksum = _shared(os.path.join(base, *key.split("/")), path, content, what)
             if linked:
                 return
         fd = os.open(path, _FLAGS, 0o666)
         try:
             _write_all(fd, content, checksum)
+            if digest is not None:
+                _share.written(fd, digest)
         finally:
             os.close(fd)
     except OSError as e:
@@ -245,38 +248,44 @@ def _write_chunk(folder: str, directory: str, key: str, what: str, make: Callabl
         raise OSError(e.errno, f"{reason}: cannot write chunk file {name!r} of {what}") from None
 
 
-def _shared(source: str, path: str, content: Any) -> tuple[bool, int | None]:
+def _shared(source: str, path: str, content: Any, what: str) -> tuple[bool, bytes | None, int | None]:
     """Whether `path` is now a link to the base's chunk file `source`, which
-    holds the same bytes as `content` (length and crc32c: `_share`); and the
-    crc32c of `content` where it was computed (a write need not compute it again)."""
+    holds the same bytes as `content` (length and xxh3-128: `_share`); the
+    xxh3-128 of `content` where it was computed (the file written instead is
+    recorded with it), and its crc32c where that was (a write need not compute
+    it again)."""
     nbytes = (content.nbytes if isinstance(content, _Chunk) else sum(len(v) for v in content)) + _format.CHECKSUM_BYTES
     # A large chunk's first bytes are looked at first: one whose start changed
-    # is written at once, checksummed as it is staged (the pass over its bytes
-    # a checksum here would add was the cost of comparing, on an overwrite
-    # where everything changed).
+    # is written at once, checksummed as it is staged (a hash here would add a
+    # pass over its bytes, the cost of comparing on an overwrite where
+    # everything changed).
     large = nbytes >= UNBUFFERED_FROM and not isinstance(content, _Chunk)
-    stored = _share.stored_checksum(source, nbytes, content[0] if large else None)
-    if stored is None:
-        return False, None
-    checksum = _checksum(content)
-    return checksum == stored and _share.link(source, path, nbytes, stored), checksum
+    verified = _share.base_file(source, nbytes, what, content[0] if large else None)
+    if verified is None:
+        return False, None, None
+    digest, checksum = _digest(content)
+    return digest == verified.digest and _share.link(source, path, verified), digest, checksum
 
 
-def _checksum(content: Any) -> int:
-    """The crc32c of a chunk's bytes: a pack's gathered into the writer's stage
-    a part at a time, a leaf's straight from its views."""
-    checksum = 0
+def _digest(content: Any) -> tuple[bytes, int | None]:
+    """The xxh3-128 of a chunk's bytes, and, for a pack's, their crc32c too:
+    its bytes are gathered into the writer's stage a part at a time, where both
+    cost little, and a write would gather them again. A leaf's are hashed
+    straight from its views."""
+    hasher = xxhash.xxh3_128()
     if isinstance(content, _Chunk):
+        checksum = 0
         stage, staged = _stage()
         step = STAGE_BYTES // content.dtype.itemsize
         for lo in range(content.lo, content.hi, step):
             part = content.part(lo, min(lo + step, content.hi))
             part.gather(staged)
+            hasher.update(stage[: part.nbytes])
             checksum = crc32c.crc32c(stage[: part.nbytes], checksum)
-        return checksum
+        return hasher.digest(), checksum
     for view in content:
-        checksum = crc32c.crc32c(view, checksum)
-    return checksum
+        hasher.update(view)
+    return hasher.digest(), None
 
 
 def _write_all(fd: int, content: Any, checksum: int | None = None) -> None:

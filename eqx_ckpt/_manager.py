@@ -98,6 +98,10 @@ class CheckpointManager:
         without rules) are left in place, and an [`eqx_ckpt.RetentionWarning`][]
         names those the rules would drop (see [docs/manager.md, "Steps saved
         under other rules"](../manager.md#steps-saved-under-other-rules)).
+    - `share`: on a local disk, each step shares the chunk files whose bytes
+        did not change with the newest committed step (hard links, verified
+        before they are shared; see [docs/manager.md](../manager.md)); with
+        `False`, every step writes all of its chunks in full.
 
     A step survives if any rule keeps it; the latest (highest) step and the step
     just saved always survive.
@@ -133,6 +137,7 @@ class CheckpointManager:
         best_mode: str = "min",
         blocking: bool = True,
         adopt_steps: bool = False,
+        share: bool = True,
     ):
         for name, value in (("max_to_keep", max_to_keep), ("keep_every", keep_every), ("best_n", best_n)):
             if value is not None and (type(value) is not int or value < 1):
@@ -161,6 +166,7 @@ class CheckpointManager:
         blocking = check_flag("blocking", blocking, "`False` saves in the background")
         self.best_metric, self.best_mode, self.blocking = best_metric, best_mode, blocking
         self.adopt_steps = check_flag("adopt_steps", adopt_steps, "`True` applies retention to every step")
+        self.share = check_flag("share", share, "`False` writes every chunk of every step in full")
         # The steps retention may delete (see `_governed_steps`), known from the first save on.
         self._governed: set[int] | None = None
         # Every step this manager began to save: its own, even where an interrupt
@@ -349,7 +355,7 @@ class CheckpointManager:
             pending = _serialise.save(
                 target, pytree, filter_spec, is_leaf,
                 overwrite=overwrite, blocking=self.blocking, cast=cast, layout=layout, metrics=values,
-                progress=progress, handoff=handoff, follows=follows,
+                progress=progress, handoff=handoff, follows=follows, share=self.share,
             )  # fmt: skip
         except CheckpointExistsError:
             raise  # another writer's save: nothing of it is ours to remove

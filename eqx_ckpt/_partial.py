@@ -22,7 +22,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import _keypath, _manifest, _source, _transaction, _tree
-from ._errors import CheckpointNotFoundError, CheckpointReplacedError, CheckpointValueError
+from ._errors import CheckpointNotFoundError, CheckpointReplacedError, CheckpointValueError, IntegrityError
 from ._format import MANIFEST
 from ._lazy import LazyArray
 from ._location import Location
@@ -40,7 +40,8 @@ class Partial:
     stored ones, with their names and filter specs, in that order; `commit`,
     the stored checkpoint's commit, which must still be the live one when the
     save begins; `cast`, the save's `cast` with each kept leaf's stored dtype;
-    `chunks`, the stored chunk grid of each kept leaf with an array of its own."""
+    `chunks`, the stored chunk grid of each kept leaf with an array of its own;
+    `new`, how many of the leaves are new (the first ones)."""
 
     def __init__(
         self,
@@ -50,9 +51,26 @@ class Partial:
         commit: str,
         cast: Callable[[str, np.dtype], Any] | None,
         chunks: dict[str, tuple[int, ...]],
+        new: int,
     ):
         self.leaves, self.names, self.specs, self.commit, self.cast = leaves, names, specs, commit, cast
-        self.chunks = chunks
+        self.chunks, self.new = chunks, new
+
+    def kept_damaged(self, error: IntegrityError, loc: Location) -> IntegrityError:
+        """`error`, a kept leaf found damaged as it was read, said as this
+        save's refusal: a kept leaf is carried over as stored, so a damaged one
+        is never saved again as if it were sound."""
+        kept = set(self.names.paths[self.new :])
+        if not error.dotted or not set(error.dotted) <= kept:
+            return error  # a new leaf's (a lazy leaf of another checkpoint)
+        return IntegrityError(
+            f"{error} This save with `where` keeps that leaf as it is stored in {loc.display!r}, so it was refused "
+            f"and nothing was written: the checkpoint is as it was. To go on, pick that leaf in `where` with its "
+            f"good values, save the whole tree without `where`, or restore the checkpoint from a good copy.",
+            path=error.path,
+            keypaths=error.keypaths,
+            dotted=error.dotted,
+        )
 
     def keep_chunks(self, pending: list[Any]) -> None:
         """Give each kept leaf with an array of its own (in `pending`, the
@@ -124,6 +142,7 @@ def collect(
         manifest.commit,
         _keeping_dtypes(cast, {r.path: r.stored_dtype for r in kept if r.stored_dtype != r.dtype}),
         {r.path: tuple(r.chunks) for r in kept if r.pack is None},
+        len(new),
     )
 
 

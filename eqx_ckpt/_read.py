@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _dtypes, _local_read, _memory, _sharding, _storage_errors
+from . import _dtypes, _local_read, _memory, _sharding, _share, _storage_errors
 from ._errors import LeafError, stored_leaf_error
 from ._format import LeafRecord
 from ._location import Location
@@ -284,7 +284,9 @@ def start(
         refuse_narrowing(loc, record, dtype if dtype is not None else _dtypes.dtype_from_name(record.dtype))
 
     def failed(e: BaseException) -> Exception:
-        return _storage_errors.leaf_io_error(e, record, loc, "read")
+        error = _storage_errors.leaf_io_error(e, record, loc, "read")
+        _share.forget_damaged(error, loc, record)
+        return error
 
     if kind == "jax" and sharding is not None and len(sharding.device_set) > 1:
 

@@ -38,7 +38,14 @@ from . import (
     _write,
 )
 from ._background import Handoff, PendingSave
-from ._errors import CheckpointConnectionError, CheckpointError, CheckpointValueError, LeafError, check_flag
+from ._errors import (
+    CheckpointConnectionError,
+    CheckpointError,
+    CheckpointValueError,
+    IntegrityError,
+    LeafError,
+    check_flag,
+)
 from ._handle import LeafHandle
 from ._lazy import LazyArray
 from ._location import Location, location
@@ -97,6 +104,7 @@ def tree_serialise_leaves(
     layout: str = "directories",
     progress: Progress = None,
     where: Callable[[PyTree], Any] | None = None,
+    share: bool = True,
 ) -> PendingSave | None:
     """Save the leaves of a PyTree as a checkpoint directory.
 
@@ -156,6 +164,10 @@ def tree_serialise_leaves(
         `eqx.filter_eval_shape`). The checkpoint at `path` must exist; the
         save is atomic like any overwrite. See
         [docs/format.md](../format.md#incremental-and-partial-saves).
+    - `share`: an overwrite on a local disk shares the chunk files whose bytes
+        did not change with the checkpoint it replaces (hard links; see
+        [docs/format.md](../format.md#incremental-and-partial-saves)); with
+        `False`, every chunk is written in full and no file is shared.
 
     With `jax.distributed` initialised, call this in every process with the same
     tree: each process writes its own shards, and the checkpoint is committed once,
@@ -178,6 +190,7 @@ def tree_serialise_leaves(
     return save(
         location(path), pytree, filter_spec, is_leaf,
         overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, progress=progress, where=where,
+        share=share,
     )  # fmt: skip
 
 
@@ -199,14 +212,17 @@ def save(
     handoff: Handoff | None = None,
     follows: Location | None = None,
     where: Callable[[PyTree], Any] | None = None,
+    share: bool = True,
 ) -> PendingSave | None:
     """`tree_serialise_leaves`, with `metrics` committed in the manifest.
     `handoff`: tells the caller, after any exception, whether an asynchronous
     save went on in the background (a `CheckpointManager` must not remove what
     that save is writing). `follows`: the checkpoint this save shares unchanged
     chunk files with when `loc` holds none yet (a manager's previous step;
-    `_share`). `where`: a partial save (`_partial`)."""
+    `_share`). `where`: a partial save (`_partial`). `share=False`: no file
+    is shared with either."""
     group = _multihost.Group()
+    share = check_flag("share", share, "`False` writes every chunk in full")
     overwrite, blocking, cast, planned, expected = _collect_and_plan(
         loc, group, pytree, filter_spec, is_leaf,
         overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, where=where,
@@ -220,12 +236,12 @@ def save(
         if not isinstance(planned, _write.Batch):
             # Every array is safe on the host already: the plan, the transaction
             # and the writes all happen in the background.
-            run = functools.partial(_plan_write_and_commit, loc, group, planned, cast, follows, **options)
+            run = functools.partial(_plan_write_and_commit, loc, group, planned, cast, follows, share, **options)
             return _background.start(run, exclusive, handoff)
         check = None if expected is None else functools.partial(_partial.check_unreplaced, commit=expected)
         tx, tracker = _begin(loc, group, planned, check=check, **options)
         run = functools.partial(
-            _write_and_commit, tx, group, planned, metrics=metrics, tracker=tracker, follows=follows
+            _write_and_commit, tx, group, planned, metrics=metrics, tracker=tracker, follows=follows, share=share
         )
         if blocking:
             with tracker:
@@ -288,9 +304,12 @@ def _collect_and_plan(
                 overwrite=overwrite,
                 default=default_serialise_filter_spec,
             )
-            planned = _plan(
-                loc, group, partial.leaves, partial.names, partial.specs, partial.cast, private=not blocking
-            )
+            try:
+                planned = _plan(
+                    loc, group, partial.leaves, partial.names, partial.specs, partial.cast, private=not blocking
+                )
+            except IntegrityError as e:
+                raise partial.kept_damaged(e, loc) from e
             partial.keep_chunks(planned.pending)
             expected = partial.commit
         elif not blocking and group.count == 1 and filter_spec is default_serialise_filter_spec and is_leaf is None:
@@ -352,6 +371,7 @@ def _plan_write_and_commit(
     held: _background.HeldLeaves,
     cast: Callable[[str, np.dtype], Any] | None,
     follows: Location | None,
+    share: bool,
     **options: Any,
 ) -> None:
     """The background part of an asynchronous save whose leaves were held (`_background.hold_tree`)."""
@@ -359,7 +379,7 @@ def _plan_write_and_commit(
     batch = _plan(loc, group, leaves, names, [default_serialise_filter_spec] * len(leaves), cast, private=False)
     tx, tracker = _begin(loc, group, batch, **options)
     with tracker:
-        _write_and_commit(tx, group, batch, metrics=options["metrics"], tracker=tracker, follows=follows)
+        _write_and_commit(tx, group, batch, metrics=options["metrics"], tracker=tracker, follows=follows, share=share)
 
 
 def _begin(
@@ -402,13 +422,16 @@ def _write_and_commit(
     metrics: dict[str, Any] | None,
     tracker: Tracker,
     follows: Location | None = None,
+    share: bool = True,
 ) -> None:
     """Write every array, make it durable, then commit once (process 0). Before
     the commit, any failure or interrupt deletes what this save wrote; after it,
     nothing undoes the save."""
     commits: list[Any] = []
     try:
-        error, encoded = _write_all(tx, group, batch, metrics=metrics, tracker=tracker, out=commits, follows=follows)
+        error, encoded = _write_all(
+            tx, group, batch, metrics=metrics, tracker=tracker, out=commits, follows=follows, share=share
+        )
         error = _commit(tx, group, encoded, error)
         if error is None:
             return
@@ -445,16 +468,17 @@ def _write_all(
     tracker: Tracker,
     out: list[Any],
     follows: Location | None = None,
+    share: bool = True,
 ) -> tuple[BaseException | None, list[bytes]]:
     """Write this process's arrays and make them durable, while process 0
     encodes the manifest; the first error, and the manifest's bytes. Puts in
     `out` the futures an abort must wait for (`_write.start_writes`); chunk
     files equal to those of the checkpoint this save replaces, or `follows`,
-    are shared (`_share`)."""
+    are shared (`_share`), unless `share` is `False`."""
     error: BaseException | None = None
     encoded: list[bytes] = []
     try:
-        base = _base(tx, group, follows)
+        base = _base(tx, group, follows) if share else None
         writing = _write.start_writes(tx, batch, group, tracker=tracker, out=out, base=base)
     except Exception as e:
         error, writing = e, []

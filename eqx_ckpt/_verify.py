@@ -21,6 +21,7 @@ from . import (
     _manifest,
     _pack,
     _safetensors,
+    _share,
     _storage,
     _storage_errors,
     _verify_sources,
@@ -216,6 +217,8 @@ def _read_pack(data: Location, pack: PackRecord) -> dict[int, str]:
                 if refused is not None:
                     raise refused from None
                 damaged[done] = _storage_errors.explain(e)
+    if damaged:
+        _share.forget(data, pack.name)
     return damaged
 
 
