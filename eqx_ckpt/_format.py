@@ -40,9 +40,10 @@ FORMAT = "eqx_ckpt"
 # Version 2 adds the commit identity, per-save data roots (`gen.<commit>`) and
 # metrics; version 3 packs small leaves together (`packs`, and a leaf's `pack`
 # and `offset`); version 4 leaves out of a leaf's record what equals its default
-# (see `LeafRecord.to_json`) and takes the digest over the file's own bytes.
-# Versions 1 to 3 are still read.
-FORMAT_VERSION = 4
+# (see `LeafRecord.to_json`) and takes the digest over the file's own bytes;
+# version 5 adds the tree's structure record (`structure`, see `_structure`).
+# Versions 1 to 4 are still read.
+FORMAT_VERSION = 5
 
 # -- Names ---------------------------------------------------------------------------------------
 

@@ -59,6 +59,9 @@ class Manifest:
     packs: tuple[PackRecord, ...] = ()
     # Another format's own strings (a safetensors header's `__metadata__`).
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The tree's structure record (version 5 on, `_structure`): JSON as read,
+    # checked only when a load rebuilds from it (`_rebuild`). `None`: none.
+    structure: Any = dataclasses.field(default=None, compare=False)
 
     @property
     def total_bytes(self) -> int:
@@ -94,7 +97,7 @@ class Manifest:
             "leaf_count": len(self.leaves),
             "total_bytes": self.total_bytes,
         }
-        return _encoded(body, self.leaves, LeafRecord.to_json)
+        return _encoded(body, self.leaves, LeafRecord.to_json, structure=self.structure)
 
 
 def encode(body: dict[str, Any]) -> bytes:
@@ -115,7 +118,9 @@ def encode(body: dict[str, Any]) -> bytes:
 _BATCH = 256
 
 
-def _encoded(body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any], Any] | None) -> bytes:
+def _encoded(
+    body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any], Any] | None, *, structure: Any = None
+) -> bytes:
     """`encode`, with each of `leaves` made a record by `to_json` (`None`: they are).
 
     One line per leaf. The leaves are encoded by `orjson` (a fifth of the time
@@ -123,9 +128,10 @@ def _encoded(body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any
     integer key beyond 64 bits, a string that is not valid Unicode) falls back
     to the standard encoder, which escapes. Paths and key strings are JSON
     strings, in which `},{"path"` cannot occur unescaped. The bytes are
-    copied once, into the result.
+    copied once, into the result. `structure`, where given, goes before the
+    leaves (encoded the same way).
     """
-    parts: list[Any] = [_head(body) + b"["]
+    parts: list[Any] = [_head(body, structure) + b"["]
     for start in range(0, len(leaves), _BATCH):
         records = leaves[start : start + _BATCH]
         if to_json is not None:
@@ -147,14 +153,25 @@ def _encoded(body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any
     return b"".join([*parts, _tail(digest)])
 
 
-def _head(body: dict[str, Any]) -> bytes:
-    """The start of a version 4 manifest, up to its `leaves` value."""
-    return json.dumps(body, allow_nan=False)[:-1].encode() + b',\n"leaves": '
+def _head(body: dict[str, Any], structure: Any = None) -> bytes:
+    """The start of a manifest, up to its `leaves` value."""
+    head = json.dumps(body, allow_nan=False)[:-1].encode()
+    if structure is not None:
+        head += b',\n"structure": ' + _json(structure)
+    return head + b',\n"leaves": '
 
 
 def _tail(digest: Any) -> bytes:
     """The end of a version 4 manifest, after the bytes that `digest` has hashed."""
     return b',\n"digest": "sha256:' + digest.hexdigest().encode() + b'"}\n'
+
+
+def _json(value: Any) -> bytes:
+    """Compact JSON, by `orjson` where it can (integers beyond 64 bits it cannot)."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return json.dumps(value, allow_nan=False, separators=(",", ":")).encode()
 
 
 # The end of a version 4 manifest: its digest, of every byte before this.
@@ -169,14 +186,16 @@ def new_manifest(
     commit: str = "",
     metrics: dict[str, Any] | None = None,
     packs: Sequence[PackRecord] = (),
+    structure: Any = None,
 ) -> Manifest:
-    """A manifest of `leaves`, which use `packs` (sorted by name)."""
+    """A manifest of `leaves`, which use `packs` (sorted by name), and the
+    tree's `structure` record."""
     from . import __version__
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return Manifest(
         tuple(leaves), data_root, now, __version__,
-        layout=layout, commit=commit, metrics=metrics or {}, packs=tuple(packs),
+        layout=layout, commit=commit, metrics=metrics or {}, packs=tuple(packs), structure=structure,
     )  # fmt: skip
 
 
@@ -218,7 +237,7 @@ def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
     return Manifest(
         tuple(records), body["data_root"], body.get("created", ""), body.get("library_version", ""), version,
         layout=body.get("layout", "directories"), commit=commit, metrics=metrics, stamp=stamp,
-        packs=tuple(packs.values()),
+        packs=tuple(packs.values()), structure=body.get("structure") if version >= 5 else None,
     )  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _keypath, _manifest, _source, _transaction, _tree
+from . import _keypath, _manifest, _source, _structure, _transaction, _tree
 from ._errors import CheckpointNotFoundError, CheckpointReplacedError, CheckpointValueError
 from ._format import MANIFEST
 from ._lazy import LazyArray
@@ -53,6 +53,7 @@ class Partial:
     ):
         self.leaves, self.names, self.specs, self.commit, self.cast = leaves, names, specs, commit, cast
         self.chunks = chunks
+        self.structure: Callable[[set[str]], Any] = lambda stored: _structure.unrecordable("a partial save")
 
     def keep_chunks(self, pending: list[Any]) -> None:
         """Give each kept leaf with an array of its own (in `pending`, the
@@ -117,7 +118,7 @@ def collect(
         [names.records[i] for i in new] + [r.keypath for r in kept],
         keypaths.__getitem__,
     )
-    return Partial(
+    partial = Partial(
         [leaves[i] for i in new] + stored,
         combined,
         [specs[i] for i in new] + [default] * len(kept),
@@ -125,6 +126,24 @@ def collect(
         _keeping_dtypes(cast, {r.path: r.stored_dtype for r in kept if r.stored_dtype != r.dtype}),
         {r.path: tuple(r.chunks) for r in kept if r.pack is None},
     )
+    partial.structure = lambda stored: _spliced(manifest.structure, prefixes, treedef, flat, names.paths, stored)
+    return partial
+
+
+def _spliced(
+    old: Any, prefixes: list[str], treedef: Any, flat: list[Any], paths: list[str], stored: set[str]
+) -> dict[str, Any]:
+    """The stored structure record `old` with the record of each picked sub-tree
+    of the new tree in its place."""
+    if old is None:
+        return _structure.unrecordable("saved in part (with `where`) over a checkpoint that recorded no structure")
+    new = _structure.record(treedef, flat, [path in stored for path in paths])
+    try:
+        for prefix in prefixes:
+            old = _structure.replaced(old, prefix, _structure.at(new, prefix))
+    except (KeyError, TypeError, ValueError, IndexError):
+        return _structure.unrecordable("saved in part (with `where`) at a place its saved structure did not have")
+    return old
 
 
 def check_unreplaced(tx: _transaction.Transaction, *, commit: str) -> None:
