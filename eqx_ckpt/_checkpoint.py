@@ -276,18 +276,37 @@ class Checkpoint(Mapping[str, Any]):
         """
         return _deserialise.rebuilt(self._source, self._key(prefix, "skeleton"), Trust(trust), check_init=check_init)
 
-    def types(self, prefix: str | None = None) -> dict[str, list[str]]:
+    def types(self, prefix: str | None = None, *, trust: Iterable[Any] | None = None) -> dict[str, list[str]]:
         """The classes, functions and enums a load without `like` of the tree
         (or its sub-tree at `prefix`) builds, as `module:qualname`, each with
-        the dotted paths that use it (sorted; never imports or builds anything).
-        Those not in the default set must be passed as `trust` to
-        [`eqx_ckpt.Checkpoint.skeleton`][] and `load` (`eqx-ckpt ls --types`
-        marks them)."""
+        the dotted paths that use it, sorted. Nothing is imported or built.
+
+        With `trust` (as [`eqx_ckpt.Checkpoint.skeleton`][] takes it; `[]` for
+        the default set alone), only those it does not trust: what is left to
+        pass. `eqx-ckpt ls --types PATH` prints both.
+
+        !!! example
+
+            ```python
+            import equinox as eqx, jax
+            import eqx_ckpt
+
+            eqx_ckpt.tree_serialise_leaves("ckpt", eqx.nn.MLP(2, 2, 8, 2, key=jax.random.key(0)))
+            print(list(eqx_ckpt.Checkpoint("ckpt").types()))  # ['equinox.nn._linear:Linear', ...]
+            print(eqx_ckpt.Checkpoint("ckpt").types(trust=[]))  # {}: all trusted by default
+            ```
+        """
         prefix = self._key(prefix, "types")
         if self._source.format != "eqx_ckpt" or self._manifest.structure is None:
             raise _rebuild.no_record(self._manifest, self.path, self._source.format)
         node = _rebuild.subtree(self._manifest, prefix, self.path)
-        return {name: paths for name, paths in sorted(_rebuild.names(node, prefix, self.path).items())}
+        names = _rebuild.names(node, prefix, self.path)
+        checker = Trust(trust) if trust is not None else None
+        return {
+            name: sorted(paths, key=_keypath.sort_key)
+            for name, paths in sorted(names.items())
+            if checker is None or checker.resolve(name) is None
+        }
 
     def _key(self, key: Any, method: str) -> str:
         if key is not None and not isinstance(key, str):

@@ -126,18 +126,18 @@ def collect(
         _keeping_dtypes(cast, {r.path: r.stored_dtype for r in kept if r.stored_dtype != r.dtype}),
         {r.path: tuple(r.chunks) for r in kept if r.pack is None},
     )
-    partial.structure = lambda stored: _spliced(manifest.structure, prefixes, treedef, flat, names.paths, stored)
+    partial.structure = lambda stored: _spliced(manifest.structure, prefixes, treedef, flat, names, stored)
     return partial
 
 
 def _spliced(
-    old: Any, prefixes: list[str], treedef: Any, flat: list[Any], paths: list[str], stored: set[str]
+    old: Any, prefixes: list[str], treedef: Any, flat: list[Any], names: _tree.Names, stored: set[str]
 ) -> dict[str, Any]:
     """The stored structure record `old` with the record of each picked sub-tree
     of the new tree in its place."""
     if old is None:
         return _structure.unrecordable("saved in part (with `where`) over a checkpoint that recorded no structure")
-    new = _structure.record(treedef, flat, [path in stored for path in paths])
+    new = _structure.record(treedef, flat, [path in stored for path in names.paths], names.records)
     try:
         for prefix in prefixes:
             old = _structure.replaced(old, prefix, _structure.at(new, prefix))

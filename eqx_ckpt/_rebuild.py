@@ -125,13 +125,23 @@ def _require_trusted(needed: dict[str, list[str]], trust: Trust, where: str) -> 
         shown = ", ".join(f"`{p or '(the root)'}`" for p in paths[:3])
         more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
         lines.append(f"  {name} (at {shown}{more})")
-    suggestion = ", ".join(sorted({python_name(name) for name in missing}))
+    exact = ", ".join(sorted({python_name(name) for name in missing}))
+    packages = ", ".join(sorted({_package(name) for name in missing}))
     raise UntrustedError(
         f"Checkpoint {where!r} holds classes or functions that are not trusted, so it was not rebuilt "
         f"(nothing was imported or run):\n" + "\n".join(lines) + f"\nIf you trust them, import them and pass "
-        f"`trust=[{suggestion}]` (a module trusts everything defined in it).",
+        f"`trust=[{exact}]`"
+        + (f", or trust their packages: `trust=[{packages}]`" if packages != exact else "")
+        + " (a module trusts every class and function defined in it and its submodules).",
         path=where,
     )
+
+
+def _package(name: str) -> str:
+    """The top-level package of the object recorded as `name` (a script's own
+    classes stay as they are: `__main__` is not a package to trust whole)."""
+    module = name.partition(":")[0]
+    return python_name(name) if module == "__main__" else module.partition(".")[0]
 
 
 class _Check:
@@ -469,3 +479,69 @@ _PYTHON: dict[str, Callable[[], Any]] = {"bool": bool, "int": int, "float": floa
 @functools.lru_cache(maxsize=16)
 def _key_dtype(impl: str) -> Any:
     return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+
+
+def differences(a: Manifest, b: Manifest, where_a: str, where_b: str) -> list[tuple[str, str]]:
+    """Where the saved structures of `a` and `b` differ other than in their
+    stored leaves (which `diff` compares itself): a class, a field, a static
+    value (a hyperparameter), a function; `(dotted path, "before -> after")`
+    pairs. None where either records no structure."""
+    if a.structure is None or b.structure is None:
+        return []
+    names(_checked_shape(a.structure, where_a, ""), "", where_a)
+    names(_checked_shape(b.structure, where_b, ""), "", where_b)
+    out: list[tuple[str, str]] = []
+    _compare(a.structure, b.structure, "", out)
+    return out
+
+
+def _compare(a: dict[str, Any], b: dict[str, Any], path: str, out: list[tuple[str, str]]) -> None:
+    if (a["t"], a.get("cls")) != (b["t"], b.get("cls")) or a.get("f") != b.get("f"):
+        if a["t"] != "leaf" or b["t"] != "leaf":
+            out.append((path, f"{_shown(a)} -> {_shown(b)}"))
+        return
+    if a["t"] in ("value", "unrecordable") or a.get("aux") != b.get("aux"):
+        if a != b:
+            out.append((path, f"{_shown(a)} -> {_shown(b)}"))
+        return
+    kids_a = {_keypath.stored_segment(*key): child for key, child in _structure.children(a)}
+    kids_b = {_keypath.stored_segment(*key): child for key, child in _structure.children(b)}
+    for segment in sorted(set(kids_a) | set(kids_b), key=_keypath.sort_key):
+        here = _keypath.join_dotted(path, segment)
+        if segment in kids_a and segment in kids_b:
+            _compare(kids_a[segment], kids_b[segment], here, out)
+        elif not _holds_leaves(kids_a.get(segment) or kids_b[segment]):
+            # A sub-tree with stored leaves is `diff`'s added or removed leaves.
+            out.append((here, "only in the second" if segment in kids_b else "only in the first"))
+
+
+def _holds_leaves(node: dict[str, Any]) -> bool:
+    found: list[bool] = []
+    _structure.walk(node, lambda _, n: found.append(n["t"] == "leaf"))
+    return any(found)
+
+
+def _shown(node: dict[str, Any]) -> str:
+    """A record node in a few words."""
+    kind = node["t"]
+    if kind == "value":
+        text = _value_text(node["v"])
+    elif kind == "unrecordable":
+        text = f"(not recorded: {node['why']})"
+    elif kind in _NAME_KINDS:
+        text = python_name(node["cls"]) + (f" {node['aux']!r}" if kind == "node" else "")
+    else:
+        text = {"leaf": "a stored leaf", "none": "None"}.get(kind, kind)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _value_text(v: Any) -> str:
+    if v is None or type(v) in (bool, int, float, str):
+        return repr(v)
+    tag, body = next(iter(v.items()))
+    if tag in ("tuple", "list"):
+        inner = ", ".join(_value_text(x) for x in body) + ("," if tag == "tuple" and len(body) == 1 else "")
+        return f"({inner})" if tag == "tuple" else f"[{inner}]"
+    if tag in ("function", "enum"):
+        return python_name(body) + (f".{v['name']}" if tag == "enum" else "")
+    return f"{tag} {body!r}"

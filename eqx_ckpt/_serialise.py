@@ -349,7 +349,7 @@ def _plan(
         _write.copy_numpy_leaves(pending)
     stored = {p.record.path for p in pending}
     if structure is None:
-        record = _structure.record(names.treedef, leaves, [path in stored for path in names.paths])
+        record = _structure.record(names.treedef, leaves, [path in stored for path in names.paths], names.records)
     else:
         record = structure(stored)
     return _write.Batch(pending, made=[leaves, names.paths, names.records], structure=record)

@@ -39,6 +39,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -63,11 +64,17 @@ class Unrecordable(Exception):
     """Why a value cannot be recorded as data."""
 
 
-def record(treedef: Any, leaves: Sequence[Any], saved: Sequence[bool]) -> dict[str, Any]:
+def record(treedef: Any, leaves: Sequence[Any], saved: Sequence[bool], keys: Sequence[Sequence[Any]]) -> dict[str, Any]:
     """The structure record of a tree flattened into `leaves` with structure
     `treedef`; `saved[i]`: whether leaf `i` is stored (a `{"t": "leaf"}` node),
-    else it is recorded as a value."""
-    walk = _Walk(leaves, saved)
+    else it is recorded as a value; `keys[i]`: leaf `i`'s key path record
+    (`_keypath.to_json`), whose keys name the children of registered nodes.
+
+    Nothing of the tree is rebuilt but Equinox modules, one level deep around
+    placeholders, to read their static fields (Equinox rebuilds a module
+    field by field, running no code of the user's); a save may run in the
+    background, after the caller has deleted its arrays."""
+    walk = _Walk(leaves, saved, keys)
     try:
         root = walk.node(treedef, 0)
     except RecursionError:
@@ -82,8 +89,8 @@ def unrecordable(why: str) -> dict[str, Any]:
 
 
 class _Walk:
-    def __init__(self, leaves: Sequence[Any], saved: Sequence[bool]):
-        self.leaves, self.saved, self.count = leaves, saved, 0
+    def __init__(self, leaves: Sequence[Any], saved: Sequence[bool], keys: Sequence[Sequence[Any]]):
+        self.leaves, self.saved, self.keys, self.count = leaves, saved, keys, 0
 
     def node(self, td: Any, depth: int) -> dict[str, Any]:
         data = td.node_data()
@@ -120,9 +127,9 @@ class _Walk:
             nodes = [self.node(child, depth + 1) for child in children]
             return {"t": "namedtuple", "cls": name, "f": list(cls._fields), "c": nodes}
         try:
-            if dataclasses.is_dataclass(cls):
+            if issubclass(cls, eqx.Module):
                 return self._dataclass(td, cls, name, children, depth)
-            return {"t": "node", "cls": name, "aux": value(aux), **self._keyed(td, children, depth)}
+            return {"t": "node", "cls": name, "aux": value(aux), **self._keyed(children, depth)}
         except Unrecordable as e:
             self.count += td.num_leaves
             return unrecordable(f"a `{name}` node: {e}")
@@ -145,15 +152,17 @@ class _Walk:
         nodes = [built[x.index] if isinstance(x, _Slot) else x for x in found]
         return {"t": "object", "cls": name, "f": fields, "c": nodes}
 
-    def _keyed(self, td: Any, children: list[Any], depth: int) -> dict[str, Any]:
-        """The children of another registered node with their keys."""
-        shell = _one_level(td, len(children)).unflatten(range(len(children)))
-        flat = jtu.tree_flatten_with_path(shell, is_leaf=lambda x: x is not shell)[0]
-        if [leaf for _, leaf in flat] != list(range(len(children))):
-            raise Unrecordable("it flattens differently once rebuilt")
-        keys = [list(_keypath.key_record(kp[0])) if len(kp) == 1 else None for kp, _ in flat]
-        if None in keys or any(k[0] in ("key_repr", "other") for k in keys if k is not None):
-            raise Unrecordable("its children's keys cannot be recorded")
+    def _keyed(self, children: list[Any], depth: int) -> dict[str, Any]:
+        """The children of another registered node, each with its key as the
+        key paths of its first leaf name it (never rebuilt: its unflatten is
+        the user's code); a child without leaves by its index."""
+        keys, start = [], self.count
+        for i, child in enumerate(children):
+            key = list(self.keys[start][depth]) if child.num_leaves else ["flat", i]
+            if key[0] in ("key_repr", "other"):
+                raise Unrecordable(f"the key {key[1]!r} of a child cannot be recorded")
+            keys.append(key)
+            start += child.num_leaves
         return {"k": keys, "c": [self.node(child, depth + 1) for child in children]}
 
 
