@@ -324,6 +324,7 @@ for _cls in (
     CheckpointReplacedError,
     LeafError,
     IntegrityError,
+    UntrustedError,
 ):
     _cls.__module__ = "eqx_ckpt"
 

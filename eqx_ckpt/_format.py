@@ -153,6 +153,9 @@ def parse_metrics_name(name: str) -> int | None:
 # How arrays sit under the data root (see `_layout`).
 LAYOUTS = ("directories", "ocdbt")
 MAX_MANIFEST_BYTES = 256 * 2**20
+# JSON objects a manifest may hold: two a leaf (its record and its structure
+# node) for a million leaves, and the containers above them.
+MAX_MANIFEST_OBJECTS = 5_000_000
 MAX_RANK = 32
 MAX_ELEMENTS = 2**53
 

@@ -31,6 +31,7 @@ from ._format import (
     MANIFEST,
     MAX_ELEMENTS,
     MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_OBJECTS,
     MAX_RANK,
     LeafRecord,
     PackRecord,
@@ -258,6 +259,10 @@ def _parse_json(data: bytes, bad: Callable[[str], Exception]) -> tuple[dict[str,
     """The manifest's JSON object and format version, its digest checked."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise bad(f"it is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
+    # Counted before parsing: millions of tiny JSON objects (a hostile structure
+    # record) would cost gigabytes of Python objects within the byte limit.
+    if data.count(b"{") > MAX_MANIFEST_OBJECTS:
+        raise bad(f"it holds more than the {MAX_MANIFEST_OBJECTS} JSON objects allowed")
     try:
         body = json.loads(data, object_pairs_hook=no_duplicates, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:

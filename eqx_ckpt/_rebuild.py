@@ -12,7 +12,7 @@ The record is untrusted input, read in three passes:
    (`eqx.Module`) made with `object.__new__` and its recorded fields set with
    `object.__setattr__`, as `jax.tree_util.tree_unflatten` does for Equinox,
    so no `__init__`, `__post_init__` or `__check_init__` runs (unless
-   `check_init=True` asks for the last); a namedtuple with `tuple.__new__`;
+   `check_init=True` asks for the last, on the finished skeleton); a namedtuple with `tuple.__new__`;
    another registered node by its own registered unflatten function (code of
    the trusted class). Each stored leaf becomes a `jax.ShapeDtypeStruct` (or
    a zero-strided NumPy array, or a zero of its scalar type: see `_abstract`).
@@ -24,9 +24,11 @@ import dataclasses
 import enum
 import functools
 import inspect
+import operator
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
@@ -45,7 +47,7 @@ from ._manifest import Manifest
 from ._trust import Trust, python_name
 
 # Limits on an untrusted record, far beyond any model's.
-MAX_NODES = 20_000_000
+MAX_NODES = 5_000_000
 MAX_NAME = 1_000
 MAX_STRING = 1 << 20
 _NAME_KINDS = ("object", "namedtuple", "node")
@@ -112,8 +114,29 @@ def skeleton(
     node = subtree(manifest, prefix, where)
     needed = names(node, prefix, where)
     _require_trusted(needed, trust, where)
-    tree = _Build(trust, where, check_init).node(node, prefix)
-    return _fill(tree, prefix, records if records is not None else manifest.by_path(), where)
+    tree = _Build(trust, where).node(node, prefix)
+    tree = _fill(tree, prefix, records if records is not None else manifest.by_path(), where)
+    if check_init:
+        _check_inits(tree)
+    return tree
+
+
+def _check_inits(tree: Any) -> None:
+    """Run the `__check_init__` of every Equinox module of the rebuilt `tree`
+    (its arrays abstract, as under `eqx.filter_eval_shape`), as Equinox runs
+    them after `__init__`: every class's own, base classes first."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        children = jtu.tree_flatten(node, is_leaf=functools.partial(operator.is_not, node))[0]
+        if len(children) == 1 and children[0] is node:
+            continue  # a leaf
+        stack.extend(children)
+        if isinstance(node, eqx.Module):
+            for klass in reversed(type(node).__mro__):
+                check = vars(klass).get("__check_init__")
+                if check is not None:
+                    check(node)
 
 
 def _require_trusted(needed: dict[str, list[str]], trust: Trust, where: str) -> None:
@@ -303,8 +326,8 @@ _SLOT = _Slot()
 class _Build:
     """The third pass: objects made from a checked record of trusted names."""
 
-    def __init__(self, trust: Trust, where: str, check_init: bool):
-        self.trust, self.where, self.check_init = trust, where, check_init
+    def __init__(self, trust: Trust, where: str):
+        self.trust, self.where = trust, where
 
     def node(self, node: dict[str, Any], path: str) -> Any:
         kind = node["t"]
@@ -368,11 +391,6 @@ class _Build:
         obj = object.__new__(cls)
         for f in fields:
             object.__setattr__(obj, f.name, values[f.name] if f.name in values else _default(f))
-        if self.check_init:
-            for klass in reversed(cls.__mro__):
-                check = vars(klass).get("__check_init__")
-                if check is not None:
-                    check(obj)
         return obj
 
     def _same_fields(self, node: dict[str, Any], now: list[str], defaulted: set[str], path: str) -> None:

@@ -12,14 +12,16 @@ process-global registry.
   those of its submodules. A module it merely imports (`os` inside a trusted
   module) is not a submodule, and a function it imports from elsewhere is not
   defined in it: neither is reachable.
-- Every entry is filed under its own `__module__` and `__qualname__`, so the
-  name in a file must equal the object's own name exactly.
+- Every entry is filed under its own `__module__` and `__qualname__` (a
+  lambda under the name its own module holds it by), so the name in a file
+  must equal the object's own name exactly.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import types
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -33,13 +35,23 @@ from ._errors import CheckpointTypeError
 
 def name_of(obj: Any) -> str | None:
     """The `module:qualname` a class or function is recorded under, or `None`
-    where it has no such name (a lambda, a function defined inside another, an
-    object without `__module__`)."""
+    where it has none (a lambda or a function defined inside another, unless
+    its own module holds it under a name, an object without `__module__`).
+
+    A lambda its module holds (`_identity = lambda x: x`, Equinox's MLP's
+    default last activation) is named by that attribute: `module:_identity`."""
     module = getattr(obj, "__module__", None)
     qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
-    if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
+    if not isinstance(module, str) or not isinstance(qualname, str):
         return None
-    return f"{module}:{qualname}"
+    if "<" not in qualname:
+        return f"{module}:{qualname}"
+    if inspect.isclass(obj):
+        return None
+    # Only the function's own module, already imported: nothing is imported here.
+    holder = sys.modules.get(module)
+    names = [attr for attr, value in list(vars(holder).items()) if value is obj] if holder is not None else []
+    return f"{module}:{min(names)}" if names else None
 
 
 def python_name(name: str) -> str:

@@ -56,7 +56,7 @@ def test_ls_depth_limits_levels(ckpt):
 
 def test_info_reports_format_and_counts(ckpt):
     out = run("info", ckpt, check_code=0).stdout
-    assert "eqx_ckpt 4" in out
+    assert "eqx_ckpt 5" in out
     assert f"library version: {eqx_ckpt.__version__}" in out
     assert "leaves:          4" in out
     assert "bytes:           72 " in out
