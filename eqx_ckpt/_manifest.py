@@ -228,7 +228,7 @@ def parse(data: bytes, *, where: str, stamp: bytes = b"") -> Manifest:
 
 def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
     bad = _invalid(where)
-    body, version = _parse_json(data, bad)
+    body, version = _parse_json(data, bad, where)
     commit, metrics = _check_header(body, bad)
     packs = _parse_packs(body.get("packs", []), commit, bad)
     records = _parse_leaves(body.get("leaves"), packs, version, bad)
@@ -255,7 +255,7 @@ def _invalid(where: str) -> Callable[[str], CorruptCheckpointError]:
     return bad
 
 
-def _parse_json(data: bytes, bad: Callable[[str], Exception]) -> tuple[dict[str, Any], int]:
+def _parse_json(data: bytes, bad: Callable[[str], Exception], where: str) -> tuple[dict[str, Any], int]:
     """The manifest's JSON object and format version, its digest checked."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise bad(f"it is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
@@ -270,10 +270,15 @@ def _parse_json(data: bytes, bad: Callable[[str], Exception]) -> tuple[dict[str,
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise bad('it does not say `"format": "eqx_ckpt"`')
     version = body.get("format_version")
-    if type(version) is not int or version > FORMAT_VERSION or version < 1:
-        raise bad(
-            f"format version {version!r} is not one this eqx_ckpt reads (up to {FORMAT_VERSION}); upgrade eqx_ckpt"
+    if type(version) is int and version > FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"The manifest of checkpoint {where!r} says format version {version}, which is not one this eqx_ckpt "
+            f"reads (up to {FORMAT_VERSION}); upgrade eqx_ckpt (`pip install -U eqx_ckpt`) to load it. A newer "
+            f"eqx_ckpt wrote it; nothing is wrong with the checkpoint.",
+            path=where,
         )
+    if type(version) is not int or version < 1:
+        raise bad(f"format version {version!r} is not one this eqx_ckpt reads (up to {FORMAT_VERSION})")
     if version >= 4:
         tail = _DIGEST_TAIL.search(data)
         digest = "sha256:" + hashlib.sha256(data[: tail.start()]).hexdigest() if tail else None
