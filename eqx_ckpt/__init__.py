@@ -21,6 +21,7 @@ from ._errors import (
     CorruptCheckpointError as CorruptCheckpointError,
     IntegrityError as IntegrityError,
     LeafError as LeafError,
+    UntrustedError as UntrustedError,
 )
 from ._export import export_safetensors as export_safetensors
 from ._handle import LeafHandle as LeafHandle

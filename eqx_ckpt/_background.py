@@ -54,7 +54,10 @@ def hold_tree(pytree: Any) -> HeldLeaves | None:
     kinds = _records.array_kind
 
     def flat() -> tuple[list[Any], _tree.Names]:
-        names = _tree.names_from_keypaths(keypaths) if keypaths is not None else _tree.names_from_structure(treedef)
+        if keypaths is not None:
+            names = _tree.names_from_keypaths(keypaths, treedef)
+        else:
+            names = _tree.names_from_structure(treedef)
         out = []
         for x, data in zip(leaves, held, strict=True):
             if type(data) is np.ndarray and kinds(type(x)) == "jax":

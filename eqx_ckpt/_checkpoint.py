@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import equinox as eqx
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _gc, _keypath, _nested, _source
+from . import _deserialise, _gc, _keypath, _load_plan, _nested, _rebuild, _source
 from ._errors import CheckpointKeyError, CheckpointTypeError, check_flag
 from ._format import LeafRecord
 from ._lazy import LazyArray
 from ._progress import Progress
+from ._trust import Trust
 
 _SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
 
@@ -222,11 +223,119 @@ class Checkpoint(Mapping[str, Any]):
             rows.append((f"... and {len(totals) - max_rows} more top-level entries", "", ""))
         return rows
 
+    def skeleton(self, prefix: str | None = None, *, trust: Iterable[Any] = (), check_init: bool = False) -> PyTree:
+        """The saved tree (or its sub-tree at dotted `prefix`) rebuilt from its
+        structure record with its own classes, holding no data: a `like` for
+        every load ([`eqx_ckpt.tree_deserialise_leaves`][] with `where`,
+        `prefix`, `lazy`, `cast`, shardings...), made without the model's code.
+
+        Stored JAX arrays and PRNG key arrays are `jax.ShapeDtypeStruct`s; a
+        stored NumPy array is a zero-strided read-only array of its shape and
+        dtype (no memory; a NumPy type, so a load gives NumPy back); a stored
+        scalar is a zero of its type (`0`, `0.0`, `np.float32(0)`), to be
+        replaced by the load. Every other leaf and static field (strings,
+        numbers, tuples, dtypes, enums, functions such as `jax.nn.gelu`) is as
+        it was saved.
+
+        Objects are built as `jax.tree_util.tree_unflatten` builds an Equinox
+        module: `object.__new__` and the recorded fields set one by one, so no
+        `__init__`, `__post_init__` or `__check_init__` runs (`check_init=True`
+        runs the last). A class that is not trusted is never looked up, let
+        alone imported: see [docs/structure.md](../structure.md).
+
+        **Arguments:**
+
+        - `prefix`: a dotted path of the saved tree (`"model"`); `None`: all of it.
+        - `trust`: the classes, functions and modules the tree may use beyond
+            the default set (Equinox's `nn` layers and `State`, `jax.nn` and the
+            elementwise `jax.numpy` functions). A module trusts every class and
+            function defined in it and its submodules (`trust=[optax]`).
+        - `check_init`: run each rebuilt Equinox module's `__check_init__`.
+
+        **Raises:**
+
+        [`eqx_ckpt.UntrustedError`][] naming every class and function that is
+        not trusted, where they are used and the `trust=[...]` to pass; a
+        `CheckpointTypeError` if a class's fields changed since the save; a
+        `CheckpointValueError` for a part that could not be recorded (a
+        lambda, a closure) or a checkpoint that records no structure (written
+        before format 5, or by another library).
+
+        !!! example
+
+            ```python
+            import equinox as eqx, jax
+            import eqx_ckpt
+
+            model = eqx.nn.MLP(2, 2, 8, 2, activation=jax.nn.gelu, key=jax.random.key(0))
+            eqx_ckpt.tree_serialise_leaves("ckpt", {"model": model, "step": 3})
+            like = eqx_ckpt.Checkpoint("ckpt").skeleton("model")
+            print(like.layers[0].weight)          # ShapeDtypeStruct(shape=(8, 2), dtype=float32)
+            print(like.activation is jax.nn.gelu)  # True
+            ```
+        """
+        return _deserialise.rebuilt(self._source, self._key(prefix, "skeleton"), Trust(trust), check_init=check_init)
+
+    def types(self, prefix: str | None = None, *, trust: Iterable[Any] | None = None) -> dict[str, list[str]]:
+        """The classes, functions and enums a load without `like` of the tree
+        (or its sub-tree at `prefix`) builds, as `module:qualname`, each with
+        the dotted paths that use it, sorted. Nothing is imported or built.
+
+        With `trust` (as [`eqx_ckpt.Checkpoint.skeleton`][] takes it; `[]` for
+        the default set alone), only those it does not trust: what is left to
+        pass. `eqx-ckpt ls --types PATH` prints both.
+
+        !!! example
+
+            ```python
+            import equinox as eqx, jax
+            import eqx_ckpt
+
+            eqx_ckpt.tree_serialise_leaves("ckpt", eqx.nn.MLP(2, 2, 8, 2, key=jax.random.key(0)))
+            print(list(eqx_ckpt.Checkpoint("ckpt").types()))  # ['equinox.nn._linear:Linear', ...]
+            print(eqx_ckpt.Checkpoint("ckpt").types(trust=[]))  # {}: all trusted by default
+            ```
+        """
+        prefix = self._key(prefix, "types")
+        if self._source.format != "eqx_ckpt" or self._manifest.structure is None:
+            raise _rebuild.no_record(self._manifest, self.path, self._source.format)
+        node = _rebuild.subtree(self._manifest, prefix, self.path)
+        names = _rebuild.names(node, prefix, self.path)
+        checker = Trust(trust) if trust is not None else None
+        return {
+            name: sorted(paths, key=_keypath.sort_key)
+            for name, paths in sorted(names.items())
+            if checker is None or checker.resolve(name) is None
+        }
+
+    def _key(self, key: Any, method: str) -> str:
+        if key is not None and not isinstance(key, str):
+            raise CheckpointTypeError(
+                f"`Checkpoint.{method}`'s `prefix` must be a dotted path such as 'model.encoder' (or `None` for "
+                f"everything), not {type(key).__name__}. To load into a skeleton such as `like`, use "
+                f"`eqx_ckpt.tree_deserialise_leaves(path, like)`.",
+                path=self.path,
+            )
+        return key or ""
+
     @_gc.gc_paused()
-    def load(self, key: str | None = None, *, lazy: bool = False, progress: Progress = None) -> Any:
+    def load(
+        self,
+        key: str | None = None,
+        *,
+        lazy: bool = False,
+        progress: Progress = None,
+        trust: Iterable[Any] | None = None,
+        check_init: bool = False,
+    ) -> Any:
         """Load the checkpoint, or the sub-tree at dotted `key`, without a skeleton.
 
-        The tree is rebuilt from the key paths in the manifest, as nested dicts
+        With `trust` (a list, empty for the default set only), the saved tree
+        is rebuilt with its own classes ([`eqx_ckpt.Checkpoint.skeleton`][],
+        whose `trust` and `check_init` these are) and loaded into, through the
+        same reader as [`eqx_ckpt.tree_deserialise_leaves`][].
+
+        Without `trust`, the tree is rebuilt from the key paths in the manifest, as nested dicts
         (for dict keys and attribute names) and lists (for sequence indices; an
         index that holds no saved leaf, such as an activation function between
         layers, is `None`; in a safetensors file, whose names do not say what is
@@ -264,15 +373,17 @@ class Checkpoint(Mapping[str, Any]):
             print(state["step"], state["model"]["layers"][0]["weight"].shape)  # 3 (8, 2)
             ```
         """
-        if key is not None and not isinstance(key, str):
-            raise CheckpointTypeError(
-                f"`Checkpoint.load`'s `key` must be a dotted path such as 'model.encoder' (or `None` for "
-                f"everything), not {type(key).__name__}. To load into a skeleton such as `like`, use "
-                f"`eqx_ckpt.tree_deserialise_leaves(path, like)`.",
-                path=self.path,
-            )
+        key = self._key(key, "load")
         lazy = check_flag("lazy", lazy, "whether to return `LazyArray`s that read when asked")
-        key = key or ""
+        if trust is not None:
+            like = self.skeleton(key, trust=trust, check_init=check_init)
+            options = _load_plan.options(
+                where=None, prefix=key, rename=None, transform=None, missing="error", strict=False, cast=False,
+                lazy=lazy,
+            )  # fmt: skip
+            return _deserialise.load(
+                self._source, like, None, _deserialise.default_deserialise_filter_spec, options, progress=progress
+            )
         records = [r for path, r in self._records.items() if _keypath.is_within(path, key)]
         if key and not records:
             raise CheckpointKeyError(self._missing(key), path=self.path)

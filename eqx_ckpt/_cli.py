@@ -60,8 +60,31 @@ def _ls(args: argparse.Namespace) -> int:
             raise
         print(_format_steps(manager, steps))
         return 0
+    if args.types:
+        print(printable(_format_types(ckpt)))
+        return 0
     print(printable(ckpt.listing(depth=args.depth, values=args.values)))
     return 0
+
+
+def _format_types(ckpt: Checkpoint) -> str:
+    """The classes and functions a load without `like` builds, those outside the
+    default trust marked, and the `trust=[...]` they need."""
+    untrusted = ckpt.types(trust=[])
+    lines, needed = [], []
+    for name, paths in ckpt.types().items():
+        python = name.replace(":", ".")
+        if name in untrusted:
+            needed.append(python)
+        shown = ", ".join(p or "(the root)" for p in paths[:3]) + (
+            f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+        )
+        lines.append(f"{python}  {'(needs trust)' if name in untrusted else '(trusted by default)'}  at {shown}")
+    if needed:
+        lines.append(f"Checkpoint(path).load(trust=[{', '.join(needed)}]) rebuilds it (import them first).")
+    else:
+        lines.append("Checkpoint(path).load(trust=[]) rebuilds it: every class and function is trusted by default.")
+    return "\n".join(lines)
 
 
 def _format_steps(manager: CheckpointManager, steps: list[int]) -> str:
@@ -121,7 +144,10 @@ def _diff(args: argparse.Namespace) -> int:
     for line in differences:
         print(printable(line))
     if not differences:
-        print(f"{printable(args.a)} and {printable(args.b)} are equal: the same leaves, dtypes, shapes and values.")
+        print(
+            f"{printable(args.a)} and {printable(args.b)} are equal: the same leaves, dtypes, shapes, values "
+            f"and structure."
+        )
     return args.code
 
 
@@ -173,6 +199,9 @@ def parser() -> argparse.ArgumentParser:
     ls.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
     ls.add_argument("--depth", type=int, default=None, help="show only this many levels")
     ls.add_argument("--values", action="store_true", help=f"print leaves of at most {SMALL_VALUES} elements")
+    ls.add_argument(
+        "--types", action="store_true", help="the classes and functions a load without `like` needs trusted"
+    )
     ls.set_defaults(run=_ls)
     info = commands.add_parser(
         "info", help="format and library version, creation time, leaf count, bytes", epilog=STORAGE_HELP

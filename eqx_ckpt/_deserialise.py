@@ -11,15 +11,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _dtypes, _gc, _load_plan, _pack, _read, _source, _storage, _storage_errors, _transform, _window
-from ._errors import CheckpointError, CheckpointValueError, LeafError, leaf_message
+from . import (
+    _dtypes,
+    _gc,
+    _load_plan,
+    _pack,
+    _read,
+    _rebuild,
+    _source,
+    _storage,
+    _storage_errors,
+    _transform,
+    _window,
+)  # fmt: skip
+from ._errors import CheckpointError, CheckpointValueError, LeafError, check_flag, leaf_message
 from ._format import LeafRecord
 from ._handle import LeafHandle
 from ._lazy import LazyArray
@@ -28,6 +40,7 @@ from ._load_report import Report
 from ._location import Location
 from ._progress import Progress, Tracker
 from ._source import Source
+from ._trust import Trust
 
 
 def default_deserialise_filter_spec(handle: LeafHandle, x: Any) -> Any:
@@ -66,7 +79,7 @@ def default_deserialise_filter_spec(handle: LeafHandle, x: Any) -> Any:
 @_gc.gc_paused()
 def tree_deserialise_leaves(
     path: Any,
-    like: PyTree,
+    like: PyTree = None,
     filter_spec: Any = default_deserialise_filter_spec,
     is_leaf: Callable[[Any], bool] | None = None,
     *,
@@ -79,6 +92,8 @@ def tree_deserialise_leaves(
     lazy: bool = False,
     transform: Any = None,
     progress: Progress = None,
+    trust: Iterable[Any] = (),
+    check_init: bool = False,
 ) -> PyTree:
     """Load the leaves of a PyTree from a checkpoint directory.
 
@@ -92,6 +107,10 @@ def tree_deserialise_leaves(
         concrete, or abstract (`jax.ShapeDtypeStruct` leaves, such as
         `eqx.filter_eval_shape` gives). Loaded leaves replace those of `like`;
         a loaded JAX array is placed with the sharding of `like`'s leaf.
+        `None` (the default): rebuild the saved tree (below `prefix`) from its
+        structure record, with its own classes, as
+        [`eqx_ckpt.Checkpoint.skeleton`][] does with `trust` and `check_init`
+        (see [docs/structure.md](../structure.md)).
     - `filter_spec`: how to load each leaf: a callable `(handle, leaf) -> leaf`
         or a PyTree prefix of `like` of them. (See
         [`eqx_ckpt.default_deserialise_filter_spec`][].)
@@ -142,6 +161,9 @@ def tree_deserialise_leaves(
         `progress(leaves_done, leaves_total, bytes_done, bytes_total)` as the
         bytes are read (a chunk or a slab at a time, so a large leaf moves in
         steps).
+    - `trust`, `check_init`: for `like=None` only: the classes, functions and
+        modules the rebuilt tree may use beyond the default set, and whether
+        to run their `__check_init__` (see [`eqx_ckpt.Checkpoint.skeleton`][]).
 
     **Returns:**
 
@@ -172,9 +194,27 @@ def tree_deserialise_leaves(
         missing=missing, strict=strict, cast=cast, lazy=lazy,
     )  # fmt: skip
     source = _source.open_source(path)
+    if like is None:
+        like = rebuilt(source, prefix or "", Trust(trust), check_init=check_init)
+    return load(source, like, is_leaf, filter_spec, options, progress=progress)
+
+
+def load(
+    source: Source, like: PyTree, is_leaf: Callable[[Any], bool] | None, filter_spec: Any, options: Any, *,
+    progress: Progress,
+) -> PyTree:  # fmt: skip
+    """`like` loaded from an opened `source` with checked `options` (`_load_plan.options`)."""
     plan = _load_plan.plan(source, like, is_leaf, filter_spec, default_deserialise_filter_spec, options)
     values = _read_values(source, plan, progress=progress)
     return _place(plan, values)
+
+
+def rebuilt(source: Source, prefix: str, trust: Trust, *, check_init: bool = False) -> PyTree:
+    """The skeleton of the sub-tree at `prefix` of `source`, from its structure record (`_rebuild`)."""
+    check_init = check_flag("check_init", check_init, "whether to run `__check_init__` of the rebuilt classes")
+    if source.format != "eqx_ckpt":
+        raise _rebuild.no_record(source.manifest, source.loc.display, source.format)
+    return _rebuild.skeleton(source.manifest, prefix, trust, where=source.loc.display, check_init=check_init)
 
 
 def _read_values(source: Source, plan: LoadPlan, *, progress: Progress) -> tuple[list[Any], list[Any], list[Any]]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _chunk_scan, _dtypes, _read, _source, _storage, _storage_errors
+from . import _chunk_scan, _dtypes, _read, _rebuild, _source, _storage, _storage_errors
 from ._checkpoint import describe
 from ._errors import CheckpointError, check_flag
 from ._format import LeafRecord
@@ -36,6 +36,11 @@ class CheckpointDiff:
     - `changed`: `(dotted path, "before -> after")` pairs whose shape, dtype or
         leaf type differ.
     - `values`: dotted paths with the same shape and dtype but different values.
+    - `structure`: `(dotted path, "before -> after")` pairs where the saved
+        structures differ other than in stored leaves: a class, its fields, a
+        static value (a hyperparameter such as an MLP's `depth`), a function
+        (`jax.nn.relu -> jax.nn.gelu`); compared where both checkpoints record
+        their structure (format 5 on). Lines `* key: ...`.
 
     !!! example
 
@@ -55,17 +60,19 @@ class CheckpointDiff:
     removed: tuple[str, ...] = ()
     changed: tuple[tuple[str, str], ...] = ()
     values: tuple[str, ...] = ()
+    structure: tuple[tuple[str, str], ...] = ()
 
     def lines(self) -> list[str]:
         out = [(k, f"+ {k}") for k in self.added] + [(k, f"- {k}") for k in self.removed]
         out += [(k, f"~ {k}: {what}") for k, what in self.changed] + [(k, f"! {k}: values differ") for k in self.values]
+        out += [(k, f"* {k or '(the root)'}: {what}") for k, what in self.structure]
         return [line for _, line in sorted(out)]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.lines())
 
     def __len__(self) -> int:
-        return len(self.added) + len(self.removed) + len(self.changed) + len(self.values)
+        return len(self.added) + len(self.removed) + len(self.changed) + len(self.values) + len(self.structure)
 
 
 def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None) -> CheckpointDiff:
@@ -121,11 +128,13 @@ def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None) -> C
     if values:
         with Tracker(progress, leaves=len(same), nbytes=sum(ra.nbytes for ra, _ in same), what="diff") as tracker:
             differ = _compare_values(source_a, source_b, same, tracker)
+    structure = _rebuild.differences(source_a.manifest, source_b.manifest, source_a.loc.display, source_b.loc.display)
     return CheckpointDiff(
         added=tuple(sorted(set(recs_b) - set(recs_a))),
         removed=tuple(sorted(set(recs_a) - set(recs_b))),
         changed=tuple(changed),
         values=tuple(differ),
+        structure=tuple(structure),
     )
 
 

@@ -141,6 +141,32 @@ class CheckpointTypeError(CheckpointError, TypeError):
     """
 
 
+class UntrustedError(CheckpointTypeError):
+    """A load without `like` would build a class or function that `trust` does
+    not hold. Nothing was imported or run; the message names every such class
+    and function, the key paths that use them, and the `trust=[...]` to pass.
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax
+        import eqx_ckpt
+
+
+        class Net(eqx.Module):
+            linear: eqx.nn.Linear
+
+
+        eqx_ckpt.tree_serialise_leaves("net_ckpt", Net(eqx.nn.Linear(2, 2, key=jax.random.key(0))))
+        try:
+            eqx_ckpt.Checkpoint("net_ckpt").load(trust=[])
+        except eqx_ckpt.UntrustedError as e:
+            print(e)                            # ... pass `trust=[__main__.Net]` ...
+        net = eqx_ckpt.Checkpoint("net_ckpt").load(trust=[Net])
+        ```
+    """
+
+
 class CheckpointValueError(CheckpointError, ValueError):
     """An argument has a value that cannot be used, such as an unknown option.
 
@@ -298,6 +324,7 @@ for _cls in (
     CheckpointReplacedError,
     LeafError,
     IntegrityError,
+    UntrustedError,
 ):
     _cls.__module__ = "eqx_ckpt"
 

@@ -40,9 +40,10 @@ FORMAT = "eqx_ckpt"
 # Version 2 adds the commit identity, per-save data roots (`gen.<commit>`) and
 # metrics; version 3 packs small leaves together (`packs`, and a leaf's `pack`
 # and `offset`); version 4 leaves out of a leaf's record what equals its default
-# (see `LeafRecord.to_json`) and takes the digest over the file's own bytes.
-# Versions 1 to 3 are still read.
-FORMAT_VERSION = 4
+# (see `LeafRecord.to_json`) and takes the digest over the file's own bytes;
+# version 5 adds the tree's structure record (`structure`, see `_structure`).
+# Versions 1 to 4 are still read.
+FORMAT_VERSION = 5
 
 # -- Names ---------------------------------------------------------------------------------------
 
@@ -152,6 +153,9 @@ def parse_metrics_name(name: str) -> int | None:
 # How arrays sit under the data root (see `_layout`).
 LAYOUTS = ("directories", "ocdbt")
 MAX_MANIFEST_BYTES = 256 * 2**20
+# JSON objects a manifest may hold: two a leaf (its record and its structure
+# node) for a million leaves, and the containers above them.
+MAX_MANIFEST_OBJECTS = 5_000_000
 MAX_RANK = 32
 MAX_ELEMENTS = 2**53
 

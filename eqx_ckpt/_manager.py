@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from jaxtyping import PyTree
@@ -513,7 +513,7 @@ class CheckpointManager:
 
     def restore(
         self,
-        like: PyTree,
+        like: PyTree = None,
         step: int | None = None,
         *,
         filter_spec: Any = default_deserialise_filter_spec,
@@ -527,15 +527,21 @@ class CheckpointManager:
         lazy: bool = False,
         transform: Any = None,
         progress: Progress = None,
+        trust: Iterable[Any] = (),
+        check_init: bool = False,
     ) -> PyTree:
         """Load a step into `like`.
 
         **Arguments:**
 
         - `like`: the skeleton, concrete or abstract (`eqx.filter_eval_shape`).
+            `None` (the default) rebuilds the step's own tree from its structure
+            record, with the classes `trust` names beyond the default set
+            (`manager.restore(step=5, trust=[MyModel, optax])`; see
+            [`eqx_ckpt.Checkpoint.skeleton`][]).
         - `step`: the step to load; the latest committed one by default.
         - `filter_spec`, `is_leaf`, `where`, `prefix`, `rename`, `missing`, `strict`,
-            `cast`, `lazy`, `transform`, `progress`: every option of
+            `cast`, `lazy`, `transform`, `progress`, `trust`, `check_init`: every option of
             [`eqx_ckpt.tree_deserialise_leaves`][], with its meaning and default;
             for instance `prefix="model"` loads only the model of a
             `{"model": ..., "opt_state": ...}` step.
@@ -563,7 +569,7 @@ class CheckpointManager:
             return tree_deserialise_leaves(
                 self._loc.joined(step_name(step)), like, filter_spec, is_leaf,
                 where=where, prefix=prefix, rename=rename, missing=missing, strict=strict, cast=cast, lazy=lazy,
-                transform=transform, progress=progress,
+                transform=transform, progress=progress, trust=trust, check_init=check_init,
             )  # fmt: skip
         except (CheckpointError, OSError) as e:
             # Retention (this manager's, or that of the one saving here) deleted

@@ -31,6 +31,7 @@ from ._format import (
     MANIFEST,
     MAX_ELEMENTS,
     MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_OBJECTS,
     MAX_RANK,
     LeafRecord,
     PackRecord,
@@ -59,6 +60,9 @@ class Manifest:
     packs: tuple[PackRecord, ...] = ()
     # Another format's own strings (a safetensors header's `__metadata__`).
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The tree's structure record (version 5 on, `_structure`): JSON as read,
+    # checked only when a load rebuilds from it (`_rebuild`). `None`: none.
+    structure: Any = dataclasses.field(default=None, compare=False)
 
     @property
     def total_bytes(self) -> int:
@@ -94,7 +98,7 @@ class Manifest:
             "leaf_count": len(self.leaves),
             "total_bytes": self.total_bytes,
         }
-        return _encoded(body, self.leaves, LeafRecord.to_json)
+        return _encoded(body, self.leaves, LeafRecord.to_json, structure=self.structure)
 
 
 def encode(body: dict[str, Any]) -> bytes:
@@ -115,7 +119,9 @@ def encode(body: dict[str, Any]) -> bytes:
 _BATCH = 256
 
 
-def _encoded(body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any], Any] | None) -> bytes:
+def _encoded(
+    body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any], Any] | None, *, structure: Any = None
+) -> bytes:
     """`encode`, with each of `leaves` made a record by `to_json` (`None`: they are).
 
     One line per leaf. The leaves are encoded by `orjson` (a fifth of the time
@@ -123,9 +129,10 @@ def _encoded(body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any
     integer key beyond 64 bits, a string that is not valid Unicode) falls back
     to the standard encoder, which escapes. Paths and key strings are JSON
     strings, in which `},{"path"` cannot occur unescaped. The bytes are
-    copied once, into the result.
+    copied once, into the result. `structure`, where given, goes before the
+    leaves (encoded the same way).
     """
-    parts: list[Any] = [_head(body) + b"["]
+    parts: list[Any] = [_head(body, structure) + b"["]
     for start in range(0, len(leaves), _BATCH):
         records = leaves[start : start + _BATCH]
         if to_json is not None:
@@ -147,14 +154,25 @@ def _encoded(body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any
     return b"".join([*parts, _tail(digest)])
 
 
-def _head(body: dict[str, Any]) -> bytes:
-    """The start of a version 4 manifest, up to its `leaves` value."""
-    return json.dumps(body, allow_nan=False)[:-1].encode() + b',\n"leaves": '
+def _head(body: dict[str, Any], structure: Any = None) -> bytes:
+    """The start of a manifest, up to its `leaves` value."""
+    head = json.dumps(body, allow_nan=False)[:-1].encode()
+    if structure is not None:
+        head += b',\n"structure": ' + _json(structure)
+    return head + b',\n"leaves": '
 
 
 def _tail(digest: Any) -> bytes:
     """The end of a version 4 manifest, after the bytes that `digest` has hashed."""
     return b',\n"digest": "sha256:' + digest.hexdigest().encode() + b'"}\n'
+
+
+def _json(value: Any) -> bytes:
+    """Compact JSON, by `orjson` where it can (integers beyond 64 bits it cannot)."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return json.dumps(value, allow_nan=False, separators=(",", ":")).encode()
 
 
 # The end of a version 4 manifest: its digest, of every byte before this.
@@ -169,14 +187,16 @@ def new_manifest(
     commit: str = "",
     metrics: dict[str, Any] | None = None,
     packs: Sequence[PackRecord] = (),
+    structure: Any = None,
 ) -> Manifest:
-    """A manifest of `leaves`, which use `packs` (sorted by name)."""
+    """A manifest of `leaves`, which use `packs` (sorted by name), and the
+    tree's `structure` record."""
     from . import __version__
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return Manifest(
         tuple(leaves), data_root, now, __version__,
-        layout=layout, commit=commit, metrics=metrics or {}, packs=tuple(packs),
+        layout=layout, commit=commit, metrics=metrics or {}, packs=tuple(packs), structure=structure,
     )  # fmt: skip
 
 
@@ -208,7 +228,7 @@ def parse(data: bytes, *, where: str, stamp: bytes = b"") -> Manifest:
 
 def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
     bad = _invalid(where)
-    body, version = _parse_json(data, bad)
+    body, version = _parse_json(data, bad, where)
     commit, metrics = _check_header(body, bad)
     packs = _parse_packs(body.get("packs", []), commit, bad)
     records = _parse_leaves(body.get("leaves"), packs, version, bad)
@@ -218,7 +238,7 @@ def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
     return Manifest(
         tuple(records), body["data_root"], body.get("created", ""), body.get("library_version", ""), version,
         layout=body.get("layout", "directories"), commit=commit, metrics=metrics, stamp=stamp,
-        packs=tuple(packs.values()),
+        packs=tuple(packs.values()), structure=body.get("structure") if version >= 5 else None,
     )  # fmt: skip
 
 
@@ -235,10 +255,14 @@ def _invalid(where: str) -> Callable[[str], CorruptCheckpointError]:
     return bad
 
 
-def _parse_json(data: bytes, bad: Callable[[str], Exception]) -> tuple[dict[str, Any], int]:
+def _parse_json(data: bytes, bad: Callable[[str], Exception], where: str) -> tuple[dict[str, Any], int]:
     """The manifest's JSON object and format version, its digest checked."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise bad(f"it is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
+    # Counted before parsing: millions of tiny JSON objects (a hostile structure
+    # record) would cost gigabytes of Python objects within the byte limit.
+    if data.count(b"{") > MAX_MANIFEST_OBJECTS:
+        raise bad(f"it holds more than the {MAX_MANIFEST_OBJECTS} JSON objects allowed")
     try:
         body = json.loads(data, object_pairs_hook=no_duplicates, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:
@@ -246,10 +270,15 @@ def _parse_json(data: bytes, bad: Callable[[str], Exception]) -> tuple[dict[str,
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise bad('it does not say `"format": "eqx_ckpt"`')
     version = body.get("format_version")
-    if type(version) is not int or version > FORMAT_VERSION or version < 1:
-        raise bad(
-            f"format version {version!r} is not one this eqx_ckpt reads (up to {FORMAT_VERSION}); upgrade eqx_ckpt"
+    if type(version) is int and version > FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"The manifest of checkpoint {where!r} says format version {version}, which is not one this eqx_ckpt "
+            f"reads (up to {FORMAT_VERSION}); upgrade eqx_ckpt (`pip install -U eqx_ckpt`) to load it. A newer "
+            f"eqx_ckpt wrote it; nothing is wrong with the checkpoint.",
+            path=where,
         )
+    if type(version) is not int or version < 1:
+        raise bad(f"format version {version!r} is not one this eqx_ckpt reads (up to {FORMAT_VERSION})")
     if version >= 4:
         tail = _DIGEST_TAIL.search(data)
         digest = "sha256:" + hashlib.sha256(data[: tail.start()]).hexdigest() if tail else None

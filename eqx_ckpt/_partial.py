@@ -21,7 +21,7 @@ from typing import Any
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _keypath, _manifest, _source, _transaction, _tree
+from . import _keypath, _manifest, _source, _structure, _transaction, _tree
 from ._errors import CheckpointNotFoundError, CheckpointReplacedError, CheckpointValueError, IntegrityError
 from ._format import MANIFEST
 from ._lazy import LazyArray
@@ -55,6 +55,7 @@ class Partial:
     ):
         self.leaves, self.names, self.specs, self.commit, self.cast = leaves, names, specs, commit, cast
         self.chunks, self.new = chunks, new
+        self.structure: Callable[[set[str]], Any] = lambda stored: _structure.unrecordable("a partial save")
 
     def kept_damaged(self, error: IntegrityError, loc: Location) -> IntegrityError:
         """`error`, a kept leaf found damaged as it was read, said as this
@@ -135,7 +136,7 @@ def collect(
         [names.records[i] for i in new] + [r.keypath for r in kept],
         keypaths.__getitem__,
     )
-    return Partial(
+    partial = Partial(
         [leaves[i] for i in new] + stored,
         combined,
         [specs[i] for i in new] + [default] * len(kept),
@@ -144,6 +145,24 @@ def collect(
         {r.path: tuple(r.chunks) for r in kept if r.pack is None},
         len(new),
     )
+    partial.structure = lambda stored: _spliced(manifest.structure, prefixes, treedef, flat, names, stored)
+    return partial
+
+
+def _spliced(
+    old: Any, prefixes: list[str], treedef: Any, flat: list[Any], names: _tree.Names, stored: set[str]
+) -> dict[str, Any]:
+    """The stored structure record `old` with the record of each picked sub-tree
+    of the new tree in its place."""
+    if old is None:
+        return _structure.unrecordable("saved in part (with `where`) over a checkpoint that recorded no structure")
+    new = _structure.record(treedef, flat, [path in stored for path in names.paths], names.records)
+    try:
+        for prefix in prefixes:
+            old = _structure.replaced(old, prefix, _structure.at(new, prefix))
+    except (KeyError, TypeError, ValueError, IndexError):
+        return _structure.unrecordable("saved in part (with `where`) at a place its saved structure did not have")
+    return old
 
 
 def check_unreplaced(tx: _transaction.Transaction, *, commit: str) -> None:

@@ -32,6 +32,7 @@ from . import (
     _records,
     _share,
     _storage_errors,
+    _structure,
     _transaction,
     _tree,
     _untrusted,
@@ -306,8 +307,9 @@ def _collect_and_plan(
             )
             try:
                 planned = _plan(
-                    loc, group, partial.leaves, partial.names, partial.specs, partial.cast, private=not blocking
-                )
+                    loc, group, partial.leaves, partial.names, partial.specs, partial.cast, private=not blocking,
+                    structure=partial.structure,
+                )  # fmt: skip
             except IntegrityError as e:
                 raise partial.kept_damaged(e, loc) from e
             partial.keep_chunks(planned.pending)
@@ -351,9 +353,12 @@ def _plan(
     cast: Callable[[str, np.dtype], Any] | None,
     *,
     private: bool,
+    structure: Callable[[set[str]], Any] | None = None,
 ) -> _write.Batch:
     """What the save writes: every leaf's record and host pieces (the filter
-    specs run here) and, in a single process, the packs of small leaves.
+    specs run here), in a single process the packs of small leaves, and the
+    tree's structure record (`_structure`; `structure`, given the dotted paths
+    stored, makes it where `names` are not of one tree: a partial save's).
     `private`: copy the NumPy leaves' host data, which the caller may change
     once an asynchronous save has returned."""
     pending = _records.build(loc, leaves, names, specs, cast, default=default_serialise_filter_spec)
@@ -361,7 +366,12 @@ def _plan(
         _records.assign([p.record for p in pending], [p.pieces for p in pending])
     if private:
         _write.copy_numpy_leaves(pending)
-    return _write.Batch(pending, made=[leaves, names.paths, names.records])
+    stored = {p.record.path for p in pending}
+    if structure is None:
+        record = _structure.record(names.treedef, leaves, [path in stored for path in names.paths], names.records)
+    else:
+        record = structure(stored)
+    return _write.Batch(pending, made=[leaves, names.paths, names.records], structure=record)
 
 
 @_gc.gc_paused()  # as `save` is, for the part of it that runs here
@@ -525,8 +535,9 @@ def _commit(
 def _manifest_bytes(tx: _transaction.Transaction, batch: _write.Batch, metrics: dict[str, Any] | None) -> bytes:
     packs = [pack for pack, _ in batch.packs]
     manifest = _manifest.new_manifest(
-        batch.records(), tx.target, tx.layout, commit=tx.commit_id, metrics=metrics, packs=packs
-    )
+        batch.records(), tx.target, tx.layout, commit=tx.commit_id, metrics=metrics, packs=packs,
+        structure=batch.structure,
+    )  # fmt: skip
     return manifest.to_bytes()
 
 

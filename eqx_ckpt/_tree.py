@@ -69,21 +69,28 @@ class Names:
     """The dotted path and the key path record (`_keypath.to_json`) of every
     leaf of a flattened tree, in flattening order (`paths`, `records`), and
     each leaf's key path on request (`keypath(i)`: a save needs a few, for the
-    leaves it cannot store the common way and for its errors)."""
+    leaves it cannot store the common way and for its errors); `treedef`, the
+    tree's structure where known (a save records it: `_structure`)."""
 
-    __slots__ = ("_keypath", "paths", "records")
+    __slots__ = ("_keypath", "paths", "records", "treedef")
 
-    def __init__(self, paths: list[str], records: list[list[list[Any]]], keypath: Callable[[int], tuple[Any, ...]]):
-        self.paths, self.records, self._keypath = paths, records, keypath
+    def __init__(
+        self,
+        paths: list[str],
+        records: list[list[list[Any]]],
+        keypath: Callable[[int], tuple[Any, ...]],
+        treedef: Any = None,
+    ):
+        self.paths, self.records, self._keypath, self.treedef = paths, records, keypath, treedef
 
     def keypath(self, i: int) -> tuple[Any, ...]:
         return self._keypath(i)
 
 
-def names_from_keypaths(keypaths: list[tuple[Any, ...]]) -> Names:
-    """The names of the leaves of a tree flattened with these key paths."""
+def names_from_keypaths(keypaths: list[tuple[Any, ...]], treedef: Any = None) -> Names:
+    """The names of the leaves of a tree (of structure `treedef`) flattened with these key paths."""
     paths, records = _keypath.dotted_and_records(keypaths)
-    return Names(paths, records, keypaths.__getitem__)
+    return Names(paths, records, keypaths.__getitem__, treedef)
 
 
 def flatten_named(
@@ -109,7 +116,7 @@ def flatten_named(
         _PLAIN_ROOTS[type(tree)] = plain = rebuilds_plainly(treedef)
         if plain:
             return leaves, names_from_structure(treedef)
-    return leaves, names_from_keypaths([keypath for keypath, _ in flat])
+    return leaves, names_from_keypaths([keypath for keypath, _ in flat], treedef)
 
 
 _PLAIN_ROOTS: dict[type, bool] = {}
@@ -157,7 +164,7 @@ def names_from_structure(treedef: Any) -> Names:
         return same
 
     name(treedef, "", [])
-    return Names(paths, records, _StructureKeypaths(treedef))
+    return Names(paths, records, _StructureKeypaths(treedef), treedef)
 
 
 def _lookup(first: dict[Any, Any], node: Any) -> Any:

@@ -76,7 +76,7 @@ def test_total_bytes_and_records(tmp_path):
     assert sum(ckpt.record(k).nbytes for k in ckpt) == expected
     assert ckpt.record("model.head.bias").dtype == "bfloat16"
     assert ckpt.library_version == eqx_ckpt.__version__
-    assert ckpt.format_version == _format.FORMAT_VERSION == 4
+    assert ckpt.format_version == _format.FORMAT_VERSION == 5
     assert ckpt.created
     assert "7 leaves" in repr(ckpt)
 

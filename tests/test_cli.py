@@ -56,7 +56,7 @@ def test_ls_depth_limits_levels(ckpt):
 
 def test_info_reports_format_and_counts(ckpt):
     out = run("info", ckpt, check_code=0).stdout
-    assert "eqx_ckpt 4" in out
+    assert "eqx_ckpt 5" in out
     assert f"library version: {eqx_ckpt.__version__}" in out
     assert "leaves:          4" in out
     assert "bytes:           72 " in out
@@ -181,7 +181,7 @@ def test_diff_exit_codes_and_lines(tmp_path, ckpt):
     tree = {"model": {"w": jnp.ones((3, 4)), "b": np.ones(4, np.float16)}, "step": 7, "new": jnp.zeros(1)}
     eqx_ckpt.tree_serialise_leaves(other, tree)
     assert run("diff", ckpt, ckpt, check_code=0).stdout == (
-        f"{ckpt} and {ckpt} are equal: the same leaves, dtypes, shapes and values.\n"
+        f"{ckpt} and {ckpt} are equal: the same leaves, dtypes, shapes, values and structure.\n"
     )
     lines = run("diff", ckpt, other, check_code=1).stdout.splitlines()
     assert any(line.startswith("- a%2Eb") for line in lines)

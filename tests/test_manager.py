@@ -278,6 +278,9 @@ def test_restore_takes_every_load_option_with_its_default(method):
     and `transform` was not passed; `restore_or_initialise` took no option at all."""
     loads = inspect.signature(eqx_ckpt.tree_deserialise_leaves).parameters
     options = {name: p.default for name, p in loads.items() if name not in ("path", "like")}
+    if method == "restore_or_initialise":
+        # Its skeleton always comes from `init`: the options of a load without `like` have no meaning there.
+        del options["trust"], options["check_init"]
     params = inspect.signature(getattr(eqx_ckpt.CheckpointManager, method)).parameters
     ours = {name: p.default for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert ours == options

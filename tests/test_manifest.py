@@ -51,7 +51,7 @@ def test_manifest_lists_every_leaf(tmp_path):
     _save(tmp_path)
     body = _body(tmp_path)
     assert body["format"] == "eqx_ckpt"
-    assert body["format_version"] == 4
+    assert body["format_version"] == 5
     assert body["library_version"] == eqx_ckpt.__version__
     assert body["digest"].startswith("sha256:")
     leaves = {leaf["path"]: leaf for leaf in body["leaves"]}

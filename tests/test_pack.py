@@ -49,7 +49,7 @@ def test_small_leaves_share_one_array_per_dtype(tmp_path):
     # Only the large leaf has a folder of its own.
     assert sorted(os.listdir(tmp_path / "model")) == ["big", "zarr.json"]
     body = _manifest(tmp_path)
-    assert body["format_version"] == 4
+    assert body["format_version"] == 5
     packs = {pack["name"]: pack for pack in body["packs"]}
     assert set(packs) == {n for n in names if n.startswith("packed.")}
     w, mu = _leaf(body, "model.w"), _leaf(body, "opt.mu")
@@ -240,7 +240,7 @@ def test_checkpoints_written_before_packing_still_load(tmp_path, monkeypatch):
     assert eqx_ckpt.Checkpoint(tmp_path).format_version == 2 and eqx_ckpt.verify(tmp_path) == []
     # Overwritten by this version, it is packed, and the old folders are gone.
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
-    assert not os.path.exists(tmp_path / "model") and _manifest(tmp_path)["format_version"] == 4
+    assert not os.path.exists(tmp_path / "model") and _manifest(tmp_path)["format_version"] == 5
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
 
 

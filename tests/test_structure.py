@@ -1,0 +1,695 @@
+"""Loading without the model's code (issue 49): every save records its tree's
+structure as data, and `Checkpoint.load(trust=...)`, `skeleton`, a load with
+`like=None` and `CheckpointManager.restore` rebuild it with the real classes,
+from a trust list only: nothing a file names is ever imported or called."""
+
+import collections
+import enum
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import manifests
+import numpy as np
+import optax
+import pytest
+
+import eqx_ckpt
+from eqx_ckpt._cli import main
+
+KEYS = jax.random.split(jax.random.key(0), 8)
+
+
+class Block(eqx.Module):
+    """A transformer block of a user's, with static fields of several kinds."""
+
+    embed: eqx.nn.Embedding
+    norm: eqx.nn.LayerNorm
+    attention: eqx.nn.MultiheadAttention
+    out: eqx.nn.Linear
+    heads: int = eqx.field(static=True)
+    name: str = eqx.field(static=True)
+    widths: tuple = eqx.field(static=True)
+
+    def __call__(self, tokens):
+        x = jax.vmap(self.embed)(tokens)
+        x = jax.vmap(self.norm)(x)
+        return jax.vmap(self.out)(self.attention(x, x, x))
+
+
+def _block():
+    return Block(
+        eqx.nn.Embedding(11, 8, key=KEYS[0]),
+        eqx.nn.LayerNorm(8),
+        eqx.nn.MultiheadAttention(2, 8, key=KEYS[1]),
+        eqx.nn.Linear(8, 8, key=KEYS[2]),
+        2,
+        "block-0",
+        (8, (2, 3)),
+    )
+
+
+class Pair(collections.namedtuple("Pair", ["first", "second"])):
+    pass
+
+
+class Colour(enum.Enum):
+    RED = 1
+    BLUE = 2
+
+
+class Tagged(eqx.Module):
+    weight: jax.Array
+    colour: Colour = eqx.field(static=True)
+    dtype: object = eqx.field(static=True)
+    scale: float = eqx.field(static=True)
+
+
+def _mlp():
+    return eqx.nn.MLP(3, 2, 8, 2, activation=jax.nn.gelu, final_activation=jnp.tanh, key=KEYS[3])
+
+
+def _tree():
+    mlp = _mlp()
+    batch_norm, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, "batch", mode="batch")
+    return {
+        "mlp": mlp,
+        "conv": eqx.nn.Conv2d(3, 4, 3, padding=((1, 1), (2, 2)), key=KEYS[4]),
+        "block": _block(),
+        "bn": (batch_norm, state),
+        "seq": eqx.nn.Sequential([eqx.nn.Linear(3, 3, key=KEYS[5]), eqx.nn.Lambda(jax.nn.relu)]),
+        "opt": optax.adam(1e-3).init(eqx.filter(mlp, eqx.is_array)),
+        "keys": jax.random.split(KEYS[6], 3),
+        "containers": {"list": [1, None, (2.5, True)], "pair": Pair(np.arange(3.0), "text"), "none": None},
+        "numbers": {"np": np.arange(4, dtype=np.int16), "np_scalar": np.float32(2.5), "int": 7, "complex": 1 + 2j},
+        "tagged": Tagged(jnp.ones(2), Colour.BLUE, np.dtype("bfloat16"), float("inf")),
+        "ints": {3: jnp.zeros(2), 10: "ten"},
+        "string": "hello",
+    }
+
+
+TRUST = [Block, Pair, Tagged, Colour, optax]
+
+
+def test_a_saved_tree_comes_back_with_its_own_classes(tmp_path):
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    loaded = eqx_ckpt.Checkpoint(tmp_path).load(trust=TRUST)
+    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert jax.tree.structure(loaded) == jax.tree.structure(tree)
+    tokens = jnp.arange(5)
+    assert eqx.tree_equal(loaded["block"](tokens), tree["block"](tokens))
+    x = jnp.ones(3)
+    assert eqx.tree_equal(loaded["mlp"](x), tree["mlp"](x))
+    assert loaded["mlp"].activation is jax.nn.gelu and loaded["seq"].layers[1].fn is jax.nn.relu
+    image = jnp.ones((3, 6, 6))
+    assert eqx.tree_equal(loaded["conv"](image), tree["conv"](image))
+    batch_norm, state = loaded["bn"]
+    ours = jax.vmap(batch_norm, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(jnp.ones((5, 4)), state)
+    theirs = jax.vmap(tree["bn"][0], axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
+        jnp.ones((5, 4)), tree["bn"][1]
+    )
+    assert eqx.tree_equal(ours, theirs)
+
+
+def test_every_way_of_loading_without_like_agrees(tmp_path):
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)
+    one_call = eqx_ckpt.tree_deserialise_leaves(tmp_path, trust=TRUST)
+    assert eqx.tree_equal(one_call, tree, typematch=True)
+    skeleton = ckpt.skeleton(trust=TRUST)
+    assert skeleton["mlp"].layers[0].weight == jax.ShapeDtypeStruct((8, 3), jnp.float32)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, skeleton), tree, typematch=True)
+    # The skeleton is a `like` for every other load option.
+    only_mlp = eqx_ckpt.tree_deserialise_leaves(tmp_path, skeleton, where=lambda t: t["mlp"])
+    assert eqx.tree_equal(only_mlp["mlp"], tree["mlp"], typematch=True)
+    assert only_mlp["conv"].weight == skeleton["conv"].weight
+    lazy = ckpt.load(trust=TRUST, lazy=True)
+    assert isinstance(lazy["mlp"].layers[0].weight, eqx_ckpt.LazyArray)
+    assert eqx.tree_equal(eqx_ckpt.materialise(lazy), tree, typematch=True)
+    # A sub-tree by dotted prefix, everywhere.
+    assert eqx.tree_equal(ckpt.load("mlp", trust=[]), tree["mlp"], typematch=True)
+    assert eqx.tree_equal(ckpt.skeleton("block.attention"), eqx.filter_eval_shape(lambda: tree["block"].attention))
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, prefix="mlp"), tree["mlp"], typematch=True)
+    # Without `trust`, `Checkpoint.load` keeps giving nested dicts.
+    assert isinstance(ckpt.load()["mlp"], dict)
+
+
+def test_a_skeleton_holds_no_data_and_numpy_and_scalars_keep_their_types(tmp_path):
+    tree = {"np": np.arange(10**6, dtype=np.float32), "int": 3, "f": 2.5, "np_scalar": np.int8(4), "key": KEYS[0]}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    skeleton = eqx_ckpt.Checkpoint(tmp_path).skeleton()
+    assert skeleton["np"].strides == (0,) and skeleton["np"].shape == (10**6,) and not skeleton["np"].flags.writeable
+    assert (skeleton["int"], skeleton["f"], skeleton["np_scalar"]) == (0, 0.0, np.int8(0))
+    assert type(skeleton["f"]) is float and type(skeleton["np_scalar"]) is np.int8
+    assert skeleton["key"].dtype == KEYS[0].dtype
+    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path).load(trust=[]), tree, typematch=True)
+
+
+def test_an_untrusted_class_is_named_with_its_paths_and_the_trust_to_pass(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, _tree())
+    with pytest.raises(eqx_ckpt.UntrustedError) as info:
+        eqx_ckpt.Checkpoint(tmp_path).load(trust=[])
+    message = str(info.value)
+    assert f"{__name__}:Block (at `block`)" in message
+    assert "optax._src.transform:ScaleByAdamState (at `opt.0`)" in message
+    assert f"{__name__}:Tagged (at `tagged`)" in message
+    assert f"{__name__}:Colour (at `tagged.colour`)" in message
+    assert "nothing was imported or run" in message
+    exact = [f"{__name__}.{name}" for name in ("Block", "Colour", "Pair", "Tagged")]
+    exact = sorted([*exact, "optax._src.base.EmptyState", "optax._src.transform.ScaleByAdamState"])
+    assert f"pass `trust=[{', '.join(exact)}]`" in message
+    assert f"or trust their packages: `trust=[optax, {__name__}]`" in message
+    assert isinstance(info.value, TypeError)
+    # What a load would need, before any load.
+    untrusted = eqx_ckpt.Checkpoint(tmp_path).types(trust=[])
+    assert untrusted[f"{__name__}:Block"] == ["block"]
+    assert f"{__name__}:Pair" in untrusted and "equinox.nn._mlp:MLP" not in untrusted
+    assert eqx_ckpt.Checkpoint(tmp_path).types(trust=TRUST) == {}
+    assert eqx_ckpt.Checkpoint(tmp_path).types()["equinox.nn._mlp:MLP"] == ["mlp", "opt.0.mu", "opt.0.nu"]
+
+
+def test_a_module_trusts_what_it_defines_not_what_it_imports(tmp_path):
+    """`trust=[optax]` finds optax's states (defined in its submodules), but a
+    name of a module optax merely imports is not reachable through it."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"opt": optax.adam(1e-3).init({"w": jnp.ones(2)})})
+    assert isinstance(eqx_ckpt.Checkpoint(tmp_path).load(trust=[optax])["opt"][0], optax.ScaleByAdamState)
+    _edit_structure(tmp_path, lambda s: s["c"][0]["c"][1].update(cls="jax.numpy:ndarray"))
+    with pytest.raises(eqx_ckpt.UntrustedError, match=re.escape("jax.numpy:ndarray (at `opt.1`)")):
+        eqx_ckpt.Checkpoint(tmp_path).load(trust=[optax])
+
+
+def test_functions_are_recorded_by_name_and_rebuilt_only_when_trusted(tmp_path):
+    model = eqx.nn.Sequential([eqx.nn.Lambda(_double), eqx.nn.Lambda(jnp.exp)])
+    eqx_ckpt.tree_serialise_leaves(tmp_path, model)
+    with pytest.raises(eqx_ckpt.UntrustedError, match=re.escape(f"{__name__}:_double (at `layers.0.fn`)")):
+        eqx_ckpt.Checkpoint(tmp_path).load(trust=[])
+    loaded = eqx_ckpt.Checkpoint(tmp_path).load(trust=[_double])
+    assert loaded.layers[0].fn is _double and loaded.layers[1].fn is jnp.exp
+
+
+def _double(x):
+    return 2 * x
+
+
+def test_what_cannot_be_recorded_never_fails_the_save_and_is_named_on_load(tmp_path):
+    def make_closure():
+        scale = 3.0
+        return lambda x: scale * x
+
+    tree = {"good": _mlp(), "odd": eqx.nn.Lambda(make_closure()), "thing": {"obj": object()}}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)
+    assert eqx.tree_equal(ckpt.load("good", trust=[]), tree["good"], typematch=True)
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("cannot rebuild `odd.fn`")) as info:
+        ckpt.load(trust=[])
+    assert "a lambda" in str(info.value) and "pass `like`" in str(info.value)
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("an object of class builtins.object")):
+        ckpt.skeleton("thing")
+    # With a skeleton for that part, the rest still loads as ever.
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+
+
+class Grown(eqx.Module):
+    weight: jax.Array
+    depth: int = eqx.field(static=True)
+
+
+# The same class edited after the save, three ways.
+class GrownWider(eqx.Module):
+    weight: jax.Array
+    depth: int = eqx.field(static=True)
+    width: int = eqx.field(static=True)
+
+
+class GrownWithDefault(eqx.Module):
+    weight: jax.Array
+    depth: int = eqx.field(static=True)
+    width: int = eqx.field(static=True, default=16)
+
+
+class Shrunk(eqx.Module):
+    weight: jax.Array
+
+
+def test_a_class_whose_fields_changed_is_an_error_naming_both_lists(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"m": Grown(jnp.ones(2), 3)})
+    _rename_class(tmp_path, GrownWider)
+    with pytest.raises(eqx_ckpt.CheckpointTypeError) as info:
+        eqx_ckpt.Checkpoint(tmp_path).load(trust=[GrownWider])
+    message = str(info.value)
+    assert f"saved `m` as a {__name__}.GrownWider with the fields ['weight', 'depth']" in message
+    assert "now has the fields ['weight', 'depth', 'width'] (['width'] are new and have no default)" in message
+    _rename_class(tmp_path, GrownWithDefault)
+    loaded = eqx_ckpt.Checkpoint(tmp_path).load(trust=[GrownWithDefault])["m"]
+    assert (type(loaded), loaded.depth, loaded.width) == (GrownWithDefault, 3, 16)
+    _rename_class(tmp_path, Shrunk)
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape("(the saved ['depth'] are gone)")):
+        eqx_ckpt.Checkpoint(tmp_path).load(trust=[Shrunk])
+
+
+def _rename_class(path: pathlib.Path, new: type) -> None:
+    """The manifest as if the class saved at `m` had been `new` (a test's
+    stand-in for a class edited between the save and the load)."""
+    _edit_structure(path, lambda s: s["c"][0].update(cls=f"{__name__}:{new.__qualname__}"))
+
+
+class Checked(eqx.Module):
+    weight: jax.Array
+
+    def __init__(self, weight):
+        raise AssertionError("a rebuild never runs __init__")
+
+    def __check_init__(self):
+        if self.weight.shape != (2,):
+            raise ValueError("weight must have shape (2,)")
+
+
+def test_no_init_runs_and_check_init_runs_only_when_asked(tmp_path):
+    model = object.__new__(Checked)
+    object.__setattr__(model, "weight", jnp.ones(3))
+    eqx_ckpt.tree_serialise_leaves(tmp_path, model)
+    loaded = eqx_ckpt.Checkpoint(tmp_path).load(trust=[Checked])
+    assert eqx.tree_equal(loaded, model, typematch=True)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        eqx_ckpt.Checkpoint(tmp_path).skeleton(trust=[Checked], check_init=True)
+
+
+def test_a_partial_save_updates_the_record_of_the_replaced_sub_tree(tmp_path):
+    tree = {"body": _mlp(), "head": eqx.nn.Linear(2, 2, key=KEYS[0])}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    new = {"body": eqx.filter_eval_shape(_mlp), "head": Block.__new__(Block)}
+    new["head"] = _block()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, new, where=lambda t: t["head"])
+    loaded = eqx_ckpt.Checkpoint(tmp_path).load(trust=[Block])
+    assert eqx.tree_equal(loaded, {"body": tree["body"], "head": new["head"]}, typematch=True)
+
+
+def test_asynchronous_incremental_and_manager_saves_record_the_structure(tmp_path):
+    manager = eqx_ckpt.CheckpointManager(tmp_path / "run")
+    tree = {"model": _block(), "step": 1}
+    manager.save(1, tree)
+    manager.save(2, eqx.tree_at(lambda t: t["step"], tree, 2), blocking=False) if _takes_blocking(manager) else None
+    manager.wait_until_finished()
+    last = manager.latest_step()
+    assert eqx.tree_equal(manager.restore(step=1, trust=[Block]), tree, typematch=True)
+    assert manager.restore(step=last, trust=[Block])["step"] == last
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path / "async", tree, blocking=False)
+    pending.wait()
+    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "async").load(trust=[Block]), tree, typematch=True)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "async", tree)  # an incremental overwrite
+    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "async").load(trust=[Block]), tree, typematch=True)
+
+
+def _takes_blocking(manager) -> bool:
+    import inspect
+
+    return "blocking" in inspect.signature(manager.save).parameters
+
+
+def test_diff_reports_a_changed_hyperparameter_and_function(tmp_path):
+    a = eqx.nn.MLP(2, 2, 4, 1, key=KEYS[0])
+    b = eqx.tree_at(lambda m: m.activation, a, jax.nn.gelu)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "a", {"m": a, "lr": "1e-3"})
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "b", {"m": b, "lr": "3e-4"})
+    changes = eqx_ckpt.diff(tmp_path / "a", tmp_path / "b")
+    assert changes.structure == (
+        ("lr", "'1e-3' -> '3e-4'"),
+        ("m.activation", "jax._src.nn.functions.relu -> jax._src.nn.functions.gelu"),
+    )
+    assert "* m.activation: jax._src.nn.functions.relu -> jax._src.nn.functions.gelu" in list(changes)
+    assert not changes.values and len(changes) == 2
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "c", {"m": eqx.nn.MLP(2, 2, 4, 2, key=KEYS[0]), "lr": "1e-3"})
+    assert ("m.depth", "1 -> 2") in eqx_ckpt.diff(tmp_path / "a", tmp_path / "c", values=False).structure
+
+
+def test_ls_types_lists_what_a_load_needs(tmp_path, capsys):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"block": _block(), "mlp": _mlp()})
+    assert main(["ls", "--types", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{__name__}.Block  (needs trust)  at block\n" in out
+    assert "equinox.nn._mlp.MLP  (trusted by default)  at mlp\n" in out
+    assert f"Checkpoint(path).load(trust=[{__name__}.Block]) rebuilds it" in out
+
+
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
+def test_older_formats_say_they_record_no_structure(tmp_path, version):
+    fixture = pathlib.Path(__file__).parent / "fixtures" / f"format_{version}"
+    if not fixture.exists():
+        pytest.skip(f"no fixture of format {version} in this checkout")
+    shutil.copytree(fixture, tmp_path / "ckpt")
+    ckpt = eqx_ckpt.Checkpoint(tmp_path / "ckpt")
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=rf"written in format version {version}, before eqx"):
+        ckpt.load(trust=[])
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("Pass a skeleton as `like`")):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt")
+    assert isinstance(ckpt.load(), dict)  # nested dicts, as ever
+
+
+def test_another_format_says_it_records_no_classes(tmp_path):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    safetensors_numpy.save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match="it is a safetensors checkpoint, which names its tensors"):
+        eqx_ckpt.Checkpoint(tmp_path / "m.safetensors").skeleton()
+
+
+def test_a_model_loads_in_a_fresh_process_that_never_runs_its_code(tmp_path):
+    """The documented story: train and save; then a process with the class's
+    definition but no call of its constructor (nor of any function making a
+    model) loads it with `trust=[MyModel]` and runs it."""
+    (tmp_path / "mymodels.py").write_text(
+        textwrap.dedent(
+            """
+            import equinox as eqx, jax, pathlib
+
+            class MyModel(eqx.Module):
+                layers: list
+                scale: float = eqx.field(static=True)
+
+                def __init__(self, key, scale):
+                    pathlib.Path("init_ran").write_text("yes")
+                    self.layers = [eqx.nn.Linear(3, 8, key=key), eqx.nn.Linear(8, 1, key=key)]
+                    self.scale = scale
+
+                def __call__(self, x):
+                    return self.scale * self.layers[1](jax.nn.relu(self.layers[0](x)))
+            """
+        )
+    )
+    train = """
+        import equinox as eqx, jax, jax.numpy as jnp, numpy as np, eqx_ckpt
+        from mymodels import MyModel
+        model = MyModel(jax.random.key(0), 0.5)
+        grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(3)) ** 2))(model)
+        model = eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, grads))
+        eqx_ckpt.tree_serialise_leaves("ckpt", model)
+        np.save("expected.npy", np.asarray(model(jnp.arange(3.0))))
+    """
+    load = """
+        import sys, jax.numpy as jnp, numpy as np, eqx_ckpt
+        import mymodels
+        model = eqx_ckpt.Checkpoint("ckpt").load(trust=[mymodels.MyModel])
+        assert np.array_equal(np.asarray(model(jnp.arange(3.0))), np.load("expected.npy"))
+        print(type(model).__name__, model.scale)
+    """
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]), JAX_PLATFORMS="cpu")
+    for script in (train, load):
+        (tmp_path / "init_ran").unlink(missing_ok=True)
+        out = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(script)], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "MyModel 0.5"
+    assert not (tmp_path / "init_ran").exists()  # the load never ran the constructor
+
+
+# -- The structure record is untrusted input ---------------------------------------------------
+
+
+def _edit_structure(path: pathlib.Path, edit) -> None:
+    """Edit a checkpoint's structure record as an attacker would, the manifest signed again."""
+    body = json.loads((path / "manifest.json").read_text())
+    result = edit(body["structure"])
+    if result is not None:
+        body["structure"] = result
+    (path / "manifest.json").write_bytes(manifests.sign(body))
+
+
+def _leaf_node():
+    return {"t": "leaf"}
+
+
+def _object(cls, fields, children):
+    return {"t": "object", "cls": cls, "f": fields, "c": children}
+
+
+def _value(v):
+    return {"t": "value", "v": v}
+
+
+def _nested_value(depth):
+    v = 1
+    for _ in range(depth):
+        v = {"tuple": [v]}
+    return v
+
+
+def _nested_list(depth):
+    node = {"t": "none"}
+    for _ in range(depth):
+        node = {"t": "list", "c": [node]}
+    return node
+
+
+UNTRUSTED, CORRUPT, CHANGED = eqx_ckpt.UntrustedError, eqx_ckpt.CorruptCheckpointError, eqx_ckpt.CheckpointTypeError
+
+# Each is the whole structure record of a checkpoint of `{"w": <array>}`:
+# (the error it must raise, what its message says).
+HOSTILE = {
+    "os-system": (_value({"function": "os:system"}), UNTRUSTED, "os:system (at `(the root)`)"),
+    "builtins-eval": (_value({"function": "builtins:eval"}), UNTRUSTED, "builtins:eval"),
+    "subprocess-popen": (_object("subprocess:Popen", ["args"], [_value("ls")]), UNTRUSTED, "subprocess:Popen"),
+    "module-not-imported": (_object("antigravity_xyz.sub:Thing", [], []), UNTRUSTED, "antigravity_xyz.sub:Thing"),
+    "function-of-a-module-not-imported": (
+        _value({"function": "not_imported_xyz:run"}),
+        UNTRUSTED,
+        "not_imported_xyz:run",
+    ),
+    "reduce-shaped": (
+        _object("builtins:object", ["args"], [_value({"function": "os:system"})]),
+        UNTRUSTED,
+        "builtins:object",
+    ),
+    "enum-untrusted": (_value({"enum": "signal:Signals", "name": "SIGKILL"}), UNTRUSTED, "signal:Signals"),
+    "namedtuple-untrusted": (
+        {"t": "namedtuple", "cls": "collections:OrderedDict", "f": [], "c": []},
+        UNTRUSTED,
+        "collections:OrderedDict",
+    ),
+    "node-untrusted": (
+        {"t": "node", "cls": "jax.tree_util:Partial", "aux": None, "k": [], "c": []},
+        UNTRUSTED,
+        "jax.tree_util:Partial",
+    ),
+    "function-as-class": (
+        _object("jax._src.nn.functions:relu", [], []),
+        CORRUPT,
+        "names a function where a class belongs",
+    ),
+    "class-as-enum": (
+        _value({"enum": "equinox.nn._linear:Linear", "name": "weight"}),
+        CORRUPT,
+        "is not an enum",
+    ),
+    "wrong-fields": (
+        _object("equinox.nn._linear:Linear", ["nope"], [{"t": "none"}]),
+        CHANGED,
+        "that class now has the fields",
+    ),
+    "duplicate-field": (
+        _object("equinox.nn._linear:Linear", ["weight", "weight"], [_leaf_node(), _leaf_node()]),
+        CORRUPT,
+        "lists a field twice",
+    ),
+    "field-not-identifier": (
+        _object("equinox.nn._linear:Linear", ["a b"], [{"t": "none"}]),
+        CORRUPT,
+        "one identifier per child",
+    ),
+    "namedtuple-not-a-namedtuple": (
+        {"t": "namedtuple", "cls": "equinox.nn._linear:Linear", "f": [], "c": []},
+        CORRUPT,
+        "is not a namedtuple",
+    ),
+    "unknown-kind": ({"t": "pickle", "c": []}, CORRUPT, "the node kind 'pickle' is not one"),
+    "kind-not-a-string": ({"t": 5}, CORRUPT, "has no kind"),
+    "not-an-object": ([1, 2, 3], CORRUPT, "has no kind"),
+    "extra-field": ({"t": "none", "x": 1}, CORRUPT, "a `none` node has the fields"),
+    "children-not-a-list": ({"t": "list", "c": "abc"}, CORRUPT, "children are not a list"),
+    "keys-mismatch": ({"t": "dict", "k": [], "c": [_leaf_node()]}, CORRUPT, "not one key per child"),
+    "key-malformed": ({"t": "dict", "k": [["key", 5]], "c": [_leaf_node()]}, CORRUPT, "key is malformed"),
+    "key-repr": (
+        {"t": "dict", "k": [["key_repr", "object()"]], "c": [_leaf_node()]},
+        CORRUPT,
+        "is not one a save",
+    ),
+    "leaf-without-record": (
+        {"t": "dict", "k": [["key", "other"]], "c": [_leaf_node()]},
+        CORRUPT,
+        "the manifest has none",
+    ),
+    "value-unknown-tag": (_value({"pickle": "gASV"}), CORRUPT, "is not one a save records"),
+    "value-void-dtype": (_value({"dtype": "V1000000000"}), CORRUPT, "is not one a save records"),
+    "numpy-of-a-list": (_value({"numpy": ["float32", {"list": [1, 2]}]}), CORRUPT, "holds no number"),
+    "numpy-overflow": (_value({"numpy": ["int8", 10**6]}), CORRUPT, "does not hold"),
+    "float-tag": (_value({"float": "1e309x"}), CORRUPT, "is not one a save records"),
+    "jnp-type": (_value({"jnp_type": "void"}), CORRUPT, "is not one a save records"),
+    "huge-string": (_value("x" * (2**20 + 1)), CORRUPT, "longer than any saved value"),
+    "huge-class-name": (_object("a:" + "b" * 2000, [], []), CORRUPT, "is not `module:qualname`"),
+    "class-name-without-colon": (_object("os.system", [], []), CORRUPT, "is not `module:qualname`"),
+    "deep-value": (_value(_nested_value(40)), CORRUPT, "nests deeper than any saved value"),
+    "unrecordable-without-reason": ({"t": "unrecordable", "why": 5}, CORRUPT, "does not say why"),
+    "deep-tree": (_nested_list(300), CORRUPT, "larger or deeper than any saved tree"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_a_hostile_structure_record_is_refused(tmp_path, name):
+    record, error, words = HOSTILE[name]
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": np.arange(3.0)})
+    _edit_structure(tmp_path, lambda _: record)
+    before = set(sys.modules)
+    with pytest.raises(error, match=re.escape(words)):
+        eqx_ckpt.Checkpoint(tmp_path).load(trust=[])
+    with pytest.raises(error, match=re.escape(words)):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path)
+    # Nothing a record names is imported; a load with `like` never reads the record.
+    assert not {"antigravity_xyz", "not_imported_xyz", "subprocess", "signal"} & (set(sys.modules) - before)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": np.zeros(3)}), {"w": np.arange(3.0)})
+
+
+def test_a_hostile_file_imports_nothing_in_a_fresh_process(tmp_path):
+    """`sys.modules` before and after opening records that name modules this
+    process has not imported: none of them appears."""
+    for name in ("module-not-imported", "function-of-a-module-not-imported", "subprocess-popen", "enum-untrusted"):
+        eqx_ckpt.tree_serialise_leaves(tmp_path / name, {"w": np.arange(3.0)})
+        _edit_structure(tmp_path / name, lambda _, n=name: HOSTILE[n][0])
+    script = textwrap.dedent(
+        """
+        import sys, eqx_ckpt
+        names = ["module-not-imported", "function-of-a-module-not-imported", "subprocess-popen", "enum-untrusted"]
+        watched = {"antigravity_xyz", "not_imported_xyz", "subprocess", "signal"}
+        before = watched & set(sys.modules)
+        for name in names:
+            ckpt = eqx_ckpt.Checkpoint(name)
+            ckpt.types()
+            try:
+                ckpt.load(trust=[])
+            except eqx_ckpt.UntrustedError:
+                pass
+        print(sorted((watched & set(sys.modules)) - before))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def _raw_structure(path: pathlib.Path, text: bytes) -> None:
+    """Put `text` as the structure record, byte for byte, and sign the manifest
+    again (its digest is the sha256 of every byte before it: docs/format.md)."""
+    import hashlib
+
+    data = (path / "manifest.json").read_bytes()
+    start = data.index(b'"structure": ') + len(b'"structure": ')
+    data = data[:start] + text + data[data.index(b',\n"leaves": ') :]
+    head = data[: data.rindex(b',\n"digest": ')]
+    (path / "manifest.json").write_bytes(
+        head + b',\n"digest": "sha256:' + hashlib.sha256(head).hexdigest().encode() + b'"}\n'
+    )
+
+
+def test_a_record_nested_a_hundred_thousand_deep_is_refused(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": np.arange(3.0)})
+    depth = 10**5
+    _raw_structure(tmp_path, b'{"t":"list","c":[' * depth + b'{"t":"none"}' + b"]}" * depth)
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match="not valid JSON"):
+        eqx_ckpt.Checkpoint(tmp_path)
+
+
+def test_a_record_of_ten_million_nodes_is_refused_before_it_is_parsed(tmp_path):
+    import psutil
+
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": np.arange(3.0)})
+    _raw_structure(tmp_path, b'{"t":"list","c":[' + b'{"t":"none"},' * (10**7 - 1) + b'{"t":"none"}]}')
+    rss = psutil.Process().memory_info().rss
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match="more than the 5000000 JSON objects allowed"):
+        eqx_ckpt.Checkpoint(tmp_path)
+    # Parsed, ten million objects would have taken gigabytes.
+    assert psutil.Process().memory_info().rss - rss < 600 * 2**20
+
+
+def _records():
+    from hypothesis import strategies as st
+
+    names = st.sampled_from(
+        ["os:system", "equinox.nn._linear:Linear", "builtins:eval", "x", "a:b:c", f"{__name__}:Block"]
+    )
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**70), 2**70),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=5),
+    )
+    values = st.recursive(
+        scalars,
+        lambda inner: st.one_of(
+            st.dictionaries(
+                st.sampled_from(
+                    ["tuple", "list", "dict", "float", "complex", "numpy", "dtype", "function", "enum", "name"]
+                ),
+                inner,
+                max_size=2,
+            ),
+            st.lists(inner, max_size=3),
+        ),
+        max_leaves=8,
+    )
+    kinds = st.sampled_from(
+        ["leaf", "none", "value", "dict", "list", "tuple", "namedtuple", "object", "node", "unrecordable", "?"]
+    )
+    return st.recursive(
+        st.fixed_dictionaries({"t": kinds}, optional={"v": values, "why": scalars}),
+        lambda inner: st.fixed_dictionaries(
+            {"t": kinds},
+            optional={
+                "c": st.lists(inner, max_size=3),
+                "k": st.lists(
+                    st.lists(
+                        st.one_of(st.sampled_from(["key", "index", "attr", "flat", "key_repr"]), scalars),
+                        min_size=2,
+                        max_size=2,
+                    ),
+                    max_size=3,
+                ),
+                "f": st.lists(st.sampled_from(["weight", "bias", "x", "a b"]), max_size=3),
+                "cls": names,
+                "aux": values,
+                "v": values,
+            },
+        ),
+        max_leaves=12,
+    )
+
+
+def test_fuzzed_structure_records_give_only_clear_errors(tmp_path):
+    from hypothesis import HealthCheck, given, settings
+
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "base", {"w": np.arange(3.0)})
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(_records())
+    def check(record):
+        target = tmp_path / "fuzzed"
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(tmp_path / "base", target)
+        _edit_structure(target, lambda _: record)
+        ckpt = eqx_ckpt.Checkpoint(target)
+        for attempt in (lambda: ckpt.load(trust=[]), ckpt.types, lambda: ckpt.skeleton(trust=[Block])):
+            try:
+                attempt()
+            except eqx_ckpt.CheckpointError:
+                pass
+
+    check()
