@@ -36,7 +36,7 @@ import eqx_ckpt
 
 ROOT = pathlib.Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-MARKER = re.compile(r"<!-- doc-test: (s3|http|skip)(?:: (.+?))? -->")
+MARKER = re.compile(r"^<!-- doc-test: (s3|http|skip)(?:: (.+?))? -->$", re.M)
 # The example hosts the pages name, and the test servers that stand in for them.
 S3_HOST = "http://minio.internal:9000"
 HTTP_HOST = "https://models.example.com"
@@ -62,7 +62,7 @@ def blocks(page: pathlib.Path) -> list[Block]:
     found = []
     for fence in re.finditer(r"^```python\n(.*?)^```$", text, re.M | re.S):
         before = text[: fence.start()].rstrip("\n").rpartition("\n")[2]
-        marker = MARKER.fullmatch(before.strip())
+        marker = MARKER.fullmatch(before)
         line = text.count("\n", 0, fence.start(1)) + 1
         kind, reason = (marker.group(1), marker.group(2) or "") if marker else ("", "")
         found.append(Block(str(page.relative_to(ROOT)), line, fence.group(1), kind, reason))
@@ -79,6 +79,10 @@ def test_every_marker_stands_before_a_python_block():
     changed) would silently run a block it was not meant for, or none."""
     for page in PAGES:
         text = page.read_text()
+        written = re.findall(r"^<!-- doc-test.*", text, re.M)
+        assert len(written) == len(MARKER.findall(text)), (
+            f"{page.name}: a marker is not as the docstring says: {written}"
+        )
         for marker in MARKER.finditer(text):
             after = text[marker.end() :]
             assert after.startswith("\n\n```python\n"), (
