@@ -36,6 +36,8 @@ def execute(path: pathlib.Path) -> nbformat.NotebookNode:
         cell.metadata.pop("execution", None)  # timestamps of an earlier run, which would change at every run
     with tempfile.TemporaryDirectory() as scratch:
         scratch = os.path.realpath(scratch)
+        # The folder, and the scratch folder a notebook makes in it (`tempfile.mkdtemp()`).
+        scratch_path = re.compile(re.escape(scratch) + "(" + re.escape(os.sep + tempfile.gettempprefix()) + r"\w+)?")
         env = {**os.environ, "TMPDIR": scratch, "TQDM_DISABLE": "1", "JAX_PLATFORMS": "cpu"}
         client = NotebookClient(
             notebook, timeout=300, kernel_name="python3", record_timing=False, resources={"metadata": {"path": scratch}}
@@ -45,7 +47,7 @@ def execute(path: pathlib.Path) -> nbformat.NotebookNode:
             if "outputs" in cell:
                 cell.outputs = _coalesced(cell.outputs)
             for output in cell.get("outputs", []):
-                _replace_text(output, lambda text: re.sub(re.escape(scratch) + r"(/tmp\w+)?", "<tmp>", text))
+                _replace_text(output, lambda text: scratch_path.sub("<tmp>", text))
     return notebook
 
 
