@@ -106,9 +106,12 @@ def test_the_notebooks_are_pages_of_the_site(site):
         assert f'href="notebooks/{notebook.stem}/"' in home, notebook.name  # in the navigation
         code = "".join(next(c for c in cells if c["cell_type"] == "code")["source"])
         assert code.splitlines()[-1] in text
-    # Outputs saved with a notebook are shown.
+    # Outputs saved with a notebook are shown: inspect.ipynb's `print(ckpt)`.
     inspected = html.unescape((site / "notebooks" / "inspect" / "index.html").read_text())
-    assert "Checkpoint('ckpt', 21 leaves, 1484 bytes)" in inspected
+    cells = json.loads((ROOT / "notebooks" / "inspect.ipynb").read_text())["cells"]
+    printed = next(c for c in cells if "print(ckpt)" in "".join(c["source"]))
+    summary = "".join(printed["outputs"][0]["text"])
+    assert summary.startswith("Checkpoint 'ckpt'") and summary in inspected
 
 
 def test_the_site_names_the_version_and_links_docstring_pages(site):
