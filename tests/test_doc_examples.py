@@ -11,6 +11,9 @@ up. A comment before a block (a blank line between) marks the few that need more
   `http://minio.internal:9000` is replaced by the server's;
 - `<!-- doc-test: http -->`: the page's working directory is served over HTTP
   (tests/http_server.py) at the example host `https://models.example.com`;
+- `<!-- doc-test: file: NAME -->`: written to the file NAME in the page's
+  working directory (a module later blocks import: docs/structure.md's
+  `mymodels.py`), not run;
 - `<!-- doc-test: skip: REASON -->`: not run here, for the reason given
   (several processes, a cluster, a script another test runs); each is
   reported as a skipped test with its reason.
@@ -36,7 +39,7 @@ import eqx_ckpt
 
 ROOT = pathlib.Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-MARKER = re.compile(r"^<!-- doc-test: (s3|http|skip)(?:: (.+?))? -->$", re.M)
+MARKER = re.compile(r"^<!-- doc-test: (s3|http|skip|file)(?:: (.+?))? -->$", re.M)
 # The example hosts the pages name, and the test servers that stand in for them.
 S3_HOST = "http://minio.internal:9000"
 HTTP_HOST = "https://models.example.com"
@@ -48,7 +51,7 @@ class Block:
     page: str  # relative to the repository
     line: int  # of the block's first line of code
     code: str
-    marker: str  # "" (plain), "s3", "http" or "skip"
+    marker: str  # "" (plain), "s3", "http", "file" or "skip"
     reason: str
 
     @property
@@ -89,6 +92,9 @@ def test_every_marker_stands_before_a_python_block():
                 f"{page.name}: {marker.group(0)} is not followed by a python block"
             )
             assert marker.group(1) != "skip" or marker.group(2), f"{page.name}: {marker.group(0)} gives no reason"
+            assert marker.group(1) != "file" or re.fullmatch(r"\w+\.py", marker.group(2) or ""), (
+                f"{page.name}: {marker.group(0)} names no module file"
+            )
 
 
 @pytest.mark.parametrize("page", RUN)
