@@ -26,7 +26,7 @@ from typing import Any
 
 from jaxtyping import PyTree
 
-from . import _durable, _initialise, _lease, _orbax, _preemption, _serialise, _storage, _storage_errors
+from . import _durable, _initialise, _lazy, _lease, _orbax, _preemption, _serialise, _storage, _storage_errors
 from ._deserialise import default_deserialise_filter_spec, tree_deserialise_leaves
 from ._errors import (
     CheckpointError,
@@ -100,7 +100,8 @@ class CheckpointManager:
         under other rules"](../manager.md#steps-saved-under-other-rules)).
 
     A step survives if any rule keeps it; the latest (highest) step and the step
-    just saved always survive.
+    just saved always survive, and so does a step that live lazy leaves of this
+    process read from (`restore(..., lazy=True)`), until they are gone.
     With none of `max_to_keep`, `keep_every` and `best_n` given, nothing is deleted.
     Old steps are deleted only after the new one has committed.
 
@@ -778,7 +779,13 @@ class CheckpointManager:
         mine = [step for step in steps if step in governed]
         keep = self._keep(mine, saved)
         for step in mine:
-            if step not in keep:
+            if step in keep:
+                continue
+            if _lazy.reads_from(self._loc.joined(step_name(step))):
+                # Lazy leaves of this process read from it (a fine-tuning loop's
+                # frozen base): a later save deletes it, once they are gone.
+                keep.add(step)
+            else:
                 self._delete(step)
         self._governed = {step for step in mine if step in keep}
         _write_retention(self._loc, self._rules(), sorted(self._governed))

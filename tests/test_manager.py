@@ -1,5 +1,6 @@
 """`CheckpointManager`: steps on disk, retention, interrupted saves, async saves, restore."""
 
+import gc
 import inspect
 import io
 import json
@@ -906,3 +907,46 @@ def test_a_manager_with_looser_rules_warns_once_when_earlier_steps_become_droppa
             looser.save(7, _tree(7))
         looser.save(8, _tree(8))  # steps 2 and 3 droppable now: not repeated (warnings are errors here)
         assert looser.all_steps() == [2, 3, 4, 5, 6, 7, 8]
+
+
+def test_a_step_lazy_leaves_read_from_outlives_retention_until_they_are_gone(tmp_path):
+    """Issue 51, item 3: a fine-tuning loop restored a step lazily (the frozen
+    base stays lazy) and saved later steps with `max_to_keep=1`; the first
+    save's retention deleted the restored step, and the next save of the lazy
+    base raised a `CheckpointReplacedError` saying the step had been replaced.
+    Now retention keeps a step while lazy leaves of this process read from it,
+    and deletes it at the first save after they are gone."""
+    base = eqx.nn.MLP(600, 600, 8, 1, key=jax.random.key(0))  # a leaf of its own (1.4 MB), and packed ones
+    head = jnp.zeros(4)
+    manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=1)
+    manager.save(1, {"base": base, "head": head})
+    like = {"base": eqx.filter_eval_shape(lambda: base), "head": jax.ShapeDtypeStruct((4,), jnp.float32)}
+    restored = manager.restore(like, lazy=True)
+    frozen, head = restored["base"], eqx_ckpt.materialise(restored["head"])
+    assert isinstance(frozen.layers[0].weight, eqx_ckpt.LazyArray)
+    del restored
+    for step in (2, 3, 4):
+        head = head + 1.0  # training the head only
+        manager.save(step, {"base": frozen, "head": head})
+        assert manager.all_steps() == [1, step]
+        saved = manager.restore({"base": base, "head": jnp.zeros(4)}, step=step)
+        assert eqx.tree_equal(saved, {"base": base, "head": jnp.full(4, float(step - 1))}, typematch=True)
+    assert eqx.tree_equal(eqx_ckpt.materialise(frozen), base, typematch=True)
+    del frozen
+    gc.collect()
+    manager.save(5, {"base": base, "head": head})
+    assert manager.all_steps() == [5]
+    assert not (tmp_path / "step_00000001").exists()
+
+
+def test_lazy_leaves_of_a_step_deleted_by_hand_say_it_was_deleted(tmp_path):
+    """A step deleted under lazy leaves (`delete_steps_after`, which deletes what
+    it is asked to) is named as deleted, not as replaced by a newer save."""
+    manager = eqx_ckpt.CheckpointManager(tmp_path)
+    for step in (1, 2):
+        manager.save(step, {"w": np.full(3, float(step))})
+    lazy = manager.restore({"w": np.zeros(3)}, step=2, lazy=True)
+    assert manager.delete_steps_after(1) == [2]
+    expected = f"Checkpoint {manager.step_path(2)!r} was deleted after it was opened (by hand, by `delete_steps_after`"
+    with pytest.raises(eqx_ckpt.CheckpointReplacedError, match=re.escape(expected)):
+        eqx_ckpt.materialise(lazy)
