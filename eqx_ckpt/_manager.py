@@ -53,6 +53,7 @@ from ._steps import (
     _scan,
     _show,
     _write_retention,
+    committed_steps,
 )
 from ._transaction import CommitWarning
 
@@ -241,7 +242,7 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """The committed steps, sorted. A save in flight or interrupted is not one."""
-        return sorted(step for step, committed in _scan(self._loc).items() if committed)
+        return committed_steps(self._loc)
 
     def latest_step(self) -> int | None:
         """The highest committed step, or `None` if there is none. (After rolling

@@ -124,6 +124,11 @@ def _scan(loc: Location) -> dict[int, bool]:
     return found
 
 
+def committed_steps(loc: Location) -> list[int]:
+    """The committed steps of the manager's directory at `loc`, sorted."""
+    return sorted(step for step, committed in _scan(loc).items() if committed)
+
+
 def _clean_interrupted(loc: Location, state: dict[int, bool]) -> list[tuple[str, str]]:
     """Remove what interrupted saves left: step folders without a manifest that
     hold only files a save writes (`_format.left_by_a_save`; an empty one
