@@ -595,6 +595,12 @@ def test_verify_of_a_manager_directory_checks_every_step(tmp_path):
     # A step alone is a checkpoint of its own.
     alone = eqx_ckpt.verify(manager.step_path(2))
     assert [(problem.step, problem.leaf) for problem in alone] == [(None, "big")] and alone.steps == ()
+    # On a store without folders too.
+    with eqx_ckpt.CheckpointManager("memory://verify_steps/run/") as remote:
+        for step in (4, 7):
+            remote.save(step, {"w": np.full(3, float(step))})
+    report = eqx_ckpt.verify("memory://verify_steps/run/")
+    assert report == [] and report.steps == (4, 7)
 
 
 def test_a_step_deleted_while_its_directory_is_verified_is_not_reported_as_damaged(tmp_path, faults):

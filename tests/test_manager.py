@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _faults, _location, _progress, _storage
+from eqx_ckpt import _faults, _format, _location, _progress, _storage
 
 
 def _state(seed=0):
@@ -858,6 +858,25 @@ def test_only_what_a_save_wrote_is_cleaned_from_entries_named_like_steps(tmp_pat
     assert (run / "step_00000004").is_symlink() and _files(outside) == {"data.txt": b"not the manager's"}
     assert {name: _files(run / name) for name in users} == users
     assert eqx.tree_equal(manager.restore({"w": np.zeros(3)}), {"w": np.full(3, 6.0)}, typematch=True)
+
+
+@pytest.mark.parametrize(
+    ("key", "ours"),
+    [
+        ("saving.json", True),  # the journal
+        ("saving.json.__lock", True),
+        ("manifest.json.__lock", True),
+        ("zarr.json", True),
+        ("big/c/0/0", True),
+        ("gen.0123456789abcdef/packed.float32/c/3", True),
+        ("notes.txt", False),
+        ("manifest.json.bak", False),
+        ("big/notes", False),
+        ("model/saving.json", False),
+    ],
+)
+def test_the_files_an_interrupted_save_leaves(key, ours):
+    assert _format.left_by_a_save(key) is ours
 
 
 def test_a_deletion_cut_short_is_cleaned_on_an_object_store_and_a_users_object_stays(request):
