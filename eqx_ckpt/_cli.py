@@ -24,7 +24,7 @@ from ._export import export_safetensors
 from ._format import MANIFEST
 from ._location import location
 from ._manager import CheckpointManager
-from ._verify import verify
+from ._verify import Problems, verify
 
 
 def _path(text: str) -> Any:
@@ -130,12 +130,30 @@ def _info(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     problems = verify(_path(args.path))
     args.code = 1 if problems else 0  # the answer, even if the reader goes away (`main`)
+    if problems.steps:
+        print(printable(_format_verified_steps(args.path, problems)))
+        return args.code
     for problem in problems:
         print(printable(str(problem)))
     for limit in problems.unchecked:
         print(f"not checked: {limit}")
     print(f"{args.path}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
     return args.code
+
+
+def _format_verified_steps(path: str, problems: Problems) -> str:
+    """A manager's directory verified: each step's problems (or `sound`), then
+    the steps that are damaged."""
+    lines = []
+    for step in problems.steps:
+        own = [problem for problem in problems if problem.step == step]
+        lines += [str(problem) for problem in own]
+        lines.append(f"step {step}: {f'{len(own)} problem(s)' if own else 'sound'}")
+    lines += [f"not checked: {limit}" for limit in problems.unchecked]
+    damaged = sorted({problem.step for problem in problems if problem.step is not None})
+    verdict = f"{len(damaged)} damaged: {damaged}" if damaged else "sound"
+    lines.append(f"{path}: {len(problems.steps)} steps in a CheckpointManager directory, {verdict}")
+    return "\n".join(lines)
 
 
 def _diff(args: argparse.Namespace) -> int:

@@ -208,8 +208,9 @@ class CorruptCheckpointError(CheckpointError, ValueError):
 
 class CheckpointReplacedError(CheckpointError, RuntimeError):
     """The checkpoint was replaced by a newer save after it was opened (by a
-    `Checkpoint`, a lazy load, or a load still reading). Nothing of the newer
-    save was returned; open or load it again to read it. Other sources too: a
+    `Checkpoint`, a lazy load, or a load still reading), or deleted (the
+    message says which). Nothing of the newer save was returned; open or load
+    it again to read it. Other sources too: a
     safetensors file or Hugging Face directory rewritten (by `safetensors`, or
     `export_safetensors` into it), an orbax checkpoint saved again.
 

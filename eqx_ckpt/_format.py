@@ -113,6 +113,17 @@ def written_by_a_save(key: str) -> bool:
     return key.rsplit("/", 1)[-1] == ZARR_JSON or bool(_CHUNK.search(key) or _DATABASE.search(key))
 
 
+def left_by_a_save(key: str) -> bool:
+    """Whether the file at `key` (relative to a checkpoint without a manifest)
+    is one a save writes before its commit, or that the deletion of a step
+    leaves: its journal (`saving.json`), TensorStore's temporary of the journal
+    or of the manifest, or a file of its arrays (`written_by_a_save`)."""
+    return key in _BEFORE_COMMIT or written_by_a_save(key)
+
+
+_BEFORE_COMMIT = frozenset({SAVING, SAVING + TEMPORARY, MANIFEST + TEMPORARY})
+
+
 def metadata_key(folder: str) -> str:
     """The key of the `zarr.json` of the group or array in `folder` (below the
     data root; "" is the data root itself)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +46,7 @@ class LazyArray:
         ```
     """
 
-    __slots__ = ("_check", "_like", "_loc", "_opener", "_record", "_store")
+    __slots__ = ("__weakref__", "_check", "_like", "_loc", "_opener", "_record", "_store")
 
     def __init__(
         self,
@@ -65,6 +66,8 @@ class LazyArray:
         # Raises if the checkpoint was replaced since it was opened: called after
         # every read, so a read never returns a later save's bytes.
         self._check = check if check is not None else _no_check
+        live = weakref.ref(self, _forget)
+        _LIVE[id(live)] = live
 
     # Unhashable on purpose: `jax.jit` would otherwise try to treat it as static.
     __hash__ = None  # type: ignore[assignment]
@@ -265,6 +268,46 @@ def _region_size(index: tuple[Any, ...]) -> int:
     """How many elements a normalised index (see `_numpy_index`) selects."""
     lengths = [len(range(item.start, item.stop, item.step)) for item in index if isinstance(item, slice)]
     return math.prod(lengths)
+
+
+# Every lazy leaf of this process, held weakly: a manager's retention keeps the
+# steps they read from while they live (`reads_from`). Keyed by the weak
+# reference's identity, as a lazy leaf is unhashable (see `LazyArray.__hash__`);
+# a plain dict, as a `WeakValueDictionary` tripled what a lazy leaf costs to make.
+_LIVE: dict[int, weakref.ref[LazyArray]] = {}
+
+
+def _forget(live: weakref.ref[LazyArray]) -> None:
+    _LIVE.pop(id(live), None)
+
+
+def reads_from(loc: Location) -> bool:
+    """Whether a live `LazyArray` of this process reads from the checkpoint at
+    `loc` (or from anything below it)."""
+    while True:
+        try:
+            # One C call, which no other thread interrupts; a leaf collected
+            # meanwhile in this thread changes the dict: then once more.
+            refs = list(_LIVE.values())
+            break
+        except RuntimeError:
+            continue
+    # The leaves of one load share one location: compare each location once.
+    places = {id(lazy._loc): lazy._loc for live in refs if (lazy := live()) is not None}
+    store, path = _store_and_path(loc.kvstore)
+    for place in places.values():
+        other, below = _store_and_path(place.kvstore)
+        if other == store and below.startswith(path):
+            return True
+    return False
+
+
+def _store_and_path(spec: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The store a kvstore spec reads (the base of an OCDBT database), less its
+    path, and the path."""
+    while "base" in spec:
+        spec = spec["base"]
+    return {key: value for key, value in spec.items() if key != "path"}, spec.get("path", "")
 
 
 def is_lazy(x: Any) -> bool:

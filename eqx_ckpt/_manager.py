@@ -26,7 +26,7 @@ from typing import Any
 
 from jaxtyping import PyTree
 
-from . import _durable, _initialise, _lease, _orbax, _preemption, _serialise, _storage, _storage_errors
+from . import _durable, _initialise, _lazy, _lease, _orbax, _preemption, _serialise, _storage, _storage_errors
 from ._deserialise import default_deserialise_filter_spec, tree_deserialise_leaves
 from ._errors import (
     CheckpointError,
@@ -53,6 +53,7 @@ from ._steps import (
     _scan,
     _show,
     _write_retention,
+    committed_steps,
 )
 from ._transaction import CommitWarning
 
@@ -104,7 +105,8 @@ class CheckpointManager:
         `False`, every step writes all of its chunks in full.
 
     A step survives if any rule keeps it; the latest (highest) step and the step
-    just saved always survive.
+    just saved always survive, and so does a step that live lazy leaves of this
+    process read from (`restore(..., lazy=True)`), until they are gone.
     With none of `max_to_keep`, `keep_every` and `best_n` given, nothing is deleted.
     Old steps are deleted only after the new one has committed.
 
@@ -173,6 +175,8 @@ class CheckpointManager:
         # after the commit came before retention recorded it.
         self._saving: set[int] = set()
         self._warned = False
+        # The entries named like a step that no save wrote, named in a warning once.
+        self._left_alone: set[str] = set()
         self._pending: PendingSave | None = None
         self._pending_step: int | None = None
         # Saves and deletions from several threads take turns (a second thread's
@@ -244,7 +248,7 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """The committed steps, sorted. A save in flight or interrupted is not one."""
-        return sorted(step for step, committed in _scan(self._loc).items() if committed)
+        return committed_steps(self._loc)
 
     def latest_step(self) -> int | None:
         """The highest committed step, or `None` if there is none. (After rolling
@@ -323,11 +327,7 @@ class CheckpointManager:
         overwrite = check_flag("overwrite", overwrite, "whether to replace a step already there")
         values = _metrics_values(step, metrics, self.directory)
         with _storage_errors.explained(self._loc, f"Saving step {step} to"):
-            self._hold_directory()
-            if self._lease is not None:
-                self._lease.check()
-            state = _scan(self._loc)
-            _clean_interrupted(self._loc, state)
+            state = self._tidy(step)
         if state.get(step) and not overwrite:
             raise CheckpointExistsError(
                 f"Step {step} already exists in {self.directory!r}. Pass `overwrite=True` "
@@ -379,6 +379,36 @@ class CheckpointManager:
             self._apply_retention(step)
 
         self._pending, self._pending_step = PendingSave(finish, wraps=pending), step
+
+    def _tidy(self, step: int) -> dict[int, bool]:
+        """Before saving `step`: take the directory's lease, remove what
+        interrupted saves left, and name in a warning (once each) the entries
+        named like a step that no save wrote, which stay. Returns `_scan`'s
+        answer: the step folders, and whether each is committed."""
+        self._hold_directory()
+        if self._lease is not None:
+            self._lease.check()
+        state = _scan(self._loc)
+        foreign = _clean_interrupted(self._loc, state)
+        for name, what in foreign:
+            if name == step_name(step):
+                raise CheckpointExistsError(
+                    f"{self._loc.joined(name).display!r} is {what}, not a step of this manager, so step {step} was "
+                    f"not saved. Move or rename it, or save under another step.",
+                    path=self.directory,
+                )
+        new = [(name, what) for name, what in foreign if name not in self._left_alone]
+        if new:
+            self._left_alone.update(name for name, _ in new)
+            warnings.warn(
+                f"{self.directory!r} holds {len(new)} entr{'y' if len(new) == 1 else 'ies'} named like a step that "
+                f"no eqx_ckpt save wrote: {'; '.join(f'{name!r} ({what})' for name, what in new)}. The manager "
+                f"leaves them alone (it never lists, restores or deletes them); move or rename them to keep those "
+                f"names for its steps.",
+                RetentionWarning,
+                stacklevel=4,
+            )
+        return state
 
     def _undo(self, step: int) -> None:
         """After a failed save: a step folder this save created, and that holds
@@ -762,15 +792,24 @@ class CheckpointManager:
         mine = [step for step in steps if step in governed]
         keep = self._keep(mine, saved)
         for step in mine:
-            if step not in keep:
+            if step in keep:
+                continue
+            if _lazy.reads_from(self._loc.joined(step_name(step))):
+                # Lazy leaves of this process read from it (a fine-tuning loop's
+                # frozen base): a later save deletes it, once they are gone.
+                keep.add(step)
+            else:
                 self._delete(step)
         self._governed = {step for step in mine if step in keep}
         _write_retention(self._loc, self._rules(), sorted(self._governed))
         if len(mine) == len(steps) or self._warned:
             return []
-        self._warned = True
         keep = self._keep(steps, saved)
-        return [step for step in steps if step not in governed and step not in keep]
+        left = [step for step in steps if step not in governed and step not in keep]
+        # Once, at the first save where the rules would drop one: a manager with
+        # looser rules than the run it resumes finds none at its first save.
+        self._warned = bool(left)
+        return left
 
     def _rules(self) -> dict[str, Any]:
         rules: dict[str, Any] = {"max_to_keep": self.max_to_keep, "keep_every": self.keep_every, "best_n": self.best_n}

@@ -512,14 +512,24 @@ def require_manifest(loc: Location) -> Manifest:
 
 
 def check_unchanged(loc: Location, manifest: Manifest) -> None:
-    """Raise if the checkpoint at `loc` was replaced since `manifest` was read.
+    """Raise if the checkpoint at `loc` was replaced (or deleted) since
+    `manifest` was read.
 
     A reader calls this after reading arrays: an overwrite deletes the old
     arrays only after its commit, so if the manifest is still the one read, every
     byte read came from it."""
-    if _storage.file_changed(loc, MANIFEST, manifest.stamp):
+    if not _storage.file_changed(loc, MANIFEST, manifest.stamp):
+        return
+    if _storage.read_file(loc, MANIFEST, limit=MAX_MANIFEST_BYTES) is None:
         raise CheckpointReplacedError(
-            f"Checkpoint {loc.display!r} was replaced by a newer save after it was opened, so what was read "
-            f"from it may belong to either save and was discarded. Open or load it again to read the new one.",
+            f"Checkpoint {loc.display!r} was deleted after it was opened (by hand, by `delete_steps_after`, or "
+            f"by the retention of a CheckpointManager in another process: a manager keeps a step while lazy "
+            f"leaves of its own process read from it), so what was read from it was discarded. Load a checkpoint "
+            f"that exists, and keep this one while lazy leaves read from it.",
             path=loc.display,
         )
+    raise CheckpointReplacedError(
+        f"Checkpoint {loc.display!r} was replaced by a newer save after it was opened, so what was read "
+        f"from it may belong to either save and was discarded. Open or load it again to read the new one.",
+        path=loc.display,
+    )

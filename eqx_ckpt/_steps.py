@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,11 +23,13 @@ _MAX_RETENTION_BYTES = 2**24
 
 
 class RetentionWarning(UserWarning):
-    """A `CheckpointManager`'s retention rules would drop steps it did not save
+    """A `CheckpointManager` left in place what is not its own to delete, and
+    names it: steps its retention rules would drop but that it did not save
     (steps saved under other rules: an earlier run with another `max_to_keep`,
-    a manager without rules, an older eqx_ckpt), and left them in place. The
-    warning names them; `CheckpointManager(..., adopt_steps=True)` applies the
-    rules to them too.
+    a manager without rules, an older eqx_ckpt; `CheckpointManager(...,
+    adopt_steps=True)` applies the rules to them too), or entries of its
+    directory named like a step that no eqx_ckpt save wrote (a user's file,
+    symbolic link, or folder of other files).
 
     !!! example
 
@@ -101,7 +104,6 @@ def _scan(loc: Location) -> dict[int, bool]:
     manifest through a link once destroyed a checkpoint outside the directory)."""
     local = loc.local
     if local is not None:
-        import os
 
         def folder(name: str) -> bool:
             full = os.path.join(local, name)
@@ -122,16 +124,52 @@ def _scan(loc: Location) -> dict[int, bool]:
     return found
 
 
-def _clean_interrupted(loc: Location, state: dict[int, bool]) -> None:
-    """Remove step folders without a manifest, and metrics without a committed step."""
+def committed_steps(loc: Location) -> list[int]:
+    """The committed steps of the manager's directory at `loc`, sorted."""
+    return sorted(step for step, committed in _scan(loc).items() if committed)
+
+
+def _clean_interrupted(loc: Location, state: dict[int, bool]) -> list[tuple[str, str]]:
+    """Remove what interrupted saves left: step folders without a manifest that
+    hold only files a save writes (`_format.left_by_a_save`; an empty one
+    too), and metrics files without a committed step. Returns the entries
+    named like a step that are not the manager's to remove (a user's file,
+    link, or folder of other files), as `(name, what it is)`; they stay."""
     if not _primary():
-        return
-    stale = [_format.step_name(step) for step, committed in state.items() if not committed]
-    for name in _storage.list_names(loc):
-        step = _format.parse_metrics_name(name)
-        if step is not None and not state.get(step, False):
+        return []
+    names = _storage.list_names(loc)
+    stale, foreign = [], _not_folders(loc, names)
+    for step in sorted(step for step, committed in state.items() if not committed):
+        name = _format.step_name(step)
+        others = [f for f in _storage.list_files(loc.joined(name)) if not _format.left_by_a_save(f)]
+        if others:
+            foreign.append((name, f"a folder holding {_some(others)}, which no eqx_ckpt save writes"))
+        else:
+            stale.append(name)
+    for name in names:
+        owner = _format.parse_metrics_name(name)
+        if owner is not None and not state.get(owner, False):
             stale.append(name)
     _storage.remove(loc, stale)
+    return sorted(foreign)
+
+
+def _not_folders(loc: Location, names: list[str]) -> list[tuple[str, str]]:
+    """The files and symbolic links named like a step, on a local disk (`_scan`
+    never counts them as steps)."""
+    if loc.local is None:
+        return []
+    found = []
+    for name in names:
+        full = os.path.join(loc.local, name)
+        if _format.parse_step(name) is not None and (os.path.islink(full) or not os.path.isdir(full)):
+            found.append((name, "a symbolic link" if os.path.islink(full) else "a file"))
+    return found
+
+
+def _some(names: list[str]) -> str:
+    shown = ", ".join(repr(name) for name in names[:3])
+    return shown if len(names) <= 3 else f"{shown} and {len(names) - 3} more"
 
 
 def _metrics_values(step: int, metrics: Mapping[str, Any] | None, directory: str) -> dict[str, Any]:

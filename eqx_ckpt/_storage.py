@@ -313,6 +313,21 @@ def list_names(loc: Location) -> list[str]:
     return sorted({key.split("/", 1)[0] for key in list_keys(loc)})
 
 
+def list_files(loc: Location) -> list[str]:
+    """Every file below `loc`, relative to it and `/`-separated, sorted. On a
+    local disk a symbolic link is listed as a file, never followed."""
+    if loc.local is None:
+        return sorted(list_keys(loc))
+    _faults.fire("storage.list", loc)
+    files: list[str] = []
+    for root, folders, names in os.walk(loc.local, onerror=_unless_missing):
+        relative = os.path.relpath(root, loc.local)
+        prefix = "" if relative == "." else relative.replace(os.sep, "/") + "/"
+        links = [f for f in folders if os.path.islink(os.path.join(root, f))]  # (never walked into)
+        files += [prefix + name for name in names + links]
+    return sorted(files)
+
+
 def list_keys(loc: Location) -> list[str]:
     """Every key below `loc`, relative to it."""
     try:

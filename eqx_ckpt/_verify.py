@@ -27,10 +27,11 @@ from . import (
     _verify_sources,
 )
 from ._errors import CheckpointError, CheckpointNotFoundError, CheckpointStorageError, CorruptCheckpointError
-from ._format import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, PackRecord, dtype_from_name
+from ._format import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, PackRecord, dtype_from_name, step_name
 from ._location import Location, location
 from ._manifest import Manifest
 from ._progress import Progress, Tracker
+from ._steps import committed_steps
 
 # Pack chunks read at once.
 _PACK_READS = 16
@@ -52,6 +53,8 @@ class Problem:
         a whole (its manifest, or the zarr group metadata of one of its folders,
         which the message names).
     - `message`: what is wrong, in a full sentence.
+    - `step`: in a `CheckpointManager`'s directory, the step it belongs to;
+        `None` for a single checkpoint.
 
     !!! example
 
@@ -69,20 +72,25 @@ class Problem:
 
     leaf: str | None
     message: str
+    step: int | None = None
 
     def __str__(self) -> str:
-        return self.message if self.leaf is None else f"{self.leaf or '<root>'}: {self.message}"
+        text = self.message if self.leaf is None else f"{self.leaf or '<root>'}: {self.message}"
+        return text if self.step is None else f"step {self.step}: {text}"
 
 
 class Problems(list[Problem]):
     """What [`eqx_ckpt.verify`][] returns: a list of [`eqx_ckpt.Problem`][]s
-    (empty when the checkpoint is sound), and `unchecked`: sentences saying
-    what its format cannot be checked for (empty for an eqx_ckpt checkpoint,
-    where every byte is)."""
+    (empty when the checkpoint is sound), `unchecked`: sentences saying what
+    was not checked (what its format cannot be checked for; empty for an
+    eqx_ckpt checkpoint, where every byte is), and `steps`: for a
+    `CheckpointManager`'s directory, the committed steps verified (each
+    problem's `step` says which it belongs to), else `()`."""
 
-    def __init__(self, problems: Iterable[Problem] = (), unchecked: tuple[str, ...] = ()):
+    def __init__(self, problems: Iterable[Problem] = (), unchecked: tuple[str, ...] = (), steps: tuple[int, ...] = ()):
         super().__init__(problems)
         self.unchecked = unchecked
+        self.steps = steps
 
 
 def verify(path: Any, *, progress: Progress = None) -> Problems:
@@ -96,6 +104,10 @@ def verify(path: Any, *, progress: Progress = None) -> Problems:
     metadata is a problem. Nothing is loaded onto a device, and memory use
     stays bounded whatever the size.
 
+    A `CheckpointManager`'s directory is verified step by step: every
+    committed step, in order (a step deleted meanwhile by the retention of a
+    run still saving there is left out, and `unchecked` says so).
+
     A safetensors file, a Hugging Face directory or an orbax checkpoint is
     checked for what its format can be checked for: its headers or metadata
     (offsets in bounds, one after another, the file's size, the index's
@@ -105,8 +117,9 @@ def verify(path: Any, *, progress: Progress = None) -> Problems:
 
     **Arguments:**
 
-    - `path`: the checkpoint directory, or a kvstore URL; or a `.safetensors`
-        file, a Hugging Face directory of them, or an orbax checkpoint.
+    - `path`: the checkpoint directory, or a kvstore URL; a `CheckpointManager`'s
+        directory; or a `.safetensors` file, a Hugging Face directory of them,
+        or an orbax checkpoint.
     - `progress`: by default a progress bar (bytes and leaves) shows on stderr
         when it is a terminal and the checkpoint is large; `False` hides it,
         `True` shows it whatever the size, and a callable is called as
@@ -117,8 +130,10 @@ def verify(path: Any, *, progress: Progress = None) -> Problems:
     A list of [`eqx_ckpt.Problem`][]s, empty when the checkpoint is sound. Each
     names the damaged leaf by its dotted path (problems of the manifest and of
     group metadata, which belong to no leaf, come first). Its attribute
-    `unchecked` lists, in sentences, what the format cannot be checked for
-    (empty for eqx_ckpt's own checkpoints).
+    `unchecked` lists, in sentences, what was not checked (what the format
+    cannot be checked for; empty for eqx_ckpt's own checkpoints). Of a
+    manager's directory, each problem's `step` names its step, and the
+    attribute `steps` lists the steps verified (for a single checkpoint, `()`).
 
     **Raises:**
 
@@ -143,16 +158,56 @@ def verify(path: Any, *, progress: Progress = None) -> Problems:
     except CheckpointNotFoundError:
         manifest = None
     if manifest is None:
+        steps = [] if _safetensors.is_file_path(loc) else committed_steps(loc)
+        if steps:
+            return _verify_steps(loc, steps, progress)
         found, unchecked = _verify_sources.check(loc, progress)
         return Problems([Problem(leaf, message) for leaf, message in found], unchecked)
+    with Tracker(progress, leaves=len(manifest.leaves), nbytes=manifest.total_bytes, what="verify") as tracker:
+        return Problems(_check(loc, manifest, tracker))
+
+
+def _check(loc: Location, manifest: Manifest, tracker: Tracker) -> list[Problem]:
+    """The problems of the eqx_ckpt checkpoint at `loc`: its manifest's
+    totals, its groups, its packs, then its leaves, by dotted path."""
     problems = _check_totals(loc, manifest)
     data = _layout.data_location(loc, manifest.data_root, manifest.layout)
     records = sorted(manifest.leaves, key=lambda r: r.path)
-    with Tracker(progress, leaves=len(manifest.leaves), nbytes=manifest.total_bytes, what="verify") as tracker:
-        problems += _check_groups(data, manifest)
-        bad = _check_packs(data, manifest, tracker)
-        bad |= _check_leaves(data, [r for r in records if r.pack is None], tracker)
-    return Problems(problems + [bad[r.path] for r in records if r.path in bad])
+    problems += _check_groups(data, manifest)
+    bad = _check_packs(data, manifest, tracker)
+    bad |= _check_leaves(data, [r for r in records if r.pack is None], tracker)
+    return problems + [bad[r.path] for r in records if r.path in bad]
+
+
+def _verify_steps(loc: Location, steps: list[int], progress: Progress) -> Problems:
+    """Every committed step of a `CheckpointManager`'s directory, in order,
+    under one progress bar. A step deleted meanwhile (by the retention of the
+    manager saving there) is not reported on, and `unchecked` says so."""
+    opened: dict[int, Manifest | Problem] = {}
+    gone: list[int] = []
+    for step in steps:
+        try:
+            opened[step] = _manifest.require_manifest(loc.joined(step_name(step)))
+        except CorruptCheckpointError as e:
+            opened[step] = Problem(None, str(e), step)
+        except CheckpointNotFoundError:
+            gone.append(step)
+    manifests = [m for m in opened.values() if isinstance(m, Manifest)]
+    leaves, nbytes = sum(len(m.leaves) for m in manifests), sum(m.total_bytes for m in manifests)
+    problems: list[Problem] = []
+    with Tracker(progress, leaves=leaves, nbytes=nbytes, what="verify") as tracker:
+        for step, manifest in opened.items():
+            here = loc.joined(step_name(step))
+            found = [manifest] if isinstance(manifest, Problem) else _check(here, manifest, tracker)
+            if found and _storage.read_file(here, MANIFEST, limit=MAX_MANIFEST_BYTES) is None:
+                gone.append(step)  # deleted while it was read: its missing files are no damage
+                continue
+            problems += [dataclasses.replace(problem, step=step) for problem in found]
+    unchecked = tuple(
+        f"Step {step} was deleted while it was verified (by the retention of the manager saving there), so it "
+        f"is not reported on." for step in sorted(gone)
+    )  # fmt: skip
+    return Problems(problems, unchecked, steps=tuple(step for step in steps if step not in gone))
 
 
 def _check_totals(loc: Location, manifest: Manifest) -> list[Problem]:

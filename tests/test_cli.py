@@ -235,6 +235,28 @@ def test_ls_on_a_manager_directory_lists_its_steps(tmp_path, capsys):
     assert "no eqx_ckpt checkpoint" in capsys.readouterr().err
 
 
+def test_verify_of_a_manager_directory_reports_each_step_and_exits_1_if_one_is_damaged(tmp_path):
+    """Issue 51, item 4: `eqx-ckpt verify runs/exp1` said there was no
+    checkpoint there, while `eqx-ckpt ls` listed its steps."""
+    run_dir = tmp_path / "run"
+    with eqx_ckpt.CheckpointManager(run_dir) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, {"w": np.full(3, float(step)), "big": np.full((600, 600), float(step), np.float32)})
+    lines = run("verify", run_dir, check_code=0).stdout.splitlines()
+    verdict = f"{run_dir}: 3 steps in a CheckpointManager directory, sound"
+    assert lines == ["step 1: sound", "step 2: sound", "step 3: sound", verdict]
+    chunk = run_dir / "step_00000002" / "big" / "c" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    lines = run("verify", run_dir, check_code=1).stdout.splitlines()
+    assert lines[0] == "step 1: sound"
+    assert lines[1].startswith(f"step 2: big: Leaf `big` in checkpoint {str(run_dir / 'step_00000002')!r}: ")
+    assert lines[2:] == [
+        "step 2: 1 problem(s)", "step 3: sound", f"{run_dir}: 3 steps in a CheckpointManager directory, 1 damaged: [2]",
+    ]  # fmt: skip
+
+
 def test_demo_refuses_bad_arguments_before_training(tmp_path, capsys):
     assert main(["demo", "--steps", "0"]) == 2
     assert "give a positive number, not 0" in capsys.readouterr().err

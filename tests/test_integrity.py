@@ -558,3 +558,65 @@ def test_errors_name_the_checkpoint_not_its_data_root(tmp_path, packing):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(2)})
     assert f"in checkpoint {str(tmp_path)!r}" in str(info.value)
     assert f"{str(tmp_path / root)!r}" not in str(info.value)
+
+
+def _manager_run(directory):
+    """A manager's directory of three steps, each with a leaf of its own (`big`) and a packed one (`w`)."""
+    manager = eqx_ckpt.CheckpointManager(directory)
+    for step in (1, 2, 3):
+        manager.save(step, {"w": np.full(3, float(step)), "big": np.full((600, 600), float(step), np.float32)})
+    manager.close()
+    return manager
+
+
+def test_verify_of_a_manager_directory_checks_every_step(tmp_path):
+    """Issue 51, item 4: `verify(run_dir)` said there was no checkpoint there.
+    It verifies every committed step now, under one progress bar, and each
+    problem names its step and leaf."""
+    run = tmp_path / "run"
+    manager = _manager_run(run)
+    seen = []
+    report = eqx_ckpt.verify(run, progress=lambda *counts: seen.append(counts))
+    assert report == [] and report.steps == (1, 2, 3) and report.unchecked == ()
+    total = sum(eqx_ckpt.Checkpoint(manager.step_path(step)).total_bytes for step in (1, 2, 3))
+    assert seen[-1] == (6, 6, total, total)
+    chunk = run / "step_00000002" / "big" / "c" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    manifest = run / "step_00000003" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"w"', '"v"'))
+    report = eqx_ckpt.verify(run)
+    assert report.steps == (1, 2, 3)
+    assert [(problem.step, problem.leaf) for problem in report] == [(2, "big"), (3, None)]
+    assert str(report[0]).startswith(f"step 2: big: Leaf `big` in checkpoint {str(run / 'step_00000002')!r}: ")
+    assert "Digest mismatch" in report[0].message
+    assert str(report[1]).startswith("step 3: ") and "digest does not match" in report[1].message
+    # A step alone is a checkpoint of its own.
+    alone = eqx_ckpt.verify(manager.step_path(2))
+    assert [(problem.step, problem.leaf) for problem in alone] == [(None, "big")] and alone.steps == ()
+    # On a store without folders too.
+    with eqx_ckpt.CheckpointManager("memory://verify_steps/run/") as remote:
+        for step in (4, 7):
+            remote.save(step, {"w": np.full(3, float(step))})
+    report = eqx_ckpt.verify("memory://verify_steps/run/")
+    assert report == [] and report.steps == (4, 7)
+
+
+def test_a_step_deleted_while_its_directory_is_verified_is_not_reported_as_damaged(tmp_path, faults):
+    """Retention of a run still saving may delete a step while `verify` reads
+    it: its missing files are no damage, and `unchecked` says it was deleted."""
+    run = tmp_path / "run"
+    _manager_run(run)
+
+    def retention(loc, record):
+        if loc.display.endswith("step_00000001") and (run / "step_00000001").exists():
+            shutil.rmtree(run / "step_00000001")
+
+    faults("storage.open_array", retention)
+    report = eqx_ckpt.verify(run)
+    assert report == [] and report.steps == (2, 3)
+    assert report.unchecked == (
+        "Step 1 was deleted while it was verified (by the retention of the manager saving there), so it is not "
+        "reported on.",
+    )

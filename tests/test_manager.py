@@ -1,10 +1,14 @@
 """`CheckpointManager`: steps on disk, retention, interrupted saves, async saves, restore."""
 
+import gc
 import inspect
 import io
 import json
 import math
 import re
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -17,7 +21,7 @@ import optax
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _faults, _progress
+from eqx_ckpt import _faults, _format, _location, _progress, _storage
 
 
 def _state(seed=0):
@@ -632,8 +636,9 @@ def test_a_link_or_a_file_named_like_a_step_is_never_a_step(tmp_path):
     (directory / "step_00000009").write_text("a user's notes")
     manager = eqx_ckpt.CheckpointManager(directory, max_to_keep=1)
     assert manager.all_steps() == []
-    for step in (1, 2):
-        manager.save(step, {"w": np.full(3, float(step))})
+    with pytest.warns(eqx_ckpt.RetentionWarning, match=re.escape("'step_00000000' (a symbolic link); 'step_0000")):
+        manager.save(1, {"w": np.full(3, 1.0)})
+    manager.save(2, {"w": np.full(3, 2.0)})
     assert manager.all_steps() == [2]
     steps = sorted(p.name for p in directory.iterdir() if p.name.startswith("step_"))
     assert steps == ["step_00000000", "step_00000002", "step_00000009"]
@@ -782,3 +787,188 @@ def test_a_step_committed_before_retention_ran_is_still_the_runs_own(tmp_path):
         with eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=1) as resumed:
             resumed.save(2, _tree(2))
             assert resumed.all_steps() == [2]
+
+
+# A manager's save of step 1 killed just before its commit, after every array
+# was written (step 0 is committed): what a preemption leaves.
+_KILLED_STEP = textwrap.dedent(
+    """
+    import os, sys
+    import numpy as np
+    import eqx_ckpt
+    from eqx_ckpt import _faults
+
+    def write_conditional(loc, name):
+        if name == "manifest.json" and loc.display.endswith("step_00000001"):
+            os._exit(17)
+
+    manager = eqx_ckpt.CheckpointManager(sys.argv[1], max_to_keep=2)
+    manager.save(0, {"w": np.zeros(3), "big": np.zeros((512, 1024))})
+    with _faults.armed("commit.manifest_write", write_conditional):
+        manager.save(1, {"w": np.ones(3), "big": np.ones((512, 1024))})
+    """
+)
+
+
+def _files(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_only_what_a_save_wrote_is_cleaned_from_entries_named_like_steps(tmp_path):
+    """Issue 51, item 2: a user's folder `step_00000005/` holding only their
+    notes was removed by a manager's first save as an interrupted save. Now
+    only what a save writes is cleaned; a file, a link, or a folder holding
+    anything else stays as it is, named once in a warning; and saving a step
+    whose name such an entry holds is refused."""
+    run = tmp_path / "run"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_STEP, str(run)], capture_output=True, text=True)
+    assert killed.returncode == 17, killed.stderr
+    left = _files(run / "step_00000001")
+    assert "saving.json" in left and "big/zarr.json" in left and "big/c/0/0" in left, sorted(left)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "data.txt").write_text("not the manager's")
+    (run / "step_00000003").write_text("a user's file")
+    (run / "step_00000004").symlink_to(outside, target_is_directory=True)
+    (run / "step_00000005").mkdir()
+    (run / "step_00000005" / "notes.txt").write_text("my notes")
+    (run / "step_00000007" / "big" / "c").mkdir(parents=True)  # an interrupted save's arrays, and a user's file
+    (run / "step_00000007" / "big" / "zarr.json").write_text("{}")
+    (run / "step_00000007" / "README").write_text("the user's")
+    users = {name: _files(run / name) for name in ("step_00000005", "step_00000007")}
+    manager = eqx_ckpt.CheckpointManager(run, max_to_keep=2)
+    expected = (
+        f"{str(run)!r} holds 4 entries named like a step that no eqx_ckpt save wrote: 'step_00000003' (a file); "
+        f"'step_00000004' (a symbolic link); 'step_00000005' (a folder holding 'notes.txt', which no eqx_ckpt "
+        f"save writes); 'step_00000007' (a folder holding 'README', which no eqx_ckpt save writes). The manager "
+        f"leaves them alone (it never lists, restores or deletes them); move or rename them"
+    )
+    with pytest.warns(eqx_ckpt.RetentionWarning, match=re.escape(expected)):
+        manager.save(2, {"w": np.full(3, 2.0)})
+    assert not (run / "step_00000001").exists()  # the killed save's leftovers
+    assert manager.all_steps() == [0, 2]
+    manager.save(6, {"w": np.full(3, 6.0)})  # warned once (warnings are errors here)
+    with pytest.raises(
+        eqx_ckpt.CheckpointExistsError,
+        match=re.escape(f"{str(run / 'step_00000004')!r} is a symbolic link, not a step of this manager, so step 4"),
+    ):
+        manager.save(4, {"w": np.full(3, 4.0)})
+    folder = f"{str(run / 'step_00000005')!r} is a folder holding 'notes.txt', which no eqx_ckpt save writes, not a"
+    with pytest.raises(eqx_ckpt.CheckpointExistsError, match=re.escape(folder)):
+        manager.save(5, {"w": np.full(3, 5.0)})
+    assert manager.all_steps() == [2, 6]
+    assert (run / "step_00000003").read_text() == "a user's file"
+    assert (run / "step_00000004").is_symlink() and _files(outside) == {"data.txt": b"not the manager's"}
+    assert {name: _files(run / name) for name in users} == users
+    assert eqx.tree_equal(manager.restore({"w": np.zeros(3)}), {"w": np.full(3, 6.0)}, typematch=True)
+
+
+@pytest.mark.parametrize(
+    ("key", "ours"),
+    [
+        ("saving.json", True),  # the journal
+        ("saving.json.__lock", True),
+        ("manifest.json.__lock", True),
+        ("zarr.json", True),
+        ("big/c/0/0", True),
+        ("gen.0123456789abcdef/packed.float32/c/3", True),
+        ("notes.txt", False),
+        ("manifest.json.bak", False),
+        ("big/notes", False),
+        ("model/saving.json", False),
+    ],
+)
+def test_the_files_an_interrupted_save_leaves(key, ours):
+    assert _format.left_by_a_save(key) is ours
+
+
+def test_a_deletion_cut_short_is_cleaned_on_an_object_store_and_a_users_object_stays(request):
+    """The same on a store without folders: a step's prefix holding a user's
+    object stays; what retention's deletion, cut short after the manifest,
+    left is cleaned by the next save."""
+    url = f"memory://leftovers/{request.node.name}/"
+    with eqx_ckpt.CheckpointManager(url, max_to_keep=1) as manager:
+        manager.save(0, {"w": np.zeros(3)})
+
+        def cut_short(loc, names):
+            if "step_00000000" in names:
+                raise KeyboardInterrupt
+
+        with _faults.armed("storage.remove", cut_short), pytest.raises(KeyboardInterrupt):
+            manager.save(1, {"w": np.ones(3)})  # retention deleted step 0's manifest, not its arrays
+    run = _location.location(url)
+    assert [key for key in _storage.list_keys(run) if key.startswith("step_00000000/")] == [
+        "step_00000000/packed.float64/c/0",
+        "step_00000000/packed.float64/zarr.json",
+        "step_00000000/zarr.json",
+    ]
+    _storage.write_file(run.joined("step_00000005"), "notes.txt", b"my notes")
+    with eqx_ckpt.CheckpointManager(url, max_to_keep=1) as manager:
+        with pytest.warns(eqx_ckpt.RetentionWarning, match=re.escape("'step_00000005' (a folder holding 'notes.txt'")):
+            manager.save(2, {"w": np.full(3, 2.0)})
+        assert manager.all_steps() == [2]
+    keys = _storage.list_keys(run)
+    assert not any(key.startswith("step_00000000/") for key in keys)
+    assert _storage.read_file(run.joined("step_00000005"), "notes.txt", limit=100) == b"my notes"
+
+
+def test_a_manager_with_looser_rules_warns_once_when_earlier_steps_become_droppable(tmp_path):
+    """Issue 51, item 8: a run saved with `max_to_keep=2`, resumed with 5: the
+    earlier steps the new rules keep at first are not droppable then, and the
+    warning that they stay for ever came never. It comes at the first save
+    where the rules would drop one, once."""
+    with eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=2) as first:
+        for step in range(4):
+            first.save(step, _tree(step))
+    assert first.all_steps() == [2, 3]
+    with eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=5) as looser:
+        for step in (4, 5, 6):
+            looser.save(step, _tree(step))  # the last five are every step: nothing to warn of yet
+        message = "Retention left 1 step(s) in {!r} that were saved under other retention rules (or none) in place: [2]"
+        with pytest.warns(eqx_ckpt.RetentionWarning, match=re.escape(message.format(str(tmp_path)))):
+            looser.save(7, _tree(7))
+        looser.save(8, _tree(8))  # steps 2 and 3 droppable now: not repeated (warnings are errors here)
+        assert looser.all_steps() == [2, 3, 4, 5, 6, 7, 8]
+
+
+def test_a_step_lazy_leaves_read_from_outlives_retention_until_they_are_gone(tmp_path):
+    """Issue 51, item 3: a fine-tuning loop restored a step lazily (the frozen
+    base stays lazy) and saved later steps with `max_to_keep=1`; the first
+    save's retention deleted the restored step, and the next save of the lazy
+    base raised a `CheckpointReplacedError` saying the step had been replaced.
+    Now retention keeps a step while lazy leaves of this process read from it,
+    and deletes it at the first save after they are gone."""
+    base = eqx.nn.MLP(600, 600, 8, 1, key=jax.random.key(0))  # a leaf of its own (1.4 MB), and packed ones
+    head = jnp.zeros(4)
+    manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=1)
+    manager.save(1, {"base": base, "head": head})
+    like = {"base": eqx.filter_eval_shape(lambda: base), "head": jax.ShapeDtypeStruct((4,), jnp.float32)}
+    restored = manager.restore(like, lazy=True)
+    frozen, head = restored["base"], eqx_ckpt.materialise(restored["head"])
+    assert isinstance(frozen.layers[0].weight, eqx_ckpt.LazyArray)
+    del restored
+    for step in (2, 3, 4):
+        head = head + 1.0  # training the head only
+        manager.save(step, {"base": frozen, "head": head})
+        assert manager.all_steps() == [1, step]
+        saved = manager.restore({"base": base, "head": jnp.zeros(4)}, step=step)
+        assert eqx.tree_equal(saved, {"base": base, "head": jnp.full(4, float(step - 1))}, typematch=True)
+    assert eqx.tree_equal(eqx_ckpt.materialise(frozen), base, typematch=True)
+    del frozen
+    gc.collect()
+    manager.save(5, {"base": base, "head": head})
+    assert manager.all_steps() == [5]
+    assert not (tmp_path / "step_00000001").exists()
+
+
+def test_lazy_leaves_of_a_step_deleted_by_hand_say_it_was_deleted(tmp_path):
+    """A step deleted under lazy leaves (`delete_steps_after`, which deletes what
+    it is asked to) is named as deleted, not as replaced by a newer save."""
+    manager = eqx_ckpt.CheckpointManager(tmp_path)
+    for step in (1, 2):
+        manager.save(step, {"w": np.full(3, float(step))})
+    lazy = manager.restore({"w": np.zeros(3)}, step=2, lazy=True)
+    assert manager.delete_steps_after(1) == [2]
+    expected = f"Checkpoint {manager.step_path(2)!r} was deleted after it was opened (by hand, by `delete_steps_after`"
+    with pytest.raises(eqx_ckpt.CheckpointReplacedError, match=re.escape(expected)):
+        eqx_ckpt.materialise(lazy)
