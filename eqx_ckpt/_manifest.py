@@ -60,9 +60,10 @@ class Manifest:
     packs: tuple[PackRecord, ...] = ()
     # Another format's own strings (a safetensors header's `__metadata__`).
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)
-    # The tree's structure record (version 5 on, `_structure`): JSON as read,
-    # checked only when a load rebuilds from it (`_rebuild`). `None`: none.
-    structure: Any = dataclasses.field(default=None, compare=False)
+    # The tree's structure record (version 5 on, `_structure`), as JSON text:
+    # parsed and checked only when a load rebuilds from it (`_rebuild.record_of`),
+    # so a load with `like` pays nothing for it. `None`: none.
+    structure: str | None = dataclasses.field(default=None, compare=False)
 
     @property
     def total_bytes(self) -> int:
@@ -120,7 +121,7 @@ _BATCH = 256
 
 
 def _encoded(
-    body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any], Any] | None, *, structure: Any = None
+    body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any], Any] | None, *, structure: str | None = None
 ) -> bytes:
     """`encode`, with each of `leaves` made a record by `to_json` (`None`: they are).
 
@@ -130,7 +131,7 @@ def _encoded(
     to the standard encoder, which escapes. Paths and key strings are JSON
     strings, in which `},{"path"` cannot occur unescaped. The bytes are
     copied once, into the result. `structure`, where given, goes before the
-    leaves (encoded the same way).
+    leaves, as a JSON string holding the record's JSON text.
     """
     parts: list[Any] = [_head(body, structure) + b"["]
     for start in range(0, len(leaves), _BATCH):
@@ -154,11 +155,11 @@ def _encoded(
     return b"".join([*parts, _tail(digest)])
 
 
-def _head(body: dict[str, Any], structure: Any = None) -> bytes:
+def _head(body: dict[str, Any], structure: str | None = None) -> bytes:
     """The start of a manifest, up to its `leaves` value."""
     head = json.dumps(body, allow_nan=False)[:-1].encode()
     if structure is not None:
-        head += b',\n"structure": ' + _json(structure)
+        head += b',\n"structure": ' + orjson.dumps(structure)
     return head + b',\n"leaves": '
 
 
@@ -194,6 +195,7 @@ def new_manifest(
     from . import __version__
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    structure = None if structure is None else _json(structure).decode()
     return Manifest(
         tuple(leaves), data_root, now, __version__,
         layout=layout, commit=commit, metrics=metrics or {}, packs=tuple(packs), structure=structure,
@@ -232,7 +234,7 @@ def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
     commit, metrics = _check_header(body, bad)
     packs = _parse_packs(body.get("packs", []), commit, bad)
     records = _parse_leaves(body.get("leaves"), packs, version, bad)
-    for key in ("created", "library_version"):
+    for key in ("created", "library_version", "structure"):
         if not isinstance(body.get(key, ""), str):
             raise bad(f"`{key}` is not a string")
     return Manifest(

@@ -21,7 +21,7 @@ from typing import Any
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _keypath, _manifest, _source, _structure, _transaction, _tree
+from . import _keypath, _manifest, _rebuild, _source, _structure, _transaction, _tree
 from ._errors import CheckpointNotFoundError, CheckpointReplacedError, CheckpointValueError, IntegrityError
 from ._format import MANIFEST
 from ._lazy import LazyArray
@@ -145,7 +145,9 @@ def collect(
         {r.path: tuple(r.chunks) for r in kept if r.pack is None},
         len(new),
     )
-    partial.structure = lambda stored: _spliced(manifest.structure, prefixes, treedef, flat, names, stored)
+    partial.structure = lambda stored: _spliced(
+        _rebuild.record_of(manifest, loc.display), prefixes, treedef, flat, names, stored
+    )
     return partial
 
 

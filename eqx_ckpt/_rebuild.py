@@ -24,6 +24,7 @@ import dataclasses
 import enum
 import functools
 import inspect
+import json
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -43,7 +44,7 @@ from ._errors import (
     UntrustedError,
 )
 from ._format import LeafRecord, dtype_from_name
-from ._manifest import Manifest
+from ._manifest import Manifest, no_duplicates
 from ._trust import Trust, python_name
 
 # Limits on an untrusted record, far beyond any model's.
@@ -71,9 +72,28 @@ def no_record(manifest: Manifest, where: str, format: str = "eqx_ckpt") -> Check
     )
 
 
+def record_of(manifest: Manifest, where: str) -> Any:
+    """The structure record of `manifest`, parsed from its JSON text (as
+    untrusted as the rest: refused past `MAX_NODES` objects, or nested past
+    what JSON parsing allows, before anything else); `None` where it has none."""
+    text = manifest.structure
+    if text is None:
+        return None
+    if text.count("{") > MAX_NODES:
+        raise _corrupt(where, "", f"it holds more than the {MAX_NODES} nodes any saved tree can")
+    try:
+        return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise _corrupt(where, "", f"it is not valid JSON ({str(e)[:200]})") from None
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
 def subtree(manifest: Manifest, prefix: str, where: str) -> dict[str, Any]:
     """The record node at dotted `prefix` (checked only as far as the way there)."""
-    node = manifest.structure
+    node = record_of(manifest, where)
     here = ""
     for segment in _keypath.split_dotted(prefix) if prefix else ():
         found = None
@@ -506,10 +526,11 @@ def differences(a: Manifest, b: Manifest, where_a: str, where_b: str) -> list[tu
     pairs. None where either records no structure."""
     if a.structure is None or b.structure is None:
         return []
-    names(_checked_shape(a.structure, where_a, ""), "", where_a)
-    names(_checked_shape(b.structure, where_b, ""), "", where_b)
+    record_a, record_b = record_of(a, where_a), record_of(b, where_b)
+    names(_checked_shape(record_a, where_a, ""), "", where_a)
+    names(_checked_shape(record_b, where_b, ""), "", where_b)
     out: list[tuple[str, str]] = []
-    _compare(a.structure, b.structure, "", out)
+    _compare(record_a, record_b, "", out)
     return out
 
 
