@@ -128,7 +128,7 @@ class _Walk:
             return unrecordable(f"the tree is more than {MAX_DEPTH} levels deep here")
         cls, aux = data
         children = td.children()
-        kind = _builtin_kind(cls)
+        kind = _BUILTIN.get(cls)
         if kind == "none":
             return NONE
         if kind is not None:
@@ -205,10 +205,6 @@ class _Slot:
 
 def _one_level(td: Any, count: int) -> Any:
     return td.from_node_data_and_children(jtu.default_registry, td.node_data(), [_LEAF_TREEDEF] * count)
-
-
-def _builtin_kind(cls: type) -> str | None:
-    return _BUILTIN.get(cls)
 
 
 _BUILTIN = {type(None): "none", dict: "dict", list: "list", tuple: "tuple"}
