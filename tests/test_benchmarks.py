@@ -11,6 +11,7 @@ import shutil
 import sys
 
 import equinox as eqx
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -19,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import eqx_ckpt  # noqa: E402
-from benchmarks import contenders, foreign, page_sizes, report, run, warm_memory, workload  # noqa: E402
+from benchmarks import contenders, foreign, gpu, page_sizes, report, run, warm_memory, workload  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -388,3 +389,74 @@ def test_page_sizes_reads_the_file_every_way(tmp_path):
     assert sorted(rows) == sorted((way, "warm") for way in page_sizes.WAYS)
     assert all(len(runs) == 1 and runs[0]["seconds"] > 0 for runs in rows.values())
     assert [p.name for p in tmp_path.iterdir()] == ["data.bin"]  # its own file was deleted
+
+
+def test_the_gpu_script_records_every_figure_on_a_cpu(tmp_path):
+    """`benchmarks.gpu` (issue 50), here on the CPU at 20 MiB of each dtype:
+    every contender's save, asynchronous save (where it has one) and load of
+    both dtypes, each with its seconds, GB/s and peak RSS, each load equal bit
+    for bit; the JSON says on what and with which versions; the checkpoints
+    are deleted."""
+    out = tmp_path / "gpu.json"
+    returned = gpu.main(["--gib", "0.02", "--dir", str(tmp_path), "--json", str(out)])
+    written = json.loads(out.read_text())
+    assert written == json.loads(json.dumps(returned))
+    assert written["device"] and written["platform"] == "cpu" and written["gib"] == 0.02 and written["reps"] == 1
+    assert {"jax", "eqx_ckpt", "orbax-checkpoint"} <= set(written["versions"])
+    assert "not installed" not in written["versions"].values()
+    assert written["host"][0].startswith("- CPU: ") and written["filesystem"]
+    for dtype in ("float32", "bfloat16"):
+        assert written[f"leaves_{dtype}"] == 30 and written[f"bytes_{dtype}"] == pytest.approx(0.02 * 2**30, rel=1e-3)
+    expected = {
+        (dtype, name, op)
+        for dtype in ("float32", "bfloat16")
+        for name in gpu.CONTENDERS
+        for op in gpu.OPS
+        if (name, op) != ("numpy", "save_async")
+    }
+    rows = written["rows"]
+    assert sorted((r["dtype"], r["contender"], r["op"]) for r in rows) == sorted(expected)
+    for row in rows:
+        assert row["seconds"] > 0 and row["gb_per_s"] > 0 and isinstance(row["rss_added"], int), row
+        assert row["gb_per_s"] == pytest.approx(written[f"bytes_{row['dtype']}"] / 1e9 / row["seconds"])
+        assert ("blocked" in row) == (row["op"] == "save_async"), row
+        assert row.get("verified", True) is True and (("verified" in row) == (row["op"] == "load")), row
+        if row["op"] == "save_async":
+            assert 0 < row["blocked"] <= row["seconds"], row
+    assert written["run_seconds"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu.json"]
+
+
+def test_a_failed_contender_of_the_gpu_script_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    """On a lent accelerator there may be no time for a second run: a
+    contender whose save fails is one row with the error, its checkpoint is
+    deleted, and the others are measured."""
+    ops = gpu.operations
+
+    def broken(name):
+        found = ops(name)
+        if name == "orbax":
+            found["save"] = lambda path, state: (pathlib.Path(path).mkdir(), 1 / 0)
+        return found
+
+    monkeypatch.setattr(gpu, "operations", broken)
+    monkeypatch.setattr(gpu, "CONTENDERS", ("orbax", "numpy"))
+    rows = gpu.main(["--gib", "0.002", "--dtypes", "bfloat16", "--dir", str(tmp_path)])["rows"]
+    assert [(r["contender"], r.get("op")) for r in rows] == [("orbax", None), ("numpy", "save"), ("numpy", "load")]
+    assert rows[0]["error"] == "ZeroDivisionError: division by zero" and "1 / 0" in rows[0]["traceback"]
+    assert rows[2]["verified"] is True
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_gpu_script_uses_a_few_dozen_leaves_of_64_to_256_mib_and_compares_bits():
+    """At 4 GiB, 28 leaves of 64, 128 and 256 MiB in either dtype; and a load
+    that gave -0.0 for 0.0 (equal as numbers) or another dtype does not pass."""
+    for itemsize in (4, 2):
+        rows = gpu.leaf_rows(4, itemsize)
+        sizes = {n * gpu.COLUMNS * itemsize for n in rows}
+        assert len(rows) == 28 and sizes == {64 * 2**20, 128 * 2**20, 256 * 2**20}
+        assert sum(rows) * gpu.COLUMNS * itemsize == 4 * 2**30
+    state = {"w": jnp.zeros((2, 3), jnp.bfloat16)}
+    assert gpu.verified({"w": state["w"] + 0}, state)
+    assert not gpu.verified({"w": -state["w"]}, state)
+    assert not gpu.verified({"w": state["w"].astype(jnp.float32)}, state)

@@ -1,0 +1,354 @@
+"""A state held on the accelerator: eqx_ckpt against orbax-checkpoint and the raw floor (issue 50).
+
+`python -m benchmarks.gpu [--gib 4] [--dtypes float32,bfloat16] [--reps 1] [--dir DIR] [--json FILE]`
+
+For each dtype, a state of `--gib` GiB is made on the default JAX device with
+`jax.random` (a dict of about 28 arrays of 64, 128 and 256 MiB; smaller ones
+below 4 GiB, so a CPU check keeps the same count), then, side by side in this
+one process, each into a fresh directory under `--dir`:
+
+- `eqx_ckpt` `save`: `tree_serialise_leaves`, blocking (durable when it returns);
+  `save_async`: `blocking=False`, the time the caller is `blocked` (until the
+  call returns) and `seconds` until `wait()` returns (committed, durable);
+  `load`: `tree_deserialise_leaves` into an abstract `like` carrying each
+  array's sharding, so the arrays come back onto the device;
+- `orbax`: `StandardCheckpointer` `save` (`save` + `wait_until_finished` + an
+  fsync of every file, as `benchmarks/contenders.py` measures it), its
+  asynchronous `save_async` (`blocked` in `save`, `seconds` until that end
+  point) and `load` (`restore` into the same abstract tree);
+- `numpy`, the raw floor: `np.save` of `jax.device_get` of each array, then an
+  fsync of every file; `load`: `np.load` + `jax.device_put` of each.
+
+Each operation is timed once per `--reps`; a load's files are read once before
+it (page cache warm, `benchmarks/worker.py:set_cache`) and what it returns is
+compared, bit for bit and on the device, with the state saved. Every figure
+has its wall seconds, GB/s (10^9 bytes of the state a second) and the peak
+resident memory of this process during the operation over what it held
+before (psutil, sampled every 10 ms in a thread). Prints a table; `--json`
+writes the device's name, the versions and every figure, rewritten after each
+measurement so a run stopped midway keeps what it measured; a contender that
+fails is recorded with its error and the others go on. docs/benchmarks.md
+("GPU: a 4 GiB state on the device") says how to run it and what it showed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import glob
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import psutil
+
+import eqx_ckpt
+
+from . import contenders, report, run, worker
+
+LEAF_MIB = (64, 128, 256)  # at 4 GiB: 28 arrays; below it, as many, each smaller
+FULL_GIB = 4.0
+COLUMNS = 1024
+SAMPLE_SECONDS = 0.01
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+CONTENDERS = ("eqx_ckpt", "orbax", "numpy")
+OPS = ("save", "save_async", "load")
+
+
+def leaf_rows(gib: float, itemsize: int) -> list[int]:
+    """The rows of each `(rows, COLUMNS)` leaf of a `gib` GiB state: `LEAF_MIB`
+    in turn, scaled down below `FULL_GIB` (the last one what is left)."""
+    total, row = int(gib * 2**30), COLUMNS * itemsize
+    scale = min(1.0, gib / FULL_GIB)
+    rows: list[int] = []
+    while sum(rows) * row < total:
+        wanted = min(int(LEAF_MIB[len(rows) % len(LEAF_MIB)] * 2**20 * scale), total - sum(rows) * row)
+        rows.append(max(1, wanted // row))
+    return rows
+
+
+def make_state(gib: float, dtype: Any, seed: int = 0) -> dict[str, jax.Array]:
+    """`gib` GiB of normal samples made on the default device (`leaf_rows`)."""
+    key = jax.random.key(seed)
+    rows = leaf_rows(gib, jnp.dtype(dtype).itemsize)
+    state = {
+        f"w{i:03d}": jax.random.normal(jax.random.fold_in(key, i), (n, COLUMNS), dtype) for i, n in enumerate(rows)
+    }
+    return jax.block_until_ready(state)
+
+
+def abstract(state: dict[str, jax.Array]) -> dict[str, jax.ShapeDtypeStruct]:
+    return {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for k, x in state.items()}
+
+
+class PeakRSS:
+    """The peak resident memory of this process during a `with` block, over what
+    it held on entering (`added`), sampled every `SAMPLE_SECONDS` in a thread."""
+
+    def __enter__(self) -> PeakRSS:
+        self._process = psutil.Process()
+        self.before = self.peak = self._process.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="peak-rss", daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(SAMPLE_SECONDS):
+            self.peak = max(self.peak, self._process.memory_info().rss)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)
+
+    @property
+    def added(self) -> int:
+        return self.peak - self.before
+
+
+def timed(operation: Callable[[], Any], nbytes: int) -> tuple[Any, dict[str, Any]]:
+    """Run `operation` (after `gc.collect`) until the arrays it returns are
+    ready, returning its value and its wall seconds, GB/s and peak RSS
+    added. An `operation` that returns a pair `(value, blocked)` has its
+    `blocked` seconds recorded too."""
+    gc.collect()
+    with PeakRSS() as rss:
+        start = time.perf_counter()
+        value = jax.block_until_ready(operation())
+        seconds = time.perf_counter() - start
+    figures = {"seconds": seconds, "gb_per_s": nbytes / 1e9 / seconds, "rss_added": rss.added}
+    if isinstance(value, tuple):
+        value, figures["blocked"] = value
+    return value, figures
+
+
+def eqx_ckpt_save_async(path: str, state: Any) -> tuple[None, float]:
+    start = time.perf_counter()
+    pending = contenders.EqxCkpt().save_async(path, state)
+    blocked = time.perf_counter() - start
+    pending.wait()
+    return None, blocked
+
+
+def orbax_save_async(path: str, state: Any) -> tuple[None, float]:
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        start = time.perf_counter()
+        ckptr.save(os.path.abspath(path), state)
+        blocked = time.perf_counter() - start
+        ckptr.wait_until_finished()
+    contenders.fsync_tree(path)
+    return None, blocked
+
+
+def numpy_save(path: str, state: dict[str, jax.Array]) -> None:
+    os.makedirs(path)
+    for name, x in state.items():
+        np.save(os.path.join(path, name + ".npy"), jax.device_get(x))
+    contenders.fsync_tree(path)
+
+
+def numpy_load(path: str, like: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+    # `np.save` writes bfloat16 as raw 2-byte records (`|V2`): viewed back as the dtype.
+    hosts = {k: np.load(os.path.join(path, k + ".npy")).view(x.dtype) for k, x in like.items()}
+    return {k: jax.device_put(host, like[k].sharding) for k, host in hosts.items()}
+
+
+def operations(name: str) -> dict[str, Callable[[str, Any], Any]]:
+    """`name`'s save, asynchronous save and load, each `(path, state or like)`."""
+    if name == "eqx_ckpt":
+        eqx = contenders.EqxCkpt()
+        return {"save": eqx.save, "save_async": eqx_ckpt_save_async, "load": eqx.load}
+    if name == "orbax":
+        orbax = contenders.Orbax()
+        return {"save": orbax.save, "save_async": orbax_save_async, "load": orbax.load}
+    return {"save": numpy_save, "load": numpy_load}
+
+
+@jax.jit
+def same_bits(a: jax.Array, b: jax.Array) -> jax.Array:
+    bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[a.dtype.itemsize]
+    return jnp.array_equal(jax.lax.bitcast_convert_type(a, bits), jax.lax.bitcast_convert_type(b, bits))
+
+
+def verified(out: dict[str, Any], state: dict[str, jax.Array]) -> bool:
+    """Every loaded array is on its original's device(s), with the same bits
+    (compared there: cheap on an accelerator, and no copy to the host)."""
+    return out.keys() == state.keys() and all(
+        isinstance(out[k], jax.Array)
+        and out[k].sharding.device_set == x.sharding.device_set
+        and out[k].dtype == x.dtype
+        and bool(same_bits(out[k], x))
+        for k, x in state.items()
+    )
+
+
+def bench_state(state: dict[str, jax.Array], root: str, rep: int, record: Callable[[dict[str, Any]], None]) -> None:
+    """Each contender's saves and load of `state` (`bench_contender`). A
+    contender that fails is recorded with an `error` and the run goes on: on
+    a lent accelerator there may be no time for a second run."""
+    for name in CONTENDERS:
+        base = {"dtype": state_dtype(state), "contender": name, "rep": rep}
+        try:
+            for row in bench_contender(name, state, root):
+                record({**base, **row})
+        except Exception as e:
+            record({**base, "error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()[-4000:]})
+        finally:
+            for path in glob.glob(os.path.join(root, f"{base['dtype']}-{name}-*")):
+                run.remove(path)
+
+
+def bench_contender(name: str, state: dict[str, jax.Array], root: str) -> Iterator[dict[str, Any]]:
+    """`name`'s save, asynchronous save (where it has one) and load of the
+    first save's checkpoint, each save into a fresh directory under `root`."""
+    nbytes = sum(x.nbytes for x in state.values())
+    ops = operations(name)
+    paths = {op: os.path.join(root, f"{state_dtype(state)}-{name}-{op}") for op in ("save", "save_async")}
+    for op in ("save", "save_async"):
+        if op in ops:
+            # What earlier saves left unwritten is written now, not during this one's syncs.
+            os.sync()
+            _, figures = timed(functools.partial(ops[op], paths[op], state), nbytes)
+            yield {"op": op, **figures}
+    run.remove(paths["save_async"])
+    worker.set_cache(paths["save"], "warm")
+    out, figures = timed(functools.partial(ops["load"], paths["save"], abstract(state)), nbytes)
+    yield {"op": "load", **figures, "verified": verified(out, state)}
+
+
+def state_dtype(state: dict[str, jax.Array]) -> str:
+    return str(next(iter(state.values())).dtype)
+
+
+def warm_up(root: str) -> None:
+    """Every contender saves and loads a small state once, untimed: imports,
+    TensorStore's and orbax's start-up and the comparison's compilation."""
+    state = {"w": jax.random.normal(jax.random.key(1), (8, COLUMNS))}
+    for name in CONTENDERS:
+        path = os.path.join(root, f"warm-up-{name}")
+        try:
+            ops = operations(name)
+            ops["save"](path, state)
+            verified(ops["load"](path, abstract(state)), state)
+        except Exception as e:
+            # Its measurements fail the same way and are recorded with the error.
+            print(f"warm-up of {name} failed: {type(e).__name__}: {e}", flush=True)
+        run.remove(path)
+
+
+def versions() -> dict[str, str]:
+    found = {"eqx_ckpt": eqx_ckpt.__version__, "jax": jax.__version__}
+    for package in ("jaxlib", "orbax-checkpoint", "tensorstore", "equinox", "numpy"):
+        try:
+            found[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
+def header(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    device = jax.devices()[0]
+    return {
+        "command": "python -m benchmarks.gpu " + " ".join(args.argv),
+        "device": device.device_kind,
+        "platform": device.platform,
+        "versions": versions(),
+        "host": report.machine(root),
+        "filesystem": report.filesystem(root),
+        "gib": args.gib,
+        "reps": args.reps,
+        "rows": [],
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"{'dtype':9s} {'contender':9s} {'operation':10s} {'seconds':>8s} {'GB/s':>7s} "
+        f"{'blocked s':>9s} {'peak RSS added':>14s} {'bits equal':>10s}"
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['dtype']:9s} {r['contender']:9s} FAILED: {r['error']}")
+            continue
+        blocked = f"{r['blocked']:9.3f}" if "blocked" in r else f"{'-':>9s}"
+        same = "-" if "verified" not in r else "yes" if r["verified"] else "NO"
+        lines.append(
+            f"{r['dtype']:9s} {r['contender']:9s} {r['op']:10s} {r['seconds']:8.3f} {r['gb_per_s']:7.2f} "
+            f"{blocked} {r['rss_added'] / 2**20:10.0f} MiB {same:>10s}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=FULL_GIB, help="GiB of the state, for each dtype")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, from " + ", ".join(DTYPES))
+    parser.add_argument("--reps", type=int, default=1, help="runs of each operation")
+    parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
+    parser.add_argument("--json", default=None, help="write the device, versions and every figure here")
+    args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if unknown := [d for d in dtypes if d not in DTYPES]:
+        parser.error(f"unknown dtypes {unknown}; choose from {list(DTYPES)}")
+    started = time.perf_counter()
+    root = tempfile.mkdtemp(prefix="eqx_ckpt_gpu_", dir=args.dir)
+    result = header(args, root)
+    print(f"device: {result['device']} ({result['platform']}), checkpoints on {result['filesystem']}", flush=True)
+    print("\n".join([*result["host"], f"- {result['versions']}"]), flush=True)
+    try:
+        measure_all(args, dtypes, root, result)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result["run_seconds"] = time.perf_counter() - started
+    write_json(result, args.json)
+    print(f"\n{table(result['rows'])}\nwhole run: {result['run_seconds']:.0f} s", flush=True)
+    return result
+
+
+def measure_all(args: argparse.Namespace, dtypes: list[str], root: str, result: dict[str, Any]) -> None:
+    """Every measurement of every dtype, each row added to `result` (and
+    written to `--json`) as soon as it is taken."""
+
+    def record(row: dict[str, Any]) -> None:
+        row["loadavg"] = os.getloadavg()[0]
+        result["rows"].append(row)
+        print(table([row]).splitlines()[1], flush=True)
+        write_json(result, args.json)
+
+    # Two checkpoints of the state at once (a save and the asynchronous one beside it), and 1 GB to spare.
+    run.check_disk(root, int(2.2 * args.gib * 2**30) + 10**9)
+    warm_up(root)
+    print(table([]), flush=True)
+    for dtype in dtypes:
+        state = make_state(args.gib, DTYPES[dtype])
+        result[f"leaves_{dtype}"] = len(state)
+        result[f"bytes_{dtype}"] = sum(x.nbytes for x in state.values())
+        for rep in range(args.reps):
+            bench_state(state, root, rep, record)
+        del state
+
+
+def write_json(result: dict[str, Any], path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
