@@ -192,7 +192,7 @@ def _check_packs(data: Location, manifest: Manifest, tracker: Tracker) -> dict[s
             why = problem or next((damaged[k] for k in chunks if k in damaged), None)
             if why is not None:
                 bad[record.path] = Problem(record.path, f"its pack {pack.name!r} is damaged: {why}")
-        tracker.advance(leaves=len(members), nbytes=sum(r.nbytes for r in members))
+        tracker.count_leaves([r.nbytes for r in members])
     return bad
 
 
