@@ -193,10 +193,17 @@ class PendingSave:
 
     def wait(self) -> None:
         """Block until committed; raise the save's error if it failed."""
-        self._finished.wait()
+        # In slices: CPython acts on a signal that lands just as a blocking wait
+        # begins only when the wait ends, so a Ctrl-C was held until the save
+        # had committed (seen as a flaky test); the end of a slice raises it.
+        while not self._finished.wait(_WAIT_SLICE):
+            pass
         if self._error is not None:
             raise self._error
 
+
+# The longest a Ctrl-C during `PendingSave.wait` can be held, in seconds.
+_WAIT_SLICE = 0.05
 
 _PENDING: set[PendingSave] = set()
 _PENDING_LOCK = threading.Lock()

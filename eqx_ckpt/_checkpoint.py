@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import numpy as np
@@ -25,8 +26,9 @@ class Checkpoint(Mapping[str, Any]):
 
     A read-only mapping from dotted key to [`eqx_ckpt.LazyArray`][], or, for a
     scalar leaf, its value (read when looked up). Keys are sorted segment by
-    segment, numbers by value (`layers.2` before `layers.10`). `print(ckpt)`
-    shows the saved tree, as `eqx-ckpt ls` does (cut short for large ones).
+    segment, numbers by value (`layers.2` before `layers.10`, `k2` before
+    `k10`). `print(ckpt)` shows the saved tree, as `eqx-ckpt ls` does
+    (summarised in 60 lines for large ones: see `listing`).
 
     **Arguments:**
 
@@ -148,12 +150,15 @@ class Checkpoint(Mapping[str, Any]):
 
         **Arguments:**
 
-        - `depth`: show only this many levels.
-        - `max_rows`: show at most this many lines of the tree, then how many more
-            leaves there are; when the tree has more leaves than that, first one
-            line per top-level entry (a sub-tree with its number of leaves and
-            bytes), so no part of the tree goes unseen (`print(Checkpoint(path))`
-            shows 60).
+        - `depth`: show only this many levels; a sub-tree below them is one line,
+            with its number of leaves and bytes.
+        - `max_rows`: show at most this many lines of the tree. Sub-trees open
+            breadth first, each whose entries still fit; then, while lines are
+            left, one too large to open shows its first 5 entries and how many
+            more it has; any other is one line, with its number of leaves and
+            bytes. So every sub-tree shows its shape down to the level that
+            fits, whatever sits beside it (`print(Checkpoint(path))` shows at
+            most 60 lines).
         - `values`: also print the value of every leaf of at most
             `SMALL_VALUES` (16) elements (what `eqx-ckpt ls --values` prints).
 
@@ -175,52 +180,42 @@ class Checkpoint(Mapping[str, Any]):
         for name, count in (("depth", depth), ("max_rows", max_rows)):
             if count is not None and (type(count) is not int or count < 0):
                 raise CheckpointTypeError(f"`{name}` must be an int of at least 0 or None, not {count!r}.")
-        rows: list[tuple[str, ...]] = []
-        if max_rows is not None and len(self._records) > max_rows:
-            # Too many leaves to list: every top-level entry first, so that a
-            # small sub-tree beside a large one is never cut off unseen.
-            rows += self._top_level(max_rows)
-            rows.append((f"first {max_rows} lines:", "", ""))
-        summary = len(rows)
-        shown: set[tuple[str, ...]] = set()
-        left = 0
-        for key, record in self._records.items():
-            if max_rows is not None and len(rows) - summary >= max_rows:
-                left += 1
-                continue
-            parts = _keypath.split_dotted(key) or ("<root>",)
-            for i in range(len(parts) - 1):
-                if parts[: i + 1] not in shown and (depth is None or i < depth):
-                    shown.add(parts[: i + 1])
-                    rows.append(("  " * i + parts[i] + "/", "", ""))
-            if depth is None or len(parts) - 1 < depth:
-                small = values and math.prod(record.shape) <= SMALL_VALUES
-                value = f"  = {_one_line(self[key])}" if small else ""
-                rows.append(("  " * (len(parts) - 1) + parts[-1], describe(record), human(record.nbytes), value))
-        width = max((len(r[0]) for r in rows), default=0)
-        kind = max((len(r[1]) for r in rows), default=0)
-        lines = [f"{r[0]:<{width}}  {r[1]:<{kind}}  {r[2]:>10}{''.join(r[3:])}".rstrip() for r in rows]
-        if left:
-            lines.append(f"... and {left} more leaves (`Checkpoint(path).listing()` shows them all)")
+        root = _Folder.of(self._records)
+        shown = _shown(root, max_rows=max_rows, depth=depth)
+        rows = self._rows(root, shown, values=values) if shown else []
+        # A sub-tree's "... and N more" row (one column) sets no column's width.
+        width = max((len(r[0]) for r in rows if len(r) > 1), default=0)
+        kind = max((len(r[1]) for r in rows if len(r) > 1), default=0)
+        lines = [
+            f"{r[0]:<{width}}  {r[1]:<{kind}}  {r[2]:>10}{''.join(r[3:])}".rstrip() if len(r) > 1 else r[0]
+            for r in rows
+        ]
+        unlisted = len(self._records) - sum(1 for row in rows if len(row) == 4)  # a leaf's row has a value
+        if max_rows is not None and unlisted:
+            lines.append(f"... {unlisted} leaves not listed one by one (`Checkpoint(path).listing()` lists them all)")
         lines.append(f"{len(self)} leaves, {human(self.total_bytes)}")
         return "\n".join(lines)
 
-    def _top_level(self, max_rows: int) -> list[tuple[str, ...]]:
-        """One row per top-level entry (at most `max_rows`): a leaf as in the
-        listing, a sub-tree with its number of leaves and bytes."""
-        totals: dict[str, list[int]] = {}
-        for key, record in self._records.items():
-            parts = _keypath.split_dotted(key) or ("<root>",)
-            name = parts[0] if len(parts) == 1 else parts[0] + "/"
-            count_bytes = totals.setdefault(name, [0, 0])
-            count_bytes[0] += 1
-            count_bytes[1] += record.nbytes
+    def _rows(self, folder: _Folder, shown: dict[int, int], *, values: bool, level: int = 0) -> list[tuple[str, ...]]:
+        """The rows of `folder`'s first entries (as many as `shown` says): a
+        leaf with its `dtype[shape]` and size, a shown sub-tree with its rows
+        below it, any other sub-tree with its number of leaves and bytes."""
         rows: list[tuple[str, ...]] = []
-        for name, (count, nbytes) in list(totals.items())[:max_rows]:
-            what = f"{count} leaves" if name.endswith("/") else describe(self._records[name])
-            rows.append((name, what, human(nbytes)))
-        if len(totals) > max_rows:
-            rows.append((f"... and {len(totals) - max_rows} more top-level entries", "", ""))
+        indent, count = "  " * level, shown[id(folder)]
+        for (name, _), entry in itertools.islice(folder.entries.items(), count):
+            if isinstance(entry, _Folder) and id(entry) in shown:
+                rows.append((f"{indent}{name}/", "", ""))
+                rows += self._rows(entry, shown, values=values, level=level + 1)
+            elif isinstance(entry, _Folder):
+                leaves = "1 leaf" if entry.leaves == 1 else f"{entry.leaves} leaves"
+                rows.append((f"{indent}{name}/", leaves, human(entry.nbytes)))
+            else:
+                record = self._records[entry]
+                small = values and math.prod(record.shape) <= SMALL_VALUES
+                value = f"  = {_one_line(self[entry])}" if small else ""
+                rows.append((indent + name, describe(record), human(record.nbytes), value))
+        if count < len(folder.entries):
+            rows.append((f"{indent}... and {len(folder.entries) - count} more",))
         return rows
 
     def skeleton(self, prefix: str | None = None, *, trust: Iterable[Any] = (), check_init: bool = False) -> PyTree:
@@ -413,6 +408,73 @@ class Checkpoint(Mapping[str, Any]):
 
 # The lines `print(Checkpoint(path))` shows at most.
 _MAX_ROWS = 60
+# The first entries a listing shows of a sub-tree too large to show whole.
+_SAMPLE = 5
+
+
+class _Folder:
+    """A sub-tree of a listing: its entries in key order (a sub-tree, or a
+    leaf's dotted key; a name may be both, in a foreign format), with its
+    number of leaves and bytes."""
+
+    __slots__ = ("entries", "leaves", "level", "nbytes")
+
+    def __init__(self, level: int):
+        self.entries: dict[tuple[str, bool], _Folder | str] = {}
+        self.level, self.leaves, self.nbytes = level, 0, 0
+
+    @staticmethod
+    def of(records: Mapping[str, LeafRecord]) -> _Folder:
+        root = _Folder(0)
+        for key, record in records.items():
+            parts = _keypath.split_dotted(key) or ("<root>",)
+            folder = root
+            for part in parts[:-1]:
+                folder.leaves, folder.nbytes = folder.leaves + 1, folder.nbytes + record.nbytes
+                # Keyed `(part, True)`: always a sub-tree.
+                folder = cast(_Folder, folder.entries.setdefault((part, True), _Folder(folder.level + 1)))
+            folder.leaves, folder.nbytes = folder.leaves + 1, folder.nbytes + record.nbytes
+            folder.entries[(parts[-1], False)] = key
+        return root
+
+
+def _shown(root: _Folder, *, max_rows: int | None, depth: int | None) -> dict[int, int]:
+    """How many entries of each sub-tree (by `id`) a listing shows; a sub-tree
+    not here is one line. Sub-trees open breadth first, down to `depth`, the
+    smaller first within a level, each whose entries still fit in `max_rows`
+    lines, so that a small model beside a large sibling shows its layers;
+    then, while lines are left, each sub-tree too large to open shows its
+    first `_SAMPLE` entries and a line saying how many more it has."""
+    if depth == 0:
+        return {}
+    budget = math.inf if max_rows is None else max_rows
+    shown = {id(root): len(root.entries) if len(root.entries) <= budget else max(int(budget) - 1, 0)}
+    lines, level, too_large = min(len(root.entries), budget), _folders_in(root, shown), []
+    while level:
+        below = []
+        for folder in sorted(level, key=lambda folder: len(folder.entries)):
+            if depth is not None and folder.level >= depth:
+                continue
+            if lines + len(folder.entries) > budget:
+                too_large.append(folder)
+                continue
+            shown[id(folder)] = len(folder.entries)
+            lines += len(folder.entries)
+            below += _folders_in(folder, shown)
+        level = below
+    for folder in too_large:
+        sample = min(_SAMPLE, int(budget - lines) - 1)
+        if sample < 1:
+            break
+        shown[id(folder)] = sample
+        lines += sample + 1
+    return shown
+
+
+def _folders_in(folder: _Folder, shown: dict[int, int]) -> list[_Folder]:
+    """The sub-trees among `folder`'s shown entries."""
+    entries = itertools.islice(folder.entries.values(), shown[id(folder)])
+    return [entry for entry in entries if isinstance(entry, _Folder)]
 
 
 def human(n: float) -> str:

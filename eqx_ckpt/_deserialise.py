@@ -340,7 +340,7 @@ def _read_packed(
         values = _read.place(data, hosts, [records[m] for m in members], [plans[m].like for m in members])
         for m, value in zip(members, values):
             out[slots[m]] = value
-        tracker.advance(leaves=len(members), nbytes=sum(records[m].nbytes for m in members))
+        tracker.count_leaves([records[m].nbytes for m in members])
 
 
 def _read_runs(
@@ -356,7 +356,7 @@ def _read_runs(
         values = _read.place(source.data, hosts, [records[m] for m in members], [plans[m].like for m in members])
         for m, value in zip(members, values):
             out[slots[m]] = value
-        tracker.advance(leaves=len(members), nbytes=sum(records[m].nbytes for m in members))
+        tracker.count_leaves([records[m].nbytes for m in members])
     done = {slots[m] for m in taken}
     return [slot for slot in slots if slot not in done]
 

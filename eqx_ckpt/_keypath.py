@@ -138,14 +138,15 @@ def _is_integer(value: Any) -> bool:
 _NUMBER = re.compile(r"^(%i)?(-?[0-9]+)$")
 
 
-def sort_key(path: str) -> tuple[tuple[int, int, str], ...]:
+def sort_key(path: str) -> tuple[tuple[int, Any, str], ...]:
     """Sort dotted paths segment by segment, numbers by value: `layers.2` before
-    `layers.10`, as a list's items come."""
+    `layers.10`, as a list's items come; numbered names naturally, `k2` before
+    `k10`."""
     return tuple(map(_segment_key, path.split("."))) if path else ()
 
 
 @functools.lru_cache(maxsize=2**16)
-def _segment_key(part: str) -> tuple[int, int, str]:
+def _segment_key(part: str) -> tuple[int, Any, str]:
     """One segment's `sort_key`, remembered: a tree's few names and indices
     recur in thousands of paths."""
     match = _NUMBER.match(part)
@@ -153,10 +154,15 @@ def _segment_key(part: str) -> tuple[int, int, str]:
     # hostile file's) sorts as a name.
     if match and len(match.group(2)) <= _LONGEST_NUMBER:
         return (0, int(match.group(2)), part)
-    return (1, 0, part)
+    # A name's runs of digits compare by value, as (length without leading
+    # zeros, digits): no `int()`, so a run of any length is fine.
+    runs = _DIGITS.split(part)
+    runs[1::2] = [(len(run.lstrip("0")), run.lstrip("0")) for run in runs[1::2]]
+    return (1, tuple(runs), part)
 
 
 _LONGEST_NUMBER = 4000
+_DIGITS = re.compile(r"([0-9]+)")
 
 
 def to_json(keypath: tuple[Any, ...]) -> list[list[Any]]:

@@ -48,7 +48,7 @@ from ._format import LeafRecord, PackRecord, dtype_from_name
 from ._location import Location
 from ._memory import refuse_beyond_memory
 from ._storage_errors import leaf_io_error
-from ._untrusted import refuse_links
+from ._untrusted import refuse_links, wrong_chunk_file
 
 # Smaller leaves gain little over TensorStore (and will be packed together).
 MIN_BYTES = 2**20
@@ -177,15 +177,15 @@ def _open_chunk(folder: int, loc: Location, record: LeafRecord, key: str, direct
     try:
         fd = _open_below(folder, key)
     except FileNotFoundError:
-        raise _damaged(loc, record, f"its chunk file {key!r} is missing") from None
+        raise _damaged(loc, record, _size_message(record, key, None)) from None
     except OSError as e:
         refuse_links(loc, f"{directory}/{key}", leaf=record.path)
-        raise _damaged(loc, record, f"its chunk file {key!r} cannot be opened ({e.strerror})") from None
+        raise _damaged(loc, record, f"its chunk file {_name(record, key)!r} cannot be opened ({e.strerror})") from None
     try:
         st = os.fstat(fd)
         expected = record.chunk_nbytes + _format.CHECKSUM_BYTES
         if not stat.S_ISREG(st.st_mode):
-            raise _damaged(loc, record, f"its chunk file {key!r} is not a regular file")
+            raise _damaged(loc, record, f"its chunk file {_name(record, key)!r} is not a regular file")
         if st.st_size != expected:
             raise _damaged(loc, record, _size_message(record, key, st.st_size))
     except BaseException:
@@ -359,8 +359,8 @@ def _check_crc(loc: Location, record: LeafRecord, key: str, computed: int, store
         raise _damaged(
             loc,
             record,
-            f"its chunk file {key!r} fails its crc32c checksum (the file records {expected:#010x}, its bytes give "
-            f"{computed:#010x}), so they are not the bytes that were saved",
+            f"its chunk file {_name(record, key)!r} fails its crc32c checksum (the file records {expected:#010x}, "
+            f"its bytes give {computed:#010x}), so they are not the bytes that were saved",
         )
 
 
@@ -420,11 +420,15 @@ def _settle(futures: Sequence[concurrent.futures.Future[Any]]) -> None:
             concurrent.futures.wait(futures)
 
 
-def _size_message(record: LeafRecord, key: str, size: int) -> str:
-    return (
-        f"its chunk file {key!r} holds {size} bytes, where a chunk of shape {list(record.chunks)} is "
-        f"{record.chunk_nbytes} bytes and a {_format.CHECKSUM_BYTES}-byte checksum"
-    )
+def _size_message(record: LeafRecord, key: str, size: int | None) -> str:
+    """Chunk file `key` of `record` is `size` bytes (`None`: missing), as a load
+    of a pack and `verify` word it (`wrong_chunk_file`)."""
+    return wrong_chunk_file(_name(record, key), size, record.chunk_nbytes + _format.CHECKSUM_BYTES)
+
+
+def _name(record: LeafRecord, key: str) -> str:
+    """Chunk file `key` of `record`, named from the data root as `verify` names it."""
+    return f"{record.directory}/{key}"
 
 
 def _damaged(loc: Location, record: LeafRecord, what: str) -> IntegrityError:

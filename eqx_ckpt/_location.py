@@ -107,15 +107,24 @@ def _from_spec(spec: dict[str, Any]) -> Location:
 # TensorStore reads neither: without them, an `s3://` URL went to AWS, and on a
 # machine that cannot reach AWS waited out the retries.
 ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+# The access keys in the environment, the first place the AWS tools look.
+_KEY_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
 
 def _directory(spec: dict[str, Any], display: str) -> Location:
     """The checkpoint directory at a kvstore spec: its path ends in `/`; an
-    `s3` one without an `endpoint` takes the one `ENDPOINT_VARIABLES` name."""
+    `s3` one without an `endpoint` takes the one `ENDPOINT_VARIABLES` name, and
+    without `aws_credentials` the keys in the environment, if both are set."""
     spec["path"] = spec.get("path", "")
     endpoint = next((os.environ[name] for name in ENDPOINT_VARIABLES if os.environ.get(name)), None)
     if spec.get("driver") == "s3" and "endpoint" not in spec and endpoint:
         spec["endpoint"] = endpoint
+    if spec.get("driver") == "s3" and "aws_credentials" not in spec and all(map(os.environ.get, _KEY_VARIABLES)):
+        # The keys the AWS default chain would take first, named: the chain also
+        # reads the shared config files as it is built, and where there are none
+        # the SDK printed five lines of errors on stderr at the first access
+        # (TensorStore's own logging, which Python cannot quieten).
+        spec["aws_credentials"] = {"type": "environment"}
     if spec["path"] and not spec["path"].endswith("/"):
         spec["path"] += "/"
     directory = spec["path"].rstrip("/") if spec.get("driver") == "file" else None

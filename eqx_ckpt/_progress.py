@@ -10,7 +10,9 @@ Every job that moves many bytes takes `progress=`:
 - `False`: nothing.
 - a callable: called as `progress(leaves_done, leaves_total, bytes_done,
     bytes_total)` each time some leaves or bytes are done, with running totals
-    that only grow and end equal to the totals.
+    that only grow and end equal to the totals. Leaves that land together
+    (the small leaves of a pack) are counted a few at a time, at most
+    `1 / PARTIAL_STEPS` of the job's leaves per call.
 
 Bytes are counted as they are written or read, a chunk file or a slab at a
 time, so that one large leaf moves the bar in steps instead of from 0 to 100%
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 from ._errors import CheckpointTypeError
@@ -75,6 +77,16 @@ class Tracker:
                 self._called_at = self.bytes_done
         if call and self._callback is not None:
             self._callback(*counts)
+
+    def count_leaves(self, sizes: Sequence[int]) -> None:
+        """Report leaves done, of `sizes` bytes each (0 for a leaf whose bytes
+        were reported within it), a few at a time: at most 1 / `PARTIAL_STEPS`
+        of the job's leaves per call. The leaves of a pack land together, and
+        "n of N" still counts up from 1 instead of jumping to all of them."""
+        step = max(1, self.leaves_total // PARTIAL_STEPS)
+        for i in range(0, len(sizes), step):
+            part = sizes[i : i + step]
+            self.advance(leaves=len(part), nbytes=sum(part))
 
     def within(self, nbytes: int) -> _Within:
         """A function that reports bytes done within one leaf of `nbytes` (a chunk

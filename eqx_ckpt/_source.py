@@ -90,9 +90,16 @@ def open_source(path: Any) -> Source:
             found = find(loc)
             if found is not None:
                 return _foreign(loc, found)
+        held = _what_is_there(loc)
+        if held:
+            # What it is and what to do, nothing else: the note on interrupted
+            # saves sent users looking for one beside a `pytorch_model.bin`.
+            raise CheckpointNotFoundError(
+                f"{loc.display!r} is not a checkpoint eqx_ckpt reads.{held}", path=loc.display
+            ) from None
         raise CheckpointNotFoundError(
             f"{e} Nor is it another format eqx_ckpt reads: no `{_safetensors.INDEX}`, `{_safetensors.SINGLE}` "
-            f"or orbax `{_orbax.METADATA}` there either (see docs/interop.md).{_what_is_there(loc)}",
+            f"or orbax `{_orbax.METADATA}` there either (see docs/interop.md).",
             path=loc.display,
         ) from None
     data = _layout.data_location(loc, manifest.data_root, manifest.layout)

@@ -60,39 +60,74 @@ def check_leaf_files(loc: Location, record: LeafRecord) -> None:
     if loc.local is None:
         return
     found = refuse_links(loc, record.directory, leaf=record.path, subtree=True)
-    if found < record.nbytes:
-        raise stored_leaf_error(
-            IntegrityError,
-            f"it is damaged or incomplete: the manifest gives it shape {list(record.stored_shape)} "
-            f"({record.nbytes} bytes), but its folder holds only {found} bytes, so chunk files are missing or "
-            f"the manifest is wrong. Nothing was read.",
-            dotted=record.path,
-            path=loc.display,
-            fix="If the checkpoint was overwritten or deleted while this read ran, read it again; otherwise "
-            "restore it from a good copy, or run `eqx-ckpt verify` to list every damaged leaf.",
-        )
+    if found >= record.nbytes:
+        return
+    why = first_wrong_chunk_file(loc, record.directory, record.stored_shape, record.chunks, record.chunk_nbytes)
+    raise stored_leaf_error(
+        IntegrityError,
+        f"it is damaged or incomplete: {why or _short(record.nbytes, found)}. Nothing was read.",
+        dotted=record.path,
+        path=loc.display,
+        fix=_DAMAGED_FIX,
+    )
 
 
 def check_pack_files(loc: Location, pack: PackRecord, *, leaf: str | None = None) -> None:
-    """Before a local pack is opened: no links, and enough bytes on disk.
-    `leaf` names the leaf being read, if one is."""
+    """Before a local pack is opened: no links, and every chunk file there,
+    of one full chunk and its checksum (a pack has few). `leaf` names the leaf
+    being read, if one is."""
     if loc.local is None:
         return
-    found = refuse_links(loc, pack.name, leaf=leaf, subtree=True)
-    nbytes = pack.size * dtype_from_name(pack.dtype).itemsize
-    if found >= nbytes:
+    refuse_links(loc, pack.name, leaf=leaf, subtree=True)
+    chunk_nbytes = pack.chunk * dtype_from_name(pack.dtype).itemsize
+    why = first_wrong_chunk_file(loc, pack.name, (pack.size,), (pack.chunk,), chunk_nbytes)
+    if why is None:
         return
-    what = (
-        f"the pack {pack.name!r} (the small leaves of dtype {pack.dtype}) is damaged or incomplete: the manifest "
-        f"gives it {nbytes} bytes, but its folder holds only {found}. Nothing was read."
-    )
-    fix = (
-        "If the checkpoint was overwritten or deleted while this read ran, read it again; otherwise restore it "
-        "from a good copy, or run `eqx-ckpt verify` to list every damaged leaf."
-    )
+    # Worded as `verify` words it, with the leaf's own words around it.
     if leaf is not None:
-        raise stored_leaf_error(IntegrityError, f"it is in {what}", dotted=leaf, path=loc.display, fix=fix)
-    raise CorruptCheckpointError(f"In checkpoint {loc.display!r}, {what} {fix}", path=loc.display)
+        what = f"its pack {pack.name!r} is damaged: {why}. Nothing was read."
+        raise stored_leaf_error(IntegrityError, what, dotted=leaf, path=loc.display, fix=_DAMAGED_FIX)
+    raise CorruptCheckpointError(
+        f"In checkpoint {loc.display!r}, the pack {pack.name!r} (the small leaves of dtype {pack.dtype}) is "
+        f"damaged: {why}. Nothing was read. {_DAMAGED_FIX}",
+        path=loc.display,
+    )
+
+
+_DAMAGED_FIX = (
+    "If the checkpoint was overwritten or deleted while this read ran, read it again; otherwise restore it "
+    "from a good copy, or run `eqx-ckpt verify` to list every damaged leaf."
+)
+
+
+def wrong_chunk_file(name: str, size: int | None, expected: int) -> str:
+    """A chunk file that is not the size a save writes (`None`: missing), in the
+    words a load and `verify` both use."""
+    if size is None:
+        return f"its chunk file {name!r} is missing"
+    return f"its chunk file {name!r} is {size} bytes, not {expected}"
+
+
+def first_wrong_chunk_file(
+    loc: Location, directory: str, shape: tuple[int, ...], chunks: tuple[int, ...], chunk_nbytes: int
+) -> str | None:
+    """The first chunk file of the array in `directory` that is missing or not
+    one full chunk and its checksum (`wrong_chunk_file`), or `None`. Stops at
+    the first, so a hostile manifest's absurd shape costs one missing file."""
+    expected = chunk_nbytes + _format.CHECKSUM_BYTES
+    for key in _format.chunk_keys(shape, chunks):
+        try:
+            size: int | None = os.stat(os.path.join(loc.local or "", directory, key), follow_symlinks=False).st_size
+        except FileNotFoundError:
+            size = None
+        if size != expected:
+            return wrong_chunk_file(f"{directory}/{key}", size, expected)
+    return None
+
+
+def _short(nbytes: int, found: int) -> str:
+    """Where no chunk file is amiss (its files changed while they were checked)."""
+    return f"the manifest gives it {nbytes} bytes, but its folder holds only {found} bytes"
 
 
 def _scan(loc: Location, directory: str, leaf: str | None) -> int:

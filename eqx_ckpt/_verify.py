@@ -24,6 +24,7 @@ from . import (
     _share,
     _storage,
     _storage_errors,
+    _untrusted,
     _verify_sources,
 )
 from ._errors import CheckpointError, CheckpointNotFoundError, CheckpointStorageError, CorruptCheckpointError
@@ -232,7 +233,8 @@ def _check_packs(data: Location, manifest: Manifest, tracker: Tracker) -> dict[s
     for pack in manifest.packs:
         members = sorted((manifest.leaves[i] for i in groups.get(pack.name, [])), key=lambda r: r.offset)
         problem = _check_metadata(data, pack.name, (pack.size,), pack.dtype, (pack.chunk,))
-        problem = problem or _check_file_sizes(data, pack.name, pack.chunk * dtype_from_name(pack.dtype).itemsize)
+        chunk_nbytes = pack.chunk * dtype_from_name(pack.dtype).itemsize
+        problem = problem or _check_file_sizes(data, pack.name, (pack.size,), (pack.chunk,), chunk_nbytes)
         damaged: dict[int, str] = {}
         if problem is None:
             try:
@@ -248,7 +250,7 @@ def _check_packs(data: Location, manifest: Manifest, tracker: Tracker) -> dict[s
             why = problem or next((damaged[k] for k in chunks if k in damaged), None)
             if why is not None:
                 bad[record.path] = Problem(record.path, f"its pack {pack.name!r} is damaged: {why}")
-        tracker.advance(leaves=len(members), nbytes=sum(r.nbytes for r in members))
+        tracker.count_leaves([r.nbytes for r in members])
     return bad
 
 
@@ -301,27 +303,32 @@ def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -
     _chunk_scan.scan_leaves(records, stores, bad, failed, tracker)
     for record in records:
         if record.path not in bad:
-            why = _check_file_sizes(data, record.directory, record.chunk_nbytes)
+            why = _check_file_sizes(data, record.directory, record.stored_shape, record.chunks, record.chunk_nbytes)
             if why is not None:
                 bad[record.path] = Problem(record.path, why)
     return bad
 
 
-def _check_file_sizes(data: Location, directory: str, chunk_nbytes: int) -> str | None:
-    """Every chunk file holds exactly one full chunk and its 4-byte checksum.
+def _check_file_sizes(
+    data: Location, directory: str, shape: tuple[int, ...], chunks: tuple[int, ...], chunk_nbytes: int
+) -> str | None:
+    """Every chunk file is there and holds exactly one full chunk and its
+    4-byte checksum, worded as a load words it (`_untrusted.wrong_chunk_file`).
 
     TensorStore ignores bytes appended after the checksum, so reads alone would
     not notice them. Only local folders can be listed this cheaply."""
     if data.local is None:
         return None
+    why = _untrusted.first_wrong_chunk_file(data, directory, shape, chunks, chunk_nbytes)
+    if why is not None:
+        return why + "."
     folder = os.path.join(data.local, directory, "c")
-    expected = chunk_nbytes + 4
+    expected = chunk_nbytes + _format.CHECKSUM_BYTES
     files = [folder] if os.path.isfile(folder) else [os.path.join(r, f) for r, _, fs in os.walk(folder) for f in fs]
     for file in files:
         size = os.path.getsize(file)
         if size != expected:
-            name = os.path.relpath(file, data.local)
-            return f"its chunk file {name!r} is {size} bytes, not {expected}."
+            return _untrusted.wrong_chunk_file(os.path.relpath(file, data.local), size, expected) + "."
     return None
 
 

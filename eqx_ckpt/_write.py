@@ -84,7 +84,10 @@ _FREE_STEP = 256
 
 
 # (leaves, bytes, futures) of the writes `start_writes` leaves running, in order.
-Writing = list[tuple[int, int, list[Any]]]
+# What `follow` reports as each future of a write finishes, in order: bytes
+# done within a leaf, and the sizes of the leaves done (`Tracker.count_leaves`).
+Steps = list[tuple[int, list[int]]]
+Writing = list[tuple[list[Any], Steps]]
 
 
 def start_writes(
@@ -174,17 +177,36 @@ def _start_local(
             folder = base.leaf_folder(own[i].record) if base is not None else None
             futures = _local_write.start_write(data, own[i].record, own[i].pieces[0][1], folder)
             out.extend(futures)
-            direct.append((1, own[i].record.nbytes, futures))
+            direct.append((futures, _leaf_steps(own[i].record.nbytes, len(futures))))
         for pack, members in batch.packs if packs else []:
             views = [p.pieces[0][1] for p in members]
             folder = base.pack_folder(pack) if base is not None else None
             futures = _local_write.start_pack(data, pack, [p.record for p in members], views, folder)
             out.extend(futures)
-            direct.append((len(members), sum(view.nbytes for view in views), futures))
+            steps = _pack_steps(pack, [p.record for p in members], [view.nbytes for view in views], len(futures))
+            direct.append((futures, steps))
 
     if fast or (packs and batch.packs):
         _interrupts.uninterrupted(start)
     return direct
+
+
+def _leaf_steps(nbytes: int, files: int) -> Steps:
+    """A leaf written in `files` chunk files: its bytes in equal shares as
+    each lands, the leaf done with the last."""
+    n = max(files, 1)
+    return [(nbytes * (k + 1) // n - nbytes * k // n, [0] if k == n - 1 else []) for k in range(n)]
+
+
+def _pack_steps(pack: PackRecord, records: Sequence[LeafRecord], sizes: list[int], files: int) -> Steps:
+    """A pack written in `files` chunk files, in order: each member (of
+    `sizes` bytes) done once the file holding its last element has landed."""
+    n = max(files, 1)
+    ends = np.fromiter((r.offset + r.size for r in records), np.int64, len(records))
+    # Members are in offset order, so the members each file completes are a run.
+    last = np.minimum(np.maximum(ends - 1, 0) // pack.chunk, n - 1)
+    stops = np.searchsorted(last, np.arange(n), "right").tolist()
+    return [(0, sizes[start:stop]) for start, stop in zip([0, *stops[:-1]], stops)]
 
 
 def _start_tensorstore(
@@ -199,7 +221,7 @@ def _start_tensorstore(
     # of it keeps its buffer alive through `delete()` and donation; the caller's
     # NumPy arrays were copied before an asynchronous save returned.)
     own = batch.own
-    transaction, writes, counts = _storage.transaction(), [], []
+    transaction, writes, steps = _storage.transaction(), [], []
     try:
         for n, (p, opened) in enumerate(zip(own, opens[: len(own)], strict=True)):
             if n in skip:
@@ -208,21 +230,22 @@ def _start_tensorstore(
             for i, (index, piece) in enumerate(p.pieces):
                 target = store[index] if index else store
                 writes.append(target.write(piece, can_reference_source_data_indefinitely=True))
-                counts.append((int(i == len(p.pieces) - 1), piece.nbytes))
+                steps.append((piece.nbytes, [0] if i == len(p.pieces) - 1 else []))
         for (pack, members), opened in zip(batch.packs if not local_packs else [], opens[len(own) :]):
             views = [p.pieces[0][1] for p in members]
             contents = _pack_contents(pack, [p.record for p in members], views)
             store = opened.result().with_transaction(transaction)
             writes.append(store.write(contents, can_reference_source_data_indefinitely=True))
-            counts.append((len(members), sum(view.nbytes for view in views)))
+            steps.append((0, [view.nbytes for view in views]))
         # Waited in order, so that progress is reported from this thread as writes complete.
         if tracker is not None:
-            tracker.advance(leaves=sum(1 for p in own if not p.pieces))
+            tracker.count_leaves([0 for p in own if not p.pieces])
         staged = None
-        for write, (leaves, nbytes) in zip(writes, counts):
+        for write, (nbytes, leaves) in zip(writes, steps):
             staged = staged or attempt(write.result)
             if staged is None and tracker is not None:
-                tracker.advance(leaves=leaves, nbytes=nbytes)
+                tracker.advance(nbytes=nbytes)
+                tracker.count_leaves(leaves)
     except BaseException:
         transaction.abort()  # nothing staged was written out
         settle([*opens, *writes])
@@ -246,14 +269,12 @@ def follow(writing: Writing, tracker: Tracker) -> None:
     file is written (a large leaf moves in steps), its leaves with the last.
     A failed write is reported by the caller's wait for `start_writes`'s
     futures; here only progress."""
-    for leaves, nbytes, futures in writing:
-        n = len(futures)
-        for k, future in enumerate(futures):
-            if attempt(future.result) is not None:
+    for futures, steps in writing:
+        for k, (nbytes, leaves) in enumerate(steps):
+            if k < len(futures) and attempt(futures[k].result) is not None:
                 break
-            tracker.advance(leaves=leaves if k == n - 1 else 0, nbytes=nbytes * (k + 1) // n - nbytes * k // n)
-        if not futures:
-            tracker.advance(leaves=leaves, nbytes=nbytes)
+            tracker.advance(nbytes=nbytes)
+            tracker.count_leaves(leaves)
 
 
 def copy_numpy_leaves(pending: list[Pending]) -> None:

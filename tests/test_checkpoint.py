@@ -147,11 +147,20 @@ def test_print_shows_the_nested_structure(tmp_path):
 
 
 def test_print_of_a_large_checkpoint_is_cut_short(tmp_path):
+    """One list of 500 leaves: its first leaves, how many more, and the totals."""
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": [np.zeros(1) for _ in range(500)]}, layout="ocdbt")
-    text = str(eqx_ckpt.Checkpoint(tmp_path))
-    assert len(text.splitlines()) < 70
-    assert "... and 441 more leaves (`Checkpoint(path).listing()` shows them all)" in text
-    assert text.endswith("500 leaves, 3.9 KiB")
+    lines = str(eqx_ckpt.Checkpoint(tmp_path)).splitlines()
+    assert lines[1:] == [
+        "w/",
+        "  0  float64[1]         8 B",
+        "  1  float64[1]         8 B",
+        "  2  float64[1]         8 B",
+        "  3  float64[1]         8 B",
+        "  4  float64[1]         8 B",
+        "  ... and 495 more",
+        "... 495 leaves not listed one by one (`Checkpoint(path).listing()` lists them all)",
+        "500 leaves, 3.9 KiB",
+    ]
     assert len(eqx_ckpt.Checkpoint(tmp_path).listing().splitlines()) == 502
 
 
@@ -267,11 +276,50 @@ def test_printing_a_large_checkpoint_summarises_every_top_level_entry_first(tmp_
     }
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
     lines = str(eqx_ckpt.Checkpoint(tmp_path / "ckpt")).splitlines()
-    assert lines[1].split() == ["big/", "3000", "leaves", "35.2", "KiB"]
-    assert lines[2].split() == ["model/", "2", "leaves", "80", "B"]
-    assert lines[3].split() == ["step", "int64[]", "8", "B"]
-    assert lines[4] == "first 60 lines:" and lines[-1] == "3003 leaves, 35.2 KiB"
-    assert lines[-2].startswith("... and 2944 more leaves")
-    # A checkpoint that fits is listed as before, without the summary.
+    assert [line.split()[:2] for line in lines[1:13]] == [
+        ["big/"], ["k0", "float32[3]"], ["k1", "float32[3]"], ["k2", "float32[3]"], ["k3", "float32[3]"],
+        ["k4", "float32[3]"], ["...", "and"], ["model/"], ["b", "float32[4]"], ["w", "float32[4,4]"],
+        ["step", "int64[]"], ["...", "2995"],
+    ]  # fmt: skip
+    assert lines[-1] == "3003 leaves, 35.2 KiB"
+    # A checkpoint that fits is listed whole, without a summary.
     eqx_ckpt.tree_serialise_leaves(tmp_path / "small", {"model": tree["model"], "step": 7})
-    assert "first" not in str(eqx_ckpt.Checkpoint(tmp_path / "small"))
+    assert "..." not in str(eqx_ckpt.Checkpoint(tmp_path / "small"))
+
+
+def test_printing_shows_a_model_layer_by_layer_whatever_sits_beside_it(tmp_path):
+    """Sub-trees open breadth first within the 60 lines: an MLP beside 3,000
+    leaves shows every layer's leaves (it showed as "4 leaves"), the large
+    sibling shows its first keys in natural order (`k2` before `k10`), and a
+    sub-tree that cannot open at all is one line with its count and bytes."""
+    model = eqx.nn.MLP(4, 2, 16, 3, key=jax.random.key(0))
+    deep = {f"block{i}": {f"w{j}": np.zeros(2, np.float32) for j in range(30)} for i in range(3)}
+    big = {f"k{i}": np.zeros(3, np.float32) for i in range(3000)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"big": big, "deep": deep, "model": model})
+    lines = str(eqx_ckpt.Checkpoint(tmp_path)).splitlines()
+    assert len(lines) <= 1 + 60 + 2
+    names = [line.split()[0] for line in lines[1:]]
+    model_at = names.index("model/")
+    assert names[model_at : model_at + 14] == [
+        "model/", "layers/", "0/", "bias", "weight", "1/", "bias", "weight",
+        "2/", "bias", "weight", "3/", "bias", "weight",
+    ]  # fmt: skip
+    assert lines[1 + model_at + 4].split()[1] == "float32[16,4]"
+    assert names[:7] == ["big/", "k0", "k1", "k2", "k3", "k4", "..."]
+    # Of `deep`'s three blocks of 30, one opens whole within the 60 lines, the
+    # next shows the lines left of it, the last is one line.
+    deep_at = 1 + names.index("deep/")
+    assert lines[deep_at + 1 : deep_at + 3] == ["  block0/", "    w0        float32[2]             8 B"]
+    assert lines[deep_at + 32 : deep_at + 39] == [
+        "  block1/",
+        "    w0        float32[2]             8 B",
+        "    w1        float32[2]             8 B",
+        "    w2        float32[2]             8 B",
+        "    w3        float32[2]             8 B",
+        "    ... and 26 more",
+        "  block2/     30 leaves            240 B",
+    ]
+    assert lines[-2] == "... 3051 leaves not listed one by one (`Checkpoint(path).listing()` lists them all)"
+    # `listing()` lists every leaf, `k2` before `k10`.
+    full = [line.split()[0] for line in eqx_ckpt.Checkpoint(tmp_path).listing().splitlines()]
+    assert full[1:12] == ["k0", "k1", "k2", "k3", "k4", "k5", "k6", "k7", "k8", "k9", "k10"]

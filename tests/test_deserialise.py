@@ -587,9 +587,28 @@ def _orbax_items(tmp_path):
 )
 def test_a_path_holding_no_format_eqx_ckpt_reads_says_what_it_holds(tmp_path, make, said):
     """Each said only "no manifest.json ... a save that was interrupted leaves no
-    checkpoint", which sent users looking for an interrupted save."""
+    checkpoint", which sent users looking for an interrupted save; then it said
+    that before what it holds. It says only what it is and what to do."""
     path = make(tmp_path)
-    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(said)):
-        eqx_ckpt.tree_deserialise_leaves(path, {"w": np.ones(3, np.float32)})
-    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(said)):
-        eqx_ckpt.Checkpoint(path)
+    whole = re.escape(f"{str(path)!r} is not a checkpoint eqx_ckpt reads. {said}")
+    for call in (
+        lambda: eqx_ckpt.tree_deserialise_leaves(path, {"w": np.ones(3, np.float32)}),
+        lambda: eqx_ckpt.Checkpoint(path),
+        lambda: eqx_ckpt.verify(path),
+    ):
+        with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match="^" + whole) as caught:
+            call()
+        assert "interrupted" not in str(caught.value) and "manifest.json" not in str(caught.value)
+
+
+def test_an_empty_directory_says_no_checkpoint_is_there_and_why_there_may_be_none(tmp_path):
+    """Where nothing there is recognised, the message names what is missing,
+    and that an interrupted save leaves no checkpoint."""
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError) as caught:
+        eqx_ckpt.Checkpoint(tmp_path)
+    assert str(caught.value) == (
+        f"There is no eqx_ckpt checkpoint at {str(tmp_path)!r} (no manifest.json). Check the path; a save that "
+        f"was interrupted leaves no checkpoint. Nor is it another format eqx_ckpt reads: no "
+        f"`model.safetensors.index.json`, `model.safetensors` or orbax `_METADATA` there either (see "
+        f"docs/interop.md)."
+    )

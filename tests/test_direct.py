@@ -147,15 +147,18 @@ def _edit(chunk: pathlib.Path, edit):
 @pytest.mark.parametrize(
     "damage, words",
     [
-        (lambda c: c.unlink(), ["'c/3/0'", "missing"]),
-        (lambda c: _edit(c, lambda d: d.pop()), ["'c/3/0'", "holds"]),
-        (lambda c: _edit(c, lambda d: d.append(0)), ["'c/3/0'", "holds"]),
-        (lambda c: c.write_bytes(b""), ["'c/3/0'", "holds 0 bytes"]),
-        (lambda c: _edit(c, lambda d: d.__setitem__(5, d[5] ^ 0x10)), ["'c/3/0'", "checksum"]),
-        (lambda c: _edit(c, lambda d: d.__setitem__(-1, d[-1] ^ 0x01)), ["'c/3/0'", "checksum"]),
-        (lambda c: _edit(c, lambda d: d.__setitem__(-6, d[-6] ^ 0x01)), ["'c/3/0'", "checksum"]),  # edge padding
-        (lambda c: (c.unlink(), c.mkdir()), ["'c/3/0'", "not a regular file"]),
-        (lambda c: (c.unlink(), os.mkfifo(c)), ["'c/3/0'", "not a regular file"]),
+        (lambda c: c.unlink(), ["'model/w/c/3/0'", "missing"]),
+        (lambda c: _edit(c, lambda d: d.pop()), ["'model/w/c/3/0'", "bytes, not"]),
+        (lambda c: _edit(c, lambda d: d.append(0)), ["'model/w/c/3/0'", "bytes, not"]),
+        (lambda c: c.write_bytes(b""), ["'model/w/c/3/0'", "is 0 bytes, not"]),
+        (lambda c: _edit(c, lambda d: d.__setitem__(5, d[5] ^ 0x10)), ["'model/w/c/3/0'", "checksum"]),
+        (lambda c: _edit(c, lambda d: d.__setitem__(-1, d[-1] ^ 0x01)), ["'model/w/c/3/0'", "checksum"]),
+        (
+            lambda c: _edit(c, lambda d: d.__setitem__(-6, d[-6] ^ 0x01)),
+            ["'model/w/c/3/0'", "checksum"],
+        ),  # edge padding
+        (lambda c: (c.unlink(), c.mkdir()), ["'model/w/c/3/0'", "not a regular file"]),
+        (lambda c: (c.unlink(), os.mkfifo(c)), ["'model/w/c/3/0'", "not a regular file"]),
     ],
     ids=["missing", "shorter", "longer", "empty", "data", "checksum", "padding", "folder", "fifo"],
 )
@@ -174,7 +177,7 @@ def test_every_piece_and_step_is_checked(tmp_path, small, position):
     record = ckpt.record("model.w")
     assert record.chunks == (255, 1) and record.chunk_nbytes == 1020
     _edit(pathlib.Path(data.local, record.directory, "c", "1", "0"), lambda d: d.__setitem__(position, d[position] ^ 4))
-    _refused(data, record, "'c/1/0'", "fails its crc32c checksum")
+    _refused(data, record, "'model/w/c/1/0'", "fails its crc32c checksum")
 
 
 def test_file_shrinking_during_the_read(tmp_path, small, faults):
@@ -188,7 +191,7 @@ def test_file_shrinking_during_the_read(tmp_path, small, faults):
             os.truncate(chunk, 100)
 
     faults("local_read.read", racing)
-    _refused(data, record, "'c/1/0'", "holds 100 bytes")
+    _refused(data, record, "'model/w/c/1/0'", "is 100 bytes, not")
 
 
 @given(st.binary(max_size=3000), st.binary(max_size=3000), st.binary(max_size=300))
@@ -220,9 +223,9 @@ def test_absurd_shape_allocates_nothing(tmp_path, small, monkeypatch):
     allocated = []
     monkeypatch.setattr(_memory.mmap, "mmap", lambda *a, **k: allocated.append(a))
     hostile = dataclasses.replace(record, stored_shape=(10**15, 3), shape=(10**15, 3))
-    _refused(data, hostile, "'c/4/0'", "missing")
+    _refused(data, hostile, "'model/w/c/4/0'", "missing")
     bigger = dataclasses.replace(record, stored_shape=(10**15, 3), shape=(10**15, 3), chunks=(10**14, 3))
-    _refused(data, bigger, "'c/0/0'", "holds")
+    _refused(data, bigger, "'model/w/c/0/0'", "bytes, not")
     assert allocated == []
 
 

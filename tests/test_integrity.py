@@ -159,6 +159,29 @@ def test_truncated_chunk(tmp_path, keep):
 
 
 @per_leaf
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_a_leafs_resized_or_missing_chunk_file_is_worded_alike_by_verify_and_a_load(tmp_path, damage):
+    """A load and `verify` name the chunk file and its size in the same words
+    (`its chunk file 'a/c/0' is 100 bytes, not 4004`), also through
+    TensorStore's reader (`Checkpoint[...]`)."""
+    _save(tmp_path)
+    chunk = _chunk_files(tmp_path, "a")[0]
+    expected = chunk.stat().st_size
+    if damage == "truncated":
+        chunk.write_bytes(chunk.read_bytes()[:100])
+    else:
+        chunk.unlink()
+    said = "is missing" if damage == "deleted" else f"is 100 bytes, not {expected}"
+    said = f"it is damaged or incomplete: its chunk file 'a/c/0' {said}. Nothing was"
+    problems = eqx_ckpt.verify(tmp_path)
+    assert [p.leaf for p in problems] == ["a"] and said in problems[0].message, problems
+    with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape(f"Leaf `a` in checkpoint {str(tmp_path)!r}: {said}")):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, _like())
+    with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape(said)):
+        np.asarray(eqx_ckpt.Checkpoint(tmp_path)["a"])
+
+
+@per_leaf
 @pytest.mark.parametrize("leaf", ["a", "step", "sharded"])
 def test_deleted_chunk_is_not_read_as_fill_values(tmp_path, leaf):
     _save(tmp_path)

@@ -195,6 +195,15 @@ def test_sort_key_orders_numbers_by_value():
     assert sorted(paths, key=_keypath.sort_key) == ["a.%i-3", "a.1", "a.1.c", "a.2", "a.10", "a.x", "b"]
 
 
+def test_sort_key_orders_numbered_names_naturally():
+    """`k2` before `k10`, also with several runs of digits and leading zeros; a
+    run too long for `int()` still sorts."""
+    paths = ["k10", "k2", "k1x10", "k1x9", "k", "k02", "kb", "v1", f"k{'9' * 5000}", "k100"]
+    assert sorted(paths, key=_keypath.sort_key) == [
+        "k", "k1x9", "k1x10", "k02", "k2", "k10", "k100", f"k{'9' * 5000}", "kb", "v1"
+    ]  # fmt: skip
+
+
 # Naming a tree from its structure (`_tree.flatten_named`) must give exactly
 # what naming it from its key paths gives.
 

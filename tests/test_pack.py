@@ -6,6 +6,7 @@ pack records, and checkpoints written before packing."""
 import json
 import os
 import pathlib
+import re
 
 import equinox as eqx
 import jax
@@ -174,9 +175,20 @@ def test_a_missing_or_resized_pack_chunk_is_found(tmp_path, damage):
         chunk.write_bytes(chunk.read_bytes() + b"\0")
     problems = eqx_ckpt.verify(tmp_path)
     assert "l0000" in [p.leaf for p in problems]
+    expected = (tmp_path / "packed.float32" / "c" / "1").stat().st_size
+    size = "missing" if damage == "deleted" else f"{chunk.stat().st_size} bytes, not {expected}"
+    # One wording for `verify` and a load (the load's once read "it is in the pack ... is
+    # damaged or incomplete: ... its folder holds only 386", a size nobody could find).
+    said = f"its pack 'packed.float32' is damaged: its chunk file 'packed.float32/c/0' is {size}."
+    assert problems[0].message == said, problems[0]
     if damage != "appended":  # bytes after the checksum change no value; verify alone reports them
-        with pytest.raises(eqx_ckpt.IntegrityError, match="l0000"):
+        with pytest.raises(
+            eqx_ckpt.IntegrityError,
+            match=re.escape(f"Leaf `l0000` in checkpoint {str(tmp_path)!r}: {said} Nothing was read."),
+        ):
             eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
+        with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape(said)):
+            eqx_ckpt.Checkpoint(tmp_path)["l0001"][...]
 
 
 def _rewrite(path: pathlib.Path, edit) -> None:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import termios
 import threading
+import time
 
 import equinox as eqx
 import jax
@@ -21,7 +22,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_ckpt
-from eqx_ckpt import _format, _progress, _read, _window
+from eqx_ckpt import _format, _progress, _read, _records, _window
 from eqx_ckpt._cli import main
 
 
@@ -128,6 +129,56 @@ def test_a_large_leaf_moves_in_steps(tmp_path, monkeypatch, request, store):
     assert out["w"].sharding == sharding and np.array_equal(np.asarray(out["w"]), tree["w"])
     placed.check(1, total)
     assert _steps_within(placed, total) == [total // 4, total // 2, 3 * total // 4], placed
+
+
+@pytest.mark.parametrize("store", ["local", "memory"])
+def test_packed_leaves_count_up_from_one(tmp_path, request, store):
+    """Issue 51: the first call of a save of 20 small leaves reported 18 of 20
+    (every leaf of a pack at once). The leaves of a pack land together and are
+    counted a few at a time: "n of N" starts near 1, grows by small steps and
+    ends at N, in a save (eqx_ckpt's own writes on a local disk, TensorStore's
+    elsewhere), a load and a verify."""
+    tree = {f"l{i}": np.full(4, i, np.float32) if i % 3 else np.full(5, i, np.int32) for i in range(20)}
+    path = str(tmp_path) if store == "local" else f"memory://progress/{request.node.name}/"
+    nbytes = sum(x.nbytes for x in tree.values())
+    saved, loaded = Calls(), Calls()
+    eqx_ckpt.tree_serialise_leaves(path, tree, progress=saved)
+    assert {eqx_ckpt.Checkpoint(path).record(key).pack is not None for key in tree} == {True}
+    out = eqx_ckpt.tree_deserialise_leaves(path, tree, progress=loaded)
+    assert eqx.tree_equal(out, tree, typematch=True)
+    jobs = [saved, loaded]
+    if store == "local":
+        verified = Calls()
+        assert eqx_ckpt.verify(path, progress=verified) == []
+        jobs.append(verified)
+    for calls in jobs:
+        calls.check(20, nbytes)
+        assert [c[0] for c in calls] == list(range(1, 21)), calls
+
+
+def test_packed_leaves_count_as_their_chunk_files_land(tmp_path, monkeypatch, faults):
+    """A pack of several chunk files: while its second file is held back, the
+    leaves of the first are already counted, the others not yet."""
+    # Leaves of 64 bytes (packed on 64-byte boundaries), files of 256: 4 leaves a file.
+    monkeypatch.setattr(_records, "PACK_CHUNK_BYTES", 256)
+    tree = {f"l{i}": np.full(16, i, np.float32) for i in range(20)}
+    calls = Calls()
+    seen = []
+
+    def hold_back(directory, key):
+        if directory.startswith("packed.") and key == "c/1":
+            deadline = time.monotonic() + 30
+            while not (calls and calls[-1][0] >= 4) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.1)  # time for any count the held-back file must stop
+            seen.append(calls[-1][0] if calls else 0)
+
+    faults("local_write.chunk", hold_back)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree, progress=calls)
+    pack = eqx_ckpt.Checkpoint(tmp_path).record("l0").pack
+    assert pack is not None and pack.size >= 5 * pack.chunk
+    assert seen == [4], (seen, calls)
+    calls.check(20, 20 * 64)
 
 
 def test_bytes_within_leaves_reach_a_callback_in_steps(monkeypatch):

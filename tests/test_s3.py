@@ -1,6 +1,7 @@
 """Checkpoints on an S3-compatible object store (moto, started on 127.0.0.1)."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -39,7 +40,8 @@ def _tree(step):
     }
 
 
-def test_url_and_spec_name_the_same_store():
+def test_url_and_spec_name_the_same_store(monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)  # (which adds `aws_credentials`: below)
     url = location("s3://eqx-ckpt-test/runs/a")
     spec = location({"driver": "s3", "bucket": "eqx-ckpt-test", "path": "runs/a", "endpoint": "http://127.0.0.1:9"})
     assert url.kvstore == {"driver": "s3", "bucket": "eqx-ckpt-test", "path": "runs/a/"}
@@ -47,6 +49,44 @@ def test_url_and_spec_name_the_same_store():
     assert spec.display == "s3://eqx-ckpt-test/runs/a" and spec.local is None
     with pytest.raises(eqx_ckpt.CheckpointTypeError, match="not a kvstore spec TensorStore understands"):
         location({"driver": "s3"})
+
+
+_NO_SDK_NOISE = """
+import sys
+import eqx_ckpt
+try:
+    eqx_ckpt.Checkpoint(sys.argv[1])
+except eqx_ckpt.CheckpointConnectionError as e:
+    print(e)
+"""
+
+
+def test_keys_in_the_environment_are_used_without_the_sdks_errors_on_stderr(tmp_path, monkeypatch):
+    """With the access keys in the environment and no `~/.aws` files, the AWS
+    SDK's default chain printed five lines of its own errors (no config file,
+    no credentials file) before eqx_ckpt's message. The keys are named as the
+    credentials to use, so nothing but that message comes out."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("AWS_")}
+    env.update(
+        HOME=str(tmp_path),  # no ~/.aws there
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_ENDPOINT_URL=http_server.refused_url("").rstrip("/"),
+    )
+    url = "s3://eqx-ckpt-test/run/ckpt"
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_SDK_NOISE, url], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
+    assert done.stdout.startswith(f"Cannot reach {url!r}: "), (done.stdout, done.stderr)
+    assert done.stderr == "", done.stderr
+    # Only with both keys set, and a spec's own choice stays.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    assert location(url).kvstore["aws_credentials"] == {"type": "environment"}
+    own = location({"driver": "s3", "bucket": "eqx-ckpt-test", "aws_credentials": {"type": "anonymous"}})
+    assert own.kvstore["aws_credentials"] == {"type": "anonymous"}
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    assert "aws_credentials" not in location(url).kvstore
 
 
 def test_save_load_overwrite(s3, store):
