@@ -81,6 +81,11 @@ The points, with where they fire and the arguments they pass:
 - `share.link` `(source, path)`: an incremental save is about to make chunk
   file `path` a hard link to `source`, the same bytes in the checkpoint it
   follows (`_share`).
+- `share.written` `(path)`: the chunk file `path`, just written, is recorded
+  with the xxh3-128 of its data bytes, so that a next save sharing it need
+  not read it back (`_share`): every chunk file a `CheckpointManager` step
+  writes, and one a plain overwrite compared; none of a plain save with no
+  base.
 - `local_read.check_files` `(directory)`: a load checks the folder and chunk
   files of array `directory` (in a thread of its own for a whole leaf).
 - `local_read.start_reads` `(path, keys)`: the reads of those chunk files are
@@ -139,6 +144,7 @@ POINTS = frozenset(
         "local_write.unbuffered",
         "share.verify",
         "share.link",
+        "share.written",
         "local_read.check_files",
         "local_read.start_reads",
         "local_read.read",

@@ -77,12 +77,14 @@ def eligible(record: LeafRecord, pieces: Sequence[tuple[tuple[slice, ...], Any]]
 
 
 def start_write(
-    loc: Location, record: LeafRecord, piece: Any, base: str | None = None
+    loc: Location, record: LeafRecord, piece: Any, base: str | None = None, *, remember: bool = False
 ) -> list[concurrent.futures.Future[None]]:
     """Start writing every chunk file of one leaf (its `zarr.json` exists);
     `piece` is its stored array. One future per chunk file. `base`: the folder
     of the same leaf in the checkpoint this save follows, whose chunk files
-    are shared where they hold the same bytes (`_share`)."""
+    are shared where they hold the same bytes (`_share`). `remember`: a later
+    save will follow this one; every file written is recorded with the
+    xxh3-128 of its data bytes (`_share.written`), so it need not read it back."""
     data = _bytes_of(piece, record.stored_dtype)
     shape, keys = record.stored_shape, list(_format.chunk_keys(record.stored_shape, record.chunks))
     # A chunk is `chunks[0]` rows of the array (the whole array for a scalar).
@@ -90,7 +92,7 @@ def start_write(
     jobs: list[tuple[str, Callable[[], list[Any]]]] = [
         (key, functools.partial(_rows, data, i * size, size)) for i, key in enumerate(keys)
     ]
-    return _start(loc, record.directory, f"leaf `{record.path}`", jobs, base)
+    return _start(loc, record.directory, f"leaf `{record.path}`", jobs, base, remember)
 
 
 def _rows(data: np.ndarray, start: int, size: int) -> list[Any]:
@@ -100,13 +102,19 @@ def _rows(data: np.ndarray, start: int, size: int) -> list[Any]:
 
 
 def start_pack(
-    loc: Location, pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequence[Any], base: str | None = None
+    loc: Location,
+    pack: PackRecord,
+    records: Sequence[LeafRecord],
+    pieces: Sequence[Any],
+    base: str | None = None,
+    *,
+    remember: bool = False,
 ) -> list[concurrent.futures.Future[None]]:
     """Start writing the chunk files of `pack`: each member's elements at its
     offset, zeros between, written from the members' own buffers (no copy).
     `records` in the order of their offsets, as `_records.assign` placed them.
-    `base`: as for `start_write`, the same pack's folder in the checkpoint
-    this save follows."""
+    `base` and `remember`: as for `start_write` (`base`: the same pack's
+    folder in the checkpoint this save follows)."""
     n = len(records)
     starts = np.fromiter((r.offset for r in records), np.int64, n)
     stops = starts + np.fromiter((r.size for r in records), np.int64, n)
@@ -124,7 +132,7 @@ def start_pack(
         first, last = int(np.searchsorted(stops, lo, "right")), int(np.searchsorted(starts, hi, "left"))
         chunk = _Chunk(members[first:last], starts[first:last], stops[first:last], lo, hi, dtype)
         jobs.append((key, functools.partial(_given, chunk)))
-    return _start(loc, pack.name, f"pack `{pack.name}` (small leaves)", jobs, base)
+    return _start(loc, pack.name, f"pack `{pack.name}` (small leaves)", jobs, base, remember)
 
 
 def _given(content: _Chunk) -> _Chunk:
@@ -193,16 +201,22 @@ def _flat(piece: Any, dtype: np.dtype) -> np.ndarray:
 
 
 def _start(
-    loc: Location, directory: str, what: str, jobs: list[tuple[str, Callable[[], Any]]], base: str | None = None
+    loc: Location,
+    directory: str,
+    what: str,
+    jobs: list[tuple[str, Callable[[], Any]]],
+    base: str | None = None,
+    remember: bool = False,
 ) -> list[concurrent.futures.Future[None]]:
     """Write each chunk file `key` of `jobs` with what its `make()` gives (a
     leaf's views, or a pack's `_Chunk`), by the pool's threads (or link the
-    file of the same `key` in `base` where it holds the same bytes). One
-    future per file."""
+    file of the same `key` in `base` where it holds the same bytes; with
+    `remember`, record each file written with its digest). One future per
+    file."""
     folder = os.path.join(loc.local or "", directory) if directory else (loc.local or "")
     futures = []
     for key, make in jobs:
-        job = functools.partial(_write_chunk, folder, directory, key, what, make, base)
+        job = functools.partial(_write_chunk, folder, directory, key, what, make, base, remember)
         try:
             futures.append(_pool().submit(job))
         except RuntimeError:  # at interpreter exit no thread starts: written here, in turn
@@ -220,10 +234,14 @@ def _run_now(job: Callable[[], None]) -> concurrent.futures.Future[None]:
     return future
 
 
-def _write_chunk(folder: str, directory: str, key: str, what: str, make: Callable[[], Any], base: str | None) -> None:
+def _write_chunk(
+    folder: str, directory: str, key: str, what: str, make: Callable[[], Any], base: str | None, remember: bool
+) -> None:
     """One chunk file: the bytes `make()` gives (a list of views, or a pack's
     `_Chunk`), then their crc32c; or a link to the file `key` of `base`, where
-    that holds the same bytes."""
+    that holds the same bytes. A file written is recorded with the xxh3-128
+    of its bytes where the comparison computed it, or, with `remember`,
+    computed as they are written (`_share.written`)."""
     _faults.fire("local_write.chunk", directory, key)
     content = make()
     path = os.path.join(folder, *key.split("/"))
@@ -236,9 +254,14 @@ def _write_chunk(folder: str, directory: str, key: str, what: str, make: Callabl
                 return
         fd = os.open(path, _FLAGS, 0o666)
         try:
-            _write_all(fd, content, checksum)
+            # Hashed as the bytes are written, where the comparison did not
+            # hash them (no base, a new leaf, a large chunk whose start
+            # changed): from the stage in cache, not another pass over memory.
+            hasher = xxhash.xxh3_128() if remember and digest is None else None
+            _write_all(fd, content, checksum, hasher)
+            digest = hasher.digest() if hasher is not None else digest
             if digest is not None:
-                _share.written(fd, digest)
+                _share.written(fd, path, digest)
         finally:
             os.close(fd)
     except OSError as e:
@@ -288,10 +311,11 @@ def _digest(content: Any) -> tuple[bytes, int | None]:
     return hasher.digest(), None
 
 
-def _write_all(fd: int, content: Any, checksum: int | None = None) -> None:
+def _write_all(fd: int, content: Any, checksum: int | None = None, hasher: xxhash.xxh3_128 | None = None) -> None:
     """Write `content` (a pack's `_Chunk`, or a list of views) and its crc32c
     (`checksum`, where the caller has it) into the new file `fd`, its
-    writeback started at once.
+    writeback started at once; `hasher` (an xxh3-128 hasher), where given,
+    takes the content's bytes as they are written.
 
     A pack's chunk is gathered into the writer's stage, a part at a time, and
     written from there: one copy of its members by NumPy, instead of a view
@@ -302,7 +326,7 @@ def _write_all(fd: int, content: Any, checksum: int | None = None) -> None:
     `writev`. (docs/benchmarks.md, "Measurements behind the design".)"""
     _faults.fire("local_write.chunk_bytes", fd)
     if isinstance(content, _Chunk):
-        staged = _Staged(fd, direct=False, checksum=checksum)
+        staged = _Staged(fd, direct=False, checksum=checksum, hasher=hasher)
         step = STAGE_BYTES // content.dtype.itemsize
         for lo in range(content.lo, content.hi, step):
             staged.gather(content.part(lo, min(lo + step, content.hi)))
@@ -311,17 +335,22 @@ def _write_all(fd: int, content: Any, checksum: int | None = None) -> None:
         return
     if sum(len(view) for view in content) >= UNBUFFERED_FROM and _set_direct(fd, True):
         try:
-            _write_unbuffered(fd, content, checksum)
+            _write_unbuffered(fd, content, checksum, hasher)
             return
         except _NotUnbuffered:
             # Refused (an alignment this device does not take): written again,
             # from the start, through the page cache.
             _set_direct(fd, False)
             os.ftruncate(fd, 0)
-    if checksum is None:
-        checksum = 0
-        for view in content:
-            checksum = crc32c.crc32c(view, checksum)
+            if hasher is not None:
+                hasher.reset()
+    crc = 0
+    for view in content:  # both over a view while it is in the cache
+        if checksum is None:
+            crc = crc32c.crc32c(view, crc)
+        if hasher is not None:
+            hasher.update(view)
+    checksum = crc if checksum is None else checksum
     _write_buffered(fd, [*content, checksum.to_bytes(_format.CHECKSUM_BYTES, "little")])
     _start_writeback(fd)
 
@@ -373,11 +402,13 @@ def _set_direct(fd: int, on: bool) -> bool:
     return True
 
 
-def _write_unbuffered(fd: int, views: list[Any], checksum: int | None = None) -> None:
+def _write_unbuffered(
+    fd: int, views: list[Any], checksum: int | None = None, hasher: xxhash.xxh3_128 | None = None
+) -> None:
     """Write `views` and their crc32c through `fd` (`O_DIRECT`), then cut the
     file to their length (its last write is padded to a whole block)."""
     _faults.fire("local_write.unbuffered", fd)
-    staged = _Staged(fd, direct=True, checksum=checksum)
+    staged = _Staged(fd, direct=True, checksum=checksum, hasher=hasher)
     for view in views:
         staged.copy(view)
     staged.finish()
@@ -386,10 +417,11 @@ def _write_unbuffered(fd: int, views: list[Any], checksum: int | None = None) ->
 class _Staged:
     """One file written from the stage: bytes are staged until it is full, then
     written (unbuffered with `direct`); their crc32c follows them (`checksum`,
-    where the caller has it, else computed as they are written)."""
+    where the caller has it, else computed as they are written). `hasher`,
+    where given, takes the bytes as they are written."""
 
-    def __init__(self, fd: int, *, direct: bool, checksum: int | None = None):
-        self.fd, self.direct, self.known = fd, direct, checksum
+    def __init__(self, fd: int, *, direct: bool, checksum: int | None = None, hasher: xxhash.xxh3_128 | None = None):
+        self.fd, self.direct, self.known, self.hasher = fd, direct, checksum, hasher
         self.stage, self.staged = _stage()
         self.pos = self.offset = self.checksum = 0
 
@@ -417,6 +449,8 @@ class _Staged:
     def finish(self) -> None:
         """Write what is staged and the checksum, and end the file there."""
         stage, pos = self.stage, self.pos
+        if self.hasher is not None:
+            self.hasher.update(stage[:pos])
         total = self.known if self.known is not None else crc32c.crc32c(stage[:pos], self.checksum)
         checksum = total.to_bytes(_format.CHECKSUM_BYTES, "little")
         if pos + _format.CHECKSUM_BYTES > STAGE_BYTES:
@@ -443,6 +477,8 @@ class _Staged:
     def _write(self, view: memoryview) -> None:
         if self.known is None:
             self.checksum = crc32c.crc32c(view, self.checksum)
+        if self.hasher is not None:
+            self.hasher.update(view)
         _pwrite(self.fd, view, self.offset, direct=self.direct)
         self.offset += len(view)
 

@@ -348,14 +348,16 @@ class CheckpointManager:
             with _storage_errors.explained(self._loc, f"Saving step {step} to"):
                 self._record_governed(step)
         handoff = _serialise.Handoff()
-        # The newest committed step: unchanged chunk files are shared with it (`_share`).
+        # The newest committed step: unchanged chunk files are shared with it
+        # (`_share`); the next step follows this one (`followed`), even a first
+        # step with nothing to follow.
         before = max((s for s, committed in state.items() if committed and s != step), default=None)
         follows = None if before is None else self._loc.joined(step_name(before))
         try:
             pending = _serialise.save(
                 target, pytree, filter_spec, is_leaf,
                 overwrite=overwrite, blocking=self.blocking, cast=cast, layout=layout, metrics=values,
-                progress=progress, handoff=handoff, follows=follows, share=self.share,
+                progress=progress, handoff=handoff, follows=follows, share=self.share, followed=True,
             )  # fmt: skip
         except CheckpointExistsError:
             raise  # another writer's save: nothing of it is ours to remove

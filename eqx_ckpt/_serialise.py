@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -214,6 +214,7 @@ def save(
     follows: Location | None = None,
     where: Callable[[PyTree], Any] | None = None,
     share: bool = True,
+    followed: bool = False,
 ) -> PendingSave | None:
     """`tree_serialise_leaves`, with `metrics` committed in the manifest.
     `handoff`: tells the caller, after any exception, whether an asynchronous
@@ -221,7 +222,9 @@ def save(
     that save is writing). `follows`: the checkpoint this save shares unchanged
     chunk files with when `loc` holds none yet (a manager's previous step;
     `_share`). `where`: a partial save (`_partial`). `share=False`: no file
-    is shared with either."""
+    is shared with either. `followed`: a later save will follow this one (a
+    manager's step): the digest of every chunk file it writes is recorded, so
+    that save reads none of them back (`_share`)."""
     group = _multihost.Group()
     share = check_flag("share", share, "`False` writes every chunk in full")
     overwrite, blocking, cast, planned, expected = _collect_and_plan(
@@ -233,16 +236,17 @@ def save(
     handoff = handoff if handoff is not None else Handoff()
     tx: _transaction.Transaction | None = None
     tracker: Tracker | None = None
+    sharing = _Sharing(follows, share, followed)
     try:
         if not isinstance(planned, _write.Batch):
             # Every array is safe on the host already: the plan, the transaction
             # and the writes all happen in the background.
-            run = functools.partial(_plan_write_and_commit, loc, group, planned, cast, follows, share, **options)
+            run = functools.partial(_plan_write_and_commit, loc, group, planned, cast, sharing, **options)
             return _background.start(run, exclusive, handoff)
         check = None if expected is None else functools.partial(_partial.check_unreplaced, commit=expected)
         tx, tracker = _begin(loc, group, planned, check=check, **options)
         run = functools.partial(
-            _write_and_commit, tx, group, planned, metrics=metrics, tracker=tracker, follows=follows, share=share
+            _write_and_commit, tx, group, planned, metrics=metrics, tracker=tracker, sharing=sharing
         )
         if blocking:
             with tracker:
@@ -380,8 +384,7 @@ def _plan_write_and_commit(
     group: _multihost.Group,
     held: _background.HeldLeaves,
     cast: Callable[[str, np.dtype], Any] | None,
-    follows: Location | None,
-    share: bool,
+    sharing: _Sharing,
     **options: Any,
 ) -> None:
     """The background part of an asynchronous save whose leaves were held (`_background.hold_tree`)."""
@@ -389,7 +392,7 @@ def _plan_write_and_commit(
     batch = _plan(loc, group, leaves, names, [default_serialise_filter_spec] * len(leaves), cast, private=False)
     tx, tracker = _begin(loc, group, batch, **options)
     with tracker:
-        _write_and_commit(tx, group, batch, metrics=options["metrics"], tracker=tracker, follows=follows, share=share)
+        _write_and_commit(tx, group, batch, metrics=options["metrics"], tracker=tracker, sharing=sharing)
 
 
 def _begin(
@@ -431,17 +434,14 @@ def _write_and_commit(
     *,
     metrics: dict[str, Any] | None,
     tracker: Tracker,
-    follows: Location | None = None,
-    share: bool = True,
+    sharing: _Sharing,
 ) -> None:
     """Write every array, make it durable, then commit once (process 0). Before
     the commit, any failure or interrupt deletes what this save wrote; after it,
     nothing undoes the save."""
     commits: list[Any] = []
     try:
-        error, encoded = _write_all(
-            tx, group, batch, metrics=metrics, tracker=tracker, out=commits, follows=follows, share=share
-        )
+        error, encoded = _write_all(tx, group, batch, metrics=metrics, tracker=tracker, out=commits, sharing=sharing)
         error = _commit(tx, group, encoded, error)
         if error is None:
             return
@@ -477,19 +477,18 @@ def _write_all(
     metrics: dict[str, Any] | None,
     tracker: Tracker,
     out: list[Any],
-    follows: Location | None = None,
-    share: bool = True,
+    sharing: _Sharing,
 ) -> tuple[BaseException | None, list[bytes]]:
     """Write this process's arrays and make them durable, while process 0
     encodes the manifest; the first error, and the manifest's bytes. Puts in
     `out` the futures an abort must wait for (`_write.start_writes`); chunk
-    files equal to those of the checkpoint this save replaces, or `follows`,
-    are shared (`_share`), unless `share` is `False`."""
+    files are shared and their digests recorded as `sharing` says."""
     error: BaseException | None = None
     encoded: list[bytes] = []
     try:
-        base = _base(tx, group, follows) if share else None
-        writing = _write.start_writes(tx, batch, group, tracker=tracker, out=out, base=base)
+        base = _base(tx, group, sharing.follows) if sharing.share else None
+        remember = sharing.share and sharing.followed
+        writing = _write.start_writes(tx, batch, group, tracker=tracker, out=out, base=base, remember=remember)
     except Exception as e:
         error, writing = e, []
     if error is None and group.primary:
@@ -503,6 +502,20 @@ def _write_all(
     # Each process makes its own writes durable; only then may process 0 commit.
     error = error or _write.attempt(lambda: _durable.flush(tx.data))
     return error, encoded
+
+
+class _Sharing(NamedTuple):
+    """What a save shares (`_share`): with `share`, the chunk files equal to
+    those of the checkpoint it replaces, else of `follows` (a manager's
+    previous step); with `share` and `followed` (a manager's step, which a
+    next step will follow), it records the digest of every chunk file it
+    writes, so that the next step reads none of them back. Without
+    `followed` (a plain save), only a chunk that was compared is recorded: a
+    save with no base hashes nothing."""
+
+    follows: Location | None
+    share: bool
+    followed: bool
 
 
 def _base(tx: _transaction.Transaction, group: _multihost.Group, follows: Location | None) -> _share.Base | None:

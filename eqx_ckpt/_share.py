@@ -21,7 +21,11 @@ which a hard link keeps (it changes the change time, which is therefore not
 part of the key). A file that fails (damaged, truncated, missing, a link) is
 never shared: the new bytes are written instead, with an `IntegrityWarning`
 naming it. A chunk file a save compared and then wrote itself is recorded with
-its digest, so a training loop's next step reads nothing back. A read or
+its digest (`written`); a `CheckpointManager` step records every chunk file it
+writes, hashed as the bytes are written where nothing was compared (its first
+step in a process, which has no base; a new leaf; a large chunk whose first
+bytes changed), so that a training loop's next step, its second included,
+reads nothing back. A plain save with no base hashes nothing. A read or
 `verify` that finds an array's files damaged forgets them (`forget_damaged`).
 
 A chunk is "at the same place" when the leaf has the same dotted path, stored
@@ -250,10 +254,11 @@ def _warn(path: str, what: str, why: str) -> None:
     )
 
 
-def written(fd: int, digest: bytes) -> None:
-    """Record the chunk file `fd`, just written whole by this process, as one
-    whose data bytes have the xxh3-128 `digest`: a next save that shares it
-    need not read it back."""
+def written(fd: int, path: str, digest: bytes) -> None:
+    """Record the chunk file `fd` (`path`), just written whole by this
+    process, as one whose data bytes have the xxh3-128 `digest`: a next save
+    that shares it need not read it back."""
+    _faults.fire("share.written", path)
     _record(_key(os.fstat(fd)), digest)
 
 

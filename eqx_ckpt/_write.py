@@ -98,6 +98,7 @@ def start_writes(
     tracker: Tracker | None = None,
     out: list[Any],
     base: _share.Base | None = None,
+    remember: bool = False,
 ) -> Writing:
     """Create every array, then start writing them: on a local disk by
     eqx_ckpt's own threads, else staged in one TensorStore transaction whose
@@ -105,13 +106,14 @@ def start_writes(
     is written (not yet durable): an interrupt after one started still leaves
     it there, so an abort waits for it before deleting anything. Returns what
     `follow` reports the progress of; the caller may work while the data is
-    written.
+    written. Chunk files equal to `base`'s are shared; with `remember`, the
+    digest of every chunk file written is recorded (`_share.written`).
     """
     data = tx.data
     opens = _create(data, batch, group)
     local = _local_write.chosen(data, processes=group.count, layout=tx.layout)
     fast = {i for i, p in enumerate(batch.own) if local and _local_write.eligible(p.record, p.pieces)}
-    writing = _start_local(data, batch, fast, local, out, base if local else None)
+    writing = _start_local(data, batch, fast, local, out, base if local else None, remember)
     _start_tensorstore(batch, opens, fast, local, tracker, out)
     return writing
 
@@ -163,25 +165,31 @@ def _create(data: Location, batch: Batch, group: _multihost.Group) -> list[Any]:
 
 
 def _start_local(
-    data: Location, batch: Batch, fast: set[int], packs: bool, out: list[Any], base: _share.Base | None
+    data: Location,
+    batch: Batch,
+    fast: set[int],
+    packs: bool,
+    out: list[Any],
+    base: _share.Base | None,
+    remember: bool,
 ) -> Writing:
     """Start writing, by eqx_ckpt's own threads (`_local_write`), the chunk
     files of the leaves `fast` (indices into `batch.own`) and, with `packs`,
     of every pack, each file's writeback started at once (or shared with
-    `base`'s, `_share`)."""
+    `base`'s, `_share`; recorded with its digest where `remember`)."""
     own, direct = batch.own, []
 
     def start() -> None:
         # In a helper thread too: every future started is kept in `out`.
         for i in sorted(fast):
             folder = base.leaf_folder(own[i].record) if base is not None else None
-            futures = _local_write.start_write(data, own[i].record, own[i].pieces[0][1], folder)
+            futures = _local_write.start_write(data, own[i].record, own[i].pieces[0][1], folder, remember=remember)
             out.extend(futures)
             direct.append((futures, _leaf_steps(own[i].record.nbytes, len(futures))))
         for pack, members in batch.packs if packs else []:
             views = [p.pieces[0][1] for p in members]
             folder = base.pack_folder(pack) if base is not None else None
-            futures = _local_write.start_pack(data, pack, [p.record for p in members], views, folder)
+            futures = _local_write.start_pack(data, pack, [p.record for p in members], views, folder, remember=remember)
             out.extend(futures)
             steps = _pack_steps(pack, [p.record for p in members], [view.nbytes for view in views], len(futures))
             direct.append((futures, steps))

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_ckpt
-from eqx_ckpt import _faults, _format, _manifest
+from eqx_ckpt import _faults, _format, _local_write, _manifest
 from eqx_ckpt._location import location
 
 # Each kind of file a save may share, as (the leaves stored in it, its name in the data root).
@@ -230,7 +230,7 @@ def test_a_change_that_keeps_the_crc32c_is_written(tmp_path, where):
 
 
 def _counting(run):
-    """A count of the files `share.verify` reads, by their path in `run`, and its callback."""
+    """A count of the files a fault point names, by their path in `run`, and its callback."""
     counts = collections.Counter()
     lock = threading.Lock()
 
@@ -241,31 +241,122 @@ def _counting(run):
     return counts, count
 
 
-def test_a_training_loops_steps_read_no_base_file_back(tmp_path):
-    """The first step that follows another reads each of its files once, to
-    verify them; the next steps find them verified (the linked ones) or
-    recorded as written (the changed ones), and read nothing back."""
-    counts, count = _counting(tmp_path / "run")
-    with eqx_ckpt.CheckpointManager(tmp_path / "run") as manager:
-        reads = []
-        for step in range(4):
-            counts.clear()
-            with _faults.armed("share.verify", count):
-                manager.save(step, _tree(head=float(step)))
-            reads.append(dict(counts))
-        paths = [manager.step_path(step) for step in range(4)]
-    assert reads[0] == {}  # nothing to follow
-    assert set(reads[1]) >= {
-        f"step_00000000/{name}" for name in ("big/c/0/0", "multi/c/1/0", "packed.float32/c/0", "head/w/c/0/0")
+def _chunk_files(ckpt):
+    """The chunk files of a checkpoint that eqx_ckpt wrote itself, which are
+    those it may share (not the sharded leaf's: TensorStore writes them), by
+    their path in the checkpoint's parent folder."""
+    root = _root(ckpt)
+    return {
+        os.path.relpath(os.path.join(r, n), os.path.dirname(str(ckpt)))
+        for r, _, names in os.walk(root)
+        for n in names
+        if n not in (_format.ZARR_JSON, _format.MANIFEST) and os.path.relpath(r, root).split(os.sep)[0] != "sharded"
     }
-    assert all(n == 1 for n in reads[1].values()), reads[1]
-    assert reads[2] == reads[3] == {}
+
+
+def _steps_counted(manager, trees, *, first=0):
+    """Save `trees` as steps `first`, `first + 1`, ...; for each, the files it
+    read back (`share.verify`) and those it recorded as written (`share.written`)."""
+    reads, records = [], []
+    for step, tree in enumerate(trees, start=first):
+        read, count_read = _counting(manager.directory)
+        wrote, count_written = _counting(manager.directory)
+        with _faults.armed("share.verify", count_read), _faults.armed("share.written", count_written):
+            manager.save(step, tree)
+        reads.append(dict(read))
+        records.append(dict(wrote))
+    return reads, records
+
+
+def test_a_training_loops_steps_read_no_base_file_back(tmp_path):
+    """A manager's first step records every chunk file it writes, though it
+    has nothing to follow; so its second step, as every later one, reads no
+    file back: it finds each unchanged file recorded and links it, and
+    records the changed ones it writes."""
+    with eqx_ckpt.CheckpointManager(tmp_path / "run") as manager:
+        reads, records = _steps_counted(manager, [_tree(head=float(step)) for step in range(4)])
+        paths = [manager.step_path(step) for step in range(4)]
+    assert reads == [{}, {}, {}, {}]
+    # Every chunk file the first step wrote itself, each once.
+    first = _chunk_files(paths[0])
+    assert records[0] == {name: 1 for name in first}
+    assert {name.split("/", 1)[1] for name in first} >= {"big/c/0/0", "multi/c/1/0", "packed.float32/c/0"}
+    for step in (1, 2, 3):  # only the changed chunk is written, and recorded
+        assert records[step] == {os.path.relpath(_file(paths[step], "head/w/c/0/0"), tmp_path / "run"): 1}
     big = [os.stat(_file(p, "big/c/0/0")) for p in paths]
     assert len({s.st_ino for s in big}) == 1 and big[0].st_nlink == 4  # one file, shared by every step
+    for leaf in ("multi", "packed.float32"):
+        assert len({tuple(sorted(_chunk_inodes(p, leaf).items())) for p in paths}) == 1, leaf
     heads = [_chunk_inodes(p, "head/w") for p in paths]
     assert len({i for h in heads for i in h.values()}) == 4  # changed at every step: written anew
     for step, path in enumerate(paths):
         _loads_bit_for_bit(path, _tree(head=float(step)))
+
+
+def test_a_resumed_run_reads_each_file_of_its_last_step_once(tmp_path):
+    """Steps this process did not write (a run resumed, here written without
+    sharing, which records nothing) are read back once each, by the first
+    step that follows them, to verify them before they are shared; the steps
+    after that read nothing."""
+    with eqx_ckpt.CheckpointManager(tmp_path / "run", share=False) as manager:
+        _, records = _steps_counted(manager, [_tree()])
+        assert records == [{}]
+    with eqx_ckpt.CheckpointManager(tmp_path / "run") as manager:
+        reads, _ = _steps_counted(manager, [_tree(head=1.0), _tree(head=2.0)], first=1)
+        paths = [manager.step_path(step) for step in range(3)]
+    assert reads[0] == {name: 1 for name in _chunk_files(paths[0])}
+    assert reads[1] == {}
+    big = [os.stat(_file(p, "big/c/0/0")) for p in paths]
+    assert len({s.st_ino for s in big}) == 1 and big[0].st_nlink == 3
+    for step, path in enumerate(paths):
+        _loads_bit_for_bit(path, _tree(head=float(step)))
+
+
+def test_a_plain_save_with_no_base_hashes_nothing(tmp_path):
+    """A `tree_serialise_leaves` into a new place records no digest (it hashes
+    nothing: no later save is known to follow it); an overwrite records those
+    it compared and wrote, and reads back each file it shares once."""
+    ckpt = tmp_path / "ckpt"
+    fired = []
+    with _faults.armed(["share.verify", "share.written", "share.link"], lambda *args: fired.append(args)):
+        eqx_ckpt.tree_serialise_leaves(ckpt, _tree())
+    assert fired == []
+    counts, count = _counting(tmp_path)
+    with _faults.armed("share.written", count):
+        eqx_ckpt.tree_serialise_leaves(ckpt, _tree(head=1.0))
+    assert dict(counts) == {os.path.relpath(_file(ckpt, "head/w/c/0/0"), tmp_path): 1}
+    _loads_bit_for_bit(ckpt, _tree(head=1.0))
+
+
+@pytest.mark.parametrize("where", ["overwrite", "manager"])
+def test_large_chunks_whose_start_changed(tmp_path, monkeypatch, where):
+    """A large chunk whose first bytes differ from the base's is written
+    without a comparison. An overwrite then hashes nothing of it (an
+    overwrite where everything changed stays cheap); a manager's step hashes
+    it as it is written, so the step after it reads nothing back."""
+    monkeypatch.setattr(_local_write, "UNBUFFERED_FROM", 1 << 20)  # `big` and `multi`'s chunks are large
+    tree, changed = _tree(), jax.tree_util.tree_map(lambda x: x + 1, _tree())
+    large = {"big/c/0/0", "multi/c/0/0", "multi/c/1/0", "multi/c/2/0", "head/w/c/0/0"}
+    if where == "overwrite":
+        ckpt = tmp_path / "ckpt"
+        eqx_ckpt.tree_serialise_leaves(ckpt, tree)
+        counts, count = _counting(tmp_path)
+        with _faults.armed("share.written", count):
+            eqx_ckpt.tree_serialise_leaves(ckpt, changed)
+        recorded = {name.split("/", 2)[2] for name in counts}
+        assert recorded and not recorded & large, recorded  # the others were compared, so recorded
+        _loads_bit_for_bit(ckpt, changed)
+        return
+    with eqx_ckpt.CheckpointManager(tmp_path / "run") as manager:
+        reads, records = _steps_counted(manager, [tree, changed, changed])
+        paths = [manager.step_path(step) for step in range(3)]
+    assert reads == [{}, {}, {}]
+    assert records[1] == {name: 1 for name in _chunk_files(paths[1])}  # every file changed
+    assert records[2] == {}  # nothing changed: every file linked
+    for name in large:
+        assert os.stat(_file(paths[1], name)).st_ino == os.stat(_file(paths[2], name)).st_ino
+        assert os.stat(_file(paths[0], name)).st_ino != os.stat(_file(paths[1], name)).st_ino
+    _loads_bit_for_bit(paths[2], changed)
 
 
 @pytest.mark.parametrize("finds", ["verify", "load"])
