@@ -36,7 +36,7 @@ from ._errors import (
     CorruptCheckpointError,
     check_flag,
 )
-from ._format import MANIFEST, metrics_name as _metrics_name, step_name
+from ._format import MANAGER_LEASE, MANIFEST, metrics_name as _metrics_name, step_name
 from ._location import location
 from ._progress import Progress
 from ._serialise import PendingSave, default_serialise_filter_spec
@@ -228,7 +228,7 @@ class CheckpointManager:
         """Take the directory's lease (once): only one manager writes here."""
         if self._lease is None and _primary():
             _durable.ensure_directory(self._loc)
-            self._lease, _ = _lease.acquire(self._loc, _MANAGER_LEASE, what="CheckpointManager", journal=False)
+            self._lease, _ = _lease.acquire(self._loc, MANAGER_LEASE, what="CheckpointManager", journal=False)
 
     def step_path(self, step: int) -> str:
         """The path of a step's checkpoint (for `eqx_ckpt.Checkpoint`, or `eqx-ckpt ls`).
@@ -845,6 +845,3 @@ class CheckpointManager:
 # `wait_for_new_step` lists the directory after this many seconds, then twice
 # as long each time, up to the last.
 _FIRST_POLL, _LAST_POLL = 0.01, 1.0
-
-# The lease file of the manager writing to a directory.
-_MANAGER_LEASE = "manager.json"

@@ -75,8 +75,8 @@ def top_names(paths: Sequence[str], layout: str, packs: Sequence[str] = ()) -> t
         return (_format.OCDBT_FOLDER,)
     names = {_format.ZARR_JSON, *packs}
     for path in paths:
-        # A root leaf is an array at the data root itself: its chunk is `c`.
-        names.add(_keypath.split_dotted(path)[0] if path else "c")
+        # A root leaf is an array at the data root itself: its chunks are `c`.
+        names.add(_keypath.split_dotted(path)[0] if path else _format.CHUNKS)
     return tuple(sorted(names))
 
 

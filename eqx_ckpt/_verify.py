@@ -314,8 +314,8 @@ def _check_file_sizes(data: Location, directory: str, chunk_nbytes: int) -> str 
     not notice them. Only local folders can be listed this cheaply."""
     if data.local is None:
         return None
-    folder = os.path.join(data.local, directory, "c")
-    expected = chunk_nbytes + 4
+    folder = os.path.join(data.local, directory, _format.CHUNKS)
+    expected = chunk_nbytes + _format.CHECKSUM_BYTES
     files = [folder] if os.path.isfile(folder) else [os.path.join(r, f) for r, _, fs in os.walk(folder) for f in fs]
     for file in files:
         size = os.path.getsize(file)

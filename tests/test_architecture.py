@@ -1,5 +1,5 @@
 """The architecture the code promises (docs/architecture.md), checked on the code
-itself so it cannot drift: the on-disk names live in `_format`, only the
+itself so it cannot drift: the on-disk names and sizes live in `_format`, only the
 storage seam imports `tensorstore`, no module imports another that imports it
 back, and every module is on the contributor's map."""
 
@@ -12,11 +12,18 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "eqx_ckpt"
 MODULES = sorted(PACKAGE.glob("*.py"))
 
-# Names of files and folders a checkpoint holds (see `_format`): a string that
-# holds one of these and no space is a file name, not a message.
+# Names of files and folders a checkpoint or a manager's run holds (see
+# `_format`): a string that holds one of these and no space is a file name, not
+# a message. Any `.json` file counts, except a foreign format's own names (the
+# safetensors index, which `_safetensors` owns); a chunk key is `c`, `c/...` or
+# `.../c` (a bare `"c"` is caught by `_CHUNK_FOLDER_USES`).
 _ON_DISK = re.compile(
     r"manifest\.json|saving\.json|zarr\.json|ocdbt\.db|\.__lock|^gen\.|^packed\.|^step_|\.metrics\.json"
+    r"|(?<!safetensors\.index)\.json$|(^|/)c/|/c$"
 )
+# The size of a chunk's checksum is `_format.CHECKSUM_BYTES`, never a literal 4
+# added to or taken from a size or an offset.
+_CHECKSUM = 4
 
 
 def _tree(path: pathlib.Path) -> ast.Module:
@@ -51,18 +58,44 @@ def _imports(tree: ast.Module) -> set[str]:
     return found
 
 
+def _not_a_chunk_folder(tree: ast.Module) -> set[int]:
+    """The bare `"c"` strings of `tree` that cannot name a chunk file: a dict's
+    key, a subscript, a set's member, a comparison's operand (a dtype's kind),
+    or the key of `.get`. Any other `"c"` (joined into a path, returned, added
+    to a set of names) is the chunk folder, which `_format.CHUNKS` names."""
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            found.update(id(key) for key in node.keys if key is not None)
+        elif isinstance(node, ast.Subscript):
+            found.add(id(node.slice))
+        elif isinstance(node, ast.Set):
+            found.update(id(e) for e in node.elts)
+        elif isinstance(node, ast.Compare):
+            found.update(id(e) for e in (node.left, *node.comparators))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            found.update(id(a) for a in node.args[:1])
+    return found
+
+
+def _on_disk_literals(path: pathlib.Path) -> list[str]:
+    tree = _tree(path)
+    docstrings, not_chunks = _docstrings(tree), _not_a_chunk_folder(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            name = node.value
+            if not re.search(r"\s", name) and (_ON_DISK.search(name) or (name == "c" and id(node) not in not_chunks)):
+                found.append(f"{path.name}:{node.lineno}: {name!r}")
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+            if any(isinstance(side, ast.Constant) and side.value == _CHECKSUM for side in (node.left, node.right)):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)!r} (a checksum's size?)")
+    return found
+
+
 def test_on_disk_names_live_in_the_format_module():
-    misplaced = []
-    for path in MODULES:
-        if path.name == "_format.py":
-            continue
-        tree = _tree(path)
-        docstrings = _docstrings(tree)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
-                if _ON_DISK.search(node.value) and not re.search(r"\s", node.value):
-                    misplaced.append(f"{path.name}:{node.lineno}: {node.value!r}")
-    assert misplaced == [], "on-disk names belong in eqx_ckpt/_format.py:\n" + "\n".join(misplaced)
+    misplaced = [found for path in MODULES if path.name != "_format.py" for found in _on_disk_literals(path)]
+    assert misplaced == [], "on-disk names and sizes belong in eqx_ckpt/_format.py:\n" + "\n".join(misplaced)
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
