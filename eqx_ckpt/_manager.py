@@ -26,7 +26,7 @@ from typing import Any
 
 from jaxtyping import PyTree
 
-from . import _durable, _initialise, _lazy, _lease, _orbax, _preemption, _serialise, _storage, _storage_errors
+from . import _durable, _faults, _initialise, _lazy, _lease, _orbax, _preemption, _serialise, _storage, _storage_errors
 from ._deserialise import default_deserialise_filter_spec, tree_deserialise_leaves
 from ._errors import (
     CheckpointError,
@@ -357,6 +357,7 @@ class CheckpointManager:
                 overwrite=overwrite, blocking=self.blocking, cast=cast, layout=layout, metrics=values,
                 progress=progress, handoff=handoff, follows=follows, share=self.share,
             )  # fmt: skip
+            _faults.fire("manager.save_returned", step, pending)
         except CheckpointExistsError:
             raise  # another writer's save: nothing of it is ours to remove
         except BaseException:
@@ -413,6 +414,7 @@ class CheckpointManager:
     def _undo(self, step: int) -> None:
         """After a failed save: a step folder this save created, and that holds
         no committed checkpoint, goes. A committed step is never deleted here."""
+        _faults.fire("manager.undo", step)
         if _primary() and not _scan(self._loc).get(step, False):
             _storage.remove(self._loc, [step_name(step)])
 

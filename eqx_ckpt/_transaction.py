@@ -121,6 +121,7 @@ class Transaction:
 
         def write() -> None:
             written, error, interrupt = _storage.write_conditional(self.loc, MANIFEST, data, self.expected)
+            _faults.fire("commit.manifest_written", self.loc, written)
             # Recorded here, in the helper thread that signals never reach: an
             # interrupt landing in the caller between the write and this line
             # would leave the save looking uncommitted, and its abort would

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from . import _format
+from . import _faults, _format
 from ._errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -98,6 +98,7 @@ def check_pack_files(loc: Location, pack: PackRecord, *, leaf: str | None = None
 def _scan(loc: Location, directory: str, leaf: str | None) -> int:
     # A file or folder removed while it is scanned (a reader racing an overwrite's
     # cleanup) counts as no bytes, so the load fails with an IntegrityError.
+    _faults.fire("untrusted.scan", directory)
     total = 0
     try:
         with os.scandir(directory) as entries:

@@ -157,3 +157,99 @@ def test_every_function_reads_in_one_screen():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _code_lines(node, lines) > 60:
                 long.append(f"{path.name}: {node.name} ({_code_lines(node, lines)} lines)")
     assert long == []
+
+
+# -- Tests inject failures through fault points and documented knobs -----------------------------
+
+TESTS = sorted(PACKAGE.parent.glob("tests/*.py"))
+# A documented knob: a module constant (`_records.PACK_BYTES`, `_window.READ_BUDGET`...).
+_KNOB = re.compile(r"^_?[A-Z][A-Z0-9_]*$")
+
+
+def _imported_names(tree: ast.Module) -> dict[str, object]:
+    """What each name a test file imports from eqx_ckpt is, at any depth (tests
+    import inside functions too)."""
+    import importlib
+
+    names: dict[str, object] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "eqx_ckpt":
+                    importlib.import_module(alias.name)
+                    top = alias.asname or alias.name.split(".")[0]
+                    names[top] = importlib.import_module(alias.name if alias.asname else "eqx_ckpt")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "eqx_ckpt" and node.level == 0:
+            module = importlib.import_module(node.module or "eqx_ckpt")
+            for alias in node.names:
+                value = getattr(module, alias.name, None)
+                if value is None:
+                    value = importlib.import_module(f"{node.module}.{alias.name}")
+                names[alias.asname or alias.name] = value
+    return names
+
+
+def _resolved(node: ast.expr, names: dict[str, object]) -> object | None:
+    if isinstance(node, ast.Name):
+        return names.get(node.id)
+    if isinstance(node, ast.Attribute):
+        owner = _resolved(node.value, names)
+        return None if owner is None else getattr(owner, node.attr, None)
+    return None
+
+
+def _ours(owner: object) -> bool:
+    """Whether `owner` is one of eqx_ckpt's modules or classes."""
+    import types
+
+    if isinstance(owner, types.ModuleType):
+        return owner.__name__.split(".")[0] == "eqx_ckpt"
+    return isinstance(owner, type) and owner.__module__.split(".")[0] == "eqx_ckpt"
+
+
+def _private_patches(path: pathlib.Path) -> list[str]:
+    """Where the test file `path` replaces something of eqx_ckpt's that is not a
+    documented knob: a function, class, method or other state, by
+    `monkeypatch.setattr`, `setattr`, `mock.patch(.object)` or an assignment."""
+    import importlib
+
+    tree = _tree(path)
+    names = _imported_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        target: tuple[object, str | None] | None = None
+        if isinstance(node, ast.Call) and node.args:
+            func = ast.unparse(node.func)
+            if not (func == "setattr" or func.endswith((".setattr", "patch", ".object"))):
+                continue
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                module, _, attr = first.value.rpartition(".")
+                if module.split(".")[0] == "eqx_ckpt":
+                    target = (importlib.import_module(module), attr)
+            else:
+                owner = _resolved(first, names)
+                second = node.args[1] if len(node.args) > 1 else None
+                attr = second.value if isinstance(second, ast.Constant) and isinstance(second.value, str) else None
+                target = (owner, attr)
+        elif isinstance(node, ast.Assign):
+            for lhs in node.targets:
+                if isinstance(lhs, ast.Attribute):
+                    target = (_resolved(lhs.value, names), lhs.attr)
+        if target is None:
+            continue
+        owner, attr = target
+        # A name not written out (`setattr(module, name, ...)`) cannot be told
+        # from a knob: only a literal one is allowed.
+        if (attr is None and (owner is None or _ours(owner))) or (_ours(owner) and not _KNOB.match(attr or "")):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:100]}")
+    return found
+
+
+def test_tests_replace_no_private_code():
+    """Tests inject failures only through fault points (`_faults`) and documented
+    knobs (module constants): a test that replaced a private function, class or
+    method would break whenever the code moved (docs/architecture.md, "Testing
+    through the seams")."""
+    patches = [found for path in TESTS for found in _private_patches(path)]
+    assert patches == [], "use a fault point (eqx_ckpt/_faults.py) or a knob:\n" + "\n".join(patches)
