@@ -20,6 +20,7 @@ from jaxtyping import PyTree
 
 from . import (
     _dtypes,
+    _faults,
     _gc,
     _load_plan,
     _pack,
@@ -223,6 +224,7 @@ def _read_values(source: Source, plan: LoadPlan, *, progress: Progress) -> tuple
     try:
         custom = [_run_custom(spec, leaf, source, plan.cast, plan.lazy) for leaf, spec in plan.custom]
         transformed = _read_transformed(source, plan)
+        _faults.fire("load.read_stored", source.loc)
         stored = _read_stored(source, plan.reads, lazy=plan.lazy, progress=progress)
     except Exception:
         source.check()  # a read that failed because the checkpoint was replaced says so

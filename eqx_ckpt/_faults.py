@@ -17,6 +17,25 @@ a callback that cares checks `threading.current_thread()`.
 
 The points, with where they fire and the arguments they pass:
 
+**A save's plan (`_records`, `_background`, `_serialise`, `_write`):**
+
+- `save.records` `(loc)`: a save starts making its leaves' records (running
+  the filter specs), before anything is written.
+- `save.leaf_record` `(path)`: one leaf's record and host pieces are made the
+  general way (a filter spec's write, a PRNG key, a sharded array; the
+  batched common case does not pass here).
+- `save.array_kind` `(cls)`: what a leaf of type `cls` is, asked (of every
+  type of the tree as an asynchronous save holds it, and per leaf later).
+- `save.held` `(loc)`: the background thread of an asynchronous save whose
+  leaves were held starts its plan, transaction and writes.
+- `save.copied` `(pending)`: the host data of the NumPy leaves of `pending`
+  (the save's leaves) was copied, as an asynchronous save with a custom
+  filter spec does in the caller's thread.
+- `save.start_writes` `(loc)`: a save starts creating and writing its arrays;
+  an exception raised here is the write's.
+- `save.records_freed` `()`: a save freed its records and host views (once the
+  manifest was encoded, its writes still in flight).
+
 **Storage (`_storage`):**
 
 - `storage.open` `(loc)`: a TensorStore kvstore is opened, before every small
@@ -51,6 +70,11 @@ The points, with where they fire and the arguments they pass:
   its manifest written).
 - `commit.manifest_write` `(loc, name)`: the manifest's conditional write,
   before it is started (then its directory is synced: `sync.directory`).
+- `commit.manifest_encode` `(loc)`: process 0 encodes the manifest, while the
+  arrays are being written; an exception raised here is the encoding's.
+- `commit.manifest_written` `(loc, written)`: the manifest's conditional write
+  returned (`written`: whether it landed), in the helper thread, before the
+  save records whether it committed (an exception raised here loses that record).
 - `interrupts.queue` `(job)`: a job is about to be handed to the helper thread
   that signals never reach (an interrupt raised here has queued nothing).
 - `interrupts.queued` `(job)`: the job was handed over (an interrupt raised
@@ -94,6 +118,37 @@ The points, with where they fire and the arguments they pass:
   file; an `OSError` raised here is reported as the read's.
 - `local_read.crc` `(key)`: a chunk's joined crc32c is compared with its stored one.
 
+**A load (`_deserialise`, `_untrusted`, `_pack`, `_window`, `_read`, `_nested`, `_tree`):**
+
+- `load.read_stored` `(loc)`: a load has planned every leaf (and run the custom
+  filter specs and transforms) and starts reading the stored leaves.
+- `untrusted.scan` `(directory)`: a load checks the files of a folder on a
+  local disk (a leaf's, and each folder below it) for links and sizes.
+- `pack.read_run` `(loc, pack, paths)`: a run of a pack, holding the packed
+  leaves `paths`, starts being read.
+- `window.open` `()`: a reader starts taking its reads through the one
+  host-memory budget (every reader passes here).
+- `window.start` `(in_flight)`: a read starts within the one host-memory budget,
+  `in_flight` reads (itself included) then running.
+- `read.aval` `(shape, dtype)`: `_read.put`'s fast path makes the abstract value
+  of a shape and dtype (once for each in one call).
+- `read.batched_put` `(hosts)`: that path is about to place `hosts` with JAX's
+  internal call; an exception raised here is the call's (`put` falls back to
+  `jax.device_put`, for good: `_read.FAST_PUT` becomes `None`).
+- `nested.load` `(data, key)`: a load without a skeleton nests the leaves at or
+  below `key` as containers.
+- `tree.name_by_structure` `(treedef)`: a tree's leaves are named from its
+  structure (its nodes rebuilt around numbers), not its key paths.
+
+**The manager (`_manager`):**
+
+- `manager.save_returned` `(step, pending)`: a manager's save of `step`
+  returned (`pending`: its `PendingSave`, or `None` once committed), before the
+  manager takes it over; an interrupt raised here is one after the save went
+  to the background.
+- `manager.undo` `(step)`: after a failed save, the manager is about to remove
+  the step folder it created, unless it holds a committed checkpoint.
+
 **Other formats (`_safetensors`):**
 
 - `safetensors.read_headers` `(loc, files)`: a safetensors source is being
@@ -116,6 +171,13 @@ Action = BaseException | type[BaseException] | Callable[..., object]
 
 POINTS = frozenset(
     {
+        "save.records",
+        "save.leaf_record",
+        "save.array_kind",
+        "save.held",
+        "save.copied",
+        "save.start_writes",
+        "save.records_freed",
         "storage.open",
         "storage.read_file",
         "storage.read_generation",
@@ -132,6 +194,8 @@ POINTS = frozenset(
         "transaction.join",
         "transaction.commit",
         "commit.manifest_write",
+        "commit.manifest_encode",
+        "commit.manifest_written",
         "interrupts.queue",
         "interrupts.queued",
         "sync.flush",
@@ -149,6 +213,17 @@ POINTS = frozenset(
         "local_read.start_reads",
         "local_read.read",
         "local_read.crc",
+        "load.read_stored",
+        "untrusted.scan",
+        "pack.read_run",
+        "window.open",
+        "window.start",
+        "read.aval",
+        "read.batched_put",
+        "nested.load",
+        "tree.name_by_structure",
+        "manager.save_returned",
+        "manager.undo",
         "safetensors.read_headers",
         "safetensors.read_run",
     }

@@ -17,8 +17,9 @@ A checkpoint directory:
     ocdbt.db/                every array, with `layout="ocdbt"`
 
 and a manager's run holds `step_<8+ digits>/` checkpoints, their
-`step_<...>.metrics.json` (version 1) and `retention.json` (the rules its steps
-were saved under, so that retention deletes no step saved under others).
+`step_<...>.metrics.json` (version 1), `retention.json` (the rules its steps
+were saved under, so that retention deletes no step saved under others) and,
+while a manager writes there, `manager.json` (its lease, see `_lease`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -146,6 +147,8 @@ def parse_step(name: str) -> int | None:
 
 # A manager's record of its retention rules and the steps saved under them.
 RETENTION = "retention.json"
+# The lease of the manager writing a run's directory (see `_lease`).
+MANAGER_LEASE = "manager.json"
 
 
 def metrics_name(step: int) -> str:
@@ -312,6 +315,9 @@ NATIVE_DTYPES = frozenset(
 
 # The largest chunk a save writes.
 CHUNK_BYTES = 64 * 2**20
+# An array's chunk files sit under `c` in its folder: `c/<i>/<j>...` by their
+# indices in the chunk grid, and a scalar's one chunk is the file `c` itself.
+CHUNKS = "c"
 # Each chunk file ends in the crc32c of its bytes, little-endian.
 CHECKSUM_BYTES = 4
 
@@ -362,10 +368,16 @@ def chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...]) -> Iterator[str]
     axis; lazily: a hostile manifest's absurd shape fails at its first missing
     file without listing a trillion names first. An empty array has none."""
     if not shape:
-        yield "c"
+        yield CHUNKS
         return
     if 0 in shape:
         return
     rest = "/0" * (len(shape) - 1)
     for i in range(-(-shape[0] // chunks[0])):
-        yield f"c/{i}{rest}"
+        yield f"{CHUNKS}/{i}{rest}"
+
+
+def chunk_key(indices: Sequence[int]) -> str:
+    """The chunk file (below its array's folder) of the chunk at `indices` in the
+    chunk grid: `c/1/0`, or `c` for a scalar's."""
+    return "/".join([CHUNKS, *map(str, indices)])

@@ -128,7 +128,7 @@ def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Ca
     # The chunks read, as one array of their own: its chunk files are the pack's from `first` on.
     shape = (count * pack.chunk,)
     record = LeafRecord(pack.name, [], "numpy", shape, pack.dtype, shape, pack.dtype, "plain", (pack.chunk,))
-    keys = [f"c/{first + i}" for i in range(count)]
+    keys = [_format.chunk_key([first + i]) for i in range(count)]
     path = _check_chunk_files(loc, record, pack.name, iter(keys))
     out = _memory.fresh_bytes(record.nbytes)
     reads = _read_chunks(path, loc, record, out.data, keys)

@@ -26,7 +26,7 @@ from typing import Any
 
 from jaxtyping import PyTree
 
-from . import _durable, _initialise, _lazy, _lease, _orbax, _preemption, _serialise, _storage, _storage_errors
+from . import _durable, _faults, _initialise, _lazy, _lease, _orbax, _preemption, _serialise, _storage, _storage_errors
 from ._deserialise import default_deserialise_filter_spec, tree_deserialise_leaves
 from ._errors import (
     CheckpointError,
@@ -36,7 +36,7 @@ from ._errors import (
     CorruptCheckpointError,
     check_flag,
 )
-from ._format import MANIFEST, metrics_name as _metrics_name, step_name
+from ._format import MANAGER_LEASE, MANIFEST, metrics_name as _metrics_name, step_name
 from ._location import location
 from ._progress import Progress
 from ._serialise import PendingSave, default_serialise_filter_spec
@@ -228,7 +228,7 @@ class CheckpointManager:
         """Take the directory's lease (once): only one manager writes here."""
         if self._lease is None and _primary():
             _durable.ensure_directory(self._loc)
-            self._lease, _ = _lease.acquire(self._loc, _MANAGER_LEASE, what="CheckpointManager", journal=False)
+            self._lease, _ = _lease.acquire(self._loc, MANAGER_LEASE, what="CheckpointManager", journal=False)
 
     def step_path(self, step: int) -> str:
         """The path of a step's checkpoint (for `eqx_ckpt.Checkpoint`, or `eqx-ckpt ls`).
@@ -359,6 +359,7 @@ class CheckpointManager:
                 overwrite=overwrite, blocking=self.blocking, cast=cast, layout=layout, metrics=values,
                 progress=progress, handoff=handoff, follows=follows, share=self.share, followed=True,
             )  # fmt: skip
+            _faults.fire("manager.save_returned", step, pending)
         except CheckpointExistsError:
             raise  # another writer's save: nothing of it is ours to remove
         except BaseException:
@@ -415,6 +416,7 @@ class CheckpointManager:
     def _undo(self, step: int) -> None:
         """After a failed save: a step folder this save created, and that holds
         no committed checkpoint, goes. A committed step is never deleted here."""
+        _faults.fire("manager.undo", step)
         if _primary() and not _scan(self._loc).get(step, False):
             _storage.remove(self._loc, [step_name(step)])
 
@@ -847,6 +849,3 @@ class CheckpointManager:
 # `wait_for_new_step` lists the directory after this many seconds, then twice
 # as long each time, up to the last.
 _FIRST_POLL, _LAST_POLL = 0.01, 1.0
-
-# The lease file of the manager writing to a directory.
-_MANAGER_LEASE = "manager.json"

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _dtypes, _keypath, _read
+from . import _dtypes, _faults, _keypath, _read
 from ._errors import CheckpointValueError
 from ._format import LeafRecord
 from ._lazy import LazyArray, materialise
@@ -51,6 +51,7 @@ def load(
     like = _Likes(host)
     read = _read_runs(data, records, runs, check, like) if runs is not None and not lazy else {}
     leaf = functools.partial(_leaf, data, opener=opener, check=check, like=like, read=read)
+    _faults.fire("nested.load", data, key)
     tree = structure(records, key, leaf, numbered=numbered)
     return tree if lazy else materialise(tree, progress=progress)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes, _local_read, _storage, _storage_errors, _window
+from . import _dtypes, _faults, _local_read, _storage, _storage_errors, _window
 from ._format import LeafRecord, PackRecord
 from ._location import Location
 
@@ -93,6 +93,7 @@ def read_leaves(
     stores: dict[str, Any] = {}
 
     def start_run(pack: PackRecord, start: int, stop: int, members: list[int]) -> Callable[[], np.ndarray]:
+        _faults.fire("pack.read_run", loc, pack, [records[m].path for m in members])
         finish = _start_direct(loc, pack, start, stop)
         if finish is not None:
             return finish

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _dtypes, _local_read, _memory, _sharding, _share, _storage_errors
+from . import _dtypes, _faults, _local_read, _memory, _sharding, _share, _storage_errors
 from ._errors import LeafError, stored_leaf_error
 from ._format import LeafRecord
 from ._location import Location
@@ -196,27 +196,29 @@ def put(hosts: list[np.ndarray], sharding: Any) -> list[jax.Array]:
     extension, with what `device_put` would pass it: 15 us a leaf against 50 us
     for 10,000 small leaves here. Anything unusual, or a JAX where that call
     fails, goes through `device_put` (`tests/test_read.py` checks both agree)."""
-    global _fast_put
+    global FAST_PUT
     target = _one_device(sharding)
-    if target is not None and _fast_put is not None:
+    if target is not None and FAST_PUT is not None:
         device, committed = target
         placed = sharding if sharding is not None else _default_sharding(device)
         x64 = bool(jax.config.read("jax_enable_x64"))
         if all(type(x) is np.ndarray and x.flags.c_contiguous and _canonical(x.dtype, x64) for x in hosts):
-            shaped, batched = _fast_put
+            shaped, batched = FAST_PUT
             # One aval (immutable) per shape and dtype: a model's leaves have few.
             avals: dict[tuple[Any, ...], Any] = {}
 
             def aval(x: np.ndarray) -> Any:
                 found = avals.get((x.shape, x.dtype))
                 if found is None:
+                    _faults.fire("read.aval", x.shape, x.dtype)
                     found = avals[(x.shape, x.dtype)] = shaped(x.shape, x.dtype)
                 return found
 
             try:
+                _faults.fire("read.batched_put", hosts)
                 return [batched(aval(x), placed, [x], [device], committed) for x in hosts]
             except Exception:  # a JAX whose internals differ: the public call from now on
-                _fast_put = None
+                FAST_PUT = None
     return jax.device_put(hosts, sharding)
 
 
@@ -230,7 +232,10 @@ def _fast_put_function() -> tuple[Any, Any] | None:
         return None
 
 
-_fast_put = _fast_put_function()
+# The JAX internals `put` calls (making an aval, and `batched_device_put`), or
+# `None`: the public `jax.device_put` for every placement (set so by the first
+# failure of the internal call, for good; a test may set it too).
+FAST_PUT = _fast_put_function()
 
 
 @functools.lru_cache(maxsize=64)

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _dtypes, _format, _keypath, _multihost, _sharding, _tree
+from . import _dtypes, _faults, _format, _keypath, _multihost, _sharding, _tree
 from ._errors import CheckpointError, CheckpointTypeError, LeafError, leaf_message
 from ._format import LeafRecord, PackRecord, chunk_shape, pack_name, whole_chunks
 from ._handle import LeafHandle
@@ -75,6 +75,7 @@ def build(
     default filter spec, whose work on an array this does without the call
     (in one loop over the tree, `_common`, when every leaf has it and nothing
     is cast)."""
+    _faults.fire("save.records", loc)
     paths, records = names.paths, names.records
     _tree.check_unique(names, checkpoint=loc.display)
     primary = jax.process_index() == 0
@@ -169,6 +170,7 @@ def _prepare(
     leaf: by the short branch (`_common`) when it takes it, else the general
     way. `primary`: whether this is process 0 (asked of JAX when not given);
     `keypath`: the manifest record of `handle.keypath`, when the caller has it."""
+    _faults.fire("save.leaf_record", handle.path)
     if keypath is None:
         keypath = _keypath.to_json(handle.keypath)
     if cast is None:
@@ -323,6 +325,7 @@ def array_kind(cls: type) -> str:
     (exactly `np.ndarray`), "ndarray" (a subclass of it), "abstract" (a tracer or
     a `jax.ShapeDtypeStruct`) or "other". Remembered by type: an `isinstance`
     against JAX's classes costs about a microsecond, ten thousand times a save."""
+    _faults.fire("save.array_kind", cls)
     kind = _KINDS.get(cls)
     if kind is None:
         if issubclass(cls, (jax.core.Tracer, jax.ShapeDtypeStruct)):

@@ -23,6 +23,7 @@ from . import (
     _background,
     _dtypes,
     _durable,
+    _faults,
     _gc,
     _layout,
     _lease,
@@ -388,6 +389,7 @@ def _plan_write_and_commit(
     **options: Any,
 ) -> None:
     """The background part of an asynchronous save whose leaves were held (`_background.hold_tree`)."""
+    _faults.fire("save.held", loc)
     leaves, names = held()
     batch = _plan(loc, group, leaves, names, [default_serialise_filter_spec] * len(leaves), cast, private=False)
     tx, tracker = _begin(loc, group, batch, **options)
@@ -551,6 +553,7 @@ def _manifest_bytes(tx: _transaction.Transaction, batch: _write.Batch, metrics: 
         batch.records(), tx.target, tx.layout, commit=tx.commit_id, metrics=metrics, packs=packs,
         structure=batch.structure,
     )  # fmt: skip
+    _faults.fire("commit.manifest_encode", tx.loc)
     return manifest.to_bytes()
 
 

@@ -75,8 +75,8 @@ def top_names(paths: Sequence[str], layout: str, packs: Sequence[str] = ()) -> t
         return (_format.OCDBT_FOLDER,)
     names = {_format.ZARR_JSON, *packs}
     for path in paths:
-        # A root leaf is an array at the data root itself: its chunk is `c`.
-        names.add(_keypath.split_dotted(path)[0] if path else "c")
+        # A root leaf is an array at the data root itself: its chunks are `c`.
+        names.add(_keypath.split_dotted(path)[0] if path else _format.CHUNKS)
     return tuple(sorted(names))
 
 
@@ -121,6 +121,7 @@ class Transaction:
 
         def write() -> None:
             written, error, interrupt = _storage.write_conditional(self.loc, MANIFEST, data, self.expected)
+            _faults.fire("commit.manifest_written", self.loc, written)
             # Recorded here, in the helper thread that signals never reach: an
             # interrupt landing in the caller between the write and this line
             # would leave the save looking uncommitted, and its abort would

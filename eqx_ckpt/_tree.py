@@ -9,7 +9,7 @@ from typing import Any
 import equinox as eqx
 import jax.tree_util as jtu
 
-from . import _keypath
+from . import _faults, _keypath
 from ._errors import CheckpointTypeError, CheckpointValueError, LeafError, leaf_message
 
 
@@ -131,6 +131,7 @@ def names_from_structure(treedef: Any) -> Names:
     occurs: a later occurrence (the next block of a model, Adam's moments of
     the parameters) copies those names behind its own prefix, a string and a
     list joined per leaf, instead of a step per key."""
+    _faults.fire("tree.name_by_structure", treedef)
     paths: list[str] = []
     records: list[list[list[Any]]] = []
     # A subtree already named: (its first leaf, its last + 1, the length of the

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from . import _format
+from . import _faults, _format
 from ._errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -133,6 +133,7 @@ def _short(nbytes: int, found: int) -> str:
 def _scan(loc: Location, directory: str, leaf: str | None) -> int:
     # A file or folder removed while it is scanned (a reader racing an overwrite's
     # cleanup) counts as no bytes, so the load fails with an IntegrityError.
+    _faults.fire("untrusted.scan", directory)
     total = 0
     try:
         with os.scandir(directory) as entries:
@@ -151,7 +152,7 @@ def _scan(loc: Location, directory: str, leaf: str | None) -> int:
 # What a leaf's folder holds beyond its name, at most: `/c` and a chunk index
 # of up to 20 digits per dimension, or `/zarr.json`; TensorStore adds `.__lock`
 # while it writes one.
-_INSIDE = len("/c") + MAX_RANK * len("/18446744073709551615") + len(_format.TEMPORARY)
+_INSIDE = len("/" + _format.chunk_key([2**64 - 1] * MAX_RANK)) + len(_format.TEMPORARY)
 
 
 def check_path_lengths(loc: Location, records: Sequence[LeafRecord]) -> None:
@@ -167,7 +168,7 @@ def check_path_lengths(loc: Location, records: Sequence[LeafRecord]) -> None:
         return  # the common case: no path comes close
     for r in records:
         grid = [-(-size // chunk) if chunk else 1 for size, chunk in zip(r.stored_shape, r.chunks, strict=True)]
-        inside = max(len("/" + _format.ZARR_JSON), len("/c") + sum(1 + len(str(max(n - 1, 0))) for n in grid))
+        inside = max(len("/" + _format.ZARR_JSON), len("/" + _format.chunk_key([max(n - 1, 0) for n in grid])))
         longest = base + len(r.path) + inside + len(_format.TEMPORARY)  # a dotted path is its folder, in ASCII
         if longest >= limit:  # PATH_MAX counts the terminating NUL
             what = (

@@ -322,7 +322,7 @@ def _check_file_sizes(
     why = _untrusted.first_wrong_chunk_file(data, directory, shape, chunks, chunk_nbytes)
     if why is not None:
         return why + "."
-    folder = os.path.join(data.local, directory, "c")
+    folder = os.path.join(data.local, directory, _format.CHUNKS)
     expected = chunk_nbytes + _format.CHECKSUM_BYTES
     files = [folder] if os.path.isfile(folder) else [os.path.join(r, f) for r, _, fs in os.walk(folder) for f in fs]
     for file in files:

@@ -14,6 +14,8 @@ import collections
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
+from . import _faults
+
 # Bytes of reads in flight at once, for every reader. (A read larger than the
 # budget runs alone.)
 READ_BUDGET = 128 * 2**20
@@ -33,6 +35,7 @@ def windowed(
     Jobs are taken from `jobs` only as they start, so a lazy iterable may decide
     at that moment what comes next. The caller finishes each yielded read before
     asking for the next: that is what frees its bytes."""
+    _faults.fire("window.open")
     flight: collections.deque[tuple[K, int, F]] = collections.deque()
     in_flight = 0
     for key, size, start in jobs:
@@ -40,6 +43,7 @@ def windowed(
             done = flight.popleft()
             in_flight -= done[1]
             yield done
+        _faults.fire("window.start", len(flight) + 1)
         flight.append((key, size, start()))
         in_flight += size
     while flight:

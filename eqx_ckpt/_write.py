@@ -16,6 +16,7 @@ import numpy as np
 from . import (
     _dtypes,
     _durable,
+    _faults,
     _format,
     _interrupts,
     _layout,
@@ -78,6 +79,7 @@ class Batch:
         for items in [*lists, self.packs, self.made]:
             while items:
                 del items[-_FREE_STEP:]
+        _faults.fire("save.records_freed")
 
 
 _FREE_STEP = 256
@@ -109,6 +111,7 @@ def start_writes(
     written. Chunk files equal to `base`'s are shared; with `remember`, the
     digest of every chunk file written is recorded (`_share.written`).
     """
+    _faults.fire("save.start_writes", tx.loc)
     data = tx.data
     opens = _create(data, batch, group)
     local = _local_write.chosen(data, processes=group.count, layout=tx.layout)
@@ -292,6 +295,7 @@ def copy_numpy_leaves(pending: list[Pending]) -> None:
     copies = iter(_memory.private_copies([piece for p in mine for _, piece in p.pieces]))
     for p in mine:
         p.pieces = [(index, next(copies)) for index, _ in p.pieces]
+    _faults.fire("save.copied", pending)
 
 
 def _group_writes(data: Location, records: list[LeafRecord]) -> list[Any]:

@@ -11,7 +11,6 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator
 
 START = time.perf_counter()  # the output shows how long the imports took (slow under load)
 
@@ -90,20 +89,18 @@ def check_partial_save(path: str, mesh: jax.sharding.Mesh, tree: dict) -> None:
     assert eqx.tree_equal(loaded["small"], expected, typematch=True), loaded["small"]
 
 
-def check_failure_elsewhere(process_id: int, path: str, tree: dict, name: str, point: str | None = None) -> None:
-    """A failure in process 1 (the fault point `point` raises there, or, without
-    one, `eqx_ckpt._records`'s function `name`) fails the save in process 0
-    too, which removes what the save had written."""
+def check_failure_elsewhere(process_id: int, path: str, tree: dict, name: str, point: str) -> None:
+    """A failure in process 1 (the fault point `point` raises there, named
+    `name` in the error) fails the save in process 0 too, which removes what
+    the save had written."""
 
     def fail(*args: object, **kwargs: object) -> None:
         raise OSError(f"broken {name}")
 
     if process_id != 1:
         broken: contextlib.AbstractContextManager = contextlib.nullcontext()
-    elif point is not None:
-        broken = _faults.armed(point, fail)
     else:
-        broken = _replaced(eqx_ckpt._records, name, fail)
+        broken = _faults.armed(point, fail)
     try:
         with broken:
             eqx_ckpt.tree_serialise_leaves(path, tree)
@@ -114,17 +111,6 @@ def check_failure_elsewhere(process_id: int, path: str, tree: dict, name: str, p
         raise AssertionError(f"a save whose {name} failed in process 1 did not fail")
     if process_id == 0 and os.path.exists(path):  # which cleaned up before raising
         assert os.listdir(path) == [], os.listdir(path)
-
-
-@contextlib.contextmanager
-def _replaced(module: object, name: str, replacement: Callable[..., None]) -> Iterator[None]:
-    """`module.name` is `replacement` inside the block."""
-    original = getattr(module, name)
-    setattr(module, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
 
 
 def file_writes() -> int:
@@ -166,7 +152,7 @@ def main(process_id: int, num_processes: int, port: int, path: str) -> None:
     # Process 1 fails before the first barrier (its tree cannot be saved: once the
     # others waited an hour for it there), to join the transaction, or to open
     # the arrays to write.
-    check_failure_elsewhere(process_id, path + "_collect", tree, "build")
+    check_failure_elsewhere(process_id, path + "_collect", tree, "build", "save.records")
     check_failure_elsewhere(process_id, path + "_join", tree, "join", "transaction.join")
     check_failure_elsewhere(process_id, path + "_write", tree, "open_array", "storage.open_array")
     try:

@@ -1,5 +1,5 @@
 """The architecture the code promises (docs/architecture.md), checked on the code
-itself so it cannot drift: the on-disk names live in `_format`, only the
+itself so it cannot drift: the on-disk names and sizes live in `_format`, only the
 storage seam imports `tensorstore`, no module imports another that imports it
 back, and every module is on the contributor's map."""
 
@@ -12,11 +12,18 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "eqx_ckpt"
 MODULES = sorted(PACKAGE.glob("*.py"))
 
-# Names of files and folders a checkpoint holds (see `_format`): a string that
-# holds one of these and no space is a file name, not a message.
+# Names of files and folders a checkpoint or a manager's run holds (see
+# `_format`): a string that holds one of these and no space is a file name, not
+# a message. Any `.json` file counts, except a foreign format's own names (the
+# safetensors index, which `_safetensors` owns); a chunk key is `c`, `c/...` or
+# `.../c` (a bare `"c"` is caught by `_CHUNK_FOLDER_USES`).
 _ON_DISK = re.compile(
     r"manifest\.json|saving\.json|zarr\.json|ocdbt\.db|\.__lock|^gen\.|^packed\.|^step_|\.metrics\.json"
+    r"|(?<!safetensors\.index)\.json$|(^|/)c/|/c$"
 )
+# The size of a chunk's checksum is `_format.CHECKSUM_BYTES`, never a literal 4
+# added to or taken from a size or an offset.
+_CHECKSUM = 4
 
 
 def _tree(path: pathlib.Path) -> ast.Module:
@@ -51,18 +58,44 @@ def _imports(tree: ast.Module) -> set[str]:
     return found
 
 
+def _not_a_chunk_folder(tree: ast.Module) -> set[int]:
+    """The bare `"c"` strings of `tree` that cannot name a chunk file: a dict's
+    key, a subscript, a set's member, a comparison's operand (a dtype's kind),
+    or the key of `.get`. Any other `"c"` (joined into a path, returned, added
+    to a set of names) is the chunk folder, which `_format.CHUNKS` names."""
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            found.update(id(key) for key in node.keys if key is not None)
+        elif isinstance(node, ast.Subscript):
+            found.add(id(node.slice))
+        elif isinstance(node, ast.Set):
+            found.update(id(e) for e in node.elts)
+        elif isinstance(node, ast.Compare):
+            found.update(id(e) for e in (node.left, *node.comparators))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            found.update(id(a) for a in node.args[:1])
+    return found
+
+
+def _on_disk_literals(path: pathlib.Path) -> list[str]:
+    tree = _tree(path)
+    docstrings, not_chunks = _docstrings(tree), _not_a_chunk_folder(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            name = node.value
+            if not re.search(r"\s", name) and (_ON_DISK.search(name) or (name == "c" and id(node) not in not_chunks)):
+                found.append(f"{path.name}:{node.lineno}: {name!r}")
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+            if any(isinstance(side, ast.Constant) and side.value == _CHECKSUM for side in (node.left, node.right)):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)!r} (a checksum's size?)")
+    return found
+
+
 def test_on_disk_names_live_in_the_format_module():
-    misplaced = []
-    for path in MODULES:
-        if path.name == "_format.py":
-            continue
-        tree = _tree(path)
-        docstrings = _docstrings(tree)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
-                if _ON_DISK.search(node.value) and not re.search(r"\s", node.value):
-                    misplaced.append(f"{path.name}:{node.lineno}: {node.value!r}")
-    assert misplaced == [], "on-disk names belong in eqx_ckpt/_format.py:\n" + "\n".join(misplaced)
+    misplaced = [found for path in MODULES if path.name != "_format.py" for found in _on_disk_literals(path)]
+    assert misplaced == [], "on-disk names and sizes belong in eqx_ckpt/_format.py:\n" + "\n".join(misplaced)
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
@@ -124,3 +157,99 @@ def test_every_function_reads_in_one_screen():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _code_lines(node, lines) > 60:
                 long.append(f"{path.name}: {node.name} ({_code_lines(node, lines)} lines)")
     assert long == []
+
+
+# -- Tests inject failures through fault points and documented knobs -----------------------------
+
+TESTS = sorted(PACKAGE.parent.glob("tests/*.py"))
+# A documented knob: a module constant (`_records.PACK_BYTES`, `_window.READ_BUDGET`...).
+_KNOB = re.compile(r"^_?[A-Z][A-Z0-9_]*$")
+
+
+def _imported_names(tree: ast.Module) -> dict[str, object]:
+    """What each name a test file imports from eqx_ckpt is, at any depth (tests
+    import inside functions too)."""
+    import importlib
+
+    names: dict[str, object] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "eqx_ckpt":
+                    importlib.import_module(alias.name)
+                    top = alias.asname or alias.name.split(".")[0]
+                    names[top] = importlib.import_module(alias.name if alias.asname else "eqx_ckpt")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "eqx_ckpt" and node.level == 0:
+            module = importlib.import_module(node.module or "eqx_ckpt")
+            for alias in node.names:
+                value = getattr(module, alias.name, None)
+                if value is None:
+                    value = importlib.import_module(f"{node.module}.{alias.name}")
+                names[alias.asname or alias.name] = value
+    return names
+
+
+def _resolved(node: ast.expr, names: dict[str, object]) -> object | None:
+    if isinstance(node, ast.Name):
+        return names.get(node.id)
+    if isinstance(node, ast.Attribute):
+        owner = _resolved(node.value, names)
+        return None if owner is None else getattr(owner, node.attr, None)
+    return None
+
+
+def _ours(owner: object) -> bool:
+    """Whether `owner` is one of eqx_ckpt's modules or classes."""
+    import types
+
+    if isinstance(owner, types.ModuleType):
+        return owner.__name__.split(".")[0] == "eqx_ckpt"
+    return isinstance(owner, type) and owner.__module__.split(".")[0] == "eqx_ckpt"
+
+
+def _private_patches(path: pathlib.Path) -> list[str]:
+    """Where the test file `path` replaces something of eqx_ckpt's that is not a
+    documented knob: a function, class, method or other state, by
+    `monkeypatch.setattr`, `setattr`, `mock.patch(.object)` or an assignment."""
+    import importlib
+
+    tree = _tree(path)
+    names = _imported_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        target: tuple[object, str | None] | None = None
+        if isinstance(node, ast.Call) and node.args:
+            func = ast.unparse(node.func)
+            if not (func == "setattr" or func.endswith((".setattr", "patch", ".object"))):
+                continue
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                module, _, attr = first.value.rpartition(".")
+                if module.split(".")[0] == "eqx_ckpt":
+                    target = (importlib.import_module(module), attr)
+            else:
+                owner = _resolved(first, names)
+                second = node.args[1] if len(node.args) > 1 else None
+                attr = second.value if isinstance(second, ast.Constant) and isinstance(second.value, str) else None
+                target = (owner, attr)
+        elif isinstance(node, ast.Assign):
+            for lhs in node.targets:
+                if isinstance(lhs, ast.Attribute):
+                    target = (_resolved(lhs.value, names), lhs.attr)
+        if target is None:
+            continue
+        owner, attr = target
+        # A name not written out (`setattr(module, name, ...)`) cannot be told
+        # from a knob: only a literal one is allowed.
+        if (attr is None and (owner is None or _ours(owner))) or (_ours(owner) and not _KNOB.match(attr or "")):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:100]}")
+    return found
+
+
+def test_tests_replace_no_private_code():
+    """Tests inject failures only through fault points (`_faults`) and documented
+    knobs (module constants): a test that replaced a private function, class or
+    method would break whenever the code moved (docs/architecture.md, "Testing
+    through the seams")."""
+    patches = [found for path in TESTS for found in _private_patches(path)]
+    assert patches == [], "use a fault point (eqx_ckpt/_faults.py) or a knob:\n" + "\n".join(patches)

@@ -23,7 +23,7 @@ import pytest
 import tensorstore as ts
 
 import eqx_ckpt
-from eqx_ckpt import _background, _gc, _memory, _records, _tree as tree_util, _write
+from eqx_ckpt import _background, _gc, _memory, _records, _tree as tree_util
 
 
 def _tree(step):
@@ -189,18 +189,17 @@ def test_a_script_ending_with_a_managers_save_in_flight_counts_it_once(tmp_path)
     assert eqx.tree_equal(manager.restore(expected), expected, typematch=True)
 
 
-def _held_back(monkeypatch):
+def _held_back(faults):
     """Make the background part of a save wait for `release` before it makes any
-    leaf record; return (release, the names of the threads that made records)."""
+    leaf record the general way (fault point `save.leaf_record`); return
+    (release, the names of the threads that made records)."""
     release, threads = threading.Event(), []
-    prepare = _records._prepare
 
-    def slow(*args, **kwargs):
+    def slow(path):
         threads.append(threading.current_thread().name)
         assert release.wait(timeout=60)
-        return prepare(*args, **kwargs)
 
-    monkeypatch.setattr(_records, "_prepare", slow)
+    faults("save.leaf_record", slow)
     return release, threads
 
 
@@ -229,11 +228,11 @@ def test_large_numpy_leaves_changed_after_the_call_are_saved_as_they_were(tmp_pa
     assert eqx_ckpt.verify(tmp_path) == []
 
 
-def test_the_caller_waits_only_for_host_data(tmp_path, monkeypatch):
+def test_the_caller_waits_only_for_host_data(tmp_path, faults):
     """The leaf records, the transaction and the writes all happen in the
     background: the call returns before any record is made, and arrays donated,
     deleted or changed after it returns (PRNG keys included) are saved as they were."""
-    release, threads = _held_back(monkeypatch)
+    release, threads = _held_back(faults)
     tree = {"params": jnp.arange(1024, dtype=jnp.float32), "key": jax.random.key(7), "host": np.ones(3), "step": 5}
     expected = {"params": np.arange(1024, dtype=np.float32), "key": jax.random.key(7), "host": np.ones(3), "step": 5}
     pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, blocking=False)
@@ -264,8 +263,8 @@ def test_a_leaf_that_cannot_be_saved_fails_on_wait_and_writes_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "packed.float32", "zarr.json"]
 
 
-def test_a_custom_filter_spec_runs_in_the_callers_thread(tmp_path, monkeypatch):
-    release, threads = _held_back(monkeypatch)
+def test_a_custom_filter_spec_runs_in_the_callers_thread(tmp_path, faults):
+    release, threads = _held_back(faults)
     release.set()
     eqx_ckpt.tree_serialise_leaves(tmp_path, _tree(1), lambda handle, x: handle.write(x), blocking=False).wait()
     assert set(threads) == {threading.current_thread().name}
@@ -353,19 +352,18 @@ def test_a_finalizer_that_resumes_a_pause_inside_the_lock_does_not_deadlock(thre
 
 @pytest.mark.parametrize("held", [True, False], ids=["held", "custom-spec"])
 @pytest.mark.parametrize("fails", [False, True], ids=["commits", "fails"])
-def test_the_collector_stays_paused_until_the_background_part_ends(tmp_path, monkeypatch, held, fails):
+def test_the_collector_stays_paused_until_the_background_part_ends(tmp_path, faults, held, fails):
     """The caller hands its pause of the garbage collector to the background
     thread (no collection falls between the two), which ends it once: the
     collector is enabled again after `wait()`, whether the save committed or failed."""
-    release, start_writes = threading.Event(), _write.start_writes
+    release = threading.Event()
 
-    def held_back(*args, **kwargs):
+    def held_back(loc):
         assert release.wait(timeout=60)
         if fails:
             raise OSError("disk full")
-        return start_writes(*args, **kwargs)
 
-    monkeypatch.setattr(_write, "start_writes", held_back)
+    faults("save.start_writes", held_back)
     spec = eqx_ckpt.default_serialise_filter_spec if held else (lambda handle, x: handle.write(x))
     assert gc.isenabled()
     pending = eqx_ckpt.tree_serialise_leaves(tmp_path, _tree(1), spec, blocking=False)
@@ -405,13 +403,12 @@ def test_what_the_caller_holds_is_decided_by_type(tmp_path):
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, np.zeros(4), prefix="sub"), np.arange(4.0))
 
 
-def test_a_tree_of_arrays_on_one_device_is_held_with_no_step_per_leaf(tmp_path, monkeypatch):
+def test_a_tree_of_arrays_on_one_device_is_held_with_no_step_per_leaf(tmp_path, faults):
     """The common tree, every leaf a `jax.Array` on one device: the caller's
     part looks at each leaf's type once per type, not once per leaf, and
     what it holds is still the values at the call."""
     calls = []
-    kind = _records.array_kind
-    monkeypatch.setattr(_records, "array_kind", lambda cls: calls.append(cls) or kind(cls))
+    faults("save.array_kind", calls.append)
     tree = {f"w{i}": jnp.full(3, i, dtype=jnp.float32) for i in range(40)}
     expected = jax.tree.map(np.array, tree)
     flat = _background.hold_tree(tree)
@@ -456,19 +453,15 @@ def test_a_tree_of_jax_arrays_not_all_plain_is_held_leaf_by_leaf(tmp_path):
     assert not (tmp_path / "gone").exists()
 
 
-def test_the_trees_containers_may_change_after_the_call(tmp_path, monkeypatch):
+def test_the_trees_containers_may_change_after_the_call(tmp_path, faults):
     """The key paths are those of the tree as it was during the call, not of
     containers the caller changed since."""
-    from eqx_ckpt import _serialise
-
     release = threading.Event()
-    plan_write_and_commit = _serialise._plan_write_and_commit
 
-    def held_back(*args, **kwargs):
+    def held_back(loc):
         assert release.wait(timeout=60)
-        return plan_write_and_commit(*args, **kwargs)
 
-    monkeypatch.setattr(_serialise, "_plan_write_and_commit", held_back)
+    faults("save.held", held_back)
     tree = {"a": jnp.ones(2), "b": [np.zeros(3), 1.5]}
     expected = {"a": jnp.ones(2), "b": [np.zeros(3), 1.5]}
     pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, blocking=False)
@@ -490,7 +483,7 @@ def test_is_leaf_with_an_asynchronous_save(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_the_records_are_freed_while_the_writes_keep_their_data(where, tmp_path, monkeypatch, request, faults):
+def test_the_records_are_freed_while_the_writes_keep_their_data(where, tmp_path, request, faults):
     """A save frees its records and host views once the manifest is encoded,
     before its writes finish (`Batch.free`). The writes keep their own
     references to what they still need: the private copies of an asynchronous
@@ -499,13 +492,7 @@ def test_the_records_are_freed_while_the_writes_keep_their_data(where, tmp_path,
     S3, may have encoded them already), and what is saved is what the caller
     had, though it changed its arrays and new arrays took the freed memory."""
     freed, release = threading.Event(), threading.Event()
-    free = _write.Batch.free
-
-    def spy(self):
-        free(self)
-        freed.set()
-
-    monkeypatch.setattr(_write.Batch, "free", spy)
+    faults("save.records_freed", freed.set)
     if where == "local":
 
         def held_back(fd):
@@ -519,13 +506,11 @@ def test_the_records_are_freed_while_the_writes_keep_their_data(where, tmp_path,
         s3.gate.open.clear()
         release = s3.gate.open
     copies = []
-    copy_numpy_leaves = _write.copy_numpy_leaves
 
     def kept(pending):
-        copy_numpy_leaves(pending)
         copies.extend(weakref.ref(piece) for p in pending for _, piece in p.pieces)
 
-    monkeypatch.setattr(_write, "copy_numpy_leaves", kept)
+    faults("save.copied", kept)
     tree = {"w": np.arange(4096, dtype=np.float32), "b": np.full(3, 7, dtype=np.int64)}
     expected = jax.tree.map(np.copy, tree)
     pending = eqx_ckpt.tree_serialise_leaves(path, tree, lambda handle, x: handle.write(x), blocking=False)

@@ -102,25 +102,21 @@ def test_old_checkpoint_loads_until_the_new_manifest_is_written(tmp_path):
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
 
 
-def test_a_failure_encoding_the_manifest_beside_the_writes_commits_nothing(tmp_path, monkeypatch):
+def test_a_failure_encoding_the_manifest_beside_the_writes_commits_nothing(tmp_path):
     """The manifest is encoded while the arrays are being written: a failure
     there waits for the writes, deletes them and leaves the old checkpoint."""
-    from eqx_ckpt import _manifest
+    from eqx_ckpt import _faults
 
     old = {"small": jnp.arange(3), "large": jnp.ones((512, 1024))}  # a pack, and an array of its own
     eqx_ckpt.tree_serialise_leaves(tmp_path, old)
     before = snapshot(tmp_path)
 
-    def fail(manifest):
-        raise OSError("cannot encode")
-
-    monkeypatch.setattr(_manifest.Manifest, "to_bytes", fail)
     new = {"small": jnp.arange(3) + 1, "large": jnp.zeros((512, 1024))}
-    with pytest.raises(eqx_ckpt.CheckpointError, match="nothing was committed: cannot encode") as info:
-        eqx_ckpt.tree_serialise_leaves(tmp_path, new)
+    with _faults.armed("commit.manifest_encode", OSError("cannot encode")):
+        with pytest.raises(eqx_ckpt.CheckpointError, match="nothing was committed: cannot encode") as info:
+            eqx_ckpt.tree_serialise_leaves(tmp_path, new)
     # An OSError without an errno the storage gives: not the storage's fault.
     assert isinstance(info.value, eqx_ckpt.LeafError) and not isinstance(info.value, eqx_ckpt.CheckpointStorageError)
-    monkeypatch.undo()
     assert snapshot(tmp_path) == before
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
     eqx_ckpt.tree_serialise_leaves(tmp_path, new)

@@ -388,24 +388,21 @@ def test_filter_spec_that_is_not_a_prefix_is_a_clear_error(tmp_path):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, tree, spec)
 
 
-def test_a_load_racing_an_overwrite_says_the_checkpoint_was_replaced(tmp_path, monkeypatch):
-    from eqx_ckpt import _deserialise
+def test_a_load_racing_an_overwrite_says_the_checkpoint_was_replaced(tmp_path):
+    from eqx_ckpt import _faults
 
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.zeros(3)})
-    load = _deserialise._read_stored
 
-    def overwritten_meanwhile(data, plans, **options):
+    def overwritten_meanwhile(loc):
         eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(3)})
-        return load(data, plans, **options)
 
-    monkeypatch.setattr(_deserialise, "_read_stored", overwritten_meanwhile)
-    with pytest.raises(eqx_ckpt.CheckpointReplacedError) as info:
-        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(3)})
+    with _faults.armed("load.read_stored", overwritten_meanwhile):
+        with pytest.raises(eqx_ckpt.CheckpointReplacedError) as info:
+            eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(3)})
     message = str(info.value)
     assert message.startswith(f"Checkpoint {str(tmp_path)!r} was replaced by a newer save after it was opened")
     assert "Open or load it again to read the new one" in message
     assert "gen." not in message
-    monkeypatch.undo()
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(3)}), {"w": jnp.ones(3)})
 
 

@@ -8,6 +8,7 @@ import re
 import threading
 
 import equinox as eqx
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -75,13 +76,15 @@ def test_the_docstring_documents_every_point():
 _ELSEWHERE = {
     "transaction.join": "reached only by the processes other than 0 of a multi-process save "
     "(armed in tests/multiprocess_worker.py, run by tests/test_multiprocess.py)",
+    "manager.undo": "reached only when a manager's save fails (armed in tests/test_manager.py)",
 }
 
 
 @pytest.fixture(scope="module")
 def reached(tmp_path_factory):
     """How many times each point fired during a local save, load, overwrite,
-    load and verify, an export to safetensors loaded back, and two saves of a
+    load and verify, two asynchronous saves, a load into JAX arrays and one
+    without a skeleton, an export to safetensors loaded back, and two saves of a
     manager that keeps one step. Few files make a
     flush `syncfs` here, and every chunk file of a leaf goes past the page cache."""
     counts = collections.Counter()
@@ -106,6 +109,14 @@ def reached(tmp_path_factory):
                 loaded = eqx_ckpt.tree_deserialise_leaves(path / "ckpt", like)
                 assert all(np.array_equal(loaded[k], tree[k] + generation) for k in tree)
             assert eqx_ckpt.verify(path / "ckpt") == []
+            # Asynchronous saves (the leaves held, or a custom filter spec's
+            # copied), a load into JAX arrays, and one without a skeleton.
+            eqx_ckpt.tree_serialise_leaves(path / "held", tree, blocking=False).wait()
+            custom = lambda handle, x: handle.write(x)
+            eqx_ckpt.tree_serialise_leaves(path / "custom", tree, custom, blocking=False).wait()
+            on_device = eqx_ckpt.tree_deserialise_leaves(path / "ckpt", {"small": jnp.zeros(3, jnp.int32)}, cast=True)
+            assert np.array_equal(on_device["small"], tree["small"] + 2)
+            assert eqx.tree_equal(eqx_ckpt.Checkpoint(path / "custom").load(), tree)
             # Another format's source (`_safetensors`).
             eqx_ckpt.export_safetensors(path / "st", tree)
             assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path / "st", like), tree)

@@ -526,19 +526,16 @@ def test_a_leaf_folder_removed_while_it_is_checked_is_an_integrity_error(tmp_pat
     # A reader racing an overwrite can find a leaf's folder, then see it deleted by
     # the overwrite's cleanup before listing it: that must be the documented
     # IntegrityError (retry), not a bare FileNotFoundError.
-    from eqx_ckpt import _location, _untrusted
+    from eqx_ckpt import _faults, _location, _untrusted
 
     loc = _location.location(tmp_path)
     assert _untrusted._scan(loc, str(tmp_path / "gone"), "a") == 0
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", {"a": jnp.arange(4)})
-    real_scan = _untrusted._scan
 
-    def scan_after_cleanup(loc, directory, leaf):
+    def scan_after_cleanup(directory):
         shutil.rmtree(directory)  # the folder existed when checked; now it is gone
-        return real_scan(loc, directory, leaf)
 
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(_untrusted, "_scan", scan_after_cleanup)
+    with _faults.armed("untrusted.scan", scan_after_cleanup):
         with pytest.raises(eqx_ckpt.IntegrityError, match=r"Leaf `a` .* is damaged or incomplete"):
             eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", {"a": jnp.zeros(4, jnp.int32)})
 

@@ -323,7 +323,7 @@ jtu.register_pytree_with_keys(
 )
 
 
-def test_a_tree_with_another_node_is_named_from_its_key_paths(monkeypatch):
+def test_a_tree_with_another_node_is_named_from_its_key_paths(monkeypatch, faults):
     """A registered node may run code of the user's when rebuilt: its tree is
     named from its key paths, never rebuilt; which way a root type went is
     remembered for the next tree of that type."""
@@ -334,7 +334,7 @@ def test_a_tree_with_another_node_is_named_from_its_key_paths(monkeypatch):
 
     monkeypatch.setattr(_tree, "_PLAIN_ROOTS", {})
     tree = {"r": [_Registered(jnp.ones(2)), _Registered(3.0)], "p": jnp.zeros(1)}
-    monkeypatch.setattr(_tree, "names_from_structure", refuse)
+    faults("tree.name_by_structure", refuse)
     _check_named_as_by_key_paths(tree)
     assert _tree._PLAIN_ROOTS == {dict: False}
     _check_named_as_by_key_paths(tree)  # tried with key paths first this time, as remembered

@@ -534,7 +534,7 @@ def test_a_step_saved_below_the_latest_is_not_deleted_at_once(tmp_path):
     assert manager.all_steps() == [300, 400]
 
 
-def test_an_interrupt_after_an_asynchronous_save_went_to_the_background_never_removes_it(tmp_path, monkeypatch, faults):
+def test_an_interrupt_after_an_asynchronous_save_went_to_the_background_never_removes_it(tmp_path, faults):
     """A Ctrl-C landing after `save` handed the step to its background thread
     (here: as the inner save returns) once made the manager remove the step
     folder while that thread was still writing it; the thread then committed a
@@ -542,31 +542,25 @@ def test_an_interrupt_after_an_asynchronous_save_went_to_the_background_never_re
     before the background thread writes the manifest."""
     import threading
 
-    from eqx_ckpt import _background, _manager, _serialise
+    from eqx_ckpt import _background
 
     undone, at_commit = threading.Event(), threading.Event()
-    real_undo, real_save = _manager.CheckpointManager._undo, _serialise.save
 
-    def undo(self, step):
+    def undo(step):
         at_commit.wait(10)
-        try:
-            real_undo(self, step)
-        finally:
-            undone.set()
+        undone.set()
 
-    def save(*args, **kwargs):
-        pending = real_save(*args, **kwargs)
+    def save_returned(step, pending):
         if pending is not None:
             raise KeyboardInterrupt
-        return pending
 
     def write_conditional(loc, name):
         if name == "manifest.json" and threading.current_thread() is not threading.main_thread():
             at_commit.set()
             undone.wait(2)  # with the fix, nothing is undone
 
-    monkeypatch.setattr(_manager.CheckpointManager, "_undo", undo)
-    monkeypatch.setattr(_serialise, "save", save)
+    faults("manager.undo", undo)
+    faults("manager.save_returned", save_returned)
     faults("commit.manifest_write", write_conditional)
     tree = {"w": jnp.arange(1000.0), "big": jnp.ones(400_000)}
     manager = eqx_ckpt.CheckpointManager(tmp_path, blocking=False)

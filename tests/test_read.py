@@ -116,7 +116,7 @@ def _same_arrays(ours, theirs):
 def test_put_gives_what_device_put_gives(x64, placed):
     """`_read.put` calls JAX's internal `batched_device_put` where it can: its
     arrays must be those `jax.device_put` makes, one case at a time and in a batch."""
-    assert _read._fast_put is not None, "the fast path is not in use with this JAX"
+    assert _read.FAST_PUT is not None, "the fast path is not in use with this JAX"
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0]) if placed else None
     with jax.enable_x64(x64):
         cases = _put_cases()
@@ -124,29 +124,28 @@ def test_put_gives_what_device_put_gives(x64, placed):
             _same_arrays(_read.put([case], sharding), jax.device_put([case], sharding))
         fast = cases[:7]
         _same_arrays(_read.put(fast, sharding), jax.device_put(fast, sharding))
-    assert _read._fast_put is not None
+    assert _read.FAST_PUT is not None
 
 
-def test_put_makes_one_aval_per_shape_and_dtype(monkeypatch):
+def test_put_makes_one_aval_per_shape_and_dtype(faults):
     # One each took 5 us a leaf, as much as the rest of the call, for ten
     # thousand leaves of a few shapes.
-    shaped, batched = _read._fast_put
     made = []
-    monkeypatch.setattr(_read, "_fast_put", (lambda *a: made.append(a) or shaped(*a), batched))
+    faults("read.aval", lambda *a: made.append(a))
     hosts = [np.full((2, 3), i, np.float32) for i in range(4)] + [np.arange(5, dtype=np.int32)] * 3
     _same_arrays(_read.put(hosts, None), jax.device_put(hosts))
     assert sorted(made, key=str) == [((2, 3), np.dtype(np.float32)), ((5,), np.dtype(np.int32))]
 
 
-def test_put_falls_back_to_device_put_for_good_when_the_internal_call_fails(monkeypatch):
+def test_put_falls_back_to_device_put_for_good_when_the_internal_call_fails(monkeypatch, faults):
     def changed(*args, **kwargs):
         raise TypeError("batched_device_put() takes 4 positional arguments")
 
-    shaped, _ = _read._fast_put
-    monkeypatch.setattr(_read, "_fast_put", (shaped, changed))
+    monkeypatch.setattr(_read, "FAST_PUT", _read.FAST_PUT)  # the fast path back after the test
+    faults("read.batched_put", changed)
     cases = _put_cases()[:7]
     _same_arrays(_read.put(cases, None), jax.device_put(cases))
-    assert _read._fast_put is None
+    assert _read.FAST_PUT is None
 
 
 def test_put_honours_a_default_device():

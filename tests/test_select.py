@@ -26,19 +26,12 @@ class Net(eqx.Module):
 
 
 @pytest.fixture
-def packed_reads(monkeypatch):
-    """The dotted paths of the packed leaves that loads read. (A partial load reads
-    the runs of a pack that hold its leaves, at chunk granularity: test_pack.py.)"""
-    from eqx_ckpt import _pack
-
-    read, real = [], _pack.read_leaves
-
-    def read_leaves(loc, records):
-        for members, start, finish in real(loc, records):
-            read.extend(records[m].path for m in members)
-            yield members, start, finish
-
-    monkeypatch.setattr(_pack, "read_leaves", read_leaves)
+def packed_reads(faults):
+    """The dotted paths of the packed leaves that loads read (fault point
+    `pack.read_run`). (A partial load reads the runs of a pack that hold its
+    leaves, at chunk granularity: test_pack.py.)"""
+    read = []
+    faults("pack.read_run", lambda loc, pack, paths: read.extend(paths))
     return read
 
 

@@ -355,29 +355,29 @@ def test_an_interrupt_at_every_line_of_the_commit(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", ["first", "overwrite"])
 @pytest.mark.parametrize("manifest", ["its own", "unreadable"])
-def test_an_abort_never_deletes_what_the_live_manifest_may_use(tmp_path, monkeypatch, kind, manifest):
+def test_an_abort_never_deletes_what_the_live_manifest_may_use(tmp_path, kind, manifest):
     """However a save came to abort after its manifest was written (here: the
     record of the commit lost, then an interrupt), the abort checks the live
     manifest first: when it is the save's own, or cannot be read to tell, the
     arrays stay and the journal is left for the next save."""
-    from eqx_ckpt import _manifest, _transaction
+    from eqx_ckpt import _faults
 
     scenario = _Scenario(kind, tmp_path / kind)
     files = scenario.prepare()
-    real_commit, real_read = _transaction.Transaction.commit, _manifest.read_manifest
+    written = threading.Event()
 
-    def commit_then_forget(self, manifest_):
-        real_commit(self, manifest_)
-        self.state = _transaction.State.WRITTEN
-        if manifest == "unreadable":
-            monkeypatch.setattr(_manifest, "read_manifest", lambda loc: (_ for _ in ()).throw(OSError("unreadable")))
+    def forget(loc, landed):
+        # Before the save records its commit: the record is lost.
+        written.set()
         raise KeyboardInterrupt("after the manifest was written")
 
-    monkeypatch.setattr(_transaction.Transaction, "commit", commit_then_forget)
-    with pytest.raises(KeyboardInterrupt):
-        scenario.save(2)
-    monkeypatch.setattr(_transaction.Transaction, "commit", real_commit)
-    monkeypatch.setattr(_manifest, "read_manifest", real_read)
+    def read_file(loc, name):
+        if written.is_set() and manifest == "unreadable" and name == "manifest.json":
+            raise OSError("unreadable")
+
+    with _faults.armed({"commit.manifest_written": forget, "storage.read_file": read_file}):
+        with pytest.raises(KeyboardInterrupt):
+            scenario.save(2)
     assert (scenario.directory / "saving.json").exists()  # the journal, for the next save
     assert scenario.which([1, 2]) == 2
     assert _unchanged(scenario.directory, files)

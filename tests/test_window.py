@@ -83,33 +83,13 @@ def test_a_read_starts_only_when_there_is_room(monkeypatch):
 
 
 @pytest.fixture
-def watched(monkeypatch):
-    """Every use of the budget: for each call of `windowed`, the most reads it
-    had in flight. The budget is one byte: one read at a time."""
+def watched(monkeypatch, faults):
+    """Every use of the budget (fault point `window.open`, noted as 0) and every
+    read started through it (`window.start`): how many reads were then in
+    flight. The budget is one byte: one read at a time."""
     monkeypatch.setattr(_window, "READ_BUDGET", 1)
-    real, calls = _window.windowed, []
-
-    def windowed(jobs, **kwargs):
-        most = [0]
-        calls.append(most)
-        started = 0
-        done = 0
-
-        def counted():
-            for key, size, start in jobs:
-                yield key, size, lambda start=start: begin(start)
-
-        def begin(start):
-            nonlocal started
-            started += 1
-            most[0] = max(most[0], started - done)
-            return start()
-
-        for item in real(counted(), **kwargs):
-            done += 1
-            yield item
-
-    monkeypatch.setattr(_window, "windowed", windowed)
+    calls = []
+    faults({"window.open": lambda: calls.append(0), "window.start": calls.append})
     return calls
 
 
@@ -125,7 +105,7 @@ def test_every_reader_uses_the_one_budget(tmp_path, watched, packing):
         watched.clear()
         run()
         assert watched, f"{what} read without the budget"
-        assert all(most[0] <= 1 for most in watched), what
+        assert all(in_flight <= 1 for in_flight in watched), what
 
     check("load", lambda: eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "a", like), tree))
     lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path / "a", like, lazy=True)
