@@ -303,7 +303,11 @@ def test_verify_and_diff_keep_their_answer_when_the_reader_goes_away(tmp_path):
 def test_ls_of_a_file_says_there_is_no_checkpoint(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     done = run("ls", tmp_path / "notes.txt", check_code=2)
-    assert done.stderr.startswith("eqx-ckpt ls: There is no eqx_ckpt checkpoint at "), done.stderr
+    # Says what the path is, and nothing about interrupted saves (issue 51, item 8).
+    assert done.stderr == (
+        f"eqx-ckpt ls: '{tmp_path / 'notes.txt'}' is not a checkpoint eqx_ckpt reads. It is a file; an eqx_ckpt "
+        f"checkpoint is a directory.\n"
+    ), done.stderr
     assert "CheckpointManager" not in done.stderr
 
 
