@@ -128,6 +128,8 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "Full load into an eqx.filter_eval_shape skeleton" in out
     assert "equal to what was saved: True" in out
     assert "Params-only load (prefix='model'" in out
+    rebuilt = "Load without the model's code (Checkpoint(path).load('model', trust=[])): a MLP, equal to the trained"
+    assert f"{rebuilt} model: True." in out
     assert "equal to the trained model: True" in out
     # The MLP's small leaves are packed: one zarr v3 array per stored dtype, and the manifest.
     demo = pathlib.Path(tmp_path) / "demo"
