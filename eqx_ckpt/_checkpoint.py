@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
@@ -316,14 +317,15 @@ class Checkpoint(Mapping[str, Any]):
     @_gc.gc_paused()
     def load(
         self,
-        key: str | None = None,
+        prefix: str | None = None,
         *,
         lazy: bool = False,
         progress: Progress = None,
         trust: Iterable[Any] | None = None,
         check_init: bool = False,
+        key: str | None = None,
     ) -> Any:
-        """Load the checkpoint, or the sub-tree at dotted `key`, without a skeleton.
+        """Load the checkpoint, or the sub-tree at dotted `prefix`, without a skeleton.
 
         With `trust` (a list, empty for the default set only), the saved tree
         is rebuilt with its own classes ([`eqx_ckpt.Checkpoint.skeleton`][],
@@ -341,20 +343,23 @@ class Checkpoint(Mapping[str, Any]):
 
         **Arguments:**
 
-        - `key`: a dotted path (`"model.encoder"`, or one leaf's path); `None` loads
-            everything.
+        - `prefix`: a dotted path (`"model.encoder"`, or one leaf's path); `None` loads
+            everything. (Called `key` before format 5; `key=` still works, with a
+            `DeprecationWarning`.)
         - `lazy`: return [`eqx_ckpt.LazyArray`][]s that read when asked (scalars
             still come back as values); [`eqx_ckpt.materialise`][] reads them.
         - `progress`: as for [`eqx_ckpt.tree_deserialise_leaves`][].
+        - `trust`, `check_init`: rebuild the saved classes, as
+            [`eqx_ckpt.Checkpoint.skeleton`][] does (see above).
 
         **Returns:**
 
-        Nested dicts and lists of arrays and scalars (or the leaf itself when `key`
-        names one).
+        Nested dicts and lists of arrays and scalars (or the leaf itself when `prefix`
+        names one); with `trust`, the saved tree with its own classes.
 
         **Raises:**
 
-        [`eqx_ckpt.CheckpointKeyError`][] if no leaf lies at or below `key`.
+        [`eqx_ckpt.CheckpointKeyError`][] if no leaf lies at or below `prefix`.
 
         !!! example
 
@@ -368,7 +373,14 @@ class Checkpoint(Mapping[str, Any]):
             print(state["step"], state["model"]["layers"][0]["weight"].shape)  # 3 (8, 2)
             ```
         """
-        key = self._key(key, "load")
+        if key is not None:
+            warnings.warn(
+                "`Checkpoint.load`'s `key` is now called `prefix`: pass `prefix=` (or the dotted path first).",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            prefix = key if prefix is None else prefix
+        key = self._key(prefix, "load")
         lazy = check_flag("lazy", lazy, "whether to return `LazyArray`s that read when asked")
         if trust is not None:
             like = self.skeleton(key, trust=trust, check_init=check_init)

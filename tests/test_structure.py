@@ -696,3 +696,15 @@ def test_fuzzed_structure_records_give_only_clear_errors(tmp_path):
                 pass
 
     check()
+
+
+def test_checkpoint_load_takes_prefix_as_the_spec_names_it(tmp_path):
+    tree = {"model": _mlp(), "step": 3}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)
+    assert eqx.tree_equal(ckpt.load(prefix="model", trust=[]), tree["model"], typematch=True)
+    assert eqx.tree_equal(ckpt.load(prefix="model"), ckpt.load("model"))
+    with pytest.warns(DeprecationWarning, match=re.escape("`key` is now called `prefix`")):
+        assert eqx.tree_equal(ckpt.load(key="model"), ckpt.load("model"))
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape("`Checkpoint.load`'s `prefix` must be a dotted")):
+        ckpt.load(3)
