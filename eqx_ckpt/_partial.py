@@ -21,18 +21,11 @@ from typing import Any
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _keypath, _manifest, _rebuild, _source, _structure, _transaction, _tree
+from . import _keypath, _manifest, _rebuild, _select, _source, _structure, _transaction, _tree
 from ._errors import CheckpointNotFoundError, CheckpointReplacedError, CheckpointValueError, IntegrityError
 from ._format import MANIFEST
 from ._lazy import LazyArray
 from ._location import Location
-
-
-class _Marker:
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
 
 
 class Partial:
@@ -194,7 +187,7 @@ def _picked(
 ) -> tuple[set[int], list[str]]:
     """The indices of the leaves inside the nodes `where` picks, and those
     nodes' dotted paths."""
-    marked = jtu.tree_unflatten(treedef, [_Marker(i) for i in range(count)])
+    marked = _select.marked(treedef, count)
     places: dict[int, str | None] = {}
     _places(marked, (), places, is_leaf)
     try:
@@ -215,9 +208,7 @@ def _picked(
                 f"`pytree` (a sub-tree, or a tuple of sub-trees), as in `eqx.tree_at`. Nothing was written."
             )
         prefixes.append(place)
-    is_marker = lambda x: isinstance(x, _Marker)
-    found = {x.index for x in jtu.tree_leaves(nodes, is_leaf=is_marker) if is_marker(x)}
-    return found, prefixes
+    return _select.marked_indices(nodes), prefixes
 
 
 def _places(node: Any, keypath: tuple[Any, ...], out: dict[int, str | None], is_leaf: Any) -> None:
@@ -225,7 +216,7 @@ def _places(node: Any, keypath: tuple[Any, ...], out: dict[int, str | None], is_
     identity (`None` for an object found at several places)."""
     here = _keypath.dotted(keypath)
     out[id(node)] = here if id(node) not in out else None
-    if isinstance(node, _Marker) or (is_leaf is not None and is_leaf(node)):
+    if isinstance(node, _select.Marker) or (is_leaf is not None and is_leaf(node)):
         return
     children = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
     if len(children) == 1 and children[0][1] is node:

@@ -17,27 +17,40 @@ from . import _keypath
 from ._errors import CheckpointValueError
 
 
-class _Marker:
+class Marker:
+    """Leaf `index` of a tree, in a copy given to `where` (a load's `like`, a
+    partial save's `pytree`) to see which leaves the nodes it picks hold."""
+
     __slots__ = ("index",)
 
     def __init__(self, index: int):
         self.index = index
 
 
+def marked(treedef: Any, count: int) -> Any:
+    """A tree of structure `treedef` whose `count` leaves are `Marker`s."""
+    return jtu.tree_unflatten(treedef, [Marker(i) for i in range(count)])
+
+
+def marked_indices(nodes: Any) -> set[int]:
+    """The indices of the `Marker`s in `nodes` (what `where` returned)."""
+    is_marker = lambda x: isinstance(x, Marker)
+    return {x.index for x in jtu.tree_leaves(nodes, is_leaf=is_marker) if is_marker(x)}
+
+
 def selected(where: Callable[[Any], Any] | None, treedef: Any, count: int) -> set[int]:
     """The indices of the leaves inside the nodes `where` picks, as with `eqx.tree_at`."""
     if where is None:
         return set(range(count))
-    marked = jtu.tree_unflatten(treedef, [_Marker(i) for i in range(count)])
+    marked_tree = marked(treedef, count)
     try:
-        nodes = where(marked)
+        nodes = where(marked_tree)
     except Exception as e:
         raise CheckpointValueError(
             f"`where` raised {type(e).__name__}: {e}. It is called on `like` and must "
             f"return the nodes to load, as in `eqx.tree_at`, e.g. `where=lambda t: t['model']`."
         ) from e
-    is_marker = lambda x: isinstance(x, _Marker)
-    found = {leaf.index for leaf in jtu.tree_leaves(nodes, is_leaf=is_marker) if is_marker(leaf)}
+    found = marked_indices(nodes)
     if not found:
         raise CheckpointValueError(
             "`where` selected no leaves of `like`. It must return nodes of `like` "
