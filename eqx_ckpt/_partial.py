@@ -121,7 +121,7 @@ def collect(
                 f"nothing was written.",
                 path=loc.display,
             )
-    source = _source.open_source(loc)
+    source = _source.checkpoint(loc, manifest)  # the manifest read above: the checkpoint it keeps leaves of
     stored = [LazyArray(source.data, r, opener=source.opener, check=source.check) for r in kept]
     keypaths = [names.keypath(i) for i in new] + [_keypath.from_json(r.keypath) for r in kept]
     combined = _tree.Names(

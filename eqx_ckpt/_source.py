@@ -102,8 +102,12 @@ def open_source(path: Any) -> Source:
             f"or orbax `{_orbax.METADATA}` there either (see docs/interop.md).",
             path=loc.display,
         ) from None
-    data = _layout.data_location(loc, manifest.data_root, manifest.layout)
-    return Source("eqx_ckpt", loc, data, manifest)
+    return checkpoint(loc, manifest)
+
+
+def checkpoint(loc: Location, manifest: Manifest) -> Source:
+    """The eqx_ckpt checkpoint at `loc` whose manifest (already read) is `manifest`."""
+    return Source("eqx_ckpt", loc, _layout.data_location(loc, manifest.data_root, manifest.layout), manifest)
 
 
 def _foreign(loc: Location, found: Any) -> Source:
