@@ -24,6 +24,10 @@ The points, with where they fire and the arguments they pass:
 - `save.leaf_record` `(path)`: one leaf's record and host pieces are made the
   general way (a filter spec's write, a PRNG key, a sharded array; the
   batched common case does not pass here).
+- `save.slices` `(path, regions)`: a process of a multi-process save took its
+  share of the leaf at `path`, one spread over several processes (sharded,
+  or replicated): `regions`, the regions it writes (tuples of slices; none
+  when the others write it all). `_sharding.slices` says who writes what.
 - `save.array_kind` `(cls)`: what a leaf of type `cls` is, asked (of every
   type of the tree as an asynchronous save holds it, and per leaf later).
 - `save.held` `(loc)`: the background thread of an asynchronous save whose
@@ -178,6 +182,7 @@ POINTS = frozenset(
         "save.copied",
         "save.start_writes",
         "save.records_freed",
+        "save.slices",
         "storage.open",
         "storage.read_file",
         "storage.read_generation",

@@ -55,7 +55,8 @@ class Held:
 def hold(x: jax.Array, primary: bool) -> Held:
     """`x` with its host data taken; `primary`: whether this is process 0. (The
     common leaf, a plain array on one device, an asynchronous save's caller
-    holds by its NumPy view alone: `_background.hold_tree`.)"""
+    holds by its NumPy view alone: `_background.hold_tree`, in a single-process
+    save only.)"""
     data = jax.random.key_data(x) if _dtypes.is_prng_key(x) else x
     return Held(x, data, _sharding.host_pieces(data) if _multihost.writes(data, primary) else [])
 
@@ -97,7 +98,9 @@ def build(
                         continue
                 handle = LeafHandle(names.keypath(i), dotted, loc.display, write=collector.write)
                 if by_default and _is_array(leaf):
-                    collector.pending.append(_prepare(handle, leaf, cast, primary=primary, keypath=record))
+                    collector.pending.append(
+                        _prepare(handle, leaf, cast, primary=primary, keypath=record, deal=collector.deal)
+                    )
                 else:
                     spec(handle, leaf)
             except CheckpointError:
@@ -120,6 +123,8 @@ class _Collector:
         self._written: set[str] = set()
         self._record_of = dict(zip(names.paths, names.records))
         self._cast, self._primary = cast, primary
+        # Who writes which slice of a leaf several processes hold: one deal for the save's leaves.
+        self.deal = _sharding.Deal()
 
     def write(self, handle: LeafHandle, value: Any) -> None:
         if not self.collecting:
@@ -135,7 +140,7 @@ class _Collector:
             )
         self._written.add(handle.path)
         keypath = self._record_of.get(handle.path) or _keypath.to_json(handle.keypath)
-        self.pending.append(_prepare(handle, value, self._cast, primary=self._primary, keypath=keypath))
+        self.pending.append(_prepare(handle, value, self._cast, primary=self._primary, keypath=keypath, deal=self.deal))
 
 
 def _leaf_failed(error: Exception, loc: Location, keypath: tuple[Any, ...], dotted: str, leaf: Any) -> LeafError:
@@ -165,11 +170,13 @@ def _prepare(
     *,
     primary: bool | None = None,
     keypath: list[list[Any]] | None = None,
+    deal: _sharding.Deal | None = None,
 ) -> Pending:
     """The manifest record and the host pieces of one value written for a
     leaf: by the short branch (`_common`) when it takes it, else the general
     way. `primary`: whether this is process 0 (asked of JAX when not given);
-    `keypath`: the manifest record of `handle.keypath`, when the caller has it."""
+    `keypath`: the manifest record of `handle.keypath`, when the caller has it;
+    `deal`: the save's deal of slices between processes (`_sharding.Deal`)."""
     _faults.fire("save.leaf_record", handle.path)
     if keypath is None:
         keypath = _keypath.to_json(handle.keypath)
@@ -182,17 +189,23 @@ def _prepare(
     if isinstance(x, Held):
         held, x = x, x.value
     x, kind, impl, dtype_name, shape = _value(handle, x, held)
-    block = _sharding.block_shape(x)
+    logical = _cast_dtype(handle, x.dtype, cast) if kind in ("jax", "numpy") else np.dtype(x.dtype)
+    stored, encoding = _dtypes.stored_dtype(logical)
+    if kind == "prng_key":
+        encoding = "key_data"
+    itemsize = _dtypes.dtype_from_name(stored).itemsize
+    # The chunk grid first: with several processes, it is what their slices follow.
+    chunks = tuple(chunk_shape(tuple(x.shape), itemsize, _sharding.block_shape(x)))
     if held is not None:
         pieces = held.pieces
+    elif _multihost.writes(x, primary):
+        pieces = _sharding.host_pieces(x, chunks, itemsize, deal=deal, path=handle.path)
     else:
-        pieces = _sharding.host_pieces(x) if _multihost.writes(x, primary) else []
-    pieces, stored, encoding = _stored_pieces(handle, x, kind, pieces, cast)
-    itemsize = _dtypes.dtype_from_name(stored).itemsize
-    chunks = chunk_shape(tuple(x.shape), itemsize, block)
+        pieces = []
+    pieces = _stored_pieces(handle, x, pieces, logical, encoding)
     record = LeafRecord(
         handle.path, keypath, kind, shape, dtype_name,
-        tuple(x.shape), stored, encoding, tuple(chunks), impl,
+        tuple(x.shape), stored, encoding, chunks, impl,
     )  # fmt: skip
     return Pending(record, pieces)
 
@@ -248,12 +261,9 @@ def _value(handle: LeafHandle, x: Any, held: Held | None) -> tuple[Any, str, str
     return x, kind, impl, dtype_name, shape
 
 
-def _stored_pieces(
-    handle: LeafHandle, x: Any, kind: str, pieces: list[Any], cast: Callable[[str, np.dtype], Any] | None
-) -> tuple[list[Any], str, str]:
-    """The host pieces of `x` as stored (cast, then encoded), with the stored
-    dtype's name and the encoding."""
-    logical = _cast_dtype(handle, x.dtype, cast) if kind in ("jax", "numpy") else np.dtype(x.dtype)
+def _stored_pieces(handle: LeafHandle, x: Any, pieces: list[Any], logical: np.dtype, encoding: str) -> list[Any]:
+    """The host pieces of `x` as stored: cast to `logical` (its dtype, or
+    what `cast` maps it to), then encoded."""
     if logical != x.dtype:
         try:
             pieces = [(index, _dtypes.checked_cast(np.asarray(piece), logical)) for index, piece in pieces]
@@ -262,10 +272,7 @@ def _stored_pieces(
                 f"cannot store it as {logical} (`cast`): {e}.",
                 "Nothing was written. Cast it to a dtype that holds its values.",
             ) from None
-    stored, encoding = _dtypes.stored_dtype(logical)
-    if kind == "prng_key":
-        encoding = "key_data"
-    return [(index, _dtypes.encode(piece, encoding)) for index, piece in pieces], stored, encoding
+    return [(index, _dtypes.encode(piece, encoding)) for index, piece in pieces]
 
 
 def _common(

@@ -5,7 +5,10 @@ Run as `python multiprocess_kill_worker.py PROCESS_ID NUM_PROCESSES PORT JOB`,
 `JOB` a JSON object: `checkpoint` (a path or kvstore spec), `victim` (the
 process the test kills), `marker` (a file the victim creates once its second
 save is under way); with `absent`, the victim never calls the second save (it
-creates the marker and sleeps); `timeout_ms` replaces the barriers' timeout.
+creates the marker and sleeps); `timeout_ms` replaces the barriers' timeout;
+with `replicated`, the array is held whole by every process, in chunks of 16
+rows that the processes split between them, and a victim other than process 0
+stops once the others are writing their slices (as it starts its own writes).
 
 Every process (one CPU device each) saves `value(1)` sharded by rows, then
 starts saving `value(2)`. The victim stops in the middle of that save (process
@@ -32,7 +35,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqx_ckpt  # noqa: E402
-from eqx_ckpt import _faults, _multihost  # noqa: E402
+from eqx_ckpt import _faults, _format, _multihost, _sharding  # noqa: E402
 
 SHAPE = (64, 16)
 
@@ -49,7 +52,9 @@ def main(process_id: int, num_processes: int, port: int, job: dict) -> None:
         initialization_timeout=90,
     )
     mesh = jax.make_mesh((num_processes,), ("rows",), devices=jax.devices())
-    sharding = NamedSharding(mesh, P("rows"))
+    sharding = NamedSharding(mesh, P() if job.get("replicated") else P("rows"))
+    if job.get("replicated"):
+        _format.CHUNK_BYTES, _sharding.SPLIT_BYTES = 16 * SHAPE[1] * 4, 0
 
     def tree(scale: int) -> dict:
         full = value(scale)
@@ -63,6 +68,8 @@ def main(process_id: int, num_processes: int, port: int, job: dict) -> None:
         time.sleep(600)  # until the test kills this process
 
     point = "storage.create_array" if job["victim"] == 0 else "storage.open_array"
+    if job["victim"] != 0 and job.get("replicated"):
+        point = "storage.transaction"
     victim = process_id == job["victim"]
     if victim and job.get("absent"):
         stop()  # never calls the save, but stays alive

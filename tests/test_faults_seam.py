@@ -76,6 +76,8 @@ def test_the_docstring_documents_every_point():
 _ELSEWHERE = {
     "transaction.join": "reached only by the processes other than 0 of a multi-process save "
     "(armed in tests/multiprocess_worker.py, run by tests/test_multiprocess.py)",
+    "save.slices": "reached only by a multi-process save (armed in tests/multiprocess_matrix_worker.py, "
+    "run by tests/test_multiprocess.py)",
     "manager.undo": "reached only when a manager's save fails (armed in tests/test_manager.py)",
 }
 

@@ -13,14 +13,16 @@ import sys
 import time
 from typing import Any
 
+import arrays
 import equinox as eqx
 import jax
 import numpy as np
 import pytest
 import s3_server
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_ckpt
+from eqx_ckpt import _format, _records
 
 WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
 MATRIX_WORKER = pathlib.Path(__file__).with_name("multiprocess_matrix_worker.py")
@@ -156,9 +158,16 @@ def _matrix_value(shape: tuple[int, ...], scale: int) -> np.ndarray:
 
 
 def _run_matrix(
-    tmp_path: pathlib.Path, processes: int, devices: int, checkpoints: list, *, shape: tuple[int, int], save: bool
+    tmp_path: pathlib.Path,
+    processes: int,
+    devices: int,
+    checkpoints: list,
+    *,
+    shape: tuple[int, int],
+    save: bool,
+    chunk_bytes: int | None = None,
 ) -> None:
-    job = {"devices": devices, "shape": shape, "checkpoints": checkpoints, "save": save}
+    job = {"devices": devices, "shape": shape, "checkpoints": checkpoints, "save": save, "chunk_bytes": chunk_bytes}
     logs = tmp_path / f"logs-{processes}x{devices}-{'save' if save else 'load'}"
     logs.mkdir()
     _run_workers(logs / "_", count=processes, timeout=150, worker=MATRIX_WORKER, job=json.dumps(job))
@@ -199,7 +208,8 @@ class TestProcessMatrix:
     """2, 4 and 8 processes (one CPU device each, or two), saving one array
     sharded by rows, by columns, and replicated, to a local directory and to
     S3: each process loads its shards back with the same sharding, bit for
-    bit, and one process loads the whole arrays. (Four processes saving a
+    bit, and one process loads the whole arrays. (In chunks of 128 KiB, so
+    that the processes write the replicated array in slices.) (Four processes saving a
     sharded array once failed every time while two passed.) The full cross
     product runs for 2 and 4 processes on a local disk; 8 processes (one
     device each, on a local disk) and S3 (2 and 4 processes) run a subset:
@@ -221,7 +231,8 @@ class TestProcessMatrix:
     def test_save_and_load(self, tmp_path: pathlib.Path, storage_for: Any, processes: int, devices: int, storage: str):
         s3 = storage_for(storage)
         checkpoints = [[_where(tmp_path, storage, s3, name), name, i] for i, name in enumerate(SHARDINGS)]
-        _run_matrix(tmp_path, processes, devices, checkpoints, shape=MATRIX_SHAPE, save=True)
+        # Chunks of 128 KiB: the processes cut the replicated array between them.
+        _run_matrix(tmp_path, processes, devices, checkpoints, shape=MATRIX_SHAPE, save=True, chunk_bytes=128 << 10)
         for where, _, scale in checkpoints:
             _check_whole(where, MATRIX_SHAPE, scale)
 
@@ -246,6 +257,92 @@ class TestProcessMatrix:
         where = str(tmp_path / "ckpt")
         _run_matrix(tmp_path, 4, 1, [[where, "rows", 0]], shape=shape, save=True)
         _check_whole(where, shape, 0)
+
+
+def _place_state(mesh: Mesh) -> dict:
+    """`arrays.replicated_state()` on `mesh`, as tests/multiprocess_matrix_worker.py places it."""
+
+    def place(name: str, value: np.ndarray) -> jax.Array:
+        return jax.device_put(value, NamedSharding(mesh, P(None, "local") if name == "columns" else P()))
+
+    return {g: {n: place(n, v) for n, v in leaves.items()} for g, leaves in arrays.replicated_state().items()}
+
+
+def _files(where: pathlib.Path) -> dict[str, bytes]:
+    """Every file of the checkpoint at `where` but its manifest, by name, with its bytes."""
+    return {
+        str(f.relative_to(where)): f.read_bytes() for f in where.rglob("*") if f.is_file() and f.name != "manifest.json"
+    }
+
+
+def _manifest(where: pathlib.Path) -> dict:
+    """The manifest, without what differs from one save of the same tree to another."""
+    manifest = json.loads((where / "manifest.json").read_text())
+    return {k: v for k, v in manifest.items() if k not in ("created", "commit", "digest")}
+
+
+def _check_tiled(where: pathlib.Path, taken: list[dict[str, list]]) -> None:
+    """The regions the processes wrote (`taken`) cover every leaf once, and
+    start and end on its chunk grid (or its end): no chunk had two writers."""
+    checkpoint = eqx_ckpt.Checkpoint(where)
+    for path in checkpoint:
+        record = checkpoint.record(path)
+        count = np.zeros(record.stored_shape, np.int32)
+        for regions in taken:
+            for region in regions.get(path, []):
+                count[tuple(slice(a, b) for a, b in region)] += 1
+                for (a, b), chunk, n in zip(region, record.chunks, record.stored_shape):
+                    assert a % chunk == 0 and (b % chunk == 0 or b == n), (path, region, record.chunks)
+        assert (count == 1).all(), (path, taken)
+
+
+@pytest.mark.parametrize("processes, devices", [(2, 2), (4, 1)], ids=lambda v: str(v))
+def test_replicated_state_is_written_by_every_process(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, processes: int, devices: int
+) -> None:
+    """Data-parallel state, every leaf held by every process (with two devices
+    each, one leaf's column shards too): each process writes its slices of
+    the large leaves, within 1.25x of an equal share; the small ones are
+    dealt round the processes in turn; every chunk is written once. It loads back
+    bit for bit (in every process, and whole in one), and its files and
+    manifest are those a single process saves (the same names, the same
+    bytes)."""
+    where = tmp_path / "ckpt"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    # With two devices, the slices are cut on the device, as on an accelerator.
+    job = json.dumps({"devices": devices, "state": str(where), "slice_on_device": devices > 1})
+    outputs = _run_workers(logs / "_", count=processes, timeout=150, worker=MATRIX_WORKER, job=job)
+    written = [int(re.search(r"worker \d+ wrote (\d+) bytes", out).group(1)) for out in outputs]
+    taken = [json.loads(re.search(r"worker \d+ slices (.*)", out).group(1)) for out in outputs]
+    _check_tiled(where, taken)
+    values = arrays.replicated_state()
+    itemsize = {f"{g}.{n}": v.dtype.itemsize for g, leaves in values.items() for n, v in leaves.items()}
+    large = [
+        sum(
+            np.prod([b - a for a, b in r]) * itemsize[p]
+            for p, regions in t.items()
+            if p.startswith("large.")
+            for r in regions
+        )
+        for t in taken
+    ]
+    assert max(large) <= 1.25 * sum(large) / processes, large
+    assert max(written) <= 1.25 * sum(written) / processes, written
+    small = [{path for path, regions in t.items() if path.startswith("small.") and regions} for t in taken]
+    assert all(0 < len(paths) < len(values["small"]) for paths in small), small
+    assert max(map(len, small)) - min(map(len, small)) <= 1, small
+    loaded = eqx_ckpt.tree_deserialise_leaves(where, jax.tree.map(np.zeros_like, values))
+    assert eqx.tree_equal(loaded, values, typematch=True)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(values)))
+    # One process, the same arrays on as many devices, small leaves not packed.
+    monkeypatch.setattr(_format, "CHUNK_BYTES", arrays.STATE_CHUNK_BYTES)
+    monkeypatch.setattr(_records, "PACK_BYTES", -1)
+    mesh = Mesh(np.array(jax.devices()[: processes * devices]).reshape(processes, devices), ("proc", "local"))
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "one", _place_state(mesh))
+    assert _files(where).keys() == _files(tmp_path / "one").keys()
+    assert _files(where) == _files(tmp_path / "one")
+    assert _manifest(where) == _manifest(tmp_path / "one")
 
 
 KILL_WORKER = pathlib.Path(__file__).with_name("multiprocess_kill_worker.py")
@@ -309,25 +406,38 @@ def _check_first_save(where: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "processes, victim, storage",
-    [(2, 1, "local"), (4, 2, "local"), (2, 0, "local"), (4, 0, "local"), (2, 1, "s3")],
+    "processes, victim, storage, placed",
+    [
+        (2, 1, "local", "rows"),
+        (4, 2, "local", "rows"),
+        (2, 0, "local", "rows"),
+        (4, 0, "local", "rows"),
+        (2, 1, "s3", "rows"),
+        (2, 1, "local", "replicated"),
+        (4, 2, "local", "replicated"),
+    ],
     ids=lambda v: str(v),
 )
 def test_a_process_killed_mid_save(
-    tmp_path: pathlib.Path, storage_for: Any, processes: int, victim: int, storage: str
+    tmp_path: pathlib.Path, storage_for: Any, processes: int, victim: int, storage: str, placed: str
 ) -> None:
     """A process killed outright (SIGKILL) in the middle of a save: the others
     stop within seconds, never hanging at a barrier; the checkpoint saved
     before stays whole. (They once waited for `jax.distributed`'s heartbeat,
     100 s, which then aborted them.) A process other than 0 is named by
     eqx_ckpt's error; process 0 runs the coordination service, and without it
-    `jax.distributed` ends the others at once."""
+    `jax.distributed` ends the others at once. With a replicated array, the
+    others write their slices of it while the victim is stopped, and process
+    0 removes them."""
     where = _where(tmp_path, storage, storage_for(storage), "ckpt")
-    procs, outputs = _run_victim(tmp_path, processes, {"checkpoint": where, "victim": victim}, kill=True)
+    job = {"checkpoint": where, "victim": victim, "replicated": placed == "replicated"}
+    procs, outputs = _run_victim(tmp_path, processes, job, kill=True)
     assert procs[victim].returncode == -signal.SIGKILL
     said = f"Process {victim} of {processes} stopped answering during the save" if victim else ""
     _check_survivors(procs, outputs, victim, said)
     _check_first_save(where)
+    if storage == "local" and victim != 0:
+        assert sorted(p.name for p in pathlib.Path(where).iterdir()) == ["manifest.json", "w", "zarr.json"]
 
 
 def test_a_process_that_never_calls_the_save_is_named(tmp_path: pathlib.Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import eqx_ckpt
-from eqx_ckpt import _format
+from eqx_ckpt import _format, _sharding
 
 
 @pytest.fixture
@@ -145,3 +145,69 @@ def test_filter_eval_shape_skeleton_with_abstract_mesh_is_placed(tmp_path):
     assert eqx.tree_equal(out, make(), typematch=True)
     assert out["w"].sharding.spec == P("x", None)
     assert len(out["w"].sharding.device_set) == 4
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_replica_slices_cover_a_region_once_on_its_chunk_grid(seed, monkeypatch):
+    """Several processes holding one region cut it (`_sharding.slices`, what
+    each process of a multi-process save computes alone) into disjoint
+    slices that cover it, at chunk boundaries, one per holder at most,
+    largest first; a region under `SPLIT_BYTES` is not cut."""
+    monkeypatch.setattr(_sharding, "SPLIT_BYTES", 64)
+    rng = np.random.default_rng(seed)
+    rank = int(rng.integers(1, 4))
+    chunks = tuple(int(c) for c in rng.integers(1, 6, rank))
+    starts = [int(rng.integers(0, 3)) * c for c in chunks]
+    region = tuple((a, a + int(rng.integers(0, 20))) for a in starts)
+    holders = int(rng.integers(1, 6))
+    cut = _sharding.slices(region, chunks, holders, 4)
+    count = np.zeros([b for _, b in region], np.int32)
+    for part in cut:
+        count[tuple(slice(a, b) for a, b in part)] += 1
+        for (a, b), (lo, hi), c in zip(part, region, chunks):
+            assert lo <= a <= b <= hi and (a == lo or a % c == 0) and (b == hi or b % c == 0)
+    assert (count[tuple(slice(a, b) for a, b in region)] == 1).all()
+    sizes = [np.prod([b - a for a, b in part]) for part in cut]
+    assert 1 <= len(cut) <= holders and sizes == sorted(sizes, reverse=True)
+    if np.prod([b - a for a, b in region]) * 4 < 64:
+        assert cut == [region]
+
+
+def test_replica_slices_follow_the_axis_of_most_chunks_in_equal_shares(monkeypatch):
+    monkeypatch.setattr(_sharding, "SPLIT_BYTES", 1 << 20)
+    # 8 chunks of 128 rows, 4 holders: 2 chunks each.
+    assert _sharding.slices(((0, 1024), (0, 512)), (128, 512), 4, 4) == [
+        ((0, 256), (0, 512)),
+        ((256, 512), (0, 512)),
+        ((512, 768), (0, 512)),
+        ((768, 1024), (0, 512)),
+    ]
+    # 5 chunks (the last of 44 rows) for 2: the first slice one chunk larger.
+    assert _sharding.slices(((0, 300), (0, 4096)), (64, 4096), 2, 4) == [((0, 192), (0, 4096)), ((192, 300), (0, 4096))]
+    # Axis 1 has the most chunks (4, against 2).
+    cut = _sharding.slices(((0, 2), (0, 2048), (0, 64)), (1, 512, 64), 2, 4)
+    assert cut == [((0, 2), (0, 1024), (0, 64)), ((0, 2), (1024, 2048), (0, 64))]
+    # Fewer chunks than holders: a chunk each, for as many holders.
+    assert _sharding.slices(((0, 512), (0, 1024)), (256, 1024), 4, 4) == [
+        ((0, 256), (0, 1024)),
+        ((256, 512), (0, 1024)),
+    ]
+    # One chunk, or under the threshold: not cut.
+    assert _sharding.slices(((0, 512), (0, 1024)), (512, 1024), 4, 4) == [((0, 512), (0, 1024))]
+    assert _sharding.slices(((0, 16), (0, 8)), (1, 8), 3, 4) == [((0, 16), (0, 8))]
+    assert _sharding.slices((), (), 3, 4) == [()]
+
+
+def test_a_deal_gives_each_slice_to_the_holder_dealt_least(monkeypatch):
+    monkeypatch.setattr(_sharding, "SPLIT_BYTES", 10)
+    deal = _sharding.Deal()
+    # Two uneven cuts: the larger slice goes to a different process each time.
+    assert deal.owners((0, 1, 2, 3), [30, 20, 20, 20]) == [0, 1, 2, 3]
+    assert deal.owners((0, 1, 2, 3), [30, 20, 20, 20]) == [1, 2, 3, 0]
+    # Whole large leaves alternating with small ones, for two processes: the
+    # large ones by bytes dealt, the small ones in turn.
+    pair = _sharding.Deal()
+    owners = [pair.owners((0, 1), [size])[0] for size in [100, 1, 100, 1, 100, 1, 100, 1, 150, 1]]
+    assert owners == [0, 0, 1, 1, 0, 0, 1, 1, 0, 0]
+    # A small region held by some processes only goes to one of them.
+    assert {deal.owners((1, 3), [1])[0] for _ in range(4)} == {1, 3}
