@@ -83,10 +83,11 @@ class Group:
         """Whether this process runs the transaction (process 0)."""
         return self.index == 0
 
-    def sync(self, stage: str, error: BaseException | None) -> BaseException | None:
+    def sync(self, stage: str, error: BaseException | None, plan: str | None = None) -> BaseException | None:
         """Wait until every process has reached `stage`; return this process's
         `error`, or else an error saying which other processes failed or
-        stopped answering (or `None`)."""
+        stopped answering (or `None`). `plan`: a digest of what this process
+        planned, which must be every process's (see `differing`)."""
         if self.count == 1:
             return error
         if self._lost is not None:  # a process died at an earlier stage: nobody else will arrive
@@ -94,15 +95,40 @@ class Group:
         client = _client()
         _Heartbeat.start(client, self.index)
         key = f"{self._name}/{stage}"
+        if plan is not None:  # before this process's barrier key: whoever passes the barrier sees it
+            client.key_value_set(f"{key}-plan/{self.index}", plan)
         client.key_value_set(f"{key}/{self.index}", "" if error is None else _describe(error))
         self._lost = _wait(client, key, self.count, stage)
         if error is not None or self._lost is not None:
             return error or self._lost
         failed = sorted((int(k.rsplit("/", 1)[-1]), v) for k, v in client.key_value_dir_get(f"{key}/") if v)
-        if not failed:
+        if failed:
+            lines = "\n".join(f"  - process {i}: {message}" for i, message in failed)
+            return CheckpointError(
+                f"Saving failed in {len(failed)} other process(es), so nothing was committed:\n{lines}"
+            )
+        if plan is None:
             return None
-        lines = "\n".join(f"  - process {i}: {message}" for i, message in failed)
-        return CheckpointError(f"Saving failed in {len(failed)} other process(es), so nothing was committed:\n{lines}")
+        return differing(
+            {int(k.rsplit("/", 1)[-1]): v for k, v in client.key_value_dir_get(f"{key}-plan/")}, self.count
+        )
+
+
+def differing(plans: dict[int, str], count: int) -> CheckpointError | None:
+    """The error of a save whose processes planned different saves (`plans`:
+    each process's digest, by its index), every process reaching the same
+    verdict. Every process deals out the slices of replicated leaves alike
+    from the tree it was given (`_sharding.Deal`): given different trees, a
+    slice would go unwritten, so the save is refused before anything is."""
+    digests = [plans.get(index) for index in range(count)]
+    others = [index for index in range(1, count) if digests[index] != digests[0]]
+    if not others:
+        return None
+    return CheckpointError(
+        f"The processes did not save the same tree: process(es) {others} planned a save different from process "
+        f"0's (other leaves, shapes, dtypes or chunks), so nothing was written. Every process must call the save "
+        f"with the same tree, in the same order."
+    )
 
 
 def _wait(client: Any, key: str, count: int, stage: str) -> CheckpointError | None:

@@ -12,6 +12,7 @@ the background too); a background thread (`_background`) does the rest.
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -332,11 +333,23 @@ def _collect_and_plan(
             )
     except Exception as e:
         error = e
-    error = group.sync("prepared", error)
+    plan = _plan_digest(planned) if group.count > 1 and isinstance(planned, _write.Batch) else None
+    error = group.sync("prepared", error, plan)
     if error is not None:
         raise error
     assert planned is not None
     return overwrite, blocking, cast, planned, expected
+
+
+def _plan_digest(batch: _write.Batch) -> str:
+    """What a save planned, in a few bytes: every record's path, stored shape,
+    dtype and chunk grid, in order (the same in every process saving the same
+    tree: `_multihost.differing`)."""
+    digest = hashlib.sha256()
+    for p in batch.pending:
+        r = p.record
+        digest.update(repr((r.path, r.stored_shape, r.stored_dtype, tuple(r.chunks))).encode())
+    return digest.hexdigest()
 
 
 def _collect(

@@ -113,6 +113,23 @@ def check_failure_elsewhere(process_id: int, path: str, tree: dict, name: str, p
         assert os.listdir(path) == [], os.listdir(path)
 
 
+def check_different_trees(process_id: int, path: str, mesh: jax.sharding.Mesh) -> None:
+    """Process 1 saves a tree with another leaf: every process refuses the save
+    before anything is written (the slices of replicated leaves are dealt out
+    from each process's own tree, so some would go unwritten)."""
+    tree = make_tree(mesh, 1.0)
+    if process_id == 1:
+        tree = {**tree, "extra": np.zeros(3, np.float32)}
+    try:
+        eqx_ckpt.tree_serialise_leaves(path, tree)
+    except eqx_ckpt.CheckpointError as e:
+        assert "The processes did not save the same tree: process(es) [1] planned a save different" in str(e), str(e)
+    else:
+        raise AssertionError("a save of different trees in two processes did not fail")
+    if process_id == 0 and os.path.exists(path):
+        assert os.listdir(path) == [], os.listdir(path)
+
+
 def file_writes() -> int:
     """How many files TensorStore has written in this process so far."""
     metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/write")
@@ -155,6 +172,7 @@ def main(process_id: int, num_processes: int, port: int, path: str) -> None:
     check_failure_elsewhere(process_id, path + "_collect", tree, "build", "save.records")
     check_failure_elsewhere(process_id, path + "_join", tree, "join", "transaction.join")
     check_failure_elsewhere(process_id, path + "_write", tree, "open_array", "storage.open_array")
+    check_different_trees(process_id, path + "_different", mesh)
     try:
         eqx_ckpt.tree_serialise_leaves(path + "_ocdbt", tree, layout="ocdbt")
     except eqx_ckpt.CheckpointValueError as e:
