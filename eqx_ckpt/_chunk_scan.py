@@ -13,9 +13,9 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import _dtypes, _share, _storage_errors, _window
+from . import _share, _storage_errors, _window
 from ._errors import CheckpointError, CheckpointStorageError
-from ._format import LeafRecord
+from ._format import LeafRecord, dtype_from_name
 from ._location import Location
 from ._progress import Tracker
 
@@ -46,7 +46,7 @@ def _positions(counts: list[int]) -> Iterator[tuple[int, ...]]:
 
 
 def _chunk_bytes(record: LeafRecord, index: tuple[slice, ...]) -> int:
-    return math.prod(s.stop - s.start for s in index) * _dtypes.dtype_from_name(record.stored_dtype).itemsize
+    return math.prod(s.stop - s.start for s in index) * dtype_from_name(record.stored_dtype).itemsize
 
 
 def read_chunks(

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _chunk_scan, _dtypes, _read, _rebuild, _source, _storage, _storage_errors
+from . import _chunk_scan, _read, _rebuild, _source, _storage, _storage_errors
 from ._checkpoint import describe
 from ._errors import CheckpointError, check_flag
-from ._format import LeafRecord
+from ._format import LeafRecord, dtype_from_name
 from ._location import Location
 from ._progress import Progress, Tracker
 
@@ -207,7 +207,7 @@ def _result(future: Any, record: LeafRecord, data: Location) -> np.ndarray:
 def _logical(array: np.ndarray, record: LeafRecord, data: Location) -> np.ndarray:
     """Stored bytes as the leaf's own dtype (undoing a cast on save: an error if
     a stored value cannot become it)."""
-    dtype = None if record.type == "prng_key" else _dtypes.dtype_from_name(record.dtype)
+    dtype = None if record.type == "prng_key" else dtype_from_name(record.dtype)
     return _read.host_converter(record, dtype, data)(array)
 
 

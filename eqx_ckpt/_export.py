@@ -30,7 +30,7 @@ from jaxtyping import PyTree
 from . import _dtypes, _durable, _keypath, _safetensors, _select, _storage
 from ._checkpoint import Checkpoint
 from ._errors import CheckpointExistsError, CheckpointTypeError, CheckpointValueError, LeafError, leaf_message
-from ._format import MANIFEST, MAX_MANIFEST_BYTES
+from ._format import MANIFEST, MAX_MANIFEST_BYTES, dtype_from_name
 from ._lazy import LazyArray
 from ._location import Location, location
 from ._progress import Progress, Tracker
@@ -48,7 +48,7 @@ class _Tensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(_dtypes.dtype_from_name(self.dtype)).itemsize
+        return math.prod(self.shape) * np.dtype(dtype_from_name(self.dtype)).itemsize
 
 
 def export_safetensors(
@@ -342,7 +342,7 @@ def _header(shard: list[_Tensor], metadata: dict[str, str]) -> bytes:
 
 def _bytes(tensor: _Tensor) -> memoryview:
     # Scalars read back as Python values: give them their stored dtype again.
-    array = np.asarray(tensor.read(), dtype=_dtypes.dtype_from_name(tensor.dtype), order="C")
+    array = np.asarray(tensor.read(), dtype=dtype_from_name(tensor.dtype), order="C")
     if tuple(array.shape) != tensor.shape:
         raise CheckpointValueError(f"Leaf `{tensor.name}` changed while it was exported; export again.")
     return memoryview(array.reshape(-1).view(np.uint8).data)

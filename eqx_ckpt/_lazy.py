@@ -14,7 +14,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from . import _dtypes, _memory, _read, _share, _storage, _storage_errors, _window
-from ._format import LeafRecord
+from ._format import LeafRecord, dtype_from_name
 from ._location import Location
 from ._progress import Progress, Tracker
 
@@ -89,7 +89,7 @@ class LazyArray:
             return self._record.dtype
         if self._like is not None and _dtypes.like_type(self._like) in ("jax", "numpy", "numpy_scalar"):
             return np.dtype(self._like.dtype)
-        return _dtypes.dtype_from_name(self._record.dtype)
+        return dtype_from_name(self._record.dtype)
 
     @property
     def ndim(self) -> int:
@@ -200,9 +200,9 @@ def _saved_like(record: LeafRecord) -> Any:
     """A stand-in `like` for a leaf opened without one: it reads back as the type
     it was saved from (a NumPy array stays NumPy, a JAX array becomes one)."""
     if record.type == "prng_key":
-        data = jax.ShapeDtypeStruct(tuple(record.stored_shape), _dtypes.dtype_from_name(record.stored_dtype))
+        data = jax.ShapeDtypeStruct(tuple(record.stored_shape), dtype_from_name(record.stored_dtype))
         return jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=record.impl), data)
-    dtype = _dtypes.dtype_from_name(record.dtype)
+    dtype = dtype_from_name(record.dtype)
     if record.type == "numpy":
         return np.zeros((0,), dtype)
     if record.type == "numpy_scalar":

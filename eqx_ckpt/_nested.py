@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _dtypes, _faults, _keypath, _read
+from . import _faults, _keypath, _read
 from ._errors import CheckpointValueError
-from ._format import LeafRecord
+from ._format import LeafRecord, dtype_from_name
 from ._lazy import LazyArray, materialise
 from ._location import Location
 from ._progress import Progress
@@ -85,7 +85,7 @@ def structure(
 def _needs_host(dtype_name: str) -> bool:
     """Whether a leaf saved from JAX as `dtype_name` holds 64-bit values this
     process's JAX would round or wrap (x64 off): NumPy keeps them exactly."""
-    dtype = _dtypes.dtype_from_name(dtype_name)
+    dtype = dtype_from_name(dtype_name)
     return bool(jax.dtypes.canonicalize_dtype(dtype) != dtype)
 
 
@@ -144,7 +144,7 @@ def _like(record: LeafRecord, host: bool) -> Any:
     if record.type == "prng_key":
         data = jax.ShapeDtypeStruct(record.stored_shape, jnp.uint32)
         return jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=record.impl), data)
-    dtype = _dtypes.dtype_from_name(record.dtype)
+    dtype = dtype_from_name(record.dtype)
     if record.type == "numpy_scalar":
         return dtype.type(0)
     if record.type == "numpy" or host:

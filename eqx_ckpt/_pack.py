@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes, _faults, _local_read, _storage, _storage_errors, _window
-from ._format import LeafRecord, PackRecord
+from . import _faults, _local_read, _storage, _storage_errors, _window
+from ._format import LeafRecord, PackRecord, dtype_from_name
 from ._location import Location
 
 # Two runs of a load closer than this are read as one.
@@ -71,7 +71,7 @@ def read_leaves(
     for indices in groups.values():
         pack = records[indices[0]].pack
         assert pack is not None
-        itemsize = _dtypes.dtype_from_name(pack.dtype).itemsize
+        itemsize = dtype_from_name(pack.dtype).itemsize
         gap, most = _GAP_BYTES // itemsize, max(_window.READ_BUDGET // itemsize, pack.chunk)
         indices.sort(key=lambda i: records[i].offset)
         start = stop = -1
@@ -106,7 +106,7 @@ def read_leaves(
         return store[start:stop].read().result
 
     jobs = (
-        ((members, start), (stop - start) * _dtypes.dtype_from_name(pack.dtype).itemsize,
+        ((members, start), (stop - start) * dtype_from_name(pack.dtype).itemsize,
          functools.partial(start_run, pack, start, stop, members))
         for pack, start, stop, members in runs
     )  # fmt: skip

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _dtypes, _faults, _local_read, _memory, _sharding, _share, _storage_errors
 from ._errors import LeafError, stored_leaf_error
-from ._format import LeafRecord
+from ._format import LeafRecord, dtype_from_name
 from ._location import Location
 
 
@@ -123,7 +123,7 @@ def _start_in_slabs(
     failed: Callable[[BaseException], Exception],
     on_bytes: Callable[[int], None] | None,
 ) -> Callable[[], Any]:
-    dtype = _dtypes.dtype_from_name(record.stored_dtype)
+    dtype = dtype_from_name(record.stored_dtype)
     rows, row_bytes = record.shape[0], record.nbytes // max(record.shape[0], 1)
     step = max(record.chunks[0], SLAB_BYTES // max(row_bytes, 1) // record.chunks[0] * record.chunks[0])
     slabs = iter([(lo, min(lo + step, rows)) for lo in range(0, rows, step)])
@@ -286,7 +286,7 @@ def start(
     sharding = target_sharding(like)
     kind = _dtypes.like_type(like)
     if kind == "jax":
-        refuse_narrowing(loc, record, dtype if dtype is not None else _dtypes.dtype_from_name(record.dtype))
+        refuse_narrowing(loc, record, dtype if dtype is not None else dtype_from_name(record.dtype))
 
     def failed(e: BaseException) -> Exception:
         error = _storage_errors.leaf_io_error(e, record, loc, "read")
@@ -310,7 +310,7 @@ def start(
 
     _memory.refuse_beyond_memory(loc, record, record.nbytes, "it")
     if kind in ("jax", "numpy") and record.nbytes > SLAB_BYTES and record.shape and record.encoding == "plain":
-        if dtype is None or np.dtype(dtype) == _dtypes.dtype_from_name(record.stored_dtype):
+        if dtype is None or np.dtype(dtype) == dtype_from_name(record.stored_dtype):
             return _start_in_slabs(store, record, like, sharding, failed, on_bytes)
 
     future = store.read()
@@ -348,7 +348,7 @@ def start_direct(
     (`on_bytes` of each chunk as it is read and checked)."""
     convert = host_converter(record, dtype, loc)
     if _dtypes.like_type(like) == "jax":
-        refuse_narrowing(loc, record, dtype if dtype is not None else _dtypes.dtype_from_name(record.dtype))
+        refuse_narrowing(loc, record, dtype if dtype is not None else dtype_from_name(record.dtype))
     read = _local_read.start_read(loc, record, on_bytes=on_bytes)
     assert read is not None
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _dtypes, _faults, _format, _keypath, _multihost, _sharding, _tree
 from ._errors import CheckpointError, CheckpointTypeError, LeafError, leaf_message
-from ._format import LeafRecord, PackRecord, chunk_shape, pack_name, whole_chunks
+from ._format import LeafRecord, PackRecord, chunk_shape, dtype_from_name, pack_name, whole_chunks
 from ._handle import LeafHandle
 from ._lazy import LazyArray
 from ._location import Location
@@ -193,7 +193,7 @@ def _prepare(
     stored, encoding = _dtypes.stored_dtype(logical)
     if kind == "prng_key":
         encoding = "key_data"
-    itemsize = _dtypes.dtype_from_name(stored).itemsize
+    itemsize = dtype_from_name(stored).itemsize
     # The chunk grid first: with several processes, it is what their slices follow.
     chunks = tuple(chunk_shape(tuple(x.shape), itemsize, _sharding.block_shape(x)))
     if held is not None:
@@ -418,7 +418,7 @@ def cast_function(cast: Any) -> Callable[[str, np.dtype], Any] | None:
 def _dtype(value: Any) -> np.dtype:
     """A dtype from a dtype, a scalar type or a name; `TypeError` naming `value` otherwise."""
     try:
-        return _dtypes.dtype_from_name(value) if isinstance(value, str) else np.dtype(value)
+        return dtype_from_name(value) if isinstance(value, str) else np.dtype(value)
     except (TypeError, ValueError, AttributeError):
         raise TypeError(f"{value!r}, which is not a dtype") from None
 
@@ -453,7 +453,7 @@ def assign(records: Sequence[LeafRecord], pieces: Sequence[Sequence[tuple[tuple[
         sizes = known.get((dtype, shape))
         if sizes is None:
             size = math.prod(shape)
-            itemsize = _dtypes.dtype_from_name(dtype).itemsize
+            itemsize = dtype_from_name(dtype).itemsize
             sizes = known[dtype, shape] = (size, size * itemsize, _align_step(dtype), whole_chunks(shape))
         size, nbytes, step, chunks = sizes
         if nbytes > PACK_BYTES:
@@ -464,7 +464,7 @@ def assign(records: Sequence[LeafRecord], pieces: Sequence[Sequence[tuple[tuple[
         placed.append(record)
     packs = {}
     for dtype, size in ends.items():
-        itemsize = _dtypes.dtype_from_name(dtype).itemsize
+        itemsize = dtype_from_name(dtype).itemsize
         chunk = max(1, min(size, PACK_CHUNK_BYTES // itemsize))
         packs[dtype] = PackRecord(pack_name(dtype), dtype, size, chunk)
     for record in placed:
@@ -474,4 +474,4 @@ def assign(records: Sequence[LeafRecord], pieces: Sequence[Sequence[tuple[tuple[
 @functools.lru_cache(maxsize=64)
 def _align_step(dtype: str) -> int:
     """Offsets (in elements of `dtype`) that start on a 64-byte boundary."""
-    return max(1, ALIGN_BYTES // _dtypes.dtype_from_name(dtype).itemsize)
+    return max(1, ALIGN_BYTES // dtype_from_name(dtype).itemsize)

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 from . import (
-    _dtypes,
     _durable,
     _faults,
     _format,
@@ -27,7 +26,7 @@ from . import (
     _storage,
     _transaction,
 )
-from ._format import LeafRecord, PackRecord
+from ._format import LeafRecord, PackRecord, dtype_from_name
 from ._location import Location
 from ._progress import Tracker
 from ._records import Pending
@@ -269,7 +268,7 @@ def _start_tensorstore(
 
 def _pack_contents(pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequence[np.ndarray]) -> np.ndarray:
     """The contents of `pack`: each leaf's bytes at its offset (zeros between)."""
-    out = np.zeros(pack.size, _dtypes.dtype_from_name(pack.dtype))
+    out = np.zeros(pack.size, dtype_from_name(pack.dtype))
     for record, piece in zip(records, pieces, strict=True):
         out[record.offset : record.offset + record.size] = np.asarray(piece).reshape(-1)
     return out
