@@ -54,6 +54,7 @@ from ._steps import (
     _show,
     _write_retention,
     committed_steps,
+    written_metrics,
 )
 from ._transaction import CommitWarning
 
@@ -337,7 +338,7 @@ class CheckpointManager:
         target = self._loc.joined(step_name(step))
         # The metrics go into the step's manifest, so they commit with it; a
         # leftover file of version 1 would shadow nothing, but is stale now.
-        if state.get(step) and _primary():
+        if state.get(step) and _primary() and written_metrics(self._loc, step):
             with _storage_errors.explained(self._loc, f"Saving step {step} to"):
                 _storage.remove(self._loc, [_metrics_name(step)])
         self._saving.add(step)
@@ -749,7 +750,8 @@ class CheckpointManager:
         """The manifest first, so that a step disappears at once even if the
         deletion of its arrays is interrupted."""
         _storage.delete_file(self._loc.joined(step_name(step)), MANIFEST)
-        _storage.remove(self._loc, [step_name(step), _metrics_name(step)])
+        metrics = [_metrics_name(step)] if written_metrics(self._loc, step) else []
+        _storage.remove(self._loc, [step_name(step), *metrics])
 
     def _apply_retention(self, saved: int | None = None) -> None:
         """After a step committed: delete the steps no rule keeps. A failure here is

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from . import _dtypes, _format, _storage
-from ._errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
+from ._errors import CheckpointError, CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
 from ._format import MANIFEST
 from ._location import Location
 from ._manifest import read_manifest
@@ -132,9 +132,10 @@ def committed_steps(loc: Location) -> list[int]:
 def _clean_interrupted(loc: Location, state: dict[int, bool]) -> list[tuple[str, str]]:
     """Remove what interrupted saves left: step folders without a manifest that
     hold only files a save writes (`_format.left_by_a_save`; an empty one
-    too), and metrics files without a committed step. Returns the entries
-    named like a step that are not the manager's to remove (a user's file,
-    link, or folder of other files), as `(name, what it is)`; they stay."""
+    too), and metrics files a version 1 manager wrote without a committed step
+    (`written_metrics`). Returns the entries named like a step that are not
+    the manager's to remove (a user's file, link, folder of other files, or
+    file named like a step's metrics), as `(name, what it is)`; they stay."""
     if not _primary():
         return []
     names = _storage.list_names(loc)
@@ -149,9 +150,28 @@ def _clean_interrupted(loc: Location, state: dict[int, bool]) -> list[tuple[str,
     for name in names:
         owner = _format.parse_metrics_name(name)
         if owner is not None and not state.get(owner, False):
-            stale.append(name)
+            if written_metrics(loc, owner):
+                stale.append(name)
+            else:
+                foreign.append((name, "a file that is not a metrics file an eqx_ckpt manager wrote"))
     _storage.remove(loc, stale)
     return sorted(foreign)
+
+
+def written_metrics(loc: Location, step: int) -> bool:
+    """Whether `step_<step>.metrics.json` in `loc` is what a version 1 manager
+    wrote there (a JSON object of this `step` and its `metrics`, not a link):
+    only such a file is the manager's to delete. Anything else of that name
+    is a user's, and stays."""
+    name = _format.metrics_name(step)
+    if loc.local is not None and os.path.islink(os.path.join(loc.local, name)):
+        return False
+    try:
+        data = _storage.read_file(loc, name, limit=_MAX_METRICS_BYTES)
+        body = json.loads(data) if data is not None else None
+    except (OSError, CheckpointError, ValueError):  # a folder, unreadable, not JSON: not ours
+        return False
+    return type(body) is dict and body.get("step") == step and isinstance(body.get("metrics"), dict)
 
 
 def _not_folders(loc: Location, names: list[str]) -> list[tuple[str, str]]:

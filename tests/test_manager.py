@@ -172,6 +172,46 @@ def test_interrupted_step_folder_is_not_a_step_and_is_cleaned_up(tmp_path):
     assert fresh.all_steps() == [1, 2, 3]
 
 
+def test_a_users_file_named_like_a_steps_metrics_is_left_alone(tmp_path):
+    """Only a metrics file a version 1 manager wrote (`{"step": N, "metrics":
+    {...}}`) is removed with its step or as a leftover; a user's file of that
+    name (other JSON, text, a link, a folder) stays, named in a warning."""
+    outside = tmp_path / "outside.json"
+    outside.write_text('{"step": 4, "metrics": {}}')
+    run = tmp_path / "run"
+    run.mkdir()
+    users = {
+        "step_00000003.metrics.json": '{"notes": "lr sweep, keep"}',
+        "step_00000005.metrics.json": "plain notes",
+        "step_00000006.metrics.json": '{"step": 5, "metrics": {}}',  # another step's number: not this file's
+    }
+    for name, text in users.items():
+        (run / name).write_text(text)
+    (run / "step_00000004.metrics.json").symlink_to(outside)
+    (run / "step_00000008.metrics.json").mkdir()
+    (run / "step_00000009.metrics.json").write_text('{"step": 9, "metrics": {"loss": 1.0}}')  # version 1's
+    manager = eqx_ckpt.CheckpointManager(run, max_to_keep=1)
+    with pytest.warns(eqx_ckpt.RetentionWarning) as warned:
+        manager.save(1, _tree(1))
+    message = str(warned[0].message)
+    for name in [*users, "step_00000004.metrics.json", "step_00000008.metrics.json"]:
+        assert f"{name!r} (a file that is not a metrics file an eqx_ckpt manager wrote)" in message
+    assert "step_00000009" not in message
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("step_")) == sorted(
+        [*users, "step_00000004.metrics.json", "step_00000008.metrics.json", "step_00000001"]
+    )
+    assert all((run / name).read_text() == text for name, text in users.items())
+    assert outside.read_text() == '{"step": 4, "metrics": {}}'
+    # A step saved, then deleted by retention, beside a user's file of its metrics' name: the file stays.
+    (run / "step_00000002.metrics.json").write_text("mine")
+    with pytest.warns(eqx_ckpt.RetentionWarning, match=re.escape("'step_00000002.metrics.json' (a file that is")):
+        manager.save(2, _tree(2))
+    manager.save(3, _tree(3))
+    assert manager.all_steps() == [3]
+    assert (run / "step_00000002.metrics.json").read_text() == "mine"
+    manager.close()
+
+
 def test_save_whose_filter_spec_raises_leaves_nothing(tmp_path):
     manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=1)
     manager.save(1, _tree(1))
