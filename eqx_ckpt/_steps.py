@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from . import _dtypes, _format, _storage
-from ._errors import CheckpointError, CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
+from ._errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
 from ._format import MANIFEST
 from ._location import Location
 from ._manifest import read_manifest
@@ -164,12 +164,15 @@ def written_metrics(loc: Location, step: int) -> bool:
     only such a file is the manager's to delete. Anything else of that name
     is a user's, and stays."""
     name = _format.metrics_name(step)
-    if loc.local is not None and os.path.islink(os.path.join(loc.local, name)):
-        return False
+    if loc.local is not None:
+        full = os.path.join(loc.local, name)
+        if os.path.islink(full) or os.path.isdir(full):
+            return False
+    # A failure to read is the caller's (a save's error, or retention's warning), never a verdict.
+    data = _storage.read_file(loc, name, limit=_MAX_METRICS_BYTES)
     try:
-        data = _storage.read_file(loc, name, limit=_MAX_METRICS_BYTES)
         body = json.loads(data) if data is not None else None
-    except (OSError, CheckpointError, ValueError):  # a folder, unreadable, not JSON: not ours
+    except ValueError:  # not JSON (nor UTF-8): not ours
         return False
     return type(body) is dict and body.get("step") == step and isinstance(body.get("metrics"), dict)
 
