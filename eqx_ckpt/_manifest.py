@@ -266,7 +266,7 @@ def _parse_json(data: bytes, bad: Callable[[str], Exception], where: str) -> tup
     if data.count(b"{") > MAX_MANIFEST_OBJECTS:
         raise bad(f"it holds more than the {MAX_MANIFEST_OBJECTS} JSON objects allowed")
     try:
-        body = json.loads(data, object_pairs_hook=no_duplicates, parse_constant=_reject_constant)
+        body = loads_untrusted(data)
     except (ValueError, RecursionError) as e:
         raise bad(f"not valid JSON ({e})") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT:
@@ -326,6 +326,12 @@ def _parse_leaves(
             raise bad(f"leaf #{i} ({_peek_path(item)}): {e}") from None
     _check_paths(records, bad)
     return records
+
+
+def loads_untrusted(data: bytes | str) -> Any:
+    """JSON from a file: no two names alike in an object, no `NaN` or
+    `Infinity`; raises `ValueError` (or `RecursionError`, nested too deep)."""
+    return json.loads(data, object_pairs_hook=no_duplicates, parse_constant=_reject_constant)
 
 
 def _reject_constant(name: str) -> None:

@@ -34,7 +34,9 @@ class Partial:
     the stored checkpoint's commit, which must still be the live one when the
     save begins; `cast`, the save's `cast` with each kept leaf's stored dtype;
     `chunks`, the stored chunk grid of each kept leaf with an array of its own;
-    `new`, how many of the leaves are new (the first ones)."""
+    `new`, how many of the leaves are new (the first ones); `structure`,
+    given the dotted paths the save stores, the structure record with the
+    picked sub-trees' records spliced into the stored one."""
 
     def __init__(
         self,
@@ -45,10 +47,10 @@ class Partial:
         cast: Callable[[str, np.dtype], Any] | None,
         chunks: dict[str, tuple[int, ...]],
         new: int,
+        structure: Callable[[set[str]], Any],
     ):
         self.leaves, self.names, self.specs, self.commit, self.cast = leaves, names, specs, commit, cast
-        self.chunks, self.new = chunks, new
-        self.structure: Callable[[set[str]], Any] = lambda stored: _structure.unrecordable("a partial save")
+        self.chunks, self.new, self.structure = chunks, new, structure
 
     def kept_damaged(self, error: IntegrityError, loc: Location) -> IntegrityError:
         """`error`, a kept leaf found damaged as it was read, said as this
@@ -129,7 +131,7 @@ def collect(
         [names.records[i] for i in new] + [r.keypath for r in kept],
         keypaths.__getitem__,
     )
-    partial = Partial(
+    return Partial(
         [leaves[i] for i in new] + stored,
         combined,
         [specs[i] for i in new] + [default] * len(kept),
@@ -137,11 +139,8 @@ def collect(
         _keeping_dtypes(cast, {r.path: r.stored_dtype for r in kept if r.stored_dtype != r.dtype}),
         {r.path: tuple(r.chunks) for r in kept if r.pack is None},
         len(new),
+        lambda stored: _spliced(_rebuild.record_of(manifest, loc.display), prefixes, treedef, flat, names, stored),
     )
-    partial.structure = lambda stored: _spliced(
-        _rebuild.record_of(manifest, loc.display), prefixes, treedef, flat, names, stored
-    )
-    return partial
 
 
 def _spliced(

@@ -24,7 +24,6 @@ import dataclasses
 import enum
 import functools
 import inspect
-import json
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -44,7 +43,7 @@ from ._errors import (
     UntrustedError,
 )
 from ._format import LeafRecord, dtype_from_name
-from ._manifest import Manifest, no_duplicates
+from ._manifest import Manifest, loads_untrusted
 from ._trust import Trust, python_name
 
 # Limits on an untrusted record, far beyond any model's.
@@ -82,13 +81,9 @@ def record_of(manifest: Manifest, where: str) -> Any:
     if text.count("{") > MAX_NODES:
         raise _corrupt(where, "", f"it holds more than the {MAX_NODES} nodes any saved tree can")
     try:
-        return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=_reject_constant)
+        return loads_untrusted(text)
     except (ValueError, RecursionError) as e:
         raise _corrupt(where, "", f"it is not valid JSON ({str(e)[:200]})") from None
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
 
 
 def subtree(manifest: Manifest, prefix: str, where: str) -> dict[str, Any]:
