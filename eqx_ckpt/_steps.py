@@ -160,7 +160,7 @@ def _clean_interrupted(loc: Location, state: dict[int, bool]) -> list[tuple[str,
 
 def written_metrics(loc: Location, step: int) -> bool:
     """Whether `step_<step>.metrics.json` in `loc` is what a version 1 manager
-    wrote there (a JSON object of this `step` and its `metrics`, not a link):
+    wrote there (`_metrics_file_values` reads it, and it is not a link):
     only such a file is the manager's to delete. Anything else of that name
     is a user's, and stays."""
     name = _format.metrics_name(step)
@@ -170,11 +170,13 @@ def written_metrics(loc: Location, step: int) -> bool:
             return False
     # A failure to read is the caller's (a save's error, or retention's warning), never a verdict.
     data = _storage.read_file(loc, name, limit=_MAX_METRICS_BYTES)
-    try:
-        body = json.loads(data) if data is not None else None
-    except ValueError:  # not JSON (nor UTF-8): not ours
+    if data is None:
         return False
-    return type(body) is dict and body.get("step") == step and isinstance(body.get("metrics"), dict)
+    try:
+        _metrics_file_values(data, step)
+    except (ValueError, KeyError, TypeError):  # what version 1 never wrote: not ours
+        return False
+    return True
 
 
 def _not_folders(loc: Location, names: list[str]) -> list[tuple[str, str]]:
@@ -231,19 +233,25 @@ def _read_metrics_file(loc: Location, step: int) -> dict[str, Any]:
     if data is None:
         return {}
     try:
-        body = json.loads(data)
-        values = body["metrics"]
-        if len(data) > _MAX_METRICS_BYTES or body["step"] != step or not isinstance(values, dict):
-            raise ValueError("unexpected content")
-        if not all(isinstance(v, (bool, int, float, str)) for v in values.values()):
-            raise ValueError("a metric is not a number")
-        return {str(k): float(v) if isinstance(v, str) else v for k, v in values.items()}
+        return _metrics_file_values(data, step)
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(
             f"The metrics file {_format.metrics_name(step)!r} in {loc.display!r} is invalid ({e}). "
             f"Delete it to keep step {step} without metrics.",
             path=loc.display,
         ) from None
+
+
+def _metrics_file_values(data: bytes, step: int) -> dict[str, Any]:
+    """The metrics of step `step` in `data`, a metrics file as version 1 wrote
+    it; raises `ValueError`, `KeyError` or `TypeError` for anything else."""
+    body = json.loads(data)
+    values = body["metrics"]
+    if len(data) > _MAX_METRICS_BYTES or body["step"] != step or not isinstance(values, dict):
+        raise ValueError("unexpected content")
+    if not all(isinstance(v, (bool, int, float, str)) for v in values.values()):
+        raise ValueError("a metric is not a number")
+    return {str(k): float(v) if isinstance(v, str) else v for k, v in values.items()}
 
 
 def _read_retention(loc: Location) -> tuple[dict[str, Any], list[int]] | None:
