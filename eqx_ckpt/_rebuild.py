@@ -121,7 +121,6 @@ def skeleton(
     *,
     where: str,
     check_init: bool = False,
-    records: dict[str, LeafRecord] | None = None,
 ) -> Any:
     """The sub-tree at `prefix` rebuilt (see the module docstring)."""
     if manifest.structure is None:
@@ -130,7 +129,7 @@ def skeleton(
     needed = names(node, prefix, where)
     _require_trusted(needed, trust, where)
     tree = _Build(trust, where).node(node, prefix)
-    tree = _fill(tree, prefix, records if records is not None else manifest.by_path(), where)
+    tree = _fill(tree, prefix, manifest.by_path(), where)
     if check_init:
         _check_inits(tree)
     return tree

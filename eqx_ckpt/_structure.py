@@ -37,6 +37,7 @@ import dataclasses
 import enum
 import itertools
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -285,8 +286,6 @@ def _function(x: Any) -> Any:
 
 def _found(name: str) -> Any:
     """What the module already imported as `module` holds at `qualname` (no import)."""
-    import sys
-
     module, _, qualname = name.partition(":")
     obj: Any = sys.modules.get(module)
     for part in qualname.split("."):
