@@ -293,8 +293,6 @@ class Checkpoint(Mapping[str, Any]):
             ```
         """
         prefix = self._key(prefix, "types")
-        if self._source.format != "eqx_ckpt" or self._manifest.structure is None:
-            raise _rebuild.no_record(self._manifest, self.path, self._source.format)
         node = _rebuild.subtree(self._manifest, prefix, self.path)
         names = _rebuild.names(node, prefix, self.path)
         checker = Trust(trust) if trust is not None else None

@@ -213,8 +213,6 @@ def load(
 def rebuilt(source: Source, prefix: str, trust: Trust, *, check_init: bool = False) -> PyTree:
     """The skeleton of the sub-tree at `prefix` of `source`, from its structure record (`_rebuild`)."""
     check_init = check_flag("check_init", check_init, "whether to run `__check_init__` of the rebuilt classes")
-    if source.format != "eqx_ckpt":
-        raise _rebuild.no_record(source.manifest, source.loc.display, source.format)
     return _rebuild.skeleton(source.manifest, prefix, trust, where=source.loc.display, check_init=check_init)
 
 

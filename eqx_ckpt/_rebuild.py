@@ -53,10 +53,11 @@ MAX_STRING = 1 << 20
 _NAME_KINDS = ("object", "namedtuple", "node")
 
 
-def no_record(manifest: Manifest, where: str, format: str = "eqx_ckpt") -> CheckpointValueError:
-    """The error of a load without `like` from a checkpoint that records no structure."""
-    if format != "eqx_ckpt":
-        why = f"it is a {format} checkpoint, which names its tensors but records no classes"
+def no_record(manifest: Manifest, where: str) -> CheckpointValueError:
+    """The error of a load without `like` from a checkpoint that records no
+    structure: another format's (its layout names it), or an older eqx_ckpt's."""
+    if manifest.layout in _FOREIGN:
+        why = f"it is a {manifest.layout} checkpoint, which names its tensors but records no classes"
     else:
         why = (
             f"it was written in format version {manifest.format_version}, before eqx_ckpt recorded structure "
@@ -86,9 +87,16 @@ def record_of(manifest: Manifest, where: str) -> Any:
         raise _corrupt(where, "", f"it is not valid JSON ({str(e)[:200]})") from None
 
 
+# The layouts of the manifests other formats are read into (`_safetensors`, `_orbax`).
+_FOREIGN = ("safetensors", "orbax")
+
+
 def subtree(manifest: Manifest, prefix: str, where: str) -> dict[str, Any]:
-    """The record node at dotted `prefix` (checked only as far as the way there)."""
+    """The record node at dotted `prefix` (checked only as far as the way
+    there); `no_record`'s error where the manifest has no record."""
     node = record_of(manifest, where)
+    if node is None:
+        raise no_record(manifest, where)
     here = ""
     for segment in _keypath.split_dotted(prefix) if prefix else ():
         found = None
@@ -123,8 +131,6 @@ def skeleton(
     check_init: bool = False,
 ) -> Any:
     """The sub-tree at `prefix` rebuilt (see the module docstring)."""
-    if manifest.structure is None:
-        raise no_record(manifest, where)
     node = subtree(manifest, prefix, where)
     needed = names(node, prefix, where)
     _require_trusted(needed, trust, where)
