@@ -25,6 +25,7 @@ from . import (
     _load_plan,
     _pack,
     _read,
+    _read_once,
     _rebuild,
     _source,
     _storage,
@@ -95,6 +96,7 @@ def tree_deserialise_leaves(
     progress: Progress = None,
     trust: Iterable[Any] = (),
     check_init: bool = False,
+    read_once: bool | None = None,
 ) -> PyTree:
     """Load the leaves of a PyTree from a checkpoint directory.
 
@@ -165,6 +167,13 @@ def tree_deserialise_leaves(
     - `trust`, `check_init`: for `like=None` only: the classes, functions and
         modules the rebuilt tree may use beyond the default set, and whether
         to run their `__check_init__` (see [`eqx_ckpt.Checkpoint.skeleton`][]).
+    - `read_once`: with several JAX processes, whether bytes that several of
+        them need (replicated leaves of `like`) are read from storage by one
+        process and sent to the others through JAX's collectives. `None` (the
+        default): for leaves held by 4 processes or more; `True`: from 2;
+        `False`: never. Sharing makes the load a collective: every process
+        must call it, with the same `like` (see
+        [docs/scaling.md](../scaling.md#restoring-replicated-state-each-byte-read-once)).
 
     **Returns:**
 
@@ -192,7 +201,7 @@ def tree_deserialise_leaves(
     """
     options = _load_plan.options(
         where=where, prefix=prefix, rename=rename, transform=transform,
-        missing=missing, strict=strict, cast=cast, lazy=lazy,
+        missing=missing, strict=strict, cast=cast, lazy=lazy, read_once=read_once,
     )  # fmt: skip
     source = _source.open_source(path)
     if like is None:
@@ -223,7 +232,7 @@ def _read_values(source: Source, plan: LoadPlan, *, progress: Progress) -> tuple
         custom = [_run_custom(spec, leaf, source, plan.cast, plan.lazy) for leaf, spec in plan.custom]
         transformed = _read_transformed(source, plan)
         _faults.fire("load.read_stored", source.loc)
-        stored = _read_stored(source, plan.reads, lazy=plan.lazy, progress=progress)
+        stored = _read_stored(source, plan.reads, lazy=plan.lazy, progress=progress, read_once=plan.read_once)
     except Exception:
         source.check()  # a read that failed because the checkpoint was replaced says so
         raise
@@ -265,7 +274,9 @@ def _target_dtype(like: Any) -> np.dtype | None:
 _SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
 
 
-def _read_stored(source: Source, plans: list[LeafPlan], *, lazy: bool, progress: Progress = False) -> list[Any]:
+def _read_stored(
+    source: Source, plans: list[LeafPlan], *, lazy: bool, progress: Progress = False, read_once: bool | None = False
+) -> list[Any]:
     """Open every array, then read leaves concurrently within the read budget
     (`_window`), converting (and freeing the host buffer of) the oldest as new
     reads start."""
@@ -283,18 +294,27 @@ def _read_stored(source: Source, plans: list[LeafPlan], *, lazy: bool, progress:
     records = [_record_of(plan) for plan in plans]
     total = sum(r.nbytes for r in records)
     with _gc.gc_paused(), Tracker(progress, leaves=len(records), nbytes=total, what="load") as tracker:
-        return _read_now(source, plans, records, tracker)
+        return _read_now(source, plans, records, tracker, read_once)
 
 
-def _read_now(source: Source, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker) -> list[Any]:
-    """The values of `plans` (of `records`), read now: packed leaves by runs of
-    their packs, the others one array each."""
+def _read_now(
+    source: Source, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, read_once: bool | None
+) -> list[Any]:
+    """The values of `plans` (of `records`), read now: what several processes
+    need read once and shared (`_read_once`), packed leaves by runs of their
+    packs, the others one array each."""
     data = source.data
     results: list[Any] = [None] * len(plans)
+    shared = _read_once.chosen(plans, records, read_once)
+    if shared:
+        opened = [plans[i] for i in shared], [records[i] for i in shared]
+        for i, value in zip(shared, _read_once.read(lambda r: source.open(r).result(), data, *opened, tracker)):
+            results[i] = value
     packed = [i for i, record in enumerate(records) if record.pack is not None]
     if packed:
         _read_packed(data, [plans[i] for i in packed], [records[i] for i in packed], tracker, packed, results)
-    own = [i for i, record in enumerate(records) if record.pack is None]
+    taken = frozenset(shared)
+    own = [i for i, record in enumerate(records) if record.pack is None and i not in taken]
     if source.runs is not None and own:
         own = _read_runs(source, [plans[i] for i in own], [records[i] for i in own], tracker, own, results)
     # Large local leaves are read straight into their buffers; the others

@@ -122,10 +122,14 @@ The points, with where they fire and the arguments they pass:
   file; an `OSError` raised here is reported as the read's.
 - `local_read.crc` `(key)`: a chunk's joined crc32c is compared with its stored one.
 
-**A load (`_deserialise`, `_untrusted`, `_pack`, `_window`, `_read`, `_nested`, `_tree`):**
+**A load (`_deserialise`, `_read_once`, `_untrusted`, `_pack`, `_window`, `_read`, `_nested`, `_tree`):**
 
 - `load.read_stored` `(loc)`: a load has planned every leaf (and run the custom
   filter specs and transforms) and starts reading the stored leaves.
+- `load.read_once` `(path, regions)`: a process of a multi-process restore
+  that shares reads (`_read_once`) read its slices `regions` (tuples of
+  `(start, stop)` per axis) of the leaf at dotted `path` from storage, before
+  the barrier that precedes the all-gather (only for a leaf it reads a slice of).
 - `untrusted.scan` `(directory)`: a load checks the files of a folder on a
   local disk (a leaf's, and each folder below it) for links and sizes.
 - `pack.read_run` `(loc, pack, paths)`: a run of a pack, holding the packed
@@ -219,6 +223,7 @@ POINTS = frozenset(
         "local_read.read",
         "local_read.crc",
         "load.read_stored",
+        "load.read_once",
         "untrusted.scan",
         "pack.read_run",
         "window.open",

@@ -25,6 +25,7 @@ def load_or_initialise(
     cast: bool = False,
     transform: Any = None,
     progress: Progress = None,
+    read_once: bool | None = None,
 ) -> PyTree:
     """Build `init()`'s tree from a checkpoint, computing only the leaves the
     checkpoint does not have.
@@ -41,8 +42,8 @@ def load_or_initialise(
     - `init`: a function of no arguments returning the tree (use
         `functools.partial` or a lambda to bind a model's arguments). It must be
         traceable by `jax.jit`, as any Equinox constructor is.
-    - `where`, `prefix`, `rename`, `strict`, `cast`, `transform`, `progress`: as
-        for [`eqx_ckpt.tree_deserialise_leaves`][]. The leaves `where` leaves
+    - `where`, `prefix`, `rename`, `strict`, `cast`, `transform`, `progress`,
+        `read_once`: as for [`eqx_ckpt.tree_deserialise_leaves`][]. The leaves `where` leaves
         out are initialised, as the missing ones are.
 
     **Returns:**
@@ -79,7 +80,7 @@ def load_or_initialise(
     return initialise_unloaded(
         path, init,
         where=where, prefix=prefix, rename=rename, missing="keep", strict=strict, cast=cast, transform=transform,
-        progress=progress,
+        progress=progress, read_once=read_once,
     )  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _dtypes, _keypath, _select, _tree
-from ._errors import CheckpointValueError, check_flag
+from ._errors import CheckpointTypeError, CheckpointValueError, check_flag
 from ._format import LeafRecord
 from ._load_report import Report, Unmatched, keys_below, refuse_no_match, refuse_unmatched, shown_keys
 from ._location import Location
@@ -42,10 +42,20 @@ class Options:
     strict: bool
     cast: bool
     lazy: bool
+    read_once: bool | None = None
 
 
 def options(
-    *, where: Any, prefix: Any, rename: Any, transform: Any, missing: Any, strict: Any, cast: Any, lazy: Any
+    *,
+    where: Any,
+    prefix: Any,
+    rename: Any,
+    transform: Any,
+    missing: Any,
+    strict: Any,
+    cast: Any,
+    lazy: Any,
+    read_once: Any = None,
 ) -> Options:
     """The options of a load, `missing`, `strict`, `lazy` and `cast` checked at
     once (in that order); the others as `plan` resolves them against `like`."""
@@ -58,7 +68,12 @@ def options(
             f"`cast` of a load must be `True` or `False`, not {cast!r}: a load converts to "
             f"the dtypes of `like`. (A dtype to store in is `tree_serialise_leaves`'s `cast`.)"
         )
-    return Options(where, prefix, rename, transform, missing, strict, bool(cast), lazy)
+    if read_once is not None and not isinstance(read_once, (bool, np.bool_)):
+        raise CheckpointTypeError(
+            f"`read_once` must be `None` (share reads where it pays), `True` or `False`, not {read_once!r}."
+        )
+    read_once = None if read_once is None else bool(read_once)
+    return Options(where, prefix, rename, transform, missing, strict, bool(cast), lazy, read_once)
 
 
 @dataclasses.dataclass
@@ -102,6 +117,7 @@ class LoadPlan:
     transformed: list[TransformPlan]
     cast: bool
     lazy: bool
+    read_once: bool | None = None
 
 
 def plan(source: Source, like: Any, is_leaf: Any, filter_spec: Any, default: Any, options: Options) -> LoadPlan:
@@ -122,7 +138,7 @@ def plan(source: Source, like: Any, is_leaf: Any, filter_spec: Any, default: Any
     report.raise_if_any()
     return LoadPlan(
         source.loc, treedef, [leaf for _, leaf in flat], leaves.reads, leaves.custom, leaves.transformed,
-        options.cast, options.lazy,
+        options.cast, options.lazy, options.read_once,
     )  # fmt: skip
 
 

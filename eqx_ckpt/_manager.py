@@ -564,6 +564,7 @@ class CheckpointManager:
         progress: Progress = None,
         trust: Iterable[Any] = (),
         check_init: bool = False,
+        read_once: bool | None = None,
     ) -> PyTree:
         """Load a step into `like`.
 
@@ -576,8 +577,8 @@ class CheckpointManager:
             [`eqx_ckpt.Checkpoint.skeleton`][]).
         - `step`: the step to load; the latest committed one by default.
         - `filter_spec`, `is_leaf`, `where`, `prefix`, `rename`, `missing`, `strict`,
-            `cast`, `lazy`, `transform`, `progress`, `trust`, `check_init`: every option of
-            [`eqx_ckpt.tree_deserialise_leaves`][], with its meaning and default;
+            `cast`, `lazy`, `transform`, `progress`, `trust`, `check_init`, `read_once`: every
+            option of [`eqx_ckpt.tree_deserialise_leaves`][], with its meaning and default;
             for instance `prefix="model"` loads only the model of a
             `{"model": ..., "opt_state": ...}` step.
 
@@ -604,7 +605,7 @@ class CheckpointManager:
             return tree_deserialise_leaves(
                 self._loc.joined(step_name(step)), like, filter_spec, is_leaf,
                 where=where, prefix=prefix, rename=rename, missing=missing, strict=strict, cast=cast, lazy=lazy,
-                transform=transform, progress=progress, trust=trust, check_init=check_init,
+                transform=transform, progress=progress, trust=trust, check_init=check_init, read_once=read_once,
             )  # fmt: skip
         except (CheckpointError, OSError) as e:
             # Retention (this manager's, or that of the one saving here) deleted
@@ -634,6 +635,7 @@ class CheckpointManager:
         lazy: bool = False,
         transform: Any = None,
         progress: Progress = None,
+        read_once: bool | None = None,
     ) -> tuple[int | None, PyTree]:
         """Resume from the latest step, or start afresh if there is none.
 
@@ -646,7 +648,7 @@ class CheckpointManager:
             `missing`), which `init` computes under `jax.jit` (as
             [`eqx_ckpt.load_or_initialise`][] does).
         - `filter_spec`, `is_leaf`, `where`, `prefix`, `rename`, `missing`, `strict`,
-            `cast`, `lazy`, `transform`, `progress`: every option of
+            `cast`, `lazy`, `transform`, `progress`, `read_once`: every option of
             [`eqx_ckpt.tree_deserialise_leaves`][], with its meaning and default.
             `missing="keep"` resumes a state that gained leaves since the step was
             saved (an EMA of the weights, a new head): those leaves get `init`'s
@@ -679,7 +681,7 @@ class CheckpointManager:
         return step, _initialise.initialise_unloaded(
             self._loc.joined(step_name(step)), init, filter_spec, is_leaf,
             where=where, prefix=prefix, rename=rename, missing=missing, strict=strict, cast=cast, lazy=lazy,
-            transform=transform, progress=progress,
+            transform=transform, progress=progress, read_once=read_once,
         )  # fmt: skip
 
     def _require(self, step: int) -> None:

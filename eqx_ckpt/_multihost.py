@@ -27,7 +27,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -51,9 +51,10 @@ SILENT_SECONDS = 10.0
 # One wait for a process's barrier key, between checks of its heartbeat.
 _WAIT_MS = 1000
 
-# Saves are numbered in the order each process makes them, which is the same in
-# every process, so the n-th save's barriers have the same names everywhere.
-_saves = itertools.count()
+# Saves (and restores that share reads) are numbered in the order each process
+# makes them, which is the same in every process, so the n-th save's barriers
+# have the same names everywhere.
+_numbers = {"save": itertools.count(), "restore": itertools.count()}
 
 
 def _client() -> Any:
@@ -70,12 +71,17 @@ def _client() -> Any:
 
 
 class Group:
-    """The processes taking part in one save (one process: every step is local)."""
+    """The processes taking part in one save (one process: every step is local),
+    or in one restore that reads each byte once (`_read_once`): `what`. A
+    barrier waits `timeout` seconds for the slowest process (`TIMEOUT_MS` by
+    default)."""
 
-    def __init__(self) -> None:
+    def __init__(self, what: str = "save", timeout: float | None = None) -> None:
         self.count = jax.process_count()
         self.index = jax.process_index()
-        self._name = f"eqx_ckpt/save/{next(_saves)}" if self.count > 1 else ""
+        self.what = what
+        self._name = f"eqx_ckpt/{what}/{next(_numbers[what])}" if self.count > 1 else ""
+        self._timeout = TIMEOUT_MS / 1000 if timeout is None else timeout
         self._lost: CheckpointError | None = None
 
     @property
@@ -98,15 +104,15 @@ class Group:
         if plan is not None:  # before this process's barrier key: whoever passes the barrier sees it
             client.key_value_set(f"{key}-plan/{self.index}", plan)
         client.key_value_set(f"{key}/{self.index}", "" if error is None else _describe(error))
-        self._lost = _wait(client, key, self.count, stage)
+        self._lost = _wait(client, key, self.count, _Stage(self.what, stage, self._timeout))
         if error is not None or self._lost is not None:
             return error or self._lost
         failed = sorted((int(k.rsplit("/", 1)[-1]), v) for k, v in client.key_value_dir_get(f"{key}/") if v)
         if failed:
             lines = "\n".join(f"  - process {i}: {message}" for i, message in failed)
-            return CheckpointError(
-                f"Saving failed in {len(failed)} other process(es), so nothing was committed:\n{lines}"
-            )
+            saving = self.what == "save"
+            doing, outcome = ("Saving", "nothing was committed") if saving else ("Loading", "nothing was loaded")
+            return CheckpointError(f"{doing} failed in {len(failed)} other process(es), so {outcome}:\n{lines}")
         if plan is None:
             return None
         return differing(
@@ -131,10 +137,18 @@ def differing(plans: dict[int, str], count: int) -> CheckpointError | None:
     )
 
 
-def _wait(client: Any, key: str, count: int, stage: str) -> CheckpointError | None:
-    """Wait for every process's key under `key`; the error naming a process
-    that stopped answering, or did not arrive within `TIMEOUT_MS`."""
-    deadline = time.monotonic() + TIMEOUT_MS / 1000
+class _Stage(NamedTuple):
+    """A barrier: of a save or a restore (`what`), its `name`, and how long it waits."""
+
+    what: str
+    name: str
+    timeout: float
+
+
+def _wait(client: Any, key: str, count: int, stage: _Stage) -> CheckpointError | None:
+    """Wait for every process's key under `key`; the error naming the processes
+    that stopped answering, or did not arrive within the stage's time-out."""
+    deadline = time.monotonic() + stage.timeout
     silence = _Silence(client)
     for index in range(count):
         while True:
@@ -147,26 +161,37 @@ def _wait(client: Any, key: str, count: int, stage: str) -> CheckpointError | No
             if silence.dead(index):
                 return _lost(index, count, stage)
             if time.monotonic() > deadline:
-                return CheckpointError(
-                    f"Process {index} of {count} did not reach stage {stage!r} of the save within "
-                    f"{TIMEOUT_MS / 1000:g} s, although it is still running. {_outcome(stage)} Every process "
-                    f"must call the save with the same tree, in the same order."
-                )
+                return _late(client, key, count, stage)
     return None
 
 
-def _lost(index: int, count: int, stage: str) -> CheckpointError:
+def _late(client: Any, key: str, count: int, stage: _Stage) -> CheckpointError:
+    """The error of a barrier that some processes, still running, did not reach in time."""
+    arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(f"{key}/")}
+    missing = [index for index in range(count) if index not in arrived]
+    call = "save with the same tree" if stage.what == "save" else "load with the same `like`"
+    who = f"Process {missing[0]}" if len(missing) == 1 else f"Processes {', '.join(map(str, missing))}"
+    still = "it is" if len(missing) == 1 else "they are"
     return CheckpointError(
-        f"Process {index} of {count} stopped answering during the save (no heartbeat for {SILENT_SECONDS:g} s "
-        f"while the others waited for it at stage {stage!r}): it was killed or crashed, so this save cannot "
-        f"finish. {_outcome(stage)} Its own log says why it stopped; `jax.distributed` ends the remaining "
-        f"processes too once its own heartbeat times out."
+        f"{who} of {count} did not reach stage {stage.name!r} of the {stage.what} within {stage.timeout:g} s, "
+        f"although {still} still running. {_outcome(stage)} Every process must call the {call}, in the same order."
     )
 
 
-def _outcome(stage: str) -> str:
-    """What a save that stopped at `stage` left."""
-    if stage == "committed":
+def _lost(index: int, count: int, stage: _Stage) -> CheckpointError:
+    return CheckpointError(
+        f"Process {index} of {count} stopped answering during the {stage.what} (no heartbeat for "
+        f"{SILENT_SECONDS:g} s while the others waited for it at stage {stage.name!r}): it was killed or crashed, "
+        f"so this {stage.what} cannot finish. {_outcome(stage)} Its own log says why it stopped; "
+        f"`jax.distributed` ends the remaining processes too once its own heartbeat times out."
+    )
+
+
+def _outcome(stage: _Stage) -> str:
+    """What a save or restore that stopped at `stage` left."""
+    if stage.what == "restore":
+        return "Nothing was loaded."
+    if stage.name == "committed":
         return "Process 0 may have committed it: load the checkpoint to see which save it holds."
     return "Nothing was committed: the checkpoint saved before is unchanged."
 

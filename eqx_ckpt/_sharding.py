@@ -107,9 +107,9 @@ def _share(
     slices of every region it holds, taken from a local shard. Every region
     is dealt, held here or not, so that every process's deal stays the same."""
     shape, me = tuple(x.shape), jax.process_index()
-    shards = {_key(shard.index, shape): shard for shard in x.addressable_shards}
+    shards = {region_key(shard.index, shape): shard for shard in x.addressable_shards}
     pieces, regions = [], []
-    for region, holders in _holders(x.sharding, shape):
+    for region, holders in regions_held(x.sharding, shape):
         cut = slices(region, chunks if chunks is not None else (), len(holders), itemsize)
         owners = deal.owners(holders, [math.prod(b - a for a, b in part) * itemsize for part in cut])
         for owner, part in zip(owners, cut):
@@ -142,14 +142,14 @@ def _slice(data: jax.Array, part: Region, region: Region) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=256)
-def _holders(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[tuple[Region, tuple[int, ...]], ...]:
+def regions_held(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[tuple[Region, tuple[int, ...]], ...]:
     """Every region of a leaf of `shape` placed with `sharding`, with the
     processes whose devices hold it (in rank order); regions in order. The
     same in every process: it depends on the global placement alone."""
-    holders: dict[Region, set[int]] = {}
+    held: dict[Region, set[int]] = {}
     for device, index in sharding.devices_indices_map(shape).items():
-        holders.setdefault(_key(index, shape), set()).add(device.process_index)  # type: ignore[attr-defined]
-    return tuple((region, tuple(sorted(holders[region]))) for region in sorted(holders))
+        held.setdefault(region_key(index, shape), set()).add(device.process_index)  # type: ignore[attr-defined]
+    return tuple((region, tuple(sorted(held[region]))) for region in sorted(held))
 
 
 def slices(region: Region, chunks: tuple[int, ...], holders: int, itemsize: int) -> list[Region]:
@@ -204,7 +204,7 @@ def read_placed(
     index_map = sharding.addressable_devices_indices_map(shape)
     futures: dict[Any, Any] = {}
     for index in index_map.values():
-        key = _key(index, shape)
+        key = region_key(index, shape)
         if key not in futures:
             futures[key] = read(tuple(index) if index is not None else ())
 
@@ -215,13 +215,15 @@ def read_placed(
             if on_bytes is not None:
                 on_bytes(stored.nbytes)
             hosts[key] = convert(stored)
-        arrays = [jax.device_put(hosts[_key(index, shape)], device) for device, index in index_map.items()]
+        arrays = [jax.device_put(hosts[region_key(index, shape)], device) for device, index in index_map.items()]
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
     return finish
 
 
-def _key(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+def region_key(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A region given as an index (slices, or `None` for the whole leaf) as
+    `(start, stop)` per axis, comparable and hashable."""
     if index is None:
         return tuple((0, n) for n in shape)
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))

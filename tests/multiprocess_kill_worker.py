@@ -17,6 +17,16 @@ it opens them to write its rows), creates the marker and sleeps until the test
 kills it. The others print `worker <id> failed: <message>` when the save
 raises, and exit with status 3 (without `jax.distributed`'s exit hook, which
 would wait for the dead process).
+
+With `restore` (a fault point's name), the second step is a load instead:
+every process loads the first save with `read_once=True` (each byte read by
+one process and shared), and the victim stops at that point of the load
+(`load.read_stored`: before the processes plan the shared reads;
+`load.read_once`: once it read its slices, before the barrier that precedes
+the all-gather); with `absent`, it never calls the load. `read_timeout`
+replaces `_read_once.TIMEOUT`. The others print `worker <id> failed:
+<message>` when the load raises, and exit with status 3; a load that returns
+prints `worker <id> loaded`.
 """
 
 import contextlib
@@ -25,6 +35,7 @@ import os
 import pathlib
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -35,7 +46,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqx_ckpt  # noqa: E402
-from eqx_ckpt import _faults, _format, _multihost, _sharding  # noqa: E402
+from eqx_ckpt import _faults, _format, _multihost, _read_once, _sharding  # noqa: E402
 
 SHAPE = (64, 16)
 
@@ -67,6 +78,8 @@ def main(process_id: int, num_processes: int, port: int, job: dict) -> None:
         pathlib.Path(job["marker"]).touch()
         time.sleep(600)  # until the test kills this process
 
+    if "restore" in job:
+        restore(process_id, job, sharding, stop)
     point = "storage.create_array" if job["victim"] == 0 else "storage.open_array"
     if job["victim"] != 0 and job.get("replicated"):
         point = "storage.transaction"
@@ -82,6 +95,25 @@ def main(process_id: int, num_processes: int, port: int, job: dict) -> None:
         print(f"worker {process_id} failed: {e}", flush=True)
         os._exit(3)
     print(f"worker {process_id} saved again", flush=True)
+    os._exit(0)
+
+
+def restore(process_id: int, job: dict, sharding: NamedSharding, stop: Callable[..., None]) -> None:
+    """Load the first save with shared reads, the victim stopping at `job["restore"]`; exit."""
+    victim = process_id == job["victim"]
+    if "read_timeout" in job:
+        _read_once.TIMEOUT = job["read_timeout"]
+    if victim and job.get("absent"):
+        stop()  # never calls the load, but stays alive
+    like = {"w": jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=sharding)}
+    try:
+        with _faults.armed(job["restore"], stop) if victim else contextlib.nullcontext():
+            loaded = eqx_ckpt.tree_deserialise_leaves(job["checkpoint"], like, read_once=True)
+    except eqx_ckpt.CheckpointError as e:
+        print(f"worker {process_id} failed: {e}", flush=True)
+        os._exit(3)
+    assert np.asarray(loaded["w"].addressable_shards[0].data).tobytes() == value(1).tobytes()
+    print(f"worker {process_id} loaded", flush=True)
     os._exit(0)
 
 

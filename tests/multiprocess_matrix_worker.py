@@ -9,6 +9,12 @@ Run as `python multiprocess_matrix_worker.py PROCESS_ID NUM_PROCESSES PORT JOB`,
 - `checkpoints`: `[[where, sharding, scale], ...]`, `where` a path or a kvstore
   spec dict, `sharding` one of `SHARDINGS`.
 - `save`: whether to save each checkpoint before loading it back (else only load).
+- `read_once`: the `read_once` of each load; every checkpoint is loaded once
+  with each value given (default `[None]`). With `gloo` false, the processes
+  run without JAX's CPU collectives (gloo, by default). After each load a process
+  prints `worker <id> read <n> bytes for <name> read_once=<value>`: what it
+  read from storage (TensorStore's count, for files or S3). Without gloo, a
+  load that raises prints `worker <id> refused read_once=<value>: <message>`.
 - `chunk_bytes`: when not null, `_format.CHUNK_BYTES` for the saves, and
   `_sharding.SPLIT_BYTES` 0 (a replicated array of several chunks is cut
   between the processes, whatever its size).
@@ -34,6 +40,8 @@ import jax
 JOB = json.loads(sys.argv[4])
 jax.config.update("jax_num_cpu_devices", JOB["devices"])
 jax.config.update("jax_platforms", "cpu")
+if not JOB.get("gloo", True):  # JAX's default is gloo
+    jax.config.update("jax_cpu_collectives_implementation", None)
 
 import numpy as np  # noqa: E402
 import tensorstore as ts  # noqa: E402
@@ -73,11 +81,22 @@ def main(process_id: int, num_processes: int, port: int) -> None:
             w = jax.make_array_from_callback(shape, sharding, lambda index, full=full: full[index])
             eqx_ckpt.tree_serialise_leaves(where, {"w": w})
         like = {"w": jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)}
-        loaded = eqx_ckpt.tree_deserialise_leaves(where, like)["w"]
-        assert loaded.sharding == sharding, (name, loaded.sharding)
-        for shard in loaded.addressable_shards:
-            got = np.asarray(shard.data)
-            assert got.dtype == np.float32 and got.tobytes() == full[shard.index].tobytes(), (name, shard.index)
+        for read_once in JOB.get("read_once", [None]):
+            before = bytes_read()
+            try:
+                loaded = eqx_ckpt.tree_deserialise_leaves(where, like, read_once=read_once)["w"]
+            except eqx_ckpt.CheckpointError as e:
+                if JOB.get("gloo", True):
+                    raise
+                print(f"worker {process_id} refused read_once={read_once}: {e}", flush=True)
+                continue
+            print(
+                f"worker {process_id} read {bytes_read() - before} bytes for {name} read_once={read_once}", flush=True
+            )
+            assert loaded.sharding == sharding, (name, loaded.sharding)
+            for shard in loaded.addressable_shards:
+                got = np.asarray(shard.data)
+                assert got.dtype == np.float32 and got.tobytes() == full[shard.index].tobytes(), (name, shard.index)
     print(f"worker {process_id} ok", flush=True)
 
 
@@ -110,14 +129,27 @@ def save_state(process_id: int, path: str) -> None:
         eqx_ckpt.tree_serialise_leaves(path, tree)
     print(f"worker {process_id} wrote {bytes_written() - before} bytes", flush=True)
     print(f"worker {process_id} slices {json.dumps(taken)}", flush=True)
-    loaded = eqx_ckpt.tree_deserialise_leaves(path, tree)
-    for group, leaves in values.items():
-        for name, value in leaves.items():
-            array = loaded[group][name]
-            assert array.sharding == tree[group][name].sharding, (group, name)
-            for shard in array.addressable_shards:
-                got = np.asarray(shard.data)
-                assert got.dtype == value.dtype and got.tobytes() == value[shard.index].tobytes(), (group, name)
+    for read_once in (False, True):
+        before = bytes_read()
+        loaded = eqx_ckpt.tree_deserialise_leaves(path, tree, read_once=read_once)
+        print(f"worker {process_id} read {bytes_read() - before} bytes for state read_once={read_once}", flush=True)
+        for group, leaves in values.items():
+            for name, value in leaves.items():
+                array = loaded[group][name]
+                assert array.sharding == tree[group][name].sharding, (group, name)
+                for shard in array.addressable_shards:
+                    got = np.asarray(shard.data)
+                    assert got.dtype == value.dtype and got.tobytes() == value[shard.index].tobytes(), (group, name)
+
+
+def bytes_read() -> int:
+    """How many bytes TensorStore has read from files or S3 in this process so far."""
+    metrics = [
+        metric
+        for name in ("/tensorstore/kvstore/file/bytes_read", "/tensorstore/kvstore/s3/bytes_read")
+        for metric in ts.experimental_collect_matching_metrics(name)
+    ]
+    return sum(value.get("value", 0) for metric in metrics for value in metric["values"])
 
 
 def bytes_written() -> int:

@@ -609,3 +609,28 @@ def test_an_empty_directory_says_no_checkpoint_is_there_and_why_there_may_be_non
         f"`model.safetensors.index.json`, `model.safetensors` or orbax `_METADATA` there either (see "
         f"docs/interop.md)."
     )
+
+
+@pytest.mark.parametrize("read_once", [None, True, False])
+def test_read_once_in_one_process_reads_as_any_load(tmp_path, read_once):
+    """`read_once` shares reads between processes (tests/test_multiprocess.py);
+    in one process there is nobody to share with, and every value loads as
+    without it, through `tree_deserialise_leaves` and a manager's restore."""
+    tree = {"model": _mlp(), "step": 3, "mean": jnp.arange(5.0)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree, read_once=read_once)
+    assert eqx.tree_equal(loaded, tree, typematch=True)
+    manager = eqx_ckpt.CheckpointManager(tmp_path / "run")
+    manager.save(0, tree)
+    assert eqx.tree_equal(manager.restore(tree, read_once=read_once), tree, typematch=True)
+    assert eqx.tree_equal(manager.restore_or_initialise(lambda: tree, read_once=read_once)[1], tree, typematch=True)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, "auto"])
+def test_read_once_is_none_true_or_false(tmp_path, value):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(3)})
+    said = f"`read_once` must be `None` (share reads where it pays), `True` or `False`, not {value!r}."
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape(said)):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(3)}, read_once=value)
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape(said)):
+        eqx_ckpt.load_or_initialise(tmp_path, lambda: {"w": jnp.zeros(3)}, read_once=value)

@@ -79,6 +79,8 @@ _ELSEWHERE = {
     "save.slices": "reached only by a multi-process save (armed in tests/multiprocess_matrix_worker.py, "
     "run by tests/test_multiprocess.py)",
     "manager.undo": "reached only when a manager's save fails (armed in tests/test_manager.py)",
+    "load.read_once": "reached only by a multi-process restore that shares reads (armed in "
+    "tests/multiprocess_kill_worker.py, run by tests/test_multiprocess.py)",
 }
 
 

@@ -22,7 +22,7 @@ import s3_server
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_ckpt
-from eqx_ckpt import _format, _records
+from eqx_ckpt import _format, _read_once, _records
 
 WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
 MATRIX_WORKER = pathlib.Path(__file__).with_name("multiprocess_matrix_worker.py")
@@ -166,11 +166,26 @@ def _run_matrix(
     shape: tuple[int, int],
     save: bool,
     chunk_bytes: int | None = None,
-) -> None:
+    read_once: list[bool | None] | None = None,
+    gloo: bool = True,
+) -> list[str]:
     job = {"devices": devices, "shape": shape, "checkpoints": checkpoints, "save": save, "chunk_bytes": chunk_bytes}
+    job.update(read_once=read_once or [None], gloo=gloo)
     logs = tmp_path / f"logs-{processes}x{devices}-{'save' if save else 'load'}"
     logs.mkdir()
-    _run_workers(logs / "_", count=processes, timeout=150, worker=MATRIX_WORKER, job=json.dumps(job))
+    return _run_workers(logs / "_", count=processes, timeout=150, worker=MATRIX_WORKER, job=json.dumps(job))
+
+
+def _bytes_read(outputs: list[str], name: str, read_once: bool | None) -> list[int]:
+    """What each worker read from storage for the load of checkpoint `name` with `read_once`."""
+    said = re.compile(rf"worker \d+ read (\d+) bytes for {name} read_once={read_once}\n")
+    return [int(said.search(out).group(1)) for out in outputs]
+
+
+def _stored_bytes(where: Any) -> int:
+    """The bytes of every chunk file of a checkpoint (a local folder or S3 spec)."""
+    checkpoint = eqx_ckpt.Checkpoint(where)
+    return sum(checkpoint.record(path).nbytes for path in checkpoint)
 
 
 def _where(tmp_path: pathlib.Path, storage: str, s3: Any, name: str) -> Any:
@@ -232,9 +247,39 @@ class TestProcessMatrix:
         s3 = storage_for(storage)
         checkpoints = [[_where(tmp_path, storage, s3, name), name, i] for i, name in enumerate(SHARDINGS)]
         # Chunks of 128 KiB: the processes cut the replicated array between them.
-        _run_matrix(tmp_path, processes, devices, checkpoints, shape=MATRIX_SHAPE, save=True, chunk_bytes=128 << 10)
+        outputs = _run_matrix(
+            tmp_path, processes, devices, checkpoints, shape=MATRIX_SHAPE, save=True, chunk_bytes=128 << 10,
+            read_once=[False, True, None],
+        )  # fmt: skip
         for where, _, scale in checkpoints:
             _check_whole(where, MATRIX_SHAPE, scale)
+        # Each byte of the replicated array read from storage once in all (its
+        # zarr.json and the manifest aside), against once per process unshared.
+        stored = _stored_bytes(checkpoints[2][0])
+        assert sum(_bytes_read(outputs, "replicated", True)) <= 1.1 * stored, _bytes_read(outputs, "replicated", True)
+        assert all(n >= stored for n in _bytes_read(outputs, "replicated", False)), _bytes_read(
+            outputs, "replicated", False
+        )
+        # Rows each held by one process: nothing to share, the same reads either way.
+        assert _bytes_read(outputs, "rows", True) == _bytes_read(outputs, "rows", False)
+        # By default, shared from `_read_once.REPLICAS` (4) processes holding a region.
+        shared = processes >= _read_once.REPLICAS
+        assert _bytes_read(outputs, "replicated", None) == _bytes_read(outputs, "replicated", shared)
+
+    def test_shared_reads_need_collectives(self, tmp_path: pathlib.Path):
+        """Without collectives across processes (JAX's CPU backend set up
+        without gloo, its default), a default load of replicated state reads in every
+        process, and `read_once=True` is refused, saying what to set."""
+        where = str(tmp_path / "ckpt")
+        outputs = _run_matrix(
+            tmp_path, 4, 1, [[where, "replicated", 0]], shape=MATRIX_SHAPE, save=True, chunk_bytes=128 << 10,
+            read_once=[None, True], gloo=False,
+        )  # fmt: skip
+        stored = _stored_bytes(where)
+        assert all(n >= stored for n in _bytes_read(outputs, "replicated", None))
+        said = "`read_once=True` cannot share reads: JAX's CPU backend was set up without collectives across processes"
+        assert all(f"refused read_once=True: {said}" in out for out in outputs), outputs
+        assert "jax.config.update('jax_cpu_collectives_implementation', 'gloo')" in outputs[0]
 
     @pytest.mark.parametrize("storage", ["local", "s3"])
     def test_four_processes_save_two_load_with_another_sharding(
@@ -329,6 +374,11 @@ def test_replicated_state_is_written_by_every_process(
     ]
     assert max(large) <= 1.25 * sum(large) / processes, large
     assert max(written) <= 1.25 * sum(written) / processes, written
+    # Loaded back with each byte read once and shared: within 1.1x of the
+    # stored bytes in all, against every process reading every leaf.
+    stored = _stored_bytes(where)
+    assert sum(_bytes_read(outputs, "state", True)) <= 1.1 * stored, _bytes_read(outputs, "state", True)
+    assert all(n >= stored for n in _bytes_read(outputs, "state", False)), _bytes_read(outputs, "state", False)
     small = [{path for path, regions in t.items() if path.startswith("small.") and regions} for t in taken]
     assert all(0 < len(paths) < len(values["small"]) for paths in small), small
     assert max(map(len, small)) - min(map(len, small)) <= 1, small
@@ -352,7 +402,9 @@ def _run_victim(tmp_path: pathlib.Path, processes: int, job: dict, *, kill: bool
     """Run `processes` kill workers with `job`; once the victim has stopped
     (its marker file), SIGKILL it (`kill`), or else wait for the others and
     then kill it. Every process must exit within 60 s of that (a hang at a
-    barrier would last 100 s, `jax.distributed`'s heartbeat, or an hour)."""
+    barrier would last 100 s, `jax.distributed`'s heartbeat, or an hour).
+    The seconds from the victim's stop until the others had all exited are
+    left in `_run_victim.waited`."""
     marker, victim = tmp_path / "victim-stopped", job["victim"]
     argument = json.dumps({**job, "marker": str(marker)})
     port, env = _free_port(), {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -368,11 +420,13 @@ def _run_victim(tmp_path: pathlib.Path, processes: int, job: dict, *, kill: bool
         while not marker.exists():
             assert time.monotonic() < deadline and procs[victim].poll() is None, logs[victim].read_text()[-4000:]
             time.sleep(0.1)
+        stopped = time.monotonic()
         if kill:
             procs[victim].send_signal(signal.SIGKILL)
         for i, proc in enumerate(procs):
             if i != victim or kill:
                 proc.wait(timeout=60)
+        _run_victim.waited = time.monotonic() - stopped  # type: ignore[attr-defined]
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -438,6 +492,57 @@ def test_a_process_killed_mid_save(
     _check_first_save(where)
     if storage == "local" and victim != 0:
         assert sorted(p.name for p in pathlib.Path(where).iterdir()) == ["manifest.json", "w", "zarr.json"]
+
+
+def _check_restore_survivors(procs: list[Any], outputs: list[str], victim: int, said: str) -> None:
+    """The processes other than the victim failed their load, naming it, and none loaded."""
+    for i, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert f"worker {i} saved\n" in out and f"worker {i} loaded" not in out, out[-4000:]
+        if i == victim:
+            continue
+        if victim == 0 and proc.returncode == -signal.SIGABRT:
+            # Process 0 ran the coordination service: `jax.distributed` ended this one.
+            assert "coordination service" in out, out[-4000:]
+            continue
+        assert proc.returncode == 3 and said in out and "Nothing was loaded." in out, out[-4000:]
+
+
+@pytest.mark.parametrize(
+    "processes, victim, point",
+    [(2, 1, "load.read_once"), (4, 2, "load.read_once"), (4, 3, "load.read_stored"), (2, 0, "load.read_once")],
+    ids=lambda v: str(v),
+)
+def test_a_reader_killed_mid_restore(tmp_path: pathlib.Path, processes: int, victim: int, point: str) -> None:
+    """A process killed outright while the processes restore replicated state
+    with each byte read once (before they planned the shared reads, or once
+    it read its slices, before the all-gather): the others fail within
+    seconds (its heartbeat stops: `_multihost.SILENT_SECONDS`), naming it,
+    never waiting in a collective that it will not join. Process 0 runs the
+    coordination service: killing it ends the others through
+    `jax.distributed`."""
+    where = str(tmp_path / "ckpt")
+    job = {"checkpoint": where, "victim": victim, "replicated": True, "restore": point}
+    procs, outputs = _run_victim(tmp_path, processes, job, kill=True)
+    assert procs[victim].returncode == -signal.SIGKILL
+    said = f"Process {victim} of {processes} stopped answering during the restore" if victim else ""
+    _check_restore_survivors(procs, outputs, victim, said)
+    # 10 s of silence, and the time to notice it on a busy machine: never a barrier's time-out (300 s).
+    assert _run_victim.waited < 30, _run_victim.waited  # type: ignore[attr-defined]
+    _check_first_save(where)
+
+
+def test_a_reader_that_never_calls_the_restore_is_named(tmp_path: pathlib.Path) -> None:
+    """A process alive but never reaching a restore that shares reads: the
+    others give up at the barrier before any collective once its time-out
+    passes (shortened to 5 s), naming it."""
+    where = str(tmp_path / "ckpt")
+    job = {
+        "checkpoint": where, "victim": 1, "replicated": True, "restore": "load.read_once", "absent": True,
+        "read_timeout": 5,
+    }  # fmt: skip
+    procs, outputs = _run_victim(tmp_path, 2, job, kill=False)
+    said = "Process 1 of 2 did not reach stage 'planned' of the restore within 5 s, although it is still running"
+    _check_restore_survivors(procs, outputs, 1, said)
 
 
 def test_a_process_that_never_calls_the_save_is_named(tmp_path: pathlib.Path) -> None:
