@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _faults, _multihost, _read, _sharding, _storage_errors
+from . import _dtypes, _faults, _multihost, _read, _sharding, _storage_errors
 from ._errors import CheckpointError, CheckpointValueError
 from ._format import LeafRecord, dtype_from_name
 from ._load_plan import LeafPlan
@@ -62,6 +62,9 @@ TIMEOUT = 300.0
 
 # The all-gather's row lengths between two powers of two (see `_gather`).
 _LENGTHS = 16
+# Slices start at multiples of this in an all-gather's rows, so that each
+# is an aligned array once gathered.
+_ALIGN = 64
 
 
 class _Part(NamedTuple):
@@ -106,9 +109,7 @@ def _replicas(plan: LeafPlan, record: LeafRecord) -> int:
     """How many processes hold the most-held region of the leaf (0: not a leaf
     this reader takes)."""
     sharding = _read.target_sharding(plan.like)
-    if record.pack is not None or sharding is None or not isinstance(plan.like, (jax.Array, jax.ShapeDtypeStruct)):
-        return 0
-    if getattr(plan.like, "dtype", None) is not None and jax.dtypes.issubdtype(plan.like.dtype, jax.dtypes.prng_key):
+    if record.pack is not None or _dtypes.like_type(plan.like) != "jax" or sharding is None:
         return 0
     if sharding.is_fully_addressable:
         return 0
@@ -144,10 +145,16 @@ def read(
     if error is not None:
         raise error
     out: list[Any] = [None] * len(plans)
-    for number, batch in enumerate(_batches(leaves)):
+    batches = _batches(leaves)
+    for number, batch in enumerate(batches):
         slices = _read_batch(open_store, loc, group, number, batch)
-        for leaf in batch:
-            out[leaf.slot] = _place(leaf, slices, loc, tracker)
+        try:
+            for leaf in batch:
+                out[leaf.slot] = _place(leaf, slices, loc, tracker)
+        except Exception as e:
+            if number + 1 < len(batches):  # the others wait for this process at the next batch's barrier
+                group.sync(f"read/{number + 1}", e)
+            raise
     return out
 
 
@@ -203,13 +210,17 @@ def _read_batch(
     error = group.sync(f"read/{number}", error)  # before the all-gather, which waits for ever for a missing process
     if error is not None:
         raise error
-    order = [(leaf.slot, k, p) for leaf in batch for k, p in enumerate(leaf.parts) if p.shared]
-    rows = _gather([mine[slot, k] for slot, k, p in order if p.owner == me], group.count, order)
-    offsets = [0] * group.count
-    for slot, k, part in order:
-        start = offsets[part.owner]
-        mine[slot, k] = rows[part.owner][start : start + part.nbytes]
-        offsets[part.owner] += part.nbytes
+    # Where each shared slice sits in its reader's row of the all-gather:
+    # the reader's slices in order, each at a multiple of `_ALIGN` bytes.
+    layout, ends = [], [0] * group.count
+    for leaf in batch:
+        for k, part in enumerate(leaf.parts):
+            if part.shared:
+                layout.append((leaf.slot, k, part, ends[part.owner]))
+                ends[part.owner] += -(-part.nbytes // _ALIGN) * _ALIGN
+    rows = _gather({at: mine[slot, k] for slot, k, part, at in layout if part.owner == me}, max(ends))
+    for slot, k, part, at in layout:
+        mine[slot, k] = rows[part.owner][at : at + part.nbytes]
     return mine
 
 
@@ -240,24 +251,18 @@ def _read_mine(
     return None
 
 
-def _gather(mine: list[np.ndarray], count: int, order: list[tuple[int, int, _Part]]) -> Any:
-    """Every process's shared slices (this process's: `mine`), gathered in every
-    process by one all-gather: row `i`, process `i`'s slices end to end. Rows
-    are padded to one length, rounded up to a multiple of the next power of
-    two over `_LENGTHS`, so that batches of near sizes share one compiled
-    all-gather (and the padding stays under an eighth of the bytes)."""
+def _gather(mine: dict[int, np.ndarray], longest: int) -> Any:
+    """Every process's shared slices, gathered in every process by one
+    all-gather: row `i` holds process `i`'s, this process's (`mine`) at their
+    offsets. Rows are padded to one length, `longest` rounded up to a
+    multiple of the next power of two over `_LENGTHS`, so that batches of
+    near sizes share one compiled all-gather (the padding under an eighth)."""
     from jax.experimental import multihost_utils
 
-    sizes = [0] * count
-    for _, _, part in order:
-        sizes[part.owner] += part.nbytes
-    longest = max(sizes)
     step = max(1, (1 << longest.bit_length()) // _LENGTHS)
     buffer = np.zeros(-(-longest // step) * step, np.uint8)
-    offset = 0
-    for data in mine:
-        buffer[offset : offset + data.size] = data
-        offset += data.size
+    for at, data in mine.items():
+        buffer[at : at + data.size] = data
     return multihost_utils.process_allgather(buffer)
 
 
