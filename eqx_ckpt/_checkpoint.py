@@ -392,11 +392,7 @@ class Checkpoint(Mapping[str, Any]):
         records = [r for path, r in self._records.items() if _keypath.is_within(path, key)]
         if key and not records:
             raise CheckpointKeyError(self._missing(key), path=self.path)
-        source = self._source
-        return _nested.load(
-            self._data, records, key, lazy=lazy, progress=progress, opener=source.opener, check=source.check,
-            numbered=self._numbered, runs=source.runs,
-        )  # fmt: skip
+        return _nested.load(self._source, records, key, lazy=lazy, progress=progress, numbered=self._numbered)
 
     @property
     def _numbered(self) -> bool:

@@ -231,14 +231,29 @@ def _read_values(source: Source, plan: LoadPlan, *, progress: Progress) -> tuple
     try:
         custom = [_run_custom(spec, leaf, source, plan.cast, plan.lazy) for leaf, spec in plan.custom]
         transformed = _read_transformed(source, plan)
-        _faults.fire("load.read_stored", source.loc)
-        stored = _read_stored(source, plan.reads, lazy=plan.lazy, progress=progress, read_once=plan.read_once)
     except Exception:
         source.check()  # a read that failed because the checkpoint was replaced says so
         raise
-    if not plan.lazy:
-        source.check()
+    stored = read_leaves(source, plan.reads, lazy=plan.lazy, progress=progress, read_once=plan.read_once)
     return custom, transformed, stored
+
+
+def read_leaves(
+    source: Source, plans: list[LeafPlan], *, lazy: bool = False, progress: Progress, read_once: bool | None = False
+) -> list[Any]:
+    """The values of `plans`' stored leaves (as `LazyArray`s where `lazy`), read
+    by the one reader of stored leaves: every load's, and `Checkpoint.load`'s
+    without a skeleton. Then, when not lazy, a check that `source` was not
+    replaced while it was read."""
+    try:
+        _faults.fire("load.read_stored", source.loc)
+        stored = _read_stored(source, plans, lazy=lazy, progress=progress, read_once=read_once)
+    except Exception:
+        source.check()  # a read that failed because the checkpoint was replaced says so
+        raise
+    if not lazy:
+        source.check()
+    return stored
 
 
 def _read_transformed(source: Source, plan: LoadPlan) -> list[Any]:
@@ -345,22 +360,26 @@ def _read_packed(
     data: Location, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any]
 ) -> None:
     """Packed leaves, read in a few runs of their packs and placed together."""
-    for members, start, finish in _pack.read_leaves(data, records):
-        try:
-            run = finish()
-        except Exception as e:
-            # Which leaf of the run is damaged: read them one by one.
-            for m in members:
-                try:
-                    _storage.open_packed(data, records[m]).result()
-                except Exception as each:
-                    raise _storage_errors.leaf_io_error(each, records[m], data, "read") from e
-            raise _storage_errors.leaf_io_error(e, records[members[0]], data, "read") from e
-        hosts = [run[records[m].offset - start :][: records[m].size].reshape(records[m].stored_shape) for m in members]
-        values = _read.place(data, hosts, [records[m] for m in members], [plans[m].like for m in members])
-        for m, value in zip(members, values):
-            out[slots[m]] = value
-        tracker.count_leaves([records[m].nbytes for m in members])
+    runs = ((members, functools.partial(_unpacked, data, records, members, start, finish))
+            for members, start, finish in _pack.read_leaves(data, records))  # fmt: skip
+    _place_runs(data, runs, plans, records, tracker, slots, out)
+
+
+def _unpacked(
+    data: Location, records: list[LeafRecord], members: list[int], start: int, finish: Callable[[], np.ndarray]
+) -> list[np.ndarray]:
+    """The host arrays of the packed leaves `members` of a run read from offset `start`."""
+    try:
+        run = finish()
+    except Exception as e:
+        # Which leaf of the run is damaged: read them one by one.
+        for m in members:
+            try:
+                _storage.open_packed(data, records[m]).result()
+            except Exception as each:
+                raise _storage_errors.leaf_io_error(each, records[m], data, "read") from e
+        raise _storage_errors.leaf_io_error(e, records[members[0]], data, "read") from e
+    return [run[records[m].offset - start :][: records[m].size].reshape(records[m].stored_shape) for m in members]
 
 
 def _read_runs(
@@ -371,14 +390,24 @@ def _read_runs(
     be read one by one."""
     assert source.runs is not None
     taken, runs = source.runs(records)
+    _place_runs(source.data, runs, plans, records, tracker, slots, out)
+    done = {slots[m] for m in taken}
+    return [slot for slot in slots if slot not in done]
+
+
+def _place_runs(
+    data: Location, runs: Iterable[tuple[list[int], Callable[[], list[np.ndarray]]]], plans: list[LeafPlan],
+    records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any],
+) -> None:  # fmt: skip
+    """Runs of adjacent leaves (`(members, finish)`: indices into `plans` and
+    `records`, and what waits for their host arrays), each placed together
+    (one `device_put` for many) into `out` at the members' `slots`."""
     for members, finish in runs:
         hosts = finish()
-        values = _read.place(source.data, hosts, [records[m] for m in members], [plans[m].like for m in members])
+        values = _read.place(data, hosts, [records[m] for m in members], [plans[m].like for m in members])
         for m, value in zip(members, values):
             out[slots[m]] = value
         tracker.count_leaves([records[m].nbytes for m in members])
-    done = {slots[m] for m in taken}
-    return [slot for slot in slots if slot not in done]
 
 
 def _record_of(plan: LeafPlan) -> LeafRecord:

@@ -125,7 +125,8 @@ The points, with where they fire and the arguments they pass:
 **A load (`_deserialise`, `_read_once`, `_untrusted`, `_pack`, `_window`, `_read`, `_nested`, `_tree`):**
 
 - `load.read_stored` `(loc)`: a load has planned every leaf (and run the custom
-  filter specs and transforms) and starts reading the stored leaves.
+  filter specs and transforms) and starts reading the stored leaves (a
+  `Checkpoint.load` without a skeleton too, which reads through the same reader).
 - `load.read_once` `(path, regions)`: a process of a multi-process restore
   that shares reads (`_read_once`) read its slices `regions` (tuples of
   `(start, stop)` per axis) of the leaf at dotted `path` from storage, before

@@ -19,41 +19,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _faults, _keypath, _read
+from . import _faults, _keypath
+from ._deserialise import read_leaves
 from ._errors import CheckpointValueError
 from ._format import LeafRecord, dtype_from_name
-from ._lazy import LazyArray, materialise
+from ._lazy import LazyArray
+from ._load_plan import LeafPlan
 from ._location import Location
 from ._progress import Progress
+from ._source import Source
 
 _PYTHON = {"bool": False, "int": 0, "float": 0.0, "complex": 0j}
 
 
-def load(
-    data: Location,
-    records: list[LeafRecord],
-    key: str,
-    *,
-    lazy: bool,
-    progress: Progress,
-    opener: Any = None,
-    check: Any = None,
-    numbered: bool = False,
-    runs: Any = None,
-) -> Any:
-    """The leaves of `records` (all at or below dotted `key`) as nested containers.
-    `opener`, `check` and `runs` are the source's (see `LazyArray`, `Source.runs`);
-    `numbered`: see `structure`."""
+def load(source: Source, records: list[LeafRecord], key: str, *, lazy: bool, progress: Progress, numbered: bool) -> Any:
+    """The leaves of `records` of `source` (all at or below dotted `key`) as
+    nested containers, read as any load reads (`_deserialise.read_leaves`),
+    or lazily. `numbered`: see `structure`."""
+    data = source.data
     refuse_leaves_with_children([record.path for record in records], data.display)
     # One kind of array in one load: if a leaf saved from JAX cannot be a JAX
     # array at full precision (64 bits without x64), none of them is.
     host = any(_needs_host(dtype) for dtype in {record.dtype for record in records if record.type == "jax"})
     like = _Likes(host)
-    read = _read_runs(data, records, runs, check, like) if runs is not None and not lazy else {}
-    leaf = functools.partial(_leaf, data, opener=opener, check=check, like=like, read=read)
     _faults.fire("nested.load", data, key)
-    tree = structure(records, key, leaf, numbered=numbered)
-    return tree if lazy else materialise(tree, progress=progress)
+    if lazy:
+        leaf = functools.partial(_lazy_leaf, data, opener=source.opener, check=source.check, like=like)
+        return structure(records, key, leaf, numbered=numbered)
+    plans = [LeafPlan(i, _keypath.from_json(r.keypath), like(r), r.path, r) for i, r in enumerate(records)]
+    values = dict(zip((record.path for record in records), read_leaves(source, plans, progress=progress)))
+    return structure(records, key, lambda record: values[record.path], numbered=numbered)
 
 
 def structure(
@@ -106,30 +101,10 @@ class _Likes:
         return found
 
 
-def _read_runs(data: Location, records: list[LeafRecord], runs: Any, check: Any, like: _Likes) -> dict[str, Any]:
-    """The leaves a source reads in runs of adjacent leaves (`Source.runs`: the
-    small tensors of a safetensors file), read now, by dotted path; reading
-    them one `LazyArray` each took seconds for ten thousand."""
-    out: dict[str, Any] = {}
-    try:
-        for members, finish in runs(records)[1]:
-            chosen = [records[m] for m in members]
-            likes = [like(record) for record in chosen]
-            for record, value in zip(chosen, _read.place(data, finish(), chosen, likes)):
-                out[record.path] = value
-    except Exception:
-        check()  # a read that failed because the source was replaced says so
-        raise
-    check()
-    return out
-
-
-def _leaf(data: Location, record: LeafRecord, *, opener: Any, check: Any, like: _Likes, read: dict[str, Any]) -> Any:
+def _lazy_leaf(data: Location, record: LeafRecord, *, opener: Any, check: Any, like: _Likes) -> Any:
     """A `LazyArray` standing for the leaf as the type it was saved as (a NumPy
-    array where `host`), or its value if it was `read` already; scalars are
-    read at once (they come back as values, lazy or not)."""
-    if record.path in read:
-        return read[record.path]
+    array where `host`); scalars are read at once (they come back as values,
+    lazy or not)."""
     lazy = LazyArray(data, record, like(record), opener=opener, check=check)
     if record.type in _PYTHON or record.type == "numpy_scalar":
         return lazy.read()
