@@ -5,9 +5,11 @@ the foreign workload on 50 tensors and a 4 MB file in the same run; that a
 failed measurement is recorded and the run goes on; and the report's rules."""
 
 import json
+import os
 import pathlib
 import re
 import shutil
+import subprocess
 import sys
 
 import equinox as eqx
@@ -460,3 +462,44 @@ def test_the_gpu_script_uses_a_few_dozen_leaves_of_64_to_256_mib_and_compares_bi
     assert gpu.verified({"w": state["w"] + 0}, state)
     assert not gpu.verified({"w": -state["w"]}, state)
     assert not gpu.verified({"w": state["w"].astype(jnp.float32)}, state)
+
+
+def _markdown_tables(text):
+    """Each Markdown table of `text`: its rows (header first), as lists of cells."""
+    tables, rows = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            if not line.startswith("|---"):
+                rows.append([cell.strip() for cell in line.strip("|").split("|")])
+        elif rows:
+            tables.append(rows)
+            rows = []
+    return tables
+
+
+@pytest.mark.parametrize("storage", ["local", "s3"])
+def test_replicas_saves_in_shares_and_restores_reading_each_byte_once(storage):
+    """`benchmarks/replicas.py` at 8 MiB, 2 processes, on a local disk and on
+    its own S3 server: each process wrote half the state; restored without
+    sharing, every process read all of it; with sharing, the two read it once
+    between them (each restore compared with the saved values by the children)."""
+    if storage == "s3":
+        pytest.importorskip("moto.moto_server.werkzeug_app", reason="the S3 run needs moto (the test extra)")
+    argv = [sys.executable, str(ROOT / "benchmarks" / "replicas.py"), "--processes", "2", "--total-mib", "8"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run(argv + ["--s3"] * (storage == "s3"), env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saves, restores = _markdown_tables(done.stdout)
+    assert saves[0][:5] == ["code", "processes", "MiB written by each process", "largest / equal share", "save (s)"]
+    [save] = saves[1:]
+    assert save[:2] == ["this", "2"] and float(save[3]) <= 1.05 and float(save[4]) > 0
+    assert [float(n) for n in save[2].split(", ")] == [pytest.approx(4.1, abs=0.1)] * 2
+    assert [r[:3] for r in restores[1:]] == [["this", "2", "false"], ["this", "2", "true"]]
+    unshared, shared = ({h: c for h, c in zip(restores[0], row)} for row in restores[1:])
+    assert 2 <= float(unshared["/ checkpoint"]) <= 2.1 and 1 <= float(shared["/ checkpoint"]) <= 1.05
+    assert float(shared["largest process"]) < float(unshared["largest process"])
+    if storage == "s3":
+        # The server's count of what it received and sent agrees with TensorStore's.
+        assert float(save[5]) == pytest.approx(sum(float(n) for n in save[2].split(", ")), abs=0.2)
+        for row in (unshared, shared):
+            assert float(row["S3 server sent (MiB)"]) == pytest.approx(float(row["MiB read, all processes"]), abs=0.2)
