@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _dtypes, _faults, _format, _keypath, _multihost, _sharding, _tree
+from . import _dtypes, _faults, _format, _keypath, _multihost, _sharding, _staging, _tree
 from ._errors import CheckpointError, CheckpointTypeError, LeafError, leaf_message
 from ._format import LeafRecord, PackRecord, chunk_shape, dtype_from_name, pack_name, whole_chunks
 from ._handle import LeafHandle
@@ -30,8 +30,11 @@ from ._location import Location
 
 @dataclasses.dataclass(slots=True)
 class Pending:
+    """A leaf's record, and its pieces: (region, data) for each, the data
+    made host as the save stages it (`_staging`)."""
+
     record: LeafRecord
-    pieces: list[tuple[tuple[slice, ...], np.ndarray]]
+    pieces: list[tuple[tuple[slice, ...], Any]]
 
 
 class Held:
@@ -58,7 +61,9 @@ def hold(x: jax.Array, primary: bool) -> Held:
     holds by its NumPy view alone: `_background.hold_tree`, in a single-process
     save only.)"""
     data = jax.random.key_data(x) if _dtypes.is_prng_key(x) else x
-    return Held(x, data, _sharding.host_pieces(data) if _multihost.writes(data, primary) else [])
+    if not _multihost.writes(data, primary):
+        return Held(x, data, [])
+    return Held(x, data, [(index, _staging.protected(d, False)) for index, d in _sharding.host_pieces(data)])
 
 
 def build(
@@ -249,6 +254,9 @@ def _value(handle: LeafHandle, x: Any, held: Held | None) -> tuple[Any, str, str
         )
     elif not isinstance(x, jax.Array):
         x = np.asarray(x)
+    elif held is None and x.is_deleted():
+        # (Its host data is made later, as the save stages it; a held leaf's was taken.)
+        raise RuntimeError("the array was deleted")
     if kind != "prng_key":
         if not _dtypes.is_known_dtype(_dtypes.name(x.dtype)):
             raise handle.error(f"cannot save an array of dtype {x.dtype}.", "Only numeric and bool arrays are stored.")
@@ -262,17 +270,29 @@ def _value(handle: LeafHandle, x: Any, held: Held | None) -> tuple[Any, str, str
 
 
 def _stored_pieces(handle: LeafHandle, x: Any, pieces: list[Any], logical: np.dtype, encoding: str) -> list[Any]:
-    """The host pieces of `x` as stored: cast to `logical` (its dtype, or
-    what `cast` maps it to), then encoded."""
-    if logical != x.dtype:
+    """The pieces of `x` as stored: cast to `logical` (its dtype, or what
+    `cast` maps it to), then encoded, when the save stages them (`_staging`).
+    The cast's values are checked here, a block of host data at a time, so
+    that a value the cast would change is an error before anything is
+    written; the cast itself is made again when staged."""
+    cast = logical != x.dtype
+    if not cast and encoding != "view":
+        return pieces
+    if cast:
         try:
-            pieces = [(index, _dtypes.checked_cast(np.asarray(piece), logical)) for index, piece in pieces]
+            for _, piece in pieces:
+                _dtypes.check_cast(_staging.host(piece), logical)
         except ValueError as e:
             raise handle.error(
                 f"cannot store it as {logical} (`cast`): {e}.",
                 "Nothing was written. Cast it to a dtype that holds its values.",
             ) from None
-    return [(index, _dtypes.encode(piece, encoding)) for index, piece in pieces]
+    convert = functools.partial(_dtypes.stored_values, logical, encoding)
+    ratio = (logical.itemsize, np.dtype(x.dtype).itemsize)
+    return [
+        (index, _staging.Deferred(piece, _staging.nbytes(piece) * ratio[0] // ratio[1], convert))
+        for index, piece in pieces
+    ]
 
 
 def _common(
@@ -316,8 +336,13 @@ def _common(
                 continue
             if held is not None:
                 pieces = held.pieces
+            elif not primary:
+                pieces = []
+            elif kind == "jax" and x.is_deleted():
+                append(None)  # the general way names the leaf
+                continue
             else:
-                pieces = [((), np.asarray(x))] if primary else []
+                pieces = [((), x)]
         except Exception:
             # (A deleted `jax.Array`, say.) The general way raises the error
             # again, where the save names the leaf.
