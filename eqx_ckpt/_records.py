@@ -31,10 +31,11 @@ from ._location import Location
 @dataclasses.dataclass(slots=True)
 class Pending:
     """A leaf's record, and its pieces: (region, data) for each, the data
-    made host as the save stages it (`_staging`)."""
+    made host as the save stages it (`_staging`); `nbytes`, their stored bytes."""
 
     record: LeafRecord
     pieces: list[tuple[tuple[slice, ...], Any]]
+    nbytes: int
 
 
 class Held:
@@ -212,7 +213,7 @@ def _prepare(
         handle.path, keypath, kind, shape, dtype_name,
         tuple(x.shape), stored, encoding, chunks, impl,
     )  # fmt: skip
-    return Pending(record, pieces)
+    return Pending(record, pieces, sum(_staging.nbytes(piece) for _, piece in pieces))
 
 
 def _value(handle: LeafHandle, x: Any, held: Held | None) -> tuple[Any, str, str, str, tuple[int, ...]]:
@@ -308,8 +309,8 @@ def _common(
     out: list[Pending | None] = []
     append = out.append
     kinds, one_device, limit = _KINDS, jax.sharding.SingleDeviceSharding, _format.CHUNK_BYTES
-    # (dtype, shape) -> (dtype name, chunk shape); the name `None` when not stored as it is.
-    fixed: dict[tuple[Any, tuple[int, ...]], tuple[str | None, tuple[int, ...]]] = {}
+    # (dtype, shape) -> (dtype name, chunk shape, bytes); the name `None` when not stored as it is.
+    fixed: dict[tuple[Any, tuple[int, ...]], tuple[str | None, tuple[int, ...], int]] = {}
     for x, path, keypath in zip(leaves, paths, keypaths, strict=True):
         try:
             cls = type(x)
@@ -329,8 +330,9 @@ def _common(
             known = fixed.get((dtype, shape))
             if known is None:
                 name = _plain_dtype(dtype) if len(shape) <= _format.MAX_RANK else None
-                known = fixed[dtype, shape] = (name, _chunk_grid(shape, dtype.itemsize, limit) if name else ())
-            name, chunks = known
+                chunks = _chunk_grid(shape, dtype.itemsize, limit) if name else ()
+                known = fixed[dtype, shape] = (name, chunks, math.prod(shape) * dtype.itemsize)
+            name, chunks, nbytes = known
             if name is None:
                 append(None)
                 continue
@@ -348,7 +350,8 @@ def _common(
             # again, where the save names the leaf.
             append(None)
             continue
-        append(Pending(LeafRecord(path, keypath, kind, shape, name, shape, name, "plain", chunks), pieces))
+        record = LeafRecord(path, keypath, kind, shape, name, shape, name, "plain", chunks)
+        append(Pending(record, pieces, nbytes if pieces else 0))
     return out
 
 

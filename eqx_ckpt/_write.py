@@ -59,8 +59,7 @@ class Batch:
                 members[pack.name][1].append(p)
             else:
                 members[pack.name] = (pack, [p])
-            for _, piece in p.pieces:
-                nbytes += _staging.nbytes(piece)
+            nbytes += p.nbytes
         self.packs = [members[name] for name in sorted(members)]
         self.nbytes = nbytes
 
@@ -205,18 +204,21 @@ def _units(
     of the pack's size, are counted as staged too)."""
     units = []
     for n, p in enumerate(batch.own):
-        datas = [piece for _, piece in p.pieces]
-        nbytes = sum(_staging.nbytes(piece) for piece in datas)
+        datas, nbytes = [piece for _, piece in p.pieces], p.nbytes
         if local and _local_write.eligible(p.record, p.pieces):
             folder = base.leaf_folder(p.record) if base is not None else None
             units.append(_Unit(datas, nbytes, functools.partial(_start_leaf, data, p.record, folder, remember), True))
+        elif not datas:  # another process writes it
+            units.append(_Unit([], 0, _written_elsewhere, False))
         else:
-            start = functools.partial(tensorstore.leaf, opens[n], [index for index, _ in p.pieces])
-            units.append(_Unit(datas, nbytes, start, False))
+            # A piece at a time (a sharded leaf's shards, or its slices).
+            for i, (index, piece) in enumerate(p.pieces):
+                start = functools.partial(tensorstore.piece, opens[n], index, i == len(datas) - 1)
+                units.append(_Unit([piece], _staging.nbytes(piece) if len(datas) > 1 else nbytes, start, False))
     for k, (pack, members) in enumerate(batch.packs):
         datas = [p.pieces[0][1] for p in members]
         records = [p.record for p in members]
-        nbytes = sum(_staging.nbytes(piece) for piece in datas)
+        nbytes = sum(p.nbytes for p in members)
         if local:
             folder = base.pack_folder(pack) if base is not None else None
             units.append(
@@ -226,6 +228,10 @@ def _units(
             start = functools.partial(tensorstore.pack, opens[len(batch.own) + k], pack, records)
             units.append(_Unit(datas, nbytes + pack.size * dtype_from_name(pack.dtype).itemsize, start, False))
     return units
+
+
+def _written_elsewhere(hosts: list[np.ndarray]) -> tuple[list[Any], Steps]:
+    return [], [(0, [0])]
 
 
 def _start_leaf(
@@ -345,13 +351,10 @@ class _TensorStore:
         self._transaction: Any = None
         self._commit: _Commit | None = None
 
-    def leaf(self, opened: Any, indices: list[Any], hosts: list[np.ndarray]) -> tuple[list[Any], Steps]:
-        if not hosts:  # another process writes it
-            return [], [(0, [0])]
+    def piece(self, opened: Any, index: Any, last: bool, hosts: list[np.ndarray]) -> tuple[list[Any], Steps]:
+        """Stage the write of a leaf's piece (`last`: its last piece)."""
         store = opened.result()
-        targets = [store[index] if index else store for index in indices]
-        steps = [(host.nbytes, [0] if i == len(hosts) - 1 else []) for i, host in enumerate(hosts)]
-        return self._stage(targets, hosts, steps)
+        return self._stage([store[index] if index else store], hosts, [(hosts[0].nbytes, [0] if last else [])])
 
     def pack(
         self, opened: Any, pack: PackRecord, records: list[LeafRecord], hosts: list[np.ndarray]
