@@ -52,8 +52,10 @@ def host_pieces(
     """
     if not isinstance(x, jax.Array):
         return [((), np.asarray(x))]
-    if on_one_device(x) or (x.is_fully_addressable and x.is_fully_replicated):
+    if on_one_device(x):
         return [((), x)]
+    if x.is_fully_addressable and x.is_fully_replicated:
+        return [((), x.addressable_data(0))]  # one replica, on its one device
     if x.is_fully_addressable:
         return [(shard.index, shard.data) for shard in x.addressable_shards if shard.replica_id == 0]
     return _share(x, chunks, itemsize, deal if deal is not None else Deal(), path)
