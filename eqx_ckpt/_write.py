@@ -118,7 +118,7 @@ def start_writes(
     opens = _create(data, batch, group)
     local = _local_write.chosen(data, processes=group.count, layout=tx.layout)
     tensorstore = _TensorStore(out, tracker)
-    units = _units(data, batch, opens, local, base if local else None, remember, tensorstore)
+    units = _units(data, batch, opens, local, base if local else None, remember, tensorstore, budget)
     writing = Writing(units, budget, out, tensorstore)
     try:
         writing.fill()
@@ -197,11 +197,13 @@ def _units(
     base: _share.Base | None,
     remember: bool,
     tensorstore: _TensorStore,
+    budget: int,
 ) -> list[_Unit]:
     """The save's writes, in order: each leaf with an array of its own (on a
     local disk, by eqx_ckpt's threads where `_local_write.eligible`), then each
-    pack (by eqx_ckpt's threads with `local`; else its contents, a new array
-    of the pack's size, are counted as staged too)."""
+    pack, a run of its chunk files at a time, runs of about a quarter of the
+    `budget` (by eqx_ckpt's threads with `local`; else the run's contents, a
+    new array, are counted as staged too)."""
     units = []
     for n, p in enumerate(batch.own):
         datas, nbytes = [piece for _, piece in p.pieces], p.nbytes
@@ -216,18 +218,44 @@ def _units(
                 start = functools.partial(tensorstore.piece, opens[n], index, i == len(datas) - 1)
                 units.append(_Unit([piece], _staging.nbytes(piece) if len(datas) > 1 else nbytes, start, False))
     for k, (pack, members) in enumerate(batch.packs):
-        datas = [p.pieces[0][1] for p in members]
-        records = [p.record for p in members]
-        nbytes = sum(p.nbytes for p in members)
-        if local:
-            folder = base.pack_folder(pack) if base is not None else None
-            units.append(
-                _Unit(datas, nbytes, functools.partial(_start_pack, data, pack, records, folder, remember), True)
-            )
-        else:
-            start = functools.partial(tensorstore.pack, opens[len(batch.own) + k], pack, records)
-            units.append(_Unit(datas, nbytes + pack.size * dtype_from_name(pack.dtype).itemsize, start, False))
+        folder = base.pack_folder(pack) if base is not None and local else None
+        itemsize = dtype_from_name(pack.dtype).itemsize
+        for files, part in _pack_parts(pack, members, max(1, budget // 4)):
+            datas, records = [p.pieces[0][1] for p in part], [p.record for p in part]
+            nbytes = sum(p.nbytes for p in part)
+            if local:
+                start = functools.partial(_start_pack, data, pack, records, folder, remember, files)
+                units.append(_Unit(datas, nbytes, start, True))
+            else:
+                start = functools.partial(tensorstore.pack, opens[len(batch.own) + k], pack, records, files)
+                size = min(files.stop * pack.chunk, pack.size) - files.start * pack.chunk
+                units.append(_Unit(datas, nbytes + size * itemsize, start, False))
     return units
+
+
+def _pack_parts(pack: PackRecord, members: list[Pending], limit: int) -> list[tuple[range, list[Pending]]]:
+    """A pack's chunk files in runs (at least one file each) whose members
+    hold about `limit` bytes, each with the members it needs (in offset
+    order): a pack is staged a run at a time. A member across the edge of two
+    runs is in both."""
+    total = -(-pack.size // pack.chunk)
+    parts: list[tuple[range, list[Pending]]] = []
+    first, part, nbytes = 0, [], 0
+    for p in members:
+        start = p.record.offset // pack.chunk
+        if part and start > first and nbytes >= limit:
+            parts.append((range(first, start), part))
+            part = [q for q in part if _last_file(pack, q.record) >= start]
+            first, nbytes = start, sum(q.nbytes for q in part)
+        part.append(p)
+        nbytes += p.nbytes
+    parts.append((range(first, total), part))
+    return parts
+
+
+def _last_file(pack: PackRecord, record: LeafRecord) -> int:
+    """The chunk file of `pack` holding `record`'s last element (its first, if it has none)."""
+    return max(record.offset + record.size - 1, record.offset) // pack.chunk
 
 
 def _written_elsewhere(hosts: list[np.ndarray]) -> tuple[list[Any], Steps]:
@@ -247,10 +275,11 @@ def _start_pack(
     records: list[LeafRecord],
     folder: str | None,
     remember: bool,
+    files: range,
     hosts: list[np.ndarray],
 ) -> tuple[list[Any], Steps]:
-    futures = _local_write.start_pack(data, pack, records, hosts, folder, remember=remember)
-    return futures, _pack_steps(pack, records, [host.nbytes for host in hosts], len(futures))
+    futures = _local_write.start_pack(data, pack, records, hosts, folder, remember=remember, files=files)
+    return futures, _pack_steps(pack, records, [host.nbytes for host in hosts], files)
 
 
 class Writing:
@@ -357,10 +386,13 @@ class _TensorStore:
         return self._stage([store[index] if index else store], hosts, [(hosts[0].nbytes, [0] if last else [])])
 
     def pack(
-        self, opened: Any, pack: PackRecord, records: list[LeafRecord], hosts: list[np.ndarray]
+        self, opened: Any, pack: PackRecord, records: list[LeafRecord], files: range, hosts: list[np.ndarray]
     ) -> tuple[list[Any], Steps]:
-        contents = _pack_contents(pack, records, hosts)
-        return self._stage([opened.result()], [contents], [(0, [host.nbytes for host in hosts])])
+        """Stage the write of the chunk files `files` of `pack`."""
+        contents, lo = _pack_contents(pack, records, hosts, files)
+        steps = _pack_steps(pack, records, [host.nbytes for host in hosts], files)
+        store = opened.result()
+        return self._stage([store[lo : lo + contents.size]], [contents], [(0, [s for _, done in steps for s in done])])
 
     def _stage(self, targets: list[Any], hosts: list[np.ndarray], steps: Steps) -> tuple[list[Any], Steps]:
         """Stage writes of `hosts` into `targets` in the open transaction,
@@ -429,23 +461,34 @@ def _leaf_steps(nbytes: int, files: int) -> Steps:
     return [(nbytes * (k + 1) // n - nbytes * k // n, [0] if k == n - 1 else []) for k in range(n)]
 
 
-def _pack_steps(pack: PackRecord, records: Sequence[LeafRecord], sizes: list[int], files: int) -> Steps:
-    """A pack written in `files` chunk files, in order: each member (of
-    `sizes` bytes) done once the file holding its last element has landed."""
-    n = max(files, 1)
+def _pack_steps(pack: PackRecord, records: Sequence[LeafRecord], sizes: list[int], files: range) -> Steps:
+    """The chunk files `files` of a pack, written in order: each member (of
+    `sizes` bytes) done once the file holding its last element has landed
+    (a member whose last element is in another run of files is counted there)."""
+    n = max(len(files), 1)
+    total = max(-(-pack.size // pack.chunk), 1)
     ends = np.fromiter((r.offset + r.size for r in records), np.int64, len(records))
+    last = np.minimum(np.maximum(ends - 1, 0) // pack.chunk, total - 1) - files.start
+    kept = np.flatnonzero((last >= 0) & (last < max(len(files), 1)))
     # Members are in offset order, so the members each file completes are a run.
-    last = np.minimum(np.maximum(ends - 1, 0) // pack.chunk, n - 1)
-    stops = np.searchsorted(last, np.arange(n), "right").tolist()
-    return [(0, sizes[start:stop]) for start, stop in zip([0, *stops[:-1]], stops)]
+    stops = np.searchsorted(last[kept], np.arange(n), "right").tolist()
+    done = [sizes[i] for i in kept.tolist()]
+    return [(0, done[start:stop]) for start, stop in zip([0, *stops[:-1]], stops)]
 
 
-def _pack_contents(pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequence[np.ndarray]) -> np.ndarray:
-    """The contents of `pack`: each leaf's bytes at its offset (zeros between)."""
-    out = np.zeros(pack.size, dtype_from_name(pack.dtype))
+def _pack_contents(
+    pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequence[np.ndarray], files: range
+) -> tuple[np.ndarray, int]:
+    """The contents of the chunk files `files` of `pack` (each leaf's bytes at
+    its offset, zeros between), and the offset they start at."""
+    lo, hi = files.start * pack.chunk, min(files.stop * pack.chunk, pack.size)
+    out = np.zeros(max(hi - lo, 0), dtype_from_name(pack.dtype))
     for record, piece in zip(records, pieces, strict=True):
-        out[record.offset : record.offset + record.size] = np.asarray(piece).reshape(-1)
-    return out
+        start, stop = max(record.offset, lo), min(record.offset + record.size, hi)
+        if start < stop:
+            flat = np.asarray(piece).reshape(-1)
+            out[start - lo : stop - lo] = flat[start - record.offset : stop - record.offset]
+    return out, lo
 
 
 def protect(pending: list[Pending]) -> None:

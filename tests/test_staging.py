@@ -194,3 +194,28 @@ def test_check_cast_checks_every_block(monkeypatch):
     with pytest.raises(ValueError, match="does not fit in int8"):
         _dtypes.check_cast(x, np.int8)
     assert _dtypes.stored_values(np.dtype(np.int8), "plain", x[:2]).dtype == np.int8
+
+
+@pytest.mark.parametrize("where", ["local", "tensorstore"])
+def test_a_pack_is_staged_a_run_of_its_chunk_files_at_a_time(tmp_path, faults, monkeypatch, where):
+    """400 small leaves of 40 KiB (16 MiB, packed into one array) with pack
+    chunks of 256 KiB, through a 2 MiB budget: the pack is staged in runs of
+    its chunk files (a leaf across two runs in both), within the budget, and
+    the checkpoint is what the default budget writes, every leaf in place."""
+    from eqx_ckpt import _records
+
+    monkeypatch.setattr(_records, "PACK_CHUNK_BYTES", 256 << 10)
+    # 10,000 float32 each: not a multiple of the 64-byte alignment, so leaves cross chunk files.
+    tree = {
+        f"s{i}": (jnp.asarray if i % 3 else np.asarray)(np.arange(10_000, dtype=np.float32) + i) for i in range(400)
+    }
+    path = tmp_path / "ckpt" if where == "local" else f"memory://{tmp_path.name}/pack"
+    staged = Staged(faults)
+    eqx_ckpt.tree_serialise_leaves(path, tree, staging_bytes=2 * MIB)
+    assert staged.peak <= 2 * MIB and staged.peak > MIB and staged.seen[-1][0] == 0
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, tree), tree, typematch=True)
+    assert len(eqx_ckpt.Checkpoint(path).keys()) == 400
+    if where == "local":
+        assert eqx_ckpt.verify(path) == []
+        eqx_ckpt.tree_serialise_leaves(tmp_path / "default", tree)
+        assert not eqx_ckpt.diff(path, tmp_path / "default")
