@@ -300,9 +300,9 @@ def _collect_and_plan(
     staging: Any,
 ) -> tuple[bool, bool, Callable[[str, np.dtype], Any] | None, _write.Batch | _background.HeldLeaves, str | None]:
     """The options checked (`overwrite`, `blocking` and `cast` as `save` uses
-    them, and `staging`, the staging budget), then the leaves collected and planned; an asynchronous save's
-    leaves are held instead (`_background.hold_tree`), and planned in the
-    background. Last, for a partial save (`where`), the commit of the
+    them, and `staging`, the staging budget), then the leaves collected and
+    planned; an asynchronous save's leaves are held instead
+    (`_background.hold_tree`), and planned in the background. Last, for a partial save (`where`), the commit of the
     checkpoint whose leaves it keeps."""
     planned: _write.Batch | _background.HeldLeaves | None = None
     expected: str | None = None

@@ -68,13 +68,20 @@ class Deferred:
         self.source, self.nbytes, self.convert = source, nbytes, convert
 
     def resolved(self) -> Any:
-        if callable(self.source) and not isinstance(self.source, (jax.Array, np.ndarray)):
-            self.source = self.source()
+        """The source, made (once) where it is a function."""
+        self.source = self._made()
         return self.source
 
     def make(self) -> np.ndarray:
-        out = host(self.resolved())
+        """The host data, made now; nothing of it is kept here."""
+        out = host(self._made())
         return out if self.convert is None else self.convert(out)
+
+    def _made(self) -> Any:
+        source = self.source
+        if callable(source) and not isinstance(source, (jax.Array, np.ndarray)):
+            return source()
+        return source
 
 
 def nbytes(data: Any) -> int:
@@ -104,9 +111,14 @@ def ahead(data: Any) -> Any:
 
 
 def host(data: Any) -> np.ndarray:
-    """A piece's host data, as stored (waits for its copy to the host)."""
+    """A piece's host data, as stored (waits for its copy to the host, which
+    `ahead` started, or makes it now; never cached on the caller's array)."""
     if isinstance(data, Deferred):
         return data.make()
+    if isinstance(data, jax.Array) and not _on_cpu(data):
+        cpu = _cpu_device()
+        if cpu is not None:
+            data = jax.device_put(data, cpu)
     return np.asarray(data)
 
 
@@ -120,7 +132,7 @@ def protected(data: Any, copy: bool) -> Any:
         source = data.resolved()
         return Deferred(protected(source, copy), data.nbytes, data.convert)
     if isinstance(data, jax.Array):
-        return np.asarray(data)
+        return host(data)
     return _memory.private_copy(data) if copy else data
 
 
