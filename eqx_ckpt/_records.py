@@ -2,11 +2,15 @@
 nowhere else (`build`), and the packing of the small ones (`assign`).
 
 `build` runs the filter specs over a tree's leaves and makes a `Pending` (a
-`_format.LeafRecord` and the host data written for it) for each value they
-write. The common leaf (a NumPy array, or a `jax.Array` on one device, of a
-dtype stored as it is, not cast) takes a short branch, its record's fixed
-part worked out once per dtype and shape; any other leaf goes the general
-way, which reads, casts and encodes it and names it in its errors.
+`_format.LeafRecord` and the pieces written for it) for each value they
+write. A piece is kept as what it comes from (a `jax.Array`, a NumPy array,
+or a `_staging.Deferred` cast, encoding or slice): its host data is made as
+the save's writes reach it, within the staging budget (`_staging`). The
+common leaf (a NumPy array, or a `jax.Array` on one device, of a dtype
+stored as it is, not cast) takes a short branch, its record's fixed part
+worked out once per dtype and shape; any other leaf goes the general way,
+which checks what it can store (a cast's values included) and names the
+leaf in its errors.
 """
 
 from __future__ import annotations
