@@ -240,7 +240,8 @@ def _pack_parts(pack: PackRecord, members: list[Pending], limit: int) -> list[tu
     runs is in both."""
     total = -(-pack.size // pack.chunk)
     parts: list[tuple[range, list[Pending]]] = []
-    first, part, nbytes = 0, [], 0
+    part: list[Pending] = []
+    first, nbytes = 0, 0
     for p in members:
         start = p.record.offset // pack.chunk
         if part and start > first and nbytes >= limit:
