@@ -50,18 +50,20 @@ class EqxCkpt:
     name = "eqx_ckpt"
     suffix = ""
 
-    def __init__(self) -> None:
+    def __init__(self, staging_bytes: int | None = None) -> None:
         import eqx_ckpt
 
         self.lib = eqx_ckpt
+        # A save's staging budget; `None`: the library's default (not passed).
+        self.options = {} if staging_bytes is None else {"staging_bytes": staging_bytes}
 
     def save(self, path: str, state: Any) -> None:
-        self.lib.tree_serialise_leaves(path, state)
+        self.lib.tree_serialise_leaves(path, state, **self.options)
 
     def save_async(self, path: str, state: Any) -> Any:
         """`blocking=False`: returns a `PendingSave` once every array is safe on
         the host; the writes and the commit go on in a background thread."""
-        return self.lib.tree_serialise_leaves(path, state, blocking=False)
+        return self.lib.tree_serialise_leaves(path, state, blocking=False, **self.options)
 
     def load(self, path: str, like: Any) -> Any:
         return self.lib.tree_deserialise_leaves(path, like)

@@ -1,13 +1,16 @@
 """A state held on the accelerator: eqx_ckpt against orbax-checkpoint and the raw floor (issue 50).
 
-`python -m benchmarks.gpu [--gib 4] [--dtypes float32,bfloat16] [--reps 1] [--dir DIR] [--json FILE]`
+`python -m benchmarks.gpu [--gib 4] [--dtypes float32,bfloat16] [--reps 1] [--dir DIR] [--json FILE]
+[--staging-mib MIB]`
 
 For each dtype, a state of `--gib` GiB is made on the default JAX device with
 `jax.random` (a dict of about 28 arrays of 64, 128 and 256 MiB; smaller ones
 below 4 GiB, so a CPU check keeps the same count), then, side by side in this
 one process, each into a fresh directory under `--dir`:
 
-- `eqx_ckpt` `save`: `tree_serialise_leaves`, blocking (durable when it returns);
+- `eqx_ckpt` `save`: `tree_serialise_leaves`, blocking (durable when it returns),
+  with `staging_bytes` of `--staging-mib` where given (the peak RSS added
+  of a save stays within it: docs/scaling.md, "Host memory of a save");
   `save_async`: `blocking=False`, the time the caller is `blocked` (until the
   call returns) and `seconds` until `wait()` returns (committed, durable);
   `load`: `tree_deserialise_leaves` into an abstract `like` carrying each
@@ -87,6 +90,11 @@ def make_state(gib: float, dtype: Any, seed: int = 0) -> dict[str, jax.Array]:
         f"w{i:03d}": jax.random.normal(jax.random.fold_in(key, i), (n, COLUMNS), dtype) for i, n in enumerate(rows)
     }
     return jax.block_until_ready(state)
+
+
+# eqx_ckpt's staging budget, in bytes (`--staging-mib`): the most host memory
+# its saves stage at a time; `None` passes none (the library's default).
+STAGING_BYTES: int | None = None
 
 
 def abstract(state: dict[str, jax.Array]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -171,7 +179,7 @@ def numpy_load(path: str, like: dict[str, jax.ShapeDtypeStruct]) -> dict[str, ja
 def operations(name: str) -> dict[str, Callable[[str, Any], Any]]:
     """`name`'s save, asynchronous save and load, each `(path, state or like)`."""
     if name == "eqx_ckpt":
-        eqx = contenders.EqxCkpt()
+        eqx = contenders.EqxCkpt(STAGING_BYTES)
         return {"save": eqx.save, "save_async": eqx_ckpt_save_async, "load": eqx.load}
     if name == "orbax":
         orbax = contenders.Orbax()
@@ -272,6 +280,7 @@ def header(args: argparse.Namespace, root: str) -> dict[str, Any]:
         "filesystem": report.filesystem(root),
         "gib": args.gib,
         "reps": args.reps,
+        "staging_bytes": STAGING_BYTES,
         "rows": [],
     }
 
@@ -301,7 +310,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--reps", type=int, default=1, help="runs of each operation")
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="write the device, versions and every figure here")
+    parser.add_argument("--staging-mib", type=float, default=None, help="eqx_ckpt's staging budget (default: its own)")
     args = parser.parse_args(argv)
+    global STAGING_BYTES
+    STAGING_BYTES = None if args.staging_mib is None else int(args.staging_mib * 2**20)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     dtypes = [d for d in args.dtypes.split(",") if d]
     if unknown := [d for d in dtypes if d not in DTYPES]:

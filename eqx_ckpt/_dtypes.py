@@ -89,6 +89,36 @@ def decode(array: np.ndarray, record: Any) -> np.ndarray:
     return array
 
 
+def check_cast(array: np.ndarray, dtype: Any) -> None:
+    """`ValueError` where `checked_cast(array, dtype)` would raise it, found a
+    block of rows at a time (of about `CHECK_BYTES`), nothing kept: a save
+    checks its casts before it writes anything, and casts each piece again as
+    it stages it (`stored_values`)."""
+    if np.dtype(dtype) == array.dtype:
+        return
+    if array.ndim == 0 or array.nbytes <= CHECK_BYTES:
+        checked_cast(array, dtype)
+        return
+    rows = max(1, CHECK_BYTES // max(1, array[0].nbytes))
+    for start in range(0, array.shape[0], rows):
+        checked_cast(array[start : start + rows], dtype)
+
+
+# The block of a cast's values checked at a time (`check_cast`).
+CHECK_BYTES = 16 << 20
+
+
+def stored_values(dtype: np.dtype, encoding: str, array: np.ndarray) -> np.ndarray:
+    """`array` cast to `dtype` (its values checked already: `check_cast`), then
+    encoded as stored: what `checked_cast` and `encode` give."""
+    if array.dtype != dtype:
+        if _kind(array.dtype) == "c" and _kind(dtype) != "c":
+            array = np.real(array)
+        with np.errstate(over="ignore", invalid="ignore"):
+            array = array.astype(dtype)
+    return encode(array, encoding)
+
+
 def checked_cast(array: np.ndarray, dtype: Any) -> np.ndarray:
     """`array` converted to `dtype`, or `ValueError` saying why the values would
     change beyond rounding: an integer that does not fit, a float that is not a

@@ -17,7 +17,7 @@ a callback that cares checks `threading.current_thread()`.
 
 The points, with where they fire and the arguments they pass:
 
-**A save's plan (`_records`, `_background`, `_serialise`, `_write`):**
+**A save's plan (`_records`, `_background`, `_serialise`, `_write`, `_staging`):**
 
 - `save.records` `(loc)`: a save starts making its leaves' records (running
   the filter specs), before anything is written.
@@ -37,6 +37,10 @@ The points, with where they fire and the arguments they pass:
   filter spec does in the caller's thread.
 - `save.start_writes` `(loc)`: a save starts creating and writing its arrays;
   an exception raised here is the write's.
+- `save.staged` `(nbytes, budget)`: the host bytes a save has staged and not
+  yet written changed, to `nbytes`, within its staging budget of `budget`
+  bytes (`_staging`: a write larger than the budget is staged alone, when
+  nothing else is).
 - `save.records_freed` `()`: a save freed its records and host views (once the
   manifest was encoded, its writes still in flight).
 
@@ -187,6 +191,7 @@ POINTS = frozenset(
         "save.copied",
         "save.start_writes",
         "save.records_freed",
+        "save.staged",
         "save.slices",
         "storage.open",
         "storage.read_file",

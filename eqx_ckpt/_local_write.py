@@ -109,12 +109,15 @@ def start_pack(
     base: str | None = None,
     *,
     remember: bool = False,
+    files: range | None = None,
 ) -> list[concurrent.futures.Future[None]]:
-    """Start writing the chunk files of `pack`: each member's elements at its
-    offset, zeros between, written from the members' own buffers (no copy).
-    `records` in the order of their offsets, as `_records.assign` placed them.
-    `base` and `remember`: as for `start_write` (`base`: the same pack's
-    folder in the checkpoint this save follows)."""
+    """Start writing the chunk files of `pack` (with `files`, those of these
+    indices, `records` holding at least every member with elements in them):
+    each member's elements at its offset, zeros between, written from the
+    members' own buffers (no copy). `records` in the order of their offsets,
+    as `_records.assign` placed them. `base` and `remember`: as for
+    `start_write` (`base`: the same pack's folder in the checkpoint this save
+    follows)."""
     n = len(records)
     starts = np.fromiter((r.offset for r in records), np.int64, n)
     stops = starts + np.fromiter((r.size for r in records), np.int64, n)
@@ -127,6 +130,10 @@ def start_pack(
     dtype = dtype_from_name(pack.dtype)
     jobs: list[tuple[str, Callable[[], _Chunk]]] = []
     for n, key in enumerate(_format.chunk_keys((pack.size,), (pack.chunk,))):
+        if files is not None and n not in files:
+            if n >= files.stop:
+                break
+            continue
         lo, hi = n * pack.chunk, (n + 1) * pack.chunk
         # The members with elements in [lo, hi) (offsets increase, sizes are positive).
         first, last = int(np.searchsorted(stops, lo, "right")), int(np.searchsorted(starts, hi, "left"))

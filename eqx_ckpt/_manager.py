@@ -297,6 +297,7 @@ class CheckpointManager:
         layout: str = "directories",
         overwrite: bool = False,
         progress: Any = None,
+        staging_bytes: int | None = None,
     ) -> None:
         """Save `pytree` as step `step`, then delete the steps no rule keeps.
 
@@ -307,7 +308,7 @@ class CheckpointManager:
         - `metrics`: an optional mapping from name to number (Python, NumPy or
             0-d JAX scalar), stored in the step's manifest (so they commit with it);
             `best_metric` is looked up here.
-        - `filter_spec`, `is_leaf`, `cast`, `layout`, `progress`: as for
+        - `filter_spec`, `is_leaf`, `cast`, `layout`, `progress`, `staging_bytes`: as for
             [`eqx_ckpt.tree_serialise_leaves`][].
         - `overwrite`: replace the step if it already exists (atomically: the old
             one stays loadable until the new one is committed). By default, saving
@@ -359,6 +360,7 @@ class CheckpointManager:
                 target, pytree, filter_spec, is_leaf,
                 overwrite=overwrite, blocking=self.blocking, cast=cast, layout=layout, metrics=values,
                 progress=progress, handoff=handoff, follows=follows, share=self.share, followed=True,
+                staging_bytes=staging_bytes,
             )  # fmt: skip
             _faults.fire("manager.save_returned", step, pending)
         except CheckpointExistsError:

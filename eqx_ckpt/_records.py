@@ -2,11 +2,15 @@
 nowhere else (`build`), and the packing of the small ones (`assign`).
 
 `build` runs the filter specs over a tree's leaves and makes a `Pending` (a
-`_format.LeafRecord` and the host data written for it) for each value they
-write. The common leaf (a NumPy array, or a `jax.Array` on one device, of a
-dtype stored as it is, not cast) takes a short branch, its record's fixed
-part worked out once per dtype and shape; any other leaf goes the general
-way, which reads, casts and encodes it and names it in its errors.
+`_format.LeafRecord` and the pieces written for it) for each value they
+write. A piece is kept as what it comes from (a `jax.Array`, a NumPy array,
+or a `_staging.Deferred` cast, encoding or slice): its host data is made as
+the save's writes reach it, within the staging budget (`_staging`). The
+common leaf (a NumPy array, or a `jax.Array` on one device, of a dtype
+stored as it is, not cast) takes a short branch, its record's fixed part
+worked out once per dtype and shape; any other leaf goes the general way,
+which checks what it can store (a cast's values included) and names the
+leaf in its errors.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _dtypes, _faults, _format, _keypath, _multihost, _sharding, _tree
+from . import _dtypes, _faults, _format, _keypath, _multihost, _sharding, _staging, _tree
 from ._errors import CheckpointError, CheckpointTypeError, LeafError, leaf_message
 from ._format import LeafRecord, PackRecord, chunk_shape, dtype_from_name, pack_name, whole_chunks
 from ._handle import LeafHandle
@@ -30,8 +34,12 @@ from ._location import Location
 
 @dataclasses.dataclass(slots=True)
 class Pending:
+    """A leaf's record, and its pieces: (region, data) for each, the data
+    made host as the save stages it (`_staging`); `nbytes`, their stored bytes."""
+
     record: LeafRecord
-    pieces: list[tuple[tuple[slice, ...], np.ndarray]]
+    pieces: list[tuple[tuple[slice, ...], Any]]
+    nbytes: int
 
 
 class Held:
@@ -58,7 +66,9 @@ def hold(x: jax.Array, primary: bool) -> Held:
     holds by its NumPy view alone: `_background.hold_tree`, in a single-process
     save only.)"""
     data = jax.random.key_data(x) if _dtypes.is_prng_key(x) else x
-    return Held(x, data, _sharding.host_pieces(data) if _multihost.writes(data, primary) else [])
+    if not _multihost.writes(data, primary):
+        return Held(x, data, [])
+    return Held(x, data, [(index, _staging.protected(d, False)) for index, d in _sharding.host_pieces(data)])
 
 
 def build(
@@ -207,7 +217,7 @@ def _prepare(
         handle.path, keypath, kind, shape, dtype_name,
         tuple(x.shape), stored, encoding, chunks, impl,
     )  # fmt: skip
-    return Pending(record, pieces)
+    return Pending(record, pieces, sum(_staging.nbytes(piece) for _, piece in pieces))
 
 
 def _value(handle: LeafHandle, x: Any, held: Held | None) -> tuple[Any, str, str, str, tuple[int, ...]]:
@@ -249,6 +259,9 @@ def _value(handle: LeafHandle, x: Any, held: Held | None) -> tuple[Any, str, str
         )
     elif not isinstance(x, jax.Array):
         x = np.asarray(x)
+    elif held is None and x.is_deleted():
+        # (Its host data is made later, as the save stages it; a held leaf's was taken.)
+        raise RuntimeError("the array was deleted")
     if kind != "prng_key":
         if not _dtypes.is_known_dtype(_dtypes.name(x.dtype)):
             raise handle.error(f"cannot save an array of dtype {x.dtype}.", "Only numeric and bool arrays are stored.")
@@ -262,17 +275,29 @@ def _value(handle: LeafHandle, x: Any, held: Held | None) -> tuple[Any, str, str
 
 
 def _stored_pieces(handle: LeafHandle, x: Any, pieces: list[Any], logical: np.dtype, encoding: str) -> list[Any]:
-    """The host pieces of `x` as stored: cast to `logical` (its dtype, or
-    what `cast` maps it to), then encoded."""
-    if logical != x.dtype:
+    """The pieces of `x` as stored: cast to `logical` (its dtype, or what
+    `cast` maps it to), then encoded, when the save stages them (`_staging`).
+    The cast's values are checked here, a block of host data at a time, so
+    that a value the cast would change is an error before anything is
+    written; the cast itself is made again when staged."""
+    cast = logical != x.dtype
+    if not cast and encoding != "view":
+        return pieces
+    if cast:
         try:
-            pieces = [(index, _dtypes.checked_cast(np.asarray(piece), logical)) for index, piece in pieces]
+            for _, piece in pieces:
+                _dtypes.check_cast(_staging.host(piece), logical)
         except ValueError as e:
             raise handle.error(
                 f"cannot store it as {logical} (`cast`): {e}.",
                 "Nothing was written. Cast it to a dtype that holds its values.",
             ) from None
-    return [(index, _dtypes.encode(piece, encoding)) for index, piece in pieces]
+    convert = functools.partial(_dtypes.stored_values, logical, encoding)
+    ratio = (logical.itemsize, np.dtype(x.dtype).itemsize)
+    return [
+        (index, _staging.Deferred(piece, _staging.nbytes(piece) * ratio[0] // ratio[1], convert))
+        for index, piece in pieces
+    ]
 
 
 def _common(
@@ -288,8 +313,8 @@ def _common(
     out: list[Pending | None] = []
     append = out.append
     kinds, one_device, limit = _KINDS, jax.sharding.SingleDeviceSharding, _format.CHUNK_BYTES
-    # (dtype, shape) -> (dtype name, chunk shape); the name `None` when not stored as it is.
-    fixed: dict[tuple[Any, tuple[int, ...]], tuple[str | None, tuple[int, ...]]] = {}
+    # (dtype, shape) -> (dtype name, chunk shape, bytes); the name `None` when not stored as it is.
+    fixed: dict[tuple[Any, tuple[int, ...]], tuple[str | None, tuple[int, ...], int]] = {}
     for x, path, keypath in zip(leaves, paths, keypaths, strict=True):
         try:
             cls = type(x)
@@ -309,21 +334,28 @@ def _common(
             known = fixed.get((dtype, shape))
             if known is None:
                 name = _plain_dtype(dtype) if len(shape) <= _format.MAX_RANK else None
-                known = fixed[dtype, shape] = (name, _chunk_grid(shape, dtype.itemsize, limit) if name else ())
-            name, chunks = known
+                chunks = _chunk_grid(shape, dtype.itemsize, limit) if name else ()
+                known = fixed[dtype, shape] = (name, chunks, math.prod(shape) * dtype.itemsize)
+            name, chunks, nbytes = known
             if name is None:
                 append(None)
                 continue
             if held is not None:
                 pieces = held.pieces
+            elif not primary:
+                pieces = []
+            elif kind == "jax" and x.is_deleted():
+                append(None)  # the general way names the leaf
+                continue
             else:
-                pieces = [((), np.asarray(x))] if primary else []
+                pieces = [((), x)]
         except Exception:
             # (A deleted `jax.Array`, say.) The general way raises the error
             # again, where the save names the leaf.
             append(None)
             continue
-        append(Pending(LeafRecord(path, keypath, kind, shape, name, shape, name, "plain", chunks), pieces))
+        record = LeafRecord(path, keypath, kind, shape, name, shape, name, "plain", chunks)
+        append(Pending(record, pieces, nbytes if pieces else 0))
     return out
 
 

@@ -33,6 +33,7 @@ from . import (
     _partial,
     _records,
     _share,
+    _staging,
     _storage_errors,
     _structure,
     _transaction,
@@ -108,6 +109,7 @@ def tree_serialise_leaves(
     progress: Progress = None,
     where: Callable[[PyTree], Any] | None = None,
     share: bool = True,
+    staging_bytes: int | None = None,
 ) -> PendingSave | None:
     """Save the leaves of a PyTree as a checkpoint directory.
 
@@ -171,6 +173,14 @@ def tree_serialise_leaves(
         did not change with the checkpoint it replaces (hard links; see
         [docs/format.md](../format.md#incremental-and-partial-saves)); with
         `False`, every chunk is written in full and no file is shared.
+    - `staging_bytes`: the most host memory, in bytes, the save stages at a
+        time: each piece of a leaf (a `jax.Array`'s data copied to the host, a
+        cast, a shard's slice) is made as the writes reach it, its copy to the
+        host started ahead of them, and freed once written. By default a
+        quarter of this machine's memory (at least 64 MiB); a piece larger
+        than the budget is staged alone. An asynchronous save holds besides
+        what keeps the caller's arrays safe (see `blocking`). See
+        [docs/scaling.md](../scaling.md#host-memory-of-a-save).
 
     With `jax.distributed` initialised, call this in every process with the same
     tree: each process writes its own shards, and the checkpoint is committed once,
@@ -193,7 +203,7 @@ def tree_serialise_leaves(
     return save(
         location(path), pytree, filter_spec, is_leaf,
         overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, progress=progress, where=where,
-        share=share,
+        share=share, staging_bytes=staging_bytes,
     )  # fmt: skip
 
 
@@ -217,6 +227,7 @@ def save(
     where: Callable[[PyTree], Any] | None = None,
     share: bool = True,
     followed: bool = False,
+    staging_bytes: int | None = None,
 ) -> PendingSave | None:
     """`tree_serialise_leaves`, with `metrics` committed in the manifest.
     `handoff`: tells the caller, after any exception, whether an asynchronous
@@ -226,19 +237,21 @@ def save(
     `_share`). `where`: a partial save (`_partial`). `share=False`: no file
     is shared with either. `followed`: a later save will follow this one (a
     manager's step): the digest of every chunk file it writes is recorded, so
-    that save reads none of them back (`_share`)."""
+    that save reads none of them back (`_share`). `staging_bytes`: the
+    staging budget (`_staging`)."""
     group = _multihost.Group()
     share = check_flag("share", share, "`False` writes every chunk in full")
     overwrite, blocking, cast, planned, expected = _collect_and_plan(
         loc, group, pytree, filter_spec, is_leaf,
         overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, where=where,
+        staging=staging_bytes,
     )  # fmt: skip
     options: dict[str, Any] = dict(overwrite=overwrite, layout=layout, metrics=metrics, progress=progress)
     exclusive = _lease.acquire_exclusive(loc)
     handoff = handoff if handoff is not None else Handoff()
     tx: _transaction.Transaction | None = None
     tracker: Tracker | None = None
-    sharing = _Sharing(follows, share, followed)
+    sharing = _Sharing(follows, share, followed, _staging.budget(staging_bytes))
     try:
         if not isinstance(planned, _write.Batch):
             # Every array is safe on the host already: the plan, the transaction
@@ -284,11 +297,12 @@ def _collect_and_plan(
     cast: Any,
     layout: str,
     where: Callable[[PyTree], Any] | None,
+    staging: Any,
 ) -> tuple[bool, bool, Callable[[str, np.dtype], Any] | None, _write.Batch | _background.HeldLeaves, str | None]:
     """The options checked (`overwrite`, `blocking` and `cast` as `save` uses
-    them), then the leaves collected and planned; an asynchronous save's
-    leaves are held instead (`_background.hold_tree`), and planned in the
-    background. Last, for a partial save (`where`), the commit of the
+    them, and `staging`, the staging budget), then the leaves collected and
+    planned; an asynchronous save's leaves are held instead
+    (`_background.hold_tree`), and planned in the background. Last, for a partial save (`where`), the commit of the
     checkpoint whose leaves it keeps."""
     planned: _write.Batch | _background.HeldLeaves | None = None
     expected: str | None = None
@@ -300,6 +314,7 @@ def _collect_and_plan(
         overwrite = check_flag("overwrite", overwrite, "whether to replace a checkpoint already there")
         blocking = check_flag("blocking", blocking, "`False` saves in the background")
         cast = _records.cast_function(cast)
+        _staging.budget(staging)
         if where is not None:
             partial = _partial.collect(
                 loc,
@@ -377,13 +392,13 @@ def _plan(
     specs run here), in a single process the packs of small leaves, and the
     tree's structure record (`_structure`; `structure`, given the dotted paths
     stored, makes it where `names` are not of one tree: a partial save's).
-    `private`: copy the NumPy leaves' host data, which the caller may change
-    once an asynchronous save has returned."""
+    `private`: protect the leaves' data (`_write.protect`), which the caller
+    may change or delete once an asynchronous save has returned."""
     pending = _records.build(loc, leaves, names, specs, cast, default=default_serialise_filter_spec)
     if group.count == 1:
         _records.assign([p.record for p in pending], [p.pieces for p in pending])
     if private:
-        _write.copy_numpy_leaves(pending)
+        _write.protect(pending)
     stored = {p.record.path for p in pending}
     if structure is None:
         record = _structure.record(names.treedef, leaves, [path in stored for path in names.paths], names.records)
@@ -503,15 +518,21 @@ def _write_all(
     try:
         base = _base(tx, group, sharing.follows) if sharing.share else None
         remember = sharing.share and sharing.followed
-        writing = _write.start_writes(tx, batch, group, tracker=tracker, out=out, base=base, remember=remember)
+        writing = _write.start_writes(
+            tx, batch, group, budget=sharing.staging, tracker=tracker, out=out, base=base, remember=remember
+        )
     except Exception as e:
-        error, writing = e, []
+        error, writing = e, None
     if error is None and group.primary:
         # While the data is being written (encoding the manifest of many
         # leaves takes a noticeable part of a save).
         error = _write.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, metrics)))
     batch.free()
-    _write.follow(writing, tracker)
+    if writing is not None:
+        if error is not None:
+            writing.stop()
+        followed = writing.follow(tracker)
+        error = error or followed
     tracker.describe("save: committing")
     error = _write.wait_all(out, error)
     # Each process makes its own writes durable; only then may process 0 commit.
@@ -526,11 +547,13 @@ class _Sharing(NamedTuple):
     next step will follow), it records the digest of every chunk file it
     writes, so that the next step reads none of them back. Without
     `followed` (a plain save), only a chunk that was compared is recorded: a
-    save with no base hashes nothing."""
+    save with no base hashes nothing. (And `staging`: the save's staging
+    budget, in bytes, `_staging`: how its writes go, as sharing does.)"""
 
     follows: Location | None
     share: bool
     followed: bool
+    staging: int
 
 
 def _base(tx: _transaction.Transaction, group: _multihost.Group, follows: Location | None) -> _share.Base | None:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _faults
+from . import _faults, _staging
 
 
 def block_shape(x: Any) -> tuple[int, ...] | None:
@@ -37,7 +38,9 @@ def on_one_device(x: jax.Array) -> bool:
 def host_pieces(
     x: Any, chunks: tuple[int, ...] | None = None, itemsize: int = 1, *, deal: Deal | None = None, path: str = ""
 ) -> list[tuple[tuple[slice, ...], Any]]:
-    """(region, host data) for every piece this process writes.
+    """(region, data) for every piece this process writes: its host data
+    made when the save stages it (`_staging`: a `jax.Array`, or a `Deferred`
+    slice of one; NumPy data as it is).
 
     In one process, only the first replica of each shard is written, so
     replicated data is written once. With several processes (`x` is not
@@ -47,12 +50,14 @@ def host_pieces(
     so that every region is written once, by its holders in shares.
     `path`: the leaf's dotted path, for the fault point `save.slices`.
     """
-    if not isinstance(x, jax.Array) or on_one_device(x):
+    if not isinstance(x, jax.Array):
         return [((), np.asarray(x))]
+    if on_one_device(x):
+        return [((), x)]
+    if x.is_fully_addressable and x.is_fully_replicated:
+        return [((), x.addressable_data(0))]  # one replica, on its one device
     if x.is_fully_addressable:
-        if x.is_fully_replicated:
-            return [((), np.asarray(x))]
-        return [(shard.index, np.asarray(shard.data)) for shard in x.addressable_shards if shard.replica_id == 0]
+        return [(shard.index, shard.data) for shard in x.addressable_shards if shard.replica_id == 0]
     return _share(x, chunks, itemsize, deal if deal is not None else Deal(), path)
 
 
@@ -130,15 +135,18 @@ def _share(
 SLICE_ON_DEVICE: bool | None = None
 
 
-def _slice(data: jax.Array, part: Region, region: Region) -> np.ndarray:
-    """The host data of `part` of a shard `data` holding `region`."""
+def _slice(data: jax.Array, part: Region, region: Region) -> jax.Array | _staging.Deferred:
+    """`part` of a shard `data` holding `region`, made when the save stages it."""
     if part == region:
-        return np.asarray(data)
+        return data
     within = tuple(slice(a - r, b - r) for (a, b), (r, _) in zip(part, region))
     on_device = SLICE_ON_DEVICE
     if on_device is None:
         on_device = next(iter(data.devices())).platform != "cpu"
-    return np.asarray(data[within]) if on_device else np.asarray(data)[within]
+    nbytes = math.prod(b - a for a, b in part) * data.dtype.itemsize
+    if on_device:
+        return _staging.Deferred(functools.partial(data.__getitem__, within), nbytes)
+    return _staging.Deferred(data, nbytes, operator.itemgetter(within))
 
 
 @functools.lru_cache(maxsize=256)

@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import eqx_ckpt  # noqa: E402
-from benchmarks import contenders, foreign, gpu, page_sizes, report, run, warm_memory, workload  # noqa: E402
+from benchmarks import contenders, foreign, gpu, page_sizes, report, run, staging, warm_memory, workload  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -503,3 +503,20 @@ def test_replicas_saves_in_shares_and_restores_reading_each_byte_once(storage):
         assert float(save[5]) == pytest.approx(sum(float(n) for n in save[2].split(", ")), abs=0.2)
         for row in (unshared, shared):
             assert float(row["S3 server sent (MiB)"]) == pytest.approx(float(row["MiB read, all processes"]), abs=0.2)
+
+
+def test_the_staging_benchmark_measures_each_budget_in_a_fresh_process(tmp_path):
+    """`benchmarks.staging` at 32 MiB in 8 leaves: one row per budget, each
+    with its seconds, peak RSS and the most bytes the save staged, within
+    the budget where one was given; the checkpoints are deleted."""
+    out = tmp_path / "staging.json"
+    argv = ["--gib", "0.03125", "--leaves", "8", "--budgets", "default,2", "--dir", str(tmp_path)]
+    rows = staging.main([*argv, "--json", str(out)])
+    assert json.loads(out.read_text()) == rows
+    assert [(r["budget"], r["rep"]) for r in rows] == [("default", 0), ("2", 0)]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["seconds"] > 0 and isinstance(row["rss_added"], int) and row["state_bytes"] == 32 * 2**20
+    # 8 leaves of 4 MiB, 2 MiB each as bfloat16: the default stages them all at once, 2 MiB one at a time.
+    assert rows[0]["staged_peak"] == 16 * 2**20 and rows[1]["staged_peak"] == 2 * 2**20
+    assert [p.name for p in tmp_path.iterdir()] == ["staging.json"]

@@ -87,8 +87,8 @@ _ELSEWHERE = {
 @pytest.fixture(scope="module")
 def reached(tmp_path_factory):
     """How many times each point fired during a local save, load, overwrite,
-    load and verify, two asynchronous saves, a load into JAX arrays and one
-    without a skeleton, an export to safetensors loaded back, and two saves of a
+    load and verify, two asynchronous saves, a save through TensorStore, a
+    load into JAX arrays and one without a skeleton, an export to safetensors loaded back, and two saves of a
     manager that keeps one step. Few files make a
     flush `syncfs` here, and every chunk file of a leaf goes past the page cache."""
     counts = collections.Counter()
@@ -121,6 +121,8 @@ def reached(tmp_path_factory):
             on_device = eqx_ckpt.tree_deserialise_leaves(path / "ckpt", {"small": jnp.zeros(3, jnp.int32)}, cast=True)
             assert np.array_equal(on_device["small"], tree["small"] + 2)
             assert eqx.tree_equal(eqx_ckpt.Checkpoint(path / "custom").load(), tree)
+            # A save through TensorStore (its transaction), not local chunk files.
+            eqx_ckpt.tree_serialise_leaves(f"memory://{path.name}/ts", tree)
             # Another format's source (`_safetensors`).
             eqx_ckpt.export_safetensors(path / "st", tree)
             assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path / "st", like), tree)
