@@ -18,6 +18,10 @@ kills it. The others print `worker <id> failed: <message>` when the save
 raises, and exit with status 3 (without `jax.distributed`'s exit hook, which
 would wait for the dead process).
 
+With `point`, the victim stops at that fault point of the second save instead
+(`save.slices`: while it plans its share, before the first barrier;
+`save.staged`: once it staged its first bytes, as it writes).
+
 With `restore` (a fault point's name), the second step is a load instead:
 every process loads the first save with `read_once=True` (each byte read by
 one process and shared), and the victim stops at that point of the load
@@ -83,6 +87,7 @@ def main(process_id: int, num_processes: int, port: int, job: dict) -> None:
     point = "storage.create_array" if job["victim"] == 0 else "storage.open_array"
     if job["victim"] != 0 and job.get("replicated"):
         point = "storage.transaction"
+    point = job.get("point", point)
     victim = process_id == job["victim"]
     if victim and job.get("absent"):
         stop()  # never calls the save, but stays alive

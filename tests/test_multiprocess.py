@@ -469,6 +469,9 @@ def _check_first_save(where: Any) -> None:
         (2, 1, "s3", "rows"),
         (2, 1, "local", "replicated"),
         (4, 2, "local", "replicated"),
+        (4, 3, "local", "replicated:save.slices"),
+        (2, 1, "local", "replicated:save.staged"),
+        (4, 2, "s3", "replicated:save.staged"),
     ],
     ids=lambda v: str(v),
 )
@@ -482,9 +485,17 @@ def test_a_process_killed_mid_save(
     eqx_ckpt's error; process 0 runs the coordination service, and without it
     `jax.distributed` ends the others at once. With a replicated array, the
     others write their slices of it while the victim is stopped, and process
-    0 removes them."""
+    0 removes them. A victim may also stop while it plans its share of a
+    replicated array (`save.slices`), or once it staged its first bytes for
+    writing (`save.staged`)."""
     where = _where(tmp_path, storage, storage_for(storage), "ckpt")
-    job = {"checkpoint": where, "victim": victim, "replicated": placed == "replicated"}
+    placed, _, point = placed.partition(":")  # and where the victim stops, if not where it does by default
+    job = {
+        "checkpoint": where,
+        "victim": victim,
+        "replicated": placed == "replicated",
+        **({"point": point} if point else {}),
+    }
     procs, outputs = _run_victim(tmp_path, processes, job, kill=True)
     assert procs[victim].returncode == -signal.SIGKILL
     said = f"Process {victim} of {processes} stopped answering during the save" if victim else ""
