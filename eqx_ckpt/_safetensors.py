@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _faults, _keypath, _local_read, _location, _memory, _storage, _storage_errors, _window
+from . import _faults, _keypath, _location, _memory, _storage, _storage_errors, _window
 from ._errors import CheckpointNotFoundError, CheckpointReplacedError, CheckpointValueError, CorruptCheckpointError
 from ._format import MAX_ELEMENTS, MAX_RANK, LeafRecord, dtype_from_name
 from ._location import Location
@@ -490,9 +490,7 @@ def _start_run(
     _faults.fire("safetensors.read_run", files.loc, file, start, end)
     if files.folder is not None:
         # Checked after the reads, as every read of a local file is (`_Files.changed`).
-        local = _memory.shared_pool("eqx_ckpt-read", _local_read.THREADS).submit(
-            _read_local, os.path.join(files.folder, file), start, end
-        )
+        local = _window.read_pool().submit(_read_local, os.path.join(files.folder, file), start, end)
     else:
         read = files.kv.read(file, byte_range=slice(start, end)) if end > start else _storage.ready(None)
 
