@@ -12,7 +12,8 @@ reads.
 An eqx_ckpt checkpoint is opened by `checkpoint` alone, wherever it is opened
 (a load, `verify`, a partial save, an incremental save's base): its manifest
 read as untrusted input, its data root refused if it leads out of it, and the
-`Source` of its leaves.
+`Source` of its leaves. Each foreign format module has a `find` (`FINDERS`)
+that returns one typed object, a `Foreign`, read here by name.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from . import _format, _layout, _manifest, _orbax, _safetensors, _storage, _untrusted
 from ._errors import CheckpointNotFoundError, CheckpointReplacedError
@@ -29,6 +30,33 @@ from ._location import Location, location
 from ._manifest import Manifest
 
 Opener = Callable[[LeafRecord], Any]
+Runs = Callable[[list[LeafRecord]], tuple[list[int], Any]]
+
+
+class Foreign(Protocol):
+    """What a foreign format module's `find` returns for a checkpoint of its
+    format (`_safetensors.Tensors`, `_orbax.Arrays`); `open_source` reads it by
+    name into a `Source` (see there for each member)."""
+
+    @property
+    def format(self) -> str: ...
+
+    @property
+    def manifest(self) -> Manifest: ...
+
+    @property
+    def opener(self) -> Opener: ...
+
+    @property
+    def changed(self) -> Callable[[], str | None]: ...
+
+    @property
+    def runs(self) -> Runs | None: ...
+
+
+# Each foreign format's `find`, in the order `open_source` tries them (typed,
+# so that the type checker holds each to returning a `Foreign`).
+FINDERS: tuple[Callable[[Location], Foreign | None], ...] = (_safetensors.find, _orbax.find)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +83,7 @@ class Source:
     manifest: Manifest
     opener: Opener | None = None
     changed: Callable[[], str | None] | None = None
-    runs: Callable[[list[LeafRecord]], tuple[list[int], Any]] | None = None
+    runs: Runs | None = None
 
     def open(self, record: LeafRecord) -> Any:
         return self.opener(record) if self.opener is not None else _storage.open_array(self.data, record, checked=False)
@@ -91,7 +119,7 @@ def open_source(path: Any) -> Source:
     source = None if _safetensors.is_file_path(loc) else checkpoint(loc)
     if source is not None:
         return source
-    for find in (_safetensors.find, _orbax.find):
+    for find in FINDERS:
         found = find(loc)
         if found is not None:
             return _foreign(loc, found)
@@ -127,9 +155,8 @@ def checkpoint(loc: Location, manifest: Manifest | None = None) -> Source | None
     return Source("eqx_ckpt", loc, _layout.data_location(loc, manifest.data_root, manifest.layout), manifest)
 
 
-def _foreign(loc: Location, found: Any) -> Source:
-    fmt, manifest, opener, changed, *runs = found
-    return Source(fmt, loc, loc, manifest, opener, changed, *runs)
+def _foreign(loc: Location, found: Foreign) -> Source:
+    return Source(found.format, loc, loc, found.manifest, found.opener, found.changed, found.runs)
 
 
 # Files of PyTorch's pickle format, which eqx_ckpt never opens.

@@ -4,8 +4,10 @@ storage seam imports `tensorstore`, no module imports another that imports it
 back, and every module is on the contributor's map."""
 
 import ast
+import dataclasses
 import pathlib
 import re
+import typing
 
 import pytest
 
@@ -253,3 +255,24 @@ def test_tests_replace_no_private_code():
     through the seams")."""
     patches = [found for path in TESTS for found in _private_patches(path)]
     assert patches == [], "use a fault point (eqx_ckpt/_faults.py) or a knob:\n" + "\n".join(patches)
+
+
+def test_foreign_formats_return_one_typed_source():
+    """Each foreign format's `find` returns one frozen dataclass with every
+    member of `_source.Foreign`, which `_source` reads by name: no positional
+    tuple unpacked by position (issue 48, "one way to do each thing")."""
+    from eqx_ckpt import _source
+
+    members = {name for name in vars(_source.Foreign) if not name.startswith("_")}
+    assert members >= {"format", "manifest", "opener", "changed", "runs"}
+    for find in _source.FINDERS:
+        returned = [t for t in typing.get_args(typing.get_type_hints(find)["return"]) if t is not type(None)]
+        assert len(returned) == 1 and dataclasses.is_dataclass(returned[0]), f"{find.__module__}.find: {returned}"
+        fields = {field.name for field in dataclasses.fields(returned[0])}
+        assert returned[0].__dataclass_params__.frozen and members <= fields, f"{returned[0]}: {members - fields}"
+    unpacked = [
+        f"_source.py:{node.lineno}"
+        for node in ast.walk(_tree(PACKAGE / "_source.py"))
+        if isinstance(node, ast.Assign) and any(isinstance(t, (ast.Tuple, ast.Starred)) for t in node.targets)
+    ]
+    assert unpacked == [], f"a foreign source is read by name, not unpacked: {unpacked}"
