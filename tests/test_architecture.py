@@ -276,3 +276,27 @@ def test_foreign_formats_return_one_typed_source():
         if isinstance(node, ast.Assign) and any(isinstance(t, (ast.Tuple, ast.Starred)) for t in node.targets)
     ]
     assert unpacked == [], f"a foreign source is read by name, not unpacked: {unpacked}"
+
+
+def _private_uses(path: pathlib.Path, modules: tuple[str, ...]) -> list[str]:
+    """Where `path` imports or reaches a `_`-prefixed name of one of `modules`
+    (`from ._steps import _scan`, `_steps._scan`)."""
+    found = []
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module in modules:
+            found += [f"{path.name}:{node.lineno}: {a.name}" for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            if node.attr.startswith("_"):
+                found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_retention_has_one_home_and_the_manager_only_calls_it():
+    """Which steps the rules keep and which the manager may delete live in
+    `_retention`, step folders in `_steps`; `_manager` (or any other module)
+    uses only their names public to the package (issue 48: `_manager` once
+    imported 11 private names of `_steps` and decided retention itself)."""
+    used = [found for path in MODULES for found in _private_uses(path, ("_steps", "_retention"))]
+    assert used == [], "use (or add) a name without a leading underscore:\n" + "\n".join(used)
+    manager = {node.name for node in ast.walk(_tree(PACKAGE / "_manager.py")) if isinstance(node, ast.FunctionDef)}
+    assert not manager & {"_governed_steps", "_recorded", "_delete_unkept", "_keep", "_kept", "_record_governed"}
