@@ -300,3 +300,25 @@ def test_retention_has_one_home_and_the_manager_only_calls_it():
     assert used == [], "use (or add) a name without a leading underscore:\n" + "\n".join(used)
     manager = {node.name for node in ast.walk(_tree(PACKAGE / "_manager.py")) if isinstance(node, ast.FunctionDef)}
     assert not manager & {"_governed_steps", "_recorded", "_delete_unkept", "_keep", "_kept", "_record_governed"}
+
+
+def _users(module: str, name: str) -> set[str]:
+    """The modules that call `module.name` (or import `name` from it)."""
+    found = set()
+    for path in MODULES:
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module == module:
+                found.update(path.stem for alias in node.names if alias.name == name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == module:
+                found.update([path.stem] if node.attr == name else [])
+    return found
+
+
+def test_an_eqx_ckpt_checkpoint_is_opened_in_one_place():
+    """Every module that opens an eqx_ckpt checkpoint (a load, `verify`, a
+    partial save, an incremental save's base) calls `_source.checkpoint`: it
+    alone reads a manifest to read leaves and finds the data root. Elsewhere a
+    manifest is read only for its fields (a step's metrics, the commit a
+    transaction checks), and a transaction finds the data root it writes."""
+    assert _users("_manifest", "read_manifest") == {"_source", "_steps", "_transaction"}
+    assert _users("_layout", "data_location") == {"_source", "_transaction"}
