@@ -29,13 +29,13 @@ from ._initialise import load_or_initialise as load_or_initialise
 from ._lazy import LazyArray as LazyArray, materialise as materialise
 from ._manager import CheckpointManager as CheckpointManager
 from ._migrate import convert_eqx_file as convert_eqx_file
+from ._retention import RetentionWarning as RetentionWarning
 from ._serialise import (
     PendingSave as PendingSave,
     default_serialise_filter_spec as default_serialise_filter_spec,
     tree_serialise_leaves as tree_serialise_leaves,
 )
 from ._share import IntegrityWarning as IntegrityWarning
-from ._steps import RetentionWarning as RetentionWarning
 from ._torch import torch_layout as torch_layout
 from ._transaction import CommitWarning as CommitWarning
 from ._verify import Problem as Problem, verify as verify

@@ -42,7 +42,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from . import _faults, _format, _memory, _share, _storage
+from . import _faults, _format, _memory, _share, _storage, _window
 from ._errors import IntegrityError, stored_leaf_error
 from ._format import LeafRecord, PackRecord, dtype_from_name
 from ._location import Location
@@ -52,7 +52,6 @@ from ._untrusted import refuse_links, wrong_chunk_file
 
 # Smaller leaves gain little over TensorStore (and will be packed together).
 MIN_BYTES = 2**20
-THREADS = 4
 PIECE_BYTES = 16 * 2**20
 # Each piece is read and checked a step at a time: a step fits in a core's cache.
 STEP_BYTES = 2**19
@@ -90,7 +89,7 @@ def start_read(
         return None
     # The checks of its files (on a cold cache, a wait on the disk for each) in a
     # thread of their own, so that those of the next leaves overlap.
-    started = _memory.shared_pool("eqx_ckpt-open", THREADS).submit(_start_checked, loc, record)
+    started = _memory.shared_pool("eqx_ckpt-open", _window.READ_THREADS).submit(_start_checked, loc, record)
 
     def finish() -> np.ndarray:
         try:
@@ -210,10 +209,6 @@ def _open_below(folder: int, key: str) -> int:
             os.close(current)
 
 
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    return _memory.shared_pool("eqx_ckpt-read", THREADS)
-
-
 def _read_chunks(path: str, loc: Location, record: LeafRecord, out: memoryview, keys: list[str]) -> _Reads:
     """Start reading the chunk files `keys` into their slices of `out`."""
     _faults.fire("local_read.start_reads", path, keys)
@@ -228,7 +223,7 @@ def _read_chunks(path: str, loc: Location, record: LeafRecord, out: memoryview, 
         stored = checksums[_format.CHECKSUM_BYTES * i : _format.CHECKSUM_BYTES * (i + 1)]
         chunks.append((key, [data, padding if len(data) < size else padding[:0]], stored))
     reads = _Reads(loc, record, chunks)
-    pool = _pool()
+    pool = _window.read_pool()
     try:
         for key, segments, stored in chunks:
             pieces: list[tuple[int, concurrent.futures.Future[int]]] = []

@@ -26,34 +26,30 @@ from typing import Any
 
 from jaxtyping import PyTree
 
-from . import _durable, _faults, _initialise, _lazy, _lease, _orbax, _preemption, _serialise, _storage, _storage_errors
+from . import _durable, _faults, _initialise, _lease, _orbax, _preemption, _serialise, _storage, _storage_errors
 from ._deserialise import default_deserialise_filter_spec, tree_deserialise_leaves
 from ._errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointValueError,
-    CorruptCheckpointError,
     check_flag,
 )
-from ._format import MANAGER_LEASE, MANIFEST, metrics_name as _metrics_name, step_name
+from ._format import MANAGER_LEASE, metrics_name as _metrics_name, step_name
 from ._location import location
 from ._progress import Progress
+from ._retention import Retention, RetentionWarning, Rules, rank
 from ._serialise import PendingSave, default_serialise_filter_spec
 from ._steps import (
-    RetentionWarning,
-    _check_step,
-    _clean_interrupted,
-    _kept,
-    _metrics_values,
-    _primary,
-    _rank,
-    _read_metrics,
-    _read_retention,
-    _scan,
-    _show,
-    _write_retention,
+    check_step,
+    clean_interrupted,
     committed_steps,
+    delete_step,
+    metrics_values,
+    primary,
+    read_metrics,
+    scan,
+    show_steps,
     written_metrics,
 )
 from ._transaction import CommitWarning
@@ -158,7 +154,7 @@ class CheckpointManager:
                 f"folder per step in a directory. Give the path of a directory (it is created on the first save).",
                 path=self.directory,
             )
-        if local is not None and (orbax := _orbax.manager_steps(local)) and not any(_scan(self._loc)):
+        if local is not None and (orbax := _orbax.manager_steps(local)) and not any(scan(self._loc)):
             # It would report no steps, and its first save would start a new run beside orbax's.
             raise CheckpointValueError(
                 f"{self.directory!r} is not an eqx_ckpt CheckpointManager's directory.{orbax} To save an "
@@ -170,12 +166,8 @@ class CheckpointManager:
         self.best_metric, self.best_mode, self.blocking = best_metric, best_mode, blocking
         self.adopt_steps = check_flag("adopt_steps", adopt_steps, "`True` applies retention to every step")
         self.share = check_flag("share", share, "`False` writes every chunk of every step in full")
-        # The steps retention may delete (see `_governed_steps`), known from the first save on.
-        self._governed: set[int] | None = None
-        # Every step this manager began to save: its own, even where an interrupt
-        # after the commit came before retention recorded it.
-        self._saving: set[int] = set()
-        self._warned = False
+        # Which steps the rules keep, and which this manager may delete.
+        self._retention = Retention(self._loc)
         # The entries named like a step that no save wrote, named in a warning once.
         self._left_alone: set[str] = set()
         self._pending: PendingSave | None = None
@@ -227,7 +219,7 @@ class CheckpointManager:
 
     def _hold_directory(self) -> None:
         """Take the directory's lease (once): only one manager writes here."""
-        if self._lease is None and _primary():
+        if self._lease is None and primary():
             _durable.ensure_directory(self._loc)
             self._lease, _ = _lease.acquire(self._loc, MANAGER_LEASE, what="CheckpointManager", journal=False)
 
@@ -244,7 +236,7 @@ class CheckpointManager:
         local directory (the manager's, resolved when it was created, so that an
         `os.chdir` since changes nothing), else the URL.
         """
-        loc = self._loc.joined(step_name(_check_step(step)))
+        loc = self._loc.joined(step_name(check_step(step)))
         return loc.display if loc.local is None else loc.local
 
     def all_steps(self) -> list[int]:
@@ -267,7 +259,8 @@ class CheckpointManager:
                 "`best_step()` needs to know which metric ranks steps: create the "
                 "manager with `best_metric=` (and `best_mode=` if higher is better)."
             )
-        ranked = _rank(self._all_metrics(self.all_steps()), self.best_metric, self.best_mode)
+        metrics = {step: read_metrics(self._loc, step) for step in self.all_steps()}
+        ranked = rank(metrics, self.best_metric, self.best_mode)
         return ranked[0] if ranked else None
 
     def metrics(self, step: int) -> dict[str, Any]:
@@ -281,8 +274,8 @@ class CheckpointManager:
 
         A dict from metric name to number.
         """
-        self._require(_check_step(step))
-        return _read_metrics(self._loc, step)
+        self._require(check_step(step))
+        return read_metrics(self._loc, step)
 
     @_one_at_a_time
     def save(
@@ -325,9 +318,9 @@ class CheckpointManager:
         not started); otherwise any error `tree_serialise_leaves` raises.
         """
         self.wait_until_finished()
-        step = _check_step(step)
+        step = check_step(step)
         overwrite = check_flag("overwrite", overwrite, "whether to replace a step already there")
-        values = _metrics_values(step, metrics, self.directory)
+        values = metrics_values(step, metrics, self.directory)
         with _storage_errors.explained(self._loc, f"Saving step {step} to"):
             state = self._tidy(step)
         if state.get(step) and not overwrite:
@@ -339,16 +332,11 @@ class CheckpointManager:
         target = self._loc.joined(step_name(step))
         # The metrics go into the step's manifest, so they commit with it; a
         # leftover file of version 1 would shadow nothing, but is stale now.
-        if state.get(step) and _primary() and written_metrics(self._loc, step):
+        if state.get(step) and primary() and written_metrics(self._loc, step):
             with _storage_errors.explained(self._loc, f"Saving step {step} to"):
                 _storage.remove(self._loc, [_metrics_name(step)])
-        self._saving.add(step)
-        if _primary() and not self.adopt_steps and self._has_rules():
-            # Recorded before the save: a process killed after the commit and
-            # before retention ran leaves a step the next manager with the same
-            # rules knows for its own (and prunes), not another's (and keeps).
-            with _storage_errors.explained(self._loc, f"Saving step {step} to"):
-                self._record_governed(step)
+        with _storage_errors.explained(self._loc, f"Saving step {step} to"):
+            self._retention.begin(step, self._rules())
         handoff = _serialise.Handoff()
         # The newest committed step: unchanged chunk files are shared with it
         # (`_share`); the next step follows this one (`followed`), even a first
@@ -389,13 +377,13 @@ class CheckpointManager:
     def _tidy(self, step: int) -> dict[int, bool]:
         """Before saving `step`: take the directory's lease, remove what
         interrupted saves left, and name in a warning (once each) the entries
-        named like a step that no save wrote, which stay. Returns `_scan`'s
+        named like a step that no save wrote, which stay. Returns `scan`'s
         answer: the step folders, and whether each is committed."""
         self._hold_directory()
         if self._lease is not None:
             self._lease.check()
-        state = _scan(self._loc)
-        foreign = _clean_interrupted(self._loc, state)
+        state = scan(self._loc)
+        foreign = clean_interrupted(self._loc, state)
         for name, what in foreign:
             if name == step_name(step):
                 raise CheckpointExistsError(
@@ -420,7 +408,7 @@ class CheckpointManager:
         """After a failed save: a step folder this save created, and that holds
         no committed checkpoint, goes. A committed step is never deleted here."""
         _faults.fire("manager.undo", step)
-        if _primary() and not _scan(self._loc).get(step, False):
+        if primary() and not scan(self._loc).get(step, False):
             _storage.remove(self._loc, [step_name(step)])
 
     def wait_until_finished(self) -> None:
@@ -485,7 +473,7 @@ class CheckpointManager:
             print(manager.all_steps())   # [5]
             ```
         """
-        return self._preemption.reached(_check_step(step))
+        return self._preemption.reached(check_step(step))
 
     def wait_for_new_step(self, after: int | None = None, timeout: float | None = None) -> int | None:
         """Wait for a committed step newer than `after`: an evaluator's loop beside
@@ -532,7 +520,7 @@ class CheckpointManager:
             print(seen)   # 20
             ```
         """
-        after = None if after is None else _check_step(after)
+        after = None if after is None else check_step(after)
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
             raise CheckpointValueError(f"`timeout` must be a non-negative number of seconds or None, not {timeout!r}.")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -602,7 +590,7 @@ class CheckpointManager:
                     path=self.directory,
                 )
         else:
-            self._require(_check_step(step))
+            self._require(check_step(step))
         try:
             return tree_deserialise_leaves(
                 self._loc.joined(step_name(step)), like, filter_spec, is_leaf,
@@ -618,7 +606,7 @@ class CheckpointManager:
             raise CheckpointNotFoundError(
                 f"Step {step} was deleted from {self.directory!r} while it was being restored (by the retention "
                 f"rules of the manager saving there), so nothing of it is returned; the committed steps now are "
-                f"{_show(steps)}. Restore one of them.",
+                f"{show_steps(steps)}. Restore one of them.",
                 path=self.directory,
             ) from e
 
@@ -700,12 +688,10 @@ class CheckpointManager:
                 "skip to a newer one."
             )
         raise CheckpointNotFoundError(
-            f"There is no committed step {step} in {self.directory!r}; the committed steps are {_show(steps)}.{hint}",
+            f"There is no committed step {step} in {self.directory!r}; the committed steps are "
+            f"{show_steps(steps)}.{hint}",
             path=self.directory,
         )
-
-    def _all_metrics(self, steps: list[int]) -> dict[int, dict[str, Any]]:
-        return {step: _read_metrics(self._loc, step) for step in steps}
 
     @_one_at_a_time
     def delete_steps_after(self, step: int) -> list[int]:
@@ -740,28 +726,21 @@ class CheckpointManager:
             print(manager.latest_step())           # 210
             ```
         """
-        step = _check_step(step)
+        step = check_step(step)
         self.wait_until_finished()
         with _storage_errors.explained(self._loc, "Deleting steps from"):
             self._hold_directory()  # deleting steps is writing: one manager at a time
         later = [s for s in self.all_steps() if s > step]
-        if _primary():
+        if primary():
             for s in later:
-                self._delete(s)
+                delete_step(self._loc, s)
         return later
-
-    def _delete(self, step: int) -> None:
-        """The manifest first, so that a step disappears at once even if the
-        deletion of its arrays is interrupted."""
-        _storage.delete_file(self._loc.joined(step_name(step)), MANIFEST)
-        metrics = [_metrics_name(step)] if written_metrics(self._loc, step) else []
-        _storage.remove(self._loc, [step_name(step), *metrics])
 
     def _apply_retention(self, saved: int | None = None) -> None:
         """After a step committed: delete the steps no rule keeps. A failure here is
         a warning (the new step is saved; the next save retries the deletion)."""
         try:
-            left = self._delete_unkept(saved)
+            left = self._retention.apply(self._rules(), saved)
         except Exception as e:
             warnings.warn(
                 f"Step saved in {self.directory!r}, but deleting the steps the retention rules drop failed ({e}); "
@@ -773,83 +752,14 @@ class CheckpointManager:
         if left:
             warnings.warn(
                 f"Retention left {len(left)} step(s) in {self.directory!r} that were saved under other "
-                f"retention rules (or none) in place: {_show(left)}. This manager's rules apply to the steps "
+                f"retention rules (or none) in place: {show_steps(left)}. This manager's rules apply to the steps "
                 f"saved under them; to apply them to every step, create the manager with `adopt_steps=True`.",
                 RetentionWarning,
                 stacklevel=3,
             )
 
-    def _has_rules(self) -> bool:
-        return not (self.max_to_keep is None and self.keep_every is None and self.best_n is None)
-
-    def _record_governed(self, step: int) -> None:
-        """Add `step` to the retention record of the steps saved under this
-        manager's rules (see `_governed_steps`)."""
-        try:
-            governed = self._recorded()
-        except CorruptCheckpointError:
-            return  # the save goes on; retention after its commit says what is wrong
-        _write_retention(self._loc, self._rules(), sorted(governed | {step}))
-
-    def _delete_unkept(self, saved: int | None) -> list[int]:
-        """Delete the steps retention governs that no rule keeps (never the one
-        just `saved`) and record the ones left. Returns the other steps that the
-        rules would drop, the first time there are any."""
-        if not self._has_rules() or not _primary():
-            return []
-        steps = self.all_steps()
-        governed = self._governed_steps(steps, saved)
-        mine = [step for step in steps if step in governed]
-        keep = self._keep(mine, saved)
-        for step in mine:
-            if step in keep:
-                continue
-            if _lazy.reads_from(self._loc.joined(step_name(step))):
-                # Lazy leaves of this process read from it (a fine-tuning loop's
-                # frozen base): a later save deletes it, once they are gone.
-                keep.add(step)
-            else:
-                self._delete(step)
-        self._governed = {step for step in mine if step in keep}
-        _write_retention(self._loc, self._rules(), sorted(self._governed))
-        if len(mine) == len(steps) or self._warned:
-            return []
-        keep = self._keep(steps, saved)
-        left = [step for step in steps if step not in governed and step not in keep]
-        # Once, at the first save where the rules would drop one: a manager with
-        # looser rules than the run it resumes finds none at its first save.
-        self._warned = bool(left)
-        return left
-
-    def _rules(self) -> dict[str, Any]:
-        rules: dict[str, Any] = {"max_to_keep": self.max_to_keep, "keep_every": self.keep_every, "best_n": self.best_n}
-        if self.best_n is not None:
-            rules.update(best_metric=self.best_metric, best_mode=self.best_mode)
-        return rules
-
-    def _governed_steps(self, steps: list[int], saved: int | None) -> set[int]:
-        """The steps saved under this manager's rules: by it, or by an earlier
-        manager with the same rules (a resumed run, as `retention.json` records),
-        or every step with `adopt_steps=True`. Deleting any other step needs the
-        user's say (a run of 300 steps opened with a tighter `max_to_keep` once
-        lost 297 of them at the first save)."""
-        if self.adopt_steps:
-            return set(steps)
-        return (self._recorded() | self._saving | ({saved} if saved is not None else set())) & set(steps)
-
-    def _recorded(self) -> set[int]:
-        """The steps the retention record lists under this manager's rules,
-        read once (then kept up to date by this manager)."""
-        if self._governed is None:
-            record = _read_retention(self._loc)
-            self._governed = set(record[1]) if record is not None and record[0] == self._rules() else set()
-        return self._governed
-
-    def _keep(self, steps: list[int], saved: int | None) -> set[int]:
-        ranked = _rank(self._all_metrics(steps), self.best_metric, self.best_mode) if self.best_n else []
-        return _kept(
-            steps, ranked, max_to_keep=self.max_to_keep, keep_every=self.keep_every, best_n=self.best_n, saved=saved
-        )
+    def _rules(self) -> Rules:
+        return Rules(self.max_to_keep, self.keep_every, self.best_n, self.best_metric, self.best_mode, self.adopt_steps)
 
 
 # `wait_for_new_step` lists the directory after this many seconds, then twice

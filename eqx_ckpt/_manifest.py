@@ -19,9 +19,9 @@ from typing import Any
 
 import orjson
 
-from . import _format, _gc, _keypath, _storage, _untrusted
+from . import _gc, _keypath, _storage
 from ._dtypes import is_known_dtype, key_data_shape
-from ._errors import CheckpointNotFoundError, CheckpointReplacedError, CorruptCheckpointError
+from ._errors import CheckpointReplacedError, CorruptCheckpointError
 from ._format import (
     ENCODINGS,
     FORMAT,
@@ -501,22 +501,6 @@ def read_manifest(loc: Location) -> Manifest | None:
     """The manifest at `loc`, parsed and checked, or `None` where there is none."""
     data, stamp = _storage.read_file_stamped(loc, MANIFEST, limit=MAX_MANIFEST_BYTES)
     return None if data is None else parse(data, where=loc.display, stamp=stamp)
-
-
-def require_manifest(loc: Location) -> Manifest:
-    """The manifest at `loc`; no checkpoint there, or a data root that leads out
-    of it, is an error."""
-    manifest = read_manifest(loc)
-    if manifest is None:
-        raise CheckpointNotFoundError(
-            f"There is no eqx_ckpt checkpoint at {loc.display!r} (no {MANIFEST}). "
-            f"Check the path; a save that was interrupted leaves no checkpoint.",
-            path=loc.display,
-        )
-    # The data root (and an OCDBT database in it) must not lead out of the checkpoint.
-    ocdbt = manifest.layout == "ocdbt"
-    _untrusted.refuse_links(loc, manifest.data_root + ("/" + _format.OCDBT_FOLDER if ocdbt else ""), subtree=ocdbt)
-    return manifest
 
 
 def check_unchanged(loc: Location, manifest: Manifest) -> None:

@@ -12,6 +12,7 @@ TensorStore opens orbax's arrays (through `_storage`); orbax itself is not impor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -35,10 +36,29 @@ _SCALARS = {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}
 _SEQUENCE = 1
 
 
-def find(loc: Location) -> tuple[str, Manifest, Any, Callable[[], str | None]] | None:
+@dataclasses.dataclass(frozen=True)
+class Arrays:
+    """The leaves `find` found, as a source of leaves (a `_source.Foreign`).
+
+    **Attributes:**
+
+    - `manifest`: a record per leaf, by dotted path.
+    - `opener`: record -> future of the TensorStore array of that leaf.
+    - `changed`: the name of the file that shows the checkpoint was saved again
+        since it was opened (`None` while it was not).
+    - `runs`: `None`: each leaf is read through its own array.
+    """
+
+    manifest: Manifest
+    opener: Callable[[LeafRecord], _storage.Future]
+    changed: Callable[[], str | None]
+    runs: Callable[[list[LeafRecord]], tuple[list[int], Any]] | None = None
+    format: str = "orbax"
+
+
+def find(loc: Location) -> Arrays | None:
     """The leaves of an orbax PyTree checkpoint at `loc`, or `None` if it is not
-    one. With them, the opener of each leaf and a function naming the file that
-    shows the checkpoint was saved again since (`None` while it was not)."""
+    one."""
     data, stamp = _storage.read_file_stamped(loc, METADATA, limit=MAX_MANIFEST_BYTES)
     if data is None:
         # A step of an orbax `CheckpointManager` keeps its one item in `default/`.
@@ -80,7 +100,7 @@ def find(loc: Location) -> tuple[str, Manifest, Any, Callable[[], str | None]] |
     manifest = Manifest(tuple(records[path] for path in sorted(records)), layout="orbax")
     stamps = [(METADATA, stamp), *_stamps(loc)]
     changed = lambda: next((name for name, was in stamps if _storage.file_changed(loc, name, was)), None)
-    return "orbax", manifest, lambda record: _storage.ready(stores[record.path]), changed
+    return Arrays(manifest, opener=lambda record: _storage.ready(stores[record.path]), changed=changed)
 
 
 # Files an orbax save writes anew besides `_METADATA`, which comes out the same

@@ -21,7 +21,7 @@ from typing import Any
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _keypath, _manifest, _rebuild, _select, _source, _structure, _transaction, _tree
+from . import _keypath, _rebuild, _select, _source, _structure, _transaction, _tree
 from ._errors import CheckpointNotFoundError, CheckpointReplacedError, CheckpointValueError, IntegrityError
 from ._format import MANIFEST
 from ._lazy import LazyArray
@@ -103,13 +103,14 @@ def collect(
         )
     flat, treedef = jtu.tree_flatten(pytree, is_leaf)
     picked, prefixes = _picked(where, treedef, len(flat), is_leaf)
-    manifest = _manifest.read_manifest(loc)
-    if manifest is None:
+    source = _source.checkpoint(loc)  # the checkpoint it keeps leaves of
+    if source is None:
         raise CheckpointNotFoundError(
             f"A save with `where` replaces sub-trees of an existing checkpoint, and there is none at "
             f"{loc.display!r} (no {MANIFEST}); nothing was written. Save the whole tree first (without `where`).",
             path=loc.display,
         )
+    manifest = source.manifest
     leaves, names = _tree.flatten_named(pytree, is_leaf, keypaths=True)
     specs = _tree.leaf_specs(filter_spec, pytree, is_leaf, count=len(leaves))
     new = sorted(picked)
@@ -123,7 +124,6 @@ def collect(
                 f"nothing was written.",
                 path=loc.display,
             )
-    source = _source.checkpoint(loc, manifest)  # the manifest read above: the checkpoint it keeps leaves of
     stored = [LazyArray(source.data, r, opener=source.opener, check=source.check) for r in kept]
     keypaths = [names.keypath(i) for i in new] + [_keypath.from_json(r.keypath) for r in kept]
     combined = _tree.Names(

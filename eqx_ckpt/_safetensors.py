@@ -13,6 +13,7 @@ safetensors reader.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _faults, _keypath, _local_read, _location, _memory, _storage, _storage_errors, _window
+from . import _faults, _keypath, _location, _memory, _storage, _storage_errors, _window
 from ._errors import CheckpointNotFoundError, CheckpointReplacedError, CheckpointValueError, CorruptCheckpointError
 from ._format import MAX_ELEMENTS, MAX_RANK, LeafRecord, dtype_from_name
 from ._location import Location
@@ -59,12 +60,29 @@ def is_file_path(loc: Location) -> bool:
     return loc.kvstore.get("path", "").rstrip("/").endswith(SUFFIX)
 
 
-def find(loc: Location) -> tuple[str, Manifest, Any, Callable[[], str | None], Any] | None:
+@dataclasses.dataclass(frozen=True)
+class Tensors:
+    """The tensors `find` found, as a source of leaves (a `_source.Foreign`).
+
+    **Attributes:**
+
+    - `manifest`: a record per tensor, by dotted path.
+    - `opener`: record -> future of the TensorStore array of that tensor (`_open`).
+    - `changed`: the name of a file rewritten since it was opened (`_Files.changed`).
+    - `runs`: the reader of many small tensors at once (`read_runs`).
+    """
+
+    manifest: Manifest
+    opener: Callable[[LeafRecord], _storage.Future]
+    changed: Callable[[], str | None]
+    runs: Callable[[list[LeafRecord]], tuple[list[int], Any]] | None
+    format: str = "safetensors"
+
+
+def find(loc: Location) -> Tensors | None:
     """The tensors of a `.safetensors` file, or of a directory holding one or a
     Hugging Face index (`model.safetensors.index.json`) and its shards; `None`
-    if `loc` is neither. With them, the opener of each tensor, a function
-    naming a file rewritten since (`_Files.changed`), and the reader of many
-    small tensors at once (`read_runs`)."""
+    if `loc` is neither."""
     if is_file_path(loc):
         folder, name = split_file(loc)
         return _tensors(loc, folder, [name], index=None)
@@ -131,7 +149,7 @@ def _tensors(
     *,
     index: str | None,
     weight_map: dict[str, str] | None = None,
-) -> tuple:
+) -> Tensors:
     """Read every file's header (two small reads each, all files at once)."""
     kv = _kvstore(folder)
     heads = [kv.read(name, byte_range=slice(0, 8)) for name in files]
@@ -193,12 +211,11 @@ def _tensors(
     ordered = tuple(records[path] for path in sorted(records))
     local = folder["path"] if _location.on_local_disk(loc) else None
     opened = _Files(loc, kv, dict(zip(files, generations)), local)
-    return (
-        "safetensors",
+    return Tensors(
         Manifest(ordered, layout="safetensors", metadata=_merged(metadata)),
-        functools.partial(_open, opened, places),
-        opened.changed,
-        functools.partial(read_runs, opened, places),
+        opener=functools.partial(_open, opened, places),
+        changed=opened.changed,
+        runs=functools.partial(read_runs, opened, places),
     )
 
 
@@ -490,9 +507,7 @@ def _start_run(
     _faults.fire("safetensors.read_run", files.loc, file, start, end)
     if files.folder is not None:
         # Checked after the reads, as every read of a local file is (`_Files.changed`).
-        local = _memory.shared_pool("eqx_ckpt-read", _local_read.THREADS).submit(
-            _read_local, os.path.join(files.folder, file), start, end
-        )
+        local = _window.read_pool().submit(_read_local, os.path.join(files.folder, file), start, end)
     else:
         read = files.kv.read(file, byte_range=slice(start, end)) if end > start else _storage.ready(None)
 

@@ -55,7 +55,7 @@ from typing import Any, NamedTuple
 import crc32c
 import xxhash
 
-from . import _faults, _format, _layout, _manifest, _storage
+from . import _faults, _format, _manifest, _source, _storage
 from ._errors import CheckpointNotFoundError, CorruptCheckpointError, IntegrityError
 from ._format import LeafRecord, PackRecord
 from ._location import Location
@@ -96,8 +96,13 @@ def base(loc: Location, manifest: _manifest.Manifest | None) -> Base | None:
     be shared (no manifest, the OCDBT layout, not on a local disk)."""
     if manifest is None or manifest.layout != "directories" or not _storage.local_chunk_files(loc):
         return None
-    root = _layout.data_location(loc, manifest.data_root, manifest.layout).local
-    return None if root is None else Base(root, manifest)
+    return _base(_source.checkpoint(loc, manifest))
+
+
+def _base(source: _source.Source | None) -> Base | None:
+    if source is None or source.manifest.layout != "directories" or source.data.local is None:
+        return None
+    return Base(source.data.local, source.manifest)
 
 
 def base_at(loc: Location) -> Base | None:
@@ -107,7 +112,7 @@ def base_at(loc: Location) -> Base | None:
     if not _storage.local_chunk_files(loc):
         return None
     try:
-        return base(loc, _manifest.read_manifest(loc))
+        return _base(_source.checkpoint(loc))
     except (CorruptCheckpointError, CheckpointNotFoundError):
         return None
 
@@ -316,10 +321,10 @@ def shared_files(loc: Location) -> tuple[int, int] | None:
     no eqx_ckpt checkpoint there)."""
     if loc.local is None:
         return None
-    manifest = _manifest.read_manifest(loc)
-    if manifest is None or manifest.layout != "directories":
+    source = _source.checkpoint(loc)
+    if source is None or source.manifest.layout != "directories":
         return None
-    root = _layout.data_location(loc, manifest.data_root, manifest.layout).local or loc.local
+    root = source.data.local or loc.local
     count = nbytes = 0
     for folder, _, names in os.walk(root):
         for name in names:

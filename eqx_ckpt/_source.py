@@ -8,6 +8,12 @@ those two are made; everything after is the same code for every format: the
 load plan (`_load_plan`: `where`, `prefix`, `rename`, `transform` and the
 checks of records against `like`), windows of reads, sharded placement, lazy
 reads.
+
+An eqx_ckpt checkpoint is opened by `checkpoint` alone, wherever it is opened
+(a load, `verify`, a partial save, an incremental save's base): its manifest
+read as untrusted input, its data root refused if it leads out of it, and the
+`Source` of its leaves. Each foreign format module has a `find` (`FINDERS`)
+that returns one typed object, a `Foreign`, read here by name.
 """
 
 from __future__ import annotations
@@ -15,15 +21,42 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from . import _layout, _manifest, _orbax, _safetensors, _storage
+from . import _format, _layout, _manifest, _orbax, _safetensors, _storage, _untrusted
 from ._errors import CheckpointNotFoundError, CheckpointReplacedError
-from ._format import LeafRecord
+from ._format import MANIFEST, LeafRecord
 from ._location import Location, location
 from ._manifest import Manifest
 
 Opener = Callable[[LeafRecord], Any]
+Runs = Callable[[list[LeafRecord]], tuple[list[int], Any]]
+
+
+class Foreign(Protocol):
+    """What a foreign format module's `find` returns for a checkpoint of its
+    format (`_safetensors.Tensors`, `_orbax.Arrays`); `open_source` reads it by
+    name into a `Source` (see there for each member)."""
+
+    @property
+    def format(self) -> str: ...
+
+    @property
+    def manifest(self) -> Manifest: ...
+
+    @property
+    def opener(self) -> Opener: ...
+
+    @property
+    def changed(self) -> Callable[[], str | None]: ...
+
+    @property
+    def runs(self) -> Runs | None: ...
+
+
+# Each foreign format's `find`, in the order `open_source` tries them (typed,
+# so that the type checker holds each to returning a `Foreign`).
+FINDERS: tuple[Callable[[Location], Foreign | None], ...] = (_safetensors.find, _orbax.find)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +83,7 @@ class Source:
     manifest: Manifest
     opener: Opener | None = None
     changed: Callable[[], str | None] | None = None
-    runs: Callable[[list[LeafRecord]], tuple[list[int], Any]] | None = None
+    runs: Runs | None = None
 
     def open(self, record: LeafRecord) -> Any:
         return self.opener(record) if self.opener is not None else _storage.open_array(self.data, record, checked=False)
@@ -81,38 +114,49 @@ def open_source(path: Any) -> Source:
     """The source at `path`, recognised from its files; an eqx_ckpt checkpoint
     when nothing else matches (so its error names what is missing)."""
     loc = location(path)
-    if _safetensors.is_file_path(loc):
-        return _foreign(loc, _safetensors.find(loc))
-    try:
-        manifest = _manifest.require_manifest(loc)
-    except CheckpointNotFoundError as e:
-        for find in (_safetensors.find, _orbax.find):
-            found = find(loc)
-            if found is not None:
-                return _foreign(loc, found)
-        held = _what_is_there(loc)
-        if held:
-            # What it is and what to do, nothing else: the note on interrupted
-            # saves sent users looking for one beside a `pytorch_model.bin`.
-            raise CheckpointNotFoundError(
-                f"{loc.display!r} is not a checkpoint eqx_ckpt reads.{held}", path=loc.display
-            ) from None
-        raise CheckpointNotFoundError(
-            f"{e} Nor is it another format eqx_ckpt reads: no `{_safetensors.INDEX}`, `{_safetensors.SINGLE}` "
-            f"or orbax `{_orbax.METADATA}` there either (see docs/interop.md).",
-            path=loc.display,
-        ) from None
-    return checkpoint(loc, manifest)
+    # A `.safetensors` path is never a directory: `_safetensors.find` reads it
+    # (or raises), before anything else is tried.
+    source = None if _safetensors.is_file_path(loc) else checkpoint(loc)
+    if source is not None:
+        return source
+    for find in FINDERS:
+        found = find(loc)
+        if found is not None:
+            return _foreign(loc, found)
+    held = _what_is_there(loc)
+    if held:
+        # What it is and what to do, nothing else: the note on interrupted
+        # saves sent users looking for one beside a `pytorch_model.bin`.
+        raise CheckpointNotFoundError(f"{loc.display!r} is not a checkpoint eqx_ckpt reads.{held}", path=loc.display)
+    raise CheckpointNotFoundError(
+        f"There is no eqx_ckpt checkpoint at {loc.display!r} (no {MANIFEST}). Check the path; a save that was "
+        f"interrupted leaves no checkpoint. Nor is it another format eqx_ckpt reads: no `{_safetensors.INDEX}`, "
+        f"`{_safetensors.SINGLE}` or orbax `{_orbax.METADATA}` there either (see docs/interop.md).",
+        path=loc.display,
+    )
 
 
-def checkpoint(loc: Location, manifest: Manifest) -> Source:
-    """The eqx_ckpt checkpoint at `loc` whose manifest (already read) is `manifest`."""
+def checkpoint(loc: Location, manifest: Manifest | None = None) -> Source | None:
+    """The eqx_ckpt checkpoint at `loc`, opened; `None` where there is none (no
+    manifest). Every module opens one here.
+
+    Its manifest is read and checked as untrusted input (`_manifest`), and its
+    data root (with an OCDBT database in it) must not lead out of it through a
+    symbolic link (`CorruptCheckpointError`). A `manifest` given is the one its
+    caller already read from `loc` (the one a save's transaction replaces), and
+    is taken as it is."""
+    if manifest is None:
+        manifest = _manifest.read_manifest(loc)
+        if manifest is None:
+            return None
+        ocdbt = manifest.layout == "ocdbt"
+        root = manifest.data_root + ("/" + _format.OCDBT_FOLDER if ocdbt else "")
+        _untrusted.refuse_links(loc, root, subtree=ocdbt)
     return Source("eqx_ckpt", loc, _layout.data_location(loc, manifest.data_root, manifest.layout), manifest)
 
 
-def _foreign(loc: Location, found: Any) -> Source:
-    fmt, manifest, opener, changed, *runs = found
-    return Source(fmt, loc, loc, manifest, opener, changed, *runs)
+def _foreign(loc: Location, found: Foreign) -> Source:
+    return Source(found.format, loc, loc, found.manifest, found.opener, found.changed, found.runs)
 
 
 # Files of PyTorch's pickle format, which eqx_ckpt never opens.

@@ -1,4 +1,6 @@
-"""Step folders of a `CheckpointManager`: names, scanning, metrics, retention."""
+"""Step folders of a `CheckpointManager`: scanning, metrics, deleting a step, and
+what an interrupted save left (and what is the user's). Which steps retention
+keeps is `_retention`'s."""
 
 from __future__ import annotations
 
@@ -18,70 +20,15 @@ from ._location import Location
 from ._manifest import read_manifest
 
 _MAX_METRICS_BYTES = 2**20
-# A retention record lists steps: a million of them is still far below this.
-_MAX_RETENTION_BYTES = 2**24
 
 
-class RetentionWarning(UserWarning):
-    """A `CheckpointManager` left in place what is not its own to delete, and
-    names it: steps its retention rules would drop but that it did not save
-    (steps saved under other rules: an earlier run with another `max_to_keep`,
-    a manager without rules, an older eqx_ckpt; `CheckpointManager(...,
-    adopt_steps=True)` applies the rules to them too), or entries of its
-    directory named like a step that no eqx_ckpt save wrote (a user's file,
-    symbolic link, or folder of other files).
-
-    !!! example
-
-        ```python
-        import warnings
-        import eqx_ckpt
-
-        # Make steps left in place an error, as for any warning:
-        warnings.simplefilter("error", eqx_ckpt.RetentionWarning)
-        ```
-    """
-
-
-RetentionWarning.__module__ = "eqx_ckpt"
-
-
-def _kept(
-    steps: list[int],
-    ranked: list[int],
-    *,
-    max_to_keep: int | None,
-    keep_every: int | None,
-    best_n: int | None,
-    saved: int | None = None,
-) -> set[int]:
-    """The union of what each rule keeps, plus the latest step and the step just
-    `saved` (which may lie below others, after a rollback). `steps` is sorted;
-    `ranked` lists steps best first."""
-    keep = set(steps[-1:]) | ({saved} if saved is not None else set())
-    if max_to_keep is not None:
-        keep.update(steps[-max_to_keep:])
-    if keep_every is not None:
-        keep.update(step for step in steps if step % keep_every == 0)
-    if best_n is not None:
-        keep.update(ranked[:best_n])
-    return keep
-
-
-def _rank(metrics: dict[int, dict[str, Any]], name: str | None, mode: str) -> list[int]:
-    """Steps having metric `name`, best first; ties go to the later step."""
-    sign = 1.0 if mode == "min" else -1.0
-    scored = [(sign * float(m[name]), -step) for step, m in metrics.items() if name in m and not math.isnan(m[name])]
-    return [-negated for _, negated in sorted(scored)]
-
-
-def _primary() -> bool:
+def primary() -> bool:
     """Whether this process writes and deletes the manager's own files: with several
     JAX processes, process 0 alone does (each writes its shards of a step)."""
     return jax.process_index() == 0
 
 
-def _check_step(step: Any) -> int:
+def check_step(step: Any) -> int:
     """A step as an `int`: Python, NumPy and 0-d JAX integers are accepted (a
     training loop's step counter is often a `jnp.int32`)."""
     if isinstance(step, jax.Array) and not isinstance(step, jax.core.Tracer) and step.ndim == 0:
@@ -97,7 +44,7 @@ def _check_step(step: Any) -> int:
     return int(step)
 
 
-def _scan(loc: Location) -> dict[int, bool]:
+def scan(loc: Location) -> dict[int, bool]:
     """Every step folder of the manager's own naming, and whether it is committed.
     On a local disk only real folders count: a file or a symbolic link of that
     name is a user's, never listed, restored or deleted (retention deleting the
@@ -126,17 +73,17 @@ def _scan(loc: Location) -> dict[int, bool]:
 
 def committed_steps(loc: Location) -> list[int]:
     """The committed steps of the manager's directory at `loc`, sorted."""
-    return sorted(step for step, committed in _scan(loc).items() if committed)
+    return sorted(step for step, committed in scan(loc).items() if committed)
 
 
-def _clean_interrupted(loc: Location, state: dict[int, bool]) -> list[tuple[str, str]]:
+def clean_interrupted(loc: Location, state: dict[int, bool]) -> list[tuple[str, str]]:
     """Remove what interrupted saves left: step folders without a manifest that
     hold only files a save writes (`_format.left_by_a_save`; an empty one
     too), and metrics files a version 1 manager wrote without a committed step
     (`written_metrics`). Returns the entries named like a step that are not
     the manager's to remove (a user's file, link, folder of other files, or
     file named like a step's metrics), as `(name, what it is)`; they stay."""
-    if not _primary():
+    if not primary():
         return []
     names = _storage.list_names(loc)
     stale, foreign = [], _not_folders(loc, names)
@@ -180,7 +127,7 @@ def written_metrics(loc: Location, step: int) -> bool:
 
 
 def _not_folders(loc: Location, names: list[str]) -> list[tuple[str, str]]:
-    """The files and symbolic links named like a step, on a local disk (`_scan`
+    """The files and symbolic links named like a step, on a local disk (`scan`
     never counts them as steps)."""
     if loc.local is None:
         return []
@@ -197,7 +144,7 @@ def _some(names: list[str]) -> str:
     return shown if len(names) <= 3 else f"{shown} and {len(names) - 3} more"
 
 
-def _metrics_values(step: int, metrics: Mapping[str, Any] | None, directory: str) -> dict[str, Any]:
+def metrics_values(step: int, metrics: Mapping[str, Any] | None, directory: str) -> dict[str, Any]:
     """The metrics as stored in the step's manifest; non-finite values are spelt
     as strings, so the manifest stays standard JSON."""
     if metrics is None:
@@ -219,7 +166,7 @@ def _metrics_values(step: int, metrics: Mapping[str, Any] | None, directory: str
     return values
 
 
-def _read_metrics(loc: Location, step: int) -> dict[str, Any]:
+def read_metrics(loc: Location, step: int) -> dict[str, Any]:
     """A committed step's metrics: from its manifest, or, for a step saved by
     version 1, from the file beside it."""
     manifest = read_manifest(loc.joined(_format.step_name(step)))
@@ -254,34 +201,18 @@ def _metrics_file_values(data: bytes, step: int) -> dict[str, Any]:
     return {str(k): float(v) if isinstance(v, str) else v for k, v in values.items()}
 
 
-def _read_retention(loc: Location) -> tuple[dict[str, Any], list[int]] | None:
-    """The rules and steps of the directory's retention record, if it has one."""
-    data = _storage.read_file(loc, _format.RETENTION, limit=_MAX_RETENTION_BYTES)
-    if data is None:
-        return None
-    try:
-        body = json.loads(data)
-        rules, steps = body["rules"], body["steps"]
-        if not isinstance(rules, dict) or not isinstance(steps, list):
-            raise ValueError("unexpected content")
-        if not all(type(step) is int and step >= 0 for step in steps):
-            raise ValueError("a step is not a non-negative int")
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(
-            f"The retention record {_format.RETENTION!r} in {loc.display!r} is invalid ({e}). Delete it: "
-            f"retention then leaves the steps saved so far in place (`adopt_steps=True` applies it to them).",
-            path=loc.display,
-        ) from None
-    return rules, steps
-
-
-def _write_retention(loc: Location, rules: dict[str, Any], steps: list[int]) -> None:
-    _storage.write_file(loc, _format.RETENTION, json.dumps({"rules": rules, "steps": sorted(steps)}).encode())
-
-
-def _show(steps: list[int]) -> str:
+def show_steps(steps: list[int]) -> str:
     if not steps:
         return "none"
     if len(steps) <= 12:
         return str(steps)
     return f"[{', '.join(map(str, steps[:5]))}, ..., {', '.join(map(str, steps[-5:]))}] ({len(steps)} steps)"
+
+
+def delete_step(loc: Location, step: int) -> None:
+    """Delete a committed step of the manager's directory at `loc`: the manifest
+    first, so that the step disappears at once even if the deletion of its
+    arrays is interrupted, then its folder (and its metrics file of version 1)."""
+    _storage.delete_file(loc.joined(_format.step_name(step)), MANIFEST)
+    metrics = [_format.metrics_name(step)] if written_metrics(loc, step) else []
+    _storage.remove(loc, [_format.step_name(step), *metrics])

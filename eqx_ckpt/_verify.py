@@ -18,16 +18,16 @@ from . import (
     _chunk_scan,
     _format,
     _layout,
-    _manifest,
     _pack,
     _safetensors,
     _share,
+    _source,
     _storage,
     _storage_errors,
     _untrusted,
     _verify_sources,
 )
-from ._errors import CheckpointError, CheckpointNotFoundError, CheckpointStorageError, CorruptCheckpointError
+from ._errors import CheckpointError, CheckpointStorageError, CorruptCheckpointError
 from ._format import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, PackRecord, dtype_from_name, step_name
 from ._location import Location, location
 from ._manifest import Manifest
@@ -153,26 +153,25 @@ def verify(path: Any, *, progress: Progress = None) -> Problems:
     """
     loc = location(path)
     try:
-        manifest = None if _safetensors.is_file_path(loc) else _manifest.require_manifest(loc)
+        source = None if _safetensors.is_file_path(loc) else _source.checkpoint(loc)
     except CorruptCheckpointError as e:
         return Problems([Problem(None, str(e))])
-    except CheckpointNotFoundError:
-        manifest = None
-    if manifest is None:
+    if source is None:
         steps = [] if _safetensors.is_file_path(loc) else committed_steps(loc)
         if steps:
             return _verify_steps(loc, steps, progress)
         found, unchecked = _verify_sources.check(loc, progress)
         return Problems([Problem(leaf, message) for leaf, message in found], unchecked)
+    manifest = source.manifest
     with Tracker(progress, leaves=len(manifest.leaves), nbytes=manifest.total_bytes, what="verify") as tracker:
-        return Problems(_check(loc, manifest, tracker))
+        return Problems(_check(source, tracker))
 
 
-def _check(loc: Location, manifest: Manifest, tracker: Tracker) -> list[Problem]:
-    """The problems of the eqx_ckpt checkpoint at `loc`: its manifest's
+def _check(source: _source.Source, tracker: Tracker) -> list[Problem]:
+    """The problems of the eqx_ckpt checkpoint `source`: its manifest's
     totals, its groups, its packs, then its leaves, by dotted path."""
-    problems = _check_totals(loc, manifest)
-    data = _layout.data_location(loc, manifest.data_root, manifest.layout)
+    manifest, data = source.manifest, source.data
+    problems = _check_totals(source.loc, manifest)
     records = sorted(manifest.leaves, key=lambda r: r.path)
     problems += _check_groups(data, manifest)
     bad = _check_packs(data, manifest, tracker)
@@ -184,22 +183,25 @@ def _verify_steps(loc: Location, steps: list[int], progress: Progress) -> Proble
     """Every committed step of a `CheckpointManager`'s directory, in order,
     under one progress bar. A step deleted meanwhile (by the retention of the
     manager saving there) is not reported on, and `unchecked` says so."""
-    opened: dict[int, Manifest | Problem] = {}
+    opened: dict[int, _source.Source | Problem] = {}
     gone: list[int] = []
     for step in steps:
         try:
-            opened[step] = _manifest.require_manifest(loc.joined(step_name(step)))
+            source = _source.checkpoint(loc.joined(step_name(step)))
         except CorruptCheckpointError as e:
             opened[step] = Problem(None, str(e), step)
-        except CheckpointNotFoundError:
+            continue
+        if source is None:
             gone.append(step)
-    manifests = [m for m in opened.values() if isinstance(m, Manifest)]
+        else:
+            opened[step] = source
+    manifests = [s.manifest for s in opened.values() if isinstance(s, _source.Source)]
     leaves, nbytes = sum(len(m.leaves) for m in manifests), sum(m.total_bytes for m in manifests)
     problems: list[Problem] = []
     with Tracker(progress, leaves=leaves, nbytes=nbytes, what="verify") as tracker:
-        for step, manifest in opened.items():
+        for step, opened_step in opened.items():
             here = loc.joined(step_name(step))
-            found = [manifest] if isinstance(manifest, Problem) else _check(here, manifest, tracker)
+            found = [opened_step] if isinstance(opened_step, Problem) else _check(opened_step, tracker)
             if found and _storage.read_file(here, MANIFEST, limit=MAX_MANIFEST_BYTES) is None:
                 gone.append(step)  # deleted while it was read: its missing files are no damage
                 continue

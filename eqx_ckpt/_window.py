@@ -6,19 +6,25 @@ oldest finished before the next one starts once the budget is full. All reads at
 once would hold every leaf twice (the read's buffer and the array made from it,
 or the chunk and its comparison); one at a time would leave TensorStore and the
 disk idle between reads.
+
+Local files are read on one pool of threads (`read_pool`), shared by every
+reader: eqx_ckpt's own chunk files (`_local_read`) and safetensors runs alike.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from . import _faults
+from . import _faults, _memory
 
 # Bytes of reads in flight at once, for every reader. (A read larger than the
 # budget runs alone.)
 READ_BUDGET = 128 * 2**20
+# Threads that read local files (`read_pool`), and that open local leaves.
+READ_THREADS = 4
 
 K = TypeVar("K")
 F = TypeVar("F")
@@ -48,3 +54,8 @@ def windowed(
         in_flight += size
     while flight:
         yield flight.popleft()
+
+
+def read_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's pool of threads that read local files, for every reader."""
+    return _memory.shared_pool("eqx_ckpt-read", READ_THREADS)

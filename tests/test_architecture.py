@@ -4,8 +4,10 @@ storage seam imports `tensorstore`, no module imports another that imports it
 back, and every module is on the contributor's map."""
 
 import ast
+import dataclasses
 import pathlib
 import re
+import typing
 
 import pytest
 
@@ -253,3 +255,70 @@ def test_tests_replace_no_private_code():
     through the seams")."""
     patches = [found for path in TESTS for found in _private_patches(path)]
     assert patches == [], "use a fault point (eqx_ckpt/_faults.py) or a knob:\n" + "\n".join(patches)
+
+
+def test_foreign_formats_return_one_typed_source():
+    """Each foreign format's `find` returns one frozen dataclass with every
+    member of `_source.Foreign`, which `_source` reads by name: no positional
+    tuple unpacked by position (issue 48, "one way to do each thing")."""
+    from eqx_ckpt import _source
+
+    members = {name for name in vars(_source.Foreign) if not name.startswith("_")}
+    assert members >= {"format", "manifest", "opener", "changed", "runs"}
+    for find in _source.FINDERS:
+        returned = [t for t in typing.get_args(typing.get_type_hints(find)["return"]) if t is not type(None)]
+        assert len(returned) == 1 and dataclasses.is_dataclass(returned[0]), f"{find.__module__}.find: {returned}"
+        fields = {field.name for field in dataclasses.fields(returned[0])}
+        assert returned[0].__dataclass_params__.frozen and members <= fields, f"{returned[0]}: {members - fields}"
+    unpacked = [
+        f"_source.py:{node.lineno}"
+        for node in ast.walk(_tree(PACKAGE / "_source.py"))
+        if isinstance(node, ast.Assign) and any(isinstance(t, (ast.Tuple, ast.Starred)) for t in node.targets)
+    ]
+    assert unpacked == [], f"a foreign source is read by name, not unpacked: {unpacked}"
+
+
+def _private_uses(path: pathlib.Path, modules: tuple[str, ...]) -> list[str]:
+    """Where `path` imports or reaches a `_`-prefixed name of one of `modules`
+    (`from ._steps import _scan`, `_steps._scan`)."""
+    found = []
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module in modules:
+            found += [f"{path.name}:{node.lineno}: {a.name}" for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            if node.attr.startswith("_"):
+                found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_retention_has_one_home_and_the_manager_only_calls_it():
+    """Which steps the rules keep and which the manager may delete live in
+    `_retention`, step folders in `_steps`; `_manager` (or any other module)
+    uses only their names public to the package (issue 48: `_manager` once
+    imported 11 private names of `_steps` and decided retention itself)."""
+    used = [found for path in MODULES for found in _private_uses(path, ("_steps", "_retention"))]
+    assert used == [], "use (or add) a name without a leading underscore:\n" + "\n".join(used)
+    manager = {node.name for node in ast.walk(_tree(PACKAGE / "_manager.py")) if isinstance(node, ast.FunctionDef)}
+    assert not manager & {"_governed_steps", "_recorded", "_delete_unkept", "_keep", "_kept", "_record_governed"}
+
+
+def _users(module: str, name: str) -> set[str]:
+    """The modules that call `module.name` (or import `name` from it)."""
+    found = set()
+    for path in MODULES:
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module == module:
+                found.update(path.stem for alias in node.names if alias.name == name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == module:
+                found.update([path.stem] if node.attr == name else [])
+    return found
+
+
+def test_an_eqx_ckpt_checkpoint_is_opened_in_one_place():
+    """Every module that opens an eqx_ckpt checkpoint (a load, `verify`, a
+    partial save, an incremental save's base) calls `_source.checkpoint`: it
+    alone reads a manifest to read leaves and finds the data root. Elsewhere a
+    manifest is read only for its fields (a step's metrics, the commit a
+    transaction checks), and a transaction finds the data root it writes."""
+    assert _users("_manifest", "read_manifest") == {"_source", "_steps", "_transaction"}
+    assert _users("_layout", "data_location") == {"_source", "_transaction"}

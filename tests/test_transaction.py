@@ -494,14 +494,15 @@ def test_an_interrupt_at_every_line_of_a_manager_save(tmp_path):
     scan of the directory to the deletion of the step it no longer keeps: after
     each interrupt, every step left is whole, and the next save runs and
     leaves only itself."""
-    from eqx_ckpt import _manager
+    from eqx_ckpt import _manager, _retention, _steps
 
     manager_functions = [
         _manager.CheckpointManager.save,
         _manager.CheckpointManager._undo,
         _manager.CheckpointManager._apply_retention,
-        _manager.CheckpointManager._delete_unkept,
-        _manager.CheckpointManager._delete,
+        _retention.Retention.begin,
+        _retention.Retention.apply,
+        _steps.delete_step,
     ]
     codes = _around_the_commit() | {f.__code__ for f in manager_functions}
     scenario = _Scenario("manager", tmp_path / "count")
