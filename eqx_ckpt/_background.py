@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _gc, _lease, _memory, _records, _tree
+from . import _gc, _lease, _memory, _records, _staging, _tree
 
 # The leaves of an asynchronous save held by the caller (`hold_tree`): a
 # function the background calls for them and their names.
@@ -75,7 +75,8 @@ _SHARDING = operator.attrgetter("sharding")
 def _views(leaves: list[Any]) -> list[Any] | None:
     """The NumPy view of every leaf, when every one is a `jax.Array` on one
     device (the common tree; a view is a `jax.Array`'s host data, which never
-    changes); else `None`. The caller waits for this, so no step of it is
+    changes; on an accelerator, a copy the save owns, `_staging.host_views`,
+    never cached on the caller's array after the save); else `None`. The caller waits for this, so no step of it is
     Python's per leaf: the types and shardings are checked as sets, and the
     views made by `map` (docs/benchmarks.md, "Measurements behind the
     design")."""
@@ -85,7 +86,7 @@ def _views(leaves: list[Any]) -> list[Any] | None:
     try:
         if set(map(type, map(_SHARDING, leaves))) != {jax.sharding.SingleDeviceSharding}:
             return None
-        return list(map(np.asarray, leaves))
+        return _staging.host_views(leaves)
     except Exception:
         return None  # a PRNG key array (it has no view), a deleted array: held leaf by leaf
 
@@ -106,7 +107,7 @@ def _held(leaves: list[Any]) -> list[Any] | None:
                 if type(x.sharding) is one_device:
                     # Its host view, made a `Held` later (`flat`).
                     try:
-                        held.append(np.asarray(x))
+                        held.append(_staging.host(x))
                         continue
                     except TypeError:
                         pass  # a PRNG key array, whose key data is held below

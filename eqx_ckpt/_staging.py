@@ -122,6 +122,18 @@ def host(data: Any) -> np.ndarray:
     return np.asarray(data)
 
 
+def host_views(arrays: list[jax.Array]) -> list[np.ndarray]:
+    """The host data of `jax.Array`s on one device each, as `host` makes it:
+    views on a CPU; elsewhere copies the save owns, all started at once (one
+    `jax.device_put`), never cached on the caller's arrays."""
+    if _only_cpus():
+        return list(map(np.asarray, arrays))
+    cpu = _cpu_device()
+    if cpu is None:
+        return [host(x) for x in arrays]
+    return list(map(np.asarray, jax.device_put(arrays, cpu)))
+
+
 def protected(data: Any, copy: bool) -> Any:
     """A piece that a change of the caller's arrays after an asynchronous save
     returned cannot reach: a `jax.Array`'s host data (which never changes, and
