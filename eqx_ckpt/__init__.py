@@ -5,6 +5,7 @@ import importlib.metadata as _metadata
 from ._checkpoint import Checkpoint as Checkpoint, skeleton as skeleton
 from ._deserialise import (
     default_deserialise_filter_spec as default_deserialise_filter_spec,
+    materialise as materialise,
     tree_deserialise_leaves as tree_deserialise_leaves,
 )
 from ._diff import CheckpointDiff as CheckpointDiff, diff as diff
@@ -26,7 +27,7 @@ from ._errors import (
 from ._export import export_safetensors as export_safetensors
 from ._handle import LeafHandle as LeafHandle
 from ._initialise import load_or_initialise as load_or_initialise
-from ._lazy import LazyArray as LazyArray, materialise as materialise
+from ._lazy import LazyArray as LazyArray
 from ._manager import CheckpointManager as CheckpointManager
 from ._migrate import convert_eqx_file as convert_eqx_file
 from ._retention import RetentionWarning as RetentionWarning

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
@@ -22,6 +23,7 @@ from . import (
     _dtypes,
     _faults,
     _gc,
+    _keypath,
     _load_plan,
     _pack,
     _read,
@@ -36,7 +38,7 @@ from . import (
 from ._errors import CheckpointError, CheckpointValueError, LeafError, check_flag, leaf_message
 from ._format import LeafRecord
 from ._handle import LeafHandle
-from ._lazy import LazyArray
+from ._lazy import LazyArray, is_lazy
 from ._load_plan import LeafPlan, LoadPlan
 from ._load_report import Report
 from ._location import Location
@@ -300,7 +302,8 @@ def _read_stored(
         # Scalars come back as values, as `Checkpoint(path)[key]` gives them.
         scalars = [i for i, plan in enumerate(plans) if _dtypes.like_type(plan.like) in _SCALARS]
         out: list[Any] = [
-            LazyArray(data, _record_of(plan), plan.like, opener=source.opener, check=source.check) for plan in plans
+            LazyArray(data, _record_of(plan), plan.like, opener=source.opener, check=source.check, source=source)
+            for plan in plans
         ]
         values = _read_stored(source, [plans[i] for i in scalars], lazy=False)
         for i, value in zip(scalars, values):
@@ -474,3 +477,65 @@ def _changed(plan: LeafPlan, loc: Location, what: str, where: str | None = None)
         path=loc.display,
     )
     return LeafError(message, path=loc.display, keypaths=[plan.keypath], dotted=[plan.stored])
+
+
+def materialise(tree: PyTree, *, progress: Progress = None) -> PyTree:
+    """Read every [`eqx_ckpt.LazyArray`][] of a tree, concurrently.
+
+    **Arguments:**
+
+    - `tree`: any PyTree; its lazy leaves are read concurrently (within a bounded
+        number of bytes in flight, so the peak memory stays near the result's
+        size), others are kept.
+    - `progress`: by default a progress bar (bytes and leaves) shows on stderr
+        when it is a terminal and there is much to read; `False` hides it,
+        `True` shows it whatever the size, and a callable is called as
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
+
+    **Returns:**
+
+    The tree with every lazy leaf replaced by its value.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(3)})
+        lazy = eqx_ckpt.tree_deserialise_leaves("ckpt", {"w": jnp.zeros(3)}, lazy=True)
+        tree = eqx_ckpt.materialise(lazy)
+        ```
+    """
+    values, treedef = jtu.tree_flatten(tree, is_leaf=is_lazy)
+    lazy = [i for i, leaf in enumerate(values) if is_lazy(leaf)]
+    # By the checkpoint each leaf reads from: each group is read as one load
+    # reads (`_read_now`), and its checkpoint checked once, after every read.
+    # A transformed leaf reads its stored arrays and applies its function itself.
+    groups: dict[int, list[int]] = {}
+    for i in lazy:
+        if type(values[i]) is LazyArray and values[i]._source is not None:
+            groups.setdefault(id(values[i]._source), []).append(i)
+    sources = [values[indices[0]]._source for indices in groups.values()]
+    grouped = {i for indices in groups.values() for i in indices}
+    own = [i for i in lazy if i not in grouped]
+    nbytes = sum(values[i].nbytes for i in lazy)
+    with _gc.gc_paused(), Tracker(progress, leaves=len(lazy), nbytes=nbytes, what="materialise") as tracker:
+        jobs = ((i, values[i].nbytes, values[i].start) for i in own)
+        for i, size, finish in _window.windowed(jobs):
+            values[i] = finish()
+            tracker.advance(leaves=1, nbytes=size)
+        for source, indices in zip(sources, groups.values()):
+            leaves = [values[i] for i in indices]
+            plans = [LeafPlan(k, _keypath.from_json(x._record.keypath), x._read_as(), x.path, x._record)
+                     for k, x in enumerate(leaves)]  # fmt: skip
+            try:
+                read = _read_now(source, plans, [x._record for x in leaves], tracker, False)
+            except Exception:
+                source.check()  # a read that failed because the checkpoint was replaced says so
+                raise
+            for i, value in zip(indices, read):
+                values[i] = value
+    for source in sources:
+        source.check()
+    return jtu.tree_unflatten(treedef, values)

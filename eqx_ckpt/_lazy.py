@@ -1,22 +1,19 @@
-"""`LazyArray`: a stored leaf that is read only when asked, and `materialise`."""
+"""`LazyArray`: a stored leaf that is read only when asked (`materialise`, in
+`_deserialise`, reads many)."""
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import PyTree
 
-from . import _dtypes, _memory, _read, _share, _storage, _storage_errors, _window
+from . import _dtypes, _memory, _read, _share, _storage, _storage_errors
 from ._format import LeafRecord, dtype_from_name
 from ._location import Location
-from ._progress import Progress, Tracker
 
 
 class LazyArray:
@@ -46,7 +43,7 @@ class LazyArray:
         ```
     """
 
-    __slots__ = ("__weakref__", "_check", "_like", "_loc", "_opener", "_record", "_store")
+    __slots__ = ("__weakref__", "_check", "_like", "_loc", "_opener", "_record", "_source", "_store")
 
     def __init__(
         self,
@@ -56,11 +53,15 @@ class LazyArray:
         *,
         opener: Any = None,
         check: Callable[[], None] | None = None,
+        source: Any = None,
     ):
         self._loc = loc
         self._record = record
         self._like = like
         self._store: Any = None
+        # The opened checkpoint it reads from (`_source.Source`), through which
+        # `materialise` reads many lazy leaves as one load does.
+        self._source = source
         # How a leaf of another format (safetensors, orbax) is opened; see `_source`.
         self._opener = opener
         # Raises if the checkpoint was replaced since it was opened: called after
@@ -312,50 +313,6 @@ def _store_and_path(spec: dict[str, Any]) -> tuple[dict[str, Any], str]:
 
 def is_lazy(x: Any) -> bool:
     return isinstance(x, LazyArray)
-
-
-def materialise(tree: PyTree, *, progress: Progress = None) -> PyTree:
-    """Read every [`eqx_ckpt.LazyArray`][] of a tree, concurrently.
-
-    **Arguments:**
-
-    - `tree`: any PyTree; its lazy leaves are read concurrently (within a bounded
-        number of bytes in flight, so the peak memory stays near the result's
-        size), others are kept.
-    - `progress`: by default a progress bar (bytes and leaves) shows on stderr
-        when it is a terminal and there is much to read; `False` hides it,
-        `True` shows it whatever the size, and a callable is called as
-        `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
-
-    **Returns:**
-
-    The tree with every lazy leaf replaced by its value.
-
-    !!! example
-
-        ```python
-        import jax.numpy as jnp
-        import eqx_ckpt
-
-        eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(3)})
-        lazy = eqx_ckpt.tree_deserialise_leaves("ckpt", {"w": jnp.zeros(3)}, lazy=True)
-        tree = eqx_ckpt.materialise(lazy)
-        ```
-    """
-    values, treedef = jtu.tree_flatten(tree, is_leaf=is_lazy)
-    lazy = [i for i, leaf in enumerate(values) if is_lazy(leaf)]
-    # Once per checkpoint the leaves came from, after every read, not once per leaf.
-    checks = {id(values[i]._check): values[i]._check for i in lazy}
-    nbytes = sum(values[i].nbytes for i in lazy)
-    with Tracker(progress, leaves=len(lazy), nbytes=nbytes, what="materialise") as tracker:
-        # Reads run concurrently within the read budget; the oldest finishes as new ones start.
-        jobs = ((i, values[i].nbytes, functools.partial(values[i].start, checked=False)) for i in lazy)
-        for i, size, finish in _window.windowed(jobs):
-            values[i] = finish()
-            tracker.advance(leaves=1, nbytes=size)
-    for check in checks.values():
-        check()
-    return jtu.tree_unflatten(treedef, values)
 
 
 def _no_check() -> None:

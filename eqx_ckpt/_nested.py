@@ -25,7 +25,6 @@ from ._errors import CheckpointValueError
 from ._format import LeafRecord, dtype_from_name
 from ._lazy import LazyArray
 from ._load_plan import LeafPlan
-from ._location import Location
 from ._progress import Progress
 from ._source import Source
 
@@ -44,7 +43,7 @@ def load(source: Source, records: list[LeafRecord], key: str, *, lazy: bool, pro
     like = _Likes(host)
     _faults.fire("nested.load", data, key)
     if lazy:
-        leaf = functools.partial(_lazy_leaf, data, opener=source.opener, check=source.check, like=like)
+        leaf = functools.partial(_lazy_leaf, source, like=like)
         return structure(records, key, leaf, numbered=numbered)
     plans = [LeafPlan(i, _keypath.from_json(r.keypath), like(r), r.path, r) for i, r in enumerate(records)]
     values = dict(zip((record.path for record in records), read_leaves(source, plans, progress=progress)))
@@ -101,11 +100,11 @@ class _Likes:
         return found
 
 
-def _lazy_leaf(data: Location, record: LeafRecord, *, opener: Any, check: Any, like: _Likes) -> Any:
+def _lazy_leaf(source: Source, record: LeafRecord, *, like: _Likes) -> Any:
     """A `LazyArray` standing for the leaf as the type it was saved as (a NumPy
     array where `host`); scalars are read at once (they come back as values,
     lazy or not)."""
-    lazy = LazyArray(data, record, like(record), opener=opener, check=check)
+    lazy = LazyArray(source.data, record, like(record), opener=source.opener, check=source.check, source=source)
     if record.type in _PYTHON or record.type == "numpy_scalar":
         return lazy.read()
     return lazy

@@ -129,7 +129,9 @@ class TransformedArray(LazyArray):
 
     def __init__(self, source: Source, plan: TransformPlan, *, cast: bool):
         super().__init__(source.data, plan.records[0], plan.like, opener=source.opener, check=source.check)
-        self._parts = tuple(LazyArray(source.data, r, opener=source.opener, check=source.check) for r in plan.records)
+        self._parts = tuple(
+            LazyArray(source.data, r, opener=source.opener, check=source.check, source=source) for r in plan.records
+        )
         self._fn, self._cast, self._keypath = plan.fn, cast, plan.keypath
 
     @property
