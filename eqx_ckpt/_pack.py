@@ -29,9 +29,6 @@ from . import _faults, _local_read, _storage, _storage_errors, _window
 from ._format import LeafRecord, PackRecord, dtype_from_name
 from ._location import Location
 
-# Two runs of a load closer than this are read as one.
-_GAP_BYTES = 256 << 10
-
 
 def by_pack(records: Sequence[LeafRecord]) -> dict[str, list[int]]:
     """The indices of the packed `records`, by the name of their pack."""
@@ -72,21 +69,11 @@ def read_leaves(
         pack = records[indices[0]].pack
         assert pack is not None
         itemsize = dtype_from_name(pack.dtype).itemsize
-        gap, most = _GAP_BYTES // itemsize, max(_window.READ_BUDGET // itemsize, pack.chunk)
         indices.sort(key=lambda i: records[i].offset)
-        start = stop = -1
-        members: list[int] = []
-        for i in indices:
-            lo, hi = records[i].offset, records[i].offset + records[i].size
-            if members and (lo > stop + gap or hi - start > most):
-                runs.append((pack, start, stop, members))
-                members = []
-            if not members:
-                start, stop = lo, hi
-            stop = max(stop, hi)
-            members.append(i)
-        if members:
-            runs.append((pack, start, stop, members))
+        spans = [(records[i].offset * itemsize, (records[i].offset + records[i].size) * itemsize, i) for i in indices]
+        most = max(_window.READ_BUDGET // itemsize, pack.chunk) * itemsize
+        for lo, hi, members in _window.runs(spans, most):
+            runs.append((pack, lo // itemsize, hi // itemsize, members))
     # A pack on a local disk is read by eqx_ckpt itself (`_local_read`), each chunk
     # file checked before it is read; others through TensorStore, with one open
     # (and one check of its files) per pack, not per run.

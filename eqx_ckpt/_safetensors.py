@@ -50,8 +50,6 @@ ROW_CHUNK_BYTES = 4 * 2**20
 # A load reads tensors of at most this many bytes in runs of adjacent tensors,
 # one range read per run (`read_runs`); larger ones through their own arrays.
 SMALL_BYTES = 2**20
-# Two wanted tensors of a file closer than this are read in one run.
-GAP_BYTES = 256 * 2**10
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -452,8 +450,8 @@ def read_runs(
 
     Ten thousand small tensors read one array and one range request each took
     seconds; read so, one request (on a local disk, one read) covers all of
-    them. Tensors more than `GAP_BYTES` apart, or a run longer than the read
-    budget, start another run, so a partial load reads little more than it
+    them. Tensors more than `_window.RUN_GAP_BYTES` apart, or a run longer than
+    the read budget, start another run (`_window.runs`), so a partial load reads little more than it
     wants. Runs are started ahead of their use within the read budget (`_window`)."""
     # On a local disk a larger tensor is read whole the same way, into memory
     # `jax.device_put` adopts without a copy: three copies of its bytes fewer
@@ -479,20 +477,10 @@ def _runs(
     runs: list[Run] = []
     for file, starts in sorted(by_file.items()):
         starts.sort()
-        members: list[int] = []
-        lo = hi = 0
-        for start, i in starts:
-            end = start + sizes[i]
-            alone = end - start > SMALL_BYTES or bool(members and sizes[members[-1]] > SMALL_BYTES)
-            if members and (alone or start > hi + GAP_BYTES or end - lo > _window.READ_BUDGET):
-                runs.append((file, lo, hi, members))
-                members = []
-            if not members:
-                lo = hi = start
-            hi = max(hi, end)
-            members.append(i)
-        if members:
-            runs.append((file, lo, hi, members))
+        spans = ((start, start + sizes[i], i) for start, i in starts)
+        # A tensor larger than `SMALL_BYTES` is read by itself.
+        found = _window.runs(spans, _window.READ_BUDGET, lambda size: size > SMALL_BYTES)
+        runs.extend((file, lo, hi, members) for lo, hi, members in found)
     return runs
 
 

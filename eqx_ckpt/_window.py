@@ -9,6 +9,8 @@ disk idle between reads.
 
 Local files are read on one pool of threads (`read_pool`), shared by every
 reader: eqx_ckpt's own chunk files (`_local_read`) and safetensors runs alike.
+Small leaves stored side by side (in a pack, or a safetensors file) are read
+in runs, grouped by one rule (`runs`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from . import _faults, _memory
 READ_BUDGET = 128 * 2**20
 # Threads that read local files (`read_pool`), and that open local leaves.
 READ_THREADS = 4
+
+# Two wanted leaves of one file (or pack) closer than this are read in one
+# run, the bytes between them read and dropped.
+RUN_GAP_BYTES = 256 << 10
 
 K = TypeVar("K")
 F = TypeVar("F")
@@ -59,3 +65,30 @@ def windowed(
 def read_pool() -> concurrent.futures.ThreadPoolExecutor:
     """The process's pool of threads that read local files, for every reader."""
     return _memory.shared_pool("eqx_ckpt-read", READ_THREADS)
+
+
+def runs(
+    spans: Iterable[tuple[int, int, K]], most: int, alone: Callable[[int], bool] | None = None
+) -> list[tuple[int, int, list[K]]]:
+    """Wanted leaves of one file, `spans` `(start, end, key)` in bytes sorted by
+    `start`, grouped into runs read by one read each: `(start, end, keys)`. A
+    leaf starts a new run when it begins more than `RUN_GAP_BYTES` after the
+    run's end, when the run would grow past `most` bytes, or when it, or the
+    run's last leaf, is to be read `alone` (a function of its size)."""
+    out: list[tuple[int, int, list[K]]] = []
+    members: list[K] = []
+    lo = hi = 0
+    last_alone = False
+    for start, end, key in spans:
+        this_alone = alone is not None and alone(end - start)
+        if members and (this_alone or last_alone or start > hi + RUN_GAP_BYTES or end - lo > most):
+            out.append((lo, hi, members))
+            members = []
+        if not members:
+            lo = hi = start
+        hi = max(hi, end)
+        members.append(key)
+        last_alone = this_alone
+    if members:
+        out.append((lo, hi, members))
+    return out
