@@ -185,6 +185,17 @@ class LazyArray:
         one, as the type it was saved from: a NumPy array stays NumPy)."""
         return self.start()()
 
+    @property
+    def saved_as(self) -> str:
+        """The leaf type a save of it records (`_dtypes.like_type` of what it
+        reads as: "jax", "numpy", "prng_key", a scalar's), "placed" for a JAX
+        array placed over several devices (saved shard by shard)."""
+        like = self._read_as()
+        sharding = _read.target_sharding(like)
+        if sharding is not None and len(sharding.device_set) > 1:
+            return "placed"
+        return _dtypes.like_type(like) or "other"
+
     def to_save(self) -> tuple[Any, str | None]:
         """What a save of this leaf writes, and the leaf type it records when
         that is not the value's own: `read()`'s value, except that a leaf read

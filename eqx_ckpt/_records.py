@@ -167,6 +167,34 @@ def _leaf_failed(error: Exception, loc: Location, keypath: tuple[Any, ...], dott
     return LeafError(message, path=loc.display, keypaths=[keypath], dotted=[dotted])
 
 
+class Unread:
+    """An array leaf of a lazily loaded tree (a `LazyArray`), saved with its
+    value but read only when the save stages it (`_staging`), so that a save
+    of lazy leaves (a partial save keeps the stored ones so) holds no more of
+    them at once than its staging budget. The checkpoint it reads from stays
+    whole until this save commits, even when this save replaces it (a save
+    writes into another data root). `kind`: the leaf type recorded, the one
+    it was saved as."""
+
+    def __init__(self, lazy: LazyArray, kind: str):
+        self.lazy, self.kind = lazy, kind
+        self.dtype, self.shape = np.dtype(lazy.dtype), tuple(lazy.shape)
+
+    @classmethod
+    def of(cls, lazy: LazyArray) -> Unread | None:
+        """`lazy` unread, when it stands for a NumPy or JAX array (`None`: a
+        scalar or a PRNG key, read now)."""
+        kind = lazy.saved_as
+        return cls(lazy, kind) if kind in ("jax", "numpy") else None
+
+    def piece(self) -> _staging.Deferred:
+        """The host data, as the staging makes it: the leaf read as NumPy, exactly."""
+        return _staging.Deferred(self._read, int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize)
+
+    def _read(self) -> np.ndarray:
+        return np.asarray(self.lazy)
+
+
 def _is_array(x: Any) -> bool:
     """Whether the default spec writes `x` as it is: a NumPy or JAX array, or a
     held one (a tracer too: writing it raises the error it should)."""
@@ -208,10 +236,12 @@ def _prepare(
     chunks = tuple(chunk_shape(tuple(x.shape), itemsize, _sharding.block_shape(x)))
     if held is not None:
         pieces = held.pieces
-    elif _multihost.writes(x, primary):
-        pieces = _sharding.host_pieces(x, chunks, itemsize, deal=deal, path=handle.path)
-    else:
+    elif not _multihost.writes(x, primary):
         pieces = []
+    elif isinstance(x, Unread):
+        pieces = [((), x.piece())]
+    else:
+        pieces = _sharding.host_pieces(x, chunks, itemsize, deal=deal, path=handle.path)
     pieces = _stored_pieces(handle, x, pieces, logical, encoding)
     record = LeafRecord(
         handle.path, keypath, kind, shape, dtype_name,
@@ -231,9 +261,10 @@ def _value(handle: LeafHandle, x: Any, held: Held | None) -> tuple[Any, str, str
         )
     recorded_as = None
     if isinstance(x, LazyArray):
-        # A leaf of a lazily loaded tree is saved with its value: read it now,
-        # before anything is written (it may come from the checkpoint being
-        # replaced, which stays whole until this save commits).
+        unread = Unread.of(x)
+        if unread is not None:
+            return unread, unread.kind, "", _dtypes.name(unread.dtype), unread.shape
+        # A scalar or a PRNG key of a lazily loaded tree: read now.
         x, recorded_as = x.to_save()
     kind = recorded_as or _dtypes.leaf_type(x)
     if kind is None:

@@ -141,6 +141,27 @@ def test_a_partial_save_and_a_managers_save_take_the_budget(tmp_path, faults):
     assert max(n for n, b in staged.seen if b == 7 * MIB) == 6 * MIB
 
 
+def test_a_partial_save_reads_the_leaves_it_keeps_as_it_stages_them(tmp_path, faults):
+    """A partial save keeps the stored leaves it does not replace, saved with
+    their values from the checkpoint it replaces: each is read as the save
+    stages it, within the budget, not all of them while the save is planned
+    (they were, holding the whole checkpoint in memory at once)."""
+    tree = _tree(n=8)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree, share=False)
+    events = []
+    faults("storage.open_array", lambda loc, record: events.append(("read", record.path)))
+    faults("save.staged", lambda nbytes, budget: events.append(("staged", nbytes)))
+    changed = {**tree, "w1": jnp.full((768, 1024), 7.0)}
+    eqx_ckpt.tree_serialise_leaves(
+        tmp_path / "ckpt", changed, where=lambda t: t["w1"], staging_bytes=4 * MIB, share=False
+    )
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), changed, typematch=True)
+    reads = [i for i, (what, path) in enumerate(events) if what == "read" and path != "w1"]
+    first_staged = next(i for i, (what, _) in enumerate(events) if what == "staged")
+    assert len(reads) == 7 and reads[-1] > first_staged, events
+    assert max(n for what, n in events if what == "staged") <= 4 * MIB
+
+
 @pytest.mark.parametrize(
     "value, error, message",
     [
