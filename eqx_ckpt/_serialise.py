@@ -271,7 +271,7 @@ def save(
         # Every array is safe on the host already (a jax.Array's host data never
         # changes; NumPy arrays were copied): everything else happens in the background.
         return _background.start(functools.partial(_with_tracker, tracker, run), exclusive, handoff)
-    except BaseException:
+    except BaseException as e:
         # A failure, or an interrupt between any two lines: unless a background
         # thread has taken the save over, what was begun is undone (or, once
         # committed, left whole) and the destination handed back, so that nothing
@@ -282,6 +282,9 @@ def save(
             if tracker is not None:
                 tracker.close()
             exclusive.release()
+        refused = getattr(planned, "refused", None)
+        if isinstance(e, IntegrityError) and refused is not None:
+            raise refused(e) from e
         raise
 
 
@@ -334,6 +337,8 @@ def _collect_and_plan(
             except IntegrityError as e:
                 raise partial.kept_damaged(e, loc) from e
             partial.keep_chunks(planned.pending)
+            # A kept leaf is read as the save stages it: found damaged then, the refusal says so too.
+            planned.refused = functools.partial(partial.kept_damaged, loc=loc)
             expected = partial.commit
         elif not blocking and group.count == 1 and filter_spec is default_serialise_filter_spec and is_leaf is None:
             planned = _background.hold_tree(pytree)

@@ -29,6 +29,7 @@ from . import (
     _storage,
     _transaction,
 )
+from ._errors import IntegrityError
 from ._format import LeafRecord, PackRecord, dtype_from_name
 from ._location import Location
 from ._progress import Tracker
@@ -48,6 +49,9 @@ class Batch:
         # freed with it, by `free`.
         self.made = made if made is not None else []
         self.freed = False
+        # How an `IntegrityError` met while writing is said (a partial save's
+        # refusal to keep a damaged leaf: `_partial.Partial.kept_damaged`).
+        self.refused: Callable[[IntegrityError], IntegrityError] | None = None
         self.own: list[Pending] = []
         members: dict[str, tuple[PackRecord, list[Pending]]] = {}
         nbytes = 0
