@@ -25,10 +25,12 @@ import jax
 import numpy as np
 
 from . import _dtypes, _faults, _format, _keypath, _multihost, _sharding, _staging, _tree
+from ._deserialise import read_leaves
 from ._errors import CheckpointError, CheckpointTypeError, LeafError, leaf_message
 from ._format import LeafRecord, PackRecord, chunk_shape, dtype_from_name, pack_name, whole_chunks
 from ._handle import LeafHandle
 from ._lazy import LazyArray
+from ._load_plan import LeafPlan
 from ._location import Location
 
 
@@ -192,7 +194,16 @@ class Unread:
         return _staging.Deferred(self._read, int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize)
 
     def _read(self) -> np.ndarray:
-        return np.asarray(self.lazy)
+        """Read by the load's reader (on a local disk, straight into one aligned
+        buffer, which the writer takes without another copy)."""
+        lazy = self.lazy
+        source = lazy._source
+        if source is None:
+            return np.asarray(lazy)
+        record = lazy._record
+        like = np.broadcast_to(np.zeros((), self.dtype), self.shape)
+        plan = LeafPlan(0, _keypath.from_json(record.keypath), like, record.path, record)
+        return read_leaves(source, [plan], progress=False)[0]
 
 
 def _is_array(x: Any) -> bool:

@@ -149,17 +149,20 @@ def test_a_partial_save_reads_the_leaves_it_keeps_as_it_stages_them(tmp_path, fa
     tree = _tree(n=8)
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree, share=False)
     events = []
+    # A kept leaf starts being read: by the load's reader, or (as it was) through TensorStore.
+    faults("load.read_stored", lambda loc: events.append(("read", loc)))
     faults("storage.open_array", lambda loc, record: events.append(("read", record.path)))
     faults("save.staged", lambda nbytes, budget: events.append(("staged", nbytes)))
     changed = {**tree, "w1": jnp.full((768, 1024), 7.0)}
     eqx_ckpt.tree_serialise_leaves(
         tmp_path / "ckpt", changed, where=lambda t: t["w1"], staging_bytes=4 * MIB, share=False
     )
+    saved = list(events)  # the save's, not the load's below
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), changed, typematch=True)
-    reads = [i for i, (what, path) in enumerate(events) if what == "read" and path != "w1"]
-    first_staged = next(i for i, (what, _) in enumerate(events) if what == "staged")
-    assert len(reads) == 7 and reads[-1] > first_staged, events
-    assert max(n for what, n in events if what == "staged") <= 4 * MIB
+    reads = [i for i, (what, _) in enumerate(saved) if what == "read"]
+    first_staged = next(i for i, (what, _) in enumerate(saved) if what == "staged")
+    assert len(reads) >= 7 and reads[-1] > first_staged, saved
+    assert max(n for what, n in saved if what == "staged") <= 4 * MIB
 
 
 @pytest.mark.parametrize(
