@@ -123,9 +123,7 @@ class Checkpoint(Mapping[str, Any]):
         return f"{key!r} is not a leaf of checkpoint {self.path!r}.{hint} `Checkpoint(path).keys()` lists them all."
 
     def __getitem__(self, key: str) -> Any:
-        lazy = LazyArray(
-            self._data, self.record(key), opener=self._source.opener, check=self._source.check, source=self._source
-        )
+        lazy = LazyArray(self._source, self.record(key))
         if self._records[key].type in _SCALARS:
             value = lazy[()]
             return value.item() if self._records[key].type != "numpy_scalar" else value[()]

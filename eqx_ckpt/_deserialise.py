@@ -23,7 +23,6 @@ from . import (
     _dtypes,
     _faults,
     _gc,
-    _keypath,
     _load_plan,
     _pack,
     _read,
@@ -297,14 +296,10 @@ def _read_stored(
     """Open every array, then read leaves concurrently within the read budget
     (`_window`), converting (and freeing the host buffer of) the oldest as new
     reads start."""
-    data = source.data
     if lazy:
         # Scalars come back as values, as `Checkpoint(path)[key]` gives them.
         scalars = [i for i, plan in enumerate(plans) if _dtypes.like_type(plan.like) in _SCALARS]
-        out: list[Any] = [
-            LazyArray(data, _record_of(plan), plan.like, opener=source.opener, check=source.check, source=source)
-            for plan in plans
-        ]
+        out: list[Any] = [LazyArray(source, _record_of(plan), plan.like) for plan in plans]
         values = _read_stored(source, [plans[i] for i in scalars], lazy=False)
         for i, value in zip(scalars, values):
             out[i] = value
@@ -514,7 +509,7 @@ def materialise(tree: PyTree, *, progress: Progress = None) -> PyTree:
     # A transformed leaf reads its stored arrays and applies its function itself.
     groups: dict[int, list[int]] = {}
     for i in lazy:
-        if type(values[i]) is LazyArray and values[i]._source is not None:
+        if type(values[i]) is LazyArray:
             groups.setdefault(id(values[i]._source), []).append(i)
     sources = [values[indices[0]]._source for indices in groups.values()]
     grouped = {i for indices in groups.values() for i in indices}
@@ -527,8 +522,7 @@ def materialise(tree: PyTree, *, progress: Progress = None) -> PyTree:
             tracker.advance(leaves=1, nbytes=size)
         for source, indices in zip(sources, groups.values()):
             leaves = [values[i] for i in indices]
-            plans = [LeafPlan(k, _keypath.from_json(x._record.keypath), x._read_as(), x.path, x._record)
-                     for k, x in enumerate(leaves)]  # fmt: skip
+            plans = [LeafPlan.of(k, x._record, x._read_as()) for k, x in enumerate(leaves)]
             try:
                 read = _read_now(source, plans, [x._record for x in leaves], tracker, False)
             except Exception:

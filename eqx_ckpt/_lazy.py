@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from . import _dtypes, _memory, _read, _share, _storage, _storage_errors
+from . import _dtypes, _memory, _read, _share, _storage_errors
 from ._format import LeafRecord, dtype_from_name
 from ._location import Location
+
+if TYPE_CHECKING:
+    from ._source import Source
 
 
 class LazyArray:
@@ -43,30 +45,19 @@ class LazyArray:
         ```
     """
 
-    __slots__ = ("__weakref__", "_check", "_like", "_loc", "_opener", "_record", "_source", "_store")
+    __slots__ = ("__weakref__", "_like", "_loc", "_record", "_source", "_store")
 
-    def __init__(
-        self,
-        loc: Location,
-        record: LeafRecord,
-        like: Any = None,
-        *,
-        opener: Any = None,
-        check: Callable[[], None] | None = None,
-        source: Any = None,
-    ):
-        self._loc = loc
+    def __init__(self, source: Source, record: LeafRecord, like: Any = None):
+        # The opened checkpoint it reads from (`_source.Source`: how a leaf of
+        # another format is opened, and the check, after every read, that the
+        # checkpoint was not replaced, so that a read never returns a later
+        # save's bytes), through which `materialise` reads many lazy leaves as
+        # one load does.
+        self._source = source
+        self._loc = source.data
         self._record = record
         self._like = like
         self._store: Any = None
-        # The opened checkpoint it reads from (`_source.Source`), through which
-        # `materialise` reads many lazy leaves as one load does.
-        self._source = source
-        # How a leaf of another format (safetensors, orbax) is opened; see `_source`.
-        self._opener = opener
-        # Raises if the checkpoint was replaced since it was opened: called after
-        # every read, so a read never returns a later save's bytes.
-        self._check = check if check is not None else _no_check
         live = weakref.ref(self, _forget)
         _LIVE[id(live)] = live
 
@@ -116,14 +107,9 @@ class LazyArray:
     def _open(self) -> Any:
         if self._store is None:
             try:
-                opened = (
-                    self._opener(self._record)
-                    if self._opener
-                    else _storage.open_array(self._loc, self._record, checked=False)
-                )
-                self._store = opened.result()
+                self._store = self._source.open(self._record).result()
             except Exception as e:
-                self._check()
+                self._source.check()
                 raise _storage_errors.leaf_io_error(e, self._record, self._loc, "open") from e
         return self._store
 
@@ -144,10 +130,10 @@ class LazyArray:
         try:
             array = store[index].read().result()
         except Exception as e:
-            self._check()
+            self._source.check()
             error = _storage_errors.leaf_io_error(e, self._record, self._loc, "read")
             raise _share.forget_damaged(error, self._loc, self._record) from e
-        self._check()
+        self._source.check()
         # A leaf cast on save reads back in the dtype it was saved from, as `dtype`
         # says (an error if a stored value cannot become it).
         dtype = None if self._record.type == "prng_key" else self.dtype
@@ -168,10 +154,10 @@ class LazyArray:
             try:
                 out = finish()
             except Exception:
-                self._check()
+                self._source.check()
                 raise
             if checked:
-                self._check()
+                self._source.check()
             return _dtypes.keep_weak_type(out, like)
 
         return value
@@ -324,7 +310,3 @@ def _store_and_path(spec: dict[str, Any]) -> tuple[dict[str, Any], str]:
 
 def is_lazy(x: Any) -> bool:
     return isinstance(x, LazyArray)
-
-
-def _no_check() -> None:
-    pass

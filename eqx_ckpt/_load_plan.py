@@ -87,6 +87,13 @@ class LeafPlan:
     stored: str
     record: LeafRecord | None = None
 
+    @classmethod
+    def of(cls, index: int, record: LeafRecord, like: Any) -> LeafPlan:
+        """The plan of reading `record` as `like`, named by the record's own key
+        path: a read that no `like` tree planned (a nested load, `materialise`,
+        a save staging a lazy leaf)."""
+        return cls(index, _keypath.from_json(record.keypath), like, record.path, record)
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformPlan:

@@ -45,7 +45,7 @@ def load(source: Source, records: list[LeafRecord], key: str, *, lazy: bool, pro
     if lazy:
         leaf = functools.partial(_lazy_leaf, source, like=like)
         return structure(records, key, leaf, numbered=numbered)
-    plans = [LeafPlan(i, _keypath.from_json(r.keypath), like(r), r.path, r) for i, r in enumerate(records)]
+    plans = [LeafPlan.of(i, record, like(record)) for i, record in enumerate(records)]
     values = dict(zip((record.path for record in records), read_leaves(source, plans, progress=progress)))
     return structure(records, key, lambda record: values[record.path], numbered=numbered)
 
@@ -104,7 +104,7 @@ def _lazy_leaf(source: Source, record: LeafRecord, *, like: _Likes) -> Any:
     """A `LazyArray` standing for the leaf as the type it was saved as (a NumPy
     array where `host`); scalars are read at once (they come back as values,
     lazy or not)."""
-    lazy = LazyArray(source.data, record, like(record), opener=source.opener, check=source.check, source=source)
+    lazy = LazyArray(source, record, like(record))
     if record.type in _PYTHON or record.type == "numpy_scalar":
         return lazy.read()
     return lazy

@@ -124,7 +124,7 @@ def collect(
                 f"nothing was written.",
                 path=loc.display,
             )
-    stored = [LazyArray(source.data, r, opener=source.opener, check=source.check, source=source) for r in kept]
+    stored = [LazyArray(source, r) for r in kept]
     keypaths = [names.keypath(i) for i in new] + [_keypath.from_json(r.keypath) for r in kept]
     combined = _tree.Names(
         [names.paths[i] for i in new] + [r.path for r in kept],

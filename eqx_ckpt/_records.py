@@ -196,14 +196,8 @@ class Unread:
     def _read(self) -> np.ndarray:
         """Read by the load's reader (on a local disk, straight into one aligned
         buffer, which the writer takes without another copy)."""
-        lazy = self.lazy
-        source = lazy._source
-        if source is None:
-            return np.asarray(lazy)
-        record = lazy._record
         like = np.broadcast_to(np.zeros((), self.dtype), self.shape)
-        plan = LeafPlan(0, _keypath.from_json(record.keypath), like, record.path, record)
-        return read_leaves(source, [plan], progress=False)[0]
+        return read_leaves(self.lazy._source, [LeafPlan.of(0, self.lazy._record, like)], progress=False)[0]
 
 
 def _is_array(x: Any) -> bool:

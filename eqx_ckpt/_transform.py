@@ -128,10 +128,8 @@ class TransformedArray(LazyArray):
     __slots__ = ("_cast", "_fn", "_keypath", "_parts")
 
     def __init__(self, source: Source, plan: TransformPlan, *, cast: bool):
-        super().__init__(source.data, plan.records[0], plan.like, opener=source.opener, check=source.check)
-        self._parts = tuple(
-            LazyArray(source.data, r, opener=source.opener, check=source.check, source=source) for r in plan.records
-        )
+        super().__init__(source, plan.records[0], plan.like)
+        self._parts = tuple(LazyArray(source, r) for r in plan.records)
         self._fn, self._cast, self._keypath = plan.fn, cast, plan.keypath
 
     @property
