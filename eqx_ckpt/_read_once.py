@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _dtypes, _faults, _multihost, _read, _sharding, _storage_errors
+from . import _dtypes, _faults, _multihost, _read, _sharding, _storage, _storage_errors
 from ._errors import CheckpointError, CheckpointValueError
 from ._format import LeafRecord, dtype_from_name
 from ._load_plan import LeafPlan
@@ -285,19 +285,8 @@ def _place(leaf: _Leaf, slices: dict[tuple[int, int], np.ndarray], loc: Location
         into[tuple(slice(a - r, b - r) for (a, b), (r, _) in zip(part.part, part.region))] = data
     on_bytes = tracker.within(leaf.record.nbytes)
     convert = _read.host_converter(leaf.record, leaf.like.dtype, loc)
-    finish = _sharding.read_placed(
-        lambda index: _Done(regions[_sharding.region_key(index, shape)]), shape, leaf.sharding, convert, on_bytes
-    )
-    value = finish()
+    # The regions are read already: `read_placed` places them as it places any read.
+    assembled = lambda index: _storage.ready(regions[_sharding.region_key(index, shape)])
+    value = _sharding.read_placed(assembled, shape, leaf.sharding, convert, on_bytes)()
     tracker.advance(leaves=1, nbytes=on_bytes.rest())
     return value
-
-
-class _Done:
-    """A read that has finished: what `_sharding.read_placed` waits on."""
-
-    def __init__(self, value: np.ndarray) -> None:
-        self._value = value
-
-    def result(self) -> np.ndarray:
-        return self._value
