@@ -241,7 +241,7 @@ def save(
     staging budget (`_staging`)."""
     group = _multihost.Group()
     share = check_flag("share", share, "`False` writes every chunk in full")
-    overwrite, blocking, cast, planned, expected = _collect_and_plan(
+    overwrite, blocking, cast, budget, planned, expected = _collect_and_plan(
         loc, group, pytree, filter_spec, is_leaf,
         overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, where=where,
         staging=staging_bytes,
@@ -251,7 +251,7 @@ def save(
     handoff = handoff if handoff is not None else Handoff()
     tx: _transaction.Transaction | None = None
     tracker: Tracker | None = None
-    sharing = _Sharing(follows, share, followed, _staging.budget(staging_bytes))
+    sharing = _Sharing(follows, share, followed, budget)
     try:
         if not isinstance(planned, _write.Batch):
             # Every array is safe on the host already: the plan, the transaction
@@ -301,9 +301,9 @@ def _collect_and_plan(
     layout: str,
     where: Callable[[PyTree], Any] | None,
     staging: Any,
-) -> tuple[bool, bool, Callable[[str, np.dtype], Any] | None, _write.Batch | _background.HeldLeaves, str | None]:
+) -> tuple[bool, bool, Callable[[str, np.dtype], Any] | None, int, _write.Batch | _background.HeldLeaves, str | None]:
     """The options checked (`overwrite`, `blocking` and `cast` as `save` uses
-    them, and `staging`, the staging budget), then the leaves collected and
+    them, and `staging`, made the staging budget in bytes), then the leaves collected and
     planned; an asynchronous save's leaves are held instead
     (`_background.hold_tree`), and planned in the background. Last, for a partial save (`where`), the commit of the
     checkpoint whose leaves it keeps."""
@@ -317,7 +317,7 @@ def _collect_and_plan(
         overwrite = check_flag("overwrite", overwrite, "whether to replace a checkpoint already there")
         blocking = check_flag("blocking", blocking, "`False` saves in the background")
         cast = _records.cast_function(cast)
-        _staging.budget(staging)
+        budget = _staging.budget(staging)
         if where is not None:
             partial = _partial.collect(
                 loc,
@@ -358,7 +358,7 @@ def _collect_and_plan(
     if error is not None:
         raise error
     assert planned is not None
-    return overwrite, blocking, cast, planned, expected
+    return overwrite, blocking, cast, budget, planned, expected
 
 
 def _plan_digest(batch: _write.Batch) -> str:
