@@ -15,14 +15,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import __version__, _share
+from . import __version__, _share, _source
 from ._checkpoint import SMALL_VALUES, Checkpoint, human
 from ._demo import run
 from ._diff import diff
 from ._errors import CheckpointError, CheckpointNotFoundError, CheckpointValueError
 from ._export import export_safetensors
 from ._format import MANIFEST
-from ._location import location
+from ._location import Location, location
 from ._manager import CheckpointManager
 from ._verify import Problems, verify
 
@@ -120,11 +120,23 @@ def _info(args: argparse.Namespace) -> int:
     print(f"leaves:          {len(ckpt)}")
     print(f"bytes:           {ckpt.total_bytes} ({human(ckpt.total_bytes)})")
     if ckpt.format == "eqx_ckpt":
-        shared = _share.shared_files(location(_path(args.path)))
+        shared = _shared_files(location(_path(args.path)))
         if shared is not None:
             count, nbytes = shared
             print(f"shared:          {count} files, {human(nbytes)}, also used by other checkpoints or steps")
     return 0
+
+
+def _shared_files(loc: Location) -> tuple[int, int] | None:
+    """The files (and bytes) of the checkpoint at `loc` that other checkpoints
+    or steps also use (`_share.shared_files`); `None` where files are never
+    shared (not on a local disk, the OCDBT layout)."""
+    if loc.local is None:
+        return None
+    source = _source.checkpoint(loc)
+    if source is None or source.manifest.layout != "directories":
+        return None
+    return _share.shared_files(source.data.local or loc.local)
 
 
 def _verify(args: argparse.Namespace) -> int:

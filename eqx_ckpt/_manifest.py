@@ -19,16 +19,15 @@ from typing import Any
 
 import orjson
 
-from . import _gc, _keypath, _storage
+from . import _gc, _keypath
 from ._dtypes import is_known_dtype, key_data_shape
-from ._errors import CheckpointReplacedError, CorruptCheckpointError
+from ._errors import CorruptCheckpointError
 from ._format import (
     ENCODINGS,
     FORMAT,
     FORMAT_VERSION,
     LAYOUTS,
     LEAF_TYPES,
-    MANIFEST,
     MAX_ELEMENTS,
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_OBJECTS,
@@ -39,7 +38,6 @@ from ._format import (
     pack_name,
     whole_chunks,
 )
-from ._location import Location
 
 
 @dataclasses.dataclass(frozen=True)
@@ -492,36 +490,3 @@ def _check_paths(records: list[LeafRecord], bad: Any) -> None:
             ancestor = ".".join(parts[:i])
             if ancestor in seen:
                 raise bad(f"leaf {path!r} lies inside leaf {ancestor!r}")
-
-
-# -- Reading the manifest of a checkpoint ----------------------------------------------------------
-
-
-def read_manifest(loc: Location) -> Manifest | None:
-    """The manifest at `loc`, parsed and checked, or `None` where there is none."""
-    data, stamp = _storage.read_file_stamped(loc, MANIFEST, limit=MAX_MANIFEST_BYTES)
-    return None if data is None else parse(data, where=loc.display, stamp=stamp)
-
-
-def check_unchanged(loc: Location, manifest: Manifest) -> None:
-    """Raise if the checkpoint at `loc` was replaced (or deleted) since
-    `manifest` was read.
-
-    A reader calls this after reading arrays: an overwrite deletes the old
-    arrays only after its commit, so if the manifest is still the one read, every
-    byte read came from it."""
-    if not _storage.file_changed(loc, MANIFEST, manifest.stamp):
-        return
-    if _storage.read_file(loc, MANIFEST, limit=MAX_MANIFEST_BYTES) is None:
-        raise CheckpointReplacedError(
-            f"Checkpoint {loc.display!r} was deleted after it was opened (by hand, by `delete_steps_after`, or "
-            f"by the retention of a CheckpointManager in another process: a manager keeps a step while lazy "
-            f"leaves of its own process read from it), so what was read from it was discarded. Load a checkpoint "
-            f"that exists, and keep this one while lazy leaves read from it.",
-            path=loc.display,
-        )
-    raise CheckpointReplacedError(
-        f"Checkpoint {loc.display!r} was replaced by a newer save after it was opened, so what was read "
-        f"from it may belong to either save and was discarded. Open or load it again to read the new one.",
-        path=loc.display,
-    )

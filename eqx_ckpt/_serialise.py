@@ -33,7 +33,9 @@ from . import (
     _partial,
     _records,
     _share,
+    _source,
     _staging,
+    _storage,
     _storage_errors,
     _structure,
     _transaction,
@@ -45,7 +47,9 @@ from ._background import Handoff, PendingSave
 from ._errors import (
     CheckpointConnectionError,
     CheckpointError,
+    CheckpointNotFoundError,
     CheckpointValueError,
+    CorruptCheckpointError,
     IntegrityError,
     LeafError,
     check_flag,
@@ -563,12 +567,31 @@ class _Sharing(NamedTuple):
 
 def _base(tx: _transaction.Transaction, group: _multihost.Group, follows: Location | None) -> _share.Base | None:
     """The checkpoint whose chunk files this save may share: the one it
-    replaces, else the one it `follows`; none for several processes."""
+    replaces, else the one it `follows` (a manager's previous step: none
+    where it is gone or its manifest is damaged, and that save is written in
+    full); none for several processes. A failure to read it is the save's."""
     if group.count > 1:
         return None
     if tx.old is not None:
-        return _share.base(tx.loc, tx.old)
-    return _share.base_at(follows) if follows is not None else None
+        return _base_at(tx.loc, tx.old)
+    if follows is None:
+        return None
+    try:
+        return _base_at(follows, None)
+    except (CorruptCheckpointError, CheckpointNotFoundError):
+        return None
+
+
+def _base_at(loc: Location, manifest: _manifest.Manifest | None) -> _share.Base | None:
+    """The checkpoint at `loc` (whose manifest is `manifest`, if read) as a
+    base, opened as a load opens it (`_source.checkpoint`); `None` where its
+    chunk files cannot be shared (the OCDBT layout, not on a local disk)."""
+    if (manifest is not None and manifest.layout != "directories") or not _storage.local_chunk_files(loc):
+        return None
+    source = _source.checkpoint(loc, manifest)
+    if source is None or source.manifest.layout != "directories" or source.data.local is None:
+        return None
+    return _share.Base(source.data.local, source.manifest)
 
 
 def _commit(

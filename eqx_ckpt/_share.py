@@ -55,8 +55,8 @@ from typing import Any, NamedTuple
 import crc32c
 import xxhash
 
-from . import _faults, _format, _manifest, _source, _storage
-from ._errors import CheckpointNotFoundError, CorruptCheckpointError, IntegrityError
+from . import _faults, _format, _manifest
+from ._errors import IntegrityError
 from ._format import LeafRecord, PackRecord
 from ._location import Location
 
@@ -88,33 +88,6 @@ class Base:
 
 def _shape_of(record: LeafRecord) -> tuple[Any, ...]:
     return (record.stored_dtype, tuple(record.stored_shape), record.encoding, tuple(record.chunks))
-
-
-def base(loc: Location, manifest: _manifest.Manifest | None) -> Base | None:
-    """The base a save to a local disk may share from: the committed
-    checkpoint at `loc` whose manifest is `manifest`; `None` where nothing can
-    be shared (no manifest, the OCDBT layout, not on a local disk)."""
-    if manifest is None or manifest.layout != "directories" or not _storage.local_chunk_files(loc):
-        return None
-    return _base(_source.checkpoint(loc, manifest))
-
-
-def _base(source: _source.Source | None) -> Base | None:
-    if source is None or source.manifest.layout != "directories" or source.data.local is None:
-        return None
-    return Base(source.data.local, source.manifest)
-
-
-def base_at(loc: Location) -> Base | None:
-    """The base of a save that follows the checkpoint at `loc` (a manager's
-    previous step): `None` where there is none, or its manifest is damaged
-    (that save is then written in full). A failure to read it is the save's."""
-    if not _storage.local_chunk_files(loc):
-        return None
-    try:
-        return _base(_source.checkpoint(loc))
-    except (CorruptCheckpointError, CheckpointNotFoundError):
-        return None
 
 
 class IntegrityWarning(UserWarning):
@@ -314,17 +287,10 @@ def forget(loc: Location, directory: str) -> None:
             _VERIFIED.pop(key, None)
 
 
-def shared_files(loc: Location) -> tuple[int, int] | None:
-    """How many files of the checkpoint at `loc`, and how many bytes, other
-    checkpoints or steps also use (hard links: more than one name); `None`
-    where files are never shared (not on a local disk, the OCDBT layout, or
-    no eqx_ckpt checkpoint there)."""
-    if loc.local is None:
-        return None
-    source = _source.checkpoint(loc)
-    if source is None or source.manifest.layout != "directories":
-        return None
-    root = source.data.local or loc.local
+def shared_files(root: str) -> tuple[int, int]:
+    """How many files under the data root `root` of a checkpoint on a local
+    disk, and how many bytes, other checkpoints or steps also use (hard links:
+    more than one name)."""
     count = nbytes = 0
     for folder, _, names in os.walk(root):
         for name in names:

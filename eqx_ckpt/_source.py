@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from . import _format, _layout, _manifest, _orbax, _safetensors, _storage, _untrusted
+from . import _format, _layout, _orbax, _safetensors, _storage, _transaction, _untrusted
 from ._errors import CheckpointNotFoundError, CheckpointReplacedError
 from ._format import MANIFEST, LeafRecord
 from ._location import Location, location
@@ -92,10 +92,10 @@ class Source:
         """Raise `CheckpointReplacedError` if the source was replaced since it was
         opened. Readers call it after reading (and when a read fails), so what
         they return was read from the source as it was opened: an eqx_ckpt
-        checkpoint by its manifest (`_manifest.check_unchanged`), other formats
+        checkpoint by its manifest (`_transaction.check_unchanged`), other formats
         by their files (`changed`)."""
         if self.changed is None:
-            _manifest.check_unchanged(self.loc, self.manifest)
+            _transaction.check_unchanged(self.loc, self.manifest)
             return
         name = self.changed()
         if name is not None:
@@ -146,7 +146,7 @@ def checkpoint(loc: Location, manifest: Manifest | None = None) -> Source | None
     caller already read from `loc` (the one a save's transaction replaces), and
     is taken as it is."""
     if manifest is None:
-        manifest = _manifest.read_manifest(loc)
+        manifest = _transaction.read_manifest(loc)
         if manifest is None:
             return None
         ocdbt = manifest.layout == "ocdbt"

@@ -17,7 +17,7 @@ from . import _dtypes, _format, _storage
 from ._errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
 from ._format import MANIFEST
 from ._location import Location
-from ._manifest import read_manifest
+from ._transaction import read_manifest
 
 _MAX_METRICS_BYTES = 2**20
 

@@ -50,11 +50,10 @@ from . import (
     _keypath,
     _layout,
     _lease,
-    _manifest,
     _storage,
     _storage_errors,
 )
-from ._errors import CheckpointError, CheckpointExistsError
+from ._errors import CheckpointError, CheckpointExistsError, CheckpointReplacedError
 from ._format import MANIFEST, MAX_MANIFEST_BYTES, SAVING, is_data_root
 from ._location import Location
 from ._manifest import Manifest, parse
@@ -244,7 +243,7 @@ def _live_commit(loc: Location) -> str | None:
     """The commit of the manifest at `loc`: "" when there is none (or it has no
     commit), `None` when it cannot be read to tell."""
     try:
-        current = _manifest.read_manifest(loc)
+        current = read_manifest(loc)
     except Exception:
         return None
     return "" if current is None else current.commit
@@ -392,3 +391,37 @@ class CommitWarning(UserWarning):
 
 
 CommitWarning.__module__ = "eqx_ckpt"
+
+
+# -- The manifest committed at a location ------------------------------------------------------------
+
+
+def read_manifest(loc: Location) -> Manifest | None:
+    """The manifest committed at `loc`, parsed and checked (as untrusted
+    input, `_manifest.parse`), or `None` where there is none."""
+    data, stamp = _storage.read_file_stamped(loc, MANIFEST, limit=MAX_MANIFEST_BYTES)
+    return None if data is None else parse(data, where=loc.display, stamp=stamp)
+
+
+def check_unchanged(loc: Location, manifest: Manifest) -> None:
+    """Raise if the checkpoint at `loc` was replaced (or deleted) since
+    `manifest` was read.
+
+    A reader calls this after reading arrays: an overwrite deletes the old
+    arrays only after its commit, so if the manifest is still the one read, every
+    byte read came from it."""
+    if not _storage.file_changed(loc, MANIFEST, manifest.stamp):
+        return
+    if _storage.read_file(loc, MANIFEST, limit=MAX_MANIFEST_BYTES) is None:
+        raise CheckpointReplacedError(
+            f"Checkpoint {loc.display!r} was deleted after it was opened (by hand, by `delete_steps_after`, or "
+            f"by the retention of a CheckpointManager in another process: a manager keeps a step while lazy "
+            f"leaves of its own process read from it), so what was read from it was discarded. Load a checkpoint "
+            f"that exists, and keep this one while lazy leaves read from it.",
+            path=loc.display,
+        )
+    raise CheckpointReplacedError(
+        f"Checkpoint {loc.display!r} was replaced by a newer save after it was opened, so what was read "
+        f"from it may belong to either save and was discarded. Open or load it again to read the new one.",
+        path=loc.display,
+    )

@@ -320,5 +320,5 @@ def test_an_eqx_ckpt_checkpoint_is_opened_in_one_place():
     alone reads a manifest to read leaves and finds the data root. Elsewhere a
     manifest is read only for its fields (a step's metrics, the commit a
     transaction checks), and a transaction finds the data root it writes."""
-    assert _users("_manifest", "read_manifest") == {"_source", "_steps", "_transaction"}
+    assert _users("_transaction", "read_manifest") == {"_source", "_steps"}
     assert _users("_layout", "data_location") == {"_source", "_transaction"}

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _faults, _format, _local_write, _manifest, _records
+from eqx_ckpt import _faults, _format, _local_write, _records, _transaction
 from eqx_ckpt._checkpoint import human
 from eqx_ckpt._location import location
 
@@ -47,7 +47,7 @@ def _files(directory):
 def _chunk_files(directory, leaf):
     """The inodes of the chunk files of `leaf` (a dotted path) in the
     checkpoint at `directory`, by chunk key."""
-    manifest = _manifest.read_manifest(location(str(directory)))
+    manifest = _transaction.read_manifest(location(str(directory)))
     root = os.path.join(directory, manifest.data_root) if manifest.data_root else str(directory)
     folder = os.path.join(root, *leaf.split("."))
     assert os.path.isdir(folder), f"{leaf} has no array of its own"
@@ -60,7 +60,7 @@ def _chunk_files(directory, leaf):
 
 
 def _pack_chunks(directory, dtype="float32"):
-    manifest = _manifest.read_manifest(location(str(directory)))
+    manifest = _transaction.read_manifest(location(str(directory)))
     root = os.path.join(directory, manifest.data_root) if manifest.data_root else str(directory)
     folder = os.path.join(root, _format.pack_name(dtype))
     return {

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _faults, _manifest
+from eqx_ckpt import _faults, _transaction
 from eqx_ckpt._location import location
 
 
@@ -81,7 +81,7 @@ def test_kept_arrays_share_their_files(tmp_path):
     eqx_ckpt.tree_serialise_leaves(path, first)
 
     def inode():
-        m = _manifest.read_manifest(location(str(path)))
+        m = _transaction.read_manifest(location(str(path)))
         root = path / m.data_root if m.data_root else path
         return os.lstat(root / "base" / "w" / "c" / "0").st_ino
 
@@ -94,9 +94,9 @@ def test_a_kept_leaf_stored_in_another_dtype_stays_so(tmp_path):
     path = tmp_path / "ckpt"
     first = _first()
     eqx_ckpt.tree_serialise_leaves(path, first, cast={np.float32: jnp.bfloat16})
-    stored = {r.path: r.stored_dtype for r in _manifest.read_manifest(location(str(path))).leaves}
+    stored = {r.path: r.stored_dtype for r in _transaction.read_manifest(location(str(path))).leaves}
     eqx_ckpt.tree_serialise_leaves(path, {**first, "head": {"x": np.ones(1)}}, where=lambda t: t["head"])
-    after = {r.path: r.stored_dtype for r in _manifest.read_manifest(location(str(path))).leaves}
+    after = {r.path: r.stored_dtype for r in _transaction.read_manifest(location(str(path))).leaves}
     assert after["base.w"] == stored["base.w"] == "bfloat16"
 
 
@@ -199,11 +199,11 @@ def test_sharded_arrays_picked_and_kept(tmp_path):
     value = np.arange(64 * 8192, dtype=np.float32).reshape(64, 8192)  # 2 MiB: not packed
     path = tmp_path / "ckpt"
     eqx_ckpt.tree_serialise_leaves(path, {"kept": sharded(value), "head": sharded(value)})
-    chunks = {r.path: r.chunks for r in _manifest.read_manifest(location(str(path))).leaves}
+    chunks = {r.path: r.chunks for r in _transaction.read_manifest(location(str(path))).leaves}
     assert chunks["kept"] == (16, 8192)
     new = {"kept": jax.ShapeDtypeStruct(value.shape, value.dtype), "head": sharded(value * 2)}
     eqx_ckpt.tree_serialise_leaves(path, new, where=lambda t: t["head"])
-    after = {r.path: r.chunks for r in _manifest.read_manifest(location(str(path))).leaves}
+    after = {r.path: r.chunks for r in _transaction.read_manifest(location(str(path))).leaves}
     assert after == chunks
     like = {"kept": sharded(np.zeros_like(value)), "head": sharded(np.zeros_like(value))}
     loaded = eqx_ckpt.tree_deserialise_leaves(path, like)

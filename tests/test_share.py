@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_ckpt
-from eqx_ckpt import _faults, _format, _local_write, _manifest
+from eqx_ckpt import _faults, _format, _local_write, _transaction
 from eqx_ckpt._location import location
 
 # Each kind of file a save may share, as (the leaves stored in it, its name in the data root).
@@ -51,7 +51,7 @@ def _tree(head=0.0):
 
 
 def _root(ckpt):
-    manifest = _manifest.read_manifest(location(str(ckpt)))
+    manifest = _transaction.read_manifest(location(str(ckpt)))
     return os.path.join(str(ckpt), manifest.data_root) if manifest.data_root else str(ckpt)
 
 
@@ -153,14 +153,14 @@ def test_a_partial_save_keeping_a_damaged_leaf_is_refused(tmp_path, kind):
     ckpt = tmp_path / "ckpt"
     eqx_ckpt.tree_serialise_leaves(ckpt, tree)
     _flip(_file(ckpt, name))
-    commit, entries = _manifest.read_manifest(location(str(ckpt))).commit, sorted(os.listdir(ckpt))
+    commit, entries = _transaction.read_manifest(location(str(ckpt))).commit, sorted(os.listdir(ckpt))
     message = f"This save with `where` keeps that leaf as it is stored in {str(ckpt)!r}, so it was refused"
     with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape(message)) as caught:
         eqx_ckpt.tree_serialise_leaves(ckpt, _tree(head=1.0), where=lambda t: t["head"])
     assert len(caught.value.dotted) == 1 and caught.value.dotted[0] in leaves
     assert re.match(re.escape(f"Leaf `{caught.value.dotted[0]}` in checkpoint "), str(caught.value))
     # The checkpoint is as it was: the same commit, no new data root, the same damage.
-    assert _manifest.read_manifest(location(str(ckpt))).commit == commit
+    assert _transaction.read_manifest(location(str(ckpt))).commit == commit
     assert sorted(os.listdir(ckpt)) == entries
     assert _damaged_leaves(ckpt) == list(leaves)
     top = {leaf.split(".")[0] for leaf in leaves}
