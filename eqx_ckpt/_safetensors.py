@@ -208,7 +208,8 @@ def _tensors(
             raise _corrupt(loc, f"{index} lists the tensor {tensor!r} in {file!r}, which does not hold it")
     ordered = tuple(records[path] for path in sorted(records))
     local = folder["path"] if _location.on_local_disk(loc) else None
-    opened = _Files(loc, kv, dict(zip(files, generations)), local)
+    where = Location(folder, loc.display, local.rstrip("/") if local is not None else None)
+    opened = _Files(loc, where, kv, dict(zip(files, generations)), local)
     return Tensors(
         Manifest(ordered, layout="safetensors", metadata=_merged(metadata)),
         opener=functools.partial(_open, opened, places),
@@ -227,8 +228,11 @@ class _Files:
     the generation comes with the bytes, in one response), and `changed` names
     a file that is no longer that version."""
 
-    def __init__(self, loc: Location, kv: _storage.KvStore, generations: dict[str, bytes], folder: str | None):
-        self.loc, self.kv, self.generations = loc, kv, generations
+    def __init__(
+        self, loc: Location, where: Location, kv: _storage.KvStore, generations: dict[str, bytes], folder: str | None
+    ):
+        # `loc` as the user named it (for messages); `where`, the folder of the files.
+        self.loc, self.where, self.kv, self.generations = loc, where, kv, generations
         # The local directory of the files, which runs are read from with `os.preadv`.
         self.folder = folder
         # On a local disk a file can be rewritten in place while it is read, so
@@ -251,7 +255,7 @@ class _Files:
             return self.seen[0]
         for name in sorted(self.opened) if self.local or self.short else ():
             with _storage_errors.read_explained(self.loc, name):
-                if _storage.generation_changed(self.kv, name, self.generations[name]):
+                if _storage.generation_changed(self.where, name, self.generations[name]):
                     return name
         return None
 

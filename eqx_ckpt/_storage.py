@@ -204,20 +204,40 @@ def file_changed(loc: Location, name: str, stamp: bytes) -> bool:
             return _stat_stamp(os.stat(os.path.join(loc.local, name))) != stamp
         except FileNotFoundError:
             return True
-    digest, generation = stamp[:_DIGEST_BYTES], stamp[_DIGEST_BYTES:]
     with read_explained(loc, name):
+        return _changed_since(loc, name, stamp[_DIGEST_BYTES:], stamp[:_DIGEST_BYTES])
+
+
+def generation_changed(loc: Location, name: str, generation: bytes) -> bool:
+    """Whether the file `name` is no longer the one a read found at
+    `generation` (`read_range`'s; a local file's is its device, inode and
+    modification time, an object's its generation or ETag)."""
+    return _changed_since(loc, name, generation, None)
+
+
+def _changed_since(loc: Location, name: str, generation: bytes, digest: bytes | None) -> bool:
+    """Whether the file `name` is no longer the one a read found at
+    `generation`: one read, sent only if the generation differs (of the whole
+    file where `digest`, the SHA-256 of its bytes then, is given, else of one byte).
+
+    A server whose generations TensorStore cannot send back in a condition
+    (gcp-storage-emulator's), or a file now empty, is asked for a plain read's
+    generation instead. A server that ignores the condition and sends the bytes
+    again (a plain HTTP server without `If-None-Match` or `ETag`, as Python's
+    own http.server) is judged by their digest, or else by their generation."""
+    whole = {} if digest is not None else {"byte_range": slice(0, 1)}
+    try:
+        found = _read(loc, name, if_not_equal=generation, **whole)
+    except ValueError:
         try:
-            found = _read(loc, name, if_not_equal=generation)
-        except ValueError:
-            # A server whose generations TensorStore cannot send back in a condition
-            # (gcp-storage-emulator's): compare the generation of a one-byte read.
             return _read(loc, name, byte_range=slice(0, 1)).stamp.generation != generation
+        except ValueError:
+            return True
     if found.state == "unspecified":  # not modified since
         return False
-    # A plain HTTP server may send the file again although it is unchanged: one
-    # that ignores `If-None-Match` or sends no `ETag` (Python's own http.server
-    # does both). Its content then decides.
-    return found.state != "value" or _digest(found.value) != digest
+    if found.state != "value":
+        return True
+    return _digest(found.value) != digest if digest is not None else found.stamp.generation != generation
 
 
 # On an object store or server, a stamp is the SHA-256 of the file, then its generation.
@@ -229,8 +249,8 @@ def _digest(data: bytes) -> bytes:
 
 
 def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes | None, bytes]:
-    """`read_file`, and the file's TensorStore storage generation, for a write
-    conditional on it (`write_conditional`)."""
+    """`read_file`, and the file's storage generation, for a write conditional
+    on it (`write_conditional`, `write_if`)."""
     _faults.fire("storage.read_generation", loc, name)
     _untrusted.refuse_links(loc, name)
     if loc.local is not None:
@@ -239,12 +259,49 @@ def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes
             raise _storage_errors.too_large(loc, name, limit, os.path.getsize(full))
     else:
         _refuse_large_object(loc, name, limit)
+    data, generation = read_generation(loc, name)
+    if data is not None and len(data) > limit:
+        raise _storage_errors.too_large(loc, name, limit, len(data))
+    return data, generation
+
+
+def read_generation(loc: Location, name: str) -> tuple[bytes | None, bytes]:
+    """The bytes of a small file this package writes (`None` if it is not
+    there) and its storage generation, unchecked: for a file whose reader
+    takes a bounded prefix (a lease); `read_file_generation` checks size and links."""
     found = result(kvstore(loc).read(name))
-    if found.state != "value":
-        return None, found.stamp.generation
-    if len(found.value) > limit:
-        raise _storage_errors.too_large(loc, name, limit, len(found.value))
-    return found.value, found.stamp.generation
+    return (found.value if found.state == "value" else None), found.stamp.generation
+
+
+# The generation of a file that is not there: a write conditional on it
+# creates the file only if none is there.
+ABSENT = b"\x02"
+
+
+def _start_write_if(loc: Location, name: str, data: bytes | None, if_equal: bytes | None) -> Future:
+    """The one conditional write: `data` (`None` deletes) written only if the
+    file's generation is still `if_equal` (`None`: whatever it is); a future of
+    its new timestamped generation, empty where the condition failed."""
+    return kvstore(loc).write(name, data, if_equal=if_equal)
+
+
+def write_if(loc: Location, name: str, data: bytes | None, if_equal: bytes) -> bytes | None:
+    """Write a small file (`data`; `None` deletes it) only if its generation is
+    still `if_equal` (`ABSENT`: only if there is none), and wait for it. The
+    file's new generation, or `None` if the condition failed. A failed write is
+    a `CheckpointError` that says nothing was written; once written, a local
+    directory is synced."""
+    try:
+        generation = result(_start_write_if(loc, name, data, if_equal)).generation
+    except NotImplementedError:
+        raise read_only_store(loc) from None
+    except Exception as e:
+        raise write_error(loc, name, e, "nothing was written") from e
+    if not generation:
+        return None
+    if loc.local is not None:
+        _durable.sync_directory(loc.local)
+    return generation
 
 
 def write_conditional(
@@ -260,7 +317,7 @@ def write_conditional(
     raised: the caller, which can tell whether the file is its own, says what
     it left."""
     _faults.fire("commit.manifest_write", loc, name)
-    future = kvstore(loc).write(name, data, if_equal=if_equal)
+    future = _start_write_if(loc, name, data, if_equal)
     interrupt: BaseException | None = None
     error: BaseException | None = None
     written = False
@@ -273,7 +330,7 @@ def write_conditional(
                 # A server that reported a generation it cannot be asked for
                 # back (gcp-storage-emulator reports 0 on reads): the condition
                 # cannot be expressed there, so the write is made without it.
-                future, if_equal = kvstore(loc).write(name, data), b""
+                future, if_equal = _start_write_if(loc, name, data, None), b""
                 continue
             error = e
             break
@@ -298,6 +355,13 @@ def write_file(loc: Location, name: str, data: bytes) -> None:
             _durable.fsync(loc.local)
     except Exception as e:
         raise write_error(loc, name, e) from e
+
+
+def start_writes(loc: Location, files: dict[str, bytes], *, synced: bool = True) -> list[Future]:
+    """Start writing small files (name -> bytes), each atomically; their
+    futures. Unsynced (`synced=False`) on a local disk, as a save's arrays are."""
+    store = kvstore(loc, synced=synced)
+    return [store.write(name, data) for name, data in files.items()]
 
 
 def delete_file(loc: Location, name: str) -> None:
@@ -582,26 +646,6 @@ def reading_context() -> ts.Context:
 def open_for_reading(spec: dict[str, Any], context: ts.Context | None = None) -> Future:
     """Open an existing array read-only from its full spec (another program's arrays)."""
     return ts.open(spec, open=True, read=True, context=context if context is not None else CONTEXT)
-
-
-def generation_changed(kv: KvStore, name: str, generation: bytes) -> bool:
-    """Whether the file `name` of `kv` is no longer the one a read found at
-    `generation` (`ReadResult.stamp.generation`): one read of one byte, sent
-    only if the generation differs (a local file's is its device, inode and
-    modification time; an object's, its generation or ETag)."""
-    try:
-        found = result(kv.read(name, byte_range=slice(0, 1), if_not_equal=generation))
-    except ValueError:
-        # A server whose generations TensorStore cannot send back in a condition
-        # (gcp-storage-emulator's), or a file now empty: compare a plain read's.
-        try:
-            found = result(kv.read(name, byte_range=slice(0, 1)))
-        except ValueError:
-            return True
-    if found.state == "unspecified":  # not modified since
-        return False
-    # A server that ignores the condition sends the byte again: its generation decides.
-    return found.state != "value" or found.stamp.generation != generation
 
 
 def pending() -> tuple[Any, Future]:

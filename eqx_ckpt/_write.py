@@ -510,8 +510,8 @@ def protect(pending: list[Pending]) -> None:
 def _group_writes(data: Location, records: list[LeafRecord]) -> list[Any]:
     """Zarr v3 group metadata for every folder above a leaf (and for the data
     root: see `_layout.groups`), so zarr tools can walk the tree."""
-    store = _storage.kvstore(data, synced=False)
-    return [store.write(_format.metadata_key(g), _format.GROUP_JSON) for g in _layout.groups(records)]
+    groups = {_format.metadata_key(g): _format.GROUP_JSON for g in _layout.groups(records)}
+    return _storage.start_writes(data, groups, synced=False)
 
 
 def attempt(run: Callable[[], Any]) -> BaseException | None:
