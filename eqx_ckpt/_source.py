@@ -69,7 +69,7 @@ class Source:
     - `loc`: the path as given (messages name it).
     - `data`: the location the leaves' errors are reported against.
     - `manifest`: the leaves' records (made from the files for other formats).
-    - `opener`: record -> future of the TensorStore array holding that leaf;
+    - `opener`: record -> future of the `_storage.Array` holding that leaf;
         `None` for eqx_ckpt's own zarr3 arrays under `data` (`_storage.open_array`).
     - `changed`: for other formats, the name of a file of the source that is
         no longer the one opened (`None` while none is).

@@ -407,8 +407,7 @@ class _TensorStore:
         writes = []
         try:
             for target, host in zip(targets, hosts, strict=True):
-                target = target.with_transaction(self._transaction)
-                writes.append(target.write(host, can_reference_source_data_indefinitely=True))
+                writes.append(target.write(host, self._transaction))
             for write, (nbytes, leaves) in zip(writes, steps):
                 error = attempt(write.result)
                 if error is not None:
@@ -431,7 +430,7 @@ class _TensorStore:
         self._transaction = self._commit = None
 
         def start() -> None:
-            commit.future = transaction.commit_async()
+            commit.future = transaction.commit()
             self._out.append(commit.future)
 
         _interrupts.uninterrupted(start)
