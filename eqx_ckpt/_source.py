@@ -29,7 +29,8 @@ from ._format import MANIFEST, LeafRecord
 from ._location import Location, location
 from ._manifest import Manifest
 
-Opener = Callable[[LeafRecord], Any]
+# A record -> a future of the `_storage.Array` of that leaf.
+Opener = Callable[[LeafRecord], "_storage.Future | _storage.Mapped"]
 Runs = Callable[[list[LeafRecord]], tuple[list[int], Any]]
 
 

@@ -385,13 +385,20 @@ class _TensorStore:
         self._transaction: Any = None
         self._commit: _Commit | None = None
 
-    def piece(self, opened: Any, index: Any, last: bool, hosts: list[np.ndarray]) -> tuple[list[Any], Steps]:
+    def piece(
+        self, opened: _storage.Mapped, index: Any, last: bool, hosts: list[np.ndarray]
+    ) -> tuple[list[Any], Steps]:
         """Stage the write of a leaf's piece (`last`: its last piece)."""
         store = opened.result()
         return self._stage([store[index] if index else store], hosts, [(hosts[0].nbytes, [0] if last else [])])
 
     def pack(
-        self, opened: Any, pack: PackRecord, records: list[LeafRecord], files: range, hosts: list[np.ndarray]
+        self,
+        opened: _storage.Mapped,
+        pack: PackRecord,
+        records: list[LeafRecord],
+        files: range,
+        hosts: list[np.ndarray],
     ) -> tuple[list[Any], Steps]:
         """Stage the write of the chunk files `files` of `pack`."""
         contents, lo = _pack_contents(pack, records, hosts, files)
