@@ -86,7 +86,7 @@ def find(loc: Location) -> Tensors | None:
         return _tensors(loc, folder, [name], index=None)
     for name in _candidates(loc, INDEX, ".safetensors.index.json"):
         with _storage_errors.read_explained(loc, name):
-            result = _storage.result(_storage.read_range(loc, name))
+            result = _storage.result(_storage.Folder(loc).read(name))
         if result.value is not None:
             weight_map = _weight_map(loc, name, result.value)
             return _tensors(loc, loc.kvstore, sorted(set(weight_map.values())), index=name, weight_map=weight_map)
@@ -145,8 +145,8 @@ def _tensors(
 ) -> Tensors:
     """Read every file's header (two small reads each, all files at once)."""
     local = folder["path"] if _location.on_local_disk(loc) else None
-    where = Location(folder, loc.display, local.rstrip("/") if local is not None else None)
-    heads = [_storage.read_range(where, name, slice(0, 8)) for name in files]
+    where = _storage.Folder(Location(folder, loc.display, local.rstrip("/") if local is not None else None))
+    heads = [where.read(name, slice(0, 8)) for name in files]
     sizes, versions = [], []
     for name, head in zip(files, heads):
         result = _result(loc, name, head, "is shorter than a safetensors header")
@@ -162,7 +162,7 @@ def _tensors(
             raise _corrupt(loc, f"{name!r} declares a {size}-byte header, more than the {MAX_HEADER} allowed")
         sizes.append(size)
     _faults.fire("safetensors.read_headers", loc, files)
-    bodies = [_storage.read_range(where, name, slice(8, 8 + size)) for name, size in zip(files, sizes)]
+    bodies = [where.read(name, slice(8, 8 + size)) for name, size in zip(files, sizes)]
     records: dict[str, LeafRecord] = {}
     places: dict[str, tuple[str, int]] = {}
     # Each tensor's file by its name in the headers (one dotted path per name:
@@ -194,7 +194,7 @@ def _tensors(
     # The last byte a tensor uses and the one after it, which must not be there:
     # one read per file, all at once. (A range starting at the end of the file is
     # answered oddly by some servers; one ending past it is refused by all.)
-    probes = [(n, end, _storage.read_range(where, n, slice(end - 1, end + 1))) for n, end in zip(files, ends)]
+    probes = [(n, end, where.read(n, slice(end - 1, end + 1))) for n, end in zip(files, ends)]
     for name, end, probe in probes:
         found = _result(loc, name, probe, None)
         if found is not None and found.value is not None and len(found.value) > 1:
@@ -223,7 +223,7 @@ class _Files:
     the generation comes with the bytes, in one response), and `changed` names
     a file that is no longer that version."""
 
-    def __init__(self, loc: Location, where: Location, generations: dict[str, bytes], folder: str | None):
+    def __init__(self, loc: Location, where: _storage.Folder, generations: dict[str, bytes], folder: str | None):
         # `loc` as the user named it (for messages); `where`, the folder of the files.
         self.loc, self.where, self.generations = loc, where, generations
         # The local directory of the files, which runs are read from with `os.preadv`.
@@ -248,7 +248,7 @@ class _Files:
             return self.seen[0]
         for name in sorted(self.opened) if self.local or self.short else ():
             with _storage_errors.read_explained(self.loc, name):
-                if _storage.generation_changed(self.where, name, self.generations[name]):
+                if self.where.changed(name, self.generations[name]):
                     return name
         return None
 
@@ -429,7 +429,7 @@ def _read_rows(
         except Exception as e:
             promise.set_exception(e)
 
-    _storage.read_range(files.where, file, slice(start + lo * row, start + lo * row + want)).add_done_callback(fill)
+    files.where.read(file, slice(start + lo * row, start + lo * row + want)).add_done_callback(fill)
     return done
 
 
@@ -493,7 +493,7 @@ def _start_run(
         # Checked after the reads, as every read of a local file is (`_Files.changed`).
         local = _window.read_pool().submit(_read_local, os.path.join(files.folder, file), start, end)
     else:
-        read = _storage.read_range(files.where, file, slice(start, end)) if end > start else None
+        read = files.where.read(file, slice(start, end)) if end > start else None
 
     def finish() -> list[np.ndarray]:
         if files.folder is not None:
@@ -567,7 +567,7 @@ def _truncated(files: _Files, file: str, records: list[LeafRecord], places: dict
         mid = (lo + hi) // 2
         last = places[cut[mid].path][1] + cut[mid].nbytes
         try:
-            found = _storage.read_range(files.where, file, slice(last - 1, last)).result()
+            found = files.where.read(file, slice(last - 1, last)).result()
             whole = found.value is not None and len(found.value) == 1
         except Exception as e:
             if "OUT_OF_RANGE" not in str(e):  # not the end of the file: a failed read

@@ -10,9 +10,9 @@ modules call its functions and get its own types back.
   write conditional on it (`read_file_generation`, `read_generation`;
   `write_if` for a lease, `write_conditional` for a commit, which share one
   conditional write); written (`write_file`, `start_writes`) and deleted.
-- Byte ranges of another program's files (`read_range`: a future of a
-  `Found`), and whether a file changed since a read's generation
-  (`generation_changed`, the same check as `file_changed`'s).
+- Byte ranges of another program's files (a `Folder`, opened once: its
+  `read` is a future of a `Found`), and whether a file changed since a
+  read's generation (`generation_changed`, the same check as `file_changed`'s).
 - Listings (`list_names`, `list_files`, `list_keys`) and removal (`remove`,
   `remove_written`).
 - Zarr arrays, created or opened from their specs (`create_array`,
@@ -234,7 +234,7 @@ def file_changed(loc: Location, name: str, stamp: bytes) -> bool:
 
 def generation_changed(loc: Location, name: str, generation: bytes) -> bool:
     """Whether the file `name` is no longer the one a read found at
-    `generation` (`read_range`'s; a local file's is its device, inode and
+    `generation` (`Folder.read`'s; a local file's is its device, inode and
     modification time, an object's its generation or ETag)."""
     return _changed_since(loc, name, generation, None)
 
@@ -637,11 +637,24 @@ def _found(read: Any) -> Found:
     return Found(read.value if read.state == "value" else None, read.stamp.generation)
 
 
-def read_range(loc: Location, name: str, byte_range: slice | None = None) -> Mapped:
-    """Start reading the file `name` (its bytes `byte_range`, else all of it): a
-    future of a `Found`. A range past the end of the file fails with
-    TensorStore's `OUT_OF_RANGE` error."""
-    return Mapped(_kvstore(loc).read(name, byte_range=byte_range), _found)
+class Folder:
+    """The files of one directory of another program's checkpoint, opened once
+    for the many byte-range reads of its arrays (`_safetensors`)."""
+
+    __slots__ = ("_store", "loc")
+
+    def __init__(self, loc: Location):
+        self.loc, self._store = loc, _kvstore(loc)
+
+    def read(self, name: str, byte_range: slice | None = None) -> Mapped:
+        """Start reading the file `name` (its bytes `byte_range`, else all of
+        it): a future of a `Found`. A range past the end of the file fails
+        with TensorStore's `OUT_OF_RANGE` error."""
+        return Mapped(self._store.read(name, byte_range=byte_range), _found)
+
+    def changed(self, name: str, generation: bytes) -> bool:
+        """`generation_changed` of one of its files."""
+        return generation_changed(self.loc, name, generation)
 
 
 def transaction() -> Transaction:
