@@ -16,6 +16,7 @@ from ._location import Location
 
 if TYPE_CHECKING:
     from ._source import Source
+    from ._storage import Array
 
 
 class LazyArray:
@@ -57,7 +58,7 @@ class LazyArray:
         self._loc = source.data
         self._record = record
         self._like = like
-        self._store: Any = None
+        self._store: Array | None = None
         live = weakref.ref(self, _forget)
         _LIVE[id(live)] = live
 
@@ -104,7 +105,7 @@ class LazyArray:
             raise TypeError("len() of a 0-d LazyArray")
         return self.shape[0]
 
-    def _open(self) -> Any:
+    def _open(self) -> Array:
         if self._store is None:
             try:
                 self._store = self._source.open(self._record).result()

@@ -42,7 +42,7 @@ import time
 import weakref
 from typing import Any
 
-from . import _durable, _faults, _storage, _storage_errors
+from . import _faults, _storage, _storage_errors
 from ._errors import CheckpointError, CheckpointExistsError, CheckpointStorageError
 from ._location import Location
 
@@ -50,9 +50,8 @@ HEARTBEAT_SECONDS = 5.0
 STALE_SECONDS = 20.0
 # A lease file is small; a larger one is not ours, and is not parsed.
 MAX_LEASE_BYTES = 2**20
-# The generation TensorStore gives a key that does not exist: a write
-# conditional on it creates the key only if it is absent.
-ABSENT = b"\x02"
+# The generation of a file that is not there (`_storage.ABSENT`).
+ABSENT = _storage.ABSENT
 
 _places: dict[str, _Place] = {}
 _places_guard = threading.Lock()
@@ -182,9 +181,7 @@ class Lease:
             with self._mutex:
                 generation, self._generation = self._generation, ABSENT
                 if generation != ABSENT and self._lost is None and not keep_file:
-                    _storage.result(_storage.kvstore(self.loc).write(self.name, None, if_equal=generation))
-                    if self.loc.local is not None:
-                        _durable.sync_directory(self.loc.local)
+                    _storage.write_if(self.loc, self.name, None, generation)
         finally:
             fd, self._fd = self._fd, None
             if fd is not None:
@@ -309,31 +306,21 @@ def _flock(loc: Location, what: str) -> int | None:
 
 
 def _read(loc: Location, name: str) -> tuple[dict[str, Any], bytes] | None:
-    found = _storage.result(_storage.kvstore(loc).read(name))
-    if found.state != "value":
+    data, generation = _storage.read_generation(loc, name)
+    if data is None:
         return None
     try:
-        body = json.loads(found.value[:MAX_LEASE_BYTES])
+        body = json.loads(data[:MAX_LEASE_BYTES])
     except ValueError:
         body = {}
-    return (body if isinstance(body, dict) else {}), found.stamp.generation
+    return (body if isinstance(body, dict) else {}), generation
 
 
 def _conditional_write(loc: Location, name: str, body: dict[str, Any], if_equal: bytes) -> bytes | None:
     """Write `body` if the file's generation is `if_equal`; the new generation,
-    or `None` if it was not (TensorStore then returns an empty generation).
-    A lease is written before its holder writes anything: a failure says so."""
-    try:
-        stamp = _storage.result(_storage.kvstore(loc).write(name, json.dumps(body).encode(), if_equal=if_equal))
-    except NotImplementedError:
-        raise _storage_errors.read_only_store(loc) from None
-    except Exception as e:
-        raise _storage_errors.write_error(loc, name, e, "nothing was written") from e
-    if not stamp.generation:
-        return None
-    if loc.local is not None:
-        _durable.sync_directory(loc.local)
-    return stamp.generation
+    or `None` if it was not. A lease is written before its holder writes
+    anything: a failure says so (`_storage.write_if`)."""
+    return _storage.write_if(loc, name, json.dumps(body).encode(), if_equal)
 
 
 def _now() -> str:

@@ -43,7 +43,7 @@ class Arrays:
     **Attributes:**
 
     - `manifest`: a record per leaf, by dotted path.
-    - `opener`: record -> future of the TensorStore array of that leaf.
+    - `opener`: record -> future of the `_storage.Array` of that leaf.
     - `changed`: the name of the file that shows the checkpoint was saved again
         since it was opened (`None` while it was not).
     - `runs`: `None`: each leaf is read through its own array.
@@ -85,10 +85,9 @@ def find(loc: Location) -> Arrays | None:
         raise _corrupt(loc, f"its {METADATA} does not describe a PyTree ({type(e).__name__}: {e})") from None
     leaves = [leaf for leaf in found if leaf is not None]
     specs = [_array_spec(loc, driver, ocdbt, name) | {"fill_missing_data_reads": not complete} for _, name, _ in leaves]
-    context = _storage.reading_context()
-    opens = [_storage.open_for_reading(spec, context) for spec in specs]
+    opens = _storage.open_for_reading(specs)
     records: dict[str, LeafRecord] = {}
-    stores: dict[str, Any] = {}
+    stores: dict[str, _storage.Array] = {}
     for (keypath, name, kind), opened in zip(leaves, opens):
         try:
             store = opened.result()
@@ -178,15 +177,15 @@ def _array_spec(loc: Location, driver: str, ocdbt: bool, name: str) -> dict[str,
     return {"driver": driver, "kvstore": loc.child(name)}
 
 
-def _record(loc: Location, keypath: list[list[Any]], name: str, kind: str, store: Any) -> LeafRecord:
-    dtype = store.dtype.name
+def _record(loc: Location, keypath: list[list[Any]], name: str, kind: str, store: _storage.Array) -> LeafRecord:
+    dtype = store.dtype_name
     if not is_known_dtype(dtype):
         raise _corrupt(loc, f"its array {name!r} has the data type {dtype!r}, which eqx_ckpt does not read")
-    shape = tuple(store.shape)
+    shape = store.shape
     if not kind:
-        kind = _SCALARS.get(store.dtype.numpy_dtype.kind, "numpy_scalar") if shape == () else "numpy"
+        kind = _SCALARS.get(store.numpy_dtype.kind, "numpy_scalar") if shape == () else "numpy"
     path = _keypath.join_dotted(*(_keypath.stored_segment(k, v) for k, v in keypath))
-    chunks = tuple(store.chunk_layout.read_chunk.shape or ())
+    chunks = store.read_chunk_shape
     return LeafRecord(path, keypath, kind, shape, dtype, shape, dtype, "plain", chunks)
 
 

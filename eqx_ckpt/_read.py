@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -14,6 +14,9 @@ from . import _dtypes, _faults, _local_read, _memory, _sharding, _share, _storag
 from ._errors import LeafError, stored_leaf_error
 from ._format import LeafRecord, dtype_from_name
 from ._location import Location
+
+if TYPE_CHECKING:
+    from ._storage import Array
 
 
 def target_sharding(like: Any) -> Any:
@@ -116,7 +119,7 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> 
 
 
 def _start_in_slabs(
-    store: Any,
+    store: Array,
     record: LeafRecord,
     like: Any,
     sharding: Any,
@@ -267,7 +270,7 @@ def _region(array: np.ndarray, index: Any) -> np.ndarray:
 
 
 def start(
-    store: Any,
+    store: Array,
     loc: Location,
     record: LeafRecord,
     like: Any,

@@ -131,7 +131,7 @@ def _no_collectives() -> str | None:
 
 
 def read(
-    open_store: Callable[[LeafRecord], Any], loc: Location, plans: list[LeafPlan], records: list[LeafRecord],
+    open_store: Callable[[LeafRecord], _storage.Array], loc: Location, plans: list[LeafPlan], records: list[LeafRecord],
     tracker: Tracker,
 ) -> list[Any]:  # fmt: skip
     """The values of `plans` (of `records`, every one `chosen`), each stored
@@ -195,7 +195,11 @@ def _batches(leaves: list[_Leaf]) -> list[list[_Leaf]]:
 
 
 def _read_batch(
-    open_store: Callable[[LeafRecord], Any], loc: Location, group: _multihost.Group, number: int, batch: list[_Leaf]
+    open_store: Callable[[LeafRecord], _storage.Array],
+    loc: Location,
+    group: _multihost.Group,
+    number: int,
+    batch: list[_Leaf],
 ) -> dict[tuple[int, int], np.ndarray]:
     """This process's slices of `batch` read, then every process's shared
     slices gathered: the bytes of each slice this process needs, by (leaf,
@@ -225,7 +229,7 @@ def _read_batch(
 
 
 def _read_mine(
-    open_store: Callable[[LeafRecord], Any], loc: Location, batch: list[_Leaf], me: int,
+    open_store: Callable[[LeafRecord], _storage.Array], loc: Location, batch: list[_Leaf], me: int,
     mine: dict[tuple[int, int], np.ndarray],
 ) -> BaseException | None:  # fmt: skip
     """Read this process's slices of `batch` into `mine` (as bytes, by leaf and

@@ -65,7 +65,7 @@ class Tensors:
     **Attributes:**
 
     - `manifest`: a record per tensor, by dotted path.
-    - `opener`: record -> future of the TensorStore array of that tensor (`_open`).
+    - `opener`: record -> future of the `_storage.Array` of that tensor (`_open`).
     - `changed`: the name of a file rewritten since it was opened (`_Files.changed`).
     - `runs`: the reader of many small tensors at once (`read_runs`).
     """
@@ -84,11 +84,10 @@ def find(loc: Location) -> Tensors | None:
     if is_file_path(loc):
         folder, name = split_file(loc)
         return _tensors(loc, folder, [name], index=None)
-    kv = _kvstore(loc.kvstore)
     for name in _candidates(loc, INDEX, ".safetensors.index.json"):
         with _storage_errors.read_explained(loc, name):
-            result = _storage.result(kv.read(name))
-        if result.state == "value":
+            result = _storage.result(_storage.Folder(loc).read(name))
+        if result.value is not None:
             weight_map = _weight_map(loc, name, result.value)
             return _tensors(loc, loc.kvstore, sorted(set(weight_map.values())), index=name, weight_map=weight_map)
     for name in _candidates(loc, SINGLE, SUFFIX):
@@ -112,10 +111,6 @@ def split_file(loc: Location) -> tuple[dict[str, Any], str]:
     path = loc.kvstore["path"].rstrip("/")
     folder, _, name = path.rpartition("/")
     return {**loc.kvstore, "path": folder + "/" if folder else ""}, name
-
-
-def _kvstore(spec: dict[str, Any]) -> _storage.KvStore:
-    return _storage.open_kvstore(spec)
 
 
 def _corrupt(loc: Location, what: str) -> CorruptCheckpointError:
@@ -149,13 +144,14 @@ def _tensors(
     weight_map: dict[str, str] | None = None,
 ) -> Tensors:
     """Read every file's header (two small reads each, all files at once)."""
-    kv = _kvstore(folder)
-    heads = [kv.read(name, byte_range=slice(0, 8)) for name in files]
+    local = folder["path"] if _location.on_local_disk(loc) else None
+    where = _storage.Folder(Location(folder, loc.display, local.rstrip("/") if local is not None else None))
+    heads = [where.read(name, slice(0, 8)) for name in files]
     sizes, versions = [], []
     for name, head in zip(files, heads):
         result = _result(loc, name, head, "is shorter than a safetensors header")
-        versions.append(result.stamp.generation)
-        if result.state != "value":
+        versions.append(result.generation)
+        if result.value is None:
             if index:  # the directory is there, and incomplete
                 raise _corrupt(loc, f"{index} lists the shard {name!r}, which is not there")
             raise CheckpointNotFoundError(f"There is no safetensors file {name!r} at {loc.display!r}.")
@@ -166,7 +162,7 @@ def _tensors(
             raise _corrupt(loc, f"{name!r} declares a {size}-byte header, more than the {MAX_HEADER} allowed")
         sizes.append(size)
     _faults.fire("safetensors.read_headers", loc, files)
-    bodies = [kv.read(name, byte_range=slice(8, 8 + size)) for name, size in zip(files, sizes)]
+    bodies = [where.read(name, slice(8, 8 + size)) for name, size in zip(files, sizes)]
     records: dict[str, LeafRecord] = {}
     places: dict[str, tuple[str, int]] = {}
     # Each tensor's file by its name in the headers (one dotted path per name:
@@ -177,15 +173,15 @@ def _tensors(
     for name, size, body, version in zip(files, sizes, bodies, versions):
         found = _result(loc, name, body, "ends inside its header")
         data = found.value
-        generations.append(found.stamp.generation)
-        if found.stamp.generation != version:
+        generations.append(found.generation)
+        if found.generation != version:
             # The header's length and the header came from two versions of the file.
             raise CheckpointReplacedError(
                 f"The safetensors file {name!r} of {loc.display!r} was rewritten while it was being opened. "
                 f"Open or load it again once it is written.",
                 path=loc.display,
             )
-        if len(data) != size:
+        if data is None or len(data) != size:
             raise _corrupt(loc, f"{name!r} ends inside its header")
         parsed, metadata[name], used = _parse_header(loc, name, data)
         for tensor, record, offset in parsed:
@@ -198,17 +194,17 @@ def _tensors(
     # The last byte a tensor uses and the one after it, which must not be there:
     # one read per file, all at once. (A range starting at the end of the file is
     # answered oddly by some servers; one ending past it is refused by all.)
-    for name, end, probe in [(n, end, kv.read(n, byte_range=slice(end - 1, end + 1))) for n, end in zip(files, ends)]:
+    probes = [(n, end, where.read(n, slice(end - 1, end + 1))) for n, end in zip(files, ends)]
+    for name, end, probe in probes:
         found = _result(loc, name, probe, None)
-        if found is not None and found.state == "value" and len(found.value) > 1:
+        if found is not None and found.value is not None and len(found.value) > 1:
             raise _corrupt(loc, f"{name!r} has bytes after its last tensor (byte {end} on), which no tensor uses")
     for tensor, file in (weight_map or {}).items():
         # A shard replaced by another version may have lost a tensor the index promises.
         if holder.get(tensor) != file:
             raise _corrupt(loc, f"{index} lists the tensor {tensor!r} in {file!r}, which does not hold it")
     ordered = tuple(records[path] for path in sorted(records))
-    local = folder["path"] if _location.on_local_disk(loc) else None
-    opened = _Files(loc, kv, dict(zip(files, generations)), local)
+    opened = _Files(loc, where, dict(zip(files, generations)), local)
     return Tensors(
         Manifest(ordered, layout="safetensors", metadata=_merged(metadata)),
         opener=functools.partial(_open, opened, places),
@@ -227,8 +223,9 @@ class _Files:
     the generation comes with the bytes, in one response), and `changed` names
     a file that is no longer that version."""
 
-    def __init__(self, loc: Location, kv: _storage.KvStore, generations: dict[str, bytes], folder: str | None):
-        self.loc, self.kv, self.generations = loc, kv, generations
+    def __init__(self, loc: Location, where: _storage.Folder, generations: dict[str, bytes], folder: str | None):
+        # `loc` as the user named it (for messages); `where`, the folder of the files.
+        self.loc, self.where, self.generations = loc, where, generations
         # The local directory of the files, which runs are read from with `os.preadv`.
         self.folder = folder
         # On a local disk a file can be rewritten in place while it is read, so
@@ -251,7 +248,7 @@ class _Files:
             return self.seen[0]
         for name in sorted(self.opened) if self.local or self.short else ():
             with _storage_errors.read_explained(self.loc, name):
-                if _storage.generation_changed(self.kv, name, self.generations[name]):
+                if self.where.changed(name, self.generations[name]):
                     return name
         return None
 
@@ -271,7 +268,7 @@ def _merged(metadata: dict[str, dict[str, str]]) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def _result(loc: Location, name: str, read: _storage.Future, short: str | None) -> Any:
+def _result(loc: Location, name: str, read: _storage.Mapped, short: str | None) -> Any:
     """A byte-range read's result; a range past the end of the file means
     `short` (the file is corrupt), or, without one, `None`."""
     try:
@@ -401,17 +398,16 @@ def _read_rows(
     start: int,
     dtype: np.dtype,
     shape: tuple[int, ...],
-    domain: Any,
-    array: Any,
-    _: Any,
+    rows: tuple[int, int] | None,
+    array: np.ndarray,
 ) -> _storage.Future:
     """Fill one chunk (a run of whole rows) from one byte-range read."""
     row = math.prod(shape[1:]) * dtype.itemsize
-    lo, hi = (domain[0].inclusive_min, domain[0].exclusive_max) if shape else (0, 1)
+    lo, hi = rows if rows is not None else (0, 1)
     want = (hi - lo) * row if shape else dtype.itemsize
     promise, done = _storage.pending()
 
-    def fill(future: _storage.Future) -> None:
+    def fill(future: _storage.Mapped) -> None:
         try:
             try:
                 result = future.result()
@@ -419,9 +415,9 @@ def _read_rows(
                 if "OUT_OF_RANGE" not in str(e):
                     raise
                 result = None
-            if result is not None and not files.read_matches(file, result.stamp.generation):
+            if result is not None and not files.read_matches(file, result.generation):
                 raise OSError(f"{file!r} was rewritten since it was opened: its tensors are at other offsets now")
-            if result is None or result.state != "value" or len(result.value) != want:
+            if result is None or result.value is None or len(result.value) != want:
                 files.short = True
                 raise OSError(
                     f"DATA_LOSS: {file!r} ends before the tensor's bytes {start + lo * row}..{start + lo * row + want} "
@@ -433,7 +429,7 @@ def _read_rows(
         except Exception as e:
             promise.set_exception(e)
 
-    files.kv.read(file, byte_range=slice(start + lo * row, start + lo * row + want)).add_done_callback(fill)
+    files.where.read(file, slice(start + lo * row, start + lo * row + want)).add_done_callback(fill)
     return done
 
 
@@ -497,7 +493,7 @@ def _start_run(
         # Checked after the reads, as every read of a local file is (`_Files.changed`).
         local = _window.read_pool().submit(_read_local, os.path.join(files.folder, file), start, end)
     else:
-        read = files.kv.read(file, byte_range=slice(start, end)) if end > start else _storage.ready(None)
+        read = files.where.read(file, slice(start, end)) if end > start else None
 
     def finish() -> list[np.ndarray]:
         if files.folder is not None:
@@ -525,11 +521,11 @@ def _start_run(
 
 
 def _run_bytes(
-    files: _Files, file: str, start: int, end: int, read: _storage.Future, first: LeafRecord
+    files: _Files, file: str, start: int, end: int, read: _storage.Mapped | None, first: LeafRecord
 ) -> np.ndarray | None:
     """A run's bytes, or `None` if the file ends before the run does; a file
     rewritten since its header was read is an error."""
-    if end == start:
+    if read is None:  # nothing to read (`end == start`)
         return np.empty(0, np.uint8)
     try:
         result = read.result()
@@ -537,9 +533,9 @@ def _run_bytes(
         if "OUT_OF_RANGE" in str(e):
             return None
         raise _storage_errors.leaf_io_error(e, first, files.loc, "read") from e
-    if not files.read_matches(file, result.stamp.generation):
+    if not files.read_matches(file, result.generation):
         raise OSError(f"{file!r} was rewritten since it was opened: its tensors are at other offsets now")
-    if result.state != "value" or len(result.value) != end - start:
+    if result.value is None or len(result.value) != end - start:
         return None
     return np.frombuffer(result.value, np.uint8)
 
@@ -571,13 +567,13 @@ def _truncated(files: _Files, file: str, records: list[LeafRecord], places: dict
         mid = (lo + hi) // 2
         last = places[cut[mid].path][1] + cut[mid].nbytes
         try:
-            found = files.kv.read(file, byte_range=slice(last - 1, last)).result()
-            whole = found.state == "value" and len(found.value) == 1
+            found = files.where.read(file, slice(last - 1, last)).result()
+            whole = found.value is not None and len(found.value) == 1
         except Exception as e:
             if "OUT_OF_RANGE" not in str(e):  # not the end of the file: a failed read
                 return _storage_errors.leaf_io_error(e, cut[mid], files.loc, "read")
             whole = False
-        if whole and not files.read_matches(file, found.stamp.generation):
+        if whole and not files.read_matches(file, found.generation):
             return OSError(f"{file!r} was rewritten since it was opened: its tensors are at other offsets now")
         lo, hi = (mid + 1, hi) if whole else (lo, mid)
     record = cut[lo]

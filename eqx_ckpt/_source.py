@@ -29,7 +29,8 @@ from ._format import MANIFEST, LeafRecord
 from ._location import Location, location
 from ._manifest import Manifest
 
-Opener = Callable[[LeafRecord], Any]
+# A record -> a future of the `_storage.Array` of that leaf.
+Opener = Callable[[LeafRecord], "_storage.Future | _storage.Mapped"]
 Runs = Callable[[list[LeafRecord]], tuple[list[int], Any]]
 
 
@@ -69,7 +70,7 @@ class Source:
     - `loc`: the path as given (messages name it).
     - `data`: the location the leaves' errors are reported against.
     - `manifest`: the leaves' records (made from the files for other formats).
-    - `opener`: record -> future of the TensorStore array holding that leaf;
+    - `opener`: record -> future of the `_storage.Array` holding that leaf;
         `None` for eqx_ckpt's own zarr3 arrays under `data` (`_storage.open_array`).
     - `changed`: for other formats, the name of a file of the source that is
         no longer the one opened (`None` while none is).

@@ -1,11 +1,32 @@
-"""The storage seam: with `_location`, the only module that imports `tensorstore`
-(ruff's banned-api rule enforces it, see pyproject.toml).
+"""The storage seam: the interface through which every byte eqx_ckpt reads or
+writes passes, and, with `_location`, the only module that imports
+`tensorstore` (ruff's banned-api rule enforces it, see pyproject.toml).
 
-Everything eqx_ckpt reads or writes through TensorStore passes here: the
-contexts, small files (read with a size limit, stamped, written conditionally),
-listings, deletion of what a save wrote, and zarr arrays opened or created
-from their specs. Futures are returned, not waited for; callers block with
-`result` only at the public boundary.
+No TensorStore object leaves it (tests/test_architecture.py checks): other
+modules call its functions and get its own types back.
+
+- Small files: read with a size limit (`read_file`), stamped
+  (`read_file_stamped`, then `file_changed`), or with their generation for a
+  write conditional on it (`read_file_generation`, `read_generation`;
+  `write_if` for a lease, `write_conditional` for a commit, which share one
+  conditional write); written (`write_file`, `start_writes`) and deleted.
+- Byte ranges of another program's files (a `Folder`, opened once: its
+  `read` is a future of a `Found`), and whether a file changed since a
+  read's generation (`generation_changed`, the same check as `file_changed`'s).
+- Listings (`list_names`, `list_files`, `list_keys`) and removal (`remove`,
+  `remove_written`).
+- Zarr arrays, created or opened from their specs (`create_array`,
+  `open_array`, `open_pack`, `open_to_write`, `open_for_reading`) as futures
+  of an `Array`, a thin wrapper of TensorStore's array (shape, data type,
+  chunks, `array[index]`, `read()`, `write(value, transaction)`); a save's
+  `Transaction`; arrays made of a reader (`virtual_array`) or of NumPy data
+  (`in_memory`).
+
+Futures are returned, not waited for; callers block with `result` only at
+the public boundary. They are TensorStore's own futures (`Future`, set
+through a `Promise`; a read's holds a NumPy array) or a `Mapped`, which turns
+TensorStore's result into this module's type (an `Array`, a `Found`) as it
+is asked for.
 
 A leaf's chunk files take one of two paths, chosen once per location by
 `local_chunk_files`: on a local disk eqx_ckpt reads and writes them itself
@@ -24,8 +45,8 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import crc32c
 import numpy as np
@@ -50,9 +71,12 @@ def local_chunk_files(loc: Location) -> bool:
     return LOCAL_PATH_SUPPORTED and _location.on_local_disk(loc)
 
 
-# Types of what this module returns, for annotations elsewhere.
+# The futures this module returns are TensorStore's own (`Future`, set through
+# a `Promise`: see `pending`), or a `Mapped`, which converts TensorStore's result
+# into this module's type as it is asked for; each has `result`, `done` and
+# `add_done_callback`. A read's future holds a NumPy array, an open's an `Array`.
 Future = ts.Future
-KvStore = ts.KvStore
+Promise = ts.Promise
 
 # One context for every open: it is what makes `memory://` stores persist between
 # calls, and what bounds file I/O concurrency for the whole process.
@@ -101,7 +125,7 @@ def array_spec(
     }
 
 
-def kvstore(loc: Location, *, synced: bool = True) -> ts.KvStore:
+def _kvstore(loc: Location, *, synced: bool = True) -> ts.KvStore:
     _faults.fire("storage.open", loc)
     return result(ts.KvStore.open(loc.kvstore, context=_context(loc, synced)))
 
@@ -110,7 +134,7 @@ def _context(loc: Location, synced: bool) -> ts.Context:
     return UNSYNCED if not synced and _location.on_local_disk(loc) else CONTEXT
 
 
-def result(future: ts.Future) -> Any:
+def result(future: Future | Mapped) -> Any:
     """`future.result()`, except that an interrupt (Ctrl-C, `sys.exit` from a
     signal handler) waits for the operation to finish before it is raised: an
     operation left running when the interpreter exits aborts the process, and a
@@ -183,7 +207,7 @@ def _read(loc: Location, name: str, **options: Any) -> Any:
     """One read of a file of an object store or server (`ts.KvStore.read`);
     storage that cannot be reached is a `CheckpointConnectionError`."""
     try:
-        return result(kvstore(loc).read(name, **options))
+        return result(_kvstore(loc).read(name, **options))
     except Exception as e:
         error = unreachable(loc, e)
         if error is None:
@@ -204,20 +228,40 @@ def file_changed(loc: Location, name: str, stamp: bytes) -> bool:
             return _stat_stamp(os.stat(os.path.join(loc.local, name))) != stamp
         except FileNotFoundError:
             return True
-    digest, generation = stamp[:_DIGEST_BYTES], stamp[_DIGEST_BYTES:]
     with read_explained(loc, name):
+        return _changed_since(loc, name, stamp[_DIGEST_BYTES:], stamp[:_DIGEST_BYTES])
+
+
+def generation_changed(loc: Location, name: str, generation: bytes) -> bool:
+    """Whether the file `name` is no longer the one a read found at
+    `generation` (`Folder.read`'s; a local file's is its device, inode and
+    modification time, an object's its generation or ETag)."""
+    return _changed_since(loc, name, generation, None)
+
+
+def _changed_since(loc: Location, name: str, generation: bytes, digest: bytes | None) -> bool:
+    """Whether the file `name` is no longer the one a read found at
+    `generation`: one read, sent only if the generation differs (of the whole
+    file where `digest`, the SHA-256 of its bytes then, is given, else of one byte).
+
+    A server whose generations TensorStore cannot send back in a condition
+    (gcp-storage-emulator's), or a file now empty, is asked for a plain read's
+    generation instead. A server that ignores the condition and sends the bytes
+    again (a plain HTTP server without `If-None-Match` or `ETag`, as Python's
+    own http.server) is judged by their digest, or else by their generation."""
+    whole = {} if digest is not None else {"byte_range": slice(0, 1)}
+    try:
+        found = _read(loc, name, if_not_equal=generation, **whole)
+    except ValueError:
         try:
-            found = _read(loc, name, if_not_equal=generation)
-        except ValueError:
-            # A server whose generations TensorStore cannot send back in a condition
-            # (gcp-storage-emulator's): compare the generation of a one-byte read.
             return _read(loc, name, byte_range=slice(0, 1)).stamp.generation != generation
+        except ValueError:
+            return True
     if found.state == "unspecified":  # not modified since
         return False
-    # A plain HTTP server may send the file again although it is unchanged: one
-    # that ignores `If-None-Match` or sends no `ETag` (Python's own http.server
-    # does both). Its content then decides.
-    return found.state != "value" or _digest(found.value) != digest
+    if found.state != "value":
+        return True
+    return _digest(found.value) != digest if digest is not None else found.stamp.generation != generation
 
 
 # On an object store or server, a stamp is the SHA-256 of the file, then its generation.
@@ -229,8 +273,8 @@ def _digest(data: bytes) -> bytes:
 
 
 def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes | None, bytes]:
-    """`read_file`, and the file's TensorStore storage generation, for a write
-    conditional on it (`write_conditional`)."""
+    """`read_file`, and the file's storage generation, for a write conditional
+    on it (`write_conditional`, `write_if`)."""
     _faults.fire("storage.read_generation", loc, name)
     _untrusted.refuse_links(loc, name)
     if loc.local is not None:
@@ -239,12 +283,49 @@ def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes
             raise _storage_errors.too_large(loc, name, limit, os.path.getsize(full))
     else:
         _refuse_large_object(loc, name, limit)
-    found = result(kvstore(loc).read(name))
-    if found.state != "value":
-        return None, found.stamp.generation
-    if len(found.value) > limit:
-        raise _storage_errors.too_large(loc, name, limit, len(found.value))
-    return found.value, found.stamp.generation
+    data, generation = read_generation(loc, name)
+    if data is not None and len(data) > limit:
+        raise _storage_errors.too_large(loc, name, limit, len(data))
+    return data, generation
+
+
+def read_generation(loc: Location, name: str) -> tuple[bytes | None, bytes]:
+    """The bytes of a small file this package writes (`None` if it is not
+    there) and its storage generation, unchecked: for a file whose reader
+    takes a bounded prefix (a lease); `read_file_generation` checks size and links."""
+    found = result(_kvstore(loc).read(name))
+    return (found.value if found.state == "value" else None), found.stamp.generation
+
+
+# The generation of a file that is not there: a write conditional on it
+# creates the file only if none is there.
+ABSENT = b"\x02"
+
+
+def _start_write_if(loc: Location, name: str, data: bytes | None, if_equal: bytes | None) -> Future:
+    """The one conditional write: `data` (`None` deletes) written only if the
+    file's generation is still `if_equal` (`None`: whatever it is); a future of
+    its new timestamped generation, empty where the condition failed."""
+    return _kvstore(loc).write(name, data, if_equal=if_equal)
+
+
+def write_if(loc: Location, name: str, data: bytes | None, if_equal: bytes) -> bytes | None:
+    """Write a small file (`data`; `None` deletes it) only if its generation is
+    still `if_equal` (`ABSENT`: only if there is none), and wait for it. The
+    file's new generation, or `None` if the condition failed. A failed write is
+    a `CheckpointError` that says nothing was written; once written, a local
+    directory is synced."""
+    try:
+        generation = result(_start_write_if(loc, name, data, if_equal)).generation
+    except NotImplementedError:
+        raise read_only_store(loc) from None
+    except Exception as e:
+        raise write_error(loc, name, e, "nothing was written") from e
+    if not generation:
+        return None
+    if loc.local is not None:
+        _durable.sync_directory(loc.local)
+    return generation
 
 
 def write_conditional(
@@ -260,7 +341,7 @@ def write_conditional(
     raised: the caller, which can tell whether the file is its own, says what
     it left."""
     _faults.fire("commit.manifest_write", loc, name)
-    future = kvstore(loc).write(name, data, if_equal=if_equal)
+    future = _start_write_if(loc, name, data, if_equal)
     interrupt: BaseException | None = None
     error: BaseException | None = None
     written = False
@@ -273,7 +354,7 @@ def write_conditional(
                 # A server that reported a generation it cannot be asked for
                 # back (gcp-storage-emulator reports 0 on reads): the condition
                 # cannot be expressed there, so the write is made without it.
-                future, if_equal = kvstore(loc).write(name, data), b""
+                future, if_equal = _start_write_if(loc, name, data, None), b""
                 continue
             error = e
             break
@@ -292,7 +373,7 @@ def write_conditional(
 def write_file(loc: Location, name: str, data: bytes) -> None:
     """Write a small file atomically (TensorStore writes beside, then renames)."""
     try:
-        store = kvstore(loc)
+        store = _kvstore(loc)
         result(store.write(name, data))
         if loc.local is not None:
             _durable.fsync(loc.local)
@@ -300,9 +381,16 @@ def write_file(loc: Location, name: str, data: bytes) -> None:
         raise write_error(loc, name, e) from e
 
 
+def start_writes(loc: Location, files: dict[str, bytes], *, synced: bool = True) -> list[Future]:
+    """Start writing small files (name -> bytes), each atomically; their
+    futures. Unsynced (`synced=False`) on a local disk, as a save's arrays are."""
+    store = _kvstore(loc, synced=synced)
+    return [store.write(name, data) for name, data in files.items()]
+
+
 def delete_file(loc: Location, name: str) -> None:
     _faults.fire("storage.delete_file", loc, name)
-    result(kvstore(loc).delete_range(ts.KvStore.KeyRange(name, name + "\0")))
+    result(_kvstore(loc).delete_range(ts.KvStore.KeyRange(name, name + "\0")))
 
 
 def list_names(loc: Location) -> list[str]:
@@ -331,7 +419,7 @@ def list_files(loc: Location) -> list[str]:
 def list_keys(loc: Location) -> list[str]:
     """Every key below `loc`, relative to it."""
     try:
-        keys = result(kvstore(loc).list())
+        keys = result(_kvstore(loc).list())
     except NotImplementedError:
         raise read_only_store(loc) from None
     except Exception as e:
@@ -357,7 +445,7 @@ def _check_gcs_listing(loc: Location) -> None:
     answers 404 only when the bucket does not exist; 401 or the metadata when
     it does)."""
     try:
-        result(kvstore(loc).read(_format.MANIFEST))
+        result(_kvstore(loc).read(_format.MANIFEST))
     except Exception as e:
         raise _storage_errors.list_error(loc, e) from e
     bucket = loc.kvstore.get("bucket", "")
@@ -387,7 +475,7 @@ def remove(loc: Location, names: Iterable[str]) -> None:
             elif os.path.lexists(full):
                 os.unlink(full)
         return
-    store = kvstore(loc)
+    store = _kvstore(loc)
     futures = [store.delete_range(ts.KvStore.KeyRange(name, name + "\0")) for name in names]
     futures += [store.delete_range(_below(name)) for name in names]
     for future in futures:
@@ -403,7 +491,7 @@ def remove_written(loc: Location, names: Iterable[str]) -> None:
     _faults.fire("storage.remove_written", loc, names)
     names = list(names)
     if loc.local is None:
-        store = kvstore(loc)
+        store = _kvstore(loc)
         ranges = [r for name in names for r in (ts.KvStore.KeyRange(name, name + "\0"), _below(name))]
         keys = [key.decode("utf-8", "surrogateescape") for r in ranges for key in result(store.list(r))]
         futures = [store.delete_range(ts.KvStore.KeyRange(k, k + "\0")) for k in keys if _format.written_by_a_save(k)]
@@ -448,11 +536,136 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
-def transaction() -> ts.Transaction:
-    """A (non-atomic) TensorStore transaction: writes staged in it are written out
-    only by its `commit_async()`."""
+class Array:
+    """An opened array, the only form in which one leaves this module: its
+    shape, data type and chunks, a region of it (`array[index]`, another
+    `Array`), and its reads and writes, which return futures, not waited for.
+
+    A thin wrapper of TensorStore's array (one attribute; a region wraps
+    TensorStore's region, and a read is TensorStore's read): no copy, and
+    nothing is read or written that TensorStore would not."""
+
+    __slots__ = ("_array",)
+
+    def __init__(self, array: Any):
+        self._array = array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._array.shape)
+
+    @property
+    def dtype_name(self) -> str:
+        """Its data type's name (`float32`, `bfloat16`, or one NumPy has none
+        for, such as `string`)."""
+        return str(self._array.dtype.name)
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return np.dtype(self._array.dtype.numpy_dtype)
+
+    @property
+    def read_chunk_shape(self) -> tuple[int, ...]:
+        """The shape of the chunks it is read in (`()` where it has none)."""
+        return tuple(self._array.chunk_layout.read_chunk.shape or ())
+
+    def __getitem__(self, index: Any) -> Array:
+        return Array(self._array[index])
+
+    def read(self) -> Future:
+        """Start reading it: a future of a NumPy array."""
+        return self._array.read()
+
+    def write(self, value: np.ndarray, transaction: Transaction | None = None) -> Future:
+        """Start writing `value` into it; a future of the write. Staged in
+        `transaction`, the write only references `value` until the
+        transaction's commit, which writes it out: `value` must not change
+        until then (see `_write`)."""
+        if transaction is None:
+            return self._array.write(value)
+        staged = self._array.with_transaction(transaction._transaction)
+        return staged.write(value, can_reference_source_data_indefinitely=True)
+
+
+class Transaction:
+    """A (non-atomic) transaction: writes staged in it (`Array.write`) are
+    written out only by its `commit`."""
+
+    __slots__ = ("_transaction",)
+
+    def __init__(self) -> None:
+        self._transaction = ts.Transaction()
+
+    def commit(self) -> Future:
+        """Start writing out what was staged: its future."""
+        return self._transaction.commit_async()
+
+    def abort(self) -> None:
+        """Drop what was staged: nothing of it is written."""
+        self._transaction.abort()
+
+
+class Mapped:
+    """A future of what this module makes of TensorStore's result (an `Array`
+    of an opened array, a `Found` of a file's read), made as it is asked for.
+    Like TensorStore's futures: `result`, `done`, `add_done_callback`."""
+
+    __slots__ = ("_future", "_make")
+
+    def __init__(self, future: Any, make: Callable[[Any], Any]):
+        self._future, self._make = future, make
+
+    def result(self) -> Any:
+        return self._make(self._future.result())
+
+    def done(self) -> bool:
+        return bool(self._future.done())
+
+    def add_done_callback(self, callback: Callable[[Mapped], None]) -> None:
+        self._future.add_done_callback(lambda _: callback(self))
+
+
+class Found(NamedTuple):
+    """What a read of a file found: its bytes (`None` where there is no file)
+    and its storage generation (see `generation_changed`)."""
+
+    value: bytes | None
+    generation: bytes
+
+
+def _found(read: Any) -> Found:
+    return Found(read.value if read.state == "value" else None, read.stamp.generation)
+
+
+class Folder:
+    """The files of one directory of another program's checkpoint, opened once
+    for the many byte-range reads of its arrays (`_safetensors`)."""
+
+    __slots__ = ("_store", "loc")
+
+    def __init__(self, loc: Location):
+        self.loc, self._store = loc, _kvstore(loc)
+
+    def read(self, name: str, byte_range: slice | None = None) -> Mapped:
+        """Start reading the file `name` (its bytes `byte_range`, else all of
+        it): a future of a `Found`. A range past the end of the file fails
+        with TensorStore's `OUT_OF_RANGE` error."""
+        return Mapped(self._store.read(name, byte_range=byte_range), _found)
+
+    def changed(self, name: str, generation: bytes) -> bool:
+        """`generation_changed` of one of its files."""
+        return generation_changed(self.loc, name, generation)
+
+
+def transaction() -> Transaction:
+    """A transaction for a save's array writes (see `Transaction`)."""
     _faults.fire("storage.transaction")
-    return ts.Transaction()
+    return Transaction()
+
+
+def _opening(future: Any) -> Mapped:
+    """The future of an `Array`, of TensorStore's future of an opened array."""
+    return Mapped(future, Array)
 
 
 def _leaf_spec(loc: Location, record: LeafRecord) -> dict[str, Any]:
@@ -462,17 +675,19 @@ def _leaf_spec(loc: Location, record: LeafRecord) -> dict[str, Any]:
     )
 
 
-def create_array(loc: Location, record: LeafRecord, *, synced: bool = True) -> ts.Future:
+def create_array(loc: Location, record: LeafRecord, *, synced: bool = True) -> Mapped:
     return create_spec(_leaf_spec(loc, record), loc, synced=synced)
 
 
-def create_spec(spec: dict[str, Any], loc: Location, *, synced: bool = True) -> ts.Future:
+def create_spec(spec: dict[str, Any], loc: Location, *, synced: bool = True) -> Mapped:
+    """Create an array from its full spec: a future of its `Array`."""
     _faults.fire("storage.create_array", loc)
-    return ts.open(spec, create=True, context=_context(loc, synced))
+    return _opening(ts.open(spec, create=True, context=_context(loc, synced)))
 
 
-def open_array(loc: Location, record: LeafRecord, *, synced: bool = True, checked: bool = True) -> ts.Future:
-    """Open a stored leaf (a packed one as an in-memory copy of its elements).
+def open_array(loc: Location, record: LeafRecord, *, synced: bool = True, checked: bool = True) -> Future | Mapped:
+    """Open a stored leaf (a packed one as an in-memory copy of its elements):
+    a future of its `Array`.
 
     With `checked`, its zarr.json is read and checked against the manifest
     (shape, data type, chunks and the crc32c codec must all be as recorded);
@@ -485,11 +700,11 @@ def open_array(loc: Location, record: LeafRecord, *, synced: bool = True, checke
     _memory.refuse_beyond_memory(loc, record, record.chunk_nbytes, "one of its chunks")
     spec = _leaf_spec(loc, record)
     if not checked:
-        return ts.open(spec, open=True, assume_metadata=True, context=_context(loc, synced))
-    return ts.open(spec, open=True, context=_context(loc, synced))
+        return _opening(ts.open(spec, open=True, assume_metadata=True, context=_context(loc, synced)))
+    return _opening(ts.open(spec, open=True, context=_context(loc, synced)))
 
 
-def open_to_write(loc: Location, record: LeafRecord) -> ts.Future:
+def open_to_write(loc: Location, record: LeafRecord) -> Mapped:
     """Open a leaf's array that another process of this save created, to write
     this process's shards into it (its zarr.json checked against the record).
 
@@ -498,13 +713,13 @@ def open_to_write(loc: Location, record: LeafRecord) -> ts.Future:
     writing their shards."""
     _faults.fire("storage.open_array", loc, record)
     spec = _leaf_spec(loc, record)
-    return ts.open(spec, open=True, context=_context(loc, synced=False))
+    return _opening(ts.open(spec, open=True, context=_context(loc, synced=False)))
 
 
-def open_spec(spec: dict[str, Any], loc: Location, *, cached: bool = False) -> ts.Future:
+def open_spec(spec: dict[str, Any], loc: Location, *, cached: bool = False) -> Mapped:
     """Open an existing array from its full spec, checking its zarr.json;
     `cached` keeps decoded chunks in a shared cache (`_storage.CACHED`)."""
-    return ts.open(spec, open=True, context=CACHED if cached else CONTEXT)
+    return _opening(ts.open(spec, open=True, context=CACHED if cached else CONTEXT))
 
 
 def pack_spec(loc: Location, pack: PackRecord) -> dict[str, Any]:
@@ -515,15 +730,15 @@ def pack_spec(loc: Location, pack: PackRecord) -> dict[str, Any]:
 # Packs opened for reading single leaves (lazy leaves, `Checkpoint[...]`, verify,
 # diff), with a cache of their decoded chunks: reading a hundred leaves of one
 # chunk reads (and checks) that chunk once.
-_OPEN: collections.OrderedDict[str, Any] = collections.OrderedDict()
+_OPEN: collections.OrderedDict[str, Mapped] = collections.OrderedDict()
 
 
 _OPEN_MAX = 8
 
 
-def open_pack(loc: Location, pack: PackRecord, *, cached: bool, leaf: str | None = None) -> Any:
-    """A future of the pack's TensorStore array (its `zarr.json` is read and
-    checked against the manifest). `leaf` names the leaf it is opened for."""
+def open_pack(loc: Location, pack: PackRecord, *, cached: bool, leaf: str | None = None) -> Mapped:
+    """A future of the pack's `Array` (its `zarr.json` is read and checked
+    against the manifest). `leaf` names the leaf it is opened for."""
     _faults.fire("storage.open_pack", loc, pack)
     _untrusted.check_pack_files(loc, pack, leaf=leaf)
     if not cached:
@@ -539,9 +754,9 @@ def open_pack(loc: Location, pack: PackRecord, *, cached: bool, leaf: str | None
     return opened
 
 
-def open_packed(loc: Location, record: LeafRecord) -> Any:
-    """A future of one packed leaf as an in-memory TensorStore array of its
-    stored shape (a packed leaf is small: it is read when opened)."""
+def open_packed(loc: Location, record: LeafRecord) -> Future:
+    """A future of one packed leaf as an in-memory `Array` of its stored shape
+    (a packed leaf is small: it is read when opened)."""
     assert record.pack is not None
     opened = open_pack(loc, record.pack, cached=True, leaf=record.path)
     promise, future = pending()
@@ -564,12 +779,7 @@ def open_packed(loc: Location, record: LeafRecord) -> Any:
 # -- For the readers of other formats (`_safetensors`, `_orbax`) ------------------------------------
 
 
-def open_kvstore(spec: dict[str, Any]) -> KvStore:
-    """The kvstore of a spec dict, opened in the shared context."""
-    return result(ts.KvStore.open(spec, context=CONTEXT))
-
-
-def reading_context() -> ts.Context:
+def _reading_context() -> ts.Context:
     """A context of its own for the arrays of one opening of another program's
     checkpoint (`open_for_reading`). TensorStore shares an open OCDBT database
     between opens of one context: an orbax checkpoint saved again at the same
@@ -579,32 +789,14 @@ def reading_context() -> ts.Context:
     return ts.Context({"cache_pool": {}, "ocdbt_coordinator": {}}, parent=CONTEXT)
 
 
-def open_for_reading(spec: dict[str, Any], context: ts.Context | None = None) -> Future:
-    """Open an existing array read-only from its full spec (another program's arrays)."""
-    return ts.open(spec, open=True, read=True, context=context if context is not None else CONTEXT)
+def open_for_reading(specs: list[dict[str, Any]]) -> list[Mapped]:
+    """Open existing arrays read-only from their full specs (another program's
+    arrays, of one checkpoint, in a context of their own): futures of their `Array`s."""
+    context = _reading_context()
+    return [_opening(ts.open(spec, open=True, read=True, context=context)) for spec in specs]
 
 
-def generation_changed(kv: KvStore, name: str, generation: bytes) -> bool:
-    """Whether the file `name` of `kv` is no longer the one a read found at
-    `generation` (`ReadResult.stamp.generation`): one read of one byte, sent
-    only if the generation differs (a local file's is its device, inode and
-    modification time; an object's, its generation or ETag)."""
-    try:
-        found = result(kv.read(name, byte_range=slice(0, 1), if_not_equal=generation))
-    except ValueError:
-        # A server whose generations TensorStore cannot send back in a condition
-        # (gcp-storage-emulator's), or a file now empty: compare a plain read's.
-        try:
-            found = result(kv.read(name, byte_range=slice(0, 1)))
-        except ValueError:
-            return True
-    if found.state == "unspecified":  # not modified since
-        return False
-    # A server that ignores the condition sends the byte again: its generation decides.
-    return found.state != "value" or found.stamp.generation != generation
-
-
-def pending() -> tuple[Any, Future]:
+def pending() -> tuple[Promise, Future]:
     """A promise and its future, for a result a callback sets later."""
     return ts.Promise.new()
 
@@ -616,12 +808,24 @@ def ready(value: Any) -> Future:
     return future
 
 
-def virtual_array(read: Any, *, dtype: Any, shape: tuple[int, ...], chunks: tuple[int, ...]) -> Any:
-    """A read-only array whose chunks `read(domain, array, params)` fills (a future)."""
+def virtual_array(
+    read: Callable[[tuple[int, int] | None, np.ndarray], Future],
+    *,
+    dtype: Any,
+    shape: tuple[int, ...],
+    chunks: tuple[int, ...],
+) -> Array:
+    """A read-only `Array` whose chunks `read(rows, array)` fills (a future):
+    `rows` is the chunk's `(first, end)` along the first axis (`None` for a
+    scalar), and `array` the chunk's buffer to fill."""
+
+    def fill(domain: Any, array: np.ndarray, _: Any) -> Future:
+        return read((domain[0].inclusive_min, domain[0].exclusive_max) if shape else None, array)
+
     layout = ts.ChunkLayout(read_chunk_shape=chunks) if shape else None
-    return ts.virtual_chunked(read, dtype=ts.dtype(np.dtype(dtype).name), shape=shape, chunk_layout=layout)
+    return Array(ts.virtual_chunked(fill, dtype=ts.dtype(np.dtype(dtype).name), shape=shape, chunk_layout=layout))
 
 
-def in_memory(array: Any) -> Any:
-    """A NumPy array as a TensorStore array (the type every opened leaf has)."""
-    return ts.array(array)
+def in_memory(array: np.ndarray) -> Array:
+    """A NumPy array as an `Array` (the type every opened leaf has)."""
+    return Array(ts.array(array))

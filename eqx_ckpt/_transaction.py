@@ -93,7 +93,7 @@ class Transaction:
     def __init__(self, loc: Location, old: Manifest | None, target: str, layout: str, commit_id: str):
         self.loc, self.old, self.target, self.layout, self.commit_id = loc, old, target, layout, commit_id
         # The manifest's generation when the save began (absent for a first save).
-        self.expected = _lease.ABSENT
+        self.expected = _storage.ABSENT
         self.state = State.BEGUN
         self.lease: _lease.Lease | None = None
         self.names: tuple[str, ...] = ()

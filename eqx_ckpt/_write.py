@@ -385,13 +385,20 @@ class _TensorStore:
         self._transaction: Any = None
         self._commit: _Commit | None = None
 
-    def piece(self, opened: Any, index: Any, last: bool, hosts: list[np.ndarray]) -> tuple[list[Any], Steps]:
+    def piece(
+        self, opened: _storage.Mapped, index: Any, last: bool, hosts: list[np.ndarray]
+    ) -> tuple[list[Any], Steps]:
         """Stage the write of a leaf's piece (`last`: its last piece)."""
         store = opened.result()
         return self._stage([store[index] if index else store], hosts, [(hosts[0].nbytes, [0] if last else [])])
 
     def pack(
-        self, opened: Any, pack: PackRecord, records: list[LeafRecord], files: range, hosts: list[np.ndarray]
+        self,
+        opened: _storage.Mapped,
+        pack: PackRecord,
+        records: list[LeafRecord],
+        files: range,
+        hosts: list[np.ndarray],
     ) -> tuple[list[Any], Steps]:
         """Stage the write of the chunk files `files` of `pack`."""
         contents, lo = _pack_contents(pack, records, hosts, files)
@@ -407,8 +414,7 @@ class _TensorStore:
         writes = []
         try:
             for target, host in zip(targets, hosts, strict=True):
-                target = target.with_transaction(self._transaction)
-                writes.append(target.write(host, can_reference_source_data_indefinitely=True))
+                writes.append(target.write(host, self._transaction))
             for write, (nbytes, leaves) in zip(writes, steps):
                 error = attempt(write.result)
                 if error is not None:
@@ -431,7 +437,7 @@ class _TensorStore:
         self._transaction = self._commit = None
 
         def start() -> None:
-            commit.future = transaction.commit_async()
+            commit.future = transaction.commit()
             self._out.append(commit.future)
 
         _interrupts.uninterrupted(start)
@@ -510,8 +516,8 @@ def protect(pending: list[Pending]) -> None:
 def _group_writes(data: Location, records: list[LeafRecord]) -> list[Any]:
     """Zarr v3 group metadata for every folder above a leaf (and for the data
     root: see `_layout.groups`), so zarr tools can walk the tree."""
-    store = _storage.kvstore(data, synced=False)
-    return [store.write(_format.metadata_key(g), _format.GROUP_JSON) for g in _layout.groups(records)]
+    groups = {_format.metadata_key(g): _format.GROUP_JSON for g in _layout.groups(records)}
+    return _storage.start_writes(data, groups, synced=False)
 
 
 def attempt(run: Callable[[], Any]) -> BaseException | None:

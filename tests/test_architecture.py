@@ -322,3 +322,56 @@ def test_an_eqx_ckpt_checkpoint_is_opened_in_one_place():
     transaction checks), and a transaction finds the data root it writes."""
     assert _users("_transaction", "read_manifest") == {"_source", "_steps"}
     assert _users("_layout", "data_location") == {"_source", "_transaction"}
+
+
+# Attributes and keywords that only TensorStore's objects have (its arrays,
+# kvstores, transactions, read results, index domains): used outside `_storage`,
+# they drive a TensorStore object that should not have left it.
+_TENSORSTORE_ONLY = {
+    "with_transaction",
+    "commit_async",
+    "chunk_layout",
+    "read_chunk",
+    "delete_range",
+    "KvStore",
+    "inclusive_min",
+    "exclusive_max",
+    "oindex",
+    "vindex",
+    "translate_to",
+}
+_TENSORSTORE_KEYWORDS = {"if_equal", "if_not_equal", "byte_range", "can_reference_source_data_indefinitely"}
+
+
+def test_no_tensorstore_object_leaves_the_storage_seam():
+    """`_storage` returns its own types (`Array`, `Transaction`, `Found`, futures
+    whose results are those or NumPy arrays), never a TensorStore array,
+    kvstore or transaction; and no other module drives one (issue 48: the
+    storage seam is an interface, not an import rule)."""
+    tree = _tree(PACKAGE / "_storage.py")
+    leaking = []
+    scopes = [tree, *(n for n in tree.body if isinstance(n, ast.ClassDef) and not n.name.startswith("_"))]
+    for scope in scopes:
+        for node in scope.body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and node.returns is not None:
+                returned = ast.unparse(node.returns)
+                if re.search(r"\bts\.", returned):
+                    leaking.append(f"_storage.py:{node.lineno}: {node.name} -> {returned}")
+    assert leaking == [], "return `_storage`'s own types (Array, Transaction, Found, Future):\n" + "\n".join(leaking)
+    driven = []
+    for path in MODULES:
+        if path.name in ("_storage.py", "_location.py"):
+            continue
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Attribute) and (
+                node.attr in _TENSORSTORE_ONLY or ast.unparse(node).endswith(".stamp.generation")  # a read result's
+            ):
+                driven.append(f"{path.name}:{node.lineno}: .{node.attr}")
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "_storage":
+                if node.attr.startswith("_") or node.attr in ("kvstore", "KvStore", "open_kvstore"):
+                    driven.append(f"{path.name}:{node.lineno}: _storage.{node.attr}")
+            elif isinstance(node, ast.Call):
+                driven += [
+                    f"{path.name}:{node.lineno}: {k.arg}=" for k in node.keywords if k.arg in _TENSORSTORE_KEYWORDS
+                ]
+    assert driven == [], "go through `_storage`'s functions and `_storage.Array`:\n" + "\n".join(driven)
