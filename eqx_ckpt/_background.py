@@ -14,7 +14,7 @@ import functools
 import operator
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -30,10 +30,11 @@ HeldLeaves = Callable[[], tuple[list[Any], _tree.Names]]
 def hold_tree(pytree: Any) -> HeldLeaves | None:
     """For an asynchronous save with the default filter spec (and no
     `is_leaf`), what the caller must wait for: every leaf's host data held
-    (NumPy arrays copied, each `jax.Array`'s host data taken, so that a later
-    donation or change cannot reach the save). Returns what the background
-    calls for the leaves and their names. `None` when the tree needs the
-    caller's thread: a leaf whose error should be raised at once.
+    (`_hold`: NumPy arrays copied, each `jax.Array`'s host data taken, so
+    that a later donation or change cannot reach the save). Returns what the
+    background calls for the leaves (what `_records.build` makes records of,
+    there) and their names. `None` when the tree needs the caller's thread: a
+    leaf whose error should be raised at once.
 
     The key paths are the structure's, never the caller's tree's (which the
     caller may change once this returns): rebuilt in the background from the
@@ -46,58 +47,83 @@ def hold_tree(pytree: Any) -> HeldLeaves | None:
     keypaths = None
     if not _tree.rebuilds_plainly(treedef):
         keypaths = [keypath for keypath, _ in _tree.flatten(pytree, None)[0]]
-    held = _views(leaves)
-    if held is None:
-        held = _held(leaves)
-        if held is None:
-            return None
-    kinds = _records.array_kind
+    taken = _hold(leaves)
+    if taken is None:
+        return None
+    held, viewed = taken
 
     def flat() -> tuple[list[Any], _tree.Names]:
         if keypaths is not None:
             names = _tree.names_from_keypaths(keypaths, treedef)
         else:
             names = _tree.names_from_structure(treedef)
-        out = []
-        for x, data in zip(leaves, held, strict=True):
-            if type(data) is np.ndarray and kinds(type(x)) == "jax":
-                data = _records.Held(x, x, [((), data)])
-            out.append(data)
+        out, make = list(held), _records.Held
+        for i in viewed:
+            x = leaves[i]
+            out[i] = make(x, x, [((), held[i])])
         return out, names
 
     return flat
 
 
-# A leaf's sharding, read for every leaf without a step of Python's own.
+# A leaf's sharding and dtype, read for every leaf without a step of Python's own.
 _SHARDING = operator.attrgetter("sharding")
+_DTYPE = operator.attrgetter("dtype")
 
 
-def _views(leaves: list[Any]) -> list[Any] | None:
-    """The NumPy view of every leaf, when every one is a `jax.Array` on one
-    device (the common tree; a view is a `jax.Array`'s host data, which never
+def _hold(leaves: list[Any]) -> tuple[list[Any], Sequence[int]] | None:
+    """Every leaf's host data held, each leaf looked at once: a `jax.Array` on
+    one device by its NumPy view (a `jax.Array`'s host data, which never
     changes; on an accelerator, a copy the save owns, `_staging.host_views`,
-    never cached on the caller's array after the save); else `None`. The caller waits for this, so no step of it is
-    Python's per leaf: the types and shardings are checked as sets, and the
-    views made by `map` (docs/benchmarks.md, "Measurements behind the
-    design")."""
+    never cached on the caller's array), any other `jax.Array` (sharded, a
+    PRNG key array) by its host pieces (`_records.hold`), NumPy arrays copied
+    (`_memory`), other leaves as they are. Returns what is held, one per leaf,
+    and the indices of the views (made `_records.Held` in the background,
+    `hold_tree`). `None` when a leaf's error is for the caller's thread to
+    raise (a masked or abstract array, a leaf that cannot be held: a deleted
+    array).
+
+    The caller waits for this. The common tree, every leaf a `jax.Array` on
+    one device, is held with no step of Python's per leaf: the types and
+    shardings checked as sets, the views made by `map` (docs/benchmarks.md,
+    "Measurements behind the design"); a PRNG key array among them (which
+    has no view) is found by its dtype, and the others are still viewed so.
+    Any other tree is held leaf by leaf."""
     kinds = _records.array_kind
-    if not all(kinds(cls) == "jax" for cls in set(map(type, leaves))):
-        return None
     try:
-        if set(map(type, map(_SHARDING, leaves))) != {jax.sharding.SingleDeviceSharding}:
-            return None
-        return _staging.host_views(leaves)
+        if all(kinds(cls) == "jax" for cls in set(map(type, leaves))) and set(map(type, map(_SHARDING, leaves))) == {
+            jax.sharding.SingleDeviceSharding
+        }:
+            try:
+                return _staging.host_views(leaves), range(len(leaves))
+            except TypeError:
+                return _keys_apart(leaves)  # (a PRNG key array has no view)
     except Exception:
-        return None  # a PRNG key array (it has no view), a deleted array: held leaf by leaf
+        return None  # a deleted array: the caller's thread names it
+    return _leaf_by_leaf(leaves)
 
 
-def _held(leaves: list[Any]) -> list[Any] | None:
-    """Every leaf's host data held, leaf by leaf (the tree `_views` does not
-    take): a `jax.Array` on one device by its view, any other by its host
-    pieces (`_records.hold`), NumPy arrays copied. `None` when a leaf's error
-    is for the caller's thread to raise (a masked or abstract array, a leaf
-    that cannot be held)."""
+def _keys_apart(leaves: list[jax.Array]) -> tuple[list[Any], list[int]] | None:
+    """`_hold` of a tree of `jax.Array`s on one device, some of them PRNG key
+    arrays: those held by their key data, the others by their views."""
+    dtypes = list(map(_DTYPE, leaves))
+    keys = {dtype for dtype in set(dtypes) if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)}
+    if not keys:
+        return None  # not a key that had no view: the caller's thread names the leaf
+    held: list[Any] = list(leaves)
+    viewed = [i for i, dtype in enumerate(dtypes) if dtype not in keys]
+    for i, view in zip(viewed, _staging.host_views([leaves[i] for i in viewed]), strict=True):
+        held[i] = view
+    for i, dtype in enumerate(dtypes):
+        if dtype in keys:
+            held[i] = _records.hold(leaves[i], True)
+    return held, viewed
+
+
+def _leaf_by_leaf(leaves: list[Any]) -> tuple[list[Any], list[int]] | None:
+    """`_hold` of any other tree, leaf by leaf."""
     held: list[Any] = []
+    viewed: list[int] = []  # `jax.Array`s on one device, held by their views
     copied: list[int] = []  # NumPy leaves, copied once all are found
     kinds, one_device = _records.array_kind, jax.sharding.SingleDeviceSharding
     try:
@@ -105,9 +131,9 @@ def _held(leaves: list[Any]) -> list[Any] | None:
             kind = kinds(type(x))
             if kind == "jax":
                 if type(x.sharding) is one_device:
-                    # Its host view, made a `Held` later (`flat`).
                     try:
                         held.append(_staging.host(x))
+                        viewed.append(len(held) - 1)
                         continue
                     except TypeError:
                         pass  # a PRNG key array, whose key data is held below
@@ -121,7 +147,7 @@ def _held(leaves: list[Any]) -> list[Any] | None:
             held[i] = copy
     except Exception:
         return None  # a leaf that cannot be held (a deleted array): the caller's thread names it
-    return held
+    return held, viewed
 
 
 class PendingSave:

@@ -22,8 +22,8 @@ The points, with where they fire and the arguments they pass:
 - `save.records` `(loc)`: a save starts making its leaves' records (running
   the filter specs), before anything is written.
 - `save.leaf_record` `(path)`: one leaf's record and host pieces are made the
-  general way (a filter spec's write, a PRNG key, a sharded array; the
-  batched common case does not pass here).
+  general way (a PRNG key, a sharded array, a scalar, a cast; the common
+  leaf's short branch does not pass here).
 - `save.slices` `(path, regions)`: a process of a multi-process save took its
   share of the leaf at `path`, one spread over several processes (sharded,
   or replicated): `regions`, the regions it writes (tuples of slices; none

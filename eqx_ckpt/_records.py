@@ -3,14 +3,15 @@ nowhere else (`build`), and the packing of the small ones (`assign`).
 
 `build` runs the filter specs over a tree's leaves and makes a `Pending` (a
 `_format.LeafRecord` and the pieces written for it) for each value they
-write. A piece is kept as what it comes from (a `jax.Array`, a NumPy array,
-or a `_staging.Deferred` cast, encoding or slice): its host data is made as
-the save's writes reach it, within the staging budget (`_staging`). The
-common leaf (a NumPy array, or a `jax.Array` on one device, of a dtype
-stored as it is, not cast) takes a short branch, its record's fixed part
-worked out once per dtype and shape; any other leaf goes the general way,
-which checks what it can store (a cast's values included) and names the
-leaf in its errors.
+write, by one path (`_Collector.add`), each value once. A piece is kept as
+what it comes from (a `jax.Array`, a NumPy array, or a `_staging.Deferred`
+cast, encoding or slice): its host data is made as the save's writes reach
+it, within the staging budget (`_staging`). The common leaf (a NumPy array,
+or a `jax.Array` on one device, of a dtype stored as it is, not cast) takes
+a short branch of that path, its record's fixed part worked out once per
+dtype and shape; any other leaf goes on the general way (`_general`), which
+checks what it can store (a cast's values included) and names the leaf in
+its errors.
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ class Held:
 
 
 def hold(x: jax.Array, primary: bool) -> Held:
-    """`x` with its host data taken; `primary`: whether this is process 0. (The
-    common leaf, a plain array on one device, an asynchronous save's caller
-    holds by its NumPy view alone: `_background.hold_tree`, in a single-process
-    save only.)"""
+    """`x` with its host data taken by its host pieces; `primary`: whether
+    this is process 0. (A plain array on one device, an asynchronous save's
+    caller holds by its NumPy view instead, made a `Held` in the background:
+    `_background.hold_tree`, in a single-process save only.)"""
     data = jax.random.key_data(x) if _dtypes.is_prng_key(x) else x
     if not _multihost.writes(data, primary):
         return Held(x, data, [])
@@ -83,42 +84,29 @@ def build(
     default: Callable[[LeafHandle, Any], None],
 ) -> list[Pending]:
     """Run the filter specs (`specs`, one per leaf) over the leaves, and make
-    the record and host pieces of every value they write; nothing is written
-    yet, so a bad leaf leaves the destination untouched. `default`: the
-    default filter spec, whose work on an array this does without the call
-    (in one loop over the tree, `_common`, when every leaf has it and nothing
-    is cast)."""
+    the record and host pieces of every value they write (`_Collector.add`,
+    each leaf once); nothing is written yet, so a bad leaf leaves the
+    destination untouched. `default`: the default filter spec, whose work on
+    an array (writing it as it is) this does without the call or a handle."""
     _faults.fire("save.records", loc)
     paths, records = names.paths, names.records
     _tree.check_unique(names, checkpoint=loc.display)
-    primary = jax.process_index() == 0
-    defaults = [spec is default for spec in specs]
-    commons = None
-    if cast is None and all(defaults):
-        commons = _common(leaves, paths, records, primary)
-        if not any(common is None for common in commons):
-            return commons  # type: ignore[return-value]
-    collector = _Collector(names, cast, primary)
+    collector = _Collector(loc, names, cast, jax.process_index() == 0)
+    add, kinds, as_is = collector.add, _KINDS, _WRITTEN_AS_IS
+    i = 0
     try:
-        for i, (leaf, dotted, record, spec) in enumerate(zip(leaves, paths, records, specs, strict=True)):
-            by_default = defaults[i]
-            try:
-                if cast is None and by_default:
-                    common = commons[i] if commons is not None else _common([leaf], [dotted], [record], primary)[0]
-                    if common is not None:
-                        collector.pending.append(common)
-                        continue
-                handle = LeafHandle(names.keypath(i), dotted, loc.display, write=collector.write)
-                if by_default and _is_array(leaf):
-                    collector.pending.append(
-                        _prepare(handle, leaf, cast, primary=primary, keypath=record, deal=collector.deal)
-                    )
-                else:
-                    spec(handle, leaf)
-            except CheckpointError:
-                raise
-            except Exception as e:
-                raise _leaf_failed(e, loc, names.keypath(i), dotted, leaf) from e
+        for i, (leaf, spec) in enumerate(zip(leaves, specs, strict=True)):
+            if spec is default:
+                cls = type(leaf)
+                kind = kinds.get(cls) or array_kind(cls)
+                if kind in as_is:
+                    add(leaf, kind, paths[i], records[i], i)
+                    continue
+            spec(collector.handle(i), leaf)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise _leaf_failed(e, loc, names.keypath(i), paths[i], leaves[i]) from e
     finally:
         # A handle kept past this point (and written through later) must not
         # add a leaf the manifest would list and no write would store.
@@ -127,16 +115,28 @@ def build(
 
 
 class _Collector:
-    """What the filter specs write through their handles: `pending`, in order."""
+    """The records and pieces of a save's values, in order (`pending`): each
+    value written (by the default filter spec's work, or through a handle) is
+    made one by `add`, once."""
 
-    def __init__(self, names: _tree.Names, cast: Callable[[str, np.dtype], Any] | None, primary: bool):
+    def __init__(self, loc: Location, names: _tree.Names, cast: Callable[[str, np.dtype], Any] | None, primary: bool):
         self.pending: list[Pending] = []
         self.collecting = True  # until the specs have run: `pending` is then the save's, and final
+        self._loc, self._names = loc, names
         self._written: set[str] = set()
-        self._record_of = dict(zip(names.paths, names.records))
+        self._record_of: dict[str, list[list[Any]]] | None = None  # made at the first handle write
         self._cast, self._primary = cast, primary
         # Who writes which slice of a leaf several processes hold: one deal for the save's leaves.
         self.deal = _sharding.Deal()
+        # (dtype, shape) -> (stored dtype name or `None`, chunk shape, bytes): the
+        # common leaf's fixed part, worked out once per dtype and shape of the save.
+        self._fixed: dict[tuple[Any, tuple[int, ...]], tuple[str | None, tuple[int, ...], int]] = {}
+        self._limit = _format.CHUNK_BYTES
+
+    def handle(self, i: int) -> LeafHandle:
+        """The handle of leaf `i`, which its filter spec writes through."""
+        names = self._names
+        return LeafHandle(names.keypath(i), names.paths[i], self._loc.display, write=self.write)
 
     def write(self, handle: LeafHandle, value: Any) -> None:
         if not self.collecting:
@@ -151,8 +151,64 @@ class _Collector:
                 "Call `handle.write` once for each leaf (or not at all, to leave it out).",
             )
         self._written.add(handle.path)
+        if self._record_of is None:
+            self._record_of = dict(zip(self._names.paths, self._names.records))
         keypath = self._record_of.get(handle.path) or _keypath.to_json(handle.keypath)
-        self.pending.append(_prepare(handle, value, self._cast, primary=self._primary, keypath=keypath, deal=self.deal))
+        cls = type(value)
+        self.add(value, _KINDS.get(cls) or array_kind(cls), handle.path, keypath, handle)
+
+    def add(self, x: Any, kind: str, path: str, keypath: list[list[Any]], where: int | LeafHandle) -> None:
+        """Make the record and host pieces of `x`, a value written for the leaf
+        at `path` (`kind`: `array_kind` of its type; `keypath`: the manifest
+        record of its key path; `where`: its handle, or the leaf's index when
+        the save made none). The common leaf (a NumPy array, or a `jax.Array`
+        on one device, or either held, of a dtype stored as it is, not cast)
+        takes the short branch: one host piece, in whole-array chunks, the
+        record's fixed part worked out once per dtype and shape of the save
+        (faster than leaf by leaf: docs/benchmarks.md). Any other value goes
+        the general way (`_general`), which checks what it can store (a
+        cast's values included) and names the leaf in its errors."""
+        held = None
+        if kind == "held":
+            held, x, kind = x, x.value, "jax"
+        if self._cast is None and (
+            kind == "numpy" or (kind == "jax" and (type(x.sharding) is _ONE_DEVICE or _sharding.on_one_device(x)))
+        ):
+            dtype, shape = x.dtype, x.shape
+            fixed = self._fixed.get((dtype, shape))
+            if fixed is None:
+                fixed = self._fixed[dtype, shape] = _fixed_part(dtype, shape, self._limit)
+            name, chunks, nbytes = fixed
+            # (A deleted array goes the general way, which names the leaf.)
+            if name is not None and (held is not None or not self._primary or kind == "numpy" or not x.is_deleted()):
+                if held is not None:
+                    pieces = held.pieces
+                elif self._primary:
+                    pieces = [((), x)]
+                else:
+                    pieces = []
+                record = LeafRecord(path, keypath, kind, shape, name, shape, name, "plain", chunks)
+                self.pending.append(Pending(record, pieces, nbytes if pieces else 0))
+                return
+        if not isinstance(where, LeafHandle):
+            where = self.handle(where)
+        self.pending.append(_general(where, x if held is None else held, self._cast, self._primary, keypath, self.deal))
+
+
+_ONE_DEVICE = jax.sharding.SingleDeviceSharding
+# The kinds (`array_kind`) the default filter spec writes as they are: arrays
+# (a tracer's kind is "abstract": the default spec's write of it raises the
+# error it should), and an asynchronous save's held arrays.
+_WRITTEN_AS_IS = frozenset(("jax", "numpy", "ndarray", "held"))
+
+
+def _fixed_part(dtype: np.dtype, shape: tuple[int, ...], limit: int) -> tuple[str | None, tuple[int, ...], int]:
+    """A common leaf's record's fixed part: the name of `dtype` (`None` when an
+    array of it is not stored as it is, or of too many dimensions), its chunk
+    shape and its bytes."""
+    name = _plain_dtype(dtype) if len(shape) <= _format.MAX_RANK else None
+    chunks = _chunk_grid(shape, dtype.itemsize, limit) if name else ()
+    return name, chunks, math.prod(shape) * dtype.itemsize
 
 
 def _leaf_failed(error: Exception, loc: Location, keypath: tuple[Any, ...], dotted: str, leaf: Any) -> LeafError:
@@ -200,34 +256,21 @@ class Unread:
         return read_leaves(self.lazy._source, [LeafPlan.of(0, self.lazy._record, like)], progress=False)[0]
 
 
-def _is_array(x: Any) -> bool:
-    """Whether the default spec writes `x` as it is: a NumPy or JAX array, or a
-    held one (a tracer too: writing it raises the error it should)."""
-    return type(x) is np.ndarray or type(x) is Held or isinstance(x, jax.Array)
-
-
-def _prepare(
+def _general(
     handle: LeafHandle,
     x: Any,
     cast: Callable[[str, np.dtype], Any] | None,
-    *,
-    primary: bool | None = None,
-    keypath: list[list[Any]] | None = None,
-    deal: _sharding.Deal | None = None,
+    primary: bool,
+    keypath: list[list[Any]],
+    deal: _sharding.Deal,
 ) -> Pending:
-    """The manifest record and the host pieces of one value written for a
-    leaf: by the short branch (`_common`) when it takes it, else the general
-    way. `primary`: whether this is process 0 (asked of JAX when not given);
-    `keypath`: the manifest record of `handle.keypath`, when the caller has it;
-    `deal`: the save's deal of slices between processes (`_sharding.Deal`)."""
+    """The manifest record and the host pieces of a value written for a leaf
+    the general way (`_Collector.add` takes the common leaf's short branch
+    before): any leaf type, a cast, a PRNG key, a sharded array, a lazily
+    loaded leaf. `primary`: whether this is process 0; `keypath`: the manifest
+    record of `handle.keypath`; `deal`: the save's deal of slices between
+    processes (`_sharding.Deal`)."""
     _faults.fire("save.leaf_record", handle.path)
-    if keypath is None:
-        keypath = _keypath.to_json(handle.keypath)
-    if cast is None:
-        primary = jax.process_index() == 0 if primary is None else primary
-        common = _common([x], [handle.path], [keypath], primary)[0]
-        if common is not None:
-            return common
     held = None
     if isinstance(x, Held):
         held, x = x, x.value
@@ -336,69 +379,10 @@ def _stored_pieces(handle: LeafHandle, x: Any, pieces: list[Any], logical: np.dt
     ]
 
 
-def _common(
-    leaves: list[Any], paths: list[str], keypaths: list[list[list[Any]]], primary: bool
-) -> list[Pending | None]:
-    """The short branch, in one loop over the leaves: the record and pieces of
-    each common leaf, `None` for any other. The common leaf: a NumPy array or
-    a `jax.Array` on one device (or either held), of a dtype stored as it is,
-    not cast; one host piece, in whole-array chunks. The record's fixed part is
-    worked out once per dtype and shape (faster than leaf by leaf:
-    docs/benchmarks.md). `tests/test_records.py` checks that it gives what the
-    general way gives, and the same for a leaf alone as in a tree."""
-    out: list[Pending | None] = []
-    append = out.append
-    kinds, one_device, limit = _KINDS, jax.sharding.SingleDeviceSharding, _format.CHUNK_BYTES
-    # (dtype, shape) -> (dtype name, chunk shape, bytes); the name `None` when not stored as it is.
-    fixed: dict[tuple[Any, tuple[int, ...]], tuple[str | None, tuple[int, ...], int]] = {}
-    for x, path, keypath in zip(leaves, paths, keypaths, strict=True):
-        try:
-            cls = type(x)
-            held = None
-            if cls is Held:
-                held, x = x, x.value
-                cls = type(x)
-            kind = kinds.get(cls) or array_kind(cls)
-            if kind == "jax":
-                if type(x.sharding) is not one_device and not _sharding.on_one_device(x):
-                    append(None)
-                    continue
-            elif kind != "numpy":
-                append(None)
-                continue
-            dtype, shape = x.dtype, x.shape
-            known = fixed.get((dtype, shape))
-            if known is None:
-                name = _plain_dtype(dtype) if len(shape) <= _format.MAX_RANK else None
-                chunks = _chunk_grid(shape, dtype.itemsize, limit) if name else ()
-                known = fixed[dtype, shape] = (name, chunks, math.prod(shape) * dtype.itemsize)
-            name, chunks, nbytes = known
-            if name is None:
-                append(None)
-                continue
-            if held is not None:
-                pieces = held.pieces
-            elif not primary:
-                pieces = []
-            elif kind == "jax" and x.is_deleted():
-                append(None)  # the general way names the leaf
-                continue
-            else:
-                pieces = [((), x)]
-        except Exception:
-            # (A deleted `jax.Array`, say.) The general way raises the error
-            # again, where the save names the leaf.
-            append(None)
-            continue
-        record = LeafRecord(path, keypath, kind, shape, name, shape, name, "plain", chunks)
-        append(Pending(record, pieces, nbytes if pieces else 0))
-    return out
-
-
 def array_kind(cls: type) -> str:
     """What a leaf of type `cls` is: "jax" (a `jax.Array` with values), "numpy"
     (exactly `np.ndarray`), "ndarray" (a subclass of it), "abstract" (a tracer or
-    a `jax.ShapeDtypeStruct`) or "other". Remembered by type: an `isinstance`
+    a `jax.ShapeDtypeStruct`), "held" (`Held`) or "other". Remembered by type: an `isinstance`
     against JAX's classes costs about a microsecond, ten thousand times a save."""
     _faults.fire("save.array_kind", cls)
     kind = _KINDS.get(cls)
@@ -415,7 +399,8 @@ def array_kind(cls: type) -> str:
     return kind
 
 
-_KINDS: dict[type, str] = {}
+# (An asynchronous save's held array: "held", never a type of the caller's tree.)
+_KINDS: dict[type, str] = {Held: "held"}
 
 
 @functools.lru_cache(maxsize=256)

@@ -190,16 +190,16 @@ def test_a_script_ending_with_a_managers_save_in_flight_counts_it_once(tmp_path)
 
 
 def _held_back(faults):
-    """Make the background part of a save wait for `release` before it makes any
-    leaf record the general way (fault point `save.leaf_record`); return
-    (release, the names of the threads that made records)."""
+    """Make a save wait for `release` before it makes its leaves' records
+    (fault point `save.records`); return (release, the names of the threads
+    that made records)."""
     release, threads = threading.Event(), []
 
-    def slow(path):
+    def slow(loc):
         threads.append(threading.current_thread().name)
         assert release.wait(timeout=60)
 
-    faults("save.leaf_record", slow)
+    faults("save.records", slow)
     return release, threads
 
 

@@ -121,8 +121,9 @@ def reached(tmp_path_factory):
             on_device = eqx_ckpt.tree_deserialise_leaves(path / "ckpt", {"small": jnp.zeros(3, jnp.int32)}, cast=True)
             assert np.array_equal(on_device["small"], tree["small"] + 2)
             assert eqx.tree_equal(eqx_ckpt.Checkpoint(path / "custom").load(), tree)
-            # A save through TensorStore (its transaction), not local chunk files.
-            eqx_ckpt.tree_serialise_leaves(f"memory://{path.name}/ts", tree)
+            # A save through TensorStore (its transaction), not local chunk
+            # files, with a leaf whose record is made the general way (a scalar).
+            eqx_ckpt.tree_serialise_leaves(f"memory://{path.name}/ts", {**tree, "step": 3})
             # Another format's source (`_safetensors`).
             eqx_ckpt.export_safetensors(path / "st", tree)
             assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path / "st", like), tree)

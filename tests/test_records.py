@@ -1,8 +1,12 @@
-"""`_records`: the short branch for the common leaf gives exactly what the
-general way gives."""
+"""`_records`: every leaf becomes its record and pieces by one path, the
+common leaf by a short branch of it; what a save of each kind of leaf writes
+and loads back."""
 
 from __future__ import annotations
 
+import json
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -10,7 +14,9 @@ import numpy as np
 import pytest
 from arrays import values
 
-from eqx_ckpt import LeafHandle, _records, _staging
+import eqx_ckpt
+from eqx_ckpt import _records, _serialise, _tree
+from eqx_ckpt._location import location
 
 DTYPES = [
     np.float32, np.float64, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
@@ -20,101 +26,126 @@ SHAPES = [(), (0,), (3,), (4, 5), (2, 0, 3), (1, 1, 1, 7)]
 
 
 def _never_cast(path: str, dtype: np.dtype) -> None:
-    """A `cast` that changes nothing, so `_prepare` goes the general way."""
+    """A `cast` that changes nothing (a save with a `cast` makes every record the general way)."""
     return None
 
 
-def _both(x):
-    handle = LeafHandle((jax.tree_util.DictKey("w"),), "w", "ckpt")
-    short = _records._prepare(handle, x, None, primary=True)
-    general = _records._prepare(handle, x, _never_cast, primary=True)
-    return short, general
+def _leaves(path) -> list[dict]:
+    return json.loads((path / "manifest.json").read_text())["leaves"]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("as_jax", [False, True], ids=["numpy", "jax"])
-def test_short_path_gives_the_general_record(dtype, shape, as_jax):
-    x = values(shape, dtype)
+def test_every_dtype_and_shape_round_trips_and_a_cast_of_nothing_writes_the_same(tmp_path, as_jax):
+    """Arrays of every dtype stored as it is, of every shape (empty, scalar,
+    several dimensions; and one larger than a pack takes), saved with no
+    `cast` and with one that changes nothing: both load back exactly, and
+    both manifests list the same records."""
+    tree = {}
+    for dtype in DTYPES:
+        if as_jax and np.dtype(dtype).itemsize == 8 and not jax.config.jax_enable_x64:
+            continue  # 64-bit jax arrays need x64
+        for shape in SHAPES:
+            tree[f"{np.dtype(dtype).name}_{'x'.join(map(str, shape))}"] = np.asarray(values(shape, dtype))
+    tree["large"] = values((600, 1000), np.float32)  # 2.4 MB: a folder of its own, not a pack
     if as_jax:
-        if np.dtype(dtype).itemsize == 8 and not jax.config.jax_enable_x64:
-            pytest.skip("64-bit jax arrays need x64")
-        x = jax.device_put(x)
-    short, general = _both(x)
-    assert short.record == general.record
-    assert len(short.pieces) == len(general.pieces) == 1
-    assert short.pieces[0][0] == general.pieces[0][0] == ()
-    (a,), (b,) = [_staging.host(p[1]) for p in short.pieces], [_staging.host(p[1]) for p in general.pieces]
-    assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+        tree = {k: jax.device_put(v) for k, v in tree.items()}
+    like = jax.tree.map(jnp.zeros_like if as_jax else np.zeros_like, tree)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "plain", tree)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "cast", tree, cast=_never_cast)
+    for name in ("plain", "cast"):
+        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / name, like), tree, typematch=True)
+    assert _leaves(tmp_path / "plain") == _leaves(tmp_path / "cast")
+    kind = "jax" if as_jax else "numpy"
+    assert {leaf["type"] for leaf in _leaves(tmp_path / "plain")} == {kind}
+    assert (tmp_path / "plain" / "large" / "zarr.json").is_file()
 
 
-def test_short_path_is_not_taken_for_other_leaves():
-    """Keys, big-endian arrays and arrays of more than 32 dimensions go the
-    general way (key data, byte order, the rank error)."""
-    key = jax.random.key(0)
-    short, general = _both(key)
-    assert short.record == general.record and short.record.type == "prng_key"
-    swapped = values((3,), np.float32).astype(">f4")
-    short, general = _both(swapped)
-    assert short.record == general.record
-    assert _staging.host(short.pieces[0][1]).tobytes() == _staging.host(general.pieces[0][1]).tobytes()
-    with pytest.raises(RuntimeError, match="dimensions"):
-        _records._prepare(LeafHandle((), "w", "ckpt"), np.zeros((1,) * 33, np.float32), None, primary=True)
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_tree_of_every_kind_of_leaf_round_trips(tmp_path, blocking):
+    """Leaves of the short branch and of the general way side by side, some
+    sharing a dtype and shape (whose record's fixed part the short branch
+    works out once): each is stored as its own kind, and loads back as it was."""
 
+    class Sub(np.ndarray):
+        pass
 
-def test_one_loop_over_every_leaf_gives_what_each_leaf_gives_alone():
-    """`_common`, which a save runs over the whole tree, works the record's
-    fixed part out once per (dtype, shape): leaves sharing one but of another
-    kind, held leaves, a big-endian copy, keys and a deleted array (`None`: the
-    general way names it) must each come out as it makes them alone."""
-    deleted = jnp.arange(4.0)
-    deleted.delete()
+    mesh = jax.make_mesh((4,), ("x",))
     x = values((4,), np.float32)
-    leaves = [
-        x, jax.device_put(x), x.astype(">f4"), jax.random.key(0), deleted,
-        _records.Held(jax.device_put(x), None, [((), x)]), values((2, 3), np.int8),
-        jnp.asarray(x, jnp.bfloat16), x[None], 3.0, values((4,), np.float16),
-    ]  # fmt: skip
-    paths = [f"x{i}" for i in range(len(leaves))]
-    keypaths = [[["key", p]] for p in paths]
-    for primary in (True, False):
-        together = _records._common(leaves, paths, keypaths, primary)
-        alone = [_records._common([x], [p], [k], primary)[0] for x, p, k in zip(leaves, paths, keypaths, strict=True)]
-        assert [p is None for p in together] == [p is None for p in alone]
-        # Another process writes nothing, so it never reads the deleted array.
-        assert [i for i, p in enumerate(together) if p is None] == ([3, 4, 9] if primary else [3, 9])
-        for a, b in zip(together, alone, strict=True):
-            if a is not None:
-                assert a.record == b.record
-                assert [(i, _staging.host(v).tobytes()) for i, v in a.pieces] == [
-                    (i, _staging.host(v).tobytes()) for i, v in b.pieces
-                ]
-        kinds = [p.record.type for p in together if p is not None]
-        deleted_kind = [] if primary else ["jax"]
-        assert kinds == ["numpy", "jax", "numpy", *deleted_kind, "jax", "numpy", "jax", "numpy", "numpy"]
-        assert all(p.pieces == [] for p in together if p is not None and p.record.path != "x5") is not primary
+    tree = {
+        "a_numpy": x, "b_jax": jax.device_put(x), "c_big_endian": x.astype(">f4"), "d_key": jax.random.key(3),
+        "e_int8": values((2, 3), np.int8), "f_bf16": jnp.asarray(x, jnp.bfloat16), "g_row": x[None],
+        "h_float": 3.0, "i_f16": values((4,), np.float16), "j_sub": np.arange(4.0).view(Sub),
+        "k_sharded": jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))),
+        "l_numpy": x + 1, "m_jax": jax.device_put(x + 2),
+    }  # fmt: skip
+    expected = dict(tree, j_sub=np.arange(4.0), k_sharded=jnp.arange(8.0))
+    like = {k: np.zeros_like(v) if isinstance(v, np.ndarray) else jnp.zeros_like(v) for k, v in expected.items()}
+    like.update(d_key=jax.random.key(0), h_float=0.0)
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, blocking=blocking)
+    if pending is not None:
+        pending.wait()
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    key = out.pop("d_key")
+    assert np.array_equal(jax.random.key_data(key), jax.random.key_data(tree["d_key"]))
+    assert eqx.tree_equal(out, {k: v for k, v in expected.items() if k != "d_key"}, typematch=True)
+    kinds = {leaf["path"]: leaf["type"] for leaf in _leaves(tmp_path)}
+    assert kinds == {
+        "a_numpy": "numpy", "b_jax": "jax", "c_big_endian": "numpy", "d_key": "prng_key", "e_int8": "numpy",
+        "f_bf16": "jax", "g_row": "numpy", "h_float": "float", "i_f16": "numpy", "j_sub": "numpy",
+        "k_sharded": "jax", "l_numpy": "numpy", "m_jax": "jax",
+    }  # fmt: skip
 
 
-def test_a_traced_leaf_is_refused_on_the_short_path_too():
-    handle = LeafHandle((jax.tree_util.DictKey("w"),), "w", "ckpt")
+def test_each_leaf_is_made_once_and_the_common_one_by_the_short_branch(tmp_path, faults):
+    """The general way (fault point `save.leaf_record`) runs once for each leaf
+    the short branch does not take, and never for a common leaf (a
+    big-endian array is one: its bytes are swapped as written); through a
+    custom filter spec's handle as with the default one."""
+    made = []
+    faults("save.leaf_record", made.append)
+    tree = {"w": jnp.ones(3), "n": np.ones(2), "key": jax.random.key(0), "step": 4, "big": np.ones(3, ">f4")}
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "default", tree)
+    assert sorted(made) == ["key", "step"]
+    made.clear()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "custom", tree, lambda handle, x: handle.write(x))
+    assert sorted(made) == ["key", "step"]
+    made.clear()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "cast", tree, cast=_never_cast)
+    assert sorted(made) == ["big", "key", "n", "step", "w"]
+    assert _leaves(tmp_path / "default") == _leaves(tmp_path / "custom") == _leaves(tmp_path / "cast")
 
+
+def test_a_traced_value_written_by_a_filter_spec_is_refused(tmp_path):
     @jax.jit
     def f(x):
-        with pytest.raises(RuntimeError, match="traced value"):
-            _records._prepare(handle, x, None, primary=True)
+        eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", {"w": x}, lambda handle, v: handle.write(v))
         return x
 
-    f(jnp.ones(3))
+    with pytest.raises(eqx_ckpt.LeafError, match="it is a traced value"):
+        f(jnp.ones(3))
+    assert not (tmp_path / "ckpt").exists()
 
 
-def test_other_processes_write_no_pieces():
-    short = _records._prepare(LeafHandle((), "w", "ckpt"), jnp.ones(3), None, primary=False)
-    assert short.pieces == [] and short.record.shape == (3,)
+def _build(tree):
+    leaves, names = _tree.flatten_named(tree, None)
+    spec = _serialise.default_serialise_filter_spec
+    return _records.build(location("memory://records"), leaves, names, [spec] * len(leaves), None, default=spec)
 
 
-def test_kinds_are_remembered_by_type():
-    """`array_kind` decides by type, once per type: what `_common` (the short
-    branch) and an asynchronous save's hold both ask."""
+def test_other_processes_write_no_pieces(monkeypatch):
+    """A process other than 0 makes the same records, and no pieces of a leaf on one device."""
+    tree = {"j": jnp.ones(3), "n": np.ones((2, 2)), "s": 2.5}
+    ours = _build(tree)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    theirs = _build(tree)
+    assert [p.record for p in theirs] == [p.record for p in ours]
+    assert all(p.pieces == [] and p.nbytes == 0 for p in theirs)
+    assert all(len(p.pieces) == 1 for p in ours)
+
+
+def test_kinds_are_remembered_by_type(tmp_path):
+    """`array_kind` decides by type, once per type: what a save's records and
+    an asynchronous save's hold both ask."""
 
     class Sub(np.ndarray):
         pass
@@ -123,12 +154,11 @@ def test_kinds_are_remembered_by_type():
     jax.jit(lambda x: tracers.append(type(x)) or x)(jnp.ones(2))
     kinds = {
         np.ndarray: "numpy", Sub: "ndarray", type(jnp.ones(2)): "jax", tracers[0]: "abstract",
-        jax.ShapeDtypeStruct: "abstract", int: "other", str: "other",
+        jax.ShapeDtypeStruct: "abstract", int: "other", str: "other", _records.Held: "held",
     }  # fmt: skip
     for cls, kind in kinds.items():
         assert _records.array_kind(cls) == kind
         assert _records._KINDS[cls] == kind
-    handle = LeafHandle((jax.tree_util.DictKey("w"),), "w", "ckpt")
-    assert _records._common([np.arange(3.0).view(Sub)], ["w"], [[["key", "w"]]], True) == [None]
-    assert _records._common([jnp.ones(2)], ["w"], [[["key", "w"]]], True)[0].record.type == "jax"
-    assert _records._prepare(handle, np.arange(3.0).view(Sub), None, primary=True).record.type == "numpy"
+    tree = {"sub": np.arange(3.0).view(Sub), "jax": jnp.ones(2)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert {leaf["path"]: leaf["type"] for leaf in _leaves(tmp_path)} == {"sub": "numpy", "jax": "jax"}

@@ -9,14 +9,18 @@ import weakref
 import jax.numpy as jnp
 import pytest
 
-from eqx_ckpt import _records, _write
+from eqx_ckpt import _records, _serialise, _tree, _write
+from eqx_ckpt._location import location
 
 
 def test_a_freed_batch_is_empty_and_refuses_to_give_records():
     """Once freed, a batch holds nothing and asking for its records is an
     internal error, never an empty manifest."""
     leaves = [jnp.arange(n, dtype=jnp.float32) for n in (3, 5000, 7)]
-    pending = _records._common(leaves, [f"x{i}" for i in range(3)], [[["key", f"x{i}"]] for i in range(3)], True)
+    flat_leaves, names = _tree.flatten_named({f"x{i}": x for i, x in enumerate(leaves)}, None)
+    spec = _serialise.default_serialise_filter_spec
+    pending = _records.build(location("memory://batch"), flat_leaves, names, [spec] * 3, None, default=spec)
+    del flat_leaves
     _records.assign([p.record for p in pending], [p.pieces for p in pending])
     flat = [((), x) for x in leaves]
     batch = _write.Batch(pending, made=flat)
