@@ -118,7 +118,14 @@ class Stages:
         the futures of the opened arrays, and the first error); the others
         open them once it has (`open_arrays`: a store cannot be written
         before its metadata exists). The opened arrays' futures."""
-        opens, error = create() if self._group.primary else ([], None)
+        opens: list[Any] = []
+        error: BaseException | None = None
+        if self._group.primary:
+            try:
+                opens, error = create()
+            except BaseException as e:  # the others wait for it at `created`
+                self._group.sync("created", e)
+                raise
         error = self._group.sync("created", error)
         if error is not None:
             raise error
