@@ -1,9 +1,10 @@
-"""Several JAX processes saving one checkpoint: who writes what, and when.
+"""Several JAX processes taking part in one save or one restore: the group,
+its barriers, and who writes which leaf.
 
-With `jax.distributed` initialised, every process calls `tree_serialise_leaves`
-with the same tree, in the same order (as for any collective). Each process
-writes the shards it can address; process 0 alone runs the transaction (destination
-checks, `saving.json`), creates the arrays' metadata and writes the manifest.
+A save's stages (`_stages`) and a restore that reads each byte once
+(`_read_once`) each make a `Group` of the processes and meet at its
+barriers (`Group.sync`); `writes` says whether this process writes (its
+pieces of) a leaf.
 
 The processes meet at barriers of the distributed runtime's coordination service,
 not at device collectives: that needs no collective support from the backend
@@ -26,14 +27,11 @@ import atexit
 import itertools
 import threading
 import time
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 
-from . import _transaction
 from ._errors import CheckpointError
-from ._location import Location
 from ._sharding import on_one_device
 
 # A barrier waits this long for the slowest process: it covers writing that
@@ -259,50 +257,6 @@ class _Heartbeat:
         cls._stop.set()
         if cls._started is not None:
             cls._started.join(SILENT_SECONDS)
-
-
-def begin(
-    group: Group,
-    loc: Location,
-    *,
-    overwrite: bool,
-    layout: str,
-    paths: list[str],
-    packs: list[str],
-    check: Callable[[_transaction.Transaction], None] | None = None,
-) -> _transaction.Transaction:
-    """Process 0 begins the transaction, and runs `check` on it (which may
-    refuse it: the transaction is aborted); the others then join it."""
-    if group.primary:
-        try:
-            tx = _transaction.begin(loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
-            if check is not None:
-                try:
-                    check(tx)
-                except BaseException:
-                    tx.abort()
-                    raise
-        except BaseException as e:
-            group.sync("begin", e)
-            raise
-        group.sync("begin", None)  # only this process can fail at `begin`, and it did not
-        error = group.sync("joined", None)
-        if error is not None:
-            tx.abort()
-            raise error
-        return tx
-    error = group.sync("begin", None)
-    if error is not None:
-        raise error
-    try:
-        tx = _transaction.join(loc)
-    except BaseException as e:
-        group.sync("joined", e)
-        raise
-    error = group.sync("joined", None)
-    if error is not None:
-        raise error
-    return tx
 
 
 def _describe(error: BaseException) -> str:

@@ -2,17 +2,23 @@
 
 A save collects the tree's leaves with their names and filter specs
 (`_collect`), plans what it writes (every leaf's record and host pieces, and
-the packs of small leaves: `_records`), begins the transaction, writes every
-array (`_write`) and commits the manifest. An asynchronous save returns once
-its arrays are safe on the host (with the default filter spec, once each
-leaf's host data is held: `_background.hold_tree`, and the plan is made in
-the background too); a background thread (`_background`) does the rest.
+the packs of small leaves: `_records`), begins the transaction, creates the
+arrays and writes them within the staging budget (`_staging`: on a local disk
+by `_local_write`, else through TensorStore, `_write`), makes them durable
+(`_durable`) and commits the manifest. An asynchronous save
+returns once its arrays are safe on the host (with the default filter spec,
+once each leaf's host data is held: `_background.hold_tree`, and the plan is
+made in the background too); a background thread (`_background`) does the
+rest.
+
+With several JAX processes, every process runs this same story: the
+processes meet at the stages of `_stages` (`prepared`, `begin`, `create`,
+`commit`), which for a save of one process only run the step they wrap.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -29,11 +35,11 @@ from . import (
     _layout,
     _lease,
     _manifest,
-    _multihost,
     _partial,
     _records,
     _share,
     _source,
+    _stages,
     _staging,
     _storage,
     _storage_errors,
@@ -48,7 +54,6 @@ from ._errors import (
     CheckpointConnectionError,
     CheckpointError,
     CheckpointNotFoundError,
-    CheckpointValueError,
     CorruptCheckpointError,
     IntegrityError,
     LeafError,
@@ -243,10 +248,10 @@ def save(
     manager's step): the digest of every chunk file it writes is recorded, so
     that save reads none of them back (`_share`). `staging_bytes`: the
     staging budget (`_staging`)."""
-    group = _multihost.Group()
+    stages = _stages.Stages()
     share = check_flag("share", share, "`False` writes every chunk in full")
     overwrite, blocking, cast, budget, planned, expected = _collect_and_plan(
-        loc, group, pytree, filter_spec, is_leaf,
+        loc, stages, pytree, filter_spec, is_leaf,
         overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, where=where,
         staging=staging_bytes,
     )  # fmt: skip
@@ -257,15 +262,15 @@ def save(
     tracker: Tracker | None = None
     sharing = _Sharing(follows, share, followed, budget)
     try:
-        if not isinstance(planned, _write.Batch):
+        if not isinstance(planned, _staging.Batch):
             # Every array is safe on the host already: the plan, the transaction
             # and the writes all happen in the background.
-            run = functools.partial(_plan_write_and_commit, loc, group, planned, cast, sharing, **options)
+            run = functools.partial(_plan_write_and_commit, loc, stages, planned, cast, sharing, **options)
             return _background.start(run, exclusive, handoff)
         check = None if expected is None else functools.partial(_partial.check_unreplaced, commit=expected)
-        tx, tracker = _begin(loc, group, planned, check=check, **options)
+        tx, tracker = _begin(loc, stages, planned, check=check, **options)
         run = functools.partial(
-            _write_and_commit, tx, group, planned, metrics=metrics, tracker=tracker, sharing=sharing
+            _write_and_commit, tx, stages, planned, metrics=metrics, tracker=tracker, sharing=sharing
         )
         if blocking:
             with tracker:
@@ -282,7 +287,7 @@ def save(
         # kept alive by this exception's traceback holds the lease.
         if handoff.take_back():
             if tx is not None:
-                _stop(tx, group)
+                stages.stop(functools.partial(_stop, tx))
             if tracker is not None:
                 tracker.close()
             exclusive.release()
@@ -294,7 +299,7 @@ def save(
 
 def _collect_and_plan(
     loc: Location,
-    group: _multihost.Group,
+    stages: _stages.Stages,
     pytree: PyTree,
     filter_spec: Any,
     is_leaf: Callable[[Any], bool] | None,
@@ -305,17 +310,16 @@ def _collect_and_plan(
     layout: str,
     where: Callable[[PyTree], Any] | None,
     staging: Any,
-) -> tuple[bool, bool, Callable[[str, np.dtype], Any] | None, int, _write.Batch | _background.HeldLeaves, str | None]:
+) -> tuple[bool, bool, Callable[[str, np.dtype], Any] | None, int, _staging.Batch | _background.HeldLeaves, str | None]:
     """The options checked (`overwrite`, `blocking` and `cast` as `save` uses
     them, and `staging`, made the staging budget in bytes), then the leaves collected and
     planned; an asynchronous save's leaves are held instead
     (`_background.hold_tree`), and planned in the background. Last, for a partial save (`where`), the commit of the
-    checkpoint whose leaves it keeps."""
-    planned: _write.Batch | _background.HeldLeaves | None = None
+    checkpoint whose leaves it keeps. Every process then meets the others
+    at the first stage (`_stages.Stages.prepared`), whatever its outcome."""
+    planned: _staging.Batch | _background.HeldLeaves | None = None
     expected: str | None = None
     error: BaseException | None = None
-    # Every process reaches this first barrier, even one whose tree is bad, so
-    # that a failure anywhere fails the save everywhere at once.
     try:
         _layout.check(layout)
         overwrite = check_flag("overwrite", overwrite, "whether to replace a checkpoint already there")
@@ -335,7 +339,7 @@ def _collect_and_plan(
             )
             try:
                 planned = _plan(
-                    loc, group, partial.leaves, partial.names, partial.specs, partial.cast, private=not blocking,
+                    loc, stages, partial.leaves, partial.names, partial.specs, partial.cast, private=not blocking,
                     structure=partial.structure,
                 )  # fmt: skip
             except IntegrityError as e:
@@ -344,36 +348,16 @@ def _collect_and_plan(
             # A kept leaf is read as the save stages it: found damaged then, the refusal says so too.
             planned.refused = functools.partial(partial.kept_damaged, loc=loc)
             expected = partial.commit
-        elif not blocking and group.count == 1 and filter_spec is default_serialise_filter_spec and is_leaf is None:
-            planned = _background.hold_tree(pytree)
+        elif not blocking and stages.alone and filter_spec is default_serialise_filter_spec and is_leaf is None:
+            planned = _background.hold_tree(pytree)  # planned in the background
         if planned is None:
             leaves, names, specs = _collect(pytree, filter_spec, is_leaf)
-            planned = _plan(loc, group, leaves, names, specs, cast, private=not blocking)
-        if layout == "ocdbt" and group.count > 1:
-            raise CheckpointValueError(
-                f"`layout='ocdbt'` is not supported with {group.count} JAX processes: one "
-                f"OCDBT database has a single writer. Save with `layout='directories'`.",
-                path=loc.display,
-            )
+            planned = _plan(loc, stages, leaves, names, specs, cast, private=not blocking)
     except Exception as e:
         error = e
-    plan = _plan_digest(planned) if group.count > 1 and isinstance(planned, _write.Batch) else None
-    error = group.sync("prepared", error, plan)
-    if error is not None:
-        raise error
+    stages.prepared(error, planned, layout=layout, loc=loc)
     assert planned is not None
     return overwrite, blocking, cast, budget, planned, expected
-
-
-def _plan_digest(batch: _write.Batch) -> str:
-    """What a save planned, in a few bytes: every record's path, stored shape,
-    dtype and chunk grid, in order (the same in every process saving the same
-    tree: `_multihost.differing`)."""
-    digest = hashlib.sha256()
-    for p in batch.pending:
-        r = p.record
-        digest.update(repr((r.path, r.stored_shape, r.stored_dtype, tuple(r.chunks))).encode())
-    return digest.hexdigest()
 
 
 def _collect(
@@ -388,7 +372,7 @@ def _collect(
 
 def _plan(
     loc: Location,
-    group: _multihost.Group,
+    stages: _stages.Stages,
     leaves: list[Any],
     names: _tree.Names,
     specs: list[Any],
@@ -396,30 +380,30 @@ def _plan(
     *,
     private: bool,
     structure: Callable[[set[str]], Any] | None = None,
-) -> _write.Batch:
+) -> _staging.Batch:
     """What the save writes: every leaf's record and host pieces (the filter
-    specs run here), in a single process the packs of small leaves, and the
+    specs run here), in a save of one process the packs of small leaves, and the
     tree's structure record (`_structure`; `structure`, given the dotted paths
     stored, makes it where `names` are not of one tree: a partial save's).
-    `private`: protect the leaves' data (`_write.protect`), which the caller
+    `private`: protect the leaves' data (`_staging.protect`), which the caller
     may change or delete once an asynchronous save has returned."""
     pending = _records.build(loc, leaves, names, specs, cast, default=default_serialise_filter_spec)
-    if group.count == 1:
+    if stages.alone:
         _records.assign([p.record for p in pending], [p.pieces for p in pending])
     if private:
-        _write.protect(pending)
+        _staging.protect(pending)
     stored = {p.record.path for p in pending}
     if structure is None:
         record = _structure.record(names.treedef, leaves, [path in stored for path in names.paths], names.records)
     else:
         record = structure(stored)
-    return _write.Batch(pending, made=[leaves, names.paths, names.records], structure=record)
+    return _staging.Batch(pending, made=[leaves, names.paths, names.records], structure=record)
 
 
 @_gc.gc_paused()  # as `save` is, for the part of it that runs here
 def _plan_write_and_commit(
     loc: Location,
-    group: _multihost.Group,
+    stages: _stages.Stages,
     held: _background.HeldLeaves,
     cast: Callable[[str, np.dtype], Any] | None,
     sharing: _Sharing,
@@ -428,16 +412,16 @@ def _plan_write_and_commit(
     """The background part of an asynchronous save whose leaves were held (`_background.hold_tree`)."""
     _faults.fire("save.held", loc)
     leaves, names = held()
-    batch = _plan(loc, group, leaves, names, [default_serialise_filter_spec] * len(leaves), cast, private=False)
-    tx, tracker = _begin(loc, group, batch, **options)
+    batch = _plan(loc, stages, leaves, names, [default_serialise_filter_spec] * len(leaves), cast, private=False)
+    tx, tracker = _begin(loc, stages, batch, **options)
     with tracker:
-        _write_and_commit(tx, group, batch, metrics=options["metrics"], tracker=tracker, sharing=sharing)
+        _write_and_commit(tx, stages, batch, metrics=options["metrics"], tracker=tracker, sharing=sharing)
 
 
 def _begin(
     loc: Location,
-    group: _multihost.Group,
-    batch: _write.Batch,
+    stages: _stages.Stages,
+    batch: _staging.Batch,
     *,
     overwrite: bool,
     layout: str,
@@ -446,7 +430,7 @@ def _begin(
     check: Callable[[_transaction.Transaction], None] | None = None,
 ) -> tuple[_transaction.Transaction, Tracker]:
     """Begin the transaction (with every process; `check` may refuse it, see
-    `_multihost.begin`), and the progress report."""
+    `_stages.Stages.begin`), and the progress report."""
     if layout == "directories":
         _untrusted.check_path_lengths(loc, [p.record for p in batch.own])
     tracker = Tracker(progress, leaves=len(batch.pending), nbytes=batch.nbytes, what="save")
@@ -454,11 +438,33 @@ def _begin(
         with _storage_errors.explained(loc, "Saving checkpoint"):
             packs = [pack.name for pack, _ in batch.packs]
             paths = [p.record.path for p in batch.own]
-            tx = _multihost.begin(group, loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs, check=check)
+            begin = functools.partial(_begun, loc, overwrite, layout, paths, packs, check)
+            tx = stages.begin(begin, functools.partial(_transaction.join, loc))
     except BaseException:
         tracker.close()
         raise
     return tx, tracker
+
+
+def _begun(
+    loc: Location,
+    overwrite: bool,
+    layout: str,
+    paths: list[str],
+    packs: list[str],
+    check: Callable[[_transaction.Transaction], None] | None,
+) -> _transaction.Transaction:
+    """The transaction begun (`_transaction.begin`: the lease, the
+    destination's checks, the journal of `paths` and `packs`), which `check`
+    may refuse: it is then aborted."""
+    tx = _transaction.begin(loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
+    if check is not None:
+        try:
+            check(tx)
+        except BaseException:
+            tx.abort()
+            raise
+    return tx
 
 
 def _with_tracker(tracker: Tracker, run: Callable[[], None]) -> None:
@@ -468,29 +474,29 @@ def _with_tracker(tracker: Tracker, run: Callable[[], None]) -> None:
 
 def _write_and_commit(
     tx: _transaction.Transaction,
-    group: _multihost.Group,
-    batch: _write.Batch,
+    stages: _stages.Stages,
+    batch: _staging.Batch,
     *,
     metrics: dict[str, Any] | None,
     tracker: Tracker,
     sharing: _Sharing,
 ) -> None:
-    """Write every array, make it durable, then commit once (process 0). Before
+    """Write every array, make it durable, then commit once (`_stages`). Before
     the commit, any failure or interrupt deletes what this save wrote; after it,
     nothing undoes the save."""
     commits: list[Any] = []
     try:
-        error, encoded = _write_all(tx, group, batch, metrics=metrics, tracker=tracker, out=commits, sharing=sharing)
-        error = _commit(tx, group, encoded, error)
+        error, encoded = _write_all(tx, stages, batch, metrics=metrics, tracker=tracker, out=commits, sharing=sharing)
+        error = stages.commit(error, functools.partial(_commit, tx, encoded), tx.clean)
         if error is None:
             return
     except BaseException:
         # An interrupt (KeyboardInterrupt, SystemExit): undo only what is not committed.
         _write.settle(commits)
-        _stop(tx, group)
+        stages.stop(functools.partial(_stop, tx))
         raise
     _write.settle(commits)
-    _stop(tx, group)
+    stages.stop(functools.partial(_stop, tx))
     if isinstance(error, CheckpointError):
         raise error
     display = tx.loc.display
@@ -510,32 +516,40 @@ def _write_and_commit(
 
 def _write_all(
     tx: _transaction.Transaction,
-    group: _multihost.Group,
-    batch: _write.Batch,
+    stages: _stages.Stages,
+    batch: _staging.Batch,
     *,
     metrics: dict[str, Any] | None,
     tracker: Tracker,
     out: list[Any],
     sharing: _Sharing,
 ) -> tuple[BaseException | None, list[bytes]]:
-    """Write this process's arrays and make them durable, while process 0
-    encodes the manifest; the first error, and the manifest's bytes. Puts in
-    `out` the futures an abort must wait for (`_write.start_writes`); chunk
-    files are shared and their digests recorded as `sharing` says."""
+    """Create the arrays (`_stages.Stages.create`), write this process's
+    pieces within the staging budget (`_staging`) and make them durable,
+    while the process that commits encodes the manifest; the first error,
+    and the manifest's bytes. Puts in `out` the futures an abort must wait
+    for (`_staging.start_writes`); chunk files are shared and their digests
+    recorded as `sharing` says (a save of one process: `_stages`)."""
     error: BaseException | None = None
     encoded: list[bytes] = []
     try:
-        base = _base(tx, group, sharing.follows) if sharing.share else None
-        remember = sharing.share and sharing.followed
-        writing = _write.start_writes(
-            tx, batch, group, budget=sharing.staging, tracker=tracker, out=out, base=base, remember=remember
+        share = sharing.share and stages.alone
+        base = _base(tx, sharing.follows) if share else None
+        _faults.fire("save.start_writes", tx.loc)
+        data = tx.data
+        opens = stages.create(
+            functools.partial(_staging.create, data, batch), functools.partial(_staging.open_arrays, data, batch)
         )
+        writing = _staging.start_writes(
+            data, batch, opens, layout=tx.layout, processes=stages.processes, budget=sharing.staging,
+            tracker=tracker, out=out, base=base, remember=share and sharing.followed,
+        )  # fmt: skip
     except Exception as e:
         error, writing = e, None
-    if error is None and group.primary:
+    if error is None:
         # While the data is being written (encoding the manifest of many
         # leaves takes a noticeable part of a save).
-        error = _write.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, metrics)))
+        error = stages.by_committer(lambda: _write.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, metrics))))
     batch.free()
     if writing is not None:
         if error is not None:
@@ -565,13 +579,11 @@ class _Sharing(NamedTuple):
     staging: int
 
 
-def _base(tx: _transaction.Transaction, group: _multihost.Group, follows: Location | None) -> _share.Base | None:
+def _base(tx: _transaction.Transaction, follows: Location | None) -> _share.Base | None:
     """The checkpoint whose chunk files this save may share: the one it
     replaces, else the one it `follows` (a manager's previous step: none
     where it is gone or its manifest is damaged, and that save is written in
-    full); none for several processes. A failure to read it is the save's."""
-    if group.count > 1:
-        return None
+    full). A failure to read it is the save's."""
     if tx.old is not None:
         return _base_at(tx.loc, tx.old)
     if follows is None:
@@ -594,24 +606,14 @@ def _base_at(loc: Location, manifest: _manifest.Manifest | None) -> _share.Base 
     return _share.Base(source.data.local, source.manifest)
 
 
-def _commit(
-    tx: _transaction.Transaction, group: _multihost.Group, encoded: list[bytes], error: BaseException | None
-) -> BaseException | None:
-    """Once every process has written its arrays, process 0 commits the
-    manifest (`encoded`), then cleans up; the first error (any process's)."""
-    error = group.sync("written", error)
-    if error is None and group.primary:
-        tx.written()
-        error = _write.attempt(lambda: tx.commit(encoded[0]))
-    error = group.sync("committed", error)
-    if error is None and group.primary:
-        # Inside the caller's `try`: an interrupt from here on still leaves the
-        # checkpoint whole and hands the lease back (`_stop`).
-        tx.clean()
-    return error
+def _commit(tx: _transaction.Transaction, encoded: list[bytes]) -> BaseException | None:
+    """Commit the manifest (`encoded`): written last, in one conditional write
+    (`_transaction.Transaction.commit`); its error."""
+    tx.written()
+    return _write.attempt(lambda: tx.commit(encoded[0]))
 
 
-def _manifest_bytes(tx: _transaction.Transaction, batch: _write.Batch, metrics: dict[str, Any] | None) -> bytes:
+def _manifest_bytes(tx: _transaction.Transaction, batch: _staging.Batch, metrics: dict[str, Any] | None) -> bytes:
     packs = [pack for pack, _ in batch.packs]
     manifest = _manifest.new_manifest(
         batch.records(), tx.target, tx.layout, commit=tx.commit_id, metrics=metrics, packs=packs,
@@ -621,9 +623,8 @@ def _manifest_bytes(tx: _transaction.Transaction, batch: _write.Batch, metrics: 
     return manifest.to_bytes()
 
 
-def _stop(tx: _transaction.Transaction, group: _multihost.Group) -> None:
-    if not group.primary:
-        return
+def _stop(tx: _transaction.Transaction) -> None:
+    """End the transaction: undo what was not committed, or leave what was."""
     if tx.state in (_transaction.State.COMMITTED, _transaction.State.CLEANED):
         tx.leave()
     else:

@@ -89,15 +89,15 @@ def check_partial_save(path: str, mesh: jax.sharding.Mesh, tree: dict) -> None:
     assert eqx.tree_equal(loaded["small"], expected, typematch=True), loaded["small"]
 
 
-def check_failure_elsewhere(process_id: int, path: str, tree: dict, name: str, point: str) -> None:
-    """A failure in process 1 (the fault point `point` raises there, named
-    `name` in the error) fails the save in process 0 too, which removes what
-    the save had written."""
+def check_failure_elsewhere(process_id: int, path: str, tree: dict, name: str, point: str, failing: int = 1) -> None:
+    """A failure in process `failing` (the fault point `point` raises there,
+    named `name` in the error) fails the save in the other processes too, and
+    process 0 removes what the save had written."""
 
     def fail(*args: object, **kwargs: object) -> None:
         raise OSError(f"broken {name}")
 
-    if process_id != 1:
+    if process_id != failing:
         broken: contextlib.AbstractContextManager = contextlib.nullcontext()
     else:
         broken = _faults.armed(point, fail)
@@ -105,10 +105,10 @@ def check_failure_elsewhere(process_id: int, path: str, tree: dict, name: str, p
         with broken:
             eqx_ckpt.tree_serialise_leaves(path, tree)
     except (eqx_ckpt.CheckpointError, OSError) as e:
-        expected = f"process 1: OSError: broken {name}" if process_id == 0 else f"broken {name}"
+        expected = f"process {failing}: OSError: broken {name}" if process_id != failing else f"broken {name}"
         assert expected in str(e), str(e)
     else:
-        raise AssertionError(f"a save whose {name} failed in process 1 did not fail")
+        raise AssertionError(f"a save whose {name} failed in process {failing} did not fail")
     if process_id == 0 and os.path.exists(path):  # which cleaned up before raising
         assert os.listdir(path) == [], os.listdir(path)
 
@@ -168,10 +168,12 @@ def main(process_id: int, num_processes: int, port: int, path: str) -> None:
     check_loaded(eqx_ckpt.tree_deserialise_leaves(path, tree), tree, 2.0)
     # Process 1 fails before the first barrier (its tree cannot be saved: once the
     # others waited an hour for it there), to join the transaction, or to open
-    # the arrays to write.
+    # the arrays to write; process 0 fails to create them (once the others
+    # waited an hour for it at the stage `created`).
     check_failure_elsewhere(process_id, path + "_collect", tree, "build", "save.records")
     check_failure_elsewhere(process_id, path + "_join", tree, "join", "transaction.join")
     check_failure_elsewhere(process_id, path + "_write", tree, "open_array", "storage.open_array")
+    check_failure_elsewhere(process_id, path + "_create", tree, "create_array", "storage.create_array", failing=0)
     check_different_trees(process_id, path + "_different", mesh)
     try:
         eqx_ckpt.tree_serialise_leaves(path + "_ocdbt", tree, layout="ocdbt")

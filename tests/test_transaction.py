@@ -242,15 +242,19 @@ def test_every_io_step_failing(tmp_path, kind, error):
 
 
 # What a commit runs in the caller's thread: the transaction, and the part of
-# the save that writes and commits it. (The lines of `save` around it are
+# the save that writes and commits it (the story's, and its stages').
+# (The lines of `save` around it are
 # `test_an_interrupt_at_every_line_around_the_commit`'s.)
 _COMMIT_MODULES = ("eqx_ckpt._transaction",)
-_COMMIT_FUNCTIONS = ("_write_and_commit", "_commit", "_stop")
+_COMMIT_FUNCTIONS = {
+    "eqx_ckpt._serialise": ("_write_and_commit", "_commit", "_stop"),
+    "eqx_ckpt._stages": ("commit", "stop"),
+}
 
 
 def _counted(frame):
     module = frame.f_globals.get("__name__")
-    return module in _COMMIT_MODULES or (module == "eqx_ckpt._serialise" and frame.f_code.co_name in _COMMIT_FUNCTIONS)
+    return module in _COMMIT_MODULES or frame.f_code.co_name in _COMMIT_FUNCTIONS.get(module, ())
 
 
 def _raised(call, *args):

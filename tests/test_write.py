@@ -1,4 +1,4 @@
-"""`_write.Batch`: a save's leaves sorted by where they are written, freed
+"""`_staging.Batch`: a save's leaves sorted by where they are written, freed
 while the writes are in flight."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import weakref
 import jax.numpy as jnp
 import pytest
 
-from eqx_ckpt import _records, _serialise, _tree, _write
+from eqx_ckpt import _records, _serialise, _staging, _tree
 from eqx_ckpt._location import location
 
 
@@ -23,7 +23,7 @@ def test_a_freed_batch_is_empty_and_refuses_to_give_records():
     del flat_leaves
     _records.assign([p.record for p in pending], [p.pieces for p in pending])
     flat = [((), x) for x in leaves]
-    batch = _write.Batch(pending, made=flat)
+    batch = _staging.Batch(pending, made=flat)
     assert [r.path for r in batch.records()] == ["x0", "x1", "x2"]
     assert batch.packs and batch.nbytes == sum(x.nbytes for x in leaves)
     # Nothing is made host yet (`_staging` does it as the writes reach each piece).
