@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _gc, _lease, _memory, _records, _staging, _tree
+from . import _gc, _lease, _memory, _records, _tree
 
 # The leaves of an asynchronous save held by the caller (`hold_tree`): a
 # function the background calls for them and their names.
@@ -74,7 +74,7 @@ _DTYPE = operator.attrgetter("dtype")
 def _hold(leaves: list[Any]) -> tuple[list[Any], Sequence[int]] | None:
     """Every leaf's host data held, each leaf looked at once: a `jax.Array` on
     one device by its NumPy view (a `jax.Array`'s host data, which never
-    changes; on an accelerator, a copy the save owns, `_staging.host_views`,
+    changes; on an accelerator, a copy the save owns, `_memory.host_views`,
     never cached on the caller's array), any other `jax.Array` (sharded, a
     PRNG key array) by its host pieces (`_records.hold`), NumPy arrays copied
     (`_memory`), other leaves as they are. Returns what is held, one per leaf,
@@ -95,7 +95,7 @@ def _hold(leaves: list[Any]) -> tuple[list[Any], Sequence[int]] | None:
             jax.sharding.SingleDeviceSharding
         }:
             try:
-                return _staging.host_views(leaves), range(len(leaves))
+                return _memory.host_views(leaves), range(len(leaves))
             except TypeError:
                 return _keys_apart(leaves)  # (a PRNG key array has no view)
     except Exception:
@@ -112,7 +112,7 @@ def _keys_apart(leaves: list[jax.Array]) -> tuple[list[Any], list[int]] | None:
         return None  # not a key that had no view: the caller's thread names the leaf
     held: list[Any] = list(leaves)
     viewed = [i for i, dtype in enumerate(dtypes) if dtype not in keys]
-    for i, view in zip(viewed, _staging.host_views([leaves[i] for i in viewed]), strict=True):
+    for i, view in zip(viewed, _memory.host_views([leaves[i] for i in viewed]), strict=True):
         held[i] = view
     for i, dtype in enumerate(dtypes):
         if dtype in keys:
@@ -132,7 +132,7 @@ def _leaf_by_leaf(leaves: list[Any]) -> tuple[list[Any], list[int]] | None:
             if kind == "jax":
                 if type(x.sharding) is one_device:
                     try:
-                        held.append(_staging.host(x))
+                        held.append(_memory.host(x))
                         viewed.append(len(held) - 1)
                         continue
                     except TypeError:

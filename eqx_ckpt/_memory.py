@@ -1,5 +1,7 @@
 """Host memory for leaves: page-aligned private buffers, private copies, the
-memory check before a read, and the process's shared thread pools.
+memory check before a read, the process's shared thread pools, and the host
+data of a save's pieces (`host`, `ahead`, `host_views`, `protected`, and
+`Deferred`, a piece made host only when the save stages it).
 
 Why private anonymous mappings: NumPy asks the kernel for huge pages for every
 array of 4 MiB or more, and with the page cache full (after a save, on a
@@ -15,9 +17,10 @@ import functools
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 
 from ._errors import IntegrityError, stored_leaf_error
@@ -130,3 +133,116 @@ def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: s
         fix="A manifest this large is damaged or hostile; if the leaf really is this large, read it in slices "
         "(`eqx_ckpt.Checkpoint(path)[key][...]`) or load it sharded across devices.",
     )
+
+
+# -- The host data of a save's pieces ---------------------------------------------------------------
+
+
+class Deferred:
+    """A host piece made when the save stages it: `source` (a `jax.Array` or
+    a NumPy array, or a function making it, such as a device-side slice)
+    through `convert` (a cast, an encoding), `nbytes` bytes as stored."""
+
+    __slots__ = ("__weakref__", "convert", "nbytes", "source")
+
+    def __init__(self, source: Any, nbytes: int, convert: Callable[[np.ndarray], np.ndarray] | None = None):
+        self.source, self.nbytes, self.convert = source, nbytes, convert
+
+    def resolved(self) -> Any:
+        """The source, made (once) where it is a function."""
+        self.source = self._made()
+        return self.source
+
+    def make(self) -> np.ndarray:
+        """The host data, made now; nothing of it is kept here."""
+        out = host(self._made())
+        return out if self.convert is None else self.convert(out)
+
+    def _made(self) -> Any:
+        source = self.source
+        if callable(source) and not isinstance(source, (jax.Array, np.ndarray)):
+            return source()
+        return source
+
+
+def nbytes(data: Any) -> int:
+    """The stored bytes of a piece (as its record counts them)."""
+    return int(data.nbytes)
+
+
+def ahead(data: Any) -> Any:
+    """Start copying a piece's device data to the host, without waiting; what
+    to stage it from then (`host`).
+
+    The copy is a new array on the host's CPU device (`jax.device_put`, which
+    returns at once), which the save owns and drops once written: the array's
+    own `copy_to_host_async` would cache the host copy on the caller's
+    `jax.Array`, held for as long as the caller holds the array, beyond any
+    budget. Without a CPU device, it is `copy_to_host_async` after all."""
+    if isinstance(data, Deferred):
+        data.source = ahead(data.resolved())
+        return data
+    if isinstance(data, jax.Array) and not _on_cpu(data):
+        cpu = _cpu_device()
+        if cpu is None:
+            data.copy_to_host_async()
+        else:
+            return jax.device_put(data, cpu)
+    return data
+
+
+def host(data: Any) -> np.ndarray:
+    """A piece's host data, as stored (waits for its copy to the host, which
+    `ahead` started, or makes it now; never cached on the caller's array)."""
+    if isinstance(data, Deferred):
+        return data.make()
+    if isinstance(data, jax.Array) and not _on_cpu(data):
+        cpu = _cpu_device()
+        if cpu is not None:
+            data = jax.device_put(data, cpu)
+    return np.asarray(data)
+
+
+def host_views(arrays: list[jax.Array]) -> list[np.ndarray]:
+    """The host data of `jax.Array`s on one device each, as `host` makes it:
+    views on a CPU; elsewhere copies the save owns, all started at once (one
+    `jax.device_put`), never cached on the caller's arrays."""
+    if only_cpus():
+        return list(map(np.asarray, arrays))
+    cpu = _cpu_device()
+    if cpu is None:
+        return [host(x) for x in arrays]
+    return list(map(np.asarray, jax.device_put(arrays, cpu)))
+
+
+def protected(data: Any, copy: bool) -> Any:
+    """A piece that a change of the caller's arrays after an asynchronous save
+    returned cannot reach: a `jax.Array`'s host data (which never changes, and
+    outlives a deletion or donation of the array), and with `copy` (a NumPy
+    leaf's), a private copy of the host data. A cast or encoding stays
+    deferred: what it starts from is what is protected."""
+    if isinstance(data, Deferred):
+        source = data.resolved()
+        return Deferred(protected(source, copy), data.nbytes, data.convert)
+    if isinstance(data, jax.Array):
+        return host(data)
+    return private_copy(data) if copy else data
+
+
+@functools.cache
+def _cpu_device() -> Any:
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
+
+
+@functools.cache
+def only_cpus() -> bool:
+    """Whether this process computes on CPUs alone (no accelerator)."""
+    return jax.default_backend() == "cpu"
+
+
+def _on_cpu(x: jax.Array) -> bool:
+    """Whether `x`'s host data is a view of its buffer (no copy to start)."""
+    return only_cpus() or next(iter(x.devices())).platform == "cpu"

@@ -4,7 +4,7 @@ nowhere else (`build`), and the packing of the small ones (`assign`).
 `build` runs the filter specs over a tree's leaves and makes a `Pending` (a
 `_format.LeafRecord` and the pieces written for it) for each value they
 write, by one path (`_Collector.add`), each value once. A piece is kept as
-what it comes from (a `jax.Array`, a NumPy array, or a `_staging.Deferred`
+what it comes from (a `jax.Array`, a NumPy array, or a `_memory.Deferred`
 cast, encoding or slice): its host data is made as the save's writes reach
 it, within the staging budget (`_staging`). The common leaf (a NumPy array,
 or a `jax.Array` on one device, of a dtype stored as it is, not cast) takes
@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _dtypes, _faults, _format, _keypath, _multihost, _sharding, _staging, _tree
+from . import _dtypes, _faults, _format, _keypath, _memory, _multihost, _sharding, _tree
 from ._deserialise import read_leaves
 from ._errors import CheckpointError, CheckpointTypeError, LeafError, leaf_message
 from ._format import LeafRecord, PackRecord, chunk_shape, dtype_from_name, pack_name, whole_chunks
@@ -71,7 +71,7 @@ def hold(x: jax.Array, primary: bool) -> Held:
     data = jax.random.key_data(x) if _dtypes.is_prng_key(x) else x
     if not _multihost.writes(data, primary):
         return Held(x, data, [])
-    return Held(x, data, [(index, _staging.protected(d, False)) for index, d in _sharding.host_pieces(data)])
+    return Held(x, data, [(index, _memory.protected(d, False)) for index, d in _sharding.host_pieces(data)])
 
 
 def build(
@@ -245,9 +245,9 @@ class Unread:
         kind = lazy.saved_as
         return cls(lazy, kind) if kind in ("jax", "numpy") else None
 
-    def piece(self) -> _staging.Deferred:
+    def piece(self) -> _memory.Deferred:
         """The host data, as the staging makes it: the leaf read as NumPy, exactly."""
-        return _staging.Deferred(self._read, int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize)
+        return _memory.Deferred(self._read, int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize)
 
     def _read(self) -> np.ndarray:
         """Read by the load's reader (on a local disk, straight into one aligned
@@ -295,7 +295,7 @@ def _general(
         handle.path, keypath, kind, shape, dtype_name,
         tuple(x.shape), stored, encoding, chunks, impl,
     )  # fmt: skip
-    return Pending(record, pieces, sum(_staging.nbytes(piece) for _, piece in pieces))
+    return Pending(record, pieces, sum(_memory.nbytes(piece) for _, piece in pieces))
 
 
 def _value(handle: LeafHandle, x: Any, held: Held | None) -> tuple[Any, str, str, str, tuple[int, ...]]:
@@ -365,7 +365,7 @@ def _stored_pieces(handle: LeafHandle, x: Any, pieces: list[Any], logical: np.dt
     if cast:
         try:
             for _, piece in pieces:
-                _dtypes.check_cast(_staging.host(piece), logical)
+                _dtypes.check_cast(_memory.host(piece), logical)
         except ValueError as e:
             raise handle.error(
                 f"cannot store it as {logical} (`cast`): {e}.",
@@ -374,7 +374,7 @@ def _stored_pieces(handle: LeafHandle, x: Any, pieces: list[Any], logical: np.dt
     convert = functools.partial(_dtypes.stored_values, logical, encoding)
     ratio = (logical.itemsize, np.dtype(x.dtype).itemsize)
     return [
-        (index, _staging.Deferred(piece, _staging.nbytes(piece) * ratio[0] // ratio[1], convert))
+        (index, _memory.Deferred(piece, _memory.nbytes(piece) * ratio[0] // ratio[1], convert))
         for index, piece in pieces
     ]
 

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _faults, _staging
+from . import _faults, _memory
 
 
 def block_shape(x: Any) -> tuple[int, ...] | None:
@@ -135,7 +135,7 @@ def _share(
 SLICE_ON_DEVICE: bool | None = None
 
 
-def _slice(data: jax.Array, part: Region, region: Region) -> jax.Array | _staging.Deferred:
+def _slice(data: jax.Array, part: Region, region: Region) -> jax.Array | _memory.Deferred:
     """`part` of a shard `data` holding `region`, made when the save stages it."""
     if part == region:
         return data
@@ -145,8 +145,8 @@ def _slice(data: jax.Array, part: Region, region: Region) -> jax.Array | _stagin
         on_device = next(iter(data.devices())).platform != "cpu"
     nbytes = math.prod(b - a for a, b in part) * data.dtype.itemsize
     if on_device:
-        return _staging.Deferred(functools.partial(data.__getitem__, within), nbytes)
-    return _staging.Deferred(data, nbytes, operator.itemgetter(within))
+        return _memory.Deferred(functools.partial(data.__getitem__, within), nbytes)
+    return _memory.Deferred(data, nbytes, operator.itemgetter(within))
 
 
 @functools.lru_cache(maxsize=256)

@@ -7,14 +7,14 @@ host data made as its write starts and released once written.
 A save plans every record up front (the manifest, and the plan several
 processes compare, need them all), but a piece of a leaf (its data, a shard,
 a slice of it, cast or encoded as stored) is kept as what it comes from: a
-`jax.Array`, a NumPy array, or a `Deferred` (a cast, a device-side slice, a
+`jax.Array`, a NumPy array, or a `_memory.Deferred` (a cast, a device-side slice, a
 PRNG key's data). `start_writes` makes the save's writes (`_Unit`: a leaf's
 pieces, or a run of a pack's chunk files) and `Writing` follows them:
 `Window` takes them in order, each admitted while the bytes staged and not
 yet written stay within the budget (a write larger than the budget is
 admitted alone, once nothing else is staged), its arrays' copies to the host
-started at once (`ahead`), so that they overlap the writes before it; it is
-staged (`host`) and started, and its bytes are released when its write has
+started at once (`_memory.ahead`), so that they overlap the writes before it; it is
+staged (`_memory.host`) and started, and its bytes are released when its write has
 finished, which admits the next.
 
 Every piece admitted counts at its stored size, whether staging copies it or
@@ -31,7 +31,6 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
 from . import _durable, _faults, _format, _interrupts, _layout, _local_write, _memory, _share, _storage
@@ -258,7 +257,7 @@ def _units(
             # A piece at a time (a sharded leaf's shards, or its slices).
             for i, (index, piece) in enumerate(p.pieces):
                 start = functools.partial(tensorstore.piece, opens[n], index, i == len(datas) - 1)
-                units.append(_Unit([piece], nbytes(piece) if len(datas) > 1 else size, start, False))
+                units.append(_Unit([piece], _memory.nbytes(piece) if len(datas) > 1 else size, start, False))
     for k, (pack, members) in enumerate(batch.packs):
         folder = base.pack_folder(pack) if base is not None and local else None
         itemsize = dtype_from_name(pack.dtype).itemsize
@@ -341,7 +340,7 @@ class Writing:
         batch: list[tuple[_Unit, list[np.ndarray]]] = []
         size = 0
         for unit in self._window.admit():
-            batch.append((unit, [host(piece) for piece in unit.datas]))
+            batch.append((unit, [_memory.host(piece) for piece in unit.datas]))
             size += unit.nbytes
             if size >= _START_BYTES:
                 self._start(batch)
@@ -426,9 +425,9 @@ class Window:
             unit = todo.popleft()
             self._change(unit.nbytes)
             out.append(unit)
-        if not _only_cpus():  # (on a CPU, host data is a view: nothing to start)
+        if not _memory.only_cpus():  # (on a CPU, host data is a view: nothing to start)
             for unit in out:
-                unit.datas = [ahead(data) for data in unit.datas]
+                unit.datas = [_memory.ahead(data) for data in unit.datas]
         return out
 
     def release(self, unit: Any) -> None:
@@ -450,121 +449,12 @@ class Window:
         self._todo.clear()
 
 
-class Deferred:
-    """A host piece made when the save stages it: `source` (a `jax.Array` or
-    a NumPy array, or a function making it, such as a device-side slice)
-    through `convert` (a cast, an encoding), `nbytes` bytes as stored."""
-
-    __slots__ = ("__weakref__", "convert", "nbytes", "source")
-
-    def __init__(self, source: Any, nbytes: int, convert: Callable[[np.ndarray], np.ndarray] | None = None):
-        self.source, self.nbytes, self.convert = source, nbytes, convert
-
-    def resolved(self) -> Any:
-        """The source, made (once) where it is a function."""
-        self.source = self._made()
-        return self.source
-
-    def make(self) -> np.ndarray:
-        """The host data, made now; nothing of it is kept here."""
-        out = host(self._made())
-        return out if self.convert is None else self.convert(out)
-
-    def _made(self) -> Any:
-        source = self.source
-        if callable(source) and not isinstance(source, (jax.Array, np.ndarray)):
-            return source()
-        return source
-
-
-def nbytes(data: Any) -> int:
-    """The stored bytes of a piece (as its record counts them)."""
-    return int(data.nbytes)
-
-
-def ahead(data: Any) -> Any:
-    """Start copying a piece's device data to the host, without waiting; what
-    to stage it from then (`host`).
-
-    The copy is a new array on the host's CPU device (`jax.device_put`, which
-    returns at once), which the save owns and drops once written: the array's
-    own `copy_to_host_async` would cache the host copy on the caller's
-    `jax.Array`, held for as long as the caller holds the array, beyond any
-    budget. Without a CPU device, it is `copy_to_host_async` after all."""
-    if isinstance(data, Deferred):
-        data.source = ahead(data.resolved())
-        return data
-    if isinstance(data, jax.Array) and not _on_cpu(data):
-        cpu = _cpu_device()
-        if cpu is None:
-            data.copy_to_host_async()
-        else:
-            return jax.device_put(data, cpu)
-    return data
-
-
-def host(data: Any) -> np.ndarray:
-    """A piece's host data, as stored (waits for its copy to the host, which
-    `ahead` started, or makes it now; never cached on the caller's array)."""
-    if isinstance(data, Deferred):
-        return data.make()
-    if isinstance(data, jax.Array) and not _on_cpu(data):
-        cpu = _cpu_device()
-        if cpu is not None:
-            data = jax.device_put(data, cpu)
-    return np.asarray(data)
-
-
-def host_views(arrays: list[jax.Array]) -> list[np.ndarray]:
-    """The host data of `jax.Array`s on one device each, as `host` makes it:
-    views on a CPU; elsewhere copies the save owns, all started at once (one
-    `jax.device_put`), never cached on the caller's arrays."""
-    if _only_cpus():
-        return list(map(np.asarray, arrays))
-    cpu = _cpu_device()
-    if cpu is None:
-        return [host(x) for x in arrays]
-    return list(map(np.asarray, jax.device_put(arrays, cpu)))
-
-
-def protected(data: Any, copy: bool) -> Any:
-    """A piece that a change of the caller's arrays after an asynchronous save
-    returned cannot reach: a `jax.Array`'s host data (which never changes, and
-    outlives a deletion or donation of the array), and with `copy` (a NumPy
-    leaf's), a private copy of the host data. A cast or encoding stays
-    deferred: what it starts from is what is protected."""
-    if isinstance(data, Deferred):
-        source = data.resolved()
-        return Deferred(protected(source, copy), data.nbytes, data.convert)
-    if isinstance(data, jax.Array):
-        return host(data)
-    return _memory.private_copy(data) if copy else data
-
-
 def protect(pending: list[Pending]) -> None:
     """Make the pieces of `pending` safe from the caller, who may change or
     delete its arrays once an asynchronous save has returned: a `jax.Array`'s
     by its host data (which never changes), a NumPy leaf's by a private copy
-    (`protected`; a cast of either stays deferred)."""
+    (`_memory.protected`; a cast of either stays deferred)."""
     for p in pending:
         copy = p.record.type == "numpy"
-        p.pieces = [(index, protected(piece, copy)) for index, piece in p.pieces]
+        p.pieces = [(index, _memory.protected(piece, copy)) for index, piece in p.pieces]
     _faults.fire("save.copied", pending)
-
-
-@functools.cache
-def _cpu_device() -> Any:
-    try:
-        return jax.devices("cpu")[0]
-    except RuntimeError:
-        return None
-
-
-@functools.cache
-def _only_cpus() -> bool:
-    return jax.default_backend() == "cpu"
-
-
-def _on_cpu(x: jax.Array) -> bool:
-    """Whether `x`'s host data is a view of its buffer (no copy to start)."""
-    return _only_cpus() or next(iter(x.devices())).platform == "cpu"
