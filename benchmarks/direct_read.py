@@ -1,6 +1,6 @@
 """One large leaf read three ways, each ending in a JAX array on the CPU:
 
-- `direct`: `eqx_ckpt._local_read.read_leaf` (preadv into one aligned buffer, crc32c);
+- `direct`: `eqx_ckpt._store._local_read.read_leaf` (preadv into one aligned buffer, crc32c);
 - `ts`: TensorStore's read of the same zarr array (what a load does today);
 - `raw`: the same bytes as one file, read by parallel `pread` into an aligned
   buffer, as the `raw` contender does: no checksum, no chunk files.
@@ -27,8 +27,8 @@ import jax
 import numpy as np
 
 import eqx_ckpt
-from eqx_ckpt import _local_read, _storage
-from eqx_ckpt._source import open_source
+from eqx_ckpt._load._source import open_source
+from eqx_ckpt._store import _local_read, _storage
 
 from . import contenders, workload
 

@@ -7,7 +7,7 @@ fresh process per measurement, 4 threads of `preadv` in 16 MiB pieces into
 buffers of `BUFFER_BYTES` (a large leaf's), each buffer obtained one way:
 
 - `4k`: a private anonymous `mmap`, faulted in 4 KiB pages as the reads touch
-  it (what `eqx_ckpt/_memory.py:fresh_bytes` and the harness's raw contender use);
+  it (what `eqx_ckpt/_store/_memory.py:fresh_bytes` and the harness's raw contender use);
 - `huge`: the same mapping with `madvise(MADV_HUGEPAGE)`: faulted in 2 MiB pages;
 - `numpy`: `np.empty`, for which NumPy itself asks for huge pages (every array
   of 4 MiB or more), as a hand-written reader gets them;

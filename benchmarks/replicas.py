@@ -87,7 +87,7 @@ def child(index: int, job: dict) -> None:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import eqx_ckpt
-    from eqx_ckpt import _format
+    from eqx_ckpt._ondisk import _format
 
     if job["chunk_mib"]:
         _format.CHUNK_BYTES = job["chunk_mib"] << 20

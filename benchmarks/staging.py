@@ -87,7 +87,7 @@ class _staged_probe:
             self.peak = max(self.peak or 0, nbytes)
 
     def __enter__(self) -> _staged_probe:
-        from eqx_ckpt import _faults
+        from eqx_ckpt._base import _faults
 
         if "save.staged" in _faults.POINTS:
             self._armed = _faults.armed("save.staged", self._record)

@@ -33,7 +33,8 @@ import optax
 import orjson
 
 import eqx_ckpt
-from eqx_ckpt import _structure, _tree
+from eqx_ckpt._base import _tree
+from eqx_ckpt._ondisk import _structure
 
 from . import workload
 

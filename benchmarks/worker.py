@@ -137,7 +137,7 @@ def save_async(contender: Any, path: str, state: Any) -> dict[str, float]:
 def hold_floor(state: Any) -> float:
     """The least an asynchronous save can block its caller: flattening the tree
     and one host (NumPy) view of each array leaf, which is what
-    `eqx_ckpt/_background.py:hold_tree` does before the call returns (the
+    `eqx_ckpt/_save/_background.py:hold_tree` does before the call returns (the
     view is what keeps a later donation or change from reaching the save).
 
     Timed on twins of `state`, fresh copies whose arrays were never converted:

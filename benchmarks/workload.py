@@ -97,7 +97,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     on large arrays, and on a machine whose memory is full of page cache the
     kernel compacts memory to find them, which made a 3 GB read 1.5-4x slower here.
     A private mapping, not `mmap`'s default shared one (shmem, slower to fault
-    in: see `eqx_ckpt/_local_read.py`), as eqx_ckpt's reader uses.
+    in: see `eqx_ckpt/_store/_local_read.py`), as eqx_ckpt's reader uses.
     """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize

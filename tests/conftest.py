@@ -4,7 +4,7 @@ import jax
 import pytest
 import s3_server
 
-from eqx_ckpt import _faults
+from eqx_ckpt._base import _faults
 
 # Several CPU devices, so sharded saves and loads are tested for real on one
 # machine; strict promotion, so no test passes by an accidental dtype promotion.
@@ -31,9 +31,9 @@ def store(s3, monkeypatch, request):
 @pytest.fixture
 def unpacked(monkeypatch):
     """Every leaf in a folder of its own (no packs), for tests of that layout."""
-    import eqx_ckpt._records
+    import eqx_ckpt._save._records
 
-    monkeypatch.setattr(eqx_ckpt._records, "PACK_BYTES", -1)
+    monkeypatch.setattr(eqx_ckpt._save._records, "PACK_BYTES", -1)
 
 
 @pytest.fixture(params=["packed", "unpacked"])
@@ -47,7 +47,7 @@ def packing(request):
 
 @pytest.fixture
 def faults():
-    """`faults(points, action)`: arm fault points (`eqx_ckpt._faults.armed`)
+    """`faults(points, action)`: arm fault points (`eqx_ckpt._base._faults.armed`)
     until the test ends."""
     with contextlib.ExitStack() as stack:
         yield lambda points, action=None: stack.enter_context(_faults.armed(points, action))

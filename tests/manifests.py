@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from eqx_ckpt import _manifest
+from eqx_ckpt._ondisk import _manifest
 
 
 def sign(body: Any) -> bytes:

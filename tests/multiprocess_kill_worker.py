@@ -50,7 +50,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqx_ckpt  # noqa: E402
-from eqx_ckpt import _faults, _format, _multihost, _read_once, _sharding  # noqa: E402
+from eqx_ckpt._base import _faults  # noqa: E402
+from eqx_ckpt._hosts import _multihost, _sharding  # noqa: E402
+from eqx_ckpt._load import _read_once  # noqa: E402
+from eqx_ckpt._ondisk import _format  # noqa: E402
 
 SHAPE = (64, 16)
 

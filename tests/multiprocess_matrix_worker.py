@@ -48,7 +48,9 @@ import tensorstore as ts  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqx_ckpt  # noqa: E402
-from eqx_ckpt import _faults, _format, _sharding  # noqa: E402
+from eqx_ckpt._base import _faults  # noqa: E402
+from eqx_ckpt._hosts import _sharding  # noqa: E402
+from eqx_ckpt._ondisk import _format  # noqa: E402
 
 SHARDINGS = {"rows": P("x", None), "columns": P(None, "x"), "replicated": P()}
 

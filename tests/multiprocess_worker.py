@@ -25,7 +25,7 @@ import equinox as eqx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqx_ckpt  # noqa: E402
-from eqx_ckpt import _faults  # noqa: E402
+from eqx_ckpt._base import _faults  # noqa: E402
 
 ROWS_COLS = (8, 4)
 

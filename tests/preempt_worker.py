@@ -38,7 +38,7 @@ import numpy as np
 import optax
 
 import eqx_ckpt
-from eqx_ckpt import _faults
+from eqx_ckpt._base import _faults
 
 EVERY = 4  # a periodic save every EVERY steps
 OPTIMISER = optax.adam(1e-2)

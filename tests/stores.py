@@ -5,8 +5,9 @@ import equinox as eqx
 import numpy as np
 
 import eqx_ckpt
-from eqx_ckpt import _format, _storage
-from eqx_ckpt._location import location
+from eqx_ckpt._base._location import location
+from eqx_ckpt._ondisk import _format
+from eqx_ckpt._store import _storage
 
 
 def check_every_manager_step_is_whole(store) -> None:

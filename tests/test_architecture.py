@@ -12,7 +12,26 @@ import typing
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "eqx_ckpt"
-MODULES = sorted(PACKAGE.glob("*.py"))
+MODULES = sorted(PACKAGE.rglob("*.py"))
+# The folders of private modules, each a story, in the one order they may
+# import each other: a module imports from its own folder or a folder before it
+# (docs/architecture.md, "Folders").
+FOLDERS = ("_base", "_ondisk", "_store", "_hosts", "_foreign", "_load", "_save", "_manage", "_tools")
+_STEMS = {path.stem: path for path in MODULES if not path.stem.startswith("__")}
+
+
+def _path(stem: str) -> pathlib.Path:
+    """The file of the module named `stem`, in whichever folder it lies."""
+    return _STEMS[stem]
+
+
+def _named(node: ast.ImportFrom) -> list[str]:
+    """The eqx_ckpt modules a relative import names: `from ._a import x`,
+    `from .._save._a import x`, `from . import _a`, `from .._save import _a, _b`."""
+    last = (node.module or "").split(".")[-1]
+    named = [last] if last in _STEMS else []
+    return named + [alias.name for alias in node.names if alias.name in _STEMS]
+
 
 # Names of files and folders a checkpoint or a manager's run holds (see
 # `_format`): a string that holds one of these and no space is a file name, not
@@ -51,9 +70,8 @@ def _imports(tree: ast.Module) -> set[str]:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
                 continue
-            if isinstance(child, ast.ImportFrom) and child.level == 1:
-                targets = [child.module] if child.module else [alias.name for alias in child.names]
-                found.update(t for t in targets if (PACKAGE / f"{t}.py").exists())
+            if isinstance(child, ast.ImportFrom) and child.level >= 1:
+                found.update(_named(child))
             visit(child)
 
     visit(tree)
@@ -97,7 +115,7 @@ def _on_disk_literals(path: pathlib.Path) -> list[str]:
 
 def test_on_disk_names_live_in_the_format_module():
     misplaced = [found for path in MODULES if path.name != "_format.py" for found in _on_disk_literals(path)]
-    assert misplaced == [], "on-disk names and sizes belong in eqx_ckpt/_format.py:\n" + "\n".join(misplaced)
+    assert misplaced == [], "on-disk names and sizes belong in eqx_ckpt/_ondisk/_format.py:\n" + "\n".join(misplaced)
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
@@ -127,6 +145,30 @@ def test_no_import_cycles():
         if module not in done:
             walk(module, [module], done)
     assert cycles == []
+
+
+def test_folders_import_one_way():
+    """Every private module lies in one of the folders, and imports only from
+    its own folder or from a folder before it in `FOLDERS`: the stories are
+    layered (the format below storage, storage below the save and the load,
+    the tools on top); and docs/architecture.md lists the folders in that
+    order."""
+    folder = {stem: path.parent.name for stem, path in _STEMS.items()}
+    assert set(folder.values()) == set(FOLDERS), sorted(set(folder.values()) ^ set(FOLDERS))
+    upward = [
+        f"{folder[path.stem]}/{path.name} imports {folder[target]}/{target}"
+        for path in MODULES
+        if not path.stem.startswith("__")
+        for target in sorted(_imports(_tree(path)))
+        if FOLDERS.index(folder[target]) > FOLDERS.index(folder[path.stem])
+    ]
+    assert upward == [], "a module imports from a later folder:\n" + "\n".join(upward)
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| `(_[a-z]+)/` \|[^|]*\|(.*)\|$", text, re.MULTILINE)
+    assert [name for name, _ in rows] == list(FOLDERS), f"docs/architecture.md lists the folders as {rows}"
+    for name, modules in rows:
+        inside = sorted(stem for stem, f in folder.items() if f == name)
+        assert sorted(re.findall(r"`(_[a-z_]+)`", modules)) == inside, f"the row of `{name}/` lists {modules}"
 
 
 def test_every_module_is_on_the_contributors_map():
@@ -254,14 +296,14 @@ def test_tests_replace_no_private_code():
     method would break whenever the code moved (docs/architecture.md, "Testing
     through the seams")."""
     patches = [found for path in TESTS for found in _private_patches(path)]
-    assert patches == [], "use a fault point (eqx_ckpt/_faults.py) or a knob:\n" + "\n".join(patches)
+    assert patches == [], "use a fault point (eqx_ckpt/_base/_faults.py) or a knob:\n" + "\n".join(patches)
 
 
 def test_foreign_formats_return_one_typed_source():
     """Each foreign format's `find` returns one frozen dataclass with every
     member of `_source.Foreign`, which `_source` reads by name: no positional
     tuple unpacked by position (issue 48, "one way to do each thing")."""
-    from eqx_ckpt import _source
+    from eqx_ckpt._load import _source
 
     members = {name for name in vars(_source.Foreign) if not name.startswith("_")}
     assert members >= {"format", "manifest", "opener", "changed", "runs"}
@@ -272,7 +314,7 @@ def test_foreign_formats_return_one_typed_source():
         assert returned[0].__dataclass_params__.frozen and members <= fields, f"{returned[0]}: {members - fields}"
     unpacked = [
         f"_source.py:{node.lineno}"
-        for node in ast.walk(_tree(PACKAGE / "_source.py"))
+        for node in ast.walk(_tree(_path("_source")))
         if isinstance(node, ast.Assign) and any(isinstance(t, (ast.Tuple, ast.Starred)) for t in node.targets)
     ]
     assert unpacked == [], f"a foreign source is read by name, not unpacked: {unpacked}"
@@ -283,7 +325,7 @@ def _private_uses(path: pathlib.Path, modules: tuple[str, ...]) -> list[str]:
     (`from ._steps import _scan`, `_steps._scan`)."""
     found = []
     for node in ast.walk(_tree(path)):
-        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module in modules:
+        if isinstance(node, ast.ImportFrom) and node.level >= 1 and (node.module or "").split(".")[-1] in modules:
             found += [f"{path.name}:{node.lineno}: {a.name}" for a in node.names if a.name.startswith("_")]
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
             if node.attr.startswith("_"):
@@ -298,7 +340,7 @@ def test_retention_has_one_home_and_the_manager_only_calls_it():
     imported 11 private names of `_steps` and decided retention itself)."""
     used = [found for path in MODULES for found in _private_uses(path, ("_steps", "_retention"))]
     assert used == [], "use (or add) a name without a leading underscore:\n" + "\n".join(used)
-    manager = {node.name for node in ast.walk(_tree(PACKAGE / "_manager.py")) if isinstance(node, ast.FunctionDef)}
+    manager = {node.name for node in ast.walk(_tree(_path("_manager"))) if isinstance(node, ast.FunctionDef)}
     assert not manager & {"_governed_steps", "_recorded", "_delete_unkept", "_keep", "_kept", "_record_governed"}
 
 
@@ -307,7 +349,7 @@ def _users(module: str, name: str) -> set[str]:
     found = set()
     for path in MODULES:
         for node in ast.walk(_tree(path)):
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module == module:
+            if isinstance(node, ast.ImportFrom) and node.level >= 1 and (node.module or "").split(".")[-1] == module:
                 found.update(path.stem for alias in node.names if alias.name == name)
             elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == module:
                 found.update([path.stem] if node.attr == name else [])
@@ -348,7 +390,7 @@ def test_no_tensorstore_object_leaves_the_storage_seam():
     whose results are those or NumPy arrays), never a TensorStore array,
     kvstore or transaction; and no other module drives one (issue 48: the
     storage seam is an interface, not an import rule)."""
-    tree = _tree(PACKAGE / "_storage.py")
+    tree = _tree(_path("_storage"))
     leaking = []
     scopes = [tree, *(n for n in tree.body if isinstance(n, ast.ClassDef) and not n.name.startswith("_"))]
     for scope in scopes:

@@ -23,7 +23,9 @@ import pytest
 import tensorstore as ts
 
 import eqx_ckpt
-from eqx_ckpt import _background, _gc, _memory, _records, _tree as tree_util
+from eqx_ckpt._base import _gc, _tree as tree_util
+from eqx_ckpt._save import _background, _records
+from eqx_ckpt._store import _memory
 
 
 def _tree(step):
@@ -306,7 +308,7 @@ def test_the_garbage_collector_paused_from_two_threads_is_restored_once_both_lea
 # Run in a child process: with the bug, the child waits on itself for ever.
 _FINALIZER_INSIDE_THE_LOCK = """
 import gc, sys, threading
-from eqx_ckpt import _gc
+from eqx_ckpt._base import _gc
 
 def interrupted_enter():
     # As a signal landing just as `__enter__` returns leaves it: the pause
@@ -607,7 +609,7 @@ def test_a_wait_interrupted_by_ctrl_c_can_be_waited_for_again(tmp_path, saver):
 
 _INTERRUPT_AS_THE_WAIT_BEGINS = """
 import os, signal, sys, threading
-from eqx_ckpt import _background
+from eqx_ckpt._save import _background
 
 for attempt in range(300):
     release, go, caught = threading.Event(), threading.Event(), threading.Event()

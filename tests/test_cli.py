@@ -16,7 +16,7 @@ import pytest
 import s3_server
 
 import eqx_ckpt
-from eqx_ckpt._cli import main
+from eqx_ckpt._tools._cli import main
 
 EXE = shutil.which("eqx-ckpt", path=os.path.dirname(sys.executable)) or "eqx-ckpt"
 
@@ -209,7 +209,7 @@ def test_version(capsys):
 
 
 def test_info_and_ls_escape_terminal_control_characters(ckpt, capsys):
-    from eqx_ckpt import _manifest
+    from eqx_ckpt._ondisk import _manifest
 
     body = json.loads((ckpt / "manifest.json").read_text())
     body["created"] = "2026\x1b[2J\x1b]0;pwned\x07"

@@ -23,7 +23,9 @@ import pytest
 from disk import snapshot
 
 import eqx_ckpt
-from eqx_ckpt import _durable, _faults, _format, _interrupts, _location
+from eqx_ckpt._base import _faults, _interrupts, _location
+from eqx_ckpt._ondisk import _format
+from eqx_ckpt._store import _durable
 
 
 def _array_dirs(root):
@@ -105,7 +107,7 @@ def test_old_checkpoint_loads_until_the_new_manifest_is_written(tmp_path):
 def test_a_failure_encoding_the_manifest_beside_the_writes_commits_nothing(tmp_path):
     """The manifest is encoded while the arrays are being written: a failure
     there waits for the writes, deletes them and leaves the old checkpoint."""
-    from eqx_ckpt import _faults
+    from eqx_ckpt._base import _faults
 
     old = {"small": jnp.arange(3), "large": jnp.ones((512, 1024))}  # a pack, and an array of its own
     eqx_ckpt.tree_serialise_leaves(tmp_path, old)
@@ -129,7 +131,7 @@ _KILLED_SAVE = textwrap.dedent(
     import os, sys
     import jax.numpy as jnp
     import eqx_ckpt
-    from eqx_ckpt import _faults
+    from eqx_ckpt._base import _faults
 
     def write_conditional(loc, name):
         if name == "manifest.json":

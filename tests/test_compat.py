@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt._format import FORMAT_VERSION
+from eqx_ckpt._ondisk._format import FORMAT_VERSION
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 FOLDERS = sorted(FIXTURES.glob("format_*"), key=lambda p: int(p.name.removeprefix("format_")))

@@ -1,7 +1,7 @@
 """Concurrent saves and reads of one checkpoint path.
 
 Two processes saving into one path: one wins and the other is refused with a
-clear `CheckpointExistsError` (the directory's lease, see eqx_ckpt/_lease.py),
+clear `CheckpointExistsError` (the directory's lease, see eqx_ckpt/_store/_lease.py),
 or they run one after the other. Two threads of one process saving to one path
 run one after the other (the second waits), on a local disk and on an object
 store alike. The result always loads exactly as one of them. A reader during

@@ -389,7 +389,7 @@ def test_filter_spec_that_is_not_a_prefix_is_a_clear_error(tmp_path):
 
 
 def test_a_load_racing_an_overwrite_says_the_checkpoint_was_replaced(tmp_path):
-    from eqx_ckpt import _faults
+    from eqx_ckpt._base import _faults
 
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.zeros(3)})
 

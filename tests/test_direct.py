@@ -19,9 +19,12 @@ from arrays import in_a_mapping, values
 from hypothesis import given, settings, strategies as st
 
 import eqx_ckpt
-from eqx_ckpt import _format, _local_read, _location, _memory, _records, _storage
-from eqx_ckpt._format import LeafRecord
-from eqx_ckpt._source import open_source
+from eqx_ckpt._base import _location
+from eqx_ckpt._load._source import open_source
+from eqx_ckpt._ondisk import _format
+from eqx_ckpt._ondisk._format import LeafRecord
+from eqx_ckpt._save import _records
+from eqx_ckpt._store import _local_read, _memory, _storage
 
 
 @pytest.fixture(autouse=True)

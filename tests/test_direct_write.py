@@ -19,8 +19,11 @@ import pytest
 from arrays import values
 
 import eqx_ckpt
-from eqx_ckpt import _faults, _format, _local_write, _location, _records, _storage, _write
-from eqx_ckpt._source import open_source
+from eqx_ckpt._base import _faults, _location
+from eqx_ckpt._load._source import open_source
+from eqx_ckpt._ondisk import _format
+from eqx_ckpt._save import _records, _write
+from eqx_ckpt._store import _local_write, _storage
 
 pytestmark = pytest.mark.skipif(not _storage.LOCAL_PATH_SUPPORTED, reason="no direct writes on this host")
 

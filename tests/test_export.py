@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.numpy import load, load_file, save_file
 
 import eqx_ckpt
-from eqx_ckpt._cli import main
+from eqx_ckpt._tools._cli import main
 
 
 def _tree():

@@ -1,4 +1,4 @@
-"""The fault seam itself (`eqx_ckpt._faults`): an armed point raises or runs its
+"""The fault seam itself (`eqx_ckpt._base._faults`): an armed point raises or runs its
 callback, a disarmed one does nothing, arming ends with its block, and every
 point its docstring names is reached by a save or a load."""
 
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _durable, _faults, _local_write
+from eqx_ckpt._base import _faults
+from eqx_ckpt._store import _durable, _local_write
 
 
 class Injected(Exception):

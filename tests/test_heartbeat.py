@@ -11,7 +11,7 @@ import textwrap
 SCRIPT = textwrap.dedent(
     """
     import sys, threading, time
-    from eqx_ckpt import _multihost
+    from eqx_ckpt._hosts import _multihost
 
     _multihost.HEARTBEAT_SECONDS = 0.01
     log = open(sys.argv[1], "w", buffering=1)

@@ -16,9 +16,12 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _faults, _format, _local_write, _records, _transaction
-from eqx_ckpt._checkpoint import human
-from eqx_ckpt._location import location
+from eqx_ckpt._base import _faults
+from eqx_ckpt._base._location import location
+from eqx_ckpt._load._checkpoint import human
+from eqx_ckpt._ondisk import _format
+from eqx_ckpt._save import _records
+from eqx_ckpt._store import _local_write, _transaction
 
 # Large enough for arrays of their own (not packed), small enough to be quick.
 ROWS, COLS = 80, 4096  # 1.25 MiB of float32
@@ -258,7 +261,7 @@ _KILLED = textwrap.dedent(
     import os, signal, sys
     import numpy as np
     import eqx_ckpt
-    from eqx_ckpt import _faults
+    from eqx_ckpt._base import _faults
     sys.path.insert(0, sys.argv[3])
     from test_incremental import _tree
 
@@ -304,7 +307,7 @@ def test_an_asynchronous_manager_save_shares_too(tmp_path):
 
 
 def test_info_says_how_much_is_shared(tmp_path, capsys):
-    from eqx_ckpt import _cli
+    from eqx_ckpt._tools import _cli
 
     with eqx_ckpt.CheckpointManager(tmp_path / "run") as manager:
         manager.save(0, _tree(0))

@@ -15,7 +15,7 @@ import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec
 
 import eqx_ckpt
-from eqx_ckpt import _format, _layout, _manifest
+from eqx_ckpt._ondisk import _format, _layout, _manifest
 
 # Damage to a leaf's own folder (its chunk files, its zarr.json): every leaf gets
 # one. Damage to a pack of small leaves is tested in test_pack.py.
@@ -526,7 +526,8 @@ def test_a_leaf_folder_removed_while_it_is_checked_is_an_integrity_error(tmp_pat
     # A reader racing an overwrite can find a leaf's folder, then see it deleted by
     # the overwrite's cleanup before listing it: that must be the documented
     # IntegrityError (retry), not a bare FileNotFoundError.
-    from eqx_ckpt import _faults, _location, _untrusted
+    from eqx_ckpt._base import _faults, _location
+    from eqx_ckpt._store import _untrusted
 
     loc = _location.location(tmp_path)
     assert _untrusted._scan(loc, str(tmp_path / "gone"), "a") == 0

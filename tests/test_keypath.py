@@ -13,7 +13,7 @@ import pytest
 from jax.random import key as jax_key
 
 import eqx_ckpt
-from eqx_ckpt import _keypath
+from eqx_ckpt._base import _keypath
 
 AWKWARD_KEYS = [
     "a.b",
@@ -234,7 +234,7 @@ def _by_key_paths(tree, is_leaf=None):
 
 
 def _check_named_as_by_key_paths(tree, is_leaf=None):
-    from eqx_ckpt import _tree
+    from eqx_ckpt._base import _tree
 
     leaves, names = _tree.flatten_named(tree, is_leaf)
     expected_leaves, dotted, records, keypaths = _by_key_paths(tree, is_leaf)
@@ -288,7 +288,7 @@ def test_structures_that_cannot_be_compared_are_named_apart():
     """JAX raises comparing two Equinox modules holding equal arrays (distinct
     objects) in a static field; `rebuilds_plainly` sends such trees to their key
     paths, and naming from the structure does not fail on them either."""
-    from eqx_ckpt import _tree
+    from eqx_ckpt._base import _tree
 
     tree = [_StaticTable(jnp.full(2, float(i)), np.ones(2)) for i in range(3)]
     treedef = jtu.tree_structure(tree)
@@ -327,7 +327,7 @@ def test_a_tree_with_another_node_is_named_from_its_key_paths(monkeypatch, fault
     """A registered node may run code of the user's when rebuilt: its tree is
     named from its key paths, never rebuilt; which way a root type went is
     remembered for the next tree of that type."""
-    from eqx_ckpt import _tree
+    from eqx_ckpt._base import _tree
 
     def refuse(*args):
         raise AssertionError("rebuilt")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _format
+from eqx_ckpt._ondisk import _format
 
 
 def _tree():

@@ -21,7 +21,9 @@ import optax
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _faults, _format, _location, _progress, _storage
+from eqx_ckpt._base import _faults, _location, _progress
+from eqx_ckpt._ondisk import _format
+from eqx_ckpt._store import _storage
 
 
 def _state(seed=0):
@@ -582,7 +584,7 @@ def test_an_interrupt_after_an_asynchronous_save_went_to_the_background_never_re
     before the background thread writes the manifest."""
     import threading
 
-    from eqx_ckpt import _background
+    from eqx_ckpt._save import _background
 
     undone, at_commit = threading.Event(), threading.Event()
 
@@ -830,7 +832,7 @@ _KILLED_STEP = textwrap.dedent(
     import os, sys
     import numpy as np
     import eqx_ckpt
-    from eqx_ckpt import _faults
+    from eqx_ckpt._base import _faults
 
     def write_conditional(loc, name):
         if name == "manifest.json" and loc.display.endswith("step_00000001"):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _manifest
+from eqx_ckpt._ondisk import _manifest
 
 
 def _save(path):

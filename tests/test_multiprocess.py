@@ -22,7 +22,9 @@ import s3_server
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_ckpt
-from eqx_ckpt import _format, _read_once, _records
+from eqx_ckpt._load import _read_once
+from eqx_ckpt._ondisk import _format
+from eqx_ckpt._save import _records
 
 WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
 MATRIX_WORKER = pathlib.Path(__file__).with_name("multiprocess_matrix_worker.py")

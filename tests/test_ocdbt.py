@@ -14,7 +14,7 @@ import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_ckpt
-from eqx_ckpt._cli import main as cli_main
+from eqx_ckpt._tools._cli import main as cli_main
 
 
 def _tree():

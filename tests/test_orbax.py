@@ -136,7 +136,7 @@ def test_an_eqx_ckpt_manager_on_an_orbax_managers_directory_names_its_steps(tmp_
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(one, {"w": jnp.zeros(3)}), {"w": jnp.arange(3.0) + 5})
     with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(said)):
         eqx_ckpt.Checkpoint(root)
-    from eqx_ckpt._cli import main
+    from eqx_ckpt._tools._cli import main
 
     assert main(["ls", str(root)]) == 2
     assert said in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """Small leaves packed into one zarr v3 array per dtype (planned by
-eqx_ckpt/_records.py, read by eqx_ckpt/_pack.py): the files on disk, reading a
+eqx_ckpt/_save/_records.py, read by eqx_ckpt/_load/_pack.py): the files on disk, reading a
 packed leaf without eqx_ckpt, every kind of load, damage to a pack, hostile
 pack records, and checkpoints written before packing."""
 
@@ -17,7 +17,7 @@ import pytest
 import tensorstore as ts
 
 import eqx_ckpt
-from eqx_ckpt import _records
+from eqx_ckpt._save import _records
 
 
 def _tree():

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _faults, _transaction
-from eqx_ckpt._location import location
+from eqx_ckpt._base import _faults
+from eqx_ckpt._base._location import location
+from eqx_ckpt._store import _transaction
 
 
 def _stored(path):

@@ -22,8 +22,12 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_ckpt
-from eqx_ckpt import _format, _progress, _read, _records, _window
-from eqx_ckpt._cli import main
+from eqx_ckpt._base import _progress
+from eqx_ckpt._load import _read
+from eqx_ckpt._ondisk import _format
+from eqx_ckpt._save import _records
+from eqx_ckpt._store import _window
+from eqx_ckpt._tools._cli import main
 
 
 def _tree():
@@ -76,7 +80,7 @@ def test_callbacks_of_lazy_reads_and_the_manager(tmp_path, monkeypatch):
     eqx_ckpt.tree_serialise_leaves(tmp_path / "a", tree)
     lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path / "a", tree, lazy=True)
     # Scalars come back as values even when lazy: only the arrays are left to read.
-    arrays = [x for x in jax.tree.leaves(lazy, is_leaf=eqx_ckpt._lazy.is_lazy) if eqx_ckpt._lazy.is_lazy(x)]
+    arrays = [x for x in jax.tree.leaves(lazy, is_leaf=eqx_ckpt._load._lazy.is_lazy) if eqx_ckpt._load._lazy.is_lazy(x)]
     assert 0 < len(arrays) < 6
     read = Calls()
     assert eqx.tree_equal(eqx_ckpt.materialise(lazy, progress=read), tree, typematch=True)

@@ -18,7 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqx_ckpt
-from eqx_ckpt import _keypath, _records
+from eqx_ckpt._base import _keypath
+from eqx_ckpt._save import _records
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -13,7 +13,9 @@ import pytest
 from arrays import in_a_mapping
 
 import eqx_ckpt
-from eqx_ckpt import _format, _memory, _read, _window
+from eqx_ckpt._load import _read
+from eqx_ckpt._ondisk import _format
+from eqx_ckpt._store import _memory, _window
 
 
 @pytest.fixture

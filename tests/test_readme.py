@@ -10,7 +10,7 @@ import jax
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt._cli import main
+from eqx_ckpt._tools._cli import main
 
 ROOT = pathlib.Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()

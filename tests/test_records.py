@@ -15,8 +15,9 @@ import pytest
 from arrays import values
 
 import eqx_ckpt
-from eqx_ckpt import _records, _serialise, _tree
-from eqx_ckpt._location import location
+from eqx_ckpt._base import _tree
+from eqx_ckpt._base._location import location
+from eqx_ckpt._save import _records, _serialise
 
 DTYPES = [
     np.float32, np.float64, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,

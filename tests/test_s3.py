@@ -16,8 +16,8 @@ import stores
 import tensorstore as ts
 
 import eqx_ckpt
-from eqx_ckpt import _lease, _storage
-from eqx_ckpt._location import location
+from eqx_ckpt._base._location import location
+from eqx_ckpt._store import _lease, _storage
 
 
 def _keys(s3, spec):
@@ -240,7 +240,7 @@ _KILLED_SAVE = """
 import json, os, sys
 import numpy as np
 import eqx_ckpt
-from eqx_ckpt import _faults
+from eqx_ckpt._base import _faults
 
 def write_conditional(loc, name):
     if name == "manifest.json":
@@ -351,7 +351,7 @@ HUGE = 10**12
 def _make_absurd(store, *, huge_chunks):
     """A checkpoint whose manifest and zarr.json both claim leaf `a` holds 10^12
     float32 (4 TB), digest recomputed: what a hostile upload could look like."""
-    from eqx_ckpt import _manifest
+    from eqx_ckpt._ondisk import _manifest
 
     eqx_ckpt.tree_serialise_leaves(store, {"a": np.ones(1000, np.float32), "b": np.arange(3)})
     kv = ts.KvStore.open(store).result()

@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import eqx_ckpt
-from eqx_ckpt import _format, _sharding
+from eqx_ckpt._hosts import _sharding
+from eqx_ckpt._ondisk import _format
 
 
 @pytest.fixture

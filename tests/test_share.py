@@ -16,8 +16,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_ckpt
-from eqx_ckpt import _faults, _format, _local_write, _transaction
-from eqx_ckpt._location import location
+from eqx_ckpt._base import _faults
+from eqx_ckpt._base._location import location
+from eqx_ckpt._ondisk import _format
+from eqx_ckpt._store import _local_write, _transaction
 
 # Each kind of file a save may share, as (the leaves stored in it, its name in the data root).
 KINDS = {

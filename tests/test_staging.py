@@ -1,4 +1,4 @@
-"""A save's staging budget (`eqx_ckpt/_staging.py`): the host bytes a save
+"""A save's staging budget (`eqx_ckpt/_save/_staging.py`): the host bytes a save
 stages and has not yet written stay within `staging_bytes`, observed through
 the fault point `save.staged`; what is saved is the same whatever the budget."""
 
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt import _memory, _staging
+from eqx_ckpt._save import _staging
+from eqx_ckpt._store import _memory
 
 MIB = 1 << 20
 
@@ -209,7 +210,7 @@ def test_a_cast_that_would_change_values_fails_before_anything_is_staged(tmp_pat
 
 def test_check_cast_checks_every_block(monkeypatch):
     """`_dtypes.check_cast` finds a bad value in any block, the last one included."""
-    from eqx_ckpt import _dtypes
+    from eqx_ckpt._ondisk import _dtypes
 
     monkeypatch.setattr(_dtypes, "CHECK_BYTES", 64)
     x = np.ones((100, 4), np.float32)
@@ -226,7 +227,7 @@ def test_a_pack_is_staged_a_run_of_its_chunk_files_at_a_time(tmp_path, faults, m
     chunks of 256 KiB, through a 2 MiB budget: the pack is staged in runs of
     its chunk files (a leaf across two runs in both), within the budget, and
     the checkpoint is what the default budget writes, every leaf in place."""
-    from eqx_ckpt import _records
+    from eqx_ckpt._save import _records
 
     monkeypatch.setattr(_records, "PACK_CHUNK_BYTES", 256 << 10)
     # 10,000 float32 each: not a multiple of the 64-byte alignment, so leaves cross chunk files.

@@ -23,7 +23,7 @@ import optax
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt._cli import main
+from eqx_ckpt._tools._cli import main
 
 KEYS = jax.random.split(jax.random.key(0), 8)
 

@@ -3,7 +3,7 @@ turn, first with an exception, then with a KeyboardInterrupt (what Ctrl-C or a
 SIGTERM handler calling `sys.exit` raises in the saving thread).
 
 For a first save, an overwrite and a manager save, the fault points of every
-I/O step (`eqx_ckpt._faults`: storage, syncs, the chunk writes) are counted on
+I/O step (`eqx_ckpt._base._faults`: storage, syncs, the chunk writes) are counted on
 a clean run, in every thread the save uses; then the save is repeated with
 call k failing, for every k. After each: the checkpoint loads as exactly the old
 or exactly the new save, an interrupt reaches the caller as itself, the user's
@@ -29,19 +29,13 @@ import pytest
 from disk import snapshot
 
 import eqx_ckpt
-from eqx_ckpt import (
-    _faults,
-    _format,
-    _interrupts,
-    _local_read,
-    _location,
-    _memory,
-    _pack,
-    _records,
-    _storage,
-)
+from eqx_ckpt._base import _faults, _interrupts, _location
+from eqx_ckpt._load import _pack
+from eqx_ckpt._ondisk import _format
+from eqx_ckpt._save import _records
+from eqx_ckpt._store import _local_read, _memory, _storage
 
-# Every fault point at which a save touches storage (see `eqx_ckpt._faults`).
+# Every fault point at which a save touches storage (see `eqx_ckpt._base._faults`).
 _IO = [
     "storage.open",
     "storage.create_array",  # an array of its own, or a pack of small leaves
@@ -245,10 +239,10 @@ def test_every_io_step_failing(tmp_path, kind, error):
 # the save that writes and commits it (the story's, and its stages').
 # (The lines of `save` around it are
 # `test_an_interrupt_at_every_line_around_the_commit`'s.)
-_COMMIT_MODULES = ("eqx_ckpt._transaction",)
+_COMMIT_MODULES = ("eqx_ckpt._store._transaction",)
 _COMMIT_FUNCTIONS = {
-    "eqx_ckpt._serialise": ("_write_and_commit", "_commit", "_stop"),
-    "eqx_ckpt._stages": ("commit", "stop"),
+    "eqx_ckpt._save._serialise": ("_write_and_commit", "_commit", "_stop"),
+    "eqx_ckpt._save._stages": ("commit", "stop"),
 }
 
 
@@ -294,7 +288,7 @@ def interrupt_at_line(fail_at):
     Not at a `with` line: there, the line event also comes between a block's
     last line and its `__exit__`, which an exception would skip (Python itself
     does not promise `__exit__` against a signal landing there)."""
-    from eqx_ckpt import _transaction
+    from eqx_ckpt._store import _transaction
 
     lines = []
     armed = []
@@ -364,7 +358,7 @@ def test_an_abort_never_deletes_what_the_live_manifest_may_use(tmp_path, kind, m
     record of the commit lost, then an interrupt), the abort checks the live
     manifest first: when it is the save's own, or cannot be read to tell, the
     arrays stay and the journal is left for the next save."""
-    from eqx_ckpt import _faults
+    from eqx_ckpt._base import _faults
 
     scenario = _Scenario(kind, tmp_path / kind)
     files = scenario.prepare()
@@ -394,7 +388,9 @@ def _around_the_commit():
     """The code a save runs in the caller's thread around its transaction: the
     entry and exit of `save`, the process's claim on the destination, the
     collector's pause, and the start of an asynchronous save's thread."""
-    from eqx_ckpt import _background, _gc, _lease, _serialise
+    from eqx_ckpt._base import _gc
+    from eqx_ckpt._save import _background, _serialise
+    from eqx_ckpt._store import _lease
 
     functions = [
         _serialise.save.__wrapped__,
@@ -454,7 +450,9 @@ def test_an_interrupt_at_every_line_around_the_commit(tmp_path, blocking):
     that path in the process waited for ever. Now every such interrupt leaves
     a checkpoint whole, the collector as it was, and the next save in the same
     thread runs."""
-    from eqx_ckpt import _background, _gc, _lease
+    from eqx_ckpt._base import _gc
+    from eqx_ckpt._save import _background
+    from eqx_ckpt._store import _lease
 
     codes = _around_the_commit()
 
@@ -498,7 +496,7 @@ def test_an_interrupt_at_every_line_of_a_manager_save(tmp_path):
     scan of the directory to the deletion of the step it no longer keeps: after
     each interrupt, every step left is whole, and the next save runs and
     leaves only itself."""
-    from eqx_ckpt import _manager, _retention, _steps
+    from eqx_ckpt._manage import _manager, _retention, _steps
 
     manager_functions = [
         _manager.CheckpointManager.save,
@@ -553,7 +551,9 @@ def test_an_interrupt_at_every_line_of_a_load(tmp_path):
     """A load holds process-wide state too (the collector's pause, reads in
     flight in the read window): an interrupt at any line of the load's modules
     leaves the collector as it was, and the next load returns the checkpoint."""
-    from eqx_ckpt import _deserialise, _gc, _load_plan, _load_report, _read, _tree as tree_module, _window
+    from eqx_ckpt._base import _gc, _tree as tree_module
+    from eqx_ckpt._load import _deserialise, _load_plan, _load_report, _read
+    from eqx_ckpt._store import _window
 
     codes = _functions_of(
         _deserialise, _load_plan, _load_report, _window, tree_module, _gc, _read, _local_read, _memory, _pack, _storage

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
-from eqx_ckpt._cli import main
+from eqx_ckpt._tools._cli import main
 
 TREE = {
     "model": {"w": np.arange(3000, dtype=np.float32).reshape(30, 100), "b": np.ones(100, np.float32)},

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 
 import eqx_ckpt
-from eqx_ckpt import _window
+from eqx_ckpt._store import _window
 
 
 class _Reads:

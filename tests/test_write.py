@@ -9,8 +9,9 @@ import weakref
 import jax.numpy as jnp
 import pytest
 
-from eqx_ckpt import _records, _serialise, _staging, _tree
-from eqx_ckpt._location import location
+from eqx_ckpt._base import _tree
+from eqx_ckpt._base._location import location
+from eqx_ckpt._save import _records, _serialise, _staging
 
 
 def test_a_freed_batch_is_empty_and_refuses_to_give_records():

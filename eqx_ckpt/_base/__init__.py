@@ -1,0 +1,3 @@
+"""The vocabulary every story shares: errors, fault points, progress,
+interrupts, key paths, trees, selectors, locations.
+"""

@@ -1,0 +1,215 @@
+"""orbax-checkpoint PyTree checkpoints as a source of leaves, read with TensorStore.
+
+An orbax PyTree checkpoint (`StandardCheckpointer`, `PyTreeCheckpointer`) is a
+directory with a `_METADATA` JSON file listing every leaf's key path, and one
+zarr (v2) or zarr3 array per leaf, named by the leaf's keys joined with `.`:
+either a folder per array, or, with OCDBT (orbax's default), keys of an OCDBT
+database at the checkpoint's root. TensorStore reads both; orbax itself is not
+needed. Dotted paths are the key paths, escaped as eqx_ckpt escapes its own.
+
+TensorStore opens orbax's arrays (through `_storage`); orbax itself is not imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .._base import _keypath
+from .._base._errors import CheckpointValueError, CorruptCheckpointError
+from .._base._location import Location
+from .._ondisk._dtypes import is_known_dtype
+from .._ondisk._format import MAX_MANIFEST_BYTES, LeafRecord
+from .._ondisk._manifest import Manifest
+from .._store import _storage
+
+METADATA = "_METADATA"
+DEFAULT_ITEM = "default"
+# What orbax's `CheckpointManager` writes in each step folder.
+STEP_METADATA = "_CHECKPOINT_METADATA"
+# orbax's `value_type` -> the leaf type a load without `like` gives back.
+_TYPES = {"jax.Array": "jax", "np.ndarray": "numpy", "scalar": ""}
+_SCALARS = {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}
+# orbax's `key_type`: 1 a sequence index, 2 a dict key (and an attribute name).
+_SEQUENCE = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrays:
+    """The leaves `find` found, as a source of leaves (a `_source.Foreign`).
+
+    **Attributes:**
+
+    - `manifest`: a record per leaf, by dotted path.
+    - `opener`: record -> future of the `_storage.Array` of that leaf.
+    - `changed`: the name of the file that shows the checkpoint was saved again
+        since it was opened (`None` while it was not).
+    - `runs`: `None`: each leaf is read through its own array.
+    """
+
+    manifest: Manifest
+    opener: Callable[[LeafRecord], _storage.Future]
+    changed: Callable[[], str | None]
+    runs: Callable[[list[LeafRecord]], tuple[list[int], Any]] | None = None
+    format: str = "orbax"
+
+
+def find(loc: Location) -> Arrays | None:
+    """The leaves of an orbax PyTree checkpoint at `loc`, or `None` if it is not
+    one."""
+    data, stamp = _storage.read_file_stamped(loc, METADATA, limit=MAX_MANIFEST_BYTES)
+    if data is None:
+        # A step of an orbax `CheckpointManager` keeps its one item in `default/`.
+        item = loc.joined(DEFAULT_ITEM)
+        data, stamp = _storage.read_file_stamped(item, METADATA, limit=MAX_MANIFEST_BYTES)
+        if data is None:
+            return None
+        loc = item
+    try:
+        body = json.loads(data)
+        tree = body["tree_metadata"]
+        driver = "zarr3" if body.get("use_zarr3") else "zarr"
+        ocdbt = bool(body.get("use_ocdbt"))
+        # orbax then writes every chunk, so a missing one is damage, not zeros.
+        complete = body.get("store_array_data_equal_to_fill_value") is True
+        found = [_leaf(entry) for entry in tree.values()]
+    except _Unopenable as e:
+        raise CheckpointValueError(
+            f"orbax checkpoint {loc.display!r} has a leaf eqx_ckpt does not open: {e}. Restore it with orbax, "
+            f"rename the key, and save again.",
+            path=loc.display,
+        ) from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _corrupt(loc, f"its {METADATA} does not describe a PyTree ({type(e).__name__}: {e})") from None
+    leaves = [leaf for leaf in found if leaf is not None]
+    specs = [_array_spec(loc, driver, ocdbt, name) | {"fill_missing_data_reads": not complete} for _, name, _ in leaves]
+    opens = _storage.open_for_reading(specs)
+    records: dict[str, LeafRecord] = {}
+    stores: dict[str, _storage.Array] = {}
+    for (keypath, name, kind), opened in zip(leaves, opens):
+        try:
+            store = opened.result()
+        except Exception as e:
+            raise _corrupt(loc, f"its array {name!r} cannot be opened ({e})") from None
+        record = _record(loc, keypath, name, kind, store)
+        records[record.path] = record
+        stores[record.path] = store
+    manifest = Manifest(tuple(records[path] for path in sorted(records)), layout="orbax")
+    stamps = [(METADATA, stamp), *_stamps(loc)]
+    changed = lambda: next((name for name, was in stamps if _storage.file_changed(loc, name, was)), None)
+    return Arrays(manifest, opener=lambda record: _storage.ready(stores[record.path]), changed=changed)
+
+
+# Files an orbax save writes anew besides `_METADATA`, which comes out the same
+# for a tree of the same structure (and on S3 an object's ETag is a digest of
+# its content): the save's timestamps, and an OCDBT database's manifest (its
+# random id). On a local disk every one is a new file (orbax saves into a
+# temporary directory and renames it; `force=True` deletes the old one first).
+_SAVED_ANEW = ("_CHECKPOINT_METADATA", "manifest.ocdbt")
+
+
+def _stamps(loc: Location) -> list[tuple[str, bytes]]:
+    """The stamps (`_storage.read_file_stamped`) of the files of `_SAVED_ANEW`
+    that `loc` holds (older versions of orbax write no `_CHECKPOINT_METADATA`)."""
+    out = []
+    for name in _SAVED_ANEW:
+        try:
+            data, stamp = _storage.read_file_stamped(loc, name, limit=MAX_MANIFEST_BYTES)
+        except CorruptCheckpointError:  # too large to read: a database of many versions
+            continue
+        if data is not None:
+            out.append((name, stamp))
+    return out
+
+
+def writes_every_chunk(loc: Location) -> bool:
+    """Whether the orbax checkpoint at `loc` records that every chunk was
+    written (`store_array_data_equal_to_fill_value`), so that a missing one is
+    damage; older orbax left out chunks equal to the fill value."""
+    for folder in (loc, loc.joined(DEFAULT_ITEM)):
+        data = _storage.read_file(folder, METADATA, limit=MAX_MANIFEST_BYTES)
+        if data is not None:
+            try:
+                body = json.loads(data)
+            except ValueError:
+                return False
+            return isinstance(body, dict) and body.get("store_array_data_equal_to_fill_value") is True
+    return False
+
+
+def _corrupt(loc: Location, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{loc.display!r} is not a readable orbax checkpoint: {what}. It is damaged, incomplete, or of an "
+        f"orbax format eqx_ckpt does not read (it reads PyTree checkpoints: zarr or zarr3, with or without OCDBT).",
+        path=loc.display,
+    )
+
+
+def _leaf(entry: dict[str, Any]) -> tuple[list[list[Any]], str, str] | None:
+    """(key path as manifest JSON, orbax's array name, leaf type), or `None` for
+    leaves orbax stored no array for."""
+    value = entry["value_metadata"]
+    kind = _TYPES.get(value.get("value_type"))
+    if kind is None or value.get("skip_deserialize"):
+        return None
+    keys = entry["key_metadata"]
+    keypath = [["index", int(k["key"])] if k["key_type"] == _SEQUENCE else ["key", str(k["key"])] for k in keys]
+    name = ".".join(str(k["key"]) for k in keys)
+    # The names are untrusted: without OCDBT they are folders of the checkpoint.
+    # A key holding `/` (`{"dense/kernel": w}`) makes nested folders, which is
+    # fine; an empty, `.` or `..` part would name no folder inside it.
+    if "\\" in name or any(part in ("", ".", "..") for part in name.split("/")):
+        raise _Unopenable(
+            f"its key path {keypath} gives the array name {name!r}, which is not a name inside the checkpoint"
+        )
+    return keypath, name, kind
+
+
+class _Unopenable(Exception):
+    """A leaf of a sound orbax checkpoint whose array name eqx_ckpt will not open."""
+
+
+def _array_spec(loc: Location, driver: str, ocdbt: bool, name: str) -> dict[str, Any]:
+    if ocdbt:
+        return {"driver": driver, "kvstore": {"driver": "ocdbt", "base": loc.kvstore, "path": name + "/"}}
+    return {"driver": driver, "kvstore": loc.child(name)}
+
+
+def _record(loc: Location, keypath: list[list[Any]], name: str, kind: str, store: _storage.Array) -> LeafRecord:
+    dtype = store.dtype_name
+    if not is_known_dtype(dtype):
+        raise _corrupt(loc, f"its array {name!r} has the data type {dtype!r}, which eqx_ckpt does not read")
+    shape = store.shape
+    if not kind:
+        kind = _SCALARS.get(store.numpy_dtype.kind, "numpy_scalar") if shape == () else "numpy"
+    path = _keypath.join_dotted(*(_keypath.stored_segment(k, v) for k, v in keypath))
+    chunks = store.read_chunk_shape
+    return LeafRecord(path, keypath, kind, shape, dtype, shape, dtype, "plain", chunks)
+
+
+def manager_steps(path: str) -> str:
+    """If the local directory `path` is an orbax `CheckpointManager`'s (numbered
+    step folders, each with its `_CHECKPOINT_METADATA` or an item's
+    `_METADATA`), a sentence naming its steps and how to load one; else ""."""
+    if not os.path.isdir(path):
+        return ""
+    steps = sorted(int(n) for n in os.listdir(path) if n.isdigit() and _is_step(os.path.join(path, n)))
+    if not steps:
+        return ""
+    step = os.path.join(path, str(steps[-1]))
+    items = sorted(n for n in os.listdir(step) if os.path.isfile(os.path.join(step, n, METADATA)))
+    one = step if DEFAULT_ITEM in items or not items else os.path.join(step, items[0])
+    shown = ", ".join(map(str, steps[:10])) + (f" and {len(steps) - 10} more" if len(steps) > 10 else "")
+    return (
+        f" It is an orbax CheckpointManager's directory (steps {shown}): load one step by its folder, e.g. "
+        f"`eqx_ckpt.tree_deserialise_leaves({one!r}, like)` or `eqx_ckpt.Checkpoint({one!r})`."
+    )
+
+
+def _is_step(folder: str) -> bool:
+    if os.path.isfile(os.path.join(folder, STEP_METADATA)):
+        return True
+    return os.path.isdir(folder) and any(os.path.isfile(os.path.join(folder, n, METADATA)) for n in os.listdir(folder))

@@ -1,0 +1,590 @@
+"""Safetensors files, and Hugging Face directories of them, as a source of leaves.
+
+A safetensors file is 8 bytes (little-endian header length), a JSON header
+(`name -> {dtype, shape, data_offsets}`), then each tensor's raw little-endian
+C-order bytes. Each tensor becomes a TensorStore array (`ts.virtual_chunked`)
+whose chunks are runs of rows, read with byte-range reads of the file through
+the same kvstore as any checkpoint: a load reads the headers and the bytes of
+the tensors (or rows) it selects, nothing else, locally or on an object store.
+
+Like `_storage` and `_location`, this module talks to TensorStore directly: it is the
+safetensors reader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+import urllib.parse
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._base import _faults, _keypath, _location
+from .._base._errors import (
+    CheckpointNotFoundError,
+    CheckpointReplacedError,
+    CheckpointValueError,
+    CorruptCheckpointError,
+)
+from .._base._location import Location
+from .._ondisk._format import MAX_ELEMENTS, MAX_RANK, LeafRecord, dtype_from_name
+from .._ondisk._manifest import Manifest, no_duplicates
+from .._store import _memory, _storage, _storage_errors, _window
+
+# Safetensors dtype names -> the names eqx_ckpt (and ml_dtypes) use.
+DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32",
+    "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
+    "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+}  # fmt: skip
+NAMES = {ours: theirs for theirs, ours in DTYPES.items()}
+# The NumPy dtype of each of our names, looked up once, not once a tensor.
+_NUMPY = {ours: dtype_from_name(ours) for ours in DTYPES.values()}
+# The safetensors library refuses headers above 100 MB; so do we.
+MAX_HEADER = 100 * 2**20
+SUFFIX = ".safetensors"
+# A tensor is read in runs of rows of about this many bytes: one range request
+# each, many at once, and a slice or a device's shard reads only its runs.
+ROW_CHUNK_BYTES = 4 * 2**20
+# A load reads tensors of at most this many bytes in runs of adjacent tensors,
+# one range read per run (`read_runs`); larger ones through their own arrays.
+SMALL_BYTES = 2**20
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def is_file_path(loc: Location) -> bool:
+    return loc.kvstore.get("path", "").rstrip("/").endswith(SUFFIX)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensors:
+    """The tensors `find` found, as a source of leaves (a `_source.Foreign`).
+
+    **Attributes:**
+
+    - `manifest`: a record per tensor, by dotted path.
+    - `opener`: record -> future of the `_storage.Array` of that tensor (`_open`).
+    - `changed`: the name of a file rewritten since it was opened (`_Files.changed`).
+    - `runs`: the reader of many small tensors at once (`read_runs`).
+    """
+
+    manifest: Manifest
+    opener: Callable[[LeafRecord], _storage.Future]
+    changed: Callable[[], str | None]
+    runs: Callable[[list[LeafRecord]], tuple[list[int], Any]] | None
+    format: str = "safetensors"
+
+
+def find(loc: Location) -> Tensors | None:
+    """The tensors of a `.safetensors` file, or of a directory holding one or a
+    Hugging Face index (`model.safetensors.index.json`) and its shards; `None`
+    if `loc` is neither."""
+    if is_file_path(loc):
+        folder, name = split_file(loc)
+        return _tensors(loc, folder, [name], index=None)
+    for name in _candidates(loc, INDEX, ".safetensors.index.json"):
+        with _storage_errors.read_explained(loc, name):
+            result = _storage.result(_storage.Folder(loc).read(name))
+        if result.value is not None:
+            weight_map = _weight_map(loc, name, result.value)
+            return _tensors(loc, loc.kvstore, sorted(set(weight_map.values())), index=name, weight_map=weight_map)
+    for name in _candidates(loc, SINGLE, SUFFIX):
+        try:
+            return _tensors(loc, loc.kvstore, [name], index=None)
+        except CheckpointNotFoundError:
+            continue
+    return None
+
+
+def _candidates(loc: Location, usual: str, suffix: str) -> list[str]:
+    """`usual`, or in a local directory the one file ending in `suffix`
+    (`diffusion_pytorch_model.safetensors`, `adapter_model.safetensors`...)."""
+    if loc.local is None or not os.path.isdir(loc.local):
+        return [usual]
+    names = sorted(n for n in os.listdir(loc.local) if n.endswith(suffix))
+    return [usual] if usual in names or len(names) != 1 else names
+
+
+def split_file(loc: Location) -> tuple[dict[str, Any], str]:
+    path = loc.kvstore["path"].rstrip("/")
+    folder, _, name = path.rpartition("/")
+    return {**loc.kvstore, "path": folder + "/" if folder else ""}, name
+
+
+def _corrupt(loc: Location, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{loc.display!r} is not a valid safetensors checkpoint: {what}. It is damaged or incomplete; do not load it.",
+        path=loc.display,
+    )
+
+
+def _weight_map(loc: Location, index: str, data: bytes) -> dict[str, str]:
+    """The index's tensor names -> the shards holding them."""
+    try:
+        weight_map = json.loads(data)["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(t, str) for t in weight_map):
+            raise TypeError("it is not an object of tensor names")
+    except (ValueError, KeyError, TypeError) as e:
+        raise _corrupt(loc, f"{index} has no `weight_map` of tensor names to files ({e})") from None
+    for name in set(weight_map.values()):
+        # The index is untrusted: a shard must be a file beside it.
+        if not isinstance(name, str) or not re.fullmatch(r"[^/\\]+", name) or name.startswith("."):
+            raise _corrupt(loc, f"{index} names the shard {name!r}, which is not a file name in that directory")
+    return weight_map
+
+
+def _tensors(
+    loc: Location,
+    folder: dict[str, Any],
+    files: list[str],
+    *,
+    index: str | None,
+    weight_map: dict[str, str] | None = None,
+) -> Tensors:
+    """Read every file's header (two small reads each, all files at once)."""
+    local = folder["path"] if _location.on_local_disk(loc) else None
+    where = _storage.Folder(Location(folder, loc.display, local.rstrip("/") if local is not None else None))
+    heads = [where.read(name, slice(0, 8)) for name in files]
+    sizes, versions = [], []
+    for name, head in zip(files, heads):
+        result = _result(loc, name, head, "is shorter than a safetensors header")
+        versions.append(result.generation)
+        if result.value is None:
+            if index:  # the directory is there, and incomplete
+                raise _corrupt(loc, f"{index} lists the shard {name!r}, which is not there")
+            raise CheckpointNotFoundError(f"There is no safetensors file {name!r} at {loc.display!r}.")
+        if len(result.value) < 8:
+            raise _corrupt(loc, f"{name!r} is shorter than a safetensors header")
+        size = int.from_bytes(result.value, "little")
+        if size > MAX_HEADER:
+            raise _corrupt(loc, f"{name!r} declares a {size}-byte header, more than the {MAX_HEADER} allowed")
+        sizes.append(size)
+    _faults.fire("safetensors.read_headers", loc, files)
+    bodies = [where.read(name, slice(8, 8 + size)) for name, size in zip(files, sizes)]
+    records: dict[str, LeafRecord] = {}
+    places: dict[str, tuple[str, int]] = {}
+    # Each tensor's file by its name in the headers (one dotted path per name:
+    # `dotted` is one-to-one), for the index's check below.
+    holder: dict[str, str] = {}
+    metadata: dict[str, dict[str, str]] = {}
+    ends, generations = [], []
+    for name, size, body, version in zip(files, sizes, bodies, versions):
+        found = _result(loc, name, body, "ends inside its header")
+        data = found.value
+        generations.append(found.generation)
+        if found.generation != version:
+            # The header's length and the header came from two versions of the file.
+            raise CheckpointReplacedError(
+                f"The safetensors file {name!r} of {loc.display!r} was rewritten while it was being opened. "
+                f"Open or load it again once it is written.",
+                path=loc.display,
+            )
+        if data is None or len(data) != size:
+            raise _corrupt(loc, f"{name!r} ends inside its header")
+        parsed, metadata[name], used = _parse_header(loc, name, data)
+        for tensor, record, offset in parsed:
+            if record.path in records:
+                raise _corrupt(loc, f"tensor {record.path!r} is in two files ({places[record.path][0]!r}, {name!r})")
+            records[record.path] = record
+            places[record.path] = (name, 8 + size + offset)
+            holder[tensor] = name
+        ends.append(8 + size + used)
+    # The last byte a tensor uses and the one after it, which must not be there:
+    # one read per file, all at once. (A range starting at the end of the file is
+    # answered oddly by some servers; one ending past it is refused by all.)
+    probes = [(n, end, where.read(n, slice(end - 1, end + 1))) for n, end in zip(files, ends)]
+    for name, end, probe in probes:
+        found = _result(loc, name, probe, None)
+        if found is not None and found.value is not None and len(found.value) > 1:
+            raise _corrupt(loc, f"{name!r} has bytes after its last tensor (byte {end} on), which no tensor uses")
+    for tensor, file in (weight_map or {}).items():
+        # A shard replaced by another version may have lost a tensor the index promises.
+        if holder.get(tensor) != file:
+            raise _corrupt(loc, f"{index} lists the tensor {tensor!r} in {file!r}, which does not hold it")
+    ordered = tuple(records[path] for path in sorted(records))
+    opened = _Files(loc, where, dict(zip(files, generations)), local)
+    return Tensors(
+        Manifest(ordered, layout="safetensors", metadata=_merged(metadata)),
+        opener=functools.partial(_open, opened, places),
+        changed=opened.changed,
+        runs=functools.partial(read_runs, opened, places),
+    )
+
+
+class _Files:
+    """The files of one opened source, as they were when their headers were read.
+
+    The offsets of its tensors hold only in those versions of the files: a file
+    rewritten since (by `safetensors`, by an export into the same directory)
+    has other tensors at those offsets. Every read of a tensor's bytes is checked
+    against the version the header came from (`read_matches`; on an object store
+    the generation comes with the bytes, in one response), and `changed` names
+    a file that is no longer that version."""
+
+    def __init__(self, loc: Location, where: _storage.Folder, generations: dict[str, bytes], folder: str | None):
+        # `loc` as the user named it (for messages); `where`, the folder of the files.
+        self.loc, self.where, self.generations = loc, where, generations
+        # The local directory of the files, which runs are read from with `os.preadv`.
+        self.folder = folder
+        # On a local disk a file can be rewritten in place while it is read, so
+        # the files read from are also checked after the reads.
+        self.local = _location.on_local_disk(loc)
+        self.opened: set[str] = set()
+        self.seen: list[str] = []  # files a read found in another version
+        # A read that found the file shorter: truncated, or rewritten smaller
+        # (a range past the end comes back with no generation to compare).
+        self.short = False
+
+    def read_matches(self, file: str, generation: bytes) -> bool:
+        if generation == self.generations[file]:
+            return True
+        self.seen.append(file)
+        return False
+
+    def changed(self) -> str | None:
+        if self.seen:
+            return self.seen[0]
+        for name in sorted(self.opened) if self.local or self.short else ():
+            with _storage_errors.read_explained(self.loc, name):
+                if self.where.changed(name, self.generations[name]):
+                    return name
+        return None
+
+
+def _merged(metadata: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The files' `__metadata__` as one map (Hugging Face shards repeat the
+    same); a key whose value differs between files appears once per file,
+    as `file:key`, rather than one value hiding the others."""
+    values: dict[str, set[str]] = {}
+    for strings in metadata.values():
+        for key, value in strings.items():
+            values.setdefault(key, set()).add(value)
+    out: dict[str, str] = {}
+    for file, strings in metadata.items():
+        for key, value in strings.items():
+            out[key if len(values[key]) == 1 else f"{file}:{key}"] = value
+    return dict(sorted(out.items()))
+
+
+def _result(loc: Location, name: str, read: _storage.Mapped, short: str | None) -> Any:
+    """A byte-range read's result; a range past the end of the file means
+    `short` (the file is corrupt), or, without one, `None`."""
+    try:
+        return read.result()
+    except Exception as e:
+        if "OUT_OF_RANGE" not in str(e):
+            raise _storage_errors.read_error(loc, name, e) from None
+        if short is None:
+            return None
+        raise _corrupt(loc, f"{name!r} {short}") from None
+
+
+def _parse_header(
+    loc: Location, file: str, data: bytes
+) -> tuple[list[tuple[str, LeafRecord, int]], dict[str, str], int]:
+    """The tensors of a header (each with its name and offset), its
+    `__metadata__`, and how many bytes of data its tensors use."""
+    try:
+        header = json.loads(data, parse_constant=_reject, object_pairs_hook=no_duplicates)
+    except (ValueError, RecursionError) as e:
+        raise _corrupt(loc, f"the header of {file!r} is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise _corrupt(loc, f"the header of {file!r} is not a JSON object")
+    out: list[tuple[str, LeafRecord, int]] = []
+    spans: list[tuple[int, int, int]] = []  # (first byte, bytes, index into `out`) of each tensor
+    metadata: dict[str, str] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not (isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())):
+                raise _corrupt(loc, f"the `__metadata__` of {file!r} is not a map of strings to strings")
+            metadata = entry
+            continue
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        if isinstance(dtype, str) and dtype not in DTYPES and re.fullmatch(r"[A-Z][A-Z0-9_]*", dtype):
+            raise CheckpointValueError(
+                f"Tensor {name!r} in {file!r} of {loc.display!r} has the safetensors dtype {dtype!r}, which eqx_ckpt "
+                f"does not read (it reads {', '.join(DTYPES)}). Convert the file, or export it without that tensor.",
+                path=loc.display,
+            )
+        try:
+            record, start, nbytes = _record(name, entry)
+        except (ValueError, TypeError, KeyError) as e:
+            raise _corrupt(loc, f"tensor {name!r} in {file!r}: {e}") from None
+        spans.append((start, nbytes, len(out)))
+        out.append((name, record, start))
+    # As the format (and the `safetensors` library) requires: the tensors' bytes
+    # follow one another from the start of the data, no two sharing a byte.
+    end = 0
+    for start, nbytes, i in sorted(spans):
+        if start != end:
+            what = "overlaps the tensor before it" if start < end else f"leaves bytes {end} to {start} unused"
+            raise _corrupt(loc, f"tensor {out[i][1].path!r} in {file!r} {what}")
+        end = start + nbytes
+    return out, metadata, end
+
+
+# A name whose parts are all non-empty and need no escaping (`_keypath.escape`).
+_PLAIN = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
+
+
+def _reject(name: str) -> None:
+    raise ValueError(f"{name} is not allowed")
+
+
+def dotted(name: str) -> str:
+    """The dotted path of a tensor name: its `.`-separated parts, each escaped
+    as `Checkpoint(path).keys()` escapes keys (so `model.layers.0.weight` stays)."""
+    if _PLAIN.fullmatch(name):  # most names: nothing to escape, one match for the whole name
+        return name
+    return _keypath.join_dotted(*(_keypath.escape(part) for part in name.split("."))) if name else "%e"
+
+
+def tensor_name(path: str) -> str | None:
+    """The tensor name whose `dotted` path is `path`, or `None` if none is
+    (a part holding a `.`, an integer dict key `%i3`, a shortened long key)."""
+    try:
+        name = ".".join("" if part == "%e" else urllib.parse.unquote(part, errors="strict") for part in path.split("."))
+    except UnicodeDecodeError:
+        return None
+    return name if dotted(name) == path else None
+
+
+def _record(name: str, entry: Any) -> tuple[LeafRecord, int, int]:
+    """A header entry's record, its first byte and its number of bytes."""
+    dtype = DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise ValueError(f"dtype {entry['dtype']!r} is not one eqx_ckpt reads ({', '.join(DTYPES)})")
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not (isinstance(shape, list) and len(shape) <= MAX_RANK and all(type(n) is int and n >= 0 for n in shape)):
+        raise ValueError(f"`shape` {shape!r} is not a list of non-negative integers")
+    size = math.prod(shape)
+    if size > MAX_ELEMENTS:
+        raise ValueError(f"`shape` {shape} has more than 2**53 elements")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int and n >= 0 for n in offsets)):
+        raise ValueError(f"`data_offsets` {offsets!r} is not two non-negative integers")
+    itemsize = _NUMPY[dtype].itemsize
+    if offsets[1] - offsets[0] != size * itemsize:
+        raise ValueError(f"`data_offsets` {offsets} do not span {shape} x {itemsize} bytes")
+    shape = tuple(shape)
+    path = dotted(name)
+    keypath = [["key", part] for part in name.split(".")] if name else [["key", ""]]
+    record = LeafRecord(path, keypath, "jax", shape, dtype, shape, dtype, "plain", _chunks(shape, itemsize))
+    return record, offsets[0], size * itemsize
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Runs of whole rows of about `ROW_CHUNK_BYTES` (a model's few shapes
+    recur in thousands of tensors)."""
+    row = math.prod(shape[1:]) * itemsize
+    rows = max(1, min(shape[0] if shape else 1, ROW_CHUNK_BYTES // max(row, 1)))
+    return (rows, *(max(1, n) for n in shape[1:])) if shape else ()
+
+
+def _open(files: _Files, places: dict[str, tuple[str, int]], record: LeafRecord) -> _storage.Future:
+    """A read-only TensorStore array over the tensor's bytes, as a future."""
+    file, start = places[record.path]
+    files.opened.add(file)
+    dtype = _NUMPY[record.stored_dtype]
+    read = functools.partial(_read_rows, files, file, start, dtype, record.shape)
+    return _storage.ready(_storage.virtual_array(read, dtype=dtype, shape=record.shape, chunks=record.chunks))
+
+
+def _read_rows(
+    files: _Files,
+    file: str,
+    start: int,
+    dtype: np.dtype,
+    shape: tuple[int, ...],
+    rows: tuple[int, int] | None,
+    array: np.ndarray,
+) -> _storage.Future:
+    """Fill one chunk (a run of whole rows) from one byte-range read."""
+    row = math.prod(shape[1:]) * dtype.itemsize
+    lo, hi = rows if rows is not None else (0, 1)
+    want = (hi - lo) * row if shape else dtype.itemsize
+    promise, done = _storage.pending()
+
+    def fill(future: _storage.Mapped) -> None:
+        try:
+            try:
+                result = future.result()
+            except Exception as e:
+                if "OUT_OF_RANGE" not in str(e):
+                    raise
+                result = None
+            if result is not None and not files.read_matches(file, result.generation):
+                raise OSError(f"{file!r} was rewritten since it was opened: its tensors are at other offsets now")
+            if result is None or result.value is None or len(result.value) != want:
+                files.short = True
+                raise OSError(
+                    f"DATA_LOSS: {file!r} ends before the tensor's bytes {start + lo * row}..{start + lo * row + want} "
+                    f"(the file is truncated)"
+                )
+            # Safetensors bytes are little-endian, as are the hosts JAX runs on.
+            array[...] = np.frombuffer(result.value, dtype).reshape(array.shape)
+            promise.set_result(None)
+        except Exception as e:
+            promise.set_exception(e)
+
+    files.where.read(file, slice(start + lo * row, start + lo * row + want)).add_done_callback(fill)
+    return done
+
+
+Run = tuple[str, int, int, list[int]]  # file, first byte, end, indices of the records it holds
+
+
+def read_runs(
+    files: _Files, places: dict[str, tuple[str, int]], records: Sequence[LeafRecord]
+) -> tuple[list[int], Iterator[tuple[list[int], Callable[[], list[np.ndarray]]]]]:
+    """Read the small ones of `records` in a few large reads: which they are
+    (indices into `records`), and for each run of adjacent wanted tensors of one
+    file `(indices, finish)`, `finish()` waiting for the run's one range read
+    and returning the host array of each tensor in it.
+
+    Ten thousand small tensors read one array and one range request each took
+    seconds; read so, one request (on a local disk, one read) covers all of
+    them. Tensors more than `_window.RUN_GAP_BYTES` apart, or a run longer than
+    the read budget, start another run (`_window.runs`), so a partial load reads little more than it
+    wants. Runs are started ahead of their use within the read budget (`_window`)."""
+    # On a local disk a larger tensor is read whole the same way, into memory
+    # `jax.device_put` adopts without a copy: three copies of its bytes fewer
+    # than through a TensorStore array (the read's, the chunk's, the array's).
+    most = _window.READ_BUDGET if files.folder is not None else SMALL_BYTES
+    sizes = [record.nbytes for record in records]
+    small = [i for i, nbytes in enumerate(sizes) if nbytes <= most]
+    jobs = (
+        (run[3], run[2] - run[1], functools.partial(_start_run, files, run, [records[m] for m in run[3]], places))
+        for run in _runs(places, records, sizes, small)
+    )
+    return small, ((members, finish) for members, _, finish in _window.windowed(jobs))
+
+
+def _runs(
+    places: dict[str, tuple[str, int]], records: Sequence[LeafRecord], sizes: list[int], wanted: list[int]
+) -> list[Run]:
+    """The runs covering the `wanted` records (of `sizes` bytes), file by file in the order of their bytes."""
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for i in wanted:
+        file, start = places[records[i].path]
+        by_file.setdefault(file, []).append((start, i))
+    runs: list[Run] = []
+    for file, starts in sorted(by_file.items()):
+        starts.sort()
+        spans = ((start, start + sizes[i], i) for start, i in starts)
+        # A tensor larger than `SMALL_BYTES` is read by itself.
+        found = _window.runs(spans, _window.READ_BUDGET, lambda size: size > SMALL_BYTES)
+        runs.extend((file, lo, hi, members) for lo, hi, members in found)
+    return runs
+
+
+def _start_run(
+    files: _Files, run: Run, records: list[LeafRecord], places: dict[str, tuple[str, int]]
+) -> Callable[[], list[np.ndarray]]:
+    """Start one run's range read; the returned function waits for it, checks it
+    came whole from the version of the file the header was read from, and
+    slices each tensor out of it."""
+    file, start, end, _ = run
+    files.opened.add(file)
+    _faults.fire("safetensors.read_run", files.loc, file, start, end)
+    if files.folder is not None:
+        # Checked after the reads, as every read of a local file is (`_Files.changed`).
+        local = _window.read_pool().submit(_read_local, os.path.join(files.folder, file), start, end)
+    else:
+        read = files.where.read(file, slice(start, end)) if end > start else None
+
+    def finish() -> list[np.ndarray]:
+        if files.folder is not None:
+            try:
+                data = local.result()
+            except OSError as e:
+                raise _storage_errors.leaf_io_error(e, records[0], files.loc, "read") from e
+        else:
+            data = _run_bytes(files, file, start, end, read, records[0])
+        if data is None:
+            files.short = True
+            raise _truncated(files, file, records, places)
+        out = []
+        for record in records:
+            offset = places[record.path][1] - start
+            nbytes = record.nbytes
+            if not 0 <= offset <= offset + nbytes <= len(data):  # `_runs` made it so; checked all the same
+                raise _corrupt(files.loc, f"tensor {record.path!r} in {file!r} is not within bytes {start}..{end}")
+            # Safetensors bytes are little-endian, as are the hosts JAX runs on. (A view
+            # of the run's bytes made in one call, not a slice, a view and a reshape.)
+            out.append(np.ndarray(record.shape, _NUMPY[record.stored_dtype], data, offset))
+        return out
+
+    return finish
+
+
+def _run_bytes(
+    files: _Files, file: str, start: int, end: int, read: _storage.Mapped | None, first: LeafRecord
+) -> np.ndarray | None:
+    """A run's bytes, or `None` if the file ends before the run does; a file
+    rewritten since its header was read is an error."""
+    if read is None:  # nothing to read (`end == start`)
+        return np.empty(0, np.uint8)
+    try:
+        result = read.result()
+    except Exception as e:
+        if "OUT_OF_RANGE" in str(e):
+            return None
+        raise _storage_errors.leaf_io_error(e, first, files.loc, "read") from e
+    if not files.read_matches(file, result.generation):
+        raise OSError(f"{file!r} was rewritten since it was opened: its tensors are at other offsets now")
+    if result.value is None or len(result.value) != end - start:
+        return None
+    return np.frombuffer(result.value, np.uint8)
+
+
+def _read_local(path: str, start: int, end: int) -> np.ndarray | None:
+    """Bytes `start` to `end` of a local file (page-aligned when large), or
+    `None` if the file ends before `end`."""
+    out = _memory.fresh_empty((end - start,), np.uint8)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        done, view = 0, out.data
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], start + done)
+            if n == 0:
+                return None
+            done += n
+    finally:
+        os.close(fd)
+    return out
+
+
+def _truncated(files: _Files, file: str, records: list[LeafRecord], places: dict[str, tuple[str, int]]) -> Exception:
+    """The error of a run the file ends inside: it names the first tensor of the
+    run whose bytes are not all there, found by bisecting on one-byte reads
+    of the tensors' last bytes."""
+    cut = [r for r in records if r.nbytes]
+    lo, hi = 0, len(cut) - 1  # the last one is cut, or the run would have been whole
+    while lo < hi:
+        mid = (lo + hi) // 2
+        last = places[cut[mid].path][1] + cut[mid].nbytes
+        try:
+            found = files.where.read(file, slice(last - 1, last)).result()
+            whole = found.value is not None and len(found.value) == 1
+        except Exception as e:
+            if "OUT_OF_RANGE" not in str(e):  # not the end of the file: a failed read
+                return _storage_errors.leaf_io_error(e, cut[mid], files.loc, "read")
+            whole = False
+        if whole and not files.read_matches(file, found.generation):
+            return OSError(f"{file!r} was rewritten since it was opened: its tensors are at other offsets now")
+        lo, hi = (mid + 1, hi) if whole else (lo, mid)
+    record = cut[lo]
+    start = places[record.path][1]
+    error = OSError(
+        f"DATA_LOSS: {file!r} ends before the tensor's bytes {start}..{start + record.nbytes} (the file is truncated)"
+    )
+    return _storage_errors.leaf_io_error(error, record, files.loc, "read")

@@ -1,0 +1,277 @@
+"""Several JAX processes taking part in one save or one restore: the group,
+its barriers, and who writes which leaf.
+
+A save's stages (`_stages`) and a restore that reads each byte once
+(`_read_once`) each make a `Group` of the processes and meet at its
+barriers (`Group.sync`); `writes` says whether this process writes (its
+pieces of) a leaf.
+
+The processes meet at barriers of the distributed runtime's coordination service,
+not at device collectives: that needs no collective support from the backend
+(CPU included), carries each process's error to the others, so that a failure
+anywhere fails the save everywhere instead of hanging it, and is safe from the
+background thread of an asynchronous save, where a device collective could
+interleave with the training step's own.
+
+A barrier is each process's key in the coordination service's key-value store,
+waited for a second at a time. Between waits, the heartbeat of a process that
+has not arrived is checked: every process taking part in saves bumps a key of
+its own every `HEARTBEAT_SECONDS` from a thread, so a process killed outright
+(SIGKILL, out of memory) is found within `SILENT_SECONDS` and named, where
+`jax.distributed`'s own heartbeat takes 100 s and then ends every process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import threading
+import time
+from typing import Any, NamedTuple
+
+import jax
+
+from .._base._errors import CheckpointError
+from ._sharding import on_one_device
+
+# A barrier waits this long for the slowest process: it covers writing that
+# process's whole share of a checkpoint.
+TIMEOUT_MS = 60 * 60 * 1000
+
+# Every process bumps its heartbeat key this often, from a thread of its own...
+HEARTBEAT_SECONDS = 1.0
+# ...and one whose heartbeat has not moved for this long, while the others wait
+# for it at a barrier, is taken for dead (killed, crashed, its machine gone).
+# Long enough for a process busy in code that holds the GIL (the thread then
+# cannot run); short enough that the others stop within seconds.
+SILENT_SECONDS = 10.0
+
+# One wait for a process's barrier key, between checks of its heartbeat.
+_WAIT_MS = 1000
+
+# Saves (and restores that share reads) are numbered in the order each process
+# makes them, which is the same in every process, so the n-th save's barriers
+# have the same names everywhere.
+_numbers = {"save": itertools.count(), "restore": itertools.count()}
+
+
+def _client() -> Any:
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise CheckpointError(
+            f"jax.process_count() is {jax.process_count()} but `jax.distributed` has no "
+            f"client, so the processes cannot agree on a commit. Call "
+            f"`jax.distributed.initialize(...)` in every process before saving."
+        )
+    return client
+
+
+class Group:
+    """The processes taking part in one save (one process: every step is local),
+    or in one restore that reads each byte once (`_read_once`): `what`. A
+    barrier waits `timeout` seconds for the slowest process (`TIMEOUT_MS` by
+    default)."""
+
+    def __init__(self, what: str = "save", timeout: float | None = None) -> None:
+        self.count = jax.process_count()
+        self.index = jax.process_index()
+        self.what = what
+        self._name = f"eqx_ckpt/{what}/{next(_numbers[what])}" if self.count > 1 else ""
+        self._timeout = TIMEOUT_MS / 1000 if timeout is None else timeout
+        self._lost: CheckpointError | None = None
+
+    @property
+    def primary(self) -> bool:
+        """Whether this process runs the transaction (process 0)."""
+        return self.index == 0
+
+    def sync(self, stage: str, error: BaseException | None, plan: str | None = None) -> BaseException | None:
+        """Wait until every process has reached `stage`; return this process's
+        `error`, or else an error saying which other processes failed or
+        stopped answering (or `None`). `plan`: a digest of what this process
+        planned, which must be every process's (see `differing`)."""
+        if self.count == 1:
+            return error
+        if self._lost is not None:  # a process died at an earlier stage: nobody else will arrive
+            return error or self._lost
+        client = _client()
+        _Heartbeat.start(client, self.index)
+        key = f"{self._name}/{stage}"
+        if plan is not None:  # before this process's barrier key: whoever passes the barrier sees it
+            client.key_value_set(f"{key}-plan/{self.index}", plan)
+        client.key_value_set(f"{key}/{self.index}", "" if error is None else _describe(error))
+        self._lost = _wait(client, key, self.count, _Stage(self.what, stage, self._timeout))
+        if error is not None or self._lost is not None:
+            return error or self._lost
+        failed = sorted((int(k.rsplit("/", 1)[-1]), v) for k, v in client.key_value_dir_get(f"{key}/") if v)
+        if failed:
+            lines = "\n".join(f"  - process {i}: {message}" for i, message in failed)
+            saving = self.what == "save"
+            doing, outcome = ("Saving", "nothing was committed") if saving else ("Loading", "nothing was loaded")
+            return CheckpointError(f"{doing} failed in {len(failed)} other process(es), so {outcome}:\n{lines}")
+        if plan is None:
+            return None
+        return differing(
+            {int(k.rsplit("/", 1)[-1]): v for k, v in client.key_value_dir_get(f"{key}-plan/")}, self.count
+        )
+
+
+def differing(plans: dict[int, str], count: int) -> CheckpointError | None:
+    """The error of a save whose processes planned different saves (`plans`:
+    each process's digest, by its index), every process reaching the same
+    verdict. Every process deals out the slices of replicated leaves alike
+    from the tree it was given (`_sharding.Deal`): given different trees, a
+    slice would go unwritten, so the save is refused before anything is."""
+    digests = [plans.get(index) for index in range(count)]
+    others = [index for index in range(1, count) if digests[index] != digests[0]]
+    if not others:
+        return None
+    return CheckpointError(
+        f"The processes did not save the same tree: process(es) {others} planned a save different from process "
+        f"0's (other leaves, shapes, dtypes or chunks), so nothing was written. Every process must call the save "
+        f"with the same tree, in the same order."
+    )
+
+
+class _Stage(NamedTuple):
+    """A barrier: of a save or a restore (`what`), its `name`, and how long it waits."""
+
+    what: str
+    name: str
+    timeout: float
+
+
+def _wait(client: Any, key: str, count: int, stage: _Stage) -> CheckpointError | None:
+    """Wait for every process's key under `key`; the error naming the processes
+    that stopped answering, or did not arrive within the stage's time-out."""
+    deadline = time.monotonic() + stage.timeout
+    silence = _Silence(client)
+    for index in range(count):
+        while True:
+            try:
+                client.blocking_key_value_get(f"{key}/{index}", _WAIT_MS)
+                break
+            except Exception as e:
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+            if silence.dead(index):
+                return _lost(index, count, stage)
+            if time.monotonic() > deadline:
+                return _late(client, key, count, stage)
+    return None
+
+
+def _late(client: Any, key: str, count: int, stage: _Stage) -> CheckpointError:
+    """The error of a barrier that some processes, still running, did not reach in time."""
+    arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(f"{key}/")}
+    missing = [index for index in range(count) if index not in arrived]
+    call = "save with the same tree" if stage.what == "save" else "load with the same `like`"
+    who = f"Process {missing[0]}" if len(missing) == 1 else f"Processes {', '.join(map(str, missing))}"
+    still = "it is" if len(missing) == 1 else "they are"
+    return CheckpointError(
+        f"{who} of {count} did not reach stage {stage.name!r} of the {stage.what} within {stage.timeout:g} s, "
+        f"although {still} still running. {_outcome(stage)} Every process must call the {call}, in the same order."
+    )
+
+
+def _lost(index: int, count: int, stage: _Stage) -> CheckpointError:
+    return CheckpointError(
+        f"Process {index} of {count} stopped answering during the {stage.what} (no heartbeat for "
+        f"{SILENT_SECONDS:g} s while the others waited for it at stage {stage.name!r}): it was killed or crashed, "
+        f"so this {stage.what} cannot finish. {_outcome(stage)} Its own log says why it stopped; "
+        f"`jax.distributed` ends the remaining processes too once its own heartbeat times out."
+    )
+
+
+def _outcome(stage: _Stage) -> str:
+    """What a save or restore that stopped at `stage` left."""
+    if stage.what == "restore":
+        return "Nothing was loaded."
+    if stage.name == "committed":
+        return "Process 0 may have committed it: load the checkpoint to see which save it holds."
+    return "Nothing was committed: the checkpoint saved before is unchanged."
+
+
+class _Silence:
+    """When each process's heartbeat was last seen to change (by this process's clock)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._seen: dict[int, tuple[str, float]] = {}
+
+    def dead(self, index: int) -> bool:
+        """Whether process `index` has been silent for `SILENT_SECONDS`. One
+        never seen beating (not yet in a save) is not judged."""
+        try:
+            beat = self._client.key_value_try_get(_Heartbeat.key(index))
+        except Exception:
+            return False
+        now = time.monotonic()
+        last = self._seen.get(index)
+        if last is None or last[0] != beat:
+            self._seen[index] = (beat, now)
+            return False
+        return now - last[1] > SILENT_SECONDS
+
+
+class _Heartbeat:
+    """This process's heartbeat: a thread that bumps its key in the
+    coordination service every `HEARTBEAT_SECONDS`, from its first save on."""
+
+    _started: threading.Thread | None = None
+    _stop = threading.Event()
+
+    @staticmethod
+    def key(index: int) -> str:
+        return f"eqx_ckpt/alive/{index}"
+
+    @classmethod
+    def start(cls, client: Any, index: int) -> None:
+        if cls._started is not None:
+            return
+        key = cls.key(index)
+        client.key_value_set(key, "0", allow_overwrite=True)  # seen before this process's first barrier key
+
+        def beat() -> None:
+            count = 0
+            while not cls._stop.wait(HEARTBEAT_SECONDS):
+                count += 1
+                try:
+                    client.key_value_set(key, str(count), allow_overwrite=True)
+                except Exception:
+                    return  # the coordination service is gone (shut down, or process 0 died)
+
+        cls._started = threading.Thread(target=beat, name="eqx_ckpt-heartbeat", daemon=True)
+        cls._started.start()
+        # Before `jax.distributed`'s own exit hook (registered earlier, so run later) shuts the client down.
+        atexit.register(cls.halt)
+
+    @classmethod
+    def halt(cls) -> None:
+        """Stop the heartbeat and wait for a beat in flight. A daemon thread still
+        in the client's call when the interpreter finalises is ended inside that
+        C++ call, which aborted a process at exit ("FATAL: exception not
+        rethrown") after its saves had all succeeded."""
+        cls._stop.set()
+        if cls._started is not None:
+            cls._started.join(SILENT_SECONDS)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:2000] or type(error).__name__
+
+
+def writes(x: Any, primary: bool | None = None) -> bool:
+    """Whether this process writes (its pieces of) leaf `x`.
+
+    A `jax.Array` spread over several processes is written shard by shard, by the
+    processes that address them. Anything else (NumPy arrays, scalars, arrays on
+    one process's devices) every process holds a copy of, and process 0 writes.
+    """
+    # `primary`: whether this is process 0, when the caller knows (asking JAX
+    # costs 10 us, three times a leaf before it was passed in).
+    if isinstance(x, jax.Array) and not on_one_device(x) and not x.is_fully_addressable:
+        return True
+    return jax.process_index() == 0 if primary is None else primary

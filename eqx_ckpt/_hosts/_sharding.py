@@ -1,0 +1,238 @@
+"""Sharded arrays: which host pieces a save writes (with several processes,
+each writing its slices of what several of them hold), and how a load reads
+each device's region straight into place."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._base import _faults
+from .._store import _memory
+
+
+def block_shape(x: Any) -> tuple[int, ...] | None:
+    """The shape of one shard of a sharded `jax.Array`, to line chunks up with."""
+    if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+        return tuple(x.sharding.shard_shape(x.shape))
+    return None
+
+
+def on_one_device(x: jax.Array) -> bool:
+    """Whether `x` lives on one device (of this process: JAX makes no array on
+    another process's single device)."""
+    sharding = x.sharding
+    # `type ... is` first: `isinstance` on JAX's sharding classes costs about a
+    # microsecond, and an asynchronous save's caller waits for it leaf by leaf.
+    return type(sharding) is jax.sharding.SingleDeviceSharding or isinstance(
+        sharding, jax.sharding.SingleDeviceSharding
+    )
+
+
+def host_pieces(
+    x: Any, chunks: tuple[int, ...] | None = None, itemsize: int = 1, *, deal: Deal | None = None, path: str = ""
+) -> list[tuple[tuple[slice, ...], Any]]:
+    """(region, data) for every piece this process writes: its host data
+    made when the save stages it (`_staging`: a `jax.Array`, or a `Deferred`
+    slice of one; NumPy data as it is).
+
+    In one process, only the first replica of each shard is written, so
+    replicated data is written once. With several processes (`x` is not
+    fully addressable), each region held by several of them is cut between
+    them (`slices`, on the leaf's chunk grid `chunks`, of `itemsize` stored
+    bytes per element) and its slices dealt to them (`deal`, the save's),
+    so that every region is written once, by its holders in shares.
+    `path`: the leaf's dotted path, for the fault point `save.slices`.
+    """
+    if not isinstance(x, jax.Array):
+        return [((), np.asarray(x))]
+    if on_one_device(x):
+        return [((), x)]
+    if x.is_fully_addressable and x.is_fully_replicated:
+        return [((), x.addressable_data(0))]  # one replica, on its one device
+    if x.is_fully_addressable:
+        return [(shard.index, shard.data) for shard in x.addressable_shards if shard.replica_id == 0]
+    return _share(x, chunks, itemsize, deal if deal is not None else Deal(), path)
+
+
+# A region of a leaf held by several processes (a replicated leaf, or a shard
+# on devices of several processes) of fewer stored bytes than this is written
+# whole by one of them; a larger one is cut between them (`slices`).
+SPLIT_BYTES = 4 << 20
+
+Region = tuple[tuple[int, int], ...]
+
+
+class Deal:
+    """Who writes each slice of a multi-process save. A small region (under
+    `SPLIT_BYTES`, not cut) goes to its holders in turn, round the processes;
+    any other slice to the holder of its region that has been dealt the
+    fewest bytes so far (the lowest rank on a tie), a holder taking one slice
+    of a region at most. Every process deals the same slices in the same
+    order (the save's leaves, in order: every process saves the same tree),
+    so every process reaches the same deal with no communication. One per
+    save: a cut that is uneven by a chunk, or a large leaf of one chunk,
+    goes to a different process from leaf to leaf.
+
+    (Not a hash of each leaf's path: over a few large leaves that left one
+    process 1.5x its share; nor the large leaves by their index: with two
+    processes, the weights of alternating layers then went to one of them.
+    Nor the small ones by bytes: the few bytes of many small leaves then all
+    went to one process, which wrote every one of their files.)
+    """
+
+    def __init__(self) -> None:
+        self.dealt: dict[int, int] = {}  # process index -> bytes dealt to it
+        self.turn = 0  # small regions dealt so far
+
+    def owners(self, holders: tuple[int, ...], sizes: list[int]) -> list[int]:
+        """The holder that writes each slice of a region, of `sizes` bytes."""
+        if len(sizes) == 1 and sizes[0] < SPLIT_BYTES:
+            self.turn += 1
+            return [holders[(self.turn - 1) % len(holders)]]
+        free, out = list(holders), []
+        for size in sizes:
+            owner = min(free, key=lambda p: (self.dealt.get(p, 0), p))
+            free.remove(owner)
+            out.append(owner)
+            self.dealt[owner] = self.dealt.get(owner, 0) + size
+        return out
+
+
+def _share(
+    x: jax.Array, chunks: tuple[int, ...] | None, itemsize: int, deal: Deal, path: str
+) -> list[tuple[tuple[slice, ...], Any]]:
+    """This process's share of a leaf spread over several processes: its
+    slices of every region it holds, taken from a local shard. Every region
+    is dealt, held here or not, so that every process's deal stays the same."""
+    shape, me = tuple(x.shape), jax.process_index()
+    shards = {region_key(shard.index, shape): shard for shard in x.addressable_shards}
+    pieces, regions = [], []
+    for region, holders in regions_held(x.sharding, shape):
+        cut = slices(region, chunks if chunks is not None else (), len(holders), itemsize)
+        owners = deal.owners(holders, [math.prod(b - a for a, b in part) * itemsize for part in cut])
+        for owner, part in zip(owners, cut):
+            if owner != me:
+                continue
+            index = tuple(slice(a, b) for a, b in part)
+            pieces.append((index, _slice(shards[region].data, part, region)))
+            regions.append(index)
+    _faults.fire("save.slices", path, regions)
+    return pieces
+
+
+# Where a process cuts its slice out of a shard: on the device (only the slice
+# reaches the host, at one compilation per slice shape, about 30 ms each on a
+# CPU), or from the shard's host view (free on a CPU, whose view is the device
+# buffer; on an accelerator, a copy of the whole shard in every process).
+# `None`: on the device on accelerators, from the host view on a CPU.
+SLICE_ON_DEVICE: bool | None = None
+
+
+def _slice(data: jax.Array, part: Region, region: Region) -> jax.Array | _memory.Deferred:
+    """`part` of a shard `data` holding `region`, made when the save stages it."""
+    if part == region:
+        return data
+    within = tuple(slice(a - r, b - r) for (a, b), (r, _) in zip(part, region))
+    on_device = SLICE_ON_DEVICE
+    if on_device is None:
+        on_device = next(iter(data.devices())).platform != "cpu"
+    nbytes = math.prod(b - a for a, b in part) * data.dtype.itemsize
+    if on_device:
+        return _memory.Deferred(functools.partial(data.__getitem__, within), nbytes)
+    return _memory.Deferred(data, nbytes, operator.itemgetter(within))
+
+
+@functools.lru_cache(maxsize=256)
+def regions_held(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[tuple[Region, tuple[int, ...]], ...]:
+    """Every region of a leaf of `shape` placed with `sharding`, with the
+    processes whose devices hold it (in rank order); regions in order. The
+    same in every process: it depends on the global placement alone."""
+    held: dict[Region, set[int]] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        held.setdefault(region_key(index, shape), set()).add(device.process_index)  # type: ignore[attr-defined]
+    return tuple((region, tuple(sorted(held[region]))) for region in sorted(held))
+
+
+def slices(region: Region, chunks: tuple[int, ...], holders: int, itemsize: int) -> list[Region]:
+    """`region` of a leaf (`(start, stop)` per axis) cut for its `holders`
+    processes into at most one slice each. A pure function of
+    its arguments: every process cuts the same way with no communication.
+
+    A region of at least `SPLIT_BYTES` (at `itemsize` bytes per element) is
+    cut along the axis on which it spans the most chunks of the chunk grid
+    `chunks` (the first such axis), at chunk boundaries only, so that no two
+    processes write one chunk file: into one slice per holder, the chunks
+    along that axis shared as evenly as they go (the first slices one chunk
+    larger where they do not divide), or one chunk per slice where there are
+    fewer chunks than holders. A region under `SPLIT_BYTES`, one chunk along
+    every axis, or without a chunk grid (`()`) is not cut: one slice.
+    """
+    nbytes = math.prod(b - a for a, b in region) * itemsize
+    if holders == 1 or nbytes < SPLIT_BYTES or not region or not chunks:
+        return [region]
+    inner = [range(c * (a // c + 1), b, c) for (a, b), c in zip(region, chunks)]
+    axis = max(range(len(region)), key=lambda i: len(inner[i]))
+    (start, stop), cuts = region[axis], inner[axis]
+    n = len(cuts) + 1  # chunks (or parts of chunks, at the region's edges) along `axis`
+    m = min(n, holders)
+    if m == 1:
+        return [region]
+    q, r = divmod(n, m)
+    # In chunks along `axis`: the first `r` slices hold one more.
+    edges = [0, *itertools.accumulate(q + (j < r) for j in range(m))]
+
+    def edge(k: int) -> int:
+        return start if k == 0 else stop if k == n else cuts[k - 1]
+
+    return [(*region[:axis], (edge(a), edge(b)), *region[axis + 1 :]) for a, b in itertools.pairwise(edges)]
+
+
+def read_placed(
+    read: Callable[[tuple[slice, ...]], Any],
+    shape: tuple[int, ...],
+    sharding: Any,
+    convert: Callable[[np.ndarray], np.ndarray],
+    on_bytes: Callable[[int], None] | None = None,
+) -> Callable[[], jax.Array]:
+    """Start reading each device's region of a leaf; return a function that
+    waits and assembles the `jax.Array` with `sharding`.
+
+    `read(region)` starts a TensorStore read and returns its future; replicated
+    regions are read once and placed on every device that holds them.
+    `on_bytes`, when given, is called with the stored bytes of each region as
+    it lands (progress within the leaf).
+    """
+    index_map = sharding.addressable_devices_indices_map(shape)
+    futures: dict[Any, Any] = {}
+    for index in index_map.values():
+        key = region_key(index, shape)
+        if key not in futures:
+            futures[key] = read(tuple(index) if index is not None else ())
+
+    def finish() -> jax.Array:
+        hosts = {}
+        for key, future in futures.items():
+            stored = future.result()
+            if on_bytes is not None:
+                on_bytes(stored.nbytes)
+            hosts[key] = convert(stored)
+        arrays = [jax.device_put(hosts[region_key(index, shape)], device) for device, index in index_map.items()]
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+    return finish
+
+
+def region_key(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A region given as an index (slices, or `None` for the whole leaf) as
+    `(start, stop)` per axis, comparable and hashable."""
+    if index is None:
+        return tuple((0, n) for n in shape)
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))

@@ -1,0 +1,529 @@
+"""`Checkpoint(path)`: look inside a checkpoint without reading its arrays."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, cast
+
+import equinox as eqx
+import numpy as np
+from jaxtyping import PyTree
+
+from .._base import _gc, _keypath
+from .._base._errors import CheckpointKeyError, CheckpointTypeError, check_flag
+from .._base._progress import Progress
+from .._ondisk._format import LeafRecord
+from .._ondisk._trust import Trust
+from . import _deserialise, _load_plan, _nested, _rebuild, _source
+from ._lazy import LazyArray
+
+_SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
+
+
+class Checkpoint(Mapping[str, Any]):
+    """A committed checkpoint, opened without reading any array.
+
+    A read-only mapping from dotted key to [`eqx_ckpt.LazyArray`][], or, for a
+    scalar leaf, its value (read when looked up). Keys are sorted segment by
+    segment, numbers by value (`layers.2` before `layers.10`, `k2` before
+    `k10`). `print(ckpt)` shows the saved tree, as `eqx-ckpt ls` does
+    (summarised in 60 lines for large ones: see `listing`).
+
+    **Arguments:**
+
+    - `path`: the checkpoint directory or kvstore URL; or a `.safetensors`
+        file, a Hugging Face directory of safetensors shards, or an orbax
+        PyTree checkpoint (see [docs/interop.md](../interop.md)).
+
+    **Attributes:**
+
+    - `total_bytes`, `created`, `library_version`, `format_version`, `format`,
+        `metadata` (a safetensors file's `__metadata__`).
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"model": {"w": jnp.ones((2, 3))}, "step": 7})
+        ckpt = eqx_ckpt.Checkpoint("ckpt")
+        print(list(ckpt))                 # ['model.w', 'step']
+        print(ckpt["model.w"].shape)      # (2, 3)
+        print(ckpt["step"])               # 7
+        ```
+    """
+
+    # Opening and loading make a few objects a leaf (records, sort keys, the
+    # tree's containers), as `tree_deserialise_leaves` does (see `_gc.gc_paused`).
+    @_gc.gc_paused()
+    def __init__(self, path: Any):
+        self._source = _source.open_source(path)
+        self._loc = self._source.loc
+        self._manifest = self._source.manifest
+        self._data = self._source.data
+        self._records = dict(sorted(self._manifest.by_path().items(), key=lambda item: _keypath.sort_key(item[0])))
+
+    @property
+    def path(self) -> str:
+        return self._loc.display
+
+    @property
+    def total_bytes(self) -> int:
+        return self._manifest.total_bytes
+
+    @property
+    def created(self) -> str:
+        return self._manifest.created
+
+    @property
+    def library_version(self) -> str:
+        return self._manifest.library_version
+
+    @property
+    def layout(self) -> str:
+        """`"directories"` (one folder per leaf) or `"ocdbt"` (one key-value store)."""
+        return self._manifest.layout
+
+    @property
+    def format(self) -> str:
+        """`"eqx_ckpt"`, or the format of another source: `"safetensors"`, `"orbax"`."""
+        return self._source.format
+
+    @property
+    def format_version(self) -> int:
+        return self._manifest.format_version
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The strings a safetensors file keeps in its header's `__metadata__`
+        (`{"format": "pt"}`); for a Hugging Face directory those of its shards
+        together (a key whose value differs between shards once per shard, as
+        `file:key`). Empty for other formats, and for a file without any."""
+        return dict(self._manifest.metadata)
+
+    def record(self, key: str) -> LeafRecord:
+        """The manifest record of one leaf (shape, dtype, stored dtype, chunks...)."""
+        try:
+            return self._records[key]
+        except KeyError:
+            raise CheckpointKeyError(self._missing(key), path=self.path) from None
+
+    def _missing(self, key: Any) -> str:
+        if not isinstance(key, str):
+            return (
+                f"{key!r} is not a leaf of checkpoint {self.path!r}: leaves are named by their dotted "
+                f"paths, strings such as {next(iter(self._records), 'model.weight')!r}. "
+                f"`Checkpoint(path).keys()` lists them all."
+            )
+        close = [k for k in self._records if k.startswith(key.split(".")[0])][:5]
+        hint = f" Keys starting alike: {close}." if close else ""
+        return f"{key!r} is not a leaf of checkpoint {self.path!r}.{hint} `Checkpoint(path).keys()` lists them all."
+
+    def __getitem__(self, key: str) -> Any:
+        lazy = LazyArray(self._source, self.record(key))
+        if self._records[key].type in _SCALARS:
+            value = lazy[()]
+            return value.item() if self._records[key].type != "numpy_scalar" else value[()]
+        return lazy
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._records
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.path!r}, {len(self)} leaves, {self.total_bytes} bytes)"
+
+    def __str__(self) -> str:
+        metadata = f"metadata: {self._manifest.metadata}\n" if self._manifest.metadata else ""
+        return f"Checkpoint {self.path!r}:\n{metadata}" + self.listing(max_rows=_MAX_ROWS)
+
+    def listing(self, *, depth: int | None = None, max_rows: int | None = None, values: bool = False) -> str:
+        """The saved tree, one key per line, indented, with `dtype[shape]` and size,
+        then the totals (what `eqx-ckpt ls` prints).
+
+        **Arguments:**
+
+        - `depth`: show only this many levels; a sub-tree below them is one line,
+            with its number of leaves and bytes.
+        - `max_rows`: show at most this many lines of the tree. Sub-trees open
+            breadth first, each whose entries still fit; then, while lines are
+            left, one too large to open shows its first 5 entries and how many
+            more it has; any other is one line, with its number of leaves and
+            bytes. So every sub-tree shows its shape down to the level that
+            fits, whatever sits beside it (`print(Checkpoint(path))` shows at
+            most 60 lines).
+        - `values`: also print the value of every leaf of at most
+            `SMALL_VALUES` (16) elements (what `eqx-ckpt ls --values` prints).
+
+        **Returns:**
+
+        The listing, as a string.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import eqx_ckpt
+
+            eqx_ckpt.tree_serialise_leaves("ckpt", {"model": {"w": jnp.ones((2, 3))}, "step": 7})
+            print(eqx_ckpt.Checkpoint("ckpt").listing())
+            ```
+        """
+        values = check_flag("values", values, "whether to print small leaves' values")
+        for name, count in (("depth", depth), ("max_rows", max_rows)):
+            if count is not None and (type(count) is not int or count < 0):
+                raise CheckpointTypeError(f"`{name}` must be an int of at least 0 or None, not {count!r}.")
+        root = _Folder.of(self._records)
+        shown = _shown(root, max_rows=max_rows, depth=depth)
+        rows = self._rows(root, shown, values=values) if shown else []
+        # A sub-tree's "... and N more" row (one column) sets no column's width.
+        width = max((len(r[0]) for r in rows if len(r) > 1), default=0)
+        kind = max((len(r[1]) for r in rows if len(r) > 1), default=0)
+        lines = [
+            f"{r[0]:<{width}}  {r[1]:<{kind}}  {r[2]:>10}{''.join(r[3:])}".rstrip() if len(r) > 1 else r[0]
+            for r in rows
+        ]
+        unlisted = len(self._records) - sum(1 for row in rows if len(row) == 4)  # a leaf's row has a value
+        if max_rows is not None and unlisted:
+            lines.append(f"... {unlisted} leaves not listed one by one (`Checkpoint(path).listing()` lists them all)")
+        lines.append(f"{len(self)} leaves, {human(self.total_bytes)}")
+        return "\n".join(lines)
+
+    def _rows(self, folder: _Folder, shown: dict[int, int], *, values: bool, level: int = 0) -> list[tuple[str, ...]]:
+        """The rows of `folder`'s first entries (as many as `shown` says): a
+        leaf with its `dtype[shape]` and size, a shown sub-tree with its rows
+        below it, any other sub-tree with its number of leaves and bytes."""
+        rows: list[tuple[str, ...]] = []
+        indent, count = "  " * level, shown[id(folder)]
+        for (name, _), entry in itertools.islice(folder.entries.items(), count):
+            if isinstance(entry, _Folder) and id(entry) in shown:
+                rows.append((f"{indent}{name}/", "", ""))
+                rows += self._rows(entry, shown, values=values, level=level + 1)
+            elif isinstance(entry, _Folder):
+                leaves = "1 leaf" if entry.leaves == 1 else f"{entry.leaves} leaves"
+                rows.append((f"{indent}{name}/", leaves, human(entry.nbytes)))
+            else:
+                record = self._records[entry]
+                small = values and math.prod(record.shape) <= SMALL_VALUES
+                value = f"  = {_one_line(self[entry])}" if small else ""
+                rows.append((indent + name, describe(record), human(record.nbytes), value))
+        if count < len(folder.entries):
+            rows.append((f"{indent}... and {len(folder.entries) - count} more",))
+        return rows
+
+    def skeleton(self, prefix: str | None = None, *, trust: Iterable[Any] = (), check_init: bool = False) -> PyTree:
+        """The saved tree (or its sub-tree at dotted `prefix`) rebuilt from its
+        structure record with its own classes, holding no data: a `like` for
+        every load ([`eqx_ckpt.tree_deserialise_leaves`][] with `where`,
+        `prefix`, `lazy`, `cast`, shardings...), made without the model's code.
+
+        Stored JAX arrays and PRNG key arrays are `jax.ShapeDtypeStruct`s; a
+        stored NumPy array is a zero-strided read-only array of its shape and
+        dtype (no memory; a NumPy type, so a load gives NumPy back); a stored
+        scalar is a zero of its type (`0`, `0.0`, `np.float32(0)`), to be
+        replaced by the load. Every other leaf and static field (strings,
+        numbers, tuples, dtypes, enums, functions such as `jax.nn.gelu`) is as
+        it was saved.
+
+        Objects are built as `jax.tree_util.tree_unflatten` builds an Equinox
+        module: `object.__new__` and the recorded fields set one by one, so no
+        `__init__`, `__post_init__` or `__check_init__` runs (`check_init=True`
+        runs the last). A class that is not trusted is never looked up, let
+        alone imported: see [docs/structure.md](../structure.md).
+
+        **Arguments:**
+
+        - `prefix`: a dotted path of the saved tree (`"model"`); `None`: all of it.
+        - `trust`: the classes, functions and modules the tree may use beyond
+            the default set (Equinox's `nn` layers and `State`, `jax.nn` and the
+            elementwise `jax.numpy` functions). A module trusts every class and
+            function defined in it and its submodules (`trust=[optax]`).
+        - `check_init`: run each rebuilt Equinox module's `__check_init__`.
+
+        **Raises:**
+
+        [`eqx_ckpt.UntrustedError`][] naming every class and function that is
+        not trusted, where they are used and the `trust=[...]` to pass; a
+        `CheckpointTypeError` if a class's fields changed since the save; a
+        `CheckpointValueError` for a part that could not be recorded (a
+        lambda, a closure) or a checkpoint that records no structure (written
+        before format 5, or by another library).
+
+        !!! example
+
+            ```python
+            import equinox as eqx, jax
+            import eqx_ckpt
+
+            model = eqx.nn.MLP(2, 2, 8, 2, activation=jax.nn.gelu, key=jax.random.key(0))
+            eqx_ckpt.tree_serialise_leaves("ckpt", {"model": model, "step": 3})
+            like = eqx_ckpt.Checkpoint("ckpt").skeleton("model")
+            print(like.layers[0].weight)          # ShapeDtypeStruct(shape=(8, 2), dtype=float32)
+            print(like.activation is jax.nn.gelu)  # True
+            ```
+        """
+        return _deserialise.rebuilt(self._source, self._key(prefix, "skeleton"), Trust(trust), check_init=check_init)
+
+    def types(self, prefix: str | None = None, *, trust: Iterable[Any] | None = None) -> dict[str, list[str]]:
+        """The classes, functions and enums a load without `like` of the tree
+        (or its sub-tree at `prefix`) builds, as `module:qualname`, each with
+        the dotted paths that use it, sorted. Nothing is imported or built.
+
+        With `trust` (as [`eqx_ckpt.Checkpoint.skeleton`][] takes it; `[]` for
+        the default set alone), only those it does not trust: what is left to
+        pass. `eqx-ckpt ls --types PATH` prints both.
+
+        !!! example
+
+            ```python
+            import equinox as eqx, jax
+            import eqx_ckpt
+
+            eqx_ckpt.tree_serialise_leaves("ckpt", eqx.nn.MLP(2, 2, 8, 2, key=jax.random.key(0)))
+            print(list(eqx_ckpt.Checkpoint("ckpt").types()))  # ['equinox.nn._linear:Linear', ...]
+            print(eqx_ckpt.Checkpoint("ckpt").types(trust=[]))  # {}: all trusted by default
+            ```
+        """
+        prefix = self._key(prefix, "types")
+        node = _rebuild.subtree(self._manifest, prefix, self.path)
+        names = _rebuild.names(node, prefix, self.path)
+        checker = Trust(trust) if trust is not None else None
+        return {
+            name: sorted(paths, key=_keypath.sort_key)
+            for name, paths in sorted(names.items())
+            if checker is None or checker.resolve(name) is None
+        }
+
+    def _key(self, key: Any, method: str) -> str:
+        if key is not None and not isinstance(key, str):
+            raise CheckpointTypeError(
+                f"`Checkpoint.{method}`'s `prefix` must be a dotted path such as 'model.encoder' (or `None` for "
+                f"everything), not {type(key).__name__}. To load into a skeleton such as `like`, use "
+                f"`eqx_ckpt.tree_deserialise_leaves(path, like)`.",
+                path=self.path,
+            )
+        return key or ""
+
+    @_gc.gc_paused()
+    def load(
+        self,
+        prefix: str | None = None,
+        *,
+        lazy: bool = False,
+        progress: Progress = None,
+        trust: Iterable[Any] | None = None,
+        check_init: bool = False,
+        key: str | None = None,
+    ) -> Any:
+        """Load the checkpoint, or the sub-tree at dotted `prefix`, without a skeleton.
+
+        With `trust` (a list, empty for the default set only), the saved tree
+        is rebuilt with its own classes ([`eqx_ckpt.Checkpoint.skeleton`][],
+        whose `trust` and `check_init` these are) and loaded into, through the
+        same reader as [`eqx_ckpt.tree_deserialise_leaves`][].
+
+        Without `trust`, the tree is rebuilt from the key paths in the manifest, as nested dicts
+        (for dict keys and attribute names) and lists (for sequence indices; an
+        index that holds no saved leaf, such as an activation function between
+        layers, is `None`; in a safetensors file, whose names do not say what is
+        a list, children named `0`, `1`, ... without gaps). Arrays saved from
+        JAX come back as JAX arrays on the default device, or, when any of them
+        is 64-bit and JAX's x64 mode is off, all as NumPy arrays (which keep
+        every value); NumPy arrays as NumPy arrays, scalars as their values.
+
+        **Arguments:**
+
+        - `prefix`: a dotted path (`"model.encoder"`, or one leaf's path); `None` loads
+            everything. (Called `key` before format 5; `key=` still works, with a
+            `DeprecationWarning`.)
+        - `lazy`: return [`eqx_ckpt.LazyArray`][]s that read when asked (scalars
+            still come back as values); [`eqx_ckpt.materialise`][] reads them.
+        - `progress`: as for [`eqx_ckpt.tree_deserialise_leaves`][].
+        - `trust`, `check_init`: rebuild the saved classes, as
+            [`eqx_ckpt.Checkpoint.skeleton`][] does (see above).
+
+        **Returns:**
+
+        Nested dicts and lists of arrays and scalars (or the leaf itself when `prefix`
+        names one); with `trust`, the saved tree with its own classes.
+
+        **Raises:**
+
+        [`eqx_ckpt.CheckpointKeyError`][] if no leaf lies at or below `prefix`.
+
+        !!! example
+
+            ```python
+            import equinox as eqx, jax
+            import eqx_ckpt
+
+            model = eqx.nn.MLP(2, 2, 8, 2, key=jax.random.key(0))
+            eqx_ckpt.tree_serialise_leaves("ckpt", {"model": model, "step": 3})
+            state = eqx_ckpt.Checkpoint("ckpt").load()
+            print(state["step"], state["model"]["layers"][0]["weight"].shape)  # 3 (8, 2)
+            ```
+        """
+        if key is not None:
+            warnings.warn(
+                "`Checkpoint.load`'s `key` is now called `prefix`: pass `prefix=` (or the dotted path first).",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            prefix = key if prefix is None else prefix
+        key = self._key(prefix, "load")
+        lazy = check_flag("lazy", lazy, "whether to return `LazyArray`s that read when asked")
+        if trust is not None:
+            like = self.skeleton(key, trust=trust, check_init=check_init)
+            options = _load_plan.options(
+                where=None, prefix=key, rename=None, transform=None, missing="error", strict=False, cast=False,
+                lazy=lazy,
+            )  # fmt: skip
+            return _deserialise.load(
+                self._source, like, None, _deserialise.default_deserialise_filter_spec, options, progress=progress
+            )
+        records = [r for path, r in self._records.items() if _keypath.is_within(path, key)]
+        if key and not records:
+            raise CheckpointKeyError(self._missing(key), path=self.path)
+        return _nested.load(self._source, records, key, lazy=lazy, progress=progress, numbered=self._numbered)
+
+    @property
+    def _numbered(self) -> bool:
+        """Whether numbered children are lists though the key paths do not
+        say so: safetensors names (`layers.0.weight`) never do."""
+        return self._source.format == "safetensors"
+
+    def tree(self) -> Any:
+        """The saved tree as nested dicts of dotted segments (and lists, where
+        `load()` gives lists: sequence indices, and numbered names `0`, `1`...
+        of a safetensors file), with a `"dtype[shape]"` description at each
+        leaf (never reads arrays)."""
+        _nested.refuse_leaves_with_children(list(self._records), self.path)
+        records = list(self._records.values())
+        if len(records) == 1 and records[0].path == "":
+            return {"": describe(records[0])}
+        return _nested.structure(records, "", describe, numbered=self._numbered, names=True)
+
+
+# The lines `print(Checkpoint(path))` shows at most.
+_MAX_ROWS = 60
+# The first entries a listing shows of a sub-tree too large to show whole.
+_SAMPLE = 5
+
+
+class _Folder:
+    """A sub-tree of a listing: its entries in key order (a sub-tree, or a
+    leaf's dotted key; a name may be both, in a foreign format), with its
+    number of leaves and bytes."""
+
+    __slots__ = ("entries", "leaves", "level", "nbytes")
+
+    def __init__(self, level: int):
+        self.entries: dict[tuple[str, bool], _Folder | str] = {}
+        self.level, self.leaves, self.nbytes = level, 0, 0
+
+    @staticmethod
+    def of(records: Mapping[str, LeafRecord]) -> _Folder:
+        root = _Folder(0)
+        for key, record in records.items():
+            parts = _keypath.split_dotted(key) or ("<root>",)
+            folder = root
+            for part in parts[:-1]:
+                folder.leaves, folder.nbytes = folder.leaves + 1, folder.nbytes + record.nbytes
+                # Keyed `(part, True)`: always a sub-tree.
+                folder = cast(_Folder, folder.entries.setdefault((part, True), _Folder(folder.level + 1)))
+            folder.leaves, folder.nbytes = folder.leaves + 1, folder.nbytes + record.nbytes
+            folder.entries[(parts[-1], False)] = key
+        return root
+
+
+def _shown(root: _Folder, *, max_rows: int | None, depth: int | None) -> dict[int, int]:
+    """How many entries of each sub-tree (by `id`) a listing shows; a sub-tree
+    not here is one line. Sub-trees open breadth first, down to `depth`, the
+    smaller first within a level, each whose entries still fit in `max_rows`
+    lines, so that a small model beside a large sibling shows its layers;
+    then, while lines are left, each sub-tree too large to open shows its
+    first `_SAMPLE` entries and a line saying how many more it has."""
+    if depth == 0:
+        return {}
+    budget = math.inf if max_rows is None else max_rows
+    shown = {id(root): len(root.entries) if len(root.entries) <= budget else max(int(budget) - 1, 0)}
+    lines, level, too_large = min(len(root.entries), budget), _folders_in(root, shown), []
+    while level:
+        below = []
+        for folder in sorted(level, key=lambda folder: len(folder.entries)):
+            if depth is not None and folder.level >= depth:
+                continue
+            if lines + len(folder.entries) > budget:
+                too_large.append(folder)
+                continue
+            shown[id(folder)] = len(folder.entries)
+            lines += len(folder.entries)
+            below += _folders_in(folder, shown)
+        level = below
+    for folder in too_large:
+        sample = min(_SAMPLE, int(budget - lines) - 1)
+        if sample < 1:
+            break
+        shown[id(folder)] = sample
+        lines += sample + 1
+    return shown
+
+
+def _folders_in(folder: _Folder, shown: dict[int, int]) -> list[_Folder]:
+    """The sub-trees among `folder`'s shown entries."""
+    entries = itertools.islice(folder.entries.values(), shown[id(folder)])
+    return [entry for entry in entries if isinstance(entry, _Folder)]
+
+
+def human(n: float) -> str:
+    """A byte count for people: `1.5 MiB`."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def describe(record: LeafRecord) -> str:
+    shape = ",".join(str(n) for n in record.shape)
+    stored = (
+        "" if record.stored_dtype == record.dtype or record.type == "prng_key" else f" (stored {record.stored_dtype})"
+    )
+    return f"{record.dtype}[{shape}]{stored}"
+
+
+def skeleton(fn: Callable[..., PyTree], *args: Any, **kwargs: Any) -> PyTree:
+    """The abstract tree `fn(*args, **kwargs)` would return, allocating nothing:
+    `eqx.filter_eval_shape`. Array leaves are `jax.ShapeDtypeStruct`s.
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax
+        import eqx_ckpt
+
+        like = eqx_ckpt.skeleton(eqx.nn.Linear, 1024, 1024, key=jax.random.key(0))
+        ```
+    """
+    return eqx.filter_eval_shape(fn, *args, **kwargs)
+
+
+# `listing(values=True)` (and `eqx-ckpt ls --values`) prints leaves of at most this many elements.
+SMALL_VALUES = 16
+
+
+def _one_line(leaf: Any) -> str:
+    """A small leaf's value on one line (a scalar leaf is its value already)."""
+    if isinstance(leaf, (bool, int, float, complex)):
+        # A NumPy scalar (`np.float64` is a `float`) as its plain value, not `np.float64(0.1)`.
+        return repr(leaf.item() if isinstance(leaf, np.generic) else leaf)
+    return np.array2string(np.asarray(leaf), separator=", ", max_line_width=2**31).replace("\n", "")

@@ -1,0 +1,524 @@
+"""`tree_deserialise_leaves`: full, partial, re-rooted, renamed and lazy loads.
+
+A load is four steps, each one function: open the source (`_source`: which
+format, its records), plan the names of every leaf of `like` (`_load_plan`:
+which record feeds each, every mismatch raised together), read (custom filter
+specs, transforms, then the stored leaves, within the read window), and place
+the values into `like`'s tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+from .._base import _faults, _gc
+from .._base._errors import CheckpointError, CheckpointValueError, LeafError, check_flag, leaf_message
+from .._base._handle import LeafHandle
+from .._base._location import Location
+from .._base._progress import Progress, Tracker
+from .._ondisk import _dtypes
+from .._ondisk._format import LeafRecord
+from .._ondisk._trust import Trust
+from .._store import _storage, _storage_errors, _window
+from . import _load_plan, _pack, _read, _read_once, _rebuild, _source, _transform
+from ._lazy import LazyArray, is_lazy
+from ._load_plan import LeafPlan, LoadPlan
+from ._load_report import Report
+from ._source import Source
+
+
+def default_deserialise_filter_spec(handle: LeafHandle, x: Any) -> Any:
+    """Default filter specification for deserialising a leaf.
+
+    **Arguments:**
+
+    - `handle`: the leaf's storage location, a [`eqx_ckpt.LeafHandle`][].
+    - `x`: the leaf of `like`.
+
+    **Returns:**
+
+    The loaded leaf for JAX arrays, `jax.ShapeDtypeStruct`s, NumPy arrays and
+    scalars and Python `bool`/`int`/`float`/`complex`; `x` itself for every other
+    leaf.
+
+    !!! example
+
+        Keep the JAX arrays of `like` and load the rest:
+
+        ```python
+        import jax, jax.numpy as jnp, numpy as np
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", (jnp.ones(2), np.ones(2)))
+        spec = lambda h, x: x if isinstance(x, jax.Array) else eqx_ckpt.default_deserialise_filter_spec(h, x)
+        tree = eqx_ckpt.tree_deserialise_leaves("ckpt", (jnp.zeros(2), np.zeros(2)), spec)
+        ```
+    """
+    if _dtypes.like_type(x) is None:
+        return x
+    return handle.read(x)
+
+
+# Loads make many small objects (see `_gc.gc_paused`).
+@_gc.gc_paused()
+def tree_deserialise_leaves(
+    path: Any,
+    like: PyTree = None,
+    filter_spec: Any = default_deserialise_filter_spec,
+    is_leaf: Callable[[Any], bool] | None = None,
+    *,
+    where: Callable[[PyTree], Any] | None = None,
+    prefix: str | None = None,
+    rename: Mapping[str, str] | Callable[[str], str] | Sequence[tuple[str, Any]] | None = None,
+    missing: str = "error",
+    strict: bool = False,
+    cast: bool = False,
+    lazy: bool = False,
+    transform: Any = None,
+    progress: Progress = None,
+    trust: Iterable[Any] = (),
+    check_init: bool = False,
+    read_once: bool | None = None,
+) -> PyTree:
+    """Load the leaves of a PyTree from a checkpoint directory.
+
+    **Arguments:**
+
+    - `path`: the checkpoint directory, or a kvstore URL. It may also be a
+        `.safetensors` file, a directory of Hugging Face sharded safetensors
+        (`model.safetensors.index.json`), or an orbax PyTree checkpoint: the
+        format is recognised from the files (see [docs/interop.md](../interop.md)).
+    - `like`: a PyTree with the structure and leaf types of what is loaded;
+        concrete, or abstract (`jax.ShapeDtypeStruct` leaves, such as
+        `eqx.filter_eval_shape` gives). Loaded leaves replace those of `like`;
+        a loaded JAX array is placed with the sharding of `like`'s leaf.
+        `None` (the default): rebuild the saved tree (below `prefix`) from its
+        structure record, with its own classes, as
+        [`eqx_ckpt.Checkpoint.skeleton`][] does with `trust` and `check_init`
+        (see [docs/structure.md](../structure.md)).
+    - `filter_spec`: how to load each leaf: a callable `(handle, leaf) -> leaf`
+        or a PyTree prefix of `like` of them. (See
+        [`eqx_ckpt.default_deserialise_filter_spec`][].)
+    - `is_leaf`: called on every node of `like`; where it returns `True` the
+        node is treated as a leaf.
+    - `where`: load only these sub-trees, selected as in `eqx.tree_at`
+        (`lambda t: t["model"]`, `lambda m: (m.encoder, m.embed)`). Nothing else
+        is read; every other leaf comes back exactly as it is in `like`.
+    - `prefix`: the dotted path in the checkpoint that `like` corresponds to
+        (`"model"` loads a bare model out of `{"model": ..., "opt_state": ...}`).
+    - `rename`: a mapping or callable from a dotted path in `like` to one in the
+        checkpoint (below `prefix`). A mapping renames whole sub-trees
+        (`{"body": "encoder"}`); unmapped paths pass through. Or an ordered
+        list of regular-expression rules `(pattern, replacement)`: the first
+        rule whose pattern is found rewrites the path (`re.sub`, once); a
+        replacement of `None` leaves that leaf unloaded (it keeps `like`'s
+        value), a tuple of replacements reads several stored arrays, which a
+        `transform` combines. A mapping key that names no leaf or sub-tree of
+        `like` is a `CheckpointValueError` (whatever `missing` says); rules and
+        callables are not checked so. A stored name may also be given as its
+        file spells it (`params/Dense_0/kernel` for the dotted path
+        `params%2FDense_0%2Fkernel`).
+    - `missing`: `"error"` (the default) or `"keep"`: keep `like`'s leaf where the
+        checkpoint has none.
+    - `strict`: also report stored leaves (below `prefix`) that `like` lacks.
+    - `cast`: `True` converts stored dtypes to `like`'s instead of raising. Rounding
+        (to a narrower float, or a large integer to a float) is what a cast
+        does; a value that would change otherwise (an integer that does not
+        fit, a float with a fraction into an integer, NaN or infinity into an
+        integer, a float beyond the target's range) is an error naming the leaf
+        and the value. The rule is the same for array and scalar leaves of
+        `like`: `5.0` loads into a Python `int` (or an `int32` array) as `5`,
+        `5.7` into either is an error (see [docs/values.md](../values.md)).
+    - `lazy`: return [`eqx_ckpt.LazyArray`][]s that read when asked (see
+        [`eqx_ckpt.materialise`][]).
+    - `transform`: per-leaf layout changes, stored array(s) -> the array `like`
+        expects: a mapping from dotted paths of `like` to functions, or a list of
+        `(pattern, function)` rules (first match wins). A mapping key that is
+        not a dotted path of a leaf of `like` (a typo, or the leaf's stored
+        name) is a `CheckpointValueError`; rules are not checked so. A
+        transformed leaf is read whole (lazily: when it is first read). A
+        function that raises is a `LeafError` naming the leaf, chained to its
+        exception. See
+        [`eqx_ckpt.torch_layout`][] for PyTorch's layers.
+    - `progress`: by default a progress bar (bytes and leaves) shows on stderr
+        when it is a terminal and the load is large; `False` hides it, `True`
+        shows it whatever the size, and a callable is called as
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)` as the
+        bytes are read (a chunk or a slab at a time, so a large leaf moves in
+        steps).
+    - `trust`, `check_init`: for `like=None` only: the classes, functions and
+        modules the rebuilt tree may use beyond the default set, and whether
+        to run their `__check_init__` (see [`eqx_ckpt.Checkpoint.skeleton`][]).
+    - `read_once`: with several JAX processes, whether bytes that several of
+        them need (replicated leaves of `like`) are read from storage by one
+        process and sent to the others through JAX's collectives. `None` (the
+        default): for leaves held by 4 processes or more; `True`: from 2;
+        `False`: never. Sharing makes the load a collective: every process
+        must call it, with the same `like` (see
+        [docs/scaling.md](../scaling.md#restoring-replicated-state-each-byte-read-once)).
+
+    **Returns:**
+
+    `like`, with the selected leaves replaced by those loaded.
+
+    **Raises:**
+
+    One [`eqx_ckpt.LeafError`][] listing every missing, shape- or dtype-changed
+    (and, with `strict=True`, unexpected) leaf, and the stored leaves `like`
+    lacks (often the missing ones under another name). A load that matches no
+    leaf at all is an error even with `missing="keep"`: it names the
+    checkpoint's top-level keys and suggests `prefix=`. A 64-bit leaf loaded as
+    a JAX array while JAX's 64-bit mode is off is an error, never a wrapped value.
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax
+        import eqx_ckpt
+
+        make = lambda: eqx.nn.MLP(2, 2, 8, 2, key=jax.random.key(0))
+        eqx_ckpt.tree_serialise_leaves("mlp_ckpt", make())
+        model = eqx_ckpt.tree_deserialise_leaves("mlp_ckpt", eqx.filter_eval_shape(make))
+        ```
+    """
+    options = _load_plan.options(
+        where=where, prefix=prefix, rename=rename, transform=transform,
+        missing=missing, strict=strict, cast=cast, lazy=lazy, read_once=read_once,
+    )  # fmt: skip
+    source = _source.open_source(path)
+    if like is None:
+        like = rebuilt(source, prefix or "", Trust(trust), check_init=check_init)
+    return load(source, like, is_leaf, filter_spec, options, progress=progress)
+
+
+def load(
+    source: Source, like: PyTree, is_leaf: Callable[[Any], bool] | None, filter_spec: Any, options: Any, *,
+    progress: Progress,
+) -> PyTree:  # fmt: skip
+    """`like` loaded from an opened `source` with checked `options` (`_load_plan.options`)."""
+    plan = _load_plan.plan(source, like, is_leaf, filter_spec, default_deserialise_filter_spec, options)
+    values = _read_values(source, plan, progress=progress)
+    return _place(plan, values)
+
+
+def rebuilt(source: Source, prefix: str, trust: Trust, *, check_init: bool = False) -> PyTree:
+    """The skeleton of the sub-tree at `prefix` of `source`, from its structure record (`_rebuild`)."""
+    check_init = check_flag("check_init", check_init, "whether to run `__check_init__` of the rebuilt classes")
+    return _rebuild.skeleton(source.manifest, prefix, trust, where=source.loc.display, check_init=check_init)
+
+
+def _read_values(source: Source, plan: LoadPlan, *, progress: Progress) -> tuple[list[Any], list[Any], list[Any]]:
+    """The values of the leaves `plan.custom`, `plan.transformed` and `plan.reads`
+    feed (lazy ones as `LazyArray`s), read in that order."""
+    try:
+        custom = [_run_custom(spec, leaf, source, plan.cast, plan.lazy) for leaf, spec in plan.custom]
+        transformed = _read_transformed(source, plan)
+    except Exception:
+        source.check()  # a read that failed because the checkpoint was replaced says so
+        raise
+    stored = read_leaves(source, plan.reads, lazy=plan.lazy, progress=progress, read_once=plan.read_once)
+    return custom, transformed, stored
+
+
+def read_leaves(
+    source: Source, plans: list[LeafPlan], *, lazy: bool = False, progress: Progress, read_once: bool | None = False
+) -> list[Any]:
+    """The values of `plans`' stored leaves (as `LazyArray`s where `lazy`), read
+    by the one reader of stored leaves: every load's, and `Checkpoint.load`'s
+    without a skeleton. Then, when not lazy, a check that `source` was not
+    replaced while it was read."""
+    try:
+        _faults.fire("load.read_stored", source.loc)
+        stored = _read_stored(source, plans, lazy=lazy, progress=progress, read_once=read_once)
+    except Exception:
+        source.check()  # a read that failed because the checkpoint was replaced says so
+        raise
+    if not lazy:
+        source.check()
+    return stored
+
+
+def _read_transformed(source: Source, plan: LoadPlan) -> list[Any]:
+    """The values of the transformed leaves; their problems raised together."""
+    values, problems = _transform.load(source, plan.transformed, cast=plan.cast, lazy=plan.lazy)
+    report = Report(plan.loc, cast=plan.cast)
+    for tplan, what, cause in problems:
+        report.add_transform(tplan.keypath, tplan.stored, what, cause=cause)
+    report.raise_if_any()
+    return values
+
+
+def _place(plan: LoadPlan, values: tuple[list[Any], list[Any], list[Any]]) -> PyTree:
+    """`like` with every leaf the plan feeds replaced by its value, the others as they are."""
+    custom, transformed, stored = values
+    leaves = list(plan.leaves)
+    for (leaf, _), value in zip(plan.custom, custom):
+        leaves[leaf.index] = value
+    for tplan, value in zip(plan.transformed, transformed):
+        leaves[tplan.index] = value
+    for leaf, value in zip(plan.reads, stored):
+        leaves[leaf.index] = value
+    return plan.treedef.unflatten(leaves)
+
+
+def _target_dtype(like: Any) -> np.dtype | None:
+    kind = _dtypes.like_type(like)
+    if kind in ("jax", "numpy", "numpy_scalar"):
+        return np.dtype(like.dtype)
+    return None
+
+
+_SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
+
+
+def _read_stored(
+    source: Source, plans: list[LeafPlan], *, lazy: bool, progress: Progress = False, read_once: bool | None = False
+) -> list[Any]:
+    """Open every array, then read leaves concurrently within the read budget
+    (`_window`), converting (and freeing the host buffer of) the oldest as new
+    reads start."""
+    if lazy:
+        # Scalars come back as values, as `Checkpoint(path)[key]` gives them.
+        scalars = [i for i, plan in enumerate(plans) if _dtypes.like_type(plan.like) in _SCALARS]
+        out: list[Any] = [LazyArray(source, _record_of(plan), plan.like) for plan in plans]
+        values = _read_stored(source, [plans[i] for i in scalars], lazy=False)
+        for i, value in zip(scalars, values):
+            out[i] = value
+        return out
+    records = [_record_of(plan) for plan in plans]
+    total = sum(r.nbytes for r in records)
+    with _gc.gc_paused(), Tracker(progress, leaves=len(records), nbytes=total, what="load") as tracker:
+        return _read_now(source, plans, records, tracker, read_once)
+
+
+def _read_now(
+    source: Source, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, read_once: bool | None
+) -> list[Any]:
+    """The values of `plans` (of `records`), read now: what several processes
+    need read once and shared (`_read_once`), packed leaves by runs of their
+    packs, the others one array each."""
+    data = source.data
+    results: list[Any] = [None] * len(plans)
+    shared = _read_once.chosen(plans, records, read_once)
+    if shared:
+        opened = [plans[i] for i in shared], [records[i] for i in shared]
+        for i, value in zip(shared, _read_once.read(lambda r: source.open(r).result(), data, *opened, tracker)):
+            results[i] = value
+    packed = [i for i, record in enumerate(records) if record.pack is not None]
+    if packed:
+        _read_packed(data, [plans[i] for i in packed], [records[i] for i in packed], tracker, packed, results)
+    taken = frozenset(shared)
+    own = [i for i, record in enumerate(records) if record.pack is None and i not in taken]
+    if source.runs is not None and own:
+        own = _read_runs(source, [plans[i] for i in own], [records[i] for i in own], tracker, own, results)
+    # Large local leaves are read straight into their buffers; the others
+    # through TensorStore, opened ahead of the reads.
+    direct = {i for i in own if source.opener is None and _read.direct(data, records[i], plans[i].like)}
+    opens = {i: source.open(records[i]) for i in own if i not in direct}
+    # Bytes within each leaf, reported as its chunks or slabs land.
+    parts = {i: tracker.within(records[i].nbytes) for i in own}
+
+    def start(i: int) -> Callable[[], Any]:
+        plan, record = plans[i], records[i]
+        dtype = _target_dtype(plan.like)
+        if i in direct:
+            return _read.start_direct(data, record, plan.like, dtype=dtype, on_bytes=parts[i])
+        try:
+            store = opens.pop(i).result()
+        except Exception as e:
+            raise _storage_errors.leaf_io_error(e, record, data, "open") from e
+        return _read.start(store, data, record, plan.like, dtype=dtype, on_bytes=parts[i])
+
+    for i, _, finish in _window.windowed((i, records[i].nbytes, functools.partial(start, i)) for i in own):
+        results[i] = finish()
+        tracker.advance(leaves=1, nbytes=parts[i].rest())
+    return [_dtypes.keep_weak_type(value, plan.like) for value, plan in zip(results, plans)]
+
+
+def _read_packed(
+    data: Location, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any]
+) -> None:
+    """Packed leaves, read in a few runs of their packs and placed together."""
+    runs = ((members, functools.partial(_unpacked, data, records, members, start, finish))
+            for members, start, finish in _pack.read_leaves(data, records))  # fmt: skip
+    _place_runs(data, runs, plans, records, tracker, slots, out)
+
+
+def _unpacked(
+    data: Location, records: list[LeafRecord], members: list[int], start: int, finish: Callable[[], np.ndarray]
+) -> list[np.ndarray]:
+    """The host arrays of the packed leaves `members` of a run read from offset `start`."""
+    try:
+        run = finish()
+    except Exception as e:
+        # Which leaf of the run is damaged: read them one by one.
+        for m in members:
+            try:
+                _storage.open_packed(data, records[m]).result()
+            except Exception as each:
+                raise _storage_errors.leaf_io_error(each, records[m], data, "read") from e
+        raise _storage_errors.leaf_io_error(e, records[members[0]], data, "read") from e
+    return [run[records[m].offset - start :][: records[m].size].reshape(records[m].stored_shape) for m in members]
+
+
+def _read_runs(
+    source: Source, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any]
+) -> list[int]:
+    """The small leaves of another format that reads runs of adjacent leaves at
+    once (`Source.runs`), placed run by run; the slots of the others, left to
+    be read one by one."""
+    assert source.runs is not None
+    taken, runs = source.runs(records)
+    _place_runs(source.data, runs, plans, records, tracker, slots, out)
+    done = {slots[m] for m in taken}
+    return [slot for slot in slots if slot not in done]
+
+
+def _place_runs(
+    data: Location, runs: Iterable[tuple[list[int], Callable[[], list[np.ndarray]]]], plans: list[LeafPlan],
+    records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any],
+) -> None:  # fmt: skip
+    """Runs of adjacent leaves (`(members, finish)`: indices into `plans` and
+    `records`, and what waits for their host arrays), each placed together
+    (one `device_put` for many) into `out` at the members' `slots`."""
+    for members, finish in runs:
+        hosts = finish()
+        values = _read.place(data, hosts, [records[m] for m in members], [plans[m].like for m in members])
+        for m, value in zip(members, values):
+            out[slots[m]] = value
+        tracker.count_leaves([records[m].nbytes for m in members])
+
+
+def _record_of(plan: LeafPlan) -> LeafRecord:
+    if plan.record is None:
+        raise CheckpointValueError(f"Internal error: leaf `{plan.stored}` has no record to read.")
+    return plan.record
+
+
+def _run_custom(spec: Any, plan: LeafPlan, source: Source, cast: bool, lazy: bool) -> Any:
+    """Call a user's filter spec with a handle whose `read` loads one leaf."""
+
+    def read(like: Any) -> Any:
+        report = Report(loc, cast=cast)
+        sub = dataclasses.replace(plan, like=like)
+        if not _load_plan.check_leaf(sub, report, missing="error", cast=cast):
+            report.raise_if_any()
+        return _read_stored(source, [sub], lazy=lazy)[0]
+
+    loc = source.loc
+    handle = LeafHandle(plan.keypath, plan.stored, loc.display, read=read)
+    try:
+        value = spec(handle, plan.like)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        message = leaf_message(
+            f"the filter spec raised {type(e).__name__}: {e}",
+            keypath=plan.keypath,
+            dotted=plan.stored,
+            path=loc.display,
+        )
+        raise LeafError(
+            message,
+            path=loc.display,
+            keypaths=[plan.keypath],
+            dotted=[plan.stored],
+        ) from e
+    _assert_same(value, plan, loc)
+    return value
+
+
+def _assert_same(value: Any, plan: LeafPlan, loc: Location) -> None:
+    """What a custom filter spec returns must match `like`, as Equinox checks."""
+    like = plan.like
+    abstract = isinstance(like, jax.ShapeDtypeStruct) and isinstance(value, (jax.Array, jax.ShapeDtypeStruct))
+    if isinstance(value, LazyArray):
+        return
+    if not abstract and type(value) is not type(like):
+        # Equinox names the leaf by `keystr` in quotes here, and by the key-path tuple below.
+        where = f"'{jax.tree_util.keystr(plan.keypath)}'"
+        raise _changed(plan, loc, f"type from {type(like)} in `like` to {type(value)} on disk.", where)
+    for attr in ("shape", "dtype"):
+        old, new = getattr(like, attr, None), getattr(value, attr, None)
+        if old is not None and new is not None and old != new:
+            raise _changed(plan, loc, f"{attr} from {old} in `like` to {new} on disk.")
+
+
+def _changed(plan: LeafPlan, loc: Location, what: str, where: str | None = None) -> LeafError:
+    """Equinox's message for a loaded leaf that differs from `like`."""
+    message = leaf_message(
+        f"Deserialised leaf at path {where or repr(plan.keypath)} has changed {what}",
+        keypath=plan.keypath,
+        dotted=plan.stored,
+        path=loc.display,
+    )
+    return LeafError(message, path=loc.display, keypaths=[plan.keypath], dotted=[plan.stored])
+
+
+def materialise(tree: PyTree, *, progress: Progress = None) -> PyTree:
+    """Read every [`eqx_ckpt.LazyArray`][] of a tree, concurrently.
+
+    **Arguments:**
+
+    - `tree`: any PyTree; its lazy leaves are read concurrently (within a bounded
+        number of bytes in flight, so the peak memory stays near the result's
+        size), others are kept.
+    - `progress`: by default a progress bar (bytes and leaves) shows on stderr
+        when it is a terminal and there is much to read; `False` hides it,
+        `True` shows it whatever the size, and a callable is called as
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
+
+    **Returns:**
+
+    The tree with every lazy leaf replaced by its value.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(3)})
+        lazy = eqx_ckpt.tree_deserialise_leaves("ckpt", {"w": jnp.zeros(3)}, lazy=True)
+        tree = eqx_ckpt.materialise(lazy)
+        ```
+    """
+    values, treedef = jtu.tree_flatten(tree, is_leaf=is_lazy)
+    lazy = [i for i, leaf in enumerate(values) if is_lazy(leaf)]
+    # By the checkpoint each leaf reads from: each group is read as one load
+    # reads (`_read_now`), and its checkpoint checked once, after every read.
+    # A transformed leaf reads its stored arrays and applies its function itself.
+    groups: dict[int, list[int]] = {}
+    for i in lazy:
+        if type(values[i]) is LazyArray:
+            groups.setdefault(id(values[i]._source), []).append(i)
+    sources = [values[indices[0]]._source for indices in groups.values()]
+    grouped = {i for indices in groups.values() for i in indices}
+    own = [i for i in lazy if i not in grouped]
+    nbytes = sum(values[i].nbytes for i in lazy)
+    with _gc.gc_paused(), Tracker(progress, leaves=len(lazy), nbytes=nbytes, what="materialise") as tracker:
+        jobs = ((i, values[i].nbytes, values[i].start) for i in own)
+        for i, size, finish in _window.windowed(jobs):
+            values[i] = finish()
+            tracker.advance(leaves=1, nbytes=size)
+        for source, indices in zip(sources, groups.values()):
+            leaves = [values[i] for i in indices]
+            plans = [LeafPlan.of(k, x._record, x._read_as()) for k, x in enumerate(leaves)]
+            try:
+                read = _read_now(source, plans, [x._record for x in leaves], tracker, False)
+            except Exception:
+                source.check()  # a read that failed because the checkpoint was replaced says so
+                raise
+            for i, value in zip(indices, read):
+                values[i] = value
+    for source in sources:
+        source.check()
+    return jtu.tree_unflatten(treedef, values)

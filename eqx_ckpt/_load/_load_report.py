@@ -1,0 +1,201 @@
+"""How a load says what does not match: every problem of a plan raised together
+as one `LeafError` (`Report`), and the errors of a load that matches nothing
+(no leaf at all, or a key of `rename` or `transform` naming no leaf of `like`).
+What is checked is decided in `_load_plan`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from .._base import _keypath
+from .._base._errors import CheckpointValueError, LeafError, leaf_line
+from .._base._location import Location
+from .._ondisk._manifest import Manifest
+
+# How many leaves a failed load names; the rest are counted (and all are in the
+# error's `dotted` attribute). A forgotten `prefix=` on a large tree would
+# otherwise print every leaf.
+_SHOWN = 12
+_SHOWN_UNEXPECTED = 8
+
+
+class Report:
+    """Every problem a load finds, raised together as one `LeafError`."""
+
+    def __init__(self, loc: Location, *, cast: bool = False):
+        self.loc = loc
+        self.cast = cast
+        self.lines: list[str] = []
+        self.kinds: set[str] = set()
+        self.keypaths: list[tuple[Any, ...]] = []
+        self.dotted: list[str] = []
+        self.unexpected: list[str] = []
+        # The first exception behind a problem (a `transform` that raised): the error chains it.
+        self.cause: Exception | None = None
+
+    def add(self, kind: str, what: str, keypath: tuple[Any, ...] | None, stored: str) -> None:
+        """A problem of the leaf of `like` at `keypath` (`None`: a stored leaf `like` lacks)."""
+        self.lines.append("  - " + _clip(leaf_line(f"{kind}: {what}", keypath=keypath, dotted=stored)))
+        self.kinds.add(kind)
+        if keypath is not None:
+            self.keypaths.append(keypath)
+        self.dotted.append(stored)
+
+    def add_transform(
+        self, keypath: tuple[Any, ...], stored: str | tuple[str, ...], problem: str, *, cause: Exception | None = None
+    ) -> None:
+        """A problem of a transformed leaf: `missing: ...` is a missing leaf;
+        anything else is about the transform (`cause`: the exception it raised)."""
+        if self.cause is None:
+            self.cause = cause
+        kind, sep, what = problem.partition(": ")
+        kind, what = (kind, what) if sep and kind == "missing" else ("transform", problem)
+        self.add(kind, what, keypath, ", ".join(stored) if isinstance(stored, tuple) else stored)
+
+    def raise_if_any(self) -> None:
+        if not self.lines:
+            return
+        count = len(self.lines)
+        shown = self.lines[:_SHOWN]
+        if count > _SHOWN:
+            shown.append(f"  ... and {count - _SHOWN} more (the error's `dotted` attribute lists them all).")
+        if self.unexpected and "missing" in self.kinds:
+            extra = len(self.unexpected) - _SHOWN_UNEXPECTED
+            shown.append(
+                "Stored leaves that `like` lacks (perhaps the missing ones, renamed):\n"
+                + "\n".join(
+                    _clip(f"  + `{path}` (stored, not in `like`)") for path in self.unexpected[:_SHOWN_UNEXPECTED]
+                )
+                + (f"\n  ... and {extra} more." if extra > 0 else "")
+            )
+        error = LeafError(
+            f"Cannot load checkpoint {self.loc.display!r} into `like`: {count} "
+            f"lea{'f does' if count == 1 else 'ves do'} not match.\n" + "\n".join(shown) + "\n" + self._fixes(),
+            path=self.loc.display,
+            keypaths=self.keypaths,
+            dotted=self.dotted,
+        )
+        if self.cause is not None:
+            raise error from self.cause
+        raise error
+
+    def _fixes(self) -> str:
+        fixes = []
+        if "missing" in self.kinds:
+            fixes.append("`missing='keep'` keeps `like`'s value for missing leaves")
+            fixes.append("`where=`/`prefix=`/`rename=` pick and map what is loaded")
+        if "dtype changed" in self.kinds and not self.cast:
+            fixes.append("`cast=True` converts dtypes (an error if a value would change beyond rounding)")
+        if "shape changed" in self.kinds:
+            fixes.append("shapes must match: build `like` with the saved shapes")
+        if "unexpected" in self.kinds:
+            fixes.append("`strict=False` allows stored leaves that `like` lacks")
+        return ("To load anyway: " + "; ".join(fixes) + ".") if fixes else ""
+
+
+def _clip(line: str, limit: int = 400) -> str:
+    return line if len(line) <= limit else line[: limit - 5] + " ...]"
+
+
+def refuse_no_match(
+    wanted: Sequence[Any],
+    custom: Sequence[tuple[Any, Any]],
+    changed: Sequence[Any],
+    manifest: Manifest,
+    loc: Location,
+    root: str,
+) -> None:
+    """A load that finds none of `like`'s leaves is almost always a forgotten
+    `prefix=`, or the wrong checkpoint: never return `like` unchanged for it.
+    `wanted`, `custom`, `changed`: the plans (`_load_plan`) of the leaves the load
+    reads, those custom filter specs read, and the transformed ones."""
+    if not wanted or changed or any(plan.record is not None for plan in wanted):
+        return
+    if any(plan.record is not None for plan, _ in custom):
+        return
+    looked = ", ".join(f"`{plan.stored}`" for plan in wanted[:3]) + (", ..." if len(wanted) > 3 else "")
+    below = keys_below(manifest, root)
+    if not below:
+        where, hint = "it holds no leaves", "Check the path."
+    elif not root and below == [""]:
+        where, hint = "it holds one array, saved as the whole tree", "Load it into a `like` that is one array leaf."
+    elif not root:
+        where = f"its top-level keys are {shown_keys(below)}"
+        hint = f"If `like` is one part of what was saved, pass `prefix=` naming it (e.g. `prefix={below[0]!r}`)."
+    elif below == [""]:
+        parent = root.rpartition(".")[0]
+        where = f"`prefix` {root!r} names one leaf, so `like` must be that leaf alone"
+        hint = f"To load the sub-tree holding it, pass `prefix={parent!r}`." if parent else "Pass no `prefix`."
+    else:
+        where = f"its keys below `prefix` {root!r} are {shown_keys(below)}"
+        hint = "Check `prefix=` and `rename=` against `Checkpoint(path).keys()`."
+    raise LeafError(
+        f"None of the {len(wanted)} leaves of `like` is in checkpoint {loc.display!r} "
+        f"(looked for {looked}); {where}. {hint}",
+        path=loc.display,
+        keypaths=[plan.keypath for plan in wanted[:_SHOWN]],
+        dotted=[plan.stored for plan in wanted],
+    )
+
+
+def keys_below(manifest: Manifest, root: str) -> list[str]:
+    """The first segments of the leaves' paths below dotted `root`, sorted (`""`
+    for a leaf at `root` itself)."""
+    firsts = set()
+    for leaf in manifest.leaves:
+        if _keypath.is_within(leaf.path, root):
+            rest = _keypath.split_dotted(_keypath.relative(leaf.path, root))
+            firsts.add(rest[0] if rest else "")
+    return sorted(firsts, key=_keypath.sort_key)
+
+
+def shown_keys(keys: list[str]) -> str:
+    return ", ".join(repr(k) for k in keys[:20]) + (", ..." if len(keys) > 20 else "") if keys else "(none)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Unmatched:
+    """A key of a `rename` or `transform` mapping (`option`) that names no leaf of `like`."""
+
+    option: str
+    key: str
+    # Whether the key is a name in the checkpoint (below `prefix`, or from its root).
+    stored: bool
+    # The leaves of `like` loaded from that stored name: the key to write instead.
+    loaded_from: list[str]
+    # The paths of `like` nearest to the key.
+    near: list[str]
+
+
+def refuse_unmatched(shown: Sequence[Unmatched], options: set[str], count: int, loc: Location) -> None:
+    """Refuse a load whose `rename` or `transform` mapping (`options`) has `count`
+    keys that name no leaf of `like` (`shown`: the first of them): such a key
+    would silently apply to nothing, leaving a leaf as `like` has it."""
+    which = " and ".join(f"`{option}`" for option in sorted(options))
+    lines = [f"  - {_clip(_unmatched_line(u))}" for u in shown]
+    if count > len(shown):
+        lines.append(f"  ... and {count - len(shown)} more.")
+    many = count > 1
+    raise CheckpointValueError(
+        f"Cannot load checkpoint {loc.display!r}: {count} key{'s' if many else ''} of {which} "
+        f"name{'' if many else 's'} no leaf of `like`, so {'they' if many else 'it'} would silently apply to "
+        f"nothing; nothing was read.\n"
+        + "\n".join(lines)
+        + "\nKeys of `rename` and `transform` are dotted paths of `like` (spelled as `Checkpoint(path).keys()` "
+        "spells stored ones; a `rename` key may name a sub-tree); values of `rename` are paths in the checkpoint "
+        "(below `prefix`). (Lists of rules and callables are not checked this way.)",
+        path=loc.display,
+    )
+
+
+def _unmatched_line(u: Unmatched) -> str:
+    line = f"`{u.option}` key `{u.key}` names no leaf of `like`"
+    if u.stored:
+        line += f": `{u.key}` is a name in the checkpoint; keys of `{u.option}` name leaves of `like`"
+        line += ", its values name paths in the checkpoint" if u.option == "rename" else ""
+        if u.loaded_from:
+            line += f" ({', '.join(f'`{p}`' for p in u.loaded_from)} {'is' if len(u.loaded_from) == 1 else 'are'} "
+            line += f"loaded from it: write `{u.loaded_from[0]}`)"
+    return line + f". The nearest paths of `like`: {', '.join(f'`{p}`' for p in u.near) or '(none)'}."

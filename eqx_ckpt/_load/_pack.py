@@ -1,0 +1,102 @@
+"""Reading small leaves from their packs: one zarr v3 array per stored dtype.
+
+A leaf of at most `_records.PACK_BYTES` stored bytes does not get a folder of
+its own: its elements (C order) are placed in the one-dimensional array
+`packed.<dtype>/` of the data root, at an offset the manifest records, each
+leaf starting on a 64-byte boundary (a save's packing plan:
+`_records.assign`). The pack is an ordinary zarr v3 array (chunks of
+`_records.PACK_CHUNK_BYTES`, each with its crc32c), so any zarr v3 reader gets
+a leaf back as `pack[offset : offset + size].reshape(shape)`; eqx_ckpt
+addresses it by its dotted path everywhere, as any other leaf.
+
+Why: a folder, a `zarr.json`, a chunk file and a TensorStore open per leaf cost
+far more than the bytes of a small leaf (ten thousand 4 kB leaves took seconds
+to save and load, against a fraction of a second for one file). Leaves are
+packed in the order of their dotted paths, so a sub-tree (`model`, say) is one
+contiguous run of the pack and a partial load reads only the chunks it covers.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._base import _faults
+from .._base._location import Location
+from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
+from .._store import _local_read, _storage, _storage_errors, _window
+
+
+def by_pack(records: Sequence[LeafRecord]) -> dict[str, list[int]]:
+    """The indices of the packed `records`, by the name of their pack."""
+    groups: dict[str, list[int]] = collections.defaultdict(list)
+    for i, record in enumerate(records):
+        if record.pack is not None:
+            groups[record.pack.name].append(i)
+    return groups
+
+
+def _start_direct(loc: Location, pack: PackRecord, start: int, stop: int) -> Any:
+    """`_local_read.start_pack_run`; a failure is raised when the run is finished,
+    where the caller finds which leaf is damaged."""
+    try:
+        return _local_read.start_pack_run(loc, pack, start, stop)
+    except Exception as e:
+        error = e
+
+        def failed() -> Any:
+            raise error
+
+        return failed
+
+
+def read_leaves(
+    loc: Location, records: Sequence[LeafRecord]
+) -> Iterator[tuple[list[int], int, Callable[[], np.ndarray]]]:
+    """Read packed leaves in a few large reads: for each run of a pack that
+    covers some of them, `(indices into records, start, finish)`, where
+    `finish()` waits and returns the run's elements from offset `start` on.
+
+    Runs are at most the read budget long (`_window`), and started ahead of
+    their use within it."""
+    groups = by_pack(records)
+    assert sum(map(len, groups.values())) == len(records), "every record must be packed"
+    runs: list[tuple[PackRecord, int, int, list[int]]] = []
+    for indices in groups.values():
+        pack = records[indices[0]].pack
+        assert pack is not None
+        itemsize = dtype_from_name(pack.dtype).itemsize
+        indices.sort(key=lambda i: records[i].offset)
+        spans = [(records[i].offset * itemsize, (records[i].offset + records[i].size) * itemsize, i) for i in indices]
+        most = max(_window.READ_BUDGET // itemsize, pack.chunk) * itemsize
+        for lo, hi, members in _window.runs(spans, most):
+            runs.append((pack, lo // itemsize, hi // itemsize, members))
+    # A pack on a local disk is read by eqx_ckpt itself (`_local_read`), each chunk
+    # file checked before it is read; others through TensorStore, with one open
+    # (and one check of its files) per pack, not per run.
+    stores: dict[str, Any] = {}
+
+    def start_run(pack: PackRecord, start: int, stop: int, members: list[int]) -> Callable[[], np.ndarray]:
+        _faults.fire("pack.read_run", loc, pack, [records[m].path for m in members])
+        finish = _start_direct(loc, pack, start, stop)
+        if finish is not None:
+            return finish
+        if pack.name not in stores:
+            stores[pack.name] = _storage.open_pack(loc, pack, cached=False, leaf=records[members[0]].path)
+        try:
+            store = stores[pack.name].result()
+        except Exception as e:
+            raise _storage_errors.leaf_io_error(e, records[members[0]], loc, "open") from e
+        return store[start:stop].read().result
+
+    jobs = (
+        ((members, start), (stop - start) * dtype_from_name(pack.dtype).itemsize,
+         functools.partial(start_run, pack, start, stop, members))
+        for pack, start, stop, members in runs
+    )  # fmt: skip
+    for (members, first), _, finish in _window.windowed(jobs):
+        yield members, first, finish

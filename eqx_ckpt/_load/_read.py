@@ -1,0 +1,364 @@
+"""Reading one stored leaf as the type, dtype and placement of `like`'s leaf."""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from .._base import _faults
+from .._base._errors import LeafError, stored_leaf_error
+from .._base._location import Location
+from .._hosts import _sharding
+from .._ondisk import _dtypes
+from .._ondisk._format import LeafRecord, dtype_from_name
+from .._store import _local_read, _memory, _share, _storage_errors
+
+if TYPE_CHECKING:
+    from .._store._storage import Array
+
+
+def target_sharding(like: Any) -> Any:
+    """Where a loaded leaf goes: `like`'s sharding, or `None` (the default device)."""
+    if isinstance(like, jax.Array):
+        return like.sharding
+    if isinstance(like, jax.ShapeDtypeStruct):
+        return concrete(getattr(like, "sharding", None))
+    return None
+
+
+def concrete(sharding: Any) -> Any:
+    """A sharding over real devices. `eqx.filter_eval_shape` gives shardings over
+    an `AbstractMesh` (axis names and sizes, no devices): lay that mesh out over
+    this process's devices the way `jax.make_mesh` does."""
+    mesh = getattr(sharding, "mesh", None)
+    if not isinstance(mesh, jax.sharding.AbstractMesh):
+        return sharding
+    devices = jax.make_mesh(mesh.axis_sizes, mesh.axis_names, axis_types=mesh.axis_types)
+    return jax.sharding.NamedSharding(devices, sharding.spec, memory_kind=sharding.memory_kind)
+
+
+def host_converter(record: LeafRecord, dtype: Any, loc: Location) -> Callable[[np.ndarray], np.ndarray]:
+    """Stored bytes -> the logical dtype -> `dtype`, when given and different.
+    A conversion that would change values beyond rounding is an error."""
+
+    return functools.partial(converted, record=record, dtype=dtype, loc=loc)
+
+
+def converted(array: np.ndarray, record: LeafRecord, dtype: Any, loc: Location) -> np.ndarray:
+    """`host_converter(record, dtype, loc)(array)`, called at once (no function made a leaf)."""
+    array = _dtypes.decode(array, record)
+    if dtype is None or array.dtype == dtype:
+        return array
+    try:
+        return _dtypes.checked_cast(array, dtype)
+    except ValueError as e:
+        raise cast_error(loc, record, array.dtype, np.dtype(dtype), e) from None
+
+
+def cast_error(loc: Location, record: LeafRecord, source: np.dtype, dtype: np.dtype, why: Exception) -> LeafError:
+    """`source`: the dtype of the values converted (the stored one, for a leaf
+    cast on save)."""
+    stored = f"{source.name} (how this {record.dtype} leaf is stored)" if source.name != record.dtype else record.dtype
+    return stored_leaf_error(
+        LeafError,
+        f"cannot convert it from {stored} to {dtype}: {why}.",
+        dotted=record.path,
+        path=loc.display,
+        fix="Nothing was loaded. Load it into a `like` of a dtype that holds its values (or leave `cast` off).",
+    )
+
+
+def result(loc: Location, record: LeafRecord, array: np.ndarray, like: Any, sharding: Any = None) -> Any:
+    """`_dtypes.to_result`, with its refusal of a stored value that a Python
+    scalar `like` cannot hold exactly (an integer beyond 2**53 as a `float`)
+    as an error naming the leaf."""
+    try:
+        return _dtypes.to_result(array, like, sharding=sharding)
+    except ValueError as e:
+        raise stored_leaf_error(
+            LeafError,
+            f"`like` holds a Python {type(like).__name__}, which cannot hold it exactly: {e}.",
+            dotted=record.path,
+            path=loc.display,
+            fix="Nothing was loaded. Load it into a `like` that holds its values (a Python int, or a "
+            "NumPy or JAX leaf of its dtype; `cast=True` rounds into a narrower one).",
+        ) from None
+
+
+def refuse_narrowing(loc: Location, record: LeafRecord, dtype: Any) -> None:
+    """A 64-bit leaf cannot become a JAX array while JAX's 64-bit mode is off:
+    `jax.device_put` would silently wrap or round its values."""
+    if not _dtypes.x64_missing(dtype):
+        return
+    raise stored_leaf_error(
+        LeafError,
+        f"{_dtypes.x64_message(dtype)}.",
+        dotted=record.path,
+        path=loc.display,
+        fix="Enable it (`jax.config.update('jax_enable_x64', True)`), read the leaf as NumPy "
+        "(a NumPy `like` leaf, or `np.asarray` of a lazy leaf), or load into a 32-bit `like` "
+        "with `cast=True` (an error if a value does not fit).",
+    )
+
+
+# A large leaf is read in slabs of whole chunks into one 64-byte-aligned buffer,
+# which `jax.device_put` adopts without a copy: the leaf is held once, plus two
+# slabs in flight, instead of TensorStore's buffer and a copy of it.
+SLAB_BYTES = 64 * 2**20
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes >= _memory.FRESH_MIN_BYTES:
+        return _memory.fresh_empty(shape, dtype)  # page-aligned
+    raw = np.empty(nbytes + align, np.uint8)
+    offset = (-raw.ctypes.data) % align
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+def _start_in_slabs(
+    store: Array,
+    record: LeafRecord,
+    like: Any,
+    sharding: Any,
+    failed: Callable[[BaseException], Exception],
+    on_bytes: Callable[[int], None] | None,
+) -> Callable[[], Any]:
+    dtype = dtype_from_name(record.stored_dtype)
+    rows, row_bytes = record.shape[0], record.nbytes // max(record.shape[0], 1)
+    step = max(record.chunks[0], SLAB_BYTES // max(row_bytes, 1) // record.chunks[0] * record.chunks[0])
+    slabs = iter([(lo, min(lo + step, rows)) for lo in range(0, rows, step)])
+    pending: collections.deque[tuple[int, int, Any]] = collections.deque()
+
+    def launch() -> None:
+        slab = next(slabs, None)
+        if slab is not None:
+            pending.append((*slab, store[slab[0] : slab[1]].read()))
+
+    launch()
+    launch()
+
+    def finish() -> Any:
+        out = _aligned_empty(tuple(record.shape), dtype)
+        try:
+            while pending:
+                lo, hi, future = pending.popleft()
+                launch()
+                out[lo:hi] = future.result()
+                if on_bytes is not None:
+                    on_bytes((hi - lo) * row_bytes)
+        except Exception as e:
+            raise failed(e) from e
+        return _dtypes.to_result(out, like, sharding=sharding)
+
+    return finish
+
+
+def place(loc: Location, hosts: list[np.ndarray], records: list[LeafRecord], likes: list[Any]) -> list[Any]:
+    """Host arrays read for `records` as the types, dtypes and placements of
+    `likes`: converted one by one, then put on devices in one call per kind of
+    placement (one `jax.device_put` of many arrays costs far less than many)."""
+    out: list[Any] = [None] * len(hosts)
+    batch: dict[Any, list[int]] = collections.defaultdict(list)
+    narrowed: dict[Any, bool] = {}  # `x64_missing` of each dtype, asked once
+    for i, (host, record, like) in enumerate(zip(hosts, records, likes, strict=True)):
+        kind = _dtypes.like_type(like)
+        dtype = like.dtype if kind in ("jax", "numpy", "numpy_scalar") else None
+        if kind == "jax":
+            if dtype not in narrowed:
+                narrowed[dtype] = _dtypes.x64_missing(dtype)
+            if narrowed[dtype]:
+                refuse_narrowing(loc, record, dtype)
+        array = converted(host, record, dtype, loc)
+        sharding = target_sharding(like)
+        if kind == "jax" and (sharding is None or len(sharding.device_set) == 1):
+            out[i] = array
+            batch[sharding].append(i)
+        elif kind == "jax":
+            out[i] = jax.make_array_from_callback(array.shape, sharding, functools.partial(_region, array))
+        elif kind == "prng_key":
+            keys = _dtypes.wrap_keys(jax.numpy.asarray(array), record.impl)
+            out[i] = jax.device_put(keys, sharding) if sharding is not None else keys
+        else:
+            out[i] = result(loc, record, array, like, sharding)
+    for sharding, indices in batch.items():
+        for i, value in zip(indices, put([out[i] for i in indices], sharding)):
+            out[i] = value
+    return out
+
+
+def put(hosts: list[np.ndarray], sharding: Any) -> list[jax.Array]:
+    """`jax.device_put(hosts, sharding)` for host arrays bound for one device
+    (`sharding` `None`, the default device, or a `SingleDeviceSharding`).
+
+    Not `jnp.array`, which compiles a copy for every new shape and dtype (15-20 ms
+    each here, paid by a fresh process on its first load). Where it can, this
+    calls the function `device_put` ends in, `batched_device_put` of JAX's C++
+    extension, with what `device_put` would pass it: 15 us a leaf against 50 us
+    for 10,000 small leaves here. Anything unusual, or a JAX where that call
+    fails, goes through `device_put` (`tests/test_read.py` checks both agree)."""
+    global FAST_PUT
+    target = _one_device(sharding)
+    if target is not None and FAST_PUT is not None:
+        device, committed = target
+        placed = sharding if sharding is not None else _default_sharding(device)
+        x64 = bool(jax.config.read("jax_enable_x64"))
+        if all(type(x) is np.ndarray and x.flags.c_contiguous and _canonical(x.dtype, x64) for x in hosts):
+            shaped, batched = FAST_PUT
+            # One aval (immutable) per shape and dtype: a model's leaves have few.
+            avals: dict[tuple[Any, ...], Any] = {}
+
+            def aval(x: np.ndarray) -> Any:
+                found = avals.get((x.shape, x.dtype))
+                if found is None:
+                    _faults.fire("read.aval", x.shape, x.dtype)
+                    found = avals[(x.shape, x.dtype)] = shaped(x.shape, x.dtype)
+                return found
+
+            try:
+                _faults.fire("read.batched_put", hosts)
+                return [batched(aval(x), placed, [x], [device], committed) for x in hosts]
+            except Exception:  # a JAX whose internals differ: the public call from now on
+                FAST_PUT = None
+    return jax.device_put(hosts, sharding)
+
+
+def _fast_put_function() -> tuple[Any, Any] | None:
+    try:
+        from jax._src import core
+        from jax._src.lib import xla_client
+
+        return core.ShapedArray, xla_client.batched_device_put
+    except (ImportError, AttributeError):
+        return None
+
+
+# The JAX internals `put` calls (making an aval, and `batched_device_put`), or
+# `None`: the public `jax.device_put` for every placement (set so by the first
+# failure of the internal call, for good; a test may set it too).
+FAST_PUT = _fast_put_function()
+
+
+@functools.lru_cache(maxsize=64)
+def _default_sharding(device: Any) -> Any:
+    return jax.sharding.SingleDeviceSharding(device)
+
+
+@functools.lru_cache(maxsize=128)
+def _canonical(dtype: np.dtype, x64: bool) -> bool:
+    """Whether JAX keeps this dtype as it is (not float64 without x64, say)."""
+    return dtype != jax.dtypes.float0 and np.dtype(jax.dtypes.canonicalize_dtype(dtype)) == dtype
+
+
+def _one_device(sharding: Any) -> tuple[Any, bool] | None:
+    """(device, committed) of a plain placement on one device, as `device_put`
+    makes it; `None` for anything else."""
+    if sharding is None:
+        if getattr(jax.config, "jax_default_device", None) is not None:
+            return None
+        return jax.local_devices()[0], False
+    if type(sharding) is jax.sharding.SingleDeviceSharding:
+        (device,) = sharding.device_set
+        return device, True
+    return None
+
+
+def _region(array: np.ndarray, index: Any) -> np.ndarray:
+    return array[index]
+
+
+def start(
+    store: Array,
+    loc: Location,
+    record: LeafRecord,
+    like: Any,
+    *,
+    dtype: Any = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> Callable[[], Any]:
+    """Start reading a leaf; the returned function waits and builds the value.
+
+    `dtype`, when given, is the dtype the value must have (`like`'s);
+    `on_bytes`, when given, is called with the bytes of each slab of a large
+    leaf, or of each device's region of a sharded one, as it lands (progress
+    within the leaf).
+    """
+    convert = host_converter(record, dtype, loc)
+    sharding = target_sharding(like)
+    kind = _dtypes.like_type(like)
+    if kind == "jax":
+        refuse_narrowing(loc, record, dtype if dtype is not None else dtype_from_name(record.dtype))
+
+    def failed(e: BaseException) -> Exception:
+        error = _storage_errors.leaf_io_error(e, record, loc, "read")
+        _share.forget_damaged(error, loc, record)
+        return error
+
+    if kind == "jax" and sharding is not None and len(sharding.device_set) > 1:
+
+        def read(index: tuple[slice, ...]) -> Any:
+            return store[index].read() if index else store.read()
+
+        finish_placed = _sharding.read_placed(read, record.shape, sharding, convert, on_bytes)
+
+        def finish_sharded() -> Any:
+            try:
+                return finish_placed()
+            except Exception as e:
+                raise failed(e) from e
+
+        return finish_sharded
+
+    _memory.refuse_beyond_memory(loc, record, record.nbytes, "it")
+    if kind in ("jax", "numpy") and record.nbytes > SLAB_BYTES and record.shape and record.encoding == "plain":
+        if dtype is None or np.dtype(dtype) == dtype_from_name(record.stored_dtype):
+            return _start_in_slabs(store, record, like, sharding, failed, on_bytes)
+
+    future = store.read()
+
+    def finish() -> Any:
+        try:
+            array = convert(future.result())
+        except Exception as e:
+            raise failed(e) from e
+        return _value(loc, array, record, like, sharding)
+
+    return finish
+
+
+def _value(loc: Location, array: np.ndarray, record: LeafRecord, like: Any, sharding: Any) -> Any:
+    if _dtypes.like_type(like) == "prng_key":
+        keys = _dtypes.wrap_keys(jax.numpy.asarray(array), record.impl)
+        return jax.device_put(keys, sharding) if sharding is not None else keys
+    return result(loc, record, array, like, sharding)
+
+
+def direct(loc: Location, record: LeafRecord, like: Any) -> bool:
+    """Whether `start_direct` reads this leaf: a large one in its own array on a
+    local disk, going to one device (or to NumPy)."""
+    sharding = target_sharding(like)
+    placed = _dtypes.like_type(like) == "jax" and sharding is not None and len(sharding.device_set) > 1
+    return not placed and _local_read.eligible(loc, record)
+
+
+def start_direct(
+    loc: Location, record: LeafRecord, like: Any, *, dtype: Any = None, on_bytes: Callable[[int], None] | None = None
+) -> Callable[[], Any]:
+    """`start`, for a leaf `direct` accepts: its chunk files are read straight
+    into one aligned buffer, which becomes the value without another copy
+    (`on_bytes` of each chunk as it is read and checked)."""
+    convert = host_converter(record, dtype, loc)
+    if _dtypes.like_type(like) == "jax":
+        refuse_narrowing(loc, record, dtype if dtype is not None else dtype_from_name(record.dtype))
+    read = _local_read.start_read(loc, record, on_bytes=on_bytes)
+    assert read is not None
+
+    def finish() -> Any:
+        return _value(loc, convert(read()), record, like, target_sharding(like))
+
+    return finish

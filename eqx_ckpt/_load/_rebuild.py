@@ -1,0 +1,587 @@
+"""A saved tree rebuilt from its structure record (`_structure`), with no code of the model's.
+
+The record is untrusted input, read in three passes:
+
+1. **Check** (`_Check`): every node and value well formed, within limits of
+   depth, count and length; every class, function and enum named is
+   collected with the key paths that use it. Nothing is built, imported or
+   called.
+2. **Trust** (`_trust.Trust`): every name resolved among the trusted objects;
+   any that is not is one error naming all of them.
+3. **Build** (`_Build`): containers as themselves; a dataclass-style object
+   (`eqx.Module`) made with `object.__new__` and its recorded fields set with
+   `object.__setattr__`, as `jax.tree_util.tree_unflatten` does for Equinox,
+   so no `__init__`, `__post_init__` or `__check_init__` runs (unless
+   `check_init=True` asks for the last, on the finished skeleton); a namedtuple with `tuple.__new__`;
+   another registered node by its own registered unflatten function (code of
+   the trusted class). Each stored leaf becomes a `jax.ShapeDtypeStruct` (or
+   a zero-strided NumPy array, or a zero of its scalar type: see `_abstract`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import inspect
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from .._base import _keypath, _tree
+from .._base._errors import (
+    CheckpointKeyError,
+    CheckpointTypeError,
+    CheckpointValueError,
+    CorruptCheckpointError,
+    UntrustedError,
+)
+from .._ondisk import _structure
+from .._ondisk._dtypes import is_known_dtype
+from .._ondisk._format import LeafRecord, dtype_from_name
+from .._ondisk._manifest import Manifest, loads_untrusted
+from .._ondisk._trust import Trust, python_name
+
+# Limits on an untrusted record, far beyond any model's.
+MAX_NODES = 5_000_000
+MAX_NAME = 1_000
+MAX_STRING = 1 << 20
+_NAME_KINDS = ("object", "namedtuple", "node")
+
+
+def no_record(manifest: Manifest, where: str) -> CheckpointValueError:
+    """The error of a load without `like` from a checkpoint that records no
+    structure: another format's (its layout names it), or an older eqx_ckpt's."""
+    if manifest.layout in _FOREIGN:
+        why = f"it is a {manifest.layout} checkpoint, which names its tensors but records no classes"
+    else:
+        why = (
+            f"it was written in format version {manifest.format_version}, before eqx_ckpt recorded structure "
+            f"(format 5, eqx_ckpt 0.2)"
+        )
+    return CheckpointValueError(
+        f"Checkpoint {where!r} cannot be rebuilt without the model's code: {why}. Pass a skeleton as `like` "
+        f"instead: `eqx_ckpt.tree_deserialise_leaves({where!r}, like)` with "
+        f"`like = eqx.filter_eval_shape(make_model, ...)`; `Checkpoint(path).load()` without `trust` gives "
+        f"nested dicts.",
+        path=where,
+    )
+
+
+def record_of(manifest: Manifest, where: str) -> Any:
+    """The structure record of `manifest`, parsed from its JSON text (as
+    untrusted as the rest: refused past `MAX_NODES` objects, or nested past
+    what JSON parsing allows, before anything else); `None` where it has none."""
+    text = manifest.structure
+    if text is None:
+        return None
+    if text.count("{") > MAX_NODES:
+        raise _corrupt(where, "", f"it holds more than the {MAX_NODES} nodes any saved tree can")
+    try:
+        return loads_untrusted(text)
+    except (ValueError, RecursionError) as e:
+        raise _corrupt(where, "", f"it is not valid JSON ({str(e)[:200]})") from None
+
+
+# The layouts of the manifests other formats are read into (`_safetensors`, `_orbax`).
+_FOREIGN = ("safetensors", "orbax")
+
+
+def subtree(manifest: Manifest, prefix: str, where: str) -> dict[str, Any]:
+    """The record node at dotted `prefix` (checked only as far as the way
+    there); `no_record`'s error where the manifest has no record."""
+    node = record_of(manifest, where)
+    if node is None:
+        raise no_record(manifest, where)
+    here = ""
+    for segment in _keypath.split_dotted(prefix) if prefix else ():
+        found = None
+        for key, child in _structure.children(_checked_shape(node, where, here)):
+            if _keypath.stored_segment(*_checked_key(key, where, here)) == segment:
+                found = child
+                break
+        if found is None:
+            raise CheckpointKeyError(
+                f"Checkpoint {where!r} has no sub-tree `{prefix}` in its saved structure (no node `{segment}` "
+                f"under `{here or '(the root)'}`). `Checkpoint(path).keys()` lists the saved leaves.",
+                path=where,
+            )
+        node, here = found, _keypath.join_dotted(here, segment)
+    return _checked_shape(node, where, here)
+
+
+def names(node: dict[str, Any], prefix: str, where: str) -> dict[str, list[str]]:
+    """Every class, function and enum the sub-tree `node` names, with the dotted
+    paths that use each (the record checked on the way)."""
+    check = _Check(where)
+    check.node(node, prefix, 0)
+    return check.names
+
+
+def skeleton(
+    manifest: Manifest,
+    prefix: str,
+    trust: Trust,
+    *,
+    where: str,
+    check_init: bool = False,
+) -> Any:
+    """The sub-tree at `prefix` rebuilt (see the module docstring)."""
+    node = subtree(manifest, prefix, where)
+    needed = names(node, prefix, where)
+    _require_trusted(needed, trust, where)
+    tree = _Build(trust, where).node(node, prefix)
+    tree = _fill(tree, prefix, manifest.by_path(), where)
+    if check_init:
+        _check_inits(tree)
+    return tree
+
+
+def _check_inits(tree: Any) -> None:
+    """Run the `__check_init__` of every Equinox module of the rebuilt `tree`
+    (its arrays abstract, as under `eqx.filter_eval_shape`), as Equinox runs
+    them after `__init__`: every class's own, base classes first."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        children = jtu.tree_flatten(node, is_leaf=functools.partial(operator.is_not, node))[0]
+        if len(children) == 1 and children[0] is node:
+            continue  # a leaf
+        stack.extend(children)
+        if isinstance(node, eqx.Module):
+            for klass in reversed(type(node).__mro__):
+                check = vars(klass).get("__check_init__")
+                if check is not None:
+                    check(node)
+
+
+def _require_trusted(needed: dict[str, list[str]], trust: Trust, where: str) -> None:
+    missing = {name: paths for name, paths in needed.items() if trust.resolve(name) is None}
+    if not missing:
+        return
+    lines = []
+    for name, paths in sorted(missing.items()):
+        shown = ", ".join(f"`{p or '(the root)'}`" for p in paths[:3])
+        more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+        lines.append(f"  {name} (at {shown}{more})")
+    exact = ", ".join(sorted({python_name(name) for name in missing}))
+    packages = ", ".join(sorted({_package(name) for name in missing}))
+    raise UntrustedError(
+        f"Checkpoint {where!r} holds classes or functions that are not trusted, so it was not rebuilt "
+        f"(nothing was imported or run):\n" + "\n".join(lines) + f"\nIf you trust them, import them and pass "
+        f"`trust=[{exact}]`"
+        + (f", or trust their packages: `trust=[{packages}]`" if packages != exact else "")
+        + " (a module trusts every class and function defined in it and its submodules).",
+        path=where,
+    )
+
+
+def _package(name: str) -> str:
+    """The top-level package of the object recorded as `name` (a script's own
+    classes stay as they are: `__main__` is not a package to trust whole)."""
+    module = name.partition(":")[0]
+    return python_name(name) if module == "__main__" else module.partition(".")[0]
+
+
+class _Check:
+    """The first pass: shapes, limits, and the names used (see the module docstring)."""
+
+    def __init__(self, where: str):
+        self.where, self.count = where, 0
+        self.names: dict[str, list[str]] = {}
+
+    def bad(self, path: str, why: str) -> CorruptCheckpointError:
+        return _corrupt(self.where, path, why)
+
+    def node(self, node: Any, path: str, depth: int) -> None:
+        stack = [(node, path, depth)]
+        while stack:
+            current, here, level = stack.pop()
+            self.count += 1
+            if self.count > MAX_NODES or level > _structure.MAX_DEPTH + 1:
+                raise self.bad(here, "it is larger or deeper than any saved tree can be")
+            current = _checked_shape(current, self.where, here)
+            kind = current["t"]
+            if kind in _NAME_KINDS:
+                self.name(current["cls"], here)
+            if kind in ("value", "node"):
+                self.value(current["v" if kind == "value" else "aux"], here, 0)
+            for key, child in _structure.children(current):
+                segment = _keypath.stored_segment(*_checked_key(key, self.where, here))
+                stack.append((child, _keypath.join_dotted(here, segment), level + 1))
+
+    def name(self, name: Any, path: str) -> None:
+        if type(name) is not str or len(name) > MAX_NAME or name.count(":") != 1:
+            raise self.bad(path, f"the class name {str(name)[:80]!r} is not `module:qualname`")
+        self.names.setdefault(name, []).append(path)
+
+    def value(self, v: Any, path: str, depth: int) -> None:
+        self.count += 1
+        if depth > _structure.MAX_VALUE_DEPTH or self.count > MAX_NODES:
+            raise self.bad(path, "a value nests deeper than any saved value can")
+        if v is None or type(v) in (bool, int, float):
+            return
+        if type(v) is str:
+            if len(v) > MAX_STRING:
+                raise self.bad(path, f"a string of {len(v)} characters is longer than any saved value")
+            return
+        if type(v) is not dict or len(v) not in (1, 2):
+            raise self.bad(path, f"the value {_peek(v)} is not one a save records")
+        tag = next(iter(v))
+        self._tagged(tag, v, path, depth)
+
+    def _tagged(self, tag: str, v: dict[str, Any], path: str, depth: int) -> None:
+        body = v[tag]
+        if tag in ("tuple", "list") and type(body) is list:
+            for item in body:
+                self.value(item, path, depth + 1)
+        elif tag == "dict" and type(body) is list and all(type(p) is list and len(p) == 2 for p in body):
+            for pair in body:
+                self.value(pair[0], path, depth + 1)
+                self.value(pair[1], path, depth + 1)
+        elif tag == "complex" and type(body) is list and len(body) == 2:
+            self.value(body[0], path, depth + 1)
+            self.value(body[1], path, depth + 1)
+        elif tag == "numpy" and type(body) is list and len(body) == 2 and _is_dtype(body[0]):
+            if type(body[1]) not in (bool, int, float) and not (type(body[1]) is dict and set(body[1]) <= _SCALAR_TAGS):
+                raise self.bad(path, f"the NumPy scalar {_peek(v)} holds no number")
+            self.value(body[1], path, depth + 1)
+        elif tag in ("dtype", "scalar_type", "jnp_type") and _is_dtype(body):
+            pass
+        elif tag == "float" and body in ("nan", "inf", "-inf"):
+            pass
+        elif tag in ("function", "enum") and (tag == "function" or type(v.get("name")) is str):
+            self.name(body, path)
+        else:
+            raise self.bad(path, f"the value {_peek(v)} is not one a save records")
+
+
+def _checked_shape(node: Any, where: str, path: str) -> dict[str, Any]:
+    """`node` if its own fields are well formed (not its children's)."""
+    if type(node) is not dict or type(node.get("t")) is not str:
+        raise _corrupt(where, path, f"the node {_peek(node)} has no kind")
+    kind = node["t"]
+    fields = _FIELDS.get(kind)
+    if fields is None:
+        raise _corrupt(where, path, f"the node kind {kind[:40]!r} is not one a save records")
+    if set(node) != fields:
+        raise _corrupt(where, path, f"a `{kind}` node has the fields {sorted(node)[:8]}, not {sorted(fields)}")
+    if "c" in fields and type(node["c"]) is not list:
+        raise _corrupt(where, path, f"a `{kind}` node's children are not a list")
+    if kind in ("dict", "node") and (type(node["k"]) is not list or len(node["k"]) != len(node["c"])):
+        raise _corrupt(where, path, f"a `{kind}` node has not one key per child")
+    if kind in ("namedtuple", "object"):
+        _check_fields(node, where, path)
+    if kind == "unrecordable" and type(node["why"]) is not str:
+        raise _corrupt(where, path, "an unrecordable node does not say why")
+    return node
+
+
+def _check_fields(node: dict[str, Any], where: str, path: str) -> None:
+    f = node["f"]
+    if type(f) is not list or len(f) != len(node["c"]) or not all(type(x) is str and x.isidentifier() for x in f):
+        raise _corrupt(where, path, "a node's fields are not one identifier per child")
+    if len(set(f)) != len(f):
+        raise _corrupt(where, path, f"a node of class {node['cls']!r} lists a field twice")
+
+
+_FIELDS = {
+    "leaf": {"t"},
+    "none": {"t"},
+    "value": {"t", "v"},
+    "unrecordable": {"t", "why"},
+    "dict": {"t", "k", "c"},
+    "list": {"t", "c"},
+    "tuple": {"t", "c"},
+    "namedtuple": {"t", "cls", "f", "c"},
+    "object": {"t", "cls", "f", "c"},
+    "node": {"t", "cls", "aux", "k", "c"},
+}
+
+
+def _checked_key(key: Any, where: str, path: str) -> tuple[str, Any]:
+    try:
+        _keypath.check_json([key])
+    except ValueError as e:
+        raise _corrupt(where, path, f"a child's key is malformed ({e})") from None
+    if key[0] in ("key_repr", "other"):
+        raise _corrupt(where, path, f"a child's key {_peek(key)} is not one a save records")
+    return key[0], key[1]
+
+
+_SCALAR_TAGS = {"float", "complex"}
+
+
+def _is_dtype(name: Any) -> bool:
+    return type(name) is str and is_known_dtype(name)
+
+
+def _peek(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _corrupt(where: str, path: str, why: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"The structure record of checkpoint {where!r} is invalid at `{path or '(the root)'}`: {why}. The "
+        f"checkpoint is damaged or was not written by eqx_ckpt; do not rebuild it (a load with `like` does "
+        f"not read the structure record).",
+        path=where,
+    )
+
+
+class _Slot:
+    """A stored leaf's place in the rebuilt tree, filled by `_fill`."""
+
+    __slots__ = ()
+
+
+_SLOT = _Slot()
+
+
+class _Build:
+    """The third pass: objects made from a checked record of trusted names."""
+
+    def __init__(self, trust: Trust, where: str):
+        self.trust, self.where = trust, where
+
+    def node(self, node: dict[str, Any], path: str) -> Any:
+        kind = node["t"]
+        if kind == "leaf":
+            return _SLOT
+        if kind == "none":
+            return None
+        if kind == "value":
+            return self.value(node["v"])
+        if kind == "unrecordable":
+            raise CheckpointValueError(
+                f"Checkpoint {self.where!r} cannot rebuild `{path or '(the root)'}` without the model's code: "
+                f"when it was saved, that part was {node['why']}, which a checkpoint cannot record as data. Load "
+                f"it with a skeleton: pass `like` (for example `eqx.filter_eval_shape(make_model, ...)`), or "
+                f"rebuild another sub-tree with `prefix=`.",
+                path=self.where,
+            )
+        built = [self.node(child, _keypath.join_dotted(path, _keypath.stored_segment(*key)))
+                 for key, child in _structure.children(node)]  # fmt: skip
+        if kind == "dict":
+            return {key[1]: child for key, child in zip(node["k"], built)}
+        if kind == "list":
+            return built
+        if kind == "tuple":
+            return tuple(built)
+        return self._custom(node, built, path)
+
+    def _custom(self, node: dict[str, Any], built: list[Any], path: str) -> Any:
+        cls = self.trust.resolve(node["cls"])
+        kind = node["t"]
+        if not inspect.isclass(cls):
+            raise _corrupt(self.where, path, f"{node['cls']!r} names a function where a class belongs")
+        if kind == "namedtuple":
+            return self._namedtuple(cls, node, built, path)
+        if kind == "object":
+            return self._object(cls, node, built, path)
+        aux = self.value(node["aux"])
+        one_level: Any = jtu.tree_structure(0)
+        try:
+            treedef = one_level.from_node_data_and_children(jtu.default_registry, (cls, aux), [one_level] * len(built))
+            return treedef.unflatten(built)
+        except Exception as e:  # a class not registered, or aux it refuses: the record does not fit the class
+            raise _corrupt(self.where, path, f"the class {node['cls']!r} does not rebuild from it ({e})") from None
+
+    def _namedtuple(self, cls: type, node: dict[str, Any], built: list[Any], path: str) -> Any:
+        fields = getattr(cls, "_fields", None)
+        if not (issubclass(cls, tuple) and isinstance(fields, tuple)):
+            raise _corrupt(self.where, path, f"{node['cls']!r} is not a namedtuple class")
+        values = dict(zip(node["f"], built))
+        defaults = getattr(cls, "_field_defaults", {})
+        self._same_fields(node, list(fields), set(defaults), path)
+        return tuple.__new__(cls, [values[f] if f in values else defaults[f] for f in fields])
+
+    def _object(self, cls: type, node: dict[str, Any], built: list[Any], path: str) -> Any:
+        if not dataclasses.is_dataclass(cls):
+            raise _corrupt(self.where, path, f"{node['cls']!r} is not a dataclass-style class (such as `eqx.Module`)")
+        fields = dataclasses.fields(cls)
+        defaulted = {f.name for f in fields if _has_default(f)}
+        self._same_fields(node, [f.name for f in fields], defaulted, path)
+        values = dict(zip(node["f"], built))
+        obj = object.__new__(cls)
+        for f in fields:
+            object.__setattr__(obj, f.name, values[f.name] if f.name in values else _default(f))
+        return obj
+
+    def _same_fields(self, node: dict[str, Any], now: list[str], defaulted: set[str], path: str) -> None:
+        recorded = node["f"]
+        extra = [f for f in recorded if f not in now]
+        lacking = [f for f in now if f not in recorded and f not in defaulted]
+        if extra or lacking:
+            raise CheckpointTypeError(
+                f"Checkpoint {self.where!r} saved `{path or '(the root)'}` as a {python_name(node['cls'])} with the "
+                f"fields {recorded}, but that class now has the fields {now}"
+                + (f" (the saved {extra} are gone" if extra else " (")
+                + (f"{'; ' if extra else ''}{lacking} are new and have no default)" if lacking else ")")
+                + ". The class changed since the save: load with the class as it was, or pass a skeleton of the "
+                "new class as `like` (with `missing='keep'` for the new fields).",
+                path=self.where,
+            )
+
+    def value(self, v: Any) -> Any:
+        if v is None or type(v) in (bool, int, float, str):
+            return v
+        tag = next(iter(v))
+        body = v[tag]
+        if tag in ("tuple", "list"):
+            items = [self.value(x) for x in body]
+            return tuple(items) if tag == "tuple" else items
+        if tag == "dict":
+            return {self.value(k): self.value(x) for k, x in body}
+        if tag == "complex":
+            return complex(self.value(body[0]), self.value(body[1]))
+        if tag == "float":
+            return float(body)
+        return self._named_value(tag, v, body)
+
+    def _named_value(self, tag: str, v: dict[str, Any], body: Any) -> Any:
+        if tag == "dtype":
+            return dtype_from_name(body)
+        if tag == "scalar_type":
+            return dtype_from_name(body).type
+        if tag == "jnp_type":
+            found = getattr(jax.numpy, body, None)
+            if not isinstance(found, _structure.JNP_TYPE):
+                raise _corrupt(self.where, "", f"`jax.numpy` has no scalar type {body!r}")
+            return found
+        if tag == "numpy":
+            try:
+                return dtype_from_name(body[0]).type(self.value(body[1]))
+            except (OverflowError, TypeError, ValueError) as e:
+                raise _corrupt(self.where, "", f"the NumPy scalar {_peek(v)} does not hold ({e})") from None
+        obj = self.trust.resolve(body)
+        if tag == "enum":
+            # Only an enum's own lookup: `obj[...]` on any other class could run its code.
+            if not isinstance(obj, enum.EnumMeta) or v["name"] not in obj.__members__:
+                raise _corrupt(self.where, "", f"{body!r} is not an enum with a member {v['name'][:80]!r}")
+            return obj.__members__[v["name"]]
+        return obj
+
+
+def _has_default(f: dataclasses.Field[Any]) -> bool:
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    factory: Any = f.default_factory
+    return f.default if f.default is not dataclasses.MISSING else factory()
+
+
+def _fill(tree: Any, prefix: str, records: dict[str, LeafRecord], where: str) -> Any:
+    """`tree` with each stored leaf's place given its abstract leaf, found by its
+    dotted path (as a load names `like`'s leaves)."""
+    flat, treedef = jtu.tree_flatten_with_path(tree)
+    paths = _tree.names_from_keypaths([keypath for keypath, _ in flat]).paths
+    leaves = []
+    for path, (_, leaf) in zip(paths, flat):
+        if leaf is _SLOT:
+            full = _keypath.join_dotted(prefix, path)
+            record = records.get(full)
+            if record is None:
+                raise _corrupt(where, full, "the structure shows a stored leaf here, and the manifest has none")
+            leaf = abstract(record)
+        leaves.append(leaf)
+    return jtu.tree_unflatten(treedef, leaves)
+
+
+def abstract(record: LeafRecord) -> Any:
+    """A stand-in for a stored leaf that says what `like` needs to load it as
+    saved, holding no data: a `jax.ShapeDtypeStruct` for a JAX array or PRNG
+    key array; for a NumPy array a zero-strided read-only array of its shape
+    and dtype (no memory, and a NumPy type, so the load gives NumPy back); for
+    a scalar a zero of its type (`0`, `0.0`, `np.float32(0)`...)."""
+    if record.type == "jax":
+        return jax.ShapeDtypeStruct(record.shape, dtype_from_name(record.dtype))
+    if record.type == "prng_key":
+        return jax.ShapeDtypeStruct(record.shape, _key_dtype(record.impl))
+    if record.type == "numpy":
+        return np.broadcast_to(np.zeros((), dtype_from_name(record.dtype)), record.shape)
+    if record.type == "numpy_scalar":
+        return dtype_from_name(record.dtype).type(0)
+    return _PYTHON[record.type]()
+
+
+_PYTHON: dict[str, Callable[[], Any]] = {"bool": bool, "int": int, "float": float, "complex": complex}
+
+
+@functools.lru_cache(maxsize=16)
+def _key_dtype(impl: str) -> Any:
+    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+
+
+def differences(a: Manifest, b: Manifest, where_a: str, where_b: str) -> list[tuple[str, str]]:
+    """Where the saved structures of `a` and `b` differ other than in their
+    stored leaves (which `diff` compares itself): a class, a field, a static
+    value (a hyperparameter), a function; `(dotted path, "before -> after")`
+    pairs. None where either records no structure."""
+    if a.structure is None or b.structure is None:
+        return []
+    record_a, record_b = record_of(a, where_a), record_of(b, where_b)
+    names(_checked_shape(record_a, where_a, ""), "", where_a)
+    names(_checked_shape(record_b, where_b, ""), "", where_b)
+    out: list[tuple[str, str]] = []
+    _compare(record_a, record_b, "", out)
+    return out
+
+
+def _compare(a: dict[str, Any], b: dict[str, Any], path: str, out: list[tuple[str, str]]) -> None:
+    if (a["t"], a.get("cls")) != (b["t"], b.get("cls")) or a.get("f") != b.get("f"):
+        if a["t"] != "leaf" or b["t"] != "leaf":
+            out.append((path, f"{_shown(a)} -> {_shown(b)}"))
+        return
+    if a["t"] in ("value", "unrecordable") or a.get("aux") != b.get("aux"):
+        if a != b:
+            out.append((path, f"{_shown(a)} -> {_shown(b)}"))
+        return
+    kids_a = {_keypath.stored_segment(*key): child for key, child in _structure.children(a)}
+    kids_b = {_keypath.stored_segment(*key): child for key, child in _structure.children(b)}
+    for segment in sorted(set(kids_a) | set(kids_b), key=_keypath.sort_key):
+        here = _keypath.join_dotted(path, segment)
+        if segment in kids_a and segment in kids_b:
+            _compare(kids_a[segment], kids_b[segment], here, out)
+        elif not _holds_leaves(kids_a.get(segment) or kids_b[segment]):
+            # A sub-tree with stored leaves is `diff`'s added or removed leaves.
+            out.append((here, "only in the second" if segment in kids_b else "only in the first"))
+
+
+def _holds_leaves(node: dict[str, Any]) -> bool:
+    found: list[bool] = []
+    _structure.walk(node, lambda _, n: found.append(n["t"] == "leaf"))
+    return any(found)
+
+
+def _shown(node: dict[str, Any]) -> str:
+    """A record node in a few words."""
+    kind = node["t"]
+    if kind == "value":
+        text = _value_text(node["v"])
+    elif kind == "unrecordable":
+        text = f"(not recorded: {node['why']})"
+    elif kind in _NAME_KINDS:
+        text = python_name(node["cls"]) + (f" {node['aux']!r}" if kind == "node" else "")
+    else:
+        text = {"leaf": "a stored leaf", "none": "None"}.get(kind, kind)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _value_text(v: Any) -> str:
+    if v is None or type(v) in (bool, int, float, str):
+        return repr(v)
+    tag, body = next(iter(v.items()))
+    if tag in ("tuple", "list"):
+        inner = ", ".join(_value_text(x) for x in body) + ("," if tag == "tuple" and len(body) == 1 else "")
+        return f"({inner})" if tag == "tuple" else f"[{inner}]"
+    if tag in ("function", "enum"):
+        return python_name(body) + (f".{v['name']}" if tag == "enum" else "")
+    return f"{tag} {body!r}"

@@ -1,0 +1,212 @@
+"""Where a load reads leaves from: an eqx_ckpt checkpoint, safetensors, or orbax.
+
+Every load path (`tree_deserialise_leaves`, `Checkpoint`, lazy leaves,
+`load_or_initialise`, export) asks `open_source(path)` for a `Source`: the
+stored leaves as manifest records keyed by dotted path, and a function that
+opens one of them as a TensorStore array. Which format it is decides only how
+those two are made; everything after is the same code for every format: the
+load plan (`_load_plan`: `where`, `prefix`, `rename`, `transform` and the
+checks of records against `like`), windows of reads, sharded placement, lazy
+reads.
+
+An eqx_ckpt checkpoint is opened by `checkpoint` alone, wherever it is opened
+(a load, `verify`, a partial save, an incremental save's base): its manifest
+read as untrusted input, its data root refused if it leads out of it, and the
+`Source` of its leaves. Each foreign format module has a `find` (`FINDERS`)
+that returns one typed object, a `Foreign`, read here by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from .._base._errors import CheckpointNotFoundError, CheckpointReplacedError
+from .._base._location import Location, location
+from .._foreign import _orbax, _safetensors
+from .._ondisk import _format, _layout
+from .._ondisk._format import MANIFEST, LeafRecord
+from .._ondisk._manifest import Manifest
+from .._store import _storage, _transaction, _untrusted
+
+# A record -> a future of the `_storage.Array` of that leaf.
+Opener = Callable[[LeafRecord], "_storage.Future | _storage.Mapped"]
+Runs = Callable[[list[LeafRecord]], tuple[list[int], Any]]
+
+
+class Foreign(Protocol):
+    """What a foreign format module's `find` returns for a checkpoint of its
+    format (`_safetensors.Tensors`, `_orbax.Arrays`); `open_source` reads it by
+    name into a `Source` (see there for each member)."""
+
+    @property
+    def format(self) -> str: ...
+
+    @property
+    def manifest(self) -> Manifest: ...
+
+    @property
+    def opener(self) -> Opener: ...
+
+    @property
+    def changed(self) -> Callable[[], str | None]: ...
+
+    @property
+    def runs(self) -> Runs | None: ...
+
+
+# Each foreign format's `find`, in the order `open_source` tries them (typed,
+# so that the type checker holds each to returning a `Foreign`).
+FINDERS: tuple[Callable[[Location], Foreign | None], ...] = (_safetensors.find, _orbax.find)
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """The stored leaves of one checkpoint, whatever wrote it.
+
+    **Attributes:**
+
+    - `format`: `"eqx_ckpt"`, `"safetensors"` or `"orbax"`.
+    - `loc`: the path as given (messages name it).
+    - `data`: the location the leaves' errors are reported against.
+    - `manifest`: the leaves' records (made from the files for other formats).
+    - `opener`: record -> future of the `_storage.Array` holding that leaf;
+        `None` for eqx_ckpt's own zarr3 arrays under `data` (`_storage.open_array`).
+    - `changed`: for other formats, the name of a file of the source that is
+        no longer the one opened (`None` while none is).
+    - `runs`: for safetensors, the reader of many small tensors in a few large
+        reads (`_safetensors.read_runs`); `None` for the others.
+    """
+
+    format: str
+    loc: Location
+    data: Location
+    manifest: Manifest
+    opener: Opener | None = None
+    changed: Callable[[], str | None] | None = None
+    runs: Runs | None = None
+
+    def open(self, record: LeafRecord) -> Any:
+        return self.opener(record) if self.opener is not None else _storage.open_array(self.data, record, checked=False)
+
+    def check(self) -> None:
+        """Raise `CheckpointReplacedError` if the source was replaced since it was
+        opened. Readers call it after reading (and when a read fails), so what
+        they return was read from the source as it was opened: an eqx_ckpt
+        checkpoint by its manifest (`_transaction.check_unchanged`), other formats
+        by their files (`changed`)."""
+        if self.changed is None:
+            _transaction.check_unchanged(self.loc, self.manifest)
+            return
+        name = self.changed()
+        if name is not None:
+            raise CheckpointReplacedError(
+                f"{_LABELS[self.format]} {self.loc.display!r} was replaced after it was opened: its file `{name}` "
+                f"was rewritten (or removed) since, so what was read from it may belong to either version and "
+                f"was discarded. Open or load it again to read the new one.",
+                path=self.loc.display,
+            )
+
+
+_LABELS = {"safetensors": "Safetensors checkpoint", "orbax": "orbax checkpoint"}
+
+
+def open_source(path: Any) -> Source:
+    """The source at `path`, recognised from its files; an eqx_ckpt checkpoint
+    when nothing else matches (so its error names what is missing)."""
+    loc = location(path)
+    # A `.safetensors` path is never a directory: `_safetensors.find` reads it
+    # (or raises), before anything else is tried.
+    source = None if _safetensors.is_file_path(loc) else checkpoint(loc)
+    if source is not None:
+        return source
+    for find in FINDERS:
+        found = find(loc)
+        if found is not None:
+            return _foreign(loc, found)
+    held = _what_is_there(loc)
+    if held:
+        # What it is and what to do, nothing else: the note on interrupted
+        # saves sent users looking for one beside a `pytorch_model.bin`.
+        raise CheckpointNotFoundError(f"{loc.display!r} is not a checkpoint eqx_ckpt reads.{held}", path=loc.display)
+    raise CheckpointNotFoundError(
+        f"There is no eqx_ckpt checkpoint at {loc.display!r} (no {MANIFEST}). Check the path; a save that was "
+        f"interrupted leaves no checkpoint. Nor is it another format eqx_ckpt reads: no `{_safetensors.INDEX}`, "
+        f"`{_safetensors.SINGLE}` or orbax `{_orbax.METADATA}` there either (see docs/interop.md).",
+        path=loc.display,
+    )
+
+
+def checkpoint(loc: Location, manifest: Manifest | None = None) -> Source | None:
+    """The eqx_ckpt checkpoint at `loc`, opened; `None` where there is none (no
+    manifest). Every module opens one here.
+
+    Its manifest is read and checked as untrusted input (`_manifest`), and its
+    data root (with an OCDBT database in it) must not lead out of it through a
+    symbolic link (`CorruptCheckpointError`). A `manifest` given is the one its
+    caller already read from `loc` (the one a save's transaction replaces), and
+    is taken as it is."""
+    if manifest is None:
+        manifest = _transaction.read_manifest(loc)
+        if manifest is None:
+            return None
+        ocdbt = manifest.layout == "ocdbt"
+        root = manifest.data_root + ("/" + _format.OCDBT_FOLDER if ocdbt else "")
+        _untrusted.refuse_links(loc, root, subtree=ocdbt)
+    return Source("eqx_ckpt", loc, _layout.data_location(loc, manifest.data_root, manifest.layout), manifest)
+
+
+def _foreign(loc: Location, found: Foreign) -> Source:
+    return Source(found.format, loc, loc, found.manifest, found.opener, found.changed, found.runs)
+
+
+# Files of PyTorch's pickle format, which eqx_ckpt never opens.
+_PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _what_is_there(loc: Location) -> str:
+    """What a local path that holds no format eqx_ckpt reads does hold, and what
+    to do with it: an Equinox `.eqx` file, PyTorch pickles, safetensors shards
+    without their index, orbax items or steps. ("" when nothing is recognised.)"""
+    path = loc.local
+    if path is None or not os.path.exists(path):
+        return ""
+    if not os.path.isdir(path):
+        if path.endswith(".eqx"):
+            return (
+                " It is an Equinox file (`eqx.tree_serialise_leaves` writes one stream with no names in it): "
+                "convert it once with `eqx_ckpt.convert_eqx_file(eqx_path, ckpt_path, like)`, then load the "
+                "checkpoint."
+            )
+        return " It is a file; an eqx_ckpt checkpoint is a directory."
+    names = sorted(os.listdir(path))
+    shards = [n for n in names if n.endswith(_safetensors.SUFFIX)]
+    if shards:
+        return (
+            f" It holds {len(shards)} safetensors files ({_shown(shards)}) but no `{_safetensors.INDEX}` saying "
+            f"which tensor is in which: load one file by its path, or write the index."
+        )
+    pickles = [n for n in names if n.endswith(_PICKLES)]
+    if pickles:
+        return (
+            f" It holds {_shown(pickles)}: pickled files (PyTorch's `torch.save`), which eqx_ckpt never reads, "
+            f"since unpickling runs code from the file. Where you trust the file, convert it with PyTorch "
+            f"(`safetensors.torch.save_file(torch.load(path), 'model.safetensors')`) and load that."
+        )
+    items = [n for n in names if os.path.isfile(os.path.join(path, n, _orbax.METADATA))]
+    if items:
+        return f" It is an orbax checkpoint of several items ({_shown(items)}): pass one item's folder."
+    orbax_manager = _orbax.manager_steps(path)
+    if orbax_manager:
+        return orbax_manager
+    steps = [n for n in names if n.isdigit() and os.path.isdir(os.path.join(path, n))]
+    if steps:
+        return f" It looks like an orbax CheckpointManager's directory (steps {_shown(steps)}): pass one step."
+    return ""
+
+
+def _shown(names: list[str]) -> str:
+    listed = ", ".join(f"`{n}`" for n in names[:5])
+    return listed + (f" and {len(names) - 5} more" if len(names) > 5 else "")

@@ -1,0 +1,1 @@
+"""The manager: steps, retention, preemption, `load_or_initialise`."""

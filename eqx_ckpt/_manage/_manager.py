@@ -1,0 +1,771 @@
+"""`CheckpointManager`: one checkpoint per training step, retention, and resume.
+
+On disk, in the manager's directory:
+
+    step_00000042/                 a complete eqx_ckpt checkpoint (manifest.json last)
+    manager.json                   the lease of the manager writing here (see `_lease`)
+    retention.json                 the retention rules and the steps saved under them
+
+A step exists only once `step_<step>/manifest.json` does, so a save interrupted at
+any moment is never reported. Its metrics are in that manifest, so they commit
+with it. (Version 1 kept them beside the step, in `step_00000042.metrics.json`;
+such files are still read.) Leftovers of interrupted saves are removed by the
+next save, by the one manager holding the directory's lease. Anything else in
+the directory is never touched.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from jaxtyping import PyTree
+
+from .._base import _faults
+from .._base._errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointValueError,
+    check_flag,
+)
+from .._base._location import location
+from .._base._progress import Progress
+from .._foreign import _orbax
+from .._load._deserialise import default_deserialise_filter_spec, tree_deserialise_leaves
+from .._ondisk._format import MANAGER_LEASE, metrics_name as _metrics_name, step_name
+from .._save import _serialise
+from .._save._serialise import PendingSave, default_serialise_filter_spec
+from .._store import _durable, _lease, _storage, _storage_errors
+from .._store._transaction import CommitWarning
+from . import _initialise, _preemption
+from ._retention import Retention, RetentionWarning, Rules, rank
+from ._steps import (
+    check_step,
+    clean_interrupted,
+    committed_steps,
+    delete_step,
+    metrics_values,
+    primary,
+    read_metrics,
+    scan,
+    show_steps,
+    written_metrics,
+)
+
+
+def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A manager method that runs while no other thread runs one (`_lock`)."""
+
+    @functools.wraps(method)
+    def run(self: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
+
+
+class CheckpointManager:
+    """Saves a training run as one checkpoint per step, keeps only the ones the
+    retention rules ask for, and restores any of them.
+
+    **Arguments:**
+
+    - `directory`: the folder holding the steps (created on the first save), or a
+        kvstore URL. One manager at a time writes to it: from its first `save`
+        until `close()` (or the end of a `with` block, or of the process), a
+        manager holds the directory's lease, and a second manager's `save`
+        (a job launched twice) raises `CheckpointExistsError` instead of
+        deleting the first one's steps. Restoring needs no lease.
+    - `max_to_keep`: keep the `max_to_keep` highest steps (steps are ordered by
+        number, as in orbax; see `delete_steps_after` to roll back).
+    - `keep_every`: also keep every step with `step % keep_every == 0`.
+    - `best_n`: also keep the `best_n` steps with the best value of `best_metric`.
+    - `best_metric`: the name of the metric (passed to `save`) that ranks steps, for
+        `best_n` and `best_step()`.
+    - `best_mode`: `"min"` (the default: lower is better, as for a loss) or `"max"`.
+    - `blocking`: with `False`, `save` returns once the arrays are safe on the host,
+        and the writing, the commit and the deletion of old steps go on in the
+        background. The next `save` (or `wait_until_finished()`) waits for it, and
+        raises its error if it failed.
+    - `adopt_steps`: with `True`, the retention rules apply to every step in the
+        directory. By default they apply only to the steps saved under the same
+        rules (by this manager, or by an earlier one with the same rules: a
+        resumed run); other steps (an earlier run with other rules, a manager
+        without rules) are left in place, and an [`eqx_ckpt.RetentionWarning`][]
+        names those the rules would drop (see [docs/manager.md, "Steps saved
+        under other rules"](../manager.md#steps-saved-under-other-rules)).
+    - `share`: on a local disk, each step shares the chunk files whose bytes
+        did not change with the newest committed step (hard links, verified
+        before they are shared; see [docs/manager.md](../manager.md)); with
+        `False`, every step writes all of its chunks in full.
+
+    A step survives if any rule keeps it; the latest (highest) step and the step
+    just saved always survive, and so does a step that live lazy leaves of this
+    process read from (`restore(..., lazy=True)`), until they are gone.
+    With none of `max_to_keep`, `keep_every` and `best_n` given, nothing is deleted.
+    Old steps are deleted only after the new one has committed.
+
+    With several JAX processes, every process creates a manager on the same
+    (shared) directory and calls `save` with the same arguments, as for
+    `tree_serialise_leaves`; process 0 alone writes metrics and deletes steps.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        manager = eqx_ckpt.CheckpointManager("run", max_to_keep=2, best_n=1, best_metric="loss")
+        for step, loss in enumerate([3.0, 1.0, 2.0, 4.0]):
+            manager.save(step, {"w": jnp.full(3, float(step))}, metrics={"loss": loss})
+        print(manager.all_steps())   # [1, 2, 3]: step 1 is the best, 2 and 3 the last two
+        state = manager.restore({"w": jnp.zeros(3)}, step=manager.best_step())
+        ```
+    """
+
+    def __init__(
+        self,
+        directory: Any,
+        *,
+        max_to_keep: int | None = None,
+        keep_every: int | None = None,
+        best_n: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        blocking: bool = True,
+        adopt_steps: bool = False,
+        share: bool = True,
+    ):
+        for name, value in (("max_to_keep", max_to_keep), ("keep_every", keep_every), ("best_n", best_n)):
+            if value is not None and (type(value) is not int or value < 1):
+                raise CheckpointValueError(f"`{name}` must be a positive int or None, not {value!r}.")
+        if best_n is not None and best_metric is None:
+            raise CheckpointValueError("`best_n` ranks steps by a metric: pass `best_metric`, the name of one.")
+        if best_mode not in ("min", "max"):
+            raise CheckpointValueError(f"`best_mode` must be 'min' or 'max', not {best_mode!r}.")
+        self._loc = location(directory)
+        local = self._loc.local
+        if local is not None and os.path.lexists(local) and not os.path.isdir(local):
+            what = "a broken symbolic link" if os.path.islink(local) else "a file"
+            raise CheckpointValueError(
+                f"{self.directory!r} is {what}, not a directory: a CheckpointManager keeps one "
+                f"folder per step in a directory. Give the path of a directory (it is created on the first save).",
+                path=self.directory,
+            )
+        if local is not None and (orbax := _orbax.manager_steps(local)) and not any(scan(self._loc)):
+            # It would report no steps, and its first save would start a new run beside orbax's.
+            raise CheckpointValueError(
+                f"{self.directory!r} is not an eqx_ckpt CheckpointManager's directory.{orbax} To save an "
+                f"eqx_ckpt run, give the CheckpointManager another directory.",
+                path=self.directory,
+            )
+        self.max_to_keep, self.keep_every, self.best_n = max_to_keep, keep_every, best_n
+        blocking = check_flag("blocking", blocking, "`False` saves in the background")
+        self.best_metric, self.best_mode, self.blocking = best_metric, best_mode, blocking
+        self.adopt_steps = check_flag("adopt_steps", adopt_steps, "`True` applies retention to every step")
+        self.share = check_flag("share", share, "`False` writes every chunk of every step in full")
+        # Which steps the rules keep, and which this manager may delete.
+        self._retention = Retention(self._loc)
+        # The entries named like a step that no save wrote, named in a warning once.
+        self._left_alone: set[str] = set()
+        self._pending: PendingSave | None = None
+        self._pending_step: int | None = None
+        # Saves and deletions from several threads take turns (a second thread's
+        # save once cleaned the first's step folder away as an interrupted save).
+        self._lock = threading.RLock()
+        self._lease: _lease.Lease | None = None
+        self._preemption = _preemption.Preemption()
+        self._followed: set[int] = set()  # the steps `wait_for_new_step` returned
+
+    @property
+    def directory(self) -> str:
+        """The directory, as given."""
+        return self._loc.display
+
+    def __repr__(self) -> str:
+        options = ("max_to_keep", "keep_every", "best_n", "best_metric", "best_mode", "blocking")
+        shown = "".join(f", {name}={getattr(self, name)!r}" for name in options if getattr(self, name) is not None)
+        return f"CheckpointManager({self.directory!r}{shown})"
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        try:
+            self.close()
+        except Exception:
+            # An error already on its way out of the `with` block matters more.
+            if error is None:
+                raise
+
+    def close(self) -> None:
+        """Wait for the background save (if any), then give up the directory's
+        lease so that another manager may write to it. Saving again takes it
+        back. If `reached_preemption` installed a SIGTERM handler, the previous
+        one is put back."""
+        with self._lock:
+            try:
+                self.wait_until_finished()
+            finally:
+                try:
+                    if self._pending is None:  # never while a save still writes (an interrupted wait)
+                        lease, self._lease = self._lease, None
+                        if lease is not None:
+                            lease.release()
+                finally:
+                    self._preemption.close()
+
+    def _hold_directory(self) -> None:
+        """Take the directory's lease (once): only one manager writes here."""
+        if self._lease is None and primary():
+            _durable.ensure_directory(self._loc)
+            self._lease, _ = _lease.acquire(self._loc, MANAGER_LEASE, what="CheckpointManager", journal=False)
+
+    def step_path(self, step: int) -> str:
+        """The path of a step's checkpoint (for `eqx_ckpt.Checkpoint`, or `eqx-ckpt ls`).
+
+        **Arguments:**
+
+        - `step`: the step.
+
+        **Returns:**
+
+        The path, as a string, whether or not the step exists: absolute for a
+        local directory (the manager's, resolved when it was created, so that an
+        `os.chdir` since changes nothing), else the URL.
+        """
+        loc = self._loc.joined(step_name(check_step(step)))
+        return loc.display if loc.local is None else loc.local
+
+    def all_steps(self) -> list[int]:
+        """The committed steps, sorted. A save in flight or interrupted is not one."""
+        return committed_steps(self._loc)
+
+    def latest_step(self) -> int | None:
+        """The highest committed step, or `None` if there is none. (After rolling
+        back to an earlier step, `delete_steps_after` removes the abandoned ones,
+        so that this is the step of the new run.)"""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def best_step(self) -> int | None:
+        """The committed step with the best value of `best_metric` (ties go to the
+        later step; steps without the metric, or where it is NaN, are never best),
+        or `None` if no step has it."""
+        if self.best_metric is None:
+            raise CheckpointValueError(
+                "`best_step()` needs to know which metric ranks steps: create the "
+                "manager with `best_metric=` (and `best_mode=` if higher is better)."
+            )
+        metrics = {step: read_metrics(self._loc, step) for step in self.all_steps()}
+        ranked = rank(metrics, self.best_metric, self.best_mode)
+        return ranked[0] if ranked else None
+
+    def metrics(self, step: int) -> dict[str, Any]:
+        """The metrics saved with a committed step (`{}` if none were given).
+
+        **Arguments:**
+
+        - `step`: the step.
+
+        **Returns:**
+
+        A dict from metric name to number.
+        """
+        self._require(check_step(step))
+        return read_metrics(self._loc, step)
+
+    @_one_at_a_time
+    def save(
+        self,
+        step: int,
+        pytree: PyTree,
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        filter_spec: Any = default_serialise_filter_spec,
+        is_leaf: Callable[[Any], bool] | None = None,
+        cast: Any = None,
+        layout: str = "directories",
+        overwrite: bool = False,
+        progress: Any = None,
+        staging_bytes: int | None = None,
+    ) -> None:
+        """Save `pytree` as step `step`, then delete the steps no rule keeps.
+
+        **Arguments:**
+
+        - `step`: a non-negative int (Python, NumPy, or a 0-d JAX integer array).
+        - `pytree`: what to save (typically `{"model": ..., "opt_state": ...}`).
+        - `metrics`: an optional mapping from name to number (Python, NumPy or
+            0-d JAX scalar), stored in the step's manifest (so they commit with it);
+            `best_metric` is looked up here.
+        - `filter_spec`, `is_leaf`, `cast`, `layout`, `progress`, `staging_bytes`: as for
+            [`eqx_ckpt.tree_serialise_leaves`][].
+        - `overwrite`: replace the step if it already exists (atomically: the old
+            one stays loadable until the new one is committed). By default, saving
+            a step twice is an error.
+
+        **Returns:**
+
+        `None`. With `blocking=False`, the save goes on in the background; see
+        `wait_until_finished()`.
+
+        **Raises:**
+
+        The error of the previous background save, if it failed (this save is then
+        not started); otherwise any error `tree_serialise_leaves` raises.
+        """
+        self.wait_until_finished()
+        step = check_step(step)
+        overwrite = check_flag("overwrite", overwrite, "whether to replace a step already there")
+        values = metrics_values(step, metrics, self.directory)
+        with _storage_errors.explained(self._loc, f"Saving step {step} to"):
+            state = self._tidy(step)
+        if state.get(step) and not overwrite:
+            raise CheckpointExistsError(
+                f"Step {step} already exists in {self.directory!r}. Pass `overwrite=True` "
+                f"to replace it, or save under another step.",
+                path=self.directory,
+            )
+        target = self._loc.joined(step_name(step))
+        # The metrics go into the step's manifest, so they commit with it; a
+        # leftover file of version 1 would shadow nothing, but is stale now.
+        if state.get(step) and primary() and written_metrics(self._loc, step):
+            with _storage_errors.explained(self._loc, f"Saving step {step} to"):
+                _storage.remove(self._loc, [_metrics_name(step)])
+        with _storage_errors.explained(self._loc, f"Saving step {step} to"):
+            self._retention.begin(step, self._rules())
+        handoff = _serialise.Handoff()
+        # The newest committed step: unchanged chunk files are shared with it
+        # (`_share`); the next step follows this one (`followed`), even a first
+        # step with nothing to follow.
+        before = max((s for s, committed in state.items() if committed and s != step), default=None)
+        follows = None if before is None else self._loc.joined(step_name(before))
+        try:
+            pending = _serialise.save(
+                target, pytree, filter_spec, is_leaf,
+                overwrite=overwrite, blocking=self.blocking, cast=cast, layout=layout, metrics=values,
+                progress=progress, handoff=handoff, follows=follows, share=self.share, followed=True,
+                staging_bytes=staging_bytes,
+            )  # fmt: skip
+            _faults.fire("manager.save_returned", step, pending)
+        except CheckpointExistsError:
+            raise  # another writer's save: nothing of it is ours to remove
+        except BaseException:
+            # An interrupt once the save went to the background (as `save` returned):
+            # that thread commits it or removes what it wrote; removing the step
+            # folder under it could leave a committed step without its arrays.
+            if not handoff.in_background():
+                self._undo(step)
+            raise
+        if pending is None:
+            self._apply_retention(step)
+            return
+
+        def finish() -> None:
+            try:
+                pending.wait()
+            except BaseException:
+                self._undo(step)
+                raise
+            self._apply_retention(step)
+
+        self._pending, self._pending_step = PendingSave(finish, wraps=pending), step
+
+    def _tidy(self, step: int) -> dict[int, bool]:
+        """Before saving `step`: take the directory's lease, remove what
+        interrupted saves left, and name in a warning (once each) the entries
+        named like a step that no save wrote, which stay. Returns `scan`'s
+        answer: the step folders, and whether each is committed."""
+        self._hold_directory()
+        if self._lease is not None:
+            self._lease.check()
+        state = scan(self._loc)
+        foreign = clean_interrupted(self._loc, state)
+        for name, what in foreign:
+            if name == step_name(step):
+                raise CheckpointExistsError(
+                    f"{self._loc.joined(name).display!r} is {what}, not a step of this manager, so step {step} was "
+                    f"not saved. Move or rename it, or save under another step.",
+                    path=self.directory,
+                )
+        new = [(name, what) for name, what in foreign if name not in self._left_alone]
+        if new:
+            self._left_alone.update(name for name, _ in new)
+            warnings.warn(
+                f"{self.directory!r} holds {len(new)} entr{'y' if len(new) == 1 else 'ies'} named like a step that "
+                f"no eqx_ckpt save wrote: {'; '.join(f'{name!r} ({what})' for name, what in new)}. The manager "
+                f"leaves them alone (it never lists, restores or deletes them); move or rename them to keep those "
+                f"names for its steps.",
+                RetentionWarning,
+                stacklevel=4,
+            )
+        return state
+
+    def _undo(self, step: int) -> None:
+        """After a failed save: a step folder this save created, and that holds
+        no committed checkpoint, goes. A committed step is never deleted here."""
+        _faults.fire("manager.undo", step)
+        if primary() and not scan(self._loc).get(step, False):
+            _storage.remove(self._loc, [step_name(step)])
+
+    def wait_until_finished(self) -> None:
+        """Block until the background save (if any) has committed and old steps are
+        deleted. Raises that save's error if it failed; nothing of it was committed,
+        and its leftovers are removed."""
+        with self._lock:
+            pending = self._pending
+            if pending is None:
+                return
+            try:
+                pending.wait()
+            finally:
+                # Forgotten once finished, its error raised once; an interrupt
+                # while it runs leaves it in flight, and still this manager's:
+                # the next save must wait for it, not clean its folder away.
+                if pending.done():
+                    self._pending, self._pending_step = None, None
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether the training loop should save `step` and exit, because this
+        process, or any process of a `jax.distributed` job, was sent SIGTERM (as
+        preemptible TPU and GPU fleets do, before a grace period ends).
+
+        Call it once per step, with the same steps in every process, and save and
+        exit when it answers `True`: it does so at the same `step` in every
+        process. Alone, a process answers `True` from the first call after the
+        signal. With several processes, a background thread in each agrees on
+        the step through JAX's coordination service (the first step after the
+        highest one any process has reached), so a step costs no round trip;
+        the call that follows a signal may wait for that agreement (one
+        barrier). The first call installs the manager's SIGTERM handler, from
+        the main thread: the handler only raises a flag (a previous Python
+        handler still runs after it; the default action, ending the process,
+        does not). `close()` puts the previous handler back.
+
+        **Arguments:**
+
+        - `step`: the loop's step (an int, as for `save`).
+
+        **Returns:**
+
+        `True` once the loop should save this step and exit; `False` before.
+
+        !!! example
+
+            ```python
+            import signal
+            import jax.numpy as jnp
+            import eqx_ckpt
+
+            with eqx_ckpt.CheckpointManager("run_preemptible") as manager:
+                step, state = manager.restore_or_initialise(lambda: {"w": jnp.zeros(3)})
+                start = 0 if step is None else step + 1
+                for step in range(start, 1000):
+                    state = {"w": state["w"] + 1}
+                    if step == 5:
+                        signal.raise_signal(signal.SIGTERM)   # what the fleet sends
+                    if manager.reached_preemption(step):
+                        manager.save(step, state)             # then exit; a relaunch resumes here
+                        break
+            print(manager.all_steps())   # [5]
+            ```
+        """
+        return self._preemption.reached(check_step(step))
+
+    def wait_for_new_step(self, after: int | None = None, timeout: float | None = None) -> int | None:
+        """Wait for a committed step newer than `after`: an evaluator's loop beside
+        a training run (another process, or a thread, with a manager of its own
+        on the same directory).
+
+        The directory is listed again and again, at first every 10 ms, then
+        less often, up to once a second. Only committed steps count: a save in
+        flight, interrupted, or deleted is never returned.
+
+        **Arguments:**
+
+        - `after`: the last step the caller has seen; `None` for any step.
+        - `timeout`: give up after this many seconds; `None` to wait for ever.
+
+        **Returns:**
+
+        The lowest committed step above `after` (so an evaluator that falls
+        behind still sees every step the retention rules keep), or `None` if
+        there was none before `timeout`.
+
+        Retention in the training run may delete the step before the caller
+        restores it: `restore` then raises
+        [`eqx_ckpt.CheckpointNotFoundError`][], saying so and naming the steps
+        kept; catch it and wait again (the next step is newer).
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import eqx_ckpt
+
+            trainer = eqx_ckpt.CheckpointManager("run_followed", max_to_keep=2)
+            evaluator = eqx_ckpt.CheckpointManager("run_followed")
+            for step in (10, 20):
+                trainer.save(step, {"w": jnp.full(3, float(step))})
+            seen = None
+            while (step := evaluator.wait_for_new_step(after=seen, timeout=0.5)) is not None:
+                try:
+                    state = evaluator.restore({"w": jnp.zeros(3)}, step=step)
+                except eqx_ckpt.CheckpointNotFoundError:
+                    pass                      # deleted by the trainer's retention meanwhile
+                seen = step
+            print(seen)   # 20
+            ```
+        """
+        after = None if after is None else check_step(after)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
+            raise CheckpointValueError(f"`timeout` must be a non-negative number of seconds or None, not {timeout!r}.")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = _FIRST_POLL
+        while True:
+            newer = [step for step in self.all_steps() if after is None or step > after]
+            if newer:
+                self._followed.add(newer[0])
+                return newer[0]
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            time.sleep(delay if left is None else min(delay, left))
+            delay = min(2 * delay, _LAST_POLL)
+
+    def restore(
+        self,
+        like: PyTree = None,
+        step: int | None = None,
+        *,
+        filter_spec: Any = default_deserialise_filter_spec,
+        is_leaf: Callable[[Any], bool] | None = None,
+        where: Callable[[PyTree], Any] | None = None,
+        prefix: str | None = None,
+        rename: Mapping[str, str] | Callable[[str], str] | Sequence[tuple[str, Any]] | None = None,
+        missing: str = "error",
+        strict: bool = False,
+        cast: bool = False,
+        lazy: bool = False,
+        transform: Any = None,
+        progress: Progress = None,
+        trust: Iterable[Any] = (),
+        check_init: bool = False,
+        read_once: bool | None = None,
+    ) -> PyTree:
+        """Load a step into `like`.
+
+        **Arguments:**
+
+        - `like`: the skeleton, concrete or abstract (`eqx.filter_eval_shape`).
+            `None` (the default) rebuilds the step's own tree from its structure
+            record, with the classes `trust` names beyond the default set
+            (`manager.restore(step=5, trust=[MyModel, optax])`; see
+            [`eqx_ckpt.Checkpoint.skeleton`][]).
+        - `step`: the step to load; the latest committed one by default.
+        - `filter_spec`, `is_leaf`, `where`, `prefix`, `rename`, `missing`, `strict`,
+            `cast`, `lazy`, `transform`, `progress`, `trust`, `check_init`, `read_once`: every
+            option of [`eqx_ckpt.tree_deserialise_leaves`][], with its meaning and default;
+            for instance `prefix="model"` loads only the model of a
+            `{"model": ..., "opt_state": ...}` step.
+
+        **Returns:**
+
+        `like`, with the loaded leaves.
+
+        **Raises:**
+
+        [`eqx_ckpt.CheckpointNotFoundError`][] if the step is not committed (or there
+        is no step at all), naming the steps there are.
+        """
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(
+                    f"There is no committed step in {self.directory!r} to restore. Save one "
+                    f"first, or use `restore_or_initialise(init)` to start afresh.",
+                    path=self.directory,
+                )
+        else:
+            self._require(check_step(step))
+        try:
+            return tree_deserialise_leaves(
+                self._loc.joined(step_name(step)), like, filter_spec, is_leaf,
+                where=where, prefix=prefix, rename=rename, missing=missing, strict=strict, cast=cast, lazy=lazy,
+                transform=transform, progress=progress, trust=trust, check_init=check_init, read_once=read_once,
+            )  # fmt: skip
+        except (CheckpointError, OSError) as e:
+            # Retention (this manager's, or that of the one saving here) deleted
+            # the step while it was read: say so, not what the read tripped on.
+            steps = self.all_steps()
+            if step in steps:
+                raise
+            raise CheckpointNotFoundError(
+                f"Step {step} was deleted from {self.directory!r} while it was being restored (by the retention "
+                f"rules of the manager saving there), so nothing of it is returned; the committed steps now are "
+                f"{show_steps(steps)}. Restore one of them.",
+                path=self.directory,
+            ) from e
+
+    def restore_or_initialise(
+        self,
+        init: Callable[[], PyTree],
+        *,
+        filter_spec: Any = default_deserialise_filter_spec,
+        is_leaf: Callable[[Any], bool] | None = None,
+        where: Callable[[PyTree], Any] | None = None,
+        prefix: str | None = None,
+        rename: Mapping[str, str] | Callable[[str], str] | Sequence[tuple[str, Any]] | None = None,
+        missing: str = "error",
+        strict: bool = False,
+        cast: bool = False,
+        lazy: bool = False,
+        transform: Any = None,
+        progress: Progress = None,
+        read_once: bool | None = None,
+    ) -> tuple[int | None, PyTree]:
+        """Resume from the latest step, or start afresh if there is none.
+
+        **Arguments:**
+
+        - `init`: a function of no arguments building the initial tree (the same
+            tree `save` is given). When there is a step, it is only traced, with
+            `eqx.filter_eval_shape`, to get the skeleton to load into: no initial
+            value is computed, except for the leaves the load leaves out (see
+            `missing`), which `init` computes under `jax.jit` (as
+            [`eqx_ckpt.load_or_initialise`][] does).
+        - `filter_spec`, `is_leaf`, `where`, `prefix`, `rename`, `missing`, `strict`,
+            `cast`, `lazy`, `transform`, `progress`, `read_once`: every option of
+            [`eqx_ckpt.tree_deserialise_leaves`][], with its meaning and default.
+            `missing="keep"` resumes a state that gained leaves since the step was
+            saved (an EMA of the weights, a new head): those leaves get `init`'s
+            values. Leaves `where` does not select get `init`'s values too.
+
+        **Returns:**
+
+        `(step, tree)`: the latest step and the tree loaded from it, or `(None,
+        init())` if nothing was saved yet.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import eqx_ckpt
+
+            def make_state():
+                return {"w": jnp.zeros(3), "step": 0}
+
+            manager = eqx_ckpt.CheckpointManager("run_resume")
+            step, state = manager.restore_or_initialise(make_state)   # (None, make_state())
+            start = 0 if step is None else step + 1
+            manager.save(start, state)
+            step, state = manager.restore_or_initialise(make_state)   # (0, the saved state)
+            ```
+        """
+        step = self.latest_step()
+        if step is None:
+            return None, init()
+        return step, _initialise.initialise_unloaded(
+            self._loc.joined(step_name(step)), init, filter_spec, is_leaf,
+            where=where, prefix=prefix, rename=rename, missing=missing, strict=strict, cast=cast, lazy=lazy,
+            transform=transform, progress=progress, read_once=read_once,
+        )  # fmt: skip
+
+    def _require(self, step: int) -> None:
+        steps = self.all_steps()
+        if step in steps:
+            return
+        hint = ""
+        if step == self._pending_step:
+            hint = " Its save is still in progress: call `wait_until_finished()` first."
+        elif step in self._followed:
+            hint = (
+                " It was committed (`wait_for_new_step` returned it), and has been deleted since by the retention "
+                "rules of the manager saving there: restore the step `wait_for_new_step` returns at once, or "
+                "skip to a newer one."
+            )
+        raise CheckpointNotFoundError(
+            f"There is no committed step {step} in {self.directory!r}; the committed steps are "
+            f"{show_steps(steps)}.{hint}",
+            path=self.directory,
+        )
+
+    @_one_at_a_time
+    def delete_steps_after(self, step: int) -> list[int]:
+        """Roll back: delete every committed step after `step`.
+
+        Steps are ordered by number, as in orbax: `latest_step()` is the highest,
+        and `max_to_keep` keeps the highest. After restoring an earlier step to
+        train again from it (a loss spike, a bug), the later steps belong to the
+        abandoned run; delete them, so that `latest_step()` and retention follow
+        the new run.
+
+        **Arguments:**
+
+        - `step`: the step to keep as the latest (it need not exist).
+
+        **Returns:**
+
+        The steps deleted, sorted.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import eqx_ckpt
+
+            manager = eqx_ckpt.CheckpointManager("run_rollback", max_to_keep=3)
+            for step in (100, 200, 300):
+                manager.save(step, {"w": jnp.full(2, float(step))})
+            state = manager.restore({"w": jnp.zeros(2)}, step=200)
+            manager.delete_steps_after(200)         # [300]
+            manager.save(210, state)
+            print(manager.latest_step())           # 210
+            ```
+        """
+        step = check_step(step)
+        self.wait_until_finished()
+        with _storage_errors.explained(self._loc, "Deleting steps from"):
+            self._hold_directory()  # deleting steps is writing: one manager at a time
+        later = [s for s in self.all_steps() if s > step]
+        if primary():
+            for s in later:
+                delete_step(self._loc, s)
+        return later
+
+    def _apply_retention(self, saved: int | None = None) -> None:
+        """After a step committed: delete the steps no rule keeps. A failure here is
+        a warning (the new step is saved; the next save retries the deletion)."""
+        try:
+            left = self._retention.apply(self._rules(), saved)
+        except Exception as e:
+            warnings.warn(
+                f"Step saved in {self.directory!r}, but deleting the steps the retention rules drop failed ({e}); "
+                f"the next save tries again.",
+                CommitWarning,
+                stacklevel=3,
+            )
+            return
+        if left:
+            warnings.warn(
+                f"Retention left {len(left)} step(s) in {self.directory!r} that were saved under other "
+                f"retention rules (or none) in place: {show_steps(left)}. This manager's rules apply to the steps "
+                f"saved under them; to apply them to every step, create the manager with `adopt_steps=True`.",
+                RetentionWarning,
+                stacklevel=3,
+            )
+
+    def _rules(self) -> Rules:
+        return Rules(self.max_to_keep, self.keep_every, self.best_n, self.best_metric, self.best_mode, self.adopt_steps)
+
+
+# `wait_for_new_step` lists the directory after this many seconds, then twice
+# as long each time, up to the last.
+_FIRST_POLL, _LAST_POLL = 0.01, 1.0

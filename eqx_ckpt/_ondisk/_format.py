@@ -1,0 +1,383 @@
+"""The on-disk format, in one place (described for users in docs/format.md).
+
+Every name a checkpoint holds, the format version, the records of the
+manifest, the zarr v3 chunk codec (checksum included) and the one answer to
+"did a save write this name?" live here; every other module asks this one.
+Encoding and parsing the manifest itself is `_manifest`'s job, turning key
+paths into folder names `_keypath`'s.
+
+A checkpoint directory:
+
+    manifest.json            written last: its presence makes the checkpoint exist
+    saving.json              only while a save runs: its lease and journal
+    zarr.json                the root zarr v3 group
+    <leaf folders>/          one zarr v3 array per large leaf (zarr.json, c/0/0...)
+    packed.<dtype>/          small leaves of one stored dtype, back to back
+    gen.<commit>/            the data root of every save after the first
+    ocdbt.db/                every array, with `layout="ocdbt"`
+
+and a manager's run holds `step_<8+ digits>/` checkpoints, their
+`step_<...>.metrics.json` (version 1), `retention.json` (the rules its steps
+were saved under, so that retention deletes no step saved under others) and,
+while a manager writes there, `manager.json` (its lease, see `_lease`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .._base import _keypath
+
+FORMAT = "eqx_ckpt"
+# Version 2 adds the commit identity, per-save data roots (`gen.<commit>`) and
+# metrics; version 3 packs small leaves together (`packs`, and a leaf's `pack`
+# and `offset`); version 4 leaves out of a leaf's record what equals its default
+# (see `LeafRecord.to_json`) and takes the digest over the file's own bytes;
+# version 5 adds the tree's structure record (`structure`, see `_structure`).
+# Versions 1 to 4 are still read.
+FORMAT_VERSION = 5
+
+# -- Names ---------------------------------------------------------------------------------------
+
+MANIFEST = "manifest.json"
+SAVING = "saving.json"
+# The metadata file of every zarr v3 array and group.
+ZARR_JSON = "zarr.json"
+# The folder of the OCDBT database (`layout="ocdbt"`) under a data root.
+OCDBT_FOLDER = "ocdbt.db"
+# TensorStore's file driver writes `<name>` as `<name>.__lock` and renames it into place.
+TEMPORARY = ".__lock"
+# The `zarr.json` of every group a save writes.
+GROUP = {"zarr_format": 3, "node_type": "group", "attributes": {}}
+GROUP_JSON = json.dumps(GROUP).encode()
+
+# Data roots: "" or `gen.2` (version 1, alternating), `gen.<commit>` (version 2 on).
+_DATA_ROOT = re.compile(r"^gen\.([0-9a-f]{16}|2)$")
+_GENERATION = re.compile(r"^gen\.[0-9a-f]{16}$")
+# What a top-level name written by a save can look like: an escaped segment (see
+# `_keypath`), the root group's metadata, an OCDBT database, a data root or a
+# pack. Names read back from a journal must match, so a damaged one cannot
+# delete anything else.
+_TOP_LEVEL = re.compile(
+    r"^(%e|%i-?[0-9]+|%r[A-Za-z0-9_%-]*|[A-Za-z0-9_%-]+|zarr\.json|ocdbt\.db|gen\.[0-9a-f]+|packed\.[a-z0-9_]+)$"
+)
+# The files a save writes inside a data root, by their path below it: zarr
+# metadata (`zarr.json`) in every folder, a leaf's chunks (`c`, then the
+# chunk's indices), an OCDBT database's manifests and data files.
+_CHUNK = re.compile(r"(^|/)c(/[0-9]+)*$")
+_DATABASE = re.compile(r"(^|/)ocdbt\.db/(manifest\.ocdbt|manifest\.[0-9a-f]+|d/[0-9a-f]+)$")
+# Step folders of a manager. Eight digits keep names sorting as numbers up to
+# step 99,999,999; larger steps simply have more digits.
+_STEP = re.compile(r"^step_([0-9]{8,})$")
+_METRICS = re.compile(r"^(step_[0-9]{8,})\.metrics\.json$")
+
+
+def data_root_name(commit: str) -> str:
+    """The data root of a save that replaces a checkpoint: `gen.<commit>`."""
+    return f"gen.{commit}"
+
+
+def is_data_root(name: str) -> bool:
+    """Whether `name` is a data root folder eqx_ckpt writes (`gen.<commit>`, or version 1's `gen.2`)."""
+    return bool(_DATA_ROOT.match(name))
+
+
+def is_generation(name: str) -> bool:
+    """Whether `name` is the data root of a version 2+ save (`gen.<16 hex digits>`)."""
+    return bool(_GENERATION.match(name))
+
+
+def is_top_level_name(name: str) -> bool:
+    """Whether `name` could be a top-level entry a save wrote (see `_TOP_LEVEL`)."""
+    return bool(_TOP_LEVEL.match(name))
+
+
+def is_save_temporary(name: str) -> bool:
+    """Whether the top-level `name` is TensorStore's temporary of a file a save writes."""
+    base = name.removesuffix(TEMPORARY)
+    return base != name and (base in (MANIFEST, SAVING) or is_top_level_name(base))
+
+
+def written_by_a_save(key: str) -> bool:
+    """Whether the file at `key` (relative to a checkpoint) has a name a save
+    writes, or is TensorStore's temporary of one."""
+    key = key.removesuffix(TEMPORARY)
+    return key.rsplit("/", 1)[-1] == ZARR_JSON or bool(_CHUNK.search(key) or _DATABASE.search(key))
+
+
+def left_by_a_save(key: str) -> bool:
+    """Whether the file at `key` (relative to a checkpoint without a manifest)
+    is one a save writes before its commit, or that the deletion of a step
+    leaves: its journal (`saving.json`), TensorStore's temporary of the journal
+    or of the manifest, or a file of its arrays (`written_by_a_save`)."""
+    return key in _BEFORE_COMMIT or written_by_a_save(key)
+
+
+_BEFORE_COMMIT = frozenset({SAVING, SAVING + TEMPORARY, MANIFEST + TEMPORARY})
+
+
+def metadata_key(folder: str) -> str:
+    """The key of the `zarr.json` of the group or array in `folder` (below the
+    data root; "" is the data root itself)."""
+    return folder + "/" + ZARR_JSON if folder else ZARR_JSON
+
+
+def step_name(step: int) -> str:
+    """The folder name of a manager's step: `step_00000042`."""
+    return f"step_{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a folder name the manager wrote, or `None` for any other name
+    (a non-canonical spelling such as `step_000000042` is not the manager's)."""
+    match = _STEP.match(name)
+    if match is None or step_name(int(match.group(1))) != name:
+        return None
+    return int(match.group(1))
+
+
+# A manager's record of its retention rules and the steps saved under them.
+RETENTION = "retention.json"
+# The lease of the manager writing a run's directory (see `_lease`).
+MANAGER_LEASE = "manager.json"
+
+
+def metrics_name(step: int) -> str:
+    """The file beside a step's folder holding its metrics."""
+    return step_name(step) + ".metrics.json"
+
+
+def parse_metrics_name(name: str) -> int | None:
+    """The step whose metrics file `name` is, or `None` for any other name."""
+    match = _METRICS.match(name)
+    return None if match is None else parse_step(match.group(1))
+
+
+# -- Limits on what a manifest may claim (it is untrusted input) -----------------------------------
+
+# How arrays sit under the data root (see `_layout`).
+LAYOUTS = ("directories", "ocdbt")
+MAX_MANIFEST_BYTES = 256 * 2**20
+# JSON objects a manifest may hold: two a leaf (its record and its structure
+# node) for a million leaves, and the containers above them.
+MAX_MANIFEST_OBJECTS = 5_000_000
+MAX_RANK = 32
+MAX_ELEMENTS = 2**53
+
+# -- Records -------------------------------------------------------------------------------------
+
+# How a leaf came in, which decides what a load gives back when `like` is silent.
+LEAF_TYPES = ("jax", "numpy", "numpy_scalar", "prng_key", "bool", "int", "float", "complex")
+# How its bytes are stored: as they are, as raw unsigned integers of the same
+# size ("view"), or as a PRNG key's key data.
+ENCODINGS = ("plain", "view", "key_data")
+
+
+@dataclasses.dataclass(frozen=True)
+class PackRecord:
+    """One array holding several small leaves back to back (see `_pack`).
+
+    **Attributes:**
+
+    - `name`: its folder under the data root, `packed.<dtype>`.
+    - `dtype`: the stored dtype of every leaf in it.
+    - `size`: its length in elements (it is one-dimensional).
+    - `chunk`: the length of its chunks, in elements.
+    - `commit`: the commit of the manifest that lists it (not stored: it tells
+        apart the packs of two saves that used the same folder).
+    """
+
+    name: str
+    dtype: str
+    size: int
+    chunk: int
+    commit: str = dataclasses.field(default="", compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": [self.size], "chunks": [self.chunk]}
+
+
+def pack_name(stored_dtype: str) -> str:
+    """A pack's folder: `packed.<stored dtype>` (a name with a `.`, so no key maps there)."""
+    return f"packed.{stored_dtype}"
+
+
+# Not `frozen`: a frozen dataclass's `__init__` costs six times as much, and a
+# save or load of ten thousand leaves makes a record for each (with slots, 190
+# bytes a record instead of 240: memory whose fresh pages a save pays for).
+# Never changed once made, except by `_records.assign` while its save has made it
+# and no one else has seen it.
+@dataclasses.dataclass(slots=True)
+class LeafRecord:
+    """One saved leaf.
+
+    **Attributes:**
+
+    - `path`: the dotted path (`model.layers.0.weight`).
+    - `keypath`: the key path as a JSON list of `[kind, value]` pairs.
+    - `type`: one of `LEAF_TYPES`.
+    - `shape`, `dtype`: as the leaf had them (`dtype` "key<threefry2x32>" for keys).
+    - `stored_shape`, `stored_dtype`: of the zarr array (they differ for PRNG keys,
+      for dtypes stored as raw bytes, and when cast on save).
+    - `encoding`: "plain", "view" (raw bytes as unsigned ints) or "key_data".
+    - `chunks`: the zarr chunk shape.
+    - `impl`: the PRNG implementation name of a key array, else "".
+    - `pack`: the pack holding it, or `None` when it has its own array.
+    - `offset`: where its elements start in its pack (C order).
+    """
+
+    path: str
+    keypath: list[list[Any]]
+    type: str
+    shape: tuple[int, ...]
+    dtype: str
+    stored_shape: tuple[int, ...]
+    stored_dtype: str
+    encoding: str
+    chunks: tuple[int, ...]
+    impl: str = ""
+    pack: PackRecord | None = None
+    offset: int = 0
+
+    @property
+    def size(self) -> int:
+        """Its number of stored elements."""
+        return math.prod(self.stored_shape)
+
+    @property
+    def directory(self) -> str:
+        return _keypath.to_directory(self.path)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.stored_shape) * _itemsize(self.stored_dtype)
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """The bytes of one full chunk as stored (before its checksum)."""
+        return math.prod(self.chunks) * _itemsize(self.stored_dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        """Its record in a version 4 manifest: what equals its default is left
+        out (`stored_shape` and `stored_dtype` equal to `shape` and `dtype`,
+        `encoding` "plain", `chunks` equal to the stored shape, `impl` "").
+        Shapes stay tuples, which the encoders write as JSON arrays (a `list`
+        of each took a third of this call's time, ten thousand times a save)."""
+        shape, stored = self.shape, self.stored_shape
+        out: dict[str, Any] = {
+            "path": self.path, "keypath": self.keypath, "type": self.type, "shape": shape, "dtype": self.dtype,
+        }  # fmt: skip
+        if stored != shape:
+            out["stored_shape"] = stored
+        if self.stored_dtype != self.dtype:
+            out["stored_dtype"] = self.stored_dtype
+        if self.encoding != "plain":
+            out["encoding"] = self.encoding
+        if self.chunks != stored and self.chunks != whole_chunks(stored):
+            out["chunks"] = self.chunks
+        if self.impl:
+            out["impl"] = self.impl
+        if self.pack is not None:
+            out["pack"], out["offset"] = self.pack.name, self.offset
+        return out
+
+
+@functools.lru_cache(maxsize=256)
+def _itemsize(dtype: str) -> int:
+    return dtype_from_name(dtype).itemsize
+
+
+@functools.lru_cache(maxsize=4096)
+def whole_chunks(stored_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The chunk shape of an array stored as one chunk."""
+    return tuple(max(1, n) for n in stored_shape)
+
+
+# -- The chunk codec -----------------------------------------------------------------------------
+
+# Data types the zarr3 driver stores natively. Others (uint2, uint4, float8_e4m3)
+# are stored as the raw bytes, viewed as an unsigned integer of the same size.
+NATIVE_DTYPES = frozenset(
+    "bool int2 int4 int8 int16 int32 int64 uint8 uint16 uint32 uint64 "
+    "float16 bfloat16 float32 float64 complex64 complex128 float8_e3m4 "
+    "float8_e4m3fn float8_e4m3fnuz float8_e4m3b11fnuz float8_e5m2 "
+    "float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn".split()
+)
+
+# The largest chunk a save writes.
+CHUNK_BYTES = 64 * 2**20
+# An array's chunk files sit under `c` in its folder: `c/<i>/<j>...` by their
+# indices in the chunk grid, and a scalar's one chunk is the file `c` itself.
+CHUNKS = "c"
+# Each chunk file ends in the crc32c of its bytes, little-endian.
+CHECKSUM_BYTES = 4
+
+
+def codecs(stored_dtype: str) -> list[dict[str, Any]]:
+    """Little-endian bytes, then a crc32c checksum of every chunk."""
+    if dtype_from_name(stored_dtype).itemsize > 1:
+        first = {"name": "bytes", "configuration": {"endian": "little"}}
+    else:
+        first = {"name": "bytes"}
+    return [first, {"name": "crc32c"}]
+
+
+def array_metadata(shape: tuple[int, ...], stored_dtype: str, chunks: list[int]) -> dict[str, Any]:
+    """The `zarr.json` metadata of one stored array."""
+    return {
+        "shape": list(shape),
+        "data_type": stored_dtype,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
+        "chunk_key_encoding": {"name": "default"},
+        "codecs": codecs(stored_dtype),
+    }
+
+
+@functools.lru_cache(maxsize=256)
+def dtype_from_name(name: str) -> np.dtype:
+    """The NumPy dtype of a zarr/manifest dtype name (`ml_dtypes` for bfloat16 and co)."""
+    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+
+
+def chunk_shape(shape: tuple[int, ...], itemsize: int, block: tuple[int, ...] | None = None) -> list[int]:
+    """A chunk grid that lines up with `block` (a shard's shape) and keeps chunks
+    under `CHUNK_BYTES`, so large arrays are read and written in parallel."""
+    chunk = [max(1, n) for n in (block if block is not None else shape)]
+    while math.prod(chunk) * itemsize > CHUNK_BYTES:
+        for axis, n in enumerate(chunk):
+            if n > 1:
+                # Halving keeps every chunk inside one shard when `n` is even.
+                chunk[axis] = n // 2 if n % 2 == 0 else -(-n // 2)
+                break
+        else:
+            break
+    return chunk
+
+
+def chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...]) -> Iterator[str]:
+    """The chunk files, in order, of an array whose chunks split only its first
+    axis; lazily: a hostile manifest's absurd shape fails at its first missing
+    file without listing a trillion names first. An empty array has none."""
+    if not shape:
+        yield CHUNKS
+        return
+    if 0 in shape:
+        return
+    rest = "/0" * (len(shape) - 1)
+    for i in range(-(-shape[0] // chunks[0])):
+        yield f"{CHUNKS}/{i}{rest}"
+
+
+def chunk_key(indices: Sequence[int]) -> str:
+    """The chunk file (below its array's folder) of the chunk at `indices` in the
+    chunk grid: `c/1/0`, or `c` for a scalar's."""
+    return "/".join([CHUNKS, *map(str, indices)])

@@ -1,0 +1,492 @@
+"""The manifest: one JSON file at the root of a checkpoint, written last.
+
+Its presence is what makes a checkpoint exist. It lists every saved leaf with its
+exact key path, and is treated as untrusted input when read: every field is
+type-checked, every directory is recomputed from the key path (never taken from
+the file), and a digest over the content detects edits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import orjson
+
+from .._base import _gc, _keypath
+from .._base._errors import CorruptCheckpointError
+from ._dtypes import is_known_dtype, key_data_shape
+from ._format import (
+    ENCODINGS,
+    FORMAT,
+    FORMAT_VERSION,
+    LAYOUTS,
+    LEAF_TYPES,
+    MAX_ELEMENTS,
+    MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_OBJECTS,
+    MAX_RANK,
+    LeafRecord,
+    PackRecord,
+    is_data_root,
+    pack_name,
+    whole_chunks,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    leaves: tuple[LeafRecord, ...]
+    data_root: str = ""
+    created: str = ""
+    library_version: str = ""
+    format_version: int = FORMAT_VERSION
+    layout: str = "directories"
+    # The save that wrote it (a random id; "" for version 1).
+    commit: str = ""
+    # Numbers stored with the save (a manager's metrics), committed with it.
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Where the reader found it: changes when the manifest file is replaced.
+    stamp: bytes = dataclasses.field(default=b"", compare=False)
+    # The arrays holding packed leaves.
+    packs: tuple[PackRecord, ...] = ()
+    # Another format's own strings (a safetensors header's `__metadata__`).
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The tree's structure record (version 5 on, `_structure`), as JSON text:
+    # parsed and checked only when a load rebuilds from it (`_rebuild.record_of`),
+    # so a load with `like` pays nothing for it. `None`: none.
+    structure: str | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def total_bytes(self) -> int:
+        # Each stored (dtype, shape) worked out once: ten thousand leaves have a few dozen.
+        sizes: dict[tuple[str, tuple[int, ...]], int] = {}
+        total = 0
+        for leaf in self.leaves:
+            key = (leaf.stored_dtype, leaf.stored_shape)
+            nbytes = sizes.get(key)
+            if nbytes is None:
+                nbytes = sizes[key] = leaf.nbytes
+            total += nbytes
+        return total
+
+    def by_path(self) -> dict[str, LeafRecord]:
+        return {leaf.path: leaf for leaf in self.leaves}
+
+    def to_bytes(self) -> bytes:
+        with _gc.gc_paused():
+            return self._to_bytes()
+
+    def _to_bytes(self) -> bytes:
+        body = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "library_version": self.library_version,
+            "created": self.created,
+            "data_root": self.data_root,
+            "layout": self.layout,
+            "commit": self.commit,
+            "metrics": self.metrics,
+            "packs": [pack.to_json() for pack in self.packs],
+            "leaf_count": len(self.leaves),
+            "total_bytes": self.total_bytes,
+        }
+        return _encoded(body, self.leaves, LeafRecord.to_json, structure=self.structure)
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    """The bytes of a version 4 manifest holding `body` (its `leaves` a list of
+    records as `LeafRecord.to_json` gives them), without its digest, the digest
+    last: `sha256` of every byte before it."""
+    body = dict(body)
+    body.pop("digest", None)
+    leaves = body.pop("leaves")
+    if not isinstance(leaves, list):  # as a damaged manifest (in tests) has it
+        text = _head(body) + json.dumps(leaves).encode()
+        return text + _tail(hashlib.sha256(text))
+    return _encoded(body, leaves, None)
+
+
+# Leaf records encoded at a time: their dicts are freed before the next ones are
+# made, so a save reuses the same memory (fresh pages cost more than the encoding).
+_BATCH = 256
+
+
+def _encoded(
+    body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any], Any] | None, *, structure: str | None = None
+) -> bytes:
+    """`encode`, with each of `leaves` made a record by `to_json` (`None`: they are).
+
+    One line per leaf. The leaves are encoded by `orjson` (a fifth of the time
+    of the standard library's encoder), as compact JSON in UTF-8; a batch of records it cannot encode (an
+    integer key beyond 64 bits, a string that is not valid Unicode) falls back
+    to the standard encoder, which escapes. Paths and key strings are JSON
+    strings, in which `},{"path"` cannot occur unescaped. The bytes are
+    copied once, into the result. `structure`, where given, goes before the
+    leaves, as a JSON string holding the record's JSON text.
+    """
+    parts: list[Any] = [_head(body, structure) + b"["]
+    for start in range(0, len(leaves), _BATCH):
+        records = leaves[start : start + _BATCH]
+        if to_json is not None:
+            records = [to_json(record) for record in records]
+        try:
+            text = orjson.dumps(records)
+        except orjson.JSONEncodeError:
+            # The records hold no cycles: the encoder need not look for them.
+            text = json.dumps(records, allow_nan=False, separators=(",", ":"), check_circular=False).encode()
+        del records
+        # Without the batch's brackets; batches joined as records are.
+        if start:
+            parts.append(b",\n")
+        parts.append(memoryview(text.replace(b'},{"path":', b'},\n{"path":'))[1:-1])
+    parts.append(b"]")
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    return b"".join([*parts, _tail(digest)])
+
+
+def _head(body: dict[str, Any], structure: str | None = None) -> bytes:
+    """The start of a manifest, up to its `leaves` value."""
+    head = json.dumps(body, allow_nan=False)[:-1].encode()
+    if structure is not None:
+        head += b',\n"structure": ' + orjson.dumps(structure)
+    return head + b',\n"leaves": '
+
+
+def _tail(digest: Any) -> bytes:
+    """The end of a version 4 manifest, after the bytes that `digest` has hashed."""
+    return b',\n"digest": "sha256:' + digest.hexdigest().encode() + b'"}\n'
+
+
+def _json(value: Any) -> bytes:
+    """Compact JSON, by `orjson` where it can (integers beyond 64 bits it cannot)."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return json.dumps(value, allow_nan=False, separators=(",", ":")).encode()
+
+
+# The end of a version 4 manifest: its digest, of every byte before this.
+_DIGEST_TAIL = re.compile(rb',\n"digest": "(sha256:[0-9a-f]{64})"\}\s*\Z')
+
+
+def new_manifest(
+    leaves: Sequence[LeafRecord],
+    data_root: str,
+    layout: str = "directories",
+    *,
+    commit: str = "",
+    metrics: dict[str, Any] | None = None,
+    packs: Sequence[PackRecord] = (),
+    structure: Any = None,
+) -> Manifest:
+    """A manifest of `leaves`, which use `packs` (sorted by name), and the
+    tree's `structure` record."""
+    from .. import __version__
+
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    structure = None if structure is None else _json(structure).decode()
+    return Manifest(
+        tuple(leaves), data_root, now, __version__,
+        layout=layout, commit=commit, metrics=metrics or {}, packs=tuple(packs), structure=structure,
+    )  # fmt: skip
+
+
+def _digest(body: dict[str, Any]) -> str:
+    """The digest of a version 1-3 manifest: of its content, keys sorted."""
+    content = {k: v for k, v in body.items() if k != "digest"}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose names are all different (`json` keeps the last of two),
+    as `json.loads`' `object_pairs_hook`."""
+    out = dict(pairs)
+    if len(out) != len(pairs):  # looked for one key at a time only then: this runs for every object of a header
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate JSON key {key!r}")
+            seen.add(key)
+    return out
+
+
+def parse(data: bytes, *, where: str, stamp: bytes = b"") -> Manifest:
+    """Parse and validate manifest bytes; any problem is a `CorruptCheckpointError`."""
+    with _gc.gc_paused():
+        return _parse(data, where=where, stamp=stamp)
+
+
+def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
+    bad = _invalid(where)
+    body, version = _parse_json(data, bad, where)
+    commit, metrics = _check_header(body, bad)
+    packs = _parse_packs(body.get("packs", []), commit, bad)
+    records = _parse_leaves(body.get("leaves"), packs, version, bad)
+    for key in ("created", "library_version", "structure"):
+        if not isinstance(body.get(key, ""), str):
+            raise bad(f"`{key}` is not a string")
+    return Manifest(
+        tuple(records), body["data_root"], body.get("created", ""), body.get("library_version", ""), version,
+        layout=body.get("layout", "directories"), commit=commit, metrics=metrics, stamp=stamp,
+        packs=tuple(packs.values()), structure=body.get("structure") if version >= 5 else None,
+    )  # fmt: skip
+
+
+def _invalid(where: str) -> Callable[[str], CorruptCheckpointError]:
+    """The error of a manifest at `where` that is invalid, and why."""
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"The manifest of checkpoint {where!r} is invalid: {why}. The checkpoint "
+            f"is damaged or was not written by eqx_ckpt; do not load it.",
+            path=where,
+        )
+
+    return bad
+
+
+def _parse_json(data: bytes, bad: Callable[[str], Exception], where: str) -> tuple[dict[str, Any], int]:
+    """The manifest's JSON object and format version, its digest checked."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise bad(f"it is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
+    # Counted before parsing: millions of tiny JSON objects (a hostile structure
+    # record) would cost gigabytes of Python objects within the byte limit.
+    if data.count(b"{") > MAX_MANIFEST_OBJECTS:
+        raise bad(f"it holds more than the {MAX_MANIFEST_OBJECTS} JSON objects allowed")
+    try:
+        body = loads_untrusted(data)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"not valid JSON ({e})") from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise bad('it does not say `"format": "eqx_ckpt"`')
+    version = body.get("format_version")
+    if type(version) is int and version > FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"The manifest of checkpoint {where!r} says format version {version}, which is not one this eqx_ckpt "
+            f"reads (up to {FORMAT_VERSION}); upgrade eqx_ckpt (`pip install -U eqx_ckpt`) to load it. A newer "
+            f"eqx_ckpt wrote it; nothing is wrong with the checkpoint.",
+            path=where,
+        )
+    if type(version) is not int or version < 1:
+        raise bad(f"format version {version!r} is not one this eqx_ckpt reads (up to {FORMAT_VERSION})")
+    if version >= 4:
+        tail = _DIGEST_TAIL.search(data)
+        digest = "sha256:" + hashlib.sha256(data[: tail.start()]).hexdigest() if tail else None
+        if tail is None or body.get("digest") != tail.group(1).decode():
+            raise bad("it does not end with its digest, so it was edited or damaged")
+    else:
+        digest = _digest(body)
+    if body.get("digest") != digest:
+        raise bad("its digest does not match its content, so it was edited or damaged")
+    return body, version
+
+
+def _check_header(body: dict[str, Any], bad: Callable[[str], Exception]) -> tuple[str, dict[str, Any]]:
+    """The manifest's fields other than its leaves and packs checked; its commit and metrics."""
+    root = body.get("data_root")
+    if not (root == "" or (isinstance(root, str) and is_data_root(root))):
+        raise bad(f"data root {root!r} is neither '' nor a `gen.<commit>` folder")
+    commit, metrics = body.get("commit", ""), body.get("metrics", {})
+    if not isinstance(commit, str) or not re.fullmatch(r"([0-9a-f]{16})?", commit):
+        raise bad(f"commit {commit!r} is not a 16-digit hex identity")
+    if not isinstance(metrics, dict) or not all(
+        isinstance(k, str) and isinstance(v, (bool, int, float, str)) for k, v in metrics.items()
+    ):
+        raise bad("`metrics` is not a mapping from name to number")
+    if body.get("layout", "directories") not in LAYOUTS:
+        raise bad(f"layout {body.get('layout')!r} is not one of {LAYOUTS}")
+    return commit, metrics
+
+
+def _parse_leaves(
+    leaves: Any, packs: dict[str, PackRecord], version: int, bad: Callable[[str], Exception]
+) -> list[LeafRecord]:
+    """Every leaf record, each checked, then their paths together."""
+    if not isinstance(leaves, list):
+        raise bad("`leaves` is not a list")
+    records = []
+    lean = version >= 4
+    checked: dict[Any, Any] = {}
+    for i, item in enumerate(leaves):
+        try:
+            records.append(_parse_leaf(item, packs, lean=lean, checked=checked))
+        except (ValueError, TypeError, KeyError) as e:
+            raise bad(f"leaf #{i} ({_peek_path(item)}): {e}") from None
+    _check_paths(records, bad)
+    return records
+
+
+def loads_untrusted(data: bytes | str) -> Any:
+    """JSON from a file: no two names alike in an object, no `NaN` or
+    `Infinity`; raises `ValueError` (or `RecursionError`, nested too deep)."""
+    return json.loads(data, object_pairs_hook=no_duplicates, parse_constant=_reject_constant)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _peek_path(item: Any) -> str:
+    path = item.get("path") if isinstance(item, dict) else None
+    return repr(path)[:200] if isinstance(path, str) else "no path"
+
+
+def _shape(value: Any, name: str) -> tuple[int, ...]:
+    if type(value) is not list or len(value) > MAX_RANK:
+        raise ValueError(f"`{name}` must be a list of at most {MAX_RANK} integers")
+    for n in value:
+        if type(n) is not int or not 0 <= n < 2**62:
+            raise ValueError(f"`{name}` must hold non-negative integers, got {value!r}")
+    if math.prod(value) > MAX_ELEMENTS:
+        raise ValueError(f"`{name}` {value} has more than 2**53 elements")
+    return tuple(value)
+
+
+def _parse_packs(items: Any, commit: str, bad: Any) -> dict[str, PackRecord]:
+    if not isinstance(items, list):
+        raise bad("`packs` is not a list")
+    packs: dict[str, PackRecord] = {}
+    for i, item in enumerate(items):
+        try:
+            if not isinstance(item, dict):
+                raise TypeError("not a JSON object")
+            name, dtype = item["name"], item["dtype"]
+            if not isinstance(name, str) or not isinstance(dtype, str):
+                raise TypeError("`name` and `dtype` must be strings")
+            if not is_known_dtype(dtype) or name != pack_name(dtype):
+                raise ValueError(f"a pack of dtype {dtype[:50]!r} cannot be named {name[:50]!r}")
+            (size,), (chunk,) = _shape(item["shape"], "shape"), _shape(item["chunks"], "chunks")
+            if not 1 <= chunk <= max(1, size):
+                raise ValueError(f"`chunks` [{chunk}] do not fit the pack's shape [{size}]")
+        except (ValueError, TypeError, KeyError) as e:
+            raise bad(f"pack #{i}: {e}") from None
+        if name in packs:
+            raise bad(f"pack {name!r} is listed twice")
+        packs[name] = PackRecord(name, dtype, size, chunk, commit)
+    return packs
+
+
+_STRINGS = ("type", "dtype", "stored_dtype", "encoding", "impl")
+
+
+def _parse_leaf(item: Any, packs: dict[str, PackRecord], *, lean: bool, checked: dict[Any, Any]) -> LeafRecord:
+    """One leaf record, every field checked. `lean`: a version 4 record, whose
+    fields equal to their defaults are left out. `checked`: see `stored_dotted`.
+    (Called for every leaf of a manifest, hence written for speed.)"""
+    if type(item) is not dict:
+        raise TypeError("not a JSON object")
+    path = item["path"]
+    if type(path) is not str:
+        raise TypeError("`path` is not a string")
+    expected = _keypath.stored_dotted(item["keypath"], checked)
+    if path != expected:
+        raise ValueError(f"`path` {path[:200]!r} does not match its key path (expected {expected[:200]!r})")
+    kind, dtype = item["type"], item["dtype"]
+    stored_dtype: Any
+    if lean:
+        stored_dtype, encoding, impl = (
+            item.get("stored_dtype", dtype),
+            item.get("encoding", "plain"),
+            item.get("impl", ""),
+        )
+    else:
+        stored_dtype, encoding, impl = item["stored_dtype"], item["encoding"], item["impl"]
+    if not all(type(v) is str for v in (kind, dtype, stored_dtype, encoding, impl)):
+        raise TypeError("`type`, `dtype`, `stored_dtype`, `encoding` and `impl` must be strings")
+    if kind not in LEAF_TYPES:
+        raise ValueError(f"unknown leaf type {kind!r}")
+    if encoding not in ENCODINGS:
+        raise ValueError(f"unknown encoding {encoding!r}")
+    if not is_known_dtype(stored_dtype):
+        raise ValueError(f"unknown stored dtype {stored_dtype!r}")
+    if kind != "prng_key" and not is_known_dtype(dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    shape, stored_shape, chunks, pack, offset = _parse_layout(item, packs, kind, encoding, stored_dtype, impl, lean)
+    return LeafRecord(
+        path, item["keypath"], kind, shape, dtype, stored_shape, stored_dtype, encoding, chunks, impl, pack, offset
+    )
+
+
+def _parse_layout(
+    item: dict[str, Any], packs: dict[str, PackRecord], kind: str, encoding: str, stored_dtype: str, impl: str,
+    lean: bool,
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], PackRecord | None, int]:  # fmt: skip
+    """A leaf record's shape, stored shape, chunks, pack and offset in it, checked
+    against each other. (Part of `_parse_leaf`, called for every leaf.)"""
+    shape = _shape(item["shape"], "shape")
+    stored_shape = _shape(item["stored_shape"], "stored_shape") if "stored_shape" in item or not lean else shape
+    if "chunks" in item or not lean:
+        chunks = _shape(item["chunks"], "chunks")
+    else:
+        chunks = whole_chunks(stored_shape)
+    if len(chunks) != len(stored_shape) or 0 in chunks:
+        raise ValueError("`chunks` must give a positive size for every stored dimension")
+    # What eqx_ckpt writes always agrees with itself; a hostile manifest that
+    # does not could otherwise make a load read (and allocate) far more than `like`
+    # asks for, or a chunk far larger than the array.
+    if kind in ("bool", "int", "float", "complex", "numpy_scalar") and shape != ():
+        raise ValueError(f"a {kind} scalar must have shape [], not {list(shape)}")
+    if encoding == "key_data" and (len(stored_shape) != len(shape) + 1 or stored_shape[: len(shape)] != shape):
+        raise ValueError(f"`stored_shape` {list(stored_shape)} does not extend `shape` {list(shape)} by the key data")
+    if encoding != "key_data" and stored_shape != shape:
+        raise ValueError(f"`stored_shape` {list(stored_shape)} differs from `shape` {list(shape)}")
+    if any(c > max(1, n) for c, n in zip(chunks, stored_shape)):
+        raise ValueError(f"`chunks` {list(chunks)} are larger than the array {list(stored_shape)}")
+    if kind == "prng_key":
+        _check_key_data(impl, shape, stored_shape, stored_dtype)
+    elif impl:
+        raise ValueError(f"a {kind} leaf has no PRNG implementation (`impl` {impl[:50]!r})")
+    pack, offset = None, 0
+    if "pack" in item:
+        pack, offset = packs.get(item["pack"]), item["offset"]
+        if pack is None:
+            raise ValueError(f"its pack {str(item['pack'])[:50]!r} is not among the manifest's `packs`")
+        if pack.dtype != stored_dtype:
+            raise ValueError(f"it is stored as {stored_dtype}, but its pack holds {pack.dtype}")
+        if type(offset) is not int or not 0 <= offset <= pack.size - math.prod(stored_shape):
+            raise ValueError(f"`offset` {offset!r} does not place it inside its pack of {pack.size} elements")
+        if chunks != whole_chunks(stored_shape):
+            raise ValueError("a packed leaf is one chunk: `chunks` must equal its shape")
+    return shape, stored_shape, chunks, pack, offset
+
+
+def _check_key_data(impl: str, shape: tuple[int, ...], stored: tuple[int, ...], stored_dtype: str) -> None:
+    """A PRNG key leaf names an implementation JAX has, and its stored key data
+    has that implementation's shape and dtype."""
+    key_shape = key_data_shape(impl) if len(impl) <= 100 else None
+    if key_shape is None:
+        raise ValueError(f"unknown PRNG implementation {impl[:100]!r}")
+    if stored != shape + key_shape or stored_dtype != "uint32":
+        raise ValueError(
+            f"the key data of {impl!r} keys of shape {list(shape)} is uint32 of shape "
+            f"{list(shape + key_shape)}, not {stored_dtype} of shape {list(stored)}"
+        )
+
+
+def _check_paths(records: list[LeafRecord], bad: Any) -> None:
+    seen: set[str] = set()
+    for record in records:
+        if record.path in seen:
+            raise bad(f"leaf {record.path!r} is listed twice")
+        seen.add(record.path)
+    if "" in seen and len(seen) > 1:
+        raise bad("a root leaf cannot sit beside other leaves")
+    # A leaf cannot have children: one path being a prefix of another would make
+    # one array's directory hold another array. Every ancestor of every leaf is
+    # looked up (sorted neighbours are not enough: `a`, `a-x`, `a.c` sort so).
+    for path in seen:
+        parts = _keypath.split_dotted(path)
+        for i in range(1, len(parts)):
+            ancestor = ".".join(parts[:i])
+            if ancestor in seen:
+                raise bad(f"leaf {path!r} lies inside leaf {ancestor!r}")

@@ -1,0 +1,174 @@
+"""Which classes and functions a load without `like` may build: the trust list.
+
+A checkpoint's structure record names classes and functions as
+`module:qualname` strings. Such a name is only ever looked up here, in a table
+made from objects the caller passed (`trust=`) and a default set that JAX and
+Equinox own; nothing is imported because a file named it, and there is no
+process-global registry.
+
+- A class or function object trusts itself.
+- A module object trusts the classes and functions *defined* in it or in its
+  submodules (by their own `__module__`), found by walking its attributes and
+  those of its submodules. A module it merely imports (`os` inside a trusted
+  module) is not a submodule, and a function it imports from elsewhere is not
+  defined in it: neither is reachable.
+- Every entry is filed under its own `__module__` and `__qualname__` (a
+  lambda under the name its own module holds it by), so the name in a file
+  must equal the object's own name exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import types
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .._base._errors import CheckpointTypeError
+
+
+def name_of(obj: Any) -> str | None:
+    """The `module:qualname` a class or function is recorded under, or `None`
+    where it has none (a lambda or a function defined inside another, unless
+    its own module holds it under a name, an object without `__module__`).
+
+    A lambda its module holds (`_identity = lambda x: x`, Equinox's MLP's
+    default last activation) is named by that attribute: `module:_identity`."""
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        return None
+    if "<" not in qualname:
+        return f"{module}:{qualname}"
+    if inspect.isclass(obj):
+        return None
+    # Only the function's own module, already imported: nothing is imported here.
+    holder = sys.modules.get(module)
+    names = [attr for attr, value in list(vars(holder).items()) if value is obj] if holder is not None else []
+    return f"{module}:{min(names)}" if names else None
+
+
+def python_name(name: str) -> str:
+    """How a user writes the object recorded as `module:qualname` in Python."""
+    module, _, qualname = name.partition(":")
+    return f"{module}.{qualname}"
+
+
+class Trust:
+    """The objects a load may build, by recorded name.
+
+    **Arguments:**
+
+    - `objects`: classes, functions and modules (see the module docstring).
+    - `defaults`: whether the default set (Equinox's `nn` layers and `State`,
+        `jax.nn` and the elementwise `jax.numpy` functions) is trusted too.
+    """
+
+    def __init__(self, objects: Iterable[Any] = (), *, defaults: bool = True):
+        if isinstance(objects, (str, bytes)) or not isinstance(objects, Iterable):
+            raise CheckpointTypeError(
+                "`trust` must be a list of class, function and module objects (`trust=[MyModel, optax]`), "
+                f"not {type(objects).__name__}. Names as strings are never accepted: pass the objects."
+            )
+        self.table: dict[str, Any] = dict(_default_table()) if defaults else {}
+        for obj in objects:
+            self.table.update(_entries(obj))
+
+    def resolve(self, name: str) -> Any | None:
+        """The trusted object recorded as `name`, or `None` if none is trusted."""
+        return self.table.get(name)
+
+
+def _entries(obj: Any) -> dict[str, Any]:
+    if isinstance(obj, types.ModuleType):
+        return _module_table(obj)
+    name = name_of(obj)
+    if name is None or not (inspect.isclass(obj) or callable(obj)):
+        raise CheckpointTypeError(
+            f"`trust` holds {obj!r}, which is not a class, function or module with a name a checkpoint can record "
+            f"(a lambda or a function defined inside another has none). Pass classes, functions and modules."
+        )
+    return {name: obj, **_nested_classes(obj)}
+
+
+def _nested_classes(cls: Any) -> dict[str, Any]:
+    """The classes defined inside class `cls` (`Outer.Inner`), which it trusts too."""
+    if not inspect.isclass(cls):
+        return {}
+    found = {}
+    for value in list(vars(cls).values()):
+        if inspect.isclass(value) and getattr(value, "__qualname__", "").startswith(cls.__qualname__ + "."):
+            name = name_of(value)
+            if name is not None and value.__module__ == cls.__module__:
+                found[name] = value
+                found.update(_nested_classes(value))
+    return found
+
+
+# Remembered per module object: walking a large package (optax) takes milliseconds,
+# and a load may be asked for many times. Modules are never collected in practice.
+@functools.lru_cache(maxsize=64)
+def _module_table(module: types.ModuleType) -> dict[str, Any]:
+    """Every class and function defined in `module` or its submodules."""
+    prefix = module.__name__
+    table: dict[str, Any] = {}
+    for value in _walk(module, prefix):
+        name = name_of(value)
+        if name is not None and _defined_under(value, prefix):
+            table[name] = value
+            table.update(_nested_classes(value))
+    return table
+
+
+def _walk(module: types.ModuleType, prefix: str) -> Iterator[Any]:
+    """The attributes of `module` and of every submodule reachable through
+    attributes, submodules being modules named `prefix.<...>`."""
+    seen: set[int] = set()
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        for value in list(vars(current).values()):
+            if isinstance(value, types.ModuleType):
+                if value.__name__.startswith(prefix + "."):
+                    stack.append(value)
+            elif inspect.isclass(value) or callable(value):
+                yield value
+
+
+def _defined_under(value: Any, prefix: str) -> bool:
+    module = getattr(value, "__module__", None)
+    return isinstance(module, str) and (module == prefix or module.startswith(prefix + "."))
+
+
+# The elementwise functions of `jax.numpy` trusted by default: activations and
+# the functions models keep as fields.
+_ELEMENTWISE = (
+    "abs", "absolute", "arctan", "cos", "cosh", "exp", "exp2", "expm1", "log", "log1p", "log2", "negative",
+    "reciprocal", "sign", "sin", "sinh", "sqrt", "square", "tan", "tanh", "maximum", "minimum", "add", "subtract",
+    "multiply", "divide", "true_divide", "power", "erf", "round", "floor", "ceil", "clip", "logaddexp",
+)  # fmt: skip
+
+
+@functools.cache
+def _default_table() -> dict[str, Any]:
+    """The default trust: Equinox's `nn` (layers, `State`, and what they hold),
+    Equinox's `Module` itself, `jax.nn`'s functions and the elementwise
+    functions of `jax.numpy`, filed under their own names."""
+    table = dict(_module_table(eqx.nn))
+    table.update(_entries(eqx.Module))
+    functions = [value for value in vars(jax.nn).values() if callable(value) and not inspect.isclass(value)]
+    functions += [getattr(jnp, name) for name in _ELEMENTWISE if hasattr(jnp, name)]
+    for fn in functions:
+        name = name_of(fn)
+        if name is not None:
+            table[name] = fn
+    return table

@@ -1,0 +1,1 @@
+"""The save story: records, staging, writes, asynchronous and partial saves."""

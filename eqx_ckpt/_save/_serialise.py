@@ -1,0 +1,613 @@
+"""`tree_serialise_leaves`: collect -> plan -> write -> commit.
+
+A save collects the tree's leaves with their names and filter specs
+(`_collect`), plans what it writes (every leaf's record and host pieces, and
+the packs of small leaves: `_records`), begins the transaction, creates the
+arrays and writes them within the staging budget (`_staging`: on a local disk
+by `_local_write`, else through TensorStore, `_write`), makes them durable
+(`_durable`) and commits the manifest. An asynchronous save
+returns once its arrays are safe on the host (with the default filter spec,
+once each leaf's host data is held: `_background.hold_tree`, and the plan is
+made in the background too); a background thread (`_background`) does the
+rest.
+
+With several JAX processes, every process runs this same story: the
+processes meet at the stages of `_stages` (`prepared`, `begin`, `create`,
+`commit`), which for a save of one process only run the step they wrap.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jaxtyping import PyTree
+
+from .._base import _faults, _gc, _tree
+from .._base._errors import (
+    CheckpointConnectionError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IntegrityError,
+    LeafError,
+    check_flag,
+)
+from .._base._handle import LeafHandle
+from .._base._location import Location, location
+from .._base._progress import Progress, Tracker
+from .._load import _source
+from .._load._lazy import LazyArray
+from .._ondisk import _dtypes, _layout, _manifest, _structure
+from .._store import _durable, _lease, _share, _storage, _storage_errors, _transaction, _untrusted
+from . import _background, _partial, _records, _stages, _staging, _write
+from ._background import Handoff, PendingSave
+
+
+def default_serialise_filter_spec(handle: LeafHandle, x: Any) -> None:
+    """Default filter specification for serialising a leaf.
+
+    **Arguments:**
+
+    - `handle`: the leaf's storage location, a [`eqx_ckpt.LeafHandle`][].
+    - `x`: the leaf.
+
+    **Returns:**
+
+    Nothing. JAX arrays (PRNG key arrays included), NumPy arrays and scalars,
+    Python `bool`/`int`/`float`/`complex`, and the [`eqx_ckpt.LazyArray`][]
+    leaves of a lazily loaded tree (with their values) are written; every other
+    leaf is skipped. An abstract leaf (`jax.ShapeDtypeStruct`, as
+    `eqx.filter_eval_shape` gives) has no value to save and is an error.
+
+    !!! example
+
+        Skip the JAX arrays and save the rest:
+
+        ```python
+        import jax, jax.numpy as jnp, numpy as np
+        import eqx_ckpt
+
+        def spec(handle, x):
+            if not isinstance(x, jax.Array):
+                eqx_ckpt.default_serialise_filter_spec(handle, x)
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", (jnp.ones(2), np.ones(2)), spec)
+        ```
+    """
+    if isinstance(x, jax.ShapeDtypeStruct):
+        raise handle.error(
+            f"it is abstract ({x.dtype}{list(x.shape)}, as `eqx.filter_eval_shape` gives): it has no value to save.",
+            "Save a concrete tree, or skip abstract leaves with a `filter_spec`.",
+        )
+    if _dtypes.leaf_type(x) is not None or isinstance(x, LazyArray):
+        handle.write(x)
+
+
+def tree_serialise_leaves(
+    path: Any,
+    pytree: PyTree,
+    filter_spec: Any = default_serialise_filter_spec,
+    is_leaf: Callable[[Any], bool] | None = None,
+    *,
+    overwrite: bool = True,
+    blocking: bool = True,
+    cast: Callable[[str, np.dtype], Any] | dict[Any, Any] | None = None,
+    layout: str = "directories",
+    progress: Progress = None,
+    where: Callable[[PyTree], Any] | None = None,
+    share: bool = True,
+    staging_bytes: int | None = None,
+) -> PendingSave | None:
+    """Save the leaves of a PyTree as a checkpoint directory.
+
+    Every array leaf is stored as a zarr v3 array, found by its key path: a large
+    leaf in a folder of its own named after it (`model.layers.0.weight` ->
+    `model/layers/0/weight/`), and leaves of at most 1 MiB packed, several to one
+    zarr v3 array per dtype, at offsets the manifest records (see
+    [docs/format.md](../format.md#small-leaves-packs)). A `manifest.json` written
+    last commits the checkpoint.
+
+    **Arguments:**
+
+    - `path`: the checkpoint directory (`str` or `pathlib.Path`), or a TensorStore
+        kvstore URL (`memory://`, `file://`, `s3://`, `gs://`), or a kvstore spec `dict` (for an
+        S3 `endpoint` and other options a URL cannot carry; see [docs/storage.md](../storage.md)). An `s3://`
+        location without an `endpoint` uses `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` when set.
+    - `pytree`: the PyTree whose leaves are saved.
+    - `filter_spec`: how to save each leaf: a callable `(handle, leaf) -> None`
+        or a PyTree prefix of `pytree` of them. The default saves arrays and
+        scalars and skips every other leaf. (See
+        [`eqx_ckpt.default_serialise_filter_spec`][].)
+    - `is_leaf`: called on every node of `pytree`; where it returns `True` the
+        node is treated as a leaf.
+    - `overwrite`: replace an existing checkpoint at `path` (atomically: the old
+        one stays loadable until the new one is committed). With `False`, an
+        existing checkpoint is an error.
+    - `blocking`: with `False`, return a [`eqx_ckpt.PendingSave`][] as soon as
+        every array is safe on the host (NumPy arrays are copied; a `jax.Array`
+        needs no copy); with the default `filter_spec`, the leaf records,
+        creating, writing and committing all go on in the background, and an
+        error (a leaf that cannot be saved, say) is raised by its `wait()`.
+        Call `wait()` before relying on the checkpoint. A later save to the
+        same `path` first waits for this one.
+    - `cast`: store some arrays in another dtype: a mapping from dtype to dtype
+        (`{jnp.float32: jnp.bfloat16}`) or a callable `(dotted_path, dtype) ->
+        dtype | None`. The manifest records both dtypes. A load into `like`
+        leaves of either dtype needs no `cast=True`. Values change only by
+        rounding to a narrower float: a float with a fraction into an integer
+        dtype, an integer that does not fit, NaN or infinity into an integer
+        are errors naming the leaf, and nothing is written.
+    - `layout`: `"directories"` (one folder per leaf, readable by any zarr v3
+        tool) or `"ocdbt"` (every array in one TensorStore OCDBT database: a few
+        files instead of two per leaf, for trees of many small leaves; one
+        process only). Loads need not be told. See [docs/scaling.md](../scaling.md).
+    - `progress`: by default a progress bar (bytes and leaves) shows on stderr
+        when it is a terminal and the save is large; `False` hides it, `True`
+        shows it whatever the size, and a callable is called as
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)` as the
+        bytes are written (a chunk file at a time on a local disk, so a large
+        leaf moves in steps; elsewhere as each leaf's data is handed to
+        TensorStore); the commit that makes them durable follows.
+    - `where`: a partial save. A callable that picks nodes of `pytree`, as in
+        `eqx.tree_at` (`where=lambda t: t["head"]`, or a tuple of nodes): the
+        stored sub-tree at each picked node's path is replaced by that node
+        (whose structure may differ), and every other stored leaf is kept. The
+        rest of `pytree` is never looked at (it may be abstract, from
+        `eqx.filter_eval_shape`). The checkpoint at `path` must exist; the
+        save is atomic like any overwrite. See
+        [docs/format.md](../format.md#incremental-and-partial-saves).
+    - `share`: an overwrite on a local disk shares the chunk files whose bytes
+        did not change with the checkpoint it replaces (hard links; see
+        [docs/format.md](../format.md#incremental-and-partial-saves)); with
+        `False`, every chunk is written in full and no file is shared.
+    - `staging_bytes`: the most host memory, in bytes, the save stages at a
+        time: each piece of a leaf (a `jax.Array`'s data copied to the host, a
+        cast, a shard's slice) is made as the writes reach it, its copy to the
+        host started ahead of them, and freed once written. By default a
+        quarter of this machine's memory (at least 64 MiB); a piece larger
+        than the budget is staged alone. An asynchronous save holds besides
+        what keeps the caller's arrays safe (see `blocking`). See
+        [docs/scaling.md](../scaling.md#host-memory-of-a-save).
+
+    With `jax.distributed` initialised, call this in every process with the same
+    tree: each process writes its own shards, and the checkpoint is committed once,
+    after all have finished.
+
+    **Returns:**
+
+    `None`, or a `PendingSave` when `blocking=False`.
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax
+        import eqx_ckpt
+
+        model = eqx.nn.MLP(2, 2, 8, 2, key=jax.random.key(0))
+        eqx_ckpt.tree_serialise_leaves("mlp_ckpt", model)
+        ```
+    """
+    return save(
+        location(path), pytree, filter_spec, is_leaf,
+        overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, progress=progress, where=where,
+        share=share, staging_bytes=staging_bytes,
+    )  # fmt: skip
+
+
+# A save makes many small objects and frees them again: Python's cyclic
+# collector, triggered by their count, would walk them all repeatedly.
+@_gc.gc_paused()
+def save(
+    loc: Location,
+    pytree: PyTree,
+    filter_spec: Any = default_serialise_filter_spec,
+    is_leaf: Callable[[Any], bool] | None = None,
+    *,
+    overwrite: bool = True,
+    blocking: bool = True,
+    cast: Any = None,
+    layout: str = "directories",
+    metrics: dict[str, Any] | None = None,
+    progress: Progress = None,
+    handoff: Handoff | None = None,
+    follows: Location | None = None,
+    where: Callable[[PyTree], Any] | None = None,
+    share: bool = True,
+    followed: bool = False,
+    staging_bytes: int | None = None,
+) -> PendingSave | None:
+    """`tree_serialise_leaves`, with `metrics` committed in the manifest.
+    `handoff`: tells the caller, after any exception, whether an asynchronous
+    save went on in the background (a `CheckpointManager` must not remove what
+    that save is writing). `follows`: the checkpoint this save shares unchanged
+    chunk files with when `loc` holds none yet (a manager's previous step;
+    `_share`). `where`: a partial save (`_partial`). `share=False`: no file
+    is shared with either. `followed`: a later save will follow this one (a
+    manager's step): the digest of every chunk file it writes is recorded, so
+    that save reads none of them back (`_share`). `staging_bytes`: the
+    staging budget (`_staging`)."""
+    stages = _stages.Stages()
+    share = check_flag("share", share, "`False` writes every chunk in full")
+    overwrite, blocking, cast, budget, planned, expected = _collect_and_plan(
+        loc, stages, pytree, filter_spec, is_leaf,
+        overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, where=where,
+        staging=staging_bytes,
+    )  # fmt: skip
+    options: dict[str, Any] = dict(overwrite=overwrite, layout=layout, metrics=metrics, progress=progress)
+    exclusive = _lease.acquire_exclusive(loc)
+    handoff = handoff if handoff is not None else Handoff()
+    tx: _transaction.Transaction | None = None
+    tracker: Tracker | None = None
+    sharing = _Sharing(follows, share, followed, budget)
+    try:
+        if not isinstance(planned, _staging.Batch):
+            # Every array is safe on the host already: the plan, the transaction
+            # and the writes all happen in the background.
+            run = functools.partial(_plan_write_and_commit, loc, stages, planned, cast, sharing, **options)
+            return _background.start(run, exclusive, handoff)
+        check = None if expected is None else functools.partial(_partial.check_unreplaced, commit=expected)
+        tx, tracker = _begin(loc, stages, planned, check=check, **options)
+        run = functools.partial(
+            _write_and_commit, tx, stages, planned, metrics=metrics, tracker=tracker, sharing=sharing
+        )
+        if blocking:
+            with tracker:
+                run()
+            exclusive.release()
+            return None
+        # Every array is safe on the host already (a jax.Array's host data never
+        # changes; NumPy arrays were copied): everything else happens in the background.
+        return _background.start(functools.partial(_with_tracker, tracker, run), exclusive, handoff)
+    except BaseException as e:
+        # A failure, or an interrupt between any two lines: unless a background
+        # thread has taken the save over, what was begun is undone (or, once
+        # committed, left whole) and the destination handed back, so that nothing
+        # kept alive by this exception's traceback holds the lease.
+        if handoff.take_back():
+            if tx is not None:
+                stages.stop(functools.partial(_stop, tx))
+            if tracker is not None:
+                tracker.close()
+            exclusive.release()
+        refused = getattr(planned, "refused", None)
+        if isinstance(e, IntegrityError) and refused is not None:
+            raise refused(e) from e
+        raise
+
+
+def _collect_and_plan(
+    loc: Location,
+    stages: _stages.Stages,
+    pytree: PyTree,
+    filter_spec: Any,
+    is_leaf: Callable[[Any], bool] | None,
+    *,
+    overwrite: Any,
+    blocking: Any,
+    cast: Any,
+    layout: str,
+    where: Callable[[PyTree], Any] | None,
+    staging: Any,
+) -> tuple[bool, bool, Callable[[str, np.dtype], Any] | None, int, _staging.Batch | _background.HeldLeaves, str | None]:
+    """The options checked (`overwrite`, `blocking` and `cast` as `save` uses
+    them, and `staging`, made the staging budget in bytes), then the leaves collected and
+    planned; an asynchronous save's leaves are held instead
+    (`_background.hold_tree`), and planned in the background. Last, for a partial save (`where`), the commit of the
+    checkpoint whose leaves it keeps. Every process then meets the others
+    at the first stage (`_stages.Stages.prepared`), whatever its outcome."""
+    planned: _staging.Batch | _background.HeldLeaves | None = None
+    expected: str | None = None
+    error: BaseException | None = None
+    try:
+        _layout.check(layout)
+        overwrite = check_flag("overwrite", overwrite, "whether to replace a checkpoint already there")
+        blocking = check_flag("blocking", blocking, "`False` saves in the background")
+        cast = _records.cast_function(cast)
+        budget = _staging.budget(staging)
+        if where is not None:
+            partial = _partial.collect(
+                loc,
+                pytree,
+                where,
+                filter_spec,
+                is_leaf,
+                cast,
+                overwrite=overwrite,
+                default=default_serialise_filter_spec,
+            )
+            try:
+                planned = _plan(
+                    loc, stages, partial.leaves, partial.names, partial.specs, partial.cast, private=not blocking,
+                    structure=partial.structure,
+                )  # fmt: skip
+            except IntegrityError as e:
+                raise partial.kept_damaged(e, loc) from e
+            partial.keep_chunks(planned.pending)
+            # A kept leaf is read as the save stages it: found damaged then, the refusal says so too.
+            planned.refused = functools.partial(partial.kept_damaged, loc=loc)
+            expected = partial.commit
+        elif not blocking and stages.alone and filter_spec is default_serialise_filter_spec and is_leaf is None:
+            planned = _background.hold_tree(pytree)  # planned in the background
+        if planned is None:
+            leaves, names, specs = _collect(pytree, filter_spec, is_leaf)
+            planned = _plan(loc, stages, leaves, names, specs, cast, private=not blocking)
+    except Exception as e:
+        error = e
+    stages.prepared(error, planned, layout=layout, loc=loc)
+    assert planned is not None
+    return overwrite, blocking, cast, budget, planned, expected
+
+
+def _collect(
+    pytree: PyTree, filter_spec: Any, is_leaf: Callable[[Any], bool] | None
+) -> tuple[list[Any], _tree.Names, list[Any]]:
+    """The leaves of `pytree`, their names, and each one's filter spec."""
+    # A custom filter spec is given every leaf's key path (in its `handle`).
+    custom = filter_spec is not default_serialise_filter_spec
+    leaves, names = _tree.flatten_named(pytree, is_leaf, keypaths=custom)
+    return leaves, names, _tree.leaf_specs(filter_spec, pytree, is_leaf, count=len(leaves))
+
+
+def _plan(
+    loc: Location,
+    stages: _stages.Stages,
+    leaves: list[Any],
+    names: _tree.Names,
+    specs: list[Any],
+    cast: Callable[[str, np.dtype], Any] | None,
+    *,
+    private: bool,
+    structure: Callable[[set[str]], Any] | None = None,
+) -> _staging.Batch:
+    """What the save writes: every leaf's record and host pieces (the filter
+    specs run here), in a save of one process the packs of small leaves, and the
+    tree's structure record (`_structure`; `structure`, given the dotted paths
+    stored, makes it where `names` are not of one tree: a partial save's).
+    `private`: protect the leaves' data (`_staging.protect`), which the caller
+    may change or delete once an asynchronous save has returned."""
+    pending = _records.build(loc, leaves, names, specs, cast, default=default_serialise_filter_spec)
+    if stages.alone:
+        _records.assign([p.record for p in pending], [p.pieces for p in pending])
+    if private:
+        _staging.protect(pending)
+    stored = {p.record.path for p in pending}
+    if structure is None:
+        record = _structure.record(names.treedef, leaves, [path in stored for path in names.paths], names.records)
+    else:
+        record = structure(stored)
+    return _staging.Batch(pending, made=[leaves, names.paths, names.records], structure=record)
+
+
+@_gc.gc_paused()  # as `save` is, for the part of it that runs here
+def _plan_write_and_commit(
+    loc: Location,
+    stages: _stages.Stages,
+    held: _background.HeldLeaves,
+    cast: Callable[[str, np.dtype], Any] | None,
+    sharing: _Sharing,
+    **options: Any,
+) -> None:
+    """The background part of an asynchronous save whose leaves were held (`_background.hold_tree`)."""
+    _faults.fire("save.held", loc)
+    leaves, names = held()
+    batch = _plan(loc, stages, leaves, names, [default_serialise_filter_spec] * len(leaves), cast, private=False)
+    tx, tracker = _begin(loc, stages, batch, **options)
+    with tracker:
+        _write_and_commit(tx, stages, batch, metrics=options["metrics"], tracker=tracker, sharing=sharing)
+
+
+def _begin(
+    loc: Location,
+    stages: _stages.Stages,
+    batch: _staging.Batch,
+    *,
+    overwrite: bool,
+    layout: str,
+    metrics: dict[str, Any] | None,
+    progress: Progress,
+    check: Callable[[_transaction.Transaction], None] | None = None,
+) -> tuple[_transaction.Transaction, Tracker]:
+    """Begin the transaction (with every process; `check` may refuse it, see
+    `_stages.Stages.begin`), and the progress report."""
+    if layout == "directories":
+        _untrusted.check_path_lengths(loc, [p.record for p in batch.own])
+    tracker = Tracker(progress, leaves=len(batch.pending), nbytes=batch.nbytes, what="save")
+    try:
+        with _storage_errors.explained(loc, "Saving checkpoint"):
+            packs = [pack.name for pack, _ in batch.packs]
+            paths = [p.record.path for p in batch.own]
+            begin = functools.partial(_begun, loc, overwrite, layout, paths, packs, check)
+            tx = stages.begin(begin, functools.partial(_transaction.join, loc))
+    except BaseException:
+        tracker.close()
+        raise
+    return tx, tracker
+
+
+def _begun(
+    loc: Location,
+    overwrite: bool,
+    layout: str,
+    paths: list[str],
+    packs: list[str],
+    check: Callable[[_transaction.Transaction], None] | None,
+) -> _transaction.Transaction:
+    """The transaction begun (`_transaction.begin`: the lease, the
+    destination's checks, the journal of `paths` and `packs`), which `check`
+    may refuse: it is then aborted."""
+    tx = _transaction.begin(loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
+    if check is not None:
+        try:
+            check(tx)
+        except BaseException:
+            tx.abort()
+            raise
+    return tx
+
+
+def _with_tracker(tracker: Tracker, run: Callable[[], None]) -> None:
+    with tracker:
+        run()
+
+
+def _write_and_commit(
+    tx: _transaction.Transaction,
+    stages: _stages.Stages,
+    batch: _staging.Batch,
+    *,
+    metrics: dict[str, Any] | None,
+    tracker: Tracker,
+    sharing: _Sharing,
+) -> None:
+    """Write every array, make it durable, then commit once (`_stages`). Before
+    the commit, any failure or interrupt deletes what this save wrote; after it,
+    nothing undoes the save."""
+    commits: list[Any] = []
+    try:
+        error, encoded = _write_all(tx, stages, batch, metrics=metrics, tracker=tracker, out=commits, sharing=sharing)
+        error = stages.commit(error, functools.partial(_commit, tx, encoded), tx.clean)
+        if error is None:
+            return
+    except BaseException:
+        # An interrupt (KeyboardInterrupt, SystemExit): undo only what is not committed.
+        _write.settle(commits)
+        stages.stop(functools.partial(_stop, tx))
+        raise
+    _write.settle(commits)
+    stages.stop(functools.partial(_stop, tx))
+    if isinstance(error, CheckpointError):
+        raise error
+    display = tx.loc.display
+    message = f"Saving checkpoint {display!r} failed, and nothing was committed: {error}"
+    refused = _storage_errors.write_refusal(error)
+    if refused is CheckpointConnectionError:
+        raise refused(f"{message.rstrip('. ')}. {_storage_errors.REACH}", path=display) from error
+    if refused is not None:
+        # The storage would not take the save: no leaf is at fault.
+        message = message.rstrip(". ") + (
+            ". Check that you may write there (credentials, permissions), that it has free space and that the "
+            "storage works, then save again."
+        )
+        raise refused(message, path=display) from error
+    raise LeafError(message, path=display) from error
+
+
+def _write_all(
+    tx: _transaction.Transaction,
+    stages: _stages.Stages,
+    batch: _staging.Batch,
+    *,
+    metrics: dict[str, Any] | None,
+    tracker: Tracker,
+    out: list[Any],
+    sharing: _Sharing,
+) -> tuple[BaseException | None, list[bytes]]:
+    """Create the arrays (`_stages.Stages.create`), write this process's
+    pieces within the staging budget (`_staging`) and make them durable,
+    while the process that commits encodes the manifest; the first error,
+    and the manifest's bytes. Puts in `out` the futures an abort must wait
+    for (`_staging.start_writes`); chunk files are shared and their digests
+    recorded as `sharing` says (a save of one process: `_stages`)."""
+    error: BaseException | None = None
+    encoded: list[bytes] = []
+    try:
+        share = sharing.share and stages.alone
+        base = _base(tx, sharing.follows) if share else None
+        _faults.fire("save.start_writes", tx.loc)
+        data = tx.data
+        opens = stages.create(
+            functools.partial(_staging.create, data, batch), functools.partial(_staging.open_arrays, data, batch)
+        )
+        writing = _staging.start_writes(
+            data, batch, opens, layout=tx.layout, processes=stages.processes, budget=sharing.staging,
+            tracker=tracker, out=out, base=base, remember=share and sharing.followed,
+        )  # fmt: skip
+    except Exception as e:
+        error, writing = e, None
+    if error is None:
+        # While the data is being written (encoding the manifest of many
+        # leaves takes a noticeable part of a save).
+        error = stages.by_committer(lambda: _write.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, metrics))))
+    batch.free()
+    if writing is not None:
+        if error is not None:
+            writing.stop()
+        followed = writing.follow(tracker)
+        error = error or followed
+    tracker.describe("save: committing")
+    error = _write.wait_all(out, error)
+    # Each process makes its own writes durable; only then may process 0 commit.
+    error = error or _write.attempt(lambda: _durable.flush(tx.data))
+    return error, encoded
+
+
+class _Sharing(NamedTuple):
+    """What a save shares (`_share`): with `share`, the chunk files equal to
+    those of the checkpoint it replaces, else of `follows` (a manager's
+    previous step); with `share` and `followed` (a manager's step, which a
+    next step will follow), it records the digest of every chunk file it
+    writes, so that the next step reads none of them back. Without
+    `followed` (a plain save), only a chunk that was compared is recorded: a
+    save with no base hashes nothing. (And `staging`: the save's staging
+    budget, in bytes, `_staging`: how its writes go, as sharing does.)"""
+
+    follows: Location | None
+    share: bool
+    followed: bool
+    staging: int
+
+
+def _base(tx: _transaction.Transaction, follows: Location | None) -> _share.Base | None:
+    """The checkpoint whose chunk files this save may share: the one it
+    replaces, else the one it `follows` (a manager's previous step: none
+    where it is gone or its manifest is damaged, and that save is written in
+    full). A failure to read it is the save's."""
+    if tx.old is not None:
+        return _base_at(tx.loc, tx.old)
+    if follows is None:
+        return None
+    try:
+        return _base_at(follows, None)
+    except (CorruptCheckpointError, CheckpointNotFoundError):
+        return None
+
+
+def _base_at(loc: Location, manifest: _manifest.Manifest | None) -> _share.Base | None:
+    """The checkpoint at `loc` (whose manifest is `manifest`, if read) as a
+    base, opened as a load opens it (`_source.checkpoint`); `None` where its
+    chunk files cannot be shared (the OCDBT layout, not on a local disk)."""
+    if (manifest is not None and manifest.layout != "directories") or not _storage.local_chunk_files(loc):
+        return None
+    source = _source.checkpoint(loc, manifest)
+    if source is None or source.manifest.layout != "directories" or source.data.local is None:
+        return None
+    return _share.Base(source.data.local, source.manifest)
+
+
+def _commit(tx: _transaction.Transaction, encoded: list[bytes]) -> BaseException | None:
+    """Commit the manifest (`encoded`): written last, in one conditional write
+    (`_transaction.Transaction.commit`); its error."""
+    tx.written()
+    return _write.attempt(lambda: tx.commit(encoded[0]))
+
+
+def _manifest_bytes(tx: _transaction.Transaction, batch: _staging.Batch, metrics: dict[str, Any] | None) -> bytes:
+    packs = [pack for pack, _ in batch.packs]
+    manifest = _manifest.new_manifest(
+        batch.records(), tx.target, tx.layout, commit=tx.commit_id, metrics=metrics, packs=packs,
+        structure=batch.structure,
+    )  # fmt: skip
+    _faults.fire("commit.manifest_encode", tx.loc)
+    return manifest.to_bytes()
+
+
+def _stop(tx: _transaction.Transaction) -> None:
+    """End the transaction: undo what was not committed, or leave what was."""
+    if tx.state in (_transaction.State.COMMITTED, _transaction.State.CLEANED):
+        tx.leave()
+    else:
+        tx.abort()

@@ -1,0 +1,462 @@
+"""A save's writes: its leaves sorted by where they are written (`Batch`),
+the arrays created (`create`), then the writes started in order within the
+save's staging budget (`start_writes`), each handed to its writer
+(`_local_write` on a local disk, else `_write.TensorStore`), every piece's
+host data made as its write starts and released once written.
+
+A save plans every record up front (the manifest, and the plan several
+processes compare, need them all), but a piece of a leaf (its data, a shard,
+a slice of it, cast or encoded as stored) is kept as what it comes from: a
+`jax.Array`, a NumPy array, or a `_memory.Deferred` (a cast, a device-side slice, a
+PRNG key's data). `start_writes` makes the save's writes (`_Unit`: a leaf's
+pieces, or a run of a pack's chunk files) and `Writing` follows them:
+`Window` takes them in order, each admitted while the bytes staged and not
+yet written stay within the budget (a write larger than the budget is
+admitted alone, once nothing else is staged), its arrays' copies to the host
+started at once (`_memory.ahead`), so that they overlap the writes before it; it is
+staged (`_memory.host`) and started, and its bytes are released when its write has
+finished, which admits the next.
+
+Every piece admitted counts at its stored size, whether staging copies it or
+not (on a CPU a `jax.Array`'s host data is a view of its buffer, and a NumPy
+leaf is the caller's own array): the budget bounds what the save may hold,
+not what it happened to copy. The fault point `save.staged` reports the bytes
+staged each time they change.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._base import _faults, _interrupts
+from .._base._errors import CheckpointTypeError, CheckpointValueError, IntegrityError
+from .._base._location import Location
+from .._base._progress import Tracker
+from .._ondisk import _format, _layout
+from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
+from .._store import _durable, _local_write, _memory, _share, _storage
+from ._write import Steps, TensorStore, attempt, leaf_steps, pack_steps, settle, wait_all
+
+if TYPE_CHECKING:
+    from ._records import Pending
+
+
+# The default staging budget, as a fraction of this machine's physical memory
+# (`staging_bytes=None`), and its floor: a machine whose memory cannot be
+# read gets the floor.
+STAGING_FRACTION = 0.25
+STAGING_MIN_BYTES = 64 << 20
+
+
+def budget(staging_bytes: Any) -> int:
+    """The staging budget of a save, in bytes: `staging_bytes` checked, or by
+    default `STAGING_FRACTION` of physical memory (at least `STAGING_MIN_BYTES`)."""
+    if staging_bytes is None:
+        memory = _memory.physical_memory()
+        return max(STAGING_MIN_BYTES, int((memory or 0) * STAGING_FRACTION))
+    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, (int, np.integer)):
+        raise CheckpointTypeError(
+            f"`staging_bytes` must be a positive int (the host bytes a save stages at a time) or `None` "
+            f"(a {STAGING_FRACTION:g} of this machine's memory); not {staging_bytes!r}."
+        )
+    if staging_bytes <= 0:
+        raise CheckpointValueError(
+            f"`staging_bytes` must be a positive int (the host bytes a save stages at a time); not {staging_bytes}."
+        )
+    return int(staging_bytes)
+
+
+class Batch:
+    """A save's pending leaves (records final, packs assigned), sorted once by
+    where they are written: `own`, the leaves with an array of their own, and
+    `packs`, each pack with its members, by name; `nbytes`, their stored bytes."""
+
+    def __init__(self, pending: list[Pending], *, made: list[Any] | None = None, structure: Any = None):
+        self.pending = pending
+        # The tree's structure record, for the manifest (`_structure`).
+        self.structure = structure
+        # Other lists the save made along with `pending` (its flattened tree):
+        # freed with it, by `free`.
+        self.made = made if made is not None else []
+        self.freed = False
+        # How an `IntegrityError` met while writing is said (a partial save's
+        # refusal to keep a damaged leaf: `_partial.Partial.kept_damaged`).
+        self.refused: Callable[[IntegrityError], IntegrityError] | None = None
+        self.own: list[Pending] = []
+        members: dict[str, tuple[PackRecord, list[Pending]]] = {}
+        nbytes = 0
+        for p in pending:
+            pack = p.record.pack
+            if pack is None:
+                self.own.append(p)
+            elif pack.name in members:
+                members[pack.name][1].append(p)
+            else:
+                members[pack.name] = (pack, [p])
+            nbytes += p.nbytes
+        self.packs = [members[name] for name in sorted(members)]
+        self.nbytes = nbytes
+
+    def records(self) -> list[LeafRecord]:
+        if self.freed:
+            raise RuntimeError("Internal error: the records of a save were asked for after they were freed.")
+        return [p.record for p in self.pending]
+
+    def free(self) -> None:
+        """Empty this batch, freeing its records and host views (the writes keep
+        references of their own to the data): called once the records are
+        encoded, while the writes are in flight: freeing ten thousand leaves'
+        records, views and key paths is measurable (docs/benchmarks.md), and
+        the end of a save waited for it; freed here, it overlaps the writes. A few hundred at a
+        time, so that the writer threads get the GIL between them."""
+        self.freed = True
+        lists: list[list[Any]] = [self.pending, self.own, *(members for _, members in self.packs)]
+        for items in [*lists, self.packs, self.made]:
+            while items:
+                del items[-_FREE_STEP:]
+        _faults.fire("save.records_freed")
+
+
+_FREE_STEP = 256
+
+
+def create(data: Location, batch: Batch) -> tuple[list[Any], BaseException | None]:
+    """Create the arrays' metadata (and the groups'), in a single process or
+    process 0 (the others open them once it has: `open_arrays`): the futures
+    of the opened arrays, `batch.own`'s then the packs', and the first error
+    of creating them (raised by the caller, once every process knows it)."""
+    opens: list[Any] = []
+    groups: list[Any] = []
+
+    def start() -> None:
+        # In a helper thread, which keeps every future it starts (see
+        # `_interrupts.uninterrupted`): a creation landing after an abort would leave
+        # a file the next save refuses to write beside.
+        _durable.ensure_directory(data)
+        for p in batch.own:
+            opens.append(_storage.create_array(data, p.record, synced=False))
+        for pack, _ in batch.packs:
+            opens.append(_storage.create_spec(_storage.pack_spec(data, pack), data, synced=False))
+        groups.extend(_group_writes(data, batch.records()))
+
+    try:
+        _interrupts.uninterrupted(start)
+    except BaseException:
+        # What was started must finish before an abort deletes it.
+        settle([*opens, *groups])
+        raise
+    # Every future, not just up to the first failure: an abort must find every file.
+    try:
+        return opens, wait_all([*opens, *groups], None)
+    except BaseException:  # an interrupt: nothing may be left running
+        settle([*opens, *groups])
+        raise
+
+
+def open_arrays(data: Location, batch: Batch) -> list[Any]:
+    """Open the arrays of `batch.own` to write, in a process other than 0,
+    once process 0 has created them (a store cannot be written before its
+    metadata exists): their futures."""
+    opens: list[Any] = []
+    try:
+        for p in batch.own:
+            opens.append(_storage.open_to_write(data, p.record))
+    except BaseException:
+        settle(opens)
+        raise
+    return opens
+
+
+def _group_writes(data: Location, records: list[LeafRecord]) -> list[Any]:
+    """Zarr v3 group metadata for every folder above a leaf (and for the data
+    root: see `_layout.groups`), so zarr tools can walk the tree."""
+    groups = {_format.metadata_key(g): _format.GROUP_JSON for g in _layout.groups(records)}
+    return _storage.start_writes(data, groups, synced=False)
+
+
+def start_writes(
+    data: Location,
+    batch: Batch,
+    opens: list[Any],
+    *,
+    layout: str,
+    processes: int,
+    budget: int,
+    tracker: Tracker | None = None,
+    out: list[Any],
+    base: _share.Base | None = None,
+    remember: bool = False,
+) -> Writing:
+    """Start writing the arrays of `batch` into `data` (`opens`: the futures of
+    the arrays opened to write, `_write.create`), in order, as many as the
+    staging budget (`budget` bytes of host data staged and not yet written)
+    admits: on a local disk by eqx_ckpt's own threads (`_local_write.chosen`
+    for the `layout` and the number of `processes` saving), else through
+    TensorStore, staged in a transaction whose commit writes them out. Puts
+    in `out` every future that finishes when data is written (not yet
+    durable): an interrupt after one started still leaves it there, so an
+    abort waits for it before deleting anything. Returns the `Writing`, whose
+    `follow` starts the rest as room frees; the caller may work first. Chunk
+    files equal to `base`'s are shared; with `remember`, the digest of every
+    chunk file written is recorded (`_share.written`).
+    """
+    local = _local_write.chosen(data, processes=processes, layout=layout)
+    tensorstore = TensorStore(out, tracker)
+    units = _units(data, batch, opens, local, base if local else None, remember, tensorstore, budget)
+    writing = Writing(units, budget, out, tensorstore)
+    try:
+        writing.fill()
+    except BaseException:
+        tensorstore.abort()
+        settle(opens)
+        raise
+    return writing
+
+
+class _Unit:
+    """One write of a save, admitted whole within the staging budget: a
+    leaf's pieces, or a pack's members (`datas`, made host when staged),
+    `nbytes` of host data held while it is staged and written. `start(hosts)`
+    starts it from their host data and returns its futures (finished when
+    written) and the progress steps they report (`Writing.follow`); `local`:
+    started in the helper thread that interrupts never reach."""
+
+    __slots__ = ("datas", "local", "nbytes", "start")
+
+    def __init__(self, datas: list[Any], nbytes: int, start: Callable[[list[np.ndarray]], Any], local: bool):
+        self.datas, self.nbytes, self.start, self.local = datas, nbytes, start, local
+
+
+def _units(
+    data: Location,
+    batch: Batch,
+    opens: list[Any],
+    local: bool,
+    base: _share.Base | None,
+    remember: bool,
+    tensorstore: TensorStore,
+    budget: int,
+) -> list[_Unit]:
+    """The save's writes, in order: each leaf with an array of its own (on a
+    local disk, by eqx_ckpt's threads where `_local_write.eligible`), then each
+    pack, a run of its chunk files at a time, runs of about a quarter of the
+    `budget` (by eqx_ckpt's threads with `local`; else the run's contents, a
+    new array, are counted as staged too)."""
+    units = []
+    for n, p in enumerate(batch.own):
+        datas, size = [piece for _, piece in p.pieces], p.nbytes
+        if local and _local_write.eligible(p.record, p.pieces):
+            folder = base.leaf_folder(p.record) if base is not None else None
+            units.append(_Unit(datas, size, functools.partial(_start_leaf, data, p.record, folder, remember), True))
+        elif not datas:  # another process writes it
+            units.append(_Unit([], 0, _written_elsewhere, False))
+        else:
+            # A piece at a time (a sharded leaf's shards, or its slices).
+            for i, (index, piece) in enumerate(p.pieces):
+                start = functools.partial(tensorstore.piece, opens[n], index, i == len(datas) - 1)
+                units.append(_Unit([piece], _memory.nbytes(piece) if len(datas) > 1 else size, start, False))
+    for k, (pack, members) in enumerate(batch.packs):
+        folder = base.pack_folder(pack) if base is not None and local else None
+        itemsize = dtype_from_name(pack.dtype).itemsize
+        for files, part in _pack_parts(pack, members, max(1, budget // 4)):
+            datas, records = [p.pieces[0][1] for p in part], [p.record for p in part]
+            size = sum(p.nbytes for p in part)
+            if local:
+                start = functools.partial(_start_pack, data, pack, records, folder, remember, files)
+                units.append(_Unit(datas, size, start, True))
+            else:
+                start = functools.partial(tensorstore.pack, opens[len(batch.own) + k], pack, records, files)
+                contents = min(files.stop * pack.chunk, pack.size) - files.start * pack.chunk
+                units.append(_Unit(datas, size + contents * itemsize, start, False))
+    return units
+
+
+def _pack_parts(pack: PackRecord, members: list[Pending], limit: int) -> list[tuple[range, list[Pending]]]:
+    """A pack's chunk files in runs (at least one file each) whose members
+    hold about `limit` bytes, each with the members it needs (in offset
+    order): a pack is staged a run at a time. A member across the edge of two
+    runs is in both."""
+    total = -(-pack.size // pack.chunk)
+    parts: list[tuple[range, list[Pending]]] = []
+    part: list[Pending] = []
+    first, nbytes = 0, 0
+    for p in members:
+        start = p.record.offset // pack.chunk
+        if part and start > first and nbytes >= limit:
+            parts.append((range(first, start), part))
+            part = [q for q in part if _last_file(pack, q.record) >= start]
+            first, nbytes = start, sum(q.nbytes for q in part)
+        part.append(p)
+        nbytes += p.nbytes
+    parts.append((range(first, total), part))
+    return parts
+
+
+def _last_file(pack: PackRecord, record: LeafRecord) -> int:
+    """The chunk file of `pack` holding `record`'s last element (its first, if it has none)."""
+    return max(record.offset + record.size - 1, record.offset) // pack.chunk
+
+
+def _written_elsewhere(hosts: list[np.ndarray]) -> tuple[list[Any], Steps]:
+    return [], [(0, [0])]
+
+
+def _start_leaf(
+    data: Location, record: LeafRecord, folder: str | None, remember: bool, hosts: list[np.ndarray]
+) -> tuple[list[Any], Steps]:
+    futures = _local_write.start_write(data, record, hosts[0], folder, remember=remember)
+    return futures, leaf_steps(record.nbytes, len(futures))
+
+
+def _start_pack(
+    data: Location,
+    pack: PackRecord,
+    records: list[LeafRecord],
+    folder: str | None,
+    remember: bool,
+    files: range,
+    hosts: list[np.ndarray],
+) -> tuple[list[Any], Steps]:
+    futures = _local_write.start_pack(data, pack, records, hosts, folder, remember=remember, files=files)
+    return futures, pack_steps(pack, records, [host.nbytes for host in hosts], files)
+
+
+class Writing:
+    """A save's writes: started in order as the staging budget admits them
+    (`Window`: `fill`), and followed to their end, each one's host
+    data released as it is written (`follow`)."""
+
+    def __init__(self, units: list[_Unit], budget: int, out: list[Any], tensorstore: TensorStore):
+        self._window = Window(units, budget)
+        self._started: collections.deque[tuple[_Unit, list[Any], Steps]] = collections.deque()
+        self._out, self._tensorstore = out, tensorstore
+
+    def fill(self) -> None:
+        """Stage and start the next writes that fit, without waiting for any
+        write; once every write has started, commit what TensorStore staged."""
+        batch: list[tuple[_Unit, list[np.ndarray]]] = []
+        size = 0
+        for unit in self._window.admit():
+            batch.append((unit, [_memory.host(piece) for piece in unit.datas]))
+            size += unit.nbytes
+            if size >= _START_BYTES:
+                self._start(batch)
+                batch, size = [], 0
+        self._start(batch)
+        if not self._window.waiting:
+            self._tensorstore.commit()
+
+    def _start(self, batch: list[tuple[_Unit, list[np.ndarray]]]) -> None:
+        started: list[tuple[_Unit, list[Any], Steps]] = []
+
+        def start_local() -> None:
+            # In a helper thread: every future started is kept in `out`.
+            for unit, hosts in batch:
+                if unit.local:
+                    futures, steps = unit.start(hosts)
+                    self._out.extend(futures)
+                    started.append((unit, futures, steps))
+
+        if any(unit.local for unit, _ in batch):
+            _interrupts.uninterrupted(start_local)
+        for unit, hosts in batch:
+            if not unit.local:
+                started.append((unit, *unit.start(hosts)))
+        batch.clear()  # the host data is the writes' now
+        self._started.extend(started)
+
+    def stop(self) -> None:
+        """Start nothing more (the save has failed); what TensorStore staged is dropped."""
+        self._window.drop()
+        self._tensorstore.abort()
+
+    def follow(self, tracker: Tracker) -> BaseException | None:
+        """Report progress as the writes finish, oldest first (bytes as each
+        chunk file is written, so a large leaf moves in steps; its leaves with
+        the last), releasing each one's staged bytes and starting the next
+        that fit. A failed write stops the rest (its error is the caller's to
+        wait for, in `out`); returns the error of staging or starting one."""
+        error = None
+        while self._started:
+            unit, futures, steps = self._started.popleft()
+            failed = False
+            for k, (nbytes, leaves) in enumerate(steps):
+                if k < len(futures) and attempt(futures[k].result) is not None:
+                    failed = True
+                    break
+                tracker.advance(nbytes=nbytes)
+                tracker.count_leaves(leaves)
+            for future in futures[len(steps) :] if not failed else []:
+                failed = attempt(future.result) is not None or failed
+            self._window.release(unit)
+            if failed:
+                self.stop()
+            elif self._window.waiting and error is None:
+                error = attempt(self.fill)
+                if error is not None:
+                    self.stop()
+        return error
+
+
+# Staged writes are started in groups of about this many bytes: one handoff
+# to the helper thread (`_interrupts`) for each group, not for each leaf.
+_START_BYTES = 16 << 20
+
+
+class Window:
+    """The admission of a save's writes within `budget` staged bytes, in order
+    (see the module docstring). `units`: objects with `nbytes` (what staging
+    them holds) and `datas` (their pieces, whose copies to the host `admit`
+    starts)."""
+
+    def __init__(self, units: Iterable[Any], budget: int):
+        self._todo: collections.deque[Any] = collections.deque(units)
+        self.budget = budget
+        self.staged = 0
+
+    def admit(self) -> list[Any]:
+        """The next units that fit, counted as staged, their copies to the host begun."""
+        out = []
+        todo = self._todo
+        while todo and (self.staged == 0 or self.staged + todo[0].nbytes <= self.budget):
+            unit = todo.popleft()
+            self._change(unit.nbytes)
+            out.append(unit)
+        if not _memory.only_cpus():  # (on a CPU, host data is a view: nothing to start)
+            for unit in out:
+                unit.datas = [_memory.ahead(data) for data in unit.datas]
+        return out
+
+    def release(self, unit: Any) -> None:
+        """`unit` was written: its bytes are no longer staged."""
+        self._change(-unit.nbytes)
+
+    def _change(self, nbytes: int) -> None:
+        if nbytes:
+            self.staged += nbytes
+            _faults.fire("save.staged", self.staged, self.budget)
+
+    @property
+    def waiting(self) -> bool:
+        """Whether some units are still to be admitted."""
+        return bool(self._todo)
+
+    def drop(self) -> None:
+        """Admit nothing more (the save has failed)."""
+        self._todo.clear()
+
+
+def protect(pending: list[Pending]) -> None:
+    """Make the pieces of `pending` safe from the caller, who may change or
+    delete its arrays once an asynchronous save has returned: a `jax.Array`'s
+    by its host data (which never changes), a NumPy leaf's by a private copy
+    (`_memory.protected`; a cast of either stays deferred)."""
+    for p in pending:
+        copy = p.record.type == "numpy"
+        p.pieces = [(index, _memory.protected(piece, copy)) for index, piece in p.pieces]
+    _faults.fire("save.copied", pending)

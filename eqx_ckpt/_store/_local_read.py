@@ -1,0 +1,441 @@
+"""Reading a large leaf on a local disk straight into one aligned host buffer.
+
+TensorStore reads each chunk file into a buffer of its own, checks its crc32c and
+assembles a new array, which `jax.device_put` then often copies again. A leaf
+whose chunks split only its first axis has every chunk's bytes contiguous in the
+array, so here each chunk file is read with `os.preadv` into its slice of one
+64-byte-aligned buffer (plus its 4-byte checksum), by a few threads in pieces,
+and each chunk's crc32c is checked with the hardware instruction (the `crc32c`
+package: it takes any buffer and releases the GIL; `google-crc32c` 1.9 accepts
+only `bytes`, which would cost a copy, and releases the GIL only for those).
+
+The checks of a leaf's files (each opened below its folder, no link followed,
+its size checked) run in a thread of a second pool, which then starts the
+reads: on a cold page cache each check waits on the disk, and made one after
+another in the loading thread they left the readers idle.
+
+Each reading thread checksums what it just read, a step of `STEP_BYTES` at a
+time while the bytes are still in its core's cache; the loading thread only
+joins the pieces' checksums (`crc32c_combine`) and compares.
+
+The buffer is private anonymous `mmap` memory (`_memory.fresh_bytes`), as the
+raw contender of `benchmarks/` reads into: Python's `mmap.mmap(-1, n)` maps
+shared memory, which the kernel backs with shmem, slower to fault in.
+
+The measurements behind each of these choices are in docs/benchmarks.md,
+"Measurements behind the design".
+
+The bytes are returned as stored; decoding ("view", "key_data") is the caller's.
+Only eqx_ckpt's own zarr v3 arrays (`Source.opener is None`) are laid out so.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import os
+import stat
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import crc32c
+import numpy as np
+
+from .._base import _faults
+from .._base._errors import IntegrityError, stored_leaf_error
+from .._base._location import Location
+from .._ondisk import _format
+from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
+from . import _memory, _share, _storage, _window
+from ._memory import refuse_beyond_memory
+from ._storage_errors import leaf_io_error
+from ._untrusted import refuse_links, wrong_chunk_file
+
+# Smaller leaves gain little over TensorStore (and will be packed together).
+MIN_BYTES = 2**20
+PIECE_BYTES = 16 * 2**20
+# Each piece is read and checked a step at a time: a step fits in a core's cache.
+STEP_BYTES = 2**19
+# O_NONBLOCK: a FIFO planted as a chunk file must not block the open (fstat then refuses it).
+_FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+_FOLDER_FLAGS = _FILE_FLAGS | getattr(os, "O_DIRECTORY", 0)
+
+
+def start_read(
+    loc: Location, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None
+) -> Callable[[], np.ndarray] | None:
+    """Start reading a whole leaf stored in its own zarr v3 array on a local
+    disk straight into one aligned host buffer; `None` when this leaf cannot be
+    read this way (not local, not `eligible`), so the caller falls back to
+    TensorStore.
+
+    The reads run in a shared pool of threads (so the reads of several leaves
+    overlap); the returned function waits for them, checks the checksums and
+    returns the array. Every chunk file is checked (no links, a regular file of
+    exactly a chunk's bytes and its checksum) before the buffer is allocated,
+    and every chunk's crc32c before the array is returned; any failure is an
+    `IntegrityError` naming the leaf. An interrupt waits for the reading
+    threads before it is raised, so none writes into the buffer afterwards.
+    `on_bytes`, when given, is called with the bytes of each chunk once it is
+    read and checked (progress within a large leaf).
+
+    **Returns:**
+
+    A function returning a C-ordered NumPy array of `record.stored_shape` and
+    `record.stored_dtype` (the stored bytes, not decoded), whose data is
+    64-byte aligned, so `jax.device_put` on CPU adopts it without a copy; or
+    `None`.
+    """
+    if not eligible(loc, record):
+        return None
+    # The checks of its files (on a cold cache, a wait on the disk for each) in a
+    # thread of their own, so that those of the next leaves overlap.
+    started = _memory.shared_pool("eqx_ckpt-open", _window.READ_THREADS).submit(_start_checked, loc, record)
+
+    def finish() -> np.ndarray:
+        try:
+            out, reads = started.result()
+        except Exception:
+            raise
+        except BaseException:  # an interrupt: the checks, then the reads they started, stop first
+            _settle([started])
+            if not started.cancelled() and started.exception() is None:
+                started.result()[1].settle()
+            raise
+        reads.wait(on_bytes)
+        return out.view(dtype_from_name(record.stored_dtype)).reshape(record.stored_shape)
+
+    return finish
+
+
+def _start_checked(loc: Location, record: LeafRecord) -> tuple[np.ndarray, _Reads]:
+    keys = _format.chunk_keys(record.stored_shape, record.chunks)
+    path = _check_chunk_files(loc, record, record.directory, keys)
+    refuse_beyond_memory(loc, record, record.nbytes, "it")
+    out = _memory.fresh_bytes(record.nbytes)
+    return out, _read_chunks(path, loc, record, out.data, list(_format.chunk_keys(record.stored_shape, record.chunks)))
+
+
+def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Callable[[], np.ndarray] | None:
+    """Start reading elements `[start, stop)` of a pack (whole chunks: those
+    that hold them) the same way; the returned function waits, checks every
+    chunk's checksum and returns those elements. `None` where the pack is not
+    on a local disk (TensorStore reads it then). A failure names the pack; the
+    caller finds the damaged leaf."""
+    if not _storage.local_chunk_files(loc) or stop <= start:
+        return None
+    first, count = start // pack.chunk, (stop - 1) // pack.chunk - start // pack.chunk + 1
+    # The chunks read, as one array of their own: its chunk files are the pack's from `first` on.
+    shape = (count * pack.chunk,)
+    record = LeafRecord(pack.name, [], "numpy", shape, pack.dtype, shape, pack.dtype, "plain", (pack.chunk,))
+    keys = [_format.chunk_key([first + i]) for i in range(count)]
+    path = _check_chunk_files(loc, record, pack.name, iter(keys))
+    out = _memory.fresh_bytes(record.nbytes)
+    reads = _read_chunks(path, loc, record, out.data, keys)
+
+    def finish() -> np.ndarray:
+        reads.wait()
+        offset = first * pack.chunk
+        return out.view(dtype_from_name(pack.dtype))[start - offset : stop - offset]
+
+    return finish
+
+
+def _check_chunk_files(loc: Location, record: LeafRecord, directory: str, keys: Iterator[str]) -> str:
+    """Check the array's folder `directory` and each of its chunk files `keys`
+    (no links, a regular file of one full chunk and its checksum); the folder's path."""
+    _faults.fire("local_read.check_files", directory)
+    refuse_links(loc, directory, leaf=record.path)
+    path = os.path.join(loc.local or "", directory)
+    try:
+        folder = os.open(path, _FOLDER_FLAGS)
+    except OSError as e:
+        raise _damaged(loc, record, f"its folder cannot be opened ({e.strerror})") from None
+    try:
+        for key in keys:
+            os.close(_open_chunk(folder, loc, record, key, directory))
+    finally:
+        os.close(folder)
+    return path
+
+
+def eligible(loc: Location, record: LeafRecord) -> bool:
+    """Whether `start_read` reads this leaf (else it returns `None`)."""
+    return (
+        _storage.local_chunk_files(loc)
+        and record.encoding in _format.ENCODINGS
+        and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
+        and record.pack is None
+        and record.nbytes >= max(MIN_BYTES, 1)
+    )
+
+
+def _open_chunk(folder: int, loc: Location, record: LeafRecord, key: str, directory: str) -> int:
+    """Open a chunk file below the array's folder (`directory`, open as
+    `folder`), following no link, and check that it is a regular file of one
+    full chunk and its checksum."""
+    try:
+        fd = _open_below(folder, key)
+    except FileNotFoundError:
+        raise _damaged(loc, record, _size_message(record, key, None)) from None
+    except OSError as e:
+        refuse_links(loc, f"{directory}/{key}", leaf=record.path)
+        raise _damaged(loc, record, f"its chunk file {_name(record, key)!r} cannot be opened ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        expected = record.chunk_nbytes + _format.CHECKSUM_BYTES
+        if not stat.S_ISREG(st.st_mode):
+            raise _damaged(loc, record, f"its chunk file {_name(record, key)!r} is not a regular file")
+        if st.st_size != expected:
+            raise _damaged(loc, record, _size_message(record, key, st.st_size))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_below(folder: int, key: str) -> int:
+    """`os.open` of `key` relative to `folder`, one component at a time, each with
+    `O_NOFOLLOW`: a link anywhere below the folder fails the open."""
+    *directories, name = key.split("/")
+    current = folder
+    try:
+        for part in directories:
+            parent, current = current, os.open(part, _FOLDER_FLAGS, dir_fd=current)
+            if parent != folder:
+                os.close(parent)
+        return os.open(name, _FILE_FLAGS, dir_fd=current)
+    finally:
+        if current != folder:
+            os.close(current)
+
+
+def _read_chunks(path: str, loc: Location, record: LeafRecord, out: memoryview, keys: list[str]) -> _Reads:
+    """Start reading the chunk files `keys` into their slices of `out`."""
+    _faults.fire("local_read.start_reads", path, keys)
+    size = record.chunk_nbytes
+    # Only the last chunk runs past the array (zarr stores edge chunks full-size):
+    # its padding is read, for the checksum, into a buffer dropped on return.
+    padding = memoryview(bytearray(len(keys) * size - len(out)))
+    checksums = memoryview(bytearray(_format.CHECKSUM_BYTES * len(keys)))
+    chunks = []
+    for i, key in enumerate(keys):
+        data = out[i * size : (i + 1) * size]
+        stored = checksums[_format.CHECKSUM_BYTES * i : _format.CHECKSUM_BYTES * (i + 1)]
+        chunks.append((key, [data, padding if len(data) < size else padding[:0]], stored))
+    reads = _Reads(loc, record, chunks)
+    pool = _window.read_pool()
+    try:
+        for key, segments, stored in chunks:
+            pieces: list[tuple[int, concurrent.futures.Future[int]]] = []
+            reads.futures.append(pieces)  # before submitting: an interrupt then still finds every read
+            for offset, views, checked in _pieces([*segments, stored]):
+                pieces.append((checked, pool.submit(_read_piece, path, loc, record, key, offset, views, checked)))
+    except BaseException:
+        reads.settle()
+        raise
+    return reads
+
+
+class _Reads:
+    """The reads of one array's chunk files, started."""
+
+    def __init__(self, loc: Location, record: LeafRecord, chunks: list[tuple[str, list[memoryview], memoryview]]):
+        self.loc, self.record, self.chunks = loc, record, chunks
+        # Per chunk file, (bytes checked, future of their crc32c) for each piece.
+        self.futures: list[list[tuple[int, concurrent.futures.Future[int]]]] = []
+
+    def wait(self, on_bytes: Callable[[int], None] | None = None) -> None:
+        """Wait for the reads, checking each chunk's checksum (its pieces'
+        checksums, joined) in order, as soon as its pieces are read; then
+        `on_bytes` of its bytes."""
+        try:
+            for (key, segments, stored), pieces in zip(self.chunks, self.futures):
+                computed = 0
+                for checked, piece in pieces:
+                    computed = crc32c_combine(computed, piece.result(), checked)
+                _check_crc(self.loc, self.record, key, computed, stored)
+                if on_bytes is not None:
+                    on_bytes(len(segments[0]))
+        except BaseException:
+            self.settle()
+            raise
+
+    def settle(self) -> None:
+        """Cancel the reads not started, and wait for the others."""
+        _settle([piece for pieces in self.futures for _, piece in pieces])
+
+
+def _pieces(segments: list[memoryview]) -> Iterator[tuple[int, list[memoryview], int]]:
+    """(file offset, buffers, bytes to check) for each piece of a chunk file;
+    `segments` are its bytes in file order, the checksum last. The last piece
+    reads to the end; the bytes to check are the piece's first, up to the checksum."""
+    total = sum(len(s) for s in segments)
+    cuts = [*range(0, total - _format.CHECKSUM_BYTES, PIECE_BYTES)] or [0]
+    for lo, hi in zip(cuts, [*cuts[1:], total]):
+        views, position = [], 0
+        for segment in segments:
+            start, stop = max(lo - position, 0), min(hi - position, len(segment))
+            if start < stop:
+                views.append(segment[start:stop])
+            position += len(segment)
+        yield lo, views, max(0, min(hi, total - _format.CHECKSUM_BYTES) - lo)
+
+
+def _read_piece(
+    path: str, loc: Location, record: LeafRecord, key: str, offset: int, views: list[memoryview], checked: int
+) -> int:
+    """Read one piece of a chunk file into `views`; the crc32c of its first
+    `checked` bytes, computed a step at a time right after each step's read,
+    while those bytes are still in this core's cache (afterwards, in the loading
+    thread, the check read every byte again from memory)."""
+    try:
+        folder = os.open(path, _FOLDER_FLAGS)
+    except OSError as e:
+        raise _damaged(loc, record, f"its folder cannot be opened ({e.strerror})") from None
+    try:
+        fd = _open_chunk(folder, loc, record, key, os.path.relpath(path, loc.local or ""))
+    finally:
+        os.close(folder)
+    crc, done = 0, 0
+    try:
+        for step in _steps(views, STEP_BYTES):
+            wanted = sum(len(v) for v in step)
+            got = _pread_all(fd, step, offset + done)
+            if got < wanted:  # the file shrank since it was opened (an overwrite racing this read)
+                raise _damaged(loc, record, _size_message(record, key, offset + done + got))
+            for view in step:
+                n = min(len(view), checked - done)
+                if n > 0:
+                    crc = crc32c.crc32c(view[:n], crc)
+                done += len(view)
+    except OSError as e:
+        raise leaf_io_error(e, record, loc, "read") from None
+    finally:
+        os.close(fd)
+    return crc
+
+
+def _steps(views: list[memoryview], size: int) -> Iterator[list[memoryview]]:
+    """`views` cut into consecutive lists of at most `size` bytes each."""
+    step: list[memoryview] = []
+    room = size
+    for view in views:
+        while len(view):
+            part, view = view[:room], view[room:]
+            step.append(part)
+            room -= len(part)
+            if not room:
+                yield step
+                step, room = [], size
+    if step:
+        yield step
+
+
+def _pread_all(fd: int, views: list[memoryview], offset: int) -> int:
+    """Fill `views` from `offset` on; returns the bytes read (fewer at end of file)."""
+    _faults.fire("local_read.read", fd, offset)
+    done, views = 0, [v for v in views if len(v)]
+    while views:
+        n = os.preadv(fd, views, offset + done)
+        if n == 0:
+            break
+        done += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = views[0][n:]
+    return done
+
+
+def _check_crc(loc: Location, record: LeafRecord, key: str, computed: int, stored: memoryview) -> None:
+    _faults.fire("local_read.crc", key)
+    expected = int.from_bytes(stored, "little")
+    if computed != expected:
+        raise _damaged(
+            loc,
+            record,
+            f"its chunk file {_name(record, key)!r} fails its crc32c checksum (the file records {expected:#010x}, "
+            f"its bytes give {computed:#010x}), so they are not the bytes that were saved",
+        )
+
+
+# CRC-32C (Castagnoli), reflected, as the `crc32c` package computes it.
+_POLY = 0x82F63B78
+
+
+def crc32c_combine(crc1: int, crc2: int, length2: int) -> int:
+    """The crc32c of `a + b` from `crc1` of `a`, `crc2` of `b` and `len(b)`,
+    without reading either again: `crc1` is carried over `length2` zero bytes
+    (multiplied by x^(8 * length2) modulo the polynomial), then `crc2` added."""
+    return _multiply(_shift(length2), crc1) ^ crc2
+
+
+def _multiply(a: int, b: int) -> int:
+    """a * b modulo the CRC polynomial, both in reflected bit order."""
+    product, bit = 0, 1 << 31
+    while a:
+        if a & bit:
+            product ^= b
+            a ^= bit
+        bit >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return product
+
+
+def _powers() -> list[int]:
+    """x^(2^k) modulo the polynomial, k = 0..63 (lengths below 2^60 bytes)."""
+    out = [1 << 30]  # x^1
+    for _ in range(63):
+        out.append(_multiply(out[-1], out[-1]))
+    return out
+
+
+_X_2K = _powers()
+
+
+@functools.lru_cache(maxsize=64)
+def _shift(length: int) -> int:
+    """x^(8 * length) modulo the polynomial (a load's pieces have few lengths)."""
+    power, k, n = 1 << 31, 3, length  # x^0; x^(8 n) = product of x^(2^k) over the bits of n, from k = 3
+    while n:
+        if n & 1:
+            power = _multiply(_X_2K[k], power)
+        n >>= 1
+        k += 1
+    return power
+
+
+def _settle(futures: Sequence[concurrent.futures.Future[Any]]) -> None:
+    """Cancel the reads not started and wait for the others, through further
+    interrupts too: no thread may write into the buffer once the caller has it."""
+    for future in futures:
+        future.cancel()
+    while not all(future.done() for future in futures):
+        with contextlib.suppress(BaseException):
+            concurrent.futures.wait(futures)
+
+
+def _size_message(record: LeafRecord, key: str, size: int | None) -> str:
+    """Chunk file `key` of `record` is `size` bytes (`None`: missing), as a load
+    of a pack and `verify` word it (`wrong_chunk_file`)."""
+    return wrong_chunk_file(_name(record, key), size, record.chunk_nbytes + _format.CHECKSUM_BYTES)
+
+
+def _name(record: LeafRecord, key: str) -> str:
+    """Chunk file `key` of `record`, named from the data root as `verify` names it."""
+    return f"{record.directory}/{key}"
+
+
+def _damaged(loc: Location, record: LeafRecord, what: str) -> IntegrityError:
+    error = stored_leaf_error(
+        IntegrityError,
+        f"it is damaged or incomplete: {what}. Nothing was loaded.",
+        dotted=record.path,
+        path=loc.display,
+        fix="If the checkpoint was overwritten or deleted while this read ran, read it again; otherwise restore it "
+        "from a good copy, or run `eqx-ckpt verify` to list every damaged leaf.",
+    )
+    _share.forget_damaged(error, loc, record)
+    return error

@@ -1,0 +1,554 @@
+"""Writing chunk files on a local disk without TensorStore, writeback started at once.
+
+The mirror of `_local_read` (reads). A save to a local disk writes every chunk file
+of a leaf whose chunks split only its first axis, and of every pack, itself,
+by a small pool of threads, with the bytes' crc32c after them:
+
+- a leaf's chunk, straight from the leaf's host buffer with one `writev`; from
+  `UNBUFFERED_FROM` bytes on, past the page cache (`O_DIRECT`) where the file
+  system takes it, through a small staging buffer of the writing thread (or
+  straight from the buffer, where it is page-aligned);
+- a pack's chunk, gathered into that staging buffer a part at a time (one
+  NumPy copy of its members each) and written from there.
+
+Right after a file is written through the page cache, its writeback to the
+disk is started (`sync_file_range`), so the disk works while the save goes on;
+the flush before the commit (`_durable.flush`) then waits only for what is still in
+flight. Through TensorStore, every file waited in the page cache until that
+flush, and the save took the time of writing into memory plus the time of
+writing to disk.
+
+The files are exactly what TensorStore's zarr3 driver writes for the metadata
+that TensorStore itself created (`zarr.json`, written first): a chunk file is
+the chunk's elements in C order, little-endian, edge chunks padded to the full
+chunk with the fill value (zero), then the 4-byte crc32c of those bytes. Any
+zarr v3 reader reads them; `tests/test_direct_write.py` reads them back through
+TensorStore alone.
+
+Only single-process saves of the "directories" layout use it, into their own
+fresh data root (a file that exists already is an error, never overwritten).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import concurrent.futures.thread  # now: at interpreter exit its import fails
+import ctypes
+import errno
+import fcntl
+import functools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import crc32c
+import numpy as np
+import xxhash
+
+from .._base import _faults
+from .._base._location import Location
+from .._ondisk import _format
+from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
+from . import _memory, _share, _storage
+
+THREADS = 4
+_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_IOV_MAX = 1024
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def chosen(loc: Location, *, processes: int, layout: str) -> bool:
+    """Whether a save to `loc` writes chunk files here rather than through
+    TensorStore: the choice of the path, made once per save. One process, the
+    "directories" layout, and a location where `_storage.local_chunk_files`
+    (the same choice the read side makes, per location)."""
+    return processes == 1 and layout == "directories" and _storage.local_chunk_files(loc)
+
+
+def eligible(record: LeafRecord, pieces: Sequence[tuple[tuple[slice, ...], Any]]) -> bool:
+    """Whether this leaf's chunk files are written here, in a save that has
+    `chosen` this path: one host piece holding the whole array, and chunks
+    that split only its first axis."""
+    return (
+        record.pack is None
+        and len(pieces) == 1
+        and not pieces[0][0]
+        and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
+    )
+
+
+def start_write(
+    loc: Location, record: LeafRecord, piece: Any, base: str | None = None, *, remember: bool = False
+) -> list[concurrent.futures.Future[None]]:
+    """Start writing every chunk file of one leaf (its `zarr.json` exists);
+    `piece` is its stored array. One future per chunk file. `base`: the folder
+    of the same leaf in the checkpoint this save follows, whose chunk files
+    are shared where they hold the same bytes (`_share`). `remember`: a later
+    save will follow this one; every file written is recorded with the
+    xxh3-128 of its data bytes (`_share.written`), so it need not read it back."""
+    data = _bytes_of(piece, record.stored_dtype)
+    shape, keys = record.stored_shape, list(_format.chunk_keys(record.stored_shape, record.chunks))
+    # A chunk is `chunks[0]` rows of the array (the whole array for a scalar).
+    size = record.chunks[0] * (data.nbytes // shape[0]) if keys and shape else data.nbytes
+    jobs: list[tuple[str, Callable[[], list[Any]]]] = [
+        (key, functools.partial(_rows, data, i * size, size)) for i, key in enumerate(keys)
+    ]
+    return _start(loc, record.directory, f"leaf `{record.path}`", jobs, base, remember)
+
+
+def _rows(data: np.ndarray, start: int, size: int) -> list[Any]:
+    """The chunk of `size` bytes from `start` on, padded with zeros past the end."""
+    view = data.data[start : start + size]
+    return [view, _zeros(size - len(view))]
+
+
+def start_pack(
+    loc: Location,
+    pack: PackRecord,
+    records: Sequence[LeafRecord],
+    pieces: Sequence[Any],
+    base: str | None = None,
+    *,
+    remember: bool = False,
+    files: range | None = None,
+) -> list[concurrent.futures.Future[None]]:
+    """Start writing the chunk files of `pack` (with `files`, those of these
+    indices, `records` holding at least every member with elements in them):
+    each member's elements at its offset, zeros between, written from the
+    members' own buffers (no copy). `records` in the order of their offsets,
+    as `_records.assign` placed them. `base` and `remember`: as for
+    `start_write` (`base`: the same pack's folder in the checkpoint this save
+    follows)."""
+    n = len(records)
+    starts = np.fromiter((r.offset for r in records), np.int64, n)
+    stops = starts + np.fromiter((r.size for r in records), np.int64, n)
+    if n > 1 and bool((starts[1:] < stops[:-1]).any()):
+        raise RuntimeError(f"Internal error: the members of pack `{pack.name}` overlap, or are out of order.")
+    members = list(pieces)
+    if bool((stops == starts).any()):  # empty leaves: nothing to write
+        kept = np.flatnonzero(stops > starts)
+        starts, stops, members = starts[kept], stops[kept], [members[i] for i in kept]
+    dtype = dtype_from_name(pack.dtype)
+    jobs: list[tuple[str, Callable[[], _Chunk]]] = []
+    for n, key in enumerate(_format.chunk_keys((pack.size,), (pack.chunk,))):
+        if files is not None and n not in files:
+            if n >= files.stop:
+                break
+            continue
+        lo, hi = n * pack.chunk, (n + 1) * pack.chunk
+        # The members with elements in [lo, hi) (offsets increase, sizes are positive).
+        first, last = int(np.searchsorted(stops, lo, "right")), int(np.searchsorted(starts, hi, "left"))
+        chunk = _Chunk(members[first:last], starts[first:last], stops[first:last], lo, hi, dtype)
+        jobs.append((key, functools.partial(_given, chunk)))
+    return _start(loc, pack.name, f"pack `{pack.name}` (small leaves)", jobs, base, remember)
+
+
+def _given(content: _Chunk) -> _Chunk:
+    return content
+
+
+class _Chunk:
+    """One chunk of a pack, `[lo, hi)` in elements: `members` (host arrays) at
+    `[starts, stops)`, zeros between. Its writer gathers it into its staging
+    buffer, a part at a time (`part`, `gather`): a buffer reused from file to
+    file, as fresh pages cost more to fault in than the copy itself."""
+
+    def __init__(self, members: list[Any], starts: np.ndarray, stops: np.ndarray, lo: int, hi: int, dtype: Any):
+        self.members, self.starts, self.stops, self.lo, self.hi, self.dtype = members, starts, stops, lo, hi, dtype
+
+    @property
+    def nbytes(self) -> int:
+        return (self.hi - self.lo) * self.dtype.itemsize
+
+    def part(self, lo: int, hi: int) -> _Chunk:
+        """The elements `[lo, hi)` of this chunk, as a chunk of their own."""
+        first = int(np.searchsorted(self.stops, lo, "right"))
+        last = int(np.searchsorted(self.starts, hi, "left"))
+        return _Chunk(self.members[first:last], self.starts[first:last], self.stops[first:last], lo, hi, self.dtype)
+
+    def gather(self, out: np.ndarray) -> None:
+        """Write the chunk's bytes into `out` (uint8, at least `nbytes` long)."""
+        lo = self.lo
+        members, starts, stops = list(self.members), self.starts.tolist(), self.stops.tolist()
+        if members and starts[0] < lo:  # begins in the chunk before
+            members[0], starts[0] = _flat(members[0], self.dtype)[lo - starts[0] :], lo
+        if members and stops[-1] > self.hi:  # ends in the chunk after
+            members[-1], stops[-1] = _flat(members[-1], self.dtype)[: self.hi - starts[-1]], self.hi
+        elements = out[: self.nbytes].view(self.dtype)
+        if not members:
+            elements[:] = 0
+            return
+        first, last = starts[0] - lo, stops[-1] - lo
+        elements[:first] = 0
+        elements[last:] = 0
+        if starts[1:] == stops[:-1]:
+            # Back to back, as most packs are (sizes of 64-byte multiples need no
+            # padding): one copy of every member, without a Python step each.
+            try:
+                np.concatenate(members, axis=None, out=elements[first:last], casting="no")
+                return
+            except TypeError:  # a member of another byte order: copied one by one, below
+                pass
+        elements[first:last] = 0
+        for member, start, stop in zip(members, starts, stops, strict=True):
+            elements[start - lo : stop - lo] = _flat(member, self.dtype)
+
+
+def _bytes_of(piece: Any, dtype: Any) -> np.ndarray:
+    """The stored bytes of a host piece, as a flat uint8 array (a view when it is
+    C-contiguous already). `dtype`: the stored dtype, or its name."""
+    dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
+    return np.ascontiguousarray(_flat(piece, dtype)).view(np.uint8)
+
+
+def _flat(piece: Any, dtype: np.dtype) -> np.ndarray:
+    """A host piece's elements as a flat array of the stored `dtype` (a view
+    where it can be)."""
+    # Little-endian, as the codec says: only the byte order may change here.
+    return np.asarray(piece).astype(dtype, casting="equiv", copy=False).reshape(-1)
+
+
+def _start(
+    loc: Location,
+    directory: str,
+    what: str,
+    jobs: list[tuple[str, Callable[[], Any]]],
+    base: str | None = None,
+    remember: bool = False,
+) -> list[concurrent.futures.Future[None]]:
+    """Write each chunk file `key` of `jobs` with what its `make()` gives (a
+    leaf's views, or a pack's `_Chunk`), by the pool's threads (or link the
+    file of the same `key` in `base` where it holds the same bytes; with
+    `remember`, record each file written with its digest). One future per
+    file."""
+    folder = os.path.join(loc.local or "", directory) if directory else (loc.local or "")
+    futures = []
+    for key, make in jobs:
+        job = functools.partial(_write_chunk, folder, directory, key, what, make, base, remember)
+        try:
+            futures.append(_pool().submit(job))
+        except RuntimeError:  # at interpreter exit no thread starts: written here, in turn
+            futures.append(_run_now(job))
+    return futures
+
+
+def _run_now(job: Callable[[], None]) -> concurrent.futures.Future[None]:
+    future: concurrent.futures.Future[None] = concurrent.futures.Future()
+    try:
+        job()
+        future.set_result(None)
+    except Exception as e:
+        future.set_exception(e)
+    return future
+
+
+def _write_chunk(
+    folder: str, directory: str, key: str, what: str, make: Callable[[], Any], base: str | None, remember: bool
+) -> None:
+    """One chunk file: the bytes `make()` gives (a list of views, or a pack's
+    `_Chunk`), then their crc32c; or a link to the file `key` of `base`, where
+    that holds the same bytes. A file written is recorded with the xxh3-128
+    of its bytes where the comparison computed it, or, with `remember`,
+    computed as they are written (`_share.written`)."""
+    _faults.fire("local_write.chunk", directory, key)
+    content = make()
+    path = os.path.join(folder, *key.split("/"))
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        digest = checksum = None
+        if base is not None:
+            linked, digest, checksum = _shared(os.path.join(base, *key.split("/")), path, content, what)
+            if linked:
+                return
+        fd = os.open(path, _FLAGS, 0o666)
+        try:
+            # Hashed as the bytes are written, where the comparison did not
+            # hash them (no base, a new leaf, a large chunk whose start
+            # changed): from the stage in cache, not another pass over memory.
+            hasher = xxhash.xxh3_128() if remember and digest is None else None
+            _write_all(fd, content, checksum, hasher)
+            digest = hasher.digest() if hasher is not None else digest
+            if digest is not None:
+                _share.written(fd, path, digest)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        name = f"{directory}/{key}" if directory else key
+        # An OSError made without an errno (`OSError("...")`) has its words in `str(e)`.
+        reason = e.strerror if e.errno is not None else str(e)
+        raise OSError(e.errno, f"{reason}: cannot write chunk file {name!r} of {what}") from None
+
+
+def _shared(source: str, path: str, content: Any, what: str) -> tuple[bool, bytes | None, int | None]:
+    """Whether `path` is now a link to the base's chunk file `source`, which
+    holds the same bytes as `content` (length and xxh3-128: `_share`); the
+    xxh3-128 of `content` where it was computed (the file written instead is
+    recorded with it), and its crc32c where that was (a write need not compute
+    it again)."""
+    nbytes = (content.nbytes if isinstance(content, _Chunk) else sum(len(v) for v in content)) + _format.CHECKSUM_BYTES
+    # A large chunk's first bytes are looked at first: one whose start changed
+    # is written at once, checksummed as it is staged (a hash here would add a
+    # pass over its bytes, the cost of comparing on an overwrite where
+    # everything changed).
+    large = nbytes >= UNBUFFERED_FROM and not isinstance(content, _Chunk)
+    verified = _share.base_file(source, nbytes, what, content[0] if large else None)
+    if verified is None:
+        return False, None, None
+    digest, checksum = _digest(content)
+    return digest == verified.digest and _share.link(source, path, verified), digest, checksum
+
+
+def _digest(content: Any) -> tuple[bytes, int | None]:
+    """The xxh3-128 of a chunk's bytes, and, for a pack's, their crc32c too:
+    its bytes are gathered into the writer's stage a part at a time, where both
+    cost little, and a write would gather them again. A leaf's are hashed
+    straight from its views."""
+    hasher = xxhash.xxh3_128()
+    if isinstance(content, _Chunk):
+        checksum = 0
+        stage, staged = _stage()
+        step = STAGE_BYTES // content.dtype.itemsize
+        for lo in range(content.lo, content.hi, step):
+            part = content.part(lo, min(lo + step, content.hi))
+            part.gather(staged)
+            hasher.update(stage[: part.nbytes])
+            checksum = crc32c.crc32c(stage[: part.nbytes], checksum)
+        return hasher.digest(), checksum
+    for view in content:
+        hasher.update(view)
+    return hasher.digest(), None
+
+
+def _write_all(fd: int, content: Any, checksum: int | None = None, hasher: xxhash.xxh3_128 | None = None) -> None:
+    """Write `content` (a pack's `_Chunk`, or a list of views) and its crc32c
+    (`checksum`, where the caller has it) into the new file `fd`, its
+    writeback started at once; `hasher` (an xxh3-128 hasher), where given,
+    takes the content's bytes as they are written.
+
+    A pack's chunk is gathered into the writer's stage, a part at a time, and
+    written from there: one copy of its members by NumPy, instead of a view
+    and a checksum call for each of them. A file of `UNBUFFERED_FROM` bytes or
+    more goes past the page cache where the file system allows it
+    (`_write_unbuffered`): copying gigabytes into fresh page cache cost more
+    than the disk's own time. Anything else is written from its views with one
+    `writev`. (docs/benchmarks.md, "Measurements behind the design".)"""
+    _faults.fire("local_write.chunk_bytes", fd)
+    if isinstance(content, _Chunk):
+        staged = _Staged(fd, direct=False, checksum=checksum, hasher=hasher)
+        step = STAGE_BYTES // content.dtype.itemsize
+        for lo in range(content.lo, content.hi, step):
+            staged.gather(content.part(lo, min(lo + step, content.hi)))
+        staged.finish()
+        _start_writeback(fd)
+        return
+    if sum(len(view) for view in content) >= UNBUFFERED_FROM and _set_direct(fd, True):
+        try:
+            _write_unbuffered(fd, content, checksum, hasher)
+            return
+        except _NotUnbuffered:
+            # Refused (an alignment this device does not take): written again,
+            # from the start, through the page cache.
+            _set_direct(fd, False)
+            os.ftruncate(fd, 0)
+            if hasher is not None:
+                hasher.reset()
+    crc = 0
+    for view in content:  # both over a view while it is in the cache
+        if checksum is None:
+            crc = crc32c.crc32c(view, crc)
+        if hasher is not None:
+            hasher.update(view)
+    checksum = crc if checksum is None else checksum
+    _write_buffered(fd, [*content, checksum.to_bytes(_format.CHECKSUM_BYTES, "little")])
+    _start_writeback(fd)
+
+
+def _write_buffered(fd: int, views: list[Any]) -> None:
+    views = [v for v in views if len(v)]
+    offset = 0
+    while views:
+        n = os.pwritev(fd, views[:_IOV_MAX], offset)
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = memoryview(views[0])[n:]
+
+
+# Unbuffered (`O_DIRECT`) writes go from memory straight to the disk: every
+# write starts at a file offset, and from a memory address, that are multiples
+# of `_BLOCK`, and is a multiple of it long. The bytes are gathered into a
+# staging buffer of each writer thread (`STAGE_BYTES`), or written from the
+# source itself where it is aligned. Smaller files go through the page cache:
+# their writeback runs while the save goes on, where an unbuffered write waits
+# for the disk (measured on `small`'s 4 MB packs: docs/benchmarks.md).
+UNBUFFERED_FROM = 8 << 20
+_BLOCK = 4096
+# A stage's fresh pages are paid for once per thread: small, and kept.
+STAGE_BYTES = 1 << 20
+# From this many bytes, a view is copied by NumPy (without the GIL).
+_BIG_COPY = 64 << 10
+
+
+class _NotUnbuffered(Exception):
+    """This file cannot be written unbuffered after all."""
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn `O_DIRECT` on or off for `fd`; whether it is now as asked (a file
+    system without direct I/O refuses it, and that file is written buffered)."""
+    direct = getattr(os, "O_DIRECT", 0)
+    if not direct:
+        return not on
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | direct) if on else (flags & ~direct))
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            return not on
+        raise
+    return True
+
+
+def _write_unbuffered(
+    fd: int, views: list[Any], checksum: int | None = None, hasher: xxhash.xxh3_128 | None = None
+) -> None:
+    """Write `views` and their crc32c through `fd` (`O_DIRECT`), then cut the
+    file to their length (its last write is padded to a whole block)."""
+    _faults.fire("local_write.unbuffered", fd)
+    staged = _Staged(fd, direct=True, checksum=checksum, hasher=hasher)
+    for view in views:
+        staged.copy(view)
+    staged.finish()
+
+
+class _Staged:
+    """One file written from the stage: bytes are staged until it is full, then
+    written (unbuffered with `direct`); their crc32c follows them (`checksum`,
+    where the caller has it, else computed as they are written). `hasher`,
+    where given, takes the bytes as they are written."""
+
+    def __init__(self, fd: int, *, direct: bool, checksum: int | None = None, hasher: xxhash.xxh3_128 | None = None):
+        self.fd, self.direct, self.known, self.hasher = fd, direct, checksum, hasher
+        self.stage, self.staged = _stage()
+        self.pos = self.offset = self.checksum = 0
+
+    def gather(self, part: _Chunk) -> None:
+        """Stage a part of a pack's chunk (it fits in what is left)."""
+        part.gather(self.staged[self.pos :])
+        self.pos += part.nbytes
+        self._flush_if_full()
+
+    def copy(self, view: Any) -> None:
+        n, start = len(view), 0
+        if self.direct and self.pos == 0 and n >= STAGE_BYTES and _address(view) % _BLOCK == 0:
+            # Aligned already (a page-aligned host buffer): written as it is.
+            start = n - n % _BLOCK
+            self._write(memoryview(view)[:start])
+        while start < n:
+            k = min(n - start, STAGE_BYTES - self.pos)
+            if k >= _BIG_COPY:
+                np.copyto(self.staged[self.pos : self.pos + k], np.frombuffer(view, np.uint8, k, start))
+            else:
+                self.stage[self.pos : self.pos + k] = view[start : start + k]
+            self.pos, start = self.pos + k, start + k
+            self._flush_if_full()
+
+    def finish(self) -> None:
+        """Write what is staged and the checksum, and end the file there."""
+        stage, pos = self.stage, self.pos
+        if self.hasher is not None:
+            self.hasher.update(stage[:pos])
+        total = self.known if self.known is not None else crc32c.crc32c(stage[:pos], self.checksum)
+        checksum = total.to_bytes(_format.CHECKSUM_BYTES, "little")
+        if pos + _format.CHECKSUM_BYTES > STAGE_BYTES:
+            # No room left for the checksum: out with the whole blocks first.
+            whole = pos - pos % _BLOCK
+            _pwrite(self.fd, stage[:whole], self.offset, direct=self.direct)
+            stage[: pos - whole] = stage[whole:pos]
+            pos, self.offset = pos - whole, self.offset + whole
+        stage[pos : pos + _format.CHECKSUM_BYTES] = checksum
+        pos += _format.CHECKSUM_BYTES
+        if not self.direct:
+            _pwrite(self.fd, stage[:pos], self.offset, direct=False)
+            return
+        padded = -(-pos // _BLOCK) * _BLOCK
+        stage[pos:padded] = _zero_block(_BLOCK)[: padded - pos]
+        _pwrite(self.fd, stage[:padded], self.offset, direct=True)
+        os.ftruncate(self.fd, self.offset + pos)
+
+    def _flush_if_full(self) -> None:
+        if self.pos == STAGE_BYTES:
+            self._write(self.stage)
+            self.pos = 0
+
+    def _write(self, view: memoryview) -> None:
+        if self.known is None:
+            self.checksum = crc32c.crc32c(view, self.checksum)
+        if self.hasher is not None:
+            self.hasher.update(view)
+        _pwrite(self.fd, view, self.offset, direct=self.direct)
+        self.offset += len(view)
+
+
+def _pwrite(fd: int, view: memoryview, offset: int, *, direct: bool) -> None:
+    while len(view):
+        try:
+            n = os.pwrite(fd, view, offset)
+        except OSError as e:
+            if direct and e.errno == errno.EINVAL:
+                raise _NotUnbuffered from None
+            raise
+        if direct and n % _BLOCK and n < len(view):
+            raise _NotUnbuffered  # what is left would start off a block boundary
+        view, offset = view[n:], offset + n
+
+
+def _address(view: Any) -> int:
+    return int(np.frombuffer(view, np.uint8).ctypes.data) if len(view) else 0
+
+
+_STAGES = threading.local()
+
+
+def _stage() -> tuple[memoryview, np.ndarray]:
+    """This thread's staging buffer (page-aligned anonymous memory, kept for
+    the thread's next file), as a memoryview and as a NumPy array."""
+    stage = getattr(_STAGES, "buffer", None)
+    if stage is None or len(stage[0]) != STAGE_BYTES:
+        memory = _memory.fresh_bytes(STAGE_BYTES)
+        stage = _STAGES.buffer = (memory.data, memory)
+    return stage
+
+
+@functools.lru_cache(maxsize=8)
+def _zero_block(size: int) -> memoryview:
+    return memoryview(bytes(size))
+
+
+def _zeros(size: int) -> memoryview:
+    """`size` zero bytes (a shared block when they are few: the padding of a leaf's edge chunk)."""
+    return _zero_block(64)[:size] if size <= 64 else memoryview(bytearray(size))
+
+
+@functools.cache
+def _sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+def _start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing this file to disk now, without waiting
+    (Linux); durability still comes from the flush before the commit."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    return _memory.shared_pool("eqx_ckpt-write", THREADS)

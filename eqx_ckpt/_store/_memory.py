@@ -1,0 +1,248 @@
+"""Host memory for leaves: page-aligned private buffers, private copies, the
+memory check before a read, the process's shared thread pools, and the host
+data of a save's pieces (`host`, `ahead`, `host_views`, `protected`, and
+`Deferred`, a piece made host only when the save stages it).
+
+Why private anonymous mappings: NumPy asks the kernel for huge pages for every
+array of 4 MiB or more, and with the page cache full (after a save, on a
+training machine) the kernel compacts memory to find them; a shared mapping
+(`mmap`'s default) is backed by shmem, whose first touch of each page costs
+more. docs/benchmarks.md has the measurements.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import mmap
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from .._base._errors import IntegrityError, stored_leaf_error
+
+if TYPE_CHECKING:
+    from .._base._location import Location
+    from .._ondisk._format import LeafRecord
+
+
+# Private anonymous memory: a shared mapping (`mmap`'s default) is backed by
+# shmem, whose first touch of each page costs more (see the module docstring).
+_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+
+
+def fresh_bytes(nbytes: int) -> np.ndarray:
+    """`nbytes` of page-aligned anonymous memory (uninitialised, in fact zero),
+    as a NumPy `uint8` array that `jax.device_put` can adopt without a copy."""
+    memory = mmap.mmap(-1, nbytes, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, nbytes)
+    return np.frombuffer(memory, np.uint8)
+
+
+# NumPy asks the kernel for huge pages for every array of 4 MiB or more, and
+# with the page cache full (after a save, on a training machine) the kernel
+# compacts memory to find them, so copies that large go into `fresh_bytes`
+# memory (several times faster then: docs/benchmarks.md). Smaller arrays stay
+# NumPy's (a mapping per leaf costs system calls and rounds each up to whole
+# pages).
+FRESH_MIN_BYTES = 4 * 2**20
+
+
+def fresh_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous array, page-aligned in `fresh_bytes` memory
+    when it has at least `FRESH_MIN_BYTES`, else NumPy's own."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < FRESH_MIN_BYTES or dtype.hasobject:
+        return np.empty(shape, dtype)
+    return fresh_bytes(nbytes).view(dtype).reshape(shape)
+
+
+def private_copy(x: Any) -> np.ndarray:
+    """A C-contiguous copy of host data that nothing else references (`fresh_empty`)."""
+    x = np.asarray(x)
+    out = fresh_empty(x.shape, x.dtype)
+    np.copyto(out, x, casting="no")
+    return out
+
+
+def private_copies(arrays: Sequence[Any]) -> list[np.ndarray]:
+    """`private_copy` of each; those of `FRESH_MIN_BYTES` or more by a few
+    threads (the copy releases the GIL, and faulting fresh pages in is most of
+    its cost; two threads halve it)."""
+    arrays = [np.asarray(x) for x in arrays]
+    big = [i for i, x in enumerate(arrays) if x.nbytes >= FRESH_MIN_BYTES]
+    if len(big) < 2:
+        return [private_copy(x) for x in arrays]
+    copies = list(arrays)  # each replaced by its copy below
+    workers = min(len(big), max(os.cpu_count() or 1, 2), 4)
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="eqx_ckpt-copy") as pool:
+        futures = [(i, pool.submit(private_copy, arrays[i])) for i in big]
+        for i, x in enumerate(arrays):
+            if x.nbytes < FRESH_MIN_BYTES:
+                copies[i] = private_copy(x)
+        for i, future in futures:
+            copies[i] = future.result()
+    return copies
+
+
+_POOLS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+
+
+_POOLS_LOCK = threading.Lock()
+
+
+def shared_pool(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's pool of `threads` threads named `name`, made on first use
+    (one for the readers here, one for the writers of `_local_write`)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(name)
+        if pool is None:
+            pool = _POOLS[name] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=name)
+        return pool
+
+
+@functools.cache
+def physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: str) -> None:
+    """Refuse a read that would allocate more than this machine's memory.
+
+    Such a read cannot succeed, and TensorStore would abort the whole process on
+    the failed allocation. On a local disk the chunk files are counted first
+    (`_untrusted.check_leaf_files`); on an object store this is what stands between a
+    hostile manifest's absurd shape and a crash.
+    """
+    memory = physical_memory()
+    if memory is None or nbytes <= memory:
+        return
+    raise stored_leaf_error(
+        IntegrityError,
+        f"reading {what} needs {nbytes} bytes (shape {list(record.stored_shape)}, chunks {list(record.chunks)} in "
+        f"the manifest), more than this machine's {memory} bytes of memory. Nothing was read.",
+        dotted=record.path,
+        path=loc.display,
+        fix="A manifest this large is damaged or hostile; if the leaf really is this large, read it in slices "
+        "(`eqx_ckpt.Checkpoint(path)[key][...]`) or load it sharded across devices.",
+    )
+
+
+# -- The host data of a save's pieces ---------------------------------------------------------------
+
+
+class Deferred:
+    """A host piece made when the save stages it: `source` (a `jax.Array` or
+    a NumPy array, or a function making it, such as a device-side slice)
+    through `convert` (a cast, an encoding), `nbytes` bytes as stored."""
+
+    __slots__ = ("__weakref__", "convert", "nbytes", "source")
+
+    def __init__(self, source: Any, nbytes: int, convert: Callable[[np.ndarray], np.ndarray] | None = None):
+        self.source, self.nbytes, self.convert = source, nbytes, convert
+
+    def resolved(self) -> Any:
+        """The source, made (once) where it is a function."""
+        self.source = self._made()
+        return self.source
+
+    def make(self) -> np.ndarray:
+        """The host data, made now; nothing of it is kept here."""
+        out = host(self._made())
+        return out if self.convert is None else self.convert(out)
+
+    def _made(self) -> Any:
+        source = self.source
+        if callable(source) and not isinstance(source, (jax.Array, np.ndarray)):
+            return source()
+        return source
+
+
+def nbytes(data: Any) -> int:
+    """The stored bytes of a piece (as its record counts them)."""
+    return int(data.nbytes)
+
+
+def ahead(data: Any) -> Any:
+    """Start copying a piece's device data to the host, without waiting; what
+    to stage it from then (`host`).
+
+    The copy is a new array on the host's CPU device (`jax.device_put`, which
+    returns at once), which the save owns and drops once written: the array's
+    own `copy_to_host_async` would cache the host copy on the caller's
+    `jax.Array`, held for as long as the caller holds the array, beyond any
+    budget. Without a CPU device, it is `copy_to_host_async` after all."""
+    if isinstance(data, Deferred):
+        data.source = ahead(data.resolved())
+        return data
+    if isinstance(data, jax.Array) and not _on_cpu(data):
+        cpu = _cpu_device()
+        if cpu is None:
+            data.copy_to_host_async()
+        else:
+            return jax.device_put(data, cpu)
+    return data
+
+
+def host(data: Any) -> np.ndarray:
+    """A piece's host data, as stored (waits for its copy to the host, which
+    `ahead` started, or makes it now; never cached on the caller's array)."""
+    if isinstance(data, Deferred):
+        return data.make()
+    if isinstance(data, jax.Array) and not _on_cpu(data):
+        cpu = _cpu_device()
+        if cpu is not None:
+            data = jax.device_put(data, cpu)
+    return np.asarray(data)
+
+
+def host_views(arrays: list[jax.Array]) -> list[np.ndarray]:
+    """The host data of `jax.Array`s on one device each, as `host` makes it:
+    views on a CPU; elsewhere copies the save owns, all started at once (one
+    `jax.device_put`), never cached on the caller's arrays."""
+    if only_cpus():
+        return list(map(np.asarray, arrays))
+    cpu = _cpu_device()
+    if cpu is None:
+        return [host(x) for x in arrays]
+    return list(map(np.asarray, jax.device_put(arrays, cpu)))
+
+
+def protected(data: Any, copy: bool) -> Any:
+    """A piece that a change of the caller's arrays after an asynchronous save
+    returned cannot reach: a `jax.Array`'s host data (which never changes, and
+    outlives a deletion or donation of the array), and with `copy` (a NumPy
+    leaf's), a private copy of the host data. A cast or encoding stays
+    deferred: what it starts from is what is protected."""
+    if isinstance(data, Deferred):
+        source = data.resolved()
+        return Deferred(protected(source, copy), data.nbytes, data.convert)
+    if isinstance(data, jax.Array):
+        return host(data)
+    return private_copy(data) if copy else data
+
+
+@functools.cache
+def _cpu_device() -> Any:
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
+
+
+@functools.cache
+def only_cpus() -> bool:
+    """Whether this process computes on CPUs alone (no accelerator)."""
+    return jax.default_backend() == "cpu"
+
+
+def _on_cpu(x: jax.Array) -> bool:
+    """Whether `x`'s host data is a view of its buffer (no copy to start)."""
+    return only_cpus() or next(iter(x.devices())).platform == "cpu"

@@ -1,0 +1,301 @@
+"""Incremental saves: chunk files equal to the previous save's are shared, not written.
+
+A save that replaces a checkpoint (`overwrite`), and a `CheckpointManager`'s
+next step, follow an earlier checkpoint: its *base*. On a local disk, before a
+chunk file is written (`_local_write`), the xxh3-128 hash of its data bytes
+(a 128-bit hash; the crc32c the file ends with is not part of it) is compared
+with that of the base's file at the same place. Where the length and the hash
+are the same, the new file is a hard link to the base's instead of a copy: the
+same bytes, no write. Where either differs, the file is written as ever. Bytes
+are compared, never object identity or `==`: `-0.0` after `0.0`, or a NaN with
+another payload, is a change.
+
+Never by the crc32c a file ends with: a damaged file still ends with the
+checksum of the good bytes, and crc32c is linear, so a change that keeps it
+takes a few lines to build (and 32 bits meet by chance at fleet scale).
+
+A base file is verified before it is shared, once per process: read whole,
+its data bytes must give the crc32c it ends with, and their xxh3-128 is kept
+(`_VERIFIED`), keyed by the file's device, inode, size and modification time,
+which a hard link keeps (it changes the change time, which is therefore not
+part of the key). A file that fails (damaged, truncated, missing, a link) is
+never shared: the new bytes are written instead, with an `IntegrityWarning`
+naming it. A chunk file a save compared and then wrote itself is recorded with
+its digest (`written`); a `CheckpointManager` step records every chunk file it
+writes, hashed as the bytes are written where nothing was compared (its first
+step in a process, which has no base; a new leaf; a large chunk whose first
+bytes changed), so that a training loop's next step, its second included,
+reads nothing back. A plain save with no base hashes nothing. A read or
+`verify` that finds an array's files damaged forgets them (`forget_damaged`).
+
+A chunk is "at the same place" when the leaf has the same dotted path, stored
+dtype, stored shape, encoding and chunk grid in both saves (a pack: the same
+name, dtype, length and chunk length), so that the chunk covers the same
+elements. Every save still gets a complete data root of its own: deleting any
+other checkpoint or step, by hand or by retention, leaves it whole (a hard
+link is a name of the file like any other), and `verify` reads every byte it
+uses.
+
+Only what `_local_write` writes is shared: object stores, the OCDBT layout,
+multi-process saves and leaves written through TensorStore are written in full.
+A save with `share=False` shares nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import os
+import stat
+import threading
+import warnings
+from typing import Any, NamedTuple
+
+import crc32c
+import xxhash
+
+from .._base import _faults
+from .._base._errors import IntegrityError
+from .._base._location import Location
+from .._ondisk import _format, _manifest
+from .._ondisk._format import LeafRecord, PackRecord
+
+
+class Base:
+    """The checkpoint a save follows, as far as its chunk files may be shared:
+    its data root on the local disk, its leaves with arrays of their own (by
+    dotted path) and its packs (by name)."""
+
+    def __init__(self, root: str, manifest: _manifest.Manifest):
+        self.root = root
+        self.leaves = {leaf.path: leaf for leaf in manifest.leaves if leaf.pack is None}
+        self.packs = {pack.name: pack for pack in manifest.packs}
+
+    def leaf_folder(self, record: LeafRecord) -> str | None:
+        """The base's folder of the leaf at `record`'s place, if its chunks
+        cover the same elements; else `None`."""
+        old = self.leaves.get(record.path)
+        if old is None or _shape_of(old) != _shape_of(record):
+            return None
+        return os.path.join(self.root, old.directory) if old.directory else self.root
+
+    def pack_folder(self, pack: PackRecord) -> str | None:
+        old = self.packs.get(pack.name)
+        if old is None or (old.dtype, old.size, old.chunk) != (pack.dtype, pack.size, pack.chunk):
+            return None
+        return os.path.join(self.root, pack.name)
+
+
+def _shape_of(record: LeafRecord) -> tuple[Any, ...]:
+    return (record.stored_dtype, tuple(record.stored_shape), record.encoding, tuple(record.chunks))
+
+
+class IntegrityWarning(UserWarning):
+    """A save found a chunk file of the checkpoint it follows (the one it
+    replaces, or a manager's previous step) damaged, and did not share it: it
+    wrote that chunk's bytes anew, so the new checkpoint is sound. The warning
+    names the file and its leaf; the checkpoint it follows is damaged there
+    (`eqx-ckpt verify` lists every damaged leaf of it).
+
+    !!! example
+
+        ```python
+        import warnings
+        import eqx_ckpt
+
+        # Make a damaged earlier checkpoint an error, as for any warning:
+        warnings.simplefilter("error", eqx_ckpt.IntegrityWarning)
+        ```
+    """
+
+
+IntegrityWarning.__module__ = "eqx_ckpt"
+
+# A file's identity while its bytes are unchanged: device, inode, size, modification time.
+Key = tuple[int, int, int, int]
+
+# The xxh3-128 digests of the data bytes of the chunk files this process
+# verified or wrote, least recently used first; at most `VERIFIED_FILES` of
+# them (about 300 bytes each), the least recently used forgotten first.
+_VERIFIED: collections.OrderedDict[Key, bytes] = collections.OrderedDict()
+_VERIFIED_LOCK = threading.Lock()
+VERIFIED_FILES = 1 << 17
+
+# How many first bytes of a large chunk are compared before its hash is computed.
+START_BYTES = 4096
+# A base file is verified a piece at a time, through a buffer of each thread.
+_READ_BYTES = 1 << 20
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_BUFFERS = threading.local()
+_UNOPENED = {errno.ENOENT: "is missing", errno.ELOOP: "is a symbolic link (never followed)"}
+
+
+def _key(info: os.stat_result) -> Key:
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+
+
+def _known(key: Key) -> bytes | None:
+    with _VERIFIED_LOCK:
+        digest = _VERIFIED.get(key)
+        if digest is not None:
+            _VERIFIED.move_to_end(key)
+        return digest
+
+
+def _record(key: Key, digest: bytes) -> None:
+    with _VERIFIED_LOCK:
+        _VERIFIED[key] = digest
+        _VERIFIED.move_to_end(key)
+        while len(_VERIFIED) > VERIFIED_FILES:
+            _VERIFIED.popitem(last=False)
+
+
+class Verified(NamedTuple):
+    """A base's chunk file that may be shared: the xxh3-128 digest of its data
+    bytes, and its `Key` when they were verified."""
+
+    digest: bytes
+    key: Key
+
+
+def base_file(path: str, nbytes: int, what: str, start: Any = None) -> Verified | None:
+    """The base's chunk file `path` (of `what`, a leaf or pack, for a warning),
+    if it is a sound regular file of `nbytes` bytes (data and checksum) and,
+    given `start` (a buffer), its first bytes are those of `start`; else `None`.
+
+    `start` is a cheap look before the hash of a large chunk, which costs a
+    pass over all of its bytes: a chunk whose first bytes changed (an overwrite
+    where everything changed) is written at once. A file not verified yet is
+    read once (`_verify`); an unsound one is warned about and never shared."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as e:
+        _warn(path, what, _UNOPENED.get(e.errno or 0, f"cannot be opened ({e.strerror})"))
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != nbytes:
+            size = f"holds {info.st_size} bytes, not {nbytes}"
+            _warn(path, what, size if stat.S_ISREG(info.st_mode) else "is not a regular file")
+            return None
+        if start is not None:
+            head = memoryview(start).cast("B")[:START_BYTES]
+            if os.pread(fd, len(head), 0) != head:
+                return None
+        key = _key(info)
+        digest = _known(key)
+        if digest is None:
+            digest = _verify(fd, path, nbytes, what)
+            if digest is None:
+                return None
+            _record(key, digest)
+        return Verified(digest, key)
+    except OSError as e:
+        _warn(path, what, f"cannot be read ({e.strerror})")
+        return None
+    finally:
+        os.close(fd)
+
+
+def _verify(fd: int, path: str, nbytes: int, what: str) -> bytes | None:
+    """Read the chunk file `fd` (`path`, `nbytes` bytes) once: the xxh3-128 of
+    its data bytes, if their crc32c is the one it ends with; else `None`,
+    after a warning."""
+    _faults.fire("share.verify", path)
+    buffer = getattr(_BUFFERS, "buffer", None)
+    if buffer is None:
+        buffer = _BUFFERS.buffer = memoryview(bytearray(_READ_BYTES))
+    size, done, checksum = nbytes - _format.CHECKSUM_BYTES, 0, 0
+    hasher = xxhash.xxh3_128()
+    while done < size:
+        got = os.preadv(fd, [buffer[: min(_READ_BYTES, size - done)]], done)
+        if got == 0:
+            _warn(path, what, f"ends after {done} bytes, not {nbytes}")
+            return None
+        checksum = crc32c.crc32c(buffer[:got], checksum)
+        hasher.update(buffer[:got])
+        done += got
+    stored = os.pread(fd, _format.CHECKSUM_BYTES, size)
+    if len(stored) != _format.CHECKSUM_BYTES or int.from_bytes(stored, "little") != checksum:
+        _warn(path, what, "fails its crc32c checksum (its bytes are not those that were saved)")
+        return None
+    return hasher.digest()
+
+
+def _warn(path: str, what: str, why: str) -> None:
+    warnings.warn(
+        f"The chunk file {path!r} of {what}, in the checkpoint this save follows, {why}: it was not shared, and "
+        f"this save wrote that chunk anew, so the new checkpoint is sound. The checkpoint it follows is damaged "
+        f"there: run `eqx-ckpt verify` on it to list every damaged leaf.",
+        IntegrityWarning,
+        stacklevel=2,
+    )
+
+
+def written(fd: int, path: str, digest: bytes) -> None:
+    """Record the chunk file `fd` (`path`), just written whole by this
+    process, as one whose data bytes have the xxh3-128 `digest`: a next save
+    that shares it need not read it back."""
+    _faults.fire("share.written", path)
+    _record(_key(os.fstat(fd)), digest)
+
+
+def link(source: str, path: str, verified: Verified) -> bool:
+    """Make `path` (which does not exist) a hard link to the base's chunk file
+    `source`; whether it is one, still the file that was `verified` (checked
+    again through the new name: the base may have been replaced, changed or
+    deleted meanwhile). Where it is not, nothing is left at `path`."""
+    _faults.fire("share.link", source, path)
+    try:
+        os.link(source, path, follow_symlinks=False)
+    except OSError as e:
+        if e.errno == errno.EEXIST:
+            raise  # nothing here is ever overwritten: the caller reports it
+        return False  # another file system, no links, the base gone: written instead
+    try:
+        if _key(os.lstat(path)) == verified.key:
+            return True
+    except OSError:
+        pass
+    os.unlink(path)
+    return False
+
+
+def forget_damaged(error: BaseException, loc: Location, record: LeafRecord) -> BaseException:
+    """`error`, a failure to read the leaf `record` in the data root `loc`;
+    where it says the leaf is damaged (an `IntegrityError`), the files of its
+    array (its pack's, for a packed leaf) are forgotten first, so that the
+    next save reads them again before it shares any."""
+    if isinstance(error, IntegrityError):
+        forget(loc, record.pack.name if record.pack is not None else record.directory)
+    return error
+
+
+def forget(loc: Location, directory: str) -> None:
+    """Forget every file of the array folder `directory` of the data root
+    `loc` (on a local disk) that was verified or written."""
+    if loc.local is None:
+        return
+    folder = os.path.join(loc.local, directory) if directory else loc.local
+    keys = []
+    for root, _, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(OSError):
+                keys.append(_key(os.lstat(os.path.join(root, name))))
+    with _VERIFIED_LOCK:
+        for key in keys:
+            _VERIFIED.pop(key, None)
+
+
+def shared_files(root: str) -> tuple[int, int]:
+    """How many files under the data root `root` of a checkpoint on a local
+    disk, and how many bytes, other checkpoints or steps also use (hard links:
+    more than one name)."""
+    count = nbytes = 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            info = os.lstat(os.path.join(folder, name))
+            if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+                count, nbytes = count + 1, nbytes + info.st_size
+    return count, nbytes

@@ -1,0 +1,833 @@
+"""The storage seam: the interface through which every byte eqx_ckpt reads or
+writes passes, and, with `_location`, the only module that imports
+`tensorstore` (ruff's banned-api rule enforces it, see pyproject.toml).
+
+No TensorStore object leaves it (tests/test_architecture.py checks): other
+modules call its functions and get its own types back.
+
+- Small files: read with a size limit (`read_file`), stamped
+  (`read_file_stamped`, then `file_changed`), or with their generation for a
+  write conditional on it (`read_file_generation`, `read_generation`;
+  `write_if` for a lease, `write_conditional` for a commit, which share one
+  conditional write); written (`write_file`, `start_writes`) and deleted.
+- Byte ranges of another program's files (a `Folder`, opened once: its
+  `read` is a future of a `Found`), and whether a file changed since a
+  read's generation (`generation_changed`, the same check as `file_changed`'s).
+- Listings (`list_names`, `list_files`, `list_keys`) and removal (`remove`,
+  `remove_written`).
+- Zarr arrays, created or opened from their specs (`create_array`,
+  `open_array`, `open_pack`, `open_to_write`, `open_for_reading`) as futures
+  of an `Array`, a thin wrapper of TensorStore's array (shape, data type,
+  chunks, `array[index]`, `read()`, `write(value, transaction)`); a save's
+  `Transaction`; arrays made of a reader (`virtual_array`) or of NumPy data
+  (`in_memory`).
+
+Futures are returned, not waited for; callers block with `result` only at
+the public boundary. They are TensorStore's own futures (`Future`, set
+through a `Promise`; a read's holds a NumPy array) or a `Mapped`, which turns
+TensorStore's result into this module's type (an `Array`, a `Found`) as it
+is asked for.
+
+A leaf's chunk files take one of two paths, chosen once per location by
+`local_chunk_files`: on a local disk eqx_ckpt reads and writes them itself
+(`_local_read`, `_local_write`), elsewhere TensorStore does (here). Per leaf,
+`_local_read.eligible` and `_local_write.eligible` then say whether its layout
+allows the local path (chunks that split only the first axis).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import crc32c
+import numpy as np
+import tensorstore as ts
+
+from .._base import _faults, _location
+from .._base._location import Location
+from .._ondisk import _format
+from .._ondisk._format import LeafRecord, PackRecord
+from . import _durable, _memory, _storage_errors, _untrusted
+from ._storage_errors import read_explained, read_only_store, unreachable, write_error
+
+# What the local path needs of the host: little-endian bytes (zarr's chunks are
+# little-endian), `preadv` and `O_NOFOLLOW` for the checked reads, a hardware crc32c.
+LOCAL_PATH_SUPPORTED = (
+    sys.byteorder == "little" and hasattr(os, "preadv") and hasattr(os, "O_NOFOLLOW") and crc32c.hardware_based
+)
+
+
+def local_chunk_files(loc: Location) -> bool:
+    """Whether eqx_ckpt reads and writes the chunk files under `loc` itself
+    (`_local_read`, `_local_write`) rather than through TensorStore: a local
+    disk reached through the `file` driver, on a host with what that needs."""
+    return LOCAL_PATH_SUPPORTED and _location.on_local_disk(loc)
+
+
+# The futures this module returns are TensorStore's own (`Future`, set through
+# a `Promise`: see `pending`), or a `Mapped`, which converts TensorStore's result
+# into this module's type as it is asked for; each has `result`, `done` and
+# `add_done_callback`. A read's future holds a NumPy array, an open's an `Array`.
+Future = ts.Future
+Promise = ts.Promise
+
+# One context for every open: it is what makes `memory://` stores persist between
+# calls, and what bounds file I/O concurrency for the whole process.
+#
+# Its retries make storage that cannot be reached an error within seconds.
+# TensorStore's defaults (32 attempts, backing off from 1 s to 32 s) retried a
+# refused connection for minutes, and a load, a save or a manager's listing
+# seemed to hang. TensorStore cannot tell a refused connection from a server's
+# brief hiccup (a 503, a dropped connection), so one setting serves both: for a
+# plain `http://` server four attempts over about 4 s; for an object store
+# (`s3://`, `gs://`) five over about 6 s, which rides out a throttled request
+# as AWS's own SDKs do (three attempts by default). A kvstore spec dict may carry
+# its own `"http_request_retries"`, `"s3_request_retries"` or
+# `"gcs_request_retries"`, which wins over these (docs/storage.md).
+RETRIES = {
+    "http_request_retries": {"max_retries": 4, "initial_delay": "0.25s", "max_delay": "2s"},
+    "s3_request_retries": {"max_retries": 5, "initial_delay": "0.25s", "max_delay": "2s"},
+    "gcs_request_retries": {"max_retries": 5, "initial_delay": "0.25s", "max_delay": "2s"},
+}
+CONTEXT = ts.Context(RETRIES)
+
+
+# For the arrays of a save to a local disk: no fsync per file (thousands of them
+# cost seconds each batch); the save flushes once before it commits (`_durable.flush`).
+# Only for the `file` driver: a `memory://` store lives in its context.
+UNSYNCED = ts.Context({"file_io_sync": False})
+
+
+# For packs read one leaf at a time: their decoded chunks are kept, so that the
+# leaves of one chunk read it once. (A child of `CONTEXT`: same `memory://` stores.)
+CACHED = ts.Context({"cache_pool": {"total_bytes_limit": 64 * 2**20}}, parent=CONTEXT)
+
+
+def array_spec(
+    loc: Location, directory: str, *, shape: tuple[int, ...], stored_dtype: str, chunks: list[int]
+) -> dict[str, Any]:
+    """The spec that creates (or, opened, checks) one leaf's zarr v3 array."""
+    return {
+        "driver": "zarr3",
+        "kvstore": loc.child(directory),
+        "metadata": _format.array_metadata(shape, stored_dtype, chunks),
+        # A deleted chunk must be an error, not silently read back as zeros...
+        "fill_missing_data_reads": False,
+        # ...so every chunk is written, even one that equals the fill value.
+        "store_data_equal_to_fill_value": True,
+    }
+
+
+def _kvstore(loc: Location, *, synced: bool = True) -> ts.KvStore:
+    _faults.fire("storage.open", loc)
+    return result(ts.KvStore.open(loc.kvstore, context=_context(loc, synced)))
+
+
+def _context(loc: Location, synced: bool) -> ts.Context:
+    return UNSYNCED if not synced and _location.on_local_disk(loc) else CONTEXT
+
+
+def result(future: Future | Mapped) -> Any:
+    """`future.result()`, except that an interrupt (Ctrl-C, `sys.exit` from a
+    signal handler) waits for the operation to finish before it is raised: an
+    operation left running when the interpreter exits aborts the process, and a
+    save must know whether a write happened before it decides what to undo."""
+    try:
+        return future.result()
+    except Exception:
+        raise
+    except BaseException:
+        while not future.done():
+            with contextlib.suppress(BaseException):
+                future.result()
+        raise
+
+
+def read_file(loc: Location, name: str, *, limit: int) -> bytes | None:
+    """The bytes of a small file, or `None` if it does not exist. A file of more
+    than `limit` bytes is a `CorruptCheckpointError`, found before it is read (on
+    an object store, by asking for the one byte past the limit), so a hostile
+    checkpoint cannot make us download or allocate a huge file."""
+    return read_file_stamped(loc, name, limit=limit)[0]
+
+
+def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | None, bytes]:
+    """`read_file`, and a stamp that changes whenever the file is replaced (see
+    `file_changed`)."""
+    _faults.fire("storage.read_file", loc, name)
+    if loc.local is not None:
+        full = os.path.join(loc.local, name)
+        _untrusted.refuse_links(loc, name)
+        if not os.path.isfile(full):
+            return None, b""
+        # One line opens and enters: an interrupt between the two would leave
+        # the file open until the traceback is freed (the load-interrupt sweep
+        # of tests/test_transaction.py found it).
+        try:
+            with open(full, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_size > limit:
+                    raise _storage_errors.too_large(loc, name, limit, st.st_size)
+                data, stamp = f.read(limit + 1), _stat_stamp(st)
+        except FileNotFoundError:  # deleted since the check (a writer's retention)
+            return None, b""
+    else:
+        with read_explained(loc, name):
+            _refuse_large_object(loc, name, limit)
+            found = _read(loc, name)
+        if found.state != "value":
+            return None, found.stamp.generation
+        data, stamp = found.value, _digest(found.value) + found.stamp.generation
+    if len(data) > limit:  # it grew between the check and the read
+        raise _storage_errors.too_large(loc, name, limit, len(data))
+    return data, stamp
+
+
+def _refuse_large_object(loc: Location, name: str, limit: int) -> None:
+    """On an object store, ask for the one byte past `limit` before downloading."""
+    try:
+        probe = _read(loc, name, byte_range=slice(limit, limit + 1))
+    except ValueError:
+        # OUT_OF_RANGE: the file ends before `limit`. (Some servers answer a range
+        # past the end otherwise, e.g. gcp-storage-emulator with a malformed
+        # Content-Range: the size is then checked after the read.)
+        return
+    if probe.state == "value" and len(probe.value):
+        raise _storage_errors.too_large(loc, name, limit, None)
+
+
+def _read(loc: Location, name: str, **options: Any) -> Any:
+    """One read of a file of an object store or server (`ts.KvStore.read`);
+    storage that cannot be reached is a `CheckpointConnectionError`."""
+    try:
+        return result(_kvstore(loc).read(name, **options))
+    except Exception as e:
+        error = unreachable(loc, e)
+        if error is None:
+            raise
+        raise error from None
+
+
+def _stat_stamp(st: os.stat_result) -> bytes:
+    # A replaced file (written beside, then renamed) has another inode; an
+    # edited one another modification time or size.
+    return f"{st.st_dev}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_size}".encode()
+
+
+def file_changed(loc: Location, name: str, stamp: bytes) -> bool:
+    """Whether the file `name` is no longer the one `read_file_stamped` stamped."""
+    if loc.local is not None:
+        try:
+            return _stat_stamp(os.stat(os.path.join(loc.local, name))) != stamp
+        except FileNotFoundError:
+            return True
+    with read_explained(loc, name):
+        return _changed_since(loc, name, stamp[_DIGEST_BYTES:], stamp[:_DIGEST_BYTES])
+
+
+def generation_changed(loc: Location, name: str, generation: bytes) -> bool:
+    """Whether the file `name` is no longer the one a read found at
+    `generation` (`Folder.read`'s; a local file's is its device, inode and
+    modification time, an object's its generation or ETag)."""
+    return _changed_since(loc, name, generation, None)
+
+
+def _changed_since(loc: Location, name: str, generation: bytes, digest: bytes | None) -> bool:
+    """Whether the file `name` is no longer the one a read found at
+    `generation`: one read, sent only if the generation differs (of the whole
+    file where `digest`, the SHA-256 of its bytes then, is given, else of one byte).
+
+    A server whose generations TensorStore cannot send back in a condition
+    (gcp-storage-emulator's), or a file now empty, is asked for a plain read's
+    generation instead. A server that ignores the condition and sends the bytes
+    again (a plain HTTP server without `If-None-Match` or `ETag`, as Python's
+    own http.server) is judged by their digest, or else by their generation."""
+    whole = {} if digest is not None else {"byte_range": slice(0, 1)}
+    try:
+        found = _read(loc, name, if_not_equal=generation, **whole)
+    except ValueError:
+        try:
+            return _read(loc, name, byte_range=slice(0, 1)).stamp.generation != generation
+        except ValueError:
+            return True
+    if found.state == "unspecified":  # not modified since
+        return False
+    if found.state != "value":
+        return True
+    return _digest(found.value) != digest if digest is not None else found.stamp.generation != generation
+
+
+# On an object store or server, a stamp is the SHA-256 of the file, then its generation.
+_DIGEST_BYTES = 32
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes | None, bytes]:
+    """`read_file`, and the file's storage generation, for a write conditional
+    on it (`write_conditional`, `write_if`)."""
+    _faults.fire("storage.read_generation", loc, name)
+    _untrusted.refuse_links(loc, name)
+    if loc.local is not None:
+        full = os.path.join(loc.local, name)
+        if os.path.isfile(full) and os.path.getsize(full) > limit:
+            raise _storage_errors.too_large(loc, name, limit, os.path.getsize(full))
+    else:
+        _refuse_large_object(loc, name, limit)
+    data, generation = read_generation(loc, name)
+    if data is not None and len(data) > limit:
+        raise _storage_errors.too_large(loc, name, limit, len(data))
+    return data, generation
+
+
+def read_generation(loc: Location, name: str) -> tuple[bytes | None, bytes]:
+    """The bytes of a small file this package writes (`None` if it is not
+    there) and its storage generation, unchecked: for a file whose reader
+    takes a bounded prefix (a lease); `read_file_generation` checks size and links."""
+    found = result(_kvstore(loc).read(name))
+    return (found.value if found.state == "value" else None), found.stamp.generation
+
+
+# The generation of a file that is not there: a write conditional on it
+# creates the file only if none is there.
+ABSENT = b"\x02"
+
+
+def _start_write_if(loc: Location, name: str, data: bytes | None, if_equal: bytes | None) -> Future:
+    """The one conditional write: `data` (`None` deletes) written only if the
+    file's generation is still `if_equal` (`None`: whatever it is); a future of
+    its new timestamped generation, empty where the condition failed."""
+    return _kvstore(loc).write(name, data, if_equal=if_equal)
+
+
+def write_if(loc: Location, name: str, data: bytes | None, if_equal: bytes) -> bytes | None:
+    """Write a small file (`data`; `None` deletes it) only if its generation is
+    still `if_equal` (`ABSENT`: only if there is none), and wait for it. The
+    file's new generation, or `None` if the condition failed. A failed write is
+    a `CheckpointError` that says nothing was written; once written, a local
+    directory is synced."""
+    try:
+        generation = result(_start_write_if(loc, name, data, if_equal)).generation
+    except NotImplementedError:
+        raise read_only_store(loc) from None
+    except Exception as e:
+        raise write_error(loc, name, e, "nothing was written") from e
+    if not generation:
+        return None
+    if loc.local is not None:
+        _durable.sync_directory(loc.local)
+    return generation
+
+
+def write_conditional(
+    loc: Location, name: str, data: bytes, if_equal: bytes
+) -> tuple[bool, BaseException | None, BaseException | None]:
+    """Write a small file only if its generation is still `if_equal`.
+
+    Returns `(written, error, interrupt)`. An interrupt (Ctrl-C, `sys.exit`
+    from a signal handler) while the write is under way does not abandon it:
+    the write is waited for, so that whether it happened is known, and the
+    interrupt is returned for the caller to raise once that is recorded.
+    `error` is the write's failure or, once written, the directory sync's, as
+    raised: the caller, which can tell whether the file is its own, says what
+    it left."""
+    _faults.fire("commit.manifest_write", loc, name)
+    future = _start_write_if(loc, name, data, if_equal)
+    interrupt: BaseException | None = None
+    error: BaseException | None = None
+    written = False
+    while True:
+        try:
+            written = bool(future.result().generation)
+            break
+        except Exception as e:
+            if "Malformed StorageGeneration" in str(e) and if_equal != b"":
+                # A server that reported a generation it cannot be asked for
+                # back (gcp-storage-emulator reports 0 on reads): the condition
+                # cannot be expressed there, so the write is made without it.
+                future, if_equal = _start_write_if(loc, name, data, None), b""
+                continue
+            error = e
+            break
+        except BaseException as e:  # kept and returned, so the write's outcome is known first
+            interrupt = interrupt or e
+    if written and loc.local is not None:
+        try:
+            _durable.sync_directory(loc.local)
+        except Exception as e:
+            error = e
+        except BaseException as e:  # the commit happened; the caller raises it afterwards
+            interrupt = interrupt or e
+    return written, error, interrupt
+
+
+def write_file(loc: Location, name: str, data: bytes) -> None:
+    """Write a small file atomically (TensorStore writes beside, then renames)."""
+    try:
+        store = _kvstore(loc)
+        result(store.write(name, data))
+        if loc.local is not None:
+            _durable.fsync(loc.local)
+    except Exception as e:
+        raise write_error(loc, name, e) from e
+
+
+def start_writes(loc: Location, files: dict[str, bytes], *, synced: bool = True) -> list[Future]:
+    """Start writing small files (name -> bytes), each atomically; their
+    futures. Unsynced (`synced=False`) on a local disk, as a save's arrays are."""
+    store = _kvstore(loc, synced=synced)
+    return [store.write(name, data) for name, data in files.items()]
+
+
+def delete_file(loc: Location, name: str) -> None:
+    _faults.fire("storage.delete_file", loc, name)
+    result(_kvstore(loc).delete_range(ts.KvStore.KeyRange(name, name + "\0")))
+
+
+def list_names(loc: Location) -> list[str]:
+    """The top-level entries of a checkpoint directory."""
+    _faults.fire("storage.list", loc)
+    if loc.local is not None:
+        return sorted(os.listdir(loc.local)) if os.path.isdir(loc.local) else []
+    return sorted({key.split("/", 1)[0] for key in list_keys(loc)})
+
+
+def list_files(loc: Location) -> list[str]:
+    """Every file below `loc`, relative to it and `/`-separated, sorted. On a
+    local disk a symbolic link is listed as a file, never followed."""
+    if loc.local is None:
+        return sorted(list_keys(loc))
+    _faults.fire("storage.list", loc)
+    files: list[str] = []
+    for root, folders, names in os.walk(loc.local, onerror=_unless_missing):
+        relative = os.path.relpath(root, loc.local)
+        prefix = "" if relative == "." else relative.replace(os.sep, "/") + "/"
+        links = [f for f in folders if os.path.islink(os.path.join(root, f))]  # (never walked into)
+        files += [prefix + name for name in names + links]
+    return sorted(files)
+
+
+def list_keys(loc: Location) -> list[str]:
+    """Every key below `loc`, relative to it."""
+    try:
+        keys = result(_kvstore(loc).list())
+    except NotImplementedError:
+        raise read_only_store(loc) from None
+    except Exception as e:
+        # A listing that fails is never "nothing there": a manager would read
+        # a missing bucket as a run with no steps.
+        raise _storage_errors.list_error(loc, e) from e
+    if not keys and loc.kvstore.get("driver") == "gcs":
+        _check_gcs_listing(loc)
+    return [key.decode("utf-8", "replace") for key in keys]
+
+
+# Where TensorStore's `gcs` driver sends its requests: this variable (an
+# emulator), else Google.
+GCS_URL_VARIABLE = "TENSORSTORE_GCS_HTTP_URL"
+
+
+def _check_gcs_listing(loc: Location) -> None:
+    """An empty listing from TensorStore's `gcs` driver, which lists nothing
+    when GCS answers 401, 403 or 404: raise unless the directory is really empty.
+
+    Credentials GCS refuses fail a read as well; a bucket that is not there
+    is what a request for its metadata says, asked without credentials (GCS
+    answers 404 only when the bucket does not exist; 401 or the metadata when
+    it does)."""
+    try:
+        result(_kvstore(loc).read(_format.MANIFEST))
+    except Exception as e:
+        raise _storage_errors.list_error(loc, e) from e
+    bucket = loc.kvstore.get("bucket", "")
+    base = os.environ.get(GCS_URL_VARIABLE, "https://storage.googleapis.com").rstrip("/")
+    metadata = {"driver": "http", "base_url": f"{base}/storage/v1/b/"}  # the bucket's name is the key
+    try:
+        found = result(result(ts.KvStore.open(metadata, context=CONTEXT)).read(bucket))
+    except Exception:
+        return  # refused (401, 403) or failing: the bucket is there, or nothing more can be told
+    if found.state == "missing":
+        raise _storage_errors.missing_bucket(loc, bucket)
+
+
+def remove(loc: Location, names: Iterable[str]) -> None:
+    """Remove top-level entries (files or directories) of a checkpoint."""
+    _faults.fire("storage.remove", loc, names)
+    names = list(names)
+    if loc.local is not None:
+        for name in names:
+            full = os.path.join(loc.local, name)
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full, ignore_errors=True)
+                if os.path.lexists(full):
+                    # A file that landed while the tree was removed: once more, and
+                    # an error now is raised (the caller's journal keeps the name).
+                    shutil.rmtree(full)
+            elif os.path.lexists(full):
+                os.unlink(full)
+        return
+    store = _kvstore(loc)
+    futures = [store.delete_range(ts.KvStore.KeyRange(name, name + "\0")) for name in names]
+    futures += [store.delete_range(_below(name)) for name in names]
+    for future in futures:
+        result(future)
+
+
+def remove_written(loc: Location, names: Iterable[str]) -> None:
+    """Remove what saves wrote under the top-level entries `names` of a
+    checkpoint: every file `written_by_a_save`, then every folder left empty.
+
+    Anything else (a user's notes in a leaf's folder) stays, with the folders
+    that lead to it: a save deletes only what saves wrote (SPEC 3)."""
+    _faults.fire("storage.remove_written", loc, names)
+    names = list(names)
+    if loc.local is None:
+        store = _kvstore(loc)
+        ranges = [r for name in names for r in (ts.KvStore.KeyRange(name, name + "\0"), _below(name))]
+        keys = [key.decode("utf-8", "surrogateescape") for r in ranges for key in result(store.list(r))]
+        futures = [store.delete_range(ts.KvStore.KeyRange(k, k + "\0")) for k in keys if _format.written_by_a_save(k)]
+        for future in futures:
+            result(future)
+        return
+    for name in names:
+        full = os.path.join(loc.local, name)
+        if os.path.islink(full):
+            _unlink(full)  # in place of an entry a save wrote: the link goes, never what it points to
+            continue
+        if not os.path.isdir(full):
+            if os.path.lexists(full) and _format.written_by_a_save(name):
+                _unlink(full)
+            continue
+        for root, folders, files in os.walk(full, topdown=False, onerror=_unless_missing):
+            relative = os.path.relpath(root, loc.local).replace(os.sep, "/")
+            links = [f for f in folders if os.path.islink(os.path.join(root, f))]  # (never walked into)
+            for file in files + links:
+                if _format.written_by_a_save(f"{relative}/{file}"):
+                    _unlink(os.path.join(root, file))
+            try:
+                os.rmdir(root)
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                    raise
+
+
+def _unless_missing(error: OSError) -> None:
+    """Raise `error`, unless it says a file is gone already."""
+    if not isinstance(error, FileNotFoundError):
+        raise error
+
+
+def _below(name: str) -> ts.KvStore.KeyRange:
+    """The keys inside a folder `name` ("0" follows "/")."""
+    return ts.KvStore.KeyRange(name + "/", name + "0")
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class Array:
+    """An opened array, the only form in which one leaves this module: its
+    shape, data type and chunks, a region of it (`array[index]`, another
+    `Array`), and its reads and writes, which return futures, not waited for.
+
+    A thin wrapper of TensorStore's array (one attribute; a region wraps
+    TensorStore's region, and a read is TensorStore's read): no copy, and
+    nothing is read or written that TensorStore would not."""
+
+    __slots__ = ("_array",)
+
+    def __init__(self, array: Any):
+        self._array = array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._array.shape)
+
+    @property
+    def dtype_name(self) -> str:
+        """Its data type's name (`float32`, `bfloat16`, or one NumPy has none
+        for, such as `string`)."""
+        return str(self._array.dtype.name)
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return np.dtype(self._array.dtype.numpy_dtype)
+
+    @property
+    def read_chunk_shape(self) -> tuple[int, ...]:
+        """The shape of the chunks it is read in (`()` where it has none)."""
+        return tuple(self._array.chunk_layout.read_chunk.shape or ())
+
+    def __getitem__(self, index: Any) -> Array:
+        return Array(self._array[index])
+
+    def read(self) -> Future:
+        """Start reading it: a future of a NumPy array."""
+        return self._array.read()
+
+    def write(self, value: np.ndarray, transaction: Transaction | None = None) -> Future:
+        """Start writing `value` into it; a future of the write. Staged in
+        `transaction`, the write only references `value` until the
+        transaction's commit, which writes it out: `value` must not change
+        until then (see `_write`)."""
+        if transaction is None:
+            return self._array.write(value)
+        staged = self._array.with_transaction(transaction._transaction)
+        return staged.write(value, can_reference_source_data_indefinitely=True)
+
+
+class Transaction:
+    """A (non-atomic) transaction: writes staged in it (`Array.write`) are
+    written out only by its `commit`."""
+
+    __slots__ = ("_transaction",)
+
+    def __init__(self) -> None:
+        self._transaction = ts.Transaction()
+
+    def commit(self) -> Future:
+        """Start writing out what was staged: its future."""
+        return self._transaction.commit_async()
+
+    def abort(self) -> None:
+        """Drop what was staged: nothing of it is written."""
+        self._transaction.abort()
+
+
+class Mapped:
+    """A future of what this module makes of TensorStore's result (an `Array`
+    of an opened array, a `Found` of a file's read), made as it is asked for.
+    Like TensorStore's futures: `result`, `done`, `add_done_callback`."""
+
+    __slots__ = ("_future", "_make")
+
+    def __init__(self, future: Any, make: Callable[[Any], Any]):
+        self._future, self._make = future, make
+
+    def result(self) -> Any:
+        return self._make(self._future.result())
+
+    def done(self) -> bool:
+        return bool(self._future.done())
+
+    def add_done_callback(self, callback: Callable[[Mapped], None]) -> None:
+        self._future.add_done_callback(lambda _: callback(self))
+
+
+class Found(NamedTuple):
+    """What a read of a file found: its bytes (`None` where there is no file)
+    and its storage generation (see `generation_changed`)."""
+
+    value: bytes | None
+    generation: bytes
+
+
+def _found(read: Any) -> Found:
+    return Found(read.value if read.state == "value" else None, read.stamp.generation)
+
+
+class Folder:
+    """The files of one directory of another program's checkpoint, opened once
+    for the many byte-range reads of its arrays (`_safetensors`)."""
+
+    __slots__ = ("_store", "loc")
+
+    def __init__(self, loc: Location):
+        self.loc, self._store = loc, _kvstore(loc)
+
+    def read(self, name: str, byte_range: slice | None = None) -> Mapped:
+        """Start reading the file `name` (its bytes `byte_range`, else all of
+        it): a future of a `Found`. A range past the end of the file fails
+        with TensorStore's `OUT_OF_RANGE` error."""
+        return Mapped(self._store.read(name, byte_range=byte_range), _found)
+
+    def changed(self, name: str, generation: bytes) -> bool:
+        """`generation_changed` of one of its files."""
+        return generation_changed(self.loc, name, generation)
+
+
+def transaction() -> Transaction:
+    """A transaction for a save's array writes (see `Transaction`)."""
+    _faults.fire("storage.transaction")
+    return Transaction()
+
+
+def _opening(future: Any) -> Mapped:
+    """The future of an `Array`, of TensorStore's future of an opened array."""
+    return Mapped(future, Array)
+
+
+def _leaf_spec(loc: Location, record: LeafRecord) -> dict[str, Any]:
+    """The spec of a leaf's own zarr v3 array, as its record describes it."""
+    return array_spec(
+        loc, record.directory, shape=record.stored_shape, stored_dtype=record.stored_dtype, chunks=list(record.chunks)
+    )
+
+
+def create_array(loc: Location, record: LeafRecord, *, synced: bool = True) -> Mapped:
+    return create_spec(_leaf_spec(loc, record), loc, synced=synced)
+
+
+def create_spec(spec: dict[str, Any], loc: Location, *, synced: bool = True) -> Mapped:
+    """Create an array from its full spec: a future of its `Array`."""
+    _faults.fire("storage.create_array", loc)
+    return _opening(ts.open(spec, create=True, context=_context(loc, synced)))
+
+
+def open_array(loc: Location, record: LeafRecord, *, synced: bool = True, checked: bool = True) -> Future | Mapped:
+    """Open a stored leaf (a packed one as an in-memory copy of its elements):
+    a future of its `Array`.
+
+    With `checked`, its zarr.json is read and checked against the manifest
+    (shape, data type, chunks and the crc32c codec must all be as recorded);
+    without, the manifest's metadata is taken as it is, and a file whose chunks
+    do not decode that way fails its checksum when read."""
+    _faults.fire("storage.open_array", loc, record)
+    if record.pack is not None:
+        return open_packed(loc, record)
+    _untrusted.check_leaf_files(loc, record)
+    _memory.refuse_beyond_memory(loc, record, record.chunk_nbytes, "one of its chunks")
+    spec = _leaf_spec(loc, record)
+    if not checked:
+        return _opening(ts.open(spec, open=True, assume_metadata=True, context=_context(loc, synced)))
+    return _opening(ts.open(spec, open=True, context=_context(loc, synced)))
+
+
+def open_to_write(loc: Location, record: LeafRecord) -> Mapped:
+    """Open a leaf's array that another process of this save created, to write
+    this process's shards into it (its zarr.json checked against the record).
+
+    Not `open_array`: the checks a load makes of a leaf's files (that they hold
+    all of its bytes) fail here by design, while the other processes are still
+    writing their shards."""
+    _faults.fire("storage.open_array", loc, record)
+    spec = _leaf_spec(loc, record)
+    return _opening(ts.open(spec, open=True, context=_context(loc, synced=False)))
+
+
+def open_spec(spec: dict[str, Any], loc: Location, *, cached: bool = False) -> Mapped:
+    """Open an existing array from its full spec, checking its zarr.json;
+    `cached` keeps decoded chunks in a shared cache (`_storage.CACHED`)."""
+    return _opening(ts.open(spec, open=True, context=CACHED if cached else CONTEXT))
+
+
+def pack_spec(loc: Location, pack: PackRecord) -> dict[str, Any]:
+    """The spec of a pack's zarr v3 array (see `_pack`)."""
+    return array_spec(loc, pack.name, shape=(pack.size,), stored_dtype=pack.dtype, chunks=[pack.chunk])
+
+
+# Packs opened for reading single leaves (lazy leaves, `Checkpoint[...]`, verify,
+# diff), with a cache of their decoded chunks: reading a hundred leaves of one
+# chunk reads (and checks) that chunk once.
+_OPEN: collections.OrderedDict[str, Mapped] = collections.OrderedDict()
+
+
+_OPEN_MAX = 8
+
+
+def open_pack(loc: Location, pack: PackRecord, *, cached: bool, leaf: str | None = None) -> Mapped:
+    """A future of the pack's `Array` (its `zarr.json` is read and checked
+    against the manifest). `leaf` names the leaf it is opened for."""
+    _faults.fire("storage.open_pack", loc, pack)
+    _untrusted.check_pack_files(loc, pack, leaf=leaf)
+    if not cached:
+        return open_spec(pack_spec(loc, pack), loc)
+    key = json.dumps([loc.kvstore, pack.name, pack.size, pack.chunk, pack.commit], sort_keys=True)
+    opened = _OPEN.get(key)
+    if opened is None:
+        opened = open_spec(pack_spec(loc, pack), loc, cached=True)
+        _OPEN[key] = opened
+        while len(_OPEN) > _OPEN_MAX:
+            _OPEN.popitem(last=False)
+    _OPEN.move_to_end(key)
+    return opened
+
+
+def open_packed(loc: Location, record: LeafRecord) -> Future:
+    """A future of one packed leaf as an in-memory `Array` of its stored shape
+    (a packed leaf is small: it is read when opened)."""
+    assert record.pack is not None
+    opened = open_pack(loc, record.pack, cached=True, leaf=record.path)
+    promise, future = pending()
+    try:
+        read = opened.result()[record.offset : record.offset + record.size].read()
+    except Exception as e:  # raised by whoever waits for the leaf, as any read error
+        promise.set_exception(e)
+        return future
+
+    def done(f: Any) -> None:
+        try:
+            promise.set_result(in_memory(f.result().reshape(record.stored_shape)))
+        except Exception as e:
+            promise.set_exception(e)
+
+    read.add_done_callback(done)
+    return future
+
+
+# -- For the readers of other formats (`_safetensors`, `_orbax`) ------------------------------------
+
+
+def _reading_context() -> ts.Context:
+    """A context of its own for the arrays of one opening of another program's
+    checkpoint (`open_for_reading`). TensorStore shares an open OCDBT database
+    between opens of one context: an orbax checkpoint saved again at the same
+    path is another database, which the shared one refuses ("Configuration
+    mismatch on uuid") for as long as anything holds the old one open. (A child
+    of `CONTEXT`: same `memory://` stores, same limits.)"""
+    return ts.Context({"cache_pool": {}, "ocdbt_coordinator": {}}, parent=CONTEXT)
+
+
+def open_for_reading(specs: list[dict[str, Any]]) -> list[Mapped]:
+    """Open existing arrays read-only from their full specs (another program's
+    arrays, of one checkpoint, in a context of their own): futures of their `Array`s."""
+    context = _reading_context()
+    return [_opening(ts.open(spec, open=True, read=True, context=context)) for spec in specs]
+
+
+def pending() -> tuple[Promise, Future]:
+    """A promise and its future, for a result a callback sets later."""
+    return ts.Promise.new()
+
+
+def ready(value: Any) -> Future:
+    """A future that already holds `value`."""
+    promise, future = pending()
+    promise.set_result(value)
+    return future
+
+
+def virtual_array(
+    read: Callable[[tuple[int, int] | None, np.ndarray], Future],
+    *,
+    dtype: Any,
+    shape: tuple[int, ...],
+    chunks: tuple[int, ...],
+) -> Array:
+    """A read-only `Array` whose chunks `read(rows, array)` fills (a future):
+    `rows` is the chunk's `(first, end)` along the first axis (`None` for a
+    scalar), and `array` the chunk's buffer to fill."""
+
+    def fill(domain: Any, array: np.ndarray, _: Any) -> Future:
+        return read((domain[0].inclusive_min, domain[0].exclusive_max) if shape else None, array)
+
+    layout = ts.ChunkLayout(read_chunk_shape=chunks) if shape else None
+    return Array(ts.virtual_chunked(fill, dtype=ts.dtype(np.dtype(dtype).name), shape=shape, chunk_layout=layout))
+
+
+def in_memory(array: np.ndarray) -> Array:
+    """A NumPy array as an `Array` (the type every opened leaf has)."""
+    return Array(ts.array(array))

@@ -1,0 +1,209 @@
+"""Checks on a local checkpoint directory before TensorStore reads from it.
+
+A checkpoint may come from elsewhere, so its files are untrusted:
+
+- eqx_ckpt never writes a symbolic link, so a link inside a checkpoint came from
+  elsewhere; following one could make a load read files outside the checkpoint.
+  Every local read of a leaf or a small file checks its path first.
+- A load allocates what the manifest says a leaf holds. The chunk files of a
+  leaf must hold at least that many bytes before it is read, so an absurd shape
+  in a hostile manifest is an error, not an attempt to allocate terabytes.
+
+Object stores have no links and list sizes only at a cost, so only local paths
+are checked.
+
+A save checks one thing before it writes: that no file in a leaf's folder
+would have a path longer than the system allows (PATH_MAX), which TensorStore
+would report only midway, in a message of many kilobytes naming no leaf.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from .._base import _faults
+from .._base._errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IntegrityError,
+    LeafError,
+    leaf_line,
+    leaf_message,
+    stored_leaf_error,
+)
+from .._base._keypath import from_json
+from .._base._location import Location
+from .._ondisk import _format
+from .._ondisk._format import MAX_RANK, LeafRecord, PackRecord, dtype_from_name
+
+
+def refuse_links(loc: Location, relative: str, *, leaf: str | None = None, subtree: bool = False) -> int:
+    """Raise if any component of `relative` below `loc` is a symbolic link, or
+    (with `subtree=True`) anything inside it. `leaf` names the leaf concerned.
+
+    **Returns:**
+
+    The total size of the regular files inside (with `subtree=True`), else 0.
+    """
+    if loc.local is None:
+        return 0
+    current = loc.local
+    for part in (p for p in relative.split("/") if p):
+        current = os.path.join(current, part)
+        if os.path.islink(current):
+            raise _link_error(loc, current, leaf)
+    return _scan(loc, current, leaf) if subtree and os.path.isdir(current) else 0
+
+
+def check_leaf_files(loc: Location, record: LeafRecord) -> None:
+    """Before a local leaf is opened: no links, and enough bytes on disk."""
+    if loc.local is None:
+        return
+    found = refuse_links(loc, record.directory, leaf=record.path, subtree=True)
+    if found >= record.nbytes:
+        return
+    why = first_wrong_chunk_file(loc, record.directory, record.stored_shape, record.chunks, record.chunk_nbytes)
+    raise stored_leaf_error(
+        IntegrityError,
+        f"it is damaged or incomplete: {why or _short(record.nbytes, found)}. Nothing was read.",
+        dotted=record.path,
+        path=loc.display,
+        fix=_DAMAGED_FIX,
+    )
+
+
+def check_pack_files(loc: Location, pack: PackRecord, *, leaf: str | None = None) -> None:
+    """Before a local pack is opened: no links, and every chunk file there,
+    of one full chunk and its checksum (a pack has few). `leaf` names the leaf
+    being read, if one is."""
+    if loc.local is None:
+        return
+    refuse_links(loc, pack.name, leaf=leaf, subtree=True)
+    chunk_nbytes = pack.chunk * dtype_from_name(pack.dtype).itemsize
+    why = first_wrong_chunk_file(loc, pack.name, (pack.size,), (pack.chunk,), chunk_nbytes)
+    if why is None:
+        return
+    # Worded as `verify` words it, with the leaf's own words around it.
+    if leaf is not None:
+        what = f"its pack {pack.name!r} is damaged: {why}. Nothing was read."
+        raise stored_leaf_error(IntegrityError, what, dotted=leaf, path=loc.display, fix=_DAMAGED_FIX)
+    raise CorruptCheckpointError(
+        f"In checkpoint {loc.display!r}, the pack {pack.name!r} (the small leaves of dtype {pack.dtype}) is "
+        f"damaged: {why}. Nothing was read. {_DAMAGED_FIX}",
+        path=loc.display,
+    )
+
+
+_DAMAGED_FIX = (
+    "If the checkpoint was overwritten or deleted while this read ran, read it again; otherwise restore it "
+    "from a good copy, or run `eqx-ckpt verify` to list every damaged leaf."
+)
+
+
+def wrong_chunk_file(name: str, size: int | None, expected: int) -> str:
+    """A chunk file that is not the size a save writes (`None`: missing), in the
+    words a load and `verify` both use."""
+    if size is None:
+        return f"its chunk file {name!r} is missing"
+    return f"its chunk file {name!r} is {size} bytes, not {expected}"
+
+
+def first_wrong_chunk_file(
+    loc: Location, directory: str, shape: tuple[int, ...], chunks: tuple[int, ...], chunk_nbytes: int
+) -> str | None:
+    """The first chunk file of the array in `directory` that is missing or not
+    one full chunk and its checksum (`wrong_chunk_file`), or `None`. Stops at
+    the first, so a hostile manifest's absurd shape costs one missing file."""
+    expected = chunk_nbytes + _format.CHECKSUM_BYTES
+    for key in _format.chunk_keys(shape, chunks):
+        try:
+            size: int | None = os.stat(os.path.join(loc.local or "", directory, key), follow_symlinks=False).st_size
+        except FileNotFoundError:
+            size = None
+        if size != expected:
+            return wrong_chunk_file(f"{directory}/{key}", size, expected)
+    return None
+
+
+def _short(nbytes: int, found: int) -> str:
+    """Where no chunk file is amiss (its files changed while they were checked)."""
+    return f"the manifest gives it {nbytes} bytes, but its folder holds only {found} bytes"
+
+
+def _scan(loc: Location, directory: str, leaf: str | None) -> int:
+    # A file or folder removed while it is scanned (a reader racing an overwrite's
+    # cleanup) counts as no bytes, so the load fails with an IntegrityError.
+    _faults.fire("untrusted.scan", directory)
+    total = 0
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    raise _link_error(loc, entry.path, leaf)
+                if entry.is_dir(follow_symlinks=False):
+                    total += _scan(loc, entry.path, leaf)
+                elif entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+    except FileNotFoundError:
+        pass
+    return total
+
+
+# What a leaf's folder holds beyond its name, at most: `/c` and a chunk index
+# of up to 20 digits per dimension, or `/zarr.json`; TensorStore adds `.__lock`
+# while it writes one.
+_INSIDE = len("/" + _format.chunk_key([2**64 - 1] * MAX_RANK)) + len(_format.TEMPORARY)
+
+
+def check_path_lengths(loc: Location, records: Sequence[LeafRecord]) -> None:
+    """Raise, before a save writes anything, if a file in the folder of a leaf
+    of `records` (leaves with an array of their own) would have a path longer
+    than the system allows."""
+    if loc.local is None or not records:
+        return
+    limit = _path_max(loc.local)
+    # A later save writes under a data root `gen.<16 hex digits>` (`_transaction`).
+    base = len(os.fsencode(os.path.join(loc.local, _format.data_root_name("0" * 16)))) + len("/")
+    if base + max(len(r.path) for r in records) + _INSIDE < limit:
+        return  # the common case: no path comes close
+    for r in records:
+        grid = [-(-size // chunk) if chunk else 1 for size, chunk in zip(r.stored_shape, r.chunks, strict=True)]
+        inside = max(len("/" + _format.ZARR_JSON), len("/" + _format.chunk_key([max(n - 1, 0) for n in grid])))
+        longest = base + len(r.path) + inside + len(_format.TEMPORARY)  # a dotted path is its folder, in ASCII
+        if longest >= limit:  # PATH_MAX counts the terminating NUL
+            what = (
+                f"the path of a file in its folder would have about {longest} bytes, more than the "
+                f"{limit - 1} this system allows (PATH_MAX), so nothing was written."
+            )
+            fix = (
+                'Save with `layout="ocdbt"` (all arrays in one database: no folder per leaf), or use '
+                "shorter keys or a shorter checkpoint path."
+            )
+            keypath = from_json(r.keypath)
+            message = leaf_message(what, keypath=keypath, dotted=r.path, path=loc.display, fix=fix)
+            raise LeafError(message, path=loc.display, keypaths=[keypath], dotted=[r.path])
+
+
+def _path_max(path: str) -> int:
+    """PATH_MAX of the file system holding `path` (or what would hold it)."""
+    while True:
+        try:
+            return os.pathconf(path, "PC_PATH_MAX")
+        except (OSError, ValueError):
+            parent = os.path.dirname(path)
+            if parent == path:
+                return 4096  # Linux's
+            path = parent
+
+
+def _link_error(loc: Location, found: str, leaf: str | None) -> CheckpointError:
+    name = os.path.relpath(found, loc.local or ".")
+    what = (
+        f"{name!r} in checkpoint {loc.display!r} is a symbolic link. eqx_ckpt never writes links and follows none "
+        f"inside a checkpoint, so that no checkpoint can make it read files outside itself. If you made the link, "
+        f"replace it with a copy of what it points to."
+    )
+    if leaf is None:
+        return CorruptCheckpointError(what, path=loc.display)
+    return IntegrityError(leaf_line(what, keypath=None, dotted=leaf), path=loc.display, dotted=[leaf])

@@ -1,0 +1,95 @@
+"""One host-memory budget for every reader of a checkpoint.
+
+A load, `materialise`, a transformed load, `verify` and `diff` all start their
+reads through `windowed`: as many at once as fit in `READ_BUDGET` bytes, the
+oldest finished before the next one starts once the budget is full. All reads at
+once would hold every leaf twice (the read's buffer and the array made from it,
+or the chunk and its comparison); one at a time would leave TensorStore and the
+disk idle between reads.
+
+Local files are read on one pool of threads (`read_pool`), shared by every
+reader: eqx_ckpt's own chunk files (`_local_read`) and safetensors runs alike.
+Small leaves stored side by side (in a pack, or a safetensors file) are read
+in runs, grouped by one rule (`runs`).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
+from .._base import _faults
+from . import _memory
+
+# Bytes of reads in flight at once, for every reader. (A read larger than the
+# budget runs alone.)
+READ_BUDGET = 128 * 2**20
+# Threads that read local files (`read_pool`), and that open local leaves.
+READ_THREADS = 4
+
+# Two wanted leaves of one file (or pack) closer than this are read in one
+# run, the bytes between them read and dropped.
+RUN_GAP_BYTES = 256 << 10
+
+K = TypeVar("K")
+F = TypeVar("F")
+
+
+def windowed(
+    jobs: Iterable[tuple[K, int, Callable[[], F]]], *, max_reads: int | None = None
+) -> Iterator[tuple[K, int, F]]:
+    """Start each job (`(key, size in bytes, start)`: `start()` begins its read
+    and returns what finishes it) while they fit in `READ_BUDGET` bytes and,
+    with `max_reads`, that many reads; yield `(key, size, started)` oldest
+    first, whenever the next job needs room and after the last has started.
+
+    Jobs are taken from `jobs` only as they start, so a lazy iterable may decide
+    at that moment what comes next. The caller finishes each yielded read before
+    asking for the next: that is what frees its bytes."""
+    _faults.fire("window.open")
+    flight: collections.deque[tuple[K, int, F]] = collections.deque()
+    in_flight = 0
+    for key, size, start in jobs:
+        while flight and (in_flight + size > READ_BUDGET or (max_reads is not None and len(flight) >= max_reads)):
+            done = flight.popleft()
+            in_flight -= done[1]
+            yield done
+        _faults.fire("window.start", len(flight) + 1)
+        flight.append((key, size, start()))
+        in_flight += size
+    while flight:
+        yield flight.popleft()
+
+
+def read_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's pool of threads that read local files, for every reader."""
+    return _memory.shared_pool("eqx_ckpt-read", READ_THREADS)
+
+
+def runs(
+    spans: Iterable[tuple[int, int, K]], most: int, alone: Callable[[int], bool] | None = None
+) -> list[tuple[int, int, list[K]]]:
+    """Wanted leaves of one file, `spans` `(start, end, key)` in bytes sorted by
+    `start`, grouped into runs read by one read each: `(start, end, keys)`. A
+    leaf starts a new run when it begins more than `RUN_GAP_BYTES` after the
+    run's end, when the run would grow past `most` bytes, or when it, or the
+    run's last leaf, is to be read `alone` (a function of its size)."""
+    out: list[tuple[int, int, list[K]]] = []
+    members: list[K] = []
+    lo = hi = 0
+    last_alone = False
+    for start, end, key in spans:
+        this_alone = alone is not None and alone(end - start)
+        if members and (this_alone or last_alone or start > hi + RUN_GAP_BYTES or end - lo > most):
+            out.append((lo, hi, members))
+            members = []
+        if not members:
+            lo = hi = start
+        hi = max(hi, end)
+        members.append(key)
+        last_alone = this_alone
+    if members:
+        out.append((lo, hi, members))
+    return out

@@ -1,0 +1,3 @@
+"""The tools: verify, diff, export, conversion of Equinox files, the CLI and
+the demo.
+"""

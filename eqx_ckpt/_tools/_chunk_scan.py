@@ -1,0 +1,119 @@
+"""Reading every chunk of many leaves with bounded memory, for `verify` and `diff`.
+
+A leaf is read chunk by chunk, never whole, within the read budget of every
+reader (`_window`) and at most `MAX_READS` chunks at once; a hostile manifest
+may claim billions of chunks, so chunk indices are generated lazily and a leaf
+stops at its first failure.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .._base._errors import CheckpointError, CheckpointStorageError
+from .._base._location import Location
+from .._base._progress import Tracker
+from .._ondisk._format import LeafRecord, dtype_from_name
+from .._store import _share, _storage_errors, _window
+
+# How many chunk reads may be in flight at once (chunks of a few bytes would
+# otherwise start thousands of reads within the budget).
+MAX_READS = 64
+
+
+def chunk_indices(record: LeafRecord, *, stop: Callable[[], bool]) -> Iterator[tuple[slice, ...]]:
+    """The index of every chunk of a leaf, lazily and until `stop()`: a hostile
+    shape may claim billions of chunks, and the first missing one ends the leaf."""
+    counts = [-(-n // c) for n, c in zip(record.stored_shape, record.chunks)]
+    for position in _positions(counts):
+        if stop():
+            return
+        yield tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(position, record.chunks, record.stored_shape))
+
+
+def _positions(counts: list[int]) -> Iterator[tuple[int, ...]]:
+    """Every position in a grid, lazily (`itertools.product` would first build
+    each axis's full range)."""
+    if not counts:
+        yield ()
+        return
+    for i in range(counts[0]):
+        for rest in _positions(counts[1:]):
+            yield (i, *rest)
+
+
+def _chunk_bytes(record: LeafRecord, index: tuple[slice, ...]) -> int:
+    return math.prod(s.stop - s.start for s in index) * dtype_from_name(record.stored_dtype).itemsize
+
+
+def read_chunks(
+    jobs: Iterator[tuple[LeafRecord, Any, tuple[slice, ...]]],
+    *,
+    skip: Callable[[LeafRecord], bool],
+    failed: Callable[[LeafRecord, BaseException], None],
+    read: Callable[[Any, tuple[slice, ...]], Any] | None = None,
+) -> Iterator[tuple[LeafRecord, Any, int]]:
+    """Run chunk reads with a bounded number of bytes in flight; yield each
+    `(record, value, bytes)` that read cleanly, and report the others."""
+    read = read or (lambda store, index: store[index].read() if index else store.read())
+    # `skip` is asked as each chunk is about to start: a leaf stops at its first failure.
+    starts = (
+        (record, _chunk_bytes(record, index), functools.partial(read, store, index))
+        for record, store, index in jobs
+        if not skip(record)
+    )
+    for record, size, future in _window.windowed(starts, max_reads=MAX_READS):
+        try:
+            value = future.result() if hasattr(future, "result") else future()
+        except Exception as e:
+            failed(record, e)
+            continue
+        yield record, value, size
+
+
+def scan_leaves(
+    records: list[LeafRecord],
+    stores: dict[str, Any],
+    bad: dict[str, Any],
+    failed: Callable[[LeafRecord, BaseException], None],
+    tracker: Tracker,
+) -> None:
+    """Read every chunk of each of `records` whose opened array is in `stores`
+    (by dotted path), for `verify`: a leaf stops at its first failure, which
+    `failed` records in `bad` (a leaf already in `bad` is not read); progress
+    goes to `tracker`."""
+
+    def stop(path: str) -> Callable[[], bool]:
+        return lambda: path in bad
+
+    jobs = ((r, stores[r.path], i) for r in records if r.path in stores for i in chunk_indices(r, stop=stop(r.path)))
+    count = LeafCounter(records, tracker)
+    for record, _, size in read_chunks(jobs, skip=lambda r: r.path in bad, failed=failed):
+        count(record, size)
+
+
+def damage(error: BaseException, record: LeafRecord, data: Location, doing: str) -> CheckpointError:
+    """What a failure to `doing` a leaf says of the checkpoint; raised instead
+    when the storage would not serve it, which says nothing about the checkpoint."""
+    explained = _storage_errors.leaf_io_error(error, record, data, doing)
+    if isinstance(explained, CheckpointStorageError):
+        raise explained from None
+    _share.forget_damaged(explained, data, record)
+    return explained
+
+
+class LeafCounter:
+    """Turns the chunks `windowed` yields into progress: bytes at every chunk, a
+    leaf once its last chunk is done (a leaf with no bytes is done at once)."""
+
+    def __init__(self, records: list[LeafRecord], tracker: Tracker):
+        self._left = {r.path: r.nbytes for r in records}
+        self._tracker = tracker
+        tracker.advance(leaves=sum(1 for r in records if r.nbytes == 0))
+
+    def __call__(self, record: LeafRecord, size: int) -> None:
+        self._left[record.path] -= size
+        self._tracker.advance(leaves=int(self._left[record.path] == 0), nbytes=size)

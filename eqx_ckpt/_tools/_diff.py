@@ -1,0 +1,218 @@
+"""`diff`: compare two checkpoints key by key, and optionally byte by byte.
+
+Values are read chunk by chunk, a bounded number of bytes at a time (as `verify`
+does), so checkpoints of any size are compared in bounded memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from .._base._errors import CheckpointError, check_flag
+from .._base._location import Location
+from .._base._progress import Progress, Tracker
+from .._load import _read, _rebuild, _source
+from .._load._checkpoint import describe
+from .._ondisk._format import LeafRecord, dtype_from_name
+from .._store import _storage, _storage_errors
+from . import _chunk_scan
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointDiff:
+    """How two checkpoints differ, as [`eqx_ckpt.diff`][] finds it.
+
+    Iterating gives one sorted line per differing key (`+ key` added, `- key`
+    removed, `~ key` shape, dtype or type changed, `! key` values differ);
+    `len()` counts them, so the diff is falsy exactly when the checkpoints hold
+    the same leaves with the same bytes.
+
+    **Attributes:**
+
+    - `added`: dotted paths only in the second checkpoint.
+    - `removed`: dotted paths only in the first.
+    - `changed`: `(dotted path, "before -> after")` pairs whose shape, dtype or
+        leaf type differ.
+    - `values`: dotted paths with the same shape and dtype but different values.
+    - `structure`: `(dotted path, "before -> after")` pairs where the saved
+        structures differ other than in stored leaves: a class, its fields, a
+        static value (a hyperparameter such as an MLP's `depth`), a function
+        (`jax.nn.relu -> jax.nn.gelu`); compared where both checkpoints record
+        their structure (format 5 on). Lines `* key: ...`.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("a", {"w": jnp.ones(2), "b": jnp.zeros(2)})
+        eqx_ckpt.tree_serialise_leaves("b", {"w": jnp.full(2, 2.0), "lr": 0.1})
+        changes = eqx_ckpt.diff("a", "b")
+        print(list(changes))   # ['- b', '+ lr', '! w: values differ']
+        print(changes.values)  # ('w',)
+        ```
+    """
+
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    changed: tuple[tuple[str, str], ...] = ()
+    values: tuple[str, ...] = ()
+    structure: tuple[tuple[str, str], ...] = ()
+
+    def lines(self) -> list[str]:
+        out = [(k, f"+ {k}") for k in self.added] + [(k, f"- {k}") for k in self.removed]
+        out += [(k, f"~ {k}: {what}") for k, what in self.changed] + [(k, f"! {k}: values differ") for k in self.values]
+        out += [(k, f"* {k or '(the root)'}: {what}") for k, what in self.structure]
+        return [line for _, line in sorted(out)]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.lines())
+
+    def __len__(self) -> int:
+        return len(self.added) + len(self.removed) + len(self.changed) + len(self.values) + len(self.structure)
+
+
+def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None) -> CheckpointDiff:
+    """Compare two checkpoints key by key.
+
+    **Arguments:**
+
+    - `a`, `b`: checkpoint directories or kvstore URLs; or any other source
+        `Checkpoint` opens (a `.safetensors` file, a Hugging Face directory, an
+        orbax checkpoint), so an export can be compared with its checkpoint.
+    - `values`: also read both copies of every leaf whose shape and dtype agree,
+        and compare their bytes (chunk by chunk, in bounded memory). With `False`
+        only the manifests are compared.
+    - `progress`: by default a progress bar (bytes and leaves) shows on stderr
+        when it is a terminal and there is much to compare; `False` hides it,
+        `True` shows it whatever the size, and a callable is called as
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
+
+    **Returns:**
+
+    A [`eqx_ckpt.CheckpointDiff`][]: empty (falsy) when the checkpoints are equal.
+
+    **Raises:**
+
+    [`eqx_ckpt.CheckpointNotFoundError`][] or
+    [`eqx_ckpt.CorruptCheckpointError`][] if either is missing or its manifest
+    is invalid; [`eqx_ckpt.IntegrityError`][] naming the leaf if a leaf cannot
+    be read.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("a", {"w": jnp.ones(3), "b": jnp.ones(2)})
+        eqx_ckpt.tree_serialise_leaves("b", {"w": jnp.zeros(3), "c": jnp.ones(2)})
+        print(list(eqx_ckpt.diff("a", "b")))  # ['- b', '+ c', '! w: values differ']
+        ```
+    """
+    values = check_flag("values", values, "whether to compare the values of leaves that agree in shape and dtype")
+    source_a, source_b = _source.open_source(a), _source.open_source(b)
+    recs_a, recs_b = source_a.manifest.by_path(), source_b.manifest.by_path()
+    changed, same = [], []
+    for key in sorted(set(recs_a) & set(recs_b)):
+        ra, rb = recs_a[key], recs_b[key]
+        before, after = _signature(ra), _signature(rb)
+        if before != after:
+            changed.append((key, f"{before} -> {after}"))
+        else:
+            same.append((ra, rb))
+    differ: list[str] = []
+    if values:
+        with Tracker(progress, leaves=len(same), nbytes=sum(ra.nbytes for ra, _ in same), what="diff") as tracker:
+            differ = _compare_values(source_a, source_b, same, tracker)
+    structure = _rebuild.differences(source_a.manifest, source_b.manifest, source_a.loc.display, source_b.loc.display)
+    return CheckpointDiff(
+        added=tuple(sorted(set(recs_b) - set(recs_a))),
+        removed=tuple(sorted(set(recs_a) - set(recs_b))),
+        changed=tuple(changed),
+        values=tuple(differ),
+        structure=tuple(structure),
+    )
+
+
+def _signature(record: LeafRecord) -> str:
+    shown = describe(record).split(" (stored")[0]
+    return shown if record.type in ("jax", "numpy") else f"{shown} ({record.type})"
+
+
+def _open(source: _source.Source, record: LeafRecord) -> Any:
+    """A leaf's array: eqx_ckpt's with its zarr.json checked against the
+    manifest, another format's as its source opens it."""
+    if source.opener is None:
+        return _storage.open_array(source.data, record)
+    return source.open(record)
+
+
+def _compare_values(
+    source_a: _source.Source, source_b: _source.Source, pairs: list[tuple[LeafRecord, LeafRecord]], tracker: Tracker
+) -> list[str]:
+    data_a, data_b = source_a.data, source_b.data
+    opened = []
+    for ra, rb in pairs:
+        stores = []
+        for source, record in ((source_a, ra), (source_b, rb)):
+            try:
+                stores.append(_open(source, record).result())
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise _storage_errors.leaf_io_error(e, record, source.data, "open") from e
+        opened.append((ra, rb, stores[0], stores[1]))
+    errors: list[BaseException] = []
+    differ: set[str] = set()
+
+    def read(pair: Any, index: tuple[slice, ...]) -> Callable[[], bool]:
+        ra, rb, sa, sb = pair
+        fa, fb = (s[index].read() if index else s.read() for s in (sa, sb))
+        return lambda: _same(
+            _logical(_result(fa, ra, data_a), ra, data_a), _logical(_result(fb, rb, data_b), rb, data_b)
+        )
+
+    def stop(path: str) -> Callable[[], bool]:
+        return lambda: bool(errors) or path in differ
+
+    jobs = (
+        (pair[0], pair, index)
+        for pair in opened
+        for index in _chunk_scan.chunk_indices(pair[0], stop=stop(pair[0].path))
+    )
+    done = _chunk_scan.read_chunks(
+        jobs, skip=lambda r: r.path in differ or bool(errors), failed=lambda r, e: errors.append(e), read=read
+    )
+    count = _chunk_scan.LeafCounter([ra for ra, _ in pairs], tracker)
+    for record, equal, size in done:
+        if not equal:
+            differ.add(record.path)
+        count(record, size)
+    if errors:
+        raise errors[0]
+    return sorted(differ)
+
+
+def _result(future: Any, record: LeafRecord, data: Location) -> np.ndarray:
+    try:
+        return np.asarray(future.result())
+    except Exception as e:
+        raise _storage_errors.leaf_io_error(e, record, data, "read") from e
+
+
+def _logical(array: np.ndarray, record: LeafRecord, data: Location) -> np.ndarray:
+    """Stored bytes as the leaf's own dtype (undoing a cast on save: an error if
+    a stored value cannot become it)."""
+    dtype = None if record.type == "prng_key" else dtype_from_name(record.dtype)
+    return _read.host_converter(record, dtype, data)(array)
+
+
+def _same(x: np.ndarray, y: np.ndarray) -> bool:
+    """Bitwise equality: NaNs with equal bits are equal, 0.0 and -0.0 are not."""
+    return x.shape == y.shape and x.dtype == y.dtype and x.tobytes() == y.tobytes()

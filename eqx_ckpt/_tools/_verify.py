@@ -1,0 +1,442 @@
+"""`verify`: read and check every byte of a checkpoint.
+
+It reads chunk by chunk, a bounded number of bytes at a time, so a checkpoint of
+any size (or a hostile one claiming an absurd shape) is checked in bounded memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+from .._base._errors import CheckpointError, CheckpointStorageError, CorruptCheckpointError
+from .._base._location import Location, location
+from .._base._progress import Progress, Tracker
+from .._foreign import _safetensors
+from .._load import _pack, _source
+from .._manage._steps import committed_steps
+from .._ondisk import _format, _layout
+from .._ondisk._format import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, PackRecord, dtype_from_name, step_name
+from .._ondisk._manifest import Manifest
+from .._store import _share, _storage, _storage_errors, _untrusted
+from . import _chunk_scan, _verify_sources
+
+# Pack chunks read at once.
+_PACK_READS = 16
+
+# Metadata keys that do not change how the bytes are read.
+_FREE_KEYS = frozenset({"attributes", "dimension_names"})
+_MAX_ZARR_JSON = 2**20
+# Characters of an unexpected metadata value shown in a problem.
+_SHOWN = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a checkpoint, found by [`eqx_ckpt.verify`][].
+
+    **Attributes:**
+
+    - `leaf`: the dotted path of the damaged leaf, or `None` for the checkpoint as
+        a whole (its manifest, or the zarr group metadata of one of its folders,
+        which the message names).
+    - `message`: what is wrong, in a full sentence.
+    - `step`: in a `CheckpointManager`'s directory, the step it belongs to;
+        `None` for a single checkpoint.
+
+    !!! example
+
+        ```python
+        import os
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(3)})
+        os.remove("ckpt/packed.float32/c/0")    # a lost chunk of the small float32 leaves
+        for problem in eqx_ckpt.verify("ckpt"):
+            print(problem.leaf, problem.message)   # w ...
+        ```
+    """
+
+    leaf: str | None
+    message: str
+    step: int | None = None
+
+    def __str__(self) -> str:
+        text = self.message if self.leaf is None else f"{self.leaf or '<root>'}: {self.message}"
+        return text if self.step is None else f"step {self.step}: {text}"
+
+
+class Problems(list[Problem]):
+    """What [`eqx_ckpt.verify`][] returns: a list of [`eqx_ckpt.Problem`][]s
+    (empty when the checkpoint is sound), `unchecked`: sentences saying what
+    was not checked (what its format cannot be checked for; empty for an
+    eqx_ckpt checkpoint, where every byte is), and `steps`: for a
+    `CheckpointManager`'s directory, the committed steps verified (each
+    problem's `step` says which it belongs to), else `()`."""
+
+    def __init__(self, problems: Iterable[Problem] = (), unchecked: tuple[str, ...] = (), steps: tuple[int, ...] = ()):
+        super().__init__(problems)
+        self.unchecked = unchecked
+        self.steps = steps
+
+
+def verify(path: Any, *, progress: Progress = None) -> Problems:
+    """Read and check every byte of a checkpoint.
+
+    Checks the manifest (its digest, its schema, its totals), every leaf's
+    `zarr.json` against the manifest, the zarr group metadata of the folders
+    above the leaves (which zarr tools need, though loads do not), and every
+    chunk of every leaf against its crc32c checksum; a chunk file that is
+    missing, truncated or altered, a symlink inside the checkpoint, or edited
+    metadata is a problem. Nothing is loaded onto a device, and memory use
+    stays bounded whatever the size.
+
+    A `CheckpointManager`'s directory is verified step by step: every
+    committed step, in order (a step deleted meanwhile by the retention of a
+    run still saving there is left out, and `unchecked` says so).
+
+    A safetensors file, a Hugging Face directory or an orbax checkpoint is
+    checked for what its format can be checked for: its headers or metadata
+    (offsets in bounds, one after another, the file's size, the index's
+    shards and tensors), and that every tensor's bytes (every chunk) are there
+    and read. Neither format holds checksums, so a changed byte cannot be
+    detected: the result's `unchecked` says so.
+
+    **Arguments:**
+
+    - `path`: the checkpoint directory, or a kvstore URL; a `CheckpointManager`'s
+        directory; or a `.safetensors` file, a Hugging Face directory of them,
+        or an orbax checkpoint.
+    - `progress`: by default a progress bar (bytes and leaves) shows on stderr
+        when it is a terminal and the checkpoint is large; `False` hides it,
+        `True` shows it whatever the size, and a callable is called as
+        `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
+
+    **Returns:**
+
+    A list of [`eqx_ckpt.Problem`][]s, empty when the checkpoint is sound. Each
+    names the damaged leaf by its dotted path (problems of the manifest and of
+    group metadata, which belong to no leaf, come first). Its attribute
+    `unchecked` lists, in sentences, what was not checked (what the format
+    cannot be checked for; empty for eqx_ckpt's own checkpoints). Of a
+    manager's directory, each problem's `step` names its step, and the
+    attribute `steps` lists the steps verified (for a single checkpoint, `()`).
+
+    **Raises:**
+
+    [`eqx_ckpt.CheckpointNotFoundError`][] if there is no checkpoint of any
+    format at `path` (saying what is there).
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_ckpt
+
+        eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(3)})
+        assert eqx_ckpt.verify("ckpt") == []
+        ```
+    """
+    loc = location(path)
+    try:
+        source = None if _safetensors.is_file_path(loc) else _source.checkpoint(loc)
+    except CorruptCheckpointError as e:
+        return Problems([Problem(None, str(e))])
+    if source is None:
+        steps = [] if _safetensors.is_file_path(loc) else committed_steps(loc)
+        if steps:
+            return _verify_steps(loc, steps, progress)
+        found, unchecked = _verify_sources.check(loc, progress)
+        return Problems([Problem(leaf, message) for leaf, message in found], unchecked)
+    manifest = source.manifest
+    with Tracker(progress, leaves=len(manifest.leaves), nbytes=manifest.total_bytes, what="verify") as tracker:
+        return Problems(_check(source, tracker))
+
+
+def _check(source: _source.Source, tracker: Tracker) -> list[Problem]:
+    """The problems of the eqx_ckpt checkpoint `source`: its manifest's
+    totals, its groups, its packs, then its leaves, by dotted path."""
+    manifest, data = source.manifest, source.data
+    problems = _check_totals(source.loc, manifest)
+    records = sorted(manifest.leaves, key=lambda r: r.path)
+    problems += _check_groups(data, manifest)
+    bad = _check_packs(data, manifest, tracker)
+    bad |= _check_leaves(data, [r for r in records if r.pack is None], tracker)
+    return problems + [bad[r.path] for r in records if r.path in bad]
+
+
+def _verify_steps(loc: Location, steps: list[int], progress: Progress) -> Problems:
+    """Every committed step of a `CheckpointManager`'s directory, in order,
+    under one progress bar. A step deleted meanwhile (by the retention of the
+    manager saving there) is not reported on, and `unchecked` says so."""
+    opened: dict[int, _source.Source | Problem] = {}
+    gone: list[int] = []
+    for step in steps:
+        try:
+            source = _source.checkpoint(loc.joined(step_name(step)))
+        except CorruptCheckpointError as e:
+            opened[step] = Problem(None, str(e), step)
+            continue
+        if source is None:
+            gone.append(step)
+        else:
+            opened[step] = source
+    manifests = [s.manifest for s in opened.values() if isinstance(s, _source.Source)]
+    leaves, nbytes = sum(len(m.leaves) for m in manifests), sum(m.total_bytes for m in manifests)
+    problems: list[Problem] = []
+    with Tracker(progress, leaves=leaves, nbytes=nbytes, what="verify") as tracker:
+        for step, opened_step in opened.items():
+            here = loc.joined(step_name(step))
+            found = [opened_step] if isinstance(opened_step, Problem) else _check(opened_step, tracker)
+            if found and _storage.read_file(here, MANIFEST, limit=MAX_MANIFEST_BYTES) is None:
+                gone.append(step)  # deleted while it was read: its missing files are no damage
+                continue
+            problems += [dataclasses.replace(problem, step=step) for problem in found]
+    unchecked = tuple(
+        f"Step {step} was deleted while it was verified (by the retention of the manager saving there), so it "
+        f"is not reported on." for step in sorted(gone)
+    )  # fmt: skip
+    return Problems(problems, unchecked, steps=tuple(step for step in steps if step not in gone))
+
+
+def _check_totals(loc: Location, manifest: Manifest) -> list[Problem]:
+    """The redundant counts in the manifest must agree with its leaf records."""
+    body = json.loads(_storage.read_file(loc, MANIFEST, limit=MAX_MANIFEST_BYTES) or b"{}")
+    problems = []
+    if body.get("leaf_count") != len(manifest.leaves) or body.get("total_bytes") != manifest.total_bytes:
+        problems.append(Problem(None, f"The manifest of {loc.display!r} gives totals that disagree with its leaves."))
+    for item, record in zip(body.get("leaves", []), manifest.leaves):
+        # Version 4 records leave `nbytes` out (it follows from shape and dtype).
+        if ("nbytes" in item or manifest.format_version < 4) and item.get("nbytes") != record.nbytes:
+            problems.append(
+                Problem(record.path, f"the manifest gives {item.get('nbytes')!r} bytes, not {record.nbytes}.")
+            )
+    return problems
+
+
+def _check_packs(data: Location, manifest: Manifest, tracker: Tracker) -> dict[str, Problem]:
+    """Every pack, chunk by chunk; a damaged chunk is a problem of each leaf in it."""
+    bad: dict[str, Problem] = {}
+    groups = _pack.by_pack(manifest.leaves)
+    for pack in manifest.packs:
+        members = sorted((manifest.leaves[i] for i in groups.get(pack.name, [])), key=lambda r: r.offset)
+        problem = _check_metadata(data, pack.name, (pack.size,), pack.dtype, (pack.chunk,))
+        chunk_nbytes = pack.chunk * dtype_from_name(pack.dtype).itemsize
+        problem = problem or _check_file_sizes(data, pack.name, (pack.size,), (pack.chunk,), chunk_nbytes)
+        damaged: dict[int, str] = {}
+        if problem is None:
+            try:
+                damaged = _read_pack(data, pack)
+            except CheckpointStorageError:
+                raise
+            except CheckpointError as e:
+                problem = str(e)
+            except Exception as e:
+                problem = str(_chunk_scan.damage(e, members[0], data, "open")) if members else str(e)
+        for record in members:
+            chunks = range(record.offset // pack.chunk, -(-(record.offset + record.size) // pack.chunk))
+            why = problem or next((damaged[k] for k in chunks if k in damaged), None)
+            if why is not None:
+                bad[record.path] = Problem(record.path, f"its pack {pack.name!r} is damaged: {why}")
+        tracker.count_leaves([r.nbytes for r in members])
+    return bad
+
+
+def _read_pack(data: Location, pack: PackRecord) -> dict[int, str]:
+    """Read every chunk of a pack, a few at a time; what is wrong, by chunk."""
+    store = _storage.open_pack(data, pack, cached=False).result()
+    damaged: dict[int, str] = {}
+    flight: collections.deque[tuple[int, Any]] = collections.deque()
+    count = -(-pack.size // pack.chunk)
+    for k in range(count + _PACK_READS):
+        if k < count:
+            flight.append((k, store[k * pack.chunk : min((k + 1) * pack.chunk, pack.size)].read()))
+        if len(flight) >= _PACK_READS or k >= count:
+            if not flight:
+                break
+            done, future = flight.popleft()
+            try:
+                future.result()
+            except Exception as e:
+                refused = _storage_errors.storage_failure(data, e, f"pack {pack.name!r}")
+                if refused is not None:
+                    raise refused from None
+                damaged[done] = _storage_errors.explain(e)
+    if damaged:
+        _share.forget(data, pack.name)
+    return damaged
+
+
+def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -> dict[str, Problem]:
+    bad: dict[str, Problem] = {}
+    stores: dict[str, Any] = {}
+    for record in records:
+        why = _check_metadata(data, record.directory, record.stored_shape, record.stored_dtype, record.chunks)
+        problem = None if why is None else Problem(record.path, why)
+        if problem is None:
+            try:
+                stores[record.path] = _storage.open_array(data, record).result()
+            except CheckpointStorageError:
+                raise
+            except CheckpointError as e:
+                problem = Problem(record.path, str(e))
+            except Exception as e:
+                problem = Problem(record.path, str(_chunk_scan.damage(e, record, data, "open")))
+        if problem is not None:
+            bad[record.path] = problem
+
+    def failed(record: LeafRecord, error: BaseException) -> None:
+        bad.setdefault(record.path, Problem(record.path, str(_chunk_scan.damage(error, record, data, "read"))))
+
+    _chunk_scan.scan_leaves(records, stores, bad, failed, tracker)
+    for record in records:
+        if record.path not in bad:
+            why = _check_file_sizes(data, record.directory, record.stored_shape, record.chunks, record.chunk_nbytes)
+            if why is not None:
+                bad[record.path] = Problem(record.path, why)
+    return bad
+
+
+def _check_file_sizes(
+    data: Location, directory: str, shape: tuple[int, ...], chunks: tuple[int, ...], chunk_nbytes: int
+) -> str | None:
+    """Every chunk file is there and holds exactly one full chunk and its
+    4-byte checksum, worded as a load words it (`_untrusted.wrong_chunk_file`).
+
+    TensorStore ignores bytes appended after the checksum, so reads alone would
+    not notice them. Only local folders can be listed this cheaply."""
+    if data.local is None:
+        return None
+    why = _untrusted.first_wrong_chunk_file(data, directory, shape, chunks, chunk_nbytes)
+    if why is not None:
+        return why + "."
+    folder = os.path.join(data.local, directory, _format.CHUNKS)
+    expected = chunk_nbytes + _format.CHECKSUM_BYTES
+    files = [folder] if os.path.isfile(folder) else [os.path.join(r, f) for r, _, fs in os.walk(folder) for f in fs]
+    for file in files:
+        size = os.path.getsize(file)
+        if size != expected:
+            return _untrusted.wrong_chunk_file(os.path.relpath(file, data.local), size, expected) + "."
+    return None
+
+
+def _check_metadata(
+    data: Location, directory: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]
+) -> str | None:
+    """An array's `zarr.json` must be exactly what eqx_ckpt writes for it."""
+    actual, why = _read_object(data, _format.metadata_key(directory), "its zarr.json")
+    if actual is None:
+        return why
+    expected = _reference_metadata(shape, dtype, chunks)
+    differ = sorted(k for k in (set(actual) | set(expected)) - _FREE_KEYS if actual.get(k) != expected.get(k))
+    if differ:
+        shown = ", ".join(f"{k}: {_brief(actual.get(k))} instead of {expected.get(k)!r}" for k in differ)
+        return f"its zarr.json disagrees with the manifest ({shown})."
+    return None
+
+
+def _check_groups(data: Location, manifest: Manifest) -> list[Problem]:
+    """The `zarr.json` of every group a save of the manifest's leaves writes
+    (`_layout.groups`). Loads never read them, but zarr tools walking the
+    checkpoint's folders do, and refuse a missing or broken one."""
+    # The first version that packed leaves (format 3) wrote no root group beside
+    # packs when no leaf had a folder of its own: its absence is no problem there.
+    optional = manifest.format_version == 3 and all(r.pack is not None or not r.path for r in manifest.leaves)
+    problems = []
+    for folder in _layout.groups(manifest.leaves):
+        key = _format.metadata_key(folder)
+        what = f"The zarr group metadata {key!r}"
+        actual, why = _read_object(data, key, what, optional=optional and folder == "")
+        if actual is not None:
+            why = _group_differs(actual, what)
+        if why is not None:
+            fix = f"restore it from a good copy, or write {_format.GROUP_JSON.decode()} in its place"
+            problems.append(Problem(None, f"{why} Loads do not read it, but zarr tools do: {fix}."))
+    return problems
+
+
+def _group_differs(actual: dict[str, Any], what: str) -> str | None:
+    """How a group's `zarr.json` differs from what a save writes (`_format.GROUP`).
+
+    Two additions leave it the same group to every zarr reader, and a user's
+    zarr tool may well make them, so they are no problem: `attributes` of its
+    own (xarray and others annotate groups; the zarr v3 spec makes them
+    optional), and an extension field marked `"must_understand": false`, which
+    the spec lets any reader ignore (zarr-python's consolidated metadata in the
+    root group). Anything else changes what the node is, or makes a reader
+    refuse it."""
+    differ = []
+    for name in sorted(set(actual) | set(_format.GROUP)):
+        value, expected = actual.get(name), _format.GROUP.get(name)
+        if name == "attributes":
+            if name in actual and not isinstance(value, dict):
+                differ.append(f"attributes: {_brief(value)}, not a JSON object")
+        elif name not in _format.GROUP:
+            if not (isinstance(value, dict) and value.get("must_understand") is False):
+                differ.append(f"{name}: {_brief(value)}, a field no zarr reader knows")
+        elif type(value) is not type(expected) or value != expected:
+            differ.append(f"{name}: {_brief(value)} instead of {expected!r}")
+    if not differ:
+        return None
+    return f"{what} is not the zarr v3 group eqx_ckpt writes ({', '.join(differ)})."
+
+
+def _read_object(
+    data: Location, key: str, what: str, *, optional: bool = False
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The JSON object in the small metadata file `key`, or what is wrong with
+    it, said of `what` (neither, when an `optional` file is missing). The file
+    is untrusted: its size is bounded before it is read, and bytes that are not
+    a JSON object are a problem, never an error."""
+    try:
+        raw = _storage.read_file(data, key, limit=_MAX_ZARR_JSON)
+    except CheckpointStorageError:
+        raise
+    except CheckpointError as e:
+        return None, str(e)
+    except Exception as e:  # a damaged OCDBT database fails the read itself
+        if (refused := _storage_errors.storage_failure(data, e, f"{key!r}")) is not None:
+            raise refused from None
+        return None, f"{what} could not be read: {_storage_errors.explain(e)}"
+    if raw is None:
+        return None, None if optional else f"{what} is missing from {data.display!r}."
+    try:
+        actual = json.loads(raw)
+    except (ValueError, RecursionError):  # RecursionError: `[[[[...` nested deeper than Python recurses
+        return None, f"{what} is not valid JSON."
+    if not isinstance(actual, dict):
+        return None, f"{what} is not a JSON object."
+    return actual, None
+
+
+def _brief(value: Any) -> str:
+    """`repr(value)`, cut short: an edited file may hold a megabyte in one field."""
+    shown = repr(value)
+    return shown if len(shown) <= _SHOWN else shown[: _SHOWN - 3] + "..."
+
+
+_REFERENCE: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
+def _reference_metadata(shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]) -> dict[str, Any]:
+    """The zarr.json TensorStore writes for such an array, made in memory."""
+    key = (shape, dtype, chunks)
+    cached = _REFERENCE.get(key)
+    if cached is None:
+        # A scratch store of its own, so that verifies in several threads never
+        # create, read or remove one another's reference array.
+        scratch = location(f"memory://eqx_ckpt_verify_reference/{uuid.uuid4().hex}/")
+        record = LeafRecord("x", [["key", "x"]], "numpy", shape, dtype, shape, dtype, "plain", chunks)
+        try:
+            _storage.create_array(scratch, record).result()
+            cached = json.loads(_storage.read_file(scratch, _format.metadata_key("x"), limit=_MAX_ZARR_JSON) or b"{}")
+        finally:
+            _storage.remove(scratch, ["x"])
+        _REFERENCE[key] = cached
+    return cached
