@@ -325,3 +325,24 @@ def test_an_export_that_fails_midway_leaves_the_destination_as_it_was(tmp_path):
     with pytest.raises(eqx_ckpt.IntegrityError, match="`b`"):
         eqx_ckpt.export_safetensors(out, source, max_shard_size=5_000_000)
     assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("what", ["checkpoint", "lazy tree"])
+def test_an_export_reads_stored_leaves_by_the_loads_reader(tmp_path, faults, what):
+    """A stored leaf is exported as a load reads it (`load.read_stored`: the one
+    reader of stored leaves, with its local reader and its check that the
+    checkpoint was not replaced), once per array leaf; scalars are values."""
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
+    source = (
+        eqx_ckpt.Checkpoint(tmp_path / "ckpt")
+        if what == "checkpoint"
+        else eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree, lazy=True)
+    )
+    reads = []
+    faults(["load.read_stored"], lambda loc: reads.append(loc))
+    eqx_ckpt.export_safetensors(tmp_path / "hf", source)
+    arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, (jax.Array, np.ndarray))]
+    assert len(reads) == len(arrays) == 8
+    exported = eqx_ckpt.tree_deserialise_leaves(tmp_path / "hf", tree)
+    assert eqx.tree_equal(exported, tree, typematch=True)

@@ -246,6 +246,15 @@ def read_leaves(
     return stored
 
 
+def read_host(lazy: LazyArray) -> np.ndarray:
+    """A lazy leaf's whole value, as a NumPy array of its dtype and shape, read
+    by the one reader of stored leaves (`read_leaves`: on a local disk,
+    straight into one aligned buffer), its checkpoint checked after the read:
+    how a save stages a lazy leaf, and how `export_safetensors` reads one."""
+    like = np.broadcast_to(np.zeros((), lazy.dtype), tuple(lazy.shape))
+    return read_leaves(lazy._source, [LeafPlan.of(0, lazy._record, like)], progress=False)[0]
+
+
 def _read_transformed(source: Source, plan: LoadPlan) -> list[Any]:
     """The values of the transformed leaves; their problems raised together."""
     values, problems = _transform.load(source, plan.transformed, cast=plan.cast, lazy=plan.lazy)

@@ -30,9 +30,8 @@ from .._base._errors import CheckpointError, CheckpointTypeError, LeafError, lea
 from .._base._handle import LeafHandle
 from .._base._location import Location
 from .._hosts import _multihost, _sharding
-from .._load._deserialise import read_leaves
+from .._load._deserialise import read_host
 from .._load._lazy import LazyArray
-from .._load._load_plan import LeafPlan
 from .._ondisk import _dtypes, _format
 from .._ondisk._format import LeafRecord, PackRecord, chunk_shape, dtype_from_name, pack_name, whole_chunks
 from .._store import _memory
@@ -255,8 +254,7 @@ class Unread:
     def _read(self) -> np.ndarray:
         """Read by the load's reader (on a local disk, straight into one aligned
         buffer, which the writer takes without another copy)."""
-        like = np.broadcast_to(np.zeros((), self.dtype), self.shape)
-        return read_leaves(self.lazy._source, [LeafPlan.of(0, self.lazy._record, like)], progress=False)[0]
+        return read_host(self.lazy)
 
 
 def _general(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -33,6 +34,7 @@ from .._base._location import Location, location
 from .._base._progress import Progress, Tracker
 from .._foreign import _safetensors
 from .._load._checkpoint import Checkpoint
+from .._load._deserialise import read_host
 from .._load._lazy import LazyArray
 from .._ondisk import _dtypes
 from .._ondisk._format import MANIFEST, MAX_MANIFEST_BYTES, dtype_from_name
@@ -190,6 +192,10 @@ def _leaf(name: str, leaf: Any) -> _Tensor | None:
 
 
 def _reader(array: Any) -> Callable[[], np.ndarray]:
+    """How a leaf's value is read: a lazy leaf's by the one reader of stored
+    leaves (`_deserialise.read_host`), anything else as NumPy makes it."""
+    if type(array) is LazyArray:
+        return functools.partial(read_host, array)
     return lambda: np.asarray(array)
 
 
@@ -211,7 +217,7 @@ def _stored(ckpt: Checkpoint, key: str) -> _Tensor:
     record = ckpt.record(key)
     if record.type == "prng_key":
         raise _unsupported(key, record.dtype)
-    return _Tensor(key, _dtype_name(key, record.dtype), tuple(record.shape), lambda: np.asarray(ckpt[key]))
+    return _Tensor(key, _dtype_name(key, record.dtype), tuple(record.shape), _reader(ckpt[key]))
 
 
 def _dtype_name(name: str, dtype: Any) -> str:
