@@ -193,7 +193,7 @@ def start_writes(
     remember: bool = False,
 ) -> Writing:
     """Start writing the arrays of `batch` into `data` (`opens`: the futures of
-    the arrays opened to write, `_write.create`), in order, as many as the
+    the arrays opened to write, `create`), in order, as many as the
     staging budget (`budget` bytes of host data staged and not yet written)
     admits: on a local disk by eqx_ckpt's own threads (`_local_write.chosen`
     for the `layout` and the number of `processes` saving), else through
