@@ -192,11 +192,14 @@ def _leaf(name: str, leaf: Any) -> _Tensor | None:
 
 
 def _reader(array: Any) -> Callable[[], np.ndarray]:
-    """How a leaf's value is read: a lazy leaf's by the one reader of stored
-    leaves (`_deserialise.read_host`), anything else as NumPy makes it."""
-    if type(array) is LazyArray:
-        return functools.partial(read_host, array)
-    return lambda: np.asarray(array)
+    return functools.partial(_value, array)
+
+
+def _value(array: Any) -> np.ndarray:
+    """A leaf's value, read as it is written out: a lazy leaf's by the one
+    reader of stored leaves (`_deserialise.read_host`), anything else as NumPy
+    makes it."""
+    return read_host(array) if type(array) is LazyArray else np.asarray(array)
 
 
 def _abstract(leaves: list[tuple[Any, jax.ShapeDtypeStruct]]) -> LeafError:
@@ -217,7 +220,8 @@ def _stored(ckpt: Checkpoint, key: str) -> _Tensor:
     record = ckpt.record(key)
     if record.type == "prng_key":
         raise _unsupported(key, record.dtype)
-    return _Tensor(key, _dtype_name(key, record.dtype), tuple(record.shape), _reader(ckpt[key]))
+    # Read as the shard is written (`ckpt[key]` reads a scalar at once).
+    return _Tensor(key, _dtype_name(key, record.dtype), tuple(record.shape), lambda: _value(ckpt[key]))
 
 
 def _dtype_name(name: str, dtype: Any) -> str:
