@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import eqx_ckpt  # noqa: E402
-from benchmarks import contenders, foreign, gpu, page_sizes, report, run, staging, warm_memory, workload  # noqa: E402
+from benchmarks import contenders, foreign, gpu, gpu_budget, page_sizes, report, run, staging, warm_memory, workload  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -447,6 +447,17 @@ def test_a_failed_contender_of_the_gpu_script_is_recorded_and_the_run_goes_on(tm
     assert [(r["contender"], r.get("op")) for r in rows] == [("orbax", None), ("numpy", "save"), ("numpy", "load")]
     assert rows[0]["error"] == "ZeroDivisionError: division by zero" and "1 / 0" in rows[0]["traceback"]
     assert rows[2]["verified"] is True
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_gpu_budget_script_saves_once_per_budget_within_it(tmp_path):
+    """`benchmarks.gpu_budget`, here on the CPU at 20 MiB: a first save, then
+    one per budget, each staging no more than its budget; nothing left behind."""
+    rows = gpu_budget.main(["--gib", "0.02", "--budgets", "default,8", "--dir", str(tmp_path)])
+    assert [r["label"] for r in rows] == ["first save (1024 MiB)", "budget default", "budget 8"]
+    assert [r["budget"] for r in rows] == [1 << 30, None, 8 << 20]
+    assert all(r["seconds"] > 0 and r["staged_peak"] > 0 for r in rows)
+    assert rows[2]["staged_peak"] <= 8 << 20 < rows[1]["staged_peak"]
     assert not any(tmp_path.iterdir())
 
 

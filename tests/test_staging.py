@@ -90,7 +90,7 @@ def test_a_leaf_larger_than_the_budget_is_staged_alone(tmp_path, faults):
 def test_sharded_leaves_are_staged_a_shard_at_a_time(faults, tmp_path):
     """A leaf sharded over 4 devices, written through TensorStore, is staged
     shard by shard: a budget of two shards holds."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:4]), ("x",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
     leaf = jax.device_put(jnp.arange(4 * 256 * 1024, dtype=jnp.float32).reshape(4 * 256, 1024), sharding)
     tree = {"s": leaf, "t": leaf + 1}
@@ -186,7 +186,10 @@ def test_the_default_budget_is_the_documented_fraction_of_memory(tmp_path, fault
     memory = _memory.physical_memory()
     assert memory is not None
     expected = max(_staging.STAGING_MIN_BYTES, int(memory * _staging.STAGING_FRACTION))
+    if jax.default_backend() != "cpu":  # with an accelerator, at most 1 GiB (tests/test_gpu.py)
+        expected = min(expected, _staging.ACCELERATOR_STAGING_BYTES)
     assert _staging.STAGING_FRACTION == 0.25 and _staging.STAGING_MIN_BYTES == 64 * MIB
+    assert _staging.ACCELERATOR_STAGING_BYTES == 1024 * MIB
     staged = Staged(faults)
     eqx_ckpt.tree_serialise_leaves(tmp_path / "a", _tree(n=2))
     assert {b for _, b in staged.seen} == {expected}

@@ -168,7 +168,8 @@ def tree_serialise_leaves(
         time: each piece of a leaf (a `jax.Array`'s data copied to the host, a
         cast, a shard's slice) is made as the writes reach it, its copy to the
         host started ahead of them, and freed once written. By default a
-        quarter of this machine's memory (at least 64 MiB); a piece larger
+        quarter of this machine's memory (at least 64 MiB; at most 1 GiB in a
+        process with an accelerator, where every piece is a copy); a piece larger
         than the budget is staged alone. An asynchronous save holds besides
         what keeps the caller's arrays safe (see `blocking`). See
         [docs/scaling.md](../scaling.md#host-memory-of-a-save).

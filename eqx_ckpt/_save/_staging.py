@@ -51,14 +51,21 @@ if TYPE_CHECKING:
 # read gets the floor.
 STAGING_FRACTION = 0.25
 STAGING_MIN_BYTES = 64 << 20
+# On an accelerator every piece staged is a copy to the host, and a save
+# there is fastest with about this much in flight (on an H100, a 4 GiB state:
+# 2.8 s with 1 GiB, 3.1 s with all of it, 3.4 s with 512 MiB; docs/benchmarks.md,
+# "GPU"): its default budget is at most this.
+ACCELERATOR_STAGING_BYTES = 1 << 30
 
 
 def budget(staging_bytes: Any) -> int:
     """The staging budget of a save, in bytes: `staging_bytes` checked, or by
-    default `STAGING_FRACTION` of physical memory (at least `STAGING_MIN_BYTES`)."""
+    default `STAGING_FRACTION` of physical memory (at least `STAGING_MIN_BYTES`;
+    in a process with an accelerator, at most `ACCELERATOR_STAGING_BYTES`)."""
     if staging_bytes is None:
         memory = _memory.physical_memory()
-        return max(STAGING_MIN_BYTES, int((memory or 0) * STAGING_FRACTION))
+        default = max(STAGING_MIN_BYTES, int((memory or 0) * STAGING_FRACTION))
+        return default if _memory.only_cpus() else min(default, ACCELERATOR_STAGING_BYTES)
     if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, (int, np.integer)):
         raise CheckpointTypeError(
             f"`staging_bytes` must be a positive int (the host bytes a save stages at a time) or `None` "
