@@ -428,7 +428,7 @@ def test_a_tree_of_jax_arrays_not_all_plain_is_held_leaf_by_leaf(tmp_path):
     """A tree of `jax.Array`s only, one of them not a plain array on one
     device: a sharded array is held by its shards (never gathered into one
     copy), a PRNG key array by its key data, and a deleted array is named at once."""
-    mesh = jax.make_mesh((4,), ("x",))
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices("cpu"))
     sharded = jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
 
     def held(tree):

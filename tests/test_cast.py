@@ -104,7 +104,7 @@ def test_lazy_and_checkpoint_give_the_saved_dtype(tmp_path):
 
 
 def test_sharded_array_cast_and_loaded_sharded(tmp_path):
-    mesh = jax.make_mesh((4,), ("x",))
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices("cpu"))
     sharding = NamedSharding(mesh, P("x"))
     value = jax.device_put(jnp.arange(16.0).reshape(8, 2) / 3, sharding)
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": value}, cast={jnp.float32: jnp.bfloat16})

@@ -23,7 +23,7 @@ per_leaf = pytest.mark.usefixtures("unpacked")
 
 
 def _tree():
-    mesh = jax.make_mesh((4,), ("x",))
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices("cpu"))
     sharded = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, PartitionSpec("x")))
     return {
         "a": jnp.arange(1000.0),

@@ -120,7 +120,7 @@ def _like(sharding: jax.sharding.Sharding | None) -> dict:
 
 @pytest.mark.parametrize("devices", [4, 1])
 def test_one_process_loads_all(saved: pathlib.Path, devices: int) -> None:
-    mesh = jax.make_mesh((devices,), ("x",), devices=jax.devices()[:devices])
+    mesh = jax.make_mesh((devices,), ("x",), devices=jax.devices("cpu")[:devices])
     sharding = NamedSharding(mesh, P("x")) if devices > 1 else None
     loaded = eqx_ckpt.tree_deserialise_leaves(saved, _like(sharding))
     value = _value(2.0)
@@ -390,7 +390,7 @@ def test_replicated_state_is_written_by_every_process(
     # One process, the same arrays on as many devices, small leaves not packed.
     monkeypatch.setattr(_format, "CHUNK_BYTES", arrays.STATE_CHUNK_BYTES)
     monkeypatch.setattr(_records, "PACK_BYTES", -1)
-    mesh = Mesh(np.array(jax.devices()[: processes * devices]).reshape(processes, devices), ("proc", "local"))
+    mesh = Mesh(np.array(jax.devices("cpu")[: processes * devices]).reshape(processes, devices), ("proc", "local"))
     eqx_ckpt.tree_serialise_leaves(tmp_path / "one", _place_state(mesh))
     assert _files(where).keys() == _files(tmp_path / "one").keys()
     assert _files(where) == _files(tmp_path / "one")

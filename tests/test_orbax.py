@@ -17,7 +17,7 @@ FORMATS = [(True, True), (True, False), (False, True), (False, False)]
 
 
 def _tree():
-    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices("cpu"), axis_types=(jax.sharding.AxisType.Explicit,))
     sharded = jax.device_put(jnp.arange(32.0).reshape(8, 4), jax.NamedSharding(mesh, jax.P("x")))
     return {
         "params": {"w": sharded, "b": jnp.ones(4, jnp.bfloat16)},
@@ -58,7 +58,9 @@ def test_load_options(tmp_path, ocdbt, zarr3):
     tree = _tree()
     path = _save(tmp_path / "orbax", tree, ocdbt=ocdbt, zarr3=zarr3)
     # `prefix` + abstract `like` placed with a different sharding.
-    mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    mesh = jax.make_mesh(
+        (2, 2), ("a", "b"), devices=jax.devices("cpu"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+    )
     sharding = jax.NamedSharding(mesh, jax.P(None, "b"))
     like = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=sharding), "b": jnp.zeros(4, jnp.bfloat16)}
     params = eqx_ckpt.tree_deserialise_leaves(path, like, prefix="params")

@@ -86,7 +86,7 @@ def test_every_load_of_packed_leaves(tmp_path, lazy):
 
 
 def test_a_packed_leaf_loads_onto_several_devices(tmp_path):
-    mesh = jax.make_mesh((4,), ("x",))
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices("cpu"))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
     tree = {"v": jnp.arange(8.0)}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
@@ -97,7 +97,7 @@ def test_a_packed_leaf_loads_onto_several_devices(tmp_path):
 
 
 def test_a_sharded_leaf_keeps_its_own_array(tmp_path):
-    mesh = jax.make_mesh((4,), ("x",))
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices("cpu"))
     sharded = jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"v": sharded, "s": jnp.ones(3)})
     body = _manifest(tmp_path)

@@ -195,7 +195,7 @@ def test_sharded_arrays_picked_and_kept(tmp_path):
     one keeps its chunk grid (its shards'), so its chunks are shared as stored."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices("cpu")[:4])
     sharded = lambda v: jax.device_put(v, NamedSharding(mesh, P("x")))
     value = np.arange(64 * 8192, dtype=np.float32).reshape(64, 8192)  # 2 MiB: not packed
     path = tmp_path / "ckpt"

@@ -126,7 +126,7 @@ def test_a_large_leaf_moves_in_steps(tmp_path, monkeypatch, request, store):
     assert len(_steps_within(loaded, total)) >= 7, loaded
     assert [c[0] for c in loaded] == [0] * (len(loaded) - 1) + [1]
     # Placed over 4 devices, each device's region counts as it lands.
-    sharding = NamedSharding(jax.make_mesh((4,), ("x",)), P("x"))
+    sharding = NamedSharding(jax.make_mesh((4,), ("x",), devices=jax.devices("cpu")), P("x"))
     like = {"w": jax.ShapeDtypeStruct(tree["w"].shape, tree["w"].dtype, sharding=sharding)}
     placed = Calls()
     out = eqx_ckpt.tree_deserialise_leaves(path, like, progress=placed)

@@ -119,7 +119,7 @@ def test_put_gives_what_device_put_gives(x64, placed):
     """`_read.put` calls JAX's internal `batched_device_put` where it can: its
     arrays must be those `jax.device_put` makes, one case at a time and in a batch."""
     assert _read.FAST_PUT is not None, "the fast path is not in use with this JAX"
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0]) if placed else None
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0]) if placed else None
     with jax.enable_x64(x64):
         cases = _put_cases()
         for case in cases:
@@ -151,7 +151,7 @@ def test_put_falls_back_to_device_put_for_good_when_the_internal_call_fails(monk
 
 
 def test_put_honours_a_default_device():
-    device = jax.devices()[-1]
+    device = jax.devices("cpu")[-1]
     with jax.default_device(device):
         (value,) = _read.put([np.ones(3, np.float32)], None)
     assert value.devices() == {device}

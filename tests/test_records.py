@@ -70,7 +70,7 @@ def test_a_tree_of_every_kind_of_leaf_round_trips(tmp_path, blocking):
     class Sub(np.ndarray):
         pass
 
-    mesh = jax.make_mesh((4,), ("x",))
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices("cpu"))
     x = values((4,), np.float32)
     tree = {
         "a_numpy": x, "b_jax": jax.device_put(x), "c_big_endian": x.astype(">f4"), "d_key": jax.random.key(3),

@@ -150,7 +150,7 @@ def test_sharded_like_leaves(tmp_path):
     big = np.arange(64 * 6, dtype=np.float32).reshape(64, 6)
     path = tmp_path / "big.safetensors"
     save_file({"w": big}, str(path))
-    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices("cpu"), axis_types=(jax.sharding.AxisType.Explicit,))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
     loaded = eqx_ckpt.tree_deserialise_leaves(
         path, {"w": jax.ShapeDtypeStruct((64, 6), jnp.float32, sharding=sharding)}
@@ -301,7 +301,7 @@ def test_only_the_selected_tensors_bytes_are_read(tmp_path):
         # Sharded by rows over 4 devices: each device reads its own quarter, so the
         # tensor is read once in all, not once per device.
         _RangeServer.sent = 0
-        mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+        mesh = jax.make_mesh((4,), ("x",), devices=jax.devices("cpu"), axis_types=(jax.sharding.AxisType.Explicit,))
         sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
         like = {"large": jax.ShapeDtypeStruct(large.shape, jnp.float32, sharding=sharding)}
         loaded = eqx_ckpt.tree_deserialise_leaves(f"{url}/hf/", like)
@@ -630,7 +630,7 @@ def test_a_large_local_tensor_is_a_run_of_its_own(tmp_path, faults):
     # a, d (small) and b, c (large) each a run: a large tensor is never part of another's run.
     assert sorted(runs) == sorted(("model.safetensors", *offsets[k]) for k in "abcd")
     # Placed by rows over 4 devices from the one read.
-    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices("cpu"), axis_types=(jax.sharding.AxisType.Explicit,))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
     loaded = eqx_ckpt.tree_deserialise_leaves(
         path, {"b": jax.ShapeDtypeStruct(big.shape, jnp.float32, sharding=sharding)}, prefix=None, strict=False

@@ -16,13 +16,13 @@ from eqx_ckpt._ondisk import _format
 
 @pytest.fixture
 def mesh():
-    assert len(jax.devices()) == 4
-    return Mesh(np.array(jax.devices()), ("x",))
+    assert len(jax.devices("cpu")) == 4
+    return Mesh(np.array(jax.devices("cpu")), ("x",))
 
 
 @pytest.fixture
 def mesh2d():
-    return Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
+    return Mesh(np.array(jax.devices("cpu")).reshape(2, 2), ("a", "b"))
 
 
 def _saved(path, mesh):
@@ -106,7 +106,7 @@ def test_replicated_save_loads_sharded(tmp_path, mesh):
 
 def test_load_onto_one_device(tmp_path, mesh):
     values, _ = _saved(tmp_path, mesh)
-    device = jax.devices()[3]
+    device = jax.devices("cpu")[3]
     like = {
         "sharded": jax.device_put(jnp.zeros((8, 6)), device),
         "replicated": jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=SingleDeviceSharding(device)),
@@ -134,7 +134,7 @@ def test_sharded_prng_keys_and_lazy_region_reads(tmp_path, mesh):
 
 def test_filter_eval_shape_skeleton_with_abstract_mesh_is_placed(tmp_path):
     # `eqx.filter_eval_shape` gives shardings over an AbstractMesh (no devices).
-    mesh = jax.make_mesh((4,), ("x",))
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices("cpu"))
 
     def make():
         return {"w": jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("x")))}

@@ -41,7 +41,7 @@ def small_chunks(monkeypatch):
 
 def _tree(head=0.0):
     rng = np.random.default_rng(0)
-    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices("cpu")[:4])
     sharded = rng.standard_normal((64, 8192), dtype=np.float32)  # 2 MiB, a chunk per shard
     return {
         "big": rng.standard_normal((72, 4096), dtype=np.float32),  # 1.1 MiB: an array of its own
