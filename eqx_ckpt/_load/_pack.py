@@ -29,6 +29,7 @@ from .._base import _faults
 from .._base._location import Location
 from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
 from .._store import _local_read, _storage, _storage_errors, _window
+from . import _read
 
 
 def by_pack(records: Sequence[LeafRecord]) -> dict[str, list[int]]:
@@ -91,7 +92,8 @@ def read_leaves(
             store = stores[pack.name].result()
         except Exception as e:
             raise _storage_errors.leaf_io_error(e, records[members[0]], loc, "open") from e
-        return store[start:stop].read().result
+        # Raw: the caller reads a failed run's leaves one by one to name the damaged one.
+        return _read.start_region(store, loc, records[members[0]], (slice(start, stop),), raw=True)
 
     jobs = (
         ((members, start), (stop - start) * dtype_from_name(pack.dtype).itemsize,
