@@ -3,7 +3,8 @@
 A load is four steps, each one function: open the source (`_source`: which
 format, its records), plan the names of every leaf of `like` (`_load_plan`:
 which record feeds each, every mismatch raised together), read (custom filter
-specs, transforms, then the stored leaves, within the read window), and place
+specs, transforms, then the stored leaves, by the one reader of stored leaves,
+`_reader`, or as `LazyArray`s that read through it when asked), and place
 the values into `like`'s tree.
 """
 

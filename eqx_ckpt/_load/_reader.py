@@ -54,7 +54,9 @@ def read_leaves(
     return values
 
 
-def read(source: Source, plans: list[LeafPlan], *, progress: Progress = False, read_once: bool | None = False) -> list:
+def read(
+    source: Source, plans: list[LeafPlan], *, progress: Progress = False, read_once: bool | None = False
+) -> list[Any]:
     """The values of `plans`' stored leaves, read now with the progress
     `progress` reports (`read_now`), the checkpoint not checked after."""
     records = [record_of(plan) for plan in plans]
