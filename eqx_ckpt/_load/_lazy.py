@@ -150,12 +150,13 @@ class LazyArray:
         """The whole leaf as a NumPy array of its `dtype` (a PRNG key's, its key
         data), read as a load reads it: by the one reader of stored leaves (on
         a local disk straight into one aligned buffer; a packed leaf from its
-        pack), its checkpoint checked after the read. How `np.asarray` reads
-        it, a save stages it, and `export_safetensors` writes it."""
+        pack, through the process's cached open of it, as a leaf read alone),
+        its checkpoint checked after the read. How `np.asarray` reads it, a
+        save stages it, and `export_safetensors` writes it."""
         if self._record.type == "prng_key":
             return self[...]
         like = np.broadcast_to(np.zeros((), self.dtype), self.shape)
-        return _reader.read_leaves(self._source, [LeafPlan.of(0, self._record, like)])[0]
+        return _reader.read_leaves(self._source, [LeafPlan.of(0, self._record, like)], cached=True)[0]
 
     def start(self, *, checked: bool = True) -> Any:
         """The read of the whole leaf, to run: the returned function reads it
@@ -163,7 +164,7 @@ class LazyArray:
         reads it) and gives the value, then (unless `checked=False`) checks
         that the checkpoint was not replaced."""
         plan = LeafPlan.of(0, self._record, self._read_as())
-        return lambda: _reader.read_leaves(self._source, [plan], checked=checked)[0]
+        return lambda: _reader.read_leaves(self._source, [plan], checked=checked, cached=True)[0]
 
     def _read_as(self) -> Any:
         """The `like` leaf it is read as: its own, or one of the type it was saved from."""

@@ -5,7 +5,8 @@ read (`LazyArray.read`, `np.asarray` of one), a partial save staging a lazy
 leaf and `export_safetensors` all hand their leaves here as `LeafPlan`s.
 Within one host-memory budget and one pool of reading threads (`_window`),
 what several processes need is read once and shared (`_read_once`), packed
-leaves in runs of their packs (`_pack`), small leaves of another format in
+leaves in runs of their packs (`_pack`; a lazy leaf, read alone, through the
+process's cached open of its pack), small leaves of another format in
 runs of its file (`Source.runs`), a large leaf on a local disk straight into
 one aligned buffer (`_read.start_direct`), anything else through TensorStore
 (`_read.start`). A region of a stored leaf (a slice of a lazy leaf, a chunk
@@ -37,15 +38,15 @@ if TYPE_CHECKING:
 
 def read_leaves(
     source: Source, plans: list[LeafPlan], *, progress: Progress = False, read_once: bool | None = False,
-    checked: bool = True,
+    checked: bool = True, cached: bool = False,
 ) -> list[Any]:  # fmt: skip
     """The values of `plans`' stored leaves, read now (`read`), and (unless
     `checked=False`) a check after that `source` was not replaced while they
     were read; a read that fails checks it too, so that a replaced checkpoint
-    says so. Fault point `load.read_stored` fires first."""
+    says so. Fault point `load.read_stored` fires first. `cached`: see `read_now`."""
     try:
         _faults.fire("load.read_stored", source.loc)
-        values = read(source, plans, progress=progress, read_once=read_once)
+        values = read(source, plans, progress=progress, read_once=read_once, cached=cached)
     except Exception:
         source.check()  # a read that failed because the checkpoint was replaced says so
         raise
@@ -55,21 +56,27 @@ def read_leaves(
 
 
 def read(
-    source: Source, plans: list[LeafPlan], *, progress: Progress = False, read_once: bool | None = False
-) -> list[Any]:
+    source: Source, plans: list[LeafPlan], *, progress: Progress = False, read_once: bool | None = False,
+    cached: bool = False,
+) -> list[Any]:  # fmt: skip
     """The values of `plans`' stored leaves, read now with the progress
     `progress` reports (`read_now`), the checkpoint not checked after."""
     records = [record_of(plan) for plan in plans]
     total = sum(r.nbytes for r in records)
     with _gc.gc_paused(), Tracker(progress, leaves=len(records), nbytes=total, what="load") as tracker:
-        return read_now(source, plans, tracker, read_once)
+        return read_now(source, plans, tracker, read_once, cached=cached)
 
 
-def read_now(source: Source, plans: list[LeafPlan], tracker: Tracker, read_once: bool | None = False) -> list[Any]:
+def read_now(
+    source: Source, plans: list[LeafPlan], tracker: Tracker, read_once: bool | None = False, *, cached: bool = False
+) -> list[Any]:
     """The values of `plans`, read now: what several processes need read once
     and shared (`_read_once`), packed leaves by runs of their packs, the others
     one array each, concurrently within the read budget (`_window`), each
-    converted (and its host buffer freed) as new reads start."""
+    converted (and its host buffer freed) as new reads start. `cached`, for a
+    leaf read alone (a lazy leaf's read): packs are read through this
+    process's cached open of them (`_pack.read_leaves`), which serves its
+    neighbours' reads next."""
     data = source.data
     records = [record_of(plan) for plan in plans]
     results: list[Any] = [None] * len(plans)
@@ -80,7 +87,8 @@ def read_now(source: Source, plans: list[LeafPlan], tracker: Tracker, read_once:
             results[i] = value
     packed = [i for i, record in enumerate(records) if record.pack is not None]
     if packed:
-        _read_packed(data, [plans[i] for i in packed], [records[i] for i in packed], tracker, packed, results)
+        chosen = [plans[i] for i in packed], [records[i] for i in packed]
+        _read_packed(data, *chosen, tracker, packed, results, cached=cached)
     taken = frozenset(shared)
     own = [i for i, record in enumerate(records) if record.pack is None and i not in taken]
     if source.runs is not None and own:
@@ -127,11 +135,12 @@ def target_dtype(like: Any) -> np.dtype | None:
 
 
 def _read_packed(
-    data: Location, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any]
-) -> None:
+    data: Location, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, slots: list[int],
+    out: list[Any], *, cached: bool,
+) -> None:  # fmt: skip
     """Packed leaves, read in a few runs of their packs and placed together."""
     runs = ((members, functools.partial(_unpacked, data, records, members, start, finish))
-            for members, start, finish in _pack.read_leaves(data, records))  # fmt: skip
+            for members, start, finish in _pack.read_leaves(data, records, cached=cached))  # fmt: skip
     _place_runs(data, runs, plans, records, tracker, slots, out)
 
 
