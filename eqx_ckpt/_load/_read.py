@@ -119,7 +119,9 @@ def start_region(
     try:
         future = (store[index] if index else store).read()
     except Exception as e:
-        raise (e if raw else read_failed(e, loc, record)) from e
+        if raw:
+            raise
+        raise read_failed(e, loc, record) from e
 
     def finish() -> np.ndarray:
         try:
