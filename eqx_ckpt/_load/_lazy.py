@@ -120,9 +120,9 @@ class LazyArray:
     def __getitem__(self, index: Any) -> np.ndarray:
         """Read the region `index` selects, as NumPy indexes: ints, slices, `...`
         and `None` read only that region; integer arrays and boolean masks (NumPy's
-        advanced indexing) read the whole leaf, then select."""
+        advanced indexing) read the whole leaf (as `np.asarray` does), then select."""
         if _is_advanced(index):
-            return self[...][index]
+            return self._host()[index]
         index = _numpy_index(index, self.shape)
         store = self._open()
         per_element = self._record.nbytes // max(self.size, 1)
