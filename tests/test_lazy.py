@@ -304,3 +304,44 @@ def test_a_lazy_checkpoint_of_64_bit_jax_leaves_saves_again_without_x64(tmp_path
             "i": ["ArrayImpl", "int64", [2**40 + 5]],
             "s": ["ArrayImpl", "float32", 2.5],
         }
+
+
+@pytest.mark.parametrize("how", ["read", "asarray", "materialise"])
+def test_a_lazy_leaf_is_read_by_the_loads_reader(tmp_path, faults, how):
+    """A lazy leaf's whole read goes through the reader every load uses
+    (`load.read_stored`, then its checkpoint checked): a large leaf on a local
+    disk is read straight from its chunk files (`local_read.start_reads`),
+    not through TensorStore's read of the array."""
+    tree = {"big": np.arange(2**19, dtype=np.float32).reshape(512, 1024), "small": jnp.arange(4.0)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree, lazy=True)
+    events = []
+    faults("load.read_stored", lambda loc: events.append("read_stored"))
+    faults("local_read.start_reads", lambda path, keys: events.append(f"direct {path}"))
+    if how == "read":
+        value = lazy["big"].read()
+    elif how == "asarray":
+        value = np.asarray(lazy["big"])
+    else:
+        value = eqx_ckpt.materialise({"big": lazy["big"]})["big"]
+    assert eqx.tree_equal(value, tree["big"], typematch=True)
+    assert any(e.startswith("direct ") for e in events), events
+    if how != "materialise":  # `materialise` reads its groups as one load does, without the point
+        assert events[0] == "read_stored", events
+
+
+@pytest.mark.parametrize("how", ["read", "asarray"])
+def test_a_lazily_read_packed_leaf_is_read_from_its_pack_by_the_pack_reader(tmp_path, faults, how):
+    """A packed lazy leaf is read as a load reads packed leaves: by the pack
+    reader, a run of its pack that holds it alone (`pack.read_run`); it was
+    read by an open of its own (`_storage.open_packed`)."""
+    tree = {"a": jnp.arange(6.0), "b": np.arange(3, dtype=np.int32), "c": jnp.ones(5)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert all(eqx_ckpt.Checkpoint(tmp_path).record(key).pack is not None for key in tree)
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree, lazy=True)
+    runs = []
+    faults("pack.read_run", lambda loc, pack, paths: runs.append(paths))
+    for key in ("a", "b"):
+        value = lazy[key].read() if how == "read" else np.asarray(lazy[key])
+        assert eqx.tree_equal(value, tree[key] if how == "read" else np.asarray(tree[key]), typematch=True)
+    assert runs == [["a"], ["b"]]

@@ -361,12 +361,13 @@ def test_large_chunks_whose_start_changed(tmp_path, monkeypatch, where):
     _loads_bit_for_bit(paths[2], changed)
 
 
-@pytest.mark.parametrize("finds", ["verify", "load"])
+@pytest.mark.parametrize("finds", ["verify", "load", "slice", "diff"])
 def test_a_file_a_read_finds_damaged_is_verified_again(tmp_path, finds):
     """Damage that keeps a file's size and modification time (the disk's own,
-    not a write) is not seen by the record of verified files; once `verify`
-    or a load names it, the next step reads the file again, and writes the
-    chunk anew."""
+    not a write) is not seen by the record of verified files; once `verify`,
+    a load, a slice of a lazy leaf or `diff` names it (every reader of a
+    region of a stored leaf: `_read.start_region`), the next step reads the
+    file again, and writes the chunk anew."""
     tree = _tree()
     counts, count = _counting(tmp_path / "run")
     with eqx_ckpt.CheckpointManager(tmp_path / "run") as manager:
@@ -377,8 +378,13 @@ def test_a_file_a_read_finds_damaged_is_verified_again(tmp_path, finds):
         if finds == "verify":
             assert _damaged_leaves(manager.step_path(1)) == ["big"]
         else:
+            read = {
+                "load": lambda: eqx_ckpt.tree_deserialise_leaves(manager.step_path(1), tree),
+                "slice": lambda: eqx_ckpt.Checkpoint(manager.step_path(1))["big"][:1],
+                "diff": lambda: eqx_ckpt.diff(manager.step_path(1), manager.step_path(0)),
+            }[finds]
             with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("Leaf `big` in checkpoint")):
-                eqx_ckpt.tree_deserialise_leaves(manager.step_path(1), tree)
+                read()
         why = f"{os.path.relpath(damaged, tmp_path)}' of leaf `big`, in the checkpoint this save follows, fails"
         with _faults.armed("share.verify", count), pytest.warns(eqx_ckpt.IntegrityWarning, match=re.escape(why)):
             manager.save(2, tree)

@@ -126,11 +126,13 @@ The points, with where they fire and the arguments they pass:
   file; an `OSError` raised here is reported as the read's.
 - `local_read.crc` `(key)`: a chunk's joined crc32c is compared with its stored one.
 
-**A load (`_deserialise`, `_read_once`, `_untrusted`, `_pack`, `_window`, `_read`, `_nested`, `_tree`):**
+**A load (`_reader`, `_deserialise`, `_read_once`, `_untrusted`, `_pack`, `_window`, `_read`, `_nested`, `_tree`):**
 
 - `load.read_stored` `(loc)`: a load has planned every leaf (and run the custom
   filter specs and transforms) and starts reading the stored leaves (a
-  `Checkpoint.load` without a skeleton too, which reads through the same reader).
+  `Checkpoint.load` without a skeleton too, and a lazy leaf read whole,
+  by `read` or `np.asarray`, as by a save or an export: each reads through
+  the same reader, `_reader.read_leaves`).
 - `load.read_once` `(path, regions)`: a process of a multi-process restore
   that shares reads (`_read_once`) read its slices `regions` (tuples of
   `(start, stop)` per axis) of the leaf at dotted `path` from storage, before

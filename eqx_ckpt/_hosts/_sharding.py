@@ -196,7 +196,7 @@ def slices(region: Region, chunks: tuple[int, ...], holders: int, itemsize: int)
 
 
 def read_placed(
-    read: Callable[[tuple[slice, ...]], Any],
+    read: Callable[[tuple[slice, ...]], Callable[[], np.ndarray]],
     shape: tuple[int, ...],
     sharding: Any,
     convert: Callable[[np.ndarray], np.ndarray],
@@ -205,22 +205,23 @@ def read_placed(
     """Start reading each device's region of a leaf; return a function that
     waits and assembles the `jax.Array` with `sharding`.
 
-    `read(region)` starts a TensorStore read and returns its future; replicated
+    `read(region)` starts reading a region of the stored leaf and returns
+    what waits for its elements (`_read.start_region`); replicated
     regions are read once and placed on every device that holds them.
     `on_bytes`, when given, is called with the stored bytes of each region as
     it lands (progress within the leaf).
     """
     index_map = sharding.addressable_devices_indices_map(shape)
-    futures: dict[Any, Any] = {}
+    reads: dict[Any, Callable[[], np.ndarray]] = {}
     for index in index_map.values():
         key = region_key(index, shape)
-        if key not in futures:
-            futures[key] = read(tuple(index) if index is not None else ())
+        if key not in reads:
+            reads[key] = read(tuple(index) if index is not None else ())
 
     def finish() -> jax.Array:
         hosts = {}
-        for key, future in futures.items():
-            stored = future.result()
+        for key, finish_read in reads.items():
+            stored = finish_read()
             if on_bytes is not None:
                 on_bytes(stored.nbytes)
             hosts[key] = convert(stored)

@@ -3,32 +3,30 @@
 A load is four steps, each one function: open the source (`_source`: which
 format, its records), plan the names of every leaf of `like` (`_load_plan`:
 which record feeds each, every mismatch raised together), read (custom filter
-specs, transforms, then the stored leaves, within the read window), and place
+specs, transforms, then the stored leaves, by the one reader of stored leaves,
+`_reader`, or as `LazyArray`s that read through it when asked), and place
 the values into `like`'s tree.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.tree_util as jtu
-import numpy as np
 from jaxtyping import PyTree
 
 from .._base import _faults, _gc
-from .._base._errors import CheckpointError, CheckpointValueError, LeafError, check_flag, leaf_message
+from .._base._errors import CheckpointError, LeafError, check_flag, leaf_message
 from .._base._handle import LeafHandle
 from .._base._location import Location
 from .._base._progress import Progress, Tracker
 from .._ondisk import _dtypes
-from .._ondisk._format import LeafRecord
 from .._ondisk._trust import Trust
-from .._store import _storage, _storage_errors, _window
-from . import _load_plan, _pack, _read, _read_once, _rebuild, _source, _transform
+from .._store import _window
+from . import _load_plan, _reader, _rebuild, _source, _transform
 from ._lazy import LazyArray, is_lazy
 from ._load_plan import LeafPlan, LoadPlan
 from ._load_report import Report
@@ -231,28 +229,18 @@ def _read_values(source: Source, plan: LoadPlan, *, progress: Progress) -> tuple
 def read_leaves(
     source: Source, plans: list[LeafPlan], *, lazy: bool = False, progress: Progress, read_once: bool | None = False
 ) -> list[Any]:
-    """The values of `plans`' stored leaves (as `LazyArray`s where `lazy`), read
-    by the one reader of stored leaves: every load's, and `Checkpoint.load`'s
-    without a skeleton. Then, when not lazy, a check that `source` was not
-    replaced while it was read."""
+    """The values of `plans`' stored leaves (as `LazyArray`s where `lazy`),
+    read by the one reader of stored leaves (`_reader.read_leaves`): every
+    load's, and `Checkpoint.load`'s without a skeleton. A lazy load reads only
+    its scalars, and its checkpoint is checked as each lazy leaf is read."""
+    if not lazy:
+        return _reader.read_leaves(source, plans, progress=progress, read_once=read_once)
     try:
         _faults.fire("load.read_stored", source.loc)
-        stored = _read_stored(source, plans, lazy=lazy, progress=progress, read_once=read_once)
+        return _lazy_leaves(source, plans)
     except Exception:
         source.check()  # a read that failed because the checkpoint was replaced says so
         raise
-    if not lazy:
-        source.check()
-    return stored
-
-
-def read_host(lazy: LazyArray) -> np.ndarray:
-    """A lazy leaf's whole value, as a NumPy array of its dtype and shape, read
-    by the one reader of stored leaves (`read_leaves`: on a local disk,
-    straight into one aligned buffer), its checkpoint checked after the read:
-    how a save stages a lazy leaf, and how `export_safetensors` reads one."""
-    like = np.broadcast_to(np.zeros((), lazy.dtype), tuple(lazy.shape))
-    return read_leaves(lazy._source, [LeafPlan.of(0, lazy._record, like)], progress=False)[0]
 
 
 def _read_transformed(source: Source, plan: LoadPlan) -> list[Any]:
@@ -278,138 +266,18 @@ def _place(plan: LoadPlan, values: tuple[list[Any], list[Any], list[Any]]) -> Py
     return plan.treedef.unflatten(leaves)
 
 
-def _target_dtype(like: Any) -> np.dtype | None:
-    kind = _dtypes.like_type(like)
-    if kind in ("jax", "numpy", "numpy_scalar"):
-        return np.dtype(like.dtype)
-    return None
-
-
 _SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
 
 
-def _read_stored(
-    source: Source, plans: list[LeafPlan], *, lazy: bool, progress: Progress = False, read_once: bool | None = False
-) -> list[Any]:
-    """Open every array, then read leaves concurrently within the read budget
-    (`_window`), converting (and freeing the host buffer of) the oldest as new
-    reads start."""
-    if lazy:
-        # Scalars come back as values, as `Checkpoint(path)[key]` gives them.
-        scalars = [i for i, plan in enumerate(plans) if _dtypes.like_type(plan.like) in _SCALARS]
-        out: list[Any] = [LazyArray(source, _record_of(plan), plan.like) for plan in plans]
-        values = _read_stored(source, [plans[i] for i in scalars], lazy=False)
-        for i, value in zip(scalars, values):
-            out[i] = value
-        return out
-    records = [_record_of(plan) for plan in plans]
-    total = sum(r.nbytes for r in records)
-    with _gc.gc_paused(), Tracker(progress, leaves=len(records), nbytes=total, what="load") as tracker:
-        return _read_now(source, plans, records, tracker, read_once)
-
-
-def _read_now(
-    source: Source, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, read_once: bool | None
-) -> list[Any]:
-    """The values of `plans` (of `records`), read now: what several processes
-    need read once and shared (`_read_once`), packed leaves by runs of their
-    packs, the others one array each."""
-    data = source.data
-    results: list[Any] = [None] * len(plans)
-    shared = _read_once.chosen(plans, records, read_once)
-    if shared:
-        opened = [plans[i] for i in shared], [records[i] for i in shared]
-        for i, value in zip(shared, _read_once.read(lambda r: source.open(r).result(), data, *opened, tracker)):
-            results[i] = value
-    packed = [i for i, record in enumerate(records) if record.pack is not None]
-    if packed:
-        _read_packed(data, [plans[i] for i in packed], [records[i] for i in packed], tracker, packed, results)
-    taken = frozenset(shared)
-    own = [i for i, record in enumerate(records) if record.pack is None and i not in taken]
-    if source.runs is not None and own:
-        own = _read_runs(source, [plans[i] for i in own], [records[i] for i in own], tracker, own, results)
-    # Large local leaves are read straight into their buffers; the others
-    # through TensorStore, opened ahead of the reads.
-    direct = {i for i in own if source.opener is None and _read.direct(data, records[i], plans[i].like)}
-    opens = {i: source.open(records[i]) for i in own if i not in direct}
-    # Bytes within each leaf, reported as its chunks or slabs land.
-    parts = {i: tracker.within(records[i].nbytes) for i in own}
-
-    def start(i: int) -> Callable[[], Any]:
-        plan, record = plans[i], records[i]
-        dtype = _target_dtype(plan.like)
-        if i in direct:
-            return _read.start_direct(data, record, plan.like, dtype=dtype, on_bytes=parts[i])
-        try:
-            store = opens.pop(i).result()
-        except Exception as e:
-            raise _storage_errors.leaf_io_error(e, record, data, "open") from e
-        return _read.start(store, data, record, plan.like, dtype=dtype, on_bytes=parts[i])
-
-    for i, _, finish in _window.windowed((i, records[i].nbytes, functools.partial(start, i)) for i in own):
-        results[i] = finish()
-        tracker.advance(leaves=1, nbytes=parts[i].rest())
-    return [_dtypes.keep_weak_type(value, plan.like) for value, plan in zip(results, plans)]
-
-
-def _read_packed(
-    data: Location, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any]
-) -> None:
-    """Packed leaves, read in a few runs of their packs and placed together."""
-    runs = ((members, functools.partial(_unpacked, data, records, members, start, finish))
-            for members, start, finish in _pack.read_leaves(data, records))  # fmt: skip
-    _place_runs(data, runs, plans, records, tracker, slots, out)
-
-
-def _unpacked(
-    data: Location, records: list[LeafRecord], members: list[int], start: int, finish: Callable[[], np.ndarray]
-) -> list[np.ndarray]:
-    """The host arrays of the packed leaves `members` of a run read from offset `start`."""
-    try:
-        run = finish()
-    except Exception as e:
-        # Which leaf of the run is damaged: read them one by one.
-        for m in members:
-            try:
-                _storage.open_packed(data, records[m]).result()
-            except Exception as each:
-                raise _storage_errors.leaf_io_error(each, records[m], data, "read") from e
-        raise _storage_errors.leaf_io_error(e, records[members[0]], data, "read") from e
-    return [run[records[m].offset - start :][: records[m].size].reshape(records[m].stored_shape) for m in members]
-
-
-def _read_runs(
-    source: Source, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any]
-) -> list[int]:
-    """The small leaves of another format that reads runs of adjacent leaves at
-    once (`Source.runs`), placed run by run; the slots of the others, left to
-    be read one by one."""
-    assert source.runs is not None
-    taken, runs = source.runs(records)
-    _place_runs(source.data, runs, plans, records, tracker, slots, out)
-    done = {slots[m] for m in taken}
-    return [slot for slot in slots if slot not in done]
-
-
-def _place_runs(
-    data: Location, runs: Iterable[tuple[list[int], Callable[[], list[np.ndarray]]]], plans: list[LeafPlan],
-    records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any],
-) -> None:  # fmt: skip
-    """Runs of adjacent leaves (`(members, finish)`: indices into `plans` and
-    `records`, and what waits for their host arrays), each placed together
-    (one `device_put` for many) into `out` at the members' `slots`."""
-    for members, finish in runs:
-        hosts = finish()
-        values = _read.place(data, hosts, [records[m] for m in members], [plans[m].like for m in members])
-        for m, value in zip(members, values):
-            out[slots[m]] = value
-        tracker.count_leaves([records[m].nbytes for m in members])
-
-
-def _record_of(plan: LeafPlan) -> LeafRecord:
-    if plan.record is None:
-        raise CheckpointValueError(f"Internal error: leaf `{plan.stored}` has no record to read.")
-    return plan.record
+def _lazy_leaves(source: Source, plans: list[LeafPlan]) -> list[Any]:
+    """`LazyArray`s of `plans`' stored leaves, but for their scalars, read now
+    as values (as `Checkpoint(path)[key]` gives them)."""
+    scalars = [i for i, plan in enumerate(plans) if _dtypes.like_type(plan.like) in _SCALARS]
+    out: list[Any] = [LazyArray(source, _reader.record_of(plan), plan.like) for plan in plans]
+    values = _reader.read(source, [plans[i] for i in scalars])
+    for i, value in zip(scalars, values):
+        out[i] = value
+    return out
 
 
 def _run_custom(spec: Any, plan: LeafPlan, source: Source, cast: bool, lazy: bool) -> Any:
@@ -420,7 +288,7 @@ def _run_custom(spec: Any, plan: LeafPlan, source: Source, cast: bool, lazy: boo
         sub = dataclasses.replace(plan, like=like)
         if not _load_plan.check_leaf(sub, report, missing="error", cast=cast):
             report.raise_if_any()
-        return _read_stored(source, [sub], lazy=lazy)[0]
+        return _lazy_leaves(source, [sub])[0] if lazy else _reader.read(source, [sub])[0]
 
     loc = source.loc
     handle = LeafHandle(plan.keypath, plan.stored, loc.display, read=read)
@@ -503,7 +371,7 @@ def materialise(tree: PyTree, *, progress: Progress = None) -> PyTree:
     values, treedef = jtu.tree_flatten(tree, is_leaf=is_lazy)
     lazy = [i for i, leaf in enumerate(values) if is_lazy(leaf)]
     # By the checkpoint each leaf reads from: each group is read as one load
-    # reads (`_read_now`), and its checkpoint checked once, after every read.
+    # reads (`_reader.read_now`), and its checkpoint checked once, after every read.
     # A transformed leaf reads its stored arrays and applies its function itself.
     groups: dict[int, list[int]] = {}
     for i in lazy:
@@ -522,7 +390,7 @@ def materialise(tree: PyTree, *, progress: Progress = None) -> PyTree:
             leaves = [values[i] for i in indices]
             plans = [LeafPlan.of(k, x._record, x._read_as()) for k, x in enumerate(leaves)]
             try:
-                read = _read_now(source, plans, [x._record for x in leaves], tracker, False)
+                read = _reader.read_now(source, plans, tracker)
             except Exception:
                 source.check()  # a read that failed because the checkpoint was replaced says so
                 raise

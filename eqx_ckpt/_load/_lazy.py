@@ -1,5 +1,5 @@
 """`LazyArray`: a stored leaf that is read only when asked (`materialise`, in
-`_deserialise`, reads many)."""
+`_deserialise`, reads many), by the one reader of stored leaves (`_reader`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import numpy as np
 from .._base._location import Location
 from .._ondisk import _dtypes
 from .._ondisk._format import LeafRecord, dtype_from_name
-from .._store import _memory, _share, _storage_errors
-from . import _read
+from .._store import _memory, _storage_errors
+from . import _read, _reader
+from ._load_plan import LeafPlan
 
 if TYPE_CHECKING:
     from .._store._storage import Array
@@ -119,9 +120,9 @@ class LazyArray:
     def __getitem__(self, index: Any) -> np.ndarray:
         """Read the region `index` selects, as NumPy indexes: ints, slices, `...`
         and `None` read only that region; integer arrays and boolean masks (NumPy's
-        advanced indexing) read the whole leaf, then select."""
+        advanced indexing) read the whole leaf (as `np.asarray` does), then select."""
         if _is_advanced(index):
-            return self[...][index]
+            return self._host()[index]
         index = _numpy_index(index, self.shape)
         store = self._open()
         per_element = self._record.nbytes // max(self.size, 1)
@@ -131,11 +132,10 @@ class LazyArray:
             # The key data is the last stored axis; a second `...` would be an error.
             index += (slice(None),) if any(i is Ellipsis for i in index) else (Ellipsis, slice(None))
         try:
-            array = store[index].read().result()
-        except Exception as e:
+            array = _read.start_region(store, self._loc, self._record, index)()
+        except Exception:
             self._source.check()
-            error = _storage_errors.leaf_io_error(e, self._record, self._loc, "read")
-            raise _share.forget_damaged(error, self._loc, self._record) from e
+            raise
         self._source.check()
         # A leaf cast on save reads back in the dtype it was saved from, as `dtype`
         # says (an error if a stored value cannot become it).
@@ -143,27 +143,28 @@ class LazyArray:
         return _read.host_converter(self._record, dtype, self._loc)(array)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        array = self[...]
+        array = self._host()
         return array if dtype is None else array.astype(dtype)
 
+    def _host(self) -> np.ndarray:
+        """The whole leaf as a NumPy array of its `dtype` (a PRNG key's, its key
+        data), read as a load reads it: by the one reader of stored leaves (on
+        a local disk straight into one aligned buffer; a packed leaf from its
+        pack, through the process's cached open of it, as a leaf read alone),
+        its checkpoint checked after the read. How `np.asarray` reads it, a
+        save stages it, and `export_safetensors` writes it."""
+        if self._record.type == "prng_key":
+            return self[...]
+        like = np.broadcast_to(np.zeros((), self.dtype), self.shape)
+        return _reader.read_leaves(self._source, [LeafPlan.of(0, self._record, like)], cached=True)[0]
+
     def start(self, *, checked: bool = True) -> Any:
-        """Start reading; the returned function waits and gives the value (and,
-        unless `checked=False`, checks the checkpoint was not replaced)."""
-        like = self._read_as()
-        target = np.dtype(like.dtype) if _dtypes.like_type(like) in ("jax", "numpy", "numpy_scalar") else None
-        finish = _read.start(self._open(), self._loc, self._record, like, dtype=target)
-
-        def value() -> Any:
-            try:
-                out = finish()
-            except Exception:
-                self._source.check()
-                raise
-            if checked:
-                self._source.check()
-            return _dtypes.keep_weak_type(out, like)
-
-        return value
+        """The read of the whole leaf, to run: the returned function reads it
+        by the one reader of stored leaves (`_reader.read_leaves`, as a load
+        reads it) and gives the value, then (unless `checked=False`) checks
+        that the checkpoint was not replaced."""
+        plan = LeafPlan.of(0, self._record, self._read_as())
+        return lambda: _reader.read_leaves(self._source, [plan], checked=checked, cached=True)[0]
 
     def _read_as(self) -> Any:
         """The `like` leaf it is read as: its own, or one of the type it was saved from."""

@@ -23,7 +23,7 @@ from .._base import _faults, _keypath
 from .._base._errors import CheckpointValueError
 from .._base._progress import Progress
 from .._ondisk._format import LeafRecord, dtype_from_name
-from ._deserialise import read_leaves
+from . import _reader
 from ._lazy import LazyArray
 from ._load_plan import LeafPlan
 from ._source import Source
@@ -33,7 +33,7 @@ _PYTHON = {"bool": False, "int": 0, "float": 0.0, "complex": 0j}
 
 def load(source: Source, records: list[LeafRecord], key: str, *, lazy: bool, progress: Progress, numbered: bool) -> Any:
     """The leaves of `records` of `source` (all at or below dotted `key`) as
-    nested containers, read as any load reads (`_deserialise.read_leaves`),
+    nested containers, read as any load reads (`_reader.read_leaves`),
     or lazily. `numbered`: see `structure`."""
     data = source.data
     refuse_leaves_with_children([record.path for record in records], data.display)
@@ -46,7 +46,7 @@ def load(source: Source, records: list[LeafRecord], key: str, *, lazy: bool, pro
         leaf = functools.partial(_lazy_leaf, source, like=like)
         return structure(records, key, leaf, numbered=numbered)
     plans = [LeafPlan.of(i, record, like(record)) for i, record in enumerate(records)]
-    values = dict(zip((record.path for record in records), read_leaves(source, plans, progress=progress)))
+    values = dict(zip((record.path for record in records), _reader.read_leaves(source, plans, progress=progress)))
     return structure(records, key, lambda record: values[record.path], numbered=numbered)
 
 

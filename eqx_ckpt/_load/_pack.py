@@ -29,6 +29,7 @@ from .._base import _faults
 from .._base._location import Location
 from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
 from .._store import _local_read, _storage, _storage_errors, _window
+from . import _read
 
 
 def by_pack(records: Sequence[LeafRecord]) -> dict[str, list[int]]:
@@ -55,14 +56,17 @@ def _start_direct(loc: Location, pack: PackRecord, start: int, stop: int) -> Any
 
 
 def read_leaves(
-    loc: Location, records: Sequence[LeafRecord]
+    loc: Location, records: Sequence[LeafRecord], *, cached: bool = False
 ) -> Iterator[tuple[list[int], int, Callable[[], np.ndarray]]]:
     """Read packed leaves in a few large reads: for each run of a pack that
     covers some of them, `(indices into records, start, finish)`, where
     `finish()` waits and returns the run's elements from offset `start` on.
 
     Runs are at most the read budget long (`_window`), and started ahead of
-    their use within it."""
+    their use within it. With `cached`, for leaves read a few at a time (a
+    lazy leaf), every pack is read through this process's cached open of it
+    (`_storage.open_pack`), whose chunk cache serves the next reads of its
+    neighbours, instead of each read checking and reading whole chunk files."""
     groups = by_pack(records)
     assert sum(map(len, groups.values())) == len(records), "every record must be packed"
     runs: list[tuple[PackRecord, int, int, list[int]]] = []
@@ -82,16 +86,17 @@ def read_leaves(
 
     def start_run(pack: PackRecord, start: int, stop: int, members: list[int]) -> Callable[[], np.ndarray]:
         _faults.fire("pack.read_run", loc, pack, [records[m].path for m in members])
-        finish = _start_direct(loc, pack, start, stop)
+        finish = None if cached else _start_direct(loc, pack, start, stop)
         if finish is not None:
             return finish
         if pack.name not in stores:
-            stores[pack.name] = _storage.open_pack(loc, pack, cached=False, leaf=records[members[0]].path)
+            stores[pack.name] = _storage.open_pack(loc, pack, cached=cached, leaf=records[members[0]].path)
         try:
             store = stores[pack.name].result()
         except Exception as e:
             raise _storage_errors.leaf_io_error(e, records[members[0]], loc, "open") from e
-        return store[start:stop].read().result
+        # Raw: the caller reads a failed run's leaves one by one to name the damaged one.
+        return _read.start_region(store, loc, records[members[0]], (slice(start, stop),), raw=True)
 
     jobs = (
         ((members, start), (stop - start) * dtype_from_name(pack.dtype).itemsize,

@@ -106,6 +106,44 @@ def refuse_narrowing(loc: Location, record: LeafRecord, dtype: Any) -> None:
     )
 
 
+def start_region(
+    store: Array, loc: Location, record: LeafRecord, index: tuple[Any, ...] = (), *, raw: bool = False
+) -> Callable[[], np.ndarray]:
+    """Start reading the region `index` (a tuple of slices and integers, as
+    `Array[index]` takes; `()`: all of it) of the stored leaf `record`, opened
+    as `store` in the data root `loc`: the one way any reader reads stored
+    elements. The returned function waits and gives them as stored (a NumPy
+    array). A failure is the leaf's (`read_failed`), or with `raw` as storage
+    raised it, for a caller that words it itself (a pack's run, whose damaged
+    leaf is found after; `verify`, which tells damage from refusal)."""
+    try:
+        future = (store[index] if index else store).read()
+    except Exception as e:
+        if raw:
+            raise
+        raise read_failed(e, loc, record) from e
+
+    def finish() -> np.ndarray:
+        try:
+            return future.result()
+        except Exception as e:
+            if raw:
+                raise
+            raise read_failed(e, loc, record) from e
+
+    return finish
+
+
+def read_failed(error: BaseException, loc: Location, record: LeafRecord) -> Exception:
+    """A failure to read the stored leaf `record` as the leaf's error
+    (`_storage_errors.leaf_io_error`); where it says the leaf is damaged, its
+    files are forgotten (`_share.forget_damaged`), so the next save reads them
+    again before it shares any."""
+    failed = _storage_errors.leaf_io_error(error, record, loc, "read")
+    _share.forget_damaged(failed, loc, record)
+    return failed
+
+
 # A large leaf is read in slabs of whole chunks into one 64-byte-aligned buffer,
 # which `jax.device_put` adopts without a copy: the leaf is held once, plus two
 # slabs in flight, instead of TensorStore's buffer and a copy of it.
@@ -123,10 +161,10 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> 
 
 def _start_in_slabs(
     store: Array,
+    loc: Location,
     record: LeafRecord,
     like: Any,
     sharding: Any,
-    failed: Callable[[BaseException], Exception],
     on_bytes: Callable[[int], None] | None,
 ) -> Callable[[], Any]:
     dtype = dtype_from_name(record.stored_dtype)
@@ -138,7 +176,7 @@ def _start_in_slabs(
     def launch() -> None:
         slab = next(slabs, None)
         if slab is not None:
-            pending.append((*slab, store[slab[0] : slab[1]].read()))
+            pending.append((*slab, start_region(store, loc, record, (slice(*slab),), raw=True)))
 
     launch()
     launch()
@@ -147,13 +185,13 @@ def _start_in_slabs(
         out = _aligned_empty(tuple(record.shape), dtype)
         try:
             while pending:
-                lo, hi, future = pending.popleft()
+                lo, hi, finish_read = pending.popleft()
                 launch()
-                out[lo:hi] = future.result()
+                out[lo:hi] = finish_read()
                 if on_bytes is not None:
                     on_bytes((hi - lo) * row_bytes)
         except Exception as e:
-            raise failed(e) from e
+            raise read_failed(e, loc, record) from e
         return _dtypes.to_result(out, like, sharding=sharding)
 
     return finish
@@ -294,38 +332,31 @@ def start(
     if kind == "jax":
         refuse_narrowing(loc, record, dtype if dtype is not None else dtype_from_name(record.dtype))
 
-    def failed(e: BaseException) -> Exception:
-        error = _storage_errors.leaf_io_error(e, record, loc, "read")
-        _share.forget_damaged(error, loc, record)
-        return error
-
+    # Each read's failure is worded once, with what the finish does after it.
     if kind == "jax" and sharding is not None and len(sharding.device_set) > 1:
-
-        def read(index: tuple[slice, ...]) -> Any:
-            return store[index].read() if index else store.read()
-
+        read = functools.partial(start_region, store, loc, record, raw=True)
         finish_placed = _sharding.read_placed(read, record.shape, sharding, convert, on_bytes)
 
         def finish_sharded() -> Any:
             try:
                 return finish_placed()
             except Exception as e:
-                raise failed(e) from e
+                raise read_failed(e, loc, record) from e
 
         return finish_sharded
 
     _memory.refuse_beyond_memory(loc, record, record.nbytes, "it")
     if kind in ("jax", "numpy") and record.nbytes > SLAB_BYTES and record.shape and record.encoding == "plain":
         if dtype is None or np.dtype(dtype) == dtype_from_name(record.stored_dtype):
-            return _start_in_slabs(store, record, like, sharding, failed, on_bytes)
+            return _start_in_slabs(store, loc, record, like, sharding, on_bytes)
 
-    future = store.read()
+    read_all = start_region(store, loc, record, raw=True)
 
     def finish() -> Any:
         try:
-            array = convert(future.result())
+            array = convert(read_all())
         except Exception as e:
-            raise failed(e) from e
+            raise read_failed(e, loc, record) from e
         return _value(loc, array, record, like, sharding)
 
     return finish

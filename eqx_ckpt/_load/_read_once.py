@@ -29,6 +29,7 @@ communication, and the processes compare a digest of it first):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -246,13 +247,14 @@ def _read_mine(
             continue
         try:
             store = open_store(leaf.record)
-            started.append((leaf, [(k, p, store[tuple(slice(a, b) for a, b in p.part)].read()) for k, p in taken]))
+            regions = [(k, p, tuple(slice(a, b) for a, b in p.part)) for k, p in taken]
+            started.append((leaf, [(k, p, _read.start_region(store, loc, leaf.record, at)) for k, p, at in regions]))
         except Exception as e:
             return _storage_errors.leaf_io_error(e, leaf.record, loc, "open")
     for leaf, reads in started:
         try:
-            for k, _, future in reads:
-                mine[leaf.slot, k] = np.ascontiguousarray(future.result()).reshape(-1).view(np.uint8)
+            for k, _, finish in reads:
+                mine[leaf.slot, k] = np.ascontiguousarray(finish()).reshape(-1).view(np.uint8)
             _faults.fire("load.read_once", leaf.record.path, [p.part for _, p, _ in reads])
         except Exception as e:
             return e if isinstance(e, CheckpointError) else _storage_errors.leaf_io_error(e, leaf.record, loc, "read")
@@ -294,7 +296,7 @@ def _place(leaf: _Leaf, slices: dict[tuple[int, int], np.ndarray], loc: Location
     on_bytes = tracker.within(leaf.record.nbytes)
     convert = _read.host_converter(leaf.record, leaf.like.dtype, loc)
     # The regions are read already: `read_placed` places them as it places any read.
-    assembled = lambda index: _storage.ready(regions[_sharding.region_key(index, shape)])
+    assembled = lambda index: functools.partial(regions.__getitem__, _sharding.region_key(index, shape))
     value = _sharding.read_placed(assembled, shape, leaf.sharding, convert, on_bytes)()
     tracker.advance(leaves=1, nbytes=on_bytes.rest())
     return value

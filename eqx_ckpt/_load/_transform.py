@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
@@ -49,9 +50,9 @@ def load(source: Source, plans: list[TransformPlan], *, cast: bool, lazy: bool) 
     def finish(i: int, reads: list[Any]) -> None:
         plan = plans[i]
         arrays = []
-        for record, future in zip(plan.records, reads):
+        for record, read in zip(plan.records, reads):
             try:
-                arrays.append(_dtypes.decode(future.result(), record))
+                arrays.append(_dtypes.decode(read(), record))
             except Exception as e:
                 raise _storage_errors.leaf_io_error(e, record, source.data, "read") from e
         try:
@@ -73,13 +74,14 @@ def load(source: Source, plans: list[TransformPlan], *, cast: bool, lazy: bool) 
     return values, problems
 
 
-def _start(source: Source, record: LeafRecord) -> Any:
+def _start(source: Source, record: LeafRecord) -> Callable[[], np.ndarray]:
+    """Start reading a stored array of a transformed leaf whole (`_read.start_region`)."""
     _memory.refuse_beyond_memory(source.data, record, record.nbytes, "it")
     try:
         store = source.open(record).result()
     except Exception as e:
         raise _storage_errors.leaf_io_error(e, record, source.data, "open") from e
-    return store.read()
+    return _read.start_region(store, source.data, record)
 
 
 def _raised(e: Exception) -> str:
@@ -157,7 +159,8 @@ class TransformedArray(LazyArray):
     def __repr__(self) -> str:
         return f"TransformedArray({self.path!r}, shape={self.shape}, dtype={self.dtype})"
 
-    def _value(self) -> np.ndarray:
+    def _host(self) -> np.ndarray:
+        """The transformed value, checked against `like` (its stored arrays read whole)."""
         arrays = [np.asarray(part) for part in self._parts]
         try:
             made = np.asarray(self._fn(*arrays))
@@ -173,11 +176,11 @@ class TransformedArray(LazyArray):
         return LeafError(message, path=self._loc.display, keypaths=[self._keypath], dotted=[self.path])
 
     def __getitem__(self, index: Any) -> np.ndarray:
-        return self._value()[index]
+        return self._host()[index]
 
     def start(self, *, checked: bool = True) -> Any:
         def finish() -> Any:
-            value, problem = finish_value(self._value(), self._like, self._cast)
+            value, problem = finish_value(self._host(), self._like, self._cast)
             if problem:
                 raise self._error(problem)
             return value

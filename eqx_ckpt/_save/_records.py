@@ -30,7 +30,6 @@ from .._base._errors import CheckpointError, CheckpointTypeError, LeafError, lea
 from .._base._handle import LeafHandle
 from .._base._location import Location
 from .._hosts import _multihost, _sharding
-from .._load._deserialise import read_host
 from .._load._lazy import LazyArray
 from .._ondisk import _dtypes, _format
 from .._ondisk._format import LeafRecord, PackRecord, chunk_shape, dtype_from_name, pack_name, whole_chunks
@@ -252,9 +251,9 @@ class Unread:
         return _memory.Deferred(self._read, int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize)
 
     def _read(self) -> np.ndarray:
-        """Read by the load's reader (on a local disk, straight into one aligned
-        buffer, which the writer takes without another copy)."""
-        return read_host(self.lazy)
+        """Read by the load's reader (`LazyArray`'s NumPy value: on a local disk,
+        straight into one aligned buffer, which the writer takes without another copy)."""
+        return np.asarray(self.lazy)
 
 
 def _general(

@@ -16,6 +16,7 @@ from typing import Any
 from .._base._errors import CheckpointError, CheckpointStorageError
 from .._base._location import Location
 from .._base._progress import Tracker
+from .._load import _read
 from .._ondisk._format import LeafRecord, dtype_from_name
 from .._store import _share, _storage_errors, _window
 
@@ -54,20 +55,21 @@ def read_chunks(
     *,
     skip: Callable[[LeafRecord], bool],
     failed: Callable[[LeafRecord, BaseException], None],
-    read: Callable[[Any, tuple[slice, ...]], Any] | None = None,
+    read: Callable[[LeafRecord, Any, tuple[slice, ...]], Callable[[], Any]],
 ) -> Iterator[tuple[LeafRecord, Any, int]]:
     """Run chunk reads with a bounded number of bytes in flight; yield each
-    `(record, value, bytes)` that read cleanly, and report the others."""
-    read = read or (lambda store, index: store[index].read() if index else store.read())
+    `(record, value, bytes)` that read cleanly, and report the others.
+    `read(record, store, index)` starts reading one chunk and returns what
+    waits for its value (`_read.start_region`, or a function of such reads)."""
     # `skip` is asked as each chunk is about to start: a leaf stops at its first failure.
     starts = (
-        (record, _chunk_bytes(record, index), functools.partial(read, store, index))
+        (record, _chunk_bytes(record, index), functools.partial(read, record, store, index))
         for record, store, index in jobs
         if not skip(record)
     )
-    for record, size, future in _window.windowed(starts, max_reads=MAX_READS):
+    for record, size, finish in _window.windowed(starts, max_reads=MAX_READS):
         try:
-            value = future.result() if hasattr(future, "result") else future()
+            value = finish()
         except Exception as e:
             failed(record, e)
             continue
@@ -75,23 +77,26 @@ def read_chunks(
 
 
 def scan_leaves(
+    data: Location,
     records: list[LeafRecord],
     stores: dict[str, Any],
     bad: dict[str, Any],
     failed: Callable[[LeafRecord, BaseException], None],
     tracker: Tracker,
 ) -> None:
-    """Read every chunk of each of `records` whose opened array is in `stores`
-    (by dotted path), for `verify`: a leaf stops at its first failure, which
-    `failed` records in `bad` (a leaf already in `bad` is not read); progress
-    goes to `tracker`."""
+    """Read every chunk of each of `records` (leaves of the data root `data`)
+    whose opened array is in `stores` (by dotted path), for `verify`: a leaf
+    stops at its first failure, which `failed` records in `bad` (a leaf
+    already in `bad` is not read), as storage raised it (`damage` words it);
+    progress goes to `tracker`."""
 
     def stop(path: str) -> Callable[[], bool]:
         return lambda: path in bad
 
     jobs = ((r, stores[r.path], i) for r in records if r.path in stores for i in chunk_indices(r, stop=stop(r.path)))
     count = LeafCounter(records, tracker)
-    for record, _, size in read_chunks(jobs, skip=lambda r: r.path in bad, failed=failed):
+    read = lambda record, store, index: _read.start_region(store, data, record, index, raw=True)
+    for record, _, size in read_chunks(jobs, skip=lambda r: r.path in bad, failed=failed, read=read):
         count(record, size)
 
 

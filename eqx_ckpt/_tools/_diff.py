@@ -171,12 +171,10 @@ def _compare_values(
     errors: list[BaseException] = []
     differ: set[str] = set()
 
-    def read(pair: Any, index: tuple[slice, ...]) -> Callable[[], bool]:
+    def read(_: LeafRecord, pair: Any, index: tuple[slice, ...]) -> Callable[[], bool]:
         ra, rb, sa, sb = pair
-        fa, fb = (s[index].read() if index else s.read() for s in (sa, sb))
-        return lambda: _same(
-            _logical(_result(fa, ra, data_a), ra, data_a), _logical(_result(fb, rb, data_b), rb, data_b)
-        )
+        fa, fb = _read.start_region(sa, data_a, ra, index), _read.start_region(sb, data_b, rb, index)
+        return lambda: _same(_logical(np.asarray(fa()), ra, data_a), _logical(np.asarray(fb()), rb, data_b))
 
     def stop(path: str) -> Callable[[], bool]:
         return lambda: bool(errors) or path in differ
@@ -197,13 +195,6 @@ def _compare_values(
     if errors:
         raise errors[0]
     return sorted(differ)
-
-
-def _result(future: Any, record: LeafRecord, data: Location) -> np.ndarray:
-    try:
-        return np.asarray(future.result())
-    except Exception as e:
-        raise _storage_errors.leaf_io_error(e, record, data, "read") from e
 
 
 def _logical(array: np.ndarray, record: LeafRecord, data: Location) -> np.ndarray:

@@ -34,7 +34,6 @@ from .._base._location import Location, location
 from .._base._progress import Progress, Tracker
 from .._foreign import _safetensors
 from .._load._checkpoint import Checkpoint
-from .._load._deserialise import read_host
 from .._load._lazy import LazyArray
 from .._ondisk import _dtypes
 from .._ondisk._format import MANIFEST, MAX_MANIFEST_BYTES, dtype_from_name
@@ -192,14 +191,9 @@ def _leaf(name: str, leaf: Any) -> _Tensor | None:
 
 
 def _reader(array: Any) -> Callable[[], np.ndarray]:
-    return functools.partial(_value, array)
-
-
-def _value(array: Any) -> np.ndarray:
-    """A leaf's value, read as it is written out: a lazy leaf's by the one
-    reader of stored leaves (`_deserialise.read_host`), anything else as NumPy
-    makes it."""
-    return read_host(array) if type(array) is LazyArray else np.asarray(array)
+    """A leaf's value, read as it is written out, as NumPy makes it (a lazy
+    leaf's by the one reader of stored leaves: `LazyArray.__array__`)."""
+    return functools.partial(np.asarray, array)
 
 
 def _abstract(leaves: list[tuple[Any, jax.ShapeDtypeStruct]]) -> LeafError:
@@ -221,7 +215,7 @@ def _stored(ckpt: Checkpoint, key: str) -> _Tensor:
     if record.type == "prng_key":
         raise _unsupported(key, record.dtype)
     # Read as the shard is written (`ckpt[key]` reads a scalar at once).
-    return _Tensor(key, _dtype_name(key, record.dtype), tuple(record.shape), lambda: _value(ckpt[key]))
+    return _Tensor(key, _dtype_name(key, record.dtype), tuple(record.shape), lambda: np.asarray(ckpt[key]))
 
 
 def _dtype_name(name: str, dtype: Any) -> str:

@@ -294,7 +294,7 @@ def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -
     def failed(record: LeafRecord, error: BaseException) -> None:
         bad.setdefault(record.path, Problem(record.path, str(_chunk_scan.damage(error, record, data, "read"))))
 
-    _chunk_scan.scan_leaves(records, stores, bad, failed, tracker)
+    _chunk_scan.scan_leaves(data, records, stores, bad, failed, tracker)
     for record in records:
         if record.path not in bad:
             why = _check_file_sizes(data, record.directory, record.stored_shape, record.chunks, record.chunk_nbytes)

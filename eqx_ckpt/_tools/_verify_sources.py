@@ -70,7 +70,7 @@ def _read_every_chunk(source: _source.Source, records: list[LeafRecord], tracker
     def failed(record: LeafRecord, error: BaseException) -> None:
         bad.setdefault(record.path, _damage(error, record, source.data, "read"))
 
-    _chunk_scan.scan_leaves(records, stores, bad, failed, tracker)
+    _chunk_scan.scan_leaves(source.data, records, stores, bad, failed, tracker)
     return bad
 
 

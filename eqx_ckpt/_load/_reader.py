@@ -1,0 +1,196 @@
+"""The one reader of stored leaves: every value read from a checkpoint is read here.
+
+An eager load, a skeleton-free load (`_nested`), `materialise`, a lazy leaf's
+read (`LazyArray.read`, `np.asarray` of one), a partial save staging a lazy
+leaf and `export_safetensors` all hand their leaves here as `LeafPlan`s.
+Within one host-memory budget and one pool of reading threads (`_window`),
+what several processes need is read once and shared (`_read_once`), packed
+leaves in runs of their packs (`_pack`; a lazy leaf, read alone, through the
+process's cached open of its pack), small leaves of another format in
+runs of its file (`Source.runs`), a large leaf on a local disk straight into
+one aligned buffer (`_read.start_direct`), anything else through TensorStore
+(`_read.start`). A region of a stored leaf (a slice of a lazy leaf, a chunk
+that `verify` or `diff` scans) is read by `_read.start_region`, which every
+read of stored elements ends in.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._base import _faults, _gc
+from .._base._errors import CheckpointValueError
+from .._base._location import Location
+from .._base._progress import Progress, Tracker
+from .._ondisk import _dtypes
+from .._ondisk._format import LeafRecord
+from .._store import _storage, _storage_errors, _window
+from . import _pack, _read, _read_once
+from ._load_plan import LeafPlan
+
+if TYPE_CHECKING:
+    from ._source import Source
+
+
+def read_leaves(
+    source: Source, plans: list[LeafPlan], *, progress: Progress = False, read_once: bool | None = False,
+    checked: bool = True, cached: bool = False,
+) -> list[Any]:  # fmt: skip
+    """The values of `plans`' stored leaves, read now (`read`), and (unless
+    `checked=False`) a check after that `source` was not replaced while they
+    were read; a read that fails checks it too, so that a replaced checkpoint
+    says so. Fault point `load.read_stored` fires first. `cached`: see `read_now`."""
+    try:
+        _faults.fire("load.read_stored", source.loc)
+        values = read(source, plans, progress=progress, read_once=read_once, cached=cached)
+    except Exception:
+        source.check()  # a read that failed because the checkpoint was replaced says so
+        raise
+    if checked:
+        source.check()
+    return values
+
+
+def read(
+    source: Source, plans: list[LeafPlan], *, progress: Progress = False, read_once: bool | None = False,
+    cached: bool = False,
+) -> list[Any]:  # fmt: skip
+    """The values of `plans`' stored leaves, read now with the progress
+    `progress` reports (`read_now`), the checkpoint not checked after."""
+    records = [record_of(plan) for plan in plans]
+    total = sum(r.nbytes for r in records)
+    with _gc.gc_paused(), Tracker(progress, leaves=len(records), nbytes=total, what="load") as tracker:
+        return read_now(source, plans, tracker, read_once, cached=cached)
+
+
+def read_now(
+    source: Source, plans: list[LeafPlan], tracker: Tracker, read_once: bool | None = False, *, cached: bool = False
+) -> list[Any]:
+    """The values of `plans`, read now: what several processes need read once
+    and shared (`_read_once`), packed leaves by runs of their packs, the others
+    one array each, concurrently within the read budget (`_window`), each
+    converted (and its host buffer freed) as new reads start. `cached`, for a
+    leaf read alone (a lazy leaf's read): packs are read through this
+    process's cached open of them (`_pack.read_leaves`), which serves its
+    neighbours' reads next."""
+    data = source.data
+    records = [record_of(plan) for plan in plans]
+    results: list[Any] = [None] * len(plans)
+    shared = _read_once.chosen(plans, records, read_once)
+    if shared:
+        opened = [plans[i] for i in shared], [records[i] for i in shared]
+        for i, value in zip(shared, _read_once.read(lambda r: source.open(r).result(), data, *opened, tracker)):
+            results[i] = value
+    packed = [i for i, record in enumerate(records) if record.pack is not None]
+    if packed:
+        chosen = [plans[i] for i in packed], [records[i] for i in packed]
+        _read_packed(data, *chosen, tracker, packed, results, cached=cached)
+    taken = frozenset(shared)
+    own = [i for i, record in enumerate(records) if record.pack is None and i not in taken]
+    if source.runs is not None and own:
+        own = _read_runs(source, [plans[i] for i in own], [records[i] for i in own], tracker, own, results)
+    _read_each(source, [plans[i] for i in own], [records[i] for i in own], tracker, own, results)
+    return [_dtypes.keep_weak_type(value, plan.like) for value, plan in zip(results, plans)]
+
+
+def _read_each(
+    source: Source, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any]
+) -> None:
+    """Leaves read one array each, into `out` at their `slots`: large local
+    ones straight into their buffers (`_read.start_direct`), the others
+    through TensorStore, opened ahead of the reads."""
+    data = source.data
+    indices = range(len(plans))
+    direct = {i for i in indices if source.opener is None and _read.direct(data, records[i], plans[i].like)}
+    opens = {i: source.open(records[i]) for i in indices if i not in direct}
+    # Bytes within each leaf, reported as its chunks or slabs land.
+    parts = {i: tracker.within(records[i].nbytes) for i in indices}
+
+    def start(i: int) -> Callable[[], Any]:
+        plan, record = plans[i], records[i]
+        dtype = target_dtype(plan.like)
+        if i in direct:
+            return _read.start_direct(data, record, plan.like, dtype=dtype, on_bytes=parts[i])
+        try:
+            store = opens.pop(i).result()
+        except Exception as e:
+            raise _storage_errors.leaf_io_error(e, record, data, "open") from e
+        return _read.start(store, data, record, plan.like, dtype=dtype, on_bytes=parts[i])
+
+    for i, _, finish in _window.windowed((i, records[i].nbytes, functools.partial(start, i)) for i in indices):
+        out[slots[i]] = finish()
+        tracker.advance(leaves=1, nbytes=parts[i].rest())
+
+
+def target_dtype(like: Any) -> np.dtype | None:
+    """The dtype a leaf read as `like` must have: `like`'s, for an array or a
+    NumPy scalar; `None` (the stored one) for anything else."""
+    if _dtypes.like_type(like) in ("jax", "numpy", "numpy_scalar"):
+        return np.dtype(like.dtype)
+    return None
+
+
+def _read_packed(
+    data: Location, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, slots: list[int],
+    out: list[Any], *, cached: bool,
+) -> None:  # fmt: skip
+    """Packed leaves, read in a few runs of their packs and placed together."""
+    runs = ((members, functools.partial(_unpacked, data, records, members, start, finish))
+            for members, start, finish in _pack.read_leaves(data, records, cached=cached))  # fmt: skip
+    _place_runs(data, runs, plans, records, tracker, slots, out)
+
+
+def _unpacked(
+    data: Location, records: list[LeafRecord], members: list[int], start: int, finish: Callable[[], np.ndarray]
+) -> list[np.ndarray]:
+    """The host arrays of the packed leaves `members` of a run read from offset `start`."""
+    try:
+        run = finish()
+    except Exception as e:
+        # Which leaf of the run is damaged: read them one by one.
+        for m in members:
+            try:
+                _storage.open_packed(data, records[m]).result()
+            except Exception as each:
+                raise _storage_errors.leaf_io_error(each, records[m], data, "read") from e
+        raise _storage_errors.leaf_io_error(e, records[members[0]], data, "read") from e
+    return [run[records[m].offset - start :][: records[m].size].reshape(records[m].stored_shape) for m in members]
+
+
+def _read_runs(
+    source: Source, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any]
+) -> list[int]:
+    """The small leaves of another format that reads runs of adjacent leaves at
+    once (`Source.runs`), placed run by run; the slots of the others, left to
+    be read one by one."""
+    assert source.runs is not None
+    taken, runs = source.runs(records)
+    _place_runs(source.data, runs, plans, records, tracker, slots, out)
+    done = {slots[m] for m in taken}
+    return [slot for slot in slots if slot not in done]
+
+
+def _place_runs(
+    data: Location, runs: Iterable[tuple[list[int], Callable[[], list[np.ndarray]]]], plans: list[LeafPlan],
+    records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any],
+) -> None:  # fmt: skip
+    """Runs of adjacent leaves (`(members, finish)`: indices into `plans` and
+    `records`, and what waits for their host arrays), each placed together
+    (one `device_put` for many) into `out` at the members' `slots`."""
+    for members, finish in runs:
+        hosts = finish()
+        values = _read.place(data, hosts, [records[m] for m in members], [plans[m].like for m in members])
+        for m, value in zip(members, values):
+            out[slots[m]] = value
+        tracker.count_leaves([records[m].nbytes for m in members])
+
+
+def record_of(plan: LeafPlan) -> LeafRecord:
+    """The stored record a plan reads (every plan handed to the reader has one)."""
+    if plan.record is None:
+        raise CheckpointValueError(f"Internal error: leaf `{plan.stored}` has no record to read.")
+    return plan.record
