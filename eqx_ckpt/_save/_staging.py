@@ -2,8 +2,8 @@
 the arrays created (`create`), then the writes started in order within the
 save's staging budget (`start_writes`), each handed to its writer
 (the location's chunk files, `_storage.chunk_files`, where a local disk's
-`LocalFiles` writes it, else `_write.TensorStore`), every piece's
-host data made as its write starts and released once written.
+`LocalFiles` writes it, else `_write.TensorStore`), every piece's host data
+made as its write starts and released once written.
 
 A save plans every record up front (the manifest, and the plan several
 processes compare, need them all), but a piece of a leaf (its data, a shard,
@@ -197,9 +197,9 @@ def start_writes(
     the arrays opened to write, `create`), in order, as many as the
     staging budget (`budget` bytes of host data staged and not yet written)
     admits: by eqx_ckpt's own threads where the location's chunk files
-    (`_storage.chunk_files`) are written here for the `layout` and the number of
-    `processes` saving (a local disk), else through
-    TensorStore, staged in a transaction whose commit writes them out. Puts
+    (`_storage.chunk_files`) take a save of this `layout` by this many
+    `processes` (on a local disk), else through TensorStore, staged in a
+    transaction whose commit writes them out. Puts
     in `out` every future that finishes when data is written (not yet
     durable): an interrupt after one started still leaves it there, so an
     abort waits for it before deleting anything. Returns the `Writing`, whose
