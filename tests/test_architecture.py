@@ -417,3 +417,39 @@ def test_no_tensorstore_object_leaves_the_storage_seam():
                     f"{path.name}:{node.lineno}: {k.arg}=" for k in node.keywords if k.arg in _TENSORSTORE_KEYWORDS
                 ]
     assert driven == [], "go through `_storage`'s functions and `_storage.Array`:\n" + "\n".join(driven)
+
+
+def test_local_files_or_tensorstore_is_chosen_in_one_place():
+    """Whether eqx_ckpt reaches a location's chunk files itself (a local disk)
+    or through TensorStore is chosen by the storage seam, once per location
+    (`_storage.chunk_files`), and nowhere else: no other module asks whether
+    the host allows it or makes either implementation of `ChunkFiles`, and
+    only `_storage` reaches `_local_read` and `_local_write`, the local one's
+    I/O. Callers ask the object `chunk_files` returns (issue 48: the
+    local-files path behind the seam, not beside it; the choice was once
+    asked of `_storage.local_chunk_files` by five modules, and `_share` asked
+    the location itself)."""
+    chooser = _path("_storage")
+    choosing = {"LOCAL_PATH_SUPPORTED", "local_chunk_files", "LocalFiles", "TensorStoreFiles"}
+    asking = [
+        f"{path.name}:{node.lineno}: {ast.unparse(node)}"
+        for path in MODULES
+        if path != chooser
+        for node in ast.walk(_tree(path))
+        if (isinstance(node, ast.Name) and node.id in choosing)
+        or (isinstance(node, ast.Attribute) and node.attr in choosing)
+        or (isinstance(node, ast.ImportFrom) and any(alias.name in choosing for alias in node.names))
+    ]
+    assert asking == [], "ask the location's `_storage.chunk_files(loc)`:\n" + "\n".join(asking)
+    reaching = sorted(
+        path.stem for path in MODULES if path != chooser and {"_local_read", "_local_write"} & _imports(_tree(path))
+    )
+    assert reaching == [], f"these reach the local implementation past `_storage`: {reaching}"
+    makers = {
+        function.name
+        for function in ast.walk(_tree(chooser))
+        if isinstance(function, ast.FunctionDef)
+        for node in ast.walk(function)
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("LocalFiles", "TensorStoreFiles")
+    }
+    assert makers == {"chunk_files"}, f"the choice is made in `_storage.chunk_files` alone, not in {makers}"

@@ -50,8 +50,9 @@ def _saved(path, tree):
 
 
 def read_leaf(data, record):
-    """A whole leaf by the local fast path, or `None` where it does not apply."""
-    finish = _local_read.start_read(data, record)
+    """A whole leaf by the local fast path (the location's chunk files'), or
+    `None` where it does not apply."""
+    finish = _storage.chunk_files(data).start_read(record)
     return None if finish is None else finish()
 
 

@@ -69,8 +69,8 @@ def test_a_leafs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, own_fold
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", {"model": {"w": x}})
     data = open_source(tmp_path / "ckpt").data
     record = eqx_ckpt.Checkpoint(tmp_path / "ckpt").record("model.w")
-    assert _local_write.chosen(data, processes=1, layout="directories")
-    assert _local_write.eligible(record, [((), x)])
+    assert _storage.chunk_files(data).writes(processes=1, layout="directories")
+    assert _storage.chunk_files(data).writes_leaf(record, [((), x)])
     ours = _files(tmp_path / "ckpt" / "model" / "w")
     if x.nbytes > 1024:
         assert len(ours) > 1 and shape[0] % record.chunks[0], "want several chunks and an edge chunk"

@@ -28,7 +28,7 @@ import numpy as np
 from .._base import _faults
 from .._base._location import Location
 from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
-from .._store import _local_read, _storage, _storage_errors, _window
+from .._store import _storage, _storage_errors, _window
 from . import _read
 
 
@@ -41,11 +41,11 @@ def by_pack(records: Sequence[LeafRecord]) -> dict[str, list[int]]:
     return groups
 
 
-def _start_direct(loc: Location, pack: PackRecord, start: int, stop: int) -> Any:
-    """`_local_read.start_pack_run`; a failure is raised when the run is finished,
-    where the caller finds which leaf is damaged."""
+def _start_direct(files: _storage.ChunkFiles, pack: PackRecord, start: int, stop: int) -> Any:
+    """`files.start_pack_run` (`None` where they decline); a failure is raised
+    when the run is finished, where the caller finds which leaf is damaged."""
     try:
-        return _local_read.start_pack_run(loc, pack, start, stop)
+        return files.start_pack_run(pack, start, stop)
     except Exception as e:
         error = e
 
@@ -79,14 +79,15 @@ def read_leaves(
         most = max(_window.READ_BUDGET // itemsize, pack.chunk) * itemsize
         for lo, hi, members in _window.runs(spans, most):
             runs.append((pack, lo // itemsize, hi // itemsize, members))
-    # A pack on a local disk is read by eqx_ckpt itself (`_local_read`), each chunk
-    # file checked before it is read; others through TensorStore, with one open
-    # (and one check of its files) per pack, not per run.
+    # A pack whose chunk files eqx_ckpt reads itself (on a local disk: `LocalFiles`)
+    # is read so, each chunk file checked before it is read; others through
+    # TensorStore, with one open (and one check of its files) per pack, not per run.
     stores: dict[str, Any] = {}
+    files = _storage.chunk_files(loc)
 
     def start_run(pack: PackRecord, start: int, stop: int, members: list[int]) -> Callable[[], np.ndarray]:
         _faults.fire("pack.read_run", loc, pack, [records[m].path for m in members])
-        finish = None if cached else _start_direct(loc, pack, start, stop)
+        finish = None if cached else _start_direct(files, pack, start, stop)
         if finish is not None:
             return finish
         if pack.name not in stores:

@@ -16,7 +16,7 @@ from .._base._location import Location
 from .._hosts import _sharding
 from .._ondisk import _dtypes
 from .._ondisk._format import LeafRecord, dtype_from_name
-from .._store import _local_read, _memory, _share, _storage_errors
+from .._store import _memory, _storage, _storage_errors
 
 if TYPE_CHECKING:
     from .._store._storage import Array
@@ -137,10 +137,10 @@ def start_region(
 def read_failed(error: BaseException, loc: Location, record: LeafRecord) -> Exception:
     """A failure to read the stored leaf `record` as the leaf's error
     (`_storage_errors.leaf_io_error`); where it says the leaf is damaged, its
-    files are forgotten (`_share.forget_damaged`), so the next save reads them
+    files are forgotten (`ChunkFiles.forget_damaged`), so the next save reads them
     again before it shares any."""
     failed = _storage_errors.leaf_io_error(error, record, loc, "read")
-    _share.forget_damaged(failed, loc, record)
+    _storage.chunk_files(loc).forget_damaged(failed, record)
     return failed
 
 
@@ -369,16 +369,23 @@ def _value(loc: Location, array: np.ndarray, record: LeafRecord, like: Any, shar
     return result(loc, record, array, like, sharding)
 
 
-def direct(loc: Location, record: LeafRecord, like: Any) -> bool:
-    """Whether `start_direct` reads this leaf: a large one in its own array on a
-    local disk, going to one device (or to NumPy)."""
+def direct(files: _storage.ChunkFiles, record: LeafRecord, like: Any) -> bool:
+    """Whether `start_direct` reads this leaf from `files` (its location's,
+    `_storage.chunk_files`): one that they read themselves (`reads`: a large one in
+    its own array on a local disk), going to one device (or to NumPy)."""
     sharding = target_sharding(like)
     placed = _dtypes.like_type(like) == "jax" and sharding is not None and len(sharding.device_set) > 1
-    return not placed and _local_read.eligible(loc, record)
+    return not placed and files.reads(record)
 
 
 def start_direct(
-    loc: Location, record: LeafRecord, like: Any, *, dtype: Any = None, on_bytes: Callable[[int], None] | None = None
+    files: _storage.ChunkFiles,
+    loc: Location,
+    record: LeafRecord,
+    like: Any,
+    *,
+    dtype: Any = None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> Callable[[], Any]:
     """`start`, for a leaf `direct` accepts: its chunk files are read straight
     into one aligned buffer, which becomes the value without another copy
@@ -386,7 +393,7 @@ def start_direct(
     convert = host_converter(record, dtype, loc)
     if _dtypes.like_type(like) == "jax":
         refuse_narrowing(loc, record, dtype if dtype is not None else dtype_from_name(record.dtype))
-    read = _local_read.start_read(loc, record, on_bytes=on_bytes)
+    read = files.start_read(record, on_bytes=on_bytes)
     assert read is not None
 
     def finish() -> Any:

@@ -103,9 +103,9 @@ def _read_each(
     """Leaves read one array each, into `out` at their `slots`: large local
     ones straight into their buffers (`_read.start_direct`), the others
     through TensorStore, opened ahead of the reads."""
-    data = source.data
+    data, files = source.data, _storage.chunk_files(source.data)
     indices = range(len(plans))
-    direct = {i for i in indices if source.opener is None and _read.direct(data, records[i], plans[i].like)}
+    direct = {i for i in indices if source.opener is None and _read.direct(files, records[i], plans[i].like)}
     opens = {i: source.open(records[i]) for i in indices if i not in direct}
     # Bytes within each leaf, reported as its chunks or slabs land.
     parts = {i: tracker.within(records[i].nbytes) for i in indices}
@@ -114,7 +114,7 @@ def _read_each(
         plan, record = plans[i], records[i]
         dtype = target_dtype(plan.like)
         if i in direct:
-            return _read.start_direct(data, record, plan.like, dtype=dtype, on_bytes=parts[i])
+            return _read.start_direct(files, data, record, plan.like, dtype=dtype, on_bytes=parts[i])
         try:
             store = opens.pop(i).result()
         except Exception as e:

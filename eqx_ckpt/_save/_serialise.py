@@ -4,12 +4,12 @@ A save collects the tree's leaves with their names and filter specs
 (`_collect`), plans what it writes (every leaf's record and host pieces, and
 the packs of small leaves: `_records`), begins the transaction, creates the
 arrays and writes them within the staging budget (`_staging`: on a local disk
-by `_local_write`, else through TensorStore, `_write`), makes them durable
-(`_durable`) and commits the manifest. An asynchronous save
-returns once its arrays are safe on the host (with the default filter spec,
-once each leaf's host data is held: `_background.hold_tree`, and the plan is
-made in the background too); a background thread (`_background`) does the
-rest.
+by eqx_ckpt itself, `_storage.LocalFiles`, else through TensorStore,
+`_write`), makes them durable (`_durable`) and commits the manifest. An
+asynchronous save returns once its arrays are safe on the host (with the
+default filter spec, once each leaf's host data is held:
+`_background.hold_tree`, and the plan is made in the background too); a
+background thread (`_background`) does the rest.
 
 With several JAX processes, every process runs this same story: the
 processes meet at the stages of `_stages` (`prepared`, `begin`, `create`,
@@ -580,13 +580,17 @@ def _base(tx: _transaction.Transaction, follows: Location | None) -> _share.Base
 def _base_at(loc: Location, manifest: _manifest.Manifest | None) -> _share.Base | None:
     """The checkpoint at `loc` (whose manifest is `manifest`, if read) as a
     base, opened as a load opens it (`_source.checkpoint`); `None` where its
-    chunk files cannot be shared (the OCDBT layout, not on a local disk)."""
-    if (manifest is not None and manifest.layout != "directories") or not _storage.local_chunk_files(loc):
+    chunk files cannot be shared (the OCDBT layout; where the location's
+    chunk files, `_storage.chunk_files`, are not eqx_ckpt's own: not on a
+    local disk)."""
+    if manifest is not None and manifest.layout != "directories":
         return None
-    source = _source.checkpoint(loc, manifest)
-    if source is None or source.manifest.layout != "directories" or source.data.local is None:
-        return None
-    return _share.Base(source.data.local, source.manifest)
+
+    def opened() -> tuple[Location, _manifest.Manifest] | None:
+        source = _source.checkpoint(loc, manifest)
+        return None if source is None else (source.data, source.manifest)
+
+    return _storage.chunk_files(loc).base(opened)
 
 
 def _commit(tx: _transaction.Transaction, encoded: list[bytes]) -> BaseException | None:

@@ -1,8 +1,9 @@
 """A save's writes: its leaves sorted by where they are written (`Batch`),
 the arrays created (`create`), then the writes started in order within the
 save's staging budget (`start_writes`), each handed to its writer
-(`_local_write` on a local disk, else `_write.TensorStore`), every piece's
-host data made as its write starts and released once written.
+(the location's chunk files, `_storage.chunk_files`, where a local disk's
+`LocalFiles` writes it, else `_write.TensorStore`), every piece's host data
+made as its write starts and released once written.
 
 A save plans every record up front (the manifest, and the plan several
 processes compare, need them all), but a piece of a leaf (its data, a shard,
@@ -39,7 +40,7 @@ from .._base._location import Location
 from .._base._progress import Tracker
 from .._ondisk import _format, _layout
 from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
-from .._store import _durable, _local_write, _memory, _share, _storage
+from .._store import _durable, _memory, _share, _storage
 from ._write import Steps, TensorStore, attempt, leaf_steps, pack_steps, settle, wait_all
 
 if TYPE_CHECKING:
@@ -202,9 +203,10 @@ def start_writes(
     """Start writing the arrays of `batch` into `data` (`opens`: the futures of
     the arrays opened to write, `create`), in order, as many as the
     staging budget (`budget` bytes of host data staged and not yet written)
-    admits: on a local disk by eqx_ckpt's own threads (`_local_write.chosen`
-    for the `layout` and the number of `processes` saving), else through
-    TensorStore, staged in a transaction whose commit writes them out. Puts
+    admits: by eqx_ckpt's own threads where the location's chunk files
+    (`_storage.chunk_files`) take a save of this `layout` by this many
+    `processes` (on a local disk), else through TensorStore, staged in a
+    transaction whose commit writes them out. Puts
     in `out` every future that finishes when data is written (not yet
     durable): an interrupt after one started still leaves it there, so an
     abort waits for it before deleting anything. Returns the `Writing`, whose
@@ -212,9 +214,10 @@ def start_writes(
     files equal to `base`'s are shared; with `remember`, the digest of every
     chunk file written is recorded (`_share.written`).
     """
-    local = _local_write.chosen(data, processes=processes, layout=layout)
+    files = _storage.chunk_files(data)
+    local = files.writes(processes=processes, layout=layout)
     tensorstore = TensorStore(out, tracker)
-    units = _units(data, batch, opens, local, base if local else None, remember, tensorstore, budget)
+    units = _units(files, batch, opens, local, base if local else None, remember, tensorstore, budget)
     writing = Writing(units, budget, out, tensorstore)
     try:
         writing.fill()
@@ -240,7 +243,7 @@ class _Unit:
 
 
 def _units(
-    data: Location,
+    files: _storage.ChunkFiles,
     batch: Batch,
     opens: list[Any],
     local: bool,
@@ -249,17 +252,17 @@ def _units(
     tensorstore: TensorStore,
     budget: int,
 ) -> list[_Unit]:
-    """The save's writes, in order: each leaf with an array of its own (on a
-    local disk, by eqx_ckpt's threads where `_local_write.eligible`), then each
+    """The save's writes, in order: each leaf with an array of its own (with
+    `local`, by eqx_ckpt's threads where `files.writes_leaf`), then each
     pack, a run of its chunk files at a time, runs of about a quarter of the
     `budget` (by eqx_ckpt's threads with `local`; else the run's contents, a
     new array, are counted as staged too)."""
     units = []
     for n, p in enumerate(batch.own):
         datas, size = [piece for _, piece in p.pieces], p.nbytes
-        if local and _local_write.eligible(p.record, p.pieces):
+        if local and files.writes_leaf(p.record, p.pieces):
             folder = base.leaf_folder(p.record) if base is not None else None
-            units.append(_Unit(datas, size, functools.partial(_start_leaf, data, p.record, folder, remember), True))
+            units.append(_Unit(datas, size, functools.partial(_start_leaf, files, p.record, folder, remember), True))
         elif not datas:  # another process writes it
             units.append(_Unit([], 0, _written_elsewhere, False))
         else:
@@ -270,15 +273,15 @@ def _units(
     for k, (pack, members) in enumerate(batch.packs):
         folder = base.pack_folder(pack) if base is not None and local else None
         itemsize = dtype_from_name(pack.dtype).itemsize
-        for files, part in _pack_parts(pack, members, max(1, budget // 4)):
+        for run, part in _pack_parts(pack, members, max(1, budget // 4)):
             datas, records = [p.pieces[0][1] for p in part], [p.record for p in part]
             size = sum(p.nbytes for p in part)
             if local:
-                start = functools.partial(_start_pack, data, pack, records, folder, remember, files)
+                start = functools.partial(_start_pack, files, pack, records, folder, remember, run)
                 units.append(_Unit(datas, size, start, True))
             else:
-                start = functools.partial(tensorstore.pack, opens[len(batch.own) + k], pack, records, files)
-                contents = min(files.stop * pack.chunk, pack.size) - files.start * pack.chunk
+                start = functools.partial(tensorstore.pack, opens[len(batch.own) + k], pack, records, run)
+                contents = min(run.stop * pack.chunk, pack.size) - run.start * pack.chunk
                 units.append(_Unit(datas, size + contents * itemsize, start, False))
     return units
 
@@ -314,23 +317,25 @@ def _written_elsewhere(hosts: list[np.ndarray]) -> tuple[list[Any], Steps]:
 
 
 def _start_leaf(
-    data: Location, record: LeafRecord, folder: str | None, remember: bool, hosts: list[np.ndarray]
+    files: _storage.ChunkFiles, record: LeafRecord, folder: str | None, remember: bool, hosts: list[np.ndarray]
 ) -> tuple[list[Any], Steps]:
-    futures = _local_write.start_write(data, record, hosts[0], folder, remember=remember)
+    futures = files.start_write(record, hosts[0], folder, remember=remember)
+    assert futures is not None, "only a leaf that `files.writes_leaf`"
     return futures, leaf_steps(record.nbytes, len(futures))
 
 
 def _start_pack(
-    data: Location,
+    files: _storage.ChunkFiles,
     pack: PackRecord,
     records: list[LeafRecord],
     folder: str | None,
     remember: bool,
-    files: range,
+    run: range,
     hosts: list[np.ndarray],
 ) -> tuple[list[Any], Steps]:
-    futures = _local_write.start_pack(data, pack, records, hosts, folder, remember=remember, files=files)
-    return futures, pack_steps(pack, records, [host.nbytes for host in hosts], files)
+    futures = files.start_pack(pack, records, hosts, folder, remember=remember, files=run)
+    assert futures is not None, "only in a save that `files.writes`"
+    return futures, pack_steps(pack, records, [host.nbytes for host in hosts], run)
 
 
 class Writing:

@@ -47,12 +47,13 @@ from .._base._errors import IntegrityError, stored_leaf_error
 from .._base._location import Location
 from .._ondisk import _format
 from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
-from . import _memory, _share, _storage, _window
+from . import _memory, _share, _window
 from ._memory import refuse_beyond_memory
 from ._storage_errors import leaf_io_error
 from ._untrusted import refuse_links, wrong_chunk_file
 
-# Smaller leaves gain little over TensorStore (and will be packed together).
+# Smaller leaves gain little over TensorStore (and will be packed together):
+# `_storage.LocalFiles.reads` leaves them to it.
 MIN_BYTES = 2**20
 PIECE_BYTES = 16 * 2**20
 # Each piece is read and checked a step at a time: a step fits in a core's cache.
@@ -64,11 +65,11 @@ _FOLDER_FLAGS = _FILE_FLAGS | getattr(os, "O_DIRECTORY", 0)
 
 def start_read(
     loc: Location, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None
-) -> Callable[[], np.ndarray] | None:
+) -> Callable[[], np.ndarray]:
     """Start reading a whole leaf stored in its own zarr v3 array on a local
-    disk straight into one aligned host buffer; `None` when this leaf cannot be
-    read this way (not local, not `eligible`), so the caller falls back to
-    TensorStore.
+    disk straight into one aligned host buffer: a leaf that
+    `_storage.LocalFiles.reads` (which calls this, and else declines, so
+    that the caller reads it through TensorStore).
 
     The reads run in a shared pool of threads (so the reads of several leaves
     overlap); the returned function waits for them, checks the checksums and
@@ -84,11 +85,8 @@ def start_read(
 
     A function returning a C-ordered NumPy array of `record.stored_shape` and
     `record.stored_dtype` (the stored bytes, not decoded), whose data is
-    64-byte aligned, so `jax.device_put` on CPU adopts it without a copy; or
-    `None`.
+    64-byte aligned, so `jax.device_put` on CPU adopts it without a copy.
     """
-    if not eligible(loc, record):
-        return None
     # The checks of its files (on a cold cache, a wait on the disk for each) in a
     # thread of their own, so that those of the next leaves overlap.
     started = _memory.shared_pool("eqx_ckpt-open", _window.READ_THREADS).submit(_start_checked, loc, record)
@@ -117,14 +115,11 @@ def _start_checked(loc: Location, record: LeafRecord) -> tuple[np.ndarray, _Read
     return out, _read_chunks(path, loc, record, out.data, list(_format.chunk_keys(record.stored_shape, record.chunks)))
 
 
-def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Callable[[], np.ndarray] | None:
-    """Start reading elements `[start, stop)` of a pack (whole chunks: those
-    that hold them) the same way; the returned function waits, checks every
-    chunk's checksum and returns those elements. `None` where the pack is not
-    on a local disk (TensorStore reads it then). A failure names the pack; the
-    caller finds the damaged leaf."""
-    if not _storage.local_chunk_files(loc) or stop <= start:
-        return None
+def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Callable[[], np.ndarray]:
+    """Start reading elements `[start, stop)` (not empty) of a pack (whole
+    chunks: those that hold them) the same way; the returned function waits,
+    checks every chunk's checksum and returns those elements. A failure names
+    the pack; the caller finds the damaged leaf."""
     first, count = start // pack.chunk, (stop - 1) // pack.chunk - start // pack.chunk + 1
     # The chunks read, as one array of their own: its chunk files are the pack's from `first` on.
     shape = (count * pack.chunk,)
@@ -158,17 +153,6 @@ def _check_chunk_files(loc: Location, record: LeafRecord, directory: str, keys: 
     finally:
         os.close(folder)
     return path
-
-
-def eligible(loc: Location, record: LeafRecord) -> bool:
-    """Whether `start_read` reads this leaf (else it returns `None`)."""
-    return (
-        _storage.local_chunk_files(loc)
-        and record.encoding in _format.ENCODINGS
-        and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
-        and record.pack is None
-        and record.nbytes >= max(MIN_BYTES, 1)
-    )
 
 
 def _open_chunk(folder: int, loc: Location, record: LeafRecord, key: str, directory: str) -> int:
@@ -437,5 +421,5 @@ def _damaged(loc: Location, record: LeafRecord, what: str) -> IntegrityError:
         fix="If the checkpoint was overwritten or deleted while this read ran, read it again; otherwise restore it "
         "from a good copy, or run `eqx-ckpt verify` to list every damaged leaf.",
     )
-    _share.forget_damaged(error, loc, record)
+    _share.forget_damaged(error, loc.local or "", record)
     return error

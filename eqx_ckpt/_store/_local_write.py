@@ -26,7 +26,8 @@ zarr v3 reader reads them; `tests/test_direct_write.py` reads them back through
 TensorStore alone.
 
 Only single-process saves of the "directories" layout use it, into their own
-fresh data root (a file that exists already is an error, never overwritten).
+fresh data root (a file that exists already is an error, never overwritten):
+`_storage.LocalFiles` says which save and which leaf, and calls it.
 """
 
 from __future__ import annotations
@@ -50,32 +51,12 @@ from .._base import _faults
 from .._base._location import Location
 from .._ondisk import _format
 from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
-from . import _memory, _share, _storage
+from . import _memory, _share
 
 THREADS = 4
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _IOV_MAX = 1024
 _SYNC_FILE_RANGE_WRITE = 2
-
-
-def chosen(loc: Location, *, processes: int, layout: str) -> bool:
-    """Whether a save to `loc` writes chunk files here rather than through
-    TensorStore: the choice of the path, made once per save. One process, the
-    "directories" layout, and a location where `_storage.local_chunk_files`
-    (the same choice the read side makes, per location)."""
-    return processes == 1 and layout == "directories" and _storage.local_chunk_files(loc)
-
-
-def eligible(record: LeafRecord, pieces: Sequence[tuple[tuple[slice, ...], Any]]) -> bool:
-    """Whether this leaf's chunk files are written here, in a save that has
-    `chosen` this path: one host piece holding the whole array, and chunks
-    that split only its first axis."""
-    return (
-        record.pack is None
-        and len(pieces) == 1
-        and not pieces[0][0]
-        and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
-    )
 
 
 def start_write(

@@ -57,7 +57,6 @@ import xxhash
 
 from .._base import _faults
 from .._base._errors import IntegrityError
-from .._base._location import Location
 from .._ondisk import _format, _manifest
 from .._ondisk._format import LeafRecord, PackRecord
 
@@ -262,27 +261,26 @@ def link(source: str, path: str, verified: Verified) -> bool:
     return False
 
 
-def forget_damaged(error: BaseException, loc: Location, record: LeafRecord) -> BaseException:
-    """`error`, a failure to read the leaf `record` in the data root `loc`;
-    where it says the leaf is damaged (an `IntegrityError`), the files of its
-    array (its pack's, for a packed leaf) are forgotten first, so that the
-    next save reads them again before it shares any."""
+def forget_damaged(error: BaseException, root: str, record: LeafRecord) -> BaseException:
+    """`error`, a failure to read the leaf `record` of the checkpoint whose
+    data root is the local folder `root`; where it says the leaf is damaged
+    (an `IntegrityError`), the files of its array (its pack's, for a packed
+    leaf) are forgotten first, so that the next save reads them again before
+    it shares any."""
     if isinstance(error, IntegrityError):
-        forget(loc, record.pack.name if record.pack is not None else record.directory)
+        forget(root, record.pack.name if record.pack is not None else record.directory)
     return error
 
 
-def forget(loc: Location, directory: str) -> None:
+def forget(root: str, directory: str) -> None:
     """Forget every file of the array folder `directory` of the data root
-    `loc` (on a local disk) that was verified or written."""
-    if loc.local is None:
-        return
-    folder = os.path.join(loc.local, directory) if directory else loc.local
+    `root` (a local folder) that was verified or written."""
+    folder = os.path.join(root, directory) if directory else root
     keys = []
-    for root, _, names in os.walk(folder):
+    for found, _, names in os.walk(folder):
         for name in names:
             with contextlib.suppress(OSError):
-                keys.append(_key(os.lstat(os.path.join(root, name))))
+                keys.append(_key(os.lstat(os.path.join(found, name))))
     with _VERIFIED_LOCK:
         for key in keys:
             _VERIFIED.pop(key, None)

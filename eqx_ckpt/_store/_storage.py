@@ -28,16 +28,20 @@ through a `Promise`; a read's holds a NumPy array) or a `Mapped`, which turns
 TensorStore's result into this module's type (an `Array`, a `Found`) as it
 is asked for.
 
-A leaf's chunk files take one of two paths, chosen once per location by
-`local_chunk_files`: on a local disk eqx_ckpt reads and writes them itself
-(`_local_read`, `_local_write`), elsewhere TensorStore does (here). Per leaf,
-`_local_read.eligible` and `_local_write.eligible` then say whether its layout
-allows the local path (chunks that split only the first axis).
+A location's chunk files are reached one of two ways, chosen once per
+location by `chunk_files` and nowhere else (tests/test_architecture.py
+checks): a `ChunkFiles`, whose implementations are `LocalFiles` (on a local
+disk eqx_ckpt reads and writes them itself, `_local_read` and `_local_write`,
+and an incremental save shares them, `_share`) and `TensorStoreFiles`
+(elsewhere: it declines each such read and write, and callers use the arrays
+here). Per leaf, the object's own checks (`reads`, `writes_leaf`) say whether
+its layout allows eqx_ckpt's own I/O (chunks that split only the first axis).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import errno
 import hashlib
@@ -45,8 +49,8 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import crc32c
 import numpy as np
@@ -54,9 +58,9 @@ import tensorstore as ts
 
 from .._base import _faults, _location
 from .._base._location import Location
-from .._ondisk import _format
+from .._ondisk import _format, _manifest
 from .._ondisk._format import LeafRecord, PackRecord
-from . import _durable, _memory, _storage_errors, _untrusted
+from . import _durable, _local_read, _local_write, _memory, _share, _storage_errors, _untrusted
 from ._storage_errors import read_explained, read_only_store, unreachable, write_error
 
 # What the local path needs of the host: little-endian bytes (zarr's chunks are
@@ -64,13 +68,6 @@ from ._storage_errors import read_explained, read_only_store, unreachable, write
 LOCAL_PATH_SUPPORTED = (
     sys.byteorder == "little" and hasattr(os, "preadv") and hasattr(os, "O_NOFOLLOW") and crc32c.hardware_based
 )
-
-
-def local_chunk_files(loc: Location) -> bool:
-    """Whether eqx_ckpt reads and writes the chunk files under `loc` itself
-    (`_local_read`, `_local_write`) rather than through TensorStore: a local
-    disk reached through the `file` driver, on a host with what that needs."""
-    return LOCAL_PATH_SUPPORTED and _location.on_local_disk(loc)
 
 
 # The futures this module returns are TensorStore's own (`Future`, set through
@@ -831,3 +828,193 @@ def virtual_array(
 def in_memory(array: np.ndarray) -> Array:
     """A NumPy array as an `Array` (the type every opened leaf has)."""
     return Array(ts.array(array))
+
+
+# -- Chunk files: read and written by eqx_ckpt itself on a local disk, else by TensorStore
+
+Read = Callable[[], np.ndarray]
+Writes = list[concurrent.futures.Future[None]]
+# A leaf's host pieces: (the index of the array it fills, its data).
+Pieces = Sequence[tuple[tuple[slice, ...], Any]]
+
+
+class ChunkFiles(Protocol):
+    """How the chunk files of one location are read and written (`chunk_files`). Each
+    `start_*` returns `None` where it declines: the caller uses TensorStore."""
+
+    def reads(self, record: LeafRecord) -> bool:
+        """Whether `start_read` reads this leaf, stored in an array of its own."""
+        ...
+
+    def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
+        """Start reading a whole leaf straight into one aligned buffer
+        (`_local_read.start_read`); a function that waits and returns it."""
+        ...
+
+    def start_pack_run(self, pack: PackRecord, start: int, stop: int) -> Read | None:
+        """Start reading elements `[start, stop)` of `pack` (`_local_read.start_pack_run`)."""
+        ...
+
+    def writes(self, *, processes: int, layout: str) -> bool:
+        """Whether a save by `processes` processes in `layout` writes chunk
+        files here (then every pack's, and each leaf's that `writes_leaf`)."""
+        ...
+
+    def writes_leaf(self, record: LeafRecord, pieces: Pieces) -> bool:
+        """Whether, in a save that `writes` here, this leaf's chunk files are."""
+        ...
+
+    def start_write(self, record: LeafRecord, piece: Any, base: str | None, *, remember: bool) -> Writes | None:
+        """Start writing every chunk file of one leaf (`_local_write.start_write`)."""
+        ...
+
+    def start_pack(
+        self,
+        pack: PackRecord,
+        records: Sequence[LeafRecord],
+        pieces: Sequence[Any],
+        base: str | None,
+        *,
+        remember: bool,
+        files: range,
+    ) -> Writes | None:
+        """Start writing chunk files `files` of `pack` (`_local_write.start_pack`)."""
+        ...
+
+    def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
+        """The checkpoint here as the base of an incremental save, or `None`
+        where its chunk files cannot be shared; `opened()` opens it (its data
+        root and manifest), called only where they might be."""
+        ...
+
+    def forget_damaged(self, error: BaseException, record: LeafRecord) -> None:
+        """Where `error`, a failure to read `record` here, says the leaf is
+        damaged, forget its array's files (`forget`)."""
+        ...
+
+    def forget(self, directory: str) -> None:
+        """Forget what `_share` verified or wrote of the array folder
+        `directory`, so that the next save reads it again before sharing it."""
+        ...
+
+
+class LocalFiles:
+    """Chunk files on a local disk, read and written by eqx_ckpt itself."""
+
+    def __init__(self, loc: Location, root: str):
+        self.loc, self.root = loc, root
+
+    def reads(self, record: LeafRecord) -> bool:
+        """A large leaf whose chunks split only its first axis (each chunk's
+        bytes contiguous in the array), not packed, in a codec read as stored."""
+        return (
+            record.encoding in _format.ENCODINGS
+            and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
+            and record.pack is None
+            and record.nbytes >= max(_local_read.MIN_BYTES, 1)
+        )
+
+    def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
+        return _local_read.start_read(self.loc, record, on_bytes=on_bytes) if self.reads(record) else None
+
+    def start_pack_run(self, pack: PackRecord, start: int, stop: int) -> Read | None:
+        return _local_read.start_pack_run(self.loc, pack, start, stop) if start < stop else None
+
+    def writes(self, *, processes: int, layout: str) -> bool:
+        """One process (a single writer of the fresh data root) and the
+        "directories" layout (an array's chunk files are files of their own)."""
+        return processes == 1 and layout == "directories"
+
+    def writes_leaf(self, record: LeafRecord, pieces: Pieces) -> bool:
+        """One host piece holding the whole array, and chunks that split only
+        its first axis."""
+        return (
+            record.pack is None
+            and len(pieces) == 1
+            and not pieces[0][0]
+            and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
+        )
+
+    def start_write(self, record: LeafRecord, piece: Any, base: str | None, *, remember: bool) -> Writes | None:
+        return _local_write.start_write(self.loc, record, piece, base, remember=remember)
+
+    def start_pack(
+        self,
+        pack: PackRecord,
+        records: Sequence[LeafRecord],
+        pieces: Sequence[Any],
+        base: str | None,
+        *,
+        remember: bool,
+        files: range,
+    ) -> Writes | None:
+        return _local_write.start_pack(self.loc, pack, records, pieces, base, remember=remember, files=files)
+
+    def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
+        """Shared where the checkpoint has the "directories" layout and its data root is on this disk."""
+        found = opened()
+        if found is None or found[1].layout != "directories" or found[0].local is None:
+            return None
+        return _share.Base(found[0].local, found[1])
+
+    def forget_damaged(self, error: BaseException, record: LeafRecord) -> None:
+        _share.forget_damaged(error, self.root, record)
+
+    def forget(self, directory: str) -> None:
+        _share.forget(self.root, directory)
+
+
+class TensorStoreFiles:
+    """Chunk files reached through TensorStore: every read and write of them
+    is declined here (made through `_storage`'s arrays), and none is shared."""
+
+    def reads(self, record: LeafRecord) -> bool:
+        return False
+
+    def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
+        return None
+
+    def start_pack_run(self, pack: PackRecord, start: int, stop: int) -> Read | None:
+        return None
+
+    def writes(self, *, processes: int, layout: str) -> bool:
+        return False
+
+    def writes_leaf(self, record: LeafRecord, pieces: Pieces) -> bool:
+        return False
+
+    def start_write(self, record: LeafRecord, piece: Any, base: str | None, *, remember: bool) -> Writes | None:
+        return None
+
+    def start_pack(
+        self,
+        pack: PackRecord,
+        records: Sequence[LeafRecord],
+        pieces: Sequence[Any],
+        base: str | None,
+        *,
+        remember: bool,
+        files: range,
+    ) -> Writes | None:
+        return None
+
+    def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
+        return None
+
+    def forget_damaged(self, error: BaseException, record: LeafRecord) -> None:
+        """Nothing was verified or written by `_share` here."""
+
+    def forget(self, directory: str) -> None:
+        """Nothing was verified or written by `_share` here."""
+
+
+_TENSORSTORE = TensorStoreFiles()
+
+
+def chunk_files(loc: Location) -> ChunkFiles:
+    """The chunk files of `loc`, chosen here and nowhere else: `LocalFiles` on
+    a local disk reached through the `file` driver, on a host with what that
+    needs (`LOCAL_PATH_SUPPORTED`); else `TensorStoreFiles`."""
+    if LOCAL_PATH_SUPPORTED and _location.on_local_disk(loc) and loc.local is not None:
+        return LocalFiles(loc, loc.local)
+    return _TENSORSTORE

@@ -23,7 +23,7 @@ from .._manage._steps import committed_steps
 from .._ondisk import _format, _layout
 from .._ondisk._format import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, PackRecord, dtype_from_name, step_name
 from .._ondisk._manifest import Manifest
-from .._store import _share, _storage, _storage_errors, _untrusted
+from .._store import _storage, _storage_errors, _untrusted
 from . import _chunk_scan, _verify_sources
 
 # Pack chunks read at once.
@@ -269,7 +269,7 @@ def _read_pack(data: Location, pack: PackRecord) -> dict[int, str]:
                     raise refused from None
                 damaged[done] = _storage_errors.explain(e)
     if damaged:
-        _share.forget(data, pack.name)
+        _storage.chunk_files(data).forget(pack.name)
     return damaged
 
 
