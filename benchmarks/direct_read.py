@@ -1,6 +1,7 @@
 """One large leaf read three ways, each ending in a JAX array on the CPU:
 
-- `direct`: `eqx_ckpt._store._local_read.read_leaf` (preadv into one aligned buffer, crc32c);
+- `direct`: the local-disk reader, `eqx_ckpt._store._storage.chunk_files(loc).start_read` (preadv into one
+  aligned buffer, crc32c);
 - `ts`: TensorStore's read of the same zarr array (what a load does today);
 - `raw`: the same bytes as one file, read by parallel `pread` into an aligned
   buffer, as the `raw` contender does: no checksum, no chunk files.
@@ -22,13 +23,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jax
 import numpy as np
 
 import eqx_ckpt
 from eqx_ckpt._load._source import open_source
-from eqx_ckpt._store import _local_read, _storage
+from eqx_ckpt._store import _storage
 
 from . import contenders, workload
 
@@ -58,6 +60,13 @@ def _raw(path: pathlib.Path, shape: tuple[int, ...]) -> np.ndarray:
     return host
 
 
+def _direct(data: Any, record: Any) -> np.ndarray:
+    read = _storage.chunk_files(data).start_read(record)
+    if read is None:
+        raise SystemExit("the local-disk reader declined this leaf")
+    return read()
+
+
 def main(gib: float = 1.0, repeats: int = 5) -> None:
     rows = int(gib * 2**30) // (4 * 4096)
     x = np.random.default_rng(0).standard_normal((rows, 4096), dtype=np.float32)
@@ -68,7 +77,7 @@ def main(gib: float = 1.0, repeats: int = 5) -> None:
         contenders.Raw().save(str(base / "raw.bin"), {"w": x})
         data, record = open_source(base / "ckpt").data, eqx_ckpt.Checkpoint(base / "ckpt").record("w")
         ways: dict[str, Callable[[], np.ndarray | None]] = {
-            "direct": lambda: _local_read.read_leaf(data, record),
+            "direct": lambda: _direct(data, record),
             "ts": lambda: _storage.open_array(data, record).result().read().result(),
             "raw": lambda: _raw(base / "raw.bin", x.shape),
         }

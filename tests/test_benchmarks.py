@@ -23,7 +23,19 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import eqx_ckpt  # noqa: E402
-from benchmarks import contenders, foreign, gpu, gpu_budget, page_sizes, report, run, staging, warm_memory, workload  # noqa: E402
+from benchmarks import (  # noqa: E402
+    contenders,
+    direct_read,
+    foreign,
+    gpu,
+    gpu_budget,
+    page_sizes,
+    report,
+    run,
+    staging,
+    warm_memory,
+    workload,
+)
 
 
 @pytest.fixture(scope="module")
@@ -450,6 +462,16 @@ def test_a_failed_contender_of_the_gpu_script_is_recorded_and_the_run_goes_on(tm
     assert rows[0]["error"] == "ZeroDivisionError: division by zero" and "1 / 0" in rows[0]["traceback"]
     assert rows[2]["verified"] is True
     assert not any(tmp_path.iterdir())
+
+
+def test_the_direct_read_script_reads_a_leaf_three_ways(capsys):
+    """`benchmarks.direct_read`: the local-disk reader, TensorStore and raw
+    reads of one leaf, each checked equal to what was saved, warm and cold."""
+    direct_read.main(gib=0.01, repeats=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines[1:]] == [
+        [cache, way] for cache in ("warm", "cold") for way in ("direct", "ts", "raw")
+    ]
 
 
 def test_the_gpu_budget_script_saves_once_per_budget_within_it(tmp_path):
