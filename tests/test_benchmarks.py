@@ -29,6 +29,7 @@ from benchmarks import (  # noqa: E402
     foreign,
     gpu,
     gpu_budget,
+    gpu_copies,
     page_sizes,
     report,
     run,
@@ -472,6 +473,14 @@ def test_the_direct_read_script_reads_a_leaf_three_ways(capsys):
     assert [line.split()[:2] for line in lines[1:]] == [
         [cache, way] for cache in ("warm", "cold") for way in ("direct", "ts", "raw")
     ]
+
+
+def test_the_gpu_copies_script_times_every_way_to_the_host():
+    """`benchmarks.gpu_copies`, here on the CPU at 20 MiB: every way runs (a
+    CPU has the memory kinds too) with its seconds and memory figures."""
+    rows = gpu_copies.main(["--gib", "0.02"])
+    assert [r["way"] for r in rows] == list(gpu_copies.WAYS)
+    assert all(r["error"] is None and r["seconds"] > 0 and "rss_kept" in r for r in rows)
 
 
 def test_the_gpu_budget_script_saves_once_per_budget_within_it(tmp_path):
