@@ -14,11 +14,9 @@ the fault point `save.staged` reported.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import shutil
 import tempfile
-import time
 from typing import Any
 
 import jax.numpy as jnp
@@ -33,15 +31,13 @@ def save(root: str, state: dict, label: str, budget: int | None) -> dict[str, An
     path = os.path.join(root, "ckpt")
     shutil.rmtree(path, ignore_errors=True)
     os.sync()
-    gc.collect()
     staged = [0]
+    nbytes = sum(x.nbytes for x in state.values())
     with _faults.armed("save.staged", lambda n, _: staged.__setitem__(0, max(staged[0], n))):
-        with gpu.PeakRSS() as rss:
-            start = time.perf_counter()
-            eqx_ckpt.tree_serialise_leaves(path, state, staging_bytes=budget)
-            seconds = time.perf_counter() - start
-    print(f"{label:28s} {seconds:7.2f} s   peak RSS added {rss.added >> 20:6d} MiB   staged {staged[0] >> 20} MiB")
-    return {"label": label, "seconds": seconds, "rss_added": rss.added, "staged_peak": staged[0], "budget": budget}
+        _, figures = gpu.timed(lambda: eqx_ckpt.tree_serialise_leaves(path, state, staging_bytes=budget), nbytes)
+    print(f"{label:28s} {figures['seconds']:7.2f} s   peak RSS added {figures['rss_added'] >> 20:6d} MiB   "
+          f"staged {staged[0] >> 20} MiB")  # fmt: skip
+    return {"label": label, **figures, "staged_peak": staged[0], "budget": budget}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

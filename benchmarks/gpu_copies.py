@@ -21,8 +21,8 @@ A way the device does not support prints its error and the others go on.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -63,24 +63,27 @@ WAYS: dict[str, Callable[[list[jax.Array]], Any]] = {
 }
 
 
+def _attempt(way: Callable[[list[jax.Array]], Any], leaves: list[jax.Array]) -> dict[str, Any]:
+    """`way`'s copies, or the error of a way the device does not support."""
+    try:
+        return {"out": way(leaves), "error": None}
+    except Exception as e:  # a memory kind or device this JAX does not have
+        return {"out": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
 def measure(name: str, way: Callable[[list[jax.Array]], Any], leaves: list[jax.Array]) -> dict[str, Any]:
     process = psutil.Process()
     fresh = _fresh(leaves)
     gc.collect()
     before = process.memory_info().rss
-    with gpu.PeakRSS() as rss:
-        start = time.perf_counter()
-        try:
-            out, error = way(fresh), None
-        except Exception as e:  # a memory kind or device this JAX does not have
-            out, error = None, f"{type(e).__name__}: {str(e)[:200]}"
-        seconds = time.perf_counter() - start
-    del out, fresh
+    done, figures = gpu.timed(functools.partial(_attempt, way, fresh), sum(x.nbytes for x in leaves))
+    del done["out"], fresh
     gc.collect()
-    row = {"way": name, "seconds": seconds, "rss_added": rss.added, "rss_kept": process.memory_info().rss - before}
-    print(f"{name:34s} {seconds:7.3f} s   peak RSS added {rss.added >> 20:6d} MiB   kept {row['rss_kept'] >> 20:6d} MiB"
-          + (f"   failed: {error}" if error else ""), flush=True)  # fmt: skip
-    return {**row, "error": error}
+    row = {"way": name, **figures, "rss_kept": process.memory_info().rss - before, "error": done["error"]}
+    print(f"{name:34s} {row['seconds']:7.3f} s   peak RSS added {row['rss_added'] >> 20:6d} MiB   "
+          f"kept {row['rss_kept'] >> 20:6d} MiB" + (f"   failed: {row['error']}" if row["error"] else ""),
+          flush=True)  # fmt: skip
+    return row
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
