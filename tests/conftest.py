@@ -10,6 +10,9 @@ from eqx_ckpt._base import _faults
 # machine; strict promotion, so no test passes by an accidental dtype promotion.
 jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+# Matrix products in full float32 on an accelerator too (a GPU's default, TF32,
+# misses the 1e-5 that tests comparing a model's outputs with PyTorch's ask).
+jax.config.update("jax_default_matmul_precision", "highest")
 
 
 # The S3 tests (test_s3.py, test_async.py) share one moto server per module.

@@ -5,6 +5,8 @@ GPU runs them (docs/benchmarks.md, "GPU")."""
 
 from __future__ import annotations
 
+import threading
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -74,3 +76,95 @@ def test_a_failed_copy_to_the_host_fails_the_save_by_name(tmp_path):
     with pytest.raises(eqx_ckpt.CheckpointError, match="w1"):
         eqx_ckpt.tree_serialise_leaves(tmp_path / "c", state)
     assert not (tmp_path / "c" / "manifest.json").exists()
+
+
+def _in_use() -> int:
+    return int(jax.devices()[0].memory_stats()["bytes_in_use"])
+
+
+def _donate_and_check(tmp_path, state, pending) -> None:
+    """Donate the state to a jitted step that overwrites it, then check that
+    the save committed the values the state had when it was called."""
+    expected = jax.tree.map(np.asarray, state)
+    step = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 + 7, t), donate_argnums=0)
+    jax.block_until_ready(step(state))
+    pending.wait()
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", expected)
+    assert eqx.tree_equal(out, expected, typematch=True)
+
+
+def test_an_asynchronous_save_holds_copies_on_the_device_where_they_fit(tmp_path, faults):
+    """The caller waits only for copies on the device: they take device
+    memory (the state's size) while the save writes, and are freed after."""
+    state = _state()
+    nbytes = sum(x.nbytes for x in state.values())
+    copied, go_on = [], threading.Event()
+    faults("save.device_copies", lambda arrays: copied.append(len(arrays)))
+    faults("save.held", lambda loc: go_on.wait(30))  # the background waits until checked
+    before = _in_use()
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path / "c", state, blocking=False)
+    held = _in_use() - before
+    go_on.set()
+    assert copied == [len(state)] and held >= nbytes
+    _donate_and_check(tmp_path, state, pending)
+    del pending
+    assert _in_use() - before < nbytes
+
+
+def test_a_copy_on_the_device_that_fails_is_made_on_the_host(tmp_path, faults):
+    """Out of device memory (raised at the fault point), the save copies the
+    state to the host instead, and still writes what the caller passed."""
+    state = _state()
+    faults("save.device_copies", MemoryError("RESOURCE_EXHAUSTED: out of memory"))
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path / "c", state, blocking=False)
+    _donate_and_check(tmp_path, state, pending)
+
+
+def test_a_state_too_large_for_the_free_device_memory_is_copied_to_the_host(tmp_path, faults, monkeypatch):
+    """Copies on the device take at most `DEVICE_COPY_SHARE` of its free
+    memory: past it, no copy is made there (the fault point is not reached)."""
+    monkeypatch.setattr(_memory, "DEVICE_COPY_SHARE", 1e-9)
+    copied = []
+    faults("save.device_copies", lambda arrays: copied.append(len(arrays)))
+    state = _state()
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path / "c", state, blocking=False)
+    assert copied == []
+    _donate_and_check(tmp_path, state, pending)
+
+
+def test_an_asynchronous_save_with_a_prng_key_copies_the_rest_on_the_device(tmp_path, faults):
+    """A PRNG key array is held by its key data; the other arrays still by copies on the device."""
+    copied = []
+    faults("save.device_copies", lambda arrays: copied.append(len(arrays)))
+    state = {**_state(leaves=2), "key": jax.random.key(3)}
+    like = eqx.filter_eval_shape(lambda: state)
+    expected = jax.tree.map(np.asarray, {k: v for k, v in state.items() if k != "key"})
+    key_data = np.asarray(jax.random.key_data(state["key"]))
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path / "c", state, blocking=False)
+    assert copied == [len(state) - 1]
+    pending.wait()
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", like)
+    assert _on_device(out)
+    assert eqx.tree_equal({k: np.asarray(v) for k, v in out.items() if k != "key"}, expected, typematch=True)
+    assert np.array_equal(np.asarray(jax.random.key_data(out["key"])), key_data)
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_64_bit_arrays_stay_64_bit_in_every_thread_that_copies_them(tmp_path, blocking):
+    """JAX's switch for 64-bit types is per thread: the copies to the host run
+    in other threads (the copy pool, an asynchronous save's), and made there
+    with it off they were narrowed to 32 bits. Made under `jax.enable_x64`,
+    saved outside it, packed and in arrays of their own."""
+    with jax.enable_x64(True):
+        state = {
+            "small": jax.numpy.arange(6, dtype=jax.numpy.float64) / 3,
+            "ints": jax.numpy.arange(6, dtype=jax.numpy.int64) << 40,
+            "large": jax.numpy.linspace(0, 1, 1 << 20, dtype=jax.numpy.float64),
+        }
+        expected = jax.tree.map(np.asarray, state)
+    assert {x.dtype for x in expected.values()} == {np.dtype("float64"), np.dtype("int64")}
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path / "c", state, blocking=blocking)
+    if pending is not None:
+        pending.wait()
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", expected)
+    assert eqx.tree_equal(out, expected, typematch=True)

@@ -47,7 +47,8 @@ def test_slab_buffers_from_the_threshold_on_are_mapped_memory(tmp_path, small_sl
     mapping, and a JAX array adopts its page-aligned buffer."""
     monkeypatch.setattr(_memory, "FRESH_MIN_BYTES", 8192)
     tree = {
-        "jax": jnp.arange(100 * 37, dtype=jnp.float32).reshape(100, 37),
+        # On the CPU, whose arrays can adopt a host buffer (an accelerator's are copied to it).
+        "jax": jax.device_put(jnp.arange(100 * 37, dtype=jnp.float32).reshape(100, 37), jax.devices("cpu")[0]),
         "numpy": np.arange(3 * 999).reshape(999, 3),
     }
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)

@@ -32,6 +32,10 @@ The points, with where they fire and the arguments they pass:
   type of the tree as an asynchronous save holds it, and per leaf later).
 - `save.held` `(loc)`: the background thread of an asynchronous save whose
   leaves were held starts its plan, transaction and writes.
+- `save.device_copies` `(arrays)`: an asynchronous save on an accelerator
+  copies the caller's `arrays` on their devices, where they fit
+  (`_memory.device_copies`); an exception raised here makes it copy them to
+  the host instead, as it does when they do not fit.
 - `save.copied` `(pending)`: the host data of the NumPy leaves of `pending`
   (the save's leaves) was copied, as an asynchronous save with a custom
   filter spec does in the caller's thread.
@@ -190,6 +194,7 @@ POINTS = frozenset(
         "save.leaf_record",
         "save.array_kind",
         "save.held",
+        "save.device_copies",
         "save.copied",
         "save.start_writes",
         "save.records_freed",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,14 @@ def concrete(sharding: Any) -> Any:
     mesh = getattr(sharding, "mesh", None)
     if not isinstance(mesh, jax.sharding.AbstractMesh):
         return sharding
+    needed, devices = math.prod(mesh.axis_sizes), jax.devices()
+    if needed > len(devices):
+        raise ValueError(
+            f"`like` has a sharding over an abstract mesh of {needed} devices (axes "
+            f"{dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))}, as `eqx.filter_eval_shape` gives), "
+            f"and this process has {len(devices)} {devices[0].platform} device(s) to lay it out over. Give `like` "
+            "a sharding over this process's devices (`jax.sharding.NamedSharding(jax.make_mesh(...), spec)`)."
+        )
     devices = jax.make_mesh(mesh.axis_sizes, mesh.axis_names, axis_types=mesh.axis_types)
     return jax.sharding.NamedSharding(devices, sharding.spec, memory_kind=sharding.memory_kind)
 

@@ -76,8 +76,8 @@ _DTYPE = operator.attrgetter("dtype")
 def _hold(leaves: list[Any]) -> tuple[list[Any], Sequence[int]] | None:
     """Every leaf's host data held, each leaf looked at once: a `jax.Array` on
     one device by its NumPy view (a `jax.Array`'s host data, which never
-    changes; on an accelerator, a copy the save owns, `_memory.host_views`,
-    never cached on the caller's array), any other `jax.Array` (sharded, a
+    changes; on an accelerator, a copy the save owns, on the device where it
+    fits, else on the host, `_memory.held`, never cached on the caller's array), any other `jax.Array` (sharded, a
     PRNG key array) by its host pieces (`_records.hold`), NumPy arrays copied
     (`_memory`), other leaves as they are. Returns what is held, one per leaf,
     and the indices of the views (made `_records.Held` in the background,
@@ -97,7 +97,7 @@ def _hold(leaves: list[Any]) -> tuple[list[Any], Sequence[int]] | None:
             jax.sharding.SingleDeviceSharding
         }:
             try:
-                return _memory.host_views(leaves), range(len(leaves))
+                return _memory.held(leaves), range(len(leaves))
             except TypeError:
                 return _keys_apart(leaves)  # (a PRNG key array has no view)
     except Exception:
@@ -114,7 +114,7 @@ def _keys_apart(leaves: list[jax.Array]) -> tuple[list[Any], list[int]] | None:
         return None  # not a key that had no view: the caller's thread names the leaf
     held: list[Any] = list(leaves)
     viewed = [i for i, dtype in enumerate(dtypes) if dtype not in keys]
-    for i, view in zip(viewed, _memory.host_views([leaves[i] for i in viewed]), strict=True):
+    for i, view in zip(viewed, _memory.held([leaves[i] for i in viewed]), strict=True):
         held[i] = view
     for i, dtype in enumerate(dtypes):
         if dtype in keys:

@@ -1,6 +1,6 @@
 """Host memory for leaves: page-aligned private buffers, private copies, the
 memory check before a read, the process's shared thread pools, and the host
-data of a save's pieces (`host`, `ahead`, `host_views`, `protected`, and
+data of a save's pieces (`host`, `ahead`, `host_views`, `held`, `protected`, and
 `Deferred`, a piece made host only when the save stages it).
 
 Why private anonymous mappings: NumPy asks the kernel for huge pages for every
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from .._base import _faults
 from .._base._errors import IntegrityError, stored_leaf_error
 
 if TYPE_CHECKING:
@@ -208,7 +209,23 @@ class _Copying:
 
 
 def _on_host(data: jax.Array, cpu: Any) -> np.ndarray:
-    return np.asarray(jax.device_put(data, cpu))
+    return np.asarray(_put(data, cpu))
+
+
+def _put(arrays: Any, where: Any, **options: Any) -> Any:
+    """`jax.device_put(arrays, where, **options)`, 64-bit values kept 64-bit.
+
+    JAX's switch for 64-bit types is per thread (`jax.enable_x64` is a
+    context), and off, as it is in the copy pool's threads, a copy of a 64-bit
+    array between devices is narrowed to 32 bits (seen on a GPU: a float64
+    leaf reached the writer as float32)."""
+    dtypes = {x.dtype for x in (arrays if isinstance(arrays, list) else [arrays])}
+    if not any(
+        np.dtype(dtype).itemsize >= 8 for dtype in dtypes if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+    ):
+        return jax.device_put(arrays, where, **options)
+    with jax.enable_x64(True):
+        return jax.device_put(arrays, where, **options)
 
 
 def host(data: Any) -> np.ndarray:
@@ -234,7 +251,57 @@ def host_views(arrays: list[jax.Array]) -> list[np.ndarray]:
     cpu = _cpu_device()
     if cpu is None:
         return [host(x) for x in arrays]
-    return list(map(np.asarray, jax.device_put(arrays, cpu)))
+    return list(map(np.asarray, _put(arrays, cpu)))
+
+
+def held(arrays: list[jax.Array]) -> list[Any]:
+    """What an asynchronous save holds of `jax.Array`s on one device each
+    while its caller waits, safe from a later donation or deletion of them:
+    on CPUs, their host views (`host_views`); on an accelerator, copies on
+    their devices where these fit (`device_copies`), which the save copies to
+    the host as it stages them, within its budget, so the caller waits only
+    for the copies on the device; else copies on the host (`host_views`).
+
+    A PRNG key array has no host view: `TypeError`, as `np.asarray` raises."""
+    if not only_cpus():
+        if any(jax.dtypes.issubdtype(dtype, jax.dtypes.extended) for dtype in {x.dtype for x in arrays}):
+            raise TypeError("a PRNG key array has no host view")
+        copies = device_copies(arrays)
+        if copies is not None:
+            return copies
+    return host_views(arrays)
+
+
+# The share of a device's free memory that an asynchronous save's copies on
+# the device may take (`device_copies`): the rest stays for the training
+# step that runs while the save writes.
+DEVICE_COPY_SHARE = 0.5
+
+
+def device_copies(arrays: list[jax.Array]) -> list[jax.Array] | None:
+    """Copies of `jax.Array`s on one accelerator device each, made on their
+    devices (one `jax.device_put`; the call returns once they are enqueued,
+    and the runtime keeps each source alive until its copy is done), where
+    they take at most `DEVICE_COPY_SHARE` of each device's free memory.
+    `None` where they would take more, where a device does not say how much
+    memory it has free, or where the copy fails (out of memory): the caller
+    copies to the host instead. Fault point `save.device_copies`."""
+    needed: dict[Any, int] = {}
+    for x in arrays:
+        device = next(iter(x.devices()))
+        needed[device] = needed.get(device, 0) + int(x.nbytes)
+    for device, nbytes in needed.items():
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        if nbytes > DEVICE_COPY_SHARE * free:
+            return None
+    try:
+        _faults.fire("save.device_copies", arrays)
+        return _put(arrays, [x.sharding for x in arrays], may_alias=False)
+    except Exception:  # out of device memory after all: the copies go to the host
+        return None
 
 
 def protected(data: Any, copy: bool) -> Any:
