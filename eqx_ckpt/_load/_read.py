@@ -39,12 +39,12 @@ def concrete(sharding: Any) -> Any:
     mesh = getattr(sharding, "mesh", None)
     if not isinstance(mesh, jax.sharding.AbstractMesh):
         return sharding
-    needed, devices = math.prod(mesh.axis_sizes), jax.devices()
-    if needed > len(devices):
+    needed, available = math.prod(mesh.axis_sizes), jax.devices()
+    if needed > len(available):
         raise ValueError(
             f"`like` has a sharding over an abstract mesh of {needed} devices (axes "
             f"{dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))}, as `eqx.filter_eval_shape` gives), "
-            f"and this process has {len(devices)} {devices[0].platform} device(s) to lay it out over. Give `like` "
+            f"and this process has {len(available)} {available[0].platform} device(s) to lay it out over. Give `like` "
             "a sharding over this process's devices (`jax.sharding.NamedSharding(jax.make_mesh(...), spec)`)."
         )
     devices = jax.make_mesh(mesh.axis_sizes, mesh.axis_names, axis_types=mesh.axis_types)
