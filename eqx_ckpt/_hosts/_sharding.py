@@ -18,6 +18,24 @@ from .._base import _faults
 from .._store import _memory
 
 
+def unplaceable(sharding: Any) -> str | None:
+    """Why `sharding`, over an `AbstractMesh` (as `eqx.filter_eval_shape`
+    gives), cannot be laid out over this process's devices; `None` where it
+    can (or is over real devices)."""
+    mesh = getattr(sharding, "mesh", None)
+    if not isinstance(mesh, jax.sharding.AbstractMesh):
+        return None
+    needed, available = math.prod(mesh.axis_sizes), jax.devices()
+    if needed <= len(available):
+        return None
+    return (
+        f"`like` has a sharding over an abstract mesh of {needed} devices (axes "
+        f"{dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))}, as `eqx.filter_eval_shape` gives), "
+        f"and this process has {len(available)} {available[0].platform} device(s) to lay it out over. Give `like` "
+        "a sharding over this process's devices (`jax.sharding.NamedSharding(jax.make_mesh(...), spec)`)"
+    )
+
+
 def block_shape(x: Any) -> tuple[int, ...] | None:
     """The shape of one shard of a sharded `jax.Array`, to line chunks up with."""
     if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:

@@ -22,6 +22,7 @@ import numpy as np
 from .._base import _keypath, _select, _tree
 from .._base._errors import CheckpointTypeError, CheckpointValueError, check_flag
 from .._base._location import Location
+from .._hosts import _sharding
 from .._ondisk import _dtypes
 from .._ondisk._format import LeafRecord
 from .._ondisk._manifest import Manifest
@@ -367,6 +368,10 @@ def check_leaf(plan: LeafPlan, report: Report, *, missing: str, cast: bool) -> b
             plan.keypath,
             plan.stored,
         )
+        return False
+    unplaceable = _sharding.unplaceable(getattr(plan.like, "sharding", None))
+    if unplaceable is not None:
+        report.add("placement", f"{unplaceable}.", plan.keypath, plan.stored)
         return False
     if dtype not in (record.dtype, record.stored_dtype) and not (cast and _castable(record, plan.like)):
         kind = "dtype changed"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -39,14 +38,9 @@ def concrete(sharding: Any) -> Any:
     mesh = getattr(sharding, "mesh", None)
     if not isinstance(mesh, jax.sharding.AbstractMesh):
         return sharding
-    needed, available = math.prod(mesh.axis_sizes), jax.devices()
-    if needed > len(available):
-        raise ValueError(
-            f"`like` has a sharding over an abstract mesh of {needed} devices (axes "
-            f"{dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))}, as `eqx.filter_eval_shape` gives), "
-            f"and this process has {len(available)} {available[0].platform} device(s) to lay it out over. Give `like` "
-            "a sharding over this process's devices (`jax.sharding.NamedSharding(jax.make_mesh(...), spec)`)."
-        )
+    problem = _sharding.unplaceable(sharding)
+    if problem is not None:
+        raise ValueError(problem + ".")
     devices = jax.make_mesh(mesh.axis_sizes, mesh.axis_names, axis_types=mesh.axis_types)
     return jax.sharding.NamedSharding(devices, sharding.spec, memory_kind=sharding.memory_kind)
 
