@@ -32,10 +32,11 @@ The points, with where they fire and the arguments they pass:
   type of the tree as an asynchronous save holds it, and per leaf later).
 - `save.held` `(loc)`: the background thread of an asynchronous save whose
   leaves were held starts its plan, transaction and writes.
-- `save.device_copies` `(arrays)`: an asynchronous save on an accelerator
-  copies the caller's `arrays` on their devices, where they fit
-  (`_memory.device_copies`); an exception raised here makes it copy them to
-  the host instead, as it does when they do not fit.
+- `save.pinned_copies` `(arrays)`: a save on an accelerator copies `arrays`
+  into their devices' pinned host memory (`_memory.pinned`: an asynchronous
+  save's caller's arrays as the call holds them, a piece as it is staged);
+  an exception raised here makes it copy them through the host's CPU device
+  instead, as it does where a device has no pinned host memory.
 - `save.copied` `(pending)`: the host data of the NumPy leaves of `pending`
   (the save's leaves) was copied, as an asynchronous save with a custom
   filter spec does in the caller's thread.
@@ -194,7 +195,7 @@ POINTS = frozenset(
         "save.leaf_record",
         "save.array_kind",
         "save.held",
-        "save.device_copies",
+        "save.pinned_copies",
         "save.copied",
         "save.start_writes",
         "save.records_freed",
