@@ -32,11 +32,10 @@ The points, with where they fire and the arguments they pass:
   type of the tree as an asynchronous save holds it, and per leaf later).
 - `save.held` `(loc)`: the background thread of an asynchronous save whose
   leaves were held starts its plan, transaction and writes.
-- `save.pinned_copies` `(arrays)`: a save on an accelerator copies `arrays`
-  into their devices' pinned host memory (`_memory.pinned`: an asynchronous
-  save's caller's arrays as the call holds them, a piece as it is staged);
-  an exception raised here makes it copy them through the host's CPU device
-  instead, as it does where a device has no pinned host memory.
+- `save.pinned_copies` `(arrays)`: an asynchronous save on an accelerator
+  copies the caller's `arrays` into their devices' pinned host memory
+  (`_memory.pinned`); an exception raised here makes it copy them through
+  the host's CPU device instead, as it does where a device has none.
 - `save.copied` `(pending)`: the host data of the NumPy leaves of `pending`
   (the save's leaves) was copied, as an asynchronous save with a custom
   filter spec does in the caller's thread.

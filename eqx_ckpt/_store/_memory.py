@@ -175,23 +175,19 @@ def ahead(data: Any) -> Any:
     """Start copying a piece's device data to the host, without waiting; what
     to stage it from then (`host`).
 
-    The copy is a new array the save owns and drops once written (the
-    array's own `copy_to_host_async` would cache the host copy on the
-    caller's `jax.Array`, held for as long as the caller holds the array,
-    beyond any budget): in its device's pinned host memory where it has
-    some (`pinned`: the call returns once the copy is enqueued, and the copy
-    runs at the bus's speed: 4 GiB in 0.08 s on an H100, docs/benchmarks.md),
-    else on the host's CPU device. `jax.device_put` to the CPU returns only
-    once the copy is done (2.4 s for the same 4 GiB), so that one runs in the
-    copy pool (`COPY_THREADS` threads), and the writes before it go on
-    meanwhile. Without either, it is `copy_to_host_async` after all."""
+    The copy is a new array on the host's CPU device, which the save owns and
+    drops once written (the array's own `copy_to_host_async` would cache the
+    host copy on the caller's `jax.Array`, held for as long as the caller
+    holds the array, beyond any budget). `jax.device_put` from a GPU to the
+    CPU returns only once the copy is done (measured: 2.6 s for 4 GiB on an
+    H100, docs/benchmarks.md), so it runs in the copy pool (`COPY_THREADS`
+    threads), and the writes before it go on meanwhile. (A piece already in
+    host memory, an asynchronous save's `pinned` copy, is viewed as it is.)
+    Without a CPU device, it is `copy_to_host_async` after all."""
     if isinstance(data, Deferred):
         data.source = ahead(data.resolved())
         return data
     if isinstance(data, jax.Array) and not _on_cpu(data):
-        copy = pinned([data])
-        if copy is not None:
-            return copy[0]
         cpu = _cpu_device()
         if cpu is None:
             data.copy_to_host_async()
@@ -202,8 +198,10 @@ def ahead(data: Any) -> Any:
 
 def pinned(arrays: list[jax.Array]) -> list[jax.Array] | None:
     """Copies of `jax.Array`s in their devices' pinned host memory (one
-    `jax.device_put`, which returns once the copies are enqueued; `host`
-    views one without another copy, once it is made). `None` where a device
+    `jax.device_put`, which returns once the copies are enqueued: 1 ms for a
+    4 GiB state on an H100, made in 0.08 s, against 2.4 s through the CPU
+    device; `host` views one without another copy, waiting until it is
+    made). Used by an asynchronous save's caller (`held`). `None` where a device
     has no pinned host memory (a CPU has none), or where the copy fails (out
     of memory): the caller copies through the host's CPU device instead.
     Fault point `save.pinned_copies`."""
@@ -270,9 +268,6 @@ def host(data: Any) -> np.ndarray:
     if isinstance(data, Deferred):
         return data.make()
     if isinstance(data, jax.Array) and not _on_cpu(data):
-        copy = pinned([data])
-        if copy is not None:
-            return np.asarray(copy[0])
         cpu = _cpu_device()
         if cpu is not None:
             return _on_host(data, cpu)
