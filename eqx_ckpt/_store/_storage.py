@@ -33,9 +33,15 @@ location by `chunk_files` and nowhere else (tests/test_architecture.py
 checks): a `ChunkFiles`, whose implementations are `LocalFiles` (on a local
 disk eqx_ckpt reads and writes them itself, `_local_read` and `_local_write`,
 and an incremental save shares them, `_share`) and `TensorStoreFiles`
-(elsewhere: it declines each such read and write, and callers use the arrays
-here). Per leaf, the object's own checks (`reads`, `writes_leaf`) say whether
-its layout allows eqx_ckpt's own I/O (chunks that split only the first axis).
+(elsewhere: TensorStore reads and writes them, through the arrays here).
+A save hands every write to the writer the object makes (`writer`, a
+`_writers.Writer`), which declines none: eqx_ckpt's own threads where
+`LocalFiles` takes the save and the leaf (`writes`, `writes_leaf`: chunks
+that split only the first axis), else a `Transaction` it commits
+(`_writers.TensorStore`); no module outside `_store` writes an array or
+makes a transaction. For reads, the object's `reads` says whether a leaf's
+layout allows eqx_ckpt's own reads (`start_read`, `start_pack_run`; `None`
+where declined, and the caller reads the arrays here).
 """
 
 from __future__ import annotations
@@ -58,9 +64,10 @@ import tensorstore as ts
 
 from .._base import _faults, _location
 from .._base._location import Location
+from .._base._progress import Tracker
 from .._ondisk import _format, _manifest
 from .._ondisk._format import LeafRecord, PackRecord
-from . import _durable, _local_read, _local_write, _memory, _share, _storage_errors, _untrusted
+from . import _durable, _local_read, _local_write, _memory, _share, _storage_errors, _untrusted, _writers
 from ._storage_errors import read_explained, read_only_store, unreachable, write_error
 
 # What the local path needs of the host: little-endian bytes (zarr's chunks are
@@ -579,7 +586,7 @@ class Array:
         """Start writing `value` into it; a future of the write. Staged in
         `transaction`, the write only references `value` until the
         transaction's commit, which writes it out: `value` must not change
-        until then (see `_write`)."""
+        until then (see `_writers.TensorStore`)."""
         if transaction is None:
             return self._array.write(value)
         staged = self._array.with_transaction(transaction._transaction)
@@ -839,8 +846,9 @@ Pieces = Sequence[tuple[tuple[slice, ...], Any]]
 
 
 class ChunkFiles(Protocol):
-    """How the chunk files of one location are read and written (`chunk_files`). Each
-    `start_*` returns `None` where it declines: the caller uses TensorStore."""
+    """How the chunk files of one location are read and written (`chunk_files`).
+    A save's `writer` takes every write; each `start_*` read returns `None`
+    where it declines: the caller reads through TensorStore."""
 
     def reads(self, record: LeafRecord) -> bool:
         """Whether `start_read` reads this leaf, stored in an array of its own."""
@@ -864,21 +872,23 @@ class ChunkFiles(Protocol):
         """Whether, in a save that `writes` here, this leaf's chunk files are."""
         ...
 
-    def start_write(self, record: LeafRecord, piece: Any, base: str | None, *, remember: bool) -> Writes | None:
-        """Start writing every chunk file of one leaf (`_local_write.start_write`)."""
-        ...
-
-    def start_pack(
+    def writer(
         self,
-        pack: PackRecord,
-        records: Sequence[LeafRecord],
-        pieces: Sequence[Any],
-        base: str | None,
         *,
+        processes: int,
+        layout: str,
+        out: list[Any],
+        tracker: Tracker | None,
+        base: _share.Base | None,
         remember: bool,
-        files: range,
-    ) -> Writes | None:
-        """Start writing chunk files `files` of `pack` (`_local_write.start_pack`)."""
+    ) -> _writers.Writer:
+        """A save's writer of the chunk files here (by `processes` processes,
+        in `layout`), which takes every write of the save and declines none:
+        by eqx_ckpt's own threads where `writes` and `writes_leaf` say (chunk
+        files equal to `base`'s shared, and with `remember` the digest of
+        each written recorded, `_share`), else staged in a `Transaction`
+        (`transaction`). It puts in `out` every future that finishes when
+        data is written, and reports progress to `tracker`."""
         ...
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
@@ -935,7 +945,8 @@ class LocalFiles:
             and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
         )
 
-    def start_write(self, record: LeafRecord, piece: Any, base: str | None, *, remember: bool) -> Writes | None:
+    def start_write(self, record: LeafRecord, piece: Any, base: str | None, *, remember: bool) -> Writes:
+        """Start writing every chunk file of one leaf (`_local_write.start_write`)."""
         return _local_write.start_write(self.loc, record, piece, base, remember=remember)
 
     def start_pack(
@@ -947,8 +958,23 @@ class LocalFiles:
         *,
         remember: bool,
         files: range,
-    ) -> Writes | None:
+    ) -> Writes:
+        """Start writing chunk files `files` of `pack` (`_local_write.start_pack`)."""
         return _local_write.start_pack(self.loc, pack, records, pieces, base, remember=remember, files=files)
+
+    def writer(
+        self,
+        *,
+        processes: int,
+        layout: str,
+        out: list[Any],
+        tracker: Tracker | None,
+        base: _share.Base | None,
+        remember: bool,
+    ) -> _writers.Writer:
+        local = self if self.writes(processes=processes, layout=layout) else None
+        tensorstore = _writers.TensorStore(out, tracker, transaction)
+        return _writers.Writer(local, tensorstore, base if local is not None else None, remember)
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
         """Shared where the checkpoint has the "directories" layout and its data root is on this disk."""
@@ -983,20 +1009,17 @@ class TensorStoreFiles:
     def writes_leaf(self, record: LeafRecord, pieces: Pieces) -> bool:
         return False
 
-    def start_write(self, record: LeafRecord, piece: Any, base: str | None, *, remember: bool) -> Writes | None:
-        return None
-
-    def start_pack(
+    def writer(
         self,
-        pack: PackRecord,
-        records: Sequence[LeafRecord],
-        pieces: Sequence[Any],
-        base: str | None,
         *,
+        processes: int,
+        layout: str,
+        out: list[Any],
+        tracker: Tracker | None,
+        base: _share.Base | None,
         remember: bool,
-        files: range,
-    ) -> Writes | None:
-        return None
+    ) -> _writers.Writer:
+        return _writers.Writer(None, _writers.TensorStore(out, tracker, transaction), None, remember)
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
         return None
