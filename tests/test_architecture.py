@@ -455,15 +455,17 @@ def test_local_files_or_tensorstore_is_chosen_in_one_place():
     assert makers == {"chunk_files"}, f"the choice is made in `_storage.chunk_files` alone, not in {makers}"
 
 
-def test_a_save_writes_chunk_files_only_through_the_location_writer():
+def test_chunk_files_are_written_and_packs_read_behind_the_seam():
     """Every write of a save's chunk files is made behind the storage seam, by
     the writer the location's `ChunkFiles` makes (`writer`, `_writers.Writer`),
     which takes every write and declines none: eqx_ckpt's own threads on a
-    local disk, else a TensorStore transaction. No module outside `_store`
-    makes a transaction or stages an array write in one, and no `ChunkFiles`
-    write method may return `None` for its caller to fall back to
-    TensorStore itself (issue 48: `TensorStoreFiles` once declined every
-    write, and `_save/_write.py` drove the transaction above the seam)."""
+    local disk, else a TensorStore transaction; and every run of a pack a
+    load reads, by the reader it makes (`pack_runs`, `_pack_runs.PackRuns`).
+    No module outside `_store` makes a transaction or stages an array write
+    in one, and no `ChunkFiles` method that writes or reads a pack's run may
+    return `None` for its caller to fall back to TensorStore itself (issue 48:
+    `TensorStoreFiles` once declined every write and every pack run, and
+    `_save/_write.py` drove the transaction above the seam)."""
     outside = []
     for path in MODULES:
         if path.parent.name == "_store":
@@ -491,8 +493,8 @@ def test_a_save_writes_chunk_files_only_through_the_location_writer():
     declining = []
     for name, cls in classes.items():
         methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
-        assert "writer" in methods, f"{name} makes no writer"
-        for method in ("writer", "start_write", "start_pack"):
+        assert {"writer", "pack_runs"} <= set(methods), f"{name} makes no writer, or no reader of pack runs"
+        for method in ("writer", "start_write", "start_pack", "pack_runs", "start_pack_run"):
             returned = ast.unparse(methods[method].returns) if method in methods and methods[method].returns else ""
             if re.search(r"\bNone\b", returned):
                 declining.append(f"{name}.{method} -> {returned}")

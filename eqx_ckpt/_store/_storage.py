@@ -39,9 +39,13 @@ A save hands every write to the writer the object makes (`writer`, a
 `LocalFiles` takes the save and the leaf (`writes`, `writes_leaf`: chunks
 that split only the first axis), else a `Transaction` it commits
 (`_writers.TensorStore`); no module outside `_store` writes an array or
-makes a transaction. For reads, the object's `reads` says whether a leaf's
-layout allows eqx_ckpt's own reads (`start_read`, `start_pack_run`; `None`
-where declined, and the caller reads the arrays here).
+makes a transaction. A load reads the runs of packs through the reader the
+object makes (`pack_runs`, a `_pack_runs.PackRuns`), which declines none
+either: eqx_ckpt's own checked reads on a local disk, else the pack's array.
+A whole leaf is read by eqx_ckpt itself where the object's `reads` says its
+layout allows it (`start_read`; `None` where declined), else the load reads
+its array here (`_read`, which also places it: slabs, shards, another
+format's arrays).
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ from .._base._location import Location
 from .._base._progress import Tracker
 from .._ondisk import _format, _manifest
 from .._ondisk._format import LeafRecord, PackRecord
-from . import _durable, _local_read, _local_write, _memory, _share, _storage_errors, _untrusted, _writers
+from . import _durable, _local_read, _local_write, _memory, _pack_runs, _share, _storage_errors, _untrusted, _writers
 from ._storage_errors import read_explained, read_only_store, unreachable, write_error
 
 # What the local path needs of the host: little-endian bytes (zarr's chunks are
@@ -847,8 +851,9 @@ Pieces = Sequence[tuple[tuple[slice, ...], Any]]
 
 class ChunkFiles(Protocol):
     """How the chunk files of one location are read and written (`chunk_files`).
-    A save's `writer` takes every write; each `start_*` read returns `None`
-    where it declines: the caller reads through TensorStore."""
+    A save's `writer` takes every write and a load's `pack_runs` every run of
+    a pack; `start_read` of a whole leaf returns `None` where it declines
+    (`reads` is false): the load reads the leaf's `Array` (`_read`)."""
 
     def reads(self, record: LeafRecord) -> bool:
         """Whether `start_read` reads this leaf, stored in an array of its own."""
@@ -859,8 +864,12 @@ class ChunkFiles(Protocol):
         (`_local_read.start_read`); a function that waits and returns it."""
         ...
 
-    def start_pack_run(self, pack: PackRecord, start: int, stop: int) -> Read | None:
-        """Start reading elements `[start, stop)` of `pack` (`_local_read.start_pack_run`)."""
+    def pack_runs(self, *, cached: bool) -> _pack_runs.PackRuns:
+        """The reader of runs of the packs here for one load, which reads
+        every run and declines none: by eqx_ckpt itself where it reads the
+        chunk files (`_local_read.start_pack_run`; not with `cached`, a load
+        of a few leaves at a time), else through the pack's `Array`
+        (`open_pack`, with `cached`), opened once per pack."""
         ...
 
     def writes(self, *, processes: int, layout: str) -> bool:
@@ -927,8 +936,12 @@ class LocalFiles:
     def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
         return _local_read.start_read(self.loc, record, on_bytes=on_bytes) if self.reads(record) else None
 
-    def start_pack_run(self, pack: PackRecord, start: int, stop: int) -> Read | None:
-        return _local_read.start_pack_run(self.loc, pack, start, stop) if start < stop else None
+    def start_pack_run(self, pack: PackRecord, start: int, stop: int) -> Read:
+        """Start reading elements `[start, stop)` (not empty) of `pack` (`_local_read.start_pack_run`)."""
+        return _local_read.start_pack_run(self.loc, pack, start, stop)
+
+    def pack_runs(self, *, cached: bool) -> _pack_runs.PackRuns:
+        return _pack_runs.PackRuns(self.loc, None if cached else self.start_pack_run, open_pack, cached=cached)
 
     def writes(self, *, processes: int, layout: str) -> bool:
         """One process (a single writer of the fresh data root) and the
@@ -991,8 +1004,13 @@ class LocalFiles:
 
 
 class TensorStoreFiles:
-    """Chunk files reached through TensorStore: every read and write of them
-    is declined here (made through `_storage`'s arrays), and none is shared."""
+    """Chunk files reached through TensorStore: a save's writer stages every
+    write in a `Transaction` and a load's pack runs read the pack's `Array`;
+    a whole leaf is read through its `Array` by the load (`reads` is false,
+    `start_read` declines), and nothing is shared."""
+
+    def __init__(self, loc: Location):
+        self.loc = loc
 
     def reads(self, record: LeafRecord) -> bool:
         return False
@@ -1000,8 +1018,8 @@ class TensorStoreFiles:
     def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
         return None
 
-    def start_pack_run(self, pack: PackRecord, start: int, stop: int) -> Read | None:
-        return None
+    def pack_runs(self, *, cached: bool) -> _pack_runs.PackRuns:
+        return _pack_runs.PackRuns(self.loc, None, open_pack, cached=cached)
 
     def writes(self, *, processes: int, layout: str) -> bool:
         return False
@@ -1031,13 +1049,10 @@ class TensorStoreFiles:
         """Nothing was verified or written by `_share` here."""
 
 
-_TENSORSTORE = TensorStoreFiles()
-
-
 def chunk_files(loc: Location) -> ChunkFiles:
     """The chunk files of `loc`, chosen here and nowhere else: `LocalFiles` on
     a local disk reached through the `file` driver, on a host with what that
     needs (`LOCAL_PATH_SUPPORTED`); else `TensorStoreFiles`."""
     if LOCAL_PATH_SUPPORTED and _location.on_local_disk(loc) and loc.local is not None:
         return LocalFiles(loc, loc.local)
-    return _TENSORSTORE
+    return TensorStoreFiles(loc)
