@@ -882,15 +882,9 @@ class ChunkFiles(Protocol):
         ...
 
     def writer(
-        self,
-        *,
-        processes: int,
-        layout: str,
-        out: list[Any],
-        tracker: Tracker | None,
-        base: _share.Base | None,
+        self, *, processes: int, layout: str, out: list[Any], tracker: Tracker | None, base: _share.Base | None,
         remember: bool,
-    ) -> _writers.Writer:
+    ) -> _writers.Writer:  # fmt: skip
         """A save's writer of the chunk files here (by `processes` processes,
         in `layout`), which takes every write of the save and declines none:
         by eqx_ckpt's own threads where `writes` and `writes_leaf` say (chunk
@@ -976,15 +970,9 @@ class LocalFiles:
         return _local_write.start_pack(self.loc, pack, records, pieces, base, remember=remember, files=files)
 
     def writer(
-        self,
-        *,
-        processes: int,
-        layout: str,
-        out: list[Any],
-        tracker: Tracker | None,
-        base: _share.Base | None,
+        self, *, processes: int, layout: str, out: list[Any], tracker: Tracker | None, base: _share.Base | None,
         remember: bool,
-    ) -> _writers.Writer:
+    ) -> _writers.Writer:  # fmt: skip
         local = self if self.writes(processes=processes, layout=layout) else None
         tensorstore = _writers.TensorStore(out, tracker, transaction)
         return _writers.Writer(local, tensorstore, base if local is not None else None, remember)
@@ -1028,15 +1016,9 @@ class TensorStoreFiles:
         return False
 
     def writer(
-        self,
-        *,
-        processes: int,
-        layout: str,
-        out: list[Any],
-        tracker: Tracker | None,
-        base: _share.Base | None,
+        self, *, processes: int, layout: str, out: list[Any], tracker: Tracker | None, base: _share.Base | None,
         remember: bool,
-    ) -> _writers.Writer:
+    ) -> _writers.Writer:  # fmt: skip
         return _writers.Writer(None, _writers.TensorStore(out, tracker, transaction), None, remember)
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
