@@ -453,3 +453,49 @@ def test_local_files_or_tensorstore_is_chosen_in_one_place():
         if isinstance(node, ast.Call) and ast.unparse(node.func) in ("LocalFiles", "TensorStoreFiles")
     }
     assert makers == {"chunk_files"}, f"the choice is made in `_storage.chunk_files` alone, not in {makers}"
+
+
+def test_chunk_files_are_written_and_packs_read_behind_the_seam():
+    """Every write of a save's chunk files is made behind the storage seam, by
+    the writer the location's `ChunkFiles` makes (`writer`, `_writers.Writer`),
+    which takes every write and declines none: eqx_ckpt's own threads on a
+    local disk, else a TensorStore transaction; and every run of a pack a
+    load reads, by the reader it makes (`pack_runs`, `_pack_runs.PackRuns`).
+    No module outside `_store` makes a transaction or stages an array write
+    in one, and no `ChunkFiles` method that writes or reads a pack's run may
+    return `None` for its caller to fall back to TensorStore itself (issue 48:
+    `TensorStoreFiles` once declined every write and every pack run, and
+    `_save/_write.py` drove the transaction above the seam)."""
+    outside = []
+    for path in MODULES:
+        if path.parent.name == "_store":
+            continue
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "_storage":
+                if node.attr in ("transaction", "Transaction"):
+                    outside.append(f"{path.name}:{node.lineno}: _storage.{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] == "_storage":
+                outside += [
+                    f"{path.name}:{node.lineno}: {a.name}"
+                    for a in node.names
+                    if a.name in ("transaction", "Transaction")
+                ]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "write":
+                if len(node.args) > 1 or any(k.arg == "transaction" for k in node.keywords):
+                    outside.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert outside == [], "hand the write to `_storage.chunk_files(loc).writer(...)`:\n" + "\n".join(outside)
+    classes = {
+        node.name: node
+        for node in _tree(_path("_storage")).body
+        if isinstance(node, ast.ClassDef) and node.name in ("ChunkFiles", "LocalFiles", "TensorStoreFiles")
+    }
+    assert set(classes) == {"ChunkFiles", "LocalFiles", "TensorStoreFiles"}
+    declining = []
+    for name, cls in classes.items():
+        methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+        assert {"writer", "pack_runs"} <= set(methods), f"{name} makes no writer, or no reader of pack runs"
+        for method in ("writer", "start_write", "start_pack", "pack_runs", "start_pack_run"):
+            returned = ast.unparse(methods[method].returns) if method in methods and methods[method].returns else ""
+            if re.search(r"\bNone\b", returned):
+                declining.append(f"{name}.{method} -> {returned}")
+    assert declining == [], "a save's writes are never declined:\n" + "\n".join(declining)

@@ -1,8 +1,12 @@
 """Running I/O to its end however the main thread is interrupted (Ctrl-C, or
-`sys.exit` from a signal handler), so a save always knows what it started."""
+`sys.exit` from a signal handler), so a save always knows what it started
+(`uninterrupted`), and waiting for what it started: an error kept, not
+raised (`attempt`), or every future settled before an abort deletes what
+they wrote (`settle`)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import threading
 from collections.abc import Callable
@@ -96,3 +100,41 @@ def _ensure_helper() -> None:
         thread = threading.Thread(target=_helper, name="eqx_ckpt-io", daemon=True)
         thread.start()
         _HELPERS.append(thread)
+
+
+def attempt(run: Callable[[], Any]) -> BaseException | None:
+    """Run `run`; its error, or `None`. Interrupts (KeyboardInterrupt,
+    SystemExit) are not errors of the save: they propagate as themselves."""
+    try:
+        run()
+    except Exception as e:  # returned, and raised by the caller
+        return e
+    return None
+
+
+def _stored(future: Any) -> BaseException | None:
+    """The exception a finished `concurrent.futures.Future` holds (TensorStore's
+    futures never hold an interrupt)."""
+    if isinstance(future, concurrent.futures.Future) and future.done() and not future.cancelled():
+        return future.exception()
+    return None
+
+
+def settle(futures: list[Any]) -> None:
+    """Wait until no write of `futures` is still running, so that deleting what
+    they wrote cannot race them. Errors are ignored (the save has failed
+    already); a further interrupt is raised once all have settled."""
+    interrupt: BaseException | None = None
+    for future in futures:
+        while True:
+            try:
+                future.result()
+                break
+            except Exception:
+                break
+            except BaseException as e:  # raised below, once every write has stopped
+                if _stored(future) is e:
+                    break  # the write's own outcome (raised in a writer thread), not an interrupt of the wait
+                interrupt = interrupt or e
+    if interrupt is not None:
+        raise interrupt

@@ -21,15 +21,13 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import numpy as np
 
 from .._base import _faults
 from .._base._location import Location
 from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
-from .._store import _storage, _storage_errors, _window
-from . import _read
+from .._store import _storage, _window
 
 
 def by_pack(records: Sequence[LeafRecord]) -> dict[str, list[int]]:
@@ -39,20 +37,6 @@ def by_pack(records: Sequence[LeafRecord]) -> dict[str, list[int]]:
         if record.pack is not None:
             groups[record.pack.name].append(i)
     return groups
-
-
-def _start_direct(files: _storage.ChunkFiles, pack: PackRecord, start: int, stop: int) -> Any:
-    """`files.start_pack_run` (`None` where they decline); a failure is raised
-    when the run is finished, where the caller finds which leaf is damaged."""
-    try:
-        return files.start_pack_run(pack, start, stop)
-    except Exception as e:
-        error = e
-
-        def failed() -> Any:
-            raise error
-
-        return failed
 
 
 def read_leaves(
@@ -79,25 +63,15 @@ def read_leaves(
         most = max(_window.READ_BUDGET // itemsize, pack.chunk) * itemsize
         for lo, hi, members in _window.runs(spans, most):
             runs.append((pack, lo // itemsize, hi // itemsize, members))
-    # A pack whose chunk files eqx_ckpt reads itself (on a local disk: `LocalFiles`)
-    # is read so, each chunk file checked before it is read; others through
+    # Each run read by the location's reader of pack runs: on a local disk by
+    # eqx_ckpt itself (each chunk file checked before it is read), else through
     # TensorStore, with one open (and one check of its files) per pack, not per run.
-    stores: dict[str, Any] = {}
-    files = _storage.chunk_files(loc)
+    reader = _storage.chunk_files(loc).pack_runs(cached=cached)
 
     def start_run(pack: PackRecord, start: int, stop: int, members: list[int]) -> Callable[[], np.ndarray]:
         _faults.fire("pack.read_run", loc, pack, [records[m].path for m in members])
-        finish = None if cached else _start_direct(files, pack, start, stop)
-        if finish is not None:
-            return finish
-        if pack.name not in stores:
-            stores[pack.name] = _storage.open_pack(loc, pack, cached=cached, leaf=records[members[0]].path)
-        try:
-            store = stores[pack.name].result()
-        except Exception as e:
-            raise _storage_errors.leaf_io_error(e, records[members[0]], loc, "open") from e
-        # Raw: the caller reads a failed run's leaves one by one to name the damaged one.
-        return _read.start_region(store, loc, records[members[0]], (slice(start, stop),), raw=True)
+        # A failed run is raised as storage raised it: the caller reads its leaves one by one to name the damaged one.
+        return reader.start(pack, start, stop, records[members[0]])
 
     jobs = (
         ((members, start), (stop - start) * dtype_from_name(pack.dtype).itemsize,

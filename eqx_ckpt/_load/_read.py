@@ -114,8 +114,10 @@ def start_region(
 ) -> Callable[[], np.ndarray]:
     """Start reading the region `index` (a tuple of slices and integers, as
     `Array[index]` takes; `()`: all of it) of the stored leaf `record`, opened
-    as `store` in the data root `loc`: the one way any reader reads stored
-    elements. The returned function waits and gives them as stored (a NumPy
+    as `store` in the data root `loc`: the one way any reader reads a leaf's
+    stored elements through TensorStore (a run of a pack, many leaves, is
+    read by the location's `_storage.ChunkFiles.pack_runs`). The returned
+    function waits and gives them as stored (a NumPy
     array). A failure is the leaf's (`read_failed`), or with `raw` as storage
     raised it, for a caller that words it itself (a pack's run, whose damaged
     leaf is found after; `verify`, which tells damage from refusal)."""

@@ -6,12 +6,13 @@ leaf and `export_safetensors` all hand their leaves here as `LeafPlan`s.
 Within one host-memory budget and one pool of reading threads (`_window`),
 what several processes need is read once and shared (`_read_once`), packed
 leaves in runs of their packs (`_pack`; a lazy leaf, read alone, through the
-process's cached open of its pack), small leaves of another format in
+process's cached open of its pack; each run read behind the storage seam,
+`_storage.ChunkFiles.pack_runs`), small leaves of another format in
 runs of its file (`Source.runs`), a large leaf on a local disk straight into
 one aligned buffer (`_read.start_direct`), anything else through TensorStore
 (`_read.start`). A region of a stored leaf (a slice of a lazy leaf, a chunk
 that `verify` or `diff` scans) is read by `_read.start_region`, which every
-read of stored elements ends in.
+read of a leaf's stored elements through TensorStore ends in.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 A save collects the tree's leaves with their names and filter specs
 (`_collect`), plans what it writes (every leaf's record and host pieces, and
 the packs of small leaves: `_records`), begins the transaction, creates the
-arrays and writes them within the staging budget (`_staging`: on a local disk
-by eqx_ckpt itself, `_storage.LocalFiles`, else through TensorStore,
-`_write`), makes them durable (`_durable`) and commits the manifest. An
+arrays and writes them within the staging budget (`_staging`, each write
+handed to the location's writer, `_storage.chunk_files(loc).writer`: on a
+local disk by eqx_ckpt itself, else through TensorStore, `_writers`), makes
+them durable (`_durable`) and commits the manifest. An
 asynchronous save returns once its arrays are safe on the host (with the
 default filter spec, once each leaf's host data is held:
 `_background.hold_tree`, and the plan is made in the background too); a

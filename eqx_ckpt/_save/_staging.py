@@ -1,15 +1,15 @@
 """A save's writes: its leaves sorted by where they are written (`Batch`),
 the arrays created (`create`), then the writes started in order within the
-save's staging budget (`start_writes`), each handed to its writer
-(the location's chunk files, `_storage.chunk_files`, where a local disk's
-`LocalFiles` writes it, else `_write.TensorStore`), every piece's host data
-made as its write starts and released once written.
+save's staging budget (`start_writes`), each made and started by the
+location's writer (`_storage.chunk_files(loc).writer`, `_store/_writers.py`:
+eqx_ckpt's own threads on a local disk, else a TensorStore transaction),
+every piece's host data made as its write starts and released once written.
 
 A save plans every record up front (the manifest, and the plan several
 processes compare, need them all), but a piece of a leaf (its data, a shard,
 a slice of it, cast or encoded as stored) is kept as what it comes from: a
 `jax.Array`, a NumPy array, or a `_memory.Deferred` (a cast, a device-side slice, a
-PRNG key's data). `start_writes` makes the save's writes (`_Unit`: a leaf's
+PRNG key's data). `start_writes` makes the save's writes (`Write`: a leaf's
 pieces, or a run of a pack's chunk files) and `Writing` follows them:
 `Window` takes them in order, each admitted while the bytes staged and not
 yet written stay within the budget (a write larger than the budget is
@@ -28,7 +28,6 @@ staged each time they change.
 from __future__ import annotations
 
 import collections
-import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -39,9 +38,10 @@ from .._base._errors import CheckpointTypeError, CheckpointValueError, Integrity
 from .._base._location import Location
 from .._base._progress import Tracker
 from .._ondisk import _format, _layout
-from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
+from .._ondisk._format import LeafRecord, PackRecord
 from .._store import _durable, _memory, _share, _storage
-from ._write import Steps, TensorStore, attempt, leaf_steps, pack_steps, settle, wait_all
+from .._store._writers import Steps, Write, Writer
+from ._write import attempt, settle, wait_all
 
 if TYPE_CHECKING:
     from ._records import Pending
@@ -203,10 +203,11 @@ def start_writes(
     """Start writing the arrays of `batch` into `data` (`opens`: the futures of
     the arrays opened to write, `create`), in order, as many as the
     staging budget (`budget` bytes of host data staged and not yet written)
-    admits: by eqx_ckpt's own threads where the location's chunk files
-    (`_storage.chunk_files`) take a save of this `layout` by this many
-    `processes` (on a local disk), else through TensorStore, staged in a
-    transaction whose commit writes them out. Puts
+    admits, each handed to the location's writer (`_storage.chunk_files`,
+    `writer`), which writes it by eqx_ckpt's own threads where its chunk
+    files take a save of this `layout` by this many `processes` (on a local
+    disk), else through TensorStore, staged in a transaction whose commit
+    writes them out. Puts
     in `out` every future that finishes when data is written (not yet
     durable): an interrupt after one started still leaves it there, so an
     abort waits for it before deleting anything. Returns the `Writing`, whose
@@ -214,76 +215,32 @@ def start_writes(
     files equal to `base`'s are shared; with `remember`, the digest of every
     chunk file written is recorded (`_share.written`).
     """
-    files = _storage.chunk_files(data)
-    local = files.writes(processes=processes, layout=layout)
-    tensorstore = TensorStore(out, tracker)
-    units = _units(files, batch, opens, local, base if local else None, remember, tensorstore, budget)
-    writing = Writing(units, budget, out, tensorstore)
+    writer = _storage.chunk_files(data).writer(
+        processes=processes, layout=layout, out=out, tracker=tracker, base=base, remember=remember
+    )
+    writing = Writing(_writes(writer, batch, opens, budget), budget, out, writer)
     try:
         writing.fill()
     except BaseException:
-        tensorstore.abort()
+        writer.abort()
         settle(opens)
         raise
     return writing
 
 
-class _Unit:
-    """One write of a save, admitted whole within the staging budget: a
-    leaf's pieces, or a pack's members (`datas`, made host when staged),
-    `nbytes` of host data held while it is staged and written. `start(hosts)`
-    starts it from their host data and returns its futures (finished when
-    written) and the progress steps they report (`Writing.follow`); `local`:
-    started in the helper thread that interrupts never reach."""
-
-    __slots__ = ("datas", "local", "nbytes", "start")
-
-    def __init__(self, datas: list[Any], nbytes: int, start: Callable[[list[np.ndarray]], Any], local: bool):
-        self.datas, self.nbytes, self.start, self.local = datas, nbytes, start, local
-
-
-def _units(
-    files: _storage.ChunkFiles,
-    batch: Batch,
-    opens: list[Any],
-    local: bool,
-    base: _share.Base | None,
-    remember: bool,
-    tensorstore: TensorStore,
-    budget: int,
-) -> list[_Unit]:
-    """The save's writes, in order: each leaf with an array of its own (with
-    `local`, by eqx_ckpt's threads where `files.writes_leaf`), then each
-    pack, a run of its chunk files at a time, runs of about a quarter of the
-    `budget` (by eqx_ckpt's threads with `local`; else the run's contents, a
-    new array, are counted as staged too)."""
-    units = []
+def _writes(writer: Writer, batch: Batch, opens: list[Any], budget: int) -> list[Write]:
+    """The save's writes, in order, each made by the location's `writer`:
+    each leaf with an array of its own, then each pack, a run of its chunk
+    files at a time, runs of about a quarter of the `budget`."""
+    writes = []
     for n, p in enumerate(batch.own):
-        datas, size = [piece for _, piece in p.pieces], p.nbytes
-        if local and files.writes_leaf(p.record, p.pieces):
-            folder = base.leaf_folder(p.record) if base is not None else None
-            units.append(_Unit(datas, size, functools.partial(_start_leaf, files, p.record, folder, remember), True))
-        elif not datas:  # another process writes it
-            units.append(_Unit([], 0, _written_elsewhere, False))
-        else:
-            # A piece at a time (a sharded leaf's shards, or its slices).
-            for i, (index, piece) in enumerate(p.pieces):
-                start = functools.partial(tensorstore.piece, opens[n], index, i == len(datas) - 1)
-                units.append(_Unit([piece], _memory.nbytes(piece) if len(datas) > 1 else size, start, False))
+        writes.extend(writer.leaf(p.record, p.pieces, p.nbytes, opens[n]))
     for k, (pack, members) in enumerate(batch.packs):
-        folder = base.pack_folder(pack) if base is not None and local else None
-        itemsize = dtype_from_name(pack.dtype).itemsize
         for run, part in _pack_parts(pack, members, max(1, budget // 4)):
             datas, records = [p.pieces[0][1] for p in part], [p.record for p in part]
             size = sum(p.nbytes for p in part)
-            if local:
-                start = functools.partial(_start_pack, files, pack, records, folder, remember, run)
-                units.append(_Unit(datas, size, start, True))
-            else:
-                start = functools.partial(tensorstore.pack, opens[len(batch.own) + k], pack, records, run)
-                contents = min(run.stop * pack.chunk, pack.size) - run.start * pack.chunk
-                units.append(_Unit(datas, size + contents * itemsize, start, False))
-    return units
+            writes.append(writer.pack(pack, records, datas, size, run, opens[len(batch.own) + k]))
+    return writes
 
 
 def _pack_parts(pack: PackRecord, members: list[Pending], limit: int) -> list[tuple[range, list[Pending]]]:
@@ -312,46 +269,20 @@ def _last_file(pack: PackRecord, record: LeafRecord) -> int:
     return max(record.offset + record.size - 1, record.offset) // pack.chunk
 
 
-def _written_elsewhere(hosts: list[np.ndarray]) -> tuple[list[Any], Steps]:
-    return [], [(0, [0])]
-
-
-def _start_leaf(
-    files: _storage.ChunkFiles, record: LeafRecord, folder: str | None, remember: bool, hosts: list[np.ndarray]
-) -> tuple[list[Any], Steps]:
-    futures = files.start_write(record, hosts[0], folder, remember=remember)
-    assert futures is not None, "only a leaf that `files.writes_leaf`"
-    return futures, leaf_steps(record.nbytes, len(futures))
-
-
-def _start_pack(
-    files: _storage.ChunkFiles,
-    pack: PackRecord,
-    records: list[LeafRecord],
-    folder: str | None,
-    remember: bool,
-    run: range,
-    hosts: list[np.ndarray],
-) -> tuple[list[Any], Steps]:
-    futures = files.start_pack(pack, records, hosts, folder, remember=remember, files=run)
-    assert futures is not None, "only in a save that `files.writes`"
-    return futures, pack_steps(pack, records, [host.nbytes for host in hosts], run)
-
-
 class Writing:
     """A save's writes: started in order as the staging budget admits them
     (`Window`: `fill`), and followed to their end, each one's host
     data released as it is written (`follow`)."""
 
-    def __init__(self, units: list[_Unit], budget: int, out: list[Any], tensorstore: TensorStore):
+    def __init__(self, units: list[Write], budget: int, out: list[Any], writer: Writer):
         self._window = Window(units, budget)
-        self._started: collections.deque[tuple[_Unit, list[Any], Steps]] = collections.deque()
-        self._out, self._tensorstore = out, tensorstore
+        self._started: collections.deque[tuple[Write, list[Any], Steps]] = collections.deque()
+        self._out, self._writer = out, writer
 
     def fill(self) -> None:
         """Stage and start the next writes that fit, without waiting for any
         write; once every write has started, commit what TensorStore staged."""
-        batch: list[tuple[_Unit, list[np.ndarray]]] = []
+        batch: list[tuple[Write, list[np.ndarray]]] = []
         size = 0
         for unit in self._window.admit():
             batch.append((unit, [_memory.host(piece) for piece in unit.datas]))
@@ -361,10 +292,10 @@ class Writing:
                 batch, size = [], 0
         self._start(batch)
         if not self._window.waiting:
-            self._tensorstore.commit()
+            self._writer.commit()
 
-    def _start(self, batch: list[tuple[_Unit, list[np.ndarray]]]) -> None:
-        started: list[tuple[_Unit, list[Any], Steps]] = []
+    def _start(self, batch: list[tuple[Write, list[np.ndarray]]]) -> None:
+        started: list[tuple[Write, list[Any], Steps]] = []
 
         def start_local() -> None:
             # In a helper thread: every future started is kept in `out`.
@@ -385,7 +316,7 @@ class Writing:
     def stop(self) -> None:
         """Start nothing more (the save has failed); what TensorStore staged is dropped."""
         self._window.drop()
-        self._tensorstore.abort()
+        self._writer.abort()
 
     def follow(self, tracker: Tracker) -> BaseException | None:
         """Report progress as the writes finish, oldest first (bytes as each

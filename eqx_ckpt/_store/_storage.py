@@ -33,9 +33,19 @@ location by `chunk_files` and nowhere else (tests/test_architecture.py
 checks): a `ChunkFiles`, whose implementations are `LocalFiles` (on a local
 disk eqx_ckpt reads and writes them itself, `_local_read` and `_local_write`,
 and an incremental save shares them, `_share`) and `TensorStoreFiles`
-(elsewhere: it declines each such read and write, and callers use the arrays
-here). Per leaf, the object's own checks (`reads`, `writes_leaf`) say whether
-its layout allows eqx_ckpt's own I/O (chunks that split only the first axis).
+(elsewhere: TensorStore reads and writes them, through the arrays here).
+A save hands every write to the writer the object makes (`writer`, a
+`_writers.Writer`), which declines none: eqx_ckpt's own threads where
+`LocalFiles` takes the save and the leaf (`writes`, `writes_leaf`: chunks
+that split only the first axis), else a `Transaction` it commits
+(`_writers.TensorStore`); no module outside `_store` writes an array or
+makes a transaction. A load reads the runs of packs through the reader the
+object makes (`pack_runs`, a `_pack_runs.PackRuns`), which declines none
+either: eqx_ckpt's own checked reads on a local disk, else the pack's array.
+A whole leaf is read by eqx_ckpt itself where the object's `reads` says its
+layout allows it (`start_read`; `None` where declined), else the load reads
+its array here (`_read`, which also places it: slabs, shards, another
+format's arrays).
 """
 
 from __future__ import annotations
@@ -58,9 +68,10 @@ import tensorstore as ts
 
 from .._base import _faults, _location
 from .._base._location import Location
+from .._base._progress import Tracker
 from .._ondisk import _format, _manifest
 from .._ondisk._format import LeafRecord, PackRecord
-from . import _durable, _local_read, _local_write, _memory, _share, _storage_errors, _untrusted
+from . import _durable, _local_read, _local_write, _memory, _pack_runs, _share, _storage_errors, _untrusted, _writers
 from ._storage_errors import read_explained, read_only_store, unreachable, write_error
 
 # What the local path needs of the host: little-endian bytes (zarr's chunks are
@@ -579,7 +590,7 @@ class Array:
         """Start writing `value` into it; a future of the write. Staged in
         `transaction`, the write only references `value` until the
         transaction's commit, which writes it out: `value` must not change
-        until then (see `_write`)."""
+        until then (see `_writers.TensorStore`)."""
         if transaction is None:
             return self._array.write(value)
         staged = self._array.with_transaction(transaction._transaction)
@@ -839,8 +850,10 @@ Pieces = Sequence[tuple[tuple[slice, ...], Any]]
 
 
 class ChunkFiles(Protocol):
-    """How the chunk files of one location are read and written (`chunk_files`). Each
-    `start_*` returns `None` where it declines: the caller uses TensorStore."""
+    """How the chunk files of one location are read and written (`chunk_files`).
+    A save's `writer` takes every write and a load's `pack_runs` every run of
+    a pack; `start_read` of a whole leaf returns `None` where it declines
+    (`reads` is false): the load reads the leaf's `Array` (`_read`)."""
 
     def reads(self, record: LeafRecord) -> bool:
         """Whether `start_read` reads this leaf, stored in an array of its own."""
@@ -851,8 +864,12 @@ class ChunkFiles(Protocol):
         (`_local_read.start_read`); a function that waits and returns it."""
         ...
 
-    def start_pack_run(self, pack: PackRecord, start: int, stop: int) -> Read | None:
-        """Start reading elements `[start, stop)` of `pack` (`_local_read.start_pack_run`)."""
+    def pack_runs(self, *, cached: bool) -> _pack_runs.PackRuns:
+        """The reader of runs of the packs here for one load, which reads
+        every run and declines none: by eqx_ckpt itself where it reads the
+        chunk files (`_local_read.start_pack_run`; not with `cached`, a load
+        of a few leaves at a time), else through the pack's `Array`
+        (`open_pack`, with `cached`), opened once per pack."""
         ...
 
     def writes(self, *, processes: int, layout: str) -> bool:
@@ -864,21 +881,17 @@ class ChunkFiles(Protocol):
         """Whether, in a save that `writes` here, this leaf's chunk files are."""
         ...
 
-    def start_write(self, record: LeafRecord, piece: Any, base: str | None, *, remember: bool) -> Writes | None:
-        """Start writing every chunk file of one leaf (`_local_write.start_write`)."""
-        ...
-
-    def start_pack(
-        self,
-        pack: PackRecord,
-        records: Sequence[LeafRecord],
-        pieces: Sequence[Any],
-        base: str | None,
-        *,
+    def writer(
+        self, *, processes: int, layout: str, out: list[Any], tracker: Tracker | None, base: _share.Base | None,
         remember: bool,
-        files: range,
-    ) -> Writes | None:
-        """Start writing chunk files `files` of `pack` (`_local_write.start_pack`)."""
+    ) -> _writers.Writer:  # fmt: skip
+        """A save's writer of the chunk files here (by `processes` processes,
+        in `layout`), which takes every write of the save and declines none:
+        by eqx_ckpt's own threads where `writes` and `writes_leaf` say (chunk
+        files equal to `base`'s shared, and with `remember` the digest of
+        each written recorded, `_share`), else staged in a `Transaction`
+        (`transaction`). It puts in `out` every future that finishes when
+        data is written, and reports progress to `tracker`."""
         ...
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
@@ -917,8 +930,12 @@ class LocalFiles:
     def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
         return _local_read.start_read(self.loc, record, on_bytes=on_bytes) if self.reads(record) else None
 
-    def start_pack_run(self, pack: PackRecord, start: int, stop: int) -> Read | None:
-        return _local_read.start_pack_run(self.loc, pack, start, stop) if start < stop else None
+    def start_pack_run(self, pack: PackRecord, start: int, stop: int) -> Read:
+        """Start reading elements `[start, stop)` (not empty) of `pack` (`_local_read.start_pack_run`)."""
+        return _local_read.start_pack_run(self.loc, pack, start, stop)
+
+    def pack_runs(self, *, cached: bool) -> _pack_runs.PackRuns:
+        return _pack_runs.PackRuns(self.loc, None if cached else self.start_pack_run, open_pack, cached=cached)
 
     def writes(self, *, processes: int, layout: str) -> bool:
         """One process (a single writer of the fresh data root) and the
@@ -935,7 +952,8 @@ class LocalFiles:
             and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
         )
 
-    def start_write(self, record: LeafRecord, piece: Any, base: str | None, *, remember: bool) -> Writes | None:
+    def start_write(self, record: LeafRecord, piece: Any, base: str | None, *, remember: bool) -> Writes:
+        """Start writing every chunk file of one leaf (`_local_write.start_write`)."""
         return _local_write.start_write(self.loc, record, piece, base, remember=remember)
 
     def start_pack(
@@ -947,8 +965,17 @@ class LocalFiles:
         *,
         remember: bool,
         files: range,
-    ) -> Writes | None:
+    ) -> Writes:
+        """Start writing chunk files `files` of `pack` (`_local_write.start_pack`)."""
         return _local_write.start_pack(self.loc, pack, records, pieces, base, remember=remember, files=files)
+
+    def writer(
+        self, *, processes: int, layout: str, out: list[Any], tracker: Tracker | None, base: _share.Base | None,
+        remember: bool,
+    ) -> _writers.Writer:  # fmt: skip
+        local = self if self.writes(processes=processes, layout=layout) else None
+        tensorstore = _writers.TensorStore(out, tracker, transaction)
+        return _writers.Writer(local, tensorstore, base if local is not None else None, remember)
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
         """Shared where the checkpoint has the "directories" layout and its data root is on this disk."""
@@ -965,8 +992,13 @@ class LocalFiles:
 
 
 class TensorStoreFiles:
-    """Chunk files reached through TensorStore: every read and write of them
-    is declined here (made through `_storage`'s arrays), and none is shared."""
+    """Chunk files reached through TensorStore: a save's writer stages every
+    write in a `Transaction` and a load's pack runs read the pack's `Array`;
+    a whole leaf is read through its `Array` by the load (`reads` is false,
+    `start_read` declines), and nothing is shared."""
+
+    def __init__(self, loc: Location):
+        self.loc = loc
 
     def reads(self, record: LeafRecord) -> bool:
         return False
@@ -974,8 +1006,8 @@ class TensorStoreFiles:
     def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
         return None
 
-    def start_pack_run(self, pack: PackRecord, start: int, stop: int) -> Read | None:
-        return None
+    def pack_runs(self, *, cached: bool) -> _pack_runs.PackRuns:
+        return _pack_runs.PackRuns(self.loc, None, open_pack, cached=cached)
 
     def writes(self, *, processes: int, layout: str) -> bool:
         return False
@@ -983,20 +1015,11 @@ class TensorStoreFiles:
     def writes_leaf(self, record: LeafRecord, pieces: Pieces) -> bool:
         return False
 
-    def start_write(self, record: LeafRecord, piece: Any, base: str | None, *, remember: bool) -> Writes | None:
-        return None
-
-    def start_pack(
-        self,
-        pack: PackRecord,
-        records: Sequence[LeafRecord],
-        pieces: Sequence[Any],
-        base: str | None,
-        *,
+    def writer(
+        self, *, processes: int, layout: str, out: list[Any], tracker: Tracker | None, base: _share.Base | None,
         remember: bool,
-        files: range,
-    ) -> Writes | None:
-        return None
+    ) -> _writers.Writer:  # fmt: skip
+        return _writers.Writer(None, _writers.TensorStore(out, tracker, transaction), None, remember)
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
         return None
@@ -1008,13 +1031,10 @@ class TensorStoreFiles:
         """Nothing was verified or written by `_share` here."""
 
 
-_TENSORSTORE = TensorStoreFiles()
-
-
 def chunk_files(loc: Location) -> ChunkFiles:
     """The chunk files of `loc`, chosen here and nowhere else: `LocalFiles` on
     a local disk reached through the `file` driver, on a host with what that
     needs (`LOCAL_PATH_SUPPORTED`); else `TensorStoreFiles`."""
     if LOCAL_PATH_SUPPORTED and _location.on_local_disk(loc) and loc.local is not None:
         return LocalFiles(loc, loc.local)
-    return _TENSORSTORE
+    return TensorStoreFiles(loc)
