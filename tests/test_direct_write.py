@@ -19,10 +19,10 @@ import pytest
 from arrays import values
 
 import eqx_ckpt
-from eqx_ckpt._base import _faults, _location
+from eqx_ckpt._base import _faults, _interrupts, _location
 from eqx_ckpt._load._source import open_source
 from eqx_ckpt._ondisk import _format
-from eqx_ckpt._save import _records, _write
+from eqx_ckpt._save import _records
 from eqx_ckpt._store import _local_write, _storage
 
 pytestmark = pytest.mark.skipif(not _storage.LOCAL_PATH_SUPPORTED, reason="no direct writes on this host")
@@ -260,7 +260,7 @@ def test_settling_a_write_that_raised_an_interrupt_in_its_thread_waits_once():
         future.set_exception(error)
         raised = None
         try:
-            _write.settle([future])
+            _interrupts.settle([future])
         except BaseException as e:  # a looping settle raises the stored interrupt at last
             raised = e
         assert (future.calls, raised) == (1, None), error

@@ -17,7 +17,7 @@ a callback that cares checks `threading.current_thread()`.
 
 The points, with where they fire and the arguments they pass:
 
-**A save's plan (`_records`, `_background`, `_serialise`, `_write`, `_staging`):**
+**A save's plan (`_records`, `_background`, `_serialise`, `_staging`):**
 
 - `save.records` `(loc)`: a save starts making its leaves' records (running
   the filter specs), before anything is written.

@@ -138,3 +138,11 @@ def settle(futures: list[Any]) -> None:
                 interrupt = interrupt or e
     if interrupt is not None:
         raise interrupt
+
+
+def wait_all(futures: list[Any], error: BaseException | None) -> BaseException | None:
+    """Wait for every future (a save's writes, its arrays' creations); the
+    first error (or `error`, if given)."""
+    for future in futures:
+        error = error or attempt(future.result)
+    return error

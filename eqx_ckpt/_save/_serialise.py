@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from .._base import _faults, _gc, _tree
+from .._base import _faults, _gc, _interrupts, _tree
 from .._base._errors import (
     CheckpointConnectionError,
     CheckpointError,
@@ -44,7 +44,7 @@ from .._load import _source
 from .._load._lazy import LazyArray
 from .._ondisk import _dtypes, _layout, _manifest, _structure
 from .._store import _durable, _lease, _share, _storage, _storage_errors, _transaction, _untrusted
-from . import _background, _partial, _records, _stages, _staging, _write
+from . import _background, _partial, _records, _stages, _staging
 from ._background import Handoff, PendingSave
 
 
@@ -476,10 +476,10 @@ def _write_and_commit(
             return
     except BaseException:
         # An interrupt (KeyboardInterrupt, SystemExit): undo only what is not committed.
-        _write.settle(commits)
+        _interrupts.settle(commits)
         stages.stop(functools.partial(_stop, tx))
         raise
-    _write.settle(commits)
+    _interrupts.settle(commits)
     stages.stop(functools.partial(_stop, tx))
     if isinstance(error, CheckpointError):
         raise error
@@ -533,7 +533,9 @@ def _write_all(
     if error is None:
         # While the data is being written (encoding the manifest of many
         # leaves takes a noticeable part of a save).
-        error = stages.by_committer(lambda: _write.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, metrics))))
+        error = stages.by_committer(
+            lambda: _interrupts.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, metrics)))
+        )
     batch.free()
     if writing is not None:
         if error is not None:
@@ -541,9 +543,9 @@ def _write_all(
         followed = writing.follow(tracker)
         error = error or followed
     tracker.describe("save: committing")
-    error = _write.wait_all(out, error)
+    error = _interrupts.wait_all(out, error)
     # Each process makes its own writes durable; only then may process 0 commit.
-    error = error or _write.attempt(lambda: _durable.flush(tx.data))
+    error = error or _interrupts.attempt(lambda: _durable.flush(tx.data))
     return error, encoded
 
 
@@ -598,7 +600,7 @@ def _commit(tx: _transaction.Transaction, encoded: list[bytes]) -> BaseException
     """Commit the manifest (`encoded`): written last, in one conditional write
     (`_transaction.Transaction.commit`); its error."""
     tx.written()
-    return _write.attempt(lambda: tx.commit(encoded[0]))
+    return _interrupts.attempt(lambda: tx.commit(encoded[0]))
 
 
 def _manifest_bytes(tx: _transaction.Transaction, batch: _staging.Batch, metrics: dict[str, Any] | None) -> bytes:

@@ -35,13 +35,13 @@ import numpy as np
 
 from .._base import _faults, _interrupts
 from .._base._errors import CheckpointTypeError, CheckpointValueError, IntegrityError
+from .._base._interrupts import attempt, settle, wait_all
 from .._base._location import Location
 from .._base._progress import Tracker
 from .._ondisk import _format, _layout
 from .._ondisk._format import LeafRecord, PackRecord
 from .._store import _durable, _memory, _share, _storage
 from .._store._writers import Steps, Write, Writer
-from ._write import attempt, settle, wait_all
 
 if TYPE_CHECKING:
     from ._records import Pending
