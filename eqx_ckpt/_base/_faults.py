@@ -130,9 +130,10 @@ The points, with where they fire and the arguments they pass:
 
 - `load.read_stored` `(loc)`: a load has planned every leaf (and run the custom
   filter specs and transforms) and starts reading the stored leaves (a
-  `Checkpoint.load` without a skeleton too, and a lazy leaf read whole,
-  by `read` or `np.asarray`, as by a save or an export: each reads through
-  the same reader, `_reader.read_leaves`).
+  `Checkpoint.load` without a skeleton too, a lazy leaf read whole,
+  by `read` or `np.asarray`, as by a save or an export, and `materialise`,
+  once for each checkpoint it reads from: each reads through the same
+  reader, `_reader.read_leaves`).
 - `load.read_once` `(path, regions)`: a process of a multi-process restore
   that shares reads (`_read_once`) read its slices `regions` (tuples of
   `(start, stop)` per axis) of the leaf at dotted `path` from storage, before
