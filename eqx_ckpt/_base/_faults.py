@@ -141,7 +141,9 @@ The points, with where they fire and the arguments they pass:
 - `untrusted.scan` `(directory)`: a load checks the files of a folder on a
   local disk (a leaf's, and each folder below it) for links and sizes.
 - `pack.read_run` `(loc, pack, paths)`: a run of a pack, holding the packed
-  leaves `paths`, starts being read.
+  leaves `paths`, starts being read (by a load; after a run failed, each of
+  its leaves alone, in order, to find the damaged one; by `verify`, every
+  chunk of the pack, each a run of its own).
 - `window.open` `()`: a reader starts taking its reads through the one
   host-memory budget (every reader passes here).
 - `window.start` `(in_flight)`: a read starts within the one host-memory budget,

@@ -160,7 +160,7 @@ def _unpacked(
         # Which leaf of the run is damaged: read them one by one.
         for m in members:
             try:
-                _storage.open_packed(data, records[m]).result()
+                _pack.read_alone(data, records[m])
             except Exception as each:
                 raise _storage_errors.leaf_io_error(each, records[m], data, "read") from e
         raise _storage_errors.leaf_io_error(e, records[members[0]], data, "read") from e
