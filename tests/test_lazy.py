@@ -345,3 +345,26 @@ def test_a_lazily_read_packed_leaf_is_read_from_its_pack_by_the_pack_reader(tmp_
         value = lazy[key].read() if how == "read" else np.asarray(lazy[key])
         assert eqx.tree_equal(value, tree[key] if how == "read" else np.asarray(tree[key]), typematch=True)
     assert runs == [["a"], ["b"]]
+
+
+def test_materialise_reads_by_the_loads_reader_once_per_checkpoint(tmp_path, faults):
+    """`materialise` reads the lazy leaves of each checkpoint it reads from as
+    a load reads them (`load.read_stored`: the one reader of stored leaves),
+    once per checkpoint whatever its number of leaves, its progress counting
+    every leaf and byte of them all. (It read them with the reader's inner
+    function, without the point.)"""
+    tree = {"big": np.arange(2**19, dtype=np.float32).reshape(512, 1024), "small": jnp.arange(4.0), "w": jnp.ones(3)}
+    other = jax.tree.map(lambda x: x + 1, tree)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "a", tree)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "b", other)
+    lazy = {
+        "a": eqx_ckpt.tree_deserialise_leaves(tmp_path / "a", tree, lazy=True),
+        "b": eqx_ckpt.tree_deserialise_leaves(tmp_path / "b", other, lazy=True),
+    }
+    reads, calls = [], []
+    faults(["load.read_stored"], lambda loc: reads.append(loc.display))
+    back = eqx_ckpt.materialise(lazy, progress=lambda *counts: calls.append(counts))
+    assert eqx.tree_equal(back, {"a": tree, "b": other}, typematch=True)
+    assert sorted(reads) == [str(tmp_path / "a"), str(tmp_path / "b")]
+    nbytes = 2 * sum(x.nbytes for x in jax.tree.leaves(tree))
+    assert calls[-1] == (6, 6, nbytes, nbytes)

@@ -348,3 +348,50 @@ def test_packs_elsewhere_are_read_through_tensorstore(small_pack_chunks):
     tree = _striped()
     eqx_ckpt.tree_serialise_leaves("memory://striped/", tree)
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves("memory://striped/", tree), tree, typematch=True)
+
+
+def _held(tree: dict, body: dict) -> list[list[str]]:
+    """The leaves each chunk of the float32 pack holds, chunk by chunk."""
+    chunk = _pack_chunk(body)
+    spans = {k: (_leaf(body, k)["offset"], _leaf(body, k)["offset"] + tree[k].size) for k in tree}
+    count = -(-max(hi for _, hi in spans.values()) // chunk)
+    return [sorted(k for k, (lo, hi) in spans.items() if lo // chunk <= c < -(-hi // chunk)) for c in range(count)]
+
+
+def test_verify_reads_a_pack_by_the_pack_reader_a_run_a_chunk(tmp_path, faults, small_pack_chunks):
+    """`verify` reads a pack as a load does, by the pack reader (`pack.read_run`):
+    every chunk once, in order, as a run of its own naming the leaves it holds,
+    and a damaged chunk is a problem of exactly those leaves. (It read the
+    chunks itself, outside the pack reader: no run.)"""
+    tree = _striped()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    held = _held(tree, _manifest(tmp_path))
+    assert len(held) == len(os.listdir(tmp_path / "packed.float32" / "c")) > 8
+    runs = []
+    faults("pack.read_run", lambda loc, pack, paths: runs.append((pack.name, sorted(paths))))
+    assert eqx_ckpt.verify(tmp_path) == []
+    assert runs == [("packed.float32", paths) for paths in held]
+    _damage_chunk(tmp_path, "packed.float32", 3)
+    runs.clear()
+    problems = eqx_ckpt.verify(tmp_path)
+    assert [p.leaf for p in problems] == held[3]
+    assert all(p.message.startswith("its pack 'packed.float32' is damaged: ") for p in problems), problems
+    assert runs == [("packed.float32", paths) for paths in held]
+
+
+def test_a_failed_run_finds_its_damaged_leaf_by_the_pack_reader(tmp_path, faults, small_pack_chunks):
+    """A run of a pack that fails to read is read again leaf by leaf, each a
+    run of its own by the pack reader (`pack.read_run`, one leaf), in order,
+    until the damaged leaf, which the error names. (Each was read by an open
+    of its own, `_storage.open_packed`: no run.)"""
+    tree = _striped()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    held = _held(tree, _manifest(tmp_path))
+    _damage_chunk(tmp_path, "packed.float32", 3)
+    runs = []
+    faults("pack.read_run", lambda loc, pack, paths: runs.append(list(paths)))
+    with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape(f"Leaf `{held[3][0]}` in checkpoint")):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
+    assert runs[0] == sorted(tree), runs  # the whole pack fits one run
+    before = sorted(k for k in tree if k < held[3][0])
+    assert runs[1:] == [[k] for k in [*before, held[3][0]]]

@@ -134,9 +134,10 @@ The points, with where they fire and the arguments they pass:
 
 - `load.read_stored` `(loc)`: a load has planned every leaf (and run the custom
   filter specs and transforms) and starts reading the stored leaves (a
-  `Checkpoint.load` without a skeleton too, and a lazy leaf read whole,
-  by `read` or `np.asarray`, as by a save or an export: each reads through
-  the same reader, `_reader.read_leaves`).
+  `Checkpoint.load` without a skeleton too, a lazy leaf read whole,
+  by `read` or `np.asarray`, as by a save or an export, and `materialise`,
+  once for each checkpoint it reads from: each reads through the same
+  reader, `_reader.read_leaves`).
 - `load.read_once` `(path, regions)`: a process of a multi-process restore
   that shares reads (`_read_once`) read its slices `regions` (tuples of
   `(start, stop)` per axis) of the leaf at dotted `path` from storage, before
@@ -144,7 +145,9 @@ The points, with where they fire and the arguments they pass:
 - `untrusted.scan` `(directory)`: a load checks the files of a folder on a
   local disk (a leaf's, and each folder below it) for links and sizes.
 - `pack.read_run` `(loc, pack, paths)`: a run of a pack, holding the packed
-  leaves `paths`, starts being read.
+  leaves `paths`, starts being read (by a load; after a run failed, each of
+  its leaves alone, in order, to find the damaged one; by `verify`, every
+  chunk of the pack, each a run of its own).
 - `window.open` `()`: a reader starts taking its reads through the one
   host-memory budget (every reader passes here).
 - `window.start` `(in_flight)`: a read starts within the one host-memory budget,

@@ -371,7 +371,8 @@ def materialise(tree: PyTree, *, progress: Progress = None) -> PyTree:
     values, treedef = jtu.tree_flatten(tree, is_leaf=is_lazy)
     lazy = [i for i, leaf in enumerate(values) if is_lazy(leaf)]
     # By the checkpoint each leaf reads from: each group is read as one load
-    # reads (`_reader.read_now`), and its checkpoint checked once, after every read.
+    # reads (`_reader.read_leaves`: fault point `load.read_stored`, progress on
+    # this one tracker), and its checkpoint checked once, after every read.
     # A transformed leaf reads its stored arrays and applies its function itself.
     groups: dict[int, list[int]] = {}
     for i in lazy:
@@ -389,11 +390,7 @@ def materialise(tree: PyTree, *, progress: Progress = None) -> PyTree:
         for source, indices in zip(sources, groups.values()):
             leaves = [values[i] for i in indices]
             plans = [LeafPlan.of(k, x._record, x._read_as()) for k, x in enumerate(leaves)]
-            try:
-                read = _reader.read_now(source, plans, tracker)
-            except Exception:
-                source.check()  # a read that failed because the checkpoint was replaced says so
-                raise
+            read = _reader.read_leaves(source, plans, checked=False, tracker=tracker)
             for i, value in zip(indices, read):
                 values[i] = value
     for source in sources:

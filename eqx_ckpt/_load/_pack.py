@@ -28,6 +28,7 @@ from .._base import _faults
 from .._base._location import Location
 from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
 from .._store import _storage, _window
+from . import _read
 
 
 def by_pack(records: Sequence[LeafRecord]) -> dict[str, list[int]]:
@@ -80,3 +81,50 @@ def read_leaves(
     )  # fmt: skip
     for (members, first), _, finish in _window.windowed(jobs):
         yield members, first, finish
+
+
+def read_alone(loc: Location, record: LeafRecord) -> np.ndarray:
+    """The elements of one packed leaf (its stored shape), read as a run of
+    its own (`pack.read_run`) through this process's cached open of its pack:
+    how a reader whose run failed finds which of its leaves is damaged. A
+    failure is raised as storage raised it."""
+    pack = record.pack
+    assert pack is not None
+    _faults.fire("pack.read_run", loc, pack, [record.path])
+    store = _storage.open_pack(loc, pack, cached=True, leaf=record.path).result()
+    run = _read.start_region(store, loc, record, (slice(record.offset, record.offset + record.size),), raw=True)
+    return run().reshape(record.stored_shape)
+
+
+def read_chunks(
+    loc: Location, pack: PackRecord, records: Sequence[LeafRecord], *, max_reads: int
+) -> Iterator[tuple[int, Callable[[], np.ndarray]]]:
+    """Every chunk of `pack`, in order, each read as a run of its own
+    (`pack.read_run`, naming those of its leaves `records` that the chunk
+    holds) through TensorStore, at most `max_reads` at once within the read
+    budget (`_window`): `(chunk index, finish)`, where `finish()` waits and
+    returns the chunk's elements, or raises a failure as storage raised it.
+    For `verify`, which names the leaves of each damaged chunk; the pack is
+    opened as `verify` opens it (its files checked, its chunks not cached)."""
+    store = _storage.open_pack(loc, pack, cached=False).result()
+    whole = _whole(pack)
+    held: dict[int, list[str]] = collections.defaultdict(list)
+    for record in records:
+        for k in range(record.offset // pack.chunk, -(-(record.offset + record.size) // pack.chunk)):
+            held[k].append(record.path)
+
+    def start(k: int, lo: int, hi: int) -> Callable[[], np.ndarray]:
+        _faults.fire("pack.read_run", loc, pack, held.get(k, []))
+        return _read.start_region(store, loc, whole, (slice(lo, hi),), raw=True)
+
+    itemsize = dtype_from_name(pack.dtype).itemsize
+    bounds = ((k, k * pack.chunk, min((k + 1) * pack.chunk, pack.size)) for k in range(-(-pack.size // pack.chunk)))
+    jobs = ((k, (hi - lo) * itemsize, functools.partial(start, k, lo, hi)) for k, lo, hi in bounds)
+    for k, _, finish in _window.windowed(jobs, max_reads=max_reads):
+        yield k, finish
+
+
+def _whole(pack: PackRecord) -> LeafRecord:
+    """The pack as the record of one array (what a read of its regions is said to read)."""
+    shape = (pack.size,)
+    return LeafRecord(pack.name, [], "numpy", shape, pack.dtype, shape, pack.dtype, "plain", (pack.chunk,))

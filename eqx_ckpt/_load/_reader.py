@@ -39,15 +39,21 @@ if TYPE_CHECKING:
 
 def read_leaves(
     source: Source, plans: list[LeafPlan], *, progress: Progress = False, read_once: bool | None = False,
-    checked: bool = True, cached: bool = False,
+    checked: bool = True, cached: bool = False, tracker: Tracker | None = None,
 ) -> list[Any]:  # fmt: skip
     """The values of `plans`' stored leaves, read now (`read`), and (unless
     `checked=False`) a check after that `source` was not replaced while they
     were read; a read that fails checks it too, so that a replaced checkpoint
-    says so. Fault point `load.read_stored` fires first. `cached`: see `read_now`."""
+    says so. Fault point `load.read_stored` fires first. `cached`: see `read_now`.
+    `tracker`: progress already shown, which the reads advance instead of
+    one of their own for `progress` (`materialise`'s, over every checkpoint
+    it reads from)."""
     try:
         _faults.fire("load.read_stored", source.loc)
-        values = read(source, plans, progress=progress, read_once=read_once, cached=cached)
+        if tracker is None:
+            values = read(source, plans, progress=progress, read_once=read_once, cached=cached)
+        else:
+            values = read_now(source, plans, tracker, read_once, cached=cached)
     except Exception:
         source.check()  # a read that failed because the checkpoint was replaced says so
         raise
@@ -155,7 +161,7 @@ def _unpacked(
         # Which leaf of the run is damaged: read them one by one.
         for m in members:
             try:
-                _storage.open_packed(data, records[m]).result()
+                _pack.read_alone(data, records[m])
             except Exception as each:
                 raise _storage_errors.leaf_io_error(each, records[m], data, "read") from e
         raise _storage_errors.leaf_io_error(e, records[members[0]], data, "read") from e

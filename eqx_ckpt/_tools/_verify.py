@@ -1,12 +1,14 @@
 """`verify`: read and check every byte of a checkpoint.
 
 It reads chunk by chunk, a bounded number of bytes at a time, so a checkpoint of
-any size (or a hostile one claiming an absurd shape) is checked in bounded memory.
+any size (or a hostile one claiming an absurd shape) is checked in bounded memory:
+a leaf's chunks by `_chunk_scan`, a pack's by the pack reader
+(`_pack.read_chunks`), each chunk by `_read.start_region`, the one way any
+reader reads stored elements.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
@@ -232,7 +234,7 @@ def _check_packs(data: Location, manifest: Manifest, tracker: Tracker) -> dict[s
         damaged: dict[int, str] = {}
         if problem is None:
             try:
-                damaged = _read_pack(data, pack)
+                damaged = _read_pack(data, pack, members)
             except CheckpointStorageError:
                 raise
             except CheckpointError as e:
@@ -248,26 +250,18 @@ def _check_packs(data: Location, manifest: Manifest, tracker: Tracker) -> dict[s
     return bad
 
 
-def _read_pack(data: Location, pack: PackRecord) -> dict[int, str]:
-    """Read every chunk of a pack, a few at a time; what is wrong, by chunk."""
-    store = _storage.open_pack(data, pack, cached=False).result()
+def _read_pack(data: Location, pack: PackRecord, members: list[LeafRecord]) -> dict[int, str]:
+    """Read every chunk of a pack, a few at a time, by the pack reader
+    (`_pack.read_chunks`: each chunk a run of its own); what is wrong, by chunk."""
     damaged: dict[int, str] = {}
-    flight: collections.deque[tuple[int, Any]] = collections.deque()
-    count = -(-pack.size // pack.chunk)
-    for k in range(count + _PACK_READS):
-        if k < count:
-            flight.append((k, store[k * pack.chunk : min((k + 1) * pack.chunk, pack.size)].read()))
-        if len(flight) >= _PACK_READS or k >= count:
-            if not flight:
-                break
-            done, future = flight.popleft()
-            try:
-                future.result()
-            except Exception as e:
-                refused = _storage_errors.storage_failure(data, e, f"pack {pack.name!r}")
-                if refused is not None:
-                    raise refused from None
-                damaged[done] = _storage_errors.explain(e)
+    for k, finish in _pack.read_chunks(data, pack, members, max_reads=_PACK_READS):
+        try:
+            finish()
+        except Exception as e:
+            refused = _storage_errors.storage_failure(data, e, f"pack {pack.name!r}")
+            if refused is not None:
+                raise refused from None
+            damaged[k] = _storage_errors.explain(e)
     if damaged:
         _storage.chunk_files(data).forget(pack.name)
     return damaged
