@@ -499,3 +499,37 @@ def test_chunk_files_are_written_and_packs_read_behind_the_seam():
             if re.search(r"\bNone\b", returned):
                 declining.append(f"{name}.{method} -> {returned}")
     assert declining == [], "a save's writes are never declined:\n" + "\n".join(declining)
+
+
+# File I/O of the standard library: what reads or writes bytes of files, or
+# moves, links and removes them.
+_FILE_IO = {
+    "os": {"open", "pread", "preadv", "pwrite", "pwritev", "read", "write", "replace", "rename", "unlink", "remove",
+           "rmdir", "makedirs", "mkdir", "link", "symlink", "fsync", "truncate", "ftruncate"},
+    "shutil": {"rmtree", "copy", "copy2", "copyfile", "copytree", "move"},
+}  # fmt: skip
+# Uses outside the storage layer that touch no checkpoint's bytes.
+_NOT_CHECKPOINT_IO = {"_cli.py": "`--quiet` sends the standard output to `os.devnull`"}
+
+
+def test_every_byte_of_a_checkpoint_goes_through_the_storage_layer():
+    """Outside `_store/` (and `_location`, which only names places), no module
+    opens, reads, writes, renames or removes a file itself: every byte
+    eqx_ckpt reads or writes of a checkpoint, its own or another program's,
+    goes through the storage layer's functions (issue 48, item 2; an export
+    once wrote its files with `open`, a safetensors run was read with
+    `os.preadv`, a migration opened the `.eqx` file itself)."""
+    found = []
+    for path in MODULES:
+        if path.parent.name == "_store" or path.name in ("_location.py", *_NOT_CHECKPOINT_IO):
+            continue
+        for node in ast.walk(_tree(path)):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Name) and func.id == "open":
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+                if func.attr in _FILE_IO.get(func.value.id, ()):
+                    found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert found == [], "read and write files through `_store` (`_storage`'s functions):\n" + "\n".join(found)

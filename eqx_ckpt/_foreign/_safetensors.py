@@ -35,7 +35,7 @@ from .._base._errors import (
 from .._base._location import Location
 from .._ondisk._format import MAX_ELEMENTS, MAX_RANK, LeafRecord, dtype_from_name
 from .._ondisk._manifest import Manifest, no_duplicates
-from .._store import _memory, _storage, _storage_errors, _window
+from .._store import _storage, _storage_errors, _window
 
 # Safetensors dtype names -> the names eqx_ckpt (and ml_dtypes) use.
 DTYPES = {
@@ -232,7 +232,7 @@ class _Files:
     def __init__(self, loc: Location, where: _storage.Folder, generations: dict[str, bytes], folder: str | None):
         # `loc` as the user named it (for messages); `where`, the folder of the files.
         self.loc, self.where, self.generations = loc, where, generations
-        # The local directory of the files, which runs are read from with `os.preadv`.
+        # The local directory of the files, whose runs are read by `_storage.read_local_range`.
         self.folder = folder
         # On a local disk a file can be rewritten in place while it is read, so
         # the files read from are also checked after the reads.
@@ -497,7 +497,7 @@ def _start_run(
     _faults.fire("safetensors.read_run", files.loc, file, start, end)
     if files.folder is not None:
         # Checked after the reads, as every read of a local file is (`_Files.changed`).
-        local = _window.read_pool().submit(_read_local, os.path.join(files.folder, file), start, end)
+        local = _window.read_pool().submit(_storage.read_local_range, os.path.join(files.folder, file), start, end)
     else:
         read = files.where.read(file, slice(start, end)) if end > start else None
 
@@ -544,23 +544,6 @@ def _run_bytes(
     if result.value is None or len(result.value) != end - start:
         return None
     return np.frombuffer(result.value, np.uint8)
-
-
-def _read_local(path: str, start: int, end: int) -> np.ndarray | None:
-    """Bytes `start` to `end` of a local file (page-aligned when large), or
-    `None` if the file ends before `end`."""
-    out = _memory.fresh_empty((end - start,), np.uint8)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        done, view = 0, out.data
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], start + done)
-            if n == 0:
-                return None
-            done += n
-    finally:
-        os.close(fd)
-    return out
 
 
 def _truncated(files: _Files, file: str, records: list[LeafRecord], places: dict[str, tuple[str, int]]) -> Exception:

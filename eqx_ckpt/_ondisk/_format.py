@@ -56,6 +56,8 @@ ZARR_JSON = "zarr.json"
 OCDBT_FOLDER = "ocdbt.db"
 # TensorStore's file driver writes `<name>` as `<name>.__lock` and renames it into place.
 TEMPORARY = ".__lock"
+# An export's file on a local disk is written as `<name>.partial` until every one is written.
+UNPUBLISHED_SUFFIX = ".partial"
 # The `zarr.json` of every group a save writes.
 GROUP = {"zarr_format": 3, "node_type": "group", "attributes": {}}
 GROUP_JSON = json.dumps(GROUP).encode()

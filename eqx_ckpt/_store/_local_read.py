@@ -333,6 +333,20 @@ def _pread_all(fd: int, views: list[memoryview], offset: int) -> int:
     return done
 
 
+def read_range(path: str, start: int, end: int) -> np.ndarray | None:
+    """Bytes `start` to `end` of the local file `path` (another program's
+    checkpoint: a safetensors file's run of tensors), in memory that
+    `jax.device_put` adopts (page-aligned when large), or `None` if the
+    file ends before `end`."""
+    out = _memory.fresh_empty((end - start,), np.uint8)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        done = _pread_all(fd, [out.data], start)
+    finally:
+        os.close(fd)
+    return out if done == end - start else None
+
+
 def _check_crc(loc: Location, record: LeafRecord, key: str, computed: int, stored: memoryview) -> None:
     _faults.fire("local_read.crc", key)
     expected = int.from_bytes(stored, "little")

@@ -55,6 +55,7 @@ import concurrent.futures
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -391,6 +392,39 @@ def write_file(loc: Location, name: str, data: bytes) -> None:
         raise write_error(loc, name, e) from e
 
 
+def write_unpublished(loc: Location, name: str, parts: Iterable[bytes | memoryview]) -> None:
+    """Write a file of many parts (an export's shard), not yet under `name` on
+    a local disk: streamed to `name` + `.partial` and made durable, until
+    `publish` (elsewhere, where a file is written whole, the parts are joined
+    and written to `name`)."""
+    if loc.local is None:
+        write_file(loc, name, b"".join(parts))
+        return
+    with open(_unpublished(loc, name), "wb") as f:
+        for part in parts:
+            f.write(part)
+    _durable.fsync(_unpublished(loc, name))
+
+
+def publish(loc: Location, names: Iterable[str]) -> None:
+    """Give the files `write_unpublished` wrote their names (on a local disk)."""
+    if loc.local is not None:
+        for name in names:
+            os.replace(_unpublished(loc, name), os.path.join(loc.local, name))
+
+
+def discard_unpublished(loc: Location, names: Iterable[str]) -> None:
+    """Remove what `write_unpublished` wrote of `names` and did not publish."""
+    if loc.local is not None:
+        for name in names:
+            with contextlib.suppress(OSError):
+                os.unlink(_unpublished(loc, name))
+
+
+def _unpublished(loc: Location, name: str) -> str:
+    return os.path.join(loc.local or "", name + _format.UNPUBLISHED_SUFFIX)
+
+
 def start_writes(loc: Location, files: dict[str, bytes], *, synced: bool = True) -> list[Future]:
     """Start writing small files (name -> bytes), each atomically; their
     futures. Unsynced (`synced=False`) on a local disk, as a save's arrays are."""
@@ -665,6 +699,20 @@ class Folder:
     def changed(self, name: str, generation: bytes) -> bool:
         """`generation_changed` of one of its files."""
         return generation_changed(self.loc, name, generation)
+
+
+def open_local_file(path: str) -> io.BufferedReader:
+    """A local file of another program's checkpoint (an Equinox `.eqx` file,
+    read in order by `_migrate`), opened to read."""
+    return open(path, "rb")
+
+
+def read_local_range(path: str, start: int, end: int) -> np.ndarray | None:
+    """Bytes `start` to `end` of a file of another program's checkpoint on a
+    local disk (a safetensors file's run of tensors), read by eqx_ckpt itself
+    into memory `jax.device_put` adopts (`_local_read.read_range`); `None`
+    if the file ends before `end`."""
+    return _local_read.read_range(path, start, end)
 
 
 def transaction() -> Transaction:

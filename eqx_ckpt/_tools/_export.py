@@ -13,14 +13,13 @@ destination directory is refused.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -36,7 +35,7 @@ from .._foreign import _safetensors
 from .._load._checkpoint import Checkpoint
 from .._load._lazy import LazyArray
 from .._ondisk import _dtypes
-from .._ondisk._format import MANIFEST, MAX_MANIFEST_BYTES, dtype_from_name
+from .._ondisk._format import MANIFEST, MAX_MANIFEST_BYTES, UNPUBLISHED_SUFFIX, dtype_from_name
 from .._store import _durable, _storage
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -126,15 +125,10 @@ def export_safetensors(
     except BaseException:
         # A leaf that cannot be read (or an interrupt): the destination is left
         # as it was, without this export's temporaries.
-        if loc.local is not None:
-            for name in names:
-                with contextlib.suppress(OSError):
-                    os.unlink(_partial(loc, name))
+        _storage.discard_unpublished(loc, names)
         raise
-    if loc.local is not None:
-        # Only now, with every leaf read: the source may be these very files.
-        for name in names:
-            os.replace(_partial(loc, name), os.path.join(loc.local, name))
+    # Only now, with every leaf read: the source may be these very files.
+    _storage.publish(loc, names)
     if len(names) > 1:
         index = {
             "metadata": {"total_size": sum(t.nbytes for t in tensors)},
@@ -150,7 +144,9 @@ def export_safetensors(
 
 
 # The files an export into a directory writes (and their temporaries).
-_EXPORTED = re.compile(r"^model(-[0-9]{5}-of-[0-9]{5})?\.safetensors(\.index\.json)?(\.partial)?$")
+_EXPORTED = re.compile(
+    r"^model(-[0-9]{5}-of-[0-9]{5})?\.safetensors(\.index\.json)?(" + re.escape(UNPUBLISHED_SUFFIX) + ")?$"
+)
 
 
 def _shard_bytes(size: int | str) -> int:
@@ -355,24 +351,14 @@ def _bytes(tensor: _Tensor) -> memoryview:
     return memoryview(array.reshape(-1).view(np.uint8).data)
 
 
-def _partial(loc: Location, name: str) -> str:
-    """Where the shard `name` is written on a local disk until every shard is."""
-    return os.path.join(loc.local or "", name + ".partial")
-
-
 def _write_shard(loc: Location, name: str, shard: list[_Tensor], metadata: dict[str, str], update: Any) -> None:
-    head = _header(shard, metadata)
-    if loc.local is not None:
-        with open(_partial(loc, name), "wb") as f:
-            f.write(head)
-            for tensor in shard:
-                f.write(_bytes(tensor))
-                update(tensor.nbytes)
-            f.flush()
-            os.fsync(f.fileno())
-        return
-    buffer = bytearray(head)
-    for tensor in shard:
-        buffer += _bytes(tensor)
-        update(tensor.nbytes)
-    _storage.write_file(loc, name, bytes(buffer))
+    """Write one file of the export, tensor by tensor, not yet under its name
+    (`_storage.write_unpublished`: on a local disk streamed, elsewhere whole)."""
+
+    def parts() -> Iterator[bytes | memoryview]:
+        yield _header(shard, metadata)
+        for tensor in shard:
+            yield _bytes(tensor)
+            update(tensor.nbytes)
+
+    _storage.write_unpublished(loc, name, parts())

@@ -18,6 +18,7 @@ from .._base import _keypath, _tree
 from .._base._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, LeafError, leaf_line
 from .._ondisk import _dtypes
 from .._save._serialise import tree_serialise_leaves
+from .._store import _storage
 
 
 def convert_eqx_file(
@@ -83,7 +84,7 @@ def convert_eqx_file(
     leaves, treedef = _tree.flatten(like, is_leaf)
     specs = _tree.leaf_specs(filter_spec, like, is_leaf, what="like", count=len(leaves))
     # The file named, exactly: Equinox would open `weights.eqx` when given `weights`.
-    with open(eqx_path, "rb") as f:
+    with _storage.open_local_file(eqx_path) as f:
         out = [_read_leaf(f, eqx_path, keypath, leaf, spec) for (keypath, leaf), spec in zip(leaves, specs)]
         rest = os.fstat(f.fileno()).st_size - f.tell()
     if rest:
