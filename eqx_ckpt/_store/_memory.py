@@ -202,14 +202,14 @@ def pinned(arrays: list[jax.Array]) -> list[jax.Array] | None:
     4 GiB state on an H100, made in 0.08 s, against 2.4 s through the CPU
     device; `host` views one without another copy, waiting until it is
     made). Used by an asynchronous save's caller (`held`). `None` where a device
-    has no pinned host memory (a CPU has none), or where the copy fails (out
+    has no pinned host memory, or where the copy fails (out
     of memory): the caller copies through the host's CPU device instead.
     Fault point `save.pinned_copies`."""
     try:
         if not all(_has_pinned(next(iter(x.devices()))) for x in arrays):
             return None
         _faults.fire("save.pinned_copies", arrays)
-        return _put(arrays, [x.sharding.with_memory_kind(_PINNED) for x in arrays])
+        return _put(arrays, [x.sharding.with_memory_kind(_PINNED) for x in arrays], may_alias=False)
     except Exception:  # (a device that refuses it: the copies go through the CPU device)
         return None
 
@@ -222,7 +222,7 @@ _HOST_KINDS = frozenset((_PINNED, "unpinned_host"))
 @functools.cache
 def _has_pinned(device: Any) -> bool:
     try:
-        return device.platform != "cpu" and any(m.kind == _PINNED for m in device.addressable_memories())
+        return any(m.kind == _PINNED for m in device.addressable_memories())
     except Exception:  # (a backend without memories)
         return False
 
