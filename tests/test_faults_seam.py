@@ -79,7 +79,8 @@ _ELSEWHERE = {
     "(armed in tests/multiprocess_worker.py, run by tests/test_multiprocess.py)",
     "save.slices": "reached only by a multi-process save (armed in tests/multiprocess_matrix_worker.py, "
     "run by tests/test_multiprocess.py)",
-    "save.pinned_copies": "reached only on an accelerator (armed in tests/test_gpu.py)",
+    "save.pinned_copies": "reached by a save only on an accelerator (armed in tests/test_gpu.py; "
+    "tests/test_host_memory.py arms it around `_memory.pinned` on a CPU)",
     "manager.undo": "reached only when a manager's save fails (armed in tests/test_manager.py)",
     "load.read_once": "reached only by a multi-process restore that shares reads (armed in "
     "tests/multiprocess_kill_worker.py, run by tests/test_multiprocess.py)",
