@@ -85,15 +85,16 @@ def read_leaves(
 
 def read_alone(loc: Location, record: LeafRecord) -> np.ndarray:
     """The elements of one packed leaf (its stored shape), read as a run of
-    its own (`pack.read_run`) through this process's cached open of its pack:
-    how a reader whose run failed finds which of its leaves is damaged. A
-    failure is raised as storage raised it."""
+    its own (`pack.read_run`) by the location's reader of pack runs, through
+    this process's cached open of its pack (`pack_runs(cached=True)`): how a
+    reader whose run failed finds which of its leaves is damaged. A failure
+    to read is raised as storage raised it (one to open the pack, as the
+    leaf's)."""
     pack = record.pack
     assert pack is not None
     _faults.fire("pack.read_run", loc, pack, [record.path])
-    store = _storage.open_pack(loc, pack, cached=True, leaf=record.path).result()
-    run = _read.start_region(store, loc, record, (slice(record.offset, record.offset + record.size),), raw=True)
-    return run().reshape(record.stored_shape)
+    runs = _storage.chunk_files(loc).pack_runs(cached=True)
+    return runs.start(pack, record.offset, record.offset + record.size, record)().reshape(record.stored_shape)
 
 
 def read_chunks(

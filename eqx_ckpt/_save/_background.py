@@ -76,8 +76,9 @@ _DTYPE = operator.attrgetter("dtype")
 def _hold(leaves: list[Any]) -> tuple[list[Any], Sequence[int]] | None:
     """Every leaf's host data held, each leaf looked at once: a `jax.Array` on
     one device by its NumPy view (a `jax.Array`'s host data, which never
-    changes; on an accelerator, a copy the save owns, on the device where it
-    fits, else on the host, `_memory.held`, never cached on the caller's array), any other `jax.Array` (sharded, a
+    changes; on an accelerator, a copy the save owns, in pinned host memory
+    where the device has some, `_memory.held`, never cached on the caller's
+    array), any other `jax.Array` (sharded, a
     PRNG key array) by its host pieces (`_records.hold`), NumPy arrays copied
     (`_memory`), other leaves as they are. Returns what is held, one per leaf,
     and the indices of the views (made `_records.Held` in the background,

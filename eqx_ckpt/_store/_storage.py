@@ -400,10 +400,11 @@ def write_unpublished(loc: Location, name: str, parts: Iterable[bytes | memoryvi
     if loc.local is None:
         write_file(loc, name, b"".join(parts))
         return
-    with open(_unpublished(loc, name), "wb") as f:
+    path = _unpublished(loc, name)
+    with open(path, "wb") as f:
         for part in parts:
             f.write(part)
-    _durable.fsync(_unpublished(loc, name))
+    _durable.fsync(path)
 
 
 def publish(loc: Location, names: Iterable[str]) -> None:
