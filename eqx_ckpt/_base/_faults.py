@@ -127,7 +127,8 @@ The points, with where they fire and the arguments they pass:
 - `local_read.start_reads` `(path, keys)`: the reads of those chunk files are
   started in the reader threads.
 - `local_read.read` `(fd, offset)`: a reader thread reads one step of a chunk
-  file; an `OSError` raised here is reported as the read's.
+  file, or a run of a safetensors file on a local disk
+  (`_storage.read_local_range`); an `OSError` raised here is reported as the read's.
 - `local_read.crc` `(key)`: a chunk's joined crc32c is compared with its stored one.
 
 **A load (`_reader`, `_deserialise`, `_read_once`, `_untrusted`, `_pack`, `_window`, `_read`, `_nested`, `_tree`):**
