@@ -19,7 +19,7 @@ that one checkpoint read):
 Each measurement prints its seconds and the process's system time; the medians
 follow. `read` and `touch` do the same work after either warm-up, so a
 difference between the two checkpoints there is the memory's state, not
-eqx_ckpt's code (docs/benchmarks.md, "After this run: the `large` warm load and fresh memory").
+eqx_ckpt's code (docs/benchmarks.md, "Where eqx_ckpt stands").
 """
 
 from __future__ import annotations

@@ -533,3 +533,112 @@ def test_every_byte_of_a_checkpoint_goes_through_the_storage_layer():
                 if func.attr in _FILE_IO.get(func.value.id, ()):
                     found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     assert found == [], "read and write files through `_store` (`_storage`'s functions):\n" + "\n".join(found)
+
+
+def _map() -> str:
+    return (PACKAGE.parent / "docs" / "architecture.md").read_text()
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    return text[start : end if end >= 0 else len(text)]
+
+
+def test_the_map_cites_what_the_code_has():
+    """Every `_module` and `_module.name` docs/architecture.md cites exists, its
+    fault points are exactly `_faults.POINTS`, and its knobs are module
+    constants (issue 61: the map had named fault points 57 of 59, and a
+    module's job it no longer did)."""
+    import importlib
+
+    from eqx_ckpt._base import _faults
+
+    text = _map()
+    missing = []
+    for cited in sorted(set(re.findall(r"`(_[a-z_]+(?:\.[A-Za-z_]+)+|_[a-z_]+)`", text))):
+        stem, *names = cited.split(".")
+        if stem not in _STEMS:
+            missing.append(cited)
+            continue
+        value: object = importlib.import_module(f"eqx_ckpt.{_STEMS[stem].parent.name}.{stem}")
+        for name in names:
+            if not hasattr(value, name):
+                missing.append(cited)
+                break
+            value = getattr(value, name)
+    assert missing == [], f"docs/architecture.md cites names the code does not have: {missing}"
+    seams = _section(text, "## Seams")
+    faults = seams[seams.index("**Fault points.**") : seams.index("**Knobs.**")]
+    listed = re.findall(r"`([a-z][a-z_]*\.[a-z_]+)`", faults)
+    assert len(listed) == len(set(listed)) and set(listed) == _faults.POINTS, set(listed) ^ _faults.POINTS
+    knobs = re.findall(r"`(_[a-z_]+)\.([A-Za-z_]+)`", seams[seams.index("**Knobs.**") :])
+    assert knobs and all(name.isupper() for _, name in knobs), knobs
+
+
+# docs/architecture.md's rows of "Files per behaviour", and the behaviour of
+# `tests/behaviour_worker.py` that each names.
+_BEHAVIOURS = {
+    "a fresh save": "save",
+    "an overwrite": "overwrite",
+    "an asynchronous save": "async_save",
+    "a partial load (`where`)": "partial_load",
+    "a safetensors file loads": "foreign_load",
+    "a manager step shares unchanged files": "share",
+    "`verify`": "verify",
+    "a model rebuilt without its code": "rebuild",
+    "a manager stops at preemption": "preemption",
+    "two processes save": "multi_save",
+    "two processes restore replicated state (`read_once`)": "multi_restore",
+}
+
+
+def _run_behaviours(folder: pathlib.Path) -> dict[str, list[str]]:
+    """Each behaviour's modules, run in fresh processes side by side."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    worker = str(PACKAGE.parent / "tests" / "behaviour_worker.py")
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    running: dict[str, list[subprocess.Popen]] = {}
+    for name in _BEHAVIOURS.values():
+        place = folder / name
+        place.mkdir()
+        subprocess.run([sys.executable, worker, "setup", name, str(place)], env=env, check=True, timeout=300)
+        command = [sys.executable, worker, "run", name, str(place)]
+        if name.startswith("multi_"):
+            with socket.socket() as free:
+                free.bind(("127.0.0.1", 0))
+                port = free.getsockname()[1]
+            ids = [[str(i), str(port)] for i in range(2)]
+        else:
+            ids = [[]]
+        running[name] = [
+            subprocess.Popen(command + extra, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for extra in ids
+        ]
+    found = {}
+    for name, processes in running.items():
+        outputs = [process.communicate(timeout=300) for process in processes]
+        for process, (_out, err) in zip(processes, outputs):
+            assert process.returncode == 0, f"{name}: {err[-3000:]}"
+        found[name] = json.loads(outputs[0][0].strip().splitlines()[-1])
+    return found
+
+
+def test_files_per_behaviour_are_counted_from_the_code(tmp_path):
+    """The map's count of modules per behaviour is what the code runs: every
+    module one of whose functions runs, in any thread (issue 61: the map had
+    claimed "at most five" where tracing found 4-8 at the least)."""
+    rows = re.findall(r"^\| (.+?) \| (\d+) \|$", _section(_map(), "## Files per behaviour"), re.M)
+    assert {label for label, _ in rows} == set(_BEHAVIOURS)
+    found = _run_behaviours(tmp_path)
+    wrong = {
+        label: f"the map says {count}, the code runs {len(found[_BEHAVIOURS[label]])}: {found[_BEHAVIOURS[label]]}"
+        for label, count in rows
+        if int(count) != len(found[_BEHAVIOURS[label]])
+    }
+    assert wrong == {}, wrong
