@@ -93,7 +93,7 @@ def export_safetensors(
     (`Checkpoint(folder).load(trust=[...])` with no `like`, a `like`, `where`,
     `prefix`, `lazy`, `eqx-ckpt verify`...), each leaf as it was (its dtype,
     a PRNG key, a Python scalar); the `safetensors` library reads every
-    tensor bit for bit. See "The published layout" in docs/interop.md.
+    tensor bit for bit. See "The published layout" in [docs/interop.md](../interop.md).
 
     **Arguments:**
 
