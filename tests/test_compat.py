@@ -8,9 +8,12 @@ is picked up by its folder alone."""
 import hashlib
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import shutil
+import subprocess
+import sys
 from typing import Any
 
 import equinox as eqx
@@ -274,3 +277,16 @@ def test_the_published_fixture_loads_bit_for_bit(published):
     assert np.asarray(lazy["small"]["u4"]).tobytes() == expected["small"]["u4"].tobytes()
     problems = eqx_ckpt.verify(published)
     assert problems == [] and "Safetensors files hold no checksums" in problems.unchecked[0]
+
+
+def test_the_published_fixtures_card_snippet_runs_as_written(published):
+    """The card's load snippet, run from the repository's root (the path it names)."""
+    snippet = re.search(r"```python\n(.*?)```", (published / "README.md").read_text(), re.S).group(1)
+    check = snippet + "import jax; print(sorted(model), jax.tree.structure(model) == jax.tree.structure(EXPECTED))\n"
+    setup = "import importlib.util as u, sys; s = u.spec_from_file_location('m', 'tests/fixtures/make_fixture.py'); "
+    setup += "m = u.module_from_spec(s); s.loader.exec_module(m); EXPECTED = m.published_expected()\n"
+    root = FIXTURES.parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", setup + check], capture_output=True, text=True, cwd=root, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().endswith("True")
