@@ -69,6 +69,7 @@ def test_a_folder_loads_without_its_code_everywhere_a_checkpoint_does(folder):
     assert jax.tree.structure(skeleton) == jax.tree.structure(tree)
     assert _equal(eqx_ckpt.tree_deserialise_leaves(folder, tree), tree)
     assert _equal(eqx_ckpt.tree_deserialise_leaves(folder, skeleton), tree)
+    assert _equal(eqx_ckpt.tree_deserialise_leaves(folder, None, trust=[]), tree)  # no `like`: rebuilt
     # Without `trust`: nested dicts and lists, each leaf as it was saved.
     nested = ckpt.load()
     assert isinstance(nested["model"]["layers"], list) and nested["step"] == 7

@@ -36,6 +36,7 @@ from .._load._checkpoint import Checkpoint
 from .._load._lazy import LazyArray
 from .._ondisk import _dtypes, _published, _structure
 from .._ondisk._format import (
+    LEAF_TYPES,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     UNPUBLISHED_SUFFIX,
@@ -244,10 +245,12 @@ def _tensors(pytree: Any) -> tuple[list[_Tensor], Any]:
 
 def _leaf(path: str, keypath: list[list[Any]], leaf: Any) -> _Tensor | None:
     if isinstance(leaf, LazyArray):
-        record = leaf._record
-        return _Tensor(
-            path, _record(path, keypath, record.type, record.shape, record.dtype, record.impl), _reader(leaf)
-        )
+        # As it reads: a PRNG key's key data, else the dtype of the `like` it was loaded into.
+        r = leaf._record
+        if r.type == "prng_key":
+            return _Tensor(path, _record(path, keypath, r.type, r.shape, r.dtype, r.impl), _reader(leaf))
+        kind = leaf.saved_as if leaf.saved_as in LEAF_TYPES else "jax"
+        return _Tensor(path, _record(path, keypath, kind, r.shape, _dtypes.name(np.dtype(leaf.dtype))), _reader(leaf))
     kind = _dtypes.leaf_type(leaf)
     if kind is None:
         return None
