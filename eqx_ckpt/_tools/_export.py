@@ -243,14 +243,19 @@ def _tensors(pytree: Any) -> tuple[list[_Tensor], Any]:
     return tensors, structure
 
 
+def _lazy(path: str, keypath: list[list[Any]], leaf: LazyArray) -> _Tensor:
+    """A lazy leaf, as it reads: a PRNG key's key data, else in the dtype (and
+    as the type) of the `like` it was loaded into."""
+    r = leaf._record
+    if r.type == "prng_key":
+        return _Tensor(path, _record(path, keypath, r.type, r.shape, r.dtype, r.impl), _reader(leaf))
+    kind = leaf.saved_as if leaf.saved_as in LEAF_TYPES else "jax"
+    return _Tensor(path, _record(path, keypath, kind, r.shape, _dtypes.name(np.dtype(leaf.dtype))), _reader(leaf))
+
+
 def _leaf(path: str, keypath: list[list[Any]], leaf: Any) -> _Tensor | None:
     if isinstance(leaf, LazyArray):
-        # As it reads: a PRNG key's key data, else the dtype of the `like` it was loaded into.
-        r = leaf._record
-        if r.type == "prng_key":
-            return _Tensor(path, _record(path, keypath, r.type, r.shape, r.dtype, r.impl), _reader(leaf))
-        kind = leaf.saved_as if leaf.saved_as in LEAF_TYPES else "jax"
-        return _Tensor(path, _record(path, keypath, kind, r.shape, _dtypes.name(np.dtype(leaf.dtype))), _reader(leaf))
+        return _lazy(path, keypath, leaf)
     kind = _dtypes.leaf_type(leaf)
     if kind is None:
         return None
