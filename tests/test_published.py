@@ -229,6 +229,7 @@ def test_cli_lists_verifies_and_diffs_a_folder(folder, tmp_path, capsys):
     assert main(["info", str(folder)]) == 0
     info = capsys.readouterr().out
     assert "layout:          published" in info and f"library version: {eqx_ckpt.__version__}" in info
+    assert 'info:            description="test"' in info
     assert main(["verify", str(folder)]) == 0
     assert "sound" in capsys.readouterr().out
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", _tree())

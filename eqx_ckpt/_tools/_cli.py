@@ -119,6 +119,8 @@ def _info(args: argparse.Namespace) -> int:
         print(f"created:         {printable(ckpt.created)}")
     for key, value in ckpt.metadata.items():
         print(f"metadata:        {printable(key)}={printable(value)}")
+    for key, value in ckpt.info.items():  # a published folder's `info` (eqx_ckpt.json)
+        print(f"info:            {printable(key)}={printable(json.dumps(value, sort_keys=True))}")
     print(f"leaves:          {len(ckpt)}")
     print(f"bytes:           {ckpt.total_bytes} ({human(ckpt.total_bytes)})")
     if ckpt.format == "eqx_ckpt":
