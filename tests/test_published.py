@@ -413,3 +413,20 @@ def test_a_checkpoint_exported_keeps_its_structure_and_a_folder_re_exports(tmp_p
     eqx_ckpt.export_safetensors(tmp_path / "b", eqx_ckpt.Checkpoint(tmp_path / "a"))
     for out in ("a", "b"):
         assert _equal(eqx_ckpt.Checkpoint(tmp_path / out).load(trust=[]), _tree())
+
+
+def test_cli_export_writes_the_published_layout_with_info(tmp_path, capsys):
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", _tree())
+    out = tmp_path / "out"
+    assert (
+        main(["export", str(tmp_path / "ckpt"), str(out), "--info", '{"description": "cli", "metrics": {"a": 1}}']) == 0
+    )
+    assert capsys.readouterr().out.split() == ["model.safetensors", "eqx_ckpt.json", "README.md"]
+    assert eqx_ckpt.Checkpoint(out).info == {"description": "cli", "metrics": {"a": 1}}
+    assert _equal(eqx_ckpt.Checkpoint(out).load(trust=[]), _tree())
+    (out / "README.md").write_text("my own card")
+    assert main(["export", str(tmp_path / "ckpt"), str(out), "--no-card"]) == 0
+    assert (out / "README.md").read_text() == "my own card" and eqx_ckpt.Checkpoint(out).info == {}
+    for bad, message in [("{x", "`--info` must be a JSON object"), ("[1]", "`info` must be a dict of JSON values")]:
+        assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "other"), "--info", bad]) == 2
+        assert message in capsys.readouterr().err
