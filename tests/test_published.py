@@ -430,3 +430,22 @@ def test_cli_export_writes_the_published_layout_with_info(tmp_path, capsys):
     for bad, message in [("{x", "`--info` must be a JSON object"), ("[1]", "`info` must be a dict of JSON values")]:
         assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "other"), "--info", bad]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_published_folder_over_http_reads_only_the_selected_tensors(tmp_path):
+    """Rebuilt with no `like` over plain HTTP, and, in part, only the selected
+    tensors' bytes, the headers, `eqx_ckpt.json` and one byte a file are read."""
+    from test_safetensors import _RangeServer, _serving
+
+    tree = {"big": np.ones((1024, 512), np.float32), "small": {"w": np.arange(4.0, dtype=np.float32), "n": 3}}
+    eqx_ckpt.export_safetensors(tmp_path / "out", tree, max_shard_size="1MB", info={"description": "over HTTP"})
+    files = {f"out/{p.name}": p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    shards = [data for name, data in files.items() if name.endswith(".safetensors")]
+    headers = sum(8 + int.from_bytes(data[:8], "little") + 1 for data in shards)
+    record = len(files["out/eqx_ckpt.json"]) + len(files["out/model.safetensors.index.json"])
+    with _serving(files) as url:
+        assert _equal(eqx_ckpt.Checkpoint(f"{url}/out/").load(trust=[]), tree)
+        _RangeServer.sent = 0
+        part = eqx_ckpt.Checkpoint(f"{url}/out/").load("small", trust=[])
+        assert _equal(part, tree["small"])
+        assert _RangeServer.sent <= headers + record + 4 * 4 + 8
