@@ -449,3 +449,22 @@ def test_a_published_folder_over_http_reads_only_the_selected_tensors(tmp_path):
         part = eqx_ckpt.Checkpoint(f"{url}/out/").load("small", trust=[])
         assert _equal(part, tree["small"])
         assert _RangeServer.sent <= headers + record + 4 * 4 + 8
+
+
+def test_the_cards_trust_list_imports_what_it_can_and_names_what_it_cannot():
+    from eqx_ckpt._tools._card import model_card
+
+    structure = {
+        "t": "object", "cls": "__main__:Net", "f": ["head", "act"],
+        "c": [{"t": "object", "cls": "mypkg.layers:Head.Inner", "f": [], "c": []},
+              {"t": "value", "v": {"function": "jax._src.nn.functions:relu"}}],
+    }  # fmt: skip
+    card = model_card("hf://me/net", structure=structure, info={"name": "Net"}, files=["model.safetensors"])
+    snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+    assert snippet == (
+        'import eqx_ckpt\nimport mypkg.layers\n\nmodel = eqx_ckpt.Checkpoint("hf://me/net").load(trust=[mypkg.layers.Head.Inner])\n'
+    )
+    assert (
+        "It needs `__main__.Net`, defined in the script that exported it: define them, and add them to `trust`." in card
+    )
+    assert card.startswith("---\nlibrary_name: eqx_ckpt\n") and "\n# Net\n" in card
