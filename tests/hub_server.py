@@ -329,8 +329,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def _create(self, body: dict[str, Any]) -> None:
         name = f"{body.get('organization') or 'user'}/{body['name']}"
         with self.hub.lock:
-            if name in self.hub.repos:
-                return self._error(409, None, "You already created this model repo")
+            if name in self.hub.repos:  # the Hub's answer carries the repo's URL
+                url = f"http://{self.headers['Host']}/{name}"
+                return self._json({"error": "You already created this model repo", "url": url}, 409)
             self.hub.repos[name] = Repo(private=bool(body.get("private")), readers={self._token() or ""})
             self.hub._commit(self.hub.repos[name], "main", {})
         self._json({"url": f"http://{self.headers['Host']}/{name}", "name": name, "id": name})

@@ -139,7 +139,7 @@ def _from_cache(loc: Location, hub: Any) -> Pinned:
     sha = asked if asked is not None and re.fullmatch(r"[0-9a-f]{40}", asked) else None
     if sha is None:
         try:
-            with open(os.path.join(root, "refs", asked or "main")) as f:
+            with open(os.path.join(root, "refs", *(asked or hub.constants.DEFAULT_REVISION).split("/"))) as f:
                 sha = f.read().strip()
         except OSError:
             sha = None
@@ -312,7 +312,27 @@ def download(pinned: Pinned, names: list[str]) -> str:
                 f"(`hf cache rm`) and load again.",
                 path=pinned.display,
             )
+    _remember_ref(hub, pinned)
     return os.path.dirname(paths[0]) if paths else ""
+
+
+def _remember_ref(hub: Any, pinned: Pinned) -> None:
+    """Record in the cache which commit the branch or tag resolved to, as
+    huggingface_hub's downloads by branch do (`refs/<revision>`): what an
+    offline load of the same revision resolves it to. (The files were
+    downloaded by commit, which records none.)"""
+    revision = pinned.asked or hub.constants.DEFAULT_REVISION
+    if pinned.offline or revision == pinned.sha:
+        return
+    root = os.path.join(
+        hub.constants.HF_HUB_CACHE, hub.file_download.repo_folder_name(repo_id=pinned.repo, repo_type="model")
+    )
+    ref = os.path.join(root, "refs", *revision.split("/"))
+    os.makedirs(os.path.dirname(ref), exist_ok=True)
+    partial = f"{ref}.{os.getpid()}.{threading.get_ident()}.partial"
+    with open(partial, "w") as f:
+        f.write(pinned.sha)
+    os.replace(partial, ref)
 
 
 def _download_one(hub: Any, pinned: Pinned, name: str) -> str:
@@ -370,6 +390,21 @@ class Files:
         except Exception as e:
             raise explained(e, self.pinned.repo, self.pinned.asked) from None
         return bytes(data), generation
+
+
+def read_small(
+    loc: Location, name: str, *, limit: int, too_large: Callable[..., Exception]
+) -> tuple[bytes | None, bytes]:
+    """A small file of a pinned folder (`eqx_ckpt.json`), or `None`; one the Hub
+    lists larger than `limit` is refused before it is read."""
+    files = Files(loc)
+    size = files.pinned.sizes.get(files.pinned.folder + name)
+    if size is not None and size > limit:
+        raise too_large(loc, name, limit, size)
+    data, generation = files.read(name).result()
+    if data is not None and len(data) > limit:
+        raise too_large(loc, name, limit, len(data))
+    return data, generation
 
 
 @functools.lru_cache(maxsize=1)

@@ -184,6 +184,8 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
     """`read_file`, and a stamp that changes whenever the file is replaced (see
     `file_changed`)."""
     _faults.fire("storage.read_file", loc, name)
+    if _hub.is_hub(loc):  # at one commit: its size listed before it is read, its stamp the commit
+        return _hub.read_small(loc, name, limit=limit, too_large=_storage_errors.too_large)
     if loc.local is not None:
         full = os.path.join(loc.local, name)
         _untrusted.refuse_links(loc, name)
