@@ -40,7 +40,7 @@ def test_checkpoint_exported_in_shards_round_trips(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
     written = eqx_ckpt.export_safetensors(tmp_path / "hf", eqx_ckpt.Checkpoint(tmp_path / "ckpt"), max_shard_size=300)
     shards = [name for name in written if name.endswith(".safetensors")]
-    assert len(shards) >= 3 and written[-1] == "model.safetensors.index.json"
+    assert len(shards) >= 3 and written[-3:] == ["model.safetensors.index.json", "eqx_ckpt.json", "README.md"]
     assert _files(tmp_path / "hf") == sorted(written)
     assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
@@ -76,14 +76,16 @@ def test_tree_to_one_file_with_rename_and_metadata(tmp_path):
 def test_small_export_is_one_file_and_errors(tmp_path):
     done = []
     assert eqx_ckpt.export_safetensors(tmp_path / "hf", {"w": jnp.ones(3)}, progress=lambda *n: done.append(n)) == [
-        "model.safetensors"
+        "model.safetensors",
+        "eqx_ckpt.json",
+        "README.md",
     ]
     assert done == [(1, 1, 12, 12)]
     assert load_file(str(tmp_path / "hf" / "model.safetensors"))["w"].tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("`max_shard_size` must be a positive number")):
         eqx_ckpt.export_safetensors(tmp_path / "x", {"w": jnp.ones(3)}, max_shard_size="big")
-    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("Leaf `key` in checkpoint '<export>': its dtype key<fry>")):
-        eqx_ckpt.export_safetensors(tmp_path / "x", {"key": jax.random.key(0)})
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("Leaf `c` in checkpoint '<export>': its dtype complex128")):
+        eqx_ckpt.export_safetensors(tmp_path / "x", {"c": np.ones(2, np.complex128)})
     for metadata in ({"step": 3}, [("format", "pt")]):  # a list once raised a bare AttributeError
         with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape("`metadata` must be a dict mapping strings")):
             eqx_ckpt.export_safetensors(tmp_path / "x", {"w": jnp.ones(3)}, metadata=metadata)
@@ -101,14 +103,18 @@ def test_an_export_replaces_an_earlier_export_and_leaves_other_files(tmp_path, i
     eqx_ckpt.export_safetensors(out, old, max_shard_size="5KB")
     (out / "config.json").write_text("{}")
     (out / "model-00001-of-00002.safetensors.partial").write_text("a killed export's")
-    assert len(_files(out)) == 5
-    eqx_ckpt.export_safetensors(out if into == "directory" else out / into, new)
-    assert _files(out) == ["config.json", "model.safetensors"]
+    assert len(_files(out)) == 7
+    eqx_ckpt.export_safetensors(out if into == "directory" else out / into, new, card=False)
+    # One file by its path has no `eqx_ckpt.json`: the earlier one is removed with the shards.
+    described = ["eqx_ckpt.json"] if into == "directory" else []
+    assert _files(out) == ["README.md", "config.json", *described, "model.safetensors"]
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(out, old), new, typematch=True)
     # Sharded again, over the single file: the shards and their index only.
     eqx_ckpt.export_safetensors(out, old, max_shard_size="5KB")
     assert _files(out) == [
+        "README.md",
         "config.json",
+        "eqx_ckpt.json",
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",
@@ -197,6 +203,8 @@ def test_export_to_an_object_store(store):
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",
+        "eqx_ckpt.json",
+        "README.md",
     ]
     bucket = ts.KvStore.open(store).result()
     assert load(bucket.read("model-00002-of-00002.safetensors").result().value)["w"].shape == (2, 3)
@@ -222,6 +230,8 @@ def test_a_sharded_directory_exported_onto_itself_keeps_its_values(tmp_path):
         assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(out, tree), tree, typematch=True)
     # The same file names, [a, b] + [c] before, [a] + [b, c] now: nothing else left behind.
     assert _files(out) == [
+        "README.md",
+        "eqx_ckpt.json",
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",
@@ -229,7 +239,7 @@ def test_a_sharded_directory_exported_onto_itself_keeps_its_values(tmp_path):
     # A lazily loaded tree of the same files, into one file over them.
     lazy = eqx_ckpt.tree_deserialise_leaves(out, tree, lazy=True)
     eqx_ckpt.export_safetensors(out, lazy)
-    assert _files(out) == ["model.safetensors"]
+    assert _files(out) == ["README.md", "eqx_ckpt.json", "model.safetensors"]
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(out, tree), tree, typematch=True)
 
 
@@ -316,7 +326,7 @@ def test_an_export_that_fails_midway_leaves_the_destination_as_it_was(tmp_path):
     eqx_ckpt.tree_serialise_leaves(source, tree)
     eqx_ckpt.export_safetensors(out, source, max_shard_size=5_000_000)
     before = snapshot(out)
-    assert len(_files(out)) == 4  # three shards and their index
+    assert len(_files(out)) == 6  # three shards, their index, eqx_ckpt.json and README.md
     chunks = [p for p in source.rglob("*") if p.is_file() and p.parent.name == "c" and p.parent.parent.name == "b"]
     assert len(chunks) == 1
     damaged = bytearray(chunks[0].read_bytes())

@@ -33,7 +33,8 @@ from .._base._errors import (
     CorruptCheckpointError,
 )
 from .._base._location import Location
-from .._ondisk._format import MAX_ELEMENTS, MAX_RANK, LeafRecord, dtype_from_name
+from .._ondisk import _published
+from .._ondisk._format import MAX_ELEMENTS, MAX_MANIFEST_BYTES, MAX_RANK, LeafRecord, dtype_from_name
 from .._ondisk._manifest import Manifest, no_duplicates
 from .._store import _storage, _storage_errors, _window
 
@@ -86,22 +87,58 @@ class Tensors:
 def find(loc: Location) -> Tensors | None:
     """The tensors of a `.safetensors` file, or of a directory holding one or a
     Hugging Face index (`model.safetensors.index.json`) and its shards; `None`
-    if `loc` is neither."""
+    if `loc` is neither. A directory's `eqx_ckpt.json` (the published layout,
+    `_published`), where there is one, gives its tensors their key paths,
+    types and dtypes, and the tree's structure record."""
     if is_file_path(loc):
         folder, name = split_file(loc)
         return _tensors(loc, folder, [name], index=None)
+    record = functools.partial(_published_record, loc)
     for name in _candidates(loc, INDEX, ".safetensors.index.json"):
         with _storage_errors.read_explained(loc, name):
             result = _storage.result(_storage.Folder(loc).read(name))
         if result.value is not None:
             weight_map = _weight_map(loc, name, result.value)
-            return _tensors(loc, loc.kvstore, sorted(set(weight_map.values())), index=name, weight_map=weight_map)
+            files = sorted(set(weight_map.values()))
+            return _tensors(loc, loc.kvstore, files, index=name, weight_map=weight_map, published=record)
     for name in _candidates(loc, SINGLE, SUFFIX):
         try:
-            return _tensors(loc, loc.kvstore, [name], index=None)
+            return _tensors(loc, loc.kvstore, [name], index=None, published=record)
         except CheckpointNotFoundError:
             continue
     return None
+
+
+def _published_record(loc: Location) -> _published.Published | None:
+    """The directory's `eqx_ckpt.json`, read as untrusted input (bounded, checked), or `None`."""
+    data = _storage.read_file(loc, _published.NAME, limit=MAX_MANIFEST_BYTES)
+    return None if data is None else _published.parse(data, where=loc.display)
+
+
+def _as_published(
+    loc: Location, published: _published.Published, records: dict[str, LeafRecord]
+) -> dict[str, LeafRecord]:
+    """The headers' records replaced by those of `eqx_ckpt.json`, each checked
+    against its tensor: every recorded leaf is there, stored as the header
+    says (dtype and shape), and every tensor is recorded. (A record's path is
+    its tensor's: the files are read by the same `places`.)"""
+    out: dict[str, LeafRecord] = {}
+    for leaf in published.leaves:
+        found = records.get(leaf.path)
+        if found is None:
+            raise _corrupt(loc, f"{_published.NAME} records the leaf {leaf.path!r}, which no safetensors file holds")
+        if (found.stored_dtype, found.stored_shape) != (leaf.stored_dtype, leaf.stored_shape):
+            raise _corrupt(
+                loc,
+                f"{_published.NAME} records the leaf {leaf.path!r} as stored {leaf.stored_dtype}"
+                f"{list(leaf.stored_shape)}, but its tensor is {found.stored_dtype}{list(found.stored_shape)}",
+            )
+        # Read in the safetensors reader's runs of rows, whatever the record says.
+        out[leaf.path] = dataclasses.replace(leaf, chunks=found.chunks)
+    extra = sorted(set(records) - set(out))
+    if extra:
+        raise _corrupt(loc, f"{_published.NAME} does not record the tensor {extra[0]!r} ({len(extra)} in all)")
+    return out
 
 
 def _candidates(loc: Location, usual: str, suffix: str) -> list[str]:
@@ -148,8 +185,10 @@ def _tensors(
     *,
     index: str | None,
     weight_map: dict[str, str] | None = None,
+    published: Callable[[], _published.Published | None] = lambda: None,
 ) -> Tensors:
-    """Read every file's header (two small reads each, all files at once)."""
+    """Read every file's header (two small reads each, all files at once), and
+    the `published` record of the directory, if it has one."""
     local = folder["path"] if _location.on_local_disk(loc) else None
     where = _storage.Folder(Location(folder, loc.display, local.rstrip("/") if local is not None else None))
     heads = [where.read(name, slice(0, 8)) for name in files]
@@ -197,26 +236,44 @@ def _tensors(
             places[record.path] = (name, 8 + size + offset)
             holder[tensor] = name
         ends.append(8 + size + used)
-    # The last byte a tensor uses and the one after it, which must not be there:
-    # one read per file, all at once. (A range starting at the end of the file is
-    # answered oddly by some servers; one ending past it is refused by all.)
+    _check_ends(loc, where, files, ends)
+    for tensor, file in (weight_map or {}).items():
+        # A shard replaced by another version may have lost a tensor the index promises.
+        if holder.get(tensor) != file:
+            raise _corrupt(loc, f"{index} lists the tensor {tensor!r} in {file!r}, which does not hold it")
+    opened = _Files(loc, where, dict(zip(files, generations)), local)
+    return Tensors(
+        _manifest(loc, records, _merged(metadata), published()),
+        opener=functools.partial(_open, opened, places),
+        changed=opened.changed,
+        runs=functools.partial(read_runs, opened, places),
+    )
+
+
+def _check_ends(loc: Location, where: _storage.Folder, files: list[str], ends: list[int]) -> None:
+    """The last byte a tensor uses and the one after it, which must not be there:
+    one read per file, all at once. (A range starting at the end of the file is
+    answered oddly by some servers; one ending past it is refused by all.)"""
     probes = [(n, end, where.read(n, slice(end - 1, end + 1))) for n, end in zip(files, ends)]
     for name, end, probe in probes:
         found = _result(loc, name, probe, None)
         if found is not None and found.value is not None and len(found.value) > 1:
             raise _corrupt(loc, f"{name!r} has bytes after its last tensor (byte {end} on), which no tensor uses")
-    for tensor, file in (weight_map or {}).items():
-        # A shard replaced by another version may have lost a tensor the index promises.
-        if holder.get(tensor) != file:
-            raise _corrupt(loc, f"{index} lists the tensor {tensor!r} in {file!r}, which does not hold it")
-    ordered = tuple(records[path] for path in sorted(records))
-    opened = _Files(loc, where, dict(zip(files, generations)), local)
-    return Tensors(
-        Manifest(ordered, layout="safetensors", metadata=_merged(metadata)),
-        opener=functools.partial(_open, opened, places),
-        changed=opened.changed,
-        runs=functools.partial(read_runs, opened, places),
-    )
+
+
+def _manifest(
+    loc: Location, records: dict[str, LeafRecord], metadata: dict[str, str], published: _published.Published | None
+) -> Manifest:
+    """The manifest of the tensors' `records`: as their headers say, or, in the
+    published layout, as its `eqx_ckpt.json` records them (layout "published")."""
+    if published is None:
+        return Manifest(tuple(records[path] for path in sorted(records)), layout="safetensors", metadata=metadata)
+    records = _as_published(loc, published, records)
+    return Manifest(
+        tuple(records[path] for path in sorted(records)), created=published.created,
+        library_version=published.library_version, layout="published", metadata=metadata,
+        structure=published.structure, info=published.info,
+    )  # fmt: skip
 
 
 class _Files:
@@ -394,8 +451,8 @@ def _open(files: _Files, places: dict[str, tuple[str, int]], record: LeafRecord)
     file, start = places[record.path]
     files.opened.add(file)
     dtype = _NUMPY[record.stored_dtype]
-    read = functools.partial(_read_rows, files, file, start, dtype, record.shape)
-    return _storage.ready(_storage.virtual_array(read, dtype=dtype, shape=record.shape, chunks=record.chunks))
+    read = functools.partial(_read_rows, files, file, start, dtype, record.stored_shape)
+    return _storage.ready(_storage.virtual_array(read, dtype=dtype, shape=record.stored_shape, chunks=record.chunks))
 
 
 def _read_rows(
@@ -520,7 +577,7 @@ def _start_run(
                 raise _corrupt(files.loc, f"tensor {record.path!r} in {file!r} is not within bytes {start}..{end}")
             # Safetensors bytes are little-endian, as are the hosts JAX runs on. (A view
             # of the run's bytes made in one call, not a slice, a view and a reshape.)
-            out.append(np.ndarray(record.shape, _NUMPY[record.stored_dtype], data, offset))
+            out.append(np.ndarray(record.stored_shape, _NUMPY[record.stored_dtype], data, offset))
         return out
 
     return finish

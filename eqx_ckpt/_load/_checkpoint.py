@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import warnings
@@ -103,6 +104,13 @@ class Checkpoint(Mapping[str, Any]):
     @property
     def format_version(self) -> int:
         return self._manifest.format_version
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The user's metadata of a folder `export_safetensors` wrote (its `info`:
+        a description, hyperparameters, metrics...), from its `eqx_ckpt.json`.
+        Empty for other checkpoints."""
+        return copy.deepcopy(self._manifest.info)
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -415,8 +423,9 @@ class Checkpoint(Mapping[str, Any]):
     @property
     def _numbered(self) -> bool:
         """Whether numbered children are lists though the key paths do not
-        say so: safetensors names (`layers.0.weight`) never do."""
-        return self._source.format == "safetensors"
+        say so: safetensors names (`layers.0.weight`) never do, unless an
+        `eqx_ckpt.json` records their key paths (the published layout)."""
+        return self._source.format == "safetensors" and self._manifest.layout != "published"
 
     def tree(self) -> Any:
         """The saved tree as nested dicts of dotted segments (and lists, where

@@ -57,7 +57,9 @@ _NAME_KINDS = ("object", "namedtuple", "node")
 def no_record(manifest: Manifest, where: str) -> CheckpointValueError:
     """The error of a load without `like` from a checkpoint that records no
     structure: another format's (its layout names it), or an older eqx_ckpt's."""
-    if manifest.layout in _FOREIGN:
+    if manifest.layout == "published":
+        why = "it was exported with leaves renamed or left out (`rename`), so its eqx_ckpt.json records no structure"
+    elif manifest.layout in _FOREIGN:
         why = f"it is a {manifest.layout} checkpoint, which names its tensors but records no classes"
     else:
         why = (

@@ -58,6 +58,8 @@ OCDBT_FOLDER = "ocdbt.db"
 TEMPORARY = ".__lock"
 # An export's file on a local disk is written as `<name>.partial` until every one is written.
 UNPUBLISHED_SUFFIX = ".partial"
+# The published layout's record, beside its safetensors files (`_published`).
+PUBLISHED = "eqx_ckpt.json"
 # The `zarr.json` of every group a save writes.
 GROUP = {"zarr_format": 3, "node_type": "group", "attributes": {}}
 GROUP_JSON = json.dumps(GROUP).encode()

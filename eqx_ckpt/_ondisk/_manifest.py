@@ -62,6 +62,8 @@ class Manifest:
     # parsed and checked only when a load rebuilds from it (`_rebuild.record_of`),
     # so a load with `like` pays nothing for it. `None`: none.
     structure: str | None = dataclasses.field(default=None, compare=False)
+    # The user's metadata of a published folder (`_published`: its `info`).
+    info: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def total_bytes(self) -> int:
@@ -324,6 +326,12 @@ def _parse_leaves(
             raise bad(f"leaf #{i} ({_peek_path(item)}): {e}") from None
     _check_paths(records, bad)
     return records
+
+
+def parse_leaves(leaves: Any, bad: Callable[[str], Exception]) -> list[LeafRecord]:
+    """Leaf records of another file (`_published`), each checked as a version 4
+    manifest's, and none packed; `bad(why)` is the error raised."""
+    return _parse_leaves(leaves, {}, 4, bad)
 
 
 def loads_untrusted(data: bytes | str) -> Any:

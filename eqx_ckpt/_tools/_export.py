@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -27,16 +26,26 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .._base import _keypath, _select
+from .._base import _keypath, _select, _tree
 from .._base._errors import CheckpointExistsError, CheckpointTypeError, CheckpointValueError, LeafError, leaf_message
 from .._base._location import Location, location
 from .._base._progress import Progress, Tracker
 from .._foreign import _safetensors
+from .._load import _rebuild
 from .._load._checkpoint import Checkpoint
 from .._load._lazy import LazyArray
-from .._ondisk import _dtypes
-from .._ondisk._format import MANIFEST, MAX_MANIFEST_BYTES, UNPUBLISHED_SUFFIX, dtype_from_name
+from .._ondisk import _dtypes, _published, _structure
+from .._ondisk._format import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    UNPUBLISHED_SUFFIX,
+    LeafRecord,
+    dtype_from_name,
+    whole_chunks,
+)
 from .._store import _durable, _storage
+from . import _card
+from ._card import model_card
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
@@ -44,14 +53,25 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
+    """One tensor of the export: its safetensors name, the record `eqx_ckpt.json`
+    keeps of it (its `stored_dtype` and `stored_shape` are the tensor's), and
+    the function reading its value (the leaf's own, before its encoding)."""
+
     name: str
-    dtype: str
-    shape: tuple[int, ...]
-    read: Callable[[], np.ndarray]
+    record: LeafRecord
+    read: Callable[[], Any]
+
+    @property
+    def dtype(self) -> str:
+        return self.record.stored_dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.record.stored_shape)
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(dtype_from_name(self.dtype)).itemsize
+        return self.record.nbytes
 
 
 def export_safetensors(
@@ -61,25 +81,47 @@ def export_safetensors(
     max_shard_size: int | str = "5GB",
     rename: Any = None,
     metadata: dict[str, str] | None = None,
+    info: dict[str, Any] | None = None,
+    card: bool = True,
+    card_path: str | None = None,
     progress: Progress = None,
 ) -> list[str]:
-    """Write a checkpoint or a tree as safetensors, sharded as Hugging Face does.
+    """Write a checkpoint or a tree as a folder anyone can read: Hugging Face
+    sharded safetensors, its structure in `eqx_ckpt.json`, and a model card.
+
+    The folder loads back everywhere a checkpoint path is accepted
+    (`Checkpoint(folder).load(trust=[...])` with no `like`, a `like`, `where`,
+    `prefix`, `lazy`, `eqx-ckpt verify`...), each leaf as it was (its dtype,
+    a PRNG key, a Python scalar); the `safetensors` library reads every
+    tensor bit for bit. See "The published layout" in docs/interop.md.
 
     **Arguments:**
 
     - `path`: a directory (local, or a kvstore URL / spec) that receives
         `model.safetensors`, or, above `max_shard_size`,
         `model-00001-of-0000N.safetensors`... and `model.safetensors.index.json`;
-        or a path ending in `.safetensors`: one file.
+        then `eqx_ckpt.json` and `README.md`. Or a path ending in
+        `.safetensors`: that one file alone (no `eqx_ckpt.json` or card, so it
+        loads into a `like` only, as any safetensors file).
     - `pytree`: what to export: a PyTree of arrays and scalars, or a
         [`eqx_ckpt.Checkpoint`][] (any source it opens), whose leaves are read
-        from storage one by one. Non-array leaves of a tree are skipped.
+        from storage one by one. Non-array leaves of a tree are kept in the
+        structure record, not as tensors.
     - `max_shard_size`: bytes per shard (an int, or `"5GB"`, `"500MB"`, `"1GiB"`);
         a larger tensor gets a shard of its own.
     - `rename`: as `rename` of [`eqx_ckpt.tree_deserialise_leaves`][], from
         a leaf's dotted path to its tensor name (a rule to `None` leaves the
-        leaf out). Without it, tensor names are the dotted paths.
+        leaf out). Without it, tensor names are the dotted paths. With it, the
+        folder records no structure (it loads as nested dicts, or into a `like`
+        with the same `rename`).
     - `metadata`: the header's `__metadata__` (strings), e.g. `{"format": "pt"}`.
+    - `info`: your own metadata, kept in `eqx_ckpt.json` and shown on the
+        card: a dict of JSON values (a `"description"`, hyperparameters,
+        metrics; `"name"` titles the card), at most 1 MiB as JSON. A loaded
+        folder gives it back as `Checkpoint(folder).info`.
+    - `card`: whether to write `README.md` (`False` leaves one there as it is).
+    - `card_path`: the name the card's load snippet loads the model by;
+        `path` as given by default.
     - `progress`: as for [`eqx_ckpt.tree_serialise_leaves`][]: a bar on a
         terminal for a large export, `False` for none, or a callable receiving
         `(leaves_done, leaves_total, bytes_done, bytes_total)`.
@@ -95,8 +137,9 @@ def export_safetensors(
         import eqx_ckpt
 
         model = eqx.nn.MLP(4, 4, 16, 2, key=jax.random.key(0))
-        eqx_ckpt.tree_serialise_leaves("mlp_ckpt", model)
-        eqx_ckpt.export_safetensors("mlp_hf", eqx_ckpt.Checkpoint("mlp_ckpt"), max_shard_size="1KB")
+        eqx_ckpt.export_safetensors("mlp_hf", model, info={"description": "A small MLP."})
+        loaded = eqx_ckpt.Checkpoint("mlp_hf").load(trust=[])  # no model code: Equinox's own classes
+        print(eqx.tree_equal(loaded, model))  # True
         ```
     """
     # Everything is checked before anything is written or deleted.
@@ -107,9 +150,11 @@ def export_safetensors(
         raise CheckpointTypeError(
             f"`metadata` must be a dict mapping strings to strings (safetensors stores no other), not {metadata!r}."
         )
+    info = _published.check_info(info)
     if isinstance(pytree, (str, os.PathLike)):
         pytree = Checkpoint(pytree)
-    tensors = _named(_tensors(pytree), rename)
+    found, structure = _tensors(pytree)
+    tensors = _named(found, rename)
     if not tensors:
         raise CheckpointValueError(
             "There is nothing to export: the tree has no array or scalar leaves (or `rename` left them all out)."
@@ -118,17 +163,21 @@ def export_safetensors(
     _refuse_source_in_destination(loc, pytree)
     shards = _plan(tensors, limit) if single is None else [tensors]
     names = [single] if single else _file_names(len(shards))
+    files = {} if single else _described(loc, path, tensors, None if rename is not None else structure, info, card,
+                                          card_path, names)  # fmt: skip
     try:
         with Tracker(progress, leaves=len(tensors), nbytes=sum(t.nbytes for t in tensors), what="export") as tracker:
             for name, shard in zip(names, shards):
                 _write_shard(loc, name, shard, metadata or {}, lambda n: tracker.advance(leaves=1, nbytes=n))
+        for name, data in files.items():
+            _storage.write_unpublished(loc, name, iter([data]))
     except BaseException:
         # A leaf that cannot be read (or an interrupt): the destination is left
         # as it was, without this export's temporaries.
-        _storage.discard_unpublished(loc, names)
+        _storage.discard_unpublished(loc, names + list(files))
         raise
     # Only now, with every leaf read: the source may be these very files.
-    _storage.publish(loc, names)
+    _storage.publish(loc, names + list(files))
     if len(names) > 1:
         index = {
             "metadata": {"total_size": sum(t.nbytes for t in tensors)},
@@ -136,6 +185,7 @@ def export_safetensors(
         }
         _storage.write_file(loc, _safetensors.INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
         names.append(_safetensors.INDEX)
+    names += list(files)
     if single in (None, _safetensors.SINGLE):
         # What an earlier export left here and this one did not rewrite: a stale
         # index beside a new `model.safetensors` would be read instead of it.
@@ -143,9 +193,26 @@ def export_safetensors(
     return names
 
 
+def _described(
+    loc: Location, path: Any, tensors: list[_Tensor], structure: Any, info: dict[str, Any], card: bool,
+    card_path: str | None, names: list[str],
+) -> dict[str, bytes]:  # fmt: skip
+    """The files describing the tensors: `eqx_ckpt.json`, and `README.md` unless `card=False`."""
+    files = {_published.NAME: _published.encode([t.record for t in tensors], structure, info)}
+    if card:
+        shown = (
+            card_path if card_path is not None else (str(path) if isinstance(path, (str, os.PathLike)) else loc.display)
+        )
+        listed = names + ([_safetensors.INDEX] if len(names) > 1 else []) + [_published.NAME]
+        files[_card.README] = model_card(shown, structure=structure, info=info, files=listed).encode()
+    return files
+
+
 # The files an export into a directory writes (and their temporaries).
 _EXPORTED = re.compile(
-    r"^model(-[0-9]{5}-of-[0-9]{5})?\.safetensors(\.index\.json)?(" + re.escape(UNPUBLISHED_SUFFIX) + ")?$"
+    r"^(model(-[0-9]{5}-of-[0-9]{5})?\.safetensors(\.index\.json)?|eqx_ckpt\.json)("
+    + re.escape(UNPUBLISHED_SUFFIX)
+    + ")?$"
 )
 
 
@@ -160,35 +227,67 @@ def _shard_bytes(size: int | str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
-def _tensors(pytree: Any) -> list[_Tensor]:
+def _tensors(pytree: Any) -> tuple[list[_Tensor], Any]:
+    """The tensors of `pytree`, in order, and the structure record of its tree
+    (`_structure`; a checkpoint's own, or `None` where it has none)."""
     if isinstance(pytree, Checkpoint):
-        return [_stored(pytree, key) for key in pytree]
-    leaves = jtu.tree_flatten_with_path(pytree, is_leaf=lambda x: isinstance(x, LazyArray))[0]
-    abstract = [(keypath, leaf) for keypath, leaf in leaves if isinstance(leaf, jax.ShapeDtypeStruct)]
+        return [_stored(pytree, key) for key in pytree], _rebuild.record_of(pytree._manifest, pytree.path)
+    leaves, names = _tree.flatten_named(pytree, lambda x: isinstance(x, LazyArray), keypaths=True)
+    abstract = [(names.keypath(i), x) for i, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)]
     if abstract:
         raise _abstract(abstract)
-    return [tensor for keypath, leaf in leaves if (tensor := _leaf(_keypath.dotted(keypath), leaf)) is not None]
+    tensors = [t for i, x in enumerate(leaves) if (t := _leaf(names.paths[i], names.records[i], x)) is not None]
+    saved = {t.record.path for t in tensors}
+    structure = _structure.record(names.treedef, leaves, [p in saved for p in names.paths], names.records)
+    return tensors, structure
 
 
-def _leaf(name: str, leaf: Any) -> _Tensor | None:
-    kind = "lazy" if isinstance(leaf, LazyArray) else _dtypes.leaf_type(leaf)
+def _leaf(path: str, keypath: list[list[Any]], leaf: Any) -> _Tensor | None:
+    if isinstance(leaf, LazyArray):
+        record = leaf._record
+        return _Tensor(
+            path, _record(path, keypath, record.type, record.shape, record.dtype, record.impl), _reader(leaf)
+        )
+    kind = _dtypes.leaf_type(leaf)
     if kind is None:
         return None
     if kind == "prng_key":
-        raise _unsupported(name, str(leaf.dtype))
+        impl, read = str(jax.random.key_impl(leaf)), functools.partial(jax.random.key_data, leaf)
+        return _Tensor(path, _record(path, keypath, kind, tuple(leaf.shape), str(leaf.dtype), impl), read)
     if kind in ("bool", "int", "float", "complex"):
         try:
             leaf = _dtypes.python_scalar_array(leaf)
         except OverflowError as e:
-            raise _leaf_error(name, f"{e}, the largest integer safetensors stores.", "Export it as a float.") from None
+            raise _leaf_error(path, f"{e}, the largest integer safetensors stores.", "Export it as a float.") from None
     elif kind in ("numpy", "numpy_scalar"):
         leaf = np.asarray(leaf)
-    return _Tensor(name, _dtype_name(name, leaf.dtype), tuple(leaf.shape), _reader(leaf))
+    return _Tensor(path, _record(path, keypath, kind, tuple(leaf.shape), _dtypes.name(leaf.dtype)), _reader(leaf))
+
+
+def _record(
+    path: str, keypath: list[list[Any]], kind: str, shape: tuple[int, ...], dtype: str, impl: str = ""
+) -> LeafRecord:
+    """The record of a leaf as the published layout stores it: as its dtype
+    where safetensors names it, else as unsigned integers of its width
+    ("view"), a PRNG key as its key data (docs/interop.md has the table)."""
+    shape = tuple(shape)
+    if kind == "prng_key":
+        stored_shape, stored, encoding = shape + (_dtypes.key_data_shape(impl) or ()), "uint32", "key_data"
+    elif dtype in _safetensors.NAMES:
+        stored_shape, stored, encoding = shape, dtype, "plain"
+    elif dtype_from_name(dtype).itemsize in (1, 2, 4, 8):
+        stored_shape, stored, encoding = shape, f"uint{8 * dtype_from_name(dtype).itemsize}", "view"
+    else:
+        raise _unsupported(path, dtype)
+    return LeafRecord(
+        path, keypath, kind, shape, dtype, stored_shape, stored, encoding, whole_chunks(stored_shape), impl
+    )
 
 
 def _reader(array: Any) -> Callable[[], np.ndarray]:
     """A leaf's value, read as it is written out, as NumPy makes it (a lazy
-    leaf's by the one reader of stored leaves: `LazyArray.__array__`)."""
+    leaf's by the one reader of stored leaves: `LazyArray.__array__`, which
+    gives a PRNG key's key data)."""
     return functools.partial(np.asarray, array)
 
 
@@ -207,25 +306,17 @@ def _abstract(leaves: list[tuple[Any, jax.ShapeDtypeStruct]]) -> LeafError:
 
 
 def _stored(ckpt: Checkpoint, key: str) -> _Tensor:
-    record = ckpt.record(key)
-    if record.type == "prng_key":
-        raise _unsupported(key, record.dtype)
+    r = ckpt.record(key)
     # Read as the shard is written (`ckpt[key]` reads a scalar at once).
-    return _Tensor(key, _dtype_name(key, record.dtype), tuple(record.shape), lambda: np.asarray(ckpt[key]))
-
-
-def _dtype_name(name: str, dtype: Any) -> str:
-    dtype = np.dtype(dtype).name
-    if dtype not in _safetensors.NAMES:
-        raise _unsupported(name, dtype)
-    return dtype
+    return _Tensor(key, _record(key, r.keypath, r.type, r.shape, r.dtype, r.impl), lambda: np.asarray(ckpt[key]))
 
 
 def _unsupported(name: str, dtype: str) -> LeafError:
     return _leaf_error(
         name,
-        f"its dtype {dtype} has no safetensors equivalent ({', '.join(sorted(_safetensors.NAMES))}).",
-        "Convert it first, or leave it out with a `rename` rule to `None`.",
+        f"its dtype {dtype} has neither a safetensors name ({', '.join(sorted(_safetensors.NAMES))}) nor an "
+        f"unsigned integer of its width to be stored as.",
+        "Convert it first (a complex128 leaf into two float64 leaves), or leave it out with a `rename` rule to `None`.",
     )
 
 
@@ -246,8 +337,18 @@ def _named(tensors: list[_Tensor], rename: Any) -> list[_Tensor]:
         if name in seen:
             raise CheckpointValueError(f"`rename` gives the name {name!r} to both `{seen[name]}` and `{tensor.name}`.")
         seen[name] = tensor.name
-        out.append(dataclasses.replace(tensor, name=_tensor_name(tensor.name, name)))
+        out.append(_renamed(tensor, _tensor_name(tensor.name, name), renamed=rename is not None))
     return out
+
+
+def _renamed(tensor: _Tensor, name: str, *, renamed: bool) -> _Tensor:
+    """`tensor` under its tensor name; a leaf renamed is recorded under that
+    name's dotted path and key path, as a plain safetensors tensor reads."""
+    if not renamed:
+        return dataclasses.replace(tensor, name=name)
+    keypath = [["key", part] for part in name.split(".")]
+    record = dataclasses.replace(tensor.record, path=_safetensors.dotted(name), keypath=keypath)
+    return _Tensor(name, record, tensor.read)
 
 
 def _tensor_name(leaf: str, path: str) -> str:
@@ -345,7 +446,10 @@ def _header(shard: list[_Tensor], metadata: dict[str, str]) -> bytes:
 
 def _bytes(tensor: _Tensor) -> memoryview:
     # Scalars read back as Python values: give them their stored dtype again.
-    array = np.asarray(tensor.read(), dtype=dtype_from_name(tensor.dtype), order="C")
+    value = tensor.read()
+    if tensor.record.encoding == "view":
+        value = np.asarray(value, dtype=dtype_from_name(tensor.record.dtype)).view(dtype_from_name(tensor.dtype))
+    array = np.asarray(value, dtype=dtype_from_name(tensor.dtype), order="C")
     if tuple(array.shape) != tensor.shape:
         raise CheckpointValueError(f"Leaf `{tensor.name}` changed while it was exported; export again.")
     return memoryview(array.reshape(-1).view(np.uint8).data)

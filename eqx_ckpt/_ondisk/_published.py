@@ -1,0 +1,192 @@
+"""The published layout's record: `eqx_ckpt.json`, beside Hugging Face safetensors.
+
+`export_safetensors` into a folder writes `model.safetensors` (or shards and
+`model.safetensors.index.json`), and this small JSON file, which says what the
+safetensors files cannot: each leaf's key path, type and dtype as eqx_ckpt
+records them (so a dtype safetensors has no name for comes back exactly), the
+tree's structure record (`_structure`), and the user's own metadata (`info`).
+Its fields (docs/interop.md, "The published layout"):
+
+    format          "eqx_ckpt.safetensors"
+    format_version  1
+    library_version the eqx_ckpt that wrote it
+    created         ISO 8601, UTC
+    leaf_count      the number of tensors
+    total_bytes     their bytes, as the safetensors files hold them
+    structure       the structure record (a JSON object), or null
+    info            the user's metadata: a JSON object, at most MAX_INFO_BYTES
+    leaves          one record per tensor, as a manifest's (`LeafRecord.to_json`
+                    without chunks): path, keypath, type, shape, dtype, and
+                    stored_shape, stored_dtype, encoding, impl where they differ
+
+It is untrusted input, read as a manifest is: bounded in bytes and objects,
+parsed by `_manifest.loads_untrusted`, every leaf record checked by the
+manifest's own checks (`_manifest.parse_leaves`), and the structure record
+kept as text for `_rebuild`, which checks it as any checkpoint's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._base._errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
+from ._format import MAX_MANIFEST_BYTES, MAX_MANIFEST_OBJECTS, PUBLISHED, LeafRecord
+from ._manifest import loads_untrusted, parse_leaves
+
+NAME = PUBLISHED
+FORMAT = "eqx_ckpt.safetensors"
+VERSION = 1
+# The user's metadata is small: a description, hyperparameters, metrics.
+MAX_INFO_BYTES = 1 << 20
+MAX_INFO_DEPTH = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """What an `eqx_ckpt.json` holds, checked (see the module docstring)."""
+
+    leaves: tuple[LeafRecord, ...]
+    structure: str | None
+    info: dict[str, Any]
+    library_version: str
+    created: str
+    format_version: int
+
+
+def encode(records: Sequence[LeafRecord], structure: Any, info: dict[str, Any] | None) -> bytes:
+    """The bytes of an `eqx_ckpt.json` for `records` (in tensor order), the tree's
+    `structure` record (or `None`) and the user's `info`."""
+    from .. import __version__
+
+    leaves = []
+    for record in records:
+        item = record.to_json()
+        item.pop("chunks", None)  # the safetensors reader chooses its own
+        leaves.append(item)
+    body = {
+        "format": FORMAT,
+        "format_version": VERSION,
+        "library_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "leaf_count": len(records),
+        "total_bytes": sum(record.nbytes for record in records),
+        "info": info or {},
+        "structure": structure,
+        "leaves": leaves,
+    }
+    return json.dumps(body, allow_nan=False, indent=1).encode() + b"\n"
+
+
+def check_info(info: Any) -> dict[str, Any]:
+    """`info` if it is a JSON object of JSON values (strings, finite numbers,
+    booleans, null, lists, objects with string keys), nested at most
+    `MAX_INFO_DEPTH` deep and at most `MAX_INFO_BYTES` encoded; else an error."""
+    if info is None:
+        return {}
+    if not isinstance(info, dict):
+        raise CheckpointTypeError(
+            f"`info` must be a dict of JSON values (a description, hyperparameters...), not {type(info).__name__}."
+        )
+    problem = _json_problem(info, "info", 0)
+    if problem is not None:
+        raise CheckpointTypeError(f"`info` must hold JSON values only: {problem}.")
+    size = len(json.dumps(info, allow_nan=False))
+    if size > MAX_INFO_BYTES:
+        raise CheckpointValueError(
+            f"`info` is {size} bytes as JSON, more than the {MAX_INFO_BYTES} allowed: keep it to metadata (store "
+            f"arrays as leaves of the tree)."
+        )
+    return info
+
+
+def _json_problem(value: Any, where: str, depth: int) -> str | None:
+    """What in `value` is not a JSON value, or `None`."""
+    if depth > MAX_INFO_DEPTH:
+        return f"`{where}` nests more than {MAX_INFO_DEPTH} levels deep"
+    if value is None or isinstance(value, (bool, int, str)):
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"`{where}` is {value}, which JSON cannot hold"
+    if isinstance(value, (list, tuple)):
+        items: Any = ((f"{where}[{i}]", v) for i, v in enumerate(value))
+    elif isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            return f"`{where}` has a key that is not a string"
+        items = ((f"{where}[{k!r}]", v) for k, v in value.items())
+    else:
+        return f"`{where}` is a {type(value).__name__}"
+    for name, item in items:
+        problem = _json_problem(item, name, depth + 1)
+        if problem is not None:
+            return problem
+    return None
+
+
+def parse(data: bytes, *, where: str) -> Published:
+    """An `eqx_ckpt.json`'s bytes, checked; any problem is a `CorruptCheckpointError`."""
+    bad = _invalid(where)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise bad(f"it is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
+    if data.count(b"{") > MAX_MANIFEST_OBJECTS:
+        raise bad(f"it holds more than the {MAX_MANIFEST_OBJECTS} JSON objects allowed")
+    try:
+        body = loads_untrusted(data)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise bad(f'it does not say `"format": "{FORMAT}"`')
+    version = body.get("format_version")
+    if type(version) is int and version > VERSION:
+        raise CorruptCheckpointError(
+            f"The {NAME} of {where!r} says format version {version}, which is not one this eqx_ckpt reads (up to "
+            f"{VERSION}); upgrade eqx_ckpt (`pip install -U eqx_ckpt`) to load it.",
+            path=where,
+        )
+    if type(version) is not int or version < 1:
+        raise bad(f"format version {version!r} is not one this eqx_ckpt reads (up to {VERSION})")
+    for key in ("library_version", "created"):
+        if not isinstance(body.get(key, ""), str):
+            raise bad(f"`{key}` is not a string")
+    info = body.get("info", {})
+    problem = "`info` is not a JSON object" if not isinstance(info, dict) else _json_problem(info, "info", 0)
+    if problem is None and len(json.dumps(info)) > MAX_INFO_BYTES:
+        problem = f"`info` is more than the {MAX_INFO_BYTES} bytes allowed"
+    if problem is not None:
+        raise bad(problem)
+    structure = body.get("structure")
+    if structure is not None and not isinstance(structure, dict):
+        raise bad("`structure` is neither a JSON object nor null")
+    leaves = parse_leaves(body.get("leaves"), bad)
+    _check_totals(body, leaves, bad)
+    return Published(
+        tuple(leaves),
+        None if structure is None else json.dumps(structure, allow_nan=False, separators=(",", ":")),
+        info,
+        body.get("library_version", ""),
+        body.get("created", ""),
+        version,
+    )
+
+
+def _check_totals(body: dict[str, Any], leaves: list[LeafRecord], bad: Callable[[str], Exception]) -> None:
+    count, total = body.get("leaf_count"), body.get("total_bytes")
+    if count != len(leaves) or type(count) is not int:
+        raise bad(f"`leaf_count` {count!r} is not the {len(leaves)} leaves it lists")
+    if total != sum(leaf.nbytes for leaf in leaves) or type(total) is not int:
+        raise bad(f"`total_bytes` {total!r} is not the bytes of the leaves it lists")
+
+
+def _invalid(where: str) -> Callable[[str], CorruptCheckpointError]:
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"The {NAME} of {where!r} is invalid: {why}. The folder is damaged or was not written by eqx_ckpt; "
+            f"do not load it (remove {NAME} to load its safetensors files by name, with `like`).",
+            path=where,
+        )
+
+    return bad
