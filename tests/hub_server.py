@@ -11,7 +11,8 @@ It answers, for model repositories only:
   and `ETag`, byte ranges (`Range: bytes=a-b`), and for LFS files a redirect
   (302, as the Hub sends to its storage) to `/blobs/{sha256}` with
   `X-Linked-Etag` and `X-Linked-Size`;
-- `POST /api/repos/create`, `POST /api/models/{repo}/branch/{branch}`;
+- `POST /api/repos/create`, `POST /api/models/{repo}/branch/{branch}`,
+  `POST /api/validate-yaml` (a model card's metadata: only that it parses);
 - `POST /api/models/{repo}/preupload/{rev}` (files of 1 KiB or more are LFS),
   `POST /{repo}.git/info/lfs/objects/batch` (the basic transfer: one `PUT`
   of the whole object to a URL it gives), and
@@ -47,6 +48,8 @@ import threading
 import urllib.parse
 from collections.abc import Iterator
 from typing import Any
+
+import yaml
 
 LFS_FROM = 1024
 
@@ -305,6 +308,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self._error(401, None, "Invalid credentials in Authorization header")
         if path == "/api/repos/create":
             return self._create(json.loads(self._body()))
+        if path == "/api/validate-yaml":
+            return self._validate(json.loads(self._body())["content"])
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/(branch|preupload|commit)/([^/]+)", path)
         if m and m[1] not in self.hub.repos:
             self._body()
@@ -335,6 +340,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.hub.repos[name] = Repo(private=bool(body.get("private")), readers={self._token() or ""})
             self.hub._commit(self.hub.repos[name], "main", {})
         self._json({"url": f"http://{self.headers['Host']}/{name}", "name": name, "id": name})
+
+    def _validate(self, card: str) -> None:
+        """A model card's metadata: a YAML mapping between `---` lines (the Hub
+        checks its fields too; this server only that it parses)."""
+        m = re.match(r"---\n(.*?)\n---\n", card, re.S)
+        try:
+            ok = m is not None and isinstance(yaml.safe_load(m[1]), dict)
+        except yaml.YAMLError:
+            ok = False
+        if not ok:
+            return self._error(400, None, "Invalid metadata in README.md")
+        self._json({"errors": [], "warnings": []})
 
     def _branch(self, name: str, branch: str, body: bytes) -> None:
         with self.hub.lock:

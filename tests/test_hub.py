@@ -17,14 +17,13 @@ import subprocess
 import sys
 import textwrap
 
-import equinox as eqx
+import hub_server
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import eqx_ckpt
-import hub_server
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("huggingface_hub") is None, reason="needs the `hub` extra (huggingface_hub)"
@@ -125,6 +124,48 @@ def test_publish_then_load_by_name_in_a_fresh_process(hub, tmp_path):
     assert got == _as_lists(_tree(1.0))
     opened = client.run("c = eqx_ckpt.Checkpoint('hf://me/model@main'); emit([c.revision, c.path, sorted(c)])")
     assert opened == [commit, f"hf://me/model@{commit}", sorted(eqx_ckpt.Checkpoint(tmp_path / "local-1.0"))]
+
+
+def test_publish_then_load_with_trust_never_runs_the_constructor(hub, tmp_path):
+    """A Module published by one process is rebuilt by another from the repo's
+    `eqx_ckpt.json` with `load(trust=[...])`: its constructor never runs (it
+    raises there), and the result equals the original, types included."""
+    client, _ = hub
+    (tmp_path / "mine.py").write_text(
+        textwrap.dedent("""
+        import equinox as eqx, jax, jax.numpy as jnp
+        class Head(eqx.Module):
+            proj: eqx.nn.Linear
+            scale: jax.Array
+            act: str = eqx.field(static=True)
+            def __init__(self):
+                self.proj, self.scale, self.act = eqx.nn.Linear(8, 2, key=jax.random.key(1)), jnp.full(2, 0.5), "gelu"
+    """)
+    )
+    commit = client.run("""
+        sys.path.insert(0, ".")
+        import mine as layers
+        model = {"net": layers.Head(), "mlp": eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(0)), "step": 7}
+        eqx_ckpt.tree_serialise_leaves("original", model)
+        emit(eqx_ckpt.push_to_hub(model, "me/trusted", metadata={"description": "a test", "lr": 0.1}))
+    """)
+    same = client.run(f"""
+        sys.path.insert(0, ".")
+        import mine as layers
+        def refuse(*args, **kwargs):
+            raise AssertionError("the constructor ran")
+        layers.Head.__init__ = refuse
+        eqx.nn.MLP.__init__ = refuse
+        trust = [layers.Head]
+        ckpt = eqx_ckpt.Checkpoint("hf://me/trusted")
+        loaded = ckpt.load(trust=trust)
+        original = eqx_ckpt.Checkpoint("original").load(trust=trust)
+        emit([bool(eqx.tree_equal(loaded, original, typematch=True)), type(loaded["net"]).__name__,
+              ckpt.revision == {commit!r}, ckpt.info, raised(layers.Head)[2],
+              raised(lambda: eqx.nn.MLP(1, 1, 1, 1))[2]])
+    """)
+    ran = "the constructor ran"  # as calling them shows
+    assert same == [True, "Head", True, {"description": "a test", "lr": 0.1}, ran, ran]
 
 
 def test_load_equals_the_original_with_typematch(hub, tmp_path):
@@ -228,7 +269,8 @@ def test_private_and_gated_repos_need_a_token_with_access(hub, tmp_path):
         said = "none was given" if token is None else "one was given"
         assert name == "CheckpointNotFoundError"
         assert message.startswith(
-            f"hf://team/private@main: there is no such repository, or it is private and the token ({said}) has no access"
+            f"hf://team/private@main: there is no such repository, or it is private and the token ({said}) "
+            "has no access"
         )
     name, mro, message = _raised(client, "hf://team/gated", HF_TOKEN="stranger")
     assert name == "CheckpointStorageError" and "OSError" in mro

@@ -35,12 +35,13 @@ from .._base._errors import (
     CheckpointTypeError,
 )
 from .._base._location import Location, hub_location
+from .._ondisk._format import PUBLISHED
 
 INSTALL = 'pip install "eqx_ckpt[hub]"'
 # The files of a folder a load may read; nothing else is downloaded or read.
 INDEX_SUFFIX = ".safetensors.index.json"
 SUFFIX = ".safetensors"
-RECORD = "eqx_ckpt.json"
+RECORD = PUBLISHED
 CARD = "README.md"
 # Threads downloading whole files, and reading byte ranges, at once.
 THREADS = 8

@@ -110,6 +110,8 @@ def _format_steps(manager: CheckpointManager, steps: list[int]) -> str:
 def _info(args: argparse.Namespace) -> int:
     ckpt = Checkpoint(_path(args.path))
     print(f"path:            {printable(ckpt.path)}")
+    if ckpt.revision is not None:
+        print(f"revision:        {ckpt.revision}")
     if ckpt.format == "eqx_ckpt":
         print(f"format:          eqx_ckpt {ckpt.format_version} (zarr v3 arrays, {MANIFEST})")
     else:
@@ -232,6 +234,26 @@ STORAGE_HELP = (
 )
 
 
+def _push_parser(commands: Any) -> None:
+    push = commands.add_parser(
+        "push", help="publish a checkpoint to the Hugging Face Hub in one commit; prints hf://owner/name@<commit>",
+        epilog="Needs the optional extra: pip install \"eqx_ckpt[hub]\". The token is HF_TOKEN, or the one "
+        "`hf auth login` saved, unless --token is given. Load it back from hf://owner/name@<commit>.",
+    )  # fmt: skip
+    push.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
+    push.add_argument("repo", help="the repository, owner/name (made where there is none)")
+    push.add_argument("--revision", default=None, help="the branch to commit to (default: the default branch)")
+    push.add_argument("--private", action="store_true", help="make a new repository private")
+    push.add_argument("--token", default=None, help="a Hub token with write access (default: HF_TOKEN)")
+    push.add_argument("--message", default="Upload model with eqx_ckpt", help="the commit message")
+    push.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB, 500MB (default 5GB)")
+    push.add_argument(
+        "--metadata", action="append", default=[], metavar="KEY=VALUE",
+        help="your metadata, kept in eqx_ckpt.json and shown on the model card (repeatable)",
+    )  # fmt: skip
+    push.set_defaults(run=_push)
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="eqx-ckpt",
@@ -282,23 +304,7 @@ def parser() -> argparse.ArgumentParser:
         help="a string for each file's __metadata__, e.g. format=pt (repeatable)",
     )  # fmt: skip
     export.set_defaults(run=_export)
-    push = commands.add_parser(
-        "push", help="publish a checkpoint to the Hugging Face Hub in one commit; prints hf://owner/name@<commit>",
-        epilog="Needs the optional extra: pip install \"eqx_ckpt[hub]\". The token is HF_TOKEN, or the one "
-        "`hf auth login` saved, unless --token is given. Load it back from hf://owner/name@<commit>.",
-    )  # fmt: skip
-    push.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
-    push.add_argument("repo", help="the repository, owner/name (made where there is none)")
-    push.add_argument("--revision", default=None, help="the branch to commit to (default: the default branch)")
-    push.add_argument("--private", action="store_true", help="make a new repository private")
-    push.add_argument("--token", default=None, help="a Hub token with write access (default: HF_TOKEN)")
-    push.add_argument("--message", default="Upload model with eqx_ckpt", help="the commit message")
-    push.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB, 500MB (default 5GB)")
-    push.add_argument(
-        "--metadata", action="append", default=[], metavar="KEY=VALUE",
-        help="a string for each file's __metadata__ (repeatable)",
-    )  # fmt: skip
-    push.set_defaults(run=_push)
+    _push_parser(commands)
     demo = commands.add_parser("demo", help="train a small model, save, list and reload it")
     demo.add_argument("--dir", default=None, help="where to save (default: a new temporary directory)")
     demo.add_argument("--steps", type=int, default=50, help="training steps")
