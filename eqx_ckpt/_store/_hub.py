@@ -25,6 +25,7 @@ import os
 import re
 import tempfile
 import threading
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -223,8 +224,11 @@ def _token_said() -> str:
 
 
 def _first_line(error: BaseException) -> str:
+    """The first line of `error`, and of what caused it (huggingface_hub wraps a failed upload)."""
     lines = [line for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
+    said = f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
+    cause = error.__cause__
+    return said + (f", caused by {_first_line(cause)}" if cause is not None and cause is not error else "")
 
 
 def needed(pinned: Pinned, read_index: Callable[[str], bytes]) -> list[str]:
@@ -436,7 +440,12 @@ def publish(
             if revision is not None:
                 api.create_branch(repo, branch=revision, exist_ok=True)
             operations = [hub.CommitOperationAdd(name, os.path.join(folder, name)) for name in names]
-            info = api.create_commit(repo, operations, commit_message=commit_message, revision=revision)
+            with warnings.catch_warnings():
+                # huggingface_hub's LFS upload (where the Hub offers no Xet) hands
+                # httpx2 bytes as `data=`, which httpx2 deprecates: the library's
+                # own call, which nothing here can change.
+                warnings.filterwarnings("ignore", "Use 'content=<...>'", DeprecationWarning)
+                info = api.create_commit(repo, operations, commit_message=commit_message, revision=revision)
         except Exception as e:
             if isinstance(e, CheckpointTypeError):
                 raise
