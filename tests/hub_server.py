@@ -71,6 +71,7 @@ class Hub:
     def __init__(self) -> None:
         self.repos: dict[str, Repo] = {}
         self.blobs: dict[str, bytes] = {}
+        self.oids: dict[str, str] = {}  # sha256 -> git blob id
         self.failures: list[list[Any]] = []  # [pattern, status, times left]
         self.sent: dict[str, int] = {}  # path in repo -> bytes of its content sent
         self.requests: list[str] = []
@@ -90,6 +91,16 @@ class Hub:
             for path, data in files.items():
                 base[path] = self._blob(data)
             return self._commit(entry, branch, base)
+
+    def git_oid(self, oid: str) -> str:
+        """A blob's git id, worked out once (a large file's is seconds of hashing)."""
+        with self.lock:
+            found = self.oids.get(oid)
+        if found is None:
+            found = _git_oid(self.blobs[oid])
+            with self.lock:
+                self.oids[oid] = found
+        return found
 
     def _blob(self, data: bytes) -> str:
         oid = hashlib.sha256(data).hexdigest()
@@ -209,7 +220,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         out = []
         for p, oid in sorted(repo.commits[sha].items()):
             data = self.hub.blobs[oid]
-            entry: dict[str, Any] = {"rfilename": p, "size": len(data), "blobId": _git_oid(data)}
+            entry: dict[str, Any] = {"rfilename": p, "size": len(data), "blobId": self.hub.git_oid(oid)}
             if len(data) >= LFS_FROM:
                 entry["lfs"] = {"sha256": oid, "size": len(data), "pointerSize": 134}
             out.append(entry)
@@ -264,9 +275,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             # storage is another host: a HEAD stops at the redirect, a GET follows it.
             location = f"{self.hub.storage}/blobs/{oid}"
             headers.update({"Location": location, "X-Linked-Etag": f'"{oid}"', "X-Linked-Size": str(len(data))})
-            headers["ETag"] = f'"{_git_oid(data)}"'
+            headers["ETag"] = f'"{self.hub.git_oid(oid)}"'
             return self._send(302, b"", headers)
-        headers["ETag"] = f'"{_git_oid(data)}"'
+        headers["ETag"] = f'"{self.hub.git_oid(oid)}"'
         self._content(data, headers, file)
 
     def _content(self, data: bytes, headers: dict[str, str], counted: str) -> None:

@@ -156,7 +156,7 @@ def _from_hub(loc: Location, whole: bool) -> Source:
     where it holds them, else by byte ranges."""
     pinned = _hub.pin(loc)
     remote = _hub.pinned_location(pinned)
-    names = _hub.needed(pinned, lambda name: _storage.result(_storage.Folder(remote).read(name)).value or b"")
+    names = _hub.needed(pinned, _hub.reader(pinned, whole=whole))
     if whole or pinned.offline or _hub.cached(pinned, names):
         opened = _hub.local_location(pinned, _hub.download(pinned, names))
     else:

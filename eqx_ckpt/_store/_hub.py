@@ -44,6 +44,8 @@ INDEX_SUFFIX = ".safetensors.index.json"
 SUFFIX = ".safetensors"
 RECORD = PUBLISHED
 CARD = "README.md"
+# The most of an index `needed` reads (the safetensors reader refuses a larger one).
+MAX_INDEX = 100 * 2**20
 # Threads downloading whole files, and reading byte ranges, at once.
 THREADS = 8
 # What a file that is code, or that unpickling would run code from, is called
@@ -103,6 +105,10 @@ class Pinned:
 # `Folder` reads of a `hf://` location (its `revision` a commit).
 _OPENED: dict[tuple[str, str, str], Pinned] = {}
 _LOCK = threading.Lock()
+# Small files read whole (an index, `eqx_ckpt.json`), by (repo, commit, path): a
+# commit's files never change, and an opened folder reads its index twice.
+_SMALL: dict[tuple[str, str, str], bytes] = {}
+SMALL_BYTES = 2**20
 
 
 def is_hub(loc: Location) -> bool:
@@ -290,6 +296,21 @@ def _shown(names: list[str]) -> str:
     return listed + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
+def reader(pinned: Pinned, *, whole: bool) -> Callable[[str], bytes]:
+    """How `needed` reads an index: downloaded into the cache for a whole load
+    (or where it is there already: it is read there), else by one read through
+    the Hub's file system."""
+
+    def read(name: str) -> bytes:
+        if whole or pinned.offline or cached(pinned, [name]):
+            with open(os.path.join(download(pinned, [name]), name), "rb") as f:
+                return f.read(MAX_INDEX + 1)
+        data, _ = Files(pinned_location(pinned)).read(name).result()
+        return data or b""
+
+    return read
+
+
 def cached(pinned: Pinned, names: Iterable[str]) -> bool:
     """Whether every one of `names` is in the local cache at the pinned commit."""
     hub = library()
@@ -377,6 +398,18 @@ class Files:
         return _pool().submit(self._read, name, byte_range)
 
     def _read(self, name: str, byte_range: slice | None) -> tuple[bytes | None, bytes]:
+        key = (self.pinned.repo, self.pinned.sha, self.pinned.folder + name)
+        if byte_range is None and key in _SMALL:  # an index read again, as the folder is opened
+            return _SMALL[key], self.pinned.sha.encode()
+        data, generation = self._fetch(name, byte_range)
+        if byte_range is None and data is not None and len(data) <= SMALL_BYTES:
+            with _LOCK:
+                if len(_SMALL) >= 256:  # bounded: a long process opening many repositories
+                    _SMALL.clear()
+                _SMALL[key] = data
+        return data, generation
+
+    def _fetch(self, name: str, byte_range: slice | None) -> tuple[bytes | None, bytes]:
         generation = self.pinned.sha.encode()
         size = self.pinned.sizes.get(self.pinned.folder + name)
         if size is None:
