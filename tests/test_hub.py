@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 
+import equinox as eqx
 import hub_server
 import jax
 import jax.numpy as jnp
@@ -375,6 +376,75 @@ def test_nothing_from_a_repo_is_imported_run_or_unpickled(hub, tmp_path):
     ]
 
 
+def test_a_hostile_structure_record_names_a_class_that_is_never_imported(hub, tmp_path):
+    """`eqx_ckpt.json` naming a class of the repository's own code: the load
+    without a `like` refuses it (it is not in the trust list), and the module
+    is never imported, nor its file fetched."""
+    client, state = hub
+    folder = tmp_path / "published"
+    eqx_ckpt.export_safetensors(folder, eqx.nn.Linear(2, 2, key=jax.random.key(0)))
+    record = json.loads((folder / "eqx_ckpt.json").read_text())
+    record["structure"]["cls"] = "modeling_evil:Model"
+    state.put_files("me/record", {
+        "model.safetensors": (folder / "model.safetensors").read_bytes(),
+        "eqx_ckpt.json": json.dumps(record).encode(), "modeling_evil.py": b"open('PWNED', 'w')\n",
+    })  # fmt: skip
+    got = client.run("""
+        imported = []
+        def audit(event, args):
+            if event == "import" and isinstance(args[0], str) and "evil" in args[0]:
+                imported.append(args[0])
+        sys.addaudithook(audit)
+        error = raised(lambda: eqx_ckpt.Checkpoint("hf://me/record").load(trust=[]))
+        emit([error[0], error[2], imported, "modeling_evil" in sys.modules, os.path.exists("PWNED")])
+    """)
+    assert got[0] == "UntrustedError" and "modeling_evil:Model" in got[1]
+    assert got[2:] == [[], False, False]
+    assert not any("modeling_evil" in r for r in state.requests)
+
+
+def test_a_damaged_cached_file_is_refused(hub, tmp_path):
+    """A file of the cache that is not the size the Hub lists (damaged on disk
+    since it was downloaded) is refused, naming it and the fix."""
+    client, _ = hub
+    _push(client, "me/damaged", 1.0, tmp_path)
+    client.run(_LOAD.format(local=str(tmp_path / "local-1.0"), path="hf://me/damaged"))
+    (blob,) = [p for p in (tmp_path / "hf").rglob("blobs/*") if p.stat().st_size > 50_000]
+    with open(blob, "r+b") as f:
+        f.truncate(blob.stat().st_size - 4)
+    name, _, message = _raised(client, "hf://me/damaged")
+    assert name == "CorruptCheckpointError"
+    assert "`model.safetensors` was downloaded as" in message and "hf cache rm" in message
+
+
+def test_a_branch_and_a_private_repo_are_published(hub, tmp_path):
+    """`revision=` commits to a branch (made from `main`), leaving `main` as it
+    was; `private=True` makes a repository only its token reads."""
+    client, state = hub
+    main = _push(client, "me/branched", 1.0, tmp_path)
+    dev = _push(client, "me/branched", 2.0, tmp_path, revision="dev", commit_message="try")
+    assert state.repos["me/branched"].branches == {"main": main, "dev": dev}
+    local = str(tmp_path / "local-1.0")
+    assert client.run(_LOAD.format(local=local, path="hf://me/branched@dev")) == _as_lists(_tree(2.0))
+    assert client.run(_LOAD.format(local=local, path="hf://me/branched")) == _as_lists(_tree(1.0))
+    _push(client, "me/secret", 1.0, tmp_path, private=True)
+    assert state.repos["me/secret"].private
+    name, _, _ = _raised(client, "hf://me/secret", HF_TOKEN=None)
+    assert name == "CheckpointNotFoundError"
+    assert client.run(_LOAD.format(local=local, path="hf://me/secret")) == _as_lists(_tree(1.0))
+
+
+def test_load_or_initialise_loads_by_name(hub, tmp_path):
+    client, _ = hub
+    _push(client, "me/init", 1.0, tmp_path)
+    got = client.run(f"""
+        local = eqx_ckpt.Checkpoint({str(tmp_path / "local-1.0")!r}).load()
+        loaded = eqx_ckpt.load_or_initialise("hf://me/init", lambda: jax.tree.map(jnp.zeros_like, local))
+        emit(jax.tree.map(lambda x: np.asarray(x, np.float32).tolist(), loaded))
+    """)
+    assert got == _as_lists(_tree(1.0))
+
+
 def test_a_plain_hugging_face_repo_and_a_subfolder_load_by_name(hub, tmp_path):
     """A repository of plain safetensors (Hugging Face names, no `eqx_ckpt.json`),
     in a subfolder, loads into a `like` with `rename`, as a local folder does."""
@@ -409,6 +479,7 @@ def test_the_cli_pushes_lists_verifies_and_diffs(hub, tmp_path):
     assert listed.returncode == 0 and "blocks" in listed.stdout and "embed" in listed.stdout, listed.stderr
     info = run("info", url)
     assert info.returncode == 0 and f"path:            {url}" in info.stdout and "safetensors" in info.stdout
+    assert f"revision:        {url.rpartition('@')[2]}" in info.stdout
     verified = run("verify", url)
     assert verified.returncode == 0 and verified.stdout.strip().endswith("sound"), verified.stdout + verified.stderr
     same = run("diff", url, str(tmp_path / "local"))
@@ -417,12 +488,16 @@ def test_the_cli_pushes_lists_verifies_and_diffs(hub, tmp_path):
     assert missing.returncode == 2 and "hf://me/nothing@main: there is no such repository" in missing.stderr
 
 
-def test_hub_paths_are_parsed_without_the_hub():
+def test_hub_paths_are_parsed_without_the_hub(tmp_path):
     from eqx_ckpt._base._location import location
+
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "local", {"w": jnp.ones(2)})
+    assert eqx_ckpt.Checkpoint(tmp_path / "local").revision is None  # only a Hub repository has one
 
     loc = location("hf://me/model@refs%2Fpr%2F1/sub/folder")
     assert loc.kvstore == {"driver": "hf", "repo": "me/model", "revision": "refs/pr/1", "path": "sub/folder/"}
     assert location("hf://me/model").kvstore["revision"] is None
+    assert location("hf://me/model/sub").kvstore["path"] == "sub/"
     for bad in ("hf://me", "hf://me/model@", "hf://me/model/../x"):
         with pytest.raises(eqx_ckpt.CheckpointTypeError, match="hf://owner/name"):
             location(bad)
