@@ -348,7 +348,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if name in self.hub.repos:  # the Hub's answer carries the repo's URL
                 url = f"http://{self.headers['Host']}/{name}"
                 return self._json({"error": "You already created this model repo", "url": url}, 409)
-            self.hub.repos[name] = Repo(private=bool(body.get("private")), readers={self._token() or ""})
+            private = body.get("visibility", "private" if body.get("private") else "public") != "public"
+            self.hub.repos[name] = Repo(private=private, readers={self._token() or ""})
             self.hub._commit(self.hub.repos[name], "main", {})
         self._json({"url": f"http://{self.headers['Host']}/{name}", "name": name, "id": name})
 
