@@ -8,9 +8,12 @@ is picked up by its folder alone."""
 import hashlib
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import shutil
+import subprocess
+import sys
 from typing import Any
 
 import equinox as eqx
@@ -23,6 +26,8 @@ from eqx_ckpt._ondisk._format import FORMAT_VERSION
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 FOLDERS = sorted(FIXTURES.glob("format_*"), key=lambda p: int(p.name.removeprefix("format_")))
+# The published layout's fixtures (`export_safetensors` into a folder), one per version of its `eqx_ckpt.json`.
+PUBLISHED = sorted(FIXTURES.glob("published_*"), key=lambda p: int(p.name.removeprefix("published_")))
 
 _spec = importlib.util.spec_from_file_location("make_fixture", FIXTURES / "make_fixture.py")
 assert _spec is not None and _spec.loader is not None
@@ -244,3 +249,44 @@ def test_a_newer_format_is_never_saved_over(tmp_path):
     with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(f"format version {version}, which is not one")):
         eqx_ckpt.tree_serialise_leaves(newer, {"w": np.ones(3, np.float32)})
     assert sorted((p.relative_to(newer), p.read_bytes()) for p in newer.rglob("*") if p.is_file()) == before
+
+
+@pytest.fixture(params=PUBLISHED, ids=[p.name for p in PUBLISHED])
+def published(request) -> pathlib.Path:
+    return request.param
+
+
+def test_every_published_layout_version_has_a_fixture():
+    from eqx_ckpt._ondisk._published import VERSION
+
+    assert [int(p.name.removeprefix("published_")) for p in PUBLISHED] == list(range(1, VERSION + 1))
+
+
+def test_the_published_fixture_loads_bit_for_bit(published):
+    """A folder `export_safetensors` wrote loads as it was, into a `like` and
+    rebuilt without one, its metadata as exported, and verifies sound."""
+    expected = make_fixture.published_expected()
+    assert len(list(published.glob("model-*-of-*.safetensors"))) == 2
+    _assert_loaded(eqx_ckpt.tree_deserialise_leaves(published, make_fixture.published_like()), expected)
+    ckpt = eqx_ckpt.Checkpoint(published)
+    loaded = ckpt.load(trust=[])
+    _assert_loaded(loaded, expected)
+    assert jax.tree.structure(loaded) == jax.tree.structure(expected)
+    assert ckpt.info == make_fixture.PUBLISHED_INFO
+    lazy = eqx_ckpt.tree_deserialise_leaves(published, make_fixture.published_like(), lazy=True)
+    assert np.asarray(lazy["small"]["u4"]).tobytes() == expected["small"]["u4"].tobytes()
+    problems = eqx_ckpt.verify(published)
+    assert problems == [] and "Safetensors files hold no checksums" in problems.unchecked[0]
+
+
+def test_the_published_fixtures_card_snippet_runs_as_written(published):
+    """The card's load snippet, run from the repository's root (the path it names)."""
+    snippet = re.search(r"```python\n(.*?)```", (published / "README.md").read_text(), re.S).group(1)
+    check = snippet + "import jax; print(sorted(model), jax.tree.structure(model) == jax.tree.structure(EXPECTED))\n"
+    setup = "import importlib.util as u, sys; s = u.spec_from_file_location('m', 'tests/fixtures/make_fixture.py'); "
+    setup += "m = u.module_from_spec(s); s.loader.exec_module(m); EXPECTED = m.published_expected()\n"
+    root = FIXTURES.parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", setup + check], capture_output=True, text=True, cwd=root, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().endswith("True")

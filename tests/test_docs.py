@@ -94,7 +94,7 @@ def test_the_notebooks_are_pages_of_the_site(site):
     (in the navigation) with its cells and saved outputs, and links to its
     `.ipynb`, which the site serves."""
     home = (site / "index.html").read_text()
-    assert len(NOTEBOOKS) == 4
+    assert len(NOTEBOOKS) == 5
     for notebook in NOTEBOOKS:
         cells = json.loads(notebook.read_text())["cells"]
         page = (site / "notebooks" / notebook.stem / "index.html").read_text()

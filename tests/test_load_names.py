@@ -264,7 +264,7 @@ class TestReplacedSources:
         lazy = eqx_ckpt.tree_deserialise_leaves(path, _like(), prefix="model", rename=RENAME, lazy=True)
         # One shard per tensor now: `model.proj` is at another offset of another file.
         names = eqx_ckpt.export_safetensors(path, ckpt, max_shard_size=36, metadata={"format": "pt"})
-        assert names[:-1] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+        assert names[:3] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
         for read in (lambda: np.asarray(ckpt["model.proj"]), lambda: eqx_ckpt.materialise(lazy)):
             with _said_replaced(path):
                 read()

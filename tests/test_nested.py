@@ -116,8 +116,10 @@ def _source(kind, tmp_path, tree):
         eqx_ckpt.export_safetensors(tmp_path / "model.safetensors", tree)
         return tmp_path / "model.safetensors"
     if kind == "hf":
-        eqx_ckpt.export_safetensors(tmp_path / "hf", tree, max_shard_size=4)
+        eqx_ckpt.export_safetensors(tmp_path / "hf", tree, max_shard_size=4, card=False)
         assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+        # A Hugging Face directory of another library's: no eqx_ckpt.json (the published layout) beside the shards.
+        (tmp_path / "hf" / "eqx_ckpt.json").unlink()
         return tmp_path / "hf"
     ocp = pytest.importorskip("orbax.checkpoint")
     with ocp.StandardCheckpointer() as checkpointer:

@@ -32,7 +32,7 @@ def model_card(name_or_path: str, *, structure: Any, info: dict[str, Any], files
     if description:
         parts.append(description.strip() + "\n")
     parts.append(
-        "An Equinox model published by [eqx_ckpt](https://github.com/eqx-ckpt/eqx_ckpt): its arrays as "
+        "An Equinox model published by eqx_ckpt (`pip install eqx_ckpt`): its arrays as "
         f"safetensors (tensor names are dotted key paths), its tree's structure in `{_published.NAME}`. It loads "
         "without its code: no file of it is imported, run or unpickled, and only the classes you trust are built.\n"
     )
@@ -44,9 +44,8 @@ def model_card(name_or_path: str, *, structure: Any, info: dict[str, Any], files
             f"It needs {names}, defined in the script that exported it: define them, and add them to `trust`.\n"
         )
     parts.append(
-        "A part of it, only the bytes of the tensors selected: "
-        f"`eqx_ckpt.Checkpoint({name_or_path!r}).load(prefix)`, or `eqx_ckpt.tree_deserialise_leaves(path, like, "
-        "where=...)`.\n"
+        'A part of it, reading only the selected tensors\' bytes: `.load("<dotted prefix>", trust=[...])`, or '
+        f"`eqx_ckpt.tree_deserialise_leaves({json.dumps(name_or_path)}, like, where=...)` into a model of your own.\n"
     )
     parts.append("## Files\n\n" + "".join(f"- `{name}`\n" for name in files))
     if info:

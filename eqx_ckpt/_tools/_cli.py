@@ -124,6 +124,8 @@ def _info(args: argparse.Namespace) -> int:
         print(f"created:         {printable(ckpt.created)}")
     for key, value in ckpt.metadata.items():
         print(f"metadata:        {printable(key)}={printable(value)}")
+    for key, value in ckpt.info.items():  # a published folder's `info` (eqx_ckpt.json)
+        print(f"info:            {printable(key)}={printable(json.dumps(value, sort_keys=True))}")
     print(f"leaves:          {len(ckpt)}")
     print(f"bytes:           {ckpt.total_bytes} ({human(ckpt.total_bytes)})")
     if ckpt.format == "eqx_ckpt":
@@ -215,9 +217,15 @@ def _export(args: argparse.Namespace) -> int:
         if metadata.get(key, value) != value:
             raise CheckpointValueError(f"`--metadata` gives {key!r} twice ({metadata[key]!r} and {value!r}).")
         metadata[key] = value
+    try:
+        info = None if args.info is None else json.loads(args.info)
+    except ValueError as e:
+        raise CheckpointValueError(
+            f'`--info` must be a JSON object, e.g. \'{{"description": "..."}}\' ({e}).'
+        ) from None
     written = export_safetensors(
         _path(args.out), Checkpoint(_path(args.ckpt)), max_shard_size=args.max_shard_size,
-        rename=rules or None, metadata=metadata or None,
+        rename=rules or None, metadata=metadata or None, info=info, card=not args.no_card,
     )  # fmt: skip
     for name in written:
         print(name)
@@ -303,6 +311,12 @@ def parser() -> argparse.ArgumentParser:
         "--metadata", action="append", default=[], metavar="KEY=VALUE",
         help="a string for each file's __metadata__, e.g. format=pt (repeatable)",
     )  # fmt: skip
+    export.add_argument(
+        "--info", default=None, metavar="JSON",
+        help='your metadata, kept in eqx_ckpt.json and shown on the model card: a JSON object, e.g. '
+        '\'{"description": "...", "metrics": {"loss": 0.1}}\'',
+    )  # fmt: skip
+    export.add_argument("--no-card", action="store_true", help="write no README.md (leave one there as it is)")
     export.set_defaults(run=_export)
     _push_parser(commands)
     demo = commands.add_parser("demo", help="train a small model, save, list and reload it")

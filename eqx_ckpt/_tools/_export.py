@@ -36,6 +36,7 @@ from .._load._checkpoint import Checkpoint
 from .._load._lazy import LazyArray
 from .._ondisk import _dtypes, _published, _structure
 from .._ondisk._format import (
+    LEAF_TYPES,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     UNPUBLISHED_SUFFIX,
@@ -93,7 +94,7 @@ def export_safetensors(
     (`Checkpoint(folder).load(trust=[...])` with no `like`, a `like`, `where`,
     `prefix`, `lazy`, `eqx-ckpt verify`...), each leaf as it was (its dtype,
     a PRNG key, a Python scalar); the `safetensors` library reads every
-    tensor bit for bit. See "The published layout" in docs/interop.md.
+    tensor bit for bit. See "The published layout" in [docs/interop.md](../interop.md).
 
     **Arguments:**
 
@@ -242,12 +243,19 @@ def _tensors(pytree: Any) -> tuple[list[_Tensor], Any]:
     return tensors, structure
 
 
+def _lazy(path: str, keypath: list[list[Any]], leaf: LazyArray) -> _Tensor:
+    """A lazy leaf, as it reads: a PRNG key's key data, else in the dtype (and
+    as the type) of the `like` it was loaded into."""
+    r = leaf._record
+    if r.type == "prng_key":
+        return _Tensor(path, _record(path, keypath, r.type, r.shape, r.dtype, r.impl), _reader(leaf))
+    kind = leaf.saved_as if leaf.saved_as in LEAF_TYPES else "jax"
+    return _Tensor(path, _record(path, keypath, kind, r.shape, _dtypes.name(np.dtype(leaf.dtype))), _reader(leaf))
+
+
 def _leaf(path: str, keypath: list[list[Any]], leaf: Any) -> _Tensor | None:
     if isinstance(leaf, LazyArray):
-        record = leaf._record
-        return _Tensor(
-            path, _record(path, keypath, record.type, record.shape, record.dtype, record.impl), _reader(leaf)
-        )
+        return _lazy(path, keypath, leaf)
     kind = _dtypes.leaf_type(leaf)
     if kind is None:
         return None
