@@ -242,6 +242,32 @@ STORAGE_HELP = (
 )
 
 
+def _export_parser(commands: Any) -> None:
+    export = commands.add_parser(
+        "export", help="write a checkpoint as (Hugging Face sharded) safetensors", epilog=STORAGE_HELP
+    )
+    export.add_argument("ckpt", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
+    export.add_argument("out", help="output directory (or a path ending in .safetensors for one file)")
+    export.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
+    export.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB, 500MB (default 5GB)")
+    export.add_argument(
+        "--rename", action="append", default=[], metavar="PATTERN[=REPLACEMENT]",
+        help="regex rule from dotted path to tensor name (repeatable, first match wins); a PATTERN alone leaves "
+        "the matching leaves out",
+    )  # fmt: skip
+    export.add_argument(
+        "--metadata", action="append", default=[], metavar="KEY=VALUE",
+        help="a string for each file's __metadata__, e.g. format=pt (repeatable)",
+    )  # fmt: skip
+    export.add_argument(
+        "--info", default=None, metavar="JSON",
+        help='your metadata, kept in eqx_ckpt.json and shown on the model card: a JSON object, e.g. '
+        '\'{"description": "...", "metrics": {"loss": 0.1}}\'',
+    )  # fmt: skip
+    export.add_argument("--no-card", action="store_true", help="write no README.md (leave one there as it is)")
+    export.set_defaults(run=_export)
+
+
 def _push_parser(commands: Any) -> None:
     push = commands.add_parser(
         "push", help="publish a checkpoint to the Hugging Face Hub in one commit; prints hf://owner/name@<commit>",
@@ -295,29 +321,7 @@ def parser() -> argparse.ArgumentParser:
     diff.add_argument("a")
     diff.add_argument("b")
     diff.set_defaults(run=_diff)
-    export = commands.add_parser(
-        "export", help="write a checkpoint as (Hugging Face sharded) safetensors", epilog=STORAGE_HELP
-    )
-    export.add_argument("ckpt", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
-    export.add_argument("out", help="output directory (or a path ending in .safetensors for one file)")
-    export.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
-    export.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB, 500MB (default 5GB)")
-    export.add_argument(
-        "--rename", action="append", default=[], metavar="PATTERN[=REPLACEMENT]",
-        help="regex rule from dotted path to tensor name (repeatable, first match wins); a PATTERN alone leaves "
-        "the matching leaves out",
-    )  # fmt: skip
-    export.add_argument(
-        "--metadata", action="append", default=[], metavar="KEY=VALUE",
-        help="a string for each file's __metadata__, e.g. format=pt (repeatable)",
-    )  # fmt: skip
-    export.add_argument(
-        "--info", default=None, metavar="JSON",
-        help='your metadata, kept in eqx_ckpt.json and shown on the model card: a JSON object, e.g. '
-        '\'{"description": "...", "metrics": {"loss": 0.1}}\'',
-    )  # fmt: skip
-    export.add_argument("--no-card", action="store_true", help="write no README.md (leave one there as it is)")
-    export.set_defaults(run=_export)
+    _export_parser(commands)
     _push_parser(commands)
     demo = commands.add_parser("demo", help="train a small model, save, list and reload it")
     demo.add_argument("--dir", default=None, help="where to save (default: a new temporary directory)")
