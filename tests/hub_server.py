@@ -9,9 +9,12 @@ It answers, for model repositories only:
 - `GET /api/models/{repo}/tree/{rev}[/{path}]`: a folder's listing;
 - `HEAD`/`GET /{repo}/resolve/{rev}/{path}`: downloads with `X-Repo-Commit`
   and `ETag`, byte ranges (`Range: bytes=a-b`), and for LFS files a redirect
-  (302, as the Hub sends to its storage) to `/blobs/{sha256}` with
-  `X-Linked-Etag` and `X-Linked-Size`;
-- `POST /api/repos/create`, `POST /api/models/{repo}/branch/{branch}`,
+  (302, as the Hub sends to its storage) to `/blobs/{sha256}` on another
+  port of this server (another origin, so huggingface_hub's `HEAD` stops at the
+  redirect and reads `X-Linked-Etag` and `X-Linked-Size`, and its `GET`
+  follows it, without the token, as it does to the Hub's storage);
+- `POST /api/repos/create` (`visibility`; 409 with the repo's URL where it
+  exists), `POST /api/models/{repo}/branch/{branch}` (from `startingPoint` or `main`),
   `POST /api/validate-yaml` (a model card's metadata: only that it parses);
 - `POST /api/models/{repo}/preupload/{rev}` (files of 1 KiB or more are LFS),
   `POST /{repo}.git/info/lfs/objects/batch` (the basic transfer: one `PUT`
@@ -20,6 +23,7 @@ It answers, for model repositories only:
 - tokens (`Authorization: Bearer`): a private repository answers 401
   without one and 404 with one that has no access (as the Hub does); a gated
   one answers 403 with `X-Error-Code: GatedRepo` to a token not granted it;
+  any token may create and write a repository; a write without one is 401;
 - failures injected per path (`fail(pattern, status, times)`), and the bytes
   of files' contents sent counted (`sent`: by path for regular files, by
   sha256 for LFS ones, all together under `""`).
@@ -30,8 +34,10 @@ import, to upload by LFS; downloads without Xet headers use plain HTTP by
 themselves), LFS multipart uploads and the LFS verify step (the batch answer
 offers neither), pull requests and `refs/pr/*`, commit listings, deletions
 and copies in a commit, `.gitignore` handling, datasets and spaces,
-pagination of listings, expanded listing fields (last commit, security
-status), OAuth, and rate-limit headers (a 429 carries none).
+pagination of listings, recursive and expanded listings (last commit,
+security status), the card metadata's schema, OAuth and token scopes,
+`whoami`, and rate-limit headers (a 429 carries none). It keeps everything in
+memory.
 """
 
 from __future__ import annotations
