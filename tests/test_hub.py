@@ -522,3 +522,25 @@ for call in (lambda: eqx_ckpt.Checkpoint("hf://me/model"), lambda: eqx_ckpt.push
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 2 and all('pip install "eqx_ckpt[hub]"' in line for line in lines)
+
+
+def test_a_cache_snapshot_may_link_only_to_its_own_blobs(tmp_path):
+    """In the Hub's cache, a snapshot's files are links to the repository's
+    `blobs/`, which a load follows; a link anywhere else (here `eqx_ckpt.json`
+    to a file outside the cache) is refused as in any checkpoint."""
+    published = tmp_path / "published"
+    eqx_ckpt.export_safetensors(published, {"w": jnp.arange(3.0)})
+    repo = tmp_path / "hub" / "models--me--linked"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for name in ("model.safetensors", "eqx_ckpt.json"):
+        blob = repo / "blobs" / f"blob-{name}"
+        blob.write_bytes((published / name).read_bytes())
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    loaded = eqx_ckpt.Checkpoint(snapshot).load(trust=[])
+    assert eqx.tree_equal(loaded, {"w": jnp.arange(3.0)}, typematch=True)
+    (snapshot / "eqx_ckpt.json").unlink()
+    (snapshot / "eqx_ckpt.json").symlink_to(published / "eqx_ckpt.json")
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("'eqx_ckpt.json' in checkpoint")):
+        eqx_ckpt.Checkpoint(snapshot)
