@@ -4,6 +4,7 @@ else on the machine), one repetition, each measurement in its own process, and
 the foreign workload on 50 tensors and a 4 MB file in the same run; that a
 failed measurement is recorded and the run goes on; and the report's rules."""
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -30,6 +31,7 @@ from benchmarks import (  # noqa: E402
     gpu,
     gpu_budget,
     gpu_copies,
+    hub,
     page_sizes,
     report,
     run,
@@ -564,3 +566,18 @@ def test_the_staging_benchmark_measures_each_budget_in_a_fresh_process(tmp_path)
     # 8 leaves of 4 MiB, 2 MiB each as bfloat16: the default stages them all at once, 2 MiB one at a time.
     assert rows[0]["staged_peak"] == 16 * 2**20 and rows[1]["staged_peak"] == 2 * 2**20
     assert [p.name for p in tmp_path.iterdir()] == ["staging.json"]
+
+
+def test_the_hub_benchmark_fetches_and_loads_every_way(monkeypatch, capsys):
+    """`benchmarks.hub` against the local Hub server, on 16 KiB tensors: every
+    way of fetching runs and loads what was published; the partial load's
+    bytes are a fraction of the whole download's."""
+    if importlib.util.find_spec("huggingface_hub") is None:
+        pytest.skip("needs the `hub` extra (huggingface_hub)")
+    monkeypatch.setattr(hub, "TENSOR", (64, 64))
+    rows = hub.main(["--mib", "1", "--reps", "1"])
+    assert [r["op"] for r in rows] == list(hub.OPS)
+    sent = {r["op"]: r["sent"] for r in rows}
+    assert sent["reference"] == sent["eqx_ckpt"] == sent["download"] > 2**20
+    assert 64 * 64 * 4 <= sent["partial"] < sent["download"] / 10
+    assert "| partial |" in capsys.readouterr().out

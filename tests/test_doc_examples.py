@@ -11,6 +11,9 @@ up. A comment before a block (a blank line between) marks the few that need more
   `http://minio.internal:9000` is replaced by the server's;
 - `<!-- doc-test: http -->`: the page's working directory is served over HTTP
   (tests/http_server.py) at the example host `https://models.example.com`;
+- `<!-- doc-test: hub -->`: reaches the Hugging Face Hub: the page runs with
+  `HF_ENDPOINT` pointing at the local Hub server the tests start
+  (tests/hub_server.py), with a cache of its own and a token;
 - `<!-- doc-test: file: NAME -->`: written to the file NAME in the page's
   working directory (a module later blocks import: docs/structure.md's
   `mymodels.py`), not run;
@@ -30,6 +33,7 @@ import urllib.request
 
 import equinox as eqx
 import http_server
+import hub_server
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +43,7 @@ import eqx_ckpt
 
 ROOT = pathlib.Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-MARKER = re.compile(r"^<!-- doc-test: (s3|http|skip|file)(?:: (.+?))? -->$", re.M)
+MARKER = re.compile(r"^<!-- doc-test: (s3|http|hub|skip|file)(?:: (.+?))? -->$", re.M)
 # The example hosts the pages name, and the test servers that stand in for them.
 S3_HOST = "http://minio.internal:9000"
 HTTP_HOST = "https://models.example.com"
@@ -51,7 +55,7 @@ class Block:
     page: str  # relative to the repository
     line: int  # of the block's first line of code
     code: str
-    marker: str  # "" (plain), "s3", "http", "file" or "skip"
+    marker: str  # "" (plain), "s3", "http", "hub", "file" or "skip"
     reason: str
 
     @property
@@ -110,7 +114,10 @@ def test_page_runs(page, tmp_path, request):
     env.pop("XLA_FLAGS", None)  # the page runs as a user's script would, with one CPU device
     if any(b.marker == "s3" for b in runnable):
         runnable = _against_s3(runnable, request.getfixturevalue("s3"), env)
-    with http_server.serving(work) as url:
+    with http_server.serving(work) as url, hub_server.serving() as (hub_url, _):
+        if any(b.marker == "hub" for b in runnable):
+            env.update(HF_ENDPOINT=hub_url, HF_HOME=str(tmp_path / "hf"), HF_TOKEN="writer", HF_HUB_DISABLE_XET="1")
+            env.update(HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_DISABLE_TELEMETRY="1")
         runnable = [_against_http(b, url) for b in runnable]
         (tmp_path / "blocks.json").write_text(
             json.dumps({"page": page, "blocks": [dataclasses.asdict(b) for b in runnable]})

@@ -1,10 +1,16 @@
 """The public namespace: every name imports, errors live in `eqx_ckpt`."""
 
 import importlib
+import importlib.util
 import inspect
+import os
+import pathlib
 import re
+import subprocess
+import sys
 import textwrap
 
+import hub_server
 import numpy as np
 import pytest
 from disk import snapshot
@@ -100,12 +106,33 @@ def test_every_public_name_has_an_example(name):
 _WITH_EXAMPLES = {name: value for name, value in _documented() if _examples(value)}
 
 
+# Examples that reach the Hugging Face Hub: run in a fresh process against the
+# local Hub server (tests/hub_server.py), which huggingface_hub must know at import.
+_HUB = {"push_to_hub"}
+
+
 @pytest.mark.parametrize("name", sorted(_WITH_EXAMPLES))
 def test_docstring_examples_run(name, tmp_path, monkeypatch, capsys):
     value = _WITH_EXAMPLES[name]
     monkeypatch.chdir(tmp_path)
+    if name in _HUB:
+        _run_against_the_hub(_examples(value), tmp_path)
+        return
     for example in _examples(value):
         exec(compile(example, f"<docstring of eqx_ckpt.{name}>", "exec"), {"__name__": "__example__"})
+
+
+def _run_against_the_hub(examples: list[str], tmp_path) -> None:
+    if importlib.util.find_spec("huggingface_hub") is None:
+        pytest.skip("needs the `hub` extra (huggingface_hub)")
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    with hub_server.serving() as (url, _):
+        env = {**os.environ, "HF_ENDPOINT": url, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "writer",
+               "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "JAX_PLATFORMS": "cpu",
+               "PYTHONPATH": root}  # fmt: skip
+        for example in examples:
+            done = subprocess.run([sys.executable, "-c", example], env=env, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stdout + done.stderr
 
 
 _FLAGS = {

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import re
+import urllib.parse
 from typing import Any
 
 import tensorstore as ts
@@ -77,6 +79,8 @@ def location(path: Any) -> Location:
             f"`path` must be a `str`, a `pathlib.Path`, a kvstore URL or a kvstore spec `dict`, "
             f"not {type(path).__name__}."
         )
+    if path.startswith(HUB_SCHEME):
+        return _hub_path(path)
     if "://" not in path:
         local = os.path.abspath(os.path.expanduser(path))
         return Location({"driver": "file", "path": local.rstrip("/") + "/"}, path, local)
@@ -85,6 +89,39 @@ def location(path: Any) -> Location:
     except Exception as e:
         raise CheckpointTypeError(f"{path!r} is not a kvstore URL TensorStore understands: {e}") from None
     return _directory(spec, path)
+
+
+HUB_SCHEME = "hf://"
+# `owner/name`, as the Hub allows them (letters, digits, `-`, `_`, `.`).
+_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def _hub_path(path: str) -> Location:
+    """`hf://owner/name`, `hf://owner/name@revision`, `hf://owner/name@revision/sub/folder`
+    or `hf://owner/name/sub/folder`: a Hugging Face Hub model repository (its
+    folder), at a branch, tag or commit (a revision holding `/`, such as
+    `refs/pr/1`, written `refs%2Fpr%2F1`, as `huggingface_hub`'s own `hf://` URLs do)."""
+    rest = path[len(HUB_SCHEME) :].strip("/")
+    parts = rest.split("/")
+    if len(parts) < 2:
+        raise CheckpointTypeError(
+            f"{path!r} names no repository: write `hf://owner/name` (or `hf://owner/name@revision`)."
+        )
+    owner, name, *folder = parts
+    name, at, revision = name.partition("@")
+    repo = f"{owner}/{name}"
+    if not _REPO.fullmatch(repo) or (at and not revision) or any(p in ("", ".", "..") for p in folder):
+        raise CheckpointTypeError(
+            f"{path!r} is not a Hub path eqx_ckpt reads: write `hf://owner/name`, `hf://owner/name@revision` or "
+            f"`hf://owner/name@revision/sub/folder` (a revision holding `/` as `%2F`)."
+        )
+    sub = "/".join(folder) + "/" if folder else ""
+    return hub_location(repo, urllib.parse.unquote(revision) if revision else None, sub, path)
+
+
+def hub_location(repo: str, revision: str | None, folder: str, display: str) -> Location:
+    """The location of a folder of a Hub repository at a revision (`_hub` reads it)."""
+    return Location({"driver": "hf", "repo": repo, "revision": revision, "path": folder}, display, None)
 
 
 def _from_spec(spec: dict[str, Any]) -> Location:

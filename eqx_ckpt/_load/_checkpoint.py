@@ -73,6 +73,13 @@ class Checkpoint(Mapping[str, Any]):
         return self._loc.display
 
     @property
+    def revision(self) -> str | None:
+        """The commit a Hugging Face Hub repository (`hf://owner/name@branch`) was
+        opened at, resolved once: every file is read at it. `None` for every
+        other source."""
+        return self._source.revision
+
+    @property
     def total_bytes(self) -> int:
         return self._manifest.total_bytes
 
@@ -389,6 +396,8 @@ class Checkpoint(Mapping[str, Any]):
             prefix = key if prefix is None else prefix
         key = self._key(prefix, "load")
         lazy = check_flag("lazy", lazy, "whether to return `LazyArray`s that read when asked")
+        if not key and not lazy:
+            self._download()
         if trust is not None:
             like = self.skeleton(key, trust=trust, check_init=check_init)
             options = _load_plan.options(
@@ -402,6 +411,14 @@ class Checkpoint(Mapping[str, Any]):
         if key and not records:
             raise CheckpointKeyError(self._missing(key), path=self.path)
         return _nested.load(self._source, records, key, lazy=lazy, progress=progress, numbered=self._numbered)
+
+    def _download(self) -> None:
+        """Before a load of all of a Hub repository opened by byte ranges, fetch
+        its files into the Hub's local cache (at the commit it was opened at),
+        and read them there from then on."""
+        if self._source.revision is not None and self._source.loc.local is None:
+            self._source = _source.open_source(self._source.loc, whole=True)
+            self._data = self._source.data
 
     @property
     def _numbered(self) -> bool:

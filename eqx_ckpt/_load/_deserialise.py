@@ -191,7 +191,9 @@ def tree_deserialise_leaves(
         where=where, prefix=prefix, rename=rename, transform=transform,
         missing=missing, strict=strict, cast=cast, lazy=lazy, read_once=read_once,
     )  # fmt: skip
-    source = _source.open_source(path)
+    # A load of everything from the Hub downloads the files into its cache (a
+    # second load reads them there); a partial or lazy one reads byte ranges.
+    source = _source.open_source(path, whole=where is None and prefix is None and not lazy)
     if like is None:
         like = rebuilt(source, prefix or "", Trust(trust), check_init=check_init)
     return load(source, like, is_leaf, filter_spec, options, progress=progress)

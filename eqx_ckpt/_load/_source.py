@@ -29,7 +29,7 @@ from .._foreign import _orbax, _safetensors
 from .._ondisk import _format, _layout
 from .._ondisk._format import MANIFEST, LeafRecord
 from .._ondisk._manifest import Manifest
-from .._store import _storage, _transaction, _untrusted
+from .._store import _hub, _storage, _transaction, _untrusted
 
 # A record -> a future of the `_storage.Array` of that leaf.
 Opener = Callable[[LeafRecord], "_storage.Future | _storage.Mapped"]
@@ -78,6 +78,8 @@ class Source:
         no longer the one opened (`None` while none is).
     - `runs`: for safetensors, the reader of many small tensors in a few large
         reads (`_safetensors.read_runs`); `None` for the others.
+    - `revision`: for a Hugging Face Hub repository (`hf://`), the commit it
+        is read at; `None` for every other source.
     """
 
     format: str
@@ -87,6 +89,7 @@ class Source:
     opener: Opener | None = None
     changed: Callable[[], str | None] | None = None
     runs: Runs | None = None
+    revision: str | None = None
 
     def open(self, record: LeafRecord) -> Any:
         return self.opener(record) if self.opener is not None else _storage.open_array(self.data, record, checked=False)
@@ -113,10 +116,18 @@ class Source:
 _LABELS = {"safetensors": "Safetensors checkpoint", "orbax": "orbax checkpoint"}
 
 
-def open_source(path: Any) -> Source:
+def open_source(path: Any, *, whole: bool = False) -> Source:
     """The source at `path`, recognised from its files; an eqx_ckpt checkpoint
-    when nothing else matches (so its error names what is missing)."""
+    when nothing else matches (so its error names what is missing).
+
+    A Hub repository (`hf://`) is read at the commit its revision names now
+    (`_hub.pin`, once), from the Hub's local cache where the files a load reads
+    are there, or where the load is `whole` (they are downloaded into it
+    first); else by byte ranges of its files, the headers and the leaves a load
+    selects."""
     loc = location(path)
+    if _hub.is_hub(loc):
+        return _from_hub(loc, whole)
     # A `.safetensors` path is never a directory: `_safetensors.find` reads it
     # (or raises), before anything else is tried.
     source = None if _safetensors.is_file_path(loc) else checkpoint(loc)
@@ -137,6 +148,25 @@ def open_source(path: Any) -> Source:
         f"`{_safetensors.SINGLE}` or orbax `{_orbax.METADATA}` there either (see docs/interop.md).",
         path=loc.display,
     )
+
+
+def _from_hub(loc: Location, whole: bool) -> Source:
+    """A folder of a Hub repository, pinned to a commit: its safetensors (with
+    `eqx_ckpt.json` where there is one), read as a local folder of the cache
+    where it holds them, else by byte ranges."""
+    pinned = _hub.pin(loc)
+    remote = _hub.pinned_location(pinned)
+    names = _hub.needed(pinned, _hub.reader(pinned, whole=whole))
+    if whole or pinned.offline or _hub.cached(pinned, names):
+        opened = _hub.local_location(pinned, _hub.download(pinned, names))
+    else:
+        opened = remote
+    found = _safetensors.find(opened)
+    if found is None:  # `needed` found safetensors files there
+        raise CheckpointNotFoundError(
+            f"{pinned.display} holds no safetensors file eqx_ckpt reads.", path=pinned.display
+        )
+    return dataclasses.replace(_foreign(opened, found), revision=pinned.sha)
 
 
 def checkpoint(loc: Location, manifest: Manifest | None = None) -> Source | None:

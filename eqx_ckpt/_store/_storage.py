@@ -72,7 +72,18 @@ from .._base._location import Location
 from .._base._progress import Tracker
 from .._ondisk import _format, _manifest
 from .._ondisk._format import LeafRecord, PackRecord
-from . import _durable, _local_read, _local_write, _memory, _pack_runs, _share, _storage_errors, _untrusted, _writers
+from . import (
+    _durable,
+    _hub,
+    _local_read,
+    _local_write,
+    _memory,
+    _pack_runs,
+    _share,
+    _storage_errors,
+    _untrusted,
+    _writers,
+)
 from ._storage_errors import read_explained, read_only_store, unreachable, write_error
 
 # What the local path needs of the host: little-endian bytes (zarr's chunks are
@@ -173,6 +184,8 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
     """`read_file`, and a stamp that changes whenever the file is replaced (see
     `file_changed`)."""
     _faults.fire("storage.read_file", loc, name)
+    if _hub.is_hub(loc):  # at one commit: its size listed before it is read, its stamp the commit
+        return _hub.read_small(loc, name, limit=limit, too_large=_storage_errors.too_large)
     if loc.local is not None:
         full = os.path.join(loc.local, name)
         _untrusted.refuse_links(loc, name)
@@ -686,20 +699,27 @@ class Folder:
     """The files of one directory of another program's checkpoint, opened once
     for the many byte-range reads of its arrays (`_safetensors`)."""
 
-    __slots__ = ("_store", "loc")
+    __slots__ = ("_hub", "_store", "loc")
 
     def __init__(self, loc: Location):
-        self.loc, self._store = loc, _kvstore(loc)
+        # A folder of a Hub repository is read at one commit through
+        # `huggingface_hub`'s file system (`_hub.Files`), anything else through TensorStore.
+        self._hub = _hub.Files(loc) if _hub.is_hub(loc) else None
+        self.loc, self._store = loc, None if self._hub is not None else _kvstore(loc)
 
     def read(self, name: str, byte_range: slice | None = None) -> Mapped:
         """Start reading the file `name` (its bytes `byte_range`, else all of
         it): a future of a `Found`. A range past the end of the file fails
         with TensorStore's `OUT_OF_RANGE` error."""
+        if self._hub is not None:
+            return Mapped(self._hub.read(name, byte_range), lambda found: Found(*found))
+        assert self._store is not None
         return Mapped(self._store.read(name, byte_range=byte_range), _found)
 
     def changed(self, name: str, generation: bytes) -> bool:
-        """`generation_changed` of one of its files."""
-        return generation_changed(self.loc, name, generation)
+        """`generation_changed` of one of its files (never, for a Hub folder: a
+        commit's files do not change)."""
+        return self._hub is None and generation_changed(self.loc, name, generation)
 
 
 def open_local_file(path: str) -> io.BufferedReader:

@@ -51,9 +51,25 @@ def refuse_links(loc: Location, relative: str, *, leaf: str | None = None, subtr
     current = loc.local
     for part in (p for p in relative.split("/") if p):
         current = os.path.join(current, part)
-        if os.path.islink(current):
+        if os.path.islink(current) and not _cached_blob(loc.local, current):
             raise _link_error(loc, current, leaf)
     return _scan(loc, current, leaf) if subtree and os.path.isdir(current) else 0
+
+
+def _cached_blob(folder: str, path: str) -> bool:
+    """Whether `path`, in `folder`, is a file of a snapshot of the Hugging Face
+    Hub's cache (`models--owner--name/snapshots/<commit>/...`), which
+    huggingface_hub makes a link to the file's content in the same
+    repository's `blobs/`: a link that stays within that repository's cache."""
+    parts = folder.split(os.sep)
+    if "snapshots" not in parts[:-1]:
+        return False
+    at = len(parts) - 1 - parts[::-1].index("snapshots")
+    root = os.sep.join(parts[:at])
+    if not os.path.basename(root).startswith("models--"):
+        return False
+    target = os.path.realpath(path)
+    return os.path.dirname(target) == os.path.realpath(os.path.join(root, "blobs")) and os.path.isfile(target)
 
 
 def check_leaf_files(loc: Location, record: LeafRecord) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import __version__
 from .._base._errors import CheckpointError, CheckpointNotFoundError, CheckpointValueError
-from .._base._location import Location, location
+from .._base._location import HUB_SCHEME, Location, location
 from .._load import _source
 from .._load._checkpoint import SMALL_VALUES, Checkpoint, human
 from .._manage._manager import CheckpointManager
@@ -26,6 +26,7 @@ from .._store import _share
 from ._demo import run
 from ._diff import diff
 from ._export import export_safetensors
+from ._publish import push_to_hub
 from ._verify import Problems, verify
 
 
@@ -53,6 +54,8 @@ def _ls(args: argparse.Namespace) -> int:
     try:
         ckpt = Checkpoint(path)
     except CheckpointNotFoundError as missing:
+        if isinstance(path, str) and path.startswith(HUB_SCHEME):  # a Hub repository is no manager's directory
+            raise
         try:
             manager = CheckpointManager(path)
         except CheckpointValueError:  # a file: no manager's directory either
@@ -107,6 +110,8 @@ def _format_steps(manager: CheckpointManager, steps: list[int]) -> str:
 def _info(args: argparse.Namespace) -> int:
     ckpt = Checkpoint(_path(args.path))
     print(f"path:            {printable(ckpt.path)}")
+    if ckpt.revision is not None:
+        print(f"revision:        {ckpt.revision}")
     if ckpt.format == "eqx_ckpt":
         print(f"format:          eqx_ckpt {ckpt.format_version} (zarr v3 arrays, {MANIFEST})")
     else:
@@ -155,6 +160,16 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"not checked: {limit}")
     print(f"{args.path}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
     return args.code
+
+
+def _push(args: argparse.Namespace) -> int:
+    metadata = dict(item.split("=", 1) for item in args.metadata) if args.metadata else None
+    commit = push_to_hub(
+        _path(args.path), args.repo, token=args.token, private=args.private, revision=args.revision,
+        commit_message=args.message, metadata=metadata, max_shard_size=args.max_shard_size,
+    )  # fmt: skip
+    print(f"hf://{args.repo}@{commit}")
+    return 0
 
 
 def _format_verified_steps(path: str, problems: Problems) -> str:
@@ -227,6 +242,52 @@ STORAGE_HELP = (
 )
 
 
+def _export_parser(commands: Any) -> None:
+    export = commands.add_parser(
+        "export", help="write a checkpoint as (Hugging Face sharded) safetensors", epilog=STORAGE_HELP
+    )
+    export.add_argument("ckpt", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
+    export.add_argument("out", help="output directory (or a path ending in .safetensors for one file)")
+    export.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
+    export.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB, 500MB (default 5GB)")
+    export.add_argument(
+        "--rename", action="append", default=[], metavar="PATTERN[=REPLACEMENT]",
+        help="regex rule from dotted path to tensor name (repeatable, first match wins); a PATTERN alone leaves "
+        "the matching leaves out",
+    )  # fmt: skip
+    export.add_argument(
+        "--metadata", action="append", default=[], metavar="KEY=VALUE",
+        help="a string for each file's __metadata__, e.g. format=pt (repeatable)",
+    )  # fmt: skip
+    export.add_argument(
+        "--info", default=None, metavar="JSON",
+        help='your metadata, kept in eqx_ckpt.json and shown on the model card: a JSON object, e.g. '
+        '\'{"description": "...", "metrics": {"loss": 0.1}}\'',
+    )  # fmt: skip
+    export.add_argument("--no-card", action="store_true", help="write no README.md (leave one there as it is)")
+    export.set_defaults(run=_export)
+
+
+def _push_parser(commands: Any) -> None:
+    push = commands.add_parser(
+        "push", help="publish a checkpoint to the Hugging Face Hub in one commit; prints hf://owner/name@<commit>",
+        epilog="Needs the optional extra: pip install \"eqx_ckpt[hub]\". The token is HF_TOKEN, or the one "
+        "`hf auth login` saved, unless --token is given. Load it back from hf://owner/name@<commit>.",
+    )  # fmt: skip
+    push.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
+    push.add_argument("repo", help="the repository, owner/name (made where there is none)")
+    push.add_argument("--revision", default=None, help="the branch to commit to (default: the default branch)")
+    push.add_argument("--private", action="store_true", help="make a new repository private")
+    push.add_argument("--token", default=None, help="a Hub token with write access (default: HF_TOKEN)")
+    push.add_argument("--message", default="Upload model with eqx_ckpt", help="the commit message")
+    push.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB, 500MB (default 5GB)")
+    push.add_argument(
+        "--metadata", action="append", default=[], metavar="KEY=VALUE",
+        help="your metadata, kept in eqx_ckpt.json and shown on the model card (repeatable)",
+    )  # fmt: skip
+    push.set_defaults(run=_push)
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="eqx-ckpt",
@@ -260,29 +321,8 @@ def parser() -> argparse.ArgumentParser:
     diff.add_argument("a")
     diff.add_argument("b")
     diff.set_defaults(run=_diff)
-    export = commands.add_parser(
-        "export", help="write a checkpoint as (Hugging Face sharded) safetensors", epilog=STORAGE_HELP
-    )
-    export.add_argument("ckpt", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
-    export.add_argument("out", help="output directory (or a path ending in .safetensors for one file)")
-    export.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
-    export.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB, 500MB (default 5GB)")
-    export.add_argument(
-        "--rename", action="append", default=[], metavar="PATTERN[=REPLACEMENT]",
-        help="regex rule from dotted path to tensor name (repeatable, first match wins); a PATTERN alone leaves "
-        "the matching leaves out",
-    )  # fmt: skip
-    export.add_argument(
-        "--metadata", action="append", default=[], metavar="KEY=VALUE",
-        help="a string for each file's __metadata__, e.g. format=pt (repeatable)",
-    )  # fmt: skip
-    export.add_argument(
-        "--info", default=None, metavar="JSON",
-        help='your metadata, kept in eqx_ckpt.json and shown on the model card: a JSON object, e.g. '
-        '\'{"description": "...", "metrics": {"loss": 0.1}}\'',
-    )  # fmt: skip
-    export.add_argument("--no-card", action="store_true", help="write no README.md (leave one there as it is)")
-    export.set_defaults(run=_export)
+    _export_parser(commands)
+    _push_parser(commands)
     demo = commands.add_parser("demo", help="train a small model, save, list and reload it")
     demo.add_argument("--dir", default=None, help="where to save (default: a new temporary directory)")
     demo.add_argument("--steps", type=int, default=50, help="training steps")

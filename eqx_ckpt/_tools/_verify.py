@@ -25,7 +25,7 @@ from .._manage._steps import committed_steps
 from .._ondisk import _format, _layout
 from .._ondisk._format import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, PackRecord, dtype_from_name, step_name
 from .._ondisk._manifest import Manifest
-from .._store import _storage, _storage_errors, _untrusted
+from .._store import _hub, _storage, _storage_errors, _untrusted
 from . import _chunk_scan, _verify_sources
 
 # Pack chunks read at once.
@@ -147,11 +147,13 @@ def verify(path: Any, *, progress: Progress = None) -> Problems:
     """
     loc = location(path)
     try:
-        source = None if _safetensors.is_file_path(loc) else _source.checkpoint(loc)
+        # A Hub repository holds no eqx_ckpt checkpoint directory, only the published layout.
+        foreign = _safetensors.is_file_path(loc) or _hub.is_hub(loc)
+        source = None if foreign else _source.checkpoint(loc)
     except CorruptCheckpointError as e:
         return Problems([Problem(None, str(e))])
     if source is None:
-        steps = [] if _safetensors.is_file_path(loc) else committed_steps(loc)
+        steps = [] if foreign else committed_steps(loc)
         if steps:
             return _verify_steps(loc, steps, progress)
         found, unchecked = _verify_sources.check(loc, progress)

@@ -1,0 +1,83 @@
+"""`push_to_hub`: a tree or a checkpoint, exported and published to the Hugging Face Hub in one commit."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .._base._errors import CheckpointTypeError
+from .._base._progress import Progress
+from .._store import _hub
+from ._export import export_safetensors
+
+
+def push_to_hub(
+    tree_or_checkpoint_path: Any,
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str = "Upload model with eqx_ckpt",
+    metadata: dict[str, Any] | None = None,
+    max_shard_size: int | str = "5GB",
+    progress: Progress = None,
+) -> str:
+    """Publish a model to the Hugging Face Hub, in one commit, as files anyone can read.
+
+    The tree (or the checkpoint at a path, read leaf by leaf) is exported with
+    [`eqx_ckpt.export_safetensors`][] (safetensors, `eqx_ckpt.json` holding its
+    structure, a model card) into a temporary folder (host memory
+    bounded as the export's: a shard at a time), then committed through
+    `huggingface_hub` (the optional extra `hub`: `pip install "eqx_ckpt[hub]"`):
+    the repository is made where there is none, and the files are uploaded
+    and committed together. Load it back with `hf://owner/name@<revision>`
+    anywhere a checkpoint path is read (see [docs/sharing.md](../sharing.md)).
+
+    **Arguments:**
+
+    - `tree_or_checkpoint_path`: a PyTree of arrays, or a checkpoint's path
+        (any source [`eqx_ckpt.Checkpoint`][] opens).
+    - `repo_id`: `"owner/name"`.
+    - `token`: a Hub token with write access; `None` takes `HF_TOKEN` or the
+        one `hf auth login` saved.
+    - `private`: make a new repository private (an existing one is left as it is).
+    - `revision`: the branch to commit to (made from the default branch
+        where there is none); `None`: the default branch.
+    - `commit_message`: the commit's message.
+    - `metadata`: your own metadata, kept in `eqx_ckpt.json` and shown on the
+        model card (`info` of [`eqx_ckpt.export_safetensors`][]: a
+        `"description"`, hyperparameters, metrics; `"name"` titles the card);
+        `Checkpoint("hf://owner/name").info` gives it back.
+    - `max_shard_size`: as for [`eqx_ckpt.export_safetensors`][].
+    - `progress`: the export's progress, as for [`eqx_ckpt.export_safetensors`][];
+        the upload shows `huggingface_hub`'s own bars (`HF_HUB_DISABLE_PROGRESS_BARS=1` hides them).
+
+    **Returns:**
+
+    The commit's id (40 hex digits): pass it as `hf://owner/name@<id>` to load
+    exactly this version, whatever is pushed later.
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax
+        import eqx_ckpt
+
+        model = eqx.nn.MLP(4, 4, 16, 2, key=jax.random.key(0))
+        commit = eqx_ckpt.push_to_hub(model, "me/my-mlp")
+        loaded = eqx_ckpt.Checkpoint(f"hf://me/my-mlp@{commit}").load(trust=[])  # no MLP constructor run
+        ```
+    """
+    if not isinstance(repo_id, str) or repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise CheckpointTypeError(f"`repo_id` must be a string `owner/name`, not {repo_id!r}.")
+    _hub.library()  # the install hint before anything is exported
+
+    def write(folder: str) -> list[str]:
+        source = os.fspath(tree_or_checkpoint_path) if isinstance(tree_or_checkpoint_path, os.PathLike) else None
+        tree = source if source is not None else tree_or_checkpoint_path
+        return export_safetensors(
+            folder, tree, max_shard_size=max_shard_size, info=metadata, card_path=f"hf://{repo_id}", progress=progress
+        )
+
+    return _hub.publish(write, repo_id, token=token, private=private, revision=revision, commit_message=commit_message)

@@ -1,0 +1,546 @@
+"""Publishing to and loading from the Hugging Face Hub (`push_to_hub`, `hf://`
+paths), against a local server answering the Hub's HTTP API (`hub_server`).
+
+Every Hub call runs in a fresh subprocess whose `HF_ENDPOINT` points at the
+server (huggingface_hub reads it, `HF_HOME` and `HF_HUB_DISABLE_XET` at import),
+with a cache of its own per test."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import pickle
+import re
+import subprocess
+import sys
+import textwrap
+
+import equinox as eqx
+import hub_server
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_ckpt
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("huggingface_hub") is None, reason="needs the `hub` extra (huggingface_hub)"
+)
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+_PRELUDE = """
+import json, os, sys
+import numpy as np, jax, jax.numpy as jnp, equinox as eqx, eqx_ckpt
+def emit(value):
+    print("RESULT " + json.dumps(value), flush=True)
+def raised(call):
+    try:
+        call()
+    except Exception as e:
+        return [type(e).__name__, [c.__name__ for c in type(e).__mro__], str(e)]
+    return None
+"""
+
+
+class Client:
+    """Runs code in a fresh process that reaches the server `url` as the Hub, with its cache at `home`."""
+
+    def __init__(self, url: str, home: pathlib.Path):
+        self.url, self.home = url, home
+
+    def env(self, **extra: str | None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+        env.update(
+            HF_ENDPOINT=self.url, HF_HOME=str(self.home), HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
+            HF_HUB_DISABLE_TELEMETRY="1", HF_TOKEN="writer", JAX_PLATFORMS="cpu",
+            PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+        )  # fmt: skip
+        for key, value in extra.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        return env
+
+    def run(self, code: str, **env: str | None) -> object:
+        done = subprocess.run(
+            [sys.executable, "-c", _PRELUDE + textwrap.dedent(code)],
+            env=self.env(**env), capture_output=True, text=True, timeout=300, cwd=self.home.parent,
+        )  # fmt: skip
+        results = [line[len("RESULT ") :] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        assert done.returncode == 0 and results, done.stdout[-3000:] + done.stderr[-6000:]
+        return json.loads(results[-1])
+
+
+@pytest.fixture
+def hub(tmp_path):
+    with hub_server.serving() as (url, state):
+        yield Client(url, tmp_path / "hf"), state
+
+
+def _tree(scale: float = 1.0) -> dict:
+    return {
+        "embed": jnp.arange(4096, dtype=jnp.float32).reshape(64, 64) * scale,
+        "blocks": [
+            {"w": jnp.full((128, 64), i + scale, jnp.float32), "b": jnp.arange(64, dtype=jnp.int32)} for i in range(3)
+        ],
+        "head": jnp.ones((64, 8), jnp.bfloat16) * scale,
+    }
+
+
+def _push(client: Client, repo: str, scale: float, tmp: pathlib.Path, **options: object) -> str:
+    """Push `_tree(scale)` (saved first as a local checkpoint at `tmp/name`) and return the commit."""
+    eqx_ckpt.tree_serialise_leaves(tmp / f"local-{scale}", _tree(scale), overwrite=True)
+    args = ", ".join(f"{k}={v!r}" for k, v in options.items())
+    return str(
+        client.run(
+            f"emit(eqx_ckpt.push_to_hub({str(tmp / f'local-{scale}')!r}, {repo!r}{', ' + args if args else ''}))"
+        )
+    )
+
+
+_LOAD = """
+like = eqx_ckpt.Checkpoint({local!r}).load()
+like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like)
+got = eqx_ckpt.tree_deserialise_leaves({path!r}, like)
+emit(jax.tree.map(lambda x: np.asarray(x, np.float32).tolist(), got))
+"""
+
+
+def _as_lists(tree: dict) -> object:
+    return jax.tree.map(lambda x: np.asarray(x, np.float32).tolist(), tree)
+
+
+def test_publish_then_load_by_name_in_a_fresh_process(hub, tmp_path):
+    """Published by one process, loaded by another by name: the same values,
+    the commit `push_to_hub` returned is the one `Checkpoint.revision` names."""
+    client, state = hub
+    commit = _push(client, "me/model", 1.0, tmp_path)
+    assert re.fullmatch(r"[0-9a-f]{40}", commit)
+    assert state.repos["me/model"].branches["main"] == commit
+    got = client.run(_LOAD.format(local=str(tmp_path / "local-1.0"), path="hf://me/model"))
+    assert got == _as_lists(_tree(1.0))
+    opened = client.run("c = eqx_ckpt.Checkpoint('hf://me/model@main'); emit([c.revision, c.path, sorted(c)])")
+    assert opened == [commit, f"hf://me/model@{commit}", sorted(eqx_ckpt.Checkpoint(tmp_path / "local-1.0"))]
+
+
+def test_publish_then_load_with_trust_never_runs_the_constructor(hub, tmp_path):
+    """A Module published by one process is rebuilt by another from the repo's
+    `eqx_ckpt.json` with `load(trust=[...])`: its constructor never runs (it
+    raises there), and the result equals the original, types included."""
+    client, _ = hub
+    (tmp_path / "mine.py").write_text(
+        textwrap.dedent("""
+        import equinox as eqx, jax, jax.numpy as jnp
+        class Head(eqx.Module):
+            proj: eqx.nn.Linear
+            scale: jax.Array
+            act: str = eqx.field(static=True)
+            def __init__(self):
+                self.proj, self.scale, self.act = eqx.nn.Linear(8, 2, key=jax.random.key(1)), jnp.full(2, 0.5), "gelu"
+    """)
+    )
+    commit = client.run("""
+        sys.path.insert(0, ".")
+        import mine as layers
+        model = {"net": layers.Head(), "mlp": eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(0)), "step": 7}
+        eqx_ckpt.tree_serialise_leaves("original", model)
+        emit(eqx_ckpt.push_to_hub(model, "me/trusted", metadata={"description": "a test", "lr": 0.1}))
+    """)
+    same = client.run(f"""
+        sys.path.insert(0, ".")
+        import mine as layers
+        def refuse(*args, **kwargs):
+            raise AssertionError("the constructor ran")
+        layers.Head.__init__ = refuse
+        eqx.nn.MLP.__init__ = refuse
+        trust = [layers.Head]
+        ckpt = eqx_ckpt.Checkpoint("hf://me/trusted")
+        loaded = ckpt.load(trust=trust)
+        original = eqx_ckpt.Checkpoint("original").load(trust=trust)
+        emit([bool(eqx.tree_equal(loaded, original, typematch=True)), type(loaded["net"]).__name__,
+              ckpt.revision == {commit!r}, ckpt.info, raised(layers.Head)[2],
+              raised(lambda: eqx.nn.MLP(1, 1, 1, 1))[2]])
+    """)
+    ran = "the constructor ran"  # as calling them shows
+    assert same == [True, "Head", True, {"description": "a test", "lr": 0.1}, ran, ran]
+
+
+def test_load_equals_the_original_with_typematch(hub, tmp_path):
+    """`eqx.tree_equal(..., typematch=True)` of the loaded tree and the original, in the process that loads."""
+    client, _ = hub
+    _push(client, "me/typed", 1.0, tmp_path)
+    same = client.run(f"""
+        original = eqx_ckpt.Checkpoint({str(tmp_path / "local-1.0")!r}).load()
+        like = eqx.filter_eval_shape(lambda: original)
+        got = eqx_ckpt.tree_deserialise_leaves("hf://me/typed", like)
+        emit(bool(eqx.tree_equal(got, original, typematch=True)))
+    """)
+    assert same is True
+
+
+def test_publish_twice_then_load_the_first_revision(hub, tmp_path):
+    """A commit pins what loads: the first push's values at its commit, the
+    second's at `main`; and a repository opened at `main` keeps reading the
+    commit it was opened at while another push lands."""
+    client, _ = hub
+    first = _push(client, "me/twice", 1.0, tmp_path)
+    second = _push(client, "me/twice", 2.0, tmp_path)
+    assert first != second
+    local = str(tmp_path / "local-1.0")
+    assert client.run(_LOAD.format(local=local, path=f"hf://me/twice@{first}")) == _as_lists(_tree(1.0))
+    assert client.run(_LOAD.format(local=local, path="hf://me/twice@main")) == _as_lists(_tree(2.0))
+    # Opened at `main` (second), then a third push: the open checkpoint still reads the second.
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "local-3.0", _tree(3.0))
+    got = client.run(f"""
+        ckpt = eqx_ckpt.Checkpoint("hf://me/twice@main")
+        third = eqx_ckpt.push_to_hub({str(tmp_path / "local-3.0")!r}, "me/twice")
+        emit([ckpt.revision, third != ckpt.revision, np.asarray(ckpt["head"], np.float32).tolist()])
+    """)
+    assert got[:2] == [second, True]
+    assert got[2] == np.asarray(_tree(2.0)["head"], np.float32).tolist()
+
+
+def test_a_partial_load_downloads_only_the_selected_tensors(hub, tmp_path):
+    """`prefix=` reads the headers and the selected tensors' bytes by ranges: the
+    bytes the server sent are at most 1.1x those, and nothing is cached whole."""
+    client, state = hub
+    _push(client, "me/partial", 1.0, tmp_path)
+    before = state.sent.get("", 0)
+    got = client.run("""
+        ckpt_like = {"w": jax.ShapeDtypeStruct((128, 64), jnp.float32), "b": jax.ShapeDtypeStruct((64,), jnp.int32)}
+        got = eqx_ckpt.tree_deserialise_leaves("hf://me/partial", ckpt_like, prefix="blocks.1")
+        emit([np.asarray(got["w"]).tolist(), np.asarray(got["b"]).tolist()])
+    """)
+    assert got == [np.full((128, 64), 2.0).tolist(), list(range(64))]
+    sent = state.sent[""] - before
+    (blob,) = [data for data in state.blobs.values() if data[:8] and len(data) > 50_000]
+    header = 8 + int.from_bytes(blob[:8], "little") + 2  # the length, the header, the probe past the last tensor
+    selected = 128 * 64 * 4 + 64 * 4
+    assert sent <= 1.1 * (selected + header), (sent, selected, header, len(blob))
+    assert len(blob) > 3 * (selected + header)  # a whole download would have been far more
+    cached = list((tmp_path / "hf").rglob("*.safetensors"))
+    assert cached == []
+
+
+def test_a_second_load_needs_no_network(tmp_path):
+    """Loaded whole once, a repository loads again from the Hub's cache with the
+    server stopped, and with `HF_HUB_OFFLINE=1`; a lazy load too."""
+    with hub_server.serving() as (url, _):
+        client = Client(url, tmp_path / "hf")
+        commit = _push(client, "me/cached", 1.0, tmp_path)
+        load = _LOAD.format(local=str(tmp_path / "local-1.0"), path="hf://me/cached")
+        assert client.run(load) == _as_lists(_tree(1.0))
+    # The port is closed now: nothing answers.
+    assert client.run(load) == _as_lists(_tree(1.0))
+    assert client.run(load, HF_HUB_OFFLINE="1") == _as_lists(_tree(1.0))
+    lazy = client.run(
+        "c = eqx_ckpt.Checkpoint('hf://me/cached@main'); emit([c.revision, np.asarray(c['blocks.2.w']).tolist()])"
+    )
+    assert lazy == [commit, np.full((128, 64), 3.0).tolist()]
+
+
+def _raised(client: Client, path: str, **env: str | None) -> list:
+    got = client.run(f"emit(raised(lambda: eqx_ckpt.Checkpoint({path!r})))", **env)
+    assert got is not None
+    return got
+
+
+def test_a_missing_repo_or_revision_is_named(hub, tmp_path):
+    client, _ = hub
+    _push(client, "me/there", 1.0, tmp_path)
+    name, mro, message = _raised(client, "hf://me/absent")
+    assert name == "CheckpointNotFoundError" and "FileNotFoundError" in mro
+    assert message.startswith("hf://me/absent@main: there is no such repository")
+    name, _, message = _raised(client, "hf://me/there@v9")
+    assert name == "CheckpointNotFoundError"
+    assert message.startswith(re.escape("hf://me/there@v9: the repository has no revision 'v9'").replace("\\", ""))
+
+
+def test_private_and_gated_repos_need_a_token_with_access(hub, tmp_path):
+    client, state = hub
+    files = {"model.safetensors": _safetensors_bytes(tmp_path)}
+    state.put_files("team/private", files, private=True, readers={"reader"})
+    state.put_files("team/gated", files, gated=True, readers={"reader"})
+    for token in (None, "stranger"):
+        name, _, message = _raised(client, "hf://team/private", HF_TOKEN=token)
+        said = "none was given" if token is None else "one was given"
+        assert name == "CheckpointNotFoundError"
+        assert message.startswith(
+            f"hf://team/private@main: there is no such repository, or it is private and the token ({said}) "
+            "has no access"
+        )
+    name, mro, message = _raised(client, "hf://team/gated", HF_TOKEN="stranger")
+    assert name == "CheckpointStorageError" and "OSError" in mro
+    assert message.startswith("hf://team/gated@main: the repository is gated")
+    opened = client.run("emit(sorted(eqx_ckpt.Checkpoint('hf://team/private')))", HF_TOKEN="reader")
+    assert opened == ["w"]
+    assert client.run("emit(sorted(eqx_ckpt.Checkpoint('hf://team/gated')))", HF_TOKEN="reader") == ["w"]
+
+
+def test_no_network_says_so_with_the_cache_hint(tmp_path):
+    with hub_server.serving() as (url, _):
+        client = Client(url, tmp_path / "hf")
+    name, mro, message = _raised(client, "hf://me/never-fetched")
+    assert name == "CheckpointConnectionError" and "ConnectionError" in mro
+    assert "the Hub cannot be reached, and the local cache" in message and "HF_HUB_OFFLINE=1" in message
+    name, _, message = _raised(client, "hf://me/never-fetched", HF_HUB_OFFLINE="1")
+    assert name == "CheckpointConnectionError"
+    assert message.startswith("hf://me/never-fetched@main: offline mode is on (`HF_HUB_OFFLINE=1`)")
+
+
+def test_server_errors_are_retried_then_named(hub, tmp_path):
+    """A download that fails twice with 503 is retried by huggingface_hub and
+    loads; a model info answered 429 or 500 every time is named with its status."""
+    client, state = hub
+    _push(client, "me/flaky", 1.0, tmp_path)
+    state.fail(r"^(HEAD|GET) /me/flaky/resolve/", 503, times=2)
+    got = client.run(_LOAD.format(local=str(tmp_path / "local-1.0"), path="hf://me/flaky"))
+    assert got == _as_lists(_tree(1.0))
+    assert sum(1 for r in state.requests if re.match(r"(HEAD|GET) /me/flaky/resolve/", r)) >= 3
+    for status, said in ((429, "rate limited (HTTP 429)"), (500, "failed (HTTP 500)")):
+        state.fail(r"^GET /api/models/me/flaky", status, times=1)
+        name, _, message = _raised(client, "hf://me/flaky")
+        assert name == "CheckpointStorageError"
+        assert message.startswith(f"hf://me/flaky@main: the Hub {said}")
+
+
+def _safetensors_bytes(tmp_path: pathlib.Path, tensors: dict | None = None) -> bytes:
+    folder = tmp_path / f"st-{len(list(tmp_path.iterdir()))}"
+    eqx_ckpt.export_safetensors(folder, tensors or {"w": jnp.arange(6, dtype=jnp.float32)})
+    return (folder / "model.safetensors").read_bytes()
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_repo_with_no_model_says_what_it_holds(hub, tmp_path):
+    client, state = hub
+    state.put_files("me/torch", {
+        "pytorch_model.bin": pickle.dumps(_Evil()), "modeling_mine.py": b"open('PWNED', 'w')\n",
+        "config.json": b'{"auto_map": {"AutoModel": "modeling_mine.Model"}}', "weights/model.safetensors": b"x" * 16,
+    })  # fmt: skip
+    name, _, message = _raised(client, "hf://me/torch")
+    assert name == "CheckpointNotFoundError"
+    assert message.startswith("hf://me/torch@") and "holds no model eqx_ckpt reads" in message
+    assert "pickled or framework weights (`pytorch_model.bin`), which eqx_ckpt never reads" in message
+    assert "Python code (`modeling_mine.py`), which eqx_ckpt never runs" in message
+    assert "folders (`weights`" in message
+    assert not any("pytorch_model.bin" in r or "modeling_mine" in r or "config.json" in r for r in state.requests)
+
+
+def test_nothing_from_a_repo_is_imported_run_or_unpickled(hub, tmp_path):
+    """A repository holding a pickle, a `.py` file and a hostile config beside
+    its weights: the weights load, and nothing else is downloaded, opened,
+    imported or unpickled (an audit hook in the loading process)."""
+    client, state = hub
+    state.put_files("me/hostile", {
+        "model.safetensors": _safetensors_bytes(tmp_path),
+        "pytorch_model.bin": pickle.dumps(_Evil()), "modeling_evil.py": b"open('PWNED', 'w')\n",
+        "__init__.py": b"open('PWNED', 'w')\n",
+        "config.json": b'{"auto_map": {"AutoModel": "modeling_evil.Model"}, "trust_remote_code": true}',
+    })  # fmt: skip
+    got = client.run("""
+        seen = []
+        home = os.environ["HF_HOME"]
+        def audit(event, args):
+            if event == "pickle.find_class":
+                seen.append([event, ""])
+            if event not in ("open", "exec", "import"):
+                return
+            named = args[0].co_filename if event == "exec" else args[0]
+            named = named if isinstance(named, str) else ""
+            if "modeling_evil" in named or "pytorch_model" in named or (
+                    home in named and ("config.json" in named or "__init__.py" in named)):
+                seen.append([event, named])
+        sys.addaudithook(audit)
+        like = {"w": jax.ShapeDtypeStruct((6,), jnp.float32)}
+        got = eqx_ckpt.tree_deserialise_leaves("hf://me/hostile", like)
+        part = eqx_ckpt.tree_deserialise_leaves("hf://me/hostile", like, where=lambda t: t["w"])
+        emit([np.asarray(got["w"]).tolist(), np.asarray(part["w"]).tolist(), "modeling_evil" in sys.modules,
+              seen, os.path.exists("PWNED")])
+    """)
+    assert got == [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]] * 2 + [False, [], False]
+    assert not (tmp_path / "PWNED").exists()
+    fetched = [r for r in state.requests if "/resolve/" in r]
+    assert fetched and all("model.safetensors" in r for r in fetched)
+    assert not [
+        p
+        for p in (tmp_path / "hf").rglob("*")
+        if p.is_file() and p.name != "model.safetensors" and "snapshots" in str(p)
+    ]
+
+
+def test_a_hostile_structure_record_names_a_class_that_is_never_imported(hub, tmp_path):
+    """`eqx_ckpt.json` naming a class of the repository's own code: the load
+    without a `like` refuses it (it is not in the trust list), and the module
+    is never imported, nor its file fetched."""
+    client, state = hub
+    folder = tmp_path / "published"
+    eqx_ckpt.export_safetensors(folder, eqx.nn.Linear(2, 2, key=jax.random.key(0)))
+    record = json.loads((folder / "eqx_ckpt.json").read_text())
+    record["structure"]["cls"] = "modeling_evil:Model"
+    state.put_files("me/record", {
+        "model.safetensors": (folder / "model.safetensors").read_bytes(),
+        "eqx_ckpt.json": json.dumps(record).encode(), "modeling_evil.py": b"open('PWNED', 'w')\n",
+    })  # fmt: skip
+    got = client.run("""
+        imported = []
+        def audit(event, args):
+            if event == "import" and isinstance(args[0], str) and "evil" in args[0]:
+                imported.append(args[0])
+        sys.addaudithook(audit)
+        error = raised(lambda: eqx_ckpt.Checkpoint("hf://me/record").load(trust=[]))
+        emit([error[0], error[2], imported, "modeling_evil" in sys.modules, os.path.exists("PWNED")])
+    """)
+    assert got[0] == "UntrustedError" and "modeling_evil:Model" in got[1]
+    assert got[2:] == [[], False, False]
+    assert not any("modeling_evil" in r for r in state.requests)
+
+
+def test_a_damaged_cached_file_is_refused(hub, tmp_path):
+    """A file of the cache that is not the size the Hub lists (damaged on disk
+    since it was downloaded) is refused, naming it and the fix."""
+    client, _ = hub
+    _push(client, "me/damaged", 1.0, tmp_path)
+    client.run(_LOAD.format(local=str(tmp_path / "local-1.0"), path="hf://me/damaged"))
+    (blob,) = [p for p in (tmp_path / "hf").rglob("blobs/*") if p.stat().st_size > 50_000]
+    with open(blob, "r+b") as f:
+        f.truncate(blob.stat().st_size - 4)
+    name, _, message = _raised(client, "hf://me/damaged")
+    assert name == "CorruptCheckpointError"
+    assert "`model.safetensors` was downloaded as" in message and "hf cache rm" in message
+
+
+def test_a_branch_and_a_private_repo_are_published(hub, tmp_path):
+    """`revision=` commits to a branch (made from `main`), leaving `main` as it
+    was; `private=True` makes a repository only its token reads."""
+    client, state = hub
+    main = _push(client, "me/branched", 1.0, tmp_path)
+    dev = _push(client, "me/branched", 2.0, tmp_path, revision="dev", commit_message="try")
+    assert state.repos["me/branched"].branches == {"main": main, "dev": dev}
+    local = str(tmp_path / "local-1.0")
+    assert client.run(_LOAD.format(local=local, path="hf://me/branched@dev")) == _as_lists(_tree(2.0))
+    assert client.run(_LOAD.format(local=local, path="hf://me/branched")) == _as_lists(_tree(1.0))
+    _push(client, "me/secret", 1.0, tmp_path, private=True)
+    assert state.repos["me/secret"].private
+    name, _, _ = _raised(client, "hf://me/secret", HF_TOKEN=None)
+    assert name == "CheckpointNotFoundError"
+    assert client.run(_LOAD.format(local=local, path="hf://me/secret")) == _as_lists(_tree(1.0))
+
+
+def test_load_or_initialise_loads_by_name(hub, tmp_path):
+    client, _ = hub
+    _push(client, "me/init", 1.0, tmp_path)
+    got = client.run(f"""
+        local = eqx_ckpt.Checkpoint({str(tmp_path / "local-1.0")!r}).load()
+        loaded = eqx_ckpt.load_or_initialise("hf://me/init", lambda: jax.tree.map(jnp.zeros_like, local))
+        emit(jax.tree.map(lambda x: np.asarray(x, np.float32).tolist(), loaded))
+    """)
+    assert got == _as_lists(_tree(1.0))
+
+
+def test_a_plain_hugging_face_repo_and_a_subfolder_load_by_name(hub, tmp_path):
+    """A repository of plain safetensors (Hugging Face names, no `eqx_ckpt.json`),
+    in a subfolder, loads into a `like` with `rename`, as a local folder does."""
+    client, state = hub
+    weight = np.arange(12, dtype=np.float32).reshape(3, 4)
+    data = _safetensors_bytes(tmp_path, {"model": {"proj": {"weight": weight, "bias": np.ones(3, np.float32)}}})
+    state.put_files("org/plain", {"text/encoder/model.safetensors": data, "README.md": b"# plain\n"})
+    got = client.run("""
+        like = eqx.filter_eval_shape(eqx.nn.Linear, 4, 3, key=jax.random.key(0))
+        linear = eqx_ckpt.tree_deserialise_leaves("hf://org/plain@main/text/encoder", like,
+                                                  rename=[(r"(weight|bias)", r"model.proj.\\1")])
+        emit([np.asarray(linear.weight).tolist(), np.asarray(linear.bias).tolist(),
+              eqx_ckpt.Checkpoint("hf://org/plain/text/encoder").path])
+    """)
+    assert got[:2] == [weight.tolist(), [1.0, 1.0, 1.0]]
+    assert re.fullmatch(r"hf://org/plain@[0-9a-f]{40}/text/encoder", got[2])
+
+
+def test_the_cli_pushes_lists_verifies_and_diffs(hub, tmp_path):
+    client, _ = hub
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "local", _tree(1.0))
+    cli = [sys.executable, "-m", "eqx_ckpt._tools._cli"]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*cli, *args], env=client.env(), capture_output=True, text=True, timeout=300)
+
+    pushed = run("push", str(tmp_path / "local"), "me/cli", "--message", "first")
+    assert pushed.returncode == 0, pushed.stderr
+    (url,) = pushed.stdout.split()
+    assert re.fullmatch(r"hf://me/cli@[0-9a-f]{40}", url)
+    listed = run("ls", "hf://me/cli")
+    assert listed.returncode == 0 and "blocks" in listed.stdout and "embed" in listed.stdout, listed.stderr
+    info = run("info", url)
+    assert info.returncode == 0 and f"path:            {url}" in info.stdout and "safetensors" in info.stdout
+    assert f"revision:        {url.rpartition('@')[2]}" in info.stdout
+    verified = run("verify", url)
+    assert verified.returncode == 0 and verified.stdout.strip().endswith("sound"), verified.stdout + verified.stderr
+    same = run("diff", url, str(tmp_path / "local"))
+    assert same.returncode == 0, same.stdout + same.stderr
+    missing = run("ls", "hf://me/nothing")
+    assert missing.returncode == 2 and "hf://me/nothing@main: there is no such repository" in missing.stderr
+
+
+def test_hub_paths_are_parsed_without_the_hub(tmp_path):
+    from eqx_ckpt._base._location import location
+
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "local", {"w": jnp.ones(2)})
+    assert eqx_ckpt.Checkpoint(tmp_path / "local").revision is None  # only a Hub repository has one
+
+    loc = location("hf://me/model@refs%2Fpr%2F1/sub/folder")
+    assert loc.kvstore == {"driver": "hf", "repo": "me/model", "revision": "refs/pr/1", "path": "sub/folder/"}
+    assert location("hf://me/model").kvstore["revision"] is None
+    assert location("hf://me/model/sub").kvstore["path"] == "sub/"
+    for bad in ("hf://me", "hf://me/model@", "hf://me/model/../x"):
+        with pytest.raises(eqx_ckpt.CheckpointTypeError, match="hf://owner/name"):
+            location(bad)
+
+
+def test_huggingface_hub_is_imported_only_for_the_hub():
+    """`import eqx_ckpt` never imports huggingface_hub; without it, a Hub call says what to install."""
+    code = """
+import sys
+import eqx_ckpt
+assert "huggingface_hub" not in sys.modules
+eqx_ckpt.tree_serialise_leaves("local_ckpt_unused", {"w": 1.0}) if False else None
+sys.modules["huggingface_hub"] = None  # as if it were not installed
+for call in (lambda: eqx_ckpt.Checkpoint("hf://me/model"), lambda: eqx_ckpt.push_to_hub({"w": 1.0}, "me/model")):
+    try:
+        call()
+    except ImportError as e:
+        print(e)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 2 and all('pip install "eqx_ckpt[hub]"' in line for line in lines)
+
+
+def test_a_cache_snapshot_may_link_only_to_its_own_blobs(tmp_path):
+    """In the Hub's cache, a snapshot's files are links to the repository's
+    `blobs/`, which a load follows; a link anywhere else (here `eqx_ckpt.json`
+    to a file outside the cache) is refused as in any checkpoint."""
+    published = tmp_path / "published"
+    eqx_ckpt.export_safetensors(published, {"w": jnp.arange(3.0)})
+    repo = tmp_path / "hub" / "models--me--linked"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for name in ("model.safetensors", "eqx_ckpt.json"):
+        blob = repo / "blobs" / f"blob-{name}"
+        blob.write_bytes((published / name).read_bytes())
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    loaded = eqx_ckpt.Checkpoint(snapshot).load(trust=[])
+    assert eqx.tree_equal(loaded, {"w": jnp.arange(3.0)}, typematch=True)
+    (snapshot / "eqx_ckpt.json").unlink()
+    (snapshot / "eqx_ckpt.json").symlink_to(published / "eqx_ckpt.json")
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("'eqx_ckpt.json' in checkpoint")):
+        eqx_ckpt.Checkpoint(snapshot)
