@@ -308,7 +308,7 @@ def test_local_packs_are_read_by_eqx_ckpt_only_the_chunks_a_load_needs(tmp_path,
     tree = _striped()
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     body = _manifest(tmp_path)
-    assert _pack_chunk(body) == 1024 and len(os.listdir(tmp_path / "packed.float32" / "c")) > 8
+    assert 1000 <= _pack_chunk(body) <= 1024 and len(os.listdir(tmp_path / "packed.float32" / "c")) > 8
 
     def no_tensorstore(*args, **kwargs):
         raise AssertionError("a local pack was opened with TensorStore")
