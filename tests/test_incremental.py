@@ -372,7 +372,7 @@ def _fine_tune(case):
             "opt_state": opt_state,
             "step": step,
         }  # fmt: skip
-        grads = jax.tree.map(lambda x: np.full(x.shape, step + 1.0, np.float32), head)
+        grads = jax.tree.map(lambda x, g=step + 1.0: np.full(x.shape, g, np.float32), head)
         with jax.numpy_dtype_promotion("standard"):  # optax's bias correction mixes dtypes
             updates, opt_state = optimiser.update(grads, opt_state)
         head = optax.apply_updates(head, updates)
