@@ -30,6 +30,7 @@ from benchmarks import (  # noqa: E402
     gpu,
     gpu_budget,
     gpu_copies,
+    incremental,
     page_sizes,
     report,
     run,
@@ -564,3 +565,14 @@ def test_the_staging_benchmark_measures_each_budget_in_a_fresh_process(tmp_path)
     # 8 leaves of 4 MiB, 2 MiB each as bfloat16: the default stages them all at once, 2 MiB one at a time.
     assert rows[0]["staged_peak"] == 16 * 2**20 and rows[1]["staged_peak"] == 2 * 2**20
     assert [p.name for p in tmp_path.iterdir()] == ["staging.json"]
+
+
+def test_the_incremental_benchmark_measures_a_small_model_all_packed(tmp_path):
+    """`benchmarks.incremental`'s small-model case (issue 59), at 4.1 MiB (a
+    last pack chunk that was mostly padding): a manager's steps, the disk each
+    adds, within the changed bytes + 1 MiB."""
+    args = incremental.argparse.Namespace(steps=2, small_base_mib=4.1, small_head_kib=2.0)
+    out = incremental.small_steps(args, str(tmp_path / "run"))
+    assert out["small_changed_bytes"] == 2048 + 8
+    assert len(out["small_step_added_bytes"]) == 2
+    assert 0 < max(out["small_step_added_bytes"]) <= out["small_changed_bytes"] + (1 << 20)
