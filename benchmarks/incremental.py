@@ -30,6 +30,12 @@ It measures, in one run:
   directory, and an overwrite of it where every byte changed (the cost of
   comparing, plus the old generation's deletion), medians of `--reps`.
 
+- `small_step_added_bytes`: the same fine-tune of a small model, every leaf
+  packed (issue 59): a frozen base of `--small-base-mib` MiB in float32
+  leaves of 60 KiB and a head of `--small-head-kib` KiB between them, a
+  manager's steps (`--steps`) and the disk each adds, against the bytes
+  that changed (`small_changed_bytes`): at most the changed bytes + 1 MiB.
+
 Then prints the ratios SPEC §4 bounds (steady step / its floor <= 1.25, disk
 per step / changed bytes <= 1.2, overwrite / first save <= 1.5), the first
 step's against the floor, the manager's saves where everything is written
@@ -178,18 +184,58 @@ def manager_steps(args: argparse.Namespace, tree: dict[str, Any], directory: str
     }
 
 
+SMALL_LEAF = 15 * 1024  # 60 KiB of float32: packed
+
+
+def small_tree(base_mib: float, head_kib: float, step: int) -> dict[str, Any]:
+    """A small model, every leaf packed: half the frozen base before the head,
+    half after it (in flattening order), the head's values set by `step`."""
+    count = max(2, round(base_mib * 2**20 / (SMALL_LEAF * 4)))
+    rng = np.random.default_rng(0)
+    frozen = [rng.standard_normal(SMALL_LEAF, dtype=np.float32) for _ in range(count)]
+    head = np.full(max(1, round(head_kib * 1024 / 4)), 0.5 + step, np.float32)
+    half = count // 2
+    return {
+        "a_base": {f"l{i:03d}": x + 0 for i, x in enumerate(frozen[:half])},
+        "head": head,
+        "z_base": {f"l{i:03d}": x + 0 for i, x in enumerate(frozen[half:])},
+        "step": step,
+    }
+
+
+def small_steps(args: argparse.Namespace, directory: str) -> dict[str, Any]:
+    """A manager's steps of `small_tree`: the disk each adds after the first."""
+    added: list[int] = []
+    seen: set[tuple[int, int]] = set()
+    with eqx_ckpt.CheckpointManager(directory, max_to_keep=3) as manager:
+        for step in range(args.steps + 1):
+            manager.save(step, small_tree(args.small_base_mib, args.small_head_kib, step))
+            grew = disk_blocks(manager.step_path(step), seen)
+            if step:
+                added.append(grew)
+    tree = small_tree(args.small_base_mib, args.small_head_kib, 0)
+    return {
+        "small_base_bytes": nbytes({k: tree[k] for k in ("a_base", "z_base")}),
+        "small_changed_bytes": tree["head"].nbytes + 8,  # the head and `step` (an int64)
+        "small_step_added_bytes": added,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base-gib", type=float, default=1.0)
     parser.add_argument("--head-mib", type=float, default=24.0)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--small-base-mib", type=float, default=12.0)
+    parser.add_argument("--small-head-kib", type=float, default=2.0)
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary folder)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
     root = tempfile.mkdtemp(prefix="eqx_ckpt_incremental_", dir=args.dir)
     try:
         result = measure(args, root)
+        result.update(small_steps(args, os.path.join(root, "small")))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = statistics.median
@@ -207,6 +253,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  then the same tree again: median {med(result['after_changed_s']):.3f} s")
     print(f"first save of the tree:     median {med(result['first_save_s']):.3f} s")
     print(f"overwrite, all changed:     median {med(result['overwrite_changed_s']):.3f} s")
+    small, changed = result["small_step_added_bytes"], result["small_changed_bytes"]
+    print(
+        f"small model, all packed:    base {result['small_base_bytes'] / 2**20:.1f} MiB, {changed} bytes changed "
+        f"a step, disk added per step median {med(small) / 2**10:.0f} KiB, worst {max(small) / 2**10:.0f} KiB"
+    )
+    print(f"  worst step - changed:     {(max(small) - changed) / 2**20:.3f} MiB (at most 1 MiB)")
     for name, value in result["ratios"].items():
         print(f"{name}: {value:.2f}")
     if args.json:

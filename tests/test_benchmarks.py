@@ -32,6 +32,7 @@ from benchmarks import (  # noqa: E402
     gpu_budget,
     gpu_copies,
     hub,
+    incremental,
     page_sizes,
     report,
     run,
@@ -581,3 +582,14 @@ def test_the_hub_benchmark_fetches_and_loads_every_way(monkeypatch, capsys):
     assert sent["reference"] == sent["eqx_ckpt"] == sent["download"] > 2**20
     assert 64 * 64 * 4 <= sent["partial"] < sent["download"] / 10
     assert "| partial |" in capsys.readouterr().out
+
+
+def test_the_incremental_benchmark_measures_a_small_model_all_packed(tmp_path):
+    """`benchmarks.incremental`'s small-model case (issue 59), at 4.1 MiB (a
+    last pack chunk that was mostly padding): a manager's steps, the disk each
+    adds, within the changed bytes + 1 MiB."""
+    args = incremental.argparse.Namespace(steps=2, small_base_mib=4.1, small_head_kib=2.0)
+    out = incremental.small_steps(args, str(tmp_path / "run"))
+    assert out["small_changed_bytes"] == 2048 + 8
+    assert len(out["small_step_added_bytes"]) == 2
+    assert 0 < max(out["small_step_added_bytes"]) <= out["small_changed_bytes"] + (1 << 20)

@@ -12,7 +12,9 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import eqx_ckpt
@@ -322,3 +324,96 @@ def test_info_says_how_much_is_shared(tmp_path, capsys):
     shutil.rmtree(paths[0])
     assert _cli.main(["info", paths[1]]) == 0
     assert "shared:          0 files, 0 B" in capsys.readouterr().out
+
+
+# -- A fine-tune of a small model (issue 59): every leaf packed ---------------------------------
+
+# Frozen leaves of 60 KiB; a head of 2 KB with its Adam moments, which change at every step.
+_FROZEN_LEAF = 15 * 1024  # float32 elements
+_HEAD = (16, 32)  # 2 KiB of float32
+
+# How the frozen bytes sit around the head (in flattening order), by case: all
+# leaves small, so everything is packed.
+_SMALL_MODELS = {
+    # 40 KiB in all: one pack chunk.
+    "tiny": (40 << 10, 0),
+    # Just under a 4 MiB chunk.
+    "under 4 MiB": ((4 << 20) - (64 << 10), 0),
+    # Just over it: the head's chunk is the last, mostly padding.
+    "last chunk padded": ((4 << 20) + (30 << 10), 0),
+    # 12 MiB, the head between frozen leaves, one frozen leaf bfloat16.
+    "head in the middle": (6 << 20, 6 << 20),
+}
+
+
+def _frozen(nbytes, seed):
+    rng = np.random.default_rng(seed)
+    sizes = [_FROZEN_LEAF] * (nbytes // (_FROZEN_LEAF * 4))
+    if nbytes % (_FROZEN_LEAF * 4):
+        sizes.append(nbytes % (_FROZEN_LEAF * 4) // 4)
+    return {f"l{i:03d}": rng.standard_normal(n, dtype=np.float32) for i, n in enumerate(sizes)}
+
+
+def _fine_tune(case):
+    """The steps of a fine-tune: a frozen base (new arrays of the same bytes at
+    every step, as an optimiser update that leaves it alone gives) and a small
+    head trained by Adam, saved as `{"model", "opt_state", "step"}`."""
+    before, after = _SMALL_MODELS[case]
+    base = {"a_frozen": _frozen(before, 0), "z_frozen": _frozen(after, 1)}
+    if after:
+        base["z_frozen"]["norm"] = np.ones(300, jnp.bfloat16)
+    head = {"w": np.full(_HEAD, 0.5, np.float32), "b": np.zeros(_HEAD[1], np.float32)}
+    optimiser = optax.adam(1e-2)
+    opt_state = optimiser.init(head)
+    for step in range(4):
+        yield {
+            "model": {"a_frozen": jax.tree.map(lambda x: x + 0, base["a_frozen"]), "head": head,
+                      "z_frozen": jax.tree.map(lambda x: x + 0, base["z_frozen"])},
+            "opt_state": opt_state,
+            "step": step,
+        }  # fmt: skip
+        grads = jax.tree.map(lambda x, g=step + 1.0: np.full(x.shape, g, np.float32), head)
+        with jax.numpy_dtype_promotion("standard"):  # optax's bias correction mixes dtypes
+            updates, opt_state = optimiser.update(grads, opt_state)
+        head = optax.apply_updates(head, updates)
+
+
+def _changed_bytes(old, new):
+    """The stored bytes of the leaves of `new` whose bytes differ from `old`'s."""
+    return sum(
+        np.asarray(b).nbytes
+        for a, b in zip(jax_leaves(old), jax_leaves(new), strict=True)
+        if np.asarray(a).tobytes() != np.asarray(b).tobytes()
+    )
+
+
+def _new_blocks(directory, seen):
+    """The bytes on disk (blocks) of the files under `directory` whose inodes
+    are not in `seen` (a hard link to an earlier step's file counts nothing),
+    which it then holds."""
+    total = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            st = os.lstat(os.path.join(root, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+@pytest.mark.parametrize("case", sorted(_SMALL_MODELS))
+def test_a_fine_tune_of_a_small_model_adds_about_the_heads_bytes_per_step(tmp_path, case):
+    """Every leaf small, so packed: a step adds to the disk at most the bytes
+    that changed plus 1 MiB (docs/manager.md), however the frozen leaves sit
+    around the head (before it, after it, a last pack chunk mostly padding)."""
+    seen: set[tuple[int, int]] = set()
+    trees = list(_fine_tune(case))
+    with eqx_ckpt.CheckpointManager(tmp_path / "run") as manager:
+        for step, tree in enumerate(trees):
+            manager.save(step, tree)
+            grew = _new_blocks(manager.step_path(step), seen)
+            if step:
+                changed = _changed_bytes(trees[step - 1], tree)
+                assert 0 < changed < 16 << 10
+                assert grew <= changed + (1 << 20), (step, grew, changed)
+        _loads_as(manager.step_path(3), trees[3])

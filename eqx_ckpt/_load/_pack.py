@@ -4,15 +4,16 @@ A leaf of at most `_records.PACK_BYTES` stored bytes does not get a folder of
 its own: its elements (C order) are placed in the one-dimensional array
 `packed.<dtype>/` of the data root, at an offset the manifest records, each
 leaf starting on a 64-byte boundary (a save's packing plan:
-`_records.assign`). The pack is an ordinary zarr v3 array (chunks of
-`_records.PACK_CHUNK_BYTES`, each with its crc32c), so any zarr v3 reader gets
+`_records.assign`). The pack is an ordinary zarr v3 array (chunks of at most
+`_records.PACK_CHUNK_BYTES`, each with its crc32c; the manifest records their
+length, which readers take from it), so any zarr v3 reader gets
 a leaf back as `pack[offset : offset + size].reshape(shape)`; eqx_ckpt
 addresses it by its dotted path everywhere, as any other leaf.
 
 Why: a folder, a `zarr.json`, a chunk file and a TensorStore open per leaf cost
 far more than the bytes of a small leaf (ten thousand 4 kB leaves took seconds
 to save and load, against a fraction of a second for one file). Leaves are
-packed in the order of their dotted paths, so a sub-tree (`model`, say) is one
+packed in the tree's flattening order, so a sub-tree (`model`, say) is one
 contiguous run of the pack and a partial load reads only the chunks it covers.
 """
 

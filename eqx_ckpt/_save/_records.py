@@ -485,8 +485,11 @@ def _dtype(value: Any) -> np.dtype:
 
 # Leaves of at most this many stored bytes are packed.
 PACK_BYTES = 1 << 20
-# The chunk length of a pack, in bytes: what a partial load reads at least.
-PACK_CHUNK_BYTES = 4 << 20
+# The most bytes of a pack's chunk: what a partial load reads at least, and what
+# an incremental save writes again around a changed leaf (a chunk whose members
+# changed is written whole). Small, so that a fine-tune of a small model adds
+# about the changed bytes per step; a chunk file costs little to read.
+PACK_CHUNK_BYTES = 128 << 10
 ALIGN_BYTES = 64
 
 
@@ -517,11 +520,29 @@ def assign(records: Sequence[LeafRecord], pieces: Sequence[Sequence[tuple[tuple[
         placed.append(record)
     packs = {}
     for dtype, size in ends.items():
-        itemsize = dtype_from_name(dtype).itemsize
-        chunk = max(1, min(size, PACK_CHUNK_BYTES // itemsize))
+        chunk = pack_chunk(size, dtype_from_name(dtype).itemsize, _align_step(dtype))
         packs[dtype] = PackRecord(pack_name(dtype), dtype, size, chunk)
     for record in placed:
         record.pack = packs[record.stored_dtype]
+
+
+def pack_chunk(size: int, itemsize: int, step: int) -> int:
+    """The chunk length of a pack of `size` elements of `itemsize` bytes: at
+    most `PACK_CHUNK_BYTES`, and the chunks as even as the pack allows, so
+    that its last chunk pads little past its data (zarr stores every chunk
+    full, and a chunk whose members changed is written whole: chunks of
+    exactly the limit left up to a chunk of zeros in the last file). A pack of
+    several chunks has chunks of a whole number of `step` elements (64 bytes),
+    so that every chunk starts aligned; its last chunk pads less than one
+    `step` per chunk. E.g. 33,000 float32 elements are two chunks of 16,512
+    (24 elements of padding), not 32,768 and a last one of 232."""
+    most = max(1, PACK_CHUNK_BYTES // itemsize)
+    if size <= most:
+        return max(1, size)
+    count = -(-size // most)
+    chunk = -(-size // count)
+    chunk = -(-chunk // step) * step
+    return chunk if chunk <= most else most
 
 
 @functools.lru_cache(maxsize=64)
