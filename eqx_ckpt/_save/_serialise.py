@@ -237,7 +237,7 @@ def save(
     overwrite, blocking, cast, budget, planned, expected = _collect_and_plan(
         loc, stages, pytree, filter_spec, is_leaf,
         overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, where=where,
-        staging=staging_bytes,
+        staging=staging_bytes, step=followed,
     )  # fmt: skip
     options: dict[str, Any] = dict(overwrite=overwrite, layout=layout, metrics=metrics, progress=progress)
     exclusive = _lease.acquire_exclusive(loc)
@@ -294,13 +294,15 @@ def _collect_and_plan(
     layout: str,
     where: Callable[[PyTree], Any] | None,
     staging: Any,
+    step: bool,
 ) -> tuple[bool, bool, Callable[[str, np.dtype], Any] | None, int, _staging.Batch | _background.HeldLeaves, str | None]:
     """The options checked (`overwrite`, `blocking` and `cast` as `save` uses
     them, and `staging`, made the staging budget in bytes), then the leaves collected and
     planned; an asynchronous save's leaves are held instead
     (`_background.hold_tree`), and planned in the background. Last, for a partial save (`where`), the commit of the
     checkpoint whose leaves it keeps. Every process then meets the others
-    at the first stage (`_stages.Stages.prepared`), whatever its outcome."""
+    at the first stage (`_stages.Stages.prepared`), whatever its outcome.
+    `step`: a manager's step (its packs cut for sharing, `_records.assign`)."""
     planned: _staging.Batch | _background.HeldLeaves | None = None
     expected: str | None = None
     error: BaseException | None = None
@@ -324,7 +326,7 @@ def _collect_and_plan(
             try:
                 planned = _plan(
                     loc, stages, partial.leaves, partial.names, partial.specs, partial.cast, private=not blocking,
-                    structure=partial.structure,
+                    structure=partial.structure, step=step,
                 )  # fmt: skip
             except IntegrityError as e:
                 raise partial.kept_damaged(e, loc) from e
@@ -336,7 +338,7 @@ def _collect_and_plan(
             planned = _background.hold_tree(pytree)  # planned in the background
         if planned is None:
             leaves, names, specs = _collect(pytree, filter_spec, is_leaf)
-            planned = _plan(loc, stages, leaves, names, specs, cast, private=not blocking)
+            planned = _plan(loc, stages, leaves, names, specs, cast, private=not blocking, step=step)
     except Exception as e:
         error = e
     stages.prepared(error, planned, layout=layout, loc=loc)
@@ -364,16 +366,19 @@ def _plan(
     *,
     private: bool,
     structure: Callable[[set[str]], Any] | None = None,
+    step: bool = False,
 ) -> _staging.Batch:
     """What the save writes: every leaf's record and host pieces (the filter
     specs run here), in a save of one process the packs of small leaves, and the
     tree's structure record (`_structure`; `structure`, given the dotted paths
     stored, makes it where `names` are not of one tree: a partial save's).
     `private`: protect the leaves' data (`_staging.protect`), which the caller
-    may change or delete once an asynchronous save has returned."""
+    may change or delete once an asynchronous save has returned. `step`: a
+    manager's step, whose packs are cut in chunks small enough to share
+    (`_records.assign`)."""
     pending = _records.build(loc, leaves, names, specs, cast, default=default_serialise_filter_spec)
     if stages.alone:
-        _records.assign([p.record for p in pending], [p.pieces for p in pending])
+        _records.assign([p.record for p in pending], [p.pieces for p in pending], for_steps=step)
     if private:
         _staging.protect(pending)
     stored = {p.record.path for p in pending}
@@ -396,7 +401,8 @@ def _plan_write_and_commit(
     """The background part of an asynchronous save whose leaves were held (`_background.hold_tree`)."""
     _faults.fire("save.held", loc)
     leaves, names = held()
-    batch = _plan(loc, stages, leaves, names, [default_serialise_filter_spec] * len(leaves), cast, private=False)
+    specs = [default_serialise_filter_spec] * len(leaves)
+    batch = _plan(loc, stages, leaves, names, specs, cast, private=False, step=sharing.followed)
     tx, tracker = _begin(loc, stages, batch, **options)
     with tracker:
         _write_and_commit(tx, stages, batch, metrics=options["metrics"], tracker=tracker, sharing=sharing)
