@@ -35,12 +35,13 @@ prints `worker <id> loaded`.
 With `fresh`, there is no first save: the second step (the save of `value(2)`,
 or the load of a checkpoint the test wrote) is each process's first call of
 eqx_ckpt, as when a job starts and restores (once each process's heartbeat
-has started, within a second of JAX's backend: see `_multihost._Heartbeat`). With `before` (a stage of
-`_multihost.Group.sync`, or `call`), the victim stops just before it reaches
-that barrier (`call`: before it calls the save or load at all). Every process
-that failed reports it in the coordination service, and process 0, which
-runs the service, exits only once the others have (or 30 s passed), so that
-its exit does not end them before they print.
+has started, within a second of JAX's backend: see `_multihost._Heartbeat`).
+With `before` (a stage of `_multihost.Group.sync`, or `call`), the victim
+stops just before it reaches that barrier (fault point `multihost.barrier`),
+or with `call`, before it calls the save or load at all. Every process that
+failed reports it in the coordination service, and process 0, which runs the
+service, exits only once the others have (or 30 s passed), so that its exit
+does not end them before they print.
 """
 
 import contextlib
@@ -100,8 +101,6 @@ def main(process_id: int, num_processes: int, port: int, job: dict) -> None:
         pathlib.Path(job["marker"]).touch()
         time.sleep(600)  # until the test kills this process
 
-    if process_id == job["victim"] and job.get("before", "call") != "call":
-        stop_before(job["before"], stop)
     if job.get("before") == "call":
         job["absent"] = True
 
@@ -117,7 +116,7 @@ def main(process_id: int, num_processes: int, port: int, job: dict) -> None:
     if "timeout_ms" in job:
         _multihost.TIMEOUT_MS = job["timeout_ms"]
     try:
-        with _faults.armed(point, stop) if victim and "before" not in job else contextlib.nullcontext():
+        with stopped_at(point, stop, job) if victim else contextlib.nullcontext():
             eqx_ckpt.tree_serialise_leaves(job["checkpoint"], tree(2))
     except eqx_ckpt.CheckpointError as e:
         failed(process_id, e, job)
@@ -134,7 +133,7 @@ def restore(process_id: int, job: dict, sharding: NamedSharding, stop: Callable[
         stop()  # never calls the load, but stays alive
     like = {"w": jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=sharding)}
     try:
-        with _faults.armed(job["restore"], stop) if victim and "before" not in job else contextlib.nullcontext():
+        with stopped_at(job["restore"], stop, job) if victim else contextlib.nullcontext():
             loaded = eqx_ckpt.tree_deserialise_leaves(job["checkpoint"], like, read_once=True)
     except eqx_ckpt.CheckpointError as e:
         failed(process_id, e, job)
@@ -143,16 +142,16 @@ def restore(process_id: int, job: dict, sharding: NamedSharding, stop: Callable[
     os._exit(0)
 
 
-def stop_before(stage: str, stop: Callable[..., None]) -> None:
-    """Make this process stop just before it reaches barrier `stage`."""
-    sync = _multihost.Group.sync
+def stopped_at(point: str, stop: Callable[..., None], job: dict) -> contextlib.AbstractContextManager:
+    """The victim's fault point armed with `stop`: `point`, or with `before`, the barrier `job["before"]`."""
+    if "before" not in job:
+        return _faults.armed(point, stop)
 
-    def stopping(self: _multihost.Group, name: str, *args: object, **kwargs: object) -> object:
-        if name == stage:
+    def stopping(what: str, stage: str) -> None:
+        if stage == job["before"]:
             stop()
-        return sync(self, name, *args, **kwargs)  # type: ignore[arg-type]
 
-    _multihost.Group.sync = stopping  # type: ignore[method-assign]
+    return _faults.armed("multihost.barrier", stopping)
 
 
 def failed(process_id: int, error: Exception, job: dict) -> None:

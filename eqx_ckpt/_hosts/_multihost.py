@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from .._base import _faults
 from .._base._errors import CheckpointError
 from ._sharding import on_one_device
 
@@ -113,6 +114,7 @@ class Group:
         `error`, or else an error saying which other processes failed or
         stopped answering (or `None`). `plan`: a digest of what this process
         planned, which must be every process's (see `differing`)."""
+        _faults.fire("multihost.barrier", self.what, stage)
         if self.count == 1:
             return error
         if self._lost is not None:  # a process died at an earlier stage: nobody else will arrive
