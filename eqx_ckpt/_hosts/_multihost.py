@@ -167,8 +167,8 @@ class _Stage(NamedTuple):
     what: str
     name: str
     timeout: float
-    group: str = ""
-    passed: str = ""
+    group: str
+    passed: str
 
 
 def _wait(client: Any, key: str, count: int, stage: _Stage) -> CheckpointError | None:
@@ -254,7 +254,8 @@ class _Silence:
 
     def dead(self, index: int) -> bool:
         """Whether process `index` has been silent for `SILENT_SECONDS`. One
-        never seen beating (not yet in a save) is not judged."""
+        never seen beating (its JAX backend not yet started: `_Heartbeat`) is not
+        judged: it may be alive and on its way."""
         try:
             beat = self._client.key_value_try_get(_Heartbeat.key(index))
         except Exception:
