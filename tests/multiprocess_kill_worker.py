@@ -31,6 +31,17 @@ the all-gather); with `absent`, it never calls the load. `read_timeout`
 replaces `_read_once.TIMEOUT`. The others print `worker <id> failed:
 <message>` when the load raises, and exit with status 3; a load that returns
 prints `worker <id> loaded`.
+
+With `fresh`, there is no first save: the second step (the save of `value(2)`,
+or the load of a checkpoint the test wrote) is each process's first call of
+eqx_ckpt, as when a job starts and restores (once each process's heartbeat
+has started, within a second of JAX's backend: see `_multihost._Heartbeat`).
+With `before` (a stage of `_multihost.Group.sync`, or `call`), the victim
+stops just before it reaches that barrier (fault point `multihost.barrier`),
+or with `call`, before it calls the save or load at all. Every process that
+failed reports it in the coordination service, and process 0, which runs the
+service, exits only once the others have (or 30 s passed), so that its exit
+does not end them before they print.
 """
 
 import contextlib
@@ -47,6 +58,7 @@ jax.config.update("jax_num_cpu_devices", 1)
 jax.config.update("jax_platforms", "cpu")
 
 import numpy as np  # noqa: E402
+from jax._src import distributed  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqx_ckpt  # noqa: E402
@@ -78,12 +90,19 @@ def main(process_id: int, num_processes: int, port: int, job: dict) -> None:
         full = value(scale)
         return {"w": jax.make_array_from_callback(SHAPE, sharding, lambda index: full[index])}
 
-    eqx_ckpt.tree_serialise_leaves(job["checkpoint"], tree(1))
+    if not job.get("fresh"):
+        eqx_ckpt.tree_serialise_leaves(job["checkpoint"], tree(1))
+    else:  # as a job that ran a while: eqx_ckpt's heartbeat has started (within a second of JAX's backend)
+        with contextlib.suppress(Exception):  # (a version without that heartbeat goes on after 10 s)
+            distributed.global_state.client.blocking_key_value_get(_multihost._Heartbeat.key(process_id), 10_000)
     print(f"worker {process_id} saved", flush=True)
 
     def stop(*args: object) -> None:
         pathlib.Path(job["marker"]).touch()
         time.sleep(600)  # until the test kills this process
+
+    if job.get("before") == "call":
+        job["absent"] = True
 
     if "restore" in job:
         restore(process_id, job, sharding, stop)
@@ -97,11 +116,10 @@ def main(process_id: int, num_processes: int, port: int, job: dict) -> None:
     if "timeout_ms" in job:
         _multihost.TIMEOUT_MS = job["timeout_ms"]
     try:
-        with _faults.armed(point, stop) if victim else contextlib.nullcontext():
+        with stopped_at(point, stop, job) if victim else contextlib.nullcontext():
             eqx_ckpt.tree_serialise_leaves(job["checkpoint"], tree(2))
     except eqx_ckpt.CheckpointError as e:
-        print(f"worker {process_id} failed: {e}", flush=True)
-        os._exit(3)
+        failed(process_id, e, job)
     print(f"worker {process_id} saved again", flush=True)
     os._exit(0)
 
@@ -115,14 +133,41 @@ def restore(process_id: int, job: dict, sharding: NamedSharding, stop: Callable[
         stop()  # never calls the load, but stays alive
     like = {"w": jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=sharding)}
     try:
-        with _faults.armed(job["restore"], stop) if victim else contextlib.nullcontext():
+        with stopped_at(job["restore"], stop, job) if victim else contextlib.nullcontext():
             loaded = eqx_ckpt.tree_deserialise_leaves(job["checkpoint"], like, read_once=True)
     except eqx_ckpt.CheckpointError as e:
-        print(f"worker {process_id} failed: {e}", flush=True)
-        os._exit(3)
+        failed(process_id, e, job)
     assert np.asarray(loaded["w"].addressable_shards[0].data).tobytes() == value(1).tobytes()
     print(f"worker {process_id} loaded", flush=True)
     os._exit(0)
+
+
+def stopped_at(point: str, stop: Callable[..., None], job: dict) -> contextlib.AbstractContextManager:
+    """The victim's fault point armed with `stop`: `point`, or with `before`, the barrier `job["before"]`."""
+    if "before" not in job:
+        return _faults.armed(point, stop)
+
+    def stopping(what: str, stage: str) -> None:
+        if stage == job["before"]:
+            stop()
+
+    return _faults.armed("multihost.barrier", stopping)
+
+
+def failed(process_id: int, error: Exception, job: dict) -> None:
+    """Print `error`, report it, and exit with status 3 (process 0 once every other survivor has reported)."""
+    print(f"worker {process_id} failed: {error}", flush=True)
+    client = distributed.global_state.client
+    client.key_value_set(f"test/failed/{process_id}", "")
+    if process_id == 0:
+        survivors = {str(i) for i in range(jax.process_count()) if i != job["victim"]}
+        deadline = time.monotonic() + 30  # then the test fails on the missing output
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):  # (a wait the client ends early is waited again)
+                if survivors <= {key.rsplit("/", 1)[-1] for key, _ in client.key_value_dir_get("test/failed/")}:
+                    break
+            time.sleep(0.1)
+    os._exit(3)
 
 
 if __name__ == "__main__":

@@ -42,3 +42,33 @@ def test_a_beat_in_flight_at_exit_returns_before_the_interpreter_finalises(tmp_p
     lines = log.read_text().splitlines()
     # The beat in flight when the main thread ended came back, and before finalisation.
     assert lines == ["main thread exits", "beat 1 returned; finalising: False"], lines
+
+
+def test_the_heartbeat_thread_ends_in_a_process_without_jax_distributed(tmp_path):
+    """The heartbeat thread starts when eqx_ckpt is imported (a process may die
+    before its first save, and must be named), and waits for
+    `jax.distributed`; once JAX's backend has started without it (it can then
+    never start), the thread ends: a single-process program keeps no thread
+    of eqx_ckpt's."""
+    script = tmp_path / "alone.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import threading, time
+            import jax.numpy as jnp
+            import eqx_ckpt
+
+            names = lambda: [t.name for t in threading.enumerate()]
+            print("imported", "eqx_ckpt-heartbeat" in names())
+            jnp.zeros(3).block_until_ready()  # the backend starts, without jax.distributed
+            deadline = time.monotonic() + 30
+            while "eqx_ckpt-heartbeat" in names() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            print("after the backend started", "eqx_ckpt-heartbeat" in names())
+            """
+        )
+    )
+    root = pathlib.Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["imported True", "after the backend started False"], done.stdout

@@ -540,7 +540,9 @@ def test_a_reader_killed_mid_restore(tmp_path: pathlib.Path, processes: int, vic
     job = {"checkpoint": where, "victim": victim, "replicated": True, "restore": point}
     procs, outputs = _run_victim(tmp_path, processes, job, kill=True)
     assert procs[victim].returncode == -signal.SIGKILL
-    said = f"Process {victim} of {processes} stopped answering during the restore" if victim else ""
+    # Before the plan, the victim had not joined the shared reads yet (`_multihost.Group`).
+    joined = "stopped answering during the restore" if point == "load.read_once" else "never joined the restore"
+    said = f"Process {victim} of {processes} {joined}" if victim else ""
     _check_restore_survivors(procs, outputs, victim, said)
     # 10 s of silence, and the time to notice it on a busy machine: never a barrier's time-out (300 s).
     assert _run_victim.waited < 30, _run_victim.waited  # type: ignore[attr-defined]
@@ -572,3 +574,72 @@ def test_a_process_that_never_calls_the_save_is_named(tmp_path: pathlib.Path) ->
     said = "Process 1 of 2 did not reach stage 'prepared' of the save within 5 s, although it is still running"
     _check_survivors(procs, outputs, 1, said)
     _check_first_save(where)
+
+
+# Each barrier of a save and of a restore that shares reads, in order (`_stages`,
+# `_read_once`), after `call`: before the process calls the save or load at all.
+_SAVE_STAGES = ["call", "prepared", "begin", "joined", "created", "written", "committed"]
+_RESTORE_STAGES = ["call", "planned", "read/0"]
+
+
+def _said_of_a_process_killed_before(what: str, stages: list[str], stage: str, victim: int, processes: int) -> str:
+    """What every survivor says of the victim killed just before `stage` (see `_multihost._lost`)."""
+    silent = f"(no heartbeat for 10 s while the others waited for it at stage {stages[max(1, stages.index(stage))]!r})"
+    if stage == "call":
+        return (
+            f"Process {victim} of {processes} never joined the {what}: it stopped answering before it began it {silent}"
+        )
+    passed = stages.index(stage) - 1
+    where = f"after stage {stages[passed]!r}" if passed else "before its first stage"
+    return f"Process {victim} of {processes} stopped answering during the {what}, {where} {silent}: it was killed"
+
+
+@pytest.mark.parametrize(
+    "what, processes, victim, stage",
+    [("save", 3 if stage == "created" else 2, 1, stage) for stage in _SAVE_STAGES]
+    + [("restore", 4 if stage == "call" else 2, 2 if stage == "call" else 1, stage) for stage in _RESTORE_STAGES],
+    ids=lambda v: str(v),
+)
+def test_a_process_killed_before_each_stage_is_named(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, what: str, processes: int, victim: int, stage: str
+) -> None:
+    """A process killed outright (SIGKILL) just before it reaches a barrier of a
+    save or of a restore that shares reads, or before it calls either at all,
+    the save or load being each process's first call of eqx_ckpt (a job that
+    starts and restores): every other process raises a `CheckpointError`
+    within 30 s naming it, the stage the others waited at, and whether it
+    died inside the save or restore or never joined it. (One that died before
+    its first call had no heartbeat yet: the others waited for
+    `jax.distributed`'s own, 100 s, which then aborted them.) Four processes
+    restore replicated state with the third killed before its call, as the
+    issue found it."""
+    where = tmp_path / "ckpt"
+    if what == "restore":  # a checkpoint of value(1) in chunks of 16 rows, unpacked, as the kill worker saves it
+        monkeypatch.setattr(_format, "CHUNK_BYTES", 16 * 16 * 4)
+        monkeypatch.setattr(_records, "PACK_BYTES", 0)
+        eqx_ckpt.tree_serialise_leaves(where, {"w": np.arange(64 * 16, dtype=np.float32).reshape(64, 16)})
+    job = {"checkpoint": str(where), "victim": victim, "replicated": True, "fresh": True, "before": stage}
+    if what == "restore":
+        job["restore"] = "load.read_once"  # a restore (the point is not armed: the victim stops at `before`)
+    procs, outputs = _run_victim(tmp_path, processes, job, kill=True)
+    assert procs[victim].returncode == -signal.SIGKILL
+    stages = _SAVE_STAGES if what == "save" else _RESTORE_STAGES
+    said = _said_of_a_process_killed_before(what, stages, stage, victim, processes)
+    if what == "save" and stage == "committed":
+        outcome = "Process 0 may have committed it: load the checkpoint to see which save it holds."
+    else:
+        outcome = "Nothing was committed" if what == "save" else "Nothing was loaded."
+    for i, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert f"worker {i} saved again" not in out and f"worker {i} loaded" not in out, out[-4000:]
+        if i != victim:
+            assert proc.returncode == 3 and said in out and outcome in out, out[-4000:]
+    # 10 s of silence, and the time to notice it on a busy machine: never `jax.distributed`'s 100 s.
+    assert _run_victim.waited < 30, _run_victim.waited  # type: ignore[attr-defined]
+    if what == "restore":
+        _check_first_save(where)
+    elif stage != "committed":
+        assert not (where / "manifest.json").exists()
+    else:  # process 0 committed before the victim died: the save it made loads
+        like = {"w": np.zeros((64, 16), np.float32)}
+        expected = {"w": np.arange(64 * 16, dtype=np.float32).reshape(64, 16) * np.float32(2)}
+        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(where, like), expected, typematch=True)

@@ -131,6 +131,12 @@ The points, with where they fire and the arguments they pass:
   (`_storage.read_local_range`); an `OSError` raised here is reported as the read's.
 - `local_read.crc` `(key)`: a chunk's joined crc32c is compared with its stored one.
 
+**Several processes (`_multihost`):**
+
+- `multihost.barrier` `(what, stage)`: a process reaches barrier `stage` of a
+  save (`what`: "save"; a save of one process passes each stage too) or of a
+  restore that shares reads ("restore"), before it tells the others it has.
+
 **A load (`_reader`, `_deserialise`, `_read_once`, `_untrusted`, `_pack`, `_window`, `_read`, `_nested`, `_tree`):**
 
 - `load.read_stored` `(loc)`: a load has planned every leaf (and run the custom
@@ -239,6 +245,7 @@ POINTS = frozenset(
         "local_read.start_reads",
         "local_read.read",
         "local_read.crc",
+        "multihost.barrier",
         "load.read_stored",
         "load.read_once",
         "untrusted.scan",

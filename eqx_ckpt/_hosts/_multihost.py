@@ -15,22 +15,37 @@ interleave with the training step's own.
 
 A barrier is each process's key in the coordination service's key-value store,
 waited for a second at a time. Between waits, the heartbeat of a process that
-has not arrived is checked: every process taking part in saves bumps a key of
-its own every `HEARTBEAT_SECONDS` from a thread, so a process killed outright
-(SIGKILL, out of memory) is found within `SILENT_SECONDS` and named, where
-`jax.distributed`'s own heartbeat takes 100 s and then ends every process.
+has not arrived is checked: every process bumps a key of its own every
+`HEARTBEAT_SECONDS` from a thread that eqx_ckpt starts at import and that
+beats once `jax.distributed` and JAX's backend have started (`_Heartbeat`),
+so a process killed outright (SIGKILL, out of memory) is found within
+`SILENT_SECONDS` and named, where `jax.distributed`'s own heartbeat takes
+100 s and then ends every process. That holds for a process that died before
+it called the save or restore as for one that died inside it: each process
+marks its entry into a group (`Group`), and the error says which of the two it was.
+
+The coordination service has no quicker answer of its own: its client's
+`get_live_nodes(process_ids)` is itself a barrier (it returns once every live
+process listed has called it), and a process killed outright counts as live
+until the service's heartbeat time-out (`heartbeat_timeout_seconds`, 100 s),
+when `jax.distributed` ends every process anyway; `wait_at_barrier` with
+`process_ids` waits for a dead process just as long. Hence eqx_ckpt's own
+heartbeat keys, in the same service.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 
+from .._base import _faults
 from .._base._errors import CheckpointError
 from ._sharding import on_one_device
 
@@ -81,6 +96,13 @@ class Group:
         self._name = f"eqx_ckpt/{what}/{next(_numbers[what])}" if self.count > 1 else ""
         self._timeout = TIMEOUT_MS / 1000 if timeout is None else timeout
         self._lost: CheckpointError | None = None
+        self._passed = ""  # the last stage every process reached
+        if self.count > 1:
+            # A process that dies after this is said to have died inside the
+            # save or restore; one that never sets it, never to have joined it.
+            client = _client()
+            _Heartbeat.start(client, self.index)
+            client.key_value_set(f"{self._name}/entered/{self.index}", "")
 
     @property
     def primary(self) -> bool:
@@ -92,6 +114,7 @@ class Group:
         `error`, or else an error saying which other processes failed or
         stopped answering (or `None`). `plan`: a digest of what this process
         planned, which must be every process's (see `differing`)."""
+        _faults.fire("multihost.barrier", self.what, stage)
         if self.count == 1:
             return error
         if self._lost is not None:  # a process died at an earlier stage: nobody else will arrive
@@ -102,9 +125,10 @@ class Group:
         if plan is not None:  # before this process's barrier key: whoever passes the barrier sees it
             client.key_value_set(f"{key}-plan/{self.index}", plan)
         client.key_value_set(f"{key}/{self.index}", "" if error is None else _describe(error))
-        self._lost = _wait(client, key, self.count, _Stage(self.what, stage, self._timeout))
+        self._lost = _wait(client, key, self.count, _Stage(self.what, stage, self._timeout, self._name, self._passed))
         if error is not None or self._lost is not None:
             return error or self._lost
+        self._passed = stage
         failed = sorted((int(k.rsplit("/", 1)[-1]), v) for k, v in client.key_value_dir_get(f"{key}/") if v)
         if failed:
             lines = "\n".join(f"  - process {i}: {message}" for i, message in failed)
@@ -136,11 +160,15 @@ def differing(plans: dict[int, str], count: int) -> CheckpointError | None:
 
 
 class _Stage(NamedTuple):
-    """A barrier: of a save or a restore (`what`), its `name`, and how long it waits."""
+    """A barrier: of a save or a restore (`what`), its `name`, how long it
+    waits, its group's keys (`group`), and the stage before it (`passed`,
+    which every process reached; "" for the first)."""
 
     what: str
     name: str
     timeout: float
+    group: str
+    passed: str
 
 
 def _wait(client: Any, key: str, count: int, stage: _Stage) -> CheckpointError | None:
@@ -157,7 +185,7 @@ def _wait(client: Any, key: str, count: int, stage: _Stage) -> CheckpointError |
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise
             if silence.dead(index):
-                return _lost(index, count, stage)
+                return _lost(client, index, count, stage)
             if time.monotonic() > deadline:
                 return _late(client, key, count, stage)
     return None
@@ -176,13 +204,36 @@ def _late(client: Any, key: str, count: int, stage: _Stage) -> CheckpointError:
     )
 
 
-def _lost(index: int, count: int, stage: _Stage) -> CheckpointError:
+def _lost(client: Any, index: int, count: int, stage: _Stage) -> CheckpointError:
+    """The error of a barrier that process `index` will never reach: its
+    heartbeat stopped, inside this save or restore or before it joined it."""
+    silent = f"no heartbeat for {SILENT_SECONDS:g} s while the others waited for it at stage {stage.name!r}"
+    if _has(client, f"{stage.group}/entered/{index}"):
+        where = f"after stage {stage.passed!r}" if stage.passed else "before its first stage"
+        what = f"stopped answering during the {stage.what}, {where} ({silent}): it was killed or crashed"
+    else:
+        call = (
+            "the save, or as the save started"
+            if stage.what == "save"
+            else "the load, or in the load before its shared reads"
+        )
+        what = (
+            f"never joined the {stage.what}: it stopped answering before it began it ({silent}). It was killed or "
+            f"crashed before it called {call}"
+        )
     return CheckpointError(
-        f"Process {index} of {count} stopped answering during the {stage.what} (no heartbeat for "
-        f"{SILENT_SECONDS:g} s while the others waited for it at stage {stage.name!r}): it was killed or crashed, "
-        f"so this {stage.what} cannot finish. {_outcome(stage)} Its own log says why it stopped; "
-        f"`jax.distributed` ends the remaining processes too once its own heartbeat times out."
+        f"Process {index} of {count} {what}, so this {stage.what} cannot finish. {_outcome(stage)} Its own log "
+        f"says why it stopped; `jax.distributed` ends the remaining processes too once its own heartbeat times out."
     )
+
+
+def _has(client: Any, key: str) -> bool:
+    """Whether the coordination service holds `key`."""
+    try:
+        client.key_value_try_get(key)
+    except Exception:  # NOT_FOUND
+        return False
+    return True
 
 
 def _outcome(stage: _Stage) -> str:
@@ -203,7 +254,8 @@ class _Silence:
 
     def dead(self, index: int) -> bool:
         """Whether process `index` has been silent for `SILENT_SECONDS`. One
-        never seen beating (not yet in a save) is not judged."""
+        never seen beating (its JAX backend not yet started: `_Heartbeat`) is not
+        judged: it may be alive and on its way."""
         try:
             beat = self._client.key_value_try_get(_Heartbeat.key(index))
         except Exception:
@@ -217,36 +269,69 @@ class _Silence:
 
 
 class _Heartbeat:
-    """This process's heartbeat: a thread that bumps its key in the
-    coordination service every `HEARTBEAT_SECONDS`, from its first save on."""
+    """This process's heartbeat: a thread, started when eqx_ckpt is imported
+    (`watch`), that bumps this process's key in the coordination service every
+    `HEARTBEAT_SECONDS` once `jax.distributed` runs several processes and
+    JAX's backend has started (its first `jax.devices()` or computation). It
+    beats from then on, before any save, so that a process that dies before
+    it calls one is found too. In a process where JAX's backend started
+    without `jax.distributed` (which can then no longer start), it ends."""
 
     _started: threading.Thread | None = None
     _stop = threading.Event()
+    _lock = threading.Lock()
+    # The client and this process's index, once known: given by a group
+    # (`start`), or else found in `jax.distributed`'s state.
+    _given: tuple[Any, int] | None = None
 
     @staticmethod
     def key(index: int) -> str:
         return f"eqx_ckpt/alive/{index}"
 
     @classmethod
-    def start(cls, client: Any, index: int) -> None:
-        if cls._started is not None:
-            return
-        key = cls.key(index)
-        client.key_value_set(key, "0", allow_overwrite=True)  # seen before this process's first barrier key
+    def watch(cls) -> None:
+        """Start the thread (once)."""
+        with cls._lock:
+            if cls._started is not None:
+                return
+            from jax._src import distributed, xla_bridge  # here: a thread that imports can deadlock an import
 
-        def beat() -> None:
-            count = 0
-            while not cls._stop.wait(HEARTBEAT_SECONDS):
-                count += 1
-                try:
-                    client.key_value_set(key, str(count), allow_overwrite=True)
-                except Exception:
-                    return  # the coordination service is gone (shut down, or process 0 died)
-
-        cls._started = threading.Thread(target=beat, name="eqx_ckpt-heartbeat", daemon=True)
-        cls._started.start()
-        # Before `jax.distributed`'s own exit hook (registered earlier, so run later) shuts the client down.
+            run = functools.partial(cls._run, distributed.global_state, xla_bridge.backends_are_initialized)
+            cls._started = threading.Thread(target=run, name="eqx_ckpt-heartbeat", daemon=True)
+            cls._started.start()
+        # Registered after JAX's own exit hook (JAX is imported first), so run before
+        # it: the beats stop before `jax.distributed` shuts its client down.
         atexit.register(cls.halt)
+
+    @classmethod
+    def start(cls, client: Any, index: int) -> None:
+        """Beat with `client` as process `index`, a first beat now: seen before
+        this process's first barrier key."""
+        if cls._given is None:
+            client.key_value_set(cls.key(index), "0", allow_overwrite=True)
+            cls._given = (client, index)
+        cls.watch()
+
+    @classmethod
+    def _run(cls, state: Any, backends_started: Callable[[], bool]) -> None:
+        """Beat (`state`: `jax.distributed`'s)."""
+        count = 0
+        while not cls._stop.wait(HEARTBEAT_SECONDS):
+            # Read before the client: `initialize` sets that first. JAX's backend
+            # starts after `initialize` returns, with the client connected: a
+            # call on a client still connecting could stop it from connecting.
+            started = backends_started()
+            joined = started and state.client is not None and (state.num_processes or 1) > 1
+            given = cls._given or ((state.client, state.process_id) if joined else None)
+            if given is None:
+                if started:
+                    return  # one process: `jax.distributed.initialize` refuses to run once a backend has started
+                continue
+            count += 1
+            try:
+                given[0].key_value_set(cls.key(given[1]), str(count), allow_overwrite=True)
+            except Exception:
+                return  # the coordination service is gone (shut down, or process 0 died)
 
     @classmethod
     def halt(cls) -> None:
@@ -257,6 +342,9 @@ class _Heartbeat:
         cls._stop.set()
         if cls._started is not None:
             cls._started.join(SILENT_SECONDS)
+
+
+_Heartbeat.watch()
 
 
 def _describe(error: BaseException) -> str:
