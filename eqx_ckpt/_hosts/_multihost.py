@@ -294,9 +294,14 @@ class _Heartbeat:
         with cls._lock:
             if cls._started is not None:
                 return
-            from jax._src import distributed, xla_bridge  # here: a thread that imports can deadlock an import
+            try:  # here: a thread that imports can deadlock an import
+                from jax._src import distributed, xla_bridge
 
-            run = functools.partial(cls._run, distributed.global_state, xla_bridge.backends_are_initialized)
+                run = functools.partial(cls._run, distributed.global_state, xla_bridge.backends_are_initialized)
+            except (ImportError, AttributeError):
+                # A JAX without these private names: the first beat comes with
+                # this process's first group (`start`), as before issue 59.
+                run = functools.partial(cls._run, _NoDistributed(), lambda: False)
             cls._started = threading.Thread(target=run, name="eqx_ckpt-heartbeat", daemon=True)
             cls._started.start()
         # Registered after JAX's own exit hook (JAX is imported first), so run before
@@ -342,6 +347,14 @@ class _Heartbeat:
         cls._stop.set()
         if cls._started is not None:
             cls._started.join(SILENT_SECONDS)
+
+
+class _NoDistributed(NamedTuple):
+    """`jax.distributed`'s state where it cannot be read: no client, one process."""
+
+    client: Any = None
+    num_processes: int = 1
+    process_id: int = 0
 
 
 _Heartbeat.watch()
