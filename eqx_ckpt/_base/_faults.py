@@ -143,6 +143,10 @@ The points, with where they fire and the arguments they pass:
   that shares reads (`_read_once`) read its slices `regions` (tuples of
   `(start, stop)` per axis) of the leaf at dotted `path` from storage, before
   the barrier that precedes the all-gather (only for a leaf it reads a slice of).
+- `load.pinned_pool` `(nbytes)`: a load allocates one buffer of `nbytes` of
+  the pool it reads large leaves through on an accelerator
+  (`_memory.PINNED_LOAD_POOL`, `_pooled`), once per process; an exception
+  raised here makes it load them the usual way.
 - `untrusted.scan` `(directory)`: a load checks the files of a folder on a
   local disk (a leaf's, and each folder below it) for links and sizes.
 - `pack.read_run` `(loc, pack, paths)`: a run of a pack, holding the packed
@@ -241,6 +245,7 @@ POINTS = frozenset(
         "local_read.crc",
         "load.read_stored",
         "load.read_once",
+        "load.pinned_pool",
         "untrusted.scan",
         "pack.read_run",
         "window.open",

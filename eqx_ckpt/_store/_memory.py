@@ -136,6 +136,68 @@ def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: s
     )
 
 
+# -- The pool of host buffers a load on an accelerator reads through -------------------------------
+
+# `(count, bytes)`: a load on an accelerator reads each large local leaf through
+# `count` reused host buffers of `bytes` each (`_pooled`), its reads overlapping
+# the copies to the devices; `None` (the default): off, until measured on a GPU
+# (issue 60). Tests switch it on with JAX's CPU memory kinds.
+PINNED_LOAD_POOL: tuple[int, int] | None = None
+
+
+class BufferPool:
+    """`count` page-aligned host buffers of `size` bytes, each allocated once
+    (on first use) and reused: `take` hands out the next, round robin, once
+    the copies from its last use (`sent`) are done. `allocations` counts the
+    buffers allocated. Fault point `load.pinned_pool` fires before each
+    allocation; an exception there is the caller's to fall back from."""
+
+    def __init__(self, count: int, size: int):
+        self.count, self.size, self.allocations = count, size, 0
+        self.buffers: list[np.ndarray] = []
+        self.pending: list[list[Any]] = []
+        self.next = 0
+        self.lock = threading.Lock()  # one load through the pool at a time
+
+    def take(self) -> np.ndarray:
+        i = self.next
+        self.next = (i + 1) % self.count
+        if i == len(self.buffers):
+            _faults.fire("load.pinned_pool", self.size)
+            self.buffers.append(fresh_bytes(self.size))
+            self.pending.append([])
+            self.allocations += 1
+        jax.block_until_ready(self.pending[i])  # its copies to the devices are done: free to reuse
+        self.pending[i] = []
+        return self.buffers[i]
+
+    def sent(self, buffer: np.ndarray, copies: list[Any]) -> None:
+        """`copies`, made from `buffer`, which must finish before it is reused."""
+        self.pending[next(i for i, b in enumerate(self.buffers) if b is buffer)] += copies
+
+
+_LOAD_POOLS: dict[tuple[int, int], BufferPool] = {}
+
+
+def load_pool() -> BufferPool | None:
+    """The process's pool for `PINNED_LOAD_POOL` (made once per setting), or
+    `None` where it is off."""
+    setting = PINNED_LOAD_POOL
+    if setting is None:
+        return None
+    with _POOLS_LOCK:
+        pool = _LOAD_POOLS.get(setting)
+        if pool is None:
+            pool = _LOAD_POOLS[setting] = BufferPool(*setting)
+        return pool
+
+
+def has_pinned(device: Any) -> bool:
+    """Whether `device` has pinned host memory (`pinned_host`), which a copy
+    from the host reaches it through."""
+    return _has_pinned(device)
+
+
 # -- The host data of a save's pieces ---------------------------------------------------------------
 
 
