@@ -34,8 +34,10 @@ The points, with where they fire and the arguments they pass:
   leaves were held starts its plan, transaction and writes.
 - `save.pinned_copies` `(arrays)`: an asynchronous save on an accelerator
   copies the caller's `arrays` into their devices' pinned host memory
-  (`_memory.pinned`); an exception raised here makes it copy them through
-  the host's CPU device instead, as it does where a device has none.
+  (`_memory.pinned`); so does a blocking save, one piece at a time as its
+  staging budget admits it, where `_memory.PINNED_SAVE_COPIES` is on; an
+  exception raised here makes it copy them through the host's CPU device
+  instead, as it does where a device has none.
 - `save.copied` `(pending)`: the host data of the NumPy leaves of `pending`
   (the save's leaves) was copied, as an asynchronous save with a custom
   filter spec does in the caller's thread.

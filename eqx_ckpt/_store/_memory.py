@@ -249,6 +249,10 @@ def ahead(data: Any) -> Any:
     if isinstance(data, Deferred):
         data.source = ahead(data.resolved())
         return data
+    if PINNED_SAVE_COPIES and isinstance(data, jax.Array) and _pinnable(data):
+        copies = pinned([data])
+        if copies is not None:  # (else, as without the knob)
+            return copies[0]
     if isinstance(data, jax.Array) and not _on_cpu(data):
         cpu = _cpu_device()
         if cpu is None:
@@ -256,6 +260,24 @@ def ahead(data: Any) -> Any:
         else:
             return _Copying(shared_pool("eqx_ckpt-to-host", COPY_THREADS).submit(_on_host, data, cpu))
     return data
+
+
+# Whether a blocking save copies its pieces to the host through their devices'
+# pinned host memory (`ahead`, with `pinned`, as an asynchronous save's caller
+# does), as many at once as its staging budget admits, the copies overlapping
+# the writes before them. Off (`False`) until measured on a GPU (issue 60);
+# on, it copies on any backend (tests switch it on with JAX's CPU devices).
+PINNED_SAVE_COPIES = False
+
+
+def _pinnable(data: jax.Array) -> bool:
+    """An array on one device, in its device memory, of a plain dtype: what
+    `pinned` copies for a blocking save."""
+    return (
+        data.sharding.memory_kind not in _HOST_KINDS
+        and len(data.sharding.device_set) == 1
+        and not jax.dtypes.issubdtype(data.dtype, jax.dtypes.extended)
+    )
 
 
 def pinned(arrays: list[jax.Array]) -> list[jax.Array] | None:
