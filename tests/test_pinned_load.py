@@ -105,6 +105,17 @@ def test_a_pool_that_cannot_be_allocated_loads_the_usual_way(tmp_path, pool, fau
     assert pool().allocations == 0
 
 
+@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host"])
+def test_a_leaf_bound_for_host_memory_loads_the_usual_way(tmp_path, pool, kind):
+    tree = {"w": jax.random.normal(jax.random.key(0), (2048, 256))}
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
+    like = {"w": jax.device_put(tree["w"], tree["w"].sharding.with_memory_kind(kind))}
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", like)
+    assert out["w"].sharding.memory_kind == kind
+    assert eqx.tree_equal(out, like, typematch=True)
+    assert pool().allocations == 0
+
+
 def test_the_pool_is_off_by_default():
     assert _memory.PINNED_LOAD_POOL is None and _memory.load_pool() is None
 

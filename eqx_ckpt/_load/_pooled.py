@@ -36,7 +36,8 @@ from . import _read
 def usable(files: _storage.ChunkFiles, record: LeafRecord, like: Any) -> bool:
     """Whether this leaf loads through the pool: the pool on, a `jax.Array`
     leaf that `files` read themselves, stored as it is loaded (no decoding,
-    no cast), whose chunks fit a buffer, bound for devices with pinned memory."""
+    no cast), whose chunks fit a buffer, bound for the device memory of
+    devices with pinned memory."""
     pool = _memory.PINNED_LOAD_POOL
     if pool is None or _dtypes.like_type(like) != "jax" or not files.reads(record) or not record.shape:
         return False
@@ -46,6 +47,8 @@ def usable(files: _storage.ChunkFiles, record: LeafRecord, like: Any) -> bool:
     if record.chunk_nbytes > pool[1]:
         return False
     sharding = _read.target_sharding(like)
+    if sharding is not None and sharding.memory_kind not in (None, "device"):
+        return False  # (bound for host memory: nothing to stage)
     devices = sharding.device_set if sharding is not None else {jax.local_devices()[0]}
     return all(_memory.has_pinned(device) for device in devices)
 
