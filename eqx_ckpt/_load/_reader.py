@@ -9,10 +9,12 @@ leaves in runs of their packs (`_pack`; a lazy leaf, read alone, through the
 process's cached open of its pack; each run read behind the storage seam,
 `_storage.ChunkFiles.pack_runs`), small leaves of another format in
 runs of its file (`Source.runs`), a large leaf on a local disk straight into
-one aligned buffer (`_read.start_direct`), anything else through TensorStore
-(`_read.start`). A region of a stored leaf (a slice of a lazy leaf, a chunk
-that `verify` or `diff` scans) is read by `_read.start_region`, which every
-read of a leaf's stored elements through TensorStore ends in.
+one aligned buffer (`_read.start_direct`; or, where
+`_memory.PINNED_LOAD_POOL` is on, through the process's pool of reused host
+buffers, `_pooled`), anything else through TensorStore (`_read.start`). A
+region of a stored leaf (a slice of a lazy leaf, a chunk that `verify` or
+`diff` scans) is read by `_read.start_region`, which every read of a leaf's
+stored elements through TensorStore ends in.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """Host memory for leaves: page-aligned private buffers, private copies, the
 memory check before a read, the process's shared thread pools, and the host
 data of a save's pieces (`host`, `ahead`, `host_views`, `held`, `protected`, and
-`Deferred`, a piece made host only when the save stages it).
+`Deferred`, a piece made host only when the save stages it), and the pool of
+reused host buffers a load may read through (`BufferPool`, off until measured
+on a GPU: `PINNED_LOAD_POOL`; `PINNED_SAVE_COPIES` likewise for a blocking
+save's copies through pinned memory).
 
 Why private anonymous mappings: NumPy asks the kernel for huge pages for every
 array of 4 MiB or more, and with the page cache full (after a save, on a
