@@ -191,12 +191,12 @@ def test_a_training_loop_saving_every_5_steps_resumes_bit_for_bit(tmp_path):
 def test_a_load_through_the_pool_of_pinned_buffers_is_bit_for_bit_on_the_device(tmp_path, faults, monkeypatch):
     """With the pool on (`_memory.PINNED_LOAD_POOL`, off by default), a
     state of 8 leaves of 4 MiB (chunks of 1 MiB) is read through two reused
-    buffers of 4 MiB: loaded bit for bit onto the device, the buffers
-    allocated once for two loads."""
+    buffers of 2 MiB (each leaf in two slabs, joined on the device): loaded
+    bit for bit onto the device, the buffers allocated once for two loads."""
     from eqx_ckpt._ondisk import _format
 
     monkeypatch.setattr(_format, "CHUNK_BYTES", MIB)
-    monkeypatch.setattr(_memory, "PINNED_LOAD_POOL", (2, 4 * MIB))
+    monkeypatch.setattr(_memory, "PINNED_LOAD_POOL", (2, 2 * MIB))
     monkeypatch.setattr(_memory, "_LOAD_POOLS", {})
     state = _state()
     eqx_ckpt.tree_serialise_leaves(tmp_path / "c", state)
@@ -206,7 +206,7 @@ def test_a_load_through_the_pool_of_pinned_buffers_is_bit_for_bit_on_the_device(
     for _ in range(2):
         out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", like)
         assert eqx.tree_equal(out, state, typematch=True) and _on_device(out)
-    assert allocated == [4 * MIB, 4 * MIB]
+    assert allocated == [2 * MIB, 2 * MIB]
 
 
 def test_a_load_falls_back_when_the_pool_cannot_be_allocated(tmp_path, faults, monkeypatch):
