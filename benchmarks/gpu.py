@@ -13,14 +13,21 @@ one process, each into a fresh directory under `--dir`:
   of a save stays within it: docs/scaling.md, "Host memory of a save");
   `save_async`: `blocking=False`, the time the caller is `blocked` (until the
   call returns) and `seconds` until `wait()` returns (committed, durable);
+  `save_again`: a later blocking save, into another fresh directory;
   `load`: `tree_deserialise_leaves` into an abstract `like` carrying each
-  array's sharding, so the arrays come back onto the device;
+  array's sharding, so the arrays come back onto the device (`load_cold`:
+  the same from a dropped page cache, where this machine allows dropping it);
+- `eqx_ckpt_pinned`: the same with issue 60's knobs on (off by default until
+  measured here): loads through a pool of reused host buffers
+  (`_memory.PINNED_LOAD_POOL`, set to `PINNED_LOAD_POOL`) and blocking saves
+  copying through pinned host memory (`_memory.PINNED_SAVE_COPIES`);
 - `orbax`: `StandardCheckpointer` `save` (`save` + `wait_until_finished` + an
   fsync of every file, as `benchmarks/contenders.py` measures it), its
   asynchronous `save_async` (`blocked` in `save`, `seconds` until that end
   point) and `load` (`restore` into the same abstract tree);
 - `numpy`, the raw floor: `np.save` of `jax.device_get` of each array, then an
-  fsync of every file; `load`: `np.load` + `jax.device_put` of each.
+  fsync of every file; `to_host`: `jax.device_get` alone (the bus's speed);
+  `load`: `np.load` + `jax.device_put` of each.
 
 Each operation is timed once per `--reps`; a load's files are read once before
 it (page cache warm, `benchmarks/worker.py:set_cache`) and what it returns is
@@ -66,8 +73,12 @@ FULL_GIB = 4.0
 COLUMNS = 1024
 SAMPLE_SECONDS = 0.01
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-CONTENDERS = ("eqx_ckpt", "orbax", "numpy")
-OPS = ("save", "save_async", "load")
+CONTENDERS = ("eqx_ckpt", "eqx_ckpt_pinned", "orbax", "numpy")
+OPS = ("save", "save_again", "save_async", "to_host", "load", "load_cold")
+# `eqx_ckpt_pinned`: eqx_ckpt with the knobs of issue 60 on (off by default
+# until measured here): loads through a pool of reused host buffers, and
+# blocking saves that copy through pinned host memory.
+PINNED_LOAD_POOL = (4, 64 * 2**20)
 
 
 def leaf_rows(gib: float, itemsize: int) -> list[int]:
@@ -176,15 +187,40 @@ def numpy_load(path: str, like: dict[str, jax.ShapeDtypeStruct]) -> dict[str, ja
     return {k: jax.device_put(host, like[k].sharding) for k, host in hosts.items()}
 
 
+def to_host(path: str, state: dict[str, jax.Array]) -> None:
+    """The copy to the host alone (`jax.device_get`), at the bus's speed: with
+    the write floor (`numpy` `save`), what a blocking save is measured against."""
+    jax.device_get(state)
+
+
+def pinned_knobs(operation: Callable[..., Any]) -> Callable[..., Any]:
+    """`operation` with eqx_ckpt's pinned load pool and pinned blocking-save
+    copies switched on (`_memory.PINNED_LOAD_POOL`, `PINNED_SAVE_COPIES`)."""
+    from eqx_ckpt._store import _memory
+
+    @functools.wraps(operation)
+    def switched(*args: Any) -> Any:
+        before = _memory.PINNED_LOAD_POOL, _memory.PINNED_SAVE_COPIES
+        _memory.PINNED_LOAD_POOL, _memory.PINNED_SAVE_COPIES = PINNED_LOAD_POOL, True
+        try:
+            return operation(*args)
+        finally:
+            _memory.PINNED_LOAD_POOL, _memory.PINNED_SAVE_COPIES = before
+
+    return switched
+
+
 def operations(name: str) -> dict[str, Callable[[str, Any], Any]]:
-    """`name`'s save, asynchronous save and load, each `(path, state or like)`."""
-    if name == "eqx_ckpt":
+    """`name`'s save, asynchronous save and load, each `(path, state or like)`
+    (eqx_ckpt's a second blocking save too, `save_again`)."""
+    if name.startswith("eqx_ckpt"):
         eqx = contenders.EqxCkpt(STAGING_BYTES)
-        return {"save": eqx.save, "save_async": eqx_ckpt_save_async, "load": eqx.load}
+        ops = {"save": eqx.save, "save_again": eqx.save, "save_async": eqx_ckpt_save_async, "load": eqx.load}
+        return {op: pinned_knobs(f) for op, f in ops.items()} if name == "eqx_ckpt_pinned" else ops
     if name == "orbax":
         orbax = contenders.Orbax()
         return {"save": orbax.save, "save_async": orbax_save_async, "load": orbax.load}
-    return {"save": numpy_save, "load": numpy_load}
+    return {"save": numpy_save, "to_host": to_host, "load": numpy_load}
 
 
 @jax.jit
@@ -226,17 +262,22 @@ def bench_contender(name: str, state: dict[str, jax.Array], root: str) -> Iterat
     first save's checkpoint, each save into a fresh directory under `root`."""
     nbytes = sum(x.nbytes for x in state.values())
     ops = operations(name)
-    paths = {op: os.path.join(root, f"{state_dtype(state)}-{name}-{op}") for op in ("save", "save_async")}
-    for op in ("save", "save_async"):
+    saves = ("save", "save_again", "save_async", "to_host")
+    paths = {op: os.path.join(root, f"{state_dtype(state)}-{name}-{op}") for op in saves}
+    for op in saves:
         if op in ops:
             # What earlier saves left unwritten is written now, not during this one's syncs.
             os.sync()
             _, figures = timed(functools.partial(ops[op], paths[op], state), nbytes)
             yield {"op": op, **figures}
-    run.remove(paths["save_async"])
-    worker.set_cache(paths["save"], "warm")
-    out, figures = timed(functools.partial(ops["load"], paths["save"], abstract(state)), nbytes)
-    yield {"op": "load", **figures, "verified": verified(out, state)}
+            if op != "save":
+                run.remove(paths[op])
+    # Cold (where this machine lets the page cache be dropped), then warm.
+    for op, cache in [("load_cold", "cold")] * worker.can_drop_caches() + [("load", "warm")]:
+        worker.set_cache(paths["save"], cache)
+        out, figures = timed(functools.partial(ops["load"], paths["save"], abstract(state)), nbytes)
+        yield {"op": op, **figures, "verified": verified(out, state)}
+        del out
 
 
 def state_dtype(state: dict[str, jax.Array]) -> str:
@@ -287,17 +328,17 @@ def header(args: argparse.Namespace, root: str) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        f"{'dtype':9s} {'contender':9s} {'operation':10s} {'seconds':>8s} {'GB/s':>7s} "
+        f"{'dtype':9s} {'contender':15s} {'operation':10s} {'seconds':>8s} {'GB/s':>7s} "
         f"{'blocked s':>9s} {'peak RSS added':>14s} {'bits equal':>10s}"
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['dtype']:9s} {r['contender']:9s} FAILED: {r['error']}")
+            lines.append(f"{r['dtype']:9s} {r['contender']:15s} FAILED: {r['error']}")
             continue
         blocked = f"{r['blocked']:9.3f}" if "blocked" in r else f"{'-':>9s}"
         same = "-" if "verified" not in r else "yes" if r["verified"] else "NO"
         lines.append(
-            f"{r['dtype']:9s} {r['contender']:9s} {r['op']:10s} {r['seconds']:8.3f} {r['gb_per_s']:7.2f} "
+            f"{r['dtype']:9s} {r['contender']:15s} {r['op']:10s} {r['seconds']:8.3f} {r['gb_per_s']:7.2f} "
             f"{blocked} {r['rss_added'] / 2**20:10.0f} MiB {same:>10s}"
         )
     return "\n".join(lines)

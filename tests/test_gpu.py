@@ -157,3 +157,80 @@ def test_64_bit_arrays_stay_64_bit_in_every_thread_that_copies_them(tmp_path, bl
         pending.wait()
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", expected)
     assert eqx.tree_equal(out, expected, typematch=True)
+
+
+def test_a_training_loop_saving_every_5_steps_resumes_bit_for_bit(tmp_path):
+    """50 steps of a jitted step that donates its state, saved every 5 steps
+    in the background (each save holds pinned copies while the next steps
+    overwrite the state); a new manager resumes every saved step bit for
+    bit, on the device, and training on from step 50 gives what the
+    original run would have."""
+    train = jax.jit(lambda t: jax.tree.map(lambda x: x * 0.5 + 1.0, t), donate_argnums=0)
+    state = _state(leaves=4)
+    saved: dict[int, dict[str, np.ndarray]] = {}
+    manager = eqx_ckpt.CheckpointManager(tmp_path / "run", blocking=False)
+    for step in range(1, 51):
+        state = train(state)
+        if step % 5 == 0:
+            saved[step] = jax.tree.map(np.asarray, state)
+            manager.save(step, state)
+    manager.wait_until_finished()
+    manager.close()
+    expected_next = jax.tree.map(np.asarray, train(jax.tree.map(jax.numpy.copy, state)))
+    resumed = eqx_ckpt.CheckpointManager(tmp_path / "run")
+    assert resumed.latest_step() == 50
+    like = eqx.filter_eval_shape(lambda: state)
+    for step in resumed.all_steps():
+        out = resumed.restore(like, step=step)
+        assert _on_device(out)
+        assert eqx.tree_equal(jax.tree.map(np.asarray, out), saved[step], typematch=True), step
+    latest = resumed.restore(like)
+    assert eqx.tree_equal(jax.tree.map(np.asarray, train(latest)), expected_next, typematch=True)
+
+
+def test_a_load_through_the_pool_of_pinned_buffers_is_bit_for_bit_on_the_device(tmp_path, faults, monkeypatch):
+    """With the pool on (`_memory.PINNED_LOAD_POOL`, off by default), a
+    state of 8 leaves of 4 MiB (chunks of 1 MiB) is read through two reused
+    buffers of 2 MiB (each leaf in two slabs, joined on the device): loaded
+    bit for bit onto the device, the buffers allocated once for two loads."""
+    from eqx_ckpt._ondisk import _format
+
+    monkeypatch.setattr(_format, "CHUNK_BYTES", MIB)
+    monkeypatch.setattr(_memory, "PINNED_LOAD_POOL", (2, 2 * MIB))
+    monkeypatch.setattr(_memory, "_LOAD_POOLS", {})
+    state = _state()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "c", state)
+    allocated: list[int] = []
+    faults("load.pinned_pool", allocated.append)
+    like = eqx.filter_eval_shape(lambda: state)
+    for _ in range(2):
+        out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", like)
+        assert eqx.tree_equal(out, state, typematch=True) and _on_device(out)
+    assert allocated == [2 * MIB, 2 * MIB]
+
+
+def test_a_load_falls_back_when_the_pool_cannot_be_allocated(tmp_path, faults, monkeypatch):
+    monkeypatch.setattr(_memory, "PINNED_LOAD_POOL", (2, 64 * MIB))
+    monkeypatch.setattr(_memory, "_LOAD_POOLS", {})
+    state = _state()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "c", state)
+    faults("load.pinned_pool", MemoryError("RESOURCE_EXHAUSTED: out of memory"))
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", eqx.filter_eval_shape(lambda: state))
+    assert eqx.tree_equal(out, state, typematch=True) and _on_device(out)
+
+
+@pytest.mark.parametrize("budget", [4 * MIB, 12 * MIB])
+def test_a_blocking_save_through_pinned_memory_stays_within_the_budget(tmp_path, faults, monkeypatch, budget):
+    """With `_memory.PINNED_SAVE_COPIES` on (off by default), each piece is
+    copied into pinned host memory as the budget admits it, never past it,
+    and the state loads back bit for bit."""
+    monkeypatch.setattr(_memory, "PINNED_SAVE_COPIES", True)
+    staged = Staged(faults)
+    copied: list[int] = []
+    faults("save.pinned_copies", lambda arrays: copied.extend(x.nbytes for x in arrays))
+    state = _state()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "c", state, staging_bytes=budget)
+    assert staged.peak <= budget and staged.seen[-1][0] == 0
+    assert sorted(copied) == sorted(x.nbytes for x in state.values())
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", eqx.filter_eval_shape(lambda: state))
+    assert eqx.tree_equal(out, state, typematch=True) and _on_device(out)

@@ -34,8 +34,10 @@ The points, with where they fire and the arguments they pass:
   leaves were held starts its plan, transaction and writes.
 - `save.pinned_copies` `(arrays)`: an asynchronous save on an accelerator
   copies the caller's `arrays` into their devices' pinned host memory
-  (`_memory.pinned`); an exception raised here makes it copy them through
-  the host's CPU device instead, as it does where a device has none.
+  (`_memory.pinned`); so does a blocking save, one piece at a time as its
+  staging budget admits it, where `_memory.PINNED_SAVE_COPIES` is on; an
+  exception raised here makes it copy them through the host's CPU device
+  instead, as it does where a device has none.
 - `save.copied` `(pending)`: the host data of the NumPy leaves of `pending`
   (the save's leaves) was copied, as an asynchronous save with a custom
   filter spec does in the caller's thread.
@@ -149,6 +151,10 @@ The points, with where they fire and the arguments they pass:
   that shares reads (`_read_once`) read its slices `regions` (tuples of
   `(start, stop)` per axis) of the leaf at dotted `path` from storage, before
   the barrier that precedes the all-gather (only for a leaf it reads a slice of).
+- `load.pinned_pool` `(nbytes)`: a load allocates one buffer of `nbytes` of
+  the pool it reads large leaves through on an accelerator
+  (`_memory.PINNED_LOAD_POOL`, `_pooled`), once per process; an exception
+  raised here makes it load them the usual way.
 - `untrusted.scan` `(directory)`: a load checks the files of a folder on a
   local disk (a leaf's, and each folder below it) for links and sizes.
 - `pack.read_run` `(loc, pack, paths)`: a run of a pack, holding the packed
@@ -248,6 +254,7 @@ POINTS = frozenset(
         "multihost.barrier",
         "load.read_stored",
         "load.read_once",
+        "load.pinned_pool",
         "untrusted.scan",
         "pack.read_run",
         "window.open",

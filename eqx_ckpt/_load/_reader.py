@@ -9,10 +9,12 @@ leaves in runs of their packs (`_pack`; a lazy leaf, read alone, through the
 process's cached open of its pack; each run read behind the storage seam,
 `_storage.ChunkFiles.pack_runs`), small leaves of another format in
 runs of its file (`Source.runs`), a large leaf on a local disk straight into
-one aligned buffer (`_read.start_direct`), anything else through TensorStore
-(`_read.start`). A region of a stored leaf (a slice of a lazy leaf, a chunk
-that `verify` or `diff` scans) is read by `_read.start_region`, which every
-read of a leaf's stored elements through TensorStore ends in.
+one aligned buffer (`_read.start_direct`; or, where
+`_memory.PINNED_LOAD_POOL` is on, through the process's pool of reused host
+buffers, `_pooled`), anything else through TensorStore (`_read.start`). A
+region of a stored leaf (a slice of a lazy leaf, a chunk that `verify` or
+`diff` scans) is read by `_read.start_region`, which every read of a leaf's
+stored elements through TensorStore ends in.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from .._base._progress import Progress, Tracker
 from .._ondisk import _dtypes
 from .._ondisk._format import LeafRecord
 from .._store import _storage, _storage_errors, _window
-from . import _pack, _read, _read_once
+from . import _pack, _pooled, _read, _read_once
 from ._load_plan import LeafPlan
 
 if TYPE_CHECKING:
@@ -112,14 +114,23 @@ def _read_each(
     through TensorStore, opened ahead of the reads."""
     data, files = source.data, _storage.chunk_files(source.data)
     indices = range(len(plans))
-    direct = {i for i in indices if source.opener is None and _read.direct(files, records[i], plans[i].like)}
-    opens = {i: source.open(records[i]) for i in indices if i not in direct}
     # Bytes within each leaf, reported as its chunks or slabs land.
     parts = {i: tracker.within(records[i].nbytes) for i in indices}
+    # Through the pool of host buffers (off unless `_memory.PINNED_LOAD_POOL`), else the usual way.
+    pooled: dict[int, Callable[[], Any]] = {}
+    for i in indices:
+        if source.opener is None and _pooled.usable(files, records[i], plans[i].like):
+            finish = _pooled.start(files, data, records[i], plans[i].like, parts[i])
+            if finish is not None:
+                pooled[i] = finish
+    direct = {i for i in indices if source.opener is None and _read.direct(files, records[i], plans[i].like)}
+    opens = {i: source.open(records[i]) for i in indices if i not in direct and i not in pooled}
 
     def start(i: int) -> Callable[[], Any]:
         plan, record = plans[i], records[i]
         dtype = target_dtype(plan.like)
+        if i in pooled:
+            return pooled[i]
         if i in direct:
             return _read.start_direct(files, data, record, plan.like, dtype=dtype, on_bytes=parts[i])
         try:

@@ -370,7 +370,9 @@ class Window:
             unit = todo.popleft()
             self._change(unit.nbytes)
             out.append(unit)
-        if not _memory.only_cpus():  # (on a CPU, host data is a view: nothing to start)
+        # (On a CPU, host data is a view: nothing to start, unless copies through
+        # pinned memory are switched on, `_memory.PINNED_SAVE_COPIES`.)
+        if _memory.PINNED_SAVE_COPIES or not _memory.only_cpus():
             for unit in out:
                 unit.datas = [_memory.ahead(data) for data in unit.datas]
         return out

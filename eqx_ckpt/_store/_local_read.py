@@ -142,6 +142,18 @@ def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Ca
     return finish
 
 
+def start_chunks(loc: Location, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
+    """Start reading `count` chunks of a leaf that `start_read` reads, from
+    chunk `first` on (along its first axis), into `out` (their bytes, the last
+    chunk's cut at the leaf's end), checked the same way: a buffer the caller
+    reuses (`_pooled`, a load through a pool of host buffers). The returned
+    function waits and checks every chunk's checksum."""
+    keys = [_format.chunk_key([first + i, *[0] * (len(record.chunks) - 1)]) for i in range(count)]
+    path = _check_chunk_files(loc, record, record.directory, iter(keys))
+    reads = _read_chunks(path, loc, record, out, keys)
+    return reads.wait
+
+
 def _check_chunk_files(loc: Location, record: LeafRecord, directory: str, keys: Iterator[str]) -> str:
     """Check the array's folder `directory` and each of its chunk files `keys`
     (no links, a regular file of one full chunk and its checksum); the folder's path."""

@@ -1,7 +1,10 @@
 """Host memory for leaves: page-aligned private buffers, private copies, the
 memory check before a read, the process's shared thread pools, and the host
 data of a save's pieces (`host`, `ahead`, `host_views`, `held`, `protected`, and
-`Deferred`, a piece made host only when the save stages it).
+`Deferred`, a piece made host only when the save stages it), and the pool of
+reused host buffers a load may read through (`BufferPool`, off until measured
+on a GPU: `PINNED_LOAD_POOL`; `PINNED_SAVE_COPIES` likewise for a blocking
+save's copies through pinned memory).
 
 Why private anonymous mappings: NumPy asks the kernel for huge pages for every
 array of 4 MiB or more, and with the page cache full (after a save, on a
@@ -136,6 +139,68 @@ def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: s
     )
 
 
+# -- The pool of host buffers a load on an accelerator reads through -------------------------------
+
+# `(count, bytes)`: a load on an accelerator reads each large local leaf through
+# `count` reused host buffers of `bytes` each (`_pooled`), its reads overlapping
+# the copies to the devices; `None` (the default): off, until measured on a GPU
+# (issue 60). Tests switch it on with JAX's CPU memory kinds.
+PINNED_LOAD_POOL: tuple[int, int] | None = None
+
+
+class BufferPool:
+    """`count` page-aligned host buffers of `size` bytes, each allocated once
+    (on first use) and reused: `take` hands out the next, round robin, once
+    the copies from its last use (`sent`) are done. `allocations` counts the
+    buffers allocated. Fault point `load.pinned_pool` fires before each
+    allocation; an exception there is the caller's to fall back from."""
+
+    def __init__(self, count: int, size: int):
+        self.count, self.size, self.allocations = count, size, 0
+        self.buffers: list[np.ndarray] = []
+        self.pending: list[list[Any]] = []
+        self.next = 0
+        self.lock = threading.Lock()  # one load through the pool at a time
+
+    def take(self) -> np.ndarray:
+        i = self.next
+        self.next = (i + 1) % self.count
+        if i == len(self.buffers):
+            _faults.fire("load.pinned_pool", self.size)
+            self.buffers.append(fresh_bytes(self.size))
+            self.pending.append([])
+            self.allocations += 1
+        jax.block_until_ready(self.pending[i])  # its copies to the devices are done: free to reuse
+        self.pending[i] = []
+        return self.buffers[i]
+
+    def sent(self, buffer: np.ndarray, copies: list[Any]) -> None:
+        """`copies`, made from `buffer`, which must finish before it is reused."""
+        self.pending[next(i for i, b in enumerate(self.buffers) if b is buffer)] += copies
+
+
+_LOAD_POOLS: dict[tuple[int, int], BufferPool] = {}
+
+
+def load_pool() -> BufferPool | None:
+    """The process's pool for `PINNED_LOAD_POOL` (made once per setting), or
+    `None` where it is off."""
+    setting = PINNED_LOAD_POOL
+    if setting is None:
+        return None
+    with _POOLS_LOCK:
+        pool = _LOAD_POOLS.get(setting)
+        if pool is None:
+            pool = _LOAD_POOLS[setting] = BufferPool(*setting)
+        return pool
+
+
+def has_pinned(device: Any) -> bool:
+    """Whether `device` has pinned host memory (`pinned_host`), which a copy
+    from the host reaches it through."""
+    return _has_pinned(device)
+
+
 # -- The host data of a save's pieces ---------------------------------------------------------------
 
 
@@ -187,6 +252,10 @@ def ahead(data: Any) -> Any:
     if isinstance(data, Deferred):
         data.source = ahead(data.resolved())
         return data
+    if PINNED_SAVE_COPIES and isinstance(data, jax.Array) and _pinnable(data):
+        copies = pinned([data])
+        if copies is not None:  # (else, as without the knob)
+            return copies[0]
     if isinstance(data, jax.Array) and not _on_cpu(data):
         cpu = _cpu_device()
         if cpu is None:
@@ -194,6 +263,24 @@ def ahead(data: Any) -> Any:
         else:
             return _Copying(shared_pool("eqx_ckpt-to-host", COPY_THREADS).submit(_on_host, data, cpu))
     return data
+
+
+# Whether a blocking save copies its pieces to the host through their devices'
+# pinned host memory (`ahead`, with `pinned`, as an asynchronous save's caller
+# does), as many at once as its staging budget admits, the copies overlapping
+# the writes before them. Off (`False`) until measured on a GPU (issue 60);
+# on, it copies on any backend (tests switch it on with JAX's CPU devices).
+PINNED_SAVE_COPIES = False
+
+
+def _pinnable(data: jax.Array) -> bool:
+    """An array on one device, in its device memory, of a plain dtype: what
+    `pinned` copies for a blocking save."""
+    return (
+        data.sharding.memory_kind not in _HOST_KINDS
+        and len(data.sharding.device_set) == 1
+        and not jax.dtypes.issubdtype(data.dtype, jax.dtypes.extended)
+    )
 
 
 def pinned(arrays: list[jax.Array]) -> list[jax.Array] | None:

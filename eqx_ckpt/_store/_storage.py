@@ -933,6 +933,12 @@ class ChunkFiles(Protocol):
         (`_local_read.start_read`); a function that waits and returns it."""
         ...
 
+    def start_chunks(self, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
+        """Start reading chunks `[first, first + count)` of a leaf that `reads`
+        into `out`, a buffer the caller reuses; a function that waits and
+        checks them."""
+        ...
+
     def pack_runs(self, *, cached: bool) -> _pack_runs.PackRuns:
         """The reader of runs of the packs here for one load, which reads
         every run and declines none: by eqx_ckpt itself where it reads the
@@ -998,6 +1004,11 @@ class LocalFiles:
 
     def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
         return _local_read.start_read(self.loc, record, on_bytes=on_bytes) if self.reads(record) else None
+
+    def start_chunks(self, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
+        """Start reading chunks `[first, first + count)` of a leaf that `reads`
+        into `out` (`_local_read.start_chunks`)."""
+        return _local_read.start_chunks(self.loc, record, first, count, out)
 
     def start_pack_run(self, pack: PackRecord, start: int, stop: int) -> Read:
         """Start reading elements `[start, stop)` (not empty) of `pack` (`_local_read.start_pack_run`)."""
@@ -1071,6 +1082,9 @@ class TensorStoreFiles:
 
     def reads(self, record: LeafRecord) -> bool:
         return False
+
+    def start_chunks(self, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
+        raise NotImplementedError("no leaf here is read by eqx_ckpt itself (`reads` is false)")
 
     def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
         return None
