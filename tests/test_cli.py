@@ -252,11 +252,51 @@ def test_verify_of_a_manager_directory_reports_each_step_and_exits_1_if_one_is_d
     data[100] ^= 0x01
     chunk.write_bytes(bytes(data))
     lines = run("verify", run_dir, check_code=1).stdout.splitlines()
-    assert lines[0] == "step 1: sound"
-    assert lines[1].startswith(f"step 2: big: Leaf `big` in checkpoint {str(run_dir / 'step_00000002')!r}: ")
-    assert lines[2:] == [
-        "step 2: 1 problem(s)", "step 3: sound", f"{run_dir}: 3 steps in a CheckpointManager directory, 1 damaged: [2]",
+    # The damaged file first (issue 59, item 12), then each step.
+    assert lines[0] == "1 damaged file, used by 1 leaf in 1 step:"
+    assert lines[1] == f"  {chunk}: 1 leaf in step 2; the first says:"
+    assert lines[2].startswith(f"    step 2: big: Leaf `big` in checkpoint {str(run_dir / 'step_00000002')!r}: ")
+    assert lines[3] == "Every leaf that uses a damaged file is damaged: restore it from a good copy."
+    assert lines[4:] == [
+        "step 1: sound", "step 2: 1 leaf in the damaged files above: big", "step 2: 1 problem(s)", "step 3: sound",
+        f"{run_dir}: 3 steps in a CheckpointManager directory, 1 damaged: [2]",
     ]  # fmt: skip
+
+
+def test_verify_of_damage_that_steps_share_leads_with_the_damaged_file(tmp_path, monkeypatch):
+    """Issue 59, item 12: one flipped bit in a pack chunk that six steps share
+    printed 294 lines and no summary. It leads with the one damaged file, the
+    leaves and steps it damages, and stays bounded."""
+    run_dir = tmp_path / "run"
+    base = {f"layer{i}": {"w": np.full((30, 30), i, np.float32), "b": np.zeros(30, np.float32)} for i in range(20)}
+    with eqx_ckpt.CheckpointManager(run_dir, max_to_keep=10) as manager:
+        for step in range(6):  # the float32 pack is unchanged: every step shares its chunk file
+            manager.save(step, {**base, "head": np.full(10, step, np.float16)})
+    chunk = run_dir / "step_00000000" / "packed.float32" / "c" / "0"
+    assert chunk.stat().st_nlink == 6
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    monkeypatch.chdir(tmp_path)  # the path as the user gave it, relative
+    lines = run("verify", "run", check_code=1).stdout.splitlines()
+    assert lines[0] == "1 damaged file, used by 40 leaves in 6 steps:"
+    assert lines[1] == "  run/step_00000000/packed.float32/c/0: 40 leaves in steps 0, 1, 2, 3, 4, 5; the first says:"
+    assert lines[2].startswith("    step 0: layer0.b: its pack 'packed.float32' is damaged: ") and "Digest" in lines[2]
+    assert lines[3] == (
+        "Every leaf that uses a damaged file is damaged (steps share unchanged chunk files: see docs/manager.md): "
+        "restore it from a good copy."
+    )
+    named = "layer0.b, layer0.w, layer1.b, layer1.w, layer10.b and 35 more"
+    for step in range(6):
+        assert lines[4 + 2 * step : 6 + 2 * step] == [
+            f"step {step}: 40 leaves in the damaged files above: {named}",
+            f"step {step}: 40 problem(s)",
+        ]
+    assert lines[16:] == ["run: 6 steps in a CheckpointManager directory, 6 damaged: [0, 1, 2, 3, 4, 5]"]
+    problems = eqx_ckpt.verify(run_dir)
+    assert len(problems) == 240 and {p.file for p in problems} != {None}
+    [(file, group)] = problems.damaged_files()
+    assert os.path.samefile(file, chunk) and len(group) == 240
 
 
 def test_demo_refuses_bad_arguments_before_training(tmp_path, capsys):
@@ -344,3 +384,40 @@ def test_ls_of_an_unreachable_s3_endpoint_exits_2_within_seconds(monkeypatch):
     assert f"\neqx-ckpt ls: Cannot reach '{url}': " in "\n" + done.stderr, done.stderr
     assert "curl_code='7'" in done.stderr and "Check the URL" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _claim_a_newer_format(path):
+    """Make the checkpoint at `path` claim the next format version, as a newer eqx_ckpt would write it."""
+    from eqx_ckpt._ondisk._format import FORMAT_VERSION
+
+    manifest = path / "manifest.json"
+    text = manifest.read_text()
+    assert f'"format_version":{FORMAT_VERSION}' in text.replace(" ", "")
+    manifest.write_text(text.replace(f'"format_version": {FORMAT_VERSION}', f'"format_version": {FORMAT_VERSION + 1}'))
+    return FORMAT_VERSION + 1
+
+
+def test_verify_of_a_newer_format_exits_2_not_1(tmp_path, ckpt):
+    """Issue 59, item 10: a checkpoint of a newer format was a
+    `CorruptCheckpointError`, and `verify` exited 1 ("damaged"): a clean-up
+    script could delete a sound checkpoint."""
+    version = _claim_a_newer_format(ckpt)
+    done = run("verify", ckpt, check_code=2)
+    assert done.stdout == ""
+    assert done.stderr.startswith(f"eqx-ckpt verify: The manifest of checkpoint {str(ckpt)!r} says format version ")
+    assert f"version {version}, which is not one this eqx_ckpt reads" in done.stderr
+    assert "nothing is wrong with the checkpoint" in done.stderr and "git pull" in done.stderr
+    assert "pip install -U" not in done.stderr and "damaged" not in done.stderr
+    # In a manager's directory: the other steps are verified, that one is not damage.
+    run_dir = tmp_path / "run"
+    with eqx_ckpt.CheckpointManager(run_dir) as manager:
+        for step in (1, 2):
+            manager.save(step, {"w": np.full(3, float(step))})
+    _claim_a_newer_format(run_dir / "step_00000002")
+    lines = run("verify", run_dir, check_code=2).stdout.splitlines()
+    assert lines[0] == "step 1: sound"
+    assert lines[1].startswith("not checked: Step 2 was not checked: The manifest of checkpoint ")
+    verdict = "1 step in a CheckpointManager directory, sound; 1 of a newer format, not checked: [2]"
+    assert lines[2] == f"{run_dir}: {verdict}"
+    problems = eqx_ckpt.verify(run_dir)
+    assert problems == [] and problems.newer == (2,) and problems.steps == (1,)

@@ -3,7 +3,8 @@
 The CLI only parses and formats: every command calls a public library function.
 Exit codes: 0 success (for `verify`: sound; for `diff`: equal), 1 `verify`
 found damage or `diff` found differences, 2 an error (bad path, not a
-checkpoint, bad arguments).
+checkpoint, bad arguments, storage that would not serve it, or a checkpoint
+of a newer format than this eqx_ckpt reads: no damage, but not checked).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .._store import _share
 from ._demo import run
 from ._diff import diff
 from ._export import export_safetensors
-from ._verify import Problems, verify
+from ._verify import Problem, Problems, verify
 
 
 def _path(text: str) -> Any:
@@ -141,33 +142,109 @@ def _shared_files(loc: Location) -> tuple[int, int] | None:
     return _share.shared_files(source.data.local or loc.local)
 
 
+# Problems printed of one checkpoint or step, and damaged files named: one
+# flipped bit in a file that six steps share once printed 294 lines.
+# `eqx_ckpt.verify` returns every problem.
+_SHOWN_PROBLEMS = 10
+_SHOWN_FILES = 10
+
+
 def _verify(args: argparse.Namespace) -> int:
     problems = verify(_path(args.path))
-    args.code = 1 if problems else 0  # the answer, even if the reader goes away (`main`)
-    if problems.steps:
-        print(printable(_format_verified_steps(args.path, problems)))
-        return args.code
-    for problem in problems:
-        print(printable(str(problem)))
-    for limit in problems.unchecked:
-        print(f"not checked: {limit}")
-    print(f"{args.path}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
+    # The answer, even if the reader goes away (`main`): damage is 1; a step
+    # written by a newer eqx_ckpt is no damage, but it was not checked either.
+    args.code = 1 if problems else 2 if problems.newer else 0
+    lines = _root_causes(args.path, problems)
+    if problems.steps or problems.newer:
+        lines += _format_verified_steps(args.path, problems)
+    else:
+        lines += _problem_lines(list(problems), "")
+        lines += [f"not checked: {limit}" for limit in problems.unchecked]
+        lines.append(f"{args.path}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
+    print(printable("\n".join(lines)))
     return args.code
 
 
-def _format_verified_steps(path: str, problems: Problems) -> str:
+def _root_causes(path: str, problems: Problems) -> list[str]:
+    """The damaged files first, each with the leaves and steps it damages: the
+    one cause behind many problems (steps share unchanged chunk files, the
+    leaves of a pack share its chunks)."""
+    files = problems.damaged_files()
+    if not files:
+        return []
+    caused = [problem for _, group in files for problem in group]
+    steps = sorted({problem.step for problem in caused if problem.step is not None})
+    leaves = len({problem.leaf for problem in caused})
+    head = f"{_count(len(files), 'damaged file')}, used by {_count(leaves, 'leaf', 'leaves')}"
+    lines = [head + (f" in {_count(len(steps), 'step')}" if steps else "") + ":"]
+    for file, group in files[:_SHOWN_FILES]:
+        used = sorted({problem.step for problem in group if problem.step is not None})
+        shown = _count(len({problem.leaf for problem in group}), "leaf", "leaves")
+        lines.append(f"  {_shown_path(path, file)}: {shown}{_in_steps(used)}; the first says:")
+        lines.append(f"    {group[0]}")
+    if len(files) > _SHOWN_FILES:
+        lines.append(f"  and {_count(len(files) - _SHOWN_FILES, 'more damaged file')}")
+    fix = "restore it from a good copy" if len(files) == 1 else "restore them from a good copy"
+    shared = " (steps share unchanged chunk files: see docs/manager.md)" if len(steps) > 1 else ""
+    lines.append(f"Every leaf that uses a damaged file is damaged{shared}: {fix}.")
+    return lines
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+def _in_steps(steps: list[int]) -> str:
+    if not steps:
+        return ""
+    if len(steps) <= 6:
+        return f" in {'step' if len(steps) == 1 else 'steps'} {', '.join(map(str, steps))}"
+    return f" in {len(steps)} steps ({steps[0]}, {steps[1]}, ..., {steps[-1]})"
+
+
+def _problem_lines(problems: list[Problem], prefix: str) -> list[str]:
+    """The problems of one checkpoint (or step), bounded: those of the damaged
+    files named above in one line, then at most `_SHOWN_PROBLEMS` others, and
+    how many more there are."""
+    lines = []
+    named = sorted(str(problem.leaf) for problem in problems if problem.file is not None)
+    if named:
+        more = f" and {len(named) - 5} more" if len(named) > 5 else ""
+        lines.append(
+            f"{prefix}{_count(len(named), 'leaf', 'leaves')} in the damaged files above: {', '.join(named[:5])}{more}"
+        )
+    others = [str(problem) for problem in problems if problem.file is None]
+    lines += others[:_SHOWN_PROBLEMS]
+    if len(others) > _SHOWN_PROBLEMS:
+        more = _count(len(others) - _SHOWN_PROBLEMS, "more problem")
+        lines.append(f"{prefix}... and {more} (`eqx_ckpt.verify` returns them all)")
+    return lines
+
+
+def _shown_path(given: str, file: str) -> str:
+    """A local `file` named as the user named the place it is in: below the
+    path `given` (relative, if that was), else as it is."""
+    if given.lstrip().startswith("{") or "://" in given:
+        return file
+    relative = os.path.relpath(file, os.path.abspath(given))
+    return file if relative.startswith("..") else os.path.join(given, relative)
+
+
+def _format_verified_steps(path: str, problems: Problems) -> list[str]:
     """A manager's directory verified: each step's problems (or `sound`), then
-    the steps that are damaged."""
+    the steps that are damaged, and those of a newer format."""
     lines = []
     for step in problems.steps:
         own = [problem for problem in problems if problem.step == step]
-        lines += [str(problem) for problem in own]
+        lines += _problem_lines(own, f"step {step}: ")
         lines.append(f"step {step}: {f'{len(own)} problem(s)' if own else 'sound'}")
     lines += [f"not checked: {limit}" for limit in problems.unchecked]
     damaged = sorted({problem.step for problem in problems if problem.step is not None})
     verdict = f"{len(damaged)} damaged: {damaged}" if damaged else "sound"
-    lines.append(f"{path}: {len(problems.steps)} steps in a CheckpointManager directory, {verdict}")
-    return "\n".join(lines)
+    if problems.newer:
+        verdict += f"; {len(problems.newer)} of a newer format, not checked: {list(problems.newer)}"
+    lines.append(f"{path}: {_count(len(problems.steps), 'step')} in a CheckpointManager directory, {verdict}")
+    return lines
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -223,7 +300,8 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="eqx-ckpt",
         description="Inspect, verify and compare eqx_ckpt checkpoints. Exit codes: 0 ok "
-        "(verify: sound, diff: equal), 1 verify found damage / diff found differences, 2 error.",
+        "(verify: sound, diff: equal), 1 verify found damage / diff found differences, 2 error (verify: also a "
+        "checkpoint or step of a newer format than this eqx_ckpt reads, which is not damage).",
     )
     top.add_argument("--version", action="version", version=f"eqx-ckpt {__version__}")
     commands = top.add_subparsers(dest="command", required=True)
@@ -242,7 +320,7 @@ def parser() -> argparse.ArgumentParser:
     info.set_defaults(run=_info)
     verify = commands.add_parser(
         "verify", help="read and check every byte (of other formats: what they can be checked for); exit 0 sound, "
-        "1 damaged", epilog=STORAGE_HELP,
+        "1 damaged, 2 error or a newer format (not damage: upgrade eqx_ckpt)", epilog=STORAGE_HELP,
     )  # fmt: skip
     verify.add_argument("path", help="checkpoint, .safetensors file, Hugging Face or orbax directory, kvstore URL")
     verify.set_defaults(run=_verify)
