@@ -8,8 +8,11 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Any
 
+import equinox as eqx
 import http_server
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -421,3 +424,79 @@ def test_verify_of_a_newer_format_exits_2_not_1(tmp_path, ckpt):
     assert lines[2] == f"{run_dir}: {verdict}"
     problems = eqx_ckpt.verify(run_dir)
     assert problems == [] and problems.newer == (2,) and problems.steps == (1,)
+
+
+class _Activation(eqx.Module):
+    linear: eqx.nn.Linear
+    act: Any
+
+
+def test_ls_types_names_what_a_save_could_not_record(tmp_path, monkeypatch):
+    """Issue 59, item 9: `ls --types` promised that a load would rebuild a
+    tree holding a lambda (it then failed), and a lambda as the whole tree was
+    never named."""
+    monkeypatch.chdir(tmp_path)
+    eqx_ckpt.tree_serialise_leaves("net", _Activation(eqx.nn.Linear(2, 2, key=jax.random.key(0)), lambda x: x))
+    lines = run("ls", "net", "--types", check_code=0).stdout.splitlines()
+    assert lines[0] == "equinox.nn._linear.Linear  (trusted by default)  at linear"
+    assert lines[1] == f"{__name__}._Activation  (needs trust)  at (the root)"
+    assert lines[2] == "not recorded: act  (a lambda: the save could not record it as data)"
+    with pytest.raises(eqx_ckpt.CheckpointValueError) as raised:
+        eqx_ckpt.Checkpoint("net").load(trust=[_Activation])
+    # What the listing says a load will say is what it says.
+    assert lines[3] == (
+        f"Checkpoint(path).load(trust=[{__name__}._Activation]) cannot rebuild it: it raises CheckpointValueError: "
+        f"{raised.value}"
+    )
+    assert len(lines) == 4 and "rebuilds it" not in "\n".join(lines)
+    eqx_ckpt.tree_serialise_leaves("bare", lambda x: x)
+    lines = run("ls", "bare", "--types", check_code=0).stdout.splitlines()
+    assert lines[0] == "not recorded: (the root)  (a lambda: the save could not record it as data)"
+    with pytest.raises(eqx_ckpt.CheckpointValueError) as raised:
+        eqx_ckpt.Checkpoint("bare").load(trust=[])
+    assert lines[1:] == [
+        f"Checkpoint(path).load(trust=[]) cannot rebuild it: it raises CheckpointValueError: {raised.value}"
+    ]
+    assert eqx_ckpt.Checkpoint("net").unrecordable() == {"act": "a lambda"}
+
+
+def _run_dir(tmp_path):
+    with eqx_ckpt.CheckpointManager(tmp_path / "run", max_to_keep=3) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, {"w": np.full(3, float(step)), "act": jax.nn.relu}, metrics={"loss": 1 / (step + 2)})
+    return tmp_path / "run"
+
+
+def test_info_diff_and_ls_types_of_a_manager_directory_say_what_it_is(tmp_path, monkeypatch):
+    """Issue 59, item 11: `info` and `diff` of a manager's directory said there
+    was no checkpoint ("a save that was interrupted"), and `ls --types` of one
+    listed its steps, ignoring `--types`."""
+    _run_dir(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert run("info", "run", check_code=0).stdout.splitlines() == [
+        "run is a CheckpointManager directory of 3 steps (1, 2, 3), not one checkpoint.",
+        "`eqx-ckpt info run/step_00000003` describes the latest; `eqx-ckpt ls run` lists them all.",
+    ]
+    done = run("diff", "run", "run/step_00000001", check_code=2)
+    assert done.stdout == "" and done.stderr == (
+        "eqx-ckpt diff: run is a CheckpointManager directory of 3 steps (1, 2, 3), not one checkpoint: `eqx-ckpt "
+        "diff` compares two checkpoints, such as two of its steps: `eqx-ckpt diff run/step_00000002 "
+        "run/step_00000003`.\n"
+    )
+    assert "interrupted" not in run("diff", "run/step_00000001", "run", check_code=2).stderr
+    lines = run("ls", "run", "--types", check_code=0).stdout.splitlines()
+    assert lines == [
+        "run is a CheckpointManager directory of 3 steps (1, 2, 3); the latest, run/step_00000003:",
+        "jax._src.nn.functions.relu  (trusted by default)  at act",
+        "Checkpoint(path).load(trust=[]) rebuilds it: every class and function is trusted by default.",
+    ]
+
+
+def test_ls_of_a_manager_directory_rounds_metrics_and_names_paths_as_given(tmp_path, monkeypatch):
+    """Issue 59, item 13: metrics printed with 16 digits, and the step to list
+    by an absolute path when a relative one was given."""
+    _run_dir(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    lines = run("ls", "run", check_code=0).stdout.splitlines()
+    assert [line.split()[-1] for line in lines[:3]] == ["loss=0.333333", "loss=0.25", "loss=0.2"]
+    assert lines[3] == "3 steps in a CheckpointManager directory; `eqx-ckpt ls run/step_00000003` lists one"

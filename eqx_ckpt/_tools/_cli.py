@@ -21,8 +21,9 @@ from .._base._errors import CheckpointError, CheckpointNotFoundError, Checkpoint
 from .._base._location import Location, location
 from .._load import _source
 from .._load._checkpoint import SMALL_VALUES, Checkpoint, human
+from .._load._rebuild import unrecordable_error
 from .._manage._manager import CheckpointManager
-from .._ondisk._format import MANIFEST
+from .._ondisk._format import MANIFEST, step_name
 from .._store import _share
 from ._demo import run
 from ._diff import diff
@@ -54,15 +55,14 @@ def _ls(args: argparse.Namespace) -> int:
     try:
         ckpt = Checkpoint(path)
     except CheckpointNotFoundError as missing:
-        try:
-            manager = CheckpointManager(path)
-        except CheckpointValueError:  # a file: no manager's directory either
-            raise missing from None
-        steps = manager.all_steps()
-        if not steps:
-            raise
-        print(_format_steps(manager, steps))
-        return 0
+        manager, steps = _manager_steps(args.path, missing)
+        if not (args.types or args.values or args.depth is not None):
+            print(_format_steps(args.path, manager, steps))
+            return 0
+        # What was asked of one checkpoint: of the latest step, said so (it was ignored).
+        latest = _step_path(args.path, manager, steps[-1])
+        print(printable(f"{_describe_steps(args.path, steps)}; the latest, {latest}:"))
+        ckpt = Checkpoint(manager.step_path(steps[-1]))
     if args.types:
         print(printable(_format_types(ckpt)))
         return 0
@@ -70,9 +70,37 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _manager_steps(given: str, error: CheckpointNotFoundError) -> tuple[CheckpointManager, list[int]]:
+    """The manager's directory at `given`, where there is no checkpoint, and
+    its committed steps; else `error`, that there is no checkpoint."""
+    try:
+        manager = CheckpointManager(_path(given))
+    except CheckpointValueError:  # a file: no manager's directory either
+        raise error from None
+    steps = manager.all_steps()
+    if not steps:
+        raise error from None
+    return manager, steps
+
+
+def _describe_steps(given: str, steps: list[int]) -> str:
+    """`given`: a manager's directory, and its steps (a long list cut short)."""
+    shown = ", ".join(map(str, steps)) if len(steps) <= 8 else f"{steps[0]}, {steps[1]}, ..., {steps[-1]}"
+    return f"{given} is a CheckpointManager directory of {_count(len(steps), 'step')} ({shown})"
+
+
+def _step_path(given: str, manager: CheckpointManager, step: int) -> str:
+    """A step's path, below the directory as the user gave it (a relative
+    path stays relative), else as the manager names it (a URL)."""
+    if given.lstrip().startswith("{") or "://" in given:
+        return manager.step_path(step)
+    return os.path.join(given, step_name(step))
+
+
 def _format_types(ckpt: Checkpoint) -> str:
     """The classes and functions a load without `like` builds, those outside the
-    default trust marked, and the `trust=[...]` they need."""
+    default trust marked, and the `trust=[...]` they need; then the parts the
+    save could not record, which no `trust` rebuilds, and what such a load says."""
     untrusted = ckpt.types(trust=[])
     lines, needed = [], []
     for name, paths in ckpt.types().items():
@@ -83,30 +111,56 @@ def _format_types(ckpt: Checkpoint) -> str:
             f" and {len(paths) - 3} more" if len(paths) > 3 else ""
         )
         lines.append(f"{python}  {'(needs trust)' if name in untrusted else '(trusted by default)'}  at {shown}")
-    if needed:
-        lines.append(f"Checkpoint(path).load(trust=[{', '.join(needed)}]) rebuilds it (import them first).")
+    parts = ckpt.unrecordable()
+    for path, why in list(parts.items())[:_SHOWN_PROBLEMS]:
+        lines.append(f"not recorded: {path or '(the root)'}  ({why}: the save could not record it as data)")
+    if len(parts) > _SHOWN_PROBLEMS:
+        lines.append(f"not recorded: ... and {len(parts) - _SHOWN_PROBLEMS} more parts")
+    trust = f"trust=[{', '.join(needed)}]"
+    if parts:
+        first, why = next(iter(parts.items()))
+        lines.append(
+            f"Checkpoint(path).load({trust}) cannot rebuild it: it raises CheckpointValueError: "
+            f"{unrecordable_error(ckpt.path, first, why)}"
+        )
+    elif needed:
+        lines.append(f"Checkpoint(path).load({trust}) rebuilds it (import them first).")
     else:
         lines.append("Checkpoint(path).load(trust=[]) rebuilds it: every class and function is trusted by default.")
     return "\n".join(lines)
 
 
-def _format_steps(manager: CheckpointManager, steps: list[int]) -> str:
+def _format_steps(given: str, manager: CheckpointManager, steps: list[int]) -> str:
     """A manager's directory: its committed steps, each with its size and metrics."""
     rows = []
     for step in steps:
         ckpt = Checkpoint(manager.step_path(step))
-        metrics = ", ".join(f"{name}={value}" for name, value in sorted(manager.metrics(step).items()))
+        metrics = ", ".join(f"{name}={_metric(value)}" for name, value in sorted(manager.metrics(step).items()))
         rows.append((f"step {step}", f"{len(ckpt)} leaves", human(ckpt.total_bytes), metrics))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {d}".rstrip() for a, b, c, d in rows]
     lines.append(
-        f"{len(steps)} steps in a CheckpointManager directory; `eqx-ckpt ls {manager.step_path(steps[-1])}` lists one"
+        f"{len(steps)} steps in a CheckpointManager directory; "
+        f"`eqx-ckpt ls {_step_path(given, manager, steps[-1])}` lists one"
     )
     return printable("\n".join(lines))
 
 
+def _metric(value: Any) -> str:
+    """A metric as people read it: six significant digits (a loss of
+    0.3333333333333333 is 0.333333), an int as it is."""
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
 def _info(args: argparse.Namespace) -> int:
-    ckpt = Checkpoint(_path(args.path))
+    try:
+        ckpt = Checkpoint(_path(args.path))
+    except CheckpointNotFoundError as missing:
+        manager, steps = _manager_steps(args.path, missing)
+        latest = _step_path(args.path, manager, steps[-1])
+        print(printable(f"{_describe_steps(args.path, steps)}, not one checkpoint."))
+        print(printable(f"`eqx-ckpt info {latest}` describes the latest; `eqx-ckpt ls {args.path}` lists them all."))
+        return 0
     print(f"path:            {printable(ckpt.path)}")
     if ckpt.format == "eqx_ckpt":
         print(f"format:          eqx_ckpt {ckpt.format_version} (zarr v3 arrays, {MANIFEST})")
@@ -248,7 +302,16 @@ def _format_verified_steps(path: str, problems: Problems) -> list[str]:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    differences = diff(_path(args.a), _path(args.b))
+    try:
+        differences = diff(_path(args.a), _path(args.b))
+    except CheckpointNotFoundError as missing:
+        given = args.a if missing.path == location(_path(args.a)).display else args.b
+        manager, steps = _manager_steps(given, missing)
+        pair = [_step_path(given, manager, step) for step in steps[-2:]]
+        raise CheckpointValueError(
+            f"{_describe_steps(given, steps)}, not one checkpoint: `eqx-ckpt diff` compares two checkpoints, "
+            f"such as two of its steps: `eqx-ckpt diff {' '.join(pair) if len(pair) == 2 else pair[0] + ' B'}`."
+        ) from None
     args.code = 1 if differences else 0
     for line in differences:
         print(printable(line))
