@@ -500,3 +500,26 @@ def test_ls_of_a_manager_directory_rounds_metrics_and_names_paths_as_given(tmp_p
     lines = run("ls", "run", check_code=0).stdout.splitlines()
     assert [line.split()[-1] for line in lines[:3]] == ["loss=0.333333", "loss=0.25", "loss=0.2"]
     assert lines[3] == "3 steps in a CheckpointManager directory; `eqx-ckpt ls run/step_00000003` lists one"
+
+
+def test_diff_prints_magnitudes_and_totals_bounded(tmp_path):
+    """Issue 59, item 13: `diff` of two steps printed one line per leaf, with
+    no totals and no magnitudes."""
+    a = {f"k{i:02d}": np.full(4, 1.0, np.float32) for i in range(60)}
+    b = {f"k{i:02d}": np.full(4, 1.0 + (i < 55) * 0.5, np.float32) for i in range(60)}
+    a["w"], b["w"] = np.array([3.0, 4.0], np.float32), np.array([3.0, 4.5], np.float32)
+    a["gone"], b["new"], b["k59"] = np.ones(2, np.float32), np.ones(2, np.float32), np.ones(3, np.float32)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "a", a)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "b", b)
+    lines = run("diff", tmp_path / "a", tmp_path / "b", check_code=1).stdout.splitlines()
+    assert lines[0] == "- gone"
+    assert lines[1] == "! k00: values differ (max |a-b| 0.5, |a-b|/|a| 0.5)"
+    assert len(lines) == 52 and lines[50] == "... and 9 more differences (`eqx_ckpt.diff` returns them all)"
+    assert lines[51] == (
+        "61 leaves in both: 4 equal, 56 with other values (888 B of 952 B compared), 1 of another shape, dtype or "
+        "type; 1 added, 1 removed"
+    )
+    changes = eqx_ckpt.diff(tmp_path / "a", tmp_path / "b")
+    assert "! w: values differ (max |a-b| 0.5, |a-b|/|a| 0.1)" in changes.lines(magnitudes=True)
+    assert changes.magnitudes["w"] == (0.5, 0.1)
+    assert list(changes)[1] == "! k00: values differ"  # iterating stays as it was

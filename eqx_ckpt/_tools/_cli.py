@@ -201,6 +201,8 @@ def _shared_files(loc: Location) -> tuple[int, int] | None:
 # `eqx_ckpt.verify` returns every problem.
 _SHOWN_PROBLEMS = 10
 _SHOWN_FILES = 10
+# Lines of `diff` printed before its totals.
+_SHOWN_DIFFERENCES = 50
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -313,9 +315,14 @@ def _diff(args: argparse.Namespace) -> int:
             f"such as two of its steps: `eqx-ckpt diff {' '.join(pair) if len(pair) == 2 else pair[0] + ' B'}`."
         ) from None
     args.code = 1 if differences else 0
-    for line in differences:
+    lines = differences.lines(magnitudes=True)
+    for line in lines[:_SHOWN_DIFFERENCES]:
         print(printable(line))
-    if not differences:
+    if len(lines) > _SHOWN_DIFFERENCES:
+        print(f"... and {len(lines) - _SHOWN_DIFFERENCES} more differences (`eqx_ckpt.diff` returns them all)")
+    if differences:
+        print(differences.summary())
+    else:
         print(
             f"{printable(args.a)} and {printable(args.b)} are equal: the same leaves, dtypes, shapes, values "
             f"and structure."
