@@ -33,8 +33,9 @@ class LazyArray:
     [`eqx_ckpt.materialise`][] does that for every lazy leaf of a tree at once.
 
     A `LazyArray` is not a JAX array: `eqx.is_array` is `False` for it, so
-    `eqx.filter` treats it as static, and passing it to a `jax.jit`-ted function
-    raises. Materialise first.
+    `eqx.filter` treats it as static, and passing it to a `jax.jit`-ted (or
+    `eqx.filter_jit`-ted) function raises, saying to call
+    `eqx_ckpt.materialise` first. Materialise first.
 
     !!! example
 
