@@ -12,6 +12,7 @@ from ._base._errors import (
     CheckpointStorageError as CheckpointStorageError,
     CheckpointTypeError as CheckpointTypeError,
     CheckpointValueError as CheckpointValueError,
+    CheckpointVersionError as CheckpointVersionError,
     CorruptCheckpointError as CorruptCheckpointError,
     IntegrityError as IntegrityError,
     LeafError as LeafError,

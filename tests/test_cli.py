@@ -8,8 +8,11 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Any
 
+import equinox as eqx
 import http_server
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -252,11 +255,51 @@ def test_verify_of_a_manager_directory_reports_each_step_and_exits_1_if_one_is_d
     data[100] ^= 0x01
     chunk.write_bytes(bytes(data))
     lines = run("verify", run_dir, check_code=1).stdout.splitlines()
-    assert lines[0] == "step 1: sound"
-    assert lines[1].startswith(f"step 2: big: Leaf `big` in checkpoint {str(run_dir / 'step_00000002')!r}: ")
-    assert lines[2:] == [
-        "step 2: 1 problem(s)", "step 3: sound", f"{run_dir}: 3 steps in a CheckpointManager directory, 1 damaged: [2]",
+    # The damaged file first (issue 59, item 12), then each step.
+    assert lines[0] == "1 damaged file, used by 1 leaf in 1 step:"
+    assert lines[1] == f"  {chunk}: 1 leaf in step 2; the first says:"
+    assert lines[2].startswith(f"    step 2: big: Leaf `big` in checkpoint {str(run_dir / 'step_00000002')!r}: ")
+    assert lines[3] == "Every leaf that uses a damaged file is damaged: restore it from a good copy."
+    assert lines[4:] == [
+        "step 1: sound", "step 2: 1 leaf in the damaged files above: big", "step 2: 1 problem(s)", "step 3: sound",
+        f"{run_dir}: 3 steps in a CheckpointManager directory, 1 damaged: [2]",
     ]  # fmt: skip
+
+
+def test_verify_of_damage_that_steps_share_leads_with_the_damaged_file(tmp_path, monkeypatch):
+    """Issue 59, item 12: one flipped bit in a pack chunk that six steps share
+    printed 294 lines and no summary. It leads with the one damaged file, the
+    leaves and steps it damages, and stays bounded."""
+    run_dir = tmp_path / "run"
+    base = {f"layer{i}": {"w": np.full((30, 30), i, np.float32), "b": np.zeros(30, np.float32)} for i in range(20)}
+    with eqx_ckpt.CheckpointManager(run_dir, max_to_keep=10) as manager:
+        for step in range(6):  # the float32 pack is unchanged: every step shares its chunk file
+            manager.save(step, {**base, "head": np.full(10, step, np.float16)})
+    chunk = run_dir / "step_00000000" / "packed.float32" / "c" / "0"
+    assert chunk.stat().st_nlink == 6
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    monkeypatch.chdir(tmp_path)  # the path as the user gave it, relative
+    lines = run("verify", "run", check_code=1).stdout.splitlines()
+    assert lines[0] == "1 damaged file, used by 40 leaves in 6 steps:"
+    assert lines[1] == "  run/step_00000000/packed.float32/c/0: 40 leaves in steps 0, 1, 2, 3, 4, 5; the first says:"
+    assert lines[2].startswith("    step 0: layer0.b: its pack 'packed.float32' is damaged: ") and "Digest" in lines[2]
+    assert lines[3] == (
+        "Every leaf that uses a damaged file is damaged (steps share unchanged chunk files: see docs/manager.md): "
+        "restore it from a good copy."
+    )
+    named = "layer0.b, layer0.w, layer1.b, layer1.w, layer10.b and 35 more"
+    for step in range(6):
+        assert lines[4 + 2 * step : 6 + 2 * step] == [
+            f"step {step}: 40 leaves in the damaged files above: {named}",
+            f"step {step}: 40 problem(s)",
+        ]
+    assert lines[16:] == ["run: 6 steps in a CheckpointManager directory, 6 damaged: [0, 1, 2, 3, 4, 5]"]
+    problems = eqx_ckpt.verify(run_dir)
+    assert len(problems) == 240 and {p.file for p in problems} != {None}
+    [(file, group)] = problems.damaged_files()
+    assert os.path.samefile(file, chunk) and len(group) == 240
 
 
 def test_demo_refuses_bad_arguments_before_training(tmp_path, capsys):
@@ -344,3 +387,139 @@ def test_ls_of_an_unreachable_s3_endpoint_exits_2_within_seconds(monkeypatch):
     assert f"\neqx-ckpt ls: Cannot reach '{url}': " in "\n" + done.stderr, done.stderr
     assert "curl_code='7'" in done.stderr and "Check the URL" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _claim_a_newer_format(path):
+    """Make the checkpoint at `path` claim the next format version, as a newer eqx_ckpt would write it."""
+    from eqx_ckpt._ondisk._format import FORMAT_VERSION
+
+    manifest = path / "manifest.json"
+    text = manifest.read_text()
+    assert f'"format_version":{FORMAT_VERSION}' in text.replace(" ", "")
+    manifest.write_text(text.replace(f'"format_version": {FORMAT_VERSION}', f'"format_version": {FORMAT_VERSION + 1}'))
+    return FORMAT_VERSION + 1
+
+
+def test_verify_of_a_newer_format_exits_2_not_1(tmp_path, ckpt):
+    """Issue 59, item 10: a checkpoint of a newer format was a
+    `CorruptCheckpointError`, and `verify` exited 1 ("damaged"): a clean-up
+    script could delete a sound checkpoint."""
+    version = _claim_a_newer_format(ckpt)
+    done = run("verify", ckpt, check_code=2)
+    assert done.stdout == ""
+    assert done.stderr.startswith(f"eqx-ckpt verify: The manifest of checkpoint {str(ckpt)!r} says format version ")
+    assert f"version {version}, which is not one this eqx_ckpt reads" in done.stderr
+    assert "nothing is wrong with the checkpoint" in done.stderr and "git pull" in done.stderr
+    assert "pip install -U" not in done.stderr and "damaged" not in done.stderr
+    # In a manager's directory: the other steps are verified, that one is not damage.
+    run_dir = tmp_path / "run"
+    with eqx_ckpt.CheckpointManager(run_dir) as manager:
+        for step in (1, 2):
+            manager.save(step, {"w": np.full(3, float(step))})
+    _claim_a_newer_format(run_dir / "step_00000002")
+    lines = run("verify", run_dir, check_code=2).stdout.splitlines()
+    assert lines[0] == "step 1: sound"
+    assert lines[1].startswith("not checked: Step 2 was not checked: The manifest of checkpoint ")
+    verdict = "1 step in a CheckpointManager directory, sound; 1 of a newer format, not checked: [2]"
+    assert lines[2] == f"{run_dir}: {verdict}"
+    problems = eqx_ckpt.verify(run_dir)
+    assert problems == [] and problems.newer == (2,) and problems.steps == (1,)
+
+
+class _Activation(eqx.Module):
+    linear: eqx.nn.Linear
+    act: Any
+
+
+def test_ls_types_names_what_a_save_could_not_record(tmp_path, monkeypatch):
+    """Issue 59, item 9: `ls --types` promised that a load would rebuild a
+    tree holding a lambda (it then failed), and a lambda as the whole tree was
+    never named."""
+    monkeypatch.chdir(tmp_path)
+    eqx_ckpt.tree_serialise_leaves("net", _Activation(eqx.nn.Linear(2, 2, key=jax.random.key(0)), lambda x: x))
+    lines = run("ls", "net", "--types", check_code=0).stdout.splitlines()
+    assert lines[0] == "equinox.nn._linear.Linear  (trusted by default)  at linear"
+    assert lines[1] == f"{__name__}._Activation  (needs trust)  at (the root)"
+    assert lines[2] == "not recorded: act  (a lambda: the save could not record it as data)"
+    with pytest.raises(eqx_ckpt.CheckpointValueError) as raised:
+        eqx_ckpt.Checkpoint("net").load(trust=[_Activation])
+    # What the listing says a load will say is what it says.
+    assert lines[3] == (
+        f"Checkpoint(path).load(trust=[{__name__}._Activation]) cannot rebuild it: it raises CheckpointValueError: "
+        f"{raised.value}"
+    )
+    assert len(lines) == 4 and "rebuilds it" not in "\n".join(lines)
+    eqx_ckpt.tree_serialise_leaves("bare", lambda x: x)
+    lines = run("ls", "bare", "--types", check_code=0).stdout.splitlines()
+    assert lines[0] == "not recorded: (the root)  (a lambda: the save could not record it as data)"
+    with pytest.raises(eqx_ckpt.CheckpointValueError) as raised:
+        eqx_ckpt.Checkpoint("bare").load(trust=[])
+    assert lines[1:] == [
+        f"Checkpoint(path).load(trust=[]) cannot rebuild it: it raises CheckpointValueError: {raised.value}"
+    ]
+    assert eqx_ckpt.Checkpoint("net").unrecordable() == {"act": "a lambda"}
+
+
+def _run_dir(tmp_path):
+    with eqx_ckpt.CheckpointManager(tmp_path / "run", max_to_keep=3) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, {"w": np.full(3, float(step)), "act": jax.nn.relu}, metrics={"loss": 1 / (step + 2)})
+    return tmp_path / "run"
+
+
+def test_info_diff_and_ls_types_of_a_manager_directory_say_what_it_is(tmp_path, monkeypatch):
+    """Issue 59, item 11: `info` and `diff` of a manager's directory said there
+    was no checkpoint ("a save that was interrupted"), and `ls --types` of one
+    listed its steps, ignoring `--types`."""
+    _run_dir(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert run("info", "run", check_code=0).stdout.splitlines() == [
+        "run is a CheckpointManager directory of 3 steps (1, 2, 3), not one checkpoint.",
+        "`eqx-ckpt info run/step_00000003` describes the latest; `eqx-ckpt ls run` lists them all.",
+    ]
+    done = run("diff", "run", "run/step_00000001", check_code=2)
+    assert done.stdout == "" and done.stderr == (
+        "eqx-ckpt diff: run is a CheckpointManager directory of 3 steps (1, 2, 3), not one checkpoint: `eqx-ckpt "
+        "diff` compares two checkpoints, such as two of its steps: `eqx-ckpt diff run/step_00000002 "
+        "run/step_00000003`.\n"
+    )
+    assert "interrupted" not in run("diff", "run/step_00000001", "run", check_code=2).stderr
+    lines = run("ls", "run", "--types", check_code=0).stdout.splitlines()
+    assert lines == [
+        "run is a CheckpointManager directory of 3 steps (1, 2, 3); the latest, run/step_00000003:",
+        "jax._src.nn.functions.relu  (trusted by default)  at act",
+        "Checkpoint(path).load(trust=[]) rebuilds it: every class and function is trusted by default.",
+    ]
+
+
+def test_ls_of_a_manager_directory_rounds_metrics_and_names_paths_as_given(tmp_path, monkeypatch):
+    """Issue 59, item 13: metrics printed with 16 digits, and the step to list
+    by an absolute path when a relative one was given."""
+    _run_dir(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    lines = run("ls", "run", check_code=0).stdout.splitlines()
+    assert [line.split()[-1] for line in lines[:3]] == ["loss=0.333333", "loss=0.25", "loss=0.2"]
+    assert lines[3] == "3 steps in a CheckpointManager directory; `eqx-ckpt ls run/step_00000003` lists one"
+
+
+def test_diff_prints_magnitudes_and_totals_bounded(tmp_path):
+    """Issue 59, item 13: `diff` of two steps printed one line per leaf, with
+    no totals and no magnitudes."""
+    a = {f"k{i:02d}": np.full(4, 1.0, np.float32) for i in range(60)}
+    b = {f"k{i:02d}": np.full(4, 1.0 + (i < 55) * 0.5, np.float32) for i in range(60)}
+    a["w"], b["w"] = np.array([3.0, 4.0], np.float32), np.array([3.0, 4.5], np.float32)
+    a["gone"], b["new"], b["k59"] = np.ones(2, np.float32), np.ones(2, np.float32), np.ones(3, np.float32)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "a", a)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "b", b)
+    lines = run("diff", tmp_path / "a", tmp_path / "b", check_code=1).stdout.splitlines()
+    assert lines[0] == "- gone"
+    assert lines[1] == "! k00: values differ (max |a-b| 0.5, |a-b|/|a| 0.5)"
+    assert len(lines) == 52 and lines[50] == "... and 9 more differences (`eqx_ckpt.diff` returns them all)"
+    assert lines[51] == (
+        "61 leaves in both: 4 equal, 56 with other values (888 B of 952 B compared), 1 of another shape, dtype or "
+        "type; 1 added, 1 removed"
+    )
+    changes = eqx_ckpt.diff(tmp_path / "a", tmp_path / "b")
+    assert "! w: values differ (max |a-b| 0.5, |a-b|/|a| 0.1)" in changes.lines(magnitudes=True)
+    assert changes.magnitudes["w"] == (0.5, 0.1)
+    assert list(changes)[1] == "! k00: values differ"  # iterating stays as it was

@@ -108,6 +108,20 @@ def test_lazy_array_is_not_an_array(tmp_path):
         hash(lazy["x"])
 
 
+def test_a_lazy_tree_passed_to_filter_jit_says_to_materialise_it(tmp_path):
+    """Issue 59, item 13: `eqx.filter_jit` of a lazy tree failed with JAX's
+    "Non-hashable static arguments are not supported" alone."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": jnp.ones(3)})
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": jnp.zeros(3)}, lazy=True)
+    advice = "Read the lazy leaves first: `tree = eqx_ckpt.materialise(tree)`, then pass `tree`."
+    with pytest.raises(ValueError, match=re.escape(advice)) as raised:
+        eqx.filter_jit(lambda t: t["x"] + 1)(lazy)
+    assert "A LazyArray (leaf 'x', not read yet) is not a JAX array" in str(raised.value)
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape(advice)):
+        hash(lazy["x"])
+    assert eqx.filter_jit(lambda t: t["x"] + 1)(eqx_ckpt.materialise(lazy)).tolist() == [2.0, 2.0, 2.0]
+
+
 def test_lazy_load_reads_no_data_until_asked(tmp_path, packing):
     # Two dtypes, so that packed, `a` and `b` are in packs of their own too.
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.ones(3), "b": jnp.zeros(2, jnp.int32)})

@@ -153,6 +153,21 @@ def test_best_step_needs_a_metric(tmp_path):
         manager.best_step()
 
 
+def test_best_step_of_an_evaluators_manager_ranks_by_the_recorded_metric(tmp_path):
+    """Issue 59, item 13: an evaluator's manager (no rules of its own) had to
+    be told `best_metric=` again, though `retention.json` records it."""
+    with eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=5, best_n=1, best_metric="acc", best_mode="max") as trainer:
+        for step, acc in ((1, 0.5), (2, 0.9), (3, 0.7)):
+            trainer.save(step, _tree(step), metrics={"acc": acc, "loss": float(step)})
+    evaluator = eqx_ckpt.CheckpointManager(tmp_path)
+    assert evaluator.best_step() == 2  # "max", as recorded: the lowest acc would be step 1
+    # Its own metric wins.
+    assert eqx_ckpt.CheckpointManager(tmp_path, best_metric="loss").best_step() == 1
+    message = f"neither this manager nor the retention record of {str(tmp_path / 'other')!r} names one"
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape(message)):
+        eqx_ckpt.CheckpointManager(tmp_path / "other").best_step()
+
+
 def test_interrupted_step_folder_is_not_a_step_and_is_cleaned_up(tmp_path):
     manager = eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=5)
     manager.save(1, _tree(1), metrics={"loss": 1.0})

@@ -33,6 +33,7 @@ BUILTINS = {
     "CheckpointTypeError": TypeError,
     "CheckpointValueError": ValueError,
     "CorruptCheckpointError": ValueError,
+    "CheckpointVersionError": ValueError,
     "CheckpointKeyError": KeyError,
     "LeafError": RuntimeError,
     "IntegrityError": RuntimeError,
@@ -68,6 +69,8 @@ def test_exceptions():
         assert repr(error).startswith("<class 'eqx_ckpt.")
     for name, builtin in BUILTINS.items():
         assert issubclass(getattr(eqx_ckpt, name), builtin), name
+    # A newer format is no damage (issue 59, item 10).
+    assert not issubclass(eqx_ckpt.CheckpointVersionError, eqx_ckpt.CorruptCheckpointError)
 
 
 def test_key_error_message_is_not_quoted():

@@ -206,6 +206,28 @@ class CorruptCheckpointError(CheckpointError, ValueError):
     """
 
 
+class CheckpointVersionError(CheckpointError, ValueError):
+    """The checkpoint was written in a newer format than this eqx_ckpt reads
+    (a newer eqx_ckpt saved it). Nothing is wrong with it: it is not a
+    `CorruptCheckpointError`, and `eqx-ckpt verify` exits 2 on it, not 1 (a
+    clean-up script that deletes what is damaged keeps it). Upgrade eqx_ckpt
+    to read it.
+
+    !!! example
+
+        ```python
+        import eqx_ckpt
+
+        try:
+            eqx_ckpt.Checkpoint("ckpt_from_a_newer_eqx_ckpt")
+        except eqx_ckpt.CheckpointVersionError as e:   # not damage: upgrade
+            print(e)
+        except eqx_ckpt.CheckpointNotFoundError:
+            pass
+        ```
+    """
+
+
 class CheckpointReplacedError(CheckpointError, RuntimeError):
     """The checkpoint was replaced by a newer save after it was opened (by a
     `Checkpoint`, a lazy load, or a load still reading), or deleted (the
@@ -321,6 +343,7 @@ for _cls in (
     CheckpointTypeError,
     CheckpointValueError,
     CorruptCheckpointError,
+    CheckpointVersionError,
     CheckpointKeyError,
     CheckpointReplacedError,
     LeafError,

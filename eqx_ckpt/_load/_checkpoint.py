@@ -318,6 +318,30 @@ class Checkpoint(Mapping[str, Any]):
             if checker is None or checker.resolve(name) is None
         }
 
+    def unrecordable(self, prefix: str | None = None) -> dict[str, str]:
+        """The parts of the tree (or of its sub-tree at `prefix`) that its save
+        could not record as data (a lambda, a closure, an arbitrary object),
+        by dotted path (`""`: the whole tree), each with what it was, sorted.
+        A load without `like` cannot rebuild them, whatever `trust` holds: it
+        raises a `CheckpointValueError` naming the part; load with `like`, or
+        rebuild a sub-tree without them (`prefix=`). `eqx-ckpt ls --types PATH`
+        lists them.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import eqx_ckpt
+
+            eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(2), "act": lambda x: x})
+            print(eqx_ckpt.Checkpoint("ckpt").unrecordable())   # {'act': 'a lambda ...'}
+            ```
+        """
+        prefix = self._key(prefix, "unrecordable")
+        node = _rebuild.subtree(self._manifest, prefix, self.path)
+        found = _rebuild.unrecordable(node, prefix, self.path)
+        return {path: found[path] for path in sorted(found, key=_keypath.sort_key)}
+
     def _key(self, key: Any, method: str) -> str:
         if key is not None and not isinstance(key, str):
             raise CheckpointTypeError(

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from .._base._errors import CheckpointTypeError
 from .._base._location import Location
 from .._ondisk import _dtypes
 from .._ondisk._format import LeafRecord, dtype_from_name
@@ -32,8 +33,9 @@ class LazyArray:
     [`eqx_ckpt.materialise`][] does that for every lazy leaf of a tree at once.
 
     A `LazyArray` is not a JAX array: `eqx.is_array` is `False` for it, so
-    `eqx.filter` treats it as static, and passing it to a `jax.jit`-ted function
-    raises. Materialise first.
+    `eqx.filter` treats it as static, and passing it to a `jax.jit`-ted (or
+    `eqx.filter_jit`-ted) function raises, saying to call
+    `eqx_ckpt.materialise` first. Materialise first.
 
     !!! example
 
@@ -65,8 +67,16 @@ class LazyArray:
         live = weakref.ref(self, _forget)
         _LIVE[id(live)] = live
 
-    # Unhashable on purpose: `jax.jit` would otherwise try to treat it as static.
-    __hash__ = None  # type: ignore[assignment]
+    def __hash__(self) -> int:
+        # Unhashable on purpose: `jax.jit` would otherwise treat it as static.
+        # `eqx.filter_jit` hashes the non-array parts of its arguments, this
+        # among them: its error then says what to do, not JAX's "Non-hashable
+        # static arguments are not supported" alone.
+        raise CheckpointTypeError(
+            f"A LazyArray (leaf {self.path!r}, not read yet) is not a JAX array, so `jax.jit` and "
+            f"`eqx.filter_jit` cannot take it (it is unhashable, and not an array). Read the lazy leaves first: "
+            f"`tree = eqx_ckpt.materialise(tree)`, then pass `tree`."
+        )
 
     @property
     def path(self) -> str:

@@ -125,6 +125,25 @@ def names(node: dict[str, Any], prefix: str, where: str) -> dict[str, list[str]]
     return check.names
 
 
+def unrecordable(node: dict[str, Any], prefix: str, where: str) -> dict[str, str]:
+    """The parts of the sub-tree `node` a save could not record (a lambda, a
+    closure), by dotted path, each with why (the record checked on the way)."""
+    check = _Check(where)
+    check.node(node, prefix, 0)
+    return check.unrecordable
+
+
+def unrecordable_error(where: str, path: str, why: str) -> CheckpointValueError:
+    """What a load without `like` says of a part a save could not record."""
+    return CheckpointValueError(
+        f"Checkpoint {where!r} cannot rebuild `{path or '(the root)'}` without the model's code: "
+        f"when it was saved, that part was {why}, which a checkpoint cannot record as data. Load "
+        f"it with a skeleton: pass `like` (for example `eqx.filter_eval_shape(make_model, ...)`), or "
+        f"rebuild another sub-tree with `prefix=`.",
+        path=where,
+    )
+
+
 def skeleton(
     manifest: Manifest,
     prefix: str,
@@ -196,6 +215,7 @@ class _Check:
     def __init__(self, where: str):
         self.where, self.count = where, 0
         self.names: dict[str, list[str]] = {}
+        self.unrecordable: dict[str, str] = {}
 
     def bad(self, path: str, why: str) -> CorruptCheckpointError:
         return _corrupt(self.where, path, why)
@@ -211,6 +231,8 @@ class _Check:
             kind = current["t"]
             if kind in _NAME_KINDS:
                 self.name(current["cls"], here)
+            if kind == "unrecordable":
+                self.unrecordable[here] = current["why"]
             if kind in ("value", "node"):
                 self.value(current["v" if kind == "value" else "aux"], here, 0)
             for key, child in _structure.children(current):
@@ -361,13 +383,7 @@ class _Build:
         if kind == "value":
             return self.value(node["v"])
         if kind == "unrecordable":
-            raise CheckpointValueError(
-                f"Checkpoint {self.where!r} cannot rebuild `{path or '(the root)'}` without the model's code: "
-                f"when it was saved, that part was {node['why']}, which a checkpoint cannot record as data. Load "
-                f"it with a skeleton: pass `like` (for example `eqx.filter_eval_shape(make_model, ...)`), or "
-                f"rebuild another sub-tree with `prefix=`.",
-                path=self.where,
-            )
+            raise unrecordable_error(self.where, path, node["why"])
         built = [self.node(child, _keypath.join_dotted(path, _keypath.stored_segment(*key)))
                  for key, child in _structure.children(node)]  # fmt: skip
         if kind == "dict":

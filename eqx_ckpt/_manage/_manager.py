@@ -44,7 +44,7 @@ from .._save._serialise import PendingSave, default_serialise_filter_spec
 from .._store import _durable, _lease, _storage, _storage_errors
 from .._store._transaction import CommitWarning
 from . import _initialise, _preemption
-from ._retention import Retention, RetentionWarning, Rules, rank
+from ._retention import Retention, RetentionWarning, Rules, rank, recorded_best
 from ._steps import (
     check_step,
     clean_interrupted,
@@ -257,14 +257,22 @@ class CheckpointManager:
     def best_step(self) -> int | None:
         """The committed step with the best value of `best_metric` (ties go to the
         later step; steps without the metric, or where it is NaN, are never best),
-        or `None` if no step has it."""
-        if self.best_metric is None:
+        or `None` if no step has it.
+
+        A manager created without `best_metric` (an evaluator's, beside the
+        training run) ranks by the metric and mode the directory's retention
+        record names: those of the run that saved with `best_n`."""
+        metric, mode = self.best_metric, self.best_mode
+        if metric is None:
+            metric, mode = recorded_best(self._loc)
+        if metric is None:
             raise CheckpointValueError(
-                "`best_step()` needs to know which metric ranks steps: create the "
-                "manager with `best_metric=` (and `best_mode=` if higher is better)."
+                f"`best_step()` needs to know which metric ranks steps, and neither this manager nor the retention "
+                f"record of {self.directory!r} names one (a run that saves with `best_n=` records it): create the "
+                f"manager with `best_metric=` (and `best_mode=` if higher is better)."
             )
         metrics = {step: read_metrics(self._loc, step) for step in self.all_steps()}
-        ranked = rank(metrics, self.best_metric, self.best_mode)
+        ranked = rank(metrics, metric, mode)
         return ranked[0] if ranked else None
 
     def metrics(self, step: int) -> dict[str, Any]:

@@ -176,6 +176,18 @@ def _kept(steps: list[int], ranked: list[int], rules: Rules, *, saved: int | Non
     return keep
 
 
+def recorded_best(loc: Location) -> tuple[str | None, str]:
+    """The metric and mode that rank steps by the retention record of the
+    directory at `loc` (written by a manager with `best_n`); `(None, "min")`
+    where it names none."""
+    record = _read_record(loc)
+    rules = record[0] if record is not None else {}
+    metric, mode = rules.get("best_metric"), rules.get("best_mode", "min")
+    if not isinstance(metric, str) or mode not in ("min", "max"):
+        return None, "min"
+    return metric, mode
+
+
 def _read_record(loc: Location) -> tuple[dict[str, Any], list[int]] | None:
     """The rules and steps of the directory's retention record, if it has one."""
     data = _storage.read_file(loc, _format.RETENTION, limit=_MAX_RETENTION_BYTES)

@@ -45,6 +45,11 @@ FORMAT = "eqx_ckpt"
 # version 5 adds the tree's structure record (`structure`, see `_structure`).
 # Versions 1 to 4 are still read.
 FORMAT_VERSION = 5
+# How to upgrade, worded as README installs eqx_ckpt: from its source checkout.
+UPGRADE = (
+    "Upgrade eqx_ckpt as you installed it (from its source checkout, as README does: `git pull`, then "
+    "`pip install -c constraints.txt -e .` there)"
+)
 
 # -- Names ---------------------------------------------------------------------------------------
 

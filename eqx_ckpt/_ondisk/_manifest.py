@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from .._base import _gc, _keypath
-from .._base._errors import CorruptCheckpointError
+from .._base._errors import CheckpointVersionError, CorruptCheckpointError
 from ._dtypes import is_known_dtype, key_data_shape
 from ._format import (
     ENCODINGS,
@@ -32,6 +32,7 @@ from ._format import (
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_OBJECTS,
     MAX_RANK,
+    UPGRADE,
     LeafRecord,
     PackRecord,
     is_data_root,
@@ -273,10 +274,10 @@ def _parse_json(data: bytes, bad: Callable[[str], Exception], where: str) -> tup
         raise bad('it does not say `"format": "eqx_ckpt"`')
     version = body.get("format_version")
     if type(version) is int and version > FORMAT_VERSION:
-        raise CorruptCheckpointError(
+        raise CheckpointVersionError(
             f"The manifest of checkpoint {where!r} says format version {version}, which is not one this eqx_ckpt "
-            f"reads (up to {FORMAT_VERSION}); upgrade eqx_ckpt (`pip install -U eqx_ckpt`) to load it. A newer "
-            f"eqx_ckpt wrote it; nothing is wrong with the checkpoint.",
+            f"reads (up to {FORMAT_VERSION}): a newer eqx_ckpt wrote it, and nothing is wrong with the checkpoint. "
+            f"{UPGRADE} to load it.",
             path=where,
         )
     if type(version) is not int or version < 1:

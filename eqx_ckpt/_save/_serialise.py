@@ -32,6 +32,7 @@ from .._base._errors import (
     CheckpointConnectionError,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointVersionError,
     CorruptCheckpointError,
     IntegrityError,
     LeafError,
@@ -582,7 +583,7 @@ def _base(tx: _transaction.Transaction, follows: Location | None) -> _share.Base
         return None
     try:
         return _base_at(follows, None)
-    except (CorruptCheckpointError, CheckpointNotFoundError):
+    except (CorruptCheckpointError, CheckpointVersionError, CheckpointNotFoundError):
         return None
 
 

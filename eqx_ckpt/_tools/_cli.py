@@ -3,7 +3,8 @@
 The CLI only parses and formats: every command calls a public library function.
 Exit codes: 0 success (for `verify`: sound; for `diff`: equal), 1 `verify`
 found damage or `diff` found differences, 2 an error (bad path, not a
-checkpoint, bad arguments).
+checkpoint, bad arguments, storage that would not serve it, or a checkpoint
+of a newer format than this eqx_ckpt reads: no damage, but not checked).
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ from .._base._errors import CheckpointError, CheckpointNotFoundError, Checkpoint
 from .._base._location import HUB_SCHEME, Location, location
 from .._load import _source
 from .._load._checkpoint import SMALL_VALUES, Checkpoint, human
+from .._load._rebuild import unrecordable_error
 from .._manage._manager import CheckpointManager
-from .._ondisk._format import MANIFEST
+from .._ondisk._format import MANIFEST, step_name
 from .._store import _share
 from ._demo import run
 from ._diff import diff
 from ._export import export_safetensors
 from ._publish import push_to_hub
-from ._verify import Problems, verify
+from ._verify import Problem, Problems, verify
 
 
 def _path(text: str) -> Any:
@@ -54,17 +56,14 @@ def _ls(args: argparse.Namespace) -> int:
     try:
         ckpt = Checkpoint(path)
     except CheckpointNotFoundError as missing:
-        if isinstance(path, str) and path.startswith(HUB_SCHEME):  # a Hub repository is no manager's directory
-            raise
-        try:
-            manager = CheckpointManager(path)
-        except CheckpointValueError:  # a file: no manager's directory either
-            raise missing from None
-        steps = manager.all_steps()
-        if not steps:
-            raise
-        print(_format_steps(manager, steps))
-        return 0
+        manager, steps = _manager_steps(args.path, missing)
+        if not (args.types or args.values or args.depth is not None):
+            print(_format_steps(args.path, manager, steps))
+            return 0
+        # What was asked of one checkpoint: of the latest step, said so (it was ignored).
+        latest = _step_path(args.path, manager, steps[-1])
+        print(printable(f"{_describe_steps(args.path, steps)}; the latest, {latest}:"))
+        ckpt = Checkpoint(manager.step_path(steps[-1]))
     if args.types:
         print(printable(_format_types(ckpt)))
         return 0
@@ -72,9 +71,39 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _manager_steps(given: str, error: CheckpointNotFoundError) -> tuple[CheckpointManager, list[int]]:
+    """The manager's directory at `given`, where there is no checkpoint, and
+    its committed steps; else `error`, that there is no checkpoint."""
+    if given.startswith(HUB_SCHEME):  # a Hub repository is no manager's directory
+        raise error from None
+    try:
+        manager = CheckpointManager(_path(given))
+    except CheckpointValueError:  # a file: no manager's directory either
+        raise error from None
+    steps = manager.all_steps()
+    if not steps:
+        raise error from None
+    return manager, steps
+
+
+def _describe_steps(given: str, steps: list[int]) -> str:
+    """`given`: a manager's directory, and its steps (a long list cut short)."""
+    shown = ", ".join(map(str, steps)) if len(steps) <= 8 else f"{steps[0]}, {steps[1]}, ..., {steps[-1]}"
+    return f"{given} is a CheckpointManager directory of {_count(len(steps), 'step')} ({shown})"
+
+
+def _step_path(given: str, manager: CheckpointManager, step: int) -> str:
+    """A step's path, below the directory as the user gave it (a relative
+    path stays relative), else as the manager names it (a URL)."""
+    if given.lstrip().startswith("{") or "://" in given:
+        return manager.step_path(step)
+    return os.path.join(given, step_name(step))
+
+
 def _format_types(ckpt: Checkpoint) -> str:
     """The classes and functions a load without `like` builds, those outside the
-    default trust marked, and the `trust=[...]` they need."""
+    default trust marked, and the `trust=[...]` they need; then the parts the
+    save could not record, which no `trust` rebuilds, and what such a load says."""
     untrusted = ckpt.types(trust=[])
     lines, needed = [], []
     for name, paths in ckpt.types().items():
@@ -85,30 +114,56 @@ def _format_types(ckpt: Checkpoint) -> str:
             f" and {len(paths) - 3} more" if len(paths) > 3 else ""
         )
         lines.append(f"{python}  {'(needs trust)' if name in untrusted else '(trusted by default)'}  at {shown}")
-    if needed:
-        lines.append(f"Checkpoint(path).load(trust=[{', '.join(needed)}]) rebuilds it (import them first).")
+    parts = ckpt.unrecordable()
+    for path, why in list(parts.items())[:_SHOWN_PROBLEMS]:
+        lines.append(f"not recorded: {path or '(the root)'}  ({why}: the save could not record it as data)")
+    if len(parts) > _SHOWN_PROBLEMS:
+        lines.append(f"not recorded: ... and {len(parts) - _SHOWN_PROBLEMS} more parts")
+    trust = f"trust=[{', '.join(needed)}]"
+    if parts:
+        first, why = next(iter(parts.items()))
+        lines.append(
+            f"Checkpoint(path).load({trust}) cannot rebuild it: it raises CheckpointValueError: "
+            f"{unrecordable_error(ckpt.path, first, why)}"
+        )
+    elif needed:
+        lines.append(f"Checkpoint(path).load({trust}) rebuilds it (import them first).")
     else:
         lines.append("Checkpoint(path).load(trust=[]) rebuilds it: every class and function is trusted by default.")
     return "\n".join(lines)
 
 
-def _format_steps(manager: CheckpointManager, steps: list[int]) -> str:
+def _format_steps(given: str, manager: CheckpointManager, steps: list[int]) -> str:
     """A manager's directory: its committed steps, each with its size and metrics."""
     rows = []
     for step in steps:
         ckpt = Checkpoint(manager.step_path(step))
-        metrics = ", ".join(f"{name}={value}" for name, value in sorted(manager.metrics(step).items()))
+        metrics = ", ".join(f"{name}={_metric(value)}" for name, value in sorted(manager.metrics(step).items()))
         rows.append((f"step {step}", f"{len(ckpt)} leaves", human(ckpt.total_bytes), metrics))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {d}".rstrip() for a, b, c, d in rows]
     lines.append(
-        f"{len(steps)} steps in a CheckpointManager directory; `eqx-ckpt ls {manager.step_path(steps[-1])}` lists one"
+        f"{len(steps)} steps in a CheckpointManager directory; "
+        f"`eqx-ckpt ls {_step_path(given, manager, steps[-1])}` lists one"
     )
     return printable("\n".join(lines))
 
 
+def _metric(value: Any) -> str:
+    """A metric as people read it: six significant digits (a loss of
+    0.3333333333333333 is 0.333333), an int as it is."""
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
 def _info(args: argparse.Namespace) -> int:
-    ckpt = Checkpoint(_path(args.path))
+    try:
+        ckpt = Checkpoint(_path(args.path))
+    except CheckpointNotFoundError as missing:
+        manager, steps = _manager_steps(args.path, missing)
+        latest = _step_path(args.path, manager, steps[-1])
+        print(printable(f"{_describe_steps(args.path, steps)}, not one checkpoint."))
+        print(printable(f"`eqx-ckpt info {latest}` describes the latest; `eqx-ckpt ls {args.path}` lists them all."))
+        return 0
     print(f"path:            {printable(ckpt.path)}")
     if ckpt.revision is not None:
         print(f"revision:        {ckpt.revision}")
@@ -148,17 +203,28 @@ def _shared_files(loc: Location) -> tuple[int, int] | None:
     return _share.shared_files(source.data.local or loc.local)
 
 
+# Problems printed of one checkpoint or step, and damaged files named: one
+# flipped bit in a file that six steps share once printed 294 lines.
+# `eqx_ckpt.verify` returns every problem.
+_SHOWN_PROBLEMS = 10
+_SHOWN_FILES = 10
+# Lines of `diff` printed before its totals.
+_SHOWN_DIFFERENCES = 50
+
+
 def _verify(args: argparse.Namespace) -> int:
     problems = verify(_path(args.path))
-    args.code = 1 if problems else 0  # the answer, even if the reader goes away (`main`)
-    if problems.steps:
-        print(printable(_format_verified_steps(args.path, problems)))
-        return args.code
-    for problem in problems:
-        print(printable(str(problem)))
-    for limit in problems.unchecked:
-        print(f"not checked: {limit}")
-    print(f"{args.path}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
+    # The answer, even if the reader goes away (`main`): damage is 1; a step
+    # written by a newer eqx_ckpt is no damage, but it was not checked either.
+    args.code = 1 if problems else 2 if problems.newer else 0
+    lines = _root_causes(args.path, problems)
+    if problems.steps or problems.newer:
+        lines += _format_verified_steps(args.path, problems)
+    else:
+        lines += _problem_lines(list(problems), "")
+        lines += [f"not checked: {limit}" for limit in problems.unchecked]
+        lines.append(f"{args.path}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
+    print(printable("\n".join(lines)))
     return args.code
 
 
@@ -172,27 +238,108 @@ def _push(args: argparse.Namespace) -> int:
     return 0
 
 
-def _format_verified_steps(path: str, problems: Problems) -> str:
+def _root_causes(path: str, problems: Problems) -> list[str]:
+    """The damaged files first, each with the leaves and steps it damages: the
+    one cause behind many problems (steps share unchanged chunk files, the
+    leaves of a pack share its chunks)."""
+    files = problems.damaged_files()
+    if not files:
+        return []
+    caused = [problem for _, group in files for problem in group]
+    steps = sorted({problem.step for problem in caused if problem.step is not None})
+    leaves = len({problem.leaf for problem in caused})
+    head = f"{_count(len(files), 'damaged file')}, used by {_count(leaves, 'leaf', 'leaves')}"
+    lines = [head + (f" in {_count(len(steps), 'step')}" if steps else "") + ":"]
+    for file, group in files[:_SHOWN_FILES]:
+        used = sorted({problem.step for problem in group if problem.step is not None})
+        shown = _count(len({problem.leaf for problem in group}), "leaf", "leaves")
+        lines.append(f"  {_shown_path(path, file)}: {shown}{_in_steps(used)}; the first says:")
+        lines.append(f"    {group[0]}")
+    if len(files) > _SHOWN_FILES:
+        lines.append(f"  and {_count(len(files) - _SHOWN_FILES, 'more damaged file')}")
+    fix = "restore it from a good copy" if len(files) == 1 else "restore them from a good copy"
+    shared = " (steps share unchanged chunk files: see docs/manager.md)" if len(steps) > 1 else ""
+    lines.append(f"Every leaf that uses a damaged file is damaged{shared}: {fix}.")
+    return lines
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+def _in_steps(steps: list[int]) -> str:
+    if not steps:
+        return ""
+    if len(steps) <= 6:
+        return f" in {'step' if len(steps) == 1 else 'steps'} {', '.join(map(str, steps))}"
+    return f" in {len(steps)} steps ({steps[0]}, {steps[1]}, ..., {steps[-1]})"
+
+
+def _problem_lines(problems: list[Problem], prefix: str) -> list[str]:
+    """The problems of one checkpoint (or step), bounded: those of the damaged
+    files named above in one line, then at most `_SHOWN_PROBLEMS` others, and
+    how many more there are."""
+    lines = []
+    named = sorted(str(problem.leaf) for problem in problems if problem.file is not None)
+    if named:
+        more = f" and {len(named) - 5} more" if len(named) > 5 else ""
+        lines.append(
+            f"{prefix}{_count(len(named), 'leaf', 'leaves')} in the damaged files above: {', '.join(named[:5])}{more}"
+        )
+    others = [str(problem) for problem in problems if problem.file is None]
+    lines += others[:_SHOWN_PROBLEMS]
+    if len(others) > _SHOWN_PROBLEMS:
+        more = _count(len(others) - _SHOWN_PROBLEMS, "more problem")
+        lines.append(f"{prefix}... and {more} (`eqx_ckpt.verify` returns them all)")
+    return lines
+
+
+def _shown_path(given: str, file: str) -> str:
+    """A local `file` named as the user named the place it is in: below the
+    path `given` (relative, if that was), else as it is."""
+    if given.lstrip().startswith("{") or "://" in given:
+        return file
+    relative = os.path.relpath(file, os.path.abspath(given))
+    return file if relative.startswith("..") else os.path.join(given, relative)
+
+
+def _format_verified_steps(path: str, problems: Problems) -> list[str]:
     """A manager's directory verified: each step's problems (or `sound`), then
-    the steps that are damaged."""
+    the steps that are damaged, and those of a newer format."""
     lines = []
     for step in problems.steps:
         own = [problem for problem in problems if problem.step == step]
-        lines += [str(problem) for problem in own]
+        lines += _problem_lines(own, f"step {step}: ")
         lines.append(f"step {step}: {f'{len(own)} problem(s)' if own else 'sound'}")
     lines += [f"not checked: {limit}" for limit in problems.unchecked]
     damaged = sorted({problem.step for problem in problems if problem.step is not None})
     verdict = f"{len(damaged)} damaged: {damaged}" if damaged else "sound"
-    lines.append(f"{path}: {len(problems.steps)} steps in a CheckpointManager directory, {verdict}")
-    return "\n".join(lines)
+    if problems.newer:
+        verdict += f"; {len(problems.newer)} of a newer format, not checked: {list(problems.newer)}"
+    lines.append(f"{path}: {_count(len(problems.steps), 'step')} in a CheckpointManager directory, {verdict}")
+    return lines
 
 
 def _diff(args: argparse.Namespace) -> int:
-    differences = diff(_path(args.a), _path(args.b))
+    try:
+        differences = diff(_path(args.a), _path(args.b))
+    except CheckpointNotFoundError as missing:
+        given = args.a if missing.path == location(_path(args.a)).display else args.b
+        manager, steps = _manager_steps(given, missing)
+        pair = [_step_path(given, manager, step) for step in steps[-2:]]
+        raise CheckpointValueError(
+            f"{_describe_steps(given, steps)}, not one checkpoint: `eqx-ckpt diff` compares two checkpoints, "
+            f"such as two of its steps: `eqx-ckpt diff {' '.join(pair) if len(pair) == 2 else pair[0] + ' B'}`."
+        ) from None
     args.code = 1 if differences else 0
-    for line in differences:
+    lines = differences.lines(magnitudes=True)
+    for line in lines[:_SHOWN_DIFFERENCES]:
         print(printable(line))
-    if not differences:
+    if len(lines) > _SHOWN_DIFFERENCES:
+        print(f"... and {len(lines) - _SHOWN_DIFFERENCES} more differences (`eqx_ckpt.diff` returns them all)")
+    if differences:
+        print(differences.summary())
+    else:
         print(
             f"{printable(args.a)} and {printable(args.b)} are equal: the same leaves, dtypes, shapes, values "
             f"and structure."
@@ -292,7 +439,8 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="eqx-ckpt",
         description="Inspect, verify and compare eqx_ckpt checkpoints. Exit codes: 0 ok "
-        "(verify: sound, diff: equal), 1 verify found damage / diff found differences, 2 error.",
+        "(verify: sound, diff: equal), 1 verify found damage / diff found differences, 2 error (verify: also a "
+        "checkpoint or step of a newer format than this eqx_ckpt reads, which is not damage).",
     )
     top.add_argument("--version", action="version", version=f"eqx-ckpt {__version__}")
     commands = top.add_subparsers(dest="command", required=True)
@@ -311,7 +459,7 @@ def parser() -> argparse.ArgumentParser:
     info.set_defaults(run=_info)
     verify = commands.add_parser(
         "verify", help="read and check every byte (of other formats: what they can be checked for); exit 0 sound, "
-        "1 damaged", epilog=STORAGE_HELP,
+        "1 damaged, 2 error or a newer format (not damage: upgrade eqx_ckpt)", epilog=STORAGE_HELP,
     )  # fmt: skip
     verify.add_argument("path", help="checkpoint, .safetensors file, Hugging Face or orbax directory, kvstore URL")
     verify.set_defaults(run=_verify)

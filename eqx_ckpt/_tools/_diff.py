@@ -7,6 +7,7 @@ does), so checkpoints of any size are compared in bounded memory.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +17,7 @@ from .._base._errors import CheckpointError, check_flag
 from .._base._location import Location
 from .._base._progress import Progress, Tracker
 from .._load import _read, _rebuild, _source
-from .._load._checkpoint import describe
+from .._load._checkpoint import describe, human as _human
 from .._ondisk._format import LeafRecord, dtype_from_name
 from .._store import _storage, _storage_errors
 from . import _chunk_scan
@@ -43,6 +44,13 @@ class CheckpointDiff:
         static value (a hyperparameter such as an MLP's `depth`), a function
         (`jax.nn.relu -> jax.nn.gelu`); compared where both checkpoints record
         their structure (format 5 on). Lines `* key: ...`.
+    - `magnitudes`: for each of `values`, how far apart they are:
+        `(max_abs, relative)`, the largest `|a - b|` and `‖a - b‖ / ‖a‖`
+        (2-norms over the whole leaf; `inf` where `‖a‖` is 0; NaN where a
+        value is NaN), as float64; `(nan, nan)` for PRNG keys.
+    - `equal`: how many leaves were compared and found equal.
+    - `nbytes`: the bytes of the leaves compared (of the first checkpoint),
+        and `changed_nbytes`: those of `values`.
 
     !!! example
 
@@ -63,12 +71,38 @@ class CheckpointDiff:
     changed: tuple[tuple[str, str], ...] = ()
     values: tuple[str, ...] = ()
     structure: tuple[tuple[str, str], ...] = ()
+    magnitudes: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict, hash=False)
+    equal: int = 0
+    nbytes: int = 0
+    changed_nbytes: int = 0
 
-    def lines(self) -> list[str]:
+    def lines(self, *, magnitudes: bool = False) -> list[str]:
+        """One sorted line per difference (what iterating gives); with
+        `magnitudes=True`, each `!` line also says how far apart the values
+        are (as `eqx-ckpt diff` prints it)."""
         out = [(k, f"+ {k}") for k in self.added] + [(k, f"- {k}") for k in self.removed]
-        out += [(k, f"~ {k}: {what}") for k, what in self.changed] + [(k, f"! {k}: values differ") for k in self.values]
+        out += [(k, f"~ {k}: {what}") for k, what in self.changed]
+        out += [(k, f"! {k}: values differ{self._magnitude(k) if magnitudes else ''}") for k in self.values]
         out += [(k, f"* {k or '(the root)'}: {what}") for k, what in self.structure]
         return [line for _, line in sorted(out)]
+
+    def _magnitude(self, key: str) -> str:
+        largest, relative = self.magnitudes.get(key, (math.nan, math.nan))
+        if math.isnan(largest) and math.isnan(relative):
+            return ""
+        return f" (max |a-b| {largest:.3g}, |a-b|/|a| {relative:.3g})"
+
+    def summary(self) -> str:
+        """One line of totals: the leaves in both (equal, with other values,
+        of another shape, dtype or type), added and removed, and the bytes
+        of those compared (`values=True`)."""
+        both = self.equal + len(self.values) + len(self.changed)
+        line = (
+            f"{both} leaves in both: {self.equal} equal, {len(self.values)} with other values "
+            f"({_human(self.changed_nbytes)} of {_human(self.nbytes)} compared), {len(self.changed)} of another "
+            f"shape, dtype or type; {len(self.added)} added, {len(self.removed)} removed"
+        )
+        return line + (f"; {len(self.structure)} structure differences" if self.structure else "")
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.lines())
@@ -126,17 +160,22 @@ def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None) -> C
             changed.append((key, f"{before} -> {after}"))
         else:
             same.append((ra, rb))
-    differ: list[str] = []
+    differ: dict[str, tuple[float, float]] = {}
+    nbytes = sum(ra.nbytes for ra, _ in same)
     if values:
-        with Tracker(progress, leaves=len(same), nbytes=sum(ra.nbytes for ra, _ in same), what="diff") as tracker:
+        with Tracker(progress, leaves=len(same), nbytes=nbytes, what="diff") as tracker:
             differ = _compare_values(source_a, source_b, same, tracker)
     structure = _rebuild.differences(source_a.manifest, source_b.manifest, source_a.loc.display, source_b.loc.display)
     return CheckpointDiff(
         added=tuple(sorted(set(recs_b) - set(recs_a))),
         removed=tuple(sorted(set(recs_a) - set(recs_b))),
         changed=tuple(changed),
-        values=tuple(differ),
+        values=tuple(sorted(differ)),
         structure=tuple(structure),
+        magnitudes=differ,
+        equal=len(same) - len(differ) if values else 0,
+        nbytes=nbytes if values else 0,
+        changed_nbytes=sum(recs_a[path].nbytes for path in differ),
     )
 
 
@@ -155,7 +194,10 @@ def _open(source: _source.Source, record: LeafRecord) -> Any:
 
 def _compare_values(
     source_a: _source.Source, source_b: _source.Source, pairs: list[tuple[LeafRecord, LeafRecord]], tracker: Tracker
-) -> list[str]:
+) -> dict[str, tuple[float, float]]:
+    """The leaves of `pairs` whose values differ, each with how far apart
+    (`CheckpointDiff.magnitudes`), read chunk by chunk: a differing leaf is
+    read to its end, for its magnitude."""
     data_a, data_b = source_a.data, source_b.data
     opened = []
     for ra, rb in pairs:
@@ -169,32 +211,62 @@ def _compare_values(
                 raise _storage_errors.leaf_io_error(e, record, source.data, "open") from e
         opened.append((ra, rb, stores[0], stores[1]))
     errors: list[BaseException] = []
-    differ: set[str] = set()
+    # Per differing leaf: the largest |a - b|, the sums of |a - b|^2 and |a|^2.
+    found: dict[str, list[float]] = {}
+    sums: dict[str, float] = {}  # |a|^2 of every leaf, until it is known to be equal
 
-    def read(_: LeafRecord, pair: Any, index: tuple[slice, ...]) -> Callable[[], bool]:
+    def read(_: LeafRecord, pair: Any, index: tuple[slice, ...]) -> Callable[[], Any]:
         ra, rb, sa, sb = pair
         fa, fb = _read.start_region(sa, data_a, ra, index), _read.start_region(sb, data_b, rb, index)
-        return lambda: _same(_logical(np.asarray(fa()), ra, data_a), _logical(np.asarray(fb()), rb, data_b))
+        measured = ra.type != "prng_key"  # key data has no magnitude
+        return lambda: _compare(
+            _logical(np.asarray(fa()), ra, data_a), _logical(np.asarray(fb()), rb, data_b), measured
+        )
 
-    def stop(path: str) -> Callable[[], bool]:
-        return lambda: bool(errors) or path in differ
+    def stop() -> bool:
+        return bool(errors)
 
-    jobs = (
-        (pair[0], pair, index)
-        for pair in opened
-        for index in _chunk_scan.chunk_indices(pair[0], stop=stop(pair[0].path))
-    )
-    done = _chunk_scan.read_chunks(
-        jobs, skip=lambda r: r.path in differ or bool(errors), failed=lambda r, e: errors.append(e), read=read
-    )
+    jobs = ((pair[0], pair, index) for pair in opened for index in _chunk_scan.chunk_indices(pair[0], stop=stop))
+    done = _chunk_scan.read_chunks(jobs, skip=lambda r: bool(errors), failed=lambda r, e: errors.append(e), read=read)
     count = _chunk_scan.LeafCounter([ra for ra, _ in pairs], tracker)
-    for record, equal, size in done:
+    for record, (equal, largest, squared, norm), size in done:
+        sums[record.path] = sums.get(record.path, 0.0) + norm
         if not equal:
-            differ.add(record.path)
+            seen = found.setdefault(record.path, [0.0, 0.0])
+            seen[0], seen[1] = _larger(seen[0], largest), seen[1] + squared
         count(record, size)
     if errors:
         raise errors[0]
-    return sorted(differ)
+    return {path: (largest, _relative(squared, sums[path])) for path, (largest, squared) in found.items()}
+
+
+def _compare(x: np.ndarray, y: np.ndarray, measured: bool) -> tuple[bool, float, float, float]:
+    """Whether two chunks are bitwise equal (NaNs with equal bits are equal,
+    0.0 and -0.0 are not), and how far apart: the largest `|x - y|`, the sum of
+    `|x - y|^2`, and the sum of `|x|^2` (NaN for what has no magnitude: PRNG
+    key data, where not `measured`)."""
+    equal = x.shape == y.shape and x.dtype == y.dtype and x.tobytes() == y.tobytes()
+    if not measured or x.dtype.kind not in "biufc" or x.shape != y.shape:
+        return equal, math.nan, math.nan, math.nan
+    a = x.astype(np.complex128 if x.dtype.kind == "c" else np.float64)
+    b = y.astype(a.dtype)
+    with np.errstate(all="ignore"):
+        gap = np.abs(a - b)
+        norm = float(np.sum(np.abs(a) ** 2))
+        if equal:
+            return True, 0.0, 0.0, norm
+        return False, float(np.max(gap)) if gap.size else 0.0, float(np.sum(gap**2)), norm
+
+
+def _larger(a: float, b: float) -> float:
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+def _relative(squared: float, norm: float) -> float:
+    """`‖a - b‖ / ‖a‖`; `inf` where `a` is all zeros."""
+    if math.isnan(squared) or math.isnan(norm):
+        return math.nan
+    return math.sqrt(squared) / math.sqrt(norm) if norm > 0 else math.inf
 
 
 def _logical(array: np.ndarray, record: LeafRecord, data: Location) -> np.ndarray:
@@ -202,8 +274,3 @@ def _logical(array: np.ndarray, record: LeafRecord, data: Location) -> np.ndarra
     a stored value cannot become it)."""
     dtype = None if record.type == "prng_key" else dtype_from_name(record.dtype)
     return _read.host_converter(record, dtype, data)(array)
-
-
-def _same(x: np.ndarray, y: np.ndarray) -> bool:
-    """Bitwise equality: NaNs with equal bits are equal, 0.0 and -0.0 are not."""
-    return x.shape == y.shape and x.dtype == y.dtype and x.tobytes() == y.tobytes()

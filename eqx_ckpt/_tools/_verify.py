@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from .._base._errors import CheckpointError, CheckpointStorageError, CorruptCheckpointError
+from .._base._errors import CheckpointError, CheckpointStorageError, CheckpointVersionError, CorruptCheckpointError
 from .._base._location import Location, location
 from .._base._progress import Progress, Tracker
 from .._foreign import _safetensors
@@ -50,6 +51,11 @@ class Problem:
     - `message`: what is wrong, in a full sentence.
     - `step`: in a `CheckpointManager`'s directory, the step it belongs to;
         `None` for a single checkpoint.
+    - `file`: the chunk file found damaged, on a local disk, where it is
+        known; else `None`. Steps share unchanged chunk files (incremental
+        saves), and so do the leaves of a pack: one damaged file is a problem
+        of each leaf, in each step, that uses it (the result's
+        `damaged_files()` groups them).
 
     !!! example
 
@@ -68,6 +74,7 @@ class Problem:
     leaf: str | None
     message: str
     step: int | None = None
+    file: str | None = None
 
     def __str__(self) -> str:
         text = self.message if self.leaf is None else f"{self.leaf or '<root>'}: {self.message}"
@@ -80,12 +87,53 @@ class Problems(list[Problem]):
     was not checked (what its format cannot be checked for; empty for an
     eqx_ckpt checkpoint, where every byte is), and `steps`: for a
     `CheckpointManager`'s directory, the committed steps verified (each
-    problem's `step` says which it belongs to), else `()`."""
+    problem's `step` says which it belongs to), else `()`; `newer`: the steps
+    of that directory written in a newer format than this eqx_ckpt reads (not
+    damage: `unchecked` says so; a single such checkpoint raises
+    [`eqx_ckpt.CheckpointVersionError`][] instead). `damaged_files()` gives
+    the root causes: each damaged chunk file with the problems it causes."""
 
-    def __init__(self, problems: Iterable[Problem] = (), unchecked: tuple[str, ...] = (), steps: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        problems: Iterable[Problem] = (),
+        unchecked: tuple[str, ...] = (),
+        steps: tuple[int, ...] = (),
+        newer: tuple[int, ...] = (),
+    ):
         super().__init__(problems)
         self.unchecked = unchecked
         self.steps = steps
+        self.newer = newer
+
+    def damaged_files(self) -> list[tuple[str, list[Problem]]]:
+        """The damaged chunk files, each with the problems it causes (the
+        leaves, in every step, that use it), most problems first: the root
+        causes. A file that several steps share (hard links, one file under
+        several names) is one damaged file, named by its first name."""
+        groups: dict[Any, tuple[str, list[Problem]]] = {}
+        for problem in self:
+            if problem.file is not None:
+                groups.setdefault(_identity(problem.file), (problem.file, []))[1].append(problem)
+        return sorted(groups.values(), key=lambda group: -len(group[1]))
+
+
+def _identity(file: str) -> Any:
+    """What makes two names one file: its device and inode (hard links), else its name."""
+    try:
+        info = os.stat(file)
+    except OSError:
+        return file
+    return (info.st_dev, info.st_ino)
+
+
+# Where a local read's error names the file it read.
+_LOCAL_FILE = re.compile(r'local file "([^"]+)"')
+
+
+def _file_of(error: BaseException) -> str | None:
+    """The local chunk file a failed read names, if it names one."""
+    found = _LOCAL_FILE.search(str(error))
+    return found.group(1) if found else None
 
 
 def verify(path: Any, *, progress: Progress = None) -> Problems:
@@ -133,7 +181,10 @@ def verify(path: Any, *, progress: Progress = None) -> Problems:
     **Raises:**
 
     [`eqx_ckpt.CheckpointNotFoundError`][] if there is no checkpoint of any
-    format at `path` (saying what is there).
+    format at `path` (saying what is there);
+    [`eqx_ckpt.CheckpointVersionError`][] if it was written in a newer format
+    than this eqx_ckpt reads (nothing is wrong with it: upgrade). Of a
+    manager's directory, such steps are listed in `newer` instead.
 
     !!! example
 
@@ -181,11 +232,15 @@ def _verify_steps(loc: Location, steps: list[int], progress: Progress) -> Proble
     manager saving there) is not reported on, and `unchecked` says so."""
     opened: dict[int, _source.Source | Problem] = {}
     gone: list[int] = []
+    newer: dict[int, str] = {}
     for step in steps:
         try:
             source = _source.checkpoint(loc.joined(step_name(step)))
         except CorruptCheckpointError as e:
             opened[step] = Problem(None, str(e), step)
+            continue
+        except CheckpointVersionError as e:
+            newer[step] = str(e)  # not damage: an older eqx_ckpt cannot check it
             continue
         if source is None:
             gone.append(step)
@@ -206,7 +261,9 @@ def _verify_steps(loc: Location, steps: list[int], progress: Progress) -> Proble
         f"Step {step} was deleted while it was verified (by the retention of the manager saving there), so it "
         f"is not reported on." for step in sorted(gone)
     )  # fmt: skip
-    return Problems(problems, unchecked, steps=tuple(step for step in steps if step not in gone))
+    unchecked += tuple(f"Step {step} was not checked: {why}" for step, why in newer.items())
+    verified = tuple(step for step in steps if step not in gone and step not in newer)
+    return Problems(problems, unchecked, steps=verified, newer=tuple(newer))
 
 
 def _check_totals(loc: Location, manifest: Manifest) -> list[Problem]:
@@ -245,9 +302,11 @@ def _check_packs(data: Location, manifest: Manifest, tracker: Tracker) -> dict[s
                 problem = str(_chunk_scan.damage(e, members[0], data, "open")) if members else str(e)
         for record in members:
             chunks = range(record.offset // pack.chunk, -(-(record.offset + record.size) // pack.chunk))
-            why = problem or next((damaged[k] for k in chunks if k in damaged), None)
+            k = next((k for k in chunks if k in damaged), None)
+            why = problem or (damaged[k] if k is not None else None)
             if why is not None:
-                bad[record.path] = Problem(record.path, f"its pack {pack.name!r} is damaged: {why}")
+                file = None if k is None or data.local is None else _chunk_file(data.local, pack.name, (k,))
+                bad[record.path] = Problem(record.path, f"its pack {pack.name!r} is damaged: {why}", file=file)
         tracker.count_leaves([r.nbytes for r in members])
     return bad
 
@@ -288,7 +347,8 @@ def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -
             bad[record.path] = problem
 
     def failed(record: LeafRecord, error: BaseException) -> None:
-        bad.setdefault(record.path, Problem(record.path, str(_chunk_scan.damage(error, record, data, "read"))))
+        message = str(_chunk_scan.damage(error, record, data, "read"))
+        bad.setdefault(record.path, Problem(record.path, message, file=_file_of(error)))
 
     _chunk_scan.scan_leaves(data, records, stores, bad, failed, tracker)
     for record in records:
@@ -297,6 +357,11 @@ def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -
             if why is not None:
                 bad[record.path] = Problem(record.path, why)
     return bad
+
+
+def _chunk_file(root: str, directory: str, indices: tuple[int, ...]) -> str:
+    """The local file of a chunk of the array folder `directory`."""
+    return os.path.join(root, directory, *_format.chunk_key(indices).split("/"))
 
 
 def _check_file_sizes(
