@@ -784,7 +784,19 @@ def _records():
     kinds = st.sampled_from(
         ["leaf", "none", "value", "dict", "list", "tuple", "namedtuple", "object", "node", "unrecordable", "?"]
     )
-    return st.recursive(
+    # Records whose shape is right but for one value or one dict node's keys,
+    # so that the fuzzing reaches what is checked inside them.
+    dict_keys = st.lists(
+        st.tuples(st.sampled_from(["key", "key_int"]), st.sampled_from(["w", "a", 0, 1])).map(list), max_size=3
+    )
+    well_formed = st.one_of(
+        values.map(lambda v: _dict_w({"v": _value(v)})),
+        dict_keys.map(lambda keys: _dict_w({"d": {"t": "dict", "k": keys, "c": [{"t": "none"}] * len(keys)}})),
+        st.tuples(names, values).map(
+            lambda p: _dict_w({"n": {"t": "node", "cls": p[0], "aux": p[1], "k": [], "c": []}})
+        ),
+    )
+    return well_formed | st.recursive(
         st.fixed_dictionaries({"t": kinds}, optional={"v": values, "why": scalars}),
         lambda inner: st.fixed_dictionaries(
             {"t": kinds},
@@ -819,7 +831,7 @@ def test_fuzzed_structure_records_give_only_clear_errors(tmp_path):
 
     eqx_ckpt.tree_serialise_leaves(tmp_path / "base", {"w": np.arange(3.0)})
 
-    @settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
     @given(_records())
     def check(record):
         target = tmp_path / "fuzzed"
@@ -827,7 +839,7 @@ def test_fuzzed_structure_records_give_only_clear_errors(tmp_path):
         shutil.copytree(tmp_path / "base", target)
         _edit_structure(target, lambda _: record)
         ckpt = eqx_ckpt.Checkpoint(target)
-        trusted = [Block, DictData]
+        trusted = [Block, DictData, eqx.nn.Linear]
         for attempt in (lambda: ckpt.load(trust=[]), ckpt.types, lambda: ckpt.skeleton(trust=trusted)):
             try:
                 attempt()
