@@ -652,6 +652,16 @@ def test_no_string_from_a_record_forges_a_line_or_floods_a_message(tmp_path, nam
     assert len(message) < 3000
 
 
+def test_ls_types_shows_a_forged_class_name_on_its_own_line_and_bounded(tmp_path, capsys):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": np.arange(3.0)})
+    _edit_structure(tmp_path, lambda _: _dict_w({"k" + FORGED: _object("os:sys" + FORGED, [], [])}))
+    assert main(["ls", "--types", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) == 2 and not any(line.startswith("pass `trust=[os]`") for line in lines)
+    assert all(line.isprintable() for line in lines) and len(out) < 1000
+
+
 def test_fuzzed_strings_in_a_record_never_reach_a_message_raw(tmp_path):
     from hypothesis import HealthCheck, given, settings, strategies as st
 
