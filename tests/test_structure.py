@@ -597,6 +597,11 @@ HOSTILE = {
         CORRUPT,
         "invalid at `e`",
     ),
+    "state-with-bad-aux": (
+        _dict_w({"s": {"t": "node", "cls": "equinox.nn._stateful:State", "aux": {"tuple": [1]}, "k": [], "c": []}}),
+        CORRUPT,
+        "the class 'equinox.nn._stateful:State' does not rebuild from it (AssertionError, with no message)",
+    ),
     "stored-leaf-left-out": ({"t": "dict", "k": [], "c": []}, CORRUPT, "the stored leaves `w` have no place in it"),
     "stored-leaf-set-to-none": (_dict_w({}, w={"t": "none"}), CORRUPT, "the stored leaves `w` have no place"),
 }

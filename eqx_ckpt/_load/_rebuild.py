@@ -442,7 +442,8 @@ class _Build:
             treedef = one_level.from_node_data_and_children(jtu.default_registry, (cls, aux), [one_level] * len(built))
             return treedef.unflatten(built)
         except Exception as e:  # a class not registered, or aux it refuses: the record does not fit the class
-            why = from_file(str(e))
+            # Some unflatten functions raise with no message (`State`'s `assert`): name the error then.
+            why = from_file(f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__}, with no message")
             raise _corrupt(self.where, path, f"the class {name!r} does not rebuild from it ({why})") from None
 
     def _namedtuple(self, cls: type, node: dict[str, Any], built: list[Any], path: str) -> Any:
