@@ -890,3 +890,11 @@ def test_a_manifest_of_millions_of_empty_lists_is_refused_before_it_is_parsed(tm
     (tmp_path / "manifest.json").write_bytes(manifests.sign(body))
     with pytest.raises(CORRUPT, match=re.escape("JSON containers (objects and arrays) in")):
         eqx_ckpt.Checkpoint(tmp_path)
+
+
+def test_a_large_static_vocabulary_beside_one_leaf_still_rebuilds(tmp_path):
+    """The container count is tied to the stored leaves, with room for a
+    static vocabulary (a dict of 200,000 entries: 400,000 containers)."""
+    tree = {"w": np.arange(3.0), "vocab": {f"t{i}": i for i in range(200_000)}}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path).load(trust=[]), tree, typematch=True)

@@ -52,10 +52,12 @@ from .._ondisk._trust import Trust, python_name
 # (objects and arrays: nodes, key records, field lists, tagged values) are
 # counted before it is parsed, at most `NODES_PER_LEAF` a stored leaf and
 # `NODES_BASE` more (static values, `None`s and empty containers: a saved tree
-# has a few containers a leaf, never thousands), and never past `MAX_NODES`.
+# has a few containers a leaf, never thousands; the constant leaves room for a
+# static vocabulary of hundreds of thousands of entries beside a few leaves),
+# and never past `MAX_NODES`.
 MAX_NODES = 5_000_000
 NODES_PER_LEAF = 100
-NODES_BASE = 100_000
+NODES_BASE = 1_000_000
 MAX_NAME = 1_000
 MAX_STRING = 1 << 20
 _NAME_KINDS = ("object", "namedtuple", "node")
