@@ -544,6 +544,12 @@ HOSTILE = {
     "value-void-dtype": (_value({"dtype": "V1000000000"}), CORRUPT, "is not one a save records"),
     "numpy-of-a-list": (_value({"numpy": ["float32", {"list": [1, 2]}]}), CORRUPT, "holds no number"),
     "numpy-overflow": (_value({"numpy": ["int8", 10**6]}), CORRUPT, "does not hold"),
+    "dict-value-unsortable-keys": (
+        _dict_w({"v": _value({"dict": [[None, None], [False, None]]})}),
+        CORRUPT,
+        "the tree it builds cannot be flattened",
+    ),
+    "numpy-float-overflow": (_value({"numpy": ["float32", 3.4028235677973366e38]}), CORRUPT, "does not hold"),
     "float-tag": (_value({"float": "1e309x"}), CORRUPT, "is not one a save records"),
     "jnp-type": (_value({"jnp_type": "void"}), CORRUPT, "is not one a save records"),
     "huge-string": (_value("x" * (2**20 + 1)), CORRUPT, "longer than any saved value"),

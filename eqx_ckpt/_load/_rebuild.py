@@ -520,8 +520,9 @@ class _Build:
             return found
         if tag == "numpy":
             try:
-                return dtype_from_name(body[0]).type(self.value(body[1], path))
-            except (OverflowError, TypeError, ValueError) as e:
+                with np.errstate(over="raise", invalid="raise"):  # a float past float32's range: refused, not inf
+                    return dtype_from_name(body[0]).type(self.value(body[1], path))
+            except (OverflowError, TypeError, ValueError, FloatingPointError) as e:
                 raise _corrupt(self.where, path, f"the NumPy scalar {_peek(v)} does not hold ({e})") from None
         obj = self.trust.resolve(body)
         if tag == "enum":
@@ -546,7 +547,10 @@ def _default(f: dataclasses.Field[Any]) -> Any:
 def _fill(tree: Any, prefix: str, records: dict[str, LeafRecord], where: str) -> Any:
     """`tree` with each stored leaf's place given its abstract leaf, found by its
     dotted path (as a load names `like`'s leaves)."""
-    flat, treedef = jtu.tree_flatten_with_path(tree)
+    try:
+        flat, treedef = jtu.tree_flatten_with_path(tree)
+    except (TypeError, ValueError) as e:  # a value where no save puts one: a dict JAX cannot sort the keys of
+        raise _corrupt(where, prefix, f"the tree it builds cannot be flattened ({from_file(str(e))})") from None
     paths = _tree.names_from_keypaths([keypath for keypath, _ in flat]).paths
     leaves, placed = [], set()
     for path, (_, leaf) in zip(paths, flat):
