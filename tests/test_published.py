@@ -281,7 +281,6 @@ HOSTILE = {
     ),
     "wrong totals": (lambda r: r.update(total_bytes=1), "`total_bytes` 1 is not the bytes of the leaves"),
     "another format": (lambda r: r.update(format="pickle"), 'it does not say `"format": "eqx_ckpt.safetensors"`'),
-    "a newer version": (lambda r: r.update(format_version=99), "says format version 99, which is not one"),
     "info that is not an object": (lambda r: r.update(info=[1]), "`info` is not a JSON object"),
     "info nested too deep": (lambda r: r.update(info={"a": _nested(40)}), "[0]` nests more than 32 levels deep"),
     "a structure that is not an object": (lambda r: r.update(structure="os:system"), "`structure` is neither"),
@@ -302,13 +301,25 @@ def test_a_hostile_eqx_ckpt_json_is_refused_naming_what_is_wrong(folder, case):
     assert len(problems) == 1 and message in str(problems[0])
 
 
+def test_a_newer_eqx_ckpt_json_says_to_upgrade_and_is_not_damage(folder):
+    """An `eqx_ckpt.json` of a newer version is a `CheckpointVersionError`, as a
+    newer manifest is (issue 59, item 10): not damage, so no clean-up deletes it."""
+    _rewrite(folder, lambda r: r.update(format_version=99))
+    for call in (eqx_ckpt.Checkpoint, eqx_ckpt.verify):
+        with pytest.raises(eqx_ckpt.CheckpointVersionError, match="says format version 99") as raised:
+            call(folder)
+        assert not isinstance(raised.value, eqx_ckpt.CorruptCheckpointError)
+        assert "Upgrade eqx_ckpt as you installed it" in str(raised.value)
+
+
 @pytest.mark.parametrize(
     "data, message",
     [
         (b"{not json", "is invalid: not valid JSON ("),
         (b'{"format": "eqx_ckpt.safetensors", "format": "x"}', "duplicate JSON key 'format'"),
         (b'{"format": "eqx_ckpt.safetensors", "info": {"x": NaN}}', "NaN is not allowed"),
-        (b"[" + b"{}," * 5_000_001 + b"{}]", "more than the 5000000 JSON objects allowed"),
+        (b"[" + b"{}," * 5_000_001 + b"{}]", "JSON containers (objects and arrays) in 15000007 bytes, more than one"),
+        (b"[" + b"[]," * 5_000_001 + b"[]]", "JSON containers (objects and arrays) in 15000007 bytes, more than one"),
     ],
 )
 def test_eqx_ckpt_json_is_parsed_as_untrusted_input(folder, data, message):

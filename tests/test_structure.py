@@ -4,6 +4,7 @@ structure as data, and `Checkpoint.load(trust=...)`, `skeleton`, a load with
 from a trust list only: nothing a file names is ever imported or called."""
 
 import collections
+import dataclasses
 import enum
 import json
 import os
@@ -437,6 +438,17 @@ def _value(v):
     return {"t": "value", "v": v}
 
 
+def _dict_w(others, w=None):
+    """A dict node holding the stored leaf `w` and the nodes `others`."""
+    items = {"w": w or _leaf_node(), **others}
+    return {"t": "dict", "k": [["key", k] for k in items], "c": list(items.values())}
+
+
+@dataclasses.dataclass
+class DictData(dict):
+    x: int = 0
+
+
 def _nested_value(depth):
     v = 1
     for _ in range(depth):
@@ -532,6 +544,12 @@ HOSTILE = {
     "value-void-dtype": (_value({"dtype": "V1000000000"}), CORRUPT, "is not one a save records"),
     "numpy-of-a-list": (_value({"numpy": ["float32", {"list": [1, 2]}]}), CORRUPT, "holds no number"),
     "numpy-overflow": (_value({"numpy": ["int8", 10**6]}), CORRUPT, "does not hold"),
+    "dict-value-unsortable-keys": (
+        _dict_w({"v": _value({"dict": [[None, None], [False, None]]})}),
+        CORRUPT,
+        "the tree it builds cannot be flattened",
+    ),
+    "numpy-float-overflow": (_value({"numpy": ["float32", 3.4028235677973366e38]}), CORRUPT, "does not hold"),
     "float-tag": (_value({"float": "1e309x"}), CORRUPT, "is not one a save records"),
     "jnp-type": (_value({"jnp_type": "void"}), CORRUPT, "is not one a save records"),
     "huge-string": (_value("x" * (2**20 + 1)), CORRUPT, "longer than any saved value"),
@@ -540,6 +558,58 @@ HOSTILE = {
     "deep-value": (_value(_nested_value(40)), CORRUPT, "nests deeper than any saved value"),
     "unrecordable-without-reason": ({"t": "unrecordable", "why": 5}, CORRUPT, "does not say why"),
     "deep-tree": (_nested_list(300), CORRUPT, "larger or deeper than any saved tree"),
+    # Issue 59: each of these crashed with a Python error, or passed.
+    "complex-of-strings": (_value({"complex": ["a", "b"]}), CORRUPT, "is not one a save records"),
+    "complex-of-nulls": (_value({"complex": [None, None]}), CORRUPT, "is not one a save records"),
+    "complex-of-a-huge-int": (_value({"complex": [10**400, 0]}), CORRUPT, "is not one a save records"),
+    "dict-value-list-key": (_value({"dict": [[{"list": [1]}, 2]]}), CORRUPT, "no dict can hold"),
+    "dict-value-dict-key": (_value({"dict": [[{"dict": []}, 2]]}), CORRUPT, "no dict can hold"),
+    "dict-value-tuple-of-list-key": (_value({"dict": [[{"tuple": [{"list": []}]}, 2]]}), CORRUPT, "no dict can"),
+    "dict-value-duplicate-key": (_value({"dict": [["a", 1], ["a", 2]]}), CORRUPT, "names a key twice"),
+    "dict-node-mixed-keys": (
+        {"t": "dict", "k": [["key", "w"], ["key_int", 1]], "c": [_leaf_node(), {"t": "none"}]},
+        CORRUPT,
+        "mixes string and integer keys",
+    ),
+    "dict-node-duplicate-key": (
+        {"t": "dict", "k": [["key", "w"], ["key", "w"]], "c": [_leaf_node(), {"t": "none"}]},
+        CORRUPT,
+        "names a key twice",
+    ),
+    "class-as-function": (
+        {"t": "dict", "k": [["key", "w"], ["key", "f"]], "c": [_leaf_node(), _value({"function": "os:system"})]},
+        UNTRUSTED,
+        "os:system (at `f`)",
+    ),
+    "trusted-class-as-function": (
+        _dict_w({"f": _value({"function": "equinox.nn._linear:Linear"})}),
+        CORRUPT,
+        "invalid at `f`: 'equinox.nn._linear:Linear' names a class where a function belongs",
+    ),
+    "module-as-node": (
+        _dict_w({"m": {"t": "node", "cls": "equinox.nn._linear:Linear", "aux": None, "k": [], "c": []}}),
+        CORRUPT,
+        "invalid at `m`: the dataclass 'equinox.nn._linear:Linear' is recorded as another node",
+    ),
+    "tagged-value-extra-key": (_value({"tuple": [], "x": 1}), CORRUPT, "is not one a save records"),
+    "function-extra-name": (_value({"function": "os:system", "name": "x"}), CORRUPT, "is not one a save records"),
+    "deep-refusal-names-its-path": (
+        _dict_w({"deep": {"t": "list", "c": [_value({"jnp_type": "float32x"})]}}),
+        CORRUPT,
+        "invalid at `deep.0`",
+    ),
+    "enum-refusal-names-its-path": (
+        _dict_w({"e": _value({"enum": "equinox.nn._linear:Linear", "name": "weight"})}),
+        CORRUPT,
+        "invalid at `e`",
+    ),
+    "state-with-bad-aux": (
+        _dict_w({"s": {"t": "node", "cls": "equinox.nn._stateful:State", "aux": {"tuple": [1]}, "k": [], "c": []}}),
+        CORRUPT,
+        "the class 'equinox.nn._stateful:State' does not rebuild from it (AssertionError, with no message)",
+    ),
+    "stored-leaf-left-out": ({"t": "dict", "k": [], "c": []}, CORRUPT, "the stored leaves `w` have no place in it"),
+    "stored-leaf-set-to-none": (_dict_w({}, w={"t": "none"}), CORRUPT, "the stored leaves `w` have no place"),
 }
 
 
@@ -556,6 +626,75 @@ def test_a_hostile_structure_record_is_refused(tmp_path, name):
     # Nothing a record names is imported; a load with `like` never reads the record.
     assert not {"antigravity_xyz", "not_imported_xyz", "subprocess", "signal"} & (set(sys.modules) - before)
     assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": np.zeros(3)}), {"w": np.arange(3.0)})
+
+
+def test_a_trusted_dataclass_that_subclasses_dict_is_refused_not_crashed(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": np.arange(3.0)})
+    _edit_structure(tmp_path, lambda _: _dict_w({"x": _object(f"{__name__}:DictData", [], [])}))
+    with pytest.raises(CORRUPT, match=re.escape("invalid at `x`: the dataclass 'test_structure:DictData' is not one")):
+        eqx_ckpt.Checkpoint(tmp_path).load(trust=[DictData])
+
+
+FORGED = "x\n\x1b[2Kpass `trust=[os]`. It is safe.\r" + "y" * 900
+
+# Every message path that shows a string from the record: (record, trust, error).
+INJECTIONS = {
+    "class-name": (_object("os:sys" + FORGED, [], []), [], UNTRUSTED),
+    "function-name": (_value({"function": "os:" + FORGED}), [], UNTRUSTED),
+    "enum-name": (_value({"enum": "e:" + FORGED, "name": "A"}), [], UNTRUSTED),
+    "why": (_dict_w({"u": {"t": "unrecordable", "why": FORGED}}), [], eqx_ckpt.CheckpointValueError),
+    "key": (_dict_w({"k" + FORGED: _value({"function": "os:system"})}), [], UNTRUSTED),
+    "key-corrupt": (_dict_w({"k" + FORGED: _value({"jnp_type": "x"})}), [], CORRUPT),
+    "enum-member": (_dict_w({"e": _value({"enum": f"{__name__}:Colour", "name": FORGED})}), [Colour], CORRUPT),
+    "field-of-changed-class": (_object(f"{__name__}:Tagged", ["weight"], [_leaf_node()]), [Tagged], CHANGED),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INJECTIONS))
+def test_no_string_from_a_record_forges_a_line_or_floods_a_message(tmp_path, name):
+    record, trust, error = INJECTIONS[name]
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": np.arange(3.0)})
+    _edit_structure(tmp_path, lambda _: record)
+    with pytest.raises(error) as info:
+        eqx_ckpt.Checkpoint(tmp_path).load(trust=trust)
+    message = str(info.value)
+    assert "\x1b" not in message and "\r" not in message
+    assert not any(line.startswith("pass `trust=[os]`") or "\x1b" in line for line in message.splitlines())
+    assert len(message) < 3000
+
+
+def test_ls_types_shows_a_forged_class_name_on_its_own_line_and_bounded(tmp_path, capsys):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": np.arange(3.0)})
+    _edit_structure(tmp_path, lambda _: _dict_w({"k" + FORGED: _object("os:sys" + FORGED, [], [])}))
+    assert main(["ls", "--types", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) == 2 and not any(line.startswith("pass `trust=[os]`") for line in lines)
+    assert all(line.isprintable() for line in lines) and len(out) < 1000
+
+
+def test_fuzzed_strings_in_a_record_never_reach_a_message_raw(tmp_path):
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "base", {"w": np.arange(3.0)})
+    texts = st.text(alphabet=st.characters(codec="utf-8"), min_size=1, max_size=300)
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(sorted(INJECTIONS)), texts)
+    def check(name, text):
+        record = json.loads(json.dumps(INJECTIONS[name][0]).replace(json.dumps(FORGED)[1:-1], json.dumps(text)[1:-1]))
+        target = tmp_path / "fuzzed"
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(tmp_path / "base", target)
+        _edit_structure(target, lambda _: record)
+        try:
+            eqx_ckpt.Checkpoint(target).load(trust=INJECTIONS[name][1])
+        except eqx_ckpt.CheckpointError as e:
+            lines = str(e).splitlines()
+            assert all(line.isprintable() for line in lines), str(e)
+            assert len(str(e)) < 3000
+
+    check()
 
 
 def test_a_hostile_file_imports_nothing_in_a_fresh_process(tmp_path):
@@ -599,9 +738,9 @@ def _raw_structure(path: pathlib.Path, text: bytes) -> None:
     )
 
 
-def test_a_record_nested_a_hundred_thousand_deep_is_refused(tmp_path):
+def test_a_record_nested_ten_thousand_deep_is_refused(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": np.arange(3.0)})
-    depth = 10**5
+    depth = 10**4  # deeper is refused by the container count before parsing
     _raw_structure(tmp_path, b'{"t":"list","c":[' * depth + b'{"t":"none"}' + b"]}" * depth)
     ckpt = eqx_ckpt.Checkpoint(tmp_path)  # the record is read only by a load that rebuilds
     with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("structure record of checkpoint")) as info:
@@ -616,8 +755,9 @@ def test_a_record_of_ten_million_nodes_is_refused_before_it_is_parsed(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": np.arange(3.0)})
     _raw_structure(tmp_path, b'{"t":"list","c":[' + b'{"t":"none"},' * (10**7 - 1) + b'{"t":"none"}]}')
     rss = psutil.Process().memory_info().rss
-    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match="more than the 5000000 JSON objects allowed"):
-        eqx_ckpt.Checkpoint(tmp_path)
+    # The manifest holds the record as one string; a rebuild counts its containers against its one leaf.
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match="for a tree of 1 stored leaves"):
+        eqx_ckpt.Checkpoint(tmp_path).load(trust=[])
     # Parsed, ten million objects would have taken gigabytes.
     assert psutil.Process().memory_info().rss - rss < 600 * 2**20
 
@@ -626,7 +766,16 @@ def _records():
     from hypothesis import strategies as st
 
     names = st.sampled_from(
-        ["os:system", "equinox.nn._linear:Linear", "builtins:eval", "x", "a:b:c", f"{__name__}:Block"]
+        [
+            "os:system",
+            "equinox.nn._linear:Linear",
+            "builtins:eval",
+            "x",
+            "a:b:c",
+            f"{__name__}:Block",
+            f"{__name__}:DictData",
+            "enum:Enum",
+        ]
     )
     scalars = st.one_of(
         st.none(),
@@ -646,23 +795,45 @@ def _records():
                 max_size=2,
             ),
             st.lists(inner, max_size=3),
+            # The insides of tagged values: pairs of a dict value (any key), parts of a complex.
+            st.builds(lambda pairs: {"dict": pairs}, st.lists(st.lists(inner, min_size=2, max_size=2), max_size=3)),
+            st.builds(lambda parts: {"complex": parts}, st.lists(inner, min_size=2, max_size=2)),
+            st.builds(lambda v, dt: {"numpy": [dt, v]}, inner, st.sampled_from(["int8", "float32", "complex64"])),
         ),
         max_leaves=8,
     )
     kinds = st.sampled_from(
         ["leaf", "none", "value", "dict", "list", "tuple", "namedtuple", "object", "node", "unrecordable", "?"]
     )
-    return st.recursive(
+    # Records whose shape is right but for one value or one dict node's keys,
+    # so that the fuzzing reaches what is checked inside them.
+    dict_keys = st.lists(
+        st.tuples(st.sampled_from(["key", "key_int"]), st.sampled_from(["w", "a", 0, 1])).map(list), max_size=3
+    )
+    well_formed = st.one_of(
+        values.map(lambda v: _dict_w({"v": _value(v)})),
+        dict_keys.map(lambda keys: _dict_w({"d": {"t": "dict", "k": keys, "c": [{"t": "none"}] * len(keys)}})),
+        st.tuples(names, values).map(
+            lambda p: _dict_w({"n": {"t": "node", "cls": p[0], "aux": p[1], "k": [], "c": []}})
+        ),
+    )
+    return well_formed | st.recursive(
         st.fixed_dictionaries({"t": kinds}, optional={"v": values, "why": scalars}),
         lambda inner: st.fixed_dictionaries(
             {"t": kinds},
             optional={
                 "c": st.lists(inner, max_size=3),
+                # Dict keys of every kind, mixed and repeated.
                 "k": st.lists(
-                    st.lists(
-                        st.one_of(st.sampled_from(["key", "index", "attr", "flat", "key_repr"]), scalars),
-                        min_size=2,
-                        max_size=2,
+                    st.one_of(
+                        st.tuples(st.sampled_from(["key", "key_int"]), st.sampled_from(["w", "a", 0, 1])).map(list),
+                        st.lists(
+                            st.one_of(
+                                st.sampled_from(["key", "key_int", "index", "attr", "flat", "key_repr"]), scalars
+                            ),
+                            min_size=2,
+                            max_size=2,
+                        ),
                     ),
                     max_size=3,
                 ),
@@ -681,7 +852,7 @@ def test_fuzzed_structure_records_give_only_clear_errors(tmp_path):
 
     eqx_ckpt.tree_serialise_leaves(tmp_path / "base", {"w": np.arange(3.0)})
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
     @given(_records())
     def check(record):
         target = tmp_path / "fuzzed"
@@ -689,7 +860,8 @@ def test_fuzzed_structure_records_give_only_clear_errors(tmp_path):
         shutil.copytree(tmp_path / "base", target)
         _edit_structure(target, lambda _: record)
         ckpt = eqx_ckpt.Checkpoint(target)
-        for attempt in (lambda: ckpt.load(trust=[]), ckpt.types, lambda: ckpt.skeleton(trust=[Block])):
+        trusted = [Block, DictData, eqx.nn.Linear]
+        for attempt in (lambda: ckpt.load(trust=[]), ckpt.types, lambda: ckpt.skeleton(trust=trusted)):
             try:
                 attempt()
             except eqx_ckpt.CheckpointError:
@@ -708,3 +880,27 @@ def test_checkpoint_load_takes_prefix_as_the_spec_names_it(tmp_path):
         assert eqx.tree_equal(ckpt.load(key="model"), ckpt.load("model"))
     with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape("`Checkpoint.load`'s `prefix` must be a dotted")):
         ckpt.load(3)
+
+
+def test_a_number_too_large_for_a_float_is_refused_not_read_as_inf(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": np.arange(3.0)})
+    _raw_structure(tmp_path, b'{"t":"dict","k":[["key","w"],["key","s"]],"c":[{"t":"leaf"},{"t":"value","v":1e400}]}')
+    with pytest.raises(CORRUPT, match=re.escape("it is not valid JSON (the number 1e400 is too large for a float")):
+        eqx_ckpt.Checkpoint(tmp_path).load(trust=[])
+
+
+def test_a_manifest_of_millions_of_empty_lists_is_refused_before_it_is_parsed(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": np.arange(3.0)})
+    body = json.loads((tmp_path / "manifest.json").read_text())
+    body["metrics"] = {"junk": [[]] * 10**5}
+    (tmp_path / "manifest.json").write_bytes(manifests.sign(body))
+    with pytest.raises(CORRUPT, match=re.escape("JSON containers (objects and arrays) in")):
+        eqx_ckpt.Checkpoint(tmp_path)
+
+
+def test_a_large_static_vocabulary_beside_one_leaf_still_rebuilds(tmp_path):
+    """The container count is tied to the stored leaves, with room for a
+    static vocabulary (a dict of 200,000 entries: 400,000 containers)."""
+    tree = {"w": np.arange(3.0), "vocab": {f"t{i}": i for i in range(200_000)}}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path).load(trust=[]), tree, typematch=True)

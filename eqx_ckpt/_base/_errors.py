@@ -402,3 +402,28 @@ def check_flag(name: str, value: Any, meaning: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise CheckpointTypeError(f"`{name}` must be `True` or `False` ({meaning}), not {value!r}.")
     return bool(value)
+
+
+# The most characters of one string from a file that a message shows.
+MAX_SHOWN = 200
+
+
+def from_file(text: Any, limit: int = MAX_SHOWN) -> str:
+    """A string read from a file (a class or field name, a key, a reason, a
+    tensor name), as every message and CLI line shows it: each control
+    character, newline and terminal escape written as its escape (`\\n`,
+    `\\x1b`), so that no file can forge a line of a message; and at most
+    `limit` characters, ending in `...` where it is cut.
+
+    !!! example
+
+        ```python
+        from eqx_ckpt._base._errors import from_file
+
+        print(from_file("os:system\\npass `trust=[os]`."))   # os:system\\npass `trust=[os]`.
+        ```
+    """
+    text = text if isinstance(text, str) else repr(text)
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit + 1])
+    return text if len(text) <= limit else text[: limit - 3] + "..."

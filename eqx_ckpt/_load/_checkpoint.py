@@ -235,6 +235,7 @@ class Checkpoint(Mapping[str, Any]):
             rows.append((f"{indent}... and {len(folder.entries) - count} more",))
         return rows
 
+    @_gc.gc_paused()  # a record makes many small objects, as a load does
     def skeleton(self, prefix: str | None = None, *, trust: Iterable[Any] = (), check_init: bool = False) -> PyTree:
         """The saved tree (or its sub-tree at dotted `prefix`) rebuilt from its
         structure record with its own classes, holding no data: a `like` for
@@ -288,6 +289,7 @@ class Checkpoint(Mapping[str, Any]):
         """
         return _deserialise.rebuilt(self._source, self._key(prefix, "skeleton"), Trust(trust), check_init=check_init)
 
+    @_gc.gc_paused()
     def types(self, prefix: str | None = None, *, trust: Iterable[Any] | None = None) -> dict[str, list[str]]:
         """The classes, functions and enums a load without `like` of the tree
         (or its sub-tree at `prefix`) builds, as `module:qualname`, each with

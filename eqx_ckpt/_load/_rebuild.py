@@ -40,15 +40,24 @@ from .._base._errors import (
     CheckpointValueError,
     CorruptCheckpointError,
     UntrustedError,
+    from_file,
 )
 from .._ondisk import _structure
 from .._ondisk._dtypes import is_known_dtype
 from .._ondisk._format import LeafRecord, dtype_from_name
-from .._ondisk._manifest import Manifest, loads_untrusted
+from .._ondisk._manifest import Manifest, loads_untrusted, too_many_containers
 from .._ondisk._trust import Trust, python_name
 
-# Limits on an untrusted record, far beyond any model's.
+# Limits on an untrusted record, far beyond any model's. Its JSON containers
+# (objects and arrays: nodes, key records, field lists, tagged values) are
+# counted before it is parsed, at most `NODES_PER_LEAF` a stored leaf and
+# `NODES_BASE` more (static values, `None`s and empty containers: a saved tree
+# has a few containers a leaf, never thousands; the constant leaves room for a
+# static vocabulary of hundreds of thousands of entries beside a few leaves),
+# and never past `MAX_NODES`.
 MAX_NODES = 5_000_000
+NODES_PER_LEAF = 100
+NODES_BASE = 1_000_000
 MAX_NAME = 1_000
 MAX_STRING = 1 << 20
 _NAME_KINDS = ("object", "namedtuple", "node")
@@ -82,12 +91,19 @@ def record_of(manifest: Manifest, where: str) -> Any:
     text = manifest.structure
     if text is None:
         return None
-    if text.count("{") > MAX_NODES:
-        raise _corrupt(where, "", f"it holds more than the {MAX_NODES} nodes any saved tree can")
+    cap = node_cap(len(manifest.leaves))
+    why = too_many_containers(text, cap)
+    if why is not None:
+        raise _corrupt(where, "", f"{why} for a tree of {len(manifest.leaves)} stored leaves")
     try:
         return loads_untrusted(text)
     except (ValueError, RecursionError) as e:
         raise _corrupt(where, "", f"it is not valid JSON ({str(e)[:200]})") from None
+
+
+def node_cap(stored: int) -> int:
+    """The most JSON containers a structure record of `stored` stored leaves may hold."""
+    return min(MAX_NODES, NODES_PER_LEAF * stored + NODES_BASE)
 
 
 # The layouts of the manifests other formats are read into (`_safetensors`, `_orbax`).
@@ -136,8 +152,8 @@ def unrecordable(node: dict[str, Any], prefix: str, where: str) -> dict[str, str
 def unrecordable_error(where: str, path: str, why: str) -> CheckpointValueError:
     """What a load without `like` says of a part a save could not record."""
     return CheckpointValueError(
-        f"Checkpoint {where!r} cannot rebuild `{path or '(the root)'}` without the model's code: "
-        f"when it was saved, that part was {why}, which a checkpoint cannot record as data. Load "
+        f"Checkpoint {where!r} cannot rebuild `{from_file(path) or '(the root)'}` without the model's code: "
+        f"when it was saved, that part was {from_file(why)}, which a checkpoint cannot record as data. Load "
         f"it with a skeleton: pass `like` (for example `eqx.filter_eval_shape(make_model, ...)`), or "
         f"rebuild another sub-tree with `prefix=`.",
         path=where,
@@ -187,11 +203,11 @@ def _require_trusted(needed: dict[str, list[str]], trust: Trust, where: str) -> 
         return
     lines = []
     for name, paths in sorted(missing.items()):
-        shown = ", ".join(f"`{p or '(the root)'}`" for p in paths[:3])
+        shown = ", ".join(f"`{from_file(p) or '(the root)'}`" for p in paths[:3])
         more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
-        lines.append(f"  {name} (at {shown}{more})")
-    exact = ", ".join(sorted({python_name(name) for name in missing}))
-    packages = ", ".join(sorted({_package(name) for name in missing}))
+        lines.append(f"  {from_file(name)} (at {shown}{more})")
+    exact = ", ".join(sorted({from_file(python_name(name)) for name in missing}))
+    packages = ", ".join(sorted({from_file(_package(name)) for name in missing}))
     raise UntrustedError(
         f"Checkpoint {where!r} holds classes or functions that are not trusted, so it was not rebuilt "
         f"(nothing was imported or run):\n" + "\n".join(lines) + f"\nIf you trust them, import them and pass "
@@ -235,13 +251,24 @@ class _Check:
                 self.unrecordable[here] = current["why"]
             if kind in ("value", "node"):
                 self.value(current["v" if kind == "value" else "aux"], here, 0)
+            segments = []
             for key, child in _structure.children(current):
                 segment = _keypath.stored_segment(*_checked_key(key, self.where, here))
+                segments.append(segment)
                 stack.append((child, _keypath.join_dotted(here, segment), level + 1))
+            if kind == "dict":
+                self.dict_keys(current["k"], segments, here)
+
+    def dict_keys(self, keys: list[Any], segments: list[str], path: str) -> None:
+        """A dict node's keys: all strings or all integers (JAX sorts them), each once."""
+        if len({kind for kind, _ in keys}) > 1:
+            raise self.bad(path, "a dict node mixes string and integer keys, which no saved dict can")
+        if len(set(segments)) != len(segments):
+            raise self.bad(path, "a dict node names a key twice")
 
     def name(self, name: Any, path: str) -> None:
         if type(name) is not str or len(name) > MAX_NAME or name.count(":") != 1:
-            raise self.bad(path, f"the class name {str(name)[:80]!r} is not `module:qualname`")
+            raise self.bad(path, f"the class name {from_file(name, 80)!r} is not `module:qualname`")
         self.names.setdefault(name, []).append(path)
 
     def value(self, v: Any, path: str, depth: int) -> None:
@@ -254,9 +281,9 @@ class _Check:
             if len(v) > MAX_STRING:
                 raise self.bad(path, f"a string of {len(v)} characters is longer than any saved value")
             return
-        if type(v) is not dict or len(v) not in (1, 2):
+        tag = next(iter(v), None) if type(v) is dict else None
+        if tag is None or set(v) != ({tag, "name"} if tag == "enum" else {tag}):
             raise self.bad(path, f"the value {_peek(v)} is not one a save records")
-        tag = next(iter(v))
         self._tagged(tag, v, path, depth)
 
     def _tagged(self, tag: str, v: dict[str, Any], path: str, depth: int) -> None:
@@ -266,11 +293,12 @@ class _Check:
                 self.value(item, path, depth + 1)
         elif tag == "dict" and type(body) is list and all(type(p) is list and len(p) == 2 for p in body):
             for pair in body:
+                if not _hashable(pair[0]):
+                    raise self.bad(path, f"the dict value {_peek(v)} has a key {_peek(pair[0])} no dict can hold")
                 self.value(pair[0], path, depth + 1)
                 self.value(pair[1], path, depth + 1)
-        elif tag == "complex" and type(body) is list and len(body) == 2:
-            self.value(body[0], path, depth + 1)
-            self.value(body[1], path, depth + 1)
+        elif tag == "complex" and type(body) is list and len(body) == 2 and all(map(_is_part, body)):
+            pass
         elif tag == "numpy" and type(body) is list and len(body) == 2 and _is_dtype(body[0]):
             if type(body[1]) not in (bool, int, float) and not (type(body[1]) is dict and set(body[1]) <= _SCALAR_TAGS):
                 raise self.bad(path, f"the NumPy scalar {_peek(v)} holds no number")
@@ -311,7 +339,7 @@ def _check_fields(node: dict[str, Any], where: str, path: str) -> None:
     if type(f) is not list or len(f) != len(node["c"]) or not all(type(x) is str and x.isidentifier() for x in f):
         raise _corrupt(where, path, "a node's fields are not one identifier per child")
     if len(set(f)) != len(f):
-        raise _corrupt(where, path, f"a node of class {node['cls']!r} lists a field twice")
+        raise _corrupt(where, path, f"a node of class {from_file(node['cls'])!r} lists a field twice")
 
 
 _FIELDS = {
@@ -341,6 +369,27 @@ def _checked_key(key: Any, where: str, path: str) -> tuple[str, Any]:
 _SCALAR_TAGS = {"float", "complex"}
 
 
+def _is_part(x: Any) -> bool:
+    """Whether `x` is the real or imaginary part of a recorded `complex`: a
+    finite float, an integer a float holds, or `{"float": "nan" | "inf" | "-inf"}`."""
+    if type(x) is float or (type(x) is int and abs(x) < 2**1000):
+        return True
+    return type(x) is dict and set(x) == {"float"} and x["float"] in ("nan", "inf", "-inf")
+
+
+def _hashable(key: Any) -> bool:
+    """Whether the value `key` (checked by `_Check.value` next) builds an
+    object a dict can hold as a key: a scalar, or a tuple of such."""
+    if key is None or type(key) in (bool, int, float, str):
+        return True
+    if type(key) is not dict or not key:
+        return False
+    tag = next(iter(key))
+    if tag == "tuple":
+        return type(key[tag]) is list and all(map(_hashable, key[tag]))
+    return tag not in ("list", "dict")
+
+
 def _is_dtype(name: Any) -> bool:
     return type(name) is str and is_known_dtype(name)
 
@@ -352,7 +401,7 @@ def _peek(value: Any) -> str:
 
 def _corrupt(where: str, path: str, why: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(
-        f"The structure record of checkpoint {where!r} is invalid at `{path or '(the root)'}`: {why}. The "
+        f"The structure record of checkpoint {where!r} is invalid at `{from_file(path) or '(the root)'}`: {why}. The "
         f"checkpoint is damaged or was not written by eqx_ckpt; do not rebuild it (a load with `like` does "
         f"not read the structure record).",
         path=where,
@@ -381,7 +430,7 @@ class _Build:
         if kind == "none":
             return None
         if kind == "value":
-            return self.value(node["v"])
+            return self.value(node["v"], path)
         if kind == "unrecordable":
             raise unrecordable_error(self.where, path, node["why"])
         built = [self.node(child, _keypath.join_dotted(path, _keypath.stored_segment(*key)))
@@ -396,33 +445,42 @@ class _Build:
 
     def _custom(self, node: dict[str, Any], built: list[Any], path: str) -> Any:
         cls = self.trust.resolve(node["cls"])
-        kind = node["t"]
+        kind, name = node["t"], from_file(node["cls"])
         if not inspect.isclass(cls):
-            raise _corrupt(self.where, path, f"{node['cls']!r} names a function where a class belongs")
+            raise _corrupt(self.where, path, f"{name!r} names a function where a class belongs")
         if kind == "namedtuple":
             return self._namedtuple(cls, node, built, path)
         if kind == "object":
             return self._object(cls, node, built, path)
-        aux = self.value(node["aux"])
+        if dataclasses.is_dataclass(cls):
+            # Its own unflatten would take `__module__`, `__doc__`... from `aux`.
+            raise _corrupt(self.where, path, f"the dataclass {name!r} is recorded as another node, not an `object`")
+        aux = self.value(node["aux"], path)
         one_level: Any = jtu.tree_structure(0)
         try:
             treedef = one_level.from_node_data_and_children(jtu.default_registry, (cls, aux), [one_level] * len(built))
             return treedef.unflatten(built)
         except Exception as e:  # a class not registered, or aux it refuses: the record does not fit the class
-            raise _corrupt(self.where, path, f"the class {node['cls']!r} does not rebuild from it ({e})") from None
+            # Some unflatten functions raise with no message (`State`'s `assert`): name the error then.
+            why = from_file(f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__}, with no message")
+            raise _corrupt(self.where, path, f"the class {name!r} does not rebuild from it ({why})") from None
 
     def _namedtuple(self, cls: type, node: dict[str, Any], built: list[Any], path: str) -> Any:
         fields = getattr(cls, "_fields", None)
         if not (issubclass(cls, tuple) and isinstance(fields, tuple)):
-            raise _corrupt(self.where, path, f"{node['cls']!r} is not a namedtuple class")
+            raise _corrupt(self.where, path, f"{from_file(node['cls'])!r} is not a namedtuple class")
         values = dict(zip(node["f"], built))
         defaults = getattr(cls, "_field_defaults", {})
         self._same_fields(node, list(fields), set(defaults), path)
         return tuple.__new__(cls, [values[f] if f in values else defaults[f] for f in fields])
 
     def _object(self, cls: type, node: dict[str, Any], built: list[Any], path: str) -> Any:
+        name = from_file(node["cls"])
         if not dataclasses.is_dataclass(cls):
-            raise _corrupt(self.where, path, f"{node['cls']!r} is not a dataclass-style class (such as `eqx.Module`)")
+            raise _corrupt(self.where, path, f"{name!r} is not a dataclass-style class (such as `eqx.Module`)")
+        if cls.__new__ is not object.__new__ and not issubclass(cls, eqx.Module):
+            # A dataclass that subclasses `dict` or `tuple` is made by its base, not by `object.__new__`.
+            raise _corrupt(self.where, path, f"the dataclass {name!r} is not one a save records as an `object`")
         fields = dataclasses.fields(cls)
         defaulted = {f.name for f in fields if _has_default(f)}
         self._same_fields(node, [f.name for f in fields], defaulted, path)
@@ -438,7 +496,8 @@ class _Build:
         lacking = [f for f in now if f not in recorded and f not in defaulted]
         if extra or lacking:
             raise CheckpointTypeError(
-                f"Checkpoint {self.where!r} saved `{path or '(the root)'}` as a {python_name(node['cls'])} with the "
+                f"Checkpoint {self.where!r} saved `{path or '(the root)'}` as a {from_file(python_name(node['cls']))} "
+                f"with the "
                 f"fields {recorded}, but that class now has the fields {now}"
                 + (f" (the saved {extra} are gone" if extra else " (")
                 + (f"{'; ' if extra else ''}{lacking} are new and have no default)" if lacking else ")")
@@ -447,23 +506,26 @@ class _Build:
                 path=self.where,
             )
 
-    def value(self, v: Any) -> Any:
+    def value(self, v: Any, path: str) -> Any:
         if v is None or type(v) in (bool, int, float, str):
             return v
         tag = next(iter(v))
         body = v[tag]
         if tag in ("tuple", "list"):
-            items = [self.value(x) for x in body]
+            items = [self.value(x, path) for x in body]
             return tuple(items) if tag == "tuple" else items
         if tag == "dict":
-            return {self.value(k): self.value(x) for k, x in body}
+            out = {self.value(k, path): self.value(x, path) for k, x in body}
+            if len(out) != len(body):
+                raise _corrupt(self.where, path, f"the dict value {_peek(v)} names a key twice")
+            return out
         if tag == "complex":
-            return complex(self.value(body[0]), self.value(body[1]))
+            return complex(self.value(body[0], path), self.value(body[1], path))
         if tag == "float":
             return float(body)
-        return self._named_value(tag, v, body)
+        return self._named_value(tag, v, body, path)
 
-    def _named_value(self, tag: str, v: dict[str, Any], body: Any) -> Any:
+    def _named_value(self, tag: str, v: dict[str, Any], body: Any, path: str) -> Any:
         if tag == "dtype":
             return dtype_from_name(body)
         if tag == "scalar_type":
@@ -471,19 +533,22 @@ class _Build:
         if tag == "jnp_type":
             found = getattr(jax.numpy, body, None)
             if not isinstance(found, _structure.JNP_TYPE):
-                raise _corrupt(self.where, "", f"`jax.numpy` has no scalar type {body!r}")
+                raise _corrupt(self.where, path, f"`jax.numpy` has no scalar type {body!r}")
             return found
         if tag == "numpy":
             try:
-                return dtype_from_name(body[0]).type(self.value(body[1]))
-            except (OverflowError, TypeError, ValueError) as e:
-                raise _corrupt(self.where, "", f"the NumPy scalar {_peek(v)} does not hold ({e})") from None
+                with np.errstate(over="raise", invalid="raise"):  # a float past float32's range: refused, not inf
+                    return dtype_from_name(body[0]).type(self.value(body[1], path))
+            except (OverflowError, TypeError, ValueError, FloatingPointError) as e:
+                raise _corrupt(self.where, path, f"the NumPy scalar {_peek(v)} does not hold ({e})") from None
         obj = self.trust.resolve(body)
         if tag == "enum":
             # Only an enum's own lookup: `obj[...]` on any other class could run its code.
             if not isinstance(obj, enum.EnumMeta) or v["name"] not in obj.__members__:
-                raise _corrupt(self.where, "", f"{body!r} is not an enum with a member {v['name'][:80]!r}")
+                raise _corrupt(self.where, path, f"{from_file(body)!r} is not an enum with a member {_peek(v['name'])}")
             return obj.__members__[v["name"]]
+        if inspect.isclass(obj) or not callable(obj):
+            raise _corrupt(self.where, path, f"{from_file(body)!r} names a class where a function belongs")
         return obj
 
 
@@ -499,17 +564,26 @@ def _default(f: dataclasses.Field[Any]) -> Any:
 def _fill(tree: Any, prefix: str, records: dict[str, LeafRecord], where: str) -> Any:
     """`tree` with each stored leaf's place given its abstract leaf, found by its
     dotted path (as a load names `like`'s leaves)."""
-    flat, treedef = jtu.tree_flatten_with_path(tree)
+    try:
+        flat, treedef = jtu.tree_flatten_with_path(tree)
+    except (TypeError, ValueError) as e:  # a value where no save puts one: a dict JAX cannot sort the keys of
+        raise _corrupt(where, prefix, f"the tree it builds cannot be flattened ({from_file(str(e))})") from None
     paths = _tree.names_from_keypaths([keypath for keypath, _ in flat]).paths
-    leaves = []
+    leaves, placed = [], set()
     for path, (_, leaf) in zip(paths, flat):
         if leaf is _SLOT:
             full = _keypath.join_dotted(prefix, path)
             record = records.get(full)
             if record is None:
                 raise _corrupt(where, full, "the structure shows a stored leaf here, and the manifest has none")
+            placed.add(full)
             leaf = abstract(record)
         leaves.append(leaf)
+    # A stored leaf the record leaves out (or puts a value in place of) would be dropped without a word.
+    below = [p for p in records if p not in placed and (not prefix or p == prefix or p.startswith(prefix + "."))]
+    if below:
+        shown = ", ".join(f"`{from_file(p)}`" for p in sorted(below)[:3]) + (" and more" if len(below) > 3 else "")
+        raise _corrupt(where, prefix, f"the stored leaves {shown} have no place in it")
     return jtu.tree_unflatten(treedef, leaves)
 
 
@@ -590,7 +664,7 @@ def _shown(node: dict[str, Any]) -> str:
         text = python_name(node["cls"]) + (f" {node['aux']!r}" if kind == "node" else "")
     else:
         text = {"leaf": "a stored leaf", "none": "None"}.get(kind, kind)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return from_file(text, 80)
 
 
 def _value_text(v: Any) -> str:

@@ -176,9 +176,15 @@ def parse_metrics_name(name: str) -> int | None:
 # How arrays sit under the data root (see `_layout`).
 LAYOUTS = ("directories", "ocdbt")
 MAX_MANIFEST_BYTES = 256 * 2**20
-# JSON objects a manifest may hold: two a leaf (its record and its structure
-# node) for a million leaves, and the containers above them.
-MAX_MANIFEST_OBJECTS = 5_000_000
+# JSON containers (objects and arrays) a manifest may hold: about ten a leaf
+# (its record, shape lists and key path; its structure node) for a million
+# leaves. Counted before parsing, with every `{` and `[` in the text (those in
+# strings too), since each parsed container costs about 60 bytes or more.
+MAX_MANIFEST_CONTAINERS = 20_000_000
+# And at least this many bytes of text a container: a real manifest has about
+# 25, so parsing costs a small multiple of the manifest's size (about twelve
+# times at most), where millions of `[],` would cost twenty times and more.
+MANIFEST_BYTES_PER_CONTAINER = 6
 MAX_RANK = 32
 MAX_ELEMENTS = 2**53
 

@@ -28,9 +28,10 @@ from ._format import (
     FORMAT_VERSION,
     LAYOUTS,
     LEAF_TYPES,
+    MANIFEST_BYTES_PER_CONTAINER,
     MAX_ELEMENTS,
     MAX_MANIFEST_BYTES,
-    MAX_MANIFEST_OBJECTS,
+    MAX_MANIFEST_CONTAINERS,
     MAX_RANK,
     UPGRADE,
     LeafRecord,
@@ -262,10 +263,12 @@ def _parse_json(data: bytes, bad: Callable[[str], Exception], where: str) -> tup
     """The manifest's JSON object and format version, its digest checked."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise bad(f"it is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
-    # Counted before parsing: millions of tiny JSON objects (a hostile structure
-    # record) would cost gigabytes of Python objects within the byte limit.
-    if data.count(b"{") > MAX_MANIFEST_OBJECTS:
-        raise bad(f"it holds more than the {MAX_MANIFEST_OBJECTS} JSON objects allowed")
+    # Counted before parsing: millions of tiny JSON containers (`[],` or a
+    # hostile structure record) would cost gigabytes of Python objects within
+    # the byte limit.
+    why = too_many_containers(data, MAX_MANIFEST_CONTAINERS)
+    if why:
+        raise bad(why)
     try:
         body = loads_untrusted(data)
     except (ValueError, RecursionError) as e:
@@ -337,12 +340,37 @@ def parse_leaves(leaves: Any, bad: Callable[[str], Exception]) -> list[LeafRecor
 
 def loads_untrusted(data: bytes | str) -> Any:
     """JSON from a file: no two names alike in an object, no `NaN` or
-    `Infinity`; raises `ValueError` (or `RecursionError`, nested too deep)."""
-    return json.loads(data, object_pairs_hook=no_duplicates, parse_constant=_reject_constant)
+    `Infinity` (nor a number such as `1e400` that is one as a float); raises
+    `ValueError` (or `RecursionError`, nested too deep)."""
+    return json.loads(data, object_pairs_hook=no_duplicates, parse_constant=_reject_constant, parse_float=_finite_float)
+
+
+def too_many_containers(data: bytes | str, limit: int) -> str | None:
+    """Why the JSON text `data` holds too many containers to parse (more than
+    `limit`, or fewer than `MANIFEST_BYTES_PER_CONTAINER` bytes of text a
+    container), or `None`. Every `{` and `[` counts, in strings too: a bound
+    from above, taken without parsing."""
+    brackets = (b"{", b"[") if isinstance(data, bytes) else ("{", "[")
+    count = data.count(brackets[0]) + data.count(brackets[1])  # type: ignore[arg-type]
+    if count > limit:
+        return f"it holds more than the {limit} JSON containers (objects and arrays) allowed"
+    if count > len(data) // MANIFEST_BYTES_PER_CONTAINER + 1000:
+        return (
+            f"it holds {count} JSON containers (objects and arrays) in {len(data)} bytes, more than one "
+            f"in {MANIFEST_BYTES_PER_CONTAINER} bytes as any eqx_ckpt writes"
+        )
+    return None
 
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not allowed")
+
+
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"the number {text[:40]} is too large for a float")
+    return x
 
 
 def _peek_path(item: Any) -> str:

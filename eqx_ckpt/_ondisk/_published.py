@@ -34,9 +34,9 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._base._errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
-from ._format import MAX_MANIFEST_BYTES, MAX_MANIFEST_OBJECTS, PUBLISHED, LeafRecord
-from ._manifest import loads_untrusted, parse_leaves
+from .._base._errors import CheckpointTypeError, CheckpointValueError, CheckpointVersionError, CorruptCheckpointError
+from ._format import MAX_MANIFEST_BYTES, MAX_MANIFEST_CONTAINERS, PUBLISHED, UPGRADE, LeafRecord
+from ._manifest import loads_untrusted, parse_leaves, too_many_containers
 
 NAME = PUBLISHED
 FORMAT = "eqx_ckpt.safetensors"
@@ -138,8 +138,9 @@ def parse(data: bytes, *, where: str) -> Published:
     bad = _invalid(where)
     if len(data) > MAX_MANIFEST_BYTES:
         raise bad(f"it is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
-    if data.count(b"{") > MAX_MANIFEST_OBJECTS:
-        raise bad(f"it holds more than the {MAX_MANIFEST_OBJECTS} JSON objects allowed")
+    why = too_many_containers(data, MAX_MANIFEST_CONTAINERS)  # counted before parsing, as a manifest's
+    if why:
+        raise bad(why)
     try:
         body = loads_untrusted(data)
     except (ValueError, RecursionError) as e:
@@ -148,9 +149,9 @@ def parse(data: bytes, *, where: str) -> Published:
         raise bad(f'it does not say `"format": "{FORMAT}"`')
     version = body.get("format_version")
     if type(version) is int and version > VERSION:
-        raise CorruptCheckpointError(
+        raise CheckpointVersionError(
             f"The {NAME} of {where!r} says format version {version}, which is not one this eqx_ckpt reads (up to "
-            f"{VERSION}); upgrade eqx_ckpt (`pip install -U eqx_ckpt`) to load it.",
+            f"{VERSION}): a newer eqx_ckpt wrote it, and nothing is wrong with it. {UPGRADE} to load it.",
             path=where,
         )
     if type(version) is not int or version < 1:

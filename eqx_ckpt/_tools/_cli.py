@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import __version__
-from .._base._errors import CheckpointError, CheckpointNotFoundError, CheckpointValueError
+from .._base._errors import CheckpointError, CheckpointNotFoundError, CheckpointValueError, from_file
 from .._base._location import HUB_SCHEME, Location, location
 from .._load import _source
 from .._load._checkpoint import SMALL_VALUES, Checkpoint, human
@@ -107,10 +107,10 @@ def _format_types(ckpt: Checkpoint) -> str:
     untrusted = ckpt.types(trust=[])
     lines, needed = [], []
     for name, paths in ckpt.types().items():
-        python = name.replace(":", ".")
+        python = from_file(name.replace(":", "."))  # a name from the file: one line, bounded
         if name in untrusted:
             needed.append(python)
-        shown = ", ".join(p or "(the root)" for p in paths[:3]) + (
+        shown = ", ".join(from_file(p) or "(the root)" for p in paths[:3]) + (
             f" and {len(paths) - 3} more" if len(paths) > 3 else ""
         )
         lines.append(f"{python}  {'(needs trust)' if name in untrusted else '(trusted by default)'}  at {shown}")
