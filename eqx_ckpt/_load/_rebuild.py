@@ -25,6 +25,7 @@ import enum
 import functools
 import inspect
 import operator
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -169,7 +170,7 @@ def _require_trusted(needed: dict[str, list[str]], trust: Trust, where: str) -> 
         shown = ", ".join(f"`{p or '(the root)'}`" for p in paths[:3])
         more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
         lines.append(f"  {name} (at {shown}{more})")
-    exact = ", ".join(sorted({python_name(name) for name in missing}))
+    exact = ", ".join(sorted({_public_name(name) for name in missing}))
     packages = ", ".join(sorted({_package(name) for name in missing}))
     raise UntrustedError(
         f"Checkpoint {where!r} holds classes or functions that are not trusted, so it was not rebuilt "
@@ -179,6 +180,23 @@ def _require_trusted(needed: dict[str, list[str]], trust: Trust, where: str) -> 
         + " (a module trusts every class and function defined in it and its submodules).",
         path=where,
     )
+
+
+def _public_name(name: str) -> str:
+    """How a user writes the object recorded as `name`: by its top-level
+    package (`optax.ScaleByAdamState`) where that package holds the very same
+    object, else by its own module (`optax._src.transform.ScaleByAdamState`).
+
+    Only modules already imported are looked in, and only their `vars`: no
+    attribute hook runs and nothing is imported."""
+    module, _, qualname = name.partition(":")
+    top = module.partition(".")[0]
+    holder, package = sys.modules.get(module), sys.modules.get(top)
+    if top != module and holder is not None and package is not None:
+        found = vars(holder).get(qualname)
+        if found is not None and vars(package).get(qualname) is found:
+            return f"{top}.{qualname}"
+    return python_name(name)
 
 
 def _package(name: str) -> str:
