@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import equinox as eqx
 import jax
@@ -717,3 +718,95 @@ def test_format_md_names_the_version_saves_write():
 
     text = (pathlib.Path(__file__).parent.parent / "docs" / "format.md").read_text()
     assert re.findall(r"saves write\s+version (\d+)", text) == [str(FORMAT_VERSION)]
+
+
+def test_the_default_trust_holds_concrete_public_classes_and_what_layers_store():
+    """No abstract base, bare `eqx.Module` or private helper is trusted by
+    default: only public names, and the few private objects layers store."""
+    import inspect
+
+    from eqx_ckpt._ondisk._trust import _default_table
+
+    stored = {"equinox.nn._mlp:_identity", "equinox.nn._stateful:_Sentinel"}
+    modules = (eqx.nn, jax.nn, jnp, jax.lax)
+    for name, obj in _default_table().items():
+        if name in stored:
+            continue
+        attr = name.partition(":")[2]
+        assert not attr.startswith("_") and any(vars(m).get(attr) is obj for m in modules), name
+        assert not (inspect.isclass(obj) and inspect.isabstract(obj)), name
+    names = set(_default_table())
+    assert {"equinox.nn._sequential:StatefulLayer", "equinox._module._module:Module"}.isdisjoint(names)
+    assert not any(":_" in name for name in names - stored)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        eqx.nn.MaxPool1d(2),
+        eqx.nn.AvgPool2d(2),
+        eqx.nn.AdaptiveAvgPool1d(3),
+        eqx.nn.AdaptiveMaxPool2d((2, 2)),
+    ],
+    ids=type,
+)
+def test_pooling_layers_load_with_the_default_trust(tmp_path, layer):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"pool": layer})
+    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path).load(trust=[]), {"pool": layer}, typematch=True)
+
+
+def test_a_like_with_other_static_fields_warns_naming_the_path_and_both_values(tmp_path):
+    """The record says `num_heads=4`; a skeleton built with 8 loads with a
+    warning naming the key path and both values, silenced by its class."""
+    key = jax.random.key(0)
+    saved = {"attn": eqx.nn.MultiheadAttention(4, 16, key=key)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, saved)
+    like = {"attn": eqx.nn.MultiheadAttention(8, 16, key=key)}
+    with pytest.warns(eqx_ckpt.StaticFieldWarning) as record:
+        loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    messages = [str(w.message) for w in record]
+    assert any("static field `attn.num_heads` is 8, but the checkpoint recorded 4" in m for m in messages)
+    assert loaded["attn"].num_heads == 8  # `like`'s value: the warning says so
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=eqx_ckpt.StaticFieldWarning)
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    # The same static values, or a load without `like`, say nothing.
+    eqx_ckpt.tree_deserialise_leaves(tmp_path, saved)
+    eqx_ckpt.Checkpoint(tmp_path).load(trust=[])
+    # Under a prefix, the path is the whole one.
+    with pytest.warns(eqx_ckpt.StaticFieldWarning) as record:
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, like["attn"], prefix="attn")
+    assert any("static field `attn.num_heads` is 8" in str(w.message) for w in record)
+
+
+def _renamed_block(field: str) -> type:
+    """A transformer block class whose MLP field is called `field`, filed
+    under one name (`RenamedBlock`) whatever the field: the class before and
+    after a rename."""
+    cls = type("RenamedBlock", (eqx.Module,), {"__annotations__": {field: eqx.nn.MLP}, "__module__": __name__})
+    cls.__qualname__ = "RenamedBlock"
+    return cls
+
+
+@pytest.mark.parametrize("blocks", [True, False], ids=["in-a-list-of-blocks", "at-a-named-path"])
+def test_a_renamed_field_suggests_the_rename_that_loads_the_trained_values(tmp_path, blocks):
+    """`ff` renamed `mlp`: the error suggests the `rename` (never `missing='keep'`,
+    which would leave the layers freshly initialised), and that `rename`, as
+    printed, loads the trained values."""
+    old, new = _renamed_block("ff"), _renamed_block("mlp")
+    keys = jax.random.split(jax.random.key(0), 3)
+    make = lambda cls, name, key: cls(**{name: eqx.nn.MLP(2, 2, 4, 1, key=key)})
+    trained = [make(old, "ff", k) for k in keys[:2]] if blocks else {"head": make(old, "ff", keys[0])}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"blocks": trained})
+    with pytest.raises(eqx_ckpt.CheckpointTypeError) as info:
+        eqx_ckpt.Checkpoint(tmp_path).load(trust=[new])
+    message = str(info.value)
+    assert "missing='keep'" in message and "would leave them freshly initialised" in message
+    printed = re.search(r"`(rename=.*?)` \(", message).group(1)
+    rename = eval(printed.removeprefix("rename="))  # the suggestion, exactly as printed
+    fresh = [make(new, "mlp", keys[2]) for _ in range(2)] if blocks else {"head": make(new, "mlp", keys[2])}
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"blocks": fresh}, rename=rename)
+    mlps = lambda tree, name: [
+        getattr(b, name) for b in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, (old, new)))
+    ]
+    assert eqx.tree_equal(mlps(loaded, "mlp"), mlps({"blocks": trained}, "ff"), typematch=True)

@@ -11,6 +11,7 @@ the values into `like`'s tree.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -192,9 +193,15 @@ def tree_deserialise_leaves(
         missing=missing, strict=strict, cast=cast, lazy=lazy, read_once=read_once,
     )  # fmt: skip
     source = _source.open_source(path)
+    static: list[str] = []
     if like is None:
         like = rebuilt(source, prefix or "", Trust(trust), check_init=check_init)
-    return load(source, like, is_leaf, filter_spec, options, progress=progress)
+    elif not rename and not transform:  # a renamed `like` is laid out unlike the record
+        static = _rebuild.static_differences(source.manifest, like, is_leaf, prefix or "", source.loc.display)
+    loaded = load(source, like, is_leaf, filter_spec, options, progress=progress)
+    for message in static:
+        warnings.warn(message, _rebuild.StaticFieldWarning, stacklevel=2)
+    return loaded
 
 
 def load(

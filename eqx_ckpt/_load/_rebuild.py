@@ -25,6 +25,7 @@ import enum
 import functools
 import inspect
 import operator
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,7 @@ import numpy as np
 
 from .._base import _keypath, _tree
 from .._base._errors import (
+    CheckpointError,
     CheckpointKeyError,
     CheckpointTypeError,
     CheckpointValueError,
@@ -442,8 +444,8 @@ class _Build:
                 f"fields {recorded}, but that class now has the fields {now}"
                 + (f" (the saved {extra} are gone" if extra else " (")
                 + (f"{'; ' if extra else ''}{lacking} are new and have no default)" if lacking else ")")
-                + ". The class changed since the save: load with the class as it was, or pass a skeleton of the "
-                "new class as `like` (with `missing='keep'` for the new fields).",
+                + ". The class changed since the save: load with the class as it was, or "
+                + _remedy(path, extra, [f for f in now if f not in recorded]),
                 path=self.where,
             )
 
@@ -485,6 +487,41 @@ class _Build:
                 raise _corrupt(self.where, "", f"{body!r} is not an enum with a member {v['name'][:80]!r}")
             return obj.__members__[v["name"]]
         return obj
+
+
+def _remedy(path: str, gone: list[str], new: list[str]) -> str:
+    """What to load a changed class with. Where saved fields are gone and as
+    many new ones appeared, they were likely renamed: the `rename` mapping the
+    new names (`like`'s paths) to the saved ones, as rules over every index of
+    a repeated layer (`blocks.0`, `blocks.1`...). `missing='keep'` there would
+    leave the renamed layers freshly initialised without a word."""
+    if gone and len(gone) == len(new):
+        segments = _keypath.split_dotted(path) if path else []
+        groups = 0
+        pattern, replacement = ["^"], []
+        for segment in segments:
+            if segment.isdigit():
+                groups += 1
+                pattern.append(r"(\d+)\.")
+                replacement.append(f"\\{groups}.")
+            else:
+                pattern.append(re.escape(segment) + r"\.")
+                replacement.append(segment + ".")
+        head, to = "".join(pattern), "".join(replacement)
+        if groups:
+            rules = ", ".join(f"(r'{head}{re.escape(n)}(?=\\.|$)', r'{to}{g}')" for n, g in zip(new, gone))
+            spelt = f"rename=[{rules}]"
+        else:
+            prefix = "".join(replacement)
+            spelt = "rename={" + ", ".join(f"'{prefix}{n}': '{prefix}{g}'" for n, g in zip(new, gone)) + "}"
+        return (
+            f"if {gone} were renamed {new}, pass a skeleton of the new class as `like` with `{spelt}` "
+            f"(`eqx_ckpt.tree_deserialise_leaves(path, like, {spelt})`), which loads the saved values "
+            f"into the new fields (`missing='keep'` would leave them freshly initialised)."
+        )
+    return "pass a skeleton of the new class as `like`" + (
+        " (with `missing='keep'` for the new fields, which keep `like`'s values)." if new and not gone else "."
+    )
 
 
 def _has_default(f: dataclasses.Field[Any]) -> bool:
@@ -536,6 +573,64 @@ _PYTHON: dict[str, Callable[[], Any]] = {"bool": bool, "int": int, "float": floa
 @functools.lru_cache(maxsize=16)
 def _key_dtype(impl: str) -> Any:
     return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+
+
+class StaticFieldWarning(UserWarning):
+    """A load into a `like` whose static fields (hyperparameters such as
+    `num_heads`) differ from those the checkpoint recorded: the arrays load,
+    but the model computes with `like`'s values. Silence it with
+    `warnings.filterwarnings("ignore", category=eqx_ckpt.StaticFieldWarning)`.
+
+    !!! example
+
+        ```python
+        import warnings
+        import eqx_ckpt
+
+        # Loading into a `like` built with other hyperparameters is meant here:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=eqx_ckpt.StaticFieldWarning)
+        ```
+    """
+
+
+StaticFieldWarning.__module__ = "eqx_ckpt"
+
+
+def static_differences(manifest: Manifest, like: Any, is_leaf: Any, prefix: str, where: str) -> list[str]:
+    """The `StaticFieldWarning` messages of loading `like` at `prefix`: where a
+    static field of `like` differs from the value the record holds at the same
+    key path and class. The caller warns once the load succeeded (a load that
+    fails says more than this)."""
+    if manifest.structure is None:
+        return []
+    try:
+        stored = subtree(manifest, prefix, where)
+        names(stored, prefix, where)
+    except CheckpointError:
+        return []  # a load with `like` does not need the record: its problems are the rebuild's
+    flat, treedef = jtu.tree_flatten_with_path(like, is_leaf=is_leaf)
+    records = _keypath.dotted_and_records([keypath for keypath, _ in flat])[1]
+    leaves = [leaf for _, leaf in flat]
+    mine = _structure.record(treedef, leaves, [True] * len(leaves), records)
+    found: list[tuple[str, str]] = []
+    _compare(stored, mine, prefix, found)
+    messages = []
+    for path, change in found:
+        # Only a value beside a value, under the same class: a static field.
+        relative = path[len(prefix) + 1 :] if prefix else path
+        try:
+            pair = (_structure.at(stored, relative)["t"], _structure.at(mine, relative)["t"])
+        except KeyError:
+            continue
+        if pair == ("value", "value"):
+            before, _, after = change.partition(" -> ")
+            messages.append(
+                f"Loaded checkpoint {where!r} into a `like` whose static field `{path}` is {after}, but the "
+                f"checkpoint recorded {before}: the arrays loaded, and the model computes with {after}. Build "
+                f"`like` with {before}, or load without `like` (`Checkpoint(path).load()`)."
+            )
+    return messages
 
 
 def differences(a: Manifest, b: Manifest, where_a: str, where_b: str) -> list[tuple[str, str]]:

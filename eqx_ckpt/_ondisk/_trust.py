@@ -158,17 +158,39 @@ _ELEMENTWISE = (
 )  # fmt: skip
 
 
+# Abstract bases of `eqx.nn` that no saved tree holds an instance of.
+_ABSTRACT = ("StatefulLayer",)
+
+
 @functools.cache
 def _default_table() -> dict[str, Any]:
-    """The default trust: Equinox's `nn` (layers, `State`, and what they hold),
-    Equinox's `Module` itself, `jax.nn`'s functions and the elementwise
-    functions of `jax.numpy`, filed under their own names."""
-    table = dict(_module_table(eqx.nn))
-    table.update(_entries(eqx.Module))
-    functions = [value for value in vars(jax.nn).values() if callable(value) and not inspect.isclass(value)]
-    functions += [getattr(jnp, name) for name in _ELEMENTWISE if hasattr(jnp, name)]
-    for fn in functions:
-        name = name_of(fn)
+    """The default trust: the concrete public classes of Equinox's `nn`, the
+    functions and classes its layers store as fields (the pooling operations,
+    MLP's identity, the marker a `StateIndex` holds once its state is taken),
+    `jax.nn`'s public functions and the elementwise functions of `jax.numpy`,
+    filed under their own names. Abstract bases, bare `eqx.Module` and private
+    helpers that no layer stores are left out."""
+    from equinox.nn import _mlp, _stateful
+
+    objects = [
+        value
+        for attr, value in vars(eqx.nn).items()
+        if inspect.isclass(value) and not attr.startswith("_") and attr not in _ABSTRACT
+    ]
+    objects += [value for attr, value in vars(jax.nn).items() if _public_function(attr, value)]
+    objects += [getattr(jnp, name) for name in _ELEMENTWISE if hasattr(jnp, name)]
+    # What Equinox's layers store: `Pool`s `jax.lax.add`/`max`, `AdaptivePool`s
+    # `jnp.mean`/`max`, `MLP` its `_identity`, a taken `StateIndex` `_Sentinel()`.
+    objects += [jax.lax.add, jax.lax.max, jnp.mean, jnp.max]
+    objects += [getattr(_mlp, name) for name in ("_identity",) if hasattr(_mlp, name)]
+    objects += [getattr(_stateful, name) for name in ("_Sentinel",) if hasattr(_stateful, name)]
+    table: dict[str, Any] = {}
+    for obj in objects:
+        name = name_of(obj)
         if name is not None:
-            table[name] = fn
+            table[name] = obj
     return table
+
+
+def _public_function(attr: str, value: Any) -> bool:
+    return not attr.startswith("_") and callable(value) and not inspect.isclass(value)
