@@ -810,3 +810,29 @@ def test_a_renamed_field_suggests_the_rename_that_loads_the_trained_values(tmp_p
         getattr(b, name) for b in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, (old, new)))
     ]
     assert eqx.tree_equal(mlps(loaded, "mlp"), mlps({"blocks": trained}, "ff"), typematch=True)
+
+
+class Summed(eqx.Module):
+    weight: jax.Array
+
+    def __check_init__(self):
+        # Array code, as `eqx.filter_eval_shape` allows: traced, never given a ShapeDtypeStruct.
+        if jnp.sum(self.weight).shape != () or self.weight.shape[0] > 2:
+            raise ValueError("weight is too long")
+
+
+def test_check_init_runs_traced_and_its_refusal_names_the_class_and_path(tmp_path):
+    good = {"layers": [Summed(jnp.ones(2))]}
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "good", good)
+    skeleton = eqx_ckpt.Checkpoint(tmp_path / "good").skeleton(trust=[Summed], check_init=True)
+    assert eqx.tree_equal(skeleton, eqx.filter_eval_shape(lambda: good), typematch=True)
+    loaded = eqx_ckpt.Checkpoint(tmp_path / "good").load(trust=[Summed], check_init=True)
+    assert eqx.tree_equal(loaded, good, typematch=True)
+    bad = object.__new__(Summed)  # past its own check, as a hostile or old file may hold
+    object.__setattr__(bad, "weight", jnp.ones(3))
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "bad", {"layers": [bad]})
+    with pytest.raises(eqx_ckpt.CheckpointValueError) as info:
+        eqx_ckpt.Checkpoint(tmp_path / "bad").load(trust=[Summed], check_init=True)
+    message = str(info.value)
+    assert "`__check_init__` of Summed refused the rebuilt `layers.0`" in message
+    assert "ValueError: weight is too long" in message

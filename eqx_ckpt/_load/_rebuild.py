@@ -141,26 +141,47 @@ def skeleton(
     tree = _Build(trust, where).node(node, prefix)
     tree = _fill(tree, prefix, manifest.by_path(), where)
     if check_init:
-        _check_inits(tree)
+        _check_inits(tree, prefix, where)
     return tree
 
 
-def _check_inits(tree: Any) -> None:
+def _check_inits(tree: Any, prefix: str, where: str) -> None:
     """Run the `__check_init__` of every Equinox module of the rebuilt `tree`
-    (its arrays abstract, as under `eqx.filter_eval_shape`), as Equinox runs
-    them after `__init__`: every class's own, base classes first."""
-    stack = [tree]
+    as Equinox runs them after `__init__` (every class's own, base classes
+    first), its arrays abstract as under `eqx.filter_eval_shape`: traced by
+    `jax.eval_shape`, so `jnp.sum(self.w)` works. What one raises is a
+    `CheckpointValueError` naming the class and key path."""
+    is_abstract = functools.partial(_is_instance, jax.ShapeDtypeStruct)
+    dynamic, static = eqx.partition(tree, is_abstract, is_leaf=is_abstract)
+    jax.eval_shape(lambda d: _run_check_inits(eqx.combine(d, static), prefix, where), dynamic)
+
+
+def _is_instance(cls: type, x: Any) -> bool:
+    return isinstance(x, cls)
+
+
+def _run_check_inits(tree: Any, prefix: str, where: str) -> None:
+    stack = [(prefix, tree)]
     while stack:
-        node = stack.pop()
-        children = jtu.tree_flatten(node, is_leaf=functools.partial(operator.is_not, node))[0]
-        if len(children) == 1 and children[0] is node:
+        path, node = stack.pop()
+        children = jtu.tree_flatten_with_path(node, is_leaf=functools.partial(operator.is_not, node))[0]
+        if len(children) == 1 and children[0][1] is node:
             continue  # a leaf
-        stack.extend(children)
-        if isinstance(node, eqx.Module):
-            for klass in reversed(type(node).__mro__):
-                check = vars(klass).get("__check_init__")
+        stack.extend((_keypath.join_dotted(path, _keypath.dotted(keypath)), child) for keypath, child in children)
+        if not isinstance(node, eqx.Module):
+            continue
+        for klass in reversed(type(node).__mro__):
+            check = vars(klass).get("__check_init__")
+            try:
                 if check is not None:
                     check(node)
+            except Exception as e:
+                raise CheckpointValueError(
+                    f"Checkpoint {where!r}: `__check_init__` of {type(node).__qualname__} refused the rebuilt "
+                    f"`{path or '(the root)'}` ({type(e).__name__}: {str(e)[:300]}). The checkpoint's values "
+                    f"fail the class's own check: load with `check_init=False` only if you trust them.",
+                    path=where,
+                ) from e
 
 
 def _require_trusted(needed: dict[str, list[str]], trust: Trust, where: str) -> None:
