@@ -836,3 +836,25 @@ def test_check_init_runs_traced_and_its_refusal_names_the_class_and_path(tmp_pat
     message = str(info.value)
     assert "`__check_init__` of Summed refused the rebuilt `layers.0`" in message
     assert "ValueError: weight is too long" in message
+
+
+@pytest.mark.parametrize(
+    ("module", "io"),
+    [(jnp, jnp.load), (jnp, jnp.fromfile), (np, np.load), (np, np.fromfile), (np, np.memmap), (np, np.save)],
+    ids=lambda x: getattr(x, "__name__", str(x)),
+)
+def test_no_trust_reaches_file_reading_functions(tmp_path, module, io):
+    """`jnp.load` says it is defined in `jax.numpy` (JAX sets its `__module__`),
+    so `trust=[jax.numpy]` would reach it: I/O functions are denied in every
+    trust, module or object, and a record naming one is untrusted."""
+    from eqx_ckpt._ondisk._trust import Trust, name_of
+
+    name = name_of(io)
+    assert Trust([module]).resolve(name) is None
+    assert Trust([module]).resolve(name_of(module.add)) is module.add  # the rest of the module stays trusted
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match="reads or writes files or runs code"):
+        Trust([io])
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"f": jnp.tanh})
+    _edit_structure(tmp_path, lambda s: s["c"][0]["v"].update(function=name))
+    with pytest.raises(eqx_ckpt.UntrustedError, match=re.escape(name)):
+        eqx_ckpt.Checkpoint(tmp_path).load(trust=[module])
