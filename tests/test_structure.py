@@ -858,3 +858,35 @@ def test_no_trust_reaches_file_reading_functions(tmp_path, module, io):
     _edit_structure(tmp_path, lambda s: s["c"][0]["v"].update(function=name))
     with pytest.raises(eqx_ckpt.UntrustedError, match=re.escape(name)):
         eqx_ckpt.Checkpoint(tmp_path).load(trust=[module])
+
+
+def test_every_eqx_nn_layer_rebuilds_with_trust_empty_or_is_a_documented_exception(tmp_path):
+    """Walks `eqx.nn`: every public class has a constructor in `tests/nn_layers.py`
+    (a layer a future Equinox adds fails here, named), rebuilds exactly with
+    `trust=[]`, or is an exception docs/structure.md states with its reason."""
+    import inspect
+
+    import nn_layers
+
+    classes = sorted(n for n, v in vars(eqx.nn).items() if inspect.isclass(v) and not n.startswith("_"))
+    covered = {name.partition(" ")[0] for name in nn_layers.LAYERS} | set(nn_layers.ABSTRACT)
+    assert [n for n in classes if n not in covered] == [], "eqx.nn classes with no entry in tests/nn_layers.py"
+    docs = (pathlib.Path(__file__).parent.parent / "docs" / "structure.md").read_text()
+    rebuilt = 0
+    for i, (name, make) in enumerate(nn_layers.LAYERS.items()):
+        tree = make()
+        eqx_ckpt.tree_serialise_leaves(tmp_path / str(i), tree)
+        if name in nn_layers.EXCEPTIONS:
+            assert f"`{name}`" in docs and nn_layers.EXCEPTIONS[name] in docs, name
+            with pytest.raises(eqx_ckpt.CheckpointValueError, match="cannot rebuild"):
+                eqx_ckpt.Checkpoint(tmp_path / str(i)).load(trust=[])
+            continue
+        again = eqx_ckpt.Checkpoint(tmp_path / str(i)).load(trust=[])
+        assert jax.tree.structure(again) == jax.tree.structure(tree), name
+        # Bitwise, NaN-holding buffers included.
+        assert all(
+            type(a) is type(b) and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+            for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(tree))
+        ), name
+        rebuilt += 1
+    assert rebuilt == len(nn_layers.LAYERS) - len(nn_layers.EXCEPTIONS)
