@@ -623,8 +623,8 @@ def static_differences(manifest: Manifest, like: Any, is_leaf: Any, prefix: str,
     static field of `like` differs from the value the record holds at the same
     key path and class. The caller warns once the load succeeded (a load that
     fails says more than this)."""
-    if manifest.structure is None:
-        return []
+    if manifest.structure is None or not isinstance(prefix, str):
+        return []  # a `prefix` that is not a string is the plan's error to raise
     try:
         stored = subtree(manifest, prefix, where)
         names(stored, prefix, where)
