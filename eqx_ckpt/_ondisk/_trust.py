@@ -213,7 +213,7 @@ def _default_table() -> dict[str, Any]:
     helpers that no layer stores are left out."""
     from equinox.nn import _mlp, _stateful
 
-    objects = [
+    objects: list[Any] = [
         value
         for attr, value in vars(eqx.nn).items()
         if inspect.isclass(value) and not attr.startswith("_") and attr not in _ABSTRACT
