@@ -27,6 +27,7 @@ from ._load._deserialise import (
     tree_deserialise_leaves as tree_deserialise_leaves,
 )
 from ._load._lazy import LazyArray as LazyArray
+from ._load._rebuild import StaticFieldWarning as StaticFieldWarning
 from ._manage._initialise import load_or_initialise as load_or_initialise
 from ._manage._manager import CheckpointManager as CheckpointManager
 from ._manage._retention import RetentionWarning as RetentionWarning

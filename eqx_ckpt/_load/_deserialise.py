@@ -11,6 +11,7 @@ the values into `like`'s tree.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -194,9 +195,15 @@ def tree_deserialise_leaves(
     # A load of everything from the Hub downloads the files into its cache (a
     # second load reads them there); a partial or lazy one reads byte ranges.
     source = _source.open_source(path, whole=where is None and prefix is None and not lazy)
+    static: list[str] = []
     if like is None:
         like = rebuilt(source, prefix or "", Trust(trust), check_init=check_init)
-    return load(source, like, is_leaf, filter_spec, options, progress=progress)
+    elif not rename and not transform:  # a renamed `like` is laid out unlike the record
+        static = _rebuild.static_differences(source.manifest, like, is_leaf, prefix or "", source.loc.display)
+    loaded = load(source, like, is_leaf, filter_spec, options, progress=progress)
+    for message in static:
+        warnings.warn(message, _rebuild.StaticFieldWarning, stacklevel=2)
+    return loaded
 
 
 def load(

@@ -25,6 +25,8 @@ import enum
 import functools
 import inspect
 import operator
+import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +37,7 @@ import numpy as np
 
 from .._base import _keypath, _tree
 from .._base._errors import (
+    CheckpointError,
     CheckpointKeyError,
     CheckpointTypeError,
     CheckpointValueError,
@@ -175,26 +178,47 @@ def skeleton(
     tree = _Build(trust, where).node(node, prefix)
     tree = _fill(tree, prefix, manifest.by_path(), where)
     if check_init:
-        _check_inits(tree)
+        _check_inits(tree, prefix, where)
     return tree
 
 
-def _check_inits(tree: Any) -> None:
+def _check_inits(tree: Any, prefix: str, where: str) -> None:
     """Run the `__check_init__` of every Equinox module of the rebuilt `tree`
-    (its arrays abstract, as under `eqx.filter_eval_shape`), as Equinox runs
-    them after `__init__`: every class's own, base classes first."""
-    stack = [tree]
+    as Equinox runs them after `__init__` (every class's own, base classes
+    first), its arrays abstract as under `eqx.filter_eval_shape`: traced by
+    `jax.eval_shape`, so `jnp.sum(self.w)` works. What one raises is a
+    `CheckpointValueError` naming the class and key path."""
+    is_abstract = functools.partial(_is_instance, jax.ShapeDtypeStruct)
+    dynamic, static = eqx.partition(tree, is_abstract, is_leaf=is_abstract)
+    jax.eval_shape(lambda d: _run_check_inits(eqx.combine(d, static), prefix, where), dynamic)
+
+
+def _is_instance(cls: type, x: Any) -> bool:
+    return isinstance(x, cls)
+
+
+def _run_check_inits(tree: Any, prefix: str, where: str) -> None:
+    stack = [(prefix, tree)]
     while stack:
-        node = stack.pop()
-        children = jtu.tree_flatten(node, is_leaf=functools.partial(operator.is_not, node))[0]
-        if len(children) == 1 and children[0] is node:
+        path, node = stack.pop()
+        children = jtu.tree_flatten_with_path(node, is_leaf=functools.partial(operator.is_not, node))[0]
+        if len(children) == 1 and children[0][1] is node:
             continue  # a leaf
-        stack.extend(children)
-        if isinstance(node, eqx.Module):
-            for klass in reversed(type(node).__mro__):
-                check = vars(klass).get("__check_init__")
+        stack.extend((_keypath.join_dotted(path, _keypath.dotted(keypath)), child) for keypath, child in children)
+        if not isinstance(node, eqx.Module):
+            continue
+        for klass in reversed(type(node).__mro__):
+            check = vars(klass).get("__check_init__")
+            try:
                 if check is not None:
                     check(node)
+            except Exception as e:
+                raise CheckpointValueError(
+                    f"Checkpoint {where!r}: `__check_init__` of {type(node).__qualname__} refused the rebuilt "
+                    f"`{path or '(the root)'}` ({type(e).__name__}: {str(e)[:300]}). The checkpoint's values "
+                    f"fail the class's own check: load with `check_init=False` only if you trust them.",
+                    path=where,
+                ) from e
 
 
 def _require_trusted(needed: dict[str, list[str]], trust: Trust, where: str) -> None:
@@ -206,7 +230,7 @@ def _require_trusted(needed: dict[str, list[str]], trust: Trust, where: str) -> 
         shown = ", ".join(f"`{from_file(p) or '(the root)'}`" for p in paths[:3])
         more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
         lines.append(f"  {from_file(name)} (at {shown}{more})")
-    exact = ", ".join(sorted({from_file(python_name(name)) for name in missing}))
+    exact = ", ".join(sorted({from_file(_public_name(name)) for name in missing}))
     packages = ", ".join(sorted({from_file(_package(name)) for name in missing}))
     raise UntrustedError(
         f"Checkpoint {where!r} holds classes or functions that are not trusted, so it was not rebuilt "
@@ -216,6 +240,23 @@ def _require_trusted(needed: dict[str, list[str]], trust: Trust, where: str) -> 
         + " (a module trusts every class and function defined in it and its submodules).",
         path=where,
     )
+
+
+def _public_name(name: str) -> str:
+    """How a user writes the object recorded as `name`: by its top-level
+    package (`optax.ScaleByAdamState`) where that package holds the very same
+    object, else by its own module (`optax._src.transform.ScaleByAdamState`).
+
+    Only modules already imported are looked in, and only their `vars`: no
+    attribute hook runs and nothing is imported."""
+    module, _, qualname = name.partition(":")
+    top = module.partition(".")[0]
+    holder, package = sys.modules.get(module), sys.modules.get(top)
+    if top != module and holder is not None and package is not None:
+        found = vars(holder).get(qualname)
+        if found is not None and vars(package).get(qualname) is found:
+            return f"{top}.{qualname}"
+    return python_name(name)
 
 
 def _package(name: str) -> str:
@@ -501,8 +542,8 @@ class _Build:
                 f"fields {recorded}, but that class now has the fields {now}"
                 + (f" (the saved {extra} are gone" if extra else " (")
                 + (f"{'; ' if extra else ''}{lacking} are new and have no default)" if lacking else ")")
-                + ". The class changed since the save: load with the class as it was, or pass a skeleton of the "
-                "new class as `like` (with `missing='keep'` for the new fields).",
+                + ". The class changed since the save: load with the class as it was, or "
+                + _remedy(path, extra, [f for f in now if f not in recorded]),
                 path=self.where,
             )
 
@@ -550,6 +591,41 @@ class _Build:
         if inspect.isclass(obj) or not callable(obj):
             raise _corrupt(self.where, path, f"{from_file(body)!r} names a class where a function belongs")
         return obj
+
+
+def _remedy(path: str, gone: list[str], new: list[str]) -> str:
+    """What to load a changed class with. Where saved fields are gone and as
+    many new ones appeared, they were likely renamed: the `rename` mapping the
+    new names (`like`'s paths) to the saved ones, as rules over every index of
+    a repeated layer (`blocks.0`, `blocks.1`...). `missing='keep'` there would
+    leave the renamed layers freshly initialised without a word."""
+    if gone and len(gone) == len(new):
+        segments = _keypath.split_dotted(path) if path else []
+        groups = 0
+        pattern, replacement = ["^"], []
+        for segment in segments:
+            if segment.isdigit():
+                groups += 1
+                pattern.append(r"(\d+)\.")
+                replacement.append(f"\\{groups}.")
+            else:
+                pattern.append(re.escape(segment) + r"\.")
+                replacement.append(segment + ".")
+        head, to = "".join(pattern), "".join(replacement)
+        if groups:
+            rules = ", ".join(f"(r'{head}{re.escape(n)}(?=\\.|$)', r'{to}{g}')" for n, g in zip(new, gone))
+            spelt = f"rename=[{rules}]"
+        else:
+            prefix = "".join(replacement)
+            spelt = "rename={" + ", ".join(f"'{prefix}{n}': '{prefix}{g}'" for n, g in zip(new, gone)) + "}"
+        return (
+            f"if {gone} were renamed {new}, pass a skeleton of the new class as `like` with `{spelt}` "
+            f"(`eqx_ckpt.tree_deserialise_leaves(path, like, {spelt})`), which loads the saved values "
+            f"into the new fields (`missing='keep'` would leave them freshly initialised)."
+        )
+    return "pass a skeleton of the new class as `like`" + (
+        " (with `missing='keep'` for the new fields, which keep `like`'s values)." if new and not gone else "."
+    )
 
 
 def _has_default(f: dataclasses.Field[Any]) -> bool:
@@ -610,6 +686,64 @@ _PYTHON: dict[str, Callable[[], Any]] = {"bool": bool, "int": int, "float": floa
 @functools.lru_cache(maxsize=16)
 def _key_dtype(impl: str) -> Any:
     return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+
+
+class StaticFieldWarning(UserWarning):
+    """A load into a `like` whose static fields (hyperparameters such as
+    `num_heads`) differ from those the checkpoint recorded: the arrays load,
+    but the model computes with `like`'s values. Silence it with
+    `warnings.filterwarnings("ignore", category=eqx_ckpt.StaticFieldWarning)`.
+
+    !!! example
+
+        ```python
+        import warnings
+        import eqx_ckpt
+
+        # Loading into a `like` built with other hyperparameters is meant here:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=eqx_ckpt.StaticFieldWarning)
+        ```
+    """
+
+
+StaticFieldWarning.__module__ = "eqx_ckpt"
+
+
+def static_differences(manifest: Manifest, like: Any, is_leaf: Any, prefix: str, where: str) -> list[str]:
+    """The `StaticFieldWarning` messages of loading `like` at `prefix`: where a
+    static field of `like` differs from the value the record holds at the same
+    key path and class. The caller warns once the load succeeded (a load that
+    fails says more than this)."""
+    if manifest.structure is None or not isinstance(prefix, str):
+        return []  # a `prefix` that is not a string is the plan's error to raise
+    try:
+        stored = subtree(manifest, prefix, where)
+        names(stored, prefix, where)
+    except CheckpointError:
+        return []  # a load with `like` does not need the record: its problems are the rebuild's
+    flat, treedef = jtu.tree_flatten_with_path(like, is_leaf=is_leaf)
+    records = _keypath.dotted_and_records([keypath for keypath, _ in flat])[1]
+    leaves = [leaf for _, leaf in flat]
+    mine = _structure.record(treedef, leaves, [True] * len(leaves), records)
+    found: list[tuple[str, str]] = []
+    _compare(stored, mine, prefix, found)
+    messages = []
+    for path, change in found:
+        # Only a value beside a value, under the same class: a static field.
+        relative = path[len(prefix) + 1 :] if prefix else path
+        try:
+            pair = (_structure.at(stored, relative)["t"], _structure.at(mine, relative)["t"])
+        except KeyError:
+            continue
+        if pair == ("value", "value"):
+            before, _, after = change.partition(" -> ")
+            messages.append(
+                f"Loaded checkpoint {where!r} into a `like` whose static field `{path}` is {after}, but the "
+                f"checkpoint recorded {before}: the arrays loaded, and the model computes with {after}. Build "
+                f"`like` with {before}, or load without `like` (`Checkpoint(path).load()`)."
+            )
+    return messages
 
 
 def differences(a: Manifest, b: Manifest, where_a: str, where_b: str) -> list[tuple[str, str]]:

@@ -60,6 +60,42 @@ def python_name(name: str) -> str:
     return f"{module}.{qualname}"
 
 
+# What no trust reaches, even inside a trusted module: functions and classes
+# that read or write files, open connections or run code. A model stores none of
+# them; a hostile record naming one would reach the disk (`jnp.load` is defined
+# in `jax.numpy` as far as its `__module__` says, so `trust=[jax.numpy]` would
+# otherwise trust it).
+_DENIED_MODULES = (
+    "os", "posixpath", "io", "_io", "pathlib", "shutil", "subprocess", "pickle", "marshal", "socket", "tempfile",
+    "importlib", "sys", "ctypes", "urllib", "http", "numpy.lib._npyio_impl", "numpy.lib.npyio", "numpy.lib.format",
+    "numpy.lib._datasource", "jax._src.pickle_util", "jax._src.profiler", "jax.profiler", "jax._src.compilation_cache",
+    "jax._src.lru_cache", "jax._src.lazy_loader", "jax._src.debugger",
+)  # fmt: skip
+# Functions that write or read files, by their own names, in modules otherwise trusted.
+_DENIED_NAMES = (
+    "jax._src.interpreters.mlir:dump_module_to_file", "jax._src.jaxpr_util:maybe_dump_jaxpr_to_file",
+    "numpy._core._multiarray_umath:_load_from_filelike",
+)  # fmt: skip
+_DENIED_BUILTINS = ("open", "exec", "eval", "compile", "__import__", "input", "breakpoint")
+_DENIED_ARRAY_IO = (
+    "load", "save", "savez", "savez_compressed", "fromfile", "tofile", "loadtxt", "savetxt", "genfromtxt",
+    "fromregex", "memmap", "open_memmap", "DataSource",
+)  # fmt: skip
+
+
+def is_denied(name: str) -> bool:
+    """Whether the object recorded as `module:qualname` `name` is one no trust
+    reaches: file, network and code-running functions (`jnp.load`, `np.fromfile`,
+    `open`, anything of `os` or `pickle`)."""
+    module, _, qualname = name.partition(":")
+    if name in _DENIED_NAMES or any(module == m or module.startswith(m + ".") for m in _DENIED_MODULES):
+        return True
+    if module == "builtins":
+        return qualname in _DENIED_BUILTINS
+    top = module.partition(".")[0]
+    return top in ("numpy", "jax") and qualname.rpartition(".")[2] in _DENIED_ARRAY_IO
+
+
 class Trust:
     """The objects a load may build, by recorded name.
 
@@ -78,7 +114,12 @@ class Trust:
             )
         self.table: dict[str, Any] = dict(_default_table()) if defaults else {}
         for obj in objects:
-            self.table.update(_entries(obj))
+            if not isinstance(obj, types.ModuleType) and is_denied(name_of(obj) or ""):
+                raise CheckpointTypeError(
+                    f"`trust` holds {python_name(name_of(obj) or '')}, which reads or writes files or runs code: "
+                    f"no load ever builds it, whatever `trust` says. A checkpoint that names it is not a model."
+                )
+            self.table.update({name: x for name, x in _entries(obj).items() if not is_denied(name)})
 
     def resolve(self, name: str) -> Any | None:
         """The trusted object recorded as `name`, or `None` if none is trusted."""
@@ -158,17 +199,39 @@ _ELEMENTWISE = (
 )  # fmt: skip
 
 
+# Abstract bases of `eqx.nn` that no saved tree holds an instance of.
+_ABSTRACT = ("StatefulLayer",)
+
+
 @functools.cache
 def _default_table() -> dict[str, Any]:
-    """The default trust: Equinox's `nn` (layers, `State`, and what they hold),
-    Equinox's `Module` itself, `jax.nn`'s functions and the elementwise
-    functions of `jax.numpy`, filed under their own names."""
-    table = dict(_module_table(eqx.nn))
-    table.update(_entries(eqx.Module))
-    functions = [value for value in vars(jax.nn).values() if callable(value) and not inspect.isclass(value)]
-    functions += [getattr(jnp, name) for name in _ELEMENTWISE if hasattr(jnp, name)]
-    for fn in functions:
-        name = name_of(fn)
+    """The default trust: the concrete public classes of Equinox's `nn`, the
+    functions and classes its layers store as fields (the pooling operations,
+    MLP's identity, the marker a `StateIndex` holds once its state is taken),
+    `jax.nn`'s public functions and the elementwise functions of `jax.numpy`,
+    filed under their own names. Abstract bases, bare `eqx.Module` and private
+    helpers that no layer stores are left out."""
+    from equinox.nn import _mlp, _stateful
+
+    objects: list[Any] = [
+        value
+        for attr, value in vars(eqx.nn).items()
+        if inspect.isclass(value) and not attr.startswith("_") and attr not in _ABSTRACT
+    ]
+    objects += [value for attr, value in vars(jax.nn).items() if _public_function(attr, value)]
+    objects += [getattr(jnp, name) for name in _ELEMENTWISE if hasattr(jnp, name)]
+    # What Equinox's layers store: `Pool`s `jax.lax.add`/`max`, `AdaptivePool`s
+    # `jnp.mean`/`max`, `MLP` its `_identity`, a taken `StateIndex` `_Sentinel()`.
+    objects += [jax.lax.add, jax.lax.max, jnp.mean, jnp.max]
+    objects += [getattr(_mlp, name) for name in ("_identity",) if hasattr(_mlp, name)]
+    objects += [getattr(_stateful, name) for name in ("_Sentinel",) if hasattr(_stateful, name)]
+    table: dict[str, Any] = {}
+    for obj in objects:
+        name = name_of(obj)
         if name is not None:
-            table[name] = fn
+            table[name] = obj
     return table
+
+
+def _public_function(attr: str, value: Any) -> bool:
+    return not attr.startswith("_") and callable(value) and not inspect.isclass(value)
