@@ -85,7 +85,6 @@ MANIFEST_EDITS = {
     "data-root-traversal": lambda body: body.update(data_root="../.."),
     "data-root-absolute": lambda body: body.update(data_root="/tmp"),
     "format-version-string": lambda body: body.update(format_version="1"),
-    "format-version-future": lambda body: body.update(format_version=99),
     "format-wrong": lambda body: body.update(format="pickle"),
     "created-not-string": lambda body: body.update(created=5),
 }

@@ -106,7 +106,6 @@ def test_edited_manifest_is_detected(tmp_path):
         (lambda b: b["leaves"][0].update(chunks=[0]), "positive size"),
         (lambda b: b.update(data_root="../elsewhere"), "data root"),
         (lambda b: b.update(leaves={}), "not a list"),
-        (lambda b: b.update(format_version=99), "upgrade eqx_ckpt"),
         (lambda b: b["leaves"].append(dict(b["leaves"][0])), "listed twice"),
     ],
 )
@@ -257,3 +256,14 @@ def test_records_encoded_in_batches_make_one_line_per_leaf(tmp_path, count):
         assert "a_été".encode() in data  # the first batch, by orjson, is UTF-8 still
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
     assert eqx.tree_equal(out, tree, typematch=True)
+
+
+def test_a_newer_manifest_is_not_called_damaged(tmp_path):
+    """A manifest of a newer format is a `CheckpointVersionError`, never a
+    `CorruptCheckpointError` (issue 59, item 10: a clean-up script that deletes
+    damaged checkpoints must not delete a sound one written by a newer eqx_ckpt)."""
+    _save(tmp_path)
+    _rewrite(tmp_path, lambda b: b.update(format_version=99))
+    with pytest.raises(eqx_ckpt.CheckpointVersionError, match="Upgrade eqx_ckpt as you installed it") as info:
+        eqx_ckpt.Checkpoint(tmp_path)
+    assert not isinstance(info.value, eqx_ckpt.CorruptCheckpointError)
