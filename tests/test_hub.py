@@ -294,15 +294,19 @@ def test_no_network_says_so_with_the_cache_hint(tmp_path):
 
 def test_server_errors_are_retried_then_named(hub, tmp_path):
     """A download that fails twice with 503 is retried by huggingface_hub and
-    loads; a model info answered 429 or 500 every time is named with its status."""
+    loads; so does a revision asked while the Hub answers 503 twice (eqx_ckpt
+    asks again); a model info answered 429 or 500 every time is named with its
+    status."""
     client, state = hub
     _push(client, "me/flaky", 1.0, tmp_path)
     state.fail(r"^(HEAD|GET) /me/flaky/resolve/", 503, times=2)
     got = client.run(_LOAD.format(local=str(tmp_path / "local-1.0"), path="hf://me/flaky"))
     assert got == _as_lists(_tree(1.0))
     assert sum(1 for r in state.requests if re.match(r"(HEAD|GET) /me/flaky/resolve/", r)) >= 3
+    state.fail(r"^GET /api/models/me/flaky", 503, times=2)
+    assert client.run(_LOAD.format(local=str(tmp_path / "local-1.0"), path="hf://me/flaky")) == _as_lists(_tree(1.0))
     for status, said in ((429, "rate limited (HTTP 429)"), (500, "failed (HTTP 500)")):
-        state.fail(r"^GET /api/models/me/flaky", status, times=1)
+        state.fail(r"^GET /api/models/me/flaky", status, times=3)
         name, _, message = _raised(client, "hf://me/flaky")
         assert name == "CheckpointStorageError"
         assert message.startswith(f"hf://me/flaky@main: the Hub {said}")

@@ -6,11 +6,12 @@ What is checked is decided in `_load_plan`."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from .._base import _keypath
-from .._base._errors import CheckpointValueError, LeafError, leaf_line
+from .._base._errors import CheckpointValueError, LeafError, describe_leaf, leaf_line
 from .._base._location import Location
 from .._ondisk._manifest import Manifest
 
@@ -28,6 +29,8 @@ class Report:
         self.loc = loc
         self.cast = cast
         self.lines: list[str] = []
+        # Each line but the first says its leaf once: `dotted` (key path ...).
+        self.short: list[str] = []
         self.kinds: set[str] = set()
         self.keypaths: list[tuple[Any, ...]] = []
         self.dotted: list[str] = []
@@ -38,6 +41,7 @@ class Report:
     def add(self, kind: str, what: str, keypath: tuple[Any, ...] | None, stored: str) -> None:
         """A problem of the leaf of `like` at `keypath` (`None`: a stored leaf `like` lacks)."""
         self.lines.append("  - " + _clip(leaf_line(f"{kind}: {what}", keypath=keypath, dotted=stored)))
+        self.short.append("  - " + _clip(f"{describe_leaf(keypath, stored)}: {kind}: {_EQUINOX.sub('', what)}"))
         self.kinds.add(kind)
         if keypath is not None:
             self.keypaths.append(keypath)
@@ -58,7 +62,9 @@ class Report:
         if not self.lines:
             return
         count = len(self.lines)
-        shown = self.lines[:_SHOWN]
+        # The first leaf in Equinox's words (code written against Equinox's
+        # message matches it), the others each named once.
+        shown = self.lines[:1] + self.short[1:_SHOWN]
         if count > _SHOWN:
             shown.append(f"  ... and {count - _SHOWN} more (the error's `dotted` attribute lists them all).")
         if self.unexpected and "missing" in self.kinds:
@@ -93,6 +99,10 @@ class Report:
         if "unexpected" in self.kinds:
             fixes.append("`strict=False` allows stored leaves that `like` lacks")
         return ("To load anyway: " + "; ".join(fixes) + ".") if fixes else ""
+
+
+# Equinox's words before what changed, which a leaf's line after the first leaves out.
+_EQUINOX = re.compile(r"^Deserialised leaf at path .*? has changed \w+ (?=from )")
 
 
 def _clip(line: str, limit: int = 400) -> str:

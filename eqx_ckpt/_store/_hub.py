@@ -25,6 +25,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -48,6 +49,12 @@ CARD = "README.md"
 MAX_INDEX = 100 * 2**20
 # Threads downloading whole files, and reading byte ranges, at once.
 THREADS = 8
+# How often a revision is asked for where the Hub answers 429 or 5xx, and the
+# first wait between tries (doubled each time): huggingface_hub retries its
+# downloads, not `model_info`. Three tries wait 1.5 s in all.
+TRIES = 3
+RETRY_SECONDS = 0.5
+_RETRIED = (429, 500, 502, 503, 504)
 # What a file that is code, or that unpickling would run code from, is called
 # when a repository holds no model eqx_ckpt reads.
 _CODE = (".py",)
@@ -123,7 +130,7 @@ def pin(loc: Location) -> Pinned:
     repo, asked, folder = loc.kvstore["repo"], loc.kvstore["revision"], loc.kvstore["path"]
     if not hub.constants.HF_HUB_OFFLINE:
         try:
-            info = hub.HfApi().model_info(repo, revision=asked, files_metadata=True)
+            info = _model_info(hub, repo, asked)
         except Exception as e:
             if not _unreachable(e):
                 raise explained(e, repo, asked) from None
@@ -131,6 +138,20 @@ def pin(loc: Location) -> Pinned:
             sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or ()}
             return _remember(Pinned(repo, asked, str(info.sha), folder, sizes, offline=False))
     return _remember(_from_cache(loc, hub))
+
+
+def _model_info(hub: Any, repo: str, revision: str | None) -> Any:
+    """`HfApi.model_info` of the revision, asked again (`TRIES` in all) while the
+    Hub answers that it is rate limited or failed (429, 5xx)."""
+    for attempt in range(TRIES):
+        try:
+            return hub.HfApi().model_info(repo, revision=revision, files_metadata=True)
+        except Exception as e:
+            status = getattr(getattr(e, "response", None), "status_code", None)
+            if status not in _RETRIED or attempt == TRIES - 1:
+                raise
+        time.sleep(RETRY_SECONDS * 2**attempt)
+    raise AssertionError("unreachable")  # (every try returns or raises)
 
 
 def _remember(pinned: Pinned) -> Pinned:
@@ -219,8 +240,7 @@ def explained(error: BaseException, repo: str, revision: str | None) -> Exceptio
         )
     what = "rate limited (HTTP 429)" if status == 429 else f"failed (HTTP {status})" if status else "failed"
     return CheckpointStorageError(
-        f"{where}: the Hub {what}, after huggingface_hub's retries where it retries: {_first_line(error)}. "
-        f"Try again later.",
+        f"{where}: the Hub {what}, after {TRIES} tries: {_first_line(error)}. Try again later.",
         path=where,
     )
 
