@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from .._base import _gc, _keypath
-from .._base._errors import CheckpointVersionError, CorruptCheckpointError
+from .._base._errors import CheckpointVersionError, CorruptCheckpointError, from_file
 from ._dtypes import is_known_dtype, key_data_shape
 from ._format import (
     ENCODINGS,
@@ -259,8 +259,15 @@ def _invalid(where: str) -> Callable[[str], CorruptCheckpointError]:
     return bad
 
 
-def _parse_json(data: bytes, bad: Callable[[str], Exception], where: str) -> tuple[dict[str, Any], int]:
-    """The manifest's JSON object and format version, its digest checked."""
+def read_document(
+    data: bytes, bad: Callable[[str], Exception], *, fmt: str, newest: int, named: str, where: str
+) -> tuple[dict[str, Any], int]:
+    """The JSON object of a versioned eqx_ckpt file read as untrusted input (a
+    manifest, a published folder's `eqx_ckpt.json`), and its format version:
+    bounded in bytes and containers before parsing, parsed by
+    `loads_untrusted`, saying `"format": fmt` and a version from 1 to `newest`.
+    A newer version is a `CheckpointVersionError` (`named`: how the message
+    names the file); any other problem `bad(why)`."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise bad(f"it is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
     # Counted before parsing: millions of tiny JSON containers (`[],` or a
@@ -272,19 +279,25 @@ def _parse_json(data: bytes, bad: Callable[[str], Exception], where: str) -> tup
     try:
         body = loads_untrusted(data)
     except (ValueError, RecursionError) as e:
-        raise bad(f"not valid JSON ({e})") from None
-    if not isinstance(body, dict) or body.get("format") != FORMAT:
-        raise bad('it does not say `"format": "eqx_ckpt"`')
+        raise bad(f"not valid JSON ({from_file(str(e))})") from None
+    if not isinstance(body, dict) or body.get("format") != fmt:
+        raise bad(f'it does not say `"format": "{fmt}"`')
     version = body.get("format_version")
-    if type(version) is int and version > FORMAT_VERSION:
+    if type(version) is int and version > newest:
         raise CheckpointVersionError(
-            f"The manifest of checkpoint {where!r} says format version {version}, which is not one this eqx_ckpt "
-            f"reads (up to {FORMAT_VERSION}): a newer eqx_ckpt wrote it, and nothing is wrong with the checkpoint. "
-            f"{UPGRADE} to load it.",
+            f"{named} says format version {version}, which is not one this eqx_ckpt reads (up to {newest}): a newer "
+            f"eqx_ckpt wrote it, and nothing is wrong with the checkpoint. {UPGRADE} to load it.",
             path=where,
         )
     if type(version) is not int or version < 1:
-        raise bad(f"format version {version!r} is not one this eqx_ckpt reads (up to {FORMAT_VERSION})")
+        raise bad(f"format version {version!r} is not one this eqx_ckpt reads (up to {newest})")
+    return body, version
+
+
+def _parse_json(data: bytes, bad: Callable[[str], Exception], where: str) -> tuple[dict[str, Any], int]:
+    """The manifest's JSON object and format version, its digest checked."""
+    named = f"The manifest of checkpoint {where!r}"
+    body, version = read_document(data, bad, fmt=FORMAT, newest=FORMAT_VERSION, named=named, where=where)
     if version >= 4:
         tail = _DIGEST_TAIL.search(data)
         digest = "sha256:" + hashlib.sha256(data[: tail.start()]).hexdigest() if tail else None

@@ -19,10 +19,10 @@ Its fields (docs/interop.md, "The published layout"):
                     without chunks): path, keypath, type, shape, dtype, and
                     stored_shape, stored_dtype, encoding, impl where they differ
 
-It is untrusted input, read as a manifest is: bounded in bytes and objects,
-parsed by `_manifest.loads_untrusted`, every leaf record checked by the
-manifest's own checks (`_manifest.parse_leaves`), and the structure record
-kept as text for `_rebuild`, which checks it as any checkpoint's.
+It is untrusted input, read by the manifest's own code: bounded in bytes and
+containers and parsed by `_manifest.read_document`, every leaf record checked
+by `_manifest.parse_leaves`, and the structure record kept as text for
+`_rebuild`, which checks it as any checkpoint's.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._base._errors import CheckpointTypeError, CheckpointValueError, CheckpointVersionError, CorruptCheckpointError
-from ._format import MAX_MANIFEST_BYTES, MAX_MANIFEST_CONTAINERS, PUBLISHED, UPGRADE, LeafRecord
-from ._manifest import loads_untrusted, parse_leaves, too_many_containers
+from .._base._errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
+from ._format import PUBLISHED, LeafRecord
+from ._manifest import parse_leaves, read_document
 
 NAME = PUBLISHED
 FORMAT = "eqx_ckpt.safetensors"
@@ -136,26 +136,7 @@ def _json_problem(value: Any, where: str, depth: int) -> str | None:
 def parse(data: bytes, *, where: str) -> Published:
     """An `eqx_ckpt.json`'s bytes, checked; any problem is a `CorruptCheckpointError`."""
     bad = _invalid(where)
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise bad(f"it is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
-    why = too_many_containers(data, MAX_MANIFEST_CONTAINERS)  # counted before parsing, as a manifest's
-    if why:
-        raise bad(why)
-    try:
-        body = loads_untrusted(data)
-    except (ValueError, RecursionError) as e:
-        raise bad(f"not valid JSON ({str(e)[:200]})") from None
-    if not isinstance(body, dict) or body.get("format") != FORMAT:
-        raise bad(f'it does not say `"format": "{FORMAT}"`')
-    version = body.get("format_version")
-    if type(version) is int and version > VERSION:
-        raise CheckpointVersionError(
-            f"The {NAME} of {where!r} says format version {version}, which is not one this eqx_ckpt reads (up to "
-            f"{VERSION}): a newer eqx_ckpt wrote it, and nothing is wrong with it. {UPGRADE} to load it.",
-            path=where,
-        )
-    if type(version) is not int or version < 1:
-        raise bad(f"format version {version!r} is not one this eqx_ckpt reads (up to {VERSION})")
+    body, version = read_document(data, bad, fmt=FORMAT, newest=VERSION, named=f"The {NAME} of {where!r}", where=where)
     for key in ("library_version", "created"):
         if not isinstance(body.get(key, ""), str):
             raise bad(f"`{key}` is not a string")
