@@ -14,11 +14,6 @@ its size checked) run in a thread of a second pool, which then starts the
 reads: on a cold page cache each check waits on the disk, and made one after
 another in the loading thread they left the readers idle.
 
-A pack's chunk files are small (at most `_records.PACK_CHUNK_BYTES`): those
-under `GROUP_BYTES` are read several to a job, below their folder opened once
-(`_Folder`), since a job, a future and the opens of the folders on the way
-for each file cost more than reading it (issue 59 made pack chunks 128 KiB).
-
 Each reading thread checksums what it just read, a step of `STEP_BYTES` at a
 time while the bytes are still in its core's cache; the loading thread only
 joins the pieces' checksums (`crc32c_combine`) and compares.
@@ -160,50 +155,24 @@ def _check_chunk_files(loc: Location, record: LeafRecord, directory: str, keys: 
     _faults.fire("local_read.check_files", directory)
     refuse_links(loc, directory, leaf=record.path)
     path = os.path.join(loc.local or "", directory)
-    with _Folder(loc, record, path) as folder:
+    try:
+        folder = os.open(path, _FOLDER_FLAGS)
+    except OSError as e:
+        raise _damaged(loc, record, f"its folder cannot be opened ({e.strerror})") from None
+    try:
         for key in keys:
             os.close(_open_chunk(folder, loc, record, key, directory))
+    finally:
+        os.close(folder)
     return path
 
 
-class _Folder:
-    """An array's folder (`path`), open, below which its chunk files are
-    opened one name at a time, no link followed; each folder on the way (`c`)
-    is opened once, not once a file (a pack has many small chunk files)."""
-
-    def __init__(self, loc: Location, record: LeafRecord, path: str):
-        try:
-            self.fd = os.open(path, _FOLDER_FLAGS)
-        except OSError as e:
-            raise _damaged(loc, record, f"its folder cannot be opened ({e.strerror})") from None
-        self.below: dict[str, int] = {}
-        # Its path from the data root, as messages name it.
-        self.directory = os.path.relpath(path, loc.local or "")
-
-    def __enter__(self) -> _Folder:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for fd in [*self.below.values(), self.fd]:
-            os.close(fd)
-
-    def open(self, key: str) -> int:
-        """`os.open` of the chunk file `key` below the folder (see `_open_below`)."""
-        parent, _, name = key.rpartition("/")
-        current = self.fd
-        if parent:
-            current = self.below.get(parent, -1)
-            if current < 0:
-                current = self.below[parent] = _open_below(self.fd, parent, _FOLDER_FLAGS)
-        return os.open(name, _FILE_FLAGS, dir_fd=current)
-
-
-def _open_chunk(folder: _Folder, loc: Location, record: LeafRecord, key: str, directory: str) -> int:
+def _open_chunk(folder: int, loc: Location, record: LeafRecord, key: str, directory: str) -> int:
     """Open a chunk file below the array's folder (`directory`, open as
     `folder`), following no link, and check that it is a regular file of one
     full chunk and its checksum."""
     try:
-        fd = folder.open(key)
+        fd = _open_below(folder, key)
     except FileNotFoundError:
         raise _damaged(loc, record, _size_message(record, key, None)) from None
     except OSError as e:
@@ -222,10 +191,9 @@ def _open_chunk(folder: _Folder, loc: Location, record: LeafRecord, key: str, di
     return fd
 
 
-def _open_below(folder: int, key: str, flags: int = _FILE_FLAGS) -> int:
-    """`os.open` of `key` relative to `folder` (its last name with `flags`), one
-    component at a time, each with `O_NOFOLLOW`: a link anywhere below the
-    folder fails the open."""
+def _open_below(folder: int, key: str) -> int:
+    """`os.open` of `key` relative to `folder`, one component at a time, each with
+    `O_NOFOLLOW`: a link anywhere below the folder fails the open."""
     *directories, name = key.split("/")
     current = folder
     try:
@@ -233,7 +201,7 @@ def _open_below(folder: int, key: str, flags: int = _FILE_FLAGS) -> int:
             parent, current = current, os.open(part, _FOLDER_FLAGS, dir_fd=current)
             if parent != folder:
                 os.close(parent)
-        return os.open(name, flags, dir_fd=current)
+        return os.open(name, _FILE_FLAGS, dir_fd=current)
     finally:
         if current != folder:
             os.close(current)
@@ -253,90 +221,17 @@ def _read_chunks(path: str, loc: Location, record: LeafRecord, out: memoryview, 
         stored = checksums[_format.CHECKSUM_BYTES * i : _format.CHECKSUM_BYTES * (i + 1)]
         chunks.append((key, [data, padding if len(data) < size else padding[:0]], stored))
     reads = _Reads(loc, record, chunks)
-    group = _Group(path, loc, record, reads)
+    pool = _window.read_pool()
     try:
         for key, segments, stored in chunks:
-            pieces: list[tuple[int, Callable[[], int]]] = []
-            reads.futures.append(pieces)
-            if size < GROUP_BYTES:  # one piece: the whole file, read with its neighbours
-                views = [v for v in (*segments, stored) if len(v)]
-                checked = len(segments[0]) + len(segments[1])
-                pieces.append((checked, group.add(key, 0, views, checked)))
-                continue
-            group.flush()
+            pieces: list[tuple[int, concurrent.futures.Future[int]]] = []
+            reads.futures.append(pieces)  # before submitting: an interrupt then still finds every read
             for offset, views, checked in _pieces([*segments, stored]):
-                pieces.append((checked, group.add(key, offset, views, checked)))
-                group.flush()
-        group.flush()
+                pieces.append((checked, pool.submit(_read_piece, path, loc, record, key, offset, views, checked)))
     except BaseException:
         reads.settle()
         raise
     return reads
-
-
-# Chunk files smaller than this (a pack's, of at most `_records.PACK_CHUNK_BYTES`)
-# are read several to a job of the pool, about this many bytes a job: a job per
-# small file cost more in hand-offs between threads than its read.
-GROUP_BYTES = 1 << 20
-
-
-class _Group:
-    """Submits the reads of one array's chunk files to the read pool: a piece
-    of a large file a job, small files several to a job (`GROUP_BYTES`). Each
-    piece's crc32c comes in a future of its own, set as soon as it is read, so
-    that the loading thread checks the first pieces while the job reads on
-    (and an interrupt stops the job after the piece it is reading)."""
-
-    def __init__(self, path: str, loc: Location, record: LeafRecord, reads: _Reads):
-        self.path, self.loc, self.record, self.reads = path, loc, record, reads
-        self.items: list[tuple[str, int, list[memoryview], int]] = []
-        self.results: list[concurrent.futures.Future[int]] = []
-        self.nbytes = 0
-
-    def add(self, key: str, offset: int, views: list[memoryview], checked: int) -> Callable[[], int]:
-        """Read a piece (a small chunk file whole, with its neighbours); its crc32c when read."""
-        result: concurrent.futures.Future[int] = concurrent.futures.Future()
-        self.items.append((key, offset, views, checked))
-        self.results.append(result)
-        self.nbytes += checked
-        if self.nbytes >= GROUP_BYTES:
-            self.flush()
-        return result.result
-
-    def flush(self) -> None:
-        """Submit the pieces added since the last flush, as one job."""
-        if self.items:
-            job = functools.partial(_read_pieces, self.path, self.loc, self.record, self.items, self.results)
-            self.reads.jobs.append(_window.read_pool().submit(job, self.reads))
-            self.items, self.results, self.nbytes = [], [], 0
-
-
-def _read_pieces(
-    path: str,
-    loc: Location,
-    record: LeafRecord,
-    items: list[tuple[str, int, list[memoryview], int]],
-    results: list[concurrent.futures.Future[int]],
-    reads: _Reads,
-) -> None:
-    """`_read_piece` of each of `items`, in turn, below the folder opened once,
-    each crc32c (or failure) set in its future of `results`. Once `reads` are
-    settled (an interrupt, a failure), the pieces not started are left unread
-    (their futures cancelled), as the pool's jobs not started are."""
-    done = 0
-    try:
-        with _Folder(loc, record, path) as folder:
-            for item, result in zip(items, results, strict=True):
-                if reads.stopped:
-                    break
-                result.set_result(_read_piece(folder, path, loc, record, *item))
-                done += 1
-    except BaseException as e:
-        for result in results[done:]:
-            result.set_exception(e)
-        return
-    for result in results[done:]:
-        result.cancel()
 
 
 class _Reads:
@@ -344,12 +239,8 @@ class _Reads:
 
     def __init__(self, loc: Location, record: LeafRecord, chunks: list[tuple[str, list[memoryview], memoryview]]):
         self.loc, self.record, self.chunks = loc, record, chunks
-        # Per chunk file, (bytes checked, their crc32c when read) for each piece.
-        self.futures: list[list[tuple[int, Callable[[], int]]]] = []
-        # The jobs of the read pool that read them (`_Group`).
-        self.jobs: list[concurrent.futures.Future[Any]] = []
-        # Set by `settle`: a job reading several files reads no further one.
-        self.stopped = False
+        # Per chunk file, (bytes checked, future of their crc32c) for each piece.
+        self.futures: list[list[tuple[int, concurrent.futures.Future[int]]]] = []
 
     def wait(self, on_bytes: Callable[[int], None] | None = None) -> None:
         """Wait for the reads, checking each chunk's checksum (its pieces'
@@ -359,7 +250,7 @@ class _Reads:
             for (key, segments, stored), pieces in zip(self.chunks, self.futures):
                 computed = 0
                 for checked, piece in pieces:
-                    computed = crc32c_combine(computed, piece(), checked)
+                    computed = crc32c_combine(computed, piece.result(), checked)
                 _check_crc(self.loc, self.record, key, computed, stored)
                 if on_bytes is not None:
                     on_bytes(len(segments[0]))
@@ -369,8 +260,7 @@ class _Reads:
 
     def settle(self) -> None:
         """Cancel the reads not started, and wait for the others."""
-        self.stopped = True
-        _settle(self.jobs)
+        _settle([piece for pieces in self.futures for _, piece in pieces])
 
 
 def _pieces(segments: list[memoryview]) -> Iterator[tuple[int, list[memoryview], int]]:
@@ -390,20 +280,20 @@ def _pieces(segments: list[memoryview]) -> Iterator[tuple[int, list[memoryview],
 
 
 def _read_piece(
-    folder: _Folder,
-    path: str,
-    loc: Location,
-    record: LeafRecord,
-    key: str,
-    offset: int,
-    views: list[memoryview],
-    checked: int,
+    path: str, loc: Location, record: LeafRecord, key: str, offset: int, views: list[memoryview], checked: int
 ) -> int:
     """Read one piece of a chunk file into `views`; the crc32c of its first
     `checked` bytes, computed a step at a time right after each step's read,
     while those bytes are still in this core's cache (afterwards, in the loading
     thread, the check read every byte again from memory)."""
-    fd = _open_chunk(folder, loc, record, key, folder.directory)
+    try:
+        folder = os.open(path, _FOLDER_FLAGS)
+    except OSError as e:
+        raise _damaged(loc, record, f"its folder cannot be opened ({e.strerror})") from None
+    try:
+        fd = _open_chunk(folder, loc, record, key, os.path.relpath(path, loc.local or ""))
+    finally:
+        os.close(folder)
     crc, done = 0, 0
     try:
         for step in _steps(views, STEP_BYTES):
@@ -488,10 +378,8 @@ _POLY = 0x82F63B78
 def crc32c_combine(crc1: int, crc2: int, length2: int) -> int:
     """The crc32c of `a + b` from `crc1` of `a`, `crc2` of `b` and `len(b)`,
     without reading either again: `crc1` is carried over `length2` zero bytes
-    (multiplied by x^(8 * length2) modulo the polynomial), then `crc2` added.
-    (`crc1` 0, as for a chunk's first piece, carries over as 0: the product,
-    some microseconds of Python, is skipped.)"""
-    return _multiply(_shift(length2), crc1) ^ crc2 if crc1 else crc2
+    (multiplied by x^(8 * length2) modulo the polynomial), then `crc2` added."""
+    return _multiply(_shift(length2), crc1) ^ crc2
 
 
 def _multiply(a: int, b: int) -> int:
