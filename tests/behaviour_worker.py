@@ -152,7 +152,7 @@ if __name__ == "__main__":
     elif len(sys.argv) > 4:
         process_id, port = int(sys.argv[4]), int(sys.argv[5])
         jax.distributed.initialize(
-            coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id, initialization_timeout=60
+            coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id, initialization_timeout=120
         )
         run_processes(name, folder, process_id, port)
     else:

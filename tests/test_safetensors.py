@@ -190,6 +190,24 @@ def test_damaged_files_are_explained(tmp_path, single):
         eqx_ckpt.Checkpoint(hostile)
 
 
+@pytest.mark.parametrize(
+    "index, said",
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "has no `weight_map` of tensor names to files"),  # past Python recursion
+        (b'{"weight_map": {"a": "x.safetensors", "a": "y.safetensors"}}', "duplicate JSON key 'a'"),
+    ],
+    ids=["deep", "a-tensor-twice"],
+)
+def test_a_hostile_index_is_a_clear_error(tmp_path, index, said):
+    """An index is read by the untrusted parser, as a manifest is: nested past
+    Python's recursion (a `RecursionError` before), or naming a tensor twice
+    (the last won before), it is refused."""
+    hostile = _shard(tmp_path / "hostile", [{"a": W}])
+    (hostile / "model.safetensors.index.json").write_bytes(index)
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(said)):
+        eqx_ckpt.Checkpoint(hostile)
+
+
 _COUNTING = threading.Lock()
 
 

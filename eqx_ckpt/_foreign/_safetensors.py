@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 import re
@@ -31,11 +30,12 @@ from .._base._errors import (
     CheckpointReplacedError,
     CheckpointValueError,
     CorruptCheckpointError,
+    from_file,
 )
 from .._base._location import Location
 from .._ondisk import _published
 from .._ondisk._format import MAX_ELEMENTS, MAX_MANIFEST_BYTES, MAX_RANK, LeafRecord, dtype_from_name
-from .._ondisk._manifest import Manifest, no_duplicates
+from .._ondisk._manifest import Manifest, loads_untrusted
 from .._store import _storage, _storage_errors, _window
 
 # Safetensors dtype names -> the names eqx_ckpt (and ml_dtypes) use.
@@ -166,11 +166,11 @@ def _corrupt(loc: Location, what: str) -> CorruptCheckpointError:
 def _weight_map(loc: Location, index: str, data: bytes) -> dict[str, str]:
     """The index's tensor names -> the shards holding them."""
     try:
-        weight_map = json.loads(data)["weight_map"]
+        weight_map = loads_untrusted(data)["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(t, str) for t in weight_map):
             raise TypeError("it is not an object of tensor names")
-    except (ValueError, KeyError, TypeError) as e:
-        raise _corrupt(loc, f"{index} has no `weight_map` of tensor names to files ({e})") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise _corrupt(loc, f"{index} has no `weight_map` of tensor names to files ({from_file(str(e))})") from None
     for name in set(weight_map.values()):
         # The index is untrusted: a shard must be a file beside it.
         if not isinstance(name, str) or not re.fullmatch(r"[^/\\]+", name) or name.startswith("."):
@@ -350,9 +350,9 @@ def _parse_header(
     """The tensors of a header (each with its name and offset), its
     `__metadata__`, and how many bytes of data its tensors use."""
     try:
-        header = json.loads(data, parse_constant=_reject, object_pairs_hook=no_duplicates)
+        header = loads_untrusted(data)
     except (ValueError, RecursionError) as e:
-        raise _corrupt(loc, f"the header of {file!r} is not valid JSON ({e})") from None
+        raise _corrupt(loc, f"the header of {file!r} is not valid JSON ({from_file(str(e))})") from None
     if not isinstance(header, dict):
         raise _corrupt(loc, f"the header of {file!r} is not a JSON object")
     out: list[tuple[str, LeafRecord, int]] = []
@@ -390,10 +390,6 @@ def _parse_header(
 
 # A name whose parts are all non-empty and need no escaping (`_keypath.escape`).
 _PLAIN = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
-
-
-def _reject(name: str) -> None:
-    raise ValueError(f"{name} is not allowed")
 
 
 def dotted(name: str) -> str:

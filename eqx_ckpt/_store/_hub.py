@@ -35,9 +35,11 @@ from .._base._errors import (
     CheckpointNotFoundError,
     CheckpointStorageError,
     CheckpointTypeError,
+    from_file,
 )
 from .._base._location import Location, hub_location
 from .._ondisk._format import PUBLISHED
+from .._ondisk._manifest import loads_untrusted
 
 INSTALL = 'pip install "eqx_ckpt[hub]"'
 # The files of a folder a load may read; nothing else is downloaded or read.
@@ -252,7 +254,7 @@ def _token_said() -> str:
 def _first_line(error: BaseException) -> str:
     """The first line of `error`, and of what caused it (huggingface_hub wraps a failed upload)."""
     lines = [line for line in str(error).splitlines() if line.strip()]
-    said = f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
+    said = f"{type(error).__name__}: {from_file(lines[0]) if lines else ''}".strip()  # (a server's words)
     cause = error.__cause__
     return said + (f", caused by {_first_line(cause)}" if cause is not None and cause is not error else "")
 
@@ -277,12 +279,10 @@ def needed(pinned: Pinned, read_index: Callable[[str], bytes]) -> list[str]:
 def _shards(pinned: Pinned, data: bytes) -> list[str]:
     """The shards an index names (a name that is no file of the folder is left
     for the safetensors reader to refuse, with its reason)."""
-    import json
-
     try:
-        weight_map = json.loads(data).get("weight_map", {})
+        weight_map = loads_untrusted(data).get("weight_map", {})
         names = {v for v in weight_map.values() if isinstance(v, str)}
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return []
     return sorted(n for n in names if n in pinned.files())
 
@@ -312,7 +312,7 @@ def _holds_nothing(pinned: Pinned) -> str:
 
 
 def _shown(names: list[str]) -> str:
-    listed = ", ".join(f"`{n}`" for n in names[:5])
+    listed = ", ".join(f"`{from_file(n)}`" for n in names[:5])
     return listed + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
