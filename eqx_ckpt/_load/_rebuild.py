@@ -48,7 +48,7 @@ from .._base._errors import (
 from .._ondisk import _structure
 from .._ondisk._dtypes import is_known_dtype
 from .._ondisk._format import LeafRecord, dtype_from_name
-from .._ondisk._manifest import Manifest, loads_untrusted, too_many_containers
+from .._ondisk._manifest import Manifest, encode_structure, loads_untrusted, too_many_containers
 from .._ondisk._trust import Trust, python_name
 
 # Limits on an untrusted record, far beyond any model's. Its JSON containers
@@ -717,15 +717,17 @@ def static_differences(manifest: Manifest, like: Any, is_leaf: Any, prefix: str,
     fails says more than this)."""
     if manifest.structure is None or not isinstance(prefix, str):
         return []  # a `prefix` that is not a string is the plan's error to raise
+    flat, treedef = jtu.tree_flatten_with_path(like, is_leaf=is_leaf)
+    records = _keypath.dotted_and_records([keypath for keypath, _ in flat])[1]
+    leaves = [leaf for _, leaf in flat]
+    mine = _structure.record(treedef, leaves, [True] * len(leaves), records)
+    if not prefix and encode_structure(mine) == manifest.structure:
+        return []  # the record `like` makes is the stored one: nothing to parse or compare
     try:
         stored = subtree(manifest, prefix, where)
         names(stored, prefix, where)
     except CheckpointError:
         return []  # a load with `like` does not need the record: its problems are the rebuild's
-    flat, treedef = jtu.tree_flatten_with_path(like, is_leaf=is_leaf)
-    records = _keypath.dotted_and_records([keypath for keypath, _ in flat])[1]
-    leaves = [leaf for _, leaf in flat]
-    mine = _structure.record(treedef, leaves, [True] * len(leaves), records)
     found: list[tuple[str, str]] = []
     _compare(stored, mine, prefix, found)
     messages = []

@@ -170,6 +170,12 @@ def _tail(digest: Any) -> bytes:
     return b',\n"digest": "sha256:' + digest.hexdigest().encode() + b'"}\n'
 
 
+def encode_structure(record: Any) -> str:
+    """A structure record as the manifest holds it: compact JSON text (so that
+    one made again from an equal tree is the same text)."""
+    return _json(record).decode()
+
+
 def _json(value: Any) -> bytes:
     """Compact JSON, by `orjson` where it can (integers beyond 64 bits it cannot)."""
     try:
@@ -197,7 +203,7 @@ def new_manifest(
     from .. import __version__
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    structure = None if structure is None else _json(structure).decode()
+    structure = None if structure is None else encode_structure(structure)
     return Manifest(
         tuple(leaves), data_root, now, __version__,
         layout=layout, commit=commit, metrics=metrics or {}, packs=tuple(packs), structure=structure,
