@@ -35,7 +35,7 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from .._base import _keypath, _tree
+from .._base import _gc, _keypath, _tree
 from .._base._errors import (
     CheckpointError,
     CheckpointKeyError,
@@ -710,6 +710,7 @@ class StaticFieldWarning(UserWarning):
 StaticFieldWarning.__module__ = "eqx_ckpt"
 
 
+@_gc.gc_paused()  # as a load is: the record of a large `like` makes many objects
 def static_differences(manifest: Manifest, like: Any, is_leaf: Any, prefix: str, where: str) -> list[str]:
     """The `StaticFieldWarning` messages of loading `like` at `prefix`: where a
     static field of `like` differs from the value the record holds at the same
@@ -717,10 +718,8 @@ def static_differences(manifest: Manifest, like: Any, is_leaf: Any, prefix: str,
     fails says more than this)."""
     if manifest.structure is None or not isinstance(prefix, str):
         return []  # a `prefix` that is not a string is the plan's error to raise
-    flat, treedef = jtu.tree_flatten_with_path(like, is_leaf=is_leaf)
-    records = _keypath.dotted_and_records([keypath for keypath, _ in flat])[1]
-    leaves = [leaf for _, leaf in flat]
-    mine = _structure.record(treedef, leaves, [True] * len(leaves), records)
+    leaves, named = _tree.flatten_named(like, is_leaf)  # as a save names its leaves
+    mine = _structure.record(named.treedef, leaves, [True] * len(leaves), named.records)
     if not prefix and encode_structure(mine) == manifest.structure:
         return []  # the record `like` makes is the stored one: nothing to parse or compare
     try:
