@@ -5,9 +5,9 @@ of docs/architecture.md, "Files per behaviour", checked by
 Run as `python behaviour_worker.py setup|run BEHAVIOUR FOLDER [PROCESS_ID PORT]`.
 `setup` writes what the behaviour starts from, in a process of its own, so that
 no thread pool of eqx_ckpt's exists before `run` starts profiling. `run` imports
-eqx_ckpt, then profiles every thread while the behaviour runs, and prints one
-JSON list: the modules one of whose functions ran. A module's import (its
-`<module>` code) is not counted, nor are `_errors`, `_faults` and `_format`
+eqx_ckpt, then profiles every thread while the behaviour runs, and writes one
+JSON list to `modules.json` in its folder: the modules one of whose functions
+ran. A module's import (its `<module>` code) is not counted, nor are `_errors`, `_faults` and `_format`
 (the exception classes, the fault points and the on-disk names, which the map
 counts as helpers).
 """
@@ -112,7 +112,14 @@ def run_processes(name: str, folder: str, process_id: int, port: int) -> None:
         with profiled() as modules:
             eqx_ckpt.tree_deserialise_leaves(ckpt, like, read_once=True)
     if process_id == 0:
-        print(json.dumps(sorted(modules)))
+        report(folder, modules)
+
+
+def report(folder: str, modules: set[str]) -> None:
+    """Write the modules to `modules.json` in the behaviour's folder: not to
+    stdout, where Gloo's own C++ lines land too (one once came last and the
+    test read it as the result)."""
+    pathlib.Path(folder, "modules.json").write_text(json.dumps(sorted(modules)))
 
 
 class profiled:
@@ -158,4 +165,4 @@ if __name__ == "__main__":
     else:
         with profiled() as modules:
             run(name, folder)
-        print(json.dumps(sorted(modules)))
+        report(folder, modules)

@@ -612,7 +612,7 @@ def _run_behaviours(folder: pathlib.Path) -> dict[str, list[str]]:
         outputs = [process.communicate(timeout=300) for process in processes]
         for process, (_out, err) in zip(processes, outputs):
             assert process.returncode == 0, f"{name}: {err[-3000:]}"
-        found[name] = json.loads(outputs[0][0].strip().splitlines()[-1])
+        found[name] = json.loads((folder / name / "modules.json").read_text())
 
     for name in _BEHAVIOURS.values():
         while sum(len(processes) for processes in running.values()) >= 3:
