@@ -364,6 +364,28 @@ def loads_untrusted(data: bytes | str) -> Any:
     return json.loads(data, object_pairs_hook=no_duplicates, parse_constant=_reject_constant, parse_float=_finite_float)
 
 
+def loads_file(data: bytes) -> Any:
+    """The JSON of any file eqx_ckpt reads that is not a manifest (a retention
+    record, a step's metrics, a journal or lease, a zarr.json, orbax's
+    metadata): bounded in containers as a manifest is, then parsed by
+    `loads_untrusted`. Every problem is a `ValueError` (a file nested past
+    Python's recursion once escaped as `RecursionError`)."""
+    why = too_many_containers(data, MAX_MANIFEST_CONTAINERS)
+    if why:
+        raise ValueError(why)
+    try:
+        return loads_untrusted(data)
+    except RecursionError:
+        raise ValueError("it is nested too deep") from None
+
+
+def read_body(data: bytes, *, where: str) -> dict[str, Any]:
+    """The JSON object of manifest bytes, read as `parse` reads them (bounds,
+    untrusted parser, format, version, digest) but not made into records:
+    for `verify`, which compares the manifest's own totals with its leaves."""
+    return _parse_json(data, _invalid(where), where)[0]
+
+
 def too_many_containers(data: bytes | str, limit: int) -> str | None:
     """Why the JSON text `data` holds too many containers to parse (more than
     `limit`, or fewer than `MANIFEST_BYTES_PER_CONTAINER` bytes of text a
