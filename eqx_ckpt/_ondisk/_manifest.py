@@ -205,9 +205,16 @@ def new_manifest(
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     structure = None if structure is None else encode_structure(structure)
     return Manifest(
-        tuple(leaves), data_root, now, __version__,
-        layout=layout, commit=commit, metrics=metrics or {}, packs=tuple(packs), structure=structure,
-    )  # fmt: skip
+        tuple(leaves),
+        data_root,
+        now,
+        __version__,
+        layout=layout,
+        commit=commit,
+        metrics=metrics or {},
+        packs=tuple(packs),
+        structure=structure,
+    )
 
 
 def _digest(body: dict[str, Any]) -> str:
@@ -246,10 +253,18 @@ def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
         if not isinstance(body.get(key, ""), str):
             raise bad(f"`{key}` is not a string")
     return Manifest(
-        tuple(records), body["data_root"], body.get("created", ""), body.get("library_version", ""), version,
-        layout=body.get("layout", "directories"), commit=commit, metrics=metrics, stamp=stamp,
-        packs=tuple(packs.values()), structure=body.get("structure") if version >= 5 else None,
-    )  # fmt: skip
+        tuple(records),
+        body["data_root"],
+        body.get("created", ""),
+        body.get("library_version", ""),
+        version,
+        layout=body.get("layout", "directories"),
+        commit=commit,
+        metrics=metrics,
+        stamp=stamp,
+        packs=tuple(packs.values()),
+        structure=body.get("structure") if version >= 5 else None,
+    )
 
 
 def _invalid(where: str) -> Callable[[str], CorruptCheckpointError]:
@@ -496,9 +511,14 @@ def _parse_leaf(item: Any, packs: dict[str, PackRecord], *, lean: bool, checked:
 
 
 def _parse_layout(
-    item: dict[str, Any], packs: dict[str, PackRecord], kind: str, encoding: str, stored_dtype: str, impl: str,
+    item: dict[str, Any],
+    packs: dict[str, PackRecord],
+    kind: str,
+    encoding: str,
+    stored_dtype: str,
+    impl: str,
     lean: bool,
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], PackRecord | None, int]:  # fmt: skip
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], PackRecord | None, int]:
     """A leaf record's shape, stored shape, chunks, pack and offset in it, checked
     against each other. (Part of `_parse_leaf`, called for every leaf.)"""
     shape = _shape(item["shape"], "shape")

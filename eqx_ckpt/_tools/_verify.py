@@ -258,8 +258,9 @@ def _verify_steps(loc: Location, steps: list[int], progress: Progress) -> Proble
             problems += [dataclasses.replace(problem, step=step) for problem in found]
     unchecked = tuple(
         f"Step {step} was deleted while it was verified (by the retention of the manager saving there), so it "
-        f"is not reported on." for step in sorted(gone)
-    )  # fmt: skip
+        f"is not reported on."
+        for step in sorted(gone)
+    )
     unchecked += tuple(f"Step {step} was not checked: {why}" for step, why in newer.items())
     verified = tuple(step for step in steps if step not in gone and step not in newer)
     return Problems(problems, unchecked, steps=verified, newer=tuple(newer))
