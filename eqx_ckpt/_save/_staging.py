@@ -1,7 +1,7 @@
 """A save's writes: its leaves sorted by where they are written (`Batch`),
 the arrays created (`create`), then the writes started in order within the
 save's staging budget (`start_writes`), each made and started by the
-location's writer (`_storage.chunk_files(loc).writer`, `_store/_writers.py`:
+location's writer (`_chunk_files.chunk_files(loc).writer`:
 eqx_ckpt's own threads on a local disk, else a TensorStore transaction),
 every piece's host data made as its write starts and released once written.
 
@@ -40,8 +40,8 @@ from .._base._location import Location
 from .._base._progress import Tracker
 from .._ondisk import _format, _layout
 from .._ondisk._format import LeafRecord, PackRecord
-from .._store import _durable, _memory, _share, _storage
-from .._store._writers import Steps, Write, Writer
+from .._store import _chunk_files, _durable, _memory, _share, _storage
+from .._store._chunk_files import Steps, Write, Writer
 
 if TYPE_CHECKING:
     from ._records import Pending
@@ -203,7 +203,7 @@ def start_writes(
     """Start writing the arrays of `batch` into `data` (`opens`: the futures of
     the arrays opened to write, `create`), in order, as many as the
     staging budget (`budget` bytes of host data staged and not yet written)
-    admits, each handed to the location's writer (`_storage.chunk_files`,
+    admits, each handed to the location's writer (`_chunk_files.chunk_files`,
     `writer`), which writes it by eqx_ckpt's own threads where its chunk
     files take a save of this `layout` by this many `processes` (on a local
     disk), else through TensorStore, staged in a transaction whose commit
@@ -215,7 +215,7 @@ def start_writes(
     files equal to `base`'s are shared; with `remember`, the digest of every
     chunk file written is recorded (`_share.written`).
     """
-    writer = _storage.chunk_files(data).writer(
+    writer = _chunk_files.chunk_files(data).writer(
         processes=processes, layout=layout, out=out, tracker=tracker, base=base, remember=remember
     )
     writing = Writing(_writes(writer, batch, opens, budget), budget, out, writer)
