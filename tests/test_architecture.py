@@ -545,6 +545,34 @@ def test_waits_through_interrupts_have_one_owner():
     )
 
 
+def _budget_comparisons(path: pathlib.Path) -> list[str]:
+    """The comparisons in `path` of bytes (a size, bytes staged or in flight)
+    against a budget, outside `_window.Budget`."""
+    tree = _tree(path)
+    owner = {
+        id(node)
+        for cls in tree.body
+        if isinstance(cls, ast.ClassDef) and cls.name == "Budget" and path.name == "_window.py"
+        for node in ast.walk(cls)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and id(node) not in owner:
+            text = ast.unparse(node).lower()
+            if "budget" in text and re.search(r"nbytes|size|staged|flight|held|bytes", text):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_byte_budgets_have_one_owner():
+    """Every window that admits work while the bytes in flight fit a budget
+    (a load's reads, `_window.windowed`; a save's staging, `_staging.Window`)
+    admits by one rule, `_window.Budget`: no other code compares bytes with a
+    budget. (Issue 61: each window wrote the rule again.)"""
+    found = [found for path in MODULES for found in _budget_comparisons(path)]
+    assert found == [], "admit work within a budget through `_window.Budget`:\n" + "\n".join(found)
+
+
 # File I/O of the standard library: what reads or writes bytes of files, or
 # moves, links and removes them.
 _FILE_IO = {

@@ -40,7 +40,7 @@ from .._base._location import Location
 from .._base._progress import Tracker
 from .._ondisk import _format, _layout
 from .._ondisk._format import LeafRecord, PackRecord
-from .._store import _chunk_files, _durable, _memory, _share, _storage
+from .._store import _chunk_files, _durable, _memory, _share, _storage, _window
 from .._store._chunk_files import Steps, Write, Writer
 
 if TYPE_CHECKING:
@@ -352,23 +352,33 @@ _START_BYTES = 16 << 20
 
 
 class Window:
-    """The admission of a save's writes within `budget` staged bytes, in order
-    (see the module docstring). `units`: objects with `nbytes` (what staging
-    them holds) and `datas` (their pieces, whose copies to the host `admit`
-    starts)."""
+    """The admission of a save's writes within `budget` staged bytes, in order,
+    by the one rule of every window (`_window.Budget`; see the module
+    docstring). `units`: objects with `nbytes` (what staging them holds) and
+    `datas` (their pieces, whose copies to the host `admit` starts)."""
 
     def __init__(self, units: Iterable[Any], budget: int):
         self._todo: collections.deque[Any] = collections.deque(units)
-        self.budget = budget
-        self.staged = 0
+        self._budget = _window.Budget(budget)
+
+    @property
+    def staged(self) -> int:
+        """The bytes staged and not yet written."""
+        return self._budget.held
+
+    @property
+    def budget(self) -> int:
+        return self._budget.limit
 
     def admit(self) -> list[Any]:
         """The next units that fit, counted as staged, their copies to the host begun."""
         out = []
         todo = self._todo
-        while todo and (self.staged == 0 or self.staged + todo[0].nbytes <= self.budget):
+        while todo and self._budget.fits(todo[0].nbytes, alone=self.staged == 0):
             unit = todo.popleft()
-            self._change(unit.nbytes)
+            if unit.nbytes:
+                self._budget.take(unit.nbytes)
+                _faults.fire("save.staged", self.staged, self.budget)
             out.append(unit)
         # (On a CPU, host data is a view: nothing to start, unless copies through
         # pinned memory are switched on, `_memory.PINNED_SAVE_COPIES`.)
@@ -379,11 +389,8 @@ class Window:
 
     def release(self, unit: Any) -> None:
         """`unit` was written: its bytes are no longer staged."""
-        self._change(-unit.nbytes)
-
-    def _change(self, nbytes: int) -> None:
-        if nbytes:
-            self.staged += nbytes
+        if unit.nbytes:
+            self._budget.give(unit.nbytes)
             _faults.fire("save.staged", self.staged, self.budget)
 
     @property
