@@ -1,7 +1,7 @@
 """Running I/O to its end however the main thread is interrupted (Ctrl-C, or
 `sys.exit` from a signal handler), so a save always knows what it started
 (`uninterrupted`), and waiting for what it started, whatever interrupts the
-wait (`outcome`, the one such loop, and `finish`): an error kept, not raised
+wait (`outcome`, the one such loop for a future, and `finish`): an error kept, not raised
 (`attempt`), every future settled before an abort deletes what they wrote
 (`settle`), or reads cancelled and stopped before their buffer is handed
 back (`stop`)."""
@@ -132,8 +132,10 @@ def outcome(future: Any) -> tuple[Any, BaseException | None, BaseException | Non
     `(value, error, interrupt)`: the future's result (`None` where it
     failed), its error, and the first interrupt (Ctrl-C, `sys.exit` from a
     signal handler) of the wait, for the caller to raise once the outcome is
-    recorded. This is the one loop that waits through interrupts: `finish`,
-    `settle` and `stop` are made of it (tests/test_architecture.py checks).
+    recorded. This is the one loop that waits for a future through
+    interrupts: `finish`, `settle` and `stop` are made of it, and no module
+    outside this one loops while catching an interrupt
+    (tests/test_architecture.py checks).
     """
     interrupt: BaseException | None = None
     while True:
