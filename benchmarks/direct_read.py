@@ -1,6 +1,6 @@
 """One large leaf read three ways, each ending in a JAX array on the CPU:
 
-- `direct`: the local-disk reader, `eqx_ckpt._store._storage.chunk_files(loc).start_read` (preadv into one
+- `direct`: the local-disk reader, `eqx_ckpt._store._chunk_files.chunk_files(loc).start_read` (preadv into one
   aligned buffer, crc32c);
 - `ts`: TensorStore's read of the same zarr array (what a load does today);
 - `raw`: the same bytes as one file, read by parallel `pread` into an aligned
@@ -30,7 +30,7 @@ import numpy as np
 
 import eqx_ckpt
 from eqx_ckpt._load._source import open_source
-from eqx_ckpt._store import _storage
+from eqx_ckpt._store import _chunk_files, _storage
 
 from . import contenders, workload
 
@@ -61,7 +61,7 @@ def _raw(path: pathlib.Path, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _direct(data: Any, record: Any) -> np.ndarray:
-    read = _storage.chunk_files(data).start_read(record)
+    read = _chunk_files.chunk_files(data).start_read(record)
     if read is None:
         raise SystemExit("the local-disk reader declined this leaf")
     return read()

@@ -61,14 +61,15 @@ def _docstrings(tree: ast.Module) -> set[int]:
     return found
 
 
-def _imports(tree: ast.Module) -> set[str]:
+def _imports(tree: ast.Module, *, typing: bool = False) -> set[str]:
     """The eqx_ckpt modules `tree` imports at run time, at any depth (inside
-    functions too), leaving out imports under `if TYPE_CHECKING:`."""
+    functions too), leaving out imports under `if TYPE_CHECKING:` unless
+    `typing`."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test) and not typing:
                 continue
             if isinstance(child, ast.ImportFrom) and child.level >= 1:
                 found.update(_named(child))
@@ -129,7 +130,15 @@ def test_only_the_storage_seam_imports_tensorstore(path):
 
 
 def test_no_import_cycles():
-    graph = {path.stem: _imports(_tree(path)) for path in MODULES}
+    """No module imports another that imports it back, at run time or, inside
+    one folder, under `if TYPE_CHECKING:` (issue 61: `_storage` imported
+    `_writers` and `_pack_runs`, which imported its types back that way)."""
+    folder = {path.stem: path.parent for path in MODULES}
+    graph = {
+        path.stem: _imports(_tree(path))
+        | {m for m in _imports(_tree(path), typing=True) if folder.get(m) == path.parent}
+        for path in MODULES
+    }
     cycles = []
 
     def walk(module: str, stack: list[str], done: set[str]) -> None:
@@ -422,14 +431,15 @@ def test_no_tensorstore_object_leaves_the_storage_seam():
 def test_local_files_or_tensorstore_is_chosen_in_one_place():
     """Whether eqx_ckpt reaches a location's chunk files itself (a local disk)
     or through TensorStore is chosen by the storage seam, once per location
-    (`_storage.chunk_files`), and nowhere else: no other module asks whether
+    (`_chunk_files.chunk_files`), and nowhere else: no other module asks whether
     the host allows it or makes either implementation of `ChunkFiles`, and
-    only `_storage` reaches `_local_read` and `_local_write`, the local one's
+    only `_chunk_files` reaches `_local_read` and `_local_write`, the local one's
     I/O. Callers ask the object `chunk_files` returns (issue 48: the
     local-files path behind the seam, not beside it; the choice was once
     asked of `_storage.local_chunk_files` by five modules, and `_share` asked
-    the location itself)."""
-    chooser = _path("_storage")
+    the location itself). `_storage`, the TensorStore seam, imports none of
+    them (issue 61)."""
+    chooser = _path("_chunk_files")
     choosing = {"LOCAL_PATH_SUPPORTED", "local_chunk_files", "LocalFiles", "TensorStoreFiles"}
     asking = [
         f"{path.name}:{node.lineno}: {ast.unparse(node)}"
@@ -440,7 +450,7 @@ def test_local_files_or_tensorstore_is_chosen_in_one_place():
         or (isinstance(node, ast.Attribute) and node.attr in choosing)
         or (isinstance(node, ast.ImportFrom) and any(alias.name in choosing for alias in node.names))
     ]
-    assert asking == [], "ask the location's `_storage.chunk_files(loc)`:\n" + "\n".join(asking)
+    assert asking == [], "ask the location's `_chunk_files.chunk_files(loc)`:\n" + "\n".join(asking)
     reaching = sorted(
         path.stem for path in MODULES if path != chooser and {"_local_read", "_local_write"} & _imports(_tree(path))
     )
@@ -452,15 +462,17 @@ def test_local_files_or_tensorstore_is_chosen_in_one_place():
         for node in ast.walk(function)
         if isinstance(node, ast.Call) and ast.unparse(node.func) in ("LocalFiles", "TensorStoreFiles")
     }
-    assert makers == {"chunk_files"}, f"the choice is made in `_storage.chunk_files` alone, not in {makers}"
+    assert makers == {"chunk_files"}, f"the choice is made in `_chunk_files.chunk_files` alone, not in {makers}"
+    below = {"_chunk_files", "_local_read", "_local_write"} & _imports(_tree(_path("_storage")), typing=True)
+    assert below == set(), f"`_storage` imports {below}, which are built on it"
 
 
 def test_chunk_files_are_written_and_packs_read_behind_the_seam():
     """Every write of a save's chunk files is made behind the storage seam, by
-    the writer the location's `ChunkFiles` makes (`writer`, `_writers.Writer`),
+    the writer the location's `ChunkFiles` makes (`writer`, `_chunk_files.Writer`),
     which takes every write and declines none: eqx_ckpt's own threads on a
     local disk, else a TensorStore transaction; and every run of a pack a
-    load reads, by the reader it makes (`pack_runs`, `_pack_runs.PackRuns`).
+    load reads, by the reader it makes (`pack_runs`, `_chunk_files.PackRuns`).
     No module outside `_store` makes a transaction or stages an array write
     in one, and no `ChunkFiles` method that writes or reads a pack's run may
     return `None` for its caller to fall back to TensorStore itself (issue 48:
@@ -483,10 +495,10 @@ def test_chunk_files_are_written_and_packs_read_behind_the_seam():
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "write":
                 if len(node.args) > 1 or any(k.arg == "transaction" for k in node.keywords):
                     outside.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
-    assert outside == [], "hand the write to `_storage.chunk_files(loc).writer(...)`:\n" + "\n".join(outside)
+    assert outside == [], "hand the write to `_chunk_files.chunk_files(loc).writer(...)`:\n" + "\n".join(outside)
     classes = {
         node.name: node
-        for node in _tree(_path("_storage")).body
+        for node in _tree(_path("_chunk_files")).body
         if isinstance(node, ast.ClassDef) and node.name in ("ChunkFiles", "LocalFiles", "TensorStoreFiles")
     }
     assert set(classes) == {"ChunkFiles", "LocalFiles", "TensorStoreFiles"}
@@ -499,6 +511,66 @@ def test_chunk_files_are_written_and_packs_read_behind_the_seam():
             if re.search(r"\bNone\b", returned):
                 declining.append(f"{name}.{method} -> {returned}")
     assert declining == [], "a save's writes are never declined:\n" + "\n".join(declining)
+
+
+_INTERRUPTS = {"BaseException", "KeyboardInterrupt", "SystemExit"}
+
+
+def _catches_interrupts(node: ast.AST) -> bool:
+    """An `except` that catches an interrupt (bare, or naming one), or a
+    `contextlib.suppress` of one."""
+    if isinstance(node, ast.ExceptHandler):
+        return node.type is None or bool(_INTERRUPTS & set(re.findall(r"\w+", ast.unparse(node.type))))
+    if isinstance(node, ast.withitem) and isinstance(node.context_expr, ast.Call):
+        call = node.context_expr
+        return ast.unparse(call.func).endswith("suppress") and any(ast.unparse(a) in _INTERRUPTS for a in call.args)
+    return False
+
+
+def test_waits_through_interrupts_have_one_owner():
+    """A wait that goes on whatever interrupts the caller (Ctrl-C, `sys.exit`
+    from a signal handler) is written once, in `_interrupts` (`outcome`, and
+    `finish`, `settle`, `stop` made of it): no other module loops while
+    catching an interrupt. (Issue 61: `_storage.result`,
+    `_storage.write_conditional` and `_local_read._settle` each wrote it again.)"""
+    found = [
+        f"{path.name}:{loop.lineno}"
+        for path in MODULES
+        if path.name != "_interrupts.py"
+        for loop in ast.walk(_tree(path))
+        if isinstance(loop, ast.While) and any(_catches_interrupts(node) for node in ast.walk(loop))
+    ]
+    assert found == [], "wait through interrupts with `_interrupts.outcome` (or `finish`, `settle`, `stop`):\n" + (
+        "\n".join(found)
+    )
+
+
+def _budget_comparisons(path: pathlib.Path) -> list[str]:
+    """The comparisons in `path` of bytes (a size, bytes staged or in flight)
+    against a budget, outside `_window.Budget`."""
+    tree = _tree(path)
+    owner = {
+        id(node)
+        for cls in tree.body
+        if isinstance(cls, ast.ClassDef) and cls.name == "Budget" and path.name == "_window.py"
+        for node in ast.walk(cls)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and id(node) not in owner:
+            text = ast.unparse(node).lower()
+            if "budget" in text and re.search(r"nbytes|size|staged|flight|held|bytes", text):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_byte_budgets_have_one_owner():
+    """Every window that admits work while the bytes in flight fit a budget
+    (a load's reads, `_window.windowed`; a save's staging, `_staging.Window`)
+    admits by one rule, `_window.Budget`: no other code compares bytes with a
+    budget. (Issue 61: each window wrote the rule again.)"""
+    found = [found for path in MODULES for found in _budget_comparisons(path)]
+    assert found == [], "admit work within a budget through `_window.Budget`:\n" + "\n".join(found)
 
 
 # File I/O of the standard library: what reads or writes bytes of files, or

@@ -24,7 +24,7 @@ from eqx_ckpt._load._source import open_source
 from eqx_ckpt._ondisk import _format
 from eqx_ckpt._ondisk._format import LeafRecord
 from eqx_ckpt._save import _records
-from eqx_ckpt._store import _local_read, _memory, _storage
+from eqx_ckpt._store import _chunk_files, _local_read, _memory, _storage
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +52,7 @@ def _saved(path, tree):
 def read_leaf(data, record):
     """A whole leaf by the local fast path (the location's chunk files'), or
     `None` where it does not apply."""
-    finish = _storage.chunk_files(data).start_read(record)
+    finish = _chunk_files.chunk_files(data).start_read(record)
     return None if finish is None else finish()
 
 

@@ -23,9 +23,9 @@ from eqx_ckpt._base import _faults, _interrupts, _location
 from eqx_ckpt._load._source import open_source
 from eqx_ckpt._ondisk import _format
 from eqx_ckpt._save import _records
-from eqx_ckpt._store import _local_write, _storage
+from eqx_ckpt._store import _chunk_files, _local_write, _storage
 
-pytestmark = pytest.mark.skipif(not _storage.LOCAL_PATH_SUPPORTED, reason="no direct writes on this host")
+pytestmark = pytest.mark.skipif(not _chunk_files.LOCAL_PATH_SUPPORTED, reason="no direct writes on this host")
 
 
 @pytest.fixture(params=["unbuffered", "buffered"])
@@ -69,8 +69,8 @@ def test_a_leafs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, own_fold
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", {"model": {"w": x}})
     data = open_source(tmp_path / "ckpt").data
     record = eqx_ckpt.Checkpoint(tmp_path / "ckpt").record("model.w")
-    assert _storage.chunk_files(data).writes(processes=1, layout="directories")
-    assert _storage.chunk_files(data).writes_leaf(record, [((), x)])
+    assert _chunk_files.chunk_files(data).writes(processes=1, layout="directories")
+    assert _chunk_files.chunk_files(data).writes_leaf(record, [((), x)])
     ours = _files(tmp_path / "ckpt" / "model" / "w")
     if x.nbytes > 1024:
         assert len(ours) > 1 and shape[0] % record.chunks[0], "want several chunks and an edge chunk"
@@ -149,7 +149,7 @@ def _loads_as(path, n: int) -> bool:
     return bool(eqx.tree_equal(loaded, _generation(n), typematch=True)) and eqx_ckpt.verify(path) == []
 
 
-def _chunk_files(path) -> int:
+def _count_chunk_files(path) -> int:
     return sum(1 for name in _files(path) if "/c/" in f"/{name}")
 
 
@@ -158,7 +158,7 @@ def test_a_failed_write_of_any_chunk_file_leaves_the_old_checkpoint_whole(tmp_pa
     path = tmp_path / "ckpt"
     eqx_ckpt.tree_serialise_leaves(path, _generation(1))
     before = sorted(os.listdir(path))
-    files = _chunk_files(path)
+    files = _count_chunk_files(path)
     assert files == 5  # four chunks of `big`, one of the pack
     for failing in range(files):
         calls = []

@@ -130,7 +130,7 @@ The points, with where they fire and the arguments they pass:
   started in the reader threads.
 - `local_read.read` `(fd, offset)`: a reader thread reads one step of a chunk
   file, or a run of a safetensors file on a local disk
-  (`_storage.read_local_range`); an `OSError` raised here is reported as the read's.
+  (`_chunk_files.read_local_range`); an `OSError` raised here is reported as the read's.
 - `local_read.crc` `(key)`: a chunk's joined crc32c is compared with its stored one.
 
 **Several processes (`_multihost`):**

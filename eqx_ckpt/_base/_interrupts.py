@@ -1,15 +1,17 @@
 """Running I/O to its end however the main thread is interrupted (Ctrl-C, or
 `sys.exit` from a signal handler), so a save always knows what it started
-(`uninterrupted`), and waiting for what it started: an error kept, not
-raised (`attempt`), or every future settled before an abort deletes what
-they wrote (`settle`)."""
+(`uninterrupted`), and waiting for what it started, whatever interrupts the
+wait (`outcome`, the one such loop for a future, and `finish`): an error kept, not raised
+(`attempt`), every future settled before an abort deletes what they wrote
+(`settle`), or reads cancelled and stopped before their buffer is handed
+back (`stop`)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _faults
@@ -120,24 +122,63 @@ def _stored(future: Any) -> BaseException | None:
     return None
 
 
+def outcome(future: Any) -> tuple[Any, BaseException | None, BaseException | None]:
+    """Wait for `future` to finish, whatever interrupts the caller: an
+    operation left running when the interpreter exits aborts the process, and
+    a save must know whether a write happened before it decides what to undo.
+
+    **Returns:**
+
+    `(value, error, interrupt)`: the future's result (`None` where it
+    failed), its error, and the first interrupt (Ctrl-C, `sys.exit` from a
+    signal handler) of the wait, for the caller to raise once the outcome is
+    recorded. This is the one loop that waits for a future through
+    interrupts: `finish`, `settle` and `stop` are made of it, and no module
+    outside this one loops while catching an interrupt
+    (tests/test_architecture.py checks).
+    """
+    interrupt: BaseException | None = None
+    while True:
+        try:
+            return future.result(), None, interrupt
+        except Exception as e:
+            return None, e, interrupt
+        except BaseException as e:  # raised by the caller, once the future has finished
+            if _stored(future) is e:
+                return None, e, interrupt  # the future's own outcome (raised in its thread), not an interrupt
+            interrupt = interrupt or e
+
+
+def finish(future: Any) -> Any:
+    """`future.result()`, except that an interrupt waits for the operation to
+    finish before it is raised (`outcome`)."""
+    value, error, interrupt = outcome(future)
+    if interrupt is not None:
+        raise interrupt
+    if error is not None:
+        raise error
+    return value
+
+
 def settle(futures: list[Any]) -> None:
     """Wait until no write of `futures` is still running, so that deleting what
     they wrote cannot race them. Errors are ignored (the save has failed
     already); a further interrupt is raised once all have settled."""
     interrupt: BaseException | None = None
     for future in futures:
-        while True:
-            try:
-                future.result()
-                break
-            except Exception:
-                break
-            except BaseException as e:  # raised below, once every write has stopped
-                if _stored(future) is e:
-                    break  # the write's own outcome (raised in a writer thread), not an interrupt of the wait
-                interrupt = interrupt or e
+        interrupt = interrupt or outcome(future)[2]
     if interrupt is not None:
         raise interrupt
+
+
+def stop(futures: Sequence[concurrent.futures.Future[Any]]) -> None:
+    """Cancel the `futures` not started and wait for the others, through
+    further interrupts too, which are dropped (the caller raises its own): no
+    thread may go on writing into a buffer once the caller has it."""
+    for future in futures:
+        future.cancel()
+    for future in futures:
+        outcome(future)
 
 
 def wait_all(futures: list[Any], error: BaseException | None) -> BaseException | None:

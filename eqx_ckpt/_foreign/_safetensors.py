@@ -36,7 +36,7 @@ from .._base._location import Location
 from .._ondisk import _published
 from .._ondisk._format import MAX_ELEMENTS, MAX_MANIFEST_BYTES, MAX_RANK, LeafRecord, dtype_from_name
 from .._ondisk._manifest import Manifest, loads_untrusted
-from .._store import _storage, _storage_errors, _window
+from .._store import _chunk_files, _storage, _storage_errors, _window
 
 # Safetensors dtype names -> the names eqx_ckpt (and ml_dtypes) use.
 DTYPES = {
@@ -289,7 +289,7 @@ class _Files:
     def __init__(self, loc: Location, where: _storage.Folder, generations: dict[str, bytes], folder: str | None):
         # `loc` as the user named it (for messages); `where`, the folder of the files.
         self.loc, self.where, self.generations = loc, where, generations
-        # The local directory of the files, whose runs are read by `_storage.read_local_range`.
+        # The local directory of the files, whose runs are read by `_chunk_files.read_local_range`.
         self.folder = folder
         # On a local disk a file can be rewritten in place while it is read, so
         # the files read from are also checked after the reads.
@@ -550,7 +550,7 @@ def _start_run(
     _faults.fire("safetensors.read_run", files.loc, file, start, end)
     if files.folder is not None:
         # Checked after the reads, as every read of a local file is (`_Files.changed`).
-        local = _window.read_pool().submit(_storage.read_local_range, os.path.join(files.folder, file), start, end)
+        local = _window.read_pool().submit(_chunk_files.read_local_range, os.path.join(files.folder, file), start, end)
     else:
         read = files.where.read(file, slice(start, end)) if end > start else None
 

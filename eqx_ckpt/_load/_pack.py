@@ -28,7 +28,7 @@ import numpy as np
 from .._base import _faults
 from .._base._location import Location
 from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
-from .._store import _storage, _window
+from .._store import _chunk_files, _storage, _window
 from . import _read
 
 
@@ -68,7 +68,7 @@ def read_leaves(
     # Each run read by the location's reader of pack runs: on a local disk by
     # eqx_ckpt itself (each chunk file checked before it is read), else through
     # TensorStore, with one open (and one check of its files) per pack, not per run.
-    reader = _storage.chunk_files(loc).pack_runs(cached=cached)
+    reader = _chunk_files.chunk_files(loc).pack_runs(cached=cached)
 
     def start_run(pack: PackRecord, start: int, stop: int, members: list[int]) -> Callable[[], np.ndarray]:
         _faults.fire("pack.read_run", loc, pack, [records[m].path for m in members])
@@ -97,7 +97,7 @@ def read_alone(loc: Location, record: LeafRecord) -> np.ndarray:
     pack = record.pack
     assert pack is not None
     _faults.fire("pack.read_run", loc, pack, [record.path])
-    runs = _storage.chunk_files(loc).pack_runs(cached=True)
+    runs = _chunk_files.chunk_files(loc).pack_runs(cached=True)
     return runs.start(pack, record.offset, record.offset + record.size, record)().reshape(record.stored_shape)
 
 

@@ -29,11 +29,11 @@ import numpy as np
 from .._base._location import Location
 from .._ondisk import _dtypes
 from .._ondisk._format import LeafRecord, dtype_from_name
-from .._store import _memory, _storage
+from .._store import _chunk_files, _memory
 from . import _read
 
 
-def usable(files: _storage.ChunkFiles, record: LeafRecord, like: Any) -> bool:
+def usable(files: _chunk_files.ChunkFiles, record: LeafRecord, like: Any) -> bool:
     """Whether this leaf loads through the pool: the pool on, a `jax.Array`
     leaf that `files` read themselves, stored as it is loaded (no decoding,
     no cast), whose chunks fit a buffer, bound for the device memory of
@@ -54,7 +54,7 @@ def usable(files: _storage.ChunkFiles, record: LeafRecord, like: Any) -> bool:
 
 
 def start(
-    files: _storage.ChunkFiles, loc: Location, record: LeafRecord, like: Any, on_bytes: Callable[[int], None] | None
+    files: _chunk_files.ChunkFiles, loc: Location, record: LeafRecord, like: Any, on_bytes: Callable[[int], None] | None
 ) -> Callable[[], Any] | None:
     """`_read.start_direct` through the pool, for a leaf `usable` accepts; the
     read runs in the returned function (the pool bounds it, not the read
@@ -73,7 +73,7 @@ def start(
 
 def _load(
     pool: _memory.BufferPool,
-    files: _storage.ChunkFiles,
+    files: _chunk_files.ChunkFiles,
     loc: Location,
     record: LeafRecord,
     like: Any,

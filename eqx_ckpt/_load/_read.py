@@ -16,7 +16,7 @@ from .._base._location import Location
 from .._hosts import _sharding
 from .._ondisk import _dtypes
 from .._ondisk._format import LeafRecord, dtype_from_name
-from .._store import _memory, _storage, _storage_errors
+from .._store import _chunk_files, _memory, _storage_errors
 
 if TYPE_CHECKING:
     from .._store._storage import Array
@@ -116,7 +116,7 @@ def start_region(
     `Array[index]` takes; `()`: all of it) of the stored leaf `record`, opened
     as `store` in the data root `loc`: the one way any reader reads a leaf's
     stored elements through TensorStore (a run of a pack, many leaves, is
-    read by the location's `_storage.ChunkFiles.pack_runs`). The returned
+    read by the location's `_chunk_files.ChunkFiles.pack_runs`). The returned
     function waits and gives them as stored (a NumPy
     array). A failure is the leaf's (`read_failed`), or with `raw` as storage
     raised it, for a caller that words it itself (a pack's run, whose damaged
@@ -145,7 +145,7 @@ def read_failed(error: BaseException, loc: Location, record: LeafRecord) -> Exce
     files are forgotten (`ChunkFiles.forget_damaged`), so the next save reads them
     again before it shares any."""
     failed = _storage_errors.leaf_io_error(error, record, loc, "read")
-    _storage.chunk_files(loc).forget_damaged(failed, record)
+    _chunk_files.chunk_files(loc).forget_damaged(failed, record)
     return failed
 
 
@@ -374,9 +374,9 @@ def _value(loc: Location, array: np.ndarray, record: LeafRecord, like: Any, shar
     return result(loc, record, array, like, sharding)
 
 
-def direct(files: _storage.ChunkFiles, record: LeafRecord, like: Any) -> bool:
+def direct(files: _chunk_files.ChunkFiles, record: LeafRecord, like: Any) -> bool:
     """Whether `start_direct` reads this leaf from `files` (its location's,
-    `_storage.chunk_files`): one that they read themselves (`reads`: a large one in
+    `_chunk_files.chunk_files`): one that they read themselves (`reads`: a large one in
     its own array on a local disk), going to one device (or to NumPy)."""
     sharding = target_sharding(like)
     placed = _dtypes.like_type(like) == "jax" and sharding is not None and len(sharding.device_set) > 1
@@ -384,7 +384,7 @@ def direct(files: _storage.ChunkFiles, record: LeafRecord, like: Any) -> bool:
 
 
 def start_direct(
-    files: _storage.ChunkFiles,
+    files: _chunk_files.ChunkFiles,
     loc: Location,
     record: LeafRecord,
     like: Any,

@@ -7,7 +7,7 @@ Within one host-memory budget and one pool of reading threads (`_window`),
 what several processes need is read once and shared (`_read_once`), packed
 leaves in runs of their packs (`_pack`; a lazy leaf, read alone, through the
 process's cached open of its pack; each run read behind the storage seam,
-`_storage.ChunkFiles.pack_runs`), small leaves of another format in
+`_chunk_files.ChunkFiles.pack_runs`), small leaves of another format in
 runs of its file (`Source.runs`), a large leaf on a local disk straight into
 one aligned buffer (`_read.start_direct`; or, where
 `_memory.PINNED_LOAD_POOL` is on, through the process's pool of reused host
@@ -31,7 +31,7 @@ from .._base._location import Location
 from .._base._progress import Progress, Tracker
 from .._ondisk import _dtypes
 from .._ondisk._format import LeafRecord
-from .._store import _storage, _storage_errors, _window
+from .._store import _chunk_files, _storage_errors, _window
 from . import _pack, _pooled, _read, _read_once
 from ._load_plan import LeafPlan
 
@@ -122,7 +122,7 @@ def _read_each(
     """Leaves read one array each, into `out` at their `slots`: large local
     ones straight into their buffers (`_read.start_direct`), the others
     through TensorStore, opened ahead of the reads."""
-    data, files = source.data, _storage.chunk_files(source.data)
+    data, files = source.data, _chunk_files.chunk_files(source.data)
     indices = range(len(plans))
     # Bytes within each leaf, reported as its chunks or slabs land.
     parts = {i: tracker.within(records[i].nbytes) for i in indices}

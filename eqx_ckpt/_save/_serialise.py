@@ -4,8 +4,8 @@ A save collects the tree's leaves with their names and filter specs
 (`_collect`), plans what it writes (every leaf's record and host pieces, and
 the packs of small leaves: `_records`), begins the transaction, creates the
 arrays and writes them within the staging budget (`_staging`, each write
-handed to the location's writer, `_storage.chunk_files(loc).writer`: on a
-local disk by eqx_ckpt itself, else through TensorStore, `_writers`), makes
+handed to the location's writer, `_chunk_files.chunk_files(loc).writer`: on a
+local disk by eqx_ckpt itself, else through TensorStore), makes
 them durable (`_durable`) and commits the manifest. An
 asynchronous save returns once its arrays are safe on the host (with the
 default filter spec, once each leaf's host data is held:
@@ -44,7 +44,7 @@ from .._base._progress import Progress, Tracker
 from .._load import _source
 from .._load._lazy import LazyArray
 from .._ondisk import _dtypes, _layout, _manifest, _structure
-from .._store import _durable, _lease, _share, _storage, _storage_errors, _transaction, _untrusted
+from .._store import _chunk_files, _durable, _lease, _share, _storage_errors, _transaction, _untrusted
 from . import _background, _partial, _records, _stages, _staging
 from ._background import Handoff, PendingSave
 
@@ -624,7 +624,7 @@ def _base_at(loc: Location, manifest: _manifest.Manifest | None) -> _share.Base 
     """The checkpoint at `loc` (whose manifest is `manifest`, if read) as a
     base, opened as a load opens it (`_source.checkpoint`); `None` where its
     chunk files cannot be shared (the OCDBT layout; where the location's
-    chunk files, `_storage.chunk_files`, are not eqx_ckpt's own: not on a
+    chunk files, `_chunk_files.chunk_files`, are not eqx_ckpt's own: not on a
     local disk)."""
     if manifest is not None and manifest.layout != "directories":
         return None
@@ -633,7 +633,7 @@ def _base_at(loc: Location, manifest: _manifest.Manifest | None) -> _share.Base 
         source = _source.checkpoint(loc, manifest)
         return None if source is None else (source.data, source.manifest)
 
-    return _storage.chunk_files(loc).base(opened)
+    return _chunk_files.chunk_files(loc).base(opened)
 
 
 def _commit(tx: _transaction.Transaction, encoded: list[bytes]) -> BaseException | None:

@@ -1,7 +1,7 @@
 """A save's writes: its leaves sorted by where they are written (`Batch`),
 the arrays created (`create`), then the writes started in order within the
 save's staging budget (`start_writes`), each made and started by the
-location's writer (`_storage.chunk_files(loc).writer`, `_store/_writers.py`:
+location's writer (`_chunk_files.chunk_files(loc).writer`:
 eqx_ckpt's own threads on a local disk, else a TensorStore transaction),
 every piece's host data made as its write starts and released once written.
 
@@ -40,8 +40,8 @@ from .._base._location import Location
 from .._base._progress import Tracker
 from .._ondisk import _format, _layout
 from .._ondisk._format import LeafRecord, PackRecord
-from .._store import _durable, _memory, _share, _storage
-from .._store._writers import Steps, Write, Writer
+from .._store import _chunk_files, _durable, _memory, _share, _storage, _window
+from .._store._chunk_files import Steps, Write, Writer
 
 if TYPE_CHECKING:
     from ._records import Pending
@@ -203,7 +203,7 @@ def start_writes(
     """Start writing the arrays of `batch` into `data` (`opens`: the futures of
     the arrays opened to write, `create`), in order, as many as the
     staging budget (`budget` bytes of host data staged and not yet written)
-    admits, each handed to the location's writer (`_storage.chunk_files`,
+    admits, each handed to the location's writer (`_chunk_files.chunk_files`,
     `writer`), which writes it by eqx_ckpt's own threads where its chunk
     files take a save of this `layout` by this many `processes` (on a local
     disk), else through TensorStore, staged in a transaction whose commit
@@ -215,7 +215,7 @@ def start_writes(
     files equal to `base`'s are shared; with `remember`, the digest of every
     chunk file written is recorded (`_share.written`).
     """
-    writer = _storage.chunk_files(data).writer(
+    writer = _chunk_files.chunk_files(data).writer(
         processes=processes, layout=layout, out=out, tracker=tracker, base=base, remember=remember
     )
     writing = Writing(_writes(writer, batch, opens, budget), budget, out, writer)
@@ -352,23 +352,33 @@ _START_BYTES = 16 << 20
 
 
 class Window:
-    """The admission of a save's writes within `budget` staged bytes, in order
-    (see the module docstring). `units`: objects with `nbytes` (what staging
-    them holds) and `datas` (their pieces, whose copies to the host `admit`
-    starts)."""
+    """The admission of a save's writes within `budget` staged bytes, in order,
+    by the one rule of every window (`_window.Budget`; see the module
+    docstring). `units`: objects with `nbytes` (what staging them holds) and
+    `datas` (their pieces, whose copies to the host `admit` starts)."""
 
     def __init__(self, units: Iterable[Any], budget: int):
         self._todo: collections.deque[Any] = collections.deque(units)
-        self.budget = budget
-        self.staged = 0
+        self._budget = _window.Budget(budget)
+
+    @property
+    def staged(self) -> int:
+        """The bytes staged and not yet written."""
+        return self._budget.held
+
+    @property
+    def budget(self) -> int:
+        return self._budget.limit
 
     def admit(self) -> list[Any]:
         """The next units that fit, counted as staged, their copies to the host begun."""
         out = []
         todo = self._todo
-        while todo and (self.staged == 0 or self.staged + todo[0].nbytes <= self.budget):
+        while todo and self._budget.fits(todo[0].nbytes, alone=self.staged == 0):
             unit = todo.popleft()
-            self._change(unit.nbytes)
+            if unit.nbytes:
+                self._budget.take(unit.nbytes)
+                _faults.fire("save.staged", self.staged, self.budget)
             out.append(unit)
         # (On a CPU, host data is a view: nothing to start, unless copies through
         # pinned memory are switched on, `_memory.PINNED_SAVE_COPIES`.)
@@ -379,11 +389,8 @@ class Window:
 
     def release(self, unit: Any) -> None:
         """`unit` was written: its bytes are no longer staged."""
-        self._change(-unit.nbytes)
-
-    def _change(self, nbytes: int) -> None:
-        if nbytes:
-            self.staged += nbytes
+        if unit.nbytes:
+            self._budget.give(unit.nbytes)
             _faults.fire("save.staged", self.staged, self.budget)
 
     @property

@@ -32,17 +32,15 @@ Only eqx_ckpt's own zarr v3 arrays (`Source.opener is None`) are laid out so.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
 import os
 import stat
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import crc32c
 import numpy as np
 
-from .._base import _faults
+from .._base import _faults, _interrupts
 from .._base._errors import IntegrityError, stored_leaf_error
 from .._base._location import Location
 from .._ondisk import _format
@@ -53,7 +51,7 @@ from ._storage_errors import leaf_io_error
 from ._untrusted import refuse_links, wrong_chunk_file
 
 # Smaller leaves gain little over TensorStore (and will be packed together):
-# `_storage.LocalFiles.reads` leaves them to it.
+# `_chunk_files.LocalFiles.reads` leaves them to it.
 MIN_BYTES = 2**20
 PIECE_BYTES = 16 * 2**20
 # Each piece is read and checked a step at a time: a step fits in a core's cache.
@@ -68,7 +66,7 @@ def start_read(
 ) -> Callable[[], np.ndarray]:
     """Start reading a whole leaf stored in its own zarr v3 array on a local
     disk straight into one aligned host buffer: a leaf that
-    `_storage.LocalFiles.reads` (which calls this, and else declines, so
+    `_chunk_files.LocalFiles.reads` (which calls this, and else declines, so
     that the caller reads it through TensorStore).
 
     The reads run in a shared pool of threads (so the reads of several leaves
@@ -97,7 +95,7 @@ def start_read(
         except Exception:
             raise
         except BaseException:  # an interrupt: the checks, then the reads they started, stop first
-            _settle([started])
+            _interrupts.stop([started])
             if not started.cancelled() and started.exception() is None:
                 started.result()[1].settle()
             raise
@@ -260,7 +258,7 @@ class _Reads:
 
     def settle(self) -> None:
         """Cancel the reads not started, and wait for the others."""
-        _settle([piece for pieces in self.futures for _, piece in pieces])
+        _interrupts.stop([piece for pieces in self.futures for _, piece in pieces])
 
 
 def _pieces(segments: list[memoryview]) -> Iterator[tuple[int, list[memoryview], int]]:
@@ -415,16 +413,6 @@ def _shift(length: int) -> int:
         n >>= 1
         k += 1
     return power
-
-
-def _settle(futures: Sequence[concurrent.futures.Future[Any]]) -> None:
-    """Cancel the reads not started and wait for the others, through further
-    interrupts too: no thread may write into the buffer once the caller has it."""
-    for future in futures:
-        future.cancel()
-    while not all(future.done() for future in futures):
-        with contextlib.suppress(BaseException):
-            concurrent.futures.wait(futures)
 
 
 def _size_message(record: LeafRecord, key: str, size: int | None) -> str:

@@ -27,7 +27,7 @@ TensorStore alone.
 
 Only single-process saves of the "directories" layout use it, into their own
 fresh data root (a file that exists already is an error, never overwritten):
-`_storage.LocalFiles` says which save and which leaf, and calls it.
+`_chunk_files.LocalFiles` says which save and which leaf, and calls it.
 """
 
 from __future__ import annotations

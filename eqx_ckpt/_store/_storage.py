@@ -28,30 +28,14 @@ through a `Promise`; a read's holds a NumPy array) or a `Mapped`, which turns
 TensorStore's result into this module's type (an `Array`, a `Found`) as it
 is asked for.
 
-A location's chunk files are reached one of two ways, chosen once per
-location by `chunk_files` and nowhere else (tests/test_architecture.py
-checks): a `ChunkFiles`, whose implementations are `LocalFiles` (on a local
-disk eqx_ckpt reads and writes them itself, `_local_read` and `_local_write`,
-and an incremental save shares them, `_share`) and `TensorStoreFiles`
-(elsewhere: TensorStore reads and writes them, through the arrays here).
-A save hands every write to the writer the object makes (`writer`, a
-`_writers.Writer`), which declines none: eqx_ckpt's own threads where
-`LocalFiles` takes the save and the leaf (`writes`, `writes_leaf`: chunks
-that split only the first axis), else a `Transaction` it commits
-(`_writers.TensorStore`); no module outside `_store` writes an array or
-makes a transaction. A load reads the runs of packs through the reader the
-object makes (`pack_runs`, a `_pack_runs.PackRuns`), which declines none
-either: eqx_ckpt's own checked reads on a local disk, else the pack's array.
-A whole leaf is read by eqx_ckpt itself where the object's `reads` says its
-layout allows it (`start_read`; `None` where declined), else the load reads
-its array here (`_read`, which also places it: slabs, shards, another
-format's arrays).
+A location's chunk files (eqx_ckpt's own reads and writes on a local disk,
+else these arrays) are chosen and reached in `_chunk_files`, which calls
+this module; this module calls none of it.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import errno
 import hashlib
@@ -59,39 +43,18 @@ import io
 import json
 import os
 import shutil
-import sys
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
-import crc32c
 import numpy as np
 import tensorstore as ts
 
-from .._base import _faults, _location
+from .._base import _faults, _interrupts, _location
 from .._base._location import Location
-from .._base._progress import Tracker
-from .._ondisk import _format, _manifest
+from .._ondisk import _format
 from .._ondisk._format import LeafRecord, PackRecord
-from . import (
-    _durable,
-    _hub,
-    _local_read,
-    _local_write,
-    _memory,
-    _pack_runs,
-    _share,
-    _storage_errors,
-    _untrusted,
-    _writers,
-)
+from . import _durable, _hub, _memory, _storage_errors, _untrusted
 from ._storage_errors import read_explained, read_only_store, unreachable, write_error
-
-# What the local path needs of the host: little-endian bytes (zarr's chunks are
-# little-endian), `preadv` and `O_NOFOLLOW` for the checked reads, a hardware crc32c.
-LOCAL_PATH_SUPPORTED = (
-    sys.byteorder == "little" and hasattr(os, "preadv") and hasattr(os, "O_NOFOLLOW") and crc32c.hardware_based
-)
-
 
 # The futures this module returns are TensorStore's own (`Future`, set through
 # a `Promise`: see `pending`), or a `Mapped`, which converts TensorStore's result
@@ -158,18 +121,11 @@ def _context(loc: Location, synced: bool) -> ts.Context:
 
 def result(future: Future | Mapped) -> Any:
     """`future.result()`, except that an interrupt (Ctrl-C, `sys.exit` from a
-    signal handler) waits for the operation to finish before it is raised: an
-    operation left running when the interpreter exits aborts the process, and a
-    save must know whether a write happened before it decides what to undo."""
-    try:
-        return future.result()
-    except Exception:
-        raise
-    except BaseException:
-        while not future.done():
-            with contextlib.suppress(BaseException):
-                future.result()
-        raise
+    signal handler) waits for the operation to finish before it is raised
+    (`_interrupts.finish`): an operation left running when the interpreter
+    exits aborts the process, and a save must know whether a write happened
+    before it decides what to undo."""
+    return _interrupts.finish(future)
 
 
 def read_file(loc: Location, name: str, *, limit: int) -> bytes | None:
@@ -365,25 +321,15 @@ def write_conditional(
     raised: the caller, which can tell whether the file is its own, says what
     it left."""
     _faults.fire("commit.manifest_write", loc, name)
-    future = _start_write_if(loc, name, data, if_equal)
-    interrupt: BaseException | None = None
-    error: BaseException | None = None
-    written = False
-    while True:
-        try:
-            written = bool(future.result().generation)
-            break
-        except Exception as e:
-            if "Malformed StorageGeneration" in str(e) and if_equal != b"":
-                # A server that reported a generation it cannot be asked for
-                # back (gcp-storage-emulator reports 0 on reads): the condition
-                # cannot be expressed there, so the write is made without it.
-                future, if_equal = _start_write_if(loc, name, data, None), b""
-                continue
-            error = e
-            break
-        except BaseException as e:  # kept and returned, so the write's outcome is known first
-            interrupt = interrupt or e
+    # Waited through interrupts, kept and returned: the write's outcome is known first.
+    found, error, interrupt = _interrupts.outcome(_start_write_if(loc, name, data, if_equal))
+    if error is not None and "Malformed StorageGeneration" in str(error) and if_equal != b"":
+        # A server that reported a generation it cannot be asked for back
+        # (gcp-storage-emulator reports 0 on reads): the condition cannot be
+        # expressed there, so the write is made without it.
+        found, error, interrupted = _interrupts.outcome(_start_write_if(loc, name, data, None))
+        interrupt = interrupt or interrupted
+    written = error is None and bool(found.generation)
     if written and loc.local is not None:
         try:
             _durable.sync_directory(loc.local)
@@ -638,7 +584,7 @@ class Array:
         """Start writing `value` into it; a future of the write. Staged in
         `transaction`, the write only references `value` until the
         transaction's commit, which writes it out: `value` must not change
-        until then (see `_writers.TensorStore`)."""
+        until then (see `_chunk_files.Writer`)."""
         if transaction is None:
             return self._array.write(value)
         staged = self._array.with_transaction(transaction._transaction)
@@ -726,14 +672,6 @@ def open_local_file(path: str) -> io.BufferedReader:
     """A local file of another program's checkpoint (an Equinox `.eqx` file,
     read in order by `_migrate`), opened to read."""
     return open(path, "rb")
-
-
-def read_local_range(path: str, start: int, end: int) -> np.ndarray | None:
-    """Bytes `start` to `end` of a file of another program's checkpoint on a
-    local disk (a safetensors file's run of tensors), read by eqx_ckpt itself
-    into memory `jax.device_put` adopts (`_local_read.read_range`); `None`
-    if the file ends before `end`."""
-    return _local_read.read_range(path, start, end)
 
 
 def transaction() -> Transaction:
@@ -908,216 +846,3 @@ def virtual_array(
 def in_memory(array: np.ndarray) -> Array:
     """A NumPy array as an `Array` (the type every opened leaf has)."""
     return Array(ts.array(array))
-
-
-# -- Chunk files: read and written by eqx_ckpt itself on a local disk, else by TensorStore
-
-Read = Callable[[], np.ndarray]
-Writes = list[concurrent.futures.Future[None]]
-# A leaf's host pieces: (the index of the array it fills, its data).
-Pieces = Sequence[tuple[tuple[slice, ...], Any]]
-
-
-class ChunkFiles(Protocol):
-    """How the chunk files of one location are read and written (`chunk_files`).
-    A save's `writer` takes every write and a load's `pack_runs` every run of
-    a pack; `start_read` of a whole leaf returns `None` where it declines
-    (`reads` is false): the load reads the leaf's `Array` (`_read`)."""
-
-    def reads(self, record: LeafRecord) -> bool:
-        """Whether `start_read` reads this leaf, stored in an array of its own."""
-        ...
-
-    def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
-        """Start reading a whole leaf straight into one aligned buffer
-        (`_local_read.start_read`); a function that waits and returns it."""
-        ...
-
-    def start_chunks(self, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
-        """Start reading chunks `[first, first + count)` of a leaf that `reads`
-        into `out`, a buffer the caller reuses; a function that waits and
-        checks them."""
-        ...
-
-    def pack_runs(self, *, cached: bool) -> _pack_runs.PackRuns:
-        """The reader of runs of the packs here for one load, which reads
-        every run and declines none: by eqx_ckpt itself where it reads the
-        chunk files (`_local_read.start_pack_run`; not with `cached`, a load
-        of a few leaves at a time), else through the pack's `Array`
-        (`open_pack`, with `cached`), opened once per pack."""
-        ...
-
-    def writes(self, *, processes: int, layout: str) -> bool:
-        """Whether a save by `processes` processes in `layout` writes chunk
-        files here (then every pack's, and each leaf's that `writes_leaf`)."""
-        ...
-
-    def writes_leaf(self, record: LeafRecord, pieces: Pieces) -> bool:
-        """Whether, in a save that `writes` here, this leaf's chunk files are."""
-        ...
-
-    def writer(
-        self, *, processes: int, layout: str, out: list[Any], tracker: Tracker | None, base: _share.Base | None,
-        remember: bool,
-    ) -> _writers.Writer:  # fmt: skip
-        """A save's writer of the chunk files here (by `processes` processes,
-        in `layout`), which takes every write of the save and declines none:
-        by eqx_ckpt's own threads where `writes` and `writes_leaf` say (chunk
-        files equal to `base`'s shared, and with `remember` the digest of
-        each written recorded, `_share`), else staged in a `Transaction`
-        (`transaction`). It puts in `out` every future that finishes when
-        data is written, and reports progress to `tracker`."""
-        ...
-
-    def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
-        """The checkpoint here as the base of an incremental save, or `None`
-        where its chunk files cannot be shared; `opened()` opens it (its data
-        root and manifest), called only where they might be."""
-        ...
-
-    def forget_damaged(self, error: BaseException, record: LeafRecord) -> None:
-        """Where `error`, a failure to read `record` here, says the leaf is
-        damaged, forget its array's files (`forget`)."""
-        ...
-
-    def forget(self, directory: str) -> None:
-        """Forget what `_share` verified or wrote of the array folder
-        `directory`, so that the next save reads it again before sharing it."""
-        ...
-
-
-class LocalFiles:
-    """Chunk files on a local disk, read and written by eqx_ckpt itself."""
-
-    def __init__(self, loc: Location, root: str):
-        self.loc, self.root = loc, root
-
-    def reads(self, record: LeafRecord) -> bool:
-        """A large leaf whose chunks split only its first axis (each chunk's
-        bytes contiguous in the array), not packed, in a codec read as stored."""
-        return (
-            record.encoding in _format.ENCODINGS
-            and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
-            and record.pack is None
-            and record.nbytes >= max(_local_read.MIN_BYTES, 1)
-        )
-
-    def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
-        return _local_read.start_read(self.loc, record, on_bytes=on_bytes) if self.reads(record) else None
-
-    def start_chunks(self, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
-        """Start reading chunks `[first, first + count)` of a leaf that `reads`
-        into `out` (`_local_read.start_chunks`)."""
-        return _local_read.start_chunks(self.loc, record, first, count, out)
-
-    def start_pack_run(self, pack: PackRecord, start: int, stop: int) -> Read:
-        """Start reading elements `[start, stop)` (not empty) of `pack` (`_local_read.start_pack_run`)."""
-        return _local_read.start_pack_run(self.loc, pack, start, stop)
-
-    def pack_runs(self, *, cached: bool) -> _pack_runs.PackRuns:
-        return _pack_runs.PackRuns(self.loc, None if cached else self.start_pack_run, open_pack, cached=cached)
-
-    def writes(self, *, processes: int, layout: str) -> bool:
-        """One process (a single writer of the fresh data root) and the
-        "directories" layout (an array's chunk files are files of their own)."""
-        return processes == 1 and layout == "directories"
-
-    def writes_leaf(self, record: LeafRecord, pieces: Pieces) -> bool:
-        """One host piece holding the whole array, and chunks that split only
-        its first axis."""
-        return (
-            record.pack is None
-            and len(pieces) == 1
-            and not pieces[0][0]
-            and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
-        )
-
-    def start_write(self, record: LeafRecord, piece: Any, base: str | None, *, remember: bool) -> Writes:
-        """Start writing every chunk file of one leaf (`_local_write.start_write`)."""
-        return _local_write.start_write(self.loc, record, piece, base, remember=remember)
-
-    def start_pack(
-        self,
-        pack: PackRecord,
-        records: Sequence[LeafRecord],
-        pieces: Sequence[Any],
-        base: str | None,
-        *,
-        remember: bool,
-        files: range,
-    ) -> Writes:
-        """Start writing chunk files `files` of `pack` (`_local_write.start_pack`)."""
-        return _local_write.start_pack(self.loc, pack, records, pieces, base, remember=remember, files=files)
-
-    def writer(
-        self, *, processes: int, layout: str, out: list[Any], tracker: Tracker | None, base: _share.Base | None,
-        remember: bool,
-    ) -> _writers.Writer:  # fmt: skip
-        local = self if self.writes(processes=processes, layout=layout) else None
-        tensorstore = _writers.TensorStore(out, tracker, transaction)
-        return _writers.Writer(local, tensorstore, base if local is not None else None, remember)
-
-    def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
-        """Shared where the checkpoint has the "directories" layout and its data root is on this disk."""
-        found = opened()
-        if found is None or found[1].layout != "directories" or found[0].local is None:
-            return None
-        return _share.Base(found[0].local, found[1])
-
-    def forget_damaged(self, error: BaseException, record: LeafRecord) -> None:
-        _share.forget_damaged(error, self.root, record)
-
-    def forget(self, directory: str) -> None:
-        _share.forget(self.root, directory)
-
-
-class TensorStoreFiles:
-    """Chunk files reached through TensorStore: a save's writer stages every
-    write in a `Transaction` and a load's pack runs read the pack's `Array`;
-    a whole leaf is read through its `Array` by the load (`reads` is false,
-    `start_read` declines), and nothing is shared."""
-
-    def __init__(self, loc: Location):
-        self.loc = loc
-
-    def reads(self, record: LeafRecord) -> bool:
-        return False
-
-    def start_chunks(self, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
-        raise NotImplementedError("no leaf here is read by eqx_ckpt itself (`reads` is false)")
-
-    def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
-        return None
-
-    def pack_runs(self, *, cached: bool) -> _pack_runs.PackRuns:
-        return _pack_runs.PackRuns(self.loc, None, open_pack, cached=cached)
-
-    def writes(self, *, processes: int, layout: str) -> bool:
-        return False
-
-    def writes_leaf(self, record: LeafRecord, pieces: Pieces) -> bool:
-        return False
-
-    def writer(
-        self, *, processes: int, layout: str, out: list[Any], tracker: Tracker | None, base: _share.Base | None,
-        remember: bool,
-    ) -> _writers.Writer:  # fmt: skip
-        return _writers.Writer(None, _writers.TensorStore(out, tracker, transaction), None, remember)
-
-    def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
-        return None
-
-    def forget_damaged(self, error: BaseException, record: LeafRecord) -> None:
-        """Nothing was verified or written by `_share` here."""
-
-    def forget(self, directory: str) -> None:
-        """Nothing was verified or written by `_share` here."""
-
-
-def chunk_files(loc: Location) -> ChunkFiles:
-    """The chunk files of `loc`, chosen here and nowhere else: `LocalFiles` on
-    a local disk reached through the `file` driver, on a host with what that
-    needs (`LOCAL_PATH_SUPPORTED`); else `TensorStoreFiles`."""
-    if LOCAL_PATH_SUPPORTED and _location.on_local_disk(loc) and loc.local is not None:
-        return LocalFiles(loc, loc.local)
-    return TensorStoreFiles(loc)

@@ -11,6 +11,9 @@ Local files are read on one pool of threads (`read_pool`), shared by every
 reader: eqx_ckpt's own chunk files (`_local_read`) and safetensors runs alike.
 Small leaves stored side by side (in a pack, or a safetensors file) are read
 in runs, grouped by one rule (`runs`).
+
+Every window of bytes in flight admits work by one rule, `Budget`: the readers'
+window here, and a save's staging window (`_staging.Window`), tests/test_architecture.py checks.
 """
 
 from __future__ import annotations
@@ -37,6 +40,30 @@ K = TypeVar("K")
 F = TypeVar("F")
 
 
+class Budget:
+    """Bytes in flight against a budget of `limit` bytes: the one rule by which
+    every window admits work. The next job starts while it fits in what is
+    left, or alone, when nothing else runs (a job larger than the budget then
+    runs by itself)."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+
+    def fits(self, nbytes: int, *, alone: bool) -> bool:
+        """Whether a job of `nbytes` may start now; `alone`: nothing else runs."""
+        return alone or self.held + nbytes <= self.limit
+
+    def take(self, nbytes: int) -> None:
+        """A job of `nbytes` started."""
+        self.held += nbytes
+
+    def give(self, nbytes: int) -> None:
+        """A job of `nbytes` finished: its bytes are free."""
+        self.held -= nbytes
+
+
 def windowed(
     jobs: Iterable[tuple[K, int, Callable[[], F]]], *, max_reads: int | None = None
 ) -> Iterator[tuple[K, int, F]]:
@@ -50,15 +77,15 @@ def windowed(
     asking for the next: that is what frees its bytes."""
     _faults.fire("window.open")
     flight: collections.deque[tuple[K, int, F]] = collections.deque()
-    in_flight = 0
+    budget = Budget(READ_BUDGET)
     for key, size, start in jobs:
-        while flight and (in_flight + size > READ_BUDGET or (max_reads is not None and len(flight) >= max_reads)):
+        while flight and (not budget.fits(size, alone=False) or (max_reads is not None and len(flight) >= max_reads)):
             done = flight.popleft()
-            in_flight -= done[1]
+            budget.give(done[1])
             yield done
         _faults.fire("window.start", len(flight) + 1)
         flight.append((key, size, start()))
-        in_flight += size
+        budget.take(size)
     while flight:
         yield flight.popleft()
 

@@ -18,7 +18,7 @@ from .._base._location import Location
 from .._base._progress import Tracker
 from .._load import _read
 from .._ondisk._format import LeafRecord, dtype_from_name
-from .._store import _storage, _storage_errors, _window
+from .._store import _chunk_files, _storage_errors, _window
 
 # How many chunk reads may be in flight at once (chunks of a few bytes would
 # otherwise start thousands of reads within the budget).
@@ -106,7 +106,7 @@ def damage(error: BaseException, record: LeafRecord, data: Location, doing: str)
     explained = _storage_errors.leaf_io_error(error, record, data, doing)
     if isinstance(explained, CheckpointStorageError):
         raise explained from None
-    _storage.chunk_files(data).forget_damaged(explained, record)
+    _chunk_files.chunk_files(data).forget_damaged(explained, record)
     return explained
 
 

@@ -25,7 +25,7 @@ from .._manage._steps import committed_steps
 from .._ondisk import _format, _layout, _manifest
 from .._ondisk._format import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, PackRecord, dtype_from_name, step_name
 from .._ondisk._manifest import Manifest
-from .._store import _hub, _storage, _storage_errors, _untrusted
+from .._store import _chunk_files, _hub, _storage, _storage_errors, _untrusted
 from . import _chunk_scan, _verify_sources
 
 # Pack chunks read at once.
@@ -325,7 +325,7 @@ def _read_pack(data: Location, pack: PackRecord, members: list[LeafRecord]) -> d
                 raise refused from None
             damaged[k] = _storage_errors.explain(e)
     if damaged:
-        _storage.chunk_files(data).forget(pack.name)
+        _chunk_files.chunk_files(data).forget(pack.name)
     return damaged
 
 

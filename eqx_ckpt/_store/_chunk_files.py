@@ -1,0 +1,507 @@
+"""A location's chunk files: read and written by eqx_ckpt itself on a local
+disk, else through TensorStore.
+
+`chunk_files(loc)` makes that choice, once per location and nowhere else
+(tests/test_architecture.py checks). It returns a `ChunkFiles`, the one
+interface a save and a load use:
+
+- `LocalFiles`: on a local disk, eqx_ckpt reads and writes the files itself
+  (`_local_read`, `_local_write`). An incremental save shares them (`_share`).
+- `TensorStoreFiles`: elsewhere, TensorStore reads and writes them, through
+  the arrays of `_storage`.
+
+A save hands every write to the location's `Writer` (`writer`), which
+declines none. The plain `Writer` stages each write in a
+`_storage.Transaction` and commits it. The local one, `LocalWriter`, writes
+every pack and most leaves with eqx_ckpt's own threads. A leaf whose chunks it
+cannot lay out (see `LocalFiles.writes_leaf`) goes through TensorStore, as
+the plain writer writes it: a property of the local files, not a second
+choice. The save admits each `Write` within its staging budget and starts it
+(`_staging`); its futures report progress in `Steps`.
+
+A load reads the runs of packs through the location's `PackRuns`
+(`pack_runs`), which declines none either. A whole leaf is read by eqx_ckpt
+itself where `reads` says its layout allows it (`start_read`; `None` where
+declined); else the load reads its `_storage.Array`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import crc32c
+import numpy as np
+
+from .._base import _interrupts, _location
+from .._base._location import Location
+from .._base._progress import Tracker
+from .._ondisk import _format, _manifest
+from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
+from . import _local_read, _local_write, _memory, _share, _storage
+from ._storage import Future, Mapped, Transaction
+from ._storage_errors import leaf_io_error
+
+# What the local path needs of the host: little-endian bytes (zarr's chunks are
+# little-endian), `preadv` and `O_NOFOLLOW` for the checked reads, a hardware crc32c.
+LOCAL_PATH_SUPPORTED = (
+    sys.byteorder == "little" and hasattr(os, "preadv") and hasattr(os, "O_NOFOLLOW") and crc32c.hardware_based
+)
+
+Read = Callable[[], np.ndarray]
+# A leaf's host pieces: (the index of the array it fills, its data).
+Pieces = Sequence[tuple[tuple[slice, ...], Any]]
+# What `_staging.Writing.follow` reports as each future of a write finishes, in order:
+# bytes done within a leaf, and the sizes of the leaves done (`Tracker.count_leaves`).
+Steps = list[tuple[int, list[int]]]
+
+
+def chunk_files(loc: Location) -> ChunkFiles:
+    """The chunk files of `loc`, chosen here and nowhere else: `LocalFiles` on
+    a local disk reached through the `file` driver, on a host with what that
+    needs (`LOCAL_PATH_SUPPORTED`); else `TensorStoreFiles`."""
+    if LOCAL_PATH_SUPPORTED and _location.on_local_disk(loc) and loc.local is not None:
+        return LocalFiles(loc, loc.local)
+    return TensorStoreFiles(loc)
+
+
+def read_local_range(path: str, start: int, end: int) -> np.ndarray | None:
+    """Bytes `start` to `end` of a file of another program's checkpoint on a
+    local disk (a safetensors file's run of tensors), read by eqx_ckpt itself
+    into memory `jax.device_put` adopts (`_local_read.read_range`); `None`
+    if the file ends before `end`."""
+    return _local_read.read_range(path, start, end)
+
+
+class ChunkFiles(Protocol):
+    """How the chunk files of one location are read and written (`chunk_files`).
+    A save's `writer` takes every write, and a load's `pack_runs` every run of
+    a pack. `start_read` of a whole leaf returns `None` where it declines
+    (`reads` is false): the load then reads the leaf's `_storage.Array`."""
+
+    def reads(self, record: LeafRecord) -> bool:
+        """Whether `start_read` reads this leaf, stored in an array of its own."""
+        ...
+
+    def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
+        """Start reading a whole leaf straight into one aligned buffer
+        (`_local_read.start_read`); a function that waits and returns it."""
+        ...
+
+    def start_chunks(self, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
+        """Start reading chunks `[first, first + count)` of a leaf that `reads`
+        into `out`, a buffer the caller reuses; a function that waits and
+        checks them."""
+        ...
+
+    def pack_runs(self, *, cached: bool) -> PackRuns:
+        """The reader of the runs of the packs here, for one load. It reads
+        every run and declines none."""
+        ...
+
+    def writer(
+        self, *, processes: int, layout: str, out: list[Any], tracker: Tracker | None, base: _share.Base | None,
+        remember: bool,
+    ) -> Writer:  # fmt: skip
+        """A save's writer of the chunk files here, by `processes` processes,
+        in `layout`. It takes every write of the save and declines none. It
+        puts in `out` every future that finishes when data is written, and
+        reports progress to `tracker`. Chunk files equal to `base`'s are
+        shared; with `remember`, the digest of each written is recorded (`_share`)."""
+        ...
+
+    def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
+        """The checkpoint here as the base of an incremental save, or `None`
+        where its chunk files cannot be shared. `opened()` opens it (its data
+        root and manifest); it is called only where they might be."""
+        ...
+
+    def forget_damaged(self, error: BaseException, record: LeafRecord) -> None:
+        """Where `error`, a failure to read `record` here, says the leaf is
+        damaged, forget its array's files (`forget`)."""
+        ...
+
+    def forget(self, directory: str) -> None:
+        """Forget what `_share` verified or wrote of the array folder
+        `directory`, so that the next save reads it again before sharing it."""
+        ...
+
+
+class LocalFiles:
+    """Chunk files on a local disk, read and written by eqx_ckpt itself.
+
+    Not every leaf's: eqx_ckpt lays out itself only chunks that split an
+    array's first axis (each chunk's bytes contiguous in the array). It reads a
+    leaf itself where `reads`, and writes one itself where `writes_leaf`, in a
+    save it `writes`. Any other leaf here goes through TensorStore."""
+
+    def __init__(self, loc: Location, root: str):
+        self.loc, self.root = loc, root
+
+    def reads(self, record: LeafRecord) -> bool:
+        """A large leaf whose chunks split only its first axis (each chunk's
+        bytes contiguous in the array), not packed, in a codec read as stored."""
+        return (
+            record.encoding in _format.ENCODINGS
+            and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
+            and record.pack is None
+            and record.nbytes >= max(_local_read.MIN_BYTES, 1)
+        )
+
+    def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
+        return _local_read.start_read(self.loc, record, on_bytes=on_bytes) if self.reads(record) else None
+
+    def start_chunks(self, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
+        """Start reading chunks `[first, first + count)` of a leaf that `reads`
+        into `out` (`_local_read.start_chunks`)."""
+        return _local_read.start_chunks(self.loc, record, first, count, out)
+
+    def pack_runs(self, *, cached: bool) -> PackRuns:
+        """Each run read by eqx_ckpt itself (`_local_read.start_pack_run`),
+        except in a load of a few leaves at a time (`cached`: see `PackRuns`)."""
+        return PackRuns(self.loc, local=not cached, cached=cached)
+
+    def writes(self, *, processes: int, layout: str) -> bool:
+        """Whether eqx_ckpt writes chunk files itself in this save: one process
+        (a single writer of the fresh data root) and the "directories" layout
+        (an array's chunk files are files of their own)."""
+        return processes == 1 and layout == "directories"
+
+    def writes_leaf(self, record: LeafRecord, pieces: Pieces) -> bool:
+        """Whether, in a save it `writes`, eqx_ckpt writes this leaf's chunk
+        files itself: one host piece holding the whole array, and chunks that
+        split only its first axis. (Every pack's are.)"""
+        return (
+            record.pack is None
+            and len(pieces) == 1
+            and not pieces[0][0]
+            and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
+        )
+
+    def writer(
+        self, *, processes: int, layout: str, out: list[Any], tracker: Tracker | None, base: _share.Base | None,
+        remember: bool,
+    ) -> Writer:  # fmt: skip
+        """A `LocalWriter` in a save it `writes`, else the plain `Writer`."""
+        if not self.writes(processes=processes, layout=layout):
+            return Writer(out, tracker)
+        return LocalWriter(self, out, tracker, base, remember)
+
+    def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
+        """Shared where the checkpoint has the "directories" layout and its data root is on this disk."""
+        found = opened()
+        if found is None or found[1].layout != "directories" or found[0].local is None:
+            return None
+        return _share.Base(found[0].local, found[1])
+
+    def forget_damaged(self, error: BaseException, record: LeafRecord) -> None:
+        _share.forget_damaged(error, self.root, record)
+
+    def forget(self, directory: str) -> None:
+        _share.forget(self.root, directory)
+
+
+class TensorStoreFiles:
+    """Chunk files reached through TensorStore. A save's writer stages every
+    write in a `_storage.Transaction`, and a load's pack runs read the pack's
+    `_storage.Array`. A whole leaf is read through its `Array` by the load
+    (`reads` is false, `start_read` declines). Nothing is shared."""
+
+    def __init__(self, loc: Location):
+        self.loc = loc
+
+    def reads(self, record: LeafRecord) -> bool:
+        return False
+
+    def start_chunks(self, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
+        raise NotImplementedError("no leaf here is read by eqx_ckpt itself (`reads` is false)")
+
+    def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
+        return None
+
+    def pack_runs(self, *, cached: bool) -> PackRuns:
+        return PackRuns(self.loc, local=False, cached=cached)
+
+    def writer(
+        self, *, processes: int, layout: str, out: list[Any], tracker: Tracker | None, base: _share.Base | None,
+        remember: bool,
+    ) -> Writer:  # fmt: skip
+        return Writer(out, tracker)
+
+    def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
+        return None
+
+    def forget_damaged(self, error: BaseException, record: LeafRecord) -> None:
+        """Nothing was verified or written by `_share` here."""
+
+    def forget(self, directory: str) -> None:
+        """Nothing was verified or written by `_share` here."""
+
+
+# -- A save's writes -------------------------------------------------------------------------------
+
+
+class Write:
+    """One write of a save, admitted whole within the staging budget: a
+    leaf's pieces, or a pack's members (`datas`, made host when staged).
+    `nbytes` of host data are held while it is staged and written.
+    `start(hosts)` starts it from their host data. It returns its futures
+    (finished when written) and the progress steps they report
+    (`_staging.Writing.follow`). `local`: started in the helper thread that
+    interrupts never reach."""
+
+    __slots__ = ("datas", "local", "nbytes", "start")
+
+    def __init__(self, datas: list[Any], nbytes: int, start: Callable[[list[np.ndarray]], Any], local: bool):
+        self.datas, self.nbytes, self.start, self.local = datas, nbytes, start, local
+
+
+class Writer:
+    """A save's writes through TensorStore: staged in a transaction
+    (`_storage.transaction`), progress reported as each is staged, and
+    written out by its commit. Committed once every write has started
+    (`commit`), or earlier when the staging window waits for their bytes
+    (`_Commit.result`). Each commit's future goes in `out`.
+
+    Staged in a transaction, a write only references its source until the
+    commit. The host data of a jax.Array never changes (a view of it keeps
+    its buffer alive through `delete()` and donation), and the caller's NumPy
+    arrays were copied before an asynchronous save returned."""
+
+    def __init__(self, out: list[Any], tracker: Tracker | None):
+        self._out, self._tracker = out, tracker
+        self._transaction: Transaction | None = None
+        self._commit: _Commit | None = None
+
+    def leaf(self, record: LeafRecord, pieces: Pieces, nbytes: int, opened: Mapped) -> list[Write]:
+        """The writes of a leaf with an array of its own (`opened`, its array
+        opened to write; `nbytes`, its stored bytes): a piece at a time (a
+        sharded leaf's shards, or its slices), none where another process
+        writes it."""
+        datas = [piece for _, piece in pieces]
+        if not datas:  # another process writes it
+            return [Write([], 0, _written_elsewhere, False)]
+        return [
+            Write(
+                [piece],
+                _memory.nbytes(piece) if len(datas) > 1 else nbytes,
+                functools.partial(self._piece, opened, index, i == len(datas) - 1),
+                False,
+            )
+            for i, (index, piece) in enumerate(pieces)
+        ]
+
+    def pack(
+        self, pack: PackRecord, records: list[LeafRecord], datas: list[Any], nbytes: int, run: range, opened: Mapped
+    ) -> Write:
+        """The write of the chunk files `run` of `pack` (`opened`, its array
+        opened to write), from its members `records` (their pieces `datas`,
+        `nbytes` stored bytes). TensorStore's write of the run's contents, a
+        new array, is counted as staged too."""
+        contents = min(run.stop * pack.chunk, pack.size) - run.start * pack.chunk
+        start = functools.partial(self._pack, opened, pack, records, run)
+        return Write(datas, nbytes + contents * dtype_from_name(pack.dtype).itemsize, start, False)
+
+    def _piece(self, opened: Mapped, index: Any, last: bool, hosts: list[np.ndarray]) -> tuple[list[Any], Steps]:
+        """Stage the write of a leaf's piece (`last`: its last piece)."""
+        store = opened.result()
+        return self._stage([store[index] if index else store], hosts, [(hosts[0].nbytes, [0] if last else [])])
+
+    def _pack(
+        self, opened: Mapped, pack: PackRecord, records: list[LeafRecord], files: range, hosts: list[np.ndarray]
+    ) -> tuple[list[Any], Steps]:
+        """Stage the write of the chunk files `files` of `pack`."""
+        contents, lo = _pack_contents(pack, records, hosts, files)
+        steps = pack_steps(pack, records, [host.nbytes for host in hosts], files)
+        store = opened.result()
+        return self._stage([store[lo : lo + contents.size]], [contents], [(0, [s for _, done in steps for s in done])])
+
+    def _stage(self, targets: list[Any], hosts: list[np.ndarray], steps: Steps) -> tuple[list[Any], Steps]:
+        """Stage writes of `hosts` into `targets` in the open transaction,
+        waited in order, so that progress is reported from this thread."""
+        if self._transaction is None:
+            self._transaction, self._commit = _storage.transaction(), _Commit(self)
+        writes = []
+        try:
+            for target, host in zip(targets, hosts, strict=True):
+                writes.append(target.write(host, self._transaction))
+            for write, (nbytes, leaves) in zip(writes, steps):
+                error = _interrupts.attempt(write.result)
+                if error is not None:
+                    raise error
+                if self._tracker is not None:
+                    self._tracker.advance(nbytes=nbytes)
+                    self._tracker.count_leaves(leaves)
+        except BaseException:
+            self.abort()  # nothing staged was written out
+            _interrupts.settle(writes)
+            raise
+        assert self._commit is not None
+        return [self._commit], []
+
+    def commit(self) -> None:
+        """Every write has started: commit the open transaction, if any."""
+        transaction, commit = self._transaction, self._commit
+        if transaction is None or commit is None:
+            return
+        self._transaction = self._commit = None
+
+        def start() -> None:
+            commit.future = transaction.commit()
+            self._out.append(commit.future)
+
+        _interrupts.uninterrupted(start)
+
+    def abort(self) -> None:
+        """Start nothing more: what the open transaction staged is dropped."""
+        if self._transaction is not None:
+            self._transaction.abort()
+        self._transaction = self._commit = None
+
+
+class LocalWriter(Writer):
+    """A save's writes of chunk files on a local disk (`LocalFiles`, in a save
+    it `writes`), by eqx_ckpt's own threads (`_local_write`): every pack, and
+    each leaf `LocalFiles.writes_leaf`. Chunk files equal to `base`'s are
+    shared, and with `remember` the digest of each written is recorded
+    (`_share`). Any other leaf is written through TensorStore, as `Writer`
+    writes it."""
+
+    def __init__(
+        self, files: LocalFiles, out: list[Any], tracker: Tracker | None, base: _share.Base | None, remember: bool
+    ):
+        super().__init__(out, tracker)
+        self.files, self.base, self.remember = files, base, remember
+
+    def leaf(self, record: LeafRecord, pieces: Pieces, nbytes: int, opened: Mapped) -> list[Write]:
+        if not self.files.writes_leaf(record, pieces):
+            return super().leaf(record, pieces, nbytes, opened)
+        folder = self.base.leaf_folder(record) if self.base is not None else None
+        return [Write([pieces[0][1]], nbytes, functools.partial(self._local_leaf, record, folder), True)]
+
+    def pack(
+        self, pack: PackRecord, records: list[LeafRecord], datas: list[Any], nbytes: int, run: range, opened: Mapped
+    ) -> Write:
+        folder = self.base.pack_folder(pack) if self.base is not None else None
+        return Write(datas, nbytes, functools.partial(self._local_pack, pack, records, folder, run), True)
+
+    def _local_leaf(self, record: LeafRecord, folder: str | None, hosts: list[np.ndarray]) -> tuple[list[Any], Steps]:
+        futures = _local_write.start_write(self.files.loc, record, hosts[0], folder, remember=self.remember)
+        return futures, leaf_steps(record.nbytes, len(futures))
+
+    def _local_pack(
+        self, pack: PackRecord, records: list[LeafRecord], folder: str | None, run: range, hosts: list[np.ndarray]
+    ) -> tuple[list[Any], Steps]:
+        loc, remember = self.files.loc, self.remember
+        futures = _local_write.start_pack(loc, pack, records, hosts, folder, remember=remember, files=run)
+        return futures, pack_steps(pack, records, [host.nbytes for host in hosts], run)
+
+
+def _written_elsewhere(hosts: list[np.ndarray]) -> tuple[list[Any], Steps]:
+    return [], [(0, [0])]
+
+
+class _Commit:
+    """The commit of a transaction of a `Writer`, its writes' future:
+    waiting for it commits the transaction if it is still open."""
+
+    __slots__ = ("future", "owner")
+
+    def __init__(self, owner: Writer):
+        self.owner = owner
+        self.future: Future | None = None
+
+    def result(self) -> None:
+        if self.future is None and self.owner._commit is self:
+            self.owner.commit()
+        if self.future is not None:
+            self.future.result()
+
+
+def leaf_steps(nbytes: int, files: int) -> Steps:
+    """A leaf written in `files` chunk files: its bytes in equal shares as
+    each lands, the leaf done with the last."""
+    n = max(files, 1)
+    return [(nbytes * (k + 1) // n - nbytes * k // n, [0] if k == n - 1 else []) for k in range(n)]
+
+
+def pack_steps(pack: PackRecord, records: Sequence[LeafRecord], sizes: list[int], files: range) -> Steps:
+    """The chunk files `files` of a pack, written in order: each member (of
+    `sizes` bytes) done once the file holding its last element has landed
+    (a member whose last element is in another run of files is counted there)."""
+    n = max(len(files), 1)
+    total = max(-(-pack.size // pack.chunk), 1)
+    ends = np.fromiter((r.offset + r.size for r in records), np.int64, len(records))
+    last = np.minimum(np.maximum(ends - 1, 0) // pack.chunk, total - 1) - files.start
+    kept = np.flatnonzero((last >= 0) & (last < max(len(files), 1)))
+    # Members are in offset order, so the members each file completes are a run.
+    stops = np.searchsorted(last[kept], np.arange(n), "right").tolist()
+    done = [sizes[i] for i in kept.tolist()]
+    return [(0, done[start:stop]) for start, stop in zip([0, *stops[:-1]], stops)]
+
+
+def _pack_contents(
+    pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequence[np.ndarray], files: range
+) -> tuple[np.ndarray, int]:
+    """The contents of the chunk files `files` of `pack` (each leaf's bytes at
+    its offset, zeros between), and the offset they start at."""
+    lo, hi = files.start * pack.chunk, min(files.stop * pack.chunk, pack.size)
+    out = np.zeros(max(hi - lo, 0), dtype_from_name(pack.dtype))
+    for record, piece in zip(records, pieces, strict=True):
+        start, stop = max(record.offset, lo), min(record.offset + record.size, hi)
+        if start < stop:
+            flat = np.asarray(piece).reshape(-1)
+            out[start - lo : stop - lo] = flat[start - record.offset : stop - record.offset]
+    return out, lo
+
+
+# -- A load's runs of packs ------------------------------------------------------------------------
+
+
+class PackRuns:
+    """The runs of packs in `loc` read by one load (`_load/_pack.py` cuts the
+    runs and places their leaves). With `local` (chunk files on a local
+    disk, `LocalFiles`), eqx_ckpt reads each run itself (`_local_read.start_pack_run`:
+    the whole chunk files holding it, each checked, then read). Else each run
+    is read through TensorStore's array of the pack (`_storage.open_pack`),
+    opened once per pack for the load. A load that reads a few leaves at a
+    time (`cached`: a lazy leaf) reads every run through TensorStore, whose
+    process-wide open of the pack keeps its decoded chunks for the
+    neighbours' reads."""
+
+    def __init__(self, loc: Location, *, local: bool, cached: bool) -> None:
+        self._loc, self._local, self._cached = loc, local, cached
+        self._stores: dict[str, Mapped] = {}
+
+    def start(self, pack: PackRecord, start: int, stop: int, leaf: LeafRecord) -> Read:
+        """Start reading elements `[start, stop)` of `pack`, whose first
+        member read is `leaf`; the returned function waits and returns them.
+        A failure of the read is raised as storage raised it, by the returned
+        function (the caller finds which leaf of the run is damaged); a
+        failure to open the pack is `leaf`'s, raised here."""
+        if self._local and start < stop:  # (an empty run holds no chunk to read)
+            return _deferred(self._loc, pack, start, stop)
+        if pack.name not in self._stores:
+            self._stores[pack.name] = _storage.open_pack(self._loc, pack, cached=self._cached, leaf=leaf.path)
+        try:
+            store = self._stores[pack.name].result()
+        except Exception as e:
+            raise leaf_io_error(e, leaf, self._loc, "open") from e
+        return store[start:stop].read().result
+
+
+def _deferred(loc: Location, pack: PackRecord, start: int, stop: int) -> Any:
+    """`_local_read.start_pack_run`, a failure to start it raised when the run
+    is finished, where the caller finds which leaf is damaged."""
+    try:
+        return _local_read.start_pack_run(loc, pack, start, stop)
+    except Exception as e:
+        error = e
+
+        def failed() -> Any:
+            raise error
+
+        return failed
