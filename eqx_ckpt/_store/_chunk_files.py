@@ -103,9 +103,15 @@ class ChunkFiles(Protocol):
         ...
 
     def writer(
-        self, *, processes: int, layout: str, out: list[Any], tracker: Tracker | None, base: _share.Base | None,
+        self,
+        *,
+        processes: int,
+        layout: str,
+        out: list[Any],
+        tracker: Tracker | None,
+        base: _share.Base | None,
         remember: bool,
-    ) -> Writer:  # fmt: skip
+    ) -> Writer:
         """A save's writer of the chunk files here, by `processes` processes,
         in `layout`. It takes every write of the save and declines none. It
         puts in `out` every future that finishes when data is written, and
@@ -182,9 +188,15 @@ class LocalFiles:
         )
 
     def writer(
-        self, *, processes: int, layout: str, out: list[Any], tracker: Tracker | None, base: _share.Base | None,
+        self,
+        *,
+        processes: int,
+        layout: str,
+        out: list[Any],
+        tracker: Tracker | None,
+        base: _share.Base | None,
         remember: bool,
-    ) -> Writer:  # fmt: skip
+    ) -> Writer:
         """A `LocalWriter` in a save it `writes`, else the plain `Writer`."""
         if not self.writes(processes=processes, layout=layout):
             return Writer(out, tracker)
@@ -226,9 +238,15 @@ class TensorStoreFiles:
         return PackRuns(self.loc, local=False, cached=cached)
 
     def writer(
-        self, *, processes: int, layout: str, out: list[Any], tracker: Tracker | None, base: _share.Base | None,
+        self,
+        *,
+        processes: int,
+        layout: str,
+        out: list[Any],
+        tracker: Tracker | None,
+        base: _share.Base | None,
         remember: bool,
-    ) -> Writer:  # fmt: skip
+    ) -> Writer:
         return Writer(out, tracker)
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
