@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from .._base._errors import CheckpointExistsError, CheckpointValueError
 from .._load._checkpoint import Checkpoint, human
 from .._load._deserialise import tree_deserialise_leaves
 from .._save._serialise import tree_serialise_leaves
+from .._store import _storage
 
 
 def _make_model(key: jax.Array) -> eqx.nn.MLP:
@@ -51,7 +51,8 @@ def run(directory: str | None = None, *, steps: int = 50, say: Callable[[str], N
     skeleton and a params-only skeleton, and check both. Returns an exit code."""
     if type(steps) is not int or steps < 1:
         raise CheckpointValueError(f"The demo trains for `steps` steps: give a positive number, not {steps!r}.")
-    if directory is not None and os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
+    entry = None if directory is None else _storage.local_entry(directory)
+    if directory is not None and entry and entry.exists and (not entry.folder or _storage.local_names(directory)):
         raise CheckpointExistsError(
             f"{directory!r} exists and is not an empty directory; the demo saves a new checkpoint there. "
             f"Give a new or empty directory, or leave `--dir` out to use a temporary one.",
