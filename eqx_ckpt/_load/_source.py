@@ -201,8 +201,10 @@ def _what_is_there(loc: Location) -> str:
     to do with it: an Equinox `.eqx` file, PyTorch pickles, safetensors shards
     without their index, orbax items or steps. ("" when nothing is recognised.)"""
     path = loc.local
-    entry = None if path is None else _storage.local_entry(path)
-    if path is None or entry is None or not entry.exists:
+    if path is None:
+        return ""
+    entry = _storage.local_entry(path)
+    if not entry.exists:
         return ""
     if not entry.folder:
         if path.endswith(".eqx"):

@@ -46,13 +46,18 @@ def _train(steps: int, say: Callable[[str], None]) -> dict[str, Any]:
     return {"model": model, "opt_state": opt_state, "step": steps}
 
 
+def _occupied(directory: str) -> bool:
+    """Whether something is at `directory` other than an empty folder."""
+    entry = _storage.local_entry(directory)
+    return entry.exists and (not entry.folder or bool(_storage.local_names(directory)))
+
+
 def run(directory: str | None = None, *, steps: int = 50, say: Callable[[str], None] = print) -> int:
     """Train, save `{"model", "opt_state", "step"}`, list it, reload it into a
     skeleton and a params-only skeleton, and check both. Returns an exit code."""
     if type(steps) is not int or steps < 1:
         raise CheckpointValueError(f"The demo trains for `steps` steps: give a positive number, not {steps!r}.")
-    entry = None if directory is None else _storage.local_entry(directory)
-    if directory is not None and entry and entry.exists and (not entry.folder or _storage.local_names(directory)):
+    if directory is not None and _occupied(directory):
         raise CheckpointExistsError(
             f"{directory!r} exists and is not an empty directory; the demo saves a new checkpoint there. "
             f"Give a new or empty directory, or leave `--dir` out to use a temporary one.",
