@@ -607,6 +607,39 @@ def test_every_byte_of_a_checkpoint_goes_through_the_storage_layer():
     assert found == [], "read and write files through `_store` (`_storage`'s functions):\n" + "\n".join(found)
 
 
+# What lists a local folder or stats a path: the standard library's calls
+# (`os`, `os.path`, `glob`) and `pathlib.Path`'s methods of the same.
+_LISTING_AND_STAT = {
+    "os": {"listdir", "scandir", "walk", "fwalk", "stat", "lstat", "fstat", "access", "readlink"},
+    "os.path": {"exists", "lexists", "isdir", "isfile", "islink", "ismount", "getsize", "getmtime", "getatime",
+                "getctime", "samefile", "realpath"},
+    "glob": {"glob", "iglob"},
+}  # fmt: skip
+_PATH_METHODS = {"exists", "is_dir", "is_file", "is_symlink", "iterdir", "glob", "rglob", "stat", "lstat"}
+# Uses outside the storage layer that look at no checkpoint (none today).
+_NOT_CHECKPOINT_LISTING: dict[str, str] = {}
+
+
+def test_local_listing_and_stat_go_through_the_storage_layer():
+    """Outside `_store/`, no module lists a local folder or stats a path
+    itself: `_storage.list_names`, `list_files`, `local_names` and
+    `local_entry` do (issue 61, item 2: `_source`, `_safetensors`, `_orbax`,
+    `_steps`, `_manager`, `_demo`, `_migrate` and `_verify` each looked at
+    folders with `os.listdir`, `os.path.isdir` and the like, which the test
+    of file I/O above left out)."""
+    found = []
+    for path in MODULES:
+        if path.parent.name == "_store" or path.name in _NOT_CHECKPOINT_LISTING:
+            continue
+        for node in ast.walk(_tree(path)):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            owner, name = ast.unparse(node.func.value), node.func.attr
+            if name in _LISTING_AND_STAT.get(owner, ()) or (owner not in _LISTING_AND_STAT and name in _PATH_METHODS):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert found == [], "list and stat through `_storage` (`list_names`, `local_entry`...):\n" + "\n".join(found)
+
+
 # Where JSON that is not read from a file is parsed (so needs no bounds).
 _NOT_FILE_JSON = {"_cli.py": "`--info` and `--metadata`: JSON the user typed on the command line"}
 

@@ -5,6 +5,7 @@ import inspect
 import io
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -1036,3 +1037,24 @@ def test_lazy_leaves_of_a_step_deleted_by_hand_say_it_was_deleted(tmp_path):
     expected = f"Checkpoint {manager.step_path(2)!r} was deleted after it was opened (by hand, by `delete_steps_after`"
     with pytest.raises(eqx_ckpt.CheckpointReplacedError, match=re.escape(expected)):
         eqx_ckpt.materialise(lazy)
+
+
+def test_local_entry_reads_a_path_as_os_path_does(tmp_path):
+    """`_storage.local_entry`, which the manager's step scan, orbax's and
+    safetensors' listings and `verify` use for every local path, tells a file,
+    a folder, a link to each, a broken link and a missing name apart exactly as
+    `os.path` does (issue 61: they called `os.path` themselves)."""
+    (tmp_path / "file").write_bytes(b"12345")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "to_file").symlink_to(tmp_path / "file")
+    (tmp_path / "to_folder").symlink_to(tmp_path / "folder", target_is_directory=True)
+    (tmp_path / "broken").symlink_to(tmp_path / "nothing")
+    for name in ("file", "folder", "to_file", "to_folder", "broken", "nothing", "file/below"):
+        path = str(tmp_path / name)
+        entry = _storage.local_entry(path)
+        expected = (os.path.lexists(path), os.path.exists(path), os.path.islink(path), os.path.isdir(path))
+        assert (entry.found, entry.exists, entry.link, entry.folder) == expected, name
+        assert entry.file == os.path.isfile(path), name
+        if entry.file:
+            assert entry.size == 5 and entry.identity == (os.stat(path).st_dev, os.stat(path).st_ino), name
+    assert _storage.local_names(str(tmp_path)) == ["broken", "file", "folder", "to_file", "to_folder"]

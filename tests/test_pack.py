@@ -350,6 +350,26 @@ def test_a_pack_chunk_file_symlink_is_refused(tmp_path, small_pack_chunks):
     assert outside.exists()
 
 
+@pytest.mark.parametrize("target", ["folder", "nothing"])
+def test_verify_names_a_link_to_a_folder_or_to_nothing_in_a_pack(tmp_path, target):
+    """A link beside a pack's chunk files that leads to a folder, or nowhere, is
+    reported by `verify` as a link, a problem of each leaf of the pack. (The
+    chunk-size check once walked past a link to a folder but read the size of
+    a broken link, so `verify` crashed with `FileNotFoundError`; through
+    `_storage.local_entry` it must skip both alike, for the read that names
+    the link.)"""
+    path = tmp_path / "ckpt"
+    eqx_ckpt.tree_serialise_leaves(path, {"a": jnp.ones(3), "b": jnp.zeros(2)})
+    link = path / "packed.float32" / "c" / "99"
+    (tmp_path / "folder").mkdir()
+    link.symlink_to(tmp_path / target)
+    problems = eqx_ckpt.verify(path)
+    link_name = "'packed.float32/c/99'"
+    expected = f"its pack 'packed.float32' is damaged: {link_name} in checkpoint {str(path)!r} is a symbolic link."
+    assert [p.leaf for p in problems] == ["a", "b"]
+    assert all(p.message.startswith(expected) for p in problems), problems
+
+
 def test_packs_elsewhere_are_read_through_tensorstore(small_pack_chunks):
     tree = _striped()
     eqx_ckpt.tree_serialise_leaves("memory://striped/", tree)

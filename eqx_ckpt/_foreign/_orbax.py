@@ -194,13 +194,13 @@ def manager_steps(path: str) -> str:
     """If the local directory `path` is an orbax `CheckpointManager`'s (numbered
     step folders, each with its `_CHECKPOINT_METADATA` or an item's
     `_METADATA`), a sentence naming its steps and how to load one; else ""."""
-    if not os.path.isdir(path):
+    if not _storage.local_entry(path).folder:
         return ""
-    steps = sorted(int(n) for n in os.listdir(path) if n.isdigit() and _is_step(os.path.join(path, n)))
+    steps = sorted(int(n) for n in _storage.local_names(path) if n.isdigit() and _is_step(os.path.join(path, n)))
     if not steps:
         return ""
     step = os.path.join(path, str(steps[-1]))
-    items = sorted(n for n in os.listdir(step) if os.path.isfile(os.path.join(step, n, METADATA)))
+    items = [n for n in _storage.local_names(step) if _storage.local_entry(os.path.join(step, n, METADATA)).file]
     one = step if DEFAULT_ITEM in items or not items else os.path.join(step, items[0])
     shown = ", ".join(map(str, steps[:10])) + (f" and {len(steps) - 10} more" if len(steps) > 10 else "")
     return (
@@ -210,6 +210,8 @@ def manager_steps(path: str) -> str:
 
 
 def _is_step(folder: str) -> bool:
-    if os.path.isfile(os.path.join(folder, STEP_METADATA)):
+    if _storage.local_entry(os.path.join(folder, STEP_METADATA)).file:
         return True
-    return os.path.isdir(folder) and any(os.path.isfile(os.path.join(folder, n, METADATA)) for n in os.listdir(folder))
+    if not _storage.local_entry(folder).folder:
+        return False
+    return any(_storage.local_entry(os.path.join(folder, n, METADATA)).file for n in _storage.local_names(folder))

@@ -144,9 +144,9 @@ def _as_published(
 def _candidates(loc: Location, usual: str, suffix: str) -> list[str]:
     """`usual`, or in a local directory the one file ending in `suffix`
     (`diffusion_pytorch_model.safetensors`, `adapter_model.safetensors`...)."""
-    if loc.local is None or not os.path.isdir(loc.local):
+    if loc.local is None or not _storage.local_entry(loc.local).folder:
         return [usual]
-    names = sorted(n for n in os.listdir(loc.local) if n.endswith(suffix))
+    names = [n for n in _storage.local_names(loc.local) if n.endswith(suffix)]
     return [usual] if usual in names or len(names) != 1 else names
 
 

@@ -201,9 +201,12 @@ def _what_is_there(loc: Location) -> str:
     to do with it: an Equinox `.eqx` file, PyTorch pickles, safetensors shards
     without their index, orbax items or steps. ("" when nothing is recognised.)"""
     path = loc.local
-    if path is None or not os.path.exists(path):
+    if path is None:
         return ""
-    if not os.path.isdir(path):
+    entry = _storage.local_entry(path)
+    if not entry.exists:
+        return ""
+    if not entry.folder:
         if path.endswith(".eqx"):
             return (
                 " It is an Equinox file (`eqx.tree_serialise_leaves` writes one stream with no names in it): "
@@ -211,7 +214,7 @@ def _what_is_there(loc: Location) -> str:
                 "checkpoint."
             )
         return " It is a file; an eqx_ckpt checkpoint is a directory."
-    names = sorted(os.listdir(path))
+    names = _storage.local_names(path)
     shards = [n for n in names if n.endswith(_safetensors.SUFFIX)]
     if shards:
         return (
@@ -225,13 +228,13 @@ def _what_is_there(loc: Location) -> str:
             f"since unpickling runs code from the file. Where you trust the file, convert it with PyTorch "
             f"(`safetensors.torch.save_file(torch.load(path), 'model.safetensors')`) and load that."
         )
-    items = [n for n in names if os.path.isfile(os.path.join(path, n, _orbax.METADATA))]
+    items = [n for n in names if _storage.local_entry(os.path.join(path, n, _orbax.METADATA)).file]
     if items:
         return f" It is an orbax checkpoint of several items ({_shown(items)}): pass one item's folder."
     orbax_manager = _orbax.manager_steps(path)
     if orbax_manager:
         return orbax_manager
-    steps = [n for n in names if n.isdigit() and os.path.isdir(os.path.join(path, n))]
+    steps = [n for n in names if n.isdigit() and _storage.local_entry(os.path.join(path, n)).folder]
     if steps:
         return f" It looks like an orbax CheckpointManager's directory (steps {_shown(steps)}): pass one step."
     return ""

@@ -17,7 +17,6 @@ the directory is never touched.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import time
 import warnings
@@ -151,8 +150,9 @@ class CheckpointManager:
             raise CheckpointValueError(f"`best_mode` must be 'min' or 'max', not {best_mode!r}.")
         self._loc = location(directory)
         local = self._loc.local
-        if local is not None and os.path.lexists(local) and not os.path.isdir(local):
-            what = "a broken symbolic link" if os.path.islink(local) else "a file"
+        entry = None if local is None else _storage.local_entry(local)
+        if entry is not None and entry.found and not entry.folder:
+            what = "a broken symbolic link" if entry.link else "a file"
             raise CheckpointValueError(
                 f"{self.directory!r} is {what}, not a directory: a CheckpointManager keeps one "
                 f"folder per step in a directory. Give the path of a directory (it is created on the first save).",

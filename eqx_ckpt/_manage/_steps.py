@@ -53,11 +53,11 @@ def scan(loc: Location) -> dict[int, bool]:
     if local is not None:
 
         def folder(name: str) -> bool:
-            full = os.path.join(local, name)
-            return os.path.isdir(full) and not os.path.islink(full)
+            entry = _storage.local_entry(os.path.join(local, name))
+            return entry.folder and not entry.link
 
         return {
-            step: os.path.isfile(os.path.join(local, name, MANIFEST))
+            step: _storage.local_entry(os.path.join(local, name, MANIFEST)).file
             for name in _storage.list_names(loc)
             if (step := _format.parse_step(name)) is not None and folder(name)
         }
@@ -112,8 +112,8 @@ def written_metrics(loc: Location, step: int) -> bool:
     is a user's, and stays."""
     name = _format.metrics_name(step)
     if loc.local is not None:
-        full = os.path.join(loc.local, name)
-        if os.path.islink(full) or os.path.isdir(full):
+        entry = _storage.local_entry(os.path.join(loc.local, name))
+        if entry.link or entry.folder:
             return False
     # A failure to read is the caller's (a save's error, or retention's warning), never a verdict.
     data = _storage.read_file(loc, name, limit=_MAX_METRICS_BYTES)
@@ -133,9 +133,9 @@ def _not_folders(loc: Location, names: list[str]) -> list[tuple[str, str]]:
         return []
     found = []
     for name in names:
-        full = os.path.join(loc.local, name)
-        if _format.parse_step(name) is not None and (os.path.islink(full) or not os.path.isdir(full)):
-            found.append((name, "a symbolic link" if os.path.islink(full) else "a file"))
+        entry = _storage.local_entry(os.path.join(loc.local, name))
+        if _format.parse_step(name) is not None and (entry.link or not entry.folder):
+            found.append((name, "a symbolic link" if entry.link else "a file"))
     return found
 
 

@@ -43,6 +43,7 @@ import io
 import json
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -401,8 +402,60 @@ def list_names(loc: Location) -> list[str]:
     """The top-level entries of a checkpoint directory."""
     _faults.fire("storage.list", loc)
     if loc.local is not None:
-        return sorted(os.listdir(loc.local)) if os.path.isdir(loc.local) else []
+        return local_names(loc.local) if os.path.isdir(loc.local) else []
     return sorted({key.split("/", 1)[0] for key in list_keys(loc)})
+
+
+def local_names(path: str) -> list[str]:
+    """The entries of the local folder `path`, sorted. Raises `OSError` where
+    it is no folder: check with `local_entry` first."""
+    return sorted(os.listdir(path))
+
+
+class LocalEntry(NamedTuple):
+    """What a local path is, read with one `lstat` (and one `stat` for a link).
+
+    - `found`: something is there, a broken link too (`os.path.lexists`).
+    - `link`: a symbolic link, never followed (`os.path.islink`).
+    - `folder`, `file`: what it leads to, a link followed (`os.path.isdir`,
+      `os.path.isfile`).
+    - `size`: its bytes, a link followed (`os.path.getsize`); 0 where absent.
+    - `identity`: its device and inode, a link followed (one file under
+      several names), or `None` where absent.
+    """
+
+    found: bool
+    link: bool
+    folder: bool
+    file: bool
+    size: int
+    identity: tuple[int, int] | None
+
+    @property
+    def exists(self) -> bool:
+        """Something is there, a link followed (`os.path.exists`)."""
+        return self.identity is not None
+
+
+_NOTHING = LocalEntry(False, False, False, False, 0, None)
+
+
+def local_entry(path: str) -> LocalEntry:
+    """What the local `path` is (see `LocalEntry`). With the listing functions,
+    the one place that looks at local folders: a user's path, an orbax step
+    and a manager's step folder are told apart alike."""
+    try:
+        info = os.lstat(path)
+    except (OSError, ValueError):  # as `os.path.lexists`: a name that cannot be there is absent
+        return _NOTHING
+    link = stat.S_ISLNK(info.st_mode)
+    if link:
+        try:
+            info = os.stat(path)
+        except (OSError, ValueError):  # a broken link, or a loop of links
+            return LocalEntry(True, True, False, False, 0, None)
+    folder, file = stat.S_ISDIR(info.st_mode), stat.S_ISREG(info.st_mode)
+    return LocalEntry(True, link, folder, file, info.st_size, (info.st_dev, info.st_ino))
 
 
 def list_files(loc: Location) -> list[str]:
@@ -672,6 +725,11 @@ def open_local_file(path: str) -> io.BufferedReader:
     """A local file of another program's checkpoint (an Equinox `.eqx` file,
     read in order by `_migrate`), opened to read."""
     return open(path, "rb")
+
+
+def local_remaining(f: io.BufferedReader) -> int:
+    """The bytes of the file `f` (from `open_local_file`) after its position."""
+    return os.fstat(f.fileno()).st_size - f.tell()
 
 
 def transaction() -> Transaction:

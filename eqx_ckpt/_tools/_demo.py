@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from .._base._errors import CheckpointExistsError, CheckpointValueError
 from .._load._checkpoint import Checkpoint, human
 from .._load._deserialise import tree_deserialise_leaves
 from .._save._serialise import tree_serialise_leaves
+from .._store import _storage
 
 
 def _make_model(key: jax.Array) -> eqx.nn.MLP:
@@ -46,12 +46,18 @@ def _train(steps: int, say: Callable[[str], None]) -> dict[str, Any]:
     return {"model": model, "opt_state": opt_state, "step": steps}
 
 
+def _occupied(directory: str) -> bool:
+    """Whether something is at `directory` other than an empty folder."""
+    entry = _storage.local_entry(directory)
+    return entry.exists and (not entry.folder or bool(_storage.local_names(directory)))
+
+
 def run(directory: str | None = None, *, steps: int = 50, say: Callable[[str], None] = print) -> int:
     """Train, save `{"model", "opt_state", "step"}`, list it, reload it into a
     skeleton and a params-only skeleton, and check both. Returns an exit code."""
     if type(steps) is not int or steps < 1:
         raise CheckpointValueError(f"The demo trains for `steps` steps: give a positive number, not {steps!r}.")
-    if directory is not None and os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
+    if directory is not None and _occupied(directory):
         raise CheckpointExistsError(
             f"{directory!r} exists and is not an empty directory; the demo saves a new checkpoint there. "
             f"Give a new or empty directory, or leave `--dir` out to use a temporary one.",

@@ -75,7 +75,7 @@ def convert_eqx_file(
         ```
     """
     eqx_path = os.fspath(eqx_path)
-    if not os.path.isfile(eqx_path):
+    if not _storage.local_entry(eqx_path).file:
         raise CheckpointNotFoundError(
             f"There is no Equinox file at {eqx_path!r}. `eqx_path` must be a file written "
             f"by `equinox.tree_serialise_leaves`.",
@@ -86,7 +86,7 @@ def convert_eqx_file(
     # The file named, exactly: Equinox would open `weights.eqx` when given `weights`.
     with _storage.open_local_file(eqx_path) as f:
         out = [_read_leaf(f, eqx_path, keypath, leaf, spec) for (keypath, leaf), spec in zip(leaves, specs)]
-        rest = os.fstat(f.fileno()).st_size - f.tell()
+        rest = _storage.local_remaining(f)
     if rest:
         raise LeafError(
             f"{eqx_path!r} holds {rest} more bytes after the last leaf of `like`: the file holds more "
@@ -135,7 +135,7 @@ def _read_leaf(f: io.BufferedReader, eqx_path: str, keypath: Any, leaf: Any, spe
 def _read_array(f: io.BufferedReader, eqx_path: str, keypath: Any, leaf: Any, kind: str) -> np.ndarray:
     """The next `.npy` record, checked against `leaf` before its data is read
     (never a pickle: object arrays are refused)."""
-    remaining = os.fstat(f.fileno()).st_size - f.tell()
+    remaining = _storage.local_remaining(f)
     if remaining == 0:
         raise _error("the file ends before this leaf: `like` describes more leaves than it holds.", keypath, eqx_path)
     try:

@@ -118,11 +118,7 @@ class Problems(list[Problem]):
 
 def _identity(file: str) -> Any:
     """What makes two names one file: its device and inode (hard links), else its name."""
-    try:
-        info = os.stat(file)
-    except OSError:
-        return file
-    return (info.st_dev, info.st_ino)
+    return _storage.local_entry(file).identity or file
 
 
 # Where a local read's error names the file it read.
@@ -378,13 +374,17 @@ def _check_file_sizes(
     why = _untrusted.first_wrong_chunk_file(data, directory, shape, chunks, chunk_nbytes)
     if why is not None:
         return why + "."
-    folder = os.path.join(data.local, directory, _format.CHUNKS)
+    chunks_at = data.joined(f"{directory}/{_format.CHUNKS}")
+    folder = chunks_at.local or ""
     expected = chunk_nbytes + _format.CHECKSUM_BYTES
-    files = [folder] if os.path.isfile(folder) else [os.path.join(r, f) for r, _, fs in os.walk(folder) for f in fs]
+    one = _storage.local_entry(folder).file
+    files = [folder] if one else [os.path.join(folder, name) for name in _storage.list_files(chunks_at)]
     for file in files:
-        size = os.path.getsize(file)
-        if size != expected:
-            return _untrusted.wrong_chunk_file(os.path.relpath(file, data.local), size, expected) + "."
+        entry = _storage.local_entry(file)
+        if entry.link and not entry.file:
+            continue  # a link to a folder, or to nothing: the read that follows refuses it, naming the link
+        if entry.size != expected:
+            return _untrusted.wrong_chunk_file(os.path.relpath(file, data.local), entry.size, expected) + "."
     return None
 
 
