@@ -1,10 +1,15 @@
 """The on-disk format, in one place (described for users in docs/format.md).
 
-Every name a checkpoint holds, the format version, the records of the
-manifest, the zarr v3 chunk codec (checksum included) and the one answer to
-"did a save write this name?" live here; every other module asks this one.
-Encoding and parsing the manifest itself is `_manifest`'s job, turning key
-paths into folder names `_keypath`'s.
+These live here, and every other module asks this one:
+
+- every name a checkpoint holds;
+- the format version;
+- the records of the manifest;
+- the zarr v3 chunk codec (checksum included);
+- the one answer to "did a save write this name?".
+
+Encoding and parsing the manifest itself is `_manifest`'s job. Turning key
+paths into folder names is `_keypath`'s.
 
 A checkpoint directory:
 
@@ -16,10 +21,13 @@ A checkpoint directory:
     gen.<commit>/            the data root of every save after the first
     ocdbt.db/                every array, with `layout="ocdbt"`
 
-and a manager's run holds `step_<8+ digits>/` checkpoints, their
-`step_<...>.metrics.json` (version 1), `retention.json` (the rules its steps
-were saved under, so that retention deletes no step saved under others) and,
-while a manager writes there, `manager.json` (its lease, see `_lease`).
+A manager's run holds:
+
+- `step_<8+ digits>/` checkpoints;
+- their `step_<...>.metrics.json` (version 1);
+- `retention.json`: the rules its steps were saved under, so that retention
+  deletes no step saved under others;
+- while a manager writes there, `manager.json` (its lease, see `_lease`).
 """
 
 from __future__ import annotations
@@ -126,8 +134,8 @@ def written_by_a_save(key: str) -> bool:
 def left_by_a_save(key: str) -> bool:
     """Whether the file at `key` (relative to a checkpoint without a manifest)
     is one a save writes before its commit, or that the deletion of a step
-    leaves: its journal (`saving.json`), TensorStore's temporary of the journal
-    or of the manifest, or a file of its arrays (`written_by_a_save`)."""
+    leaves. That is its journal (`saving.json`), TensorStore's temporary of the
+    journal or of the manifest, or a file of its arrays (`written_by_a_save`)."""
     return key in _BEFORE_COMMIT or written_by_a_save(key)
 
 
