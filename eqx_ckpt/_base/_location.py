@@ -1,11 +1,15 @@
 """Where a checkpoint lives: a `Location`, made once from what the user passed as `path`.
 
 A local path, a TensorStore kvstore URL (`memory://`, `file://`, `s3://`,
-`gs://`...) or a kvstore spec dict all become one: a kvstore spec whose path
-ends in `/`, the path as the user wrote it (for messages), and the local
-directory when there is one. URLs and spec dicts are normalised by
-TensorStore's own parser, which is why this module imports `tensorstore` (see
-`_storage` for everything else that does).
+`gs://`...) or a kvstore spec dict all become one `Location`:
+
+- a kvstore spec whose path ends in `/`;
+- the path as the user wrote it (for messages);
+- the local directory when there is one.
+
+URLs and spec dicts are normalised by TensorStore's own parser. That is why
+this module imports `tensorstore` (see `_storage` for everything else that
+does).
 """
 
 from __future__ import annotations
