@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 # Reentrant: freeing an object inside the lock (a dropped pause's frame) or a
 # collection started by an allocation there may run a finalizer in the same
-# thread, and the finalizer of a `gc_paused` left suspended by an interrupt
+# thread. The finalizer of a `gc_paused` left suspended by an interrupt
 # resumes its pause. With a plain lock that thread waited on itself for ever.
 _GC_LOCK = threading.RLock()
 

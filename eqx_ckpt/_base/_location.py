@@ -161,8 +161,8 @@ def _directory(spec: dict[str, Any], display: str) -> Location:
     if spec.get("driver") == "s3" and "endpoint" not in spec and endpoint:
         spec["endpoint"] = endpoint
     if spec.get("driver") == "s3" and "aws_credentials" not in spec and all(map(os.environ.get, _KEY_VARIABLES)):
-        # The keys the AWS default chain would take first, named: the chain also
-        # reads the shared config files as it is built, and where there are none
+        # The keys the AWS default chain would take first, named. The chain also
+        # reads the shared config files as it is built. Where there are none,
         # the SDK printed five lines of errors on stderr at the first access
         # (TensorStore's own logging, which Python cannot quieten).
         spec["aws_credentials"] = {"type": "environment"}

@@ -85,7 +85,7 @@ def host_pieces(
 
 # A region of a leaf held by several processes (a replicated leaf, or a shard
 # on devices of several processes) of fewer stored bytes than this is written
-# whole by one of them; a larger one is cut between them (`slices`).
+# whole by one of them. A larger one is cut between them (`slices`).
 SPLIT_BYTES = 4 << 20
 
 Region = tuple[tuple[int, int], ...]
@@ -156,10 +156,11 @@ def _share(
     return pieces
 
 
-# Where a process cuts its slice out of a shard: on the device (only the slice
-# reaches the host, at one compilation per slice shape, about 30 ms each on a
-# CPU), or from the shard's host view (free on a CPU, whose view is the device
-# buffer; on an accelerator, a copy of the whole shard in every process).
+# Where a process cuts its slice out of a shard:
+# - on the device: only the slice reaches the host, at one compilation per
+#   slice shape, about 30 ms each on a CPU;
+# - from the shard's host view: free on a CPU, whose view is the device
+#   buffer; on an accelerator, a copy of the whole shard in every process.
 # `None`: on the device on accelerators, from the host view on a CPU.
 SLICE_ON_DEVICE: bool | None = None
 

@@ -57,11 +57,11 @@ class LazyArray:
     __slots__ = ("__weakref__", "_like", "_loc", "_record", "_source", "_store")
 
     def __init__(self, source: Source, record: LeafRecord, like: Any = None):
-        # The opened checkpoint it reads from (`_source.Source`: how a leaf of
-        # another format is opened, and the check, after every read, that the
-        # checkpoint was not replaced, so that a read never returns a later
-        # save's bytes), through which `materialise` reads many lazy leaves as
-        # one load does.
+        # The opened checkpoint it reads from (`_source.Source`). It knows how a
+        # leaf of another format is opened. It checks, after every read, that
+        # the checkpoint was not replaced, so that a read never returns a later
+        # save's bytes. `materialise` reads many lazy leaves through it as one
+        # load does.
         self._source = source
         self._loc = source.data
         self._record = record

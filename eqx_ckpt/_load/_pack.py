@@ -67,9 +67,10 @@ def read_leaves(
         most = max(_window.READ_BUDGET // itemsize, pack.chunk) * itemsize
         for lo, hi, members in _window.runs(spans, most):
             runs.append((pack, lo // itemsize, hi // itemsize, members))
-    # Each run read by the location's reader of pack runs: on a local disk by
-    # eqx_ckpt itself (each chunk file checked before it is read), else through
-    # TensorStore, with one open (and one check of its files) per pack, not per run.
+    # Each run is read by the location's reader of pack runs. On a local disk
+    # eqx_ckpt reads it itself, each chunk file checked before it is read. Else
+    # it goes through TensorStore, with one open (and one check of its files)
+    # per pack, not per run.
     reader = _storage.chunk_files(loc).pack_runs(cached=cached)
 
     def start_run(pack: PackRecord, start: int, stop: int, members: list[int]) -> Callable[[], np.ndarray]:

@@ -57,11 +57,13 @@ from .._ondisk._trust import Trust, python_name
 
 # Limits on an untrusted record, far beyond any model's. Its JSON containers
 # (objects and arrays: nodes, key records, field lists, tagged values) are
-# counted before it is parsed, at most `NODES_PER_LEAF` a stored leaf and
-# `NODES_BASE` more (static values, `None`s and empty containers: a saved tree
-# has a few containers a leaf, never thousands; the constant leaves room for a
-# static vocabulary of hundreds of thousands of entries beside a few leaves),
-# and never past `MAX_NODES`.
+# counted before it is parsed. It may hold:
+# - at most `NODES_PER_LEAF` a stored leaf (a saved tree has a few containers a
+#   leaf, never thousands);
+# - `NODES_BASE` more, for static values, `None`s and empty containers. This
+#   leaves room for a static vocabulary of hundreds of thousands of entries
+#   beside a few leaves;
+# - never more than `MAX_NODES`.
 MAX_NODES = 5_000_000
 NODES_PER_LEAF = 100
 NODES_BASE = 1_000_000

@@ -46,11 +46,13 @@ import numpy as np
 from .._base import _keypath
 
 FORMAT = "eqx_ckpt"
-# Version 2 adds the commit identity, per-save data roots (`gen.<commit>`) and
-# metrics; version 3 packs small leaves together (`packs`, and a leaf's `pack`
-# and `offset`); version 4 leaves out of a leaf's record what equals its default
-# (see `LeafRecord.to_json`) and takes the digest over the file's own bytes;
-# version 5 adds the tree's structure record (`structure`, see `_structure`).
+# Versions:
+# - 2 adds the commit identity, per-save data roots (`gen.<commit>`) and
+#   metrics;
+# - 3 packs small leaves together (`packs`, and a leaf's `pack` and `offset`);
+# - 4 leaves out of a leaf's record what equals its default (see
+#   `LeafRecord.to_json`) and takes the digest over the file's own bytes;
+# - 5 adds the tree's structure record (`structure`, see `_structure`).
 # Versions 1 to 4 are still read.
 FORMAT_VERSION = 5
 # How to upgrade, worded as README installs eqx_ckpt: from its source checkout.
@@ -189,9 +191,9 @@ MAX_MANIFEST_BYTES = 256 * 2**20
 # leaves. Counted before parsing, with every `{` and `[` in the text (those in
 # strings too), since each parsed container costs about 60 bytes or more.
 MAX_MANIFEST_CONTAINERS = 20_000_000
-# And at least this many bytes of text a container: a real manifest has about
+# And at least this many bytes of text a container. A real manifest has about
 # 25, so parsing costs a small multiple of the manifest's size (about twelve
-# times at most), where millions of `[],` would cost twenty times and more.
+# times at most). Millions of `[],` would cost twenty times and more.
 MANIFEST_BYTES_PER_CONTAINER = 6
 MAX_RANK = 32
 MAX_ELEMENTS = 2**53
@@ -235,8 +237,9 @@ def pack_name(stored_dtype: str) -> str:
 
 
 # Not `frozen`: a frozen dataclass's `__init__` costs six times as much, and a
-# save or load of ten thousand leaves makes a record for each (with slots, 190
-# bytes a record instead of 240: memory whose fresh pages a save pays for).
+# save or load of ten thousand leaves makes a record for each. With slots, a
+# record takes 190 bytes instead of 240: memory whose fresh pages a save pays
+# for.
 # Never changed once made, except by `_records.assign` while its save has made it
 # and no one else has seen it.
 @dataclasses.dataclass(slots=True)
