@@ -272,12 +272,12 @@ class Checkpoint(Mapping[str, Any]):
 
         **Raises:**
 
-        [`eqx_ckpt.UntrustedError`][] naming every class and function that is
-        not trusted, where they are used and the `trust=[...]` to pass; a
-        `CheckpointTypeError` if a class's fields changed since the save; a
-        `CheckpointValueError` for a part that could not be recorded (a
-        lambda, a closure) or a checkpoint that records no structure (written
-        before format 5, or by another library).
+        - [`eqx_ckpt.UntrustedError`][] naming every class and function that
+            is not trusted, where they are used and the `trust=[...]` to pass.
+        - `CheckpointTypeError` if a class's fields changed since the save.
+        - `CheckpointValueError` for a part that could not be recorded (a
+            lambda, a closure) or a checkpoint that records no structure
+            (written before format 5, or by another library).
 
         !!! example
 
