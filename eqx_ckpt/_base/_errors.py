@@ -60,12 +60,16 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class CheckpointStorageError(CheckpointError, OSError):
-    """The storage would not serve the checkpoint, or take a save: it refused
-    (forbidden, unauthenticated, a local file's permissions, a read-only or
-    full disk), it failed (server errors once the retries were spent), or it
-    could not be reached ([`eqx_ckpt.CheckpointConnectionError`][], a
-    subclass). It says nothing about the checkpoint, which may well be whole:
-    it is neither an `IntegrityError` nor a `CheckpointNotFoundError`, and
+    """The storage would not serve the checkpoint, or take a save.
+
+    - It refused: forbidden, unauthenticated, a local file's permissions, a
+        read-only or full disk.
+    - It failed: server errors once the retries were spent.
+    - It could not be reached ([`eqx_ckpt.CheckpointConnectionError`][], a
+        subclass).
+
+    It says nothing about the checkpoint, which may well be whole. It is
+    neither an `IntegrityError` nor a `CheckpointNotFoundError`, and
     [`eqx_ckpt.verify`][] raises it instead of reporting damage. A save it
     stops commits nothing (an overwritten checkpoint stays as it was). Check
     access, space and the storage, then try again.
@@ -87,9 +91,10 @@ class CheckpointStorageError(CheckpointError, OSError):
 class CheckpointConnectionError(CheckpointStorageError, ConnectionError):
     """The storage could not be reached: a server that refuses the connection, a
     host name that does not resolve, a connection that timed out. It says
-    nothing about the checkpoint, which may well be there, so it is not a
-    `CheckpointNotFoundError` (code that starts afresh on `FileNotFoundError`
-    does not start afresh on it): check the URL and the server, then try again.
+    nothing about the checkpoint, which may well be there. So it is not a
+    `CheckpointNotFoundError`, and code that starts afresh on
+    `FileNotFoundError` does not start afresh on it. Check the URL and the
+    server, then try again.
 
     !!! example
 
@@ -143,7 +148,7 @@ class CheckpointTypeError(CheckpointError, TypeError):
 
 class UntrustedError(CheckpointTypeError):
     """A load without `like` would build a class or function that `trust` does
-    not hold. Nothing was imported or run; the message names every such class
+    not hold. Nothing was imported or run. The message names every such class
     and function, the key paths that use them, and the `trust=[...]` to pass.
 
     !!! example
@@ -231,10 +236,12 @@ class CheckpointVersionError(CheckpointError, ValueError):
 class CheckpointReplacedError(CheckpointError, RuntimeError):
     """The checkpoint was replaced by a newer save after it was opened (by a
     `Checkpoint`, a lazy load, or a load still reading), or deleted (the
-    message says which). Nothing of the newer save was returned; open or load
-    it again to read it. Other sources too: a
-    safetensors file or Hugging Face directory rewritten (by `safetensors`, or
-    `export_safetensors` into it), an orbax checkpoint saved again.
+    message says which). Nothing of the newer save was returned. Open or load
+    it again to read it.
+
+    Other sources too: a safetensors file or Hugging Face directory rewritten
+    (by `safetensors`, or `export_safetensors` into it), an orbax checkpoint
+    saved again.
 
     !!! example
 
@@ -409,11 +416,12 @@ MAX_SHOWN = 200
 
 
 def from_file(text: Any, limit: int = MAX_SHOWN) -> str:
-    """A string read from a file (a class or field name, a key, a reason, a
-    tensor name), as every message and CLI line shows it: each control
-    character, newline and terminal escape written as its escape (`\\n`,
-    `\\x1b`), so that no file can forge a line of a message; and at most
-    `limit` characters, ending in `...` where it is cut.
+    """A string read from a file, as every message and CLI line shows it.
+
+    The string is a class or field name, a key, a reason, a tensor name. Each
+    control character, newline and terminal escape is written as its escape
+    (`\\n`, `\\x1b`), so that no file can forge a line of a message. At most
+    `limit` characters are shown, ending in `...` where it is cut.
 
     !!! example
 

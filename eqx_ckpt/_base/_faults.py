@@ -8,11 +8,16 @@ raise on the Nth call. Disarmed, a point costs a call and one global lookup.
 Points are named by what happens, not by the function they sit in, so code
 can move without its tests changing.
 
-Points fire in whatever thread reaches them: the caller's, the helper that
-keeps a save's futures from interrupts (`eqx_ckpt-io`), an asynchronous
-save's thread (`eqx_ckpt-save`), the chunk writers (`eqx_ckpt-write`), the
-file checks and readers of a load (`eqx_ckpt-open`, `eqx_ckpt-read`), a
-lease's heartbeat (`eqx_ckpt-lease`). Arming is seen by every thread at once;
+Points fire in whatever thread reaches them:
+
+- the caller's;
+- the helper that keeps a save's futures from interrupts (`eqx_ckpt-io`);
+- an asynchronous save's thread (`eqx_ckpt-save`);
+- the chunk writers (`eqx_ckpt-write`);
+- the file checks and readers of a load (`eqx_ckpt-open`, `eqx_ckpt-read`);
+- a lease's heartbeat (`eqx_ckpt-lease`).
+
+Arming is seen by every thread at once;
 a callback that cares checks `threading.current_thread()`.
 
 The points, with where they fire and the arguments they pass:

@@ -2,9 +2,9 @@
 small, acyclic objects (leaf records, a manifest's parsed items).
 
 Its collections, triggered by the count of new objects, took a third of the
-time of parsing a manifest of ten thousand leaves; reference counting still
+time of parsing a manifest of ten thousand leaves. Reference counting still
 frees memory meanwhile. A pause is per call and may be handed to a background
-thread (an asynchronous save); the collector is off while any pause is
+thread (an asynchronous save). The collector is off while any pause is
 active, and back as it was once none is.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 # Reentrant: freeing an object inside the lock (a dropped pause's frame) or a
 # collection started by an allocation there may run a finalizer in the same
-# thread, and the finalizer of a `gc_paused` left suspended by an interrupt
+# thread. The finalizer of a `gc_paused` left suspended by an interrupt
 # resumes its pause. With a plain lock that thread waited on itself for ever.
 _GC_LOCK = threading.RLock()
 
@@ -34,18 +34,18 @@ _restore: bool | None = None  # the collector's state before the first of them
 
 class GcPause:
     """Python's cyclic garbage collector paused from `begin()` to `resume()`.
-    Pauses nest, also across threads (an asynchronous save's caller pauses the
-    collector for the background part, so that no collection of the objects
-    it just made falls between the two): the last to resume restores what the
-    first found.
+    Pauses nest, also across threads: the last to resume restores what the
+    first found. An asynchronous save's caller pauses the collector for the
+    background part, so that no collection of the objects it just made falls
+    between the two.
 
-    Safe against an interrupt at any line (a signal's exception is raised
-    between any two, also on entering the `resume()` of a `finally`): a pause
-    belongs to the frame it was begun for, and one whose frame has left its
-    thread's stack without resuming it is dropped by the next pause or resume
-    in that thread, which also finishes a change of the collector's state that
-    an interrupt cut short. (A pause begun for no frame, to be adopted by a
-    background thread, must be ended explicitly.)"""
+    Safe against an interrupt at any line. A signal's exception is raised
+    between any two lines, also on entering the `resume()` of a `finally`.
+    So a pause belongs to the frame it was begun for. A pause whose frame has
+    left its thread's stack without resuming it is dropped by the next pause
+    or resume in that thread. That call also finishes a change of the
+    collector's state that an interrupt cut short. A pause begun for no frame,
+    to be adopted by a background thread, must be ended explicitly."""
 
     def begin(self, frame: types.FrameType | None) -> None:
         """Pause for as long as `frame` runs (or, with `None`, until `adopt`)."""
@@ -68,13 +68,14 @@ class GcPause:
 
 
 def _settle() -> None:
-    """Drop this thread's pauses whose frame has returned; then the collector
-    is off while any pause is active, and back as it was once none is. Each
-    line can be repeated, so a call cut short is finished by the next, and a
-    whole `begin` or `resume` may run inside it (a finalizer, see `_GC_LOCK`):
-    it reads a copy of `_active` (copied without allocating per item, so no
-    finalizer runs midway) and decides the collector's state last, after the
-    lines that allocate or free."""
+    """Drop this thread's pauses whose frame has returned. Then the collector
+    is off while any pause is active, and back as it was once none is.
+
+    Each line can be repeated, so a call cut short is finished by the next. A
+    whole `begin` or `resume` may run inside it (a finalizer, see `_GC_LOCK`).
+    So it reads a copy of `_active`, copied without allocating per item, so
+    that no finalizer runs midway. It decides the collector's state last,
+    after the lines that allocate or free."""
     global _restore
     me = threading.get_ident()
     mine = [(key, owner[1]) for key, owner in _active.copy().items() if owner is not None and owner[0] == me]
@@ -103,7 +104,7 @@ def _stack(frame: types.FrameType | None) -> Iterator[types.FrameType]:
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector while a block makes many small,
-    acyclic objects (a manifest's records, a tree's leaves): its collections,
+    acyclic objects (a manifest's records, a tree's leaves). Its collections,
     triggered by the count of new objects, took a third of the time of parsing
     a manifest of ten thousand leaves. Reference counting still frees memory.
     See `GcPause`."""

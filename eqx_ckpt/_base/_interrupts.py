@@ -1,10 +1,14 @@
-"""Running I/O to its end however the main thread is interrupted (Ctrl-C, or
-`sys.exit` from a signal handler), so a save always knows what it started
-(`uninterrupted`), and waiting for what it started, whatever interrupts the
-wait (`outcome`, the one such loop for a future, and `finish`): an error kept, not raised
-(`attempt`), every future settled before an abort deletes what they wrote
-(`settle`), or reads cancelled and stopped before their buffer is handed
-back (`stop`)."""
+"""Running I/O to its end however the main thread is interrupted, and waiting
+for what it started.
+
+- `uninterrupted`: a save always knows what it started, whatever interrupts
+  the main thread (Ctrl-C, or `sys.exit` from a signal handler).
+- `outcome`: the one loop that waits for a future whatever interrupts the
+  wait; `finish` is built on it.
+- `attempt`: an error kept, not raised.
+- `settle`: every future settled before an abort deletes what they wrote.
+- `stop`: reads cancelled and stopped before their buffer is handed back.
+"""
 
 from __future__ import annotations
 
@@ -21,14 +25,16 @@ def uninterrupted(fn: Callable[[], Any]) -> None:
     """Run `fn` to its end, however the caller is interrupted.
 
     Python raises an interrupt (Ctrl-C, `sys.exit` from a signal handler) in the
-    main thread, between any two bytecodes: also between a call that starts an
-    operation and the line that keeps its future, which is then lost, and a
-    save cannot know what it must wait for before it undoes anything (a
+    main thread, between any two bytecodes. That includes between a call that
+    starts an operation and the line that keeps its future, which is then lost.
+    A save then cannot know what it must wait for before it undoes anything. (A
     manifest write that landed after the abort deleted the arrays committed a
-    checkpoint without its data). In the main thread, `fn` therefore runs in a
-    helper thread, which signals never reach: it keeps what it starts (it
-    stores its results itself, in objects the caller holds), and an interrupt
-    while waiting is raised once `fn` has finished. In other threads `fn` just
+    checkpoint without its data.)
+
+    In the main thread, `fn` therefore runs in a helper thread, which signals
+    never reach. It keeps what it starts: it stores its results itself, in
+    objects the caller holds. An interrupt while waiting is raised once `fn`
+    has finished. In other threads `fn` just
     runs. `fn`'s own error is raised as it is.
 
     (Not `Thread.join`: an interrupted join in Python 3.11 can mark a running

@@ -1,11 +1,15 @@
 """Where a checkpoint lives: a `Location`, made once from what the user passed as `path`.
 
 A local path, a TensorStore kvstore URL (`memory://`, `file://`, `s3://`,
-`gs://`...) or a kvstore spec dict all become one: a kvstore spec whose path
-ends in `/`, the path as the user wrote it (for messages), and the local
-directory when there is one. URLs and spec dicts are normalised by
-TensorStore's own parser, which is why this module imports `tensorstore` (see
-`_storage` for everything else that does).
+`gs://`...) or a kvstore spec dict all become one `Location`:
+
+- a kvstore spec whose path ends in `/`;
+- the path as the user wrote it (for messages);
+- the local directory when there is one.
+
+URLs and spec dicts are normalised by TensorStore's own parser. That is why
+this module imports `tensorstore` (see `_storage` for everything else that
+does).
 """
 
 from __future__ import annotations
@@ -157,8 +161,8 @@ def _directory(spec: dict[str, Any], display: str) -> Location:
     if spec.get("driver") == "s3" and "endpoint" not in spec and endpoint:
         spec["endpoint"] = endpoint
     if spec.get("driver") == "s3" and "aws_credentials" not in spec and all(map(os.environ.get, _KEY_VARIABLES)):
-        # The keys the AWS default chain would take first, named: the chain also
-        # reads the shared config files as it is built, and where there are none
+        # The keys the AWS default chain would take first, named. The chain also
+        # reads the shared config files as it is built. Where there are none,
         # the SDK printed five lines of errors on stderr at the first access
         # (TensorStore's own logging, which Python cannot quieten).
         spec["aws_credentials"] = {"type": "environment"}

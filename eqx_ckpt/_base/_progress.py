@@ -15,10 +15,10 @@ Every job that moves many bytes takes `progress=`:
     `1 / PARTIAL_STEPS` of the job's leaves per call.
 
 Bytes are counted as they are written or read, a chunk file or a slab at a
-time, so that one large leaf moves the bar in steps instead of from 0 to 100%
-at once. Such partial counts reach a callback only once they add up to
-`1 / PARTIAL_STEPS` of the job's bytes (a leaf done always does), so a job
-of many small chunks does not call it for every one.
+time. So one large leaf moves the bar in steps instead of from 0 to 100% at
+once. Such partial counts reach a callback only once they add up to
+`1 / PARTIAL_STEPS` of the job's bytes (a leaf done always does). So a job of
+many small chunks does not call it for every one.
 """
 
 from __future__ import annotations

@@ -66,11 +66,14 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None) -> tuple[list[tupl
 
 
 class Names:
-    """The dotted path and the key path record (`_keypath.to_json`) of every
-    leaf of a flattened tree, in flattening order (`paths`, `records`), and
-    each leaf's key path on request (`keypath(i)`: a save needs a few, for the
-    leaves it cannot store the common way and for its errors); `treedef`, the
-    tree's structure where known (a save records it: `_structure`)."""
+    """The names of every leaf of a flattened tree.
+
+    - `paths`, `records`: the dotted path and the key path record
+      (`_keypath.to_json`) of every leaf, in flattening order.
+    - `keypath(i)`: each leaf's key path, on request. A save needs a few, for
+      the leaves it cannot store the common way and for its errors.
+    - `treedef`: the tree's structure where known (a save records it:
+      `_structure`)."""
 
     __slots__ = ("_keypath", "paths", "records", "treedef")
 
@@ -128,9 +131,9 @@ def names_from_structure(treedef: Any) -> Names:
 
     Each node's keys are those of a copy of the node rebuilt around numbers
     (`_child_keys`). Each distinct subtree is named once, where it first
-    occurs: a later occurrence (the next block of a model, Adam's moments of
-    the parameters) copies those names behind its own prefix, a string and a
-    list joined per leaf, instead of a step per key."""
+    occurs. A later occurrence (the next block of a model, Adam's moments of
+    the parameters) copies those names behind its own prefix. That is a string
+    and a list joined per leaf, instead of a step per key."""
     _faults.fire("tree.name_by_structure", treedef)
     paths: list[str] = []
     records: list[list[list[Any]]] = []
@@ -181,10 +184,10 @@ def _names_follow_equality(kind: str, value: Any) -> bool:
     """Whether every key equal to this one has its name. Subtrees are told
     apart by equality: `{1: x}` and `{True: x}` are equal structures whose keys
     are named `%i1` and `True`, so a subtree holding a dict key other than a
-    string is named anew wherever it occurs. (Attribute names and indices
-    follow from the node's type and length, which equal structures share; a
-    key equal to a string is one, of a subclass such as `StrEnum` or
-    `np.str_`, named by the same characters.)"""
+    string is named anew wherever it occurs. Attribute names and indices
+    follow from the node's type and length, which equal structures share. A
+    key equal to a string is one too, of a subclass such as `StrEnum` or
+    `np.str_`, named by the same characters."""
     return kind in ("attr", "index") or (kind == "key" and type(value) is str)
 
 
@@ -212,10 +215,12 @@ def _rebuilt_keypaths(treedef: Any) -> list[tuple[Any, ...]]:
 
 class _StructureKeypaths:
     """The key path of leaf `i` of a tree of structure `treedef` (whose nodes
-    `rebuilds_plainly`): the first few found by descending through the nodes
-    that hold it (a fraction of a millisecond each), then all of them at once,
-    from a copy of the tree with numbers for leaves (tens of milliseconds for
-    ten thousand leaves)."""
+    `rebuilds_plainly`).
+
+    The first few are found by descending through the nodes that hold it, a
+    fraction of a millisecond each. Then all of them are found at once, from a
+    copy of the tree with numbers for leaves: tens of milliseconds for ten
+    thousand leaves."""
 
     _DESCENTS = 16
 

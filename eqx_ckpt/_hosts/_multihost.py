@@ -7,30 +7,35 @@ barriers (`Group.sync`); `writes` says whether this process writes (its
 pieces of) a leaf.
 
 The processes meet at barriers of the distributed runtime's coordination service,
-not at device collectives: that needs no collective support from the backend
-(CPU included), carries each process's error to the others, so that a failure
-anywhere fails the save everywhere instead of hanging it, and is safe from the
-background thread of an asynchronous save, where a device collective could
-interleave with the training step's own.
+not at device collectives. A barrier there:
+
+- needs no collective support from the backend (CPU included);
+- carries each process's error to the others, so that a failure anywhere fails
+  the save everywhere instead of hanging it;
+- is safe from the background thread of an asynchronous save, where a device
+  collective could interleave with the training step's own.
 
 A barrier is each process's key in the coordination service's key-value store,
 waited for a second at a time. Between waits, the heartbeat of a process that
-has not arrived is checked: every process bumps a key of its own every
-`HEARTBEAT_SECONDS` from a thread that eqx_ckpt starts at import and that
-beats once `jax.distributed` and JAX's backend have started (`_Heartbeat`),
-so a process killed outright (SIGKILL, out of memory) is found within
-`SILENT_SECONDS` and named, where `jax.distributed`'s own heartbeat takes
-100 s and then ends every process. That holds for a process that died before
-it called the save or restore as for one that died inside it: each process
-marks its entry into a group (`Group`), and the error says which of the two it was.
+has not arrived is checked. Every process bumps a key of its own every
+`HEARTBEAT_SECONDS` (`_Heartbeat`). A thread does it, which eqx_ckpt starts at
+import and which beats once `jax.distributed` and JAX's backend have started.
+So a process killed outright (SIGKILL, out of memory) is found within
+`SILENT_SECONDS` and named. `jax.distributed`'s own heartbeat takes 100 s and
+then ends every process. This holds for a process that died before it called
+the save or restore, as for one that died inside it. Each process marks its
+entry into a group (`Group`), and the error says which of the two it was.
 
-The coordination service has no quicker answer of its own: its client's
-`get_live_nodes(process_ids)` is itself a barrier (it returns once every live
-process listed has called it), and a process killed outright counts as live
-until the service's heartbeat time-out (`heartbeat_timeout_seconds`, 100 s),
-when `jax.distributed` ends every process anyway; `wait_at_barrier` with
-`process_ids` waits for a dead process just as long. Hence eqx_ckpt's own
-heartbeat keys, in the same service.
+The coordination service has no quicker answer of its own:
+
+- its client's `get_live_nodes(process_ids)` is itself a barrier: it returns
+  once every live process listed has called it;
+- a process killed outright counts as live until the service's heartbeat
+  time-out (`heartbeat_timeout_seconds`, 100 s), when `jax.distributed` ends
+  every process anyway;
+- `wait_at_barrier` with `process_ids` waits for a dead process just as long.
+
+Hence eqx_ckpt's own heartbeat keys, in the same service.
 """
 
 from __future__ import annotations

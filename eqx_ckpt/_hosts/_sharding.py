@@ -63,10 +63,13 @@ def host_pieces(
 
     In one process, only the first replica of each shard is written, so
     replicated data is written once. With several processes (`x` is not
-    fully addressable), each region held by several of them is cut between
-    them (`slices`, on the leaf's chunk grid `chunks`, of `itemsize` stored
-    bytes per element) and its slices dealt to them (`deal`, the save's),
-    so that every region is written once, by its holders in shares.
+    fully addressable), every region is written once, by its holders in
+    shares:
+
+    - each region held by several of them is cut between them (`slices`, on
+      the leaf's chunk grid `chunks`, of `itemsize` stored bytes per element);
+    - its slices are dealt to them (`deal`, the save's).
+
     `path`: the leaf's dotted path, for the fault point `save.slices`.
     """
     if not isinstance(x, jax.Array):
@@ -82,28 +85,35 @@ def host_pieces(
 
 # A region of a leaf held by several processes (a replicated leaf, or a shard
 # on devices of several processes) of fewer stored bytes than this is written
-# whole by one of them; a larger one is cut between them (`slices`).
+# whole by one of them. A larger one is cut between them (`slices`).
 SPLIT_BYTES = 4 << 20
 
 Region = tuple[tuple[int, int], ...]
 
 
 class Deal:
-    """Who writes each slice of a multi-process save. A small region (under
-    `SPLIT_BYTES`, not cut) goes to its holders in turn, round the processes;
-    any other slice to the holder of its region that has been dealt the
-    fewest bytes so far (the lowest rank on a tie), a holder taking one slice
-    of a region at most. Every process deals the same slices in the same
-    order (the save's leaves, in order: every process saves the same tree),
-    so every process reaches the same deal with no communication. One per
-    save: a cut that is uneven by a chunk, or a large leaf of one chunk,
-    goes to a different process from leaf to leaf.
+    """Who writes each slice of a multi-process save.
 
-    (Not a hash of each leaf's path: over a few large leaves that left one
-    process 1.5x its share; nor the large leaves by their index: with two
-    processes, the weights of alternating layers then went to one of them.
-    Nor the small ones by bytes: the few bytes of many small leaves then all
-    went to one process, which wrote every one of their files.)
+    - A small region (under `SPLIT_BYTES`, not cut) goes to its holders in
+      turn, round the processes.
+    - Any other slice goes to the holder of its region that has been dealt
+      the fewest bytes so far (the lowest rank on a tie). A holder takes one
+      slice of a region at most.
+
+    Every process deals the same slices in the same order: the save's leaves,
+    in order, since every process saves the same tree. So every process
+    reaches the same deal with no communication. One per save: a cut that is
+    uneven by a chunk, or a large leaf of one chunk, goes to a different
+    process from leaf to leaf.
+
+    Deals that were tried and dropped:
+
+    - A hash of each leaf's path: over a few large leaves that left one
+      process 1.5x its share.
+    - The large leaves by their index: with two processes, the weights of
+      alternating layers then went to one of them.
+    - The small ones by bytes: the few bytes of many small leaves then all
+      went to one process, which wrote every one of their files.
     """
 
     def __init__(self) -> None:
@@ -146,10 +156,11 @@ def _share(
     return pieces
 
 
-# Where a process cuts its slice out of a shard: on the device (only the slice
-# reaches the host, at one compilation per slice shape, about 30 ms each on a
-# CPU), or from the shard's host view (free on a CPU, whose view is the device
-# buffer; on an accelerator, a copy of the whole shard in every process).
+# Where a process cuts its slice out of a shard:
+# - on the device: only the slice reaches the host, at one compilation per
+#   slice shape, about 30 ms each on a CPU;
+# - from the shard's host view: free on a CPU, whose view is the device
+#   buffer; on an accelerator, a copy of the whole shard in every process.
 # `None`: on the device on accelerators, from the host view on a CPU.
 SLICE_ON_DEVICE: bool | None = None
 
@@ -186,11 +197,11 @@ def slices(region: Region, chunks: tuple[int, ...], holders: int, itemsize: int)
 
     A region of at least `SPLIT_BYTES` (at `itemsize` bytes per element) is
     cut along the axis on which it spans the most chunks of the chunk grid
-    `chunks` (the first such axis), at chunk boundaries only, so that no two
-    processes write one chunk file: into one slice per holder, the chunks
-    along that axis shared as evenly as they go (the first slices one chunk
-    larger where they do not divide), or one chunk per slice where there are
-    fewer chunks than holders. A region under `SPLIT_BYTES`, one chunk along
+    `chunks` (the first such axis). It is cut at chunk boundaries only, so that
+    no two processes write one chunk file. It is cut into one slice per holder,
+    the chunks along that axis shared as evenly as they go (the first slices
+    one chunk larger where they do not divide). Where there are fewer chunks
+    than holders, it is cut into one chunk per slice. A region under `SPLIT_BYTES`, one chunk along
     every axis, or without a chunk grid (`()`) is not cut: one slice.
     """
     nbytes = math.prod(b - a for a, b in region) * itemsize

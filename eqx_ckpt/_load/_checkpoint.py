@@ -242,18 +242,23 @@ class Checkpoint(Mapping[str, Any]):
         every load ([`eqx_ckpt.tree_deserialise_leaves`][] with `where`,
         `prefix`, `lazy`, `cast`, shardings...), made without the model's code.
 
-        Stored JAX arrays and PRNG key arrays are `jax.ShapeDtypeStruct`s; a
-        stored NumPy array is a zero-strided read-only array of its shape and
-        dtype (no memory; a NumPy type, so a load gives NumPy back); a stored
-        scalar is a zero of its type (`0`, `0.0`, `np.float32(0)`), to be
-        replaced by the load. Every other leaf and static field (strings,
+        Its leaves:
+
+        - Stored JAX arrays and PRNG key arrays are `jax.ShapeDtypeStruct`s.
+        - A stored NumPy array is a zero-strided read-only array of its shape
+            and dtype. It takes no memory. It is a NumPy type, so a load gives
+            NumPy back.
+        - A stored scalar is a zero of its type (`0`, `0.0`, `np.float32(0)`),
+            to be replaced by the load.
+
+        Every other leaf and static field (strings,
         numbers, tuples, dtypes, enums, functions such as `jax.nn.gelu`) is as
         it was saved.
 
         Objects are built as `jax.tree_util.tree_unflatten` builds an Equinox
-        module: `object.__new__` and the recorded fields set one by one, so no
-        `__init__`, `__post_init__` or `__check_init__` runs (`check_init=True`
-        runs the last). A class that is not trusted is never looked up, let
+        module: `object.__new__`, then the recorded fields set one by one. So
+        no `__init__`, `__post_init__` or `__check_init__` runs
+        (`check_init=True` runs the last). A class that is not trusted is never looked up, let
         alone imported: see [docs/structure.md](../structure.md).
 
         **Arguments:**
@@ -267,12 +272,12 @@ class Checkpoint(Mapping[str, Any]):
 
         **Raises:**
 
-        [`eqx_ckpt.UntrustedError`][] naming every class and function that is
-        not trusted, where they are used and the `trust=[...]` to pass; a
-        `CheckpointTypeError` if a class's fields changed since the save; a
-        `CheckpointValueError` for a part that could not be recorded (a
-        lambda, a closure) or a checkpoint that records no structure (written
-        before format 5, or by another library).
+        - [`eqx_ckpt.UntrustedError`][] naming every class and function that
+            is not trusted, where they are used and the `trust=[...]` to pass.
+        - `CheckpointTypeError` if a class's fields changed since the save.
+        - `CheckpointValueError` for a part that could not be recorded (a
+            lambda, a closure) or a checkpoint that records no structure
+            (written before format 5, or by another library).
 
         !!! example
 
@@ -372,14 +377,18 @@ class Checkpoint(Mapping[str, Any]):
         whose `trust` and `check_init` these are) and loaded into, through the
         same reader as [`eqx_ckpt.tree_deserialise_leaves`][].
 
-        Without `trust`, the tree is rebuilt from the key paths in the manifest, as nested dicts
-        (for dict keys and attribute names) and lists (for sequence indices; an
-        index that holds no saved leaf, such as an activation function between
-        layers, is `None`; in a safetensors file, whose names do not say what is
-        a list, children named `0`, `1`, ... without gaps). Arrays saved from
-        JAX come back as JAX arrays on the default device, or, when any of them
-        is 64-bit and JAX's x64 mode is off, all as NumPy arrays (which keep
-        every value); NumPy arrays as NumPy arrays, scalars as their values.
+        Without `trust`, the tree is rebuilt from the key paths in the manifest:
+
+        - Dict keys and attribute names become nested dicts.
+        - Sequence indices become lists. An index that holds no saved leaf,
+            such as an activation function between layers, is `None`.
+        - A safetensors file's names do not say what is a list. There, children
+            named `0`, `1`, ... without gaps become a list.
+
+        Arrays saved from JAX come back as JAX arrays on the default device.
+        But when any of them is 64-bit and JAX's x64 mode is off, all come back
+        as NumPy arrays, which keep every value. NumPy arrays come back as NumPy
+        arrays, scalars as their values.
 
         **Arguments:**
 
@@ -505,11 +514,13 @@ class _Folder:
 
 def _shown(root: _Folder, *, max_rows: int | None, depth: int | None) -> dict[int, int]:
     """How many entries of each sub-tree (by `id`) a listing shows; a sub-tree
-    not here is one line. Sub-trees open breadth first, down to `depth`, the
-    smaller first within a level, each whose entries still fit in `max_rows`
-    lines, so that a small model beside a large sibling shows its layers;
-    then, while lines are left, each sub-tree too large to open shows its
-    first `_SAMPLE` entries and a line saying how many more it has."""
+    not here is one line.
+
+    Sub-trees open breadth first, down to `depth`, the smaller first within a
+    level. Each opens whose entries still fit in `max_rows` lines. So a small
+    model beside a large sibling shows its layers. Then, while lines are left,
+    each sub-tree too large to open shows its first `_SAMPLE` entries and a
+    line saying how many more it has."""
     if depth == 0:
         return {}
     budget = math.inf if max_rows is None else max_rows

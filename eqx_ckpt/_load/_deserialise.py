@@ -1,11 +1,14 @@
 """`tree_deserialise_leaves`: full, partial, re-rooted, renamed and lazy loads.
 
-A load is four steps, each one function: open the source (`_source`: which
-format, its records), plan the names of every leaf of `like` (`_load_plan`:
-which record feeds each, every mismatch raised together), read (custom filter
-specs, transforms, then the stored leaves, by the one reader of stored leaves,
-`_reader`, or as `LazyArray`s that read through it when asked), and place
-the values into `like`'s tree.
+A load is four steps, each one function:
+
+1. Open the source (`_source`): which format, its records.
+2. Plan the names of every leaf of `like` (`_load_plan`): which record feeds
+   each. Every mismatch is raised together.
+3. Read: custom filter specs, transforms, then the stored leaves. The stored
+   leaves are read by the one reader of stored leaves, `_reader`, or as
+   `LazyArray`s that read through it when asked.
+4. Place the values into `like`'s tree.
 """
 
 from __future__ import annotations
@@ -116,10 +119,10 @@ def tree_deserialise_leaves(
     - `rename`: a mapping or callable from a dotted path in `like` to one in the
         checkpoint (below `prefix`). A mapping renames whole sub-trees
         (`{"body": "encoder"}`); unmapped paths pass through. Or an ordered
-        list of regular-expression rules `(pattern, replacement)`: the first
-        rule whose pattern is found rewrites the path (`re.sub`, once); a
-        replacement of `None` leaves that leaf unloaded (it keeps `like`'s
-        value), a tuple of replacements reads several stored arrays, which a
+        list of regular-expression rules `(pattern, replacement)`. The first
+        rule whose pattern is found rewrites the path (`re.sub`, once). A
+        replacement of `None` leaves that leaf unloaded: it keeps `like`'s
+        value. A tuple of replacements reads several stored arrays, which a
         `transform` combines. A mapping key that names no leaf or sub-tree of
         `like` is a `CheckpointValueError` (whatever `missing` says); rules and
         callables are not checked so. A stored name may also be given as its
@@ -130,10 +133,10 @@ def tree_deserialise_leaves(
     - `strict`: also report stored leaves (below `prefix`) that `like` lacks.
     - `cast`: `True` converts stored dtypes to `like`'s instead of raising. Rounding
         (to a narrower float, or a large integer to a float) is what a cast
-        does; a value that would change otherwise (an integer that does not
-        fit, a float with a fraction into an integer, NaN or infinity into an
-        integer, a float beyond the target's range) is an error naming the leaf
-        and the value. The rule is the same for array and scalar leaves of
+        does. A value that would change otherwise is an error naming the leaf
+        and the value: an integer that does not fit, a float with a fraction
+        into an integer, NaN or infinity into an integer, a float beyond the
+        target's range. The rule is the same for array and scalar leaves of
         `like`: `5.0` loads into a Python `int` (or an `int32` array) as `5`,
         `5.7` into either is an error (see [docs/values.md](../values.md)).
     - `lazy`: return [`eqx_ckpt.LazyArray`][]s that read when asked (see
@@ -148,11 +151,11 @@ def tree_deserialise_leaves(
         exception. See
         [`eqx_ckpt.torch_layout`][] for PyTorch's layers.
     - `progress`: by default a progress bar (bytes and leaves) shows on stderr
-        when it is a terminal and the load is large; `False` hides it, `True`
-        shows it whatever the size, and a callable is called as
+        when it is a terminal and the load is large. `False` hides it. `True`
+        shows it whatever the size. A callable is called as
         `progress(leaves_done, leaves_total, bytes_done, bytes_total)` as the
-        bytes are read (a chunk or a slab at a time, so a large leaf moves in
-        steps).
+        bytes are read. Bytes are read a chunk or a slab at a time, so a large
+        leaf moves in steps.
     - `trust`, `check_init`: for `like=None` only: the classes, functions and
         modules the rebuilt tree may use beyond the default set, and whether
         to run their `__check_init__` (see [`eqx_ckpt.Checkpoint.skeleton`][]).
@@ -366,12 +369,12 @@ def materialise(tree: PyTree, *, progress: Progress = None) -> PyTree:
 
     **Arguments:**
 
-    - `tree`: any PyTree; its lazy leaves are read concurrently (within a bounded
-        number of bytes in flight, so the peak memory stays near the result's
-        size), others are kept.
+    - `tree`: any PyTree. Its lazy leaves are read concurrently, others are
+        kept. The bytes in flight are bounded, so the peak memory stays near
+        the result's size.
     - `progress`: by default a progress bar (bytes and leaves) shows on stderr
-        when it is a terminal and there is much to read; `False` hides it,
-        `True` shows it whatever the size, and a callable is called as
+        when it is a terminal and there is much to read. `False` hides it.
+        `True` shows it whatever the size. A callable is called as
         `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
 
     **Returns:**

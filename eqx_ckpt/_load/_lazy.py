@@ -27,13 +27,16 @@ class LazyArray:
     """A leaf of a checkpoint that has not been read yet.
 
     It knows its `shape`, `dtype`, `ndim`, `size` and `nbytes` without reading.
-    `np.asarray(x)` reads it all; `x[i:j]` reads only that region (a NumPy
-    array); `x.read()` reads it as the type of the `like` leaf it stands for (a
-    JAX array placed with `like`'s sharding, a NumPy array, or a scalar), and
-    [`eqx_ckpt.materialise`][] does that for every lazy leaf of a tree at once.
 
-    A `LazyArray` is not a JAX array: `eqx.is_array` is `False` for it, so
-    `eqx.filter` treats it as static, and passing it to a `jax.jit`-ted (or
+    - `np.asarray(x)` reads it all.
+    - `x[i:j]` reads only that region (a NumPy array).
+    - `x.read()` reads it as the type of the `like` leaf it stands for: a JAX
+        array placed with `like`'s sharding, a NumPy array, or a scalar.
+    - [`eqx_ckpt.materialise`][] does that for every lazy leaf of a tree at
+        once.
+
+    A `LazyArray` is not a JAX array. `eqx.is_array` is `False` for it, so
+    `eqx.filter` treats it as static. Passing it to a `jax.jit`-ted (or
     `eqx.filter_jit`-ted) function raises, saying to call
     `eqx_ckpt.materialise` first. Materialise first.
 
@@ -54,11 +57,11 @@ class LazyArray:
     __slots__ = ("__weakref__", "_like", "_loc", "_record", "_source", "_store")
 
     def __init__(self, source: Source, record: LeafRecord, like: Any = None):
-        # The opened checkpoint it reads from (`_source.Source`: how a leaf of
-        # another format is opened, and the check, after every read, that the
-        # checkpoint was not replaced, so that a read never returns a later
-        # save's bytes), through which `materialise` reads many lazy leaves as
-        # one load does.
+        # The opened checkpoint it reads from (`_source.Source`). It knows how a
+        # leaf of another format is opened. It checks, after every read, that
+        # the checkpoint was not replaced, so that a read never returns a later
+        # save's bytes. `materialise` reads many lazy leaves through it as one
+        # load does.
         self._source = source
         self._loc = source.data
         self._record = record
@@ -158,10 +161,12 @@ class LazyArray:
 
     def _host(self) -> np.ndarray:
         """The whole leaf as a NumPy array of its `dtype` (a PRNG key's, its key
-        data), read as a load reads it: by the one reader of stored leaves (on
-        a local disk straight into one aligned buffer; a packed leaf from its
-        pack, through the process's cached open of it, as a leaf read alone),
-        its checkpoint checked after the read. How `np.asarray` reads it, a
+        data), read as a load reads it.
+
+        The one reader of stored leaves reads it. On a local disk it reads
+        straight into one aligned buffer. A packed leaf comes from its pack,
+        through the process's cached open of it, as a leaf read alone. Its
+        checkpoint is checked after the read. How `np.asarray` reads it, a
         save stages it, and `export_safetensors` writes it."""
         if self._record.type == "prng_key":
             return self[...]
@@ -198,10 +203,12 @@ class LazyArray:
 
     def to_save(self) -> tuple[Any, str | None]:
         """What a save of this leaf writes, and the leaf type it records when
-        that is not the value's own: `read()`'s value, except that a leaf read
-        as a JAX array of a 64-bit dtype in a process without JAX's 64-bit mode
-        is read as NumPy, its values exact, and recorded as the JAX array it
-        stands for (a lazily opened checkpoint saved again is a copy)."""
+        that is not the value's own.
+
+        It writes `read()`'s value, with one exception: a leaf read as a JAX
+        array of a 64-bit dtype, in a process without JAX's 64-bit mode. That
+        one is read as NumPy, its values exact, and recorded as the JAX array it
+        stands for. So a lazily opened checkpoint saved again is a copy."""
         like = self._read_as()
         if _dtypes.like_type(like) == "jax" and _dtypes.x64_missing(self.dtype):
             return np.asarray(self), "jax"

@@ -1,10 +1,14 @@
 """The load plan: which stored record, if any, feeds each leaf of `like`, and how.
 
-A load's options are resolved here, once, by the same code for every source (an
-eqx_ckpt checkpoint, a safetensors file, a Hugging Face directory of shards, an
-orbax checkpoint: `_source`): `where` picks leaves of `like`, `prefix` and
-`rename` name where each is stored, `transform` which are made by a function of
-stored arrays, and `missing`, `strict` and `cast` which differences are allowed.
+A load's options are resolved here, once, by the same code for every source
+(`_source`): an eqx_ckpt checkpoint, a safetensors file, a Hugging Face
+directory of shards, an orbax checkpoint.
+
+- `where` picks leaves of `like`.
+- `prefix` and `rename` name where each is stored.
+- `transform` says which are made by a function of stored arrays.
+- `missing`, `strict` and `cast` say which differences are allowed.
+
 Every problem found is raised together, before anything is read, as one
 `LeafError` (`Report`). A check written here holds for every format: `plan` is
 the one place that sees every leaf of `like` with its stored name and record.

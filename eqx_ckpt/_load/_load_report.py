@@ -1,6 +1,9 @@
-"""How a load says what does not match: every problem of a plan raised together
-as one `LeafError` (`Report`), and the errors of a load that matches nothing
-(no leaf at all, or a key of `rename` or `transform` naming no leaf of `like`).
+"""How a load says what does not match.
+
+- Every problem of a plan is raised together as one `LeafError` (`Report`).
+- A load that matches nothing has its own errors: no leaf at all, or a key of
+  `rename` or `transform` naming no leaf of `like`.
+
 What is checked is decided in `_load_plan`."""
 
 from __future__ import annotations

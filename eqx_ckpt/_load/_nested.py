@@ -2,10 +2,12 @@
 and lists, built from the key paths the manifest records.
 
 For inspecting a checkpoint, or converting one whose code is gone. The structure
-comes from each leaf's recorded key path: sequence indices become lists, every
-other key (dict keys, attribute names) a dict key; keys of one container that
-cannot be sorted together (indices beside names, from a custom pytree node)
-become their names in dotted paths.
+comes from each leaf's recorded key path:
+
+- Sequence indices become lists.
+- Every other key (dict keys, attribute names) becomes a dict key.
+- Keys of one container that cannot be sorted together (indices beside names,
+  from a custom pytree node) become their names in dotted paths.
 """
 
 from __future__ import annotations
@@ -181,10 +183,13 @@ def _insert(node: _Node, keys: list[tuple[str, Any, str]], leaf: Any) -> None:
 
 
 def _finish(node: Any, names: bool = False) -> Any:
-    """`_Node`s as lists (when every key is a sequence index; indices that were
-    not saved, such as the activations between layers, are `None`; or when
-    every key is a `number` and they run from 0 without a gap) or dicts (also
-    for indices too sparse to be a list, as a hostile manifest may claim)."""
+    """`_Node`s as lists or dicts.
+
+    - A list when every key is a sequence index. Indices that were not saved,
+      such as the activations between layers, are `None`.
+    - A list when every key is a `number` and they run from 0 without a gap.
+    - Otherwise a dict, also for indices too sparse to be a list, as a hostile
+      manifest may claim."""
     if not isinstance(node, _Node):
         return node
     kinds = {kind for kind, _, _ in node}

@@ -112,15 +112,18 @@ def refuse_narrowing(loc: Location, record: LeafRecord, dtype: Any) -> None:
 def start_region(
     store: Array, loc: Location, record: LeafRecord, index: tuple[Any, ...] = (), *, raw: bool = False
 ) -> Callable[[], np.ndarray]:
-    """Start reading the region `index` (a tuple of slices and integers, as
-    `Array[index]` takes; `()`: all of it) of the stored leaf `record`, opened
-    as `store` in the data root `loc`: the one way any reader reads a leaf's
-    stored elements through TensorStore (a run of a pack, many leaves, is
-    read by the location's `_chunk_files.ChunkFiles.pack_runs`). The returned
-    function waits and gives them as stored (a NumPy
-    array). A failure is the leaf's (`read_failed`), or with `raw` as storage
-    raised it, for a caller that words it itself (a pack's run, whose damaged
-    leaf is found after; `verify`, which tells damage from refusal)."""
+    """Start reading the region `index` of the stored leaf `record`, opened as
+    `store` in the data root `loc`.
+
+    `index` is a tuple of slices and integers, as `Array[index]` takes; `()` is
+    all of it. This is the one way any reader reads a leaf's stored elements
+    through TensorStore. (A run of a pack, many leaves, is read by the
+    location's `_chunk_files.ChunkFiles.pack_runs`.) The returned function waits
+    and gives them as stored (a NumPy array).
+
+    A failure is the leaf's (`read_failed`). With `raw` it is as storage raised
+    it, for a caller that words it itself: a pack's run, whose damaged leaf is
+    found after, or `verify`, which tells damage from refusal."""
     try:
         future = (store[index] if index else store).read()
     except Exception as e:
@@ -326,10 +329,10 @@ def start(
 ) -> Callable[[], Any]:
     """Start reading a leaf; the returned function waits and builds the value.
 
-    `dtype`, when given, is the dtype the value must have (`like`'s);
+    `dtype`, when given, is the dtype the value must have (`like`'s).
     `on_bytes`, when given, is called with the bytes of each slab of a large
-    leaf, or of each device's region of a sharded one, as it lands (progress
-    within the leaf).
+    leaf, or of each device's region of a sharded one, as it lands. That is
+    progress within the leaf.
     """
     convert = host_converter(record, dtype, loc)
     sharding = target_sharding(like)

@@ -3,9 +3,9 @@ parameters and optimiser state, in data-parallel training): each byte is read
 from storage by one process, and reaches the others through JAX's collectives.
 
 Which leaves: a stored leaf (not packed) loaded as a `jax.Array` whose
-sharding spans devices of several processes, and one of whose regions
-(`_sharding.regions_held`) is held by at least `REPLICAS` processes, or by two
-with `read_once=True`; `read_once=False` reads every leaf in every process
+sharding spans devices of several processes. One of its regions
+(`_sharding.regions_held`) must be held by at least `REPLICAS` processes, or by
+two with `read_once=True`. `read_once=False` reads every leaf in every process
 that needs it, as before.
 
 How (every process computes the same plan from its `like`, with no
@@ -17,11 +17,11 @@ communication, and the processes compare a digest of it first):
 2. The leaves are taken in batches of at most `BATCH_BYTES` (a larger leaf
    alone). Each process reads its slices of the batch from storage.
 3. Every process then meets the others at a barrier of the coordination
-   service (`_multihost.Group`) that waits at most `TIMEOUT` seconds, and
-   finds a dead process within `_multihost.SILENT_SECONDS`: a reader that
+   service (`_multihost.Group`). It waits at most `TIMEOUT` seconds, and
+   finds a dead process within `_multihost.SILENT_SECONDS`. A reader that
    failed, died or is late is an error naming it, in every process, before
-   any collective starts (a collective that one process never joins waits
-   for ever).
+   any collective starts. (A collective that one process never joins waits
+   for ever.)
 4. One all-gather across the processes (`multihost_utils.process_allgather`)
    gives every process every slice of the batch; each assembles the regions
    its devices hold and places them, as any load does.

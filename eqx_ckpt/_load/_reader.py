@@ -3,16 +3,21 @@
 An eager load, a skeleton-free load (`_nested`), `materialise`, a lazy leaf's
 read (`LazyArray.read`, `np.asarray` of one), a partial save staging a lazy
 leaf and `export_safetensors` all hand their leaves here as `LeafPlan`s.
-Within one host-memory budget and one pool of reading threads (`_window`),
-what several processes need is read once and shared (`_read_once`), packed
-leaves in runs of their packs (`_pack`; a lazy leaf, read alone, through the
-process's cached open of its pack; each run read behind the storage seam,
-`_chunk_files.ChunkFiles.pack_runs`), small leaves of another format in
-runs of its file (`Source.runs`), a large leaf on a local disk straight into
-one aligned buffer (`_read.start_direct`; or, where
-`_memory.PINNED_LOAD_POOL` is on, through the process's pool of reused host
-buffers, `_pooled`), anything else through TensorStore (`_read.start`). A
-region of a stored leaf (a slice of a lazy leaf, a chunk that `verify` or
+All is read within one host-memory budget and one pool of reading threads
+(`_window`):
+
+- What several processes need is read once and shared (`_read_once`).
+- Packed leaves are read in runs of their packs (`_pack`). Each run is read
+  behind the storage seam, `_chunk_files.ChunkFiles.pack_runs`. A lazy leaf, read
+  alone, goes through the process's cached open of its pack.
+- Small leaves of another format are read in runs of its file
+  (`Source.runs`).
+- A large leaf on a local disk is read straight into one aligned buffer
+  (`_read.start_direct`). Where `_memory.PINNED_LOAD_POOL` is on, it goes
+  through the process's pool of reused host buffers, `_pooled`.
+- Anything else is read through TensorStore (`_read.start`).
+
+A region of a stored leaf (a slice of a lazy leaf, a chunk that `verify` or
 `diff` scans) is read by `_read.start_region`, which every read of a leaf's
 stored elements through TensorStore ends in.
 """
@@ -89,9 +94,11 @@ def read(
 def read_now(
     source: Source, plans: list[LeafPlan], tracker: Tracker, read_once: bool | None = False, *, cached: bool = False
 ) -> list[Any]:
-    """The values of `plans`, read now: what several processes need read once
-    and shared (`_read_once`), packed leaves by runs of their packs, the others
-    one array each, concurrently within the read budget (`_window`), each
+    """The values of `plans`, read now.
+
+    What several processes need is read once and shared (`_read_once`).
+    Packed leaves are read by runs of their packs, the others one array each.
+    All are read concurrently within the read budget (`_window`). Each is
     converted (and its host buffer freed) as new reads start. `cached`, for a
     leaf read alone (a lazy leaf's read): packs are read through this
     process's cached open of them (`_pack.read_leaves`), which serves its

@@ -3,19 +3,23 @@
 The record is untrusted input, read in three passes:
 
 1. **Check** (`_Check`): every node and value well formed, within limits of
-   depth, count and length; every class, function and enum named is
+   depth, count and length. Every class, function and enum named is
    collected with the key paths that use it. Nothing is built, imported or
    called.
-2. **Trust** (`_trust.Trust`): every name resolved among the trusted objects;
-   any that is not is one error naming all of them.
-3. **Build** (`_Build`): containers as themselves; a dataclass-style object
-   (`eqx.Module`) made with `object.__new__` and its recorded fields set with
-   `object.__setattr__`, as `jax.tree_util.tree_unflatten` does for Equinox,
-   so no `__init__`, `__post_init__` or `__check_init__` runs (unless
-   `check_init=True` asks for the last, on the finished skeleton); a namedtuple with `tuple.__new__`;
-   another registered node by its own registered unflatten function (code of
-   the trusted class). Each stored leaf becomes a `jax.ShapeDtypeStruct` (or
-   a zero-strided NumPy array, or a zero of its scalar type: see `_abstract`).
+2. **Trust** (`_trust.Trust`): every name resolved among the trusted objects.
+   Any that is not is one error naming all of them.
+3. **Build** (`_Build`):
+   - Containers are built as themselves.
+   - A dataclass-style object (`eqx.Module`) is made with `object.__new__`,
+     and its recorded fields set with `object.__setattr__`, as
+     `jax.tree_util.tree_unflatten` does for Equinox. So no `__init__`,
+     `__post_init__` or `__check_init__` runs, unless `check_init=True` asks
+     for the last, on the finished skeleton.
+   - A namedtuple is made with `tuple.__new__`.
+   - Another registered node is made by its own registered unflatten function
+     (code of the trusted class).
+   - Each stored leaf becomes a `jax.ShapeDtypeStruct`, a zero-strided NumPy
+     array, or a zero of its scalar type (see `abstract`).
 """
 
 from __future__ import annotations
@@ -53,11 +57,13 @@ from .._ondisk._trust import Trust, python_name
 
 # Limits on an untrusted record, far beyond any model's. Its JSON containers
 # (objects and arrays: nodes, key records, field lists, tagged values) are
-# counted before it is parsed, at most `NODES_PER_LEAF` a stored leaf and
-# `NODES_BASE` more (static values, `None`s and empty containers: a saved tree
-# has a few containers a leaf, never thousands; the constant leaves room for a
-# static vocabulary of hundreds of thousands of entries beside a few leaves),
-# and never past `MAX_NODES`.
+# counted before it is parsed. It may hold:
+# - at most `NODES_PER_LEAF` a stored leaf (a saved tree has a few containers a
+#   leaf, never thousands);
+# - `NODES_BASE` more, for static values, `None`s and empty containers. This
+#   leaves room for a static vocabulary of hundreds of thousands of entries
+#   beside a few leaves;
+# - never more than `MAX_NODES`.
 MAX_NODES = 5_000_000
 NODES_PER_LEAF = 100
 NODES_BASE = 1_000_000
@@ -667,10 +673,12 @@ def _fill(tree: Any, prefix: str, records: dict[str, LeafRecord], where: str) ->
 
 def abstract(record: LeafRecord) -> Any:
     """A stand-in for a stored leaf that says what `like` needs to load it as
-    saved, holding no data: a `jax.ShapeDtypeStruct` for a JAX array or PRNG
-    key array; for a NumPy array a zero-strided read-only array of its shape
-    and dtype (no memory, and a NumPy type, so the load gives NumPy back); for
-    a scalar a zero of its type (`0`, `0.0`, `np.float32(0)`...)."""
+    saved, holding no data.
+
+    - A JAX array or PRNG key array: a `jax.ShapeDtypeStruct`.
+    - A NumPy array: a zero-strided read-only array of its shape and dtype. It
+      takes no memory, and is a NumPy type, so the load gives NumPy back.
+    - A scalar: a zero of its type (`0`, `0.0`, `np.float32(0)`...)."""
     if record.type == "jax":
         return jax.ShapeDtypeStruct(record.shape, dtype_from_name(record.dtype))
     if record.type == "prng_key":

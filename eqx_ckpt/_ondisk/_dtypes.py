@@ -121,10 +121,15 @@ def stored_values(dtype: np.dtype, encoding: str, array: np.ndarray) -> np.ndarr
 
 def checked_cast(array: np.ndarray, dtype: Any) -> np.ndarray:
     """`array` converted to `dtype`, or `ValueError` saying why the values would
-    change beyond rounding: an integer that does not fit, a float that is not a
-    whole number, NaN or infinity into an integer, a finite value (float or
-    integer) beyond a float target's range, infinity or NaN into a float type
-    without them, a complex with an imaginary part into a real type. Rounding
+    change beyond rounding:
+
+    - an integer that does not fit;
+    - a float that is not a whole number, NaN or infinity into an integer;
+    - a finite value (float or integer) beyond a float target's range;
+    - infinity or NaN into a float type without them;
+    - a complex with an imaginary part into a real type.
+
+    Rounding
     to a narrower float, or an integer too large to be exact in a float, is
     what a cast means and is allowed."""
     target = np.dtype(dtype)
@@ -152,11 +157,13 @@ def checked_cast(array: np.ndarray, dtype: Any) -> np.ndarray:
 
 def _check_float_range(before: np.ndarray, after: np.ndarray, target: np.dtype) -> None:
     """`ValueError` unless each value of `after` (`before` cast to the real or
-    complex `target`) is its value rounded: a finite value beyond the largest of
-    `target` (by more than rounding) becomes infinity in IEEE types, NaN in the
-    float8 types without infinity and the largest value in `float4_e2m1fn`;
-    infinity and NaN become NaN or a number in the types without them; a
-    negative value becomes NaN in the unsigned `float8_e8m0fnu`.
+    complex `target`) is its value rounded. A cast changes more than that:
+
+    - A finite value beyond the largest of `target` (by more than rounding)
+      becomes infinity in IEEE types, NaN in the float8 types without infinity
+      and the largest value in `float4_e2m1fn`.
+    - Infinity and NaN become NaN or a number in the types without them.
+    - A negative value becomes NaN in the unsigned `float8_e8m0fnu`.
 
     Compared in float64 a block at a time: a cast of a large leaf (`float32` to
     `bfloat16` on save) must not hold two float64 copies of it."""
@@ -216,8 +223,8 @@ def _check_integer_range(array: np.ndarray, source: str, target: np.dtype) -> No
 
 def _check_whole_numbers(array: np.ndarray, target: np.dtype, info: Any) -> None:
     """`ValueError` unless every value of the float `array` is a whole number
-    within `target`'s range: a float becomes an integer only when that changes
-    no value (SPEC: "Values are never changed silently"); dropping a fraction is
+    within `target`'s range. A float becomes an integer only when that changes
+    no value (SPEC: "Values are never changed silently"). Dropping a fraction is
     not rounding, and `2.7 -> 2` was once done silently. A block at a time, in
     float64, as `_check_float_range`."""
     flat = np.ravel(array)

@@ -1,10 +1,15 @@
 """The on-disk format, in one place (described for users in docs/format.md).
 
-Every name a checkpoint holds, the format version, the records of the
-manifest, the zarr v3 chunk codec (checksum included) and the one answer to
-"did a save write this name?" live here; every other module asks this one.
-Encoding and parsing the manifest itself is `_manifest`'s job, turning key
-paths into folder names `_keypath`'s.
+These live here, and every other module asks this one:
+
+- every name a checkpoint holds;
+- the format version;
+- the records of the manifest;
+- the zarr v3 chunk codec (checksum included);
+- the one answer to "did a save write this name?".
+
+Encoding and parsing the manifest itself is `_manifest`'s job. Turning key
+paths into folder names is `_keypath`'s.
 
 A checkpoint directory:
 
@@ -16,10 +21,13 @@ A checkpoint directory:
     gen.<commit>/            the data root of every save after the first
     ocdbt.db/                every array, with `layout="ocdbt"`
 
-and a manager's run holds `step_<8+ digits>/` checkpoints, their
-`step_<...>.metrics.json` (version 1), `retention.json` (the rules its steps
-were saved under, so that retention deletes no step saved under others) and,
-while a manager writes there, `manager.json` (its lease, see `_lease`).
+A manager's run holds:
+
+- `step_<8+ digits>/` checkpoints;
+- their `step_<...>.metrics.json` (version 1);
+- `retention.json`: the rules its steps were saved under, so that retention
+  deletes no step saved under others;
+- while a manager writes there, `manager.json` (its lease, see `_lease`).
 """
 
 from __future__ import annotations
@@ -38,11 +46,13 @@ import numpy as np
 from .._base import _keypath
 
 FORMAT = "eqx_ckpt"
-# Version 2 adds the commit identity, per-save data roots (`gen.<commit>`) and
-# metrics; version 3 packs small leaves together (`packs`, and a leaf's `pack`
-# and `offset`); version 4 leaves out of a leaf's record what equals its default
-# (see `LeafRecord.to_json`) and takes the digest over the file's own bytes;
-# version 5 adds the tree's structure record (`structure`, see `_structure`).
+# Versions:
+# - 2 adds the commit identity, per-save data roots (`gen.<commit>`) and
+#   metrics;
+# - 3 packs small leaves together (`packs`, and a leaf's `pack` and `offset`);
+# - 4 leaves out of a leaf's record what equals its default (see
+#   `LeafRecord.to_json`) and takes the digest over the file's own bytes;
+# - 5 adds the tree's structure record (`structure`, see `_structure`).
 # Versions 1 to 4 are still read.
 FORMAT_VERSION = 5
 # How to upgrade, worded as README installs eqx_ckpt: from its source checkout.
@@ -126,8 +136,8 @@ def written_by_a_save(key: str) -> bool:
 def left_by_a_save(key: str) -> bool:
     """Whether the file at `key` (relative to a checkpoint without a manifest)
     is one a save writes before its commit, or that the deletion of a step
-    leaves: its journal (`saving.json`), TensorStore's temporary of the journal
-    or of the manifest, or a file of its arrays (`written_by_a_save`)."""
+    leaves. That is its journal (`saving.json`), TensorStore's temporary of the
+    journal or of the manifest, or a file of its arrays (`written_by_a_save`)."""
     return key in _BEFORE_COMMIT or written_by_a_save(key)
 
 
@@ -181,9 +191,9 @@ MAX_MANIFEST_BYTES = 256 * 2**20
 # leaves. Counted before parsing, with every `{` and `[` in the text (those in
 # strings too), since each parsed container costs about 60 bytes or more.
 MAX_MANIFEST_CONTAINERS = 20_000_000
-# And at least this many bytes of text a container: a real manifest has about
+# And at least this many bytes of text a container. A real manifest has about
 # 25, so parsing costs a small multiple of the manifest's size (about twelve
-# times at most), where millions of `[],` would cost twenty times and more.
+# times at most). Millions of `[],` would cost twenty times and more.
 MANIFEST_BYTES_PER_CONTAINER = 6
 MAX_RANK = 32
 MAX_ELEMENTS = 2**53
@@ -227,8 +237,9 @@ def pack_name(stored_dtype: str) -> str:
 
 
 # Not `frozen`: a frozen dataclass's `__init__` costs six times as much, and a
-# save or load of ten thousand leaves makes a record for each (with slots, 190
-# bytes a record instead of 240: memory whose fresh pages a save pays for).
+# save or load of ten thousand leaves makes a record for each. With slots, a
+# record takes 190 bytes instead of 240: memory whose fresh pages a save pays
+# for.
 # Never changed once made, except by `_records.assign` while its save has made it
 # and no one else has seen it.
 @dataclasses.dataclass(slots=True)

@@ -16,19 +16,23 @@ JSON, never pickle. Each node is a JSON object with a kind `t`:
                                                    another registered pytree node
     {"t": "unrecordable", "why": TEXT}             what cannot be recorded as data
 
-`NAME` is `module:qualname`. A value `V` is JSON data: `null`, `true`/`false`,
-integers, finite floats and strings as themselves; otherwise an object with one
-tag: `{"float": "nan" | "inf" | "-inf"}`, `{"complex": [V, V]}`,
-`{"tuple": [V...]}`, `{"list": [V...]}`, `{"dict": [[V, V]...]}`,
-`{"dtype": name}` (a NumPy dtype), `{"scalar_type": name}` (a NumPy scalar
-type such as `np.float32`), `{"jnp_type": name}` (`jnp.float32`),
-`{"numpy": [dtype, V]}` (a NumPy scalar), `{"enum": NAME, "name": member}`,
-`{"function": NAME}`.
+`NAME` is `module:qualname`. A value `V` is JSON data. `null`, `true`/`false`,
+integers, finite floats and strings are themselves. Any other value is an
+object with one tag:
+
+- `{"float": "nan" | "inf" | "-inf"}`, `{"complex": [V, V]}`;
+- `{"tuple": [V...]}`, `{"list": [V...]}`, `{"dict": [[V, V]...]}`;
+- `{"dtype": name}` (a NumPy dtype);
+- `{"scalar_type": name}` (a NumPy scalar type such as `np.float32`);
+- `{"jnp_type": name}` (`jnp.float32`);
+- `{"numpy": [dtype, V]}` (a NumPy scalar);
+- `{"enum": NAME, "name": member}`, `{"function": NAME}`.
 
 What cannot be recorded (a lambda, a closure, an arbitrary object) never fails
-the save: it is recorded as "unrecordable" with the reason, and only a load
+the save. It is recorded as "unrecordable" with the reason, and only a load
 without `like` of that part reports it. Reading the record is `_rebuild`'s job
-(the record is untrusted input); deciding which names may be built, `_trust`'s.
+(the record is untrusted input). Deciding which names may be built is
+`_trust`'s.
 """
 
 from __future__ import annotations
@@ -68,14 +72,17 @@ class Unrecordable(Exception):
 
 def record(treedef: Any, leaves: Sequence[Any], saved: Sequence[bool], keys: Sequence[Sequence[Any]]) -> dict[str, Any]:
     """The structure record of a tree flattened into `leaves` with structure
-    `treedef`; `saved[i]`: whether leaf `i` is stored (a `{"t": "leaf"}` node),
-    else it is recorded as a value; `keys[i]`: leaf `i`'s key path record
-    (`_keypath.to_json`), whose keys name the children of registered nodes.
+    `treedef`.
+
+    - `saved[i]`: whether leaf `i` is stored (a `{"t": "leaf"}` node). Else it
+      is recorded as a value.
+    - `keys[i]`: leaf `i`'s key path record (`_keypath.to_json`), whose keys
+      name the children of registered nodes.
 
     Nothing of the tree is rebuilt but Equinox modules, one level deep around
-    placeholders, to read their static fields (Equinox rebuilds a module
-    field by field, running no code of the user's); a save may run in the
-    background, after the caller has deleted its arrays."""
+    placeholders, to read their static fields. Equinox rebuilds a module field
+    by field, running no code of the user's. A save may run in the background,
+    after the caller has deleted its arrays."""
     walk = _Walk(leaves, saved, keys)
     try:
         root = walk.node(treedef, 0)

@@ -1,9 +1,9 @@
 """Which classes and functions a load without `like` may build: the trust list.
 
 A checkpoint's structure record names classes and functions as
-`module:qualname` strings. Such a name is only ever looked up here, in a table
-made from objects the caller passed (`trust=`) and a default set that JAX and
-Equinox own; nothing is imported because a file named it, and there is no
+`module:qualname` strings. Such a name is only ever looked up here. The table
+is made from objects the caller passed (`trust=`) and a default set that JAX
+and Equinox own. Nothing is imported because a file named it, and there is no
 process-global registry.
 
 - A class or function object trusts itself.
@@ -205,11 +205,15 @@ _ABSTRACT = ("StatefulLayer",)
 
 @functools.cache
 def _default_table() -> dict[str, Any]:
-    """The default trust: the concrete public classes of Equinox's `nn`, the
-    functions and classes its layers store as fields (the pooling operations,
-    MLP's identity, the marker a `StateIndex` holds once its state is taken),
-    `jax.nn`'s public functions and the elementwise functions of `jax.numpy`,
-    filed under their own names. Abstract bases, bare `eqx.Module` and private
+    """The default trust, filed under their own names:
+
+    - the concrete public classes of Equinox's `nn`;
+    - the functions and classes its layers store as fields (the pooling
+      operations, MLP's identity, the marker a `StateIndex` holds once its
+      state is taken);
+    - `jax.nn`'s public functions and the elementwise functions of `jax.numpy`.
+
+    Abstract bases, bare `eqx.Module` and private
     helpers that no layer stores are left out."""
     from equinox.nn import _mlp, _stateful
 

@@ -1,8 +1,8 @@
 """Reading every chunk of many leaves with bounded memory, for `verify` and `diff`.
 
 A leaf is read chunk by chunk, never whole, within the read budget of every
-reader (`_window`) and at most `MAX_READS` chunks at once; a hostile manifest
-may claim billions of chunks, so chunk indices are generated lazily and a leaf
+reader (`_window`) and at most `MAX_READS` chunks at once. A hostile manifest
+may claim billions of chunks. So chunk indices are generated lazily and a leaf
 stops at its first failure.
 """
 
@@ -85,10 +85,11 @@ def scan_leaves(
     tracker: Tracker,
 ) -> None:
     """Read every chunk of each of `records` (leaves of the data root `data`)
-    whose opened array is in `stores` (by dotted path), for `verify`: a leaf
-    stops at its first failure, which `failed` records in `bad` (a leaf
-    already in `bad` is not read), as storage raised it (`damage` words it);
-    progress goes to `tracker`."""
+    whose opened array is in `stores` (by dotted path), for `verify`.
+
+    A leaf stops at its first failure. `failed` records it in `bad`, as storage
+    raised it (`damage` words it). A leaf already in `bad` is not read.
+    Progress goes to `tracker`."""
 
     def stop(path: str) -> Callable[[], bool]:
         return lambda: path in bad

@@ -27,9 +27,9 @@ from . import _chunk_scan
 class CheckpointDiff:
     """How two checkpoints differ, as [`eqx_ckpt.diff`][] finds it.
 
-    Iterating gives one sorted line per differing key (`+ key` added, `- key`
-    removed, `~ key` shape, dtype or type changed, `! key` values differ);
-    `len()` counts them, so the diff is falsy exactly when the checkpoints hold
+    Iterating gives one sorted line per differing key: `+ key` added, `- key`
+    removed, `~ key` shape, dtype or type changed, `! key` values differ.
+    `len()` counts them. So the diff is falsy exactly when the checkpoints hold
     the same leaves with the same bytes.
 
     **Attributes:**
@@ -241,10 +241,11 @@ def _compare_values(
 
 
 def _compare(x: np.ndarray, y: np.ndarray, measured: bool) -> tuple[bool, float, float, float]:
-    """Whether two chunks are bitwise equal (NaNs with equal bits are equal,
-    0.0 and -0.0 are not), and how far apart: the largest `|x - y|`, the sum of
-    `|x - y|^2`, and the sum of `|x|^2` (NaN for what has no magnitude: PRNG
-    key data, where not `measured`)."""
+    """Whether two chunks are bitwise equal, and how far apart.
+
+    NaNs with equal bits are equal, 0.0 and -0.0 are not. How far: the largest
+    `|x - y|`, the sum of `|x - y|^2`, and the sum of `|x|^2`. Each is NaN for
+    what has no magnitude (PRNG key data), and where not `measured`."""
     equal = x.shape == y.shape and x.dtype == y.dtype and x.tobytes() == y.tobytes()
     if not measured or x.dtype.kind not in "biufc" or x.shape != y.shape:
         return equal, math.nan, math.nan, math.nan

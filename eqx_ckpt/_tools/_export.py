@@ -1,14 +1,16 @@
 """`export_safetensors`: a checkpoint or a tree as Hugging Face sharded safetensors.
 
-Leaves are read one at a time (from the checkpoint's storage, so a checkpoint
+Leaves are read one at a time, from the checkpoint's storage. So a checkpoint
 saved by several processes or kept on an object store exports without
-gathering live arrays). On a local disk each shard is written as it is read,
-leaf by leaf, to a `.partial` file, and every shard is renamed into place only
-once all are written: the leaves may come from the very files being replaced
-(an export of a directory onto itself). An object store takes whole objects and
-has no rename, so there a shard is assembled in memory first (peak memory is
-about one shard) and written at once, and an export whose source is in the
-destination directory is refused.
+gathering live arrays.
+
+- On a local disk each shard is written as it is read, leaf by leaf, to a
+  `.partial` file. Every shard is renamed into place only once all are
+  written, because the leaves may come from the very files being replaced (an
+  export of a directory onto itself).
+- An object store takes whole objects and has no rename. There a shard is
+  assembled in memory first (peak memory is about one shard) and written at
+  once. An export whose source is in the destination directory is refused.
 """
 
 from __future__ import annotations
@@ -90,10 +92,10 @@ def export_safetensors(
     """Write a checkpoint or a tree as a folder anyone can read: Hugging Face
     sharded safetensors, its structure in `eqx_ckpt.json`, and a model card.
 
-    The folder loads back everywhere a checkpoint path is accepted
-    (`Checkpoint(folder).load(trust=[...])` with no `like`, a `like`, `where`,
-    `prefix`, `lazy`, `eqx-ckpt verify`...), each leaf as it was (its dtype,
-    a PRNG key, a Python scalar); the `safetensors` library reads every
+    The folder loads back everywhere a checkpoint path is accepted:
+    `Checkpoint(folder).load(trust=[...])` with no `like`, a `like`, `where`,
+    `prefix`, `lazy`, `eqx-ckpt verify`... Each leaf comes back as it was (its
+    dtype, a PRNG key, a Python scalar). The `safetensors` library reads every
     tensor bit for bit. See "The published layout" in [docs/interop.md](../interop.md).
 
     **Arguments:**
@@ -117,8 +119,8 @@ def export_safetensors(
         with the same `rename`).
     - `metadata`: the header's `__metadata__` (strings), e.g. `{"format": "pt"}`.
     - `info`: your own metadata, kept in `eqx_ckpt.json` and shown on the
-        card: a dict of JSON values (a `"description"`, hyperparameters,
-        metrics; `"name"` titles the card), at most 1 MiB as JSON. A loaded
+        card. It is a dict of JSON values, at most 1 MiB as JSON: a
+        `"description"`, hyperparameters, metrics (`"name"` titles the card). A loaded
         folder gives it back as `Checkpoint(folder).info`.
     - `card`: whether to write `README.md` (`False` leaves one there as it is).
     - `card_path`: the name the card's load snippet loads the model by;

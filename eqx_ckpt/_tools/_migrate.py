@@ -40,11 +40,17 @@ def convert_eqx_file(
     it, and the result written with [`eqx_ckpt.tree_serialise_leaves`][]. From then
     on, any part of it can be loaded by path.
 
-    Values are never changed on the way: a 64-bit leaf into a JAX `like` leaf while
-    JAX's 64-bit mode is off (a NumPy one keeps it), a stored value of another kind
-    than a Python scalar `like` leaf (`2.5` into `0`, `7` into `False`), a `like`
-    that describes fewer leaves than the file holds (or more), and a damaged
-    record are errors, and nothing is written. No pickle is ever read.
+    Values are never changed on the way. These are errors, and nothing is
+    written:
+
+    - a 64-bit leaf into a JAX `like` leaf while JAX's 64-bit mode is off (a
+        NumPy one keeps it);
+    - a stored value of another kind than a Python scalar `like` leaf (`2.5`
+        into `0`, `7` into `False`);
+    - a `like` that describes fewer leaves than the file holds (or more);
+    - a damaged record.
+
+    No pickle is ever read.
 
     **Arguments:**
 

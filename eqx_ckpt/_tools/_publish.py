@@ -25,13 +25,15 @@ def push_to_hub(
 ) -> str:
     """Publish a model to the Hugging Face Hub, in one commit, as files anyone can read.
 
-    The tree (or the checkpoint at a path, read leaf by leaf) is exported with
-    [`eqx_ckpt.export_safetensors`][] (safetensors, `eqx_ckpt.json` holding its
-    structure, a model card) into a temporary folder (host memory
-    bounded as the export's: a shard at a time), then committed through
-    `huggingface_hub` (the optional extra `hub`: `pip install "eqx_ckpt[hub]"`):
-    the repository is made where there is none, and the files are uploaded
-    and committed together. Load it back with `hf://owner/name@<revision>`
+    1. The tree (or the checkpoint at a path, read leaf by leaf) is exported
+        with [`eqx_ckpt.export_safetensors`][] into a temporary folder:
+        safetensors, `eqx_ckpt.json` holding its structure, a model card. Host
+        memory is bounded as the export's: a shard at a time.
+    2. It is committed through `huggingface_hub` (the optional extra `hub`:
+        `pip install "eqx_ckpt[hub]"`). The repository is made where there is
+        none, and the files are uploaded and committed together.
+
+    Load it back with `hf://owner/name@<revision>`
     anywhere a checkpoint path is read (see [docs/sharing.md](../sharing.md)).
 
     **Arguments:**

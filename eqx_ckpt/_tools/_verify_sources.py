@@ -2,14 +2,18 @@
 Face directory of them, an orbax checkpoint.
 
 Each is checked for what its format can be checked for. Opening it checks its
-metadata (`_safetensors`: every header parses, its offsets follow one another
-from the start of the data with no byte unused, no bytes after the last
-tensor, the index names files that are there and tensors they hold; `_orbax`:
-`_METADATA` describes a PyTree whose every array opens). Then every chunk of
-every tensor is read, a bounded number of bytes at a time (`_chunk_scan`): a
-truncated file or a missing chunk is a problem of the tensor it belongs to.
-Neither format stores checksums of its data, so a changed byte cannot be
-detected; the result says so (`unchecked`), never passes over it.
+metadata:
+
+- `_safetensors`: every header parses. Its offsets follow one another from the
+  start of the data with no byte unused, and no bytes follow the last tensor.
+  The index names files that are there and tensors they hold.
+- `_orbax`: `_METADATA` describes a PyTree whose every array opens.
+
+Then every chunk of every tensor is read, a bounded number of bytes at a time
+(`_chunk_scan`). A truncated file or a missing chunk is a problem of the
+tensor it belongs to. Neither format stores checksums of its data, so a
+changed byte cannot be detected. The result says so (`unchecked`), and never
+passes over it.
 """
 
 from __future__ import annotations
