@@ -35,8 +35,10 @@ def save(root: str, state: dict, label: str, budget: int | None) -> dict[str, An
     nbytes = sum(x.nbytes for x in state.values())
     with _faults.armed("save.staged", lambda n, _: staged.__setitem__(0, max(staged[0], n))):
         _, figures = gpu.timed(lambda: eqx_ckpt.tree_serialise_leaves(path, state, staging_bytes=budget), nbytes)
-    print(f"{label:28s} {figures['seconds']:7.2f} s   peak RSS added {figures['rss_added'] >> 20:6d} MiB   "
-          f"staged {staged[0] >> 20} MiB")  # fmt: skip
+    print(
+        f"{label:28s} {figures['seconds']:7.2f} s   peak RSS added {figures['rss_added'] >> 20:6d} MiB   "
+        f"staged {staged[0] >> 20} MiB"
+    )
     return {"label": label, **figures, "staged_peak": staged[0], "budget": budget}
 
 

@@ -80,9 +80,11 @@ def measure(name: str, way: Callable[[list[jax.Array]], Any], leaves: list[jax.A
     del done["out"], fresh
     gc.collect()
     row = {"way": name, **figures, "rss_kept": process.memory_info().rss - before, "error": done["error"]}
-    print(f"{name:34s} {row['seconds']:7.3f} s   peak RSS added {row['rss_added'] >> 20:6d} MiB   "
-          f"kept {row['rss_kept'] >> 20:6d} MiB" + (f"   failed: {row['error']}" if row["error"] else ""),
-          flush=True)  # fmt: skip
+    print(
+        f"{name:34s} {row['seconds']:7.3f} s   peak RSS added {row['rss_added'] >> 20:6d} MiB   "
+        f"kept {row['rss_kept'] >> 20:6d} MiB" + (f"   failed: {row['error']}" if row["error"] else ""),
+        flush=True,
+    )
     return row
 
 

@@ -108,18 +108,25 @@ def hub(directory: str) -> Iterator[tuple[str, Any, dict[str, str]]]:
     with hub_server.serving() as (url, state):
         env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
         env.update(
-            HF_ENDPOINT=url, HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_DISABLE_TELEMETRY="1",
-            HF_TOKEN="bench", JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+            HF_ENDPOINT=url,
+            HF_HUB_DISABLE_XET="1",
+            HF_HUB_DISABLE_PROGRESS_BARS="1",
+            HF_HUB_DISABLE_TELEMETRY="1",
+            HF_TOKEN="bench",
+            JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        )  # fmt: skip
+        )
         yield url, state, env
 
 
 def run_in(env: dict[str, str], code: str, home: str) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, "-c", _PRELUDE + code + '\nprint("RESULT " + json.dumps([seconds, check]))'],
-        env={**env, "HF_HOME": home}, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
+        env={**env, "HF_HOME": home},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(done.stdout[-2000:] + done.stderr[-4000:])
@@ -134,8 +141,13 @@ def publish(env: dict[str, str], tree_dir: str, mib: int, shards: int) -> None:
     eqx_ckpt.tree_serialise_leaves(tree_dir, model(mib))
     shard = f"{max(1, -(-mib // shards))}MiB"
     code = f"import eqx_ckpt\nprint(eqx_ckpt.push_to_hub({tree_dir!r}, {REPO!r}, max_shard_size={shard!r}))"
-    done = subprocess.run([sys.executable, "-c", code], env={**env, "HF_HOME": tree_dir + "-hf"}, capture_output=True,
-                          text=True, timeout=1800)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "HF_HOME": tree_dir + "-hf"},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-4000:])
 

@@ -237,11 +237,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
         sha = repo and self._revision(name, repo, revision)
         if repo is None or sha is None:
             return
-        self._json({
-            "id": name, "_id": name, "modelId": name, "sha": sha, "private": repo.private,
-            "gated": "manual" if repo.gated else False, "disabled": False, "tags": [], "downloads": 0, "likes": 0,
-            "siblings": self._files(repo, sha),
-        })  # fmt: skip
+        self._json(
+            {
+                "id": name,
+                "_id": name,
+                "modelId": name,
+                "sha": sha,
+                "private": repo.private,
+                "gated": "manual" if repo.gated else False,
+                "disabled": False,
+                "tags": [],
+                "downloads": 0,
+                "likes": 0,
+                "siblings": self._files(repo, sha),
+            }
+        )
 
     def _tree(self, name: str, revision: str, folder: str) -> None:
         repo = self._readable(name)

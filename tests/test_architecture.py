@@ -535,6 +535,30 @@ def test_every_byte_of_a_checkpoint_goes_through_the_storage_layer():
     assert found == [], "read and write files through `_store` (`_storage`'s functions):\n" + "\n".join(found)
 
 
+# Where JSON that is not read from a file is parsed (so needs no bounds).
+_NOT_FILE_JSON = {"_cli.py": "`--info` and `--metadata`: JSON the user typed on the command line"}
+
+
+def test_json_read_from_files_has_one_parser():
+    """Only `_manifest` parses JSON: every file eqx_ckpt reads (a manifest, a
+    retention record, a journal, a lease, a zarr.json, orbax's metadata) goes
+    through its bounded, untrusted parser (`read_document`, `loads_file`).
+    Issue 61: `verify` parsed the manifest a second time with `json.loads`,
+    and six other modules had a `json.loads` of their own, where a file nested
+    past Python's recursion escaped as `RecursionError`."""
+    found = [
+        f"{path.name}:{node.lineno}: {ast.unparse(node)}"
+        for path in MODULES
+        if path.name not in ("_manifest.py", *_NOT_FILE_JSON)
+        for node in ast.walk(_tree(path))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("loads", "load")
+        and ast.unparse(node.func.value) in ("json", "orjson")
+    ]
+    assert found == [], "parse with `_manifest.loads_file` (or `read_document`):\n" + "\n".join(found)
+
+
 def _map() -> str:
     return (PACKAGE.parent / "docs" / "architecture.md").read_text()
 

@@ -277,10 +277,19 @@ def test_printing_a_large_checkpoint_summarises_every_top_level_entry_first(tmp_
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
     lines = str(eqx_ckpt.Checkpoint(tmp_path / "ckpt")).splitlines()
     assert [line.split()[:2] for line in lines[1:13]] == [
-        ["big/"], ["k0", "float32[3]"], ["k1", "float32[3]"], ["k2", "float32[3]"], ["k3", "float32[3]"],
-        ["k4", "float32[3]"], ["...", "and"], ["model/"], ["b", "float32[4]"], ["w", "float32[4,4]"],
-        ["step", "int64[]"], ["...", "2995"],
-    ]  # fmt: skip
+        ["big/"],
+        ["k0", "float32[3]"],
+        ["k1", "float32[3]"],
+        ["k2", "float32[3]"],
+        ["k3", "float32[3]"],
+        ["k4", "float32[3]"],
+        ["...", "and"],
+        ["model/"],
+        ["b", "float32[4]"],
+        ["w", "float32[4,4]"],
+        ["step", "int64[]"],
+        ["...", "2995"],
+    ]
     assert lines[-1] == "3003 leaves, 35.2 KiB"
     # A checkpoint that fits is listed whole, without a summary.
     eqx_ckpt.tree_serialise_leaves(tmp_path / "small", {"model": tree["model"], "step": 7})
@@ -301,9 +310,21 @@ def test_printing_shows_a_model_layer_by_layer_whatever_sits_beside_it(tmp_path)
     names = [line.split()[0] for line in lines[1:]]
     model_at = names.index("model/")
     assert names[model_at : model_at + 14] == [
-        "model/", "layers/", "0/", "bias", "weight", "1/", "bias", "weight",
-        "2/", "bias", "weight", "3/", "bias", "weight",
-    ]  # fmt: skip
+        "model/",
+        "layers/",
+        "0/",
+        "bias",
+        "weight",
+        "1/",
+        "bias",
+        "weight",
+        "2/",
+        "bias",
+        "weight",
+        "3/",
+        "bias",
+        "weight",
+    ]
     assert lines[1 + model_at + 4].split()[1] == "float32[16,4]"
     assert names[:7] == ["big/", "k0", "k1", "k2", "k3", "k4", "..."]
     # Of `deep`'s three blocks of 30, one opens whole within the 60 lines, the

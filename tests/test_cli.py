@@ -261,9 +261,12 @@ def test_verify_of_a_manager_directory_reports_each_step_and_exits_1_if_one_is_d
     assert lines[2].startswith(f"    step 2: big: Leaf `big` in checkpoint {str(run_dir / 'step_00000002')!r}: ")
     assert lines[3] == "Every leaf that uses a damaged file is damaged: restore it from a good copy."
     assert lines[4:] == [
-        "step 1: sound", "step 2: 1 leaf in the damaged files above: big", "step 2: 1 problem(s)", "step 3: sound",
+        "step 1: sound",
+        "step 2: 1 leaf in the damaged files above: big",
+        "step 2: 1 problem(s)",
+        "step 3: sound",
         f"{run_dir}: 3 steps in a CheckpointManager directory, 1 damaged: [2]",
-    ]  # fmt: skip
+    ]
 
 
 def test_verify_of_damage_that_steps_share_leads_with_the_damaged_file(tmp_path, monkeypatch):
@@ -316,9 +319,12 @@ def test_demo_refuses_bad_arguments_before_training(tmp_path, capsys):
 def test_ls_values_prints_small_leaves(tmp_path):
     path = tmp_path / "ckpt"
     tree = {
-        "big": np.arange(17.0, dtype=np.float32), "small": np.arange(3, dtype=np.int32), "lr": 0.25, "step": 7,
+        "big": np.arange(17.0, dtype=np.float32),
+        "small": np.arange(3, dtype=np.int32),
+        "lr": 0.25,
+        "step": 7,
         "momentum": np.float64(0.1),
-    }  # fmt: skip
+    }
     eqx_ckpt.tree_serialise_leaves(path, tree)
     lines = run("ls", "--values", path, check_code=0).stdout.splitlines()
     assert lines[0].split() == ["big", "float32[17]", "68", "B"]

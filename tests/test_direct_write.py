@@ -310,9 +310,23 @@ def _write_new(path, views) -> bytes:
 
 @pytest.mark.parametrize(
     "sizes",
-    [[0], [1], [4095], [4096], [_STAGE - 4], [_STAGE - 3], [_STAGE - 1], [_STAGE], [_STAGE + 1], [3, _STAGE - 5],
-     [5000, 5000, 5000], [100] * 300, [3 * _STAGE + 17], [0, 7, 0]],
-)  # fmt: skip
+    [
+        [0],
+        [1],
+        [4095],
+        [4096],
+        [_STAGE - 4],
+        [_STAGE - 3],
+        [_STAGE - 1],
+        [_STAGE],
+        [_STAGE + 1],
+        [3, _STAGE - 5],
+        [5000, 5000, 5000],
+        [100] * 300,
+        [3 * _STAGE + 17],
+        [0, 7, 0],
+    ],
+)
 @pytest.mark.parametrize("aligned", [False, True], ids=["copied", "page-aligned"])
 def test_an_unbuffered_file_is_its_bytes_then_their_crc32c(tmp_path, small_stage, unbuffered_calls, sizes, aligned):
     import crc32c

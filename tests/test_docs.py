@@ -261,3 +261,69 @@ def test_search_finds_it(browser, served):
 
     (link,) = WebDriverWait(browser, 30).until(found)
     assert "tree_deserialise_leaves" in link.text
+
+
+LONGEST_SENTENCE = 60  # words; the pages' median is near 20
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _paragraphs(text: str):
+    """The prose of a Markdown page, a paragraph or list item at a time:
+    fenced code, tables, headings, images and HTML comments left out."""
+    fence, lines = "", []
+    for line in [*text.splitlines(), ""]:
+        stripped = line.strip()
+        opening = re.match(r"(`{3,}|~{3,})", stripped)
+        if fence:
+            fence = "" if opening and stripped == opening.group(1) and stripped.startswith(fence) else fence
+            continue
+        item = re.match(r"([-*+]|\d+\.)\s+", stripped)
+        if opening or item or not stripped or stripped.startswith(("|", "#", "<!--", "![")):
+            if lines:
+                yield " ".join(lines)
+            lines = []
+            fence = opening.group(1) if opening else ""
+            if not item:
+                continue
+            stripped = stripped[item.end() :]
+        lines.append(stripped)
+
+
+def _sentences(text: str):
+    """Sentences end at `.`, `?` or `!` (or one closing a bracket or quote)
+    before a space and a capital, digit, code or bracket; `e.g.` ends none."""
+    for paragraph in _paragraphs(text):
+        start = 0
+        for end in re.finditer(r"(?:(?<=[.!?])|(?<=[.!?][)\"']))\s+(?=[A-Z0-9`*\[(\"'_])", paragraph):
+            if not re.search(r"\b(e\.g|i\.e|etc|vs|cf)\.$", paragraph[start : end.start()], re.I):
+                yield paragraph[start : end.start()]
+                start = end.end()
+        yield paragraph[start:]
+
+
+def test_the_sentences_of_the_pages_are_short():
+    """Issue 61, item 4: sentences a reader takes in at once. A long chain of
+    clauses becomes a list or short sentences; this keeps every page of prose
+    (README.md and docs/, code and tables aside) under a generous limit."""
+    long = [
+        f"{page.relative_to(ROOT)}: {len(sentence.split())} words: {sentence[:120]}..."
+        for page in PAGES
+        for sentence in _sentences(page.read_text())
+        if len(sentence.split()) > LONGEST_SENTENCE
+    ]
+    assert not long, "\n".join(long)
+
+
+def test_sentences_are_found_in_prose_only():
+    page = (
+        "# A heading that is not counted\n\nOne short sentence. Another, e.g. this one.\n"
+        "(A third.) A fourth.\n- an item\n  over two lines\n\n| a | table |\n\n"
+        "```python\nx = 1. + 2.  # Not prose\n```\n"
+    )
+    assert list(_sentences(page)) == [
+        "One short sentence.",
+        "Another, e.g. this one.",
+        "(A third.)",
+        "A fourth.",
+        "an item over two lines",
+    ]

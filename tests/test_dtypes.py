@@ -28,10 +28,31 @@ _VALUES = {
 }
 
 JAX_DTYPES = [
-    "bool", "int2", "uint2", "int4", "uint4", "int8", "int16", "int32", "uint8", "uint16", "uint32",
-    "float16", "bfloat16", "float32", "float8_e4m3", "float8_e4m3fn", "float8_e5m2", "float8_e3m4",
-    "float8_e4m3fnuz", "float8_e4m3b11fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn", "complex64",
-]  # fmt: skip
+    "bool",
+    "int2",
+    "uint2",
+    "int4",
+    "uint4",
+    "int8",
+    "int16",
+    "int32",
+    "uint8",
+    "uint16",
+    "uint32",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float8_e4m3",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e3m4",
+    "float8_e4m3fnuz",
+    "float8_e4m3b11fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn",
+    "complex64",
+]
 X64_DTYPES = ["int64", "uint64", "float64", "complex128"]
 
 

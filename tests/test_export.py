@@ -188,8 +188,21 @@ def test_cli_export_from_an_object_store(tmp_path, store):
     tree = _tree()
     eqx_ckpt.tree_serialise_leaves(store, tree)
     out = tmp_path / "hf"
-    code = main(["export", json.dumps(store), str(out), "--format", "safetensors", "--max-shard-size", "0.3KB",
-                 "--rename", r"^model\.=", "--rename", "^step$"])  # fmt: skip
+    code = main(
+        [
+            "export",
+            json.dumps(store),
+            str(out),
+            "--format",
+            "safetensors",
+            "--max-shard-size",
+            "0.3KB",
+            "--rename",
+            r"^model\.=",
+            "--rename",
+            "^step$",
+        ]
+    )
     assert code == 0
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert "mlp.layers.0.weight" in index["weight_map"] and "step" not in index["weight_map"]

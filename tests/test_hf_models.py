@@ -228,8 +228,12 @@ def _gpt2_tensors():
         for ln in ("ln_1", "ln_2"):
             t[p + f"{ln}.weight"], t[p + f"{ln}.bias"] = 1 + _random(E), _random(E)
         # GPT-2's Conv1D keeps its weight as (in, out), the transpose of nn.Linear's.
-        for name, n_in, n_out in [("attn.c_attn", E, 3 * E), ("attn.c_proj", E, E), ("mlp.c_fc", E, 4 * E),
-                                  ("mlp.c_proj", 4 * E, E)]:  # fmt: skip
+        for name, n_in, n_out in [
+            ("attn.c_attn", E, 3 * E),
+            ("attn.c_proj", E, E),
+            ("mlp.c_fc", E, 4 * E),
+            ("mlp.c_proj", 4 * E, E),
+        ]:
             t[p + f"{name}.weight"], t[p + f"{name}.bias"] = _random(n_in, n_out), _random(n_out)
         # The causal-mask buffer old GPT-2 checkpoints carry: not a parameter.
         t[p + "attn.bias"] = np.tril(np.ones((1, 1, 8, 8), np.float32))

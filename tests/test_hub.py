@@ -54,10 +54,15 @@ class Client:
     def env(self, **extra: str | None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
         env.update(
-            HF_ENDPOINT=self.url, HF_HOME=str(self.home), HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
-            HF_HUB_DISABLE_TELEMETRY="1", HF_TOKEN="writer", JAX_PLATFORMS="cpu",
+            HF_ENDPOINT=self.url,
+            HF_HOME=str(self.home),
+            HF_HUB_DISABLE_XET="1",
+            HF_HUB_DISABLE_PROGRESS_BARS="1",
+            HF_HUB_DISABLE_TELEMETRY="1",
+            HF_TOKEN="writer",
+            JAX_PLATFORMS="cpu",
             PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-        )  # fmt: skip
+        )
         for key, value in extra.items():
             if value is None:
                 env.pop(key, None)
@@ -68,8 +73,12 @@ class Client:
     def run(self, code: str, **env: str | None) -> object:
         done = subprocess.run(
             [sys.executable, "-c", _PRELUDE + textwrap.dedent(code)],
-            env=self.env(**env), capture_output=True, text=True, timeout=300, cwd=self.home.parent,
-        )  # fmt: skip
+            env=self.env(**env),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=self.home.parent,
+        )
         results = [line[len("RESULT ") :] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         assert done.returncode == 0 and results, done.stdout[-3000:] + done.stderr[-6000:]
         return json.loads(results[-1])
@@ -325,10 +334,15 @@ class _Evil:
 
 def test_a_repo_with_no_model_says_what_it_holds(hub, tmp_path):
     client, state = hub
-    state.put_files("me/torch", {
-        "pytorch_model.bin": pickle.dumps(_Evil()), "modeling_mine.py": b"open('PWNED', 'w')\n",
-        "config.json": b'{"auto_map": {"AutoModel": "modeling_mine.Model"}}', "weights/model.safetensors": b"x" * 16,
-    })  # fmt: skip
+    state.put_files(
+        "me/torch",
+        {
+            "pytorch_model.bin": pickle.dumps(_Evil()),
+            "modeling_mine.py": b"open('PWNED', 'w')\n",
+            "config.json": b'{"auto_map": {"AutoModel": "modeling_mine.Model"}}',
+            "weights/model.safetensors": b"x" * 16,
+        },
+    )
     name, _, message = _raised(client, "hf://me/torch")
     assert name == "CheckpointNotFoundError"
     assert message.startswith("hf://me/torch@") and "holds no model eqx_ckpt reads" in message
@@ -343,12 +357,16 @@ def test_nothing_from_a_repo_is_imported_run_or_unpickled(hub, tmp_path):
     its weights: the weights load, and nothing else is downloaded, opened,
     imported or unpickled (an audit hook in the loading process)."""
     client, state = hub
-    state.put_files("me/hostile", {
-        "model.safetensors": _safetensors_bytes(tmp_path),
-        "pytorch_model.bin": pickle.dumps(_Evil()), "modeling_evil.py": b"open('PWNED', 'w')\n",
-        "__init__.py": b"open('PWNED', 'w')\n",
-        "config.json": b'{"auto_map": {"AutoModel": "modeling_evil.Model"}, "trust_remote_code": true}',
-    })  # fmt: skip
+    state.put_files(
+        "me/hostile",
+        {
+            "model.safetensors": _safetensors_bytes(tmp_path),
+            "pytorch_model.bin": pickle.dumps(_Evil()),
+            "modeling_evil.py": b"open('PWNED', 'w')\n",
+            "__init__.py": b"open('PWNED', 'w')\n",
+            "config.json": b'{"auto_map": {"AutoModel": "modeling_evil.Model"}, "trust_remote_code": true}',
+        },
+    )
     got = client.run("""
         seen = []
         home = os.environ["HF_HOME"]
@@ -389,10 +407,14 @@ def test_a_hostile_structure_record_names_a_class_that_is_never_imported(hub, tm
     eqx_ckpt.export_safetensors(folder, eqx.nn.Linear(2, 2, key=jax.random.key(0)))
     record = json.loads((folder / "eqx_ckpt.json").read_text())
     record["structure"]["cls"] = "modeling_evil:Model"
-    state.put_files("me/record", {
-        "model.safetensors": (folder / "model.safetensors").read_bytes(),
-        "eqx_ckpt.json": json.dumps(record).encode(), "modeling_evil.py": b"open('PWNED', 'w')\n",
-    })  # fmt: skip
+    state.put_files(
+        "me/record",
+        {
+            "model.safetensors": (folder / "model.safetensors").read_bytes(),
+            "eqx_ckpt.json": json.dumps(record).encode(),
+            "modeling_evil.py": b"open('PWNED', 'w')\n",
+        },
+    )
     got = client.run("""
         imported = []
         def audit(event, args):
@@ -521,8 +543,13 @@ for call in (lambda: eqx_ckpt.Checkpoint("hf://me/model"), lambda: eqx_ckpt.push
     except ImportError as e:
         print(e)
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 2 and all('pip install "eqx_ckpt[hub]"' in line for line in lines)

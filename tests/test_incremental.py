@@ -287,8 +287,11 @@ def test_a_process_killed_between_linking_and_commit(tmp_path, point):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run(
         [sys.executable, "-c", _KILLED, str(path), point, os.path.dirname(__file__)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == -signal.SIGKILL, run.stderr
     _loads_as(path, _tree(1))
     before = _chunk_files(path, "base.w0")
@@ -367,11 +370,14 @@ def _fine_tune(case):
     opt_state = optimiser.init(head)
     for step in range(4):
         yield {
-            "model": {"a_frozen": jax.tree.map(lambda x: x + 0, base["a_frozen"]), "head": head,
-                      "z_frozen": jax.tree.map(lambda x: x + 0, base["z_frozen"])},
+            "model": {
+                "a_frozen": jax.tree.map(lambda x: x + 0, base["a_frozen"]),
+                "head": head,
+                "z_frozen": jax.tree.map(lambda x: x + 0, base["z_frozen"]),
+            },
             "opt_state": opt_state,
             "step": step,
-        }  # fmt: skip
+        }
         grads = jax.tree.map(lambda x, g=step + 1.0: np.full(x.shape, g, np.float32), head)
         with jax.numpy_dtype_promotion("standard"):  # optax's bias correction mixes dtypes
             updates, opt_state = optimiser.update(grads, opt_state)

@@ -200,8 +200,17 @@ def test_sort_key_orders_numbered_names_naturally():
     run too long for `int()` still sorts."""
     paths = ["k10", "k2", "k1x10", "k1x9", "k", "k02", "kb", "v1", f"k{'9' * 5000}", "k100"]
     assert sorted(paths, key=_keypath.sort_key) == [
-        "k", "k1x9", "k1x10", "k02", "k2", "k10", "k100", f"k{'9' * 5000}", "kb", "v1"
-    ]  # fmt: skip
+        "k",
+        "k1x9",
+        "k1x10",
+        "k02",
+        "k2",
+        "k10",
+        "k100",
+        f"k{'9' * 5000}",
+        "kb",
+        "v1",
+    ]
 
 
 # Naming a tree from its structure (`_tree.flatten_named`) must give exactly

@@ -306,8 +306,13 @@ class TestTorchLayoutRules:
 
     @pytest.mark.parametrize("kind", ["eqx_ckpt", "safetensors", "hf", "orbax"])
     def test_a_bare_parameter_beside_a_batch_norm_is_loaded_by_its_rule(self, tmp_path, kind):
-        state_dict = {"bn.weight": EMBED[0, :3] + 1, "bn.bias": EMBED[1, :3], "bn.running_mean": EMBED[2, :3],
-                      "bn.running_var": EMBED[3, :3] + 1, "scale": PROJ[0]}  # fmt: skip
+        state_dict = {
+            "bn.weight": EMBED[0, :3] + 1,
+            "bn.bias": EMBED[1, :3],
+            "bn.running_mean": EMBED[2, :3],
+            "bn.running_var": EMBED[3, :3] + 1,
+            "scale": PROJ[0],
+        }
         path = _save_flat(kind, tmp_path / "torch", state_dict)
         make = lambda: eqx.nn.make_with_state(NormAndGain)()
         like = eqx.filter_eval_shape(make)

@@ -798,7 +798,20 @@ def test_a_resumed_run_with_the_same_rules_applies_them_to_its_earlier_steps(tmp
         assert other.all_steps() == [3, 4, 5]
 
 
-@pytest.mark.parametrize("content", ["not json", '{"rules": {}, "steps": [-1]}', '{"steps": []}'])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "not json",
+        '{"rules": {}, "steps": [-1]}',
+        '{"steps": []}',
+        # Read by the one parser of untrusted JSON (`_manifest.loads_file`): a
+        # record nested past Python's recursion once crashed the save with
+        # RecursionError, and one naming `steps` twice let the last win.
+        "[" * 100_000,
+        '{"rules": {}, "steps": [0], "steps": []}',
+    ],
+    ids=["not-json", "negative-step", "no-rules", "nested-too-deep", "duplicate-key"],
+)
 def test_an_invalid_retention_record_is_a_clear_error(tmp_path, content):
     with eqx_ckpt.CheckpointManager(tmp_path, max_to_keep=1) as manager:
         manager.save(0, _tree(0))

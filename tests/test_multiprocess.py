@@ -251,9 +251,15 @@ class TestProcessMatrix:
         checkpoints = [[_where(tmp_path, storage, s3, name), name, i] for i, name in enumerate(SHARDINGS)]
         # Chunks of 128 KiB: the processes cut the replicated array between them.
         outputs = _run_matrix(
-            tmp_path, processes, devices, checkpoints, shape=MATRIX_SHAPE, save=True, chunk_bytes=128 << 10,
+            tmp_path,
+            processes,
+            devices,
+            checkpoints,
+            shape=MATRIX_SHAPE,
+            save=True,
+            chunk_bytes=128 << 10,
             read_once=[False, True, None],
-        )  # fmt: skip
+        )
         for where, _, scale in checkpoints:
             _check_whole(where, MATRIX_SHAPE, scale)
         # Each byte of the replicated array read from storage once in all (its
@@ -275,9 +281,16 @@ class TestProcessMatrix:
         process, and `read_once=True` is refused, saying what to set."""
         where = str(tmp_path / "ckpt")
         outputs = _run_matrix(
-            tmp_path, 4, 1, [[where, "replicated", 0]], shape=MATRIX_SHAPE, save=True, chunk_bytes=128 << 10,
-            read_once=[None, True], gloo=False,
-        )  # fmt: skip
+            tmp_path,
+            4,
+            1,
+            [[where, "replicated", 0]],
+            shape=MATRIX_SHAPE,
+            save=True,
+            chunk_bytes=128 << 10,
+            read_once=[None, True],
+            gloo=False,
+        )
         stored = _stored_bytes(where)
         assert all(n >= stored for n in _bytes_read(outputs, "replicated", None))
         said = "`read_once=True` cannot share reads: JAX's CPU backend was set up without collectives across processes"
@@ -555,9 +568,13 @@ def test_a_reader_that_never_calls_the_restore_is_named(tmp_path: pathlib.Path) 
     passes (shortened to 5 s), naming it."""
     where = str(tmp_path / "ckpt")
     job = {
-        "checkpoint": where, "victim": 1, "replicated": True, "restore": "load.read_once", "absent": True,
+        "checkpoint": where,
+        "victim": 1,
+        "replicated": True,
+        "restore": "load.read_once",
+        "absent": True,
         "read_timeout": 5,
-    }  # fmt: skip
+    }
     procs, outputs = _run_victim(tmp_path, 2, job, kill=False)
     said = "Process 1 of 2 did not reach stage 'planned' of the restore within 5 s, although it is still running"
     _check_restore_survivors(procs, outputs, 1, said)

@@ -44,9 +44,15 @@ def test_small_leaves_share_one_array_per_dtype(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, _tree())
     names = sorted(os.listdir(tmp_path))
     assert names == [
-        "manifest.json", "model", "packed.bfloat16", "packed.bool", "packed.float32", "packed.int32",
-        "packed.uint32", "zarr.json",
-    ]  # fmt: skip
+        "manifest.json",
+        "model",
+        "packed.bfloat16",
+        "packed.bool",
+        "packed.float32",
+        "packed.int32",
+        "packed.uint32",
+        "zarr.json",
+    ]
     # Only the large leaf has a folder of its own.
     assert sorted(os.listdir(tmp_path / "model")) == ["big", "zarr.json"]
     body = _manifest(tmp_path)

@@ -26,9 +26,33 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 # Keys chosen to break naive escaping: separators, escapes, the checkpoint's own
 # file names, path traversal, empty, unicode, NUL.
 AWKWARD = [
-    "", ".", "..", "../..", "/", "/abs", "a/b", "a.b", "%", "%2E", "%e", "%i0", "%r", " ", "with space",
-    "日本", "ünï©ødé", "\x00", "manifest.json", "saving.json", "gen.2", "zarr.json", "c", "0", "-", "_",
-]  # fmt: skip
+    "",
+    ".",
+    "..",
+    "../..",
+    "/",
+    "/abs",
+    "a/b",
+    "a.b",
+    "%",
+    "%2E",
+    "%e",
+    "%i0",
+    "%r",
+    " ",
+    "with space",
+    "日本",
+    "ünï©ødé",
+    "\x00",
+    "manifest.json",
+    "saving.json",
+    "gen.2",
+    "zarr.json",
+    "c",
+    "0",
+    "-",
+    "_",
+]
 SAFE = string.ascii_letters + string.digits + "_-"
 STR_KEYS = st.one_of(
     st.sampled_from(AWKWARD),

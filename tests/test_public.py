@@ -19,12 +19,28 @@ import eqx_ckpt
 
 PUBLIC = sorted(name for name in dir(eqx_ckpt) if not name.startswith("_"))
 CORE = [
-    "Checkpoint", "CheckpointError", "CheckpointExistsError", "CheckpointKeyError", "CheckpointNotFoundError",
-    "CheckpointTypeError", "CheckpointValueError", "CorruptCheckpointError", "IntegrityError", "LazyArray",
-    "LeafError", "LeafHandle", "default_deserialise_filter_spec", "default_serialise_filter_spec",
-    "load_or_initialise", "materialise", "skeleton", "tree_deserialise_leaves", "tree_serialise_leaves",
-    "export_safetensors", "torch_layout",
-]  # fmt: skip
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointKeyError",
+    "CheckpointNotFoundError",
+    "CheckpointTypeError",
+    "CheckpointValueError",
+    "CorruptCheckpointError",
+    "IntegrityError",
+    "LazyArray",
+    "LeafError",
+    "LeafHandle",
+    "default_deserialise_filter_spec",
+    "default_serialise_filter_spec",
+    "load_or_initialise",
+    "materialise",
+    "skeleton",
+    "tree_deserialise_leaves",
+    "tree_serialise_leaves",
+    "export_safetensors",
+    "torch_layout",
+]
 BUILTINS = {
     "CheckpointNotFoundError": FileNotFoundError,
     "CheckpointConnectionError": ConnectionError,
@@ -130,9 +146,16 @@ def _run_against_the_hub(examples: list[str], tmp_path) -> None:
         pytest.skip("needs the `hub` extra (huggingface_hub)")
     root = str(pathlib.Path(__file__).resolve().parent.parent)
     with hub_server.serving() as (url, _):
-        env = {**os.environ, "HF_ENDPOINT": url, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "writer",
-               "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "JAX_PLATFORMS": "cpu",
-               "PYTHONPATH": root}  # fmt: skip
+        env = {
+            **os.environ,
+            "HF_ENDPOINT": url,
+            "HF_HOME": str(tmp_path / "hf"),
+            "HF_TOKEN": "writer",
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": root,
+        }
         for example in examples:
             done = subprocess.run([sys.executable, "-c", example], env=env, capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, done.stdout + done.stderr

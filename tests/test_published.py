@@ -145,16 +145,28 @@ def test_the_safetensors_library_reads_every_tensor_bit_for_bit(folder):
 def test_eqx_ckpt_json_holds_the_records_structure_and_info(folder):
     record = json.loads((folder / "eqx_ckpt.json").read_text())
     assert set(record) == {
-        "format", "format_version", "library_version", "created", "leaf_count", "total_bytes", "info",
-        "structure", "leaves",
-    }  # fmt: skip
+        "format",
+        "format_version",
+        "library_version",
+        "created",
+        "leaf_count",
+        "total_bytes",
+        "info",
+        "structure",
+        "leaves",
+    }
     assert (record["format"], record["format_version"]) == ("eqx_ckpt.safetensors", 1)
     assert record["info"] == {"description": "test"} and record["structure"]["t"] == "dict"
     leaves = {leaf["path"]: leaf for leaf in record["leaves"]}
     assert leaves["i4"] == {
-        "path": "i4", "keypath": [["key", "i4"]], "type": "numpy", "shape": [8], "dtype": "int4",
-        "stored_dtype": "uint8", "encoding": "view",
-    }  # fmt: skip
+        "path": "i4",
+        "keypath": [["key", "i4"]],
+        "type": "numpy",
+        "shape": [8],
+        "dtype": "int4",
+        "stored_dtype": "uint8",
+        "encoding": "view",
+    }
     assert leaves["key"]["encoding"] == "key_data" and leaves["key"]["stored_shape"] == [2]
     assert leaves["model.layers.0.weight"]["keypath"] == [
         ["key", "model"],
@@ -466,10 +478,14 @@ def test_the_cards_trust_list_imports_what_it_can_and_names_what_it_cannot():
     from eqx_ckpt._tools._card import model_card
 
     structure = {
-        "t": "object", "cls": "__main__:Net", "f": ["head", "act"],
-        "c": [{"t": "object", "cls": "mypkg.layers:Head.Inner", "f": [], "c": []},
-              {"t": "value", "v": {"function": "jax._src.nn.functions:relu"}}],
-    }  # fmt: skip
+        "t": "object",
+        "cls": "__main__:Net",
+        "f": ["head", "act"],
+        "c": [
+            {"t": "object", "cls": "mypkg.layers:Head.Inner", "f": [], "c": []},
+            {"t": "value", "v": {"function": "jax._src.nn.functions:relu"}},
+        ],
+    }
     card = model_card("hf://me/net", structure=structure, info={"name": "Net"}, files=["model.safetensors"])
     snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
     assert snippet == (

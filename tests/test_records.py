@@ -20,9 +20,18 @@ from eqx_ckpt._base._location import location
 from eqx_ckpt._save import _records, _serialise
 
 DTYPES = [
-    np.float32, np.float64, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
-    np.int8, np.int32, np.uint16, np.int64, np.bool_, np.complex64,
-]  # fmt: skip
+    np.float32,
+    np.float64,
+    np.float16,
+    ml_dtypes.bfloat16,
+    ml_dtypes.float8_e4m3fn,
+    np.int8,
+    np.int32,
+    np.uint16,
+    np.int64,
+    np.bool_,
+    np.complex64,
+]
 SHAPES = [(), (0,), (3,), (4, 5), (2, 0, 3), (1, 1, 1, 7)]
 
 
@@ -73,12 +82,20 @@ def test_a_tree_of_every_kind_of_leaf_round_trips(tmp_path, blocking):
     mesh = jax.make_mesh((4,), ("x",), devices=jax.devices("cpu"))
     x = values((4,), np.float32)
     tree = {
-        "a_numpy": x, "b_jax": jax.device_put(x), "c_big_endian": x.astype(">f4"), "d_key": jax.random.key(3),
-        "e_int8": values((2, 3), np.int8), "f_bf16": jnp.asarray(x, jnp.bfloat16), "g_row": x[None],
-        "h_float": 3.0, "i_f16": values((4,), np.float16), "j_sub": np.arange(4.0).view(Sub),
+        "a_numpy": x,
+        "b_jax": jax.device_put(x),
+        "c_big_endian": x.astype(">f4"),
+        "d_key": jax.random.key(3),
+        "e_int8": values((2, 3), np.int8),
+        "f_bf16": jnp.asarray(x, jnp.bfloat16),
+        "g_row": x[None],
+        "h_float": 3.0,
+        "i_f16": values((4,), np.float16),
+        "j_sub": np.arange(4.0).view(Sub),
         "k_sharded": jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))),
-        "l_numpy": x + 1, "m_jax": jax.device_put(x + 2),
-    }  # fmt: skip
+        "l_numpy": x + 1,
+        "m_jax": jax.device_put(x + 2),
+    }
     expected = dict(tree, j_sub=np.arange(4.0), k_sharded=jnp.arange(8.0))
     like = {k: np.zeros_like(v) if isinstance(v, np.ndarray) else jnp.zeros_like(v) for k, v in expected.items()}
     like.update(d_key=jax.random.key(0), h_float=0.0)
@@ -91,10 +108,20 @@ def test_a_tree_of_every_kind_of_leaf_round_trips(tmp_path, blocking):
     assert eqx.tree_equal(out, {k: v for k, v in expected.items() if k != "d_key"}, typematch=True)
     kinds = {leaf["path"]: leaf["type"] for leaf in _leaves(tmp_path)}
     assert kinds == {
-        "a_numpy": "numpy", "b_jax": "jax", "c_big_endian": "numpy", "d_key": "prng_key", "e_int8": "numpy",
-        "f_bf16": "jax", "g_row": "numpy", "h_float": "float", "i_f16": "numpy", "j_sub": "numpy",
-        "k_sharded": "jax", "l_numpy": "numpy", "m_jax": "jax",
-    }  # fmt: skip
+        "a_numpy": "numpy",
+        "b_jax": "jax",
+        "c_big_endian": "numpy",
+        "d_key": "prng_key",
+        "e_int8": "numpy",
+        "f_bf16": "jax",
+        "g_row": "numpy",
+        "h_float": "float",
+        "i_f16": "numpy",
+        "j_sub": "numpy",
+        "k_sharded": "jax",
+        "l_numpy": "numpy",
+        "m_jax": "jax",
+    }
 
 
 def test_each_leaf_is_made_once_and_the_common_one_by_the_short_branch(tmp_path, faults):
@@ -154,9 +181,15 @@ def test_kinds_are_remembered_by_type(tmp_path):
     tracers = []
     jax.jit(lambda x: tracers.append(type(x)) or x)(jnp.ones(2))
     kinds = {
-        np.ndarray: "numpy", Sub: "ndarray", type(jnp.ones(2)): "jax", tracers[0]: "abstract",
-        jax.ShapeDtypeStruct: "abstract", int: "other", str: "other", _records.Held: "held",
-    }  # fmt: skip
+        np.ndarray: "numpy",
+        Sub: "ndarray",
+        type(jnp.ones(2)): "jax",
+        tracers[0]: "abstract",
+        jax.ShapeDtypeStruct: "abstract",
+        int: "other",
+        str: "other",
+        _records.Held: "held",
+    }
     for cls, kind in kinds.items():
         assert _records.array_kind(cls) == kind
         assert _records._KINDS[cls] == kind

@@ -65,8 +65,13 @@ def test_linear_embedding_layer_norm(tmp_path):
         "emb": eqx.filter_eval_shape(eqx.nn.Embedding, 10, 4, key=jax.random.key(0)),
         "norm": eqx.filter_eval_shape(eqx.nn.LayerNorm, 4),
     }
-    t = {"fc.weight": _random(3, 5), "fc.bias": _random(3), "embed.weight": _random(10, 4),
-         "ln.weight": _random(4), "ln.bias": _random(4)}  # fmt: skip
+    t = {
+        "fc.weight": _random(3, 5),
+        "fc.bias": _random(3),
+        "embed.weight": _random(10, 4),
+        "ln.weight": _random(4),
+        "ln.bias": _random(4),
+    }
     model = _load(tmp_path, t, like, rename=[(r"^emb$", "embed"), (r"^norm$", "ln")])
     x = _random(5)
     _close(model["fc"](jnp.asarray(x)), t["fc.weight"] @ x + t["fc.bias"])
@@ -117,12 +122,21 @@ def _softmax(x):
 def test_multihead_attention_packed(tmp_path):
     heads, dim, seq = 2, 8, 5
     make = lambda: eqx.nn.MultiheadAttention(
-        heads, dim, use_query_bias=True, use_key_bias=True, use_value_bias=True, use_output_bias=True,
+        heads,
+        dim,
+        use_query_bias=True,
+        use_key_bias=True,
+        use_value_bias=True,
+        use_output_bias=True,
         key=jax.random.key(0),
-    )  # fmt: skip
+    )
     like = {"attn": eqx.filter_eval_shape(make)}
-    t = {"attn.in_proj_weight": _random(3 * dim, dim), "attn.in_proj_bias": _random(3 * dim),
-         "attn.out_proj.weight": _random(dim, dim), "attn.out_proj.bias": _random(dim)}  # fmt: skip
+    t = {
+        "attn.in_proj_weight": _random(3 * dim, dim),
+        "attn.in_proj_bias": _random(3 * dim),
+        "attn.out_proj.weight": _random(dim, dim),
+        "attn.out_proj.bias": _random(dim),
+    }
     model = _load(tmp_path, t, like)
     x = _random(seq, dim)
     # PyTorch: project with the packed weight, split heads, scaled dot product, out_proj.
@@ -138,8 +152,12 @@ def test_multihead_attention_separate_kv_sizes(tmp_path):
     heads, dim, kdim, vdim = 2, 4, 3, 5
     make = lambda: eqx.nn.MultiheadAttention(heads, dim, key_size=kdim, value_size=vdim, key=jax.random.key(0))
     like = {"attn": eqx.filter_eval_shape(make)}
-    t = {"attn.q_proj_weight": _random(dim, dim), "attn.k_proj_weight": _random(dim, kdim),
-         "attn.v_proj_weight": _random(dim, vdim), "attn.out_proj.weight": _random(dim, dim)}  # fmt: skip
+    t = {
+        "attn.q_proj_weight": _random(dim, dim),
+        "attn.k_proj_weight": _random(dim, kdim),
+        "attn.v_proj_weight": _random(dim, vdim),
+        "attn.out_proj.weight": _random(dim, dim),
+    }
     model = _load(tmp_path, t, like)
     q_in, k_in, v_in = _random(3, dim), _random(6, kdim), _random(6, vdim)
     split = lambda a: a.reshape(a.shape[0], heads, dim // heads).transpose(1, 0, 2)
@@ -160,8 +178,12 @@ def _sigmoid(x):
 def test_lstm_cell(tmp_path):
     n_in, hidden = 3, 4
     like = {"rnn": eqx.filter_eval_shape(eqx.nn.LSTMCell, n_in, hidden, key=jax.random.key(0))}
-    t = {"lstm.weight_ih": _random(4 * hidden, n_in), "lstm.weight_hh": _random(4 * hidden, hidden),
-         "lstm.bias_ih": _random(4 * hidden), "lstm.bias_hh": _random(4 * hidden)}  # fmt: skip
+    t = {
+        "lstm.weight_ih": _random(4 * hidden, n_in),
+        "lstm.weight_hh": _random(4 * hidden, hidden),
+        "lstm.bias_ih": _random(4 * hidden),
+        "lstm.bias_hh": _random(4 * hidden),
+    }
     model = _load(tmp_path, t, like, rename=[(r"^rnn$", "lstm")])
     x, h, c = _random(n_in), _random(hidden), _random(hidden)
     gates = t["lstm.weight_ih"] @ x + t["lstm.bias_ih"] + t["lstm.weight_hh"] @ h + t["lstm.bias_hh"]
@@ -176,8 +198,12 @@ def test_lstm_cell(tmp_path):
 def test_gru_cell(tmp_path):
     n_in, hidden = 3, 4
     like = {"rnn": eqx.filter_eval_shape(eqx.nn.GRUCell, n_in, hidden, key=jax.random.key(0))}
-    t = {"gru.weight_ih": _random(3 * hidden, n_in), "gru.weight_hh": _random(3 * hidden, hidden),
-         "gru.bias_ih": _random(3 * hidden), "gru.bias_hh": _random(3 * hidden)}  # fmt: skip
+    t = {
+        "gru.weight_ih": _random(3 * hidden, n_in),
+        "gru.weight_hh": _random(3 * hidden, hidden),
+        "gru.bias_ih": _random(3 * hidden),
+        "gru.bias_hh": _random(3 * hidden),
+    }
     model = _load(tmp_path, t, like, rename=[(r"^rnn$", "gru")])
     x, h = _random(n_in), _random(hidden)
     xi = np.split(t["gru.weight_ih"] @ x + t["gru.bias_ih"], 3)
@@ -191,8 +217,13 @@ def test_gru_cell(tmp_path):
 def test_batch_norm_running_statistics_into_state(tmp_path, mode):
     make = lambda: eqx.nn.make_with_state(eqx.nn.BatchNorm)(3, "batch", mode=mode, inference=True)
     like = eqx.filter_eval_shape(make)
-    t = {"bn.weight": _random(3), "bn.bias": _random(3), "bn.running_mean": _random(3),
-         "bn.running_var": np.abs(_random(3)) + 0.5, "bn.num_batches_tracked": np.array(7)}  # fmt: skip
+    t = {
+        "bn.weight": _random(3),
+        "bn.bias": _random(3),
+        "bn.running_mean": _random(3),
+        "bn.running_var": np.abs(_random(3)) + 0.5,
+        "bn.num_batches_tracked": np.array(7),
+    }
     save_file(t, str(tmp_path / "bn.safetensors"))
     rename, transform = eqx_ckpt.torch_layout(like, rename=[(r"^$", "bn")])
     # The step counter (or first-time flag) is not in PyTorch's state dict: initialised.
@@ -235,8 +266,13 @@ def test_a_rule_to_none_skips_the_layer_and_a_bad_rule_is_explained(tmp_path):
 
 
 def _norm_and_gain_state_dict(tmp_path):
-    t = {"bn.weight": _random(3), "bn.bias": _random(3), "bn.running_mean": _random(3),
-         "bn.running_var": np.abs(_random(3)) + 0.5, "scale": _random(3)}  # fmt: skip
+    t = {
+        "bn.weight": _random(3),
+        "bn.bias": _random(3),
+        "bn.running_mean": _random(3),
+        "bn.running_var": np.abs(_random(3)) + 0.5,
+        "scale": _random(3),
+    }
     save_file(t, str(tmp_path / "net.safetensors"))
     return tmp_path / "net.safetensors", t
 

@@ -73,10 +73,22 @@ def test_a_read_starts_only_when_there_is_room(monkeypatch):
     reads = _Reads([40, 40, 40, 200, 10])
     _run(reads, budget=100, monkeypatch=monkeypatch)
     assert reads.events == [
-        ("taken", 0), ("start", 0), ("taken", 1), ("start", 1), ("taken", 2), ("finish", 0), ("start", 2),
-        ("taken", 3), ("finish", 1), ("finish", 2), ("start", 3),
-        ("taken", 4), ("finish", 3), ("start", 4), ("finish", 4),
-    ]  # fmt: skip
+        ("taken", 0),
+        ("start", 0),
+        ("taken", 1),
+        ("start", 1),
+        ("taken", 2),
+        ("finish", 0),
+        ("start", 2),
+        ("taken", 3),
+        ("finish", 1),
+        ("finish", 2),
+        ("start", 3),
+        ("taken", 4),
+        ("finish", 3),
+        ("start", 4),
+        ("finish", 4),
+    ]
     reads = _Reads([1, 1, 1])
     _run(reads, budget=100, max_reads=2, monkeypatch=monkeypatch)
     assert reads.events.index(("start", 2)) > reads.events.index(("finish", 0))

@@ -13,7 +13,6 @@ TensorStore opens orbax's arrays (through `_storage`); orbax itself is not impor
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 from .._base import _keypath
 from .._base._errors import CheckpointValueError, CorruptCheckpointError
 from .._base._location import Location
+from .._ondisk import _manifest
 from .._ondisk._dtypes import is_known_dtype
 from .._ondisk._format import MAX_MANIFEST_BYTES, LeafRecord
 from .._ondisk._manifest import Manifest
@@ -69,7 +69,7 @@ def find(loc: Location) -> Arrays | None:
             return None
         loc = item
     try:
-        body = json.loads(data)
+        body = _manifest.loads_file(data)
         tree = body["tree_metadata"]
         driver = "zarr3" if body.get("use_zarr3") else "zarr"
         ocdbt = bool(body.get("use_ocdbt"))
@@ -133,7 +133,7 @@ def writes_every_chunk(loc: Location) -> bool:
         data = _storage.read_file(folder, METADATA, limit=MAX_MANIFEST_BYTES)
         if data is not None:
             try:
-                body = json.loads(data)
+                body = _manifest.loads_file(data)
             except ValueError:
                 return False
             return isinstance(body, dict) and body.get("store_array_data_equal_to_fill_value") is True

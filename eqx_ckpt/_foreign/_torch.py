@@ -38,8 +38,15 @@ from .._base._errors import CheckpointValueError
 Entry = tuple[str, Any, Any]
 
 _SAME = (eqx.nn.Linear, eqx.nn.Embedding, eqx.nn.LayerNorm, eqx.nn.RMSNorm, eqx.nn.GroupNorm)
-_STOCK = (*_SAME, eqx.nn.Conv, eqx.nn.ConvTranspose, eqx.nn.MultiheadAttention, eqx.nn.LSTMCell, eqx.nn.GRUCell,
-          eqx.nn.BatchNorm)  # fmt: skip
+_STOCK = (
+    *_SAME,
+    eqx.nn.Conv,
+    eqx.nn.ConvTranspose,
+    eqx.nn.MultiheadAttention,
+    eqx.nn.LSTMCell,
+    eqx.nn.GRUCell,
+    eqx.nn.BatchNorm,
+)
 
 
 def torch_layout(

@@ -427,9 +427,15 @@ class Checkpoint(Mapping[str, Any]):
         if trust is not None:
             like = self.skeleton(key, trust=trust, check_init=check_init)
             options = _load_plan.options(
-                where=None, prefix=key, rename=None, transform=None, missing="error", strict=False, cast=False,
+                where=None,
+                prefix=key,
+                rename=None,
+                transform=None,
+                missing="error",
+                strict=False,
+                cast=False,
                 lazy=lazy,
-            )  # fmt: skip
+            )
             return _deserialise.load(
                 self._source, like, None, _deserialise.default_deserialise_filter_spec, options, progress=progress
             )

@@ -189,9 +189,16 @@ def tree_deserialise_leaves(
         ```
     """
     options = _load_plan.options(
-        where=where, prefix=prefix, rename=rename, transform=transform,
-        missing=missing, strict=strict, cast=cast, lazy=lazy, read_once=read_once,
-    )  # fmt: skip
+        where=where,
+        prefix=prefix,
+        rename=rename,
+        transform=transform,
+        missing=missing,
+        strict=strict,
+        cast=cast,
+        lazy=lazy,
+        read_once=read_once,
+    )
     # A load of everything from the Hub downloads the files into its cache (a
     # second load reads them there); a partial or lazy one reads byte ranges.
     source = _source.open_source(path, whole=where is None and prefix is None and not lazy)
@@ -207,9 +214,14 @@ def tree_deserialise_leaves(
 
 
 def load(
-    source: Source, like: PyTree, is_leaf: Callable[[Any], bool] | None, filter_spec: Any, options: Any, *,
+    source: Source,
+    like: PyTree,
+    is_leaf: Callable[[Any], bool] | None,
+    filter_spec: Any,
+    options: Any,
+    *,
     progress: Progress,
-) -> PyTree:  # fmt: skip
+) -> PyTree:
     """`like` loaded from an opened `source` with checked `options` (`_load_plan.options`)."""
     plan = _load_plan.plan(source, like, is_leaf, filter_spec, default_deserialise_filter_spec, options)
     values = _read_values(source, plan, progress=progress)

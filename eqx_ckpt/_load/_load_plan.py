@@ -146,9 +146,16 @@ def plan(source: Source, like: Any, is_leaf: Any, filter_spec: Any, default: Any
     _check_whole(leaves, names, report, source.manifest, strict=options.strict)
     report.raise_if_any()
     return LoadPlan(
-        source.loc, treedef, [leaf for _, leaf in flat], leaves.reads, leaves.custom, leaves.transformed,
-        options.cast, options.lazy, options.read_once,
-    )  # fmt: skip
+        source.loc,
+        treedef,
+        [leaf for _, leaf in flat],
+        leaves.reads,
+        leaves.custom,
+        leaves.transformed,
+        options.cast,
+        options.lazy,
+        options.read_once,
+    )
 
 
 def _chosen(where: Callable[[Any], Any] | None, treedef: Any, leaves: _Leaves) -> list[int]:
@@ -325,9 +332,15 @@ class _Leaves:
 
 
 def _transformed(
-    index: int, keypath: tuple[Any, ...], like: Any, stored: str | tuple[str, ...], fn: _select.Transform | None,
-    records: dict[str, LeafRecord], *, missing: str,
-) -> tuple[TransformPlan | None, str]:  # fmt: skip
+    index: int,
+    keypath: tuple[Any, ...],
+    like: Any,
+    stored: str | tuple[str, ...],
+    fn: _select.Transform | None,
+    records: dict[str, LeafRecord],
+    *,
+    missing: str,
+) -> tuple[TransformPlan | None, str]:
     """The plan of a leaf made by `fn` from one or more stored arrays, or why not."""
     names = stored if isinstance(stored, tuple) else (stored,)
     if fn is None:

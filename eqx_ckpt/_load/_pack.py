@@ -76,10 +76,13 @@ def read_leaves(
         return reader.start(pack, start, stop, records[members[0]])
 
     jobs = (
-        ((members, start), (stop - start) * dtype_from_name(pack.dtype).itemsize,
-         functools.partial(start_run, pack, start, stop, members))
+        (
+            (members, start),
+            (stop - start) * dtype_from_name(pack.dtype).itemsize,
+            functools.partial(start_run, pack, start, stop, members),
+        )
         for pack, start, stop, members in runs
-    )  # fmt: skip
+    )
     for (members, first), _, finish in _window.windowed(jobs):
         yield members, first, finish
 

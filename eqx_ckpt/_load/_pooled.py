@@ -72,9 +72,13 @@ def start(
 
 
 def _load(
-    pool: _memory.BufferPool, files: _storage.ChunkFiles, loc: Location, record: LeafRecord, like: Any,
+    pool: _memory.BufferPool,
+    files: _storage.ChunkFiles,
+    loc: Location,
+    record: LeafRecord,
+    like: Any,
     on_bytes: Callable[[int], None] | None,
-) -> Any:  # fmt: skip
+) -> Any:
     shape, dtype = tuple(record.stored_shape), dtype_from_name(record.stored_dtype)
     sharding = _read.target_sharding(like)
     regions = sharding.addressable_devices_indices_map(shape) if sharding is not None else {None: ()}

@@ -136,9 +136,12 @@ def _no_collectives() -> str | None:
 
 
 def read(
-    open_store: Callable[[LeafRecord], _storage.Array], loc: Location, plans: list[LeafPlan], records: list[LeafRecord],
+    open_store: Callable[[LeafRecord], _storage.Array],
+    loc: Location,
+    plans: list[LeafPlan],
+    records: list[LeafRecord],
     tracker: Tracker,
-) -> list[Any]:  # fmt: skip
+) -> list[Any]:
     """The values of `plans` (of `records`, every one `chosen`), each stored
     byte read by one process and gathered by every process that needs it."""
     group = _multihost.Group("restore", timeout=TIMEOUT)
@@ -234,9 +237,12 @@ def _read_batch(
 
 
 def _read_mine(
-    open_store: Callable[[LeafRecord], _storage.Array], loc: Location, batch: list[_Leaf], me: int,
+    open_store: Callable[[LeafRecord], _storage.Array],
+    loc: Location,
+    batch: list[_Leaf],
+    me: int,
     mine: dict[tuple[int, int], np.ndarray],
-) -> BaseException | None:  # fmt: skip
+) -> BaseException | None:
     """Read this process's slices of `batch` into `mine` (as bytes, by leaf and
     part index), every read started before any is waited for; the error of the
     first leaf whose read failed."""

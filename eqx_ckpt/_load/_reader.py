@@ -40,9 +40,15 @@ if TYPE_CHECKING:
 
 
 def read_leaves(
-    source: Source, plans: list[LeafPlan], *, progress: Progress = False, read_once: bool | None = False,
-    checked: bool = True, cached: bool = False, tracker: Tracker | None = None,
-) -> list[Any]:  # fmt: skip
+    source: Source,
+    plans: list[LeafPlan],
+    *,
+    progress: Progress = False,
+    read_once: bool | None = False,
+    checked: bool = True,
+    cached: bool = False,
+    tracker: Tracker | None = None,
+) -> list[Any]:
     """The values of `plans`' stored leaves, read now (`read`), and (unless
     `checked=False`) a check after that `source` was not replaced while they
     were read; a read that fails checks it too, so that a replaced checkpoint
@@ -65,9 +71,13 @@ def read_leaves(
 
 
 def read(
-    source: Source, plans: list[LeafPlan], *, progress: Progress = False, read_once: bool | None = False,
+    source: Source,
+    plans: list[LeafPlan],
+    *,
+    progress: Progress = False,
+    read_once: bool | None = False,
     cached: bool = False,
-) -> list[Any]:  # fmt: skip
+) -> list[Any]:
     """The values of `plans`' stored leaves, read now with the progress
     `progress` reports (`read_now`), the checkpoint not checked after."""
     records = [record_of(plan) for plan in plans]
@@ -153,12 +163,20 @@ def target_dtype(like: Any) -> np.dtype | None:
 
 
 def _read_packed(
-    data: Location, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, slots: list[int],
-    out: list[Any], *, cached: bool,
-) -> None:  # fmt: skip
+    data: Location,
+    plans: list[LeafPlan],
+    records: list[LeafRecord],
+    tracker: Tracker,
+    slots: list[int],
+    out: list[Any],
+    *,
+    cached: bool,
+) -> None:
     """Packed leaves, read in a few runs of their packs and placed together."""
-    runs = ((members, functools.partial(_unpacked, data, records, members, start, finish))
-            for members, start, finish in _pack.read_leaves(data, records, cached=cached))  # fmt: skip
+    runs = (
+        (members, functools.partial(_unpacked, data, records, members, start, finish))
+        for members, start, finish in _pack.read_leaves(data, records, cached=cached)
+    )
     _place_runs(data, runs, plans, records, tracker, slots, out)
 
 
@@ -193,9 +211,14 @@ def _read_runs(
 
 
 def _place_runs(
-    data: Location, runs: Iterable[tuple[list[int], Callable[[], list[np.ndarray]]]], plans: list[LeafPlan],
-    records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any],
-) -> None:  # fmt: skip
+    data: Location,
+    runs: Iterable[tuple[list[int], Callable[[], list[np.ndarray]]]],
+    plans: list[LeafPlan],
+    records: list[LeafRecord],
+    tracker: Tracker,
+    slots: list[int],
+    out: list[Any],
+) -> None:
     """Runs of adjacent leaves (`(members, finish)`: indices into `plans` and
     `records`, and what waits for their host arrays), each placed together
     (one `device_put` for many) into `out` at the members' `slots`."""

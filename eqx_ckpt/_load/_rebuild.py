@@ -474,8 +474,10 @@ class _Build:
             return self.value(node["v"], path)
         if kind == "unrecordable":
             raise unrecordable_error(self.where, path, node["why"])
-        built = [self.node(child, _keypath.join_dotted(path, _keypath.stored_segment(*key)))
-                 for key, child in _structure.children(node)]  # fmt: skip
+        built = [
+            self.node(child, _keypath.join_dotted(path, _keypath.stored_segment(*key)))
+            for key, child in _structure.children(node)
+        ]
         if kind == "dict":
             return {key[1]: child for key, child in zip(node["k"], built)}
         if kind == "list":

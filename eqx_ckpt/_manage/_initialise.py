@@ -78,10 +78,18 @@ def load_or_initialise(
         ```
     """
     return initialise_unloaded(
-        path, init,
-        where=where, prefix=prefix, rename=rename, missing="keep", strict=strict, cast=cast, transform=transform,
-        progress=progress, read_once=read_once,
-    )  # fmt: skip
+        path,
+        init,
+        where=where,
+        prefix=prefix,
+        rename=rename,
+        missing="keep",
+        strict=strict,
+        cast=cast,
+        transform=transform,
+        progress=progress,
+        read_once=read_once,
+    )
 
 
 def initialise_unloaded(

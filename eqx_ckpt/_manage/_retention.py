@@ -22,7 +22,7 @@ from typing import Any
 from .._base._errors import CorruptCheckpointError
 from .._base._location import Location
 from .._load import _lazy
-from .._ondisk import _format
+from .._ondisk import _format, _manifest
 from .._store import _storage
 from ._steps import committed_steps, delete_step, primary, read_metrics
 
@@ -194,7 +194,7 @@ def _read_record(loc: Location) -> tuple[dict[str, Any], list[int]] | None:
     if data is None:
         return None
     try:
-        body = json.loads(data)
+        body = _manifest.loads_file(data)
         rules, steps = body["rules"], body["steps"]
         if not isinstance(rules, dict) or not isinstance(steps, list):
             raise ValueError("unexpected content")

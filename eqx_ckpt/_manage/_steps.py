@@ -4,7 +4,6 @@ keeps is `_retention`'s."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -15,7 +14,7 @@ import numpy as np
 
 from .._base._errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
 from .._base._location import Location
-from .._ondisk import _dtypes, _format
+from .._ondisk import _dtypes, _format, _manifest
 from .._ondisk._format import MANIFEST
 from .._store import _storage
 from .._store._transaction import read_manifest
@@ -193,7 +192,7 @@ def _read_metrics_file(loc: Location, step: int) -> dict[str, Any]:
 def _metrics_file_values(data: bytes, step: int) -> dict[str, Any]:
     """The metrics of step `step` in `data`, a metrics file as version 1 wrote
     it; raises `ValueError`, `KeyError` or `TypeError` for anything else."""
-    body = json.loads(data)
+    body = _manifest.loads_file(data)
     values = body["metrics"]
     if len(data) > _MAX_METRICS_BYTES or body["step"] != step or not isinstance(values, dict):
         raise ValueError("unexpected content")

@@ -289,8 +289,12 @@ class LeafRecord:
         of each took a third of this call's time, ten thousand times a save)."""
         shape, stored = self.shape, self.stored_shape
         out: dict[str, Any] = {
-            "path": self.path, "keypath": self.keypath, "type": self.type, "shape": shape, "dtype": self.dtype,
-        }  # fmt: skip
+            "path": self.path,
+            "keypath": self.keypath,
+            "type": self.type,
+            "shape": shape,
+            "dtype": self.dtype,
+        }
         if stored != shape:
             out["stored_shape"] = stored
         if self.stored_dtype != self.dtype:

@@ -205,9 +205,16 @@ def new_manifest(
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     structure = None if structure is None else encode_structure(structure)
     return Manifest(
-        tuple(leaves), data_root, now, __version__,
-        layout=layout, commit=commit, metrics=metrics or {}, packs=tuple(packs), structure=structure,
-    )  # fmt: skip
+        tuple(leaves),
+        data_root,
+        now,
+        __version__,
+        layout=layout,
+        commit=commit,
+        metrics=metrics or {},
+        packs=tuple(packs),
+        structure=structure,
+    )
 
 
 def _digest(body: dict[str, Any]) -> str:
@@ -246,10 +253,18 @@ def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
         if not isinstance(body.get(key, ""), str):
             raise bad(f"`{key}` is not a string")
     return Manifest(
-        tuple(records), body["data_root"], body.get("created", ""), body.get("library_version", ""), version,
-        layout=body.get("layout", "directories"), commit=commit, metrics=metrics, stamp=stamp,
-        packs=tuple(packs.values()), structure=body.get("structure") if version >= 5 else None,
-    )  # fmt: skip
+        tuple(records),
+        body["data_root"],
+        body.get("created", ""),
+        body.get("library_version", ""),
+        version,
+        layout=body.get("layout", "directories"),
+        commit=commit,
+        metrics=metrics,
+        stamp=stamp,
+        packs=tuple(packs.values()),
+        structure=body.get("structure") if version >= 5 else None,
+    )
 
 
 def _invalid(where: str) -> Callable[[str], CorruptCheckpointError]:
@@ -364,6 +379,28 @@ def loads_untrusted(data: bytes | str) -> Any:
     return json.loads(data, object_pairs_hook=no_duplicates, parse_constant=_reject_constant, parse_float=_finite_float)
 
 
+def loads_file(data: bytes) -> Any:
+    """The JSON of any file eqx_ckpt reads that is not a manifest (a retention
+    record, a step's metrics, a journal or lease, a zarr.json, orbax's
+    metadata): bounded in containers as a manifest is, then parsed by
+    `loads_untrusted`. Every problem is a `ValueError` (a file nested past
+    Python's recursion once escaped as `RecursionError`)."""
+    why = too_many_containers(data, MAX_MANIFEST_CONTAINERS)
+    if why:
+        raise ValueError(why)
+    try:
+        return loads_untrusted(data)
+    except RecursionError:
+        raise ValueError("it is nested too deep") from None
+
+
+def read_body(data: bytes, *, where: str) -> dict[str, Any]:
+    """The JSON object of manifest bytes, read as `parse` reads them (bounds,
+    untrusted parser, format, version, digest) but not made into records:
+    for `verify`, which compares the manifest's own totals with its leaves."""
+    return _parse_json(data, _invalid(where), where)[0]
+
+
 def too_many_containers(data: bytes | str, limit: int) -> str | None:
     """Why the JSON text `data` holds too many containers to parse (more than
     `limit`, or fewer than `MANIFEST_BYTES_PER_CONTAINER` bytes of text a
@@ -474,9 +511,14 @@ def _parse_leaf(item: Any, packs: dict[str, PackRecord], *, lean: bool, checked:
 
 
 def _parse_layout(
-    item: dict[str, Any], packs: dict[str, PackRecord], kind: str, encoding: str, stored_dtype: str, impl: str,
+    item: dict[str, Any],
+    packs: dict[str, PackRecord],
+    kind: str,
+    encoding: str,
+    stored_dtype: str,
+    impl: str,
     lean: bool,
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], PackRecord | None, int]:  # fmt: skip
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], PackRecord | None, int]:
     """A leaf record's shape, stored shape, chunks, pack and offset in it, checked
     against each other. (Part of `_parse_leaf`, called for every leaf.)"""
     shape = _shape(item["shape"], "shape")

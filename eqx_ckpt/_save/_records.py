@@ -292,9 +292,17 @@ def _general(
         pieces = _sharding.host_pieces(x, chunks, itemsize, deal=deal, path=handle.path)
     pieces = _stored_pieces(handle, x, pieces, logical, encoding)
     record = LeafRecord(
-        handle.path, keypath, kind, shape, dtype_name,
-        tuple(x.shape), stored, encoding, chunks, impl,
-    )  # fmt: skip
+        handle.path,
+        keypath,
+        kind,
+        shape,
+        dtype_name,
+        tuple(x.shape),
+        stored,
+        encoding,
+        chunks,
+        impl,
+    )
     return Pending(record, pieces, sum(_memory.nbytes(piece) for _, piece in pieces))
 
 

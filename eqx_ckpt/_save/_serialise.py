@@ -195,10 +195,19 @@ def tree_serialise_leaves(
         ```
     """
     return save(
-        location(path), pytree, filter_spec, is_leaf,
-        overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, progress=progress, where=where,
-        share=share, staging_bytes=staging_bytes,
-    )  # fmt: skip
+        location(path),
+        pytree,
+        filter_spec,
+        is_leaf,
+        overwrite=overwrite,
+        blocking=blocking,
+        cast=cast,
+        layout=layout,
+        progress=progress,
+        where=where,
+        share=share,
+        staging_bytes=staging_bytes,
+    )
 
 
 # A save makes many small objects and frees them again: Python's cyclic
@@ -236,10 +245,19 @@ def save(
     stages = _stages.Stages()
     share = check_flag("share", share, "`False` writes every chunk in full")
     overwrite, blocking, cast, budget, planned, expected = _collect_and_plan(
-        loc, stages, pytree, filter_spec, is_leaf,
-        overwrite=overwrite, blocking=blocking, cast=cast, layout=layout, where=where,
-        staging=staging_bytes, step=followed,
-    )  # fmt: skip
+        loc,
+        stages,
+        pytree,
+        filter_spec,
+        is_leaf,
+        overwrite=overwrite,
+        blocking=blocking,
+        cast=cast,
+        layout=layout,
+        where=where,
+        staging=staging_bytes,
+        step=followed,
+    )
     options: dict[str, Any] = dict(overwrite=overwrite, layout=layout, metrics=metrics, progress=progress)
     exclusive = _lease.acquire_exclusive(loc)
     handoff = handoff if handoff is not None else Handoff()
@@ -326,9 +344,16 @@ def _collect_and_plan(
             )
             try:
                 planned = _plan(
-                    loc, stages, partial.leaves, partial.names, partial.specs, partial.cast, private=not blocking,
-                    structure=partial.structure, step=step,
-                )  # fmt: skip
+                    loc,
+                    stages,
+                    partial.leaves,
+                    partial.names,
+                    partial.specs,
+                    partial.cast,
+                    private=not blocking,
+                    structure=partial.structure,
+                    step=step,
+                )
             except IntegrityError as e:
                 raise partial.kept_damaged(e, loc) from e
             partial.keep_chunks(planned.pending)
@@ -532,9 +557,17 @@ def _write_all(
             functools.partial(_staging.create, data, batch), functools.partial(_staging.open_arrays, data, batch)
         )
         writing = _staging.start_writes(
-            data, batch, opens, layout=tx.layout, processes=stages.processes, budget=sharing.staging,
-            tracker=tracker, out=out, base=base, remember=share and sharing.followed,
-        )  # fmt: skip
+            data,
+            batch,
+            opens,
+            layout=tx.layout,
+            processes=stages.processes,
+            budget=sharing.staging,
+            tracker=tracker,
+            out=out,
+            base=base,
+            remember=share and sharing.followed,
+        )
     except Exception as e:
         error, writing = e, None
     if error is None:
@@ -613,9 +646,14 @@ def _commit(tx: _transaction.Transaction, encoded: list[bytes]) -> BaseException
 def _manifest_bytes(tx: _transaction.Transaction, batch: _staging.Batch, metrics: dict[str, Any] | None) -> bytes:
     packs = [pack for pack, _ in batch.packs]
     manifest = _manifest.new_manifest(
-        batch.records(), tx.target, tx.layout, commit=tx.commit_id, metrics=metrics, packs=packs,
+        batch.records(),
+        tx.target,
+        tx.layout,
+        commit=tx.commit_id,
+        metrics=metrics,
+        packs=packs,
         structure=batch.structure,
-    )  # fmt: skip
+    )
     _faults.fire("commit.manifest_encode", tx.loc)
     return manifest.to_bytes()
 

@@ -45,6 +45,7 @@ from typing import Any
 from .._base import _faults
 from .._base._errors import CheckpointError, CheckpointExistsError, CheckpointStorageError
 from .._base._location import Location
+from .._ondisk import _manifest
 from . import _storage, _storage_errors
 
 HEARTBEAT_SECONDS = 5.0
@@ -311,7 +312,7 @@ def _read(loc: Location, name: str) -> tuple[dict[str, Any], bytes] | None:
     if data is None:
         return None
     try:
-        body = json.loads(data[:MAX_LEASE_BYTES])
+        body = _manifest.loads_file(data[:MAX_LEASE_BYTES])
     except ValueError:
         body = {}
     return (body if isinstance(body, dict) else {}), generation

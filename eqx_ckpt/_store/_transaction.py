@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import json
 import os
 import warnings
 from collections.abc import Sequence
@@ -45,7 +44,7 @@ from typing import Any
 from .._base import _faults, _interrupts, _keypath
 from .._base._errors import CheckpointError, CheckpointExistsError, CheckpointReplacedError
 from .._base._location import Location
-from .._ondisk import _format, _layout
+from .._ondisk import _format, _layout, _manifest
 from .._ondisk._format import MANIFEST, MAX_MANIFEST_BYTES, SAVING, is_data_root
 from .._ondisk._manifest import Manifest, parse
 from . import _durable, _lease, _storage, _storage_errors
@@ -347,7 +346,7 @@ def join(loc: Location) -> Transaction:
     _faults.fire("transaction.join", loc)
     data = _storage.read_file(loc, SAVING, limit=_lease.MAX_LEASE_BYTES)
     try:
-        journal = json.loads(data or b"null")
+        journal = _manifest.loads_file(data or b"null")
         target, layout, token = journal["target"], journal["layout"], journal["token"]
     except (ValueError, TypeError, KeyError):
         target = layout = token = None

@@ -231,9 +231,15 @@ def _verify(args: argparse.Namespace) -> int:
 def _push(args: argparse.Namespace) -> int:
     metadata = dict(item.split("=", 1) for item in args.metadata) if args.metadata else None
     commit = push_to_hub(
-        _path(args.path), args.repo, token=args.token, private=args.private, revision=args.revision,
-        commit_message=args.message, metadata=metadata, max_shard_size=args.max_shard_size,
-    )  # fmt: skip
+        _path(args.path),
+        args.repo,
+        token=args.token,
+        private=args.private,
+        revision=args.revision,
+        commit_message=args.message,
+        metadata=metadata,
+        max_shard_size=args.max_shard_size,
+    )
     print(f"hf://{args.repo}@{commit}")
     return 0
 
@@ -371,9 +377,14 @@ def _export(args: argparse.Namespace) -> int:
             f'`--info` must be a JSON object, e.g. \'{{"description": "..."}}\' ({e}).'
         ) from None
     written = export_safetensors(
-        _path(args.out), Checkpoint(_path(args.ckpt)), max_shard_size=args.max_shard_size,
-        rename=rules or None, metadata=metadata or None, info=info, card=not args.no_card,
-    )  # fmt: skip
+        _path(args.out),
+        Checkpoint(_path(args.ckpt)),
+        max_shard_size=args.max_shard_size,
+        rename=rules or None,
+        metadata=metadata or None,
+        info=info,
+        card=not args.no_card,
+    )
     for name in written:
         print(name)
     return 0
@@ -398,29 +409,38 @@ def _export_parser(commands: Any) -> None:
     export.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
     export.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB, 500MB (default 5GB)")
     export.add_argument(
-        "--rename", action="append", default=[], metavar="PATTERN[=REPLACEMENT]",
+        "--rename",
+        action="append",
+        default=[],
+        metavar="PATTERN[=REPLACEMENT]",
         help="regex rule from dotted path to tensor name (repeatable, first match wins); a PATTERN alone leaves "
         "the matching leaves out",
-    )  # fmt: skip
+    )
     export.add_argument(
-        "--metadata", action="append", default=[], metavar="KEY=VALUE",
+        "--metadata",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="a string for each file's __metadata__, e.g. format=pt (repeatable)",
-    )  # fmt: skip
+    )
     export.add_argument(
-        "--info", default=None, metavar="JSON",
-        help='your metadata, kept in eqx_ckpt.json and shown on the model card: a JSON object, e.g. '
+        "--info",
+        default=None,
+        metavar="JSON",
+        help="your metadata, kept in eqx_ckpt.json and shown on the model card: a JSON object, e.g. "
         '\'{"description": "...", "metrics": {"loss": 0.1}}\'',
-    )  # fmt: skip
+    )
     export.add_argument("--no-card", action="store_true", help="write no README.md (leave one there as it is)")
     export.set_defaults(run=_export)
 
 
 def _push_parser(commands: Any) -> None:
     push = commands.add_parser(
-        "push", help="publish a checkpoint to the Hugging Face Hub in one commit; prints hf://owner/name@<commit>",
-        epilog="Needs the optional extra: pip install \"eqx_ckpt[hub]\". The token is HF_TOKEN, or the one "
+        "push",
+        help="publish a checkpoint to the Hugging Face Hub in one commit; prints hf://owner/name@<commit>",
+        epilog='Needs the optional extra: pip install "eqx_ckpt[hub]". The token is HF_TOKEN, or the one '
         "`hf auth login` saved, unless --token is given. Load it back from hf://owner/name@<commit>.",
-    )  # fmt: skip
+    )
     push.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
     push.add_argument("repo", help="the repository, owner/name (made where there is none)")
     push.add_argument("--revision", default=None, help="the branch to commit to (default: the default branch)")
@@ -429,9 +449,12 @@ def _push_parser(commands: Any) -> None:
     push.add_argument("--message", default="Upload model with eqx_ckpt", help="the commit message")
     push.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB, 500MB (default 5GB)")
     push.add_argument(
-        "--metadata", action="append", default=[], metavar="KEY=VALUE",
+        "--metadata",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="your metadata, kept in eqx_ckpt.json and shown on the model card (repeatable)",
-    )  # fmt: skip
+    )
     push.set_defaults(run=_push)
 
 
@@ -458,9 +481,11 @@ def parser() -> argparse.ArgumentParser:
     info.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
     info.set_defaults(run=_info)
     verify = commands.add_parser(
-        "verify", help="read and check every byte (of other formats: what they can be checked for); exit 0 sound, "
-        "1 damaged, 2 error or a newer format (not damage: upgrade eqx_ckpt)", epilog=STORAGE_HELP,
-    )  # fmt: skip
+        "verify",
+        help="read and check every byte (of other formats: what they can be checked for); exit 0 sound, "
+        "1 damaged, 2 error or a newer format (not damage: upgrade eqx_ckpt)",
+        epilog=STORAGE_HELP,
+    )
     verify.add_argument("path", help="checkpoint, .safetensors file, Hugging Face or orbax directory, kvstore URL")
     verify.set_defaults(run=_verify)
     diff = commands.add_parser(

@@ -164,8 +164,11 @@ def export_safetensors(
     _refuse_source_in_destination(loc, pytree)
     shards = _plan(tensors, limit) if single is None else [tensors]
     names = [single] if single else _file_names(len(shards))
-    files = {} if single else _described(loc, path, tensors, None if rename is not None else structure, info, card,
-                                          card_path, names)  # fmt: skip
+    files = (
+        {}
+        if single
+        else _described(loc, path, tensors, None if rename is not None else structure, info, card, card_path, names)
+    )
     try:
         with Tracker(progress, leaves=len(tensors), nbytes=sum(t.nbytes for t in tensors), what="export") as tracker:
             for name, shard in zip(names, shards):
@@ -195,9 +198,15 @@ def export_safetensors(
 
 
 def _described(
-    loc: Location, path: Any, tensors: list[_Tensor], structure: Any, info: dict[str, Any], card: bool,
-    card_path: str | None, names: list[str],
-) -> dict[str, bytes]:  # fmt: skip
+    loc: Location,
+    path: Any,
+    tensors: list[_Tensor],
+    structure: Any,
+    info: dict[str, Any],
+    card: bool,
+    card_path: str | None,
+    names: list[str],
+) -> dict[str, bytes]:
     """The files describing the tensors: `eqx_ckpt.json`, and `README.md` unless `card=False`."""
     files = {_published.NAME: _published.encode([t.record for t in tensors], structure, info)}
     if card:

@@ -10,7 +10,6 @@ reader reads stored elements.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import uuid
@@ -23,7 +22,7 @@ from .._base._progress import Progress, Tracker
 from .._foreign import _safetensors
 from .._load import _pack, _source
 from .._manage._steps import committed_steps
-from .._ondisk import _format, _layout
+from .._ondisk import _format, _layout, _manifest
 from .._ondisk._format import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, PackRecord, dtype_from_name, step_name
 from .._ondisk._manifest import Manifest
 from .._store import _hub, _storage, _storage_errors, _untrusted
@@ -259,8 +258,9 @@ def _verify_steps(loc: Location, steps: list[int], progress: Progress) -> Proble
             problems += [dataclasses.replace(problem, step=step) for problem in found]
     unchecked = tuple(
         f"Step {step} was deleted while it was verified (by the retention of the manager saving there), so it "
-        f"is not reported on." for step in sorted(gone)
-    )  # fmt: skip
+        f"is not reported on."
+        for step in sorted(gone)
+    )
     unchecked += tuple(f"Step {step} was not checked: {why}" for step, why in newer.items())
     verified = tuple(step for step in steps if step not in gone and step not in newer)
     return Problems(problems, unchecked, steps=verified, newer=tuple(newer))
@@ -268,7 +268,8 @@ def _verify_steps(loc: Location, steps: list[int], progress: Progress) -> Proble
 
 def _check_totals(loc: Location, manifest: Manifest) -> list[Problem]:
     """The redundant counts in the manifest must agree with its leaf records."""
-    body = json.loads(_storage.read_file(loc, MANIFEST, limit=MAX_MANIFEST_BYTES) or b"{}")
+    data = _storage.read_file(loc, MANIFEST, limit=MAX_MANIFEST_BYTES)
+    body = {} if data is None else _manifest.read_body(data, where=loc.display)
     problems = []
     if body.get("leaf_count") != len(manifest.leaves) or body.get("total_bytes") != manifest.total_bytes:
         problems.append(Problem(None, f"The manifest of {loc.display!r} gives totals that disagree with its leaves."))
@@ -468,8 +469,8 @@ def _read_object(
     if raw is None:
         return None, None if optional else f"{what} is missing from {data.display!r}."
     try:
-        actual = json.loads(raw)
-    except (ValueError, RecursionError):  # RecursionError: `[[[[...` nested deeper than Python recurses
+        actual = _manifest.loads_file(raw)
+    except ValueError:
         return None, f"{what} is not valid JSON."
     if not isinstance(actual, dict):
         return None, f"{what} is not a JSON object."
@@ -496,7 +497,8 @@ def _reference_metadata(shape: tuple[int, ...], dtype: str, chunks: tuple[int, .
         record = LeafRecord("x", [["key", "x"]], "numpy", shape, dtype, shape, dtype, "plain", chunks)
         try:
             _storage.create_array(scratch, record).result()
-            cached = json.loads(_storage.read_file(scratch, _format.metadata_key("x"), limit=_MAX_ZARR_JSON) or b"{}")
+            written = _storage.read_file(scratch, _format.metadata_key("x"), limit=_MAX_ZARR_JSON)
+            cached = _manifest.loads_file(written or b"{}")
         finally:
             _storage.remove(scratch, ["x"])
         _REFERENCE[key] = cached
