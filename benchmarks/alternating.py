@@ -1,6 +1,6 @@
 """One operation timed with two or more code trees, in alternating fresh processes.
 
-    python -m benchmarks.alternating --tree before=/tmp/base --tree after=. \\
+    python -m benchmarks.alternating --tree before=../base --tree after=. \\
         --workload many --op save --rounds 3 --reps 7
 
 Each round starts one process per tree, in turn (A, B, A, B, ...), so that the
@@ -19,7 +19,7 @@ steadier of the two: other people's jobs lengthen the wall time of a run, not
 the work it does. The workload itself comes from this file's own
 `benchmarks/workload.py`, whatever tree is measured, so every tree saves the
 same state. A tree is a folder holding `eqx_ckpt/`: make one of a commit with
-`git worktree add --detach /tmp/base <commit>` (and `git worktree remove` it
+`git worktree add --detach ../base <commit>` (and `git worktree remove` it
 after).
 """
 
