@@ -83,3 +83,20 @@ def test_pinned_copies_saved_asynchronously_are_what_the_caller_passed(tmp_path)
     eqx_ckpt.tree_serialise_leaves(tmp_path, copies, blocking=False).wait()
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, expected)
     assert eqx.tree_equal(out, expected, typematch=True)
+
+
+def test_hosts_gives_what_host_gives_piece_by_piece():
+    """`_memory.hosts` (a write's pieces at once) makes the host data `host`
+    makes of each piece: views of CPU arrays and NumPy pieces, the value of a
+    deferred one, with or without a deferred piece among them."""
+    array = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
+    plain = np.arange(4, dtype=np.int32)
+    deferred = _memory.Deferred(lambda: np.full(3, 7, np.int16), 6)
+    for datas in ([array, plain], [array, plain, deferred]):
+        got, want = _memory.hosts(datas), [_memory.host(data) for data in datas]
+        assert [type(x) for x in got] == [np.ndarray] * len(datas)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(a, b)
+    # A CPU array's host data is a view of its buffer, not a copy.
+    assert np.shares_memory(_memory.hosts([array])[0], _memory.host(array))

@@ -285,7 +285,7 @@ class Writing:
         batch: list[tuple[Write, list[np.ndarray]]] = []
         size = 0
         for unit in self._window.admit():
-            batch.append((unit, [_memory.host(piece) for piece in unit.datas]))
+            batch.append((unit, _memory.hosts(unit.datas)))
             size += unit.nbytes
             if size >= _START_BYTES:
                 self._start(batch)

@@ -361,6 +361,17 @@ def host(data: Any) -> np.ndarray:
     return np.asarray(data)
 
 
+def hosts(datas: list[Any]) -> list[np.ndarray]:
+    """`host` of each of `datas` (a write's pieces, `_staging`). In a process
+    of CPUs alone, where no piece is a copy under way or deferred, each is
+    `np.asarray` of it, as `host` would make it, without `host`'s checks a
+    piece at a time: a `many` save of ten thousand leaves spent 5 ms of its
+    0.17 s in them."""
+    if only_cpus() and not any(kind is _Copying or issubclass(kind, Deferred) for kind in set(map(type, datas))):
+        return list(map(np.asarray, datas))
+    return [host(data) for data in datas]
+
+
 def host_views(arrays: list[jax.Array]) -> list[np.ndarray]:
     """The host data of `jax.Array`s on one device each, as `host` makes it:
     views on a CPU; elsewhere copies the save owns, all started at once (one

@@ -1,0 +1,174 @@
+"""One operation timed with two or more code trees, in alternating fresh processes.
+
+    python -m benchmarks.alternating --tree before=../base --tree after=. \\
+        --workload many --op save --rounds 3 --reps 7
+
+Each round starts one process per tree, in turn (A, B, A, B, ...), so that the
+load other people put on the machine hits every tree alike. A process imports
+eqx_ckpt from its tree (`PYTHONPATH=<tree>`), builds the workload, warms up
+with one untimed operation, then times `--reps` operations:
+
+- `save`: a durable `tree_serialise_leaves`, each into a fresh folder;
+- `load`: `tree_deserialise_leaves` into the abstract skeleton (a load with
+  `like`), warm page cache, of a checkpoint that tree saved once before the
+  rounds.
+
+Wall time and the process's CPU time (`time.process_time`, all its threads)
+are printed per tree, median and min. On a shared machine CPU time is the
+steadier of the two: other people's jobs lengthen the wall time of a run, not
+the work it does. The workload itself comes from this file's own
+`benchmarks/workload.py`, whatever tree is measured, so every tree saves the
+same state. A tree is a folder holding `eqx_ckpt/`: make one of a commit with
+`git worktree add --detach ../base <commit>` (and `git worktree remove` it
+after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def load_workload() -> Any:
+    """This file's `workload.py`, imported by path: the measured tree is first
+    on `sys.path`, and may hold a `benchmarks` package of its own."""
+    spec = importlib.util.spec_from_file_location("_alternating_workload", os.path.join(HERE, "workload.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def timed(operation: Any, before: Any) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the process) of `operation()`, after an
+    untimed `before()`."""
+    before()
+    gc.collect()
+    wall, cpu = time.perf_counter(), time.process_time()
+    operation()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def work(job: dict[str, Any]) -> dict[str, Any]:
+    """One process's part: warm up once, then `reps` timed operations."""
+    import jax
+
+    import eqx_ckpt
+
+    workload = load_workload()
+    sizes = workload.PRESETS[job["workload"]]
+    folder, op = job["folder"], job["op"]
+    checkpoint = os.path.join(folder, "checkpoint")
+    if op == "prepare":
+        eqx_ckpt.tree_serialise_leaves(checkpoint, jax.block_until_ready(workload.concrete(sizes)))
+        return {"library": eqx_ckpt.__file__}
+    if op == "save":
+        state = jax.block_until_ready(workload.concrete(sizes))
+        path = os.path.join(folder, "save")
+
+        def operation() -> None:
+            eqx_ckpt.tree_serialise_leaves(path, state)
+
+        def before() -> None:
+            # The last save removed: with every earlier save kept beside it, a save's
+            # kernel time grew (0.03 s -> 0.15 s on `many` by the fifth). Then the data
+            # left unwritten is written out, not in this save's syncs.
+            shutil.rmtree(path, ignore_errors=True)
+            os.sync()
+    else:
+        like = workload.skeleton(sizes)
+
+        def operation() -> None:
+            jax.block_until_ready(eqx_ckpt.tree_deserialise_leaves(checkpoint, like))
+
+        def before() -> None:
+            pass
+
+    timed(operation, before)  # warm-up
+    times = [timed(operation, before) for _ in range(job["reps"])]
+    if op == "save":
+        shutil.rmtree(path)
+    return {"library": eqx_ckpt.__file__, "wall": [t[0] for t in times], "cpu": [t[1] for t in times]}
+
+
+def run(tree: str, job: dict[str, Any]) -> dict[str, Any]:
+    """`job` in a fresh interpreter that imports eqx_ckpt from `tree`.
+
+    `-P`: the folder of this script is not put on `sys.path` (its modules could
+    shadow others); the working directory is a scratch folder, for the same reason."""
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+    command = [sys.executable, "-P", os.path.abspath(__file__), "--job", json.dumps(job)]
+    done = subprocess.run(command, env=env, cwd=job["folder"], capture_output=True, text=True)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result: dict[str, Any] = json.loads(line[len("RESULT ") :])
+            expected = os.path.join(os.path.abspath(tree), "eqx_ckpt", "__init__.py")
+            if os.path.realpath(result["library"]) != os.path.realpath(expected):
+                raise SystemExit(f"{tree}: the process imported {result['library']}, not {expected}")
+            return result
+    raise SystemExit(f"{tree}: the process exited with status {done.returncode}:\n{done.stderr[-4000:]}")
+
+
+def summary(values: list[float]) -> str:
+    return f"median {statistics.median(values):.4f} s, min {min(values):.4f} s"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tree", action="append", default=[], help="NAME=FOLDER, twice or more")
+    parser.add_argument("--workload", default="many", choices=["many", "small", "large", "tiny"])
+    parser.add_argument("--op", default="save", choices=["save", "load"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--scratch", default=None, help="where checkpoints are written (default: a temporary folder)")
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.job:
+        print("RESULT " + json.dumps(work(json.loads(args.job))), flush=True)
+        return
+    trees = dict(tree.split("=", 1) for tree in args.tree)
+    if len(trees) < 2:
+        parser.error("give at least two trees: --tree NAME=FOLDER --tree NAME=FOLDER")
+    scratch = tempfile.mkdtemp(prefix="alternating-", dir=args.scratch)
+    try:
+        measure(trees, args, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def measure(trees: dict[str, str], args: argparse.Namespace, scratch: str) -> None:
+    base = {"workload": args.workload, "op": args.op, "reps": args.reps}
+    folders = {name: os.path.join(scratch, name) for name in trees}
+    for name, tree in trees.items():
+        os.makedirs(folders[name])
+        if args.op == "load":
+            run(tree, {**base, "op": "prepare", "folder": folders[name]})
+    results: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in trees}
+    for round_ in range(args.rounds):
+        for name, tree in trees.items():
+            result = run(tree, {**base, "folder": folders[name]})
+            for kind in ("wall", "cpu"):
+                results[name][kind] += result[kind]
+            walls, cpus = (", ".join(f"{t:.3f}" for t in result[kind]) for kind in ("wall", "cpu"))
+            load = os.getloadavg()[0]
+            print(f"round {round_ + 1} {name}: wall {walls}; CPU {cpus}; load average {load:.2f}", flush=True)
+    print(f"{args.workload} {args.op}, {args.rounds} rounds x {args.reps} in alternating processes:")
+    for name in trees:
+        print(f"  {name:>10}: wall {summary(results[name]['wall'])}; CPU {summary(results[name]['cpu'])}")
+
+
+if __name__ == "__main__":
+    main()
