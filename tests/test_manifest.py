@@ -78,8 +78,11 @@ def test_manifest_lists_every_leaf(tmp_path):
     assert weight["pack"] == "packed.float32" and weight["offset"] == 0
     assert [pack["name"] for pack in body["packs"]] == sorted({leaf["pack"] for leaf in body["leaves"]})
     assert next(p for p in body["packs"] if p["name"] == "packed.float32") == {
-        "name": "packed.float32", "dtype": "float32", "shape": [6], "chunks": [6]
-    }  # fmt: skip
+        "name": "packed.float32",
+        "dtype": "float32",
+        "shape": [6],
+        "chunks": [6],
+    }
 
 
 def test_edited_manifest_is_detected(tmp_path):

@@ -270,10 +270,14 @@ def _manifest(
         return Manifest(tuple(records[path] for path in sorted(records)), layout="safetensors", metadata=metadata)
     records = _as_published(loc, published, records)
     return Manifest(
-        tuple(records[path] for path in sorted(records)), created=published.created,
-        library_version=published.library_version, layout="published", metadata=metadata,
-        structure=published.structure, info=published.info,
-    )  # fmt: skip
+        tuple(records[path] for path in sorted(records)),
+        created=published.created,
+        library_version=published.library_version,
+        layout="published",
+        metadata=metadata,
+        structure=published.structure,
+        info=published.info,
+    )
 
 
 class _Files:

@@ -357,11 +357,22 @@ class CheckpointManager:
         follows = None if before is None else self._loc.joined(step_name(before))
         try:
             pending = _serialise.save(
-                target, pytree, filter_spec, is_leaf,
-                overwrite=overwrite, blocking=self.blocking, cast=cast, layout=layout, metrics=values,
-                progress=progress, handoff=handoff, follows=follows, share=self.share, followed=True,
+                target,
+                pytree,
+                filter_spec,
+                is_leaf,
+                overwrite=overwrite,
+                blocking=self.blocking,
+                cast=cast,
+                layout=layout,
+                metrics=values,
+                progress=progress,
+                handoff=handoff,
+                follows=follows,
+                share=self.share,
+                followed=True,
                 staging_bytes=staging_bytes,
-            )  # fmt: skip
+            )
             _faults.fire("manager.save_returned", step, pending)
         except CheckpointExistsError:
             raise  # another writer's save: nothing of it is ours to remove
@@ -605,10 +616,23 @@ class CheckpointManager:
             self._require(check_step(step))
         try:
             return tree_deserialise_leaves(
-                self._loc.joined(step_name(step)), like, filter_spec, is_leaf,
-                where=where, prefix=prefix, rename=rename, missing=missing, strict=strict, cast=cast, lazy=lazy,
-                transform=transform, progress=progress, trust=trust, check_init=check_init, read_once=read_once,
-            )  # fmt: skip
+                self._loc.joined(step_name(step)),
+                like,
+                filter_spec,
+                is_leaf,
+                where=where,
+                prefix=prefix,
+                rename=rename,
+                missing=missing,
+                strict=strict,
+                cast=cast,
+                lazy=lazy,
+                transform=transform,
+                progress=progress,
+                trust=trust,
+                check_init=check_init,
+                read_once=read_once,
+            )
         except (CheckpointError, OSError) as e:
             # Retention (this manager's, or that of the one saving here) deleted
             # the step while it was read: say so, not what the read tripped on.
@@ -681,10 +705,21 @@ class CheckpointManager:
         if step is None:
             return None, init()
         return step, _initialise.initialise_unloaded(
-            self._loc.joined(step_name(step)), init, filter_spec, is_leaf,
-            where=where, prefix=prefix, rename=rename, missing=missing, strict=strict, cast=cast, lazy=lazy,
-            transform=transform, progress=progress, read_once=read_once,
-        )  # fmt: skip
+            self._loc.joined(step_name(step)),
+            init,
+            filter_spec,
+            is_leaf,
+            where=where,
+            prefix=prefix,
+            rename=rename,
+            missing=missing,
+            strict=strict,
+            cast=cast,
+            lazy=lazy,
+            transform=transform,
+            progress=progress,
+            read_once=read_once,
+        )
 
     def _require(self, step: int) -> None:
         steps = self.all_steps()
