@@ -1,40 +1,51 @@
 """Incremental saves: chunk files equal to the previous save's are shared, not written.
 
 A save that replaces a checkpoint (`overwrite`), and a `CheckpointManager`'s
-next step, follow an earlier checkpoint: its *base*. On a local disk, before a
-chunk file is written (`_local_write`), the xxh3-128 hash of its data bytes
-(a 128-bit hash; the crc32c the file ends with is not part of it) is compared
-with that of the base's file at the same place. Where the length and the hash
-are the same, the new file is a hard link to the base's instead of a copy: the
-same bytes, no write. Where either differs, the file is written as ever. Bytes
-are compared, never object identity or `==`: `-0.0` after `0.0`, or a NaN with
-another payload, is a change.
+next step, follow an earlier checkpoint: its *base*. On a local disk, a chunk
+file is compared with the base's file at the same place before it is written
+(`_local_write`). The comparison uses the xxh3-128 hash (128 bits) of the data
+bytes; the crc32c the file ends with is not part of it.
 
-Never by the crc32c a file ends with: a damaged file still ends with the
-checksum of the good bytes, and crc32c is linear, so a change that keeps it
-takes a few lines to build (and 32 bits meet by chance at fleet scale).
+- Where the length and the hash are the same, the new file is a hard link to
+  the base's instead of a copy: the same bytes, no write.
+- Where either differs, the file is written as ever.
 
-A base file is verified before it is shared, once per process: read whole,
-its data bytes must give the crc32c it ends with, and their xxh3-128 is kept
-(`_VERIFIED`), keyed by the file's device, inode, size and modification time,
-which a hard link keeps (it changes the change time, which is therefore not
-part of the key). A file that fails (damaged, truncated, missing, a link) is
-never shared: the new bytes are written instead, with an `IntegrityWarning`
-naming it. A chunk file a save compared and then wrote itself is recorded with
-its digest (`written`); a `CheckpointManager` step records every chunk file it
-writes, hashed as the bytes are written where nothing was compared (its first
-step in a process, which has no base; a new leaf; a large chunk whose first
-bytes changed), so that a training loop's next step, its second included,
-reads nothing back. A plain save with no base hashes nothing. A read or
-`verify` that finds an array's files damaged forgets them (`forget_damaged`).
+Bytes are compared, never object identity or `==`. `-0.0` after `0.0` is a
+change, and so is a NaN with another payload.
 
-A chunk is "at the same place" when the leaf has the same dotted path, stored
-dtype, stored shape, encoding and chunk grid in both saves (a pack: the same
-name, dtype, length and chunk length), so that the chunk covers the same
-elements. Every save still gets a complete data root of its own: deleting any
-other checkpoint or step, by hand or by retention, leaves it whole (a hard
-link is a name of the file like any other), and `verify` reads every byte it
-uses.
+Files are never compared by the crc32c they end with. A damaged file still
+ends with the checksum of the good bytes. crc32c is linear, so a change that
+keeps it takes a few lines to build. And 32 bits meet by chance at fleet scale.
+
+A base file is verified before it is shared, once per process:
+
+- It is read whole, and its data bytes must give the crc32c it ends with.
+- Their xxh3-128 is kept (`_VERIFIED`), keyed by the file's device, inode,
+  size and modification time. A hard link keeps all four. (It changes the
+  change time, which is therefore not part of the key.)
+- A file that fails (damaged, truncated, missing, a link) is never shared. The
+  new bytes are written instead, with an `IntegrityWarning` naming it.
+
+What this process writes is recorded too, so that it is not read back:
+
+- A chunk file a save compared and then wrote itself is recorded with its
+  digest (`written`).
+- A `CheckpointManager` step records every chunk file it writes. Where nothing
+  was compared, the bytes are hashed as they are written. That is the case for
+  its first step in a process (which has no base), a new leaf, and a large
+  chunk whose first bytes changed. So a training loop's next step, its second
+  included, reads nothing back.
+- A plain save with no base hashes nothing.
+- A read or `verify` that finds an array's files damaged forgets them
+  (`forget_damaged`).
+
+A chunk is "at the same place" when it covers the same elements. For a leaf,
+the dotted path, stored dtype, stored shape, encoding and chunk grid are the
+same in both saves. For a pack, the name, dtype, length and chunk length are.
+
+Every save still gets a complete data root of its own. Deleting any other
+checkpoint or step, by hand or by retention, leaves it whole: a hard link is a
+name of the file like any other. And `verify` reads every byte it uses.
 
 Only what `_local_write` writes is shared: object stores, the OCDBT layout,
 multi-process saves and leaves written through TensorStore are written in full.
@@ -62,9 +73,10 @@ from .._ondisk._format import LeafRecord, PackRecord
 
 
 class Base:
-    """The checkpoint a save follows, as far as its chunk files may be shared:
-    its data root on the local disk, its leaves with arrays of their own (by
-    dotted path) and its packs (by name)."""
+    """The checkpoint a save follows, as far as its chunk files may be shared.
+
+    It holds the data root on the local disk, the leaves with arrays of their
+    own (by dotted path) and the packs (by name)."""
 
     def __init__(self, root: str, manifest: _manifest.Manifest):
         self.root = root
@@ -91,11 +103,13 @@ def _shape_of(record: LeafRecord) -> tuple[Any, ...]:
 
 
 class IntegrityWarning(UserWarning):
-    """A save found a chunk file of the checkpoint it follows (the one it
-    replaces, or a manager's previous step) damaged, and did not share it: it
-    wrote that chunk's bytes anew, so the new checkpoint is sound. The warning
-    names the file and its leaf; the checkpoint it follows is damaged there
-    (`eqx-ckpt verify` lists every damaged leaf of it).
+    """A save found a chunk file of the checkpoint it follows damaged, and did
+    not share it. (The checkpoint it follows is the one it replaces, or a
+    manager's previous step.) The save wrote that chunk's bytes anew, so the new
+    checkpoint is sound.
+
+    The warning names the file and its leaf. The checkpoint it follows is
+    damaged there: `eqx-ckpt verify` lists every damaged leaf of it.
 
     !!! example
 
@@ -159,14 +173,16 @@ class Verified(NamedTuple):
 
 
 def base_file(path: str, nbytes: int, what: str, start: Any = None) -> Verified | None:
-    """The base's chunk file `path` (of `what`, a leaf or pack, for a warning),
-    if it is a sound regular file of `nbytes` bytes (data and checksum) and,
-    given `start` (a buffer), its first bytes are those of `start`; else `None`.
+    """The base's chunk file `path`, if it may be shared; else `None`.
+
+    It may be shared if it is a sound regular file of `nbytes` bytes (data and
+    checksum). Given `start` (a buffer), its first bytes must also be those of
+    `start`. `what` names its leaf or pack, for a warning.
 
     `start` is a cheap look before the hash of a large chunk, which costs a
-    pass over all of its bytes: a chunk whose first bytes changed (an overwrite
+    pass over all of its bytes. A chunk whose first bytes changed (an overwrite
     where everything changed) is written at once. A file not verified yet is
-    read once (`_verify`); an unsound one is warned about and never shared."""
+    read once (`_verify`). An unsound one is warned about and never shared."""
     try:
         fd = os.open(path, _READ_FLAGS)
     except OSError as e:
@@ -241,10 +257,13 @@ def written(fd: int, path: str, digest: bytes) -> None:
 
 
 def link(source: str, path: str, verified: Verified) -> bool:
-    """Make `path` (which does not exist) a hard link to the base's chunk file
-    `source`; whether it is one, still the file that was `verified` (checked
-    again through the new name: the base may have been replaced, changed or
-    deleted meanwhile). Where it is not, nothing is left at `path`."""
+    """Make `path`, which does not exist, a hard link to the base's chunk file
+    `source`. Returns whether `path` is now that link, to the file that was
+    `verified`.
+
+    The file is checked again through the new name, because the base may have
+    been replaced, changed or deleted meanwhile. Where it is not the verified
+    file, nothing is left at `path`."""
     _faults.fire("share.link", source, path)
     try:
         os.link(source, path, follow_symlinks=False)
@@ -262,11 +281,13 @@ def link(source: str, path: str, verified: Verified) -> bool:
 
 
 def forget_damaged(error: BaseException, root: str, record: LeafRecord) -> BaseException:
-    """`error`, a failure to read the leaf `record` of the checkpoint whose
-    data root is the local folder `root`; where it says the leaf is damaged
-    (an `IntegrityError`), the files of its array (its pack's, for a packed
-    leaf) are forgotten first, so that the next save reads them again before
-    it shares any."""
+    """Return `error`, a failure to read the leaf `record`, after forgetting
+    the leaf's files where it says they are damaged.
+
+    `root` is the checkpoint's data root, a local folder. Where `error` is an
+    `IntegrityError`, the files of the leaf's array (its pack's, for a packed
+    leaf) are forgotten first. The next save then reads them again before it
+    shares any."""
     if isinstance(error, IntegrityError):
         forget(root, record.pack.name if record.pack is not None else record.directory)
     return error
