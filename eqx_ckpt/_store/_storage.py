@@ -5,32 +5,36 @@ writes passes, and, with `_location`, the only module that imports
 No TensorStore object leaves it (tests/test_architecture.py checks): other
 modules call its functions and get its own types back.
 
-- Small files: read with a size limit (`read_file`), stamped
-  (`read_file_stamped`, then `file_changed`), or with their generation for a
-  write conditional on it (`read_file_generation`, `read_generation`;
-  `write_if` for a lease, `write_conditional` for a commit, which share one
-  conditional write); written (`write_file`, `start_writes`) and deleted.
-- Byte ranges of another program's files (a `Folder`, opened once: its
-  `read` is a future of a `Found`), and whether a file changed since a
-  read's generation (`generation_changed`, the same check as `file_changed`'s).
+- Small files, read with a size limit (`read_file`), or stamped
+  (`read_file_stamped`), then checked (`file_changed`).
+- Small files read with their generation, for a write conditional on it
+  (`read_file_generation`, `read_generation`). `write_if` (for a lease) and
+  `write_conditional` (for a commit) share one conditional write.
+- Small files written (`write_file`, `start_writes`) and deleted.
+- Byte ranges of another program's files. A `Folder` is opened once; its
+  `read` is a future of a `Found`. `generation_changed` tells whether a file
+  changed since a read's generation (the same check as `file_changed`'s).
 - Listings (`list_names`, `list_files`, `list_keys`) and removal (`remove`,
   `remove_written`).
-- Zarr arrays, created or opened from their specs (`create_array`,
-  `open_array`, `open_pack`, `open_to_write`, `open_for_reading`) as futures
-  of an `Array`, a thin wrapper of TensorStore's array (shape, data type,
-  chunks, `array[index]`, `read()`, `write(value, transaction)`); a save's
-  `Transaction`; arrays made of a reader (`virtual_array`) or of NumPy data
-  (`in_memory`).
+- Zarr arrays, created or opened from their specs as futures of an `Array`
+  (`create_array`, `open_array`, `open_pack`, `open_to_write`,
+  `open_for_reading`). An `Array` is a thin wrapper of TensorStore's array:
+  shape, data type, chunks, `array[index]`, `read()`,
+  `write(value, transaction)`.
+- A save's `Transaction`.
+- Arrays made of a reader (`virtual_array`) or of NumPy data (`in_memory`).
 
-Futures are returned, not waited for; callers block with `result` only at
-the public boundary. They are TensorStore's own futures (`Future`, set
-through a `Promise`; a read's holds a NumPy array) or a `Mapped`, which turns
-TensorStore's result into this module's type (an `Array`, a `Found`) as it
-is asked for.
+Futures are returned, not waited for. Callers block with `result` only at the
+public boundary. A future is one of two kinds:
 
-A location's chunk files (eqx_ckpt's own reads and writes on a local disk,
-else these arrays) are chosen and reached in `_chunk_files`, which calls
-this module; this module calls none of it.
+- TensorStore's own (`Future`, set through a `Promise`). A read's holds a
+  NumPy array.
+- A `Mapped`, which turns TensorStore's result into this module's type (an
+  `Array`, a `Found`) as it is asked for.
+
+A location's chunk files are chosen and reached in `_chunk_files`. (They are
+eqx_ckpt's own reads and writes on a local disk, else these arrays.)
+`_chunk_files` calls this module; this module calls none of it.
 """
 
 from __future__ import annotations
@@ -70,13 +74,17 @@ Promise = ts.Promise
 # Its retries make storage that cannot be reached an error within seconds.
 # TensorStore's defaults (32 attempts, backing off from 1 s to 32 s) retried a
 # refused connection for minutes, and a load, a save or a manager's listing
-# seemed to hang. TensorStore cannot tell a refused connection from a server's
-# brief hiccup (a 503, a dropped connection), so one setting serves both: for a
-# plain `http://` server four attempts over about 4 s; for an object store
-# (`s3://`, `gs://`) five over about 6 s, which rides out a throttled request
-# as AWS's own SDKs do (three attempts by default). A kvstore spec dict may carry
-# its own `"http_request_retries"`, `"s3_request_retries"` or
-# `"gcs_request_retries"`, which wins over these (docs/storage.md).
+# seemed to hang.
+#
+# TensorStore cannot tell a refused connection from a server's brief hiccup (a
+# 503, a dropped connection), so one setting serves both:
+# - a plain `http://` server: four attempts over about 4 s;
+# - an object store (`s3://`, `gs://`): five over about 6 s. That rides out a
+#   throttled request, as AWS's own SDKs do (three attempts by default).
+#
+# A kvstore spec dict may carry its own `"http_request_retries"`,
+# `"s3_request_retries"` or `"gcs_request_retries"`, which wins over these
+# (docs/storage.md).
 RETRIES = {
     "http_request_retries": {"max_retries": 4, "initial_delay": "0.25s", "max_delay": "2s"},
     "s3_request_retries": {"max_retries": 5, "initial_delay": "0.25s", "max_delay": "2s"},
@@ -121,19 +129,23 @@ def _context(loc: Location, synced: bool) -> ts.Context:
 
 
 def result(future: Future | Mapped) -> Any:
-    """`future.result()`, except that an interrupt (Ctrl-C, `sys.exit` from a
-    signal handler) waits for the operation to finish before it is raised
-    (`_interrupts.finish`): an operation left running when the interpreter
-    exits aborts the process, and a save must know whether a write happened
+    """`future.result()`, except that an interrupt waits for the operation to
+    finish before it is raised (`_interrupts.finish`).
+
+    An interrupt is Ctrl-C, or `sys.exit` from a signal handler. Waiting
+    matters for two reasons. An operation left running when the interpreter
+    exits aborts the process. And a save must know whether a write happened
     before it decides what to undo."""
     return _interrupts.finish(future)
 
 
 def read_file(loc: Location, name: str, *, limit: int) -> bytes | None:
-    """The bytes of a small file, or `None` if it does not exist. A file of more
-    than `limit` bytes is a `CorruptCheckpointError`, found before it is read (on
-    an object store, by asking for the one byte past the limit), so a hostile
-    checkpoint cannot make us download or allocate a huge file."""
+    """The bytes of a small file, or `None` if it does not exist.
+
+    A file of more than `limit` bytes is a `CorruptCheckpointError`. It is found
+    before the file is read (on an object store, by asking for the one byte past
+    the limit). So a hostile checkpoint cannot make us download or allocate a
+    huge file."""
     return read_file_stamped(loc, name, limit=limit)[0]
 
 
@@ -222,14 +234,17 @@ def generation_changed(loc: Location, name: str, generation: bytes) -> bool:
 
 def _changed_since(loc: Location, name: str, generation: bytes, digest: bytes | None) -> bool:
     """Whether the file `name` is no longer the one a read found at
-    `generation`: one read, sent only if the generation differs (of the whole
-    file where `digest`, the SHA-256 of its bytes then, is given, else of one byte).
+    `generation`. It makes one read, sent only if the generation differs. The
+    read is of the whole file where `digest` (the SHA-256 of its bytes then) is
+    given, else of one byte.
 
-    A server whose generations TensorStore cannot send back in a condition
-    (gcp-storage-emulator's), or a file now empty, is asked for a plain read's
-    generation instead. A server that ignores the condition and sends the bytes
-    again (a plain HTTP server without `If-None-Match` or `ETag`, as Python's
-    own http.server) is judged by their digest, or else by their generation."""
+    Two kinds of server need more:
+    - One whose generations TensorStore cannot send back in a condition
+      (gcp-storage-emulator's) is asked for a plain read's generation instead.
+      So is a file now empty.
+    - One that ignores the condition and sends the bytes again is judged by
+      their digest, or else by their generation. (A plain HTTP server without
+      `If-None-Match` or `ETag` does this, as Python's own http.server.)"""
     whole = {} if digest is not None else {"byte_range": slice(0, 1)}
     try:
         found = _read(loc, name, if_not_equal=generation, **whole)
@@ -272,8 +287,10 @@ def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes
 
 def read_generation(loc: Location, name: str) -> tuple[bytes | None, bytes]:
     """The bytes of a small file this package writes (`None` if it is not
-    there) and its storage generation, unchecked: for a file whose reader
-    takes a bounded prefix (a lease); `read_file_generation` checks size and links."""
+    there) and its storage generation, unchecked.
+
+    For a file whose reader takes a bounded prefix (a lease).
+    `read_file_generation` checks size and links."""
     found = result(_kvstore(loc).read(name))
     return (found.value if found.state == "value" else None), found.stamp.generation
 
@@ -284,18 +301,21 @@ ABSENT = b"\x02"
 
 
 def _start_write_if(loc: Location, name: str, data: bytes | None, if_equal: bytes | None) -> Future:
-    """The one conditional write: `data` (`None` deletes) written only if the
-    file's generation is still `if_equal` (`None`: whatever it is); a future of
-    its new timestamped generation, empty where the condition failed."""
+    """The one conditional write: `data` is written only if the file's
+    generation is still `if_equal`. `None` as `data` deletes; `None` as
+    `if_equal` means whatever it is. Returns a future of the file's new
+    timestamped generation, empty where the condition failed."""
     return _kvstore(loc).write(name, data, if_equal=if_equal)
 
 
 def write_if(loc: Location, name: str, data: bytes | None, if_equal: bytes) -> bytes | None:
-    """Write a small file (`data`; `None` deletes it) only if its generation is
-    still `if_equal` (`ABSENT`: only if there is none), and wait for it. The
-    file's new generation, or `None` if the condition failed. A failed write is
-    a `CheckpointError` that says nothing was written; once written, a local
-    directory is synced."""
+    """Write a small file only if its generation is still `if_equal`, and wait
+    for it. `None` as `data` deletes it. `ABSENT` as `if_equal` writes only if
+    there is no file.
+
+    Returns the file's new generation, or `None` if the condition failed. A
+    failed write is a `CheckpointError` that says nothing was written. Once
+    written, a local directory is synced."""
     try:
         generation = result(_start_write_if(loc, name, data, if_equal)).generation
     except NotImplementedError:
@@ -314,13 +334,15 @@ def write_conditional(
 ) -> tuple[bool, BaseException | None, BaseException | None]:
     """Write a small file only if its generation is still `if_equal`.
 
-    Returns `(written, error, interrupt)`. An interrupt (Ctrl-C, `sys.exit`
-    from a signal handler) while the write is under way does not abandon it:
-    the write is waited for, so that whether it happened is known, and the
-    interrupt is returned for the caller to raise once that is recorded.
-    `error` is the write's failure or, once written, the directory sync's, as
-    raised: the caller, which can tell whether the file is its own, says what
-    it left."""
+    Returns `(written, error, interrupt)`.
+
+    - An interrupt (Ctrl-C, `sys.exit` from a signal handler) does not abandon
+      a write under way. The write is waited for, so that whether it happened
+      is known. The interrupt is returned, for the caller to raise once that
+      is recorded.
+    - `error` is the write's failure, or once written the directory sync's,
+      as raised. The caller can tell whether the file is its own, so it says
+      what it left."""
     _faults.fire("commit.manifest_write", loc, name)
     # Waited through interrupts, kept and returned: the write's outcome is known first.
     found, error, interrupt = _interrupts.outcome(_start_write_if(loc, name, data, if_equal))
@@ -353,10 +375,11 @@ def write_file(loc: Location, name: str, data: bytes) -> None:
 
 
 def write_unpublished(loc: Location, name: str, parts: Iterable[bytes | memoryview]) -> None:
-    """Write a file of many parts (an export's shard), not yet under `name` on
-    a local disk: streamed to `name` + `.partial` and made durable, until
-    `publish` (elsewhere, where a file is written whole, the parts are joined
-    and written to `name`)."""
+    """Write a file of many parts (an export's shard), not yet under `name`.
+
+    On a local disk the parts are streamed to `name` + `.partial` and made
+    durable; `publish` gives the file its name. Elsewhere a file is written
+    whole: the parts are joined and written to `name`."""
     if loc.local is None:
         write_file(loc, name, b"".join(parts))
         return
@@ -441,9 +464,11 @@ _NOTHING = LocalEntry(False, False, False, False, 0, None)
 
 
 def local_entry(path: str) -> LocalEntry:
-    """What the local `path` is (see `LocalEntry`). With the listing functions,
-    the one place that looks at local folders: a user's path, an orbax step
-    and a manager's step folder are told apart alike."""
+    """What the local `path` is (see `LocalEntry`).
+
+    With the listing functions, the one place that looks at local folders. A
+    user's path, an orbax step and a manager's step folder are told apart
+    alike."""
     try:
         info = os.lstat(path)
     except (OSError, ValueError):  # as `os.path.lexists`: a name that cannot be there is absent
@@ -497,10 +522,9 @@ def _check_gcs_listing(loc: Location) -> None:
     """An empty listing from TensorStore's `gcs` driver, which lists nothing
     when GCS answers 401, 403 or 404: raise unless the directory is really empty.
 
-    Credentials GCS refuses fail a read as well; a bucket that is not there
-    is what a request for its metadata says, asked without credentials (GCS
-    answers 404 only when the bucket does not exist; 401 or the metadata when
-    it does)."""
+    Credentials GCS refuses fail a read as well. Whether the bucket is there
+    is asked of its metadata, without credentials. GCS answers 404 only when
+    the bucket does not exist, and 401 or the metadata when it does."""
     try:
         result(_kvstore(loc).read(_format.MANIFEST))
     except Exception as e:
@@ -594,13 +618,14 @@ def _unlink(path: str) -> None:
 
 
 class Array:
-    """An opened array, the only form in which one leaves this module: its
-    shape, data type and chunks, a region of it (`array[index]`, another
-    `Array`), and its reads and writes, which return futures, not waited for.
+    """An opened array, the only form in which one leaves this module.
 
-    A thin wrapper of TensorStore's array (one attribute; a region wraps
-    TensorStore's region, and a read is TensorStore's read): no copy, and
-    nothing is read or written that TensorStore would not."""
+    It has a shape, data type and chunks. A region of it (`array[index]`) is
+    another `Array`. Its reads and writes return futures, not waited for.
+
+    A thin wrapper of TensorStore's array, with one attribute. A region wraps
+    TensorStore's region, and a read is TensorStore's read. There is no copy,
+    and nothing is read or written that TensorStore would not."""
 
     __slots__ = ("_array",)
 
@@ -634,9 +659,10 @@ class Array:
         return self._array.read()
 
     def write(self, value: np.ndarray, transaction: Transaction | None = None) -> Future:
-        """Start writing `value` into it; a future of the write. Staged in
-        `transaction`, the write only references `value` until the
-        transaction's commit, which writes it out: `value` must not change
+        """Start writing `value` into it; a future of the write.
+
+        Staged in `transaction`, the write only references `value` until the
+        transaction's commit, which writes it out. `value` must not change
         until then (see `_chunk_files.Writer`)."""
         if transaction is None:
             return self._array.write(value)
@@ -764,10 +790,10 @@ def open_array(loc: Location, record: LeafRecord, *, synced: bool = True, checke
     """Open a stored leaf (a packed one as an in-memory copy of its elements):
     a future of its `Array`.
 
-    With `checked`, its zarr.json is read and checked against the manifest
-    (shape, data type, chunks and the crc32c codec must all be as recorded);
-    without, the manifest's metadata is taken as it is, and a file whose chunks
-    do not decode that way fails its checksum when read."""
+    - With `checked`, its zarr.json is read and checked against the manifest.
+      Shape, data type, chunks and the crc32c codec must all be as recorded.
+    - Without, the manifest's metadata is taken as it is. A file whose chunks
+      do not decode that way fails its checksum when read."""
     _faults.fire("storage.open_array", loc, record)
     if record.pack is not None:
         return open_packed(loc, record)
@@ -856,11 +882,13 @@ def open_packed(loc: Location, record: LeafRecord) -> Future:
 
 def _reading_context() -> ts.Context:
     """A context of its own for the arrays of one opening of another program's
-    checkpoint (`open_for_reading`). TensorStore shares an open OCDBT database
-    between opens of one context: an orbax checkpoint saved again at the same
-    path is another database, which the shared one refuses ("Configuration
-    mismatch on uuid") for as long as anything holds the old one open. (A child
-    of `CONTEXT`: same `memory://` stores, same limits.)"""
+    checkpoint (`open_for_reading`).
+
+    TensorStore shares an open OCDBT database between opens of one context. An
+    orbax checkpoint saved again at the same path is another database. The
+    shared one refuses it ("Configuration mismatch on uuid") for as long as
+    anything holds the old one open. (A child of `CONTEXT`: same `memory://`
+    stores, same limits.)"""
     return ts.Context({"cache_pool": {}, "ocdbt_coordinator": {}}, parent=CONTEXT)
 
 
