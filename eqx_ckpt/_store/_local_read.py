@@ -3,23 +3,25 @@
 TensorStore reads each chunk file into a buffer of its own, checks its crc32c and
 assembles a new array, which `jax.device_put` then often copies again. A leaf
 whose chunks split only its first axis has every chunk's bytes contiguous in the
-array, so here each chunk file is read with `os.preadv` into its slice of one
-64-byte-aligned buffer (plus its 4-byte checksum), by a few threads in pieces,
-and each chunk's crc32c is checked with the hardware instruction (the `crc32c`
-package: it takes any buffer and releases the GIL; `google-crc32c` 1.9 accepts
-only `bytes`, which would cost a copy, and releases the GIL only for those).
+array. So here:
 
-The checks of a leaf's files (each opened below its folder, no link followed,
-its size checked) run in a thread of a second pool, which then starts the
-reads: on a cold page cache each check waits on the disk, and made one after
-another in the loading thread they left the readers idle.
+- Each chunk file is read with `os.preadv` into its slice of one
+  64-byte-aligned buffer (plus its 4-byte checksum), by a few threads in pieces.
+- Each chunk's crc32c is checked with the hardware instruction. The `crc32c`
+  package takes any buffer and releases the GIL. (`google-crc32c` 1.9 accepts
+  only `bytes`, which would cost a copy, and releases the GIL only for those.)
+
+The checks of a leaf's files run in a thread of a second pool, which then
+starts the reads. (Each file is opened below its folder, no link followed, and
+its size checked.) On a cold page cache each check waits on the disk. Made one
+after another in the loading thread, they left the readers idle.
 
 Each reading thread checksums what it just read, a step of `STEP_BYTES` at a
-time while the bytes are still in its core's cache; the loading thread only
+time, while the bytes are still in its core's cache. The loading thread only
 joins the pieces' checksums (`crc32c_combine`) and compares.
 
 The buffer is private anonymous `mmap` memory (`_memory.fresh_bytes`), as the
-raw contender of `benchmarks/` reads into: Python's `mmap.mmap(-1, n)` maps
+raw contender of `benchmarks/` reads into. Python's `mmap.mmap(-1, n)` maps
 shared memory, which the kernel backs with shmem, slower to fault in.
 
 The measurements behind each of these choices are in docs/benchmarks.md,
@@ -65,19 +67,23 @@ def start_read(
     loc: Location, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None
 ) -> Callable[[], np.ndarray]:
     """Start reading a whole leaf stored in its own zarr v3 array on a local
-    disk straight into one aligned host buffer: a leaf that
-    `_chunk_files.LocalFiles.reads` (which calls this, and else declines, so
-    that the caller reads it through TensorStore).
+    disk straight into one aligned host buffer.
 
-    The reads run in a shared pool of threads (so the reads of several leaves
-    overlap); the returned function waits for them, checks the checksums and
-    returns the array. Every chunk file is checked (no links, a regular file of
-    exactly a chunk's bytes and its checksum) before the buffer is allocated,
-    and every chunk's crc32c before the array is returned; any failure is an
-    `IntegrityError` naming the leaf. An interrupt waits for the reading
-    threads before it is raised, so none writes into the buffer afterwards.
-    `on_bytes`, when given, is called with the bytes of each chunk once it is
-    read and checked (progress within a large leaf).
+    The leaf is one that `_chunk_files.LocalFiles.reads` takes. That function
+    calls this one; for other leaves it declines, and the caller reads them
+    through TensorStore.
+
+    - The reads run in a shared pool of threads, so the reads of several
+      leaves overlap. The returned function waits for them, checks the
+      checksums and returns the array.
+    - Every chunk file is checked before the buffer is allocated: no links, a
+      regular file of exactly a chunk's bytes and its checksum.
+    - Every chunk's crc32c is checked before the array is returned.
+    - Any failure is an `IntegrityError` naming the leaf.
+    - An interrupt waits for the reading threads before it is raised, so none
+      writes into the buffer afterwards.
+    - `on_bytes`, when given, is called with the bytes of each chunk once it
+      is read and checked (progress within a large leaf).
 
     **Returns:**
 
@@ -114,10 +120,12 @@ def _start_checked(loc: Location, record: LeafRecord) -> tuple[np.ndarray, _Read
 
 
 def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Callable[[], np.ndarray]:
-    """Start reading elements `[start, stop)` (not empty) of a pack (whole
-    chunks: those that hold them) the same way; the returned function waits,
-    checks every chunk's checksum and returns those elements. A failure names
-    the pack; the caller finds the damaged leaf."""
+    """Start reading elements `[start, stop)` (not empty) of a pack the same
+    way. Whole chunks are read: those that hold the elements.
+
+    The returned function waits, checks every chunk's checksum and returns
+    those elements. A failure names the pack; the caller finds the damaged
+    leaf."""
     first, count = start // pack.chunk, (stop - 1) // pack.chunk - start // pack.chunk + 1
     # The chunks read, as one array of their own: its chunk files are the pack's from `first` on.
     shape = (count * pack.chunk,)
@@ -137,10 +145,12 @@ def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Ca
 
 def start_chunks(loc: Location, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
     """Start reading `count` chunks of a leaf that `start_read` reads, from
-    chunk `first` on (along its first axis), into `out` (their bytes, the last
-    chunk's cut at the leaf's end), checked the same way: a buffer the caller
-    reuses (`_pooled`, a load through a pool of host buffers). The returned
-    function waits and checks every chunk's checksum."""
+    chunk `first` on (along its first axis), checked the same way.
+
+    They are read into `out`, a buffer the caller reuses (`_pooled`, a load
+    through a pool of host buffers). It takes their bytes, the last chunk's
+    cut at the leaf's end. The returned function waits and checks every
+    chunk's checksum."""
     keys = [_format.chunk_key([first + i, *[0] * (len(record.chunks) - 1)]) for i in range(count)]
     path = _check_chunk_files(loc, record, record.directory, iter(keys))
     reads = _read_chunks(path, loc, record, out, keys)
@@ -281,9 +291,11 @@ def _read_piece(
     path: str, loc: Location, record: LeafRecord, key: str, offset: int, views: list[memoryview], checked: int
 ) -> int:
     """Read one piece of a chunk file into `views`; the crc32c of its first
-    `checked` bytes, computed a step at a time right after each step's read,
-    while those bytes are still in this core's cache (afterwards, in the loading
-    thread, the check read every byte again from memory)."""
+    `checked` bytes.
+
+    The crc32c is computed a step at a time, right after each step's read,
+    while those bytes are still in this core's cache. (Computed afterwards, in
+    the loading thread, the check read every byte again from memory.)"""
     try:
         folder = os.open(path, _FOLDER_FLAGS)
     except OSError as e:
@@ -344,10 +356,12 @@ def _pread_all(fd: int, views: list[memoryview], offset: int) -> int:
 
 
 def read_range(path: str, start: int, end: int) -> np.ndarray | None:
-    """Bytes `start` to `end` of the local file `path` (another program's
-    checkpoint: a safetensors file's run of tensors), in memory that
-    `jax.device_put` adopts (page-aligned when large), or `None` if the
-    file ends before `end`."""
+    """Bytes `start` to `end` of the local file `path`, or `None` if the file
+    ends before `end`.
+
+    The file is another program's checkpoint (a safetensors file's run of
+    tensors). The bytes are in memory that `jax.device_put` adopts
+    (page-aligned when large)."""
     out = _memory.fresh_empty((end - start,), np.uint8)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -375,8 +389,10 @@ _POLY = 0x82F63B78
 
 def crc32c_combine(crc1: int, crc2: int, length2: int) -> int:
     """The crc32c of `a + b` from `crc1` of `a`, `crc2` of `b` and `len(b)`,
-    without reading either again: `crc1` is carried over `length2` zero bytes
-    (multiplied by x^(8 * length2) modulo the polynomial), then `crc2` added."""
+    without reading either again.
+
+    `crc1` is carried over `length2` zero bytes: multiplied by
+    x^(8 * length2) modulo the polynomial. Then `crc2` is added."""
     return _multiply(_shift(length2), crc1) ^ crc2
 
 
