@@ -1,19 +1,27 @@
 """Where a load reads leaves from: an eqx_ckpt checkpoint, safetensors, or orbax.
 
 Every load path (`tree_deserialise_leaves`, `Checkpoint`, lazy leaves,
-`load_or_initialise`, export) asks `open_source(path)` for a `Source`: the
-stored leaves as manifest records keyed by dotted path, and a function that
-opens one of them as a TensorStore array. Which format it is decides only how
-those two are made; everything after is the same code for every format: the
-load plan (`_load_plan`: `where`, `prefix`, `rename`, `transform` and the
-checks of records against `like`), windows of reads, sharded placement, lazy
-reads.
+`load_or_initialise`, export) asks `open_source(path)` for a `Source`. It holds:
+
+- the stored leaves, as manifest records keyed by dotted path;
+- a function that opens one of them as a TensorStore array.
+
+The format decides only how those two are made. Everything after is the same
+code for every format:
+
+- the load plan (`_load_plan`: `where`, `prefix`, `rename`, `transform` and
+  the checks of records against `like`);
+- windows of reads;
+- sharded placement;
+- lazy reads.
 
 An eqx_ckpt checkpoint is opened by `checkpoint` alone, wherever it is opened
-(a load, `verify`, a partial save, an incremental save's base): its manifest
-read as untrusted input, its data root refused if it leads out of it, and the
-`Source` of its leaves. Each foreign format module has a `find` (`FINDERS`)
-that returns one typed object, a `Foreign`, read here by name.
+(a load, `verify`, a partial save, an incremental save's base). It reads the
+manifest as untrusted input, refuses a data root that leads out of the
+checkpoint, and returns the `Source` of its leaves.
+
+Each foreign format module has a `find` (`FINDERS`). It returns one typed
+object, a `Foreign`, read here by name.
 """
 
 from __future__ import annotations
@@ -38,8 +46,9 @@ Runs = Callable[[list[LeafRecord]], tuple[list[int], Any]]
 
 class Foreign(Protocol):
     """What a foreign format module's `find` returns for a checkpoint of its
-    format (`_safetensors.Tensors`, `_orbax.Arrays`); `open_source` reads it by
-    name into a `Source` (see there for each member)."""
+    format (`_safetensors.Tensors`, `_orbax.Arrays`).
+
+    `open_source` reads it by name into a `Source` (see there for each member)."""
 
     @property
     def format(self) -> str: ...
@@ -96,10 +105,12 @@ class Source:
 
     def check(self) -> None:
         """Raise `CheckpointReplacedError` if the source was replaced since it was
-        opened. Readers call it after reading (and when a read fails), so what
-        they return was read from the source as it was opened: an eqx_ckpt
-        checkpoint by its manifest (`_transaction.check_unchanged`), other formats
-        by their files (`changed`)."""
+        opened.
+
+        Readers call it after reading, and when a read fails. So what they
+        return was read from the source as it was opened. An eqx_ckpt
+        checkpoint is checked by its manifest (`_transaction.check_unchanged`),
+        other formats by their files (`changed`)."""
         if self.changed is None:
             _transaction.check_unchanged(self.loc, self.manifest)
             return
@@ -117,14 +128,14 @@ _LABELS = {"safetensors": "Safetensors checkpoint", "orbax": "orbax checkpoint"}
 
 
 def open_source(path: Any, *, whole: bool = False) -> Source:
-    """The source at `path`, recognised from its files; an eqx_ckpt checkpoint
-    when nothing else matches (so its error names what is missing).
+    """The source at `path`, recognised from its files. It is an eqx_ckpt
+    checkpoint when nothing else matches, so its error names what is missing.
 
     A Hub repository (`hf://`) is read at the commit its revision names now
-    (`_hub.pin`, once), from the Hub's local cache where the files a load reads
-    are there, or where the load is `whole` (they are downloaded into it
-    first); else by byte ranges of its files, the headers and the leaves a load
-    selects."""
+    (`_hub.pin`, once). It is read from the Hub's local cache in two cases:
+    where the files a load reads are there, and where the load is `whole`
+    (they are downloaded into it first). Else it is read by byte ranges of its
+    files: the headers and the leaves a load selects."""
     loc = location(path)
     if _hub.is_hub(loc):
         return _from_hub(loc, whole)
@@ -152,8 +163,10 @@ def open_source(path: Any, *, whole: bool = False) -> Source:
 
 def _from_hub(loc: Location, whole: bool) -> Source:
     """A folder of a Hub repository, pinned to a commit: its safetensors (with
-    `eqx_ckpt.json` where there is one), read as a local folder of the cache
-    where it holds them, else by byte ranges."""
+    `eqx_ckpt.json` where there is one).
+
+    It is read as a local folder of the cache where the cache holds them, else
+    by byte ranges."""
     pinned = _hub.pin(loc)
     remote = _hub.pinned_location(pinned)
     names = _hub.needed(pinned, _hub.reader(pinned, whole=whole))
@@ -173,11 +186,11 @@ def checkpoint(loc: Location, manifest: Manifest | None = None) -> Source | None
     """The eqx_ckpt checkpoint at `loc`, opened; `None` where there is none (no
     manifest). Every module opens one here.
 
-    Its manifest is read and checked as untrusted input (`_manifest`), and its
-    data root (with an OCDBT database in it) must not lead out of it through a
-    symbolic link (`CorruptCheckpointError`). A `manifest` given is the one its
-    caller already read from `loc` (the one a save's transaction replaces), and
-    is taken as it is."""
+    - Its manifest is read and checked as untrusted input (`_manifest`).
+    - Its data root (with an OCDBT database in it) must not lead out of it
+      through a symbolic link (`CorruptCheckpointError`).
+    - A `manifest` given is the one its caller already read from `loc` (the
+      one a save's transaction replaces). It is taken as it is."""
     if manifest is None:
         manifest = _transaction.read_manifest(loc)
         if manifest is None:
@@ -198,8 +211,10 @@ _PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 def _what_is_there(loc: Location) -> str:
     """What a local path that holds no format eqx_ckpt reads does hold, and what
-    to do with it: an Equinox `.eqx` file, PyTorch pickles, safetensors shards
-    without their index, orbax items or steps. ("" when nothing is recognised.)"""
+    to do with it ("" when nothing is recognised).
+
+    It recognises an Equinox `.eqx` file, PyTorch pickles, safetensors shards
+    without their index, and orbax items or steps."""
     path = loc.local
     if path is None:
         return ""
