@@ -2,13 +2,16 @@
 
 A safetensors file is 8 bytes (little-endian header length), a JSON header
 (`name -> {dtype, shape, data_offsets}`), then each tensor's raw little-endian
-C-order bytes. Each tensor becomes a TensorStore array (`ts.virtual_chunked`)
-whose chunks are runs of rows, read with byte-range reads of the file through
-the same kvstore as any checkpoint: a load reads the headers and the bytes of
+C-order bytes.
+
+Each tensor becomes a TensorStore array (`ts.virtual_chunked`) whose chunks
+are runs of rows. They are read with byte-range reads of the file, through the
+same kvstore as any checkpoint. So a load reads the headers and the bytes of
 the tensors (or rows) it selects, nothing else, locally or on an object store.
 
-Like `_storage` and `_location`, this module talks to TensorStore directly: it is the
-safetensors reader.
+This module is the safetensors reader. It reaches TensorStore only through
+`_storage` (`_storage.virtual_array`, `_storage.Folder`), which with
+`_location` is the only importer of `tensorstore`.
 """
 
 from __future__ import annotations
@@ -87,9 +90,11 @@ class Tensors:
 def find(loc: Location) -> Tensors | None:
     """The tensors of a `.safetensors` file, or of a directory holding one or a
     Hugging Face index (`model.safetensors.index.json`) and its shards; `None`
-    if `loc` is neither. A directory's `eqx_ckpt.json` (the published layout,
-    `_published`), where there is one, gives its tensors their key paths,
-    types and dtypes, and the tree's structure record."""
+    if `loc` is neither.
+
+    A directory may hold an `eqx_ckpt.json` (the published layout,
+    `_published`). It then gives the tensors their key paths, types and
+    dtypes, and the tree's structure record."""
     if is_file_path(loc):
         folder, name = split_file(loc)
         return _tensors(loc, folder, [name], index=None)
@@ -119,9 +124,11 @@ def _as_published(
     loc: Location, published: _published.Published, records: dict[str, LeafRecord]
 ) -> dict[str, LeafRecord]:
     """The headers' records replaced by those of `eqx_ckpt.json`, each checked
-    against its tensor: every recorded leaf is there, stored as the header
-    says (dtype and shape), and every tensor is recorded. (A record's path is
-    its tensor's: the files are read by the same `places`.)"""
+    against its tensor.
+
+    Every recorded leaf must be there, stored as the header says (dtype and
+    shape). Every tensor must be recorded. (A record's path is its tensor's:
+    the files are read by the same `places`.)"""
     out: dict[str, LeafRecord] = {}
     for leaf in published.leaves:
         found = records.get(leaf.path)
@@ -251,9 +258,11 @@ def _tensors(
 
 
 def _check_ends(loc: Location, where: _storage.Folder, files: list[str], ends: list[int]) -> None:
-    """The last byte a tensor uses and the one after it, which must not be there:
-    one read per file, all at once. (A range starting at the end of the file is
-    answered oddly by some servers; one ending past it is refused by all.)"""
+    """Read the last byte a tensor uses and the one after it, which must not be
+    there: one read per file, all at once.
+
+    (Some servers answer oddly a range starting at the end of the file. All
+    refuse one ending past it.)"""
     probes = [(n, end, where.read(n, slice(end - 1, end + 1))) for n, end in zip(files, ends)]
     for name, end, probe in probes:
         found = _result(loc, name, probe, None)
@@ -283,12 +292,14 @@ def _manifest(
 class _Files:
     """The files of one opened source, as they were when their headers were read.
 
-    The offsets of its tensors hold only in those versions of the files: a file
+    The offsets of its tensors hold only in those versions of the files. A file
     rewritten since (by `safetensors`, by an export into the same directory)
-    has other tensors at those offsets. Every read of a tensor's bytes is checked
-    against the version the header came from (`read_matches`; on an object store
-    the generation comes with the bytes, in one response), and `changed` names
-    a file that is no longer that version."""
+    has other tensors at those offsets. So:
+
+    - Every read of a tensor's bytes is checked against the version the header
+      came from (`read_matches`). On an object store the generation comes with
+      the bytes, in one response.
+    - `changed` names a file that is no longer that version."""
 
     def __init__(self, loc: Location, where: _storage.Folder, generations: dict[str, bytes], folder: str | None):
         # `loc` as the user named it (for messages); `where`, the folder of the files.
@@ -502,16 +513,21 @@ Run = tuple[str, int, int, list[int]]  # file, first byte, end, indices of the r
 def read_runs(
     files: _Files, places: dict[str, tuple[str, int]], records: Sequence[LeafRecord]
 ) -> tuple[list[int], Iterator[tuple[list[int], Callable[[], list[np.ndarray]]]]]:
-    """Read the small ones of `records` in a few large reads: which they are
-    (indices into `records`), and for each run of adjacent wanted tensors of one
-    file `(indices, finish)`, `finish()` waiting for the run's one range read
-    and returning the host array of each tensor in it.
+    """Read the small ones of `records` in a few large reads.
+
+    **Returns:**
+
+    - which they are (indices into `records`);
+    - for each run of adjacent wanted tensors of one file, `(indices, finish)`.
+      `finish()` waits for the run's one range read and returns the host array
+      of each tensor in it.
 
     Ten thousand small tensors read one array and one range request each took
-    seconds; read so, one request (on a local disk, one read) covers all of
-    them. Tensors more than `_window.RUN_GAP_BYTES` apart, or a run longer than
-    the read budget, start another run (`_window.runs`), so a partial load reads little more than it
-    wants. Runs are started ahead of their use within the read budget (`_window`)."""
+    seconds. Read so, one request (on a local disk, one read) covers all of
+    them. Tensors more than `_window.RUN_GAP_BYTES` apart start another run
+    (`_window.runs`), and so does a run longer than the read budget. So a
+    partial load reads little more than it wants. Runs are started ahead of
+    their use within the read budget (`_window`)."""
     # On a local disk a larger tensor is read whole the same way, into memory
     # `jax.device_put` adopts without a copy: three copies of its bytes fewer
     # than through a TensorStore array (the read's, the chunk's, the array's).
@@ -546,9 +562,11 @@ def _runs(
 def _start_run(
     files: _Files, run: Run, records: list[LeafRecord], places: dict[str, tuple[str, int]]
 ) -> Callable[[], list[np.ndarray]]:
-    """Start one run's range read; the returned function waits for it, checks it
-    came whole from the version of the file the header was read from, and
-    slices each tensor out of it."""
+    """Start one run's range read.
+
+    The returned function waits for it, and checks it came whole from the
+    version of the file the header was read from. It then slices each tensor
+    out of it."""
     file, start, end, _ = run
     files.opened.add(file)
     _faults.fire("safetensors.read_run", files.loc, file, start, end)
