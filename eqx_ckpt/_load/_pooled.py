@@ -1,20 +1,24 @@
 """A large leaf loaded through the process's pool of reused host buffers.
 
-Off until measured on a GPU (`_memory.PINNED_LOAD_POOL`, issue 60). On, a
-large leaf on a local disk bound for `jax.Array`s is read a few whole chunks
-at a time into a buffer of the pool (`_memory.BufferPool`), and each device's
-region of those rows is copied to it (`jax.device_put`) while the next
-chunks are read into the next buffer: a pipeline as deep as the pool. Host
-memory stays bounded by the pool (no host copy of the whole leaf, no fresh
-pages per load); each device gets only its region, as slabs that it joins
-(`jnp.concatenate`, so a device holds its region twice for a moment).
+Off until measured on a GPU (`_memory.PINNED_LOAD_POOL`, issue 60). When it
+is on, a large leaf on a local disk bound for `jax.Array`s loads as a
+pipeline as deep as the pool:
 
-JAX 0.10 gives no writable view of `pinned_host` memory (`np.asarray` of
-such an array is read-only), so the buffers are page-aligned host memory,
-and the copy from them goes through the runtime's own staging; the pool is
-used only where every target device has `pinned_host` memory. A device
-without it, or a pool that cannot be allocated (fault point
-`load.pinned_pool`), loads the leaf the usual way.
+- A few whole chunks at a time are read into a buffer of the pool
+  (`_memory.BufferPool`).
+- Each device's region of those rows is copied to it (`jax.device_put`),
+  while the next chunks are read into the next buffer.
+- Host memory stays bounded by the pool: no host copy of the whole leaf, no
+  fresh pages per load.
+- Each device gets only its region, as slabs that it joins
+  (`jnp.concatenate`). So a device holds its region twice for a moment.
+
+JAX 0.10 gives no writable view of `pinned_host` memory (`np.asarray` of such
+an array is read-only). So the buffers are page-aligned host memory, and the
+copy from them goes through the runtime's own staging. The pool is used only
+where every target device has `pinned_host` memory. A device without it loads
+the leaf the usual way, and so does a pool that cannot be allocated (fault
+point `load.pinned_pool`).
 """
 
 from __future__ import annotations
@@ -34,10 +38,13 @@ from . import _read
 
 
 def usable(files: _chunk_files.ChunkFiles, record: LeafRecord, like: Any) -> bool:
-    """Whether this leaf loads through the pool: the pool on, a `jax.Array`
-    leaf that `files` read themselves, stored as it is loaded (no decoding,
-    no cast), whose chunks fit a buffer, bound for the device memory of
-    devices with pinned memory."""
+    """Whether this leaf loads through the pool. It does when all of these hold:
+
+    - the pool is on;
+    - it is a `jax.Array` leaf that `files` read themselves;
+    - it is stored as it is loaded (no decoding, no cast);
+    - its chunks fit a buffer;
+    - it is bound for the device memory of devices with pinned memory."""
     pool = _memory.PINNED_LOAD_POOL
     if pool is None or _dtypes.like_type(like) != "jax" or not files.reads(record) or not record.shape:
         return False
