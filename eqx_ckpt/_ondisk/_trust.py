@@ -10,10 +10,10 @@ process-global registry.
 - A module object trusts the classes and functions *defined* in it or in its
   submodules (by their own `__module__`), found by walking its attributes and
   those of its submodules. A module it merely imports (`os` inside a trusted
-  module) is not a submodule, and a function it imports from elsewhere is not
-  defined in it: neither is reachable.
+  module) is not a submodule. A function it imports from elsewhere is not
+  defined in it. Neither is reachable.
 - Every entry is filed under its own `__module__` and `__qualname__` (a
-  lambda under the name its own module holds it by), so the name in a file
+  lambda under the name its own module holds it by). So the name in a file
   must equal the object's own name exactly.
 """
 
@@ -35,8 +35,10 @@ from .._base._errors import CheckpointTypeError
 
 def name_of(obj: Any) -> str | None:
     """The `module:qualname` a class or function is recorded under, or `None`
-    where it has none (a lambda or a function defined inside another, unless
-    its own module holds it under a name, an object without `__module__`).
+    where it has none.
+
+    A lambda, or a function defined inside another, has none, unless its own
+    module holds it under a name. Nor has an object without `__module__`.
 
     A lambda its module holds (`_identity = lambda x: x`, Equinox's MLP's
     default last activation) is named by that attribute: `module:_identity`."""
