@@ -1,19 +1,23 @@
 """The Hugging Face Hub, behind the storage seam: `hf://` paths read, models published.
 
-Every request is `huggingface_hub`'s own (an optional dependency, imported
-here only, at the first Hub call): a revision resolved by `HfApi.model_info`,
-whole files downloaded into its cache by `hf_hub_download`, byte ranges read
-through its file system (`HfFileSystem`), a publication committed by
-`HfApi.create_commit`. So authentication (`HF_TOKEN`, `hf auth login`), the
-cache (`HF_HOME`), offline mode (`HF_HUB_OFFLINE`), retries and the Xet
-transfer path are the library's.
+Every request is `huggingface_hub`'s own. (It is an optional dependency,
+imported here only, at the first Hub call.)
 
-A repository is read at one commit: a branch or a tag is resolved to its
-commit once, when it is opened (`pin`), and every file is then read at that
+- A revision is resolved by `HfApi.model_info`.
+- Whole files are downloaded into its cache by `hf_hub_download`.
+- Byte ranges are read through its file system (`HfFileSystem`).
+- A publication is committed by `HfApi.create_commit`.
+
+So authentication (`HF_TOKEN`, `hf auth login`), the cache (`HF_HOME`),
+offline mode (`HF_HUB_OFFLINE`), retries and the Xet transfer path are the
+library's.
+
+A repository is read at one commit. A branch or a tag is resolved to its
+commit once, when it is opened (`pin`). Every file is then read at that
 commit, which no later push changes. Only the files a load needs are ever
-fetched (safetensors files, their index, `eqx_ckpt.json`, the model card):
-no Python file, pickle or configuration of a repository is downloaded, let
-alone run.
+fetched: safetensors files, their index, `eqx_ckpt.json`, the model card. No
+Python file, pickle or configuration of a repository is downloaded, let alone
+run.
 """
 
 from __future__ import annotations
@@ -126,8 +130,10 @@ def is_hub(loc: Location) -> bool:
 
 def pin(loc: Location) -> Pinned:
     """Resolve the revision of a `hf://` location to its commit, once, and list
-    the repository's files there (from the local cache where the Hub cannot be
-    reached or `HF_HUB_OFFLINE` is set, as the Hugging Face libraries do)."""
+    the repository's files there.
+
+    Where the Hub cannot be reached or `HF_HUB_OFFLINE` is set, both come from
+    the local cache, as the Hugging Face libraries do."""
     hub = library()
     repo, asked, folder = loc.kvstore["repo"], loc.kvstore["revision"], loc.kvstore["path"]
     if not hub.constants.HF_HUB_OFFLINE:
@@ -260,9 +266,11 @@ def _first_line(error: BaseException) -> str:
 
 
 def needed(pinned: Pinned, read_index: Callable[[str], bytes]) -> list[str]:
-    """The files of the pinned folder a load reads: the safetensors files (an
-    index and its shards, or one file), `eqx_ckpt.json` and the model card
-    where they are there. A folder holding none raises, saying what it holds."""
+    """The files of the pinned folder a load reads.
+
+    They are the safetensors files (an index and its shards, or one file), and
+    `eqx_ckpt.json` and the model card where they are there. A folder holding
+    no safetensors file raises, saying what it holds."""
     files = pinned.files()
     indexes = sorted(n for n in files if n.endswith(INDEX_SUFFIX))
     singles = sorted(n for n in files if n.endswith(SUFFIX))
@@ -317,9 +325,11 @@ def _shown(names: list[str]) -> str:
 
 
 def reader(pinned: Pinned, *, whole: bool) -> Callable[[str], bytes]:
-    """How `needed` reads an index: downloaded into the cache for a whole load
-    (or where it is there already: it is read there), else by one read through
-    the Hub's file system."""
+    """How `needed` reads an index.
+
+    For a whole load it is downloaded into the cache, and read there. So is
+    one already in the cache. Else it is read by one read through the Hub's
+    file system."""
 
     def read(name: str) -> bytes:
         if whole or pinned.offline or cached(pinned, [name]):
@@ -340,9 +350,11 @@ def cached(pinned: Pinned, names: Iterable[str]) -> bool:
 
 
 def download(pinned: Pinned, names: list[str]) -> str:
-    """Download `names` of the pinned folder into the Hub's local cache (those
-    already there are not fetched again), check each against the size the Hub
-    listed, and return the local folder holding them."""
+    """Download `names` of the pinned folder into the Hub's local cache, and
+    return the local folder holding them.
+
+    Those already there are not fetched again. Each is checked against the
+    size the Hub listed."""
     hub = library()
     fetch = functools.partial(_download_one, hub, pinned)
     with concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="eqx_ckpt-hub") as pool:
@@ -364,9 +376,10 @@ def download(pinned: Pinned, names: list[str]) -> str:
 
 def _remember_ref(hub: Any, pinned: Pinned) -> None:
     """Record in the cache which commit the branch or tag resolved to, as
-    huggingface_hub's downloads by branch do (`refs/<revision>`): what an
-    offline load of the same revision resolves it to. (The files were
-    downloaded by commit, which records none.)"""
+    huggingface_hub's downloads by branch do (`refs/<revision>`).
+
+    An offline load of the same revision resolves it to that commit. (The
+    files were downloaded by commit, which records none.)"""
     revision = pinned.asked or hub.constants.DEFAULT_REVISION
     if pinned.offline or revision == pinned.sha:
         return
@@ -479,10 +492,13 @@ def publish(
     revision: str | None,
     commit_message: str,
 ) -> str:
-    """Write the files of a publication into a temporary folder (`write(folder)`,
-    which returns their names), then commit them to `repo` in one commit (the
-    repository made first where there is none; a branch named by `revision`
-    made from the default branch where there is none). The commit's id."""
+    """Write the files of a publication into a temporary folder, then commit
+    them to `repo` in one commit. Returns the commit's id.
+
+    - `write(folder)` writes the files and returns their names.
+    - The repository is made first where there is none.
+    - A branch named by `revision` is made from the default branch where there
+      is none."""
     hub = library()
     api = hub.HfApi(token=token)
     where = f"hf://{repo}@{revision or 'main'}"
