@@ -2,14 +2,22 @@
 may delete.
 
 The rules (`Rules`: `max_to_keep`, `keep_every`, `best_n`) apply only to the
-steps the manager governs: the ones saved under the same rules, by it or by an
-earlier manager with those rules (a resumed run, as the retention record
-`retention.json` lists them), or every step with `adopt_steps=True`. Of those,
-a step survives if any rule keeps it, if it is the latest or the one just
-saved, or while lazy leaves of this process read from it; the others are
-deleted (`_steps.delete_step`). Steps the rules would drop but that the manager
-does not govern stay, and `Retention.apply` returns them once, for the manager's
-`RetentionWarning`.
+steps the manager governs:
+
+- the steps saved under the same rules, by it or by an earlier manager with
+  those rules (a resumed run, as the retention record `retention.json` lists
+  them);
+- or every step, with `adopt_steps=True`.
+
+Of those, a step survives:
+
+- if any rule keeps it;
+- if it is the latest or the one just saved;
+- while lazy leaves of this process read from it.
+
+The others are deleted (`_steps.delete_step`). Steps the rules would drop but
+that the manager does not govern stay. `Retention.apply` returns them once, for
+the manager's `RetentionWarning`.
 """
 
 from __future__ import annotations
@@ -32,12 +40,14 @@ _MAX_RETENTION_BYTES = 2**24
 
 class RetentionWarning(UserWarning):
     """A `CheckpointManager` left in place what is not its own to delete, and
-    names it: steps its retention rules would drop but that it did not save
-    (steps saved under other rules: an earlier run with another `max_to_keep`,
-    a manager without rules, an older eqx_ckpt; `CheckpointManager(...,
-    adopt_steps=True)` applies the rules to them too), or entries of its
-    directory named like a step that no eqx_ckpt save wrote (a user's file,
-    symbolic link, or folder of other files).
+    names it. That is one of two things:
+
+    - Steps its retention rules would drop but that it did not save. These are
+      steps saved under other rules: by an earlier run with another
+      `max_to_keep`, a manager without rules, or an older eqx_ckpt.
+      `CheckpointManager(..., adopt_steps=True)` applies the rules to them too.
+    - Entries of its directory named like a step that no eqx_ckpt save wrote:
+      a user's file, symbolic link, or folder of other files.
 
     !!! example
 
@@ -91,10 +101,11 @@ class Retention:
         self._warned = False
 
     def begin(self, step: int, rules: Rules) -> None:
-        """Before saving `step`: it is the manager's own, and (recorded before
-        the save) a process killed after the commit and before retention ran
-        leaves a step the next manager with the same rules knows for its own
-        (and prunes), not another's (and keeps)."""
+        """Before saving `step`: record that it is the manager's own.
+
+        It is recorded before the save. So a process killed after the commit
+        and before retention ran leaves a step that the next manager with the
+        same rules knows for its own (and prunes), not another's (and keeps)."""
         self._saving.add(step)
         if not primary() or rules.adopt_steps or not rules.any():
             return
@@ -106,8 +117,10 @@ class Retention:
 
     def apply(self, rules: Rules, saved: int | None) -> list[int]:
         """Delete the committed steps retention governs that no rule keeps
-        (never the one just `saved`) and record the ones left. Returns the other
-        steps that the rules would drop, the first time there are any."""
+        (never the one just `saved`), and record the ones left.
+
+        Returns the other steps that the rules would drop, the first time there
+        are any."""
         if not rules.any() or not primary():
             return []
         steps = committed_steps(self._loc)
@@ -136,9 +149,11 @@ class Retention:
 
     def _governed(self, steps: list[int], rules: Rules, saved: int | None) -> set[int]:
         """The steps saved under these rules: by this manager, or by an earlier
-        one with the same rules (a resumed run). Deleting any other step needs
-        the user's say (a run of 300 steps opened with a tighter `max_to_keep`
-        once lost 297 of them at the first save)."""
+        one with the same rules (a resumed run).
+
+        Deleting any other step needs the user's say. (A run of 300 steps
+        opened with a tighter `max_to_keep` once lost 297 of them at the first
+        save.)"""
         return (self._read(rules) | self._saving | ({saved} if saved is not None else set())) & set(steps)
 
     def _read(self, rules: Rules) -> set[int]:
