@@ -1,35 +1,41 @@
 """The save transaction: begun, written, committed, cleaned.
 
 A checkpoint exists only once its `manifest.json` does. Its arrays live under
-its *data root*: the checkpoint directory itself for a first save into an empty
-directory, or a folder `gen.<commit>` named after the save's own random commit
-identity for every later save. A data root name is therefore never reused, and
-a save never writes into a name it did not create.
+its *data root*:
+
+- for a first save into an empty directory, the checkpoint directory itself;
+- for every later save, a folder `gen.<commit>` named after the save's own
+  random commit identity.
+
+A data root name is therefore never reused, and a save never writes into a
+name it did not create.
 
 The states and what is legal in each:
 
-- BEGUN: the save holds the directory's lease (`_lease`, file `saving.json`),
-  which doubles as its journal: the names it will create and, once committed,
-  the names it will delete (those the previous manifest records). Leftovers of
-  a save that died are cleared here, as its journal lists them.
+- BEGUN: the save holds the directory's lease (`_lease`, file `saving.json`).
+  The lease doubles as its journal. It lists the names the save will create
+  and, once committed, the names it will delete (those the previous manifest
+  records). Leftovers of a save that died are cleared here, as its journal
+  lists them.
 - WRITTEN: the caller has written and synced every array.
 - COMMITTED: the new manifest replaced the old one in one conditional write (a
-  rename on a local disk, one PUT on an object store) that succeeds only if the
-  manifest is still the one the save began from (recorded by the thread that
-  wrote it). From here nothing undoes the save: `abort()` is refused (and an
-  abort from WRITTEN first reads the live manifest, keeping everything if it
-  may be this save's), and an error or an interrupt during the clean-up
-  leaves the new checkpoint whole (the next save deletes what is left).
+  rename on a local disk, one PUT on an object store). The write succeeds only
+  if the manifest is still the one the save began from (recorded by the thread
+  that wrote it). From here nothing undoes the save:
+  - `abort()` is refused. (An abort from WRITTEN first reads the live
+    manifest, and keeps everything if it may be this save's.)
+  - An error or an interrupt during the clean-up leaves the new checkpoint
+    whole. The next save deletes what is left.
 - CLEANED: the old arrays and the journal are gone.
 - ABORTED (only from BEGUN or WRITTEN): what this save wrote is deleted; the
   old checkpoint was never touched.
 
-A save deletes only names its journal or an earlier manifest of this
-checkpoint records, and only after checking that they look like names eqx_ckpt
-writes; the user's files beside a checkpoint are never touched. Inside the
-arrays of a checkpoint it replaced, it deletes only the files saves write
-(`_format.written_by_a_save`) and the folders that leaves empty, so a user's file
-put in a leaf's folder stays (with the folders leading to it).
+A save deletes only names that its journal or an earlier manifest of this
+checkpoint records. It first checks that they look like names eqx_ckpt writes.
+The user's files beside a checkpoint are never touched. Inside the arrays of a
+checkpoint it replaced, it deletes only the files saves write
+(`_format.written_by_a_save`) and the folders that leaves empty. So a user's
+file put in a leaf's folder stays, with the folders leading to it.
 """
 
 from __future__ import annotations
