@@ -1,11 +1,15 @@
 """orbax-checkpoint PyTree checkpoints as a source of leaves, read with TensorStore.
 
 An orbax PyTree checkpoint (`StandardCheckpointer`, `PyTreeCheckpointer`) is a
-directory with a `_METADATA` JSON file listing every leaf's key path, and one
-zarr (v2) or zarr3 array per leaf, named by the leaf's keys joined with `.`:
-either a folder per array, or, with OCDBT (orbax's default), keys of an OCDBT
-database at the checkpoint's root. TensorStore reads both; orbax itself is not
-needed. Dotted paths are the key paths, escaped as eqx_ckpt escapes its own.
+directory that holds:
+
+- a `_METADATA` JSON file listing every leaf's key path;
+- one zarr (v2) or zarr3 array per leaf, named by the leaf's keys joined with
+  `.`. Each array is either a folder, or, with OCDBT (orbax's default), keys of
+  an OCDBT database at the checkpoint's root.
+
+TensorStore reads both; orbax itself is not needed. Dotted paths are the key
+paths, escaped as eqx_ckpt escapes its own.
 
 TensorStore opens orbax's arrays (through `_storage`); orbax itself is not imported.
 """
@@ -127,8 +131,8 @@ def _stamps(loc: Location) -> list[tuple[str, bytes]]:
 
 def writes_every_chunk(loc: Location) -> bool:
     """Whether the orbax checkpoint at `loc` records that every chunk was
-    written (`store_array_data_equal_to_fill_value`), so that a missing one is
-    damage; older orbax left out chunks equal to the fill value."""
+    written (`store_array_data_equal_to_fill_value`). A missing chunk is then
+    damage. Older orbax left out chunks equal to the fill value."""
     for folder in (loc, loc.joined(DEFAULT_ITEM)):
         data = _storage.read_file(folder, METADATA, limit=MAX_MANIFEST_BYTES)
         if data is not None:

@@ -1,10 +1,14 @@
 """The published layout's record: `eqx_ckpt.json`, beside Hugging Face safetensors.
 
 `export_safetensors` into a folder writes `model.safetensors` (or shards and
-`model.safetensors.index.json`), and this small JSON file, which says what the
-safetensors files cannot: each leaf's key path, type and dtype as eqx_ckpt
-records them (so a dtype safetensors has no name for comes back exactly), the
-tree's structure record (`_structure`), and the user's own metadata (`info`).
+`model.safetensors.index.json`), and this small JSON file. It says what the
+safetensors files cannot:
+
+- each leaf's key path, type and dtype as eqx_ckpt records them (so a dtype
+  safetensors has no name for comes back exactly);
+- the tree's structure record (`_structure`);
+- the user's own metadata (`info`).
+
 Its fields (docs/interop.md, "The published layout"):
 
     format          "eqx_ckpt.safetensors"
@@ -19,10 +23,12 @@ Its fields (docs/interop.md, "The published layout"):
                     without chunks): path, keypath, type, shape, dtype, and
                     stored_shape, stored_dtype, encoding, impl where they differ
 
-It is untrusted input, read by the manifest's own code: bounded in bytes and
-containers and parsed by `_manifest.read_document`, every leaf record checked
-by `_manifest.parse_leaves`, and the structure record kept as text for
-`_rebuild`, which checks it as any checkpoint's.
+It is untrusted input, read by the manifest's own code:
+
+- bounded in bytes and containers, and parsed, by `_manifest.read_document`;
+- every leaf record checked by `_manifest.parse_leaves`;
+- the structure record kept as text for `_rebuild`, which checks it as any
+  checkpoint's.
 """
 
 from __future__ import annotations
