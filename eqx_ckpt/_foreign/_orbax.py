@@ -107,11 +107,11 @@ def find(loc: Location) -> Arrays | None:
     return Arrays(manifest, opener=lambda record: _storage.ready(stores[record.path]), changed=changed)
 
 
-# Files an orbax save writes anew besides `_METADATA`, which comes out the same
-# for a tree of the same structure (and on S3 an object's ETag is a digest of
-# its content): the save's timestamps, and an OCDBT database's manifest (its
-# random id). On a local disk every one is a new file (orbax saves into a
-# temporary directory and renames it; `force=True` deletes the old one first).
+# Files an orbax save writes anew besides `_METADATA`: the save's timestamps,
+# and an OCDBT database's manifest (its random id). `_METADATA` comes out the
+# same for a tree of the same structure, and on S3 an object's ETag is a digest
+# of its content. On a local disk every one is a new file: orbax saves into a
+# temporary directory and renames it, and `force=True` deletes the old one first.
 _SAVED_ANEW = ("_CHECKPOINT_METADATA", "manifest.ocdbt")
 
 

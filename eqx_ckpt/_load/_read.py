@@ -153,7 +153,7 @@ def read_failed(error: BaseException, loc: Location, record: LeafRecord) -> Exce
 
 
 # A large leaf is read in slabs of whole chunks into one 64-byte-aligned buffer,
-# which `jax.device_put` adopts without a copy: the leaf is held once, plus two
+# which `jax.device_put` adopts without a copy. The leaf is held once, plus two
 # slabs in flight, instead of TensorStore's buffer and a copy of it.
 SLAB_BYTES = 64 * 2**20
 
@@ -285,8 +285,8 @@ def _fast_put_function() -> tuple[Any, Any] | None:
 
 
 # The JAX internals `put` calls (making an aval, and `batched_device_put`), or
-# `None`: the public `jax.device_put` for every placement (set so by the first
-# failure of the internal call, for good; a test may set it too).
+# `None`: the public `jax.device_put` for every placement. It is set to `None`
+# by the first failure of the internal call, for good; a test may set it too.
 FAST_PUT = _fast_put_function()
 
 

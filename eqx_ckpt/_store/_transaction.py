@@ -118,9 +118,9 @@ class Transaction:
         def write() -> None:
             written, error, interrupt = _storage.write_conditional(self.loc, MANIFEST, data, self.expected)
             _faults.fire("commit.manifest_written", self.loc, written)
-            # Recorded here, in the helper thread that signals never reach: an
+            # Recorded here, in the helper thread that signals never reach. An
             # interrupt landing in the caller between the write and this line
-            # would leave the save looking uncommitted, and its abort would
+            # would leave the save looking uncommitted. Its abort would then
             # delete the arrays of the checkpoint it had just committed.
             if written or _committed_by(self.loc, self.commit_id):
                 self.state = State.COMMITTED
@@ -160,8 +160,8 @@ class Transaction:
         stale = [n for n in (area(self.old) if self.old is not None else ()) if n not in self.names]
         try:
             # `gen.<commit>` folders are the format's own namespace (no key maps
-            # there), and this save holds the lease: one the new manifest does
-            # not use is what a failed or killed save of this checkpoint left.
+            # there), and this save holds the lease. So one the new manifest
+            # does not use is what a failed or killed save of this checkpoint left.
             stale += [n for n in _storage.list_names(self.loc) if _format.is_generation(n) and n != self.target]
             # Only the files saves write: a user's file in an old leaf's folder stays.
             _storage.remove_written(self.loc, sorted(set(stale)))
@@ -190,7 +190,7 @@ class Transaction:
             live = _live_commit(self.loc) if self.state is State.WRITTEN else ""
             if live is None or live == self.commit_id:
                 # Whatever said this save had not committed, the live manifest may
-                # be its own (or cannot be read to tell): what it uses stays, and
+                # be its own (or cannot be read to tell). What it uses stays, and
                 # the journal is left for the next save to finish from.
                 if live == self.commit_id:
                     self.state = State.COMMITTED
