@@ -3,18 +3,18 @@
 A checkpoint may come from elsewhere, so its files are untrusted:
 
 - eqx_ckpt never writes a symbolic link, so a link inside a checkpoint came from
-  elsewhere; following one could make a load read files outside the checkpoint.
+  elsewhere. Following one could make a load read files outside the checkpoint.
   Every local read of a leaf or a small file checks its path first.
 - A load allocates what the manifest says a leaf holds. The chunk files of a
-  leaf must hold at least that many bytes before it is read, so an absurd shape
+  leaf must hold at least that many bytes before it is read. So an absurd shape
   in a hostile manifest is an error, not an attempt to allocate terabytes.
 
 Object stores have no links and list sizes only at a cost, so only local paths
 are checked.
 
 A save checks one thing before it writes: that no file in a leaf's folder
-would have a path longer than the system allows (PATH_MAX), which TensorStore
-would report only midway, in a message of many kilobytes naming no leaf.
+would have a path longer than the system allows (PATH_MAX). TensorStore would
+report that only midway, in a message of many kilobytes naming no leaf.
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ def refuse_links(loc: Location, relative: str, *, leaf: str | None = None, subtr
 
 def _cached_blob(folder: str, path: str) -> bool:
     """Whether `path`, in `folder`, is a file of a snapshot of the Hugging Face
-    Hub's cache (`models--owner--name/snapshots/<commit>/...`), which
-    huggingface_hub makes a link to the file's content in the same
+    Hub's cache (`models--owner--name/snapshots/<commit>/...`).
+
+    huggingface_hub makes such a file a link to the file's content in the same
     repository's `blobs/`: a link that stays within that repository's cache."""
     parts = folder.split(os.sep)
     if "snapshots" not in parts[:-1]:
@@ -90,9 +91,10 @@ def check_leaf_files(loc: Location, record: LeafRecord) -> None:
 
 
 def check_pack_files(loc: Location, pack: PackRecord, *, leaf: str | None = None) -> None:
-    """Before a local pack is opened: no links, and every chunk file there,
-    of one full chunk and its checksum (a pack has few). `leaf` names the leaf
-    being read, if one is."""
+    """Before a local pack is opened: no links, and every chunk file there, of
+    one full chunk and its checksum (a pack has few).
+
+    `leaf` names the leaf being read, if one is."""
     if loc.local is None:
         return
     refuse_links(loc, pack.name, leaf=leaf, subtree=True)
@@ -129,8 +131,10 @@ def first_wrong_chunk_file(
     loc: Location, directory: str, shape: tuple[int, ...], chunks: tuple[int, ...], chunk_nbytes: int
 ) -> str | None:
     """The first chunk file of the array in `directory` that is missing or not
-    one full chunk and its checksum (`wrong_chunk_file`), or `None`. Stops at
-    the first, so a hostile manifest's absurd shape costs one missing file."""
+    one full chunk and its checksum (`wrong_chunk_file`), or `None`.
+
+    It stops at the first, so a hostile manifest's absurd shape costs one
+    missing file."""
     expected = chunk_nbytes + _format.CHECKSUM_BYTES
     for key in _format.chunk_keys(shape, chunks):
         try:
@@ -173,9 +177,10 @@ _INSIDE = len("/" + _format.chunk_key([2**64 - 1] * MAX_RANK)) + len(_format.TEM
 
 
 def check_path_lengths(loc: Location, records: Sequence[LeafRecord]) -> None:
-    """Raise, before a save writes anything, if a file in the folder of a leaf
-    of `records` (leaves with an array of their own) would have a path longer
-    than the system allows."""
+    """Raise, before a save writes anything, if a file in a leaf's folder would
+    have a path longer than the system allows.
+
+    `records` are the leaves with an array of their own."""
     if loc.local is None or not records:
         return
     limit = _path_max(loc.local)
