@@ -122,8 +122,8 @@ def start_region(
     and gives them as stored (a NumPy array).
 
     A failure is the leaf's (`read_failed`). With `raw` it is as storage raised
-    it, for a caller that words it itself: a pack's run, whose damaged leaf is
-    found after, or `verify`, which tells damage from refusal."""
+    it, for a caller that words it itself. Such a caller is a pack's run, whose
+    damaged leaf is found after, or `verify`, which tells damage from refusal."""
     try:
         future = (store[index] if index else store).read()
     except Exception as e:
@@ -144,9 +144,11 @@ def start_region(
 
 def read_failed(error: BaseException, loc: Location, record: LeafRecord) -> Exception:
     """A failure to read the stored leaf `record` as the leaf's error
-    (`_storage_errors.leaf_io_error`); where it says the leaf is damaged, its
-    files are forgotten (`ChunkFiles.forget_damaged`), so the next save reads them
-    again before it shares any."""
+    (`_storage_errors.leaf_io_error`).
+
+    Where it says the leaf is damaged, its files are forgotten
+    (`ChunkFiles.forget_damaged`). So the next save reads them again before it
+    shares any."""
     failed = _storage_errors.leaf_io_error(error, record, loc, "read")
     _chunk_files.chunk_files(loc).forget_damaged(failed, record)
     return failed
@@ -207,8 +209,10 @@ def _start_in_slabs(
 
 def place(loc: Location, hosts: list[np.ndarray], records: list[LeafRecord], likes: list[Any]) -> list[Any]:
     """Host arrays read for `records` as the types, dtypes and placements of
-    `likes`: converted one by one, then put on devices in one call per kind of
-    placement (one `jax.device_put` of many arrays costs far less than many)."""
+    `likes`.
+
+    They are converted one by one, then put on devices in one call per kind of
+    placement. One `jax.device_put` of many arrays costs far less than many."""
     out: list[Any] = [None] * len(hosts)
     batch: dict[Any, list[int]] = collections.defaultdict(list)
     narrowed: dict[Any, bool] = {}  # `x64_missing` of each dtype, asked once
@@ -243,11 +247,13 @@ def put(hosts: list[np.ndarray], sharding: Any) -> list[jax.Array]:
     (`sharding` `None`, the default device, or a `SingleDeviceSharding`).
 
     Not `jnp.array`, which compiles a copy for every new shape and dtype (15-20 ms
-    each here, paid by a fresh process on its first load). Where it can, this
-    calls the function `device_put` ends in, `batched_device_put` of JAX's C++
-    extension, with what `device_put` would pass it: 15 us a leaf against 50 us
-    for 10,000 small leaves here. Anything unusual, or a JAX where that call
-    fails, goes through `device_put` (`tests/test_read.py` checks both agree)."""
+    each here, paid by a fresh process on its first load).
+
+    Where it can, this calls the function `device_put` ends in:
+    `batched_device_put` of JAX's C++ extension. It passes what `device_put`
+    would pass it. For 10,000 small leaves here, that costs 15 us a leaf
+    against 50 us. Anything unusual, or a JAX where that call fails, goes
+    through `device_put` (`tests/test_read.py` checks both agree)."""
     global FAST_PUT
     target = _one_device(sharding)
     if target is not None and FAST_PUT is not None:
@@ -379,8 +385,10 @@ def _value(loc: Location, array: np.ndarray, record: LeafRecord, like: Any, shar
 
 def direct(files: _chunk_files.ChunkFiles, record: LeafRecord, like: Any) -> bool:
     """Whether `start_direct` reads this leaf from `files` (its location's,
-    `_chunk_files.chunk_files`): one that they read themselves (`reads`: a large one in
-    its own array on a local disk), going to one device (or to NumPy)."""
+    `_chunk_files.chunk_files`).
+
+    It does for a leaf that they read themselves (`reads`: a large one in its
+    own array on a local disk), going to one device (or to NumPy)."""
     sharding = target_sharding(like)
     placed = _dtypes.like_type(like) == "jax" and sharding is not None and len(sharding.device_set) > 1
     return not placed and files.reads(record)
@@ -395,9 +403,11 @@ def start_direct(
     dtype: Any = None,
     on_bytes: Callable[[int], None] | None = None,
 ) -> Callable[[], Any]:
-    """`start`, for a leaf `direct` accepts: its chunk files are read straight
-    into one aligned buffer, which becomes the value without another copy
-    (`on_bytes` of each chunk as it is read and checked)."""
+    """`start`, for a leaf `direct` accepts.
+
+    Its chunk files are read straight into one aligned buffer, which becomes
+    the value without another copy. `on_bytes` is called with each chunk's
+    bytes as it is read and checked."""
     convert = host_converter(record, dtype, loc)
     if _dtypes.like_type(like) == "jax":
         refuse_narrowing(loc, record, dtype if dtype is not None else dtype_from_name(record.dtype))

@@ -1,8 +1,13 @@
 """The one reader of stored leaves: every value read from a checkpoint is read here.
 
-An eager load, a skeleton-free load (`_nested`), `materialise`, a lazy leaf's
-read (`LazyArray.read`, `np.asarray` of one), a partial save staging a lazy
-leaf and `export_safetensors` all hand their leaves here as `LeafPlan`s.
+Every reader hands its leaves here as `LeafPlan`s:
+
+- an eager load, and a skeleton-free load (`_nested`);
+- `materialise`;
+- a lazy leaf's read (`LazyArray.read`, `np.asarray` of one);
+- a partial save staging a lazy leaf;
+- `export_safetensors`.
+
 All is read within one host-memory budget and one pool of reading threads
 (`_window`):
 
@@ -17,9 +22,9 @@ All is read within one host-memory budget and one pool of reading threads
   through the process's pool of reused host buffers, `_pooled`.
 - Anything else is read through TensorStore (`_read.start`).
 
-A region of a stored leaf (a slice of a lazy leaf, a chunk that `verify` or
-`diff` scans) is read by `_read.start_region`, which every read of a leaf's
-stored elements through TensorStore ends in.
+A region of a stored leaf is read by `_read.start_region`. (A region is a
+slice of a lazy leaf, or a chunk that `verify` or `diff` scans.) Every read of
+a leaf's stored elements through TensorStore ends in that function.
 """
 
 from __future__ import annotations
@@ -54,13 +59,16 @@ def read_leaves(
     cached: bool = False,
     tracker: Tracker | None = None,
 ) -> list[Any]:
-    """The values of `plans`' stored leaves, read now (`read`), and (unless
-    `checked=False`) a check after that `source` was not replaced while they
-    were read; a read that fails checks it too, so that a replaced checkpoint
-    says so. Fault point `load.read_stored` fires first. `cached`: see `read_now`.
-    `tracker`: progress already shown, which the reads advance instead of
-    one of their own for `progress` (`materialise`'s, over every checkpoint
-    it reads from)."""
+    """The values of `plans`' stored leaves, read now (`read`).
+
+    - Unless `checked=False`, it checks after that `source` was not replaced
+      while they were read. A read that fails checks it too, so that a
+      replaced checkpoint says so.
+    - Fault point `load.read_stored` fires first.
+    - `cached`: see `read_now`.
+    - `tracker`: progress already shown, which the reads advance instead of
+      one of their own for `progress`. (It is `materialise`'s, over every
+      checkpoint it reads from.)"""
     try:
         _faults.fire("load.read_stored", source.loc)
         if tracker is None:
@@ -126,9 +134,11 @@ def read_now(
 def _read_each(
     source: Source, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any]
 ) -> None:
-    """Leaves read one array each, into `out` at their `slots`: large local
-    ones straight into their buffers (`_read.start_direct`), the others
-    through TensorStore, opened ahead of the reads."""
+    """Leaves read one array each, into `out` at their `slots`.
+
+    Large local ones are read straight into their buffers
+    (`_read.start_direct`). The others are read through TensorStore, opened
+    ahead of the reads."""
     data, files = source.data, _chunk_files.chunk_files(source.data)
     indices = range(len(plans))
     # Bytes within each leaf, reported as its chunks or slabs land.
@@ -207,9 +217,10 @@ def _unpacked(
 def _read_runs(
     source: Source, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any]
 ) -> list[int]:
-    """The small leaves of another format that reads runs of adjacent leaves at
-    once (`Source.runs`), placed run by run; the slots of the others, left to
-    be read one by one."""
+    """Read and place, run by run, the small leaves of another format that
+    reads runs of adjacent leaves at once (`Source.runs`).
+
+    Returns the slots of the others, left to be read one by one."""
     assert source.runs is not None
     taken, runs = source.runs(records)
     _place_runs(source.data, runs, plans, records, tracker, slots, out)
@@ -226,9 +237,11 @@ def _place_runs(
     slots: list[int],
     out: list[Any],
 ) -> None:
-    """Runs of adjacent leaves (`(members, finish)`: indices into `plans` and
-    `records`, and what waits for their host arrays), each placed together
-    (one `device_put` for many) into `out` at the members' `slots`."""
+    """Place runs of adjacent leaves, each together (one `device_put` for
+    many), into `out` at the members' `slots`.
+
+    A run is `(members, finish)`: indices into `plans` and `records`, and what
+    waits for their host arrays."""
     for members, finish in runs:
         hosts = finish()
         values = _read.place(data, hosts, [records[m] for m in members], [plans[m].like for m in members])
