@@ -3,11 +3,13 @@ shows, with front matter naming the library, and a load snippet that works as
 written.
 
 The snippet's one parameter is the name the model is loaded by
-(`model_card(name_or_path, ...)`): the folder's path for a local export, or
-`hf://owner/name` for a published repository. Its `trust` list names the
-classes and functions of the structure record that the default trust does
-not cover (`_trust`), each imported from its own module; one defined in a
-script (`__main__`) cannot be imported, and the card says so.
+(`model_card(name_or_path, ...)`). That is the folder's path for a local
+export, or `hf://owner/name` for a published repository.
+
+Its `trust` list names the classes and functions of the structure record that
+the default trust does not cover (`_trust`). Each is imported from its own
+module. One defined in a script (`__main__`) cannot be imported, and the card
+says so.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ FRONT_MATTER = "---\nlibrary_name: eqx_ckpt\ntags:\n- jax\n- equinox\n---\n"
 
 def model_card(name_or_path: str, *, structure: Any, info: dict[str, Any], files: list[str]) -> str:
     """The text of `README.md` for a folder of the published layout loaded as
-    `name_or_path`, whose tree has the `structure` record (or `None`), the
-    user's `info`, and `files`."""
+    `name_or_path`.
+
+    The folder holds `files`. Its tree has the `structure` record (or `None`)
+    and the user's `info`."""
     title = info.get("name") if isinstance(info.get("name"), str) else _title(name_or_path)
     description = info.get("description") if isinstance(info.get("description"), str) else ""
     parts = [FRONT_MATTER, f"# {title}\n"]

@@ -104,9 +104,13 @@ def _step_path(given: str, manager: CheckpointManager, step: int) -> str:
 
 
 def _format_types(ckpt: Checkpoint) -> str:
-    """The classes and functions a load without `like` builds, those outside the
-    default trust marked, and the `trust=[...]` they need; then the parts the
-    save could not record, which no `trust` rebuilds, and what such a load says."""
+    """The classes and functions a load without `like` builds, and the parts
+    the save could not record.
+
+    - Those outside the default trust are marked, and the `trust=[...]` they
+      need is given.
+    - The parts the save could not record follow. No `trust` rebuilds them.
+    - Last, what such a load says."""
     untrusted = ckpt.types(trust=[])
     lines, needed = [], []
     for name, paths in ckpt.types().items():
@@ -196,8 +200,10 @@ def _info(args: argparse.Namespace) -> int:
 
 def _shared_files(loc: Location) -> tuple[int, int] | None:
     """The files (and bytes) of the checkpoint at `loc` that other checkpoints
-    or steps also use (`_share.shared_files`); `None` where files are never
-    shared (not on a local disk, the OCDBT layout)."""
+    or steps also use (`_share.shared_files`).
+
+    `None` where files are never shared: not on a local disk, or in the OCDBT
+    layout."""
     if loc.local is None:
         return None
     source = _source.checkpoint(loc)
@@ -248,9 +254,10 @@ def _push(args: argparse.Namespace) -> int:
 
 
 def _root_causes(path: str, problems: Problems) -> list[str]:
-    """The damaged files first, each with the leaves and steps it damages: the
-    one cause behind many problems (steps share unchanged chunk files, the
-    leaves of a pack share its chunks)."""
+    """The damaged files first, each with the leaves and steps it damages.
+
+    A damaged file is the one cause behind many problems. Steps share unchanged
+    chunk files, and the leaves of a pack share its chunks."""
     files = problems.damaged_files()
     if not files:
         return []
@@ -285,9 +292,10 @@ def _in_steps(steps: list[int]) -> str:
 
 
 def _problem_lines(problems: list[Problem], prefix: str) -> list[str]:
-    """The problems of one checkpoint (or step), bounded: those of the damaged
-    files named above in one line, then at most `_SHOWN_PROBLEMS` others, and
-    how many more there are."""
+    """The problems of one checkpoint (or step), bounded.
+
+    Those of the damaged files named above come in one line. Then come at most
+    `_SHOWN_PROBLEMS` others, and how many more there are."""
     lines = []
     named = sorted(str(problem.leaf) for problem in problems if problem.file is not None)
     if named:
