@@ -56,9 +56,12 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
-    """One tensor of the export: its safetensors name, the record `eqx_ckpt.json`
-    keeps of it (its `stored_dtype` and `stored_shape` are the tensor's), and
-    the function reading its value (the leaf's own, before its encoding)."""
+    """One tensor of the export.
+
+    - its safetensors name;
+    - the record `eqx_ckpt.json` keeps of it (its `stored_dtype` and
+      `stored_shape` are the tensor's);
+    - the function reading its value (the leaf's own, before its encoding)."""
 
     name: str
     record: LeafRecord
@@ -100,12 +103,12 @@ def export_safetensors(
 
     **Arguments:**
 
-    - `path`: a directory (local, or a kvstore URL / spec) that receives
+    - `path`: a directory (local, or a kvstore URL / spec). It receives
         `model.safetensors`, or, above `max_shard_size`,
-        `model-00001-of-0000N.safetensors`... and `model.safetensors.index.json`;
-        then `eqx_ckpt.json` and `README.md`. Or a path ending in
-        `.safetensors`: that one file alone (no `eqx_ckpt.json` or card, so it
-        loads into a `like` only, as any safetensors file).
+        `model-00001-of-0000N.safetensors`... and `model.safetensors.index.json`.
+        Then it receives `eqx_ckpt.json` and `README.md`. Or a path ending in
+        `.safetensors`: that one file alone. It gets no `eqx_ckpt.json` or
+        card, so it loads into a `like` only, as any safetensors file.
     - `pytree`: what to export: a PyTree of arrays and scalars, or a
         [`eqx_ckpt.Checkpoint`][] (any source it opens), whose leaves are read
         from storage one by one. Non-array leaves of a tree are kept in the
@@ -286,9 +289,12 @@ def _leaf(path: str, keypath: list[list[Any]], leaf: Any) -> _Tensor | None:
 def _record(
     path: str, keypath: list[list[Any]], kind: str, shape: tuple[int, ...], dtype: str, impl: str = ""
 ) -> LeafRecord:
-    """The record of a leaf as the published layout stores it: as its dtype
-    where safetensors names it, else as unsigned integers of its width
-    ("view"), a PRNG key as its key data (docs/interop.md has the table)."""
+    """The record of a leaf as the published layout stores it
+    (docs/interop.md has the table).
+
+    - As its dtype, where safetensors names it.
+    - Else as unsigned integers of its width ("view").
+    - A PRNG key as its key data."""
     shape = tuple(shape)
     if kind == "prng_key":
         stored_shape, stored, encoding = shape + (_dtypes.key_data_shape(impl) or ()), "uint32", "key_data"
@@ -304,9 +310,10 @@ def _record(
 
 
 def _reader(array: Any) -> Callable[[], np.ndarray]:
-    """A leaf's value, read as it is written out, as NumPy makes it (a lazy
-    leaf's by the one reader of stored leaves: `LazyArray.__array__`, which
-    gives a PRNG key's key data)."""
+    """A leaf's value, read as it is written out, as NumPy makes it.
+
+    A lazy leaf's is read by the one reader of stored leaves:
+    `LazyArray.__array__`, which gives a PRNG key's key data."""
     return functools.partial(np.asarray, array)
 
 
@@ -390,8 +397,10 @@ def _tensor_name(leaf: str, path: str) -> str:
 
 
 def _refuse_source_in_destination(loc: Location, pytree: Any) -> None:
-    """On an object store a shard replaces its file at once, so a later leaf
-    read from that file would read the new bytes: refuse a source there."""
+    """Refuse a source in the destination, on an object store.
+
+    There a shard replaces its file at once. So a later leaf read from that
+    file would read the new bytes."""
     if loc.local is not None:
         return
     lazy = [x for x in jtu.tree_leaves(pytree, is_leaf=lambda x: isinstance(x, LazyArray)) if isinstance(x, LazyArray)]
