@@ -1,10 +1,10 @@
 """Several JAX processes taking part in one save or one restore: the group,
 its barriers, and who writes which leaf.
 
-A save's stages (`_stages`) and a restore that reads each byte once
-(`_read_once`) each make a `Group` of the processes and meet at its
-barriers (`Group.sync`); `writes` says whether this process writes (its
-pieces of) a leaf.
+A save's stages (`_stages`) each make a `Group` of the processes and meet at
+its barriers (`Group.sync`). So does a restore that reads each byte once
+(`_read_once`). `writes` says whether this process writes (its pieces of) a
+leaf.
 
 The processes meet at barriers of the distributed runtime's coordination service,
 not at device collectives. A barrier there:
@@ -70,8 +70,8 @@ SILENT_SECONDS = 10.0
 _WAIT_MS = 1000
 
 # Saves (and restores that share reads) are numbered in the order each process
-# makes them, which is the same in every process, so the n-th save's barriers
-# have the same names everywhere.
+# makes them. That order is the same in every process, so the n-th save's
+# barriers have the same names everywhere.
 _numbers = {"save": itertools.count(), "restore": itertools.count()}
 
 
@@ -89,10 +89,11 @@ def _client() -> Any:
 
 
 class Group:
-    """The processes taking part in one save (one process: every step is local),
-    or in one restore that reads each byte once (`_read_once`): `what`. A
-    barrier waits `timeout` seconds for the slowest process (`TIMEOUT_MS` by
-    default)."""
+    """The processes taking part in one save or restore, named by `what`.
+
+    The restore is one that reads each byte once (`_read_once`). With one
+    process, every step is local. A barrier waits `timeout` seconds for the
+    slowest process (`TIMEOUT_MS` by default)."""
 
     def __init__(self, what: str = "save", timeout: float | None = None) -> None:
         self.count = jax.process_count()
@@ -148,11 +149,13 @@ class Group:
 
 
 def differing(plans: dict[int, str], count: int) -> CheckpointError | None:
-    """The error of a save whose processes planned different saves (`plans`:
-    each process's digest, by its index), every process reaching the same
-    verdict. Every process deals out the slices of replicated leaves alike
-    from the tree it was given (`_sharding.Deal`): given different trees, a
-    slice would go unwritten, so the save is refused before anything is."""
+    """The error of a save whose processes planned different saves, or `None`.
+    Every process reaches the same verdict.
+
+    `plans` holds each process's digest, by its index. Every process deals out
+    the slices of replicated leaves alike from the tree it was given
+    (`_sharding.Deal`). Given different trees, a slice would go unwritten. So
+    the save is refused before anything is written."""
     digests = [plans.get(index) for index in range(count)]
     others = [index for index in range(1, count) if digests[index] != digests[0]]
     if not others:
@@ -165,9 +168,11 @@ def differing(plans: dict[int, str], count: int) -> CheckpointError | None:
 
 
 class _Stage(NamedTuple):
-    """A barrier: of a save or a restore (`what`), its `name`, how long it
-    waits, its group's keys (`group`), and the stage before it (`passed`,
-    which every process reached; "" for the first)."""
+    """A barrier of a save or a restore (`what`).
+
+    It has a `name`, how long it waits, and its group's keys (`group`).
+    `passed` is the stage before it, which every process reached ("" for the
+    first)."""
 
     what: str
     name: str
@@ -275,12 +280,15 @@ class _Silence:
 
 class _Heartbeat:
     """This process's heartbeat: a thread, started when eqx_ckpt is imported
-    (`watch`), that bumps this process's key in the coordination service every
-    `HEARTBEAT_SECONDS` once `jax.distributed` runs several processes and
-    JAX's backend has started (its first `jax.devices()` or computation). It
-    beats from then on, before any save, so that a process that dies before
-    it calls one is found too. In a process where JAX's backend started
-    without `jax.distributed` (which can then no longer start), it ends."""
+    (`watch`).
+
+    It bumps this process's key in the coordination service every
+    `HEARTBEAT_SECONDS`. It starts once `jax.distributed` runs several
+    processes and JAX's backend has started (its first `jax.devices()` or
+    computation). It beats from then on, before any save, so that a process
+    that dies before it calls one is found too. In a process where JAX's
+    backend started without `jax.distributed` (which can then no longer
+    start), it ends."""
 
     _started: threading.Thread | None = None
     _stop = threading.Event()
@@ -345,10 +353,11 @@ class _Heartbeat:
 
     @classmethod
     def halt(cls) -> None:
-        """Stop the heartbeat and wait for a beat in flight. A daemon thread still
-        in the client's call when the interpreter finalises is ended inside that
-        C++ call, which aborted a process at exit ("FATAL: exception not
-        rethrown") after its saves had all succeeded."""
+        """Stop the heartbeat and wait for a beat in flight.
+
+        A daemon thread still in the client's call when the interpreter
+        finalises is ended inside that C++ call. That aborted a process at exit
+        ("FATAL: exception not rethrown") after its saves had all succeeded."""
         cls._stop.set()
         if cls._started is not None:
             cls._started.join(SILENT_SECONDS)
