@@ -109,9 +109,9 @@ class _Walk:
         """The record of the sub-tree `td` whose first leaf is leaf `self.count`.
 
         A sub-tree whose leaves are all stored is recorded once per structure
-        (and depth): a model's blocks, equal as JAX compares structures, share
-        one record (for ten thousand leaves, a tenth of the time). The records
-        are never changed once made (`replaced` copies)."""
+        (and depth). A model's blocks, equal as JAX compares structures, share
+        one record: for ten thousand leaves, that takes a tenth of the time.
+        The records are never changed once made (`replaced` copies)."""
         n = td.num_leaves
         if n and self.stored[self.count + n] - self.stored[self.count] == n:
             try:
@@ -186,9 +186,11 @@ class _Walk:
         return {"t": "object", "cls": name, "f": fields, "c": nodes}
 
     def _keyed(self, children: list[Any], depth: int) -> dict[str, Any]:
-        """The children of another registered node, each with its key as the
-        key paths of its first leaf name it (never rebuilt: its unflatten is
-        the user's code); a child without leaves by its index."""
+        """The children of another registered node, each with its key.
+
+        A child's key is the one the key paths of its first leaf name it by. A
+        child without leaves is keyed by its index. (The node is never
+        rebuilt: its unflatten is the user's code.)"""
         keys, start = [], self.count
         for i, child in enumerate(children):
             key = list(self.keys[start][depth]) if child.num_leaves else ["flat", i]
@@ -330,8 +332,10 @@ def walk(node: dict[str, Any], visit: Callable[[str, dict[str, Any]], None], pat
 
 def replaced(root: Any, prefix: str, node: dict[str, Any]) -> dict[str, Any]:
     """A copy of the record `root` with the node at dotted `prefix` replaced by
-    `node` (a partial save's); raises `KeyError` where `root` has no node
-    there, and `ValueError`/`TypeError` where `root` is malformed."""
+    `node` (a partial save's).
+
+    Raises `KeyError` where `root` has no node there, and
+    `ValueError`/`TypeError` where `root` is malformed."""
     if not prefix:
         return node
     head, _, rest = prefix.partition(".")
