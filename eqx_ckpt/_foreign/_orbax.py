@@ -195,9 +195,11 @@ def _record(loc: Location, keypath: list[list[Any]], name: str, kind: str, store
 
 
 def manager_steps(path: str) -> str:
-    """If the local directory `path` is an orbax `CheckpointManager`'s (numbered
-    step folders, each with its `_CHECKPOINT_METADATA` or an item's
-    `_METADATA`), a sentence naming its steps and how to load one; else ""."""
+    """A sentence naming the steps and how to load one, if the local directory
+    `path` is an orbax `CheckpointManager`'s; else "".
+
+    Such a directory has numbered step folders, each with its
+    `_CHECKPOINT_METADATA` or an item's `_METADATA`."""
     if not _storage.local_entry(path).folder:
         return ""
     steps = sorted(int(n) for n in _storage.local_names(path) if n.isdigit() and _is_step(os.path.join(path, n)))

@@ -333,8 +333,10 @@ class _Files:
 
 def _merged(metadata: dict[str, dict[str, str]]) -> dict[str, str]:
     """The files' `__metadata__` as one map (Hugging Face shards repeat the
-    same); a key whose value differs between files appears once per file,
-    as `file:key`, rather than one value hiding the others."""
+    same).
+
+    A key whose value differs between files appears once per file, as
+    `file:key`, rather than one value hiding the others."""
     values: dict[str, set[str]] = {}
     for strings in metadata.values():
         for key, value in strings.items():
@@ -622,9 +624,10 @@ def _run_bytes(
 
 
 def _truncated(files: _Files, file: str, records: list[LeafRecord], places: dict[str, tuple[str, int]]) -> Exception:
-    """The error of a run the file ends inside: it names the first tensor of the
-    run whose bytes are not all there, found by bisecting on one-byte reads
-    of the tensors' last bytes."""
+    """The error of a run the file ends inside.
+
+    It names the first tensor of the run whose bytes are not all there. That
+    tensor is found by bisecting on one-byte reads of the tensors' last bytes."""
     cut = [r for r in records if r.nbytes]
     lo, hi = 0, len(cut) - 1  # the last one is cut, or the run would have been whole
     while lo < hi:

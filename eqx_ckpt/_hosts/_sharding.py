@@ -1,6 +1,7 @@
-"""Sharded arrays: which host pieces a save writes (with several processes,
-each writing its slices of what several of them hold), and how a load reads
-each device's region straight into place."""
+"""Sharded arrays: which host pieces a save writes, and how a load reads each
+device's region straight into place.
+
+With several processes, each writes its slices of what several of them hold."""
 
 from __future__ import annotations
 
@@ -57,9 +58,10 @@ def on_one_device(x: jax.Array) -> bool:
 def host_pieces(
     x: Any, chunks: tuple[int, ...] | None = None, itemsize: int = 1, *, deal: Deal | None = None, path: str = ""
 ) -> list[tuple[tuple[slice, ...], Any]]:
-    """(region, data) for every piece this process writes: its host data
-    made when the save stages it (`_staging`: a `jax.Array`, or a `Deferred`
-    slice of one; NumPy data as it is).
+    """(region, data) for every piece this process writes.
+
+    The data is made when the save stages it (`_staging`). It is a `jax.Array`,
+    or a `Deferred` slice of one. NumPy data is given as it is.
 
     In one process, only the first replica of each shard is written, so
     replicated data is written once. With several processes (`x` is not
@@ -196,13 +198,19 @@ def slices(region: Region, chunks: tuple[int, ...], holders: int, itemsize: int)
     its arguments: every process cuts the same way with no communication.
 
     A region of at least `SPLIT_BYTES` (at `itemsize` bytes per element) is
-    cut along the axis on which it spans the most chunks of the chunk grid
-    `chunks` (the first such axis). It is cut at chunk boundaries only, so that
-    no two processes write one chunk file. It is cut into one slice per holder,
-    the chunks along that axis shared as evenly as they go (the first slices
-    one chunk larger where they do not divide). Where there are fewer chunks
-    than holders, it is cut into one chunk per slice. A region under `SPLIT_BYTES`, one chunk along
-    every axis, or without a chunk grid (`()`) is not cut: one slice.
+    cut along one axis: the one on which it spans the most chunks of the chunk
+    grid `chunks` (the first such axis).
+
+    - It is cut at chunk boundaries only, so that no two processes write one
+      chunk file.
+    - It is cut into one slice per holder, the chunks along that axis shared as
+      evenly as they go. Where they do not divide, the first slices are one
+      chunk larger.
+    - Where there are fewer chunks than holders, it is cut into one chunk per
+      slice.
+
+    A region is not cut (one slice) when it is under `SPLIT_BYTES`, one chunk
+    along every axis, or without a chunk grid (`()`).
     """
     nbytes = math.prod(b - a for a, b in region) * itemsize
     if holders == 1 or nbytes < SPLIT_BYTES or not region or not chunks:

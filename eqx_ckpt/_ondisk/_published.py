@@ -95,9 +95,11 @@ def _compact(value: Any) -> str:
 
 
 def check_info(info: Any) -> dict[str, Any]:
-    """`info` if it is a JSON object of JSON values (strings, finite numbers,
-    booleans, null, lists, objects with string keys), nested at most
-    `MAX_INFO_DEPTH` deep and at most `MAX_INFO_BYTES` encoded; else an error."""
+    """`info` if it is a JSON object of JSON values; else an error.
+
+    JSON values are strings, finite numbers, booleans, null, lists, and objects
+    with string keys. They may be nested at most `MAX_INFO_DEPTH` deep, and
+    take at most `MAX_INFO_BYTES` encoded."""
     if info is None:
         return {}
     if not isinstance(info, dict):

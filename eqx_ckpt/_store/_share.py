@@ -250,8 +250,9 @@ def _warn(path: str, what: str, why: str) -> None:
 
 def written(fd: int, path: str, digest: bytes) -> None:
     """Record the chunk file `fd` (`path`), just written whole by this
-    process, as one whose data bytes have the xxh3-128 `digest`: a next save
-    that shares it need not read it back."""
+    process, as one whose data bytes have the xxh3-128 `digest`.
+
+    A next save that shares it need not read it back."""
     _faults.fire("share.written", path)
     _record(_key(os.fstat(fd)), digest)
 
@@ -308,9 +309,11 @@ def forget(root: str, directory: str) -> None:
 
 
 def shared_files(root: str) -> tuple[int, int]:
-    """How many files under the data root `root` of a checkpoint on a local
-    disk, and how many bytes, other checkpoints or steps also use (hard links:
-    more than one name)."""
+    """How many files under the data root `root`, and how many bytes, other
+    checkpoints or steps also use.
+
+    `root` is on a local disk. A file used twice is a hard link: it has more
+    than one name."""
     count = nbytes = 0
     for folder, _, names in os.walk(root):
         for name in names:

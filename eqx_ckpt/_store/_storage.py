@@ -893,8 +893,11 @@ def _reading_context() -> ts.Context:
 
 
 def open_for_reading(specs: list[dict[str, Any]]) -> list[Mapped]:
-    """Open existing arrays read-only from their full specs (another program's
-    arrays, of one checkpoint, in a context of their own): futures of their `Array`s."""
+    """Open existing arrays read-only from their full specs: futures of their
+    `Array`s.
+
+    They are another program's arrays, of one checkpoint, opened in a context
+    of their own."""
     context = _reading_context()
     return [_opening(ts.open(spec, open=True, read=True, context=context)) for spec in specs]
 

@@ -404,9 +404,9 @@ def check_unchanged(loc: Location, manifest: Manifest) -> None:
     """Raise if the checkpoint at `loc` was replaced (or deleted) since
     `manifest` was read.
 
-    A reader calls this after reading arrays: an overwrite deletes the old
-    arrays only after its commit, so if the manifest is still the one read, every
-    byte read came from it."""
+    A reader calls this after reading arrays. An overwrite deletes the old
+    arrays only after its commit. So if the manifest is still the one read,
+    every byte read came from it."""
     if not _storage.file_changed(loc, MANIFEST, manifest.stamp):
         return
     if _storage.read_file(loc, MANIFEST, limit=MAX_MANIFEST_BYTES) is None:
