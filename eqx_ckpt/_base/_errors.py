@@ -234,14 +234,16 @@ class CheckpointVersionError(CheckpointError, ValueError):
 
 
 class CheckpointReplacedError(CheckpointError, RuntimeError):
-    """The checkpoint was replaced by a newer save after it was opened (by a
-    `Checkpoint`, a lazy load, or a load still reading), or deleted (the
-    message says which). Nothing of the newer save was returned. Open or load
-    it again to read it.
+    """The checkpoint was replaced by a newer save after it was opened, or
+    deleted (the message says which). It was opened by a `Checkpoint`, a lazy
+    load, or a load still reading. Nothing of the newer save was returned. Open
+    or load it again to read it.
 
-    Other sources too: a safetensors file or Hugging Face directory rewritten
-    (by `safetensors`, or `export_safetensors` into it), an orbax checkpoint
-    saved again.
+    Other sources raise it too:
+
+    - a safetensors file or Hugging Face directory rewritten (by
+      `safetensors`, or `export_safetensors` into it);
+    - an orbax checkpoint saved again.
 
     !!! example
 
@@ -372,9 +374,11 @@ def describe_leaf(keypath: tuple[Any, ...] | None, dotted: str) -> str:
 
 
 def leaf_line(what: str, *, keypath: tuple[Any, ...] | None, dotted: str, where: str = "") -> str:
-    """One leaf and what is wrong with it. A leaf of `like` (known by its key
-    path) starts with Equinox's own words, `Error at leaf with path (DictKey(key='a'),)`,
-    so that code and tests written against Equinox's messages keep matching."""
+    """One leaf and what is wrong with it.
+
+    A leaf of `like` (known by its key path) starts with Equinox's own words,
+    `Error at leaf with path (DictKey(key='a'),)`. So code and tests written
+    against Equinox's messages keep matching."""
     if keypath is None:
         return f"Leaf {describe_leaf(None, dotted)}{where}: {what}"
     return f"Error at leaf with path {keypath!r}: leaf {describe_leaf(keypath, dotted)}{where}: {what}"

@@ -1,6 +1,8 @@
-"""What a storage failure means to the user: TensorStore's and the OS's errors
-turned into eqx_ckpt's (unreachable, refused, full, damaged), each saying
-where, what was being done, what the failure left, and what to do."""
+"""What a storage failure means to the user.
+
+TensorStore's and the OS's errors are turned into eqx_ckpt's: unreachable,
+refused, full, damaged. Each says where, what was being done, what the failure
+left, and what to do."""
 
 from __future__ import annotations
 
