@@ -1,8 +1,8 @@
 """PyTorch state-dict names and layouts of the stock `eqx.nn` layers.
 
-`torch_layout(like)` finds every stock layer in `like` and gives the rename
-rules and transforms that load the tensors PyTorch's matching module saves
-(`state_dict()` names, PyTorch's shapes) into it. Layouts, Equinox <- PyTorch:
+`torch_layout(like)` finds every stock layer in `like`. It gives the rename
+rules and transforms that load into it the tensors PyTorch's matching module
+saves (`state_dict()` names, PyTorch's shapes). Layouts, Equinox <- PyTorch:
 
 - `Linear`, `Embedding`, `LayerNorm`, `RMSNorm`, `GroupNorm`: same names, same
   shapes (PyTorch's `RMSNorm` has no bias: Equinox's keeps `like`'s value).
@@ -16,8 +16,8 @@ rules and transforms that load the tensors PyTorch's matching module saves
 - `LSTMCell`: `bias = bias_ih + bias_hh` (same gate order i, f, g, o).
 - `GRUCell`: `bias = bias_ih + (bias_hh's r and z parts, 0)`, `bias_n = bias_hh`'s n part.
 - `BatchNorm`: `weight`, `bias`, and `running_mean`/`running_var` into the
-  layer's `eqx.nn.State` (whose step counter or first-time flag keeps `like`'s
-  value, so inference uses the running statistics as they are).
+  layer's `eqx.nn.State`. The state's step counter or first-time flag keeps
+  `like`'s value, so inference uses the running statistics as they are.
 """
 
 from __future__ import annotations
@@ -61,12 +61,12 @@ def torch_layout(
         `eqx.filter_eval_shape`); for `BatchNorm`, a tuple `(model, state)` as
         `eqx.nn.make_with_state` gives, so its running statistics go into `state`.
     - `rename`: `(pattern, replacement)` rules from a dotted path inside the
-        model to its PyTorch name (`[(r"^blocks\\.(\\d+)\\.attn", r"h.\\1.attn")]`;
-        first match wins, a replacement of `None` skips it). The paths are those
-        of `like`, or of `model` in a `(model, state)` tuple (`norm`, not
-        `0.norm`), as PyTorch names them, and the rules mean the same for a
-        stock layer's path (its module name) and a leaf outside stock layers
-        (its tensor name). A rule that is the first match of no such path is a
+        model to its PyTorch name (`[(r"^blocks\\.(\\d+)\\.attn", r"h.\\1.attn")]`).
+        The first match wins; a replacement of `None` skips it. The paths are
+        those of `like`, or of `model` in a `(model, state)` tuple (`norm`, not
+        `0.norm`), as PyTorch names them. The rules mean the same for a stock
+        layer's path (its module name) and a leaf outside stock layers (its
+        tensor name). A rule that is the first match of no such path is a
         `CheckpointValueError`, before anything is loaded.
 
     **Returns:**
@@ -129,8 +129,10 @@ def _literal(target: Any) -> Any:
 
 
 def _refuse_unused(table: list[Any], layers: list[str], bare: list[str], tupled: bool) -> None:
-    """A rule that is the first match of no path inside the model would leave
-    the leaf it was written for under a name PyTorch never wrote: an error."""
+    """Raise for a rule that is the first match of no path inside the model.
+
+    It would leave the leaf it was written for under a name PyTorch never
+    wrote."""
     patterns = [re.compile(rule[0]) for rule in table]
     used = {next((i for i, p in enumerate(patterns) if p.search(path)), None) for path in layers + bare}
     unused = [table[i] for i in range(len(table)) if i not in used]
