@@ -531,8 +531,9 @@ def read_runs(
     partial load reads little more than it wants. Runs are started ahead of
     their use within the read budget (`_window`)."""
     # On a local disk a larger tensor is read whole the same way, into memory
-    # `jax.device_put` adopts without a copy: three copies of its bytes fewer
-    # than through a TensorStore array (the read's, the chunk's, the array's).
+    # `jax.device_put` adopts without a copy. That makes three copies of its
+    # bytes fewer than through a TensorStore array: the read's, the chunk's,
+    # the array's.
     most = _window.READ_BUDGET if files.folder is not None else SMALL_BYTES
     sizes = [record.nbytes for record in records]
     small = [i for i, nbytes in enumerate(sizes) if nbytes <= most]

@@ -85,9 +85,9 @@ def host_pieces(
     return _share(x, chunks, itemsize, deal if deal is not None else Deal(), path)
 
 
-# A region of a leaf held by several processes (a replicated leaf, or a shard
-# on devices of several processes) of fewer stored bytes than this is written
-# whole by one of them. A larger one is cut between them (`slices`).
+# A region of a leaf may be held by several processes: a replicated leaf, or a
+# shard on devices of several processes. If it has fewer stored bytes than
+# this, one of them writes it whole. A larger one is cut between them (`slices`).
 SPLIT_BYTES = 4 << 20
 
 Region = tuple[tuple[int, int], ...]

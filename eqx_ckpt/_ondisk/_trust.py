@@ -64,9 +64,9 @@ def python_name(name: str) -> str:
 
 # What no trust reaches, even inside a trusted module: functions and classes
 # that read or write files, open connections or run code. A model stores none of
-# them; a hostile record naming one would reach the disk (`jnp.load` is defined
+# them. A hostile record naming one would reach the disk. (`jnp.load` is defined
 # in `jax.numpy` as far as its `__module__` says, so `trust=[jax.numpy]` would
-# otherwise trust it).
+# otherwise trust it.)
 _DENIED_MODULES = (
     "os", "posixpath", "io", "_io", "pathlib", "shutil", "subprocess", "pickle", "marshal", "socket", "tempfile",
     "importlib", "sys", "ctypes", "urllib", "http", "numpy.lib._npyio_impl", "numpy.lib.npyio", "numpy.lib.format",

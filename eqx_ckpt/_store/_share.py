@@ -129,8 +129,9 @@ IntegrityWarning.__module__ = "eqx_ckpt"
 Key = tuple[int, int, int, int]
 
 # The xxh3-128 digests of the data bytes of the chunk files this process
-# verified or wrote, least recently used first; at most `VERIFIED_FILES` of
-# them (about 300 bytes each), the least recently used forgotten first.
+# verified or wrote, least recently used first. It holds at most
+# `VERIFIED_FILES` of them (about 300 bytes each); the least recently used is
+# forgotten first.
 _VERIFIED: collections.OrderedDict[Key, bytes] = collections.OrderedDict()
 _VERIFIED_LOCK = threading.Lock()
 VERIFIED_FILES = 1 << 17

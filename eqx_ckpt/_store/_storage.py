@@ -62,9 +62,10 @@ from . import _durable, _hub, _memory, _storage_errors, _untrusted
 from ._storage_errors import read_explained, read_only_store, unreachable, write_error
 
 # The futures this module returns are TensorStore's own (`Future`, set through
-# a `Promise`: see `pending`), or a `Mapped`, which converts TensorStore's result
-# into this module's type as it is asked for; each has `result`, `done` and
-# `add_done_callback`. A read's future holds a NumPy array, an open's an `Array`.
+# a `Promise`: see `pending`), or a `Mapped`. A `Mapped` converts TensorStore's
+# result into this module's type as it is asked for. Each has `result`, `done`
+# and `add_done_callback`. A read's future holds a NumPy array, an open's an
+# `Array`.
 Future = ts.Future
 Promise = ts.Promise
 
@@ -829,7 +830,7 @@ def pack_spec(loc: Location, pack: PackRecord) -> dict[str, Any]:
 
 
 # Packs opened for reading single leaves (lazy leaves, `Checkpoint[...]`, verify,
-# diff), with a cache of their decoded chunks: reading a hundred leaves of one
+# diff), with a cache of their decoded chunks. Reading a hundred leaves of one
 # chunk reads (and checks) that chunk once.
 _OPEN: collections.OrderedDict[str, Mapped] = collections.OrderedDict()
 
