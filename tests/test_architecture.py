@@ -302,8 +302,7 @@ def _private_patches(path: pathlib.Path) -> list[str]:
 def test_tests_replace_no_private_code():
     """Tests inject failures only through fault points (`_faults`) and documented
     knobs (module constants): a test that replaced a private function, class or
-    method would break whenever the code moved (docs/architecture.md, "Testing
-    through the seams")."""
+    method would break whenever the code moved (docs/architecture.md, "Seams")."""
     patches = [found for path in TESTS for found in _private_patches(path)]
     assert patches == [], "use a fault point (eqx_ckpt/_base/_faults.py) or a knob:\n" + "\n".join(patches)
 
