@@ -244,9 +244,10 @@ def ahead(data: Any) -> Any:
     drops once written (the array's own `copy_to_host_async` would cache the
     host copy on the caller's `jax.Array`, held for as long as the caller
     holds the array, beyond any budget). `jax.device_put` from a GPU to the
-    CPU returns only once the copy is done (measured: 2.6 s for 4 GiB on an
-    H100, docs/benchmarks.md), so it runs in the copy pool (`COPY_THREADS`
-    threads), and the writes before it go on meanwhile. (A piece already in
+    CPU returns only once the copy is done (measured on an H100: 2.6 s for
+    4 GiB, waited for or not; docs/benchmarks.md at 864f6a6, "GPU"), so it
+    runs in the copy pool (`COPY_THREADS` threads), and the writes before it
+    go on meanwhile. (A piece already in
     host memory, an asynchronous save's `pinned` copy, is viewed as it is.)
     Without a CPU device, it is `copy_to_host_async` after all."""
     if isinstance(data, Deferred):
