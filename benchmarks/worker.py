@@ -87,8 +87,9 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
         # every file, the checkpoint just deleted) is written out now, not
         # during this save's own syncs (on ext4 a sync commits the journal,
         # which waits for the data of every file in it). It did not remove the
-        # slow first save of a workload (docs/benchmarks.md at 864f6a6, "The
-        # first save of a workload is slow"), which is not this.
+        # slow first save of a workload (docs/benchmarks.md at 864f6a6, "The run
+        # before: the manifest encoded by orjson, while the arrays are written"),
+        # which is not this.
         os.sync()
         gc.collect()
         if op == "save":

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 
+import markdown
 import pytest
 
 import eqx_ckpt
@@ -67,6 +68,110 @@ def test_strict_build_fails_on_a_broken_link(tmp_path):
     command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")]
     done = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "missing.md" in done.stderr
+
+
+# A citation of the benchmarks page: a link to one of its headings
+# (`benchmarks.md#anchor`), or its path, maybe with a heading named in quotes
+# (`docs/benchmarks.md, "GPU"`); `docs/benchmarks.md at <commit>` is the page
+# as it was at that commit.
+_CITATION = re.compile(
+    r"benchmarks\.md#(?P<anchor>[\w-]+)|docs/benchmarks\.md(?: at (?P<commit>[0-9a-f]{7,40}))?"
+    r"(?:(?:\]\(benchmarks\.md\))?[,;]?\s*\(?\"(?P<name>[^\"]{1,200})\")?"
+)
+CITING = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "eqx_ckpt").rglob("*.py")),
+    *sorted((ROOT / "benchmarks").glob("*.py")),
+    *sorted((ROOT / "tests").glob("*.py")),
+]
+
+
+@functools.cache
+def _headings(text: str) -> dict[str, str]:
+    """The headings of a Markdown page (not the `#` lines of its code), each
+    one's anchor to its text, as the site makes them (Python-Markdown's `toc`)."""
+    page = markdown.Markdown(extensions=["toc", "attr_list", "fenced_code"])
+    page.convert(text)
+    found, tokens = {}, list(page.toc_tokens)
+    while tokens:
+        token = tokens.pop()
+        found[token["id"]] = html.unescape(token["name"])
+        tokens.extend(token["children"])
+    return found
+
+
+@functools.cache
+def _benchmarks_page(commit: str | None) -> str | None:
+    """docs/benchmarks.md now, or at `commit` ("" where git has no such commit;
+    `None` where this checkout has no full history to ask)."""
+    if commit is None:
+        return (ROOT / "docs" / "benchmarks.md").read_text()
+    git = ["git", "-C", str(ROOT)]
+    shallow = subprocess.run([*git, "rev-parse", "--is-shallow-repository"], capture_output=True, text=True)
+    if shallow.returncode != 0 or shallow.stdout.strip() != "false":
+        return None
+    shown = subprocess.run([*git, "show", f"{commit}:docs/benchmarks.md"], capture_output=True, text=True)
+    return shown.stdout if shown.returncode == 0 else ""
+
+
+def _citation_problems(text: str, page=_benchmarks_page) -> tuple[int, list[str]]:
+    """How many citations of the benchmarks page `text` makes, and those that
+    name no heading of it, or a commit without it: `line N: ...`. A heading may
+    be named by the part before its colon ("GPU"). Comment markers of continued
+    lines are read past."""
+    text = re.sub(r"\n[ \t]*#[ \t]*(?=\S)", "\n", text)
+    count, problems = 0, []
+    for cited in _CITATION.finditer(text):
+        found = page(cited["commit"])
+        if found is None:
+            continue
+        count += 1
+        headings, at = _headings(found), f" at {cited['commit']}" if cited["commit"] else ""
+        line = text.count("\n", 0, cited.start()) + 1
+        if not found:
+            problems.append(f"line {line}: no docs/benchmarks.md{at}")
+        elif cited["anchor"] and cited["anchor"] not in headings:
+            problems.append(f"line {line}: no heading #{cited['anchor']} in docs/benchmarks.md")
+        elif cited["name"]:
+            name = " ".join(cited["name"].split())
+            if name not in {n for h in headings.values() for n in (h, h.split(": ")[0])}:
+                problems.append(f"line {line}: no heading {name!r} in docs/benchmarks.md{at}")
+    return count, problems
+
+
+def test_citations_of_the_benchmarks_page_name_its_headings():
+    """Code and docs cite docs/benchmarks.md for the measurements behind a
+    choice. The page is cut to today's figures, so a citation must name a
+    section it still has, or the commit of the page that had it (issue 61)."""
+    total, problems = 0, []
+    for path in CITING:
+        if path != pathlib.Path(__file__):
+            count, found = _citation_problems(path.read_text())
+            total += count
+            problems += [f"{path.relative_to(ROOT)}, {problem}" for problem in found]
+    assert not problems, "\n".join(problems)
+    assert total >= 30  # the pattern still finds them
+
+
+def test_a_citation_of_a_missing_heading_is_found():
+    page = "# Benchmarks\n\n## GPU: a 4 GiB state\n\n```bash\n# not a heading\n```\n"
+    text = (
+        'See [it](benchmarks.md#gpu-a-4-gib-state), (docs/benchmarks.md, "GPU")\n'
+        '    # and docs/benchmarks.md,\n    # "GPU: a 4 GiB state"; [a cut section](benchmarks.md#cpu)\n'
+        '(docs/benchmarks.md, "not a heading"), docs/benchmarks.md at 1234567, "GPU".\n'
+        "docs/benchmarks.md at 89abcde; the docs/benchmarks.md page\n"
+    )
+    pages = {None: page, "1234567": "# Benchmarks\n", "89abcde": ""}
+    assert _citation_problems(text, pages.get) == (
+        8,
+        [
+            "line 3: no heading #cpu in docs/benchmarks.md",
+            "line 4: no heading 'not a heading' in docs/benchmarks.md",
+            "line 4: no heading 'GPU' in docs/benchmarks.md at 1234567",
+            "line 5: no docs/benchmarks.md at 89abcde",
+        ],
+    )
 
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -150,11 +255,7 @@ def test_public_docstrings_link_the_pages_they_name():
             page = ROOT / "docs" / f"{mention.group(1)}.md"
             assert page.is_file(), f"{name}: {page.name} does not exist"
             anchor = (found.group(1) or "#")[1:]
-            headings = [
-                re.sub(r"[^\w -]", "", h).strip().lower().replace(" ", "-")
-                for h in re.findall(r"^#+ (.*)$", page.read_text(), re.M)
-            ]
-            assert not anchor or anchor in headings, f"{name}: no heading #{anchor} in {page.name}"
+            assert not anchor or anchor in _headings(page.read_text()), f"{name}: no heading #{anchor} in {page.name}"
     assert mentions >= 6
 
 
