@@ -247,9 +247,9 @@ def ahead(data: Any) -> Any:
     CPU returns only once the copy is done (measured on an H100: 2.6 s for
     4 GiB, waited for or not; docs/benchmarks.md at 864f6a6, "GPU"), so it
     runs in the copy pool (`COPY_THREADS` threads), and the writes before it
-    go on meanwhile. (A piece already in
-    host memory, an asynchronous save's `pinned` copy, is viewed as it is.)
-    Without a CPU device, it is `copy_to_host_async` after all."""
+    go on meanwhile. (A piece already in host memory, an asynchronous save's
+    `pinned` copy, is viewed as it is.) Without a CPU device, it is
+    `copy_to_host_async` after all."""
     if isinstance(data, Deferred):
         data.source = ahead(data.resolved())
         return data
