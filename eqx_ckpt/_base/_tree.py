@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -133,8 +134,23 @@ def names_from_structure(treedef: Any) -> Names:
     (`_child_keys`). Each distinct subtree is named once, where it first
     occurs. A later occurrence (the next block of a model, Adam's moments of
     the parameters) copies those names behind its own prefix. That is a string
-    and a list joined per leaf, instead of a step per key."""
+    and a list joined per leaf, instead of a step per key.
+
+    The names of a whole tree are remembered by its structure too (`_NAMED`),
+    as `rebuilds_plainly` is: a training loop saves one structure again and
+    again. Only names that follow equality are (see `_names_follow_equality`):
+    an equal structure then has the same names."""
     _faults.fire("tree.name_by_structure", treedef)
+    named = _lookup(_NAMED, treedef)
+    if named is None:
+        named = _named(treedef)
+    # Copies of the lists: a save frees its own (`_staging.Batch.free`).
+    return Names(list(named[0]), list(named[1]), _StructureKeypaths(treedef), treedef)
+
+
+def _named(treedef: Any) -> tuple[list[str], list[list[list[Any]]]]:
+    """The dotted paths and key path records of `names_from_structure`, made
+    from the structure; remembered (`_NAMED`) when they follow equality."""
     paths: list[str] = []
     records: list[list[list[Any]]] = []
     # A subtree already named: (its first leaf, its last + 1, the length of the
@@ -167,8 +183,23 @@ def names_from_structure(treedef: Any) -> Names:
                 return False
         return same
 
-    name(treedef, "", [])
-    return Names(paths, records, _StructureKeypaths(treedef), treedef)
+    if name(treedef, "", []):
+        with _NAMED_LOCK:
+            try:
+                while len(_NAMED) >= _NAMED_SIZE:
+                    del _NAMED[next(iter(_NAMED))]
+                _NAMED[treedef] = (paths, records)
+            except Exception:  # a structure that cannot be compared (see `_lookup`)
+                pass
+    return paths, records
+
+
+# The names of the last few structures named (`names_from_structure`), the
+# oldest first. The key path records in them are shared by every save of the
+# structure, and never changed.
+_NAMED: dict[Any, tuple[list[str], list[list[list[Any]]]]] = {}
+_NAMED_SIZE = 4
+_NAMED_LOCK = threading.Lock()
 
 
 def _lookup(first: dict[Any, Any], node: Any) -> Any:

@@ -66,6 +66,8 @@ class Manifest:
     structure: str | None = dataclasses.field(default=None, compare=False)
     # The user's metadata of a published folder (`_published`: its `info`).
     info: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    # `structure` as a JSON string, where a save made it with the text (`structure_texts`).
+    structure_string: bytes | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def total_bytes(self) -> int:
@@ -101,7 +103,10 @@ class Manifest:
             "leaf_count": len(self.leaves),
             "total_bytes": self.total_bytes,
         }
-        return _encoded(body, self.leaves, LeafRecord.to_json, structure=self.structure)
+        structure = self.structure_string
+        if structure is None and self.structure is not None:
+            structure = orjson.dumps(self.structure)
+        return _encoded(body, self.leaves, LeafRecord.to_json, structure=structure)
 
 
 def encode(body: dict[str, Any]) -> bytes:
@@ -123,7 +128,7 @@ _BATCH = 256
 
 
 def _encoded(
-    body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any], Any] | None, *, structure: str | None = None
+    body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any], Any] | None, *, structure: bytes | None = None
 ) -> bytes:
     """`encode`, with each of `leaves` made a record by `to_json` (`None`: they are).
 
@@ -133,7 +138,7 @@ def _encoded(
     to the standard encoder, which escapes. Paths and key strings are JSON
     strings, in which `},{"path"` cannot occur unescaped. The bytes are
     copied once, into the result. `structure`, where given, goes before the
-    leaves, as a JSON string holding the record's JSON text.
+    leaves: a JSON string holding the record's JSON text.
     """
     parts: list[Any] = [_head(body, structure) + b"["]
     for start in range(0, len(leaves), _BATCH):
@@ -157,11 +162,11 @@ def _encoded(
     return b"".join([*parts, _tail(digest)])
 
 
-def _head(body: dict[str, Any], structure: str | None = None) -> bytes:
-    """The start of a manifest, up to its `leaves` value."""
+def _head(body: dict[str, Any], structure: bytes | None = None) -> bytes:
+    """The start of a manifest, up to its `leaves` value (`structure`: a JSON string)."""
     head = json.dumps(body, allow_nan=False)[:-1].encode()
     if structure is not None:
-        head += b',\n"structure": ' + orjson.dumps(structure)
+        head += b',\n"structure": ' + structure
     return head + b',\n"leaves": '
 
 
@@ -173,7 +178,54 @@ def _tail(digest: Any) -> bytes:
 def encode_structure(record: Any) -> str:
     """A structure record as the manifest holds it: compact JSON text (so that
     one made again from an equal tree is the same text)."""
-    return _json(record).decode()
+    return structure_texts(record)[0]
+
+
+def structure_texts(record: Any) -> tuple[str, bytes]:
+    """`record`'s JSON text, and that text as a JSON string (how the manifest
+    holds it).
+
+    Equal sub-trees share one sub-record (`_structure`): each shared one is
+    encoded and escaped once, and its texts joined where it occurs. JSON
+    escapes a string character by character, so the string of the joined
+    text is the join of the strings. The texts are those of `_json(record)`
+    and `orjson.dumps` of it, byte for byte. Where `orjson` cannot encode a
+    part (an integer beyond 64 bits), the record is encoded whole, as
+    `_json` does."""
+    try:
+        text, string = _Texts().of(record)
+    except orjson.JSONEncodeError:
+        text = _json(record)
+        return text.decode(), orjson.dumps(text.decode())
+    return text.decode(), b'"' + string + b'"'
+
+
+class _Texts:
+    """The texts of the parts of one record, each shared part made once (by `id`:
+    the record holds every part while this runs)."""
+
+    def __init__(self) -> None:
+        self.made: dict[int, tuple[bytes, bytes]] = {}
+
+    def of(self, node: Any) -> tuple[bytes, bytes]:
+        """`node`'s JSON text, and that text escaped (a JSON string without its quotes)."""
+        found = self.made.get(id(node))
+        if found is None:
+            found = self.made[id(node)] = self._make(node)
+        return found
+
+    def _make(self, node: Any) -> tuple[bytes, bytes]:
+        children = node.get("c") if type(node) is dict else None
+        if type(children) is not list or next(reversed(node)) != "c":
+            text = orjson.dumps(node)
+            return text, _escaped(text)
+        # `{...,"c":[` (the node's other items, its children last), then each child's text.
+        head = orjson.dumps({key: value for key, value in node.items() if key != "c"})
+        start = head[:-1] + (b"," if len(head) > 2 else b"") + b'"c":['
+        parts = [self.of(child) for child in children]
+        text = start + b",".join([part[0] for part in parts]) + b"]}"
+        string = _escaped(start) + b",".join([part[1] for part in parts]) + b"]}"
+        return text, string
 
 
 def _json(value: Any) -> bytes:
@@ -182,6 +234,11 @@ def _json(value: Any) -> bytes:
         return orjson.dumps(value)
     except orjson.JSONEncodeError:
         return json.dumps(value, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _escaped(text: bytes) -> bytes:
+    """JSON text (UTF-8) as the inside of a JSON string."""
+    return orjson.dumps(text.decode())[1:-1]
 
 
 # The end of a version 4 manifest: its digest, of every byte before this.
@@ -203,7 +260,7 @@ def new_manifest(
     from .. import __version__
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    structure = None if structure is None else encode_structure(structure)
+    text, string = (None, None) if structure is None else structure_texts(structure)
     return Manifest(
         tuple(leaves),
         data_root,
@@ -213,7 +270,8 @@ def new_manifest(
         commit=commit,
         metrics=metrics or {},
         packs=tuple(packs),
-        structure=structure,
+        structure=text,
+        structure_string=string,
     )
 
 
