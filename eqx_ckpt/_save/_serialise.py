@@ -407,11 +407,14 @@ def _plan(
         _records.assign([p.record for p in pending], [p.pieces for p in pending], for_steps=step)
     if private:
         _staging.protect(pending)
-    stored = {p.record.path for p in pending}
-    if structure is None:
-        record = _structure.record(names.treedef, leaves, [path in stored for path in names.paths], names.records)
+    if structure is not None:
+        record = structure({p.record.path for p in pending})
     else:
-        record = structure(stored)
+        # A leaf is written once at most, by its own name: as many written as named is every one.
+        count = len(names.paths)
+        stored = {p.record.path for p in pending} if len(pending) != count else None
+        saved = [True] * count if stored is None else [path in stored for path in names.paths]
+        record = _structure.record(names.treedef, leaves, saved, names.records)
     return _staging.Batch(pending, made=[leaves, names.paths, names.records], structure=record)
 
 
