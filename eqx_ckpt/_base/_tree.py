@@ -74,9 +74,13 @@ class Names:
     - `keypath(i)`: each leaf's key path, on request. A save needs a few, for
       the leaves it cannot store the common way and for its errors.
     - `treedef`: the tree's structure where known (a save records it:
-      `_structure`)."""
+      `_structure`).
+    - `memo`: where the names are remembered by structure
+      (`names_from_structure`), a dict shared by every tree of that structure
+      while they are, else `None`. A save keeps there what it worked out from
+      them for the next one (`_records.Plan`)."""
 
-    __slots__ = ("_keypath", "paths", "records", "treedef")
+    __slots__ = ("_keypath", "memo", "paths", "records", "treedef")
 
     def __init__(
         self,
@@ -84,8 +88,10 @@ class Names:
         records: list[list[list[Any]]],
         keypath: Callable[[int], tuple[Any, ...]],
         treedef: Any = None,
+        memo: dict[Any, Any] | None = None,
     ):
         self.paths, self.records, self._keypath, self.treedef = paths, records, keypath, treedef
+        self.memo = memo
 
     def keypath(self, i: int) -> tuple[Any, ...]:
         return self._keypath(i)
@@ -144,11 +150,12 @@ def names_from_structure(treedef: Any) -> Names:
     named = _lookup(_NAMED, treedef)
     if named is None:
         named = _named(treedef)
+    paths, records, memo = named
     # Copies of the lists: a save frees its own (`_staging.Batch.free`).
-    return Names(list(named[0]), list(named[1]), _StructureKeypaths(treedef), treedef)
+    return Names(list(paths), list(records), _StructureKeypaths(treedef), treedef, memo)
 
 
-def _named(treedef: Any) -> tuple[list[str], list[list[list[Any]]]]:
+def _named(treedef: Any) -> tuple[list[str], list[list[list[Any]]], dict[Any, Any] | None]:
     """The dotted paths and key path records of `names_from_structure`, made
     from the structure; remembered (`_NAMED`) when they follow equality."""
     paths: list[str] = []
@@ -183,21 +190,23 @@ def _named(treedef: Any) -> tuple[list[str], list[list[list[Any]]]]:
                 return False
         return same
 
-    if name(treedef, "", []):
-        with _NAMED_LOCK:
-            try:
-                while len(_NAMED) >= _NAMED_SIZE:
-                    del _NAMED[next(iter(_NAMED))]
-                _NAMED[treedef] = (paths, records)
-            except Exception:  # a structure that cannot be compared (see `_lookup`)
-                pass
-    return paths, records
+    if not name(treedef, "", []):
+        return paths, records, None
+    named: tuple[list[str], list[list[list[Any]]], dict[Any, Any]] = (paths, records, {})
+    with _NAMED_LOCK:
+        try:
+            while len(_NAMED) >= _NAMED_SIZE:
+                del _NAMED[next(iter(_NAMED))]
+            _NAMED[treedef] = named
+        except Exception:  # a structure that cannot be compared (see `_lookup`)
+            return paths, records, None
+    return named
 
 
 # The names of the last few structures named (`names_from_structure`), the
-# oldest first. The key path records in them are shared by every save of the
-# structure, and never changed.
-_NAMED: dict[Any, tuple[list[str], list[list[list[Any]]]]] = {}
+# oldest first, each with its `Names.memo`. The key path records in them are
+# shared by every save of the structure, and never changed.
+_NAMED: dict[Any, tuple[list[str], list[list[list[Any]]], dict[Any, Any]]] = {}
 _NAMED_SIZE = 4
 _NAMED_LOCK = threading.Lock()
 

@@ -85,11 +85,12 @@ class Manifest:
     def by_path(self) -> dict[str, LeafRecord]:
         return {leaf.path: leaf for leaf in self.leaves}
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, *, leaves: list[Any] | None = None) -> bytes:
+        """The manifest's bytes. `leaves`: `leaves_text(self.leaves)`, where the caller kept it."""
         with _gc.gc_paused():
-            return self._to_bytes()
+            return self._to_bytes(leaves)
 
-    def _to_bytes(self) -> bytes:
+    def _to_bytes(self, leaves: list[Any] | None) -> bytes:
         body = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -106,7 +107,9 @@ class Manifest:
         structure = self.structure_string
         if structure is None and self.structure is not None:
             structure = orjson.dumps(self.structure)
-        return _encoded(body, self.leaves, LeafRecord.to_json, structure=structure)
+        if leaves is None:
+            leaves = leaves_text(self.leaves)
+        return _encoded(body, leaves, structure=structure)
 
 
 def encode(body: dict[str, Any]) -> bytes:
@@ -119,7 +122,7 @@ def encode(body: dict[str, Any]) -> bytes:
     if not isinstance(leaves, list):  # as a damaged manifest (in tests) has it
         text = _head(body) + json.dumps(leaves).encode()
         return text + _tail(hashlib.sha256(text))
-    return _encoded(body, leaves, None)
+    return _encoded(body, _records_text(leaves, None))
 
 
 # Leaf records encoded at a time: their dicts are freed before the next ones are
@@ -127,35 +130,45 @@ def encode(body: dict[str, Any]) -> bytes:
 _BATCH = 256
 
 
-def _encoded(
-    body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any], Any] | None, *, structure: bytes | None = None
-) -> bytes:
-    """`encode`, with each of `leaves` made a record by `to_json` (`None`: they are).
+def leaves_text(leaves: Sequence[LeafRecord]) -> list[Any]:
+    """The text of a manifest's `leaves` list, in parts, without its brackets:
+    a record of each of `leaves` (`LeafRecord.to_json`), one a line."""
+    return _records_text(leaves, LeafRecord.to_json)
 
-    One line per leaf. The leaves are encoded by `orjson` (a fifth of the time
-    of the standard library's encoder), as compact JSON in UTF-8; a batch of records it cannot encode (an
-    integer key beyond 64 bits, a string that is not valid Unicode) falls back
-    to the standard encoder, which escapes. Paths and key strings are JSON
-    strings, in which `},{"path"` cannot occur unescaped. The bytes are
-    copied once, into the result. `structure`, where given, goes before the
-    leaves: a JSON string holding the record's JSON text.
-    """
-    parts: list[Any] = [_head(body, structure) + b"["]
-    for start in range(0, len(leaves), _BATCH):
-        records = leaves[start : start + _BATCH]
+
+def _records_text(records: Sequence[Any], to_json: Callable[[Any], Any] | None) -> list[Any]:
+    """`leaves_text`, with each of `records` made a record by `to_json` (`None`: they are).
+
+    The records are encoded by `orjson` (a fifth of the time of the standard
+    library's encoder), as compact JSON in UTF-8, `_BATCH` at a time. A batch
+    it cannot encode (an integer key beyond 64 bits, a string that is not
+    valid Unicode) falls back to the standard encoder, which escapes. Paths
+    and key strings are JSON strings, in which `},{"path"` cannot occur
+    unescaped."""
+    parts: list[Any] = []
+    for start in range(0, len(records), _BATCH):
+        batch = records[start : start + _BATCH]
         if to_json is not None:
-            records = [to_json(record) for record in records]
+            batch = [to_json(record) for record in batch]
         try:
-            text = orjson.dumps(records)
+            text = orjson.dumps(batch)
         except orjson.JSONEncodeError:
             # The records hold no cycles: the encoder need not look for them.
-            text = json.dumps(records, allow_nan=False, separators=(",", ":"), check_circular=False).encode()
-        del records
+            text = json.dumps(batch, allow_nan=False, separators=(",", ":"), check_circular=False).encode()
+        del batch
         # Without the batch's brackets; batches joined as records are.
         if start:
             parts.append(b",\n")
         parts.append(memoryview(text.replace(b'},{"path":', b'},\n{"path":'))[1:-1])
-    parts.append(b"]")
+    return parts
+
+
+def _encoded(body: dict[str, Any], leaves: list[Any], *, structure: bytes | None = None) -> bytes:
+    """`encode`, with the text of its `leaves` in parts (`leaves_text`).
+
+    `structure`, where given, goes before the leaves: a JSON string holding
+    the record's JSON text. The bytes are copied once, into the result."""
+    parts: list[Any] = [_head(body, structure) + b"[", *leaves, b"]"]
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part)
