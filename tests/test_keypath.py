@@ -403,3 +403,33 @@ def test_names_from_the_structure_are_those_of_the_key_paths_on_any_tree():
         _check_named_as_by_key_paths({"x": tree, "y": [tree, {"z": _twin(tree)}, tree]})
 
     check()
+
+
+def test_names_remembered_by_structure_are_those_of_the_key_paths():
+    """A whole tree's names are remembered by its structure: named again one
+    after another, an equal structure whose number keys are named otherwise
+    (its twin) still gets its own names, and a tree named again gets its
+    names in lists of its own."""
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(_trees())
+    def check(tree):
+        for named in (tree, _twin(tree), tree, _twin(tree)):
+            _check_named_as_by_key_paths({"x": named})
+
+    check()
+
+
+def test_names_remembered_by_structure_are_a_copy_for_each_tree():
+    """A save frees its names (`_staging.Batch.free` empties the lists): the
+    names remembered for the next tree of that structure are kept whole."""
+    from eqx_ckpt._base import _tree
+
+    tree = {"a": [jnp.ones(2), jnp.zeros(3)], "b": {"c": jnp.ones(1)}}
+    first = _tree.flatten_named(tree, None)[1]
+    expected = (list(first.paths), [list(r) for r in first.records])
+    first.paths.clear()
+    first.records.clear()
+    again = _tree.flatten_named(tree, None)[1]
+    assert (again.paths, again.records) == expected == (["a.0", "a.1", "b.c"], expected[1])

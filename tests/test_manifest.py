@@ -270,3 +270,34 @@ def test_a_newer_manifest_is_not_called_damaged(tmp_path):
     with pytest.raises(eqx_ckpt.CheckpointVersionError, match="Upgrade eqx_ckpt as you installed it") as info:
         eqx_ckpt.Checkpoint(tmp_path)
     assert not isinstance(info.value, eqx_ckpt.CorruptCheckpointError)
+
+
+def test_the_structure_texts_are_those_of_the_json_encoders():
+    """A save encodes its structure record part by part, each shared part once
+    (`_manifest.structure_texts`): the text is `orjson`'s of the whole record,
+    and the string the manifest holds is `orjson`'s of that text, byte for byte,
+    as the whole-record encoding gave them (an integer beyond 64 bits: the
+    standard encoder's)."""
+    import orjson
+
+    from eqx_ckpt._ondisk import _manifest
+
+    leaf = {"t": "leaf"}
+    block = {"t": "object", "cls": "m:B", "f": ["a", 'b\u00e9"\\\n\x01'], "c": [leaf, {"t": "value", "v": 1.0}]}
+    records = [
+        {"t": "dict", "k": ["x", "y\u2028"], "c": [{"t": "list", "c": [block, block, leaf]}, {"c": [block]}]},
+        leaf,
+        {"t": "list", "c": []},
+        {"c": []},
+        {"t": "node", "c": [leaf], "aux": None},
+        {"t": "list", "c": [block, {"t": "value", "v": 2**70}]},
+    ]
+    for record in records:
+        text, string = _manifest.structure_texts(record)
+        try:
+            whole = orjson.dumps(record).decode()
+        except orjson.JSONEncodeError:
+            whole = json.dumps(record, allow_nan=False, separators=(",", ":"))
+        assert text == whole == _manifest.encode_structure(record)
+        assert string == orjson.dumps(whole)
+        assert json.loads(json.loads(string)) == record

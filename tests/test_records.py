@@ -5,6 +5,7 @@ and loads back."""
 from __future__ import annotations
 
 import json
+import re
 
 import equinox as eqx
 import jax
@@ -40,8 +41,12 @@ def _never_cast(path: str, dtype: np.dtype) -> None:
     return None
 
 
+def _manifest(path) -> dict:
+    return json.loads((path / "manifest.json").read_text())
+
+
 def _leaves(path) -> list[dict]:
-    return json.loads((path / "manifest.json").read_text())["leaves"]
+    return _manifest(path)["leaves"]
 
 
 @pytest.mark.parametrize("as_jax", [False, True], ids=["numpy", "jax"])
@@ -196,3 +201,92 @@ def test_kinds_are_remembered_by_type(tmp_path):
     tree = {"sub": np.arange(3.0).view(Sub), "jax": jnp.ones(2)}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     assert {leaf["path"]: leaf["type"] for leaf in _leaves(tmp_path)} == {"sub": "numpy", "jax": "jax"}
+
+
+def _tree_of(dtype=np.float32, n=40):
+    """Many small leaves (packed) and a large one (an array of its own), as a model's are."""
+    return {
+        "blocks": [{"w": jnp.full((4, 3), i, dtype), "b": np.arange(3, dtype=dtype) + i} for i in range(n)],
+        "big": jnp.arange(300_000, dtype=jnp.float32),
+    }
+
+
+def _changed(tree):
+    """Trees of `tree`'s structure, each with one leaf of another kind, dtype
+    or shape, or deleted; named by what changed."""
+    first = tree["blocks"][0]
+    deleted = jnp.ones_like(first["w"])  # of the type, dtype and shape kept
+    deleted.delete()
+    return {
+        "values": jax.tree.map(lambda x: x + 1, tree),
+        "dtype": {**tree, "blocks": [{**first, "w": first["w"].astype(jnp.float16)}, *tree["blocks"][1:]]},
+        "shape": {**tree, "blocks": [{**first, "b": np.arange(7.0)}, *tree["blocks"][1:]]},
+        "numpy": {**tree, "blocks": [{**first, "w": np.asarray(first["w"])}, *tree["blocks"][1:]]},
+        "jax": {**tree, "blocks": [{**first, "b": jnp.asarray(first["b"])}, *tree["blocks"][1:]]},
+        "scalar": {**tree, "blocks": [{**first, "b": 2.5}, *tree["blocks"][1:]]},
+        "deleted": {**tree, "blocks": [{**first, "w": deleted}, *tree["blocks"][1:]]},
+    }
+
+
+@pytest.mark.parametrize("change", ["values", "dtype", "shape", "numpy", "jax", "scalar", "deleted"])
+def test_a_save_after_one_of_the_same_structure_writes_what_a_first_save_writes(tmp_path, faults, packing, change):
+    """A save keeps its records for the next save of the same structure
+    (`_records.Plan`): taken as they are only where every leaf is of the type,
+    dtype and shape it was (fault point `save.records_reused`). Whatever
+    changed, the next save writes what a save making every record anew writes
+    (one with a `cast`, which never takes kept records), and loads back; a
+    deleted leaf is refused by name."""
+    reused = []
+    faults("save.records_reused", lambda loc: reused.append(loc.display))
+    tree = _tree_of()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "first", tree)  # (an earlier test may have kept its records)
+    reused.clear()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "again", tree)
+    assert reused == [str(tmp_path / "again")]
+    assert _leaves(tmp_path / "again") == _leaves(tmp_path / "first")
+    other = _changed(tree)[change]
+    if change == "deleted":
+        with pytest.raises(eqx_ckpt.LeafError, match=re.escape("blocks.0.w") + ".*deleted"):
+            eqx_ckpt.tree_serialise_leaves(tmp_path / "other", other)
+        return
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "fresh", other, cast=_never_cast)  # every record made anew
+    for name in ("other", "twice"):  # the records made anew (or, with `values`, taken), then taken if kept
+        eqx_ckpt.tree_serialise_leaves(tmp_path / name, other)
+        assert _leaves(tmp_path / name) == _leaves(tmp_path / "fresh")
+        loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path / name, other)
+        assert eqx.tree_equal(loaded, other, typematch=True)
+    # A tree with a leaf that is not the common leaf (a scalar) keeps no records.
+    expected = ["other"] * (change == "values") + ["twice"] * (change != "scalar")
+    assert reused[1:] == [str(tmp_path / name) for name in expected]
+
+
+def test_kept_records_follow_the_knobs_and_a_managers_packs(tmp_path, monkeypatch, faults):
+    """Records kept by a save are never taken by one that would make them
+    otherwise: after a knob changed (`PACK_BYTES`, `_format.CHUNK_BYTES`, as
+    tests change them), or for a manager's step, whose packs are cut in
+    smaller chunks (`STEP_PACK_CHUNK_BYTES`) than a plain save's."""
+    from eqx_ckpt._ondisk import _format
+
+    reused = []
+    faults("save.records_reused", lambda loc: reused.append(loc.display))
+    tree = _tree_of(n=2000)  # 2000 x 60 bytes: a pack of over `STEP_PACK_CHUNK_BYTES`
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "plain", tree)
+    with eqx_ckpt.CheckpointManager(tmp_path / "steps") as manager:
+        manager.save(1, tree)  # (an earlier test may have kept its records)
+        reused.clear()
+        manager.save(2, tree)
+    plain, steps = _manifest(tmp_path / "plain"), _manifest(tmp_path / "steps" / "step_00000002")
+    assert steps["packs"] == _manifest(tmp_path / "steps" / "step_00000001")["packs"]
+    assert all(p["chunks"][0] * 4 <= _records.STEP_PACK_CHUNK_BYTES for p in steps["packs"])
+    assert plain["packs"][0]["chunks"][0] > steps["packs"][0]["chunks"][0]
+    assert reused == [str(tmp_path / "steps" / "step_00000002")]
+    monkeypatch.setattr(_records, "PACK_BYTES", -1)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "unpacked", tree)
+    assert _manifest(tmp_path / "unpacked")["packs"] == [] and len(reused) == 1
+    monkeypatch.setattr(_format, "CHUNK_BYTES", 64 << 10)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "chunked", tree)
+    big = {leaf["path"]: leaf for leaf in _leaves(tmp_path / "chunked")}["big"]
+    before = {leaf["path"]: leaf for leaf in plain["leaves"]}["big"]
+    assert big["chunks"][0] * 4 <= 64 << 10 < before.get("chunks", before["shape"])[0] * 4 and len(reused) == 1
+    for name in ("unpacked", "chunked"):
+        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / name, tree), tree, typematch=True)

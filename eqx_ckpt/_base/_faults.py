@@ -26,6 +26,9 @@ The points, with where they fire and the arguments they pass:
 
 - `save.records` `(loc)`: a save starts making its leaves' records (running
   the filter specs), before anything is written.
+- `save.records_reused` `(loc)`: a save takes, as they are, the records a
+  save of the same structure and leaves kept (`_records.Plan`), after
+  `save.records`.
 - `save.leaf_record` `(path)`: one leaf's record and host pieces are made the
   general way (a PRNG key, a sharded array, a scalar, a cast; the common
   leaf's short branch does not pass here).
@@ -212,6 +215,7 @@ Action = BaseException | type[BaseException] | Callable[..., object]
 POINTS = frozenset(
     {
         "save.records",
+        "save.records_reused",
         "save.leaf_record",
         "save.array_kind",
         "save.held",

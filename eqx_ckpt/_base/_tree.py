@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -73,9 +74,13 @@ class Names:
     - `keypath(i)`: each leaf's key path, on request. A save needs a few, for
       the leaves it cannot store the common way and for its errors.
     - `treedef`: the tree's structure where known (a save records it:
-      `_structure`)."""
+      `_structure`).
+    - `memo`: where the names are remembered by structure
+      (`names_from_structure`), a dict shared by every tree of that structure
+      while they are, else `None`. A save keeps there what it worked out from
+      them for the next one (`_records.Plan`)."""
 
-    __slots__ = ("_keypath", "paths", "records", "treedef")
+    __slots__ = ("_keypath", "memo", "paths", "records", "treedef")
 
     def __init__(
         self,
@@ -83,8 +88,10 @@ class Names:
         records: list[list[list[Any]]],
         keypath: Callable[[int], tuple[Any, ...]],
         treedef: Any = None,
+        memo: dict[Any, Any] | None = None,
     ):
         self.paths, self.records, self._keypath, self.treedef = paths, records, keypath, treedef
+        self.memo = memo
 
     def keypath(self, i: int) -> tuple[Any, ...]:
         return self._keypath(i)
@@ -133,8 +140,24 @@ def names_from_structure(treedef: Any) -> Names:
     (`_child_keys`). Each distinct subtree is named once, where it first
     occurs. A later occurrence (the next block of a model, Adam's moments of
     the parameters) copies those names behind its own prefix. That is a string
-    and a list joined per leaf, instead of a step per key."""
+    and a list joined per leaf, instead of a step per key.
+
+    The names of a whole tree are remembered by its structure too (`_NAMED`),
+    as `rebuilds_plainly` is: a training loop saves one structure again and
+    again. Only names that follow equality are (see `_names_follow_equality`):
+    an equal structure then has the same names."""
     _faults.fire("tree.name_by_structure", treedef)
+    named = _lookup(_NAMED, treedef)
+    if named is None:
+        named = _named(treedef)
+    paths, records, memo = named
+    # Copies of the lists: a save frees its own (`_staging.Batch.free`).
+    return Names(list(paths), list(records), _StructureKeypaths(treedef), treedef, memo)
+
+
+def _named(treedef: Any) -> tuple[list[str], list[list[list[Any]]], dict[Any, Any] | None]:
+    """The dotted paths and key path records of `names_from_structure`, made
+    from the structure; remembered (`_NAMED`) when they follow equality."""
     paths: list[str] = []
     records: list[list[list[Any]]] = []
     # A subtree already named: (its first leaf, its last + 1, the length of the
@@ -167,8 +190,25 @@ def names_from_structure(treedef: Any) -> Names:
                 return False
         return same
 
-    name(treedef, "", [])
-    return Names(paths, records, _StructureKeypaths(treedef), treedef)
+    if not name(treedef, "", []):
+        return paths, records, None
+    named: tuple[list[str], list[list[list[Any]]], dict[Any, Any]] = (paths, records, {})
+    with _NAMED_LOCK:
+        try:
+            while len(_NAMED) >= _NAMED_SIZE:
+                del _NAMED[next(iter(_NAMED))]
+            _NAMED[treedef] = named
+        except Exception:  # a structure that cannot be compared (see `_lookup`)
+            return paths, records, None
+    return named
+
+
+# The names of the last few structures named (`names_from_structure`), the
+# oldest first, each with its `Names.memo`. The key path records in them are
+# shared by every save of the structure, and never changed.
+_NAMED: dict[Any, tuple[list[str], list[list[list[Any]]], dict[Any, Any]]] = {}
+_NAMED_SIZE = 4
+_NAMED_LOCK = threading.Lock()
 
 
 def _lookup(first: dict[Any, Any], node: Any) -> Any:

@@ -66,6 +66,8 @@ class Manifest:
     structure: str | None = dataclasses.field(default=None, compare=False)
     # The user's metadata of a published folder (`_published`: its `info`).
     info: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    # `structure` as a JSON string, where a save made it with the text (`structure_texts`).
+    structure_string: bytes | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def total_bytes(self) -> int:
@@ -83,11 +85,12 @@ class Manifest:
     def by_path(self) -> dict[str, LeafRecord]:
         return {leaf.path: leaf for leaf in self.leaves}
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, *, leaves: list[Any] | None = None) -> bytes:
+        """The manifest's bytes. `leaves`: `leaves_text(self.leaves)`, where the caller kept it."""
         with _gc.gc_paused():
-            return self._to_bytes()
+            return self._to_bytes(leaves)
 
-    def _to_bytes(self) -> bytes:
+    def _to_bytes(self, leaves: list[Any] | None) -> bytes:
         body = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -101,7 +104,12 @@ class Manifest:
             "leaf_count": len(self.leaves),
             "total_bytes": self.total_bytes,
         }
-        return _encoded(body, self.leaves, LeafRecord.to_json, structure=self.structure)
+        structure = self.structure_string
+        if structure is None and self.structure is not None:
+            structure = orjson.dumps(self.structure)
+        if leaves is None:
+            leaves = leaves_text(self.leaves)
+        return _encoded(body, leaves, structure=structure)
 
 
 def encode(body: dict[str, Any]) -> bytes:
@@ -114,7 +122,7 @@ def encode(body: dict[str, Any]) -> bytes:
     if not isinstance(leaves, list):  # as a damaged manifest (in tests) has it
         text = _head(body) + json.dumps(leaves).encode()
         return text + _tail(hashlib.sha256(text))
-    return _encoded(body, leaves, None)
+    return _encoded(body, _records_text(leaves, None))
 
 
 # Leaf records encoded at a time: their dicts are freed before the next ones are
@@ -122,46 +130,56 @@ def encode(body: dict[str, Any]) -> bytes:
 _BATCH = 256
 
 
-def _encoded(
-    body: dict[str, Any], leaves: Sequence[Any], to_json: Callable[[Any], Any] | None, *, structure: str | None = None
-) -> bytes:
-    """`encode`, with each of `leaves` made a record by `to_json` (`None`: they are).
+def leaves_text(leaves: Sequence[LeafRecord]) -> list[Any]:
+    """The text of a manifest's `leaves` list, in parts, without its brackets:
+    a record of each of `leaves` (`LeafRecord.to_json`), one a line."""
+    return _records_text(leaves, LeafRecord.to_json)
 
-    One line per leaf. The leaves are encoded by `orjson` (a fifth of the time
-    of the standard library's encoder), as compact JSON in UTF-8; a batch of records it cannot encode (an
-    integer key beyond 64 bits, a string that is not valid Unicode) falls back
-    to the standard encoder, which escapes. Paths and key strings are JSON
-    strings, in which `},{"path"` cannot occur unescaped. The bytes are
-    copied once, into the result. `structure`, where given, goes before the
-    leaves, as a JSON string holding the record's JSON text.
-    """
-    parts: list[Any] = [_head(body, structure) + b"["]
-    for start in range(0, len(leaves), _BATCH):
-        records = leaves[start : start + _BATCH]
+
+def _records_text(records: Sequence[Any], to_json: Callable[[Any], Any] | None) -> list[Any]:
+    """`leaves_text`, with each of `records` made a record by `to_json` (`None`: they are).
+
+    The records are encoded by `orjson` (a fifth of the time of the standard
+    library's encoder), as compact JSON in UTF-8, `_BATCH` at a time. A batch
+    it cannot encode (an integer key beyond 64 bits, a string that is not
+    valid Unicode) falls back to the standard encoder, which escapes. Paths
+    and key strings are JSON strings, in which `},{"path"` cannot occur
+    unescaped."""
+    parts: list[Any] = []
+    for start in range(0, len(records), _BATCH):
+        batch = records[start : start + _BATCH]
         if to_json is not None:
-            records = [to_json(record) for record in records]
+            batch = [to_json(record) for record in batch]
         try:
-            text = orjson.dumps(records)
+            text = orjson.dumps(batch)
         except orjson.JSONEncodeError:
             # The records hold no cycles: the encoder need not look for them.
-            text = json.dumps(records, allow_nan=False, separators=(",", ":"), check_circular=False).encode()
-        del records
+            text = json.dumps(batch, allow_nan=False, separators=(",", ":"), check_circular=False).encode()
+        del batch
         # Without the batch's brackets; batches joined as records are.
         if start:
             parts.append(b",\n")
         parts.append(memoryview(text.replace(b'},{"path":', b'},\n{"path":'))[1:-1])
-    parts.append(b"]")
+    return parts
+
+
+def _encoded(body: dict[str, Any], leaves: list[Any], *, structure: bytes | None = None) -> bytes:
+    """`encode`, with the text of its `leaves` in parts (`leaves_text`).
+
+    `structure`, where given, goes before the leaves: a JSON string holding
+    the record's JSON text. The bytes are copied once, into the result."""
+    parts: list[Any] = [_head(body, structure) + b"[", *leaves, b"]"]
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part)
     return b"".join([*parts, _tail(digest)])
 
 
-def _head(body: dict[str, Any], structure: str | None = None) -> bytes:
-    """The start of a manifest, up to its `leaves` value."""
+def _head(body: dict[str, Any], structure: bytes | None = None) -> bytes:
+    """The start of a manifest, up to its `leaves` value (`structure`: a JSON string)."""
     head = json.dumps(body, allow_nan=False)[:-1].encode()
     if structure is not None:
-        head += b',\n"structure": ' + orjson.dumps(structure)
+        head += b',\n"structure": ' + structure
     return head + b',\n"leaves": '
 
 
@@ -173,7 +191,54 @@ def _tail(digest: Any) -> bytes:
 def encode_structure(record: Any) -> str:
     """A structure record as the manifest holds it: compact JSON text (so that
     one made again from an equal tree is the same text)."""
-    return _json(record).decode()
+    return structure_texts(record)[0]
+
+
+def structure_texts(record: Any) -> tuple[str, bytes]:
+    """`record`'s JSON text, and that text as a JSON string (how the manifest
+    holds it).
+
+    Equal sub-trees share one sub-record (`_structure`): each shared one is
+    encoded and escaped once, and its texts joined where it occurs. JSON
+    escapes a string character by character, so the string of the joined
+    text is the join of the strings. The texts are those of `_json(record)`
+    and `orjson.dumps` of it, byte for byte. Where `orjson` cannot encode a
+    part (an integer beyond 64 bits), the record is encoded whole, as
+    `_json` does."""
+    try:
+        text, string = _Texts().of(record)
+    except orjson.JSONEncodeError:
+        text = _json(record)
+        return text.decode(), orjson.dumps(text.decode())
+    return text.decode(), b'"' + string + b'"'
+
+
+class _Texts:
+    """The texts of the parts of one record, each shared part made once (by `id`:
+    the record holds every part while this runs)."""
+
+    def __init__(self) -> None:
+        self.made: dict[int, tuple[bytes, bytes]] = {}
+
+    def of(self, node: Any) -> tuple[bytes, bytes]:
+        """`node`'s JSON text, and that text escaped (a JSON string without its quotes)."""
+        found = self.made.get(id(node))
+        if found is None:
+            found = self.made[id(node)] = self._make(node)
+        return found
+
+    def _make(self, node: Any) -> tuple[bytes, bytes]:
+        children = node.get("c") if type(node) is dict else None
+        if type(children) is not list or next(reversed(node)) != "c":
+            text = orjson.dumps(node)
+            return text, _escaped(text)
+        # `{...,"c":[` (the node's other items, its children last), then each child's text.
+        head = orjson.dumps({key: value for key, value in node.items() if key != "c"})
+        start = head[:-1] + (b"," if len(head) > 2 else b"") + b'"c":['
+        parts = [self.of(child) for child in children]
+        text = start + b",".join([part[0] for part in parts]) + b"]}"
+        string = _escaped(start) + b",".join([part[1] for part in parts]) + b"]}"
+        return text, string
 
 
 def _json(value: Any) -> bytes:
@@ -182,6 +247,11 @@ def _json(value: Any) -> bytes:
         return orjson.dumps(value)
     except orjson.JSONEncodeError:
         return json.dumps(value, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _escaped(text: bytes) -> bytes:
+    """JSON text (UTF-8) as the inside of a JSON string."""
+    return orjson.dumps(text.decode())[1:-1]
 
 
 # The end of a version 4 manifest: its digest, of every byte before this.
@@ -203,7 +273,7 @@ def new_manifest(
     from .. import __version__
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    structure = None if structure is None else encode_structure(structure)
+    text, string = (None, None) if structure is None else structure_texts(structure)
     return Manifest(
         tuple(leaves),
         data_root,
@@ -213,7 +283,8 @@ def new_manifest(
         commit=commit,
         metrics=metrics or {},
         packs=tuple(packs),
-        structure=structure,
+        structure=text,
+        structure_string=string,
     )
 
 

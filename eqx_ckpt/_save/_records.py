@@ -115,6 +115,78 @@ def build(
     return collector.pending
 
 
+class Plan:
+    """A save's records, packs assigned, kept for the next save of the same
+    structure (in its `_tree.Names.memo`; a manager's steps keep their own,
+    their packs cut otherwise). A training loop saves one tree again and
+    again, each leaf of the same type, dtype and shape: the next save takes
+    these records as they are (`reuse`), where making and packing them anew
+    would give the same. `text`: the manifest's text of the records
+    (`_manifest.leaves_text`), made by the first save that encodes them.
+
+    Kept only where every leaf is the common leaf (`_Collector.add`'s short
+    branch): a NumPy array or a `jax.Array` on one device, written as it is.
+    The records are never changed once kept."""
+
+    __slots__ = ("dtypes", "nbytes", "records", "shapes", "text", "types")
+
+    def __init__(self, pending: list[Pending], leaves: list[Any]):
+        self.records = [p.record for p in pending]
+        self.nbytes = [p.nbytes for p in pending]
+        self.types = list(map(type, leaves))
+        self.dtypes = [x.dtype for x in leaves]
+        self.shapes = [x.shape for x in leaves]
+        self.text: list[Any] | None = None
+
+
+def reuse(names: _tree.Names, leaves: list[Any], specs: list[Any], *, default: Any, for_steps: bool) -> Plan | None:
+    """The plan a save of `names`' structure kept (`remember`), where each of
+    `leaves` is of the type, dtype and shape it was, on one device, written
+    by the `default` filter spec; else `None`."""
+    plan = names.memo.get(_plan_key(for_steps)) if names.memo is not None else None
+    if plan is None or len(plan.records) != len(leaves):
+        return None
+    one_device = _ONE_DEVICE
+    for x, spec, cls, dtype, shape in zip(leaves, specs, plan.types, plan.dtypes, plan.shapes, strict=True):
+        if spec is not default or type(x) is not cls or x.shape != shape or x.dtype != dtype:
+            return None
+        if cls is not np.ndarray and (type(x.sharding) is not one_device or x.is_deleted()):
+            return None  # (a deleted array goes the way that names it)
+    return plan
+
+
+def pending_of(plan: Plan, leaves: list[Any]) -> list[Pending]:
+    """The pending leaves of a save that `reuse`s `plan`: its records, with `leaves` as the pieces."""
+    return [
+        Pending(record, [((), x)], nbytes) for record, x, nbytes in zip(plan.records, leaves, plan.nbytes, strict=True)
+    ]
+
+
+def remember(names: _tree.Names, leaves: list[Any], pending: list[Pending], *, for_steps: bool) -> Plan | None:
+    """Keep the plan of a save of one process (records made and packs assigned)
+    for the next save of the same structure, where every leaf is the common
+    leaf, written whole as it is (see `Plan`). The plan kept, or `None`."""
+    if names.memo is None or len(pending) != len(leaves):
+        return None
+    for x, p, path in zip(leaves, pending, names.paths, strict=True):
+        kind = _KINDS.get(type(x))
+        pieces, record = p.pieces, p.record
+        if kind not in ("jax", "numpy") or len(pieces) != 1 or pieces[0][1] is not x or pieces[0][0]:
+            return None  # (a value a filter spec wrote, or written another way)
+        if record.type != kind or record.encoding != "plain" or record.path != path:
+            return None
+        if kind == "jax" and type(x.sharding) is not _ONE_DEVICE:
+            return None
+    plan = names.memo[_plan_key(for_steps)] = Plan(pending, leaves)
+    return plan
+
+
+def _plan_key(for_steps: bool) -> tuple[Any, ...]:
+    """Where a `Plan` is kept in a `_tree.Names.memo`: with the knobs its
+    records were made by (tests change them), so that none outlives them."""
+    return (Plan, for_steps, _format.CHUNK_BYTES, PACK_BYTES, PACK_CHUNK_BYTES, STEP_PACK_CHUNK_BYTES, ALIGN_BYTES)
+
+
 class _Collector:
     """The records and pieces of a save's values, in order (`pending`): each
     value written (by the default filter spec's work, or through a handle) is

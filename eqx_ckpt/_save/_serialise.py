@@ -402,17 +402,31 @@ def _plan(
     may change or delete once an asynchronous save has returned. `step`: a
     manager's step, whose packs are cut in chunks small enough to share
     (`_records.assign`)."""
-    pending = _records.build(loc, leaves, names, specs, cast, default=default_serialise_filter_spec)
-    if stages.alone:
-        _records.assign([p.record for p in pending], [p.pieces for p in pending], for_steps=step)
+    default = default_serialise_filter_spec
+    plan = None
+    if stages.alone and cast is None and structure is None:
+        plan = _records.reuse(names, leaves, specs, default=default, for_steps=step)
+    if plan is not None:
+        _faults.fire("save.records", loc)
+        _faults.fire("save.records_reused", loc)
+        pending = _records.pending_of(plan, leaves)
+    else:
+        pending = _records.build(loc, leaves, names, specs, cast, default=default)
+        if stages.alone:
+            _records.assign([p.record for p in pending], [p.pieces for p in pending], for_steps=step)
+            if cast is None and structure is None:
+                plan = _records.remember(names, leaves, pending, for_steps=step)
     if private:
         _staging.protect(pending)
-    stored = {p.record.path for p in pending}
-    if structure is None:
-        record = _structure.record(names.treedef, leaves, [path in stored for path in names.paths], names.records)
+    if structure is not None:
+        record = structure({p.record.path for p in pending})
     else:
-        record = structure(stored)
-    return _staging.Batch(pending, made=[leaves, names.paths, names.records], structure=record)
+        # A leaf is written once at most, by its own name: as many written as named is every one.
+        count = len(names.paths)
+        stored = {p.record.path for p in pending} if len(pending) != count else None
+        saved = [True] * count if stored is None else [path in stored for path in names.paths]
+        record = _structure.record(names.treedef, leaves, saved, names.records)
+    return _staging.Batch(pending, made=[leaves, names.paths, names.records], structure=record, plan=plan)
 
 
 @_gc.gc_paused()  # as `save` is, for the part of it that runs here
@@ -655,7 +669,12 @@ def _manifest_bytes(tx: _transaction.Transaction, batch: _staging.Batch, metrics
         structure=batch.structure,
     )
     _faults.fire("commit.manifest_encode", tx.loc)
-    return manifest.to_bytes()
+    plan = batch.plan
+    if plan is None:
+        return manifest.to_bytes()
+    if plan.text is None:
+        plan.text = _manifest.leaves_text(manifest.leaves)
+    return manifest.to_bytes(leaves=plan.text)
 
 
 def _stop(tx: _transaction.Transaction) -> None:

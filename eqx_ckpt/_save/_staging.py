@@ -84,10 +84,15 @@ class Batch:
     where they are written: `own`, the leaves with an array of their own, and
     `packs`, each pack with its members, by name; `nbytes`, their stored bytes."""
 
-    def __init__(self, pending: list[Pending], *, made: list[Any] | None = None, structure: Any = None):
+    def __init__(
+        self, pending: list[Pending], *, made: list[Any] | None = None, structure: Any = None, plan: Any = None
+    ):
         self.pending = pending
         # The tree's structure record, for the manifest (`_structure`).
         self.structure = structure
+        # The `_records.Plan` whose records these are, kept for the next save
+        # (the manifest's text of them is kept there too).
+        self.plan = plan
         # Other lists the save made along with `pending` (its flattened tree):
         # freed with it, by `free`.
         self.made = made if made is not None else []

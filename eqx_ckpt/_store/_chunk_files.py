@@ -333,7 +333,7 @@ class Writer:
     ) -> tuple[list[Any], Steps]:
         """Stage the write of the chunk files `files` of `pack`."""
         contents, lo = _pack_contents(pack, records, hosts, files)
-        steps = pack_steps(pack, records, [host.nbytes for host in hosts], files)
+        steps = pack_steps(pack, _local_write.member_bounds(records)[1], [host.nbytes for host in hosts], files)
         store = opened.result()
         return self._stage([store[lo : lo + contents.size]], [contents], [(0, [s for _, done in steps for s in done])])
 
@@ -414,8 +414,11 @@ class LocalWriter(Writer):
         self, pack: PackRecord, records: list[LeafRecord], folder: str | None, run: range, hosts: list[np.ndarray]
     ) -> tuple[list[Any], Steps]:
         loc, remember = self.files.loc, self.remember
-        futures = _local_write.start_pack(loc, pack, records, hosts, folder, remember=remember, files=run)
-        return futures, pack_steps(pack, records, [host.nbytes for host in hosts], run)
+        bounds = _local_write.member_bounds(records)
+        futures = _local_write.start_pack(
+            loc, pack, records, hosts, folder, remember=remember, files=run, bounds=bounds
+        )
+        return futures, pack_steps(pack, bounds[1], [host.nbytes for host in hosts], run)
 
 
 def _written_elsewhere(hosts: list[np.ndarray]) -> tuple[list[Any], Steps]:
@@ -446,13 +449,13 @@ def leaf_steps(nbytes: int, files: int) -> Steps:
     return [(nbytes * (k + 1) // n - nbytes * k // n, [0] if k == n - 1 else []) for k in range(n)]
 
 
-def pack_steps(pack: PackRecord, records: Sequence[LeafRecord], sizes: list[int], files: range) -> Steps:
+def pack_steps(pack: PackRecord, ends: np.ndarray, sizes: list[int], files: range) -> Steps:
     """The chunk files `files` of a pack, written in order: each member (of
-    `sizes` bytes) done once the file holding its last element has landed
-    (a member whose last element is in another run of files is counted there)."""
+    `sizes` bytes, its elements stopping at `ends`, `_local_write.member_bounds`)
+    done once the file holding its last element has landed (a member whose
+    last element is in another run of files is counted there)."""
     n = max(len(files), 1)
     total = max(-(-pack.size // pack.chunk), 1)
-    ends = np.fromiter((r.offset + r.size for r in records), np.int64, len(records))
     last = np.minimum(np.maximum(ends - 1, 0) // pack.chunk, total - 1) - files.start
     kept = np.flatnonzero((last >= 0) & (last < max(len(files), 1)))
     # Members are in offset order, so the members each file completes are a run.

@@ -93,6 +93,7 @@ def start_pack(
     *,
     remember: bool = False,
     files: range | None = None,
+    bounds: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[concurrent.futures.Future[None]]:
     """Start writing the chunk files of `pack` (with `files`, those of these
     indices, `records` holding at least every member with elements in them):
@@ -100,10 +101,9 @@ def start_pack(
     members' own buffers (no copy). `records` in the order of their offsets,
     as `_records.assign` placed them. `base` and `remember`: as for
     `start_write` (`base`: the same pack's folder in the checkpoint this save
-    follows)."""
+    follows). `bounds`: `member_bounds(records)`, where the caller has them."""
     n = len(records)
-    starts = np.fromiter((r.offset for r in records), np.int64, n)
-    stops = starts + np.fromiter((r.size for r in records), np.int64, n)
+    starts, stops = bounds if bounds is not None else member_bounds(records)
     if n > 1 and bool((starts[1:] < stops[:-1]).any()):
         raise RuntimeError(f"Internal error: the members of pack `{pack.name}` overlap, or are out of order.")
     members = list(pieces)
@@ -123,6 +123,13 @@ def start_pack(
         chunk = _Chunk(members[first:last], starts[first:last], stops[first:last], lo, hi, dtype)
         jobs.append((key, functools.partial(_given, chunk)))
     return _start(loc, pack.name, f"pack `{pack.name}` (small leaves)", jobs, base, remember)
+
+
+def member_bounds(records: Sequence[LeafRecord]) -> tuple[np.ndarray, np.ndarray]:
+    """Where the members of a pack start and stop in it, in elements."""
+    n = len(records)
+    starts = np.fromiter((r.offset for r in records), np.int64, n)
+    return starts, starts + np.fromiter((r.size for r in records), np.int64, n)
 
 
 def _given(content: _Chunk) -> _Chunk:
