@@ -191,7 +191,7 @@ def _tail(digest: Any) -> bytes:
 def encode_structure(record: Any) -> str:
     """A structure record as the manifest holds it: compact JSON text (so that
     one made again from an equal tree is the same text)."""
-    return structure_texts(record)[0]
+    return _json(record).decode()
 
 
 def structure_texts(record: Any) -> tuple[str, bytes]:
