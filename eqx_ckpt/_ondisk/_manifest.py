@@ -43,6 +43,19 @@ from ._format import (
 
 
 @dataclasses.dataclass(frozen=True)
+class Declared:
+    """A parsed manifest's own totals, as its file gives them (for `verify`,
+    which compares them with its leaves). They are untrusted and unchecked:
+    any JSON value."""
+
+    leaf_count: Any
+    total_bytes: Any
+    # The `nbytes` a leaf's record gives, by the leaf's index. Every leaf has
+    # one before version 4 (`None` where missing); version 4 writes none.
+    nbytes: dict[int, Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class Manifest:
     leaves: tuple[LeafRecord, ...]
     data_root: str = ""
@@ -66,6 +79,8 @@ class Manifest:
     structure: str | None = dataclasses.field(default=None, compare=False)
     # The user's metadata of a published folder (`_published`: its `info`).
     info: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    # Its own totals, as `parse` read them; `None` for one made in memory.
+    declared: Declared | None = dataclasses.field(default=None, compare=False)
 
     @property
     def total_bytes(self) -> int:
@@ -248,7 +263,8 @@ def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
     body, version = _parse_json(data, bad, where)
     commit, metrics = _check_header(body, bad)
     packs = _parse_packs(body.get("packs", []), commit, bad)
-    records = _parse_leaves(body.get("leaves"), packs, version, bad)
+    nbytes: dict[int, Any] = {}
+    records = _parse_leaves(body.get("leaves"), packs, version, bad, nbytes)
     for key in ("created", "library_version", "structure"):
         if not isinstance(body.get(key, ""), str):
             raise bad(f"`{key}` is not a string")
@@ -264,6 +280,7 @@ def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
         stamp=stamp,
         packs=tuple(packs.values()),
         structure=body.get("structure") if version >= 5 else None,
+        declared=Declared(body.get("leaf_count"), body.get("total_bytes"), nbytes),
     )
 
 
@@ -349,9 +366,14 @@ def _check_header(body: dict[str, Any], bad: Callable[[str], Exception]) -> tupl
 
 
 def _parse_leaves(
-    leaves: Any, packs: dict[str, PackRecord], version: int, bad: Callable[[str], Exception]
+    leaves: Any,
+    packs: dict[str, PackRecord],
+    version: int,
+    bad: Callable[[str], Exception],
+    nbytes: dict[int, Any] | None = None,
 ) -> list[LeafRecord]:
-    """Every leaf record, each checked, then their paths together."""
+    """Every leaf record, each checked, then their paths together. Into
+    `nbytes`, where given: the `nbytes` each record gives (`Declared`)."""
     if not isinstance(leaves, list):
         raise bad("`leaves` is not a list")
     records = []
@@ -362,6 +384,8 @@ def _parse_leaves(
             records.append(_parse_leaf(item, packs, lean=lean, checked=checked))
         except (ValueError, TypeError, KeyError) as e:
             raise bad(f"leaf #{i} ({_peek_path(item)}): {e}") from None
+        if nbytes is not None and (not lean or "nbytes" in item):
+            nbytes[i] = item.get("nbytes")
     _check_paths(records, bad)
     return records
 
@@ -392,13 +416,6 @@ def loads_file(data: bytes) -> Any:
         return loads_untrusted(data)
     except RecursionError:
         raise ValueError("it is nested too deep") from None
-
-
-def read_body(data: bytes, *, where: str) -> dict[str, Any]:
-    """The JSON object of manifest bytes, read as `parse` reads them (bounds,
-    untrusted parser, format, version, digest) but not made into records:
-    for `verify`, which compares the manifest's own totals with its leaves."""
-    return _parse_json(data, _invalid(where), where)[0]
 
 
 def too_many_containers(data: bytes | str, limit: int) -> str | None:

@@ -263,18 +263,20 @@ def _verify_steps(loc: Location, steps: list[int], progress: Progress) -> Proble
 
 
 def _check_totals(loc: Location, manifest: Manifest) -> list[Problem]:
-    """The redundant counts in the manifest must agree with its leaf records."""
-    data = _storage.read_file(loc, MANIFEST, limit=MAX_MANIFEST_BYTES)
-    body = {} if data is None else _manifest.read_body(data, where=loc.display)
+    """The redundant counts in the manifest must agree with its leaf records.
+
+    They are the ones its one parse kept (`Manifest.declared`): the file is
+    not read again, so a manifest replaced meanwhile cannot mix in its totals."""
+    declared = manifest.declared
+    if declared is None:  # made in memory, not read: its totals are its leaves'
+        return []
     problems = []
-    if body.get("leaf_count") != len(manifest.leaves) or body.get("total_bytes") != manifest.total_bytes:
+    if declared.leaf_count != len(manifest.leaves) or declared.total_bytes != manifest.total_bytes:
         problems.append(Problem(None, f"The manifest of {loc.display!r} gives totals that disagree with its leaves."))
-    for item, record in zip(body.get("leaves", []), manifest.leaves):
-        # Version 4 records leave `nbytes` out (it follows from shape and dtype).
-        if ("nbytes" in item or manifest.format_version < 4) and item.get("nbytes") != record.nbytes:
-            problems.append(
-                Problem(record.path, f"the manifest gives {item.get('nbytes')!r} bytes, not {record.nbytes}.")
-            )
+    for i, given in declared.nbytes.items():
+        record = manifest.leaves[i]
+        if given != record.nbytes:
+            problems.append(Problem(record.path, f"the manifest gives {given!r} bytes, not {record.nbytes}."))
     return problems
 
 
