@@ -300,24 +300,22 @@ def _invalid(where: str) -> Callable[[str], CorruptCheckpointError]:
 def read_document(
     data: bytes, bad: Callable[[str], Exception], *, fmt: str, newest: int, named: str, where: str
 ) -> tuple[dict[str, Any], int]:
-    """The JSON object of a versioned eqx_ckpt file read as untrusted input (a
-    manifest, a published folder's `eqx_ckpt.json`), and its format version:
-    bounded in bytes and containers before parsing, parsed by
-    `loads_untrusted`, saying `"format": fmt` and a version from 1 to `newest`.
+    """The JSON object of a versioned eqx_ckpt file, and its format version.
+
+    The file is a manifest or a published folder's `eqx_ckpt.json`, read as
+    untrusted input:
+
+    - bounded in bytes, then parsed by `loads_file`;
+    - it must say `"format": fmt` and a version from 1 to `newest`.
+
     A newer version is a `CheckpointVersionError` (`named`: how the message
-    names the file); any other problem `bad(why)`."""
+    names the file). Any other problem is `bad(why)`."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise bad(f"it is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
-    # Counted before parsing: millions of tiny JSON containers (`[],` or a
-    # hostile structure record) would cost gigabytes of Python objects within
-    # the byte limit.
-    why = too_many_containers(data, MAX_MANIFEST_CONTAINERS)
-    if why:
-        raise bad(why)
     try:
-        body = loads_untrusted(data)
-    except (ValueError, RecursionError) as e:
-        raise bad(f"not valid JSON ({from_file(str(e))})") from None
+        body = loads_file(data)
+    except ValueError as e:
+        raise bad(str(e)) from None
     if not isinstance(body, dict) or body.get("format") != fmt:
         raise bad(f'it does not say `"format": "{fmt}"`')
     version = body.get("format_version")
@@ -396,26 +394,32 @@ def parse_leaves(leaves: Any, bad: Callable[[str], Exception]) -> list[LeafRecor
     return _parse_leaves(leaves, {}, 4, bad)
 
 
-def loads_untrusted(data: bytes | str) -> Any:
-    """JSON from a file: no two names alike in an object, no `NaN` or
-    `Infinity` (nor a number such as `1e400` that is one as a float); raises
-    `ValueError` (or `RecursionError`, nested too deep)."""
-    return json.loads(data, object_pairs_hook=no_duplicates, parse_constant=_reject_constant, parse_float=_finite_float)
+def loads_file(data: bytes | str) -> Any:
+    """The JSON in a file eqx_ckpt reads: the one parser of JSON read from files.
 
+    Every file is untrusted input: a manifest (through `read_document`), a
+    retention record, a step's metrics, a journal or lease, a zarr.json, a
+    safetensors header or index, orbax's metadata, a manifest's structure
+    record. So, before and while parsing:
 
-def loads_file(data: bytes) -> Any:
-    """The JSON of any file eqx_ckpt reads that is not a manifest (a retention
-    record, a step's metrics, a journal or lease, a zarr.json, orbax's
-    metadata): bounded in containers as a manifest is, then parsed by
-    `loads_untrusted`. Every problem is a `ValueError` (a file nested past
-    Python's recursion once escaped as `RecursionError`)."""
+    - its containers are counted first (`too_many_containers`): millions of
+      tiny ones (`[],`) would cost gigabytes of Python objects;
+    - no two names in an object may be alike (`json` keeps the last);
+    - no `NaN` or `Infinity`, nor a number such as `1e400` that is one as a float.
+
+    Every problem is a `ValueError`, its message a clause such as `it is not
+    valid JSON (...)` (JSON nested past Python's recursion too)."""
     why = too_many_containers(data, MAX_MANIFEST_CONTAINERS)
     if why:
         raise ValueError(why)
     try:
-        return loads_untrusted(data)
+        return json.loads(
+            data, object_pairs_hook=no_duplicates, parse_constant=_reject_constant, parse_float=_finite_float
+        )
     except RecursionError:
-        raise ValueError("it is nested too deep") from None
+        raise ValueError("it is not valid JSON (it is nested too deep)") from None
+    except ValueError as e:
+        raise ValueError(f"it is not valid JSON ({from_file(str(e))})") from None
 
 
 def too_many_containers(data: bytes | str, limit: int) -> str | None:
