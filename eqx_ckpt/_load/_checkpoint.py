@@ -435,16 +435,7 @@ class Checkpoint(Mapping[str, Any]):
             self._download()
         if trust is not None:
             like = self.skeleton(key, trust=trust, check_init=check_init)
-            options = _load_plan.options(
-                where=None,
-                prefix=key,
-                rename=None,
-                transform=None,
-                missing="error",
-                strict=False,
-                cast=False,
-                lazy=lazy,
-            )
+            options = _load_plan.options(prefix=key, lazy=lazy)
             return _deserialise.load(
                 self._source, like, None, _deserialise.default_deserialise_filter_spec, options, progress=progress
             )

@@ -356,23 +356,20 @@ class CheckpointManager:
         before = max((s for s, committed in state.items() if committed and s != step), default=None)
         follows = None if before is None else self._loc.joined(step_name(before))
         try:
-            pending = _serialise.save(
-                target,
-                pytree,
-                filter_spec,
-                is_leaf,
+            options = _serialise.SaveOptions(
                 overwrite=overwrite,
                 blocking=self.blocking,
                 cast=cast,
                 layout=layout,
-                metrics=values,
                 progress=progress,
+                share=self.share,
+                staging_bytes=staging_bytes,
+                metrics=values,
                 handoff=handoff,
                 follows=follows,
-                share=self.share,
                 followed=True,
-                staging_bytes=staging_bytes,
             )
+            pending = _serialise.save(target, pytree, filter_spec, is_leaf, options)
             _faults.fire("manager.save_returned", step, pending)
         except CheckpointExistsError:
             raise  # another writer's save: nothing of it is ours to remove
