@@ -1,9 +1,11 @@
 """The manifest: one JSON file at the root of a checkpoint, written last.
 
 Its presence is what makes a checkpoint exist. It lists every saved leaf with its
-exact key path, and is treated as untrusted input when read: every field is
-type-checked, every directory is recomputed from the key path (never taken from
-the file), and a digest over the content detects edits.
+exact key path. It is treated as untrusted input when read:
+
+- every field is type-checked;
+- every directory is recomputed from the key path (never taken from the file);
+- a digest over the content detects edits.
 """
 
 from __future__ import annotations
@@ -143,9 +145,9 @@ def _encoded(
     """`encode`, with each of `leaves` made a record by `to_json` (`None`: they are).
 
     One line per leaf. The leaves are encoded by `orjson` (a fifth of the time
-    of the standard library's encoder), as compact JSON in UTF-8; a batch of records it cannot encode (an
-    integer key beyond 64 bits, a string that is not valid Unicode) falls back
-    to the standard encoder, which escapes. Paths and key strings are JSON
+    of the standard library's encoder), as compact JSON in UTF-8. A batch of
+    records it cannot encode (an integer key beyond 64 bits, a string that is
+    not valid Unicode) falls back to the standard encoder, which escapes. Paths and key strings are JSON
     strings, in which `},{"path"` cannot occur unescaped. The bytes are
     copied once, into the result. `structure`, where given, goes before the
     leaves, as a JSON string holding the record's JSON text.
@@ -397,15 +399,15 @@ def parse_leaves(leaves: Any, bad: Callable[[str], Exception]) -> list[LeafRecor
 def loads_file(data: bytes | str) -> Any:
     """The JSON in a file eqx_ckpt reads: the one parser of JSON read from files.
 
-    Every file is untrusted input: a manifest (through `read_document`), a
-    retention record, a step's metrics, a journal or lease, a zarr.json, a
-    safetensors header or index, orbax's metadata, a manifest's structure
-    record. So, before and while parsing:
+    Every file is untrusted input. It may be a manifest (through
+    `read_document`), a retention record, a step's metrics, a journal or
+    lease, a zarr.json, a safetensors header or index, orbax's metadata, or a
+    manifest's structure record. These are refused:
 
-    - its containers are counted first (`too_many_containers`): millions of
-      tiny ones (`[],`) would cost gigabytes of Python objects;
-    - no two names in an object may be alike (`json` keeps the last);
-    - no `NaN` or `Infinity`, nor a number such as `1e400` that is one as a float.
+    - too many containers, counted before parsing (`too_many_containers`):
+        millions of tiny ones (`[],`) would cost gigabytes of Python objects;
+    - two names alike in one object (`json` keeps the last);
+    - `NaN` or `Infinity`, or a number such as `1e400` that is one as a float.
 
     Every problem is a `ValueError`, its message a clause such as `it is not
     valid JSON (...)` (JSON nested past Python's recursion too)."""
