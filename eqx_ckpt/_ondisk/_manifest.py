@@ -53,7 +53,7 @@ class Declared:
     leaf_count: Any
     total_bytes: Any
     # The `nbytes` a leaf's record gives, by the leaf's index. Every leaf has
-    # one before version 4 (`None` where missing); version 4 writes none.
+    # one before version 4 (`None` where missing); versions 4 and later write none.
     nbytes: dict[int, Any]
 
 
