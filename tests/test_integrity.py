@@ -1,6 +1,7 @@
 """Damage on disk is found by `verify` and by a load of the damaged leaf, and the
 error names that leaf; `diff` reports every kind of difference."""
 
+import hashlib
 import json
 import pathlib
 import re
@@ -9,6 +10,7 @@ import shutil
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import manifests
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -439,6 +441,53 @@ def test_edited_manifest(tmp_path, edit):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, _like())
     with pytest.raises(eqx_ckpt.CorruptCheckpointError):
         eqx_ckpt.Checkpoint(tmp_path)
+
+
+def _resign(path: pathlib.Path, edit, version: int = 4) -> None:
+    """Edit the body of `path`'s manifest and sign it again (as version `version`)."""
+    body = json.loads((path / _format.MANIFEST).read_bytes())
+    edit(body)
+    text = manifests.sign(body) if version == 4 else manifests.as_version(body, version)
+    (path / _format.MANIFEST).write_bytes(text)
+
+
+def test_verify_compares_the_manifests_own_totals_with_its_leaves(tmp_path):
+    """A signed manifest whose `leaf_count`, `total_bytes` or a leaf's
+    `nbytes` disagree with its leaves is a problem of `verify`, though a load
+    ignores them (they follow from the leaf records)."""
+    tree = {"a": np.arange(3, dtype=np.float32), "b": np.arange(5, dtype=np.int64)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    _resign(tmp_path, lambda body: body.update(leaf_count=3))
+    totals = f"The manifest of {str(tmp_path)!r} gives totals that disagree with its leaves."
+    assert [(p.leaf, p.message) for p in eqx_ckpt.verify(tmp_path)] == [(None, totals)]
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    _resign(tmp_path, lambda body: body["leaves"][1].update(nbytes=7))  # version 4 leaves it out; given, checked
+    assert [(p.leaf, p.message) for p in eqx_ckpt.verify(tmp_path)] == [("b", "the manifest gives 7 bytes, not 40.")]
+    # Before version 4, every leaf gives its `nbytes`: a missing one is a problem too.
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    _resign(tmp_path, lambda body: body.update(total_bytes=1), version=3)
+    assert [(p.leaf, p.message) for p in eqx_ckpt.verify(tmp_path)] == [(None, totals)]
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    body = json.loads((tmp_path / _format.MANIFEST).read_bytes())
+    (tmp_path / _format.MANIFEST).write_bytes(manifests.as_version(body, 3))
+    assert eqx_ckpt.verify(tmp_path) == []
+    version_3 = json.loads((tmp_path / _format.MANIFEST).read_bytes())
+    del version_3["leaves"][0]["nbytes"], version_3["digest"]
+    content = json.dumps(version_3, sort_keys=True, separators=(",", ":")).encode()
+    version_3["digest"] = "sha256:" + hashlib.sha256(content).hexdigest()
+    (tmp_path / _format.MANIFEST).write_text(json.dumps(version_3))
+    assert [(p.leaf, p.message) for p in eqx_ckpt.verify(tmp_path)] == [("a", "the manifest gives None bytes, not 12.")]
+
+
+def test_verify_reads_the_manifest_once(tmp_path, faults):
+    """`verify` checks the manifest's own totals against the one parse of it
+    that opened the checkpoint (issue 61, item 2: it read and parsed the file
+    a second time for them)."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path, _tree())
+    reads = []
+    faults("storage.read_file", lambda loc, name: reads.append(name))
+    assert eqx_ckpt.verify(tmp_path) == []
+    assert reads.count(_format.MANIFEST) == 1
 
 
 @per_leaf

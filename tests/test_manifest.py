@@ -121,6 +121,29 @@ def test_hostile_manifest_is_refused(tmp_path, edit, message):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, {"f8": jnp.zeros(4, jnp.float8_e4m3)}, where=lambda t: t["f8"])
 
 
+def test_json_from_any_file_is_refused_in_the_same_words(tmp_path):
+    """One parser reads the JSON of every file (`_manifest.loads_file`), so the
+    same fault reads alike in a manifest and in a safetensors header, and a
+    header of millions of tiny containers is refused before it is parsed, as
+    a manifest is (issue 61, item 2: each had a parser and wording of its own)."""
+    said = "it is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "manifest.json").write_bytes(b"{not json")
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(f"is invalid: {said}.")):
+        eqx_ckpt.Checkpoint(tmp_path / "ckpt")
+    header = b"{not json"
+    (tmp_path / "bad.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(
+        eqx_ckpt.CorruptCheckpointError, match=re.escape(f"the header of 'bad.safetensors' is invalid: {said}.")
+    ):
+        eqx_ckpt.Checkpoint(tmp_path / "bad.safetensors")
+    header = b"[" + b"[]," * 1_000_000 + b"[]]"
+    (tmp_path / "tiny.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    tiny = "the header of 'tiny.safetensors' is invalid: it holds 1000002 JSON containers (objects and arrays) in"
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(tiny)):
+        eqx_ckpt.Checkpoint(tmp_path / "tiny.safetensors")
+
+
 def test_non_json_and_foreign_manifests(tmp_path):
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(eqx_ckpt.CorruptCheckpointError, match="not valid JSON"):

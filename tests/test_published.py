@@ -327,7 +327,7 @@ def test_a_newer_eqx_ckpt_json_says_to_upgrade_and_is_not_damage(folder):
 @pytest.mark.parametrize(
     "data, message",
     [
-        (b"{not json", "is invalid: not valid JSON ("),
+        (b"{not json", "is invalid: it is not valid JSON ("),
         (b'{"format": "eqx_ckpt.safetensors", "format": "x"}', "duplicate JSON key 'format'"),
         (b'{"format": "eqx_ckpt.safetensors", "info": {"x": NaN}}', "NaN is not allowed"),
         (b"[" + b"{}," * 5_000_001 + b"{}]", "JSON containers (objects and arrays) in 15000007 bytes, more than one"),

@@ -38,7 +38,7 @@ from .._base._errors import (
 from .._base._location import Location
 from .._ondisk import _published
 from .._ondisk._format import MAX_ELEMENTS, MAX_MANIFEST_BYTES, MAX_RANK, LeafRecord, dtype_from_name
-from .._ondisk._manifest import Manifest, loads_untrusted
+from .._ondisk._manifest import Manifest, loads_file
 from .._store import _chunk_files, _storage, _storage_errors, _window
 
 # Safetensors dtype names -> the names eqx_ckpt (and ml_dtypes) use.
@@ -173,10 +173,10 @@ def _corrupt(loc: Location, what: str) -> CorruptCheckpointError:
 def _weight_map(loc: Location, index: str, data: bytes) -> dict[str, str]:
     """The index's tensor names -> the shards holding them."""
     try:
-        weight_map = loads_untrusted(data)["weight_map"]
+        weight_map = loads_file(data)["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(t, str) for t in weight_map):
             raise TypeError("it is not an object of tensor names")
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
+    except (ValueError, KeyError, TypeError) as e:
         raise _corrupt(loc, f"{index} has no `weight_map` of tensor names to files ({from_file(str(e))})") from None
     for name in set(weight_map.values()):
         # The index is untrusted: a shard must be a file beside it.
@@ -367,9 +367,9 @@ def _parse_header(
     """The tensors of a header (each with its name and offset), its
     `__metadata__`, and how many bytes of data its tensors use."""
     try:
-        header = loads_untrusted(data)
-    except (ValueError, RecursionError) as e:
-        raise _corrupt(loc, f"the header of {file!r} is not valid JSON ({from_file(str(e))})") from None
+        header = loads_file(data)
+    except ValueError as e:
+        raise _corrupt(loc, f"the header of {file!r} is invalid: {e}") from None
     if not isinstance(header, dict):
         raise _corrupt(loc, f"the header of {file!r} is not a JSON object")
     out: list[tuple[str, LeafRecord, int]] = []

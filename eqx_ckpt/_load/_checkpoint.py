@@ -170,9 +170,9 @@ class Checkpoint(Mapping[str, Any]):
         - `depth`: show only this many levels; a sub-tree below them is one line,
             with its number of leaves and bytes.
         - `max_rows`: show at most this many lines of the tree. Sub-trees open
-            breadth first, each whose entries still fit; then, while lines are
+            breadth first, each whose entries still fit. Then, while lines are
             left, one too large to open shows its first 5 entries and how many
-            more it has; any other is one line, with its number of leaves and
+            more it has. Any other is one line, with its number of leaves and
             bytes. So every sub-tree shows its shape down to the level that
             fits, whatever sits beside it (`print(Checkpoint(path))` shows at
             most 60 lines).
@@ -435,16 +435,7 @@ class Checkpoint(Mapping[str, Any]):
             self._download()
         if trust is not None:
             like = self.skeleton(key, trust=trust, check_init=check_init)
-            options = _load_plan.options(
-                where=None,
-                prefix=key,
-                rename=None,
-                transform=None,
-                missing="error",
-                strict=False,
-                cast=False,
-                lazy=lazy,
-            )
+            options = _load_plan.options(prefix=key, lazy=lazy)
             return _deserialise.load(
                 self._source, like, None, _deserialise.default_deserialise_filter_spec, options, progress=progress
             )

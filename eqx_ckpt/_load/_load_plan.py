@@ -53,18 +53,20 @@ class Options:
 
 def options(
     *,
-    where: Any,
-    prefix: Any,
-    rename: Any,
-    transform: Any,
-    missing: Any,
-    strict: Any,
-    cast: Any,
-    lazy: Any,
+    where: Any = None,
+    prefix: Any = None,
+    rename: Any = None,
+    transform: Any = None,
+    missing: Any = "error",
+    strict: Any = False,
+    cast: Any = False,
+    lazy: Any = False,
     read_once: Any = None,
 ) -> Options:
-    """The options of a load, `missing`, `strict`, `lazy` and `cast` checked at
-    once (in that order); the others as `plan` resolves them against `like`."""
+    """The options of a load, each defaulting as in `tree_deserialise_leaves`.
+
+    `missing`, `strict`, `lazy` and `cast` are checked at once, in that order.
+    The others are checked as `plan` resolves them against `like`."""
     if missing not in ("error", "keep"):
         raise CheckpointValueError(f"`missing` must be 'error' or 'keep', not {missing!r}.")
     strict = check_flag("strict", strict, "whether stored leaves `like` lacks are an error")

@@ -52,7 +52,7 @@ from .._base._errors import (
 from .._ondisk import _structure
 from .._ondisk._dtypes import is_known_dtype
 from .._ondisk._format import LeafRecord, dtype_from_name
-from .._ondisk._manifest import Manifest, encode_structure, loads_untrusted, too_many_containers
+from .._ondisk._manifest import Manifest, encode_structure, loads_file, too_many_containers
 from .._ondisk._trust import Trust, python_name
 
 # Limits on an untrusted record, far beyond any model's. Its JSON containers
@@ -105,9 +105,9 @@ def record_of(manifest: Manifest, where: str) -> Any:
     if why is not None:
         raise _corrupt(where, "", f"{why} for a tree of {len(manifest.leaves)} stored leaves")
     try:
-        return loads_untrusted(text)
-    except (ValueError, RecursionError) as e:
-        raise _corrupt(where, "", f"it is not valid JSON ({str(e)[:200]})") from None
+        return loads_file(text)
+    except ValueError as e:
+        raise _corrupt(where, "", str(e)) from None
 
 
 def node_cap(stored: int) -> int:

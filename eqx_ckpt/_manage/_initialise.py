@@ -30,8 +30,8 @@ def load_or_initialise(
     """Build `init()`'s tree from a checkpoint, computing only the leaves the
     checkpoint does not have.
 
-    The skeleton comes from `eqx.filter_eval_shape(init)` (nothing allocated);
-    every leaf the checkpoint has is loaded into it; then `init` runs under
+    The skeleton comes from `eqx.filter_eval_shape(init)` (nothing allocated).
+    Every leaf the checkpoint has is loaded into it. Then `init` runs under
     `jax.jit` returning only the missing leaves, so the initial values of the
     loaded ones are never computed or held in memory. This is how a new head or
     adapter is added to a pretrained body.

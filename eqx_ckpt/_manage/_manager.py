@@ -76,10 +76,10 @@ class CheckpointManager:
     **Arguments:**
 
     - `directory`: the folder holding the steps (created on the first save), or a
-        kvstore URL. One manager at a time writes to it: from its first `save`
+        kvstore URL. One manager at a time writes to it. From its first `save`
         until `close()` (or the end of a `with` block, or of the process), a
-        manager holds the directory's lease, and a second manager's `save`
-        (a job launched twice) raises `CheckpointExistsError` instead of
+        manager holds the directory's lease. A second manager's `save` (a job
+        launched twice) then raises `CheckpointExistsError` instead of
         deleting the first one's steps. Restoring needs no lease.
     - `max_to_keep`: keep the `max_to_keep` highest steps (steps are ordered by
         number, as in orbax; see `delete_steps_after` to roll back).
@@ -95,18 +95,22 @@ class CheckpointManager:
     - `adopt_steps`: with `True`, the retention rules apply to every step in the
         directory. By default they apply only to the steps saved under the same
         rules (by this manager, or by an earlier one with the same rules: a
-        resumed run); other steps (an earlier run with other rules, a manager
-        without rules) are left in place, and an [`eqx_ckpt.RetentionWarning`][]
+        resumed run). Other steps (an earlier run with other rules, a manager
+        without rules) are left in place. An [`eqx_ckpt.RetentionWarning`][]
         names those the rules would drop (see [docs/manager.md, "Steps saved
         under other rules"](../manager.md#steps-saved-under-other-rules)).
     - `share`: on a local disk, each step shares the chunk files whose bytes
         did not change with the newest committed step (hard links, verified
-        before they are shared; see [docs/manager.md](../manager.md)); with
+        before they are shared; see [docs/manager.md](../manager.md)). With
         `False`, every step writes all of its chunks in full.
 
-    A step survives if any rule keeps it; the latest (highest) step and the step
-    just saved always survive, and so does a step that live lazy leaves of this
-    process read from (`restore(..., lazy=True)`), until they are gone.
+    A step survives if any rule keeps it. These always survive:
+
+    - the latest (highest) step;
+    - the step just saved;
+    - the steps that live lazy leaves of this process read from
+        (`restore(..., lazy=True)`), until they are gone.
+
     With none of `max_to_keep`, `keep_every` and `best_n` given, nothing is deleted.
     Old steps are deleted only after the new one has committed.
 
@@ -236,9 +240,9 @@ class CheckpointManager:
 
         **Returns:**
 
-        The path, as a string, whether or not the step exists: absolute for a
-        local directory (the manager's, resolved when it was created, so that an
-        `os.chdir` since changes nothing), else the URL.
+        The path, as a string, whether or not the step exists. For a local
+        directory it is absolute: the manager's, resolved when it was created,
+        so that an `os.chdir` since changes nothing. Else it is the URL.
         """
         loc = self._loc.joined(step_name(check_step(step)))
         return loc.display if loc.local is None else loc.local
@@ -356,23 +360,20 @@ class CheckpointManager:
         before = max((s for s, committed in state.items() if committed and s != step), default=None)
         follows = None if before is None else self._loc.joined(step_name(before))
         try:
-            pending = _serialise.save(
-                target,
-                pytree,
-                filter_spec,
-                is_leaf,
+            options = _serialise.SaveOptions(
                 overwrite=overwrite,
                 blocking=self.blocking,
                 cast=cast,
                 layout=layout,
-                metrics=values,
                 progress=progress,
+                share=self.share,
+                staging_bytes=staging_bytes,
+                metrics=values,
                 handoff=handoff,
                 follows=follows,
-                share=self.share,
                 followed=True,
-                staging_bytes=staging_bytes,
             )
+            pending = _serialise.save(target, pytree, filter_spec, is_leaf, options)
             _faults.fire("manager.save_returned", step, pending)
         except CheckpointExistsError:
             raise  # another writer's save: nothing of it is ours to remove
@@ -460,9 +461,9 @@ class CheckpointManager:
         exit when it answers `True`: it does so at the same `step` in every
         process. Alone, a process answers `True` from the first call after the
         signal. With several processes, a background thread in each agrees on
-        the step through JAX's coordination service (the first step after the
-        highest one any process has reached), so a step costs no round trip;
-        the call that follows a signal may wait for that agreement (one
+        the step through JAX's coordination service: the first step after the
+        highest one any process has reached. So a step costs no round trip.
+        The call that follows a signal may wait for that agreement (one
         barrier). The first call installs the manager's SIGTERM handler, from
         the main thread: the handler only raises a flag (a previous Python
         handler still runs after it; the default action, ending the process,
@@ -669,9 +670,9 @@ class CheckpointManager:
 
         - `init`: a function of no arguments building the initial tree (the same
             tree `save` is given). When there is a step, it is only traced, with
-            `eqx.filter_eval_shape`, to get the skeleton to load into: no initial
+            `eqx.filter_eval_shape`, to get the skeleton to load into. No initial
             value is computed, except for the leaves the load leaves out (see
-            `missing`), which `init` computes under `jax.jit` (as
+            `missing`): `init` computes those under `jax.jit` (as
             [`eqx_ckpt.load_or_initialise`][] does).
         - `filter_spec`, `is_leaf`, `where`, `prefix`, `rename`, `missing`, `strict`,
             `cast`, `lazy`, `transform`, `progress`, `read_once`: every option of
@@ -745,10 +746,10 @@ class CheckpointManager:
         """Roll back: delete every committed step after `step`.
 
         Steps are ordered by number, as in orbax: `latest_step()` is the highest,
-        and `max_to_keep` keeps the highest. After restoring an earlier step to
-        train again from it (a loss spike, a bug), the later steps belong to the
-        abandoned run; delete them, so that `latest_step()` and retention follow
-        the new run.
+        and `max_to_keep` keeps the highest. When you restore an earlier step to
+        train again from it (after a loss spike, a bug), the later steps belong
+        to the abandoned run. Delete them, so that `latest_step()` and retention
+        follow the new run.
 
         **Arguments:**
 

@@ -1,9 +1,11 @@
 """The manifest: one JSON file at the root of a checkpoint, written last.
 
 Its presence is what makes a checkpoint exist. It lists every saved leaf with its
-exact key path, and is treated as untrusted input when read: every field is
-type-checked, every directory is recomputed from the key path (never taken from
-the file), and a digest over the content detects edits.
+exact key path. It is treated as untrusted input when read:
+
+- every field is type-checked;
+- every directory is recomputed from the key path (never taken from the file);
+- a digest over the content detects edits.
 """
 
 from __future__ import annotations
@@ -43,6 +45,19 @@ from ._format import (
 
 
 @dataclasses.dataclass(frozen=True)
+class Declared:
+    """A parsed manifest's own totals, as its file gives them (for `verify`,
+    which compares them with its leaves). They are untrusted and unchecked:
+    any JSON value."""
+
+    leaf_count: Any
+    total_bytes: Any
+    # The `nbytes` a leaf's record gives, by the leaf's index. Every leaf has
+    # one before version 4 (`None` where missing); versions 4 and later write none.
+    nbytes: dict[int, Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class Manifest:
     leaves: tuple[LeafRecord, ...]
     data_root: str = ""
@@ -68,6 +83,8 @@ class Manifest:
     info: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
     # `structure` as a JSON string, where a save made it with the text (`structure_texts`).
     structure_string: bytes | None = dataclasses.field(default=None, compare=False, repr=False)
+    # Its own totals, as `parse` read them; `None` for one made in memory.
+    declared: Declared | None = dataclasses.field(default=None, compare=False)
 
     @property
     def total_bytes(self) -> int:
@@ -319,7 +336,8 @@ def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
     body, version = _parse_json(data, bad, where)
     commit, metrics = _check_header(body, bad)
     packs = _parse_packs(body.get("packs", []), commit, bad)
-    records = _parse_leaves(body.get("leaves"), packs, version, bad)
+    nbytes: dict[int, Any] = {}
+    records = _parse_leaves(body.get("leaves"), packs, version, bad, nbytes)
     for key in ("created", "library_version", "structure"):
         if not isinstance(body.get(key, ""), str):
             raise bad(f"`{key}` is not a string")
@@ -335,6 +353,7 @@ def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
         stamp=stamp,
         packs=tuple(packs.values()),
         structure=body.get("structure") if version >= 5 else None,
+        declared=Declared(body.get("leaf_count"), body.get("total_bytes"), nbytes),
     )
 
 
@@ -354,24 +373,22 @@ def _invalid(where: str) -> Callable[[str], CorruptCheckpointError]:
 def read_document(
     data: bytes, bad: Callable[[str], Exception], *, fmt: str, newest: int, named: str, where: str
 ) -> tuple[dict[str, Any], int]:
-    """The JSON object of a versioned eqx_ckpt file read as untrusted input (a
-    manifest, a published folder's `eqx_ckpt.json`), and its format version:
-    bounded in bytes and containers before parsing, parsed by
-    `loads_untrusted`, saying `"format": fmt` and a version from 1 to `newest`.
+    """The JSON object of a versioned eqx_ckpt file, and its format version.
+
+    The file is a manifest or a published folder's `eqx_ckpt.json`, read as
+    untrusted input:
+
+    - bounded in bytes, then parsed by `loads_file`;
+    - it must say `"format": fmt` and a version from 1 to `newest`.
+
     A newer version is a `CheckpointVersionError` (`named`: how the message
-    names the file); any other problem `bad(why)`."""
+    names the file). Any other problem is `bad(why)`."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise bad(f"it is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
-    # Counted before parsing: millions of tiny JSON containers (`[],` or a
-    # hostile structure record) would cost gigabytes of Python objects within
-    # the byte limit.
-    why = too_many_containers(data, MAX_MANIFEST_CONTAINERS)
-    if why:
-        raise bad(why)
     try:
-        body = loads_untrusted(data)
-    except (ValueError, RecursionError) as e:
-        raise bad(f"not valid JSON ({from_file(str(e))})") from None
+        body = loads_file(data)
+    except ValueError as e:
+        raise bad(str(e)) from None
     if not isinstance(body, dict) or body.get("format") != fmt:
         raise bad(f'it does not say `"format": "{fmt}"`')
     version = body.get("format_version")
@@ -420,9 +437,14 @@ def _check_header(body: dict[str, Any], bad: Callable[[str], Exception]) -> tupl
 
 
 def _parse_leaves(
-    leaves: Any, packs: dict[str, PackRecord], version: int, bad: Callable[[str], Exception]
+    leaves: Any,
+    packs: dict[str, PackRecord],
+    version: int,
+    bad: Callable[[str], Exception],
+    nbytes: dict[int, Any] | None = None,
 ) -> list[LeafRecord]:
-    """Every leaf record, each checked, then their paths together."""
+    """Every leaf record, each checked, then their paths together. Into
+    `nbytes`, where given: the `nbytes` each record gives (`Declared`)."""
     if not isinstance(leaves, list):
         raise bad("`leaves` is not a list")
     records = []
@@ -433,6 +455,8 @@ def _parse_leaves(
             records.append(_parse_leaf(item, packs, lean=lean, checked=checked))
         except (ValueError, TypeError, KeyError) as e:
             raise bad(f"leaf #{i} ({_peek_path(item)}): {e}") from None
+        if nbytes is not None and (not lean or "nbytes" in item):
+            nbytes[i] = item.get("nbytes")
     _check_paths(records, bad)
     return records
 
@@ -443,33 +467,32 @@ def parse_leaves(leaves: Any, bad: Callable[[str], Exception]) -> list[LeafRecor
     return _parse_leaves(leaves, {}, 4, bad)
 
 
-def loads_untrusted(data: bytes | str) -> Any:
-    """JSON from a file: no two names alike in an object, no `NaN` or
-    `Infinity` (nor a number such as `1e400` that is one as a float); raises
-    `ValueError` (or `RecursionError`, nested too deep)."""
-    return json.loads(data, object_pairs_hook=no_duplicates, parse_constant=_reject_constant, parse_float=_finite_float)
+def loads_file(data: bytes | str) -> Any:
+    """The JSON in a file eqx_ckpt reads: the one parser of JSON read from files.
 
+    Every file is untrusted input. It may be a manifest (through
+    `read_document`), a retention record, a step's metrics, a journal or
+    lease, a zarr.json, a safetensors header or index, orbax's metadata, or a
+    manifest's structure record. These are refused:
 
-def loads_file(data: bytes) -> Any:
-    """The JSON of any file eqx_ckpt reads that is not a manifest (a retention
-    record, a step's metrics, a journal or lease, a zarr.json, orbax's
-    metadata): bounded in containers as a manifest is, then parsed by
-    `loads_untrusted`. Every problem is a `ValueError` (a file nested past
-    Python's recursion once escaped as `RecursionError`)."""
+    - too many containers, counted before parsing (`too_many_containers`):
+        millions of tiny ones (`[],`) would cost gigabytes of Python objects;
+    - two names alike in one object (`json` keeps the last);
+    - `NaN` or `Infinity`, or a number such as `1e400` that is one as a float.
+
+    Every problem is a `ValueError`, its message a clause such as `it is not
+    valid JSON (...)` (JSON nested past Python's recursion too)."""
     why = too_many_containers(data, MAX_MANIFEST_CONTAINERS)
     if why:
         raise ValueError(why)
     try:
-        return loads_untrusted(data)
+        return json.loads(
+            data, object_pairs_hook=no_duplicates, parse_constant=_reject_constant, parse_float=_finite_float
+        )
     except RecursionError:
-        raise ValueError("it is nested too deep") from None
-
-
-def read_body(data: bytes, *, where: str) -> dict[str, Any]:
-    """The JSON object of manifest bytes, read as `parse` reads them (bounds,
-    untrusted parser, format, version, digest) but not made into records:
-    for `verify`, which compares the manifest's own totals with its leaves."""
-    return _parse_json(data, _invalid(where), where)[0]
+        raise ValueError("it is not valid JSON (it is nested too deep)") from None
+    except ValueError as e:
+        raise ValueError(f"it is not valid JSON ({from_file(str(e))})") from None
 
 
 def too_many_containers(data: bytes | str, limit: int) -> str | None:

@@ -19,6 +19,7 @@ processes meet at the stages of `_stages` (`prepared`, `begin`, `create`,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -87,6 +88,40 @@ def default_serialise_filter_spec(handle: LeafHandle, x: Any) -> None:
         )
     if _dtypes.leaf_type(x) is not None or isinstance(x, LazyArray):
         handle.write(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOptions:
+    """A save's options, made once where the save is asked for, then passed whole.
+
+    The first eight are `tree_serialise_leaves`' own (its docstring says what
+    each does), not yet checked: `save` checks them. The last four only a
+    `CheckpointManager` passes:
+
+    - `metrics`: numbers committed in the manifest.
+    - `handoff`: tells the caller, after any exception, whether an
+        asynchronous save went on in the background (a manager must not
+        remove what that save is writing).
+    - `follows`: the checkpoint this save shares unchanged chunk files with
+        when the destination holds none yet (a manager's previous step;
+        `_share`).
+    - `followed`: a later save will follow this one (a manager's step). The
+        digest of every chunk file it writes is recorded, so that save reads
+        none of them back (`_share`).
+    """
+
+    overwrite: Any = True
+    blocking: Any = True
+    cast: Any = None
+    layout: str = "directories"
+    progress: Progress = None
+    where: Callable[[PyTree], Any] | None = None
+    share: Any = True
+    staging_bytes: int | None = None
+    metrics: dict[str, Any] | None = None
+    handoff: Handoff | None = None
+    follows: Location | None = None
+    followed: bool = False
 
 
 def tree_serialise_leaves(
@@ -194,11 +229,7 @@ def tree_serialise_leaves(
         eqx_ckpt.tree_serialise_leaves("mlp_ckpt", model)
         ```
     """
-    return save(
-        location(path),
-        pytree,
-        filter_spec,
-        is_leaf,
+    options = SaveOptions(
         overwrite=overwrite,
         blocking=blocking,
         cast=cast,
@@ -208,6 +239,7 @@ def tree_serialise_leaves(
         share=share,
         staging_bytes=staging_bytes,
     )
+    return save(location(path), pytree, filter_spec, is_leaf, options)
 
 
 # A save makes many small objects and frees them again: Python's cyclic
@@ -216,62 +248,32 @@ def tree_serialise_leaves(
 def save(
     loc: Location,
     pytree: PyTree,
-    filter_spec: Any = default_serialise_filter_spec,
-    is_leaf: Callable[[Any], bool] | None = None,
-    *,
-    overwrite: bool = True,
-    blocking: bool = True,
-    cast: Any = None,
-    layout: str = "directories",
-    metrics: dict[str, Any] | None = None,
-    progress: Progress = None,
-    handoff: Handoff | None = None,
-    follows: Location | None = None,
-    where: Callable[[PyTree], Any] | None = None,
-    share: bool = True,
-    followed: bool = False,
-    staging_bytes: int | None = None,
+    filter_spec: Any,
+    is_leaf: Callable[[Any], bool] | None,
+    options: SaveOptions,
 ) -> PendingSave | None:
-    """`tree_serialise_leaves`, with `metrics` committed in the manifest.
-    `handoff`: tells the caller, after any exception, whether an asynchronous
-    save went on in the background (a `CheckpointManager` must not remove what
-    that save is writing). `follows`: the checkpoint this save shares unchanged
-    chunk files with when `loc` holds none yet (a manager's previous step;
-    `_share`). `where`: a partial save (`_partial`). `share=False`: no file
-    is shared with either. `followed`: a later save will follow this one (a
-    manager's step): the digest of every chunk file it writes is recorded, so
-    that save reads none of them back (`_share`). `staging_bytes`: the
-    staging budget (`_staging`)."""
+    """`tree_serialise_leaves` at `loc`, with its `options` (and those of a
+    `CheckpointManager`'s step: `SaveOptions`)."""
     stages = _stages.Stages()
-    share = check_flag("share", share, "`False` writes every chunk in full")
+    share = check_flag("share", options.share, "`False` writes every chunk in full")
     overwrite, blocking, cast, budget, planned, expected = _collect_and_plan(
-        loc,
-        stages,
-        pytree,
-        filter_spec,
-        is_leaf,
-        overwrite=overwrite,
-        blocking=blocking,
-        cast=cast,
-        layout=layout,
-        where=where,
-        staging=staging_bytes,
-        step=followed,
+        loc, stages, pytree, filter_spec, is_leaf, options
     )
-    options: dict[str, Any] = dict(overwrite=overwrite, layout=layout, metrics=metrics, progress=progress)
+    metrics = options.metrics
+    begin: dict[str, Any] = dict(overwrite=overwrite, layout=options.layout, metrics=metrics, progress=options.progress)
     exclusive = _lease.acquire_exclusive(loc)
-    handoff = handoff if handoff is not None else Handoff()
+    handoff = options.handoff if options.handoff is not None else Handoff()
     tx: _transaction.Transaction | None = None
     tracker: Tracker | None = None
-    sharing = _Sharing(follows, share, followed, budget)
+    sharing = _Sharing(options.follows, share, options.followed, budget)
     try:
         if not isinstance(planned, _staging.Batch):
             # Every array is safe on the host already: the plan, the transaction
             # and the writes all happen in the background.
-            run = functools.partial(_plan_write_and_commit, loc, stages, planned, cast, sharing, **options)
+            run = functools.partial(_plan_write_and_commit, loc, stages, planned, cast, sharing, **begin)
             return _background.start(run, exclusive, handoff)
         check = None if expected is None else functools.partial(_partial.check_unreplaced, commit=expected)
-        tx, tracker = _begin(loc, stages, planned, check=check, **options)
+        tx, tracker = _begin(loc, stages, planned, check=check, **begin)
         run = functools.partial(
             _write_and_commit, tx, stages, planned, metrics=metrics, tracker=tracker, sharing=sharing
         )
@@ -306,31 +308,30 @@ def _collect_and_plan(
     pytree: PyTree,
     filter_spec: Any,
     is_leaf: Callable[[Any], bool] | None,
-    *,
-    overwrite: Any,
-    blocking: Any,
-    cast: Any,
-    layout: str,
-    where: Callable[[PyTree], Any] | None,
-    staging: Any,
-    step: bool,
+    options: SaveOptions,
 ) -> tuple[bool, bool, Callable[[str, np.dtype], Any] | None, int, _staging.Batch | _background.HeldLeaves, str | None]:
-    """The options checked (`overwrite`, `blocking` and `cast` as `save` uses
-    them, and `staging`, made the staging budget in bytes), then the leaves collected and
-    planned; an asynchronous save's leaves are held instead
-    (`_background.hold_tree`), and planned in the background. Last, for a partial save (`where`), the commit of the
-    checkpoint whose leaves it keeps. Every process then meets the others
-    at the first stage (`_stages.Stages.prepared`), whatever its outcome.
-    `step`: a manager's step (its packs cut for sharing, `_records.assign`)."""
+    """The options checked, then the leaves collected and planned.
+
+    - `overwrite`, `blocking` and `cast` are returned as `save` uses them, and
+        `staging_bytes` as the staging budget in bytes.
+    - An asynchronous save's leaves are held instead (`_background.hold_tree`),
+        and planned in the background.
+    - Last, for a partial save (`where`), the commit of the checkpoint whose
+        leaves it keeps.
+
+    Every process then meets the others at the first stage
+    (`_stages.Stages.prepared`), whatever its outcome. A manager's step
+    (`followed`) has its packs cut for sharing (`_records.assign`)."""
+    layout, where, step = options.layout, options.where, options.followed
     planned: _staging.Batch | _background.HeldLeaves | None = None
     expected: str | None = None
     error: BaseException | None = None
     try:
         _layout.check(layout)
-        overwrite = check_flag("overwrite", overwrite, "whether to replace a checkpoint already there")
-        blocking = check_flag("blocking", blocking, "`False` saves in the background")
-        cast = _records.cast_function(cast)
-        budget = _staging.budget(staging)
+        overwrite = check_flag("overwrite", options.overwrite, "whether to replace a checkpoint already there")
+        blocking = check_flag("blocking", options.blocking, "`False` saves in the background")
+        cast = _records.cast_function(options.cast)
+        budget = _staging.budget(options.staging_bytes)
         if where is not None:
             partial = _partial.collect(
                 loc,

@@ -43,7 +43,7 @@ from .._base._errors import (
 )
 from .._base._location import Location, hub_location
 from .._ondisk._format import PUBLISHED
-from .._ondisk._manifest import loads_untrusted
+from .._ondisk._manifest import loads_file
 
 INSTALL = 'pip install "eqx_ckpt[hub]"'
 # The files of a folder a load may read; nothing else is downloaded or read.
@@ -288,9 +288,9 @@ def _shards(pinned: Pinned, data: bytes) -> list[str]:
     """The shards an index names (a name that is no file of the folder is left
     for the safetensors reader to refuse, with its reason)."""
     try:
-        weight_map = loads_untrusted(data).get("weight_map", {})
+        weight_map = loads_file(data).get("weight_map", {})
         names = {v for v in weight_map.values() if isinstance(v, str)}
-    except (ValueError, AttributeError, RecursionError):
+    except (ValueError, AttributeError):
         return []
     return sorted(n for n in names if n in pinned.files())
 

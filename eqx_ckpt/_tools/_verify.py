@@ -1,10 +1,12 @@
 """`verify`: read and check every byte of a checkpoint.
 
-It reads chunk by chunk, a bounded number of bytes at a time, so a checkpoint of
-any size (or a hostile one claiming an absurd shape) is checked in bounded memory:
-a leaf's chunks by `_chunk_scan`, a pack's by the pack reader
-(`_pack.read_chunks`), each chunk by `_read.start_region`, the one way any
-reader reads stored elements.
+It reads chunk by chunk, a bounded number of bytes at a time. So a checkpoint
+of any size (or a hostile one claiming an absurd shape) is checked in bounded
+memory. The readers:
+
+- a leaf's chunks: `_chunk_scan`;
+- a pack's: the pack reader (`_pack.read_chunks`);
+- each chunk: `_read.start_region`, the one way any reader reads stored elements.
 """
 
 from __future__ import annotations
@@ -81,16 +83,20 @@ class Problem:
 
 
 class Problems(list[Problem]):
-    """What [`eqx_ckpt.verify`][] returns: a list of [`eqx_ckpt.Problem`][]s
-    (empty when the checkpoint is sound), `unchecked`: sentences saying what
-    was not checked (what its format cannot be checked for; empty for an
-    eqx_ckpt checkpoint, where every byte is), and `steps`: for a
-    `CheckpointManager`'s directory, the committed steps verified (each
-    problem's `step` says which it belongs to), else `()`; `newer`: the steps
-    of that directory written in a newer format than this eqx_ckpt reads (not
-    damage: `unchecked` says so; a single such checkpoint raises
-    [`eqx_ckpt.CheckpointVersionError`][] instead). `damaged_files()` gives
-    the root causes: each damaged chunk file with the problems it causes."""
+    """What [`eqx_ckpt.verify`][] returns: a list of [`eqx_ckpt.Problem`][]s,
+    empty when the checkpoint is sound. Its attributes:
+
+    - `unchecked`: sentences saying what was not checked (what its format
+        cannot be checked for). It is empty for an eqx_ckpt checkpoint, where
+        every byte is.
+    - `steps`: for a `CheckpointManager`'s directory, the committed steps
+        verified (each problem's `step` says which it belongs to); else `()`.
+    - `newer`: the steps of that directory written in a newer format than
+        this eqx_ckpt reads. That is not damage: `unchecked` says so. A single
+        such checkpoint raises [`eqx_ckpt.CheckpointVersionError`][] instead.
+
+    `damaged_files()` gives the root causes: each damaged chunk file with the
+    problems it causes."""
 
     def __init__(
         self,
@@ -134,23 +140,30 @@ def _file_of(error: BaseException) -> str | None:
 def verify(path: Any, *, progress: Progress = None) -> Problems:
     """Read and check every byte of a checkpoint.
 
-    Checks the manifest (its digest, its schema, its totals), every leaf's
-    `zarr.json` against the manifest, the zarr group metadata of the folders
-    above the leaves (which zarr tools need, though loads do not), and every
-    chunk of every leaf against its crc32c checksum; a chunk file that is
-    missing, truncated or altered, a symlink inside the checkpoint, or edited
-    metadata is a problem. Nothing is loaded onto a device, and memory use
-    stays bounded whatever the size.
+    It checks:
+
+    - the manifest: its digest, its schema, its totals;
+    - every leaf's `zarr.json` against the manifest;
+    - the zarr group metadata of the folders above the leaves (which zarr
+        tools need, though loads do not);
+    - every chunk of every leaf against its crc32c checksum.
+
+    A chunk file that is missing, truncated or altered is a problem, and so
+    are a symlink inside the checkpoint and edited metadata. Nothing is loaded
+    onto a device, and memory use stays bounded whatever the size.
 
     A `CheckpointManager`'s directory is verified step by step: every
     committed step, in order (a step deleted meanwhile by the retention of a
     run still saving there is left out, and `unchecked` says so).
 
     A safetensors file, a Hugging Face directory or an orbax checkpoint is
-    checked for what its format can be checked for: its headers or metadata
-    (offsets in bounds, one after another, the file's size, the index's
-    shards and tensors), and that every tensor's bytes (every chunk) are there
-    and read. Neither format holds checksums, so a changed byte cannot be
+    checked for what its format can be checked for:
+
+    - its headers or metadata (offsets in bounds, one after another, the
+        file's size, the index's shards and tensors);
+    - that every tensor's bytes (every chunk) are there and read.
+
+    Neither format holds checksums, so a changed byte cannot be
     detected: the result's `unchecked` says so.
 
     **Arguments:**
@@ -159,7 +172,7 @@ def verify(path: Any, *, progress: Progress = None) -> Problems:
         directory; or a `.safetensors` file, a Hugging Face directory of them,
         or an orbax checkpoint.
     - `progress`: by default a progress bar (bytes and leaves) shows on stderr
-        when it is a terminal and the checkpoint is large; `False` hides it,
+        when it is a terminal and the checkpoint is large. `False` hides it,
         `True` shows it whatever the size, and a callable is called as
         `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
 
@@ -175,11 +188,11 @@ def verify(path: Any, *, progress: Progress = None) -> Problems:
 
     **Raises:**
 
-    [`eqx_ckpt.CheckpointNotFoundError`][] if there is no checkpoint of any
-    format at `path` (saying what is there);
-    [`eqx_ckpt.CheckpointVersionError`][] if it was written in a newer format
-    than this eqx_ckpt reads (nothing is wrong with it: upgrade). Of a
-    manager's directory, such steps are listed in `newer` instead.
+    - [`eqx_ckpt.CheckpointNotFoundError`][] if there is no checkpoint of any
+        format at `path` (saying what is there).
+    - [`eqx_ckpt.CheckpointVersionError`][] if it was written in a newer
+        format than this eqx_ckpt reads (nothing is wrong with it: upgrade).
+        Of a manager's directory, such steps are listed in `newer` instead.
 
     !!! example
 
@@ -263,18 +276,20 @@ def _verify_steps(loc: Location, steps: list[int], progress: Progress) -> Proble
 
 
 def _check_totals(loc: Location, manifest: Manifest) -> list[Problem]:
-    """The redundant counts in the manifest must agree with its leaf records."""
-    data = _storage.read_file(loc, MANIFEST, limit=MAX_MANIFEST_BYTES)
-    body = {} if data is None else _manifest.read_body(data, where=loc.display)
+    """The redundant counts in the manifest must agree with its leaf records.
+
+    They are the ones its one parse kept (`Manifest.declared`): the file is
+    not read again, so a manifest replaced meanwhile cannot mix in its totals."""
+    declared = manifest.declared
+    if declared is None:  # made in memory, not read: its totals are its leaves'
+        return []
     problems = []
-    if body.get("leaf_count") != len(manifest.leaves) or body.get("total_bytes") != manifest.total_bytes:
+    if declared.leaf_count != len(manifest.leaves) or declared.total_bytes != manifest.total_bytes:
         problems.append(Problem(None, f"The manifest of {loc.display!r} gives totals that disagree with its leaves."))
-    for item, record in zip(body.get("leaves", []), manifest.leaves):
-        # Version 4 records leave `nbytes` out (it follows from shape and dtype).
-        if ("nbytes" in item or manifest.format_version < 4) and item.get("nbytes") != record.nbytes:
-            problems.append(
-                Problem(record.path, f"the manifest gives {item.get('nbytes')!r} bytes, not {record.nbytes}.")
-            )
+    for i, given in declared.nbytes.items():
+        record = manifest.leaves[i]
+        if given != record.nbytes:
+            problems.append(Problem(record.path, f"the manifest gives {given!r} bytes, not {record.nbytes}."))
     return problems
 
 
@@ -426,12 +441,16 @@ def _check_groups(data: Location, manifest: Manifest) -> list[Problem]:
 def _group_differs(actual: dict[str, Any], what: str) -> str | None:
     """How a group's `zarr.json` differs from what a save writes (`_format.GROUP`).
 
-    Two additions leave it the same group to every zarr reader, and a user's
-    zarr tool may well make them, so they are no problem: `attributes` of its
-    own (xarray and others annotate groups; the zarr v3 spec makes them
-    optional), and an extension field marked `"must_understand": false`, which
-    the spec lets any reader ignore (zarr-python's consolidated metadata in the
-    root group). Anything else changes what the node is, or makes a reader
+    Two additions leave it the same group to every zarr reader. A user's zarr
+    tool may well make them, so they are no problem:
+
+    - `attributes` of its own (xarray and others annotate groups; the zarr v3
+        spec makes them optional);
+    - an extension field marked `"must_understand": false`, which the spec
+        lets any reader ignore (zarr-python's consolidated metadata in the
+        root group).
+
+    Anything else changes what the node is, or makes a reader
     refuse it."""
     differ = []
     for name in sorted(set(actual) | set(_format.GROUP)):
