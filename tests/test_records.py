@@ -16,7 +16,7 @@ import pytest
 from arrays import values
 
 import eqx_ckpt
-from eqx_ckpt._base import _tree
+from eqx_ckpt._base import _faults, _tree
 from eqx_ckpt._base._location import location
 from eqx_ckpt._save import _records, _serialise
 
@@ -290,3 +290,26 @@ def test_kept_records_follow_the_knobs_and_a_managers_packs(tmp_path, monkeypatc
     assert big["chunks"][0] * 4 <= 64 << 10 < before.get("chunks", before["shape"])[0] * 4 and len(reused) == 1
     for name in ("unpacked", "chunked"):
         assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / name, tree), tree, typematch=True)
+
+
+@pytest.mark.parametrize("raised", [RuntimeError, KeyboardInterrupt])
+def test_a_save_that_fails_as_it_takes_kept_records_leaves_nothing_and_keeps_them_whole(tmp_path, faults, raised):
+    """An error or an interrupt as a save takes the records a save of the same
+    structure kept: nothing is written, and the kept records stay as they
+    were: the next save takes them and writes what the first one did."""
+    tree = _tree_of()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "first", tree)
+
+    def fail(loc):
+        raise raised("injected")
+
+    with _faults.armed("save.records_reused", fail), pytest.raises(raised, match="injected"):
+        eqx_ckpt.tree_serialise_leaves(tmp_path / "failed", tree)
+    assert not (tmp_path / "failed").exists()
+    reused = []
+    faults("save.records_reused", reused.append)
+    changed = jax.tree.map(lambda x: x * 2, tree)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "next", changed)
+    assert len(reused) == 1
+    assert _leaves(tmp_path / "next") == _leaves(tmp_path / "first")
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "next", tree), changed, typematch=True)
