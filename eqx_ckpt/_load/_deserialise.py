@@ -22,7 +22,7 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._base import _faults, _gc
+from .._base import _faults, _gc, _tree
 from .._base._errors import CheckpointError, LeafError, check_flag, leaf_message
 from .._base._handle import LeafHandle
 from .._base._location import Location
@@ -206,11 +206,13 @@ def tree_deserialise_leaves(
     # second load reads them there); a partial or lazy one reads byte ranges.
     source = _source.open_source(path, whole=where is None and prefix is None and not lazy)
     static: list[str] = []
+    flat = None
     if like is None:
         like = rebuilt(source, prefix or "", Trust(trust), check_init=check_init)
     elif not rename and not transform:  # a renamed `like` is laid out unlike the record
-        static = _rebuild.static_differences(source.manifest, like, is_leaf, prefix or "", source.loc.display)
-    loaded = load(source, like, is_leaf, filter_spec, options, progress=progress)
+        flat = _tree.flatten_named(like, is_leaf)  # as a save names its leaves; the plan's too
+        static = _rebuild.static_differences(source.manifest, *flat, prefix or "", source.loc.display)
+    loaded = load(source, like, is_leaf, filter_spec, options, progress=progress, flat=flat)
     for message in static:
         warnings.warn(message, _rebuild.StaticFieldWarning, stacklevel=2)
     return loaded
@@ -224,9 +226,11 @@ def load(
     options: Any,
     *,
     progress: Progress,
+    flat: tuple[list[Any], _tree.Names] | None = None,
 ) -> PyTree:
-    """`like` loaded from an opened `source` with checked `options` (`_load_plan.options`)."""
-    plan = _load_plan.plan(source, like, is_leaf, filter_spec, default_deserialise_filter_spec, options)
+    """`like` loaded from an opened `source` with checked `options` (`_load_plan.options`).
+    `flat`: `like` flattened and named, where the caller has it (`_load_plan.plan`)."""
+    plan = _load_plan.plan(source, like, is_leaf, filter_spec, default_deserialise_filter_spec, options, flat)
     values = _read_values(source, plan, progress=progress)
     return _place(plan, values)
 

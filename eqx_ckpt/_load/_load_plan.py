@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -87,20 +88,29 @@ def options(
 @dataclasses.dataclass
 class LeafPlan:
     """One selected leaf of `like`, fed by one stored path (`record`: its record,
-    `None` where the checkpoint has none)."""
+    `None` where the checkpoint has none). `named(index)`: its key path, made
+    when asked (`keypath`): a load asks only for the leaves its errors name."""
 
     index: int
-    keypath: tuple[Any, ...]
+    named: Callable[[int], tuple[Any, ...]] = dataclasses.field(repr=False, compare=False)
     like: Any
     stored: str
     record: LeafRecord | None = None
+
+    @property
+    def keypath(self) -> tuple[Any, ...]:
+        return self.named(self.index)
 
     @classmethod
     def of(cls, index: int, record: LeafRecord, like: Any) -> LeafPlan:
         """The plan of reading `record` as `like`, named by the record's own key
         path: a read that no `like` tree planned (a nested load, `materialise`,
         a save staging a lazy leaf)."""
-        return cls(index, _keypath.from_json(record.keypath), like, record.path, record)
+        return cls(index, functools.partial(_keypath_of, record), like, record.path, record)
+
+
+def _keypath_of(record: LeafRecord, index: int) -> tuple[Any, ...]:
+    return _keypath.from_json(record.keypath)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,18 +145,28 @@ class LoadPlan:
     read_once: bool | None = None
 
 
-def plan(source: Source, like: Any, is_leaf: Any, filter_spec: Any, default: Any, options: Options) -> LoadPlan:
+def plan(
+    source: Source,
+    like: Any,
+    is_leaf: Any,
+    filter_spec: Any,
+    default: Any,
+    options: Options,
+    flat: tuple[list[Any], _tree.Names] | None = None,
+) -> LoadPlan:
     """The plan of loading `source` into `like`, every problem found raised
-    together. `default`: the filter spec whose leaves the load reads itself."""
-    flat, treedef = _tree.flatten(like, is_leaf)
-    # Each leaf's dotted path, each key named once (`_keypath.dotted_and_records`): naming
-    # every key path apart took 6 us a leaf, twice, for ten thousand leaves.
-    dotted = _keypath.dotted_and_records([keypath for keypath, _ in flat])[0]
-    specs = _tree.leaf_specs(filter_spec, like, is_leaf, what="like", count=len(flat))
-    leaves = _Leaves(flat, dotted, specs, default)
+    together. `default`: the filter spec whose leaves the load reads itself.
+    `flat`: `like` flattened and named (`_tree.flatten_named`), where the
+    caller has it. Named as a save names its leaves: from the structure,
+    remembered for the next load of it; key paths only where an error names
+    a leaf."""
+    values, named = flat if flat is not None else _tree.flatten_named(like, is_leaf)
+    treedef = named.treedef
+    specs = _tree.leaf_specs(filter_spec, like, is_leaf, what="like", count=len(values))
+    leaves = _Leaves(values, named, specs, default)
     chosen = _chosen(options.where, treedef, leaves)
-    names = _names(source.loc, source.manifest, dotted, options)
-    _check_keys(options, dotted, names, source.loc)
+    names = _names(source.loc, source.manifest, named.paths, options)
+    _check_keys(options, named.paths, names, source.loc)
     report = Report(source.loc, cast=options.cast)
     leaves.assign(chosen, names, report, missing=options.missing, cast=options.cast)
     _check_whole(leaves, names, report, source.manifest, strict=options.strict)
@@ -154,7 +174,7 @@ def plan(source: Source, like: Any, is_leaf: Any, filter_spec: Any, default: Any
     return LoadPlan(
         source.loc,
         treedef,
-        [leaf for _, leaf in flat],
+        values,
         leaves.reads,
         leaves.custom,
         leaves.transformed,
@@ -166,9 +186,9 @@ def plan(source: Source, like: Any, is_leaf: Any, filter_spec: Any, default: Any
 
 def _chosen(where: Callable[[Any], Any] | None, treedef: Any, leaves: _Leaves) -> list[int]:
     """The indices of the leaves of `like` that `where` selects, in order."""
-    chosen = _select.selected(where, treedef, len(leaves.flat))
-    flat, specs, default, dotted = leaves.flat, leaves.specs, leaves.default, leaves.dotted
-    if where is not None and not any(_loaded(flat[i][1], specs[i], default) for i in chosen):
+    chosen = _select.selected(where, treedef, len(leaves.values))
+    values, specs, default, dotted = leaves.values, leaves.specs, leaves.default, leaves.dotted
+    if where is not None and not any(_loaded(values[i], specs[i], default) for i in chosen):
         shown = ", ".join(f"`{dotted[i]}`" for i in sorted(chosen)[:3])
         raise CheckpointValueError(
             f"`where` selected only leaves of `like` that are not loaded ({shown}: not arrays or scalars, such "
@@ -284,8 +304,9 @@ def _nearest(key: str, paths: set[str]) -> list[str]:
 class _Leaves:
     """The selected leaves of `like`, sorted into what feeds each."""
 
-    def __init__(self, flat: list[tuple[tuple[Any, ...], Any]], dotted: list[str], specs: list[Any], default: Any):
-        self.flat, self.dotted, self.specs, self.default = flat, dotted, specs, default
+    def __init__(self, values: list[Any], names: _tree.Names, specs: list[Any], default: Any):
+        self.values, self.names, self.specs, self.default = values, names, specs, default
+        self.dotted = names.paths
         self.reads: list[LeafPlan] = []
         self.custom: list[tuple[LeafPlan, Any]] = []
         self.transformed: list[TransformPlan] = []
@@ -297,10 +318,11 @@ class _Leaves:
         leaf; those of the plan as a whole, once every leaf is planned, are
         `_check_whole`'s. This loop runs for every leaf of `like`, ten thousand
         in the `many` benchmark.)"""
-        flat, dotted, specs, default, records = self.flat, self.dotted, self.specs, self.default, names.records
+        values, dotted, specs, default, records = self.values, self.dotted, self.specs, self.default, names.records
         stored_path, to_transform, wanted, reads = names.stored, names.transform, self.wanted, self.reads
+        named = self.names.keypath
         for i in chosen:
-            keypath, leaf = flat[i]
+            leaf = values[i]
             stored = stored_path(i)
             if stored is None:
                 continue
@@ -308,12 +330,12 @@ class _Leaves:
             if specs[i] is not default:
                 self.custom.append((self._custom(i, stored, fn, records), specs[i]))
             elif fn is not None or isinstance(stored, tuple):
-                tplan, problem = _transformed(i, keypath, leaf, stored, fn, records, missing=missing)
+                tplan, problem = _transformed(i, named(i), leaf, stored, fn, records, missing=missing)
                 if problem:
-                    report.add_transform(keypath, stored, problem)
+                    report.add_transform(named(i), stored, problem)
                 self.transformed += [tplan] if tplan is not None else []
             elif _dtypes.like_type(leaf) is not None:
-                plan = LeafPlan(i, keypath, leaf, stored, records.get(stored))
+                plan = LeafPlan(i, named, leaf, stored, records.get(stored))
                 wanted.append(plan)
                 if check_leaf(plan, report, missing=missing, cast=cast):
                     reads.append(plan)
@@ -333,8 +355,7 @@ class _Leaves:
                 f"leaf to `eqx_ckpt.default_deserialise_filter_spec`."
             )
         assert stored is not None
-        keypath, leaf = self.flat[i]
-        return LeafPlan(i, keypath, leaf, stored, records.get(stored))
+        return LeafPlan(i, self.names.keypath, self.values[i], stored, records.get(stored))
 
 
 def _transformed(
@@ -416,7 +437,7 @@ def _castable(record: LeafRecord, like: Any) -> bool:
 
 def _report_unexpected(leaves: _Leaves, names: _Names, report: Report) -> None:
     wanted: set[str] = set()
-    for i, ((_, leaf), spec) in enumerate(zip(leaves.flat, leaves.specs)):
+    for i, (leaf, spec) in enumerate(zip(leaves.values, leaves.specs)):
         if _loaded(leaf, spec, leaves.default):
             target = names.stored(i)
             wanted.update(target if isinstance(target, tuple) else () if target is None else (target,))

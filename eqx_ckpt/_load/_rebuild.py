@@ -721,14 +721,13 @@ StaticFieldWarning.__module__ = "eqx_ckpt"
 
 
 @_gc.gc_paused()  # as a load is: the record of a large `like` makes many objects
-def static_differences(manifest: Manifest, like: Any, is_leaf: Any, prefix: str, where: str) -> list[str]:
+def static_differences(manifest: Manifest, leaves: list[Any], named: _tree.Names, prefix: str, where: str) -> list[str]:
     """The `StaticFieldWarning` messages of loading `like` at `prefix`: where a
     static field of `like` differs from the value the record holds at the same
     key path and class. The caller warns once the load succeeded (a load that
     fails says more than this)."""
     if manifest.structure is None or not isinstance(prefix, str):
         return []  # a `prefix` that is not a string is the plan's error to raise
-    leaves, named = _tree.flatten_named(like, is_leaf)  # as a save names its leaves
     mine = _structure.record(named.treedef, leaves, [True] * len(leaves), named.records)
     if not prefix and encode_structure(mine) == manifest.structure:
         return []  # the record `like` makes is the stored one: nothing to parse or compare
