@@ -652,3 +652,24 @@ def test_a_report_of_many_leaves_names_each_leaf_once(tmp_path):
     assert others[0] == f"  - `layer1.w` (key path ['layer1']['w']): {shape}"
     assert len(others) == 11 and not any("DictKey" in line or "Deserialised" in line for line in others)
     assert len(message) < 1800 and info.value.dotted == tuple(sorted(f"layer{i}.w" for i in range(16)))
+
+
+@pytest.mark.parametrize("count", [3, 40])
+def test_a_load_names_every_mismatched_leaf_by_its_own_key_path(tmp_path, count):
+    """A load names its leaves from `like`'s structure and makes a leaf's key
+    path only when an error names it: the first few one at a time, then all
+    at once. Either way, every leaf the error names has its own key path, as
+    JAX flattens `like`."""
+
+    class Block(eqx.Module):
+        w: jax.Array
+        n: int = eqx.field(static=True)
+
+    tree = {"blocks": [Block(jnp.ones(2), i) for i in range(count)], "opt": {7: jnp.zeros(1)}}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
+    like = {"blocks": [Block(jnp.ones(3), i) for i in range(count)], "opt": {7: jnp.zeros(2)}}
+    with pytest.raises(eqx_ckpt.LeafError) as info:
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    expected = [keypath for keypath, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
+    assert list(info.value.keypaths) == expected
+    assert "`blocks.0.w` (key path ['blocks'][0].w)" in str(info.value)
