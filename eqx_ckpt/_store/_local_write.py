@@ -7,9 +7,9 @@ crc32c after them:
 
 - a leaf's chunk, straight from the leaf's host buffer with one `writev`.
   From `UNBUFFERED_FROM` bytes on, it goes past the page cache (`O_DIRECT`)
-  where the file system takes it. It then goes through a small staging
-  buffer of the writing thread, or straight from the buffer where that is
-  page-aligned;
+  where the file system takes it. That write goes through a small staging
+  buffer of the writing thread, or straight from the leaf's buffer where
+  that is page-aligned;
 - a pack's chunk, gathered into that staging buffer a part at a time (one
   NumPy copy of its members each) and written from there.
 
