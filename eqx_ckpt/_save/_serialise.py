@@ -111,12 +111,15 @@ def tree_serialise_leaves(
 ) -> PendingSave | None:
     """Save the leaves of a PyTree as a checkpoint directory.
 
-    Every array leaf is stored as a zarr v3 array, found by its key path: a large
-    leaf in a folder of its own named after it (`model.layers.0.weight` ->
-    `model/layers/0/weight/`), and leaves of at most 1 MiB packed, several to one
-    zarr v3 array per dtype, at offsets the manifest records (see
-    [docs/format.md](../format.md#small-leaves-packs)). A `manifest.json` written
-    last commits the checkpoint.
+    Every array leaf is stored as a zarr v3 array, found by its key path:
+
+    - a large leaf in a folder of its own named after it
+      (`model.layers.0.weight` -> `model/layers/0/weight/`);
+    - leaves of at most 1 MiB packed, several to one zarr v3 array per dtype,
+      at offsets the manifest records (see
+      [docs/format.md](../format.md#small-leaves-packs)).
+
+    A `manifest.json` written last commits the checkpoint.
 
     **Arguments:**
 
