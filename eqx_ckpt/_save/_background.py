@@ -74,17 +74,21 @@ _DTYPE = operator.attrgetter("dtype")
 
 
 def _hold(leaves: list[Any]) -> tuple[list[Any], Sequence[int]] | None:
-    """Every leaf's host data held, each leaf looked at once: a `jax.Array` on
-    one device by its NumPy view (a `jax.Array`'s host data, which never
-    changes; on an accelerator, a copy the save owns, in pinned host memory
-    where the device has some, `_memory.held`, never cached on the caller's
-    array), any other `jax.Array` (sharded, a
-    PRNG key array) by its host pieces (`_records.hold`), NumPy arrays copied
-    (`_memory`), other leaves as they are. Returns what is held, one per leaf,
-    and the indices of the views (made `_records.Held` in the background,
-    `hold_tree`). `None` when a leaf's error is for the caller's thread to
-    raise (a masked or abstract array, a leaf that cannot be held: a deleted
-    array).
+    """Every leaf's host data held, each leaf looked at once:
+
+    - a `jax.Array` on one device by its NumPy view. That is a `jax.Array`'s
+      host data, which never changes. On an accelerator it is a copy the save
+      owns, in pinned host memory where the device has some (`_memory.held`),
+      never cached on the caller's array;
+    - any other `jax.Array` (sharded, a PRNG key array) by its host pieces
+      (`_records.hold`);
+    - NumPy arrays copied (`_memory`);
+    - other leaves as they are.
+
+    Returns what is held, one per leaf, and the indices of the views (made
+    `_records.Held` in the background, `hold_tree`). `None` when a leaf's
+    error is for the caller's thread to raise: a masked or abstract array, or
+    a leaf that cannot be held (a deleted array).
 
     The caller waits for this. The common tree, every leaf a `jax.Array` on
     one device, is held with no step of Python's per leaf: the types and

@@ -616,11 +616,13 @@ def assign(
 
 
 def pack_chunk(size: int, itemsize: int, step: int, limit: int) -> int:
-    """The chunk length of a pack of `size` elements of `itemsize` bytes: at
-    most `limit` bytes, and the chunks as even as the pack allows, so
-    that its last chunk pads little past its data (zarr stores every chunk
-    full, and a chunk whose members changed is written whole: chunks of
-    exactly the limit left up to a chunk of zeros in the last file). A pack of
+    """The chunk length of a pack of `size` elements of `itemsize` bytes.
+
+    It is at most `limit` bytes, and the chunks are as even as the pack
+    allows, so that its last chunk pads little past its data. Why: zarr
+    stores every chunk full, and a chunk whose members changed is written
+    whole. Chunks of exactly the limit left up to a chunk of zeros in the
+    last file. A pack of
     several chunks has chunks of a whole number of `step` elements (64 bytes),
     so that every chunk starts aligned; its last chunk pads less than one
     `step` per chunk. E.g. 33,000 float32 elements are two chunks of 16,512

@@ -1,15 +1,20 @@
 """`tree_serialise_leaves`: collect -> plan -> write -> commit.
 
-A save collects the tree's leaves with their names and filter specs
-(`_collect`), plans what it writes (every leaf's record and host pieces, and
-the packs of small leaves: `_records`), begins the transaction, creates the
-arrays and writes them within the staging budget (`_staging`, each write
-handed to the location's writer, `_chunk_files.chunk_files(loc).writer`: on a
-local disk by eqx_ckpt itself, else through TensorStore), makes
-them durable (`_durable`) and commits the manifest. An
-asynchronous save returns once its arrays are safe on the host (with the
-default filter spec, once each leaf's host data is held:
-`_background.hold_tree`, and the plan is made in the background too); a
+A save runs these steps:
+
+1. It collects the tree's leaves with their names and filter specs
+   (`_collect`).
+2. It plans what it writes (`_records`): every leaf's record and host
+   pieces, and the packs of small leaves.
+3. It begins the transaction and creates the arrays.
+4. It writes them within the staging budget (`_staging`). Each write goes
+   to the location's writer, `_chunk_files.chunk_files(loc).writer`. On a
+   local disk that is eqx_ckpt itself, else TensorStore.
+5. It makes them durable (`_durable`) and commits the manifest.
+
+An asynchronous save returns once its arrays are safe on the host. With the
+default filter spec, that is once each leaf's host data is held
+(`_background.hold_tree`), and the plan is made in the background too. A
 background thread (`_background`) does the rest.
 
 With several JAX processes, every process runs this same story: the
@@ -141,12 +146,15 @@ def tree_serialise_leaves(
 ) -> PendingSave | None:
     """Save the leaves of a PyTree as a checkpoint directory.
 
-    Every array leaf is stored as a zarr v3 array, found by its key path: a large
-    leaf in a folder of its own named after it (`model.layers.0.weight` ->
-    `model/layers/0/weight/`), and leaves of at most 1 MiB packed, several to one
-    zarr v3 array per dtype, at offsets the manifest records (see
-    [docs/format.md](../format.md#small-leaves-packs)). A `manifest.json` written
-    last commits the checkpoint.
+    Every array leaf is stored as a zarr v3 array, found by its key path:
+
+    - a large leaf in a folder of its own named after it
+      (`model.layers.0.weight` -> `model/layers/0/weight/`);
+    - leaves of at most 1 MiB packed, several to one zarr v3 array per dtype,
+      at offsets the manifest records (see
+      [docs/format.md](../format.md#small-leaves-packs)).
+
+    A `manifest.json` written last commits the checkpoint.
 
     **Arguments:**
 
@@ -605,14 +613,18 @@ def _write_all(
 
 
 class _Sharing(NamedTuple):
-    """What a save shares (`_share`): with `share`, the chunk files equal to
-    those of the checkpoint it replaces, else of `follows` (a manager's
-    previous step); with `share` and `followed` (a manager's step, which a
-    next step will follow), it records the digest of every chunk file it
-    writes, so that the next step reads none of them back. Without
-    `followed` (a plain save), only a chunk that was compared is recorded: a
-    save with no base hashes nothing. (And `staging`: the save's staging
-    budget, in bytes, `_staging`: how its writes go, as sharing does.)"""
+    """What a save shares (`_share`).
+
+    - With `share`, the chunk files equal to those of the checkpoint it
+      replaces, else of `follows` (a manager's previous step).
+    - With `share` and `followed` (a manager's step, which a next step will
+      follow), it records the digest of every chunk file it writes. So the
+      next step reads none of them back.
+
+    Without `followed` (a plain save), only a chunk that was compared is
+    recorded: a save with no base hashes nothing. `staging` is the save's
+    staging budget, in bytes (`_staging`: how its writes go, as sharing
+    does)."""
 
     follows: Location | None
     share: bool

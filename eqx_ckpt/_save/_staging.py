@@ -1,26 +1,36 @@
-"""A save's writes: its leaves sorted by where they are written (`Batch`),
-the arrays created (`create`), then the writes started in order within the
-save's staging budget (`start_writes`), each made and started by the
-location's writer (`_chunk_files.chunk_files(loc).writer`:
-eqx_ckpt's own threads on a local disk, else a TensorStore transaction),
-every piece's host data made as its write starts and released once written.
+"""A save's writes, in this order:
 
-A save plans every record up front (the manifest, and the plan several
-processes compare, need them all), but a piece of a leaf (its data, a shard,
+- its leaves sorted by where they are written (`Batch`);
+- the arrays created (`create`);
+- the writes started in order within the save's staging budget
+  (`start_writes`). Each is made and started by the location's writer
+  (`_chunk_files.chunk_files(loc).writer`): eqx_ckpt's own threads on a
+  local disk, else a TensorStore transaction.
+
+Every piece's host data is made as its write starts and released once
+written.
+
+A save plans every record up front: the manifest, and the plan several
+processes compare, need them all. But a piece of a leaf (its data, a shard,
 a slice of it, cast or encoded as stored) is kept as what it comes from: a
-`jax.Array`, a NumPy array, or a `_memory.Deferred` (a cast, a device-side slice, a
-PRNG key's data). `start_writes` makes the save's writes (`Write`: a leaf's
-pieces, or a run of a pack's chunk files) and `Writing` follows them:
-`Window` takes them in order, each admitted while the bytes staged and not
-yet written stay within the budget (a write larger than the budget is
-admitted alone, once nothing else is staged), its arrays' copies to the host
-started at once (`_memory.ahead`), so that they overlap the writes before it; it is
-staged (`_memory.host`) and started, and its bytes are released when its write has
-finished, which admits the next.
+`jax.Array`, a NumPy array, or a `_memory.Deferred` (a cast, a device-side
+slice, a PRNG key's data).
+
+`start_writes` makes the save's writes (`Write`: a leaf's pieces, or a run of
+a pack's chunk files), and `Writing` follows them. `Window` takes them in
+order:
+
+- Each is admitted while the bytes staged and not yet written stay within
+  the budget. A write larger than the budget is admitted alone, once nothing
+  else is staged.
+- Its arrays' copies to the host start at once (`_memory.ahead`), so that
+  they overlap the writes before it.
+- It is staged (`_memory.host`) and started.
+- Its bytes are released when its write has finished, which admits the next.
 
 Every piece admitted counts at its stored size, whether staging copies it or
-not (on a CPU a `jax.Array`'s host data is a view of its buffer, and a NumPy
-leaf is the caller's own array): the budget bounds what the save may hold,
+not. On a CPU a `jax.Array`'s host data is a view of its buffer, and a NumPy
+leaf is the caller's own array. The budget bounds what the save may hold,
 not what it happened to copy. The fault point `save.staged` reports the bytes
 staged each time they change.
 """

@@ -1,14 +1,19 @@
-"""Host memory for leaves: page-aligned private buffers, private copies, the
-memory check before a read, the process's shared thread pools, and the host
-data of a save's pieces (`host`, `ahead`, `host_views`, `held`, `protected`, and
-`Deferred`, a piece made host only when the save stages it), and the pool of
-reused host buffers a load may read through (`BufferPool`, off until measured
-on a GPU: `PINNED_LOAD_POOL`; `PINNED_SAVE_COPIES` likewise for a blocking
-save's copies through pinned memory).
+"""Host memory for leaves. This module holds:
+
+- page-aligned private buffers and private copies;
+- the memory check before a read;
+- the process's shared thread pools;
+- the host data of a save's pieces: `host`, `ahead`, `host_views`, `held`,
+  `protected`, and `Deferred` (a piece made host only when the save stages
+  it);
+- the pool of reused host buffers a load may read through (`BufferPool`).
+  It is off until measured on a GPU (`PINNED_LOAD_POOL`).
+  `PINNED_SAVE_COPIES` is off likewise, for a blocking save's copies through
+  pinned memory.
 
 Why private anonymous mappings: NumPy asks the kernel for huge pages for every
-array of 4 MiB or more, and with the page cache full (after a save, on a
-training machine) the kernel compacts memory to find them; a shared mapping
+array of 4 MiB or more. With the page cache full (after a save, on a
+training machine), the kernel compacts memory to find them. A shared mapping
 (`mmap`'s default) is backed by shmem, whose first touch of each page costs
 more. docs/benchmarks.md has the measurements.
 """
@@ -387,11 +392,14 @@ def host_views(arrays: list[jax.Array]) -> list[np.ndarray]:
 
 def held(arrays: list[jax.Array]) -> list[Any]:
     """What an asynchronous save holds of `jax.Array`s on one device each
-    while its caller waits, safe from a later donation or deletion of them:
-    on CPUs, their host views (`host_views`); on an accelerator, copies in
-    its pinned host memory (`pinned`), which the call only enqueues, so the
-    caller does not wait for the copy; else copies through the host's CPU
-    device (`host_views`), which it waits for.
+    while its caller waits. They are safe from a later donation or deletion
+    of the arrays:
+
+    - on CPUs, their host views (`host_views`);
+    - on an accelerator, copies in its pinned host memory (`pinned`). The
+      call only enqueues them, so the caller does not wait for the copy;
+    - else copies through the host's CPU device (`host_views`), which it
+      waits for.
 
     A PRNG key array has no host view: `TypeError`, as `np.asarray` raises."""
     if not only_cpus():
