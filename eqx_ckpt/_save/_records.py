@@ -1,17 +1,21 @@
 """A save's plan: each leaf's manifest record and host pieces, made here and
 nowhere else (`build`), and the packing of the small ones (`assign`).
 
-`build` runs the filter specs over a tree's leaves and makes a `Pending` (a
+`build` runs the filter specs over a tree's leaves. It makes a `Pending` (a
 `_format.LeafRecord` and the pieces written for it) for each value they
-write, by one path (`_Collector.add`), each value once. A piece is kept as
-what it comes from (a `jax.Array`, a NumPy array, or a `_memory.Deferred`
-cast, encoding or slice): its host data is made as the save's writes reach
-it, within the staging budget (`_staging`). The common leaf (a NumPy array,
-or a `jax.Array` on one device, of a dtype stored as it is, not cast) takes
-a short branch of that path, its record's fixed part worked out once per
-dtype and shape; any other leaf goes on the general way (`_general`), which
-checks what it can store (a cast's values included) and names the leaf in
-its errors.
+write, by one path (`_Collector.add`), each value once.
+
+- A piece is kept as what it comes from: a `jax.Array`, a NumPy array, or a
+  `_memory.Deferred` cast, encoding or slice. Its host data is made as the
+  save's writes reach it, within the staging budget (`_staging`).
+- The common leaf takes a short branch of that path: a NumPy array, or a
+  `jax.Array` on one device, of a dtype stored as it is, not cast. Its
+  record's fixed part is worked out once per dtype and shape.
+- Any other leaf goes the general way (`_general`). It checks what it can
+  store (a cast's values included) and names the leaf in its errors.
+
+A save of one process keeps its records for the next save of the same
+structure (`Plan`, `reuse`, `remember`).
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ class Pending:
 
 class Held:
     """A `jax.Array` leaf of an asynchronous save, with the host data the save
-    writes taken while the caller waited: a donation or deletion of the array
-    after the call returns cannot reach it.
+    writes. The data was taken while the caller waited, so a donation or
+    deletion of the array after the call returns cannot reach it.
 
     - `value`: the array (its shape, dtype and sharding are read later).
     - `data`: what is stored: the array, or a PRNG key array's key data.
@@ -232,14 +236,18 @@ class _Collector:
 
     def add(self, x: Any, kind: str, path: str, keypath: list[list[Any]], where: int | LeafHandle) -> None:
         """Make the record and host pieces of `x`, a value written for the leaf
-        at `path` (`kind`: `array_kind` of its type; `keypath`: the manifest
-        record of its key path; `where`: its handle, or the leaf's index when
-        the save made none). The common leaf (a NumPy array, or a `jax.Array`
-        on one device, or either held, of a dtype stored as it is, not cast)
-        takes the short branch: one host piece, in whole-array chunks, the
-        record's fixed part worked out once per dtype and shape of the save
-        (faster than leaf by leaf: docs/benchmarks.md). Any other value goes
-        the general way (`_general`), which checks what it can store (a
+        at `path`.
+
+        - `kind`: `array_kind` of its type.
+        - `keypath`: the manifest record of its key path.
+        - `where`: its handle, or the leaf's index when the save made none.
+
+        The common leaf takes the short branch: a NumPy array, or a
+        `jax.Array` on one device, or either held, of a dtype stored as it
+        is, not cast. It has one host piece, in whole-array chunks. The
+        record's fixed part is worked out once per dtype and shape of the
+        save (faster than leaf by leaf: docs/benchmarks.md). Any other value
+        goes the general way (`_general`). It checks what it can store (a
         cast's values included) and names the leaf in its errors."""
         held = None
         if kind == "held":
@@ -300,12 +308,13 @@ def _leaf_failed(error: Exception, loc: Location, keypath: tuple[Any, ...], dott
 
 class Unread:
     """An array leaf of a lazily loaded tree (a `LazyArray`), saved with its
-    value but read only when the save stages it (`_staging`), so that a save
-    of lazy leaves (a partial save keeps the stored ones so) holds no more of
-    them at once than its staging budget. The checkpoint it reads from stays
-    whole until this save commits, even when this save replaces it (a save
-    writes into another data root). `kind`: the leaf type recorded, the one
-    it was saved as."""
+    value but read only when the save stages it (`_staging`).
+
+    So a save of lazy leaves holds no more of them at once than its staging
+    budget (a partial save keeps the stored ones so). The checkpoint it reads
+    from stays whole until this save commits, even when this save replaces
+    it: a save writes into another data root. `kind`: the leaf type
+    recorded, the one it was saved as."""
 
     def __init__(self, lazy: LazyArray, kind: str):
         self.lazy, self.kind = lazy, kind

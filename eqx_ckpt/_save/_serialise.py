@@ -403,14 +403,20 @@ def _plan(
     structure: Callable[[set[str]], Any] | None = None,
     step: bool = False,
 ) -> _staging.Batch:
-    """What the save writes: every leaf's record and host pieces (the filter
-    specs run here), in a save of one process the packs of small leaves, and the
-    tree's structure record (`_structure`; `structure`, given the dotted paths
-    stored, makes it where `names` are not of one tree: a partial save's).
-    `private`: protect the leaves' data (`_staging.protect`), which the caller
-    may change or delete once an asynchronous save has returned. `step`: a
-    manager's step, whose packs are cut in chunks small enough to share
-    (`_records.assign`)."""
+    """What the save writes:
+
+    - every leaf's record and host pieces (the filter specs run here), taken
+      as a save of the same structure kept them where they would be the same
+      (`_records.Plan`);
+    - in a save of one process, the packs of small leaves;
+    - the tree's structure record (`_structure`). `structure`, given the
+      dotted paths stored, makes it where `names` are not of one tree (a
+      partial save's).
+
+    `private`: protect the leaves' data (`_staging.protect`), which the
+    caller may change or delete once an asynchronous save has returned.
+    `step`: a manager's step, whose packs are cut in chunks small enough to
+    share (`_records.assign`)."""
     default = default_serialise_filter_spec
     plan = None
     if stages.alone and cast is None and structure is None:
@@ -649,10 +655,11 @@ def _base(tx: _transaction.Transaction, follows: Location | None) -> _share.Base
 
 def _base_at(loc: Location, manifest: _manifest.Manifest | None) -> _share.Base | None:
     """The checkpoint at `loc` (whose manifest is `manifest`, if read) as a
-    base, opened as a load opens it (`_source.checkpoint`); `None` where its
-    chunk files cannot be shared (the OCDBT layout; where the location's
-    chunk files, `_chunk_files.chunk_files`, are not eqx_ckpt's own: not on a
-    local disk)."""
+    base, opened as a load opens it (`_source.checkpoint`).
+
+    `None` where its chunk files cannot be shared: the OCDBT layout, or a
+    location whose chunk files (`_chunk_files.chunk_files`) are not
+    eqx_ckpt's own, off a local disk."""
     if manifest is not None and manifest.layout != "directories":
         return None
 

@@ -131,12 +131,14 @@ class Batch:
         return [p.record for p in self.pending]
 
     def free(self) -> None:
-        """Empty this batch, freeing its records and host views (the writes keep
-        references of their own to the data): called once the records are
-        encoded, while the writes are in flight: freeing ten thousand leaves'
-        records, views and key paths is measurable (docs/benchmarks.md), and
-        the end of a save waited for it; freed here, it overlaps the writes. A few hundred at a
-        time, so that the writer threads get the GIL between them."""
+        """Empty this batch, freeing its records and host views. The writes
+        keep references of their own to the data.
+
+        It is called once the records are encoded, while the writes are in
+        flight. Freeing ten thousand leaves' records, views and key paths is
+        measurable (docs/benchmarks.md), and the end of a save waited for it.
+        Freed here, it overlaps the writes. A few hundred go at a time, so
+        that the writer threads get the GIL between them."""
         self.freed = True
         lists: list[list[Any]] = [self.pending, self.own, *(members for _, members in self.packs)]
         for items in [*lists, self.packs, self.made]:
@@ -150,9 +152,11 @@ _FREE_STEP = 256
 
 def create(data: Location, batch: Batch) -> tuple[list[Any], BaseException | None]:
     """Create the arrays' metadata (and the groups'), in a single process or
-    process 0 (the others open them once it has: `open_arrays`): the futures
-    of the opened arrays, `batch.own`'s then the packs', and the first error
-    of creating them (raised by the caller, once every process knows it)."""
+    process 0. The others open them once it has (`open_arrays`).
+
+    Returns the futures of the opened arrays (`batch.own`'s, then the
+    packs'), and the first error of creating them. The caller raises it,
+    once every process knows it."""
     opens: list[Any] = []
     groups: list[Any] = []
 
@@ -215,20 +219,24 @@ def start_writes(
     base: _share.Base | None = None,
     remember: bool = False,
 ) -> Writing:
-    """Start writing the arrays of `batch` into `data` (`opens`: the futures of
-    the arrays opened to write, `create`), in order, as many as the
-    staging budget (`budget` bytes of host data staged and not yet written)
-    admits, each handed to the location's writer (`_chunk_files.chunk_files`,
-    `writer`), which writes it by eqx_ckpt's own threads where its chunk
-    files take a save of this `layout` by this many `processes` (on a local
-    disk), else through TensorStore, staged in a transaction whose commit
-    writes them out. Puts
-    in `out` every future that finishes when data is written (not yet
-    durable): an interrupt after one started still leaves it there, so an
-    abort waits for it before deleting anything. Returns the `Writing`, whose
-    `follow` starts the rest as room frees; the caller may work first. Chunk
-    files equal to `base`'s are shared; with `remember`, the digest of every
-    chunk file written is recorded (`_share.written`).
+    """Start writing the arrays of `batch` into `data`, in order, as many as
+    the staging budget admits.
+
+    - `opens`: the futures of the arrays opened to write (`create`).
+    - `budget`: the bytes of host data staged and not yet written.
+    - Each write goes to the location's writer (`_chunk_files.chunk_files`,
+      `writer`). It writes by eqx_ckpt's own threads where its chunk files
+      take a save of this `layout` by this many `processes` (on a local
+      disk). Else it writes through TensorStore, staged in a transaction
+      whose commit writes them out.
+    - `out` gets every future that finishes when data is written (not yet
+      durable). An interrupt after one started still leaves it there, so an
+      abort waits for it before deleting anything.
+    - Chunk files equal to `base`'s are shared. With `remember`, the digest
+      of every chunk file written is recorded (`_share.written`).
+
+    Returns the `Writing`. Its `follow` starts the rest as room frees; the
+    caller may work first.
     """
     writer = _chunk_files.chunk_files(data).writer(
         processes=processes, layout=layout, out=out, tracker=tracker, base=base, remember=remember
@@ -420,9 +428,11 @@ class Window:
 
 def protect(pending: list[Pending]) -> None:
     """Make the pieces of `pending` safe from the caller, who may change or
-    delete its arrays once an asynchronous save has returned: a `jax.Array`'s
-    by its host data (which never changes), a NumPy leaf's by a private copy
-    (`_memory.protected`; a cast of either stays deferred)."""
+    delete its arrays once an asynchronous save has returned.
+
+    - A `jax.Array`'s piece is its host data, which never changes.
+    - A NumPy leaf's piece is a private copy (`_memory.protected`).
+    - A cast of either stays deferred."""
     for p in pending:
         copy = p.record.type == "numpy"
         p.pieces = [(index, _memory.protected(piece, copy)) for index, piece in p.pieces]

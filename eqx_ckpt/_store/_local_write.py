@@ -211,10 +211,12 @@ def _start(
     remember: bool = False,
 ) -> list[concurrent.futures.Future[None]]:
     """Write each chunk file `key` of `jobs` with what its `make()` gives (a
-    leaf's views, or a pack's `_Chunk`), by the pool's threads (or link the
-    file of the same `key` in `base` where it holds the same bytes; with
-    `remember`, record each file written with its digest). One future per
-    file."""
+    leaf's views, or a pack's `_Chunk`), by the pool's threads. One future
+    per file.
+
+    The file of the same `key` in `base` is linked instead where it holds
+    the same bytes. With `remember`, each file written is recorded with its
+    digest."""
     folder = os.path.join(loc.local or "", directory) if directory else (loc.local or "")
     futures = []
     for key, make in jobs:
@@ -275,10 +277,11 @@ def _write_chunk(
 
 def _shared(source: str, path: str, content: Any, what: str) -> tuple[bool, bytes | None, int | None]:
     """Whether `path` is now a link to the base's chunk file `source`, which
-    holds the same bytes as `content` (length and xxh3-128: `_share`); the
-    xxh3-128 of `content` where it was computed (the file written instead is
-    recorded with it), and its crc32c where that was (a write need not compute
-    it again)."""
+    holds the same bytes as `content` (length and xxh3-128: `_share`).
+
+    Also returns the xxh3-128 of `content` where it was computed (the file
+    written instead is recorded with it), and its crc32c where that was (a
+    write need not compute it again)."""
     nbytes = (content.nbytes if isinstance(content, _Chunk) else sum(len(v) for v in content)) + _format.CHECKSUM_BYTES
     # A large chunk's first bytes are looked at first: one whose start changed
     # is written at once, checksummed as it is staged (a hash here would add a

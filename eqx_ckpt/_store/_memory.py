@@ -290,13 +290,17 @@ def _pinnable(data: jax.Array) -> bool:
 
 
 def pinned(arrays: list[jax.Array]) -> list[jax.Array] | None:
-    """Copies of `jax.Array`s in their devices' pinned host memory (one
-    `jax.device_put`, which returns once the copies are enqueued: 1 ms for a
-    4 GiB state on an H100, made in 0.08 s, against 2.4 s through the CPU
-    device; `host` views one without another copy, waiting until it is
-    made). Used by an asynchronous save's caller (`held`). `None` where a device
-    has no pinned host memory, or where the copy fails (out
-    of memory): the caller copies through the host's CPU device instead.
+    """Copies of `jax.Array`s in their devices' pinned host memory, used by
+    an asynchronous save's caller (`held`).
+
+    - One `jax.device_put` makes them. It returns once the copies are
+      enqueued: 1 ms for a 4 GiB state on an H100, made in 0.08 s, against
+      2.4 s through the CPU device.
+    - `host` views one without another copy, waiting until it is made.
+    - `None` where a device has no pinned host memory, or where the copy
+      fails (out of memory). The caller then copies through the host's CPU
+      device instead.
+
     Fault point `save.pinned_copies`."""
     try:
         if not all(_has_pinned(next(iter(x.devices()))) for x in arrays):
@@ -368,11 +372,12 @@ def host(data: Any) -> np.ndarray:
 
 
 def hosts(datas: list[Any]) -> list[np.ndarray]:
-    """`host` of each of `datas` (a write's pieces, `_staging`). In a process
-    of CPUs alone, where no piece is a copy under way or deferred, each is
-    `np.asarray` of it, as `host` would make it, without `host`'s checks a
-    piece at a time: a `many` save of ten thousand leaves spent 5 ms of its
-    0.17 s in them."""
+    """`host` of each of `datas` (a write's pieces, `_staging`).
+
+    In a process of CPUs alone, where no piece is a copy under way or
+    deferred, each is `np.asarray` of it, as `host` would make it. That skips
+    `host`'s checks a piece at a time: a `many` save of ten thousand leaves
+    spent 5 ms of its 0.17 s in them."""
     if only_cpus() and not any(kind is _Copying or issubclass(kind, Deferred) for kind in set(map(type, datas))):
         return list(map(np.asarray, datas))
     return [host(data) for data in datas]
@@ -413,10 +418,12 @@ def held(arrays: list[jax.Array]) -> list[Any]:
 
 def protected(data: Any, copy: bool) -> Any:
     """A piece that a change of the caller's arrays after an asynchronous save
-    returned cannot reach: a `jax.Array`'s host data (which never changes, and
-    outlives a deletion or donation of the array), and with `copy` (a NumPy
-    leaf's), a private copy of the host data. A cast or encoding stays
-    deferred: what it starts from is what is protected."""
+    returned cannot reach.
+
+    - A `jax.Array`'s: its host data, which never changes and outlives a
+      deletion or donation of the array.
+    - With `copy` (a NumPy leaf's): a private copy of the host data.
+    - A cast or encoding stays deferred: what it starts from is protected."""
     if isinstance(data, Deferred):
         source = data.resolved()
         return Deferred(protected(source, copy), data.nbytes, data.convert)
