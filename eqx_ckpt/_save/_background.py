@@ -30,20 +30,24 @@ HeldLeaves = Callable[[], tuple[list[Any], _tree.Names]]
 
 
 def hold_tree(pytree: Any) -> HeldLeaves | None:
-    """For an asynchronous save with the default filter spec (and no
-    `is_leaf`), what the caller must wait for: every leaf's host data held
-    (`_hold`: NumPy arrays copied, each `jax.Array`'s host data taken, so
-    that a later donation or change cannot reach the save). Returns what the
-    background calls for the leaves (what `_records.build` makes records of,
-    there) and their names. `None` when the tree needs the caller's thread: a
-    leaf whose error should be raised at once.
+    """What the caller of an asynchronous save must wait for, with the
+    default filter spec and no `is_leaf`: every leaf's host data held
+    (`_hold`). NumPy arrays are copied and each `jax.Array`'s host data is
+    taken, so that a later donation or change cannot reach the save.
+
+    Returns what the background calls for the leaves (what `_records.build`
+    makes records of, there) and their names. `None` when the tree needs the
+    caller's thread: a leaf whose error should be raised at once.
 
     The key paths are the structure's, never the caller's tree's (which the
-    caller may change once this returns): rebuilt in the background from the
-    structure when its nodes rebuild without code of the user's
-    (`_tree.names_from_structure`), else taken here (a custom node's constructor
-    must not run in the background, on arrays the caller may have deleted by
-    then). Flattening without key paths is the faster way (docs/benchmarks.md,
+    caller may change once this returns):
+
+    - rebuilt in the background from the structure, when its nodes rebuild
+      without code of the user's (`_tree.names_from_structure`);
+    - else taken here. A custom node's constructor must not run in the
+      background, on arrays the caller may have deleted by then.
+
+    Flattening without key paths is the faster way (docs/benchmarks.md,
     "Measurements behind the design")."""
     leaves, treedef = jax.tree_util.tree_flatten(pytree)
     keypaths = None
@@ -91,11 +95,11 @@ def _hold(leaves: list[Any]) -> tuple[list[Any], Sequence[int]] | None:
     a leaf that cannot be held (a deleted array).
 
     The caller waits for this. The common tree, every leaf a `jax.Array` on
-    one device, is held with no step of Python's per leaf: the types and
-    shardings checked as sets, the views made by `map` (docs/benchmarks.md,
-    "Measurements behind the design"); a PRNG key array among them (which
-    has no view) is found by its dtype, and the others are still viewed so.
-    Any other tree is held leaf by leaf."""
+    one device, is held with no step of Python's per leaf. The types and
+    shardings are checked as sets, and the views made by `map`
+    (docs/benchmarks.md, "Measurements behind the design"). A PRNG key array
+    among them (which has no view) is found by its dtype, and the others are
+    still viewed so. Any other tree is held leaf by leaf."""
     kinds = _records.array_kind
     try:
         if all(kinds(cls) == "jax" for cls in set(map(type, leaves))) and set(map(type, map(_SHARDING, leaves))) == {
