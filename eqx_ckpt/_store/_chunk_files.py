@@ -332,8 +332,9 @@ class Writer:
         self, opened: Mapped, pack: PackRecord, records: list[LeafRecord], files: range, hosts: list[np.ndarray]
     ) -> tuple[list[Any], Steps]:
         """Stage the write of the chunk files `files` of `pack`."""
-        contents, lo = _pack_contents(pack, records, hosts, files)
-        steps = pack_steps(pack, _local_write.member_bounds(records)[1], [host.nbytes for host in hosts], files)
+        starts, stops = _local_write.member_bounds(records)
+        contents, lo = _pack_contents(pack, starts, stops, hosts, files)
+        steps = pack_steps(pack, stops, [host.nbytes for host in hosts], files)
         store = opened.result()
         return self._stage([store[lo : lo + contents.size]], [contents], [(0, [s for _, done in steps for s in done])])
 
@@ -465,17 +466,18 @@ def pack_steps(pack: PackRecord, ends: np.ndarray, sizes: list[int], files: rang
 
 
 def _pack_contents(
-    pack: PackRecord, records: Sequence[LeafRecord], pieces: Sequence[np.ndarray], files: range
+    pack: PackRecord, starts: np.ndarray, stops: np.ndarray, pieces: Sequence[np.ndarray], files: range
 ) -> tuple[np.ndarray, int]:
-    """The contents of the chunk files `files` of `pack` (each leaf's bytes at
-    its offset, zeros between), and the offset they start at."""
+    """The contents of the chunk files `files` of `pack` (each member's bytes
+    at its offset, zeros between; members at `[starts, stops)`,
+    `_local_write.member_bounds`), and the offset they start at."""
     lo, hi = files.start * pack.chunk, min(files.stop * pack.chunk, pack.size)
     out = np.zeros(max(hi - lo, 0), dtype_from_name(pack.dtype))
-    for record, piece in zip(records, pieces, strict=True):
-        start, stop = max(record.offset, lo), min(record.offset + record.size, hi)
+    for offset, end, piece in zip(starts.tolist(), stops.tolist(), pieces, strict=True):
+        start, stop = max(offset, lo), min(end, hi)
         if start < stop:
             flat = np.asarray(piece).reshape(-1)
-            out[start - lo : stop - lo] = flat[start - record.offset : stop - record.offset]
+            out[start - lo : stop - lo] = flat[start - offset : stop - offset]
     return out, lo
 
 
