@@ -225,8 +225,8 @@ def structure_texts(record: Any) -> tuple[str, bytes]:
     try:
         text, string = _Texts().of(record)
     except orjson.JSONEncodeError:
-        text = _json(record)
-        return text.decode(), orjson.dumps(text.decode())
+        whole = _json(record).decode()
+        return whole, orjson.dumps(whole)
     return text.decode(), b'"' + string + b'"'
 
 

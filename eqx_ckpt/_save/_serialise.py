@@ -418,9 +418,9 @@ def _plan(
     `step`: a manager's step, whose packs are cut in chunks small enough to
     share (`_records.assign`)."""
     default = default_serialise_filter_spec
-    plan = None
-    if stages.alone and cast is None and structure is None:
-        plan = _records.reuse(names, leaves, specs, default=default, for_steps=step)
+    # Records kept from a save of this structure serve a save of one process, not cast, not partial.
+    keeps = stages.alone and cast is None and structure is None
+    plan = _records.reuse(names, leaves, specs, default=default, for_steps=step) if keeps else None
     if plan is not None:
         _faults.fire("save.records", loc)
         _faults.fire("save.records_reused", loc)
@@ -429,8 +429,8 @@ def _plan(
         pending = _records.build(loc, leaves, names, specs, cast, default=default)
         if stages.alone:
             _records.assign([p.record for p in pending], [p.pieces for p in pending], for_steps=step)
-            if cast is None and structure is None:
-                plan = _records.remember(names, leaves, pending, for_steps=step)
+        if keeps:
+            plan = _records.remember(names, leaves, pending, for_steps=step)
     if private:
         _staging.protect(pending)
     if structure is not None:
