@@ -6,7 +6,8 @@ It answers, for model repositories only:
 
 - `GET /api/models/{repo}[/revision/{rev}]`: model info (commit, privacy,
   gating, the files with their sizes and LFS ids);
-- `GET /api/models/{repo}/tree/{rev}[/{path}]`: a folder's listing;
+- `GET /api/models/{repo}/tree/{rev}[/{path}]`: a folder's listing
+  (`?recursive=true`: every file below it, as `snapshot_download` asks);
 - `HEAD`/`GET /{repo}/resolve/{rev}/{path}`: downloads with `X-Repo-Commit`
   and `ETag`, byte ranges (`Range: bytes=a-b`), and for LFS files a redirect
   (302, as the Hub sends to its storage) to `/blobs/{sha256}` on another
@@ -19,7 +20,11 @@ It answers, for model repositories only:
 - `POST /api/models/{repo}/preupload/{rev}` (files of 1 KiB or more are LFS),
   `POST /{repo}.git/info/lfs/objects/batch` (the basic transfer: one `PUT`
   of the whole object to a URL it gives), and
-  `POST /api/models/{repo}/commit/{rev}` (NDJSON: header, base64 files, LFS files);
+  `POST /api/models/{repo}/commit/{rev}` (NDJSON: header, base64 files, LFS
+  files, deleted files; a header's `parentCommit` that the branch no longer
+  points at is refused with 412, as the Hub does);
+- `POST /api/models/{repo}/tag/{rev}` (a tag on a commit; 409 where the tag
+  exists); tags resolve as revisions;
 - tokens (`Authorization: Bearer`): a private repository answers 401
   without one and 404 with one that has no access (as the Hub does); a gated
   one answers 403 with `X-Error-Code: GatedRepo` to a token not granted it;
@@ -32,8 +37,8 @@ It does not answer: the Xet protocol (no `X-Xet-Hash`, no Xet token route:
 clients must run with `HF_HUB_DISABLE_XET=1`, which huggingface_hub reads at
 import, to upload by LFS; downloads without Xet headers use plain HTTP by
 themselves), LFS multipart uploads and the LFS verify step (the batch answer
-offers neither), pull requests and `refs/pr/*`, commit listings, deletions
-and copies in a commit, `.gitignore` handling, datasets and spaces,
+offers neither), pull requests and `refs/pr/*`, commit listings, deleted
+folders and copies in a commit, `.gitignore` handling, datasets and spaces,
 pagination of listings, recursive and expanded listings (last commit,
 security status), the card metadata's schema, OAuth and token scopes,
 `whoami`, and rate-limit headers (a 429 carries none). It keeps everything in
@@ -67,6 +72,7 @@ class Repo:
     # The tokens that may read it (a private or gated repo); every token may write any repo.
     readers: set[str] = dataclasses.field(default_factory=set)
     branches: dict[str, str] = dataclasses.field(default_factory=dict)
+    tags: dict[str, str] = dataclasses.field(default_factory=dict)
     # commit -> {path: blob sha256}
     commits: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
 
@@ -122,6 +128,8 @@ class Hub:
     def resolve(self, repo: Repo, revision: str) -> str | None:
         if revision in repo.branches:
             return repo.branches[revision]
+        if revision in repo.tags:
+            return repo.tags[revision]
         return revision if revision in repo.commits else None
 
 
@@ -213,7 +221,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self._info(m[1], m[2] or "main")
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)/?(.*)", path)
         if m:
-            return self._tree(m[1], m[2], urllib.parse.unquote(m[3]))
+            recursive = "recursive=true" in urllib.parse.urlsplit(self.path).query.lower()
+            return self._tree(m[1], m[2], urllib.parse.unquote(m[3]), recursive)
         m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
         if m:
             return self._resolve(m[1], m[2], urllib.parse.unquote(m[3]))
@@ -253,7 +262,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             }
         )
 
-    def _tree(self, name: str, revision: str, folder: str) -> None:
+    def _tree(self, name: str, revision: str, folder: str, recursive: bool = False) -> None:
         repo = self._readable(name)
         sha = repo and self._revision(name, repo, revision)
         if repo is None or sha is None:
@@ -265,7 +274,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if not p.startswith(prefix):
                 continue
             rest = p[len(prefix) :]
-            if "/" in rest:
+            if "/" in rest and not recursive:
                 dirs.add(prefix + rest.split("/")[0])
                 continue
             item = {"type": "file", "path": p, "size": entry["size"], "oid": entry["blobId"]}
@@ -337,12 +346,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self._create(json.loads(self._body()))
         if path == "/api/validate-yaml":
             return self._validate(json.loads(self._body())["content"])
-        m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/(branch|preupload|commit)/([^/]+)", path)
+        m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/(branch|tag|preupload|commit)/([^/]+)", path)
         if m and m[1] not in self.hub.repos:
             self._body()
             return self._error(404, "RepoNotFound", "Repository not found")
         if m and m[2] == "branch":
             return self._branch(m[1], urllib.parse.unquote(m[3]), self._body())
+        if m and m[2] == "tag":
+            return self._tag(m[1], urllib.parse.unquote(m[3]), json.loads(self._body()))
         if m and m[2] == "preupload":
             files = json.loads(self._body())["files"]
             modes = [
@@ -390,6 +401,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
             repo.branches[branch] = self.hub.resolve(repo, start) or repo.branches["main"]
         self._json({})
 
+    def _tag(self, name: str, revision: str, body: dict[str, Any]) -> None:
+        with self.hub.lock:
+            repo = self.hub.repos[name]
+            sha = self.hub.resolve(repo, revision)
+            if sha is None:
+                return self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+            if body["tag"] in repo.tags:
+                return self._error(409, None, "Tag already exists")
+            repo.tags[body["tag"]] = sha
+        self._json({})
+
     def _batch(self, body: dict[str, Any]) -> None:
         base = f"http://{self.headers['Host']}"
         objects = []
@@ -409,7 +431,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             files = dict(repo.commits[repo.branches[revision]])
             for line in lines:
                 value = line["value"]
-                if line["key"] == "file":
+                if line["key"] == "header" and value.get("parentCommit") not in (None, repo.branches[revision]):
+                    return self._error(412, None, "A commit has happened since. Please refresh and try again.")
+                if line["key"] == "deletedFile":
+                    if files.pop(value["path"], None) is None:
+                        return self._error(404, "EntryNotFound", f"{value['path']} does not exist")
+                elif line["key"] == "file":
                     files[value["path"]] = self.hub._blob(base64.b64decode(value["content"]))
                 elif line["key"] == "lfsFile":
                     if value["oid"] not in self.hub.blobs:

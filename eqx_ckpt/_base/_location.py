@@ -98,6 +98,8 @@ def location(path: Any) -> Location:
 HUB_SCHEME = "hf://"
 # `owner/name`, as the Hub allows them (letters, digits, `-`, `_`, `.`).
 _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+# A branch, tag or commit (`refs/pr/1` holds `/`).
+_REVISION = re.compile(r"[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*")
 
 
 def _hub_path(path: str) -> Location:
@@ -119,8 +121,15 @@ def _hub_path(path: str) -> Location:
             f"{path!r} is not a Hub path eqx_ckpt reads: write `hf://owner/name`, `hf://owner/name@revision` or "
             f"`hf://owner/name@revision/sub/folder` (a revision holding `/` as `%2F`)."
         )
+    revision = urllib.parse.unquote(revision) if revision else ""
+    if (revision and not _REVISION.fullmatch(revision)) or any(p in (".", "..") for p in revision.split("/")):
+        # A revision becomes a path in the Hub's cache (`refs/<revision>`): none may lead out of it.
+        raise CheckpointTypeError(
+            f"{path!r} names a revision no branch, tag or commit of the Hub has: a revision is letters, digits and "
+            f"`-_./`, with no `.` or `..` part (`hf://owner/name@v1.0`, `hf://owner/name@refs%2Fpr%2F1`)."
+        )
     sub = "/".join(folder) + "/" if folder else ""
-    return hub_location(repo, urllib.parse.unquote(revision) if revision else None, sub, path)
+    return hub_location(repo, revision or None, sub, path)
 
 
 def hub_location(repo: str, revision: str | None, folder: str, display: str) -> Location:

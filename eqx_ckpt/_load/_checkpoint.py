@@ -37,7 +37,10 @@ class Checkpoint(Mapping[str, Any]):
 
     - `path`: the checkpoint directory or kvstore URL; or a `.safetensors`
         file, a Hugging Face directory of safetensors shards, or an orbax
-        PyTree checkpoint (see [docs/interop.md](../interop.md)).
+        PyTree checkpoint (see [docs/interop.md](../interop.md)); or a Hub
+        repository, `hf://owner/name` (see [docs/sharing.md](../sharing.md)).
+    - `token`: a Hugging Face Hub token, for an `hf://` path of a private or
+        gated repository; `None` takes `HF_TOKEN` or the one `hf auth login` saved.
 
     **Attributes:**
 
@@ -61,8 +64,9 @@ class Checkpoint(Mapping[str, Any]):
     # Opening and loading make a few objects a leaf (records, sort keys, the
     # tree's containers), as `tree_deserialise_leaves` does (see `_gc.gc_paused`).
     @_gc.gc_paused()
-    def __init__(self, path: Any):
-        self._source = _source.open_source(path)
+    def __init__(self, path: Any, *, token: str | None = None):
+        self._source = _source.open_source(path, token=token)
+        self._token = token
         self._loc = self._source.loc
         self._manifest = self._source.manifest
         self._data = self._source.data
@@ -449,7 +453,7 @@ class Checkpoint(Mapping[str, Any]):
         its files into the Hub's local cache (at the commit it was opened at),
         and read them there from then on."""
         if self._source.revision is not None and self._source.loc.local is None:
-            self._source = _source.open_source(self._source.loc, whole=True)
+            self._source = _source.open_source(self._source.loc, whole=True, token=self._token)
             self._data = self._source.data
 
     @property

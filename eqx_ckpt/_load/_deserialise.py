@@ -89,6 +89,7 @@ def tree_deserialise_leaves(
     trust: Iterable[Any] = (),
     check_init: bool = False,
     read_once: bool | None = None,
+    token: str | None = None,
 ) -> PyTree:
     """Load the leaves of a PyTree from a checkpoint directory.
 
@@ -166,6 +167,8 @@ def tree_deserialise_leaves(
         `False`: never. Sharing makes the load a collective: every process
         must call it, with the same `like` (see
         [docs/scaling.md](../scaling.md#restoring-replicated-state-each-byte-read-once)).
+    - `token`: a Hugging Face Hub token, for an `hf://` path of a private or
+        gated repository; `None` takes `HF_TOKEN` or the one `hf auth login` saved.
 
     **Returns:**
 
@@ -204,7 +207,7 @@ def tree_deserialise_leaves(
     )
     # A load of everything from the Hub downloads the files into its cache (a
     # second load reads them there); a partial or lazy one reads byte ranges.
-    source = _source.open_source(path, whole=where is None and prefix is None and not lazy)
+    source = _source.open_source(path, whole=where is None and prefix is None and not lazy, token=token)
     static: list[str] = []
     flat = None
     if like is None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -127,7 +128,7 @@ class Source:
 _LABELS = {"safetensors": "Safetensors checkpoint", "orbax": "orbax checkpoint"}
 
 
-def open_source(path: Any, *, whole: bool = False) -> Source:
+def open_source(path: Any, *, whole: bool = False, token: str | None = None) -> Source:
     """The source at `path`, recognised from its files. It is an eqx_ckpt
     checkpoint when nothing else matches, so its error names what is missing.
 
@@ -135,10 +136,11 @@ def open_source(path: Any, *, whole: bool = False) -> Source:
     (`_hub.pin`, once). It is read from the Hub's local cache in two cases:
     where the files a load reads are there, and where the load is `whole`
     (they are downloaded into it first). Else it is read by byte ranges of its
-    files: the headers and the leaves a load selects."""
+    files: the headers and the leaves a load selects. `token` is the Hub
+    token it is read with (`None`: huggingface_hub's own, `HF_TOKEN`)."""
     loc = location(path)
     if _hub.is_hub(loc):
-        return _from_hub(loc, whole)
+        return _from_hub(loc, whole, token)
     # A `.safetensors` path is never a directory: `_safetensors.find` reads it
     # (or raises), before anything else is tried.
     source = None if _safetensors.is_file_path(loc) else checkpoint(loc)
@@ -156,18 +158,33 @@ def open_source(path: Any, *, whole: bool = False) -> Source:
     raise CheckpointNotFoundError(
         f"There is no eqx_ckpt checkpoint at {loc.display!r} (no {MANIFEST}). Check the path; a save that was "
         f"interrupted leaves no checkpoint. Nor is it another format eqx_ckpt reads: no `{_safetensors.INDEX}`, "
-        f"`{_safetensors.SINGLE}` or orbax `{_orbax.METADATA}` there either (see docs/interop.md).",
+        f"`{_safetensors.SINGLE}` or orbax `{_orbax.METADATA}` there either (see docs/interop.md)."
+        + _hub_hint(path, loc),
         path=loc.display,
     )
 
 
-def _from_hub(loc: Location, whole: bool) -> Source:
+def _hub_hint(path: Any, loc: Location) -> str:
+    """A Hugging Face habit's hint: `owner/name` given for a Hub repository,
+    where no such local folder exists."""
+    if not isinstance(path, str) or loc.local is None or _storage.local_entry(loc.local).exists:
+        return ""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(@[^/\s]+)?", path):
+        return ""
+    return f" No local folder {path!r} exists either: did you mean the Hugging Face Hub repository `hf://{path}`?"
+
+
+def _from_hub(loc: Location, whole: bool, token: str | None) -> Source:
     """A folder of a Hub repository, pinned to a commit: its safetensors (with
     `eqx_ckpt.json` where there is one).
 
     It is read as a local folder of the cache where the cache holds them, else
-    by byte ranges."""
-    pinned = _hub.pin(loc)
+    by byte ranges. A folder this process pinned already (a `Checkpoint` loaded
+    whole after it was opened) keeps its pin: the revision it was asked by,
+    the commit, the token."""
+    pinned = _hub.opened(loc)
+    if pinned is None or (token is not None and token != pinned.token):
+        pinned = _hub.pin(loc, token)
     remote = _hub.pinned_location(pinned)
     names = _hub.needed(pinned, _hub.reader(pinned, whole=whole))
     if whole or pinned.offline or _hub.cached(pinned, names):

@@ -3,21 +3,25 @@
 Every request is `huggingface_hub`'s own. (It is an optional dependency,
 imported here only, at the first Hub call.)
 
-- A revision is resolved by `HfApi.model_info`.
-- Whole files are downloaded into its cache by `hf_hub_download`.
+- A revision is resolved by `HfApi.resolve_revision`, which records it in the
+  cache's `refs/` (and reads it from there offline).
+- The files at that commit are listed by `HfApi.model_info`, or offline by
+  the cache's own listing (`get_cached_repo_tree`).
+- Whole files are downloaded into its cache by `snapshot_download`, at the
+  resolved commit, with `allow_patterns` naming exactly the files a load reads.
 - Byte ranges are read through its file system (`HfFileSystem`).
-- A publication is committed by `HfApi.create_commit`.
+- A publication is committed by `HfApi.create_commit`: the new export's files
+  added, the stale files of the published layout deleted, in one commit.
 
-So authentication (`HF_TOKEN`, `hf auth login`), the cache (`HF_HOME`),
-offline mode (`HF_HUB_OFFLINE`), retries and the Xet transfer path are the
-library's.
+So authentication (`HF_TOKEN`, `hf auth login`, `token=`), the cache
+(`HF_HOME`) and its bookkeeping, offline mode (`HF_HUB_OFFLINE`), retries and
+the Xet transfer path are the library's.
 
 A repository is read at one commit. A branch or a tag is resolved to its
 commit once, when it is opened (`pin`). Every file is then read at that
 commit, which no later push changes. Only the files a load needs are ever
-fetched: safetensors files, their index, `eqx_ckpt.json`, the model card. No
-Python file, pickle or configuration of a repository is downloaded, let alone
-run.
+fetched: safetensors files, their index, `eqx_ckpt.json`. No Python file,
+pickle or configuration of a repository is downloaded, let alone run.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import glob
+import hashlib
+import logging
 import os
 import re
 import tempfile
@@ -39,6 +46,8 @@ from .._base._errors import (
     CheckpointNotFoundError,
     CheckpointStorageError,
     CheckpointTypeError,
+    CheckpointValueError,
+    CorruptCheckpointError,
     from_file,
 )
 from .._base._location import Location, hub_location
@@ -61,10 +70,14 @@ THREADS = 8
 TRIES = 3
 RETRY_SECONDS = 0.5
 _RETRIED = (429, 500, 502, 503, 504)
+# A commit id, as the Hub writes one: anything else a server answers is refused
+# before it names a path of the cache.
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 # What a file that is code, or that unpickling would run code from, is called
 # when a repository holds no model eqx_ckpt reads.
 _CODE = (".py",)
 _PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".msgpack", ".h5", ".npz", ".joblib")
+_LOG = logging.getLogger("eqx_ckpt")
 
 
 def library() -> Any:
@@ -93,8 +106,13 @@ class Pinned:
     - `asked`: the revision as the user named it (`None`: the default branch).
     - `sha`: the commit it resolved to.
     - `folder`: the folder within the repository (`""`, or `"sub/folder/"`).
-    - `sizes`: every file of the repository at `sha`, by path, with its size in bytes.
+    - `sizes`: the repository's files at `sha`, by path, with their sizes in bytes.
     - `offline`: whether the commit and the files were found in the local cache only.
+    - `sha256`: the SHA-256 the Hub lists for each LFS file, by path (none offline).
+    - `blob_ids`: the git blob id the Hub lists for each file, by path (none offline).
+    - `listed`: whether `sizes` lists every file of the commit (offline, without
+      the cache's listing, it lists only the files the cache holds).
+    - `token`: the token the files are read with (`None`: huggingface_hub's own).
     """
 
     repo: str
@@ -103,6 +121,10 @@ class Pinned:
     folder: str
     sizes: dict[str, int]
     offline: bool
+    sha256: dict[str, str] = dataclasses.field(default_factory=dict)
+    blob_ids: dict[str, str] = dataclasses.field(default_factory=dict)
+    listed: bool = True
+    token: str | None = dataclasses.field(default=None, repr=False)
 
     @property
     def display(self) -> str:
@@ -122,13 +144,21 @@ _LOCK = threading.Lock()
 # commit's files never change, and an opened folder reads its index twice.
 _SMALL: dict[tuple[str, str, str], bytes] = {}
 SMALL_BYTES = 2**20
+# The pinned folder each local folder of the cache that a load read is a copy of.
+_DOWNLOADED: dict[str, Pinned] = {}
 
 
 def is_hub(loc: Location) -> bool:
     return loc.kvstore.get("driver") == "hf"
 
 
-def pin(loc: Location) -> Pinned:
+def opened(loc: Location) -> Pinned | None:
+    """The pinned folder this process opened at `loc`, where `loc` names its commit."""
+    with _LOCK:
+        return _OPENED.get((loc.kvstore["repo"], loc.kvstore["revision"], loc.kvstore["path"]))
+
+
+def pin(loc: Location, token: str | None = None) -> Pinned:
     """Resolve the revision of a `hf://` location to its commit, once, and list
     the repository's files there.
 
@@ -137,29 +167,56 @@ def pin(loc: Location) -> Pinned:
     hub = library()
     repo, asked, folder = loc.kvstore["repo"], loc.kvstore["revision"], loc.kvstore["path"]
     if not hub.constants.HF_HUB_OFFLINE:
+        api = hub.HfApi(token=token)
         try:
-            info = _model_info(hub, repo, asked)
+            sha = _commit(_retried(lambda: api.resolve_revision(repo, revision=asked).resolved), repo, asked)
+            info = _retried(lambda: api.model_info(repo, revision=sha, files_metadata=True))
         except Exception as e:
             if not _unreachable(e):
                 raise explained(e, repo, asked) from None
         else:
-            sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or ()}
-            return _remember(Pinned(repo, asked, str(info.sha), folder, sizes, offline=False))
-    return _remember(_from_cache(loc, hub))
+            siblings = list(info.siblings or ())
+            sizes = {s.rfilename: int(s.size or 0) for s in siblings}
+            sha256 = {s.rfilename: str(s.lfs.sha256) for s in siblings if s.lfs is not None and s.lfs.sha256}
+            blobs = {s.rfilename: str(s.blob_id) for s in siblings if s.blob_id}
+            return _remember(Pinned(repo, asked, sha, folder, sizes, False, sha256, blobs, token=token))
+    return _remember(_from_cache(loc, hub, token))
 
 
-def _model_info(hub: Any, repo: str, revision: str | None) -> Any:
-    """`HfApi.model_info` of the revision, asked again (`TRIES` in all) while the
-    Hub answers that it is rate limited or failed (429, 5xx)."""
+def _retried(ask: Callable[[], Any]) -> Any:
+    """`ask()`, asked again (`TRIES` in all) while the Hub answers that it is
+    rate limited or failed (429, 5xx)."""
     for attempt in range(TRIES):
         try:
-            return hub.HfApi().model_info(repo, revision=revision, files_metadata=True)
+            return ask()
         except Exception as e:
-            status = getattr(getattr(e, "response", None), "status_code", None)
-            if status not in _RETRIED or attempt == TRIES - 1:
+            if _status(e) not in _RETRIED or attempt == TRIES - 1:
                 raise
         time.sleep(RETRY_SECONDS * 2**attempt)
     raise AssertionError("unreachable")  # (every try returns or raises)
+
+
+def _status(error: BaseException | None) -> int | None:
+    """The HTTP status of `error`, or of what caused it (`resolve_revision`
+    wraps a failure it cannot fall back from)."""
+    while error is not None:
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        if status is not None:
+            return int(status)
+        error = error.__cause__
+    return None
+
+
+def _commit(sha: Any, repo: str, asked: str | None) -> str:
+    """`sha` where it is a commit id; a server's answer that is not one names no path."""
+    if not isinstance(sha, str) or not _COMMIT.fullmatch(sha):
+        where = f"hf://{repo}@{asked or 'main'}"
+        raise CheckpointStorageError(
+            f"{where}: the Hub answered the revision with no commit id ({from_file(repr(sha))}), so nothing of it "
+            f"is read. Check `HF_ENDPOINT` (a mirror or proxy answering for the Hub), and try again.",
+            path=where,
+        )
+    return sha
 
 
 def _remember(pinned: Pinned) -> Pinned:
@@ -168,25 +225,33 @@ def _remember(pinned: Pinned) -> Pinned:
     return pinned
 
 
-def _from_cache(loc: Location, hub: Any) -> Pinned:
+def _from_cache(loc: Location, hub: Any, token: str | None) -> Pinned:
     """The commit a revision resolved to when the repository was last fetched,
-    and the files cached at it (the Hub could not be asked)."""
+    and its files as the cache lists them (the Hub could not be asked).
+
+    The cache's own listing of the commit (written by `snapshot_download`) is
+    every file of it, whether downloaded or not. Without one, the files are
+    those the cache holds."""
     repo, asked, folder = loc.kvstore["repo"], loc.kvstore["revision"], loc.kvstore["path"]
-    root = os.path.join(hub.constants.HF_HUB_CACHE, hub.file_download.repo_folder_name(repo_id=repo, repo_type="model"))
-    sha = asked if asked is not None and re.fullmatch(r"[0-9a-f]{40}", asked) else None
-    if sha is None:
+    try:
+        sha = _commit(
+            hub.HfApi(token=token).resolve_revision(repo, revision=asked, local_files_only=True).resolved, repo, asked
+        )
+    except (hub.errors.RevisionResolutionError, CheckpointStorageError):
+        sha = None
+    snapshot = _snapshot(hub, repo, sha)
+    if sha is not None:
         try:
-            with open(os.path.join(root, "refs", *(asked or hub.constants.DEFAULT_REVISION).split("/"))) as f:
-                sha = f.read().strip()
-        except OSError:
-            sha = None
-    snapshot = os.path.join(root, "snapshots", sha or "-")
-    if sha is None or not os.path.isdir(os.path.join(snapshot, folder)):
-        why = "offline mode is on (`HF_HUB_OFFLINE=1`)" if hub.constants.HF_HUB_OFFLINE else "the Hub cannot be reached"
+            tree = hub.get_cached_repo_tree(repo, revision=sha)
+        except hub.errors.CachedRepoTreeNotFoundError:
+            pass
+        else:
+            return Pinned(repo, asked, sha, folder, {f.path: int(f.size or 0) for f in tree}, True, token=token)
+    if sha is None or snapshot is None or not os.path.isdir(os.path.join(snapshot, folder)):
         raise CheckpointConnectionError(
-            f"hf://{repo}@{asked or 'main'}: {why}, and the local cache ({hub.constants.HF_HUB_CACHE}) holds no "
-            f"copy of it. Connect once to fetch it (a whole load keeps it in the cache; `HF_HOME` chooses where), "
-            f"then it loads without a network, with `HF_HUB_OFFLINE=1` too.",
+            f"hf://{repo}@{asked or 'main'}: {_why_offline(hub)}, and the local cache ({hub.constants.HF_HUB_CACHE}) "
+            f"holds no copy of it. Connect once to fetch it (a whole load keeps it in the cache; `HF_HOME` chooses "
+            f"where), then it loads without a network, with `HF_HUB_OFFLINE=1` too.",
             path=f"hf://{repo}",
         )
     sizes = {}
@@ -194,7 +259,19 @@ def _from_cache(loc: Location, hub: Any) -> Pinned:
         for name in names:
             path = os.path.join(base, name)
             sizes[os.path.relpath(path, snapshot).replace(os.sep, "/")] = os.path.getsize(path)
-    return Pinned(repo, asked, sha, folder, sizes, offline=True)
+    return Pinned(repo, asked, sha, folder, sizes, offline=True, listed=False, token=token)
+
+
+def _snapshot(hub: Any, repo: str, sha: str | None) -> str | None:
+    """The cache's folder of `repo` at commit `sha`."""
+    if sha is None:
+        return None
+    name = hub.file_download.repo_folder_name(repo_id=repo, repo_type="model")
+    return os.path.join(hub.constants.HF_HUB_CACHE, name, "snapshots", sha)
+
+
+def _why_offline(hub: Any) -> str:
+    return "offline mode is on (`HF_HUB_OFFLINE=1`)" if hub.constants.HF_HUB_OFFLINE else "the Hub cannot be reached"
 
 
 def _unreachable(error: BaseException) -> bool:
@@ -202,10 +279,12 @@ def _unreachable(error: BaseException) -> bool:
     hub = library()
     if isinstance(error, hub.errors.OfflineModeIsEnabled):
         return True
+    if isinstance(error, hub.errors.RevisionResolutionError):  # nothing cached to fall back on
+        return error.__cause__ is None or _unreachable(error.__cause__)
     try:
         import httpx2
 
-        return isinstance(error, (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.ReadTimeout))
+        return isinstance(error, httpx2.TransportError) and not isinstance(error, httpx2.ProxyError)
     except ImportError:  # an older huggingface_hub, on httpx or requests
         return isinstance(error, (ConnectionError, TimeoutError))
 
@@ -214,7 +293,15 @@ def explained(error: BaseException, repo: str, revision: str | None) -> Exceptio
     """`huggingface_hub`'s error as one of eqx_ckpt's, naming the repository and revision."""
     hub = library()
     where = f"hf://{repo}@{revision or 'main'}"
-    status = getattr(getattr(error, "response", None), "status_code", None)
+    status = _status(error)
+    if isinstance(error, hub.errors.HFValidationError):
+        return CheckpointValueError(f"{where}: {_first_line(error)}", path=where)
+    if status == 412:
+        return CheckpointStorageError(
+            f"{where}: another commit landed on the branch while this push was made, so nothing was committed. "
+            f"Push again (it is compared with what the branch holds then).",
+            path=where,
+        )
     if isinstance(error, hub.errors.RevisionNotFoundError):
         return CheckpointNotFoundError(
             f"{where}: the repository has no revision {revision!r} (a branch, a tag or a commit). Check the name; "
@@ -268,20 +355,56 @@ def _first_line(error: BaseException) -> str:
 def needed(pinned: Pinned, read_index: Callable[[str], bytes]) -> list[str]:
     """The files of the pinned folder a load reads.
 
-    They are the safetensors files (an index and its shards, or one file), and
-    `eqx_ckpt.json` and the model card where they are there. A folder holding
-    no safetensors file raises, saying what it holds."""
+    They are the safetensors files (an index and its shards, or one file),
+    and `eqx_ckpt.json` where it is there. A folder holding no safetensors
+    file raises, saying what it holds; so does one holding two layouts at once
+    (an index and a single file, or two indexes)."""
     files = pinned.files()
     indexes = sorted(n for n in files if n.endswith(INDEX_SUFFIX))
     singles = sorted(n for n in files if n.endswith(SUFFIX))
-    extras = [n for n in (RECORD, CARD) if n in files]
+    extras = [n for n in (RECORD,) if n in files]
+    if not pinned.listed and not indexes and not singles:
+        raise CheckpointConnectionError(_partly_cached(pinned, []), path=pinned.display)
+    if len(indexes) > 1:
+        raise _two_layouts(pinned, f"{len(indexes)} indexes ({_shown(indexes)})")
     if indexes:
-        index = "model" + INDEX_SUFFIX if "model" + INDEX_SUFFIX in indexes else indexes[0]
-        shards = _shards(pinned, read_index(index))
-        return [index, *shards, *extras]
+        shards = _shards(pinned, read_index(indexes[0]))
+        stale = [n for n in singles if n not in shards]
+        if "model" + SUFFIX in stale:
+            raise _two_layouts(pinned, f"the index `{indexes[0]}` and the single file `model{SUFFIX}`")
+        return [indexes[0], *shards, *extras]
+    if len(singles) > 1 and "model" + SUFFIX in singles:
+        return ["model" + SUFFIX, *extras]
+    if len(singles) > 1:
+        raise _two_layouts(pinned, f"{len(singles)} safetensors files and no index ({_shown(singles)})")
     if singles:
-        return ["model" + SUFFIX if "model" + SUFFIX in singles else singles[0], *extras]
+        return [singles[0], *extras]
     raise CheckpointNotFoundError(_holds_nothing(pinned), path=pinned.display)
+
+
+def _two_layouts(pinned: Pinned, held: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{pinned.display} holds two safetensors layouts at once: {held}. Which one is the model is not said, "
+        f"so nothing is loaded. Delete the stale one from the repository (a push by `eqx_ckpt.push_to_hub` "
+        f"deletes it), or load a commit that held one.",
+        path=pinned.display,
+    )
+
+
+def _partly_cached(pinned: Pinned, missing: list[str]) -> str:
+    """Why an offline load of a folder the cache holds only part of cannot be made."""
+    hub = library()
+    held = sorted(pinned.files())
+    what = (
+        f"of the files the load reads, it lacks {_shown(missing)}"
+        if missing
+        else f"it holds only {_shown(held) if held else 'no file'} of it, not its weights"
+    )
+    return (
+        f"{pinned.display}: {_why_offline(hub)}, and the local cache ({hub.constants.HF_HUB_CACHE}) holds part of "
+        f"this commit: {what} (a download that was interrupted, or of single files). Connect once to fetch the "
+        f"rest (a whole load keeps it in the cache), then it loads without a network."
+    )
 
 
 def _shards(pinned: Pinned, data: bytes) -> list[str]:
@@ -292,6 +415,10 @@ def _shards(pinned: Pinned, data: bytes) -> list[str]:
         names = {v for v in weight_map.values() if isinstance(v, str)}
     except (ValueError, AttributeError):
         return []
+    if not pinned.listed:  # offline: a shard the cache lacks is named as missing, not refused
+        missing = sorted(n for n in names if n not in pinned.files() and "/" not in n)
+        if missing:
+            raise CheckpointConnectionError(_partly_cached(pinned, missing), path=pinned.display)
     return sorted(n for n in names if n in pinned.files())
 
 
@@ -343,64 +470,100 @@ def reader(pinned: Pinned, *, whole: bool) -> Callable[[str], bytes]:
 
 def cached(pinned: Pinned, names: Iterable[str]) -> bool:
     """Whether every one of `names` is in the local cache at the pinned commit."""
+    return not _uncached(pinned, names)
+
+
+def _uncached(pinned: Pinned, names: Iterable[str]) -> list[str]:
     hub = library()
-    return all(
-        isinstance(hub.try_to_load_from_cache(pinned.repo, pinned.folder + n, revision=pinned.sha), str) for n in names
-    )
+    return [
+        n
+        for n in names
+        if not isinstance(hub.try_to_load_from_cache(pinned.repo, pinned.folder + n, revision=pinned.sha), str)
+    ]
 
 
 def download(pinned: Pinned, names: list[str]) -> str:
-    """Download `names` of the pinned folder into the Hub's local cache, and
-    return the local folder holding them.
+    """Download `names` of the pinned folder into the Hub's local cache with
+    `snapshot_download`, at the pinned commit, and return the local folder
+    holding them.
 
-    Those already there are not fetched again. Each is checked against the
-    size the Hub listed."""
+    Those already there are not fetched again. Offline, those missing are
+    named. Each is checked against the size the Hub listed."""
     hub = library()
-    fetch = functools.partial(_download_one, hub, pinned)
-    with concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="eqx_ckpt-hub") as pool:
-        paths = list(pool.map(fetch, names))
-    for name, path in zip(names, paths):
-        expected = pinned.sizes.get(pinned.folder + name)
-        if expected is not None and os.path.getsize(path) != expected:
-            from .._base._errors import CorruptCheckpointError
-
-            raise CorruptCheckpointError(
-                f"{pinned.display}: `{name}` was downloaded as {os.path.getsize(path)} bytes, but the Hub lists "
-                f"{expected}. The download or the cache is damaged: delete the file from the cache "
-                f"(`hf cache rm`) and load again.",
-                path=pinned.display,
-            )
-    _remember_ref(hub, pinned)
-    return os.path.dirname(paths[0]) if paths else ""
-
-
-def _remember_ref(hub: Any, pinned: Pinned) -> None:
-    """Record in the cache which commit the branch or tag resolved to, as
-    huggingface_hub's downloads by branch do (`refs/<revision>`).
-
-    An offline load of the same revision resolves it to that commit. (The
-    files were downloaded by commit, which records none.)"""
-    revision = pinned.asked or hub.constants.DEFAULT_REVISION
-    if pinned.offline or revision == pinned.sha:
-        return
-    root = os.path.join(
-        hub.constants.HF_HUB_CACHE, hub.file_download.repo_folder_name(repo_id=pinned.repo, repo_type="model")
-    )
-    ref = os.path.join(root, "refs", *revision.split("/"))
-    os.makedirs(os.path.dirname(ref), exist_ok=True)
-    partial = f"{ref}.{os.getpid()}.{threading.get_ident()}.partial"
-    with open(partial, "w") as f:
-        f.write(pinned.sha)
-    os.replace(partial, ref)
-
-
-def _download_one(hub: Any, pinned: Pinned, name: str) -> str:
+    if pinned.offline:
+        missing = _uncached(pinned, names)
+        if missing:
+            raise CheckpointConnectionError(_partly_cached(pinned, missing), path=pinned.display)
+    revision = hub.ResolvedRevision(pinned.sha, pinned.asked, repo_id=pinned.repo, repo_type="model")
     try:
-        return str(
-            hub.hf_hub_download(pinned.repo, pinned.folder + name, revision=pinned.sha, local_files_only=pinned.offline)
+        snapshot = hub.snapshot_download(
+            pinned.repo,
+            revision=revision,
+            allow_patterns=[glob.escape(pinned.folder + n) for n in names],
+            token=pinned.token,
+            local_files_only=pinned.offline,
+            max_workers=THREADS,
         )
     except Exception as e:
         raise explained(e, pinned.repo, pinned.asked) from None
+    local = os.path.join(str(snapshot), *pinned.folder.split("/"))
+    for name in names:
+        path = os.path.join(local, name)
+        expected = pinned.sizes.get(pinned.folder + name)
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        if size is None or (expected is not None and size != expected):
+            raise CorruptCheckpointError(
+                f"{pinned.display}: `{name}` was downloaded as {size} bytes, but the Hub lists {expected}. The "
+                f"download or the cache is damaged: delete the file from the cache (`hf cache rm`) and load again.",
+                path=pinned.display,
+            )
+    with _LOCK:
+        _DOWNLOADED[local.rstrip("/")] = pinned
+    return local
+
+
+def damaged(loc: Location) -> list[str]:
+    """The files of the cached copy `loc` of a pinned folder whose bytes are
+    not those the Hub lists for them, each said as a sentence (`verify`): an
+    LFS file by its SHA-256, any other by its git blob id. (Offline, the Hub
+    lists none.)"""
+    with _LOCK:
+        pinned = _DOWNLOADED.get(loc.local or "")
+    if pinned is None or pinned.offline or loc.local is None:
+        return []
+    problems = []
+    for name in sorted(os.listdir(loc.local)):
+        path = os.path.join(loc.local, name)
+        listed_sha256 = pinned.sha256.get(pinned.folder + name)
+        listed_blob = pinned.blob_ids.get(pinned.folder + name)
+        if not os.path.isfile(path) or (listed_sha256 is None and listed_blob is None):
+            continue
+        lfs = listed_sha256 is not None
+        got, listed = _digest(path, lfs=lfs), listed_sha256 if lfs else listed_blob
+        if got != listed:
+            kind = "SHA-256" if lfs else "git blob id"
+            problems.append(
+                f"`{from_file(name)}`: its {kind} is {got}, but the Hub lists {from_file(str(listed))} for it at "
+                f"{pinned.sha}. The cached copy is damaged: delete it (`hf cache rm`) and load again."
+            )
+    return problems
+
+
+def is_checked(loc: Location) -> bool:
+    """Whether `damaged` checks the cached copy `loc` against the Hub's digests
+    (not where it was opened offline)."""
+    with _LOCK:
+        pinned = _DOWNLOADED.get(loc.local or "")
+    return pinned is not None and not pinned.offline
+
+
+def _digest(path: str, *, lfs: bool) -> str:
+    """A file's SHA-256 (`lfs`, as the Hub lists an LFS file), or its git blob id."""
+    digest = hashlib.sha256() if lfs else hashlib.sha1(b"blob %d\0" % os.path.getsize(path))
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**22), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def local_location(pinned: Pinned, folder: str) -> Location:
@@ -419,11 +582,9 @@ class Files:
     `_storage.Folder` of a `hf://` location."""
 
     def __init__(self, loc: Location):
-        key = (loc.kvstore["repo"], loc.kvstore["revision"], loc.kvstore["path"])
-        with _LOCK:
-            pinned = _OPENED.get(key)
+        pinned = opened(loc)
         self.pinned = pinned if pinned is not None else pin(loc)
-        self.fs = library().HfFileSystem()
+        self.fs = library().HfFileSystem(token=self.pinned.token)
 
     def read(self, name: str, byte_range: slice | None = None) -> concurrent.futures.Future:
         """A future of `(bytes or None, generation)`; a range starting past the
@@ -483,6 +644,15 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(THREADS * 2, thread_name_prefix="eqx_ckpt-hub-read")
 
 
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """What a push did: the commit that holds the export, and whether it made it
+    (`False`: the branch held exactly these files already, and nothing was committed)."""
+
+    commit: str
+    changed: bool
+
+
 def publish(
     write: Callable[[str], list[str]],
     repo: str,
@@ -491,14 +661,20 @@ def publish(
     private: bool,
     revision: str | None,
     commit_message: str,
-) -> str:
-    """Write the files of a publication into a temporary folder, then commit
-    them to `repo` in one commit. Returns the commit's id.
+    tag: str | None = None,
+) -> Published:
+    """Write the files of a publication into a temporary folder, then make the
+    branch hold exactly them, in one commit.
 
     - `write(folder)` writes the files and returns their names.
     - The repository is made first where there is none.
     - A branch named by `revision` is made from the default branch where there
-      is none."""
+      is none.
+    - Files of the published layout at the repository's root that `write` did
+      not write (safetensors files, their index, `eqx_ckpt.json`) are deleted
+      in the same commit. Every other file stays.
+    - Where the branch holds these files already, nothing is committed.
+    - `tag` tags the commit that holds them."""
     hub = library()
     api = hub.HfApi(token=token)
     where = f"hf://{repo}@{revision or 'main'}"
@@ -508,18 +684,62 @@ def publish(
             api.create_repo(repo, private=private, exist_ok=True)
             if revision is not None:
                 api.create_branch(repo, branch=revision, exist_ok=True)
-            operations = [hub.CommitOperationAdd(name, os.path.join(folder, name)) for name in names]
-            with warnings.catch_warnings():
-                # huggingface_hub's LFS upload (where the Hub offers no Xet) hands
-                # httpx2 bytes as `data=`, which httpx2 deprecates: the library's
-                # own call, which nothing here can change.
-                warnings.filterwarnings("ignore", "Use 'content=<...>'", DeprecationWarning)
-                info = api.create_commit(repo, operations, commit_message=commit_message, revision=revision)
+            info = _retried(lambda: api.model_info(repo, revision=revision, files_metadata=True))
+            parent = _commit(info.sha, repo, revision)
+            held = {s.rfilename: s for s in info.siblings or ()}
+            added = [n for n in names if not _same(held.get(n), os.path.join(folder, n))]
+            deleted = sorted(p for p in held if p not in names and is_layout(p))
+            commit = parent
+            if added or deleted:
+                operations = [hub.CommitOperationAdd(n, os.path.join(folder, n)) for n in added]
+                operations += [hub.CommitOperationDelete(p) for p in deleted]
+                with warnings.catch_warnings():
+                    # huggingface_hub's LFS upload (where the Hub offers no Xet) hands
+                    # httpx2 bytes as `data=`, which httpx2 deprecates: the library's
+                    # own call, which nothing here can change.
+                    warnings.filterwarnings("ignore", "Use 'content=<...>'", DeprecationWarning)
+                    made = api.create_commit(
+                        repo, operations, commit_message=commit_message, revision=revision, parent_commit=parent
+                    )
+                commit = _commit(str(made.oid), repo, revision)
+            if tag is not None:
+                _tag(hub, api, repo, tag, commit)
         except Exception as e:
-            if isinstance(e, CheckpointTypeError):
+            if isinstance(e, (CheckpointTypeError, CheckpointValueError, CheckpointStorageError)):
                 raise
             raise explained(e, repo, revision) from None
-    commit = str(info.oid)
-    if not re.fullmatch(r"[0-9a-f]{40}", commit):
-        raise CheckpointStorageError(f"{where}: the Hub answered the commit with no commit id ({commit!r}).")
-    return commit
+    if not (added or deleted):
+        _LOG.info("%s already holds this export at %s: nothing was committed.", where, commit)
+    return Published(commit, bool(added or deleted))
+
+
+def is_layout(path: str) -> bool:
+    """Whether a file of a repository belongs to the published layout (a push
+    replaces them all), and so may be deleted by a push that does not write it."""
+    return "/" not in path and (path.endswith((SUFFIX, INDEX_SUFFIX)) or path == RECORD)
+
+
+def _same(listed: Any, path: str) -> bool:
+    """Whether the repository's file `listed` (a sibling of the model info) holds
+    the bytes of the local file at `path`: its LFS SHA-256, or its git blob id."""
+    if listed is None or listed.size is None or int(listed.size) != os.path.getsize(path):
+        return False
+    lfs = getattr(listed, "lfs", None)
+    return _digest(path, lfs=lfs is not None) == (lfs.sha256 if lfs is not None else listed.blob_id)
+
+
+def _tag(hub: Any, api: Any, repo: str, tag: str, commit: str) -> None:
+    """Tag `commit`; a tag that is there already must name it."""
+    try:
+        api.create_tag(repo, tag=tag, revision=commit)
+    except hub.errors.HfHubHTTPError as e:
+        if _status(e) != 409:
+            raise
+        tagged = _commit(api.resolve_revision(repo, revision=tag).resolved, repo, tag)
+        if tagged != commit:
+            raise CheckpointValueError(
+                f"hf://{repo}: the tag {tag!r} names another commit ({tagged}), so it was not moved to {commit} "
+                f"(which holds the export). Choose a new tag, or delete the old one "
+                f"(`huggingface_hub.delete_tag({repo!r}, tag={tag!r})`) and push again.",
+                path=f"hf://{repo}",
+            ) from None

@@ -111,7 +111,7 @@ class CheckpointDiff:
         return len(self.added) + len(self.removed) + len(self.changed) + len(self.values) + len(self.structure)
 
 
-def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None) -> CheckpointDiff:
+def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None, token: str | None = None) -> CheckpointDiff:
     """Compare two checkpoints key by key.
 
     **Arguments:**
@@ -126,6 +126,8 @@ def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None) -> C
         when it is a terminal and there is much to compare; `False` hides it,
         `True` shows it whatever the size, and a callable is called as
         `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
+    - `token`: a Hugging Face Hub token, for `hf://` paths of private or
+        gated repositories; `None` takes `HF_TOKEN` or the one `hf auth login` saved.
 
     **Returns:**
 
@@ -150,7 +152,7 @@ def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None) -> C
         ```
     """
     values = check_flag("values", values, "whether to compare the values of leaves that agree in shape and dtype")
-    source_a, source_b = _source.open_source(a), _source.open_source(b)
+    source_a, source_b = _source.open_source(a, token=token), _source.open_source(b, token=token)
     recs_a, recs_b = source_a.manifest.by_path(), source_b.manifest.by_path()
     changed, same = [], []
     for key in sorted(set(recs_a) & set(recs_b)):

@@ -82,4 +82,7 @@ def push_to_hub(
             folder, tree, max_shard_size=max_shard_size, info=metadata, card_path=f"hf://{repo_id}", progress=progress
         )
 
-    return _hub.publish(write, repo_id, token=token, private=private, revision=revision, commit_message=commit_message)
+    published = _hub.publish(
+        write, repo_id, token=token, private=private, revision=revision, commit_message=commit_message
+    )
+    return published.commit

@@ -137,7 +137,7 @@ def _file_of(error: BaseException) -> str | None:
     return found.group(1) if found else None
 
 
-def verify(path: Any, *, progress: Progress = None) -> Problems:
+def verify(path: Any, *, progress: Progress = None, token: str | None = None) -> Problems:
     """Read and check every byte of a checkpoint.
 
     It checks:
@@ -164,7 +164,9 @@ def verify(path: Any, *, progress: Progress = None) -> Problems:
     - that every tensor's bytes (every chunk) are there and read.
 
     Neither format holds checksums, so a changed byte cannot be
-    detected: the result's `unchecked` says so.
+    detected: the result's `unchecked` says so. A Hub repository (`hf://`) is
+    downloaded into the Hub's cache, and every file is checked against the
+    SHA-256 (or git blob id) the Hub lists for it at the pinned commit.
 
     **Arguments:**
 
@@ -175,6 +177,8 @@ def verify(path: Any, *, progress: Progress = None) -> Problems:
         when it is a terminal and the checkpoint is large. `False` hides it,
         `True` shows it whatever the size, and a callable is called as
         `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
+    - `token`: a Hugging Face Hub token, for an `hf://` path of a private or
+        gated repository; `None` takes `HF_TOKEN` or the one `hf auth login` saved.
 
     **Returns:**
 
@@ -215,7 +219,7 @@ def verify(path: Any, *, progress: Progress = None) -> Problems:
         steps = [] if foreign else committed_steps(loc)
         if steps:
             return _verify_steps(loc, steps, progress)
-        found, unchecked = _verify_sources.check(loc, progress)
+        found, unchecked = _verify_sources.check(loc, progress, token)
         return Problems([Problem(leaf, message) for leaf, message in found], unchecked)
     manifest = source.manifest
     with Tracker(progress, leaves=len(manifest.leaves), nbytes=manifest.total_bytes, what="verify") as tracker:

@@ -26,6 +26,7 @@ from .._base._progress import Progress, Tracker
 from .._foreign import _orbax
 from .._load import _source
 from .._ondisk._format import LeafRecord
+from .._store import _hub
 from . import _chunk_scan
 
 SAFETENSORS_UNCHECKED = (
@@ -42,20 +43,28 @@ ORBAX_INCOMPLETE = (
 )
 
 
-def check(loc: Location, progress: Progress) -> tuple[list[tuple[str | None, str]], tuple[str, ...]]:
+def check(
+    loc: Location, progress: Progress, token: str | None = None
+) -> tuple[list[tuple[str | None, str]], tuple[str, ...]]:
     """The problems of the checkpoint of another format at `loc`, as `(dotted
     path or None, message)`, and what its format could not be checked for.
 
     Raises `CheckpointNotFoundError` (saying what `loc` holds) if it is no
     checkpoint of any format."""
+    hub = _hub.is_hub(loc)
     try:
-        source = _source.open_source(loc)
+        # A Hub repository is verified as the cache holds it: downloaded whole,
+        # every file checked against the digest the Hub lists for it.
+        source = _source.open_source(loc, whole=hub, token=token)
     except CorruptCheckpointError as e:
         return [(None, str(e))], ()
     records = sorted(source.manifest.leaves, key=lambda r: r.path)
     with Tracker(progress, leaves=len(records), nbytes=source.manifest.total_bytes, what="verify") as tracker:
         bad = _read_every_chunk(source, records, tracker)
     problems: list[tuple[str | None, str]] = [(r.path, bad[r.path]) for r in records if r.path in bad]
+    if hub:
+        problems += [(None, message) for message in _hub.damaged(source.loc)]
+        return problems, () if _hub.is_checked(source.loc) else (SAFETENSORS_UNCHECKED,)
     if source.format == "safetensors":
         return problems, (SAFETENSORS_UNCHECKED,)
     return problems, (ORBAX_UNCHECKED,) + (() if _orbax.writes_every_chunk(loc) else (ORBAX_INCOMPLETE,))
