@@ -23,7 +23,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ._errors import CheckpointTypeError
+from ._errors import CheckpointTypeError, CheckpointValueError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +130,19 @@ def _hub_path(path: str) -> Location:
         )
     sub = "/".join(folder) + "/" if folder else ""
     return hub_location(repo, revision or None, sub, path)
+
+
+def writable(loc: Location, what: str) -> Location:
+    """`loc`, where `what` (a save, a manager) may write there: a Hub repository
+    is written only by a push, which makes the published layout in one commit."""
+    if loc.kvstore.get("driver") == "hf":
+        raise CheckpointValueError(
+            f"{what} cannot write to {loc.display!r}: a Hub repository is written only by a push, in one commit. "
+            f"Save to a local directory (or a bucket), then publish it: `eqx_ckpt.push_to_hub(tree_or_path, "
+            f"{loc.kvstore['repo']!r})`, or `eqx-ckpt push <path> {loc.kvstore['repo']}` (see docs/sharing.md).",
+            path=loc.display,
+        )
+    return loc
 
 
 def hub_location(repo: str, revision: str | None, folder: str, display: str) -> Location:

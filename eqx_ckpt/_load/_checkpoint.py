@@ -14,14 +14,17 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._base import _gc, _keypath
-from .._base._errors import CheckpointKeyError, CheckpointTypeError, check_flag
+from .._base._errors import CheckpointError, CheckpointKeyError, CheckpointTypeError, check_flag
 from .._base._progress import Progress
 from .._ondisk._format import LeafRecord
+from .._ondisk import _trust
 from .._ondisk._trust import Trust
 from . import _deserialise, _load_plan, _nested, _rebuild, _source
 from ._lazy import LazyArray
 
 _SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
+# The checkpoints whose load without `trust` was warned about in this process (`_say_trust`).
+_TRUST_SAID: set[str] = set()
 
 
 class Checkpoint(Mapping[str, Any]):
@@ -446,7 +449,32 @@ class Checkpoint(Mapping[str, Any]):
         records = [r for path, r in self._records.items() if _keypath.is_within(path, key)]
         if key and not records:
             raise CheckpointKeyError(self._missing(key), path=self.path)
+        self._say_trust(key)
         return _nested.load(self._source, records, key, lazy=lazy, progress=progress, numbered=self._numbered)
+
+    def _say_trust(self, prefix: str) -> None:
+        """Warn, once per checkpoint, that a load without `trust` of a tree whose
+        record names classes returns nested dicts, and which `trust` rebuilds it."""
+        if self.path in _TRUST_SAID or self._manifest.structure is None:
+            return
+        try:
+            classes = [n for n in self.types(prefix or None) if not n.startswith("builtins:")]
+            untrusted = list(self.types(prefix or None, trust=[]))
+        except CheckpointError:  # a record that cannot be rebuilt: `unrecordable` says why
+            return
+        if not classes:
+            return
+        _TRUST_SAID.add(self.path)
+        shown = ", ".join(f"`{_trust.python_name(n)}`" for n in classes[:3]) + (" ..." if len(classes) > 3 else "")
+        trusted = ", ".join(_trust.python_name(n) for n in untrusted)
+        warnings.warn(
+            f"{self.path!r}: `load()` without `trust` returns nested dicts and lists of arrays, though the tree "
+            f"records its classes and functions ({shown}). To get the tree back as it was saved, pass `.load(trust=[{trusted}])`"
+            + ("" if untrusted else " (the default trust covers them)")
+            + ".",
+            UserWarning,
+            stacklevel=4,  # (past `load` and its `gc_paused` wrapper)
+        )
 
     def _download(self) -> None:
         """Before a load of all of a Hub repository opened by byte ranges, fetch

@@ -33,7 +33,7 @@ from .._base._errors import (
     CheckpointValueError,
     check_flag,
 )
-from .._base._location import location
+from .._base._location import location, writable
 from .._base._progress import Progress
 from .._foreign import _orbax
 from .._load._deserialise import default_deserialise_filter_spec, tree_deserialise_leaves
@@ -152,7 +152,7 @@ class CheckpointManager:
             raise CheckpointValueError("`best_n` ranks steps by a metric: pass `best_metric`, the name of one.")
         if best_mode not in ("min", "max"):
             raise CheckpointValueError(f"`best_mode` must be 'min' or 'max', not {best_mode!r}.")
-        self._loc = location(directory)
+        self._loc = writable(location(directory), "A `CheckpointManager`")
         local = self._loc.local
         entry = None if local is None else _storage.local_entry(local)
         if entry is not None and entry.found and not entry.folder:

@@ -45,7 +45,7 @@ from .._base._errors import (
     check_flag,
 )
 from .._base._handle import LeafHandle
-from .._base._location import Location, location
+from .._base._location import Location, location, writable
 from .._base._progress import Progress, Tracker
 from .._load import _source
 from .._load._lazy import LazyArray
@@ -247,7 +247,7 @@ def tree_serialise_leaves(
         share=share,
         staging_bytes=staging_bytes,
     )
-    return save(location(path), pytree, filter_spec, is_leaf, options)
+    return save(writable(location(path), "`tree_serialise_leaves`"), pytree, filter_spec, is_leaf, options)
 
 
 # A save makes many small objects and frees them again: Python's cyclic
