@@ -9,6 +9,7 @@ server)."""
 
 from __future__ import annotations
 
+import pathlib
 import re
 import warnings
 
@@ -18,6 +19,8 @@ import jax.numpy as jnp
 import pytest
 
 import eqx_ckpt
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 class Classifier(eqx.Module):
@@ -207,3 +210,17 @@ def test_the_static_field_warning_points_at_the_callers_line(tmp_path):
             assert {(w.filename, w.lineno) for w in record} == {(__file__, line)}, name
     finally:
         manager.close()
+
+
+def test_the_docs_show_the_message_a_load_gives(tmp_path):
+    """docs/sharing.md, "Fine-tune a shared model", shows the error its load
+    gives (from its second leaf on: the lines that name no checkpoint and
+    shorten nothing), as the same model published to a folder gives it."""
+    page = (ROOT / "docs" / "sharing.md").read_text()
+    section = page[page.index("## Fine-tune a shared model") :]
+    shown = re.search(r"```text\n(.*?)```", section, re.S)
+    assert shown is not None
+    tail = shown.group(1)[shown.group(1).index("  - `layers.2.bias`") :].rstrip("\n")
+    eqx_ckpt.export_safetensors(tmp_path / "pub", eqx.nn.MLP(4, 4, 16, 2, key=jax.random.key(0)))
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape(tail) + "$"):
+        eqx_ckpt.load_or_initialise(tmp_path / "pub", lambda: eqx.nn.MLP(4, 6, 16, 2, key=jax.random.key(1)))
