@@ -114,6 +114,27 @@ def test_a_new_head_is_named_and_the_printed_where_loads_the_rest(publish, make,
         assert eqx.tree_equal(model, eqx.tree_at(kept, new(), kept(trained)), typematch=True)
 
 
+def test_a_manager_restore_prints_the_where_too(tmp_path):
+    """`restore` and `restore_or_initialise` go through the same report: the
+    `where=` they print, pasted, restores the body and initialises the head."""
+    manager = eqx_ckpt.CheckpointManager(tmp_path)
+    try:
+        manager.save(0, _classifier(4))
+        manager.wait_until_finished()
+        new = lambda: _classifier(6, seed=1)
+        for restore in (
+            lambda **kw: manager.restore(new(), **kw),
+            lambda **kw: manager.restore_or_initialise(new, **kw)[1],
+        ):
+            with pytest.raises(eqx_ckpt.LeafError) as info:
+                restore()
+            assert _selector(str(info.value)) == "lambda m: m.body"
+            model = restore(where=eval(_selector(str(info.value))))
+            assert eqx.tree_equal(model, eqx.tree_at(lambda m: m.body, new(), _classifier(4).body), typematch=True)
+    finally:
+        manager.close()
+
+
 def test_several_changed_sub_trees_are_each_named(publish):
     path = publish({"body": _mlp(16), "a": eqx.nn.Linear(16, 4, key=jax.random.key(1)), "b": jnp.ones((4, 16))})
     new = {"body": _mlp(16, seed=2), "a": eqx.nn.Linear(16, 6, key=jax.random.key(3)), "b": jnp.zeros((6, 16))}
