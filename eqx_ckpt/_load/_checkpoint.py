@@ -16,8 +16,8 @@ from jaxtyping import PyTree
 from .._base import _gc, _keypath
 from .._base._errors import CheckpointError, CheckpointKeyError, CheckpointTypeError, check_flag
 from .._base._progress import Progress
-from .._ondisk._format import LeafRecord
 from .._ondisk import _trust
+from .._ondisk._format import LeafRecord
 from .._ondisk._trust import Trust
 from . import _deserialise, _load_plan, _nested, _rebuild, _source
 from ._lazy import LazyArray

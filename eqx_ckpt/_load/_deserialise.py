@@ -14,7 +14,7 @@ A load is four steps, each one function:
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -208,17 +208,12 @@ def tree_deserialise_leaves(
     # A load of everything from the Hub downloads the files into its cache (a
     # second load reads them there); a partial or lazy one reads byte ranges.
     source = _source.open_source(path, whole=where is None and prefix is None and not lazy, token=token)
-    static: list[str] = []
     flat = None
     if like is None:
         like = rebuilt(source, prefix or "", Trust(trust), check_init=check_init)
     elif not rename and not transform:  # a renamed `like` is laid out unlike the record
         flat = _tree.flatten_named(like, is_leaf)  # as a save names its leaves; the plan's too
-        static = _rebuild.static_differences(source.manifest, *flat, prefix or "", source.loc.display)
-    loaded = load(source, like, is_leaf, filter_spec, options, progress=progress, flat=flat)
-    for message in static:
-        warnings.warn(message, _rebuild.StaticFieldWarning, stacklevel=2)
-    return loaded
+    return load(source, like, is_leaf, filter_spec, options, progress=progress, flat=flat, static=flat is not None)
 
 
 def load(
@@ -230,12 +225,29 @@ def load(
     *,
     progress: Progress,
     flat: tuple[list[Any], _tree.Names] | None = None,
+    static: bool = False,
 ) -> PyTree:
     """`like` loaded from an opened `source` with checked `options` (`_load_plan.options`).
-    `flat`: `like` flattened and named, where the caller has it (`_load_plan.plan`)."""
+    `flat`: `like` flattened and named, where the caller has it (`_load_plan.plan`).
+    `static` (with `flat`): warn, once the load succeeded, where a static field
+    of a part of `like` it read differs from the structure record."""
     plan = _load_plan.plan(source, like, is_leaf, filter_spec, default_deserialise_filter_spec, options, flat)
-    values = _read_values(source, plan, progress=progress)
-    return _place(plan, values)
+    tree = _place(plan, _read_values(source, plan, progress=progress))
+    if static and flat is not None:
+        prefix = options.prefix or ""
+        read = functools.partial(_leaves_read, plan)
+        _rebuild.warn_static(_rebuild.static_differences(source.manifest, *flat, prefix, source.loc.display, read))
+    return tree
+
+
+def _leaves_read(plan: LoadPlan) -> list[bool | None]:
+    """For each leaf of `like`, whether the load read it (`None`: a leaf no load
+    reads, a function), for the static-field check (`_rebuild.static_differences`)."""
+    read: list[bool | None] = [False if _dtypes.like_type(leaf) is not None else None for leaf in plan.leaves]
+    indices = [leaf.index for leaf in plan.reads] + [leaf.index for leaf, _ in plan.custom]
+    for i in indices + [leaf.index for leaf in plan.transformed]:
+        read[i] = True
+    return read
 
 
 def rebuilt(source: Source, prefix: str, trust: Trust, *, check_init: bool = False) -> PyTree:

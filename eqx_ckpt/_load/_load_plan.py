@@ -31,7 +31,16 @@ from .._hosts import _sharding
 from .._ondisk import _dtypes
 from .._ondisk._format import LeafRecord
 from .._ondisk._manifest import Manifest
-from ._load_report import Report, Unmatched, keys_below, refuse_no_match, refuse_unmatched, shown_keys
+from ._load_report import (
+    Narrowing,
+    Report,
+    Unmatched,
+    keys_below,
+    narrowed,
+    refuse_no_match,
+    refuse_unmatched,
+    shown_keys,
+)
 
 if TYPE_CHECKING:
     from ._source import Source
@@ -170,6 +179,8 @@ def plan(
     report = Report(source.loc, cast=options.cast)
     leaves.assign(chosen, names, report, missing=options.missing, cast=options.cast)
     _check_whole(leaves, names, report, source.manifest, strict=options.strict)
+    if report.kinds == {"shape changed"}:
+        report.narrowing = _narrowing(leaves, chosen, report.reshaped)
     report.raise_if_any()
     return LoadPlan(
         source.loc,
@@ -211,6 +222,18 @@ def _check_whole(leaves: _Leaves, names: _Names, report: Report, manifest: Manif
         report.unexpected = sorted(
             (p for p in names.records if _keypath.is_within(p, names.root) and p not in found), key=_keypath.sort_key
         )
+
+
+def _narrowing(leaves: _Leaves, chosen: list[int], reshaped: set[tuple[Any, ...]]) -> Narrowing | None:
+    """Where only shapes changed: the `where` that loads all but the sub-trees
+    that changed (`narrowed`), from every leaf of `like` a load reads."""
+    picked = set(chosen)
+    states = []
+    for i, (leaf, spec) in enumerate(zip(leaves.values, leaves.specs)):
+        if _loaded(leaf, spec, leaves.default):
+            keypath = leaves.names.keypath(i)
+            states.append((keypath, "changed" if keypath in reshaped else "kept" if i in picked else "out"))
+    return narrowed(states)
 
 
 @dataclasses.dataclass(frozen=True)

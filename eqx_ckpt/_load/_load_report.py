@@ -1,6 +1,8 @@
 """How a load says what does not match.
 
 - Every problem of a plan is raised together as one `LeafError` (`Report`).
+  Where the only problems are sub-trees that changed shape as a whole (a new
+  head), it prints the `where=` that loads the rest (`narrowed`).
 - A load that matches nothing has its own errors: no leaf at all, or a key of
   `rename` or `transform` naming no leaf of `like`.
 
@@ -9,9 +11,12 @@ What is checked is decided in `_load_plan`."""
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import re
 from collections.abc import Sequence
 from typing import Any
+
+import jax.tree_util as jtu
 
 from .._base import _keypath
 from .._base._errors import CheckpointValueError, LeafError, describe_leaf, leaf_line
@@ -40,6 +45,10 @@ class Report:
         self.unexpected: list[str] = []
         # The first exception behind a problem (a `transform` that raised): the error chains it.
         self.cause: Exception | None = None
+        # The key paths of the leaves whose shape changed, and the fix that
+        # leaves out the sub-trees holding them (`narrowed`), where one fits.
+        self.reshaped: set[tuple[Any, ...]] = set()
+        self.narrowing: Narrowing | None = None
 
     def add(self, kind: str, what: str, keypath: tuple[Any, ...] | None, stored: str) -> None:
         """A problem of the leaf of `like` at `keypath` (`None`: a stored leaf `like` lacks)."""
@@ -48,6 +57,8 @@ class Report:
         self.kinds.add(kind)
         if keypath is not None:
             self.keypaths.append(keypath)
+            if kind == "shape changed":
+                self.reshaped.add(keypath)
         self.dotted.append(stored)
 
     def add_transform(
@@ -91,6 +102,8 @@ class Report:
         raise error
 
     def _fixes(self) -> str:
+        if self.narrowing is not None and self.kinds == {"shape changed"}:
+            return self.narrowing.fix()
         fixes = []
         if "missing" in self.kinds:
             fixes.append("`missing='keep'` keeps `like`'s value for missing leaves")
@@ -102,6 +115,146 @@ class Report:
         if "unexpected" in self.kinds:
             fixes.append("`strict=False` allows stored leaves that `like` lacks")
         return ("To load anyway: " + "; ".join(fixes) + ".") if fixes else ""
+
+
+# At most this many changed sub-trees are left out by a suggested `where`:
+# more is another model, not a new head.
+_NARROWED = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Narrowing:
+    """The sub-trees of `like` that changed shape as a whole (`changed`), and
+    the `where` selector (`selector`) that loads every other selected leaf,
+    each as Python text a user can paste."""
+
+    changed: list[str]
+    selector: str
+
+    def fix(self) -> str:
+        many = len(self.changed) > 1
+        names = ", ".join(f"`{c}`" for c in self.changed[:-1]) + " and " if many else ""
+        names += f"`{self.changed[-1]}`"
+        return (
+            f"To load anyway: every leaf that changed shape is in {names}, "
+            f"{'sub-trees that each' if many else 'a sub-tree that'} changed as a whole (a new head). "
+            f"Load the rest with\n    where={self.selector}\n"
+            f"`load_or_initialise` initialises what `where` leaves out; `tree_deserialise_leaves` keeps "
+            f"`like`'s values there. Or build `like` with the saved shapes."
+        )
+
+
+def narrowed(leaves: Sequence[tuple[tuple[Any, ...], str]]) -> Narrowing | None:
+    """The `where` that leaves out the sub-trees of `like` that changed shape,
+    where every leaf that did is in a sub-tree that changed as a whole.
+    `leaves`: the key path of every leaf of `like` that a load reads, in
+    order, with its state: `"changed"` (shape), `"kept"` (selected, fits) or
+    `"out"` (not selected). `None` where no such `where` fits: nothing would
+    load, a leaf changed beside a sibling that fits (a weight but not its
+    bias), too many sub-trees changed, or a key has no Python spelling."""
+    root = _Node()
+    for keypath, state in leaves:
+        root.add(keypath, state)
+    changed: list[tuple[Any, ...]] = []
+    if "kept" not in root.states or not root.changed_parts((), changed) or not 0 < len(changed) <= _NARROWED:
+        return None
+    kept = _sliced(root.kept_parts(()))
+    var = "m" if all(isinstance(key, jtu.GetAttrKey) for key in root.children) else "t"
+    spelt = [_spelt(var, part) for part in changed] + [_spelt(var, *run) for run in kept]
+    shown = [text for text in spelt if text is not None]
+    if len(shown) < len(spelt):
+        return None
+    parts = shown[len(changed) :]
+    whole = parts[0].lstrip("*") if len(parts) == 1 else f"({', '.join(parts)})"
+    return Narrowing(shown[: len(changed)], f"lambda {var}: {whole}")
+
+
+class _Node:
+    """A node of `like`, as far as the key paths of the leaves below it say."""
+
+    __slots__ = ("children", "states")
+
+    def __init__(self) -> None:
+        self.children: dict[Any, _Node] = {}
+        self.states: set[str] = set()
+
+    def add(self, keypath: tuple[Any, ...], state: str) -> None:
+        node = self
+        node.states.add(state)
+        for key in keypath:
+            node = node.children.setdefault(key, _Node())
+            node.states.add(state)
+
+    def changed_parts(self, here: tuple[Any, ...], out: list[tuple[Any, ...]]) -> bool:
+        """Add to `out` the largest sub-trees holding changed leaves and no kept
+        one; `False` where a changed leaf sits beside a kept leaf (not a sub-tree)."""
+        for key, child in self.children.items():
+            if "changed" not in child.states:
+                continue
+            if "kept" in child.states:
+                if not child.changed_parts((*here, key), out):
+                    return False
+                continue
+            if not child.children and any(not c.children and "kept" in c.states for c in self.children.values()):
+                return False
+            out.append((*here, key))
+        return True
+
+    def kept_parts(self, here: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        """The largest sub-trees holding kept leaves only, in order."""
+        if self.states == {"kept"}:
+            return [here]
+        return [
+            part
+            for key, child in self.children.items()
+            if "kept" in child.states
+            for part in child.kept_parts((*here, key))
+        ]
+
+
+def _sliced(parts: list[tuple[Any, ...]]) -> list[tuple[tuple[Any, ...], int]]:
+    """`parts` as `(key path, count)`: three or more consecutive items of one
+    sequence as one slice (its first item's key path, and its length)."""
+    runs: list[list[tuple[Any, ...]]] = []
+    for part in parts:
+        if runs and _follows(runs[-1][-1], part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return [item for run in runs for item in ([(run[0], len(run))] if len(run) >= 3 else [(p, 1) for p in run])]
+
+
+def _follows(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether `b` is the item after `a` in one sequence."""
+    keys = (a[-1], b[-1]) if a and b and a[:-1] == b[:-1] else ()
+    return all(isinstance(k, jtu.SequenceKey) for k in keys) and bool(keys) and b[-1].idx == a[-1].idx + 1
+
+
+def _spelt(var: str, keypath: tuple[Any, ...], count: int = 1) -> str | None:
+    """The Python expression of the node at `keypath` of `var` (with `count`
+    > 1: the starred slice of that many items from it); `None` where a key has
+    no spelling that works on the node (a flattened index, an odd dict key)."""
+    text = var
+    for key in keypath[:-1] if count > 1 else keypath:
+        spelt = _key_text(key)
+        if spelt is None:
+            return None
+        text += spelt
+    if count > 1:
+        start = keypath[-1].idx
+        text = f"*{text}[{start or ''}:{start + count}]"
+    return text
+
+
+def _key_text(key: Any) -> str | None:
+    if isinstance(key, jtu.GetAttrKey):
+        name = key.name
+        return f".{name}" if name.isidentifier() and not keyword.iskeyword(name) else None
+    if isinstance(key, jtu.SequenceKey):
+        return f"[{key.idx}]"
+    if isinstance(key, jtu.DictKey) and type(key.key) in (str, int):
+        return f"[{key.key!r}]"
+    return None
 
 
 # Equinox's words before what changed, which a leaf's line after the first leaves out.

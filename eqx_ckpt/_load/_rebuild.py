@@ -24,14 +24,17 @@ The record is untrusted input, read in three passes:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import inspect
 import operator
+import os
 import re
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -721,11 +724,21 @@ StaticFieldWarning.__module__ = "eqx_ckpt"
 
 
 @_gc.gc_paused()  # as a load is: the record of a large `like` makes many objects
-def static_differences(manifest: Manifest, leaves: list[Any], named: _tree.Names, prefix: str, where: str) -> list[str]:
+def static_differences(
+    manifest: Manifest,
+    leaves: list[Any],
+    named: _tree.Names,
+    prefix: str,
+    where: str,
+    read: Callable[[], Sequence[bool | None]] | None = None,
+) -> list[str]:
     """The `StaticFieldWarning` messages of loading `like` at `prefix`: where a
     static field of `like` differs from the value the record holds at the same
-    key path and class. The caller warns once the load succeeded (a load that
-    fails says more than this)."""
+    key path and class, in a part of `like` the load read. `read()`: for each
+    leaf of `like`, whether the load read it (`None`: a leaf no load reads, a
+    function), asked only where a field differs; `None`: it read every one.
+    The caller warns once the load succeeded (a load that fails says more
+    than this)."""
     if manifest.structure is None or not isinstance(prefix, str):
         return []  # a `prefix` that is not a string is the plan's error to raise
     mine = _structure.record(named.treedef, leaves, [True] * len(leaves), named.records)
@@ -738,10 +751,14 @@ def static_differences(manifest: Manifest, leaves: list[Any], named: _tree.Names
         return []  # a load with `like` does not need the record: its problems are the rebuild's
     found: list[tuple[str, str]] = []
     _compare(stored, mine, prefix, found)
+    flags = read() if found and read is not None else ()
+    left_out = _left_out(named.paths, flags) if False in flags else None
     messages = []
     for path, change in found:
         # Only a value beside a value, under the same class: a static field.
         relative = path[len(prefix) + 1 :] if prefix else path
+        if left_out is not None and left_out(relative):
+            continue
         try:
             pair = (_structure.at(stored, relative)["t"], _structure.at(mine, relative)["t"])
         except KeyError:
@@ -754,6 +771,46 @@ def static_differences(manifest: Manifest, leaves: list[Any], named: _tree.Names
                 f"`like` with {before}, or load without `like` (`Checkpoint(path).load()`)."
             )
     return messages
+
+
+def _left_out(paths: list[str], read: Sequence[bool | None]) -> Callable[[str], bool]:
+    """Whether the static field at a dotted path of `like` describes a part the
+    load left out (outside `where`, or kept with `missing="keep"`): the nearest
+    node above it that holds leaves a load reads holds one it did not read. A
+    new head's `out_features` is not the body's concern."""
+    unread: dict[str, bool] = {}  # node -> whether it holds a leaf left unread
+    for path, was in zip(paths, read):
+        if was is not None:
+            parts = _keypath.split_dotted(path)
+            for n in range(len(parts) + 1):
+                node = ".".join(parts[:n])
+                unread[node] = unread.get(node, False) or not was
+
+    def left_out(field: str) -> bool:
+        parts = _keypath.split_dotted(field)
+        for n in range(len(parts) - 1, -1, -1):
+            node = ".".join(parts[:n])
+            if node in unread:
+                return unread[node]
+        return False
+
+    return left_out
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep
+
+
+def warn_static(messages: list[str]) -> None:
+    """Give each of `messages` (`static_differences`) as a `StaticFieldWarning`
+    at the user's line: the first frame outside eqx_ckpt, whichever public
+    function it called, past the frames `contextlib`'s decorators add."""
+    frame, level = sys._getframe(), 1
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE) or frame.f_code.co_filename == contextlib.__file__
+    ):
+        frame, level = frame.f_back, level + 1
+    for message in messages:
+        warnings.warn(message, StaticFieldWarning, stacklevel=level)
 
 
 def differences(a: Manifest, b: Manifest, where_a: str, where_b: str) -> list[tuple[str, str]]:

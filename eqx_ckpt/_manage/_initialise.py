@@ -57,6 +57,11 @@ def load_or_initialise(
     checkpoint: that is a forgotten `prefix=` (or the wrong checkpoint), not a
     fresh start. The error names the checkpoint's top-level keys.
 
+    A `LeafError` if a leaf's shape changed. Where every leaf that changed is
+    in sub-trees that changed as a whole (a head with more classes), it names
+    them and prints the `where=` that loads the rest; with it, `init`
+    initialises them.
+
     !!! warning
 
         `eqx.nn.State` keys its leaves by position, as Equinox flattens it: a
