@@ -469,7 +469,8 @@ class Checkpoint(Mapping[str, Any]):
         trusted = ", ".join(_trust.python_name(n) for n in untrusted)
         warnings.warn(
             f"{self.path!r}: `load()` without `trust` returns nested dicts and lists of arrays, though the tree "
-            f"records its classes and functions ({shown}). To get the tree back as it was saved, pass `.load(trust=[{trusted}])`"
+            f"records its classes and functions ({shown}). To get the tree back as it was saved, pass "
+            f"`.load(trust=[{trusted}])`"
             + ("" if untrusted else " (the default trust covers them)")
             + ".",
             UserWarning,
