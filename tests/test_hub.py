@@ -578,3 +578,178 @@ def test_a_cache_snapshot_may_link_only_to_its_own_blobs(tmp_path):
     (snapshot / "eqx_ckpt.json").symlink_to(published / "eqx_ckpt.json")
     with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("'eqx_ckpt.json' in checkpoint")):
         eqx_ckpt.Checkpoint(snapshot)
+
+
+# --- A model's life after its first push (issue 65) ---
+
+
+def _files_at(state: hub_server.Hub, repo: str, revision: str = "main") -> list[str]:
+    entry = state.repos[repo]
+    return sorted(entry.commits[state.resolve(entry, revision) or ""])
+
+
+def test_a_push_with_another_layout_replaces_the_old_one_in_one_commit(hub, tmp_path):
+    """Pushed as shards, then as one file: the commit deletes the index and the
+    shards (a user's own file stays), and the name loads the new model."""
+    client, state = hub
+    sharded = _push(client, "me/relaid", 1.0, tmp_path, max_shard_size="20KB")
+    held = _files_at(state, "me/relaid")
+    assert "model.safetensors.index.json" in held and len([n for n in held if n.endswith(".safetensors")]) > 2
+    state.put_files("me/relaid", {"notes.txt": b"mine", "sub/model.safetensors": b"not ours"})
+    single = _push(client, "me/relaid", 2.0, tmp_path)
+    assert single != sharded
+    assert _files_at(state, "me/relaid") == [
+        "README.md",
+        "eqx_ckpt.json",
+        "model.safetensors",
+        "notes.txt",
+        "sub/model.safetensors",
+    ]
+    assert len(state.repos["me/relaid"].commits) == 4  # made, sharded, the user's files, single: one commit each
+    local = str(tmp_path / "local-1.0")
+    assert client.run(_LOAD.format(local=local, path="hf://me/relaid")) == _as_lists(_tree(2.0))
+    assert client.run(_LOAD.format(local=local, path=f"hf://me/relaid@{sharded}")) == _as_lists(_tree(1.0))
+    assert client.run("emit(list(eqx_ckpt.verify('hf://me/relaid')))") == []
+
+
+def test_a_folder_holding_two_layouts_is_refused_naming_both(hub, tmp_path):
+    """An index and its shards beside a `model.safetensors` (a repository
+    another tool left so): no load picks one; verify says so too."""
+    client, state = hub
+    _push(client, "me/both", 1.0, tmp_path, max_shard_size="20KB")
+    state.put_files("me/both", {"model.safetensors": _safetensors_bytes(tmp_path)})
+    for call in ("eqx_ckpt.Checkpoint('hf://me/both')", "eqx_ckpt.Checkpoint('hf://me/both').load()"):
+        name, _, message = client.run(f"emit(raised(lambda: {call}))")
+        assert name == "CorruptCheckpointError"
+        assert (
+            "holds two safetensors layouts at once: the index `model.safetensors.index.json` and the single "
+            "file `model.safetensors`" in message
+        )
+    problems = client.run("emit([p.message for p in eqx_ckpt.verify('hf://me/both')])")
+    assert len(problems) == 1 and "two safetensors layouts" in problems[0]
+
+
+def test_the_same_push_twice_commits_nothing_and_returns_the_commit(hub, tmp_path):
+    """An export is deterministic: the second push of the same checkpoint finds
+    every file there, makes no commit, and returns the commit holding them."""
+    client, state = hub
+    first = _push(client, "me/same", 1.0, tmp_path)
+    commits = len(state.repos["me/same"].commits)
+    assert _push(client, "me/same", 1.0, tmp_path) == first
+    assert len(state.repos["me/same"].commits) == commits
+    assert not any(r.startswith("POST /api/models/me/same/commit/") for r in state.requests[-20:])
+
+
+def test_checkpoint_load_fills_the_cache_and_then_needs_no_network(tmp_path):
+    """`Checkpoint("hf://...").load(trust=...)`, the from_pretrained of eqx_ckpt:
+    the first downloads into the Hub's cache, a second sends no file bytes, and
+    with the server gone and offline mode on it loads from the cache."""
+    load = """
+        c = eqx_ckpt.Checkpoint('hf://me/main-call')
+        emit(jax.tree.map(lambda x: np.asarray(x, np.float32).tolist(), c.load(trust=[])))
+    """
+    with hub_server.serving() as (url, state):
+        client = Client(url, tmp_path / "hf")
+        _push(client, "me/main-call", 1.0, tmp_path)
+        assert client.run(load) == _as_lists(_tree(1.0))
+        assert list((tmp_path / "hf").rglob("*.safetensors"))  # in the cache
+        before = state.sent.get("", 0)
+        assert client.run(load) == _as_lists(_tree(1.0))
+        assert state.sent.get("", 0) == before
+    assert client.run(load, HF_HUB_OFFLINE="1") == _as_lists(_tree(1.0))
+    assert client.run(load) == _as_lists(_tree(1.0))  # the port closed: nothing answers
+
+
+def test_a_partly_cached_repository_offline_says_what_is_missing(tmp_path):
+    """Offline, a cache holding only the card (one file downloaded by hand), or
+    a download that lost a shard, is no empty repository: the error names what
+    the cache lacks and says to connect once."""
+    with hub_server.serving() as (url, _):
+        client = Client(url, tmp_path / "hf")
+        _push(client, "me/card-only", 1.0, tmp_path)
+        _push(client, "me/lost-shard", 1.0, tmp_path, max_shard_size="20KB")
+        client.run("import huggingface_hub; emit(huggingface_hub.hf_hub_download('me/card-only', 'README.md'))")
+        client.run("emit(str(eqx_ckpt.Checkpoint('hf://me/lost-shard').load() is not None))")
+    (shard,) = [p for p in (tmp_path / "hf").rglob("model-00002-of-*.safetensors") if "lost-shard" in str(p)]
+    shard.unlink()
+    name, classes, message = _raised(client, "hf://me/card-only", HF_HUB_OFFLINE="1")
+    assert name == "CheckpointConnectionError" and "CheckpointNotFoundError" not in classes
+    assert "offline mode is on (`HF_HUB_OFFLINE=1`)" in message
+    assert "it holds only `README.md` of it, not its weights" in message and "Connect once" in message
+    name, _, message = client.run(
+        "emit(raised(lambda: eqx_ckpt.Checkpoint('hf://me/lost-shard').load()))", HF_HUB_OFFLINE="1"
+    )
+    assert name == "CheckpointConnectionError"
+    assert re.search(r"it lacks `model-00002-of-\d+\.safetensors`", message) and "Connect once" in message
+
+
+def test_verify_checks_every_file_against_the_hubs_digest(hub, tmp_path):
+    """A cached file whose bytes changed (same size) loads as it is, but
+    `verify("hf://...")` names it by the SHA-256 the Hub lists."""
+    client, _ = hub
+    _push(client, "me/digest", 1.0, tmp_path)
+    assert client.run("emit(list(eqx_ckpt.verify('hf://me/digest')))") == []
+    (blob,) = [p for p in (tmp_path / "hf").rglob("blobs/*") if p.stat().st_size > 50_000]
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    problems = client.run("emit([p.message for p in eqx_ckpt.verify('hf://me/digest')])")
+    assert len(problems) == 1
+    assert problems[0].startswith("`model.safetensors`: its SHA-256 is ") and "but the Hub lists" in problems[0]
+
+
+def test_every_load_entry_takes_a_token(hub, tmp_path):
+    """A private repository, no `HF_TOKEN`: each load entry reads it with
+    `token=`, and without one says the repository is not found or private."""
+    client, _ = hub
+    _push(client, "me/secret", 1.0, tmp_path, private=True)
+    local = str(tmp_path / "local-1.0")
+    got = client.run(
+        f"""
+        like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), eqx_ckpt.Checkpoint({local!r}).load())
+        a = eqx_ckpt.tree_deserialise_leaves("hf://me/secret", like, token="writer")
+        b = eqx_ckpt.Checkpoint("hf://me/secret", token="writer").load()
+        zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), like)
+        c = eqx_ckpt.load_or_initialise("hf://me/secret", zeros, token="writer")
+        d = eqx_ckpt.tree_deserialise_leaves("hf://me/secret", like["blocks"][0], prefix="blocks.0", token="writer")
+        v = list(eqx_ckpt.verify("hf://me/secret", token="writer"))
+        same = [bool(eqx.tree_equal(x, a, typematch=True)) for x in (b, c)]
+        emit([same, np.asarray(d["w"]).tolist()[0][:2], v, raised(lambda: eqx_ckpt.Checkpoint("hf://me/secret"))[0]])
+        """,
+        HF_TOKEN=None,
+    )
+    assert got == [[True, True], [1.0, 1.0], [], "CheckpointNotFoundError"]
+
+
+def test_hugging_face_habits_get_a_hint(tmp_path, monkeypatch):
+    """`owner/name` with no such local folder asks whether `hf://owner/name` was
+    meant; a save or a manager given an `hf://` path points at `push_to_hub`;
+    `load()` without `trust` of a tree that records its classes warns once, at
+    the caller's line, with the `trust` that rebuilds it."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        eqx_ckpt.CheckpointNotFoundError,
+        match=re.escape("did you mean the Hugging Face Hub repository `hf://me/model`?"),
+    ):
+        eqx_ckpt.Checkpoint("me/model")
+    for write in (
+        lambda: eqx_ckpt.tree_serialise_leaves("hf://me/model", {"w": jnp.ones(2)}),
+        lambda: eqx_ckpt.CheckpointManager("hf://me/model"),
+    ):
+        with pytest.raises(
+            eqx_ckpt.CheckpointValueError, match=re.escape("a Hub repository is written only by a push, in one commit")
+        ) as raised:
+            write()
+        assert "eqx_ckpt.push_to_hub(tree_or_path, 'me/model')" in str(raised.value)
+    model = eqx.nn.MLP(2, 2, 8, 1, key=jax.random.key(0))
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "mlp", model)
+    with pytest.warns(UserWarning, match=re.escape("pass `.load(trust=[])` (the default trust covers them)")) as said:
+        state = eqx_ckpt.Checkpoint(tmp_path / "mlp").load()
+    assert [w.filename for w in said] == [__file__]
+    assert isinstance(state, dict)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eqx_ckpt.Checkpoint(tmp_path / "mlp").load()  # once per checkpoint
+        assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "mlp").load(trust=[]), model, typematch=True)
