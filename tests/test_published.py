@@ -58,6 +58,7 @@ def _equal(a, b):
     return bool(eqx.tree_equal(a, b, typematch=True))
 
 
+@pytest.mark.filterwarnings("ignore:.*without `trust` returns nested dicts:UserWarning")
 def test_a_folder_loads_without_its_code_everywhere_a_checkpoint_does(folder):
     tree = _tree()
     ckpt = eqx_ckpt.Checkpoint(folder)
