@@ -1,6 +1,6 @@
 """Fetching a model from the Hugging Face Hub by name, against a local Hub server.
 
-`python -m benchmarks.hub [--mib 1024] [--reps 3] [--shards 2]`
+`python -m benchmarks.hub [--mib 1024] [--reps 3] [--shards 2] [--tree PATH]`
 
 Starts the local server the tests use (`tests/hub_server.py`, in a thread of
 this process; the loads run in other processes), publishes a model of `--mib`
@@ -15,6 +15,10 @@ an empty Hugging Face cache (imports and JAX's start-up not timed, nor
 - `eqx_ckpt`: `eqx_ckpt.tree_deserialise_leaves("hf://bench/model", like)`,
   `like` a tree of `jax.ShapeDtypeStruct`s (downloads into the same cache,
   then loads);
+- `second`: the same load again, in a fresh process with the cache the
+  `eqx_ckpt` run filled (it must send no file bytes);
+- `checkpoint`: `eqx_ckpt.Checkpoint("hf://bench/model").load(trust=[])`, the
+  load without `like` (`from_pretrained`), into an empty cache;
 - `download`: `snapshot_download` alone (the bytes a whole load must fetch);
 - `partial`: the same load with `prefix=` one 16 MiB tensor (byte ranges:
   the headers and that tensor).
@@ -22,6 +26,8 @@ an empty Hugging Face cache (imports and JAX's start-up not timed, nor
 Prints, for each, the median and worst of `--reps` runs, the bytes the server
 sent (the file contents, per run), and the ratio of each median to the
 reference's. Every load's values are checked against what was published.
+`--tree PATH` measures the eqx_ckpt of another checkout (its source folder
+first on `PYTHONPATH` of the timed processes; the push is this checkout's).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TENSOR = (2048, 2048)  # 16 MiB of float32
-OPS = ("reference", "eqx_ckpt", "download", "partial")
+OPS = ("reference", "eqx_ckpt", "second", "checkpoint", "download", "partial")
 REPO = "bench/model"
 
 _PRELUDE = """
@@ -68,6 +74,14 @@ like = {"big": [jax.ShapeDtypeStruct(SHAPE, jnp.float32)] * BIG,
         "small": [jax.ShapeDtypeStruct((64,), jnp.float32)] * 8}
 start = time.perf_counter()
 out = eqx_ckpt.tree_deserialise_leaves("hf://" + REPO, like)
+jax.block_until_ready(out)
+seconds = time.perf_counter() - start
+check = float(out["big"][3][0, 0])
+""",
+    "checkpoint": """
+import eqx_ckpt, huggingface_hub
+start = time.perf_counter()
+out = eqx_ckpt.Checkpoint("hf://" + REPO).load(trust=[])
 jax.block_until_ready(out)
 seconds = time.perf_counter() - start
 check = float(out["big"][3][0, 0])
@@ -152,17 +166,24 @@ def publish(env: dict[str, str], tree_dir: str, mib: int, shards: int) -> None:
         raise RuntimeError(done.stderr[-4000:])
 
 
-def bench(mib: int, reps: int, shards: int) -> list[dict[str, Any]]:
-    """Every op, `reps` times each, each rep in a fresh process with an empty cache."""
+_CODE["second"] = _CODE["eqx_ckpt"]
+
+
+def bench(mib: int, reps: int, shards: int, tree: str | None = None) -> list[dict[str, Any]]:
+    """Every op, `reps` times each, each rep in a fresh process with an empty
+    cache (`second`: the cache `eqx_ckpt` filled)."""
     big = max(4, mib * 2**20 // (np.prod(TENSOR) * 4))
     rows = []
     with tempfile.TemporaryDirectory(prefix="eqx_ckpt-bench-hub-") as directory, hub(directory) as (_, state, env):
         publish(env, os.path.join(directory, "model"), mib, shards)
+        if tree is not None:
+            env = {**env, "PYTHONPATH": os.pathsep.join([os.path.abspath(tree), env["PYTHONPATH"]])}
         for rep in range(reps):
             for op in OPS:
                 code = _CODE[op].replace("REPO", repr(REPO)).replace("SHAPE", repr(TENSOR)).replace("BIG", str(big))
                 before = state.sent.get("", 0)
-                row = run_in(env, code, os.path.join(directory, f"hf-{op}-{rep}"))
+                home = os.path.join(directory, f"hf-{'eqx_ckpt' if op == 'second' else op}-{rep}")
+                row = run_in(env, code, home)
                 row.update(op=op, rep=rep, sent=state.sent.get("", 0) - before)
                 if row["check"] != 3.0:
                     raise AssertionError(f"{op} loaded {row['check']} where 3.0 was published")
@@ -186,8 +207,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--mib", type=int, default=1024, help="the model's size in MiB")
     parser.add_argument("--reps", type=int, default=3, help="runs of each op")
     parser.add_argument("--shards", type=int, default=2, help="safetensors files the model is published in")
+    parser.add_argument("--tree", default=None, help="another checkout whose eqx_ckpt the loads measure")
     args = parser.parse_args(argv)
-    rows = bench(args.mib, args.reps, args.shards)
+    rows = bench(args.mib, args.reps, args.shards, args.tree)
     print(table(rows))
     return rows
 
