@@ -7,6 +7,7 @@ with a cache of its own per test."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -753,3 +754,16 @@ def test_hugging_face_habits_get_a_hint(tmp_path, monkeypatch):
         warnings.simplefilter("error")
         eqx_ckpt.Checkpoint(tmp_path / "mlp").load()  # once per checkpoint
         assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "mlp").load(trust=[]), model, typematch=True)
+
+
+def test_the_hub_extra_takes_a_range_and_the_constraints_pin_it():
+    """`eqx_ckpt[hub]` installs beside libraries that need another
+    huggingface_hub 2.x (transformers takes >=1.31,<3): a range, not a pin;
+    the constraints file keeps the version the tests ran with."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    hub_specs = [s for extra in extras.values() for s in extra if s.startswith("huggingface_hub")]
+    assert hub_specs and all(s == "huggingface_hub>=2.4,<3" for s in hub_specs)
+    pins = [line for line in (ROOT / "constraints.txt").read_text().splitlines() if line.startswith("huggingface_hub")]
+    assert pins == [f"huggingface_hub=={importlib.metadata.version('huggingface_hub')}"]
