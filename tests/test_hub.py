@@ -767,3 +767,57 @@ def test_the_hub_extra_takes_a_range_and_the_constraints_pin_it():
     assert hub_specs and all(s == "huggingface_hub>=2.4,<3" for s in hub_specs)
     pins = [line for line in (ROOT / "constraints.txt").read_text().splitlines() if line.startswith("huggingface_hub")]
     assert pins == [f"huggingface_hub=={importlib.metadata.version('huggingface_hub')}"]
+
+
+def test_a_new_users_day_with_a_published_model(tmp_path):
+    """The whole life of a model, each step at the first try, as a new user
+    writes it: train with the step manager, push the best step's model, push
+    it again laid out otherwise, reload it by name, fine-tune it with a new
+    head (the printed `where=` pasted), push the fine-tune, and load both
+    offline, with the server gone."""
+    with hub_server.serving() as (url, state):
+        client = Client(url, tmp_path / "hf")
+        day = client.run(
+            """
+            import re, warnings
+            warnings.simplefilter("error")
+            key = jax.random.key(0)
+            make4 = lambda: eqx.nn.MLP(8, 4, 32, 2, key=jax.random.key(1))
+            make6 = lambda: eqx.nn.MLP(8, 6, 32, 2, key=jax.random.key(2))
+            model = make4()
+            with eqx_ckpt.CheckpointManager("run", best_metric="loss", best_n=1) as manager:
+                for step in range(3):
+                    model = jax.tree.map(lambda x: x * 0.9 if eqx.is_array(x) else x, model)
+                    manager.save(step, {"model": model, "step": step}, metrics={"loss": 1.0 / (step + 1)})
+                manager.wait_until_finished()
+                best = manager.best_step()
+                trained = manager.restore({"model": make4(), "step": 0}, step=best)["model"]
+            first = eqx_ckpt.push_to_hub(trained, "me/classifier", max_shard_size="4KB")
+            again = eqx_ckpt.push_to_hub(trained, "me/classifier")   # one file now: the shards go
+            loaded = eqx_ckpt.Checkpoint("hf://me/classifier").load(trust=[])
+            try:
+                eqx_ckpt.load_or_initialise("hf://me/classifier", make6)
+                where_text = None
+            except eqx_ckpt.LeafError as e:
+                where_text = re.search(r"where=(lambda .*)", str(e))[1]
+            tuned = eqx_ckpt.load_or_initialise("hf://me/classifier", make6, where=eval(where_text))
+            tuned_commit = eqx_ckpt.push_to_hub(tuned, "me/classifier-6")
+            shared = eqx_ckpt.Checkpoint("hf://me/classifier-6").load(trust=[])   # as a colleague loads it
+            assert eqx.tree_equal(shared, tuned, typematch=True)
+            emit([first != again, bool(eqx.tree_equal(loaded, trained, typematch=True)), where_text,
+                  bool(eqx.tree_equal(tuned.layers[:2], trained.layers[:2])), tuned.layers[2].weight.shape[0],
+                  tuned_commit])
+            """
+        )
+        assert day[:5] == [True, True, "lambda m: (m.layers[0], m.layers[1])", True, 6]
+        files = sorted(state.repos["me/classifier"].commits[state.repos["me/classifier"].branches["main"]])
+        assert files == ["README.md", "eqx_ckpt.json", "model.safetensors"]
+    offline = client.run(
+        """
+        a = eqx_ckpt.Checkpoint("hf://me/classifier").load(trust=[])
+        b = eqx_ckpt.Checkpoint("hf://me/classifier-6").load(trust=[])
+        emit([type(a).__name__, b.layers[2].weight.shape[0], eqx_ckpt.Checkpoint("hf://me/classifier-6").revision])
+        """,
+        HF_HUB_OFFLINE="1",
+    )
+    assert offline == ["MLP", 6, day[5]]

@@ -167,8 +167,8 @@ def open_source(path: Any, *, whole: bool = False, token: str | None = None) -> 
 def _hub_hint(path: Any, loc: Location) -> str:
     """A Hugging Face habit's hint: `owner/name` given for a Hub repository,
     where no such local folder exists."""
-    if not isinstance(path, str) or loc.local is None or _storage.local_entry(loc.local).exists:
-        return ""
+    if not isinstance(path, str) or loc.local is None or _storage.local_entry(os.path.dirname(loc.local)).exists:
+        return ""  # (where the owner is a local folder, the path is one of its own)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(@[^/\s]+)?", path):
         return ""
     return f" No local folder {path!r} exists either: did you mean the Hugging Face Hub repository `hf://{path}`?"
