@@ -470,9 +470,7 @@ class Checkpoint(Mapping[str, Any]):
         warnings.warn(
             f"{self.path!r}: `load()` without `trust` returns nested dicts and lists of arrays, though the tree "
             f"records its classes and functions ({shown}). To get the tree back as it was saved, pass "
-            f"`.load(trust=[{trusted}])`"
-            + ("" if untrusted else " (the default trust covers them)")
-            + ".",
+            f"`.load(trust=[{trusted}])`" + ("" if untrusted else " (the default trust covers them)") + ".",
             UserWarning,
             stacklevel=4,  # (past `load` and its `gc_paused` wrapper)
         )
