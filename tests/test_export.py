@@ -417,9 +417,11 @@ def test_prefix_exports_a_sub_tree_that_loads_as_it(tmp_path, capsys):
         ["index", 0],
         ["attr", "weight"],
     ]
-    # A tree, renamed after the prefix.
+    # A tree, renamed after the prefix; the command line.
     eqx_ckpt.export_safetensors(tmp_path / "tree", state, prefix="opt_state", rename=[(r"^mu$", "m")])
     assert sorted(eqx_ckpt.Checkpoint(tmp_path / "tree")) == ["count", "m"]
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "cli"), "--prefix", "model"]) == 0
+    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "cli").load(trust=[]), model, typematch=True)
     for prefix, error, message in [
         (
             "opt",
@@ -433,3 +435,16 @@ def test_prefix_exports_a_sub_tree_that_loads_as_it(tmp_path, capsys):
         with pytest.raises(error, match=re.escape(message)):
             eqx_ckpt.export_safetensors(tmp_path / "bad", stored, prefix=prefix)
     assert not (tmp_path / "bad").exists()
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "bad"), "--prefix", "opt"]) == 2
+    assert "`prefix` 'opt' names no sub-tree of it" in capsys.readouterr().err
+
+
+def test_cli_export_fills_the_card(tmp_path):
+    """`--license`, `--base-model` (repeatable) and `--code` reach the card."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", _tree())
+    args = ["--license", "mit", "--base-model", "me/base", "--base-model", "me/other", "--code", "mypkg"]
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), *args]) == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert card.startswith('---\nlibrary_name: eqx_ckpt\nlicense: "mit"\nbase_model:\n- "me/base"\n- "me/other"\n')
+    assert "The model's code (its classes, for `trust`): `pip install mypkg`.\n" in card
