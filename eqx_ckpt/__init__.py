@@ -42,6 +42,7 @@ from ._tools._diff import CheckpointDiff as CheckpointDiff, diff as diff
 from ._tools._export import export_safetensors as export_safetensors
 from ._tools._migrate import convert_eqx_file as convert_eqx_file
 from ._tools._publish import push_to_hub as push_to_hub
+from ._tools._rebuildable import NeedsCodeWarning as NeedsCodeWarning
 from ._tools._verify import Problem as Problem, verify as verify
 
 try:

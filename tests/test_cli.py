@@ -529,3 +529,32 @@ def test_diff_prints_magnitudes_and_totals_bounded(tmp_path):
     assert "! w: values differ (max |a-b| 0.5, |a-b|/|a| 0.1)" in changes.lines(magnitudes=True)
     assert changes.magnitudes["w"] == (0.5, 0.1)
     assert list(changes)[1] == "! k00: values differ"  # iterating stays as it was
+
+
+def test_push_of_a_manager_directory_names_its_steps_and_the_best(tmp_path, monkeypatch, capsys):
+    """Issue 65 item 6: `eqx-ckpt push` of a manager's directory said there was
+    no checkpoint. It names the steps to push: the latest, the best by the
+    metric the run ranked steps by, or `--step N` / `--best`. (Before any
+    Hub call: the hint needs no `huggingface_hub`.)"""
+    with eqx_ckpt.CheckpointManager(tmp_path / "run", max_to_keep=3, best_n=1, best_metric="val_loss") as manager:
+        for step, loss in [(1, 0.5), (2, 0.0576), (3, 0.25)]:
+            manager.save(step, {"w": np.full(3, float(step))}, metrics={"val_loss": loss})
+    monkeypatch.chdir(tmp_path)
+    assert main(["push", "run", "me/model"]) == 2
+    assert capsys.readouterr().err == (
+        "eqx-ckpt push: run is a CheckpointManager directory of 3 steps (1, 2, 3), not one checkpoint: push one of "
+        "its steps, e.g. `eqx-ckpt push run/step_00000003 me/model` (the latest), `run/step_00000002` (the best: "
+        "val_loss=0.0576), or pass `--step N` or `--best`.\n"
+    )
+    assert main(["push", "run", "me/model", "--step", "7"]) == 2
+    assert "run is a CheckpointManager directory of 3 steps (1, 2, 3), and no step 7: pass one of them." in (
+        capsys.readouterr().err
+    )
+    assert main(["push", "run", "me/model", "--step", "1", "--best"]) == 2  # one or the other
+    # Without a metric that ranks them: the latest, or `--step N`.
+    _run_dir(tmp_path / "plain")
+    assert main(["push", "plain/run", "me/model"]) == 2
+    err = capsys.readouterr().err
+    assert "`eqx-ckpt push plain/run/step_00000003 me/model` (the latest), or pass `--step N`." in err
+    assert main(["push", "plain/run", "me/model", "--best"]) == 2
+    assert "`best_step()` needs to know which metric ranks steps" in capsys.readouterr().err

@@ -2,7 +2,9 @@
 that the `safetensors` library opens, and that load back as the same tree."""
 
 import json
+import pathlib
 import re
+import time
 
 import equinox as eqx
 import jax
@@ -369,3 +371,80 @@ def test_an_export_reads_stored_leaves_by_the_loads_reader(tmp_path, faults, wha
     assert len(reads) == len(arrays) == 8
     exported = eqx_ckpt.tree_deserialise_leaves(tmp_path / "hf", tree)
     assert eqx.tree_equal(exported, tree, typematch=True)
+
+
+def _exported(source, into):
+    eqx_ckpt.export_safetensors(into, source, max_shard_size=300, info={"description": "d"}, card_path="hf://me/m")
+    return {p.name: p.read_bytes() for p in sorted(into.iterdir())}
+
+
+def test_the_same_tree_exports_as_the_same_bytes(tmp_path):
+    """Issue 65 item 7: every file of an export (safetensors, `eqx_ckpt.json`,
+    `README.md`) is the same, byte for byte, for the same tree (`created`
+    once held the export's time). A checkpoint's export keeps the
+    checkpoint's own `created`; an older export's `created` still reads."""
+    first = _exported(_tree(), tmp_path / "a")
+    assert len(first) > 4 and "created" not in json.loads(first["eqx_ckpt.json"])
+    time.sleep(1.1)  # the export's time, to the second, once differed
+    assert _exported(_tree(), tmp_path / "a") == first
+    assert _exported(_tree(), tmp_path / "b") == first
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", _tree())
+    ckpt = eqx_ckpt.Checkpoint(tmp_path / "ckpt")
+    of_checkpoint = _exported(ckpt, tmp_path / "c")
+    assert _exported(ckpt, tmp_path / "c") == of_checkpoint
+    assert json.loads(of_checkpoint["eqx_ckpt.json"])["created"] == ckpt.created != ""
+    assert eqx_ckpt.Checkpoint(tmp_path / "c").created == ckpt.created
+    fixture = pathlib.Path(__file__).parent / "fixtures" / "published_1"
+    assert eqx_ckpt.Checkpoint(fixture).created == "2026-11-26T18:51:00+00:00"
+
+
+def test_prefix_exports_a_sub_tree_that_loads_as_it(tmp_path, capsys):
+    """Issue 65 item 6: `prefix=` (and `--prefix`) exports the model of a
+    training state without its optimiser state, its key paths relative to
+    the prefix, so that it loads as the model."""
+    model = eqx.nn.MLP(4, 4, 16, 2, key=jax.random.key(0))
+    state = {"model": model, "opt_state": {"mu": jnp.zeros(10), "count": 2}, "step": 3}
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", state)
+    stored = eqx_ckpt.Checkpoint(tmp_path / "ckpt")
+    eqx_ckpt.export_safetensors(tmp_path / "out", stored, prefix="model")
+    out = eqx_ckpt.Checkpoint(tmp_path / "out")
+    assert sorted(out) == sorted(k.removeprefix("model.") for k in stored if k.startswith("model."))
+    assert eqx.tree_equal(out.load(trust=[]), model, typematch=True)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "out", model), model, typematch=True)
+    leaves = {leaf["path"]: leaf for leaf in json.loads((tmp_path / "out" / "eqx_ckpt.json").read_text())["leaves"]}
+    assert leaves["layers.0.weight"]["keypath"] == [
+        ["attr", "layers"],
+        ["index", 0],
+        ["attr", "weight"],
+    ]
+    # A tree, renamed after the prefix; the command line.
+    eqx_ckpt.export_safetensors(tmp_path / "tree", state, prefix="opt_state", rename=[(r"^mu$", "m")])
+    assert sorted(eqx_ckpt.Checkpoint(tmp_path / "tree")) == ["count", "m"]
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "cli"), "--prefix", "model"]) == 0
+    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "cli").load(trust=[]), model, typematch=True)
+    for prefix, error, message in [
+        (
+            "opt",
+            eqx_ckpt.CheckpointKeyError,
+            "`prefix` 'opt' names no sub-tree of it: pass the dotted path of a sub-tree to export "
+            "(its top-level keys: model, opt_state, step).",
+        ),
+        ("step", eqx_ckpt.CheckpointKeyError, "`prefix` 'step' names a leaf, not a sub-tree"),
+        (3, eqx_ckpt.CheckpointTypeError, "`prefix` must be a dotted path such as 'model', not int."),
+    ]:
+        with pytest.raises(error, match=re.escape(message)):
+            eqx_ckpt.export_safetensors(tmp_path / "bad", stored, prefix=prefix)
+    assert not (tmp_path / "bad").exists()
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "bad"), "--prefix", "opt"]) == 2
+    assert "`prefix` 'opt' names no sub-tree of it" in capsys.readouterr().err
+
+
+def test_cli_export_fills_the_card(tmp_path):
+    """`--license`, `--base-model` (repeatable) and `--code` reach the card."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", _tree())
+    args = ["--license", "mit", "--base-model", "me/base", "--base-model", "me/other", "--code", "mypkg"]
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), *args]) == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert card.startswith('---\nlibrary_name: eqx_ckpt\nlicense: "mit"\nbase_model:\n- "me/base"\n- "me/other"\n')
+    assert "The model's code (its classes, for `trust`): `pip install mypkg`.\n" in card

@@ -821,3 +821,102 @@ def test_a_new_users_day_with_a_published_model(tmp_path):
         HF_HUB_OFFLINE="1",
     )
     assert offline == ["MLP", 6, day[5]]
+
+
+@pytest.mark.parametrize(
+    "repo, fix",
+    [
+        ("hf://me/model", "not a Hub path ('hf://me/model'): pass `repo_id=\"me/model\"`."),
+        ("me/model@v2", 'not with a revision (\'me/model@v2\'): pass `repo_id="me/model", revision="v2"`.'),
+        ("hf://me/model@v2", 'not a Hub path (\'hf://me/model@v2\'): pass `repo_id="me/model", revision="v2"`.'),
+    ],
+)
+def test_a_repo_id_holding_a_path_or_revision_is_refused_before_any_export(repo, fix):
+    """Issue 65 item 6: `repo_id` is `owner/name`; `hf://` or `@revision` says
+    what to pass instead, before the export (which would refuse this
+    abstract tree) and before any Hub call."""
+    abstract = {"w": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    message = f"`repo_id` must be the repository's `owner/name`, {fix}"
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape(message)):
+        eqx_ckpt.push_to_hub(abstract, repo)
+
+
+def _card_of(state, repo: str, commit: str) -> str:
+    return state.blobs[state.repos[repo].commits[commit]["README.md"]].decode()
+
+
+def test_the_cli_pushes_a_managers_best_step_as_its_model_with_the_card_options(hub, tmp_path):
+    """Issue 65 items 6 and 7: `eqx-ckpt push DIR --best --prefix model` pushes
+    the model of the best step, without its optimiser state, and the card
+    holds the step's metrics, `--license`, `--base-model` and `--code`;
+    `--metadata` values are JSON where they parse. The card's snippet loads
+    it, run as written in a fresh process."""
+    client, state = hub
+    models = {step: eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(step)) for step in (1, 2, 3)}
+    with eqx_ckpt.CheckpointManager(tmp_path / "run", max_to_keep=3, best_n=1, best_metric="val_loss") as manager:
+        for step, loss in [(1, 0.5), (2, 0.0576), (3, 0.25)]:
+            state_of_step = {"model": models[step], "opt_state": {"mu": jnp.zeros(5)}, "step": step}
+            manager.save(step, state_of_step, metrics={"val_loss": loss})
+    options = ["--best", "--prefix", "model", "--license", "mit", "--base-model", "me/base", "--code", "mypkg"]
+    options += ["--metadata", "lr=0.001", "--metadata", "run=abc", "--metadata", "sizes=[1, 2]", "--revision", "dev"]
+    cli = [sys.executable, "-m", "eqx_ckpt._tools._cli", "push", str(tmp_path / "run"), "me/best", *options]
+    pushed = subprocess.run(cli, env=client.env(), capture_output=True, text=True, timeout=300)
+    assert pushed.returncode == 0, pushed.stderr
+    commit = pushed.stdout.split("@")[1].strip()
+    card = _card_of(state, "me/best", commit)
+    assert card.startswith(
+        '---\nlibrary_name: eqx_ckpt\nlicense: "mit"\nbase_model: "me/base"\ntags:\n- jax\n- equinox\n'
+        'metrics:\n- "val_loss"\n---\n'
+    )
+    assert "| val_loss | 0.0576 |\n" in card and "`pip install mypkg`" in card
+    snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+    assert 'eqx_ckpt.Checkpoint("hf://me/best@dev").load(trust=[])' in snippet
+    got = client.run(
+        snippet
+        + """
+        ckpt = eqx_ckpt.Checkpoint("hf://me/best@dev")
+        emit([type(model).__name__, np.asarray(model.layers[0].weight).tolist(), sorted(ckpt)[:2], ckpt.info])
+        """.replace("\n        ", "\n")
+    )
+    assert got[0] == "MLP" and got[1] == np.asarray(models[2].layers[0].weight).tolist()
+    assert got[2] == ["layers.0.bias", "layers.0.weight"]
+    assert got[3] == {"lr": 0.001, "run": "abc", "sizes": [1, 2], "metrics": {"val_loss": 0.0576}}
+
+
+def test_a_push_warns_of_the_parts_that_need_the_code_and_its_card_loads_the_rest(hub, tmp_path):
+    """Issue 65 item 4: a tree holding a lambda was published, and the card's
+    own snippet raised `CheckpointValueError`. The push warns, naming the
+    part, and the snippet, run as written, loads the parts that rebuild."""
+    client, state = hub
+    got = client.run("""
+        import warnings
+        tree = {"mlp": eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(0)), "act": lambda x: x}
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            commit = eqx_ckpt.push_to_hub(tree, "me/lambda")
+        emit([commit, [(w.category.__name__, os.path.basename(w.filename), str(w.message)) for w in warned]])
+    """)
+    commit, warned = got
+    assert [(name, file) for name, file, _ in warned] == [("NeedsCodeWarning", "<string>")]
+    assert "`Checkpoint('hf://me/lambda').load(trust=[...])` cannot rebuild" in warned[0][2]
+    assert "`act`: a lambda, which a checkpoint cannot record as data" in warned[0][2]
+    snippet = re.search(r"```python\n(.*?)```", _card_of(state, "me/lambda", commit), re.S).group(1)
+    assert client.run(snippet + "emit([type(part).__name__, len(part.layers)])\n") == ["MLP", 2]
+
+
+def test_a_tag_names_the_pushed_commit(hub, tmp_path):
+    """`tag=` tags the commit holding the export: `hf://...@tag` loads it. The
+    same push tagged again keeps the tag; a tag that names another commit is
+    not moved, and says so."""
+    client, state = hub
+    commit = _push(client, "me/tagged", 1.0, tmp_path, tag="v1.0")
+    assert state.repos["me/tagged"].tags == {"v1.0": commit}
+    assert client.run("emit(eqx_ckpt.Checkpoint('hf://me/tagged@v1.0').revision)") == commit
+    assert _push(client, "me/tagged", 1.0, tmp_path, tag="v1.0") == commit  # unchanged, the tag already on it
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "local-2.0", _tree(2.0), overwrite=True)
+    name, _, message = client.run(
+        f"emit(raised(lambda: eqx_ckpt.push_to_hub({str(tmp_path / 'local-2.0')!r}, 'me/tagged', tag='v1.0')))"
+    )
+    assert name == "CheckpointValueError"
+    assert message.startswith(f"hf://me/tagged: the tag 'v1.0' names another commit ({commit}), so it was not moved")
+    assert state.repos["me/tagged"].tags == {"v1.0": commit}

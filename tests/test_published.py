@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import equinox as eqx
 import jax
@@ -145,11 +146,10 @@ def test_the_safetensors_library_reads_every_tensor_bit_for_bit(folder):
 
 def test_eqx_ckpt_json_holds_the_records_structure_and_info(folder):
     record = json.loads((folder / "eqx_ckpt.json").read_text())
-    assert set(record) == {
+    assert set(record) == {  # no `created`: a tree has no time of its own (issue 65 item 7)
         "format",
         "format_version",
         "library_version",
-        "created",
         "leaf_count",
         "total_bytes",
         "info",
@@ -210,7 +210,7 @@ def test_the_card_imports_the_classes_it_trusts(tmp_path):
     code = textwrap.dedent(
         """
         import sys, jax.numpy as jnp, eqx_ckpt, pkg_for_card
-        eqx_ckpt.export_safetensors("out", pkg_for_card.Head(jnp.ones(2), 0.5))
+        eqx_ckpt.export_safetensors("out", pkg_for_card.Head(jnp.ones(2), 0.5), code="pkg-for-card")
         print(open("out/README.md").read())
         """
     )
@@ -218,6 +218,9 @@ def test_the_card_imports_the_classes_it_trusts(tmp_path):
     assert run.returncode == 0, run.stderr
     snippet = re.search(r"```python\n(.*?)```", run.stdout, re.S).group(1)
     assert "import pkg_for_card" in snippet and "trust=[pkg_for_card.Head]" in snippet
+    assert "# The model's code: pip install pkg-for-card\n" in snippet
+    assert "The model's code (its classes, for `trust`): `pip install pkg-for-card`.\n" in run.stdout
+    assert "**Parameters:** 2, in floating-point arrays. 1 tensor, 8 B.\n" in run.stdout
     check = snippet + "print(type(model).__name__, model.scale, model.w.tolist())\n"
     run = subprocess.run(
         [sys.executable, "-c", check], capture_output=True, text=True, cwd=tmp_path, env=_env(tmp_path)
@@ -476,23 +479,143 @@ def test_a_published_folder_over_http_reads_only_the_selected_tensors(tmp_path):
 
 
 def test_the_cards_trust_list_imports_what_it_can_and_names_what_it_cannot():
+    """A script's class (`__main__`) and a name that is no module path (from a
+    hostile record) are never imported by the snippet: it rebuilds the parts
+    that need neither, and the card names the others."""
     from eqx_ckpt._tools._card import model_card
 
     structure = {
         "t": "object",
         "cls": "__main__:Net",
-        "f": ["head", "act"],
+        "f": ["head", "act", "evil", "w"],
         "c": [
-            {"t": "object", "cls": "mypkg.layers:Head.Inner", "f": [], "c": []},
+            {"t": "object", "cls": "mypkg.layers:Head.Inner", "f": ["w"], "c": [{"t": "leaf"}]},
             {"t": "value", "v": {"function": "jax._src.nn.functions:relu"}},
+            {"t": "object", "cls": "os;import shutil:X", "f": ["w"], "c": [{"t": "leaf"}]},
+            {"t": "leaf"},
         ],
     }
     card = model_card("hf://me/net", structure=structure, info={"name": "Net"}, files=["model.safetensors"])
     snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
     assert snippet == (
-        'import eqx_ckpt\nimport mypkg.layers\n\nmodel = eqx_ckpt.Checkpoint("hf://me/net").load(trust=[mypkg.layers.Head.Inner])\n'
+        "import eqx_ckpt\nimport mypkg.layers\n\n"
+        "# Parts of it need the model's code (see below). These rebuild without it.\n"
+        'ckpt = eqx_ckpt.Checkpoint("hf://me/net")\n'
+        'parts = {prefix: ckpt.load(prefix, trust=[mypkg.layers.Head.Inner]) for prefix in ["evil.w", "head", "w"]}\n'
     )
-    assert (
-        "It needs `__main__.Net`, defined in the script that exported it: define them, and add them to `trust`." in card
-    )
+    assert "It needs `__main__.Net`, defined in the script that exported it" in card
+    assert "- `(the root)`: `__main__.Net`, defined in a script (`__main__`)\n" in card
+    assert "- `evil`: `os;import shutil.X`, which no `import` reaches\n" in card
     assert card.startswith("---\nlibrary_name: eqx_ckpt\n") and "\n# Net\n" in card
+
+
+def _snippet(card: str) -> str:
+    return re.search(r"```python\n(.*?)```", card, re.S).group(1)
+
+
+def test_the_card_loads_what_rebuilds_where_parts_need_the_models_code(tmp_path):
+    """Issue 65 item 4: a tree holding a lambda (here in `eqx.nn.Lambda`) is
+    exported with a `NeedsCodeWarning` naming each such part by its dotted
+    path; the card's snippet, run as written in a fresh process, rebuilds the
+    other parts (it once raised `CheckpointValueError`)."""
+    model = eqx.nn.Sequential(
+        [
+            eqx.nn.Linear(2, 3, key=jax.random.key(0)),
+            eqx.nn.Lambda(lambda x: x + 1),
+            eqx.nn.Linear(3, 1, key=jax.random.key(1)),
+        ]
+    )
+    with pytest.warns(eqx_ckpt.NeedsCodeWarning) as warned:
+        eqx_ckpt.export_safetensors(tmp_path / "out", {"model": model, "act": lambda x: x, "step": 3})
+    (message,) = [str(w.message) for w in warned]
+    assert "`act`: a lambda, which a checkpoint cannot record as data" in message
+    assert "`model.layers.1.fn`: a lambda" in message and warned[0].filename == __file__
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "- `model.layers.1.fn`: a lambda, which a checkpoint cannot record as data\n" in card
+    assert "model = eqx_ckpt.tree_deserialise_leaves(" in card  # the load into a `like`, with the code
+    shown = "import json; print(json.dumps([sorted(parts), parts['model.layers.2'].weight.tolist(), parts['step']]))\n"
+    run = subprocess.run(
+        [sys.executable, "-c", _snippet(card) + shown], capture_output=True, text=True, cwd=tmp_path, env=_env()
+    )
+    assert run.returncode == 0, run.stderr
+    names, weight, step = json.loads(run.stdout)
+    assert names == ["model.layers.0", "model.layers.2", "step"] and step == 3
+    assert weight == np.asarray(model.layers[2].weight).tolist()
+    # The warning is an error where asked, before any file is written.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", eqx_ckpt.NeedsCodeWarning)
+        with pytest.raises(eqx_ckpt.NeedsCodeWarning, match=re.escape("`act`: a lambda")):
+            eqx_ckpt.export_safetensors(tmp_path / "other", {"w": jnp.ones(2), "act": lambda x: x})
+    assert not any((tmp_path / "other").iterdir())
+
+
+def test_a_script_class_is_warned_of_and_its_card_loads_the_rest(tmp_path):
+    """A class a script defines (`__main__`) cannot be imported by another
+    program: the export warns (as called, from the script), and the snippet
+    loads the parts of Equinox's classes."""
+    script = textwrap.dedent(
+        """
+        import os, warnings, equinox as eqx, jax, eqx_ckpt
+        class Net(eqx.Module):
+            body: eqx.nn.Linear
+            head: eqx.nn.Linear
+        net = Net(eqx.nn.Linear(2, 2, key=jax.random.key(0)), eqx.nn.Linear(2, 1, key=jax.random.key(1)))
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            eqx_ckpt.export_safetensors("out", net)
+        print(warned[0].category.__name__, os.path.basename(warned[0].filename), warned[0].lineno)
+        print(warned[0].message)
+        """
+    )
+    (tmp_path / "script.py").write_text(script)
+    run = subprocess.run([sys.executable, "script.py"], capture_output=True, text=True, cwd=tmp_path, env=_env())
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[0] == "NeedsCodeWarning script.py 9"
+    assert "`(the root)`: `__main__.Net`, defined in a script (`__main__`)" in run.stdout
+    card = (tmp_path / "out" / "README.md").read_text()
+    check = _snippet(card) + "print(sorted(parts), type(parts['head']).__name__)\n"
+    run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=tmp_path, env=_env())
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["['body',", "'head']", "Linear"]
+
+
+def test_the_cards_front_matter_and_options(tmp_path):
+    """Issue 65 item 7: `license`, `base_model` and the metrics' names in the
+    front matter, as YAML reads them; where the classes come from (`code`);
+    the parameter count; bad options refused before anything is written."""
+    import yaml
+
+    tree = {"mlp": eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(0)), "step": 7, "ids": jnp.arange(5)}
+    info = {"metrics": {"val_loss": 0.0576, "top-1 | acc": 0.5}, "name": "Small"}
+    eqx_ckpt.export_safetensors(
+        tmp_path / "out", tree, info=info, license="apache-2.0", base_model="me/base", code="https://example.com/code"
+    )
+    card = (tmp_path / "out" / "README.md").read_text()
+    head = yaml.safe_load(card.split("---\n")[1])
+    assert head == {
+        "library_name": "eqx_ckpt",
+        "license": "apache-2.0",
+        "base_model": "me/base",
+        "tags": ["jax", "equinox"],
+        "metrics": ["val_loss"],  # a name YAML could misread stays in the body only
+    }
+    count = 3 * 8 + 8 + 8 * 2 + 2  # the MLP's weights and biases, not `step` nor the integer `ids`
+    assert f"**Parameters:** {count}, in floating-point arrays. 6 tensors," in card
+    assert "The model's code (its classes, for `trust`): <https://example.com/code>.\n" in card
+    assert "| val_loss | 0.0576 |\n| top-1 \\| acc | 0.5 |\n" in card
+    eqx_ckpt.export_safetensors(tmp_path / "two", tree, license="other", base_model=["a/b", "c"], code="mypkg>=1")
+    head = yaml.safe_load((tmp_path / "two" / "README.md").read_text().split("---\n")[1])
+    assert head["base_model"] == ["a/b", "c"] and head["license"] == "other"
+    for options, message in [
+        ({"license": "MIT"}, "`license` must be a Hub license id such as 'apache-2.0'"),
+        ({"license": "a\nb: c"}, "`license` must be a Hub license id"),
+        ({"base_model": "hf://me/base@v1"}, "not 'hf://me/base@v1'. Drop `hf://` and any `@revision`."),
+        (
+            {"base_model": ["me/base", 3]},
+            "`base_model` must be a Hub repository `owner/name` (or a list of them), not 3.",
+        ),
+        ({"code": "pip install x"}, "`code` must say where the model's classes come from"),
+    ]:
+        with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape(message)):
+            eqx_ckpt.export_safetensors(tmp_path / "bad", tree, **options)
+    assert not (tmp_path / "bad").exists()

@@ -14,7 +14,9 @@ Its fields (docs/interop.md, "The published layout"):
     format          "eqx_ckpt.safetensors"
     format_version  1
     library_version the eqx_ckpt that wrote it
-    created         ISO 8601, UTC
+    created         ISO 8601, UTC: when the exported checkpoint was saved;
+                    absent for an exported tree (so the same tree exports
+                    as the same bytes; older exports held the export's time)
     leaf_count      the number of tensors
     total_bytes     their bytes, as the safetensors files hold them
     structure       the structure record (a JSON object), or null
@@ -34,7 +36,6 @@ It is untrusted input, read by the manifest's own code:
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -64,9 +65,12 @@ class Published:
     format_version: int
 
 
-def encode(records: Sequence[LeafRecord], structure: Any, info: dict[str, Any] | None) -> bytes:
+def encode(records: Sequence[LeafRecord], structure: Any, info: dict[str, Any] | None, *, created: str = "") -> bytes:
     """The bytes of an `eqx_ckpt.json` for `records` (in tensor order), the tree's
-    `structure` record (or `None`) and the user's `info`."""
+    `structure` record (or `None`) and the user's `info`.
+
+    `created` is the exported checkpoint's own time (`""`: none, and no field).
+    Nothing else varies: the same arguments give the same bytes."""
     from .. import __version__
 
     leaves = []
@@ -78,14 +82,15 @@ def encode(records: Sequence[LeafRecord], structure: Any, info: dict[str, Any] |
         "format": FORMAT,
         "format_version": VERSION,
         "library_version": __version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": created,
         "leaf_count": len(records),
         "total_bytes": sum(record.nbytes for record in records),
         "info": info or {},
         "structure": structure,
     }
     # A field a line, a leaf a line: readable, and compact for ten thousand leaves.
-    lines = [f"{json.dumps(key)}: {_compact(value)}," for key, value in head.items()]
+    # No time of the export's own: it would make every export of a tree differ.
+    lines = [f"{json.dumps(key)}: {_compact(value)}," for key, value in head.items() if key != "created" or created]
     lines.append('"leaves": [\n' + ",\n".join(_compact(leaf) for leaf in leaves) + "\n]")
     return ("{\n" + "\n".join(lines) + "\n}\n").encode()
 

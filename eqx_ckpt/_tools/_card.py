@@ -1,38 +1,109 @@
 """The model card (`README.md`) of a published folder: what the Hugging Face Hub
-shows, with front matter naming the library, and a load snippet that works as
-written.
+shows, and a load snippet that works as written.
 
-The snippet's one parameter is the name the model is loaded by
-(`model_card(name_or_path, ...)`). That is the folder's path for a local
-export, or `hf://owner/name` for a published repository.
+- Front matter, as the Hub reads a card's metadata: `library_name: eqx_ckpt`,
+  `tags`, and the `license`, `base_model` and metric names when known.
+- The parameter count, where the classes' code comes from (`code=`), the
+  metrics, the files and the user's `info`.
+- The snippet's one parameter is the name the model is loaded by
+  (`model_card(name_or_path, ...)`): the folder's path for a local export,
+  or `hf://owner/name` for a published repository.
 
 Its `trust` list names the classes and functions of the structure record that
-the default trust does not cover (`_trust`). Each is imported from its own
-module. One defined in a script (`__main__`) cannot be imported, and the card
-says so.
+the default trust does not cover (`_trust`), each imported from its own
+module. Some parts may need the model's code (`_rebuildable`). Then the
+snippet rebuilds the largest parts without them (`prefix=`), and the card
+shows the load into a `like` that the model's code makes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .._base import _keypath
+from .._base._errors import CheckpointValueError, from_file
+from .._load._checkpoint import human
 from .._ondisk import _published, _trust
+from .._ondisk._format import LeafRecord
+from ._rebuildable import Needs, importable, in_script, needs, rebuildable
 
 README = "README.md"
-FRONT_MATTER = "---\nlibrary_name: eqx_ckpt\ntags:\n- jax\n- equinox\n---\n"
+# Shown by name in the snippet, at most; more parts load as nested dicts.
+MAX_PARTS = 16
+_LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")
+_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
+# A pip requirement or a URL (which the card writes as `<url>`: no `<` or `>` in it).
+_CODE = re.compile(r"(?!https?://[^<>]*[<>])[^\s`'\"\\]{1,300}")
+# Metric names written into the front matter (quoted): others are in the body only.
+_METRIC = re.compile(r"[A-Za-z0-9_./-]{1,100}")
 
 
-def model_card(name_or_path: str, *, structure: Any, info: dict[str, Any], files: list[str]) -> str:
+@dataclasses.dataclass(frozen=True)
+class About:
+    """What a card says of a model beyond its files (the export's options).
+
+    - `license`: a Hub license id (`"apache-2.0"`), or `None`.
+    - `base_model`: the Hub repositories it was made from, or `()`.
+    - `code`: where its classes come from: a pip requirement or a URL, or `None`.
+    """
+
+    license: str | None = None
+    base_model: tuple[str, ...] = ()
+    code: str | None = None
+
+
+def about(*, license: Any, base_model: Any, code: Any) -> About:
+    """The card's options, checked: each is written into the card as it is."""
+    if license is not None and not (isinstance(license, str) and _LICENSE.fullmatch(license)):
+        raise CheckpointValueError(
+            f"`license` must be a Hub license id such as 'apache-2.0', 'mit' or 'other', in lower case "
+            f"(https://huggingface.co/docs/hub/repositories-licenses), not {license!r}."
+        )
+    models = (base_model,) if isinstance(base_model, str) else tuple(base_model or ())
+    for model in models:
+        if not isinstance(model, str) or not _REPO.fullmatch(model):
+            fix = (
+                " Drop `hf://` and any `@revision`."
+                if isinstance(model, str) and ("://" in model or "@" in model)
+                else ""
+            )
+            raise CheckpointValueError(
+                f"`base_model` must be a Hub repository `owner/name` (or a list of them), not {model!r}.{fix}"
+            )
+    if code is not None and not (isinstance(code, str) and _CODE.fullmatch(code)):
+        raise CheckpointValueError(
+            f"`code` must say where the model's classes come from: a pip requirement ('mypkg', "
+            f"'git+https://github.com/me/mypkg') or a URL, with no spaces or quotes, not {code!r}."
+        )
+    return About(license, models, code)
+
+
+def model_card(
+    name_or_path: str,
+    *,
+    structure: Any,
+    info: dict[str, Any],
+    files: list[str],
+    records: Sequence[LeafRecord] = (),
+    about: About = About(),
+    found: Needs | None = None,
+) -> str:
     """The text of `README.md` for a folder of the published layout loaded as
     `name_or_path`.
 
-    The folder holds `files`. Its tree has the `structure` record (or `None`)
-    and the user's `info`."""
+    The folder holds `files`, tensors of the leaf `records`. Its tree has the
+    `structure` record (or `None`) and the user's `info`. `found` is
+    `_rebuildable.needs(structure, ...)` where already known."""
+    found = needs(structure, name_or_path) if found is None else found
     title = info.get("name") if isinstance(info.get("name"), str) else _title(name_or_path)
     description = info.get("description") if isinstance(info.get("description"), str) else ""
-    parts = [FRONT_MATTER, f"# {title}\n"]
+    metrics: dict[str, Any] = info["metrics"] if isinstance(info.get("metrics"), dict) else {}
+    parts = [front_matter(about, metrics), f"# {title}\n"]
     if description:
         parts.append(description.strip() + "\n")
     parts.append(
@@ -40,67 +111,153 @@ def model_card(name_or_path: str, *, structure: Any, info: dict[str, Any], files
         f"safetensors (tensor names are dotted key paths), its tree's structure in `{_published.NAME}`. It loads "
         "without its code: no file of it is imported, run or unpickled, and only the classes you trust are built.\n"
     )
-    parts.append("## Load it\n\n```python\n" + snippet(name_or_path, structure) + "```\n")
-    undefined = _unimportable(structure)
-    if undefined:
-        names = ", ".join(f"`{_trust.python_name(n)}`" for n in undefined)
-        parts.append(
-            f"It needs {names}, defined in the script that exported it: define them, and add them to `trust`.\n"
-        )
-    parts.append(
-        'A part of it, reading only the selected tensors\' bytes: `.load("<dotted prefix>", trust=[...])`, or '
-        f"`eqx_ckpt.tree_deserialise_leaves({json.dumps(name_or_path)}, like, where=...)` into a model of your own.\n"
-    )
+    if records:
+        parts.append(_size(records))
+    parts.append("## Load it\n\n```python\n" + snippet(name_or_path, structure, about=about, found=found) + "```\n")
+    parts += _load_notes(name_or_path, about, found)
+    if metrics:
+        parts.append("## Metrics\n\n| metric | value |\n|---|---|\n" + "".join(_row(k, v) for k, v in metrics.items()))
     parts.append("## Files\n\n" + "".join(f"- `{name}`\n" for name in files))
     if info:
         parts.append("## Metadata\n\n```json\n" + json.dumps(info, indent=2, sort_keys=True) + "\n```\n")
     return "\n".join(parts)
 
 
-def snippet(name_or_path: str, structure: Any) -> str:
+def front_matter(about: About, metrics: dict[str, Any]) -> str:
+    """The card's YAML front matter, as the Hub reads a card's metadata.
+
+    Every value given is quoted, so YAML reads it as a string (`no` or
+    `1.0` would otherwise be a boolean or a number)."""
+    lines = ["---", "library_name: eqx_ckpt"]
+    if about.license is not None:
+        lines.append(f'license: "{about.license}"')
+    if len(about.base_model) == 1:
+        lines.append(f'base_model: "{about.base_model[0]}"')
+    elif about.base_model:
+        lines += ["base_model:"] + [f'- "{model}"' for model in about.base_model]
+    lines += ["tags:", "- jax", "- equinox"]
+    names = [name for name in metrics if _METRIC.fullmatch(name)]
+    if names:
+        lines += ["metrics:"] + [f'- "{name}"' for name in names]
+    return "\n".join([*lines, "---"]) + "\n"
+
+
+def snippet(name_or_path: str, structure: Any, *, about: About = About(), found: Needs | None = None) -> str:
     """Python that loads the model named `name_or_path` (see the module docstring)."""
+    name = json.dumps(name_or_path)
     if structure is None:
         return (
-            "import eqx_ckpt\n\n"
-            "# It records no structure (exported with `rename`): nested dicts of arrays.\n"
-            f"state = eqx_ckpt.Checkpoint({json.dumps(name_or_path)}).load()\n"
+            "import eqx_ckpt\n\n# It records no structure (exported with `rename`): nested dicts of arrays.\n"
+            f"state = eqx_ckpt.Checkpoint({name}).load()\n"
         )
-    names = [n for n in needed(structure) if n not in _unimportable(structure)]
-    modules = sorted({n.partition(":")[0] for n in names})
-    trusted = ", ".join(_trust.python_name(n) for n in names)
-    lines = ["import eqx_ckpt"] + [f"import {module}" for module in modules] + [""]
+    found = needs(structure, name_or_path) if found is None else found
+    parts = rebuildable(structure, found.code) if found.code else [""]
+    if not parts or len(parts) > MAX_PARTS:
+        return (
+            "import eqx_ckpt\n\n# Parts of it need the model's code (see below): its arrays as nested dicts.\n"
+            f"state = eqx_ckpt.Checkpoint({name}).load()\n"
+        )
+    names = [n for n, paths in found.trust.items() if importable(n) and _used(paths, parts)]
+    lines = ["import eqx_ckpt"] + [f"import {module}" for module in sorted({n.partition(":")[0] for n in names})]
+    lines.append("")
+    if found.code:
+        lines.append("# Parts of it need the model's code (see below). These rebuild without it.")
+    if about.code is not None and names:
+        lines.append(f"# The model's code: {_code_source(about.code)}")
     if not names:
         lines.append("# Equinox's layers and JAX's functions are trusted by default.")
-    lines.append(f"model = eqx_ckpt.Checkpoint({json.dumps(name_or_path)}).load(trust=[{trusted}])")
+    trust = "trust=[" + ", ".join(_trust.python_name(n) for n in names) + "]"
+    if not found.code:
+        lines.append(f"model = eqx_ckpt.Checkpoint({name}).load({trust})")
+    else:
+        lines.append(f"ckpt = eqx_ckpt.Checkpoint({name})")
+        if len(parts) == 1:
+            lines.append(f"part = ckpt.load({json.dumps(parts[0])}, {trust})")
+        else:
+            lines.append(f"parts = {{prefix: ckpt.load(prefix, {trust}) for prefix in {json.dumps(parts)}}}")
     return "\n".join(lines) + "\n"
 
 
-def needed(structure: Any) -> list[str]:
-    """The names of the classes and functions the `structure` record builds
-    that the default trust does not hold, sorted."""
-    found: set[str] = set()
-    _collect(structure, found)
-    default = _trust.Trust([])
-    return sorted(n for n in found if default.resolve(n) is None)
+def _load_notes(name_or_path: str, about: About, found: Needs) -> list[str]:
+    """What the card says below the snippet: the code, the parts that need it,
+    and the load of a part into a model of one's own."""
+    notes = []
+    if about.code is not None:
+        notes.append(f"The model's code (its classes, for `trust`): {_code_source(about.code, markdown=True)}.\n")
+    script = [n for n in found.trust if in_script(n)]
+    if script:
+        names = ", ".join(f"`{_trust.python_name(n)}`" for n in script)
+        notes.append(
+            f"It needs {names}, defined in the script that exported it: define them, and add them to `trust`.\n"
+        )
+    if found.code:
+        code = list(found.code.items())
+        listed = "".join(f"- `{path or '(the root)'}`: {why}\n" for path, why in code[:MAX_PARTS])
+        more = f"- and {len(code) - MAX_PARTS} more\n" if len(code) > MAX_PARTS else ""
+        notes.append("These parts cannot be rebuilt without the model's code:\n\n" + listed + more)
+        notes.append(
+            "With that code, all of it loads into a skeleton the code makes (`make_model` stands for it):\n\n"
+            "```python\nimport equinox as eqx\n\n"
+            f"like = eqx.filter_eval_shape(make_model)\n"
+            f"model = eqx_ckpt.tree_deserialise_leaves({json.dumps(name_or_path)}, like)\n```\n"
+        )
+    notes.append(
+        'A part of it, reading only the selected tensors\' bytes: `.load("<dotted prefix>", trust=[...])`, or '
+        f"`eqx_ckpt.tree_deserialise_leaves({json.dumps(name_or_path)}, like, where=...)` into a model of your own.\n"
+    )
+    return notes
 
 
-def _collect(node: Any, found: set[str]) -> None:
-    # A record's objects are its nodes and tagged values; a dict in it is one of those.
-    if isinstance(node, dict):
-        for key in ("cls", "function", "enum"):
-            if isinstance(node.get(key), str):
-                found.add(node[key])
-        for value in node.values():
-            _collect(value, found)
-    elif isinstance(node, list):
-        for value in node:
-            _collect(value, found)
+def parameters(records: Iterable[LeafRecord]) -> int:
+    """The elements of the floating-point (and complex) arrays among `records`:
+    a model's parameter count. Scalars, integers and PRNG keys are left out."""
+    return sum(_elements(r.shape) for r in records if r.type in ("jax", "numpy") and r.dtype.startswith(_INEXACT))
 
 
-def _unimportable(structure: Any) -> list[str]:
-    if structure is None:
-        return []
-    return [n for n in needed(structure) if n.startswith("__main__:") or "<" in n]
+_INEXACT = ("float", "bfloat", "complex")
+
+
+def _elements(shape: Sequence[int]) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count
+
+
+def _size(records: Sequence[LeafRecord]) -> str:
+    count = parameters(records)
+    total = sum(r.nbytes for r in records)
+    short = _short(count)
+    shown = f"{count:,}" + (f" ({short})" if short != str(count) else "")
+    tensors = f"{len(records)} tensor" + "s" * (len(records) != 1)
+    return f"**Parameters:** {shown}, in floating-point arrays. {tensors}, {human(total)}.\n"
+
+
+def _short(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def _row(name: Any, value: Any) -> str:
+    shown = value if isinstance(value, str) else json.dumps(value)
+    return f"| {_cell(name)} | {_cell(shown)} |\n"
+
+
+def _cell(text: Any) -> str:
+    """Text as one cell of a Markdown table: one line, no `|`, bounded."""
+    return from_file(str(text), 100).replace("|", "\\|")
+
+
+def _code_source(code: str, *, markdown: bool = False) -> str:
+    if re.match(r"https?://", code):
+        return f"<{code}>" if markdown else code
+    return f"`pip install {code}`" if markdown else f"pip install {code}"
+
+
+def _used(paths: list[str], parts: list[str]) -> bool:
+    return any(_keypath.is_within(path, part) for path in paths for part in parts)
 
 
 def _title(name_or_path: str) -> str:

@@ -26,6 +26,7 @@ from .._load import _source
 from .._load._checkpoint import SMALL_VALUES, Checkpoint, human
 from .._load._rebuild import unrecordable_error
 from .._manage._manager import CheckpointManager
+from .._manage._retention import recorded_best
 from .._ondisk._format import MANIFEST, step_name
 from .._store import _share
 from ._demo import run
@@ -238,19 +239,88 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _push(args: argparse.Namespace) -> int:
-    metadata = dict(item.split("=", 1) for item in args.metadata) if args.metadata else None
     commit = push_to_hub(
-        _path(args.path),
+        _push_source(args),
         args.repo,
         token=args.token,
         private=args.private,
         revision=args.revision,
         commit_message=args.message,
-        metadata=metadata,
+        metadata=_metadata_values(args.metadata),
+        prefix=args.prefix,
+        license=args.license,
+        base_model=args.base_model or None,
+        code=args.code,
+        tag=args.tag,
         max_shard_size=args.max_shard_size,
     )
     print(f"hf://{args.repo}@{commit}")
     return 0
+
+
+def _push_source(args: argparse.Namespace) -> Checkpoint:
+    """The checkpoint `eqx-ckpt push` publishes: the one at the path, or a
+    step of the manager's directory there (`--step`, `--best`). A manager's
+    directory without either is an error naming its steps and the best."""
+    if args.step is None and not args.best:
+        try:
+            return Checkpoint(_path(args.path))
+        except CheckpointNotFoundError as missing:
+            manager, steps = _manager_steps(args.path, missing)
+            raise CheckpointValueError(_push_hint(args, manager, steps)) from None
+    manager = CheckpointManager(_path(args.path))
+    steps = manager.all_steps()
+    if not steps:
+        raise CheckpointNotFoundError(
+            f"{args.path} holds no step of a CheckpointManager: `--step` and `--best` choose one of its steps.",
+            path=args.path,
+        )
+    step = manager.best_step() if args.best else args.step
+    if step is None:
+        raise CheckpointValueError(f"No step of {args.path} has the metric that ranks its steps: pass `--step N`.")
+    if step not in steps:
+        raise CheckpointValueError(f"{_describe_steps(args.path, steps)}, and no step {step}: pass one of them.")
+    return Checkpoint(manager.step_path(step))
+
+
+def _push_hint(args: argparse.Namespace, manager: CheckpointManager, steps: list[int]) -> str:
+    """What to push of a manager's directory: its latest step, its best (by
+    the metric its retention record names, if any), or `--step`/`--best`."""
+    latest = _step_path(args.path, manager, steps[-1])
+    hint = f"`eqx-ckpt push {latest} {args.repo}` (the latest)"
+    try:
+        best = manager.best_step()
+    except CheckpointValueError:  # no metric ranks its steps
+        best = None
+    if best is not None:
+        metric = manager.best_metric or recorded_best(location(_path(args.path)))[0]
+        value = manager.metrics(best).get(metric or "")
+        hint += f", `{_step_path(args.path, manager, best)}` (the best: {metric}={_metric(value)})"
+    options = "`--step N` or `--best`" if best is not None else "`--step N`"
+    return (
+        f"{_describe_steps(args.path, steps)}, not one checkpoint: push one of its steps, e.g. {hint}, or pass "
+        f"{options}."
+    )
+
+
+def _metadata_values(items: list[str]) -> dict[str, Any] | None:
+    """`--metadata KEY=VALUE` items as a dict: each value as JSON where it
+    parses as JSON holding finite numbers only (`0.0576`, `true`, `[1, 2]`),
+    else as the string it is (`abc`, `NaN`)."""
+    found: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise CheckpointValueError(f"`--metadata {item}` must be KEY=VALUE, e.g. `--metadata val_loss=0.0576`.")
+        if key in found:
+            raise CheckpointValueError(f"`--metadata` gives {key!r} twice.")
+        try:
+            value = json.loads(text)
+            json.dumps(value, allow_nan=False)  # `NaN`, `1e999`: JSON that `info` cannot hold
+        except ValueError:
+            value = text
+        found[key] = value
+    return found or None
 
 
 def _root_causes(path: str, problems: Problems) -> list[str]:
@@ -394,7 +464,11 @@ def _export(args: argparse.Namespace) -> int:
         rename=rules or None,
         metadata=metadata or None,
         info=info,
+        prefix=args.prefix,
         card=not args.no_card,
+        license=args.license,
+        base_model=args.base_model or None,
+        code=args.code,
     )
     for name in written:
         print(name)
@@ -442,7 +516,26 @@ def _export_parser(commands: Any) -> None:
         '\'{"description": "...", "metrics": {"loss": 0.1}}\'',
     )
     export.add_argument("--no-card", action="store_true", help="write no README.md (leave one there as it is)")
+    _card_options(export, "export")
     export.set_defaults(run=_export)
+
+
+def _card_options(command: Any, verb: str) -> None:
+    """The options of `export` and `push` that choose a sub-tree and fill the model card."""
+    command.add_argument(
+        "--prefix", default=None, help=f"{verb} only the sub-tree at this dotted path (e.g. model), which it loads as"
+    )
+    command.add_argument("--license", default=None, help="the card's license, a Hub license id (e.g. apache-2.0)")
+    command.add_argument(
+        "--base-model",
+        action="append",
+        default=[],
+        metavar="OWNER/NAME",
+        help="the card's base_model: a Hub repository it was made from (repeatable)",
+    )
+    command.add_argument(
+        "--code", default=None, help="where the model's classes come from: a pip requirement or a URL, for the card"
+    )
 
 
 def _push_parser(commands: Any) -> None:
@@ -452,7 +545,9 @@ def _push_parser(commands: Any) -> None:
         epilog='Needs the optional extra: pip install "eqx_ckpt[hub]". The token is HF_TOKEN, or the one '
         "`hf auth login` saved, unless --token is given. Load it back from hf://owner/name@<commit>.",
     )
-    push.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
+    push.add_argument(
+        "path", help="checkpoint directory (or a CheckpointManager's, with --step or --best), kvstore URL or spec"
+    )
     push.add_argument("repo", help="the repository, owner/name (made where there is none)")
     push.add_argument("--revision", default=None, help="the branch to commit to (default: the default branch)")
     push.add_argument("--private", action="store_true", help="make a new repository private")
@@ -464,7 +559,17 @@ def _push_parser(commands: Any) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="your metadata, kept in eqx_ckpt.json and shown on the model card (repeatable)",
+        help="your metadata, kept in eqx_ckpt.json and shown on the model card (repeatable); a VALUE that is "
+        "JSON is read as JSON (val_loss=0.0576 a number), any other as a string",
+    )
+    _card_options(push, "publish")
+    push.add_argument(
+        "--tag", default=None, help="a tag to put on the commit, e.g. v1.0 (load it as hf://owner/name@v1.0)"
+    )
+    chosen = push.add_mutually_exclusive_group()
+    chosen.add_argument("--step", type=int, default=None, help="of a CheckpointManager's directory, push this step")
+    chosen.add_argument(
+        "--best", action="store_true", help="of a CheckpointManager's directory, push the step with the best metric"
     )
     push.set_defaults(run=_push)
 

@@ -20,7 +20,7 @@ import functools
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -29,7 +29,14 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._base import _keypath, _select, _tree
-from .._base._errors import CheckpointExistsError, CheckpointTypeError, CheckpointValueError, LeafError, leaf_message
+from .._base._errors import (
+    CheckpointExistsError,
+    CheckpointKeyError,
+    CheckpointTypeError,
+    CheckpointValueError,
+    LeafError,
+    leaf_message,
+)
 from .._base._location import Location, location
 from .._base._progress import Progress, Tracker
 from .._foreign import _safetensors
@@ -47,7 +54,7 @@ from .._ondisk._format import (
     whole_chunks,
 )
 from .._store import _durable, _storage
-from . import _card
+from . import _card, _rebuildable
 from ._card import model_card
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -88,8 +95,12 @@ def export_safetensors(
     rename: Any = None,
     metadata: dict[str, str] | None = None,
     info: dict[str, Any] | None = None,
+    prefix: str | None = None,
     card: bool = True,
     card_path: str | None = None,
+    license: str | None = None,
+    base_model: str | Sequence[str] | None = None,
+    code: str | None = None,
     progress: Progress = None,
 ) -> list[str]:
     """Write a checkpoint or a tree as a folder anyone can read: Hugging Face
@@ -123,11 +134,22 @@ def export_safetensors(
     - `metadata`: the header's `__metadata__` (strings), e.g. `{"format": "pt"}`.
     - `info`: your own metadata, kept in `eqx_ckpt.json` and shown on the
         card. It is a dict of JSON values, at most 1 MiB as JSON: a
-        `"description"`, hyperparameters, metrics (`"name"` titles the card). A loaded
-        folder gives it back as `Checkpoint(folder).info`.
+        `"description"`, hyperparameters, metrics (`"name"` titles the card;
+        `"metrics"`, a dict, fills the card's metrics). A loaded folder gives
+        it back as `Checkpoint(folder).info`. A `CheckpointManager` step
+        exported without `"metrics"` gets the metrics saved with it.
+    - `prefix`: export only the sub-tree at this dotted path (`"model"` of
+        `{"model": ..., "opt_state": ...}`). Its leaves' paths are relative to
+        it, so the folder loads as that sub-tree (`rename` then maps these
+        paths).
     - `card`: whether to write `README.md` (`False` leaves one there as it is).
     - `card_path`: the name the card's load snippet loads the model by;
         `path` as given by default.
+    - `license`: the card's `license`, a Hub license id such as `"apache-2.0"`.
+    - `base_model`: the card's `base_model`: the Hub repository (`"owner/name"`,
+        or a list of them) it was fine-tuned or made from.
+    - `code`: where the classes of the card's `trust` list come from: a pip
+        requirement (`"mypkg"`, `"git+https://github.com/me/mypkg"`) or a URL.
     - `progress`: as for [`eqx_ckpt.tree_serialise_leaves`][]: a bar on a
         terminal for a large export, `False` for none, or a callable receiving
         `(leaves_done, leaves_total, bytes_done, bytes_total)`.
@@ -135,6 +157,13 @@ def export_safetensors(
     **Returns:**
 
     The names of the files written, relative to the directory.
+
+    **Warns:**
+
+    [`eqx_ckpt.NeedsCodeWarning`][] naming the dotted path of each part that a
+    load without `like` cannot rebuild without the model's code (a lambda, a
+    closure, a class defined in a script). The card then shows the loads that
+    work.
 
     !!! example
 
@@ -157,9 +186,10 @@ def export_safetensors(
             f"`metadata` must be a dict mapping strings to strings (safetensors stores no other), not {metadata!r}."
         )
     info = _published.check_info(info)
+    about = _card.about(license=license, base_model=base_model, code=code)
     if isinstance(pytree, (str, os.PathLike)):
         pytree = Checkpoint(pytree)
-    found, structure = _tensors(pytree)
+    found, structure = _within(*_tensors(pytree), prefix)
     tensors = _named(found, rename)
     if not tensors:
         raise CheckpointValueError(
@@ -169,10 +199,13 @@ def export_safetensors(
     _refuse_source_in_destination(loc, pytree)
     shards = _plan(tensors, limit) if single is None else [tensors]
     names = [single] if single else _file_names(len(shards))
+    shown = card_path if card_path is not None else (str(path) if isinstance(path, (str, os.PathLike)) else loc.display)
     files = (
         {}
         if single
-        else _described(loc, path, tensors, None if rename is not None else structure, info, card, card_path, names)
+        else _described(
+            pytree, tensors, None if rename is not None else structure, info, names, shown=shown, card=card, about=about
+        )
     )
     try:
         with Tracker(progress, leaves=len(tensors), nbytes=sum(t.nbytes for t in tensors), what="export") as tracker:
@@ -203,24 +236,65 @@ def export_safetensors(
 
 
 def _described(
-    loc: Location,
-    path: Any,
+    source: Any,
     tensors: list[_Tensor],
     structure: Any,
     info: dict[str, Any],
-    card: bool,
-    card_path: str | None,
     names: list[str],
+    *,
+    shown: str,
+    card: bool,
+    about: _card.About,
 ) -> dict[str, bytes]:
-    """The files describing the tensors: `eqx_ckpt.json`, and `README.md` unless `card=False`."""
-    files = {_published.NAME: _published.encode([t.record for t in tensors], structure, info)}
+    """The files describing the tensors of `source`: `eqx_ckpt.json`, and
+    `README.md` (loading the model as `shown`) unless `card=False`.
+
+    The parts that need the model's code are warned of first (`_rebuildable`).
+    The same `source` gives the same bytes: its own `created` time (a
+    checkpoint's; none for a tree), and a manager step's metrics as
+    `info["metrics"]` where `info` has none."""
+    found = _rebuildable.needs(structure, source.path if isinstance(source, Checkpoint) else shown)
+    _rebuildable.warn(found, shown)
+    records = [t.record for t in tensors]
+    created = source.created if isinstance(source, Checkpoint) else ""
+    metrics = source._manifest.metrics if isinstance(source, Checkpoint) else {}
+    if metrics and "metrics" not in info:
+        info = _published.check_info({**info, "metrics": dict(sorted(metrics.items()))})
+    files = {_published.NAME: _published.encode(records, structure, info, created=created)}
     if card:
-        shown = (
-            card_path if card_path is not None else (str(path) if isinstance(path, (str, os.PathLike)) else loc.display)
-        )
         listed = names + ([_safetensors.INDEX] if len(names) > 1 else []) + [_published.NAME]
-        files[_card.README] = model_card(shown, structure=structure, info=info, files=listed).encode()
+        text = model_card(
+            shown, structure=structure, info=info, files=listed, records=records, about=about, found=found
+        )
+        files[_card.README] = text.encode()
     return files
+
+
+def _within(tensors: list[_Tensor], structure: Any, prefix: Any) -> tuple[list[_Tensor], Any]:
+    """The tensors and structure record of the sub-tree at the dotted `prefix`
+    (`None`: all of it), their paths and key paths made relative to it."""
+    if prefix is None or prefix == "":
+        return tensors, structure
+    if not isinstance(prefix, str):
+        raise CheckpointTypeError(f"`prefix` must be a dotted path such as 'model', not {type(prefix).__name__}.")
+    inside = [t for t in tensors if _keypath.is_within(t.name, prefix)]
+    if not inside or any(t.name == prefix for t in inside):
+        tops = sorted({_keypath.split_dotted(t.name)[0] for t in tensors if t.name}, key=_keypath.sort_key)
+        what = "a leaf, not a sub-tree" if inside else "no sub-tree of it"
+        raise CheckpointKeyError(
+            f"`prefix` {prefix!r} names {what}: pass the dotted path of a sub-tree to export (its top-level keys: "
+            f"{', '.join(tops[:10])}{', ...' if len(tops) > 10 else ''})."
+        )
+    depth = len(_keypath.split_dotted(prefix))
+    moved = []
+    for t in inside:
+        path = _keypath.relative(t.name, prefix)
+        moved.append(_Tensor(path, dataclasses.replace(t.record, path=path, keypath=t.record.keypath[depth:]), t.read))
+    try:
+        node = None if structure is None else _structure.at(structure, prefix)
+    except (KeyError, TypeError, ValueError):
+        node = _structure.unrecordable("a part of the tree whose structure the checkpoint does not record")
+    return moved, node
 
 
 # The files an export into a directory writes (and their temporaries).

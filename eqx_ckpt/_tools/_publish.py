@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import urllib.parse
+from collections.abc import Sequence
 from typing import Any
 
-from .._base._errors import CheckpointTypeError
+from .._base._errors import CheckpointTypeError, CheckpointValueError
+from .._base._location import HUB_SCHEME
 from .._base._progress import Progress
 from .._store import _hub
 from ._export import export_safetensors
@@ -20,6 +23,11 @@ def push_to_hub(
     revision: str | None = None,
     commit_message: str = "Upload model with eqx_ckpt",
     metadata: dict[str, Any] | None = None,
+    prefix: str | None = None,
+    license: str | None = None,
+    base_model: str | Sequence[str] | None = None,
+    code: str | None = None,
+    tag: str | None = None,
     max_shard_size: int | str = "5GB",
     progress: Progress = None,
 ) -> str:
@@ -38,9 +46,10 @@ def push_to_hub(
 
     **Arguments:**
 
-    - `tree_or_checkpoint_path`: a PyTree of arrays, or a checkpoint's path
-        (any source [`eqx_ckpt.Checkpoint`][] opens).
-    - `repo_id`: `"owner/name"`.
+    - `tree_or_checkpoint_path`: a PyTree of arrays, a checkpoint's path (any
+        source [`eqx_ckpt.Checkpoint`][] opens, a `CheckpointManager` step
+        included), or a `Checkpoint`.
+    - `repo_id`: `"owner/name"` (not `hf://owner/name`; a revision is `revision=`).
     - `token`: a Hub token with write access; `None` takes `HF_TOKEN` or the
         one `hf auth login` saved.
     - `private`: make a new repository private (an existing one is left as it is).
@@ -50,7 +59,16 @@ def push_to_hub(
     - `metadata`: your own metadata, kept in `eqx_ckpt.json` and shown on the
         model card (`info` of [`eqx_ckpt.export_safetensors`][]: a
         `"description"`, hyperparameters, metrics; `"name"` titles the card);
-        `Checkpoint("hf://owner/name").info` gives it back.
+        `Checkpoint("hf://owner/name").info` gives it back. A `CheckpointManager`
+        step pushed without `"metrics"` shows the metrics saved with it.
+    - `prefix`: publish only the sub-tree at this dotted path (`"model"`,
+        leaving `"opt_state"` out), so that it loads as that sub-tree.
+    - `license`, `base_model`, `code`: the model card's license (a Hub license
+        id, `"apache-2.0"`), the repositories it was made from (`"owner/name"`
+        or a list), and where the classes it trusts come from (a pip
+        requirement or a URL), as for [`eqx_ckpt.export_safetensors`][].
+    - `tag`: a tag to put on the commit (`"v1.0"`), so that
+        `hf://owner/name@v1.0` loads it.
     - `max_shard_size`: as for [`eqx_ckpt.export_safetensors`][].
     - `progress`: the export's progress, as for [`eqx_ckpt.export_safetensors`][];
         the upload shows `huggingface_hub`'s own bars (`HF_HUB_DISABLE_PROGRESS_BARS=1` hides them).
@@ -59,6 +77,11 @@ def push_to_hub(
 
     The commit's id (40 hex digits): pass it as `hf://owner/name@<id>` to load
     exactly this version, whatever is pushed later.
+
+    **Warns:**
+
+    [`eqx_ckpt.NeedsCodeWarning`][] naming each part that a load without
+    `like` cannot rebuild without the model's code, as the export does.
 
     !!! example
 
@@ -71,18 +94,45 @@ def push_to_hub(
         loaded = eqx_ckpt.Checkpoint(f"hf://me/my-mlp@{commit}").load(trust=[])  # no MLP constructor run
         ```
     """
-    if not isinstance(repo_id, str) or repo_id.count("/") != 1 or not all(repo_id.split("/")):
-        raise CheckpointTypeError(f"`repo_id` must be a string `owner/name`, not {repo_id!r}.")
+    _check_repo_id(repo_id)
     _hub.library()  # the install hint before anything is exported
 
     def write(folder: str) -> list[str]:
         source = os.fspath(tree_or_checkpoint_path) if isinstance(tree_or_checkpoint_path, os.PathLike) else None
         tree = source if source is not None else tree_or_checkpoint_path
         return export_safetensors(
-            folder, tree, max_shard_size=max_shard_size, info=metadata, card_path=f"hf://{repo_id}", progress=progress
+            folder,
+            tree,
+            max_shard_size=max_shard_size,
+            info=metadata,
+            prefix=prefix,
+            card_path=_card_path(repo_id, revision),
+            license=license,
+            base_model=base_model,
+            code=code,
+            progress=progress,
         )
 
     published = _hub.publish(
-        write, repo_id, token=token, private=private, revision=revision, commit_message=commit_message
+        write, repo_id, token=token, private=private, revision=revision, commit_message=commit_message, tag=tag
     )
     return published.commit
+
+
+def _card_path(repo_id: str, revision: str | None) -> str:
+    """The name the card loads the model by: at the branch it is pushed to
+    (quoted as a Hub path spells it: `/` is `%2F`), or the default branch."""
+    return f"hf://{repo_id}" + ("" if revision is None else "@" + urllib.parse.quote(revision, safe=""))
+
+
+def _check_repo_id(repo_id: Any) -> None:
+    """`repo_id` is `owner/name`; a Hub path's `hf://` or `@revision` is an error saying what to pass."""
+    if isinstance(repo_id, str) and (repo_id.startswith(HUB_SCHEME) or "@" in repo_id):
+        name, at, revision = repo_id.removeprefix(HUB_SCHEME).partition("@")
+        fix = f'repo_id="{name}", revision="{revision}"' if at else f'repo_id="{name}"'
+        what = "a Hub path" if repo_id.startswith(HUB_SCHEME) else "with a revision"
+        raise CheckpointValueError(
+            f"`repo_id` must be the repository's `owner/name`, not {what} ({repo_id!r}): pass `{fix}`."
+        )
+    if not isinstance(repo_id, str) or repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise CheckpointTypeError(f"`repo_id` must be a string `owner/name`, not {repo_id!r}.")
