@@ -103,7 +103,8 @@ def _tree(scale: float = 1.0) -> dict:
 
 def _push(client: Client, repo: str, scale: float, tmp: pathlib.Path, **options: object) -> str:
     """Push `_tree(scale)` (saved first as a local checkpoint at `tmp/name`) and return the commit."""
-    eqx_ckpt.tree_serialise_leaves(tmp / f"local-{scale}", _tree(scale), overwrite=True)
+    if not (tmp / f"local-{scale}").exists():  # (saved again, it would be another checkpoint: its own time)
+        eqx_ckpt.tree_serialise_leaves(tmp / f"local-{scale}", _tree(scale))
     args = ", ".join(f"{k}={v!r}" for k, v in options.items())
     return str(
         client.run(
@@ -516,6 +517,36 @@ def test_the_cli_pushes_lists_verifies_and_diffs(hub, tmp_path):
     assert same.returncode == 0, same.stdout + same.stderr
     missing = run("ls", "hf://me/nothing")
     assert missing.returncode == 2 and "hf://me/nothing@main: there is no such repository" in missing.stderr
+    again = run("push", str(tmp_path / "local"), "me/cli")
+    assert again.returncode == 0 and again.stdout.split()[0] == url, again.stderr
+    assert "(unchanged: the repository held this export already; nothing committed)" in again.stdout
+
+
+def test_every_cli_command_that_reads_takes_a_token(hub, tmp_path):
+    """A private repository, no `HF_TOKEN`: `ls`, `info`, `verify`, `diff`,
+    `export` and `push` (of a published model) read it with `--token`."""
+    client, _ = hub
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "local", _tree(1.0))
+    cli = [sys.executable, "-m", "eqx_ckpt._tools._cli"]
+    env = client.env(HF_TOKEN=None)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*cli, *args], env=env, capture_output=True, text=True, timeout=300)
+
+    assert run("push", str(tmp_path / "local"), "me/private-cli", "--private", "--token", "writer").returncode == 0
+    url, token = "hf://me/private-cli", ["--token", "writer"]
+    for args in (
+        ["ls", url],
+        ["info", url],
+        ["verify", url],
+        ["diff", url, str(tmp_path / "local")],
+        ["export", url, str(tmp_path / "exported")],
+        ["push", url, "me/private-copy", "--private"],
+    ):
+        refused = run(*args)
+        assert refused.returncode == 2 and "there is no such repository, or it is private" in refused.stderr, args
+        done = run(*args, *token)
+        assert done.returncode == 0, (args, done.stdout, done.stderr)
 
 
 def test_hub_paths_are_parsed_without_the_hub(tmp_path):
@@ -635,10 +666,10 @@ def test_the_same_push_twice_commits_nothing_and_returns_the_commit(hub, tmp_pat
     every file there, makes no commit, and returns the commit holding them."""
     client, state = hub
     first = _push(client, "me/same", 1.0, tmp_path)
-    commits = len(state.repos["me/same"].commits)
+    commits, asked = len(state.repos["me/same"].commits), len(state.requests)
     assert _push(client, "me/same", 1.0, tmp_path) == first
     assert len(state.repos["me/same"].commits) == commits
-    assert not any(r.startswith("POST /api/models/me/same/commit/") for r in state.requests[-20:])
+    assert not any(r.startswith(("POST /api/models/me/same/commit/", "PUT ")) for r in state.requests[asked:])
 
 
 def test_checkpoint_load_fills_the_cache_and_then_needs_no_network(tmp_path):

@@ -32,7 +32,7 @@ from .._store import _share
 from ._demo import run
 from ._diff import diff
 from ._export import export_safetensors
-from ._publish import push_to_hub
+from ._publish import publish
 from ._verify import Problem, Problems, verify
 
 
@@ -58,7 +58,7 @@ def printable(text: str) -> str:
 def _ls(args: argparse.Namespace) -> int:
     path = _path(args.path)
     try:
-        ckpt = Checkpoint(path)
+        ckpt = Checkpoint(path, token=args.token)
     except CheckpointNotFoundError as missing:
         manager, steps = _manager_steps(args.path, missing)
         if not (args.types or args.values or args.depth is not None):
@@ -165,7 +165,7 @@ def _metric(value: Any) -> str:
 
 def _info(args: argparse.Namespace) -> int:
     try:
-        ckpt = Checkpoint(_path(args.path))
+        ckpt = Checkpoint(_path(args.path), token=args.token)
     except CheckpointNotFoundError as missing:
         manager, steps = _manager_steps(args.path, missing)
         latest = _step_path(args.path, manager, steps[-1])
@@ -223,7 +223,7 @@ _SHOWN_DIFFERENCES = 50
 
 
 def _verify(args: argparse.Namespace) -> int:
-    problems = verify(_path(args.path))
+    problems = verify(_path(args.path), token=args.token)
     # The answer, even if the reader goes away (`main`): damage is 1; a step
     # written by a newer eqx_ckpt is no damage, but it was not checked either.
     args.code = 1 if problems else 2 if problems.newer else 0
@@ -239,7 +239,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _push(args: argparse.Namespace) -> int:
-    commit = push_to_hub(
+    published = publish(
         _push_source(args),
         args.repo,
         token=args.token,
@@ -254,7 +254,8 @@ def _push(args: argparse.Namespace) -> int:
         tag=args.tag,
         max_shard_size=args.max_shard_size,
     )
-    print(f"hf://{args.repo}@{commit}")
+    unchanged = "" if published.changed else " (unchanged: the repository held this export already; nothing committed)"
+    print(f"hf://{args.repo}@{published.commit}{unchanged}")
     return 0
 
 
@@ -264,7 +265,7 @@ def _push_source(args: argparse.Namespace) -> Checkpoint:
     directory without either is an error naming its steps and the best."""
     if args.step is None and not args.best:
         try:
-            return Checkpoint(_path(args.path))
+            return Checkpoint(_path(args.path), token=args.token)
         except CheckpointNotFoundError as missing:
             manager, steps = _manager_steps(args.path, missing)
             raise CheckpointValueError(_push_hint(args, manager, steps)) from None
@@ -409,7 +410,7 @@ def _format_verified_steps(path: str, problems: Problems) -> list[str]:
 
 def _diff(args: argparse.Namespace) -> int:
     try:
-        differences = diff(_path(args.a), _path(args.b))
+        differences = diff(_path(args.a), _path(args.b), token=args.token)
     except CheckpointNotFoundError as missing:
         given = args.a if missing.path == location(_path(args.a)).display else args.b
         manager, steps = _manager_steps(given, missing)
@@ -459,7 +460,7 @@ def _export(args: argparse.Namespace) -> int:
         ) from None
     written = export_safetensors(
         _path(args.out),
-        Checkpoint(_path(args.ckpt)),
+        Checkpoint(_path(args.ckpt), token=args.token),
         max_shard_size=args.max_shard_size,
         rename=rules or None,
         metadata=metadata or None,
@@ -491,6 +492,7 @@ def _export_parser(commands: Any) -> None:
     )
     export.add_argument("ckpt", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
     export.add_argument("out", help="output directory (or a path ending in .safetensors for one file)")
+    export.add_argument("--token", default=None, help=_TOKEN_HELP)
     export.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
     export.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB, 500MB (default 5GB)")
     export.add_argument(
@@ -574,6 +576,9 @@ def _push_parser(commands: Any) -> None:
     push.set_defaults(run=_push)
 
 
+_TOKEN_HELP = "a Hugging Face Hub token, for an hf:// path of a private or gated repository (default: HF_TOKEN)"
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="eqx-ckpt",
@@ -585,6 +590,7 @@ def parser() -> argparse.ArgumentParser:
     commands = top.add_subparsers(dest="command", required=True)
     ls = commands.add_parser("ls", help="sorted tree of keys with dtype[shape] and size", epilog=STORAGE_HELP)
     ls.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
+    ls.add_argument("--token", default=None, help=_TOKEN_HELP)
     ls.add_argument("--depth", type=int, default=None, help="show only this many levels")
     ls.add_argument("--values", action="store_true", help=f"print leaves of at most {SMALL_VALUES} elements")
     ls.add_argument(
@@ -595,6 +601,7 @@ def parser() -> argparse.ArgumentParser:
         "info", help="format and library version, creation time, leaf count, bytes", epilog=STORAGE_HELP
     )
     info.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
+    info.add_argument("--token", default=None, help=_TOKEN_HELP)
     info.set_defaults(run=_info)
     verify = commands.add_parser(
         "verify",
@@ -603,12 +610,14 @@ def parser() -> argparse.ArgumentParser:
         epilog=STORAGE_HELP,
     )
     verify.add_argument("path", help="checkpoint, .safetensors file, Hugging Face or orbax directory, kvstore URL")
+    verify.add_argument("--token", default=None, help=_TOKEN_HELP)
     verify.set_defaults(run=_verify)
     diff = commands.add_parser(
         "diff", help="compare two checkpoints; exit 0 equal, 1 different, 2 error", epilog=STORAGE_HELP
     )
     diff.add_argument("a")
     diff.add_argument("b")
+    diff.add_argument("--token", default=None, help=_TOKEN_HELP)
     diff.set_defaults(run=_diff)
     _export_parser(commands)
     _push_parser(commands)

@@ -10,6 +10,7 @@ from typing import Any
 from .._base._errors import CheckpointTypeError, CheckpointValueError
 from .._base._location import HUB_SCHEME
 from .._base._progress import Progress
+from .._load._checkpoint import Checkpoint
 from .._store import _hub
 from ._export import export_safetensors
 
@@ -94,12 +95,50 @@ def push_to_hub(
         loaded = eqx_ckpt.Checkpoint(f"hf://me/my-mlp@{commit}").load(trust=[])  # no MLP constructor run
         ```
     """
+    return publish(
+        tree_or_checkpoint_path,
+        repo_id,
+        token=token,
+        private=private,
+        revision=revision,
+        commit_message=commit_message,
+        metadata=metadata,
+        prefix=prefix,
+        license=license,
+        base_model=base_model,
+        code=code,
+        tag=tag,
+        max_shard_size=max_shard_size,
+        progress=progress,
+    ).commit
+
+
+def publish(
+    tree_or_checkpoint_path: Any,
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str = "Upload model with eqx_ckpt",
+    metadata: dict[str, Any] | None = None,
+    prefix: str | None = None,
+    license: str | None = None,
+    base_model: str | Sequence[str] | None = None,
+    code: str | None = None,
+    tag: str | None = None,
+    max_shard_size: int | str = "5GB",
+    progress: Progress = None,
+) -> _hub.Published:
+    """`push_to_hub`, saying also whether it committed (`eqx-ckpt push` says "unchanged")."""
     _check_repo_id(repo_id)
     _hub.library()  # the install hint before anything is exported
 
     def write(folder: str) -> list[str]:
         source = os.fspath(tree_or_checkpoint_path) if isinstance(tree_or_checkpoint_path, os.PathLike) else None
         tree = source if source is not None else tree_or_checkpoint_path
+        if isinstance(tree, str) and tree.startswith(HUB_SCHEME):  # a published model, read with the token
+            tree = Checkpoint(tree, token=token)
         return export_safetensors(
             folder,
             tree,
@@ -113,10 +152,9 @@ def push_to_hub(
             progress=progress,
         )
 
-    published = _hub.publish(
+    return _hub.publish(
         write, repo_id, token=token, private=private, revision=revision, commit_message=commit_message, tag=tag
     )
-    return published.commit
 
 
 def _card_path(repo_id: str, revision: str | None) -> str:
