@@ -185,7 +185,6 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-@pytest.mark.filterwarnings("ignore:.*without `trust` returns nested dicts:UserWarning")
 def test_load_without_like_names_keys_that_cannot_be_sorted_as_dotted_paths_do(tmp_path):
     """Once a bare `ValueError` from JAX sorting `{0: ..., "b": ...}`."""
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"m": _Mixed(np.zeros(3), np.ones(2)), "l": [np.ones(1)]})

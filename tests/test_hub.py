@@ -756,8 +756,8 @@ def test_every_load_entry_takes_a_token(hub, tmp_path):
 def test_hugging_face_habits_get_a_hint(tmp_path, monkeypatch):
     """`owner/name` with no such local folder asks whether `hf://owner/name` was
     meant; a save or a manager given an `hf://` path points at `push_to_hub`;
-    `load()` without `trust` of a tree that records its classes warns once, at
-    the caller's line, with the `trust` that rebuilds it."""
+    `load()` without `trust` of a published model that records its classes
+    warns once, at the caller's line, with the `trust` that rebuilds it."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(
         eqx_ckpt.CheckpointNotFoundError,
@@ -774,7 +774,7 @@ def test_hugging_face_habits_get_a_hint(tmp_path, monkeypatch):
             write()
         assert "eqx_ckpt.push_to_hub(tree_or_path, 'me/model')" in str(raised.value)
     model = eqx.nn.MLP(2, 2, 8, 1, key=jax.random.key(0))
-    eqx_ckpt.tree_serialise_leaves(tmp_path / "mlp", model)
+    eqx_ckpt.export_safetensors(tmp_path / "mlp", model)  # a published model, as `hf://` loads one
     with pytest.warns(UserWarning, match=re.escape("pass `.load(trust=[])` (the default trust covers them)")) as said:
         state = eqx_ckpt.Checkpoint(tmp_path / "mlp").load()
     assert [w.filename for w in said] == [__file__]

@@ -10,10 +10,6 @@ import pytest
 
 import eqx_ckpt
 
-# Nested dicts are what these tests ask for: the warning that `trust=` would
-# rebuild the classes is tested in tests/test_hub.py.
-pytestmark = pytest.mark.filterwarnings("ignore:.*without `trust` returns nested dicts:UserWarning")
-
 
 def _model():
     return eqx.nn.MLP(3, 2, 4, 2, key=jax.random.key(0))

@@ -122,7 +122,6 @@ def test_a_saved_tree_comes_back_with_its_own_classes(tmp_path):
     assert eqx.tree_equal(ours, theirs)
 
 
-@pytest.mark.filterwarnings("ignore:.*without `trust` returns nested dicts:UserWarning")
 def test_every_way_of_loading_without_like_agrees(tmp_path):
     tree = _tree()
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
@@ -873,7 +872,6 @@ def test_fuzzed_structure_records_give_only_clear_errors(tmp_path):
     check()
 
 
-@pytest.mark.filterwarnings("ignore:.*without `trust` returns nested dicts:UserWarning")
 def test_checkpoint_load_takes_prefix_as_the_spec_names_it(tmp_path):
     tree = {"model": _mlp(), "step": 3}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)

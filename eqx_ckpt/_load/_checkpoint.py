@@ -453,9 +453,13 @@ class Checkpoint(Mapping[str, Any]):
         return _nested.load(self._source, records, key, lazy=lazy, progress=progress, numbered=self._numbered)
 
     def _say_trust(self, prefix: str) -> None:
-        """Warn, once per checkpoint, that a load without `trust` of a tree whose
-        record names classes returns nested dicts, and which `trust` rebuilds it."""
-        if self.path in _TRUST_SAID or self._manifest.structure is None:
+        """Warn, once per model, that a load without `trust` of a published model
+        (the layout `push_to_hub` and `export_safetensors` write, local or on the
+        Hub) whose record names classes returns nested dicts, and which `trust`
+        rebuilds it. (A checkpoint's nested dicts are the documented way to look
+        inside it: no warning.)"""
+        published = self._source.format == "safetensors" and self._manifest.layout == "published"
+        if not published or self.path in _TRUST_SAID or self._manifest.structure is None:
             return
         try:
             classes = [n for n in self.types(prefix or None) if not n.startswith("builtins:")]
