@@ -192,21 +192,7 @@ def tree_deserialise_leaves(
         model = eqx_ckpt.tree_deserialise_leaves("mlp_ckpt", eqx.filter_eval_shape(make))
         ```
     """
-    options = LoadOptions(
-        where=where,
-        prefix=prefix,
-        rename=rename,
-        transform=transform,
-        missing=missing,
-        strict=strict,
-        cast=cast,
-        lazy=lazy,
-        read_once=read_once,
-        progress=progress,
-        trust=trust,
-        check_init=check_init,
-        token=token,
-    )
+    options = LoadOptions.from_arguments(locals())
     return deserialise(path, like, filter_spec, is_leaf, options)
 
 

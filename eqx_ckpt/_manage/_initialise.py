@@ -84,18 +84,7 @@ def load_or_initialise(
         model = eqx_ckpt.load_or_initialise("ckpt", make)   # body loaded, head initialised
         ```
     """
-    options = LoadOptions(
-        where=where,
-        prefix=prefix,
-        rename=rename,
-        missing="keep",
-        strict=strict,
-        cast=cast,
-        transform=transform,
-        progress=progress,
-        read_once=read_once,
-        token=token,
-    )
+    options = LoadOptions.from_arguments(locals(), missing="keep")
     return initialise_unloaded(path, init, default_deserialise_filter_spec, None, options)
 
 

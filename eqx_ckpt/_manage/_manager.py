@@ -616,20 +616,7 @@ class CheckpointManager:
                 )
         else:
             self._require(check_step(step))
-        options = LoadOptions(
-            where=where,
-            prefix=prefix,
-            rename=rename,
-            missing=missing,
-            strict=strict,
-            cast=cast,
-            lazy=lazy,
-            transform=transform,
-            progress=progress,
-            trust=trust,
-            check_init=check_init,
-            read_once=read_once,
-        )
+        options = LoadOptions.from_arguments(locals())
         try:
             return deserialise(self._loc.joined(step_name(step)), like, filter_spec, is_leaf, options)
         except (CheckpointError, OSError) as e:
@@ -703,18 +690,7 @@ class CheckpointManager:
         step = self.latest_step()
         if step is None:
             return None, init()
-        options = LoadOptions(
-            where=where,
-            prefix=prefix,
-            rename=rename,
-            missing=missing,
-            strict=strict,
-            cast=cast,
-            lazy=lazy,
-            transform=transform,
-            progress=progress,
-            read_once=read_once,
-        )
+        options = LoadOptions.from_arguments(locals())
         return step, _initialise.initialise_unloaded(
             self._loc.joined(step_name(step)), init, filter_spec, is_leaf, options
         )
