@@ -1,5 +1,7 @@
 """`tree_deserialise_leaves`: round trips of every leaf kind, and its errors."""
 
+import dataclasses
+import inspect
 import re
 
 import equinox as eqx
@@ -673,3 +675,61 @@ def test_a_load_names_every_mismatched_leaf_by_its_own_key_path(tmp_path, count)
     expected = [keypath for keypath, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
     assert list(info.value.keypaths) == expected
     assert "`blocks.0.w` (key path ['blocks'][0].w)" in str(info.value)
+
+
+def _load_entries(tmp_path):
+    """Each public load that takes the options of `tree_deserialise_leaves`, as
+    a call `(like, **options)` of a checkpoint holding `{"w": ones(3)}`."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", {"w": jnp.ones(3)})
+    manager = eqx_ckpt.CheckpointManager(tmp_path / "run")
+    manager.save(0, {"w": jnp.ones(3)})
+    return {
+        "tree_deserialise_leaves": lambda like, **o: eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", like, **o),
+        "load_or_initialise": lambda like, **o: eqx_ckpt.load_or_initialise(tmp_path / "ckpt", lambda: like, **o),
+        "restore": lambda like, **o: manager.restore(like, **o),
+        "restore_or_initialise": lambda like, **o: manager.restore_or_initialise(lambda: like, **o)[1],
+    }
+
+
+_PUBLIC_LOADS = {
+    "tree_deserialise_leaves": eqx_ckpt.tree_deserialise_leaves,
+    "load_or_initialise": eqx_ckpt.load_or_initialise,
+    "restore": eqx_ckpt.CheckpointManager.restore,
+    "restore_or_initialise": eqx_ckpt.CheckpointManager.restore_or_initialise,
+}
+
+
+@pytest.mark.parametrize("entry", sorted(_PUBLIC_LOADS))
+def test_every_option_of_a_public_load_is_a_load_option_with_its_default(entry):
+    """Issue 69 item 2: a public load makes its options one object
+    (`LoadOptions.from_arguments`), taking them by name. A keyword option
+    named otherwise, or defaulting otherwise, would silently not reach it."""
+    from eqx_ckpt._load._load_plan import LoadOptions
+
+    fields = {field.name: field.default for field in dataclasses.fields(LoadOptions)}
+    params = inspect.signature(_PUBLIC_LOADS[entry]).parameters
+    options = {
+        name: p.default
+        for name, p in params.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("filter_spec", "is_leaf")
+    }
+    assert len(options) >= 9
+    assert {name: fields.get(name, "not a field of LoadOptions") for name in options} == options
+
+
+@pytest.mark.parametrize("entry", sorted(_PUBLIC_LOADS))
+def test_every_public_load_checks_and_uses_its_options(tmp_path, entry):
+    """Each option given to a public load reaches the load: a flag is checked
+    with its own message, and `prefix`, `missing`, `cast` do what they say."""
+    load = _load_entries(tmp_path)[entry]
+    for flag in ("strict", "cast"):
+        with pytest.raises(eqx_ckpt.CheckpointError, match=re.escape(f"`{flag}`")):
+            load({"w": jnp.zeros(3)}, **{flag: "yes"})
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("`prefix` 'model' is not in checkpoint")):
+        load({"w": jnp.zeros(3)}, prefix="model")
+    with pytest.raises(eqx_ckpt.LeafError, match="pass `cast=True` to convert"):
+        load({"w": jnp.zeros(3, jnp.int32)}, cast=False)
+    assert eqx.tree_equal(load({"w": jnp.zeros(3, jnp.int32)}, cast=True), {"w": jnp.ones(3, jnp.int32)})
+    if entry in ("tree_deserialise_leaves", "restore", "restore_or_initialise"):
+        loaded = load({"w": jnp.zeros(3), "new": jnp.zeros(2)}, missing="keep")
+        assert eqx.tree_equal(loaded["w"], jnp.ones(3)) and loaded["new"].shape == (2,)

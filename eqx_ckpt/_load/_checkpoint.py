@@ -19,8 +19,9 @@ from .._base._progress import Progress
 from .._ondisk import _trust
 from .._ondisk._format import LeafRecord
 from .._ondisk._trust import Trust
-from . import _deserialise, _load_plan, _nested, _rebuild, _source
+from . import _deserialise, _nested, _rebuild, _source
 from ._lazy import LazyArray
+from ._load_plan import LoadOptions
 
 _SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
 # The checkpoints whose load without `trust` was warned about in this process (`_say_trust`).
@@ -442,10 +443,8 @@ class Checkpoint(Mapping[str, Any]):
             self._download()
         if trust is not None:
             like = self.skeleton(key, trust=trust, check_init=check_init)
-            options = _load_plan.options(prefix=key, lazy=lazy)
-            return _deserialise.load(
-                self._source, like, None, _deserialise.default_deserialise_filter_spec, options, progress=progress
-            )
+            options = LoadOptions(prefix=key, lazy=lazy, progress=progress)
+            return _deserialise.load(self._source, like, None, _deserialise.default_deserialise_filter_spec, options)
         records = [r for path, r in self._records.items() if _keypath.is_within(path, key)]
         if key and not records:
             raise CheckpointKeyError(self._missing(key), path=self.path)

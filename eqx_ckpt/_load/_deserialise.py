@@ -32,7 +32,7 @@ from .._ondisk._trust import Trust
 from .._store import _window
 from . import _load_plan, _reader, _rebuild, _source, _transform
 from ._lazy import LazyArray, is_lazy
-from ._load_plan import LeafPlan, LoadPlan
+from ._load_plan import LeafPlan, LoadOptions, LoadPlan
 from ._load_report import Report
 from ._source import Source
 
@@ -69,8 +69,6 @@ def default_deserialise_filter_spec(handle: LeafHandle, x: Any) -> Any:
     return handle.read(x)
 
 
-# Loads make many small objects (see `_gc.gc_paused`).
-@_gc.gc_paused()
 def tree_deserialise_leaves(
     path: Any,
     like: PyTree = None,
@@ -194,26 +192,24 @@ def tree_deserialise_leaves(
         model = eqx_ckpt.tree_deserialise_leaves("mlp_ckpt", eqx.filter_eval_shape(make))
         ```
     """
-    options = _load_plan.options(
-        where=where,
-        prefix=prefix,
-        rename=rename,
-        transform=transform,
-        missing=missing,
-        strict=strict,
-        cast=cast,
-        lazy=lazy,
-        read_once=read_once,
-    )
-    # A load of everything from the Hub downloads the files into its cache (a
-    # second load reads them there); a partial or lazy one reads byte ranges.
-    source = _source.open_source(path, whole=where is None and prefix is None and not lazy, token=token)
+    options = LoadOptions.from_arguments(locals())
+    return deserialise(path, like, filter_spec, is_leaf, options)
+
+
+# Loads make many small objects (see `_gc.gc_paused`).
+@_gc.gc_paused()
+def deserialise(
+    path: Any, like: PyTree, filter_spec: Any, is_leaf: Callable[[Any], bool] | None, options: LoadOptions
+) -> PyTree:
+    """`tree_deserialise_leaves` of `path` with its `options` (those of every
+    public load: `LoadOptions`): open the source, then `load`."""
+    source = _source.open_source(path, whole=options.whole, token=options.token)
     flat = None
     if like is None:
-        like = rebuilt(source, prefix or "", Trust(trust), check_init=check_init)
-    elif not rename and not transform:  # a renamed `like` is laid out unlike the record
+        like = rebuilt(source, options.prefix or "", Trust(options.trust), check_init=options.check_init)
+    elif not options.rename and not options.transform:  # a renamed `like` is laid out unlike the record
         flat = _tree.flatten_named(like, is_leaf)  # as a save names its leaves; the plan's too
-    return load(source, like, is_leaf, filter_spec, options, progress=progress, flat=flat, static=flat is not None)
+    return load(source, like, is_leaf, filter_spec, options, flat=flat, static=flat is not None)
 
 
 def load(
@@ -221,18 +217,17 @@ def load(
     like: PyTree,
     is_leaf: Callable[[Any], bool] | None,
     filter_spec: Any,
-    options: Any,
+    options: LoadOptions,
     *,
-    progress: Progress,
     flat: tuple[list[Any], _tree.Names] | None = None,
     static: bool = False,
 ) -> PyTree:
-    """`like` loaded from an opened `source` with checked `options` (`_load_plan.options`).
+    """`like` loaded from an opened `source` with its `options`.
     `flat`: `like` flattened and named, where the caller has it (`_load_plan.plan`).
     `static` (with `flat`): warn, once the load succeeded, where a static field
     of a part of `like` it read differs from the structure record."""
     plan = _load_plan.plan(source, like, is_leaf, filter_spec, default_deserialise_filter_spec, options, flat)
-    tree = _place(plan, _read_values(source, plan, progress=progress))
+    tree = _place(plan, _read_values(source, plan))
     if static and flat is not None:
         prefix = options.prefix or ""
         read = functools.partial(_leaves_read, plan)
@@ -256,16 +251,17 @@ def rebuilt(source: Source, prefix: str, trust: Trust, *, check_init: bool = Fal
     return _rebuild.skeleton(source.manifest, prefix, trust, where=source.loc.display, check_init=check_init)
 
 
-def _read_values(source: Source, plan: LoadPlan, *, progress: Progress) -> tuple[list[Any], list[Any], list[Any]]:
+def _read_values(source: Source, plan: LoadPlan) -> tuple[list[Any], list[Any], list[Any]]:
     """The values of the leaves `plan.custom`, `plan.transformed` and `plan.reads`
     feed (lazy ones as `LazyArray`s), read in that order."""
+    options = plan.options
     try:
-        custom = [_run_custom(spec, leaf, source, plan.cast, plan.lazy) for leaf, spec in plan.custom]
+        custom = [_run_custom(spec, leaf, source, options.cast, options.lazy) for leaf, spec in plan.custom]
         transformed = _read_transformed(source, plan)
     except Exception:
         source.check()  # a read that failed because the checkpoint was replaced says so
         raise
-    stored = read_leaves(source, plan.reads, lazy=plan.lazy, progress=progress, read_once=plan.read_once)
+    stored = read_leaves(source, plan.reads, lazy=options.lazy, progress=options.progress, read_once=options.read_once)
     return custom, transformed, stored
 
 
@@ -288,8 +284,9 @@ def read_leaves(
 
 def _read_transformed(source: Source, plan: LoadPlan) -> list[Any]:
     """The values of the transformed leaves; their problems raised together."""
-    values, problems = _transform.load(source, plan.transformed, cast=plan.cast, lazy=plan.lazy)
-    report = Report(plan.loc, cast=plan.cast)
+    cast = plan.options.cast
+    values, problems = _transform.load(source, plan.transformed, cast=cast, lazy=plan.options.lazy)
+    report = Report(plan.loc, cast=cast)
     for tplan, what, cause in problems:
         report.add_transform(tplan.keypath, tplan.stored, what, cause=cause)
     report.raise_if_any()

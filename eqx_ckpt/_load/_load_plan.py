@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,6 +27,7 @@ import numpy as np
 from .._base import _keypath, _select, _tree
 from .._base._errors import CheckpointTypeError, CheckpointValueError, check_flag
 from .._base._location import Location
+from .._base._progress import Progress
 from .._hosts import _sharding
 from .._ondisk import _dtypes
 from .._ondisk._format import LeafRecord
@@ -47,51 +48,71 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-    """The options of a load (see `tree_deserialise_leaves`), its flags checked."""
+class LoadOptions:
+    """A load's options, made once where the load is asked for, then passed whole.
 
-    where: Callable[[Any], Any] | None
-    prefix: str | None
-    rename: Any
-    transform: Any
-    missing: str
-    strict: bool
-    cast: bool
-    lazy: bool
+    Every public load (`tree_deserialise_leaves`, `load_or_initialise`, a
+    manager's `restore` and `restore_or_initialise`, `Checkpoint.load`) makes
+    one from its keyword arguments (`from_arguments`). It goes whole to the
+    source (`token`, `whole`), the plan and the readers. Each option defaults as in
+    `tree_deserialise_leaves`, whose docstring says what it does.
+
+    `missing`, `strict`, `lazy`, `cast` and `read_once` are checked as it is
+    made, in that order. The others are checked where they are used: `where`,
+    `prefix`, `rename` and `transform` as `plan` resolves them against `like`;
+    `trust` and `check_init` as a load without `like` rebuilds it."""
+
+    where: Callable[[Any], Any] | None = None
+    prefix: str | None = None
+    rename: Any = None
+    transform: Any = None
+    missing: str = "error"
+    strict: bool = False
+    cast: bool = False
+    lazy: bool = False
     read_once: bool | None = None
+    progress: Progress = None
+    trust: Iterable[Any] = ()
+    check_init: bool = False
+    token: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.missing not in ("error", "keep"):
+            raise CheckpointValueError(f"`missing` must be 'error' or 'keep', not {self.missing!r}.")
+        strict = check_flag("strict", self.strict, "whether stored leaves `like` lacks are an error")
+        lazy = check_flag("lazy", self.lazy, "whether to return `LazyArray`s that read when asked")
+        cast, read_once = self.cast, self.read_once
+        if not isinstance(cast, (bool, np.bool_)):
+            raise CheckpointValueError(
+                f"`cast` of a load must be `True` or `False`, not {cast!r}: a load converts to "
+                f"the dtypes of `like`. (A dtype to store in is `tree_serialise_leaves`'s `cast`.)"
+            )
+        if read_once is not None and not isinstance(read_once, (bool, np.bool_)):
+            raise CheckpointTypeError(
+                f"`read_once` must be `None` (share reads where it pays), `True` or `False`, not {read_once!r}."
+            )
+        # Frozen: the checked flags are set once, here, as plain `bool`s.
+        object.__setattr__(self, "strict", strict)
+        object.__setattr__(self, "lazy", lazy)
+        object.__setattr__(self, "cast", bool(cast))
+        object.__setattr__(self, "read_once", None if read_once is None else bool(read_once))
 
-def options(
-    *,
-    where: Any = None,
-    prefix: Any = None,
-    rename: Any = None,
-    transform: Any = None,
-    missing: Any = "error",
-    strict: Any = False,
-    cast: Any = False,
-    lazy: Any = False,
-    read_once: Any = None,
-) -> Options:
-    """The options of a load, each defaulting as in `tree_deserialise_leaves`.
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any], **fixed: Any) -> LoadOptions:
+        """The options among a public load's `arguments` (its `locals()`, taken
+        before it assigns any option), and the `fixed` ones its signature does
+        not offer. So each signature lists its options once, and they are not
+        spelt again where it forwards them (a test checks that every keyword
+        option of a public load is a field, with the same default)."""
+        given = {f.name: arguments[f.name] for f in dataclasses.fields(cls) if f.name in arguments}
+        return cls(**given, **fixed)
 
-    `missing`, `strict`, `lazy` and `cast` are checked at once, in that order.
-    The others are checked as `plan` resolves them against `like`."""
-    if missing not in ("error", "keep"):
-        raise CheckpointValueError(f"`missing` must be 'error' or 'keep', not {missing!r}.")
-    strict = check_flag("strict", strict, "whether stored leaves `like` lacks are an error")
-    lazy = check_flag("lazy", lazy, "whether to return `LazyArray`s that read when asked")
-    if not isinstance(cast, (bool, np.bool_)):
-        raise CheckpointValueError(
-            f"`cast` of a load must be `True` or `False`, not {cast!r}: a load converts to "
-            f"the dtypes of `like`. (A dtype to store in is `tree_serialise_leaves`'s `cast`.)"
-        )
-    if read_once is not None and not isinstance(read_once, (bool, np.bool_)):
-        raise CheckpointTypeError(
-            f"`read_once` must be `None` (share reads where it pays), `True` or `False`, not {read_once!r}."
-        )
-    read_once = None if read_once is None else bool(read_once)
-    return Options(where, prefix, rename, transform, missing, strict, bool(cast), lazy, read_once)
+    @property
+    def whole(self) -> bool:
+        """Whether the load asks for everything stored, so that a Hub load
+        downloads the files into its cache (a second load reads them there);
+        a partial or lazy one reads byte ranges."""
+        return self.where is None and self.prefix is None and not self.lazy
 
 
 @dataclasses.dataclass
@@ -149,9 +170,8 @@ class LoadPlan:
     custom: list[tuple[LeafPlan, Any]]
     # Made by a `transform` of the stored arrays, checked against `like` once made.
     transformed: list[TransformPlan]
-    cast: bool
-    lazy: bool
-    read_once: bool | None = None
+    # The load's options (`cast`, `lazy`, `read_once`: how the readers read).
+    options: LoadOptions
 
 
 def plan(
@@ -160,7 +180,7 @@ def plan(
     is_leaf: Any,
     filter_spec: Any,
     default: Any,
-    options: Options,
+    options: LoadOptions,
     flat: tuple[list[Any], _tree.Names] | None = None,
 ) -> LoadPlan:
     """The plan of loading `source` into `like`, every problem found raised
@@ -189,9 +209,7 @@ def plan(
         leaves.reads,
         leaves.custom,
         leaves.transformed,
-        options.cast,
-        options.lazy,
-        options.read_once,
+        options,
     )
 
 
@@ -248,7 +266,7 @@ class _Names:
     transform: Callable[[str], _select.Transform | None]
 
 
-def _names(loc: Location, manifest: Manifest, dotted: list[str], options: Options) -> _Names:
+def _names(loc: Location, manifest: Manifest, dotted: list[str], options: LoadOptions) -> _Names:
     """Where each leaf of `like` is stored, and its transform; a `prefix` that is
     not in the checkpoint is an error."""
     root = _select.check_prefix(options.prefix)
@@ -274,7 +292,7 @@ def _names(loc: Location, manifest: Manifest, dotted: list[str], options: Option
     return _Names(root, records, stored_path, to_transform)
 
 
-def _check_keys(options: Options, dotted: list[str], names: _Names, loc: Location) -> None:
+def _check_keys(options: LoadOptions, dotted: list[str], names: _Names, loc: Location) -> None:
     """Refuse, before anything is read, a key of a `rename` or `transform` mapping
     that names no leaf of `like` (any leaf, whatever `where` selects and
     `missing` says; a `rename` key may also name a sub-tree). Such a key (a

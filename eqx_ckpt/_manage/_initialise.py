@@ -11,7 +11,8 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._base._progress import Progress
-from .._load._deserialise import default_deserialise_filter_spec, tree_deserialise_leaves
+from .._load._deserialise import default_deserialise_filter_spec, deserialise
+from .._load._load_plan import LoadOptions
 
 
 def load_or_initialise(
@@ -83,33 +84,21 @@ def load_or_initialise(
         model = eqx_ckpt.load_or_initialise("ckpt", make)   # body loaded, head initialised
         ```
     """
-    return initialise_unloaded(
-        path,
-        init,
-        where=where,
-        prefix=prefix,
-        rename=rename,
-        missing="keep",
-        strict=strict,
-        cast=cast,
-        transform=transform,
-        progress=progress,
-        read_once=read_once,
-        token=token,
-    )
+    options = LoadOptions.from_arguments(locals(), missing="keep")
+    return initialise_unloaded(path, init, default_deserialise_filter_spec, None, options)
 
 
 def initialise_unloaded(
     path: Any,
     init: Callable[[], PyTree],
-    filter_spec: Any = default_deserialise_filter_spec,
-    is_leaf: Callable[[Any], bool] | None = None,
-    **options: Any,
+    filter_spec: Any,
+    is_leaf: Callable[[Any], bool] | None,
+    options: LoadOptions,
 ) -> PyTree:
-    """`init()`'s tree loaded from `path` with the load `options` (those of
-    `tree_deserialise_leaves`), and the leaves the load left abstract (missing
-    with `missing="keep"`, or outside `where`) computed by `init` alone."""
-    loaded = tree_deserialise_leaves(path, eqx.filter_eval_shape(init), filter_spec, is_leaf, **options)
+    """`init()`'s tree loaded from `path` with the load's `options`, and the
+    leaves the load left abstract (missing with `missing="keep"`, or outside
+    `where`) computed by `init` alone."""
+    loaded = deserialise(path, eqx.filter_eval_shape(init), filter_spec, is_leaf, options)
     leaves, treedef = jtu.tree_flatten(loaded)
     todo = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.ShapeDtypeStruct)]
     if todo:

@@ -36,7 +36,8 @@ from .._base._errors import (
 from .._base._location import location, writable
 from .._base._progress import Progress
 from .._foreign import _orbax
-from .._load._deserialise import default_deserialise_filter_spec, tree_deserialise_leaves
+from .._load._deserialise import default_deserialise_filter_spec, deserialise
+from .._load._load_plan import LoadOptions
 from .._ondisk._format import MANAGER_LEASE, metrics_name as _metrics_name, step_name
 from .._save import _serialise
 from .._save._serialise import PendingSave, default_serialise_filter_spec
@@ -615,25 +616,9 @@ class CheckpointManager:
                 )
         else:
             self._require(check_step(step))
+        options = LoadOptions.from_arguments(locals())
         try:
-            return tree_deserialise_leaves(
-                self._loc.joined(step_name(step)),
-                like,
-                filter_spec,
-                is_leaf,
-                where=where,
-                prefix=prefix,
-                rename=rename,
-                missing=missing,
-                strict=strict,
-                cast=cast,
-                lazy=lazy,
-                transform=transform,
-                progress=progress,
-                trust=trust,
-                check_init=check_init,
-                read_once=read_once,
-            )
+            return deserialise(self._loc.joined(step_name(step)), like, filter_spec, is_leaf, options)
         except (CheckpointError, OSError) as e:
             # Retention (this manager's, or that of the one saving here) deleted
             # the step while it was read: say so, not what the read tripped on.
@@ -705,21 +690,9 @@ class CheckpointManager:
         step = self.latest_step()
         if step is None:
             return None, init()
+        options = LoadOptions.from_arguments(locals())
         return step, _initialise.initialise_unloaded(
-            self._loc.joined(step_name(step)),
-            init,
-            filter_spec,
-            is_leaf,
-            where=where,
-            prefix=prefix,
-            rename=rename,
-            missing=missing,
-            strict=strict,
-            cast=cast,
-            lazy=lazy,
-            transform=transform,
-            progress=progress,
-            read_once=read_once,
+            self._loc.joined(step_name(step)), init, filter_spec, is_leaf, options
         )
 
     def _require(self, step: int) -> None:
