@@ -580,6 +580,7 @@ class CheckpointManager:
         trust: Iterable[Any] = (),
         check_init: bool = False,
         read_once: bool | None = None,
+        token: str | None = None,
     ) -> PyTree:
         """Load a step into `like`.
 
@@ -592,8 +593,8 @@ class CheckpointManager:
             [`eqx_ckpt.Checkpoint.skeleton`][]).
         - `step`: the step to load; the latest committed one by default.
         - `filter_spec`, `is_leaf`, `where`, `prefix`, `rename`, `missing`, `strict`,
-            `cast`, `lazy`, `transform`, `progress`, `trust`, `check_init`, `read_once`: every
-            option of [`eqx_ckpt.tree_deserialise_leaves`][], with its meaning and default;
+            `cast`, `lazy`, `transform`, `progress`, `trust`, `check_init`, `read_once`, `token`:
+            every option of [`eqx_ckpt.tree_deserialise_leaves`][], with its meaning and default;
             for instance `prefix="model"` loads only the model of a
             `{"model": ..., "opt_state": ...}` step.
 
@@ -648,6 +649,7 @@ class CheckpointManager:
         transform: Any = None,
         progress: Progress = None,
         read_once: bool | None = None,
+        token: str | None = None,
     ) -> tuple[int | None, PyTree]:
         """Resume from the latest step, or start afresh if there is none.
 
@@ -660,7 +662,7 @@ class CheckpointManager:
             `missing`): `init` computes those under `jax.jit` (as
             [`eqx_ckpt.load_or_initialise`][] does).
         - `filter_spec`, `is_leaf`, `where`, `prefix`, `rename`, `missing`, `strict`,
-            `cast`, `lazy`, `transform`, `progress`, `read_once`: every option of
+            `cast`, `lazy`, `transform`, `progress`, `read_once`, `token`: every option of
             [`eqx_ckpt.tree_deserialise_leaves`][], with its meaning and default.
             `missing="keep"` resumes a state that gained leaves since the step was
             saved (an EMA of the weights, a new head): those leaves get `init`'s
