@@ -16,7 +16,15 @@ with one untimed operation, then times `--reps` operations:
 Wall time and the process's CPU time (`time.process_time`, all its threads)
 are printed per tree, median and min. On a shared machine CPU time is the
 steadier of the two: other people's jobs lengthen the wall time of a run, not
-the work it does. The workload itself comes from this file's own
+the work it does.
+
+Then it decides: each round gives every tree a median (of its `--reps`), and
+each tree's is divided by the first tree's of the same round, so that a round
+the machine was busier cancels out (a paired comparison). The median of those
+ratios, with a 95% interval bootstrapped over the rounds, says whether a tree
+is faster, slower, or within the noise. `--spread 0.05` adds rounds (up to
+`--max-rounds`) until every interval's half-width is under 5% of its ratio, so
+that a 10% change cannot hide in the spread. The workload itself comes from this file's own
 `benchmarks/workload.py`, whatever tree is measured, so every tree saves the
 same state. A tree is a folder holding `eqx_ckpt/`: make one of a commit with
 `git worktree add --detach ../base <commit>` (and `git worktree remove` it
@@ -30,6 +38,7 @@ import gc
 import importlib.util
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -126,12 +135,41 @@ def summary(values: list[float]) -> str:
     return f"median {statistics.median(values):.4f} s, min {min(values):.4f} s"
 
 
+def paired(base: list[float], other: list[float], *, draws: int = 2000) -> tuple[float, float, float]:
+    """The median of `other[r] / base[r]` over rounds `r`, and a 95% interval
+    of that median bootstrapped over the rounds (seeded: the same figures give
+    the same interval)."""
+    ratios = [o / b for b, o in zip(base, other)]
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return statistics.median(ratios), medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
+def verdict(name: str, base: str, ratio: tuple[float, float, float]) -> str:
+    """One line saying what the paired ratio of `name` to `base` shows."""
+    middle, low, high = ratio
+    if high < 1:
+        said = f"faster than {base}"
+    elif low > 1:
+        said = f"slower than {base}"
+    else:
+        said = f"the same as {base}, within the spread"
+    return f"{middle:.3f}x {base} (95% interval {low:.3f}-{high:.3f}): {said}"
+
+
+def half_width(ratio: tuple[float, float, float]) -> float:
+    """The interval's half-width, as a fraction of the ratio."""
+    return (ratio[2] - ratio[1]) / 2 / ratio[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tree", action="append", default=[], help="NAME=FOLDER, twice or more")
     parser.add_argument("--workload", default="many", choices=["many", "small", "large", "tiny"])
     parser.add_argument("--op", default="save", choices=["save", "load"])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds at least")
+    parser.add_argument("--spread", type=float, default=None, help="add rounds until each interval is this narrow")
+    parser.add_argument("--max-rounds", type=int, default=20, help="rounds at most, with --spread")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--scratch", default=None, help="where checkpoints are written (default: a temporary folder)")
     parser.add_argument("--job", help=argparse.SUPPRESS)
@@ -157,17 +195,35 @@ def measure(trees: dict[str, str], args: argparse.Namespace, scratch: str) -> No
         if args.op == "load":
             run(tree, {**base, "op": "prepare", "folder": folders[name]})
     results: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in trees}
-    for round_ in range(args.rounds):
+    rounds: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in trees}
+    round_ = 0
+    while round_ < args.rounds or (args.spread is not None and round_ < args.max_rounds and not narrow(rounds, args)):
         for name, tree in trees.items():
             result = run(tree, {**base, "folder": folders[name]})
             for kind in ("wall", "cpu"):
                 results[name][kind] += result[kind]
+                rounds[name][kind].append(statistics.median(result[kind]))
             walls, cpus = (", ".join(f"{t:.3f}" for t in result[kind]) for kind in ("wall", "cpu"))
             load = os.getloadavg()[0]
             print(f"round {round_ + 1} {name}: wall {walls}; CPU {cpus}; load average {load:.2f}", flush=True)
-    print(f"{args.workload} {args.op}, {args.rounds} rounds x {args.reps} in alternating processes:")
+        round_ += 1
+    print(f"{args.workload} {args.op}, {round_} rounds x {args.reps} in alternating processes:")
     for name in trees:
         print(f"  {name:>10}: wall {summary(results[name]['wall'])}; CPU {summary(results[name]['cpu'])}")
+    first = next(iter(trees))
+    for name in list(trees)[1:]:
+        for kind in ("cpu", "wall"):
+            said = verdict(name, first, paired(rounds[first][kind], rounds[name][kind]))
+            print(f"  {name:>10}: {kind} {said}")
+
+
+def narrow(rounds: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> bool:
+    """Whether every tree's paired CPU ratio to the first is known within `--spread`."""
+    names = list(rounds)
+    base = rounds[names[0]]["cpu"]
+    if len(base) < 3:
+        return False
+    return all(half_width(paired(base, rounds[name]["cpu"])) <= args.spread for name in names[1:])
 
 
 if __name__ == "__main__":

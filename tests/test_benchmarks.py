@@ -10,6 +10,7 @@ import os
 import pathlib
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 
@@ -609,3 +610,61 @@ def test_the_incremental_benchmark_measures_a_small_model_all_packed(tmp_path):
     assert out["small_changed_bytes"] == 2048 + 8
     assert len(out["small_step_added_bytes"]) == 2
     assert 0 < max(out["small_step_added_bytes"]) <= out["small_changed_bytes"] + (1 << 20)
+
+
+def test_alternating_decides_by_paired_rounds():
+    """`benchmarks.alternating`'s verdict: each round's ratio to the first tree
+    cancels what the machine did that round; a tree 10% slower in every round,
+    however noisy the rounds, is called slower, and one equal within the noise
+    is called the same."""
+    from benchmarks import alternating
+
+    busy = [1.0, 1.6, 0.9, 2.2, 1.1, 1.3, 0.95]  # the machine's load, round by round
+    base = [b * 0.1 for b in busy]
+    slower = [b * 0.11 for b in busy]
+    same = [b * 0.1 * (1 + 0.01 * (-1) ** i) for i, b in enumerate(busy)]
+    ratio = alternating.paired(base, slower)
+    assert ratio[0] == pytest.approx(1.1) and 1.0 < ratio[1] <= ratio[0] <= ratio[2]
+    assert alternating.verdict("after", "before", ratio).endswith(": slower than before")
+    assert alternating.verdict("after", "before", alternating.paired(base, same)).endswith("within the spread")
+    assert alternating.verdict("after", "before", alternating.paired(slower, base)).endswith(": faster than before")
+    assert alternating.half_width(alternating.paired(base, same)) < 0.05
+    # Unpaired, the spread of those medians is far wider than the 10% it must see.
+    assert (max(base) - min(base)) / statistics.median(base) > 1
+
+
+def test_alternating_adds_rounds_until_the_interval_is_narrow(tmp_path):
+    """Run for real on the `tiny` workload, this tree against itself: the
+    verdict lines are printed, and `--spread` runs at least 3 rounds."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.alternating",
+            "--tree",
+            "a=.",
+            "--tree",
+            "b=.",
+            "--workload",
+            "tiny",
+            "--op",
+            "save",
+            "--rounds",
+            "1",
+            "--reps",
+            "2",
+            "--spread",
+            "0.5",
+            "--max-rounds",
+            "3",
+            "--scratch",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "round 3 b:" in done.stdout and "round 4" not in done.stdout
+    assert re.search(r"b: cpu \d\.\d{3}x a \(95% interval \d\.\d{3}-\d\.\d{3}\): ", done.stdout)
