@@ -544,6 +544,28 @@ def test_waits_through_interrupts_have_one_owner():
     )
 
 
+# Modules that still make threads themselves, until they ask `_threads`.
+_THREADS_NOT_YET_OWNED = {"_hub.py": "its two pools; the Hub's rewrite routes them through `_threads.pool`"}
+
+
+def test_threads_and_pools_have_one_owner():
+    """Only `_threads` makes a thread or a pool of threads; every other module
+    asks it (`_threads.pool`, `_threads.thread`), so that the interpreter's
+    exit stops every worker. (Issue 69: `_memory` made five pools and one per
+    call, and five modules started threads, each with its own idea of exit; a
+    pool worker that an interrupt left unrecorded kept a process from ever
+    exiting.)"""
+    makers = {"Thread", "Timer", "ThreadPoolExecutor", "ProcessPoolExecutor", "start_new_thread"}
+    found = [
+        f"{path.name}:{node.lineno}: {ast.unparse(node.func)}"
+        for path in MODULES
+        if path.name != "_threads.py" and path.name not in _THREADS_NOT_YET_OWNED
+        for node in ast.walk(_tree(path))
+        if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in makers
+    ]
+    assert found == [], "make threads with `_threads.pool` or `_threads.thread`:\n" + "\n".join(found)
+
+
 def _budget_comparisons(path: pathlib.Path) -> list[str]:
     """The comparisons in `path` of bytes (a size, bytes staged or in flight)
     against a budget, outside `_window.Budget`."""
