@@ -5,6 +5,7 @@ back, and every module is on the contributor's map."""
 
 import ast
 import dataclasses
+import itertools
 import pathlib
 import re
 import typing
@@ -305,6 +306,56 @@ def test_tests_replace_no_private_code():
     method would break whenever the code moved (docs/architecture.md, "Seams")."""
     patches = [found for path in TESTS for found in _private_patches(path)]
     assert patches == [], "use a fault point (eqx_ckpt/_base/_faults.py) or a knob:\n" + "\n".join(patches)
+
+
+def _patches_through_ours(path: pathlib.Path) -> list[str]:
+    """Where the test file `path` replaces a name that is not eqx_ckpt's (the
+    standard library's, NumPy's) reached through one of eqx_ckpt's modules,
+    as `monkeypatch.setattr(_memory.mmap, "mmap", ...)` does: that replaces
+    `mmap.mmap` for every module, and only looks local."""
+    import importlib
+
+    tree = _tree(path)
+    names = _imported_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        chain: list[object] = []
+        if isinstance(node, ast.Call) and node.args:
+            func = ast.unparse(node.func)
+            if not (func == "setattr" or func.endswith((".setattr", "patch", ".object"))):
+                continue
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                parts = first.value.split(".")
+                if parts[0] == "eqx_ckpt":
+                    chain = [importlib.import_module("eqx_ckpt")]
+                    for part in parts[1:-1]:
+                        chain.append(getattr(chain[-1], part, None))
+            elif isinstance(first, ast.Attribute):
+                chain = [_resolved(first.value, names), _resolved(first, names)]
+        elif isinstance(node, ast.Assign):
+            for lhs in node.targets:
+                if isinstance(lhs, ast.Attribute) and isinstance(lhs.value, ast.Attribute):
+                    chain = [_resolved(lhs.value.value, names), _resolved(lhs.value, names)]
+        if any(_ours(a) and _outside(b) for a, b in itertools.pairwise(chain)):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:100]}")
+    return found
+
+
+def _outside(owner: object) -> bool:
+    """Whether `owner` is a module or class, not eqx_ckpt's."""
+    import types
+
+    return isinstance(owner, (types.ModuleType, type)) and not _ours(owner)
+
+
+def test_tests_patch_no_outside_name_through_an_eqx_ckpt_module():
+    """A test that must replace a standard library name patches that module
+    itself (`monkeypatch.setattr(os, "pwrite", ...)`), where a reader sees
+    that the whole process is affected; better, it arms a fault point. (Issue
+    69 item 5: `tests/test_direct.py` patched `mmap.mmap` through `_memory`.)"""
+    patches = [found for path in TESTS for found in _patches_through_ours(path)]
+    assert patches == [], "patch the outside module itself, or arm a fault point:\n" + "\n".join(patches)
 
 
 def test_foreign_formats_return_one_typed_source():

@@ -45,7 +45,9 @@ _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 def fresh_bytes(nbytes: int) -> np.ndarray:
     """`nbytes` of page-aligned anonymous memory (uninitialised, in fact zero),
-    as a NumPy `uint8` array that `jax.device_put` can adopt without a copy."""
+    as a NumPy `uint8` array that `jax.device_put` can adopt without a copy.
+    Fault point `memory.map`."""
+    _faults.fire("memory.map", nbytes)
     memory = mmap.mmap(-1, nbytes, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, nbytes)
     return np.frombuffer(memory, np.uint8)
 
