@@ -615,6 +615,19 @@ def test_threads_and_pools_have_one_owner():
         if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in makers
     ]
     assert found == [], "make threads with `_threads.pool` or `_threads.thread`:\n" + "\n".join(found)
+    # The map names every pool and thread the code makes (it once said "one
+    # thread pool serves every read", where two did).
+    made = {
+        node.args[0].value
+        for path in MODULES
+        for node in ast.walk(_tree(path))
+        if isinstance(node, ast.Call)
+        and ast.unparse(node.func) in ("_threads.pool", "_threads.thread")
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+    }
+    row = next(line for line in _section(_map(), "## Seams").splitlines() if "`_threads.pool`" in line)
+    assert made and made == set(re.findall(r"`(eqx_ckpt-[a-z-]+)`", row)), (made, row)
 
 
 def _budget_comparisons(path: pathlib.Path) -> list[str]:
