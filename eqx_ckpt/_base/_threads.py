@@ -67,7 +67,12 @@ class Pool(concurrent.futures.Executor):
             if not self._idle.acquire(blocking=False) and len(self.workers) < self.threads:
                 worker = threading.Thread(target=self._serve, name=f"{self.name}_{len(self.workers)}", daemon=True)
                 self.workers.append(worker)
-                worker.start()
+                try:
+                    worker.start()
+                except BaseException:
+                    if worker.ident is None:  # it never began: the pool keeps its place for another
+                        self.workers.remove(worker)
+                    raise
         return future
 
     def _serve(self) -> None:
@@ -103,7 +108,7 @@ def _run(future: concurrent.futures.Future[Any], fn: Callable[..., Any], args: A
 
 
 _POOLS: dict[str, Pool] = {}
-# Threads started by `start` and still running, each with what asks it to stop.
+# Threads made by `thread` and still running, each with what asks it to stop.
 _THREADS: dict[threading.Thread, Callable[[], None] | None] = {}
 _AT_EXIT: list[Callable[[], None]] = []
 _LOCK = threading.Lock()
@@ -159,7 +164,7 @@ def _exit() -> None:
         if stop is not None:
             stop()
     deadline = time.monotonic() + STOP_SECONDS
-    workers = [worker for made in pools for worker in made.workers] + [thread for thread, _ in threads]
+    workers = [worker for made in pools for worker in made.workers] + [started for started, _ in threads]
     for worker in workers:
         if worker.is_alive() and worker is not threading.current_thread():
             worker.join(max(0.0, deadline - time.monotonic()))
