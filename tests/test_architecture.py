@@ -5,6 +5,7 @@ back, and every module is on the contributor's map."""
 
 import ast
 import dataclasses
+import itertools
 import pathlib
 import re
 import typing
@@ -307,6 +308,56 @@ def test_tests_replace_no_private_code():
     assert patches == [], "use a fault point (eqx_ckpt/_base/_faults.py) or a knob:\n" + "\n".join(patches)
 
 
+def _patches_through_ours(path: pathlib.Path) -> list[str]:
+    """Where the test file `path` replaces a name that is not eqx_ckpt's (the
+    standard library's, NumPy's) reached through one of eqx_ckpt's modules,
+    as `monkeypatch.setattr(_memory.mmap, "mmap", ...)` does: that replaces
+    `mmap.mmap` for every module, and only looks local."""
+    import importlib
+
+    tree = _tree(path)
+    names = _imported_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        chain: list[object] = []
+        if isinstance(node, ast.Call) and node.args:
+            func = ast.unparse(node.func)
+            if not (func == "setattr" or func.endswith((".setattr", "patch", ".object"))):
+                continue
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                parts = first.value.split(".")
+                if parts[0] == "eqx_ckpt":
+                    chain = [importlib.import_module("eqx_ckpt")]
+                    for part in parts[1:-1]:
+                        chain.append(getattr(chain[-1], part, None))
+            elif isinstance(first, ast.Attribute):
+                chain = [_resolved(first.value, names), _resolved(first, names)]
+        elif isinstance(node, ast.Assign):
+            for lhs in node.targets:
+                if isinstance(lhs, ast.Attribute) and isinstance(lhs.value, ast.Attribute):
+                    chain = [_resolved(lhs.value.value, names), _resolved(lhs.value, names)]
+        if any(_ours(a) and _outside(b) for a, b in itertools.pairwise(chain)):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:100]}")
+    return found
+
+
+def _outside(owner: object) -> bool:
+    """Whether `owner` is a module or class, not eqx_ckpt's."""
+    import types
+
+    return isinstance(owner, (types.ModuleType, type)) and not _ours(owner)
+
+
+def test_tests_patch_no_outside_name_through_an_eqx_ckpt_module():
+    """A test that must replace a standard library name patches that module
+    itself (`monkeypatch.setattr(os, "pwrite", ...)`), where a reader sees
+    that the whole process is affected; better, it arms a fault point. (Issue
+    69 item 5: `tests/test_direct.py` patched `mmap.mmap` through `_memory`.)"""
+    patches = [found for path in TESTS for found in _patches_through_ours(path)]
+    assert patches == [], "patch the outside module itself, or arm a fault point:\n" + "\n".join(patches)
+
+
 def test_foreign_formats_return_one_typed_source():
     """Each foreign format's `find` returns one frozen dataclass with every
     member of `_source.Foreign`, which `_source` reads by name: no positional
@@ -542,6 +593,41 @@ def test_waits_through_interrupts_have_one_owner():
     assert found == [], "wait through interrupts with `_interrupts.outcome` (or `finish`, `settle`, `stop`):\n" + (
         "\n".join(found)
     )
+
+
+# Modules that still make threads themselves, until they ask `_threads`.
+_THREADS_NOT_YET_OWNED = {"_hub.py": "its two pools; the Hub's rewrite routes them through `_threads.pool`"}
+
+
+def test_threads_and_pools_have_one_owner():
+    """Only `_threads` makes a thread or a pool of threads; every other module
+    asks it (`_threads.pool`, `_threads.thread`), so that the interpreter's
+    exit stops every worker. (Issue 69: `_memory` made five pools and one per
+    call, and five modules started threads, each with its own idea of exit; a
+    pool worker that an interrupt left unrecorded kept a process from ever
+    exiting.)"""
+    makers = {"Thread", "Timer", "ThreadPoolExecutor", "ProcessPoolExecutor", "start_new_thread"}
+    found = [
+        f"{path.name}:{node.lineno}: {ast.unparse(node.func)}"
+        for path in MODULES
+        if path.name != "_threads.py" and path.name not in _THREADS_NOT_YET_OWNED
+        for node in ast.walk(_tree(path))
+        if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in makers
+    ]
+    assert found == [], "make threads with `_threads.pool` or `_threads.thread`:\n" + "\n".join(found)
+    # The map names every pool and thread the code makes (it once said "one
+    # thread pool serves every read", where two did).
+    made = {
+        node.args[0].value
+        for path in MODULES
+        for node in ast.walk(_tree(path))
+        if isinstance(node, ast.Call)
+        and ast.unparse(node.func) in ("_threads.pool", "_threads.thread")
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+    }
+    row = next(line for line in _section(_map(), "## Seams").splitlines() if "`_threads.pool`" in line)
+    assert made and made == set(re.findall(r"`(eqx_ckpt-[a-z-]+)`", row)), (made, row)
 
 
 def _budget_comparisons(path: pathlib.Path) -> list[str]:

@@ -222,10 +222,15 @@ def test_links_are_refused(tmp_path, small, where):
     _refused(data, record, "symbolic link", repr(where))
 
 
-def test_absurd_shape_allocates_nothing(tmp_path, small, monkeypatch):
+def test_absurd_shape_allocates_nothing(tmp_path, small, faults):
     data, record, _ = _damage_setup(tmp_path)
     allocated = []
-    monkeypatch.setattr(_memory.mmap, "mmap", lambda *a, **k: allocated.append(a))
+
+    def refused(nbytes):
+        allocated.append(nbytes)
+        raise MemoryError(f"{nbytes} bytes")  # never allocated, even when the check fails
+
+    faults("memory.map", refused)
     hostile = dataclasses.replace(record, stored_shape=(10**15, 3), shape=(10**15, 3))
     _refused(data, hostile, "'model/w/c/4/0'", "missing")
     bigger = dataclasses.replace(record, stored_shape=(10**15, 3), shape=(10**15, 3), chunks=(10**14, 3))

@@ -163,6 +163,10 @@ The points, with where they fire and the arguments they pass:
   the pool it reads large leaves through on an accelerator
   (`_memory.PINNED_LOAD_POOL`, `_pooled`), once per process; an exception
   raised here makes it load them the usual way.
+- `memory.map` `(nbytes)`: `nbytes` of private memory are about to be mapped
+  (`_memory.fresh_bytes`): a large leaf's read buffer, and on a save a large
+  copy or a write's staging buffer; an exception raised here is the
+  allocation's.
 - `untrusted.scan` `(directory)`: a load checks the files of a folder on a
   local disk (a leaf's, and each folder below it) for links and sizes.
 - `pack.read_run` `(loc, pack, paths)`: a run of a pack, holding the packed
@@ -264,6 +268,7 @@ POINTS = frozenset(
         "load.read_stored",
         "load.read_once",
         "load.pinned_pool",
+        "memory.map",
         "untrusted.scan",
         "pack.read_run",
         "window.open",

@@ -13,12 +13,13 @@ for what it started.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import queue
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _faults
+from . import _faults, _threads
 
 
 def uninterrupted(fn: Callable[[], Any]) -> None:
@@ -88,15 +89,16 @@ class _Job:
             self.done.set()
 
 
-_JOBS: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+# `None` stops one helper (at exit).
+_JOBS: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
 
 
 _HELPERS: list[threading.Thread] = []
 
 
 def _helper() -> None:
-    while True:
-        _JOBS.get().run()
+    while (job := _JOBS.get()) is not None:
+        job.run()
 
 
 def _ensure_helper() -> None:
@@ -105,9 +107,9 @@ def _ensure_helper() -> None:
     helpers, which is harmless: each job is taken from the queue once. (No lock
     here: one that an interrupt left held would stop every later save.)"""
     if not any(thread.is_alive() for thread in _HELPERS):
-        thread = threading.Thread(target=_helper, name="eqx_ckpt-io", daemon=True)
-        thread.start()
+        thread = _threads.thread("eqx_ckpt-io", _helper, stop=functools.partial(_JOBS.put, None))
         _HELPERS.append(thread)
+        thread.start()
 
 
 def attempt(run: Callable[[], Any]) -> BaseException | None:

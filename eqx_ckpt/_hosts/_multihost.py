@@ -40,7 +40,6 @@ Hence eqx_ckpt's own heartbeat keys, in the same service.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import itertools
 import threading
@@ -50,7 +49,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from .._base import _faults
+from .._base import _faults, _threads
 from .._base._errors import CheckpointError
 from ._sharding import on_one_device
 
@@ -315,11 +314,9 @@ class _Heartbeat:
                 # A JAX without these private names: the first beat comes with
                 # this process's first group (`start`), as before issue 59.
                 run = functools.partial(cls._run, _NoDistributed(), lambda: False)
-            cls._started = threading.Thread(target=run, name="eqx_ckpt-heartbeat", daemon=True)
+            # Stopped at exit before `jax.distributed` shuts its client down (`_threads`).
+            cls._started = _threads.thread("eqx_ckpt-heartbeat", run, stop=cls._stop.set)
             cls._started.start()
-        # Registered after JAX's own exit hook (JAX is imported first), so run before
-        # it: the beats stop before `jax.distributed` shuts its client down.
-        atexit.register(cls.halt)
 
     @classmethod
     def start(cls, client: Any, index: int) -> None:
@@ -350,17 +347,6 @@ class _Heartbeat:
                 given[0].key_value_set(cls.key(given[1]), str(count), allow_overwrite=True)
             except Exception:
                 return  # the coordination service is gone (shut down, or process 0 died)
-
-    @classmethod
-    def halt(cls) -> None:
-        """Stop the heartbeat and wait for a beat in flight.
-
-        A daemon thread still in the client's call when the interpreter
-        finalises is ended inside that C++ call. That aborted a process at exit
-        ("FATAL: exception not rethrown") after its saves had all succeeded."""
-        cls._stop.set()
-        if cls._started is not None:
-            cls._started.join(SILENT_SECONDS)
 
 
 class _NoDistributed(NamedTuple):

@@ -24,15 +24,14 @@ step nothing: only the watchers poll it.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import signal
 import threading
-import weakref
 from typing import Any
 
 import jax
 
+from .._base import _threads
 from .._base._errors import CheckpointError
 from .._hosts import _multihost
 
@@ -42,10 +41,6 @@ _POLL = 0.05
 # Managers that follow preemption are numbered in the order each process asks,
 # which is the same in every process, so their keys match across processes.
 _numbers = itertools.count()
-
-# Watchers still running, stopped before JAX shuts its distributed client down
-# at exit (that `atexit` hook was registered at import, so it runs after ours).
-_running: weakref.WeakSet[Preemption] = weakref.WeakSet()
 
 
 class Preemption:
@@ -105,10 +100,8 @@ class Preemption:
         client = _multihost._client()
         self._closing.clear()  # a manager closed and used again
         prefix = f"eqx_ckpt/preemption/{next(_numbers)}"
-        self._watcher = threading.Thread(
-            target=self._watch, args=(client, prefix), name="eqx_ckpt-preemption", daemon=True
-        )
-        _running.add(self)
+        # Stopped at exit before JAX shuts its distributed client down (`_threads`).
+        self._watcher = _threads.thread("eqx_ckpt-preemption", self._watch, client, prefix, stop=self._closing.set)
         self._watcher.start()
 
     def _watch(self, client: Any, prefix: str) -> None:
@@ -145,7 +138,6 @@ class Preemption:
         watcher, self._watcher = self._watcher, None
         if watcher is not None and watcher is not threading.current_thread():
             watcher.join()
-        _running.discard(self)
         if not self._installed:
             return
         if threading.current_thread() is not threading.main_thread():
@@ -157,11 +149,3 @@ class Preemption:
             # `None`: a handler not installed from Python, which Python cannot put back.
             signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
         self._installed = False
-
-
-@atexit.register
-def _stop_watchers() -> None:
-    for preemption in list(_running):
-        preemption._closing.set()
-        if preemption._watcher is not None:
-            preemption._watcher.join()

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base import _gc, _tree
+from .._base import _gc, _threads, _tree
 from .._store import _lease, _memory
 from . import _records
 
@@ -189,9 +189,9 @@ class PendingSave:
         # after its step's save): the two are one save to the user.
         self._error: BaseException | None = None
         self._outer: PendingSave | None = None
-        # Not a daemon: the interpreter waits for it at exit, while TensorStore
-        # can still finish the writes.
-        self._thread = threading.Thread(target=self._run, args=(run,), name="eqx_ckpt-save")
+        # Not a daemon: the interpreter waits for it at exit (`_wait_at_exit`),
+        # while TensorStore can still finish the writes.
+        self._thread = _threads.thread("eqx_ckpt-save", self._run, run, daemon=False)
         # The thread waits until `start` has returned here: running at once, it
         # would hold the GIL, and the caller would wait a switch interval (5 ms)
         # to get it back.
@@ -262,11 +262,8 @@ def _wait_at_exit() -> None:
             print(f"eqx_ckpt: a checkpoint save failed: {save._error}", file=sys.stderr)
 
 
-# Run when the interpreter starts to shut down, before it joins other threads and
-# before `concurrent.futures` (registered earlier, run later) refuses new work.
-_register = getattr(threading, "_register_atexit", None)
-if _register is not None:
-    _register(_wait_at_exit)
+# The first thing the exit does, before eqx_ckpt's workers stop (`_threads`).
+_threads.at_exit(_wait_at_exit)
 
 
 class Handoff:

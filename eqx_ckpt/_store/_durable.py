@@ -9,10 +9,10 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from .._base import _faults, _location
+from .._base import _faults, _location, _threads
 from .._base._errors import CheckpointError
 from .._ondisk import _format
-from . import _memory, _storage_errors
+from . import _storage_errors
 
 if TYPE_CHECKING:
     from .._base._location import Location
@@ -53,7 +53,7 @@ def flush(loc: Location) -> None:
     try:
         # The process's pool, kept from save to save: starting 32 threads for
         # every save cost several milliseconds of a small one.
-        for _ in _memory.shared_pool("eqx_ckpt-sync", 32).map(sync, paths):
+        for _ in _threads.pool("eqx_ckpt-sync", 32).map(sync, paths):
             pass
     except RuntimeError:  # at interpreter exit no thread pool starts: one at a time, then
         for path in paths:

@@ -43,7 +43,7 @@ import time
 import weakref
 from typing import Any
 
-from .._base import _faults
+from .._base import _faults, _threads
 from .._base._errors import CheckpointError, CheckpointExistsError, CheckpointStorageError
 from .._base._location import Location
 from .._ondisk import _manifest
@@ -140,7 +140,7 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if fd is None:
-            self._thread = threading.Thread(target=self._beat, daemon=True, name="eqx_ckpt-lease")
+            self._thread = _threads.thread("eqx_ckpt-lease", self._beat, stop=self._stop.set)
             self._thread.start()
 
     def _beat(self) -> None:

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 import crc32c
 import numpy as np
 
-from .._base import _faults, _interrupts
+from .._base import _faults, _interrupts, _threads
 from .._base._errors import IntegrityError, stored_leaf_error
 from .._base._location import Location
 from .._ondisk import _format
@@ -93,7 +93,7 @@ def start_read(
     """
     # The checks of its files (on a cold cache, a wait on the disk for each) in a
     # thread of their own, so that those of the next leaves overlap.
-    started = _memory.shared_pool("eqx_ckpt-open", _window.READ_THREADS).submit(_start_checked, loc, record)
+    started = _threads.pool("eqx_ckpt-open", _window.READ_THREADS).submit(_start_checked, loc, record)
 
     def finish() -> np.ndarray:
         try:

@@ -52,7 +52,7 @@ import crc32c
 import numpy as np
 import xxhash
 
-from .._base import _faults
+from .._base import _faults, _threads
 from .._base._location import Location
 from .._ondisk import _format
 from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
@@ -546,5 +546,5 @@ def _start_writeback(fd: int) -> None:
         fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    return _memory.shared_pool("eqx_ckpt-write", THREADS)
+def _pool() -> _threads.Pool:
+    return _threads.pool("eqx_ckpt-write", THREADS)

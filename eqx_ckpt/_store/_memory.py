@@ -2,7 +2,6 @@
 
 - page-aligned private buffers and private copies;
 - the memory check before a read;
-- the process's shared thread pools;
 - the host data of a save's pieces: `host`, `ahead`, `host_views`, `held`,
   `protected`, and `Deferred` (a piece made host only when the save stages
   it);
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from .._base import _faults
+from .._base import _faults, _threads
 from .._base._errors import IntegrityError, stored_leaf_error
 
 if TYPE_CHECKING:
@@ -46,7 +45,9 @@ _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 def fresh_bytes(nbytes: int) -> np.ndarray:
     """`nbytes` of page-aligned anonymous memory (uninitialised, in fact zero),
-    as a NumPy `uint8` array that `jax.device_put` can adopt without a copy."""
+    as a NumPy `uint8` array that `jax.device_put` can adopt without a copy.
+    Fault point `memory.map`."""
+    _faults.fire("memory.map", nbytes)
     memory = mmap.mmap(-1, nbytes, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, nbytes)
     return np.frombuffer(memory, np.uint8)
 
@@ -87,31 +88,18 @@ def private_copies(arrays: Sequence[Any]) -> list[np.ndarray]:
     if len(big) < 2:
         return [private_copy(x) for x in arrays]
     copies = list(arrays)  # each replaced by its copy below
-    workers = min(len(big), max(os.cpu_count() or 1, 2), 4)
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="eqx_ckpt-copy") as pool:
-        futures = [(i, pool.submit(private_copy, arrays[i])) for i in big]
-        for i, x in enumerate(arrays):
-            if x.nbytes < FRESH_MIN_BYTES:
-                copies[i] = private_copy(x)
-        for i, future in futures:
-            copies[i] = future.result()
+    pool = _threads.pool("eqx_ckpt-copy", COPIERS)
+    futures = [(i, pool.submit(private_copy, arrays[i])) for i in big]
+    for i, x in enumerate(arrays):
+        if x.nbytes < FRESH_MIN_BYTES:
+            copies[i] = private_copy(x)
+    for i, future in futures:
+        copies[i] = future.result()
     return copies
 
 
-_POOLS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
-
-
-_POOLS_LOCK = threading.Lock()
-
-
-def shared_pool(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The process's pool of `threads` threads named `name`, made on first use
-    (one for the readers here, one for the writers of `_local_write`)."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get(name)
-        if pool is None:
-            pool = _POOLS[name] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=name)
-        return pool
+# The threads that make `private_copies`' large copies.
+COPIERS = min(max(os.cpu_count() or 1, 2), 4)
 
 
 @functools.cache
@@ -185,6 +173,7 @@ class BufferPool:
 
 
 _LOAD_POOLS: dict[tuple[int, int], BufferPool] = {}
+_LOAD_POOLS_LOCK = threading.Lock()
 
 
 def load_pool() -> BufferPool | None:
@@ -193,7 +182,7 @@ def load_pool() -> BufferPool | None:
     setting = PINNED_LOAD_POOL
     if setting is None:
         return None
-    with _POOLS_LOCK:
+    with _LOAD_POOLS_LOCK:
         pool = _LOAD_POOLS.get(setting)
         if pool is None:
             pool = _LOAD_POOLS[setting] = BufferPool(*setting)
@@ -267,7 +256,7 @@ def ahead(data: Any) -> Any:
         if cpu is None:
             data.copy_to_host_async()
         else:
-            return _Copying(shared_pool("eqx_ckpt-to-host", COPY_THREADS).submit(_on_host, data, cpu))
+            return _Copying(_threads.pool("eqx_ckpt-to-host", COPY_THREADS).submit(_on_host, data, cpu))
     return data
 
 

@@ -22,12 +22,10 @@ for the readers' window here and for a save's staging window
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from .._base import _faults
-from . import _memory
+from .._base import _faults, _threads
 
 # Bytes of reads in flight at once, for every reader. (A read larger than the
 # budget runs alone.)
@@ -97,9 +95,9 @@ def windowed(
         yield flight.popleft()
 
 
-def read_pool() -> concurrent.futures.ThreadPoolExecutor:
+def read_pool() -> _threads.Pool:
     """The process's pool of threads that read local files, for every reader."""
-    return _memory.shared_pool("eqx_ckpt-read", READ_THREADS)
+    return _threads.pool("eqx_ckpt-read", READ_THREADS)
 
 
 def runs(
