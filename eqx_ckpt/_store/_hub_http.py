@@ -57,14 +57,6 @@ _INSTALLED = False
 _TRIES: dict[tuple[int, str, str], tuple[float, bool]] = {}
 
 
-class Refused(CheckpointStorageError):
-    """A server's answer that names a path, or would exhaust memory, refused."""
-
-
-class Stalled(CheckpointConnectionError):
-    """A server that did not answer in time."""
-
-
 def timeout() -> float:
     import huggingface_hub.constants
 
@@ -132,7 +124,7 @@ def _on_request(request: Any) -> None:
     if not answered and now - last < 2 * limit + MAX_RETRY_AFTER:
         with _LOCK:
             _TRIES.pop(key, None)
-        raise Stalled(
+        raise CheckpointConnectionError(
             f"{_server(request.url)} did not answer {request.method} {from_file(request.url.path)} within "
             f"{limit:g} s (`HF_HUB_DOWNLOAD_TIMEOUT`), so it was given up. Check the network and `HF_ENDPOINT`; "
             f"a model loaded whole once loads offline (`HF_HUB_OFFLINE=1`).",
@@ -200,9 +192,9 @@ def _checked_range(response: Any) -> int | None:
     return int(asked[2]) - int(asked[1]) + 1 if asked[2] else None
 
 
-def _refused(response: Any, what: str) -> Refused:
+def _refused(response: Any, what: str) -> CheckpointStorageError:
     server = _server(response.request.url)
-    return Refused(
+    return CheckpointStorageError(
         f"{server} answered {from_file(response.request.url.path)} with {what}, so nothing of it was used or written. "
         f"It does not answer as the Hugging Face Hub does: check `HF_ENDPOINT` (a mirror or proxy answering for the "
         f"Hub).",
@@ -239,9 +231,9 @@ def _bounded() -> type:
     return Bounded
 
 
-def _slow(response: Any, got: int, took: float) -> Stalled:
+def _slow(response: Any, got: int, took: float) -> CheckpointConnectionError:
     server = _server(response.request.url)
-    return Stalled(
+    return CheckpointConnectionError(
         f"{server} sent {got} bytes of {from_file(response.request.url.path)} in {took:.0f} s, slower than "
         f"{MIN_RATE} bytes a second, so it was given up. Check the network and `HF_ENDPOINT`.",
         path=server,
