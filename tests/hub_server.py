@@ -29,7 +29,7 @@ It answers, for model repositories only:
   without one and 404 with one that has no access (as the Hub does); a gated
   one answers 403 with `X-Error-Code: GatedRepo` to a token not granted it;
   any token may create and write a repository; a write without one is 401;
-- failures injected per path (`fail(pattern, status, times)`), and the bytes
+- failures injected per path (`fail(pattern, status, times, headers)`), and the bytes
   of files' contents sent counted (`sent`: by path for regular files, by
   sha256 for LFS ones, all together under `""`).
 
@@ -41,8 +41,13 @@ offers neither), pull requests and `refs/pr/*`, commit listings, deleted
 folders and copies in a commit, `.gitignore` handling, datasets and spaces,
 pagination of listings, recursive and expanded listings (last commit,
 security status), the card metadata's schema, OAuth and token scopes,
-`whoami`, and rate-limit headers (a 429 carries none). It keeps everything in
-memory.
+`whoami`, and rate-limit headers (a 429 carries none unless `fail` is given
+some). It keeps everything in memory.
+
+A repository may be made hostile (`Hub.hostile[repo] = Hostile(...)`): its
+model info rewritten, its files' headers and bytes replaced, ranges ignored or
+answered gzip-encoded, answers delayed, dripped or never sent. Tests of the
+`hf://` loader as untrusted input use it (tests/test_hub_hostile.py).
 """
 
 from __future__ import annotations
@@ -50,14 +55,18 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import functools
+import gzip
 import hashlib
 import http.server
+import io
 import json
 import re
 import sys
 import threading
+import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import yaml
@@ -77,6 +86,34 @@ class Repo:
     commits: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
 
 
+@dataclasses.dataclass
+class Hostile:
+    """How the server misbehaves for one repository.
+
+    - `on`: a pattern of `METHOD path` the delays below apply to (every request
+      of the repository by default).
+    - `stall`: seconds waited before answering (`float("inf")`: never answers).
+    - `drip`: seconds between the bytes of a file's body (1 byte at a time).
+    - `info`: rewrites the model info (a dict) before it is sent.
+    - `headers`: headers of a file's answer (`resolve/`), replacing the usual ones.
+    - `body`: `(path, bytes) -> bytes`, the bytes served for a file.
+    - `ignore_range`: a range asked for is answered with the whole file (200).
+    - `bomb`: a range is answered with this many zero bytes, gzip-encoded
+      (`Content-Encoding: gzip`, a small body that inflates to them).
+    - `extra`: bytes sent after those of a range asked for.
+    """
+
+    on: str = ""
+    stall: float = 0.0
+    drip: float = 0.0
+    info: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
+    body: Callable[[str, bytes], bytes] | None = None
+    ignore_range: bool = False
+    bomb: int = 0
+    extra: bytes = b""
+
+
 class Hub:
     """The server's state: repositories, blobs, injected failures, counts."""
 
@@ -89,11 +126,26 @@ class Hub:
         self.requests: list[str] = []
         self.lock = threading.Lock()
         self.storage = ""  # the URL of the LFS storage's origin
+        self.hostile: dict[str, Hostile] = {}  # by repository
 
-    def fail(self, pattern: str, status: int, times: int = 10**9) -> None:
-        """Answer the next `times` requests whose `METHOD path` matches `pattern` with `status`."""
+    def fail(self, pattern: str, status: int, times: int = 10**9, headers: dict[str, str] | None = None) -> None:
+        """Answer the next `times` requests whose `METHOD path` matches `pattern`
+        with `status` (and `headers`, such as `Retry-After`)."""
         with self.lock:
-            self.failures.append([re.compile(pattern), status, times])
+            self.failures.append([re.compile(pattern), status, times, headers or {}])
+
+    def hostility(self, path: str) -> tuple[str, Hostile] | None:
+        """The repository a request's path is about, and how it misbehaves (`None`: it does not)."""
+        m = re.match(r"/(?:api/models/)?([^/]+/[^/]+)/(?:resolve|revision|tree)/", path + "/") or re.fullmatch(
+            r"/api/models/([^/]+/[^/]+)/?", path
+        )
+        if m and m[1] in self.hostile:
+            return m[1], self.hostile[m[1]]
+        m = re.fullmatch(r"/blobs/([0-9a-f]{64})", path)
+        for name, hostile in self.hostile.items() if m else ():
+            if any(m[1] in files.values() for files in self.repos[name].commits.values()):
+                return name, hostile
+        return None
 
     def put_files(self, repo: str, files: dict[str, bytes], branch: str = "main", **options: Any) -> str:
         """A commit of `files` on `branch` (the repo made with `options` where there is none): its id."""
@@ -171,17 +223,24 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def _injected(self) -> bool:
         line = f"{self.command} {self.path}"
+        found = self.hub.hostility(urllib.parse.urlsplit(self.path).path)
+        if found is not None and found[1].stall and re.search(found[1].on, line):
+            if found[1].stall == float("inf"):
+                self.close_connection = True
+                threading.Event().wait(600)  # (the client gives up; the daemon thread ends with the process)
+                return True
+            time.sleep(found[1].stall)
         with self.hub.lock:
             self.hub.requests.append(line)
             for failure in self.hub.failures:
                 if failure[2] > 0 and failure[0].search(line):
                     failure[2] -= 1
-                    status = failure[1]
+                    status, headers = failure[1], failure[3]
                     break
             else:
                 return False
         self._body()
-        self._error(status, None, f"injected {status}")
+        self._json({"error": f"injected {status}"}, status, {"X-Error-Message": f"injected {status}", **headers})
         return True
 
     def _readable(self, name: str) -> Repo | None:
@@ -246,21 +305,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
         sha = repo and self._revision(name, repo, revision)
         if repo is None or sha is None:
             return
-        self._json(
-            {
-                "id": name,
-                "_id": name,
-                "modelId": name,
-                "sha": sha,
-                "private": repo.private,
-                "gated": "manual" if repo.gated else False,
-                "disabled": False,
-                "tags": [],
-                "downloads": 0,
-                "likes": 0,
-                "siblings": self._files(repo, sha),
-            }
-        )
+        hostile = self.hub.hostile.get(name)
+        info = {
+            "id": name,
+            "_id": name,
+            "modelId": name,
+            "sha": sha,
+            "private": repo.private,
+            "gated": "manual" if repo.gated else False,
+            "disabled": False,
+            "tags": [],
+            "downloads": 0,
+            "likes": 0,
+            "siblings": self._files(repo, sha),
+        }
+        self._json(hostile.info(info) if hostile is not None and hostile.info is not None else info)
 
     def _tree(self, name: str, revision: str, folder: str, recursive: bool = False) -> None:
         repo = self._readable(name)
@@ -301,27 +360,44 @@ class Handler(http.server.BaseHTTPRequestHandler):
             location = f"{self.hub.storage}/blobs/{oid}"
             headers.update({"Location": location, "X-Linked-Etag": f'"{oid}"', "X-Linked-Size": str(len(data))})
             headers["ETag"] = f'"{self.hub.git_oid(oid)}"'
-            return self._send(302, b"", headers)
+            return self._send(302, b"", {**headers, **self._hostile_headers(name)})
         headers["ETag"] = f'"{self.hub.git_oid(oid)}"'
-        self._content(data, headers, file)
+        self._content(data, {**headers, **self._hostile_headers(name)}, file)
+
+    def _hostile_headers(self, name: str) -> dict[str, str]:
+        hostile = self.hub.hostile.get(name)
+        return dict(hostile.headers) if hostile is not None else {}
 
     def _content(self, data: bytes, headers: dict[str, str], counted: str) -> None:
         """The bytes, or the range asked for; their count added to `sent`."""
+        found = self.hub.hostility(urllib.parse.urlsplit(self.path).path)
+        hostile = found[1] if found is not None else Hostile()
+        if hostile.body is not None:
+            data = hostile.body(counted, data)
         m = re.fullmatch(r"bytes=(\d*)-(\d*)", self.headers.get("Range", ""))
         status, body = 200, data
-        if m:
+        if m and not hostile.ignore_range:
             start = int(m[1]) if m[1] else max(len(data) - int(m[2]), 0)
             end = min(int(m[2]) + 1, len(data)) if m[1] and m[2] else len(data)
             if start >= len(data):
                 return self._error(416, None, "Range Not Satisfiable")
-            status, body = 206, data[start:end]
+            status, body = 206, data[start:end] + hostile.extra
             headers = {**headers, "Content-Range": f"bytes {start}-{end - 1}/{len(data)}"}
+            if hostile.bomb:
+                body, headers["Content-Encoding"] = _bomb(hostile.bomb), "gzip"
         headers = {**headers, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
         if self.command == "HEAD":
             return self._send(status, b"", headers, length=len(body))
         with self.hub.lock:
             self.hub.sent[counted] = self.hub.sent.get(counted, 0) + len(body)
             self.hub.sent[""] = self.hub.sent.get("", 0) + len(body)
+        if hostile.drip:
+            self._send(status, b"", headers, length=len(body))
+            for i in range(len(body)):
+                self.wfile.write(body[i : i + 1])
+                self.wfile.flush()
+                time.sleep(hostile.drip)
+            return
         self._send(status, body, headers)
 
     def do_PUT(self) -> None:
@@ -445,6 +521,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
             sha = self.hub._commit(repo, revision, files)
         url = f"http://{self.headers['Host']}/{name}/commit/{sha}"
         self._json({"success": True, "commitOid": sha, "commitUrl": url})
+
+
+@functools.lru_cache(maxsize=4)
+def _bomb(size: int) -> bytes:
+    """`size` zero bytes, gzip-compressed (about a thousandth of it)."""
+    out, zero = io.BytesIO(), bytes(2**24)
+    with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=9) as f:
+        for _ in range(size // len(zero)):
+            f.write(zero)
+        f.write(bytes(size % len(zero)))
+    return out.getvalue()
 
 
 def _git_oid(data: bytes) -> str:

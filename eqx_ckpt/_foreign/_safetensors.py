@@ -29,6 +29,8 @@ import numpy as np
 
 from .._base import _faults, _keypath, _location
 from .._base._errors import (
+    MAX_SHOWN,
+    CheckpointError,
     CheckpointNotFoundError,
     CheckpointReplacedError,
     CheckpointValueError,
@@ -51,8 +53,12 @@ DTYPES = {
 NAMES = {ours: theirs for theirs, ours in DTYPES.items()}
 # The NumPy dtype of each of our names, looked up once, not once a tensor.
 _NUMPY = {ours: dtype_from_name(ours) for ours in DTYPES.values()}
-# The safetensors library refuses headers above 100 MB; so do we.
+# The safetensors library refuses headers above 100 MB; so do we, for one
+# file and for all the files of a directory together.
 MAX_HEADER = 100 * 2**20
+# The most tensors of a file, and of a directory's files together (real models
+# hold under 100,000), counted before a header is parsed.
+MAX_TENSORS = 2**17
 SUFFIX = ".safetensors"
 # A tensor is read in runs of rows of about this many bytes: one range request
 # each, many at once, and a slice or a device's shard reads only its runs.
@@ -164,8 +170,10 @@ def split_file(loc: Location) -> tuple[dict[str, Any], str]:
 
 
 def _corrupt(loc: Location, what: str) -> CorruptCheckpointError:
+    # (`what` may quote a file's tensor names: bounded, as every text read from a file)
     return CorruptCheckpointError(
-        f"{loc.display!r} is not a valid safetensors checkpoint: {what}. It is damaged or incomplete; do not load it.",
+        f"{loc.display!r} is not a valid safetensors checkpoint: {from_file(what, 4 * MAX_SHOWN)}. It is damaged or "
+        f"incomplete; do not load it.",
         path=loc.display,
     )
 
@@ -213,6 +221,11 @@ def _tensors(
         if size > MAX_HEADER:
             raise _corrupt(loc, f"{name!r} declares a {size}-byte header, more than the {MAX_HEADER} allowed")
         sizes.append(size)
+    if sum(sizes) > MAX_HEADER:
+        raise _corrupt(
+            loc,
+            f"its {len(files)} files declare headers of {sum(sizes)} bytes in all, more than the {MAX_HEADER} allowed",
+        )
     _faults.fire("safetensors.read_headers", loc, files)
     bodies = [where.read(name, slice(8, 8 + size)) for name, size in zip(files, sizes)]
     records: dict[str, LeafRecord] = {}
@@ -221,20 +234,9 @@ def _tensors(
     # `dotted` is one-to-one), for the index's check below.
     holder: dict[str, str] = {}
     metadata: dict[str, dict[str, str]] = {}
-    ends, generations = [], []
-    for name, size, body, version in zip(files, sizes, bodies, versions):
-        found = _result(loc, name, body, "ends inside its header")
-        data = found.value
-        generations.append(found.generation)
-        if found.generation != version:
-            # The header's length and the header came from two versions of the file.
-            raise CheckpointReplacedError(
-                f"The safetensors file {name!r} of {loc.display!r} was rewritten while it was being opened. "
-                f"Open or load it again once it is written.",
-                path=loc.display,
-            )
-        if data is None or len(data) != size:
-            raise _corrupt(loc, f"{name!r} ends inside its header")
+    ends: list[int] = []
+    headers, generations = _headers(loc, files, sizes, bodies, versions)
+    for name, size, data in zip(files, sizes, headers):
         parsed, metadata[name], used = _parse_header(loc, name, data)
         for tensor, record, offset in parsed:
             if record.path in records:
@@ -255,6 +257,33 @@ def _tensors(
         changed=opened.changed,
         runs=functools.partial(read_runs, opened, places),
     )
+
+
+def _headers(
+    loc: Location, files: list[str], sizes: list[int], bodies: list[_storage.Mapped], versions: list[bytes]
+) -> tuple[list[bytes], list[bytes]]:
+    """The files' headers, each from the version of the file its length came
+    from, and those versions; their tensors counted before any is parsed."""
+    headers, generations, counted = [], [], 0
+    for name, size, body, version in zip(files, sizes, bodies, versions):
+        found = _result(loc, name, body, "ends inside its header")
+        data = found.value
+        generations.append(found.generation)
+        if found.generation != version:
+            # The header's length and the header came from two versions of the file.
+            raise CheckpointReplacedError(
+                f"The safetensors file {name!r} of {loc.display!r} was rewritten while it was being opened. "
+                f"Open or load it again once it is written.",
+                path=loc.display,
+            )
+        if data is None or len(data) != size:
+            raise _corrupt(loc, f"{name!r} ends inside its header")
+        # Every tensor of a header is a JSON object, so it holds at most as many as it has `{`.
+        counted += data.count(b"{") - 1
+        if counted > MAX_TENSORS:
+            raise _corrupt(loc, f"its headers (up to {name!r}) hold more than the {MAX_TENSORS} tensors allowed")
+        headers.append(data)
+    return headers, generations
 
 
 def _check_ends(loc: Location, where: _storage.Folder, files: list[str], ends: list[int]) -> None:
@@ -354,6 +383,8 @@ def _result(loc: Location, name: str, read: _storage.Mapped, short: str | None) 
     try:
         return read.result()
     except Exception as e:
+        if "OUT_OF_RANGE" not in str(e) and isinstance(e, CheckpointError) and type(e) is not CheckpointError:
+            raise  # a read refused with its reason (a Hub server's answer), as it is
         if "OUT_OF_RANGE" not in str(e):
             raise _storage_errors.read_error(loc, name, e) from None
         if short is None:
@@ -384,7 +415,8 @@ def _parse_header(
         dtype = entry.get("dtype") if isinstance(entry, dict) else None
         if isinstance(dtype, str) and dtype not in DTYPES and re.fullmatch(r"[A-Z][A-Z0-9_]*", dtype):
             raise CheckpointValueError(
-                f"Tensor {name!r} in {file!r} of {loc.display!r} has the safetensors dtype {dtype!r}, which eqx_ckpt "
+                f"Tensor {from_file(repr(name))} in {file!r} of {loc.display!r} has the safetensors dtype {dtype!r}, "
+                f"which eqx_ckpt "
                 f"does not read (it reads {', '.join(DTYPES)}). Convert the file, or export it without that tensor.",
                 path=loc.display,
             )

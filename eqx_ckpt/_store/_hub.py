@@ -43,6 +43,7 @@ from typing import Any
 
 from .._base._errors import (
     CheckpointConnectionError,
+    CheckpointError,
     CheckpointNotFoundError,
     CheckpointStorageError,
     CheckpointTypeError,
@@ -51,8 +52,9 @@ from .._base._errors import (
     from_file,
 )
 from .._base._location import Location, hub_location
-from .._ondisk._format import PUBLISHED
+from .._ondisk._format import MAX_MANIFEST_BYTES, PUBLISHED
 from .._ondisk._manifest import loads_file
+from . import _hub_http
 
 INSTALL = 'pip install "eqx_ckpt[hub]"'
 # The files of a folder a load may read; nothing else is downloaded or read.
@@ -73,6 +75,9 @@ _RETRIED = (429, 500, 502, 503, 504)
 # A commit id, as the Hub writes one: anything else a server answers is refused
 # before it names a path of the cache.
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# A shard an index may name: a safetensors file beside it.
+_SHARD = re.compile(r"[^/\\\x00-\x1f]+\.safetensors")
 # What a file that is code, or that unpickling would run code from, is called
 # when a repository holds no model eqx_ckpt reads.
 _CODE = (".py",)
@@ -169,18 +174,54 @@ def pin(loc: Location, token: str | None = None) -> Pinned:
     if not hub.constants.HF_HUB_OFFLINE:
         api = hub.HfApi(token=token)
         try:
-            sha = _commit(_retried(lambda: api.resolve_revision(repo, revision=asked).resolved), repo, asked)
-            info = _retried(lambda: api.model_info(repo, revision=sha, files_metadata=True))
+            with _hub_http.guarded():
+                sha = _commit(_retried(lambda: api.resolve_revision(repo, revision=asked).resolved), repo, asked)
+                info = _retried(lambda: api.model_info(repo, revision=sha, files_metadata=True))
         except Exception as e:
             if not _unreachable(e):
                 raise explained(e, repo, asked) from None
         else:
-            siblings = list(info.siblings or ())
-            sizes = {s.rfilename: int(s.size or 0) for s in siblings}
-            sha256 = {s.rfilename: str(s.lfs.sha256) for s in siblings if s.lfs is not None and s.lfs.sha256}
-            blobs = {s.rfilename: str(s.blob_id) for s in siblings if s.blob_id}
-            return _remember(Pinned(repo, asked, sha, folder, sizes, False, sha256, blobs, token=token))
+            return _remember(_listed(info, repo, asked, sha, folder, token))
     return _remember(_from_cache(loc, hub, token))
+
+
+def _listed(info: Any, repo: str, asked: str | None, sha: str, folder: str, token: str | None) -> Pinned:
+    """The files of the model info `info` at `sha`, each value checked as the Hub writes it."""
+    where = f"hf://{repo}@{asked or 'main'}"
+
+    def refuse(what: str) -> CheckpointStorageError:
+        return CheckpointStorageError(
+            f"{where}: the Hub answered the listing of commit {sha} with {what}, so nothing of it is read. Check "
+            f"`HF_ENDPOINT` (a mirror or proxy answering for the Hub), and try again.",
+            path=where,
+        )
+
+    if getattr(info, "sha", sha) != sha:
+        raise refuse(f"the listing of another commit ({from_file(repr(getattr(info, 'sha', None)))})")
+    sizes, sha256, blobs = {}, {}, {}
+    for s in list(info.siblings or ()):
+        name, size = s.rfilename, s.size
+        if not isinstance(name, str) or not _plain_path(name):
+            raise refuse(f"the file name {from_file(repr(name))}, which is no path inside a repository")
+        if not (type(size) is int and size >= 0):  # (the Hub lists every file's size)
+            raise refuse(f"the size {from_file(repr(size))} for `{from_file(name)}`, which is no number of bytes")
+        sizes[name] = size
+        digest = s.lfs.sha256 if s.lfs is not None else None
+        if digest is not None and not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
+            raise refuse(f"the SHA-256 {from_file(repr(digest))} for `{from_file(name)}`")
+        if s.blob_id is not None and not (isinstance(s.blob_id, str) and _COMMIT.fullmatch(s.blob_id)):
+            raise refuse(f"the git blob id {from_file(repr(s.blob_id))} for `{from_file(name)}`")
+        if digest:
+            sha256[name] = digest
+        if s.blob_id:
+            blobs[name] = s.blob_id
+    return Pinned(repo, asked, sha, folder, sizes, False, sha256, blobs, token=token)
+
+
+def _plain_path(name: str) -> bool:
+    """Whether `name` is a relative path with no empty, `.` or `..` part, and no control character."""
+    parts = name.split("/")
+    return name.isprintable() and "\\" not in name and all(p not in ("", ".", "..") for p in parts)
 
 
 def _retried(ask: Callable[[], Any]) -> Any:
@@ -294,6 +335,11 @@ def explained(error: BaseException, repo: str, revision: str | None) -> Exceptio
     hub = library()
     where = f"hf://{repo}@{revision or 'main'}"
     status = _status(error)
+    cause: BaseException | None = error
+    while cause is not None:  # a server's answer refused inside the library's call, or a stall
+        if isinstance(cause, CheckpointError) and isinstance(cause, Exception):
+            return cause
+        cause = cause.__cause__ or cause.__context__
     if isinstance(error, hub.errors.HFValidationError):
         return CheckpointValueError(f"{where}: {_first_line(error)}", path=where)
     if status == 412:
@@ -367,8 +413,9 @@ def needed(pinned: Pinned, read_index: Callable[[str], bytes]) -> list[str]:
         raise CheckpointConnectionError(_partly_cached(pinned, []), path=pinned.display)
     if len(indexes) > 1:
         raise _two_layouts(pinned, f"{len(indexes)} indexes ({_shown(indexes)})")
+    _refuse_large(pinned, {**{n: MAX_INDEX for n in indexes}, **{n: MAX_MANIFEST_BYTES for n in extras}})
     if indexes:
-        shards = _shards(pinned, read_index(indexes[0]))
+        shards = _shards(pinned, indexes[0], read_index(indexes[0]))
         stale = [n for n in singles if n not in shards]
         if "model" + SUFFIX in stale:
             raise _two_layouts(pinned, f"the index `{indexes[0]}` and the single file `model{SUFFIX}`")
@@ -380,6 +427,18 @@ def needed(pinned: Pinned, read_index: Callable[[str], bytes]) -> list[str]:
     if singles:
         return [singles[0], *extras]
     raise CheckpointNotFoundError(_holds_nothing(pinned), path=pinned.display)
+
+
+def _refuse_large(pinned: Pinned, limits: dict[str, int]) -> None:
+    """Refuse a small file (an index, `eqx_ckpt.json`) the Hub lists larger than its limit, before it is read."""
+    for name, limit in limits.items():
+        size = pinned.files().get(name, 0)
+        if size > limit:
+            raise CorruptCheckpointError(
+                f"{pinned.display}: `{from_file(name)}` is listed at {size} bytes, more than the {limit} eqx_ckpt "
+                f"reads of it, so nothing was downloaded. It is no index or record a save writes.",
+                path=pinned.display,
+            )
 
 
 def _two_layouts(pinned: Pinned, held: str) -> CorruptCheckpointError:
@@ -407,14 +466,23 @@ def _partly_cached(pinned: Pinned, missing: list[str]) -> str:
     )
 
 
-def _shards(pinned: Pinned, data: bytes) -> list[str]:
+def _shards(pinned: Pinned, index: str, data: bytes) -> list[str]:
     """The shards an index names (a name that is no file of the folder is left
-    for the safetensors reader to refuse, with its reason)."""
+    for the safetensors reader to refuse, with its reason). A name that is no
+    safetensors file (a pickle, code, a configuration) is refused before
+    anything is downloaded."""
     try:
         weight_map = loads_file(data).get("weight_map", {})
         names = {v for v in weight_map.values() if isinstance(v, str)}
     except (ValueError, AttributeError):
         return []
+    other = sorted(n for n in names if not _SHARD.fullmatch(n) or n.startswith("."))
+    if other:
+        raise CorruptCheckpointError(
+            f"{pinned.display}: the index `{from_file(index)}` names {_shown(other)} as shards, which are no "
+            f"safetensors files beside it, so nothing was downloaded. eqx_ckpt reads only `*{SUFFIX}` shards.",
+            path=pinned.display,
+        )
     if not pinned.listed:  # offline: a shard the cache lacks is named as missing, not refused
         missing = sorted(n for n in names if n not in pinned.files() and "/" not in n)
         if missing:
@@ -488,7 +556,8 @@ def download(pinned: Pinned, names: list[str]) -> str:
     holding them.
 
     Those already there are not fetched again. Offline, those missing are
-    named. Each is checked against the size the Hub listed."""
+    named. Each must lie in the cache, and is checked against the size and
+    the digest (SHA-256 or git blob id) the Hub listed (`checked`)."""
     hub = library()
     if pinned.offline:
         missing = _uncached(pinned, names)
@@ -496,30 +565,58 @@ def download(pinned: Pinned, names: list[str]) -> str:
             raise CheckpointConnectionError(_partly_cached(pinned, missing), path=pinned.display)
     revision = hub.ResolvedRevision(pinned.sha, pinned.asked, repo_id=pinned.repo, repo_type="model")
     try:
-        snapshot = hub.snapshot_download(
-            pinned.repo,
-            revision=revision,
-            allow_patterns=[glob.escape(pinned.folder + n) for n in names],
-            token=pinned.token,
-            local_files_only=pinned.offline,
-            max_workers=THREADS,
-        )
+        with _hub_http.guarded():
+            snapshot = hub.snapshot_download(
+                pinned.repo,
+                revision=revision,
+                allow_patterns=[glob.escape(pinned.folder + n) for n in names],
+                token=pinned.token,
+                local_files_only=pinned.offline,
+                max_workers=THREADS,
+            )
     except Exception as e:
         raise explained(e, pinned.repo, pinned.asked) from None
     local = os.path.join(str(snapshot), *pinned.folder.split("/"))
+    cache = os.path.realpath(hub.constants.HF_HUB_CACHE) + os.sep
     for name in names:
         path = os.path.join(local, name)
         expected = pinned.sizes.get(pinned.folder + name)
         size = os.path.getsize(path) if os.path.isfile(path) else None
+        if not os.path.realpath(path).startswith(cache):
+            raise _damaged(pinned, name, f"leads out of the cache ({hub.constants.HF_HUB_CACHE}), by a link")
         if size is None or (expected is not None and size != expected):
-            raise CorruptCheckpointError(
-                f"{pinned.display}: `{name}` was downloaded as {size} bytes, but the Hub lists {expected}. The "
-                f"download or the cache is damaged: delete the file from the cache (`hf cache rm`) and load again.",
-                path=pinned.display,
-            )
+            raise _damaged(pinned, name, f"was downloaded as {size} bytes, but the Hub lists {expected}")
+    _check_digests(pinned, local, names)
     with _LOCK:
         _DOWNLOADED[local.rstrip("/")] = pinned
     return local
+
+
+def _damaged(pinned: Pinned, name: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{pinned.display}: `{from_file(name)}` {what}. The download or the cache is damaged: delete the file from "
+        f"the cache (`hf cache rm`) and load again.",
+        path=pinned.display,
+    )
+
+
+def _check_digests(pinned: Pinned, local: str, names: list[str]) -> None:
+    """Every file of a whole load against the digest the Hub lists for it (all
+    at once, at disk speed): bytes served or cached that are not the commit's
+    are refused. (Offline, the Hub lists none.)"""
+    listed = [(n, *_listed_digest(pinned, n)) for n in names]
+    listed = [(n, lfs, digest) for n, lfs, digest in listed if digest is not None]
+    got = _pool().map(lambda item: _digest(os.path.join(local, item[0]), lfs=item[1]), listed)
+    for (name, lfs, digest), found in zip(listed, got):
+        if found != digest:
+            kind = "SHA-256" if lfs else "git blob id"
+            raise _damaged(pinned, name, f"has the {kind} {found}, but the Hub lists {digest} at {pinned.sha}")
+
+
+def _listed_digest(pinned: Pinned, name: str) -> tuple[bool, str | None]:
+    """Whether the Hub lists `name` as an LFS file, and the digest it lists (its SHA-256, or its git blob id)."""
+    sha256 = pinned.sha256.get(pinned.folder + name)
+    return sha256 is not None, sha256 if sha256 is not None else pinned.blob_ids.get(pinned.folder + name)
 
 
 def damaged(loc: Location) -> list[str]:
@@ -616,11 +713,18 @@ class Files:
             return b"", generation
         path = f"{self.pinned.repo}@{self.pinned.sha}/{self.pinned.folder}{name}"
         try:
-            with self.fs.open(path, "rb", block_size=max(stop - start, 1), cache_type="none") as f:
+            with _hub_http.guarded(), self.fs.open(path, "rb", block_size=max(stop - start, 1), cache_type="none") as f:
                 f.seek(start)
                 data = f.read(stop - start)
         except Exception as e:
             raise explained(e, self.pinned.repo, self.pinned.asked) from None
+        if len(data) != stop - start:
+            raise CheckpointStorageError(
+                f"{self.pinned.display}: the Hub answered bytes {start} to {stop} of `{from_file(name)}` with "
+                f"{len(data)} bytes, so they were not used. Check `HF_ENDPOINT` (a mirror or proxy answering for "
+                f"the Hub), and try again.",
+                path=self.pinned.display,
+            )
         return bytes(data), generation
 
 

@@ -1,0 +1,240 @@
+"""What a Hub server may answer, checked on `huggingface_hub`'s own HTTP client.
+
+A server reached through `HF_ENDPOINT` (the Hub, a mirror, a proxy) is trusted
+with the bytes of the files it serves, as a package index is. It is not
+trusted with anything that names a path, bounds a wait or sizes memory. So,
+while an eqx_ckpt Hub call runs (`guarded`), every answer the library's client
+receives is checked before `huggingface_hub` acts on it:
+
+- `X-Repo-Commit` must be a commit id, and the `ETag` (or `X-Linked-Etag`) of
+  a file a git blob id or a SHA-256, as the Hub sends them: the library names
+  cache files after both.
+- A byte range is asked for unencoded (`Accept-Encoding: identity`); an answer
+  that is encoded, is the whole file (the server ignored `Range`), or runs
+  past the bytes asked for is refused.
+- Every request has a timeout (`HF_HUB_DOWNLOAD_TIMEOUT`, 10 s by default);
+  a body that arrives slower than `MIN_RATE` after that long is given up; a
+  request the server did not answer in time is not tried again (the
+  library retries timeouts five times, with waits); a `Retry-After` is
+  honoured for at most `MAX_RETRY_AFTER` seconds.
+- An API answer (model info, a listing) holds at most `MAX_API` bytes.
+
+Each refusal is a `CheckpointStorageError` (a stall a `CheckpointConnectionError`)
+naming the server, raised inside the library's call, so it writes nothing.
+
+The checks are installed on the library's client once (`install`), by the
+client factory it offers (`set_client_factory`), around the one it had.
+Outside eqx_ckpt's own calls they do nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from .._base._errors import CheckpointConnectionError, CheckpointStorageError, from_file
+
+# The longest wait a server's `Retry-After` (or rate-limit reset) is honoured for.
+MAX_RETRY_AFTER = 5
+# The slowest a body may arrive once a timeout has passed, in bytes a second.
+MIN_RATE = 16 * 2**10
+# The most bytes of one API answer (model info, a listing).
+MAX_API = 64 * 2**20
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_ETAG = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+_RANGE = re.compile(r"bytes=(\d+)-(\d*)")
+
+_LOCK = threading.Lock()
+_ACTIVE = 0  # eqx_ckpt Hub calls running
+_INSTALLED = False
+# Each request tried and not yet answered for good, by (thread, method, URL):
+# when it was last tried, and whether the server answered that try (429, 5xx).
+_TRIES: dict[tuple[int, str, str], tuple[float, bool]] = {}
+
+
+def timeout() -> float:
+    import huggingface_hub.constants
+
+    return float(huggingface_hub.constants.HF_HUB_DOWNLOAD_TIMEOUT)
+
+
+@contextlib.contextmanager
+def guarded() -> Iterator[None]:
+    """The checks on, for the Hub calls made inside (in any thread)."""
+    global _ACTIVE
+    install()
+    with _LOCK:
+        _ACTIVE += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _ACTIVE -= 1
+
+
+def install() -> None:
+    """Wrap `huggingface_hub`'s client factory, once: each client it makes gets the checks."""
+    global _INSTALLED
+    with _LOCK:
+        if _INSTALLED:
+            return
+        _INSTALLED = True
+    import huggingface_hub
+    from huggingface_hub.utils import _http
+
+    # The factory in use (a user's own, or the library's default): it has no public getter.
+    previous = getattr(_http, "_GLOBAL_CLIENT_FACTORY", _http.default_client_factory)
+
+    def factory() -> Any:
+        client = previous()
+        client.event_hooks = {
+            "request": [*client.event_hooks.get("request", []), _on_request],
+            "response": [*client.event_hooks.get("response", []), _on_response],
+        }
+        return client
+
+    huggingface_hub.set_client_factory(factory)
+
+
+def _server(url: Any) -> str:
+    return f"{url.scheme}://{url.host}" + (f":{url.port}" if url.port else "")
+
+
+def _on_request(request: Any) -> None:
+    if not _ACTIVE:
+        return
+    limit = timeout()
+    asked = request.extensions.get("timeout") or {}
+    request.extensions["timeout"] = {
+        k: min(v, limit) if isinstance(v, (int, float)) else limit
+        for k, v in {k: asked.get(k) for k in ("connect", "read", "write", "pool")}.items()
+    }
+    if "range" in request.headers:
+        request.headers["Accept-Encoding"] = "identity"
+    key, now = (threading.get_ident(), request.method, str(request.url)), time.monotonic()
+    with _LOCK:
+        last, answered = _TRIES.get(key, (0.0, True))
+        _TRIES[key] = (now, False)
+    # A retry of a try that got no answer in time (not a new call, made later).
+    if not answered and now - last < 2 * limit + MAX_RETRY_AFTER:
+        with _LOCK:
+            _TRIES.pop(key, None)
+        raise CheckpointConnectionError(
+            f"{_server(request.url)} did not answer {request.method} {from_file(request.url.path)} within "
+            f"{limit:g} s (`HF_HUB_DOWNLOAD_TIMEOUT`), so it was given up. Check the network and `HF_ENDPOINT`; "
+            f"a model loaded whole once loads offline (`HF_HUB_OFFLINE=1`).",
+            path=_server(request.url),
+        )
+
+
+def _on_response(response: Any) -> None:
+    if not _ACTIVE:
+        return
+    request = response.request
+    key = (threading.get_ident(), request.method, str(request.url))
+    with _LOCK:
+        if response.status_code < 500 and response.status_code != 429:
+            _TRIES.pop(key, None)
+        else:
+            _TRIES[key] = (time.monotonic(), True)
+    _cap_waits(response)
+    _check_names(response)
+    limit = _checked_range(response)
+    if limit is None and "/api/" in request.url.path:
+        limit = MAX_API
+    response.stream = _bounded()(response, limit)
+
+
+def _cap_waits(response: Any) -> None:
+    """A `Retry-After` (or a rate-limit reset) honoured for `MAX_RETRY_AFTER` seconds at most."""
+    headers = response.headers
+    for name in ("ratelimit", "ratelimit-policy"):
+        if name in headers:
+            del headers[name]
+    if "retry-after" in headers:
+        said = headers["retry-after"].strip()
+        if said.isdigit():
+            headers["retry-after"] = str(min(int(said), MAX_RETRY_AFTER))
+        else:
+            del headers["retry-after"]
+
+
+def _check_names(response: Any) -> None:
+    """Refuse a commit or an ETag that is not what the Hub sends: the library names files after them."""
+    headers = response.headers
+    commit = headers.get("x-repo-commit")
+    if commit is not None and not _COMMIT.fullmatch(commit):
+        raise _refused(response, f"the commit `X-Repo-Commit: {from_file(commit)}`, which is no commit id")
+    if "/resolve/" not in response.request.url.path:
+        return
+    for name in ("x-linked-etag", "etag"):
+        etag = headers.get(name)
+        plain = etag.removeprefix("W/").strip('"') if etag is not None else None
+        if plain is not None and not _ETAG.fullmatch(plain):
+            raise _refused(response, f"the file's `{name}: {from_file(etag)}`, which is no git blob id nor SHA-256")
+
+
+def _checked_range(response: Any) -> int | None:
+    """The most bytes the answer to a byte range may hold (`None`: not a range)."""
+    asked = _RANGE.fullmatch(response.request.headers.get("range", "").strip())
+    if asked is None or response.status_code >= 300 or response.is_redirect:
+        return None
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise _refused(response, f"a byte range encoded as `{from_file(encoding)}`, which was asked for unencoded")
+    if response.status_code != 206:
+        raise _refused(response, f"a byte range with HTTP {response.status_code} (the whole file): it ignores `Range`")
+    return int(asked[2]) - int(asked[1]) + 1 if asked[2] else None
+
+
+def _refused(response: Any, what: str) -> CheckpointStorageError:
+    server = _server(response.request.url)
+    return CheckpointStorageError(
+        f"{server} answered {from_file(response.request.url.path)} with {what}, so nothing of it was used or written. "
+        f"It does not answer as the Hugging Face Hub does: check `HF_ENDPOINT` (a mirror or proxy answering for the "
+        f"Hub).",
+        path=server,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _bounded() -> type:
+    """The class of a bounded body (a stream of the library's HTTP client, imported with it)."""
+    import httpx2
+
+    class Bounded(httpx2.SyncByteStream):
+        """A response's body, refused past `limit` bytes, or where it arrives
+        slower than `MIN_RATE` once a timeout has passed."""
+
+        def __init__(self, response: Any, limit: int | None):
+            self.response, self.stream, self.limit = response, response.stream, limit
+
+        def __iter__(self) -> Iterator[bytes]:
+            start, got, slow = time.monotonic(), 0, timeout()
+            for chunk in self.stream:
+                got += len(chunk)
+                if self.limit is not None and got > self.limit:
+                    raise _refused(self.response, f"more than the {self.limit} bytes asked for")
+                took = time.monotonic() - start
+                if took > slow and got < MIN_RATE * took:
+                    raise _slow(self.response, got, took)
+                yield chunk
+
+        def close(self) -> None:
+            self.stream.close()
+
+    return Bounded
+
+
+def _slow(response: Any, got: int, took: float) -> CheckpointConnectionError:
+    server = _server(response.request.url)
+    return CheckpointConnectionError(
+        f"{server} sent {got} bytes of {from_file(response.request.url.path)} in {took:.0f} s, slower than "
+        f"{MIN_RATE} bytes a second, so it was given up. Check the network and `HF_ENDPOINT`.",
+        path=server,
+    )
