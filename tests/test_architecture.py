@@ -596,7 +596,7 @@ def test_waits_through_interrupts_have_one_owner():
 
 
 # Modules that still make threads themselves, until they ask `_threads`.
-_THREADS_NOT_YET_OWNED = {"_hub.py": "its two pools; the Hub's rewrite routes them through `_threads.pool`"}
+_THREADS_NOT_YET_OWNED: dict[str, str] = {}
 
 
 def test_threads_and_pools_have_one_owner():

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import glob
 import hashlib
 import logging
@@ -41,6 +40,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .._base import _threads
 from .._base._errors import (
     CheckpointConnectionError,
     CheckpointError,
@@ -743,9 +743,11 @@ def read_small(
     return data, generation
 
 
-@functools.lru_cache(maxsize=1)
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(THREADS * 2, thread_name_prefix="eqx_ckpt-hub-read")
+def _pool() -> _threads.Pool:
+    """The pool reading byte ranges and hashing downloaded files (its owner,
+    `_threads`, stops it at exit). `snapshot_download`'s own threads are the
+    library's, joined before it returns."""
+    return _threads.pool("eqx_ckpt-hub-read", THREADS * 2)
 
 
 @dataclasses.dataclass(frozen=True)
