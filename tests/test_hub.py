@@ -721,7 +721,10 @@ def test_verify_checks_every_file_against_the_hubs_digest(hub, tmp_path):
     SHA-256 the Hub lists."""
     client, _ = hub
     _push(client, "me/digest", 1.0, tmp_path)
-    assert client.run("emit(list(eqx_ckpt.verify('hf://me/digest')))") == []
+    checked = client.run("p = eqx_ckpt.verify('hf://me/digest'); emit([list(p), list(p.checked), list(p.unchecked)])")
+    assert checked[0] == [] and checked[2] == []
+    assert [line.split(":")[0] for line in checked[1]] == ["`eqx_ckpt.json`", "`model.safetensors`"]
+    assert "`model.safetensors`: its SHA-256 is the one the Hub lists at " in checked[1][1]
     (blob,) = [p for p in (tmp_path / "hf").rglob("blobs/*") if p.stat().st_size > 50_000]
     data = bytearray(blob.read_bytes())
     data[-1] ^= 0xFF

@@ -619,39 +619,22 @@ def _listed_digest(pinned: Pinned, name: str) -> tuple[bool, str | None]:
     return sha256 is not None, sha256 if sha256 is not None else pinned.blob_ids.get(pinned.folder + name)
 
 
-def damaged(loc: Location) -> list[str]:
-    """The files of the cached copy `loc` of a pinned folder whose bytes are
-    not those the Hub lists for them, each said as a sentence (`verify`): an
-    LFS file by its SHA-256, any other by its git blob id. (Offline, the Hub
-    lists none.)"""
+def checked(loc: Location) -> list[str]:
+    """What `verify` says of the cached copy `loc` of a pinned folder: each
+    file a whole load compared with the digest the Hub lists for it (an LFS
+    file by its SHA-256, any other by its git blob id), as a sentence. Offline
+    the Hub lists none: `[]`."""
     with _LOCK:
         pinned = _DOWNLOADED.get(loc.local or "")
     if pinned is None or pinned.offline or loc.local is None:
         return []
-    problems = []
+    said = []
     for name in sorted(os.listdir(loc.local)):
-        path = os.path.join(loc.local, name)
-        listed_sha256 = pinned.sha256.get(pinned.folder + name)
-        listed_blob = pinned.blob_ids.get(pinned.folder + name)
-        if not os.path.isfile(path) or (listed_sha256 is None and listed_blob is None):
-            continue
-        lfs = listed_sha256 is not None
-        got, listed = _digest(path, lfs=lfs), listed_sha256 if lfs else listed_blob
-        if got != listed:
+        lfs, digest = _listed_digest(pinned, name)
+        if digest is not None:
             kind = "SHA-256" if lfs else "git blob id"
-            problems.append(
-                f"`{from_file(name)}`: its {kind} is {got}, but the Hub lists {from_file(str(listed))} for it at "
-                f"{pinned.sha}. The cached copy is damaged: delete it (`hf cache rm`) and load again."
-            )
-    return problems
-
-
-def is_checked(loc: Location) -> bool:
-    """Whether `damaged` checks the cached copy `loc` against the Hub's digests
-    (not where it was opened offline)."""
-    with _LOCK:
-        pinned = _DOWNLOADED.get(loc.local or "")
-    return pinned is not None and not pinned.offline
+            said.append(f"`{from_file(name)}`: its {kind} is the one the Hub lists at {pinned.sha}")
+    return said
 
 
 def _digest(path: str, *, lfs: bool) -> str:

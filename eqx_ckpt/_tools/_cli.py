@@ -233,6 +233,7 @@ def _verify(args: argparse.Namespace) -> int:
     else:
         lines += _problem_lines(list(problems), "")
         lines += [f"not checked: {limit}" for limit in problems.unchecked]
+        lines += [f"checked: {what}" for what in problems.checked]
         lines.append(f"{args.path}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
     print(printable("\n".join(lines)))
     return args.code

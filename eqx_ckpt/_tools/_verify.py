@@ -91,6 +91,9 @@ class Problems(list[Problem]):
         every byte is.
     - `steps`: for a `CheckpointManager`'s directory, the committed steps
         verified (each problem's `step` says which it belongs to); else `()`.
+    - `checked`: sentences saying what was checked beyond the format: for a
+        Hub repository (`hf://`), each file whose digest (SHA-256, or git blob
+        id) matched the one the Hub lists at the pinned commit; else `()`.
     - `newer`: the steps of that directory written in a newer format than
         this eqx_ckpt reads. That is not damage: `unchecked` says so. A single
         such checkpoint raises [`eqx_ckpt.CheckpointVersionError`][] instead.
@@ -104,9 +107,12 @@ class Problems(list[Problem]):
         unchecked: tuple[str, ...] = (),
         steps: tuple[int, ...] = (),
         newer: tuple[int, ...] = (),
+        *,
+        checked: tuple[str, ...] = (),
     ):
         super().__init__(problems)
         self.unchecked = unchecked
+        self.checked = checked
         self.steps = steps
         self.newer = newer
 
@@ -219,8 +225,8 @@ def verify(path: Any, *, progress: Progress = None, token: str | None = None) ->
         steps = [] if foreign else committed_steps(loc)
         if steps:
             return _verify_steps(loc, steps, progress)
-        found, unchecked = _verify_sources.check(loc, progress, token)
-        return Problems([Problem(leaf, message) for leaf, message in found], unchecked)
+        found, unchecked, checked = _verify_sources.check(loc, progress, token)
+        return Problems([Problem(leaf, message) for leaf, message in found], unchecked, checked=checked)
     manifest = source.manifest
     with Tracker(progress, leaves=len(manifest.leaves), nbytes=manifest.total_bytes, what="verify") as tracker:
         return Problems(_check(source, tracker))

@@ -45,9 +45,10 @@ ORBAX_INCOMPLETE = (
 
 def check(
     loc: Location, progress: Progress, token: str | None = None
-) -> tuple[list[tuple[str | None, str]], tuple[str, ...]]:
+) -> tuple[list[tuple[str | None, str]], tuple[str, ...], tuple[str, ...]]:
     """The problems of the checkpoint of another format at `loc`, as `(dotted
-    path or None, message)`, and what its format could not be checked for.
+    path or None, message)`, what its format could not be checked for, and
+    what was checked beyond it (a Hub repository's files, by their digests).
 
     Raises `CheckpointNotFoundError` (saying what `loc` holds) if it is no
     checkpoint of any format."""
@@ -57,17 +58,17 @@ def check(
         # every file checked against the digest the Hub lists for it.
         source = _source.open_source(loc, whole=hub, token=token)
     except CorruptCheckpointError as e:
-        return [(None, str(e))], ()
+        return [(None, str(e))], (), ()
     records = sorted(source.manifest.leaves, key=lambda r: r.path)
     with Tracker(progress, leaves=len(records), nbytes=source.manifest.total_bytes, what="verify") as tracker:
         bad = _read_every_chunk(source, records, tracker)
     problems: list[tuple[str | None, str]] = [(r.path, bad[r.path]) for r in records if r.path in bad]
-    if hub:
-        problems += [(None, message) for message in _hub.damaged(source.loc)]
-        return problems, () if _hub.is_checked(source.loc) else (SAFETENSORS_UNCHECKED,)
+    if hub:  # (the whole load compared every file with the Hub's digest, or refused it)
+        checked = tuple(_hub.checked(source.loc))
+        return problems, () if checked else (SAFETENSORS_UNCHECKED,), checked
     if source.format == "safetensors":
-        return problems, (SAFETENSORS_UNCHECKED,)
-    return problems, (ORBAX_UNCHECKED,) + (() if _orbax.writes_every_chunk(loc) else (ORBAX_INCOMPLETE,))
+        return problems, (SAFETENSORS_UNCHECKED,), ()
+    return problems, (ORBAX_UNCHECKED,) + (() if _orbax.writes_every_chunk(loc) else (ORBAX_INCOMPLETE,)), ()
 
 
 def _read_every_chunk(source: _source.Source, records: list[LeafRecord], tracker: Tracker) -> dict[str, str]:
