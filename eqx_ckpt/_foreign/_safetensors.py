@@ -66,8 +66,15 @@ ROW_CHUNK_BYTES = 4 * 2**20
 # A load reads tensors of at most this many bytes in runs of adjacent tensors,
 # one range read per run (`read_runs`); larger ones through their own arrays.
 SMALL_BYTES = 2**20
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+# The names of a Hugging Face folder's files: one file, or shards and their index.
+SINGLE = "model" + SUFFIX
+INDEX_SUFFIX = ".safetensors.index.json"
+INDEX = "model" + INDEX_SUFFIX
+
+
+def shard_name(number: int, count: int) -> str:
+    """The name Hugging Face gives shard `number` (from 1) of `count`."""
+    return f"model-{number:05d}-of-{count:05d}{SUFFIX}"
 
 
 def is_file_path(loc: Location) -> bool:
@@ -105,7 +112,7 @@ def find(loc: Location) -> Tensors | None:
         folder, name = split_file(loc)
         return _tensors(loc, folder, [name], index=None)
     record = functools.partial(_published_record, loc)
-    for name in _candidates(loc, INDEX, ".safetensors.index.json"):
+    for name in _candidates(loc, INDEX, INDEX_SUFFIX):
         with _storage_errors.read_explained(loc, name):
             result = _storage.result(_storage.Folder(loc).read(name))
         if result.value is not None:

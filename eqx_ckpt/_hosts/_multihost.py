@@ -372,7 +372,8 @@ def writes(x: Any, primary: bool | None = None) -> bool:
     one process's devices) every process holds a copy of, and process 0 writes.
     """
     # `primary`: whether this is process 0, when the caller knows (asking JAX
-    # costs 10 us, three times a leaf before it was passed in).
+    # three times a leaf cost a `many` save; docs/benchmarks.md, "Measurements
+    # behind the design").
     if isinstance(x, jax.Array) and not on_one_device(x) and not x.is_fully_addressable:
         return True
     return jax.process_index() == 0 if primary is None else primary

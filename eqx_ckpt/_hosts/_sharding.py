@@ -160,7 +160,7 @@ def _share(
 
 # Where a process cuts its slice out of a shard:
 # - on the device: only the slice reaches the host, at one compilation per
-#   slice shape, about 30 ms each on a CPU;
+#   slice shape (docs/benchmarks.md, "Measurements behind the design");
 # - from the shard's host view: free on a CPU, whose view is the device
 #   buffer; on an accelerator, a copy of the whole shard in every process.
 # `None`: on the device on accelerators, from the host view on a CPU.

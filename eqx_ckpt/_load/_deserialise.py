@@ -6,7 +6,7 @@ A load is four steps, each one function:
 2. Plan the names of every leaf of `like` (`_load_plan`): which record feeds
    each. Every mismatch is raised together.
 3. Read: custom filter specs, transforms, then the stored leaves. The stored
-   leaves are read by the one reader of stored leaves, `_reader`, or as
+   leaves are read by the reader of whole leaves, `_reader`, or as
    `LazyArray`s that read through it when asked.
 4. Place the values into `like`'s tree.
 """
@@ -269,7 +269,7 @@ def read_leaves(
     source: Source, plans: list[LeafPlan], *, lazy: bool = False, progress: Progress, read_once: bool | None = False
 ) -> list[Any]:
     """The values of `plans`' stored leaves (as `LazyArray`s where `lazy`),
-    read by the one reader of stored leaves (`_reader.read_leaves`): every
+    read by the reader of whole leaves (`_reader.read_leaves`): every
     load's, and `Checkpoint.load`'s without a skeleton. A lazy load reads only
     its scalars, and its checkpoint is checked as each lazy leaf is read."""
     if not lazy:

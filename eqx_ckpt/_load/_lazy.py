@@ -1,5 +1,5 @@
 """`LazyArray`: a stored leaf that is read only when asked (`materialise`, in
-`_deserialise`, reads many), by the one reader of stored leaves (`_reader`)."""
+`_deserialise`, reads many), by the reader of whole leaves (`_reader`)."""
 
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ class LazyArray:
         """The whole leaf as a NumPy array of its `dtype` (a PRNG key's, its key
         data), read as a load reads it.
 
-        The one reader of stored leaves reads it. On a local disk it reads
+        The reader of whole leaves reads it. On a local disk it reads
         straight into one aligned buffer. A packed leaf comes from its pack,
         through the process's cached open of it, as a leaf read alone. Its
         checkpoint is checked after the read. How `np.asarray` reads it, a
@@ -175,7 +175,7 @@ class LazyArray:
 
     def start(self, *, checked: bool = True) -> Any:
         """The read of the whole leaf, to run: the returned function reads it
-        by the one reader of stored leaves (`_reader.read_leaves`, as a load
+        by the reader of whole leaves (`_reader.read_leaves`, as a load
         reads it) and gives the value, then (unless `checked=False`) checks
         that the checkpoint was not replaced."""
         plan = LeafPlan.of(0, self._record, self._read_as())

@@ -246,13 +246,13 @@ def put(hosts: list[np.ndarray], sharding: Any) -> list[jax.Array]:
     """`jax.device_put(hosts, sharding)` for host arrays bound for one device
     (`sharding` `None`, the default device, or a `SingleDeviceSharding`).
 
-    Not `jnp.array`, which compiles a copy for every new shape and dtype (15-20 ms
-    each here, paid by a fresh process on its first load).
+    Not `jnp.array`, which compiles a copy for every new shape and dtype (paid
+    by a fresh process on its first load).
 
     Where it can, this calls the function `device_put` ends in:
     `batched_device_put` of JAX's C++ extension. It passes what `device_put`
-    would pass it. For 10,000 small leaves here, that costs 15 us a leaf
-    against 50 us. Anything unusual, or a JAX where that call fails, goes
+    would pass it, at a third of the cost a small leaf (docs/benchmarks.md,
+    "Measurements behind the design"). Anything unusual, or a JAX where that call fails, goes
     through `device_put` (`tests/test_read.py` checks both agree)."""
     global FAST_PUT
     target = _one_device(sharding)

@@ -1,4 +1,4 @@
-"""The one reader of stored leaves: every value read from a checkpoint is read here.
+"""The reader of whole stored leaves: every whole leaf read from a checkpoint is read here.
 
 Every reader hands its leaves here as `LeafPlan`s:
 
@@ -22,9 +22,11 @@ All is read within one host-memory budget and one pool of reading threads
   through the process's pool of reused host buffers, `_pooled`.
 - Anything else is read through TensorStore (`_read.start`).
 
-A region of a stored leaf is read by `_read.start_region`. (A region is a
-slice of a lazy leaf, or a chunk that `verify` or `diff` scans.) Every read of
-a leaf's stored elements through TensorStore ends in that function.
+A region of a stored leaf is read by `_read.start_region`: a slice of a lazy
+leaf (`_lazy`), a transformed leaf's stored arrays (`_transform`), the regions
+processes share (`_read_once`), a pack's run (`_pack`), the chunks `verify`
+and `diff` scan (`_chunk_scan`, `_diff`). Every read of a leaf's stored elements through
+TensorStore ends in that function.
 """
 
 from __future__ import annotations

@@ -75,6 +75,8 @@ TEMPORARY = ".__lock"
 UNPUBLISHED_SUFFIX = ".partial"
 # The published layout's record, beside its safetensors files (`_published`).
 PUBLISHED = "eqx_ckpt.json"
+# The published layout's model card, beside it (`_card`).
+CARD = "README.md"
 # The `zarr.json` of every group a save writes.
 GROUP = {"zarr_format": 3, "node_type": "group", "attributes": {}}
 GROUP_JSON = json.dumps(GROUP).encode()

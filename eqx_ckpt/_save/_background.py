@@ -299,8 +299,8 @@ def start(run: Callable[[], None], exclusive: _lease.Claim, handoff: Handoff) ->
     # The collector stays paused from the caller's part to the background part
     # (the pause is adopted by the background thread, or ended by whichever
     # side owns the save): enabled in between, it would walk the objects just
-    # made before the caller gets its thread back (10 ms of a `many` call:
-    # docs/benchmarks.md at 864f6a6, "Measurements behind the design").
+    # made before the caller gets its thread back (docs/benchmarks.md,
+    # "Measurements behind the design").
     pause = _gc.GcPause()
     try:
         pause.begin(None)  # until the background thread adopts it, or either side ends it

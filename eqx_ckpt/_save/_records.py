@@ -578,10 +578,9 @@ PACK_BYTES = 1 << 20
 # an incremental save writes again around a changed leaf (a chunk whose members
 # changed is written whole). A manager's step, which the next step shares
 # unchanged chunk files with, cuts small chunks, so that a fine-tune of a small
-# model adds about the changed bytes per step. Any other save cuts large ones:
-# a `many` save of 10,000 leaves took 0.238 s of CPU with 128 KiB chunks (324
-# files) against 0.166 s with 4 MiB (11 files); docs/format.md, "How packs are
-# cut".
+# model adds about the changed bytes per step. Any other save cuts large ones,
+# which cost a `many` save less CPU (docs/benchmarks.md, "Measurements behind
+# the design"; docs/format.md, "How packs are cut").
 PACK_CHUNK_BYTES = 4 << 20
 STEP_PACK_CHUNK_BYTES = 128 << 10
 ALIGN_BYTES = 64

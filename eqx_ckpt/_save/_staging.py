@@ -63,9 +63,8 @@ if TYPE_CHECKING:
 STAGING_FRACTION = 0.25
 STAGING_MIN_BYTES = 64 << 20
 # On an accelerator every piece staged is a copy to the host, and a save
-# there is fastest with about this much in flight (on an H100, a 4 GiB state:
-# 2.8 s with 1 GiB, 3.1 s with all of it, docs/benchmarks.md, "GPU"; 3.4 s with
-# 512 MiB, docs/benchmarks.md at 864f6a6): its default budget is at most this.
+# there is fastest with about this much in flight (docs/benchmarks.md,
+# "Measurements behind the design"): its default budget is at most this.
 ACCELERATOR_STAGING_BYTES = 1 << 30
 
 

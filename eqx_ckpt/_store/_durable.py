@@ -13,6 +13,7 @@ from .._base import _faults, _location, _threads
 from .._base._errors import CheckpointError
 from .._ondisk import _format
 from . import _storage_errors
+from ._local_paths import local_entry, local_walk
 
 if TYPE_CHECKING:
     from .._base._location import Location
@@ -44,7 +45,7 @@ def flush(loc: Location) -> None:
     if local is None:
         return
     paths = [local]
-    for root, dirs, files in os.walk(local):
+    for root, dirs, files in local_walk(local):
         paths.extend(os.path.join(root, name) for name in [*dirs, *files] if not name.endswith(_format.TEMPORARY))
     if len(paths) >= SYNCFS_FROM and _syncfs_is_complete(local):
         _syncfs(local)
@@ -128,7 +129,7 @@ def ensure_directory(loc: Location) -> None:
     if loc.local is None:
         return
     missing, path = [], os.path.abspath(loc.local)
-    while not os.path.isdir(path) and os.path.dirname(path) != path:
+    while not local_entry(path).folder and os.path.dirname(path) != path:
         missing.append(path)
         path = os.path.dirname(path)
     try:
@@ -137,7 +138,7 @@ def ensure_directory(loc: Location) -> None:
             fsync(os.path.dirname(created))
     except OSError as e:
         # A file where a folder of the path should be (`notes.txt/ckpt`) is named as the cause.
-        blocker = next((p for p in reversed(missing) if os.path.lexists(p) and not os.path.isdir(p)), None)
+        blocker = next((p for p in reversed(missing) if local_entry(p).found and not local_entry(p).folder), None)
         if blocker is not None:
             raise CheckpointError(
                 f"Cannot create the checkpoint directory {loc.display!r}: {blocker!r} is a file, not a folder, "

@@ -48,6 +48,7 @@ from .._base._location import Location
 from .._ondisk import _format
 from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
 from . import _memory, _share, _window
+from ._local_paths import local_stat
 from ._memory import refuse_beyond_memory
 from ._storage_errors import leaf_io_error
 from ._untrusted import refuse_links, wrong_chunk_file
@@ -187,7 +188,7 @@ def _open_chunk(folder: int, loc: Location, record: LeafRecord, key: str, direct
         refuse_links(loc, f"{directory}/{key}", leaf=record.path)
         raise _damaged(loc, record, f"its chunk file {_name(record, key)!r} cannot be opened ({e.strerror})") from None
     try:
-        st = os.fstat(fd)
+        st = local_stat(fd)
         expected = record.chunk_nbytes + _format.CHECKSUM_BYTES
         if not stat.S_ISREG(st.st_mode):
             raise _damaged(loc, record, f"its chunk file {_name(record, key)!r} is not a regular file")

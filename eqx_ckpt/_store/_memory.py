@@ -238,8 +238,8 @@ def ahead(data: Any) -> Any:
     drops once written (the array's own `copy_to_host_async` would cache the
     host copy on the caller's `jax.Array`, held for as long as the caller
     holds the array, beyond any budget). `jax.device_put` from a GPU to the
-    CPU returns only once the copy is done (measured on an H100: 2.6 s for
-    4 GiB, waited for or not; docs/benchmarks.md at 864f6a6, "GPU"), so it
+    CPU returns only once the copy is done, waited for or not (docs/benchmarks.md,
+    "Measurements behind the design"), so it
     runs in the copy pool (`COPY_THREADS` threads), and the writes before it
     go on meanwhile. (A piece already in host memory, an asynchronous save's
     `pinned` copy, is viewed as it is.) Without a CPU device, it is
@@ -283,8 +283,8 @@ def pinned(arrays: list[jax.Array]) -> list[jax.Array] | None:
     an asynchronous save's caller (`held`).
 
     - One `jax.device_put` makes them. It returns once the copies are
-      enqueued: 1 ms for a 4 GiB state on an H100, made in 0.08 s, against
-      2.4 s through the CPU device.
+      enqueued, and they are made many times faster than through the CPU
+      device (docs/benchmarks.md, "Measurements behind the design").
     - `host` views one without another copy, waiting until it is made.
     - `None` where a device has no pinned host memory, or where the copy
       fails (out of memory). The caller then copies through the host's CPU
@@ -365,8 +365,8 @@ def hosts(datas: list[Any]) -> list[np.ndarray]:
 
     In a process of CPUs alone, where no piece is a copy under way or
     deferred, each is `np.asarray` of it, as `host` would make it. That skips
-    `host`'s checks a piece at a time: a `many` save of ten thousand leaves
-    spent 5 ms of its 0.17 s in them."""
+    `host`'s checks a piece at a time, a few percent of a `many` save
+    (docs/benchmarks.md, "Measurements behind the design")."""
     if only_cpus() and not any(kind is _Copying or issubclass(kind, Deferred) for kind in set(map(type, datas))):
         return list(map(np.asarray, datas))
     return [host(data) for data in datas]

@@ -70,6 +70,7 @@ from .._base import _faults
 from .._base._errors import IntegrityError
 from .._ondisk import _format, _manifest
 from .._ondisk._format import LeafRecord, PackRecord
+from ._local_paths import local_stat, local_walk
 
 
 class Base:
@@ -190,7 +191,7 @@ def base_file(path: str, nbytes: int, what: str, start: Any = None) -> Verified 
         _warn(path, what, _UNOPENED.get(e.errno or 0, f"cannot be opened ({e.strerror})"))
         return None
     try:
-        info = os.fstat(fd)
+        info = local_stat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_size != nbytes:
             size = f"holds {info.st_size} bytes, not {nbytes}"
             _warn(path, what, size if stat.S_ISREG(info.st_mode) else "is not a regular file")
@@ -255,7 +256,7 @@ def written(fd: int, path: str, digest: bytes) -> None:
 
     A next save that shares it need not read it back."""
     _faults.fire("share.written", path)
-    _record(_key(os.fstat(fd)), digest)
+    _record(_key(local_stat(fd)), digest)
 
 
 def link(source: str, path: str, verified: Verified) -> bool:
@@ -274,7 +275,7 @@ def link(source: str, path: str, verified: Verified) -> bool:
             raise  # nothing here is ever overwritten: the caller reports it
         return False  # another file system, no links, the base gone: written instead
     try:
-        if _key(os.lstat(path)) == verified.key:
+        if _key(local_stat(path, follow=False)) == verified.key:
             return True
     except OSError:
         pass
@@ -300,10 +301,10 @@ def forget(root: str, directory: str) -> None:
     `root` (a local folder) that was verified or written."""
     folder = os.path.join(root, directory) if directory else root
     keys = []
-    for found, _, names in os.walk(folder):
+    for found, _, names in local_walk(folder):
         for name in names:
             with contextlib.suppress(OSError):
-                keys.append(_key(os.lstat(os.path.join(found, name))))
+                keys.append(_key(local_stat(os.path.join(found, name), follow=False)))
     with _VERIFIED_LOCK:
         for key in keys:
             _VERIFIED.pop(key, None)
@@ -316,9 +317,9 @@ def shared_files(root: str) -> tuple[int, int]:
     `root` is on a local disk. A file used twice is a hard link: it has more
     than one name."""
     count = nbytes = 0
-    for folder, _, names in os.walk(root):
+    for folder, _, names in local_walk(root):
         for name in names:
-            info = os.lstat(os.path.join(folder, name))
+            info = local_stat(os.path.join(folder, name), follow=False)
             if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
                 count, nbytes = count + 1, nbytes + info.st_size
     return count, nbytes

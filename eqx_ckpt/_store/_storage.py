@@ -6,7 +6,8 @@ No TensorStore object leaves it (tests/test_architecture.py checks): other
 modules call its functions and get its own types back.
 
 - Small files, read with a size limit (`read_file`), or stamped
-  (`read_file_stamped`), then checked (`file_changed`).
+  (`read_file_stamped`), then checked (`file_changed`); whether one is there,
+  without reading it (`file_exists`).
 - Small files read with their generation, for a write conditional on it
   (`read_file_generation`, `read_generation`). `write_if` (for a lease) and
   `write_conditional` (for a commit) share one conditional write.
@@ -47,7 +48,6 @@ import io
 import json
 import os
 import shutil
-import stat
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -59,6 +59,13 @@ from .._base._location import Location
 from .._ondisk import _format
 from .._ondisk._format import LeafRecord, PackRecord
 from . import _durable, _hub, _memory, _storage_errors, _untrusted
+from ._local_paths import (
+    LocalEntry as LocalEntry,
+    local_entry as local_entry,
+    local_names as local_names,
+    local_stat,
+    local_walk,
+)
 from ._storage_errors import read_explained, read_only_store, unreachable, write_error
 
 # The futures this module returns are TensorStore's own (`Future`, set through
@@ -159,14 +166,14 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
     if loc.local is not None:
         full = os.path.join(loc.local, name)
         _untrusted.refuse_links(loc, name)
-        if not os.path.isfile(full):
+        if not local_entry(full).file:
             return None, b""
         # One line opens and enters: an interrupt between the two would leave
         # the file open until the traceback is freed (the load-interrupt sweep
         # of tests/test_transaction.py found it).
         try:
             with open(full, "rb") as f:
-                st = os.fstat(f.fileno())
+                st = local_stat(f.fileno())
                 if st.st_size > limit:
                     raise _storage_errors.too_large(loc, name, limit, st.st_size)
                 data, stamp = f.read(limit + 1), _stat_stamp(st)
@@ -182,6 +189,20 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
     if len(data) > limit:  # it grew between the check and the read
         raise _storage_errors.too_large(loc, name, limit, len(data))
     return data, stamp
+
+
+def file_exists(loc: Location, name: str) -> bool:
+    """Whether the file `name` is at `loc`, asked without reading it: a `stat`
+    on a local disk, else a read of no bytes (of a Hub commit's listing, for a
+    `hf://` location). A manifest can hold 256 MiB; this costs the same for
+    any file. A link is refused as `read_file` refuses it, and a fault armed
+    at `storage.read_file` fires, as for a read."""
+    _faults.fire("storage.read_file", loc, name)
+    if loc.local is not None:
+        _untrusted.refuse_links(loc, name)
+        return local_entry(os.path.join(loc.local, name)).file
+    with read_explained(loc, name):
+        return result(Folder(loc).read(name, slice(0, 0))).value is not None
 
 
 def _refuse_large_object(loc: Location, name: str, limit: int) -> None:
@@ -219,7 +240,7 @@ def file_changed(loc: Location, name: str, stamp: bytes) -> bool:
     """Whether the file `name` is no longer the one `read_file_stamped` stamped."""
     if loc.local is not None:
         try:
-            return _stat_stamp(os.stat(os.path.join(loc.local, name))) != stamp
+            return _stat_stamp(local_stat(os.path.join(loc.local, name))) != stamp
         except FileNotFoundError:
             return True
     with read_explained(loc, name):
@@ -275,9 +296,9 @@ def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes
     _faults.fire("storage.read_generation", loc, name)
     _untrusted.refuse_links(loc, name)
     if loc.local is not None:
-        full = os.path.join(loc.local, name)
-        if os.path.isfile(full) and os.path.getsize(full) > limit:
-            raise _storage_errors.too_large(loc, name, limit, os.path.getsize(full))
+        entry = local_entry(os.path.join(loc.local, name))
+        if entry.file and entry.size > limit:
+            raise _storage_errors.too_large(loc, name, limit, entry.size)
     else:
         _refuse_large_object(loc, name, limit)
     data, generation = read_generation(loc, name)
@@ -426,62 +447,8 @@ def list_names(loc: Location) -> list[str]:
     """The top-level entries of a checkpoint directory."""
     _faults.fire("storage.list", loc)
     if loc.local is not None:
-        return local_names(loc.local) if os.path.isdir(loc.local) else []
+        return local_names(loc.local) if local_entry(loc.local).folder else []
     return sorted({key.split("/", 1)[0] for key in list_keys(loc)})
-
-
-def local_names(path: str) -> list[str]:
-    """The entries of the local folder `path`, sorted. Raises `OSError` where
-    it is no folder: check with `local_entry` first."""
-    return sorted(os.listdir(path))
-
-
-class LocalEntry(NamedTuple):
-    """What a local path is, read with one `lstat` (and one `stat` for a link).
-
-    - `found`: something is there, a broken link too (`os.path.lexists`).
-    - `link`: a symbolic link, never followed (`os.path.islink`).
-    - `folder`, `file`: what it leads to, a link followed (`os.path.isdir`,
-      `os.path.isfile`).
-    - `size`: its bytes, a link followed (`os.path.getsize`); 0 where absent.
-    - `identity`: its device and inode, a link followed (one file under
-      several names), or `None` where absent.
-    """
-
-    found: bool
-    link: bool
-    folder: bool
-    file: bool
-    size: int
-    identity: tuple[int, int] | None
-
-    @property
-    def exists(self) -> bool:
-        """Something is there, a link followed (`os.path.exists`)."""
-        return self.identity is not None
-
-
-_NOTHING = LocalEntry(False, False, False, False, 0, None)
-
-
-def local_entry(path: str) -> LocalEntry:
-    """What the local `path` is (see `LocalEntry`).
-
-    With the listing functions, the one place that looks at local folders. A
-    user's path, an orbax step and a manager's step folder are told apart
-    alike."""
-    try:
-        info = os.lstat(path)
-    except (OSError, ValueError):  # as `os.path.lexists`: a name that cannot be there is absent
-        return _NOTHING
-    link = stat.S_ISLNK(info.st_mode)
-    if link:
-        try:
-            info = os.stat(path)
-        except (OSError, ValueError):  # a broken link, or a loop of links
-            return LocalEntry(True, True, False, False, 0, None)
-    folder, file = stat.S_ISDIR(info.st_mode), stat.S_ISREG(info.st_mode)
-    return LocalEntry(True, link, folder, file, info.st_size, (info.st_dev, info.st_ino))
 
 
 def list_files(loc: Location) -> list[str]:
@@ -491,10 +458,10 @@ def list_files(loc: Location) -> list[str]:
         return sorted(list_keys(loc))
     _faults.fire("storage.list", loc)
     files: list[str] = []
-    for root, folders, names in os.walk(loc.local, onerror=_unless_missing):
+    for root, folders, names in local_walk(loc.local, strict=True):
         relative = os.path.relpath(root, loc.local)
         prefix = "" if relative == "." else relative.replace(os.sep, "/") + "/"
-        links = [f for f in folders if os.path.islink(os.path.join(root, f))]  # (never walked into)
+        links = [f for f in folders if local_entry(os.path.join(root, f)).link]  # (never walked into)
         files += [prefix + name for name in names + links]
     return sorted(files)
 
@@ -527,7 +494,7 @@ def _check_gcs_listing(loc: Location) -> None:
     is asked of its metadata, without credentials. GCS answers 404 only when
     the bucket does not exist, and 401 or the metadata when it does."""
     try:
-        result(_kvstore(loc).read(_format.MANIFEST))
+        result(_kvstore(loc).read(_format.MANIFEST, byte_range=slice(0, 0)))  # no bytes: may it be read?
     except Exception as e:
         raise _storage_errors.list_error(loc, e) from e
     bucket = loc.kvstore.get("bucket", "")
@@ -548,13 +515,14 @@ def remove(loc: Location, names: Iterable[str]) -> None:
     if loc.local is not None:
         for name in names:
             full = os.path.join(loc.local, name)
-            if os.path.isdir(full) and not os.path.islink(full):
+            entry = local_entry(full)
+            if entry.folder and not entry.link:
                 shutil.rmtree(full, ignore_errors=True)
-                if os.path.lexists(full):
+                if local_entry(full).found:
                     # A file that landed while the tree was removed: once more, and
                     # an error now is raised (the caller's journal keeps the name).
                     shutil.rmtree(full)
-            elif os.path.lexists(full):
+            elif entry.found:
                 os.unlink(full)
         return
     store = _kvstore(loc)
@@ -582,16 +550,17 @@ def remove_written(loc: Location, names: Iterable[str]) -> None:
         return
     for name in names:
         full = os.path.join(loc.local, name)
-        if os.path.islink(full):
+        entry = local_entry(full)
+        if entry.link:
             _unlink(full)  # in place of an entry a save wrote: the link goes, never what it points to
             continue
-        if not os.path.isdir(full):
-            if os.path.lexists(full) and _format.written_by_a_save(name):
+        if not entry.folder:
+            if entry.found and _format.written_by_a_save(name):
                 _unlink(full)
             continue
-        for root, folders, files in os.walk(full, topdown=False, onerror=_unless_missing):
+        for root, folders, files in local_walk(full, bottom_up=True, strict=True):
             relative = os.path.relpath(root, loc.local).replace(os.sep, "/")
-            links = [f for f in folders if os.path.islink(os.path.join(root, f))]  # (never walked into)
+            links = [f for f in folders if local_entry(os.path.join(root, f)).link]  # (never walked into)
             for file in files + links:
                 if _format.written_by_a_save(f"{relative}/{file}"):
                     _unlink(os.path.join(root, file))
@@ -600,12 +569,6 @@ def remove_written(loc: Location, names: Iterable[str]) -> None:
             except OSError as e:
                 if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
                     raise
-
-
-def _unless_missing(error: OSError) -> None:
-    """Raise `error`, unless it says a file is gone already."""
-    if not isinstance(error, FileNotFoundError):
-        raise error
 
 
 def _below(name: str) -> ts.KvStore.KeyRange:
@@ -756,7 +719,7 @@ def open_local_file(path: str) -> io.BufferedReader:
 
 def local_remaining(f: io.BufferedReader) -> int:
     """The bytes of the file `f` (from `open_local_file`) after its position."""
-    return os.fstat(f.fileno()).st_size - f.tell()
+    return local_stat(f.fileno()).st_size - f.tell()
 
 
 def transaction() -> Transaction:

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -54,6 +53,7 @@ from .._ondisk import _format, _layout, _manifest
 from .._ondisk._format import MANIFEST, MAX_MANIFEST_BYTES, SAVING, is_data_root
 from .._ondisk._manifest import Manifest, parse
 from . import _durable, _lease, _storage, _storage_errors
+from ._local_paths import local_link
 
 
 class State(enum.Enum):
@@ -264,13 +264,14 @@ def begin(
     choose where this save writes. `paths` are the dotted paths it will write
     (into arrays of their own or packs), `packs` the packs' names."""
     _faults.fire("transaction.begin", loc)
-    if loc.local is not None and os.path.islink(loc.local) and not os.path.exists(loc.local):
+    entry = _storage.local_entry(loc.local) if loc.local is not None else None
+    if loc.local is not None and entry is not None and entry.link and not entry.exists:
         raise CheckpointExistsError(
-            f"{loc.display!r} is a broken symbolic link (to {os.readlink(loc.local)!r}, which does not exist), "
+            f"{loc.display!r} is a broken symbolic link (to {local_link(loc.local)!r}, which does not exist), "
             f"so nothing was written. Save to the directory it should point to, or remove the link.",
             path=loc.display,
         )
-    if loc.local is not None and os.path.lexists(loc.local) and not os.path.isdir(loc.local):
+    if entry is not None and entry.found and not entry.folder:
         raise CheckpointExistsError(
             f"{loc.display!r} is a file, not a directory. eqx_ckpt saves a checkpoint "
             f"as a directory; choose another path.",
@@ -409,7 +410,7 @@ def check_unchanged(loc: Location, manifest: Manifest) -> None:
     every byte read came from it."""
     if not _storage.file_changed(loc, MANIFEST, manifest.stamp):
         return
-    if _storage.read_file(loc, MANIFEST, limit=MAX_MANIFEST_BYTES) is None:
+    if not _storage.file_exists(loc, MANIFEST):
         raise CheckpointReplacedError(
             f"Checkpoint {loc.display!r} was deleted after it was opened (by hand, by `delete_steps_after`, or "
             f"by the retention of a CheckpointManager in another process: a manager keeps a step while lazy "

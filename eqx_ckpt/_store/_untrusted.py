@@ -36,6 +36,7 @@ from .._base._keypath import from_json
 from .._base._location import Location
 from .._ondisk import _format
 from .._ondisk._format import MAX_RANK, LeafRecord, PackRecord, dtype_from_name
+from ._local_paths import local_entry, local_names, local_real_path, local_stat
 
 
 def refuse_links(loc: Location, relative: str, *, leaf: str | None = None, subtree: bool = False) -> int:
@@ -51,9 +52,9 @@ def refuse_links(loc: Location, relative: str, *, leaf: str | None = None, subtr
     current = loc.local
     for part in (p for p in relative.split("/") if p):
         current = os.path.join(current, part)
-        if os.path.islink(current) and not _cached_blob(loc.local, current):
+        if local_entry(current).link and not _cached_blob(loc.local, current):
             raise _link_error(loc, current, leaf)
-    return _scan(loc, current, leaf) if subtree and os.path.isdir(current) else 0
+    return _scan(loc, current, leaf) if subtree and local_entry(current).folder else 0
 
 
 def _cached_blob(folder: str, path: str) -> bool:
@@ -69,8 +70,8 @@ def _cached_blob(folder: str, path: str) -> bool:
     root = os.sep.join(parts[:at])
     if not os.path.basename(root).startswith("models--"):
         return False
-    target = os.path.realpath(path)
-    return os.path.dirname(target) == os.path.realpath(os.path.join(root, "blobs")) and os.path.isfile(target)
+    target = local_real_path(path)
+    return os.path.dirname(target) == local_real_path(os.path.join(root, "blobs")) and local_entry(target).file
 
 
 def check_leaf_files(loc: Location, record: LeafRecord) -> None:
@@ -138,7 +139,7 @@ def first_wrong_chunk_file(
     expected = chunk_nbytes + _format.CHECKSUM_BYTES
     for key in _format.chunk_keys(shape, chunks):
         try:
-            size: int | None = os.stat(os.path.join(loc.local or "", directory, key), follow_symlinks=False).st_size
+            size: int | None = local_stat(os.path.join(loc.local or "", directory, key), follow=False).st_size
         except FileNotFoundError:
             size = None
         if size != expected:
@@ -155,18 +156,20 @@ def _scan(loc: Location, directory: str, leaf: str | None) -> int:
     # A file or folder removed while it is scanned (a reader racing an overwrite's
     # cleanup) counts as no bytes, so the load fails with an IntegrityError.
     _faults.fire("untrusted.scan", directory)
-    total = 0
     try:
-        with os.scandir(directory) as entries:
-            for entry in entries:
-                if entry.is_symlink():
-                    raise _link_error(loc, entry.path, leaf)
-                if entry.is_dir(follow_symlinks=False):
-                    total += _scan(loc, entry.path, leaf)
-                elif entry.is_file(follow_symlinks=False):
-                    total += entry.stat(follow_symlinks=False).st_size
+        names = local_names(directory)
     except FileNotFoundError:
-        pass
+        return 0
+    total = 0
+    for name in names:
+        path = os.path.join(directory, name)
+        entry = local_entry(path)
+        if entry.link:
+            raise _link_error(loc, path, leaf)
+        if entry.folder:
+            total += _scan(loc, path, leaf)
+        elif entry.file:
+            total += entry.size
     return total
 
 

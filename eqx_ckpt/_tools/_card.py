@@ -32,7 +32,6 @@ from .._ondisk import _published, _trust
 from .._ondisk._format import LeafRecord
 from ._rebuildable import Needs, importable, in_script, needs, rebuildable
 
-README = "README.md"
 # Shown by name in the snippet, at most; more parts load as nested dicts.
 MAX_PARTS = 16
 _LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")

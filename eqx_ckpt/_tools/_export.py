@@ -45,9 +45,9 @@ from .._load._checkpoint import Checkpoint
 from .._load._lazy import LazyArray
 from .._ondisk import _dtypes, _published, _structure
 from .._ondisk._format import (
+    CARD,
     LEAF_TYPES,
     MANIFEST,
-    MAX_MANIFEST_BYTES,
     UNPUBLISHED_SUFFIX,
     LeafRecord,
     dtype_from_name,
@@ -266,7 +266,7 @@ def _described(
         text = model_card(
             shown, structure=structure, info=info, files=listed, records=records, about=about, found=found
         )
-        files[_card.README] = text.encode()
+        files[CARD] = text.encode()
     return files
 
 
@@ -386,7 +386,7 @@ def _record(
 def _reader(array: Any) -> Callable[[], np.ndarray]:
     """A leaf's value, read as it is written out, as NumPy makes it.
 
-    A lazy leaf's is read by the one reader of stored leaves:
+    A lazy leaf's is read by the reader of whole leaves:
     `LazyArray.__array__`, which gives a PRNG key's key data."""
     return functools.partial(np.asarray, array)
 
@@ -500,7 +500,7 @@ def _destination(path: Any) -> tuple[Location, str | None]:
         spec, name = _safetensors.split_file(loc)
         local = os.path.dirname(loc.local) if loc.local is not None else None
         folder = Location(spec, os.path.dirname(loc.display.rstrip("/")) or ".", local)
-    if _storage.read_file(folder, MANIFEST, limit=MAX_MANIFEST_BYTES) is not None:
+    if _storage.file_exists(folder, MANIFEST):
         # (`eqx-ckpt export ckpt ckpt` once wrote the export into the checkpoint.)
         raise CheckpointExistsError(
             f"{folder.display!r} holds an eqx_ckpt checkpoint; an export there would mix its files with the "
@@ -526,7 +526,7 @@ def _plan(tensors: list[_Tensor], limit: int) -> list[list[_Tensor]]:
 def _file_names(count: int) -> list[str]:
     if count == 1:
         return [_safetensors.SINGLE]
-    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    return [_safetensors.shard_name(i, count) for i in range(1, count + 1)]
 
 
 def _header(shard: list[_Tensor], metadata: dict[str, str]) -> bytes:

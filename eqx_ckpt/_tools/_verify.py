@@ -25,7 +25,7 @@ from .._foreign import _safetensors
 from .._load import _pack, _source
 from .._manage._steps import committed_steps
 from .._ondisk import _format, _layout, _manifest
-from .._ondisk._format import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, PackRecord, dtype_from_name, step_name
+from .._ondisk._format import MANIFEST, LeafRecord, PackRecord, dtype_from_name, step_name
 from .._ondisk._manifest import Manifest
 from .._store import _chunk_files, _hub, _storage, _storage_errors, _untrusted
 from . import _chunk_scan, _verify_sources
@@ -271,7 +271,7 @@ def _verify_steps(loc: Location, steps: list[int], progress: Progress) -> Proble
         for step, opened_step in opened.items():
             here = loc.joined(step_name(step))
             found = [opened_step] if isinstance(opened_step, Problem) else _check(opened_step, tracker)
-            if found and _storage.read_file(here, MANIFEST, limit=MAX_MANIFEST_BYTES) is None:
+            if found and not _storage.file_exists(here, MANIFEST):
                 gone.append(step)  # deleted while it was read: its missing files are no damage
                 continue
             problems += [dataclasses.replace(problem, step=step) for problem in found]
