@@ -705,9 +705,7 @@ _PATH_METHODS = {"exists", "is_dir", "is_file", "is_symlink", "iterdir", "glob",
 # passes on its `local_names` and `local_entry`.
 _LISTING_OWNER = "_local_paths.py"
 # Modules that still look at local paths themselves, until they ask the owner.
-_NOT_YET_LISTING_THROUGH_THE_OWNER = {
-    "_hub.py": "it lists the Hub cache's snapshot folder; the Hub's rewrite routes it through `_local_paths`"
-}
+_NOT_YET_LISTING_THROUGH_THE_OWNER: dict[str, str] = {}
 
 
 def test_local_listing_and_stat_have_one_owner():
@@ -918,6 +916,7 @@ _SETTINGS = {
     ("_manager.py", "10 ms"): "the first interval of a poll",
     ("_background.py", "5 ms"): "Python's switch interval",
     ("_hub.py", "1.5 s"): "the waits of its retries",
+    ("_hub_http.py", "10 s"): "huggingface_hub's download time-out, the deadline of every Hub request",
     ("_storage.py", "1 s"): "TensorStore's retries back off from",
     ("_storage.py", "32 s"): "TensorStore's retries back off to",
     ("_storage.py", "4 s"): "the retries of a plain `http://` server",
@@ -981,7 +980,7 @@ _FOREIGN_NAMES = {
 }
 # Modules that still write such names themselves, until they ask the owner.
 _FOREIGN_NAMES_NOT_YET_OWNED = {
-    "_hub.py": "its own copy of the safetensors suffixes and `README.md`, until its rewrite"
+    "_hub.py": "its own copy of the safetensors suffixes: `_safetensors` reads through `_storage`, which imports `_hub`"
 }
 
 

@@ -55,13 +55,13 @@ from .._base._location import Location, hub_location
 from .._ondisk._format import MAX_MANIFEST_BYTES, PUBLISHED
 from .._ondisk._manifest import loads_file
 from . import _hub_http
+from ._local_paths import local_entry, local_names, local_real_path, local_walk
 
 INSTALL = 'pip install "eqx_ckpt[hub]"'
 # The files of a folder a load may read; nothing else is downloaded or read.
 INDEX_SUFFIX = ".safetensors.index.json"
 SUFFIX = ".safetensors"
 RECORD = PUBLISHED
-CARD = "README.md"
 # The most of an index `needed` reads (the safetensors reader refuses a larger one).
 MAX_INDEX = 100 * 2**20
 # Threads downloading whole files, and reading byte ranges, at once.
@@ -288,7 +288,7 @@ def _from_cache(loc: Location, hub: Any, token: str | None) -> Pinned:
             pass
         else:
             return Pinned(repo, asked, sha, folder, {f.path: int(f.size or 0) for f in tree}, True, token=token)
-    if sha is None or snapshot is None or not os.path.isdir(os.path.join(snapshot, folder)):
+    if sha is None or snapshot is None or not local_entry(os.path.join(snapshot, folder)).folder:
         raise CheckpointConnectionError(
             f"hf://{repo}@{asked or 'main'}: {_why_offline(hub)}, and the local cache ({hub.constants.HF_HUB_CACHE}) "
             f"holds no copy of it. Connect once to fetch it (a whole load keeps it in the cache; `HF_HOME` chooses "
@@ -296,10 +296,10 @@ def _from_cache(loc: Location, hub: Any, token: str | None) -> Pinned:
             path=f"hf://{repo}",
         )
     sizes = {}
-    for base, _, names in os.walk(snapshot):
+    for base, _, names in local_walk(snapshot):
         for name in names:
             path = os.path.join(base, name)
-            sizes[os.path.relpath(path, snapshot).replace(os.sep, "/")] = os.path.getsize(path)
+            sizes[os.path.relpath(path, snapshot).replace(os.sep, "/")] = local_entry(path).size
     return Pinned(repo, asked, sha, folder, sizes, offline=True, listed=False, token=token)
 
 
@@ -577,12 +577,13 @@ def download(pinned: Pinned, names: list[str]) -> str:
     except Exception as e:
         raise explained(e, pinned.repo, pinned.asked) from None
     local = os.path.join(str(snapshot), *pinned.folder.split("/"))
-    cache = os.path.realpath(hub.constants.HF_HUB_CACHE) + os.sep
+    cache = local_real_path(hub.constants.HF_HUB_CACHE) + os.sep
     for name in names:
         path = os.path.join(local, name)
         expected = pinned.sizes.get(pinned.folder + name)
-        size = os.path.getsize(path) if os.path.isfile(path) else None
-        if not os.path.realpath(path).startswith(cache):
+        entry = local_entry(path)
+        size = entry.size if entry.file else None
+        if not local_real_path(path).startswith(cache):
             raise _damaged(pinned, name, f"leads out of the cache ({hub.constants.HF_HUB_CACHE}), by a link")
         if size is None or (expected is not None and size != expected):
             raise _damaged(pinned, name, f"was downloaded as {size} bytes, but the Hub lists {expected}")
@@ -629,7 +630,7 @@ def checked(loc: Location) -> list[str]:
     if pinned is None or pinned.offline or loc.local is None:
         return []
     said = []
-    for name in sorted(os.listdir(loc.local)):
+    for name in local_names(loc.local):
         lfs, digest = _listed_digest(pinned, name)
         if digest is not None:
             kind = "SHA-256" if lfs else "git blob id"
@@ -639,7 +640,7 @@ def checked(loc: Location) -> list[str]:
 
 def _digest(path: str, *, lfs: bool) -> str:
     """A file's SHA-256 (`lfs`, as the Hub lists an LFS file), or its git blob id."""
-    digest = hashlib.sha256() if lfs else hashlib.sha1(b"blob %d\0" % os.path.getsize(path))
+    digest = hashlib.sha256() if lfs else hashlib.sha1(b"blob %d\0" % local_entry(path).size)
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(2**22), b""):
             digest.update(block)
@@ -811,7 +812,7 @@ def is_layout(path: str) -> bool:
 def _same(listed: Any, path: str) -> bool:
     """Whether the repository's file `listed` (a sibling of the model info) holds
     the bytes of the local file at `path`: its LFS SHA-256, or its git blob id."""
-    if listed is None or listed.size is None or int(listed.size) != os.path.getsize(path):
+    if listed is None or listed.size is None or int(listed.size) != local_entry(path).size:
         return False
     lfs = getattr(listed, "lfs", None)
     return _digest(path, lfs=lfs is not None) == (lfs.sha256 if lfs is not None else listed.blob_id)
