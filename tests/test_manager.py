@@ -659,20 +659,25 @@ def test_a_step_deleted_between_the_check_and_the_read_is_not_found_not_a_bare_o
     `FileNotFoundError`."""
     import os
 
+    from eqx_ckpt._store import _storage
+
     manager = eqx_ckpt.CheckpointManager(tmp_path)
     manager.save(0, {"w": jnp.ones(3)})
     manager.close()
-    real_isfile = os.path.isfile
+    real_entry = _storage.local_entry
+    deleted = []
 
-    def isfile(path):
-        found = real_isfile(path)
-        if found and str(path).endswith(os.path.join("step_00000000", "manifest.json")):
+    def local_entry(path):  # the reader's check, then the deletion, before its `open`
+        found = real_entry(path)
+        if found.file and str(path).endswith(os.path.join("step_00000000", "manifest.json")):
             os.unlink(path)  # as the other process's retention does, just after the check
+            deleted.append(path)
         return found
 
-    monkeypatch.setattr(os.path, "isfile", isfile)
+    monkeypatch.setattr(_storage, "local_entry", local_entry)
     with pytest.raises(eqx_ckpt.CheckpointError):
         eqx_ckpt.tree_deserialise_leaves(tmp_path / "step_00000000", {"w": jnp.zeros(3)})
+    assert deleted  # the race was made, not missed
 
 
 def test_a_link_or_a_file_named_like_a_step_is_never_a_step(tmp_path):
