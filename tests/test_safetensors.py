@@ -6,6 +6,7 @@ import gc
 import http.server
 import json
 import re
+import shutil
 import threading
 import typing
 
@@ -669,3 +670,18 @@ def test_a_name_with_a_number_too_long_for_int_is_listed_and_loaded(tmp_path):
     ckpt = eqx_ckpt.Checkpoint(path)
     assert list(ckpt) == ["layers.2", "layers.10", f"layers.{huge}"]
     assert np.array_equal(np.asarray(ckpt[f"layers.{huge}"]), np.ones(2, np.float32))
+
+
+def test_a_folder_holding_two_layouts_is_refused_naming_both(tmp_path):
+    """An index and its shards beside a `model.safetensors` the index does not
+    name (a re-export into the same folder left one of them): no load picks
+    one, as none does from the Hub (issue 65)."""
+    tree = {"a": np.arange(4096, dtype=np.float32), "b": np.ones(4096, np.float32)}
+    eqx_ckpt.export_safetensors(tmp_path / "sharded", tree, max_shard_size="20KB")
+    eqx_ckpt.export_safetensors(tmp_path / "single", tree)
+    shutil.copy(tmp_path / "single" / "model.safetensors", tmp_path / "sharded" / "model.safetensors")
+    said = "it holds two layouts at once, the index `model.safetensors.index.json` and a `model.safetensors` it"
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(said)):
+        eqx_ckpt.Checkpoint(tmp_path / "sharded")
+    (tmp_path / "sharded" / "model.safetensors").unlink()
+    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "sharded").load(), tree)

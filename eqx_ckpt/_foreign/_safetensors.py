@@ -118,6 +118,12 @@ def find(loc: Location) -> Tensors | None:
         if result.value is not None:
             weight_map = _weight_map(loc, name, result.value)
             files = sorted(set(weight_map.values()))
+            if SINGLE not in files and loc.local is not None and _storage.local_entry(f"{loc.local}/{SINGLE}").file:
+                raise _corrupt(
+                    loc,
+                    f"it holds two layouts at once, the index `{name}` and a `{SINGLE}` it does not name; which one "
+                    f"is the model is not said, so nothing is loaded (delete the stale one)",
+                )
             return _tensors(loc, loc.kvstore, files, index=name, weight_map=weight_map, published=record)
     for name in _candidates(loc, SINGLE, SUFFIX):
         try:
