@@ -653,28 +653,23 @@ def test_a_script_that_leaves_its_manager_open_exits_quietly(tmp_path):
     assert eqx_ckpt.CheckpointManager(tmp_path).all_steps() == [0, 1]
 
 
-def test_a_step_deleted_between_the_check_and_the_read_is_not_found_not_a_bare_os_error(tmp_path, monkeypatch):
+def test_a_step_deleted_between_the_check_and_the_read_is_not_found_not_a_bare_os_error(tmp_path, faults):
     """Another process's retention deletes a step's manifest first; between the
     reader's check for the file and its `open` it once escaped as a bare
     `FileNotFoundError`."""
     import os
 
-    from eqx_ckpt._store import _storage
-
     manager = eqx_ckpt.CheckpointManager(tmp_path)
     manager.save(0, {"w": jnp.ones(3)})
     manager.close()
-    real_entry = _storage.local_entry
     deleted = []
 
-    def local_entry(path):  # the reader's check, then the deletion, before its `open`
-        found = real_entry(path)
-        if found.file and str(path).endswith(os.path.join("step_00000000", "manifest.json")):
-            os.unlink(path)  # as the other process's retention does, just after the check
+    def delete(path):  # as the other process's retention does, just after the check
+        if path.endswith(os.path.join("step_00000000", "manifest.json")):
+            os.unlink(path)
             deleted.append(path)
-        return found
 
-    monkeypatch.setattr(_storage, "local_entry", local_entry)
+    faults("storage.file_found", delete)
     with pytest.raises(eqx_ckpt.CheckpointError):
         eqx_ckpt.tree_deserialise_leaves(tmp_path / "step_00000000", {"w": jnp.zeros(3)})
     assert deleted  # the race was made, not missed

@@ -63,6 +63,8 @@ The points, with where they fire and the arguments they pass:
 - `storage.open` `(loc)`: a TensorStore kvstore is opened, before every small
   file read, written, listed or deleted through TensorStore (a lease file too).
 - `storage.read_file` `(loc, name)`: a small file (a manifest) is read for a load.
+- `storage.file_found` `(path)`: on a local disk, that file was found, before
+  it is opened (another process may delete it between the two).
 - `storage.read_generation` `(loc, name)`: the manifest is read, with its
   generation, as a save begins.
 - `storage.list` `(loc)`: the top-level entries of a checkpoint are listed.
@@ -231,6 +233,7 @@ POINTS = frozenset(
         "save.slices",
         "storage.open",
         "storage.read_file",
+        "storage.file_found",
         "storage.read_generation",
         "storage.list",
         "storage.transaction",

@@ -168,6 +168,7 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
         _untrusted.refuse_links(loc, name)
         if not local_entry(full).file:
             return None, b""
+        _faults.fire("storage.file_found", full)
         # One line opens and enters: an interrupt between the two would leave
         # the file open until the traceback is freed (the load-interrupt sweep
         # of tests/test_transaction.py found it).
