@@ -147,9 +147,20 @@ def _as_published(
 
     Every recorded leaf must be there, stored as the header says (dtype and
     shape). Every tensor must be recorded. (A record's path is its tensor's:
-    the files are read by the same `places`.)"""
+    the files are read by the same `places`.)
+
+    A fine-tune's leaves taken from its base have no tensor here: they are
+    kept as recorded, read from the base (`_family`)."""
     out: dict[str, LeafRecord] = {}
+    references = published.family.references if published.family is not None else {}
     for leaf in published.leaves:
+        if leaf.path in references:
+            if leaf.path in records:
+                raise _corrupt(
+                    loc, f"{_published.NAME} takes the leaf {leaf.path!r} from its base, but it is stored here too"
+                )
+            out[leaf.path] = leaf
+            continue
         found = records.get(leaf.path)
         if found is None:
             raise _corrupt(loc, f"{_published.NAME} records the leaf {leaf.path!r}, which no safetensors file holds")
@@ -328,6 +339,8 @@ def _manifest(
         metadata=metadata,
         structure=published.structure,
         info=published.info,
+        family=published.family,
+        digests=published.digests,
     )
 
 

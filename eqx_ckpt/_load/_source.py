@@ -39,6 +39,7 @@ from .._ondisk import _format, _layout
 from .._ondisk._format import MANIFEST, LeafRecord
 from .._ondisk._manifest import Manifest
 from .._store import _hub, _storage, _transaction, _untrusted
+from . import _family
 
 # A record -> a future of the `_storage.Array` of that leaf.
 Opener = Callable[[LeafRecord], "_storage.Future | _storage.Mapped"]
@@ -90,6 +91,8 @@ class Source:
         reads (`_safetensors.read_runs`); `None` for the others.
     - `revision`: for a Hugging Face Hub repository (`hf://`), the commit it
         is read at; `None` for every other source.
+    - `base`: for a fine-tune stored against a base (`_family`), the base's
+        source, from which `opener` reads the leaves it did not change.
     """
 
     format: str
@@ -100,6 +103,7 @@ class Source:
     changed: Callable[[], str | None] | None = None
     runs: Runs | None = None
     revision: str | None = None
+    base: Source | None = None
 
     def open(self, record: LeafRecord) -> Any:
         return self.opener(record) if self.opener is not None else _storage.open_array(self.data, record, checked=False)
@@ -128,7 +132,7 @@ class Source:
 _LABELS = {"safetensors": "Safetensors checkpoint", "orbax": "orbax checkpoint"}
 
 
-def open_source(path: Any, *, whole: bool = False, token: str | None = None) -> Source:
+def open_source(path: Any, *, whole: bool = False, token: str | None = None, depth: int = 0) -> Source:
     """The source at `path`, recognised from its files. It is an eqx_ckpt
     checkpoint when nothing else matches, so its error names what is missing.
 
@@ -137,10 +141,13 @@ def open_source(path: Any, *, whole: bool = False, token: str | None = None) -> 
     where the files a load reads are there, and where the load is `whole`
     (they are downloaded into it first). Else it is read by byte ranges of its
     files: the headers and the leaves a load selects. `token` is the Hub
-    token it is read with (`None`: huggingface_hub's own, `HF_TOKEN`)."""
+    token it is read with (`None`: huggingface_hub's own, `HF_TOKEN`).
+
+    A fine-tune stored against a base is returned with its base
+    (`_family.with_base`), `depth` bases deep."""
     loc = location(path)
     if _hub.is_hub(loc):
-        return _from_hub(loc, whole, token)
+        return _family.with_base(_from_hub(loc, whole, token), open_source, whole=whole, token=token, depth=depth)
     # A `.safetensors` path is never a directory: `_safetensors.find` reads it
     # (or raises), before anything else is tried.
     source = None if _safetensors.is_file_path(loc) else checkpoint(loc)
@@ -149,7 +156,7 @@ def open_source(path: Any, *, whole: bool = False, token: str | None = None) -> 
     for find in FINDERS:
         found = find(loc)
         if found is not None:
-            return _foreign(loc, found)
+            return _family.with_base(_foreign(loc, found), open_source, whole=whole, token=token, depth=depth)
     held = _what_is_there(loc)
     if held:
         # What it is and what to do, nothing else: the note on interrupted

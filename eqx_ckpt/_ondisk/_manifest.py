@@ -85,6 +85,11 @@ class Manifest:
     structure_string: bytes | None = dataclasses.field(default=None, compare=False, repr=False)
     # Its own totals, as `parse` read them; `None` for one made in memory.
     declared: Declared | None = dataclasses.field(default=None, compare=False)
+    # A published fine-tune's base and the leaves it takes from it
+    # (`_published.Family`); `None` for every other checkpoint.
+    family: Any = dataclasses.field(default=None, compare=False)
+    # A published folder's recorded digest of each leaf (`_published`), by dotted path.
+    digests: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def total_bytes(self) -> int:

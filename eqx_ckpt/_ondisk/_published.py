@@ -12,7 +12,7 @@ safetensors files cannot:
 Its fields (docs/interop.md, "The published layout"):
 
     format          "eqx_ckpt.safetensors"
-    format_version  1
+    format_version  1; 2 for a fine-tune stored against a base (`base` below)
     library_version the eqx_ckpt that wrote it
     created         ISO 8601, UTC: when the exported checkpoint was saved;
                     absent for an exported tree (so the same tree exports
@@ -21,9 +21,21 @@ Its fields (docs/interop.md, "The published layout"):
     total_bytes     their bytes, as the safetensors files hold them
     structure       the structure record (a JSON object), or null
     info            the user's metadata: a JSON object, at most MAX_INFO_BYTES
-    leaves          one record per tensor, as a manifest's (`LeafRecord.to_json`
+    leaves          one record per leaf, as a manifest's (`LeafRecord.to_json`
                     without chunks): path, keypath, type, shape, dtype, and
-                    stored_shape, stored_dtype, encoding, impl where they differ
+                    stored_shape, stored_dtype, encoding, impl where they differ;
+                    `digest`, the xxh3-128 of its stored bytes (as
+                    "xxh3-128:<32 hex digits>"; older exports have none),
+                    and, for a leaf a fine-tune takes from its base, `base`:
+                    the dotted path of the base's leaf holding the same bytes
+                    (it then has no tensor here)
+    base            version 2 only: the base a fine-tune's `base` leaves come
+                    from, pinned, as an object:
+                      path      "hf://owner/name[/folder]", a URL, or a local
+                                path relative to this folder
+                      revision  for an `hf://` base, its commit (40 hex digits)
+                      sha256    for any other, the sha256 of its record file
+                                (`manifest.json`, or its own `eqx_ckpt.json`)
 
 It is untrusted input, read by the manifest's own code:
 
@@ -38,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,10 +60,42 @@ from ._manifest import parse_leaves, read_document
 
 NAME = PUBLISHED
 FORMAT = "eqx_ckpt.safetensors"
-VERSION = 1
+VERSION = 2
+# The version of a folder that holds all its leaves: readers of version 1 read it.
+STANDALONE_VERSION = 1
+DIGEST_PREFIX = "xxh3-128:"
 # The user's metadata is small: a description, hyperparameters, metrics.
 MAX_INFO_BYTES = 1 << 20
 MAX_INFO_DEPTH = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Base:
+    """The base of a fine-tune, pinned: `path` as recorded (a local one is
+    relative to the fine-tune's folder), and the `revision` (an `hf://` base's
+    commit) or the `sha256` of its record file (any other)."""
+
+    path: str
+    revision: str = ""
+    sha256: str = ""
+
+    def to_json(self) -> dict[str, str]:
+        pin = {"revision": self.revision} if self.revision else {"sha256": self.sha256}
+        return {"path": self.path, **pin}
+
+    @property
+    def shown(self) -> str:
+        """How messages name it: an `hf://` base at its commit."""
+        return hub_at(self.path, self.revision) if self.revision else self.path
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A fine-tune's base and the leaves it takes from it: dotted path -> the
+    base's dotted path holding the same bytes."""
+
+    base: Base
+    references: dict[str, str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,30 +108,56 @@ class Published:
     library_version: str
     created: str
     format_version: int
+    # Each leaf's recorded digest, by dotted path (none in older exports).
+    digests: dict[str, str] = dataclasses.field(default_factory=dict)
+    family: Family | None = None
 
 
-def encode(records: Sequence[LeafRecord], structure: Any, info: dict[str, Any] | None, *, created: str = "") -> bytes:
-    """The bytes of an `eqx_ckpt.json` for `records` (in tensor order), the tree's
-    `structure` record (or `None`) and the user's `info`.
+def hub_at(path: str, revision: str) -> str:
+    """`hf://owner/name[/folder]` at `revision`: `hf://owner/name@revision[/folder]`."""
+    parts = path.split("/", 4)  # "hf:", "", owner, name, folder
+    head, rest = "/".join(parts[:4]), parts[4:]
+    return f"{head}@{revision}" + "".join("/" + r for r in rest)
+
+
+def encode(
+    records: Sequence[LeafRecord],
+    structure: Any,
+    info: dict[str, Any] | None,
+    *,
+    created: str = "",
+    digests: dict[str, str] | None = None,
+    family: Family | None = None,
+) -> bytes:
+    """The bytes of an `eqx_ckpt.json` for `records` (in tensor order, then the
+    leaves taken from a base), the tree's `structure` record (or `None`) and
+    the user's `info`; each leaf's digest from `digests`, and a fine-tune's
+    base and references from `family`.
 
     `created` is the exported checkpoint's own time (`""`: none, and no field).
     Nothing else varies: the same arguments give the same bytes."""
     from .. import __version__
 
     leaves = []
+    references = family.references if family is not None else {}
     for record in records:
         item = record.to_json()
         item.pop("chunks", None)  # the safetensors reader chooses its own
+        if digests and record.path in digests:
+            item["digest"] = digests[record.path]
+        if record.path in references:
+            item["base"] = references[record.path]
         leaves.append(item)
     head = {
         "format": FORMAT,
-        "format_version": VERSION,
+        "format_version": VERSION if family is not None else STANDALONE_VERSION,
         "library_version": __version__,
         "created": created,
         "leaf_count": len(records),
         "total_bytes": sum(record.nbytes for record in records),
         "info": info or {},
         "structure": structure,
+        **({"base": family.base.to_json()} if family is not None else {}),
     }
     # A field a line, a leaf a line: readable, and compact for ten thousand leaves.
     # No time of the export's own: it would make every export of a tree differ.
@@ -162,8 +233,11 @@ def parse(data: bytes, *, where: str) -> Published:
     structure = body.get("structure")
     if structure is not None and not isinstance(structure, dict):
         raise bad("`structure` is neither a JSON object nor null")
-    leaves = parse_leaves(body.get("leaves"), bad)
+    raw = body.get("leaves")
+    digests, references = _extras(raw, bad)
+    leaves = parse_leaves(raw, bad)
     _check_totals(body, leaves, bad)
+    family = _family(body, version, references, bad)
     return Published(
         tuple(leaves),
         None if structure is None else json.dumps(structure, allow_nan=False, separators=(",", ":")),
@@ -171,7 +245,57 @@ def parse(data: bytes, *, where: str) -> Published:
         body.get("library_version", ""),
         body.get("created", ""),
         version,
+        digests,
+        family,
     )
+
+
+_DIGEST = re.compile(re.escape(DIGEST_PREFIX) + "[0-9a-f]{32}")
+_COMMIT = re.compile("[0-9a-f]{40}")
+_SHA256 = re.compile("[0-9a-f]{64}")
+# A base's path: printable, no control characters, bounded.
+_BASE_PATH = re.compile(r"[^\x00-\x1f\x7f]{1,1024}")
+
+
+def _extras(raw: Any, bad: Callable[[str], Exception]) -> tuple[dict[str, str], dict[str, str]]:
+    """The leaves' `digest` and `base` fields, checked (the rest is
+    `parse_leaves`' to check)."""
+    digests: dict[str, str] = {}
+    references: dict[str, str] = {}
+    for leaf in raw if isinstance(raw, list) else []:
+        if not isinstance(leaf, dict) or not isinstance(leaf.get("path"), str):
+            continue  # (refused by `parse_leaves`)
+        path, digest, base = leaf["path"], leaf.get("digest"), leaf.get("base")
+        if digest is not None:
+            if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+                raise bad(f"the leaf {path!r} has the digest {str(digest)[:80]!r}, not {DIGEST_PREFIX}<32 hex digits>")
+            digests[path] = digest
+        if base is not None:
+            if not isinstance(base, str) or not 0 < len(base) <= 4096 or digest is None:
+                raise bad(f"the leaf {path!r} names its base's leaf as {str(base)[:80]!r}, without a digest")
+            references[path] = base
+    return digests, references
+
+
+def _family(
+    body: dict[str, Any], version: int, references: dict[str, str], bad: Callable[[str], Exception]
+) -> Family | None:
+    """A version 2 record's base, checked, with its leaves' references."""
+    base = body.get("base")
+    if version < 2:
+        if base is not None or references:
+            raise bad("it names a base, which only format version 2 records")
+        return None
+    if not isinstance(base, dict) or not isinstance(base.get("path"), str) or not _BASE_PATH.fullmatch(base["path"]):
+        raise bad("format version 2 records a `base` object with a `path`, which it lacks")
+    revision, sha256 = base.get("revision", ""), base.get("sha256", "")
+    path = base["path"]
+    if path.startswith("hf://"):
+        if not isinstance(revision, str) or not _COMMIT.fullmatch(revision) or sha256:
+            raise bad(f"its base {path!r} is not pinned to a commit (40 hex digits)")
+    elif not isinstance(sha256, str) or not _SHA256.fullmatch(sha256) or revision:
+        raise bad(f"its base {path!r} is not pinned by the sha256 of its record (64 hex digits)")
+    return Family(Base(path, revision, sha256), references)
 
 
 def _check_totals(body: dict[str, Any], leaves: list[LeafRecord], bad: Callable[[str], Exception]) -> None:

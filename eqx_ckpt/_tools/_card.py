@@ -91,9 +91,11 @@ def model_card(
     records: Sequence[LeafRecord] = (),
     about: About = About(),
     found: Needs | None = None,
+    base: str | None = None,
 ) -> str:
     """The text of `README.md` for a folder of the published layout loaded as
-    `name_or_path`.
+    `name_or_path`; `base`: the base a fine-tune takes its unchanged leaves
+    from, as messages name it.
 
     The folder holds `files`, tensors of the leaf `records`. Its tree has the
     `structure` record (or `None`) and the user's `info`. `found` is
@@ -112,6 +114,13 @@ def model_card(
     )
     if records:
         parts.append(_size(records))
+    if base is not None:
+        parts.append(
+            f"It is a fine-tune stored as what changed: it holds only the leaves that differ from its base, "
+            f"`{base}`, and every load reads the others from there (for a Hub base through the Hub's cache), pinned "
+            f"to that version. The load below needs nothing more; to make a copy that needs no base, run "
+            f"`eqx-ckpt export --standalone {name_or_path} <folder>`.\n"
+        )
     parts.append("## Load it\n\n```python\n" + snippet(name_or_path, structure, about=about, found=found) + "```\n")
     parts += _load_notes(name_or_path, about, found)
     if metrics:

@@ -54,7 +54,7 @@ from .._ondisk._format import (
     whole_chunks,
 )
 from .._store import _durable, _storage
-from . import _card, _rebuildable
+from . import _card, _family, _rebuildable
 from ._card import model_card
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -101,6 +101,9 @@ def export_safetensors(
     license: str | None = None,
     base_model: str | Sequence[str] | None = None,
     code: str | None = None,
+    base: Any = None,
+    standalone: bool = False,
+    token: str | None = None,
     progress: Progress = None,
 ) -> list[str]:
     """Write a checkpoint or a tree as a folder anyone can read: Hugging Face
@@ -150,6 +153,19 @@ def export_safetensors(
         or a list of them) it was fine-tuned or made from.
     - `code`: where the classes of the card's `trust` list come from: a pip
         requirement (`"mypkg"`, `"git+https://github.com/me/mypkg"`) or a URL.
+    - `base`: export a fine-tune as what changed: the path of the model it
+        was fine-tuned from (anything a load reads: `hf://owner/name@rev`, a
+        checkpoint, a published folder), or a `Checkpoint` of it. A leaf whose
+        bytes, dtype and shape equal a leaf of the base (matched by content,
+        whatever its name) is not written: `eqx_ckpt.json` names the base's
+        leaf, and the base, pinned (an `hf://` base to its commit, any other
+        to the sha256 of its record). Loads read those leaves from the base.
+        The card's `base_model` is an `hf://` base's repository unless given.
+        See "Model families" in [docs/sharing.md](../sharing.md).
+    - `standalone`: where `pytree` is a fine-tune stored against a base,
+        write every leaf (its base's too), so the folder loads without the
+        base. Without it such a fine-tune is exported against the same base.
+    - `token`: the Hub token a `hf://` base is read with.
     - `progress`: as for [`eqx_ckpt.tree_serialise_leaves`][]: a bar on a
         terminal for a large export, `False` for none, or a callable receiving
         `(leaves_done, leaves_total, bytes_done, bytes_total)`.
@@ -186,9 +202,8 @@ def export_safetensors(
             f"`metadata` must be a dict mapping strings to strings (safetensors stores no other), not {metadata!r}."
         )
     info = _published.check_info(info)
-    about = _card.about(license=license, base_model=base_model, code=code)
     if isinstance(pytree, (str, os.PathLike)):
-        pytree = Checkpoint(pytree)
+        pytree = Checkpoint(pytree, token=token)
     found, structure = _within(*_tensors(pytree), prefix)
     tensors = _named(found, rename)
     if not tensors:
@@ -197,20 +212,35 @@ def export_safetensors(
         )
     loc, single = _destination(path)
     _refuse_source_in_destination(loc, pytree)
-    shards = _plan(tensors, limit) if single is None else [tensors]
+    based = _family.base_of(pytree, base, standalone=standalone, single=single, destination=loc, token=token)
+    if based is not None and base_model is None and based.hub is not None:
+        base_model = based.hub
+    about = _card.about(license=license, base_model=base_model, code=code)
+    digests: dict[str, str] = {}
+    family = None if based is None else _family.matched(tensors, based, digests)
+    stored = tensors if family is None else [t for t in tensors if t.record.path not in family.references]
+    shards = _plan(stored, limit) if single is None else [stored]
     names = [single] if single else _file_names(len(shards))
     shown = card_path if card_path is not None else (str(path) if isinstance(path, (str, os.PathLike)) else loc.display)
-    files = (
-        {}
-        if single
-        else _described(
-            pytree, tensors, None if rename is not None else structure, info, names, shown=shown, card=card, about=about
-        )
-    )
+    files: dict[str, bytes] = {}
     try:
-        with Tracker(progress, leaves=len(tensors), nbytes=sum(t.nbytes for t in tensors), what="export") as tracker:
+        with Tracker(progress, leaves=len(stored), nbytes=sum(t.nbytes for t in stored), what="export") as tracker:
             for name, shard in zip(names, shards):
-                _write_shard(loc, name, shard, metadata or {}, lambda n: tracker.advance(leaves=1, nbytes=n))
+                _write_shard(loc, name, shard, metadata or {}, lambda n: tracker.advance(leaves=1, nbytes=n), digests)
+        if not single:
+            described = None if rename is not None else structure
+            files = _described(
+                pytree,
+                tensors,
+                described,
+                info,
+                names,
+                shown=shown,
+                card=card,
+                about=about,
+                digests=digests,
+                family=family,
+            )
         for name, data in files.items():
             _storage.write_unpublished(loc, name, iter([data]))
     except BaseException:
@@ -222,7 +252,7 @@ def export_safetensors(
     _storage.publish(loc, names + list(files))
     if len(names) > 1:
         index = {
-            "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+            "metadata": {"total_size": sum(t.nbytes for t in stored)},
             "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard},
         }
         _storage.write_file(loc, _safetensors.INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
@@ -245,6 +275,8 @@ def _described(
     shown: str,
     card: bool,
     about: _card.About,
+    digests: dict[str, str],
+    family: _published.Family | None,
 ) -> dict[str, bytes]:
     """The files describing the tensors of `source`: `eqx_ckpt.json`, and
     `README.md` (loading the model as `shown`) unless `card=False`.
@@ -260,11 +292,20 @@ def _described(
     metrics = source._manifest.metrics if isinstance(source, Checkpoint) else {}
     if metrics and "metrics" not in info:
         info = _published.check_info({**info, "metrics": dict(sorted(metrics.items()))})
-    files = {_published.NAME: _published.encode(records, structure, info, created=created)}
+    files = {
+        _published.NAME: _published.encode(records, structure, info, created=created, digests=digests, family=family)
+    }
     if card:
         listed = names + ([_safetensors.INDEX] if len(names) > 1 else []) + [_published.NAME]
         text = model_card(
-            shown, structure=structure, info=info, files=listed, records=records, about=about, found=found
+            shown,
+            structure=structure,
+            info=info,
+            files=listed,
+            records=records,
+            about=about,
+            found=found,
+            base=None if family is None else family.base.shown,
         )
         files[CARD] = text.encode()
     return files
@@ -546,7 +587,7 @@ def _header(shard: list[_Tensor], metadata: dict[str, str]) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
-def _bytes(tensor: _Tensor) -> memoryview:
+def tensor_bytes(tensor: _Tensor) -> memoryview:
     # Scalars read back as Python values: give them their stored dtype again.
     value = tensor.read()
     if tensor.record.encoding == "view":
@@ -557,14 +598,21 @@ def _bytes(tensor: _Tensor) -> memoryview:
     return memoryview(array.reshape(-1).view(np.uint8).data)
 
 
-def _write_shard(loc: Location, name: str, shard: list[_Tensor], metadata: dict[str, str], update: Any) -> None:
+def _write_shard(
+    loc: Location, name: str, shard: list[_Tensor], metadata: dict[str, str], update: Any, digests: dict[str, str]
+) -> None:
     """Write one file of the export, tensor by tensor, not yet under its name
-    (`_storage.write_unpublished`: on a local disk streamed, elsewhere whole)."""
+    (`_storage.write_unpublished`: on a local disk streamed, elsewhere whole),
+    keeping each tensor's digest in `digests` (where a base's matching has
+    not already)."""
 
     def parts() -> Iterator[bytes | memoryview]:
         yield _header(shard, metadata)
         for tensor in shard:
-            yield _bytes(tensor)
+            data = tensor_bytes(tensor)
+            if tensor.record.path not in digests:
+                digests[tensor.record.path] = _family.digest(data)
+            yield data
             update(tensor.nbytes)
 
     _storage.write_unpublished(loc, name, parts())

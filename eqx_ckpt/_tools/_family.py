@@ -1,0 +1,150 @@
+"""An export against a base: which leaves a fine-tune takes from the model it
+was fine-tuned from (`export_safetensors(..., base=)`).
+
+A leaf is taken from the base where a leaf of the base holds the same bytes,
+stored with the same dtype, shape and encoding: matched by content, so a leaf
+renamed or re-wrapped (a LoRA wrapper around an unchanged weight) still
+matches. Leaves are compared by their xxh3-128 digests; the base's leaf of the
+same name is tried first, so a head-only fine-tune reads each base leaf once.
+
+The base is pinned in the record (`_published.Base`): an `hf://` base to its
+commit, any other to the sha256 of its record file. `_load._family` reads it
+back and checks the pin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xxhash
+
+from .._base._errors import CheckpointTypeError, CheckpointValueError
+from .._base._location import HUB_SCHEME, Location, location
+from .._load import _family, _source
+from .._load._checkpoint import Checkpoint
+from .._load._lazy import LazyArray
+from .._ondisk import _published
+from .._ondisk._format import LeafRecord, dtype_from_name
+
+if TYPE_CHECKING:
+    from ._export import _Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Based:
+    """A base opened for an export: its source (read whole), its pin as the
+    record keeps it, and its Hub repository (`owner/name`, or `None`)."""
+
+    source: _source.Source
+    pin: _published.Base
+    hub: str | None
+
+
+def digest(data: Any) -> str:
+    """The recorded digest of a leaf's stored bytes."""
+    return _published.DIGEST_PREFIX + xxhash.xxh3_128_hexdigest(data)
+
+
+def base_of(
+    pytree: Any, base: Any, *, standalone: bool, single: str | None, destination: Location, token: str | None
+) -> Based | None:
+    """The base an export of `pytree` is made against: `base` as given; else,
+    for a fine-tune's `Checkpoint`, its own base (unless `standalone`)."""
+    if base is not None and standalone:
+        raise CheckpointValueError("`base=` and `standalone=True` contradict: a standalone export holds every leaf.")
+    if base is None:
+        inherited = pytree._source.base if isinstance(pytree, Checkpoint) and not standalone else None
+        if inherited is None:
+            return None
+        family = pytree._source.manifest.family
+        base = _family.base_path(family.base, pytree._source.loc)
+    if single is not None:
+        raise CheckpointValueError(
+            f"An export against a base needs a folder, whose `{_published.NAME}` names the base: "
+            f"{single!r} is one safetensors file. Export to a folder, or pass `standalone=True`."
+        )
+    given = base
+    if isinstance(base, Checkpoint):
+        given = base.path if base.revision is None else None
+        source = base._source
+    elif isinstance(base, (str, os.PathLike, dict)):
+        source = _source.open_source(base, whole=True, token=token)
+    else:
+        raise CheckpointTypeError(
+            f"`base` must be a path (`hf://owner/name`, a checkpoint, a published folder) or a `Checkpoint`, not "
+            f"{type(base).__name__}."
+        )
+    return Based(source, *_pin(source, given, base, destination))
+
+
+def _pin(source: _source.Source, given: Any, base: Any, destination: Location) -> tuple[_published.Base, str | None]:
+    if source.revision is not None:
+        spec = (base._loc if isinstance(base, Checkpoint) else location(base)).kvstore
+        repo, folder = spec["repo"], spec.get("path", "").strip("/")
+        path = HUB_SCHEME + repo + (f"/{folder}" if folder else "")
+        return _published.Base(path, revision=source.revision), repo
+    sha256 = _family.record_sha256(source)
+    if sha256 is None:
+        raise CheckpointValueError(
+            f"The base {source.loc.display!r} is {source.format} with no record of its own to pin it by: save it "
+            f"with eqx_ckpt or export it with `export_safetensors` first, and export against that."
+        )
+    if source.loc.local is not None:
+        path = source.loc.local
+        if destination.local is not None:
+            path = os.path.relpath(path, destination.local)
+        return _published.Base(path, sha256=sha256), None
+    if not isinstance(given, (str, os.PathLike)):
+        raise CheckpointTypeError(
+            f"The base {source.loc.display!r} is on an object store: give it as a URL (`s3://bucket/base`), which "
+            f"the fine-tune's record keeps."
+        )
+    return _published.Base(os.fspath(given), sha256=sha256), None
+
+
+def matched(tensors: list[_Tensor], based: Based, digests: dict[str, str]) -> _published.Family:
+    """The family of an export of `tensors` against `based`: each leaf whose
+    bytes a leaf of the base holds, with that leaf's dotted path. The digest
+    of every leaf compared is kept in `digests`."""
+    from ._export import tensor_bytes
+
+    source = based.source
+    candidates: dict[tuple[str, tuple[int, ...], str], list[LeafRecord]] = {}
+    for record in source.manifest.leaves:
+        candidates.setdefault(_kind(record), []).append(record)
+    known: dict[str, str] = {}  # the base's digests, by dotted path, as they are read
+
+    def base_digest(record: LeafRecord) -> str:
+        if record.path not in known:
+            known[record.path] = digest(_stored_bytes(source, record))
+        return known[record.path]
+
+    references: dict[str, str] = {}
+    for tensor in tensors:
+        found = candidates.get(_kind(tensor.record))
+        if not found:
+            continue
+        mine = digests[tensor.record.path] = digest(tensor_bytes(tensor))
+        # The leaf of the same name first: a fine-tune mostly keeps its names.
+        for record in sorted(found, key=lambda r: r.path != tensor.record.path):
+            if base_digest(record) == mine:
+                references[tensor.record.path] = record.path
+                break
+    return _published.Family(based.pin, references)
+
+
+def _kind(record: LeafRecord) -> tuple[str, tuple[int, ...], str]:
+    return record.stored_dtype, tuple(record.stored_shape), record.encoding
+
+
+def _stored_bytes(source: _source.Source, record: LeafRecord) -> memoryview:
+    """A base leaf's stored bytes (a PRNG key's key data, a viewed dtype's
+    unsigned integers), read whole."""
+    value = np.asarray(LazyArray(source, record))
+    if record.encoding == "view":
+        value = value.view(dtype_from_name(record.stored_dtype))
+    array = np.ascontiguousarray(value, dtype=dtype_from_name(record.stored_dtype))
+    return memoryview(array.reshape(-1).view(np.uint8).data)
