@@ -123,6 +123,7 @@ class Hub:
         self.oids: dict[str, str] = {}  # sha256 -> git blob id
         self.failures: list[list[Any]] = []  # [pattern, status, times left]
         self.sent: dict[str, int] = {}  # path in repo -> bytes of its content sent
+        self.received = 0  # bytes of files uploaded (LFS uploads and files inline in commits)
         self.requests: list[str] = []
         self.lock = threading.Lock()
         self.storage = ""  # the URL of the LFS storage's origin
@@ -409,6 +410,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self._error(400, None, "bad upload")
         with self.hub.lock:
             self.hub.blobs[m[1]] = data
+            self.hub.received += len(data)
         self._send(200)
 
     def do_POST(self) -> None:
@@ -513,7 +515,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
                     if files.pop(value["path"], None) is None:
                         return self._error(404, "EntryNotFound", f"{value['path']} does not exist")
                 elif line["key"] == "file":
-                    files[value["path"]] = self.hub._blob(base64.b64decode(value["content"]))
+                    content = base64.b64decode(value["content"])
+                    self.hub.received += len(content)
+                    files[value["path"]] = self.hub._blob(content)
                 elif line["key"] == "lfsFile":
                     if value["oid"] not in self.hub.blobs:
                         return self._error(422, None, f"LFS object {value['oid']} was not uploaded")

@@ -253,6 +253,8 @@ def _push(args: argparse.Namespace) -> int:
         base_model=args.base_model or None,
         code=args.code,
         tag=args.tag,
+        base=args.base,
+        standalone=args.standalone,
         max_shard_size=args.max_shard_size,
     )
     unchanged = "" if published.changed else " (unchanged: the repository held this export already; nothing committed)"
@@ -471,6 +473,9 @@ def _export(args: argparse.Namespace) -> int:
         license=args.license,
         base_model=args.base_model or None,
         code=args.code,
+        base=None if args.base is None else _path(args.base),
+        standalone=args.standalone,
+        token=args.token,
     )
     for name in written:
         print(name)
@@ -538,6 +543,19 @@ def _card_options(command: Any, verb: str) -> None:
     )
     command.add_argument(
         "--code", default=None, help="where the model's classes come from: a pip requirement or a URL, for the card"
+    )
+    family = command.add_mutually_exclusive_group()
+    family.add_argument(
+        "--base",
+        default=None,
+        metavar="PATH",
+        help=f"{verb} a fine-tune as what changed: only the leaves that differ from this base (hf://owner/name, or "
+        "for export a checkpoint or published folder); loads read the rest from it",
+    )
+    family.add_argument(
+        "--standalone",
+        action="store_true",
+        help=f"{verb} every leaf of a fine-tune, its base's too, so that it loads without its base",
     )
 
 

@@ -11,6 +11,7 @@ from .._base._errors import CheckpointTypeError, CheckpointValueError
 from .._base._location import HUB_SCHEME
 from .._base._progress import Progress
 from .._load._checkpoint import Checkpoint
+from .._ondisk import _published
 from .._store import _hub
 from ._export import export_safetensors
 
@@ -29,6 +30,8 @@ def push_to_hub(
     base_model: str | Sequence[str] | None = None,
     code: str | None = None,
     tag: str | None = None,
+    base: Any = None,
+    standalone: bool = False,
     max_shard_size: int | str = "5GB",
     progress: Progress = None,
 ) -> str:
@@ -70,6 +73,13 @@ def push_to_hub(
         requirement or a URL), as for [`eqx_ckpt.export_safetensors`][].
     - `tag`: a tag to put on the commit (`"v1.0"`), so that
         `hf://owner/name@v1.0` loads it.
+    - `base`: publish a fine-tune as what changed: the `hf://owner/name[@rev]`
+        it was fine-tuned from. Only the leaves that differ from it are
+        uploaded; loads read the others from it, pinned to its commit, through
+        the Hub's cache. The card's `base_model` names it. A fine-tune
+        exported against an `hf://` base is pushed against it without `base=`.
+    - `standalone`: publish every leaf, the base's too (see
+        [`eqx_ckpt.export_safetensors`][]).
     - `max_shard_size`: as for [`eqx_ckpt.export_safetensors`][].
     - `progress`: the export's progress, as for [`eqx_ckpt.export_safetensors`][];
         the upload shows `huggingface_hub`'s own bars (`HF_HUB_DISABLE_PROGRESS_BARS=1` hides them).
@@ -108,6 +118,8 @@ def push_to_hub(
         base_model=base_model,
         code=code,
         tag=tag,
+        base=base,
+        standalone=standalone,
         max_shard_size=max_shard_size,
         progress=progress,
     ).commit
@@ -127,6 +139,8 @@ def publish(
     base_model: str | Sequence[str] | None = None,
     code: str | None = None,
     tag: str | None = None,
+    base: Any = None,
+    standalone: bool = False,
     max_shard_size: int | str = "5GB",
     progress: Progress = None,
 ) -> _hub.Published:
@@ -139,7 +153,7 @@ def publish(
         tree = source if source is not None else tree_or_checkpoint_path
         if isinstance(tree, str) and tree.startswith(HUB_SCHEME):  # a published model, read with the token
             tree = Checkpoint(tree, token=token)
-        return export_safetensors(
+        written = export_safetensors(
             folder,
             tree,
             max_shard_size=max_shard_size,
@@ -149,8 +163,13 @@ def publish(
             license=license,
             base_model=base_model,
             code=code,
+            base=base,
+            standalone=standalone,
+            token=token,
             progress=progress,
         )
+        _refuse_local_base(folder)
+        return written
 
     return _hub.publish(
         write, repo_id, token=token, private=private, revision=revision, commit_message=commit_message, tag=tag
@@ -174,3 +193,16 @@ def _check_repo_id(repo_id: Any) -> None:
         )
     if not isinstance(repo_id, str) or repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise CheckpointTypeError(f"`repo_id` must be a string `owner/name`, not {repo_id!r}.")
+
+
+def _refuse_local_base(folder: str) -> None:
+    """A fine-tune's base must be on the Hub: no one else can read a local one
+    (and a load from the Hub reads no base elsewhere)."""
+    with open(os.path.join(folder, _published.NAME), "rb") as f:
+        family = _published.parse(f.read(), where=folder).family
+    if family is not None and not family.base.path.startswith(HUB_SCHEME):
+        raise CheckpointValueError(
+            f"This fine-tune is stored against the base {family.base.path!r}, which is not on the Hub: no one who "
+            f'loads it from the Hub could read that. Push the base first and pass `base="hf://owner/base"` '
+            f"(`--base`), or publish every leaf with `standalone=True` (`--standalone`)."
+        )
