@@ -19,7 +19,7 @@ from .._base._progress import Progress
 from .._ondisk import _trust
 from .._ondisk._format import LeafRecord
 from .._ondisk._trust import Trust
-from . import _deserialise, _nested, _rebuild, _source
+from . import _deserialise, _family, _nested, _rebuild, _source
 from ._lazy import LazyArray
 from ._load_plan import LoadOptions
 
@@ -86,6 +86,26 @@ class Checkpoint(Mapping[str, Any]):
         opened at, resolved once: every file is read at it. `None` for every
         other source."""
         return self._source.revision
+
+    @property
+    def base(self) -> str | None:
+        """For a fine-tune stored as what changed (`export_safetensors(...,
+        base=)`), the base its other leaves are read from, as pinned: an
+        `hf://owner/name@<commit>`, or a path. `None` for every other source."""
+        family = self._manifest.family
+        if family is None:
+            return None
+        return family.base.shown if family.base.revision else _family.base_path(family.base, self._loc)
+
+    def from_base(self) -> dict[str, str]:
+        """For a fine-tune, each leaf read from its base (by dotted path), with
+        the base's leaf holding its bytes; `{}` for every other source."""
+        family = self._manifest.family
+        return (
+            {}
+            if family is None
+            else dict(sorted(family.references.items(), key=lambda item: _keypath.sort_key(item[0])))
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -219,6 +239,13 @@ class Checkpoint(Mapping[str, Any]):
         if max_rows is not None and unlisted:
             lines.append(f"... {unlisted} leaves not listed one by one (`Checkpoint(path).listing()` lists them all)")
         lines.append(f"{len(self)} leaves, {human(self.total_bytes)}")
+        taken = self.from_base()
+        if taken:
+            nbytes = sum(self._records[path].nbytes for path in taken)
+            lines[-1] += (
+                f"; {len(taken)} of them ({human(nbytes)}, marked `base`) read from the base {self.base}, "
+                f"{len(self) - len(taken)} stored here"
+            )
         return "\n".join(lines)
 
     def _rows(self, folder: _Folder, shown: dict[int, int], *, values: bool, level: int = 0) -> list[tuple[str, ...]]:
@@ -238,6 +265,8 @@ class Checkpoint(Mapping[str, Any]):
                 record = self._records[entry]
                 small = values and math.prod(record.shape) <= SMALL_VALUES
                 value = f"  = {_one_line(self[entry])}" if small else ""
+                if self._manifest.family is not None and entry in self._manifest.family.references:
+                    value = "  base" + value
                 rows.append((indent + name, describe(record), human(record.nbytes), value))
         if count < len(folder.entries):
             rows.append((f"{indent}... and {len(folder.entries) - count} more",))

@@ -25,9 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xxhash
 
 from .._base._errors import CheckpointNotFoundError, CorruptCheckpointError
 from .._base._location import HUB_SCHEME, Location
@@ -41,6 +45,36 @@ if TYPE_CHECKING:
 
 # Bases of bases followed at most this deep (a chain of fine-tunes).
 MAX_DEPTH = 8
+# A leaf's digest is taken over reads of about this many bytes (rows of it).
+DIGEST_SLAB_BYTES = 64 * 2**20
+
+
+def digest(data: Any) -> str:
+    """The recorded digest of a leaf's stored bytes (`_published`)."""
+    return _published.DIGEST_PREFIX + xxhash.xxh3_128_hexdigest(data)
+
+
+def stored_digest(source: Source, record: LeafRecord) -> str:
+    """The digest of the leaf `record` of `source` as it is stored (a PRNG
+    key's key data, a viewed dtype's unsigned integers), read in slabs of rows
+    so a large leaf never needs its size in memory twice."""
+    store = source.open(record).result()
+    hasher = xxhash.xxh3_128()
+    shape = tuple(record.stored_shape)
+    if not shape or shape[0] == 0:
+        hasher.update(_raw(store.read().result()))
+    else:
+        row = max(1, math.prod(shape[1:]) * store.numpy_dtype.itemsize)
+        step = max(1, DIGEST_SLAB_BYTES // row)
+        for start in range(0, shape[0], step):
+            end = min(start + step, shape[0])
+            hasher.update(_raw(store[start:end].read().result()))
+    return _published.DIGEST_PREFIX + hasher.hexdigest()
+
+
+def _raw(array: np.ndarray) -> memoryview:
+    """An array's bytes in C order (a bfloat16's too: as bytes, not as a buffer of its dtype)."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
 
 
 def record_sha256(source: Source) -> str | None:

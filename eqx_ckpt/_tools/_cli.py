@@ -191,6 +191,14 @@ def _info(args: argparse.Namespace) -> int:
         print(f"info:            {printable(key)}={printable(json.dumps(value, sort_keys=True))}")
     print(f"leaves:          {len(ckpt)}")
     print(f"bytes:           {ckpt.total_bytes} ({human(ckpt.total_bytes)})")
+    taken = ckpt.from_base()
+    if taken:
+        stored = ckpt.total_bytes - sum(ckpt.record(path).nbytes for path in taken)
+        print(f"base:            {printable(str(ckpt.base))}")
+        here = len(ckpt) - len(taken)
+        print(
+            f"stored here:     {here} {'leaf' if here == 1 else 'leaves'}, {human(stored)}; {len(taken)} read from the base"
+        )
     if ckpt.format == "eqx_ckpt":
         shared = _shared_files(location(_path(args.path)))
         if shared is not None:

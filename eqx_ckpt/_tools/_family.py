@@ -18,16 +18,12 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import xxhash
-
 from .._base._errors import CheckpointTypeError, CheckpointValueError
 from .._base._location import HUB_SCHEME, Location, location
 from .._load import _family, _source
 from .._load._checkpoint import Checkpoint
-from .._load._lazy import LazyArray
 from .._ondisk import _published
-from .._ondisk._format import LeafRecord, dtype_from_name
+from .._ondisk._format import LeafRecord
 
 if TYPE_CHECKING:
     from ._export import _Tensor
@@ -43,9 +39,7 @@ class Based:
     hub: str | None
 
 
-def digest(data: Any) -> str:
-    """The recorded digest of a leaf's stored bytes."""
-    return _published.DIGEST_PREFIX + xxhash.xxh3_128_hexdigest(data)
+digest = _family.digest
 
 
 def base_of(
@@ -119,7 +113,7 @@ def matched(tensors: list[_Tensor], based: Based, digests: dict[str, str]) -> _p
 
     def base_digest(record: LeafRecord) -> str:
         if record.path not in known:
-            known[record.path] = digest(_stored_bytes(source, record))
+            known[record.path] = _family.stored_digest(source, record)
         return known[record.path]
 
     references: dict[str, str] = {}
@@ -138,13 +132,3 @@ def matched(tensors: list[_Tensor], based: Based, digests: dict[str, str]) -> _p
 
 def _kind(record: LeafRecord) -> tuple[str, tuple[int, ...], str]:
     return record.stored_dtype, tuple(record.stored_shape), record.encoding
-
-
-def _stored_bytes(source: _source.Source, record: LeafRecord) -> memoryview:
-    """A base leaf's stored bytes (a PRNG key's key data, a viewed dtype's
-    unsigned integers), read whole."""
-    value = np.asarray(LazyArray(source, record))
-    if record.encoding == "view":
-        value = value.view(dtype_from_name(record.stored_dtype))
-    array = np.ascontiguousarray(value, dtype=dtype_from_name(record.stored_dtype))
-    return memoryview(array.reshape(-1).view(np.uint8).data)

@@ -14,6 +14,11 @@ Then every chunk of every tensor is read, a bounded number of bytes at a time
 tensor it belongs to. Neither format stores checksums of its data, so a
 changed byte cannot be detected. The result says so (`unchecked`), and never
 passes over it.
+
+The published layout does record each leaf's digest (`_published`, in exports
+of this version on). Each such leaf is read whole, in slabs, and its digest
+compared instead: a changed byte is then a problem. A fine-tune's leaves taken
+from its base are read from the base, which opening found at its pin.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from .._base._errors import CorruptCheckpointError
 from .._base._location import Location
 from .._base._progress import Progress, Tracker
 from .._foreign import _orbax
-from .._load import _source
+from .._load import _family, _source
+from .._ondisk import _published
 from .._ondisk._format import LeafRecord
 from .._store import _hub
 from . import _chunk_scan
@@ -60,14 +66,17 @@ def check(
     except CorruptCheckpointError as e:
         return [(None, str(e))], (), ()
     records = sorted(source.manifest.leaves, key=lambda r: r.path)
+    digests = source.manifest.digests
     with Tracker(progress, leaves=len(records), nbytes=source.manifest.total_bytes, what="verify") as tracker:
-        bad = _read_every_chunk(source, records, tracker)
+        bad = _read_every_chunk(source, [r for r in records if r.path not in digests], tracker)
+        bad.update(_compare_digests(source, [r for r in records if r.path in digests], tracker))
     problems: list[tuple[str | None, str]] = [(r.path, bad[r.path]) for r in records if r.path in bad]
+    said = _family_said(source, len(digests) == len(records))
     if hub:  # (the whole load compared every file with the Hub's digest, or refused it)
-        checked = tuple(_hub.checked(source.loc))
+        checked = tuple(_hub.checked(source.loc)) + said
         return problems, () if checked else (SAFETENSORS_UNCHECKED,), checked
     if source.format == "safetensors":
-        return problems, (SAFETENSORS_UNCHECKED,), ()
+        return problems, () if said else (SAFETENSORS_UNCHECKED,), said
     return problems, (ORBAX_UNCHECKED,) + (() if _orbax.writes_every_chunk(loc) else (ORBAX_INCOMPLETE,)), ()
 
 
@@ -86,6 +95,49 @@ def _read_every_chunk(source: _source.Source, records: list[LeafRecord], tracker
 
     _chunk_scan.scan_leaves(source.data, records, stores, bad, failed, tracker)
     return bad
+
+
+def _compare_digests(source: _source.Source, records: list[LeafRecord], tracker: Tracker) -> dict[str, str]:
+    """What is wrong with each leaf whose bytes are not those its recorded
+    digest says (or cannot be read), by dotted path."""
+    bad: dict[str, str] = {}
+    family = source.manifest.family
+    for record in records:
+        try:
+            found = _family.stored_digest(source, record)
+        except Exception as e:
+            bad[record.path] = _damage(e, record, source.data, "read")
+        else:
+            if found != source.manifest.digests[record.path]:
+                where = (
+                    ""
+                    if family is None or record.path not in family.references
+                    else (f" (read from the base's leaf `{family.references[record.path]}`)")
+                )
+                bad[record.path] = (
+                    f"its bytes{where} are not those its digest in {_published.NAME} records (xxh3-128 "
+                    f"{found.removeprefix(_published.DIGEST_PREFIX)}, recorded "
+                    f"{source.manifest.digests[record.path].removeprefix(_published.DIGEST_PREFIX)}): a changed byte"
+                )
+        tracker.advance(leaves=1, nbytes=record.nbytes)
+    return bad
+
+
+def _family_said(source: _source.Source, every: bool) -> tuple[str, ...]:
+    """What `verify` says it checked of a published folder by its digests."""
+    if not every:
+        return ()
+    said = [f"every leaf's bytes, against the xxh3-128 digest {_published.NAME} records of it"]
+    family = source.manifest.family
+    if family is not None:
+        shown = family.base.shown if family.base.revision else repr(_family.base_path(family.base, source.loc))
+        count = len(family.references)
+        said.append(
+            f"its base {shown} is there, at the version pinned (by "
+            f"{'its commit' if family.base.revision else 'the sha256 of its record'}), and the "
+            f"{count} {'leaf' if count == 1 else 'leaves'} taken from it are read from it"
+        )
+    return tuple(said)
 
 
 def _damage(error: BaseException, record: LeafRecord, data: Location, doing: str) -> str:
