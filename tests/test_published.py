@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors
+import xxhash
 from safetensors import safe_open
 
 import eqx_ckpt
@@ -159,6 +160,18 @@ def test_eqx_ckpt_json_holds_the_records_structure_and_info(folder):
     assert (record["format"], record["format_version"]) == ("eqx_ckpt.safetensors", 1)
     assert record["info"] == {"description": "test"} and record["structure"]["t"] == "dict"
     leaves = {leaf["path"]: leaf for leaf in record["leaves"]}
+    # Each leaf's digest is the xxh3-128 of its tensor's bytes (issue 67: `verify` compares it).
+    stored = {}
+    for file in folder.glob("*.safetensors"):
+        data = file.read_bytes()
+        size = int.from_bytes(data[:8], "little")
+        for name, entry in json.loads(data[8 : 8 + size]).items():
+            if name != "__metadata__":
+                start, end = entry["data_offsets"]
+                stored[name] = data[8 + size + start : 8 + size + end]
+    assert sorted(stored) == sorted(leaves)
+    for name, leaf in leaves.items():
+        assert leaf.pop("digest") == "xxh3-128:" + xxhash.xxh3_128_hexdigest(stored[name]), name
     assert leaves["i4"] == {
         "path": "i4",
         "keypath": [["key", "i4"]],

@@ -26,8 +26,17 @@ def _safetensors(tmp_path):
 
 
 def _hf(tmp_path):
+    """A plain Hugging Face folder: shards and their index, no `eqx_ckpt.json`."""
     eqx_ckpt.export_safetensors(tmp_path / "hf", TREE, max_shard_size=1000)
+    for name in ("eqx_ckpt.json", "README.md"):
+        (tmp_path / "hf" / name).unlink()
     return tmp_path / "hf"
+
+
+def _published(tmp_path):
+    """The published layout: its `eqx_ckpt.json` records each leaf's digest."""
+    eqx_ckpt.export_safetensors(tmp_path / "published", TREE, max_shard_size=1000)
+    return tmp_path / "published"
 
 
 def _orbax(ocdbt, zarr3):
@@ -44,6 +53,7 @@ def _orbax(ocdbt, zarr3):
 SOURCES = {
     "safetensors": _safetensors,
     "hf": _hf,
+    "published": _published,
     "orbax-ocdbt": _orbax(True, True),
     "orbax-zarr3": _orbax(False, True),
     "orbax-zarr": _orbax(False, False),
@@ -66,10 +76,13 @@ def test_a_sound_checkpoint_of_every_format_verifies_and_says_what_is_not_checke
     path = SOURCES[kind](tmp_path)
     problems = eqx_ckpt.verify(path)
     assert problems == []
-    assert problems.unchecked and "no checksums" in problems.unchecked[0]
+    if kind == "published":  # each leaf compared with its recorded digest (issue 67)
+        assert problems.unchecked == () and "every leaf's bytes, against the xxh3-128 digest" in problems.checked[0]
+    else:
+        assert problems.unchecked and "no checksums" in problems.unchecked[0]
     assert main(["verify", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "not checked: " in out and out.strip().endswith(f"{path}: sound")
+    assert ("checked: " if kind == "published" else "not checked: ") in out and out.strip().endswith(f"{path}: sound")
     # Every byte was read: the progress reaches the total.
     seen = []
     eqx_ckpt.verify(path, progress=lambda *counts: seen.append(counts))
@@ -122,6 +135,23 @@ def test_a_flipped_byte_in_a_tensor_is_said_to_be_undetectable(tmp_path, kind):
     problems = eqx_ckpt.verify(path)
     assert problems == []
     assert "a changed byte inside a tensor cannot be detected" in problems.unchecked[0]
+
+
+def test_a_flipped_byte_in_a_published_folder_is_found_by_its_digest(tmp_path, capsys):
+    """The published layout records each leaf's digest (issue 67): there a
+    changed byte is a problem of its leaf."""
+    path = _published(tmp_path)
+    file = _holding(path, "model.w")
+    data = bytearray(file.read_bytes())
+    data[-5] ^= 0xFF
+    file.write_bytes(bytes(data))
+    problems = eqx_ckpt.verify(path)
+    assert [p.leaf for p in problems] == ["model.w"]
+    assert re.search(
+        r"its bytes are not those its digest in eqx_ckpt.json records .*: a changed byte", problems[0].message
+    )
+    assert main(["verify", str(path)]) == 1
+    assert re.search(r"^model\.w: its bytes are not", capsys.readouterr().out, flags=re.M)
 
 
 @pytest.mark.parametrize("kind", ["safetensors", "hf"])

@@ -196,9 +196,8 @@ def _info(args: argparse.Namespace) -> int:
         stored = ckpt.total_bytes - sum(ckpt.record(path).nbytes for path in taken)
         print(f"base:            {printable(str(ckpt.base))}")
         here = len(ckpt) - len(taken)
-        print(
-            f"stored here:     {here} {'leaf' if here == 1 else 'leaves'}, {human(stored)}; {len(taken)} read from the base"
-        )
+        leaves = "leaf" if here == 1 else "leaves"
+        print(f"stored here:     {here} {leaves}, {human(stored)}; {len(taken)} read from the base")
     if ckpt.format == "eqx_ckpt":
         shared = _shared_files(location(_path(args.path)))
         if shared is not None:

@@ -202,6 +202,7 @@ def export_safetensors(
             f"`metadata` must be a dict mapping strings to strings (safetensors stores no other), not {metadata!r}."
         )
     info = _published.check_info(info)
+    about = _card.about(license=license, base_model=base_model, code=code)
     if isinstance(pytree, (str, os.PathLike)):
         pytree = Checkpoint(pytree, token=token)
     found, structure = _within(*_tensors(pytree), prefix)
@@ -214,8 +215,7 @@ def export_safetensors(
     _refuse_source_in_destination(loc, pytree)
     based = _family.base_of(pytree, base, standalone=standalone, single=single, destination=loc, token=token)
     if based is not None and base_model is None and based.hub is not None:
-        base_model = based.hub
-    about = _card.about(license=license, base_model=base_model, code=code)
+        about = _card.about(license=license, base_model=based.hub, code=code)
     digests: dict[str, str] = {}
     family = None if based is None else _family.matched(tensors, based, digests)
     stored = tensors if family is None else [t for t in tensors if t.record.path not in family.references]
