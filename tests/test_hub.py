@@ -955,3 +955,70 @@ def test_a_tag_names_the_pushed_commit(hub, tmp_path):
     assert name == "CheckpointValueError"
     assert message.startswith(f"hf://me/tagged: the tag 'v1.0' names another commit ({commit}), so it was not moved")
     assert state.repos["me/tagged"].tags == {"v1.0": commit}
+
+
+_FAMILY = """
+body = {"w": np.arange(1 << 18, dtype=np.float32).reshape(512, 512), "b": np.ones(512, np.float32)}
+base = {"body": body, "head": np.zeros((512, 4), np.float32)}
+tuned = {"body": body, "head": np.full((512, 6), 0.5, np.float32)}
+"""
+
+
+def _family_trees() -> tuple[dict, dict]:
+    """`_FAMILY`'s base (a 1 MiB body, a head) and its head-only fine-tune (a new head of another shape)."""
+    made: dict = {"np": np}
+    exec(_FAMILY, made)
+    return made["base"], made["tuned"]
+
+
+def test_a_fine_tune_pushed_against_its_base_uploads_what_changed_and_loads_through_the_cache(hub, tmp_path):
+    """Issue 67: `base=` uploads only the changed head; a fresh process loads
+    the fine-tune whole through the Hub's cache (its base too), bit for bit,
+    then again offline; the card links the base for the Hub's model tree. The
+    base pushed again later is not what the fine-tune loads: it is pinned to
+    the base's commit, never a mix of two models."""
+    client, state = hub
+    base_commit = client.run(_FAMILY + "emit(eqx_ckpt.push_to_hub(base, 'me/base'))")
+    before = state.received
+    client.run(_FAMILY + "emit(eqx_ckpt.push_to_hub(tuned, 'me/tuned', base='hf://me/base'))")
+    _, tuned = _family_trees()
+    assert state.received - before <= tuned["head"].nbytes + 2**20  # the target: the changed leaves + 1 MiB
+    assert state.received - before < tuned["body"]["w"].nbytes  # the body was not uploaded
+    fresh = Client(client.url, tmp_path / "other_cache")
+    load = _FAMILY + (
+        "got = eqx_ckpt.Checkpoint('hf://me/tuned').load(trust=[])\n"
+        "c = eqx_ckpt.Checkpoint('hf://me/tuned')\n"
+        "emit([bool(eqx.tree_equal(got, tuned, typematch=True)), c.base, sorted(c.from_base()),"
+        " np.asarray(c['body.w'][3, :2]).tolist()])"
+    )
+    expected = [True, f"hf://me/base@{base_commit}", ["body.b", "body.w"], [1536.0, 1537.0]]
+    assert fresh.run(load) == expected
+    assert fresh.run(load, HF_HUB_OFFLINE="1") == expected  # the base's files are in the cache too
+    card = fresh.run(
+        "import huggingface_hub; emit(open(huggingface_hub.hf_hub_download('me/tuned', 'README.md')).read())"
+    )
+    assert 'base_model: "me/base"' in card and "holds only the leaves that differ from its base" in card
+    client.run(_FAMILY + "base['body']['w'] = base['body']['w'] + 1; emit(eqx_ckpt.push_to_hub(base, 'me/base'))")
+    assert Client(client.url, tmp_path / "third_cache").run(load) == expected
+
+
+def test_a_fine_tune_from_the_hub_reads_no_base_outside_the_hub(hub, tmp_path):
+    """What a repository names is untrusted: a fine-tune on the Hub whose
+    record names a local base is refused before anything is read there; and a
+    push of a fine-tune made against a local base is refused, naming the fixes."""
+    client, state = hub
+    base, tuned = _family_trees()
+    eqx_ckpt.export_safetensors(tmp_path / "base", base)
+    eqx_ckpt.export_safetensors(tmp_path / "tuned", tuned, base=tmp_path / "base")
+    state.put_files("me/hostile", {p.name: p.read_bytes() for p in (tmp_path / "tuned").iterdir()})
+    error = client.run("emit(raised(lambda: eqx_ckpt.Checkpoint('hf://me/hostile').load()))")
+    assert error[0] == "CorruptCheckpointError" and "may take its base only from the Hub" in error[2]
+    push = f"emit(raised(lambda: eqx_ckpt.push_to_hub({str(tmp_path / 'tuned')!r}, 'me/tuned')))"
+    error = client.run(push)
+    assert error[0] == "CheckpointValueError" and "`standalone=True`" in error[2] and "Push the base first" in error[2]
+    standalone = f"emit(eqx_ckpt.push_to_hub({str(tmp_path / 'tuned')!r}, 'me/tuned', standalone=True))"
+    client.run(standalone)
+    got = client.run(
+        _FAMILY + "c = eqx_ckpt.Checkpoint('hf://me/tuned'); emit([c.base, bool(eqx.tree_equal(c.load(), tuned))])"
+    )
+    assert got == [None, True]
