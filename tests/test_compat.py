@@ -26,8 +26,12 @@ from eqx_ckpt._ondisk._format import FORMAT_VERSION
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 FOLDERS = sorted(FIXTURES.glob("format_*"), key=lambda p: int(p.name.removeprefix("format_")))
-# The published layout's fixtures (`export_safetensors` into a folder), one per version of its `eqx_ckpt.json`.
+# The published layout's fixtures (`export_safetensors` into a folder), one per version of its `eqx_ckpt.json`:
+# an export (its files in the folder), or from version 2 a model family (`base/`, and `finetune/` exported
+# against it).
 PUBLISHED = sorted(FIXTURES.glob("published_*"), key=lambda p: int(p.name.removeprefix("published_")))
+EXPORTS = [p for p in PUBLISHED if (p / "eqx_ckpt.json").is_file()]
+FAMILIES = [p for p in PUBLISHED if (p / "finetune" / "eqx_ckpt.json").is_file()]
 
 _spec = importlib.util.spec_from_file_location("make_fixture", FIXTURES / "make_fixture.py")
 assert _spec is not None and _spec.loader is not None
@@ -260,8 +264,13 @@ def test_a_newer_format_is_never_saved_over(tmp_path):
     assert sorted((p.relative_to(newer), p.read_bytes()) for p in newer.rglob("*") if p.is_file()) == before
 
 
-@pytest.fixture(params=PUBLISHED, ids=[p.name for p in PUBLISHED])
+@pytest.fixture(params=EXPORTS, ids=[p.name for p in EXPORTS])
 def published(request) -> pathlib.Path:
+    return request.param
+
+
+@pytest.fixture(params=FAMILIES, ids=[p.name for p in FAMILIES])
+def family(request) -> pathlib.Path:
     return request.param
 
 
@@ -269,6 +278,8 @@ def test_every_published_layout_version_has_a_fixture():
     from eqx_ckpt._ondisk._published import VERSION
 
     assert [int(p.name.removeprefix("published_")) for p in PUBLISHED] == list(range(1, VERSION + 1))
+    # Each holds an export or a family, never neither; a fine-tune is what version 2 added.
+    assert sorted(EXPORTS + FAMILIES) == PUBLISHED and FAMILIES and EXPORTS
 
 
 def test_the_published_fixture_loads_bit_for_bit(published):
@@ -288,14 +299,81 @@ def test_the_published_fixture_loads_bit_for_bit(published):
     assert problems == [] and "Safetensors files hold no checksums" in problems.unchecked[0]
 
 
-def test_the_published_fixtures_card_snippet_runs_as_written(published):
-    """The card's load snippet, run from the repository's root (the path it names)."""
-    snippet = re.search(r"```python\n(.*?)```", (published / "README.md").read_text(), re.S).group(1)
+def _run_card_snippet(folder: pathlib.Path, expected: str) -> None:
+    """The load snippet of `folder`'s card, run from the repository's root (the
+    path it names): it loads a tree of the structure `make_fixture.<expected>()` has."""
+    snippet = re.search(r"```python\n(.*?)```", (folder / "README.md").read_text(), re.S).group(1)
     check = snippet + "import jax; print(sorted(model), jax.tree.structure(model) == jax.tree.structure(EXPECTED))\n"
     setup = "import importlib.util as u, sys; s = u.spec_from_file_location('m', 'tests/fixtures/make_fixture.py'); "
-    setup += "m = u.module_from_spec(s); s.loader.exec_module(m); EXPECTED = m.published_expected()\n"
+    setup += f"m = u.module_from_spec(s); s.loader.exec_module(m); EXPECTED = m.{expected}()\n"
     root = FIXTURES.parent.parent
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
     run = subprocess.run([sys.executable, "-c", setup + check], capture_output=True, text=True, cwd=root, env=env)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().endswith("True")
+
+
+def test_the_published_fixtures_card_snippet_runs_as_written(published):
+    _run_card_snippet(published, "published_expected")
+
+
+def test_the_family_fixture_holds_what_its_version_wrote(family):
+    """A fine-tune stored against its base: version 2, the base by a relative
+    path pinned by the sha256 of its `eqx_ckpt.json`, only the changed leaves
+    in its safetensors, each other leaf naming the base's leaf with its bytes."""
+    from safetensors import safe_open
+
+    finetune, base = family / "finetune", family / "base"
+    record = json.loads((finetune / "eqx_ckpt.json").read_text())
+    assert record["format_version"] == 2 == int(family.name.removeprefix("published_"))
+    sha256 = hashlib.sha256((base / "eqx_ckpt.json").read_bytes()).hexdigest()
+    assert record["base"] == {"path": "../base", "sha256": sha256}
+    assert json.loads((base / "eqx_ckpt.json").read_text())["format_version"] == 1
+    stored = []
+    for file in sorted(finetune.glob("*.safetensors")):
+        with safe_open(str(file), framework="np") as f:
+            stored += list(f.keys())
+    assert sorted(stored) == make_fixture.FAMILY_STORED
+    taken = {leaf["path"]: leaf["base"] for leaf in record["leaves"] if "base" in leaf}
+    assert sorted(taken) == sorted(leaf["path"] for leaf in record["leaves"] if leaf["path"] not in stored)
+    assert taken["adapter.w"] == "small.f32" and taken["special.f32"] == "special.f32"
+    assert all(re.fullmatch("xxh3-128:[0-9a-f]{32}", leaf["digest"]) for leaf in record["leaves"])
+    assert len(list(base.glob("model-*-of-*.safetensors"))) == 2
+
+
+def test_the_family_fixture_loads_bit_for_bit(family):
+    """The fine-tune loads as it was, its base's leaves read from the base
+    beside it: into a `like`, rebuilt without one, lazily and in part; the base
+    loads as itself; both verify sound."""
+    finetune, base = family / "finetune", family / "base"
+    expected = make_fixture.family_finetune_expected()
+    _assert_loaded(eqx_ckpt.tree_deserialise_leaves(finetune, make_fixture.family_like()), expected)
+    ckpt = eqx_ckpt.Checkpoint(finetune)
+    loaded = ckpt.load(trust=[])
+    _assert_loaded(loaded, expected)
+    assert jax.tree.structure(loaded) == jax.tree.structure(expected)
+    assert ckpt.info == {"description": "The fine-tune of the family fixture."}
+    lazy = eqx_ckpt.tree_deserialise_leaves(finetune, make_fixture.family_like(), lazy=True)
+    assert np.asarray(lazy["special"]["f32"][1:4]).tobytes() == expected["special"]["f32"][1:4].tobytes()
+    assert np.asarray(ckpt["small.u4"]).tobytes() == expected["small"]["u4"].tobytes()
+    _assert_loaded(eqx_ckpt.materialise(lazy), expected)
+    model = eqx_ckpt.tree_deserialise_leaves(finetune, make_fixture.family_like()["model"], prefix="model")
+    assert eqx.tree_equal(model, expected["model"], typematch=True)
+    like = make_fixture.family_like()
+    part = eqx_ckpt.tree_deserialise_leaves(finetune, like, where=lambda t: (t["adapter"], t["keys"]))
+    assert _all_bits(part["adapter"]) == _all_bits(expected["adapter"])
+    assert _all_bits(part["keys"]) == _all_bits(expected["keys"])
+    assert part["model"].layers[1].weight is like["model"].layers[1].weight and part["scalars"]["int"] == 0
+    base_expected = make_fixture.family_base_expected()
+    _assert_loaded(
+        eqx_ckpt.tree_deserialise_leaves(base, jax.tree.map(make_fixture.blank, base_expected)), base_expected
+    )
+    for folder in (finetune, base):
+        problems = eqx_ckpt.verify(folder)
+        assert problems == [] and "Safetensors files hold no checksums" in problems.unchecked[0]
+
+
+def test_the_family_fixtures_card_snippet_runs_as_written(family):
+    card = (family / "finetune" / "README.md").read_text()
+    assert "it holds only the leaves that differ from its base, `../base`" in card
+    _run_card_snippet(family / "finetune", "family_finetune_expected")

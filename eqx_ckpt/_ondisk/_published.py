@@ -271,8 +271,10 @@ def _extras(raw: Any, bad: Callable[[str], Exception]) -> tuple[dict[str, str], 
                 raise bad(f"the leaf {path!r} has the digest {str(digest)[:80]!r}, not {DIGEST_PREFIX}<32 hex digits>")
             digests[path] = digest
         if base is not None:
-            if not isinstance(base, str) or not 0 < len(base) <= 4096 or digest is None:
-                raise bad(f"the leaf {path!r} names its base's leaf as {str(base)[:80]!r}, without a digest")
+            if not isinstance(base, str) or not 0 < len(base) <= 4096:
+                raise bad(f"the leaf {path!r} names its base's leaf as {repr(base)[:80]}, which is not a dotted path")
+            if digest is None:
+                raise bad(f"the leaf {path!r} names its base's leaf as {base[:80]!r}, without a digest")
             references[path] = base
     return digests, references
 

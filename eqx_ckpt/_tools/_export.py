@@ -195,12 +195,7 @@ def export_safetensors(
     """
     # Everything is checked before anything is written or deleted.
     limit = _shard_bytes(max_shard_size)
-    if metadata is not None and not (
-        isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-    ):
-        raise CheckpointTypeError(
-            f"`metadata` must be a dict mapping strings to strings (safetensors stores no other), not {metadata!r}."
-        )
+    _check_metadata(metadata)
     info = _published.check_info(info)
     about = _card.about(license=license, base_model=base_model, code=code)
     if isinstance(pytree, (str, os.PathLike)):
@@ -222,6 +217,7 @@ def export_safetensors(
     shards = _plan(stored, limit) if single is None else [stored]
     names = [single] if single else _file_names(len(shards))
     shown = card_path if card_path is not None else (str(path) if isinstance(path, (str, os.PathLike)) else loc.display)
+    _durable.ensure_directory(loc)  # only now: an export refused above leaves no empty folder behind
     files: dict[str, bytes] = {}
     try:
         with Tracker(progress, leaves=len(stored), nbytes=sum(t.nbytes for t in stored), what="export") as tracker:
@@ -251,11 +247,7 @@ def export_safetensors(
     # Only now, with every leaf read: the source may be these very files.
     _storage.publish(loc, names + list(files))
     if len(names) > 1:
-        index = {
-            "metadata": {"total_size": sum(t.nbytes for t in stored)},
-            "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard},
-        }
-        _storage.write_file(loc, _safetensors.INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
+        _write_index(loc, names, shards)
         names.append(_safetensors.INDEX)
     names += list(files)
     if single in (None, _safetensors.SINGLE):
@@ -263,6 +255,25 @@ def export_safetensors(
         # index beside a new `model.safetensors` would be read instead of it.
         _storage.remove(loc, [n for n in _storage.list_names(loc) if _EXPORTED.match(n) and n not in names])
     return names
+
+
+def _check_metadata(metadata: Any) -> None:
+    """Refuse `metadata` that is not what safetensors stores: a dict of strings."""
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise CheckpointTypeError(
+            f"`metadata` must be a dict mapping strings to strings (safetensors stores no other), not {metadata!r}."
+        )
+
+
+def _write_index(loc: Location, names: list[str], shards: list[list[_Tensor]]) -> None:
+    """The shards' `model.safetensors.index.json`: the file of each tensor, and their bytes in all."""
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for shard in shards for t in shard)},
+        "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard},
+    }
+    _storage.write_file(loc, _safetensors.INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
 
 
 def _described(
@@ -533,7 +544,7 @@ def _refuse_source_in_destination(loc: Location, pytree: Any) -> None:
 
 def _destination(path: Any) -> tuple[Location, str | None]:
     """The folder an export writes into, and its one file's name (or `None`
-    for a directory of Hugging Face shards)."""
+    for a directory of Hugging Face shards). The folder is not made here."""
     loc = location(path)
     if not _safetensors.is_file_path(loc):
         folder, name = loc, None
@@ -548,7 +559,6 @@ def _destination(path: Any) -> tuple[Location, str | None]:
             f"checkpoint's. Export to another directory.",
             path=folder.display,
         )
-    _durable.ensure_directory(folder)
     return folder, name
 
 

@@ -1,0 +1,749 @@
+"""Model families: `export_safetensors(..., base=)` and `eqx-ckpt export --base`
+write a fine-tune as the leaves that differ from a pinned base, matched by
+content (never by name alone); every load of the fine-tune reads the rest
+from the base, bit for bit, whatever the base is (a published folder, in one
+file or in shards; an eqx_ckpt checkpoint, its tiny leaves packed or not).
+
+Covered here: what the folder holds (its safetensors, its `eqx_ckpt.json`
+version 2 with the base's pin and each taken leaf, every leaf's digest, the
+card); every load option on a fine-tune; leaves matched by content (renamed,
+re-wrapped); nothing or everything changed; a base missing, changed since or
+lacking a leaf, each an error naming the base with nothing loaded; standalone
+exports (the library and the command line); a re-export keeping its base; a
+chain of fine-tunes, and its depth limit; damaged or hostile records; a
+fine-tune moved together with its base. (Hub bases are tested in
+tests/test_hub.py.)"""
+
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shlex
+import shutil
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors
+import xxhash
+from safetensors import safe_open
+
+import eqx_ckpt
+from eqx_ckpt._tools._cli import main
+
+
+class Classifier(eqx.Module):
+    """A model of the test's own: a load without `like` builds it only when trusted."""
+
+    body: eqx.nn.MLP
+    head: eqx.nn.Linear
+    temperature: float = eqx.field(static=True)
+
+
+def _model(seed: int) -> Classifier:
+    one, two = jax.random.split(jax.random.key(seed))
+    return Classifier(eqx.nn.MLP(3, 4, 5, 1, key=one), eqx.nn.Linear(4, 2, key=two), 0.5)
+
+
+def _base_tree() -> dict[str, Any]:
+    """Leaves of several kinds: float32 (the model), bfloat16, NumPy int32 and
+    bool, a PRNG key, a Python int and float."""
+    return {
+        "model": _model(0),
+        "embed": jnp.arange(12, dtype=jnp.bfloat16).reshape(3, 4) / 4,
+        "ids": np.arange(5, dtype=np.int32) * 7,
+        "mask": np.array([True, False, True]),
+        "key": jax.random.key(0),
+        "step": 3,
+        "lr": 0.25,
+    }
+
+
+# The leaves a head-only fine-tune changes, by dotted path.
+CHANGED = ["model.head.bias", "model.head.weight", "step"]
+
+
+def _finetuned(tree: dict[str, Any]) -> dict[str, Any]:
+    """`tree` with a new head and step: its body, embeddings and the rest unchanged."""
+    head = tree["model"].head
+    model = eqx.tree_at(lambda m: (m.head.weight, m.head.bias), tree["model"], (head.weight + 1, head.bias - 0.5))
+    return {**tree, "model": model, "step": 4}
+
+
+# Where the base is: a published folder (one file, or in shards), or an
+# eqx_ckpt checkpoint (its tiny leaves packed, or each in a folder of its own).
+BASES = ["published", "sharded", "checkpoint", "checkpoint-unpacked"]
+
+
+class Family(NamedTuple):
+    kind: str
+    base: pathlib.Path
+    finetune: pathlib.Path
+    base_tree: dict[str, Any]
+    tree: dict[str, Any]
+
+    @property
+    def record_file(self) -> pathlib.Path:
+        """The file whose sha256 pins the base."""
+        return self.base / ("manifest.json" if self.kind.startswith("checkpoint") else "eqx_ckpt.json")
+
+
+def _make_base(kind: str, path: pathlib.Path, tree: Any) -> None:
+    if kind.startswith("checkpoint"):
+        eqx_ckpt.tree_serialise_leaves(path, tree, overwrite=path.exists())
+    else:
+        eqx_ckpt.export_safetensors(path, tree, max_shard_size=200 if kind == "sharded" else "5GB")
+
+
+@pytest.fixture(params=BASES)
+def family(request, tmp_path) -> Family:
+    """A base of each kind and a head-only fine-tune exported against it."""
+    if request.param == "checkpoint-unpacked":
+        request.getfixturevalue("unpacked")
+    base, tree = tmp_path / "base", _base_tree()
+    _make_base(request.param, base, tree)
+    if request.param == "checkpoint":
+        assert {"packed.float32", "packed.bfloat16", "packed.uint32"} <= {p.name for p in base.iterdir()}
+    elif request.param == "checkpoint-unpacked":
+        assert not list(base.glob("packed.*"))
+    elif request.param == "sharded":
+        assert len(list(base.glob("model-*.safetensors"))) > 1
+    finetuned = _finetuned(tree)
+    shard = 200 if request.param == "sharded" else "5GB"
+    eqx_ckpt.export_safetensors(tmp_path / "ft", finetuned, base=base, max_shard_size=shard)
+    return Family(request.param, base, tmp_path / "ft", tree, finetuned)
+
+
+def _record(folder: pathlib.Path) -> dict[str, Any]:
+    return json.loads((folder / "eqx_ckpt.json").read_text())
+
+
+def _leaves(folder: pathlib.Path) -> dict[str, dict[str, Any]]:
+    return {leaf["path"]: leaf for leaf in _record(folder)["leaves"]}
+
+
+def _tensors(folder: pathlib.Path) -> dict[str, bytes]:
+    """Every tensor the folder's safetensors files hold, as the `safetensors`
+    library reads them: name -> bytes."""
+    found: dict[str, bytes] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="np") as f:
+            names = list(f.keys())
+        parsed = dict(safetensors.deserialize(file.read_bytes()))
+        assert sorted(parsed) == sorted(names)
+        found.update({name: bytes(parsed[name]["data"]) for name in names})
+    return found
+
+
+def _stored_bytes(x: Any) -> bytes:
+    """A leaf's bytes as an export stores them: a key's key data, a Python
+    scalar as int64, float64 or bool."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(x)).tobytes()
+    if isinstance(x, bool):
+        return np.bool_(x).tobytes()
+    if isinstance(x, int):
+        return np.int64(x).tobytes()
+    if isinstance(x, float):
+        return np.float64(x).tobytes()
+    return np.asarray(x).tobytes()
+
+
+def _digest(x: Any) -> str:
+    return "xxh3-128:" + xxhash.xxh3_128_hexdigest(_stored_bytes(x))
+
+
+def _by_path(tree: Any) -> dict[str, Any]:
+    """A tree's stored leaves (arrays and numbers) by the dotted paths eqx_ckpt names them by."""
+    ckpt_names = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float)):
+            continue
+        parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+        ckpt_names[".".join(parts)] = leaf
+    return ckpt_names
+
+
+def _bits(x: Any) -> Any:
+    """A leaf as what must come back exactly: its type, dtype, shape and bytes."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return ("key", str(jax.random.key_impl(x)), x.shape, np.asarray(jax.random.key_data(x)).tobytes())
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        array = np.asarray(x)
+        return (type(x), array.dtype.name, array.shape, array.tobytes())
+    return (type(x), x)
+
+
+def _assert_same(loaded: Any, expected: Any) -> None:
+    """Equal as Equinox sees it, of the same structure, and bit for bit."""
+    assert eqx.tree_equal(loaded, expected, typematch=True), "the loaded tree differs from the exported one"
+    assert jax.tree.structure(loaded) == jax.tree.structure(expected)
+    assert [(jax.tree_util.keystr(p), _bits(x)) for p, x in jax.tree_util.tree_leaves_with_path(loaded)] == [
+        (jax.tree_util.keystr(p), _bits(x)) for p, x in jax.tree_util.tree_leaves_with_path(expected)
+    ]
+
+
+def _like(tree: Any) -> Any:
+    """What a test loads into: JAX arrays abstract, other leaves of their own
+    type holding zeros, so that a load that read nothing fails."""
+
+    def blank(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        if isinstance(x, np.ndarray):
+            return np.zeros_like(x)
+        if isinstance(x, (bool, int, float)):
+            return type(x)(0)
+        return x
+
+    return jax.tree.map(blank, tree)
+
+
+def _no_reads(faults) -> list[Any]:
+    """Arm every point where a load reads stored bytes; the list of reads made."""
+    reads: list[Any] = []
+    faults(["load.read_stored", "safetensors.read_run", "pack.read_run"], lambda *a: reads.append(a))
+    return reads
+
+
+# The folder and its record.
+
+
+def test_a_finetune_holds_only_the_leaves_it_changed(family):
+    assert sorted(_tensors(family.finetune)) == CHANGED
+    record = _record(family.finetune)
+    assert record["format_version"] == 2
+    sha256 = hashlib.sha256(family.record_file.read_bytes()).hexdigest()
+    assert record["base"] == {"path": os.path.join("..", "base"), "sha256": sha256}
+    assert (family.finetune / record["base"]["path"]).resolve() == family.base.resolve()
+    leaves = _leaves(family.finetune)
+    expected = _by_path(family.tree)
+    assert sorted(leaves) == sorted(expected) and record["leaf_count"] == len(expected)
+    for path, leaf in leaves.items():
+        # Every leaf's digest is of its stored bytes; each leaf not changed names the base's leaf.
+        assert leaf["digest"] == _digest(expected[path]), path
+        assert leaf.get("base") == (None if path in CHANGED else path), path
+    # What the folder stores is the fine-tune's own values.
+    for path, data in _tensors(family.finetune).items():
+        assert data == _stored_bytes(expected[path]), path
+
+
+def test_an_export_without_a_base_is_version_1_with_every_digest(tmp_path):
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    record = _record(tmp_path / "base")
+    assert record["format_version"] == 1 and "base" not in record
+    stored = _tensors(tmp_path / "base")
+    for path, leaf in _leaves(tmp_path / "base").items():
+        assert "base" not in leaf
+        assert leaf["digest"] == "xxh3-128:" + xxhash.xxh3_128_hexdigest(stored[path]), path
+
+
+# Every load option reads the base's leaves.
+
+
+def test_a_finetune_loads_bit_for_bit_without_like(family):
+    ckpt = eqx_ckpt.Checkpoint(family.finetune)
+    assert sorted(ckpt) == sorted(_by_path(family.tree))
+    _assert_same(ckpt.load(trust=[Classifier]), family.tree)
+    _assert_same(eqx_ckpt.tree_deserialise_leaves(family.finetune, None, trust=[Classifier]), family.tree)
+    _assert_same(ckpt.load("model", trust=[Classifier]), family.tree["model"])
+    _assert_same(eqx_ckpt.materialise(ckpt.load(trust=[Classifier], lazy=True)), family.tree)
+    skeleton = ckpt.skeleton(trust=[Classifier])
+    _assert_same(eqx_ckpt.tree_deserialise_leaves(family.finetune, skeleton), family.tree)
+    with pytest.raises(eqx_ckpt.CheckpointError, match=r"test_families:Classifier"):
+        ckpt.load(trust=[])
+
+
+def test_a_finetune_loads_bit_for_bit_into_like(family):
+    like = _like(family.tree)
+    _assert_same(eqx_ckpt.tree_deserialise_leaves(family.finetune, like), family.tree)
+    # A part: the selected sub-trees (from the base, and the fine-tune's own), nothing else.
+    part = eqx_ckpt.tree_deserialise_leaves(
+        family.finetune, like, where=lambda t: (t["model"].body.layers[0], t["model"].head, t["embed"])
+    )
+    _assert_same(part["model"].body.layers[0], family.tree["model"].body.layers[0])
+    _assert_same(part["model"].head, family.tree["model"].head)
+    _assert_same(part["embed"], family.tree["embed"])
+    assert part["step"] == 0 and part["lr"] == 0.0 and part["key"] is like["key"]
+    assert part["model"].body.layers[1].weight is like["model"].body.layers[1].weight
+    # By prefix: a sub-tree, and one leaf taken from the base.
+    model = eqx_ckpt.tree_deserialise_leaves(family.finetune, like["model"], prefix="model")
+    _assert_same(model, family.tree["model"])
+    layer = eqx_ckpt.tree_deserialise_leaves(
+        family.finetune, like["model"].body.layers[1], prefix="model.body.layers.1"
+    )
+    _assert_same(layer, family.tree["model"].body.layers[1])
+
+
+def test_a_finetune_loads_lazily_and_in_slices(family):
+    tree = family.tree
+    lazy = eqx_ckpt.tree_deserialise_leaves(family.finetune, _like(tree), lazy=True)
+    for leaf in (lazy["model"].body.layers[0].weight, lazy["model"].head.weight, lazy["embed"], lazy["key"]):
+        assert isinstance(leaf, eqx_ckpt.LazyArray)
+    assert _bits(lazy["key"].read()) == _bits(tree["key"])
+    _assert_same(eqx_ckpt.materialise(lazy), tree)
+    ckpt = eqx_ckpt.Checkpoint(family.finetune)
+    weight = ckpt["model.body.layers.0.weight"]  # the base's
+    assert isinstance(weight, eqx_ckpt.LazyArray) and weight.shape == (5, 3)
+    expected = np.asarray(tree["model"].body.layers[0].weight)
+    assert np.asarray(weight[1:4, ::2]).tobytes() == expected[1:4, ::2].tobytes()
+    assert np.asarray(ckpt["embed"][2]).tobytes() == np.asarray(tree["embed"][2]).tobytes()
+    assert np.asarray(ckpt["model.head.bias"][1:]).tobytes() == np.asarray(tree["model"].head.bias[1:]).tobytes()
+    assert np.asarray(ckpt["ids"][::2]).tobytes() == tree["ids"][::2].tobytes()
+    assert _bits(ckpt["key"].read()) == _bits(tree["key"])
+    assert _bits(ckpt["lr"]) == _bits(0.25) and _bits(ckpt["step"]) == _bits(4)
+
+
+def test_load_or_initialise_reads_a_finetune_and_its_base(family):
+    def init():
+        return {"model": _model(9), "embed": jnp.zeros((3, 4), jnp.bfloat16), "step": 0, "extra": jnp.ones(2)}
+
+    grown = eqx_ckpt.load_or_initialise(family.finetune, init)
+    _assert_same(grown["model"], family.tree["model"])
+    _assert_same(grown["embed"], family.tree["embed"])
+    assert _bits(grown["step"]) == _bits(4) and grown["extra"].tolist() == [1.0, 1.0]
+
+
+# Matched by content.
+
+
+def test_leaves_are_matched_by_content_never_by_name(tmp_path):
+    """A weight renamed or re-wrapped (a LoRA-like wrapper) takes the base's
+    leaf under its other name; a leaf of the same name but other bytes, or the
+    same bytes as another dtype or shape, is stored."""
+    w = np.arange(12, dtype=np.float32).reshape(3, 4) / 8
+    base = {"w": w, "b": np.ones(4, np.float32), "zeros": np.zeros(6, np.int32), "more_zeros": np.zeros(6, np.int32)}
+    eqx_ckpt.export_safetensors(tmp_path / "base", base)
+    tree = {
+        "lora": {"w": w.copy(), "a": np.full((4, 2), 0.5, np.float32)},  # the base's `w`, re-wrapped
+        "bias": np.ones(4, np.float32),  # the base's `b`, renamed
+        "b": np.full(4, 2.0, np.float32),  # the base's name, other bytes
+        "as_ints": w.view(np.int32),  # the base's `w` bytes, another dtype
+        "flat": w.reshape(-1),  # the base's `w` bytes, another shape
+        "more_zeros": np.zeros(6, np.int32),  # two base leaves hold its bytes: its own name first
+    }
+    eqx_ckpt.export_safetensors(tmp_path / "ft", tree, base=tmp_path / "base")
+    taken = {path: leaf["base"] for path, leaf in _leaves(tmp_path / "ft").items() if "base" in leaf}
+    assert taken == {"lora.w": "w", "bias": "b", "more_zeros": "more_zeros"}
+    assert sorted(_tensors(tmp_path / "ft")) == ["as_ints", "b", "flat", "lora.a"]
+    _assert_same(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", _like(tree)), tree)
+    _assert_same(eqx_ckpt.Checkpoint(tmp_path / "ft").load(trust=[]), tree)
+    # A base given as a `Checkpoint` is the same base: the same record.
+    eqx_ckpt.export_safetensors(tmp_path / "ft2", tree, base=eqx_ckpt.Checkpoint(tmp_path / "base"))
+    assert (tmp_path / "ft2" / "eqx_ckpt.json").read_bytes() == (tmp_path / "ft" / "eqx_ckpt.json").read_bytes()
+
+
+def test_a_leaf_of_another_type_with_the_same_bytes_loads_as_its_own_type(tmp_path):
+    """The base stores NumPy arrays and a Python float; the fine-tune, JAX arrays
+    and a NumPy float64 of the same bytes: it takes them, and loads them as
+    its own types."""
+    base = {"w": np.arange(4, dtype=np.float32), "lr": 0.5}
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "base", base)
+    tree = {"w": jnp.arange(4, dtype=jnp.float32), "lr": np.float64(0.5), "new": jnp.ones(2)}
+    eqx_ckpt.export_safetensors(tmp_path / "ft", tree, base=tmp_path / "base")
+    assert sorted(_tensors(tmp_path / "ft")) == ["new"]
+    _assert_same(eqx_ckpt.Checkpoint(tmp_path / "ft").load(trust=[]), tree)
+    _assert_same(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", tree), tree)
+
+
+@pytest.mark.parametrize("changed", ["nothing", "everything"])
+@pytest.mark.parametrize("kind", ["published", "checkpoint"])
+def test_nothing_or_everything_changed(tmp_path, changed, kind):
+    tree = _base_tree()
+    _make_base(kind, tmp_path / "base", tree)
+    if changed == "everything":
+        tree = {
+            "model": jax.tree.map(lambda x: x + 1 if eqx.is_inexact_array(x) else x, tree["model"]),
+            "embed": tree["embed"] * 2,
+            "ids": tree["ids"] + 1,
+            "mask": ~tree["mask"],
+            "key": jax.random.key(1),
+            "step": 5,
+            "lr": 0.125,
+        }
+    eqx_ckpt.export_safetensors(tmp_path / "ft", tree, base=tmp_path / "base")
+    record = _record(tmp_path / "ft")
+    assert record["format_version"] == 2 and record["base"]["path"] == os.path.join("..", "base")
+    taken = [path for path, leaf in _leaves(tmp_path / "ft").items() if "base" in leaf]
+    if changed == "nothing":
+        assert _tensors(tmp_path / "ft") == {} and sorted(taken) == sorted(_by_path(tree))
+    else:
+        assert sorted(_tensors(tmp_path / "ft")) == sorted(_by_path(tree)) and taken == []
+    _assert_same(eqx_ckpt.Checkpoint(tmp_path / "ft").load(trust=[Classifier]), tree)
+    _assert_same(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", _like(tree)), tree)
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", _like(tree), lazy=True)
+    _assert_same(eqx_ckpt.materialise(lazy), tree)
+
+
+# A base missing, changed or not the one the fine-tune was made from.
+
+
+def _every_load(folder: pathlib.Path, tree: Any) -> list[Any]:
+    return [
+        lambda: eqx_ckpt.Checkpoint(folder),
+        lambda: eqx_ckpt.tree_deserialise_leaves(folder, _like(tree)),
+        lambda: eqx_ckpt.tree_deserialise_leaves(folder, _like(tree), lazy=True),
+        lambda: eqx_ckpt.tree_deserialise_leaves(folder, _like(tree), where=lambda t: t["model"].head),
+        lambda: eqx_ckpt.tree_deserialise_leaves(folder, _like(tree["model"]), prefix="model"),
+        lambda: eqx_ckpt.load_or_initialise(folder, lambda: {"model": _model(9)}),
+    ]
+
+
+def test_a_missing_base_is_an_error_naming_it(family, faults):
+    shutil.rmtree(family.base)
+    reads = _no_reads(faults)
+    said = re.escape(
+        f"{str(family.finetune)!r} is a fine-tune that holds only the leaves it changed; the others are read from its "
+        f"base {str(family.base)!r}, which cannot be found: "
+    )
+    for load in _every_load(family.finetune, family.tree):
+        with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=said + ".*Put the base back"):
+            load()
+    assert reads == []
+
+
+def test_a_base_changed_since_is_an_error_naming_it(family, faults):
+    """Re-exported or re-saved with other values, the same structure: its
+    record's sha256 is not the pinned one."""
+    changed = jax.tree.map(lambda x: x + 1 if eqx.is_inexact_array(x) else x, family.base_tree)
+    _make_base(family.kind, family.base, changed)
+    reads = _no_reads(faults)
+    said = re.escape(f"is a fine-tune of the base {str(family.base)!r} as it was when the fine-tune was exported")
+    for load in _every_load(family.finetune, family.tree):
+        with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=said + ".*that base has changed since"):
+            load()
+    assert reads == []
+
+
+def test_a_base_replaced_after_the_finetune_was_opened_is_detected(family):
+    ckpt = eqx_ckpt.Checkpoint(family.finetune)
+    lazy = eqx_ckpt.tree_deserialise_leaves(family.finetune, _like(family.tree), lazy=True)
+    _make_base(
+        family.kind, family.base, jax.tree.map(lambda x: x * 2 if eqx.is_inexact_array(x) else x, family.base_tree)
+    )
+    for read in (
+        lambda: ckpt["model.body.layers.0.weight"][:2],
+        lambda: lazy["embed"].read(),
+        lambda: ckpt.load(trust=[Classifier]),
+        lambda: eqx_ckpt.materialise(lazy),
+    ):
+        with pytest.raises(eqx_ckpt.CheckpointReplacedError, match=re.escape(str(family.base))):
+            read()
+
+
+@pytest.mark.parametrize(
+    ("reference", "why"),
+    [
+        ("model.body.nothere", "has no leaf 'model.body.nothere'"),
+        (
+            "model.body.layers.0.bias",
+            "stores its leaf 'model.body.layers.0.bias' as float32[5], not as the float32[5, 3]",
+        ),
+    ],
+)
+def test_a_base_lacking_a_leaf_or_storing_it_otherwise_is_an_error(family, faults, reference, why):
+    """The fine-tune names a base leaf the base lacks, or holds with another
+    shape. (A base cannot lose a leaf without its pinned record changing, so
+    the fine-tune's record is edited to name one.)"""
+    record = _record(family.finetune)
+    (edited,) = [leaf for leaf in record["leaves"] if leaf["path"] == "model.body.layers.0.weight"]
+    edited["base"] = reference
+    (family.finetune / "eqx_ckpt.json").write_text(json.dumps(record))
+    reads = _no_reads(faults)
+    name = "'model.body.layers.0.weight'"
+    said = re.escape(f"{str(family.finetune)!r} takes its leaf {name} from its base {str(family.base)!r}, which {why}")
+    for load in _every_load(family.finetune, family.tree):
+        with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=said + ".*nothing is loaded"):
+            load()
+    assert reads == []
+
+
+def test_verify_checks_the_leaves_a_finetune_takes_from_its_base(tmp_path, unpacked):
+    tree = {"w": np.arange(64, dtype=np.float32), "b": np.ones(3, np.float32)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "base", tree)
+    eqx_ckpt.export_safetensors(tmp_path / "ft", {**tree, "b": np.zeros(3, np.float32)}, base=tmp_path / "base")
+    assert sorted(_tensors(tmp_path / "ft")) == ["b"]
+    assert eqx_ckpt.verify(tmp_path / "ft") == []
+    (chunk,) = [p for p in (tmp_path / "base" / "w").rglob("*") if p.is_file() and p.name != "zarr.json"]
+    damaged = bytearray(chunk.read_bytes())
+    damaged[10] ^= 0xFF
+    chunk.write_bytes(bytes(damaged))
+    problems = eqx_ckpt.verify(tmp_path / "ft")
+    assert [p.leaf for p in problems] == ["w"] and str(chunk) in problems[0].message
+    with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape(f"Leaf `w` in checkpoint {str(tmp_path / 'ft')!r}")):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", tree)
+
+
+# Standalone exports, and exports that keep the base.
+
+
+def test_a_standalone_export_holds_every_leaf_and_loads_without_the_base(family):
+    out = family.finetune.parent / "standalone"
+    eqx_ckpt.export_safetensors(out, eqx_ckpt.Checkpoint(family.finetune), standalone=True)
+    record = _record(out)
+    assert record["format_version"] == 1 and "base" not in record
+    assert all("base" not in leaf for leaf in record["leaves"])
+    expected = _by_path(family.tree)
+    assert {name: data for name, data in _tensors(out).items()} == {p: _stored_bytes(x) for p, x in expected.items()}
+    card = (out / "README.md").read_text()
+    assert "fine-tune" not in card and "--standalone" not in card
+    shutil.rmtree(family.base)
+    _assert_same(eqx_ckpt.Checkpoint(out).load(trust=[Classifier]), family.tree)
+    _assert_same(eqx_ckpt.tree_deserialise_leaves(out, _like(family.tree)), family.tree)
+
+
+def test_the_cli_exports_against_a_base_and_standalone(tmp_path, capsys):
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    finetuned = _finetuned(tree)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", finetuned)
+    # --base: the same folder as the library writes for the same checkpoint.
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "cli"), "--base", str(tmp_path / "base")]) == 0
+    eqx_ckpt.export_safetensors(tmp_path / "lib", eqx_ckpt.Checkpoint(tmp_path / "ckpt"), base=tmp_path / "base")
+    assert sorted(_tensors(tmp_path / "cli")) == CHANGED
+    assert _record(tmp_path / "cli") == _record(tmp_path / "lib")
+    assert _record(tmp_path / "cli")["base"]["path"] == os.path.join("..", "base")
+    _assert_same(eqx_ckpt.Checkpoint(tmp_path / "cli").load(trust=[Classifier]), finetuned)
+    # --standalone: every leaf; it loads with the base gone.
+    assert main(["export", str(tmp_path / "cli"), str(tmp_path / "alone"), "--standalone"]) == 0
+    eqx_ckpt.export_safetensors(tmp_path / "lib_alone", eqx_ckpt.Checkpoint(tmp_path / "lib"), standalone=True)
+    assert _record(tmp_path / "alone")["format_version"] == 1
+    assert (tmp_path / "alone" / "model.safetensors").read_bytes() == (
+        tmp_path / "lib_alone" / "model.safetensors"
+    ).read_bytes()
+    assert sorted(_tensors(tmp_path / "alone")) == sorted(_by_path(finetuned))
+    shutil.rmtree(tmp_path / "base")
+    _assert_same(eqx_ckpt.Checkpoint(tmp_path / "alone").load(trust=[Classifier]), finetuned)
+    # Both at once: refused by the parser, nothing written.
+    capsys.readouterr()
+    both = ["export", str(tmp_path / "ckpt"), str(tmp_path / "both"), "--base", str(tmp_path / "x"), "--standalone"]
+    assert main(both) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+    assert not (tmp_path / "both").exists()
+
+
+def test_contradictory_or_impossible_base_options_are_refused(tmp_path):
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("`base=` and `standalone=True` contradict")):
+        eqx_ckpt.export_safetensors(tmp_path / "out", tree, base=tmp_path / "base", standalone=True)
+    said = "An export against a base needs a folder, whose `eqx_ckpt.json` names the base: 'one.safetensors' is one"
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape(said)):
+        eqx_ckpt.export_safetensors(tmp_path / "out" / "one.safetensors", tree, base=tmp_path / "base")
+    with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape("`base` must be a path")):
+        eqx_ckpt.export_safetensors(tmp_path / "out", tree, base=3)
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(str(tmp_path / "nothere"))):
+        eqx_ckpt.export_safetensors(tmp_path / "out", tree, base=tmp_path / "nothere")
+    # Each refused before anything is written: not even the folder (it was made, and left empty).
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_reexport_of_a_finetune_keeps_its_base(family):
+    """A fine-tune's `Checkpoint` exported without `base=` is exported against
+    the same base, re-matched, its path relative to the new folder."""
+    record = _record(family.finetune)
+    for out in (family.finetune.parent / "again", family.finetune.parent / "deeper" / "still" / "again"):
+        eqx_ckpt.export_safetensors(out, eqx_ckpt.Checkpoint(family.finetune))
+        again = _record(out)
+        assert again["format_version"] == 2
+        assert again["base"]["sha256"] == record["base"]["sha256"]
+        assert again["base"]["path"] == os.path.relpath(family.base, out)
+        assert _leaves(out) == _leaves(family.finetune)
+        assert sorted(_tensors(out)) == CHANGED
+        _assert_same(eqx_ckpt.Checkpoint(out).load(trust=[Classifier]), family.tree)
+    # A lazily loaded tree of it is a tree, not a `Checkpoint`: exported against the base given (none here).
+    lazy = eqx_ckpt.tree_deserialise_leaves(family.finetune, _like(family.tree), lazy=True)
+    eqx_ckpt.export_safetensors(family.finetune.parent / "tree", lazy)
+    assert _record(family.finetune.parent / "tree")["format_version"] == 1
+
+
+# Chains.
+
+
+def test_a_finetune_of_a_finetune_loads_bit_for_bit(tmp_path):
+    base = _base_tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "base", base)
+    first = _finetuned(base)
+    eqx_ckpt.export_safetensors(tmp_path / "ft1", first, base=tmp_path / "base")
+    model = eqx.tree_at(lambda m: m.body.layers[0].bias, first["model"], first["model"].body.layers[0].bias * 3)
+    second = {**first, "model": model, "lr": 0.5}
+    eqx_ckpt.export_safetensors(tmp_path / "ft2", second, base=tmp_path / "ft1")
+    assert sorted(_tensors(tmp_path / "ft2")) == ["lr", "model.body.layers.0.bias"]
+    record = _record(tmp_path / "ft2")
+    assert record["base"] == {
+        "path": os.path.join("..", "ft1"),
+        "sha256": hashlib.sha256((tmp_path / "ft1" / "eqx_ckpt.json").read_bytes()).hexdigest(),
+    }
+    # The new head is the first fine-tune's; the body the base's, through the first fine-tune.
+    assert _leaves(tmp_path / "ft2")["model.head.weight"]["base"] == "model.head.weight"
+    _assert_same(eqx_ckpt.Checkpoint(tmp_path / "ft2").load(trust=[Classifier]), second)
+    _assert_same(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft2", _like(second)), second)
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft2", _like(second), lazy=True)
+    _assert_same(eqx_ckpt.materialise(lazy), second)
+    # A standalone export of the chain's end needs neither.
+    eqx_ckpt.export_safetensors(tmp_path / "alone", eqx_ckpt.Checkpoint(tmp_path / "ft2"), standalone=True)
+    shutil.rmtree(tmp_path / "base")
+    shutil.rmtree(tmp_path / "ft1")
+    _assert_same(eqx_ckpt.Checkpoint(tmp_path / "alone").load(trust=[Classifier]), second)
+    # A missing base down the chain is named.
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(f"its base {str(tmp_path / 'ft1')!r}")):
+        eqx_ckpt.Checkpoint(tmp_path / "ft2")
+
+
+def test_a_chain_loads_eight_deep_and_no_deeper(tmp_path):
+    tree = {"w": np.arange(4, dtype=np.float32), "b": np.zeros(3, np.float32)}
+    eqx_ckpt.export_safetensors(tmp_path / "ft0", tree)
+    for depth in range(1, 10):
+        tree = {**tree, "w": tree["w"] + 1}
+        eqx_ckpt.export_safetensors(tmp_path / f"ft{depth}", tree, base=tmp_path / f"ft{depth - 1}")
+        assert sorted(_tensors(tmp_path / f"ft{depth}")) == ["w"]
+        if depth == 8:
+            eighth = tree
+    _assert_same(eqx_ckpt.Checkpoint(tmp_path / "ft8").load(), eighth)
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=r"more than 8 deep.*follows at most 8"):
+        eqx_ckpt.Checkpoint(tmp_path / "ft9")
+
+
+# Damaged and hostile records.
+
+
+def _taken_leaf(record: dict[str, Any]) -> dict[str, Any]:
+    return next(leaf for leaf in record["leaves"] if leaf["path"] == "embed")
+
+
+def _stored_leaf(record: dict[str, Any]) -> dict[str, Any]:
+    return next(leaf for leaf in record["leaves"] if leaf["path"] == "step")
+
+
+def _set(record: dict[str, Any], **fields: Any) -> None:
+    record.update(fields)
+
+
+HOSTILE = {
+    "version 1 naming a base": (lambda r: _set(r, format_version=1), "it names a base, which only format version 2"),
+    "version 1 with a leaf taken from a base": (
+        lambda r: (_set(r, format_version=1), r.pop("base")),
+        "it names a base, which only format version 2",
+    ),
+    "version 2 without a base": (lambda r: r.pop("base"), "format version 2 records a `base` object with a `path`"),
+    "a base that is no object": (lambda r: _set(r, base="../base"), "records a `base` object with a `path`"),
+    "a base path with a control character": (
+        lambda r: r["base"].update(path="../ba\x00se"),
+        "records a `base` object with a `path`",
+    ),
+    "an hf base without a commit": (
+        lambda r: _set(r, base={"path": "hf://me/base", "revision": "main"}),
+        "its base 'hf://me/base' is not pinned to a commit (40 hex digits)",
+    ),
+    "an hf base pinned by sha256": (
+        lambda r: _set(r, base={"path": "hf://me/base", "sha256": "0" * 64}),
+        "its base 'hf://me/base' is not pinned to a commit",
+    ),
+    "an hf base with a short commit": (
+        lambda r: _set(r, base={"path": "hf://me/base", "revision": "0" * 39}),
+        "its base 'hf://me/base' is not pinned to a commit",
+    ),
+    "a local base without a sha256": (
+        lambda r: r["base"].pop("sha256"),
+        "is not pinned by the sha256 of its record (64 hex digits)",
+    ),
+    "a local base with a short sha256": (
+        lambda r: r["base"].update(sha256="ab" * 16),
+        "is not pinned by the sha256 of its record",
+    ),
+    "a local base with upper-case hex": (
+        lambda r: r["base"].update(sha256=r["base"]["sha256"].upper()),
+        "is not pinned by the sha256 of its record",
+    ),
+    "a local base pinned by a commit too": (
+        lambda r: r["base"].update(revision="0" * 40),
+        "is not pinned by the sha256 of its record",
+    ),
+    "a malformed digest": (
+        lambda r: _taken_leaf(r).update(digest="xxh3-128:xyz"),
+        "the leaf 'embed' has the digest 'xxh3-128:xyz', not xxh3-128:<32 hex digits>",
+    ),
+    "a digest of another hash": (
+        lambda r: _stored_leaf(r).update(digest="sha256:" + "0" * 32),
+        "the leaf 'step' has the digest 'sha256:",
+    ),
+    "a digest that is no string": (lambda r: _stored_leaf(r).update(digest=7), "the leaf 'step' has the digest '7'"),
+    "a reference without a digest": (
+        lambda r: _taken_leaf(r).pop("digest"),
+        "the leaf 'embed' names its base's leaf as 'embed', without a digest",
+    ),
+    "a reference that is no string": (
+        lambda r: _taken_leaf(r).update(base=5),
+        "the leaf 'embed' names its base's leaf as 5, which is not a dotted path",
+    ),
+    "an empty reference": (
+        lambda r: _taken_leaf(r).update(base=""),
+        "the leaf 'embed' names its base's leaf as '', which is not a dotted path",
+    ),
+    "a leaf both stored and taken": (
+        lambda r: _stored_leaf(r).update(base="step"),
+        "takes the leaf 'step' from its base, but it is stored here too",
+    ),
+    "a base that is the fine-tune itself": (lambda r: r["base"].update(path="."), "more than 8 deep"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(HOSTILE))
+def test_a_damaged_or_hostile_record_is_corrupt(tmp_path, faults, damage):
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    finetuned = _finetuned(tree)
+    eqx_ckpt.export_safetensors(tmp_path / "ft", finetuned, base=tmp_path / "base")
+    edit, said = HOSTILE[damage]
+    record = _record(tmp_path / "ft")
+    edit(record)
+    (tmp_path / "ft" / "eqx_ckpt.json").write_text(json.dumps(record))
+    reads = _no_reads(faults)
+    for load in _every_load(tmp_path / "ft", finetuned):
+        with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(said)):
+            load()
+    assert reads == []
+
+
+# Moving, and the card.
+
+
+def test_a_finetune_moved_with_its_base_still_loads(tmp_path):
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "old" / "models" / "base", tree)
+    finetuned = _finetuned(tree)
+    eqx_ckpt.export_safetensors(
+        tmp_path / "old" / "models" / "ft", finetuned, base=tmp_path / "old" / "models" / "base"
+    )
+    shutil.move(tmp_path / "old" / "models", tmp_path / "new")
+    assert not (tmp_path / "old" / "models").exists()
+    _assert_same(eqx_ckpt.Checkpoint(tmp_path / "new" / "ft").load(trust=[Classifier]), finetuned)
+    # Moved alone, it names where it looked.
+    shutil.move(tmp_path / "new" / "ft", tmp_path / "ft")
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(f"its base {str(tmp_path / 'base')!r}")):
+        eqx_ckpt.Checkpoint(tmp_path / "ft")
+
+
+def test_the_card_of_a_finetune_says_it_needs_its_base_and_how_to_do_without(tmp_path, capsys):
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    finetuned = _finetuned(tree)
+    eqx_ckpt.export_safetensors(tmp_path / "ft", finetuned, base=tmp_path / "base")
+    card = (tmp_path / "ft" / "README.md").read_text()
+    base = os.path.join("..", "base")
+    assert f"it holds only the leaves that differ from its base, `{base}`, and every load reads the others" in card
+    assert "base_model" not in card  # a local base is no Hub repository
+    # The command it shows makes a copy that needs no base.
+    command = re.search(r"`(eqx-ckpt export --standalone [^`]*)`", card).group(1)
+    argv = shlex.split(command.replace("<folder>", shlex.quote(str(tmp_path / "alone"))))
+    assert argv[:3] == ["eqx-ckpt", "export", "--standalone"] and argv[3] == str(tmp_path / "ft")
+    assert main(argv[1:]) == 0
+    shutil.rmtree(tmp_path / "base")
+    _assert_same(eqx_ckpt.Checkpoint(tmp_path / "alone").load(trust=[Classifier]), finetuned)
+    # A base-less export's card says none of it.
+    assert "--standalone" not in (tmp_path / "alone" / "README.md").read_text()
