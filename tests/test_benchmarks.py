@@ -28,6 +28,7 @@ import eqx_ckpt  # noqa: E402
 from benchmarks import (  # noqa: E402
     contenders,
     direct_read,
+    families,
     foreign,
     gpu,
     gpu_budget,
@@ -599,6 +600,44 @@ def test_the_hub_benchmark_fetches_and_loads_every_way(monkeypatch, capsys):
     assert sent["second"] == 0
     assert 64 * 64 * 4 <= sent["partial"] < sent["download"] / 10
     assert "| partial |" in capsys.readouterr().out
+
+
+def test_the_families_benchmark_measures_every_target(monkeypatch, capsys):
+    """`benchmarks.families` (issue 67) on 64 KiB body tensors and a 1 KiB
+    head, 2 fine-tunes: every measurement runs, every load is checked bit for
+    bit, and the byte targets hold (bytes do not depend on the machine;
+    times do, so none is asserted)."""
+    if importlib.util.find_spec("huggingface_hub") is None:
+        pytest.skip("needs the `hub` extra (huggingface_hub)")
+    monkeypatch.setattr(families, "TENSOR", (128, 128))
+    monkeypatch.setattr(families, "HEAD", (16, 16))
+    rows = families.main(["--mib", "1", "--reps", "1", "--finetunes", "2"])
+    by = {r["measure"]: r for r in rows}
+    assert list(by) == [
+        "upload, `base=`",
+        "stored, `base=`",
+        "cache, 2 fine-tunes",
+        "load, warm base",
+        "load, both cached",
+        "load, cold",
+        "load standalone, cold",
+        "export, `base=`",
+        "export stored, `base=`",
+    ]
+    # The loads of items 2 (2 + 2), 3 (the base, then 7) and 4 (2), each checked.
+    assert all(r["checked"] == 14 for r in rows)
+    assert all(r["values"] and r["versus_median"] > 0 for r in rows)
+    head = (16 * 16 + 16) * 4
+    for name in ("upload, `base=`", "stored, `base=`", "cache, 2 fine-tunes", "export stored, `base=`"):
+        assert by[name]["met"] is True, by[name]
+    # A fine-tune against its base sends and stores its head and small files; a whole one, everything.
+    assert head <= by["upload, `base=`"]["worst"] < 2**16 < 2**20 <= by["upload, `base=`"]["versus_median"]
+    assert by["stored, `base=`"]["worst"] < 2**16 < 2**20 <= by["stored, `base=`"]["versus_median"]
+    assert by["export stored, `base=`"]["median"] < 2**16 < 2**20 <= by["export stored, `base=`"]["versus_median"]
+    # One cache of the base and 2 heads, against 2 whole models.
+    assert 2**20 <= by["cache, 2 fine-tunes"]["median"] < 2**20 + 2**17
+    assert 2 * 2**20 <= by["cache, 2 fine-tunes"]["versus_median"]
+    assert "| load, cold |" in capsys.readouterr().out
 
 
 def test_the_incremental_benchmark_measures_a_small_model_all_packed(tmp_path):
