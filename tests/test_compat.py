@@ -368,9 +368,10 @@ def test_the_family_fixture_loads_bit_for_bit(family):
     _assert_loaded(
         eqx_ckpt.tree_deserialise_leaves(base, jax.tree.map(make_fixture.blank, base_expected)), base_expected
     )
-    for folder in (finetune, base):
+    for folder in (finetune, base):  # every leaf against its recorded digest, the base's too
         problems = eqx_ckpt.verify(folder)
-        assert problems == [] and "Safetensors files hold no checksums" in problems.unchecked[0]
+        assert problems == [] and problems.unchecked == () and "digest" in problems.checked[0]
+    assert "is there, at the version pinned" in eqx_ckpt.verify(finetune).checked[1]
 
 
 def test_the_family_fixtures_card_snippet_runs_as_written(family):

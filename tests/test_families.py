@@ -368,11 +368,12 @@ def test_nothing_or_everything_changed(tmp_path, changed, kind):
         }
     eqx_ckpt.export_safetensors(tmp_path / "ft", tree, base=tmp_path / "base")
     record = _record(tmp_path / "ft")
-    assert record["format_version"] == 2 and record["base"]["path"] == os.path.join("..", "base")
     taken = [path for path, leaf in _leaves(tmp_path / "ft").items() if "base" in leaf]
     if changed == "nothing":
+        assert record["format_version"] == 2 and record["base"]["path"] == os.path.join("..", "base")
         assert _tensors(tmp_path / "ft") == {} and sorted(taken) == sorted(_by_path(tree))
-    else:
+    else:  # nothing taken from the base: a standalone folder, which loads without it
+        assert record["format_version"] == 1 and "base" not in record
         assert sorted(_tensors(tmp_path / "ft")) == sorted(_by_path(tree)) and taken == []
     _assert_same(eqx_ckpt.Checkpoint(tmp_path / "ft").load(trust=[Classifier]), tree)
     _assert_same(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", _like(tree)), tree)
@@ -747,3 +748,26 @@ def test_the_card_of_a_finetune_says_it_needs_its_base_and_how_to_do_without(tmp
     _assert_same(eqx_ckpt.Checkpoint(tmp_path / "alone").load(trust=[Classifier]), finetuned)
     # A base-less export's card says none of it.
     assert "--standalone" not in (tmp_path / "alone" / "README.md").read_text()
+
+
+def test_ls_info_and_diff_say_which_leaves_come_from_the_base(family, capsys):
+    """Issue 67 item 5: `ls` marks the leaves read from the base, `info` names
+    the base, and `diff` of the fine-tune against its base lists exactly the
+    leaves it stores."""
+    ckpt = eqx_ckpt.Checkpoint(family.finetune)
+    taken = sorted(set(_by_path(family.tree)) - set(CHANGED))
+    assert sorted(ckpt.from_base()) == taken and all(ckpt.from_base()[p] == p for p in taken)
+    assert ckpt.base == str(family.base) and eqx_ckpt.Checkpoint(family.base).base is None
+    assert main(["ls", str(family.finetune)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.endswith("  base") for line in lines) == len(taken)
+    assert not any(line.startswith("step") and line.endswith("base") for line in lines)
+    assert f"; {len(taken)} of them (" in lines[-1] and f"read from the base {family.base}" in lines[-1]
+    capsys.readouterr()
+    assert main(["info", str(family.finetune)]) == 0
+    out = capsys.readouterr().out
+    assert f"base:            {family.base}\n" in out
+    assert f"stored here:     {len(CHANGED)} leaves" in out and f"{len(taken)} read from the base" in out
+    assert main(["diff", str(family.base), str(family.finetune)]) == 1
+    changed = re.findall(r"^[!~+-] (\S+):", capsys.readouterr().out, flags=re.M)
+    assert sorted(changed) == CHANGED == sorted(_tensors(family.finetune))

@@ -28,7 +28,7 @@ import hashlib
 import math
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -40,8 +40,8 @@ from .._ondisk._format import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord
 from .._store import _storage
 from . import _pack
 
-if TYPE_CHECKING:
-    from ._source import Source
+# A `_source.Source` (typed loosely: `_source` imports this module, not the reverse).
+Source = Any
 
 # Bases of bases followed at most this deep (a chain of fine-tunes).
 MAX_DEPTH = 8

@@ -92,10 +92,12 @@ def model_card(
     about: About = About(),
     found: Needs | None = None,
     base: str | None = None,
+    stored: Sequence[LeafRecord] | None = None,
 ) -> str:
     """The text of `README.md` for a folder of the published layout loaded as
     `name_or_path`; `base`: the base a fine-tune takes its unchanged leaves
-    from, as messages name it.
+    from, as messages name it, and `stored` the records of the leaves it holds
+    itself (`None`: every one of `records`).
 
     The folder holds `files`, tensors of the leaf `records`. Its tree has the
     `structure` record (or `None`) and the user's `info`. `found` is
@@ -113,7 +115,7 @@ def model_card(
         "without its code: no file of it is imported, run or unpickled, and only the classes you trust are built.\n"
     )
     if records:
-        parts.append(_size(records))
+        parts.append(_size(records, records if stored is None else stored))
     if base is not None:
         parts.append(
             f"It is a fine-tune stored as what changed: it holds only the leaves that differ from its base, "
@@ -232,13 +234,15 @@ def _elements(shape: Sequence[int]) -> int:
     return count
 
 
-def _size(records: Sequence[LeafRecord]) -> str:
+def _size(records: Sequence[LeafRecord], stored: Sequence[LeafRecord]) -> str:
+    """The model's parameters (of every leaf), and the tensors its files hold."""
     count = parameters(records)
-    total = sum(r.nbytes for r in records)
+    total = sum(r.nbytes for r in stored)
     short = _short(count)
     shown = f"{count:,}" + (f" ({short})" if short != str(count) else "")
-    tensors = f"{len(records)} tensor" + "s" * (len(records) != 1)
-    return f"**Parameters:** {shown}, in floating-point arrays. {tensors}, {human(total)}.\n"
+    tensors = f"{len(stored)} tensor" + "s" * (len(stored) != 1)
+    here = "" if len(stored) == len(records) else " in its files (the others are its base's)"
+    return f"**Parameters:** {shown}, in floating-point arrays. {tensors}{here}, {human(total)}.\n"
 
 
 def _short(n: int) -> str:

@@ -54,7 +54,7 @@ from .._ondisk._format import (
     whole_chunks,
 )
 from .._store import _durable, _storage
-from . import _card, _family, _rebuildable
+from . import _card, _matching, _rebuildable
 from ._card import model_card
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -208,11 +208,11 @@ def export_safetensors(
         )
     loc, single = _destination(path)
     _refuse_source_in_destination(loc, pytree)
-    based = _family.base_of(pytree, base, standalone=standalone, single=single, destination=loc, token=token)
+    based = _matching.base_of(pytree, base, standalone=standalone, single=single, destination=loc, token=token)
     if based is not None and base_model is None and based.hub is not None:
         about = _card.about(license=license, base_model=based.hub, code=code)
     digests: dict[str, str] = {}
-    family = None if based is None else _family.matched(tensors, based, digests)
+    family = None if based is None else _matching.matched(tensors, based, digests, tensor_bytes)
     stored = tensors if family is None else [t for t in tensors if t.record.path not in family.references]
     shards = _plan(stored, limit) if single is None else [stored]
     names = [single] if single else _file_names(len(shards))
@@ -317,6 +317,7 @@ def _described(
             about=about,
             found=found,
             base=None if family is None else family.base.shown,
+            stored=None if family is None else [r for r in records if r.path not in family.references],
         )
         files[CARD] = text.encode()
     return files
@@ -621,7 +622,7 @@ def _write_shard(
         for tensor in shard:
             data = tensor_bytes(tensor)
             if tensor.record.path not in digests:
-                digests[tensor.record.path] = _family.digest(data)
+                digests[tensor.record.path] = _matching.digest(data)
             yield data
             update(tensor.nbytes)
 

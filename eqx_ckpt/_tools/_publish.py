@@ -8,11 +8,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._base._errors import CheckpointTypeError, CheckpointValueError
-from .._base._location import HUB_SCHEME
+from .._base._location import HUB_SCHEME, location
 from .._base._progress import Progress
 from .._load._checkpoint import Checkpoint
 from .._ondisk import _published
-from .._store import _hub
+from .._ondisk._format import MAX_MANIFEST_BYTES
+from .._store import _hub, _storage
 from ._export import export_safetensors
 
 
@@ -198,8 +199,8 @@ def _check_repo_id(repo_id: Any) -> None:
 def _refuse_local_base(folder: str) -> None:
     """A fine-tune's base must be on the Hub: no one else can read a local one
     (and a load from the Hub reads no base elsewhere)."""
-    with open(os.path.join(folder, _published.NAME), "rb") as f:
-        family = _published.parse(f.read(), where=folder).family
+    data = _storage.read_file(location(folder), _published.NAME, limit=MAX_MANIFEST_BYTES)
+    family = None if data is None else _published.parse(data, where=folder).family
     if family is not None and not family.base.path.startswith(HUB_SCHEME):
         raise CheckpointValueError(
             f"This fine-tune is stored against the base {family.base.path!r}, which is not on the Hub: no one who "

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .._base._errors import CheckpointTypeError, CheckpointValueError
 from .._base._location import HUB_SCHEME, Location, location
@@ -24,9 +25,6 @@ from .._load import _family, _source
 from .._load._checkpoint import Checkpoint
 from .._ondisk import _published
 from .._ondisk._format import LeafRecord
-
-if TYPE_CHECKING:
-    from ._export import _Tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +97,14 @@ def _pin(source: _source.Source, given: Any, base: Any, destination: Location) -
     return _published.Base(os.fspath(given), sha256=sha256), None
 
 
-def matched(tensors: list[_Tensor], based: Based, digests: dict[str, str]) -> _published.Family:
-    """The family of an export of `tensors` against `based`: each leaf whose
-    bytes a leaf of the base holds, with that leaf's dotted path. The digest
-    of every leaf compared is kept in `digests`."""
-    from ._export import tensor_bytes
-
+def matched(
+    tensors: Sequence[Any], based: Based, digests: dict[str, str], tensor_bytes: Callable[[Any], Any]
+) -> _published.Family | None:
+    """The family of an export of `tensors` (`_export`'s, each with its
+    `record`; `tensor_bytes` reads one's stored bytes) against `based`: each
+    leaf whose bytes a leaf of the base holds, with that leaf's dotted path.
+    The digest of every leaf compared is kept in `digests`. `None` where no
+    leaf matches: the export then holds every leaf, and needs no base."""
     source = based.source
     candidates: dict[tuple[str, tuple[int, ...], str], list[LeafRecord]] = {}
     for record in source.manifest.leaves:
@@ -127,7 +127,7 @@ def matched(tensors: list[_Tensor], based: Based, digests: dict[str, str]) -> _p
             if base_digest(record) == mine:
                 references[tensor.record.path] = record.path
                 break
-    return _published.Family(based.pin, references)
+    return _published.Family(based.pin, references) if references else None
 
 
 def _kind(record: LeafRecord) -> tuple[str, tuple[int, ...], str]:
