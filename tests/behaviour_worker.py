@@ -2,9 +2,10 @@
 of docs/architecture.md, "Files per behaviour", checked by
 `tests/test_architecture.py::test_files_per_behaviour_are_counted_from_the_code`.
 
-Run as `python behaviour_worker.py setup|run BEHAVIOUR FOLDER [PROCESS_ID PORT]`.
-`setup` writes what the behaviour starts from, in a process of its own, so that
-no thread pool of eqx_ckpt's exists before `run` starts profiling. `run` imports
+Run as `python behaviour_worker.py run BEHAVIOUR FOLDER [PROCESS_ID PORT]`, after
+`python behaviour_worker.py setup ROOT BEHAVIOUR...`. `setup` writes what each
+behaviour starts from (into `ROOT/BEHAVIOUR`), all in one process of its own,
+so that no thread pool of eqx_ckpt's exists before `run` starts profiling. `run` imports
 eqx_ckpt, then profiles every thread while the behaviour runs, and writes one
 JSON list to `modules.json` in its folder: the modules one of whose functions
 ran. A module's import (its `<module>` code) is not counted, nor are `_errors`, `_faults` and `_format`
@@ -155,7 +156,9 @@ class profiled:
 if __name__ == "__main__":
     phase, name, folder = sys.argv[1:4]
     if phase == "setup":
-        setup(name, folder)
+        root, names = sys.argv[2], sys.argv[3:]
+        for each in names:
+            setup(each, os.path.join(root, each))
     elif len(sys.argv) > 4:
         process_id, port = int(sys.argv[4]), int(sys.argv[5])
         jax.distributed.initialize(

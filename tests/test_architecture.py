@@ -848,11 +848,13 @@ def _run_behaviours(folder: pathlib.Path) -> dict[str, list[str]]:
         found[name] = json.loads((folder / name / "modules.json").read_text())
 
     for name in _BEHAVIOURS.values():
+        (folder / name).mkdir()
+    setup = [sys.executable, worker, "setup", str(folder), *_BEHAVIOURS.values()]
+    subprocess.run(setup, env=env, check=True, timeout=300)
+    for name in _BEHAVIOURS.values():
         while sum(len(processes) for processes in running.values()) >= 3:
             collect(next(iter(running)))
         place = folder / name
-        place.mkdir()
-        subprocess.run([sys.executable, worker, "setup", name, str(place)], env=env, check=True, timeout=300)
         command = [sys.executable, worker, "run", name, str(place)]
         if name.startswith("multi_"):
             with socket.socket() as free:
