@@ -51,3 +51,17 @@ def replicated_state() -> dict[str, dict[str, np.ndarray]]:
     small = {f"s{i}": values((16, 8 + i), np.float32, 10 + i) for i in range(8)}
     small["count"] = np.asarray(7, np.int32)
     return {"large": large, "single": {"w": values((128, 128), np.float32, 6)}, "small": small}
+
+
+def bits(x):
+    """A leaf as what must come back exactly: its type, dtype, shape and bytes
+    (a NaN's payload, -0.0, bfloat16's bits, a PRNG key's implementation and
+    key data); other leaves as themselves."""
+    import jax
+
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return ("key", str(jax.random.key_impl(x)), x.shape, np.asarray(jax.random.key_data(x)).tobytes())
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        array = np.asarray(x)
+        return (type(x), array.dtype.name, array.shape, array.tobytes())
+    return (type(x), x)

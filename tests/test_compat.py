@@ -20,6 +20,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from arrays import bits
 
 import eqx_ckpt
 from eqx_ckpt._ondisk._format import FORMAT_VERSION
@@ -107,19 +108,8 @@ def _stored(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
 
 
-def _bits(x: Any) -> Any:
-    """A leaf as what must come back exactly: its type, dtype, shape and bytes
-    (a NaN's payload, -0.0, bfloat16's bits); other leaves as themselves."""
-    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return ("key", str(jax.random.key_impl(x)), x.shape, np.asarray(jax.random.key_data(x)).tobytes())
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        array = np.asarray(x)
-        return (type(x), array.dtype.name, array.shape, array.tobytes())
-    return (type(x), x)
-
-
-def _all_bits(tree: Any) -> list[tuple[str, Any]]:
-    return [(jax.tree_util.keystr(path), _bits(x)) for path, x in jax.tree_util.tree_leaves_with_path(tree)]
+def _allbits(tree: Any) -> list[tuple[str, Any]]:
+    return [(jax.tree_util.keystr(path), bits(x)) for path, x in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 def _assert_loaded(loaded: Any, expected: Any) -> None:
@@ -127,7 +117,7 @@ def _assert_loaded(loaded: Any, expected: Any) -> None:
     assert eqx.tree_equal({**loaded, "special": None}, {**expected, "special": None}, typematch=True), (
         "the loaded tree differs from the saved one"
     )
-    assert _all_bits(loaded) == _all_bits(expected)
+    assert _allbits(loaded) == _allbits(expected)
 
 
 def test_every_format_version_has_a_fixture():
@@ -187,7 +177,7 @@ def test_checkpoint_lists_and_reads_every_key(fixture):
     for key, leaf in zip(KEYS, leaves, strict=True):
         value = ckpt[key]
         value = value.read() if isinstance(value, eqx_ckpt.LazyArray) else value
-        assert _bits(value) == _bits(leaf), key
+        assert bits(value) == bits(leaf), key
 
 
 def test_verify_finds_it_sound(fixture):
@@ -207,8 +197,8 @@ def test_a_lazy_load_reads_it(fixture):
 def test_a_partial_load_reads_only_the_selection(fixture):
     like, expected = make_fixture.like(), make_fixture.expected()
     loaded = eqx_ckpt.tree_deserialise_leaves(fixture, like, where=lambda t: (t["model"], t["escaped"]))
-    assert _all_bits(loaded["model"]) == _all_bits(expected["model"])
-    assert _all_bits(loaded["escaped"]) == _all_bits(expected["escaped"])
+    assert _allbits(loaded["model"]) == _allbits(expected["model"])
+    assert _allbits(loaded["escaped"]) == _allbits(expected["escaped"])
     # Everything else is `like`'s own leaf, unread.
     assert loaded["big"] is like["big"] and eqx.tree_equal(loaded["scalars"], like["scalars"], typematch=True)
 
@@ -218,7 +208,7 @@ def test_a_load_by_prefix_reads_a_sub_tree(fixture):
     model = eqx_ckpt.tree_deserialise_leaves(fixture, like["model"], prefix="model")
     assert eqx.tree_equal(model, expected["model"], typematch=True)
     escaped = eqx_ckpt.tree_deserialise_leaves(fixture, like["escaped"]["权重"], prefix="escaped.%E6%9D%83%E9%87%8D")
-    assert _bits(escaped) == _bits(expected["escaped"]["权重"])
+    assert bits(escaped) == bits(expected["escaped"]["权重"])
 
 
 def _newer(tmp_path: pathlib.Path) -> tuple[pathlib.Path, int]:
@@ -361,8 +351,8 @@ def test_the_family_fixture_loads_bit_for_bit(family):
     assert eqx.tree_equal(model, expected["model"], typematch=True)
     like = make_fixture.family_like()
     part = eqx_ckpt.tree_deserialise_leaves(finetune, like, where=lambda t: (t["adapter"], t["keys"]))
-    assert _all_bits(part["adapter"]) == _all_bits(expected["adapter"])
-    assert _all_bits(part["keys"]) == _all_bits(expected["keys"])
+    assert _allbits(part["adapter"]) == _allbits(expected["adapter"])
+    assert _allbits(part["keys"]) == _allbits(expected["keys"])
     assert part["model"].layers[1].weight is like["model"].layers[1].weight and part["scalars"]["int"] == 0
     base_expected = make_fixture.family_base_expected()
     _assert_loaded(

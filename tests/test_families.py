@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import safetensors
 import xxhash
+from arrays import bits
 from safetensors import safe_open
 
 import eqx_ckpt
@@ -168,22 +169,12 @@ def _by_path(tree: Any) -> dict[str, Any]:
     return ckpt_names
 
 
-def _bits(x: Any) -> Any:
-    """A leaf as what must come back exactly: its type, dtype, shape and bytes."""
-    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return ("key", str(jax.random.key_impl(x)), x.shape, np.asarray(jax.random.key_data(x)).tobytes())
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        array = np.asarray(x)
-        return (type(x), array.dtype.name, array.shape, array.tobytes())
-    return (type(x), x)
-
-
 def _assert_same(loaded: Any, expected: Any) -> None:
     """Equal as Equinox sees it, of the same structure, and bit for bit."""
     assert eqx.tree_equal(loaded, expected, typematch=True), "the loaded tree differs from the exported one"
     assert jax.tree.structure(loaded) == jax.tree.structure(expected)
-    assert [(jax.tree_util.keystr(p), _bits(x)) for p, x in jax.tree_util.tree_leaves_with_path(loaded)] == [
-        (jax.tree_util.keystr(p), _bits(x)) for p, x in jax.tree_util.tree_leaves_with_path(expected)
+    assert [(jax.tree_util.keystr(p), bits(x)) for p, x in jax.tree_util.tree_leaves_with_path(loaded)] == [
+        (jax.tree_util.keystr(p), bits(x)) for p, x in jax.tree_util.tree_leaves_with_path(expected)
     ]
 
 
@@ -285,7 +276,7 @@ def test_a_finetune_loads_lazily_and_in_slices(family):
     lazy = eqx_ckpt.tree_deserialise_leaves(family.finetune, _like(tree), lazy=True)
     for leaf in (lazy["model"].body.layers[0].weight, lazy["model"].head.weight, lazy["embed"], lazy["key"]):
         assert isinstance(leaf, eqx_ckpt.LazyArray)
-    assert _bits(lazy["key"].read()) == _bits(tree["key"])
+    assert bits(lazy["key"].read()) == bits(tree["key"])
     _assert_same(eqx_ckpt.materialise(lazy), tree)
     ckpt = eqx_ckpt.Checkpoint(family.finetune)
     weight = ckpt["model.body.layers.0.weight"]  # the base's
@@ -295,8 +286,8 @@ def test_a_finetune_loads_lazily_and_in_slices(family):
     assert np.asarray(ckpt["embed"][2]).tobytes() == np.asarray(tree["embed"][2]).tobytes()
     assert np.asarray(ckpt["model.head.bias"][1:]).tobytes() == np.asarray(tree["model"].head.bias[1:]).tobytes()
     assert np.asarray(ckpt["ids"][::2]).tobytes() == tree["ids"][::2].tobytes()
-    assert _bits(ckpt["key"].read()) == _bits(tree["key"])
-    assert _bits(ckpt["lr"]) == _bits(0.25) and _bits(ckpt["step"]) == _bits(4)
+    assert bits(ckpt["key"].read()) == bits(tree["key"])
+    assert bits(ckpt["lr"]) == bits(0.25) and bits(ckpt["step"]) == bits(4)
 
 
 def test_load_or_initialise_reads_a_finetune_and_its_base(family):
@@ -306,7 +297,7 @@ def test_load_or_initialise_reads_a_finetune_and_its_base(family):
     grown = eqx_ckpt.load_or_initialise(family.finetune, init)
     _assert_same(grown["model"], family.tree["model"])
     _assert_same(grown["embed"], family.tree["embed"])
-    assert _bits(grown["step"]) == _bits(4) and grown["extra"].tolist() == [1.0, 1.0]
+    assert bits(grown["step"]) == bits(4) and grown["extra"].tolist() == [1.0, 1.0]
 
 
 # Matched by content.
