@@ -201,3 +201,14 @@ def test_listing_counts_are_ints(tmp_path, option, value):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": np.arange(3.0)})
     with pytest.raises(eqx_ckpt.CheckpointTypeError, match=rf"`{option}` must be an int of at least 0 or None"):
         eqx_ckpt.Checkpoint(tmp_path).listing(**{option: value})
+
+
+def test_push_to_hub_takes_exactly_what_publish_takes():
+    """`push_to_hub` forwards its arguments to `_publish.publish` as they were
+    given (`**locals()`): the two signatures must stay the same."""
+    import inspect
+
+    from eqx_ckpt._tools import _publish
+
+    pushed = inspect.signature(eqx_ckpt.push_to_hub).parameters
+    assert list(pushed.items()) == list(inspect.signature(_publish.publish).parameters.items())

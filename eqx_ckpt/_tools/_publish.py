@@ -106,24 +106,9 @@ def push_to_hub(
         loaded = eqx_ckpt.Checkpoint(f"hf://me/my-mlp@{commit}").load(trust=[])  # no MLP constructor run
         ```
     """
-    return publish(
-        tree_or_checkpoint_path,
-        repo_id,
-        token=token,
-        private=private,
-        revision=revision,
-        commit_message=commit_message,
-        metadata=metadata,
-        prefix=prefix,
-        license=license,
-        base_model=base_model,
-        code=code,
-        tag=tag,
-        base=base,
-        standalone=standalone,
-        max_shard_size=max_shard_size,
-        progress=progress,
-    ).commit
+    # Every argument as it was given (the signatures are the same): nothing
+    # is rewritten on the way, as `LoadOptions.from_arguments` does for loads.
+    return publish(**locals()).commit
 
 
 def publish(
