@@ -215,28 +215,20 @@ def _runs(
         return None
 
     def runs(records: list[LeafRecord]) -> tuple[list[int], Any]:
-        mine = [i for i, r in enumerate(records) if r.path not in taken]
-        theirs = [i for i, r in enumerate(records) if r.path in taken]
-        taken_all: list[int] = []
-        parts = []
-        for reader, slots, asked in (
-            (source.runs, mine, [records[i] for i in mine]),
-            (base.runs, theirs, [taken[records[i].path] for i in theirs]),
+        done: list[int] = []
+        groups = []
+        for reader, slots in (
+            (source.runs, [i for i, r in enumerate(records) if r.path not in taken]),
+            (base.runs, [i for i, r in enumerate(records) if r.path in taken]),
         ):
             if reader is None or not slots:
                 continue
-            done, found = reader(asked)
-            taken_all += [slots[m] for m in done]
-            parts.append((slots, found))
-        return taken_all, (
-            (([slots[m] for m in members], finish) for members, finish in found) for slots, found in parts
-        )
+            read, found = reader([taken.get(records[i].path, records[i]) for i in slots])
+            done += [slots[m] for m in read]
+            groups.append((slots, found))
+        return done, (([slots[m] for m in members], finish) for slots, found in groups for members, finish in found)
 
-    def flat(records: list[LeafRecord]) -> tuple[list[int], Any]:
-        done, nested = runs(records)
-        return done, (run for group in nested for run in group)
-
-    return flat
+    return runs
 
 
 def _changed(source: Source, base: Source) -> str | None:
