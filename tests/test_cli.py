@@ -115,10 +115,13 @@ def test_verify_of_storage_that_fails_to_serve_exits_2_not_1(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "ckpt")]) == 0
 
 
-def test_help_everywhere():
+def test_help_everywhere(capsys):
+    """The installed command's help (a process of its own), then each command's
+    (the same parser, in this process)."""
     assert "Exit codes" in run("--help", check_code=0).stdout
-    for command in ("ls", "info", "verify", "diff", "demo"):
-        assert "usage: eqx-ckpt " + command in run(command, "--help", check_code=0).stdout
+    for command in ("ls", "info", "verify", "diff", "export", "push", "demo"):
+        assert main([command, "--help"]) == 0
+        assert "usage: eqx-ckpt " + command in capsys.readouterr().out
 
 
 def test_bad_arguments_exit_2():
