@@ -123,7 +123,7 @@ def run(args: list[str], *, env: dict[str, str], cwd: str | os.PathLike[str] | N
 
 
 def close() -> None:
-    """End the template (it waits for no child: a call runs one at a time)."""
+    """End the template: its input closed, it leaves its loop and exits."""
     while _TEMPLATES:
         _TEMPLATES.popitem()[1].close()
 
