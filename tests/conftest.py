@@ -1,6 +1,7 @@
 import contextlib
 
 import jax
+import prefork
 import pytest
 import s3_server
 
@@ -13,6 +14,13 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 # Matrix products in full float32 on an accelerator too (a GPU's default, TF32,
 # misses the 1e-5 that tests comparing a model's outputs with PyTorch's ask).
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _prefork_templates():
+    """The template processes `prefork` started (tests/test_hub.py), ended with the session."""
+    yield
+    prefork.close()
 
 
 # The S3 tests (test_s3.py, test_async.py) share one moto server per module.

@@ -553,7 +553,8 @@ def serving(hub: Hub | None = None, port: int = 0) -> Iterator[tuple[str, Hub]]:
     threads = []
     for server in servers:
         server.daemon_threads = True
-        threads.append(threading.Thread(target=server.serve_forever, daemon=True))
+        # (`shutdown` waits for the loop to look again: a tenth of the default half second)
+        threads.append(threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True))
         threads[-1].start()
     try:
         yield f"http://127.0.0.1:{servers[0].server_address[1]}", hub

@@ -1,9 +1,11 @@
 """Publishing to and loading from the Hugging Face Hub (`push_to_hub`, `hf://`
 paths), against a local server answering the Hub's HTTP API (`hub_server`).
 
-Every Hub call runs in a fresh subprocess whose `HF_ENDPOINT` points at the
+Every Hub call runs in a new process whose `HF_ENDPOINT` points at the
 server (huggingface_hub reads it, `HF_HOME` and `HF_HUB_DISABLE_XET` at import),
-with a cache of its own per test."""
+with a cache of its own per test. Each is forked from a template process that
+imported JAX and the other libraries once (`prefork`), and is otherwise as new
+as one `python -c` starts."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import hub_server
 import jax
 import jax.numpy as jnp
 import numpy as np
+import prefork
 import pytest
 
 import eqx_ckpt
@@ -47,10 +50,11 @@ def raised(call):
 
 
 class Client:
-    """Runs code in a fresh process that reaches the server `url` as the Hub, with its cache at `home`."""
+    """Runs code in a new process that reaches the server `url` as the Hub, with its cache at `home`."""
 
     def __init__(self, url: str, home: pathlib.Path):
         self.url, self.home = url, home
+        prefork.start(self.env())  # (its imports overlap with what the test does first)
 
     def env(self, **extra: str | None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
@@ -72,17 +76,17 @@ class Client:
         return env
 
     def run(self, code: str, **env: str | None) -> object:
-        done = subprocess.run(
-            [sys.executable, "-c", _PRELUDE + textwrap.dedent(code)],
-            env=self.env(**env),
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=self.home.parent,
+        """What `code` (after `_PRELUDE`) `emit`ted last, run as `python -c` in a new process."""
+        done = prefork.run(
+            ["-c", _PRELUDE + textwrap.dedent(code)], env=self.env(**env), cwd=self.home.parent, timeout=300
         )
         results = [line[len("RESULT ") :] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         assert done.returncode == 0 and results, done.stdout[-3000:] + done.stderr[-6000:]
         return json.loads(results[-1])
+
+    def cli(self, *args: str, **env: str | None) -> subprocess.CompletedProcess:
+        """`eqx-ckpt ARGS`, run as `python -m eqx_ckpt._tools._cli ARGS` in a new process."""
+        return prefork.run(["-m", "eqx_ckpt._tools._cli", *args], env=self.env(**env), timeout=300)
 
 
 @pytest.fixture
@@ -497,11 +501,7 @@ def test_a_plain_hugging_face_repo_and_a_subfolder_load_by_name(hub, tmp_path):
 def test_the_cli_pushes_lists_verifies_and_diffs(hub, tmp_path):
     client, _ = hub
     eqx_ckpt.tree_serialise_leaves(tmp_path / "local", _tree(1.0))
-    cli = [sys.executable, "-m", "eqx_ckpt._tools._cli"]
-
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*cli, *args], env=client.env(), capture_output=True, text=True, timeout=300)
-
+    run = client.cli
     pushed = run("push", str(tmp_path / "local"), "me/cli", "--message", "first")
     assert pushed.returncode == 0, pushed.stderr
     (url,) = pushed.stdout.split()
@@ -527,11 +527,9 @@ def test_every_cli_command_that_reads_takes_a_token(hub, tmp_path):
     `export` and `push` (of a published model) read it with `--token`."""
     client, _ = hub
     eqx_ckpt.tree_serialise_leaves(tmp_path / "local", _tree(1.0))
-    cli = [sys.executable, "-m", "eqx_ckpt._tools._cli"]
-    env = client.env(HF_TOKEN=None)
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*cli, *args], env=env, capture_output=True, text=True, timeout=300)
+        return client.cli(*args, HF_TOKEN=None)
 
     assert run("push", str(tmp_path / "local"), "me/private-cli", "--private", "--token", "writer").returncode == 0
     url, token = "hf://me/private-cli", ["--token", "writer"]
@@ -894,8 +892,7 @@ def test_the_cli_pushes_a_managers_best_step_as_its_model_with_the_card_options(
             manager.save(step, state_of_step, metrics={"val_loss": loss})
     options = ["--best", "--prefix", "model", "--license", "mit", "--base-model", "me/base", "--code", "mypkg"]
     options += ["--metadata", "lr=0.001", "--metadata", "run=abc", "--metadata", "sizes=[1, 2]", "--revision", "dev"]
-    cli = [sys.executable, "-m", "eqx_ckpt._tools._cli", "push", str(tmp_path / "run"), "me/best", *options]
-    pushed = subprocess.run(cli, env=client.env(), capture_output=True, text=True, timeout=300)
+    pushed = client.cli("push", str(tmp_path / "run"), "me/best", *options)
     assert pushed.returncode == 0, pushed.stderr
     commit = pushed.stdout.split("@")[1].strip()
     card = _card_of(state, "me/best", commit)
