@@ -721,8 +721,10 @@ def test_verify_checks_every_file_against_the_hubs_digest(hub, tmp_path):
     _push(client, "me/digest", 1.0, tmp_path)
     checked = client.run("p = eqx_ckpt.verify('hf://me/digest'); emit([list(p), list(p.checked), list(p.unchecked)])")
     assert checked[0] == [] and checked[2] == []
-    assert [line.split(":")[0] for line in checked[1]] == ["`eqx_ckpt.json`", "`model.safetensors`"]
+    # Each file against the Hub's digest, then each leaf against the digest eqx_ckpt.json records (issue 67).
+    assert [line.split(":")[0] for line in checked[1][:2]] == ["`eqx_ckpt.json`", "`model.safetensors`"]
     assert "`model.safetensors`: its SHA-256 is the one the Hub lists at " in checked[1][1]
+    assert checked[1][2:] == ["every leaf's bytes, against the xxh3-128 digest eqx_ckpt.json records of it"]
     (blob,) = [p for p in (tmp_path / "hf").rglob("blobs/*") if p.stat().st_size > 50_000]
     data = bytearray(blob.read_bytes())
     data[-1] ^= 0xFF
@@ -1019,3 +1021,24 @@ def test_a_fine_tune_from_the_hub_reads_no_base_outside_the_hub(hub, tmp_path):
         _FAMILY + "c = eqx_ckpt.Checkpoint('hf://me/tuned'); emit([c.base, bool(eqx.tree_equal(c.load(), tuned))])"
     )
     assert got == [None, True]
+
+
+def test_a_fine_tune_is_pushed_and_made_standalone_from_the_cli_and_its_missing_base_is_named(hub, tmp_path):
+    """`eqx-ckpt push --base` uploads what changed, `eqx-ckpt export
+    --standalone hf://...` writes every leaf; a base whose repository is gone
+    is a `CheckpointNotFoundError` naming the base at its pinned commit."""
+    client, state = hub
+    client.run(_FAMILY + f"eqx_ckpt.tree_serialise_leaves({str(tmp_path / 'ckpt')!r}, tuned); emit(0)")
+    base_commit = client.run(_FAMILY + "emit(eqx_ckpt.push_to_hub(base, 'me/base'))")
+    pushed = client.cli("push", str(tmp_path / "ckpt"), "me/tuned", "--base", "hf://me/base")
+    assert pushed.returncode == 0, pushed.stderr
+    assert client.cli("export", "--standalone", "hf://me/tuned", str(tmp_path / "whole")).returncode == 0
+    _, tuned = _family_trees()
+    assert json.loads((tmp_path / "whole" / "eqx_ckpt.json").read_text())["format_version"] == 1
+    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "whole").load(), tuned)
+    del state.repos["me/base"]
+    error = Client(client.url, tmp_path / "fresh").run(
+        "emit(raised(lambda: eqx_ckpt.Checkpoint('hf://me/tuned').load()))"
+    )
+    assert error[0] == "CheckpointNotFoundError"
+    assert f"the others are read from its base hf://me/base@{base_commit}, which cannot be found" in error[2]
