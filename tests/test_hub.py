@@ -1042,3 +1042,20 @@ def test_a_fine_tune_is_pushed_and_made_standalone_from_the_cli_and_its_missing_
     )
     assert error[0] == "CheckpointNotFoundError"
     assert f"the others are read from its base hf://me/base@{base_commit}, which cannot be found" in error[2]
+
+
+def test_a_cached_hub_base_given_as_a_checkpoint_is_pinned_by_its_repository_and_commit(hub, tmp_path):
+    """`base=Checkpoint("hf://...")` whose files the cache holds (so it reads
+    them from a cache folder) once raised a bare `KeyError`: the record names
+    the repository and commit, as for a base given as a path."""
+    client, _ = hub
+    commit = client.run(_FAMILY + "emit(eqx_ckpt.push_to_hub(base, 'me/base'))")
+    folder = str(tmp_path / "tuned")
+    client.run(
+        _FAMILY + "eqx_ckpt.Checkpoint('hf://me/base').load()\n"  # the cache now holds it
+        f"eqx_ckpt.export_safetensors({folder!r}, tuned, base=eqx_ckpt.Checkpoint('hf://me/base')); emit(0)"
+    )
+    assert json.loads((tmp_path / "tuned" / "eqx_ckpt.json").read_text())["base"] == {
+        "path": "hf://me/base",
+        "revision": commit,
+    }

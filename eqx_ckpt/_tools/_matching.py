@@ -69,12 +69,14 @@ def base_of(
             f"`base` must be a path (`hf://owner/name`, a checkpoint, a published folder) or a `Checkpoint`, not "
             f"{type(base).__name__}."
         )
-    return Based(source, *_pin(source, given, base, destination))
+    return Based(source, *_pin(source, given, destination))
 
 
-def _pin(source: _source.Source, given: Any, base: Any, destination: Location) -> tuple[_published.Base, str | None]:
+def _pin(source: _source.Source, given: Any, destination: Location) -> tuple[_published.Base, str | None]:
     if source.revision is not None:
-        spec = (base._loc if isinstance(base, Checkpoint) else location(base)).kvstore
+        # A Hub source is named `hf://owner/name@<commit>[/folder]`, read from
+        # the cache or by ranges alike (its `loc` is a cache folder in one case).
+        spec = location(source.loc.display).kvstore
         repo, folder = spec["repo"], spec.get("path", "").strip("/")
         path = HUB_SCHEME + repo + (f"/{folder}" if folder else "")
         return _published.Base(path, revision=source.revision), repo
