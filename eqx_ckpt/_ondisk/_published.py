@@ -55,6 +55,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._base._errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
+from .._base._location import HUB_SCHEME
 from ._format import PUBLISHED, LeafRecord
 from ._manifest import parse_leaves, read_document
 
@@ -129,9 +130,9 @@ def encode(
     digests: dict[str, str] | None = None,
     family: Family | None = None,
 ) -> bytes:
-    """The bytes of an `eqx_ckpt.json` for `records` (in tensor order, then the
-    leaves taken from a base), the tree's `structure` record (or `None`) and
-    the user's `info`; each leaf's digest from `digests`, and a fine-tune's
+    """The bytes of an `eqx_ckpt.json` for `records` (every leaf, in the tree's
+    order, those a fine-tune takes from its base among them), the tree's
+    `structure` record (or `None`) and the user's `info`; each leaf's digest from `digests`, and a fine-tune's
     base and references from `family`.
 
     `created` is the exported checkpoint's own time (`""`: none, and no field).
@@ -292,7 +293,7 @@ def _family(
         raise bad("format version 2 records a `base` object with a `path`, which it lacks")
     revision, sha256 = base.get("revision", ""), base.get("sha256", "")
     path = base["path"]
-    if path.startswith("hf://"):
+    if path.startswith(HUB_SCHEME):
         if not isinstance(revision, str) or not _COMMIT.fullmatch(revision) or sha256:
             raise bad(f"its base {path!r} is not pinned to a commit (40 hex digits)")
     elif not isinstance(sha256, str) or not _SHA256.fullmatch(sha256) or revision:

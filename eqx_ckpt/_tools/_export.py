@@ -40,7 +40,7 @@ from .._base._errors import (
 from .._base._location import Location, location
 from .._base._progress import Progress, Tracker
 from .._foreign import _safetensors
-from .._load import _rebuild
+from .._load import _family, _rebuild
 from .._load._checkpoint import Checkpoint
 from .._load._lazy import LazyArray
 from .._ondisk import _dtypes, _published, _structure
@@ -622,7 +622,7 @@ def _write_shard(
         for tensor in shard:
             data = tensor_bytes(tensor)
             if tensor.record.path not in digests:
-                digests[tensor.record.path] = _matching.digest(data)
+                digests[tensor.record.path] = _family.digest(data)
             yield data
             update(tensor.nbytes)
 

@@ -37,9 +37,6 @@ class Based:
     hub: str | None
 
 
-digest = _family.digest
-
-
 def base_of(
     pytree: Any, base: Any, *, standalone: bool, single: str | None, destination: Location, token: str | None
 ) -> Based | None:
@@ -123,7 +120,7 @@ def matched(
         found = candidates.get(_kind(tensor.record))
         if not found:
             continue
-        mine = digests[tensor.record.path] = digest(tensor_bytes(tensor))
+        mine = digests[tensor.record.path] = _family.digest(tensor_bytes(tensor))
         # The leaf of the same name first: a fine-tune mostly keeps its names.
         for record in sorted(found, key=lambda r: r.path != tensor.record.path):
             if base_digest(record) == mine:
