@@ -58,7 +58,7 @@ _NUMPY = {ours: dtype_from_name(ours) for ours in DTYPES.values()}
 MAX_HEADER = 100 * 2**20
 # The most tensors of a file, and of a directory's files together (real models
 # hold under 100,000), counted before a header is parsed.
-MAX_TENSORS = 2**17
+MAX_TENSORS = _published.MAX_LEAVES
 SUFFIX = ".safetensors"
 # A tensor is read in runs of rows of about this many bytes: one range request
 # each, many at once, and a slice or a device's shard reads only its runs.
@@ -341,6 +341,7 @@ def _manifest(
         info=published.info,
         family=published.family,
         digests=published.digests,
+        record_sha256=published.sha256,
     )
 
 

@@ -19,7 +19,7 @@ from .._base._progress import Progress
 from .._ondisk import _trust
 from .._ondisk._format import LeafRecord
 from .._ondisk._trust import Trust
-from . import _deserialise, _family, _nested, _rebuild, _source
+from . import _deserialise, _nested, _rebuild, _source
 from ._lazy import LazyArray
 from ._load_plan import LoadOptions
 
@@ -45,6 +45,12 @@ class Checkpoint(Mapping[str, Any]):
         repository, `hf://owner/name` (see [docs/sharing.md](../sharing.md)).
     - `token`: a Hugging Face Hub token, for an `hf://` path of a private or
         gated repository; `None` takes `HF_TOKEN` or the one `hf auth login` saved.
+    - `base`: for a fine-tune stored against a base, where to read its base
+        from instead of where its record says (any path this class opens).
+        Its leaves are checked against the digests the fine-tune records.
+        Needed where the recorded base is not followed on its own: anything
+        but an `hf://` base or a folder beside the fine-tune (see
+        [docs/sharing.md](../sharing.md#model-families)).
 
     **Attributes:**
 
@@ -68,9 +74,10 @@ class Checkpoint(Mapping[str, Any]):
     # Opening and loading make a few objects a leaf (records, sort keys, the
     # tree's containers), as `tree_deserialise_leaves` does (see `_gc.gc_paused`).
     @_gc.gc_paused()
-    def __init__(self, path: Any, *, token: str | None = None):
-        self._source = _source.open_source(path, token=token)
+    def __init__(self, path: Any, *, token: str | None = None, base: Any = None):
+        self._source = _source.open_source(path, token=token, base=base)
         self._token = token
+        self._given_base = base
         self._loc = self._source.loc
         self._manifest = self._source.manifest
         self._data = self._source.data
@@ -92,10 +99,10 @@ class Checkpoint(Mapping[str, Any]):
         """For a fine-tune stored as what changed (`export_safetensors(...,
         base=)`), the base its other leaves are read from, as pinned: an
         `hf://owner/name@<commit>`, or a path. `None` for every other source."""
-        family = self._manifest.family
-        if family is None:
+        family, base = self._manifest.family, self._source.base
+        if family is None or base is None:
             return None
-        return family.base.shown if family.base.revision else _family.base_path(family.base, self._loc)
+        return family.base.shown if family.base.revision and base.revision == family.base.revision else base.loc.display
 
     def from_base(self) -> dict[str, str]:
         """For a fine-tune, each leaf read from its base (by dotted path), with
@@ -512,7 +519,7 @@ class Checkpoint(Mapping[str, Any]):
         its files into the Hub's local cache (at the commit it was opened at),
         and read them there from then on."""
         if self._source.revision is not None and self._source.loc.local is None:
-            self._source = _source.open_source(self._source.loc, whole=True, token=self._token)
+            self._source = _source.open_source(self._source.loc, whole=True, token=self._token, base=self._given_base)
             self._data = self._source.data
 
     @property

@@ -88,6 +88,7 @@ def tree_deserialise_leaves(
     check_init: bool = False,
     read_once: bool | None = None,
     token: str | None = None,
+    base: Any = None,
 ) -> PyTree:
     """Load the leaves of a PyTree from a checkpoint directory.
 
@@ -167,6 +168,12 @@ def tree_deserialise_leaves(
         [docs/scaling.md](../scaling.md#restoring-replicated-state-each-byte-read-once)).
     - `token`: a Hugging Face Hub token, for an `hf://` path of a private or
         gated repository; `None` takes `HF_TOKEN` or the one `hf auth login` saved.
+    - `base`: for a fine-tune stored against a base (`export_safetensors(...,
+        base=)`), where to read its base from instead of where its record
+        says; its leaves are checked against the digests the fine-tune
+        records. Needed where the recorded base is not followed on its own:
+        anything but an `hf://` base or a folder beside the fine-tune (see
+        [docs/sharing.md](../sharing.md#model-families)).
 
     **Returns:**
 
@@ -203,7 +210,7 @@ def deserialise(
 ) -> PyTree:
     """`tree_deserialise_leaves` of `path` with its `options` (those of every
     public load: `LoadOptions`): open the source, then `load`."""
-    source = _source.open_source(path, whole=options.whole, token=options.token)
+    source = _source.open_source(path, whole=options.whole, token=options.token, base=options.base)
     flat = None
     if like is None:
         like = rebuilt(source, options.prefix or "", Trust(options.trust), check_init=options.check_init)

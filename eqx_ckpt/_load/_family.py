@@ -2,42 +2,72 @@
 
 A published folder whose `eqx_ckpt.json` names a base (`_published.Family`)
 holds only the leaves that differ from it. The others are recorded with the
-dotted path of the base's leaf holding the same bytes. `with_base` opens the
-base as any source (`_source.open_source`: the Hub's cache for an `hf://` base,
-a local checkpoint, another published folder) and returns one `Source` whose
-opener and runs read each leaf from where it lives. Every load option works
-on it as on any source, since the load plan sees one set of records.
+dotted path of the base's leaf holding the same bytes, and every leaf with the
+digest of its bytes. `with_base` opens the base as any source
+(`_source.open_source`: the Hub's cache for an `hf://` base, a local
+checkpoint, another published folder) and returns one `Source` whose opener
+and runs read each leaf from where it lives. Every load option works on it as
+on any source, since the load plan sees one set of records.
 
-The base is checked before anything is read from it:
+The record is untrusted input (a folder downloaded, unzipped, received from a
+colleague), and so is the base it names. Every check on a base is made here,
+in this order:
 
-- it is there, at its pin: an `hf://` base is opened at its commit; any other
-  must have the record file (`manifest.json` or `eqx_ckpt.json`) whose sha256
-  the fine-tune recorded;
-- each leaf taken from it is there, stored with the dtype and shape recorded.
+- **Where** (`recorded`), before anything of the base is opened, stat'ed or
+  requested. A base the caller gives (`base=` at load time) is read wherever
+  it is. A recorded one is followed only where the user expects it: a pinned
+  `hf://` base, or a relative local path that stays inside the folder holding
+  the fine-tune (its parent folder: the two are kept side by side), through
+  no symbolic link that leads out of it. Anything else (an absolute path,
+  `..` above that folder, `~`, a URL or a bucket) is an `UntrustedError`
+  naming the fine-tune, the recorded base and how to give it; it never says
+  whether such a path exists. A fine-tune read from the Hub may name only an
+  `hf://` base.
+- **Bounds** (`_bounded`), before the base is opened: each leaf of the base
+  backs at most `MAX_BACKED` leaves of the fine-tune, which claim together at
+  most `max(BACKED_FACTOR` times its bytes`, BACKED_BYTES)`. (The leaves of a
+  record, taken ones among them, are bounded by `_published`.)
+- **Pin.** A recorded base is read at its pin: an `hf://` base at its commit;
+  any other must have the record file whose sha256 the fine-tune recorded, as
+  the base's source read it when it was opened (no second read by path). A
+  base given at load time needs no pin: its leaves are checked one by one.
+- **Leaves.** Each leaf taken from the base is there, stored with the dtype and
+  shape recorded (`_taken`). Each leaf read whole is checked against the
+  digest the fine-tune records of it as it is read (`check_digest`, called by
+  the readers of whole leaves), taken and stored leaves alike.
 
-A missing or changed base is an error naming it and what was expected, never
-a mix of two models. A fine-tune read from the Hub may name only an `hf://`
-base: what a repository names is untrusted, and must not reach local files.
-Bases of bases are followed, at most `MAX_DEPTH` deep.
+A missing or changed base is an error naming the fine-tune, its base and what
+was expected, never a mix of two models. Bases of bases are followed, at most
+`MAX_DEPTH` deep, each by the same rules, relative to the base that names it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import os
+import re
+import stat
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from .._base._errors import CheckpointNotFoundError, CorruptCheckpointError
-from .._base._location import HUB_SCHEME, Location
+from .._base._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointValueError,
+    CorruptCheckpointError,
+    IntegrityError,
+    UntrustedError,
+    from_file,
+    stored_leaf_error,
+)
+from .._base._location import Location
 from .._ondisk import _published
-from .._ondisk._format import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord
-from .._store import _storage
+from .._ondisk._format import LeafRecord
+from .._store import _storage, _storage_errors
 from . import _pack
 
 # A `_source.Source` (typed loosely: `_source` imports this module, not the reverse).
@@ -47,6 +77,21 @@ Source = Any
 MAX_DEPTH = 8
 # A leaf's digest is taken over reads of about this many bytes (rows of it).
 DIGEST_SLAB_BYTES = 64 * 2**20
+# One leaf of a base backs at most this many leaves of a fine-tune. Several
+# are real (tied weights, biases that are all zeros), thousands are not.
+MAX_BACKED = 1024
+# ... and those leaves claim together at most this many times its bytes, or
+# `BACKED_BYTES` where that is more (a thousand small zero biases).
+BACKED_FACTOR = 4
+BACKED_BYTES = 64 * 2**20
+# Symbolic links followed inside the fine-tune's folder, at most (as the system's own limit).
+MAX_LINKS = 40
+# How a load is told where a base is.
+GIVE = (
+    "If you trust it, give the base yourself: `base=` on the load (`Checkpoint(path, base=...)`, "
+    "`tree_deserialise_leaves(..., base=...)`, `verify(path, base=...)`), or `--with-base` on the command line. "
+    "Its leaves are then checked against the digests the fine-tune records"
+)
 
 
 def digest(data: Any) -> str:
@@ -77,76 +122,226 @@ def _raw(array: np.ndarray) -> memoryview:
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
 
 
+def check_digest(source: Source, record: LeafRecord, array: np.ndarray) -> None:
+    """Raise `IntegrityError` unless `array`, the whole leaf `record` of
+    `source` as stored, holds the bytes whose digest `source` records (where
+    it records one: a published folder). The readers of whole leaves call it
+    on every leaf they read, before it is converted or placed."""
+    expected = source.manifest.digests.get(record.path)
+    if expected is None:
+        return
+    found = digest(_raw(array))
+    if found == expected:
+        return
+    family = source.manifest.family
+    taken = None if family is None else family.references.get(record.path)
+    if taken is not None and source.base is not None:
+        why = (
+            f"it is taken from the base {source.base.loc.display!r} (its leaf {from_file(repr(taken))}), whose bytes "
+            f"are not the ones the fine-tune was made from"
+        )
+        fix = (
+            "The base holds other values than it did when the fine-tune was exported (rewritten, or another "
+            "model under its name). Load the fine-tune with the base it was made from (`base=`), or load a "
+            "standalone export of it."
+        )
+    else:
+        why = "its bytes in the fine-tune's own files are not the ones recorded"
+        fix = "The folder is damaged or was edited: restore it from a good copy (`eqx-ckpt verify` lists every leaf)."
+    raise stored_leaf_error(
+        IntegrityError,
+        f"{why} (xxh3-128 {found.removeprefix(_published.DIGEST_PREFIX)[:16]}... read, "
+        f"{expected.removeprefix(_published.DIGEST_PREFIX)[:16]}... recorded in {_published.NAME}), so nothing "
+        f"was loaded.",
+        dotted=record.path,
+        path=source.loc.display,
+        fix=fix,
+    )
+
+
 def record_sha256(source: Source) -> str | None:
     """The sha256 of the file recording `source`'s leaves (an eqx_ckpt
-    checkpoint's `manifest.json`, a published folder's `eqx_ckpt.json`), read
-    now; `None` for a source with neither (plain safetensors, orbax)."""
-    name = (
-        MANIFEST if source.format == "eqx_ckpt" else _published.NAME if source.manifest.layout == "published" else None
-    )
-    data = None if name is None else _storage.read_file(source.loc, name, limit=MAX_MANIFEST_BYTES)
-    return None if data is None else hashlib.sha256(data).hexdigest()
+    checkpoint's `manifest.json`, a published folder's `eqx_ckpt.json`), as
+    the source read it when it was opened; `None` for a source with neither
+    (plain safetensors, orbax)."""
+    return source.manifest.record_sha256 or None
 
 
-def base_path(base: _published.Base, where: Location) -> str:
-    """Where the base of the fine-tune at `where` is read from: an `hf://` base
-    at its commit; a local one relative to the fine-tune's folder."""
+def recorded(base: _published.Base, where: Location, *, hub: bool) -> str:
+    """Where the recorded base of the fine-tune at `where` is read from, if it
+    is followed without the caller giving it (see the module docstring):
+    an `hf://` base at its commit, or a local one inside the fine-tune's
+    folder, as an absolute path with its links resolved. Else `UntrustedError`,
+    before anything at the base's path is opened or stat'ed."""
     if base.revision:
         return _published.hub_at(base.path, base.revision)
-    if "://" in base.path or os.path.isabs(base.path):
-        return base.path
+    if hub:
+        raise _refused(where, base, "a fine-tune read from the Hub may take its base only from the Hub (`hf://`)")
+    path = base.path
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", path):
+        raise _refused(where, base, "it is a URL, and a fine-tune's record may name a base only beside it")
+    if path.startswith(("/", "~")):
+        raise _refused(where, base, "it is an absolute path, and a fine-tune's record may name a base only beside it")
     if where.local is None:
-        raise CorruptCheckpointError(
-            f"{where.display!r} is a fine-tune whose base {base.path!r} is a local path, relative to a folder on a "
-            f"local disk; this one is not. Copy the fine-tune beside its base, or export it with "
-            f"`standalone=True`.",
-            path=where.display,
+        raise _refused(
+            where, base, "it is a local path, relative to a folder on a local disk; this fine-tune is not on one"
         )
-    return os.path.normpath(os.path.join(where.local, base.path))
+    folder = os.path.dirname(where.local)
+    relative = os.path.normpath(os.path.join(os.path.basename(where.local), path))
+    if relative in (".", "..") or relative.startswith("../"):
+        raise _refused(where, base, "it leads out of the folder that holds the fine-tune")
+    found = _confined(folder, relative)
+    if found is None:
+        raise _refused(where, base, "it leads out of the folder that holds the fine-tune, through a symbolic link")
+    outside = _links_out(folder, found)
+    if outside is not None:
+        raise _refused(
+            where,
+            base,
+            f"its entry {from_file(repr(outside))} is a symbolic link leading out of the folder that holds the "
+            f"fine-tune",
+        )
+    return found
+
+
+def _confined(folder: str, relative: str) -> str | None:
+    """`folder/relative` with its symbolic links resolved, or `None` where one
+    of them leads out of `folder` (or they loop). Only what is inside
+    `folder` is looked at: each link's target is judged by its text before
+    it is followed. A missing component is kept as it is (the open says so)."""
+    pending = relative.split("/")
+    current, links = folder, 0
+    while pending:
+        part = pending.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if current == folder:
+                return None
+            current = os.path.dirname(current)
+            continue
+        following = os.path.join(current, part)
+        try:
+            mode = os.lstat(following).st_mode
+        except OSError:
+            current = following
+            continue
+        if not stat.S_ISLNK(mode):
+            current = following
+            continue
+        links += 1
+        if links > MAX_LINKS:
+            return None
+        target = os.readlink(following)
+        if target.startswith("/"):
+            target = os.path.normpath(target)
+            if target != folder and not target.startswith(folder + "/"):
+                return None
+            current, target = folder, os.path.relpath(target, folder)
+        pending = target.split("/") + pending
+    return current
+
+
+def _links_out(folder: str, base: str) -> str | None:
+    """The first entry of the base's folder `base` that is a symbolic link
+    leading out of `folder` (what the base's files are read through), or `None`."""
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return None  # (not a folder: the open says what it is)
+    for name in names:
+        path = os.path.join(base, name)
+        if os.path.islink(path) and _confined(folder, os.path.relpath(path, folder)) is None:
+            return name
+    return None
+
+
+def _refused(where: Location, base: _published.Base, why: str) -> UntrustedError:
+    return UntrustedError(
+        f"{where.display!r} is a fine-tune whose record names its base as {from_file(repr(base.path))}, which is not "
+        f"followed: {why}. A folder received from elsewhere could otherwise make a load read, or contact, what you "
+        f"never named. Nothing was opened there. {GIVE}.",
+        path=where.display,
+    )
+
+
+def _bounded(source: Source, family: _published.Family) -> None:
+    """Refuse a fine-tune that claims more of its base than any fine-tune
+    does: a leaf of the base backing more than `MAX_BACKED` leaves, or more
+    than `max(BACKED_FACTOR` times its bytes`, BACKED_BYTES)` in all."""
+    mine = source.manifest.by_path()
+    backing: dict[str, list[int]] = {}
+    for path, name in family.references.items():
+        backing.setdefault(name, []).append(mine[path].nbytes)
+    for name, sizes in backing.items():
+        claimed, allowed = sum(sizes), max(BACKED_FACTOR * min(sizes), BACKED_BYTES)
+        if len(sizes) > MAX_BACKED or claimed > allowed:
+            raise CorruptCheckpointError(
+                f"{source.loc.display!r} takes {len(sizes)} leaves ({claimed} bytes in all) from one leaf of its "
+                f"base, {from_file(repr(name))}: more than the {MAX_BACKED} leaves and max({BACKED_FACTOR} times its "
+                f"bytes, {BACKED_BYTES}) bytes one leaf of a base may back. No fine-tune needs that much of one "
+                f"leaf; the record is damaged or hostile, so nothing is loaded.",
+                path=source.loc.display,
+            )
 
 
 def with_base(
-    source: Source, open_source: Callable[..., Source], *, whole: bool, token: str | None, depth: int
+    source: Source,
+    open_source: Callable[..., Source],
+    *,
+    whole: bool,
+    token: str | None,
+    depth: int,
+    given: Any = None,
 ) -> Source:
     """`source`, a fine-tune, with its base's leaves: one `Source` of both (or
-    `source` itself where it has no base)."""
+    `source` itself where it has no base). `given`: the base the caller gave
+    (`base=` at load time), read instead of the recorded one."""
     family: _published.Family | None = source.manifest.family
-    if family is None:
-        return source
     where = source.loc
+    if family is None:
+        if given is not None:
+            raise CheckpointValueError(
+                f"`base` was given, but {where.display!r} is not a fine-tune stored against a base: it holds every "
+                f"leaf itself. Load it without `base`."
+            )
+        return source
     if depth >= MAX_DEPTH:
         raise CorruptCheckpointError(
             f"{where.display!r} is a fine-tune of a fine-tune... more than {MAX_DEPTH} deep (its base: "
-            f"{family.base.path!r}); "
+            f"{from_file(repr(family.base.path))}); "
             f"eqx_ckpt follows at most {MAX_DEPTH}. Export one of them with `standalone=True`.",
             path=where.display,
         )
-    if source.revision is not None and not family.base.path.startswith(HUB_SCHEME):
-        raise CorruptCheckpointError(
-            f"{where.display!r} is a fine-tune read from the Hub whose base is {family.base.path!r}, not an `hf://` "
-            f"repository: a published model may take its base only from the Hub, so nothing is read from there.",
-            path=where.display,
-        )
-    path = base_path(family.base, where)
-    shown = family.base.shown if family.base.revision else repr(path)
+    path = given if given is not None else recorded(family.base, where, hub=source.revision is not None)
+    _bounded(source, family)
+    shown = family.base.shown if given is None and family.base.revision else repr(str(path))
     try:
         base = open_source(path, whole=whole, token=token, depth=depth + 1)
     except CheckpointNotFoundError as e:
+        advice = (
+            "Check the path given as `base=`."
+            if given is not None
+            else "Put the base back (or download it) beside the fine-tune, give it as `base=` if it is elsewhere, "
+            "or load a standalone export of the fine-tune."
+        )
         raise CheckpointNotFoundError(
             f"{where.display!r} is a fine-tune that holds only the leaves it changed; the others are read from its "
-            f"base {shown}, which cannot be found: {e} Put the base back (or download it), or load a standalone "
-            f"export of the fine-tune.",
+            f"base {shown}, which cannot be found: {e} {advice}",
             path=where.display,
         ) from e
-    if not family.base.revision:
+    except CheckpointError as e:
+        raise _named(e, f"{where.display!r} is a fine-tune whose base {shown} cannot be read: {e}", where) from e
+    if given is None and not family.base.revision:
         found = record_sha256(base)
         if found != family.base.sha256:
             raise CorruptCheckpointError(
                 f"{where.display!r} is a fine-tune of the base {shown} as it was when the fine-tune was exported "
                 f"(its record's sha256 {family.base.sha256[:16]}...), but that base has changed since (now "
                 f"{'no record' if found is None else found[:16] + '...'}): its leaves may no longer be the ones the "
-                f"fine-tune was made from, so nothing is loaded. Restore the base, or export the fine-tune again "
-                f"against the base as it is now.",
+                f"fine-tune was made from, so nothing is loaded. Restore the base, give the base it was made from "
+                f"as `base=` (its leaves are then checked one by one), or export the fine-tune again against the "
+                f"base as it is now.",
                 path=where.display,
             )
     taken = _taken(source, base, family, shown)
@@ -166,6 +361,18 @@ def with_base(
     )
 
 
+def _named(error: CheckpointError, message: str, where: Location) -> CheckpointError:
+    """`error`, of its own class, with `message` (which names the fine-tune and its base)."""
+    try:
+        named = type(error)(message, path=where.display)
+    except TypeError:  # (a class of other arguments)
+        return error
+    if hasattr(error, "dotted"):
+        named.dotted = error.dotted  # type: ignore[attr-defined]
+        named.keypaths = error.keypaths  # type: ignore[attr-defined]
+    return named
+
+
 def _taken(source: Source, base: Source, family: _published.Family, shown: str) -> dict[str, LeafRecord]:
     """The base's record of each leaf the fine-tune takes from it, by the
     fine-tune's dotted path; each checked against the fine-tune's record."""
@@ -175,22 +382,22 @@ def _taken(source: Source, base: Source, family: _published.Family, shown: str) 
     for path, name in family.references.items():
         record, found = mine[path], held.get(name)
         if found is None:
-            why = f"has no leaf {name!r}"
+            why = f"has no leaf {from_file(repr(name))}"
         elif (found.stored_dtype, found.stored_shape, found.encoding) != (
             record.stored_dtype,
             record.stored_shape,
             record.encoding,
         ):
             why = (
-                f"stores its leaf {name!r} as {found.stored_dtype}{list(found.stored_shape)}, not as the "
-                f"{record.stored_dtype}{list(record.stored_shape)} recorded"
+                f"stores its leaf {from_file(repr(name))} as {found.stored_dtype}{list(found.stored_shape)}, not as "
+                f"the {record.stored_dtype}{list(record.stored_shape)} recorded"
             )
         else:
             taken[path] = found
             continue
         raise CorruptCheckpointError(
-            f"{source.loc.display!r} takes its leaf {path!r} from its base {shown}, which {why}: it is not the base "
-            f"the fine-tune was made from, so nothing is loaded.",
+            f"{source.loc.display!r} takes its leaf {from_file(repr(path))} from its base {shown}, which {why}: it is "
+            f"not the base the fine-tune was made from, so nothing is loaded.",
             path=source.loc.display,
         )
     return taken
@@ -202,7 +409,16 @@ def _open(source: Source, base: Source, taken: dict[str, LeafRecord], record: Le
         assert source.opener is not None  # (a published folder's tensors)
         return source.opener(record)
     if found.pack is not None:  # a tiny leaf of an eqx_ckpt base, packed with others
-        return _storage.ready(_storage.in_memory(_pack.read_alone(base.data, found)))
+        try:
+            return _storage.ready(_storage.in_memory(_pack.read_alone(base.data, found)))
+        except Exception as e:
+            failed = _storage_errors.leaf_io_error(e, found, base.data, "read")
+            raise stored_leaf_error(
+                IntegrityError,
+                f"it is taken from the base {base.loc.display!r}, whose leaf cannot be read: {failed}",
+                dotted=record.path,
+                path=source.loc.display,
+            ) from e
     return base.open(found)
 
 

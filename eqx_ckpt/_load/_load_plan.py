@@ -75,6 +75,7 @@ class LoadOptions:
     trust: Iterable[Any] = ()
     check_init: bool = False
     token: str | None = None
+    base: Any = None
 
     def __post_init__(self) -> None:
         if self.missing not in ("error", "keep"):

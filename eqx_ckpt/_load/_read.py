@@ -176,6 +176,7 @@ def _start_in_slabs(
     like: Any,
     sharding: Any,
     on_bytes: Callable[[int], None] | None,
+    check: Callable[[np.ndarray], None] | None,
 ) -> Callable[[], Any]:
     dtype = dtype_from_name(record.stored_dtype)
     rows, row_bytes = record.shape[0], record.nbytes // max(record.shape[0], 1)
@@ -202,6 +203,8 @@ def _start_in_slabs(
                     on_bytes((hi - lo) * row_bytes)
         except Exception as e:
             raise read_failed(e, loc, record) from e
+        if check is not None:
+            check(out)
         return _dtypes.to_result(out, like, sharding=sharding)
 
     return finish
@@ -332,22 +335,27 @@ def start(
     *,
     dtype: Any = None,
     on_bytes: Callable[[int], None] | None = None,
+    check: Callable[[np.ndarray], None] | None = None,
 ) -> Callable[[], Any]:
     """Start reading a leaf; the returned function waits and builds the value.
 
     `dtype`, when given, is the dtype the value must have (`like`'s).
     `on_bytes`, when given, is called with the bytes of each slab of a large
     leaf, or of each device's region of a sharded one, as it lands. That is
-    progress within the leaf.
+    progress within the leaf. `check`, when given, is called with the whole
+    leaf as stored before it is converted or placed (a recorded digest's
+    check, `_family.check_digest`); such a leaf is read whole, even where it
+    is placed across devices.
     """
     convert = host_converter(record, dtype, loc)
     sharding = target_sharding(like)
     kind = _dtypes.like_type(like)
     if kind == "jax":
         refuse_narrowing(loc, record, dtype if dtype is not None else dtype_from_name(record.dtype))
+    spread = kind == "jax" and sharding is not None and len(sharding.device_set) > 1
 
     # Each read's failure is worded once, with what the finish does after it.
-    if kind == "jax" and sharding is not None and len(sharding.device_set) > 1:
+    if spread and check is None:
         read = functools.partial(start_region, store, loc, record, raw=True)
         finish_placed = _sharding.read_placed(read, record.shape, sharding, convert, on_bytes)
 
@@ -360,17 +368,23 @@ def start(
         return finish_sharded
 
     _memory.refuse_beyond_memory(loc, record, record.nbytes, "it")
-    if kind in ("jax", "numpy") and record.nbytes > SLAB_BYTES and record.shape and record.encoding == "plain":
+    plain = record.nbytes > SLAB_BYTES and record.shape and record.encoding == "plain"
+    if kind in ("jax", "numpy") and plain and not spread:
         if dtype is None or np.dtype(dtype) == dtype_from_name(record.stored_dtype):
-            return _start_in_slabs(store, loc, record, like, sharding, on_bytes)
+            return _start_in_slabs(store, loc, record, like, sharding, on_bytes, check)
 
     read_all = start_region(store, loc, record, raw=True)
 
     def finish() -> Any:
         try:
-            array = convert(read_all())
+            stored = read_all()
+            if check is not None:
+                check(stored)
+            array = convert(stored)
         except Exception as e:
             raise read_failed(e, loc, record) from e
+        if spread:
+            return jax.make_array_from_callback(array.shape, sharding, functools.partial(_region, array))
         return _value(loc, array, record, like, sharding)
 
     return finish

@@ -44,7 +44,7 @@ from .._base._progress import Progress, Tracker
 from .._ondisk import _dtypes
 from .._ondisk._format import LeafRecord
 from .._store import _chunk_files, _storage_errors, _window
-from . import _pack, _pooled, _read, _read_once
+from . import _family, _pack, _pooled, _read, _read_once
 from ._load_plan import LeafPlan
 
 if TYPE_CHECKING:
@@ -116,7 +116,8 @@ def read_now(
     data = source.data
     records = [record_of(plan) for plan in plans]
     results: list[Any] = [None] * len(plans)
-    shared = _read_once.chosen(plans, records, read_once)
+    # A leaf with a recorded digest is read whole by each process, to be checked.
+    shared = [] if source.manifest.digests else _read_once.chosen(plans, records, read_once)
     if shared:
         opened = [plans[i] for i in shared], [records[i] for i in shared]
         for i, value in zip(shared, _read_once.read(lambda r: source.open(r).result(), data, *opened, tracker)):
@@ -154,6 +155,10 @@ def _read_each(
                 pooled[i] = finish
     direct = {i for i in indices if source.opener is None and _read.direct(files, records[i], plans[i].like)}
     opens = {i: source.open(records[i]) for i in indices if i not in direct and i not in pooled}
+    digests = source.manifest.digests
+    checks = {
+        i: functools.partial(_family.check_digest, source, records[i]) for i in opens if records[i].path in digests
+    }
 
     def start(i: int) -> Callable[[], Any]:
         plan, record = plans[i], records[i]
@@ -166,7 +171,7 @@ def _read_each(
             store = opens.pop(i).result()
         except Exception as e:
             raise _storage_errors.leaf_io_error(e, record, data, "open") from e
-        return _read.start(store, data, record, plan.like, dtype=dtype, on_bytes=parts[i])
+        return _read.start(store, data, record, plan.like, dtype=dtype, on_bytes=parts[i], check=checks.get(i))
 
     for i, _, finish in _window.windowed((i, records[i].nbytes, functools.partial(start, i)) for i in indices):
         out[slots[i]] = finish()
@@ -196,7 +201,7 @@ def _read_packed(
         (members, functools.partial(_unpacked, data, records, members, start, finish))
         for members, start, finish in _pack.read_leaves(data, records, cached=cached)
     )
-    _place_runs(data, runs, plans, records, tracker, slots, out)
+    _place_runs(data, runs, plans, records, tracker, slots, out, None)
 
 
 def _unpacked(
@@ -225,7 +230,8 @@ def _read_runs(
     Returns the slots of the others, left to be read one by one."""
     assert source.runs is not None
     taken, runs = source.runs(records)
-    _place_runs(source.data, runs, plans, records, tracker, slots, out)
+    check = functools.partial(_family.check_digest, source) if source.manifest.digests else None
+    _place_runs(source.data, runs, plans, records, tracker, slots, out, check)
     done = {slots[m] for m in taken}
     return [slot for slot in slots if slot not in done]
 
@@ -238,14 +244,19 @@ def _place_runs(
     tracker: Tracker,
     slots: list[int],
     out: list[Any],
+    check: Callable[[LeafRecord, np.ndarray], None] | None,
 ) -> None:
     """Place runs of adjacent leaves, each together (one `device_put` for
     many), into `out` at the members' `slots`.
 
     A run is `(members, finish)`: indices into `plans` and `records`, and what
-    waits for their host arrays."""
+    waits for their host arrays. `check`, when given, is called on each of
+    them first (`_family.check_digest`)."""
     for members, finish in runs:
         hosts = finish()
+        if check is not None:
+            for m, host in zip(members, hosts):
+                check(records[m], host)
         values = _read.place(data, hosts, [records[m] for m in members], [plans[m].like for m in members])
         for m, value in zip(members, values):
             out[slots[m]] = value

@@ -132,7 +132,9 @@ class Source:
 _LABELS = {"safetensors": "Safetensors checkpoint", "orbax": "orbax checkpoint"}
 
 
-def open_source(path: Any, *, whole: bool = False, token: str | None = None, depth: int = 0) -> Source:
+def open_source(
+    path: Any, *, whole: bool = False, token: str | None = None, depth: int = 0, base: Any = None
+) -> Source:
     """The source at `path`, recognised from its files. It is an eqx_ckpt
     checkpoint when nothing else matches, so its error names what is missing.
 
@@ -144,19 +146,23 @@ def open_source(path: Any, *, whole: bool = False, token: str | None = None, dep
     token it is read with (`None`: huggingface_hub's own, `HF_TOKEN`).
 
     A fine-tune stored against a base is returned with its base
-    (`_family.with_base`), `depth` bases deep."""
+    (`_family.with_base`), `depth` bases deep: the one its record names, or
+    `base`, where the caller gives one (`None`: none given)."""
     loc = location(path)
     if _hub.is_hub(loc):
-        return _family.with_base(_from_hub(loc, whole, token), open_source, whole=whole, token=token, depth=depth)
+        hub = _from_hub(loc, whole, token)
+        return _family.with_base(hub, open_source, whole=whole, token=token, depth=depth, given=base)
     # A `.safetensors` path is never a directory: `_safetensors.find` reads it
     # (or raises), before anything else is tried.
     source = None if _safetensors.is_file_path(loc) else checkpoint(loc)
     if source is not None:
-        return source
+        return _family.with_base(source, open_source, whole=whole, token=token, depth=depth, given=base)
     for find in FINDERS:
         found = find(loc)
         if found is not None:
-            return _family.with_base(_foreign(loc, found), open_source, whole=whole, token=token, depth=depth)
+            return _family.with_base(
+                _foreign(loc, found), open_source, whole=whole, token=token, depth=depth, given=base
+            )
     held = _what_is_there(loc)
     if held:
         # What it is and what to do, nothing else: the note on interrupted

@@ -21,7 +21,7 @@ from .._base._errors import LeafError, leaf_message
 from .._ondisk import _dtypes
 from .._ondisk._format import LeafRecord
 from .._store import _memory, _storage_errors, _window
-from . import _read
+from . import _family, _read
 from ._lazy import LazyArray
 
 if TYPE_CHECKING:
@@ -81,7 +81,16 @@ def _start(source: Source, record: LeafRecord) -> Callable[[], np.ndarray]:
         store = source.open(record).result()
     except Exception as e:
         raise _storage_errors.leaf_io_error(e, record, source.data, "open") from e
-    return _read.start_region(store, source.data, record)
+    finish = _read.start_region(store, source.data, record)
+    if record.path not in source.manifest.digests:
+        return finish
+
+    def checked() -> np.ndarray:
+        array = finish()
+        _family.check_digest(source, record, array)
+        return array
+
+    return checked
 
 
 def _raised(e: Exception) -> str:

@@ -28,6 +28,7 @@ def load_or_initialise(
     progress: Progress = None,
     read_once: bool | None = None,
     token: str | None = None,
+    base: Any = None,
 ) -> PyTree:
     """Build `init()`'s tree from a checkpoint, computing only the leaves the
     checkpoint does not have.
@@ -45,7 +46,7 @@ def load_or_initialise(
         `functools.partial` or a lambda to bind a model's arguments). It must be
         traceable by `jax.jit`, as any Equinox constructor is.
     - `where`, `prefix`, `rename`, `strict`, `cast`, `transform`, `progress`,
-        `read_once`, `token`: as for [`eqx_ckpt.tree_deserialise_leaves`][]. The leaves `where` leaves
+        `read_once`, `token`, `base`: as for [`eqx_ckpt.tree_deserialise_leaves`][]. The leaves `where` leaves
         out are initialised, as the missing ones are.
 
     **Returns:**

@@ -90,6 +90,10 @@ class Manifest:
     family: Any = dataclasses.field(default=None, compare=False)
     # A published folder's recorded digest of each leaf (`_published`), by dotted path.
     digests: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
+    # The sha256 of the file this was parsed from (`manifest.json`, a published
+    # folder's `eqx_ckpt.json`), as read: what pins it as a fine-tune's base
+    # (`_family`). "" for one made otherwise.
+    record_sha256: str = dataclasses.field(default="", compare=False)
 
     @property
     def total_bytes(self) -> int:
@@ -359,6 +363,7 @@ def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
         packs=tuple(packs.values()),
         structure=body.get("structure") if version >= 5 else None,
         declared=Declared(body.get("leaf_count"), body.get("total_bytes"), nbytes),
+        record_sha256=hashlib.sha256(data).hexdigest(),
     )
 
 

@@ -48,13 +48,14 @@ It is untrusted input, read by the manifest's own code:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._base._errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
+from .._base._errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError, from_file
 from .._base._location import HUB_SCHEME
 from ._format import PUBLISHED, LeafRecord
 from ._manifest import parse_leaves, read_document
@@ -68,6 +69,9 @@ DIGEST_PREFIX = "xxh3-128:"
 # The user's metadata is small: a description, hyperparameters, metrics.
 MAX_INFO_BYTES = 1 << 20
 MAX_INFO_DEPTH = 32
+# The most leaves a record lists, those a fine-tune takes from its base among
+# them: the bound on a folder's tensors (`_safetensors.MAX_TENSORS` is this).
+MAX_LEAVES = 2**17
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +116,8 @@ class Published:
     # Each leaf's recorded digest, by dotted path (none in older exports).
     digests: dict[str, str] = dataclasses.field(default_factory=dict)
     family: Family | None = None
+    # The sha256 of the `eqx_ckpt.json` this was parsed from.
+    sha256: str = ""
 
 
 def hub_at(path: str, revision: str) -> str:
@@ -235,6 +241,8 @@ def parse(data: bytes, *, where: str) -> Published:
     if structure is not None and not isinstance(structure, dict):
         raise bad("`structure` is neither a JSON object nor null")
     raw = body.get("leaves")
+    if isinstance(raw, list) and len(raw) > MAX_LEAVES:
+        raise bad(f"it records {len(raw)} leaves, more than the {MAX_LEAVES} allowed (those taken from a base count)")
     digests, references = _extras(raw, bad)
     leaves = parse_leaves(raw, bad)
     _check_totals(body, leaves, bad)
@@ -248,6 +256,7 @@ def parse(data: bytes, *, where: str) -> Published:
         version,
         digests,
         family,
+        hashlib.sha256(data).hexdigest(),
     )
 
 
@@ -255,7 +264,8 @@ _DIGEST = re.compile(re.escape(DIGEST_PREFIX) + "[0-9a-f]{32}")
 _COMMIT = re.compile("[0-9a-f]{40}")
 _SHA256 = re.compile("[0-9a-f]{64}")
 # A base's path: printable, no control characters, bounded.
-_BASE_PATH = re.compile(r"[^\x00-\x1f\x7f]{1,1024}")
+MAX_BASE_PATH = 1024
+_BASE_PATH = re.compile(r"[^\x00-\x1f\x7f]+")
 
 
 def _extras(raw: Any, bad: Callable[[str], Exception]) -> tuple[dict[str, str], dict[str, str]]:
@@ -269,13 +279,19 @@ def _extras(raw: Any, bad: Callable[[str], Exception]) -> tuple[dict[str, str], 
         path, digest, base = leaf["path"], leaf.get("digest"), leaf.get("base")
         if digest is not None:
             if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
-                raise bad(f"the leaf {path!r} has the digest {str(digest)[:80]!r}, not {DIGEST_PREFIX}<32 hex digits>")
+                raise bad(
+                    f"the leaf {from_file(repr(path))} has the digest {from_file(repr(str(digest)), 80)}, not "
+                    f"{DIGEST_PREFIX}<32 hex digits>"
+                )
             digests[path] = digest
         if base is not None:
             if not isinstance(base, str) or not 0 < len(base) <= 4096:
-                raise bad(f"the leaf {path!r} names its base's leaf as {repr(base)[:80]}, which is not a dotted path")
+                raise bad(
+                    f"the leaf {from_file(repr(path))} names its base's leaf as {repr(base)[:80]}, which is not a "
+                    f"dotted path"
+                )
             if digest is None:
-                raise bad(f"the leaf {path!r} names its base's leaf as {base[:80]!r}, without a digest")
+                raise bad(f"the leaf {from_file(repr(path))} names its base's leaf as {base[:80]!r}, without a digest")
             references[path] = base
     return digests, references
 
@@ -289,15 +305,23 @@ def _family(
         if base is not None or references:
             raise bad("it names a base, which only format version 2 records")
         return None
-    if not isinstance(base, dict) or not isinstance(base.get("path"), str) or not _BASE_PATH.fullmatch(base["path"]):
+    if not isinstance(base, dict) or "path" not in base:
         raise bad("format version 2 records a `base` object with a `path`, which it lacks")
-    revision, sha256 = base.get("revision", ""), base.get("sha256", "")
     path = base["path"]
+    if not isinstance(path, str):
+        raise bad(f"its base's `path` is {type(path).__name__}, not a string")
+    if not path:
+        raise bad("its base's `path` is empty")
+    if len(path) > MAX_BASE_PATH:
+        raise bad(f"its base's `path` is {len(path)} characters long, more than the {MAX_BASE_PATH} allowed")
+    if not _BASE_PATH.fullmatch(path):
+        raise bad(f"its base's `path` {from_file(repr(path))} holds a control character (a line break, a NUL...)")
+    revision, sha256 = base.get("revision", ""), base.get("sha256", "")
     if path.startswith(HUB_SCHEME):
         if not isinstance(revision, str) or not _COMMIT.fullmatch(revision) or sha256:
-            raise bad(f"its base {path!r} is not pinned to a commit (40 hex digits)")
+            raise bad(f"its base {from_file(repr(path))} is not pinned to a commit (40 hex digits)")
     elif not isinstance(sha256, str) or not _SHA256.fullmatch(sha256) or revision:
-        raise bad(f"its base {path!r} is not pinned by the sha256 of its record (64 hex digits)")
+        raise bad(f"its base {from_file(repr(path))} is not pinned by the sha256 of its record (64 hex digits)")
     return Family(Base(path, revision, sha256), references)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,19 +45,20 @@ def base_of(
     for a fine-tune's `Checkpoint`, its own base (unless `standalone`)."""
     if base is not None and standalone:
         raise CheckpointValueError("`base=` and `standalone=True` contradict: a standalone export holds every leaf.")
+    inherited = None
     if base is None:
         inherited = pytree._source.base if isinstance(pytree, Checkpoint) and not standalone else None
         if inherited is None:
             return None
-        family = pytree._source.manifest.family
-        base = _family.base_path(family.base, pytree._source.loc)
     if single is not None:
         raise CheckpointValueError(
             f"An export against a base needs a folder, whose `{_published.NAME}` names the base: "
             f"{single!r} is one safetensors file. Export to a folder, or pass `standalone=True`."
         )
     given = base
-    if isinstance(base, Checkpoint):
+    if inherited is not None:  # the base the fine-tune was opened with, as it was opened
+        given, source = inherited.loc.display, inherited
+    elif isinstance(base, Checkpoint):
         given = base.path if base.revision is None else None
         source = base._source
     elif isinstance(base, (str, os.PathLike, dict)):
@@ -87,13 +89,29 @@ def _pin(source: _source.Source, given: Any, destination: Location) -> tuple[_pu
         path = source.loc.local
         if destination.local is not None:
             path = os.path.relpath(path, destination.local)
+            if os.path.normpath(os.path.join(os.path.basename(destination.local), path)).startswith(".."):
+                _not_followed(destination, path, "is not in the folder that holds the fine-tune")
         return _published.Base(path, sha256=sha256), None
     if not isinstance(given, (str, os.PathLike)):
         raise CheckpointTypeError(
             f"The base {source.loc.display!r} is on an object store: give it as a URL (`s3://bucket/base`), which "
             f"the fine-tune's record keeps."
         )
+    _not_followed(destination, os.fspath(given), "is a URL")
     return _published.Base(os.fspath(given), sha256=sha256), None
+
+
+def _not_followed(destination: Location, path: str, why: str) -> None:
+    """Warn that a load will not follow the base recorded as `path` on its own
+    (`_family.recorded`), so it needs `base=`."""
+    warnings.warn(
+        f"The fine-tune exported to {destination.display!r} records its base as {path!r}, which {why}: a load "
+        f"follows a fine-tune's record only to an `hf://` base or a folder beside the fine-tune (so that a folder "
+        f"received from elsewhere reads nothing else), so loads of it need the base given (`base=`, or "
+        f"`--with-base`). Export it beside its base to load it without.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def matched(

@@ -18,7 +18,13 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from .._base._errors import CheckpointError, CheckpointStorageError, CheckpointVersionError, CorruptCheckpointError
+from .._base._errors import (
+    CheckpointError,
+    CheckpointStorageError,
+    CheckpointValueError,
+    CheckpointVersionError,
+    CorruptCheckpointError,
+)
 from .._base._location import Location, location
 from .._base._progress import Progress, Tracker
 from .._foreign import _safetensors
@@ -143,7 +149,7 @@ def _file_of(error: BaseException) -> str | None:
     return found.group(1) if found else None
 
 
-def verify(path: Any, *, progress: Progress = None, token: str | None = None) -> Problems:
+def verify(path: Any, *, progress: Progress = None, token: str | None = None, base: Any = None) -> Problems:
     """Read and check every byte of a checkpoint.
 
     It checks:
@@ -185,6 +191,9 @@ def verify(path: Any, *, progress: Progress = None, token: str | None = None) ->
         `progress(leaves_done, leaves_total, bytes_done, bytes_total)`.
     - `token`: a Hugging Face Hub token, for an `hf://` path of a private or
         gated repository; `None` takes `HF_TOKEN` or the one `hf auth login` saved.
+    - `base`: for a fine-tune stored against a base, where its base is, where
+        its record's is not followed on its own (as [`eqx_ckpt.Checkpoint`][]'s
+        `base`).
 
     **Returns:**
 
@@ -221,11 +230,16 @@ def verify(path: Any, *, progress: Progress = None, token: str | None = None) ->
         source = None if foreign else _source.checkpoint(loc)
     except CorruptCheckpointError as e:
         return Problems([Problem(None, str(e))])
+    if base is not None and (source is not None or (not foreign and committed_steps(loc))):
+        raise CheckpointValueError(
+            f"`base` was given, but {loc.display!r} is not a fine-tune stored against a base: it holds every leaf "
+            f"itself. Verify it without `base`."
+        )
     if source is None:
         steps = [] if foreign else committed_steps(loc)
         if steps:
             return _verify_steps(loc, steps, progress)
-        found, unchecked, checked = _verify_sources.check(loc, progress, token)
+        found, unchecked, checked = _verify_sources.check(loc, progress, token, base)
         return Problems([Problem(leaf, message) for leaf, message in found], unchecked, checked=checked)
     manifest = source.manifest
     with Tracker(progress, leaves=len(manifest.leaves), nbytes=manifest.total_bytes, what="verify") as tracker:

@@ -50,11 +50,12 @@ ORBAX_INCOMPLETE = (
 
 
 def check(
-    loc: Location, progress: Progress, token: str | None = None
+    loc: Location, progress: Progress, token: str | None = None, base: Any = None
 ) -> tuple[list[tuple[str | None, str]], tuple[str, ...], tuple[str, ...]]:
     """The problems of the checkpoint of another format at `loc`, as `(dotted
     path or None, message)`, what its format could not be checked for, and
     what was checked beyond it (a Hub repository's files, by their digests).
+    `base`: a fine-tune's base, as the caller gave it (`None`: as recorded).
 
     Raises `CheckpointNotFoundError` (saying what `loc` holds) if it is no
     checkpoint of any format."""
@@ -62,7 +63,7 @@ def check(
     try:
         # A Hub repository is verified as the cache holds it: downloaded whole,
         # every file checked against the digest the Hub lists for it.
-        source = _source.open_source(loc, whole=hub, token=token)
+        source = _source.open_source(loc, whole=hub, token=token, base=base)
     except CorruptCheckpointError as e:
         return [(None, str(e))], (), ()
     records = sorted(source.manifest.leaves, key=lambda r: r.path)
@@ -130,7 +131,8 @@ def _family_said(source: _source.Source, every: bool) -> tuple[str, ...]:
     said = [f"every leaf's bytes, against the xxh3-128 digest {_published.NAME} records of it"]
     family = source.manifest.family
     if family is not None:
-        shown = family.base.shown if family.base.revision else repr(_family.base_path(family.base, source.loc))
+        base = source.base
+        shown = family.base.shown if family.base.revision or base is None else repr(base.loc.display)
         count = len(family.references)
         said.append(
             f"its base {shown} is there, at the version pinned (by "
