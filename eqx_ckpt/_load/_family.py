@@ -44,10 +44,10 @@ was expected, never a mix of two models. Bases of bases are followed, at most
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
-import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +68,7 @@ from .._base._location import Location
 from .._ondisk import _published
 from .._ondisk._format import LeafRecord
 from .._store import _storage, _storage_errors
+from .._store._local_paths import local_entry, local_link, local_names
 from . import _pack
 
 # A `_source.Source` (typed loosely: `_source` imports this module, not the reverse).
@@ -221,18 +222,13 @@ def _confined(folder: str, relative: str) -> str | None:
             current = os.path.dirname(current)
             continue
         following = os.path.join(current, part)
-        try:
-            mode = os.lstat(following).st_mode
-        except OSError:
-            current = following
-            continue
-        if not stat.S_ISLNK(mode):
+        if not local_entry(following).link:
             current = following
             continue
         links += 1
         if links > MAX_LINKS:
             return None
-        target = os.readlink(following)
+        target = local_link(following)
         if target.startswith("/"):
             target = os.path.normpath(target)
             if target != folder and not target.startswith(folder + "/"):
@@ -245,13 +241,11 @@ def _confined(folder: str, relative: str) -> str | None:
 def _links_out(folder: str, base: str) -> str | None:
     """The first entry of the base's folder `base` that is a symbolic link
     leading out of `folder` (what the base's files are read through), or `None`."""
-    try:
-        names = sorted(os.listdir(base))
-    except OSError:
+    if not local_entry(base).folder:
         return None  # (not a folder: the open says what it is)
-    for name in names:
+    for name in local_names(base):
         path = os.path.join(base, name)
-        if os.path.islink(path) and _confined(folder, os.path.relpath(path, folder)) is None:
+        if local_entry(path).link and _confined(folder, os.path.relpath(path, folder)) is None:
             return name
     return None
 
@@ -316,8 +310,33 @@ def with_base(
     path = given if given is not None else recorded(family.base, where, hub=source.revision is not None)
     _bounded(source, family)
     shown = family.base.shown if given is None and family.base.revision else repr(str(path))
+    opening = functools.partial(open_source, path, whole=whole, token=token, depth=depth + 1)
+    base = _opened(where, family, shown, given, opening)
+    taken = _taken(source, base, family, shown)
+    return dataclasses.replace(
+        source,
+        manifest=dataclasses.replace(
+            source.manifest,
+            leaves=tuple(
+                dataclasses.replace(r, chunks=taken[r.path].chunks) if r.path in taken else r
+                for r in source.manifest.leaves
+            ),
+        ),
+        opener=lambda record: _open(source, base, taken, record),
+        runs=_runs(source, base, taken),
+        changed=lambda: _changed(source, base),
+        base=base,
+    )
+
+
+def _opened(
+    where: Location, family: _published.Family, shown: str, given: Any, opening: Callable[[], Source]
+) -> Source:
+    """The base of the fine-tune at `where`, opened (`opening`) and checked
+    against its pin (a recorded one); its errors name the fine-tune and the
+    base (`shown`)."""
     try:
-        base = open_source(path, whole=whole, token=token, depth=depth + 1)
+        base = opening()
     except CheckpointNotFoundError as e:
         advice = (
             "Check the path given as `base=`."
@@ -344,21 +363,7 @@ def with_base(
                 f"base as it is now.",
                 path=where.display,
             )
-    taken = _taken(source, base, family, shown)
-    return dataclasses.replace(
-        source,
-        manifest=dataclasses.replace(
-            source.manifest,
-            leaves=tuple(
-                dataclasses.replace(r, chunks=taken[r.path].chunks) if r.path in taken else r
-                for r in source.manifest.leaves
-            ),
-        ),
-        opener=lambda record: _open(source, base, taken, record),
-        runs=_runs(source, base, taken),
-        changed=lambda: _changed(source, base),
-        base=base,
-    )
+    return base
 
 
 def _named(error: CheckpointError, message: str, where: Location) -> CheckpointError:

@@ -155,8 +155,12 @@ def open_source(
     # A `.safetensors` path is never a directory: `_safetensors.find` reads it
     # (or raises), before anything else is tried.
     source = None if _safetensors.is_file_path(loc) else checkpoint(loc)
-    if source is not None:
-        return _family.with_base(source, open_source, whole=whole, token=token, depth=depth, given=base)
+    if source is not None:  # (no base of its own: a `base` given is refused there)
+        return (
+            source
+            if base is None
+            else _family.with_base(source, open_source, whole=whole, token=token, depth=depth, given=base)
+        )
     for find in FINDERS:
         found = find(loc)
         if found is not None:

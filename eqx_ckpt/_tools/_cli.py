@@ -58,7 +58,7 @@ def printable(text: str) -> str:
 def _ls(args: argparse.Namespace) -> int:
     path = _path(args.path)
     try:
-        ckpt = Checkpoint(path, token=args.token)
+        ckpt = Checkpoint(path, token=args.token, base=_with_base(args))
     except CheckpointNotFoundError as missing:
         manager, steps = _manager_steps(args.path, missing)
         if not (args.types or args.values or args.depth is not None):
@@ -165,7 +165,7 @@ def _metric(value: Any) -> str:
 
 def _info(args: argparse.Namespace) -> int:
     try:
-        ckpt = Checkpoint(_path(args.path), token=args.token)
+        ckpt = Checkpoint(_path(args.path), token=args.token, base=_with_base(args))
     except CheckpointNotFoundError as missing:
         manager, steps = _manager_steps(args.path, missing)
         latest = _step_path(args.path, manager, steps[-1])
@@ -230,7 +230,7 @@ _SHOWN_DIFFERENCES = 50
 
 
 def _verify(args: argparse.Namespace) -> int:
-    problems = verify(_path(args.path), token=args.token)
+    problems = verify(_path(args.path), token=args.token, base=_with_base(args))
     # The answer, even if the reader goes away (`main`): damage is 1; a step
     # written by a newer eqx_ckpt is no damage, but it was not checked either.
     args.code = 1 if problems else 2 if problems.newer else 0
@@ -275,7 +275,7 @@ def _push_source(args: argparse.Namespace) -> Checkpoint:
     directory without either is an error naming its steps and the best."""
     if args.step is None and not args.best:
         try:
-            return Checkpoint(_path(args.path), token=args.token)
+            return Checkpoint(_path(args.path), token=args.token, base=_with_base(args))
         except CheckpointNotFoundError as missing:
             manager, steps = _manager_steps(args.path, missing)
             raise CheckpointValueError(_push_hint(args, manager, steps)) from None
@@ -470,7 +470,7 @@ def _export(args: argparse.Namespace) -> int:
         ) from None
     written = export_safetensors(
         _path(args.out),
-        Checkpoint(_path(args.ckpt), token=args.token),
+        Checkpoint(_path(args.ckpt), token=args.token, base=_with_base(args)),
         max_shard_size=args.max_shard_size,
         rename=rules or None,
         metadata=metadata or None,
@@ -506,6 +506,7 @@ def _export_parser(commands: Any) -> None:
     export.add_argument("ckpt", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
     export.add_argument("out", help="output directory (or a path ending in .safetensors for one file)")
     export.add_argument("--token", default=None, help=_TOKEN_HELP)
+    export.add_argument("--with-base", default=None, metavar="PATH", help=_WITH_BASE_HELP)
     export.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
     export.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB, 500MB (default 5GB)")
     export.add_argument(
@@ -580,6 +581,7 @@ def _push_parser(commands: Any) -> None:
     push.add_argument("--revision", default=None, help="the branch to commit to (default: the default branch)")
     push.add_argument("--private", action="store_true", help="make a new repository private")
     push.add_argument("--token", default=None, help="a Hub token with write access (default: HF_TOKEN)")
+    push.add_argument("--with-base", default=None, metavar="PATH", help=_WITH_BASE_HELP)
     push.add_argument("--message", default="Upload model with eqx_ckpt", help="the commit message")
     push.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB, 500MB (default 5GB)")
     push.add_argument(
@@ -603,6 +605,16 @@ def _push_parser(commands: Any) -> None:
 
 
 _TOKEN_HELP = "a Hugging Face Hub token, for an hf:// path of a private or gated repository (default: HF_TOKEN)"
+_WITH_BASE_HELP = (
+    "for a fine-tune stored against a base: read its base from PATH instead of where its record says (needed where "
+    "that is not an hf:// base or a folder beside the fine-tune); its leaves are checked against the fine-tune's "
+    "digests"
+)
+
+
+def _with_base(args: argparse.Namespace) -> Any:
+    """The base a command was given for the fine-tune it reads (`--with-base`), or `None`."""
+    return None if args.with_base is None else _path(args.with_base)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -617,6 +629,7 @@ def parser() -> argparse.ArgumentParser:
     ls = commands.add_parser("ls", help="sorted tree of keys with dtype[shape] and size", epilog=STORAGE_HELP)
     ls.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
     ls.add_argument("--token", default=None, help=_TOKEN_HELP)
+    ls.add_argument("--with-base", default=None, metavar="PATH", help=_WITH_BASE_HELP)
     ls.add_argument("--depth", type=int, default=None, help="show only this many levels")
     ls.add_argument("--values", action="store_true", help=f"print leaves of at most {SMALL_VALUES} elements")
     ls.add_argument(
@@ -628,6 +641,7 @@ def parser() -> argparse.ArgumentParser:
     )
     info.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
     info.add_argument("--token", default=None, help=_TOKEN_HELP)
+    info.add_argument("--with-base", default=None, metavar="PATH", help=_WITH_BASE_HELP)
     info.set_defaults(run=_info)
     verify = commands.add_parser(
         "verify",
@@ -637,6 +651,7 @@ def parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("path", help="checkpoint, .safetensors file, Hugging Face or orbax directory, kvstore URL")
     verify.add_argument("--token", default=None, help=_TOKEN_HELP)
+    verify.add_argument("--with-base", default=None, metavar="PATH", help=_WITH_BASE_HELP)
     verify.set_defaults(run=_verify)
     diff = commands.add_parser(
         "diff", help="compare two checkpoints; exit 0 equal, 1 different, 2 error", epilog=STORAGE_HELP
