@@ -543,3 +543,16 @@ class TestErrors:
         with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=r"has no leaf 'embed\\n  - Run") as caught:
             eqx_ckpt.Checkpoint(family.finetune)
         assert "\n" not in str(caught.value)
+
+
+def test_an_export_takes_from_one_base_leaf_no_more_than_a_load_accepts(tmp_path):
+    """Seventy leaves holding the bytes of one 1 MiB base leaf: 64 are taken
+    from it (64 MiB, the most one leaf backs), the rest stored; it loads."""
+    zeros = np.zeros(2**18, np.float32)
+    eqx_ckpt.export_safetensors(tmp_path / "base", {"z": zeros})
+    tree = {"copies": [zeros.copy() for _ in range(70)]}
+    eqx_ckpt.export_safetensors(tmp_path / "ft", tree, base=tmp_path / "base")
+    ckpt = eqx_ckpt.Checkpoint(tmp_path / "ft")
+    assert len(ckpt.from_base()) == 64 and set(ckpt.from_base().values()) == {"z"}
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", tree)
+    assert eqx.tree_equal(loaded, tree, typematch=True)

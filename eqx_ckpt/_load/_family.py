@@ -259,6 +259,13 @@ def _refused(where: Location, base: _published.Base, why: str) -> UntrustedError
     )
 
 
+def may_back(count: int, claimed: int, size: int) -> bool:
+    """Whether one leaf of a base, of `size` bytes, may back `count` leaves of
+    a fine-tune claiming `claimed` bytes together (an export keeps within
+    this: `_matching`)."""
+    return count <= MAX_BACKED and claimed <= max(BACKED_FACTOR * size, BACKED_BYTES)
+
+
 def _bounded(source: Source, family: _published.Family) -> None:
     """Refuse a fine-tune that claims more of its base than any fine-tune
     does: a leaf of the base backing more than `MAX_BACKED` leaves, or more
@@ -268,8 +275,8 @@ def _bounded(source: Source, family: _published.Family) -> None:
     for path, name in family.references.items():
         backing.setdefault(name, []).append(mine[path].nbytes)
     for name, sizes in backing.items():
-        claimed, allowed = sum(sizes), max(BACKED_FACTOR * min(sizes), BACKED_BYTES)
-        if len(sizes) > MAX_BACKED or claimed > allowed:
+        claimed = sum(sizes)
+        if not may_back(len(sizes), claimed, min(sizes)):
             raise CorruptCheckpointError(
                 f"{source.loc.display!r} takes {len(sizes)} leaves ({claimed} bytes in all) from one leaf of its "
                 f"base, {from_file(repr(name))}: more than the {MAX_BACKED} leaves and max({BACKED_FACTOR} times its "

@@ -134,6 +134,7 @@ def matched(
         return known[record.path]
 
     references: dict[str, str] = {}
+    backing: dict[str, tuple[int, int]] = {}  # leaves and bytes each base leaf backs so far
     for tensor in tensors:
         found = candidates.get(_kind(tensor.record))
         if not found:
@@ -141,8 +142,12 @@ def matched(
         mine = digests[tensor.record.path] = _family.digest(tensor_bytes(tensor))
         # The leaf of the same name first: a fine-tune mostly keeps its names.
         for record in sorted(found, key=lambda r: r.path != tensor.record.path):
-            if base_digest(record) == mine:
+            count, claimed = backing.get(record.path, (0, 0))
+            more = (count + 1, claimed + record.nbytes)
+            # Beyond what a load accepts of one base leaf, the leaf is stored instead.
+            if _family.may_back(*more, record.nbytes) and base_digest(record) == mine:
                 references[tensor.record.path] = record.path
+                backing[record.path] = more
                 break
     return _published.Family(based.pin, references) if references else None
 
