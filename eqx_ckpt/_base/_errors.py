@@ -147,9 +147,16 @@ class CheckpointTypeError(CheckpointError, TypeError):
 
 
 class UntrustedError(CheckpointTypeError):
-    """A load without `like` would build a class or function that `trust` does
-    not hold. Nothing was imported or run. The message names every such class
-    and function, the key paths that use them, and the `trust=[...]` to pass.
+    """A checkpoint asks for something a load does not do unless told to.
+
+    - A load without `like` would build a class or function that `trust` does
+      not hold. Nothing was imported or run. The message names every such
+      class and function, the key paths that use them, and the `trust=[...]`
+      to pass.
+    - A fine-tune's record names a base that is not followed on its own (not
+      an `hf://` base, nor a folder beside the fine-tune). Nothing there was
+      opened or requested. The message names the fine-tune, the base, and the
+      `base=` to pass.
 
     !!! example
 
