@@ -91,6 +91,8 @@ def _pin(source: _source.Source, given: Any, destination: Location) -> tuple[_pu
             path = os.path.relpath(path, destination.local)
             if os.path.normpath(os.path.join(os.path.basename(destination.local), path)).startswith(".."):
                 _not_followed(destination, path, "is not in the folder that holds the fine-tune")
+        else:
+            _not_followed(destination, path, "is on a local disk, and the fine-tune is not")
         return _published.Base(path, sha256=sha256), None
     if not isinstance(given, (str, os.PathLike)):
         raise CheckpointTypeError(
