@@ -1018,3 +1018,20 @@ def test_whether_a_manifest_exists_is_asked_without_reading_it():
                     if any("MANIFEST" in ast.unparse(arg) for arg in call.args):
                         found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     assert found == [], "ask `_storage.file_exists`:\n" + "\n".join(found)
+
+
+def test_no_options_by_reflection():
+    """Each verb's options are one value made by an explicit constructor call
+    at its public entry (`LoadOptions`, `ExportOptions`, `PushOptions`), so a
+    reader can follow a parameter through the calls (issue 72: `token`, `base`
+    and `where` were lost at the first `locals()`)."""
+    found = [
+        f"{path.name}:{node.lineno}"
+        for path in MODULES
+        for node in ast.walk(_tree(path))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("locals", "vars")
+        and not node.args
+    ]
+    assert found == [], "options passed by reflection: " + ", ".join(found)

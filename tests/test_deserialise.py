@@ -702,7 +702,7 @@ _PUBLIC_LOADS = {
 @pytest.mark.parametrize("entry", sorted(_PUBLIC_LOADS))
 def test_every_option_of_a_public_load_is_a_load_option_with_its_default(entry):
     """Issue 69 item 2: a public load makes its options one object
-    (`LoadOptions.from_arguments`), taking them by name. A keyword option
+    (`LoadOptions(...)`, one call), taking them by name. A keyword option
     named otherwise, or defaulting otherwise, would silently not reach it."""
     from eqx_ckpt._load._load_plan import LoadOptions
 

@@ -1,5 +1,6 @@
 """The public namespace: every name imports, errors live in `eqx_ckpt`."""
 
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -203,12 +204,20 @@ def test_listing_counts_are_ints(tmp_path, option, value):
         eqx_ckpt.Checkpoint(tmp_path).listing(**{option: value})
 
 
-def test_push_to_hub_takes_exactly_what_publish_takes():
-    """`push_to_hub` forwards its arguments to `_publish.publish` as they were
-    given (`**locals()`): the two signatures must stay the same."""
+def test_push_to_hub_writes_its_signature_once():
+    """`push_to_hub` makes one options value of its keywords (`PushOptions`,
+    its `export` an `ExportOptions`), which `_publish.publish` takes whole:
+    every keyword is a field of one of them, with the same default (so a
+    keyword named otherwise, or defaulting otherwise, cannot silently not
+    reach the push)."""
     import inspect
 
-    from eqx_ckpt._tools import _publish
+    from eqx_ckpt._tools import _export, _publish
 
+    fields = {f.name: f.default for f in dataclasses.fields(_export.ExportOptions)}
+    fields |= {f.name: f.default for f in dataclasses.fields(_publish.PushOptions) if f.name != "export"}
+    fields["metadata"] = fields.pop("info")  # (the push's `metadata` is the export's `info`)
     pushed = inspect.signature(eqx_ckpt.push_to_hub).parameters
-    assert list(pushed.items()) == list(inspect.signature(_publish.publish).parameters.items())
+    keywords = {n: p.default for n, p in pushed.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert {n: fields.get(n, "not an option") for n in keywords} == keywords
+    assert list(inspect.signature(_publish.publish).parameters) == ["tree_or_checkpoint_path", "options"]

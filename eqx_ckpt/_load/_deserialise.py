@@ -199,7 +199,22 @@ def tree_deserialise_leaves(
         model = eqx_ckpt.tree_deserialise_leaves("mlp_ckpt", eqx.filter_eval_shape(make))
         ```
     """
-    options = LoadOptions.from_arguments(locals())
+    options = LoadOptions(
+        where=where,
+        prefix=prefix,
+        rename=rename,
+        transform=transform,
+        missing=missing,
+        strict=strict,
+        cast=cast,
+        lazy=lazy,
+        read_once=read_once,
+        progress=progress,
+        trust=trust,
+        check_init=check_init,
+        token=token,
+        base=base,
+    )
     return deserialise(path, like, filter_spec, is_leaf, options)
 
 

@@ -53,7 +53,7 @@ class LoadOptions:
 
     Every public load (`tree_deserialise_leaves`, `load_or_initialise`, a
     manager's `restore` and `restore_or_initialise`, `Checkpoint.load`) makes
-    one from its keyword arguments (`from_arguments`). It goes whole to the
+    one from its keyword arguments, by name, in one call. It goes whole to the
     source (`token`, `whole`), the plan and the readers. Each option defaults as in
     `tree_deserialise_leaves`, whose docstring says what it does.
 
@@ -97,16 +97,6 @@ class LoadOptions:
         object.__setattr__(self, "lazy", lazy)
         object.__setattr__(self, "cast", bool(cast))
         object.__setattr__(self, "read_once", None if read_once is None else bool(read_once))
-
-    @classmethod
-    def from_arguments(cls, arguments: Mapping[str, Any], **fixed: Any) -> LoadOptions:
-        """The options among a public load's `arguments` (its `locals()`, taken
-        before it assigns any option), and the `fixed` ones its signature does
-        not offer. So each signature lists its options once, and they are not
-        spelt again where it forwards them (a test checks that every keyword
-        option of a public load is a field, with the same default)."""
-        given = {f.name: arguments[f.name] for f in dataclasses.fields(cls) if f.name in arguments}
-        return cls(**given, **fixed)
 
     @property
     def whole(self) -> bool:

@@ -85,7 +85,19 @@ def load_or_initialise(
         model = eqx_ckpt.load_or_initialise("ckpt", make)   # body loaded, head initialised
         ```
     """
-    options = LoadOptions.from_arguments(locals(), missing="keep")
+    options = LoadOptions(
+        where=where,
+        prefix=prefix,
+        rename=rename,
+        transform=transform,
+        strict=strict,
+        cast=cast,
+        read_once=read_once,
+        progress=progress,
+        token=token,
+        base=base,
+        missing="keep",
+    )
     return initialise_unloaded(path, init, default_deserialise_filter_spec, None, options)
 
 

@@ -617,7 +617,21 @@ class CheckpointManager:
                 )
         else:
             self._require(check_step(step))
-        options = LoadOptions.from_arguments(locals())
+        options = LoadOptions(
+            where=where,
+            prefix=prefix,
+            rename=rename,
+            transform=transform,
+            missing=missing,
+            strict=strict,
+            cast=cast,
+            lazy=lazy,
+            read_once=read_once,
+            progress=progress,
+            trust=trust,
+            check_init=check_init,
+            token=token,
+        )
         try:
             return deserialise(self._loc.joined(step_name(step)), like, filter_spec, is_leaf, options)
         except (CheckpointError, OSError) as e:
@@ -692,7 +706,19 @@ class CheckpointManager:
         step = self.latest_step()
         if step is None:
             return None, init()
-        options = LoadOptions.from_arguments(locals())
+        options = LoadOptions(
+            where=where,
+            prefix=prefix,
+            rename=rename,
+            transform=transform,
+            missing=missing,
+            strict=strict,
+            cast=cast,
+            lazy=lazy,
+            read_once=read_once,
+            progress=progress,
+            token=token,
+        )
         return step, _initialise.initialise_unloaded(
             self._loc.joined(step_name(step)), init, filter_spec, is_leaf, options
         )

@@ -31,8 +31,8 @@ from .._ondisk._format import MANIFEST, step_name
 from .._store import _share
 from ._demo import run
 from ._diff import diff
-from ._export import export_safetensors
-from ._publish import publish
+from ._export import ExportOptions, export_safetensors
+from ._publish import PushOptions, publish
 from ._verify import Problem, Problems, verify
 
 
@@ -247,23 +247,25 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _push(args: argparse.Namespace) -> int:
-    published = publish(
-        _push_source(args),
+    options = PushOptions(
         args.repo,
-        token=args.token,
         private=args.private,
         revision=args.revision,
         commit_message=args.message,
-        metadata=_metadata_values(args.metadata),
-        prefix=args.prefix,
-        license=args.license,
-        base_model=args.base_model or None,
-        code=args.code,
         tag=args.tag,
-        base=args.base,
-        standalone=args.standalone,
-        max_shard_size=args.max_shard_size,
+        export=ExportOptions(
+            max_shard_size=args.max_shard_size,
+            info=_metadata_values(args.metadata),
+            prefix=args.prefix,
+            license=args.license,
+            base_model=args.base_model or None,
+            code=args.code,
+            base=args.base,
+            standalone=args.standalone,
+            token=args.token,
+        ),
     )
+    published = publish(_push_source(args), options)
     unchanged = "" if published.changed else " (unchanged: the repository held this export already; nothing committed)"
     print(f"hf://{args.repo}@{published.commit}{unchanged}")
     return 0

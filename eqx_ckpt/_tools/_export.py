@@ -62,6 +62,28 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 @dataclasses.dataclass(frozen=True)
+class ExportOptions:
+    """An export's options: `export_safetensors`'s keywords (its docstring says
+    what each does), made once at its public entry (`export_safetensors`,
+    `push_to_hub`, `eqx-ckpt export` and `push`) and passed whole (`export`)."""
+
+    max_shard_size: int | str = "5GB"
+    rename: Any = None
+    metadata: dict[str, str] | None = None
+    info: dict[str, Any] | None = None
+    prefix: str | None = None
+    card: bool = True
+    card_path: str | None = None
+    license: str | None = None
+    base_model: str | Sequence[str] | None = None
+    code: str | None = None
+    base: Any = None
+    standalone: bool = False
+    token: str | None = None
+    progress: Progress = None
+
+
+@dataclasses.dataclass(frozen=True)
 class _Tensor:
     """One tensor of the export.
 
@@ -193,38 +215,63 @@ def export_safetensors(
         print(eqx.tree_equal(loaded, model))  # True
         ```
     """
+    options = ExportOptions(
+        max_shard_size=max_shard_size,
+        rename=rename,
+        metadata=metadata,
+        info=info,
+        prefix=prefix,
+        card=card,
+        card_path=card_path,
+        license=license,
+        base_model=base_model,
+        code=code,
+        base=base,
+        standalone=standalone,
+        token=token,
+        progress=progress,
+    )
+    return export(path, pytree, options)
+
+
+def export(path: Any, pytree: PyTree, options: ExportOptions) -> list[str]:
+    """`export_safetensors(path, pytree, ...)` with its `options`."""
     # Everything is checked before anything is written or deleted.
-    limit = _shard_bytes(max_shard_size)
-    _check_metadata(metadata)
-    info = _published.check_info(info)
-    about = _card.about(license=license, base_model=base_model, code=code)
+    limit = _shard_bytes(options.max_shard_size)
+    _check_metadata(options.metadata)
+    info = _published.check_info(options.info)
+    about = _card.about(license=options.license, base_model=options.base_model, code=options.code)
     if isinstance(pytree, (str, os.PathLike)):
-        pytree = Checkpoint(pytree, token=token)
-    found, structure = _within(*_tensors(pytree), prefix)
-    tensors = _named(found, rename)
+        pytree = Checkpoint(pytree, token=options.token)
+    found, structure = _within(*_tensors(pytree), options.prefix)
+    tensors = _named(found, options.rename)
     if not tensors:
         raise CheckpointValueError(
             "There is nothing to export: the tree has no array or scalar leaves (or `rename` left them all out)."
         )
     loc, single = _destination(path)
     _refuse_source_in_destination(loc, pytree)
-    based = _matching.base_of(pytree, base, standalone=standalone, single=single, destination=loc, token=token)
-    if based is not None and base_model is None and based.hub is not None:
-        about = _card.about(license=license, base_model=based.hub, code=code)
+    based = _matching.base_of(pytree, options, single=single, destination=loc)
+    if based is not None and options.base_model is None and based.hub is not None:
+        about = _card.about(license=options.license, base_model=based.hub, code=options.code)
     digests: dict[str, str] = {}
     family = None if based is None else _matching.matched(tensors, based, digests, tensor_bytes)
     stored = tensors if family is None else [t for t in tensors if t.record.path not in family.references]
     shards = _plan(stored, limit) if single is None else [stored]
     names = [single] if single else _file_names(len(shards))
-    shown = card_path if card_path is not None else (str(path) if isinstance(path, (str, os.PathLike)) else loc.display)
+    shown = options.card_path
+    if shown is None:
+        shown = str(path) if isinstance(path, (str, os.PathLike)) else loc.display
     _durable.ensure_directory(loc)  # only now: an export refused above leaves no empty folder behind
     files: dict[str, bytes] = {}
     try:
-        with Tracker(progress, leaves=len(stored), nbytes=sum(t.nbytes for t in stored), what="export") as tracker:
+        nbytes = sum(t.nbytes for t in stored)
+        with Tracker(options.progress, leaves=len(stored), nbytes=nbytes, what="export") as tracker:
+            advance = functools.partial(tracker.advance, leaves=1)
             for name, shard in zip(names, shards):
-                _write_shard(loc, name, shard, metadata or {}, lambda n: tracker.advance(leaves=1, nbytes=n), digests)
+                _write_shard(loc, name, shard, options.metadata or {}, lambda n: advance(nbytes=n), digests)
         if not single:
-            described = None if rename is not None else structure
+            described = None if options.rename is not None else structure
             files = _described(
                 pytree,
                 tensors,
@@ -232,7 +279,7 @@ def export_safetensors(
                 info,
                 names,
                 shown=shown,
-                card=card,
+                card=options.card,
                 about=about,
                 digests=digests,
                 family=family,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import urllib.parse
 from collections.abc import Sequence
@@ -14,7 +15,7 @@ from .._load._checkpoint import Checkpoint
 from .._ondisk import _published
 from .._ondisk._format import MAX_MANIFEST_BYTES
 from .._store import _hub, _storage
-from ._export import export_safetensors
+from ._export import ExportOptions, export
 
 
 def push_to_hub(
@@ -106,46 +107,16 @@ def push_to_hub(
         loaded = eqx_ckpt.Checkpoint(f"hf://me/my-mlp@{commit}").load(trust=[])  # no MLP constructor run
         ```
     """
-    # Every argument as it was given (the signatures are the same): nothing
-    # is rewritten on the way, as `LoadOptions.from_arguments` does for loads.
-    return publish(**locals()).commit
-
-
-def publish(
-    tree_or_checkpoint_path: Any,
-    repo_id: str,
-    *,
-    token: str | None = None,
-    private: bool = False,
-    revision: str | None = None,
-    commit_message: str = "Upload model with eqx_ckpt",
-    metadata: dict[str, Any] | None = None,
-    prefix: str | None = None,
-    license: str | None = None,
-    base_model: str | Sequence[str] | None = None,
-    code: str | None = None,
-    tag: str | None = None,
-    base: Any = None,
-    standalone: bool = False,
-    max_shard_size: int | str = "5GB",
-    progress: Progress = None,
-) -> _hub.Published:
-    """`push_to_hub`, saying also whether it committed (`eqx-ckpt push` says "unchanged")."""
-    _check_repo_id(repo_id)
-    _hub.library()  # the install hint before anything is exported
-
-    def write(folder: str) -> list[str]:
-        source = os.fspath(tree_or_checkpoint_path) if isinstance(tree_or_checkpoint_path, os.PathLike) else None
-        tree = source if source is not None else tree_or_checkpoint_path
-        if isinstance(tree, str) and tree.startswith(HUB_SCHEME):  # a published model, read with the token
-            tree = Checkpoint(tree, token=token)
-        written = export_safetensors(
-            folder,
-            tree,
+    options = PushOptions(
+        repo_id,
+        private=private,
+        revision=revision,
+        commit_message=commit_message,
+        tag=tag,
+        export=ExportOptions(
             max_shard_size=max_shard_size,
             info=metadata,
             prefix=prefix,
-            card_path=_card_path(repo_id, revision),
             license=license,
             base_model=base_model,
             code=code,
@@ -153,12 +124,50 @@ def publish(
             standalone=standalone,
             token=token,
             progress=progress,
-        )
+        ),
+    )
+    return publish(tree_or_checkpoint_path, options).commit
+
+
+@dataclasses.dataclass(frozen=True)
+class PushOptions:
+    """A push's options, made once at its public entry (`push_to_hub`,
+    `eqx-ckpt push`): where it commits, and the export it commits (whose
+    `token` is the push's too; its `card_path` is the repository's)."""
+
+    repo_id: str
+    private: bool = False
+    revision: str | None = None
+    commit_message: str = "Upload model with eqx_ckpt"
+    tag: str | None = None
+    export: ExportOptions = dataclasses.field(default_factory=ExportOptions)
+
+
+def publish(tree_or_checkpoint_path: Any, options: PushOptions) -> _hub.Published:
+    """`push_to_hub`, saying also whether it committed (`eqx-ckpt push` says "unchanged")."""
+    _check_repo_id(options.repo_id)
+    _hub.library()  # the install hint before anything is exported
+    token = options.export.token
+
+    def write(folder: str) -> list[str]:
+        source = os.fspath(tree_or_checkpoint_path) if isinstance(tree_or_checkpoint_path, os.PathLike) else None
+        tree = source if source is not None else tree_or_checkpoint_path
+        if isinstance(tree, str) and tree.startswith(HUB_SCHEME):  # a published model, read with the token
+            tree = Checkpoint(tree, token=token)
+        # The card loads the model by the name it is pushed to.
+        card_path = _card_path(options.repo_id, options.revision)
+        written = export(folder, tree, dataclasses.replace(options.export, card_path=card_path))
         _refuse_local_base(folder)
         return written
 
     return _hub.publish(
-        write, repo_id, token=token, private=private, revision=revision, commit_message=commit_message, tag=tag
+        write,
+        options.repo_id,
+        token=token,
+        private=options.private,
+        revision=options.revision,
+        commit_message=options.commit_message,
+        tag=options.tag,
     )
 
 
