@@ -556,3 +556,16 @@ def test_an_export_takes_from_one_base_leaf_no_more_than_a_load_accepts(tmp_path
     assert len(ckpt.from_base()) == 64 and set(ckpt.from_base().values()) == {"z"}
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", tree)
     assert eqx.tree_equal(loaded, tree, typematch=True)
+
+
+def test_verify_of_a_thousand_leaves_taken_from_one_base_leaf(tmp_path):
+    """Each of them is checked, the base's leaf read once for all."""
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    eqx_ckpt.export_safetensors(tmp_path / "ft", _finetuned(tree), base=tmp_path / "base")
+    _with_copies(tmp_path / "ft", "embed", 999)
+    assert eqx_ckpt.verify(tmp_path / "ft") == []
+    _rewrite(tmp_path / "base" / "model.safetensors", "embed")
+    problems = eqx_ckpt.verify(tmp_path / "ft")
+    assert sorted(p.leaf for p in problems) == sorted(["embed", *(f"copies.{i}" for i in range(999))])
+    assert all("read from the base's leaf `embed`" in p.message for p in problems)

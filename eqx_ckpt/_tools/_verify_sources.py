@@ -100,12 +100,20 @@ def _read_every_chunk(source: _source.Source, records: list[LeafRecord], tracker
 
 def _compare_digests(source: _source.Source, records: list[LeafRecord], tracker: Tracker) -> dict[str, str]:
     """What is wrong with each leaf whose bytes are not those its recorded
-    digest says (or cannot be read), by dotted path."""
+    digest says (or cannot be read), by dotted path. A leaf of a base that
+    backs several leaves of a fine-tune is read and hashed once."""
     bad: dict[str, str] = {}
     family = source.manifest.family
+    references = {} if family is None else family.references
+    hashed: dict[str, str] = {}  # by the base's dotted path
     for record in records:
+        taken = references.get(record.path)
         try:
-            found = _family.stored_digest(source, record)
+            found = hashed.get(taken) if taken is not None else None
+            if found is None:
+                found = _family.stored_digest(source, record)
+                if taken is not None:
+                    hashed[taken] = found
         except Exception as e:
             bad[record.path] = _damage(e, record, source.data, "read")
         else:
