@@ -55,7 +55,7 @@ from .._base._location import Location, hub_location
 from .._ondisk._format import MAX_MANIFEST_BYTES, PUBLISHED
 from .._ondisk._manifest import loads_file
 from . import _hub_http
-from ._local_paths import local_entry, local_names, local_real_path, local_walk
+from ._local_paths import local_entry, local_names, local_open, local_real_path, local_walk
 
 INSTALL = 'pip install "eqx_ckpt[hub]"'
 # The files of a folder a load may read; nothing else is downloaded or read.
@@ -528,7 +528,7 @@ def reader(pinned: Pinned, *, whole: bool) -> Callable[[str], bytes]:
 
     def read(name: str) -> bytes:
         if whole or pinned.offline or cached(pinned, [name]):
-            with open(os.path.join(download(pinned, [name]), name), "rb") as f:
+            with local_open(os.path.join(download(pinned, [name]), name)) as f:
                 return f.read(MAX_INDEX + 1)
         data, _ = Files(pinned_location(pinned)).read(name).result()
         return data or b""
@@ -641,7 +641,7 @@ def checked(loc: Location) -> list[str]:
 def _digest(path: str, *, lfs: bool) -> str:
     """A file's SHA-256 (`lfs`, as the Hub lists an LFS file), or its git blob id."""
     digest = hashlib.sha256() if lfs else hashlib.sha1(b"blob %d\0" % local_entry(path).size)
-    with open(path, "rb") as f:
+    with local_open(path) as f:
         for block in iter(lambda: f.read(2**22), b""):
             digest.update(block)
     return digest.hexdigest()
