@@ -716,6 +716,11 @@ class Folder:
         _untrusted.refuse_special(self.loc, name)  # before TensorStore opens it: a FIFO's open waits forever
         return Mapped(self._store.read(name, byte_range=byte_range), _found)
 
+    def listed_size(self, name: str) -> int | None:
+        """The bytes of the file `name` where they are known without a request
+        (a Hub commit's listing gives every file's), else `None`."""
+        return self._hub.size(name) if self._hub is not None else None
+
     def changed(self, name: str, generation: bytes) -> bool:
         """`generation_changed` of one of its files (never, for a Hub folder: a
         commit's files do not change)."""
