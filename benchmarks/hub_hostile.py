@@ -10,7 +10,10 @@ call to its answer, and the process's peak RSS over its start, both printed):
 - `index`: a load of a repository whose index is listed (and served) at 127 MB;
 - `gzip`: `Checkpoint` of a repository whose range answers are 1 MB of gzip
   that inflates to 1 GB (`Content-Encoding: gzip`);
-- `stalled`: `Checkpoint` of a server that accepts and never answers.
+- `stalled`: `Checkpoint` of a server that accepts and never answers;
+- `shards`: `Checkpoint` of 2,000 shards of one 16-byte tensor each (under
+  `MAX_SHARDS`: every header is read);
+- `shards_10k`: the same with 10,000 shards (over `MAX_SHARDS`: refused).
 
 Every outcome must be an eqx_ckpt error (or a load); the line says which.
 `--tree PATH` measures the eqx_ckpt of another checkout (the figures before a change).
@@ -79,6 +82,13 @@ def _setup(name: str, hub: hub_server.Hub) -> tuple[str, str]:
         hub.hostile["bad/gzip"] = hub_server.Hostile(bomb=2**30)
         hub_server._bomb(2**30)  # (compressed once, before the clock starts)
         return "hf://bad/gzip", "pass"
+    if name in ("shards", "shards_10k"):
+        count = 2_000 if name == "shards" else 10_000
+        names = [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+        files = {n: safetensors({f"layers.{i}.weight": b"\1" * 16}) for i, n in enumerate(names)}
+        index = {"weight_map": {f"layers.{i}.weight": n for i, n in enumerate(names)}}
+        hub.put_files(f"bad/{name}", {**files, "model.safetensors.index.json": json.dumps(index).encode()})
+        return f"hf://bad/{name}", "pass"
     hub.put_files("bad/stalled", {"model.safetensors": safetensors({"w": b"\1" * 8})})
     hub.hostile["bad/stalled"] = hub_server.Hostile(stall=float("inf"))
     return "hf://bad/stalled", "pass"
@@ -86,7 +96,7 @@ def _setup(name: str, hub: hub_server.Hub) -> tuple[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", nargs="*", default=["headers", "index", "gzip", "stalled"])
+    parser.add_argument("--only", nargs="*", default=["headers", "index", "gzip", "stalled", "shards", "shards_10k"])
     parser.add_argument("--tree", default=str(ROOT))
     args = parser.parse_args()
     for name in args.only:

@@ -341,6 +341,32 @@ class _Evil:
         return (os.system, ("touch PWNED",))
 
 
+def test_many_small_shards_open_in_one_request_each_and_load_the_same(hub, tmp_path):
+    """A small shard whose size the Hub lists is read whole when the folder is
+    opened (its length, header and end in one request, not three), and its
+    tensors load as the safetensors library reads them."""
+    from safetensors.numpy import save_file
+
+    client, state = hub
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    weight_map = {}
+    for i in range(40):
+        name = f"model-{i + 1:05d}-of-00040.safetensors"
+        save_file({f"layers.{i}.weight": np.full((2, 3), i, np.float32)}, folder / name)
+        weight_map[f"layers.{i}.weight"] = name
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    state.put_files("org/shards", {p.name: p.read_bytes() for p in folder.iterdir()})
+    before = len(state.requests)
+    keys = client.run("emit(sorted(eqx_ckpt.Checkpoint('hf://org/shards').keys()))")
+    opened = [r for r in state.requests[before:] if "/resolve/" in r and "-of-" in r]
+    assert keys == sorted(weight_map) and len(opened) == 40, opened
+    got = client.run(
+        "emit(jax.tree.map(lambda x: np.asarray(x).tolist(), eqx_ckpt.Checkpoint('hf://org/shards').load()))"
+    )
+    assert got == jax.tree.map(lambda x: np.asarray(x).tolist(), eqx_ckpt.Checkpoint(folder).load())
+
+
 def test_a_repo_with_no_model_says_what_it_holds(hub, tmp_path):
     client, state = hub
     state.put_files(

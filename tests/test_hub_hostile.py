@@ -215,6 +215,26 @@ def test_an_index_naming_other_files_downloads_nothing(hub):
     assert not [r for r in state.requests if any(o in r for o in others)]
 
 
+def test_an_index_naming_more_shards_than_allowed_reads_and_downloads_none(hub):
+    """An index naming more than `MAX_SHARDS` shards is refused before a shard
+    is read or downloaded: ten thousand shards of one tensor took minutes to
+    open, a request or more each."""
+    from eqx_ckpt._ondisk._format import MAX_SHARDS
+
+    client, state = hub
+    count = MAX_SHARDS + 1
+    names = [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    files = {name: safetensors({f"t{i}": b"\0"}) for i, name in enumerate(names)}
+    index = json.dumps({"weight_map": {f"t{i}": name for i, name in enumerate(names)}}).encode()
+    state.put_files("bad/shards", {**files, "model.safetensors.index.json": index})
+    results = run(client, ["attempt('hf://bad/shards', False)", "attempt('hf://bad/shards')"])
+    for said, took, _ in results:
+        assert is_eqx_error(said, "CorruptCheckpointError"), said
+        assert f"names {count} shards, more than the {MAX_SHARDS} eqx_ckpt reads" in said[2], said
+        assert took < 60
+    assert not [r for r in state.requests if "/resolve/" in r and "-of-" in r]
+
+
 def test_range_answers_are_exactly_the_bytes_asked_for(hub):
     """A range answered gzip-encoded (a bomb), with the whole file, or with more
     bytes than asked is refused with an eqx_ckpt error, in bounded memory."""

@@ -209,6 +209,24 @@ def test_a_hostile_index_is_a_clear_error(tmp_path, index, said):
         eqx_ckpt.Checkpoint(hostile)
 
 
+def test_an_index_naming_more_shards_than_allowed_reads_none(tmp_path):
+    """An index naming more than `MAX_SHARDS` shards (each is read when the
+    folder is opened: ten thousand took minutes on the Hub) is refused before
+    any is read; at the bound, the shards are read (here: the missing one is named)."""
+    from eqx_ckpt._ondisk._format import MAX_SHARDS
+
+    folder = _shard(tmp_path / "many", [{"a": W}])
+    for count, said in [
+        (MAX_SHARDS + 1, f"names {MAX_SHARDS + 1} shards, more than the {MAX_SHARDS} allowed"),
+        (MAX_SHARDS, f"lists the shard 'model-00002-of-{MAX_SHARDS:05d}.safetensors', which is not there"),
+    ]:
+        weight_map = {"a": "model-00001-of-00001.safetensors"}
+        weight_map |= {f"t{i}": f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(2, count + 1)}
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(said)):
+            eqx_ckpt.Checkpoint(folder)
+
+
 _COUNTING = threading.Lock()
 
 

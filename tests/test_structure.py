@@ -764,6 +764,54 @@ def test_a_record_of_ten_million_nodes_is_refused_before_it_is_parsed(tmp_path):
     assert psutil.Process().memory_info().rss - rss < 600 * 2**20
 
 
+def test_a_record_far_larger_than_its_leaves_warrant_is_refused_before_it_is_parsed(tmp_path):
+    """Half a million `None` nodes for a tree of four stored leaves: refused by
+    the count of its containers, before any of it is parsed or walked (a walk
+    took seconds). The record does not even end as JSON: parsed, it would be
+    refused as invalid JSON instead. The message says why: how many are
+    allowed, and for how many leaves."""
+    from eqx_ckpt._load import _rebuild
+
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {k: np.arange(3.0) for k in "abcd"})
+    _raw_structure(tmp_path, b'{"t":"list","c":[' + b'{"t":"none"},' * (500_000 - 1) + b'{"t":"none"}]')
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError) as info:
+        eqx_ckpt.Checkpoint(tmp_path).load(trust=[])
+    cap = _rebuild.node_cap(4)
+    assert cap == 4 * _rebuild.NODES_PER_LEAF + _rebuild.NODES_BASE < 500_000
+    said = str(info.value)
+    assert f"structure record of checkpoint {str(tmp_path)!r}" in said and "valid JSON" not in said
+    assert f"it holds more than the {cap} JSON containers (objects and arrays) allowed for a tree of 4 stored " in said
+    assert f"({_rebuild.NODES_PER_LEAF} a stored leaf and {_rebuild.NODES_BASE} more" in said
+    # A load with `like` reads no record: the leaves load.
+    got = eqx_ckpt.tree_deserialise_leaves(tmp_path, {k: np.zeros(3) for k in "abcd"})
+    assert eqx.tree_equal(got, {k: np.arange(3.0) for k in "abcd"})
+
+
+class _Tokeniser(eqx.Module):
+    embed: np.ndarray
+    vocab: dict = eqx.field(static=True)
+
+
+def test_a_static_vocabulary_of_thousands_beside_few_leaves_still_rebuilds(tmp_path):
+    """The room beside the stored leaves (`NODES_BASE`) holds a vocabulary of
+    20,000 entries, as a dict of strings in the tree (about 40,000
+    containers) and as a static field."""
+    from eqx_ckpt._load import _rebuild
+
+    vocab = {f"token{i}": f"piece{i}" for i in range(20_000)}
+    trees = {
+        "in the tree": {"w": np.arange(3.0), "b": np.ones(2, np.float32), "vocab": vocab},
+        "a static field": _Tokeniser(np.arange(6.0).reshape(2, 3), {k: i for i, k in enumerate(vocab)}),
+    }
+    for name, tree in trees.items():
+        path = tmp_path / name.replace(" ", "_")
+        eqx_ckpt.tree_serialise_leaves(path, tree)
+        body = json.loads((path / "manifest.json").read_text())
+        containers = body["structure"].count("{") + body["structure"].count("[")
+        assert 20_000 < containers <= _rebuild.node_cap(len(body["leaves"])), name
+        assert eqx.tree_equal(eqx_ckpt.Checkpoint(path).load(trust=[_Tokeniser]), tree, typematch=True), name
+
+
 def _records():
     from hypothesis import strategies as st
 
@@ -901,8 +949,8 @@ def test_a_manifest_of_millions_of_empty_lists_is_refused_before_it_is_parsed(tm
 
 
 def test_a_large_static_vocabulary_beside_one_leaf_still_rebuilds(tmp_path):
-    """The container count is tied to the stored leaves, with room for a
-    static vocabulary (a dict of 200,000 entries: 400,000 containers)."""
+    """The container count is tied to the stored leaves: a dict of 200,000
+    stored integers (400,000 containers) beside one array."""
     tree = {"w": np.arange(3.0), "vocab": {f"t{i}": i for i in range(200_000)}}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path).load(trust=[]), tree, typematch=True)

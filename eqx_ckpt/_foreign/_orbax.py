@@ -28,7 +28,7 @@ from .._ondisk import _manifest
 from .._ondisk._dtypes import is_known_dtype
 from .._ondisk._format import MAX_MANIFEST_BYTES, LeafRecord
 from .._ondisk._manifest import Manifest
-from .._store import _storage
+from .._store import _storage, _untrusted
 
 METADATA = "_METADATA"
 DEFAULT_ITEM = "default"
@@ -89,6 +89,7 @@ def find(loc: Location) -> Arrays | None:
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise _corrupt(loc, f"its {METADATA} does not describe a PyTree ({type(e).__name__}: {e})") from None
     leaves = [leaf for leaf in found if leaf is not None]
+    _untrusted.refuse_special_inside(loc)  # before TensorStore opens its files: a FIFO's open waits forever
     specs = [_array_spec(loc, driver, ocdbt, name) | {"fill_missing_data_reads": not complete} for _, name, _ in leaves]
     opens = _storage.open_for_reading(specs)
     records: dict[str, LeafRecord] = {}

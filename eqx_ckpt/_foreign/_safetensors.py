@@ -39,7 +39,7 @@ from .._base._errors import (
 )
 from .._base._location import Location
 from .._ondisk import _published
-from .._ondisk._format import MAX_ELEMENTS, MAX_MANIFEST_BYTES, MAX_RANK, LeafRecord, dtype_from_name
+from .._ondisk._format import MAX_ELEMENTS, MAX_MANIFEST_BYTES, MAX_RANK, MAX_SHARDS, LeafRecord, dtype_from_name
 from .._ondisk._manifest import Manifest, loads_file
 from .._store import _chunk_files, _storage, _storage_errors, _window
 
@@ -63,6 +63,10 @@ SUFFIX = ".safetensors"
 # A tensor is read in runs of rows of about this many bytes: one range request
 # each, many at once, and a slice or a device's shard reads only its runs.
 ROW_CHUNK_BYTES = 4 * 2**20
+# A file of at most this many bytes whose size is listed (on the Hub) is read
+# whole when it is opened: its length, header and end in one request, not three.
+# (A partial load then reads at most this much more than it needs.)
+WHOLE_FILE_BYTES = 16 * 2**10
 # A load reads tensors of at most this many bytes in runs of adjacent tensors,
 # one range read per run (`read_runs`); larger ones through their own arrays.
 SMALL_BYTES = 2**20
@@ -210,10 +214,17 @@ def _weight_map(loc: Location, index: str, data: bytes) -> dict[str, str]:
             raise TypeError("it is not an object of tensor names")
     except (ValueError, KeyError, TypeError) as e:
         raise _corrupt(loc, f"{index} has no `weight_map` of tensor names to files ({from_file(str(e))})") from None
-    for name in set(weight_map.values()):
+    shards = set(weight_map.values())
+    for name in shards:
         # The index is untrusted: a shard must be a file beside it.
         if not isinstance(name, str) or not re.fullmatch(r"[^/\\]+", name) or name.startswith("."):
             raise _corrupt(loc, f"{index} names the shard {name!r}, which is not a file name in that directory")
+    if len(shards) > MAX_SHARDS:
+        raise _corrupt(
+            loc,
+            f"{index} names {len(shards)} shards, more than the {MAX_SHARDS} allowed (real models use a few hundred at "
+            f"most), so none was read",
+        )
     return weight_map
 
 
@@ -226,12 +237,16 @@ def _tensors(
     weight_map: dict[str, str] | None = None,
     published: Callable[[], _published.Published | None] = lambda: None,
 ) -> Tensors:
-    """Read every file's header (two small reads each, all files at once), and
-    the `published` record of the directory, if it has one."""
+    """Read every file's header (two small reads each, all files at once; one
+    for a small file whose size is listed, `WHOLE_FILE_BYTES`), and the
+    `published` record of the directory, if it has one."""
     local = folder["path"] if _location.on_local_disk(loc) else None
     where = _storage.Folder(Location(folder, loc.display, local.rstrip("/") if local is not None else None))
-    heads = [where.read(name, slice(0, 8)) for name in files]
-    sizes, versions = [], []
+    listed = [where.listed_size(name) for name in files]
+    heads = [
+        where.read(name, slice(0, 8 if n is None or n > WHOLE_FILE_BYTES else n)) for name, n in zip(files, listed)
+    ]
+    sizes, versions, read = [], [], []
     for name, head in zip(files, heads):
         result = _result(loc, name, head, "is shorter than a safetensors header")
         versions.append(result.generation)
@@ -241,17 +256,22 @@ def _tensors(
             raise CheckpointNotFoundError(f"There is no safetensors file {name!r} at {loc.display!r}.")
         if len(result.value) < 8:
             raise _corrupt(loc, f"{name!r} is shorter than a safetensors header")
-        size = int.from_bytes(result.value, "little")
+        size = int.from_bytes(result.value[:8], "little")
         if size > MAX_HEADER:
             raise _corrupt(loc, f"{name!r} declares a {size}-byte header, more than the {MAX_HEADER} allowed")
         sizes.append(size)
+        read.append(result.value[8 : 8 + size])
     if sum(sizes) > MAX_HEADER:
         raise _corrupt(
             loc,
             f"its {len(files)} files declare headers of {sum(sizes)} bytes in all, more than the {MAX_HEADER} allowed",
         )
     _faults.fire("safetensors.read_headers", loc, files)
-    bodies = [where.read(name, slice(8, 8 + size)) for name, size in zip(files, sizes)]
+    bodies = [
+        # (a header read whole with its length is from the same version of the file)
+        _storage.ready(_storage.Found(got, version)) if len(got) == size else where.read(name, slice(8, 8 + size))
+        for name, size, got, version in zip(files, sizes, read, versions)
+    ]
     records: dict[str, LeafRecord] = {}
     places: dict[str, tuple[str, int]] = {}
     # Each tensor's file by its name in the headers (one dotted path per name:
@@ -269,7 +289,7 @@ def _tensors(
             places[record.path] = (name, 8 + size + offset)
             holder[tensor] = name
         ends.append(8 + size + used)
-    _check_ends(loc, where, files, ends)
+    _check_ends(loc, where, files, ends, listed)
     for tensor, file in (weight_map or {}).items():
         # A shard replaced by another version may have lost a tensor the index promises.
         if holder.get(tensor) != file:
@@ -284,7 +304,11 @@ def _tensors(
 
 
 def _headers(
-    loc: Location, files: list[str], sizes: list[int], bodies: list[_storage.Mapped], versions: list[bytes]
+    loc: Location,
+    files: list[str],
+    sizes: list[int],
+    bodies: list[_storage.Future | _storage.Mapped],
+    versions: list[bytes],
 ) -> tuple[list[bytes], list[bytes]]:
     """The files' headers, each from the version of the file its length came
     from, and those versions; their tensors counted before any is parsed."""
@@ -310,16 +334,26 @@ def _headers(
     return headers, generations
 
 
-def _check_ends(loc: Location, where: _storage.Folder, files: list[str], ends: list[int]) -> None:
-    """Read the last byte a tensor uses and the one after it, which must not be
-    there: one read per file, all at once.
+def _check_ends(
+    loc: Location, where: _storage.Folder, files: list[str], ends: list[int], listed: list[int | None]
+) -> None:
+    """Check that no file has bytes after its last tensor's: by its `listed`
+    size where it is known, else by reading the last byte a tensor uses and
+    the one after it, which must not be there (one read per file, all at once).
 
     (Some servers answer oddly a range starting at the end of the file. All
     refuse one ending past it.)"""
-    probes = [(n, end, where.read(n, slice(end - 1, end + 1))) for n, end in zip(files, ends)]
-    for name, end, probe in probes:
-        found = _result(loc, name, probe, None)
-        if found is not None and found.value is not None and len(found.value) > 1:
+    probes = [
+        (n, end, size, None if size is not None else where.read(n, slice(end - 1, end + 1)))
+        for n, end, size in zip(files, ends, listed)
+    ]
+    for name, end, size, probe in probes:
+        if probe is None:
+            after = size is not None and size > end
+        else:
+            found = _result(loc, name, probe, None)
+            after = found is not None and found.value is not None and len(found.value) > 1
+        if after:
             raise _corrupt(loc, f"{name!r} has bytes after its last tensor (byte {end} on), which no tensor uses")
 
 
@@ -404,7 +438,7 @@ def _merged(metadata: dict[str, dict[str, str]]) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def _result(loc: Location, name: str, read: _storage.Mapped, short: str | None) -> Any:
+def _result(loc: Location, name: str, read: _storage.Future | _storage.Mapped, short: str | None) -> Any:
     """A byte-range read's result; a range past the end of the file means
     `short` (the file is corrupt), or, without one, `None`."""
     try:

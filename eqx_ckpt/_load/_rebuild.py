@@ -60,16 +60,20 @@ from .._ondisk._trust import Trust, python_name
 
 # Limits on an untrusted record, far beyond any model's. Its JSON containers
 # (objects and arrays: nodes, key records, field lists, tagged values) are
-# counted before it is parsed. It may hold:
-# - at most `NODES_PER_LEAF` a stored leaf (a saved tree has a few containers a
-#   leaf, never thousands);
-# - `NODES_BASE` more, for static values, `None`s and empty containers. This
-#   leaves room for a static vocabulary of hundreds of thousands of entries
-#   beside a few leaves;
+# counted before it is parsed, so that a record far larger than its stored
+# leaves warrant is refused before any of it is walked. (A walk costs about
+# 9 microseconds a container: the 1,000,000 once allowed beside a few leaves
+# took seconds before they were refused.) It may hold:
+# - at most `NODES_PER_LEAF` a stored leaf. A saved tree has a few containers
+#   a leaf: 4 to 8 for Equinox's layers and optax's states, 17 for
+#   convolutions, whose static fields are tuples;
+# - `NODES_BASE` more, for static values, `None`s and empty containers: room
+#   for a static vocabulary of 20,000 entries (a dict of strings) beside a
+#   few leaves, walked in under half a second;
 # - never more than `MAX_NODES`.
 MAX_NODES = 5_000_000
-NODES_PER_LEAF = 100
-NODES_BASE = 1_000_000
+NODES_PER_LEAF = 50
+NODES_BASE = 50_000
 MAX_NAME = 1_000
 MAX_STRING = 1 << 20
 _NAME_KINDS = ("object", "namedtuple", "node")
@@ -98,15 +102,17 @@ def no_record(manifest: Manifest, where: str) -> CheckpointValueError:
 
 def record_of(manifest: Manifest, where: str) -> Any:
     """The structure record of `manifest`, parsed from its JSON text (as
-    untrusted as the rest: refused past `MAX_NODES` objects, or nested past
-    what JSON parsing allows, before anything else); `None` where it has none."""
+    untrusted as the rest: refused past `node_cap` containers for its stored
+    leaves, or nested past what JSON parsing allows, before anything else);
+    `None` where it has none."""
     text = manifest.structure
     if text is None:
         return None
     cap = node_cap(len(manifest.leaves))
     why = too_many_containers(text, cap)
     if why is not None:
-        raise _corrupt(where, "", f"{why} for a tree of {len(manifest.leaves)} stored leaves")
+        allowed = f"{NODES_PER_LEAF} a stored leaf and {NODES_BASE} more, {MAX_NODES} at most"
+        raise _corrupt(where, "", f"{why} for a tree of {len(manifest.leaves)} stored leaves ({allowed})")
     try:
         return loads_file(text)
     except ValueError as e:

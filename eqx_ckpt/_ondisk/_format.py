@@ -197,6 +197,12 @@ MAX_MANIFEST_CONTAINERS = 20_000_000
 # 25, so parsing costs a small multiple of the manifest's size (about twelve
 # times at most). Millions of `[],` would cost twenty times and more.
 MANIFEST_BYTES_PER_CONTAINER = 6
+# The most shards a safetensors index (`model.safetensors.index.json`, ours or
+# Hugging Face's) may name. Real models use a few hundred at most (Llama 3.1
+# 405B: 191). A folder's every shard is read when it is opened (its header: on
+# the Hub, a request or two each), so ten thousand took minutes there; more are
+# refused before any is read or downloaded (`_safetensors`, `_hub`).
+MAX_SHARDS = 2048
 MAX_RANK = 32
 MAX_ELEMENTS = 2**53
 

@@ -52,10 +52,10 @@ from .._base._errors import (
     from_file,
 )
 from .._base._location import Location, hub_location
-from .._ondisk._format import MAX_MANIFEST_BYTES, PUBLISHED
+from .._ondisk._format import MAX_MANIFEST_BYTES, MAX_SHARDS, PUBLISHED
 from .._ondisk._manifest import loads_file
 from . import _hub_http
-from ._local_paths import local_entry, local_names, local_real_path, local_walk
+from ._local_paths import local_entry, local_names, local_open, local_real_path, local_walk
 
 INSTALL = 'pip install "eqx_ckpt[hub]"'
 # The files of a folder a load may read; nothing else is downloaded or read.
@@ -476,6 +476,12 @@ def _shards(pinned: Pinned, index: str, data: bytes) -> list[str]:
         names = {v for v in weight_map.values() if isinstance(v, str)}
     except (ValueError, AttributeError):
         return []
+    if len(names) > MAX_SHARDS:
+        raise CorruptCheckpointError(
+            f"{pinned.display}: the index `{from_file(index)}` names {len(names)} shards, more than the {MAX_SHARDS} "
+            f"eqx_ckpt reads (real models use a few hundred at most), so nothing was downloaded.",
+            path=pinned.display,
+        )
     other = sorted(n for n in names if not _SHARD.fullmatch(n) or n.startswith("."))
     if other:
         raise CorruptCheckpointError(
@@ -528,7 +534,7 @@ def reader(pinned: Pinned, *, whole: bool) -> Callable[[str], bytes]:
 
     def read(name: str) -> bytes:
         if whole or pinned.offline or cached(pinned, [name]):
-            with open(os.path.join(download(pinned, [name]), name), "rb") as f:
+            with local_open(os.path.join(download(pinned, [name]), name)) as f:
                 return f.read(MAX_INDEX + 1)
         data, _ = Files(pinned_location(pinned)).read(name).result()
         return data or b""
@@ -641,7 +647,7 @@ def checked(loc: Location) -> list[str]:
 def _digest(path: str, *, lfs: bool) -> str:
     """A file's SHA-256 (`lfs`, as the Hub lists an LFS file), or its git blob id."""
     digest = hashlib.sha256() if lfs else hashlib.sha1(b"blob %d\0" % local_entry(path).size)
-    with open(path, "rb") as f:
+    with local_open(path) as f:
         for block in iter(lambda: f.read(2**22), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -684,9 +690,13 @@ class Files:
                 _SMALL[key] = data
         return data, generation
 
+    def size(self, name: str) -> int | None:
+        """The bytes of the file `name`, as the commit's listing gives them (`None`: not listed)."""
+        return self.pinned.sizes.get(self.pinned.folder + name)
+
     def _fetch(self, name: str, byte_range: slice | None) -> tuple[bytes | None, bytes]:
         generation = self.pinned.sha.encode()
-        size = self.pinned.sizes.get(self.pinned.folder + name)
+        size = self.size(name)
         if size is None:
             return None, b""
         start = 0 if byte_range is None else byte_range.start or 0

@@ -1,5 +1,11 @@
 """What is at a local path: the one place that lists a local folder or looks
-at a local path (`stat`, links, real paths).
+at a local path (`stat`, links, real paths), and opens a local file to read
+(`local_open`, `READ_FLAGS`).
+
+A checkpoint's files are untrusted: only a regular file is ever read. A named
+pipe (FIFO), a socket or a device node in a file's place is told apart here
+(`special`, `LocalEntry.special`). Opening a FIFO waits for a writer, forever,
+so every open is made without waiting (`O_NONBLOCK`) and checked before a read.
 
 It sits below `_storage`, which passes `local_names` and `local_entry` on to
 the rest of the package, so that the modules `_storage` is built on
@@ -9,10 +15,33 @@ the rest of the package, so that the modules `_storage` is built on
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 from collections.abc import Iterator
 from typing import NamedTuple
+
+# The flags a local file is opened with to read. `O_NONBLOCK`: without it,
+# opening a named pipe (FIFO) waits for a writer, forever, and a load hung. A
+# regular file reads the same with it. What was opened is then checked with
+# `special` of its `fstat` before anything is read.
+READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+
+_SPECIAL = (
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def special(mode: int) -> str:
+    """What a file of `mode` (a `stat`'s `st_mode`) is where it is neither a
+    regular file nor a folder ("a named pipe (FIFO)", "a socket"...), in words
+    for a message; `""` where it is one of the two."""
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return ""
+    return next((said for test, said in _SPECIAL if test(mode)), "a file of an unknown kind")
 
 
 def local_names(path: str) -> list[str]:
@@ -31,6 +60,9 @@ class LocalEntry(NamedTuple):
     - `size`: its bytes, a link followed (`os.path.getsize`); 0 where absent.
     - `identity`: its device and inode, a link followed (one file under
       several names), or `None` where absent.
+    - `special`: what it is, a link followed, where it is there and neither
+      a regular file nor a folder (`special`: a FIFO, a socket, a device),
+      else `""`. Nothing of it may be opened.
     """
 
     found: bool
@@ -39,6 +71,7 @@ class LocalEntry(NamedTuple):
     file: bool
     size: int
     identity: tuple[int, int] | None
+    special: str = ""
 
     @property
     def exists(self) -> bool:
@@ -63,7 +96,51 @@ def local_entry(path: str) -> LocalEntry:
         except (OSError, ValueError):  # a broken link, or a loop of links
             return LocalEntry(True, True, False, False, 0, None)
     folder, file = stat.S_ISDIR(info.st_mode), stat.S_ISREG(info.st_mode)
-    return LocalEntry(True, link, folder, file, info.st_size, (info.st_dev, info.st_ino))
+    return LocalEntry(True, link, folder, file, info.st_size, (info.st_dev, info.st_ino), special(info.st_mode))
+
+
+class SpecialFileError(OSError):
+    """`local_open` found no regular file at `path`, but `kind` (`special`)."""
+
+    def __init__(self, path: str, kind: str):
+        super().__init__(f"{path!r} is {kind}, not a regular file")
+        self.path, self.kind = path, kind
+
+
+def local_open(path: str) -> io.BufferedReader:
+    """The local file `path` (a link followed), opened to read, where it is a
+    regular file. Where it is something else (`special`), a `SpecialFileError`,
+    raised without waiting: the open waits for nothing (`READ_FLAGS`), and
+    the opened file's `fstat` is checked before the file is returned. Other
+    failures are `OSError`s, as `open` raises them (a folder: `IsADirectoryError`)."""
+    try:
+        f = open(path, "rb", opener=_opener)
+    except OSError:
+        found = _special_at(path)  # a socket cannot be opened at all (ENXIO)
+        if found:
+            raise SpecialFileError(path, found) from None
+        raise
+    try:
+        found = special(os.fstat(f.fileno()).st_mode)
+    except BaseException:
+        f.close()
+        raise
+    if found:
+        f.close()
+        raise SpecialFileError(path, found)
+    return f
+
+
+def _opener(path: str, flags: int) -> int:
+    return os.open(path, flags | READ_FLAGS)
+
+
+def _special_at(path: str) -> str:
+    """`special` of what is at `path` (a link followed); `""` where nothing is."""
+    try:
+        return special(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return ""
 
 
 def local_stat(target: str | int, *, follow: bool = True) -> os.stat_result:

@@ -48,10 +48,10 @@ from .._base._location import Location
 from .._ondisk import _format
 from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
 from . import _memory, _share, _window
-from ._local_paths import local_stat
+from ._local_paths import READ_FLAGS, local_open, local_stat, special
 from ._memory import refuse_beyond_memory
 from ._storage_errors import leaf_io_error
-from ._untrusted import refuse_links, wrong_chunk_file
+from ._untrusted import refuse_links, refuse_special, wrong_chunk_file
 
 # Smaller leaves gain little over TensorStore (and will be packed together):
 # `_chunk_files.LocalFiles.reads` leaves them to it.
@@ -59,8 +59,8 @@ MIN_BYTES = 2**20
 PIECE_BYTES = 16 * 2**20
 # Each piece is read and checked a step at a time: a step fits in a core's cache.
 STEP_BYTES = 2**19
-# O_NONBLOCK: a FIFO planted as a chunk file must not block the open (fstat then refuses it).
-_FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+# `READ_FLAGS`: a FIFO planted as a chunk file must not block the open (`special` of its fstat then refuses it).
+_FILE_FLAGS = READ_FLAGS | getattr(os, "O_NOFOLLOW", 0)
 _FOLDER_FLAGS = _FILE_FLAGS | getattr(os, "O_DIRECTORY", 0)
 
 
@@ -186,12 +186,14 @@ def _open_chunk(folder: int, loc: Location, record: LeafRecord, key: str, direct
         raise _damaged(loc, record, _size_message(record, key, None)) from None
     except OSError as e:
         refuse_links(loc, f"{directory}/{key}", leaf=record.path)
+        refuse_special(loc, f"{directory}/{key}", leaf=record.path)  # a socket cannot be opened at all
         raise _damaged(loc, record, f"its chunk file {_name(record, key)!r} cannot be opened ({e.strerror})") from None
     try:
         st = local_stat(fd)
         expected = record.chunk_nbytes + _format.CHECKSUM_BYTES
-        if not stat.S_ISREG(st.st_mode):
-            raise _damaged(loc, record, f"its chunk file {_name(record, key)!r} is not a regular file")
+        kind = special(st.st_mode) or ("" if stat.S_ISREG(st.st_mode) else "a folder")
+        if kind:
+            raise _damaged(loc, record, f"its chunk file {_name(record, key)!r} is {kind}, not a regular file")
         if st.st_size != expected:
             raise _damaged(loc, record, _size_message(record, key, st.st_size))
     except BaseException:
@@ -361,14 +363,12 @@ def read_range(path: str, start: int, end: int) -> np.ndarray | None:
     ends before `end`.
 
     The file is another program's checkpoint (a safetensors file's run of
-    tensors). The bytes are in memory that `jax.device_put` adopts
-    (page-aligned when large)."""
-    out = _memory.fresh_empty((end - start,), np.uint8)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        done = _pread_all(fd, [out.data], start)
-    finally:
-        os.close(fd)
+    tensors), so it is read only where it is a regular file (else a
+    `_local_paths.SpecialFileError`). The bytes are in memory that
+    `jax.device_put` adopts (page-aligned when large)."""
+    with local_open(path) as f:
+        out = _memory.fresh_empty((end - start,), np.uint8)
+        done = _pread_all(f.fileno(), [out.data], start)
     return out if done == end - start else None
 
 

@@ -70,7 +70,7 @@ from .._base import _faults
 from .._base._errors import IntegrityError
 from .._ondisk import _format, _manifest
 from .._ondisk._format import LeafRecord, PackRecord
-from ._local_paths import local_stat, local_walk
+from ._local_paths import READ_FLAGS, local_stat, local_walk
 
 
 class Base:
@@ -141,7 +141,8 @@ VERIFIED_FILES = 1 << 17
 START_BYTES = 4096
 # A base file is verified a piece at a time, through a buffer of each thread.
 _READ_BYTES = 1 << 20
-_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+# (`READ_FLAGS`: a FIFO in a chunk file's place must not block the open; its fstat then refuses it.)
+_READ_FLAGS = READ_FLAGS | getattr(os, "O_NOFOLLOW", 0)
 _BUFFERS = threading.local()
 _UNOPENED = {errno.ENOENT: "is missing", errno.ELOOP: "is a symbolic link (never followed)"}
 

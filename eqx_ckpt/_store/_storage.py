@@ -61,8 +61,10 @@ from .._ondisk._format import LeafRecord, PackRecord
 from . import _durable, _hub, _memory, _storage_errors, _untrusted
 from ._local_paths import (
     LocalEntry as LocalEntry,
+    SpecialFileError,
     local_entry as local_entry,
     local_names as local_names,
+    local_open,
     local_stat,
     local_walk,
 )
@@ -166,6 +168,7 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
     if loc.local is not None:
         full = os.path.join(loc.local, name)
         _untrusted.refuse_links(loc, name)
+        _untrusted.refuse_special(loc, name)
         if not local_entry(full).file:
             return None, b""
         _faults.fire("storage.file_found", full)
@@ -173,13 +176,15 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
         # the file open until the traceback is freed (the load-interrupt sweep
         # of tests/test_transaction.py found it).
         try:
-            with open(full, "rb") as f:
+            with local_open(full) as f:
                 st = local_stat(f.fileno())
                 if st.st_size > limit:
                     raise _storage_errors.too_large(loc, name, limit, st.st_size)
                 data, stamp = f.read(limit + 1), _stat_stamp(st)
         except FileNotFoundError:  # deleted since the check (a writer's retention)
             return None, b""
+        except SpecialFileError as e:  # put in its place since the check
+            raise _untrusted.special_error(loc, name, e.kind) from None
     else:
         with read_explained(loc, name):
             _refuse_large_object(loc, name, limit)
@@ -196,11 +201,12 @@ def file_exists(loc: Location, name: str) -> bool:
     """Whether the file `name` is at `loc`, asked without reading it: a `stat`
     on a local disk, else a read of no bytes (of a Hub commit's listing, for a
     `hf://` location). A manifest can hold 256 MiB; this costs the same for
-    any file. A link is refused as `read_file` refuses it, and a fault armed
-    at `storage.read_file` fires, as for a read."""
+    any file. A link, a FIFO or a device is refused as `read_file` refuses
+    it, and a fault armed at `storage.read_file` fires, as for a read."""
     _faults.fire("storage.read_file", loc, name)
     if loc.local is not None:
         _untrusted.refuse_links(loc, name)
+        _untrusted.refuse_special(loc, name)
         return local_entry(os.path.join(loc.local, name)).file
     with read_explained(loc, name):
         return result(Folder(loc).read(name, slice(0, 0))).value is not None
@@ -313,7 +319,9 @@ def read_generation(loc: Location, name: str) -> tuple[bytes | None, bytes]:
     there) and its storage generation, unchecked.
 
     For a file whose reader takes a bounded prefix (a lease).
-    `read_file_generation` checks size and links."""
+    `read_file_generation` checks size and links. A FIFO or a device is
+    refused before TensorStore opens it (`_untrusted.refuse_special`)."""
+    _untrusted.refuse_special(loc, name)
     found = result(_kvstore(loc).read(name))
     return (found.value if found.state == "value" else None), found.stamp.generation
 
@@ -700,11 +708,18 @@ class Folder:
     def read(self, name: str, byte_range: slice | None = None) -> Mapped:
         """Start reading the file `name` (its bytes `byte_range`, else all of
         it): a future of a `Found`. A range past the end of the file fails
-        with TensorStore's `OUT_OF_RANGE` error."""
+        with TensorStore's `OUT_OF_RANGE` error. A local FIFO, socket or
+        device is a `CorruptCheckpointError`, raised at once."""
         if self._hub is not None:
             return Mapped(self._hub.read(name, byte_range), lambda found: Found(*found))
         assert self._store is not None
+        _untrusted.refuse_special(self.loc, name)  # before TensorStore opens it: a FIFO's open waits forever
         return Mapped(self._store.read(name, byte_range=byte_range), _found)
+
+    def listed_size(self, name: str) -> int | None:
+        """The bytes of the file `name` where they are known without a request
+        (a Hub commit's listing gives every file's), else `None`."""
+        return self._hub.size(name) if self._hub is not None else None
 
     def changed(self, name: str, generation: bytes) -> bool:
         """`generation_changed` of one of its files (never, for a Hub folder: a
@@ -714,8 +729,13 @@ class Folder:
 
 def open_local_file(path: str) -> io.BufferedReader:
     """A local file of another program's checkpoint (an Equinox `.eqx` file,
-    read in order by `_migrate`), opened to read."""
-    return open(path, "rb")
+    read in order by `_migrate`), opened to read: a regular file only (a FIFO
+    or a device is a `CorruptCheckpointError` naming it)."""
+    try:
+        return local_open(path)
+    except SpecialFileError as e:
+        where = Location({"driver": "file", "path": path}, path, os.path.dirname(path))
+        raise _untrusted.special_error(where, os.path.basename(path), e.kind) from None
 
 
 def local_remaining(f: io.BufferedReader) -> int:

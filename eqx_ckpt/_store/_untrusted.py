@@ -5,6 +5,12 @@ A checkpoint may come from elsewhere, so its files are untrusted:
 - eqx_ckpt never writes a symbolic link, so a link inside a checkpoint came from
   elsewhere. Following one could make a load read files outside the checkpoint.
   Every local read of a leaf or a small file checks its path first.
+- Only regular files are read. A named pipe (FIFO), a socket or a device node
+  in a file's place is refused (`refuse_special`, `special_error`): opening a
+  FIFO waits for a writer forever, and a device reads what it likes. Files
+  eqx_ckpt opens itself are opened without waiting and checked
+  (`_local_paths.local_open`); the paths TensorStore opens are checked here
+  first, each file of a leaf's folder with its size.
 - A load allocates what the manifest says a leaf holds. The chunk files of a
   leaf must hold at least that many bytes before it is read. So an absurd shape
   in a hostile manifest is an error, not an attempt to allocate terabytes.
@@ -36,12 +42,13 @@ from .._base._keypath import from_json
 from .._base._location import Location
 from .._ondisk import _format
 from .._ondisk._format import MAX_RANK, LeafRecord, PackRecord, dtype_from_name
-from ._local_paths import local_entry, local_names, local_real_path, local_stat
+from ._local_paths import local_entry, local_names, local_real_path, local_stat, local_walk
 
 
 def refuse_links(loc: Location, relative: str, *, leaf: str | None = None, subtree: bool = False) -> int:
     """Raise if any component of `relative` below `loc` is a symbolic link, or
-    (with `subtree=True`) anything inside it. `leaf` names the leaf concerned.
+    (with `subtree=True`) anything inside it is a link or no regular file nor
+    folder (`special_error`). `leaf` names the leaf concerned.
 
     **Returns:**
 
@@ -55,6 +62,47 @@ def refuse_links(loc: Location, relative: str, *, leaf: str | None = None, subtr
         if local_entry(current).link and not _cached_blob(loc.local, current):
             raise _link_error(loc, current, leaf)
     return _scan(loc, current, leaf) if subtree and local_entry(current).folder else 0
+
+
+def refuse_special(loc: Location, name: str, *, leaf: str | None = None) -> None:
+    """Raise if the file `name` below `loc` (a link followed) is there and is
+    neither a regular file nor a folder (`special_error`): before TensorStore
+    is given its path. `leaf` names the leaf concerned."""
+    if loc.local is None:
+        return
+    found = local_entry(os.path.join(loc.local, name)).special
+    if found:
+        raise special_error(loc, name, found, leaf=leaf)
+
+
+def refuse_special_inside(loc: Location) -> None:
+    """Raise if any file below the local folder `loc` (a link followed, never
+    into a folder) is neither a regular file nor a folder (`special_error`).
+
+    For another program's checkpoint (orbax's), before TensorStore opens its
+    arrays: no record of eqx_ckpt's names their files. One `stat` a file."""
+    if loc.local is None:
+        return
+    for root, _, names in local_walk(loc.local):
+        for name in names:
+            path = os.path.join(root, name)
+            found = local_entry(path).special
+            if found:
+                raise special_error(loc, os.path.relpath(path, loc.local), found)
+
+
+def special_error(loc: Location, name: str, kind: str, *, leaf: str | None = None) -> CheckpointError:
+    """The error of the file `name` of `loc` that is `kind` (`_local_paths.special`:
+    a FIFO, a socket, a device node), not a regular file: a
+    `CorruptCheckpointError`, or an `IntegrityError` of the leaf `leaf`."""
+    what = (
+        f"{name!r} in checkpoint {loc.display!r} is {kind}, not a regular file, so it was not opened. eqx_ckpt "
+        f"reads only regular files from a checkpoint: opening a FIFO waits forever, and a device reads what it "
+        f"likes. Replace it with the file it stands for, or restore the checkpoint from a good copy."
+    )
+    if leaf is None:
+        return CorruptCheckpointError(what, path=loc.display)
+    return IntegrityError(leaf_line(what, keypath=None, dotted=leaf), path=loc.display, dotted=[leaf])
 
 
 def _cached_blob(folder: str, path: str) -> bool:
@@ -98,7 +146,7 @@ def check_pack_files(loc: Location, pack: PackRecord, *, leaf: str | None = None
     `leaf` names the leaf being read, if one is."""
     if loc.local is None:
         return
-    refuse_links(loc, pack.name, leaf=leaf, subtree=True)
+    refuse_links(loc, pack.name, leaf=leaf, subtree=True)  # (a FIFO or device inside refused too)
     chunk_nbytes = pack.chunk * dtype_from_name(pack.dtype).itemsize
     why = first_wrong_chunk_file(loc, pack.name, (pack.size,), (pack.chunk,), chunk_nbytes)
     if why is None:
@@ -166,6 +214,8 @@ def _scan(loc: Location, directory: str, leaf: str | None) -> int:
         entry = local_entry(path)
         if entry.link:
             raise _link_error(loc, path, leaf)
+        if entry.special:
+            raise special_error(loc, os.path.relpath(path, loc.local or "."), entry.special, leaf=leaf)
         if entry.folder:
             total += _scan(loc, path, leaf)
         elif entry.file:
