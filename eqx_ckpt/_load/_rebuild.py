@@ -68,12 +68,15 @@ from .._ondisk._trust import Trust, python_name
 #   a leaf: 4 to 8 for Equinox's layers and optax's states, 17 for
 #   convolutions, whose static fields are tuples;
 # - `NODES_BASE` more, for static values, `None`s and empty containers: room
-#   for a static vocabulary of 20,000 entries (a dict of strings) beside a
-#   few leaves, walked in under half a second;
+#   for a static vocabulary of about 190,000 entries (a dict of strings, about
+#   one container an entry) beside a few leaves, rebuilt in about a second.
+#   (The 1,000,000 allowed before took seconds to walk before a hostile
+#   record was refused; records as large as the old bound allowed beside few
+#   leaves were never seen.)
 # - never more than `MAX_NODES`.
 MAX_NODES = 5_000_000
-NODES_PER_LEAF = 50
-NODES_BASE = 50_000
+NODES_PER_LEAF = 100
+NODES_BASE = 200_000
 MAX_NAME = 1_000
 MAX_STRING = 1 << 20
 _NAME_KINDS = ("object", "namedtuple", "node")
