@@ -123,23 +123,54 @@ def _raw(array: np.ndarray) -> memoryview:
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
 
 
+class DigestCheck:
+    """The check of one leaf's stored bytes against the digest its source
+    records, fed in order as they are read (`update`: slabs of rows), then
+    `done`; or called with the whole leaf. The readers of whole leaves check
+    every leaf they read (`checker`), before it is converted or placed, and
+    a large leaf slab by slab, each hashed while the next is read."""
+
+    def __init__(self, source: Source, record: LeafRecord, expected: str):
+        self.source, self.record, self.expected = source, record, expected
+        self.hasher = xxhash.xxh3_128()
+
+    def update(self, array: np.ndarray) -> None:
+        self.hasher.update(_raw(array))
+
+    def done(self) -> None:
+        found = _published.DIGEST_PREFIX + self.hasher.hexdigest()
+        if found != self.expected:
+            raise _mismatch(self.source, self.record, found, self.expected)
+
+    def __call__(self, array: np.ndarray) -> None:
+        self.update(array)
+        self.done()
+
+
+def checker(source: Source, record: LeafRecord) -> DigestCheck | None:
+    """The check of the leaf `record` of `source` against its recorded digest,
+    or `None` where it records none (an eqx_ckpt checkpoint's chunks carry
+    their own checksums; plain safetensors and orbax hold none)."""
+    expected = source.manifest.digests.get(record.path)
+    return None if expected is None else DigestCheck(source, record, expected)
+
+
 def check_digest(source: Source, record: LeafRecord, array: np.ndarray) -> None:
     """Raise `IntegrityError` unless `array`, the whole leaf `record` of
     `source` as stored, holds the bytes whose digest `source` records (where
-    it records one: a published folder). The readers of whole leaves call it
-    on every leaf they read, before it is converted or placed."""
-    expected = source.manifest.digests.get(record.path)
-    if expected is None:
-        return
-    found = digest(_raw(array))
-    if found == expected:
-        return
+    it records one)."""
+    check = checker(source, record)
+    if check is not None:
+        check(array)
+
+
+def _mismatch(source: Source, record: LeafRecord, found: str, expected: str) -> IntegrityError:
     family = source.manifest.family
     taken = None if family is None else family.references.get(record.path)
     if taken is not None and source.base is not None:
         why = (
-            f"it is taken from the base {source.base.loc.display!r} (its leaf {from_file(repr(taken))}), whose bytes "
-            f"are not the ones the fine-tune was made from"
+            f"it is taken from the base {source.base.loc.display!r} (its leaf {from_file(repr(taken))}), whose "
+            f"bytes are not the ones the fine-tune was made from"
         )
         fix = (
             "The base holds other values than it did when the fine-tune was exported (rewritten, or another "
@@ -149,7 +180,7 @@ def check_digest(source: Source, record: LeafRecord, array: np.ndarray) -> None:
     else:
         why = "its bytes in the fine-tune's own files are not the ones recorded"
         fix = "The folder is damaged or was edited: restore it from a good copy (`eqx-ckpt verify` lists every leaf)."
-    raise stored_leaf_error(
+    return stored_leaf_error(
         IntegrityError,
         f"{why} (xxh3-128 {found.removeprefix(_published.DIGEST_PREFIX)[:16]}... read, "
         f"{expected.removeprefix(_published.DIGEST_PREFIX)[:16]}... recorded in {_published.NAME}), so nothing "

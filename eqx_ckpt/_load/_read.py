@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import numpy as np
@@ -20,6 +20,18 @@ from .._store import _chunk_files, _memory, _storage_errors
 
 if TYPE_CHECKING:
     from .._store._storage import Array
+
+
+class Check(Protocol):
+    """A check of a leaf's stored bytes, fed in order as they are read
+    (`update`) then `done`, or called with the whole leaf
+    (`_family.DigestCheck`)."""
+
+    def update(self, array: np.ndarray) -> None: ...
+
+    def done(self) -> None: ...
+
+    def __call__(self, array: np.ndarray) -> None: ...
 
 
 def target_sharding(like: Any) -> Any:
@@ -176,7 +188,7 @@ def _start_in_slabs(
     like: Any,
     sharding: Any,
     on_bytes: Callable[[int], None] | None,
-    check: Callable[[np.ndarray], None] | None,
+    check: Check | None,
 ) -> Callable[[], Any]:
     dtype = dtype_from_name(record.stored_dtype)
     rows, row_bytes = record.shape[0], record.nbytes // max(record.shape[0], 1)
@@ -199,12 +211,14 @@ def _start_in_slabs(
                 lo, hi, finish_read = pending.popleft()
                 launch()
                 out[lo:hi] = finish_read()
+                if check is not None:  # (while the next slab is read)
+                    check.update(out[lo:hi])
                 if on_bytes is not None:
                     on_bytes((hi - lo) * row_bytes)
         except Exception as e:
             raise read_failed(e, loc, record) from e
         if check is not None:
-            check(out)
+            check.done()
         return _dtypes.to_result(out, like, sharding=sharding)
 
     return finish
@@ -335,7 +349,7 @@ def start(
     *,
     dtype: Any = None,
     on_bytes: Callable[[int], None] | None = None,
-    check: Callable[[np.ndarray], None] | None = None,
+    check: Check | None = None,
 ) -> Callable[[], Any]:
     """Start reading a leaf; the returned function waits and builds the value.
 

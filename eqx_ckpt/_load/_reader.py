@@ -155,10 +155,8 @@ def _read_each(
                 pooled[i] = finish
     direct = {i for i in indices if source.opener is None and _read.direct(files, records[i], plans[i].like)}
     opens = {i: source.open(records[i]) for i in indices if i not in direct and i not in pooled}
-    digests = source.manifest.digests
-    checks = {
-        i: functools.partial(_family.check_digest, source, records[i]) for i in opens if records[i].path in digests
-    }
+    # (A source with digests: a published folder's. An eqx_ckpt checkpoint's chunks carry checksums.)
+    checks = {i: _family.checker(source, records[i]) for i in opens} if source.manifest.digests else {}
 
     def start(i: int) -> Callable[[], Any]:
         plan, record = plans[i], records[i]

@@ -581,6 +581,7 @@ class CheckpointManager:
         check_init: bool = False,
         read_once: bool | None = None,
         token: str | None = None,
+        base: Any = None,
     ) -> PyTree:
         """Load a step into `like`.
 
@@ -593,8 +594,8 @@ class CheckpointManager:
             [`eqx_ckpt.Checkpoint.skeleton`][]).
         - `step`: the step to load; the latest committed one by default.
         - `filter_spec`, `is_leaf`, `where`, `prefix`, `rename`, `missing`, `strict`,
-            `cast`, `lazy`, `transform`, `progress`, `trust`, `check_init`, `read_once`, `token`:
-            every option of [`eqx_ckpt.tree_deserialise_leaves`][], with its meaning and default;
+            `cast`, `lazy`, `transform`, `progress`, `trust`, `check_init`, `read_once`, `token`,
+            `base`: every option of [`eqx_ckpt.tree_deserialise_leaves`][], with its meaning and default;
             for instance `prefix="model"` loads only the model of a
             `{"model": ..., "opt_state": ...}` step.
 
@@ -631,6 +632,7 @@ class CheckpointManager:
             trust=trust,
             check_init=check_init,
             token=token,
+            base=base,
         )
         try:
             return deserialise(self._loc.joined(step_name(step)), like, filter_spec, is_leaf, options)
@@ -664,6 +666,7 @@ class CheckpointManager:
         progress: Progress = None,
         read_once: bool | None = None,
         token: str | None = None,
+        base: Any = None,
     ) -> tuple[int | None, PyTree]:
         """Resume from the latest step, or start afresh if there is none.
 
@@ -676,8 +679,8 @@ class CheckpointManager:
             `missing`): `init` computes those under `jax.jit` (as
             [`eqx_ckpt.load_or_initialise`][] does).
         - `filter_spec`, `is_leaf`, `where`, `prefix`, `rename`, `missing`, `strict`,
-            `cast`, `lazy`, `transform`, `progress`, `read_once`, `token`: every option of
-            [`eqx_ckpt.tree_deserialise_leaves`][], with its meaning and default.
+            `cast`, `lazy`, `transform`, `progress`, `read_once`, `token`, `base`: every option
+            of [`eqx_ckpt.tree_deserialise_leaves`][], with its meaning and default.
             `missing="keep"` resumes a state that gained leaves since the step was
             saved (an EMA of the weights, a new head): those leaves get `init`'s
             values. Leaves `where` does not select get `init`'s values too.
@@ -718,6 +721,7 @@ class CheckpointManager:
             read_once=read_once,
             progress=progress,
             token=token,
+            base=base,
         )
         return step, _initialise.initialise_unloaded(
             self._loc.joined(step_name(step)), init, filter_spec, is_leaf, options

@@ -241,17 +241,12 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> list[str]:
     _check_metadata(options.metadata)
     info = _published.check_info(options.info)
     about = _card.about(license=options.license, base_model=options.base_model, code=options.code)
-    if isinstance(pytree, (str, os.PathLike)):
-        pytree = Checkpoint(pytree, token=options.token)
-    found, structure = _within(*_tensors(pytree), options.prefix)
-    tensors = _named(found, options.rename)
-    if not tensors:
-        raise CheckpointValueError(
-            "There is nothing to export: the tree has no array or scalar leaves (or `rename` left them all out)."
-        )
+    pytree, tensors, structure = _exported(pytree, options)
     loc, single = _destination(path)
     _refuse_source_in_destination(loc, pytree)
-    based = _matching.base_of(pytree, options, single=single, destination=loc)
+    based = _matching.base_of(
+        pytree, options.base, standalone=options.standalone, single=single, destination=loc, token=options.token
+    )
     if based is not None and options.base_model is None and based.hub is not None:
         about = _card.about(license=options.license, base_model=based.hub, code=options.code)
     digests: dict[str, str] = {}
@@ -302,6 +297,21 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> list[str]:
         # index beside a new `model.safetensors` would be read instead of it.
         _storage.remove(loc, [n for n in _storage.list_names(loc) if _EXPORTED.match(n) and n not in names])
     return names
+
+
+def _exported(pytree: Any, options: ExportOptions) -> tuple[Any, list[_Tensor], Any]:
+    """What an export of `pytree` writes: the tree (a path opened as a
+    `Checkpoint`), its tensors under `prefix` as `rename` names them, and
+    their structure record; an error where there is none."""
+    if isinstance(pytree, (str, os.PathLike)):
+        pytree = Checkpoint(pytree, token=options.token)
+    found, structure = _within(*_tensors(pytree), options.prefix)
+    tensors = _named(found, options.rename)
+    if not tensors:
+        raise CheckpointValueError(
+            "There is nothing to export: the tree has no array or scalar leaves (or `rename` left them all out)."
+        )
+    return pytree, tensors, structure
 
 
 def _check_metadata(metadata: Any) -> None:

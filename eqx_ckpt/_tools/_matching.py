@@ -18,7 +18,7 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._base._errors import CheckpointTypeError, CheckpointValueError
 from .._base._location import HUB_SCHEME, Location, location
@@ -26,9 +26,6 @@ from .._load import _family, _source
 from .._load._checkpoint import Checkpoint
 from .._ondisk import _published
 from .._ondisk._format import LeafRecord
-
-if TYPE_CHECKING:
-    from ._export import ExportOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +38,11 @@ class Based:
     hub: str | None
 
 
-def base_of(pytree: Any, options: ExportOptions, *, single: str | None, destination: Location) -> Based | None:
-    """The base an export of `pytree` with `options` (`_export.ExportOptions`)
-    is made against: its `base` as given; else, for a fine-tune's
-    `Checkpoint`, its own base (unless `standalone`)."""
-    base, standalone, token = options.base, options.standalone, options.token
+def base_of(
+    pytree: Any, base: Any, *, standalone: bool, single: str | None, destination: Location, token: str | None
+) -> Based | None:
+    """The base an export of `pytree` is made against: `base` as given; else,
+    for a fine-tune's `Checkpoint`, its own base (unless `standalone`)."""
     if base is not None and standalone:
         raise CheckpointValueError("`base=` and `standalone=True` contradict: a standalone export holds every leaf.")
     inherited = None
