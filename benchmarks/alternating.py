@@ -11,7 +11,10 @@ with one untimed operation, then times `--reps` operations:
 - `save`: a durable `tree_serialise_leaves`, each into a fresh folder;
 - `load`: `tree_deserialise_leaves` into the abstract skeleton (a load with
   `like`), warm page cache, of a checkpoint that tree saved once before the
-  rounds.
+  rounds;
+- `load-published`: the same load of a published folder that tree exported
+  once before the rounds (`export_safetensors`: safetensors and an
+  `eqx_ckpt.json` recording each leaf's digest, which a load checks).
 
 Wall time and the process's CPU time (`time.process_time`, all its threads)
 are printed per tree, median and min. On a shared machine CPU time is the
@@ -80,9 +83,14 @@ def work(job: dict[str, Any]) -> dict[str, Any]:
     workload = load_workload()
     sizes = workload.PRESETS[job["workload"]]
     folder, op = job["folder"], job["op"]
-    checkpoint = os.path.join(folder, "checkpoint")
+    published = job.get("published", False)
+    checkpoint = os.path.join(folder, "published" if published else "checkpoint")
     if op == "prepare":
-        eqx_ckpt.tree_serialise_leaves(checkpoint, jax.block_until_ready(workload.concrete(sizes)))
+        state = jax.block_until_ready(workload.concrete(sizes))
+        if published:
+            eqx_ckpt.export_safetensors(checkpoint, state)
+        else:
+            eqx_ckpt.tree_serialise_leaves(checkpoint, state)
         return {"library": eqx_ckpt.__file__}
     if op == "save":
         state = jax.block_until_ready(workload.concrete(sizes))
@@ -166,7 +174,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tree", action="append", default=[], help="NAME=FOLDER, twice or more")
     parser.add_argument("--workload", default="many", choices=["many", "small", "large", "tiny"])
-    parser.add_argument("--op", default="save", choices=["save", "load"])
+    parser.add_argument("--op", default="save", choices=["save", "load", "load-published"])
     parser.add_argument("--rounds", type=int, default=3, help="rounds at least")
     parser.add_argument("--spread", type=float, default=None, help="add rounds until each interval is this narrow")
     parser.add_argument("--max-rounds", type=int, default=20, help="rounds at most, with --spread")
@@ -188,11 +196,17 @@ def main() -> None:
 
 
 def measure(trees: dict[str, str], args: argparse.Namespace, scratch: str) -> None:
-    base = {"workload": args.workload, "op": args.op, "reps": args.reps}
+    published = args.op == "load-published"
+    base = {
+        "workload": args.workload,
+        "op": "load" if published else args.op,
+        "reps": args.reps,
+        "published": published,
+    }
     folders = {name: os.path.join(scratch, name) for name in trees}
     for name, tree in trees.items():
         os.makedirs(folders[name])
-        if args.op == "load":
+        if base["op"] == "load":
             run(tree, {**base, "op": "prepare", "folder": folders[name]})
     results: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in trees}
     rounds: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in trees}
