@@ -43,6 +43,7 @@ was expected, never a mix of two models. Bases of bases are followed, at most
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -54,6 +55,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from .._base import _threads
 from .._base._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -126,25 +128,68 @@ def _raw(array: np.ndarray) -> memoryview:
 class DigestCheck:
     """The check of one leaf's stored bytes against the digest its source
     records, fed in order as they are read (`update`: slabs of rows), then
-    `done`; or called with the whole leaf. The readers of whole leaves check
-    every leaf they read (`checker`), before it is converted or placed, and
-    a large leaf slab by slab, each hashed while the next is read."""
+    `done`; or called with the whole leaf. `result` waits for it, and raises
+    `IntegrityError` where the bytes are not the recorded ones.
+
+    The hashing runs on a thread of its own (`_hashing`), in the order it was
+    asked for, while the reader goes on reading and placing the next leaves:
+    it holds the GIL, but the reader mostly waits for storage."""
 
     def __init__(self, source: Source, record: LeafRecord, expected: str):
         self.source, self.record, self.expected = source, record, expected
         self.hasher = xxhash.xxh3_128()
+        self.finished: concurrent.futures.Future[None] | None = None
 
     def update(self, array: np.ndarray) -> None:
-        self.hasher.update(_raw(array))
+        _hashing().submit(self.hasher.update, _raw(array))
 
     def done(self) -> None:
-        found = _published.DIGEST_PREFIX + self.hasher.hexdigest()
-        if found != self.expected:
-            raise _mismatch(self.source, self.record, found, self.expected)
+        self.finished = _hashing().submit(self._compare)
 
     def __call__(self, array: np.ndarray) -> None:
         self.update(array)
         self.done()
+
+    def result(self) -> None:
+        assert self.finished is not None, "a digest check waited for before its leaf was read"
+        self.finished.result()
+
+    def _compare(self) -> None:
+        found = _published.DIGEST_PREFIX + self.hasher.hexdigest()
+        if found != self.expected:
+            raise _mismatch(self.source, self.record, found, self.expected)
+
+
+def _hashing() -> _threads.Pool:
+    """The thread digests are taken on: one (hashing holds the GIL), so each
+    leaf's slabs are hashed in the order they were read."""
+    return _threads.pool("eqx_ckpt-digest", 1)
+
+
+class Checks:
+    """The digest checks of one read of many leaves (`_reader.read_now`):
+    each started as its leaf is read (`for_record`, or a call with the whole
+    leaf), all waited for before the values are returned (`wait`)."""
+
+    def __init__(self, source: Source):
+        self.source = source
+        self.started: list[DigestCheck] = []
+
+    def for_record(self, record: LeafRecord) -> DigestCheck | None:
+        check = checker(self.source, record)
+        if check is not None:
+            self.started.append(check)
+        return check
+
+    def __call__(self, record: LeafRecord, array: np.ndarray) -> None:
+        check = self.for_record(record)
+        if check is not None:
+            check(array)
+
+    def wait(self) -> None:
+        """Raise the first leaf's `IntegrityError`, in the order they were read."""
+        for check in self.started:
+            check.result()
 
 
 def checker(source: Source, record: LeafRecord) -> DigestCheck | None:
@@ -162,6 +207,7 @@ def check_digest(source: Source, record: LeafRecord, array: np.ndarray) -> None:
     check = checker(source, record)
     if check is not None:
         check(array)
+        check.result()
 
 
 def _mismatch(source: Source, record: LeafRecord, found: str, expected: str) -> IntegrityError:

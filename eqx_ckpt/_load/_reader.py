@@ -128,14 +128,25 @@ def read_now(
         _read_packed(data, *chosen, tracker, packed, results, cached=cached)
     taken = frozenset(shared)
     own = [i for i, record in enumerate(records) if record.pack is None and i not in taken]
+    # Each leaf checked against the digest its source records, where it records
+    # them (a published folder's: an eqx_ckpt checkpoint's chunks carry checksums).
+    checks = _family.Checks(source) if source.manifest.digests else None
     if source.runs is not None and own:
-        own = _read_runs(source, [plans[i] for i in own], [records[i] for i in own], tracker, own, results)
-    _read_each(source, [plans[i] for i in own], [records[i] for i in own], tracker, own, results)
+        own = _read_runs(source, [plans[i] for i in own], [records[i] for i in own], tracker, own, results, checks)
+    _read_each(source, [plans[i] for i in own], [records[i] for i in own], tracker, own, results, checks)
+    if checks is not None:
+        checks.wait()
     return [_dtypes.keep_weak_type(value, plan.like) for value, plan in zip(results, plans)]
 
 
 def _read_each(
-    source: Source, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any]
+    source: Source,
+    plans: list[LeafPlan],
+    records: list[LeafRecord],
+    tracker: Tracker,
+    slots: list[int],
+    out: list[Any],
+    checks: _family.Checks | None,
 ) -> None:
     """Leaves read one array each, into `out` at their `slots`.
 
@@ -155,8 +166,6 @@ def _read_each(
                 pooled[i] = finish
     direct = {i for i in indices if source.opener is None and _read.direct(files, records[i], plans[i].like)}
     opens = {i: source.open(records[i]) for i in indices if i not in direct and i not in pooled}
-    # (A source with digests: a published folder's. An eqx_ckpt checkpoint's chunks carry checksums.)
-    checks = {i: _family.checker(source, records[i]) for i in opens} if source.manifest.digests else {}
 
     def start(i: int) -> Callable[[], Any]:
         plan, record = plans[i], records[i]
@@ -169,7 +178,8 @@ def _read_each(
             store = opens.pop(i).result()
         except Exception as e:
             raise _storage_errors.leaf_io_error(e, record, data, "open") from e
-        return _read.start(store, data, record, plan.like, dtype=dtype, on_bytes=parts[i], check=checks.get(i))
+        check = None if checks is None else checks.for_record(record)
+        return _read.start(store, data, record, plan.like, dtype=dtype, on_bytes=parts[i], check=check)
 
     for i, _, finish in _window.windowed((i, records[i].nbytes, functools.partial(start, i)) for i in indices):
         out[slots[i]] = finish()
@@ -220,7 +230,13 @@ def _unpacked(
 
 
 def _read_runs(
-    source: Source, plans: list[LeafPlan], records: list[LeafRecord], tracker: Tracker, slots: list[int], out: list[Any]
+    source: Source,
+    plans: list[LeafPlan],
+    records: list[LeafRecord],
+    tracker: Tracker,
+    slots: list[int],
+    out: list[Any],
+    checks: _family.Checks | None,
 ) -> list[int]:
     """Read and place, run by run, the small leaves of another format that
     reads runs of adjacent leaves at once (`Source.runs`).
@@ -228,8 +244,7 @@ def _read_runs(
     Returns the slots of the others, left to be read one by one."""
     assert source.runs is not None
     taken, runs = source.runs(records)
-    check = functools.partial(_family.check_digest, source) if source.manifest.digests else None
-    _place_runs(source.data, runs, plans, records, tracker, slots, out, check)
+    _place_runs(source.data, runs, plans, records, tracker, slots, out, checks)
     done = {slots[m] for m in taken}
     return [slot for slot in slots if slot not in done]
 
