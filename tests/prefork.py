@@ -121,10 +121,10 @@ def start(env: dict[str, str]) -> None:
 def run(args: list[str], *, env: dict[str, str], cwd: str | os.PathLike[str] | None = None, timeout: float) -> Any:
     """As `subprocess.run([sys.executable, *args], env=env, cwd=cwd,
     capture_output=True, text=True, timeout=timeout)`, where `args` is `["-c",
-    code]` or `["-m", module, *arguments]`: a `subprocess.CompletedProcess`,
+    code, *arguments]` or `["-m", module, *arguments]`: a `subprocess.CompletedProcess`,
     or `subprocess.TimeoutExpired` (the child killed)."""
-    if args[0] not in ("-c", "-m") or len(args) < 2 or (args[0] == "-c" and len(args) != 2):
-        raise ValueError(f"`args` must be ['-c', code] or ['-m', module, *arguments], not {args!r}")
+    if args[0] not in ("-c", "-m") or len(args) < 2:
+        raise ValueError(f"`args` must be ['-c', code, *arguments] or ['-m', module, *arguments], not {args!r}")
     command = [sys.executable, *args]
     if not hasattr(os, "fork"):  # (Windows: no template)
         return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
@@ -295,7 +295,7 @@ def _child(request: dict[str, Any], out: IO[bytes], err: IO[bytes]) -> int:
     flag, target, *arguments = request["args"]
     try:
         if flag == "-c":
-            sys.argv = ["-c"]
+            sys.argv = ["-c", *arguments]
             # (`dont_inherit`: compiled without this module's `from __future__` imports)
             exec(compile(target, "<string>", "exec", dont_inherit=True), main.__dict__)
         elif flag == "-m":
