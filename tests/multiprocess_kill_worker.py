@@ -32,6 +32,9 @@ replaces `_read_once.TIMEOUT`. The others print `worker <id> failed:
 <message>` when the load raises, and exit with status 3; a load that returns
 prints `worker <id> loaded`.
 
+`silent_seconds` replaces `_multihost.SILENT_SECONDS` (how long the others
+wait for the victim's heartbeat before naming it as gone).
+
 With `fresh`, there is no first save: the second step (the save of `value(2)`,
 or the load of a checkpoint the test wrote) is each process's first call of
 eqx_ckpt, as when a job starts and restores (once each process's heartbeat
@@ -81,6 +84,8 @@ def main(process_id: int, num_processes: int, port: int, job: dict) -> None:
         process_id=process_id,
         initialization_timeout=90,
     )
+    if "silent_seconds" in job:
+        _multihost.SILENT_SECONDS = job["silent_seconds"]
     mesh = jax.make_mesh((num_processes,), ("rows",), devices=jax.devices())
     sharding = NamedSharding(mesh, P() if job.get("replicated") else P("rows"))
     if job.get("replicated"):

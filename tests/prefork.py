@@ -1,6 +1,10 @@
 """`run(["-c", code])`: `subprocess.run([sys.executable, "-c", code])` in about
 a second less, for tests that run many short snippets each in a new process
-(tests/test_hub.py's `Client`).
+(tests/test_hub.py's `Client`, tests/test_cli.py). `spawn([script, *args])`:
+`subprocess.Popen([sys.executable, script, *args])` likewise, for tests that
+run several processes at once, signal them and wait for them
+(tests/test_multiprocess.py): a `Process` with the pid of a real process, which
+the test signals itself (`os.kill`), and its exit code, as `Popen` gives it.
 
 A *template* process imports the libraries every snippet needs and none
 reads a variable of the Hub's (numpy, JAX, Equinox, TensorStore, the HTTP
@@ -16,9 +20,10 @@ but for the teardown of its modules (`_exit`).
 
 A template is started with the environment of its children less their
 `HF_*` variables and `PYTEST_CURRENT_TEST` (set in each child): a call whose
-other variables differ gets another template (the first one ended).
-`close()` ends it; it also ends when the process that started it does
-(its input closes), killing a child still running."""
+other variables differ gets another template (at most `TEMPLATES` run at once,
+the one used longest ago ended first). `close()` ends them; each also ends
+when the process that started it does (its input closes), killing a child
+still running."""
 
 from __future__ import annotations
 
@@ -85,18 +90,26 @@ class _Template:
         self.log.close()
 
 
-# The template running, by its environment (one at a time).
+# The templates running, by their environment, the one used last at the end.
 _TEMPLATES: dict[tuple[tuple[str, str], ...], _Template] = {}
+# How many may run at once (the tests of one worker use two or three environments).
+TEMPLATES = 3
 # Variables set in each child, never read by what the template imports.
 _SET_IN_CHILD = ("HF_", "PYTEST_CURRENT_TEST")
 
 
 def _template(env: dict[str, str]) -> _Template:
     key = tuple(sorted((k, v) for k, v in env.items() if not k.startswith(_SET_IN_CHILD)))
-    if key not in _TEMPLATES or _TEMPLATES[key].process.poll() is not None:
-        close()
-        _TEMPLATES[key] = _Template(dict(key))
-    return _TEMPLATES[key]
+    template = _TEMPLATES.pop(key, None)
+    if template is not None and template.process.poll() is not None:
+        template.close()
+        template = None
+    if template is None:
+        while len(_TEMPLATES) >= TEMPLATES:
+            _TEMPLATES.pop(next(iter(_TEMPLATES))).close()
+        template = _Template(dict(key))
+    _TEMPLATES[key] = template
+    return template
 
 
 def start(env: dict[str, str]) -> None:
@@ -108,10 +121,10 @@ def start(env: dict[str, str]) -> None:
 def run(args: list[str], *, env: dict[str, str], cwd: str | os.PathLike[str] | None = None, timeout: float) -> Any:
     """As `subprocess.run([sys.executable, *args], env=env, cwd=cwd,
     capture_output=True, text=True, timeout=timeout)`, where `args` is `["-c",
-    code]` or `["-m", module, *arguments]`: a `subprocess.CompletedProcess`,
+    code, *arguments]` or `["-m", module, *arguments]`: a `subprocess.CompletedProcess`,
     or `subprocess.TimeoutExpired` (the child killed)."""
-    if args[0] not in ("-c", "-m") or len(args) < 2 or (args[0] == "-c" and len(args) != 2):
-        raise ValueError(f"`args` must be ['-c', code] or ['-m', module, *arguments], not {args!r}")
+    if args[0] not in ("-c", "-m") or len(args) < 2:
+        raise ValueError(f"`args` must be ['-c', code, *arguments] or ['-m', module, *arguments], not {args!r}")
     command = [sys.executable, *args]
     if not hasattr(os, "fork"):  # (Windows: no template)
         return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
@@ -122,8 +135,57 @@ def run(args: list[str], *, env: dict[str, str], cwd: str | os.PathLike[str] | N
     return subprocess.CompletedProcess(command, done["returncode"], done["stdout"], done["stderr"])
 
 
+class Process:
+    """A child that `spawn` started, running beside the test: `pid` is a real
+    process's (signal it with `os.kill`), `returncode` None until it ends, then
+    its exit code (negative: the signal that ended it), as `subprocess.Popen`'s."""
+
+    def __init__(self, template: _Template | None, pid: int, popen: subprocess.Popen | None = None):
+        self.template, self.pid, self.popen = template, pid, popen
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            if self.popen is not None:
+                self.returncode = self.popen.poll()
+            else:
+                assert self.template is not None
+                self.returncode = self.template.run({"poll": self.pid})["returncode"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["prefork", str(self.pid)], timeout or 0.0)
+            time.sleep(0.02)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def spawn(args: list[str], *, env: dict[str, str], output: str | os.PathLike[str], cwd: str | None = None) -> Process:
+    """As `subprocess.Popen([sys.executable, *args], env=env, cwd=cwd,
+    stdout=file, stderr=subprocess.STDOUT)`, `file` opened for writing at
+    `output`, where `args` is `["-c", code]`, `["-m", module, *arguments]` or
+    `[script, *arguments]`: a `Process`, started at once."""
+    if not hasattr(os, "fork"):  # (Windows: no template)
+        with open(output, "w") as out:
+            command = [sys.executable, *args]
+            popen = subprocess.Popen(command, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+        return Process(None, popen.pid, popen)
+    request = {"spawn": args, "env": env, "cwd": os.fspath(cwd or os.getcwd()), "output": os.fspath(output)}
+    template = _template(env)
+    return Process(template, template.run(request)["pid"])
+
+
 def close() -> None:
-    """End the template: its input closed, it leaves its loop and exits."""
+    """End the templates: each one's input closed, it leaves its loop and exits."""
     while _TEMPLATES:
         _TEMPLATES.popitem()[1].close()
 
@@ -141,26 +203,59 @@ def serve() -> None:
         if importlib.util.find_spec(name.partition(".")[0]) is not None:
             importlib.import_module(name)
     starter = os.getppid()
-    while line := requests.readline():
-        request = json.loads(line)
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            with warnings.catch_warnings():  # (restored in the child too)
-                # Python 3.12+ warns of a fork in a process with threads: here
-                # those of numpy's BLAS, which handles a fork.
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
-            if pid == 0:
-                requests.close()
-                replies.close()
-                _exit(_child(request, out, err))
-            with contextlib.suppress(OSError):  # (as the child does: whichever runs first)
-                os.setpgid(pid, pid)
-            code, timed_out = _wait(pid, request["timeout"], starter)
-            reply = {"returncode": code, "timed_out": timed_out, "stdout": _text(out), "stderr": _text(err)}
-        replies.write(json.dumps(reply).encode() + b"\n")
-        replies.flush()
+    spawned: dict[int, int | None] = {}  # the children of `spawn`, and the exit code of each that ended
+    try:
+        while line := requests.readline():
+            reply = _answer(json.loads(line), requests, replies, starter, spawned)
+            replies.write(json.dumps(reply).encode() + b"\n")
+            replies.flush()
+    finally:
+        for pid, code in spawned.items():  # (killed with whatever each started)
+            if code is None:
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)
+
+
+def _answer(
+    request: dict[str, Any], requests: IO[bytes], replies: IO[bytes], starter: int, spawned: dict[int, int | None]
+) -> dict[str, Any]:
+    """Run `request` (a `run`, `spawn` or `poll`): the reply."""
+    if "poll" in request:
+        pid = request["poll"]
+        if spawned[pid] is None:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                spawned[pid] = os.waitstatus_to_exitcode(status)
+        return {"returncode": spawned[pid]}
+    if "spawn" in request:
+        with open(request["output"], "wb") as out:
+            pid = _fork(request, requests, replies, out, out, args=request["spawn"])
+        spawned[pid] = None
+        return {"pid": pid}
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = _fork(request, requests, replies, out, err, args=request["args"])
+        code, timed_out = _wait(pid, request["timeout"], starter)
+        return {"returncode": code, "timed_out": timed_out, "stdout": _text(out), "stderr": _text(err)}
+
+
+def _fork(
+    request: dict[str, Any], requests: IO[bytes], replies: IO[bytes], out: IO[bytes], err: IO[bytes], args: list[str]
+) -> int:
+    """Fork the child that runs `args` (its output to `out` and `err`): its pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with warnings.catch_warnings():  # (restored in the child too)
+        # Python 3.12+ warns of a fork in a process with threads: here
+        # those of numpy's BLAS, which handles a fork.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        requests.close()
+        replies.close()
+        _exit(_child({**request, "args": args}, out, err))
+    with contextlib.suppress(OSError):  # (as the child does: whichever runs first)
+        os.setpgid(pid, pid)
+    return pid
 
 
 def _text(file: IO[bytes]) -> str:
@@ -190,7 +285,8 @@ def _child(request: dict[str, Any], out: IO[bytes], err: IO[bytes]) -> int:
     os.setpgid(0, 0)  # killed on time out with whatever it started
     for file, fd in ((out, 1), (err, 2)):
         os.dup2(file.fileno(), fd)
-        file.close()
+    out.close()
+    err.close()
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -199,13 +295,17 @@ def _child(request: dict[str, Any], out: IO[bytes], err: IO[bytes]) -> int:
     flag, target, *arguments = request["args"]
     try:
         if flag == "-c":
-            sys.argv = ["-c"]
+            sys.argv = ["-c", *arguments]
             # (`dont_inherit`: compiled without this module's `from __future__` imports)
             exec(compile(target, "<string>", "exec", dont_inherit=True), main.__dict__)
-        else:
+        elif flag == "-m":
             sys.argv = ["-m", *arguments]
             sys.path[0] = os.getcwd()
             runpy._run_module_as_main(target)  # type: ignore[attr-defined]  # (what `python -m` calls)
+        else:  # a script: its folder first on the path, as `python script.py` has it
+            sys.argv = request["args"]
+            sys.path[0] = os.path.dirname(os.path.abspath(flag))
+            runpy.run_path(flag, run_name="__main__")
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return e.code or 0

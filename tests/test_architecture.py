@@ -828,23 +828,32 @@ _BEHAVIOURS = {
 
 def _run_behaviours(folder: pathlib.Path) -> dict[str, list[str]]:
     """Each behaviour's modules, run in fresh processes, a few at a time (all
-    at once, on a loaded 2-core machine, a `jax.distributed` start once timed out)."""
+    at once, on a loaded 2-core machine, a `jax.distributed` start once timed
+    out). `setup` runs in a new interpreter; each `run` is forked from a
+    template process that imported JAX and Equinox but not eqx_ckpt
+    (`prefork.spawn`), as `python behaviour_worker.py run ...`."""
     import json
     import os
     import socket
     import subprocess
     import sys
 
+    import prefork
+
     worker = str(PACKAGE.parent / "tests" / "behaviour_worker.py")
     env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
-    running: dict[str, list[subprocess.Popen]] = {}
+    running: dict[str, list[tuple[prefork.Process, pathlib.Path]]] = {}
     found: dict[str, list[str]] = {}
 
     def collect(name: str) -> None:
-        processes = running.pop(name)
-        outputs = [process.communicate(timeout=300) for process in processes]
-        for process, (_out, err) in zip(processes, outputs):
-            assert process.returncode == 0, f"{name}: {err[-3000:]}"
+        for process, log in running.pop(name):
+            try:
+                process.wait(timeout=300)
+            finally:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+            assert process.returncode == 0, f"{name}: {log.read_text()[-3000:]}"
         found[name] = json.loads((folder / name / "modules.json").read_text())
 
     for name in _BEHAVIOURS.values():
@@ -855,7 +864,7 @@ def _run_behaviours(folder: pathlib.Path) -> dict[str, list[str]]:
         while sum(len(processes) for processes in running.values()) >= 3:
             collect(next(iter(running)))
         place = folder / name
-        command = [sys.executable, worker, "run", name, str(place)]
+        command = [worker, "run", name, str(place)]
         if name.startswith("multi_"):
             with socket.socket() as free:
                 free.bind(("127.0.0.1", 0))
@@ -863,9 +872,9 @@ def _run_behaviours(folder: pathlib.Path) -> dict[str, list[str]]:
             ids = [[str(i), str(port)] for i in range(2)]
         else:
             ids = [[]]
+        logs = [folder / f"{name}-{i}.log" for i in range(len(ids))]
         running[name] = [
-            subprocess.Popen(command + extra, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for extra in ids
+            (prefork.spawn(command + extra, env=env, output=log), log) for extra, log in zip(ids, logs, strict=True)
         ]
     while running:
         collect(next(iter(running)))

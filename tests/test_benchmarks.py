@@ -2,7 +2,14 @@
 workload, eqx_ckpt and raw only, page cache warm (dropping it would slow everyone
 else on the machine), one repetition, each measurement in its own process, and
 the foreign workload on 50 tensors and a 4 MB file in the same run; that a
-failed measurement is recorded and the run goes on; and the report's rules."""
+failed measurement is recorded and the run goes on; and the report's rules.
+
+The benchmarks' fresh processes (`subprocess.run([sys.executable, "-c" or "-m",
+...])`) are forked from a template that already imported JAX (`prefork`), the
+same command in a new process, a second and a half less each: no figure the
+tests check depends on the imports. The harness's own start of a worker runs
+for real in `test_the_worker_reports_its_own_failure`, and `replicas.py` and
+`alternating` start theirs for real."""
 
 import importlib.util
 import json
@@ -18,6 +25,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import prefork
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -43,6 +51,37 @@ from benchmarks import (  # noqa: E402
     worker,
     workload,
 )
+
+_RUN = subprocess.run
+
+
+def _forked_run(command, *, capture_output=False, text=False, timeout=None, cwd=None, env=None, check=False, **other):
+    """`subprocess.run` of `python -c ...` or `python -m ...` with its output
+    captured as text, forked from a `prefork` template; any other call as it is."""
+    command = list(command) if isinstance(command, (list, tuple)) else command
+    if not (
+        isinstance(command, list)
+        and command[:1] == [sys.executable]
+        and command[1:2] in (["-c"], ["-m"])
+        and capture_output
+        and text
+        and not other
+    ):
+        return _RUN(
+            command, capture_output=capture_output, text=text, timeout=timeout, cwd=cwd, env=env, check=check, **other
+        )
+    done = prefork.run(command[1:], env=dict(os.environ if env is None else env), cwd=cwd, timeout=timeout or 3600)
+    if check:
+        done.check_returncode()
+    return done
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forked():
+    """The benchmarks' fresh processes, forked from a template (the module's docstring)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess, "run", _forked_run)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +312,9 @@ def test_each_repetition_starts_with_another_contender(tmp_path, monkeypatch):
     assert run.rotated(names, 4) == ["equinox", "raw", "eqx_ckpt"] and run.rotated([], 1) == []
 
 
-def test_the_worker_reports_its_own_failure(tmp_path):
+def test_the_worker_reports_its_own_failure(tmp_path, monkeypatch):
+    """The harness's own start of a worker, in a new interpreter (not forked)."""
+    monkeypatch.setattr(subprocess, "run", _RUN)
     job = {"workload": "tiny", "sizes": workload.PRESETS["tiny"].__dict__, "contender": "raw", "op": "load"}
     job |= {"cache": "warm", "path": str(tmp_path / "missing.bin"), "rep": 0}
     result = run.run_job(job, timeout=600)

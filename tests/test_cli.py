@@ -1,4 +1,10 @@
-"""The installed `eqx-ckpt` command, run as a user runs it."""
+"""The `eqx-ckpt` command, run as a user runs it: each run a new process.
+
+Most runs are `python -m eqx_ckpt._tools._cli` forked from a template process
+that already imported JAX (`prefork`: the same `main`, a second less per run);
+the installed console script itself runs in `test_help_everywhere`, the S3
+tests (`AWS_ENDPOINT_URL` in its own environment) and the closed-pipe test,
+so the entry point stays tested."""
 
 import functools
 import json
@@ -15,6 +21,7 @@ import http_server
 import jax
 import jax.numpy as jnp
 import numpy as np
+import prefork
 import pytest
 import s3_server
 
@@ -24,11 +31,23 @@ from eqx_ckpt._tools._cli import main
 EXE = shutil.which("eqx-ckpt", path=os.path.dirname(sys.executable)) or "eqx-ckpt"
 
 
-def run(*args, check_code=None, timeout=120):
-    done = subprocess.run([EXE, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+def run(*args, check_code=None, timeout=120, installed=False):
+    """`eqx-ckpt ARGS` in a new process, in this process's environment and
+    folder: the installed console script with `installed`, else `python -m
+    eqx_ckpt._tools._cli ARGS` forked from a template (`prefork`)."""
+    if installed:
+        done = subprocess.run([EXE, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    else:
+        done = prefork.run(["-m", "eqx_ckpt._tools._cli", *map(str, args)], env=dict(os.environ), timeout=timeout)
     if check_code is not None:
         assert done.returncode == check_code, (done.stdout, done.stderr)
     return done
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _template():
+    """The template process started at once: its imports overlap the first test's set-up."""
+    prefork.start(dict(os.environ))
 
 
 def _save(path):
@@ -118,7 +137,7 @@ def test_verify_of_storage_that_fails_to_serve_exits_2_not_1(tmp_path, capsys):
 def test_help_everywhere(capsys):
     """The installed command's help (a process of its own), then each command's
     (the same parser, in this process)."""
-    assert "Exit codes" in run("--help", check_code=0).stdout
+    assert "Exit codes" in run("--help", check_code=0, installed=True).stdout
     for command in ("ls", "info", "verify", "diff", "export", "push", "demo"):
         assert main([command, "--help"]) == 0
         assert "usage: eqx-ckpt " + command in capsys.readouterr().out
@@ -371,16 +390,16 @@ def test_ls_reaches_an_s3_server_through_aws_endpoint_url(s3, monkeypatch):
     `s3://` URL went to AWS, and waited out its retries there.)"""
     s3_server.credentials(monkeypatch)
     eqx_ckpt.tree_serialise_leaves(s3.spec("cli/ckpt/"), {"w": np.arange(6, dtype=np.float32), "step": 3})
-    assert "AWS_ENDPOINT_URL" in run("ls", "--help", check_code=0).stdout
+    assert "AWS_ENDPOINT_URL" in run("ls", "--help", check_code=0, installed=True).stdout
     assert "AWS_ENDPOINT_URL" in (pathlib.Path(__file__).parents[1] / "docs" / "storage.md").read_text()
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
-    done = run("ls", f"s3://{s3_server.BUCKET}/cli/ckpt", check_code=0, timeout=60)
+    done = run("ls", f"s3://{s3_server.BUCKET}/cli/ckpt", check_code=0, timeout=60, installed=True)
     lines = done.stdout.splitlines()
     assert [line.split()[0] for line in lines[:-1]] == ["step", "w"] and lines[-1] == "2 leaves, 32 B", done.stdout
     # `AWS_ENDPOINT_URL_S3` wins, as for the AWS tools.
     monkeypatch.setenv("AWS_ENDPOINT_URL", http_server.refused_url("").rstrip("/"))
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.endpoint)
-    run("ls", f"s3://{s3_server.BUCKET}/cli/ckpt", check_code=0, timeout=60)
+    run("ls", f"s3://{s3_server.BUCKET}/cli/ckpt", check_code=0, timeout=60, installed=True)
 
 
 def test_ls_of_an_unreachable_s3_endpoint_exits_2_within_seconds(monkeypatch):
@@ -391,7 +410,7 @@ def test_ls_of_an_unreachable_s3_endpoint_exits_2_within_seconds(monkeypatch):
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
     monkeypatch.setenv("AWS_ENDPOINT_URL", http_server.refused_url("").rstrip("/"))
     url = f"s3://{s3_server.BUCKET}/run/ckpt"
-    done = run("ls", url, check_code=2, timeout=60)
+    done = run("ls", url, check_code=2, timeout=60, installed=True)
     # (TensorStore's AWS library may log lines of its own before it.)
     assert f"\neqx-ckpt ls: Cannot reach '{url}': " in "\n" + done.stderr, done.stderr
     assert "curl_code='7'" in done.stderr and "Check the URL" in done.stderr, done.stderr

@@ -1,6 +1,11 @@
 """Several JAX processes saving one checkpoint, for real: processes on this
 machine, each with 1 or 2 CPU devices, joined by `jax.distributed`, saving to a
-local directory or a local S3 server."""
+local directory or a local S3 server.
+
+Each worker is a process of its own, forked from a template process that has
+imported JAX but started no backend (`prefork.spawn`: as `python worker.py
+...`, a second and a half less per process); the tests signal and kill them
+by their pids."""
 
 import json
 import os
@@ -9,7 +14,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -17,6 +21,7 @@ import arrays
 import equinox as eqx
 import jax
 import numpy as np
+import prefork
 import pytest
 import s3_server
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -49,9 +54,8 @@ def _run_workers(
     logs = [path.parent / f"worker{i}.log" for i in range(count)]
     procs = []
     for i, log in enumerate(logs):
-        with open(log, "w") as out:
-            command = [sys.executable, str(worker), str(i), str(count), str(port), job or str(path)]
-            procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
+        command = [str(worker), str(i), str(count), str(port), job or str(path)]
+        procs.append(prefork.spawn(command, env=env, output=log))
     deadline, timed_out = time.monotonic() + timeout, False
     try:
         for proc in procs:
@@ -412,6 +416,11 @@ def test_replicated_state_is_written_by_every_process(
 
 
 KILL_WORKER = pathlib.Path(__file__).with_name("multiprocess_kill_worker.py")
+# The kill workers' `_multihost.SILENT_SECONDS` (10 s by default): how long the
+# others wait for a heartbeat before naming a process as gone. Five times its
+# beat (`HEARTBEAT_SECONDS`, 1 s), so that a busy machine never silences a
+# process that lives; half the waits of the default.
+SILENT_SECONDS = 5
 
 
 def _run_victim(tmp_path: pathlib.Path, processes: int, job: dict, *, kill: bool) -> tuple[list[Any], list[str]]:
@@ -422,15 +431,14 @@ def _run_victim(tmp_path: pathlib.Path, processes: int, job: dict, *, kill: bool
     The seconds from the victim's stop until the others had all exited are
     left in `_run_victim.waited`."""
     marker, victim = tmp_path / "victim-stopped", job["victim"]
-    argument = json.dumps({**job, "marker": str(marker)})
+    argument = json.dumps({**job, "marker": str(marker), "silent_seconds": SILENT_SECONDS})
     port, env = _free_port(), {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     logs = [tmp_path / f"worker{i}.log" for i in range(processes)]
     procs = []
     for i, log in enumerate(logs):
-        with open(log, "w") as out:
-            command = [sys.executable, str(KILL_WORKER), str(i), str(processes), str(port), argument]
-            procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
+        command = [str(KILL_WORKER), str(i), str(processes), str(port), argument]
+        procs.append(prefork.spawn(command, env=env, output=log))
     try:
         deadline = time.monotonic() + 120
         while not marker.exists():
@@ -557,7 +565,7 @@ def test_a_reader_killed_mid_restore(tmp_path: pathlib.Path, processes: int, vic
     joined = "stopped answering during the restore" if point == "load.read_once" else "never joined the restore"
     said = f"Process {victim} of {processes} {joined}" if victim else ""
     _check_restore_survivors(procs, outputs, victim, said)
-    # 10 s of silence, and the time to notice it on a busy machine: never a barrier's time-out (300 s).
+    # `SILENT_SECONDS` of silence, and the time to notice it on a busy machine: never a barrier's time-out (300 s).
     assert _run_victim.waited < 30, _run_victim.waited  # type: ignore[attr-defined]
     _check_first_save(where)
 
@@ -601,7 +609,8 @@ _RESTORE_STAGES = ["call", "planned", "read/0"]
 
 def _said_of_a_process_killed_before(what: str, stages: list[str], stage: str, victim: int, processes: int) -> str:
     """What every survivor says of the victim killed just before `stage` (see `_multihost._lost`)."""
-    silent = f"(no heartbeat for 10 s while the others waited for it at stage {stages[max(1, stages.index(stage))]!r})"
+    waited = stages[max(1, stages.index(stage))]
+    silent = f"(no heartbeat for {SILENT_SECONDS} s while the others waited for it at stage {waited!r})"
     if stage == "call":
         return (
             f"Process {victim} of {processes} never joined the {what}: it stopped answering before it began it {silent}"
@@ -650,7 +659,7 @@ def test_a_process_killed_before_each_stage_is_named(
         assert f"worker {i} saved again" not in out and f"worker {i} loaded" not in out, out[-4000:]
         if i != victim:
             assert proc.returncode == 3 and said in out and outcome in out, out[-4000:]
-    # 10 s of silence, and the time to notice it on a busy machine: never `jax.distributed`'s 100 s.
+    # `SILENT_SECONDS` of silence, and the time to notice it on a busy machine: never `jax.distributed`'s 100 s.
     assert _run_victim.waited < 30, _run_victim.waited  # type: ignore[attr-defined]
     if what == "restore":
         _check_first_save(where)
