@@ -748,3 +748,15 @@ def test_alternating_adds_rounds_until_the_interval_is_narrow(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "round 3 b:" in done.stdout and "round 4" not in done.stdout
     assert re.search(r"b: cpu \d\.\d{3}x a \(95% interval \d\.\d{3}-\d\.\d{3}\): ", done.stdout)
+
+
+def test_alternating_loads_a_published_folder(tmp_path):
+    """`--op load-published`: a process exports the workload once, and the
+    measuring processes load the published folder (its digests checked)."""
+    from benchmarks import alternating
+
+    job = {"workload": "tiny", "folder": str(tmp_path), "reps": 2, "published": True}
+    alternating.work({**job, "op": "prepare"})
+    assert (tmp_path / "published" / "eqx_ckpt.json").is_file() and not (tmp_path / "checkpoint").exists()
+    timed = alternating.work({**job, "op": "load"})
+    assert len(timed["wall"]) == len(timed["cpu"]) == 2
