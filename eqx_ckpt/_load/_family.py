@@ -33,7 +33,7 @@ in this order:
   base given at load time needs no pin: its leaves are checked one by one.
 - **Leaves.** Each leaf taken from the base is there, stored with the dtype and
   shape recorded (`_taken`). Each leaf read whole is checked against the
-  digest the fine-tune records of it as it is read (`check_digest`, called by
+  digest the fine-tune records of it as it is read (`DigestCheck`, started by
   the readers of whole leaves), taken and stored leaves alike.
 
 A missing or changed base is an error naming the fine-tune, its base and what
@@ -200,16 +200,6 @@ def checker(source: Source, record: LeafRecord) -> DigestCheck | None:
     return None if expected is None else DigestCheck(source, record, expected)
 
 
-def check_digest(source: Source, record: LeafRecord, array: np.ndarray) -> None:
-    """Raise `IntegrityError` unless `array`, the whole leaf `record` of
-    `source` as stored, holds the bytes whose digest `source` records (where
-    it records one)."""
-    check = checker(source, record)
-    if check is not None:
-        check(array)
-        check.result()
-
-
 def _mismatch(source: Source, record: LeafRecord, found: str, expected: str) -> IntegrityError:
     family = source.manifest.family
     taken = None if family is None else family.references.get(record.path)
@@ -265,8 +255,8 @@ def recorded(base: _published.Base, where: Location, *, hub: bool) -> str:
             where, base, "it is a local path, relative to a folder on a local disk; this fine-tune is not on one"
         )
     folder = os.path.dirname(where.local)
-    relative = os.path.normpath(os.path.join(os.path.basename(where.local), path))
-    if relative in (".", "..") or relative.startswith("../"):
+    relative = beside(where.local, path)
+    if relative is None:
         raise _refused(where, base, "it leads out of the folder that holds the fine-tune")
     found = _confined(folder, relative)
     if found is None:
@@ -280,6 +270,15 @@ def recorded(base: _published.Base, where: Location, *, hub: bool) -> str:
             f"fine-tune",
         )
     return found
+
+
+def beside(finetune: str, path: str) -> str | None:
+    """The local `path` of a base, relative to the fine-tune's folder
+    `finetune`, as a path relative to the folder holding that folder, where
+    it stays inside it (judged by its text alone); `None` where it leads out.
+    An export warns where the base it records is not beside the fine-tune so."""
+    relative = os.path.normpath(os.path.join(os.path.basename(finetune), path))
+    return None if relative in (".", "..") or relative.startswith("../") else relative
 
 
 def _confined(folder: str, relative: str) -> str | None:

@@ -356,10 +356,10 @@ def start(
     `dtype`, when given, is the dtype the value must have (`like`'s).
     `on_bytes`, when given, is called with the bytes of each slab of a large
     leaf, or of each device's region of a sharded one, as it lands. That is
-    progress within the leaf. `check`, when given, is called with the whole
-    leaf as stored before it is converted or placed (a recorded digest's
-    check, `_family.check_digest`); such a leaf is read whole, even where it
-    is placed across devices.
+    progress within the leaf. `check`, when given, is fed the whole leaf as
+    stored before it is converted or placed (a recorded digest's check,
+    `_family.DigestCheck`: slab by slab for a large leaf); such a leaf is read
+    whole, even where it is placed across devices.
     """
     convert = host_converter(record, dtype, loc)
     sharding = target_sharding(like)

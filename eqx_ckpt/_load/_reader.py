@@ -263,8 +263,8 @@ def _place_runs(
     many), into `out` at the members' `slots`.
 
     A run is `(members, finish)`: indices into `plans` and `records`, and what
-    waits for their host arrays. `check`, when given, is called on each of
-    them first (`_family.check_digest`)."""
+    waits for their host arrays. `check`, when given, starts each one's
+    digest check first (`_family.Checks`)."""
     for members, finish in runs:
         hosts = finish()
         if check is not None:

@@ -82,12 +82,14 @@ def _start(source: Source, record: LeafRecord) -> Callable[[], np.ndarray]:
     except Exception as e:
         raise _storage_errors.leaf_io_error(e, record, source.data, "open") from e
     finish = _read.start_region(store, source.data, record)
-    if record.path not in source.manifest.digests:
+    check = _family.checker(source, record)
+    if check is None:
         return finish
 
     def checked() -> np.ndarray:
         array = finish()
-        _family.check_digest(source, record, array)
+        check(array)
+        check.result()
         return array
 
     return checked

@@ -168,8 +168,10 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
     if loc.local is not None:
         full = os.path.join(loc.local, name)
         _untrusted.refuse_links(loc, name)
-        _untrusted.refuse_special(loc, name)
-        if not local_entry(full).file:
+        entry = local_entry(full)
+        if entry.special:  # (a FIFO would wait forever, and is no missing file either)
+            raise _untrusted.special_error(loc, name, entry.special)
+        if not entry.file:
             return None, b""
         _faults.fire("storage.file_found", full)
         # One line opens and enters: an interrupt between the two would leave
@@ -206,8 +208,10 @@ def file_exists(loc: Location, name: str) -> bool:
     _faults.fire("storage.read_file", loc, name)
     if loc.local is not None:
         _untrusted.refuse_links(loc, name)
-        _untrusted.refuse_special(loc, name)
-        return local_entry(os.path.join(loc.local, name)).file
+        entry = local_entry(os.path.join(loc.local, name))
+        if entry.special:
+            raise _untrusted.special_error(loc, name, entry.special)
+        return entry.file
     with read_explained(loc, name):
         return result(Folder(loc).read(name, slice(0, 0))).value is not None
 

@@ -89,7 +89,7 @@ def _pin(source: _source.Source, given: Any, destination: Location) -> tuple[_pu
         path = source.loc.local
         if destination.local is not None:
             path = os.path.relpath(path, destination.local)
-            if os.path.normpath(os.path.join(os.path.basename(destination.local), path)).startswith(".."):
+            if _family.beside(destination.local, path) is None:
                 _not_followed(destination, path, "is not in the folder that holds the fine-tune")
         else:
             _not_followed(destination, path, "is on a local disk, and the fine-tune is not")
