@@ -1,7 +1,7 @@
 """A state held on the accelerator: eqx_ckpt against orbax-checkpoint and the raw floor (issue 50).
 
 `python -m benchmarks.gpu [--gib 4] [--dtypes float32,bfloat16] [--reps 1] [--dir DIR] [--json FILE]
-[--staging-mib MIB]`
+[--staging-mib MIB] [--contenders NAMES] [--processes] [--pool COUNTxMIB] [--read-threads N]`
 
 For each dtype, a state of `--gib` GiB is made on the default JAX device with
 `jax.random` (a dict of about 28 arrays of 64, 128 and 256 MiB; smaller ones
@@ -17,16 +17,19 @@ one process, each into a fresh directory under `--dir`:
   `load`: `tree_deserialise_leaves` into an abstract `like` carrying each
   array's sharding, so the arrays come back onto the device (`load_cold`:
   the same from a dropped page cache, where this machine allows dropping it);
-- `eqx_ckpt_pinned`: the same with issue 60's knobs on (off by default until
-  measured here): loads through a pool of reused host buffers
-  (`_memory.PINNED_LOAD_POOL`, set to `PINNED_LOAD_POOL`) and blocking saves
-  copying through pinned host memory (`_memory.PINNED_SAVE_COPIES`);
+  With its defaults, which on a GPU load through a pool of reused host
+  buffers (`_memory.PINNED_LOAD_POOL`, `--pool` to set it) and copy a blocking
+  save's pieces through pinned host memory (`_memory.PINNED_SAVE_COPIES`);
+  `--read-threads` sets its threads that read local files;
+- `eqx_ckpt_unpinned`: the same with those two off (as before issue 74);
 - `orbax`: `StandardCheckpointer` `save` (`save` + `wait_until_finished` + an
   fsync of every file, as `benchmarks/contenders.py` measures it), its
   asynchronous `save_async` (`blocked` in `save`, `seconds` until that end
   point) and `load` (`restore` into the same abstract tree);
 - `numpy`, the raw floor: `np.save` of `jax.device_get` of each array, then an
-  fsync of every file; `to_host`: `jax.device_get` alone (the bus's speed);
+  fsync of every file; `to_host`: `jax.device_get` alone (the bus's speed),
+  of copies of the state made on the device before it is timed (the state's
+  own arrays keep the host copy `device_get` made of them);
   `load`: `np.load` + `jax.device_put` of each.
 
 Each operation is timed once per `--reps`; a load's files are read once before
@@ -37,7 +40,9 @@ resident memory of this process during the operation over what it held
 before (psutil, sampled every 10 ms in a thread). Prints a table; `--json`
 writes the device's name, the versions and every figure, rewritten after each
 measurement so a run stopped midway keeps what it measured; a contender that
-fails is recorded with its error and the others go on. docs/benchmarks.md
+fails is recorded with its error and the others go on. `--contenders` picks
+some; `--processes` runs each in a process of its own (no allocation, pinned
+memory or cache of one reaches the next), its rows gathered here. docs/benchmarks.md
 ("GPU: a 4 GiB state on the device") says how to run it and what it showed.
 """
 
@@ -50,7 +55,9 @@ import glob
 import importlib.metadata
 import json
 import os
+import pathlib
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -73,12 +80,8 @@ FULL_GIB = 4.0
 COLUMNS = 1024
 SAMPLE_SECONDS = 0.01
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-CONTENDERS = ("eqx_ckpt", "eqx_ckpt_pinned", "orbax", "numpy")
+CONTENDERS = ("eqx_ckpt", "eqx_ckpt_unpinned", "orbax", "numpy")
 OPS = ("save", "save_again", "save_async", "to_host", "load", "load_cold")
-# `eqx_ckpt_pinned`: eqx_ckpt with the knobs of issue 60 on (off by default
-# until measured here): loads through a pool of reused host buffers, and
-# blocking saves that copy through pinned host memory.
-PINNED_LOAD_POOL = (4, 64 * 2**20)
 
 
 def leaf_rows(gib: float, itemsize: int) -> list[int]:
@@ -189,19 +192,21 @@ def numpy_load(path: str, like: dict[str, jax.ShapeDtypeStruct]) -> dict[str, ja
 
 def to_host(path: str, state: dict[str, jax.Array]) -> None:
     """The copy to the host alone (`jax.device_get`), at the bus's speed: with
-    the write floor (`numpy` `save`), what a blocking save is measured against."""
+    the write floor (`numpy` `save`), what a blocking save is measured against.
+    `state` is fresh copies (`bench_contender`): `device_get` keeps the host
+    copy it makes on the array, so a second one of the same array is free."""
     jax.device_get(state)
 
 
-def pinned_knobs(operation: Callable[..., Any]) -> Callable[..., Any]:
+def unpinned(operation: Callable[..., Any]) -> Callable[..., Any]:
     """`operation` with eqx_ckpt's pinned load pool and pinned blocking-save
-    copies switched on (`_memory.PINNED_LOAD_POOL`, `PINNED_SAVE_COPIES`)."""
+    copies switched off (`_memory.PINNED_LOAD_POOL`, `PINNED_SAVE_COPIES`)."""
     from eqx_ckpt._store import _memory
 
     @functools.wraps(operation)
     def switched(*args: Any) -> Any:
         before = _memory.PINNED_LOAD_POOL, _memory.PINNED_SAVE_COPIES
-        _memory.PINNED_LOAD_POOL, _memory.PINNED_SAVE_COPIES = PINNED_LOAD_POOL, True
+        _memory.PINNED_LOAD_POOL, _memory.PINNED_SAVE_COPIES = None, False
         try:
             return operation(*args)
         finally:
@@ -216,7 +221,7 @@ def operations(name: str) -> dict[str, Callable[[str, Any], Any]]:
     if name.startswith("eqx_ckpt"):
         eqx = contenders.EqxCkpt(STAGING_BYTES)
         ops = {"save": eqx.save, "save_again": eqx.save, "save_async": eqx_ckpt_save_async, "load": eqx.load}
-        return {op: pinned_knobs(f) for op, f in ops.items()} if name == "eqx_ckpt_pinned" else ops
+        return {op: unpinned(f) for op, f in ops.items()} if name == "eqx_ckpt_unpinned" else ops
     if name == "orbax":
         orbax = contenders.Orbax()
         return {"save": orbax.save, "save_async": orbax_save_async, "load": orbax.load}
@@ -268,7 +273,9 @@ def bench_contender(name: str, state: dict[str, jax.Array], root: str) -> Iterat
         if op in ops:
             # What earlier saves left unwritten is written now, not during this one's syncs.
             os.sync()
-            _, figures = timed(functools.partial(ops[op], paths[op], state), nbytes)
+            given = jax.block_until_ready({k: x.copy() for k, x in state.items()}) if op == "to_host" else state
+            _, figures = timed(functools.partial(ops[op], paths[op], given), nbytes)
+            del given
             yield {"op": op, **figures}
             if op != "save":
                 run.remove(paths[op])
@@ -352,26 +359,62 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="write the device, versions and every figure here")
     parser.add_argument("--staging-mib", type=float, default=None, help="eqx_ckpt's staging budget (default: its own)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, from " + ", ".join(CONTENDERS))
+    parser.add_argument("--processes", action="store_true", help="each contender in a process of its own")
+    parser.add_argument("--pool", default=None, help="eqx_ckpt's pool of load buffers, COUNTxMIB, or 'off'")
+    parser.add_argument("--read-threads", type=int, default=None, help="eqx_ckpt's threads reading local files")
     args = parser.parse_args(argv)
-    global STAGING_BYTES
-    STAGING_BYTES = None if args.staging_mib is None else int(args.staging_mib * 2**20)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     dtypes = [d for d in args.dtypes.split(",") if d]
     if unknown := [d for d in dtypes if d not in DTYPES]:
         parser.error(f"unknown dtypes {unknown}; choose from {list(DTYPES)}")
+    if unknown := [c for c in args.contenders.split(",") if c not in CONTENDERS]:
+        parser.error(f"unknown contenders {unknown}; choose from {list(CONTENDERS)}")
+    configure(args)
     started = time.perf_counter()
     root = tempfile.mkdtemp(prefix="eqx_ckpt_gpu_", dir=args.dir)
     result = header(args, root)
     print(f"device: {result['device']} ({result['platform']}), checkpoints on {result['filesystem']}", flush=True)
     print("\n".join([*result["host"], f"- {result['versions']}"]), flush=True)
     try:
-        measure_all(args, dtypes, root, result)
+        if args.processes:
+            measure_apart(args, root, result)
+        else:
+            measure_all(args, dtypes, root, result)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result["run_seconds"] = time.perf_counter() - started
     write_json(result, args.json)
     print(f"\n{table(result['rows'])}\nwhole run: {result['run_seconds']:.0f} s", flush=True)
     return result
+
+
+def configure(args: argparse.Namespace) -> None:
+    """This process's contenders and eqx_ckpt's settings, from the arguments."""
+    from eqx_ckpt._store import _memory, _window
+
+    global STAGING_BYTES, CONTENDERS
+    STAGING_BYTES = None if args.staging_mib is None else int(args.staging_mib * 2**20)
+    CONTENDERS = tuple(args.contenders.split(","))
+    if args.pool is not None:
+        count, _, mib = args.pool.partition("x")
+        _memory.PINNED_LOAD_POOL = None if args.pool == "off" else (int(count), int(float(mib) * 2**20))
+    if args.read_threads is not None:
+        _window.READ_THREADS = args.read_threads
+
+
+def measure_apart(args: argparse.Namespace, root: str, result: dict[str, Any]) -> None:
+    """Each contender measured by this script in a process of its own (the
+    same arguments), its rows added to `result` (and written to `--json`)."""
+    passed = [a for a in args.argv if a != "--processes"]
+    for name in CONTENDERS:
+        rows = os.path.join(root, f"rows-{name}.json")
+        command = [sys.executable, "-m", "benchmarks.gpu", *passed, "--contenders", name, "--json", rows]
+        subprocess.run([*command, "--dir", root], check=True)
+        measured = json.loads(pathlib.Path(rows).read_text())
+        result["rows"] += measured["rows"]
+        result.update({k: v for k, v in measured.items() if k.startswith(("leaves_", "bytes_"))})
+        write_json(result, args.json)
 
 
 def measure_all(args: argparse.Namespace, dtypes: list[str], root: str, result: dict[str, Any]) -> None:

@@ -41,6 +41,7 @@ from benchmarks import (  # noqa: E402
     gpu,
     gpu_budget,
     gpu_copies,
+    gpu_join,
     hub,
     incremental,
     page_sizes,
@@ -495,6 +496,20 @@ def test_the_gpu_script_records_every_figure_on_a_cpu(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["gpu.json"]
 
 
+def test_the_gpu_script_measures_each_contender_in_a_process_of_its_own(tmp_path):
+    """`--processes`: each contender picked runs this script in a process of
+    its own (here two, eqx_ckpt's pool and read threads as given), and its
+    rows come back to the one JSON, in order."""
+    out = tmp_path / "gpu.json"
+    argv = ["--gib", "0.002", "--dtypes", "float32", "--dir", str(tmp_path), "--json", str(out)]
+    gpu.main([*argv, "--processes", "--contenders", "numpy,eqx_ckpt", "--pool", "2x8", "--read-threads", "2"])
+    written = json.loads(out.read_text())
+    cold = worker.can_drop_caches()
+    assert [r["contender"] for r in written["rows"]] == ["numpy"] * (3 + cold) + ["eqx_ckpt"] * (4 + cold)
+    assert all(r.get("verified", True) is True for r in written["rows"]) and written["bytes_float32"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu.json"]
+
+
 def test_a_failed_contender_of_the_gpu_script_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     """On a lent accelerator there may be no time for a second run: a
     contender whose save fails is one row with the error, its checkpoint is
@@ -538,6 +553,14 @@ def test_the_gpu_copies_script_times_every_way_to_the_host():
     rows = gpu_copies.main(["--gib", "0.02"])
     assert [r["way"] for r in rows] == list(gpu_copies.WAYS)
     assert all(r["error"] is None and r["seconds"] > 0 and "rss_kept" in r for r in rows)
+
+
+def test_the_gpu_join_script_joins_each_size_both_ways_bit_for_bit():
+    """`benchmarks.gpu_join`, here on the CPU: each way in a process of its
+    own joins every size from its slabs, equal to the leaf, timed twice."""
+    rows = gpu_join.main(["--mib", "2,4", "--slab-mib", "1"])
+    assert [(r["way"], r["mib"], r["slabs"]) for r in rows] == [(w, m, m) for w in gpu_join.WAYS for m in (2, 4)]
+    assert all(r["equal"] and r["first_ms"] > 0 and r["again_ms"] > 0 for r in rows)
 
 
 def test_the_gpu_budget_script_saves_once_per_budget_within_it(tmp_path):

@@ -189,7 +189,7 @@ def test_a_training_loop_saving_every_5_steps_resumes_bit_for_bit(tmp_path):
 
 
 def test_a_load_through_the_pool_of_pinned_buffers_is_bit_for_bit_on_the_device(tmp_path, faults, monkeypatch):
-    """With the pool on (`_memory.PINNED_LOAD_POOL`, off by default), a
+    """Through a small pool (`_memory.PINNED_LOAD_POOL`, on by default on GPUs), a
     state of 8 leaves of 4 MiB (chunks of 1 MiB) is read through two reused
     buffers of 2 MiB (each leaf in two slabs, joined on the device): loaded
     bit for bit onto the device, the buffers allocated once for two loads."""
@@ -221,10 +221,9 @@ def test_a_load_falls_back_when_the_pool_cannot_be_allocated(tmp_path, faults, m
 
 @pytest.mark.parametrize("budget", [4 * MIB, 12 * MIB])
 def test_a_blocking_save_through_pinned_memory_stays_within_the_budget(tmp_path, faults, monkeypatch, budget):
-    """With `_memory.PINNED_SAVE_COPIES` on (off by default), each piece is
+    """With `_memory.PINNED_SAVE_COPIES` (on by default on GPUs), each piece is
     copied into pinned host memory as the budget admits it, never past it,
     and the state loads back bit for bit."""
-    monkeypatch.setattr(_memory, "PINNED_SAVE_COPIES", True)
     staged = Staged(faults)
     copied: list[int] = []
     faults("save.pinned_copies", lambda arrays: copied.extend(x.nbytes for x in arrays))

@@ -1,7 +1,7 @@
 """A load through the pool of reused host buffers (`_memory.PINNED_LOAD_POOL`,
-`_pooled`; issue 60), switched on here with JAX's CPU devices, which have the
-`pinned_host` memory kind a GPU has. Off by default until measured on a GPU;
-`tests/test_gpu.py` runs it there."""
+`_pooled`; issue 60), switched on here for JAX's CPU devices, which have the
+`pinned_host` memory kind a GPU has. On by default for GPUs alone
+(`_memory.PINNED_PLATFORMS`); `tests/test_gpu.py` runs it there."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def pool(monkeypatch):
     or more is read a few chunks at a time); a fresh pool for each test."""
     monkeypatch.setattr(_format, "CHUNK_BYTES", 64 << 10)
     monkeypatch.setattr(_memory, "PINNED_LOAD_POOL", (2, BUFFER))
+    monkeypatch.setattr(_memory, "PINNED_PLATFORMS", _memory.PINNED_PLATFORMS | {"cpu"})
     monkeypatch.setattr(_memory, "_LOAD_POOLS", {})
     return lambda: _memory.load_pool()
 
@@ -116,8 +117,18 @@ def test_a_leaf_bound_for_host_memory_loads_the_usual_way(tmp_path, pool, kind):
     assert pool().allocations == 0
 
 
-def test_the_pool_is_off_by_default():
-    assert _memory.PINNED_LOAD_POOL is None and _memory.load_pool() is None
+def test_the_pool_is_on_for_gpus_and_not_for_cpus(tmp_path, faults, monkeypatch):
+    """By default the pool is set and meant for GPUs alone: a load onto CPU
+    devices here allocates none of its buffers."""
+    assert _memory.PINNED_LOAD_POOL is not None
+    assert "gpu" in _memory.PINNED_PLATFORMS and "cpu" not in _memory.PINNED_PLATFORMS
+    monkeypatch.setattr(_memory, "_LOAD_POOLS", {})
+    allocated: list[int] = []
+    faults(["load.pinned_pool"], allocated.append)
+    tree = {"w": jax.random.normal(jax.random.key(0), (2048, 256))}
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), tree, typematch=True)
+    assert allocated == [] and _memory._LOAD_POOLS == {}
 
 
 def test_a_damaged_chunk_read_through_the_pool_names_the_leaf(tmp_path, pool):
@@ -137,6 +148,26 @@ def test_a_damaged_chunk_read_through_the_pool_names_the_leaf(tmp_path, pool):
     assert pool().allocations == 2  # read through the pool
 
 
+def test_a_damaged_chunk_amid_reads_ahead_leaves_the_pool_fit_for_the_next_load(tmp_path, pool, monkeypatch):
+    """With 4 buffers the reads run 3 buffers ahead of the copies: a chunk
+    that fails its checksum while later ones are being read is an error
+    naming the leaf, and once every read under way has ended the pool's
+    buffers serve the next load bit for bit."""
+    monkeypatch.setattr(_memory, "PINNED_LOAD_POOL", (4, BUFFER))
+    tree = {"w": jax.random.normal(jax.random.key(0), (2048, 256))}
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "bad", tree)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "good", {"w": -tree["w"]})
+    (chunk,) = [p for p in (tmp_path / "bad").rglob("c/9/0")]
+    data = bytearray(chunk.read_bytes())
+    data[10] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("its chunk file 'w/c/9/0' fails its crc32c")):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path / "bad", tree)
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "good", tree)
+    assert eqx.tree_equal(out, {"w": -tree["w"]}, typematch=True)
+    assert pool().allocations == 4
+
+
 _PEAK = """
 import json, resource, sys
 import jax
@@ -145,6 +176,7 @@ import eqx_ckpt
 from eqx_ckpt._store import _memory
 if sys.argv[2] == "on":
     _memory.PINNED_LOAD_POOL = (2, 4 << 20)
+    _memory.PINNED_PLATFORMS = _memory.PINNED_PLATFORMS | {"cpu"}
 mesh = jax.make_mesh((4,), ("x",))
 sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
 import jax.numpy as jnp

@@ -1,7 +1,7 @@
 """A blocking save that copies its pieces to the host through pinned memory
-(`_memory.PINNED_SAVE_COPIES`, issue 60), switched on here with JAX's CPU
-devices, which have the `pinned_host` memory kind a GPU has. Off by default
-until measured on a GPU; `tests/test_gpu.py` runs it there."""
+(`_memory.PINNED_SAVE_COPIES`, issue 60), switched on here for JAX's CPU
+devices, which have the `pinned_host` memory kind a GPU has. On by default for
+GPUs alone (`_memory.PINNED_PLATFORMS`); `tests/test_gpu.py` runs it there."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from eqx_ckpt._store import _memory
 @pytest.fixture
 def pinned_saves(monkeypatch):
     monkeypatch.setattr(_memory, "PINNED_SAVE_COPIES", True)
+    monkeypatch.setattr(_memory, "PINNED_PLATFORMS", _memory.PINNED_PLATFORMS | {"cpu"})
 
 
 def _state() -> dict[str, jax.Array]:
@@ -30,8 +31,17 @@ def _state() -> dict[str, jax.Array]:
     }
 
 
-def test_the_copies_are_off_by_default():
-    assert _memory.PINNED_SAVE_COPIES is False
+def test_the_copies_are_on_for_gpus_and_not_for_cpus(tmp_path, faults):
+    """By default a blocking save copies through pinned memory on GPUs alone:
+    here, on CPU devices, no piece goes that way."""
+    assert _memory.PINNED_SAVE_COPIES is True
+    assert "gpu" in _memory.PINNED_PLATFORMS and "cpu" not in _memory.PINNED_PLATFORMS
+    copied: list[int] = []
+    faults(["save.pinned_copies"], lambda arrays: copied.append(len(arrays)))
+    state = _state()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", state)
+    assert copied == []
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", state), state, typematch=True)
 
 
 def test_a_blocking_save_copies_each_piece_through_pinned_memory_within_its_budget(tmp_path, pinned_saves, faults):

@@ -1,13 +1,13 @@
 """A large leaf loaded through the process's pool of reused host buffers.
 
-Off until measured on a GPU (`_memory.PINNED_LOAD_POOL`, issue 60). When it
-is on, a large leaf on a local disk bound for `jax.Array`s loads as a
-pipeline as deep as the pool:
+On for GPUs (`_memory.PINNED_LOAD_POOL`, `PINNED_PLATFORMS`; measured in
+docs/benchmarks.md, "GPU"). A large leaf on a local disk bound for
+`jax.Array`s there loads as a pipeline as deep as the pool:
 
 - A few whole chunks at a time are read into a buffer of the pool
-  (`_memory.BufferPool`).
+  (`_memory.BufferPool`), the reads running all but one buffer ahead.
 - Each device's region of those rows is copied to it (`jax.device_put`),
-  while the next chunks are read into the next buffer.
+  while the next chunks are read into the next buffers.
 - Host memory stays bounded by the pool: no host copy of the whole leaf, no
   fresh pages per load.
 - Each device gets only its region, as slabs that it joins
@@ -23,6 +23,8 @@ point `load.pinned_pool`).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +46,8 @@ def usable(files: _chunk_files.ChunkFiles, record: LeafRecord, like: Any) -> boo
     - it is a `jax.Array` leaf that `files` read themselves;
     - it is stored as it is loaded (no decoding, no cast);
     - its chunks fit a buffer;
-    - it is bound for the device memory of devices with pinned memory."""
+    - it is bound for the device memory of devices with pinned memory, of
+      `_memory.PINNED_PLATFORMS` (GPUs)."""
     pool = _memory.PINNED_LOAD_POOL
     if pool is None or _dtypes.like_type(like) != "jax" or not files.reads(record) or not record.shape:
         return False
@@ -57,7 +60,7 @@ def usable(files: _chunk_files.ChunkFiles, record: LeafRecord, like: Any) -> boo
     if sharding is not None and sharding.memory_kind not in (None, "device"):
         return False  # (bound for host memory: nothing to stage)
     devices = sharding.device_set if sharding is not None else {jax.local_devices()[0]}
-    return all(_memory.has_pinned(device) for device in devices)
+    return all(_memory.pinned_platform(device) and _memory.has_pinned(device) for device in devices)
 
 
 def start(
@@ -93,23 +96,38 @@ def _load(
     per_chunk = record.chunks[0]
     step = pool.size // record.chunk_nbytes * per_chunk  # rows of whole chunks a buffer holds
     slabs: dict[Any, list[jax.Array]] = {device: [] for device in regions}
+    bounds = [(lo, min(lo + step, shape[0])) for lo in range(0, shape[0], step)]
+    reading: collections.deque[tuple[int, int, np.ndarray, Callable[[], None]]] = collections.deque()
+
+    def read(lo: int, hi: int) -> None:  # into the next buffer, once its last copies are done
+        buffer = pool.take()
+        rows = buffer[: (hi - lo) * row_bytes]
+        reading.append((lo, hi, buffer, files.start_chunks(record, lo // per_chunk, -(-(hi - lo) // per_chunk), rows.data)))
+
     with pool.lock:
-        for lo in range(0, shape[0], step):
-            hi = min(lo + step, shape[0])
-            buffer = pool.take()
-            rows = buffer[: (hi - lo) * row_bytes]
-            wait = files.start_chunks(record, lo // per_chunk, -(-(hi - lo) // per_chunk), rows.data)
-            try:
-                wait()
-            except Exception as e:
-                raise _read.read_failed(e, loc, record) from e
-            host = rows.view(dtype).reshape((hi - lo, *shape[1:]))
-            copies = _copies(host, lo, hi, shape[0], regions)
-            for device, copy in copies.items():
-                slabs[device].append(copy)
-            pool.sent(buffer, list(copies.values()))
-            if on_bytes is not None:
-                on_bytes((hi - lo) * row_bytes)
+        try:
+            # Reads run `pool.count - 1` buffers ahead of the copies to the devices.
+            for lo, hi in bounds[: pool.count - 1]:
+                read(lo, hi)
+            for i in range(len(bounds)):
+                lo, hi, buffer, wait = reading.popleft()
+                if i + pool.count - 1 < len(bounds):
+                    read(*bounds[i + pool.count - 1])
+                try:
+                    wait()
+                except Exception as e:
+                    raise _read.read_failed(e, loc, record) from e
+                host = buffer[: (hi - lo) * row_bytes].view(dtype).reshape((hi - lo, *shape[1:]))
+                copies = _copies(host, lo, hi, shape[0], regions)
+                for device, copy in copies.items():
+                    slabs[device].append(copy)
+                pool.sent(buffer, list(copies.values()))
+                if on_bytes is not None:
+                    on_bytes((hi - lo) * row_bytes)
+        finally:
+            for _, _, _, wait in reading:  # (a failure: the reads still under way end before the buffers are reused)
+                with contextlib.suppress(Exception):
+                    wait()
         parts = {device: arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays) for device, arrays in slabs.items()}
     if sharding is None:
         return parts[None]

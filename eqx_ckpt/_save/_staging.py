@@ -403,8 +403,8 @@ class Window:
                 _faults.fire("save.staged", self.staged, self.budget)
             out.append(unit)
         # (On a CPU, host data is a view: nothing to start, unless copies through
-        # pinned memory are switched on, `_memory.PINNED_SAVE_COPIES`.)
-        if _memory.PINNED_SAVE_COPIES or not _memory.only_cpus():
+        # pinned memory are on for CPU devices, `_memory.starts_copies`.)
+        if _memory.starts_copies():
             for unit in out:
                 unit.datas = [_memory.ahead(data) for data in unit.datas]
         return out

@@ -5,10 +5,10 @@
 - the host data of a save's pieces: `host`, `ahead`, `host_views`, `held`,
   `protected`, and `Deferred` (a piece made host only when the save stages
   it);
-- the pool of reused host buffers a load may read through (`BufferPool`).
-  It is off until measured on a GPU (`PINNED_LOAD_POOL`).
-  `PINNED_SAVE_COPIES` is off likewise, for a blocking save's copies through
-  pinned memory.
+- the pool of reused host buffers a load reads through (`BufferPool`,
+  `PINNED_LOAD_POOL`), and a blocking save's copies through pinned memory
+  (`PINNED_SAVE_COPIES`): both on for GPUs (`PINNED_PLATFORMS`), where a run
+  measured them faster (docs/benchmarks.md, "GPU").
 
 Why private anonymous mappings: NumPy asks the kernel for huge pages for every
 array of 4 MiB or more. With the page cache full (after a save, on a
@@ -134,11 +134,17 @@ def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: s
 
 # -- The pool of host buffers a load on an accelerator reads through -------------------------------
 
-# `(count, bytes)`: a load on an accelerator reads each large local leaf through
-# `count` reused host buffers of `bytes` each (`_pooled`), its reads overlapping
-# the copies to the devices; `None` (the default): off, until measured on a GPU
-# (issue 60). Tests switch it on with JAX's CPU memory kinds.
-PINNED_LOAD_POOL: tuple[int, int] | None = None
+# `(count, bytes)`: a load onto devices of `PINNED_PLATFORMS` reads each large
+# local leaf through `count` reused host buffers of `bytes` each (`_pooled`),
+# its reads running ahead of the copies to the devices; `None`: off. On an H200,
+# a 4 GiB warm load took 0.69 s this way, 1.12 s the usual way (docs/benchmarks.md, "GPU").
+PINNED_LOAD_POOL: tuple[int, int] | None = (4, 64 * 2**20)
+
+# The device platforms whose loads go through the pool and whose blocking saves
+# copy through pinned memory: the GPUs they were measured on. Tests add "cpu"
+# (JAX's CPU devices have the `pinned_host` memory kind too); TPUs are not
+# measured, so they copy the usual way.
+PINNED_PLATFORMS: frozenset[str] = frozenset({"gpu", "cuda", "rocm"})
 
 
 class BufferPool:
@@ -193,6 +199,11 @@ def has_pinned(device: Any) -> bool:
     """Whether `device` has pinned host memory (`pinned_host`), which a copy
     from the host reaches it through."""
     return _has_pinned(device)
+
+
+def pinned_platform(device: Any) -> bool:
+    """Whether the pinned paths are used for `device` (`PINNED_PLATFORMS`)."""
+    return device is not None and device.platform in PINNED_PLATFORMS
 
 
 # -- The host data of a save's pieces ---------------------------------------------------------------
@@ -260,19 +271,27 @@ def ahead(data: Any) -> Any:
     return data
 
 
-# Whether a blocking save copies its pieces to the host through their devices'
-# pinned host memory (`ahead`, with `pinned`, as an asynchronous save's caller
-# does), as many at once as its staging budget admits, the copies overlapping
-# the writes before them. Off (`False`) until measured on a GPU (issue 60);
-# on, it copies on any backend (tests switch it on with JAX's CPU devices).
-PINNED_SAVE_COPIES = False
+# Whether a blocking save copies its pieces on devices of `PINNED_PLATFORMS`
+# to the host through their pinned host memory (`ahead`, with `pinned`, as an
+# asynchronous save's caller does), as many at once as its staging budget
+# admits, the copies overlapping the writes before them. On an H200, a 4 GiB
+# save took 2.4 s this way, 5.4 s through the CPU device (docs/benchmarks.md, "GPU").
+PINNED_SAVE_COPIES = True
+
+
+def starts_copies() -> bool:
+    """Whether a save's pieces have copies to the host to start (`ahead`):
+    not where this process computes on CPUs alone, unless the pinned copies
+    are on for CPU devices (tests)."""
+    return not only_cpus() or (PINNED_SAVE_COPIES and "cpu" in PINNED_PLATFORMS)
 
 
 def _pinnable(data: jax.Array) -> bool:
-    """An array on one device, in its device memory, of a plain dtype: what
-    `pinned` copies for a blocking save."""
+    """An array on one device of `PINNED_PLATFORMS`, in its device memory,
+    of a plain dtype: what `pinned` copies for a blocking save."""
     return (
         data.sharding.memory_kind not in _HOST_KINDS
+        and pinned_platform(next(iter(data.devices())))
         and len(data.sharding.device_set) == 1
         and not jax.dtypes.issubdtype(data.dtype, jax.dtypes.extended)
     )
