@@ -168,6 +168,22 @@ def test_a_damaged_chunk_amid_reads_ahead_leaves_the_pool_fit_for_the_next_load(
     assert pool().allocations == 4
 
 
+def test_arrays_deleted_or_donated_after_a_load_leave_the_pool_fit_for_the_next(tmp_path, pool, monkeypatch):
+    """A leaf of one buffer is handed to the caller as the pool copied it;
+    the caller may delete or donate it, and the next load reusing that
+    buffer neither waits on it nor fails."""
+    monkeypatch.setattr(_memory, "PINNED_LOAD_POOL", (2, 4 << 20))
+    tree = {"a": jnp.arange(2**19, dtype=jnp.float32), "b": jnp.ones((512, 1024)), "c": -jnp.ones((256, 1024))}
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
+    first = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree)
+    assert pool().allocations == 2
+    first["a"].delete()
+    jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), donate_argnums=0)({"b": first["b"], "c": first["c"]})
+    for _ in range(2):
+        out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree)
+        assert eqx.tree_equal(out, tree, typematch=True)
+
+
 _PEAK = """
 import json, resource, sys
 import jax

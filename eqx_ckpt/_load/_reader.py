@@ -35,6 +35,7 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 
 from .._base import _faults, _gc
@@ -157,10 +158,10 @@ def _read_each(
     indices = range(len(plans))
     # Bytes within each leaf, reported as its chunks or slabs land.
     parts = {i: tracker.within(records[i].nbytes) for i in indices}
-    # Through the pool of host buffers (off unless `_memory.PINNED_LOAD_POOL`), else the usual way.
+    # Through the pool of host buffers (on GPUs, `_memory.PINNED_PLATFORMS`), else the usual way.
     pooled: dict[int, Callable[[], Any]] = {}
     for i in indices:
-        if source.opener is None and _pooled.usable(files, records[i], plans[i].like):
+        if source.opener is None and checks is None and _pooled.usable(files, records[i], plans[i].like):
             finish = _pooled.start(files, data, records[i], plans[i].like, parts[i])
             if finish is not None:
                 pooled[i] = finish
@@ -184,6 +185,9 @@ def _read_each(
     for i, _, finish in _window.windowed((i, records[i].nbytes, functools.partial(start, i)) for i in indices):
         out[slots[i]] = finish()
         tracker.advance(leaves=1, nbytes=parts[i].rest())
+    # What came through the pool is on its devices before the caller holds it,
+    # who may delete or donate it: the pool's next use cannot wait on it then.
+    jax.block_until_ready([out[slots[i]] for i in pooled])
 
 
 def target_dtype(like: Any) -> np.dtype | None:

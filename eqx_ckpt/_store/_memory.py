@@ -138,7 +138,7 @@ def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: s
 # local leaf through `count` reused host buffers of `bytes` each (`_pooled`),
 # its reads running ahead of the copies to the devices; `None`: off. On an H200,
 # a 4 GiB warm load took 0.69 s this way, 1.12 s the usual way (docs/benchmarks.md, "GPU").
-PINNED_LOAD_POOL: tuple[int, int] | None = (4, 64 * 2**20)
+PINNED_LOAD_POOL: tuple[int, int] | None = (4, 256 * 2**20)
 
 # The device platforms whose loads go through the pool and whose blocking saves
 # copy through pinned memory: the GPUs they were measured on. Tests add "cpu"
@@ -169,7 +169,10 @@ class BufferPool:
             self.buffers.append(fresh_bytes(self.size))
             self.pending.append([])
             self.allocations += 1
-        jax.block_until_ready(self.pending[i])  # its copies to the devices are done: free to reuse
+        # Its copies to the devices are done: free to reuse. A copy may be the
+        # caller's array by now (a leaf of one slab), deleted or donated since:
+        # the load waited for it before returning it (`_reader._read_each`).
+        jax.block_until_ready([x for x in self.pending[i] if not x.is_deleted()])
         self.pending[i] = []
         return self.buffers[i]
 
