@@ -43,7 +43,7 @@ The points, with where they fire and the arguments they pass:
 - `save.pinned_copies` `(arrays)`: an asynchronous save on an accelerator
   copies the caller's `arrays` into their devices' pinned host memory
   (`_memory.pinned`); so does a blocking save, one piece at a time as its
-  staging budget admits it, where `_memory.PINNED_SAVE_COPIES` is on; an
+  staging budget admits it, on a GPU (`_memory.PINNED_SAVE_COPIES`); an
   exception raised here makes it copy them through the host's CPU device
   instead, as it does where a device has none.
 - `save.copied` `(pending)`: the host data of the NumPy leaves of `pending`
@@ -162,7 +162,7 @@ The points, with where they fire and the arguments they pass:
   `(start, stop)` per axis) of the leaf at dotted `path` from storage, before
   the barrier that precedes the all-gather (only for a leaf it reads a slice of).
 - `load.pinned_pool` `(nbytes)`: a load allocates one buffer of `nbytes` of
-  the pool it reads large leaves through on an accelerator
+  the pool it reads large leaves through onto a GPU
   (`_memory.PINNED_LOAD_POOL`, `_pooled`), once per process; an exception
   raised here makes it load them the usual way.
 - `memory.map` `(nbytes)`: `nbytes` of private memory are about to be mapped

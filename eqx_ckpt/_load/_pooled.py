@@ -101,8 +101,8 @@ def _load(
 
     def read(lo: int, hi: int) -> None:  # into the next buffer, once its last copies are done
         buffer = pool.take()
-        rows = buffer[: (hi - lo) * row_bytes]
-        reading.append((lo, hi, buffer, files.start_chunks(record, lo // per_chunk, -(-(hi - lo) // per_chunk), rows.data)))
+        rows = buffer[: (hi - lo) * row_bytes].data
+        reading.append((lo, hi, buffer, files.start_chunks(record, lo // per_chunk, -(-(hi - lo) // per_chunk), rows)))
 
     with pool.lock:
         try:

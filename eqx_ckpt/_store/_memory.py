@@ -136,8 +136,8 @@ def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: s
 
 # `(count, bytes)`: a load onto devices of `PINNED_PLATFORMS` reads each large
 # local leaf through `count` reused host buffers of `bytes` each (`_pooled`),
-# its reads running ahead of the copies to the devices; `None`: off. On an H200,
-# a 4 GiB warm load took 0.69 s this way, 1.12 s the usual way (docs/benchmarks.md, "GPU").
+# its reads running ahead of the copies to the devices; `None`: off. On an H200
+# a warm load ran about twice as fast this way (docs/benchmarks.md, "GPU").
 PINNED_LOAD_POOL: tuple[int, int] | None = (4, 256 * 2**20)
 
 # The device platforms whose loads go through the pool and whose blocking saves
@@ -277,8 +277,8 @@ def ahead(data: Any) -> Any:
 # Whether a blocking save copies its pieces on devices of `PINNED_PLATFORMS`
 # to the host through their pinned host memory (`ahead`, with `pinned`, as an
 # asynchronous save's caller does), as many at once as its staging budget
-# admits, the copies overlapping the writes before them. On an H200, a 4 GiB
-# save took 2.4 s this way, 5.4 s through the CPU device (docs/benchmarks.md, "GPU").
+# admits, the copies overlapping the writes before them. On an H200 a first
+# save ran about twice as fast this way (docs/benchmarks.md, "GPU").
 PINNED_SAVE_COPIES = True
 
 
