@@ -30,6 +30,7 @@ import eqx_ckpt
 from eqx_ckpt._load import _read_once
 from eqx_ckpt._ondisk import _format
 from eqx_ckpt._save import _records
+from eqx_ckpt._store import _window
 
 WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
 MATRIX_WORKER = pathlib.Path(__file__).with_name("multiprocess_matrix_worker.py")
@@ -669,3 +670,15 @@ def test_a_process_killed_before_each_stage_is_named(
         like = {"w": np.zeros((64, 16), np.float32)}
         expected = {"w": np.arange(64 * 16, dtype=np.float32).reshape(64, 16) * np.float32(2)}
         assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(where, like), expected, typematch=True)
+
+
+def test_shared_reads_are_batched_within_the_read_budget(monkeypatch):
+    """A read-once restore shares its leaves in batches that each fit the read
+    budget every load keeps (`_window.READ_BUDGET`): every process holds a
+    batch's gathered bytes at once. A leaf larger than the budget goes alone."""
+    monkeypatch.setattr(_window, "READ_BUDGET", 100)
+    sizes = [60, 30, 20, 150, 10, 90]
+    leaves = [
+        _read_once._Leaf(i, None, None, None, [_read_once._Part(None, None, -1, n, True)]) for i, n in enumerate(sizes)
+    ]
+    assert [[leaf.slot for leaf in batch] for batch in _read_once._batches(leaves)] == [[0, 1], [2], [3], [4, 5]]

@@ -14,8 +14,9 @@ communication, and the processes compare a digest of it first):
 1. Each region held by several processes is cut into slices on the stored
    chunk grid, as a multi-process save cuts what it writes (`_sharding.slices`),
    and each slice is dealt to one of its holders (`_sharding.Deal`).
-2. The leaves are taken in batches of at most `BATCH_BYTES` (a larger leaf
-   alone). Each process reads its slices of the batch from storage.
+2. The leaves are taken in batches within the read budget every load keeps
+   (`_window.READ_BUDGET`, a `_window.Budget` a batch; a larger leaf alone).
+   Each process reads its slices of the batch from storage.
 3. Every process then meets the others at a barrier of the coordination
    service (`_multihost.Group`). It waits at most `TIMEOUT` seconds, and
    finds a dead process within `_multihost.SILENT_SECONDS`. A reader that
@@ -46,7 +47,7 @@ from .._base._progress import Tracker
 from .._hosts import _multihost, _sharding
 from .._ondisk import _dtypes
 from .._ondisk._format import LeafRecord, dtype_from_name
-from .._store import _storage, _storage_errors
+from .._store import _storage, _storage_errors, _window
 from . import _read
 from ._load_plan import LeafPlan
 
@@ -55,10 +56,6 @@ from ._load_plan import LeafPlan
 # than the barrier and the all-gather (orbax measured sharing slower at 2
 # replicas); `read_once=True` shares from 2.
 REPLICAS = 4
-
-# Stored bytes of the leaves read and shared together: one barrier and one
-# all-gather a batch. Every process holds a batch's gathered bytes at once.
-BATCH_BYTES = 256 << 20
 
 # How long the processes wait at a batch's barrier for the slowest reader
 # (one that died is found sooner, by its heartbeat).
@@ -190,15 +187,17 @@ def _digest(leaves: list[_Leaf]) -> str:
 
 
 def _batches(leaves: list[_Leaf]) -> list[list[_Leaf]]:
-    """The leaves in order, in batches of at most `BATCH_BYTES` (a larger leaf alone)."""
+    """The leaves in order, in batches within the read budget (a larger leaf
+    alone): one barrier and one all-gather a batch, whose gathered bytes every
+    process holds at once."""
     batches: list[list[_Leaf]] = []
-    size = 0
+    budget = _window.Budget(_window.READ_BUDGET)
     for leaf in leaves:
-        if not batches or size + leaf.nbytes > BATCH_BYTES:
+        if not batches or not budget.fits(leaf.nbytes, alone=False):
             batches.append([])
-            size = 0
+            budget = _window.Budget(_window.READ_BUDGET)
         batches[-1].append(leaf)
-        size += leaf.nbytes
+        budget.take(leaf.nbytes)
     return batches
 
 
