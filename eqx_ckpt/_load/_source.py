@@ -224,7 +224,8 @@ def _from_hub(where: Hub, whole: bool, token: str | None, pinned: _hub.Pinned | 
         found = _safetensors.find(opened)
         checked = _hub.checked(pinned, names)
     else:
-        opened, found = files.loc, _safetensors.find(files.loc, files)
+        opened = files.loc
+        found = _safetensors.find(opened, files)
     if found is None:  # `needed` found safetensors files there
         raise CheckpointNotFoundError(
             f"{pinned.display} holds no safetensors file eqx_ckpt reads.", path=pinned.display
