@@ -513,7 +513,7 @@ def reader(files: Files, *, whole: bool) -> Callable[[str], bytes]:
 
     def read(name: str) -> bytes:
         if whole or pinned.offline or cached(pinned, [name]):
-            with local_open(os.path.join(download(pinned, [name]), name)) as f:
+            with local_open(os.path.join(download(pinned, [name])[0], name)) as f:
                 return f.read(MAX_INDEX + 1)
         data, _ = files.read(name).result()
         return data or b""
@@ -535,10 +535,10 @@ def _uncached(pinned: Pinned, names: Iterable[str]) -> list[str]:
     ]
 
 
-def download(pinned: Pinned, names: list[str]) -> str:
+def download(pinned: Pinned, names: list[str]) -> tuple[str, tuple[str, ...]]:
     """Download `names` of the pinned folder into the Hub's local cache with
     `snapshot_download`, at the pinned commit, and return the local folder
-    holding them.
+    holding them, and what was checked of them, as `verify` says it.
 
     Those already there are not fetched again. Offline, those missing are
     named. Each must lie in the cache, and is checked against the size and
@@ -572,8 +572,7 @@ def download(pinned: Pinned, names: list[str]) -> str:
             raise _damaged(pinned, name, f"leads out of the cache ({hub.constants.HF_HUB_CACHE}), by a link")
         if size is None or (expected is not None and size != expected):
             raise _damaged(pinned, name, f"was downloaded as {size} bytes, but the Hub lists {expected}")
-    _check_digests(pinned, local, names)
-    return local
+    return local, _check_digests(pinned, local, names)
 
 
 def _damaged(pinned: Pinned, name: str, what: str) -> CorruptCheckpointError:
@@ -584,37 +583,27 @@ def _damaged(pinned: Pinned, name: str, what: str) -> CorruptCheckpointError:
     )
 
 
-def _check_digests(pinned: Pinned, local: str, names: list[str]) -> None:
-    """Every file of a whole load against the digest the Hub lists for it (all
-    at once, at disk speed): bytes served or cached that are not the commit's
-    are refused. (Offline, the Hub lists none.)"""
-    listed = [(n, *_listed_digest(pinned, n)) for n in names]
+def _check_digests(pinned: Pinned, local: str, names: list[str]) -> tuple[str, ...]:
+    """Every file of a whole load against the digest the Hub lists for it (an
+    LFS file's SHA-256, any other's git blob id; all at once, at disk speed):
+    bytes served or cached that are not the commit's are refused. What was
+    checked, a sentence a file. (Offline, the Hub lists none: `()`.)"""
+    listed = [(n, *_listed_digest(pinned, n)) for n in sorted(names)]
     listed = [(n, lfs, digest) for n, lfs, digest in listed if digest is not None]
     got = _pool().map(lambda item: _digest(os.path.join(local, item[0]), lfs=item[1]), listed)
+    said = []
     for (name, lfs, digest), found in zip(listed, got):
+        kind = "SHA-256" if lfs else "git blob id"
         if found != digest:
-            kind = "SHA-256" if lfs else "git blob id"
             raise _damaged(pinned, name, f"has the {kind} {found}, but the Hub lists {digest} at {pinned.sha}")
+        said.append(f"`{from_file(name)}`: its {kind} is the one the Hub lists at {pinned.sha}")
+    return tuple(said)
 
 
 def _listed_digest(pinned: Pinned, name: str) -> tuple[bool, str | None]:
     """Whether the Hub lists `name` as an LFS file, and the digest it lists (its SHA-256, or its git blob id)."""
     sha256 = pinned.sha256.get(pinned.folder + name)
     return sha256 is not None, sha256 if sha256 is not None else pinned.blob_ids.get(pinned.folder + name)
-
-
-def checked(pinned: Pinned, names: list[str]) -> tuple[str, ...]:
-    """What `verify` says of the files `names` a whole load downloaded
-    (`download`): each compared with the digest the Hub lists for it (an LFS
-    file by its SHA-256, any other by its git blob id), as a sentence.
-    Offline the Hub lists none: `()`."""
-    said = []
-    for name in sorted(names):
-        lfs, digest = _listed_digest(pinned, name)
-        if digest is not None and not pinned.offline:
-            kind = "SHA-256" if lfs else "git blob id"
-            said.append(f"`{from_file(name)}`: its {kind} is the one the Hub lists at {pinned.sha}")
-    return tuple(said)
 
 
 def _digest(path: str, *, lfs: bool) -> str:
@@ -653,12 +642,8 @@ class Files:
         return _storage.Mapped(_pool().submit(self._read, name, byte_range), lambda found: _storage.Found(*found))
 
     def read_file(self, name: str, *, limit: int) -> bytes | None:
-        """A small file (`eqx_ckpt.json`), or `None`; one the Hub lists larger
-        than `limit` is refused before it is read."""
-        size = self.listed_size(name)
-        if size is not None and size > limit:
-            raise _storage_errors.too_large(self.loc, name, limit, size)
-        data, _ = self.read(name).result()
+        """A small file (`eqx_ckpt.json`), or `None`."""
+        data, _ = self.read(name).result()  # (its listed size was checked: `needed`)
         if data is not None and len(data) > limit:
             raise _storage_errors.too_large(self.loc, name, limit, len(data))
         return data

@@ -92,7 +92,7 @@ class Source:
     - `pinned`: for a Hugging Face Hub repository (`hf://`), its folder pinned
         to the commit it is read at (`_hub.Pinned`); `None` for every other source.
     - `checked`: for a Hub repository downloaded whole, what its download
-        checked, as `verify` says it (`_hub.checked`).
+        checked, as `verify` says it (`_hub.download`).
     - `base`: for a fine-tune stored against a base (`_family`), the base's
         source, from which `opener` reads the leaves it did not change.
     """
@@ -220,9 +220,9 @@ def _from_hub(where: Hub, whole: bool, token: str | None, pinned: _hub.Pinned | 
     names = _hub.needed(pinned, _hub.reader(files, whole=whole))
     checked: tuple[str, ...] = ()
     if whole or pinned.offline or _hub.cached(pinned, names):
-        opened = _hub.local_location(pinned, _hub.download(pinned, names))
+        local, checked = _hub.download(pinned, names)
+        opened = _hub.local_location(pinned, local)
         found = _safetensors.find(opened)
-        checked = _hub.checked(pinned, names)
     else:
         opened = files.loc
         found = _safetensors.find(opened, files)
