@@ -74,8 +74,6 @@ SMALL_BYTES = 2**20
 SINGLE = "model" + SUFFIX
 INDEX_SUFFIX = ".safetensors.index.json"
 INDEX = "model" + INDEX_SUFFIX
-# The shards an export writes (`shard_name`).
-_SHARD_NAME = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")
 # A shard an index may name: a safetensors file beside it.
 _SHARD = re.compile(r"[^/\\\x00-\x1f]+\.safetensors")
 
@@ -86,11 +84,11 @@ def shard_name(number: int, count: int) -> str:
 
 
 def is_published(name: str) -> bool:
-    """Whether the file `name` of a folder is one of the published layout's
-    (`model.safetensors`, its shards and their index, `eqx_ckpt.json`): an
-    export into the folder, and a push to a repository, delete those of them
-    it does not write. A user's other files stay."""
-    return name in (SINGLE, INDEX, _published.NAME) or _SHARD_NAME.fullmatch(name) is not None
+    """Whether the file `name` of a folder belongs to the published layout:
+    a safetensors file, an index (any a load might read, `layout`), or
+    `eqx_ckpt.json`. An export into the folder, and a push to a repository,
+    delete those it does not write; a user's other files stay."""
+    return "/" not in name and (name.endswith((SUFFIX, INDEX_SUFFIX)) or name == _published.NAME)
 
 
 def layout(names: Collection[str]) -> tuple[list[str], list[str]]:

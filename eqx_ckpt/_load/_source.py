@@ -220,8 +220,9 @@ def _from_hub(where: Hub, whole: bool, token: str | None, pinned: _hub.Pinned | 
     names = _hub.needed(pinned, _hub.reader(files, whole=whole))
     checked: tuple[str, ...] = ()
     if whole or pinned.offline or _hub.cached(pinned, names):
-        local, checked = _hub.download(pinned, names)
-        opened = _hub.local_location(pinned, local)
+        downloaded = _hub.download(pinned, names)  # (the folder, and what was checked)
+        opened = _hub.local_location(pinned, downloaded[0])
+        checked = downloaded[1]
         found = _safetensors.find(opened)
     else:
         opened = files.loc
