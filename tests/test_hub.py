@@ -574,15 +574,16 @@ def test_every_cli_command_that_reads_takes_a_token(hub, tmp_path):
 
 
 def test_hub_paths_are_parsed_without_the_hub(tmp_path):
-    from eqx_ckpt._base._location import location
+    from eqx_ckpt._base._location import Hub, location
 
     eqx_ckpt.tree_serialise_leaves(tmp_path / "local", {"w": jnp.ones(2)})
     assert eqx_ckpt.Checkpoint(tmp_path / "local").revision is None  # only a Hub repository has one
 
     loc = location("hf://me/model@refs%2Fpr%2F1/sub/folder")
-    assert loc.kvstore == {"driver": "hf", "repo": "me/model", "revision": "refs/pr/1", "path": "sub/folder/"}
-    assert location("hf://me/model").kvstore["revision"] is None
-    assert location("hf://me/model/sub").kvstore["path"] == "sub/"
+    assert loc.hub == Hub("me/model", "refs/pr/1", "sub/folder/") and loc.kvstore == {} and loc.local is None
+    assert location("hf://me/model").hub == Hub("me/model", None, "")
+    assert location("hf://me/model/sub").hub == Hub("me/model", None, "sub/")
+    assert location(tmp_path / "local").hub is None
     for bad in ("hf://me", "hf://me/model@", "hf://me/model/../x"):
         with pytest.raises(eqx_ckpt.CheckpointTypeError, match="hf://owner/name"):
             location(bad)

@@ -5,7 +5,10 @@ A local path, a TensorStore kvstore URL (`memory://`, `file://`, `s3://`,
 
 - a kvstore spec whose path ends in `/`;
 - the path as the user wrote it (for messages);
-- the local directory when there is one.
+- the local directory when there is one;
+- for a Hugging Face Hub repository (`hf://`), which no kvstore reads, its
+  `Hub` reference instead of a kvstore spec (the Hub's transport, `_hub`,
+  reads it).
 
 URLs and spec dicts are normalised by TensorStore's own parser. That is why
 this module imports `tensorstore` (see `_storage` for everything else that
@@ -35,11 +38,13 @@ class Location:
     - `kvstore`: the kvstore spec dict.
     - `display`: the path as the user wrote it, for messages.
     - `local`: the absolute local directory, when it is one.
+    - `hub`: the Hub repository's folder, for an `hf://` path (its `kvstore` is then empty).
     """
 
     kvstore: dict[str, Any]
     display: str
     local: str | None
+    hub: Hub | None = None
 
     def key(self, relative: str) -> str:
         return self.kvstore.get("path", "") + relative
@@ -54,6 +59,27 @@ class Location:
         local = None if self.local is None else os.path.join(self.local, relative)
         display = self.display.rstrip("/") + "/" + relative
         return Location(self.child(relative), display, local)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hub:
+    """A folder of a Hugging Face Hub model repository, at a revision.
+
+    **Attributes:**
+
+    - `repo`: `owner/name`.
+    - `revision`: a branch, tag or commit (`None`: the default branch).
+    - `folder`: the folder within the repository (`""`, or `"sub/folder/"`).
+    """
+
+    repo: str
+    revision: str | None
+    folder: str = ""
+
+    @property
+    def path(self) -> str:
+        """`hf://owner/name[/folder]`, without the revision."""
+        return HUB_SCHEME + self.repo + (f"/{self.folder.rstrip('/')}" if self.folder else "")
 
 
 def location(path: Any) -> Location:
@@ -129,25 +155,20 @@ def _hub_path(path: str) -> Location:
             f"`-_./`, with no `.` or `..` part (`hf://owner/name@v1.0`, `hf://owner/name@refs%2Fpr%2F1`)."
         )
     sub = "/".join(folder) + "/" if folder else ""
-    return hub_location(repo, revision or None, sub, path)
+    return Location({}, path, None, Hub(repo, revision or None, sub))
 
 
 def writable(loc: Location, what: str) -> Location:
     """`loc`, where `what` (a save, a manager) may write there: a Hub repository
     is written only by a push, which makes the published layout in one commit."""
-    if loc.kvstore.get("driver") == "hf":
+    if loc.hub is not None:
         raise CheckpointValueError(
             f"{what} cannot write to {loc.display!r}: a Hub repository is written only by a push, in one commit. "
             f"Save to a local directory (or a bucket), then publish it: `eqx_ckpt.push_to_hub(tree_or_path, "
-            f"{loc.kvstore['repo']!r})`, or `eqx-ckpt push <path> {loc.kvstore['repo']}` (see docs/sharing.md).",
+            f"{loc.hub.repo!r})`, or `eqx-ckpt push <path> {loc.hub.repo}` (see docs/sharing.md).",
             path=loc.display,
         )
     return loc
-
-
-def hub_location(repo: str, revision: str | None, folder: str, display: str) -> Location:
-    """The location of a folder of a Hub repository at a revision (`_hub` reads it)."""
-    return Location({"driver": "hf", "repo": repo, "revision": revision, "path": folder}, display, None)
 
 
 def _from_spec(spec: dict[str, Any]) -> Location:

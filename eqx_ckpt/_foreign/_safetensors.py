@@ -22,8 +22,8 @@ import math
 import os
 import re
 import urllib.parse
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -74,11 +74,37 @@ SMALL_BYTES = 2**20
 SINGLE = "model" + SUFFIX
 INDEX_SUFFIX = ".safetensors.index.json"
 INDEX = "model" + INDEX_SUFFIX
+# A shard an index may name: a safetensors file beside it.
+_SHARD = re.compile(r"[^/\\\x00-\x1f]+\.safetensors")
 
 
 def shard_name(number: int, count: int) -> str:
     """The name Hugging Face gives shard `number` (from 1) of `count`."""
     return f"model-{number:05d}-of-{count:05d}{SUFFIX}"
+
+
+def is_published(name: str) -> bool:
+    """Whether the file `name` of a folder belongs to the published layout:
+    a safetensors file, an index (any a load might read, `layout`), or
+    `eqx_ckpt.json`. An export into the folder, and a push to a repository,
+    delete those it does not write; a user's other files stay."""
+    return "/" not in name and (name.endswith((SUFFIX, INDEX_SUFFIX)) or name == _published.NAME)
+
+
+def layout(names: Collection[str]) -> tuple[list[str], list[str]]:
+    """The layout of a folder holding the files `names`: its indexes, and the
+    safetensors files a load may read without one (`model.safetensors` alone
+    where it is there). One index, or else one file, is a layout a load
+    reads; two indexes, or several files and no index, are not (a load
+    refuses them, or says what the folder holds)."""
+    indexes = sorted(n for n in names if n.endswith(INDEX_SUFFIX))
+    singles = sorted(n for n in names if n.endswith(SUFFIX))
+    return indexes, [SINGLE] if SINGLE in singles else singles
+
+
+def is_shard(name: Any) -> bool:
+    """Whether an index may name `name` as a shard: a safetensors file beside it."""
+    return isinstance(name, str) and _SHARD.fullmatch(name) is not None and not name.startswith(".")
 
 
 def is_file_path(loc: Location) -> bool:
@@ -104,42 +130,70 @@ class Tensors:
     format: str = "safetensors"
 
 
-def find(loc: Location) -> Tensors | None:
+def find(loc: Location, where: Folder | None = None) -> Tensors | None:
     """The tensors of a `.safetensors` file, or of a directory holding one or a
     Hugging Face index (`model.safetensors.index.json`) and its shards; `None`
-    if `loc` is neither.
+    if `loc` is neither. `where`: the directory's files (`None`: read through
+    `_storage`; the Hub's, `_hub.Files`).
 
     A directory may hold an `eqx_ckpt.json` (the published layout,
     `_published`). It then gives the tensors their key paths, types and
-    dtypes, and the tree's structure record."""
+    dtypes, and the tree's structure record. Which files it reads is
+    `layout`'s rule, where the directory is listed (on a local disk, on the
+    Hub); else it tries `model.safetensors.index.json`, then
+    `model.safetensors`."""
     if is_file_path(loc):
-        folder, name = split_file(loc)
-        return _tensors(loc, folder, [name], index=None)
-    record = functools.partial(_published_record, loc)
-    for name in _candidates(loc, INDEX, INDEX_SUFFIX):
+        spec, name = split_file(loc)
+        local = os.path.dirname(loc.local) if loc.local is not None else None
+        return _tensors(loc, _storage.Folder(Location(spec, loc.display, local)), [name], index=None)
+    where = _storage.Folder(loc) if where is None else where
+    names = where.names()
+    indexes, singles = ([INDEX], [SINGLE]) if names is None else layout(names)
+    if len(indexes) > 1:
+        raise _corrupt(loc, f"it holds two layouts at once, {len(indexes)} indexes ({', '.join(indexes[:5])})")
+    record = functools.partial(_published_record, loc, where)
+    for name in indexes:
         with _storage_errors.read_explained(loc, name):
-            result = _storage.result(_storage.Folder(loc).read(name))
+            result = _storage.result(where.read(name))
         if result.value is not None:
             weight_map = _weight_map(loc, name, result.value)
             files = sorted(set(weight_map.values()))
-            if SINGLE not in files and loc.local is not None and _storage.local_entry(f"{loc.local}/{SINGLE}").file:
+            if SINGLE not in files and SINGLE in (names or ()):
                 raise _corrupt(
                     loc,
                     f"it holds two layouts at once, the index `{name}` and a `{SINGLE}` it does not name; which one "
                     f"is the model is not said, so nothing is loaded (delete the stale one)",
                 )
-            return _tensors(loc, loc.kvstore, files, index=name, weight_map=weight_map, published=record)
-    for name in _candidates(loc, SINGLE, SUFFIX):
+            return _tensors(loc, where, files, index=name, weight_map=weight_map, published=record)
+    for name in singles if len(singles) == 1 else ():
         try:
-            return _tensors(loc, loc.kvstore, [name], index=None, published=record)
+            return _tensors(loc, where, [name], index=None, published=record)
         except CheckpointNotFoundError:
             continue
     return None
 
 
-def _published_record(loc: Location) -> _published.Published | None:
+class Folder(Protocol):
+    """The files of a directory `find` reads: `_storage.Folder` (any kvstore),
+    or a Hub repository's folder at a commit (`_hub.Files`)."""
+
+    @property
+    def loc(self) -> Location: ...
+
+    def names(self) -> list[str] | None: ...
+
+    def read(self, name: str, byte_range: slice | None = None) -> _storage.Mapped: ...
+
+    def read_file(self, name: str, *, limit: int) -> bytes | None: ...
+
+    def listed_size(self, name: str) -> int | None: ...
+
+    def changed(self, name: str, generation: bytes) -> bool: ...
+
+
+def _published_record(loc: Location, where: Folder) -> _published.Published | None:
     """The directory's `eqx_ckpt.json`, read as untrusted input (bounded, checked), or `None`."""
-    data = _storage.read_file(loc, _published.NAME, limit=MAX_MANIFEST_BYTES)
+    data = where.read_file(_published.NAME, limit=MAX_MANIFEST_BYTES)
     return None if data is None else _published.parse(data, where=loc.display)
 
 
@@ -182,15 +236,6 @@ def _as_published(
     return out
 
 
-def _candidates(loc: Location, usual: str, suffix: str) -> list[str]:
-    """`usual`, or in a local directory the one file ending in `suffix`
-    (`diffusion_pytorch_model.safetensors`, `adapter_model.safetensors`...)."""
-    if loc.local is None or not _storage.local_entry(loc.local).folder:
-        return [usual]
-    names = [n for n in _storage.local_names(loc.local) if n.endswith(suffix)]
-    return [usual] if usual in names or len(names) != 1 else names
-
-
 def split_file(loc: Location) -> tuple[dict[str, Any], str]:
     path = loc.kvstore["path"].rstrip("/")
     folder, _, name = path.rpartition("/")
@@ -230,7 +275,7 @@ def _weight_map(loc: Location, index: str, data: bytes) -> dict[str, str]:
 
 def _tensors(
     loc: Location,
-    folder: dict[str, Any],
+    where: Folder,
     files: list[str],
     *,
     index: str | None,
@@ -240,8 +285,7 @@ def _tensors(
     """Read every file's header (two small reads each, all files at once; one
     for a small file whose size is listed, `WHOLE_FILE_BYTES`), and the
     `published` record of the directory, if it has one."""
-    local = folder["path"] if _location.on_local_disk(loc) else None
-    where = _storage.Folder(Location(folder, loc.display, local.rstrip("/") if local is not None else None))
+    local = where.loc.local if _location.on_local_disk(where.loc) else None
     listed = [where.listed_size(name) for name in files]
     heads = [
         where.read(name, slice(0, 8 if n is None or n > WHOLE_FILE_BYTES else n)) for name, n in zip(files, listed)
@@ -334,9 +378,7 @@ def _headers(
     return headers, generations
 
 
-def _check_ends(
-    loc: Location, where: _storage.Folder, files: list[str], ends: list[int], listed: list[int | None]
-) -> None:
+def _check_ends(loc: Location, where: Folder, files: list[str], ends: list[int], listed: list[int | None]) -> None:
     """Check that no file has bytes after its last tensor's: by its `listed`
     size where it is known, else by reading the last byte a tensor uses and
     the one after it, which must not be there (one read per file, all at once).
@@ -391,7 +433,7 @@ class _Files:
       the bytes, in one response.
     - `changed` names a file that is no longer that version."""
 
-    def __init__(self, loc: Location, where: _storage.Folder, generations: dict[str, bytes], folder: str | None):
+    def __init__(self, loc: Location, where: Folder, generations: dict[str, bytes], folder: str | None):
         # `loc` as the user named it (for messages); `where`, the folder of the files.
         self.loc, self.where, self.generations = loc, where, generations
         # The local directory of the files, whose runs are read by `_chunk_files.read_local_range`.

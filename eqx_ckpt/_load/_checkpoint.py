@@ -518,8 +518,11 @@ class Checkpoint(Mapping[str, Any]):
         """Before a load of all of a Hub repository opened by byte ranges, fetch
         its files into the Hub's local cache (at the commit it was opened at),
         and read them there from then on."""
-        if self._source.revision is not None and self._source.loc.local is None:
-            self._source = _source.open_source(self._source.loc, whole=True, token=self._token, base=self._given_base)
+        pinned = self._source.pinned
+        if pinned is not None and self._source.loc.local is None:
+            self._source = _source.open_source(
+                self._source.loc, whole=True, token=self._token, base=self._given_base, pinned=pinned
+            )
             self._data = self._source.data
 
     @property

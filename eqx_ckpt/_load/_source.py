@@ -33,13 +33,13 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .._base._errors import CheckpointNotFoundError, CheckpointReplacedError
-from .._base._location import Location, location
+from .._base._location import Hub, Location, location
 from .._foreign import _orbax, _safetensors
 from .._ondisk import _format, _layout
 from .._ondisk._format import MANIFEST, LeafRecord
 from .._ondisk._manifest import Manifest
-from .._store import _hub, _storage, _transaction, _untrusted
-from . import _family
+from .._store import _storage, _transaction, _untrusted
+from . import _family, _hub
 
 # A record -> a future of the `_storage.Array` of that leaf.
 Opener = Callable[[LeafRecord], "_storage.Future | _storage.Mapped"]
@@ -89,8 +89,10 @@ class Source:
         no longer the one opened (`None` while none is).
     - `runs`: for safetensors, the reader of many small tensors in a few large
         reads (`_safetensors.read_runs`); `None` for the others.
-    - `revision`: for a Hugging Face Hub repository (`hf://`), the commit it
-        is read at; `None` for every other source.
+    - `pinned`: for a Hugging Face Hub repository (`hf://`), its folder pinned
+        to the commit it is read at (`_hub.Pinned`); `None` for every other source.
+    - `checked`: for a Hub repository downloaded whole, what its download
+        checked, as `verify` says it (`_hub.download`).
     - `base`: for a fine-tune stored against a base (`_family`), the base's
         source, from which `opener` reads the leaves it did not change.
     """
@@ -102,8 +104,14 @@ class Source:
     opener: Opener | None = None
     changed: Callable[[], str | None] | None = None
     runs: Runs | None = None
-    revision: str | None = None
+    pinned: _hub.Pinned | None = None
+    checked: tuple[str, ...] = ()
     base: Source | None = None
+
+    @property
+    def revision(self) -> str | None:
+        """The commit a Hub repository is read at (`None`: no Hub repository)."""
+        return None if self.pinned is None else self.pinned.sha
 
     def open(self, record: LeafRecord) -> Any:
         return self.opener(record) if self.opener is not None else _storage.open_array(self.data, record, checked=False)
@@ -133,13 +141,20 @@ _LABELS = {"safetensors": "Safetensors checkpoint", "orbax": "orbax checkpoint"}
 
 
 def open_source(
-    path: Any, *, whole: bool = False, token: str | None = None, depth: int = 0, base: Any = None
+    path: Any,
+    *,
+    whole: bool = False,
+    token: str | None = None,
+    depth: int = 0,
+    base: Any = None,
+    pinned: _hub.Pinned | None = None,
 ) -> Source:
     """The source at `path`, recognised from its files. It is an eqx_ckpt
     checkpoint when nothing else matches, so its error names what is missing.
 
     A Hub repository (`hf://`) is read at the commit its revision names now
-    (`_hub.pin`, once). It is read from the Hub's local cache in two cases:
+    (`_hub.pin`, once; `pinned`: where it was, by the source it is opened
+    again from). It is read from the Hub's local cache in two cases:
     where the files a load reads are there, and where the load is `whole`
     (they are downloaded into it first). Else it is read by byte ranges of its
     files: the headers and the leaves a load selects. `token` is the Hub
@@ -149,8 +164,8 @@ def open_source(
     (`_family.with_base`), `depth` bases deep: the one its record names, or
     `base`, where the caller gives one (`None`: none given)."""
     loc = location(path)
-    if _hub.is_hub(loc):
-        hub = _from_hub(loc, whole, token)
+    if loc.hub is not None:
+        hub = _from_hub(loc.hub, whole, token, pinned)
         return _family.with_base(hub, open_source, whole=whole, token=token, depth=depth, given=base)
     # A `.safetensors` path is never a directory: `_safetensors.find` reads it
     # (or raises), before anything else is tried.
@@ -191,29 +206,32 @@ def _hub_hint(path: Any, loc: Location) -> str:
     return f" No local folder {path!r} exists either: did you mean the Hugging Face Hub repository `hf://{path}`?"
 
 
-def _from_hub(loc: Location, whole: bool, token: str | None) -> Source:
+def _from_hub(where: Hub, whole: bool, token: str | None, pinned: _hub.Pinned | None) -> Source:
     """A folder of a Hub repository, pinned to a commit: its safetensors (with
     `eqx_ckpt.json` where there is one).
 
     It is read as a local folder of the cache where the cache holds them, else
-    by byte ranges. A folder this process pinned already (a `Checkpoint` loaded
+    by byte ranges. A folder pinned already (`pinned`: a `Checkpoint` loaded
     whole after it was opened) keeps its pin: the revision it was asked by,
     the commit, the token."""
-    pinned = _hub.opened(loc)
     if pinned is None or (token is not None and token != pinned.token):
-        pinned = _hub.pin(loc, token)
-    remote = _hub.pinned_location(pinned)
-    names = _hub.needed(pinned, _hub.reader(pinned, whole=whole))
+        pinned = _hub.pin(where, token)
+    files = _hub.Files(pinned)
+    names = _hub.needed(pinned, _hub.reader(files, whole=whole))
+    checked: tuple[str, ...] = ()
     if whole or pinned.offline or _hub.cached(pinned, names):
-        opened = _hub.local_location(pinned, _hub.download(pinned, names))
+        downloaded = _hub.download(pinned, names)  # (the folder, and what was checked)
+        opened = _hub.local_location(pinned, downloaded[0])
+        checked = downloaded[1]
+        found = _safetensors.find(opened)
     else:
-        opened = remote
-    found = _safetensors.find(opened)
+        opened = files.loc
+        found = _safetensors.find(opened, files)
     if found is None:  # `needed` found safetensors files there
         raise CheckpointNotFoundError(
             f"{pinned.display} holds no safetensors file eqx_ckpt reads.", path=pinned.display
         )
-    return dataclasses.replace(_foreign(opened, found), revision=pinned.sha)
+    return dataclasses.replace(_foreign(opened, found), pinned=pinned, checked=checked)
 
 
 def checkpoint(loc: Location, manifest: Manifest | None = None) -> Source | None:

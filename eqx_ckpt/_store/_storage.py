@@ -58,7 +58,7 @@ from .._base import _faults, _interrupts, _location
 from .._base._location import Location
 from .._ondisk import _format
 from .._ondisk._format import LeafRecord, PackRecord
-from . import _durable, _hub, _memory, _storage_errors, _untrusted
+from . import _durable, _memory, _storage_errors, _untrusted
 from ._local_paths import (
     LocalEntry as LocalEntry,
     SpecialFileError,
@@ -163,8 +163,6 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
     """`read_file`, and a stamp that changes whenever the file is replaced (see
     `file_changed`)."""
     _faults.fire("storage.read_file", loc, name)
-    if _hub.is_hub(loc):  # at one commit: its size listed before it is read, its stamp the commit
-        return _hub.read_small(loc, name, limit=limit, too_large=_storage_errors.too_large)
     if loc.local is not None:
         full = os.path.join(loc.local, name)
         _untrusted.refuse_links(loc, name)
@@ -701,34 +699,36 @@ class Folder:
     """The files of one directory of another program's checkpoint, opened once
     for the many byte-range reads of its arrays (`_safetensors`)."""
 
-    __slots__ = ("_hub", "_store", "loc")
+    __slots__ = ("_store", "loc")
 
     def __init__(self, loc: Location):
-        # A folder of a Hub repository is read at one commit through
-        # `huggingface_hub`'s file system (`_hub.Files`), anything else through TensorStore.
-        self._hub = _hub.Files(loc) if _hub.is_hub(loc) else None
-        self.loc, self._store = loc, None if self._hub is not None else _kvstore(loc)
+        self.loc, self._store = loc, _kvstore(loc)
+
+    def names(self) -> list[str] | None:
+        """The files of a local directory; `None` for any other (an object store's is not listed)."""
+        if self.loc.local is None or not local_entry(self.loc.local).folder:
+            return None
+        return local_names(self.loc.local)
 
     def read(self, name: str, byte_range: slice | None = None) -> Mapped:
         """Start reading the file `name` (its bytes `byte_range`, else all of
         it): a future of a `Found`. A range past the end of the file fails
         with TensorStore's `OUT_OF_RANGE` error. A local FIFO, socket or
         device is a `CorruptCheckpointError`, raised at once."""
-        if self._hub is not None:
-            return Mapped(self._hub.read(name, byte_range), lambda found: Found(*found))
-        assert self._store is not None
         _untrusted.refuse_special(self.loc, name)  # before TensorStore opens it: a FIFO's open waits forever
         return Mapped(self._store.read(name, byte_range=byte_range), _found)
 
+    def read_file(self, name: str, *, limit: int) -> bytes | None:
+        """`read_file` of one of its files."""
+        return read_file(self.loc, name, limit=limit)
+
     def listed_size(self, name: str) -> int | None:
-        """The bytes of the file `name` where they are known without a request
-        (a Hub commit's listing gives every file's), else `None`."""
-        return self._hub.size(name) if self._hub is not None else None
+        """The bytes of the file `name` where they are known without a request: never, here."""
+        return None
 
     def changed(self, name: str, generation: bytes) -> bool:
-        """`generation_changed` of one of its files (never, for a Hub folder: a
-        commit's files do not change)."""
-        return self._hub is None and generation_changed(self.loc, name, generation)
+        """`generation_changed` of one of its files."""
+        return generation_changed(self.loc, name, generation)
 
 
 def open_local_file(path: str) -> io.BufferedReader:

@@ -293,9 +293,11 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> list[str]:
         names.append(_safetensors.INDEX)
     names += list(files)
     if single in (None, _safetensors.SINGLE):
-        # What an earlier export left here and this one did not rewrite: a stale
-        # index beside a new `model.safetensors` would be read instead of it.
-        _storage.remove(loc, [n for n in _storage.list_names(loc) if _EXPORTED.match(n) and n not in names])
+        # What an earlier export left here and this one did not rewrite (and
+        # their temporaries), as a push deletes them: a stale index beside a
+        # new `model.safetensors` would be read instead of it.
+        stale = [n for n in _storage.list_names(loc) if n not in names]
+        _storage.remove(loc, [n for n in stale if _safetensors.is_published(n.removesuffix(UNPUBLISHED_SUFFIX))])
     return names
 
 
@@ -405,14 +407,6 @@ def _within(tensors: list[_Tensor], structure: Any, prefix: Any) -> tuple[list[_
     except (KeyError, TypeError, ValueError):
         node = _structure.unrecordable("a part of the tree whose structure the checkpoint does not record")
     return moved, node
-
-
-# The files an export into a directory writes (and their temporaries).
-_EXPORTED = re.compile(
-    r"^(model(-[0-9]{5}-of-[0-9]{5})?\.safetensors(\.index\.json)?|eqx_ckpt\.json)("
-    + re.escape(UNPUBLISHED_SUFFIX)
-    + ")?$"
-)
 
 
 def _shard_bytes(size: int | str) -> int:

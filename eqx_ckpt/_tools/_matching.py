@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._base._errors import CheckpointTypeError, CheckpointValueError
-from .._base._location import HUB_SCHEME, Location, location
+from .._base._location import Location
 from .._load import _family, _source
 from .._load._checkpoint import Checkpoint
 from .._ondisk import _published
@@ -72,13 +72,8 @@ def base_of(
 
 
 def _pin(source: _source.Source, given: Any, destination: Location) -> tuple[_published.Base, str | None]:
-    if source.revision is not None:
-        # A Hub source is named `hf://owner/name@<commit>[/folder]`, read from
-        # the cache or by ranges alike (its `loc` is a cache folder in one case).
-        spec = location(source.loc.display).kvstore
-        repo, folder = spec["repo"], spec.get("path", "").strip("/")
-        path = HUB_SCHEME + repo + (f"/{folder}" if folder else "")
-        return _published.Base(path, revision=source.revision), repo
+    if source.pinned is not None:  # (read from the cache or by ranges alike)
+        return _published.Base(source.pinned.hub.path, revision=source.pinned.sha), source.pinned.repo
     sha256 = _family.record_sha256(source)
     if sha256 is None:
         raise CheckpointValueError(

@@ -33,7 +33,7 @@ from .._manage._steps import committed_steps
 from .._ondisk import _format, _layout, _manifest
 from .._ondisk._format import MANIFEST, LeafRecord, PackRecord, dtype_from_name, step_name
 from .._ondisk._manifest import Manifest
-from .._store import _chunk_files, _hub, _storage, _storage_errors, _untrusted
+from .._store import _chunk_files, _storage, _storage_errors, _untrusted
 from . import _chunk_scan, _verify_sources
 
 # Pack chunks read at once.
@@ -226,7 +226,7 @@ def verify(path: Any, *, progress: Progress = None, token: str | None = None, ba
     loc = location(path)
     try:
         # A Hub repository holds no eqx_ckpt checkpoint directory, only the published layout.
-        foreign = _safetensors.is_file_path(loc) or _hub.is_hub(loc)
+        foreign = _safetensors.is_file_path(loc) or loc.hub is not None
         source = None if foreign else _source.checkpoint(loc)
     except CorruptCheckpointError as e:
         return Problems([Problem(None, str(e))])

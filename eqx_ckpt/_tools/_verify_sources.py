@@ -32,7 +32,6 @@ from .._foreign import _orbax
 from .._load import _family, _source
 from .._ondisk import _published
 from .._ondisk._format import LeafRecord
-from .._store import _hub
 from . import _chunk_scan
 
 SAFETENSORS_UNCHECKED = (
@@ -59,7 +58,7 @@ def check(
 
     Raises `CheckpointNotFoundError` (saying what `loc` holds) if it is no
     checkpoint of any format."""
-    hub = _hub.is_hub(loc)
+    hub = loc.hub is not None
     try:
         # A Hub repository is verified as the cache holds it: downloaded whole,
         # every file checked against the digest the Hub lists for it.
@@ -74,7 +73,7 @@ def check(
     problems: list[tuple[str | None, str]] = [(r.path, bad[r.path]) for r in records if r.path in bad]
     said = _family_said(source, len(digests) == len(records))
     if hub:  # (the whole load compared every file with the Hub's digest, or refused it)
-        checked = tuple(_hub.checked(source.loc)) + said
+        checked = source.checked + said
         return problems, () if checked else (SAFETENSORS_UNCHECKED,), checked
     if source.format == "safetensors":
         return problems, () if said else (SAFETENSORS_UNCHECKED,), said

@@ -1,4 +1,4 @@
-"""The Hugging Face Hub, behind the storage seam: `hf://` paths read, models published.
+"""The Hugging Face Hub, a transport of leaves: `hf://` paths read, models published.
 
 Every request is `huggingface_hub`'s own. (It is an optional dependency,
 imported here only, at the first Hub call.)
@@ -18,15 +18,19 @@ So authentication (`HF_TOKEN`, `hf auth login`, `token=`), the cache
 the Xet transfer path are the library's.
 
 A repository is read at one commit. A branch or a tag is resolved to its
-commit once, when it is opened (`pin`). Every file is then read at that
-commit, which no later push changes. Only the files a load needs are ever
-fetched: safetensors files, their index, `eqx_ckpt.json`. No Python file,
-pickle or configuration of a repository is downloaded, let alone run.
+commit once, when it is opened (`pin`): the `Pinned` folder, which the
+source read from it keeps (`_source.Source.pinned`), with what its download
+checked. Every file is then read at that commit, which no later push
+changes. Only the files a load needs are ever fetched: those `_safetensors`'
+rules name (`needed`). No Python file, pickle or configuration of a
+repository is downloaded, let alone run.
+
+No save reaches this module: a `Location` names a Hub folder by its typed
+`Hub` reference, which `_storage` never reads.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import glob
 import hashlib
@@ -34,7 +38,6 @@ import logging
 import os
 import re
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -51,17 +54,16 @@ from .._base._errors import (
     CorruptCheckpointError,
     from_file,
 )
-from .._base._location import Location, hub_location
-from .._ondisk._format import MAX_MANIFEST_BYTES, MAX_SHARDS, PUBLISHED
+from .._base._location import Hub, Location
+from .._foreign import _safetensors
+from .._foreign._safetensors import INDEX_SUFFIX, SINGLE, SUFFIX
+from .._ondisk._format import MAX_MANIFEST_BYTES, MAX_SHARDS
 from .._ondisk._manifest import loads_file
-from . import _hub_http
-from ._local_paths import local_entry, local_names, local_open, local_real_path, local_walk
+from .._ondisk._published import NAME as RECORD
+from .._store import _hub_http, _storage, _storage_errors
+from .._store._local_paths import local_entry, local_open, local_real_path, local_walk
 
 INSTALL = 'pip install "eqx_ckpt[hub]"'
-# The files of a folder a load may read; nothing else is downloaded or read.
-INDEX_SUFFIX = ".safetensors.index.json"
-SUFFIX = ".safetensors"
-RECORD = PUBLISHED
 # The most of an index `needed` reads (the safetensors reader refuses a larger one).
 MAX_INDEX = 100 * 2**20
 # Threads downloading whole files, and reading byte ranges, at once.
@@ -76,8 +78,6 @@ _RETRIED = (429, 500, 502, 503, 504)
 # before it names a path of the cache.
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-# A shard an index may name: a safetensors file beside it.
-_SHARD = re.compile(r"[^/\\\x00-\x1f]+\.safetensors")
 # What a file that is code, or that unpickling would run code from, is called
 # when a repository holds no model eqx_ckpt reads.
 _CODE = (".py",)
@@ -135,42 +135,30 @@ class Pinned:
     def display(self) -> str:
         return f"hf://{self.repo}@{self.sha}" + (f"/{self.folder.rstrip('/')}" if self.folder else "")
 
+    @property
+    def hub(self) -> Hub:
+        """The folder at its commit."""
+        return Hub(self.repo, self.sha, self.folder)
+
     def files(self) -> dict[str, int]:
         """The files directly in the folder, by name, with their sizes."""
         n = len(self.folder)
         return {p[n:]: s for p, s in self.sizes.items() if p.startswith(self.folder) and "/" not in p[n:]}
 
 
-# The pinned folders opened in this process, by (repo, commit, folder): what
-# `Folder` reads of a `hf://` location (its `revision` a commit).
-_OPENED: dict[tuple[str, str, str], Pinned] = {}
-_LOCK = threading.Lock()
-# Small files read whole (an index, `eqx_ckpt.json`), by (repo, commit, path): a
-# commit's files never change, and an opened folder reads its index twice.
-_SMALL: dict[tuple[str, str, str], bytes] = {}
+# A file of at most this many bytes read whole is kept by its `Files` (an
+# index is read to choose the files, then to open the folder).
 SMALL_BYTES = 2**20
-# The pinned folder each local folder of the cache that a load read is a copy of.
-_DOWNLOADED: dict[str, Pinned] = {}
 
 
-def is_hub(loc: Location) -> bool:
-    return loc.kvstore.get("driver") == "hf"
-
-
-def opened(loc: Location) -> Pinned | None:
-    """The pinned folder this process opened at `loc`, where `loc` names its commit."""
-    with _LOCK:
-        return _OPENED.get((loc.kvstore["repo"], loc.kvstore["revision"], loc.kvstore["path"]))
-
-
-def pin(loc: Location, token: str | None = None) -> Pinned:
+def pin(where: Hub, token: str | None = None) -> Pinned:
     """Resolve the revision of a `hf://` location to its commit, once, and list
     the repository's files there.
 
     Where the Hub cannot be reached or `HF_HUB_OFFLINE` is set, both come from
     the local cache, as the Hugging Face libraries do."""
     hub = library()
-    repo, asked, folder = loc.kvstore["repo"], loc.kvstore["revision"], loc.kvstore["path"]
+    repo, asked, folder = where.repo, where.revision, where.folder
     if not hub.constants.HF_HUB_OFFLINE:
         api = hub.HfApi(token=token)
         try:
@@ -181,8 +169,8 @@ def pin(loc: Location, token: str | None = None) -> Pinned:
             if not _unreachable(e):
                 raise explained(e, repo, asked) from None
         else:
-            return _remember(_listed(info, repo, asked, sha, folder, token))
-    return _remember(_from_cache(loc, hub, token))
+            return _listed(info, repo, asked, sha, folder, token)
+    return _from_cache(where, hub, token)
 
 
 def _listed(info: Any, repo: str, asked: str | None, sha: str, folder: str, token: str | None) -> Pinned:
@@ -260,20 +248,14 @@ def _commit(sha: Any, repo: str, asked: str | None) -> str:
     return sha
 
 
-def _remember(pinned: Pinned) -> Pinned:
-    with _LOCK:
-        _OPENED[(pinned.repo, pinned.sha, pinned.folder)] = pinned
-    return pinned
-
-
-def _from_cache(loc: Location, hub: Any, token: str | None) -> Pinned:
+def _from_cache(where: Hub, hub: Any, token: str | None) -> Pinned:
     """The commit a revision resolved to when the repository was last fetched,
     and its files as the cache lists them (the Hub could not be asked).
 
     The cache's own listing of the commit (written by `snapshot_download`) is
     every file of it, whether downloaded or not. Without one, the files are
     those the cache holds."""
-    repo, asked, folder = loc.kvstore["repo"], loc.kvstore["revision"], loc.kvstore["path"]
+    repo, asked, folder = where.repo, where.revision, where.folder
     try:
         sha = _commit(
             hub.HfApi(token=token).resolve_revision(repo, revision=asked, local_files_only=True).resolved, repo, asked
@@ -406,8 +388,7 @@ def needed(pinned: Pinned, read_index: Callable[[str], bytes]) -> list[str]:
     file raises, saying what it holds; so does one holding two layouts at once
     (an index and a single file, or two indexes)."""
     files = pinned.files()
-    indexes = sorted(n for n in files if n.endswith(INDEX_SUFFIX))
-    singles = sorted(n for n in files if n.endswith(SUFFIX))
+    indexes, singles = _safetensors.layout(files)
     extras = [n for n in (RECORD,) if n in files]
     if not pinned.listed and not indexes and not singles:
         raise CheckpointConnectionError(_partly_cached(pinned, []), path=pinned.display)
@@ -416,12 +397,9 @@ def needed(pinned: Pinned, read_index: Callable[[str], bytes]) -> list[str]:
     _refuse_large(pinned, {**{n: MAX_INDEX for n in indexes}, **{n: MAX_MANIFEST_BYTES for n in extras}})
     if indexes:
         shards = _shards(pinned, indexes[0], read_index(indexes[0]))
-        stale = [n for n in singles if n not in shards]
-        if "model" + SUFFIX in stale:
-            raise _two_layouts(pinned, f"the index `{indexes[0]}` and the single file `model{SUFFIX}`")
+        if SINGLE in files and SINGLE not in shards:
+            raise _two_layouts(pinned, f"the index `{indexes[0]}` and the single file `{SINGLE}`")
         return [indexes[0], *shards, *extras]
-    if len(singles) > 1 and "model" + SUFFIX in singles:
-        return ["model" + SUFFIX, *extras]
     if len(singles) > 1:
         raise _two_layouts(pinned, f"{len(singles)} safetensors files and no index ({_shown(singles)})")
     if singles:
@@ -482,7 +460,7 @@ def _shards(pinned: Pinned, index: str, data: bytes) -> list[str]:
             f"eqx_ckpt reads (real models use a few hundred at most), so nothing was downloaded.",
             path=pinned.display,
         )
-    other = sorted(n for n in names if not _SHARD.fullmatch(n) or n.startswith("."))
+    other = sorted(n for n in names if not _safetensors.is_shard(n))
     if other:
         raise CorruptCheckpointError(
             f"{pinned.display}: the index `{from_file(index)}` names {_shown(other)} as shards, which are no "
@@ -525,18 +503,19 @@ def _shown(names: list[str]) -> str:
     return listed + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-def reader(pinned: Pinned, *, whole: bool) -> Callable[[str], bytes]:
-    """How `needed` reads an index.
+def reader(files: Files, *, whole: bool) -> Callable[[str], bytes]:
+    """How `needed` reads an index of the folder `files` reads.
 
     For a whole load it is downloaded into the cache, and read there. So is
     one already in the cache. Else it is read by one read through the Hub's
-    file system."""
+    file system, and kept (`Files.read`)."""
+    pinned = files.pinned
 
     def read(name: str) -> bytes:
         if whole or pinned.offline or cached(pinned, [name]):
-            with local_open(os.path.join(download(pinned, [name]), name)) as f:
+            with local_open(os.path.join(download(pinned, [name])[0], name)) as f:
                 return f.read(MAX_INDEX + 1)
-        data, _ = Files(pinned_location(pinned)).read(name).result()
+        data, _ = files.read(name).result()
         return data or b""
 
     return read
@@ -556,10 +535,10 @@ def _uncached(pinned: Pinned, names: Iterable[str]) -> list[str]:
     ]
 
 
-def download(pinned: Pinned, names: list[str]) -> str:
+def download(pinned: Pinned, names: list[str]) -> tuple[str, tuple[str, ...]]:
     """Download `names` of the pinned folder into the Hub's local cache with
     `snapshot_download`, at the pinned commit, and return the local folder
-    holding them.
+    holding them, and what was checked of them, as `verify` says it.
 
     Those already there are not fetched again. Offline, those missing are
     named. Each must lie in the cache, and is checked against the size and
@@ -593,10 +572,7 @@ def download(pinned: Pinned, names: list[str]) -> str:
             raise _damaged(pinned, name, f"leads out of the cache ({hub.constants.HF_HUB_CACHE}), by a link")
         if size is None or (expected is not None and size != expected):
             raise _damaged(pinned, name, f"was downloaded as {size} bytes, but the Hub lists {expected}")
-    _check_digests(pinned, local, names)
-    with _LOCK:
-        _DOWNLOADED[local.rstrip("/")] = pinned
-    return local
+    return local, _check_digests(pinned, local, names)
 
 
 def _damaged(pinned: Pinned, name: str, what: str) -> CorruptCheckpointError:
@@ -607,41 +583,27 @@ def _damaged(pinned: Pinned, name: str, what: str) -> CorruptCheckpointError:
     )
 
 
-def _check_digests(pinned: Pinned, local: str, names: list[str]) -> None:
-    """Every file of a whole load against the digest the Hub lists for it (all
-    at once, at disk speed): bytes served or cached that are not the commit's
-    are refused. (Offline, the Hub lists none.)"""
-    listed = [(n, *_listed_digest(pinned, n)) for n in names]
+def _check_digests(pinned: Pinned, local: str, names: list[str]) -> tuple[str, ...]:
+    """Every file of a whole load against the digest the Hub lists for it (an
+    LFS file's SHA-256, any other's git blob id; all at once, at disk speed):
+    bytes served or cached that are not the commit's are refused. What was
+    checked, a sentence a file. (Offline, the Hub lists none: `()`.)"""
+    listed = [(n, *_listed_digest(pinned, n)) for n in sorted(names)]
     listed = [(n, lfs, digest) for n, lfs, digest in listed if digest is not None]
     got = _pool().map(lambda item: _digest(os.path.join(local, item[0]), lfs=item[1]), listed)
+    said = []
     for (name, lfs, digest), found in zip(listed, got):
+        kind = "SHA-256" if lfs else "git blob id"
         if found != digest:
-            kind = "SHA-256" if lfs else "git blob id"
             raise _damaged(pinned, name, f"has the {kind} {found}, but the Hub lists {digest} at {pinned.sha}")
+        said.append(f"`{from_file(name)}`: its {kind} is the one the Hub lists at {pinned.sha}")
+    return tuple(said)
 
 
 def _listed_digest(pinned: Pinned, name: str) -> tuple[bool, str | None]:
     """Whether the Hub lists `name` as an LFS file, and the digest it lists (its SHA-256, or its git blob id)."""
     sha256 = pinned.sha256.get(pinned.folder + name)
     return sha256 is not None, sha256 if sha256 is not None else pinned.blob_ids.get(pinned.folder + name)
-
-
-def checked(loc: Location) -> list[str]:
-    """What `verify` says of the cached copy `loc` of a pinned folder: each
-    file a whole load compared with the digest the Hub lists for it (an LFS
-    file by its SHA-256, any other by its git blob id), as a sentence. Offline
-    the Hub lists none: `[]`."""
-    with _LOCK:
-        pinned = _DOWNLOADED.get(loc.local or "")
-    if pinned is None or pinned.offline or loc.local is None:
-        return []
-    said = []
-    for name in local_names(loc.local):
-        lfs, digest = _listed_digest(pinned, name)
-        if digest is not None:
-            kind = "SHA-256" if lfs else "git blob id"
-            said.append(f"`{from_file(name)}`: its {kind} is the one the Hub lists at {pinned.sha}")
-    return said
 
 
 def _digest(path: str, *, lfs: bool) -> str:
@@ -658,45 +620,52 @@ def local_location(pinned: Pinned, folder: str) -> Location:
     return Location({"driver": "file", "path": folder.rstrip("/") + "/"}, pinned.display, folder.rstrip("/"))
 
 
-def pinned_location(pinned: Pinned) -> Location:
-    """The `hf://` location of a pinned folder: its revision is the commit."""
-    return hub_location(pinned.repo, pinned.sha, pinned.folder, pinned.display)
-
-
 class Files:
     """The files of a pinned folder, read by byte ranges through
     `huggingface_hub`'s file system (`HfFileSystem`) at the commit: the
-    `_storage.Folder` of a `hf://` location."""
+    folder `_safetensors.find` reads (a `_safetensors.Folder`). A small file
+    read whole is kept: a commit's files never change."""
 
-    def __init__(self, loc: Location):
-        pinned = opened(loc)
-        self.pinned = pinned if pinned is not None else pin(loc)
-        self.fs = library().HfFileSystem(token=self.pinned.token)
+    def __init__(self, pinned: Pinned):
+        self.pinned = pinned
+        self.loc = Location({}, pinned.display, None, pinned.hub)
+        self.fs = library().HfFileSystem(token=pinned.token)
+        self.small: dict[str, bytes] = {}
 
-    def read(self, name: str, byte_range: slice | None = None) -> concurrent.futures.Future:
-        """A future of `(bytes or None, generation)`; a range starting past the
-        end of the file fails with `OUT_OF_RANGE`, as TensorStore's reads do."""
-        return _pool().submit(self._read, name, byte_range)
+    def names(self) -> list[str]:
+        return sorted(self.pinned.files())
 
-    def _read(self, name: str, byte_range: slice | None) -> tuple[bytes | None, bytes]:
-        key = (self.pinned.repo, self.pinned.sha, self.pinned.folder + name)
-        if byte_range is None and key in _SMALL:  # an index read again, as the folder is opened
-            return _SMALL[key], self.pinned.sha.encode()
-        data, generation = self._fetch(name, byte_range)
-        if byte_range is None and data is not None and len(data) <= SMALL_BYTES:
-            with _LOCK:
-                if len(_SMALL) >= 256:  # bounded: a long process opening many repositories
-                    _SMALL.clear()
-                _SMALL[key] = data
-        return data, generation
+    def read(self, name: str, byte_range: slice | None = None) -> _storage.Mapped:
+        """A future of a `_storage.Found`, its generation the commit; a range
+        starting past the end of the file fails with `OUT_OF_RANGE`, as
+        TensorStore's reads do."""
+        return _storage.Mapped(_pool().submit(self._read, name, byte_range), lambda found: _storage.Found(*found))
 
-    def size(self, name: str) -> int | None:
+    def read_file(self, name: str, *, limit: int) -> bytes | None:
+        """A small file (`eqx_ckpt.json`), or `None`."""
+        data, _ = self.read(name).result()  # (its listed size was checked: `needed`)
+        if data is not None and len(data) > limit:
+            raise _storage_errors.too_large(self.loc, name, limit, len(data))
+        return data
+
+    def listed_size(self, name: str) -> int | None:
         """The bytes of the file `name`, as the commit's listing gives them (`None`: not listed)."""
         return self.pinned.sizes.get(self.pinned.folder + name)
 
+    def changed(self, name: str, generation: bytes) -> bool:
+        return False  # (a commit's files do not change)
+
+    def _read(self, name: str, byte_range: slice | None) -> tuple[bytes | None, bytes]:
+        if byte_range is None and name in self.small:  # an index read again, as the folder is opened
+            return self.small[name], self.pinned.sha.encode()
+        data, generation = self._fetch(name, byte_range)
+        if byte_range is None and data is not None and len(data) <= SMALL_BYTES:
+            self.small[name] = data
+        return data, generation
+
     def _fetch(self, name: str, byte_range: slice | None) -> tuple[bytes | None, bytes]:
         generation = self.pinned.sha.encode()
-        size = self.size(name)
+        size = self.listed_size(name)
         if size is None:
             return None, b""
         start = 0 if byte_range is None else byte_range.start or 0
@@ -720,21 +689,6 @@ class Files:
                 path=self.pinned.display,
             )
         return bytes(data), generation
-
-
-def read_small(
-    loc: Location, name: str, *, limit: int, too_large: Callable[..., Exception]
-) -> tuple[bytes | None, bytes]:
-    """A small file of a pinned folder (`eqx_ckpt.json`), or `None`; one the Hub
-    lists larger than `limit` is refused before it is read."""
-    files = Files(loc)
-    size = files.pinned.sizes.get(files.pinned.folder + name)
-    if size is not None and size > limit:
-        raise too_large(loc, name, limit, size)
-    data, generation = files.read(name).result()
-    if data is not None and len(data) > limit:
-        raise too_large(loc, name, limit, len(data))
-    return data, generation
 
 
 def _pool() -> _threads.Pool:
@@ -771,8 +725,8 @@ def publish(
     - A branch named by `revision` is made from the default branch where there
       is none.
     - Files of the published layout at the repository's root that `write` did
-      not write (safetensors files, their index, `eqx_ckpt.json`) are deleted
-      in the same commit. Every other file stays.
+      not write (`_safetensors.is_published`, the rule of an export into a
+      folder) are deleted in the same commit. Every other file stays.
     - Where the branch holds these files already, nothing is committed.
     - `tag` tags the commit that holds them."""
     hub = library()
@@ -788,7 +742,7 @@ def publish(
             parent = _commit(info.sha, repo, revision)
             held = {s.rfilename: s for s in info.siblings or ()}
             added = [n for n in names if not _same(held.get(n), os.path.join(folder, n))]
-            deleted = sorted(p for p in held if p not in names and is_layout(p))
+            deleted = sorted(p for p in held if p not in names and _safetensors.is_published(p))
             commit = parent
             if added or deleted:
                 operations = [hub.CommitOperationAdd(n, os.path.join(folder, n)) for n in added]
@@ -811,12 +765,6 @@ def publish(
     if not (added or deleted):
         _LOG.info("%s already holds this export at %s: nothing was committed.", where, commit)
     return Published(commit, bool(added or deleted))
-
-
-def is_layout(path: str) -> bool:
-    """Whether a file of a repository belongs to the published layout (a push
-    replaces them all), and so may be deleted by a push that does not write it."""
-    return "/" not in path and (path.endswith((SUFFIX, INDEX_SUFFIX)) or path == RECORD)
 
 
 def _same(listed: Any, path: str) -> bool:
