@@ -20,6 +20,7 @@ from hypothesis import given, settings, strategies as st
 
 import eqx_ckpt
 from eqx_ckpt._base import _location
+from eqx_ckpt._load._load_plan import LoadOptions
 from eqx_ckpt._load._source import open_source
 from eqx_ckpt._ondisk import _format
 from eqx_ckpt._ondisk._format import LeafRecord
@@ -46,7 +47,7 @@ def small(monkeypatch):
 
 def _saved(path, tree):
     eqx_ckpt.tree_serialise_leaves(path, tree)
-    return open_source(path).data, eqx_ckpt.Checkpoint(path)
+    return open_source(path, LoadOptions()).data, eqx_ckpt.Checkpoint(path)
 
 
 def read_leaf(data, record):
@@ -122,7 +123,7 @@ def test_ineligible_leaves(tmp_path, monkeypatch):
     assert read_leaf(data, ckpt.record("tall")) is not None
     for elsewhere, options in [("memory://direct/", {}), (tmp_path / "ocdbt", {"layout": "ocdbt"})]:
         eqx_ckpt.tree_serialise_leaves(elsewhere, tree, **options)
-        assert read_leaf(open_source(elsewhere).data, ckpt.record("tall")) is None
+        assert read_leaf(open_source(elsewhere, LoadOptions()).data, ckpt.record("tall")) is None
 
 
 def _damage_setup(tmp_path):

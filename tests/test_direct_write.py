@@ -20,6 +20,7 @@ from arrays import values
 
 import eqx_ckpt
 from eqx_ckpt._base import _faults, _interrupts, _location
+from eqx_ckpt._load._load_plan import LoadOptions
 from eqx_ckpt._load._source import open_source
 from eqx_ckpt._ondisk import _format
 from eqx_ckpt._save import _records
@@ -67,7 +68,7 @@ def _written_by_tensorstore(tmp_path, spec_of, stored: np.ndarray, folder: str =
 def test_a_leafs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, own_folders, either_way, dtype, shape):
     x = values(shape, dtype)
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", {"model": {"w": x}})
-    data = open_source(tmp_path / "ckpt").data
+    data = open_source(tmp_path / "ckpt", LoadOptions()).data
     record = eqx_ckpt.Checkpoint(tmp_path / "ckpt").record("model.w")
     assert _chunk_files.chunk_files(data).writes(processes=1, layout="directories")
     assert _chunk_files.chunk_files(data).writes_leaf(record, [((), x)])
@@ -121,7 +122,7 @@ def test_a_packs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, monkeypa
     tree["flags"] = values((37,), np.bool_)
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
     ckpt = eqx_ckpt.Checkpoint(tmp_path / "ckpt")
-    data = open_source(tmp_path / "ckpt").data
+    data = open_source(tmp_path / "ckpt", LoadOptions()).data
     pack = ckpt.record("l0").pack
     assert pack is not None and pack.size > 3 * pack.chunk
     expected = np.zeros(pack.size, np.float32)

@@ -75,7 +75,7 @@ class Checkpoint(Mapping[str, Any]):
     # tree's containers), as `tree_deserialise_leaves` does (see `_gc.gc_paused`).
     @_gc.gc_paused()
     def __init__(self, path: Any, *, token: str | None = None, base: Any = None):
-        self._source = _source.open_source(path, token=token, base=base)
+        self._source = _source.open_source(path, LoadOptions(token=token, base=base), whole=False)
         self._token = token
         self._given_base = base
         self._loc = self._source.loc
@@ -520,9 +520,8 @@ class Checkpoint(Mapping[str, Any]):
         and read them there from then on."""
         pinned = self._source.pinned
         if pinned is not None and self._source.loc.local is None:
-            self._source = _source.open_source(
-                self._source.loc, whole=True, token=self._token, base=self._given_base, pinned=pinned
-            )
+            options = LoadOptions(token=self._token, base=self._given_base)
+            self._source = _source.open_source(self._source.loc, options, whole=True, pinned=pinned)
             self._data = self._source.data
 
     @property

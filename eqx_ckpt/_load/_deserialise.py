@@ -225,7 +225,7 @@ def deserialise(
 ) -> PyTree:
     """`tree_deserialise_leaves` of `path` with its `options` (those of every
     public load: `LoadOptions`): open the source, then `load`."""
-    source = _source.open_source(path, whole=options.whole, token=options.token, base=options.base)
+    source = _source.open_source(path, options)
     flat = None
     if like is None:
         like = rebuilt(source, options.prefix or "", Trust(options.trust), check_init=options.check_init)

@@ -73,8 +73,10 @@ from .._store import _storage, _storage_errors
 from .._store._local_paths import local_entry, local_link, local_names
 from . import _pack
 
-# A `_source.Source` (typed loosely: `_source` imports this module, not the reverse).
+# A `_source.Source` and its `Options` (typed loosely: `_source` imports this
+# module, not the reverse).
 Source = Any
+Options = Any
 
 # Bases of bases followed at most this deep (a chain of fine-tunes).
 MAX_DEPTH = 8
@@ -363,17 +365,13 @@ def _bounded(source: Source, family: _published.Family) -> None:
 
 
 def with_base(
-    source: Source,
-    open_source: Callable[..., Source],
-    *,
-    whole: bool,
-    token: str | None,
-    depth: int,
-    given: Any = None,
+    source: Source, open_source: Callable[..., Source], options: Options, *, whole: bool, depth: int
 ) -> Source:
     """`source`, a fine-tune, with its base's leaves: one `Source` of both (or
-    `source` itself where it has no base). `given`: the base the caller gave
-    (`base=` at load time), read instead of the recorded one."""
+    `source` itself where it has no base). `options`: the load's
+    (`LoadOptions`); its `base`, where the caller gave one (`base=` at load
+    time), is read instead of the recorded one."""
+    given = options.base
     family: _published.Family | None = source.manifest.family
     where = source.loc
     if family is None:
@@ -393,7 +391,9 @@ def with_base(
     path = given if given is not None else recorded(family.base, where, hub=source.revision is not None)
     _bounded(source, family)
     shown = family.base.shown if given is None and family.base.revision else repr(str(path))
-    opening = functools.partial(open_source, path, whole=whole, token=token, depth=depth + 1)
+    opening = functools.partial(
+        open_source, path, dataclasses.replace(options, base=None), whole=whole, depth=depth + 1
+    )
     base = _opened(where, family, shown, given, opening)
     taken = _taken(source, base, family, shown)
     return dataclasses.replace(

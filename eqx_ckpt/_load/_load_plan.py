@@ -54,7 +54,8 @@ class LoadOptions:
     Every public load (`tree_deserialise_leaves`, `load_or_initialise`, a
     manager's `restore` and `restore_or_initialise`, `Checkpoint.load`) makes
     one from its keyword arguments, by name, in one call. It goes whole to the
-    source (`token`, `whole`), the plan and the readers. Each option defaults as in
+    source (`_source.open_source`: `token`, `base`, `whole`), the plan and the
+    readers. Each option defaults as in
     `tree_deserialise_leaves`, whose docstring says what it does.
 
     `missing`, `strict`, `lazy`, `cast` and `read_once` are checked as it is

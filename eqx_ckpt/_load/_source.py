@@ -140,13 +140,25 @@ class Source:
 _LABELS = {"safetensors": "Safetensors checkpoint", "orbax": "orbax checkpoint"}
 
 
+class Options(Protocol):
+    """What a source reads of a load's options (`_load_plan.LoadOptions`)."""
+
+    @property
+    def whole(self) -> bool: ...
+
+    @property
+    def token(self) -> str | None: ...
+
+    @property
+    def base(self) -> Any: ...
+
+
 def open_source(
     path: Any,
+    options: Options,
     *,
-    whole: bool = False,
-    token: str | None = None,
+    whole: bool | None = None,
     depth: int = 0,
-    base: Any = None,
     pinned: _hub.Pinned | None = None,
 ) -> Source:
     """The source at `path`, recognised from its files. It is an eqx_ckpt
@@ -157,31 +169,30 @@ def open_source(
     again from). It is read from the Hub's local cache in two cases:
     where the files a load reads are there, and where the load is `whole`
     (they are downloaded into it first). Else it is read by byte ranges of its
-    files: the headers and the leaves a load selects. `token` is the Hub
-    token it is read with (`None`: huggingface_hub's own, `HF_TOKEN`).
+    files: the headers and the leaves a load selects.
 
-    A fine-tune stored against a base is returned with its base
-    (`_family.with_base`), `depth` bases deep: the one its record names, or
-    `base`, where the caller gives one (`None`: none given)."""
+    `options` is the load's, whole (`LoadOptions`): `options.token` is the
+    Hub token it is read with (`None`: huggingface_hub's own, `HF_TOKEN`);
+    `whole` is `options.whole` unless the caller says (`Checkpoint` opens by
+    byte ranges, `verify` downloads a Hub repository). A fine-tune stored
+    against a base is returned with its base (`_family.with_base`), `depth`
+    bases deep: the one its record names, or `options.base`, where the
+    caller gives one."""
     loc = location(path)
+    whole = options.whole if whole is None else whole
+    base = options.base
     if loc.hub is not None:
-        hub = _from_hub(loc.hub, whole, token, pinned)
-        return _family.with_base(hub, open_source, whole=whole, token=token, depth=depth, given=base)
+        hub = _from_hub(loc.hub, whole, options.token, pinned)
+        return _family.with_base(hub, open_source, options, whole=whole, depth=depth)
     # A `.safetensors` path is never a directory: `_safetensors.find` reads it
     # (or raises), before anything else is tried.
     source = None if _safetensors.is_file_path(loc) else checkpoint(loc)
     if source is not None:  # (no base of its own: a `base` given is refused there)
-        return (
-            source
-            if base is None
-            else _family.with_base(source, open_source, whole=whole, token=token, depth=depth, given=base)
-        )
+        return source if base is None else _family.with_base(source, open_source, options, whole=whole, depth=depth)
     for find in FINDERS:
         found = find(loc)
         if found is not None:
-            return _family.with_base(
-                _foreign(loc, found), open_source, whole=whole, token=token, depth=depth, given=base
-            )
+            return _family.with_base(_foreign(loc, found), open_source, options, whole=whole, depth=depth)
     held = _what_is_there(loc)
     if held:
         # What it is and what to do, nothing else: the note on interrupted

@@ -18,6 +18,7 @@ from .._base._location import Location
 from .._base._progress import Progress, Tracker
 from .._load import _read, _rebuild, _source
 from .._load._checkpoint import describe, human as _human
+from .._load._load_plan import LoadOptions
 from .._ondisk._format import LeafRecord, dtype_from_name
 from .._store import _storage, _storage_errors
 from . import _chunk_scan
@@ -152,7 +153,8 @@ def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None, toke
         ```
     """
     values = check_flag("values", values, "whether to compare the values of leaves that agree in shape and dtype")
-    source_a, source_b = _source.open_source(a, token=token), _source.open_source(b, token=token)
+    options = LoadOptions(token=token)
+    source_a, source_b = _source.open_source(a, options, whole=False), _source.open_source(b, options, whole=False)
     recs_a, recs_b = source_a.manifest.by_path(), source_b.manifest.by_path()
     changed, same = [], []
     for key in sorted(set(recs_a) & set(recs_b)):

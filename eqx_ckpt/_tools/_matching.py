@@ -24,6 +24,7 @@ from .._base._errors import CheckpointTypeError, CheckpointValueError
 from .._base._location import Location
 from .._load import _family, _source
 from .._load._checkpoint import Checkpoint
+from .._load._load_plan import LoadOptions
 from .._ondisk import _published
 from .._ondisk._format import LeafRecord
 
@@ -62,7 +63,7 @@ def base_of(
         given = base.path if base.revision is None else None
         source = base._source
     elif isinstance(base, (str, os.PathLike, dict)):
-        source = _source.open_source(base, whole=True, token=token)
+        source = _source.open_source(base, LoadOptions(token=token), whole=True)
     else:
         raise CheckpointTypeError(
             f"`base` must be a path (`hf://owner/name`, a checkpoint, a published folder) or a `Checkpoint`, not "

@@ -30,6 +30,7 @@ from .._base._location import Location
 from .._base._progress import Progress, Tracker
 from .._foreign import _orbax
 from .._load import _family, _source
+from .._load._load_plan import LoadOptions
 from .._ondisk import _published
 from .._ondisk._format import LeafRecord
 from . import _chunk_scan
@@ -62,7 +63,7 @@ def check(
     try:
         # A Hub repository is verified as the cache holds it: downloaded whole,
         # every file checked against the digest the Hub lists for it.
-        source = _source.open_source(loc, whole=hub, token=token, base=base)
+        source = _source.open_source(loc, LoadOptions(token=token, base=base), whole=hub)
     except CorruptCheckpointError as e:
         return [(None, str(e))], (), ()
     records = sorted(source.manifest.leaves, key=lambda r: r.path)
