@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import types
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -129,7 +130,7 @@ class Source:
             )
 
 
-_LABELS = {"safetensors": "Safetensors checkpoint", "orbax": "orbax checkpoint"}
+_LABELS = types.MappingProxyType({"safetensors": "Safetensors checkpoint", "orbax": "orbax checkpoint"})
 
 
 def open_source(

@@ -577,6 +577,7 @@ def download(pinned: Pinned, names: list[str]) -> str:
                 revision=revision,
                 allow_patterns=[glob.escape(pinned.folder + n) for n in names],
                 token=pinned.token,
+                headers={_hub_http.MARK: "1"},
                 local_files_only=pinned.offline,
                 max_workers=THREADS,
             )
@@ -671,7 +672,8 @@ class Files:
     def __init__(self, loc: Location):
         pinned = opened(loc)
         self.pinned = pinned if pinned is not None else pin(loc)
-        self.fs = library().HfFileSystem(token=self.pinned.token)
+        # Its own (the library keeps every one it makes, with its token, unless told not to).
+        self.fs = library().HfFileSystem(token=self.pinned.token, skip_instance_cache=True)
 
     def read(self, name: str, byte_range: slice | None = None) -> concurrent.futures.Future:
         """A future of `(bytes or None, generation)`; a range starting past the
