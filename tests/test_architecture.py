@@ -963,6 +963,12 @@ def test_files_per_behaviour_are_counted_from_the_code(tmp_path):
     assert wrong == {}, wrong
 
 
+def _read_only(value: ast.expr) -> ast.expr:
+    """The literal a table is made read-only from (`types.MappingProxyType({...})`), or `value`."""
+    made_by = ast.unparse(value.func) if isinstance(value, ast.Call) and len(value.args) == 1 else ""
+    return value.args[0] if made_by in ("types.MappingProxyType", "frozenset") else value  # type: ignore[attr-defined]
+
+
 def test_the_formatter_is_skipped_only_for_tables():
     """`# fmt: skip` is kept only on a module-level table: a constant assigned a
     literal of names or numbers, which the formatter would spread one item a
@@ -975,7 +981,7 @@ def test_the_formatter_is_skipped_only_for_tables():
             node.end_lineno: node
             for node in tree.body
             if isinstance(node, ast.Assign)
-            and isinstance(node.value, (ast.Tuple, ast.List, ast.Dict, ast.Set))
+            and isinstance(_read_only(node.value), (ast.Tuple, ast.List, ast.Dict, ast.Set))
             and all(isinstance(target, ast.Name) and _KNOB.match(target.id) for target in node.targets)
         }
         for number, line in enumerate(path.read_text().splitlines(), 1):
