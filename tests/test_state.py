@@ -46,11 +46,11 @@ def test_each_eviction_keeps_its_bound(made):
 
 def test_a_table_needs_a_name_of_its_own_and_a_bound_unless_live(made):
     made("named", 1, "clear")
-    with pytest.raises(ValueError, match="Two tables"):
+    with pytest.raises(ValueError, match="needs a name of its own"):
         made("named", 1, "clear")
-    with pytest.raises(ValueError, match="needs a bound"):
+    with pytest.raises(ValueError, match="a bound unless it is live"):
         made("unbounded", None, "clear")
-    with pytest.raises(ValueError, match="needs a bound"):
+    with pytest.raises(ValueError, match="a bound unless it is live"):
         made("bounded", 3, "live")
 
 

@@ -1,24 +1,19 @@
 """Every registry and memo eqx_ckpt keeps for the life of the process.
 
-Each is made here, with a name, a bound and what happens once it is full, so
-that none grows without limit and one call empties them all (`reset`):
+Each is made here, with a name and a bound, so that none grows without limit
+and one call empties them all (`reset`). `table(name, bound, evict)` is a dict
+whose `put` first makes room: `"clear"` forgets every entry (a memo cheap to
+fill again), `"oldest"` the oldest one, `"lru"` the least recently used (read
+by `recent`), and `"refuse"` raises (its entries are made once per name the
+code gives, so one more is a bug). A `"live"` table has no bound: each entry
+leaves when what it names ends (a thread, a save, a lease, a lazy leaf;
+`weak_table` holds its values weakly). `memo(bound)` is `functools.lru_cache`.
 
-- `table(name, bound, evict)`: a dict of the process (a `WeakValueDictionary`
-  with `weak=True`). A bounded table is written by `put`, which first makes
-  room as `evict` says: `"clear"` forgets every entry (a memo cheap to fill
-  again), `"oldest"` the oldest one, `"lru"` the least recently used (read by
-  `recent`), and `"refuse"` raises: its entries are made once per name the
-  code gives (the pools), so one more is a bug. A table of what is running
-  (`"live"`, no bound) loses each entry when that ends: a thread, a save, a
-  lease, a lazy leaf.
-- `memo(bound)`: `functools.lru_cache` of a pure function of immutable
-  arguments.
-
-One read or write of a table is atomic (the GIL); its `lock` guards what must
-be read and written together. A forked child has only the thread that forked:
-it renews every lock (one that a vanished thread held would never be
-released) and empties the tables made with `fork="empty"`, which hold the
-parent's threads, pools, saves and leases, not its own.
+One read or write of a table is atomic (the GIL); its `lock` guards what is
+read and written together. A forked child has only the thread that forked: it
+renews every lock (one that a vanished thread held would never be released)
+and empties the tables made with `fork="empty"`, which hold the parent's
+threads, pools, saves and leases.
 """
 
 from __future__ import annotations
@@ -31,22 +26,21 @@ from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 Evict = Literal["clear", "oldest", "lru", "refuse", "live"]
+Fork = Literal["keep", "empty"]
 _K = TypeVar("_K")
 _V = TypeVar("_V")
 _F = TypeVar("_F", bound=Callable[..., Any])
-_T = TypeVar("_T", bound="Table[Any, Any] | WeakTable[Any, Any]")
 
 
 class Table(dict[_K, _V]):
     """A registry or memo of the process (see the module docstring)."""
 
-    def __init__(self, name: str, bound: int | None, evict: Evict, fork: Literal["keep", "empty"]):
+    def __init__(self, name: str, bound: int | None, evict: Evict, fork: Fork):
         super().__init__()
-        self.name, self.bound, self.evict, self.fork = name, bound, evict, fork
-        self.lock = threading.RLock()
+        self.name, self.bound, self.evict, self.fork, self.lock = name, bound, evict, fork, threading.RLock()
 
     def put(self, key: _K, value: _V) -> _V:
-        """`self[key] = value` (the most recently used), once there is room for it; returns `value`."""
+        """`self[key] = value`, the most recently used, once there is room for it; returns `value`."""
         with self.lock:
             if self.evict == "lru":
                 self.pop(key, None)
@@ -61,42 +55,36 @@ class Table(dict[_K, _V]):
         return value
 
     def recent(self, key: _K) -> _V | None:
-        """`self.get(key)`, made the most recently used."""
+        """`self.get(key)`, now the most recently used."""
         with self.lock:
             value = self.pop(key, None)
-            if value is not None:
-                self[key] = value
-            return value
+            return value if value is None else self.put(key, value)
 
 
 class WeakTable(weakref.WeakValueDictionary[_K, _V]):
-    """A table of what is running, each entry gone once nothing else holds its value."""
+    """A live table whose values are held weakly."""
 
-    def __init__(self, name: str, fork: Literal["keep", "empty"]):
+    def __init__(self, name: str, fork: Fork):
         super().__init__()
-        self.name, self.bound, self.evict, self.fork = name, None, "live", fork
-        self.lock = threading.RLock()
+        self.name, self.bound, self.evict, self.fork, self.lock = name, None, "live", fork, threading.RLock()
 
 
 _TABLES: list[Table[Any, Any] | WeakTable[Any, Any]] = []
 _MEMOS: list[Any] = []
 
 
-def table(name: str, bound: int | None, evict: Evict, *, fork: Literal["keep", "empty"] = "keep") -> Table[Any, Any]:
-    """A new table of the process; `bound` is `None` exactly where `evict` is `"live"`."""
-    if (bound is None) != (evict == "live"):
-        raise ValueError(f"The table {name!r} needs a bound unless it is live, and only then.")
-    return _known(Table(name, bound, evict, fork))
+def table(name: str, bound: int | None, evict: Evict, *, fork: Fork = "keep") -> Table[Any, Any]:
+    """A new table of the process: `bound` is `None` where `evict` is `"live"`, and only there."""
+    made: Table[Any, Any] = Table(name, bound, evict, fork)
+    if (bound is None) != (evict == "live") or name in {t.name for t in _TABLES}:
+        raise ValueError(f"The table {name!r} needs a name of its own, and a bound unless it is live.")
+    _TABLES.append(made)
+    return made
 
 
-def weak_table(name: str, *, fork: Literal["keep", "empty"] = "keep") -> WeakTable[Any, Any]:
-    """A new live table of the process whose values are held weakly."""
-    return _known(WeakTable(name, fork))
-
-
-def _known(made: _T) -> _T:
-    if made.name in {t.name for t in _TABLES}:
-        raise ValueError(f"Two tables are named {made.name!r}.")
+def weak_table(name: str, *, fork: Fork = "keep") -> WeakTable[Any, Any]:
+    """A new live table of the process, holding its values weakly."""
+    made: WeakTable[Any, Any] = WeakTable(name, fork)
     _TABLES.append(made)
     return made
 
@@ -105,9 +93,8 @@ def memo(bound: int) -> Callable[[_F], _F]:
     """`functools.lru_cache(maxsize=bound)`, emptied by `reset` too."""
 
     def made(fn: _F) -> _F:
-        cached = functools.lru_cache(maxsize=bound)(fn)
-        _MEMOS.append(cached)
-        return cached  # type: ignore[return-value]  # (called as `fn` is)
+        _MEMOS.append(functools.lru_cache(maxsize=bound)(fn))
+        return _MEMOS[-1]  # (an `lru_cache`, called as `fn` is)
 
     return made
 
