@@ -630,6 +630,70 @@ def test_threads_and_pools_have_one_owner():
     assert made and made == set(re.findall(r"`(eqx_ckpt-[a-z-]+)`", row)), (made, row)
 
 
+# Module-level containers that are constants, each a JSON document handed
+# whole to `json` or TensorStore (which take a dict, never a read-only
+# mapping), and never changed.
+_JSON_CONSTANTS = {
+    ("_format.py", "GROUP"): "a group's `zarr.json`, as a save writes it",
+    ("_structure.py", "LEAF"): "the structure record of a saved leaf, in every such node",
+    ("_structure.py", "NONE"): "the structure record of `None`, in every such node",
+    ("_storage.py", "RETRIES"): "the spec of TensorStore's contexts",
+}
+_CONTAINERS = {"dict", "list", "set", "OrderedDict", "defaultdict", "deque", "Counter"}
+_CONTAINERS |= {"WeakValueDictionary", "WeakKeyDictionary", "WeakSet"}
+_MEMOS = {"cache", "lru_cache"}
+
+
+def _module_level(body: list[ast.stmt]) -> typing.Iterator[ast.stmt]:
+    """The statements that run once per process: a module's, and its classes' bodies."""
+    for node in body:
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                yield from _module_level(getattr(node, field, []))
+
+
+def _process_state(path: pathlib.Path) -> list[str]:
+    """Where `path` keeps a mutable container or a memo for the life of the
+    process (a module or class attribute), or makes a table or memo of
+    `_state` inside a function (once per call, each would be kept)."""
+    tree, found = _tree(path), []
+    for node in _module_level(tree.body):
+        value = node.value if isinstance(node, ast.Assign | ast.AnnAssign) else None
+        name = ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", node))
+        mutable = isinstance(value, ast.Dict | ast.List | ast.Set | ast.DictComp | ast.ListComp | ast.SetComp)
+        if isinstance(value, ast.Call) and ast.unparse(value.func).split(".")[-1] in _CONTAINERS:
+            mutable = True
+        if mutable and (path.name, name) not in _JSON_CONSTANTS:
+            found.append(f"{path.name}:{node.lineno}: {name}")
+    for function in ast.walk(tree):
+        if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for decorator in function.decorator_list:
+            if ast.unparse(getattr(decorator, "func", decorator)).split(".")[-1] in _MEMOS:
+                found.append(f"{path.name}:{function.lineno}: {ast.unparse(decorator)}, not `_state.memo`")
+        for node in (node for statement in function.body for node in ast.walk(statement)):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in (
+                "_state.table",
+                "_state.weak_table",
+                "_state.memo",
+            ):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node.func)} inside a function")
+    return list(dict.fromkeys(found))
+
+
+def test_process_state_has_one_owner():
+    """Every registry and memo a module keeps for the life of the process is
+    made by `_state`, with a name, a bound, an eviction and a lock, and one
+    `reset` empties them all (a forked child, a test); a constant table is
+    read-only (`types.MappingProxyType`, `frozenset`, a tuple). (Issue 72: 18
+    registries and 32 memos lived in 15 modules, two of them grew for the
+    life of the process, and a forked child kept the parent's pools, whose
+    workers it did not have.)"""
+    found = [found for path in MODULES if path.name != "_state.py" for found in _process_state(path)]
+    assert found == [], "make it with `_state.table` or `_state.memo`, or make it read-only:\n" + "\n".join(found)
+
+
 def _budget_comparisons(path: pathlib.Path) -> list[str]:
     """The comparisons in `path` of bytes (a size, bytes staged or in flight)
     against a budget, outside `_window.Budget`."""
@@ -896,6 +960,12 @@ def test_files_per_behaviour_are_counted_from_the_code(tmp_path):
     assert wrong == {}, wrong
 
 
+def _read_only(value: ast.expr) -> ast.expr:
+    """The literal a table is made read-only from (`types.MappingProxyType({...})`), or `value`."""
+    made_by = ast.unparse(value.func) if isinstance(value, ast.Call) and len(value.args) == 1 else ""
+    return value.args[0] if made_by in ("types.MappingProxyType", "frozenset") else value  # type: ignore[attr-defined]
+
+
 def test_the_formatter_is_skipped_only_for_tables():
     """`# fmt: skip` is kept only on a module-level table: a constant assigned a
     literal of names or numbers, which the formatter would spread one item a
@@ -908,7 +978,7 @@ def test_the_formatter_is_skipped_only_for_tables():
             node.end_lineno: node
             for node in tree.body
             if isinstance(node, ast.Assign)
-            and isinstance(node.value, (ast.Tuple, ast.List, ast.Dict, ast.Set))
+            and isinstance(_read_only(node.value), (ast.Tuple, ast.List, ast.Dict, ast.Set))
             and all(isinstance(target, ast.Name) and _KNOB.match(target.id) for target in node.targets)
         }
         for number, line in enumerate(path.read_text().splitlines(), 1):

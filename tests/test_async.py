@@ -334,7 +334,7 @@ print("after:", gc.isenabled(), len(_gc._active), flush=True)
 def test_a_finalizer_that_resumes_a_pause_inside_the_lock_does_not_deadlock(thread):
     """A signal arriving as `gc_paused().__enter__` returns leaves a suspended
     generator whose `finally` resumes its pause. It was freed (or collected)
-    while `_GC_LOCK` was held by the next pause in the same thread, and that
+    while the lock of `_gc._active` was held by the next pause in the same thread, and that
     thread then waited for ever on its own lock: an interrupted save in one
     thread, and the next save (or an asynchronous save's thread) hung."""
     where = "interrupted_enter()\nnext_pause()"

@@ -14,6 +14,7 @@ import pytest
 from test_staging import MIB, Staged
 
 import eqx_ckpt
+from eqx_ckpt._base._state import reset as reset_state
 from eqx_ckpt._save import _staging
 from eqx_ckpt._store import _memory
 
@@ -197,7 +198,7 @@ def test_a_load_through_the_pool_of_pinned_buffers_is_bit_for_bit_on_the_device(
 
     monkeypatch.setattr(_format, "CHUNK_BYTES", MIB)
     monkeypatch.setattr(_memory, "PINNED_LOAD_POOL", (2, 2 * MIB))
-    monkeypatch.setattr(_memory, "_LOAD_POOLS", {})
+    reset_state("memory.load_pools")
     state = _state()
     eqx_ckpt.tree_serialise_leaves(tmp_path / "c", state)
     allocated: list[int] = []
@@ -211,7 +212,7 @@ def test_a_load_through_the_pool_of_pinned_buffers_is_bit_for_bit_on_the_device(
 
 def test_a_load_falls_back_when_the_pool_cannot_be_allocated(tmp_path, faults, monkeypatch):
     monkeypatch.setattr(_memory, "PINNED_LOAD_POOL", (2, 64 * MIB))
-    monkeypatch.setattr(_memory, "_LOAD_POOLS", {})
+    reset_state("memory.load_pools")
     state = _state()
     eqx_ckpt.tree_serialise_leaves(tmp_path / "c", state)
     faults("load.pinned_pool", MemoryError("RESOURCE_EXHAUSTED: out of memory"))

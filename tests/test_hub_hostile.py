@@ -348,3 +348,38 @@ def test_fuzzed_model_info_and_headers_give_only_eqx_ckpt_errors(hub, tmp_path):
         assert took < 30 and rss < 2000, (i, took, rss)
     assert time.monotonic() - start < 120
     assert outside(tmp_path) == []
+
+
+def test_a_users_own_hub_calls_are_not_checked(hub):
+    """The checks are eqx_ckpt's, for its own requests: a user's own
+    `huggingface_hub` calls, from another thread while an eqx_ckpt load waits
+    on the server and after it, get what the server answers (an ETag that is
+    no blob id, a range answered whole), which eqx_ckpt refuses for itself."""
+    client, state = hub
+    state.put_files("slow/model", {"model.safetensors": model("slow/model")})
+    state.hostile["slow/model"] = hub_server.Hostile(on="GET /api/models/", stall=1.5)
+    for repo in ("user/files", "own/files"):
+        state.put_files(repo, {"small.safetensors": safetensors({"w": b"1"})})
+        state.hostile[repo] = hub_server.Hostile(headers={"ETag": '"no-blob-id"'}, ignore_range=True)
+    code = """
+import threading, huggingface_hub
+def users_calls():
+    path = huggingface_hub.hf_hub_download("user/files", "small.safetensors")
+    url = huggingface_hub.hf_hub_url("user/files", "small.safetensors")
+    ranged = huggingface_hub.get_session().get(url, headers={"Range": "bytes=0-3"})
+    return [os.path.getsize(path), ranged.status_code]
+loaded = []
+loading = threading.Thread(target=lambda: loaded.append(attempt("hf://slow/model")[0]))
+loading.start()
+while not loading.is_alive():
+    pass
+during = users_calls() + [loading.is_alive()]
+loading.join()
+after = users_calls()
+emit([during, loaded, after, attempt("hf://own/files")[0]])
+"""
+    during, loaded, after, own = client.run(_ATTEMPT + code)
+    assert during[2] is True, "the user's calls ended after the load"
+    assert during[:2] == after == [len(safetensors({"w": b"1"})), 200]
+    assert loaded == [None]
+    assert is_eqx_error(own, "CheckpointStorageError"), own

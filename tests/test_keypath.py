@@ -13,7 +13,7 @@ import pytest
 from jax.random import key as jax_key
 
 import eqx_ckpt
-from eqx_ckpt._base import _keypath
+from eqx_ckpt._base import _keypath, _state
 
 AWKWARD_KEYS = [
     "a.b",
@@ -96,8 +96,8 @@ def test_named_gives_each_key_path_its_dotted_path_and_record():
 
 
 def test_the_key_memo_stays_bounded(monkeypatch):
-    monkeypatch.setattr(_keypath, "_MEMO_MAX", 10)
-    monkeypatch.setattr(_keypath, "_RECORDS", {})
+    monkeypatch.setattr(_keypath._RECORDS, "bound", 10)
+    _state.reset("keypath.records")
     for i in range(25):
         assert _keypath.segment(jtu.GetAttrKey(f"a{i}")) == f"a{i}"
     assert len(_keypath._RECORDS) <= 10
@@ -332,7 +332,7 @@ jtu.register_pytree_with_keys(
 )
 
 
-def test_a_tree_with_another_node_is_named_from_its_key_paths(monkeypatch, faults):
+def test_a_tree_with_another_node_is_named_from_its_key_paths(faults):
     """A registered node may run code of the user's when rebuilt: its tree is
     named from its key paths, never rebuilt; which way a root type went is
     remembered for the next tree of that type."""
@@ -341,7 +341,7 @@ def test_a_tree_with_another_node_is_named_from_its_key_paths(monkeypatch, fault
     def refuse(*args):
         raise AssertionError("rebuilt")
 
-    monkeypatch.setattr(_tree, "_PLAIN_ROOTS", {})
+    _state.reset("tree.plain_roots")
     tree = {"r": [_Registered(jnp.ones(2)), _Registered(3.0)], "p": jnp.zeros(1)}
     faults("tree.name_by_structure", refuse)
     _check_named_as_by_key_paths(tree)

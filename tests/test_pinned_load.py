@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
+from eqx_ckpt._base import _state
 from eqx_ckpt._ondisk import _format
 from eqx_ckpt._store import _memory
 
@@ -31,7 +32,7 @@ def pool(monkeypatch):
     monkeypatch.setattr(_format, "CHUNK_BYTES", 64 << 10)
     monkeypatch.setattr(_memory, "PINNED_LOAD_POOL", (2, BUFFER))
     monkeypatch.setattr(_memory, "PINNED_PLATFORMS", _memory.PINNED_PLATFORMS | {"cpu"})
-    monkeypatch.setattr(_memory, "_LOAD_POOLS", {})
+    _state.reset("memory.load_pools")
     return lambda: _memory.load_pool()
 
 
@@ -122,7 +123,7 @@ def test_the_pool_is_on_for_gpus_and_not_for_cpus(tmp_path, faults, monkeypatch)
     devices here allocates none of its buffers."""
     assert _memory.PINNED_LOAD_POOL is not None
     assert "gpu" in _memory.PINNED_PLATFORMS and "cpu" not in _memory.PINNED_PLATFORMS
-    monkeypatch.setattr(_memory, "_LOAD_POOLS", {})
+    _state.reset("memory.load_pools")
     allocated: list[int] = []
     faults(["load.pinned_pool"], allocated.append)
     tree = {"w": jax.random.normal(jax.random.key(0), (2048, 256))}

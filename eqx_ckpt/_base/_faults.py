@@ -209,9 +209,10 @@ The points, with where they fire and the arguments they pass:
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
+
+from . import _state
 
 # An exception (instance or class) to raise at a point, or a callback called
 # with the point's arguments.
@@ -288,10 +289,8 @@ POINTS = frozenset(
 )
 
 
-# The armed points. Replaced whole, never changed in place, so a thread firing a
-# point sees one consistent mapping without a lock; empty when nothing is armed.
-_ARMED: dict[str, Callable[..., object]] = {}
-_ARMING = threading.Lock()
+# The armed points; empty when nothing is armed.
+_ARMED: _state.Table[str, Callable[..., object]] = _state.table("faults.armed", len(POINTS), "refuse")
 
 
 def fire(point: str, *args: Any) -> None:
@@ -326,21 +325,18 @@ def armed(points: str | Iterable[str] | Mapping[str, Action], action: Action | N
     unknown = sorted(set(actions) - POINTS)
     if unknown:
         raise ValueError(f"Unknown fault points {unknown}; the points are {sorted(POINTS)}.")
-    global _ARMED
-    with _ARMING:
+    with _ARMED.lock:
         previous = {name: _ARMED.get(name) for name in actions}
-        _ARMED = {**_ARMED, **{name: _callable(a) for name, a in actions.items()}}
+        _ARMED.update({name: _callable(a) for name, a in actions.items()})
     try:
         yield
     finally:
-        with _ARMING:
-            restored = dict(_ARMED)
+        with _ARMED.lock:
             for name, before in previous.items():
                 if before is None:
-                    restored.pop(name, None)
+                    _ARMED.pop(name, None)
                 else:
-                    restored[name] = before
-            _ARMED = restored
+                    _ARMED[name] = before
 
 
 def _callable(action: Action) -> Callable[..., object]:

@@ -17,16 +17,16 @@ import threading
 import types
 from collections.abc import Iterator
 
-# Reentrant: freeing an object inside the lock (a dropped pause's frame) or a
-# collection started by an allocation there may run a finalizer in the same
-# thread. The finalizer of a `gc_paused` left suspended by an interrupt
-# resumes its pause. With a plain lock that thread waited on itself for ever.
-_GC_LOCK = threading.RLock()
-
+from . import _state
 
 # The `GcPause`s begun and not yet resumed: id -> (thread ident, the frame the
 # pause belongs to), or None while it waits for a background thread to adopt it.
-_active: dict[int, tuple[int, types.FrameType] | None] = {}
+# Its lock is reentrant: freeing an object inside it (a dropped pause's frame)
+# or a collection started by an allocation there may run a finalizer in the
+# same thread. The finalizer of a `gc_paused` left suspended by an interrupt
+# resumes its pause. With a plain lock that thread waited on itself for ever.
+# (A forked child has none: the threads that would resume them are not in it.)
+_active: _state.Table[int, tuple[int, types.FrameType] | None] = _state.table("gc.active", None, "live", fork="empty")
 
 
 _restore: bool | None = None  # the collector's state before the first of them
@@ -50,19 +50,19 @@ class GcPause:
     def begin(self, frame: types.FrameType | None) -> None:
         """Pause for as long as `frame` runs (or, with `None`, until `adopt`)."""
         owner = None if frame is None else (threading.get_ident(), frame)
-        with _GC_LOCK:
+        with _active.lock:
             _active[id(self)] = owner
             _settle()
 
     def adopt(self) -> None:
         """The calling thread takes the pause over, for its caller's frame."""
-        with _GC_LOCK:
+        with _active.lock:
             if id(self) in _active:
                 _active[id(self)] = (threading.get_ident(), sys._getframe(1))
 
     def resume(self) -> None:
         """End this pause. Idempotent."""
-        with _GC_LOCK:
+        with _active.lock:
             _active.pop(id(self), None)
             _settle()
 
@@ -72,7 +72,7 @@ def _settle() -> None:
     is off while any pause is active, and back as it was once none is.
 
     Each line can be repeated, so a call cut short is finished by the next. A
-    whole `begin` or `resume` may run inside it (a finalizer, see `_GC_LOCK`).
+    whole `begin` or `resume` may run inside it (a finalizer, see `_active`).
     So it reads a copy of `_active`, copied without allocating per item, so
     that no finalizer runs midway. It decides the collector's state last,
     after the lines that allocate or free."""

@@ -93,10 +93,11 @@ class _Job:
 _JOBS: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
 
 
-_HELPERS: list[threading.Thread] = []
+# The helper last started (`_threads` records every one, and stops it at exit).
+_helper: threading.Thread | None = None
 
 
-def _helper() -> None:
+def _serve() -> None:
     while (job := _JOBS.get()) is not None:
         job.run()
 
@@ -106,10 +107,11 @@ def _ensure_helper() -> None:
     starting at once, or a start cut short by an interrupt, may leave two
     helpers, which is harmless: each job is taken from the queue once. (No lock
     here: one that an interrupt left held would stop every later save.)"""
-    if not any(thread.is_alive() for thread in _HELPERS):
-        thread = _threads.thread("eqx_ckpt-io", _helper, stop=functools.partial(_JOBS.put, None))
-        _HELPERS.append(thread)
-        thread.start()
+    global _helper
+    helper = _helper
+    if helper is None or not helper.is_alive():
+        _helper = helper = _threads.thread("eqx_ckpt-io", _serve, stop=functools.partial(_JOBS.put, None))
+        helper.start()
 
 
 def attempt(run: Callable[[], Any]) -> BaseException | None:

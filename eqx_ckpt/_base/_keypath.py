@@ -9,13 +9,14 @@ dotted path is the segments joined by `.`, a directory the segments joined by
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import re
 from typing import Any
 
 import jax.tree_util as jtu
 import numpy as np
+
+from . import _state
 
 _SAFE = re.compile(r"[A-Za-z0-9_-]")
 _ALL_SAFE = re.compile(r"[A-Za-z0-9_-]+")
@@ -145,7 +146,7 @@ def sort_key(path: str) -> tuple[tuple[int, Any, str], ...]:
     return tuple(map(_segment_key, path.split("."))) if path else ()
 
 
-@functools.lru_cache(maxsize=2**16)
+@_state.memo(2**16)
 def _segment_key(part: str) -> tuple[int, Any, str]:
     """One segment's `sort_key`, remembered: a tree's few names and indices
     recur in thousands of paths."""
@@ -203,15 +204,10 @@ def remembered_record(key: Any) -> tuple[str, Any]:
     if memo is None:
         return key_record(key)
     found = _RECORDS.get(memo)
-    if found is None:
-        if len(_RECORDS) >= _MEMO_MAX:
-            _RECORDS.clear()
-        found = _RECORDS[memo] = key_record(key)
-    return found
+    return found if found is not None else _RECORDS.put(memo, key_record(key))
 
 
-_RECORDS: dict[tuple[type, Any, type], tuple[str, Any]] = {}
-_MEMO_MAX = 2**16
+_RECORDS: _state.Table[tuple[type, Any, type], tuple[str, Any]] = _state.table("keypath.records", 2**16, "clear")
 
 
 _KINDS = frozenset({"index", "flat", "attr", "key", "key_int", "key_repr", "other"})
@@ -300,7 +296,7 @@ class _ReprKey:
         return hash(self.text)
 
 
-@functools.lru_cache(maxsize=2**16)
+@_state.memo(2**16)
 def stored_segment(kind: str, value: Any) -> str:
     """The segment a manifest key record must have (readers recompute, never trust)."""
     if kind in ("index", "flat"):

@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import _state
+
 # How long the exit waits, in all, for the workers once they are asked to stop.
 STOP_SECONDS = 30.0
 
@@ -107,21 +109,21 @@ def _run(future: concurrent.futures.Future[Any], fn: Callable[..., Any], args: A
             future.set_exception(e)
 
 
-_POOLS: dict[str, Pool] = {}
+# (A forked child starts with none: the parent's workers are not in it.)
+_POOLS: _state.Table[str, Pool] = _state.table("threads.pools", 16, "refuse", fork="empty")
 # Threads made by `thread` and still running, each with what asks it to stop.
-_THREADS: dict[threading.Thread, Callable[[], None] | None] = {}
-_AT_EXIT: list[Callable[[], None]] = []
-_LOCK = threading.Lock()
+_THREADS: _state.Table[threading.Thread, Callable[[], None] | None] = _state.table(
+    "threads.threads", None, "live", fork="empty"
+)
+_AT_EXIT: _state.Table[Callable[[], None], None] = _state.table("threads.at_exit", 4, "refuse")
 
 
 def pool(name: str, threads: int) -> Pool:
     """The process's pool named `name`, of up to `threads` threads, made on
     first use."""
-    with _LOCK:
+    with _POOLS.lock:
         made = _POOLS.get(name)
-        if made is None:
-            made = _POOLS[name] = Pool(name, threads)
-        return made
+        return made if made is not None else _POOLS.put(name, Pool(name, threads))
 
 
 def thread(
@@ -136,11 +138,11 @@ def thread(
         try:
             target(*args)
         finally:
-            with _LOCK:
+            with _THREADS.lock:
                 _THREADS.pop(made, None)
 
     made = threading.Thread(target=run, name=name, daemon=daemon)
-    with _LOCK:
+    with _THREADS.lock:
         _THREADS[made] = stop
     return made
 
@@ -148,15 +150,14 @@ def thread(
 def at_exit(fn: Callable[[], None]) -> None:
     """Run `fn` at interpreter exit, before the workers stop (see the module
     docstring)."""
-    with _LOCK:
-        _AT_EXIT.append(fn)
+    _AT_EXIT.put(fn, None)
 
 
 def _exit() -> None:
     """Stop everything, in the order the module docstring gives."""
     for fn in list(_AT_EXIT):
         fn()
-    with _LOCK:
+    with _POOLS.lock, _THREADS.lock:
         pools, threads = list(_POOLS.values()), list(_THREADS.items())
     for made in pools:
         made.shutdown(wait=False, cancel_futures=True)

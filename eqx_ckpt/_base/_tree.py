@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import collections
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax.tree_util as jtu
 
-from . import _faults, _keypath
+from . import _faults, _keypath, _state
 from ._errors import CheckpointTypeError, CheckpointValueError, LeafError, leaf_message
 
 
@@ -121,15 +120,13 @@ def flatten_named(
     flat, treedef = flatten(tree, is_leaf)
     leaves = [leaf for _, leaf in flat]
     if not keypaths:
-        if len(_PLAIN_ROOTS) >= 64:
-            _PLAIN_ROOTS.clear()
-        _PLAIN_ROOTS[type(tree)] = plain = rebuilds_plainly(treedef)
+        plain = _PLAIN_ROOTS.put(type(tree), rebuilds_plainly(treedef))
         if plain:
             return leaves, names_from_structure(treedef)
     return leaves, names_from_keypaths([keypath for keypath, _ in flat], treedef)
 
 
-_PLAIN_ROOTS: dict[type, bool] = {}
+_PLAIN_ROOTS: _state.Table[type, bool] = _state.table("tree.plain_roots", 64, "clear")
 
 
 def names_from_structure(treedef: Any) -> Names:
@@ -193,22 +190,18 @@ def _named(treedef: Any) -> tuple[list[str], list[list[list[Any]]], dict[Any, An
     if not name(treedef, "", []):
         return paths, records, None
     named: tuple[list[str], list[list[list[Any]]], dict[Any, Any]] = (paths, records, {})
-    with _NAMED_LOCK:
-        try:
-            while len(_NAMED) >= _NAMED_SIZE:
-                del _NAMED[next(iter(_NAMED))]
-            _NAMED[treedef] = named
-        except Exception:  # a structure that cannot be compared (see `_lookup`)
-            return paths, records, None
-    return named
+    try:
+        return _NAMED.put(treedef, named)
+    except Exception:  # a structure that cannot be compared (see `_lookup`)
+        return paths, records, None
 
 
 # The names of the last few structures named (`names_from_structure`), the
 # oldest first, each with its `Names.memo`. The key path records in them are
 # shared by every save of the structure, and never changed.
-_NAMED: dict[Any, tuple[list[str], list[list[list[Any]]], dict[Any, Any]]] = {}
-_NAMED_SIZE = 4
-_NAMED_LOCK = threading.Lock()
+_NAMED: _state.Table[Any, tuple[list[str], list[list[list[Any]]], dict[Any, Any]]] = _state.table(
+    "tree.named", 4, "oldest"
+)
 
 
 def _lookup(first: dict[Any, Any], node: Any) -> Any:
@@ -301,9 +294,7 @@ def rebuilds_plainly(treedef: Any) -> bool:
     try:
         found = _PLAIN.get(treedef)
         if found is None:
-            if len(_PLAIN) >= 64:
-                _PLAIN.clear()
-            found = _PLAIN[treedef] = all(_rebuilds_plainly(cls) for cls in _node_types(treedef))
+            found = _PLAIN.put(treedef, all(_rebuilds_plainly(cls) for cls in _node_types(treedef)))
     except Exception:
         # Node data that cannot be hashed or compared (an array in a static
         # field of an Equinox module: JAX raises comparing two such
@@ -312,7 +303,7 @@ def rebuilds_plainly(treedef: Any) -> bool:
     return found
 
 
-_PLAIN: dict[Any, bool] = {}
+_PLAIN: _state.Table[Any, bool] = _state.table("tree.plain", 64, "clear")
 
 
 def _node_types(treedef: Any) -> set[type]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -35,8 +36,8 @@ DEFAULT_ITEM = "default"
 # What orbax's `CheckpointManager` writes in each step folder.
 STEP_METADATA = "_CHECKPOINT_METADATA"
 # orbax's `value_type` -> the leaf type a load without `like` gives back.
-_TYPES = {"jax.Array": "jax", "np.ndarray": "numpy", "scalar": ""}
-_SCALARS = {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}
+_TYPES = types.MappingProxyType({"jax.Array": "jax", "np.ndarray": "numpy", "scalar": ""})
+_SCALARS = types.MappingProxyType({"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"})
 # orbax's `key_type`: 1 a sequence index, 2 a dict key (and an attribute name).
 _SEQUENCE = 1
 

@@ -21,13 +21,14 @@ import functools
 import math
 import os
 import re
+import types
 import urllib.parse
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
-from .._base import _faults, _keypath, _location
+from .._base import _faults, _keypath, _location, _state
 from .._base._errors import (
     MAX_SHOWN,
     CheckpointError,
@@ -44,15 +45,15 @@ from .._ondisk._manifest import Manifest, loads_file
 from .._store import _chunk_files, _storage, _storage_errors, _window
 
 # Safetensors dtype names -> the names eqx_ckpt (and ml_dtypes) use.
-DTYPES = {
+DTYPES = types.MappingProxyType({
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32",
     "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
     "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
     "F8_E8M0": "float8_e8m0fnu",
-}  # fmt: skip
-NAMES = {ours: theirs for theirs, ours in DTYPES.items()}
+})  # fmt: skip
+NAMES = types.MappingProxyType({ours: theirs for theirs, ours in DTYPES.items()})
 # The NumPy dtype of each of our names, looked up once, not once a tensor.
-_NUMPY = {ours: dtype_from_name(ours) for ours in DTYPES.values()}
+_NUMPY = types.MappingProxyType({ours: dtype_from_name(ours) for ours in DTYPES.values()})
 # The safetensors library refuses headers above 100 MB; so do we, for one
 # file and for all the files of a directory together.
 MAX_HEADER = 100 * 2**20
@@ -585,7 +586,7 @@ def _record(name: str, entry: Any) -> tuple[LeafRecord, int, int]:
     return record, offsets[0], size * itemsize
 
 
-@functools.lru_cache(maxsize=4096)
+@_state.memo(4096)
 def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     """Runs of whole rows of about `ROW_CHUNK_BYTES` (a model's few shapes
     recur in thousands of tensors)."""

@@ -44,6 +44,7 @@ import functools
 import itertools
 import threading
 import time
+import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -71,7 +72,7 @@ _WAIT_MS = 1000
 # Saves (and restores that share reads) are numbered in the order each process
 # makes them. That order is the same in every process, so the n-th save's
 # barriers have the same names everywhere.
-_numbers = {"save": itertools.count(), "restore": itertools.count()}
+_numbers = types.MappingProxyType({"save": itertools.count(), "restore": itertools.count()})
 
 
 def _client() -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base import _faults
+from .._base import _faults, _state
 from .._store import _memory
 
 
@@ -181,7 +181,7 @@ def _slice(data: jax.Array, part: Region, region: Region) -> jax.Array | _memory
     return _memory.Deferred(data, nbytes, operator.itemgetter(within))
 
 
-@functools.lru_cache(maxsize=256)
+@_state.memo(256)
 def regions_held(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[tuple[Region, tuple[int, ...]], ...]:
     """Every region of a leaf of `shape` placed with `sharding`, with the
     processes whose devices hold it (in rank order); regions in order. The

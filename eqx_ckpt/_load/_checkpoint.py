@@ -13,7 +13,7 @@ import equinox as eqx
 import numpy as np
 from jaxtyping import PyTree
 
-from .._base import _gc, _keypath
+from .._base import _gc, _keypath, _state
 from .._base._errors import CheckpointError, CheckpointKeyError, CheckpointTypeError, check_flag
 from .._base._progress import Progress
 from .._ondisk import _trust
@@ -25,7 +25,7 @@ from ._load_plan import LoadOptions
 
 _SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
 # The checkpoints whose load without `trust` was warned about in this process (`_say_trust`).
-_TRUST_SAID: set[str] = set()
+_TRUST_SAID: _state.Table[str, None] = _state.table("checkpoint.trust_said", 1024, "clear")
 
 
 class Checkpoint(Mapping[str, Any]):
@@ -503,7 +503,7 @@ class Checkpoint(Mapping[str, Any]):
             return
         if not classes:
             return
-        _TRUST_SAID.add(self.path)
+        _TRUST_SAID.put(self.path, None)
         shown = ", ".join(f"`{_trust.python_name(n)}`" for n in classes[:3]) + (" ..." if len(classes) > 3 else "")
         trusted = ", ".join(_trust.python_name(n) for n in untrusted)
         warnings.warn(

@@ -556,6 +556,7 @@ def download(pinned: Pinned, names: list[str]) -> tuple[str, tuple[str, ...]]:
                 revision=revision,
                 allow_patterns=[glob.escape(pinned.folder + n) for n in names],
                 token=pinned.token,
+                headers={_hub_http.MARK: "1"},
                 local_files_only=pinned.offline,
                 max_workers=THREADS,
             )
@@ -629,7 +630,8 @@ class Files:
     def __init__(self, pinned: Pinned):
         self.pinned = pinned
         self.loc = Location({}, pinned.display, None, pinned.hub)
-        self.fs = library().HfFileSystem(token=pinned.token)
+        # Its own (the library keeps every one it makes, with its token, unless told not to).
+        self.fs = library().HfFileSystem(token=pinned.token, skip_instance_cache=True)
         self.small: dict[str, bytes] = {}
 
     def names(self) -> list[str]:

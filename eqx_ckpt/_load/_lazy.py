@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from .._base import _state
 from .._base._errors import CheckpointTypeError
 from .._base._location import Location
 from .._ondisk import _dtypes
@@ -293,7 +294,7 @@ def _region_size(index: tuple[Any, ...]) -> int:
 # steps they read from while they live (`reads_from`). Keyed by the weak
 # reference's identity, as a lazy leaf is unhashable (see `LazyArray.__hash__`);
 # a plain dict, as a `WeakValueDictionary` tripled what a lazy leaf costs to make.
-_LIVE: dict[int, weakref.ref[LazyArray]] = {}
+_LIVE: _state.Table[int, weakref.ref[LazyArray]] = _state.table("lazy.live", None, "live")
 
 
 def _forget(live: weakref.ref[LazyArray]) -> None:

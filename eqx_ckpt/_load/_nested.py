@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,7 @@ from ._lazy import LazyArray
 from ._load_plan import LeafPlan
 from ._source import Source
 
-_PYTHON = {"bool": False, "int": 0, "float": 0.0, "complex": 0j}
+_PYTHON = types.MappingProxyType({"bool": False, "int": 0, "float": 0.0, "complex": 0j})
 
 
 def load(source: Source, records: list[LeafRecord], key: str, *, lazy: bool, progress: Progress, numbered: bool) -> Any:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import jax
 import numpy as np
 
-from .._base import _faults
+from .._base import _faults, _state
 from .._base._errors import LeafError, stored_leaf_error
 from .._base._location import Location
 from .._hosts import _sharding
@@ -313,12 +313,12 @@ def _fast_put_function() -> tuple[Any, Any] | None:
 FAST_PUT = _fast_put_function()
 
 
-@functools.lru_cache(maxsize=64)
+@_state.memo(64)
 def _default_sharding(device: Any) -> Any:
     return jax.sharding.SingleDeviceSharding(device)
 
 
-@functools.lru_cache(maxsize=128)
+@_state.memo(128)
 def _canonical(dtype: np.dtype, x64: bool) -> bool:
     """Whether JAX keeps this dtype as it is (not float64 without x64, say)."""
     return dtype != jax.dtypes.float0 and np.dtype(jax.dtypes.canonicalize_dtype(dtype)) == dtype

@@ -33,8 +33,9 @@ import operator
 import os
 import re
 import sys
+import types
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -42,7 +43,7 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from .._base import _gc, _keypath, _tree
+from .._base import _gc, _keypath, _state, _tree
 from .._base._errors import (
     CheckpointError,
     CheckpointKeyError,
@@ -401,18 +402,20 @@ def _check_fields(node: dict[str, Any], where: str, path: str) -> None:
         raise _corrupt(where, path, f"a node of class {from_file(node['cls'])!r} lists a field twice")
 
 
-_FIELDS = {
-    "leaf": {"t"},
-    "none": {"t"},
-    "value": {"t", "v"},
-    "unrecordable": {"t", "why"},
-    "dict": {"t", "k", "c"},
-    "list": {"t", "c"},
-    "tuple": {"t", "c"},
-    "namedtuple": {"t", "cls", "f", "c"},
-    "object": {"t", "cls", "f", "c"},
-    "node": {"t", "cls", "aux", "k", "c"},
-}
+_FIELDS = types.MappingProxyType(
+    {
+        "leaf": frozenset({"t"}),
+        "none": frozenset({"t"}),
+        "value": frozenset({"t", "v"}),
+        "unrecordable": frozenset({"t", "why"}),
+        "dict": frozenset({"t", "k", "c"}),
+        "list": frozenset({"t", "c"}),
+        "tuple": frozenset({"t", "c"}),
+        "namedtuple": frozenset({"t", "cls", "f", "c"}),
+        "object": frozenset({"t", "cls", "f", "c"}),
+        "node": frozenset({"t", "cls", "aux", "k", "c"}),
+    }
+)
 
 
 def _checked_key(key: Any, where: str, path: str) -> tuple[str, Any]:
@@ -425,7 +428,7 @@ def _checked_key(key: Any, where: str, path: str) -> tuple[str, Any]:
     return key[0], key[1]
 
 
-_SCALAR_TAGS = {"float", "complex"}
+_SCALAR_TAGS = frozenset({"float", "complex"})
 
 
 def _is_part(x: Any) -> bool:
@@ -702,10 +705,12 @@ def abstract(record: LeafRecord) -> Any:
     return _PYTHON[record.type]()
 
 
-_PYTHON: dict[str, Callable[[], Any]] = {"bool": bool, "int": int, "float": float, "complex": complex}
+_PYTHON: Mapping[str, Callable[[], Any]] = types.MappingProxyType(
+    {"bool": bool, "int": int, "float": float, "complex": complex}
+)
 
 
-@functools.lru_cache(maxsize=16)
+@_state.memo(16)
 def _key_dtype(impl: str) -> Any:
     return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import types
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -137,7 +138,7 @@ class Source:
             )
 
 
-_LABELS = {"safetensors": "Safetensors checkpoint", "orbax": "orbax checkpoint"}
+_LABELS = types.MappingProxyType({"safetensors": "Safetensors checkpoint", "orbax": "orbax checkpoint"})
 
 
 class Options(Protocol):

@@ -3,22 +3,25 @@ comes back as the type of `like`'s leaf."""
 
 from __future__ import annotations
 
-import functools
 import math
+import types
 from typing import Any
 
 import jax
 import ml_dtypes
 import numpy as np
 
+from .._base import _state
 from ._format import NATIVE_DTYPES, dtype_from_name
 
-_PYTHON_SCALARS = {
-    bool: ("bool", np.bool_),
-    int: ("int", np.int64),
-    float: ("float", np.float64),
-    complex: ("complex", np.complex128),
-}
+_PYTHON_SCALARS = types.MappingProxyType(
+    {
+        bool: ("bool", np.bool_),
+        int: ("int", np.int64),
+        float: ("float", np.float64),
+        complex: ("complex", np.complex128),
+    }
+)
 _ALL_NAMES = NATIVE_DTYPES | {"uint2", "uint4", "float8_e4m3"}
 
 
@@ -33,12 +36,12 @@ def is_prng_key(x: Any) -> bool:
 
 # Per dtype, not per leaf: NumPy's `dtype.name` and JAX's `issubdtype` cost
 # microseconds each, which ten thousand leaves multiply into a large part of a save.
-@functools.lru_cache(maxsize=256)
+@_state.memo(256)
 def _is_key_dtype(dtype: Any) -> bool:
     return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
 
 
-@functools.lru_cache(maxsize=256)
+@_state.memo(256)
 def name(dtype: np.dtype) -> str:
     """`dtype.name`, remembered."""
     return dtype.name
@@ -59,7 +62,7 @@ def leaf_type(x: Any) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=256)
+@_state.memo(256)
 def stored_dtype(dtype: np.dtype) -> tuple[str, str]:
     """(stored dtype name, encoding) for an array of `dtype`."""
     if dtype.name in NATIVE_DTYPES:
@@ -186,7 +189,7 @@ def _check_float_range(before: np.ndarray, after: np.ndarray, target: np.dtype) 
 _CHECK_BLOCK = 2**20
 
 
-@functools.lru_cache(maxsize=64)
+@_state.memo(64)
 def _overflow_limit(target: np.dtype) -> float:
     """The magnitude from which a value no longer rounds to the largest finite
     value of the real part of `target`: that value plus half its spacing."""
@@ -271,12 +274,12 @@ def x64_message(dtype: Any) -> str:
     )
 
 
-@functools.lru_cache(maxsize=256)
+@_state.memo(256)
 def _narrowed(dtype: np.dtype, x64: bool) -> bool:
     return jax.dtypes.canonicalize_dtype(dtype) != dtype
 
 
-@functools.lru_cache(maxsize=256)
+@_state.memo(256)
 def _str(dtype: Any) -> str:
     """`str(dtype)`, remembered (NumPy works it out anew each time)."""
     return str(dtype)
@@ -302,10 +305,10 @@ def expected(like: Any) -> tuple[tuple[int, ...], str]:
 
 
 # The NumPy kinds of the stored values that a Python scalar `like` leaf holds exactly.
-SCALAR_KINDS = {"bool": "b", "int": "biu", "float": "biuf", "complex": "biufc"}
+SCALAR_KINDS = types.MappingProxyType({"bool": "b", "int": "biu", "float": "biuf", "complex": "biufc"})
 # ... and with `cast=True`, which then converts each value it holds exactly (the
 # rule `checked_cast` applies to arrays: `5.0` into an `int`, not `5.7`).
-_CAST_SCALAR_KINDS = {"bool": "biuf", "int": "biuf", "float": "biuf", "complex": "biufc"}
+_CAST_SCALAR_KINDS = types.MappingProxyType({"bool": "biuf", "int": "biuf", "float": "biuf", "complex": "biufc"})
 
 
 def compatible(record: Any, like: Any, *, cast: bool = False) -> str | None:
@@ -368,7 +371,7 @@ def keep_weak_type(value: Any, like: Any) -> Any:
     return _convert_element_type(value, weak_type=True)
 
 
-@functools.lru_cache(maxsize=32)
+@_state.memo(32)
 def key_data_shape(impl: str) -> tuple[int, ...] | None:
     """The trailing shape of the key data of one PRNG key of the implementation
     named `impl` ("threefry2x32": `(2,)`), or `None` if JAX has no such one."""

@@ -33,7 +33,6 @@ A manager's run holds:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import re
@@ -43,7 +42,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .._base import _keypath
+from .._base import _keypath, _state
 
 FORMAT = "eqx_ckpt"
 # Versions:
@@ -329,12 +328,12 @@ class LeafRecord:
         return out
 
 
-@functools.lru_cache(maxsize=256)
+@_state.memo(256)
 def _itemsize(dtype: str) -> int:
     return dtype_from_name(dtype).itemsize
 
 
-@functools.lru_cache(maxsize=4096)
+@_state.memo(4096)
 def whole_chunks(stored_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The chunk shape of an array stored as one chunk."""
     return tuple(max(1, n) for n in stored_shape)
@@ -380,7 +379,7 @@ def array_metadata(shape: tuple[int, ...], stored_dtype: str, chunks: list[int])
     }
 
 
-@functools.lru_cache(maxsize=256)
+@_state.memo(256)
 def dtype_from_name(name: str) -> np.dtype:
     """The NumPy dtype of a zarr/manifest dtype name (`ml_dtypes` for bfloat16 and co)."""
     return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)

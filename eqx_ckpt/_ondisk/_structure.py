@@ -42,6 +42,7 @@ import enum
 import itertools
 import math
 import sys
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -217,7 +218,7 @@ def _one_level(td: Any, count: int) -> Any:
     return td.from_node_data_and_children(jtu.default_registry, td.node_data(), [_LEAF_TREEDEF] * count)
 
 
-_BUILTIN = {type(None): "none", dict: "dict", list: "list", tuple: "tuple"}
+_BUILTIN = types.MappingProxyType({type(None): "none", dict: "dict", list: "list", tuple: "tuple"})
 
 
 def _dict_key(key: Any) -> list[Any] | None:

@@ -19,7 +19,6 @@ process-global registry.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import sys
 import types
@@ -30,6 +29,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._base import _state
 from .._base._errors import CheckpointTypeError
 
 
@@ -156,7 +156,7 @@ def _nested_classes(cls: Any) -> dict[str, Any]:
 
 # Remembered per module object: walking a large package (optax) takes milliseconds,
 # and a load may be asked for many times. Modules are never collected in practice.
-@functools.lru_cache(maxsize=64)
+@_state.memo(64)
 def _module_table(module: types.ModuleType) -> dict[str, Any]:
     """Every class and function defined in `module` or its submodules."""
     prefix = module.__name__
@@ -205,7 +205,7 @@ _ELEMENTWISE = (
 _ABSTRACT = ("StatefulLayer",)
 
 
-@functools.cache
+@_state.memo(1)
 def _default_table() -> dict[str, Any]:
     """The default trust, filed under their own names:
 

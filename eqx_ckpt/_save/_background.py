@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base import _gc, _threads, _tree
+from .._base import _gc, _state, _threads, _tree
 from .._store import _lease, _memory
 from . import _records
 
@@ -201,15 +201,15 @@ class PendingSave:
         # finished, and every later wait (the exit's too) returned at once.
         self._finished = threading.Event()
         try:
-            with _PENDING_LOCK:
-                _PENDING.add(self)
+            with _PENDING.lock:
+                _PENDING[self] = None
                 if wraps is not None:
                     wraps._outer = self
             self._thread.start()
         except BaseException:
             if self._thread.ident is None:  # interrupted before the thread began
-                with _PENDING_LOCK:
-                    _PENDING.discard(self)
+                with _PENDING.lock:
+                    _PENDING.pop(self, None)
             raise
         finally:
             self._started.set()
@@ -221,8 +221,8 @@ class PendingSave:
         except BaseException as e:  # re-raised by `wait`
             self._error = e
         finally:
-            with _PENDING_LOCK:
-                _PENDING.discard(self)
+            with _PENDING.lock:
+                _PENDING.pop(self, None)
             self._finished.set()
 
     def done(self) -> bool:
@@ -243,14 +243,14 @@ class PendingSave:
 # The longest a Ctrl-C during `PendingSave.wait` can be held, in seconds.
 _WAIT_SLICE = 0.05
 
-_PENDING: set[PendingSave] = set()
-_PENDING_LOCK = threading.Lock()
+# The saves in flight (a forked child has none: their threads are the parent's).
+_PENDING: _state.Table[PendingSave, None] = _state.table("background.pending", None, "live", fork="empty")
 
 
 def _wait_at_exit() -> None:
     """Finish the saves still in flight, and say so: a script whose last line
     starts an asynchronous save must not lose it."""
-    with _PENDING_LOCK:
+    with _PENDING.lock:
         # A save wrapped by another (a manager's) is waited for through it.
         pending = [save for save in _PENDING if save._outer is None or save._outer not in _PENDING]
     if not pending:

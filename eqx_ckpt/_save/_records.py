@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base import _faults, _keypath, _tree
+from .._base import _faults, _keypath, _state, _tree
 from .._base._errors import CheckpointError, CheckpointTypeError, LeafError, leaf_message
 from .._base._handle import LeafHandle
 from .._base._location import Location
@@ -476,7 +476,9 @@ def array_kind(cls: type) -> str:
     _faults.fire("save.array_kind", cls)
     kind = _KINDS.get(cls)
     if kind is None:
-        if issubclass(cls, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+        if cls is Held:
+            kind = "held"
+        elif issubclass(cls, (jax.core.Tracer, jax.ShapeDtypeStruct)):
             kind = "abstract"
         elif issubclass(cls, jax.Array):
             kind = "jax"
@@ -484,15 +486,14 @@ def array_kind(cls: type) -> str:
             kind = "numpy" if cls is np.ndarray else "ndarray"
         else:
             kind = "other"
-        _KINDS[cls] = kind
+        _KINDS.put(cls, kind)
     return kind
 
 
-# (An asynchronous save's held array: "held", never a type of the caller's tree.)
-_KINDS: dict[type, str] = {Held: "held"}
+_KINDS: _state.Table[type, str] = _state.table("records.kinds", 256, "clear")
 
 
-@functools.lru_cache(maxsize=256)
+@_state.memo(256)
 def _plain_dtype(dtype: np.dtype) -> str | None:
     """The name of `dtype` when an array of it is stored as it is (not a PRNG
     key, a dtype zarr v3 has); else `None`."""
@@ -504,7 +505,7 @@ def _plain_dtype(dtype: np.dtype) -> str | None:
     return name
 
 
-@functools.lru_cache(maxsize=4096)
+@_state.memo(4096)
 def _chunk_grid(shape: tuple[int, ...], itemsize: int, limit: int) -> tuple[int, ...]:
     """`chunk_shape`, remembered; `limit` (`CHUNK_BYTES`, which tests change)
     is part of the key, so that no chunk shape outlives the limit it was made for."""
@@ -644,7 +645,7 @@ def pack_chunk(size: int, itemsize: int, step: int, limit: int) -> int:
     return chunk if chunk <= most else most
 
 
-@functools.lru_cache(maxsize=64)
+@_state.memo(64)
 def _align_step(dtype: str) -> int:
     """Offsets (in elements of `dtype`) that start on a 64-byte boundary."""
     return max(1, ALIGN_BYTES // dtype_from_name(dtype).itemsize)

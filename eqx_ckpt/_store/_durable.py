@@ -9,7 +9,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from .._base import _faults, _location, _threads
+from .._base import _faults, _location, _state, _threads
 from .._base._errors import CheckpointError
 from .._ondisk import _format
 from . import _storage_errors
@@ -84,7 +84,7 @@ def fsync(path: str, *, missing_ok: bool = False) -> None:
         os.close(fd)
 
 
-@functools.cache
+@_state.memo(1)
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 

@@ -2,9 +2,9 @@
 
 A server reached through `HF_ENDPOINT` (the Hub, a mirror, a proxy) is trusted
 with the bytes of the files it serves, as a package index is. It is not
-trusted with anything that names a path, bounds a wait or sizes memory. So,
-while an eqx_ckpt Hub call runs (`guarded`), every answer the library's client
-receives is checked before `huggingface_hub` acts on it:
+trusted with anything that names a path, bounds a wait or sizes memory. So
+every answer to a request of eqx_ckpt's is checked before `huggingface_hub`
+acts on it:
 
 - `X-Repo-Commit` must be a commit id, and the `ETag` (or `X-Linked-Etag`) of
   a file a git blob id or a SHA-256, as the Hub sends them: the library names
@@ -22,21 +22,25 @@ receives is checked before `huggingface_hub` acts on it:
 Each refusal is a `CheckpointStorageError` (a stall a `CheckpointConnectionError`)
 naming the server, raised inside the library's call, so it writes nothing.
 
-The checks are installed on the library's client once (`install`), by the
-client factory it offers (`set_client_factory`), around the one it had.
-Outside eqx_ckpt's own calls they do nothing.
+The checks are hooked on the library's shared client
+(`huggingface_hub.get_session`) by every eqx_ckpt Hub call (`guarded`): a
+user's `set_client_factory` or `close_session` makes a new client. They apply
+to eqx_ckpt's requests alone: those made in a thread inside `guarded`, and
+those with the header `MARK` (made in the library's own threads, as
+`snapshot_download`'s). A user's own calls, in any thread, are not checked.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import contextvars
 import re
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from .._base import _state
 from .._base._errors import CheckpointConnectionError, CheckpointStorageError, from_file
 
 # The longest wait a server's `Retry-After` (or rate-limit reset) is honoured for.
@@ -49,12 +53,15 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 _ETAG = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 
-_LOCK = threading.Lock()
-_ACTIVE = 0  # eqx_ckpt Hub calls running
-_INSTALLED = False
+# The header that marks a request as eqx_ckpt's (removed before it is sent).
+MARK = "x-eqx-ckpt"
+_INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("eqx_ckpt_hub_call", default=False)
 # Each request tried and not yet answered for good, by (thread, method, URL):
 # when it was last tried, and whether the server answered that try (429, 5xx).
-_TRIES: dict[tuple[int, str, str], tuple[float, bool]] = {}
+# Its lock also guards hooking the client.
+_TRIES: _state.Table[tuple[int, str, str], tuple[float, bool]] = _state.table(
+    "hub_http.tries", 1024, "oldest", fork="empty"
+)
 
 
 def timeout() -> float:
@@ -65,40 +72,34 @@ def timeout() -> float:
 
 @contextlib.contextmanager
 def guarded() -> Iterator[None]:
-    """The checks on, for the Hub calls made inside (in any thread)."""
-    global _ACTIVE
-    install()
-    with _LOCK:
-        _ACTIVE += 1
+    """The checks on, for the Hub requests this thread makes inside."""
+    _hook()
+    inside = _INSIDE.set(True)
     try:
         yield
     finally:
-        with _LOCK:
-            _ACTIVE -= 1
+        _INSIDE.reset(inside)
 
 
-def install() -> None:
-    """Wrap `huggingface_hub`'s client factory, once: each client it makes gets the checks."""
-    global _INSTALLED
-    with _LOCK:
-        if _INSTALLED:
-            return
-        _INSTALLED = True
+def _hook() -> None:
+    """Hook the checks on `huggingface_hub`'s shared client, unless they are on it."""
     import huggingface_hub
-    from huggingface_hub.utils import _http
 
-    # The factory in use (a user's own, or the library's default): it has no public getter.
-    previous = getattr(_http, "_GLOBAL_CLIENT_FACTORY", _http.default_client_factory)
+    client = huggingface_hub.get_session()
+    with _TRIES.lock:
+        hooks = client.event_hooks
+        if _on_request not in hooks["request"]:
+            client.event_hooks = {
+                "request": [*hooks["request"], _on_request],
+                "response": [*hooks["response"], _on_response],
+            }
 
-    def factory() -> Any:
-        client = previous()
-        client.event_hooks = {
-            "request": [*client.event_hooks.get("request", []), _on_request],
-            "response": [*client.event_hooks.get("response", []), _on_response],
-        }
-        return client
 
-    huggingface_hub.set_client_factory(factory)
+def _ours(request: Any) -> bool:
+    """Whether eqx_ckpt made `request` (a redirect keeps the mark, in its extensions)."""
+    if request.headers.pop(MARK, None) is not None or _INSIDE.get():
+        request.extensions["eqx_ckpt"] = True
+    return bool(request.extensions.get("eqx_ckpt"))
 
 
 def _server(url: Any) -> str:
@@ -106,7 +107,7 @@ def _server(url: Any) -> str:
 
 
 def _on_request(request: Any) -> None:
-    if not _ACTIVE:
+    if not _ours(request):
         return
     limit = timeout()
     asked = request.extensions.get("timeout") or {}
@@ -117,13 +118,12 @@ def _on_request(request: Any) -> None:
     if "range" in request.headers:
         request.headers["Accept-Encoding"] = "identity"
     key, now = (threading.get_ident(), request.method, str(request.url)), time.monotonic()
-    with _LOCK:
+    with _TRIES.lock:
         last, answered = _TRIES.get(key, (0.0, True))
-        _TRIES[key] = (now, False)
+        _TRIES.put(key, (now, False))
     # A retry of a try that got no answer in time (not a new call, made later).
     if not answered and now - last < 2 * limit + MAX_RETRY_AFTER:
-        with _LOCK:
-            _TRIES.pop(key, None)
+        _TRIES.pop(key, None)
         raise CheckpointConnectionError(
             f"{_server(request.url)} did not answer {request.method} {from_file(request.url.path)} within "
             f"{limit:g} s (`HF_HUB_DOWNLOAD_TIMEOUT`), so it was given up. Check the network and `HF_ENDPOINT`; "
@@ -133,15 +133,14 @@ def _on_request(request: Any) -> None:
 
 
 def _on_response(response: Any) -> None:
-    if not _ACTIVE:
-        return
     request = response.request
+    if not request.extensions.get("eqx_ckpt"):
+        return
     key = (threading.get_ident(), request.method, str(request.url))
-    with _LOCK:
-        if response.status_code < 500 and response.status_code != 429:
-            _TRIES.pop(key, None)
-        else:
-            _TRIES[key] = (time.monotonic(), True)
+    if response.status_code < 500 and response.status_code != 429:
+        _TRIES.pop(key, None)
+    else:
+        _TRIES.put(key, (time.monotonic(), True))
     _cap_waits(response)
     _check_names(response)
     limit = _checked_range(response)
@@ -202,7 +201,7 @@ def _refused(response: Any, what: str) -> CheckpointStorageError:
     )
 
 
-@functools.lru_cache(maxsize=1)
+@_state.memo(1)
 def _bounded() -> type:
     """The class of a bounded body (a stream of the library's HTTP client, imported with it)."""
     import httpx2

@@ -40,10 +40,9 @@ import secrets
 import socket
 import threading
 import time
-import weakref
 from typing import Any
 
-from .._base import _faults, _threads
+from .._base import _faults, _state, _threads
 from .._base._errors import CheckpointError, CheckpointExistsError, CheckpointStorageError
 from .._base._location import Location
 from .._ondisk import _manifest
@@ -56,11 +55,11 @@ MAX_LEASE_BYTES = 2**20
 # The generation of a file that is not there (`_storage.ABSENT`).
 ABSENT = _storage.ABSENT
 
-_places: dict[str, _Place] = {}
-_places_guard = threading.Lock()
+# Each destination's claims in this process, while a save holds or waits for it.
+_places: _state.WeakTable[str, _Place] = _state.weak_table("lease.places", fork="empty")
 # Leases this process holds, so a second writer here is refused at once instead
 # of waiting `STALE_SECONDS` to learn that the holder is alive.
-_held: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
+_held: _state.WeakTable[str, Lease] = _state.weak_table("lease.held", fork="empty")
 
 
 def destination(loc: Location) -> str:
@@ -81,7 +80,7 @@ def acquire_exclusive(loc: Location) -> Claim:
     claim too. The lease then refuses it at once, where it used to wait for
     ever. Only claims handed to a background thread (`hand_over`) make a later
     save from the same thread wait."""
-    with _places_guard:
+    with _places.lock:
         place = _places.setdefault(destination(loc), _Place())
     me = threading.get_ident()
     with place.changed:

@@ -34,7 +34,6 @@ Only eqx_ckpt's own zarr v3 arrays (`Source.opener is None`) are laid out so.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -42,7 +41,7 @@ from collections.abc import Callable, Iterator
 import crc32c
 import numpy as np
 
-from .._base import _faults, _interrupts, _threads
+from .._base import _faults, _interrupts, _state, _threads
 from .._base._errors import IntegrityError, stored_leaf_error
 from .._base._location import Location
 from .._ondisk import _format
@@ -420,7 +419,7 @@ def _powers() -> list[int]:
 _X_2K = _powers()
 
 
-@functools.lru_cache(maxsize=64)
+@_state.memo(64)
 def _shift(length: int) -> int:
     """x^(8 * length) modulo the polynomial (a load's pieces have few lengths)."""
     power, k, n = 1 << 31, 3, length  # x^0; x^(8 n) = product of x^(2^k) over the bits of n, from k = 3

@@ -52,7 +52,7 @@ import crc32c
 import numpy as np
 import xxhash
 
-from .._base import _faults, _threads
+from .._base import _faults, _state, _threads
 from .._base._location import Location
 from .._ondisk import _format
 from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
@@ -518,7 +518,7 @@ def _stage() -> tuple[memoryview, np.ndarray]:
     return stage
 
 
-@functools.lru_cache(maxsize=8)
+@_state.memo(8)
 def _zero_block(size: int) -> memoryview:
     return memoryview(bytes(size))
 
@@ -528,7 +528,7 @@ def _zeros(size: int) -> memoryview:
     return _zero_block(64)[:size] if size <= 64 else memoryview(bytearray(size))
 
 
-@functools.cache
+@_state.memo(1)
 def _sync_file_range() -> Any:
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range

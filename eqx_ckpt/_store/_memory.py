@@ -20,7 +20,6 @@ more. docs/benchmarks.md has the measurements.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import mmap
 import os
 import threading
@@ -30,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from .._base import _faults, _threads
+from .._base import _faults, _state, _threads
 from .._base._errors import IntegrityError, stored_leaf_error
 
 if TYPE_CHECKING:
@@ -102,7 +101,7 @@ def private_copies(arrays: Sequence[Any]) -> list[np.ndarray]:
 COPIERS = min(max(os.cpu_count() or 1, 2), 4)
 
 
-@functools.cache
+@_state.memo(1)
 def physical_memory() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -181,8 +180,8 @@ class BufferPool:
         self.pending[next(i for i, b in enumerate(self.buffers) if b is buffer)] += copies
 
 
-_LOAD_POOLS: dict[tuple[int, int], BufferPool] = {}
-_LOAD_POOLS_LOCK = threading.Lock()
+# (Two, for a test that changes `PINNED_LOAD_POOL`; a forked child has no device buffers.)
+_LOAD_POOLS: _state.Table[tuple[int, int], BufferPool] = _state.table("memory.load_pools", 2, "oldest", fork="empty")
 
 
 def load_pool() -> BufferPool | None:
@@ -191,11 +190,9 @@ def load_pool() -> BufferPool | None:
     setting = PINNED_LOAD_POOL
     if setting is None:
         return None
-    with _LOAD_POOLS_LOCK:
+    with _LOAD_POOLS.lock:
         pool = _LOAD_POOLS.get(setting)
-        if pool is None:
-            pool = _LOAD_POOLS[setting] = BufferPool(*setting)
-        return pool
+        return pool if pool is not None else _LOAD_POOLS.put(setting, BufferPool(*setting))
 
 
 def has_pinned(device: Any) -> bool:
@@ -327,7 +324,7 @@ _PINNED = "pinned_host"
 _HOST_KINDS = frozenset((_PINNED, "unpinned_host"))
 
 
-@functools.cache
+@_state.memo(64)
 def _has_pinned(device: Any) -> bool:
     try:
         return any(m.kind == _PINNED for m in device.addressable_memories())
@@ -443,7 +440,7 @@ def protected(data: Any, copy: bool) -> Any:
     return private_copy(data) if copy else data
 
 
-@functools.cache
+@_state.memo(1)
 def _cpu_device() -> Any:
     try:
         return jax.devices("cpu")[0]
@@ -451,7 +448,7 @@ def _cpu_device() -> Any:
         return None
 
 
-@functools.cache
+@_state.memo(1)
 def only_cpus() -> bool:
     """Whether this process computes on CPUs alone (no accelerator)."""
     return jax.default_backend() == "cpu"

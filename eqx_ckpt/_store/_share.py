@@ -54,19 +54,19 @@ A save with `share=False` shares nothing.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import os
 import stat
 import threading
+import types
 import warnings
 from typing import Any, NamedTuple
 
 import crc32c
 import xxhash
 
-from .._base import _faults
+from .._base import _faults, _state
 from .._base._errors import IntegrityError
 from .._ondisk import _format, _manifest
 from .._ondisk._format import LeafRecord, PackRecord
@@ -130,12 +130,9 @@ IntegrityWarning.__module__ = "eqx_ckpt"
 Key = tuple[int, int, int, int]
 
 # The xxh3-128 digests of the data bytes of the chunk files this process
-# verified or wrote, least recently used first. It holds at most
-# `VERIFIED_FILES` of them (about 300 bytes each); the least recently used is
-# forgotten first.
-_VERIFIED: collections.OrderedDict[Key, bytes] = collections.OrderedDict()
-_VERIFIED_LOCK = threading.Lock()
-VERIFIED_FILES = 1 << 17
+# verified or wrote, least recently used first. It holds at most 2**17 of
+# them (about 300 bytes each); the least recently used is forgotten first.
+_VERIFIED: _state.Table[Key, bytes] = _state.table("share.verified", 1 << 17, "lru")
 
 # How many first bytes of a large chunk are compared before its hash is computed.
 START_BYTES = 4096
@@ -144,27 +141,11 @@ _READ_BYTES = 1 << 20
 # (`READ_FLAGS`: a FIFO in a chunk file's place must not block the open; its fstat then refuses it.)
 _READ_FLAGS = READ_FLAGS | getattr(os, "O_NOFOLLOW", 0)
 _BUFFERS = threading.local()
-_UNOPENED = {errno.ENOENT: "is missing", errno.ELOOP: "is a symbolic link (never followed)"}
+_UNOPENED = types.MappingProxyType({errno.ENOENT: "is missing", errno.ELOOP: "is a symbolic link (never followed)"})
 
 
 def _key(info: os.stat_result) -> Key:
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
-
-
-def _known(key: Key) -> bytes | None:
-    with _VERIFIED_LOCK:
-        digest = _VERIFIED.get(key)
-        if digest is not None:
-            _VERIFIED.move_to_end(key)
-        return digest
-
-
-def _record(key: Key, digest: bytes) -> None:
-    with _VERIFIED_LOCK:
-        _VERIFIED[key] = digest
-        _VERIFIED.move_to_end(key)
-        while len(_VERIFIED) > VERIFIED_FILES:
-            _VERIFIED.popitem(last=False)
 
 
 class Verified(NamedTuple):
@@ -202,12 +183,12 @@ def base_file(path: str, nbytes: int, what: str, start: Any = None) -> Verified 
             if os.pread(fd, len(head), 0) != head:
                 return None
         key = _key(info)
-        digest = _known(key)
+        digest = _VERIFIED.recent(key)
         if digest is None:
             digest = _verify(fd, path, nbytes, what)
             if digest is None:
                 return None
-            _record(key, digest)
+            _VERIFIED.put(key, digest)
         return Verified(digest, key)
     except OSError as e:
         _warn(path, what, f"cannot be read ({e.strerror})")
@@ -257,7 +238,7 @@ def written(fd: int, path: str, digest: bytes) -> None:
 
     A next save that shares it need not read it back."""
     _faults.fire("share.written", path)
-    _record(_key(local_stat(fd)), digest)
+    _VERIFIED.put(_key(local_stat(fd)), digest)
 
 
 def link(source: str, path: str, verified: Verified) -> bool:
@@ -306,9 +287,8 @@ def forget(root: str, directory: str) -> None:
         for name in names:
             with contextlib.suppress(OSError):
                 keys.append(_key(local_stat(os.path.join(found, name), follow=False)))
-    with _VERIFIED_LOCK:
-        for key in keys:
-            _VERIFIED.pop(key, None)
+    for key in keys:
+        _VERIFIED.pop(key, None)
 
 
 def shared_files(root: str) -> tuple[int, int]:

@@ -40,7 +40,6 @@ eqx_ckpt's own reads and writes on a local disk, else these arrays.)
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import hashlib
@@ -54,7 +53,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorstore as ts
 
-from .._base import _faults, _interrupts, _location
+from .._base import _faults, _interrupts, _location, _state
 from .._base._location import Location
 from .._ondisk import _format
 from .._ondisk._format import LeafRecord, PackRecord
@@ -819,11 +818,9 @@ def pack_spec(loc: Location, pack: PackRecord) -> dict[str, Any]:
 
 # Packs opened for reading single leaves (lazy leaves, `Checkpoint[...]`, verify,
 # diff), with a cache of their decoded chunks. Reading a hundred leaves of one
-# chunk reads (and checks) that chunk once.
-_OPEN: collections.OrderedDict[str, Mapped] = collections.OrderedDict()
-
-
-_OPEN_MAX = 8
+# chunk reads (and checks) that chunk once. Keyed by a digest, not the spec
+# (an http URL's query may hold a token).
+_OPEN: _state.Table[bytes, Mapped] = _state.table("storage.open_packs", 8, "lru")
 
 
 def open_pack(loc: Location, pack: PackRecord, *, cached: bool, leaf: str | None = None) -> Mapped:
@@ -834,14 +831,9 @@ def open_pack(loc: Location, pack: PackRecord, *, cached: bool, leaf: str | None
     if not cached:
         return open_spec(pack_spec(loc, pack), loc)
     key = json.dumps([loc.kvstore, pack.name, pack.size, pack.chunk, pack.commit], sort_keys=True)
-    opened = _OPEN.get(key)
-    if opened is None:
-        opened = open_spec(pack_spec(loc, pack), loc, cached=True)
-        _OPEN[key] = opened
-        while len(_OPEN) > _OPEN_MAX:
-            _OPEN.popitem(last=False)
-    _OPEN.move_to_end(key)
-    return opened
+    digest = hashlib.sha256(key.encode()).digest()
+    opened = _OPEN.recent(digest)
+    return opened if opened is not None else _OPEN.put(digest, open_spec(pack_spec(loc, pack), loc, cached=True))
 
 
 def open_packed(loc: Location, record: LeafRecord) -> Future:

@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import re
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -57,8 +58,8 @@ from .._store import _durable, _storage
 from . import _card, _matching, _rebuildable
 from ._card import model_card
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+_UNITS = types.MappingProxyType({"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

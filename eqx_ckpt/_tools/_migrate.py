@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -165,7 +166,9 @@ def _read_array(f: io.BufferedReader, eqx_path: str, keypath: Any, leaf: Any, ki
     return np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C")
 
 
-_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+_HEADER_READERS = types.MappingProxyType(
+    {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+)
 
 
 def _check(dtype: np.dtype, shape: tuple[int, ...], leaf: Any, kind: str, keypath: Any, eqx_path: str) -> None:

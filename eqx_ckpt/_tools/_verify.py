@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
+from .._base import _state
 from .._base._errors import (
     CheckpointError,
     CheckpointStorageError,
@@ -526,23 +527,16 @@ def _brief(value: Any) -> str:
     return shown if len(shown) <= _SHOWN else shown[: _SHOWN - 3] + "..."
 
 
-_REFERENCE: dict[tuple[Any, ...], dict[str, Any]] = {}
-
-
+@_state.memo(256)
 def _reference_metadata(shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]) -> dict[str, Any]:
     """The zarr.json TensorStore writes for such an array, made in memory."""
-    key = (shape, dtype, chunks)
-    cached = _REFERENCE.get(key)
-    if cached is None:
-        # A scratch store of its own, so that verifies in several threads never
-        # create, read or remove one another's reference array.
-        scratch = location(f"memory://eqx_ckpt_verify_reference/{uuid.uuid4().hex}/")
-        record = LeafRecord("x", [["key", "x"]], "numpy", shape, dtype, shape, dtype, "plain", chunks)
-        try:
-            _storage.create_array(scratch, record).result()
-            written = _storage.read_file(scratch, _format.metadata_key("x"), limit=_MAX_ZARR_JSON)
-            cached = _manifest.loads_file(written or b"{}")
-        finally:
-            _storage.remove(scratch, ["x"])
-        _REFERENCE[key] = cached
-    return cached
+    # A scratch store of its own, so that verifies in several threads never
+    # create, read or remove one another's reference array.
+    scratch = location(f"memory://eqx_ckpt_verify_reference/{uuid.uuid4().hex}/")
+    record = LeafRecord("x", [["key", "x"]], "numpy", shape, dtype, shape, dtype, "plain", chunks)
+    try:
+        _storage.create_array(scratch, record).result()
+        written = _storage.read_file(scratch, _format.metadata_key("x"), limit=_MAX_ZARR_JSON)
+        return _manifest.loads_file(written or b"{}")
+    finally:
+        _storage.remove(scratch, ["x"])
