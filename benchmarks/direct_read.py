@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 import eqx_ckpt
+from eqx_ckpt._load._load_plan import LoadOptions
 from eqx_ckpt._load._source import open_source
 from eqx_ckpt._store import _chunk_files, _storage
 
@@ -75,7 +76,7 @@ def main(gib: float = 1.0, repeats: int = 5) -> None:
     try:
         eqx_ckpt.tree_serialise_leaves(base / "ckpt", {"w": x})
         contenders.Raw().save(str(base / "raw.bin"), {"w": x})
-        data, record = open_source(base / "ckpt").data, eqx_ckpt.Checkpoint(base / "ckpt").record("w")
+        data, record = open_source(base / "ckpt", LoadOptions()).data, eqx_ckpt.Checkpoint(base / "ckpt").record("w")
         ways: dict[str, Callable[[], np.ndarray | None]] = {
             "direct": lambda: _direct(data, record),
             "ts": lambda: _storage.open_array(data, record).result().read().result(),
