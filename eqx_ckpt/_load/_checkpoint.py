@@ -80,7 +80,6 @@ class Checkpoint(Mapping[str, Any]):
         self._given_base = base
         self._loc = self._source.loc
         self._manifest = self._source.manifest
-        self._data = self._source.data
         self._records = dict(sorted(self._manifest.by_path().items(), key=lambda item: _keypath.sort_key(item[0])))
 
     @property
@@ -522,7 +521,6 @@ class Checkpoint(Mapping[str, Any]):
         if pinned is not None and self._source.loc.local is None:
             options = LoadOptions(token=self._token, base=self._given_base)
             self._source = _source.open_source(self._source.loc, options, whole=True, pinned=pinned)
-            self._data = self._source.data
 
     @property
     def _numbered(self) -> bool:
