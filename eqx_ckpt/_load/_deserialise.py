@@ -359,18 +359,7 @@ def _run_custom(spec: Any, plan: LeafPlan, source: Source, cast: bool, lazy: boo
     except CheckpointError:
         raise
     except Exception as e:
-        message = leaf_message(
-            f"the filter spec raised {type(e).__name__}: {e}",
-            keypath=plan.keypath,
-            dotted=plan.stored,
-            path=loc.display,
-        )
-        raise LeafError(
-            message,
-            path=loc.display,
-            keypaths=[plan.keypath],
-            dotted=[plan.stored],
-        ) from e
+        raise _leaf_error(plan, loc, f"the filter spec raised {type(e).__name__}: {e}") from e
     _assert_same(value, plan, loc)
     return value
 
@@ -383,22 +372,17 @@ def _assert_same(value: Any, plan: LeafPlan, loc: Location) -> None:
         return
     if not abstract and type(value) is not type(like):
         # Equinox names the leaf by `keystr` in quotes here, and by the key-path tuple below.
-        where = f"'{jax.tree_util.keystr(plan.keypath)}'"
-        raise _changed(plan, loc, f"type from {type(like)} in `like` to {type(value)} on disk.", where)
+        what = f"'{jax.tree_util.keystr(plan.keypath)}' has changed type from {type(like)} in `like` to {type(value)}"
+        raise _leaf_error(plan, loc, f"Deserialised leaf at path {what} on disk.")
     for attr in ("shape", "dtype"):
         old, new = getattr(like, attr, None), getattr(value, attr, None)
         if old is not None and new is not None and old != new:
-            raise _changed(plan, loc, f"{attr} from {old} in `like` to {new} on disk.")
+            what = f"{plan.keypath!r} has changed {attr} from {old} in `like` to {new}"
+            raise _leaf_error(plan, loc, f"Deserialised leaf at path {what} on disk.")
 
 
-def _changed(plan: LeafPlan, loc: Location, what: str, where: str | None = None) -> LeafError:
-    """Equinox's message for a loaded leaf that differs from `like`."""
-    message = leaf_message(
-        f"Deserialised leaf at path {where or repr(plan.keypath)} has changed {what}",
-        keypath=plan.keypath,
-        dotted=plan.stored,
-        path=loc.display,
-    )
+def _leaf_error(plan: LeafPlan, loc: Location, what: str) -> LeafError:
+    message = leaf_message(what, keypath=plan.keypath, dotted=plan.stored, path=loc.display)
     return LeafError(message, path=loc.display, keypaths=[plan.keypath], dotted=[plan.stored])
 
 
