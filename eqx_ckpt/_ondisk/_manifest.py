@@ -111,12 +111,9 @@ class Manifest:
     def by_path(self) -> dict[str, LeafRecord]:
         return {leaf.path: leaf for leaf in self.leaves}
 
+    @_gc.gc_paused()
     def to_bytes(self, *, leaves: list[Any] | None = None) -> bytes:
         """The manifest's bytes. `leaves`: `leaves_text(self.leaves)`, where the caller kept it."""
-        with _gc.gc_paused():
-            return self._to_bytes(leaves)
-
-    def _to_bytes(self, leaves: list[Any] | None) -> bytes:
         body = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -334,13 +331,9 @@ def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+@_gc.gc_paused()
 def parse(data: bytes, *, where: str, stamp: bytes = b"") -> Manifest:
     """Parse and validate manifest bytes; any problem is a `CorruptCheckpointError`."""
-    with _gc.gc_paused():
-        return _parse(data, where=where, stamp=stamp)
-
-
-def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
     bad = _invalid(where)
     body, version = _parse_json(data, bad, where)
     commit, metrics = _check_header(body, bad)
