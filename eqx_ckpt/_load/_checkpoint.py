@@ -17,13 +17,12 @@ from .._base import _gc, _keypath, _state
 from .._base._errors import CheckpointError, CheckpointKeyError, CheckpointTypeError, check_flag
 from .._base._progress import Progress
 from .._ondisk import _trust
-from .._ondisk._format import LeafRecord
+from .._ondisk._format import SCALAR_TYPES, LeafRecord
 from .._ondisk._trust import Trust
 from . import _deserialise, _nested, _rebuild, _source
 from ._lazy import LazyArray
 from ._load_plan import LoadOptions
 
-_SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
 # The checkpoints whose load without `trust` was warned about in this process (`_say_trust`).
 _TRUST_SAID: _state.Table[str, None] = _state.table("checkpoint.trust_said", 1024, "clear")
 
@@ -174,7 +173,7 @@ class Checkpoint(Mapping[str, Any]):
 
     def __getitem__(self, key: str) -> Any:
         lazy = LazyArray(self._source, self.record(key))
-        if self._records[key].type in _SCALARS:
+        if self._records[key].type in SCALAR_TYPES:
             value = lazy[()]
             return value.item() if self._records[key].type != "numpy_scalar" else value[()]
         return lazy

@@ -28,6 +28,7 @@ from .._base._handle import LeafHandle
 from .._base._location import Location
 from .._base._progress import Progress, Tracker
 from .._ondisk import _dtypes
+from .._ondisk._format import SCALAR_TYPES
 from .._ondisk._trust import Trust
 from .._store import _window
 from . import _load_plan, _reader, _rebuild, _source, _transform
@@ -328,13 +329,10 @@ def _place(plan: LoadPlan, values: tuple[list[Any], list[Any], list[Any]]) -> Py
     return plan.treedef.unflatten(leaves)
 
 
-_SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
-
-
 def _lazy_leaves(source: Source, plans: list[LeafPlan]) -> list[Any]:
     """`LazyArray`s of `plans`' stored leaves, but for their scalars, read now
     as values (as `Checkpoint(path)[key]` gives them)."""
-    scalars = [i for i, plan in enumerate(plans) if _dtypes.like_type(plan.like) in _SCALARS]
+    scalars = [i for i, plan in enumerate(plans) if _dtypes.like_type(plan.like) in SCALAR_TYPES]
     out: list[Any] = [LazyArray(source, _reader.record_of(plan), plan.like) for plan in plans]
     values = _reader.read(source, [plans[i] for i in scalars])
     for i, value in zip(scalars, values):

@@ -35,6 +35,7 @@ from ._format import (
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_CONTAINERS,
     MAX_RANK,
+    SCALAR_TYPES,
     UPGRADE,
     LeafRecord,
     PackRecord,
@@ -629,7 +630,7 @@ def _parse_layout(
     # What eqx_ckpt writes always agrees with itself; a hostile manifest that
     # does not could otherwise make a load read (and allocate) far more than `like`
     # asks for, or a chunk far larger than the array.
-    if kind in ("bool", "int", "float", "complex", "numpy_scalar") and shape != ():
+    if kind in SCALAR_TYPES and shape != ():
         raise ValueError(f"a {kind} scalar must have shape [], not {list(shape)}")
     if encoding == "key_data" and (len(stored_shape) != len(shape) + 1 or stored_shape[: len(shape)] != shape):
         raise ValueError(f"`stored_shape` {list(stored_shape)} does not extend `shape` {list(shape)} by the key data")
