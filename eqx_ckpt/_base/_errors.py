@@ -446,3 +446,9 @@ def from_file(text: Any, limit: int = MAX_SHOWN) -> str:
     if not text.isprintable():
         text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit + 1])
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def shown_names(names: Sequence[str], most: int = 5) -> str:
+    """The first `most` of `names` (read from files: `from_file`) in backticks, then how many more."""
+    listed = ", ".join(f"`{from_file(n)}`" for n in names[:most])
+    return listed + (f" and {len(names) - most} more" if len(names) > most else "")
