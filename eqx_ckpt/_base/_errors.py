@@ -41,6 +41,14 @@ class CheckpointError(Exception):
         # `KeyError.__str__` would show the message in quotes.
         return str(self.args[0]) if self.args else ""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__module__ == __name__:  # eqx_ckpt's own, as tracebacks and the docs name them (not a user's)
+            cls.__module__ = "eqx_ckpt"
+
+
+CheckpointError.__module__ = "eqx_ckpt"
+
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """There is no committed checkpoint at the path.
@@ -348,25 +356,6 @@ class IntegrityError(LeafError):
             print(e.dotted)                     # ('w',)
         ```
     """
-
-
-for _cls in (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointStorageError,
-    CheckpointConnectionError,
-    CheckpointExistsError,
-    CheckpointTypeError,
-    CheckpointValueError,
-    CorruptCheckpointError,
-    CheckpointVersionError,
-    CheckpointKeyError,
-    CheckpointReplacedError,
-    LeafError,
-    IntegrityError,
-    UntrustedError,
-):
-    _cls.__module__ = "eqx_ckpt"
 
 
 _Leaf = TypeVar("_Leaf", bound=LeafError)
