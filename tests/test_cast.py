@@ -244,7 +244,7 @@ def test_a_stored_value_that_cannot_become_the_leafs_dtype_is_an_error(tmp_path)
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"n": np.array([7, 1])}, cast={np.int64: np.float16})
     ck = eqx_ckpt.Checkpoint(tmp_path)
     assert np.array_equal(ck["n"][...], [7, 1]) and ck["n"][...].dtype == np.int64
-    converter = eqx_ckpt._load._read.host_converter(ck.record("n"), np.dtype(np.int64), ck._data)
+    converter = eqx_ckpt._load._read.host_converter(ck.record("n"), np.dtype(np.int64), ck._source.data)
     why = "cannot convert it from float16 (how this int64 leaf is stored) to int64: NaN or infinity cannot become int64"
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape(why)):
         converter(np.array([np.inf, 1.0], np.float16))

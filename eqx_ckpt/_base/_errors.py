@@ -41,6 +41,14 @@ class CheckpointError(Exception):
         # `KeyError.__str__` would show the message in quotes.
         return str(self.args[0]) if self.args else ""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__module__ == __name__:  # eqx_ckpt's own, as tracebacks and the docs name them (not a user's)
+            cls.__module__ = "eqx_ckpt"
+
+
+CheckpointError.__module__ = "eqx_ckpt"
+
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """There is no committed checkpoint at the path.
@@ -350,25 +358,6 @@ class IntegrityError(LeafError):
     """
 
 
-for _cls in (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointStorageError,
-    CheckpointConnectionError,
-    CheckpointExistsError,
-    CheckpointTypeError,
-    CheckpointValueError,
-    CorruptCheckpointError,
-    CheckpointVersionError,
-    CheckpointKeyError,
-    CheckpointReplacedError,
-    LeafError,
-    IntegrityError,
-    UntrustedError,
-):
-    _cls.__module__ = "eqx_ckpt"
-
-
 _Leaf = TypeVar("_Leaf", bound=LeafError)
 
 
@@ -446,3 +435,9 @@ def from_file(text: Any, limit: int = MAX_SHOWN) -> str:
     if not text.isprintable():
         text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit + 1])
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def shown_names(names: Sequence[str], most: int = 5) -> str:
+    """The first `most` of `names` (read from files: `from_file`) in backticks, then how many more."""
+    listed = ", ".join(f"`{from_file(n)}`" for n in names[:most])
+    return listed + (f" and {len(names) - most} more" if len(names) > most else "")

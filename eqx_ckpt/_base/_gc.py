@@ -104,10 +104,7 @@ def _stack(frame: types.FrameType | None) -> Iterator[types.FrameType]:
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector while a block makes many small,
-    acyclic objects (a manifest's records, a tree's leaves). Its collections,
-    triggered by the count of new objects, took a third of the time of parsing
-    a manifest of ten thousand leaves. Reference counting still frees memory.
-    See `GcPause`."""
+    acyclic objects (see the module docstring, and `GcPause`)."""
     pause = GcPause()
     try:
         pause.begin(sys._getframe(2))  # the frame of the `with` (past `__enter__`)

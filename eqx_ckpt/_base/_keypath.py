@@ -124,16 +124,12 @@ def key_record(key: Any) -> tuple[str, Any]:
         return "attr", key.name
     if isinstance(key, jtu.DictKey) and isinstance(key.key, str):
         return "key", key.key
-    if isinstance(key, jtu.DictKey) and _is_integer(key.key):
+    if isinstance(key, jtu.DictKey) and (type(key.key) is int or isinstance(key.key, np.integer)):
         # `np.int64(3)` and `3` are one key to JAX (equal, same hash): one name here too.
         return "key_int", int(key.key)
     if isinstance(key, jtu.DictKey):
         return "key_repr", repr(key.key)
     return "other", str(key)
-
-
-def _is_integer(value: Any) -> bool:
-    return type(value) is int or isinstance(value, np.integer)
 
 
 _NUMBER = re.compile(r"^(%i)?(-?[0-9]+)$")
@@ -270,10 +266,8 @@ def from_json(record: Any) -> tuple[Any, ...]:
             keys.append(jtu.GetAttrKey(value))
         elif kind in ("key", "key_int"):
             keys.append(jtu.DictKey(value))
-        elif kind in ("key_repr", "other"):
+        else:  # "key_repr" or "other" (`check_json` refused any other kind)
             keys.append(_ReprKey(value))
-        else:
-            raise ValueError(f"unknown key kind {kind!r}")
     return tuple(keys)
 
 

@@ -17,13 +17,12 @@ from .._base import _gc, _keypath, _state
 from .._base._errors import CheckpointError, CheckpointKeyError, CheckpointTypeError, check_flag
 from .._base._progress import Progress
 from .._ondisk import _trust
-from .._ondisk._format import LeafRecord
+from .._ondisk._format import SCALAR_TYPES, LeafRecord
 from .._ondisk._trust import Trust
 from . import _deserialise, _nested, _rebuild, _source
 from ._lazy import LazyArray
 from ._load_plan import LoadOptions
 
-_SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
 # The checkpoints whose load without `trust` was warned about in this process (`_say_trust`).
 _TRUST_SAID: _state.Table[str, None] = _state.table("checkpoint.trust_said", 1024, "clear")
 
@@ -80,7 +79,6 @@ class Checkpoint(Mapping[str, Any]):
         self._given_base = base
         self._loc = self._source.loc
         self._manifest = self._source.manifest
-        self._data = self._source.data
         self._records = dict(sorted(self._manifest.by_path().items(), key=lambda item: _keypath.sort_key(item[0])))
 
     @property
@@ -175,7 +173,7 @@ class Checkpoint(Mapping[str, Any]):
 
     def __getitem__(self, key: str) -> Any:
         lazy = LazyArray(self._source, self.record(key))
-        if self._records[key].type in _SCALARS:
+        if self._records[key].type in SCALAR_TYPES:
             value = lazy[()]
             return value.item() if self._records[key].type != "numpy_scalar" else value[()]
         return lazy
@@ -522,7 +520,6 @@ class Checkpoint(Mapping[str, Any]):
         if pinned is not None and self._source.loc.local is None:
             options = LoadOptions(token=self._token, base=self._given_base)
             self._source = _source.open_source(self._source.loc, options, whole=True, pinned=pinned)
-            self._data = self._source.data
 
     @property
     def _numbered(self) -> bool:

@@ -28,6 +28,7 @@ from .._base._handle import LeafHandle
 from .._base._location import Location
 from .._base._progress import Progress, Tracker
 from .._ondisk import _dtypes
+from .._ondisk._format import SCALAR_TYPES
 from .._ondisk._trust import Trust
 from .._store import _window
 from . import _load_plan, _reader, _rebuild, _source, _transform
@@ -328,13 +329,10 @@ def _place(plan: LoadPlan, values: tuple[list[Any], list[Any], list[Any]]) -> Py
     return plan.treedef.unflatten(leaves)
 
 
-_SCALARS = ("bool", "int", "float", "complex", "numpy_scalar")
-
-
 def _lazy_leaves(source: Source, plans: list[LeafPlan]) -> list[Any]:
     """`LazyArray`s of `plans`' stored leaves, but for their scalars, read now
     as values (as `Checkpoint(path)[key]` gives them)."""
-    scalars = [i for i, plan in enumerate(plans) if _dtypes.like_type(plan.like) in _SCALARS]
+    scalars = [i for i, plan in enumerate(plans) if _dtypes.like_type(plan.like) in SCALAR_TYPES]
     out: list[Any] = [LazyArray(source, _reader.record_of(plan), plan.like) for plan in plans]
     values = _reader.read(source, [plans[i] for i in scalars])
     for i, value in zip(scalars, values):
@@ -359,18 +357,7 @@ def _run_custom(spec: Any, plan: LeafPlan, source: Source, cast: bool, lazy: boo
     except CheckpointError:
         raise
     except Exception as e:
-        message = leaf_message(
-            f"the filter spec raised {type(e).__name__}: {e}",
-            keypath=plan.keypath,
-            dotted=plan.stored,
-            path=loc.display,
-        )
-        raise LeafError(
-            message,
-            path=loc.display,
-            keypaths=[plan.keypath],
-            dotted=[plan.stored],
-        ) from e
+        raise _leaf_error(plan, loc, f"the filter spec raised {type(e).__name__}: {e}") from e
     _assert_same(value, plan, loc)
     return value
 
@@ -383,22 +370,17 @@ def _assert_same(value: Any, plan: LeafPlan, loc: Location) -> None:
         return
     if not abstract and type(value) is not type(like):
         # Equinox names the leaf by `keystr` in quotes here, and by the key-path tuple below.
-        where = f"'{jax.tree_util.keystr(plan.keypath)}'"
-        raise _changed(plan, loc, f"type from {type(like)} in `like` to {type(value)} on disk.", where)
+        what = f"'{jax.tree_util.keystr(plan.keypath)}' has changed type from {type(like)} in `like` to {type(value)}"
+        raise _leaf_error(plan, loc, f"Deserialised leaf at path {what} on disk.")
     for attr in ("shape", "dtype"):
         old, new = getattr(like, attr, None), getattr(value, attr, None)
         if old is not None and new is not None and old != new:
-            raise _changed(plan, loc, f"{attr} from {old} in `like` to {new} on disk.")
+            what = f"{plan.keypath!r} has changed {attr} from {old} in `like` to {new}"
+            raise _leaf_error(plan, loc, f"Deserialised leaf at path {what} on disk.")
 
 
-def _changed(plan: LeafPlan, loc: Location, what: str, where: str | None = None) -> LeafError:
-    """Equinox's message for a loaded leaf that differs from `like`."""
-    message = leaf_message(
-        f"Deserialised leaf at path {where or repr(plan.keypath)} has changed {what}",
-        keypath=plan.keypath,
-        dotted=plan.stored,
-        path=loc.display,
-    )
+def _leaf_error(plan: LeafPlan, loc: Location, what: str) -> LeafError:
+    message = leaf_message(what, keypath=plan.keypath, dotted=plan.stored, path=loc.display)
     return LeafError(message, path=loc.display, keypaths=[plan.keypath], dotted=[plan.stored])
 
 

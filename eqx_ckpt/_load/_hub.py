@@ -53,6 +53,7 @@ from .._base._errors import (
     CheckpointValueError,
     CorruptCheckpointError,
     from_file,
+    shown_names,
 )
 from .._base._location import Hub, Location
 from .._foreign import _safetensors
@@ -393,7 +394,7 @@ def needed(pinned: Pinned, read_index: Callable[[str], bytes]) -> list[str]:
     if not pinned.listed and not indexes and not singles:
         raise CheckpointConnectionError(_partly_cached(pinned, []), path=pinned.display)
     if len(indexes) > 1:
-        raise _two_layouts(pinned, f"{len(indexes)} indexes ({_shown(indexes)})")
+        raise _two_layouts(pinned, f"{len(indexes)} indexes ({shown_names(indexes)})")
     _refuse_large(pinned, {**{n: MAX_INDEX for n in indexes}, **{n: MAX_MANIFEST_BYTES for n in extras}})
     if indexes:
         shards = _shards(pinned, indexes[0], read_index(indexes[0]))
@@ -401,7 +402,7 @@ def needed(pinned: Pinned, read_index: Callable[[str], bytes]) -> list[str]:
             raise _two_layouts(pinned, f"the index `{indexes[0]}` and the single file `{SINGLE}`")
         return [indexes[0], *shards, *extras]
     if len(singles) > 1:
-        raise _two_layouts(pinned, f"{len(singles)} safetensors files and no index ({_shown(singles)})")
+        raise _two_layouts(pinned, f"{len(singles)} safetensors files and no index ({shown_names(singles)})")
     if singles:
         return [singles[0], *extras]
     raise CheckpointNotFoundError(_holds_nothing(pinned), path=pinned.display)
@@ -433,9 +434,9 @@ def _partly_cached(pinned: Pinned, missing: list[str]) -> str:
     hub = library()
     held = sorted(pinned.files())
     what = (
-        f"of the files the load reads, it lacks {_shown(missing)}"
+        f"of the files the load reads, it lacks {shown_names(missing)}"
         if missing
-        else f"it holds only {_shown(held) if held else 'no file'} of it, not its weights"
+        else f"it holds only {shown_names(held) if held else 'no file'} of it, not its weights"
     )
     return (
         f"{pinned.display}: {_why_offline(hub)}, and the local cache ({hub.constants.HF_HUB_CACHE}) holds part of "
@@ -463,7 +464,7 @@ def _shards(pinned: Pinned, index: str, data: bytes) -> list[str]:
     other = sorted(n for n in names if not _safetensors.is_shard(n))
     if other:
         raise CorruptCheckpointError(
-            f"{pinned.display}: the index `{from_file(index)}` names {_shown(other)} as shards, which are no "
+            f"{pinned.display}: the index `{from_file(index)}` names {shown_names(other)} as shards, which are no "
             f"safetensors files beside it, so nothing was downloaded. eqx_ckpt reads only `*{SUFFIX}` shards.",
             path=pinned.display,
         )
@@ -480,27 +481,22 @@ def _holds_nothing(pinned: Pinned) -> str:
     pickles = [n for n in files if n.endswith(_PICKLES)]
     held = []
     if pickles:
-        held.append(f"pickled or framework weights ({_shown(pickles)}), which eqx_ckpt never reads")
+        held.append(f"pickled or framework weights ({shown_names(pickles)}), which eqx_ckpt never reads")
     if code:
-        held.append(f"Python code ({_shown(code)}), which eqx_ckpt never runs")
+        held.append(f"Python code ({shown_names(code)}), which eqx_ckpt never runs")
     rest = [n for n in files if n not in code and n not in pickles]
     if rest:
-        held.append(f"other files ({_shown(rest)})")
+        held.append(f"other files ({shown_names(rest)})")
     folders = sorted(
         {p[len(pinned.folder) :].split("/")[0] for p in pinned.sizes if p.startswith(pinned.folder)} - set(files)
     )
     if folders:
-        held.append(f"folders ({_shown(folders)}; name one as `hf://{pinned.repo}@{pinned.sha}/<folder>`)")
+        held.append(f"folders ({shown_names(folders)}; name one as `hf://{pinned.repo}@{pinned.sha}/<folder>`)")
     holds = "; ".join(held) if held else "no files"
     return (
         f"{pinned.display} holds no model eqx_ckpt reads (no `*{SUFFIX}` file, no `*{INDEX_SUFFIX}`): it holds "
         f"{holds}. eqx_ckpt loads safetensors weights, with `{RECORD}` for the structure where there is one."
     )
-
-
-def _shown(names: list[str]) -> str:
-    listed = ", ".join(f"`{from_file(n)}`" for n in names[:5])
-    return listed + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def reader(files: Files, *, whole: bool) -> Callable[[str], bytes]:

@@ -18,6 +18,7 @@ from .._ondisk._format import LeafRecord, dtype_from_name
 from .._store import _memory, _storage_errors
 from . import _read, _reader
 from ._load_plan import LeafPlan
+from ._rebuild import abstract
 
 if TYPE_CHECKING:
     from .._store._storage import Array
@@ -183,8 +184,9 @@ class LazyArray:
         return lambda: _reader.read_leaves(self._source, [plan], checked=checked, cached=True)[0]
 
     def _read_as(self) -> Any:
-        """The `like` leaf it is read as: its own, or one of the type it was saved from."""
-        return self._like if self._like is not None else _saved_like(self._record)
+        """The `like` leaf it is read as: its own, or one of the type it was saved
+        from (`_rebuild.abstract`: a NumPy array stays NumPy, a JAX array becomes one)."""
+        return self._like if self._like is not None else abstract(self._record)
 
     def read(self) -> Any:
         """Read the whole leaf, as the type of the `like` leaf it stands for (without
@@ -214,22 +216,6 @@ class LazyArray:
         if _dtypes.like_type(like) == "jax" and _dtypes.x64_missing(self.dtype):
             return np.asarray(self), "jax"
         return self.read(), None
-
-
-def _saved_like(record: LeafRecord) -> Any:
-    """A stand-in `like` for a leaf opened without one: it reads back as the type
-    it was saved from (a NumPy array stays NumPy, a JAX array becomes one)."""
-    if record.type == "prng_key":
-        data = jax.ShapeDtypeStruct(tuple(record.stored_shape), dtype_from_name(record.stored_dtype))
-        return jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=record.impl), data)
-    dtype = dtype_from_name(record.dtype)
-    if record.type == "numpy":
-        return np.zeros((0,), dtype)
-    if record.type == "numpy_scalar":
-        return dtype.type(0)
-    if record.type in ("bool", "int", "float", "complex"):
-        return {"bool": False, "int": 0, "float": 0.0, "complex": 0j}[record.type]
-    return jax.ShapeDtypeStruct(tuple(record.shape), dtype)
 
 
 def _is_advanced(index: Any) -> bool:

@@ -446,9 +446,10 @@ def check_leaf(plan: LeafPlan, report: Report, *, missing: str, cast: bool) -> b
     if unplaceable is not None:
         report.add("placement", f"{unplaceable}.", plan.keypath, plan.stored)
         return False
-    if dtype not in (record.dtype, record.stored_dtype) and not (cast and _castable(record, plan.like)):
+    keys = record.type == "prng_key" or _dtypes.like_type(plan.like) == "prng_key"
+    if dtype not in (record.dtype, record.stored_dtype) and not (cast and not keys):
         kind = "dtype changed"
-        if record.type == "prng_key" or _dtypes.like_type(plan.like) == "prng_key":
+        if keys:
             kind = "key type changed"
             why = "PRNG key arrays of different implementations cannot be converted (not even with `cast=True`)"
         else:
@@ -462,10 +463,6 @@ def check_leaf(plan: LeafPlan, report: Report, *, missing: str, cast: bool) -> b
         )
         return False
     return True
-
-
-def _castable(record: LeafRecord, like: Any) -> bool:
-    return record.type != "prng_key" and _dtypes.like_type(like) != "prng_key"
 
 
 def _report_unexpected(leaves: _Leaves, names: _Names, report: Report) -> None:

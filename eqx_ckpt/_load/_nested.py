@@ -14,24 +14,21 @@ from __future__ import annotations
 
 import functools
 import re
-import types
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .._base import _faults, _keypath
 from .._base._errors import CheckpointValueError
 from .._base._progress import Progress
-from .._ondisk._format import LeafRecord, dtype_from_name
+from .._ondisk._format import SCALAR_TYPES, LeafRecord, dtype_from_name
 from . import _reader
 from ._lazy import LazyArray
 from ._load_plan import LeafPlan
+from ._rebuild import abstract
 from ._source import Source
-
-_PYTHON = types.MappingProxyType({"bool": False, "int": 0, "float": 0.0, "complex": 0j})
 
 
 def load(source: Source, records: list[LeafRecord], key: str, *, lazy: bool, progress: Progress, numbered: bool) -> Any:
@@ -108,7 +105,7 @@ def _lazy_leaf(source: Source, record: LeafRecord, *, like: _Likes) -> Any:
     array where `host`); scalars are read at once (they come back as values,
     lazy or not)."""
     lazy = LazyArray(source, record, like(record))
-    if record.type in _PYTHON or record.type == "numpy_scalar":
+    if record.type in SCALAR_TYPES:
         return lazy.read()
     return lazy
 
@@ -116,17 +113,9 @@ def _lazy_leaf(source: Source, record: LeafRecord, *, like: _Likes) -> Any:
 def _like(record: LeafRecord, host: bool) -> Any:
     """A leaf of `like`, allocating nothing, that asks for the saved type on the
     default device (or NumPy, where `host`: any leaf of the load needs it)."""
-    if record.type in _PYTHON:
-        return _PYTHON[record.type]
-    if record.type == "prng_key":
-        data = jax.ShapeDtypeStruct(record.stored_shape, jnp.uint32)
-        return jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=record.impl), data)
-    dtype = dtype_from_name(record.dtype)
-    if record.type == "numpy_scalar":
-        return dtype.type(0)
-    if record.type == "numpy" or host:
-        return np.broadcast_to(np.zeros((), dtype), record.shape)
-    return jax.ShapeDtypeStruct(record.shape, dtype)
+    if host and record.type == "jax":
+        return np.broadcast_to(np.zeros((), dtype_from_name(record.dtype)), record.shape)
+    return abstract(record)
 
 
 _NUMBER = re.compile(r"0|[1-9][0-9]*")

@@ -107,7 +107,9 @@ def result(loc: Location, record: LeafRecord, array: np.ndarray, like: Any, shar
 
 def refuse_narrowing(loc: Location, record: LeafRecord, dtype: Any) -> None:
     """A 64-bit leaf cannot become a JAX array while JAX's 64-bit mode is off:
-    `jax.device_put` would silently wrap or round its values."""
+    `jax.device_put` would silently wrap or round its values. `dtype`: the
+    leaf's as read (`None`: as saved)."""
+    dtype = dtype_from_name(record.dtype) if dtype is None else dtype
     if not _dtypes.x64_missing(dtype):
         return
     raise stored_leaf_error(
@@ -248,11 +250,8 @@ def place(loc: Location, hosts: list[np.ndarray], records: list[LeafRecord], lik
             batch[sharding].append(i)
         elif kind == "jax":
             out[i] = jax.make_array_from_callback(array.shape, sharding, functools.partial(_region, array))
-        elif kind == "prng_key":
-            keys = _dtypes.wrap_keys(jax.numpy.asarray(array), record.impl)
-            out[i] = jax.device_put(keys, sharding) if sharding is not None else keys
         else:
-            out[i] = result(loc, record, array, like, sharding)
+            out[i] = _value(loc, array, record, like, sharding)
     for sharding, indices in batch.items():
         for i, value in zip(indices, put([out[i] for i in indices], sharding)):
             out[i] = value
@@ -365,7 +364,7 @@ def start(
     sharding = target_sharding(like)
     kind = _dtypes.like_type(like)
     if kind == "jax":
-        refuse_narrowing(loc, record, dtype if dtype is not None else dtype_from_name(record.dtype))
+        refuse_narrowing(loc, record, dtype)
     spread = kind == "jax" and sharding is not None and len(sharding.device_set) > 1
 
     # Each read's failure is worded once, with what the finish does after it.
@@ -438,7 +437,7 @@ def start_direct(
     bytes as it is read and checked."""
     convert = host_converter(record, dtype, loc)
     if _dtypes.like_type(like) == "jax":
-        refuse_narrowing(loc, record, dtype if dtype is not None else dtype_from_name(record.dtype))
+        refuse_narrowing(loc, record, dtype)
     read = files.start_read(record, on_bytes=on_bytes)
     assert read is not None
 

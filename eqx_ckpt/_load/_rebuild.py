@@ -70,10 +70,7 @@ from .._ondisk._trust import Trust, python_name
 #   convolutions, whose static fields are tuples;
 # - `NODES_BASE` more, for static values, `None`s and empty containers: room
 #   for a static vocabulary of about 190,000 entries (a dict of strings, about
-#   one container an entry) beside a few leaves, rebuilt in about a second.
-#   (The 1,000,000 allowed before took seconds to walk before a hostile
-#   record was refused; records as large as the old bound allowed beside few
-#   leaves were never seen.)
+#   one container an entry) beside a few leaves, rebuilt in about a second;
 # - never more than `MAX_NODES`.
 MAX_NODES = 5_000_000
 NODES_PER_LEAF = 100
@@ -207,13 +204,9 @@ def _check_inits(tree: Any, prefix: str, where: str) -> None:
     first), its arrays abstract as under `eqx.filter_eval_shape`: traced by
     `jax.eval_shape`, so `jnp.sum(self.w)` works. What one raises is a
     `CheckpointValueError` naming the class and key path."""
-    is_abstract = functools.partial(_is_instance, jax.ShapeDtypeStruct)
+    is_abstract = lambda x: isinstance(x, jax.ShapeDtypeStruct)
     dynamic, static = eqx.partition(tree, is_abstract, is_leaf=is_abstract)
     jax.eval_shape(lambda d: _run_check_inits(eqx.combine(d, static), prefix, where), dynamic)
-
-
-def _is_instance(cls: type, x: Any) -> bool:
-    return isinstance(x, cls)
 
 
 def _run_check_inits(tree: Any, prefix: str, where: str) -> None:

@@ -33,7 +33,7 @@ import types
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .._base._errors import CheckpointNotFoundError, CheckpointReplacedError
+from .._base._errors import CheckpointNotFoundError, CheckpointReplacedError, shown_names
 from .._base._location import Hub, Location, location
 from .._foreign import _orbax, _safetensors
 from .._ondisk import _format, _layout
@@ -297,28 +297,23 @@ def _what_is_there(loc: Location) -> str:
     shards = [n for n in names if n.endswith(_safetensors.SUFFIX)]
     if shards:
         return (
-            f" It holds {len(shards)} safetensors files ({_shown(shards)}) but no `{_safetensors.INDEX}` saying "
+            f" It holds {len(shards)} safetensors files ({shown_names(shards)}) but no `{_safetensors.INDEX}` saying "
             f"which tensor is in which: load one file by its path, or write the index."
         )
     pickles = [n for n in names if n.endswith(_PICKLES)]
     if pickles:
         return (
-            f" It holds {_shown(pickles)}: pickled files (PyTorch's `torch.save`), which eqx_ckpt never reads, "
+            f" It holds {shown_names(pickles)}: pickled files (PyTorch's `torch.save`), which eqx_ckpt never reads, "
             f"since unpickling runs code from the file. Where you trust the file, convert it with PyTorch "
             f"(`safetensors.torch.save_file(torch.load(path), 'model.safetensors')`) and load that."
         )
     items = [n for n in names if _storage.local_entry(os.path.join(path, n, _orbax.METADATA)).file]
     if items:
-        return f" It is an orbax checkpoint of several items ({_shown(items)}): pass one item's folder."
+        return f" It is an orbax checkpoint of several items ({shown_names(items)}): pass one item's folder."
     orbax_manager = _orbax.manager_steps(path)
     if orbax_manager:
         return orbax_manager
     steps = [n for n in names if n.isdigit() and _storage.local_entry(os.path.join(path, n)).folder]
     if steps:
-        return f" It looks like an orbax CheckpointManager's directory (steps {_shown(steps)}): pass one step."
+        return f" It looks like an orbax CheckpointManager's directory (steps {shown_names(steps)}): pass one step."
     return ""
-
-
-def _shown(names: list[str]) -> str:
-    listed = ", ".join(f"`{n}`" for n in names[:5])
-    return listed + (f" and {len(names) - 5} more" if len(names) > 5 else "")

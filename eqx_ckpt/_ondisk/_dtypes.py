@@ -320,10 +320,7 @@ def compatible(record: Any, like: Any, *, cast: bool = False) -> str | None:
         return f"the checkpoint holds a PRNG key array ({record.dtype}) but `like` holds {type(like).__name__}"
     if kind in ("bool", "int", "float", "complex"):
         allowed = (_CAST_SCALAR_KINDS if cast else SCALAR_KINDS)[kind]
-        stored = dtype_from_name(record.dtype)
-        # bfloat16 and float8 types report kind 'V' in NumPy; they are floats.
-        code = "f" if stored.kind == "V" else stored.kind
-        if record.shape != () or code not in allowed:
+        if record.shape != () or _kind(dtype_from_name(record.dtype)) not in allowed:
             return (
                 f"`like` holds a Python {kind} but the checkpoint holds a {record.dtype} array of shape {record.shape}"
             )

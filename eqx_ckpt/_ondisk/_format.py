@@ -209,6 +209,8 @@ MAX_ELEMENTS = 2**53
 
 # How a leaf came in, which decides what a load gives back when `like` is silent.
 LEAF_TYPES = ("jax", "numpy", "numpy_scalar", "prng_key", "bool", "int", "float", "complex")
+# Those of one value, which a load gives back as a value (never a lazy leaf).
+SCALAR_TYPES = ("bool", "int", "float", "complex", "numpy_scalar")
 # How its bytes are stored: as they are, as raw unsigned integers of the same
 # size ("view"), or as a PRNG key's key data.
 ENCODINGS = ("plain", "view", "key_data")

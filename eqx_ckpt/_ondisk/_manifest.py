@@ -35,6 +35,7 @@ from ._format import (
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_CONTAINERS,
     MAX_RANK,
+    SCALAR_TYPES,
     UPGRADE,
     LeafRecord,
     PackRecord,
@@ -111,12 +112,9 @@ class Manifest:
     def by_path(self) -> dict[str, LeafRecord]:
         return {leaf.path: leaf for leaf in self.leaves}
 
+    @_gc.gc_paused()
     def to_bytes(self, *, leaves: list[Any] | None = None) -> bytes:
         """The manifest's bytes. `leaves`: `leaves_text(self.leaves)`, where the caller kept it."""
-        with _gc.gc_paused():
-            return self._to_bytes(leaves)
-
-    def _to_bytes(self, leaves: list[Any] | None) -> bytes:
         body = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -334,13 +332,9 @@ def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+@_gc.gc_paused()
 def parse(data: bytes, *, where: str, stamp: bytes = b"") -> Manifest:
     """Parse and validate manifest bytes; any problem is a `CorruptCheckpointError`."""
-    with _gc.gc_paused():
-        return _parse(data, where=where, stamp=stamp)
-
-
-def _parse(data: bytes, *, where: str, stamp: bytes) -> Manifest:
     bad = _invalid(where)
     body, version = _parse_json(data, bad, where)
     commit, metrics = _check_header(body, bad)
@@ -636,7 +630,7 @@ def _parse_layout(
     # What eqx_ckpt writes always agrees with itself; a hostile manifest that
     # does not could otherwise make a load read (and allocate) far more than `like`
     # asks for, or a chunk far larger than the array.
-    if kind in ("bool", "int", "float", "complex", "numpy_scalar") and shape != ():
+    if kind in SCALAR_TYPES and shape != ():
         raise ValueError(f"a {kind} scalar must have shape [], not {list(shape)}")
     if encoding == "key_data" and (len(stored_shape) != len(shape) + 1 or stored_shape[: len(shape)] != shape):
         raise ValueError(f"`stored_shape` {list(stored_shape)} does not extend `shape` {list(shape)} by the key data")

@@ -243,9 +243,7 @@ def value(x: Any, depth: int = 0) -> Any:
     """`x` as JSON data (see the module docstring); raises `Unrecordable`."""
     if depth > MAX_VALUE_DEPTH:
         raise Unrecordable(f"a value nested more than {MAX_VALUE_DEPTH} levels deep")
-    if x is None or type(x) in (bool, str):
-        return x
-    if type(x) is int:
+    if x is None or type(x) in (bool, int, str):
         return x
     if type(x) is float:
         return x if math.isfinite(x) else {"float": repr(x)}
