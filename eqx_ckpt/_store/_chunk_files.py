@@ -3,26 +3,14 @@ disk, else through TensorStore.
 
 `chunk_files(loc)` makes that choice, once per location and nowhere else
 (tests/test_architecture.py checks). It returns a `ChunkFiles`, the one
-interface a save and a load use:
+interface a save and a load use: `LocalFiles` on a local disk (eqx_ckpt
+reads and writes the files itself, `_local_read`, `_local_write`; an
+incremental save shares them, `_share`), else `TensorStoreFiles`.
 
-- `LocalFiles`: on a local disk, eqx_ckpt reads and writes the files itself
-  (`_local_read`, `_local_write`). An incremental save shares them (`_share`).
-- `TensorStoreFiles`: elsewhere, TensorStore reads and writes them, through
-  the arrays of `_storage`.
-
-A save hands every write to the location's `Writer` (`writer`), which
-declines none. The plain `Writer` stages each write in a
-`_storage.Transaction` and commits it. The local one, `LocalWriter`, writes
-every pack and most leaves with eqx_ckpt's own threads. A leaf whose chunks it
-cannot lay out (see `LocalFiles.writes_leaf`) goes through TensorStore, as
-the plain writer writes it: a property of the local files, not a second
-choice. The save admits each `Write` within its staging budget and starts it
-(`_staging`); its futures report progress in `Steps`.
-
-A load reads the runs of packs through the location's `PackRuns`
-(`pack_runs`), which declines none either. A whole leaf is read by eqx_ckpt
-itself where `reads` says its layout allows it (`start_read`; `None` where
-declined); else the load reads its `_storage.Array`.
+A save hands every write to the location's `Writer`, and a load every run of
+a pack to its `PackRuns`; neither declines any. A leaf that the local files
+cannot lay out goes through TensorStore inside them (`LocalFiles.writes_leaf`,
+`reads`): a property of the local files, not a second choice.
 """
 
 from __future__ import annotations
@@ -161,8 +149,6 @@ class LocalFiles:
         return _local_read.start_read(self.loc, record, on_bytes=on_bytes) if self.reads(record) else None
 
     def start_chunks(self, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
-        """Start reading chunks `[first, first + count)` of a leaf that `reads`
-        into `out` (`_local_read.start_chunks`)."""
         return _local_read.start_chunks(self.loc, record, first, count, out)
 
     def pack_runs(self, *, cached: bool) -> PackRuns:

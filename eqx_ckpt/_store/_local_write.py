@@ -320,15 +320,8 @@ def _write_all(fd: int, content: Any, checksum: int | None = None, hasher: xxhas
     """Write `content` (a pack's `_Chunk`, or a list of views) and its crc32c
     (`checksum`, where the caller has it) into the new file `fd`, its
     writeback started at once; `hasher` (an xxh3-128 hasher), where given,
-    takes the content's bytes as they are written.
-
-    A pack's chunk is gathered into the writer's stage, a part at a time, and
-    written from there: one copy of its members by NumPy, instead of a view
-    and a checksum call for each of them. A file of `UNBUFFERED_FROM` bytes or
-    more goes past the page cache where the file system allows it
-    (`_write_unbuffered`): copying gigabytes into fresh page cache cost more
-    than the disk's own time. Anything else is written from its views with one
-    `writev`. (docs/benchmarks.md, "Measurements behind the design".)"""
+    takes the content's bytes as they are written (the module docstring says
+    how; docs/benchmarks.md, "Measurements behind the design", why)."""
     _faults.fire("local_write.chunk_bytes", fd)
     if isinstance(content, _Chunk):
         staged = _Staged(fd, direct=False, checksum=checksum, hasher=hasher)

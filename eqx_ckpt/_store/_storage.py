@@ -5,33 +5,10 @@ writes passes, and, with `_location`, the only module that imports
 No TensorStore object leaves it (tests/test_architecture.py checks): other
 modules call its functions and get its own types back.
 
-- Small files, read with a size limit (`read_file`), or stamped
-  (`read_file_stamped`), then checked (`file_changed`); whether one is there,
-  without reading it (`file_exists`).
-- Small files read with their generation, for a write conditional on it
-  (`read_file_generation`, `read_generation`). `write_if` (for a lease) and
-  `write_conditional` (for a commit) share one conditional write.
-- Small files written (`write_file`, `start_writes`) and deleted.
-- Byte ranges of another program's files. A `Folder` is opened once; its
-  `read` is a future of a `Found`. `generation_changed` tells whether a file
-  changed since a read's generation (the same check as `file_changed`'s).
-- Listings (`list_names`, `list_files`, `list_keys`) and removal (`remove`,
-  `remove_written`).
-- Zarr arrays, created or opened from their specs as futures of an `Array`
-  (`create_array`, `open_array`, `open_pack`, `open_to_write`,
-  `open_for_reading`). An `Array` is a thin wrapper of TensorStore's array:
-  shape, data type, chunks, `array[index]`, `read()`,
-  `write(value, transaction)`.
-- A save's `Transaction`.
-- Arrays made of a reader (`virtual_array`) or of NumPy data (`in_memory`).
-
-Futures are returned, not waited for. Callers block with `result` only at the
-public boundary. A future is one of two kinds:
-
-- TensorStore's own (`Future`, set through a `Promise`). A read's holds a
-  NumPy array.
-- A `Mapped`, which turns TensorStore's result into this module's type (an
-  `Array`, a `Found`) as it is asked for.
+Futures are returned, not waited for: TensorStore's own (`Future`, set
+through a `Promise`), or a `Mapped`, which turns TensorStore's result into
+this module's type (an `Array`, a `Found`) as it is asked for. Callers block
+with `result` only at the public boundary.
 
 A location's chunk files are chosen and reached in `_chunk_files`. (They are
 eqx_ckpt's own reads and writes on a local disk, else these arrays.)
@@ -69,11 +46,6 @@ from ._local_paths import (
 )
 from ._storage_errors import read_explained, read_only_store, unreachable, write_error
 
-# The futures this module returns are TensorStore's own (`Future`, set through
-# a `Promise`: see `pending`), or a `Mapped`. A `Mapped` converts TensorStore's
-# result into this module's type as it is asked for. Each has `result`, `done`
-# and `add_done_callback`. A read's future holds a NumPy array, an open's an
-# `Array`.
 Future = ts.Future
 Promise = ts.Promise
 
@@ -788,9 +760,7 @@ def open_array(loc: Location, record: LeafRecord, *, synced: bool = True, checke
     _untrusted.check_leaf_files(loc, record)
     _memory.refuse_beyond_memory(loc, record, record.chunk_nbytes, "one of its chunks")
     spec = _leaf_spec(loc, record)
-    if not checked:
-        return _opening(ts.open(spec, open=True, assume_metadata=True, context=_context(loc, synced)))
-    return _opening(ts.open(spec, open=True, context=_context(loc, synced)))
+    return _opening(ts.open(spec, open=True, assume_metadata=not checked, context=_context(loc, synced)))
 
 
 def open_to_write(loc: Location, record: LeafRecord) -> Mapped:
@@ -861,25 +831,17 @@ def open_packed(loc: Location, record: LeafRecord) -> Future:
 # -- For the readers of other formats (`_safetensors`, `_orbax`) ------------------------------------
 
 
-def _reading_context() -> ts.Context:
-    """A context of its own for the arrays of one opening of another program's
-    checkpoint (`open_for_reading`).
-
-    TensorStore shares an open OCDBT database between opens of one context. An
-    orbax checkpoint saved again at the same path is another database. The
-    shared one refuses it ("Configuration mismatch on uuid") for as long as
-    anything holds the old one open. (A child of `CONTEXT`: same `memory://`
-    stores, same limits.)"""
-    return ts.Context({"cache_pool": {}, "ocdbt_coordinator": {}}, parent=CONTEXT)
-
-
 def open_for_reading(specs: list[dict[str, Any]]) -> list[Mapped]:
     """Open existing arrays read-only from their full specs: futures of their
     `Array`s.
 
     They are another program's arrays, of one checkpoint, opened in a context
-    of their own."""
-    context = _reading_context()
+    of their own: TensorStore shares an open OCDBT database between opens of
+    one context, and an orbax checkpoint saved again at the same path is
+    another database, which the shared one refuses ("Configuration mismatch
+    on uuid") while anything holds the old one open. (A child of `CONTEXT`:
+    same `memory://` stores, same limits.)"""
+    context = ts.Context({"cache_pool": {}, "ocdbt_coordinator": {}}, parent=CONTEXT)
     return [_opening(ts.open(spec, open=True, read=True, context=context)) for spec in specs]
 
 
