@@ -66,30 +66,20 @@ _FOLDER_FLAGS = _FILE_FLAGS | getattr(os, "O_DIRECTORY", 0)
 def start_read(
     loc: Location, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None
 ) -> Callable[[], np.ndarray]:
-    """Start reading a whole leaf stored in its own zarr v3 array on a local
-    disk straight into one aligned host buffer.
+    """Start reading a whole leaf that `_chunk_files.LocalFiles.reads` takes
+    straight into one aligned host buffer, in the shared pool of threads (the
+    reads of several leaves overlap).
 
-    The leaf is one that `_chunk_files.LocalFiles.reads` takes. That function
-    calls this one; for other leaves it declines, and the caller reads them
-    through TensorStore.
-
-    - The reads run in a shared pool of threads, so the reads of several
-      leaves overlap. The returned function waits for them, checks the
-      checksums and returns the array.
-    - Every chunk file is checked before the buffer is allocated: no links, a
-      regular file of exactly a chunk's bytes and its checksum.
-    - Every chunk's crc32c is checked before the array is returned.
-    - Any failure is an `IntegrityError` naming the leaf.
-    - An interrupt waits for the reading threads before it is raised, so none
-      writes into the buffer afterwards.
-    - `on_bytes`, when given, is called with the bytes of each chunk once it
-      is read and checked (progress within a large leaf).
+    Every chunk file is checked before the buffer is allocated, and every
+    chunk's crc32c before the array is returned; a failure is an
+    `IntegrityError` naming the leaf. An interrupt waits for the reading
+    threads before it is raised, so none writes into the buffer afterwards.
+    `on_bytes` is called with the bytes of each chunk once it is checked.
 
     **Returns:**
 
-    A function returning a C-ordered NumPy array of `record.stored_shape` and
-    `record.stored_dtype` (the stored bytes, not decoded), whose data is
-    64-byte aligned, so `jax.device_put` on CPU adopts it without a copy.
+    A function returning a C-ordered NumPy array of the stored shape and dtype
+    (not decoded), 64-byte aligned, so `jax.device_put` on CPU adopts it.
     """
     # The checks of its files (on a cold cache, a wait on the disk for each) in a
     # thread of their own, so that those of the next leaves overlap.
@@ -112,8 +102,8 @@ def start_read(
 
 
 def _start_checked(loc: Location, record: LeafRecord) -> tuple[np.ndarray, _Reads]:
-    keys = _format.chunk_keys(record.stored_shape, record.chunks)
-    path = _check_chunk_files(loc, record, record.directory, keys)
+    # Lazily: a hostile shape's chunk keys end at the first missing file.
+    path = _check_chunk_files(loc, record, record.directory, _format.chunk_keys(record.stored_shape, record.chunks))
     refuse_beyond_memory(loc, record, record.nbytes, "it")
     out = _memory.fresh_bytes(record.nbytes)
     return out, _read_chunks(path, loc, record, out.data, list(_format.chunk_keys(record.stored_shape, record.chunks)))
@@ -163,16 +153,20 @@ def _check_chunk_files(loc: Location, record: LeafRecord, directory: str, keys: 
     _faults.fire("local_read.check_files", directory)
     refuse_links(loc, directory, leaf=record.path)
     path = os.path.join(loc.local or "", directory)
-    try:
-        folder = os.open(path, _FOLDER_FLAGS)
-    except OSError as e:
-        raise _damaged(loc, record, f"its folder cannot be opened ({e.strerror})") from None
+    folder = _open_folder(path, loc, record)
     try:
         for key in keys:
             os.close(_open_chunk(folder, loc, record, key, directory))
     finally:
         os.close(folder)
     return path
+
+
+def _open_folder(path: str, loc: Location, record: LeafRecord) -> int:
+    try:
+        return os.open(path, _FOLDER_FLAGS)
+    except OSError as e:
+        raise _damaged(loc, record, f"its folder cannot be opened ({e.strerror})") from None
 
 
 def _open_chunk(folder: int, loc: Location, record: LeafRecord, key: str, directory: str) -> int:
@@ -298,10 +292,7 @@ def _read_piece(
     The crc32c is computed a step at a time, right after each step's read,
     while those bytes are still in this core's cache. (Computed afterwards, in
     the loading thread, the check read every byte again from memory.)"""
-    try:
-        folder = os.open(path, _FOLDER_FLAGS)
-    except OSError as e:
-        raise _damaged(loc, record, f"its folder cannot be opened ({e.strerror})") from None
+    folder = _open_folder(path, loc, record)
     try:
         fd = _open_chunk(folder, loc, record, key, os.path.relpath(path, loc.local or ""))
     finally:
