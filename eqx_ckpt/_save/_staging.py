@@ -130,14 +130,11 @@ class Batch:
         return [p.record for p in self.pending]
 
     def free(self) -> None:
-        """Empty this batch, freeing its records and host views. The writes
-        keep references of their own to the data.
-
-        It is called once the records are encoded, while the writes are in
-        flight. Freeing ten thousand leaves' records, views and key paths is
-        measurable (docs/benchmarks.md), and the end of a save waited for it.
-        Freed here, it overlaps the writes. A few hundred go at a time, so
-        that the writer threads get the GIL between them."""
+        """Empty this batch (the writes keep their own references to the data),
+        once the records are encoded: freeing ten thousand leaves' records
+        overlaps the writes then, where the end of a save waited for it
+        (docs/benchmarks.md). A few hundred go at a time, so that the writer
+        threads get the GIL between them."""
         self.freed = True
         lists: list[list[Any]] = [self.pending, self.own, *(members for _, members in self.packs)]
         for items in [*lists, self.packs, self.made]:
@@ -218,25 +215,13 @@ def start_writes(
     base: _share.Base | None = None,
     remember: bool = False,
 ) -> Writing:
-    """Start writing the arrays of `batch` into `data`, in order, as many as
-    the staging budget admits.
+    """Start writing the arrays of `batch` (`opens`: their futures, from
+    `create`) into `data` through the location's writer, in order, as many as
+    `budget` staged bytes admit; the `Writing`, whose `follow` starts the rest.
 
-    - `opens`: the futures of the arrays opened to write (`create`).
-    - `budget`: the bytes of host data staged and not yet written.
-    - Each write goes to the location's writer (`_chunk_files.chunk_files`,
-      `writer`). It writes by eqx_ckpt's own threads where its chunk files
-      take a save of this `layout` by this many `processes` (on a local
-      disk). Else it writes through TensorStore, staged in a transaction
-      whose commit writes them out.
-    - `out` gets every future that finishes when data is written (not yet
-      durable). An interrupt after one started still leaves it there, so an
-      abort waits for it before deleting anything.
-    - Chunk files equal to `base`'s are shared. With `remember`, the digest
-      of every chunk file written is recorded (`_share.written`).
-
-    Returns the `Writing`. Its `follow` starts the rest as room frees; the
-    caller may work first.
-    """
+    `out` gets every future that finishes when data is written, even after an
+    interrupt, so that an abort waits for it before deleting anything. `base`
+    and `remember`: as for `_chunk_files.ChunkFiles.writer`."""
     writer = _chunk_files.chunk_files(data).writer(
         processes=processes, layout=layout, out=out, tracker=tracker, base=base, remember=remember
     )
@@ -385,7 +370,6 @@ class Window:
 
     @property
     def staged(self) -> int:
-        """The bytes staged and not yet written."""
         return self._budget.held
 
     @property
@@ -417,7 +401,6 @@ class Window:
 
     @property
     def waiting(self) -> bool:
-        """Whether some units are still to be admitted."""
         return bool(self._todo)
 
     def drop(self) -> None:
@@ -427,11 +410,8 @@ class Window:
 
 def protect(pending: list[Pending]) -> None:
     """Make the pieces of `pending` safe from the caller, who may change or
-    delete its arrays once an asynchronous save has returned.
-
-    - A `jax.Array`'s piece is its host data, which never changes.
-    - A NumPy leaf's piece is a private copy (`_memory.protected`).
-    - A cast of either stays deferred."""
+    delete its arrays once an asynchronous save has returned: a NumPy leaf's
+    piece becomes a private copy (`_memory.protected`)."""
     for p in pending:
         copy = p.record.type == "numpy"
         p.pieces = [(index, _memory.protected(piece, copy)) for index, piece in p.pieces]
