@@ -89,9 +89,7 @@ def _client() -> Any:
 
 
 class Group:
-    """The processes taking part in one save or restore, named by `what`.
-
-    The restore is one that reads each byte once (`_read_once`). With one
+    """The processes taking part in one save or restore (`what`). With one
     process, every step is local. A barrier waits `timeout` seconds for the
     slowest process (`TIMEOUT_MS` by default)."""
 
@@ -112,7 +110,6 @@ class Group:
 
     @property
     def primary(self) -> bool:
-        """Whether this process runs the transaction (process 0)."""
         return self.index == 0
 
     def sync(self, stage: str, error: BaseException | None, plan: str | None = None) -> BaseException | None:
@@ -168,11 +165,8 @@ def differing(plans: dict[int, str], count: int) -> CheckpointError | None:
 
 
 class _Stage(NamedTuple):
-    """A barrier of a save or a restore (`what`).
-
-    It has a `name`, how long it waits, and its group's keys (`group`).
-    `passed` is the stage before it, which every process reached ("" for the
-    first)."""
+    """A barrier of a save or a restore (`what`), in its group's keys
+    (`group`); `passed`: the stage before it, which every process reached."""
 
     what: str
     name: str
@@ -238,7 +232,6 @@ def _lost(client: Any, index: int, count: int, stage: _Stage) -> CheckpointError
 
 
 def _has(client: Any, key: str) -> bool:
-    """Whether the coordination service holds `key`."""
     try:
         client.key_value_try_get(key)
     except Exception:  # NOT_FOUND
@@ -279,16 +272,10 @@ class _Silence:
 
 
 class _Heartbeat:
-    """This process's heartbeat: a thread, started when eqx_ckpt is imported
-    (`watch`).
-
-    It bumps this process's key in the coordination service every
-    `HEARTBEAT_SECONDS`. It starts once `jax.distributed` runs several
-    processes and JAX's backend has started (its first `jax.devices()` or
-    computation). It beats from then on, before any save, so that a process
-    that dies before it calls one is found too. In a process where JAX's
-    backend started without `jax.distributed` (which can then no longer
-    start), it ends."""
+    """This process's heartbeat (see the module docstring): a thread started
+    when eqx_ckpt is imported (`watch`). In a process where JAX's backend
+    started without `jax.distributed` (which can then no longer start), it
+    ends."""
 
     _started: threading.Thread | None = None
     _stop = threading.Event()
@@ -303,7 +290,6 @@ class _Heartbeat:
 
     @classmethod
     def watch(cls) -> None:
-        """Start the thread (once)."""
         with cls._lock:
             if cls._started is not None:
                 return
@@ -330,7 +316,6 @@ class _Heartbeat:
 
     @classmethod
     def _run(cls, state: Any, backends_started: Callable[[], bool]) -> None:
-        """Beat (`state`: `jax.distributed`'s)."""
         count = 0
         while not cls._stop.wait(HEARTBEAT_SECONDS):
             # Read before the client: `initialize` sets that first. JAX's backend
