@@ -70,16 +70,12 @@ def acquire_exclusive(loc: Location) -> Claim:
     """This process's claim on `loc`, once no other save holds it; the save
     releases it when it ends (from another thread, for an asynchronous save).
 
-    A claim still recorded for the calling thread is taken over at once. A
-    blocking save in this thread has ended, or it would not be calling. So its
-    claim was left by an interrupt that skipped the release. (A signal lands
-    between any two lines, also just after the claim was taken or just before
-    it is released.)
-
-    A save to the same path nested in a save's progress callback takes the
-    claim too. The lease then refuses it at once, where it used to wait for
-    ever. Only claims handed to a background thread (`hand_over`) make a later
-    save from the same thread wait."""
+    A claim still recorded for the calling thread is taken over at once: a
+    blocking save in this thread has ended, so an interrupt skipped its
+    release. (A save nested in a save's progress callback takes it too; the
+    lease then refuses it at once, where it used to wait for ever.) Only
+    claims handed to a background thread (`hand_over`) make a later save from
+    the same thread wait."""
     with _places.lock:
         place = _places.setdefault(destination(loc), _Place())
     me = threading.get_ident()

@@ -122,7 +122,7 @@ class Transaction:
             # interrupt landing in the caller between the write and this line
             # would leave the save looking uncommitted. Its abort would then
             # delete the arrays of the checkpoint it had just committed.
-            if written or _committed_by(self.loc, self.commit_id):
+            if written or _live_commit(self.loc) == self.commit_id:  # (a write that failed part way)
                 self.state = State.COMMITTED
             outcome.append((error, interrupt))
 
@@ -246,10 +246,7 @@ def _live_commit(loc: Location) -> str | None:
     return "" if current is None else current.commit
 
 
-def _committed_by(loc: Location, commit_id: str) -> bool:
-    """Whether the manifest at `loc` is the one of save `commit_id` (after a
-    manifest write that failed, or was interrupted, part way)."""
-    return _live_commit(loc) == commit_id
+
 
 
 def begin(
