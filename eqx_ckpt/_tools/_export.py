@@ -86,12 +86,9 @@ class ExportOptions:
 
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
-    """One tensor of the export.
-
-    - its safetensors name;
-    - the record `eqx_ckpt.json` keeps of it (its `stored_dtype` and
-      `stored_shape` are the tensor's);
-    - the function reading its value (the leaf's own, before its encoding)."""
+    """One tensor of the export: its safetensors name, the record
+    `eqx_ckpt.json` keeps of it (its stored dtype and shape are the tensor's),
+    and the function reading its value (before its encoding)."""
 
     name: str
     record: LeafRecord
@@ -350,12 +347,10 @@ def _described(
     family: _published.Family | None,
 ) -> dict[str, bytes]:
     """The files describing the tensors of `source`: `eqx_ckpt.json`, and
-    `README.md` (loading the model as `shown`) unless `card=False`.
-
-    The parts that need the model's code are warned of first (`_rebuildable`).
-    The same `source` gives the same bytes: its own `created` time (a
-    checkpoint's; none for a tree), and a manager step's metrics as
-    `info["metrics"]` where `info` has none."""
+    `README.md` (loading the model as `shown`) unless `card=False`, after a
+    warning of the parts that need the model's code (`_rebuildable`). The same
+    `source` gives the same bytes (a checkpoint's own `created` time; a
+    manager step's metrics as `info["metrics"]` where `info` has none)."""
     found = _rebuildable.needs(structure, source.path if isinstance(source, Checkpoint) else shown)
     _rebuildable.warn(found, shown)
     records = [t.record for t in tensors]
@@ -468,12 +463,9 @@ def _leaf(path: str, keypath: list[list[Any]], leaf: Any) -> _Tensor | None:
 def _record(
     path: str, keypath: list[list[Any]], kind: str, shape: tuple[int, ...], dtype: str, impl: str = ""
 ) -> LeafRecord:
-    """The record of a leaf as the published layout stores it
-    (docs/interop.md has the table).
-
-    - As its dtype, where safetensors names it.
-    - Else as unsigned integers of its width ("view").
-    - A PRNG key as its key data."""
+    """The record of a leaf as the published layout stores it: in its dtype,
+    where safetensors names it, else as unsigned integers of its width; a PRNG
+    key as its key data (docs/interop.md has the table)."""
     shape = tuple(shape)
     if kind == "prng_key":
         stored_shape, stored, encoding = shape + (_dtypes.key_data_shape(impl) or ()), "uint32", "key_data"
@@ -489,10 +481,8 @@ def _record(
 
 
 def _reader(array: Any) -> Callable[[], np.ndarray]:
-    """A leaf's value, read as it is written out, as NumPy makes it.
-
-    A lazy leaf's is read by the reader of whole leaves:
-    `LazyArray.__array__`, which gives a PRNG key's key data."""
+    """A leaf's value as NumPy makes it (a lazy leaf's, by the reader of whole
+    leaves: `LazyArray.__array__`, a PRNG key's key data)."""
     return functools.partial(np.asarray, array)
 
 
@@ -576,10 +566,9 @@ def _tensor_name(leaf: str, path: str) -> str:
 
 
 def _refuse_source_in_destination(loc: Location, pytree: Any) -> None:
-    """Refuse a source in the destination, on an object store.
-
-    There a shard replaces its file at once. So a later leaf read from that
-    file would read the new bytes."""
+    """Refuse a source in the destination, on an object store: there a shard
+    replaces its file at once, and a later leaf read from it would read the
+    new bytes."""
     if loc.local is not None:
         return
     lazy = [x for x in jtu.tree_leaves(pytree, is_leaf=lambda x: isinstance(x, LazyArray)) if isinstance(x, LazyArray)]

@@ -301,10 +301,8 @@ def _verify_steps(loc: Location, steps: list[int], progress: Progress) -> Proble
 
 
 def _check_totals(loc: Location, manifest: Manifest) -> list[Problem]:
-    """The redundant counts in the manifest must agree with its leaf records.
-
-    They are the ones its one parse kept (`Manifest.declared`): the file is
-    not read again, so a manifest replaced meanwhile cannot mix in its totals."""
+    """The redundant counts in the manifest, as its one parse kept them
+    (`Manifest.declared`), must agree with its leaf records."""
     declared = manifest.declared
     if declared is None:  # made in memory, not read: its totals are its leaves'
         return []
@@ -404,11 +402,9 @@ def _chunk_file(root: str, directory: str, indices: tuple[int, ...]) -> str:
 def _check_file_sizes(
     data: Location, directory: str, shape: tuple[int, ...], chunks: tuple[int, ...], chunk_nbytes: int
 ) -> str | None:
-    """Every chunk file is there and holds exactly one full chunk and its
-    4-byte checksum, worded as a load words it (`_untrusted.wrong_chunk_file`).
-
-    TensorStore ignores bytes appended after the checksum, so reads alone would
-    not notice them. Only local folders can be listed this cheaply."""
+    """Every local chunk file is there and holds exactly one full chunk and its
+    checksum (TensorStore ignores bytes appended after the checksum, so reads
+    alone would not notice them), worded as a load words it."""
     if data.local is None:
         return None
     why = _untrusted.first_wrong_chunk_file(data, directory, shape, chunks, chunk_nbytes)
@@ -465,18 +461,9 @@ def _check_groups(data: Location, manifest: Manifest) -> list[Problem]:
 
 def _group_differs(actual: dict[str, Any], what: str) -> str | None:
     """How a group's `zarr.json` differs from what a save writes (`_format.GROUP`).
-
-    Two additions leave it the same group to every zarr reader. A user's zarr
-    tool may well make them, so they are no problem:
-
-    - `attributes` of its own (xarray and others annotate groups; the zarr v3
-        spec makes them optional);
-    - an extension field marked `"must_understand": false`, which the spec
-        lets any reader ignore (zarr-python's consolidated metadata in the
-        root group).
-
-    Anything else changes what the node is, or makes a reader
-    refuse it."""
+    A user's zarr tool may add what leaves it the same group to every zarr
+    reader: `attributes` (xarray annotates groups), or an extension field
+    marked `"must_understand": false` (zarr-python's consolidated metadata)."""
     differ = []
     for name in sorted(set(actual) | set(_format.GROUP)):
         value, expected = actual.get(name), _format.GROUP.get(name)
@@ -497,9 +484,8 @@ def _read_object(
     data: Location, key: str, what: str, *, optional: bool = False
 ) -> tuple[dict[str, Any] | None, str | None]:
     """The JSON object in the small metadata file `key`, or what is wrong with
-    it, said of `what` (neither, when an `optional` file is missing). The file
-    is untrusted: its size is bounded before it is read, and bytes that are not
-    a JSON object are a problem, never an error."""
+    it, said of `what` (neither, when an `optional` file is missing): untrusted
+    bytes, bounded before they are read, and a problem, never an error."""
     try:
         raw = _storage.read_file(data, key, limit=_MAX_ZARR_JSON)
     except CheckpointStorageError:
