@@ -52,8 +52,7 @@ class Stages:
 
     @property
     def alone(self) -> bool:
-        """Whether this is a save of one process, which may do what several
-        cannot (see the module docstring)."""
+        """Whether this is a save of one process (see the module docstring)."""
         return self._group.count == 1
 
     @property

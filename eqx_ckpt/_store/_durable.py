@@ -22,23 +22,16 @@ if TYPE_CHECKING:
 def flush(loc: Location) -> None:
     """Make everything written under `loc` without fsync durable, before a commit.
 
-    Every file (and directory) is fsynced, many at once. The file system's
-    journal batches concurrent syncs, where one fsync after each write would wait
-    for each.
+    Every file (and directory) is fsynced, many at once: the file system's
+    journal batches concurrent syncs. Many files on a local ext4, XFS or Btrfs
+    are synced by one `syncfs` instead, several times faster
+    (docs/benchmarks.md); not a few files (a `syncfs` also waits for other
+    programs' data), nor on other file systems (their `syncfs` may not reach
+    the server).
 
-    - When a save wrote many files to a local ext4, XFS or Btrfs file system, one
-      `syncfs` of that file system replaces them. For 10,000 leaves it is several
-      times faster (docs/benchmarks.md).
-    - A `syncfs` may also wait for other programs' unwritten data there. That is
-      why a save of a few files fsyncs them instead.
-    - Other file systems (network, FUSE) always get an fsync per file: their
-      `syncfs` may not reach the server.
-
-    In a multi-process save the other processes may still be writing here. Their
-    temporary files (TensorStore's `*.__lock`) come and go. So those are skipped,
-    and a file that vanishes before it is opened is not an error. What each
-    process wrote is final before it flushes, and each process flushes. So every
-    file and directory entry of the save is synced by the process that wrote it.
+    Other processes of a save may still be writing here: their temporary files
+    are skipped, and a file that vanishes is no error. Each process flushes
+    what it wrote.
     """
     _faults.fire("sync.flush", loc)
     local = loc.local if _location.on_local_disk(loc) else None

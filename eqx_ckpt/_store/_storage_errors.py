@@ -51,12 +51,9 @@ _OS_ERROR = re.compile(r"(?:\[OS error |\[os_error_code=')(\d+)")
 
 def write_refusal(error: BaseException) -> type[CheckpointStorageError] | None:
     """The class of error for a write that failed with `error` (TensorStore's or
-    the OS's) because of the storage.
-
-    - `CheckpointConnectionError` when it could not be reached.
-    - `CheckpointStorageError` when it would not take the write: forbidden,
-      read-only, full, or failing once the retries were spent.
-    - `None` for any other failure."""
+    the OS's) because of the storage: `CheckpointConnectionError` when it could
+    not be reached, `CheckpointStorageError` when it would not take the write
+    (forbidden, read-only, full, failing), else `None`."""
     if isinstance(error, CheckpointStorageError):
         return type(error)
     text = explain(error)

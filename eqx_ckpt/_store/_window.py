@@ -58,24 +58,18 @@ class Budget:
         return alone or self.held + nbytes <= self.limit
 
     def take(self, nbytes: int) -> None:
-        """A job of `nbytes` started."""
         self.held += nbytes
 
     def give(self, nbytes: int) -> None:
-        """A job of `nbytes` finished: its bytes are free."""
         self.held -= nbytes
 
 
 def windowed(
     jobs: Iterable[tuple[K, int, Callable[[], F]]], *, max_reads: int | None = None
 ) -> Iterator[tuple[K, int, F]]:
-    """Start each job while they fit in `READ_BUDGET` bytes (and, with
-    `max_reads`, that many reads); yield each started job, oldest first.
-
-    - A job is `(key, size in bytes, start)`. `start()` begins its read and
-      returns what finishes it.
-    - `(key, size, started)` is yielded whenever the next job needs room, and
-      after the last has started.
+    """Start each job `(key, size in bytes, start)` while they fit in
+    `READ_BUDGET` bytes (and, with `max_reads`, that many reads); yield
+    `(key, size, start())` of each, oldest first, when the next needs room.
 
     Jobs are taken from `jobs` only as they start, so a lazy iterable may decide
     at that moment what comes next. The caller finishes each yielded read before
@@ -107,12 +101,9 @@ def runs(
     `(start, end, keys)`.
 
     `spans` are `(start, end, key)` in bytes, sorted by `start`. A leaf starts
-    a new run:
-
-    - when it begins more than `RUN_GAP_BYTES` after the run's end;
-    - when the run would grow past `most` bytes;
-    - when it, or the run's last leaf, is to be read `alone` (a function of its
-      size)."""
+    a new run when it begins more than `RUN_GAP_BYTES` after the run's end,
+    when the run would grow past `most` bytes, or when it or the run's last
+    leaf is to be read `alone` (a function of its size)."""
     out: list[tuple[int, int, list[K]]] = []
     members: list[K] = []
     lo = hi = 0
