@@ -166,7 +166,6 @@ def local_walk(
 
 
 def _unless_missing(error: OSError) -> None:
-    """Raise `error`, unless it says a file is gone already."""
     if not isinstance(error, FileNotFoundError):
         raise error
 

@@ -183,9 +183,6 @@ def load_pool() -> BufferPool | None:
         return pool if pool is not None else _LOAD_POOLS.put(setting, BufferPool(*setting))
 
 
-
-
-
 def pinned_platform(device: Any) -> bool:
     """Whether the pinned paths are used for `device` (`PINNED_PLATFORMS`)."""
     return device is not None and device.platform in PINNED_PLATFORMS

@@ -246,9 +246,6 @@ def _live_commit(loc: Location) -> str | None:
     return "" if current is None else current.commit
 
 
-
-
-
 def begin(
     loc: Location,
     *,

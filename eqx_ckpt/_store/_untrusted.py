@@ -77,10 +77,8 @@ def refuse_special(loc: Location, name: str, *, leaf: str | None = None) -> None
 
 def refuse_special_inside(loc: Location) -> None:
     """Raise if any file below the local folder `loc` (a link followed, never
-    into a folder) is neither a regular file nor a folder (`special_error`).
-
-    For another program's checkpoint (orbax's), before TensorStore opens its
-    arrays: no record of eqx_ckpt's names their files. One `stat` a file."""
+    into a folder) is neither a regular file nor a folder (`special_error`):
+    for another program's checkpoint (orbax's), whose files no record names."""
     if loc.local is None:
         return
     for root, _, names in local_walk(loc.local):
@@ -93,13 +91,17 @@ def refuse_special_inside(loc: Location) -> None:
 
 def special_error(loc: Location, name: str, kind: str, *, leaf: str | None = None) -> CheckpointError:
     """The error of the file `name` of `loc` that is `kind` (`_local_paths.special`:
-    a FIFO, a socket, a device node), not a regular file: a
-    `CorruptCheckpointError`, or an `IntegrityError` of the leaf `leaf`."""
+    a FIFO, a socket, a device node), not a regular file (`_corrupt`)."""
     what = (
         f"{name!r} in checkpoint {loc.display!r} is {kind}, not a regular file, so it was not opened. eqx_ckpt "
         f"reads only regular files from a checkpoint: opening a FIFO waits forever, and a device reads what it "
         f"likes. Replace it with the file it stands for, or restore the checkpoint from a good copy."
     )
+    return _corrupt(loc, what, leaf)
+
+
+def _corrupt(loc: Location, what: str, leaf: str | None) -> CheckpointError:
+    """A `CorruptCheckpointError` saying `what`, or an `IntegrityError` of the leaf `leaf`."""
     if leaf is None:
         return CorruptCheckpointError(what, path=loc.display)
     return IntegrityError(leaf_line(what, keypath=None, dotted=leaf), path=loc.display, dotted=[leaf])
@@ -140,10 +142,8 @@ def check_leaf_files(loc: Location, record: LeafRecord) -> None:
 
 
 def check_pack_files(loc: Location, pack: PackRecord, *, leaf: str | None = None) -> None:
-    """Before a local pack is opened: no links, and every chunk file there, of
-    one full chunk and its checksum (a pack has few).
-
-    `leaf` names the leaf being read, if one is."""
+    """Before a local pack is opened (for the leaf `leaf`, if one): no links,
+    and every chunk file there, of one full chunk and its checksum."""
     if loc.local is None:
         return
     refuse_links(loc, pack.name, leaf=leaf, subtree=True)  # (a FIFO or device inside refused too)
@@ -230,10 +230,9 @@ _INSIDE = len("/" + _format.chunk_key([2**64 - 1] * MAX_RANK)) + len(_format.TEM
 
 
 def check_path_lengths(loc: Location, records: Sequence[LeafRecord]) -> None:
-    """Raise, before a save writes anything, if a file in a leaf's folder would
-    have a path longer than the system allows.
-
-    `records` are the leaves with an array of their own."""
+    """Raise, before a save writes anything, if a file in the folder of a leaf
+    of `records` (those with an array of their own) would have a path longer
+    than the system allows."""
     if loc.local is None or not records:
         return
     limit = _path_max(loc.local)
@@ -278,6 +277,4 @@ def _link_error(loc: Location, found: str, leaf: str | None) -> CheckpointError:
         f"inside a checkpoint, so that no checkpoint can make it read files outside itself. If you made the link, "
         f"replace it with a copy of what it points to."
     )
-    if leaf is None:
-        return CorruptCheckpointError(what, path=loc.display)
-    return IntegrityError(leaf_line(what, keypath=None, dotted=leaf), path=loc.display, dotted=[leaf])
+    return _corrupt(loc, what, leaf)
