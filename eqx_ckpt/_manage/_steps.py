@@ -78,16 +78,11 @@ def committed_steps(loc: Location) -> list[int]:
 
 
 def clean_interrupted(loc: Location, state: dict[int, bool]) -> list[tuple[str, str]]:
-    """Remove what interrupted saves left:
-
-    - step folders without a manifest that hold only files a save writes
-      (`_format.left_by_a_save`), and empty ones;
-    - metrics files a version 1 manager wrote without a committed step
-      (`written_metrics`).
-
-    Returns the entries named like a step that are not the manager's to
-    remove, as `(name, what it is)`; they stay. Such an entry is a user's file,
-    link, folder of other files, or file named like a step's metrics."""
+    """Remove what interrupted saves left: step folders without a manifest
+    that hold only files a save writes (or nothing), and metrics files a
+    version 1 manager wrote without a committed step. Returns the entries
+    named like a step that are not the manager's to remove, as
+    `(name, what it is)`; they stay."""
     if not primary():
         return []
     names = _storage.list_names(loc)
@@ -112,10 +107,8 @@ def clean_interrupted(loc: Location, state: dict[int, bool]) -> list[tuple[str, 
 
 def written_metrics(loc: Location, step: int) -> bool:
     """Whether `step_<step>.metrics.json` in `loc` is what a version 1 manager
-    wrote there: `_metrics_file_values` reads it, and it is not a link.
-
-    Only such a file is the manager's to delete. Anything else of that name is
-    a user's, and stays."""
+    wrote there (and so the manager's to delete): `_metrics_file_values` reads
+    it, and it is not a link."""
     name = _format.metrics_name(step)
     if loc.local is not None:
         entry = _storage.local_entry(os.path.join(loc.local, name))

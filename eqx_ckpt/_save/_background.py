@@ -32,23 +32,14 @@ HeldLeaves = Callable[[], tuple[list[Any], _tree.Names]]
 def hold_tree(pytree: Any) -> HeldLeaves | None:
     """What the caller of an asynchronous save must wait for, with the
     default filter spec and no `is_leaf`: every leaf's host data held
-    (`_hold`). NumPy arrays are copied and each `jax.Array`'s host data is
-    taken, so that a later donation or change cannot reach the save.
+    (`_hold`), safe from a later donation or change. Returns what the
+    background calls for the leaves and their names; `None` when a leaf's
+    error should be raised at once, in the caller's thread.
 
-    Returns what the background calls for the leaves (what `_records.build`
-    makes records of, there) and their names. `None` when the tree needs the
-    caller's thread: a leaf whose error should be raised at once.
-
-    The key paths are the structure's, never the caller's tree's (which the
-    caller may change once this returns):
-
-    - rebuilt in the background from the structure, when its nodes rebuild
-      without code of the user's (`_tree.names_from_structure`);
-    - else taken here. A custom node's constructor must not run in the
-      background, on arrays the caller may have deleted by then.
-
-    Flattening without key paths is the faster way (docs/benchmarks.md,
-    "Measurements behind the design")."""
+    The key paths are rebuilt in the background from the structure (the
+    faster way: docs/benchmarks.md, "Measurements behind the design"), or
+    taken here where a custom node's constructor would have to run in the
+    background, on arrays the caller may have deleted by then."""
     leaves, treedef = jax.tree_util.tree_flatten(pytree)
     keypaths = None
     if not _tree.rebuilds_plainly(treedef):
@@ -78,28 +69,16 @@ _DTYPE = operator.attrgetter("dtype")
 
 
 def _hold(leaves: list[Any]) -> tuple[list[Any], Sequence[int]] | None:
-    """Every leaf's host data held, each leaf looked at once:
-
-    - a `jax.Array` on one device by its NumPy view. That is a `jax.Array`'s
-      host data, which never changes. On an accelerator it is a copy the save
-      owns, in pinned host memory where the device has some (`_memory.held`),
-      never cached on the caller's array;
-    - any other `jax.Array` (sharded, a PRNG key array) by its host pieces
-      (`_records.hold`);
-    - NumPy arrays copied (`_memory`);
-    - other leaves as they are.
-
-    Returns what is held, one per leaf, and the indices of the views (made
-    `_records.Held` in the background, `hold_tree`). `None` when a leaf's
-    error is for the caller's thread to raise: a masked or abstract array, or
-    a leaf that cannot be held (a deleted array).
+    """Every leaf's host data held: a `jax.Array` on one device by its host
+    view (`_memory.held`), any other by its host pieces (`_records.hold`),
+    NumPy arrays copied, other leaves as they are. Returns what is held and
+    the indices of the views; `None` when a leaf's error is for the caller's
+    thread to raise (a masked or abstract array, a deleted one).
 
     The caller waits for this. The common tree, every leaf a `jax.Array` on
-    one device, is held with no step of Python's per leaf. The types and
-    shardings are checked as sets, and the views made by `map`
-    (docs/benchmarks.md, "Measurements behind the design"). A PRNG key array
-    among them (which has no view) is found by its dtype, and the others are
-    still viewed so. Any other tree is held leaf by leaf."""
+    one device, is held with no step of Python's per leaf: types and
+    shardings checked as sets, views made by `map` (docs/benchmarks.md,
+    "Measurements behind the design"). Any other tree is held leaf by leaf."""
     kinds = _records.array_kind
     try:
         if all(kinds(cls) == "jax" for cls in set(map(type, leaves))) and set(map(type, map(_SHARDING, leaves))) == {

@@ -157,16 +157,11 @@ class Verified(NamedTuple):
 
 
 def base_file(path: str, nbytes: int, what: str, start: Any = None) -> Verified | None:
-    """The base's chunk file `path`, if it may be shared; else `None`.
-
-    It may be shared if it is a sound regular file of `nbytes` bytes (data and
-    checksum). Given `start` (a buffer), its first bytes must also be those of
-    `start`. `what` names its leaf or pack, for a warning.
-
-    `start` is a cheap look before the hash of a large chunk, which costs a
-    pass over all of its bytes. A chunk whose first bytes changed (an overwrite
-    where everything changed) is written at once. A file not verified yet is
-    read once (`_verify`). An unsound one is warned about and never shared."""
+    """The base's chunk file `path`, if it may be shared: a sound regular file
+    of `nbytes` bytes (data and checksum) whose first bytes are those of
+    `start`, where given (a cheap look before the hash of a large chunk). A
+    file not verified yet is read once (`_verify`); an unsound one is warned
+    about (naming `what`, its leaf or pack) and never shared."""
     try:
         fd = os.open(path, _READ_FLAGS)
     except OSError as e:
@@ -234,21 +229,16 @@ def _warn(path: str, what: str, why: str) -> None:
 
 def written(fd: int, path: str, digest: bytes) -> None:
     """Record the chunk file `fd` (`path`), just written whole by this
-    process, as one whose data bytes have the xxh3-128 `digest`.
-
-    A next save that shares it need not read it back."""
+    process, as one whose data bytes have the xxh3-128 `digest`."""
     _faults.fire("share.written", path)
     _VERIFIED.put(_key(local_stat(fd)), digest)
 
 
 def link(source: str, path: str, verified: Verified) -> bool:
     """Make `path`, which does not exist, a hard link to the base's chunk file
-    `source`. Returns whether `path` is now that link, to the file that was
-    `verified`.
-
-    The file is checked again through the new name, because the base may have
-    been replaced, changed or deleted meanwhile. Where it is not the verified
-    file, nothing is left at `path`."""
+    `source`; whether it is now a link to the file that was `verified`
+    (checked again through the new name: the base may have changed
+    meanwhile). Where it is not, nothing is left at `path`."""
     _faults.fire("share.link", source, path)
     try:
         os.link(source, path, follow_symlinks=False)
@@ -267,12 +257,8 @@ def link(source: str, path: str, verified: Verified) -> bool:
 
 def forget_damaged(error: BaseException, root: str, record: LeafRecord) -> BaseException:
     """Return `error`, a failure to read the leaf `record`, after forgetting
-    the leaf's files where it says they are damaged.
-
-    `root` is the checkpoint's data root, a local folder. Where `error` is an
-    `IntegrityError`, the files of the leaf's array (its pack's, for a packed
-    leaf) are forgotten first. The next save then reads them again before it
-    shares any."""
+    the files of its array (or pack) under the data root `root` where it is
+    an `IntegrityError`: the next save reads them again before it shares any."""
     if isinstance(error, IntegrityError):
         forget(root, record.pack.name if record.pack is not None else record.directory)
     return error
@@ -292,11 +278,8 @@ def forget(root: str, directory: str) -> None:
 
 
 def shared_files(root: str) -> tuple[int, int]:
-    """How many files under the data root `root`, and how many bytes, other
-    checkpoints or steps also use.
-
-    `root` is on a local disk. A file used twice is a hard link: it has more
-    than one name."""
+    """How many files under the local data root `root`, and how many bytes,
+    other checkpoints or steps also use (hard links: more than one name)."""
     count = nbytes = 0
     for folder, _, names in local_walk(root):
         for name in names:
