@@ -125,12 +125,9 @@ class ChunkFiles(Protocol):
 
 
 class LocalFiles:
-    """Chunk files on a local disk, read and written by eqx_ckpt itself.
-
-    Not every leaf's: eqx_ckpt lays out itself only chunks that split an
-    array's first axis (each chunk's bytes contiguous in the array). It reads a
-    leaf itself where `reads`, and writes one itself where `writes_leaf`, in a
-    save it `writes`. Any other leaf here goes through TensorStore."""
+    """Chunk files on a local disk, read and written by eqx_ckpt itself where
+    `reads` and `writes_leaf` say so (chunks that split an array's first
+    axis); any other leaf here goes through TensorStore."""
 
     def __init__(self, loc: Location, root: str):
         self.loc, self.root = loc, root
@@ -250,12 +247,9 @@ class TensorStoreFiles:
 
 class Write:
     """One write of a save, admitted whole within the staging budget: a
-    leaf's pieces, or a pack's members (`datas`, made host when staged).
-    `nbytes` of host data are held while it is staged and written.
-    `start(hosts)` starts it from their host data. It returns its futures
-    (finished when written) and the progress steps they report
-    (`_staging.Writing.follow`). `local`: started in the helper thread that
-    interrupts never reach."""
+    leaf's pieces, or a pack's members (`datas`), holding `nbytes` of host
+    data. `start(hosts)` starts it: its futures and the progress steps they
+    report. `local`: started in the helper thread that interrupts never reach."""
 
     __slots__ = ("datas", "local", "nbytes", "start")
 
@@ -264,16 +258,12 @@ class Write:
 
 
 class Writer:
-    """A save's writes through TensorStore: staged in a transaction
-    (`_storage.transaction`), progress reported as each is staged, and
-    written out by its commit. Committed once every write has started
-    (`commit`), or earlier when the staging window waits for their bytes
-    (`_Commit.result`). Each commit's future goes in `out`.
-
-    Staged in a transaction, a write only references its source until the
-    commit. The host data of a jax.Array never changes (a view of it keeps
-    its buffer alive through `delete()` and donation), and the caller's NumPy
-    arrays were copied before an asynchronous save returned."""
+    """A save's writes through TensorStore: staged in a transaction, progress
+    reported as each is staged, written out by its commit once every write
+    has started (`commit`), or earlier when the staging window waits for
+    their bytes (`_Commit.result`). Each commit's future goes in `out`. (A
+    staged write only references its source, which never changes: see
+    `_staging.protect`.)"""
 
     def __init__(self, out: list[Any], tracker: Tracker | None):
         self._out, self._tracker = out, tracker
@@ -302,9 +292,8 @@ class Writer:
         self, pack: PackRecord, records: list[LeafRecord], datas: list[Any], nbytes: int, run: range, opened: Mapped
     ) -> Write:
         """The write of the chunk files `run` of `pack` (`opened`, its array
-        opened to write), from its members `records` (their pieces `datas`,
-        `nbytes` stored bytes). TensorStore's write of the run's contents, a
-        new array, is counted as staged too."""
+        opened to write), from its members `records` (their pieces `datas`);
+        the run's contents, a new array, count as staged too."""
         contents = min(run.stop * pack.chunk, pack.size) - run.start * pack.chunk
         start = functools.partial(self._pack, opened, pack, records, run)
         return Write(datas, nbytes + contents * dtype_from_name(pack.dtype).itemsize, start, False)
@@ -368,12 +357,10 @@ class Writer:
 
 
 class LocalWriter(Writer):
-    """A save's writes of chunk files on a local disk (`LocalFiles`, in a save
-    it `writes`), by eqx_ckpt's own threads (`_local_write`): every pack, and
-    each leaf `LocalFiles.writes_leaf`. Chunk files equal to `base`'s are
-    shared, and with `remember` the digest of each written is recorded
-    (`_share`). Any other leaf is written through TensorStore, as `Writer`
-    writes it."""
+    """A save's writes of chunk files on a local disk by eqx_ckpt's own
+    threads (`_local_write`): every pack, and each leaf `LocalFiles.writes_leaf`
+    (any other as `Writer` writes it). `base`, `remember`: as for
+    `ChunkFiles.writer`."""
 
     def __init__(
         self, files: LocalFiles, out: list[Any], tracker: Tracker | None, base: _share.Base | None, remember: bool
@@ -471,15 +458,11 @@ def _pack_contents(
 
 
 class PackRuns:
-    """The runs of packs in `loc` read by one load (`_load/_pack.py` cuts the
-    runs and places their leaves). With `local` (chunk files on a local
-    disk, `LocalFiles`), eqx_ckpt reads each run itself (`_local_read.start_pack_run`:
-    the whole chunk files holding it, each checked, then read). Else each run
-    is read through TensorStore's array of the pack (`_storage.open_pack`),
-    opened once per pack for the load. A load that reads a few leaves at a
-    time (`cached`: a lazy leaf) reads every run through TensorStore, whose
-    process-wide open of the pack keeps its decoded chunks for the
-    neighbours' reads."""
+    """The runs of packs in `loc` read by one load (`_pack` cuts them): with
+    `local`, by eqx_ckpt itself (`_local_read.start_pack_run`), else through
+    TensorStore's array of the pack, opened once per pack for the load. A
+    load of a few leaves at a time (`cached`: a lazy leaf) reads through
+    TensorStore, whose shared open of the pack keeps its decoded chunks."""
 
     def __init__(self, loc: Location, *, local: bool, cached: bool) -> None:
         self._loc, self._local, self._cached = loc, local, cached

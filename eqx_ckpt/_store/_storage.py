@@ -111,11 +111,8 @@ def _context(loc: Location, synced: bool) -> ts.Context:
 
 def result(future: Future | Mapped) -> Any:
     """`future.result()`, except that an interrupt waits for the operation to
-    finish before it is raised (`_interrupts.finish`).
-
-    An interrupt is Ctrl-C, or `sys.exit` from a signal handler. Waiting
-    matters for two reasons. An operation left running when the interpreter
-    exits aborts the process. And a save must know whether a write happened
+    finish before it is raised (`_interrupts.finish`): one left running at
+    exit aborts the process, and a save must know whether a write happened
     before it decides what to undo."""
     return _interrupts.finish(future)
 
@@ -313,13 +310,9 @@ def _start_write_if(loc: Location, name: str, data: bytes | None, if_equal: byte
 
 
 def write_if(loc: Location, name: str, data: bytes | None, if_equal: bytes) -> bytes | None:
-    """Write a small file only if its generation is still `if_equal`, and wait
-    for it. `None` as `data` deletes it. `ABSENT` as `if_equal` writes only if
-    there is no file.
-
-    Returns the file's new generation, or `None` if the condition failed. A
-    failed write is a `CheckpointError` that says nothing was written. Once
-    written, a local directory is synced."""
+    """Write a small file (delete it, for `None`) only if its generation is
+    still `if_equal` (`ABSENT`: no file), and wait for it; its new generation,
+    or `None` if the condition failed. A local directory is then synced."""
     try:
         generation = result(_start_write_if(loc, name, data, if_equal)).generation
     except NotImplementedError:
@@ -336,17 +329,11 @@ def write_if(loc: Location, name: str, data: bytes | None, if_equal: bytes) -> b
 def write_conditional(
     loc: Location, name: str, data: bytes, if_equal: bytes
 ) -> tuple[bool, BaseException | None, BaseException | None]:
-    """Write a small file only if its generation is still `if_equal`.
-
-    Returns `(written, error, interrupt)`.
-
-    - An interrupt (Ctrl-C, `sys.exit` from a signal handler) does not abandon
-      a write under way. The write is waited for, so that whether it happened
-      is known. The interrupt is returned, for the caller to raise once that
-      is recorded.
-    - `error` is the write's failure, or once written the directory sync's,
-      as raised. The caller can tell whether the file is its own, so it says
-      what it left."""
+    """Write a small file only if its generation is still `if_equal`:
+    `(written, error, interrupt)`. An interrupt waits for the write, so that
+    whether it happened is known, and is returned for the caller to raise
+    once that is recorded. `error`: the write's failure, or the directory
+    sync's, as raised."""
     _faults.fire("commit.manifest_write", loc, name)
     # Waited through interrupts, kept and returned: the write's outcome is known first.
     found, error, interrupt = _interrupts.outcome(_start_write_if(loc, name, data, if_equal))
@@ -564,14 +551,9 @@ def _unlink(path: str) -> None:
 
 
 class Array:
-    """An opened array, the only form in which one leaves this module.
-
-    It has a shape, data type and chunks. A region of it (`array[index]`) is
-    another `Array`. Its reads and writes return futures, not waited for.
-
-    A thin wrapper of TensorStore's array, with one attribute. A region wraps
-    TensorStore's region, and a read is TensorStore's read. There is no copy,
-    and nothing is read or written that TensorStore would not."""
+    """An opened array, the only form in which one leaves this module: a thin
+    wrapper of TensorStore's array (no copy), whose region (`array[index]`)
+    is another `Array` and whose reads and writes return futures."""
 
     __slots__ = ("_array",)
 
@@ -835,12 +817,10 @@ def open_for_reading(specs: list[dict[str, Any]]) -> list[Mapped]:
     """Open existing arrays read-only from their full specs: futures of their
     `Array`s.
 
-    They are another program's arrays, of one checkpoint, opened in a context
-    of their own: TensorStore shares an open OCDBT database between opens of
-    one context, and an orbax checkpoint saved again at the same path is
-    another database, which the shared one refuses ("Configuration mismatch
-    on uuid") while anything holds the old one open. (A child of `CONTEXT`:
-    same `memory://` stores, same limits.)"""
+    Another program's arrays, of one checkpoint, in a context of their own
+    (a child of `CONTEXT`): an orbax checkpoint saved again at the same path
+    is another OCDBT database, which a shared open of the old one refuses
+    ("Configuration mismatch on uuid")."""
     context = ts.Context({"cache_pool": {}, "ocdbt_coordinator": {}}, parent=CONTEXT)
     return [_opening(ts.open(spec, open=True, read=True, context=context)) for spec in specs]
 
