@@ -349,10 +349,9 @@ class CheckpointManager:
         target = self._loc.joined(step_name(step))
         # The metrics go into the step's manifest, so they commit with it; a
         # leftover file of version 1 would shadow nothing, but is stale now.
-        if state.get(step) and primary() and written_metrics(self._loc, step):
-            with _storage_errors.explained(self._loc, f"Saving step {step} to"):
-                _storage.remove(self._loc, [_metrics_name(step)])
         with _storage_errors.explained(self._loc, f"Saving step {step} to"):
+            if state.get(step) and primary() and written_metrics(self._loc, step):
+                _storage.remove(self._loc, [_metrics_name(step)])
             self._retention.begin(step, self._rules())
         handoff = _serialise.Handoff()
         # The newest committed step: unchanged chunk files are shared with it

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -95,13 +96,9 @@ def model_card(
     stored: Sequence[LeafRecord] | None = None,
 ) -> str:
     """The text of `README.md` for a folder of the published layout loaded as
-    `name_or_path`; `base`: the base a fine-tune takes its unchanged leaves
-    from, as messages name it, and `stored` the records of the leaves it holds
-    itself (`None`: every one of `records`).
-
-    The folder holds `files`, tensors of the leaf `records`. Its tree has the
-    `structure` record (or `None`) and the user's `info`. `found` is
-    `_rebuildable.needs(structure, ...)` where already known."""
+    `name_or_path`, holding `files`, tensors of the leaf `records` (`stored`:
+    those it holds itself, where a fine-tune takes the others from `base`).
+    `found` is `_rebuildable.needs(structure, ...)` where already known."""
     found = needs(structure, name_or_path) if found is None else found
     title = info.get("name") if isinstance(info.get("name"), str) else _title(name_or_path)
     description = info.get("description") if isinstance(info.get("description"), str) else ""
@@ -221,17 +218,10 @@ def _load_notes(name_or_path: str, about: About, found: Needs) -> list[str]:
 def parameters(records: Iterable[LeafRecord]) -> int:
     """The elements of the floating-point (and complex) arrays among `records`:
     a model's parameter count. Scalars, integers and PRNG keys are left out."""
-    return sum(_elements(r.shape) for r in records if r.type in ("jax", "numpy") and r.dtype.startswith(_INEXACT))
+    return sum(math.prod(r.shape) for r in records if r.type in ("jax", "numpy") and r.dtype.startswith(_INEXACT))
 
 
 _INEXACT = ("float", "bfloat", "complex")
-
-
-def _elements(shape: Sequence[int]) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count
 
 
 def _size(records: Sequence[LeafRecord], stored: Sequence[LeafRecord]) -> str:
