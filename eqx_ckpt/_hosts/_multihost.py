@@ -1,41 +1,19 @@
 """Several JAX processes taking part in one save or one restore: the group,
 its barriers, and who writes which leaf.
 
-A save's stages (`_stages`) each make a `Group` of the processes and meet at
-its barriers (`Group.sync`). So does a restore that reads each byte once
-(`_read_once`). `writes` says whether this process writes (its pieces of) a
-leaf.
+A save's stages (`_stages`), and a restore that reads each byte once
+(`_read_once`), each make a `Group` and meet at its barriers (`Group.sync`):
+keys of the coordination service of `jax.distributed`, not device
+collectives, so that the CPU backend needs none, each process's error
+reaches the others, and an asynchronous save's thread cannot interleave with
+the training step's collectives.
 
-The processes meet at barriers of the distributed runtime's coordination service,
-not at device collectives. A barrier there:
-
-- needs no collective support from the backend (CPU included);
-- carries each process's error to the others, so that a failure anywhere fails
-  the save everywhere instead of hanging it;
-- is safe from the background thread of an asynchronous save, where a device
-  collective could interleave with the training step's own.
-
-A barrier is each process's key in the coordination service's key-value store,
-waited for a second at a time. Between waits, the heartbeat of a process that
-has not arrived is checked. Every process bumps a key of its own every
-`HEARTBEAT_SECONDS` (`_Heartbeat`). A thread does it, which eqx_ckpt starts at
-import and which beats once `jax.distributed` and JAX's backend have started.
-So a process killed outright (SIGKILL, out of memory) is found within
-`SILENT_SECONDS` and named. `jax.distributed`'s own heartbeat takes 100 s and
-then ends every process. This holds for a process that died before it called
-the save or restore, as for one that died inside it. Each process marks its
-entry into a group (`Group`), and the error says which of the two it was.
-
-The coordination service has no quicker answer of its own:
-
-- its client's `get_live_nodes(process_ids)` is itself a barrier: it returns
-  once every live process listed has called it;
-- a process killed outright counts as live until the service's heartbeat
-  time-out (`heartbeat_timeout_seconds`, 100 s), when `jax.distributed` ends
-  every process anyway;
-- `wait_at_barrier` with `process_ids` waits for a dead process just as long.
-
-Hence eqx_ckpt's own heartbeat keys, in the same service.
+A barrier is waited for a second at a time. Between waits, the heartbeat of a
+process that has not arrived is checked: every process bumps a key of its
+own every `HEARTBEAT_SECONDS` (`_Heartbeat`, a thread started at import), so
+that one killed outright is found within `SILENT_SECONDS` and named, whether
+it died inside the group or before it joined it. The coordination service
+has no quicker answer of its own (docs/scaling.md says why).
 """
 
 from __future__ import annotations

@@ -1,33 +1,17 @@
 """Who may write a checkpoint, or a manager's directory, and for how long.
 
-One discipline for every writer, on every store:
+In this process, one save per destination at a time (`acquire_exclusive`, a
+`Claim`). Across processes, a *lease*: a small JSON file (`saving.json` for a
+save, `manager.json` for a manager) created by a conditional write that
+succeeds only where it is absent. A lease whose holder died is stale: at once
+on a local disk, where the holder also holds an `flock` on the directory;
+elsewhere once it went `STALE_SECONDS` without the holder's heartbeat. It is
+taken over by another conditional write, on the generation seen. The holder
+checks it still holds the lease (`Lease.check`) before each step that cannot
+be undone.
 
-1. In this process, one writer per destination at a time. `acquire_exclusive`
-   gives a save the destination's `Claim`. A second save to the same
-   destination waits for the first (an asynchronous save holds it until it has
-   committed). A claim that an interrupt left behind in a thread is taken over
-   by that thread's next save, so it cannot block the destination for ever.
-2. Across processes, a *lease*: a small JSON file (`saving.json` for a save,
-   `manager.json` for a manager). It is created with a conditional write that
-   succeeds only if the file is absent. Every store TensorStore drives supports
-   such writes (local files, `memory://`, S3's `If-None-Match`/`If-Match`, GCS
-   generations). So two writers can never both hold one.
-3. A lease whose holder died must not block the next writer for ever.
-   - On a local disk the holder also holds an `flock` on the directory, which
-     the kernel drops when the process dies. A lease whose directory can be
-     locked is stale at once.
-   - Elsewhere (object stores, file systems without `flock`) the holder
-     rewrites its lease every `HEARTBEAT_SECONDS`. A lease that did not change
-     for `STALE_SECONDS` is stale.
-   - Taking a stale lease over is again a conditional write, on the generation
-     that was seen. So of two newcomers one wins and the other is refused.
-4. The holder checks that it still holds the lease (`check()`) before each
-   step that cannot be undone. A holder whose lease was taken over stops, and
-   deletes nothing but what it wrote itself.
-
-The lease file is also the save's journal (see `_transaction`). It lists what
-the save wrote, and what it will delete once committed. So the next writer can
-finish the clean-up of one that was killed.
+The lease file is also the save's journal (`_transaction`). docs/format.md,
+"Who may write: leases", tells the whole story.
 """
 
 from __future__ import annotations

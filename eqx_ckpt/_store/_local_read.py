@@ -1,34 +1,21 @@
 """Reading a large leaf on a local disk straight into one aligned host buffer.
 
-TensorStore reads each chunk file into a buffer of its own, checks its crc32c and
-assembles a new array, which `jax.device_put` then often copies again. A leaf
-whose chunks split only its first axis has every chunk's bytes contiguous in the
-array. So here:
+A leaf whose chunks split only its first axis has every chunk's bytes
+contiguous in the array. So each chunk file is read with `os.preadv` into its
+slice of one 64-byte-aligned buffer (`_memory.fresh_bytes`: private anonymous
+memory), which `jax.device_put` adopts, where TensorStore would read each
+chunk into a buffer of its own and assemble a new array.
 
-- Each chunk file is read with `os.preadv` into its slice of one
-  64-byte-aligned buffer (plus its 4-byte checksum), by a few threads in pieces.
-- Each chunk's crc32c is checked with the hardware instruction. The `crc32c`
-  package takes any buffer and releases the GIL. (`google-crc32c` 1.9 accepts
-  only `bytes`, which would cost a copy, and releases the GIL only for those.)
+The checks of a leaf's files (no links, each file's size) run in a thread of
+a second pool, which then starts the reads, so that the next leaves' checks
+overlap them. Each reading thread checksums what it just read (the `crc32c`
+package, in hardware, without the GIL), a `STEP_BYTES` step at a time while
+it is in cache; the loading thread joins the pieces' checksums
+(`crc32c_combine`) and compares. docs/benchmarks.md, "Measurements behind
+the design", has the measurements behind each choice.
 
-The checks of a leaf's files run in a thread of a second pool, which then
-starts the reads. (Each file is opened below its folder, no link followed, and
-its size checked.) On a cold page cache each check waits on the disk. Made one
-after another in the loading thread, they left the readers idle.
-
-Each reading thread checksums what it just read, a step of `STEP_BYTES` at a
-time, while the bytes are still in its core's cache. The loading thread only
-joins the pieces' checksums (`crc32c_combine`) and compares.
-
-The buffer is private anonymous `mmap` memory (`_memory.fresh_bytes`), as the
-raw contender of `benchmarks/` reads into. Python's `mmap.mmap(-1, n)` maps
-shared memory, which the kernel backs with shmem, slower to fault in.
-
-The measurements behind each of these choices are in docs/benchmarks.md,
-"Measurements behind the design".
-
-The bytes are returned as stored; decoding ("view", "key_data") is the caller's.
-Only eqx_ckpt's own zarr v3 arrays (`Source.opener is None`) are laid out so.
+The bytes are returned as stored; decoding is the caller's. Only eqx_ckpt's
+own zarr v3 arrays (`Source.opener is None`) are laid out so.
 """
 
 from __future__ import annotations

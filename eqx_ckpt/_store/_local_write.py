@@ -1,38 +1,23 @@
 """Writing chunk files on a local disk without TensorStore, writeback started at once.
 
-The mirror of `_local_read` (reads). A save to a local disk writes some chunk
-files itself: those of a leaf whose chunks split only its first axis, and
-those of every pack. A small pool of threads writes them, with the bytes'
-crc32c after them:
+The mirror of `_local_read`. A single-process save of the "directories"
+layout writes the chunk files of every pack, and of each leaf whose chunks
+split only its first axis, itself (`_chunk_files.LocalFiles` says which), by
+a small pool of threads, into its own fresh data root (a file that exists is
+an error, never overwritten):
 
-- a leaf's chunk, straight from the leaf's host buffer with one `writev`.
-  From `UNBUFFERED_FROM` bytes on, it goes past the page cache (`O_DIRECT`)
-  where the file system takes it. That write goes through a small staging
-  buffer of the writing thread, or straight from the leaf's buffer where
-  that is page-aligned;
-- a pack's chunk, gathered into that staging buffer a part at a time (one
-  NumPy copy of its members each) and written from there.
+- a leaf's chunk straight from its host buffer with one `writev`; from
+  `UNBUFFERED_FROM` bytes on past the page cache (`O_DIRECT`), through the
+  writing thread's staging buffer (or straight from a page-aligned buffer);
+- a pack's chunk gathered into that staging buffer a part at a time.
 
-Right after a file is written through the page cache, its writeback to the
-disk is started (`sync_file_range`), so the disk works while the save goes on.
-The flush before the commit (`_durable.flush`) then waits only for what is
-still in flight. Through TensorStore, every file waited in the page cache until that
-flush, and the save took the time of writing into memory plus the time of
-writing to disk.
-
-The files are exactly what TensorStore's zarr3 driver writes for the metadata
-that TensorStore itself created (`zarr.json`, written first). A chunk file is:
-
-- the chunk's elements in C order, little-endian;
-- edge chunks padded to the full chunk with the fill value (zero);
-- then the 4-byte crc32c of those bytes.
-
-Any zarr v3 reader reads them. `tests/test_direct_write.py` reads them back
-through TensorStore alone.
-
-Only single-process saves of the "directories" layout use it, into their own
-fresh data root (a file that exists already is an error, never overwritten):
-`_chunk_files.LocalFiles` says which save and which leaf, and calls it.
+A file written through the page cache has its writeback started at once
+(`sync_file_range`), so that the flush before the commit (`_durable.flush`)
+waits only for what is still in flight. The files are exactly what
+TensorStore's zarr3 driver writes (C order, little-endian, edge chunks
+padded with zeros, then the crc32c), as `tests/test_direct_write.py` checks.
+docs/format.md and docs/benchmarks.md ("Measurements behind the design") say
+why.
 """
 
 from __future__ import annotations

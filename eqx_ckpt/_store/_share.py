@@ -1,55 +1,22 @@
 """Incremental saves: chunk files equal to the previous save's are shared, not written.
 
 A save that replaces a checkpoint (`overwrite`), and a `CheckpointManager`'s
-next step, follow an earlier checkpoint: its *base*. On a local disk, a chunk
-file is compared with the base's file at the same place before it is written
-(`_local_write`). The comparison uses the xxh3-128 hash (128 bits) of the data
-bytes; the crc32c the file ends with is not part of it.
+next step, follow an earlier checkpoint: its *base*. On a local disk,
+`_local_write` compares each chunk file with the base's at the same place
+(the same elements) by length and the xxh3-128 of its data bytes, never by
+the crc32c it ends with (a damaged file still ends with the good bytes'
+checksum). An equal one becomes a hard link to the base's file.
 
-- Where the length and the hash are the same, the new file is a hard link to
-  the base's instead of a copy: the same bytes, no write.
-- Where either differs, the file is written as ever.
+A base file is verified before it is shared, once per process: read whole,
+its crc32c checked, its digest kept (`_VERIFIED`, keyed by device, inode,
+size and modification time, which a hard link keeps). What this process
+writes is recorded too (`written`), so that a manager's next step reads
+nothing back. A file that fails is never shared (`IntegrityWarning`); a read
+or `verify` that finds an array's files damaged forgets them
+(`forget_damaged`).
 
-Bytes are compared, never object identity or `==`. `-0.0` after `0.0` is a
-change, and so is a NaN with another payload.
-
-Files are never compared by the crc32c they end with. A damaged file still
-ends with the checksum of the good bytes. crc32c is linear, so a change that
-keeps it takes a few lines to build. And 32 bits meet by chance at fleet scale.
-
-A base file is verified before it is shared, once per process:
-
-- It is read whole, and its data bytes must give the crc32c it ends with.
-- Their xxh3-128 is kept (`_VERIFIED`), keyed by the file's device, inode,
-  size and modification time. A hard link keeps all four. (It changes the
-  change time, which is therefore not part of the key.)
-- A file that fails (damaged, truncated, missing, a link) is never shared. The
-  new bytes are written instead, with an `IntegrityWarning` naming it.
-
-What this process writes is recorded too, so that it is not read back:
-
-- A chunk file a save compared and then wrote itself is recorded with its
-  digest (`written`).
-- A `CheckpointManager` step records every chunk file it writes. Where nothing
-  was compared, the bytes are hashed as they are written. That is the case for
-  its first step in a process (which has no base), a new leaf, and a large
-  chunk whose first bytes changed. So a training loop's next step, its second
-  included, reads nothing back.
-- A plain save with no base hashes nothing.
-- A read or `verify` that finds an array's files damaged forgets them
-  (`forget_damaged`).
-
-A chunk is "at the same place" when it covers the same elements. For a leaf,
-the dotted path, stored dtype, stored shape, encoding and chunk grid are the
-same in both saves. For a pack, the name, dtype, length and chunk length are.
-
-Every save still gets a complete data root of its own. Deleting any other
-checkpoint or step, by hand or by retention, leaves it whole: a hard link is a
-name of the file like any other. And `verify` reads every byte it uses.
-
-Only what `_local_write` writes is shared: object stores, the OCDBT layout,
-multi-process saves and leaves written through TensorStore are written in full.
-A save with `share=False` shares nothing.
+docs/format.md, "Incremental and partial saves", says what is compared, how
+sure "equal" is, and what is never shared.
 """
 
 from __future__ import annotations

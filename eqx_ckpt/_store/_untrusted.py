@@ -1,26 +1,19 @@
 """Checks on a local checkpoint directory before TensorStore reads from it.
 
-A checkpoint may come from elsewhere, so its files are untrusted:
+A checkpoint may come from elsewhere, so its files are untrusted
+(docs/format.md says what is refused):
 
-- eqx_ckpt never writes a symbolic link, so a link inside a checkpoint came from
-  elsewhere. Following one could make a load read files outside the checkpoint.
-  Every local read of a leaf or a small file checks its path first.
-- Only regular files are read. A named pipe (FIFO), a socket or a device node
-  in a file's place is refused (`refuse_special`, `special_error`): opening a
-  FIFO waits for a writer forever, and a device reads what it likes. Files
-  eqx_ckpt opens itself are opened without waiting and checked
-  (`_local_paths.local_open`); the paths TensorStore opens are checked here
-  first, each file of a leaf's folder with its size.
-- A load allocates what the manifest says a leaf holds. The chunk files of a
-  leaf must hold at least that many bytes before it is read. So an absurd shape
-  in a hostile manifest is an error, not an attempt to allocate terabytes.
+- no symbolic link inside it is followed (eqx_ckpt never writes one);
+- only regular files are read: a FIFO, a socket or a device node in a file's
+  place is refused (`refuse_special`, `special_error`) before TensorStore is
+  given its path;
+- a leaf's chunk files must hold the bytes its manifest gives it before it
+  is read, so that a hostile shape cannot make a load allocate terabytes.
 
-Object stores have no links and list sizes only at a cost, so only local paths
-are checked.
-
-A save checks one thing before it writes: that no file in a leaf's folder
-would have a path longer than the system allows (PATH_MAX). TensorStore would
-report that only midway, in a message of many kilobytes naming no leaf.
+Object stores have no links, so only local paths are checked. A save checks
+first that no file in a leaf's folder would have a path longer than the
+system allows (`check_path_lengths`): TensorStore reports that only midway,
+naming no leaf.
 """
 
 from __future__ import annotations
