@@ -1,23 +1,13 @@
 """Retention of a `CheckpointManager`: which steps its rules keep, and which it
 may delete.
 
-The rules (`Rules`: `max_to_keep`, `keep_every`, `best_n`) apply only to the
-steps the manager governs:
-
-- the steps saved under the same rules, by it or by an earlier manager with
-  those rules (a resumed run, as the retention record `retention.json` lists
-  them);
-- or every step, with `adopt_steps=True`.
-
-Of those, a step survives:
-
-- if any rule keeps it;
-- if it is the latest or the one just saved;
-- while lazy leaves of this process read from it.
-
-The others are deleted (`_steps.delete_step`). Steps the rules would drop but
-that the manager does not govern stay. `Retention.apply` returns them once, for
-the manager's `RetentionWarning`.
+The rules (`Rules`) apply only to the steps the manager governs: those saved
+under the same rules (the retention record `retention.json` lists them), or
+every step with `adopt_steps=True`. Of those, a step survives if any rule
+keeps it, if it is the latest or the one just saved, or while lazy leaves of
+this process read from it. Steps the rules would drop but that the manager
+does not govern stay: `Retention.apply` returns them once, for the
+`RetentionWarning` (docs/manager.md, "Steps saved under other rules").
 """
 
 from __future__ import annotations

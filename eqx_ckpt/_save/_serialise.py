@@ -1,25 +1,11 @@
 """`tree_serialise_leaves`: collect -> plan -> write -> commit.
 
-A save runs these steps:
-
-1. It collects the tree's leaves with their names and filter specs
-   (`_collect`).
-2. It plans what it writes (`_records`): every leaf's record and host
-   pieces, and the packs of small leaves.
-3. It begins the transaction and creates the arrays.
-4. It writes them within the staging budget (`_staging`). Each write goes
-   to the location's writer, `_chunk_files.chunk_files(loc).writer`. On a
-   local disk that is eqx_ckpt itself, else TensorStore.
-5. It makes them durable (`_durable`) and commits the manifest.
-
-An asynchronous save returns once its arrays are safe on the host. With the
-default filter spec, that is once each leaf's host data is held
-(`_background.hold_tree`), and the plan is made in the background too. A
-background thread (`_background`) does the rest.
-
-With several JAX processes, every process runs this same story: the
-processes meet at the stages of `_stages` (`prepared`, `begin`, `create`,
-`commit`), which for a save of one process only run the step they wrap.
+Each step is one function here (`_collect`, `_plan`, `_write_all`, `_commit`);
+docs/architecture.md, "The story of a save", names the module behind each.
+An asynchronous save returns once its arrays are safe on the host
+(`_background`); with the default filter spec its plan is made in the
+background too. With several JAX processes, every process runs this same
+story, meeting the others at the stages of `_stages`.
 """
 
 from __future__ import annotations

@@ -1,38 +1,14 @@
-"""A save's writes, in this order:
+"""A save's writes: its leaves sorted by where they are written (`Batch`), the
+arrays created (`create`), then the writes started in order within the save's
+staging budget (`start_writes`), each made by the location's writer
+(`_chunk_files.chunk_files(loc).writer`).
 
-- its leaves sorted by where they are written (`Batch`);
-- the arrays created (`create`);
-- the writes started in order within the save's staging budget
-  (`start_writes`). Each is made and started by the location's writer
-  (`_chunk_files.chunk_files(loc).writer`): eqx_ckpt's own threads on a
-  local disk, else a TensorStore transaction.
-
-Every piece's host data is made as its write starts and released once
-written.
-
-A save plans every record up front: the manifest, and the plan several
-processes compare, need them all. But a piece of a leaf (its data, a shard,
-a slice of it, cast or encoded as stored) is kept as what it comes from: a
-`jax.Array`, a NumPy array, or a `_memory.Deferred` (a cast, a device-side
-slice, a PRNG key's data).
-
-`start_writes` makes the save's writes (`Write`: a leaf's pieces, or a run of
-a pack's chunk files), and `Writing` follows them. `Window` takes them in
-order:
-
-- Each is admitted while the bytes staged and not yet written stay within
-  the budget. A write larger than the budget is admitted alone, once nothing
-  else is staged.
-- Its arrays' copies to the host start at once (`_memory.ahead`), so that
-  they overlap the writes before it.
-- It is staged (`_memory.host`) and started.
-- Its bytes are released when its write has finished, which admits the next.
-
-Every piece admitted counts at its stored size, whether staging copies it or
-not. On a CPU a `jax.Array`'s host data is a view of its buffer, and a NumPy
-leaf is the caller's own array. The budget bounds what the save may hold,
-not what it happened to copy. The fault point `save.staged` reports the bytes
-staged each time they change.
+A piece's host data (a `jax.Array`, a NumPy array, or a `_memory.Deferred`
+cast, slice or PRNG key's data) is made as its write is admitted (`Window`)
+and released once written. Every piece admitted counts at its stored size,
+whether staging copies it or not: the budget bounds what the save may hold.
+The fault point `save.staged` reports the bytes staged each time they change.
+docs/scaling.md, "Host memory of a save", states the rule.
 """
 
 from __future__ import annotations
@@ -360,9 +336,9 @@ _START_BYTES = 16 << 20
 
 class Window:
     """The admission of a save's writes within `budget` staged bytes, in order,
-    by the one rule of every window (`_window.Budget`; see the module
-    docstring). `units`: objects with `nbytes` (what staging them holds) and
-    `datas` (their pieces, whose copies to the host `admit` starts)."""
+    by the one rule of every window (`_window.Budget`). `units`: objects with
+    `nbytes` (what staging them holds) and `datas` (their pieces, whose copies
+    to the host `admit` starts)."""
 
     def __init__(self, units: Iterable[Any], budget: int):
         self._todo: collections.deque[Any] = collections.deque(units)
