@@ -100,11 +100,10 @@ class ChunkFiles(Protocol):
         base: _share.Base | None,
         remember: bool,
     ) -> Writer:
-        """A save's writer of the chunk files here, by `processes` processes,
-        in `layout`. It takes every write of the save and declines none. It
-        puts in `out` every future that finishes when data is written, and
-        reports progress to `tracker`. Chunk files equal to `base`'s are
-        shared; with `remember`, the digest of each written is recorded (`_share`)."""
+        """A save's writer of the chunk files here (by `processes` processes, in
+        `layout`), which puts in `out` every future that finishes when data is
+        written. Chunk files equal to `base`'s are shared; with `remember`, the
+        digest of each written is recorded (`_share`)."""
         ...
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
@@ -200,10 +199,8 @@ class LocalFiles:
 
 
 class TensorStoreFiles:
-    """Chunk files reached through TensorStore. A save's writer stages every
-    write in a `_storage.Transaction`, and a load's pack runs read the pack's
-    `_storage.Array`. A whole leaf is read through its `Array` by the load
-    (`reads` is false, `start_read` declines). Nothing is shared."""
+    """Chunk files reached through TensorStore (`Writer`, `PackRuns`); a whole
+    leaf is read through its `_storage.Array` by the load. Nothing is shared."""
 
     def __init__(self, loc: Location):
         self.loc = loc
@@ -469,11 +466,9 @@ class PackRuns:
         self._stores: dict[str, Mapped] = {}
 
     def start(self, pack: PackRecord, start: int, stop: int, leaf: LeafRecord) -> Read:
-        """Start reading elements `[start, stop)` of `pack`, whose first
-        member read is `leaf`; the returned function waits and returns them.
-        A failure of the read is raised as storage raised it, by the returned
-        function (the caller finds which leaf of the run is damaged); a
-        failure to open the pack is `leaf`'s, raised here."""
+        """Start reading elements `[start, stop)` of `pack`, whose first member
+        read is `leaf`. A failure to open the pack is `leaf`'s, raised here; one
+        of the read is raised as storage raised it, when waited for."""
         if self._local and start < stop:  # (an empty run holds no chunk to read)
             return _deferred(self._loc, pack, start, stop)
         if pack.name not in self._stores:

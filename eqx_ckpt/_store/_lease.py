@@ -189,13 +189,10 @@ class Lease:
 
 
 def acquire(loc: Location, name: str, *, what: str, journal: bool = True) -> tuple[Lease, dict[str, Any] | None]:
-    """Take the lease `name` in directory `loc` (which must exist).
-
-    Returns the lease, and the body of a stale lease it replaced (the journal of
-    a writer that died), or `None`. Raises `CheckpointExistsError` if a live
-    writer holds it; `what` names that writer in the message. With
-    `journal=False`, a directory that can be locked gets no lease file at all
-    (the lock is the lease; nothing is to be journaled)."""
+    """Take the lease `name` in directory `loc` (which must exist): the lease,
+    and the body of a stale lease it replaced (a dead writer's journal), or
+    `None`. A live holder is a `CheckpointExistsError` (`what` names it). With
+    `journal=False`, a directory that can be locked gets no lease file at all."""
     _faults.fire("lease.acquire", loc, name)
     key = _held_key(loc, name)
     if key in _held:

@@ -98,11 +98,8 @@ def _start_checked(loc: Location, record: LeafRecord) -> tuple[np.ndarray, _Read
 
 def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Callable[[], np.ndarray]:
     """Start reading elements `[start, stop)` (not empty) of a pack the same
-    way. Whole chunks are read: those that hold the elements.
-
-    The returned function waits, checks every chunk's checksum and returns
-    those elements. A failure names the pack; the caller finds the damaged
-    leaf."""
+    way, in the whole chunks that hold them. A failure names the pack; the
+    caller finds the damaged leaf."""
     first, count = start // pack.chunk, (stop - 1) // pack.chunk - start // pack.chunk + 1
     # The chunks read, as one array of their own: its chunk files are the pack's from `first` on.
     shape = (count * pack.chunk,)
@@ -122,12 +119,8 @@ def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Ca
 
 def start_chunks(loc: Location, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
     """Start reading `count` chunks of a leaf that `start_read` reads, from
-    chunk `first` on (along its first axis), checked the same way.
-
-    They are read into `out`, a buffer the caller reuses (`_pooled`, a load
-    through a pool of host buffers). It takes their bytes, the last chunk's
-    cut at the leaf's end. The returned function waits and checks every
-    chunk's checksum."""
+    chunk `first` on (along its first axis), checked the same way, into `out`,
+    a buffer the caller reuses (`_pooled`); the last chunk's cut at the leaf's end."""
     keys = [_format.chunk_key([first + i, *[0] * (len(record.chunks) - 1)]) for i in range(count)]
     path = _check_chunk_files(loc, record, record.directory, iter(keys))
     reads = _read_chunks(path, loc, record, out, keys)
@@ -274,11 +267,8 @@ def _read_piece(
     path: str, loc: Location, record: LeafRecord, key: str, offset: int, views: list[memoryview], checked: int
 ) -> int:
     """Read one piece of a chunk file into `views`; the crc32c of its first
-    `checked` bytes.
-
-    The crc32c is computed a step at a time, right after each step's read,
-    while those bytes are still in this core's cache. (Computed afterwards, in
-    the loading thread, the check read every byte again from memory.)"""
+    `checked` bytes, computed right after each step's read, while those bytes
+    are still in this core's cache."""
     folder = _open_folder(path, loc, record)
     try:
         fd = _open_chunk(folder, loc, record, key, os.path.relpath(path, loc.local or ""))
@@ -336,13 +326,9 @@ def _pread_all(fd: int, views: list[memoryview], offset: int) -> int:
 
 
 def read_range(path: str, start: int, end: int) -> np.ndarray | None:
-    """Bytes `start` to `end` of the local file `path`, or `None` if the file
-    ends before `end`.
-
-    The file is another program's checkpoint (a safetensors file's run of
-    tensors), so it is read only where it is a regular file (else a
-    `_local_paths.SpecialFileError`). The bytes are in memory that
-    `jax.device_put` adopts (page-aligned when large)."""
+    """Bytes `start` to `end` of the local file `path` (another program's, read
+    only where it is a regular file), in memory `jax.device_put` adopts; `None`
+    if the file ends before `end`."""
     with local_open(path) as f:
         out = _memory.fresh_empty((end - start,), np.uint8)
         done = _pread_all(f.fileno(), [out.data], start)
@@ -367,10 +353,8 @@ _POLY = 0x82F63B78
 
 def crc32c_combine(crc1: int, crc2: int, length2: int) -> int:
     """The crc32c of `a + b` from `crc1` of `a`, `crc2` of `b` and `len(b)`,
-    without reading either again.
-
-    `crc1` is carried over `length2` zero bytes: multiplied by
-    x^(8 * length2) modulo the polynomial. Then `crc2` is added."""
+    without reading either again: `crc1` times x^(8 * length2) modulo the
+    polynomial, plus `crc2`."""
     return _multiply(_shift(length2), crc1) ^ crc2
 
 

@@ -52,12 +52,10 @@ _SYNC_FILE_RANGE_WRITE = 2
 def start_write(
     loc: Location, record: LeafRecord, piece: Any, base: str | None = None, *, remember: bool = False
 ) -> list[concurrent.futures.Future[None]]:
-    """Start writing every chunk file of one leaf (its `zarr.json` exists);
-    `piece` is its stored array. One future per chunk file. `base`: the folder
-    of the same leaf in the checkpoint this save follows, whose chunk files
-    are shared where they hold the same bytes (`_share`). `remember`: a later
-    save will follow this one; every file written is recorded with the
-    xxh3-128 of its data bytes (`_share.written`), so it need not read it back."""
+    """Start writing every chunk file of one leaf (its `zarr.json` exists)
+    from `piece`, its stored array; one future per file. `base`: the leaf's
+    folder in the checkpoint this save follows, whose equal files are shared;
+    with `remember`, every file written is recorded with its digest (`_share`)."""
     data = _bytes_of(piece, record.stored_dtype)
     shape, keys = record.stored_shape, list(_format.chunk_keys(record.stored_shape, record.chunks))
     # A chunk is `chunks[0]` rows of the array (the whole array for a scalar).
@@ -86,12 +84,9 @@ def start_pack(
     bounds: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[concurrent.futures.Future[None]]:
     """Start writing the chunk files of `pack` (with `files`, those of these
-    indices, `records` holding at least every member with elements in them):
-    each member's elements at its offset, zeros between, written from the
-    members' own buffers (no copy). `records` in the order of their offsets,
-    as `_records.assign` placed them. `base` and `remember`: as for
-    `start_write` (`base`: the same pack's folder in the checkpoint this save
-    follows). `bounds`: `member_bounds(records)`, where the caller has them."""
+    indices): each member of `records` (in offset order) at its offset, zeros
+    between. `base` and `remember`: as for `start_write`. `bounds`:
+    `member_bounds(records)`, where the caller has them."""
     n = len(records)
     starts, stops = bounds if bounds is not None else member_bounds(records)
     if n > 1 and bool((starts[1:] < stops[:-1]).any()):
@@ -196,12 +191,8 @@ def _start(
     remember: bool = False,
 ) -> list[concurrent.futures.Future[None]]:
     """Write each chunk file `key` of `jobs` with what its `make()` gives (a
-    leaf's views, or a pack's `_Chunk`), by the pool's threads. One future
-    per file.
-
-    The file of the same `key` in `base` is linked instead where it holds
-    the same bytes. With `remember`, each file written is recorded with its
-    digest."""
+    leaf's views, or a pack's `_Chunk`), by the pool's threads (`_write_chunk`);
+    one future per file."""
     folder = os.path.join(loc.local or "", directory) if directory else (loc.local or "")
     futures = []
     for key, make in jobs:
@@ -262,11 +253,8 @@ def _write_chunk(
 
 def _shared(source: str, path: str, content: Any, what: str) -> tuple[bool, bytes | None, int | None]:
     """Whether `path` is now a link to the base's chunk file `source`, which
-    holds the same bytes as `content` (length and xxh3-128: `_share`).
-
-    Also returns the xxh3-128 of `content` where it was computed (the file
-    written instead is recorded with it), and its crc32c where that was (a
-    write need not compute it again)."""
+    holds the same bytes as `content`; and the xxh3-128 and crc32c of
+    `content` where they were computed (a write need not compute them again)."""
     nbytes = (content.nbytes if isinstance(content, _Chunk) else sum(len(v) for v in content)) + _format.CHECKSUM_BYTES
     # A large chunk's first bytes are looked at first: one whose start changed
     # is written at once, checksummed as it is staged (a hash here would add a

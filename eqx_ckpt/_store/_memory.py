@@ -98,13 +98,9 @@ def physical_memory() -> int | None:
 
 
 def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: str) -> None:
-    """Refuse a read that would allocate more than this machine's memory.
-
-    Such a read cannot succeed, and TensorStore would abort the whole process on
-    the failed allocation. On a local disk the chunk files are counted first
-    (`_untrusted.check_leaf_files`); on an object store this is what stands between a
-    hostile manifest's absurd shape and a crash.
-    """
+    """Refuse a read that would allocate more than this machine's memory:
+    TensorStore would abort the whole process on the failed allocation (on an
+    object store, this stands between a hostile manifest's shape and a crash)."""
     memory = physical_memory()
     if memory is None or nbytes <= memory:
         return
@@ -321,12 +317,9 @@ def _on_host(data: jax.Array, cpu: Any) -> np.ndarray:
 
 
 def _put(arrays: Any, where: Any, **options: Any) -> Any:
-    """`jax.device_put(arrays, where, **options)`, 64-bit values kept 64-bit.
-
-    JAX's switch for 64-bit types is per thread (`jax.enable_x64` is a
-    context), and off, as it is in the copy pool's threads, a copy of a 64-bit
-    array between devices is narrowed to 32 bits (seen on a GPU: a float64
-    leaf reached the writer as float32)."""
+    """`jax.device_put(arrays, where, **options)`, 64-bit values kept 64-bit:
+    JAX's switch for them is per thread, and off (as in the copy pool's
+    threads) a copy between devices narrows them to 32 bits."""
     dtypes = {x.dtype for x in (arrays if isinstance(arrays, list) else [arrays])}
     if not any(
         np.dtype(dtype).itemsize >= 8 for dtype in dtypes if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
@@ -351,12 +344,9 @@ def host(data: Any) -> np.ndarray:
 
 
 def hosts(datas: list[Any]) -> list[np.ndarray]:
-    """`host` of each of `datas` (a write's pieces, `_staging`).
-
-    In a process of CPUs alone, where no piece is a copy under way or
-    deferred, each is `np.asarray` of it, as `host` would make it. That skips
-    `host`'s checks a piece at a time, a few percent of a `many` save
-    (docs/benchmarks.md, "Measurements behind the design")."""
+    """`host` of each of `datas`: on CPUs alone, where no piece is a copy
+    under way or deferred, `np.asarray` of each without `host`'s checks (a few
+    percent of a `many` save: docs/benchmarks.md, "Measurements behind the design")."""
     if only_cpus() and not any(kind is _Copying or issubclass(kind, Deferred) for kind in set(map(type, datas))):
         return list(map(np.asarray, datas))
     return [host(data) for data in datas]
