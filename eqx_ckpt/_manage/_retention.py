@@ -91,11 +91,9 @@ class Retention:
         self._warned = False
 
     def begin(self, step: int, rules: Rules) -> None:
-        """Before saving `step`: record that it is the manager's own.
-
-        It is recorded before the save. So a process killed after the commit
-        and before retention ran leaves a step that the next manager with the
-        same rules knows for its own (and prunes), not another's (and keeps)."""
+        """Before saving `step`: record that it is the manager's own, so that a
+        process killed after the commit and before retention ran leaves a step
+        the next manager with the same rules knows for its own (and prunes)."""
         self._saving.add(step)
         if not primary() or rules.adopt_steps or not rules.any():
             return
@@ -106,11 +104,9 @@ class Retention:
         _write_record(self._loc, rules, sorted(governed | {step}))
 
     def apply(self, rules: Rules, saved: int | None) -> list[int]:
-        """Delete the committed steps retention governs that no rule keeps
-        (never the one just `saved`), and record the ones left.
-
-        Returns the other steps that the rules would drop, the first time there
-        are any."""
+        """Delete the committed steps retention governs that no rule keeps (never
+        the one just `saved`), and record the ones left; the other steps the rules
+        would drop, the first time there are any."""
         if not rules.any() or not primary():
             return []
         steps = committed_steps(self._loc)

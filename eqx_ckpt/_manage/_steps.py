@@ -209,11 +209,9 @@ def show_steps(steps: list[int]) -> str:
 
 
 def delete_step(loc: Location, step: int) -> None:
-    """Delete a committed step of the manager's directory at `loc`.
-
-    The manifest goes first, so that the step disappears at once even if the
-    deletion of its arrays is interrupted. Then its folder goes, and its
-    metrics file of version 1."""
+    """Delete a committed step of the manager's directory at `loc`: the
+    manifest first, so that the step is gone at once even if the deletion of
+    its arrays is interrupted."""
     _storage.delete_file(loc.joined(_format.step_name(step)), MANIFEST)
     metrics = [_format.metrics_name(step)] if written_metrics(loc, step) else []
     _storage.remove(loc, [_format.step_name(step), *metrics])

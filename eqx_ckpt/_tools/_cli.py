@@ -105,13 +105,9 @@ def _step_path(given: str, manager: CheckpointManager, step: int) -> str:
 
 
 def _format_types(ckpt: Checkpoint) -> str:
-    """The classes and functions a load without `like` builds, and the parts
-    the save could not record.
-
-    - Those outside the default trust are marked, and the `trust=[...]` they
-      need is given.
-    - The parts the save could not record follow. No `trust` rebuilds them.
-    - Last, what such a load says."""
+    """The classes and functions a load without `like` builds (those outside
+    the default trust marked), the parts the save could not record, and what
+    such a load says."""
     untrusted = ckpt.types(trust=[])
     lines, needed = [], []
     for name, paths in ckpt.types().items():
@@ -208,10 +204,8 @@ def _info(args: argparse.Namespace) -> int:
 
 def _shared_files(loc: Location) -> tuple[int, int] | None:
     """The files (and bytes) of the checkpoint at `loc` that other checkpoints
-    or steps also use (`_share.shared_files`).
-
-    `None` where files are never shared: not on a local disk, or in the OCDBT
-    layout."""
+    or steps also use; `None` where files are never shared (off a local disk,
+    the OCDBT layout)."""
     if loc.local is None:
         return None
     source = _source.checkpoint(loc)
