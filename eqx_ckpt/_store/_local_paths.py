@@ -52,18 +52,10 @@ def local_names(path: str) -> list[str]:
 
 class LocalEntry(NamedTuple):
     """What a local path is, read with one `lstat` (and one `stat` for a link).
-
-    - `found`: something is there, a broken link too (`os.path.lexists`).
-    - `link`: a symbolic link, never followed (`os.path.islink`).
-    - `folder`, `file`: what it leads to, a link followed (`os.path.isdir`,
-      `os.path.isfile`).
-    - `size`: its bytes, a link followed (`os.path.getsize`); 0 where absent.
-    - `identity`: its device and inode, a link followed (one file under
-      several names), or `None` where absent.
-    - `special`: what it is, a link followed, where it is there and neither
-      a regular file nor a folder (`special`: a FIFO, a socket, a device),
-      else `""`. Nothing of it may be opened.
-    """
+    `found` (a broken link too) and `link` are of the path itself; `folder`,
+    `file`, `size`, `identity` (device and inode, `None` where absent) and
+    `special` (`special`'s words, else `""`) of what it leads to, a link
+    followed, as `os.path`'s functions of the same names tell."""
 
     found: bool
     link: bool

@@ -338,13 +338,10 @@ def _write_buffered(fd: int, views: list[Any]) -> None:
             views[0] = memoryview(views[0])[n:]
 
 
-# Unbuffered (`O_DIRECT`) writes go from memory straight to the disk: every
-# write starts at a file offset, and from a memory address, that are multiples
-# of `_BLOCK`, and is a multiple of it long. The bytes are gathered into a
-# staging buffer of each writer thread (`STAGE_BYTES`), or written from the
-# source itself where it is aligned. Smaller files go through the page cache:
-# their writeback runs while the save goes on, where an unbuffered write waits
-# for the disk (measured on `small`'s 4 MB packs: docs/benchmarks.md).
+# An unbuffered (`O_DIRECT`) write starts at a file offset and a memory address
+# that are multiples of `_BLOCK`, and is a multiple of it long. Smaller files go
+# through the page cache, whose writeback runs while the save goes on, where an
+# unbuffered write waits for the disk (docs/benchmarks.md).
 UNBUFFERED_FROM = 8 << 20
 _BLOCK = 4096
 # A stage's fresh pages are paid for once per thread: small, and kept.

@@ -118,12 +118,9 @@ def result(future: Future | Mapped) -> Any:
 
 
 def read_file(loc: Location, name: str, *, limit: int) -> bytes | None:
-    """The bytes of a small file, or `None` if it does not exist.
-
-    A file of more than `limit` bytes is a `CorruptCheckpointError`. It is found
-    before the file is read (on an object store, by asking for the one byte past
-    the limit). So a hostile checkpoint cannot make us download or allocate a
-    huge file."""
+    """The bytes of a small file, or `None` if it does not exist. A file of more
+    than `limit` bytes is a `CorruptCheckpointError`, found before it is read
+    (on an object store, by asking for the one byte past the limit)."""
     return read_file_stamped(loc, name, limit=limit)[0]
 
 
@@ -166,11 +163,9 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
 
 
 def file_exists(loc: Location, name: str) -> bool:
-    """Whether the file `name` is at `loc`, asked without reading it: a `stat`
-    on a local disk, else a read of no bytes (of a Hub commit's listing, for a
-    `hf://` location). A manifest can hold 256 MiB; this costs the same for
-    any file. A link, a FIFO or a device is refused as `read_file` refuses
-    it, and a fault armed at `storage.read_file` fires, as for a read."""
+    """Whether the file `name` is at `loc`, asked without reading it (a `stat`,
+    or a read of no bytes); refused, and faulted at `storage.read_file`, as
+    `read_file` is."""
     _faults.fire("storage.read_file", loc, name)
     if loc.local is not None:
         _untrusted.refuse_links(loc, name)
@@ -233,17 +228,12 @@ def generation_changed(loc: Location, name: str, generation: bytes) -> bool:
 
 def _changed_since(loc: Location, name: str, generation: bytes, digest: bytes | None) -> bool:
     """Whether the file `name` is no longer the one a read found at
-    `generation`. It makes one read, sent only if the generation differs. The
-    read is of the whole file where `digest` (the SHA-256 of its bytes then) is
-    given, else of one byte.
-
-    Two kinds of server need more:
-    - One whose generations TensorStore cannot send back in a condition
-      (gcp-storage-emulator's) is asked for a plain read's generation instead.
-      So is a file now empty.
-    - One that ignores the condition and sends the bytes again is judged by
-      their digest, or else by their generation. (A plain HTTP server without
-      `If-None-Match` or `ETag` does this, as Python's own http.server.)"""
+    `generation`: one read, sent only if the generation differs, of the whole
+    file where `digest` (the SHA-256 of its bytes then) is given, else of one
+    byte. A server whose generations cannot be sent back in a condition
+    (gcp-storage-emulator's) is asked for a plain read's generation instead;
+    one that ignores the condition (Python's http.server) is judged by the
+    digest, or else the generation, of what it sends."""
     whole = {} if digest is not None else {"byte_range": slice(0, 1)}
     try:
         found = _read(loc, name, if_not_equal=generation, **whole)
@@ -286,11 +276,8 @@ def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes
 
 def read_generation(loc: Location, name: str) -> tuple[bytes | None, bytes]:
     """The bytes of a small file this package writes (`None` if it is not
-    there) and its storage generation, unchecked.
-
-    For a file whose reader takes a bounded prefix (a lease).
-    `read_file_generation` checks size and links. A FIFO or a device is
-    refused before TensorStore opens it (`_untrusted.refuse_special`)."""
+    there) and its storage generation, its size unchecked (a lease's reader
+    takes a bounded prefix); a FIFO or a device refused."""
     _untrusted.refuse_special(loc, name)
     found = result(_kvstore(loc).read(name))
     return (found.value if found.state == "value" else None), found.stamp.generation
@@ -457,11 +444,9 @@ GCS_URL_VARIABLE = "TENSORSTORE_GCS_HTTP_URL"
 
 def _check_gcs_listing(loc: Location) -> None:
     """An empty listing from TensorStore's `gcs` driver, which lists nothing
-    when GCS answers 401, 403 or 404: raise unless the directory is really empty.
-
-    Credentials GCS refuses fail a read as well. Whether the bucket is there
-    is asked of its metadata, without credentials. GCS answers 404 only when
-    the bucket does not exist, and 401 or the metadata when it does."""
+    when GCS answers 401, 403 or 404: raise unless the directory is really
+    empty (refused credentials fail a read too; a missing bucket is a 404 of
+    its metadata, asked without credentials)."""
     try:
         result(_kvstore(loc).read(_format.MANIFEST, byte_range=slice(0, 0)))  # no bytes: may it be read?
     except Exception as e:
@@ -730,12 +715,9 @@ def create_spec(spec: dict[str, Any], loc: Location, *, synced: bool = True) -> 
 
 def open_array(loc: Location, record: LeafRecord, *, synced: bool = True, checked: bool = True) -> Future | Mapped:
     """Open a stored leaf (a packed one as an in-memory copy of its elements):
-    a future of its `Array`.
-
-    - With `checked`, its zarr.json is read and checked against the manifest.
-      Shape, data type, chunks and the crc32c codec must all be as recorded.
-    - Without, the manifest's metadata is taken as it is. A file whose chunks
-      do not decode that way fails its checksum when read."""
+    a future of its `Array`. With `checked`, its zarr.json is checked against
+    the manifest; without, the manifest's metadata is taken as it is (chunks
+    that do not decode that way fail their checksum when read)."""
     _faults.fire("storage.open_array", loc, record)
     if record.pack is not None:
         return open_packed(loc, record)
@@ -747,11 +729,8 @@ def open_array(loc: Location, record: LeafRecord, *, synced: bool = True, checke
 
 def open_to_write(loc: Location, record: LeafRecord) -> Mapped:
     """Open a leaf's array that another process of this save created, to write
-    this process's shards into it (its zarr.json checked against the record).
-
-    Not `open_array`: the checks a load makes of a leaf's files (that they hold
-    all of its bytes) fail here by design, while the other processes are still
-    writing their shards."""
+    this process's shards into it; not `open_array`, whose checks of a leaf's
+    files fail while the other processes are still writing theirs."""
     _faults.fire("storage.open_array", loc, record)
     spec = _leaf_spec(loc, record)
     return _opening(ts.open(spec, open=True, context=_context(loc, synced=False)))

@@ -41,12 +41,8 @@ from ._local_paths import local_entry, local_names, local_real_path, local_stat,
 def refuse_links(loc: Location, relative: str, *, leaf: str | None = None, subtree: bool = False) -> int:
     """Raise if any component of `relative` below `loc` is a symbolic link, or
     (with `subtree=True`) anything inside it is a link or no regular file nor
-    folder (`special_error`). `leaf` names the leaf concerned.
-
-    **Returns:**
-
-    The total size of the regular files inside (with `subtree=True`), else 0.
-    """
+    folder; the total size of the regular files inside (with `subtree`), else 0.
+    `leaf` names the leaf concerned."""
     if loc.local is None:
         return 0
     current = loc.local
