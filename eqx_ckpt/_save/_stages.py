@@ -60,12 +60,9 @@ class Stages:
         return self._group.count
 
     def prepared(self, error: BaseException | None, planned: Any, *, layout: str, loc: Location) -> None:
-        """Stage 1: every process has planned (`planned`: a `Batch`, or the
-        leaves an asynchronous save of one process holds, planned later), or
-        failed to (`error`); raises the first error of any process, or says
-        that they planned different saves. Every process reaches it, even
-        one whose tree is bad, so that a failure anywhere fails the save
-        everywhere at once."""
+        """Stage 1 (`planned`: a `Batch`, or held leaves planned later; `error`:
+        this process's failure to plan): raises the first error of any process,
+        or says that they planned different saves."""
         if error is None and layout == "ocdbt" and not self.alone:
             error = CheckpointValueError(
                 f"`layout='ocdbt'` is not supported with {self._group.count} JAX processes: one "
@@ -80,9 +77,8 @@ class Stages:
     def begin(
         self, begin: Callable[[], _transaction.Transaction], join: Callable[[], _transaction.Transaction]
     ) -> _transaction.Transaction:
-        """Stages 2 and 3: process 0 begins the transaction (`begin`), then the
-        others join it (`join`); once one has failed to join, process 0
-        aborts it. The transaction."""
+        """Stages 2 and 3: the transaction, begun by process 0 (`begin`), joined
+        by the others (`join`); aborted once one has failed to join."""
         group = self._group
         if group.primary:
             try:
@@ -114,10 +110,9 @@ class Stages:
         create: Callable[[], tuple[list[Any], BaseException | None]],
         open_arrays: Callable[[], list[Any]],
     ) -> list[Any]:
-        """Stage 4: process 0 creates the arrays (`create`, `_staging.create`:
-        the futures of the opened arrays, and the first error); the others
-        open them once it has (`open_arrays`: a store cannot be written
-        before its metadata exists). The opened arrays' futures."""
+        """Stage 4: the futures of the opened arrays, created by process 0
+        (`create`: the futures and the first error), opened by the others once
+        they exist (`open_arrays`)."""
         opens: list[Any] = []
         error: BaseException | None = None
         if self._group.primary:
@@ -142,10 +137,9 @@ class Stages:
         commit: Callable[[], BaseException | None],
         clean: Callable[[], None],
     ) -> BaseException | None:
-        """Stages 5 and 6: once every process has written its arrays (or one
-        failed: `error`), process 0 commits (`commit`: its error), then, once
-        every process knows it did, cleans up (`clean`); the first error (any
-        process's)."""
+        """Stages 5 and 6: process 0 commits once every process has written
+        (`error`: this one's failure), and cleans up once every process knows it
+        did; the first error of any process."""
         group = self._group
         error = group.sync("written", error)
         if error is None and group.primary:
@@ -166,8 +160,7 @@ class Stages:
 
 def _plan_digest(batch: Batch) -> str:
     """What a save planned, in a few bytes: every record's path, stored shape,
-    dtype and chunk grid, in order (the same in every process saving the same
-    tree: `_multihost.differing`)."""
+    dtype and chunk grid, in order."""
     digest = hashlib.sha256()
     for p in batch.pending:
         r = p.record
