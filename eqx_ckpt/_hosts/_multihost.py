@@ -124,13 +124,9 @@ class Group:
 
 
 def differing(plans: dict[int, str], count: int) -> CheckpointError | None:
-    """The error of a save whose processes planned different saves, or `None`.
-    Every process reaches the same verdict.
-
-    `plans` holds each process's digest, by its index. Every process deals out
-    the slices of replicated leaves alike from the tree it was given
-    (`_sharding.Deal`). Given different trees, a slice would go unwritten. So
-    the save is refused before anything is written."""
+    """The error of a save whose processes planned different saves (`plans`:
+    each one's digest, by index), or `None`, the same in every process: given
+    different trees, a slice of a replicated leaf would go unwritten."""
     digests = [plans.get(index) for index in range(count)]
     others = [index for index in range(1, count) if digests[index] != digests[0]]
     if not others:
@@ -329,12 +325,9 @@ def _describe(error: BaseException) -> str:
 
 
 def writes(x: Any, primary: bool | None = None) -> bool:
-    """Whether this process writes (its pieces of) leaf `x`.
-
-    A `jax.Array` spread over several processes is written shard by shard, by the
-    processes that address them. Anything else (NumPy arrays, scalars, arrays on
-    one process's devices) every process holds a copy of, and process 0 writes.
-    """
+    """Whether this process writes (its pieces of) leaf `x`: a `jax.Array`
+    spread over several processes is written by each that addresses shards of
+    it; anything else (a copy every process holds), by process 0."""
     # `primary`: whether this is process 0, when the caller knows (asking JAX
     # three times a leaf cost a `many` save; docs/benchmarks.md, "Measurements
     # behind the design").

@@ -25,18 +25,12 @@ from .._store import _transaction
 
 
 class Partial:
-    """A partial save's leaves: the new ones (of the picked nodes) and the kept
-    stored ones, with their names and filter specs, in that order. Also:
-
-    - `commit`: the stored checkpoint's commit, which must still be the live
-      one when the save begins;
-    - `cast`: the save's `cast` with each kept leaf's stored dtype;
-    - `chunks`: the stored chunk grid of each kept leaf with an array of its
-      own;
-    - `new`: how many of the leaves are new (the first ones);
-    - `structure`: given the dotted paths the save stores, the structure
-      record with the picked sub-trees' records spliced into the stored one.
-    """
+    """A partial save's leaves: the `new` ones (of the picked nodes) first, then
+    the kept stored ones, with their names and filter specs; the stored
+    checkpoint's `commit` (still the live one when the save begins, or the
+    save is refused); the `cast` that keeps each kept leaf's stored dtype, and
+    their stored `chunks`; and the `structure` record, given the dotted paths
+    stored, with the picked sub-trees spliced into the stored one."""
 
     def __init__(
         self,

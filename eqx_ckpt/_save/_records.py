@@ -59,9 +59,8 @@ class Held:
 
 def hold(x: jax.Array, primary: bool) -> Held:
     """`x` with its host data taken by its host pieces; `primary`: whether
-    this is process 0. (A plain array on one device, an asynchronous save's
-    caller holds by its NumPy view instead, made a `Held` in the background:
-    `_background.hold_tree`, in a single-process save only.)"""
+    this is process 0. (`_background.hold_tree` holds a plain array on one
+    device by its view instead.)"""
     data = jax.random.key_data(x) if _dtypes.is_prng_key(x) else x
     if not _multihost.writes(data, primary):
         return Held(x, data, [])
@@ -109,13 +108,10 @@ def build(
 
 
 class Plan:
-    """A save's records, packs assigned, kept for the next save of the same
-    structure (in its `_tree.Names.memo`; a manager's steps keep their own,
-    their packs cut otherwise). A training loop saves one tree again and
-    again, each leaf of the same type, dtype and shape: the next save takes
-    these records as they are (`reuse`), where making and packing them anew
-    would give the same. `text`: the manifest's text of the records
-    (`_manifest.leaves_text`), made by the first save that encodes them.
+    """A save's records, packs assigned, kept (in its `_tree.Names.memo`) for
+    the next save of the same structure, which takes them as they are
+    (`reuse`): a training loop saves one tree again and again. `text`: the
+    manifest's text of the records, made by the first save that encodes them.
     Kept only where every leaf is the common leaf (`_Collector.add`), and
     never changed once kept."""
 
