@@ -171,10 +171,6 @@ def read_metrics(loc: Location, step: int) -> dict[str, Any]:
     manifest = read_manifest(loc.joined(_format.step_name(step)))
     if manifest is not None and manifest.format_version >= 2:
         return {k: float(v) if isinstance(v, str) else v for k, v in manifest.metrics.items()}
-    return _read_metrics_file(loc, step)
-
-
-def _read_metrics_file(loc: Location, step: int) -> dict[str, Any]:
     data = _storage.read_file(loc, _format.metrics_name(step), limit=_MAX_METRICS_BYTES)
     if data is None:
         return {}

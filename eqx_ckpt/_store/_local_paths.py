@@ -106,7 +106,7 @@ def local_open(path: str) -> io.BufferedReader:
     the opened file's `fstat` is checked before the file is returned. Other
     failures are `OSError`s, as `open` raises them (a folder: `IsADirectoryError`)."""
     try:
-        f = open(path, "rb", opener=_opener)
+        f = open(path, "rb", opener=lambda path, flags: os.open(path, flags | READ_FLAGS))
     except OSError:
         found = _special_at(path)  # a socket cannot be opened at all (ENXIO)
         if found:
@@ -121,10 +121,6 @@ def local_open(path: str) -> io.BufferedReader:
         f.close()
         raise SpecialFileError(path, found)
     return f
-
-
-def _opener(path: str, flags: int) -> int:
-    return os.open(path, flags | READ_FLAGS)
 
 
 def _special_at(path: str) -> str:
