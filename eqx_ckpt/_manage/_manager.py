@@ -1,17 +1,12 @@
 """`CheckpointManager`: one checkpoint per training step, retention, and resume.
 
-On disk, in the manager's directory:
-
-    step_00000042/                 a complete eqx_ckpt checkpoint (manifest.json last)
-    manager.json                   the lease of the manager writing here (see `_lease`)
-    retention.json                 the retention rules and the steps saved under them
-
-A step exists only once `step_<step>/manifest.json` does, so a save interrupted at
-any moment is never reported. Its metrics are in that manifest, so they commit
-with it. (Version 1 kept them beside the step, in `step_00000042.metrics.json`;
-such files are still read.) Leftovers of interrupted saves are removed by the
-next save, by the one manager holding the directory's lease. Anything else in
-the directory is never touched.
+In the manager's directory: `step_<step>/` (a complete eqx_ckpt checkpoint,
+its metrics in its manifest), `manager.json` (the lease of the manager
+writing here, `_lease`) and `retention.json` (`_retention`). A step exists
+only once its manifest does, so a save interrupted at any moment is never
+reported; the next save of the one manager holding the lease removes what it
+left. Anything else in the directory is never touched (docs/manager.md,
+"On-disk layout").
 """
 
 from __future__ import annotations

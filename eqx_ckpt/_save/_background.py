@@ -30,16 +30,12 @@ HeldLeaves = Callable[[], tuple[list[Any], _tree.Names]]
 
 
 def hold_tree(pytree: Any) -> HeldLeaves | None:
-    """What the caller of an asynchronous save must wait for, with the
-    default filter spec and no `is_leaf`: every leaf's host data held
-    (`_hold`), safe from a later donation or change. Returns what the
-    background calls for the leaves and their names; `None` when a leaf's
-    error should be raised at once, in the caller's thread.
-
-    The key paths are rebuilt in the background from the structure (the
-    faster way: docs/benchmarks.md, "Measurements behind the design"), or
-    taken here where a custom node's constructor would have to run in the
-    background, on arrays the caller may have deleted by then."""
+    """What the caller of an asynchronous save (default filter spec, no
+    `is_leaf`) must wait for: every leaf's host data held (`_hold`). Returns
+    what the background calls for the leaves and their names (rebuilt there
+    from the structure, the faster way, unless a custom node's constructor
+    would run on arrays the caller may have deleted); `None` when a leaf's
+    error should be raised at once."""
     leaves, treedef = jax.tree_util.tree_flatten(pytree)
     keypaths = None
     if not _tree.rebuilds_plainly(treedef):
@@ -69,16 +65,11 @@ _DTYPE = operator.attrgetter("dtype")
 
 
 def _hold(leaves: list[Any]) -> tuple[list[Any], Sequence[int]] | None:
-    """Every leaf's host data held: a `jax.Array` on one device by its host
-    view (`_memory.held`), any other by its host pieces (`_records.hold`),
-    NumPy arrays copied, other leaves as they are. Returns what is held and
-    the indices of the views; `None` when a leaf's error is for the caller's
-    thread to raise (a masked or abstract array, a deleted one).
-
-    The caller waits for this. The common tree, every leaf a `jax.Array` on
-    one device, is held with no step of Python's per leaf: types and
-    shardings checked as sets, views made by `map` (docs/benchmarks.md,
-    "Measurements behind the design"). Any other tree is held leaf by leaf."""
+    """Every leaf's host data held (a `jax.Array` on one device by its host
+    view, any other by its host pieces, NumPy arrays copied), and the indices
+    of the views; `None` when a leaf's error is for the caller's thread. The
+    common tree, every leaf a `jax.Array` on one device, is held with no step
+    of Python's per leaf (docs/benchmarks.md, "Measurements behind the design")."""
     kinds = _records.array_kind
     try:
         if all(kinds(cls) == "jax" for cls in set(map(type, leaves))) and set(map(type, map(_SHARDING, leaves))) == {

@@ -45,12 +45,8 @@ _METRIC = re.compile(r"[A-Za-z0-9_./-]{1,100}")
 
 @dataclasses.dataclass(frozen=True)
 class About:
-    """What a card says of a model beyond its files (the export's options).
-
-    - `license`: a Hub license id (`"apache-2.0"`), or `None`.
-    - `base_model`: the Hub repositories it was made from, or `()`.
-    - `code`: where its classes come from: a pip requirement or a URL, or `None`.
-    """
+    """What a card says of a model beyond its files: the export's `license`,
+    `base_model` and `code` options, checked (`about`)."""
 
     license: str | None = None
     base_model: tuple[str, ...] = ()

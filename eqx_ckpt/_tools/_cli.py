@@ -1,13 +1,9 @@
 """`eqx-ckpt`: inspect, verify and compare checkpoints; run the demo.
 
-The CLI only parses and formats: every command calls a public library function.
-Exit codes:
-
-- 0: success (for `verify`: sound; for `diff`: equal).
-- 1: `verify` found damage or `diff` found differences.
-- 2: an error. A bad path, not a checkpoint, bad arguments, storage that would
-  not serve it, or a checkpoint of a newer format than this eqx_ckpt reads (no
-  damage, but not checked).
+The CLI only parses and formats: every command calls a public library
+function. Exit codes (the README's table of commands has each): 0 success,
+1 `verify` found damage or `diff` differences, 2 an error (a checkpoint of a
+newer format too: no damage, but not checked).
 """
 
 from __future__ import annotations
