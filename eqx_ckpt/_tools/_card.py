@@ -1,19 +1,12 @@
-"""The model card (`README.md`) of a published folder: what the Hugging Face Hub
-shows, and a load snippet that works as written.
+"""The model card (`README.md`) of a published folder: the Hub's front matter,
+what the model is, and a load snippet that works as written, loading it by
+the one name it is given (`model_card(name_or_path, ...)`).
 
-- Front matter, as the Hub reads a card's metadata: `library_name: eqx_ckpt`,
-  `tags`, and the `license`, `base_model` and metric names when known.
-- The parameter count, where the classes' code comes from (`code=`), the
-  metrics, the files and the user's `info`.
-- The snippet's one parameter is the name the model is loaded by
-  (`model_card(name_or_path, ...)`): the folder's path for a local export,
-  or `hf://owner/name` for a published repository.
-
-Its `trust` list names the classes and functions of the structure record that
-the default trust does not cover (`_trust`), each imported from its own
-module. Some parts may need the model's code (`_rebuildable`). Then the
-snippet rebuilds the largest parts without them (`prefix=`), and the card
-shows the load into a `like` that the model's code makes.
+The snippet's `trust` list names the classes and functions the default trust
+does not cover (`_trust`). Where parts need the model's code (`_rebuildable`),
+it rebuilds the largest parts without them (`prefix=`), and the card shows
+the load into a `like` the model's code makes (docs/interop.md, "The model
+card").
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """`export_safetensors`: a checkpoint or a tree as Hugging Face sharded safetensors.
 
-Leaves are read one at a time, from the checkpoint's storage. So a checkpoint
-saved by several processes or kept on an object store exports without
-gathering live arrays.
-
-- On a local disk each shard is written as it is read, leaf by leaf, to a
-  `.partial` file. Every shard is renamed into place only once all are
-  written, because the leaves may come from the very files being replaced (an
-  export of a directory onto itself).
-- An object store takes whole objects and has no rename. There a shard is
-  assembled in memory first (peak memory is about one shard) and written at
-  once. An export whose source is in the destination directory is refused.
+Leaves are read one at a time, from the checkpoint's storage. On a local disk
+each shard is streamed to a `.partial` file, and every shard is renamed into
+place only once all are written (the leaves may come from the very files
+being replaced). An object store takes whole objects: a shard is assembled
+in memory, and a source in the destination is refused (docs/interop.md,
+"Export to safetensors").
 """
 
 from __future__ import annotations
