@@ -49,23 +49,14 @@ from ._storage_errors import read_explained, read_only_store, unreachable, write
 Future = ts.Future
 Promise = ts.Promise
 
-# One context for every open: it is what makes `memory://` stores persist between
-# calls, and what bounds file I/O concurrency for the whole process.
-#
-# Its retries make storage that cannot be reached an error within seconds.
-# TensorStore's defaults (32 attempts, backing off from 1 s to 32 s) retried a
-# refused connection for minutes, and a load, a save or a manager's listing
-# seemed to hang.
-#
-# TensorStore cannot tell a refused connection from a server's brief hiccup (a
-# 503, a dropped connection), so one setting serves both:
-# - a plain `http://` server: four attempts over about 4 s;
-# - an object store (`s3://`, `gs://`): five over about 6 s. That rides out a
-#   throttled request, as AWS's own SDKs do (three attempts by default).
-#
-# A kvstore spec dict may carry its own `"http_request_retries"`,
-# `"s3_request_retries"` or `"gcs_request_retries"`, which wins over these
-# (docs/storage.md).
+# One context for every open: it makes `memory://` stores persist between calls,
+# and bounds file I/O concurrency for the whole process. Its retries make storage
+# that cannot be reached an error within seconds: TensorStore's defaults (32
+# attempts, backing off from 1 s to 32 s) retried a refused connection for
+# minutes. A refused connection and a brief hiccup (a 503) look alike, so a plain
+# `http://` server gets four attempts over about 4 s, an object store five over
+# about 6 s (a throttled request, as AWS's SDKs retry it). A kvstore spec's own
+# `"*_request_retries"` wins over these (docs/storage.md).
 RETRIES = {
     "http_request_retries": {"max_retries": 4, "initial_delay": "0.25s", "max_delay": "2s"},
     "s3_request_retries": {"max_retries": 5, "initial_delay": "0.25s", "max_delay": "2s"},

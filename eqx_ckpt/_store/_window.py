@@ -1,22 +1,14 @@
 """One host-memory budget for every reader of a checkpoint.
 
 A load, `materialise`, a transformed load, `verify` and `diff` all start their
-reads through `windowed`. As many run at once as fit in `READ_BUDGET` bytes.
-Once the budget is full, the oldest is finished before the next one starts.
+reads through `windowed`: as many at once as fit in `READ_BUDGET` bytes (all
+at once would hold every leaf twice; one at a time would leave the disk
+idle), the oldest finished before the next starts. Every window of bytes in
+flight, a save's staging window (`_staging.Window`) too, admits work by one
+rule, `Budget` (tests/test_architecture.py checks it).
 
-- All reads at once would hold every leaf twice: the read's buffer and the
-  array made from it, or the chunk and its comparison.
-- One at a time would leave TensorStore and the disk idle between reads.
-
-Local files are read on one pool of threads (`read_pool`), shared by every
-reader. It reads eqx_ckpt's own chunk files (`_local_read`) and safetensors
-runs alike.
-Small leaves stored side by side (in a pack, or a safetensors file) are read
-in runs, grouped by one rule (`runs`).
-
-Every window of bytes in flight admits work by one rule, `Budget`. That holds
-for the readers' window here and for a save's staging window
-(`_staging.Window`); tests/test_architecture.py checks it.
+Local files are read on one pool of threads shared by every reader
+(`read_pool`); small leaves stored side by side are read in runs (`runs`).
 """
 
 from __future__ import annotations
