@@ -84,29 +84,16 @@ Region = tuple[tuple[int, int], ...]
 
 
 class Deal:
-    """Who writes each slice of a multi-process save.
+    """Who writes each slice of a multi-process save: a small region (under
+    `SPLIT_BYTES`, not cut) goes to its holders in turn; any other slice to
+    the holder of its region dealt the fewest bytes so far (the lowest rank on
+    a tie), one slice of a region each. Every process deals the same slices in
+    the same order, so all reach the same deal with no communication.
 
-    - A small region (under `SPLIT_BYTES`, not cut) goes to its holders in
-      turn, round the processes.
-    - Any other slice goes to the holder of its region that has been dealt
-      the fewest bytes so far (the lowest rank on a tie). A holder takes one
-      slice of a region at most.
-
-    Every process deals the same slices in the same order: the save's leaves,
-    in order, since every process saves the same tree. So every process
-    reaches the same deal with no communication. One per save: a cut that is
-    uneven by a chunk, or a large leaf of one chunk, goes to a different
-    process from leaf to leaf.
-
-    Deals that were tried and dropped:
-
-    - A hash of each leaf's path: over a few large leaves that left one
-      process 1.5x its share.
-    - The large leaves by their index: with two processes, the weights of
-      alternating layers then went to one of them.
-    - The small ones by bytes: the few bytes of many small leaves then all
-      went to one process, which wrote every one of their files.
-    """
+    Tried and dropped: a hash of each leaf's path (a few large leaves left one
+    process 1.5x its share); the large leaves by index (with two processes,
+    alternating layers all went to one); the small ones by bytes (one process
+    wrote every small leaf's files)."""
 
     def __init__(self) -> None:
         self.dealt: dict[int, int] = {}  # process index -> bytes dealt to it

@@ -83,23 +83,14 @@ def default_serialise_filter_spec(handle: LeafHandle, x: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SaveOptions:
-    """A save's options, made once where the save is asked for, then passed whole.
-
-    The first eight are `tree_serialise_leaves`' own (its docstring says what
-    each does), not yet checked: `save` checks them. The last four only a
-    `CheckpointManager` passes:
-
-    - `metrics`: numbers committed in the manifest.
-    - `handoff`: tells the caller, after any exception, whether an
-        asynchronous save went on in the background (a manager must not
-        remove what that save is writing).
-    - `follows`: the checkpoint this save shares unchanged chunk files with
-        when the destination holds none yet (a manager's previous step;
-        `_share`).
-    - `followed`: a later save will follow this one (a manager's step). The
-        digest of every chunk file it writes is recorded, so that save reads
-        none of them back (`_share`).
-    """
+    """A save's options, made once where the save is asked for, then passed
+    whole. The first eight are `tree_serialise_leaves`' own, checked by
+    `save`. Only a `CheckpointManager` passes the others: `metrics` (committed
+    in the manifest); `handoff` (whether an asynchronous save went on in the
+    background, after any exception); `follows` (the checkpoint this save
+    shares unchanged chunk files with where the destination holds none: the
+    previous step); `followed` (a later save will follow this one: the digest
+    of every chunk file it writes is recorded, `_share`)."""
 
     overwrite: Any = True
     blocking: Any = True

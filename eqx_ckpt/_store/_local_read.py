@@ -54,20 +54,14 @@ def start_read(
     loc: Location, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None
 ) -> Callable[[], np.ndarray]:
     """Start reading a whole leaf that `_chunk_files.LocalFiles.reads` takes
-    straight into one aligned host buffer, in the shared pool of threads (the
-    reads of several leaves overlap).
+    straight into one aligned host buffer; a function returning it as a NumPy
+    array of the stored shape and dtype (not decoded).
 
     Every chunk file is checked before the buffer is allocated, and every
     chunk's crc32c before the array is returned; a failure is an
     `IntegrityError` naming the leaf. An interrupt waits for the reading
     threads before it is raised, so none writes into the buffer afterwards.
-    `on_bytes` is called with the bytes of each chunk once it is checked.
-
-    **Returns:**
-
-    A function returning a C-ordered NumPy array of the stored shape and dtype
-    (not decoded), 64-byte aligned, so `jax.device_put` on CPU adopts it.
-    """
+    `on_bytes` is called with the bytes of each chunk once it is checked."""
     # The checks of its files (on a cold cache, a wait on the disk for each) in a
     # thread of their own, so that those of the next leaves overlap.
     started = _threads.pool("eqx_ckpt-open", _window.READ_THREADS).submit(_start_checked, loc, record)

@@ -221,13 +221,10 @@ def nbytes(data: Any) -> int:
 
 def ahead(data: Any) -> Any:
     """Start copying a piece's device data to the host, without waiting; what
-    to stage it from then (`host`).
-
-    The copy is a new array on the host's CPU device, which the save owns and
-    drops once written (`copy_to_host_async` would cache it on the caller's
-    array, beyond any budget; it is used only without a CPU device). It runs
-    in the copy pool: `jax.device_put` from a GPU returns only once the copy is
-    done (docs/benchmarks.md, "Measurements behind the design")."""
+    to stage it from then (`host`). The copy is a new array on the CPU device,
+    which the save owns (`copy_to_host_async` would cache it on the caller's
+    array, beyond any budget), made in the copy pool: `jax.device_put` from a
+    GPU returns only once it is done (docs/benchmarks.md)."""
     if isinstance(data, Deferred):
         data.source = ahead(data.resolved())
         return data
