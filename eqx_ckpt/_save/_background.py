@@ -1,11 +1,8 @@
-"""An asynchronous save: what the caller holds before it returns
-(`hold_tree`), the thread that finishes the save (`start`, `PendingSave`,
-`Handoff`), and the wait at exit for the saves still in flight.
-
-`start` hands a save to a new thread once every array is safe on the host; the
-thread finishes it (commits it, or removes what it wrote) and holds the
-destination's claim until then. Until the thread claims the save, the caller's
-`Handoff.take_back` undoes it instead (an interrupt between the two).
+"""An asynchronous save: what the caller holds before it returns (`hold_tree`),
+the thread that finishes the save (`start`, `PendingSave`, `Handoff`), and the
+wait at exit for the saves still in flight. The thread commits the save, or
+removes what it wrote, and holds the destination's claim until then; until it
+claims the save, the caller's `Handoff.take_back` undoes it instead.
 """
 
 from __future__ import annotations

@@ -1,33 +1,25 @@
 """A save's stages with several JAX processes: what each process does, and
 where they all meet.
 
-With `jax.distributed` initialised, every process runs the same save
-(`_serialise`) with the same tree, in the same order (as for any
-collective). Each process writes the pieces it holds (`_multihost.writes`,
-and `_sharding`'s cut and deal of what several processes hold); process 0
-alone runs the transaction, creates the arrays and writes the manifest. The
-processes meet at six barriers (`_multihost.Group.sync`), each of which
-carries any process's error to all, so that a failure anywhere fails the
-save everywhere:
+Every process runs the same save (`_serialise`) with the same tree, in the
+same order, and writes the pieces it holds (`_multihost.writes`, `_sharding`);
+process 0 alone runs the transaction, creates the arrays and writes the
+manifest. They meet at six barriers (`_multihost.Group.sync`), each of which
+carries any process's error to all:
 
-1. `prepared` (`Stages.prepared`): every process has collected and planned
-   its leaves, and all planned the same save (a digest of each plan,
-   compared: `_multihost.differing`).
-2. `begin` (`Stages.begin`): process 0 has begun the transaction
-   (`_transaction.begin`: the lease, the destination's checks, the journal)...
-3. `joined`: ...and every other process has joined it (`_transaction.join`).
-4. `created` (`Stages.create`): process 0 has created the arrays' metadata;
-   the others then open the arrays to write their pieces.
-5. `written` (`Stages.commit`): every process has written its pieces and
-   made them durable; process 0 then commits the manifest...
+1. `prepared`: every process has planned, and all planned the same save
+   (`_multihost.differing`);
+2. `begin`: process 0 has begun the transaction...
+3. `joined`: ...and every other process has joined it;
+4. `created`: process 0 has created the arrays; the others open them;
+5. `written`: every process has written and synced its pieces; process 0
+   commits...
 6. `committed`: ...and, once every process knows it did, cleans up.
 
-A save of one process is a group of one: every barrier returns at once, and
-each stage is only the step it wraps (begin, create, commit). What a save
-of several processes does not do (`Stages.alone` says where): pack small
-leaves (`_records.assign`), plan in the background, share chunk files with
-an earlier save (`_share`), write chunk files itself (`_local_write`), or
-use the OCDBT layout (one database has a single writer).
+A save of one process is a group of one: each stage is only the step it
+wraps. Only such a save (`Stages.alone`) packs small leaves, plans in the
+background, shares chunk files with an earlier save, writes chunk files
+itself, or uses the OCDBT layout (one database has a single writer).
 """
 
 from __future__ import annotations
