@@ -57,10 +57,8 @@ def chunk_files(loc: Location) -> ChunkFiles:
 
 
 def read_local_range(path: str, start: int, end: int) -> np.ndarray | None:
-    """Bytes `start` to `end` of a file of another program's checkpoint on a
-    local disk (a safetensors file's run of tensors), read by eqx_ckpt itself
-    into memory `jax.device_put` adopts (`_local_read.read_range`); `None`
-    if the file ends before `end`."""
+    """`_local_read.read_range`: bytes `start` to `end` of a local file of
+    another program's checkpoint (a safetensors file's run of tensors)."""
     return _local_read.read_range(path, start, end)
 
 
@@ -80,14 +78,11 @@ class ChunkFiles(Protocol):
         ...
 
     def start_chunks(self, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
-        """Start reading chunks `[first, first + count)` of a leaf that `reads`
-        into `out`, a buffer the caller reuses; a function that waits and
-        checks them."""
+        """Start reading chunks `[first, first + count)` of a leaf that `reads` into `out`."""
         ...
 
     def pack_runs(self, *, cached: bool) -> PackRuns:
-        """The reader of the runs of the packs here, for one load. It reads
-        every run and declines none."""
+        """The reader of the runs of the packs here, for one load."""
         ...
 
     def writer(
@@ -107,19 +102,16 @@ class ChunkFiles(Protocol):
         ...
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
-        """The checkpoint here as the base of an incremental save, or `None`
-        where its chunk files cannot be shared. `opened()` opens it (its data
-        root and manifest); it is called only where they might be."""
+        """The checkpoint here (`opened()`: its data root and manifest) as the
+        base of an incremental save, or `None` where it cannot be shared."""
         ...
 
     def forget_damaged(self, error: BaseException, record: LeafRecord) -> None:
-        """Where `error`, a failure to read `record` here, says the leaf is
-        damaged, forget its array's files (`forget`)."""
+        """`forget` the array of `record` where `error` says it is damaged."""
         ...
 
     def forget(self, directory: str) -> None:
-        """Forget what `_share` verified or wrote of the array folder
-        `directory`, so that the next save reads it again before sharing it."""
+        """Forget what `_share` verified or wrote of the array folder `directory`."""
         ...
 
 
