@@ -1,15 +1,12 @@
 """A save's plan: each leaf's manifest record and host pieces, made here and
 nowhere else (`build`), and the packing of the small ones (`assign`).
 
-`build` runs the filter specs over a tree's leaves. It makes a `Pending` (a
+`build` runs the filter specs over a tree's leaves and makes a `Pending` (a
 `_format.LeafRecord` and the pieces written for it) for each value they
 write, by one path (`_Collector.add`), each value once. A piece is kept as
-what it comes from (a `jax.Array`, a NumPy array, or a `_memory.Deferred`
-cast, encoding or slice); its host data is made as the save's writes reach
-it, within the staging budget (`_staging`).
-
-A save of one process keeps its records for the next save of the same
-structure (`Plan`, `reuse`, `remember`).
+what it comes from; its host data is made within the staging budget
+(`_staging`). A save of one process keeps its records for the next save of
+the same structure (`Plan`).
 """
 
 from __future__ import annotations

@@ -2,14 +2,10 @@
 at a local path (`stat`, links, real paths), and opens a local file to read
 (`local_open`, `READ_FLAGS`).
 
-A checkpoint's files are untrusted: only a regular file is ever read. A named
-pipe (FIFO), a socket or a device node in a file's place is told apart here
-(`special`, `LocalEntry.special`). Opening a FIFO waits for a writer, forever,
-so every open is made without waiting (`O_NONBLOCK`) and checked before a read.
-
-It sits below `_storage`, which passes `local_names` and `local_entry` on to
-the rest of the package, so that the modules `_storage` is built on
-(`_durable`, `_untrusted`) ask it too. Every other module asks one of the two
+Only a regular file is ever read: a FIFO, a socket or a device node is told
+apart here (`special`), and every open is made without waiting (`O_NONBLOCK`)
+and checked before a read (docs/format.md says why). Every other module asks
+this one, or `_storage`, which passes `local_names` and `local_entry` on
 (tests/test_architecture.py checks).
 """
 

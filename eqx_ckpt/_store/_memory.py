@@ -132,10 +132,9 @@ PINNED_PLATFORMS: frozenset[str] = frozenset({"gpu", "cuda", "rocm"})
 
 class BufferPool:
     """`count` page-aligned host buffers of `size` bytes, each allocated once
-    (on first use) and reused: `take` hands out the next, round robin, once
-    the copies from its last use (`sent`) are done. `allocations` counts the
-    buffers allocated. Fault point `load.pinned_pool` fires before each
-    allocation; an exception there is the caller's to fall back from."""
+    (fault point `load.pinned_pool`, counted in `allocations`) and reused:
+    `take` hands out the next, round robin, once the copies from its last use
+    (`sent`) are done."""
 
     def __init__(self, count: int, size: int):
         self.count, self.size, self.allocations = count, size, 0
