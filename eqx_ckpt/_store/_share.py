@@ -41,10 +41,8 @@ from ._local_paths import READ_FLAGS, local_stat, local_walk
 
 
 class Base:
-    """The checkpoint a save follows, as far as its chunk files may be shared.
-
-    It holds the data root on the local disk, the leaves with arrays of their
-    own (by dotted path) and the packs (by name)."""
+    """The checkpoint a save follows, as far as its chunk files may be shared:
+    its local data root, its own arrays' leaves (by dotted path) and packs."""
 
     def __init__(self, root: str, manifest: _manifest.Manifest):
         self.root = root

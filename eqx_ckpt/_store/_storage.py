@@ -1,18 +1,15 @@
 """The storage seam: the interface through which every byte eqx_ckpt reads or
 writes passes, and, with `_location`, the only module that imports
-`tensorstore` (ruff's banned-api rule enforces it, see pyproject.toml).
-
-No TensorStore object leaves it (tests/test_architecture.py checks): other
-modules call its functions and get its own types back.
+`tensorstore` (ruff's banned-api rule enforces it, see pyproject.toml). No
+TensorStore object leaves it (tests/test_architecture.py checks).
 
 Futures are returned, not waited for: TensorStore's own (`Future`, set
 through a `Promise`), or a `Mapped`, which turns TensorStore's result into
 this module's type (an `Array`, a `Found`) as it is asked for. Callers block
 with `result` only at the public boundary.
 
-A location's chunk files are chosen and reached in `_chunk_files`. (They are
-eqx_ckpt's own reads and writes on a local disk, else these arrays.)
-`_chunk_files` calls this module; this module calls none of it.
+A location's chunk files are chosen in `_chunk_files`, which calls this
+module (this module calls none of it).
 """
 
 from __future__ import annotations

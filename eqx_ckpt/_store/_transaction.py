@@ -88,11 +88,8 @@ class Transaction:
         self.state = State.WRITTEN
 
     def commit(self, data: bytes) -> None:
-        """Replace the manifest with `data` (a `Manifest.to_bytes()`), if it is
-        still the one this save began from.
-
-        An interrupt while the manifest is being written waits for the write to
-        finish, so that the state is known, and is raised afterwards."""
+        """Replace the manifest with `data`, if it is still the one this save
+        began from. An interrupt during the write is raised once it is done."""
         _faults.fire("transaction.commit", self.loc)
         self._require(State.WRITTEN)
         if self.lease is not None:
@@ -381,11 +378,8 @@ def read_manifest(loc: Location) -> Manifest | None:
 
 def check_unchanged(loc: Location, manifest: Manifest) -> None:
     """Raise if the checkpoint at `loc` was replaced (or deleted) since
-    `manifest` was read.
-
-    A reader calls this after reading arrays. An overwrite deletes the old
-    arrays only after its commit. So if the manifest is still the one read,
-    every byte read came from it."""
+    `manifest` was read: called after reading arrays, since an overwrite
+    deletes the old arrays only after its commit."""
     if not _storage.file_changed(loc, MANIFEST, manifest.stamp):
         return
     if not _storage.file_exists(loc, MANIFEST):
