@@ -34,11 +34,9 @@ F = TypeVar("F")
 
 
 class Budget:
-    """Bytes in flight against a budget of `limit` bytes: the one rule by which
-    every window admits work.
-
-    The next job starts while it fits in what is left. Or it starts alone, when
-    nothing else runs: a job larger than the budget then runs by itself."""
+    """Bytes in flight against a budget of `limit` bytes, the one rule by which
+    every window admits work: the next job starts while it fits in what is
+    left, or alone, when nothing else runs."""
 
     __slots__ = ("held", "limit")
 
@@ -89,10 +87,8 @@ def read_pool() -> _threads.Pool:
 def runs(
     spans: Iterable[tuple[int, int, K]], most: int, alone: Callable[[int], bool] | None = None
 ) -> list[tuple[int, int, list[K]]]:
-    """Wanted leaves of one file, grouped into runs read by one read each:
-    `(start, end, keys)`.
-
-    `spans` are `(start, end, key)` in bytes, sorted by `start`. A leaf starts
+    """Wanted leaves of one file (`spans`: `(start, end, key)` in bytes, sorted
+    by `start`), grouped into runs read by one read each. A leaf starts
     a new run when it begins more than `RUN_GAP_BYTES` after the run's end,
     when the run would grow past `most` bytes, or when it or the run's last
     leaf is to be read `alone` (a function of its size)."""

@@ -327,10 +327,8 @@ def _metadata_values(items: list[str]) -> dict[str, Any] | None:
 
 
 def _root_causes(path: str, problems: Problems) -> list[str]:
-    """The damaged files first, each with the leaves and steps it damages.
-
-    A damaged file is the one cause behind many problems. Steps share unchanged
-    chunk files, and the leaves of a pack share its chunks."""
+    """The damaged files first, each with the leaves and steps it damages (steps
+    share unchanged chunk files, and the leaves of a pack its chunks)."""
     files = problems.damaged_files()
     if not files:
         return []
@@ -365,10 +363,8 @@ def _in_steps(steps: list[int]) -> str:
 
 
 def _problem_lines(problems: list[Problem], prefix: str) -> list[str]:
-    """The problems of one checkpoint (or step), bounded.
-
-    Those of the damaged files named above come in one line. Then come at most
-    `_SHOWN_PROBLEMS` others, and how many more there are."""
+    """The problems of one checkpoint (or step): those of the damaged files
+    named above in one line, then at most `_SHOWN_PROBLEMS` others."""
     lines = []
     named = sorted(str(problem.leaf) for problem in problems if problem.file is not None)
     if named:

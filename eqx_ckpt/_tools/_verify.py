@@ -91,22 +91,12 @@ class Problem:
 
 class Problems(list[Problem]):
     """What [`eqx_ckpt.verify`][] returns: a list of [`eqx_ckpt.Problem`][]s,
-    empty when the checkpoint is sound. Its attributes:
-
-    - `unchecked`: sentences saying what was not checked (what its format
-        cannot be checked for). It is empty for an eqx_ckpt checkpoint, where
-        every byte is.
-    - `steps`: for a `CheckpointManager`'s directory, the committed steps
-        verified (each problem's `step` says which it belongs to); else `()`.
-    - `checked`: sentences saying what was checked beyond the format: for a
-        Hub repository (`hf://`), each file whose digest (SHA-256, or git blob
-        id) matched the one the Hub lists at the pinned commit; else `()`.
-    - `newer`: the steps of that directory written in a newer format than
-        this eqx_ckpt reads. That is not damage: `unchecked` says so. A single
-        such checkpoint raises [`eqx_ckpt.CheckpointVersionError`][] instead.
-
-    `damaged_files()` gives the root causes: each damaged chunk file with the
-    problems it causes."""
+    empty when the checkpoint is sound, with `unchecked` and `steps` as its
+    docstring says; `checked`, sentences saying what was checked beyond the
+    format (a Hub repository's files, by their digests); and `newer`, the
+    steps of a manager's directory of a newer format than this eqx_ckpt
+    reads (not damage: `unchecked` says so). `damaged_files()` gives the root
+    causes."""
 
     def __init__(
         self,
