@@ -395,9 +395,8 @@ class CheckpointManager:
 
     def _tidy(self, step: int) -> dict[int, bool]:
         """Before saving `step`: take the directory's lease, remove what
-        interrupted saves left, and name in a warning (once each) the entries
-        named like a step that no save wrote, which stay. Returns `scan`'s
-        answer: the step folders, and whether each is committed."""
+        interrupted saves left, and warn (once each) of the entries named like
+        a step that no save wrote. Returns `scan`'s answer."""
         self._hold_directory()
         if self._lease is not None:
             self._lease.check()

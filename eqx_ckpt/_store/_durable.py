@@ -20,19 +20,13 @@ if TYPE_CHECKING:
 
 
 def flush(loc: Location) -> None:
-    """Make everything written under `loc` without fsync durable, before a commit.
-
-    Every file (and directory) is fsynced, many at once: the file system's
-    journal batches concurrent syncs. Many files on a local ext4, XFS or Btrfs
-    are synced by one `syncfs` instead, several times faster
-    (docs/benchmarks.md); not a few files (a `syncfs` also waits for other
-    programs' data), nor on other file systems (their `syncfs` may not reach
-    the server).
-
-    Other processes of a save may still be writing here: their temporary files
-    are skipped, and a file that vanishes is no error. Each process flushes
-    what it wrote.
-    """
+    """Make everything written under `loc` without fsync durable, before a
+    commit: every file and directory fsynced, many at once (the journal
+    batches them), or, for many files on a local ext4, XFS or Btrfs, one
+    `syncfs` (docs/benchmarks.md; a few files are not worth another program's
+    unwritten data, and other file systems' `syncfs` may not reach the
+    server). Other processes' temporary files are skipped, and a file that
+    vanishes is no error: each process flushes what it wrote."""
     _faults.fire("sync.flush", loc)
     local = loc.local if _location.on_local_disk(loc) else None
     if local is None:

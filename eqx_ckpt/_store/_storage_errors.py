@@ -159,10 +159,8 @@ def read_error(loc: Location, name: str, error: BaseException) -> CheckpointErro
 
 
 def write_error(loc: Location, name: str, error: BaseException, outcome: str = "") -> CheckpointError:
-    """A full disk, a read-only or forbidden destination: say so, not TensorStore's
-    code (a `CheckpointStorageError` when `error` says the storage refused).
-    `outcome`, when the caller knows it, says what the failure left ("nothing
-    was written")."""
+    """The error of a write that failed with `error`, in words (a full disk, a
+    read-only or forbidden destination); `outcome`: what the failure left."""
     so = f", so {outcome}" if outcome else ""
     refused = write_refusal(error)
     return (refused or CheckpointError)(

@@ -648,10 +648,8 @@ def tensor_bytes(tensor: _Tensor) -> memoryview:
 def _write_shard(
     loc: Location, name: str, shard: list[_Tensor], metadata: dict[str, str], update: Any, digests: dict[str, str]
 ) -> None:
-    """Write one file of the export, tensor by tensor, not yet under its name
-    (`_storage.write_unpublished`: on a local disk streamed, elsewhere whole),
-    keeping each tensor's digest in `digests` (where a base's matching has
-    not already)."""
+    """Write one file of the export, not yet under its name
+    (`_storage.write_unpublished`), keeping each tensor's digest in `digests`."""
 
     def parts() -> Iterator[bytes | memoryview]:
         yield _header(shard, metadata)
