@@ -134,12 +134,9 @@ class Retention:
         return left
 
     def _governed(self, steps: list[int], rules: Rules, saved: int | None) -> set[int]:
-        """The steps saved under these rules: by this manager, or by an earlier
-        one with the same rules (a resumed run).
-
-        Deleting any other step needs the user's say. (A run of 300 steps
-        opened with a tighter `max_to_keep` once lost 297 of them at the first
-        save.)"""
+        """The steps saved under these rules, by this manager or an earlier one
+        (a resumed run): deleting any other needs the user's say (a run of 300
+        steps opened with a tighter `max_to_keep` once lost 297 of them)."""
         return (self._read(rules) | self._saving | ({saved} if saved is not None else set())) & set(steps)
 
     def _read(self, rules: Rules) -> set[int]:

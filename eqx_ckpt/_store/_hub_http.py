@@ -1,19 +1,16 @@
 """What a Hub server may answer, checked on `huggingface_hub`'s own HTTP client.
 
 A server reached through `HF_ENDPOINT` is trusted with the bytes of the files
-it serves, not with anything that names a path, bounds a wait or sizes memory:
-commits and ETags (the library names cache files after them), byte ranges,
-timeouts and `Retry-After`, the size of API answers (docs/sharing.md lists
-each check). A refusal is a `CheckpointStorageError` (a stall a
-`CheckpointConnectionError`) naming the server, raised inside the library's
-call, so it writes nothing.
+it serves, not with anything that names a path, bounds a wait or sizes memory
+(docs/sharing.md, "Trust and bounds", lists each check). A refusal is a
+`CheckpointStorageError` (a stall a `CheckpointConnectionError`) naming the
+server, raised inside the library's call, so it writes nothing.
 
-The checks are hooked on the library's shared client
-(`huggingface_hub.get_session`) by every eqx_ckpt Hub call (`guarded`): a
-user's `set_client_factory` or `close_session` makes a new client. They apply
-to eqx_ckpt's requests alone: those made in a thread inside `guarded`, and
-those with the header `MARK` (made in the library's own threads, as
-`snapshot_download`'s). A user's own calls, in any thread, are not checked.
+The checks are hooked on the library's shared client by every eqx_ckpt Hub
+call (`guarded`; a user's `set_client_factory` or `close_session` makes a new
+client). They apply to eqx_ckpt's requests alone: those made in a thread
+inside `guarded`, and those with the header `MARK` (made in the library's own
+threads, as `snapshot_download`'s).
 """
 
 from __future__ import annotations

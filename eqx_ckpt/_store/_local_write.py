@@ -4,20 +4,14 @@ The mirror of `_local_read`. A single-process save of the "directories"
 layout writes the chunk files of every pack, and of each leaf whose chunks
 split only its first axis, itself (`_chunk_files.LocalFiles` says which), by
 a small pool of threads, into its own fresh data root (a file that exists is
-an error, never overwritten):
-
-- a leaf's chunk straight from its host buffer with one `writev`; from
-  `UNBUFFERED_FROM` bytes on past the page cache (`O_DIRECT`), through the
-  writing thread's staging buffer (or straight from a page-aligned buffer);
-- a pack's chunk gathered into that staging buffer a part at a time.
-
-A file written through the page cache has its writeback started at once
-(`sync_file_range`), so that the flush before the commit (`_durable.flush`)
-waits only for what is still in flight. The files are exactly what
-TensorStore's zarr3 driver writes (C order, little-endian, edge chunks
-padded with zeros, then the crc32c), as `tests/test_direct_write.py` checks.
-docs/format.md and docs/benchmarks.md ("Measurements behind the design") say
-why.
+an error). A leaf's chunk goes straight from its host buffer (from
+`UNBUFFERED_FROM` bytes on past the page cache, `O_DIRECT`); a pack's is
+gathered into the writing thread's staging buffer a part at a time. A file
+written through the page cache has its writeback started at once
+(`sync_file_range`), so that the flush before the commit waits only for what
+is still in flight. The files are exactly what TensorStore's zarr3 driver
+writes (`tests/test_direct_write.py` checks). docs/format.md and
+docs/benchmarks.md ("Measurements behind the design") say why.
 """
 
 from __future__ import annotations
