@@ -45,11 +45,10 @@ def check_step(step: Any) -> int:
 
 
 def scan(loc: Location) -> dict[int, bool]:
-    """Every step folder of the manager's own naming, and whether it is committed.
-
-    On a local disk only real folders count. A file or a symbolic link of that
-    name is a user's, never listed, restored or deleted. (Retention deleting the
-    manifest through a link once destroyed a checkpoint outside the directory.)"""
+    """Every step folder of the manager's own naming, and whether it is
+    committed. On a local disk a file or a symbolic link of that name is a
+    user's, never listed, restored or deleted (retention deleting a manifest
+    through a link once destroyed a checkpoint outside the directory)."""
     local = loc.local
     if local is not None:
 

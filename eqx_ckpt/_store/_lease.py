@@ -51,15 +51,11 @@ def destination(loc: Location) -> str:
 
 
 def acquire_exclusive(loc: Location) -> Claim:
-    """This process's claim on `loc`, once no other save holds it; the save
-    releases it when it ends (from another thread, for an asynchronous save).
-
-    A claim still recorded for the calling thread is taken over at once: a
-    blocking save in this thread has ended, so an interrupt skipped its
-    release. (A save nested in a save's progress callback takes it too; the
-    lease then refuses it at once, where it used to wait for ever.) Only
-    claims handed to a background thread (`hand_over`) make a later save from
-    the same thread wait."""
+    """This process's claim on `loc`, once no other save holds it. A claim
+    still recorded for the calling thread is taken over at once: its blocking
+    save has ended, and an interrupt skipped the release (a save nested in a
+    progress callback takes it too, and the lease refuses it at once). Only a
+    claim handed to a background thread (`hand_over`) makes a later save wait."""
     with _places.lock:
         place = _places.setdefault(destination(loc), _Place())
     me = threading.get_ident()

@@ -114,10 +114,8 @@ class Problems(list[Problem]):
         self.newer = newer
 
     def damaged_files(self) -> list[tuple[str, list[Problem]]]:
-        """The damaged chunk files, each with the problems it causes (the
-        leaves, in every step, that use it), most problems first: the root
-        causes. A file that several steps share (hard links, one file under
-        several names) is one damaged file, named by its first name."""
+        """The damaged chunk files (one file under several names is one), each
+        with the problems it causes in every step, most problems first."""
         groups: dict[Any, tuple[str, list[Problem]]] = {}
         for problem in self:
             if problem.file is not None:
