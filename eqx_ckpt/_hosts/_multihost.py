@@ -91,10 +91,9 @@ class Group:
         return self.index == 0
 
     def sync(self, stage: str, error: BaseException | None, plan: str | None = None) -> BaseException | None:
-        """Wait until every process has reached `stage`; return this process's
-        `error`, or else an error saying which other processes failed or
-        stopped answering (or `None`). `plan`: a digest of what this process
-        planned, which must be every process's (see `differing`)."""
+        """Wait until every process has reached `stage`; this process's `error`,
+        else one naming the processes that failed or stopped answering, or
+        differ in their `plan` (a digest: `differing`), else `None`."""
         _faults.fire("multihost.barrier", self.what, stage)
         if self.count == 1:
             return error

@@ -341,11 +341,9 @@ def _described(
     digests: dict[str, str],
     family: _published.Family | None,
 ) -> dict[str, bytes]:
-    """The files describing the tensors of `source`: `eqx_ckpt.json`, and
-    `README.md` (loading the model as `shown`) unless `card=False`, after a
-    warning of the parts that need the model's code (`_rebuildable`). The same
-    `source` gives the same bytes (a checkpoint's own `created` time; a
-    manager step's metrics as `info["metrics"]` where `info` has none)."""
+    """The files describing the tensors of `source` (`eqx_ckpt.json`, and the
+    card loading the model as `shown`), after a warning of the parts that need
+    the model's code; the same `source` gives the same bytes."""
     found = _rebuildable.needs(structure, source.path if isinstance(source, Checkpoint) else shown)
     _rebuildable.warn(found, shown)
     records = [t.record for t in tensors]
