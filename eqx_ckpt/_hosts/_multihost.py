@@ -1,41 +1,19 @@
 """Several JAX processes taking part in one save or one restore: the group,
 its barriers, and who writes which leaf.
 
-A save's stages (`_stages`) each make a `Group` of the processes and meet at
-its barriers (`Group.sync`). So does a restore that reads each byte once
-(`_read_once`). `writes` says whether this process writes (its pieces of) a
-leaf.
+A save's stages (`_stages`), and a restore that reads each byte once
+(`_read_once`), each make a `Group` and meet at its barriers (`Group.sync`):
+keys of the coordination service of `jax.distributed`, not device
+collectives, so that the CPU backend needs none, each process's error
+reaches the others, and an asynchronous save's thread cannot interleave with
+the training step's collectives.
 
-The processes meet at barriers of the distributed runtime's coordination service,
-not at device collectives. A barrier there:
-
-- needs no collective support from the backend (CPU included);
-- carries each process's error to the others, so that a failure anywhere fails
-  the save everywhere instead of hanging it;
-- is safe from the background thread of an asynchronous save, where a device
-  collective could interleave with the training step's own.
-
-A barrier is each process's key in the coordination service's key-value store,
-waited for a second at a time. Between waits, the heartbeat of a process that
-has not arrived is checked. Every process bumps a key of its own every
-`HEARTBEAT_SECONDS` (`_Heartbeat`). A thread does it, which eqx_ckpt starts at
-import and which beats once `jax.distributed` and JAX's backend have started.
-So a process killed outright (SIGKILL, out of memory) is found within
-`SILENT_SECONDS` and named. `jax.distributed`'s own heartbeat takes 100 s and
-then ends every process. This holds for a process that died before it called
-the save or restore, as for one that died inside it. Each process marks its
-entry into a group (`Group`), and the error says which of the two it was.
-
-The coordination service has no quicker answer of its own:
-
-- its client's `get_live_nodes(process_ids)` is itself a barrier: it returns
-  once every live process listed has called it;
-- a process killed outright counts as live until the service's heartbeat
-  time-out (`heartbeat_timeout_seconds`, 100 s), when `jax.distributed` ends
-  every process anyway;
-- `wait_at_barrier` with `process_ids` waits for a dead process just as long.
-
-Hence eqx_ckpt's own heartbeat keys, in the same service.
+A barrier is waited for a second at a time. Between waits, the heartbeat of a
+process that has not arrived is checked: every process bumps a key of its
+own every `HEARTBEAT_SECONDS` (`_Heartbeat`, a thread started at import), so
+that one killed outright is found within `SILENT_SECONDS` and named, whether
+it died inside the group or before it joined it. The coordination service
+has no quicker answer of its own (docs/scaling.md says why).
 """
 
 from __future__ import annotations
@@ -89,9 +67,7 @@ def _client() -> Any:
 
 
 class Group:
-    """The processes taking part in one save or restore, named by `what`.
-
-    The restore is one that reads each byte once (`_read_once`). With one
+    """The processes taking part in one save or restore (`what`). With one
     process, every step is local. A barrier waits `timeout` seconds for the
     slowest process (`TIMEOUT_MS` by default)."""
 
@@ -112,14 +88,12 @@ class Group:
 
     @property
     def primary(self) -> bool:
-        """Whether this process runs the transaction (process 0)."""
         return self.index == 0
 
     def sync(self, stage: str, error: BaseException | None, plan: str | None = None) -> BaseException | None:
-        """Wait until every process has reached `stage`; return this process's
-        `error`, or else an error saying which other processes failed or
-        stopped answering (or `None`). `plan`: a digest of what this process
-        planned, which must be every process's (see `differing`)."""
+        """Wait until every process has reached `stage`; this process's `error`,
+        else one naming the processes that failed or stopped answering, or
+        differ in their `plan` (a digest: `differing`), else `None`."""
         _faults.fire("multihost.barrier", self.what, stage)
         if self.count == 1:
             return error
@@ -149,13 +123,9 @@ class Group:
 
 
 def differing(plans: dict[int, str], count: int) -> CheckpointError | None:
-    """The error of a save whose processes planned different saves, or `None`.
-    Every process reaches the same verdict.
-
-    `plans` holds each process's digest, by its index. Every process deals out
-    the slices of replicated leaves alike from the tree it was given
-    (`_sharding.Deal`). Given different trees, a slice would go unwritten. So
-    the save is refused before anything is written."""
+    """The error of a save whose processes planned different saves (`plans`:
+    each one's digest, by index), or `None`, the same in every process: given
+    different trees, a slice of a replicated leaf would go unwritten."""
     digests = [plans.get(index) for index in range(count)]
     others = [index for index in range(1, count) if digests[index] != digests[0]]
     if not others:
@@ -168,11 +138,8 @@ def differing(plans: dict[int, str], count: int) -> CheckpointError | None:
 
 
 class _Stage(NamedTuple):
-    """A barrier of a save or a restore (`what`).
-
-    It has a `name`, how long it waits, and its group's keys (`group`).
-    `passed` is the stage before it, which every process reached ("" for the
-    first)."""
+    """A barrier of a save or a restore (`what`), in its group's keys
+    (`group`); `passed`: the stage before it, which every process reached."""
 
     what: str
     name: str
@@ -238,7 +205,6 @@ def _lost(client: Any, index: int, count: int, stage: _Stage) -> CheckpointError
 
 
 def _has(client: Any, key: str) -> bool:
-    """Whether the coordination service holds `key`."""
     try:
         client.key_value_try_get(key)
     except Exception:  # NOT_FOUND
@@ -279,16 +245,10 @@ class _Silence:
 
 
 class _Heartbeat:
-    """This process's heartbeat: a thread, started when eqx_ckpt is imported
-    (`watch`).
-
-    It bumps this process's key in the coordination service every
-    `HEARTBEAT_SECONDS`. It starts once `jax.distributed` runs several
-    processes and JAX's backend has started (its first `jax.devices()` or
-    computation). It beats from then on, before any save, so that a process
-    that dies before it calls one is found too. In a process where JAX's
-    backend started without `jax.distributed` (which can then no longer
-    start), it ends."""
+    """This process's heartbeat (see the module docstring): a thread started
+    when eqx_ckpt is imported (`watch`). In a process where JAX's backend
+    started without `jax.distributed` (which can then no longer start), it
+    ends."""
 
     _started: threading.Thread | None = None
     _stop = threading.Event()
@@ -303,7 +263,6 @@ class _Heartbeat:
 
     @classmethod
     def watch(cls) -> None:
-        """Start the thread (once)."""
         with cls._lock:
             if cls._started is not None:
                 return
@@ -330,7 +289,6 @@ class _Heartbeat:
 
     @classmethod
     def _run(cls, state: Any, backends_started: Callable[[], bool]) -> None:
-        """Beat (`state`: `jax.distributed`'s)."""
         count = 0
         while not cls._stop.wait(HEARTBEAT_SECONDS):
             # Read before the client: `initialize` sets that first. JAX's backend
@@ -366,12 +324,9 @@ def _describe(error: BaseException) -> str:
 
 
 def writes(x: Any, primary: bool | None = None) -> bool:
-    """Whether this process writes (its pieces of) leaf `x`.
-
-    A `jax.Array` spread over several processes is written shard by shard, by the
-    processes that address them. Anything else (NumPy arrays, scalars, arrays on
-    one process's devices) every process holds a copy of, and process 0 writes.
-    """
+    """Whether this process writes (its pieces of) leaf `x`: a `jax.Array`
+    spread over several processes is written by each that addresses shards of
+    it; anything else (a copy every process holds), by process 0."""
     # `primary`: whether this is process 0, when the caller knows (asking JAX
     # three times a leaf cost a `many` save; docs/benchmarks.md, "Measurements
     # behind the design").

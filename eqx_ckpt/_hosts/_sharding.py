@@ -58,22 +58,12 @@ def on_one_device(x: jax.Array) -> bool:
 def host_pieces(
     x: Any, chunks: tuple[int, ...] | None = None, itemsize: int = 1, *, deal: Deal | None = None, path: str = ""
 ) -> list[tuple[tuple[slice, ...], Any]]:
-    """(region, data) for every piece this process writes.
-
-    The data is made when the save stages it (`_staging`). It is a `jax.Array`,
-    or a `Deferred` slice of one. NumPy data is given as it is.
-
-    In one process, only the first replica of each shard is written, so
-    replicated data is written once. With several processes (`x` is not
-    fully addressable), every region is written once, by its holders in
-    shares:
-
-    - each region held by several of them is cut between them (`slices`, on
-      the leaf's chunk grid `chunks`, of `itemsize` stored bytes per element);
-    - its slices are dealt to them (`deal`, the save's).
-
-    `path`: the leaf's dotted path, for the fault point `save.slices`.
-    """
+    """(region, data) for every piece this process writes: a `jax.Array`, a
+    `Deferred` slice of one (made when the save stages it), or NumPy data as
+    it is. Replicated data is written once. With several processes, each
+    region is cut between its holders (`slices`, on the chunk grid `chunks`)
+    and its slices dealt to them (`deal`). `path`: for the fault point
+    `save.slices`."""
     if not isinstance(x, jax.Array):
         return [((), np.asarray(x))]
     if on_one_device(x):
@@ -94,29 +84,16 @@ Region = tuple[tuple[int, int], ...]
 
 
 class Deal:
-    """Who writes each slice of a multi-process save.
+    """Who writes each slice of a multi-process save: a small region (under
+    `SPLIT_BYTES`, not cut) goes to its holders in turn; any other slice to
+    the holder of its region dealt the fewest bytes so far (the lowest rank on
+    a tie), one slice of a region each. Every process deals the same slices in
+    the same order, so all reach the same deal with no communication.
 
-    - A small region (under `SPLIT_BYTES`, not cut) goes to its holders in
-      turn, round the processes.
-    - Any other slice goes to the holder of its region that has been dealt
-      the fewest bytes so far (the lowest rank on a tie). A holder takes one
-      slice of a region at most.
-
-    Every process deals the same slices in the same order: the save's leaves,
-    in order, since every process saves the same tree. So every process
-    reaches the same deal with no communication. One per save: a cut that is
-    uneven by a chunk, or a large leaf of one chunk, goes to a different
-    process from leaf to leaf.
-
-    Deals that were tried and dropped:
-
-    - A hash of each leaf's path: over a few large leaves that left one
-      process 1.5x its share.
-    - The large leaves by their index: with two processes, the weights of
-      alternating layers then went to one of them.
-    - The small ones by bytes: the few bytes of many small leaves then all
-      went to one process, which wrote every one of their files.
-    """
+    Tried and dropped: a hash of each leaf's path (a few large leaves left one
+    process 1.5x its share); the large leaves by index (with two processes,
+    alternating layers all went to one); the small ones by bytes (one process
+    wrote every small leaf's files)."""
 
     def __init__(self) -> None:
         self.dealt: dict[int, int] = {}  # process index -> bytes dealt to it
@@ -194,23 +171,12 @@ def regions_held(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tup
 
 def slices(region: Region, chunks: tuple[int, ...], holders: int, itemsize: int) -> list[Region]:
     """`region` of a leaf (`(start, stop)` per axis) cut for its `holders`
-    processes into at most one slice each. A pure function of
-    its arguments: every process cuts the same way with no communication.
+    processes into at most one slice each, a pure function of its arguments:
+    every process cuts the same way with no communication.
 
-    A region of at least `SPLIT_BYTES` (at `itemsize` bytes per element) is
-    cut along one axis: the one on which it spans the most chunks of the chunk
-    grid `chunks` (the first such axis).
-
-    - It is cut at chunk boundaries only, so that no two processes write one
-      chunk file.
-    - It is cut into one slice per holder, the chunks along that axis shared as
-      evenly as they go. Where they do not divide, the first slices are one
-      chunk larger.
-    - Where there are fewer chunks than holders, it is cut into one chunk per
-      slice.
-
-    A region is not cut (one slice) when it is under `SPLIT_BYTES`, one chunk
-    along every axis, or without a chunk grid (`()`).
+    A region of at least `SPLIT_BYTES` is cut along the axis on which it spans
+    the most chunks of the grid `chunks`, at chunk boundaries only (no two
+    processes write one chunk file), the chunks shared as evenly as they go.
     """
     nbytes = math.prod(b - a for a, b in region) * itemsize
     if holders == 1 or nbytes < SPLIT_BYTES or not region or not chunks:
@@ -239,15 +205,10 @@ def read_placed(
     convert: Callable[[np.ndarray], np.ndarray],
     on_bytes: Callable[[int], None] | None = None,
 ) -> Callable[[], jax.Array]:
-    """Start reading each device's region of a leaf; return a function that
-    waits and assembles the `jax.Array` with `sharding`.
-
-    `read(region)` starts reading a region of the stored leaf and returns
-    what waits for its elements (`_read.start_region`); replicated
-    regions are read once and placed on every device that holds them.
-    `on_bytes`, when given, is called with the stored bytes of each region as
-    it lands (progress within the leaf).
-    """
+    """Start reading each device's region of a leaf (`read(region)`, a start of
+    `_read.start_region`; a replicated region read once); return a function
+    that waits and assembles the `jax.Array` with `sharding`. `on_bytes` is
+    called with the stored bytes of each region as it lands."""
     index_map = sharding.addressable_devices_indices_map(shape)
     reads: dict[Any, Callable[[], np.ndarray]] = {}
     for index in index_map.values():

@@ -1,17 +1,12 @@
 """`CheckpointManager`: one checkpoint per training step, retention, and resume.
 
-On disk, in the manager's directory:
-
-    step_00000042/                 a complete eqx_ckpt checkpoint (manifest.json last)
-    manager.json                   the lease of the manager writing here (see `_lease`)
-    retention.json                 the retention rules and the steps saved under them
-
-A step exists only once `step_<step>/manifest.json` does, so a save interrupted at
-any moment is never reported. Its metrics are in that manifest, so they commit
-with it. (Version 1 kept them beside the step, in `step_00000042.metrics.json`;
-such files are still read.) Leftovers of interrupted saves are removed by the
-next save, by the one manager holding the directory's lease. Anything else in
-the directory is never touched.
+In the manager's directory: `step_<step>/` (a complete eqx_ckpt checkpoint,
+its metrics in its manifest), `manager.json` (the lease of the manager
+writing here, `_lease`) and `retention.json` (`_retention`). A step exists
+only once its manifest does, so a save interrupted at any moment is never
+reported; the next save of the one manager holding the lease removes what it
+left. Anything else in the directory is never touched (docs/manager.md,
+"On-disk layout").
 """
 
 from __future__ import annotations
@@ -349,10 +344,9 @@ class CheckpointManager:
         target = self._loc.joined(step_name(step))
         # The metrics go into the step's manifest, so they commit with it; a
         # leftover file of version 1 would shadow nothing, but is stale now.
-        if state.get(step) and primary() and written_metrics(self._loc, step):
-            with _storage_errors.explained(self._loc, f"Saving step {step} to"):
-                _storage.remove(self._loc, [_metrics_name(step)])
         with _storage_errors.explained(self._loc, f"Saving step {step} to"):
+            if state.get(step) and primary() and written_metrics(self._loc, step):
+                _storage.remove(self._loc, [_metrics_name(step)])
             self._retention.begin(step, self._rules())
         handoff = _serialise.Handoff()
         # The newest committed step: unchanged chunk files are shared with it
@@ -401,9 +395,8 @@ class CheckpointManager:
 
     def _tidy(self, step: int) -> dict[int, bool]:
         """Before saving `step`: take the directory's lease, remove what
-        interrupted saves left, and name in a warning (once each) the entries
-        named like a step that no save wrote, which stay. Returns `scan`'s
-        answer: the step folders, and whether each is committed."""
+        interrupted saves left, and warn (once each) of the entries named like
+        a step that no save wrote. Returns `scan`'s answer."""
         self._hold_directory()
         if self._lease is not None:
             self._lease.check()

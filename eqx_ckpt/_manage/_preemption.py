@@ -1,25 +1,15 @@
 """Preemption: a SIGTERM handler that only raises a flag, and the one step at
 which every process of a job stops (`CheckpointManager.reached_preemption`).
 
-One process: the first call after the signal answers `True`.
-
-Several `jax.distributed` processes must stop at the same step. Yet they
-drift apart: each runs ahead of the others by whatever its host allows. And a
-barrier at every step would cost every step a round trip. So each process runs
-a watcher thread, as JAX's own preemption sync manager does:
-
-1. The process that was signalled publishes a request in the coordination
-   service's key-value store.
-2. Every watcher sees it within `_POLL` seconds, whatever its main thread is
-   doing (a save waiting at a barrier for a process that is behind, say). It
-   publishes the last step its loop reported.
-3. They meet at one barrier. The first step after the highest of those is the
-   stop step. No process has passed it, and every process calls
-   `reached_preemption` with it next or later.
-
-While the watchers agree, a main thread that calls again waits: its step must
-not move past the one its watcher published. The key-value store costs each
-step nothing: only the watchers poll it.
+One process: the first call after the signal answers `True`. Several
+`jax.distributed` processes drift apart, and a barrier at every step would
+cost every step a round trip. So each runs a watcher thread, as JAX's own
+preemption sync manager does: the signalled process publishes a request in
+the coordination service's key-value store; every watcher sees it within
+`_POLL` seconds and publishes the last step its loop reported; at one
+barrier they take the first step after the highest as the stop step, which
+no process has passed. Meanwhile a main thread that calls again waits, so
+that its step does not move past the one its watcher published.
 """
 
 from __future__ import annotations

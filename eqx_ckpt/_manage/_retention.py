@@ -1,23 +1,13 @@
 """Retention of a `CheckpointManager`: which steps its rules keep, and which it
 may delete.
 
-The rules (`Rules`: `max_to_keep`, `keep_every`, `best_n`) apply only to the
-steps the manager governs:
-
-- the steps saved under the same rules, by it or by an earlier manager with
-  those rules (a resumed run, as the retention record `retention.json` lists
-  them);
-- or every step, with `adopt_steps=True`.
-
-Of those, a step survives:
-
-- if any rule keeps it;
-- if it is the latest or the one just saved;
-- while lazy leaves of this process read from it.
-
-The others are deleted (`_steps.delete_step`). Steps the rules would drop but
-that the manager does not govern stay. `Retention.apply` returns them once, for
-the manager's `RetentionWarning`.
+The rules (`Rules`) apply only to the steps the manager governs: those saved
+under the same rules (the retention record `retention.json` lists them), or
+every step with `adopt_steps=True`. Of those, a step survives if any rule
+keeps it, if it is the latest or the one just saved, or while lazy leaves of
+this process read from it. Steps the rules would drop but that the manager
+does not govern stay: `Retention.apply` returns them once, for the
+`RetentionWarning` (docs/manager.md, "Steps saved under other rules").
 """
 
 from __future__ import annotations
@@ -101,11 +91,9 @@ class Retention:
         self._warned = False
 
     def begin(self, step: int, rules: Rules) -> None:
-        """Before saving `step`: record that it is the manager's own.
-
-        It is recorded before the save. So a process killed after the commit
-        and before retention ran leaves a step that the next manager with the
-        same rules knows for its own (and prunes), not another's (and keeps)."""
+        """Before saving `step`: record that it is the manager's own, so that a
+        process killed after the commit and before retention ran leaves a step
+        the next manager with the same rules knows for its own (and prunes)."""
         self._saving.add(step)
         if not primary() or rules.adopt_steps or not rules.any():
             return
@@ -116,11 +104,9 @@ class Retention:
         _write_record(self._loc, rules, sorted(governed | {step}))
 
     def apply(self, rules: Rules, saved: int | None) -> list[int]:
-        """Delete the committed steps retention governs that no rule keeps
-        (never the one just `saved`), and record the ones left.
-
-        Returns the other steps that the rules would drop, the first time there
-        are any."""
+        """Delete the committed steps retention governs that no rule keeps (never
+        the one just `saved`), and record the ones left; the other steps the rules
+        would drop, the first time there are any."""
         if not rules.any() or not primary():
             return []
         steps = committed_steps(self._loc)
@@ -148,12 +134,9 @@ class Retention:
         return left
 
     def _governed(self, steps: list[int], rules: Rules, saved: int | None) -> set[int]:
-        """The steps saved under these rules: by this manager, or by an earlier
-        one with the same rules (a resumed run).
-
-        Deleting any other step needs the user's say. (A run of 300 steps
-        opened with a tighter `max_to_keep` once lost 297 of them at the first
-        save.)"""
+        """The steps saved under these rules, by this manager or an earlier one
+        (a resumed run): deleting any other needs the user's say (a run of 300
+        steps opened with a tighter `max_to_keep` once lost 297 of them)."""
         return (self._read(rules) | self._saving | ({saved} if saved is not None else set())) & set(steps)
 
     def _read(self, rules: Rules) -> set[int]:

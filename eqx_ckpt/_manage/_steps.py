@@ -45,11 +45,10 @@ def check_step(step: Any) -> int:
 
 
 def scan(loc: Location) -> dict[int, bool]:
-    """Every step folder of the manager's own naming, and whether it is committed.
-
-    On a local disk only real folders count. A file or a symbolic link of that
-    name is a user's, never listed, restored or deleted. (Retention deleting the
-    manifest through a link once destroyed a checkpoint outside the directory.)"""
+    """Every step folder of the manager's own naming, and whether it is
+    committed. On a local disk a file or a symbolic link of that name is a
+    user's, never listed, restored or deleted (retention deleting a manifest
+    through a link once destroyed a checkpoint outside the directory)."""
     local = loc.local
     if local is not None:
 
@@ -78,16 +77,11 @@ def committed_steps(loc: Location) -> list[int]:
 
 
 def clean_interrupted(loc: Location, state: dict[int, bool]) -> list[tuple[str, str]]:
-    """Remove what interrupted saves left:
-
-    - step folders without a manifest that hold only files a save writes
-      (`_format.left_by_a_save`), and empty ones;
-    - metrics files a version 1 manager wrote without a committed step
-      (`written_metrics`).
-
-    Returns the entries named like a step that are not the manager's to
-    remove, as `(name, what it is)`; they stay. Such an entry is a user's file,
-    link, folder of other files, or file named like a step's metrics."""
+    """Remove what interrupted saves left: step folders without a manifest
+    that hold only files a save writes (or nothing), and metrics files a
+    version 1 manager wrote without a committed step. Returns the entries
+    named like a step that are not the manager's to remove, as
+    `(name, what it is)`; they stay."""
     if not primary():
         return []
     names = _storage.list_names(loc)
@@ -112,10 +106,8 @@ def clean_interrupted(loc: Location, state: dict[int, bool]) -> list[tuple[str, 
 
 def written_metrics(loc: Location, step: int) -> bool:
     """Whether `step_<step>.metrics.json` in `loc` is what a version 1 manager
-    wrote there: `_metrics_file_values` reads it, and it is not a link.
-
-    Only such a file is the manager's to delete. Anything else of that name is
-    a user's, and stays."""
+    wrote there (and so the manager's to delete): `_metrics_file_values` reads
+    it, and it is not a link."""
     name = _format.metrics_name(step)
     if loc.local is not None:
         entry = _storage.local_entry(os.path.join(loc.local, name))
@@ -178,10 +170,6 @@ def read_metrics(loc: Location, step: int) -> dict[str, Any]:
     manifest = read_manifest(loc.joined(_format.step_name(step)))
     if manifest is not None and manifest.format_version >= 2:
         return {k: float(v) if isinstance(v, str) else v for k, v in manifest.metrics.items()}
-    return _read_metrics_file(loc, step)
-
-
-def _read_metrics_file(loc: Location, step: int) -> dict[str, Any]:
     data = _storage.read_file(loc, _format.metrics_name(step), limit=_MAX_METRICS_BYTES)
     if data is None:
         return {}
@@ -216,11 +204,9 @@ def show_steps(steps: list[int]) -> str:
 
 
 def delete_step(loc: Location, step: int) -> None:
-    """Delete a committed step of the manager's directory at `loc`.
-
-    The manifest goes first, so that the step disappears at once even if the
-    deletion of its arrays is interrupted. Then its folder goes, and its
-    metrics file of version 1."""
+    """Delete a committed step of the manager's directory at `loc`: the
+    manifest first, so that the step is gone at once even if the deletion of
+    its arrays is interrupted."""
     _storage.delete_file(loc.joined(_format.step_name(step)), MANIFEST)
     metrics = [_format.metrics_name(step)] if written_metrics(loc, step) else []
     _storage.remove(loc, [_format.step_name(step), *metrics])

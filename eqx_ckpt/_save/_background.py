@@ -1,11 +1,8 @@
-"""An asynchronous save: what the caller holds before it returns
-(`hold_tree`), the thread that finishes the save (`start`, `PendingSave`,
-`Handoff`), and the wait at exit for the saves still in flight.
-
-`start` hands a save to a new thread once every array is safe on the host; the
-thread finishes it (commits it, or removes what it wrote) and holds the
-destination's claim until then. Until the thread claims the save, the caller's
-`Handoff.take_back` undoes it instead (an interrupt between the two).
+"""An asynchronous save: what the caller holds before it returns (`hold_tree`),
+the thread that finishes the save (`start`, `PendingSave`, `Handoff`), and the
+wait at exit for the saves still in flight. The thread commits the save, or
+removes what it wrote, and holds the destination's claim until then; until it
+claims the save, the caller's `Handoff.take_back` undoes it instead.
 """
 
 from __future__ import annotations
@@ -30,25 +27,12 @@ HeldLeaves = Callable[[], tuple[list[Any], _tree.Names]]
 
 
 def hold_tree(pytree: Any) -> HeldLeaves | None:
-    """What the caller of an asynchronous save must wait for, with the
-    default filter spec and no `is_leaf`: every leaf's host data held
-    (`_hold`). NumPy arrays are copied and each `jax.Array`'s host data is
-    taken, so that a later donation or change cannot reach the save.
-
-    Returns what the background calls for the leaves (what `_records.build`
-    makes records of, there) and their names. `None` when the tree needs the
-    caller's thread: a leaf whose error should be raised at once.
-
-    The key paths are the structure's, never the caller's tree's (which the
-    caller may change once this returns):
-
-    - rebuilt in the background from the structure, when its nodes rebuild
-      without code of the user's (`_tree.names_from_structure`);
-    - else taken here. A custom node's constructor must not run in the
-      background, on arrays the caller may have deleted by then.
-
-    Flattening without key paths is the faster way (docs/benchmarks.md,
-    "Measurements behind the design")."""
+    """What the caller of an asynchronous save (default filter spec, no
+    `is_leaf`) must wait for: every leaf's host data held (`_hold`). Returns
+    what the background calls for the leaves and their names (rebuilt there
+    from the structure, the faster way, unless a custom node's constructor
+    would run on arrays the caller may have deleted); `None` when a leaf's
+    error should be raised at once."""
     leaves, treedef = jax.tree_util.tree_flatten(pytree)
     keypaths = None
     if not _tree.rebuilds_plainly(treedef):
@@ -78,28 +62,11 @@ _DTYPE = operator.attrgetter("dtype")
 
 
 def _hold(leaves: list[Any]) -> tuple[list[Any], Sequence[int]] | None:
-    """Every leaf's host data held, each leaf looked at once:
-
-    - a `jax.Array` on one device by its NumPy view. That is a `jax.Array`'s
-      host data, which never changes. On an accelerator it is a copy the save
-      owns, in pinned host memory where the device has some (`_memory.held`),
-      never cached on the caller's array;
-    - any other `jax.Array` (sharded, a PRNG key array) by its host pieces
-      (`_records.hold`);
-    - NumPy arrays copied (`_memory`);
-    - other leaves as they are.
-
-    Returns what is held, one per leaf, and the indices of the views (made
-    `_records.Held` in the background, `hold_tree`). `None` when a leaf's
-    error is for the caller's thread to raise: a masked or abstract array, or
-    a leaf that cannot be held (a deleted array).
-
-    The caller waits for this. The common tree, every leaf a `jax.Array` on
-    one device, is held with no step of Python's per leaf. The types and
-    shardings are checked as sets, and the views made by `map`
-    (docs/benchmarks.md, "Measurements behind the design"). A PRNG key array
-    among them (which has no view) is found by its dtype, and the others are
-    still viewed so. Any other tree is held leaf by leaf."""
+    """Every leaf's host data held (a `jax.Array` on one device by its host
+    view, any other by its host pieces, NumPy arrays copied), and the indices
+    of the views; `None` when a leaf's error is for the caller's thread. The
+    common tree, every leaf a `jax.Array` on one device, is held with no step
+    of Python's per leaf (docs/benchmarks.md, "Measurements behind the design")."""
     kinds = _records.array_kind
     try:
         if all(kinds(cls) == "jax" for cls in set(map(type, leaves))) and set(map(type, map(_SHARDING, leaves))) == {

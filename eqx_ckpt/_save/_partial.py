@@ -1,16 +1,9 @@
 """Partial saves: `tree_serialise_leaves(path, pytree, where=...)` replaces only
 the selected sub-trees of the checkpoint at `path`.
 
-`where` picks nodes of `pytree`, as in `eqx.tree_at`. The stored sub-tree at
-each picked node's dotted path is replaced by that node's leaves (its structure
-may differ); every other stored leaf is kept as it was. Leaves of `pytree`
-outside the picked nodes are never looked at, so they may be abstract
-(`jax.ShapeDtypeStruct`). The save is an overwrite like any other (atomic,
-under the lease), whose tree is the kept stored leaves plus the new ones:
-kept leaves are read from the checkpoint and written again, and on a local
-disk their chunk files are shared with the checkpoint it replaces (`_share`),
-not copied. If the checkpoint is replaced between that read and the commit,
-the save is refused (`CheckpointReplacedError`) and nothing is written.
+The save is an overwrite like any other, whose tree is the kept stored leaves
+(read as lazy leaves, their chunk files shared) plus the picked nodes'
+leaves. docs/format.md, "Incremental and partial saves", states its rules.
 """
 
 from __future__ import annotations
@@ -32,18 +25,12 @@ from .._store import _transaction
 
 
 class Partial:
-    """A partial save's leaves: the new ones (of the picked nodes) and the kept
-    stored ones, with their names and filter specs, in that order. Also:
-
-    - `commit`: the stored checkpoint's commit, which must still be the live
-      one when the save begins;
-    - `cast`: the save's `cast` with each kept leaf's stored dtype;
-    - `chunks`: the stored chunk grid of each kept leaf with an array of its
-      own;
-    - `new`: how many of the leaves are new (the first ones);
-    - `structure`: given the dotted paths the save stores, the structure
-      record with the picked sub-trees' records spliced into the stored one.
-    """
+    """A partial save's leaves: the `new` ones (of the picked nodes) first, then
+    the kept stored ones, with their names and filter specs; the stored
+    checkpoint's `commit` (still the live one when the save begins, or the
+    save is refused); the `cast` that keeps each kept leaf's stored dtype, and
+    their stored `chunks`; and the `structure` record, given the dotted paths
+    stored, with the picked sub-trees spliced into the stored one."""
 
     def __init__(
         self,

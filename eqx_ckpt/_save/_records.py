@@ -1,21 +1,12 @@
 """A save's plan: each leaf's manifest record and host pieces, made here and
 nowhere else (`build`), and the packing of the small ones (`assign`).
 
-`build` runs the filter specs over a tree's leaves. It makes a `Pending` (a
+`build` runs the filter specs over a tree's leaves and makes a `Pending` (a
 `_format.LeafRecord` and the pieces written for it) for each value they
-write, by one path (`_Collector.add`), each value once.
-
-- A piece is kept as what it comes from: a `jax.Array`, a NumPy array, or a
-  `_memory.Deferred` cast, encoding or slice. Its host data is made as the
-  save's writes reach it, within the staging budget (`_staging`).
-- The common leaf takes a short branch of that path: a NumPy array, or a
-  `jax.Array` on one device, of a dtype stored as it is, not cast. Its
-  record's fixed part is worked out once per dtype and shape.
-- Any other leaf goes the general way (`_general`). It checks what it can
-  store (a cast's values included) and names the leaf in its errors.
-
-A save of one process keeps its records for the next save of the same
-structure (`Plan`, `reuse`, `remember`).
+write, by one path (`_Collector.add`), each value once. A piece is kept as
+what it comes from; its host data is made within the staging budget
+(`_staging`). A save of one process keeps its records for the next save of
+the same structure (`Plan`).
 """
 
 from __future__ import annotations
@@ -51,16 +42,11 @@ class Pending:
 
 
 class Held:
-    """A `jax.Array` leaf of an asynchronous save, with the host data the save
-    writes. The data was taken while the caller waited, so a donation or
-    deletion of the array after the call returns cannot reach it.
-
-    - `value`: the array (its shape, dtype and sharding are read later).
-    - `data`: what is stored: the array, or a PRNG key array's key data.
-    - `pieces`: `_sharding.host_pieces(data)`, or `[]` when another process writes it.
-
-    (A plain class with slots: one is made per leaf.)
-    """
+    """A `jax.Array` leaf (`value`) of an asynchronous save, with the host
+    data the save writes, taken while the caller waited, so that a donation
+    or deletion of the array after the call returns cannot reach it. `data`:
+    the array, or a PRNG key array's key data; `pieces`:
+    `_sharding.host_pieces(data)`, or `[]` when another process writes it."""
 
     __slots__ = ("data", "pieces", "value")
 
@@ -70,9 +56,8 @@ class Held:
 
 def hold(x: jax.Array, primary: bool) -> Held:
     """`x` with its host data taken by its host pieces; `primary`: whether
-    this is process 0. (A plain array on one device, an asynchronous save's
-    caller holds by its NumPy view instead, made a `Held` in the background:
-    `_background.hold_tree`, in a single-process save only.)"""
+    this is process 0. (`_background.hold_tree` holds a plain array on one
+    device by its view instead.)"""
     data = jax.random.key_data(x) if _dtypes.is_prng_key(x) else x
     if not _multihost.writes(data, primary):
         return Held(x, data, [])
@@ -120,17 +105,12 @@ def build(
 
 
 class Plan:
-    """A save's records, packs assigned, kept for the next save of the same
-    structure (in its `_tree.Names.memo`; a manager's steps keep their own,
-    their packs cut otherwise). A training loop saves one tree again and
-    again, each leaf of the same type, dtype and shape: the next save takes
-    these records as they are (`reuse`), where making and packing them anew
-    would give the same. `text`: the manifest's text of the records
-    (`_manifest.leaves_text`), made by the first save that encodes them.
-
-    Kept only where every leaf is the common leaf (`_Collector.add`'s short
-    branch): a NumPy array or a `jax.Array` on one device, written as it is.
-    The records are never changed once kept."""
+    """A save's records, packs assigned, kept (in its `_tree.Names.memo`) for
+    the next save of the same structure, which takes them as they are
+    (`reuse`): a training loop saves one tree again and again. `text`: the
+    manifest's text of the records, made by the first save that encodes them.
+    Kept only where every leaf is the common leaf (`_Collector.add`), and
+    never changed once kept."""
 
     __slots__ = ("dtypes", "nbytes", "records", "shapes", "text", "types")
 
@@ -235,20 +215,16 @@ class _Collector:
         self.add(value, _KINDS.get(cls) or array_kind(cls), handle.path, keypath, handle)
 
     def add(self, x: Any, kind: str, path: str, keypath: list[list[Any]], where: int | LeafHandle) -> None:
-        """Make the record and host pieces of `x`, a value written for the leaf
-        at `path`.
+        """Make the record and host pieces of `x` (of `array_kind` `kind`), a
+        value written for the leaf at `path`; `where`: its handle, or the leaf's
+        index when the save made none.
 
-        - `kind`: `array_kind` of its type.
-        - `keypath`: the manifest record of its key path.
-        - `where`: its handle, or the leaf's index when the save made none.
-
-        The common leaf takes the short branch: a NumPy array, or a
-        `jax.Array` on one device, or either held, of a dtype stored as it
-        is, not cast. It has one host piece, in whole-array chunks. The
-        record's fixed part is worked out once per dtype and shape of the
-        save (faster than leaf by leaf: docs/benchmarks.md). Any other value
-        goes the general way (`_general`). It checks what it can store (a
-        cast's values included) and names the leaf in its errors."""
+        The common leaf takes the short branch: a NumPy array, or a `jax.Array`
+        on one device, or either held, of a dtype stored as it is, not cast. Its
+        record's fixed part is worked out once per dtype and shape of the save
+        (faster than leaf by leaf: docs/benchmarks.md). Any other value goes the
+        general way (`_general`), which checks what it can store (a cast's values
+        included) and names the leaf in its errors."""
         held = None
         if kind == "held":
             held, x, kind = x, x.value, "jax"
@@ -307,14 +283,11 @@ def _leaf_failed(error: Exception, loc: Location, keypath: tuple[Any, ...], dott
 
 
 class Unread:
-    """An array leaf of a lazily loaded tree (a `LazyArray`), saved with its
-    value but read only when the save stages it (`_staging`).
-
-    So a save of lazy leaves holds no more of them at once than its staging
-    budget (a partial save keeps the stored ones so). The checkpoint it reads
-    from stays whole until this save commits, even when this save replaces
-    it: a save writes into another data root. `kind`: the leaf type
-    recorded, the one it was saved as."""
+    """An array leaf of a lazily loaded tree (a `LazyArray`), read only when
+    the save stages it (`_staging`), so that a save of lazy leaves holds no
+    more of them at once than its staging budget. (The checkpoint it reads
+    from stays whole until this save commits: a save writes into another data
+    root.) `kind`: the leaf type it was saved as."""
 
     def __init__(self, lazy: LazyArray, kind: str):
         self.lazy, self.kind = lazy, kind
@@ -346,11 +319,8 @@ def _general(
     deal: _sharding.Deal,
 ) -> Pending:
     """The manifest record and the host pieces of a value written for a leaf
-    the general way (`_Collector.add` takes the common leaf's short branch
-    before): any leaf type, a cast, a PRNG key, a sharded array, a lazily
-    loaded leaf. `primary`: whether this is process 0; `keypath`: the manifest
-    record of `handle.keypath`; `deal`: the save's deal of slices between
-    processes (`_sharding.Deal`)."""
+    the general way: any leaf type, a cast, a PRNG key, a sharded array, a
+    lazily loaded leaf. `deal`: the save's deal of slices between processes."""
     _faults.fire("save.leaf_record", handle.path)
     held = None
     if isinstance(x, Held):
@@ -627,14 +597,11 @@ def assign(
 def pack_chunk(size: int, itemsize: int, step: int, limit: int) -> int:
     """The chunk length of a pack of `size` elements of `itemsize` bytes.
 
-    It is at most `limit` bytes, and the chunks are as even as the pack
-    allows, so that its last chunk pads little past its data. Why: zarr
-    stores every chunk full, and a chunk whose members changed is written
-    whole. Chunks of exactly the limit left up to a chunk of zeros in the
-    last file. A pack of
-    several chunks has chunks of a whole number of `step` elements (64 bytes),
-    so that every chunk starts aligned; its last chunk pads less than one
-    `step` per chunk. E.g. 33,000 float32 elements are two chunks of 16,512
+    At most `limit` bytes, and as even as the pack allows, so that its last
+    chunk pads little past its data (zarr stores every chunk full, and writes
+    again whole a chunk whose members changed). Chunks of a pack of several
+    are a whole number of `step` elements (64 bytes), so that every chunk
+    starts aligned. E.g. 33,000 float32 elements are two chunks of 16,512
     (24 elements of padding), not 32,768 and a last one of 232."""
     most = max(1, limit // itemsize)
     if size <= most:

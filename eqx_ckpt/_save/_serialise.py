@@ -1,25 +1,11 @@
 """`tree_serialise_leaves`: collect -> plan -> write -> commit.
 
-A save runs these steps:
-
-1. It collects the tree's leaves with their names and filter specs
-   (`_collect`).
-2. It plans what it writes (`_records`): every leaf's record and host
-   pieces, and the packs of small leaves.
-3. It begins the transaction and creates the arrays.
-4. It writes them within the staging budget (`_staging`). Each write goes
-   to the location's writer, `_chunk_files.chunk_files(loc).writer`. On a
-   local disk that is eqx_ckpt itself, else TensorStore.
-5. It makes them durable (`_durable`) and commits the manifest.
-
-An asynchronous save returns once its arrays are safe on the host. With the
-default filter spec, that is once each leaf's host data is held
-(`_background.hold_tree`), and the plan is made in the background too. A
-background thread (`_background`) does the rest.
-
-With several JAX processes, every process runs this same story: the
-processes meet at the stages of `_stages` (`prepared`, `begin`, `create`,
-`commit`), which for a save of one process only run the step they wrap.
+Each step is one function here (`_collect`, `_plan`, `_write_all`, `_commit`);
+docs/architecture.md, "The story of a save", names the module behind each.
+An asynchronous save returns once its arrays are safe on the host
+(`_background`); with the default filter spec its plan is made in the
+background too. With several JAX processes, every process runs this same
+story, meeting the others at the stages of `_stages`.
 """
 
 from __future__ import annotations
@@ -97,23 +83,14 @@ def default_serialise_filter_spec(handle: LeafHandle, x: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SaveOptions:
-    """A save's options, made once where the save is asked for, then passed whole.
-
-    The first eight are `tree_serialise_leaves`' own (its docstring says what
-    each does), not yet checked: `save` checks them. The last four only a
-    `CheckpointManager` passes:
-
-    - `metrics`: numbers committed in the manifest.
-    - `handoff`: tells the caller, after any exception, whether an
-        asynchronous save went on in the background (a manager must not
-        remove what that save is writing).
-    - `follows`: the checkpoint this save shares unchanged chunk files with
-        when the destination holds none yet (a manager's previous step;
-        `_share`).
-    - `followed`: a later save will follow this one (a manager's step). The
-        digest of every chunk file it writes is recorded, so that save reads
-        none of them back (`_share`).
-    """
+    """A save's options, made once where the save is asked for, then passed
+    whole. The first eight are `tree_serialise_leaves`' own, checked by
+    `save`. Only a `CheckpointManager` passes the others: `metrics` (committed
+    in the manifest); `handoff` (whether an asynchronous save went on in the
+    background, after any exception); `follows` (the checkpoint this save
+    shares unchanged chunk files with where the destination holds none: the
+    previous step); `followed` (a later save will follow this one: the digest
+    of every chunk file it writes is recorded, `_share`)."""
 
     overwrite: Any = True
     blocking: Any = True
@@ -318,18 +295,11 @@ def _collect_and_plan(
     is_leaf: Callable[[Any], bool] | None,
     options: SaveOptions,
 ) -> tuple[bool, bool, Callable[[str, np.dtype], Any] | None, int, _staging.Batch | _background.HeldLeaves, str | None]:
-    """The options checked, then the leaves collected and planned.
-
-    - `overwrite`, `blocking` and `cast` are returned as `save` uses them, and
-        `staging_bytes` as the staging budget in bytes.
-    - An asynchronous save's leaves are held instead (`_background.hold_tree`),
-        and planned in the background.
-    - Last, for a partial save (`where`), the commit of the checkpoint whose
-        leaves it keeps.
-
-    Every process then meets the others at the first stage
-    (`_stages.Stages.prepared`), whatever its outcome. A manager's step
-    (`followed`) has its packs cut for sharing (`_records.assign`)."""
+    """The options checked (returned as `save` uses them), then the leaves
+    collected and planned, or held to be planned in the background
+    (`_background.hold_tree`); last, for a partial save (`where`), the commit
+    of the checkpoint whose leaves it keeps. Every process then meets the
+    others at the first stage, whatever its outcome."""
     layout, where, step = options.layout, options.where, options.followed
     planned: _staging.Batch | _background.HeldLeaves | None = None
     expected: str | None = None
@@ -403,20 +373,14 @@ def _plan(
     structure: Callable[[set[str]], Any] | None = None,
     step: bool = False,
 ) -> _staging.Batch:
-    """What the save writes:
+    """What the save writes: every leaf's record and host pieces (the filter
+    specs run here, or a kept `_records.Plan` serves), the packs of small
+    leaves, and the tree's structure record (`structure`, given the dotted
+    paths stored, makes it for a partial save).
 
-    - every leaf's record and host pieces (the filter specs run here), taken
-      as a save of the same structure kept them where they would be the same
-      (`_records.Plan`);
-    - in a save of one process, the packs of small leaves;
-    - the tree's structure record (`_structure`). `structure`, given the
-      dotted paths stored, makes it where `names` are not of one tree (a
-      partial save's).
-
-    `private`: protect the leaves' data (`_staging.protect`), which the
-    caller may change or delete once an asynchronous save has returned.
-    `step`: a manager's step, whose packs are cut in chunks small enough to
-    share (`_records.assign`)."""
+    `private`: protect the leaves' data (`_staging.protect`) from the caller of
+    an asynchronous save. `step`: a manager's step, whose packs are cut in
+    chunks small enough to share (`_records.assign`)."""
     default = default_serialise_filter_spec
     # Records kept from a save of this structure serve a save of one process, not cast, not partial.
     keeps = stages.alone and cast is None and structure is None
@@ -499,9 +463,8 @@ def _begun(
     packs: list[str],
     check: Callable[[_transaction.Transaction], None] | None,
 ) -> _transaction.Transaction:
-    """The transaction begun (`_transaction.begin`: the lease, the
-    destination's checks, the journal of `paths` and `packs`), which `check`
-    may refuse: it is then aborted."""
+    """The transaction begun (`_transaction.begin`), aborted where `check`
+    refuses it."""
     tx = _transaction.begin(loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
     if check is not None:
         try:
@@ -569,12 +532,10 @@ def _write_all(
     out: list[Any],
     sharing: _Sharing,
 ) -> tuple[BaseException | None, list[bytes]]:
-    """Create the arrays (`_stages.Stages.create`), write this process's
-    pieces within the staging budget (`_staging`) and make them durable,
-    while the process that commits encodes the manifest; the first error,
-    and the manifest's bytes. Puts in `out` the futures an abort must wait
-    for (`_staging.start_writes`); chunk files are shared and their digests
-    recorded as `sharing` says (a save of one process: `_stages`)."""
+    """Create the arrays, write this process's pieces within the staging
+    budget (`_staging`) and make them durable, while the process that commits
+    encodes the manifest; the first error, and the manifest's bytes. Puts in
+    `out` the futures an abort must wait for."""
     error: BaseException | None = None
     encoded: list[bytes] = []
     try:
@@ -619,18 +580,9 @@ def _write_all(
 
 
 class _Sharing(NamedTuple):
-    """What a save shares (`_share`).
-
-    - With `share`, the chunk files equal to those of the checkpoint it
-      replaces, else of `follows` (a manager's previous step).
-    - With `share` and `followed` (a manager's step, which a next step will
-      follow), it records the digest of every chunk file it writes. So the
-      next step reads none of them back.
-
-    Without `followed` (a plain save), only a chunk that was compared is
-    recorded: a save with no base hashes nothing. `staging` is the save's
-    staging budget, in bytes (`_staging`: how its writes go, as sharing
-    does)."""
+    """What a save shares (`_share`): `follows`, `share` and `followed` as
+    `SaveOptions` has them; `staging`, the save's staging budget in bytes (how
+    its writes go, as sharing does)."""
 
     follows: Location | None
     share: bool
@@ -655,11 +607,8 @@ def _base(tx: _transaction.Transaction, follows: Location | None) -> _share.Base
 
 def _base_at(loc: Location, manifest: _manifest.Manifest | None) -> _share.Base | None:
     """The checkpoint at `loc` (whose manifest is `manifest`, if read) as a
-    base, opened as a load opens it (`_source.checkpoint`).
-
-    `None` where its chunk files cannot be shared: the OCDBT layout, or a
-    location whose chunk files (`_chunk_files.chunk_files`) are not
-    eqx_ckpt's own, off a local disk."""
+    base, opened as a load opens it; `None` where its chunk files cannot be
+    shared (the OCDBT layout, or chunk files off a local disk)."""
     if manifest is not None and manifest.layout != "directories":
         return None
 

@@ -1,33 +1,25 @@
 """A save's stages with several JAX processes: what each process does, and
 where they all meet.
 
-With `jax.distributed` initialised, every process runs the same save
-(`_serialise`) with the same tree, in the same order (as for any
-collective). Each process writes the pieces it holds (`_multihost.writes`,
-and `_sharding`'s cut and deal of what several processes hold); process 0
-alone runs the transaction, creates the arrays and writes the manifest. The
-processes meet at six barriers (`_multihost.Group.sync`), each of which
-carries any process's error to all, so that a failure anywhere fails the
-save everywhere:
+Every process runs the same save (`_serialise`) with the same tree, in the
+same order, and writes the pieces it holds (`_multihost.writes`, `_sharding`);
+process 0 alone runs the transaction, creates the arrays and writes the
+manifest. They meet at six barriers (`_multihost.Group.sync`), each of which
+carries any process's error to all:
 
-1. `prepared` (`Stages.prepared`): every process has collected and planned
-   its leaves, and all planned the same save (a digest of each plan,
-   compared: `_multihost.differing`).
-2. `begin` (`Stages.begin`): process 0 has begun the transaction
-   (`_transaction.begin`: the lease, the destination's checks, the journal)...
-3. `joined`: ...and every other process has joined it (`_transaction.join`).
-4. `created` (`Stages.create`): process 0 has created the arrays' metadata;
-   the others then open the arrays to write their pieces.
-5. `written` (`Stages.commit`): every process has written its pieces and
-   made them durable; process 0 then commits the manifest...
+1. `prepared`: every process has planned, and all planned the same save
+   (`_multihost.differing`);
+2. `begin`: process 0 has begun the transaction...
+3. `joined`: ...and every other process has joined it;
+4. `created`: process 0 has created the arrays; the others open them;
+5. `written`: every process has written and synced its pieces; process 0
+   commits...
 6. `committed`: ...and, once every process knows it did, cleans up.
 
-A save of one process is a group of one: every barrier returns at once, and
-each stage is only the step it wraps (begin, create, commit). What a save
-of several processes does not do (`Stages.alone` says where): pack small
-leaves (`_records.assign`), plan in the background, share chunk files with
-an earlier save (`_share`), write chunk files itself (`_local_write`), or
-use the OCDBT layout (one database has a single writer).
+A save of one process is a group of one: each stage is only the step it
+wraps. Only such a save (`Stages.alone`) packs small leaves, plans in the
+background, shares chunk files with an earlier save, writes chunk files
+itself, or uses the OCDBT layout (one database has a single writer).
 """
 
 from __future__ import annotations
@@ -52,8 +44,7 @@ class Stages:
 
     @property
     def alone(self) -> bool:
-        """Whether this is a save of one process, which may do what several
-        cannot (see the module docstring)."""
+        """Whether this is a save of one process (see the module docstring)."""
         return self._group.count == 1
 
     @property
@@ -61,12 +52,9 @@ class Stages:
         return self._group.count
 
     def prepared(self, error: BaseException | None, planned: Any, *, layout: str, loc: Location) -> None:
-        """Stage 1: every process has planned (`planned`: a `Batch`, or the
-        leaves an asynchronous save of one process holds, planned later), or
-        failed to (`error`); raises the first error of any process, or says
-        that they planned different saves. Every process reaches it, even
-        one whose tree is bad, so that a failure anywhere fails the save
-        everywhere at once."""
+        """Stage 1 (`planned`: a `Batch`, or held leaves planned later; `error`:
+        this process's failure to plan): raises the first error of any process,
+        or says that they planned different saves."""
         if error is None and layout == "ocdbt" and not self.alone:
             error = CheckpointValueError(
                 f"`layout='ocdbt'` is not supported with {self._group.count} JAX processes: one "
@@ -81,9 +69,8 @@ class Stages:
     def begin(
         self, begin: Callable[[], _transaction.Transaction], join: Callable[[], _transaction.Transaction]
     ) -> _transaction.Transaction:
-        """Stages 2 and 3: process 0 begins the transaction (`begin`), then the
-        others join it (`join`); once one has failed to join, process 0
-        aborts it. The transaction."""
+        """Stages 2 and 3: the transaction, begun by process 0 (`begin`), joined
+        by the others (`join`); aborted once one has failed to join."""
         group = self._group
         if group.primary:
             try:
@@ -115,10 +102,9 @@ class Stages:
         create: Callable[[], tuple[list[Any], BaseException | None]],
         open_arrays: Callable[[], list[Any]],
     ) -> list[Any]:
-        """Stage 4: process 0 creates the arrays (`create`, `_staging.create`:
-        the futures of the opened arrays, and the first error); the others
-        open them once it has (`open_arrays`: a store cannot be written
-        before its metadata exists). The opened arrays' futures."""
+        """Stage 4: the futures of the opened arrays, created by process 0
+        (`create`: the futures and the first error), opened by the others once
+        they exist (`open_arrays`)."""
         opens: list[Any] = []
         error: BaseException | None = None
         if self._group.primary:
@@ -143,10 +129,9 @@ class Stages:
         commit: Callable[[], BaseException | None],
         clean: Callable[[], None],
     ) -> BaseException | None:
-        """Stages 5 and 6: once every process has written its arrays (or one
-        failed: `error`), process 0 commits (`commit`: its error), then, once
-        every process knows it did, cleans up (`clean`); the first error (any
-        process's)."""
+        """Stages 5 and 6: process 0 commits once every process has written
+        (`error`: this one's failure), and cleans up once every process knows it
+        did; the first error of any process."""
         group = self._group
         error = group.sync("written", error)
         if error is None and group.primary:
@@ -167,8 +152,7 @@ class Stages:
 
 def _plan_digest(batch: Batch) -> str:
     """What a save planned, in a few bytes: every record's path, stored shape,
-    dtype and chunk grid, in order (the same in every process saving the same
-    tree: `_multihost.differing`)."""
+    dtype and chunk grid, in order."""
     digest = hashlib.sha256()
     for p in batch.pending:
         r = p.record

@@ -1,38 +1,14 @@
-"""A save's writes, in this order:
+"""A save's writes: its leaves sorted by where they are written (`Batch`), the
+arrays created (`create`), then the writes started in order within the save's
+staging budget (`start_writes`), each made by the location's writer
+(`_chunk_files.chunk_files(loc).writer`).
 
-- its leaves sorted by where they are written (`Batch`);
-- the arrays created (`create`);
-- the writes started in order within the save's staging budget
-  (`start_writes`). Each is made and started by the location's writer
-  (`_chunk_files.chunk_files(loc).writer`): eqx_ckpt's own threads on a
-  local disk, else a TensorStore transaction.
-
-Every piece's host data is made as its write starts and released once
-written.
-
-A save plans every record up front: the manifest, and the plan several
-processes compare, need them all. But a piece of a leaf (its data, a shard,
-a slice of it, cast or encoded as stored) is kept as what it comes from: a
-`jax.Array`, a NumPy array, or a `_memory.Deferred` (a cast, a device-side
-slice, a PRNG key's data).
-
-`start_writes` makes the save's writes (`Write`: a leaf's pieces, or a run of
-a pack's chunk files), and `Writing` follows them. `Window` takes them in
-order:
-
-- Each is admitted while the bytes staged and not yet written stay within
-  the budget. A write larger than the budget is admitted alone, once nothing
-  else is staged.
-- Its arrays' copies to the host start at once (`_memory.ahead`), so that
-  they overlap the writes before it.
-- It is staged (`_memory.host`) and started.
-- Its bytes are released when its write has finished, which admits the next.
-
-Every piece admitted counts at its stored size, whether staging copies it or
-not. On a CPU a `jax.Array`'s host data is a view of its buffer, and a NumPy
-leaf is the caller's own array. The budget bounds what the save may hold,
-not what it happened to copy. The fault point `save.staged` reports the bytes
-staged each time they change.
+A piece's host data (a `jax.Array`, a NumPy array, or a `_memory.Deferred`
+cast, slice or PRNG key's data) is made as its write is admitted (`Window`)
+and released once written. Every piece admitted counts at its stored size,
+whether staging copies it or not: the budget bounds what the save may hold.
+The fault point `save.staged` reports the bytes staged each time they change.
+docs/scaling.md, "Host memory of a save", states the rule.
 """
 
 from __future__ import annotations
@@ -130,14 +106,11 @@ class Batch:
         return [p.record for p in self.pending]
 
     def free(self) -> None:
-        """Empty this batch, freeing its records and host views. The writes
-        keep references of their own to the data.
-
-        It is called once the records are encoded, while the writes are in
-        flight. Freeing ten thousand leaves' records, views and key paths is
-        measurable (docs/benchmarks.md), and the end of a save waited for it.
-        Freed here, it overlaps the writes. A few hundred go at a time, so
-        that the writer threads get the GIL between them."""
+        """Empty this batch (the writes keep their own references to the data),
+        once the records are encoded: freeing ten thousand leaves' records
+        overlaps the writes then, where the end of a save waited for it
+        (docs/benchmarks.md). A few hundred go at a time, so that the writer
+        threads get the GIL between them."""
         self.freed = True
         lists: list[list[Any]] = [self.pending, self.own, *(members for _, members in self.packs)]
         for items in [*lists, self.packs, self.made]:
@@ -218,25 +191,13 @@ def start_writes(
     base: _share.Base | None = None,
     remember: bool = False,
 ) -> Writing:
-    """Start writing the arrays of `batch` into `data`, in order, as many as
-    the staging budget admits.
+    """Start writing the arrays of `batch` (`opens`: their futures, from
+    `create`) into `data` through the location's writer, in order, as many as
+    `budget` staged bytes admit; the `Writing`, whose `follow` starts the rest.
 
-    - `opens`: the futures of the arrays opened to write (`create`).
-    - `budget`: the bytes of host data staged and not yet written.
-    - Each write goes to the location's writer (`_chunk_files.chunk_files`,
-      `writer`). It writes by eqx_ckpt's own threads where its chunk files
-      take a save of this `layout` by this many `processes` (on a local
-      disk). Else it writes through TensorStore, staged in a transaction
-      whose commit writes them out.
-    - `out` gets every future that finishes when data is written (not yet
-      durable). An interrupt after one started still leaves it there, so an
-      abort waits for it before deleting anything.
-    - Chunk files equal to `base`'s are shared. With `remember`, the digest
-      of every chunk file written is recorded (`_share.written`).
-
-    Returns the `Writing`. Its `follow` starts the rest as room frees; the
-    caller may work first.
-    """
+    `out` gets every future that finishes when data is written, even after an
+    interrupt, so that an abort waits for it before deleting anything. `base`
+    and `remember`: as for `_chunk_files.ChunkFiles.writer`."""
     writer = _chunk_files.chunk_files(data).writer(
         processes=processes, layout=layout, out=out, tracker=tracker, base=base, remember=remember
     )
@@ -375,9 +336,9 @@ _START_BYTES = 16 << 20
 
 class Window:
     """The admission of a save's writes within `budget` staged bytes, in order,
-    by the one rule of every window (`_window.Budget`; see the module
-    docstring). `units`: objects with `nbytes` (what staging them holds) and
-    `datas` (their pieces, whose copies to the host `admit` starts)."""
+    by the one rule of every window (`_window.Budget`). `units`: objects with
+    `nbytes` (what staging them holds) and `datas` (their pieces, whose copies
+    to the host `admit` starts)."""
 
     def __init__(self, units: Iterable[Any], budget: int):
         self._todo: collections.deque[Any] = collections.deque(units)
@@ -385,7 +346,6 @@ class Window:
 
     @property
     def staged(self) -> int:
-        """The bytes staged and not yet written."""
         return self._budget.held
 
     @property
@@ -417,7 +377,6 @@ class Window:
 
     @property
     def waiting(self) -> bool:
-        """Whether some units are still to be admitted."""
         return bool(self._todo)
 
     def drop(self) -> None:
@@ -427,11 +386,8 @@ class Window:
 
 def protect(pending: list[Pending]) -> None:
     """Make the pieces of `pending` safe from the caller, who may change or
-    delete its arrays once an asynchronous save has returned.
-
-    - A `jax.Array`'s piece is its host data, which never changes.
-    - A NumPy leaf's piece is a private copy (`_memory.protected`).
-    - A cast of either stays deferred."""
+    delete its arrays once an asynchronous save has returned: a NumPy leaf's
+    piece becomes a private copy (`_memory.protected`)."""
     for p in pending:
         copy = p.record.type == "numpy"
         p.pieces = [(index, _memory.protected(piece, copy)) for index, piece in p.pieces]

@@ -3,26 +3,14 @@ disk, else through TensorStore.
 
 `chunk_files(loc)` makes that choice, once per location and nowhere else
 (tests/test_architecture.py checks). It returns a `ChunkFiles`, the one
-interface a save and a load use:
+interface a save and a load use: `LocalFiles` on a local disk (eqx_ckpt
+reads and writes the files itself, `_local_read`, `_local_write`; an
+incremental save shares them, `_share`), else `TensorStoreFiles`.
 
-- `LocalFiles`: on a local disk, eqx_ckpt reads and writes the files itself
-  (`_local_read`, `_local_write`). An incremental save shares them (`_share`).
-- `TensorStoreFiles`: elsewhere, TensorStore reads and writes them, through
-  the arrays of `_storage`.
-
-A save hands every write to the location's `Writer` (`writer`), which
-declines none. The plain `Writer` stages each write in a
-`_storage.Transaction` and commits it. The local one, `LocalWriter`, writes
-every pack and most leaves with eqx_ckpt's own threads. A leaf whose chunks it
-cannot lay out (see `LocalFiles.writes_leaf`) goes through TensorStore, as
-the plain writer writes it: a property of the local files, not a second
-choice. The save admits each `Write` within its staging budget and starts it
-(`_staging`); its futures report progress in `Steps`.
-
-A load reads the runs of packs through the location's `PackRuns`
-(`pack_runs`), which declines none either. A whole leaf is read by eqx_ckpt
-itself where `reads` says its layout allows it (`start_read`; `None` where
-declined); else the load reads its `_storage.Array`.
+A save hands every write to the location's `Writer`, and a load every run of
+a pack to its `PackRuns`; neither declines any. A leaf that the local files
+cannot lay out goes through TensorStore inside them (`LocalFiles.writes_leaf`,
+`reads`): a property of the local files, not a second choice.
 """
 
 from __future__ import annotations
@@ -69,10 +57,8 @@ def chunk_files(loc: Location) -> ChunkFiles:
 
 
 def read_local_range(path: str, start: int, end: int) -> np.ndarray | None:
-    """Bytes `start` to `end` of a file of another program's checkpoint on a
-    local disk (a safetensors file's run of tensors), read by eqx_ckpt itself
-    into memory `jax.device_put` adopts (`_local_read.read_range`); `None`
-    if the file ends before `end`."""
+    """`_local_read.read_range`: bytes `start` to `end` of a local file of
+    another program's checkpoint (a safetensors file's run of tensors)."""
     return _local_read.read_range(path, start, end)
 
 
@@ -92,14 +78,11 @@ class ChunkFiles(Protocol):
         ...
 
     def start_chunks(self, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
-        """Start reading chunks `[first, first + count)` of a leaf that `reads`
-        into `out`, a buffer the caller reuses; a function that waits and
-        checks them."""
+        """Start reading chunks `[first, first + count)` of a leaf that `reads` into `out`."""
         ...
 
     def pack_runs(self, *, cached: bool) -> PackRuns:
-        """The reader of the runs of the packs here, for one load. It reads
-        every run and declines none."""
+        """The reader of the runs of the packs here, for one load."""
         ...
 
     def writer(
@@ -112,37 +95,30 @@ class ChunkFiles(Protocol):
         base: _share.Base | None,
         remember: bool,
     ) -> Writer:
-        """A save's writer of the chunk files here, by `processes` processes,
-        in `layout`. It takes every write of the save and declines none. It
-        puts in `out` every future that finishes when data is written, and
-        reports progress to `tracker`. Chunk files equal to `base`'s are
-        shared; with `remember`, the digest of each written is recorded (`_share`)."""
+        """A save's writer of the chunk files here (by `processes` processes, in
+        `layout`), which puts in `out` every future that finishes when data is
+        written. Chunk files equal to `base`'s are shared; with `remember`, the
+        digest of each written is recorded (`_share`)."""
         ...
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
-        """The checkpoint here as the base of an incremental save, or `None`
-        where its chunk files cannot be shared. `opened()` opens it (its data
-        root and manifest); it is called only where they might be."""
+        """The checkpoint here (`opened()`: its data root and manifest) as the
+        base of an incremental save, or `None` where it cannot be shared."""
         ...
 
     def forget_damaged(self, error: BaseException, record: LeafRecord) -> None:
-        """Where `error`, a failure to read `record` here, says the leaf is
-        damaged, forget its array's files (`forget`)."""
+        """`forget` the array of `record` where `error` says it is damaged."""
         ...
 
     def forget(self, directory: str) -> None:
-        """Forget what `_share` verified or wrote of the array folder
-        `directory`, so that the next save reads it again before sharing it."""
+        """Forget what `_share` verified or wrote of the array folder `directory`."""
         ...
 
 
 class LocalFiles:
-    """Chunk files on a local disk, read and written by eqx_ckpt itself.
-
-    Not every leaf's: eqx_ckpt lays out itself only chunks that split an
-    array's first axis (each chunk's bytes contiguous in the array). It reads a
-    leaf itself where `reads`, and writes one itself where `writes_leaf`, in a
-    save it `writes`. Any other leaf here goes through TensorStore."""
+    """Chunk files on a local disk, read and written by eqx_ckpt itself where
+    `reads` and `writes_leaf` say so (chunks that split an array's first
+    axis); any other leaf here goes through TensorStore."""
 
     def __init__(self, loc: Location, root: str):
         self.loc, self.root = loc, root
@@ -161,8 +137,6 @@ class LocalFiles:
         return _local_read.start_read(self.loc, record, on_bytes=on_bytes) if self.reads(record) else None
 
     def start_chunks(self, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
-        """Start reading chunks `[first, first + count)` of a leaf that `reads`
-        into `out` (`_local_read.start_chunks`)."""
         return _local_read.start_chunks(self.loc, record, first, count, out)
 
     def pack_runs(self, *, cached: bool) -> PackRuns:
@@ -217,10 +191,8 @@ class LocalFiles:
 
 
 class TensorStoreFiles:
-    """Chunk files reached through TensorStore. A save's writer stages every
-    write in a `_storage.Transaction`, and a load's pack runs read the pack's
-    `_storage.Array`. A whole leaf is read through its `Array` by the load
-    (`reads` is false, `start_read` declines). Nothing is shared."""
+    """Chunk files reached through TensorStore (`Writer`, `PackRuns`); a whole
+    leaf is read through its `_storage.Array` by the load. Nothing is shared."""
 
     def __init__(self, loc: Location):
         self.loc = loc
@@ -264,12 +236,9 @@ class TensorStoreFiles:
 
 class Write:
     """One write of a save, admitted whole within the staging budget: a
-    leaf's pieces, or a pack's members (`datas`, made host when staged).
-    `nbytes` of host data are held while it is staged and written.
-    `start(hosts)` starts it from their host data. It returns its futures
-    (finished when written) and the progress steps they report
-    (`_staging.Writing.follow`). `local`: started in the helper thread that
-    interrupts never reach."""
+    leaf's pieces, or a pack's members (`datas`), holding `nbytes` of host
+    data. `start(hosts)` starts it: its futures and the progress steps they
+    report. `local`: started in the helper thread that interrupts never reach."""
 
     __slots__ = ("datas", "local", "nbytes", "start")
 
@@ -278,16 +247,12 @@ class Write:
 
 
 class Writer:
-    """A save's writes through TensorStore: staged in a transaction
-    (`_storage.transaction`), progress reported as each is staged, and
-    written out by its commit. Committed once every write has started
-    (`commit`), or earlier when the staging window waits for their bytes
-    (`_Commit.result`). Each commit's future goes in `out`.
-
-    Staged in a transaction, a write only references its source until the
-    commit. The host data of a jax.Array never changes (a view of it keeps
-    its buffer alive through `delete()` and donation), and the caller's NumPy
-    arrays were copied before an asynchronous save returned."""
+    """A save's writes through TensorStore: staged in a transaction, progress
+    reported as each is staged, written out by its commit once every write
+    has started (`commit`), or earlier when the staging window waits for
+    their bytes (`_Commit.result`). Each commit's future goes in `out`. (A
+    staged write only references its source, which never changes: see
+    `_staging.protect`.)"""
 
     def __init__(self, out: list[Any], tracker: Tracker | None):
         self._out, self._tracker = out, tracker
@@ -316,9 +281,8 @@ class Writer:
         self, pack: PackRecord, records: list[LeafRecord], datas: list[Any], nbytes: int, run: range, opened: Mapped
     ) -> Write:
         """The write of the chunk files `run` of `pack` (`opened`, its array
-        opened to write), from its members `records` (their pieces `datas`,
-        `nbytes` stored bytes). TensorStore's write of the run's contents, a
-        new array, is counted as staged too."""
+        opened to write), from its members `records` (their pieces `datas`);
+        the run's contents, a new array, count as staged too."""
         contents = min(run.stop * pack.chunk, pack.size) - run.start * pack.chunk
         start = functools.partial(self._pack, opened, pack, records, run)
         return Write(datas, nbytes + contents * dtype_from_name(pack.dtype).itemsize, start, False)
@@ -382,12 +346,10 @@ class Writer:
 
 
 class LocalWriter(Writer):
-    """A save's writes of chunk files on a local disk (`LocalFiles`, in a save
-    it `writes`), by eqx_ckpt's own threads (`_local_write`): every pack, and
-    each leaf `LocalFiles.writes_leaf`. Chunk files equal to `base`'s are
-    shared, and with `remember` the digest of each written is recorded
-    (`_share`). Any other leaf is written through TensorStore, as `Writer`
-    writes it."""
+    """A save's writes of chunk files on a local disk by eqx_ckpt's own
+    threads (`_local_write`): every pack, and each leaf `LocalFiles.writes_leaf`
+    (any other as `Writer` writes it). `base`, `remember`: as for
+    `ChunkFiles.writer`."""
 
     def __init__(
         self, files: LocalFiles, out: list[Any], tracker: Tracker | None, base: _share.Base | None, remember: bool
@@ -485,26 +447,20 @@ def _pack_contents(
 
 
 class PackRuns:
-    """The runs of packs in `loc` read by one load (`_load/_pack.py` cuts the
-    runs and places their leaves). With `local` (chunk files on a local
-    disk, `LocalFiles`), eqx_ckpt reads each run itself (`_local_read.start_pack_run`:
-    the whole chunk files holding it, each checked, then read). Else each run
-    is read through TensorStore's array of the pack (`_storage.open_pack`),
-    opened once per pack for the load. A load that reads a few leaves at a
-    time (`cached`: a lazy leaf) reads every run through TensorStore, whose
-    process-wide open of the pack keeps its decoded chunks for the
-    neighbours' reads."""
+    """The runs of packs in `loc` read by one load (`_pack` cuts them): with
+    `local`, by eqx_ckpt itself (`_local_read.start_pack_run`), else through
+    TensorStore's array of the pack, opened once per pack for the load. A
+    load of a few leaves at a time (`cached`: a lazy leaf) reads through
+    TensorStore, whose shared open of the pack keeps its decoded chunks."""
 
     def __init__(self, loc: Location, *, local: bool, cached: bool) -> None:
         self._loc, self._local, self._cached = loc, local, cached
         self._stores: dict[str, Mapped] = {}
 
     def start(self, pack: PackRecord, start: int, stop: int, leaf: LeafRecord) -> Read:
-        """Start reading elements `[start, stop)` of `pack`, whose first
-        member read is `leaf`; the returned function waits and returns them.
-        A failure of the read is raised as storage raised it, by the returned
-        function (the caller finds which leaf of the run is damaged); a
-        failure to open the pack is `leaf`'s, raised here."""
+        """Start reading elements `[start, stop)` of `pack`, whose first member
+        read is `leaf`. A failure to open the pack is `leaf`'s, raised here; one
+        of the read is raised as storage raised it, when waited for."""
         if self._local and start < stop:  # (an empty run holds no chunk to read)
             return _deferred(self._loc, pack, start, stop)
         if pack.name not in self._stores:

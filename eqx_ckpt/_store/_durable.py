@@ -20,26 +20,13 @@ if TYPE_CHECKING:
 
 
 def flush(loc: Location) -> None:
-    """Make everything written under `loc` without fsync durable, before a commit.
-
-    Every file (and directory) is fsynced, many at once. The file system's
-    journal batches concurrent syncs, where one fsync after each write would wait
-    for each.
-
-    - When a save wrote many files to a local ext4, XFS or Btrfs file system, one
-      `syncfs` of that file system replaces them. For 10,000 leaves it is several
-      times faster (docs/benchmarks.md).
-    - A `syncfs` may also wait for other programs' unwritten data there. That is
-      why a save of a few files fsyncs them instead.
-    - Other file systems (network, FUSE) always get an fsync per file: their
-      `syncfs` may not reach the server.
-
-    In a multi-process save the other processes may still be writing here. Their
-    temporary files (TensorStore's `*.__lock`) come and go. So those are skipped,
-    and a file that vanishes before it is opened is not an error. What each
-    process wrote is final before it flushes, and each process flushes. So every
-    file and directory entry of the save is synced by the process that wrote it.
-    """
+    """Make everything written under `loc` without fsync durable, before a
+    commit: every file and directory fsynced, many at once (the journal
+    batches them), or, for many files on a local ext4, XFS or Btrfs, one
+    `syncfs` (docs/benchmarks.md; a few files are not worth another program's
+    unwritten data, and other file systems' `syncfs` may not reach the
+    server). Other processes' temporary files are skipped, and a file that
+    vanishes is no error: each process flushes what it wrote."""
     _faults.fire("sync.flush", loc)
     local = loc.local if _location.on_local_disk(loc) else None
     if local is None:

@@ -1,33 +1,16 @@
 """What a Hub server may answer, checked on `huggingface_hub`'s own HTTP client.
 
-A server reached through `HF_ENDPOINT` (the Hub, a mirror, a proxy) is trusted
-with the bytes of the files it serves, as a package index is. It is not
-trusted with anything that names a path, bounds a wait or sizes memory. So
-every answer to a request of eqx_ckpt's is checked before `huggingface_hub`
-acts on it:
+A server reached through `HF_ENDPOINT` is trusted with the bytes of the files
+it serves, not with anything that names a path, bounds a wait or sizes memory
+(docs/sharing.md, "Trust and bounds", lists each check). A refusal is a
+`CheckpointStorageError` (a stall a `CheckpointConnectionError`) naming the
+server, raised inside the library's call, so it writes nothing.
 
-- `X-Repo-Commit` must be a commit id, and the `ETag` (or `X-Linked-Etag`) of
-  a file a git blob id or a SHA-256, as the Hub sends them: the library names
-  cache files after both.
-- A byte range is asked for unencoded (`Accept-Encoding: identity`); an answer
-  that is encoded, is the whole file (the server ignored `Range`), or runs
-  past the bytes asked for is refused.
-- Every request has a timeout (`HF_HUB_DOWNLOAD_TIMEOUT`, 10 s by default);
-  a body that arrives slower than `MIN_RATE` after that long is given up; a
-  request the server did not answer in time is not tried again (the
-  library retries timeouts five times, with waits); a `Retry-After` is
-  honoured for at most `MAX_RETRY_AFTER` seconds.
-- An API answer (model info, a listing) holds at most `MAX_API` bytes.
-
-Each refusal is a `CheckpointStorageError` (a stall a `CheckpointConnectionError`)
-naming the server, raised inside the library's call, so it writes nothing.
-
-The checks are hooked on the library's shared client
-(`huggingface_hub.get_session`) by every eqx_ckpt Hub call (`guarded`): a
-user's `set_client_factory` or `close_session` makes a new client. They apply
-to eqx_ckpt's requests alone: those made in a thread inside `guarded`, and
-those with the header `MARK` (made in the library's own threads, as
-`snapshot_download`'s). A user's own calls, in any thread, are not checked.
+The checks are hooked on the library's shared client by every eqx_ckpt Hub
+call (`guarded`; a user's `set_client_factory` or `close_session` makes a new
+client). They apply to eqx_ckpt's requests alone: those made in a thread
+inside `guarded`, and those with the header `MARK` (made in the library's own
+threads, as `snapshot_download`'s).
 """
 
 from __future__ import annotations

@@ -1,33 +1,17 @@
 """Who may write a checkpoint, or a manager's directory, and for how long.
 
-One discipline for every writer, on every store:
+In this process, one save per destination at a time (`acquire_exclusive`, a
+`Claim`). Across processes, a *lease*: a small JSON file (`saving.json` for a
+save, `manager.json` for a manager) created by a conditional write that
+succeeds only where it is absent. A lease whose holder died is stale: at once
+on a local disk, where the holder also holds an `flock` on the directory;
+elsewhere once it went `STALE_SECONDS` without the holder's heartbeat. It is
+taken over by another conditional write, on the generation seen. The holder
+checks it still holds the lease (`Lease.check`) before each step that cannot
+be undone.
 
-1. In this process, one writer per destination at a time. `acquire_exclusive`
-   gives a save the destination's `Claim`. A second save to the same
-   destination waits for the first (an asynchronous save holds it until it has
-   committed). A claim that an interrupt left behind in a thread is taken over
-   by that thread's next save, so it cannot block the destination for ever.
-2. Across processes, a *lease*: a small JSON file (`saving.json` for a save,
-   `manager.json` for a manager). It is created with a conditional write that
-   succeeds only if the file is absent. Every store TensorStore drives supports
-   such writes (local files, `memory://`, S3's `If-None-Match`/`If-Match`, GCS
-   generations). So two writers can never both hold one.
-3. A lease whose holder died must not block the next writer for ever.
-   - On a local disk the holder also holds an `flock` on the directory, which
-     the kernel drops when the process dies. A lease whose directory can be
-     locked is stale at once.
-   - Elsewhere (object stores, file systems without `flock`) the holder
-     rewrites its lease every `HEARTBEAT_SECONDS`. A lease that did not change
-     for `STALE_SECONDS` is stale.
-   - Taking a stale lease over is again a conditional write, on the generation
-     that was seen. So of two newcomers one wins and the other is refused.
-4. The holder checks that it still holds the lease (`check()`) before each
-   step that cannot be undone. A holder whose lease was taken over stops, and
-   deletes nothing but what it wrote itself.
-
-The lease file is also the save's journal (see `_transaction`). It lists what
-the save wrote, and what it will delete once committed. So the next writer can
-finish the clean-up of one that was killed.
+The lease file is also the save's journal (`_transaction`). docs/format.md,
+"Who may write: leases", tells the whole story.
 """
 
 from __future__ import annotations
@@ -67,19 +51,11 @@ def destination(loc: Location) -> str:
 
 
 def acquire_exclusive(loc: Location) -> Claim:
-    """This process's claim on `loc`, once no other save holds it; the save
-    releases it when it ends (from another thread, for an asynchronous save).
-
-    A claim still recorded for the calling thread is taken over at once. A
-    blocking save in this thread has ended, or it would not be calling. So its
-    claim was left by an interrupt that skipped the release. (A signal lands
-    between any two lines, also just after the claim was taken or just before
-    it is released.)
-
-    A save to the same path nested in a save's progress callback takes the
-    claim too. The lease then refuses it at once, where it used to wait for
-    ever. Only claims handed to a background thread (`hand_over`) make a later
-    save from the same thread wait."""
+    """This process's claim on `loc`, once no other save holds it. A claim
+    still recorded for the calling thread is taken over at once: its blocking
+    save has ended, and an interrupt skipped the release (a save nested in a
+    progress callback takes it too, and the lease refuses it at once). Only a
+    claim handed to a background thread (`hand_over`) makes a later save wait."""
     with _places.lock:
         place = _places.setdefault(destination(loc), _Place())
     me = threading.get_ident()
@@ -209,13 +185,10 @@ class Lease:
 
 
 def acquire(loc: Location, name: str, *, what: str, journal: bool = True) -> tuple[Lease, dict[str, Any] | None]:
-    """Take the lease `name` in directory `loc` (which must exist).
-
-    Returns the lease, and the body of a stale lease it replaced (the journal of
-    a writer that died), or `None`. Raises `CheckpointExistsError` if a live
-    writer holds it; `what` names that writer in the message. With
-    `journal=False`, a directory that can be locked gets no lease file at all
-    (the lock is the lease; nothing is to be journaled)."""
+    """Take the lease `name` in directory `loc` (which must exist): the lease,
+    and the body of a stale lease it replaced (a dead writer's journal), or
+    `None`. A live holder is a `CheckpointExistsError` (`what` names it). With
+    `journal=False`, a directory that can be locked gets no lease file at all."""
     _faults.fire("lease.acquire", loc, name)
     key = _held_key(loc, name)
     if key in _held:

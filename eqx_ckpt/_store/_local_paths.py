@@ -2,14 +2,10 @@
 at a local path (`stat`, links, real paths), and opens a local file to read
 (`local_open`, `READ_FLAGS`).
 
-A checkpoint's files are untrusted: only a regular file is ever read. A named
-pipe (FIFO), a socket or a device node in a file's place is told apart here
-(`special`, `LocalEntry.special`). Opening a FIFO waits for a writer, forever,
-so every open is made without waiting (`O_NONBLOCK`) and checked before a read.
-
-It sits below `_storage`, which passes `local_names` and `local_entry` on to
-the rest of the package, so that the modules `_storage` is built on
-(`_durable`, `_untrusted`) ask it too. Every other module asks one of the two
+Only a regular file is ever read: a FIFO, a socket or a device node is told
+apart here (`special`), and every open is made without waiting (`O_NONBLOCK`)
+and checked before a read (docs/format.md says why). Every other module asks
+this one, or `_storage`, which passes `local_names` and `local_entry` on
 (tests/test_architecture.py checks).
 """
 
@@ -52,18 +48,10 @@ def local_names(path: str) -> list[str]:
 
 class LocalEntry(NamedTuple):
     """What a local path is, read with one `lstat` (and one `stat` for a link).
-
-    - `found`: something is there, a broken link too (`os.path.lexists`).
-    - `link`: a symbolic link, never followed (`os.path.islink`).
-    - `folder`, `file`: what it leads to, a link followed (`os.path.isdir`,
-      `os.path.isfile`).
-    - `size`: its bytes, a link followed (`os.path.getsize`); 0 where absent.
-    - `identity`: its device and inode, a link followed (one file under
-      several names), or `None` where absent.
-    - `special`: what it is, a link followed, where it is there and neither
-      a regular file nor a folder (`special`: a FIFO, a socket, a device),
-      else `""`. Nothing of it may be opened.
-    """
+    `found` (a broken link too) and `link` are of the path itself; `folder`,
+    `file`, `size`, `identity` (device and inode, `None` where absent) and
+    `special` (`special`'s words, else `""`) of what it leads to, a link
+    followed, as `os.path`'s functions of the same names tell."""
 
     found: bool
     link: bool
@@ -114,7 +102,7 @@ def local_open(path: str) -> io.BufferedReader:
     the opened file's `fstat` is checked before the file is returned. Other
     failures are `OSError`s, as `open` raises them (a folder: `IsADirectoryError`)."""
     try:
-        f = open(path, "rb", opener=_opener)
+        f = open(path, "rb", opener=lambda path, flags: os.open(path, flags | READ_FLAGS))
     except OSError:
         found = _special_at(path)  # a socket cannot be opened at all (ENXIO)
         if found:
@@ -129,10 +117,6 @@ def local_open(path: str) -> io.BufferedReader:
         f.close()
         raise SpecialFileError(path, found)
     return f
-
-
-def _opener(path: str, flags: int) -> int:
-    return os.open(path, flags | READ_FLAGS)
 
 
 def _special_at(path: str) -> str:
@@ -166,7 +150,6 @@ def local_walk(
 
 
 def _unless_missing(error: OSError) -> None:
-    """Raise `error`, unless it says a file is gone already."""
     if not isinstance(error, FileNotFoundError):
         raise error
 

@@ -1,34 +1,21 @@
 """Reading a large leaf on a local disk straight into one aligned host buffer.
 
-TensorStore reads each chunk file into a buffer of its own, checks its crc32c and
-assembles a new array, which `jax.device_put` then often copies again. A leaf
-whose chunks split only its first axis has every chunk's bytes contiguous in the
-array. So here:
+A leaf whose chunks split only its first axis has every chunk's bytes
+contiguous in the array. So each chunk file is read with `os.preadv` into its
+slice of one 64-byte-aligned buffer (`_memory.fresh_bytes`: private anonymous
+memory), which `jax.device_put` adopts, where TensorStore would read each
+chunk into a buffer of its own and assemble a new array.
 
-- Each chunk file is read with `os.preadv` into its slice of one
-  64-byte-aligned buffer (plus its 4-byte checksum), by a few threads in pieces.
-- Each chunk's crc32c is checked with the hardware instruction. The `crc32c`
-  package takes any buffer and releases the GIL. (`google-crc32c` 1.9 accepts
-  only `bytes`, which would cost a copy, and releases the GIL only for those.)
+The checks of a leaf's files (no links, each file's size) run in a thread of
+a second pool, which then starts the reads, so that the next leaves' checks
+overlap them. Each reading thread checksums what it just read (the `crc32c`
+package, in hardware, without the GIL), a `STEP_BYTES` step at a time while
+it is in cache; the loading thread joins the pieces' checksums
+(`crc32c_combine`) and compares. docs/benchmarks.md, "Measurements behind
+the design", has the measurements behind each choice.
 
-The checks of a leaf's files run in a thread of a second pool, which then
-starts the reads. (Each file is opened below its folder, no link followed, and
-its size checked.) On a cold page cache each check waits on the disk. Made one
-after another in the loading thread, they left the readers idle.
-
-Each reading thread checksums what it just read, a step of `STEP_BYTES` at a
-time, while the bytes are still in its core's cache. The loading thread only
-joins the pieces' checksums (`crc32c_combine`) and compares.
-
-The buffer is private anonymous `mmap` memory (`_memory.fresh_bytes`), as the
-raw contender of `benchmarks/` reads into. Python's `mmap.mmap(-1, n)` maps
-shared memory, which the kernel backs with shmem, slower to fault in.
-
-The measurements behind each of these choices are in docs/benchmarks.md,
-"Measurements behind the design".
-
-The bytes are returned as stored; decoding ("view", "key_data") is the caller's.
-Only eqx_ckpt's own zarr v3 arrays (`Source.opener is None`) are laid out so.
+The bytes are returned as stored; decoding is the caller's. Only eqx_ckpt's
+own zarr v3 arrays (`Source.opener is None`) are laid out so.
 """
 
 from __future__ import annotations
@@ -66,31 +53,15 @@ _FOLDER_FLAGS = _FILE_FLAGS | getattr(os, "O_DIRECTORY", 0)
 def start_read(
     loc: Location, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None
 ) -> Callable[[], np.ndarray]:
-    """Start reading a whole leaf stored in its own zarr v3 array on a local
-    disk straight into one aligned host buffer.
+    """Start reading a whole leaf that `_chunk_files.LocalFiles.reads` takes
+    straight into one aligned host buffer; a function returning it as a NumPy
+    array of the stored shape and dtype (not decoded).
 
-    The leaf is one that `_chunk_files.LocalFiles.reads` takes. That function
-    calls this one; for other leaves it declines, and the caller reads them
-    through TensorStore.
-
-    - The reads run in a shared pool of threads, so the reads of several
-      leaves overlap. The returned function waits for them, checks the
-      checksums and returns the array.
-    - Every chunk file is checked before the buffer is allocated: no links, a
-      regular file of exactly a chunk's bytes and its checksum.
-    - Every chunk's crc32c is checked before the array is returned.
-    - Any failure is an `IntegrityError` naming the leaf.
-    - An interrupt waits for the reading threads before it is raised, so none
-      writes into the buffer afterwards.
-    - `on_bytes`, when given, is called with the bytes of each chunk once it
-      is read and checked (progress within a large leaf).
-
-    **Returns:**
-
-    A function returning a C-ordered NumPy array of `record.stored_shape` and
-    `record.stored_dtype` (the stored bytes, not decoded), whose data is
-    64-byte aligned, so `jax.device_put` on CPU adopts it without a copy.
-    """
+    Every chunk file is checked before the buffer is allocated, and every
+    chunk's crc32c before the array is returned; a failure is an
+    `IntegrityError` naming the leaf. An interrupt waits for the reading
+    threads before it is raised, so none writes into the buffer afterwards.
+    `on_bytes` is called with the bytes of each chunk once it is checked."""
     # The checks of its files (on a cold cache, a wait on the disk for each) in a
     # thread of their own, so that those of the next leaves overlap.
     started = _threads.pool("eqx_ckpt-open", _window.READ_THREADS).submit(_start_checked, loc, record)
@@ -112,8 +83,8 @@ def start_read(
 
 
 def _start_checked(loc: Location, record: LeafRecord) -> tuple[np.ndarray, _Reads]:
-    keys = _format.chunk_keys(record.stored_shape, record.chunks)
-    path = _check_chunk_files(loc, record, record.directory, keys)
+    # Lazily: a hostile shape's chunk keys end at the first missing file.
+    path = _check_chunk_files(loc, record, record.directory, _format.chunk_keys(record.stored_shape, record.chunks))
     refuse_beyond_memory(loc, record, record.nbytes, "it")
     out = _memory.fresh_bytes(record.nbytes)
     return out, _read_chunks(path, loc, record, out.data, list(_format.chunk_keys(record.stored_shape, record.chunks)))
@@ -121,11 +92,8 @@ def _start_checked(loc: Location, record: LeafRecord) -> tuple[np.ndarray, _Read
 
 def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Callable[[], np.ndarray]:
     """Start reading elements `[start, stop)` (not empty) of a pack the same
-    way. Whole chunks are read: those that hold the elements.
-
-    The returned function waits, checks every chunk's checksum and returns
-    those elements. A failure names the pack; the caller finds the damaged
-    leaf."""
+    way, in the whole chunks that hold them. A failure names the pack; the
+    caller finds the damaged leaf."""
     first, count = start // pack.chunk, (stop - 1) // pack.chunk - start // pack.chunk + 1
     # The chunks read, as one array of their own: its chunk files are the pack's from `first` on.
     shape = (count * pack.chunk,)
@@ -145,12 +113,8 @@ def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Ca
 
 def start_chunks(loc: Location, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
     """Start reading `count` chunks of a leaf that `start_read` reads, from
-    chunk `first` on (along its first axis), checked the same way.
-
-    They are read into `out`, a buffer the caller reuses (`_pooled`, a load
-    through a pool of host buffers). It takes their bytes, the last chunk's
-    cut at the leaf's end. The returned function waits and checks every
-    chunk's checksum."""
+    chunk `first` on (along its first axis), checked the same way, into `out`,
+    a buffer the caller reuses (`_pooled`); the last chunk's cut at the leaf's end."""
     keys = [_format.chunk_key([first + i, *[0] * (len(record.chunks) - 1)]) for i in range(count)]
     path = _check_chunk_files(loc, record, record.directory, iter(keys))
     reads = _read_chunks(path, loc, record, out, keys)
@@ -163,16 +127,20 @@ def _check_chunk_files(loc: Location, record: LeafRecord, directory: str, keys: 
     _faults.fire("local_read.check_files", directory)
     refuse_links(loc, directory, leaf=record.path)
     path = os.path.join(loc.local or "", directory)
-    try:
-        folder = os.open(path, _FOLDER_FLAGS)
-    except OSError as e:
-        raise _damaged(loc, record, f"its folder cannot be opened ({e.strerror})") from None
+    folder = _open_folder(path, loc, record)
     try:
         for key in keys:
             os.close(_open_chunk(folder, loc, record, key, directory))
     finally:
         os.close(folder)
     return path
+
+
+def _open_folder(path: str, loc: Location, record: LeafRecord) -> int:
+    try:
+        return os.open(path, _FOLDER_FLAGS)
+    except OSError as e:
+        raise _damaged(loc, record, f"its folder cannot be opened ({e.strerror})") from None
 
 
 def _open_chunk(folder: int, loc: Location, record: LeafRecord, key: str, directory: str) -> int:
@@ -293,15 +261,9 @@ def _read_piece(
     path: str, loc: Location, record: LeafRecord, key: str, offset: int, views: list[memoryview], checked: int
 ) -> int:
     """Read one piece of a chunk file into `views`; the crc32c of its first
-    `checked` bytes.
-
-    The crc32c is computed a step at a time, right after each step's read,
-    while those bytes are still in this core's cache. (Computed afterwards, in
-    the loading thread, the check read every byte again from memory.)"""
-    try:
-        folder = os.open(path, _FOLDER_FLAGS)
-    except OSError as e:
-        raise _damaged(loc, record, f"its folder cannot be opened ({e.strerror})") from None
+    `checked` bytes, computed right after each step's read, while those bytes
+    are still in this core's cache."""
+    folder = _open_folder(path, loc, record)
     try:
         fd = _open_chunk(folder, loc, record, key, os.path.relpath(path, loc.local or ""))
     finally:
@@ -358,13 +320,9 @@ def _pread_all(fd: int, views: list[memoryview], offset: int) -> int:
 
 
 def read_range(path: str, start: int, end: int) -> np.ndarray | None:
-    """Bytes `start` to `end` of the local file `path`, or `None` if the file
-    ends before `end`.
-
-    The file is another program's checkpoint (a safetensors file's run of
-    tensors), so it is read only where it is a regular file (else a
-    `_local_paths.SpecialFileError`). The bytes are in memory that
-    `jax.device_put` adopts (page-aligned when large)."""
+    """Bytes `start` to `end` of the local file `path` (another program's, read
+    only where it is a regular file), in memory `jax.device_put` adopts; `None`
+    if the file ends before `end`."""
     with local_open(path) as f:
         out = _memory.fresh_empty((end - start,), np.uint8)
         done = _pread_all(f.fileno(), [out.data], start)
@@ -389,10 +347,8 @@ _POLY = 0x82F63B78
 
 def crc32c_combine(crc1: int, crc2: int, length2: int) -> int:
     """The crc32c of `a + b` from `crc1` of `a`, `crc2` of `b` and `len(b)`,
-    without reading either again.
-
-    `crc1` is carried over `length2` zero bytes: multiplied by
-    x^(8 * length2) modulo the polynomial. Then `crc2` is added."""
+    without reading either again: `crc1` times x^(8 * length2) modulo the
+    polynomial, plus `crc2`."""
     return _multiply(_shift(length2), crc1) ^ crc2
 
 

@@ -1,38 +1,17 @@
 """Writing chunk files on a local disk without TensorStore, writeback started at once.
 
-The mirror of `_local_read` (reads). A save to a local disk writes some chunk
-files itself: those of a leaf whose chunks split only its first axis, and
-those of every pack. A small pool of threads writes them, with the bytes'
-crc32c after them:
-
-- a leaf's chunk, straight from the leaf's host buffer with one `writev`.
-  From `UNBUFFERED_FROM` bytes on, it goes past the page cache (`O_DIRECT`)
-  where the file system takes it. That write goes through a small staging
-  buffer of the writing thread, or straight from the leaf's buffer where
-  that is page-aligned;
-- a pack's chunk, gathered into that staging buffer a part at a time (one
-  NumPy copy of its members each) and written from there.
-
-Right after a file is written through the page cache, its writeback to the
-disk is started (`sync_file_range`), so the disk works while the save goes on.
-The flush before the commit (`_durable.flush`) then waits only for what is
-still in flight. Through TensorStore, every file waited in the page cache until that
-flush, and the save took the time of writing into memory plus the time of
-writing to disk.
-
-The files are exactly what TensorStore's zarr3 driver writes for the metadata
-that TensorStore itself created (`zarr.json`, written first). A chunk file is:
-
-- the chunk's elements in C order, little-endian;
-- edge chunks padded to the full chunk with the fill value (zero);
-- then the 4-byte crc32c of those bytes.
-
-Any zarr v3 reader reads them. `tests/test_direct_write.py` reads them back
-through TensorStore alone.
-
-Only single-process saves of the "directories" layout use it, into their own
-fresh data root (a file that exists already is an error, never overwritten):
-`_chunk_files.LocalFiles` says which save and which leaf, and calls it.
+The mirror of `_local_read`. A single-process save of the "directories"
+layout writes the chunk files of every pack, and of each leaf whose chunks
+split only its first axis, itself (`_chunk_files.LocalFiles` says which), by
+a small pool of threads, into its own fresh data root (a file that exists is
+an error). A leaf's chunk goes straight from its host buffer (from
+`UNBUFFERED_FROM` bytes on past the page cache, `O_DIRECT`); a pack's is
+gathered into the writing thread's staging buffer a part at a time. A file
+written through the page cache has its writeback started at once
+(`sync_file_range`), so that the flush before the commit waits only for what
+is still in flight. The files are exactly what TensorStore's zarr3 driver
+writes (`tests/test_direct_write.py` checks). docs/format.md and
+docs/benchmarks.md ("Measurements behind the design") say why.
 """
 
 from __future__ import annotations
@@ -67,12 +46,10 @@ _SYNC_FILE_RANGE_WRITE = 2
 def start_write(
     loc: Location, record: LeafRecord, piece: Any, base: str | None = None, *, remember: bool = False
 ) -> list[concurrent.futures.Future[None]]:
-    """Start writing every chunk file of one leaf (its `zarr.json` exists);
-    `piece` is its stored array. One future per chunk file. `base`: the folder
-    of the same leaf in the checkpoint this save follows, whose chunk files
-    are shared where they hold the same bytes (`_share`). `remember`: a later
-    save will follow this one; every file written is recorded with the
-    xxh3-128 of its data bytes (`_share.written`), so it need not read it back."""
+    """Start writing every chunk file of one leaf (its `zarr.json` exists)
+    from `piece`, its stored array; one future per file. `base`: the leaf's
+    folder in the checkpoint this save follows, whose equal files are shared;
+    with `remember`, every file written is recorded with its digest (`_share`)."""
     data = _bytes_of(piece, record.stored_dtype)
     shape, keys = record.stored_shape, list(_format.chunk_keys(record.stored_shape, record.chunks))
     # A chunk is `chunks[0]` rows of the array (the whole array for a scalar).
@@ -101,12 +78,9 @@ def start_pack(
     bounds: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[concurrent.futures.Future[None]]:
     """Start writing the chunk files of `pack` (with `files`, those of these
-    indices, `records` holding at least every member with elements in them):
-    each member's elements at its offset, zeros between, written from the
-    members' own buffers (no copy). `records` in the order of their offsets,
-    as `_records.assign` placed them. `base` and `remember`: as for
-    `start_write` (`base`: the same pack's folder in the checkpoint this save
-    follows). `bounds`: `member_bounds(records)`, where the caller has them."""
+    indices): each member of `records` (in offset order) at its offset, zeros
+    between. `base` and `remember`: as for `start_write`. `bounds`:
+    `member_bounds(records)`, where the caller has them."""
     n = len(records)
     starts, stops = bounds if bounds is not None else member_bounds(records)
     if n > 1 and bool((starts[1:] < stops[:-1]).any()):
@@ -211,12 +185,8 @@ def _start(
     remember: bool = False,
 ) -> list[concurrent.futures.Future[None]]:
     """Write each chunk file `key` of `jobs` with what its `make()` gives (a
-    leaf's views, or a pack's `_Chunk`), by the pool's threads. One future
-    per file.
-
-    The file of the same `key` in `base` is linked instead where it holds
-    the same bytes. With `remember`, each file written is recorded with its
-    digest."""
+    leaf's views, or a pack's `_Chunk`), by the pool's threads (`_write_chunk`);
+    one future per file."""
     folder = os.path.join(loc.local or "", directory) if directory else (loc.local or "")
     futures = []
     for key, make in jobs:
@@ -277,11 +247,8 @@ def _write_chunk(
 
 def _shared(source: str, path: str, content: Any, what: str) -> tuple[bool, bytes | None, int | None]:
     """Whether `path` is now a link to the base's chunk file `source`, which
-    holds the same bytes as `content` (length and xxh3-128: `_share`).
-
-    Also returns the xxh3-128 of `content` where it was computed (the file
-    written instead is recorded with it), and its crc32c where that was (a
-    write need not compute it again)."""
+    holds the same bytes as `content`; and the xxh3-128 and crc32c of
+    `content` where they were computed (a write need not compute them again)."""
     nbytes = (content.nbytes if isinstance(content, _Chunk) else sum(len(v) for v in content)) + _format.CHECKSUM_BYTES
     # A large chunk's first bytes are looked at first: one whose start changed
     # is written at once, checksummed as it is staged (a hash here would add a
@@ -320,15 +287,8 @@ def _write_all(fd: int, content: Any, checksum: int | None = None, hasher: xxhas
     """Write `content` (a pack's `_Chunk`, or a list of views) and its crc32c
     (`checksum`, where the caller has it) into the new file `fd`, its
     writeback started at once; `hasher` (an xxh3-128 hasher), where given,
-    takes the content's bytes as they are written.
-
-    A pack's chunk is gathered into the writer's stage, a part at a time, and
-    written from there: one copy of its members by NumPy, instead of a view
-    and a checksum call for each of them. A file of `UNBUFFERED_FROM` bytes or
-    more goes past the page cache where the file system allows it
-    (`_write_unbuffered`): copying gigabytes into fresh page cache cost more
-    than the disk's own time. Anything else is written from its views with one
-    `writev`. (docs/benchmarks.md, "Measurements behind the design".)"""
+    takes the content's bytes as they are written (the module docstring says
+    how; docs/benchmarks.md, "Measurements behind the design", why)."""
     _faults.fire("local_write.chunk_bytes", fd)
     if isinstance(content, _Chunk):
         staged = _Staged(fd, direct=False, checksum=checksum, hasher=hasher)
@@ -372,13 +332,10 @@ def _write_buffered(fd: int, views: list[Any]) -> None:
             views[0] = memoryview(views[0])[n:]
 
 
-# Unbuffered (`O_DIRECT`) writes go from memory straight to the disk: every
-# write starts at a file offset, and from a memory address, that are multiples
-# of `_BLOCK`, and is a multiple of it long. The bytes are gathered into a
-# staging buffer of each writer thread (`STAGE_BYTES`), or written from the
-# source itself where it is aligned. Smaller files go through the page cache:
-# their writeback runs while the save goes on, where an unbuffered write waits
-# for the disk (measured on `small`'s 4 MB packs: docs/benchmarks.md).
+# An unbuffered (`O_DIRECT`) write starts at a file offset and a memory address
+# that are multiples of `_BLOCK`, and is a multiple of it long. Smaller files go
+# through the page cache, whose writeback runs while the save goes on, where an
+# unbuffered write waits for the disk (docs/benchmarks.md).
 UNBUFFERED_FROM = 8 << 20
 _BLOCK = 4096
 # A stage's fresh pages are paid for once per thread: small, and kept.

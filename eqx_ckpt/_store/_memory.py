@@ -1,20 +1,8 @@
-"""Host memory for leaves. This module holds:
-
-- page-aligned private buffers and private copies;
-- the memory check before a read;
-- the host data of a save's pieces: `host`, `ahead`, `host_views`, `held`,
-  `protected`, and `Deferred` (a piece made host only when the save stages
-  it);
-- the pool of reused host buffers a load reads through (`BufferPool`,
-  `PINNED_LOAD_POOL`), and a blocking save's copies through pinned memory
-  (`PINNED_SAVE_COPIES`): both on for GPUs (`PINNED_PLATFORMS`), where a run
-  measured them faster (docs/benchmarks.md, "GPU").
-
-Why private anonymous mappings: NumPy asks the kernel for huge pages for every
-array of 4 MiB or more. With the page cache full (after a save, on a
-training machine), the kernel compacts memory to find them. A shared mapping
-(`mmap`'s default) is backed by shmem, whose first touch of each page costs
-more. docs/benchmarks.md has the measurements.
+"""Host memory for leaves: page-aligned private buffers and copies, the
+memory check before a read, the host data of a save's pieces (`Deferred`: a
+piece made host only when the save stages it), and the pinned paths of GPUs
+(`PINNED_PLATFORMS`: a load's pool of reused buffers, a blocking save's
+copies; docs/benchmarks.md, "GPU").
 """
 
 from __future__ import annotations
@@ -38,7 +26,7 @@ if TYPE_CHECKING:
 
 
 # Private anonymous memory: a shared mapping (`mmap`'s default) is backed by
-# shmem, whose first touch of each page costs more (see the module docstring).
+# shmem, whose first touch of each page costs more (docs/benchmarks.md).
 _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
@@ -110,13 +98,9 @@ def physical_memory() -> int | None:
 
 
 def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: str) -> None:
-    """Refuse a read that would allocate more than this machine's memory.
-
-    Such a read cannot succeed, and TensorStore would abort the whole process on
-    the failed allocation. On a local disk the chunk files are counted first
-    (`_untrusted.check_leaf_files`); on an object store this is what stands between a
-    hostile manifest's absurd shape and a crash.
-    """
+    """Refuse a read that would allocate more than this machine's memory:
+    TensorStore would abort the whole process on the failed allocation (on an
+    object store, this stands between a hostile manifest's shape and a crash)."""
     memory = physical_memory()
     if memory is None or nbytes <= memory:
         return
@@ -148,10 +132,9 @@ PINNED_PLATFORMS: frozenset[str] = frozenset({"gpu", "cuda", "rocm"})
 
 class BufferPool:
     """`count` page-aligned host buffers of `size` bytes, each allocated once
-    (on first use) and reused: `take` hands out the next, round robin, once
-    the copies from its last use (`sent`) are done. `allocations` counts the
-    buffers allocated. Fault point `load.pinned_pool` fires before each
-    allocation; an exception there is the caller's to fall back from."""
+    (fault point `load.pinned_pool`, counted in `allocations`) and reused:
+    `take` hands out the next, round robin, once the copies from its last use
+    (`sent`) are done."""
 
     def __init__(self, count: int, size: int):
         self.count, self.size, self.allocations = count, size, 0
@@ -193,12 +176,6 @@ def load_pool() -> BufferPool | None:
     with _LOAD_POOLS.lock:
         pool = _LOAD_POOLS.get(setting)
         return pool if pool is not None else _LOAD_POOLS.put(setting, BufferPool(*setting))
-
-
-def has_pinned(device: Any) -> bool:
-    """Whether `device` has pinned host memory (`pinned_host`), which a copy
-    from the host reaches it through."""
-    return _has_pinned(device)
 
 
 def pinned_platform(device: Any) -> bool:
@@ -243,18 +220,10 @@ def nbytes(data: Any) -> int:
 
 def ahead(data: Any) -> Any:
     """Start copying a piece's device data to the host, without waiting; what
-    to stage it from then (`host`).
-
-    The copy is a new array on the host's CPU device, which the save owns and
-    drops once written (the array's own `copy_to_host_async` would cache the
-    host copy on the caller's `jax.Array`, held for as long as the caller
-    holds the array, beyond any budget). `jax.device_put` from a GPU to the
-    CPU returns only once the copy is done, waited for or not (docs/benchmarks.md,
-    "Measurements behind the design"), so it
-    runs in the copy pool (`COPY_THREADS` threads), and the writes before it
-    go on meanwhile. (A piece already in host memory, an asynchronous save's
-    `pinned` copy, is viewed as it is.) Without a CPU device, it is
-    `copy_to_host_async` after all."""
+    to stage it from then (`host`). The copy is a new array on the CPU device,
+    which the save owns (`copy_to_host_async` would cache it on the caller's
+    array, beyond any budget), made in the copy pool: `jax.device_put` from a
+    GPU returns only once it is done (docs/benchmarks.md)."""
     if isinstance(data, Deferred):
         data.source = ahead(data.resolved())
         return data
@@ -298,20 +267,13 @@ def _pinnable(data: jax.Array) -> bool:
 
 
 def pinned(arrays: list[jax.Array]) -> list[jax.Array] | None:
-    """Copies of `jax.Array`s in their devices' pinned host memory, used by
-    an asynchronous save's caller (`held`).
-
-    - One `jax.device_put` makes them. It returns once the copies are
-      enqueued, and they are made many times faster than through the CPU
-      device (docs/benchmarks.md, "Measurements behind the design").
-    - `host` views one without another copy, waiting until it is made.
-    - `None` where a device has no pinned host memory, or where the copy
-      fails (out of memory). The caller then copies through the host's CPU
-      device instead.
-
-    Fault point `save.pinned_copies`."""
+    """Copies of `jax.Array`s in their devices' pinned host memory, made by
+    one `jax.device_put` that returns once they are enqueued, many times
+    faster than through the CPU device (docs/benchmarks.md, "Measurements
+    behind the design"); `None` where a device has none or the copy fails
+    (the caller copies through the CPU device then)."""
     try:
-        if not all(_has_pinned(next(iter(x.devices()))) for x in arrays):
+        if not all(has_pinned(next(iter(x.devices()))) for x in arrays):
             return None
         _faults.fire("save.pinned_copies", arrays)
         return _put(arrays, [x.sharding.with_memory_kind(_PINNED) for x in arrays], may_alias=False)
@@ -325,7 +287,8 @@ _HOST_KINDS = frozenset((_PINNED, "unpinned_host"))
 
 
 @_state.memo(64)
-def _has_pinned(device: Any) -> bool:
+def has_pinned(device: Any) -> bool:
+    """Whether `device` has pinned host memory (`pinned_host`)."""
     try:
         return any(m.kind == _PINNED for m in device.addressable_memories())
     except Exception:  # (a backend without memories)
@@ -350,12 +313,9 @@ def _on_host(data: jax.Array, cpu: Any) -> np.ndarray:
 
 
 def _put(arrays: Any, where: Any, **options: Any) -> Any:
-    """`jax.device_put(arrays, where, **options)`, 64-bit values kept 64-bit.
-
-    JAX's switch for 64-bit types is per thread (`jax.enable_x64` is a
-    context), and off, as it is in the copy pool's threads, a copy of a 64-bit
-    array between devices is narrowed to 32 bits (seen on a GPU: a float64
-    leaf reached the writer as float32)."""
+    """`jax.device_put(arrays, where, **options)`, 64-bit values kept 64-bit:
+    JAX's switch for them is per thread, and off (as in the copy pool's
+    threads) a copy between devices narrows them to 32 bits."""
     dtypes = {x.dtype for x in (arrays if isinstance(arrays, list) else [arrays])}
     if not any(
         np.dtype(dtype).itemsize >= 8 for dtype in dtypes if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
@@ -380,12 +340,9 @@ def host(data: Any) -> np.ndarray:
 
 
 def hosts(datas: list[Any]) -> list[np.ndarray]:
-    """`host` of each of `datas` (a write's pieces, `_staging`).
-
-    In a process of CPUs alone, where no piece is a copy under way or
-    deferred, each is `np.asarray` of it, as `host` would make it. That skips
-    `host`'s checks a piece at a time, a few percent of a `many` save
-    (docs/benchmarks.md, "Measurements behind the design")."""
+    """`host` of each of `datas`: on CPUs alone, where no piece is a copy
+    under way or deferred, `np.asarray` of each without `host`'s checks (a few
+    percent of a `many` save: docs/benchmarks.md, "Measurements behind the design")."""
     if only_cpus() and not any(kind is _Copying or issubclass(kind, Deferred) for kind in set(map(type, datas))):
         return list(map(np.asarray, datas))
     return [host(data) for data in datas]
@@ -405,16 +362,9 @@ def host_views(arrays: list[jax.Array]) -> list[np.ndarray]:
 
 def held(arrays: list[jax.Array]) -> list[Any]:
     """What an asynchronous save holds of `jax.Array`s on one device each
-    while its caller waits. They are safe from a later donation or deletion
-    of the arrays:
-
-    - on CPUs, their host views (`host_views`);
-    - on an accelerator, copies in its pinned host memory (`pinned`). The
-      call only enqueues them, so the caller does not wait for the copy;
-    - else copies through the host's CPU device (`host_views`), which it
-      waits for.
-
-    A PRNG key array has no host view: `TypeError`, as `np.asarray` raises."""
+    while its caller waits, safe from a later donation or deletion: their host
+    views on CPUs, else `pinned` copies (only enqueued), else copies through
+    the CPU device. A PRNG key array has no host view: `TypeError`."""
     if not only_cpus():
         if any(jax.dtypes.issubdtype(dtype, jax.dtypes.extended) for dtype in {x.dtype for x in arrays}):
             raise TypeError("a PRNG key array has no host view")
@@ -426,12 +376,8 @@ def held(arrays: list[jax.Array]) -> list[Any]:
 
 def protected(data: Any, copy: bool) -> Any:
     """A piece that a change of the caller's arrays after an asynchronous save
-    returned cannot reach.
-
-    - A `jax.Array`'s: its host data, which never changes and outlives a
-      deletion or donation of the array.
-    - With `copy` (a NumPy leaf's): a private copy of the host data.
-    - A cast or encoding stays deferred: what it starts from is protected."""
+    returned cannot reach: a `jax.Array`'s host data (which never changes), or
+    with `copy` a private copy; a `Deferred` stays deferred, its source protected."""
     if isinstance(data, Deferred):
         source = data.resolved()
         return Deferred(protected(source, copy), data.nbytes, data.convert)

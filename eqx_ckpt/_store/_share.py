@@ -1,55 +1,22 @@
 """Incremental saves: chunk files equal to the previous save's are shared, not written.
 
 A save that replaces a checkpoint (`overwrite`), and a `CheckpointManager`'s
-next step, follow an earlier checkpoint: its *base*. On a local disk, a chunk
-file is compared with the base's file at the same place before it is written
-(`_local_write`). The comparison uses the xxh3-128 hash (128 bits) of the data
-bytes; the crc32c the file ends with is not part of it.
+next step, follow an earlier checkpoint: its *base*. On a local disk,
+`_local_write` compares each chunk file with the base's at the same place
+(the same elements) by length and the xxh3-128 of its data bytes, never by
+the crc32c it ends with (a damaged file still ends with the good bytes'
+checksum). An equal one becomes a hard link to the base's file.
 
-- Where the length and the hash are the same, the new file is a hard link to
-  the base's instead of a copy: the same bytes, no write.
-- Where either differs, the file is written as ever.
+A base file is verified before it is shared, once per process: read whole,
+its crc32c checked, its digest kept (`_VERIFIED`, keyed by device, inode,
+size and modification time, which a hard link keeps). What this process
+writes is recorded too (`written`), so that a manager's next step reads
+nothing back. A file that fails is never shared (`IntegrityWarning`); a read
+or `verify` that finds an array's files damaged forgets them
+(`forget_damaged`).
 
-Bytes are compared, never object identity or `==`. `-0.0` after `0.0` is a
-change, and so is a NaN with another payload.
-
-Files are never compared by the crc32c they end with. A damaged file still
-ends with the checksum of the good bytes. crc32c is linear, so a change that
-keeps it takes a few lines to build. And 32 bits meet by chance at fleet scale.
-
-A base file is verified before it is shared, once per process:
-
-- It is read whole, and its data bytes must give the crc32c it ends with.
-- Their xxh3-128 is kept (`_VERIFIED`), keyed by the file's device, inode,
-  size and modification time. A hard link keeps all four. (It changes the
-  change time, which is therefore not part of the key.)
-- A file that fails (damaged, truncated, missing, a link) is never shared. The
-  new bytes are written instead, with an `IntegrityWarning` naming it.
-
-What this process writes is recorded too, so that it is not read back:
-
-- A chunk file a save compared and then wrote itself is recorded with its
-  digest (`written`).
-- A `CheckpointManager` step records every chunk file it writes. Where nothing
-  was compared, the bytes are hashed as they are written. That is the case for
-  its first step in a process (which has no base), a new leaf, and a large
-  chunk whose first bytes changed. So a training loop's next step, its second
-  included, reads nothing back.
-- A plain save with no base hashes nothing.
-- A read or `verify` that finds an array's files damaged forgets them
-  (`forget_damaged`).
-
-A chunk is "at the same place" when it covers the same elements. For a leaf,
-the dotted path, stored dtype, stored shape, encoding and chunk grid are the
-same in both saves. For a pack, the name, dtype, length and chunk length are.
-
-Every save still gets a complete data root of its own. Deleting any other
-checkpoint or step, by hand or by retention, leaves it whole: a hard link is a
-name of the file like any other. And `verify` reads every byte it uses.
-
-Only what `_local_write` writes is shared: object stores, the OCDBT layout,
-multi-process saves and leaves written through TensorStore are written in full.
-A save with `share=False` shares nothing.
+docs/format.md, "Incremental and partial saves", says what is compared, how
+sure "equal" is, and what is never shared.
 """
 
 from __future__ import annotations
@@ -74,10 +41,8 @@ from ._local_paths import READ_FLAGS, local_stat, local_walk
 
 
 class Base:
-    """The checkpoint a save follows, as far as its chunk files may be shared.
-
-    It holds the data root on the local disk, the leaves with arrays of their
-    own (by dotted path) and the packs (by name)."""
+    """The checkpoint a save follows, as far as its chunk files may be shared:
+    its local data root, its own arrays' leaves (by dotted path) and packs."""
 
     def __init__(self, root: str, manifest: _manifest.Manifest):
         self.root = root
@@ -157,16 +122,11 @@ class Verified(NamedTuple):
 
 
 def base_file(path: str, nbytes: int, what: str, start: Any = None) -> Verified | None:
-    """The base's chunk file `path`, if it may be shared; else `None`.
-
-    It may be shared if it is a sound regular file of `nbytes` bytes (data and
-    checksum). Given `start` (a buffer), its first bytes must also be those of
-    `start`. `what` names its leaf or pack, for a warning.
-
-    `start` is a cheap look before the hash of a large chunk, which costs a
-    pass over all of its bytes. A chunk whose first bytes changed (an overwrite
-    where everything changed) is written at once. A file not verified yet is
-    read once (`_verify`). An unsound one is warned about and never shared."""
+    """The base's chunk file `path`, if it may be shared: a sound regular file
+    of `nbytes` bytes (data and checksum) whose first bytes are those of
+    `start`, where given (a cheap look before the hash of a large chunk). A
+    file not verified yet is read once (`_verify`); an unsound one is warned
+    about (naming `what`, its leaf or pack) and never shared."""
     try:
         fd = os.open(path, _READ_FLAGS)
     except OSError as e:
@@ -234,21 +194,16 @@ def _warn(path: str, what: str, why: str) -> None:
 
 def written(fd: int, path: str, digest: bytes) -> None:
     """Record the chunk file `fd` (`path`), just written whole by this
-    process, as one whose data bytes have the xxh3-128 `digest`.
-
-    A next save that shares it need not read it back."""
+    process, as one whose data bytes have the xxh3-128 `digest`."""
     _faults.fire("share.written", path)
     _VERIFIED.put(_key(local_stat(fd)), digest)
 
 
 def link(source: str, path: str, verified: Verified) -> bool:
     """Make `path`, which does not exist, a hard link to the base's chunk file
-    `source`. Returns whether `path` is now that link, to the file that was
-    `verified`.
-
-    The file is checked again through the new name, because the base may have
-    been replaced, changed or deleted meanwhile. Where it is not the verified
-    file, nothing is left at `path`."""
+    `source`; whether it is now a link to the file that was `verified`
+    (checked again through the new name: the base may have changed
+    meanwhile). Where it is not, nothing is left at `path`."""
     _faults.fire("share.link", source, path)
     try:
         os.link(source, path, follow_symlinks=False)
@@ -267,12 +222,8 @@ def link(source: str, path: str, verified: Verified) -> bool:
 
 def forget_damaged(error: BaseException, root: str, record: LeafRecord) -> BaseException:
     """Return `error`, a failure to read the leaf `record`, after forgetting
-    the leaf's files where it says they are damaged.
-
-    `root` is the checkpoint's data root, a local folder. Where `error` is an
-    `IntegrityError`, the files of the leaf's array (its pack's, for a packed
-    leaf) are forgotten first. The next save then reads them again before it
-    shares any."""
+    the files of its array (or pack) under the data root `root` where it is
+    an `IntegrityError`: the next save reads them again before it shares any."""
     if isinstance(error, IntegrityError):
         forget(root, record.pack.name if record.pack is not None else record.directory)
     return error
@@ -292,11 +243,8 @@ def forget(root: str, directory: str) -> None:
 
 
 def shared_files(root: str) -> tuple[int, int]:
-    """How many files under the data root `root`, and how many bytes, other
-    checkpoints or steps also use.
-
-    `root` is on a local disk. A file used twice is a hard link: it has more
-    than one name."""
+    """How many files under the local data root `root`, and how many bytes,
+    other checkpoints or steps also use (hard links: more than one name)."""
     count = nbytes = 0
     for folder, _, names in local_walk(root):
         for name in names:

@@ -1,41 +1,15 @@
 """The storage seam: the interface through which every byte eqx_ckpt reads or
 writes passes, and, with `_location`, the only module that imports
-`tensorstore` (ruff's banned-api rule enforces it, see pyproject.toml).
+`tensorstore` (ruff's banned-api rule enforces it, see pyproject.toml). No
+TensorStore object leaves it (tests/test_architecture.py checks).
 
-No TensorStore object leaves it (tests/test_architecture.py checks): other
-modules call its functions and get its own types back.
+Futures are returned, not waited for: TensorStore's own (`Future`, set
+through a `Promise`), or a `Mapped`, which turns TensorStore's result into
+this module's type (an `Array`, a `Found`) as it is asked for. Callers block
+with `result` only at the public boundary.
 
-- Small files, read with a size limit (`read_file`), or stamped
-  (`read_file_stamped`), then checked (`file_changed`); whether one is there,
-  without reading it (`file_exists`).
-- Small files read with their generation, for a write conditional on it
-  (`read_file_generation`, `read_generation`). `write_if` (for a lease) and
-  `write_conditional` (for a commit) share one conditional write.
-- Small files written (`write_file`, `start_writes`) and deleted.
-- Byte ranges of another program's files. A `Folder` is opened once; its
-  `read` is a future of a `Found`. `generation_changed` tells whether a file
-  changed since a read's generation (the same check as `file_changed`'s).
-- Listings (`list_names`, `list_files`, `list_keys`) and removal (`remove`,
-  `remove_written`).
-- Zarr arrays, created or opened from their specs as futures of an `Array`
-  (`create_array`, `open_array`, `open_pack`, `open_to_write`,
-  `open_for_reading`). An `Array` is a thin wrapper of TensorStore's array:
-  shape, data type, chunks, `array[index]`, `read()`,
-  `write(value, transaction)`.
-- A save's `Transaction`.
-- Arrays made of a reader (`virtual_array`) or of NumPy data (`in_memory`).
-
-Futures are returned, not waited for. Callers block with `result` only at the
-public boundary. A future is one of two kinds:
-
-- TensorStore's own (`Future`, set through a `Promise`). A read's holds a
-  NumPy array.
-- A `Mapped`, which turns TensorStore's result into this module's type (an
-  `Array`, a `Found`) as it is asked for.
-
-A location's chunk files are chosen and reached in `_chunk_files`. (They are
-eqx_ckpt's own reads and writes on a local disk, else these arrays.)
-`_chunk_files` calls this module; this module calls none of it.
+A location's chunk files are chosen in `_chunk_files`, which calls this
+module (this module calls none of it).
 """
 
 from __future__ import annotations
@@ -69,31 +43,17 @@ from ._local_paths import (
 )
 from ._storage_errors import read_explained, read_only_store, unreachable, write_error
 
-# The futures this module returns are TensorStore's own (`Future`, set through
-# a `Promise`: see `pending`), or a `Mapped`. A `Mapped` converts TensorStore's
-# result into this module's type as it is asked for. Each has `result`, `done`
-# and `add_done_callback`. A read's future holds a NumPy array, an open's an
-# `Array`.
 Future = ts.Future
 Promise = ts.Promise
 
-# One context for every open: it is what makes `memory://` stores persist between
-# calls, and what bounds file I/O concurrency for the whole process.
-#
-# Its retries make storage that cannot be reached an error within seconds.
-# TensorStore's defaults (32 attempts, backing off from 1 s to 32 s) retried a
-# refused connection for minutes, and a load, a save or a manager's listing
-# seemed to hang.
-#
-# TensorStore cannot tell a refused connection from a server's brief hiccup (a
-# 503, a dropped connection), so one setting serves both:
-# - a plain `http://` server: four attempts over about 4 s;
-# - an object store (`s3://`, `gs://`): five over about 6 s. That rides out a
-#   throttled request, as AWS's own SDKs do (three attempts by default).
-#
-# A kvstore spec dict may carry its own `"http_request_retries"`,
-# `"s3_request_retries"` or `"gcs_request_retries"`, which wins over these
-# (docs/storage.md).
+# One context for every open: it makes `memory://` stores persist between calls,
+# and bounds file I/O concurrency for the whole process. Its retries make storage
+# that cannot be reached an error within seconds: TensorStore's defaults (32
+# attempts, backing off from 1 s to 32 s) retried a refused connection for
+# minutes. A refused connection and a brief hiccup (a 503) look alike, so a plain
+# `http://` server gets four attempts over about 4 s, an object store five over
+# about 6 s (a throttled request, as AWS's SDKs retry it). A kvstore spec's own
+# `"*_request_retries"` wins over these (docs/storage.md).
 RETRIES = {
     "http_request_retries": {"max_retries": 4, "initial_delay": "0.25s", "max_delay": "2s"},
     "s3_request_retries": {"max_retries": 5, "initial_delay": "0.25s", "max_delay": "2s"},
@@ -139,22 +99,16 @@ def _context(loc: Location, synced: bool) -> ts.Context:
 
 def result(future: Future | Mapped) -> Any:
     """`future.result()`, except that an interrupt waits for the operation to
-    finish before it is raised (`_interrupts.finish`).
-
-    An interrupt is Ctrl-C, or `sys.exit` from a signal handler. Waiting
-    matters for two reasons. An operation left running when the interpreter
-    exits aborts the process. And a save must know whether a write happened
+    finish before it is raised (`_interrupts.finish`): one left running at
+    exit aborts the process, and a save must know whether a write happened
     before it decides what to undo."""
     return _interrupts.finish(future)
 
 
 def read_file(loc: Location, name: str, *, limit: int) -> bytes | None:
-    """The bytes of a small file, or `None` if it does not exist.
-
-    A file of more than `limit` bytes is a `CorruptCheckpointError`. It is found
-    before the file is read (on an object store, by asking for the one byte past
-    the limit). So a hostile checkpoint cannot make us download or allocate a
-    huge file."""
+    """The bytes of a small file, or `None` if it does not exist. A file of more
+    than `limit` bytes is a `CorruptCheckpointError`, found before it is read
+    (on an object store, by asking for the one byte past the limit)."""
     return read_file_stamped(loc, name, limit=limit)[0]
 
 
@@ -197,11 +151,9 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
 
 
 def file_exists(loc: Location, name: str) -> bool:
-    """Whether the file `name` is at `loc`, asked without reading it: a `stat`
-    on a local disk, else a read of no bytes (of a Hub commit's listing, for a
-    `hf://` location). A manifest can hold 256 MiB; this costs the same for
-    any file. A link, a FIFO or a device is refused as `read_file` refuses
-    it, and a fault armed at `storage.read_file` fires, as for a read."""
+    """Whether the file `name` is at `loc`, asked without reading it (a `stat`,
+    or a read of no bytes); refused, and faulted at `storage.read_file`, as
+    `read_file` is."""
     _faults.fire("storage.read_file", loc, name)
     if loc.local is not None:
         _untrusted.refuse_links(loc, name)
@@ -264,17 +216,12 @@ def generation_changed(loc: Location, name: str, generation: bytes) -> bool:
 
 def _changed_since(loc: Location, name: str, generation: bytes, digest: bytes | None) -> bool:
     """Whether the file `name` is no longer the one a read found at
-    `generation`. It makes one read, sent only if the generation differs. The
-    read is of the whole file where `digest` (the SHA-256 of its bytes then) is
-    given, else of one byte.
-
-    Two kinds of server need more:
-    - One whose generations TensorStore cannot send back in a condition
-      (gcp-storage-emulator's) is asked for a plain read's generation instead.
-      So is a file now empty.
-    - One that ignores the condition and sends the bytes again is judged by
-      their digest, or else by their generation. (A plain HTTP server without
-      `If-None-Match` or `ETag` does this, as Python's own http.server.)"""
+    `generation`: one read, sent only if the generation differs, of the whole
+    file where `digest` (the SHA-256 of its bytes then) is given, else of one
+    byte. A server whose generations cannot be sent back in a condition
+    (gcp-storage-emulator's) is asked for a plain read's generation instead;
+    one that ignores the condition (Python's http.server) is judged by the
+    digest, or else the generation, of what it sends."""
     whole = {} if digest is not None else {"byte_range": slice(0, 1)}
     try:
         found = _read(loc, name, if_not_equal=generation, **whole)
@@ -317,11 +264,8 @@ def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes
 
 def read_generation(loc: Location, name: str) -> tuple[bytes | None, bytes]:
     """The bytes of a small file this package writes (`None` if it is not
-    there) and its storage generation, unchecked.
-
-    For a file whose reader takes a bounded prefix (a lease).
-    `read_file_generation` checks size and links. A FIFO or a device is
-    refused before TensorStore opens it (`_untrusted.refuse_special`)."""
+    there) and its storage generation, its size unchecked (a lease's reader
+    takes a bounded prefix); a FIFO or a device refused."""
     _untrusted.refuse_special(loc, name)
     found = result(_kvstore(loc).read(name))
     return (found.value if found.state == "value" else None), found.stamp.generation
@@ -341,13 +285,9 @@ def _start_write_if(loc: Location, name: str, data: bytes | None, if_equal: byte
 
 
 def write_if(loc: Location, name: str, data: bytes | None, if_equal: bytes) -> bytes | None:
-    """Write a small file only if its generation is still `if_equal`, and wait
-    for it. `None` as `data` deletes it. `ABSENT` as `if_equal` writes only if
-    there is no file.
-
-    Returns the file's new generation, or `None` if the condition failed. A
-    failed write is a `CheckpointError` that says nothing was written. Once
-    written, a local directory is synced."""
+    """Write a small file (delete it, for `None`) only if its generation is
+    still `if_equal` (`ABSENT`: no file), and wait for it; its new generation,
+    or `None` if the condition failed. A local directory is then synced."""
     try:
         generation = result(_start_write_if(loc, name, data, if_equal)).generation
     except NotImplementedError:
@@ -364,17 +304,11 @@ def write_if(loc: Location, name: str, data: bytes | None, if_equal: bytes) -> b
 def write_conditional(
     loc: Location, name: str, data: bytes, if_equal: bytes
 ) -> tuple[bool, BaseException | None, BaseException | None]:
-    """Write a small file only if its generation is still `if_equal`.
-
-    Returns `(written, error, interrupt)`.
-
-    - An interrupt (Ctrl-C, `sys.exit` from a signal handler) does not abandon
-      a write under way. The write is waited for, so that whether it happened
-      is known. The interrupt is returned, for the caller to raise once that
-      is recorded.
-    - `error` is the write's failure, or once written the directory sync's,
-      as raised. The caller can tell whether the file is its own, so it says
-      what it left."""
+    """Write a small file only if its generation is still `if_equal`:
+    `(written, error, interrupt)`. An interrupt waits for the write, so that
+    whether it happened is known, and is returned for the caller to raise
+    once that is recorded. `error`: the write's failure, or the directory
+    sync's, as raised."""
     _faults.fire("commit.manifest_write", loc, name)
     # Waited through interrupts, kept and returned: the write's outcome is known first.
     found, error, interrupt = _interrupts.outcome(_start_write_if(loc, name, data, if_equal))
@@ -498,11 +432,9 @@ GCS_URL_VARIABLE = "TENSORSTORE_GCS_HTTP_URL"
 
 def _check_gcs_listing(loc: Location) -> None:
     """An empty listing from TensorStore's `gcs` driver, which lists nothing
-    when GCS answers 401, 403 or 404: raise unless the directory is really empty.
-
-    Credentials GCS refuses fail a read as well. Whether the bucket is there
-    is asked of its metadata, without credentials. GCS answers 404 only when
-    the bucket does not exist, and 401 or the metadata when it does."""
+    when GCS answers 401, 403 or 404: raise unless the directory is really
+    empty (refused credentials fail a read too; a missing bucket is a 404 of
+    its metadata, asked without credentials)."""
     try:
         result(_kvstore(loc).read(_format.MANIFEST, byte_range=slice(0, 0)))  # no bytes: may it be read?
     except Exception as e:
@@ -592,14 +524,9 @@ def _unlink(path: str) -> None:
 
 
 class Array:
-    """An opened array, the only form in which one leaves this module.
-
-    It has a shape, data type and chunks. A region of it (`array[index]`) is
-    another `Array`. Its reads and writes return futures, not waited for.
-
-    A thin wrapper of TensorStore's array, with one attribute. A region wraps
-    TensorStore's region, and a read is TensorStore's read. There is no copy,
-    and nothing is read or written that TensorStore would not."""
+    """An opened array, the only form in which one leaves this module: a thin
+    wrapper of TensorStore's array (no copy), whose region (`array[index]`)
+    is another `Array` and whose reads and writes return futures."""
 
     __slots__ = ("_array",)
 
@@ -776,30 +703,22 @@ def create_spec(spec: dict[str, Any], loc: Location, *, synced: bool = True) -> 
 
 def open_array(loc: Location, record: LeafRecord, *, synced: bool = True, checked: bool = True) -> Future | Mapped:
     """Open a stored leaf (a packed one as an in-memory copy of its elements):
-    a future of its `Array`.
-
-    - With `checked`, its zarr.json is read and checked against the manifest.
-      Shape, data type, chunks and the crc32c codec must all be as recorded.
-    - Without, the manifest's metadata is taken as it is. A file whose chunks
-      do not decode that way fails its checksum when read."""
+    a future of its `Array`. With `checked`, its zarr.json is checked against
+    the manifest; without, the manifest's metadata is taken as it is (chunks
+    that do not decode that way fail their checksum when read)."""
     _faults.fire("storage.open_array", loc, record)
     if record.pack is not None:
         return open_packed(loc, record)
     _untrusted.check_leaf_files(loc, record)
     _memory.refuse_beyond_memory(loc, record, record.chunk_nbytes, "one of its chunks")
     spec = _leaf_spec(loc, record)
-    if not checked:
-        return _opening(ts.open(spec, open=True, assume_metadata=True, context=_context(loc, synced)))
-    return _opening(ts.open(spec, open=True, context=_context(loc, synced)))
+    return _opening(ts.open(spec, open=True, assume_metadata=not checked, context=_context(loc, synced)))
 
 
 def open_to_write(loc: Location, record: LeafRecord) -> Mapped:
     """Open a leaf's array that another process of this save created, to write
-    this process's shards into it (its zarr.json checked against the record).
-
-    Not `open_array`: the checks a load makes of a leaf's files (that they hold
-    all of its bytes) fail here by design, while the other processes are still
-    writing their shards."""
+    this process's shards into it; not `open_array`, whose checks of a leaf's
+    files fail while the other processes are still writing theirs."""
     _faults.fire("storage.open_array", loc, record)
     spec = _leaf_spec(loc, record)
     return _opening(ts.open(spec, open=True, context=_context(loc, synced=False)))
@@ -861,25 +780,15 @@ def open_packed(loc: Location, record: LeafRecord) -> Future:
 # -- For the readers of other formats (`_safetensors`, `_orbax`) ------------------------------------
 
 
-def _reading_context() -> ts.Context:
-    """A context of its own for the arrays of one opening of another program's
-    checkpoint (`open_for_reading`).
-
-    TensorStore shares an open OCDBT database between opens of one context. An
-    orbax checkpoint saved again at the same path is another database. The
-    shared one refuses it ("Configuration mismatch on uuid") for as long as
-    anything holds the old one open. (A child of `CONTEXT`: same `memory://`
-    stores, same limits.)"""
-    return ts.Context({"cache_pool": {}, "ocdbt_coordinator": {}}, parent=CONTEXT)
-
-
 def open_for_reading(specs: list[dict[str, Any]]) -> list[Mapped]:
     """Open existing arrays read-only from their full specs: futures of their
     `Array`s.
 
-    They are another program's arrays, of one checkpoint, opened in a context
-    of their own."""
-    context = _reading_context()
+    Another program's arrays, of one checkpoint, in a context of their own
+    (a child of `CONTEXT`): an orbax checkpoint saved again at the same path
+    is another OCDBT database, which a shared open of the old one refuses
+    ("Configuration mismatch on uuid")."""
+    context = ts.Context({"cache_pool": {}, "ocdbt_coordinator": {}}, parent=CONTEXT)
     return [_opening(ts.open(spec, open=True, read=True, context=context)) for spec in specs]
 
 

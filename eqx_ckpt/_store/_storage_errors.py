@@ -51,12 +51,9 @@ _OS_ERROR = re.compile(r"(?:\[OS error |\[os_error_code=')(\d+)")
 
 def write_refusal(error: BaseException) -> type[CheckpointStorageError] | None:
     """The class of error for a write that failed with `error` (TensorStore's or
-    the OS's) because of the storage.
-
-    - `CheckpointConnectionError` when it could not be reached.
-    - `CheckpointStorageError` when it would not take the write: forbidden,
-      read-only, full, or failing once the retries were spent.
-    - `None` for any other failure."""
+    the OS's) because of the storage: `CheckpointConnectionError` when it could
+    not be reached, `CheckpointStorageError` when it would not take the write
+    (forbidden, read-only, full, failing), else `None`."""
     if isinstance(error, CheckpointStorageError):
         return type(error)
     text = explain(error)
@@ -162,10 +159,8 @@ def read_error(loc: Location, name: str, error: BaseException) -> CheckpointErro
 
 
 def write_error(loc: Location, name: str, error: BaseException, outcome: str = "") -> CheckpointError:
-    """A full disk, a read-only or forbidden destination: say so, not TensorStore's
-    code (a `CheckpointStorageError` when `error` says the storage refused).
-    `outcome`, when the caller knows it, says what the failure left ("nothing
-    was written")."""
+    """The error of a write that failed with `error`, in words (a full disk, a
+    read-only or forbidden destination); `outcome`: what the failure left."""
     so = f", so {outcome}" if outcome else ""
     refused = write_refusal(error)
     return (refused or CheckpointError)(

@@ -1,41 +1,25 @@
 """The save transaction: begun, written, committed, cleaned.
 
 A checkpoint exists only once its `manifest.json` does. Its arrays live under
-its *data root*:
+its *data root*: the checkpoint directory for a first save into an empty
+directory, else a new folder `gen.<commit>`, so that a save never writes
+into a name it did not create.
 
-- for a first save into an empty directory, the checkpoint directory itself;
-- for every later save, a folder `gen.<commit>` named after the save's own
-  random commit identity.
-
-A data root name is therefore never reused, and a save never writes into a
-name it did not create.
-
-The states and what is legal in each:
-
-- BEGUN: the save holds the directory's lease (`_lease`, file `saving.json`).
-  The lease doubles as its journal. It lists the names the save will create
-  and, once committed, the names it will delete (those the previous manifest
-  records). Leftovers of a save that died are cleared here, as its journal
-  lists them.
+- BEGUN: the save holds the directory's lease (`_lease`, `saving.json`),
+  which is also its journal: the names it will create and, once committed,
+  those it will delete. A dead save's leftovers are cleared here.
 - WRITTEN: the caller has written and synced every array.
-- COMMITTED: the new manifest replaced the old one in one conditional write (a
-  rename on a local disk, one PUT on an object store). The write succeeds only
-  if the manifest is still the one the save began from (recorded by the thread
-  that wrote it). From here nothing undoes the save:
-  - `abort()` is refused. (An abort from WRITTEN first reads the live
-    manifest, and keeps everything if it may be this save's.)
-  - An error or an interrupt during the clean-up leaves the new checkpoint
-    whole. The next save deletes what is left.
+- COMMITTED: the new manifest replaced the old one in one conditional write,
+  made only if it is still the one the save began from. Nothing undoes the
+  save from here: `abort()` is refused, and a failed clean-up leaves the
+  checkpoint whole for the next save to finish.
 - CLEANED: the old arrays and the journal are gone.
-- ABORTED (only from BEGUN or WRITTEN): what this save wrote is deleted; the
-  old checkpoint was never touched.
+- ABORTED (only from BEGUN or WRITTEN): what this save wrote is deleted.
 
-A save deletes only names that its journal or an earlier manifest of this
-checkpoint records. It first checks that they look like names eqx_ckpt writes.
-The user's files beside a checkpoint are never touched. Inside the arrays of a
-checkpoint it replaced, it deletes only the files saves write
-(`_format.written_by_a_save`) and the folders that leaves empty. So a user's
-file put in a leaf's folder stays, with the folders leading to it.
+A save deletes only names its journal or an earlier manifest records, and
+inside the arrays it replaced only the files saves write
+(`_format.written_by_a_save`). docs/format.md, "Atomic commit and
+overwrite", tells the whole story.
 """
 
 from __future__ import annotations
@@ -104,11 +88,8 @@ class Transaction:
         self.state = State.WRITTEN
 
     def commit(self, data: bytes) -> None:
-        """Replace the manifest with `data` (a `Manifest.to_bytes()`), if it is
-        still the one this save began from.
-
-        An interrupt while the manifest is being written waits for the write to
-        finish, so that the state is known, and is raised afterwards."""
+        """Replace the manifest with `data`, if it is still the one this save
+        began from. An interrupt during the write is raised once it is done."""
         _faults.fire("transaction.commit", self.loc)
         self._require(State.WRITTEN)
         if self.lease is not None:
@@ -122,7 +103,7 @@ class Transaction:
             # interrupt landing in the caller between the write and this line
             # would leave the save looking uncommitted. Its abort would then
             # delete the arrays of the checkpoint it had just committed.
-            if written or _committed_by(self.loc, self.commit_id):
+            if written or _live_commit(self.loc) == self.commit_id:  # (a write that failed part way)
                 self.state = State.COMMITTED
             outcome.append((error, interrupt))
 
@@ -244,12 +225,6 @@ def _live_commit(loc: Location) -> str | None:
     except Exception:
         return None
     return "" if current is None else current.commit
-
-
-def _committed_by(loc: Location, commit_id: str) -> bool:
-    """Whether the manifest at `loc` is the one of save `commit_id` (after a
-    manifest write that failed, or was interrupted, part way)."""
-    return _live_commit(loc) == commit_id
 
 
 def begin(
@@ -403,11 +378,8 @@ def read_manifest(loc: Location) -> Manifest | None:
 
 def check_unchanged(loc: Location, manifest: Manifest) -> None:
     """Raise if the checkpoint at `loc` was replaced (or deleted) since
-    `manifest` was read.
-
-    A reader calls this after reading arrays. An overwrite deletes the old
-    arrays only after its commit. So if the manifest is still the one read,
-    every byte read came from it."""
+    `manifest` was read: called after reading arrays, since an overwrite
+    deletes the old arrays only after its commit."""
     if not _storage.file_changed(loc, MANIFEST, manifest.stamp):
         return
     if not _storage.file_exists(loc, MANIFEST):

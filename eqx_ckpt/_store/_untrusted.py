@@ -1,26 +1,19 @@
 """Checks on a local checkpoint directory before TensorStore reads from it.
 
-A checkpoint may come from elsewhere, so its files are untrusted:
+A checkpoint may come from elsewhere, so its files are untrusted
+(docs/format.md says what is refused):
 
-- eqx_ckpt never writes a symbolic link, so a link inside a checkpoint came from
-  elsewhere. Following one could make a load read files outside the checkpoint.
-  Every local read of a leaf or a small file checks its path first.
-- Only regular files are read. A named pipe (FIFO), a socket or a device node
-  in a file's place is refused (`refuse_special`, `special_error`): opening a
-  FIFO waits for a writer forever, and a device reads what it likes. Files
-  eqx_ckpt opens itself are opened without waiting and checked
-  (`_local_paths.local_open`); the paths TensorStore opens are checked here
-  first, each file of a leaf's folder with its size.
-- A load allocates what the manifest says a leaf holds. The chunk files of a
-  leaf must hold at least that many bytes before it is read. So an absurd shape
-  in a hostile manifest is an error, not an attempt to allocate terabytes.
+- no symbolic link inside it is followed (eqx_ckpt never writes one);
+- only regular files are read: a FIFO, a socket or a device node in a file's
+  place is refused (`refuse_special`, `special_error`) before TensorStore is
+  given its path;
+- a leaf's chunk files must hold the bytes its manifest gives it before it
+  is read, so that a hostile shape cannot make a load allocate terabytes.
 
-Object stores have no links and list sizes only at a cost, so only local paths
-are checked.
-
-A save checks one thing before it writes: that no file in a leaf's folder
-would have a path longer than the system allows (PATH_MAX). TensorStore would
-report that only midway, in a message of many kilobytes naming no leaf.
+Object stores have no links, so only local paths are checked. A save checks
+first that no file in a leaf's folder would have a path longer than the
+system allows (`check_path_lengths`): TensorStore reports that only midway,
+naming no leaf.
 """
 
 from __future__ import annotations
@@ -48,12 +41,8 @@ from ._local_paths import local_entry, local_names, local_real_path, local_stat,
 def refuse_links(loc: Location, relative: str, *, leaf: str | None = None, subtree: bool = False) -> int:
     """Raise if any component of `relative` below `loc` is a symbolic link, or
     (with `subtree=True`) anything inside it is a link or no regular file nor
-    folder (`special_error`). `leaf` names the leaf concerned.
-
-    **Returns:**
-
-    The total size of the regular files inside (with `subtree=True`), else 0.
-    """
+    folder; the total size of the regular files inside (with `subtree`), else 0.
+    `leaf` names the leaf concerned."""
     if loc.local is None:
         return 0
     current = loc.local
@@ -77,10 +66,8 @@ def refuse_special(loc: Location, name: str, *, leaf: str | None = None) -> None
 
 def refuse_special_inside(loc: Location) -> None:
     """Raise if any file below the local folder `loc` (a link followed, never
-    into a folder) is neither a regular file nor a folder (`special_error`).
-
-    For another program's checkpoint (orbax's), before TensorStore opens its
-    arrays: no record of eqx_ckpt's names their files. One `stat` a file."""
+    into a folder) is neither a regular file nor a folder (`special_error`):
+    for another program's checkpoint (orbax's), whose files no record names."""
     if loc.local is None:
         return
     for root, _, names in local_walk(loc.local):
@@ -93,13 +80,17 @@ def refuse_special_inside(loc: Location) -> None:
 
 def special_error(loc: Location, name: str, kind: str, *, leaf: str | None = None) -> CheckpointError:
     """The error of the file `name` of `loc` that is `kind` (`_local_paths.special`:
-    a FIFO, a socket, a device node), not a regular file: a
-    `CorruptCheckpointError`, or an `IntegrityError` of the leaf `leaf`."""
+    a FIFO, a socket, a device node), not a regular file (`_corrupt`)."""
     what = (
         f"{name!r} in checkpoint {loc.display!r} is {kind}, not a regular file, so it was not opened. eqx_ckpt "
         f"reads only regular files from a checkpoint: opening a FIFO waits forever, and a device reads what it "
         f"likes. Replace it with the file it stands for, or restore the checkpoint from a good copy."
     )
+    return _corrupt(loc, what, leaf)
+
+
+def _corrupt(loc: Location, what: str, leaf: str | None) -> CheckpointError:
+    """A `CorruptCheckpointError` saying `what`, or an `IntegrityError` of the leaf `leaf`."""
     if leaf is None:
         return CorruptCheckpointError(what, path=loc.display)
     return IntegrityError(leaf_line(what, keypath=None, dotted=leaf), path=loc.display, dotted=[leaf])
@@ -140,10 +131,8 @@ def check_leaf_files(loc: Location, record: LeafRecord) -> None:
 
 
 def check_pack_files(loc: Location, pack: PackRecord, *, leaf: str | None = None) -> None:
-    """Before a local pack is opened: no links, and every chunk file there, of
-    one full chunk and its checksum (a pack has few).
-
-    `leaf` names the leaf being read, if one is."""
+    """Before a local pack is opened (for the leaf `leaf`, if one): no links,
+    and every chunk file there, of one full chunk and its checksum."""
     if loc.local is None:
         return
     refuse_links(loc, pack.name, leaf=leaf, subtree=True)  # (a FIFO or device inside refused too)
@@ -230,10 +219,9 @@ _INSIDE = len("/" + _format.chunk_key([2**64 - 1] * MAX_RANK)) + len(_format.TEM
 
 
 def check_path_lengths(loc: Location, records: Sequence[LeafRecord]) -> None:
-    """Raise, before a save writes anything, if a file in a leaf's folder would
-    have a path longer than the system allows.
-
-    `records` are the leaves with an array of their own."""
+    """Raise, before a save writes anything, if a file in the folder of a leaf
+    of `records` (those with an array of their own) would have a path longer
+    than the system allows."""
     if loc.local is None or not records:
         return
     limit = _path_max(loc.local)
@@ -278,6 +266,4 @@ def _link_error(loc: Location, found: str, leaf: str | None) -> CheckpointError:
         f"inside a checkpoint, so that no checkpoint can make it read files outside itself. If you made the link, "
         f"replace it with a copy of what it points to."
     )
-    if leaf is None:
-        return CorruptCheckpointError(what, path=loc.display)
-    return IntegrityError(leaf_line(what, keypath=None, dotted=leaf), path=loc.display, dotted=[leaf])
+    return _corrupt(loc, what, leaf)

@@ -1,22 +1,14 @@
 """One host-memory budget for every reader of a checkpoint.
 
 A load, `materialise`, a transformed load, `verify` and `diff` all start their
-reads through `windowed`. As many run at once as fit in `READ_BUDGET` bytes.
-Once the budget is full, the oldest is finished before the next one starts.
+reads through `windowed`: as many at once as fit in `READ_BUDGET` bytes (all
+at once would hold every leaf twice; one at a time would leave the disk
+idle), the oldest finished before the next starts. Every window of bytes in
+flight, a save's staging window (`_staging.Window`) too, admits work by one
+rule, `Budget` (tests/test_architecture.py checks it).
 
-- All reads at once would hold every leaf twice: the read's buffer and the
-  array made from it, or the chunk and its comparison.
-- One at a time would leave TensorStore and the disk idle between reads.
-
-Local files are read on one pool of threads (`read_pool`), shared by every
-reader. It reads eqx_ckpt's own chunk files (`_local_read`) and safetensors
-runs alike.
-Small leaves stored side by side (in a pack, or a safetensors file) are read
-in runs, grouped by one rule (`runs`).
-
-Every window of bytes in flight admits work by one rule, `Budget`. That holds
-for the readers' window here and for a save's staging window
-(`_staging.Window`); tests/test_architecture.py checks it.
+Local files are read on one pool of threads shared by every reader
+(`read_pool`); small leaves stored side by side are read in runs (`runs`).
 """
 
 from __future__ import annotations
@@ -42,11 +34,9 @@ F = TypeVar("F")
 
 
 class Budget:
-    """Bytes in flight against a budget of `limit` bytes: the one rule by which
-    every window admits work.
-
-    The next job starts while it fits in what is left. Or it starts alone, when
-    nothing else runs: a job larger than the budget then runs by itself."""
+    """Bytes in flight against a budget of `limit` bytes, the one rule by which
+    every window admits work: the next job starts while it fits in what is
+    left, or alone, when nothing else runs."""
 
     __slots__ = ("held", "limit")
 
@@ -58,24 +48,18 @@ class Budget:
         return alone or self.held + nbytes <= self.limit
 
     def take(self, nbytes: int) -> None:
-        """A job of `nbytes` started."""
         self.held += nbytes
 
     def give(self, nbytes: int) -> None:
-        """A job of `nbytes` finished: its bytes are free."""
         self.held -= nbytes
 
 
 def windowed(
     jobs: Iterable[tuple[K, int, Callable[[], F]]], *, max_reads: int | None = None
 ) -> Iterator[tuple[K, int, F]]:
-    """Start each job while they fit in `READ_BUDGET` bytes (and, with
-    `max_reads`, that many reads); yield each started job, oldest first.
-
-    - A job is `(key, size in bytes, start)`. `start()` begins its read and
-      returns what finishes it.
-    - `(key, size, started)` is yielded whenever the next job needs room, and
-      after the last has started.
+    """Start each job `(key, size in bytes, start)` while they fit in
+    `READ_BUDGET` bytes (and, with `max_reads`, that many reads); yield
+    `(key, size, start())` of each, oldest first, when the next needs room.
 
     Jobs are taken from `jobs` only as they start, so a lazy iterable may decide
     at that moment what comes next. The caller finishes each yielded read before
@@ -103,16 +87,11 @@ def read_pool() -> _threads.Pool:
 def runs(
     spans: Iterable[tuple[int, int, K]], most: int, alone: Callable[[int], bool] | None = None
 ) -> list[tuple[int, int, list[K]]]:
-    """Wanted leaves of one file, grouped into runs read by one read each:
-    `(start, end, keys)`.
-
-    `spans` are `(start, end, key)` in bytes, sorted by `start`. A leaf starts
-    a new run:
-
-    - when it begins more than `RUN_GAP_BYTES` after the run's end;
-    - when the run would grow past `most` bytes;
-    - when it, or the run's last leaf, is to be read `alone` (a function of its
-      size)."""
+    """Wanted leaves of one file (`spans`: `(start, end, key)` in bytes, sorted
+    by `start`), grouped into runs read by one read each. A leaf starts
+    a new run when it begins more than `RUN_GAP_BYTES` after the run's end,
+    when the run would grow past `most` bytes, or when it or the run's last
+    leaf is to be read `alone` (a function of its size)."""
     out: list[tuple[int, int, list[K]]] = []
     members: list[K] = []
     lo = hi = 0

@@ -1,25 +1,19 @@
-"""The model card (`README.md`) of a published folder: what the Hugging Face Hub
-shows, and a load snippet that works as written.
+"""The model card (`README.md`) of a published folder: the Hub's front matter,
+what the model is, and a load snippet that works as written, loading it by
+the one name it is given (`model_card(name_or_path, ...)`).
 
-- Front matter, as the Hub reads a card's metadata: `library_name: eqx_ckpt`,
-  `tags`, and the `license`, `base_model` and metric names when known.
-- The parameter count, where the classes' code comes from (`code=`), the
-  metrics, the files and the user's `info`.
-- The snippet's one parameter is the name the model is loaded by
-  (`model_card(name_or_path, ...)`): the folder's path for a local export,
-  or `hf://owner/name` for a published repository.
-
-Its `trust` list names the classes and functions of the structure record that
-the default trust does not cover (`_trust`), each imported from its own
-module. Some parts may need the model's code (`_rebuildable`). Then the
-snippet rebuilds the largest parts without them (`prefix=`), and the card
-shows the load into a `like` that the model's code makes.
+The snippet's `trust` list names the classes and functions the default trust
+does not cover (`_trust`). Where parts need the model's code (`_rebuildable`),
+it rebuilds the largest parts without them (`prefix=`), and the card shows
+the load into a `like` the model's code makes (docs/interop.md, "The model
+card").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -44,12 +38,8 @@ _METRIC = re.compile(r"[A-Za-z0-9_./-]{1,100}")
 
 @dataclasses.dataclass(frozen=True)
 class About:
-    """What a card says of a model beyond its files (the export's options).
-
-    - `license`: a Hub license id (`"apache-2.0"`), or `None`.
-    - `base_model`: the Hub repositories it was made from, or `()`.
-    - `code`: where its classes come from: a pip requirement or a URL, or `None`.
-    """
+    """What a card says of a model beyond its files: the export's `license`,
+    `base_model` and `code` options, checked (`about`)."""
 
     license: str | None = None
     base_model: tuple[str, ...] = ()
@@ -95,13 +85,9 @@ def model_card(
     stored: Sequence[LeafRecord] | None = None,
 ) -> str:
     """The text of `README.md` for a folder of the published layout loaded as
-    `name_or_path`; `base`: the base a fine-tune takes its unchanged leaves
-    from, as messages name it, and `stored` the records of the leaves it holds
-    itself (`None`: every one of `records`).
-
-    The folder holds `files`, tensors of the leaf `records`. Its tree has the
-    `structure` record (or `None`) and the user's `info`. `found` is
-    `_rebuildable.needs(structure, ...)` where already known."""
+    `name_or_path`, holding `files`, tensors of the leaf `records` (`stored`:
+    those it holds itself, where a fine-tune takes the others from `base`).
+    `found` is `_rebuildable.needs(structure, ...)` where already known."""
     found = needs(structure, name_or_path) if found is None else found
     title = info.get("name") if isinstance(info.get("name"), str) else _title(name_or_path)
     description = info.get("description") if isinstance(info.get("description"), str) else ""
@@ -221,17 +207,10 @@ def _load_notes(name_or_path: str, about: About, found: Needs) -> list[str]:
 def parameters(records: Iterable[LeafRecord]) -> int:
     """The elements of the floating-point (and complex) arrays among `records`:
     a model's parameter count. Scalars, integers and PRNG keys are left out."""
-    return sum(_elements(r.shape) for r in records if r.type in ("jax", "numpy") and r.dtype.startswith(_INEXACT))
+    return sum(math.prod(r.shape) for r in records if r.type in ("jax", "numpy") and r.dtype.startswith(_INEXACT))
 
 
 _INEXACT = ("float", "bfloat", "complex")
-
-
-def _elements(shape: Sequence[int]) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count
 
 
 def _size(records: Sequence[LeafRecord], stored: Sequence[LeafRecord]) -> str:

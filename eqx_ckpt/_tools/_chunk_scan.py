@@ -84,12 +84,9 @@ def scan_leaves(
     failed: Callable[[LeafRecord, BaseException], None],
     tracker: Tracker,
 ) -> None:
-    """Read every chunk of each of `records` (leaves of the data root `data`)
-    whose opened array is in `stores` (by dotted path), for `verify`.
-
-    A leaf stops at its first failure. `failed` records it in `bad`, as storage
-    raised it (`damage` words it). A leaf already in `bad` is not read.
-    Progress goes to `tracker`."""
+    """Read every chunk of each of `records` whose opened array is in `stores`
+    (by dotted path), for `verify`. A leaf stops at its first failure, which
+    `failed` records in `bad`; a leaf already in `bad` is not read."""
 
     def stop(path: str) -> Callable[[], bool]:
         return lambda: path in bad

@@ -1,13 +1,9 @@
 """`eqx-ckpt`: inspect, verify and compare checkpoints; run the demo.
 
-The CLI only parses and formats: every command calls a public library function.
-Exit codes:
-
-- 0: success (for `verify`: sound; for `diff`: equal).
-- 1: `verify` found damage or `diff` found differences.
-- 2: an error. A bad path, not a checkpoint, bad arguments, storage that would
-  not serve it, or a checkpoint of a newer format than this eqx_ckpt reads (no
-  damage, but not checked).
+The CLI only parses and formats: every command calls a public library
+function. Exit codes (the README's table of commands has each): 0 success,
+1 `verify` found damage or `diff` differences, 2 an error (a checkpoint of a
+newer format too: no damage, but not checked).
 """
 
 from __future__ import annotations
@@ -105,13 +101,9 @@ def _step_path(given: str, manager: CheckpointManager, step: int) -> str:
 
 
 def _format_types(ckpt: Checkpoint) -> str:
-    """The classes and functions a load without `like` builds, and the parts
-    the save could not record.
-
-    - Those outside the default trust are marked, and the `trust=[...]` they
-      need is given.
-    - The parts the save could not record follow. No `trust` rebuilds them.
-    - Last, what such a load says."""
+    """The classes and functions a load without `like` builds (those outside
+    the default trust marked), the parts the save could not record, and what
+    such a load says."""
     untrusted = ckpt.types(trust=[])
     lines, needed = [], []
     for name, paths in ckpt.types().items():
@@ -208,10 +200,8 @@ def _info(args: argparse.Namespace) -> int:
 
 def _shared_files(loc: Location) -> tuple[int, int] | None:
     """The files (and bytes) of the checkpoint at `loc` that other checkpoints
-    or steps also use (`_share.shared_files`).
-
-    `None` where files are never shared: not on a local disk, or in the OCDBT
-    layout."""
+    or steps also use; `None` where files are never shared (off a local disk,
+    the OCDBT layout)."""
     if loc.local is None:
         return None
     source = _source.checkpoint(loc)
@@ -337,10 +327,8 @@ def _metadata_values(items: list[str]) -> dict[str, Any] | None:
 
 
 def _root_causes(path: str, problems: Problems) -> list[str]:
-    """The damaged files first, each with the leaves and steps it damages.
-
-    A damaged file is the one cause behind many problems. Steps share unchanged
-    chunk files, and the leaves of a pack share its chunks."""
+    """The damaged files first, each with the leaves and steps it damages (steps
+    share unchanged chunk files, and the leaves of a pack its chunks)."""
     files = problems.damaged_files()
     if not files:
         return []
@@ -375,10 +363,8 @@ def _in_steps(steps: list[int]) -> str:
 
 
 def _problem_lines(problems: list[Problem], prefix: str) -> list[str]:
-    """The problems of one checkpoint (or step), bounded.
-
-    Those of the damaged files named above come in one line. Then come at most
-    `_SHOWN_PROBLEMS` others, and how many more there are."""
+    """The problems of one checkpoint (or step): those of the damaged files
+    named above in one line, then at most `_SHOWN_PROBLEMS` others."""
     lines = []
     named = sorted(str(problem.leaf) for problem in problems if problem.file is not None)
     if named:

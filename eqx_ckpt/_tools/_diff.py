@@ -245,11 +245,9 @@ def _compare_values(
 
 
 def _compare(x: np.ndarray, y: np.ndarray, measured: bool) -> tuple[bool, float, float, float]:
-    """Whether two chunks are bitwise equal, and how far apart.
-
-    NaNs with equal bits are equal, 0.0 and -0.0 are not. How far: the largest
-    `|x - y|`, the sum of `|x - y|^2`, and the sum of `|x|^2`. Each is NaN for
-    what has no magnitude (PRNG key data), and where not `measured`."""
+    """Whether two chunks are bitwise equal (NaNs with equal bits are, 0.0 and
+    -0.0 are not); the largest `|x - y|`, the sum of `|x - y|^2` and of
+    `|x|^2`, each NaN where not `measured` (PRNG key data)."""
     equal = x.shape == y.shape and x.dtype == y.dtype and x.tobytes() == y.tobytes()
     if not measured or x.dtype.kind not in "biufc" or x.shape != y.shape:
         return equal, math.nan, math.nan, math.nan

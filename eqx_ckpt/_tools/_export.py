@@ -1,16 +1,11 @@
 """`export_safetensors`: a checkpoint or a tree as Hugging Face sharded safetensors.
 
-Leaves are read one at a time, from the checkpoint's storage. So a checkpoint
-saved by several processes or kept on an object store exports without
-gathering live arrays.
-
-- On a local disk each shard is written as it is read, leaf by leaf, to a
-  `.partial` file. Every shard is renamed into place only once all are
-  written, because the leaves may come from the very files being replaced (an
-  export of a directory onto itself).
-- An object store takes whole objects and has no rename. There a shard is
-  assembled in memory first (peak memory is about one shard) and written at
-  once. An export whose source is in the destination directory is refused.
+Leaves are read one at a time, from the checkpoint's storage. On a local disk
+each shard is streamed to a `.partial` file, and every shard is renamed into
+place only once all are written (the leaves may come from the very files
+being replaced). An object store takes whole objects: a shard is assembled
+in memory, and a source in the destination is refused (docs/interop.md,
+"Export to safetensors").
 """
 
 from __future__ import annotations
@@ -86,12 +81,9 @@ class ExportOptions:
 
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
-    """One tensor of the export.
-
-    - its safetensors name;
-    - the record `eqx_ckpt.json` keeps of it (its `stored_dtype` and
-      `stored_shape` are the tensor's);
-    - the function reading its value (the leaf's own, before its encoding)."""
+    """One tensor of the export: its safetensors name, the record
+    `eqx_ckpt.json` keeps of it (its stored dtype and shape are the tensor's),
+    and the function reading its value (before its encoding)."""
 
     name: str
     record: LeafRecord
@@ -349,13 +341,9 @@ def _described(
     digests: dict[str, str],
     family: _published.Family | None,
 ) -> dict[str, bytes]:
-    """The files describing the tensors of `source`: `eqx_ckpt.json`, and
-    `README.md` (loading the model as `shown`) unless `card=False`.
-
-    The parts that need the model's code are warned of first (`_rebuildable`).
-    The same `source` gives the same bytes: its own `created` time (a
-    checkpoint's; none for a tree), and a manager step's metrics as
-    `info["metrics"]` where `info` has none."""
+    """The files describing the tensors of `source` (`eqx_ckpt.json`, and the
+    card loading the model as `shown`), after a warning of the parts that need
+    the model's code; the same `source` gives the same bytes."""
     found = _rebuildable.needs(structure, source.path if isinstance(source, Checkpoint) else shown)
     _rebuildable.warn(found, shown)
     records = [t.record for t in tensors]
@@ -468,12 +456,9 @@ def _leaf(path: str, keypath: list[list[Any]], leaf: Any) -> _Tensor | None:
 def _record(
     path: str, keypath: list[list[Any]], kind: str, shape: tuple[int, ...], dtype: str, impl: str = ""
 ) -> LeafRecord:
-    """The record of a leaf as the published layout stores it
-    (docs/interop.md has the table).
-
-    - As its dtype, where safetensors names it.
-    - Else as unsigned integers of its width ("view").
-    - A PRNG key as its key data."""
+    """The record of a leaf as the published layout stores it: in its dtype,
+    where safetensors names it, else as unsigned integers of its width; a PRNG
+    key as its key data (docs/interop.md has the table)."""
     shape = tuple(shape)
     if kind == "prng_key":
         stored_shape, stored, encoding = shape + (_dtypes.key_data_shape(impl) or ()), "uint32", "key_data"
@@ -489,10 +474,8 @@ def _record(
 
 
 def _reader(array: Any) -> Callable[[], np.ndarray]:
-    """A leaf's value, read as it is written out, as NumPy makes it.
-
-    A lazy leaf's is read by the reader of whole leaves:
-    `LazyArray.__array__`, which gives a PRNG key's key data."""
+    """A leaf's value as NumPy makes it (a lazy leaf's, by the reader of whole
+    leaves: `LazyArray.__array__`, a PRNG key's key data)."""
     return functools.partial(np.asarray, array)
 
 
@@ -576,10 +559,9 @@ def _tensor_name(leaf: str, path: str) -> str:
 
 
 def _refuse_source_in_destination(loc: Location, pytree: Any) -> None:
-    """Refuse a source in the destination, on an object store.
-
-    There a shard replaces its file at once. So a later leaf read from that
-    file would read the new bytes."""
+    """Refuse a source in the destination, on an object store: there a shard
+    replaces its file at once, and a later leaf read from it would read the
+    new bytes."""
     if loc.local is not None:
         return
     lazy = [x for x in jtu.tree_leaves(pytree, is_leaf=lambda x: isinstance(x, LazyArray)) if isinstance(x, LazyArray)]
@@ -664,10 +646,8 @@ def tensor_bytes(tensor: _Tensor) -> memoryview:
 def _write_shard(
     loc: Location, name: str, shard: list[_Tensor], metadata: dict[str, str], update: Any, digests: dict[str, str]
 ) -> None:
-    """Write one file of the export, tensor by tensor, not yet under its name
-    (`_storage.write_unpublished`: on a local disk streamed, elsewhere whole),
-    keeping each tensor's digest in `digests` (where a base's matching has
-    not already)."""
+    """Write one file of the export, not yet under its name
+    (`_storage.write_unpublished`), keeping each tensor's digest in `digests`."""
 
     def parts() -> Iterator[bytes | memoryview]:
         yield _header(shard, metadata)

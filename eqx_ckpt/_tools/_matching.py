@@ -1,15 +1,11 @@
 """An export against a base: which leaves a fine-tune takes from the model it
 was fine-tuned from (`export_safetensors(..., base=)`).
 
-A leaf is taken from the base where a leaf of the base holds the same bytes,
-stored with the same dtype, shape and encoding: matched by content, so a leaf
-renamed or re-wrapped (a LoRA wrapper around an unchanged weight) still
-matches. Leaves are compared by their xxh3-128 digests; the base's leaf of the
-same name is tried first, so a head-only fine-tune reads each base leaf once.
-
-The base is pinned in the record (`_published.Base`): an `hf://` base to its
-commit, any other to the sha256 of its record file. `_load._family` reads it
-back and checks the pin.
+A leaf is taken from the base where a leaf of the base holds the same bytes
+(by xxh3-128 digest), stored alike: matched by content, so a leaf renamed or
+re-wrapped still matches. The base is pinned in the record
+(`_published.Base`), which `_load._family` checks (docs/sharing.md, "Model
+families").
 """
 
 from __future__ import annotations

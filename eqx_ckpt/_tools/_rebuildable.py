@@ -1,15 +1,9 @@
 """What a load without `like` of an exported tree needs, read from its
-structure record: the classes to trust, and the parts no trust rebuilds.
-
-A part needs the model's code where:
-
-- the save could not record it as data (`_structure`'s "unrecordable" nodes:
-  a lambda, a closure, an instance of a class defined inside a function);
-- it uses a class or function that a fresh process cannot import: one defined
-  in a script (`__main__`), or under a name that is no module path.
-
-An export or a push warns of such parts (`NeedsCodeWarning`), and the model
-card rebuilds the largest parts without them (`rebuildable`).
+structure record: the classes to trust, and the parts no trust rebuilds
+(what the save could not record as data, and what a fresh process cannot
+import), which an export warns of (`NeedsCodeWarning`) and the model card
+works around (`rebuildable`; docs/sharing.md, "Parts that need the model's
+code").
 """
 
 from __future__ import annotations

@@ -91,22 +91,12 @@ class Problem:
 
 class Problems(list[Problem]):
     """What [`eqx_ckpt.verify`][] returns: a list of [`eqx_ckpt.Problem`][]s,
-    empty when the checkpoint is sound. Its attributes:
-
-    - `unchecked`: sentences saying what was not checked (what its format
-        cannot be checked for). It is empty for an eqx_ckpt checkpoint, where
-        every byte is.
-    - `steps`: for a `CheckpointManager`'s directory, the committed steps
-        verified (each problem's `step` says which it belongs to); else `()`.
-    - `checked`: sentences saying what was checked beyond the format: for a
-        Hub repository (`hf://`), each file whose digest (SHA-256, or git blob
-        id) matched the one the Hub lists at the pinned commit; else `()`.
-    - `newer`: the steps of that directory written in a newer format than
-        this eqx_ckpt reads. That is not damage: `unchecked` says so. A single
-        such checkpoint raises [`eqx_ckpt.CheckpointVersionError`][] instead.
-
-    `damaged_files()` gives the root causes: each damaged chunk file with the
-    problems it causes."""
+    empty when the checkpoint is sound, with `unchecked` and `steps` as its
+    docstring says; `checked`, sentences saying what was checked beyond the
+    format (a Hub repository's files, by their digests); and `newer`, the
+    steps of a manager's directory of a newer format than this eqx_ckpt
+    reads (not damage: `unchecked` says so). `damaged_files()` gives the root
+    causes."""
 
     def __init__(
         self,
@@ -124,10 +114,8 @@ class Problems(list[Problem]):
         self.newer = newer
 
     def damaged_files(self) -> list[tuple[str, list[Problem]]]:
-        """The damaged chunk files, each with the problems it causes (the
-        leaves, in every step, that use it), most problems first: the root
-        causes. A file that several steps share (hard links, one file under
-        several names) is one damaged file, named by its first name."""
+        """The damaged chunk files (one file under several names is one), each
+        with the problems it causes in every step, most problems first."""
         groups: dict[Any, tuple[str, list[Problem]]] = {}
         for problem in self:
             if problem.file is not None:
@@ -301,10 +289,8 @@ def _verify_steps(loc: Location, steps: list[int], progress: Progress) -> Proble
 
 
 def _check_totals(loc: Location, manifest: Manifest) -> list[Problem]:
-    """The redundant counts in the manifest must agree with its leaf records.
-
-    They are the ones its one parse kept (`Manifest.declared`): the file is
-    not read again, so a manifest replaced meanwhile cannot mix in its totals."""
+    """The redundant counts in the manifest, as its one parse kept them
+    (`Manifest.declared`), must agree with its leaf records."""
     declared = manifest.declared
     if declared is None:  # made in memory, not read: its totals are its leaves'
         return []
@@ -404,11 +390,9 @@ def _chunk_file(root: str, directory: str, indices: tuple[int, ...]) -> str:
 def _check_file_sizes(
     data: Location, directory: str, shape: tuple[int, ...], chunks: tuple[int, ...], chunk_nbytes: int
 ) -> str | None:
-    """Every chunk file is there and holds exactly one full chunk and its
-    4-byte checksum, worded as a load words it (`_untrusted.wrong_chunk_file`).
-
-    TensorStore ignores bytes appended after the checksum, so reads alone would
-    not notice them. Only local folders can be listed this cheaply."""
+    """Every local chunk file is there and holds exactly one full chunk and its
+    checksum (TensorStore ignores bytes appended after the checksum, so reads
+    alone would not notice them), worded as a load words it."""
     if data.local is None:
         return None
     why = _untrusted.first_wrong_chunk_file(data, directory, shape, chunks, chunk_nbytes)
@@ -465,18 +449,9 @@ def _check_groups(data: Location, manifest: Manifest) -> list[Problem]:
 
 def _group_differs(actual: dict[str, Any], what: str) -> str | None:
     """How a group's `zarr.json` differs from what a save writes (`_format.GROUP`).
-
-    Two additions leave it the same group to every zarr reader. A user's zarr
-    tool may well make them, so they are no problem:
-
-    - `attributes` of its own (xarray and others annotate groups; the zarr v3
-        spec makes them optional);
-    - an extension field marked `"must_understand": false`, which the spec
-        lets any reader ignore (zarr-python's consolidated metadata in the
-        root group).
-
-    Anything else changes what the node is, or makes a reader
-    refuse it."""
+    A user's zarr tool may add what leaves it the same group to every zarr
+    reader: `attributes` (xarray annotates groups), or an extension field
+    marked `"must_understand": false` (zarr-python's consolidated metadata)."""
     differ = []
     for name in sorted(set(actual) | set(_format.GROUP)):
         value, expected = actual.get(name), _format.GROUP.get(name)
@@ -497,9 +472,8 @@ def _read_object(
     data: Location, key: str, what: str, *, optional: bool = False
 ) -> tuple[dict[str, Any] | None, str | None]:
     """The JSON object in the small metadata file `key`, or what is wrong with
-    it, said of `what` (neither, when an `optional` file is missing). The file
-    is untrusted: its size is bounded before it is read, and bytes that are not
-    a JSON object are a problem, never an error."""
+    it, said of `what` (neither, when an `optional` file is missing): untrusted
+    bytes, bounded before they are read, and a problem, never an error."""
     try:
         raw = _storage.read_file(data, key, limit=_MAX_ZARR_JSON)
     except CheckpointStorageError:

@@ -1,24 +1,13 @@
 """`verify` of the other formats eqx_ckpt reads: a safetensors file, a Hugging
 Face directory of them, an orbax checkpoint.
 
-Each is checked for what its format can be checked for. Opening it checks its
-metadata:
-
-- `_safetensors`: every header parses. Its offsets follow one another from the
-  start of the data with no byte unused, and no bytes follow the last tensor.
-  The index names files that are there and tensors they hold.
-- `_orbax`: `_METADATA` describes a PyTree whose every array opens.
-
-Then every chunk of every tensor is read, a bounded number of bytes at a time
-(`_chunk_scan`). A truncated file or a missing chunk is a problem of the
-tensor it belongs to. Neither format stores checksums of its data, so a
-changed byte cannot be detected. The result says so (`unchecked`), and never
-passes over it.
-
-The published layout does record each leaf's digest (`_published`, in exports
-of this version on). Each such leaf is read whole, in slabs, and its digest
-compared instead: a changed byte is then a problem. A fine-tune's leaves taken
-from its base are read from the base, which opening found at its pin.
+Each is checked for what its format can be checked for: opening it checks its
+metadata (`_safetensors`, `_orbax`), then every chunk of every tensor is read
+(`_chunk_scan`). Neither format stores checksums, so a changed byte cannot be
+detected, and the result says so (`unchecked`). A leaf of the published
+layout whose digest the record keeps (`_published`) is read whole and its
+digest compared instead; a fine-tune's leaves taken from its base are read
+from the base, at its pin (docs/interop.md, docs/sharing.md).
 """
 
 from __future__ import annotations
@@ -55,10 +44,7 @@ def check(
     """The problems of the checkpoint of another format at `loc`, as `(dotted
     path or None, message)`, what its format could not be checked for, and
     what was checked beyond it (a Hub repository's files, by their digests).
-    `base`: a fine-tune's base, as the caller gave it (`None`: as recorded).
-
-    Raises `CheckpointNotFoundError` (saying what `loc` holds) if it is no
-    checkpoint of any format."""
+    `base`: a fine-tune's base, as the caller gave it (`None`: as recorded)."""
     hub = loc.hub is not None
     try:
         # A Hub repository is verified as the cache holds it: downloaded whole,
