@@ -335,8 +335,9 @@ def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 @_gc.gc_paused()
 def parse(data: bytes, *, where: str, stamp: bytes = b"") -> Manifest:
     """Parse and validate manifest bytes; any problem is a `CorruptCheckpointError`."""
-    bad = _invalid(where)
-    body, version = _parse_json(data, bad, where)
+    named = f"The manifest of checkpoint {where!r}"
+    bad = invalid(named, where, holder="checkpoint")
+    body, version = _parse_json(data, bad, named, where)
     commit, metrics = _check_header(body, bad)
     packs = _parse_packs(body.get("packs", []), commit, bad)
     nbytes: dict[int, Any] = {}
@@ -361,13 +362,14 @@ def parse(data: bytes, *, where: str, stamp: bytes = b"") -> Manifest:
     )
 
 
-def _invalid(where: str) -> Callable[[str], CorruptCheckpointError]:
-    """The error of a manifest at `where` that is invalid, and why."""
+def invalid(named: str, where: str, *, holder: str, fix: str = "") -> Callable[[str], CorruptCheckpointError]:
+    """The error of a versioned eqx_ckpt file at `where` that is invalid, and
+    why (`named`: how the message names the file, as for `read_document`;
+    `holder`: what it describes; `fix`: what else to do, after "do not load it")."""
 
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
-            f"The manifest of checkpoint {where!r} is invalid: {why}. The checkpoint "
-            f"is damaged or was not written by eqx_ckpt; do not load it.",
+            f"{named} is invalid: {why}. The {holder} is damaged or was not written by eqx_ckpt; do not load it{fix}.",
             path=where,
         )
 
@@ -407,9 +409,8 @@ def read_document(
     return body, version
 
 
-def _parse_json(data: bytes, bad: Callable[[str], Exception], where: str) -> tuple[dict[str, Any], int]:
+def _parse_json(data: bytes, bad: Callable[[str], Exception], named: str, where: str) -> tuple[dict[str, Any], int]:
     """The manifest's JSON object and format version, its digest checked."""
-    named = f"The manifest of checkpoint {where!r}"
     body, version = read_document(data, bad, fmt=FORMAT, newest=FORMAT_VERSION, named=named, where=where)
     if version >= 4:
         tail = _DIGEST_TAIL.search(data)

@@ -55,10 +55,10 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._base._errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError, from_file
+from .._base._errors import CheckpointTypeError, CheckpointValueError, from_file
 from .._base._location import HUB_SCHEME
 from ._format import PUBLISHED, LeafRecord
-from ._manifest import parse_leaves, read_document
+from ._manifest import invalid, parse_leaves, read_document
 
 NAME = PUBLISHED
 FORMAT = "eqx_ckpt.safetensors"
@@ -226,8 +226,10 @@ def _json_problem(value: Any, where: str, depth: int) -> str | None:
 
 def parse(data: bytes, *, where: str) -> Published:
     """An `eqx_ckpt.json`'s bytes, checked; any problem is a `CorruptCheckpointError`."""
-    bad = _invalid(where)
-    body, version = read_document(data, bad, fmt=FORMAT, newest=VERSION, named=f"The {NAME} of {where!r}", where=where)
+    named = f"The {NAME} of {where!r}"
+    fix = f" (remove {NAME} to load its safetensors files by name, with `like`)"
+    bad = invalid(named, where, holder="folder", fix=fix)
+    body, version = read_document(data, bad, fmt=FORMAT, newest=VERSION, named=named, where=where)
     for key in ("library_version", "created"):
         if not isinstance(body.get(key, ""), str):
             raise bad(f"`{key}` is not a string")
@@ -331,14 +333,3 @@ def _check_totals(body: dict[str, Any], leaves: list[LeafRecord], bad: Callable[
         raise bad(f"`leaf_count` {count!r} is not the {len(leaves)} leaves it lists")
     if total != sum(leaf.nbytes for leaf in leaves) or type(total) is not int:
         raise bad(f"`total_bytes` {total!r} is not the bytes of the leaves it lists")
-
-
-def _invalid(where: str) -> Callable[[str], CorruptCheckpointError]:
-    def bad(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f"The {NAME} of {where!r} is invalid: {why}. The folder is damaged or was not written by eqx_ckpt; "
-            f"do not load it (remove {NAME} to load its safetensors files by name, with `like`).",
-            path=where,
-        )
-
-    return bad
