@@ -22,7 +22,7 @@ from .._base._location import Location
 from .._load import _lazy
 from .._ondisk import _format, _manifest
 from .._store import _storage
-from ._steps import committed_steps, delete_step, primary, read_metrics
+from ._steps import committed_steps, delete_step, primary, read_metrics, read_small_file
 
 # A retention record lists steps: a million of them is still far below this.
 _MAX_RETENTION_BYTES = 2**24
@@ -188,22 +188,17 @@ def recorded_best(loc: Location) -> tuple[str | None, str]:
 
 def _read_record(loc: Location) -> tuple[dict[str, Any], list[int]] | None:
     """The rules and steps of the directory's retention record, if it has one."""
-    data = _storage.read_file(loc, _format.RETENTION, limit=_MAX_RETENTION_BYTES)
-    if data is None:
-        return None
-    try:
-        body = _manifest.loads_file(data)
-        rules, steps = body["rules"], body["steps"]
-        if not isinstance(rules, dict) or not isinstance(steps, list):
-            raise ValueError("unexpected content")
-        if not all(type(step) is int and step >= 0 for step in steps):
-            raise ValueError("a step is not a non-negative int")
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(
-            f"The retention record {_format.RETENTION!r} in {loc.display!r} is invalid ({e}). Delete it: "
-            f"retention then leaves the steps saved so far in place (`adopt_steps=True` applies it to them).",
-            path=loc.display,
-        ) from None
+    fix = "Delete it: retention then leaves the steps saved so far in place (`adopt_steps=True` applies it to them)."
+    return read_small_file(loc, _format.RETENTION, _MAX_RETENTION_BYTES, _record, what="retention record", fix=fix)
+
+
+def _record(data: bytes) -> tuple[dict[str, Any], list[int]]:
+    body = _manifest.loads_file(data)
+    rules, steps = body["rules"], body["steps"]
+    if not isinstance(rules, dict) or not isinstance(steps, list):
+        raise ValueError("unexpected content")
+    if not all(type(step) is int and step >= 0 for step in steps):
+        raise ValueError("a step is not a non-negative int")
     return rules, steps
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -20,6 +20,8 @@ from .._store import _storage
 from .._store._transaction import read_manifest
 
 _MAX_METRICS_BYTES = 2**20
+
+_T = TypeVar("_T")
 
 
 def primary() -> bool:
@@ -170,15 +172,27 @@ def read_metrics(loc: Location, step: int) -> dict[str, Any]:
     manifest = read_manifest(loc.joined(_format.step_name(step)))
     if manifest is not None and manifest.format_version >= 2:
         return {k: float(v) if isinstance(v, str) else v for k, v in manifest.metrics.items()}
-    data = _storage.read_file(loc, _format.metrics_name(step), limit=_MAX_METRICS_BYTES)
+    fix = f"Delete it to keep step {step} without metrics."
+    name, parse = _format.metrics_name(step), lambda data: _metrics_file_values(data, step)
+    values = read_small_file(loc, name, _MAX_METRICS_BYTES, parse, what="metrics file", fix=fix)
+    return {} if values is None else values
+
+
+def read_small_file(
+    loc: Location, name: str, limit: int, parse: Callable[[bytes], _T], *, what: str, fix: str
+) -> _T | None:
+    """What `parse` makes of the manager's file `name` in `loc` (at most
+    `limit` bytes), or `None` where there is none. A file `parse` rejects
+    (with `ValueError`, `KeyError` or `TypeError`) is a `CorruptCheckpointError`
+    naming it (`what`: which file it is), then saying the `fix`."""
+    data = _storage.read_file(loc, name, limit=limit)
     if data is None:
-        return {}
+        return None
     try:
-        return _metrics_file_values(data, step)
+        return parse(data)
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(
-            f"The metrics file {_format.metrics_name(step)!r} in {loc.display!r} is invalid ({e}). "
-            f"Delete it to keep step {step} without metrics.",
+            f"The {what} {name!r} in {loc.display!r} is invalid ({e}). {fix}",
             path=loc.display,
         ) from None
 
