@@ -90,14 +90,6 @@ class _Tensor:
     read: Callable[[], Any]
 
     @property
-    def dtype(self) -> str:
-        return self.record.stored_dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.record.stored_shape)
-
-    @property
     def nbytes(self) -> int:
         return self.record.nbytes
 
@@ -619,10 +611,9 @@ def _header(shard: list[_Tensor], metadata: dict[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for tensor in shard:
-        dtype = _safetensors.NAMES[tensor.dtype]
         header[tensor.name] = {
-            "dtype": dtype,
-            "shape": list(tensor.shape),
+            "dtype": _safetensors.NAMES[tensor.record.stored_dtype],
+            "shape": list(tensor.record.stored_shape),
             "data_offsets": [offset, offset + tensor.nbytes],
         }
         offset += tensor.nbytes
@@ -634,11 +625,11 @@ def _header(shard: list[_Tensor], metadata: dict[str, str]) -> bytes:
 
 def tensor_bytes(tensor: _Tensor) -> memoryview:
     # Scalars read back as Python values: give them their stored dtype again.
-    value = tensor.read()
-    if tensor.record.encoding == "view":
-        value = np.asarray(value, dtype=dtype_from_name(tensor.record.dtype)).view(dtype_from_name(tensor.dtype))
-    array = np.asarray(value, dtype=dtype_from_name(tensor.dtype), order="C")
-    if tuple(array.shape) != tensor.shape:
+    value, record = tensor.read(), tensor.record
+    if record.encoding == "view":
+        value = np.asarray(value, dtype=dtype_from_name(record.dtype)).view(dtype_from_name(record.stored_dtype))
+    array = np.asarray(value, dtype=dtype_from_name(record.stored_dtype), order="C")
+    if tuple(array.shape) != tuple(record.stored_shape):
         raise CheckpointValueError(f"Leaf `{tensor.name}` changed while it was exported; export again.")
     return memoryview(array.reshape(-1).view(np.uint8).data)
 
