@@ -496,7 +496,6 @@ def _export_parser(commands: Any) -> None:
     export.add_argument("--token", default=None, help=_TOKEN_HELP)
     export.add_argument("--with-base", default=None, metavar="PATH", help=_WITH_BASE_HELP)
     export.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
-    export.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB, 500MB (default 5GB)")
     export.add_argument(
         "--rename",
         action="append",
@@ -520,12 +519,13 @@ def _export_parser(commands: Any) -> None:
         '\'{"description": "...", "metrics": {"loss": 0.1}}\'',
     )
     export.add_argument("--no-card", action="store_true", help="write no README.md (leave one there as it is)")
-    _card_options(export, "export")
+    _export_options(export, "export")
     export.set_defaults(run=_export)
 
 
-def _card_options(command: Any, verb: str) -> None:
-    """The options of `export` and `push` that choose a sub-tree and fill the model card."""
+def _export_options(command: Any, verb: str) -> None:
+    """The options of `export` and `push` that size the shards, choose a sub-tree and fill the model card."""
+    command.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB, 500MB (default 5GB)")
     command.add_argument(
         "--prefix", default=None, help=f"{verb} only the sub-tree at this dotted path (e.g. model), which it loads as"
     )
@@ -571,7 +571,6 @@ def _push_parser(commands: Any) -> None:
     push.add_argument("--token", default=None, help="a Hub token with write access (default: HF_TOKEN)")
     push.add_argument("--with-base", default=None, metavar="PATH", help=_WITH_BASE_HELP)
     push.add_argument("--message", default="Upload model with eqx_ckpt", help="the commit message")
-    push.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB, 500MB (default 5GB)")
     push.add_argument(
         "--metadata",
         action="append",
@@ -580,7 +579,7 @@ def _push_parser(commands: Any) -> None:
         help="your metadata, kept in eqx_ckpt.json and shown on the model card (repeatable); a VALUE that is "
         "JSON is read as JSON (val_loss=0.0576 a number), any other as a string",
     )
-    _card_options(push, "publish")
+    _export_options(push, "publish")
     push.add_argument(
         "--tag", default=None, help="a tag to put on the commit, e.g. v1.0 (load it as hf://owner/name@v1.0)"
     )
