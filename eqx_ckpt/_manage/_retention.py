@@ -42,11 +42,13 @@ class RetentionWarning(UserWarning):
     !!! example
 
         ```python
-        import warnings
+        import jax.numpy as jnp
         import eqx_ckpt
 
-        # Make steps left in place an error, as for any warning:
-        warnings.simplefilter("error", eqx_ckpt.RetentionWarning)
+        eqx_ckpt.CheckpointManager("run_adopted").save(0, {"w": jnp.zeros(2)})  # saved under no rules
+        manager = eqx_ckpt.CheckpointManager("run_adopted", max_to_keep=1, adopt_steps=True)
+        manager.save(1, {"w": jnp.ones(2)})  # deletes step 0 too: no RetentionWarning
+        print(manager.all_steps())           # [1]
         ```
     """
 
