@@ -195,6 +195,8 @@ def _read_record(loc: Location) -> tuple[dict[str, Any], list[int]] | None:
 
 
 def _record(data: bytes) -> tuple[dict[str, Any], list[int]]:
+    """The rules and steps in a retention record's bytes; raises `ValueError`,
+    `KeyError` or `TypeError` for anything else."""
     body = _manifest.loads_file(data)
     rules, steps = body["rules"], body["steps"]
     if not isinstance(rules, dict) or not isinstance(steps, list):
