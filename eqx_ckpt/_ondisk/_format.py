@@ -51,9 +51,12 @@ FORMAT = "eqx_ckpt"
 # - 3 packs small leaves together (`packs`, and a leaf's `pack` and `offset`);
 # - 4 leaves out of a leaf's record what equals its default (see
 #   `LeafRecord.to_json`) and takes the digest over the file's own bytes;
-# - 5 adds the tree's structure record (`structure`, see `_structure`).
-# Versions 1 to 4 are still read.
-FORMAT_VERSION = 5
+# - 5 adds the tree's structure record (`structure`, see `_structure`);
+# - 6 compresses chunks (a leaf's and a pack's `compression`, `COMPRESSIONS`).
+# Versions 1 to 5 are still read. A save writes 5 unless it compresses, so
+# that an eqx_ckpt of version 5 still reads what it can.
+FORMAT_VERSION = 6
+UNCOMPRESSED_VERSION = 5
 # How to upgrade, worded as README installs eqx_ckpt: from its source checkout.
 UPGRADE = (
     "Upgrade eqx_ckpt as you installed it (from its source checkout, as README does: `git pull`, then "
@@ -228,6 +231,7 @@ class PackRecord:
     - `chunk`: the length of its chunks, in elements.
     - `commit`: the commit of the manifest that lists it (not stored: it tells
         apart the packs of two saves that used the same folder).
+    - `compression`: how its chunks are compressed (`COMPRESSIONS`), or "".
     """
 
     name: str
@@ -235,9 +239,13 @@ class PackRecord:
     size: int
     chunk: int
     commit: str = dataclasses.field(default="", compare=False)
+    compression: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": [self.size], "chunks": [self.chunk]}
+        out = {"name": self.name, "dtype": self.dtype, "shape": [self.size], "chunks": [self.chunk]}
+        if self.compression:
+            out["compression"] = self.compression
+        return out
 
 
 def pack_name(stored_dtype: str) -> str:
@@ -268,6 +276,8 @@ class LeafRecord:
     - `impl`: the PRNG implementation name of a key array, else "".
     - `pack`: the pack holding it, or `None` when it has its own array.
     - `offset`: where its elements start in its pack (C order).
+    - `compression`: how its own array's chunks are compressed
+      (`COMPRESSIONS`), or "" (a packed leaf's are its pack's).
     """
 
     path: str
@@ -282,6 +292,7 @@ class LeafRecord:
     impl: str = ""
     pack: PackRecord | None = None
     offset: int = 0
+    compression: str = ""
 
     @property
     def size(self) -> int:
@@ -327,6 +338,8 @@ class LeafRecord:
             out["impl"] = self.impl
         if self.pack is not None:
             out["pack"], out["offset"] = self.pack.name, self.offset
+        if self.compression:
+            out["compression"] = self.compression
         return out
 
 
@@ -352,8 +365,11 @@ NATIVE_DTYPES = frozenset(
     "float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn".split()
 )
 
-# The largest chunk a save writes.
+# The largest chunk a save writes; compressed, `COMPRESSED_CHUNK_BYTES`: each
+# writing thread holds one compressed at a time, and a read of a few rows
+# decompresses the whole chunks that hold them.
 CHUNK_BYTES = 64 * 2**20
+COMPRESSED_CHUNK_BYTES = 8 * 2**20
 # An array's chunk files sit under `c` in its folder: `c/<i>/<j>...` by their
 # indices in the chunk grid, and a scalar's one chunk is the file `c` itself.
 CHUNKS = "c"
@@ -361,23 +377,53 @@ CHUNKS = "c"
 CHECKSUM_BYTES = 4
 
 
-def codecs(stored_dtype: str) -> list[dict[str, Any]]:
-    """Little-endian bytes, then a crc32c checksum of every chunk."""
-    if dtype_from_name(stored_dtype).itemsize > 1:
+# The compressions a save may ask for (`compression=`), each one of zarr v3's
+# own codecs, so that any zarr v3 reader decompresses the chunks. Bit-shuffled
+# blosc: the bits of each byte position together, where trained weights' skewed
+# exponents compress; lz4 is the default, as small as zstd on trained state and
+# several times as fast (docs/benchmarks.md, "Compression").
+COMPRESSIONS = ("blosc-lz4", "blosc-zstd", "zstd")
+DEFAULT_COMPRESSION = "blosc-lz4"
+
+
+def compressor(compression: str, itemsize: int) -> dict[str, Any]:
+    """The zarr v3 codec of a `compression` (`COMPRESSIONS`), for elements of `itemsize` bytes."""
+    if compression == "zstd":
+        return {"name": "zstd", "configuration": {"level": 1, "checksum": False}}
+    cname, clevel = {"blosc-lz4": ("lz4", 5), "blosc-zstd": ("zstd", 3)}[compression]
+    shuffle = {"cname": cname, "clevel": clevel, "shuffle": "bitshuffle", "typesize": itemsize, "blocksize": 0}
+    return {"name": "blosc", "configuration": shuffle}
+
+
+def most_stored_bytes(chunk_nbytes: int, compression: str) -> int:
+    """The most bytes a chunk of `chunk_nbytes` may take stored (before its
+    checksum): as many uncompressed; compressed, what blosc or zstd take at
+    worst for bytes that do not compress (a header and a little per block)."""
+    return chunk_nbytes + (chunk_nbytes // 128 + 1024 if compression else 0)
+
+
+def codecs(stored_dtype: str, compression: str = "") -> list[dict[str, Any]]:
+    """Little-endian bytes, then the `compression` if any, then a crc32c
+    checksum of every chunk as stored."""
+    itemsize = dtype_from_name(stored_dtype).itemsize
+    if itemsize > 1:
         first = {"name": "bytes", "configuration": {"endian": "little"}}
     else:
         first = {"name": "bytes"}
-    return [first, {"name": "crc32c"}]
+    middle = [compressor(compression, itemsize)] if compression else []
+    return [first, *middle, {"name": "crc32c"}]
 
 
-def array_metadata(shape: tuple[int, ...], stored_dtype: str, chunks: list[int]) -> dict[str, Any]:
+def array_metadata(
+    shape: tuple[int, ...], stored_dtype: str, chunks: list[int], compression: str = ""
+) -> dict[str, Any]:
     """The `zarr.json` metadata of one stored array."""
     return {
         "shape": list(shape),
         "data_type": stored_dtype,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
         "chunk_key_encoding": {"name": "default"},
-        "codecs": codecs(stored_dtype),
+        "codecs": codecs(stored_dtype, compression),
     }
 
 
@@ -387,11 +433,14 @@ def dtype_from_name(name: str) -> np.dtype:
     return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
 
 
-def chunk_shape(shape: tuple[int, ...], itemsize: int, block: tuple[int, ...] | None = None) -> list[int]:
+def chunk_shape(
+    shape: tuple[int, ...], itemsize: int, block: tuple[int, ...] | None = None, limit: int | None = None
+) -> list[int]:
     """A chunk grid that lines up with `block` (a shard's shape) and keeps chunks
-    under `CHUNK_BYTES`, so large arrays are read and written in parallel."""
+    under `limit` (`CHUNK_BYTES`), so large arrays are read and written in parallel."""
     chunk = [max(1, n) for n in (block if block is not None else shape)]
-    while math.prod(chunk) * itemsize > CHUNK_BYTES:
+    limit = CHUNK_BYTES if limit is None else limit
+    while math.prod(chunk) * itemsize > limit:
         for axis, n in enumerate(chunk):
             if n > 1:
                 # Halving keeps every chunk inside one shard when `n` is even.

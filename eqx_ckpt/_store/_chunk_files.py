@@ -62,6 +62,23 @@ def read_local_range(path: str, start: int, end: int) -> np.ndarray | None:
     return _local_read.read_range(path, start, end)
 
 
+def stored_bytes(data: Location, manifest: _manifest.Manifest) -> int | None:
+    """The bytes the chunk files of `manifest`'s arrays take under `data`
+    (their checksums included; a compressed chunk's own size): on a local
+    disk in the "directories" layout, else `None` (an object store's listing
+    through TensorStore gives no sizes)."""
+    if data.local is None or manifest.layout != "directories":
+        return None
+    arrays = [(r.directory, r.stored_shape, r.chunks) for r in manifest.leaves if r.pack is None]
+    arrays += [(p.name, (p.size,), (p.chunk,)) for p in manifest.packs]
+    total = 0
+    for directory, shape, chunks in arrays:
+        for key in _format.chunk_keys(shape, chunks):
+            entry = _storage.local_entry(os.path.join(data.local, directory, *key.split("/")))
+            total += entry.size if entry.file else 0
+    return total
+
+
 class ChunkFiles(Protocol):
     """How the chunk files of one location are read and written (`chunk_files`).
     A save's `writer` takes every write, and a load's `pack_runs` every run of
@@ -125,9 +142,11 @@ class LocalFiles:
 
     def reads(self, record: LeafRecord) -> bool:
         """A large leaf whose chunks split only its first axis (each chunk's
-        bytes contiguous in the array), not packed, in a codec read as stored."""
+        bytes contiguous in the array), not packed, in a codec read as stored
+        (uncompressed: TensorStore decompresses the others)."""
         return (
-            record.encoding in _format.ENCODINGS
+            not record.compression
+            and record.encoding in _format.ENCODINGS
             and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
             and record.pack is None
             and record.nbytes >= max(_local_read.MIN_BYTES, 1)
@@ -461,7 +480,8 @@ class PackRuns:
         """Start reading elements `[start, stop)` of `pack`, whose first member
         read is `leaf`. A failure to open the pack is `leaf`'s, raised here; one
         of the read is raised as storage raised it, when waited for."""
-        if self._local and start < stop:  # (an empty run holds no chunk to read)
+        # (An empty run holds no chunk to read; TensorStore decompresses a compressed pack's.)
+        if self._local and start < stop and not pack.compression:
             return _deferred(self._loc, pack, start, stop)
         if pack.name not in self._stores:
             self._stores[pack.name] = _storage.open_pack(self._loc, pack, cached=self._cached, leaf=leaf.path)
