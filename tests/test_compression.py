@@ -344,3 +344,13 @@ def test_info_ls_and_checkpoint_show_the_stored_and_the_raw_size(tmp_path, capsy
     assert capsys.readouterr().out.endswith(f"2 leaves, 4.0 MiB, stored compressed (blosc-zstd) in {human(on_disk)}\n")
     assert main(["info", str(tmp_path / "raw")]) == 0
     assert "compression" not in capsys.readouterr().out
+
+
+def test_diff_compares_values_not_stored_bytes(tmp_path):
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "raw", tree)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "zstd", tree, compression="zstd")
+    assert not eqx_ckpt.diff(tmp_path / "raw", tmp_path / "zstd")
+    changed = {**tree, "w_f32": tree["w_f32"] + 1}
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "changed", changed, compression=True)
+    assert list(eqx_ckpt.diff(tmp_path / "zstd", tmp_path / "changed")) == ["! w_f32: values differ"]
