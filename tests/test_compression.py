@@ -354,3 +354,31 @@ def test_diff_compares_values_not_stored_bytes(tmp_path):
     changed = {**tree, "w_f32": tree["w_f32"] + 1}
     eqx_ckpt.tree_serialise_leaves(tmp_path / "changed", changed, compression=True)
     assert list(eqx_ckpt.diff(tmp_path / "zstd", tmp_path / "changed")) == ["! w_f32: values differ"]
+
+
+def _replace_chunk(chunk, data: bytes) -> None:
+    """Write `data` as the chunk file's bytes, with a checksum that matches them."""
+    import crc32c
+
+    chunk.write_bytes(data + crc32c.crc32c(data).to_bytes(4, "little"))
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+@pytest.mark.parametrize("forged", ["garbage", "fewer bytes", "more bytes"])
+def test_a_chunk_with_a_good_checksum_that_does_not_decompress_to_one_chunk_is_refused(tmp_path, compression, forged):
+    """A hostile file may carry a valid crc32c of bytes that are not a chunk:
+    eqx_ckpt's own reads (and TensorStore's, through `Checkpoint`) refuse it."""
+    tree = {"w": _weights((2048, 1024))}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree, compression=compression)
+    chunk = _chunk_files(tmp_path / "w")[0]
+    codec = _format.codec(compression, 4)
+    chunk_bytes = tree["w"][:1024].view(np.uint32)
+    data = {
+        "garbage": bytes(range(256)) * 100,
+        "fewer bytes": bytes(codec.encode(chunk_bytes[:1000])),
+        "more bytes": bytes(codec.encode(np.concatenate([chunk_bytes, chunk_bytes[:10]]))),
+    }[forged]
+    _replace_chunk(chunk, data)
+    with pytest.raises(eqx_ckpt.IntegrityError, match=r"Leaf `w`.*(does not decompress|decompresses to|damaged)"):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
+    assert [p.leaf for p in eqx_ckpt.verify(tmp_path)] == ["w"]

@@ -40,6 +40,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import ml_dtypes
+import numcodecs
 import numpy as np
 
 from .._base import _keypath, _state
@@ -393,6 +394,38 @@ def compressor(compression: str, itemsize: int) -> dict[str, Any]:
     cname, clevel = {"blosc-lz4": ("lz4", 5), "blosc-zstd": ("zstd", 3)}[compression]
     shuffle = {"cname": cname, "clevel": clevel, "shuffle": "bitshuffle", "typesize": itemsize, "blocksize": 0}
     return {"name": "blosc", "configuration": shuffle}
+
+
+@_state.memo(16)
+def codec(compression: str, itemsize: int) -> Any:
+    """The numcodecs codec that writes and reads what `compressor` describes
+    (its calls release the GIL)."""
+    config = compressor(compression, itemsize)["configuration"]
+    if compression == "zstd":
+        return numcodecs.Zstd(level=config["level"], checksum=config["checksum"])
+    return numcodecs.Blosc(config["cname"], config["clevel"], numcodecs.Blosc.BITSHUFFLE, config["blocksize"])
+
+
+def decoded_size(compression: str, data: Any) -> int | None:
+    """The bytes a compressed chunk's header says it decompresses to, or `None`
+    where it says none (not a frame of its codec). Blosc: four bytes, then
+    `nbytes`, `blocksize` and `cbytes` (uint32, little-endian; `cbytes` is the
+    frame's own length). Zstd: its magic number, a descriptor, then the
+    content size in 0, 1, 2, 4 or 8 bytes after an optional window byte and
+    dictionary id."""
+    head = bytes(data[:18])
+    if compression != "zstd":
+        whole = len(head) >= 16 and int.from_bytes(head[12:16], "little") == len(data)
+        return int.from_bytes(head[4:8], "little") if whole else None
+    if len(head) < 6 or head[:4] != b"\x28\xb5\x2f\xfd":
+        return None
+    descriptor = head[4]
+    single = descriptor >> 5 & 1
+    width = (single, 2, 4, 8)[descriptor >> 6]
+    start = 6 - single + (0, 1, 2, 4)[descriptor & 3]
+    if not width or len(head) < start + width:
+        return None
+    return int.from_bytes(head[start : start + width], "little") + (256 if width == 2 else 0)
 
 
 def most_stored_bytes(chunk_nbytes: int, compression: str) -> int:

@@ -142,11 +142,9 @@ class LocalFiles:
 
     def reads(self, record: LeafRecord) -> bool:
         """A large leaf whose chunks split only its first axis (each chunk's
-        bytes contiguous in the array), not packed, in a codec read as stored
-        (uncompressed: TensorStore decompresses the others)."""
+        bytes contiguous in the array), not packed, in a codec read as stored."""
         return (
-            not record.compression
-            and record.encoding in _format.ENCODINGS
+            record.encoding in _format.ENCODINGS
             and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
             and record.pack is None
             and record.nbytes >= max(_local_read.MIN_BYTES, 1)
@@ -480,8 +478,7 @@ class PackRuns:
         """Start reading elements `[start, stop)` of `pack`, whose first member
         read is `leaf`. A failure to open the pack is `leaf`'s, raised here; one
         of the read is raised as storage raised it, when waited for."""
-        # (An empty run holds no chunk to read; TensorStore decompresses a compressed pack's.)
-        if self._local and start < stop and not pack.compression:
+        if self._local and start < stop:  # (an empty run holds no chunk to read)
             return _deferred(self._loc, pack, start, stop)
         if pack.name not in self._stores:
             self._stores[pack.name] = _storage.open_pack(self._loc, pack, cached=self._cached, leaf=leaf.path)

@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import crc32c
-import numcodecs
 import numpy as np
 import xxhash
 
@@ -137,20 +136,11 @@ def _compressed(make: Callable[[], Any], compression: str, itemsize: int) -> lis
         raw = np.concatenate([np.frombuffer(view, np.uint8) for view in content])
     # Elements as unsigned integers of their size: what blosc shuffles by.
     elements = raw.view(f"<u{itemsize}") if itemsize in (2, 4, 8) else raw
-    return _Compressed([memoryview(_codec(compression, itemsize).encode(elements))])
+    return _Compressed([memoryview(_format.codec(compression, itemsize).encode(elements))])
 
 
 class _Compressed(list[Any]):
     """A compressed chunk's bytes, as one view: their size is their content's."""
-
-
-@_state.memo(16)
-def _codec(compression: str, itemsize: int) -> Any:
-    """The numcodecs codec that writes what `_format.compressor` describes."""
-    config = _format.compressor(compression, itemsize)["configuration"]
-    if compression == "zstd":
-        return numcodecs.Zstd(level=config["level"], checksum=config["checksum"])
-    return numcodecs.Blosc(config["cname"], config["clevel"], numcodecs.Blosc.BITSHUFFLE, config["blocksize"])
 
 
 class _Chunk:
