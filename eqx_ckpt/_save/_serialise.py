@@ -322,8 +322,9 @@ def _collect_and_plan(
         overwrite = check_flag("overwrite", options.overwrite, "whether to replace a checkpoint already there")
         blocking = check_flag("blocking", options.blocking, "`False` saves in the background")
         cast = _records.cast_function(options.cast)
-        budget = _staging.budget(options.staging_bytes)
         compression = compression_of(options.compression)
+        reserved = _chunk_files.compressing_bytes() if compression else 0  # within the budget
+        budget = max(_staging.budget(options.staging_bytes) - reserved, 1)
         if where is not None:
             partial = _partial.collect(
                 loc,

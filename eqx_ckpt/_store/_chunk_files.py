@@ -62,6 +62,12 @@ def read_local_range(path: str, start: int, end: int) -> np.ndarray | None:
     return _local_read.read_range(path, start, end)
 
 
+def compressing_bytes() -> int:
+    """The most host memory a compressed save holds beyond its staged pieces:
+    a compressed chunk (and an edge chunk's padded copy) in each writing thread."""
+    return 2 * _local_write.THREADS * _format.COMPRESSED_CHUNK_BYTES
+
+
 def stored_bytes(data: Location, manifest: _manifest.Manifest) -> int | None:
     """The bytes the chunk files of `manifest`'s arrays take under `data`
     (their checksums included; a compressed chunk's own size): on a local
