@@ -81,7 +81,7 @@ def main(process_id: int, num_processes: int, port: int) -> None:
         full = value(shape, scale)
         if JOB["save"]:
             w = jax.make_array_from_callback(shape, sharding, lambda index, full=full: full[index])
-            eqx_ckpt.tree_serialise_leaves(where, {"w": w})
+            eqx_ckpt.tree_serialise_leaves(where, {"w": w}, compression=JOB.get("compression"))
         like = {"w": jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)}
         for read_once in JOB.get("read_once", [None]):
             before = bytes_read()

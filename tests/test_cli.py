@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -422,9 +423,9 @@ def _claim_a_newer_format(path):
     from eqx_ckpt._ondisk._format import FORMAT_VERSION
 
     manifest = path / "manifest.json"
-    text = manifest.read_text()
-    assert f'"format_version":{FORMAT_VERSION}' in text.replace(" ", "")
-    manifest.write_text(text.replace(f'"format_version": {FORMAT_VERSION}', f'"format_version": {FORMAT_VERSION + 1}'))
+    text, count = re.subn(r'"format_version": [0-9]+', f'"format_version": {FORMAT_VERSION + 1}', manifest.read_text())
+    assert count == 1
+    manifest.write_text(text)
     return FORMAT_VERSION + 1
 
 

@@ -133,8 +133,16 @@ def test_the_fixture_is_the_version_its_folder_names(fixture):
 
 def test_the_fixture_holds_what_its_format_wrote(fixture):
     """Representative: a large leaf in a folder of its own, small ones packed
-    where the format packs (version 3 on), in folders of their own before."""
-    assert (fixture / "big" / "c" / "0" / "0").stat().st_size > make_fixture.PACK_BYTES
+    where the format packs (version 3 on), in folders of their own before;
+    from version 6, every array compressed (`make_fixture.py --compressed`)."""
+    big = (fixture / "big" / "c" / "0" / "0").stat().st_size
+    manifest = json.loads((fixture / "manifest.json").read_text())
+    if _version(fixture) >= 6:
+        assert {p["compression"] for p in manifest["packs"]} == {"blosc-lz4"}
+        assert [r["compression"] for r in manifest["leaves"] if r["path"] == "big"] == ["blosc-lz4"]
+        assert 0 < big < make_fixture.PACK_BYTES  # its bytes compress
+    else:
+        assert big > make_fixture.PACK_BYTES
     packs = sorted(p.name for p in fixture.glob("packed.*"))
     if _version(fixture) >= 3:
         assert {"packed.bfloat16", "packed.float32", "packed.uint32", "packed.uint8"} <= set(packs)

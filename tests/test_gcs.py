@@ -168,3 +168,7 @@ def test_a_save_to_a_bucket_that_does_not_exist_says_so(gcs):
 
 def test_every_manager_step_is_written_whole_here(url):
     stores.check_every_manager_step_is_whole(url)
+
+
+def test_compressed_saves_round_trip_here(url):
+    stores.check_compressed_saves_round_trip(url)

@@ -176,9 +176,10 @@ def _run_matrix(
     chunk_bytes: int | None = None,
     read_once: list[bool | None] | None = None,
     gloo: bool = True,
+    compression: str | None = None,
 ) -> list[str]:
     job = {"devices": devices, "shape": shape, "checkpoints": checkpoints, "save": save, "chunk_bytes": chunk_bytes}
-    job.update(read_once=read_once or [None], gloo=gloo)
+    job.update(read_once=read_once or [None], gloo=gloo, compression=compression)
     logs = tmp_path / f"logs-{processes}x{devices}-{'save' if save else 'load'}"
     logs.mkdir()
     return _run_workers(logs / "_", count=processes, timeout=150, worker=MATRIX_WORKER, job=json.dumps(job))
@@ -279,6 +280,17 @@ class TestProcessMatrix:
         # By default, shared from `_read_once.REPLICAS` (4) processes holding a region.
         shared = processes >= _read_once.REPLICAS
         assert _bytes_read(outputs, "replicated", None) == _bytes_read(outputs, "replicated", shared)
+
+    def test_compressed_saves_by_two_processes(self, tmp_path: pathlib.Path):
+        """Issue 73: each process's shards compressed by TensorStore, every
+        sharding, loaded back in each process and whole, bit for bit."""
+        checkpoints = [[str(tmp_path / name), name, i] for i, name in enumerate(SHARDINGS)]
+        _run_matrix(
+            tmp_path, 2, 2, checkpoints, shape=MATRIX_SHAPE, save=True, chunk_bytes=128 << 10, compression="zstd"
+        )
+        for where, _, scale in checkpoints:
+            _check_whole(where, MATRIX_SHAPE, scale)
+            assert eqx_ckpt.Checkpoint(where).record("w").compression == "zstd"
 
     def test_shared_reads_need_collectives(self, tmp_path: pathlib.Path):
         """Without collectives across processes (JAX's CPU backend set up

@@ -64,9 +64,10 @@ def _equal(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> bool:
     return a.keys() == b.keys() and all(bool(eqx.tree_equal(a[k], b[k], typematch=True)) for k in a)
 
 
-def test_a_load_through_the_pool_is_bit_for_bit_each_device_given_its_region(tmp_path, pool, faults):
+@pytest.mark.parametrize("compression", [None, "blosc-lz4"])
+def test_a_load_through_the_pool_is_bit_for_bit_each_device_given_its_region(tmp_path, pool, faults, compression):
     tree = _placed(_tree())
-    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree, compression=compression)
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
     allocated = []
     faults(["load.pinned_pool"], allocated.append)

@@ -614,3 +614,7 @@ def test_a_manager_with_wrong_credentials_raises_a_storage_error(s3, store, monk
 
 def test_every_manager_step_is_written_whole_here(store):
     stores.check_every_manager_step_is_whole(store)
+
+
+def test_compressed_saves_round_trip_here(store):
+    stores.check_compressed_saves_round_trip(store)

@@ -19,6 +19,7 @@ from .._base._progress import Progress
 from .._ondisk import _trust
 from .._ondisk._format import SCALAR_TYPES, LeafRecord
 from .._ondisk._trust import Trust
+from .._store import _chunk_files
 from . import _deserialise, _nested, _rebuild, _source
 from ._lazy import LazyArray
 from ._load_plan import LoadOptions
@@ -55,6 +56,8 @@ class Checkpoint(Mapping[str, Any]):
 
     - `total_bytes`, `created`, `library_version`, `format_version`, `format`,
         `metadata` (a safetensors file's `__metadata__`).
+    - `compression`, `stored_bytes`: how its chunks are compressed, and the
+        bytes they take on a local disk (see their docstrings).
 
     !!! example
 
@@ -115,6 +118,19 @@ class Checkpoint(Mapping[str, Any]):
     @property
     def total_bytes(self) -> int:
         return self._manifest.total_bytes
+
+    @property
+    def compression(self) -> str | None:
+        """How its chunks are compressed (`compression=` of the save, such as
+        `"blosc-lz4"`), or `None` for none."""
+        names = {p.compression for p in self._manifest.packs} | {r.compression for r in self._manifest.leaves}
+        return ", ".join(sorted(names - {""})) or None
+
+    @property
+    def stored_bytes(self) -> int | None:
+        """The bytes its arrays' chunk files take (compressed, where they are),
+        on a local disk; `None` elsewhere, where storage does not list sizes."""
+        return _chunk_files.stored_bytes(self._source.data, self._manifest) if self.format == "eqx_ckpt" else None
 
     @property
     def created(self) -> str:
@@ -243,7 +259,7 @@ class Checkpoint(Mapping[str, Any]):
         unlisted = len(self._records) - sum(1 for row in rows if len(row) == 4)  # a leaf's row has a value
         if max_rows is not None and unlisted:
             lines.append(f"... {unlisted} leaves not listed one by one (`Checkpoint(path).listing()` lists them all)")
-        lines.append(f"{len(self)} leaves, {human(self.total_bytes)}")
+        lines.append(f"{len(self)} leaves, {human(self.total_bytes)}{self._stored()}")
         taken = self.from_base()
         if taken:
             nbytes = sum(self._records[path].nbytes for path in taken)
@@ -252,6 +268,13 @@ class Checkpoint(Mapping[str, Any]):
                 f"{len(self) - len(taken)} stored here"
             )
         return "\n".join(lines)
+
+    def _stored(self) -> str:
+        """How the totals line says the bytes are stored compressed, if they are."""
+        if self.compression is None:
+            return ""
+        stored = self.stored_bytes
+        return f", stored compressed ({self.compression})" + (f" in {human(stored)}" if stored is not None else "")
 
     def _rows(self, folder: _Folder, shown: dict[int, int], *, values: bool, level: int = 0) -> list[tuple[str, ...]]:
         """The rows of `folder`'s first entries (as many as `shown` says): a

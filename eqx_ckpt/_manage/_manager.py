@@ -303,6 +303,7 @@ class CheckpointManager:
         overwrite: bool = False,
         progress: Any = None,
         staging_bytes: int | None = None,
+        compression: bool | str | None = None,
     ) -> None:
         """Save `pytree` as step `step`, then delete the steps no rule keeps.
 
@@ -313,8 +314,9 @@ class CheckpointManager:
         - `metrics`: an optional mapping from name to number (Python, NumPy or
             0-d JAX scalar), stored in the step's manifest (so they commit with it);
             `best_metric` is looked up here.
-        - `filter_spec`, `is_leaf`, `cast`, `layout`, `progress`, `staging_bytes`: as for
-            [`eqx_ckpt.tree_serialise_leaves`][].
+        - `filter_spec`, `is_leaf`, `cast`, `layout`, `progress`, `staging_bytes`,
+            `compression`: as for [`eqx_ckpt.tree_serialise_leaves`][]. Steps
+            share unchanged chunk files compressed the same way.
         - `overwrite`: replace the step if it already exists (atomically: the old
             one stays loadable until the new one is committed). By default, saving
             a step twice is an error.
@@ -363,6 +365,7 @@ class CheckpointManager:
                 progress=progress,
                 share=self.share,
                 staging_bytes=staging_bytes,
+                compression=compression,
                 metrics=values,
                 handoff=handoff,
                 follows=follows,

@@ -40,6 +40,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import ml_dtypes
+import numcodecs
 import numpy as np
 
 from .._base import _keypath, _state
@@ -51,9 +52,12 @@ FORMAT = "eqx_ckpt"
 # - 3 packs small leaves together (`packs`, and a leaf's `pack` and `offset`);
 # - 4 leaves out of a leaf's record what equals its default (see
 #   `LeafRecord.to_json`) and takes the digest over the file's own bytes;
-# - 5 adds the tree's structure record (`structure`, see `_structure`).
-# Versions 1 to 4 are still read.
-FORMAT_VERSION = 5
+# - 5 adds the tree's structure record (`structure`, see `_structure`);
+# - 6 compresses chunks (a leaf's and a pack's `compression`, `COMPRESSIONS`).
+# Versions 1 to 5 are still read. A save writes 5 unless it compresses, so
+# that an eqx_ckpt of version 5 still reads what it can.
+FORMAT_VERSION = 6
+UNCOMPRESSED_VERSION = 5
 # How to upgrade, worded as README installs eqx_ckpt: from its source checkout.
 UPGRADE = (
     "Upgrade eqx_ckpt as you installed it (from its source checkout, as README does: `git pull`, then "
@@ -228,6 +232,7 @@ class PackRecord:
     - `chunk`: the length of its chunks, in elements.
     - `commit`: the commit of the manifest that lists it (not stored: it tells
         apart the packs of two saves that used the same folder).
+    - `compression`: how its chunks are compressed (`COMPRESSIONS`), or "".
     """
 
     name: str
@@ -235,9 +240,13 @@ class PackRecord:
     size: int
     chunk: int
     commit: str = dataclasses.field(default="", compare=False)
+    compression: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": [self.size], "chunks": [self.chunk]}
+        out = {"name": self.name, "dtype": self.dtype, "shape": [self.size], "chunks": [self.chunk]}
+        if self.compression:
+            out["compression"] = self.compression
+        return out
 
 
 def pack_name(stored_dtype: str) -> str:
@@ -268,6 +277,8 @@ class LeafRecord:
     - `impl`: the PRNG implementation name of a key array, else "".
     - `pack`: the pack holding it, or `None` when it has its own array.
     - `offset`: where its elements start in its pack (C order).
+    - `compression`: how its own array's chunks are compressed
+      (`COMPRESSIONS`), or "" (a packed leaf's are its pack's).
     """
 
     path: str
@@ -282,6 +293,7 @@ class LeafRecord:
     impl: str = ""
     pack: PackRecord | None = None
     offset: int = 0
+    compression: str = ""
 
     @property
     def size(self) -> int:
@@ -327,6 +339,8 @@ class LeafRecord:
             out["impl"] = self.impl
         if self.pack is not None:
             out["pack"], out["offset"] = self.pack.name, self.offset
+        if self.compression:
+            out["compression"] = self.compression
         return out
 
 
@@ -352,8 +366,11 @@ NATIVE_DTYPES = frozenset(
     "float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn".split()
 )
 
-# The largest chunk a save writes.
+# The largest chunk a save writes; compressed, `COMPRESSED_CHUNK_BYTES`: each
+# writing thread holds one compressed at a time, and a read of a few rows
+# decompresses the whole chunks that hold them.
 CHUNK_BYTES = 64 * 2**20
+COMPRESSED_CHUNK_BYTES = 8 * 2**20
 # An array's chunk files sit under `c` in its folder: `c/<i>/<j>...` by their
 # indices in the chunk grid, and a scalar's one chunk is the file `c` itself.
 CHUNKS = "c"
@@ -361,23 +378,85 @@ CHUNKS = "c"
 CHECKSUM_BYTES = 4
 
 
-def codecs(stored_dtype: str) -> list[dict[str, Any]]:
-    """Little-endian bytes, then a crc32c checksum of every chunk."""
-    if dtype_from_name(stored_dtype).itemsize > 1:
+# The compressions a save may ask for (`compression=`), each one of zarr v3's
+# own codecs, so that any zarr v3 reader decompresses the chunks. Bit-shuffled
+# blosc: the bits of each byte position together, where trained weights' skewed
+# exponents compress; lz4 is the default, as small as zstd on trained state and
+# several times as fast (docs/benchmarks.md, "Compression").
+COMPRESSIONS = ("blosc-lz4", "blosc-zstd", "zstd")
+DEFAULT_COMPRESSION = "blosc-lz4"
+
+
+def compressor(compression: str, itemsize: int) -> dict[str, Any]:
+    """The zarr v3 codec of a `compression` (`COMPRESSIONS`), for elements of `itemsize` bytes."""
+    if compression == "zstd":
+        return {"name": "zstd", "configuration": {"level": 1, "checksum": False}}
+    cname, clevel = {"blosc-lz4": ("lz4", 5), "blosc-zstd": ("zstd", 3)}[compression]
+    shuffle = {"cname": cname, "clevel": clevel, "shuffle": "bitshuffle", "typesize": itemsize, "blocksize": 0}
+    return {"name": "blosc", "configuration": shuffle}
+
+
+@_state.memo(16)
+def codec(compression: str, itemsize: int) -> Any:
+    """The numcodecs codec that writes and reads what `compressor` describes
+    (its calls release the GIL)."""
+    config = compressor(compression, itemsize)["configuration"]
+    if compression == "zstd":
+        return numcodecs.Zstd(level=config["level"], checksum=config["checksum"])
+    return numcodecs.Blosc(config["cname"], config["clevel"], numcodecs.Blosc.BITSHUFFLE, config["blocksize"])
+
+
+def decoded_size(compression: str, data: Any) -> int | None:
+    """The bytes a compressed chunk's header says it decompresses to, or `None`
+    where it says none (not a frame of its codec). Blosc: four bytes, then
+    `nbytes`, `blocksize` and `cbytes` (uint32, little-endian; `cbytes` is the
+    frame's own length). Zstd: its magic number, a descriptor, then the
+    content size in 0, 1, 2, 4 or 8 bytes after an optional window byte and
+    dictionary id."""
+    head = bytes(data[:18])
+    if compression != "zstd":
+        whole = len(head) >= 16 and int.from_bytes(head[12:16], "little") == len(data)
+        return int.from_bytes(head[4:8], "little") if whole else None
+    if len(head) < 6 or head[:4] != b"\x28\xb5\x2f\xfd":
+        return None
+    descriptor = head[4]
+    single = descriptor >> 5 & 1
+    width = (single, 2, 4, 8)[descriptor >> 6]
+    start = 6 - single + (0, 1, 2, 4)[descriptor & 3]
+    if not width or len(head) < start + width:
+        return None
+    return int.from_bytes(head[start : start + width], "little") + (256 if width == 2 else 0)
+
+
+def most_stored_bytes(chunk_nbytes: int, compression: str) -> int:
+    """The most bytes a chunk of `chunk_nbytes` may take stored (before its
+    checksum): as many uncompressed; compressed, what blosc or zstd take at
+    worst for bytes that do not compress (a header and a little per block)."""
+    return chunk_nbytes + (chunk_nbytes // 128 + 1024 if compression else 0)
+
+
+def codecs(stored_dtype: str, compression: str = "") -> list[dict[str, Any]]:
+    """Little-endian bytes, then the `compression` if any, then a crc32c
+    checksum of every chunk as stored."""
+    itemsize = dtype_from_name(stored_dtype).itemsize
+    if itemsize > 1:
         first = {"name": "bytes", "configuration": {"endian": "little"}}
     else:
         first = {"name": "bytes"}
-    return [first, {"name": "crc32c"}]
+    middle = [compressor(compression, itemsize)] if compression else []
+    return [first, *middle, {"name": "crc32c"}]
 
 
-def array_metadata(shape: tuple[int, ...], stored_dtype: str, chunks: list[int]) -> dict[str, Any]:
+def array_metadata(
+    shape: tuple[int, ...], stored_dtype: str, chunks: list[int], compression: str = ""
+) -> dict[str, Any]:
     """The `zarr.json` metadata of one stored array."""
     return {
         "shape": list(shape),
         "data_type": stored_dtype,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
         "chunk_key_encoding": {"name": "default"},
-        "codecs": codecs(stored_dtype),
+        "codecs": codecs(stored_dtype, compression),
     }
 
 
@@ -387,11 +466,14 @@ def dtype_from_name(name: str) -> np.dtype:
     return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
 
 
-def chunk_shape(shape: tuple[int, ...], itemsize: int, block: tuple[int, ...] | None = None) -> list[int]:
+def chunk_shape(
+    shape: tuple[int, ...], itemsize: int, block: tuple[int, ...] | None = None, limit: int | None = None
+) -> list[int]:
     """A chunk grid that lines up with `block` (a shard's shape) and keeps chunks
-    under `CHUNK_BYTES`, so large arrays are read and written in parallel."""
+    under `limit` (`CHUNK_BYTES`), so large arrays are read and written in parallel."""
     chunk = [max(1, n) for n in (block if block is not None else shape)]
-    while math.prod(chunk) * itemsize > CHUNK_BYTES:
+    limit = CHUNK_BYTES if limit is None else limit
+    while math.prod(chunk) * itemsize > limit:
         for axis, n in enumerate(chunk):
             if n > 1:
                 # Halving keeps every chunk inside one shard when `n` is even.

@@ -25,6 +25,7 @@ from .._base import _gc, _keypath
 from .._base._errors import CheckpointVersionError, CorruptCheckpointError, from_file
 from ._dtypes import is_known_dtype, key_data_shape
 from ._format import (
+    COMPRESSIONS,
     ENCODINGS,
     FORMAT,
     FORMAT_VERSION,
@@ -36,6 +37,7 @@ from ._format import (
     MAX_MANIFEST_CONTAINERS,
     MAX_RANK,
     SCALAR_TYPES,
+    UNCOMPRESSED_VERSION,
     UPGRADE,
     LeafRecord,
     PackRecord,
@@ -117,7 +119,7 @@ class Manifest:
         """The manifest's bytes. `leaves`: `leaves_text(self.leaves)`, where the caller kept it."""
         body = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": version_of(self.leaves, self.packs),
             "library_version": self.library_version,
             "created": self.created,
             "data_root": self.data_root,
@@ -134,6 +136,14 @@ class Manifest:
         if leaves is None:
             leaves = leaves_text(self.leaves)
         return _encoded(body, leaves, structure=structure)
+
+
+def version_of(leaves: Sequence[LeafRecord], packs: Sequence[PackRecord]) -> int:
+    """The format version a manifest of `leaves` and `packs` is written in: the
+    newest where a chunk is compressed, else the one before, which an
+    eqx_ckpt of that version reads too."""
+    compressed = any(pack.compression for pack in packs) or any(leaf.compression for leaf in leaves)
+    return FORMAT_VERSION if compressed else UNCOMPRESSED_VERSION
 
 
 def encode(body: dict[str, Any]) -> bytes:
@@ -339,7 +349,7 @@ def parse(data: bytes, *, where: str, stamp: bytes = b"") -> Manifest:
     bad = invalid(named, where, holder="checkpoint")
     body, version = _parse_json(data, bad, named, where)
     commit, metrics = _check_header(body, bad)
-    packs = _parse_packs(body.get("packs", []), commit, bad)
+    packs = _parse_packs(body.get("packs", []), commit, bad, compressed=version >= 6)
     nbytes: dict[int, Any] = {}
     records = _parse_leaves(body.get("leaves"), packs, version, bad, nbytes)
     for key in ("created", "library_version", "structure"):
@@ -453,11 +463,11 @@ def _parse_leaves(
     if not isinstance(leaves, list):
         raise bad("`leaves` is not a list")
     records = []
-    lean = version >= 4
+    lean, compressed = version >= 4, version >= 6
     checked: dict[Any, Any] = {}
     for i, item in enumerate(leaves):
         try:
-            records.append(_parse_leaf(item, packs, lean=lean, checked=checked))
+            records.append(_parse_leaf(item, packs, lean=lean, checked=checked, compressed=compressed))
         except (ValueError, TypeError, KeyError) as e:
             raise bad(f"leaf #{i} ({_peek_path(item)}): {e}") from None
         if nbytes is not None and (not lean or "nbytes" in item):
@@ -544,7 +554,7 @@ def _shape(value: Any, name: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _parse_packs(items: Any, commit: str, bad: Any) -> dict[str, PackRecord]:
+def _parse_packs(items: Any, commit: str, bad: Any, *, compressed: bool = False) -> dict[str, PackRecord]:
     if not isinstance(items, list):
         raise bad("`packs` is not a list")
     packs: dict[str, PackRecord] = {}
@@ -560,20 +570,34 @@ def _parse_packs(items: Any, commit: str, bad: Any) -> dict[str, PackRecord]:
             (size,), (chunk,) = _shape(item["shape"], "shape"), _shape(item["chunks"], "chunks")
             if not 1 <= chunk <= max(1, size):
                 raise ValueError(f"`chunks` [{chunk}] do not fit the pack's shape [{size}]")
+            compression = _compression(item, compressed)
         except (ValueError, TypeError, KeyError) as e:
             raise bad(f"pack #{i}: {e}") from None
         if name in packs:
             raise bad(f"pack {name!r} is listed twice")
-        packs[name] = PackRecord(name, dtype, size, chunk, commit)
+        packs[name] = PackRecord(name, dtype, size, chunk, commit, compression)
     return packs
 
 
 _STRINGS = ("type", "dtype", "stored_dtype", "encoding", "impl")
 
 
-def _parse_leaf(item: Any, packs: dict[str, PackRecord], *, lean: bool, checked: dict[Any, Any]) -> LeafRecord:
+def _compression(item: dict[str, Any], compressed: bool) -> str:
+    """The `compression` of a leaf's or a pack's record: one of `COMPRESSIONS`
+    from version 6 on (`compressed`), else none."""
+    compression = item.get("compression", "")
+    if compression != "" and (not compressed or compression not in COMPRESSIONS):
+        allowed = f"one of {', '.join(COMPRESSIONS)}" if compressed else "none before format version 6"
+        raise ValueError(f"unknown compression {str(compression)[:50]!r} ({allowed})")
+    return compression
+
+
+def _parse_leaf(
+    item: Any, packs: dict[str, PackRecord], *, lean: bool, checked: dict[Any, Any], compressed: bool = False
+) -> LeafRecord:
     """One leaf record, every field checked. `lean`: a version 4 record, whose
     fields equal to their defaults are left out. `checked`: see `stored_dotted`.
+    `compressed`: a version 6 record, which may name its `compression`.
     (Called for every leaf of a manifest, hence written for speed.)"""
     if type(item) is not dict:
         raise TypeError("not a JSON object")
@@ -604,8 +628,23 @@ def _parse_leaf(item: Any, packs: dict[str, PackRecord], *, lean: bool, checked:
     if kind != "prng_key" and not is_known_dtype(dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
     shape, stored_shape, chunks, pack, offset = _parse_layout(item, packs, kind, encoding, stored_dtype, impl, lean)
+    compression = _compression(item, compressed) if "compression" in item else ""
+    if compression and pack is not None:
+        raise ValueError("a packed leaf's chunks are its pack's: it names no `compression` of its own")
     return LeafRecord(
-        path, item["keypath"], kind, shape, dtype, stored_shape, stored_dtype, encoding, chunks, impl, pack, offset
+        path,
+        item["keypath"],
+        kind,
+        shape,
+        dtype,
+        stored_shape,
+        stored_dtype,
+        encoding,
+        chunks,
+        impl,
+        pack,
+        offset,
+        compression,
     )
 
 

@@ -72,16 +72,18 @@ def build(
     cast: Callable[[str, np.dtype], Any] | None,
     *,
     default: Callable[[LeafHandle, Any], None],
+    compression: str = "",
 ) -> list[Pending]:
     """Run the filter specs (`specs`, one per leaf) over the leaves, and make
     the record and host pieces of every value they write (`_Collector.add`,
     each leaf once); nothing is written yet, so a bad leaf leaves the
     destination untouched. `default`: the default filter spec, whose work on
-    an array (writing it as it is) this does without the call or a handle."""
+    an array (writing it as it is) this does without the call or a handle.
+    `compression`: each array's (`_format.COMPRESSIONS`), or ""."""
     _faults.fire("save.records", loc)
     paths, records = names.paths, names.records
     _tree.check_unique(names, checkpoint=loc.display)
-    collector = _Collector(loc, names, cast, jax.process_index() == 0)
+    collector = _Collector(loc, names, cast, jax.process_index() == 0, compression)
     add, kinds, as_is = collector.add, _KINDS, _WRITTEN_AS_IS
     i = 0
     try:
@@ -123,11 +125,13 @@ class Plan:
         self.text: list[Any] | None = None
 
 
-def reuse(names: _tree.Names, leaves: list[Any], specs: list[Any], *, default: Any, for_steps: bool) -> Plan | None:
+def reuse(
+    names: _tree.Names, leaves: list[Any], specs: list[Any], *, default: Any, for_steps: bool, compression: str = ""
+) -> Plan | None:
     """The plan a save of `names`' structure kept (`remember`), where each of
     `leaves` is of the type, dtype and shape it was, on one device, written
     by the `default` filter spec; else `None`."""
-    plan = names.memo.get(_plan_key(for_steps)) if names.memo is not None else None
+    plan = names.memo.get(_plan_key(for_steps, compression)) if names.memo is not None else None
     if plan is None or len(plan.records) != len(leaves):
         return None
     one_device = _ONE_DEVICE
@@ -146,7 +150,9 @@ def pending_of(plan: Plan, leaves: list[Any]) -> list[Pending]:
     ]
 
 
-def remember(names: _tree.Names, leaves: list[Any], pending: list[Pending], *, for_steps: bool) -> Plan | None:
+def remember(
+    names: _tree.Names, leaves: list[Any], pending: list[Pending], *, for_steps: bool, compression: str = ""
+) -> Plan | None:
     """Keep the plan of a save of one process (records made and packs assigned)
     for the next save of the same structure, where every leaf is the common
     leaf, written whole as it is (see `Plan`). The plan kept, or `None`."""
@@ -161,14 +167,15 @@ def remember(names: _tree.Names, leaves: list[Any], pending: list[Pending], *, f
             return None
         if kind == "jax" and type(x.sharding) is not _ONE_DEVICE:
             return None
-    plan = names.memo[_plan_key(for_steps)] = Plan(pending, leaves)
+    plan = names.memo[_plan_key(for_steps, compression)] = Plan(pending, leaves)
     return plan
 
 
-def _plan_key(for_steps: bool) -> tuple[Any, ...]:
+def _plan_key(for_steps: bool, compression: str) -> tuple[Any, ...]:
     """Where a `Plan` is kept in a `_tree.Names.memo`: with the knobs its
     records were made by (tests change them), so that none outlives them."""
-    return (Plan, for_steps, _format.CHUNK_BYTES, PACK_BYTES, PACK_CHUNK_BYTES, STEP_PACK_CHUNK_BYTES, ALIGN_BYTES)
+    chunks = (_format.CHUNK_BYTES, _format.COMPRESSED_CHUNK_BYTES)
+    return (Plan, for_steps, compression, *chunks, PACK_BYTES, PACK_CHUNK_BYTES, STEP_PACK_CHUNK_BYTES, ALIGN_BYTES)
 
 
 class _Collector:
@@ -176,7 +183,14 @@ class _Collector:
     value written (by the default filter spec's work, or through a handle) is
     made one by `add`, once."""
 
-    def __init__(self, loc: Location, names: _tree.Names, cast: Callable[[str, np.dtype], Any] | None, primary: bool):
+    def __init__(
+        self,
+        loc: Location,
+        names: _tree.Names,
+        cast: Callable[[str, np.dtype], Any] | None,
+        primary: bool,
+        compression: str,
+    ):
         self.pending: list[Pending] = []
         self.collecting = True  # until the specs have run: `pending` is then the save's, and final
         self._loc, self._names = loc, names
@@ -188,7 +202,8 @@ class _Collector:
         # (dtype, shape) -> (stored dtype name or `None`, chunk shape, bytes): the
         # common leaf's fixed part, worked out once per dtype and shape of the save.
         self._fixed: dict[tuple[Any, tuple[int, ...]], tuple[str | None, tuple[int, ...], int]] = {}
-        self._limit = _format.CHUNK_BYTES
+        self.compression = compression
+        self.limit = min(_format.CHUNK_BYTES, _format.COMPRESSED_CHUNK_BYTES) if compression else _format.CHUNK_BYTES
 
     def handle(self, i: int) -> LeafHandle:
         """The handle of leaf `i`, which its filter spec writes through."""
@@ -234,7 +249,7 @@ class _Collector:
             dtype, shape = x.dtype, x.shape
             fixed = self._fixed.get((dtype, shape))
             if fixed is None:
-                fixed = self._fixed[dtype, shape] = _fixed_part(dtype, shape, self._limit)
+                fixed = self._fixed[dtype, shape] = _fixed_part(dtype, shape, self.limit)
             name, chunks, nbytes = fixed
             # (A deleted array goes the general way, which names the leaf.)
             if name is not None and (held is not None or not self._primary or kind == "numpy" or not x.is_deleted()):
@@ -245,11 +260,12 @@ class _Collector:
                 else:
                     pieces = []
                 record = LeafRecord(path, keypath, kind, shape, name, shape, name, "plain", chunks)
+                record.compression = self.compression
                 self.pending.append(Pending(record, pieces, nbytes if pieces else 0))
                 return
         if not isinstance(where, LeafHandle):
             where = self.handle(where)
-        self.pending.append(_general(where, x if held is None else held, self._cast, self._primary, keypath, self.deal))
+        self.pending.append(_general(where, x if held is None else held, self._cast, self._primary, keypath, self))
 
 
 _ONE_DEVICE = jax.sharding.SingleDeviceSharding
@@ -316,11 +332,12 @@ def _general(
     cast: Callable[[str, np.dtype], Any] | None,
     primary: bool,
     keypath: list[list[Any]],
-    deal: _sharding.Deal,
+    collector: _Collector,
 ) -> Pending:
     """The manifest record and the host pieces of a value written for a leaf
     the general way: any leaf type, a cast, a PRNG key, a sharded array, a
-    lazily loaded leaf. `deal`: the save's deal of slices between processes."""
+    lazily loaded leaf. `collector`: the save's deal of slices between
+    processes, its chunks' limit and compression."""
     _faults.fire("save.leaf_record", handle.path)
     held = None
     if isinstance(x, Held):
@@ -332,7 +349,7 @@ def _general(
         encoding = "key_data"
     itemsize = dtype_from_name(stored).itemsize
     # The chunk grid first: with several processes, it is what their slices follow.
-    chunks = tuple(chunk_shape(tuple(x.shape), itemsize, _sharding.block_shape(x)))
+    chunks = tuple(chunk_shape(tuple(x.shape), itemsize, _sharding.block_shape(x), collector.limit))
     if held is not None:
         pieces = held.pieces
     elif not _multihost.writes(x, primary):
@@ -340,7 +357,7 @@ def _general(
     elif isinstance(x, Unread):
         pieces = [((), x.piece())]
     else:
-        pieces = _sharding.host_pieces(x, chunks, itemsize, deal=deal, path=handle.path)
+        pieces = _sharding.host_pieces(x, chunks, itemsize, deal=collector.deal, path=handle.path)
     pieces = _stored_pieces(handle, x, pieces, logical, encoding)
     record = LeafRecord(
         handle.path,
@@ -353,6 +370,7 @@ def _general(
         encoding,
         chunks,
         impl,
+        compression=collector.compression,
     )
     return Pending(record, pieces, sum(_memory.nbytes(piece) for _, piece in pieces))
 
@@ -479,7 +497,7 @@ def _plain_dtype(dtype: np.dtype) -> str | None:
 def _chunk_grid(shape: tuple[int, ...], itemsize: int, limit: int) -> tuple[int, ...]:
     """`chunk_shape`, remembered; `limit` (`CHUNK_BYTES`, which tests change)
     is part of the key, so that no chunk shape outlives the limit it was made for."""
-    return tuple(chunk_shape(shape, itemsize))
+    return tuple(chunk_shape(shape, itemsize, limit=limit))
 
 
 def _cast_dtype(handle: LeafHandle, dtype: Any, cast: Callable[[str, np.dtype], Any] | None) -> np.dtype:
@@ -558,12 +576,16 @@ ALIGN_BYTES = 64
 
 
 def assign(
-    records: Sequence[LeafRecord], pieces: Sequence[Sequence[tuple[tuple[slice, ...], Any]]], *, for_steps: bool = False
+    records: Sequence[LeafRecord],
+    pieces: Sequence[Sequence[tuple[tuple[slice, ...], Any]]],
+    *,
+    for_steps: bool = False,
+    compression: str = "",
 ) -> None:
     """Place in packs by dtype, in order, the `records` of at most `PACK_BYTES`
     whose host data (`pieces`, the leaf's) is one whole piece, in chunks of at
-    most `STEP_PACK_CHUNK_BYTES` `for_steps` of a manager, else `PACK_CHUNK_BYTES`.
-    In place: a save's records are new, and seen by nothing else yet."""
+    most `STEP_PACK_CHUNK_BYTES` `for_steps` of a manager, else `PACK_CHUNK_BYTES`,
+    compressed by `compression`. In place: a save's records are new, and seen by nothing else yet."""
     ends: dict[str, int] = {}
     placed: list[LeafRecord] = []
     # (stored dtype, stored shape) -> (elements, bytes, alignment step, chunks):
@@ -582,14 +604,14 @@ def assign(
         if nbytes > PACK_BYTES:
             continue
         record.offset = offset = -(-ends.get(dtype, 0) // step) * step
-        record.chunks = chunks
+        record.chunks, record.compression = chunks, ""
         ends[dtype] = offset + size
         placed.append(record)
     packs = {}
     limit = STEP_PACK_CHUNK_BYTES if for_steps else PACK_CHUNK_BYTES
     for dtype, size in ends.items():
         chunk = pack_chunk(size, dtype_from_name(dtype).itemsize, _align_step(dtype), limit)
-        packs[dtype] = PackRecord(pack_name(dtype), dtype, size, chunk)
+        packs[dtype] = PackRecord(pack_name(dtype), dtype, size, chunk, compression=compression)
     for record in placed:
         record.pack = packs[record.stored_dtype]
 

@@ -24,6 +24,8 @@ from .._base._errors import (
     CheckpointConnectionError,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointTypeError,
+    CheckpointValueError,
     CheckpointVersionError,
     CorruptCheckpointError,
     IntegrityError,
@@ -35,7 +37,7 @@ from .._base._location import Location, location, writable
 from .._base._progress import Progress, Tracker
 from .._load import _source
 from .._load._lazy import LazyArray
-from .._ondisk import _dtypes, _layout, _manifest, _structure
+from .._ondisk import _dtypes, _format, _layout, _manifest, _structure
 from .._store import _chunk_files, _durable, _lease, _share, _storage_errors, _transaction, _untrusted
 from . import _background, _partial, _records, _stages, _staging
 from ._background import Handoff, PendingSave
@@ -84,8 +86,8 @@ def default_serialise_filter_spec(handle: LeafHandle, x: Any) -> None:
 @dataclasses.dataclass(frozen=True)
 class SaveOptions:
     """A save's options, made once where the save is asked for, then passed
-    whole. The first eight are `tree_serialise_leaves`' own, checked by
-    `save`. Only a `CheckpointManager` passes the others: `metrics` (committed
+    whole. The first eight and `compression` are `tree_serialise_leaves`'
+    own, checked by `save`. Only a `CheckpointManager` passes the others: `metrics` (committed
     in the manifest); `handoff` (whether an asynchronous save went on in the
     background, after any exception); `follows` (the checkpoint this save
     shares unchanged chunk files with where the destination holds none: the
@@ -104,6 +106,7 @@ class SaveOptions:
     handoff: Handoff | None = None
     follows: Location | None = None
     followed: bool = False
+    compression: Any = None
 
 
 def tree_serialise_leaves(
@@ -120,6 +123,7 @@ def tree_serialise_leaves(
     where: Callable[[PyTree], Any] | None = None,
     share: bool = True,
     staging_bytes: int | None = None,
+    compression: bool | str | None = None,
 ) -> PendingSave | None:
     """Save the leaves of a PyTree as a checkpoint directory.
 
@@ -195,6 +199,12 @@ def tree_serialise_leaves(
         than the budget is staged alone. An asynchronous save holds besides
         what keeps the caller's arrays safe (see `blocking`). See
         [docs/scaling.md](../scaling.md#host-memory-of-a-save).
+    - `compression`: compress every chunk losslessly, with one of zarr v3's own
+        codecs (written in each array's `zarr.json`, so zarr tools still read
+        it): `"blosc-lz4"` (or `True`), `"blosc-zstd"` or `"zstd"`. Off by
+        default (`None`). Reading a compressed checkpoint needs an eqx_ckpt
+        that knows format version 6. See
+        [docs/format.md](../format.md#compression).
 
     With `jax.distributed` initialised, call this in every process with the same
     tree: each process writes its own shards, and the checkpoint is committed once,
@@ -223,6 +233,7 @@ def tree_serialise_leaves(
         where=where,
         share=share,
         staging_bytes=staging_bytes,
+        compression=compression,
     )
     return save(writable(location(path), "`tree_serialise_leaves`"), pytree, filter_spec, is_leaf, options)
 
@@ -255,7 +266,8 @@ def save(
         if not isinstance(planned, _staging.Batch):
             # Every array is safe on the host already: the plan, the transaction
             # and the writes all happen in the background.
-            run = functools.partial(_plan_write_and_commit, loc, stages, planned, cast, sharing, **begin)
+            compression = compression_of(options.compression)
+            run = functools.partial(_plan_write_and_commit, loc, stages, planned, cast, compression, sharing, **begin)
             return _background.start(run, exclusive, handoff)
         check = None if expected is None else functools.partial(_partial.check_unreplaced, commit=expected)
         tx, tracker = _begin(loc, stages, planned, check=check, **begin)
@@ -301,6 +313,7 @@ def _collect_and_plan(
     of the checkpoint whose leaves it keeps. Every process then meets the
     others at the first stage, whatever its outcome."""
     layout, where, step = options.layout, options.where, options.followed
+    compression = options.compression
     planned: _staging.Batch | _background.HeldLeaves | None = None
     expected: str | None = None
     error: BaseException | None = None
@@ -309,7 +322,9 @@ def _collect_and_plan(
         overwrite = check_flag("overwrite", options.overwrite, "whether to replace a checkpoint already there")
         blocking = check_flag("blocking", options.blocking, "`False` saves in the background")
         cast = _records.cast_function(options.cast)
-        budget = _staging.budget(options.staging_bytes)
+        compression = compression_of(options.compression)
+        reserved = _chunk_files.compressing_bytes() if compression else 0  # within the budget
+        budget = max(_staging.budget(options.staging_bytes) - reserved, 1)
         if where is not None:
             partial = _partial.collect(
                 loc,
@@ -332,6 +347,7 @@ def _collect_and_plan(
                     private=not blocking,
                     structure=partial.structure,
                     step=step,
+                    compression=compression,
                 )
             except IntegrityError as e:
                 raise partial.kept_damaged(e, loc) from e
@@ -343,12 +359,27 @@ def _collect_and_plan(
             planned = _background.hold_tree(pytree)  # planned in the background
         if planned is None:
             leaves, names, specs = _collect(pytree, filter_spec, is_leaf)
-            planned = _plan(loc, stages, leaves, names, specs, cast, private=not blocking, step=step)
+            planned = _plan(
+                loc, stages, leaves, names, specs, cast, private=not blocking, step=step, compression=compression
+            )
     except Exception as e:
         error = e
     stages.prepared(error, planned, layout=layout, loc=loc)
     assert planned is not None
     return overwrite, blocking, cast, budget, planned, expected
+
+
+def compression_of(value: Any) -> str:
+    """The `compression` option as one of `_format.COMPRESSIONS`, or "" for none."""
+    if value is None or value is False:
+        return ""
+    if value is True:
+        return _format.DEFAULT_COMPRESSION
+    if isinstance(value, str) and value in _format.COMPRESSIONS:
+        return value
+    names = ", ".join(f'"{name}"' for name in _format.COMPRESSIONS)
+    error = CheckpointValueError if isinstance(value, str) else CheckpointTypeError
+    raise error(f"`compression` must be None, True or one of {names}, not {value!r}.")
 
 
 def _collect(
@@ -372,6 +403,7 @@ def _plan(
     private: bool,
     structure: Callable[[set[str]], Any] | None = None,
     step: bool = False,
+    compression: str = "",
 ) -> _staging.Batch:
     """What the save writes: every leaf's record and host pieces (the filter
     specs run here, or a kept `_records.Plan` serves), the packs of small
@@ -380,21 +412,24 @@ def _plan(
 
     `private`: protect the leaves' data (`_staging.protect`) from the caller of
     an asynchronous save. `step`: a manager's step, whose packs are cut in
-    chunks small enough to share (`_records.assign`)."""
+    chunks small enough to share (`_records.assign`). `compression`: of every
+    array (`_format.COMPRESSIONS`), or ""."""
     default = default_serialise_filter_spec
     # Records kept from a save of this structure serve a save of one process, not cast, not partial.
     keeps = stages.alone and cast is None and structure is None
-    plan = _records.reuse(names, leaves, specs, default=default, for_steps=step) if keeps else None
+    kept = functools.partial(_records.reuse, names, leaves, specs, default=default)
+    plan = kept(for_steps=step, compression=compression) if keeps else None
     if plan is not None:
         _faults.fire("save.records", loc)
         _faults.fire("save.records_reused", loc)
         pending = _records.pending_of(plan, leaves)
     else:
-        pending = _records.build(loc, leaves, names, specs, cast, default=default)
+        pending = _records.build(loc, leaves, names, specs, cast, default=default, compression=compression)
         if stages.alone:
-            _records.assign([p.record for p in pending], [p.pieces for p in pending], for_steps=step)
+            records, pieces = [p.record for p in pending], [p.pieces for p in pending]
+            _records.assign(records, pieces, for_steps=step, compression=compression)
         if keeps:
-            plan = _records.remember(names, leaves, pending, for_steps=step)
+            plan = _records.remember(names, leaves, pending, for_steps=step, compression=compression)
     if private:
         _staging.protect(pending)
     if structure is not None:
@@ -414,6 +449,7 @@ def _plan_write_and_commit(
     stages: _stages.Stages,
     held: _background.HeldLeaves,
     cast: Callable[[str, np.dtype], Any] | None,
+    compression: str,
     sharing: _Sharing,
     **options: Any,
 ) -> None:
@@ -421,7 +457,9 @@ def _plan_write_and_commit(
     _faults.fire("save.held", loc)
     leaves, names = held()
     specs = [default_serialise_filter_spec] * len(leaves)
-    batch = _plan(loc, stages, leaves, names, specs, cast, private=False, step=sharing.followed)
+    batch = _plan(
+        loc, stages, leaves, names, specs, cast, private=False, step=sharing.followed, compression=compression
+    )
     tx, tracker = _begin(loc, stages, batch, **options)
     with tracker:
         _write_and_commit(tx, stages, batch, metrics=options["metrics"], tracker=tracker, sharing=sharing)

@@ -62,6 +62,29 @@ def read_local_range(path: str, start: int, end: int) -> np.ndarray | None:
     return _local_read.read_range(path, start, end)
 
 
+def compressing_bytes() -> int:
+    """The most host memory a compressed save holds beyond its staged pieces:
+    a compressed chunk (and an edge chunk's padded copy) in each writing thread."""
+    return 2 * _local_write.THREADS * _format.COMPRESSED_CHUNK_BYTES
+
+
+def stored_bytes(data: Location, manifest: _manifest.Manifest) -> int | None:
+    """The bytes the chunk files of `manifest`'s arrays take under `data`
+    (their checksums included; a compressed chunk's own size): on a local
+    disk in the "directories" layout, else `None` (an object store's listing
+    through TensorStore gives no sizes)."""
+    if data.local is None or manifest.layout != "directories":
+        return None
+    arrays = [(r.directory, r.stored_shape, r.chunks) for r in manifest.leaves if r.pack is None]
+    arrays += [(p.name, (p.size,), (p.chunk,)) for p in manifest.packs]
+    total = 0
+    for directory, shape, chunks in arrays:
+        for key in _format.chunk_keys(shape, chunks):
+            entry = _storage.local_entry(os.path.join(data.local, directory, *key.split("/")))
+            total += entry.size if entry.file else 0
+    return total
+
+
 class ChunkFiles(Protocol):
     """How the chunk files of one location are read and written (`chunk_files`).
     A save's `writer` takes every write, and a load's `pack_runs` every run of

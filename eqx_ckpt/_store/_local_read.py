@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import stat
+import threading
 from collections.abc import Callable, Iterator
 
 import crc32c
@@ -37,7 +38,7 @@ from . import _memory, _share, _window
 from ._local_paths import READ_FLAGS, local_open, local_stat, special
 from ._memory import refuse_beyond_memory
 from ._storage_errors import leaf_io_error
-from ._untrusted import refuse_links, refuse_special, wrong_chunk_file
+from ._untrusted import refuse_links, refuse_special, wrong_size
 
 # Smaller leaves gain little over TensorStore (and will be packed together):
 # `_chunk_files.LocalFiles.reads` leaves them to it.
@@ -97,7 +98,10 @@ def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Ca
     first, count = start // pack.chunk, (stop - 1) // pack.chunk - start // pack.chunk + 1
     # The chunks read, as one array of their own: its chunk files are the pack's from `first` on.
     shape = (count * pack.chunk,)
-    record = LeafRecord(pack.name, [], "numpy", shape, pack.dtype, shape, pack.dtype, "plain", (pack.chunk,))
+    chunks, compression = (pack.chunk,), pack.compression
+    record = LeafRecord(
+        pack.name, [], "numpy", shape, pack.dtype, shape, pack.dtype, "plain", chunks, compression=compression
+    )
     keys = [_format.chunk_key([first + i]) for i in range(count)]
     path = _check_chunk_files(loc, record, pack.name, iter(keys))
     out = _memory.fresh_bytes(record.nbytes)
@@ -157,12 +161,12 @@ def _open_chunk(folder: int, loc: Location, record: LeafRecord, key: str, direct
         raise _damaged(loc, record, f"its chunk file {_name(record, key)!r} cannot be opened ({e.strerror})") from None
     try:
         st = local_stat(fd)
-        expected = record.chunk_nbytes + _format.CHECKSUM_BYTES
         kind = special(st.st_mode) or ("" if stat.S_ISREG(st.st_mode) else "a folder")
         if kind:
             raise _damaged(loc, record, f"its chunk file {_name(record, key)!r} is {kind}, not a regular file")
-        if st.st_size != expected:
-            raise _damaged(loc, record, _size_message(record, key, st.st_size))
+        wrong = wrong_size(_name(record, key), st.st_size, record.chunk_nbytes, record.compression)
+        if wrong is not None:
+            raise _damaged(loc, record, wrong)
     except BaseException:
         os.close(fd)
         raise
@@ -204,6 +208,9 @@ def _read_chunks(path: str, loc: Location, record: LeafRecord, out: memoryview, 
         for key, segments, stored in chunks:
             pieces: list[tuple[int, concurrent.futures.Future[int]]] = []
             reads.futures.append(pieces)  # before submitting: an interrupt then still finds every read
+            if record.compression:  # read whole, then decompressed into the segments
+                pieces.append((0, pool.submit(_read_compressed, path, loc, record, key, segments, stored)))
+                continue
             for offset, views, checked in _pieces([*segments, stored]):
                 pieces.append((checked, pool.submit(_read_piece, path, loc, record, key, offset, views, checked)))
     except BaseException:
@@ -285,6 +292,66 @@ def _read_piece(
     finally:
         os.close(fd)
     return crc
+
+
+def _read_compressed(
+    path: str, loc: Location, record: LeafRecord, key: str, segments: list[memoryview], stored: memoryview
+) -> int:
+    """Read a compressed chunk file whole into this thread's buffer, copy its
+    checksum into `stored`, and, where its bytes give that checksum, decompress
+    them into `segments` (the chunk's slice of the array, and any padding past
+    its end); the crc32c of the compressed bytes, which `_Reads.wait` compares."""
+    folder = _open_folder(path, loc, record)
+    try:
+        fd = _open_chunk(folder, loc, record, key, os.path.relpath(path, loc.local or ""))
+    finally:
+        os.close(folder)
+    try:
+        size = local_stat(fd).st_size
+        buffer = _compressed_buffer(size)
+        if _pread_all(fd, [buffer], 0) < size:  # (an overwrite racing this read)
+            raise _damaged(loc, record, f"its chunk file {_name(record, key)!r} shrank as it was read")
+    except OSError as e:
+        raise leaf_io_error(e, record, loc, "read") from None
+    finally:
+        os.close(fd)
+    data = buffer[: size - _format.CHECKSUM_BYTES]
+    stored[:] = buffer[size - _format.CHECKSUM_BYTES : size]
+    crc = crc32c.crc32c(data)
+    if crc == int.from_bytes(stored, "little"):
+        _decompress(loc, record, key, data, segments)
+    return crc
+
+
+def _decompress(loc: Location, record: LeafRecord, key: str, data: memoryview, segments: list[memoryview]) -> None:
+    """Decompress a chunk's checked bytes into `segments`: exactly one chunk,
+    as its codec's header must say (a frame of fewer bytes would leave the
+    rest of the array unwritten; of more, would not fit)."""
+    size = _format.decoded_size(record.compression, data)
+    if size != record.chunk_nbytes:
+        said = "no size" if size is None else f"{size} bytes"
+        what = f"its chunk file {_name(record, key)!r} decompresses to {said}, not one chunk of {record.chunk_nbytes}"
+        raise _damaged(loc, record, what)
+    codec = _format.codec(record.compression, dtype_from_name(record.stored_dtype).itemsize)
+    try:
+        if not len(segments[1]):
+            codec.decode(data, out=segments[0])
+            return
+        whole = codec.decode(data, out=np.empty(record.chunk_nbytes, np.uint8))
+        segments[0][:] = whole[: len(segments[0])]
+    except (ValueError, RuntimeError, TypeError) as e:
+        raise _damaged(loc, record, f"its chunk file {_name(record, key)!r} does not decompress ({e})") from None
+
+
+_BUFFERS = threading.local()
+
+
+def _compressed_buffer(size: int) -> memoryview:
+    """This thread's buffer for a compressed chunk file, of at least `size` bytes (kept)."""
+    buffer = getattr(_BUFFERS, "buffer", None)
+    if buffer is None or len(buffer) < size:
+        buffer = _BUFFERS.buffer = memoryview(_memory.fresh_bytes(max(size, 1)).data)
+    return buffer[:size]
 
 
 def _steps(views: list[memoryview], size: int) -> Iterator[list[memoryview]]:
@@ -389,8 +456,8 @@ def _shift(length: int) -> int:
 
 def _size_message(record: LeafRecord, key: str, size: int | None) -> str:
     """Chunk file `key` of `record` is `size` bytes (`None`: missing), as a load
-    of a pack and `verify` word it (`wrong_chunk_file`)."""
-    return wrong_chunk_file(_name(record, key), size, record.chunk_nbytes + _format.CHECKSUM_BYTES)
+    of a pack and `verify` word it (`wrong_size`)."""
+    return wrong_size(_name(record, key), size, record.chunk_nbytes, record.compression) or ""
 
 
 def _name(record: LeafRecord, key: str) -> str:

@@ -51,11 +51,13 @@ def start_write(
     folder in the checkpoint this save follows, whose equal files are shared;
     with `remember`, every file written is recorded with its digest (`_share`)."""
     data = _bytes_of(piece, record.stored_dtype)
+    itemsize = dtype_from_name(record.stored_dtype).itemsize
     shape, keys = record.stored_shape, list(_format.chunk_keys(record.stored_shape, record.chunks))
     # A chunk is `chunks[0]` rows of the array (the whole array for a scalar).
     size = record.chunks[0] * (data.nbytes // shape[0]) if keys and shape else data.nbytes
-    jobs: list[tuple[str, Callable[[], list[Any]]]] = [
-        (key, functools.partial(_rows, data, i * size, size)) for i, key in enumerate(keys)
+    jobs: list[tuple[str, Callable[[], Any]]] = [
+        (key, _compressing(functools.partial(_rows, data, i * size, size), record.compression, itemsize))
+        for i, key in enumerate(keys)
     ]
     return _start(loc, record.directory, f"leaf `{record.path}`", jobs, base, remember)
 
@@ -100,7 +102,7 @@ def start_pack(
         # The members with elements in [lo, hi) (offsets increase, sizes are positive).
         first, last = int(np.searchsorted(stops, lo, "right")), int(np.searchsorted(starts, hi, "left"))
         chunk = _Chunk(members[first:last], starts[first:last], stops[first:last], lo, hi, dtype)
-        jobs.append((key, functools.partial(_given, chunk)))
+        jobs.append((key, _compressing(functools.partial(_given, chunk), pack.compression, dtype.itemsize)))
     return _start(loc, pack.name, f"pack `{pack.name}` (small leaves)", jobs, base, remember)
 
 
@@ -113,6 +115,32 @@ def member_bounds(records: Sequence[LeafRecord]) -> tuple[np.ndarray, np.ndarray
 
 def _given(content: _Chunk) -> _Chunk:
     return content
+
+
+def _compressing(make: Callable[[], Any], compression: str, itemsize: int) -> Callable[[], Any]:
+    """`make`, its chunk's bytes compressed where the array is (`_compressed`)."""
+    return functools.partial(_compressed, make, compression, itemsize) if compression else make
+
+
+def _compressed(make: Callable[[], Any], compression: str, itemsize: int) -> list[Any]:
+    """The bytes of the chunk `make()` gives (a leaf's views, or a pack's
+    `_Chunk`), compressed as the array's `zarr.json` says (`_format.compressor`),
+    as one view: in the writing thread, which the codec does not hold the GIL in."""
+    content = make()
+    if isinstance(content, _Chunk):
+        raw = np.empty(content.nbytes, np.uint8)
+        content.gather(raw)
+    elif len(content) == 1 or not len(content[1]):
+        raw = np.frombuffer(content[0], np.uint8)
+    else:  # an edge chunk, padded
+        raw = np.concatenate([np.frombuffer(view, np.uint8) for view in content])
+    # Elements as unsigned integers of their size: what blosc shuffles by.
+    elements = raw.view(f"<u{itemsize}") if itemsize in (2, 4, 8) else raw
+    return _Compressed([memoryview(_format.codec(compression, itemsize).encode(elements))])
+
+
+class _Compressed(list[Any]):
+    """A compressed chunk's bytes, as one view: their size is their content's."""
 
 
 class _Chunk:
@@ -255,7 +283,8 @@ def _shared(source: str, path: str, content: Any, what: str) -> tuple[bool, byte
     # pass over its bytes, the cost of comparing on an overwrite where
     # everything changed).
     large = nbytes >= UNBUFFERED_FROM and not isinstance(content, _Chunk)
-    verified = _share.base_file(source, nbytes, what, content[0] if large else None)
+    start = content[0] if large else None
+    verified = _share.base_file(source, nbytes, what, start, sized=not isinstance(content, _Compressed))
     if verified is None:
         return False, None, None
     digest, checksum = _digest(content)

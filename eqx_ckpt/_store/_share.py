@@ -121,12 +121,14 @@ class Verified(NamedTuple):
     key: Key
 
 
-def base_file(path: str, nbytes: int, what: str, start: Any = None) -> Verified | None:
+def base_file(path: str, nbytes: int, what: str, start: Any = None, *, sized: bool = True) -> Verified | None:
     """The base's chunk file `path`, if it may be shared: a sound regular file
     of `nbytes` bytes (data and checksum) whose first bytes are those of
     `start`, where given (a cheap look before the hash of a large chunk). A
     file not verified yet is read once (`_verify`); an unsound one is warned
-    about (naming `what`, its leaf or pack) and never shared."""
+    about (naming `what`, its leaf or pack) and never shared. `sized`: every
+    chunk of the array is `nbytes` long (a compressed one's size is its
+    content's: another size is another content, not damage)."""
     try:
         fd = os.open(path, _READ_FLAGS)
     except OSError as e:
@@ -134,6 +136,8 @@ def base_file(path: str, nbytes: int, what: str, start: Any = None) -> Verified 
         return None
     try:
         info = local_stat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_size != nbytes and not sized:
+            return None
         if not stat.S_ISREG(info.st_mode) or info.st_size != nbytes:
             size = f"holds {info.st_size} bytes, not {nbytes}"
             _warn(path, what, size if stat.S_ISREG(info.st_mode) else "is not a regular file")

@@ -74,13 +74,19 @@ CACHED = ts.Context({"cache_pool": {"total_bytes_limit": 64 * 2**20}}, parent=CO
 
 
 def array_spec(
-    loc: Location, directory: str, *, shape: tuple[int, ...], stored_dtype: str, chunks: list[int]
+    loc: Location,
+    directory: str,
+    *,
+    shape: tuple[int, ...],
+    stored_dtype: str,
+    chunks: list[int],
+    compression: str = "",
 ) -> dict[str, Any]:
     """The spec that creates (or, opened, checks) one leaf's zarr v3 array."""
     return {
         "driver": "zarr3",
         "kvstore": loc.child(directory),
-        "metadata": _format.array_metadata(shape, stored_dtype, chunks),
+        "metadata": _format.array_metadata(shape, stored_dtype, chunks, compression),
         # A deleted chunk must be an error, not silently read back as zeros...
         "fill_missing_data_reads": False,
         # ...so every chunk is written, even one that equals the fill value.
@@ -687,7 +693,12 @@ def _opening(future: Any) -> Mapped:
 def _leaf_spec(loc: Location, record: LeafRecord) -> dict[str, Any]:
     """The spec of a leaf's own zarr v3 array, as its record describes it."""
     return array_spec(
-        loc, record.directory, shape=record.stored_shape, stored_dtype=record.stored_dtype, chunks=list(record.chunks)
+        loc,
+        record.directory,
+        shape=record.stored_shape,
+        stored_dtype=record.stored_dtype,
+        chunks=list(record.chunks),
+        compression=record.compression,
     )
 
 
@@ -732,7 +743,8 @@ def open_spec(spec: dict[str, Any], loc: Location, *, cached: bool = False) -> M
 
 def pack_spec(loc: Location, pack: PackRecord) -> dict[str, Any]:
     """The spec of a pack's zarr v3 array (see `_pack`)."""
-    return array_spec(loc, pack.name, shape=(pack.size,), stored_dtype=pack.dtype, chunks=[pack.chunk])
+    shape, chunks = (pack.size,), [pack.chunk]
+    return array_spec(loc, pack.name, shape=shape, stored_dtype=pack.dtype, chunks=chunks, compression=pack.compression)
 
 
 # Packs opened for reading single leaves (lazy leaves, `Checkpoint[...]`, verify,

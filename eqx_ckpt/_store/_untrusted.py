@@ -118,9 +118,12 @@ def check_leaf_files(loc: Location, record: LeafRecord) -> None:
     if loc.local is None:
         return
     found = refuse_links(loc, record.directory, leaf=record.path, subtree=True)
-    if found >= record.nbytes:
+    if found >= record.nbytes and not record.compression:
         return
-    why = first_wrong_chunk_file(loc, record.directory, record.stored_shape, record.chunks, record.chunk_nbytes)
+    shape, chunks, chunk_nbytes = record.stored_shape, record.chunks, record.chunk_nbytes
+    why = first_wrong_chunk_file(loc, record.directory, shape, chunks, chunk_nbytes, record.compression)
+    if why is None and record.compression:
+        return
     raise stored_leaf_error(
         IntegrityError,
         f"it is damaged or incomplete: {why or _short(record.nbytes, found)}. Nothing was read.",
@@ -137,7 +140,7 @@ def check_pack_files(loc: Location, pack: PackRecord, *, leaf: str | None = None
         return
     refuse_links(loc, pack.name, leaf=leaf, subtree=True)  # (a FIFO or device inside refused too)
     chunk_nbytes = pack.chunk * dtype_from_name(pack.dtype).itemsize
-    why = first_wrong_chunk_file(loc, pack.name, (pack.size,), (pack.chunk,), chunk_nbytes)
+    why = first_wrong_chunk_file(loc, pack.name, (pack.size,), (pack.chunk,), chunk_nbytes, pack.compression)
     if why is None:
         return
     # Worded as `verify` words it, with the leaf's own words around it.
@@ -165,22 +168,41 @@ def wrong_chunk_file(name: str, size: int | None, expected: int) -> str:
     return f"its chunk file {name!r} is {size} bytes, not {expected}"
 
 
+def wrong_size(name: str, size: int | None, chunk_nbytes: int, compression: str) -> str | None:
+    """Why a chunk file of `size` bytes (`None`: missing) is not what a save
+    writes for a chunk of `chunk_nbytes`: one full chunk and its checksum, or,
+    `compression`, at most as many as a compressed chunk takes at worst (a
+    larger file is refused before anything decompresses it). `None`: it is."""
+    expected = chunk_nbytes + _format.CHECKSUM_BYTES
+    if size is None or not compression:
+        return None if size == expected else wrong_chunk_file(name, size, expected)
+    most = _format.most_stored_bytes(chunk_nbytes, compression) + _format.CHECKSUM_BYTES
+    if _format.CHECKSUM_BYTES < size <= most:
+        return None
+    return f"its chunk file {name!r} is {size} bytes, which no compressed chunk is (1 to {most} bytes)"
+
+
 def first_wrong_chunk_file(
-    loc: Location, directory: str, shape: tuple[int, ...], chunks: tuple[int, ...], chunk_nbytes: int
+    loc: Location,
+    directory: str,
+    shape: tuple[int, ...],
+    chunks: tuple[int, ...],
+    chunk_nbytes: int,
+    compression: str = "",
 ) -> str | None:
     """The first chunk file of the array in `directory` that is missing or not
-    one full chunk and its checksum (`wrong_chunk_file`), or `None`.
+    the size a save writes (`wrong_size`), or `None`.
 
     It stops at the first, so a hostile manifest's absurd shape costs one
     missing file."""
-    expected = chunk_nbytes + _format.CHECKSUM_BYTES
     for key in _format.chunk_keys(shape, chunks):
         try:
             size: int | None = local_stat(os.path.join(loc.local or "", directory, key), follow=False).st_size
         except FileNotFoundError:
             size = None
-        if size != expected:
-            return wrong_chunk_file(f"{directory}/{key}", size, expected)
+        why = wrong_size(f"{directory}/{key}", size, chunk_nbytes, compression)
+        if why is not None:
+            return why
     return None
 
 

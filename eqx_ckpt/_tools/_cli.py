@@ -183,6 +183,12 @@ def _info(args: argparse.Namespace) -> int:
         print(f"info:            {printable(key)}={printable(json.dumps(value, sort_keys=True))}")
     print(f"leaves:          {len(ckpt)}")
     print(f"bytes:           {ckpt.total_bytes} ({human(ckpt.total_bytes)})")
+    if ckpt.compression is not None:
+        print(f"compression:     {ckpt.compression}")
+        stored = ckpt.stored_bytes
+        if stored is not None:
+            ratio = stored / max(ckpt.total_bytes, 1)
+            print(f"stored:          {stored} ({human(stored)}, {ratio:.2f}x, checksums included)")
     taken = ckpt.from_base()
     if taken:
         stored = ckpt.total_bytes - sum(ckpt.record(path).nbytes for path in taken)

@@ -310,9 +310,10 @@ def _check_packs(data: Location, manifest: Manifest, tracker: Tracker) -> dict[s
     groups = _pack.by_pack(manifest.leaves)
     for pack in manifest.packs:
         members = sorted((manifest.leaves[i] for i in groups.get(pack.name, [])), key=lambda r: r.offset)
-        problem = _check_metadata(data, pack.name, (pack.size,), pack.dtype, (pack.chunk,))
+        problem = _check_metadata(data, pack.name, (pack.size,), pack.dtype, (pack.chunk,), pack.compression)
         chunk_nbytes = pack.chunk * dtype_from_name(pack.dtype).itemsize
-        problem = problem or _check_file_sizes(data, pack.name, (pack.size,), (pack.chunk,), chunk_nbytes)
+        grid = ((pack.size,), (pack.chunk,))
+        problem = problem or _check_file_sizes(data, pack.name, *grid, chunk_nbytes, pack.compression)
         damaged: dict[int, str] = {}
         if problem is None:
             try:
@@ -355,7 +356,8 @@ def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -
     bad: dict[str, Problem] = {}
     stores: dict[str, Any] = {}
     for record in records:
-        why = _check_metadata(data, record.directory, record.stored_shape, record.stored_dtype, record.chunks)
+        shape, dtype, chunks = record.stored_shape, record.stored_dtype, record.chunks
+        why = _check_metadata(data, record.directory, shape, dtype, chunks, record.compression)
         problem = None if why is None else Problem(record.path, why)
         if problem is None:
             try:
@@ -376,7 +378,8 @@ def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -
     _chunk_scan.scan_leaves(data, records, stores, bad, failed, tracker)
     for record in records:
         if record.path not in bad:
-            why = _check_file_sizes(data, record.directory, record.stored_shape, record.chunks, record.chunk_nbytes)
+            shape, chunks, compression = record.stored_shape, record.chunks, record.compression
+            why = _check_file_sizes(data, record.directory, shape, chunks, record.chunk_nbytes, compression)
             if why is not None:
                 bad[record.path] = Problem(record.path, why)
     return bad
@@ -388,38 +391,44 @@ def _chunk_file(root: str, directory: str, indices: tuple[int, ...]) -> str:
 
 
 def _check_file_sizes(
-    data: Location, directory: str, shape: tuple[int, ...], chunks: tuple[int, ...], chunk_nbytes: int
+    data: Location,
+    directory: str,
+    shape: tuple[int, ...],
+    chunks: tuple[int, ...],
+    chunk_nbytes: int,
+    compression: str = "",
 ) -> str | None:
     """Every local chunk file is there and holds exactly one full chunk and its
-    checksum (TensorStore ignores bytes appended after the checksum, so reads
-    alone would not notice them), worded as a load words it."""
+    checksum, or a compressed one's bytes at most (TensorStore ignores bytes
+    appended after the checksum, so reads alone would not notice them),
+    worded as a load words it (`_untrusted.wrong_size`)."""
     if data.local is None:
         return None
-    why = _untrusted.first_wrong_chunk_file(data, directory, shape, chunks, chunk_nbytes)
+    why = _untrusted.first_wrong_chunk_file(data, directory, shape, chunks, chunk_nbytes, compression)
     if why is not None:
         return why + "."
     chunks_at = data.joined(f"{directory}/{_format.CHUNKS}")
     folder = chunks_at.local or ""
-    expected = chunk_nbytes + _format.CHECKSUM_BYTES
     one = _storage.local_entry(folder).file
     files = [folder] if one else [os.path.join(folder, name) for name in _storage.list_files(chunks_at)]
     for file in files:
         entry = _storage.local_entry(file)
         if entry.link and not entry.file:
             continue  # a link to a folder, or to nothing: the read that follows refuses it, naming the link
-        if entry.size != expected:
-            return _untrusted.wrong_chunk_file(os.path.relpath(file, data.local), entry.size, expected) + "."
+        why = _untrusted.wrong_size(os.path.relpath(file, data.local), entry.size, chunk_nbytes, compression)
+        if why is not None:
+            return why + "."
     return None
 
 
 def _check_metadata(
-    data: Location, directory: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]
+    data: Location, directory: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...], compression: str
 ) -> str | None:
     """An array's `zarr.json` must be exactly what eqx_ckpt writes for it."""
     actual, why = _read_object(data, _format.metadata_key(directory), "its zarr.json")
     if actual is None:
         return why
-    expected = _reference_metadata(shape, dtype, chunks)
+    expected = _reference_metadata(shape, dtype, chunks, compression)
     differ = sorted(k for k in (set(actual) | set(expected)) - _FREE_KEYS if actual.get(k) != expected.get(k))
     if differ:
         shown = ", ".join(f"{k}: {_brief(actual.get(k))} instead of {expected.get(k)!r}" for k in differ)
@@ -502,12 +511,16 @@ def _brief(value: Any) -> str:
 
 
 @_state.memo(256)
-def _reference_metadata(shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]) -> dict[str, Any]:
+def _reference_metadata(
+    shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...], compression: str
+) -> dict[str, Any]:
     """The zarr.json TensorStore writes for such an array, made in memory."""
     # A scratch store of its own, so that verifies in several threads never
     # create, read or remove one another's reference array.
     scratch = location(f"memory://eqx_ckpt_verify_reference/{uuid.uuid4().hex}/")
-    record = LeafRecord("x", [["key", "x"]], "numpy", shape, dtype, shape, dtype, "plain", chunks)
+    record = LeafRecord(
+        "x", [["key", "x"]], "numpy", shape, dtype, shape, dtype, "plain", chunks, compression=compression
+    )
     try:
         _storage.create_array(scratch, record).result()
         written = _storage.read_file(scratch, _format.metadata_key("x"), limit=_MAX_ZARR_JSON)
