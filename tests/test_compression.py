@@ -382,3 +382,21 @@ def test_a_chunk_with_a_good_checksum_that_does_not_decompress_to_one_chunk_is_r
     with pytest.raises(eqx_ckpt.IntegrityError, match=r"Leaf `w`.*(does not decompress|decompresses to|damaged)"):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
     assert [p.leaf for p in eqx_ckpt.verify(tmp_path)] == ["w"]
+
+
+def test_a_lazy_slice_reads_only_the_chunks_that_hold_it(tmp_path):
+    """Every chunk but the one holding the rows damaged (same size): the slice
+    still reads, so nothing else was read; the whole leaf does not."""
+    w = _weights((8192, 1024))  # 32 MiB: four compressed chunks of 2048 rows
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": w}, compression=True)
+    files = _chunk_files(tmp_path / "w")
+    assert [f.relative_to(tmp_path / "w").as_posix() for f in files] == [f"c/{i}/0" for i in range(4)]
+    for i in (0, 1, 3):
+        data = bytearray(files[i].read_bytes())
+        data[100] ^= 0xFF
+        files[i].write_bytes(bytes(data))
+    assert bits(np.asarray(eqx_ckpt.Checkpoint(tmp_path)["w"][5000:5002])) == bits(w[5000:5002])
+    lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": w}, lazy=True)["w"]
+    assert bits(np.asarray(lazy[4096:4100])) == bits(w[4096:4100])
+    with pytest.raises(eqx_ckpt.IntegrityError, match="crc32c"):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": w})
