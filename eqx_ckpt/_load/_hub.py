@@ -619,10 +619,9 @@ def download(pinned: Pinned, names: list[str]) -> tuple[str, tuple[str, ...]]:
     holding them, and what was checked of them, as `verify` says it.
 
     Those already there are not fetched again. Offline, those missing are
-    named. Each must
-    lie in the cache, and is checked against the size and the digest (SHA-256
-    or git blob id) the Hub listed, or else the one its blob in the cache is
-    named after (`checked`)."""
+    named. Each must lie in the cache, and is checked against the size and
+    the digest (SHA-256 or git blob id) the Hub listed, or else the one its
+    blob in the cache is named after (`checked`)."""
     hub = library()
     if pinned.offline:
         missing = _uncached(pinned, names)
