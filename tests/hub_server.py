@@ -44,6 +44,14 @@ security status), the card metadata's schema, OAuth and token scopes,
 `whoami`, and rate-limit headers (a 429 carries none unless `fail` is given
 some). It keeps everything in memory.
 
+`Hub.mirror = True` answers as olah 0.5.4 (a self-hosted mirror serving local
+git repositories, offline) does: a model info lists file names alone (no
+size, blob id or LFS data; the tree listing has them), a model info without
+a revision and a missing revision are answered 401 (`RepoNotFound`), an LFS
+file is sent from the same origin with its SHA-256 as its `ETag`, and a
+byte range is answered with the whole file (200). `GET /api/models/{repo}/refs`
+lists branches and tags in both modes.
+
 A repository may be made hostile (`Hub.hostile[repo] = Hostile(...)`): its
 model info rewritten, its files' headers and bytes replaced, ranges ignored or
 answered gzip-encoded, answers delayed, dripped or never sent. Tests of the
@@ -95,6 +103,7 @@ class Hostile:
     - `stall`: seconds waited before answering (`float("inf")`: never answers).
     - `drip`: seconds between the bytes of a file's body (1 byte at a time).
     - `info`: rewrites the model info (a dict) before it is sent.
+    - `tree`: rewrites each entry of a tree listing (a dict) before it is sent.
     - `headers`: headers of a file's answer (`resolve/`), replacing the usual ones.
     - `body`: `(path, bytes) -> bytes`, the bytes served for a file.
     - `ignore_range`: a range asked for is answered with the whole file (200).
@@ -107,6 +116,7 @@ class Hostile:
     stall: float = 0.0
     drip: float = 0.0
     info: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    tree: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     headers: dict[str, str] = dataclasses.field(default_factory=dict)
     body: Callable[[str, bytes], bytes] | None = None
     ignore_range: bool = False
@@ -128,6 +138,7 @@ class Hub:
         self.lock = threading.Lock()
         self.storage = ""  # the URL of the LFS storage's origin
         self.hostile: dict[str, Hostile] = {}  # by repository
+        self.mirror = False  # answer as olah 0.5.4 does (the module docstring)
 
     def fail(self, pattern: str, status: int, times: int = 10**9, headers: dict[str, str] | None = None) -> None:
         """Answer the next `times` requests whose `METHOD path` matches `pattern`
@@ -204,7 +215,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body) if length is None else length))
         self.end_headers()
         if self.command != "HEAD" and body:
-            self.wfile.write(body)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # (a client that stopped reading)
+                self.wfile.write(body)
 
     def _json(self, value: Any, status: int = 200, headers: dict[str, str] | None = None) -> None:
         self._send(status, json.dumps(value).encode(), {"Content-Type": "application/json", **(headers or {})})
@@ -261,9 +273,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return None
         return repo
 
-    def _revision(self, name: str, repo: Repo, revision: str) -> str | None:
-        sha = self.hub.resolve(repo, urllib.parse.unquote(revision))
-        if sha is None:
+    def _revision(self, name: str, repo: Repo, revision: str | None) -> str | None:
+        sha = None if revision is None else self.hub.resolve(repo, urllib.parse.unquote(revision))
+        if sha is None and self.hub.mirror:  # (olah: a revision it cannot find, or none named)
+            self._error(401, "RepoNotFound", "Repository not found")
+        elif sha is None:
             self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
         return sha
 
@@ -278,7 +292,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
         path = urllib.parse.urlsplit(self.path).path
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
         if m:
-            return self._info(m[1], m[2] or "main")
+            return self._info(m[1], m[2] or (None if self.hub.mirror else "main"))
+        m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/refs", path)
+        if m:
+            return self._refs(m[1])
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)/?(.*)", path)
         if m:
             recursive = "recursive=true" in urllib.parse.urlsplit(self.path).query.lower()
@@ -301,7 +318,19 @@ class Handler(http.server.BaseHTTPRequestHandler):
             out.append(entry)
         return out
 
-    def _info(self, name: str, revision: str) -> None:
+    def _refs(self, name: str) -> None:
+        repo = self._readable(name)
+        if repo is not None:
+            refs = {
+                kind: [
+                    {"name": n, "ref": f"refs/{kind[:-1] if kind == 'tags' else 'heads'}/{n}", "targetCommit": sha}
+                    for n, sha in sorted(getattr(repo, kind).items())
+                ]
+                for kind in ("branches", "tags")
+            }
+            self._json({**refs, "converts": []})
+
+    def _info(self, name: str, revision: str | None) -> None:
         repo = self._readable(name)
         sha = repo and self._revision(name, repo, revision)
         if repo is None or sha is None:
@@ -318,7 +347,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             "tags": [],
             "downloads": 0,
             "likes": 0,
-            "siblings": self._files(repo, sha),
+            "siblings": [{"rfilename": f["rfilename"]} if self.hub.mirror else f for f in self._files(repo, sha)],
         }
         self._json(hostile.info(info) if hostile is not None and hostile.info is not None else info)
 
@@ -343,6 +372,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             out.append(item)
         if prefix and not out and not dirs:
             return self._error(404, "EntryNotFound", f"{folder} does not exist")
+        hostile = self.hub.hostile.get(name)
+        out = [hostile.tree(e) for e in out] if hostile is not None and hostile.tree is not None else out
         self._json([{"type": "directory", "path": d, "oid": "0" * 40} for d in sorted(dirs)] + out)
 
     def _resolve(self, name: str, revision: str, file: str) -> None:
@@ -355,6 +386,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self._error(404, "EntryNotFound", f"{file} does not exist at {sha}")
         data = self.hub.blobs[oid]
         headers = {"X-Repo-Commit": sha}
+        if len(data) >= LFS_FROM and self.hub.mirror:  # (from the same origin, named by its SHA-256)
+            return self._content(data, {**headers, "ETag": f'"{oid}"', **self._hostile_headers(name)}, oid)
         if len(data) >= LFS_FROM:
             # The storage's own origin (another port of this server), as the Hub's
             # storage is another host: a HEAD stops at the redirect, a GET follows it.
@@ -377,7 +410,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             data = hostile.body(counted, data)
         m = re.fullmatch(r"bytes=(\d*)-(\d*)", self.headers.get("Range", ""))
         status, body = 200, data
-        if m and not hostile.ignore_range:
+        if m and not hostile.ignore_range and not self.hub.mirror:
             start = int(m[1]) if m[1] else max(len(data) - int(m[2]), 0)
             end = min(int(m[2]) + 1, len(data)) if m[1] and m[2] else len(data)
             if start >= len(data):

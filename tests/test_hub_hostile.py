@@ -109,7 +109,9 @@ def test_a_servers_etag_or_commit_header_writes_nothing_outside_the_cache(hub, t
 
 def test_model_info_values_are_checked_before_use(hub):
     """A commit, a file name, a size or a digest of the model info that is not
-    what the Hub writes is a `CheckpointStorageError` naming it, escaped."""
+    what the Hub writes is a `CheckpointStorageError` naming it, escaped. A
+    model info listing no sizes (a mirror's) is read from the tree listing
+    instead, whose values are checked the same way."""
     client, state = hub
 
     def sibling(key: str, value: object):
@@ -126,9 +128,15 @@ def test_model_info_values_are_checked_before_use(hub):
         info["siblings"] = [{**s, "lfs": {"sha256": "../x", "size": 1, "pointerSize": 1}} for s in info["siblings"]]
         return info
 
+    def big(entry: dict) -> dict:
+        return {**entry, "size": "big"}
+
+    state.put_files("me/nosize", {"model.safetensors": model("me/nosize")})
+    state.hostile["me/nosize"] = hub_server.Hostile(info=sibling("size", None))
+    state.put_files("bad/tree", {"model.safetensors": model("bad/tree")})
+    state.hostile["bad/tree"] = hub_server.Hostile(info=sibling("size", None), tree=big)
     rewrites = {
         "size": sibling("size", "big"),
-        "nosize": sibling("size", None),
         "name": sibling("rfilename", "../../model.safetensors"),
         "blob": sibling("blobId", "../../x"),
         "lfs": lfs,
@@ -137,9 +145,11 @@ def test_model_info_values_are_checked_before_use(hub):
     for name, rewrite in rewrites.items():
         state.put_files(f"bad/{name}", {"model.safetensors": model(f"bad/{name}")})
         state.hostile[f"bad/{name}"] = hub_server.Hostile(info=rewrite)
-    results = run(client, [f"attempt('hf://bad/{n}', False)" for n in rewrites])
-    for name, (said, _, _) in zip(rewrites, results):
+    results = run(client, [f"attempt('hf://bad/{n}', False)" for n in [*rewrites, "tree"]])
+    for name, (said, _, _) in zip([*rewrites, "tree"], results):
         assert is_eqx_error(said, "CheckpointStorageError"), (name, said)
+    assert "the size 'big' for `model.safetensors`" in results[-1][0][2]
+    assert run(client, ["attempt('hf://me/nosize', False)"])[0][0] is None
 
 
 def test_names_the_library_refuses_are_value_errors(hub):
@@ -236,17 +246,20 @@ def test_an_index_naming_more_shards_than_allowed_reads_and_downloads_none(hub):
 
 
 def test_range_answers_are_exactly_the_bytes_asked_for(hub):
-    """A range answered gzip-encoded (a bomb), with the whole file, or with more
-    bytes than asked is refused with an eqx_ckpt error, in bounded memory."""
+    """A range answered gzip-encoded (a bomb), or with more bytes than asked,
+    is refused with an eqx_ckpt error, in bounded memory. One answered with
+    the whole file (a server ignoring `Range`) is not taken as the range: the
+    file is downloaded whole into the cache, then read there."""
     client, state = hub
-    answers = {"bomb": {"bomb": 64 * 2**20}, "ignored": {"ignore_range": True}, "longer": {"extra": b"x" * 64}}
+    answers = {"bomb": {"bomb": 64 * 2**20}, "longer": {"extra": b"x" * 64}, "ignored": {"ignore_range": True}}
     for name, options in answers.items():
         state.put_files(f"bad/{name}", {"model.safetensors": model(f"bad/{name}")})
         state.hostile[f"bad/{name}"] = hub_server.Hostile(**options)  # type: ignore[arg-type]
     results = run(client, [f"attempt('hf://bad/{n}', False)" for n in answers])
-    for name, (said, _, _) in zip(answers, results):
+    for name, (said, _, _) in zip(answers, results[:2]):
         assert is_eqx_error(said, "CheckpointStorageError"), (name, said)
     assert results[0][2] < 1500  # MiB of peak RSS
+    assert results[2][0] is None and list((client.home / "hub" / "models--bad--ignored").rglob("*.safetensors"))
 
 
 def test_a_stalled_or_dripping_server_is_a_connection_error_within_seconds(hub):

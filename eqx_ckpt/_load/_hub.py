@@ -38,6 +38,7 @@ import logging
 import os
 import re
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -62,7 +63,7 @@ from .._ondisk._format import MAX_MANIFEST_BYTES, MAX_SHARDS
 from .._ondisk._manifest import loads_file
 from .._ondisk._published import NAME as RECORD
 from .._store import _hub_http, _storage, _storage_errors
-from .._store._local_paths import local_entry, local_open, local_real_path, local_walk
+from .._store._local_paths import local_entry, local_link, local_open, local_real_path, local_walk
 
 INSTALL = 'pip install "eqx_ckpt[hub]"'
 # The most of an index `needed` reads (the safetensors reader refuses a larger one).
@@ -119,6 +120,8 @@ class Pinned:
     - `listed`: whether `sizes` lists every file of the commit (offline, without
       the cache's listing, it lists only the files the cache holds).
     - `token`: the token the files are read with (`None`: huggingface_hub's own).
+    - `cached`: whether the commit was answered from the cache's listing of it
+      without asking the server (`pin`), online.
     """
 
     repo: str
@@ -131,6 +134,7 @@ class Pinned:
     blob_ids: dict[str, str] = dataclasses.field(default_factory=dict)
     listed: bool = True
     token: str | None = dataclasses.field(default=None, repr=False)
+    cached: bool = False
 
     @property
     def display(self) -> str:
@@ -156,54 +160,76 @@ def pin(where: Hub, token: str | None = None) -> Pinned:
     """Resolve the revision of a `hf://` location to its commit, once, and list
     the repository's files there.
 
+    A commit (40 hex digits) whose listing the cache holds is answered from
+    the cache without asking the server, as huggingface_hub answers it: a
+    commit never changes, so one deleted from the server since still loads.
     Where the Hub cannot be reached or `HF_HUB_OFFLINE` is set, both come from
     the local cache, as the Hugging Face libraries do."""
     hub = library()
     repo, asked, folder = where.repo, where.revision, where.folder
-    if not hub.constants.HF_HUB_OFFLINE:
-        api = hub.HfApi(token=token)
-        try:
-            with _hub_http.guarded():
-                sha = _commit(_retried(lambda: api.resolve_revision(repo, revision=asked).resolved), repo, asked)
-                info = _retried(lambda: api.model_info(repo, revision=sha, files_metadata=True))
-        except Exception as e:
-            if not _unreachable(e):
-                raise explained(e, repo, asked) from None
-        else:
-            return _listed(info, repo, asked, sha, folder, token)
-    return _from_cache(where, hub, token)
+    if hub.constants.HF_HUB_OFFLINE:
+        return _from_cache(where, hub, token)
+    listing = _cached_tree(hub, repo, asked) if asked is not None and _COMMIT.fullmatch(asked) else None
+    if listing is not None and asked is not None:
+        return Pinned(repo, asked, asked, folder, listing, False, token=token, cached=True)
+    api = hub.HfApi(token=token)
+    try:
+        with _hub_http.guarded():
+            # (the default branch by name, as `snapshot_download` asks: a mirror may know no other)
+            revision = asked or hub.constants.DEFAULT_REVISION
+            sha = _commit(_retried(lambda: api.resolve_revision(repo, revision=revision).resolved), repo, asked)
+            files = _files_at(api, repo, sha)
+    except Exception as e:
+        if not _unreachable(e):
+            raise _unpinned(e, api, repo, asked) from None
+        return _from_cache(where, hub, token)
+    return _listed(files, repo, asked, sha, folder, token)
 
 
-def _listed(info: Any, repo: str, asked: str | None, sha: str, folder: str, token: str | None) -> Pinned:
-    """The files of the model info `info` at `sha`, each value checked as the Hub writes it."""
-    where = f"hf://{repo}@{asked or 'main'}"
-
-    def refuse(what: str) -> CheckpointStorageError:
-        return CheckpointStorageError(
-            f"{where}: the Hub answered the listing of commit {sha} with {what}, so nothing of it is read. Check "
-            f"`HF_ENDPOINT` (a mirror or proxy answering for the Hub), and try again.",
-            path=where,
-        )
-
+def _files_at(api: Any, repo: str, sha: str) -> list[tuple[Any, Any, Any, Any]]:
+    """Each file at `sha`: its name, size, git blob id and LFS SHA-256, as the
+    model info lists them. A mirror's model info may list names alone; then
+    the tree listing (as `snapshot_download` reads it) gives them."""
+    info = _retried(lambda: api.model_info(repo, revision=sha, files_metadata=True))
     if getattr(info, "sha", sha) != sha:
-        raise refuse(f"the listing of another commit ({from_file(repr(getattr(info, 'sha', None)))})")
+        raise _refused_listing(repo, sha, f"the listing of another commit ({from_file(repr(info.sha))})")
+    siblings = info.siblings
+    if siblings is not None and all(s.size is not None for s in siblings):
+        return [(s.rfilename, s.size, s.blob_id, s.lfs.sha256 if s.lfs is not None else None) for s in siblings]
+    tree = _retried(lambda: list(api.list_repo_tree(repo, revision=sha, recursive=True)))
+    files = [f for f in tree if isinstance(f, library().RepoFile)]  # (not its folders)
+    return [(f.path, f.size, f.blob_id, f.lfs.sha256 if f.lfs is not None else None) for f in files]
+
+
+def _refused_listing(repo: str, sha: str, what: str) -> CheckpointStorageError:
+    return CheckpointStorageError(
+        f"hf://{repo}@{sha}: the Hub answered the listing of commit {sha} with {what}, so nothing of it is read. "
+        f"Check `HF_ENDPOINT` (a mirror or proxy answering for the Hub), and try again.",
+        path=f"hf://{repo}@{sha}",
+    )
+
+
+def _listed(
+    files: list[tuple[Any, Any, Any, Any]], repo: str, asked: str | None, sha: str, folder: str, token: str | None
+) -> Pinned:
+    """The files at `sha` (`_files_at`), each value checked as the Hub writes it."""
     sizes, sha256, blobs = {}, {}, {}
-    for s in list(info.siblings or ()):
-        name, size = s.rfilename, s.size
+    for name, size, blob_id, digest in files:
         if not isinstance(name, str) or not _plain_path(name):
-            raise refuse(f"the file name {from_file(repr(name))}, which is no path inside a repository")
+            raise _refused_listing(
+                repo, sha, f"the file name {from_file(repr(name))}, which is no path in a repository"
+            )
         if not (type(size) is int and size >= 0):  # (the Hub lists every file's size)
-            raise refuse(f"the size {from_file(repr(size))} for `{from_file(name)}`, which is no number of bytes")
+            raise _refused_listing(repo, sha, f"the size {from_file(repr(size))} for `{from_file(name)}`")
         sizes[name] = size
-        digest = s.lfs.sha256 if s.lfs is not None else None
         if digest is not None and not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
-            raise refuse(f"the SHA-256 {from_file(repr(digest))} for `{from_file(name)}`")
-        if s.blob_id is not None and not (isinstance(s.blob_id, str) and _COMMIT.fullmatch(s.blob_id)):
-            raise refuse(f"the git blob id {from_file(repr(s.blob_id))} for `{from_file(name)}`")
+            raise _refused_listing(repo, sha, f"the SHA-256 {from_file(repr(digest))} for `{from_file(name)}`")
+        if blob_id is not None and not (isinstance(blob_id, str) and _COMMIT.fullmatch(blob_id)):
+            raise _refused_listing(repo, sha, f"the git blob id {from_file(repr(blob_id))} for `{from_file(name)}`")
         if digest:
             sha256[name] = digest
-        if s.blob_id:
-            blobs[name] = s.blob_id
+        if blob_id:
+            blobs[name] = blob_id
     return Pinned(repo, asked, sha, folder, sizes, False, sha256, blobs, token=token)
 
 
@@ -264,13 +290,9 @@ def _from_cache(where: Hub, hub: Any, token: str | None) -> Pinned:
     except (hub.errors.RevisionResolutionError, CheckpointStorageError):
         sha = None
     snapshot = _snapshot(hub, repo, sha)
-    if sha is not None:
-        try:
-            tree = hub.get_cached_repo_tree(repo, revision=sha)
-        except hub.errors.CachedRepoTreeNotFoundError:
-            pass
-        else:
-            return Pinned(repo, asked, sha, folder, {f.path: int(f.size or 0) for f in tree}, True, token=token)
+    listing = None if sha is None else _cached_tree(hub, repo, sha)
+    if sha is not None and listing is not None:
+        return Pinned(repo, asked, sha, folder, listing, True, token=token)
     if sha is None or snapshot is None or not local_entry(os.path.join(snapshot, folder)).folder:
         raise CheckpointConnectionError(
             f"hf://{repo}@{asked or 'main'}: {_why_offline(hub)}, and the local cache ({hub.constants.HF_HUB_CACHE}) "
@@ -284,6 +306,15 @@ def _from_cache(where: Hub, hub: Any, token: str | None) -> Pinned:
             path = os.path.join(base, name)
             sizes[os.path.relpath(path, snapshot).replace(os.sep, "/")] = local_entry(path).size
     return Pinned(repo, asked, sha, folder, sizes, offline=True, listed=False, token=token)
+
+
+def _cached_tree(hub: Any, repo: str, sha: str) -> dict[str, int] | None:
+    """Every file of the commit `sha` with its size, as the cache's own listing
+    of it holds them (written by `snapshot_download`), or `None`: no listing."""
+    try:
+        return {f.path: int(f.size or 0) for f in hub.get_cached_repo_tree(repo, revision=sha)}
+    except hub.errors.CachedRepoTreeNotFoundError:
+        return None
 
 
 def _snapshot(hub: Any, repo: str, sha: str | None) -> str | None:
@@ -322,6 +353,8 @@ def explained(error: BaseException, repo: str, revision: str | None) -> Exceptio
     while cause is not None:  # a server's answer refused inside the library's call, or a stall
         if isinstance(cause, CheckpointError) and isinstance(cause, Exception):
             return cause
+        if isinstance(cause, hub.errors.RevisionNotFoundError):  # (the file system wraps it)
+            return _no_revision(repo, revision)
         cause = cause.__cause__ or cause.__context__
     if isinstance(error, hub.errors.HFValidationError):
         return CheckpointValueError(f"{where}: {_first_line(error)}", path=where)
@@ -329,12 +362,6 @@ def explained(error: BaseException, repo: str, revision: str | None) -> Exceptio
         return CheckpointStorageError(
             f"{where}: another commit landed on the branch while this push was made, so nothing was committed. "
             f"Push again (it is compared with what the branch holds then).",
-            path=where,
-        )
-    if isinstance(error, hub.errors.RevisionNotFoundError):
-        return CheckpointNotFoundError(
-            f"{where}: the repository has no revision {revision!r} (a branch, a tag or a commit). Check the name; "
-            f"`huggingface_hub.list_repo_refs({repo!r})` lists its branches and tags.",
             path=where,
         )
     if isinstance(error, hub.errors.GatedRepoError):
@@ -369,6 +396,46 @@ def explained(error: BaseException, repo: str, revision: str | None) -> Exceptio
     )
 
 
+def _unpinned(error: BaseException, api: Any, repo: str, asked: str | None) -> Exception:
+    """Why `asked` could not be pinned (`explained`). A 401 for a revision of
+    a repository the server lists refs of (a mirror's answer to a missing
+    revision) is a missing revision, not a missing repository."""
+    if asked is not None and _status(error) == 401 and isinstance(error, library().errors.RepositoryNotFoundError):
+        try:
+            with _hub_http.guarded():
+                api.list_repo_refs(repo)
+        except Exception:
+            pass
+        else:
+            return _no_revision(repo, asked, unauthorised=True)
+    return explained(error, repo, asked)
+
+
+def _no_revision(
+    repo: str, revision: str | None, missing: list[str] | None = None, *, unauthorised: bool = False
+) -> CheckpointNotFoundError:
+    """The server gives no `revision` of `repo`: a commit gone from it, of
+    which the cache lacks `missing` (`None`: the files a load reads), or a
+    name that names nothing (or nothing the token may read: `unauthorised`)."""
+    where = f"hf://{repo}@{revision or 'main'}"
+    refs = f"`huggingface_hub.list_repo_refs({repo!r})` lists its branches and tags"
+    if revision is not None and _COMMIT.fullmatch(revision):
+        lacks = f"lacks {shown_names(missing)} of it" if missing else "does not hold the files a load of it reads"
+        return CheckpointNotFoundError(
+            f"{where}: the server no longer gives this commit (deleted, its branch rewritten, or the repository "
+            f"gone), and the local cache ({library().constants.HF_HUB_CACHE}) {lacks}, so it cannot be loaded. Load "
+            f"a revision the repository has ({refs}), or a copy of this one kept elsewhere.",
+            path=where,
+        )
+    said = (
+        f"the server answered HTTP 401 for the revision {revision!r} of a repository it holds: there is no such "
+        f"revision, or the token ({_token_said()}) may not read it"
+        if unauthorised
+        else f"the repository has no revision {revision!r} (a branch, a tag or a commit)"
+    )
+    return CheckpointNotFoundError(f"{where}: {said}. Check the name; {refs}.", path=where)
+
+
 def _token_said() -> str:
     return "one was given" if library().get_token() is not None else "none was given"
 
@@ -387,7 +454,22 @@ def needed(pinned: Pinned, read_index: Callable[[str], bytes]) -> list[str]:
     They are the safetensors files (an index and its shards, or one file),
     and `eqx_ckpt.json` where it is there. A folder holding no safetensors
     file raises, saying what it holds; so does one holding two layouts at once
-    (an index and a single file, or two indexes)."""
+    (an index and a single file, or two indexes). A commit answered from the
+    cache (`Pinned.cached`) whose files the cache lacks some of is asked of
+    the server: one it no longer gives is named, with what the cache lacks."""
+    names = _needed(pinned, read_index)
+    missing = _uncached(pinned, names) if pinned.cached else []
+    if missing:
+        try:
+            with _hub_http.guarded():
+                library().HfApi(token=pinned.token).model_info(pinned.repo, revision=pinned.sha)
+        except Exception as e:
+            if isinstance(explained(e, pinned.repo, pinned.asked), CheckpointNotFoundError):
+                raise _no_revision(pinned.repo, pinned.sha, missing) from None
+    return names
+
+
+def _needed(pinned: Pinned, read_index: Callable[[str], bytes]) -> list[str]:
     files = pinned.files()
     indexes, singles = _safetensors.layout(files)
     extras = [n for n in (RECORD,) if n in files]
@@ -538,7 +620,8 @@ def download(pinned: Pinned, names: list[str]) -> tuple[str, tuple[str, ...]]:
 
     Those already there are not fetched again. Offline, those missing are
     named. Each must lie in the cache, and is checked against the size and
-    the digest (SHA-256 or git blob id) the Hub listed (`checked`)."""
+    the digest (SHA-256 or git blob id) the Hub listed, or else the one its
+    blob in the cache is named after (`checked`)."""
     hub = library()
     if pinned.offline:
         missing = _uncached(pinned, names)
@@ -581,26 +664,35 @@ def _damaged(pinned: Pinned, name: str, what: str) -> CorruptCheckpointError:
 
 
 def _check_digests(pinned: Pinned, local: str, names: list[str]) -> tuple[str, ...]:
-    """Every file of a whole load against the digest the Hub lists for it (an
-    LFS file's SHA-256, any other's git blob id; all at once, at disk speed):
-    bytes served or cached that are not the commit's are refused. What was
-    checked, a sentence a file. (Offline, the Hub lists none: `()`.)"""
-    listed = [(n, *_listed_digest(pinned, n)) for n in sorted(names)]
-    listed = [(n, lfs, digest) for n, lfs, digest in listed if digest is not None]
-    got = _pool().map(lambda item: _digest(os.path.join(local, item[0]), lfs=item[1]), listed)
-    said = []
-    for (name, lfs, digest), found in zip(listed, got):
+    """Every file of a whole load against its digest (an LFS file's SHA-256,
+    any other's git blob id; all at once, at disk speed): bytes served or
+    cached that are not the commit's are refused. What was checked, a
+    sentence a file."""
+    listed = [(n, *_listed_digest(pinned, local, n)) for n in sorted(names)]
+    listed = [(n, lfs, digest, said) for n, lfs, digest, said in listed if digest is not None]
+    hashing = _pool().map if len(listed) > 1 else map  # (one file: in this thread, maybe the pool's own)
+    got = hashing(lambda item: _digest(os.path.join(local, item[0]), lfs=item[1]), listed)
+    checked = []
+    for (name, lfs, digest, said), found in zip(listed, got):
         kind = "SHA-256" if lfs else "git blob id"
         if found != digest:
-            raise _damaged(pinned, name, f"has the {kind} {found}, but the Hub lists {digest} at {pinned.sha}")
-        said.append(f"`{from_file(name)}`: its {kind} is the one the Hub lists at {pinned.sha}")
-    return tuple(said)
+            raise _damaged(pinned, name, f"has the {kind} {found}, but {said} {digest} at {pinned.sha}")
+        checked.append(f"`{from_file(name)}`: its {kind} is the one {said} at {pinned.sha}")
+    return tuple(checked)
 
 
-def _listed_digest(pinned: Pinned, name: str) -> tuple[bool, str | None]:
-    """Whether the Hub lists `name` as an LFS file, and the digest it lists (its SHA-256, or its git blob id)."""
-    sha256 = pinned.sha256.get(pinned.folder + name)
-    return sha256 is not None, sha256 if sha256 is not None else pinned.blob_ids.get(pinned.folder + name)
+def _listed_digest(pinned: Pinned, local: str, name: str) -> tuple[bool, str | None, str]:
+    """Whether `name` is an LFS file, the digest it must have (its SHA-256, or
+    its git blob id), and who said so: the Hub's listing; else (a listing from
+    the cache) the name of its blob in the cache, which huggingface_hub names
+    after the digest the server sent (its `ETag`)."""
+    listed = pinned.sha256.get(pinned.folder + name) or pinned.blob_ids.get(pinned.folder + name)
+    if listed is not None:
+        return pinned.folder + name in pinned.sha256, listed, "the Hub lists"
+    path = os.path.join(local, name)
+    blob = os.path.basename(local_link(path)) if local_entry(path).link else ""
+    known = _SHA256.fullmatch(blob) or _COMMIT.fullmatch(blob)
+    return len(blob) == 64, blob if known else None, "the cache recorded"
 
 
 def _digest(path: str, *, lfs: bool) -> str:
@@ -621,7 +713,12 @@ class Files:
     """The files of a pinned folder, read by byte ranges through
     `huggingface_hub`'s file system (`HfFileSystem`) at the commit: the
     folder `_safetensors.find` reads (a `_safetensors.Folder`). A small file
-    read whole is kept: a commit's files never change."""
+    read whole is kept: a commit's files never change.
+
+    A server that answers a range with the whole file (a mirror ignoring
+    `Range`) has each file downloaded whole into the cache instead (`download`:
+    checked against its digest), with one line logged; the ranges are then
+    read there."""
 
     def __init__(self, pinned: Pinned):
         self.pinned = pinned
@@ -629,6 +726,8 @@ class Files:
         # Its own (the library keeps every one it makes, with its token, unless told not to).
         self.fs = library().HfFileSystem(token=pinned.token, skip_instance_cache=True)
         self.small: dict[str, bytes] = {}
+        self.whole: dict[str, str] | None = None  # where ranges are ignored: each file downloaded, by name
+        self.lock = threading.Lock()
 
     def names(self) -> list[str]:
         return sorted(self.pinned.files())
@@ -672,13 +771,18 @@ class Files:
             raise OSError(f"OUT_OF_RANGE: bytes {start}.. of `{name}`, which has {size}")
         if stop <= start:
             return b"", generation
+        if self.whole is not None:
+            return self._downloaded(name, start, stop), generation
         path = f"{self.pinned.repo}@{self.pinned.sha}/{self.pinned.folder}{name}"
         try:
             with _hub_http.guarded(), self.fs.open(path, "rb", block_size=max(stop - start, 1), cache_type="none") as f:
                 f.seek(start)
                 data = f.read(stop - start)
         except Exception as e:
-            raise explained(e, self.pinned.repo, self.pinned.asked) from None
+            error = explained(e, self.pinned.repo, self.pinned.asked)
+            if not isinstance(error, _hub_http.RangeIgnored):
+                raise error from None
+            return self._downloaded(name, start, stop, error), generation
         if len(data) != stop - start:
             raise CheckpointStorageError(
                 f"{self.pinned.display}: the Hub answered bytes {start} to {stop} of `{from_file(name)}` with "
@@ -687,6 +791,23 @@ class Files:
                 path=self.pinned.display,
             )
         return bytes(data), generation
+
+    def _downloaded(self, name: str, start: int, stop: int, why: Exception | None = None) -> bytes:
+        """Bytes `start:stop` of `name`, downloaded whole into the cache once."""
+        with self.lock:
+            if self.whole is None:
+                self.whole = {}
+                _LOG.warning(
+                    "%s %s is read from whole files instead, each downloaded into the cache once and checked.",
+                    why,
+                    self.pinned.display,
+                )
+            if name not in self.whole:
+                self.whole[name] = os.path.join(download(self.pinned, [name])[0], name)
+            path = self.whole[name]
+        with local_open(path) as f:
+            f.seek(start)
+            return f.read(stop - start)
 
 
 def _pool() -> _threads.Pool:

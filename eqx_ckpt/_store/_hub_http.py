@@ -170,7 +170,12 @@ def _checked_range(response: Any) -> int | None:
     if encoding != "identity":
         raise _refused(response, f"a byte range encoded as `{from_file(encoding)}`, which was asked for unencoded")
     if response.status_code != 206:
-        raise _refused(response, f"a byte range with HTTP {response.status_code} (the whole file): it ignores `Range`")
+        server, path = _server(response.request.url), from_file(response.request.url.path)
+        raise RangeIgnored(
+            f"{server} answers a byte range of {path} with HTTP {response.status_code} (the whole file): it ignores "
+            f"`Range`.",
+            path=server,
+        )
     return int(asked[2]) - int(asked[1]) + 1 if asked[2] else None
 
 
@@ -182,6 +187,11 @@ def _refused(response: Any, what: str) -> CheckpointStorageError:
         f"Hub).",
         path=server,
     )
+
+
+class RangeIgnored(CheckpointStorageError):
+    """A byte range answered with the whole file: the server ignores `Range`
+    (`_hub.Files` then downloads each file whole instead)."""
 
 
 @_state.memo(1)
