@@ -520,6 +520,63 @@ def test_the_cli_exports_against_a_base_and_standalone(tmp_path, capsys):
     assert not (tmp_path / "both").exists()
 
 
+def _report_numbers(said: str) -> list[int]:
+    """The byte counts a report line gives, in order."""
+    return [int(n) for n in re.findall(r"(\d+) bytes", said)]
+
+
+def test_a_full_finetune_exported_against_its_base_is_standalone_and_says_so(tmp_path, caplog, capsys):
+    """Every weight changed, tiny scalars (`lr`, a PRNG key) unchanged: the
+    17-ish bytes the base would give are not worth depending on it."""
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    tuned = {**tree, "model": jax.tree.map(lambda x: x + 1 if eqx.is_inexact_array(x) else x, tree["model"])}
+    tuned = {**tuned, "embed": tree["embed"] * 2, "ids": tree["ids"] + 1, "mask": ~tree["mask"], "step": 5}
+    with caplog.at_level("INFO", logger="eqx_ckpt"):
+        eqx_ckpt.export_safetensors(tmp_path / "ft", tuned, base=tmp_path / "base")
+    [said] = [r.getMessage() for r in caplog.records if "standalone" in r.getMessage()]
+    record = _record(tmp_path / "ft")
+    assert record["format_version"] == 1 and "base" not in record
+    on_disk = _tensors(tmp_path / "ft")
+    assert sorted(on_disk) == sorted(_by_path(tuned))
+    total = sum(len(data) for data in on_disk.values())
+    unchanged = len(_stored_bytes(tree["lr"])) + len(_stored_bytes(tree["key"]))
+    assert _report_numbers(said) == [total, unchanged]
+    assert "written standalone" in said and "under both 10% of its bytes and 1.0 MiB" in said
+    shutil.rmtree(tmp_path / "base")
+    _assert_same(eqx_ckpt.Checkpoint(tmp_path / "ft").load(trust=[Classifier]), tuned)
+    # The CLI says the same on stderr; stdout lists the files.
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tuned)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "cli"), "--base", str(tmp_path / "base")]) == 0
+    out, err = capsys.readouterr()
+    assert out.split() == ["model.safetensors", "eqx_ckpt.json", "README.md"]
+    assert err.startswith("eqx-ckpt: written standalone") and _report_numbers(err) == [total, unchanged]
+
+
+def test_a_head_only_finetune_keeps_its_base_and_reports_what_it_stored_and_took(family, caplog, capsys):
+    tuned = _finetuned(family.base_tree)
+    with caplog.at_level("INFO", logger="eqx_ckpt"):
+        eqx_ckpt.export_safetensors(family.finetune, tuned, base=family.base)
+    [said] = [r.getMessage() for r in caplog.records if "from the base" in r.getMessage()]
+    references = _record(family.finetune)["base"]
+    stored = sum(len(data) for data in _tensors(family.finetune).values())
+    by_path = _by_path(family.base_tree)
+    taken = [p for p, leaf in _leaves(family.finetune).items() if "base" in leaf]
+    assert sorted(taken) == sorted(set(by_path) - set(CHANGED))
+    taken_bytes = sum(len(_stored_bytes(by_path[p])) for p in taken)
+    assert _report_numbers(said) == [stored, taken_bytes]
+    assert f"stored {len(CHANGED)} leaves" in said and f"took {len(taken)} leaves" in said
+    assert said.endswith(f"from the base {references['path']}.")
+    # The CLI prints it on stderr.
+    if family.kind.startswith("checkpoint"):
+        capsys.readouterr()
+        args = ["export", str(family.base), str(family.finetune.parent / "again"), "--base", str(family.base)]
+        assert main(args) == 0
+        assert _report_numbers(capsys.readouterr().err) == [0, sum(len(_stored_bytes(x)) for x in by_path.values())]
+
+
 def test_contradictory_or_impossible_base_options_are_refused(tmp_path):
     tree = _base_tree()
     eqx_ckpt.export_safetensors(tmp_path / "base", tree)

@@ -1059,8 +1059,13 @@ def test_a_fine_tune_is_pushed_and_made_standalone_from_the_cli_and_its_missing_
     base_commit = client.run(_FAMILY + "emit(eqx_ckpt.push_to_hub(base, 'me/base'))")
     pushed = client.cli("push", str(tmp_path / "ckpt"), "me/tuned", "--base", "hf://me/base")
     assert pushed.returncode == 0, pushed.stderr
+    base, tuned = _family_trees()
+    taken = base["body"]["w"].nbytes + base["body"]["b"].nbytes
+    assert pushed.stderr.strip() == (
+        f"eqx-ckpt: stored 1 leaf, {tuned['head'].nbytes} bytes (12.0 KiB); took 2 leaves, {taken} bytes "
+        f"(1.0 MiB) from the base hf://me/base@{base_commit}."
+    )
     assert client.cli("export", "--standalone", "hf://me/tuned", str(tmp_path / "whole")).returncode == 0
-    _, tuned = _family_trees()
     assert json.loads((tmp_path / "whole" / "eqx_ckpt.json").read_text())["format_version"] == 1
     assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "whole").load(), tuned)
     del state.repos["me/base"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import re
 import types
@@ -53,6 +54,8 @@ from .._store import _durable, _storage
 from . import _card, _matching, _rebuildable
 from ._card import model_card
 
+_LOG = logging.getLogger("eqx_ckpt")
+
 _UNITS = types.MappingProxyType({"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})  # fmt: skip
 
@@ -77,6 +80,16 @@ class ExportOptions:
     standalone: bool = False
     token: str | None = None
     progress: Progress = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Exported:
+    """What an export wrote: its files' names, relative to its folder, and,
+    against a base, the line saying what it stored and took from the base
+    (`_matching.against`), which it logs."""
+
+    names: list[str]
+    report: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +181,9 @@ def export_safetensors(
         leaf, and the base, pinned (an `hf://` base to its commit, any other
         to the sha256 of its record). Loads read those leaves from the base.
         The card's `base_model` is an `hf://` base's repository unless given.
+        An export that would take under both 10% of its bytes and 1 MiB from
+        the base is written standalone. Either way, one line on the `eqx_ckpt`
+        logger (`INFO`) says the bytes stored and taken from the base.
         See "Model families" in [docs/sharing.md](../sharing.md).
     - `standalone`: where `pytree` is a fine-tune stored against a base,
         write every leaf (its base's too), so the folder loads without the
@@ -216,10 +232,10 @@ def export_safetensors(
         token=token,
         progress=progress,
     )
-    return export(path, pytree, options)
+    return export(path, pytree, options).names
 
 
-def export(path: Any, pytree: PyTree, options: ExportOptions) -> list[str]:
+def export(path: Any, pytree: PyTree, options: ExportOptions) -> Exported:
     """`export_safetensors(path, pytree, ...)` with its `options`."""
     # Everything is checked before anything is written or deleted.
     limit = _shard_bytes(options.max_shard_size)
@@ -235,7 +251,9 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> list[str]:
     if based is not None and options.base_model is None and based.hub is not None:
         about = _card.about(license=options.license, base_model=based.hub, code=options.code)
     digests: dict[str, str] = {}
-    family = None if based is None else _matching.matched(tensors, based, digests, tensor_bytes)
+    family, report = None, None
+    if based is not None:
+        family, report = _matching.against(tensors, based, digests, tensor_bytes, loc)
     stored = tensors if family is None else [t for t in tensors if t.record.path not in family.references]
     shards = _plan(stored, limit) if single is None else [stored]
     names = [single] if single else _file_names(len(shards))
@@ -283,7 +301,9 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> list[str]:
         # new `model.safetensors` would be read instead of it.
         stale = [n for n in _storage.list_names(loc) if n not in names]
         _storage.remove(loc, [n for n in stale if _safetensors.is_published(n.removesuffix(UNPUBLISHED_SUFFIX))])
-    return names
+    if report is not None:
+        _LOG.info("%s: %s", shown, report)
+    return Exported(names, report)
 
 
 def _exported(pytree: Any, options: ExportOptions) -> tuple[Any, list[_Tensor], Any]:

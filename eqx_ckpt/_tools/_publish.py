@@ -79,7 +79,9 @@ def push_to_hub(
     - `base`: publish a fine-tune as what changed: the `hf://owner/name[@rev]`
         it was fine-tuned from. Only the leaves that differ from it are
         uploaded; loads read the others from it, pinned to its commit, through
-        the Hub's cache. The card's `base_model` names it. A fine-tune
+        the Hub's cache. The card's `base_model` names it. A push that would
+        take under both 10% of its bytes and 1 MiB from the base publishes
+        every leaf; the `eqx_ckpt` logger (`INFO`) says which. A fine-tune
         exported against an `hf://` base is pushed against it without `base=`.
     - `standalone`: publish every leaf, the base's too (see
         [`eqx_ckpt.export_safetensors`][]).
@@ -127,7 +129,7 @@ def push_to_hub(
             progress=progress,
         ),
     )
-    return publish(tree_or_checkpoint_path, options).commit
+    return publish(tree_or_checkpoint_path, options)[0].commit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,11 +146,14 @@ class PushOptions:
     export: ExportOptions = dataclasses.field(default_factory=ExportOptions)
 
 
-def publish(tree_or_checkpoint_path: Any, options: PushOptions) -> _hub.Published:
-    """`push_to_hub`, saying also whether it committed (`eqx-ckpt push` says "unchanged")."""
+def publish(tree_or_checkpoint_path: Any, options: PushOptions) -> tuple[_hub.Published, str | None]:
+    """`push_to_hub`, saying also whether it committed (`eqx-ckpt push` says
+    "unchanged"), and, against a base, what it stored and took from the base
+    (`Exported.report`)."""
     _check_repo_id(options.repo_id)
     _hub.library()  # the install hint before anything is exported
     token = options.export.token
+    reports: list[str | None] = [None]
 
     def write(folder: str) -> list[str]:
         source = os.fspath(tree_or_checkpoint_path) if isinstance(tree_or_checkpoint_path, os.PathLike) else None
@@ -159,9 +164,10 @@ def publish(tree_or_checkpoint_path: Any, options: PushOptions) -> _hub.Publishe
         card_path = _card_path(options.repo_id, options.revision)
         written = export(folder, tree, dataclasses.replace(options.export, card_path=card_path))
         _refuse_local_base(folder)
-        return written
+        reports[0] = written.report
+        return written.names
 
-    return _hub.publish(
+    published = _hub.publish(
         write,
         options.repo_id,
         token=token,
@@ -170,6 +176,7 @@ def publish(tree_or_checkpoint_path: Any, options: PushOptions) -> _hub.Publishe
         commit_message=options.commit_message,
         tag=options.tag,
     )
+    return published, reports[0]
 
 
 def _card_path(repo_id: str, revision: str | None) -> str:
