@@ -395,9 +395,34 @@ def test_a_missing_base_is_an_error_naming_it(family, faults):
         f"base {str(family.base)!r}, which cannot be found: "
     )
     for load in _every_load(family.finetune, family.tree):
-        with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=said + ".*Put the base back"):
+        with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=said + ".*Three ways work"):
             load()
     assert reads == []
+
+
+def test_each_of_the_three_ways_the_missing_base_error_names_works(tmp_path, capsys):
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    tuned, ft, elsewhere = _finetuned(tree), str(tmp_path / "ft"), str(tmp_path / "moved" / "base")
+    eqx_ckpt.export_safetensors(ft, tuned, base=tmp_path / "base")
+    shutil.move(tmp_path / "base", elsewhere)
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError) as missing:
+        eqx_ckpt.Checkpoint(ft)
+    said = str(missing.value)
+    assert "`base=` in Python, `--with-base BASE` on the CLI" in said
+    assert f"`eqx-ckpt push {ft} owner/name --with-base BASE --base BASE` (or `export ... OUT`)" in said
+    assert f"`eqx-ckpt export --standalone {ft} OUT --with-base BASE`" in said
+    # 1. The base given, in Python and on the CLI.
+    _assert_same(eqx_ckpt.Checkpoint(ft, base=elsewhere).load(trust=[Classifier]), tuned)
+    assert main(["ls", ft, "--with-base", elsewhere]) == 0
+    # 2. Stored again against the base as it is now (here beside it: followed on its own).
+    again = str(tmp_path / "moved" / "ft")
+    assert main(["export", ft, again, "--with-base", elsewhere, "--base", elsewhere]) == 0
+    _assert_same(eqx_ckpt.Checkpoint(again).load(trust=[Classifier]), tuned)
+    # 3. A standalone copy, which needs no base.
+    assert main(["export", "--standalone", ft, str(tmp_path / "alone"), "--with-base", elsewhere]) == 0
+    shutil.rmtree(elsewhere)
+    _assert_same(eqx_ckpt.Checkpoint(tmp_path / "alone").load(trust=[Classifier]), tuned)
 
 
 def test_a_base_changed_since_is_an_error_naming_it(family, faults):

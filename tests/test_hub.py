@@ -1042,6 +1042,10 @@ def test_a_fine_tune_from_the_hub_reads_no_base_outside_the_hub(hub, tmp_path):
     push = f"emit(raised(lambda: eqx_ckpt.push_to_hub({str(tmp_path / 'tuned')!r}, 'me/tuned')))"
     error = client.run(push)
     assert error[0] == "CheckpointValueError" and "`standalone=True`" in error[2] and "Push the base first" in error[2]
+    assert f"stored against the base {str(tmp_path / 'base')!r}, which is not on the Hub" in error[2]
+    given = f"emit(raised(lambda: eqx_ckpt.push_to_hub({str(tmp_path / 'tuned')!r}, 'me/tuned', base='base')))"
+    error = client.run(given)  # (run in tmp_path)
+    assert "stored against the base 'base', which is not on the Hub" in error[2]  # as given, not via a temporary folder
     standalone = f"emit(eqx_ckpt.push_to_hub({str(tmp_path / 'tuned')!r}, 'me/tuned', standalone=True))"
     client.run(standalone)
     got = client.run(

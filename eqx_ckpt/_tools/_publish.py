@@ -158,12 +158,15 @@ def publish(tree_or_checkpoint_path: Any, options: PushOptions) -> tuple[_hub.Pu
     def write(folder: str) -> list[str]:
         source = os.fspath(tree_or_checkpoint_path) if isinstance(tree_or_checkpoint_path, os.PathLike) else None
         tree = source if source is not None else tree_or_checkpoint_path
-        if isinstance(tree, str) and tree.startswith(HUB_SCHEME):  # a published model, read with the token
+        if isinstance(tree, str):  # (a published model read with the token)
             tree = Checkpoint(tree, token=token)
         # The card loads the model by the name it is pushed to.
         card_path = _card_path(options.repo_id, options.revision)
         written = export(folder, tree, dataclasses.replace(options.export, card_path=card_path))
-        _refuse_local_base(folder)
+        given = options.export.base
+        if given is None and isinstance(tree, Checkpoint):
+            given = tree.base
+        _refuse_local_base(folder, given.path if isinstance(given, Checkpoint) else given)
         reports[0] = written.report
         return written.names
 
@@ -198,14 +201,16 @@ def _check_repo_id(repo_id: Any) -> None:
         raise CheckpointTypeError(f"`repo_id` must be a string `owner/name`, not {repo_id!r}.")
 
 
-def _refuse_local_base(folder: str) -> None:
+def _refuse_local_base(folder: str, given: Any) -> None:
     """A fine-tune's base must be on the Hub: no one else can read a local one
-    (and a load from the Hub reads no base elsewhere)."""
+    (and a load from the Hub reads no base elsewhere). The base is named as
+    `given` (the record's path is relative to the temporary `folder`)."""
     data = _storage.read_file(location(folder), _published.NAME, limit=MAX_MANIFEST_BYTES)
     family = None if data is None else _published.parse(data, where=folder).family
     if family is not None and not family.base.path.startswith(HUB_SCHEME):
+        shown = os.fspath(given) if isinstance(given, (str, os.PathLike)) else family.base.path
         raise CheckpointValueError(
-            f"This fine-tune is stored against the base {family.base.path!r}, which is not on the Hub: no one who "
+            f"This fine-tune is stored against the base {shown!r}, which is not on the Hub: no one who "
             f'loads it from the Hub could read that. Push the base first and pass `base="hf://owner/base"` '
             f"(`--base`), or publish every leaf with `standalone=True` (`--standalone`)."
         )
