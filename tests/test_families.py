@@ -612,7 +612,8 @@ def test_contradictory_or_impossible_base_options_are_refused(tmp_path):
         eqx_ckpt.export_safetensors(tmp_path / "out" / "one.safetensors", tree, base=tmp_path / "base")
     with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape("`base` must be a path")):
         eqx_ckpt.export_safetensors(tmp_path / "out", tree, base=3)
-    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(str(tmp_path / "nothere"))):
+    said = f"The base given as `base=` ({str(tmp_path / 'nothere')!r}) cannot be found: "
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(said) + ".*Check the base's path"):
         eqx_ckpt.export_safetensors(tmp_path / "out", tree, base=tmp_path / "nothere")
     # Each refused before anything is written: not even the folder (it was made, and left empty).
     assert not (tmp_path / "out").exists()

@@ -1070,6 +1070,8 @@ def test_a_fine_tune_is_pushed_and_made_standalone_from_the_cli_and_its_missing_
         f"(1.0 MiB) from the base hf://me/base@{base_commit}."
     )
     assert client.cli("export", "--standalone", "hf://me/tuned", str(tmp_path / "whole")).returncode == 0
+    nothere = client.cli("push", str(tmp_path / "ckpt"), "me/other", "--base", "hf://me/nothere")
+    assert nothere.returncode == 2 and "The base given as `base=` ('hf://me/nothere') cannot be found" in nothere.stderr
     assert json.loads((tmp_path / "whole" / "eqx_ckpt.json").read_text())["format_version"] == 1
     assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "whole").load(), tuned)
     del state.repos["me/base"]

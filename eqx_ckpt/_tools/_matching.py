@@ -11,12 +11,13 @@ families").
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._base._errors import CheckpointTypeError, CheckpointValueError
+from .._base._errors import CheckpointNotFoundError, CheckpointTypeError, CheckpointValueError
 from .._base._location import Location
 from .._load import _family, _source
 from .._load._checkpoint import Checkpoint, human
@@ -69,13 +70,24 @@ def base_of(
         given = base.path if base.revision is None else None
         source = base._source
     elif isinstance(base, (str, os.PathLike, dict)):
-        source = _source.open_source(base, LoadOptions(token=token), whole=True)
+        try:
+            source = _source.open_source(base, LoadOptions(token=token), whole=True)
+        except CheckpointNotFoundError as e:
+            raise CheckpointNotFoundError(
+                f"The base given as `base=` ({_shown(base)}) cannot be found: {e} Check the base's path or repository.",
+                path=e.path,
+            ) from e
     else:
         raise CheckpointTypeError(
             f"`base` must be a path (`hf://owner/name`, a checkpoint, a published folder) or a `Checkpoint`, not "
             f"{type(base).__name__}."
         )
     return Based(source, given)
+
+
+def _shown(base: Any) -> str:
+    """`base` as the caller gave it (a kvstore spec as JSON)."""
+    return repr(os.fspath(base)) if isinstance(base, (str, os.PathLike)) else json.dumps(base, sort_keys=True)
 
 
 def _pin(source: _source.Source, given: Any, destination: Location) -> _published.Base:
