@@ -3,7 +3,7 @@
 The CLI only parses and formats: every command calls a public library
 function. Exit codes (the README's table of commands has each): 0 success,
 1 `verify` found damage or `diff` differences, 2 an error (a checkpoint of a
-newer format too: no damage, but not checked).
+newer format too: no damage, but not checked), 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -681,6 +681,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"eqx-ckpt {args.command}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C: the user knows where; a traceback says nothing more.
+        print(f"eqx-ckpt {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader (`| head`) went away; that is not an error of ours. The
         # answer stands: `verify` found damage, `diff` differences (`args.code`).
