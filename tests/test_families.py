@@ -515,6 +515,21 @@ def test_a_standalone_export_holds_every_leaf_and_loads_without_the_base(family)
     _assert_same(eqx_ckpt.tree_deserialise_leaves(out, _like(family.tree)), family.tree)
 
 
+def test_a_reexport_keeps_the_description_license_and_base_models(tmp_path):
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    about = {"license": "mit", "base_model": ["me/base", "me/other"], "info": {"description": "A head."}}
+    eqx_ckpt.export_safetensors(tmp_path / "ft", _finetuned(tree), base=tmp_path / "base", **about)
+    eqx_ckpt.export_safetensors(tmp_path / "alone", eqx_ckpt.Checkpoint(tmp_path / "ft"), standalone=True)
+    assert eqx_ckpt.Checkpoint(tmp_path / "alone").info == {"description": "A head."}
+    front = (tmp_path / "alone" / "README.md").read_text().split("\n---", 1)[0]
+    assert 'license: "mit"' in front and 'base_model:\n- "me/base"\n- "me/other"' in front
+    # What the export is given wins.
+    eqx_ckpt.export_safetensors(tmp_path / "mine", eqx_ckpt.Checkpoint(tmp_path / "ft"), license="apache-2.0", info={})
+    assert eqx_ckpt.Checkpoint(tmp_path / "mine").info == {}
+    assert 'license: "apache-2.0"' in (tmp_path / "mine" / "README.md").read_text()
+
+
 def test_the_cli_exports_against_a_base_and_standalone(tmp_path, capsys):
     tree = _base_tree()
     eqx_ckpt.export_safetensors(tmp_path / "base", tree)

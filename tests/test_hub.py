@@ -1061,7 +1061,17 @@ def test_a_fine_tune_is_pushed_and_made_standalone_from_the_cli_and_its_missing_
     client, state = hub
     client.run(_FAMILY + f"eqx_ckpt.tree_serialise_leaves({str(tmp_path / 'ckpt')!r}, tuned); emit(0)")
     base_commit = client.run(_FAMILY + "emit(eqx_ckpt.push_to_hub(base, 'me/base'))")
-    pushed = client.cli("push", str(tmp_path / "ckpt"), "me/tuned", "--base", "hf://me/base")
+    pushed = client.cli(
+        "push",
+        str(tmp_path / "ckpt"),
+        "me/tuned",
+        "--base",
+        "hf://me/base",
+        "--license",
+        "mit",
+        "--metadata",
+        "description=A head.",
+    )
     assert pushed.returncode == 0, pushed.stderr
     base, tuned = _family_trees()
     taken = base["body"]["w"].nbytes + base["body"]["b"].nbytes
@@ -1073,6 +1083,10 @@ def test_a_fine_tune_is_pushed_and_made_standalone_from_the_cli_and_its_missing_
     nothere = client.cli("push", str(tmp_path / "ckpt"), "me/other", "--base", "hf://me/nothere")
     assert nothere.returncode == 2 and "The base given as `base=` ('hf://me/nothere') cannot be found" in nothere.stderr
     assert json.loads((tmp_path / "whole" / "eqx_ckpt.json").read_text())["format_version"] == 1
+    # The standalone copy keeps the card's metadata (issue 75, item 5).
+    assert json.loads((tmp_path / "whole" / "eqx_ckpt.json").read_text())["info"] == {"description": "A head."}
+    front = (tmp_path / "whole" / "README.md").read_text().split("\n---", 1)[0]
+    assert 'license: "mit"' in front and 'base_model: "me/base"' in front
     assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "whole").load(), tuned)
     del state.repos["me/base"]
     error = Client(client.url, tmp_path / "fresh").run(

@@ -169,6 +169,8 @@ def export_safetensors(
     - `card_path`: the name the card's load snippet loads the model by;
         `path` as given by default.
     - `license`: the card's `license`, a Hub license id such as `"apache-2.0"`.
+        A published model exported again keeps its `info`, `license` and
+        `base_model` where they are not given.
     - `base_model`: the card's `base_model`: the Hub repository (`"owner/name"`,
         or a list of them) it was fine-tuned or made from.
     - `code`: where the classes of the card's `trust` list come from: a pip
@@ -243,17 +245,12 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> Exported:
     info = _published.check_info(options.info)
     about = _card.about(license=options.license, base_model=options.base_model, code=options.code)
     pytree, tensors, structure = _exported(pytree, options)
+    if isinstance(pytree, Checkpoint):  # a re-export keeps its description, license and base models
+        info = info if options.info is not None else _published.check_info(pytree.info)
+        about = _card.kept(pytree, about)
     loc, single = _destination(path)
     _refuse_source_in_destination(loc, pytree)
-    based = _matching.base_of(
-        pytree, options.base, standalone=options.standalone, single=single, destination=loc, token=options.token
-    )
-    if based is not None and options.base_model is None and based.hub is not None:
-        about = _card.about(license=options.license, base_model=based.hub, code=options.code)
-    digests: dict[str, str] = {}
-    family, report = None, None
-    if based is not None:
-        family, report = _matching.against(tensors, based, digests, tensor_bytes, loc)
+    about, family, report, digests = _against_base(pytree, tensors, options, about, single, loc)
     stored = tensors if family is None else [t for t in tensors if t.record.path not in family.references]
     shards = _plan(stored, limit) if single is None else [stored]
     names = [single] if single else _file_names(len(shards))
@@ -304,6 +301,24 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> Exported:
     if report is not None:
         _LOG.info("%s: %s", shown, report)
     return Exported(names, report)
+
+
+def _against_base(
+    pytree: Any, tensors: list[_Tensor], options: ExportOptions, about: _card.About, single: str | None, loc: Location
+) -> tuple[_card.About, _published.Family | None, str | None, dict[str, str]]:
+    """An export's base, where it has one (`_matching`): the card's `about`
+    naming an `hf://` base, the family, the line saying what the export
+    stores and takes from the base, and the digests of the leaves compared."""
+    digests: dict[str, str] = {}
+    based = _matching.base_of(
+        pytree, options.base, standalone=options.standalone, single=single, destination=loc, token=options.token
+    )
+    if based is None:
+        return about, None, None, digests
+    if options.base_model is None and based.hub is not None:
+        about = dataclasses.replace(about, base_model=(based.hub,))
+    family, report = _matching.against(tensors, based, digests, tensor_bytes, loc)
+    return about, family, report, digests
 
 
 def _exported(pytree: Any, options: ExportOptions) -> tuple[Any, list[_Tensor], Any]:
