@@ -12,6 +12,7 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -581,3 +582,19 @@ def test_push_of_a_manager_directory_names_its_steps_and_the_best(tmp_path, monk
     assert "`eqx-ckpt push plain/run/step_00000003 me/model` (the latest), or pass `--step N`." in err
     assert main(["push", "plain/run", "me/model", "--best"]) == 2
     assert "`best_step()` needs to know which metric ranks steps" in capsys.readouterr().err
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
+    """Issue 75: Ctrl-C printed a traceback. A real SIGINT, in the demo's training."""
+    code = (
+        "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "from eqx_ckpt._tools._cli import main\n"
+        "print('ready', flush=True)\n"
+        f"sys.exit(main(['demo', '--steps', '100000000', '--dir', {str(tmp_path / 'demo')!r}]))\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "ready\n"
+    time.sleep(3)  # into the training
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert (process.returncode, err) == (130, "eqx-ckpt demo: interrupted\n"), out

@@ -395,9 +395,34 @@ def test_a_missing_base_is_an_error_naming_it(family, faults):
         f"base {str(family.base)!r}, which cannot be found: "
     )
     for load in _every_load(family.finetune, family.tree):
-        with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=said + ".*Put the base back"):
+        with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=said + ".*Three ways work"):
             load()
     assert reads == []
+
+
+def test_each_of_the_three_ways_the_missing_base_error_names_works(tmp_path, capsys):
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    tuned, ft, elsewhere = _finetuned(tree), str(tmp_path / "ft"), str(tmp_path / "moved" / "base")
+    eqx_ckpt.export_safetensors(ft, tuned, base=tmp_path / "base")
+    shutil.move(tmp_path / "base", elsewhere)
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError) as missing:
+        eqx_ckpt.Checkpoint(ft)
+    said = str(missing.value)
+    assert "`base=` in Python, `--with-base BASE` on the CLI" in said
+    assert f"`eqx-ckpt push {ft} owner/name --with-base BASE --base BASE` (or `export ... OUT`)" in said
+    assert f"`eqx-ckpt export --standalone {ft} OUT --with-base BASE`" in said
+    # 1. The base given, in Python and on the CLI.
+    _assert_same(eqx_ckpt.Checkpoint(ft, base=elsewhere).load(trust=[Classifier]), tuned)
+    assert main(["ls", ft, "--with-base", elsewhere]) == 0
+    # 2. Stored again against the base as it is now (here beside it: followed on its own).
+    again = str(tmp_path / "moved" / "ft")
+    assert main(["export", ft, again, "--with-base", elsewhere, "--base", elsewhere]) == 0
+    _assert_same(eqx_ckpt.Checkpoint(again).load(trust=[Classifier]), tuned)
+    # 3. A standalone copy, which needs no base.
+    assert main(["export", "--standalone", ft, str(tmp_path / "alone"), "--with-base", elsewhere]) == 0
+    shutil.rmtree(elsewhere)
+    _assert_same(eqx_ckpt.Checkpoint(tmp_path / "alone").load(trust=[Classifier]), tuned)
 
 
 def test_a_base_changed_since_is_an_error_naming_it(family, faults):
@@ -490,6 +515,21 @@ def test_a_standalone_export_holds_every_leaf_and_loads_without_the_base(family)
     _assert_same(eqx_ckpt.tree_deserialise_leaves(out, _like(family.tree)), family.tree)
 
 
+def test_a_reexport_keeps_the_description_license_and_base_models(tmp_path):
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    about = {"license": "mit", "base_model": ["me/base", "me/other"], "info": {"description": "A head."}}
+    eqx_ckpt.export_safetensors(tmp_path / "ft", _finetuned(tree), base=tmp_path / "base", **about)
+    eqx_ckpt.export_safetensors(tmp_path / "alone", eqx_ckpt.Checkpoint(tmp_path / "ft"), standalone=True)
+    assert eqx_ckpt.Checkpoint(tmp_path / "alone").info == {"description": "A head."}
+    front = (tmp_path / "alone" / "README.md").read_text().split("\n---", 1)[0]
+    assert 'license: "mit"' in front and 'base_model:\n- "me/base"\n- "me/other"' in front
+    # What the export is given wins.
+    eqx_ckpt.export_safetensors(tmp_path / "mine", eqx_ckpt.Checkpoint(tmp_path / "ft"), license="apache-2.0", info={})
+    assert eqx_ckpt.Checkpoint(tmp_path / "mine").info == {}
+    assert 'license: "apache-2.0"' in (tmp_path / "mine" / "README.md").read_text()
+
+
 def test_the_cli_exports_against_a_base_and_standalone(tmp_path, capsys):
     tree = _base_tree()
     eqx_ckpt.export_safetensors(tmp_path / "base", tree)
@@ -520,6 +560,63 @@ def test_the_cli_exports_against_a_base_and_standalone(tmp_path, capsys):
     assert not (tmp_path / "both").exists()
 
 
+def _report_numbers(said: str) -> list[int]:
+    """The byte counts a report line gives, in order."""
+    return [int(n) for n in re.findall(r"(\d+) bytes", said)]
+
+
+def test_a_full_finetune_exported_against_its_base_is_standalone_and_says_so(tmp_path, caplog, capsys):
+    """Every weight changed, tiny scalars (`lr`, a PRNG key) unchanged: the
+    17-ish bytes the base would give are not worth depending on it."""
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    tuned = {**tree, "model": jax.tree.map(lambda x: x + 1 if eqx.is_inexact_array(x) else x, tree["model"])}
+    tuned = {**tuned, "embed": tree["embed"] * 2, "ids": tree["ids"] + 1, "mask": ~tree["mask"], "step": 5}
+    with caplog.at_level("INFO", logger="eqx_ckpt"):
+        eqx_ckpt.export_safetensors(tmp_path / "ft", tuned, base=tmp_path / "base")
+    [said] = [r.getMessage() for r in caplog.records if "standalone" in r.getMessage()]
+    record = _record(tmp_path / "ft")
+    assert record["format_version"] == 1 and "base" not in record
+    on_disk = _tensors(tmp_path / "ft")
+    assert sorted(on_disk) == sorted(_by_path(tuned))
+    total = sum(len(data) for data in on_disk.values())
+    unchanged = len(_stored_bytes(tree["lr"])) + len(_stored_bytes(tree["key"]))
+    assert _report_numbers(said) == [total, unchanged]
+    assert "written standalone" in said and "under both 10% of its bytes and 1.0 MiB" in said
+    shutil.rmtree(tmp_path / "base")
+    _assert_same(eqx_ckpt.Checkpoint(tmp_path / "ft").load(trust=[Classifier]), tuned)
+    # The CLI says the same on stderr; stdout lists the files.
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tuned)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "cli"), "--base", str(tmp_path / "base")]) == 0
+    out, err = capsys.readouterr()
+    assert out.split() == ["model.safetensors", "eqx_ckpt.json", "README.md"]
+    assert err.startswith("eqx-ckpt: written standalone") and _report_numbers(err) == [total, unchanged]
+
+
+def test_a_head_only_finetune_keeps_its_base_and_reports_what_it_stored_and_took(family, caplog, capsys):
+    tuned = _finetuned(family.base_tree)
+    with caplog.at_level("INFO", logger="eqx_ckpt"):
+        eqx_ckpt.export_safetensors(family.finetune, tuned, base=family.base)
+    [said] = [r.getMessage() for r in caplog.records if "from the base" in r.getMessage()]
+    references = _record(family.finetune)["base"]
+    stored = sum(len(data) for data in _tensors(family.finetune).values())
+    by_path = _by_path(family.base_tree)
+    taken = [p for p, leaf in _leaves(family.finetune).items() if "base" in leaf]
+    assert sorted(taken) == sorted(set(by_path) - set(CHANGED))
+    taken_bytes = sum(len(_stored_bytes(by_path[p])) for p in taken)
+    assert _report_numbers(said) == [stored, taken_bytes]
+    assert f"stored {len(CHANGED)} leaves" in said and f"took {len(taken)} leaves" in said
+    assert said.endswith(f"from the base {references['path']}.")
+    # The CLI prints it on stderr.
+    if family.kind.startswith("checkpoint"):
+        capsys.readouterr()
+        args = ["export", str(family.base), str(family.finetune.parent / "again"), "--base", str(family.base)]
+        assert main(args) == 0
+        assert _report_numbers(capsys.readouterr().err) == [0, sum(len(_stored_bytes(x)) for x in by_path.values())]
+
+
 def test_contradictory_or_impossible_base_options_are_refused(tmp_path):
     tree = _base_tree()
     eqx_ckpt.export_safetensors(tmp_path / "base", tree)
@@ -530,7 +627,8 @@ def test_contradictory_or_impossible_base_options_are_refused(tmp_path):
         eqx_ckpt.export_safetensors(tmp_path / "out" / "one.safetensors", tree, base=tmp_path / "base")
     with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape("`base` must be a path")):
         eqx_ckpt.export_safetensors(tmp_path / "out", tree, base=3)
-    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(str(tmp_path / "nothere"))):
+    said = f"The base given as `base=` ({str(tmp_path / 'nothere')!r}) cannot be found: "
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(said) + ".*Check the base's path"):
         eqx_ckpt.export_safetensors(tmp_path / "out", tree, base=tmp_path / "nothere")
     # Each refused before anything is written: not even the folder (it was made, and left empty).
     assert not (tmp_path / "out").exists()

@@ -1042,6 +1042,10 @@ def test_a_fine_tune_from_the_hub_reads_no_base_outside_the_hub(hub, tmp_path):
     push = f"emit(raised(lambda: eqx_ckpt.push_to_hub({str(tmp_path / 'tuned')!r}, 'me/tuned')))"
     error = client.run(push)
     assert error[0] == "CheckpointValueError" and "`standalone=True`" in error[2] and "Push the base first" in error[2]
+    assert f"stored against the base {str(tmp_path / 'base')!r}, which is not on the Hub" in error[2]
+    given = f"emit(raised(lambda: eqx_ckpt.push_to_hub({str(tmp_path / 'tuned')!r}, 'me/tuned', base='base')))"
+    error = client.run(given)  # (run in tmp_path)
+    assert "stored against the base 'base', which is not on the Hub" in error[2]  # as given, not via a temporary folder
     standalone = f"emit(eqx_ckpt.push_to_hub({str(tmp_path / 'tuned')!r}, 'me/tuned', standalone=True))"
     client.run(standalone)
     got = client.run(
@@ -1057,11 +1061,32 @@ def test_a_fine_tune_is_pushed_and_made_standalone_from_the_cli_and_its_missing_
     client, state = hub
     client.run(_FAMILY + f"eqx_ckpt.tree_serialise_leaves({str(tmp_path / 'ckpt')!r}, tuned); emit(0)")
     base_commit = client.run(_FAMILY + "emit(eqx_ckpt.push_to_hub(base, 'me/base'))")
-    pushed = client.cli("push", str(tmp_path / "ckpt"), "me/tuned", "--base", "hf://me/base")
+    pushed = client.cli(
+        "push",
+        str(tmp_path / "ckpt"),
+        "me/tuned",
+        "--base",
+        "hf://me/base",
+        "--license",
+        "mit",
+        "--metadata",
+        "description=A head.",
+    )
     assert pushed.returncode == 0, pushed.stderr
+    base, tuned = _family_trees()
+    taken = base["body"]["w"].nbytes + base["body"]["b"].nbytes
+    assert pushed.stderr.strip() == (
+        f"eqx-ckpt: stored 1 leaf, {tuned['head'].nbytes} bytes (12.0 KiB); took 2 leaves, {taken} bytes "
+        f"(1.0 MiB) from the base hf://me/base@{base_commit}."
+    )
     assert client.cli("export", "--standalone", "hf://me/tuned", str(tmp_path / "whole")).returncode == 0
-    _, tuned = _family_trees()
+    nothere = client.cli("push", str(tmp_path / "ckpt"), "me/other", "--base", "hf://me/nothere")
+    assert nothere.returncode == 2 and "The base given as `base=` ('hf://me/nothere') cannot be found" in nothere.stderr
     assert json.loads((tmp_path / "whole" / "eqx_ckpt.json").read_text())["format_version"] == 1
+    # The standalone copy keeps the card's metadata (issue 75, item 5).
+    assert json.loads((tmp_path / "whole" / "eqx_ckpt.json").read_text())["info"] == {"description": "A head."}
+    front = (tmp_path / "whole" / "README.md").read_text().split("\n---", 1)[0]
+    assert 'license: "mit"' in front and 'base_model: "me/base"' in front
     assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "whole").load(), tuned)
     del state.repos["me/base"]
     error = Client(client.url, tmp_path / "fresh").run(

@@ -421,12 +421,7 @@ def _opened(
     try:
         base = opening()
     except CheckpointNotFoundError as e:
-        advice = (
-            "Check the path given as `base=`."
-            if given is not None
-            else "Put the base back (or download it) beside the fine-tune, give it as `base=` if it is elsewhere, "
-            "or load a standalone export of the fine-tune."
-        )
+        advice = "Check the path given as `base=`." if given is not None else _without_base(where)
         raise CheckpointNotFoundError(
             f"{where.display!r} is a fine-tune that holds only the leaves it changed; the others are read from its "
             f"base {shown}, which cannot be found: {e} {advice}",
@@ -447,6 +442,18 @@ def _opened(
                 path=where.display,
             )
     return base
+
+
+def _without_base(where: Location) -> str:
+    """The three ways to load the fine-tune at `where` whose recorded base is
+    gone (a base uploaded again has another commit, so putting it back may not help)."""
+    tuned = where.display
+    return (
+        f"Three ways work. Give a copy of the base (the same leaves, at any path or commit): `base=` in Python, "
+        f"`--with-base BASE` on the CLI. Store the fine-tune again against the base as it is now: "
+        f"`eqx-ckpt push {tuned} owner/name --with-base BASE --base BASE` (or `export ... OUT`). Or copy it "
+        f"standalone, once: `eqx-ckpt export --standalone {tuned} OUT --with-base BASE`."
+    )
 
 
 def _named(error: CheckpointError, message: str, where: Location) -> CheckpointError:

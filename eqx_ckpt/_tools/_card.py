@@ -20,14 +20,19 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .._base import _keypath
-from .._base._errors import CheckpointValueError, from_file
-from .._load._checkpoint import human
+from .._base._errors import CheckpointError, CheckpointValueError, from_file
+from .._base._location import location
+from .._load import _hub
+from .._load._checkpoint import Checkpoint, human
 from .._ondisk import _published, _trust
-from .._ondisk._format import LeafRecord
+from .._ondisk._format import CARD, LeafRecord
+from .._store import _storage
 from ._rebuildable import Needs, importable, in_script, needs, rebuildable
 
 # Shown by name in the snippet, at most; more parts load as nested dicts.
 MAX_PARTS = 16
+# The most of a card a re-export reads for the license and base models it names.
+_CARD_BYTES = 2**20
 _LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")
 _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 # A pip requirement or a URL (which the card writes as `<url>`: no `<` or `>` in it).
@@ -117,6 +122,41 @@ def model_card(
     if info:
         parts.append("## Metadata\n\n```json\n" + json.dumps(info, indent=2, sort_keys=True) + "\n```\n")
     return "\n".join(parts)
+
+
+def kept(ckpt: Checkpoint, about: About) -> About:
+    """`about` with what the card of `ckpt` says that `about` leaves out (its
+    license, its base models), so that a re-export keeps them. Values read
+    are checked as `about` checks them; others are left out."""
+    license, models, key = None, [], ""
+    text = _card_text(ckpt)
+    for line in text.split("\n---", 1)[0].split("\n")[1:] if text.startswith("---\n") else []:
+        key, value = (key, line[2:]) if line.startswith("- ") else line.partition(":")[::2]
+        value = value.strip().strip('"')
+        if key == "license" and _LICENSE.fullmatch(value):
+            license = value
+        elif key == "base_model" and _REPO.fullmatch(value):
+            models.append(value)
+    return About(about.license or license, about.base_model or tuple(models), about.code)
+
+
+def _card_text(ckpt: Checkpoint) -> str:
+    """The card of the published folder `ckpt` reads (from the Hub at its
+    commit), or `""` where there is none to read."""
+    source = ckpt._source
+    if ckpt.format == "eqx_ckpt":  # (a README.md of its own is no card of the model)
+        return ""
+    try:
+        if source.pinned is None:
+            data = _storage.read_file(source.loc, CARD, limit=_CARD_BYTES)
+        elif CARD in source.pinned.files():
+            folder, _ = _hub.download(source.pinned, [CARD])
+            data = _storage.read_file(location(folder), CARD, limit=_CARD_BYTES)
+        else:
+            data = None
+    except CheckpointError:  # (offline, without it in the cache: a card without them)
+        return ""
+    return "" if data is None else data.decode("utf-8", "replace")
 
 
 def front_matter(about: About, metrics: dict[str, Any]) -> str:

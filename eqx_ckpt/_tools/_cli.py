@@ -3,7 +3,7 @@
 The CLI only parses and formats: every command calls a public library
 function. Exit codes (the README's table of commands has each): 0 success,
 1 `verify` found damage or `diff` differences, 2 an error (a checkpoint of a
-newer format too: no damage, but not checked).
+newer format too: no damage, but not checked), 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .._ondisk._format import MANIFEST, step_name
 from .._store import _share
 from ._demo import run
 from ._diff import diff
-from ._export import ExportOptions, export_safetensors
+from ._export import ExportOptions, export
 from ._publish import PushOptions, publish
 from ._verify import Problem, Problems, verify
 
@@ -261,10 +261,18 @@ def _push(args: argparse.Namespace) -> int:
             token=args.token,
         ),
     )
-    published = publish(_push_source(args), options)
+    published, report = publish(_push_source(args), options)
     unchanged = "" if published.changed else " (unchanged: the repository held this export already; nothing committed)"
     print(f"hf://{args.repo}@{published.commit}{unchanged}")
+    _report(report)
     return 0
+
+
+def _report(report: str | None) -> None:
+    """Say what an export or a push against a base stored and took from it,
+    on stderr: stdout stays the files written, or the commit."""
+    if report is not None:
+        print(printable(f"eqx-ckpt: {report}"), file=sys.stderr)
 
 
 def _push_source(args: argparse.Namespace) -> Checkpoint:
@@ -462,9 +470,7 @@ def _export(args: argparse.Namespace) -> int:
         raise CheckpointValueError(
             f'`--info` must be a JSON object, e.g. \'{{"description": "..."}}\' ({e}).'
         ) from None
-    written = export_safetensors(
-        _path(args.out),
-        Checkpoint(_path(args.ckpt), token=args.token, base=_with_base(args)),
+    options = ExportOptions(
         max_shard_size=args.max_shard_size,
         rename=rules or None,
         metadata=metadata or None,
@@ -478,8 +484,10 @@ def _export(args: argparse.Namespace) -> int:
         standalone=args.standalone,
         token=args.token,
     )
-    for name in written:
+    written = export(_path(args.out), Checkpoint(_path(args.ckpt), token=args.token, base=_with_base(args)), options)
+    for name in written.names:
         print(name)
+    _report(written.report)
     return 0
 
 
@@ -673,6 +681,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"eqx-ckpt {args.command}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C: the user knows where; a traceback says nothing more.
+        print(f"eqx-ckpt {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader (`| head`) went away; that is not an error of ours. The
         # answer stands: `verify` found damage, `diff` differences (`args.code`).

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import re
 import types
@@ -53,6 +54,8 @@ from .._store import _durable, _storage
 from . import _card, _matching, _rebuildable
 from ._card import model_card
 
+_LOG = logging.getLogger("eqx_ckpt")
+
 _UNITS = types.MappingProxyType({"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})  # fmt: skip
 
@@ -77,6 +80,16 @@ class ExportOptions:
     standalone: bool = False
     token: str | None = None
     progress: Progress = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Exported:
+    """What an export wrote: its files' names, relative to its folder, and,
+    against a base, the line saying what it stored and took from the base
+    (`_matching.against`), which it logs."""
+
+    names: list[str]
+    report: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +169,8 @@ def export_safetensors(
     - `card_path`: the name the card's load snippet loads the model by;
         `path` as given by default.
     - `license`: the card's `license`, a Hub license id such as `"apache-2.0"`.
+        A published model exported again keeps its `info`, `license` and
+        `base_model` where they are not given.
     - `base_model`: the card's `base_model`: the Hub repository (`"owner/name"`,
         or a list of them) it was fine-tuned or made from.
     - `code`: where the classes of the card's `trust` list come from: a pip
@@ -168,6 +183,9 @@ def export_safetensors(
         leaf, and the base, pinned (an `hf://` base to its commit, any other
         to the sha256 of its record). Loads read those leaves from the base.
         The card's `base_model` is an `hf://` base's repository unless given.
+        An export that would take under both 10% of its bytes and 1 MiB from
+        the base is written standalone. Either way, one line on the `eqx_ckpt`
+        logger (`INFO`) says the bytes stored and taken from the base.
         See "Model families" in [docs/sharing.md](../sharing.md).
     - `standalone`: where `pytree` is a fine-tune stored against a base,
         write every leaf (its base's too), so the folder loads without the
@@ -216,10 +234,10 @@ def export_safetensors(
         token=token,
         progress=progress,
     )
-    return export(path, pytree, options)
+    return export(path, pytree, options).names
 
 
-def export(path: Any, pytree: PyTree, options: ExportOptions) -> list[str]:
+def export(path: Any, pytree: PyTree, options: ExportOptions) -> Exported:
     """`export_safetensors(path, pytree, ...)` with its `options`."""
     # Everything is checked before anything is written or deleted.
     limit = _shard_bytes(options.max_shard_size)
@@ -227,15 +245,12 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> list[str]:
     info = _published.check_info(options.info)
     about = _card.about(license=options.license, base_model=options.base_model, code=options.code)
     pytree, tensors, structure = _exported(pytree, options)
+    if isinstance(pytree, Checkpoint):  # a re-export keeps its description, license and base models
+        info = info if options.info is not None else _published.check_info(pytree.info)
+        about = _card.kept(pytree, about)
     loc, single = _destination(path)
     _refuse_source_in_destination(loc, pytree)
-    based = _matching.base_of(
-        pytree, options.base, standalone=options.standalone, single=single, destination=loc, token=options.token
-    )
-    if based is not None and options.base_model is None and based.hub is not None:
-        about = _card.about(license=options.license, base_model=based.hub, code=options.code)
-    digests: dict[str, str] = {}
-    family = None if based is None else _matching.matched(tensors, based, digests, tensor_bytes)
+    about, family, report, digests = _against_base(pytree, tensors, options, about, single, loc)
     stored = tensors if family is None else [t for t in tensors if t.record.path not in family.references]
     shards = _plan(stored, limit) if single is None else [stored]
     names = [single] if single else _file_names(len(shards))
@@ -283,7 +298,27 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> list[str]:
         # new `model.safetensors` would be read instead of it.
         stale = [n for n in _storage.list_names(loc) if n not in names]
         _storage.remove(loc, [n for n in stale if _safetensors.is_published(n.removesuffix(UNPUBLISHED_SUFFIX))])
-    return names
+    if report is not None:
+        _LOG.info("%s: %s", shown, report)
+    return Exported(names, report)
+
+
+def _against_base(
+    pytree: Any, tensors: list[_Tensor], options: ExportOptions, about: _card.About, single: str | None, loc: Location
+) -> tuple[_card.About, _published.Family | None, str | None, dict[str, str]]:
+    """An export's base, where it has one (`_matching`): the card's `about`
+    naming an `hf://` base, the family, the line saying what the export
+    stores and takes from the base, and the digests of the leaves compared."""
+    digests: dict[str, str] = {}
+    based = _matching.base_of(
+        pytree, options.base, standalone=options.standalone, single=single, destination=loc, token=options.token
+    )
+    if based is None:
+        return about, None, None, digests
+    if options.base_model is None and based.hub is not None:
+        about = dataclasses.replace(about, base_model=(based.hub,))
+    family, report = _matching.against(tensors, based, digests, tensor_bytes, loc)
+    return about, family, report, digests
 
 
 def _exported(pytree: Any, options: ExportOptions) -> tuple[Any, list[_Tensor], Any]:

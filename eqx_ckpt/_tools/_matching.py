@@ -11,28 +11,39 @@ families").
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._base._errors import CheckpointTypeError, CheckpointValueError
+from .._base._errors import CheckpointNotFoundError, CheckpointTypeError, CheckpointValueError
 from .._base._location import Location
 from .._load import _family, _source
-from .._load._checkpoint import Checkpoint
+from .._load._checkpoint import Checkpoint, human
 from .._load._load_plan import LoadOptions
 from .._ondisk import _published
 from .._ondisk._format import LeafRecord
 
+# An export against a base that would take from it under both 10% of its
+# tensors' bytes and 1 MiB is written standalone: so few bytes are not worth a
+# dependency that breaks when the base goes (docs/sharing.md, "Model families").
+STANDALONE_FRACTION = 0.1
+STANDALONE_BYTES = 2**20
+
 
 @dataclasses.dataclass(frozen=True)
 class Based:
-    """A base opened for an export: its source (read whole), its pin as the
-    record keeps it, and its Hub repository (`owner/name`, or `None`)."""
+    """A base opened for an export: its source (read whole), and the path it
+    was given as (`None` for a `Checkpoint` at a revision)."""
 
     source: _source.Source
-    pin: _published.Base
-    hub: str | None
+    given: Any
+
+    @property
+    def hub(self) -> str | None:
+        """Its Hub repository (`owner/name`), or `None`."""
+        return None if self.source.pinned is None else self.source.pinned.repo
 
 
 def base_of(
@@ -59,18 +70,29 @@ def base_of(
         given = base.path if base.revision is None else None
         source = base._source
     elif isinstance(base, (str, os.PathLike, dict)):
-        source = _source.open_source(base, LoadOptions(token=token), whole=True)
+        try:
+            source = _source.open_source(base, LoadOptions(token=token), whole=True)
+        except CheckpointNotFoundError as e:
+            raise CheckpointNotFoundError(
+                f"The base given as `base=` ({_shown(base)}) cannot be found: {e} Check the base's path or repository.",
+                path=e.path,
+            ) from e
     else:
         raise CheckpointTypeError(
             f"`base` must be a path (`hf://owner/name`, a checkpoint, a published folder) or a `Checkpoint`, not "
             f"{type(base).__name__}."
         )
-    return Based(source, *_pin(source, given, destination))
+    return Based(source, given)
 
 
-def _pin(source: _source.Source, given: Any, destination: Location) -> tuple[_published.Base, str | None]:
+def _shown(base: Any) -> str:
+    """`base` as the caller gave it (a kvstore spec as JSON)."""
+    return repr(os.fspath(base)) if isinstance(base, (str, os.PathLike)) else json.dumps(base, sort_keys=True)
+
+
+def _pin(source: _source.Source, given: Any, destination: Location) -> _published.Base:
     if source.pinned is not None:  # (read from the cache or by ranges alike)
-        return _published.Base(source.pinned.hub.path, revision=source.pinned.sha), source.pinned.repo
+        return _published.Base(source.pinned.hub.path, revision=source.pinned.sha)
     sha256 = _family.record_sha256(source)
     if sha256 is None:
         raise CheckpointValueError(
@@ -85,14 +107,14 @@ def _pin(source: _source.Source, given: Any, destination: Location) -> tuple[_pu
                 _not_followed(destination, path, "is not in the folder that holds the fine-tune")
         else:
             _not_followed(destination, path, "is on a local disk, and the fine-tune is not")
-        return _published.Base(path, sha256=sha256), None
+        return _published.Base(path, sha256=sha256)
     if not isinstance(given, (str, os.PathLike)):
         raise CheckpointTypeError(
             f"The base {source.loc.display!r} is on an object store: give it as a URL (`s3://bucket/base`), which "
             f"the fine-tune's record keeps."
         )
     _not_followed(destination, os.fspath(given), "is a URL")
-    return _published.Base(os.fspath(given), sha256=sha256), None
+    return _published.Base(os.fspath(given), sha256=sha256)
 
 
 def _not_followed(destination: Location, path: str, why: str) -> None:
@@ -104,19 +126,49 @@ def _not_followed(destination: Location, path: str, why: str) -> None:
         f"received from elsewhere reads nothing else), so loads of it need the base given (`base=`, or "
         f"`--with-base`). Export it beside its base to load it without.",
         UserWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
 
 
-def matched(
-    tensors: Sequence[Any], based: Based, digests: dict[str, str], tensor_bytes: Callable[[Any], Any]
-) -> _published.Family | None:
+def against(
+    tensors: Sequence[Any],
+    based: Based,
+    digests: dict[str, str],
+    tensor_bytes: Callable[[Any], Any],
+    destination: Location,
+) -> tuple[_published.Family | None, str]:
     """The family of an export of `tensors` (`_export`'s, each with its
-    `record`; `tensor_bytes` reads one's stored bytes) against `based`: each
-    leaf whose bytes a leaf of the base holds, with that leaf's dotted path.
-    The digest of every leaf compared is kept in `digests`. `None` where no
-    leaf matches: the export then holds every leaf, and needs no base."""
-    source = based.source
+    `record` and `nbytes`; `tensor_bytes` reads one's stored bytes) against
+    `based`, and one line saying what the export stores and takes from it.
+    The family is `None` where the export would take from the base under both
+    `STANDALONE_FRACTION` of its bytes and `STANDALONE_BYTES`: it then holds
+    every leaf, and needs no base. The digest of every leaf compared is kept
+    in `digests`."""
+    references = _matched(tensors, based.source, digests, tensor_bytes)
+    total = sum(t.nbytes for t in tensors)
+    taken = sum(t.nbytes for t in tensors if t.record.path in references)
+    if taken < STANDALONE_BYTES and taken < STANDALONE_FRACTION * total:
+        return None, (
+            f"written standalone, {_count(len(tensors))}, {total} bytes ({human(total)}): it would take only "
+            f"{taken} bytes from the base {based.source.loc.display}, under both "
+            f"{STANDALONE_FRACTION:.0%} of its bytes and {human(STANDALONE_BYTES)}, so it loads without the base."
+        )
+    pin = _pin(based.source, based.given, destination)
+    return _published.Family(pin, references), (
+        f"stored {_count(len(tensors) - len(references))}, {total - taken} bytes ({human(total - taken)}); "
+        f"took {_count(len(references))}, {taken} bytes ({human(taken)}) from the base {pin.shown}."
+    )
+
+
+def _count(leaves: int) -> str:
+    return f"{leaves} leaf" if leaves == 1 else f"{leaves} leaves"
+
+
+def _matched(
+    tensors: Sequence[Any], source: _source.Source, digests: dict[str, str], tensor_bytes: Callable[[Any], Any]
+) -> dict[str, str]:
+    """Each of `tensors` whose bytes a leaf of the base `source` holds, with
+    that leaf's dotted path."""
     candidates: dict[tuple[str, tuple[int, ...], str], list[LeafRecord]] = {}
     for record in source.manifest.leaves:
         candidates.setdefault(_kind(record), []).append(record)
@@ -143,7 +195,7 @@ def matched(
                 references[tensor.record.path] = record.path
                 backing[record.path] = more
                 break
-    return _published.Family(based.pin, references) if references else None
+    return references
 
 
 def _kind(record: LeafRecord) -> tuple[str, tuple[int, ...], str]:

@@ -79,7 +79,9 @@ def push_to_hub(
     - `base`: publish a fine-tune as what changed: the `hf://owner/name[@rev]`
         it was fine-tuned from. Only the leaves that differ from it are
         uploaded; loads read the others from it, pinned to its commit, through
-        the Hub's cache. The card's `base_model` names it. A fine-tune
+        the Hub's cache. The card's `base_model` names it. A push that would
+        take under both 10% of its bytes and 1 MiB from the base publishes
+        every leaf; the `eqx_ckpt` logger (`INFO`) says which. A fine-tune
         exported against an `hf://` base is pushed against it without `base=`.
     - `standalone`: publish every leaf, the base's too (see
         [`eqx_ckpt.export_safetensors`][]).
@@ -127,7 +129,7 @@ def push_to_hub(
             progress=progress,
         ),
     )
-    return publish(tree_or_checkpoint_path, options).commit
+    return publish(tree_or_checkpoint_path, options)[0].commit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,24 +146,31 @@ class PushOptions:
     export: ExportOptions = dataclasses.field(default_factory=ExportOptions)
 
 
-def publish(tree_or_checkpoint_path: Any, options: PushOptions) -> _hub.Published:
-    """`push_to_hub`, saying also whether it committed (`eqx-ckpt push` says "unchanged")."""
+def publish(tree_or_checkpoint_path: Any, options: PushOptions) -> tuple[_hub.Published, str | None]:
+    """`push_to_hub`, saying also whether it committed (`eqx-ckpt push` says
+    "unchanged"), and, against a base, what it stored and took from the base
+    (`Exported.report`)."""
     _check_repo_id(options.repo_id)
     _hub.library()  # the install hint before anything is exported
     token = options.export.token
+    reports: list[str | None] = [None]
 
     def write(folder: str) -> list[str]:
         source = os.fspath(tree_or_checkpoint_path) if isinstance(tree_or_checkpoint_path, os.PathLike) else None
         tree = source if source is not None else tree_or_checkpoint_path
-        if isinstance(tree, str) and tree.startswith(HUB_SCHEME):  # a published model, read with the token
+        if isinstance(tree, str):  # (a published model read with the token)
             tree = Checkpoint(tree, token=token)
         # The card loads the model by the name it is pushed to.
         card_path = _card_path(options.repo_id, options.revision)
         written = export(folder, tree, dataclasses.replace(options.export, card_path=card_path))
-        _refuse_local_base(folder)
-        return written
+        given = options.export.base
+        if given is None and isinstance(tree, Checkpoint):
+            given = tree.base
+        _refuse_local_base(folder, given.path if isinstance(given, Checkpoint) else given)
+        reports[0] = written.report
+        return written.names
 
-    return _hub.publish(
+    published = _hub.publish(
         write,
         options.repo_id,
         token=token,
@@ -170,6 +179,7 @@ def publish(tree_or_checkpoint_path: Any, options: PushOptions) -> _hub.Publishe
         commit_message=options.commit_message,
         tag=options.tag,
     )
+    return published, reports[0]
 
 
 def _card_path(repo_id: str, revision: str | None) -> str:
@@ -191,14 +201,16 @@ def _check_repo_id(repo_id: Any) -> None:
         raise CheckpointTypeError(f"`repo_id` must be a string `owner/name`, not {repo_id!r}.")
 
 
-def _refuse_local_base(folder: str) -> None:
+def _refuse_local_base(folder: str, given: Any) -> None:
     """A fine-tune's base must be on the Hub: no one else can read a local one
-    (and a load from the Hub reads no base elsewhere)."""
+    (and a load from the Hub reads no base elsewhere). The base is named as
+    `given` (the record's path is relative to the temporary `folder`)."""
     data = _storage.read_file(location(folder), _published.NAME, limit=MAX_MANIFEST_BYTES)
     family = None if data is None else _published.parse(data, where=folder).family
     if family is not None and not family.base.path.startswith(HUB_SCHEME):
+        shown = os.fspath(given) if isinstance(given, (str, os.PathLike)) else family.base.path
         raise CheckpointValueError(
-            f"This fine-tune is stored against the base {family.base.path!r}, which is not on the Hub: no one who "
+            f"This fine-tune is stored against the base {shown!r}, which is not on the Hub: no one who "
             f'loads it from the Hub could read that. Push the base first and pass `base="hf://owner/base"` '
             f"(`--base`), or publish every leaf with `standalone=True` (`--standalone`)."
         )
