@@ -105,89 +105,128 @@ def read(
 def read_now(
     source: Source, plans: list[LeafPlan], tracker: Tracker, read_once: bool | None = False, *, cached: bool = False
 ) -> list[Any]:
-    """The values of `plans`, read now.
-
-    What several processes need is read once and shared (`_read_once`).
-    Packed leaves are read by runs of their packs, the others one array each.
-    All are read concurrently within the read budget (`_window`). Each is
-    converted (and its host buffer freed) as new reads start. `cached`, for a
-    leaf read alone (a lazy leaf's read): packs are read through this
-    process's cached open of them (`_pack.read_leaves`), which serves its
-    neighbours' reads next."""
-    data = source.data
-    records = [record_of(plan) for plan in plans]
-    results: list[Any] = [None] * len(plans)
+    """The values of `plans`, read now, each by the first of the module
+    docstring's readers that takes it; all concurrently within the read
+    budget (`_window`), each converted (and its host buffer freed) as new
+    reads start. `cached`, for a leaf read alone (a lazy leaf's read): packs
+    are read through this process's cached open of them (`_pack.read_leaves`),
+    which serves its neighbours' reads next."""
+    reads = _Reads(source, plans, tracker)
+    records = reads.records
     # A leaf with a recorded digest is read whole by each process, to be checked.
     shared = [] if source.manifest.digests else _read_once.chosen(plans, records, read_once)
     if shared:
         opened = [plans[i] for i in shared], [records[i] for i in shared]
-        for i, value in zip(shared, _read_once.read(lambda r: source.open(r).result(), data, *opened, tracker)):
-            results[i] = value
+        reads.place(shared, _read_once.read(lambda r: source.open(r).result(), source.data, *opened, tracker))
     packed = [i for i, record in enumerate(records) if record.pack is not None]
     if packed:
-        chosen = [plans[i] for i in packed], [records[i] for i in packed]
-        _read_packed(data, *chosen, tracker, packed, results, cached=cached)
+        reads.packed(packed, cached=cached)
     taken = frozenset(shared)
     own = [i for i, record in enumerate(records) if record.pack is None and i not in taken]
-    # Each leaf checked against the digest its source records, where it records
-    # them (a published folder's: an eqx_ckpt checkpoint's chunks carry checksums).
-    checks = _family.Checks(source) if source.manifest.digests else None
     if source.runs is not None and own:
-        own = _read_runs(source, [plans[i] for i in own], [records[i] for i in own], tracker, own, results, checks)
-    _read_each(source, [plans[i] for i in own], [records[i] for i in own], tracker, own, results, checks)
-    if checks is not None:
-        checks.wait()
-    return [_dtypes.keep_weak_type(value, plan.like) for value, plan in zip(results, plans)]
+        own = reads.runs(own)
+    reads.each(own)
+    if reads.checks is not None:
+        reads.checks.wait()
+    return [_dtypes.keep_weak_type(value, plan.like) for value, plan in zip(reads.out, plans)]
 
 
-def _read_each(
-    source: Source,
-    plans: list[LeafPlan],
-    records: list[LeafRecord],
-    tracker: Tracker,
-    slots: list[int],
-    out: list[Any],
-    checks: _family.Checks | None,
-) -> None:
-    """Leaves read one array each, into `out` at their `slots`.
+class _Reads:
+    """One `read_now`: its leaves (`plans`, their `records`), the values read
+    (`out`, by the same index), and the progress they report.
 
-    Large local ones are read straight into their buffers
-    (`_read.start_direct`). The others are read through TensorStore, opened
-    ahead of the reads."""
-    data, files = source.data, _chunk_files.chunk_files(source.data)
-    indices = range(len(plans))
-    # Bytes within each leaf, reported as its chunks or slabs land.
-    parts = {i: tracker.within(records[i].nbytes) for i in indices}
-    # Through the pool of host buffers (on GPUs, `_memory.PINNED_PLATFORMS`), else the usual way.
-    pooled: dict[int, Callable[[], Any]] = {}
-    for i in indices:
-        if source.opener is None and checks is None and _pooled.usable(files, records[i], plans[i].like):
-            finish = _pooled.start(files, data, records[i], plans[i].like, parts[i])
-            if finish is not None:
-                pooled[i] = finish
-    direct = {i for i in indices if source.opener is None and _read.direct(files, records[i], plans[i].like)}
-    opens = {i: source.open(records[i]) for i in indices if i not in direct and i not in pooled}
+    `checks`: each leaf checked against the digest its source records, where
+    it records them (a published folder's: an eqx_ckpt checkpoint's chunks
+    carry checksums)."""
 
-    def start(i: int) -> Callable[[], Any]:
-        plan, record = plans[i], records[i]
-        dtype = target_dtype(plan.like)
-        if i in pooled:
-            return pooled[i]
-        if i in direct:
-            return _read.start_direct(files, data, record, plan.like, dtype=dtype, on_bytes=parts[i])
-        try:
-            store = opens.pop(i).result()
-        except Exception as e:
-            raise _storage_errors.leaf_io_error(e, record, data, "open") from e
-        check = None if checks is None else checks.for_record(record)
-        return _read.start(store, data, record, plan.like, dtype=dtype, on_bytes=parts[i], check=check)
+    def __init__(self, source: Source, plans: list[LeafPlan], tracker: Tracker):
+        self.source, self.data, self.plans, self.tracker = source, source.data, plans, tracker
+        self.records = [record_of(plan) for plan in plans]
+        self.out: list[Any] = [None] * len(plans)
+        self.checks = _family.Checks(source) if source.manifest.digests else None
 
-    for i, _, finish in _window.windowed((i, records[i].nbytes, functools.partial(start, i)) for i in indices):
-        out[slots[i]] = finish()
-        tracker.advance(leaves=1, nbytes=parts[i].rest())
-    # What came through the pool is on its devices before the caller holds it,
-    # who may delete or donate it: the pool's next use cannot wait on it then.
-    jax.block_until_ready([out[slots[i]] for i in pooled])
+    def place(self, indices: list[int], values: Iterable[Any]) -> None:
+        for i, value in zip(indices, values):
+            self.out[i] = value
+
+    def each(self, indices: list[int]) -> None:
+        """Leaves read one array each.
+
+        Large local ones are read straight into their buffers
+        (`_read.start_direct`). The others are read through TensorStore, opened
+        ahead of the reads."""
+        source, data, files = self.source, self.data, _chunk_files.chunk_files(self.data)
+        plans, records, checks = self.plans, self.records, self.checks
+        # Bytes within each leaf, reported as its chunks or slabs land.
+        parts = {i: self.tracker.within(records[i].nbytes) for i in indices}
+        # Through the pool of host buffers (on GPUs, `_memory.PINNED_PLATFORMS`), else the usual way.
+        pooled: dict[int, Callable[[], Any]] = {}
+        for i in indices:
+            if source.opener is None and checks is None and _pooled.usable(files, records[i], plans[i].like):
+                finish = _pooled.start(files, data, records[i], plans[i].like, parts[i])
+                if finish is not None:
+                    pooled[i] = finish
+        direct = {i for i in indices if source.opener is None and _read.direct(files, records[i], plans[i].like)}
+        opens = {i: source.open(records[i]) for i in indices if i not in direct and i not in pooled}
+
+        def start(i: int) -> Callable[[], Any]:
+            plan, record = plans[i], records[i]
+            dtype = target_dtype(plan.like)
+            if i in pooled:
+                return pooled[i]
+            if i in direct:
+                return _read.start_direct(files, data, record, plan.like, dtype=dtype, on_bytes=parts[i])
+            try:
+                store = opens.pop(i).result()
+            except Exception as e:
+                raise _storage_errors.leaf_io_error(e, record, data, "open") from e
+            check = None if checks is None else checks.for_record(record)
+            return _read.start(store, data, record, plan.like, dtype=dtype, on_bytes=parts[i], check=check)
+
+        for i, _, finish in _window.windowed((i, records[i].nbytes, functools.partial(start, i)) for i in indices):
+            self.out[i] = finish()
+            self.tracker.advance(leaves=1, nbytes=parts[i].rest())
+        # What came through the pool is on its devices before the caller holds it,
+        # who may delete or donate it: the pool's next use cannot wait on it then.
+        jax.block_until_ready([self.out[i] for i in pooled])
+
+    def packed(self, indices: list[int], *, cached: bool) -> None:
+        """Packed leaves, read in a few runs of their packs and placed together."""
+        records = [self.records[i] for i in indices]
+        runs = (
+            ([indices[m] for m in members], functools.partial(_unpacked, self.data, records, members, start, finish))
+            for members, start, finish in _pack.read_leaves(self.data, records, cached=cached)
+        )
+        self._place_runs(runs, None)
+
+    def runs(self, indices: list[int]) -> list[int]:
+        """Read and place, run by run, the small leaves of another format that
+        reads runs of adjacent leaves at once (`Source.runs`).
+
+        Returns the others, left to be read one by one."""
+        assert self.source.runs is not None
+        taken, runs = self.source.runs([self.records[i] for i in indices])
+        self._place_runs((([indices[m] for m in members], finish) for members, finish in runs), self.checks)
+        done = {indices[m] for m in taken}
+        return [i for i in indices if i not in done]
+
+    def _place_runs(
+        self,
+        runs: Iterable[tuple[list[int], Callable[[], list[np.ndarray]]]],
+        check: Callable[[LeafRecord, np.ndarray], None] | None,
+    ) -> None:
+        """Place runs of adjacent leaves, each together (one `device_put` for
+        many). A run is `(members, finish)`: the leaves' indices, and what
+        waits for their host arrays. `check`, when given, starts each one's
+        digest check first (`_family.Checks`)."""
+        for members, finish in runs:
+            hosts = finish()
+            records = [self.records[m] for m in members]
+            if check is not None:
+                for record, host in zip(records, hosts):
+                    check(record, host)
+            self.place(members, _read.place(self.data, hosts, records, [self.plans[m].like for m in members]))
+            self.tracker.count_leaves([record.nbytes for record in records])
 
 
 def target_dtype(like: Any) -> np.dtype | None:
@@ -196,24 +235,6 @@ def target_dtype(like: Any) -> np.dtype | None:
     if _dtypes.like_type(like) in ("jax", "numpy", "numpy_scalar"):
         return np.dtype(like.dtype)
     return None
-
-
-def _read_packed(
-    data: Location,
-    plans: list[LeafPlan],
-    records: list[LeafRecord],
-    tracker: Tracker,
-    slots: list[int],
-    out: list[Any],
-    *,
-    cached: bool,
-) -> None:
-    """Packed leaves, read in a few runs of their packs and placed together."""
-    runs = (
-        (members, functools.partial(_unpacked, data, records, members, start, finish))
-        for members, start, finish in _pack.read_leaves(data, records, cached=cached)
-    )
-    _place_runs(data, runs, plans, records, tracker, slots, out, None)
 
 
 def _unpacked(
@@ -231,53 +252,6 @@ def _unpacked(
                 raise _storage_errors.leaf_io_error(each, records[m], data, "read") from e
         raise _storage_errors.leaf_io_error(e, records[members[0]], data, "read") from e
     return [run[records[m].offset - start :][: records[m].size].reshape(records[m].stored_shape) for m in members]
-
-
-def _read_runs(
-    source: Source,
-    plans: list[LeafPlan],
-    records: list[LeafRecord],
-    tracker: Tracker,
-    slots: list[int],
-    out: list[Any],
-    checks: _family.Checks | None,
-) -> list[int]:
-    """Read and place, run by run, the small leaves of another format that
-    reads runs of adjacent leaves at once (`Source.runs`).
-
-    Returns the slots of the others, left to be read one by one."""
-    assert source.runs is not None
-    taken, runs = source.runs(records)
-    _place_runs(source.data, runs, plans, records, tracker, slots, out, checks)
-    done = {slots[m] for m in taken}
-    return [slot for slot in slots if slot not in done]
-
-
-def _place_runs(
-    data: Location,
-    runs: Iterable[tuple[list[int], Callable[[], list[np.ndarray]]]],
-    plans: list[LeafPlan],
-    records: list[LeafRecord],
-    tracker: Tracker,
-    slots: list[int],
-    out: list[Any],
-    check: Callable[[LeafRecord, np.ndarray], None] | None,
-) -> None:
-    """Place runs of adjacent leaves, each together (one `device_put` for
-    many), into `out` at the members' `slots`.
-
-    A run is `(members, finish)`: indices into `plans` and `records`, and what
-    waits for their host arrays. `check`, when given, starts each one's
-    digest check first (`_family.Checks`)."""
-    for members, finish in runs:
-        hosts = finish()
-        if check is not None:
-            for m, host in zip(members, hosts):
-                check(records[m], host)
-        values = _read.place(data, hosts, [records[m] for m in members], [plans[m].like for m in members])
-        for m, value in zip(members, values):
-            out[slots[m]] = value
-        tracker.count_leaves([records[m].nbytes for m in members])
 
 
 def record_of(plan: LeafPlan) -> LeafRecord:
