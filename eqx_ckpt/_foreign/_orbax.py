@@ -44,7 +44,7 @@ _SEQUENCE = 1
 
 @dataclasses.dataclass(frozen=True)
 class Arrays:
-    """The leaves `find` found, as a source of leaves (a `_source.Foreign`).
+    """The leaves `find` found, as a source of leaves (`_source.Source` reads them by name).
 
     **Attributes:**
 

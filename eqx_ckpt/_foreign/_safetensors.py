@@ -114,7 +114,7 @@ def is_file_path(loc: Location) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Tensors:
-    """The tensors `find` found, as a source of leaves (a `_source.Foreign`).
+    """The tensors `find` found, as a source of leaves (`_source.Source` reads them by name).
 
     **Attributes:**
 
