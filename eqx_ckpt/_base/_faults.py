@@ -142,7 +142,7 @@ DESCRIBED: Mapping[str, str] = types.MappingProxyType(
         "read its slices `regions` (tuples of `(start, stop)` per axis) of the leaf at dotted `path` from storage, "
         "before the barrier that precedes the all-gather (only for a leaf it reads a slice of).",
         "load.pinned_pool": "(nbytes): a load allocates one buffer of `nbytes` of the pool it reads large leaves "
-        "through onto a GPU (`_memory.PINNED_LOAD_POOL`, `_pooled`), once per process; an exception raised here makes "
+        "through onto a GPU (`_memory.PINNED_LOAD_POOL`, `_reader`), once per process; an exception raised here makes "
         "it load them the usual way.",
         "memory.map": "(nbytes): `nbytes` of private memory are about to be mapped (`_memory.fresh_bytes`): a large "
         "leaf's read buffer, and on a save a large copy or a write's staging buffer; an exception raised here is the "
