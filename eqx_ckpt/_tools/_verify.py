@@ -4,7 +4,7 @@ It reads chunk by chunk, a bounded number of bytes at a time. So a checkpoint
 of any size (or a hostile one claiming an absurd shape) is checked in bounded
 memory. The readers:
 
-- a leaf's chunks: `_chunk_scan`;
+- a leaf's chunks: `_read_every_chunk`, in reads `_chunk_scan` bounds;
 - a pack's: the pack reader (`_pack.read_chunks`);
 - each chunk: `_read.start_region`, the one way any reader reads stored elements.
 
@@ -24,7 +24,7 @@ import dataclasses
 import os
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._base import _state
@@ -38,7 +38,7 @@ from .._base._errors import (
 from .._base._location import Location, location
 from .._base._progress import Progress, Tracker
 from .._foreign import _orbax, _safetensors
-from .._load import _family, _pack, _source
+from .._load import _family, _pack, _read, _source
 from .._load._load_plan import LoadOptions
 from .._manage._steps import committed_steps
 from .._ondisk import _format, _layout, _manifest, _published
@@ -332,7 +332,7 @@ def _check_packs(data: Location, manifest: Manifest, tracker: Tracker) -> dict[s
             except CheckpointError as e:
                 problem = str(e)
             except Exception as e:
-                problem = str(_chunk_scan.damage(e, members[0], data, "open")) if members else str(e)
+                problem = str(_damage(e, members[0], data, "open")) if members else str(e)
         for record in members:
             chunks = range(record.offset // pack.chunk, -(-(record.offset + record.size) // pack.chunk))
             k = next((k for k in chunks if k in damaged), None)
@@ -381,21 +381,43 @@ def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -
 def _read_every_chunk(
     data: Location, records: list[LeafRecord], open_store: _source.Opener, tracker: Tracker, bad: dict[str, Problem]
 ) -> None:
-    """Open each of `records` not in `bad` yet and read every chunk of it; each
-    that fails to open or read becomes its problem in `bad`."""
+    """Open each of `records` not in `bad` yet and read every chunk of it. A
+    leaf stops at its first failure to open or read, its problem in `bad`."""
     stores: dict[str, Any] = {}
     for record in records:
         if record.path not in bad:
             try:
                 stores[record.path] = open_store(record).result()
             except Exception as e:
-                bad[record.path] = Problem(record.path, str(_chunk_scan.damage(e, record, data, "open")))
+                bad[record.path] = Problem(record.path, str(_damage(e, record, data, "open")))
 
     def failed(record: LeafRecord, error: BaseException) -> None:
-        message = str(_chunk_scan.damage(error, record, data, "read"))
+        message = str(_damage(error, record, data, "read"))
         bad.setdefault(record.path, Problem(record.path, message, file=_file_of(error)))
 
-    _chunk_scan.scan_leaves(data, records, stores, bad, failed, tracker)
+    def stop(path: str) -> Callable[[], bool]:
+        return lambda: path in bad
+
+    jobs = (
+        (r, stores[r.path], i)
+        for r in records
+        if r.path in stores
+        for i in _chunk_scan.chunk_indices(r, stop=stop(r.path))
+    )
+    count = _chunk_scan.LeafCounter(records, tracker)
+    read = lambda record, store, index: _read.start_region(store, data, record, index, raw=True)
+    for record, _, size in _chunk_scan.read_chunks(jobs, skip=lambda r: r.path in bad, failed=failed, read=read):
+        count(record, size)
+
+
+def _damage(error: BaseException, record: LeafRecord, data: Location, doing: str) -> CheckpointError:
+    """What a failure to `doing` a leaf says of the checkpoint; raised instead
+    when the storage would not serve it, which says nothing about the checkpoint."""
+    explained = _storage_errors.leaf_io_error(error, record, data, doing)
+    if isinstance(explained, CheckpointStorageError):
+        raise explained from None
+    _chunk_files.chunk_files(data).forget_damaged(explained, record)
+    return explained
 
 
 def _chunk_file(root: str, directory: str, indices: tuple[int, ...]) -> str:
@@ -604,7 +626,7 @@ def _compare_digests(source: _source.Source, records: list[LeafRecord], tracker:
                 if taken is not None:
                     hashed[taken] = found
         except Exception as e:
-            bad[record.path] = Problem(record.path, str(_chunk_scan.damage(e, record, source.data, "read")))
+            bad[record.path] = Problem(record.path, str(_damage(e, record, source.data, "read")))
         else:
             if found != source.manifest.digests[record.path]:
                 where = (
