@@ -25,7 +25,7 @@ All is read within one host-memory budget and one pool of reading threads
 A region of a stored leaf is read by `_read.start_region`: a slice of a lazy
 leaf (`_lazy`), a transformed leaf's stored arrays (`_transform`), the regions
 processes share (`_read_once`), a pack's run (`_pack`), the chunks `verify`
-and `diff` scan (`_chunk_scan`, `_diff`). Every read of a leaf's stored elements through
+and `diff` scan (`_verify`, `_diff`). Every read of a leaf's stored elements through
 TensorStore ends in that function.
 """
 
