@@ -1,6 +1,6 @@
 """Joining a leaf's slabs on the device, two ways, timed with the device memory
 they take (issue 74, item 3: the pool of pinned load buffers joins each leaf's
-slabs with `jnp.concatenate`, `_load/_pooled.py`).
+slabs with `jnp.concatenate`, `_load/_reader.py`).
 
 `python -m benchmarks.gpu_join [--mib 64,128,256] [--slab-mib 64]`
 

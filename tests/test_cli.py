@@ -236,12 +236,12 @@ def test_version(capsys):
 
 
 def test_info_and_ls_escape_terminal_control_characters(ckpt, capsys):
-    from eqx_ckpt._ondisk import _manifest
+    import manifests
 
     body = json.loads((ckpt / "manifest.json").read_text())
     body["created"] = "2026\x1b[2J\x1b]0;pwned\x07"
     body["library_version"] = "0.1\r\x1b[31m"
-    (ckpt / "manifest.json").write_bytes(_manifest.encode(body))
+    (ckpt / "manifest.json").write_bytes(manifests.sign(body))
     assert main(["info", str(ckpt)]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out and "\r" not in out

@@ -1,5 +1,5 @@
 """A load through the pool of reused host buffers (`_memory.PINNED_LOAD_POOL`,
-`_pooled`; issue 60), switched on here for JAX's CPU devices, which have the
+`_reader`; issue 60), switched on here for JAX's CPU devices, which have the
 `pinned_host` memory kind a GPU has. On by default for GPUs alone
 (`_memory.PINNED_PLATFORMS`); `tests/test_gpu.py` runs it there."""
 

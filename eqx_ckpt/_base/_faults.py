@@ -20,195 +20,13 @@ Points fire in whatever thread reaches them:
 Arming is seen by every thread at once;
 a callback that cares checks `threading.current_thread()`.
 
-The points, with where they fire and the arguments they pass:
-
-**A save's plan (`_records`, `_background`, `_serialise`, `_staging`):**
-
-- `save.records` `(loc)`: a save starts making its leaves' records (running
-  the filter specs), before anything is written.
-- `save.records_reused` `(loc)`: a save takes, as they are, the records a
-  save of the same structure and leaves kept (`_records.Plan`), after
-  `save.records`.
-- `save.leaf_record` `(path)`: one leaf's record and host pieces are made the
-  general way (a PRNG key, a sharded array, a scalar, a cast; the common
-  leaf's short branch does not pass here).
-- `save.slices` `(path, regions)`: a process of a multi-process save took its
-  share of the leaf at `path`, one spread over several processes (sharded,
-  or replicated): `regions`, the regions it writes (tuples of slices; none
-  when the others write it all). `_sharding.slices` says who writes what.
-- `save.array_kind` `(cls)`: what a leaf of type `cls` is, asked (of every
-  type of the tree as an asynchronous save holds it, and per leaf later).
-- `save.held` `(loc)`: the background thread of an asynchronous save whose
-  leaves were held starts its plan, transaction and writes.
-- `save.pinned_copies` `(arrays)`: an asynchronous save on an accelerator
-  copies the caller's `arrays` into their devices' pinned host memory
-  (`_memory.pinned`); so does a blocking save, one piece at a time as its
-  staging budget admits it, on a GPU (`_memory.PINNED_SAVE_COPIES`); an
-  exception raised here makes it copy them through the host's CPU device
-  instead, as it does where a device has none.
-- `save.copied` `(pending)`: the host data of the NumPy leaves of `pending`
-  (the save's leaves) was copied, as an asynchronous save with a custom
-  filter spec does in the caller's thread.
-- `save.start_writes` `(loc)`: a save starts creating and writing its arrays;
-  an exception raised here is the write's.
-- `save.staged` `(nbytes, budget)`: the host bytes a save has staged and not
-  yet written changed, to `nbytes`, within its staging budget of `budget`
-  bytes (`_staging`: a write larger than the budget is staged alone, when
-  nothing else is).
-- `save.records_freed` `()`: a save freed its records and host views (once the
-  manifest was encoded, its writes still in flight).
-
-**Storage (`_storage`):**
-
-- `storage.open` `(loc)`: a TensorStore kvstore is opened, before every small
-  file read, written, listed or deleted through TensorStore (a lease file too).
-- `storage.read_file` `(loc, name)`: a small file (a manifest) is read for a load.
-- `storage.file_found` `(path)`: on a local disk, that file was found, before
-  it is opened (another process may delete it between the two).
-- `storage.read_generation` `(loc, name)`: the manifest is read, with its
-  generation, as a save begins.
-- `storage.list` `(loc)`: the top-level entries of a checkpoint are listed.
-- `storage.transaction` `()`: the TensorStore transaction that stages a save's
-  writes through TensorStore is made.
-- `storage.create_array` `(loc)`: a zarr array (a leaf's, or a pack's) is created.
-- `storage.open_array` `(loc, record)`: a stored leaf's array is opened
-  through TensorStore (to read or verify it; in a multi-process save, to write
-  into the array process 0 created).
-- `storage.open_pack` `(loc, pack)`: a pack's array is opened through
-  TensorStore (to read or verify its leaves).
-- `storage.remove` `(loc, names)`: top-level entries are deleted whole (what
-  an aborted save created, a manager's dropped step).
-- `storage.remove_written` `(loc, names)`: what saves wrote under the
-  top-level entries `names` is deleted (after a commit, the arrays of the
-  checkpoint it replaced).
-- `storage.delete_file` `(loc, name)`: one small file is deleted (a manager
-  deleting a step's manifest first).
-
-**Commit (`_transaction`, `_lease`, `_interrupts`):**
-
-- `lease.acquire` `(loc, name)`: a save (or a manager) takes a directory's lease.
-- `transaction.begin` `(loc)`: a save begins its transaction (before the lease).
-- `transaction.join` `(loc)`: a process other than process 0 of a
-  multi-process save joins process 0's transaction.
-- `transaction.commit` `(loc)`: a save commits (before its lease is checked and
-  its manifest written).
-- `commit.manifest_write` `(loc, name)`: the manifest's conditional write,
-  before it is started (then its directory is synced: `sync.directory`).
-- `commit.manifest_encode` `(loc)`: process 0 encodes the manifest, while the
-  arrays are being written; an exception raised here is the encoding's.
-- `commit.manifest_written` `(loc, written)`: the manifest's conditional write
-  returned (`written`: whether it landed), in the helper thread, before the
-  save records whether it committed (an exception raised here loses that record).
-- `interrupts.queue` `(job)`: a job is about to be handed to the helper thread
-  that signals never reach (an interrupt raised here has queued nothing).
-- `interrupts.queued` `(job)`: the job was handed over (an interrupt raised
-  here has queued it).
-
-**Durability (`_durable`):**
-
-- `sync.flush` `(loc)`: before a commit, everything a save wrote to a local
-  disk is made durable.
-- `sync.file` `(path)`: one file or directory is fsynced.
-- `sync.file_system` `(path)`: the file system holding `path` is synced
-  (`syncfs`, a flush of many files).
-- `sync.directory` `(path)`: a directory's entries are made durable (after the
-  manifest landed, a lease file written).
-- `sync.create_directory` `(loc)`: a local directory and its missing parents
-  are created, durably.
-
-**Chunk files on a local disk (`_local_write`, `_local_read`):**
-
-- `local_write.chunk` `(directory, key)`: a chunk writer thread starts on chunk
-  file `key` of array `directory`.
-- `local_write.chunk_bytes` `(fd)`: that file is created, its bytes about to be
-  written; an `OSError` raised here is reported as the write's, naming the file.
-- `local_write.unbuffered` `(fd)`: the file is written past the page cache.
-- `share.verify` `(path)`: an incremental save reads the chunk file `path` of
-  the checkpoint it follows whole, to verify it before sharing it: once per
-  process per file (`_share`).
-- `share.link` `(source, path)`: an incremental save is about to make chunk
-  file `path` a hard link to `source`, the same bytes in the checkpoint it
-  follows (`_share`).
-- `share.written` `(path)`: the chunk file `path`, just written, is recorded
-  with the xxh3-128 of its data bytes, so that a next save sharing it need
-  not read it back (`_share`): every chunk file a `CheckpointManager` step
-  writes, and one a plain overwrite compared; none of a plain save with no
-  base.
-- `local_read.check_files` `(directory)`: a load checks the folder and chunk
-  files of array `directory` (in a thread of its own for a whole leaf).
-- `local_read.start_reads` `(path, keys)`: the reads of those chunk files are
-  started in the reader threads.
-- `local_read.read` `(fd, offset)`: a reader thread reads one step of a chunk
-  file, or a run of a safetensors file on a local disk
-  (`_chunk_files.read_local_range`); an `OSError` raised here is reported as the read's.
-- `local_read.crc` `(key)`: a chunk's joined crc32c is compared with its stored one.
-
-**Several processes (`_multihost`):**
-
-- `multihost.barrier` `(what, stage)`: a process reaches barrier `stage` of a
-  save (`what`: "save"; a save of one process passes each stage too) or of a
-  restore that shares reads ("restore"), before it tells the others it has.
-
-**A load (`_reader`, `_deserialise`, `_read_once`, `_untrusted`, `_pack`, `_window`, `_read`, `_nested`, `_tree`):**
-
-- `load.read_stored` `(loc)`: a load has planned every leaf (and run the custom
-  filter specs and transforms) and starts reading the stored leaves (a
-  `Checkpoint.load` without a skeleton too, a lazy leaf read whole,
-  by `read` or `np.asarray`, as by a save or an export, and `materialise`,
-  once for each checkpoint it reads from: each reads through the same
-  reader, `_reader.read_leaves`).
-- `load.read_once` `(path, regions)`: a process of a multi-process restore
-  that shares reads (`_read_once`) read its slices `regions` (tuples of
-  `(start, stop)` per axis) of the leaf at dotted `path` from storage, before
-  the barrier that precedes the all-gather (only for a leaf it reads a slice of).
-- `load.pinned_pool` `(nbytes)`: a load allocates one buffer of `nbytes` of
-  the pool it reads large leaves through onto a GPU
-  (`_memory.PINNED_LOAD_POOL`, `_pooled`), once per process; an exception
-  raised here makes it load them the usual way.
-- `memory.map` `(nbytes)`: `nbytes` of private memory are about to be mapped
-  (`_memory.fresh_bytes`): a large leaf's read buffer, and on a save a large
-  copy or a write's staging buffer; an exception raised here is the
-  allocation's.
-- `untrusted.scan` `(directory)`: a load checks the files of a folder on a
-  local disk (a leaf's, and each folder below it) for links and sizes.
-- `pack.read_run` `(loc, pack, paths)`: a run of a pack, holding the packed
-  leaves `paths`, starts being read (by a load; after a run failed, each of
-  its leaves alone, in order, to find the damaged one; by `verify`, every
-  chunk of the pack, each a run of its own).
-- `window.open` `()`: a reader starts taking its reads through the one
-  host-memory budget (every reader passes here).
-- `window.start` `(in_flight)`: a read starts within the one host-memory budget,
-  `in_flight` reads (itself included) then running.
-- `read.aval` `(shape, dtype)`: `_read.put`'s fast path makes the abstract value
-  of a shape and dtype (once for each in one call).
-- `read.batched_put` `(hosts)`: that path is about to place `hosts` with JAX's
-  internal call; an exception raised here is the call's (`put` falls back to
-  `jax.device_put`, for good: `_read.FAST_PUT` becomes `None`).
-- `nested.load` `(data, key)`: a load without a skeleton nests the leaves at or
-  below `key` as containers.
-- `tree.name_by_structure` `(treedef)`: a tree's leaves are named from its
-  structure (its nodes rebuilt around numbers), not its key paths.
-
-**The manager (`_manager`):**
-
-- `manager.save_returned` `(step, pending)`: a manager's save of `step`
-  returned (`pending`: its `PendingSave`, or `None` once committed), before the
-  manager takes it over; an interrupt raised here is one after the save went
-  to the background.
-- `manager.undo` `(step)`: after a failed save, the manager is about to remove
-  the step folder it created, unless it holds a committed checkpoint.
-
-**Other formats (`_safetensors`):**
-
-- `safetensors.read_headers` `(loc, files)`: a safetensors source is being
-  opened: each file's header length was read, its header is read next.
-- `safetensors.read_run` `(loc, file, start, end)`: a load starts the one
-  range read of a run of adjacent small tensors of `file` (bytes `start` to `end`).
+What each point passes, and where and when it fires: `DESCRIBED`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -219,74 +37,146 @@ from . import _state
 Action = BaseException | type[BaseException] | Callable[..., object]
 
 
-POINTS = frozenset(
+# Each point: the arguments it passes, then where and when it fires.
+DESCRIBED: Mapping[str, str] = types.MappingProxyType(
     {
-        "save.records",
-        "save.records_reused",
-        "save.leaf_record",
-        "save.array_kind",
-        "save.held",
-        "save.pinned_copies",
-        "save.copied",
-        "save.start_writes",
-        "save.records_freed",
-        "save.staged",
-        "save.slices",
-        "storage.open",
-        "storage.read_file",
-        "storage.file_found",
-        "storage.read_generation",
-        "storage.list",
-        "storage.transaction",
-        "storage.create_array",
-        "storage.open_array",
-        "storage.open_pack",
-        "storage.remove",
-        "storage.remove_written",
-        "storage.delete_file",
-        "lease.acquire",
-        "transaction.begin",
-        "transaction.join",
-        "transaction.commit",
-        "commit.manifest_write",
-        "commit.manifest_encode",
-        "commit.manifest_written",
-        "interrupts.queue",
-        "interrupts.queued",
-        "sync.flush",
-        "sync.file",
-        "sync.file_system",
-        "sync.directory",
-        "sync.create_directory",
-        "local_write.chunk",
-        "local_write.chunk_bytes",
-        "local_write.unbuffered",
-        "share.verify",
-        "share.link",
-        "share.written",
-        "local_read.check_files",
-        "local_read.start_reads",
-        "local_read.read",
-        "local_read.crc",
-        "multihost.barrier",
-        "load.read_stored",
-        "load.read_once",
-        "load.pinned_pool",
-        "memory.map",
-        "untrusted.scan",
-        "pack.read_run",
-        "window.open",
-        "window.start",
-        "read.aval",
-        "read.batched_put",
-        "nested.load",
-        "tree.name_by_structure",
-        "manager.save_returned",
-        "manager.undo",
-        "safetensors.read_headers",
-        "safetensors.read_run",
+        # A save's plan (`_records`, `_background`, `_serialise`, `_staging`)
+        "save.records": "(loc): a save starts making its leaves' records (running the filter specs), before anything "
+        "is written.",
+        "save.records_reused": "(loc): a save takes, as they are, the records a save of the same structure and leaves "
+        "kept (`_records.Plan`), after `save.records`.",
+        "save.leaf_record": "(path): one leaf's record and host pieces are made the general way (a PRNG key, a "
+        "sharded array, a scalar, a cast; the common leaf's short branch does not pass here).",
+        "save.slices": "(path, regions): a process of a multi-process save took its share of the leaf at `path`, one "
+        "spread over several processes (sharded, or replicated): `regions`, the regions it writes (tuples of slices; "
+        "none when the others write it all). `_sharding.slices` says who writes what.",
+        "save.array_kind": "(cls): what a leaf of type `cls` is, asked (of every type of the tree as an asynchronous "
+        "save holds it, and per leaf later).",
+        "save.held": "(loc): the background thread of an asynchronous save whose leaves were held starts its plan, "
+        "transaction and writes.",
+        "save.pinned_copies": "(arrays): an asynchronous save on an accelerator copies the caller's `arrays` into "
+        "their devices' pinned host memory (`_memory.pinned`); so does a blocking save, one piece at a time as its "
+        "staging budget admits it, on a GPU (`_memory.PINNED_SAVE_COPIES`); an exception raised here makes it copy "
+        "them through the host's CPU device instead, as it does where a device has none.",
+        "save.copied": "(pending): the host data of the NumPy leaves of `pending` (the save's leaves) was copied, as "
+        "an asynchronous save with a custom filter spec does in the caller's thread.",
+        "save.start_writes": "(loc): a save starts creating and writing its arrays; an exception raised here is the "
+        "write's.",
+        "save.staged": "(nbytes, budget): the host bytes a save has staged and not yet written changed, to `nbytes`, "
+        "within its staging budget of `budget` bytes (`_staging`: a write larger than the budget is staged alone, "
+        "when nothing else is).",
+        "save.records_freed": "(): a save freed its records and host views (once the manifest was encoded, its writes "
+        "still in flight).",
+        # Storage (`_storage`)
+        "storage.open": "(loc): a TensorStore kvstore is opened, before every small file read, written, listed or "
+        "deleted through TensorStore (a lease file too).",
+        "storage.read_file": "(loc, name): a small file (a manifest) is read for a load.",
+        "storage.file_found": "(path): on a local disk, that file was found, before it is opened (another process may "
+        "delete it between the two).",
+        "storage.read_generation": "(loc, name): the manifest is read, with its generation, as a save begins.",
+        "storage.list": "(loc): the top-level entries of a checkpoint are listed.",
+        "storage.transaction": "(): the TensorStore transaction that stages a save's writes through TensorStore is "
+        "made.",
+        "storage.create_array": "(loc): a zarr array (a leaf's, or a pack's) is created.",
+        "storage.open_array": "(loc, record): a stored leaf's array is opened through TensorStore (to read or verify "
+        "it; in a multi-process save, to write into the array process 0 created).",
+        "storage.open_pack": "(loc, pack): a pack's array is opened through TensorStore (to read or verify its "
+        "leaves).",
+        "storage.remove": "(loc, names): top-level entries are deleted whole (what an aborted save created, a "
+        "manager's dropped step).",
+        "storage.remove_written": "(loc, names): what saves wrote under the top-level entries `names` is deleted "
+        "(after a commit, the arrays of the checkpoint it replaced).",
+        "storage.delete_file": "(loc, name): one small file is deleted (a manager deleting a step's manifest first).",
+        # Commit (`_transaction`, `_lease`, `_interrupts`)
+        "lease.acquire": "(loc, name): a save (or a manager) takes a directory's lease.",
+        "transaction.begin": "(loc): a save begins its transaction (before the lease).",
+        "transaction.join": "(loc): a process other than process 0 of a multi-process save joins process 0's "
+        "transaction.",
+        "transaction.commit": "(loc): a save commits (before its lease is checked and its manifest written).",
+        "commit.manifest_write": "(loc, name): the manifest's conditional write, before it is started (then its "
+        "directory is synced: `sync.directory`).",
+        "commit.manifest_encode": "(loc): process 0 encodes the manifest, while the arrays are being written; an "
+        "exception raised here is the encoding's.",
+        "commit.manifest_written": "(loc, written): the manifest's conditional write returned (`written`: whether it "
+        "landed), in the helper thread, before the save records whether it committed (an exception raised here loses "
+        "that record).",
+        "interrupts.queue": "(job): a job is about to be handed to the helper thread that signals never reach (an "
+        "interrupt raised here has queued nothing).",
+        "interrupts.queued": "(job): the job was handed over (an interrupt raised here has queued it).",
+        # Durability (`_durable`)
+        "sync.flush": "(loc): before a commit, everything a save wrote to a local disk is made durable.",
+        "sync.file": "(path): one file or directory is fsynced.",
+        "sync.file_system": "(path): the file system holding `path` is synced (`syncfs`, a flush of many files).",
+        "sync.directory": "(path): a directory's entries are made durable (after the manifest landed, a lease file "
+        "written).",
+        "sync.create_directory": "(loc): a local directory and its missing parents are created, durably.",
+        # Chunk files on a local disk (`_local_write`, `_local_read`)
+        "local_write.chunk": "(directory, key): a chunk writer thread starts on chunk file `key` of array `directory`.",
+        "local_write.chunk_bytes": "(fd): that file is created, its bytes about to be written; an `OSError` raised "
+        "here is reported as the write's, naming the file.",
+        "local_write.unbuffered": "(fd): the file is written past the page cache.",
+        "share.verify": "(path): an incremental save reads the chunk file `path` of the checkpoint it follows whole, "
+        "to verify it before sharing it: once per process per file (`_share`).",
+        "share.link": "(source, path): an incremental save is about to make chunk file `path` a hard link to "
+        "`source`, the same bytes in the checkpoint it follows (`_share`).",
+        "share.written": "(path): the chunk file `path`, just written, is recorded with the xxh3-128 of its data "
+        "bytes, so that a next save sharing it need not read it back (`_share`): every chunk file a "
+        "`CheckpointManager` step writes, and one a plain overwrite compared; none of a plain save with no base.",
+        "local_read.check_files": "(directory): a load checks the folder and chunk files of array `directory` (in a "
+        "thread of its own for a whole leaf).",
+        "local_read.start_reads": "(path, keys): the reads of those chunk files are started in the reader threads.",
+        "local_read.read": "(fd, offset): a reader thread reads one step of a chunk file, or a run of a safetensors "
+        "file on a local disk (`_chunk_files.read_local_range`); an `OSError` raised here is reported as the read's.",
+        "local_read.crc": "(key): a chunk's joined crc32c is compared with its stored one.",
+        # Several processes (`_multihost`)
+        "multihost.barrier": '(what, stage): a process reaches barrier `stage` of a save (`what`: "save"; a save of '
+        'one process passes each stage too) or of a restore that shares reads ("restore"), before it tells the others '
+        "it has.",
+        # A load (`_reader`, `_deserialise`, `_read_once`, `_untrusted`, `_pack`, `_window`, `_read`, `_nested`,
+        # `_tree`)
+        "load.read_stored": "(loc): a load has planned every leaf (and run the custom filter specs and transforms) "
+        "and starts reading the stored leaves (a `Checkpoint.load` without a skeleton too, a lazy leaf read whole, by "
+        "`read` or `np.asarray`, as by a save or an export, and `materialise`, once for each checkpoint it reads "
+        "from: each reads through the same reader, `_reader.read_leaves`).",
+        "load.read_once": "(path, regions): a process of a multi-process restore that shares reads (`_read_once`) "
+        "read its slices `regions` (tuples of `(start, stop)` per axis) of the leaf at dotted `path` from storage, "
+        "before the barrier that precedes the all-gather (only for a leaf it reads a slice of).",
+        "load.pinned_pool": "(nbytes): a load allocates one buffer of `nbytes` of the pool it reads large leaves "
+        "through onto a GPU (`_memory.PINNED_LOAD_POOL`, `_reader`), once per process; an exception raised here makes "
+        "it load them the usual way.",
+        "memory.map": "(nbytes): `nbytes` of private memory are about to be mapped (`_memory.fresh_bytes`): a large "
+        "leaf's read buffer, and on a save a large copy or a write's staging buffer; an exception raised here is the "
+        "allocation's.",
+        "untrusted.scan": "(directory): a load checks the files of a folder on a local disk (a leaf's, and each "
+        "folder below it) for links and sizes.",
+        "pack.read_run": "(loc, pack, paths): a run of a pack, holding the packed leaves `paths`, starts being read "
+        "(by a load; after a run failed, each of its leaves alone, in order, to find the damaged one; by `verify`, "
+        "every chunk of the pack, each a run of its own).",
+        "window.open": "(): a reader starts taking its reads through the one host-memory budget (every reader passes "
+        "here).",
+        "window.start": "(in_flight): a read starts within the one host-memory budget, `in_flight` reads (itself "
+        "included) then running.",
+        "read.aval": "(shape, dtype): `_read.put`'s fast path makes the abstract value of a shape and dtype (once for "
+        "each in one call).",
+        "read.batched_put": "(hosts): that path is about to place `hosts` with JAX's internal call; an exception "
+        "raised here is the call's (`put` falls back to `jax.device_put`, for good: `_read.FAST_PUT` becomes `None`).",
+        "nested.load": "(data, key): a load without a skeleton nests the leaves at or below `key` as containers.",
+        "tree.name_by_structure": "(treedef): a tree's leaves are named from its structure (its nodes rebuilt around "
+        "numbers), not its key paths.",
+        # The manager (`_manager`)
+        "manager.save_returned": "(step, pending): a manager's save of `step` returned (`pending`: its `PendingSave`, "
+        "or `None` once committed), before the manager takes it over; an interrupt raised here is one after the save "
+        "went to the background.",
+        "manager.undo": "(step): after a failed save, the manager is about to remove the step folder it created, "
+        "unless it holds a committed checkpoint.",
+        # Other formats (`_safetensors`)
+        "safetensors.read_headers": "(loc, files): a safetensors source is being opened: each file's header length "
+        "was read, its header is read next.",
+        "safetensors.read_run": "(loc, file, start, end): a load starts the one range read of a run of adjacent small "
+        "tensors of `file` (bytes `start` to `end`).",
     }
 )
+POINTS = frozenset(DESCRIBED)
 
 
 # The armed points; empty when nothing is armed.

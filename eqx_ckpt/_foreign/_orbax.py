@@ -8,10 +8,8 @@ directory that holds:
   `.`. Each array is either a folder, or, with OCDBT (orbax's default), keys of
   an OCDBT database at the checkpoint's root.
 
-TensorStore reads both; orbax itself is not needed. Dotted paths are the key
-paths, escaped as eqx_ckpt escapes its own.
-
-TensorStore opens orbax's arrays (through `_storage`); orbax itself is not imported.
+TensorStore opens both (through `_storage`); orbax itself is not imported.
+Dotted paths are the key paths, escaped as eqx_ckpt escapes its own.
 """
 
 from __future__ import annotations
@@ -44,16 +42,10 @@ _SEQUENCE = 1
 
 @dataclasses.dataclass(frozen=True)
 class Arrays:
-    """The leaves `find` found, as a source of leaves (a `_source.Foreign`).
-
-    **Attributes:**
-
-    - `manifest`: a record per leaf, by dotted path.
-    - `opener`: record -> future of the `_storage.Array` of that leaf.
-    - `changed`: the name of the file that shows the checkpoint was saved again
-        since it was opened (`None` while it was not).
-    - `runs`: `None`: each leaf is read through its own array.
-    """
+    """The leaves `find` found, as a source of leaves: `_source.Source` reads
+    each member by name, and says what it is. `changed` names the file that
+    shows the checkpoint was saved again since it was opened; no `runs`: each
+    leaf is read through its own array."""
 
     manifest: Manifest
     opener: Callable[[LeafRecord], _storage.Future]

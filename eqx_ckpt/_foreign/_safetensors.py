@@ -114,15 +114,9 @@ def is_file_path(loc: Location) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Tensors:
-    """The tensors `find` found, as a source of leaves (a `_source.Foreign`).
-
-    **Attributes:**
-
-    - `manifest`: a record per tensor, by dotted path.
-    - `opener`: record -> future of the `_storage.Array` of that tensor (`_open`).
-    - `changed`: the name of a file rewritten since it was opened (`_Files.changed`).
-    - `runs`: the reader of many small tensors at once (`read_runs`).
-    """
+    """The tensors `find` found, as a source of leaves: `_source.Source` reads
+    each member by name, and says what it is (here `opener` is `_open`,
+    `changed` is `_Files.changed`, `runs` is `read_runs`)."""
 
     manifest: Manifest
     opener: Callable[[LeafRecord], _storage.Future]

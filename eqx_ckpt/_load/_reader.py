@@ -19,23 +19,26 @@ All is read within one host-memory budget and one pool of reading threads
   (`Source.runs`).
 - A large leaf on a local disk is read straight into one aligned buffer
   (`_read.start_direct`). Where `_memory.PINNED_LOAD_POOL` is on, it goes
-  through the process's pool of reused host buffers, `_pooled`.
+  through the process's pool of reused host buffers (`_start_pooled`).
 - Anything else is read through TensorStore (`_read.start`).
 
 A region of a stored leaf is read by `_read.start_region`: a slice of a lazy
 leaf (`_lazy`), a transformed leaf's stored arrays (`_transform`), the regions
 processes share (`_read_once`), a pack's run (`_pack`), the chunks `verify`
-and `diff` scan (`_chunk_scan`, `_diff`). Every read of a leaf's stored elements through
+and `diff` scan (`_verify`, `_diff`). Every read of a leaf's stored elements through
 TensorStore ends in that function.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .._base import _faults, _gc
@@ -43,9 +46,9 @@ from .._base._errors import CheckpointValueError
 from .._base._location import Location
 from .._base._progress import Progress, Tracker
 from .._ondisk import _dtypes
-from .._ondisk._format import LeafRecord
-from .._store import _chunk_files, _storage_errors, _window
-from . import _family, _pack, _pooled, _read, _read_once
+from .._ondisk._format import LeafRecord, dtype_from_name
+from .._store import _chunk_files, _memory, _storage_errors, _window
+from . import _family, _pack, _read, _read_once
 from ._load_plan import LeafPlan
 
 if TYPE_CHECKING:
@@ -105,89 +108,128 @@ def read(
 def read_now(
     source: Source, plans: list[LeafPlan], tracker: Tracker, read_once: bool | None = False, *, cached: bool = False
 ) -> list[Any]:
-    """The values of `plans`, read now.
-
-    What several processes need is read once and shared (`_read_once`).
-    Packed leaves are read by runs of their packs, the others one array each.
-    All are read concurrently within the read budget (`_window`). Each is
-    converted (and its host buffer freed) as new reads start. `cached`, for a
-    leaf read alone (a lazy leaf's read): packs are read through this
-    process's cached open of them (`_pack.read_leaves`), which serves its
-    neighbours' reads next."""
-    data = source.data
-    records = [record_of(plan) for plan in plans]
-    results: list[Any] = [None] * len(plans)
+    """The values of `plans`, read now, each by the first of the module
+    docstring's readers that takes it; all concurrently within the read
+    budget (`_window`), each converted (and its host buffer freed) as new
+    reads start. `cached`, for a leaf read alone (a lazy leaf's read): packs
+    are read through this process's cached open of them (`_pack.read_leaves`),
+    which serves its neighbours' reads next."""
+    reads = _Reads(source, plans, tracker)
+    records = reads.records
     # A leaf with a recorded digest is read whole by each process, to be checked.
     shared = [] if source.manifest.digests else _read_once.chosen(plans, records, read_once)
     if shared:
         opened = [plans[i] for i in shared], [records[i] for i in shared]
-        for i, value in zip(shared, _read_once.read(lambda r: source.open(r).result(), data, *opened, tracker)):
-            results[i] = value
+        reads.place(shared, _read_once.read(lambda r: source.open(r).result(), source.data, *opened, tracker))
     packed = [i for i, record in enumerate(records) if record.pack is not None]
     if packed:
-        chosen = [plans[i] for i in packed], [records[i] for i in packed]
-        _read_packed(data, *chosen, tracker, packed, results, cached=cached)
+        reads.packed(packed, cached=cached)
     taken = frozenset(shared)
     own = [i for i, record in enumerate(records) if record.pack is None and i not in taken]
-    # Each leaf checked against the digest its source records, where it records
-    # them (a published folder's: an eqx_ckpt checkpoint's chunks carry checksums).
-    checks = _family.Checks(source) if source.manifest.digests else None
     if source.runs is not None and own:
-        own = _read_runs(source, [plans[i] for i in own], [records[i] for i in own], tracker, own, results, checks)
-    _read_each(source, [plans[i] for i in own], [records[i] for i in own], tracker, own, results, checks)
-    if checks is not None:
-        checks.wait()
-    return [_dtypes.keep_weak_type(value, plan.like) for value, plan in zip(results, plans)]
+        own = reads.runs(own)
+    reads.each(own)
+    if reads.checks is not None:
+        reads.checks.wait()
+    return [_dtypes.keep_weak_type(value, plan.like) for value, plan in zip(reads.out, plans)]
 
 
-def _read_each(
-    source: Source,
-    plans: list[LeafPlan],
-    records: list[LeafRecord],
-    tracker: Tracker,
-    slots: list[int],
-    out: list[Any],
-    checks: _family.Checks | None,
-) -> None:
-    """Leaves read one array each, into `out` at their `slots`.
+class _Reads:
+    """One `read_now`: its leaves (`plans`, their `records`), the values read
+    (`out`, by the same index), and the progress they report.
 
-    Large local ones are read straight into their buffers
-    (`_read.start_direct`). The others are read through TensorStore, opened
-    ahead of the reads."""
-    data, files = source.data, _chunk_files.chunk_files(source.data)
-    indices = range(len(plans))
-    # Bytes within each leaf, reported as its chunks or slabs land.
-    parts = {i: tracker.within(records[i].nbytes) for i in indices}
-    # Through the pool of host buffers (on GPUs, `_memory.PINNED_PLATFORMS`), else the usual way.
-    pooled: dict[int, Callable[[], Any]] = {}
-    for i in indices:
-        if source.opener is None and checks is None and _pooled.usable(files, records[i], plans[i].like):
-            finish = _pooled.start(files, data, records[i], plans[i].like, parts[i])
-            if finish is not None:
-                pooled[i] = finish
-    direct = {i for i in indices if source.opener is None and _read.direct(files, records[i], plans[i].like)}
-    opens = {i: source.open(records[i]) for i in indices if i not in direct and i not in pooled}
+    `checks`: each leaf checked against the digest its source records, where
+    it records them (a published folder's: an eqx_ckpt checkpoint's chunks
+    carry checksums)."""
 
-    def start(i: int) -> Callable[[], Any]:
-        plan, record = plans[i], records[i]
-        dtype = target_dtype(plan.like)
-        if i in pooled:
-            return pooled[i]
-        if i in direct:
-            return _read.start_direct(files, data, record, plan.like, dtype=dtype, on_bytes=parts[i])
-        try:
-            store = opens.pop(i).result()
-        except Exception as e:
-            raise _storage_errors.leaf_io_error(e, record, data, "open") from e
-        check = None if checks is None else checks.for_record(record)
-        return _read.start(store, data, record, plan.like, dtype=dtype, on_bytes=parts[i], check=check)
+    def __init__(self, source: Source, plans: list[LeafPlan], tracker: Tracker):
+        self.source, self.data, self.plans, self.tracker = source, source.data, plans, tracker
+        self.records = [record_of(plan) for plan in plans]
+        self.out: list[Any] = [None] * len(plans)
+        self.checks = _family.Checks(source) if source.manifest.digests else None
 
-    for i, _, finish in _window.windowed((i, records[i].nbytes, functools.partial(start, i)) for i in indices):
-        out[slots[i]] = finish()
-        tracker.advance(leaves=1, nbytes=parts[i].rest())
-    # What came through the pool is on its devices before the caller holds it,
-    # who may delete or donate it: the pool's next use cannot wait on it then.
-    jax.block_until_ready([out[slots[i]] for i in pooled])
+    def place(self, indices: list[int], values: Iterable[Any]) -> None:
+        for i, value in zip(indices, values):
+            self.out[i] = value
+
+    def each(self, indices: list[int]) -> None:
+        """Leaves read one array each.
+
+        Large local ones are read straight into their buffers
+        (`_read.start_direct`). The others are read through TensorStore, opened
+        ahead of the reads."""
+        source, data, files = self.source, self.data, _chunk_files.chunk_files(self.data)
+        plans, records, checks = self.plans, self.records, self.checks
+        # Bytes within each leaf, reported as its chunks or slabs land.
+        parts = {i: self.tracker.within(records[i].nbytes) for i in indices}
+        # Through the pool of host buffers (on GPUs, `_memory.PINNED_PLATFORMS`), else the usual way.
+        pooled: dict[int, Callable[[], Any]] = {}
+        for i in indices:
+            if source.opener is None and checks is None and _poolable(files, records[i], plans[i].like):
+                finish = _start_pooled(files, data, records[i], plans[i].like, parts[i])
+                if finish is not None:
+                    pooled[i] = finish
+        direct = {i for i in indices if source.opener is None and _read.direct(files, records[i], plans[i].like)}
+        opens = {i: source.open(records[i]) for i in indices if i not in direct and i not in pooled}
+
+        def start(i: int) -> Callable[[], Any]:
+            plan, record = plans[i], records[i]
+            dtype = target_dtype(plan.like)
+            if i in pooled:
+                return pooled[i]
+            if i in direct:
+                return _read.start_direct(files, data, record, plan.like, dtype=dtype, on_bytes=parts[i])
+            try:
+                store = opens.pop(i).result()
+            except Exception as e:
+                raise _storage_errors.leaf_io_error(e, record, data, "open") from e
+            check = None if checks is None else checks.for_record(record)
+            return _read.start(store, data, record, plan.like, dtype=dtype, on_bytes=parts[i], check=check)
+
+        for i, _, finish in _window.windowed((i, records[i].nbytes, functools.partial(start, i)) for i in indices):
+            self.out[i] = finish()
+            self.tracker.advance(leaves=1, nbytes=parts[i].rest())
+        # What came through the pool is on its devices before the caller holds it,
+        # who may delete or donate it: the pool's next use cannot wait on it then.
+        jax.block_until_ready([self.out[i] for i in pooled])
+
+    def packed(self, indices: list[int], *, cached: bool) -> None:
+        """Packed leaves, read in a few runs of their packs and placed together."""
+        records = [self.records[i] for i in indices]
+        runs = (
+            ([indices[m] for m in members], functools.partial(_unpacked, self.data, records, members, start, finish))
+            for members, start, finish in _pack.read_leaves(self.data, records, cached=cached)
+        )
+        self._place_runs(runs, None)
+
+    def runs(self, indices: list[int]) -> list[int]:
+        """Read and place, run by run, the small leaves of another format that
+        reads runs of adjacent leaves at once (`Source.runs`).
+
+        Returns the others, left to be read one by one."""
+        assert self.source.runs is not None
+        taken, runs = self.source.runs([self.records[i] for i in indices])
+        self._place_runs((([indices[m] for m in members], finish) for members, finish in runs), self.checks)
+        done = {indices[m] for m in taken}
+        return [i for i in indices if i not in done]
+
+    def _place_runs(
+        self,
+        runs: Iterable[tuple[list[int], Callable[[], list[np.ndarray]]]],
+        check: Callable[[LeafRecord, np.ndarray], None] | None,
+    ) -> None:
+        """Place runs of adjacent leaves, each together (one `device_put` for
+        many). A run is `(members, finish)`: the leaves' indices, and what
+        waits for their host arrays. `check`, when given, starts each one's
+        digest check first (`_family.Checks`)."""
+        for members, finish in runs:
+            hosts = finish()
+            records = [self.records[m] for m in members]
+            if check is not None:
+                for record, host in zip(records, hosts):
+                    check(record, host)
+            self.place(members, _read.place(self.data, hosts, records, [self.plans[m].like for m in members]))
+            self.tracker.count_leaves([record.nbytes for record in records])
 
 
 def target_dtype(like: Any) -> np.dtype | None:
@@ -196,24 +238,6 @@ def target_dtype(like: Any) -> np.dtype | None:
     if _dtypes.like_type(like) in ("jax", "numpy", "numpy_scalar"):
         return np.dtype(like.dtype)
     return None
-
-
-def _read_packed(
-    data: Location,
-    plans: list[LeafPlan],
-    records: list[LeafRecord],
-    tracker: Tracker,
-    slots: list[int],
-    out: list[Any],
-    *,
-    cached: bool,
-) -> None:
-    """Packed leaves, read in a few runs of their packs and placed together."""
-    runs = (
-        (members, functools.partial(_unpacked, data, records, members, start, finish))
-        for members, start, finish in _pack.read_leaves(data, records, cached=cached)
-    )
-    _place_runs(data, runs, plans, records, tracker, slots, out, None)
 
 
 def _unpacked(
@@ -233,55 +257,147 @@ def _unpacked(
     return [run[records[m].offset - start :][: records[m].size].reshape(records[m].stored_shape) for m in members]
 
 
-def _read_runs(
-    source: Source,
-    plans: list[LeafPlan],
-    records: list[LeafRecord],
-    tracker: Tracker,
-    slots: list[int],
-    out: list[Any],
-    checks: _family.Checks | None,
-) -> list[int]:
-    """Read and place, run by run, the small leaves of another format that
-    reads runs of adjacent leaves at once (`Source.runs`).
-
-    Returns the slots of the others, left to be read one by one."""
-    assert source.runs is not None
-    taken, runs = source.runs(records)
-    _place_runs(source.data, runs, plans, records, tracker, slots, out, checks)
-    done = {slots[m] for m in taken}
-    return [slot for slot in slots if slot not in done]
-
-
-def _place_runs(
-    data: Location,
-    runs: Iterable[tuple[list[int], Callable[[], list[np.ndarray]]]],
-    plans: list[LeafPlan],
-    records: list[LeafRecord],
-    tracker: Tracker,
-    slots: list[int],
-    out: list[Any],
-    check: Callable[[LeafRecord, np.ndarray], None] | None,
-) -> None:
-    """Place runs of adjacent leaves, each together (one `device_put` for
-    many), into `out` at the members' `slots`.
-
-    A run is `(members, finish)`: indices into `plans` and `records`, and what
-    waits for their host arrays. `check`, when given, starts each one's
-    digest check first (`_family.Checks`)."""
-    for members, finish in runs:
-        hosts = finish()
-        if check is not None:
-            for m, host in zip(members, hosts):
-                check(records[m], host)
-        values = _read.place(data, hosts, [records[m] for m in members], [plans[m].like for m in members])
-        for m, value in zip(members, values):
-            out[slots[m]] = value
-        tracker.count_leaves([records[m].nbytes for m in members])
-
-
 def record_of(plan: LeafPlan) -> LeafRecord:
     """The stored record a plan reads (every plan handed to the reader has one)."""
     if plan.record is None:
         raise CheckpointValueError(f"Internal error: leaf `{plan.stored}` has no record to read.")
     return plan.record
+
+
+# -- A large leaf through the pool of host buffers ------------------------------------------------
+#
+# On for GPUs (`_memory.PINNED_LOAD_POOL`, `PINNED_PLATFORMS`; measured in
+# docs/benchmarks.md, "GPU"). A large leaf on a local disk bound for
+# `jax.Array`s there loads as a pipeline as deep as the pool:
+#
+# - A few whole chunks at a time are read into a buffer of the pool
+#   (`_memory.BufferPool`), the reads running all but one buffer ahead.
+# - Each device's region of those rows is copied to it (`jax.device_put`),
+#   while the next chunks are read into the next buffers.
+# - Host memory stays bounded by the pool: no host copy of the whole leaf, no
+#   fresh pages per load.
+# - Each device gets only its region, as slabs that it joins
+#   (`jnp.concatenate`). So a device holds its region twice for a moment.
+#
+# JAX 0.10 gives no writable view of `pinned_host` memory (`np.asarray` of such
+# an array is read-only). So the buffers are page-aligned host memory, and the
+# copy from them goes through the runtime's own staging. The pool is used only
+# where every target device has `pinned_host` memory. A device without it loads
+# the leaf the usual way, and so does a pool that cannot be allocated (fault
+# point `load.pinned_pool`).
+
+
+def _poolable(files: _chunk_files.ChunkFiles, record: LeafRecord, like: Any) -> bool:
+    """Whether this leaf loads through the pool. It does when all of these hold:
+
+    - the pool is on;
+    - it is a `jax.Array` leaf that `files` read themselves;
+    - it is stored as it is loaded (no decoding, no cast);
+    - its chunks fit a buffer;
+    - it is bound for the device memory of devices with pinned memory, of
+      `_memory.PINNED_PLATFORMS` (GPUs)."""
+    pool = _memory.PINNED_LOAD_POOL
+    if pool is None or _dtypes.like_type(like) != "jax" or not files.reads(record) or not record.shape:
+        return False
+    stored = dtype_from_name(record.stored_dtype)
+    if record.encoding != "plain" or np.dtype(like.dtype) != stored or _dtypes.x64_missing(stored):
+        return False
+    if record.chunk_nbytes > pool[1]:
+        return False
+    sharding = _read.target_sharding(like)
+    if sharding is not None and sharding.memory_kind not in (None, "device"):
+        return False  # (bound for host memory: nothing to stage)
+    devices = sharding.device_set if sharding is not None else {jax.local_devices()[0]}
+    return all(_memory.pinned_platform(device) and _memory.has_pinned(device) for device in devices)
+
+
+def _start_pooled(
+    files: _chunk_files.ChunkFiles, loc: Location, record: LeafRecord, like: Any, on_bytes: Callable[[int], None] | None
+) -> Callable[[], Any] | None:
+    """`_read.start_direct` through the pool, for a leaf `_poolable` accepts; the
+    read runs in the returned function (the pool bounds it, not the read
+    window). `None` where the pool cannot be allocated: read it the usual way."""
+    pool = _memory.load_pool()
+    if pool is None:
+        return None
+    try:
+        with pool.lock:  # every buffer allocated now (once per process): a failure falls back before any read
+            while len(pool.buffers) < pool.count:
+                pool.take()
+    except Exception:  # (no memory for it, or a refusal: the usual way)
+        return None
+    return lambda: _load_pooled(pool, files, loc, record, like, on_bytes)
+
+
+def _load_pooled(
+    pool: _memory.BufferPool,
+    files: _chunk_files.ChunkFiles,
+    loc: Location,
+    record: LeafRecord,
+    like: Any,
+    on_bytes: Callable[[int], None] | None,
+) -> Any:
+    shape, dtype = tuple(record.stored_shape), dtype_from_name(record.stored_dtype)
+    sharding = _read.target_sharding(like)
+    regions = sharding.addressable_devices_indices_map(shape) if sharding is not None else {None: ()}
+    row_bytes = record.nbytes // shape[0]
+    per_chunk = record.chunks[0]
+    step = pool.size // record.chunk_nbytes * per_chunk  # rows of whole chunks a buffer holds
+    slabs: dict[Any, list[jax.Array]] = {device: [] for device in regions}
+    bounds = [(lo, min(lo + step, shape[0])) for lo in range(0, shape[0], step)]
+    reading: collections.deque[tuple[int, int, np.ndarray, Callable[[], None]]] = collections.deque()
+
+    def read(lo: int, hi: int) -> None:  # into the next buffer, once its last copies are done
+        buffer = pool.take()
+        rows = buffer[: (hi - lo) * row_bytes].data
+        reading.append((lo, hi, buffer, files.start_chunks(record, lo // per_chunk, -(-(hi - lo) // per_chunk), rows)))
+
+    with pool.lock:
+        try:
+            # Reads run `pool.count - 1` buffers ahead of the copies to the devices.
+            for lo, hi in bounds[: pool.count - 1]:
+                read(lo, hi)
+            for i in range(len(bounds)):
+                lo, hi, buffer, wait = reading.popleft()
+                if i + pool.count - 1 < len(bounds):
+                    read(*bounds[i + pool.count - 1])
+                try:
+                    wait()
+                except Exception as e:
+                    raise _read.read_failed(e, loc, record) from e
+                host = buffer[: (hi - lo) * row_bytes].view(dtype).reshape((hi - lo, *shape[1:]))
+                copies = _copies(host, lo, hi, shape[0], regions)
+                for device, copy in copies.items():
+                    slabs[device].append(copy)
+                pool.sent(buffer, list(copies.values()))
+                if on_bytes is not None:
+                    on_bytes((hi - lo) * row_bytes)
+        finally:
+            for _, _, _, wait in reading:  # (a failure: the reads still under way end before the buffers are reused)
+                with contextlib.suppress(Exception):
+                    wait()
+        parts = {device: arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays) for device, arrays in slabs.items()}
+    if sharding is None:
+        return parts[None]
+    return jax.make_array_from_single_device_arrays(shape, sharding, [parts[d] for d in regions])
+
+
+def _copies(host: np.ndarray, lo: int, hi: int, total: int, regions: dict[Any, Any]) -> dict[Any, jax.Array]:
+    """The region of rows `[lo, hi)` (`host`) of each device whose region
+    holds some of them, copied to it."""
+    out: dict[Any, jax.Array] = {}
+    for device, index in regions.items():
+        first, last, _ = (index[0] if index else slice(None)).indices(total)
+        a, b = max(first, lo), min(last, hi)
+        if a >= b:
+            continue
+        piece = host[(slice(a - lo, b - lo), *index[1:])]
+        if (device.platform if device is not None else jax.default_backend()) == "cpu":
+            # A CPU device adopts host memory without a copy (`may_alias=False`
+            # notwithstanding, in JAX 0.10): the buffer is reused, so copy it.
+            piece = np.array(piece, copy=True)
+        if device is None:  # the default device, uncommitted, as `jax.device_put` places it
+            out[device] = jax.device_put(piece, may_alias=False)
+        else:
+            out[device] = jax.device_put(piece, device, may_alias=False)
+    return out

@@ -20,8 +20,7 @@ An eqx_ckpt checkpoint is opened by `checkpoint` alone, wherever it is opened
 manifest as untrusted input, refuses a data root that leads out of the
 checkpoint, and returns the `Source` of its leaves.
 
-Each foreign format module has a `find` (`FINDERS`). It returns one typed
-object, a `Foreign`, read here by name.
+Each foreign format module has a `find` (`FINDERS`).
 """
 
 from __future__ import annotations
@@ -47,30 +46,10 @@ Opener = Callable[[LeafRecord], "_storage.Future | _storage.Mapped"]
 Runs = Callable[[list[LeafRecord]], tuple[list[int], Any]]
 
 
-class Foreign(Protocol):
-    """What a foreign format module's `find` returns for a checkpoint of its
-    format (`_safetensors.Tensors`, `_orbax.Arrays`).
-
-    `open_source` reads it by name into a `Source` (see there for each member)."""
-
-    @property
-    def format(self) -> str: ...
-
-    @property
-    def manifest(self) -> Manifest: ...
-
-    @property
-    def opener(self) -> Opener: ...
-
-    @property
-    def changed(self) -> Callable[[], str | None]: ...
-
-    @property
-    def runs(self) -> Runs | None: ...
-
-
-# Each foreign format's `find`, in the order `open_source` tries them (typed,
-# so that the type checker holds each to returning a `Foreign`).
+# What each foreign format's `find` returns for a checkpoint of its format,
+# read here by name into a `Source` (see there for each member).
+Foreign = _safetensors.Tensors | _orbax.Arrays
+# Each foreign format's `find`, in the order `open_source` tries them.
 FINDERS: tuple[Callable[[Location], Foreign | None], ...] = (_safetensors.find, _orbax.find)
 
 

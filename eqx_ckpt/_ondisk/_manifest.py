@@ -146,19 +146,6 @@ def version_of(leaves: Sequence[LeafRecord], packs: Sequence[PackRecord]) -> int
     return FORMAT_VERSION if compressed else UNCOMPRESSED_VERSION
 
 
-def encode(body: dict[str, Any]) -> bytes:
-    """The bytes of a version 4 manifest holding `body` (its `leaves` a list of
-    records as `LeafRecord.to_json` gives them), without its digest, the digest
-    last: `sha256` of every byte before it."""
-    body = dict(body)
-    body.pop("digest", None)
-    leaves = body.pop("leaves")
-    if not isinstance(leaves, list):  # as a damaged manifest (in tests) has it
-        text = _head(body) + json.dumps(leaves).encode()
-        return text + _tail(hashlib.sha256(text))
-    return _encoded(body, _records_text(leaves, None))
-
-
 # Leaf records encoded at a time: their dicts are freed before the next ones are
 # made, so a save reuses the same memory (fresh pages cost more than the encoding).
 _BATCH = 256
@@ -198,7 +185,9 @@ def _records_text(records: Sequence[Any], to_json: Callable[[Any], Any] | None) 
 
 
 def _encoded(body: dict[str, Any], leaves: list[Any], *, structure: bytes | None = None) -> bytes:
-    """`encode`, with the text of its `leaves` in parts (`leaves_text`).
+    """The bytes of a version 4 manifest holding `body`, the text of its
+    `leaves` in parts (`leaves_text`), its digest last: `sha256` of every byte
+    before it.
 
     `structure`, where given, goes before the leaves: a JSON string holding
     the record's JSON text. The bytes are copied once, into the result."""

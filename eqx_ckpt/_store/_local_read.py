@@ -118,7 +118,7 @@ def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Ca
 def start_chunks(loc: Location, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
     """Start reading `count` chunks of a leaf that `start_read` reads, from
     chunk `first` on (along its first axis), checked the same way, into `out`,
-    a buffer the caller reuses (`_pooled`); the last chunk's cut at the leaf's end."""
+    a buffer the caller reuses (`_reader`'s pool); the last chunk's cut at the leaf's end."""
     keys = [_format.chunk_key([first + i, *[0] * (len(record.chunks) - 1)]) for i in range(count)]
     path = _check_chunk_files(loc, record, record.directory, iter(keys))
     reads = _read_chunks(path, loc, record, out, keys)

@@ -118,7 +118,7 @@ def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: s
 # -- The pool of host buffers a load on an accelerator reads through -------------------------------
 
 # `(count, bytes)`: a load onto devices of `PINNED_PLATFORMS` reads each large
-# local leaf through `count` reused host buffers of `bytes` each (`_pooled`),
+# local leaf through `count` reused host buffers of `bytes` each (`_reader`),
 # its reads running ahead of the copies to the devices; `None`: off. On an H200
 # a warm load ran about twice as fast this way (docs/benchmarks.md, "GPU").
 PINNED_LOAD_POOL: tuple[int, int] | None = (4, 256 * 2**20)
@@ -153,7 +153,7 @@ class BufferPool:
             self.allocations += 1
         # Its copies to the devices are done: free to reuse. A copy may be the
         # caller's array by now (a leaf of one slab), deleted or donated since:
-        # the load waited for it before returning it (`_reader._read_each`).
+        # the load waited for it before returning it (`_reader._Reads.each`).
         jax.block_until_ready([x for x in self.pending[i] if not x.is_deleted()])
         self.pending[i] = []
         return self.buffers[i]

@@ -13,12 +13,9 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .._base._errors import CheckpointError, CheckpointStorageError
-from .._base._location import Location
 from .._base._progress import Tracker
-from .._load import _read
 from .._ondisk._format import LeafRecord, dtype_from_name
-from .._store import _chunk_files, _storage_errors, _window
+from .._store import _window
 
 # How many chunk reads may be in flight at once (chunks of a few bytes would
 # otherwise start thousands of reads within the budget).
@@ -74,38 +71,6 @@ def read_chunks(
             failed(record, e)
             continue
         yield record, value, size
-
-
-def scan_leaves(
-    data: Location,
-    records: list[LeafRecord],
-    stores: dict[str, Any],
-    bad: dict[str, Any],
-    failed: Callable[[LeafRecord, BaseException], None],
-    tracker: Tracker,
-) -> None:
-    """Read every chunk of each of `records` whose opened array is in `stores`
-    (by dotted path), for `verify`. A leaf stops at its first failure, which
-    `failed` records in `bad`; a leaf already in `bad` is not read."""
-
-    def stop(path: str) -> Callable[[], bool]:
-        return lambda: path in bad
-
-    jobs = ((r, stores[r.path], i) for r in records if r.path in stores for i in chunk_indices(r, stop=stop(r.path)))
-    count = LeafCounter(records, tracker)
-    read = lambda record, store, index: _read.start_region(store, data, record, index, raw=True)
-    for record, _, size in read_chunks(jobs, skip=lambda r: r.path in bad, failed=failed, read=read):
-        count(record, size)
-
-
-def damage(error: BaseException, record: LeafRecord, data: Location, doing: str) -> CheckpointError:
-    """What a failure to `doing` a leaf says of the checkpoint; raised instead
-    when the storage would not serve it, which says nothing about the checkpoint."""
-    explained = _storage_errors.leaf_io_error(error, record, data, doing)
-    if isinstance(explained, CheckpointStorageError):
-        raise explained from None
-    _chunk_files.chunk_files(data).forget_damaged(explained, record)
-    return explained
 
 
 class LeafCounter:

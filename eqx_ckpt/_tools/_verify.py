@@ -4,9 +4,18 @@ It reads chunk by chunk, a bounded number of bytes at a time. So a checkpoint
 of any size (or a hostile one claiming an absurd shape) is checked in bounded
 memory. The readers:
 
-- a leaf's chunks: `_chunk_scan`;
+- a leaf's chunks: `_read_every_chunk`, in reads `_chunk_scan` bounds;
 - a pack's: the pack reader (`_pack.read_chunks`);
 - each chunk: `_read.start_region`, the one way any reader reads stored elements.
+
+The other formats eqx_ckpt reads (a safetensors file, a Hugging Face
+directory of them, an orbax checkpoint) are checked for what their format can
+be checked for: opening one checks its metadata (`_safetensors`, `_orbax`),
+then every chunk of every tensor is read. Neither format stores checksums, so
+a changed byte cannot be detected, and the result says so (`unchecked`). A
+leaf of the published layout whose digest the record keeps (`_published`) is
+read whole and its digest compared instead; a fine-tune's leaves taken from
+its base are read from the base, at its pin (docs/interop.md, docs/sharing.md).
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import dataclasses
 import os
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._base import _state
@@ -28,14 +37,15 @@ from .._base._errors import (
 )
 from .._base._location import Location, location
 from .._base._progress import Progress, Tracker
-from .._foreign import _safetensors
-from .._load import _pack, _source
+from .._foreign import _orbax, _safetensors
+from .._load import _family, _pack, _read, _source
+from .._load._load_plan import LoadOptions
 from .._manage._steps import committed_steps
-from .._ondisk import _format, _layout, _manifest
+from .._ondisk import _format, _layout, _manifest, _published
 from .._ondisk._format import MANIFEST, LeafRecord, PackRecord, dtype_from_name, step_name
 from .._ondisk._manifest import Manifest
 from .._store import _chunk_files, _storage, _storage_errors, _untrusted
-from . import _chunk_scan, _verify_sources
+from . import _chunk_scan
 
 # Pack chunks read at once.
 _PACK_READS = 16
@@ -228,8 +238,7 @@ def verify(path: Any, *, progress: Progress = None, token: str | None = None, ba
         steps = [] if foreign else committed_steps(loc)
         if steps:
             return _verify_steps(loc, steps, progress)
-        found, unchecked, checked = _verify_sources.check(loc, progress, token, base)
-        return Problems([Problem(leaf, message) for leaf, message in found], unchecked, checked=checked)
+        return _check_foreign(loc, progress, token, base)
     manifest = source.manifest
     with Tracker(progress, leaves=len(manifest.leaves), nbytes=manifest.total_bytes, what="verify") as tracker:
         return Problems(_check(source, tracker))
@@ -323,7 +332,7 @@ def _check_packs(data: Location, manifest: Manifest, tracker: Tracker) -> dict[s
             except CheckpointError as e:
                 problem = str(e)
             except Exception as e:
-                problem = str(_chunk_scan.damage(e, members[0], data, "open")) if members else str(e)
+                problem = str(_damage(e, members[0], data, "open")) if members else str(e)
         for record in members:
             chunks = range(record.offset // pack.chunk, -(-(record.offset + record.size) // pack.chunk))
             k = next((k for k in chunks if k in damaged), None)
@@ -354,28 +363,12 @@ def _read_pack(data: Location, pack: PackRecord, members: list[LeafRecord]) -> d
 
 def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -> dict[str, Problem]:
     bad: dict[str, Problem] = {}
-    stores: dict[str, Any] = {}
     for record in records:
         shape, dtype, chunks = record.stored_shape, record.stored_dtype, record.chunks
         why = _check_metadata(data, record.directory, shape, dtype, chunks, record.compression)
-        problem = None if why is None else Problem(record.path, why)
-        if problem is None:
-            try:
-                stores[record.path] = _storage.open_array(data, record).result()
-            except CheckpointStorageError:
-                raise
-            except CheckpointError as e:
-                problem = Problem(record.path, str(e))
-            except Exception as e:
-                problem = Problem(record.path, str(_chunk_scan.damage(e, record, data, "open")))
-        if problem is not None:
-            bad[record.path] = problem
-
-    def failed(record: LeafRecord, error: BaseException) -> None:
-        message = str(_chunk_scan.damage(error, record, data, "read"))
-        bad.setdefault(record.path, Problem(record.path, message, file=_file_of(error)))
-
-    _chunk_scan.scan_leaves(data, records, stores, bad, failed, tracker)
+        if why is not None:
+            bad[record.path] = Problem(record.path, why)
+    _read_every_chunk(data, records, lambda record: _storage.open_array(data, record), tracker, bad)
     for record in records:
         if record.path not in bad:
             shape, chunks, compression = record.stored_shape, record.chunks, record.compression
@@ -383,6 +376,48 @@ def _check_leaves(data: Location, records: list[LeafRecord], tracker: Tracker) -
             if why is not None:
                 bad[record.path] = Problem(record.path, why)
     return bad
+
+
+def _read_every_chunk(
+    data: Location, records: list[LeafRecord], open_store: _source.Opener, tracker: Tracker, bad: dict[str, Problem]
+) -> None:
+    """Open each of `records` not in `bad` yet and read every chunk of it. A
+    leaf stops at its first failure to open or read, its problem in `bad`."""
+    stores: dict[str, Any] = {}
+    for record in records:
+        if record.path not in bad:
+            try:
+                stores[record.path] = open_store(record).result()
+            except Exception as e:
+                bad[record.path] = Problem(record.path, str(_damage(e, record, data, "open")))
+
+    def failed(record: LeafRecord, error: BaseException) -> None:
+        message = str(_damage(error, record, data, "read"))
+        bad.setdefault(record.path, Problem(record.path, message, file=_file_of(error)))
+
+    def stop(path: str) -> Callable[[], bool]:
+        return lambda: path in bad
+
+    jobs = (
+        (r, stores[r.path], i)
+        for r in records
+        if r.path in stores
+        for i in _chunk_scan.chunk_indices(r, stop=stop(r.path))
+    )
+    count = _chunk_scan.LeafCounter(records, tracker)
+    read = lambda record, store, index: _read.start_region(store, data, record, index, raw=True)
+    for record, _, size in _chunk_scan.read_chunks(jobs, skip=lambda r: r.path in bad, failed=failed, read=read):
+        count(record, size)
+
+
+def _damage(error: BaseException, record: LeafRecord, data: Location, doing: str) -> CheckpointError:
+    """What a failure to `doing` a leaf says of the checkpoint; raised instead
+    when the storage would not serve it, which says nothing about the checkpoint."""
+    explained = _storage_errors.leaf_io_error(error, record, data, doing)
+    if isinstance(explained, CheckpointStorageError):
+        raise explained from None
+    _chunk_files.chunk_files(data).forget_damaged(explained, record)
+    return explained
 
 
 def _chunk_file(root: str, directory: str, indices: tuple[int, ...]) -> str:
@@ -527,3 +562,101 @@ def _reference_metadata(
         return _manifest.loads_file(written or b"{}")
     finally:
         _storage.remove(scratch, ["x"])
+
+
+# -- Other formats ---------------------------------------------------------------------------------
+
+SAFETENSORS_UNCHECKED = (
+    "Safetensors files hold no checksums: a changed byte inside a tensor cannot be detected. Checked: the "
+    "headers (and the index), and that every tensor's bytes are there."
+)
+ORBAX_UNCHECKED = (
+    "orbax stores no checksums of its arrays: a changed byte is detected only where it breaks a chunk's "
+    "encoding. Checked: its _METADATA, every array's metadata, and that every chunk is there and decodes."
+)
+ORBAX_INCOMPLETE = (
+    "This orbax checkpoint does not record that every chunk was written (older orbax leaves out chunks of "
+    "zeros), so a missing chunk reads as zeros and cannot be told from one that was never written."
+)
+
+
+def _check_foreign(loc: Location, progress: Progress, token: str | None, base: Any) -> Problems:
+    """`verify` of the checkpoint of another format at `loc`, with what its
+    format could not be checked for (`unchecked`), and what was checked beyond
+    it (`checked`: a Hub repository's files, by their digests). `base`: a
+    fine-tune's base, as the caller gave it (`None`: as recorded)."""
+    hub = loc.hub is not None
+    try:
+        # A Hub repository is verified as the cache holds it: downloaded whole,
+        # every file checked against the digest the Hub lists for it.
+        source = _source.open_source(loc, LoadOptions(token=token, base=base), whole=hub)
+    except CorruptCheckpointError as e:
+        return Problems([Problem(None, str(e))])
+    records = sorted(source.manifest.leaves, key=lambda r: r.path)
+    digests = source.manifest.digests
+    bad: dict[str, Problem] = {}
+    with Tracker(progress, leaves=len(records), nbytes=source.manifest.total_bytes, what="verify") as tracker:
+        _read_every_chunk(source.data, [r for r in records if r.path not in digests], source.open, tracker, bad)
+        bad.update(_compare_digests(source, [r for r in records if r.path in digests], tracker))
+    # (`file` names an eqx_ckpt chunk file, which steps share; these files are named in the message.)
+    problems = [Problem(r.path, bad[r.path].message) for r in records if r.path in bad]
+    said = _family_said(source, len(digests) == len(records))
+    if hub:  # (the whole load compared every file with the Hub's digest, or refused it)
+        checked = source.checked + said
+        return Problems(problems, () if checked else (SAFETENSORS_UNCHECKED,), checked=checked)
+    if source.format == "safetensors":
+        return Problems(problems, () if said else (SAFETENSORS_UNCHECKED,), checked=said)
+    return Problems(problems, (ORBAX_UNCHECKED,) + (() if _orbax.writes_every_chunk(loc) else (ORBAX_INCOMPLETE,)))
+
+
+def _compare_digests(source: _source.Source, records: list[LeafRecord], tracker: Tracker) -> dict[str, Problem]:
+    """What is wrong with each leaf whose bytes are not those its recorded
+    digest says (or cannot be read), by dotted path. A leaf of a base that
+    backs several leaves of a fine-tune is read and hashed once."""
+    bad: dict[str, Problem] = {}
+    family = source.manifest.family
+    references = {} if family is None else family.references
+    hashed: dict[str, str] = {}  # by the base's dotted path
+    for record in records:
+        taken = references.get(record.path)
+        try:
+            found = hashed.get(taken) if taken is not None else None
+            if found is None:
+                found = _family.stored_digest(source, record)
+                if taken is not None:
+                    hashed[taken] = found
+        except Exception as e:
+            bad[record.path] = Problem(record.path, str(_damage(e, record, source.data, "read")))
+        else:
+            if found != source.manifest.digests[record.path]:
+                where = (
+                    ""
+                    if family is None or record.path not in family.references
+                    else (f" (read from the base's leaf `{family.references[record.path]}`)")
+                )
+                bad[record.path] = Problem(
+                    record.path,
+                    f"its bytes{where} are not those its digest in {_published.NAME} records (xxh3-128 "
+                    f"{found.removeprefix(_published.DIGEST_PREFIX)}, recorded "
+                    f"{source.manifest.digests[record.path].removeprefix(_published.DIGEST_PREFIX)}): a changed byte",
+                )
+        tracker.advance(leaves=1, nbytes=record.nbytes)
+    return bad
+
+
+def _family_said(source: _source.Source, every: bool) -> tuple[str, ...]:
+    """What `verify` says it checked of a published folder by its digests."""
+    if not every:
+        return ()
+    said = [f"every leaf's bytes, against the xxh3-128 digest {_published.NAME} records of it"]
+    family = source.manifest.family
+    if family is not None:
+        base = source.base
+        shown = family.base.shown if family.base.revision or base is None else repr(base.loc.display)
+        count = len(family.references)
+        said.append(
+            f"its base {shown} is there, at the version pinned (by "
+            f"{'its commit' if family.base.revision else 'the sha256 of its record'}), and the "
+            f"{count} {'leaf' if count == 1 else 'leaves'} taken from it are read from it"
+        )
+    return tuple(said)
