@@ -382,7 +382,7 @@ CHECKSUM_BYTES = 4
 # own codecs, so that any zarr v3 reader decompresses the chunks. Bit-shuffled
 # blosc: the bits of each byte position together, where trained weights' skewed
 # exponents compress; lz4 is the default, as small as zstd on trained state and
-# several times as fast (docs/benchmarks.md, "Compression").
+# faster to compress (docs/benchmarks.md, "Compression").
 COMPRESSIONS = ("blosc-lz4", "blosc-zstd", "zstd")
 DEFAULT_COMPRESSION = "blosc-lz4"
 

@@ -327,7 +327,9 @@ def _write_all(fd: int, content: Any, checksum: int | None = None, hasher: xxhas
         staged.finish()
         _start_writeback(fd)
         return
-    if sum(len(view) for view in content) >= UNBUFFERED_FROM and _set_direct(fd, True):
+    # A compressed chunk (at most 8 MiB before) from a stage's worth on.
+    unbuffered = STAGE_BYTES if isinstance(content, _Compressed) else UNBUFFERED_FROM
+    if sum(len(view) for view in content) >= unbuffered and _set_direct(fd, True):
         try:
             _write_unbuffered(fd, content, checksum, hasher)
             return
