@@ -400,3 +400,13 @@ def test_a_lazy_slice_reads_only_the_chunks_that_hold_it(tmp_path):
     assert bits(np.asarray(lazy[4096:4100])) == bits(w[4096:4100])
     with pytest.raises(eqx_ckpt.IntegrityError, match="crc32c"):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": w})
+
+
+def test_the_ocdbt_layout_compresses_too(tmp_path):
+    tree = _tree()
+    eqx_ckpt.tree_serialise_leaves(tmp_path, tree, layout="ocdbt", compression="blosc-zstd")
+    loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
+    assert [bits(x) for x in jax.tree.leaves(loaded)] == [bits(x) for x in jax.tree.leaves(tree)]
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)
+    assert ckpt.layout == "ocdbt" and ckpt.compression == "blosc-zstd" and ckpt.stored_bytes is None
+    assert eqx_ckpt.verify(tmp_path) == []
