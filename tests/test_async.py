@@ -536,6 +536,10 @@ import json, os, signal, sys, threading, time
 import numpy as np
 import eqx_ckpt
 
+# Ctrl-C raises here even where the test runs in a background job, whose
+# children start with SIGINT ignored (as crash_worker.py does).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 path, manager = sys.argv[1], sys.argv[2] == "manager"
 interrupted = threading.Event()
 
@@ -610,6 +614,8 @@ def test_a_wait_interrupted_by_ctrl_c_can_be_waited_for_again(tmp_path, saver):
 _INTERRUPT_AS_THE_WAIT_BEGINS = """
 import os, signal, sys, threading
 from eqx_ckpt._save import _background
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (as above)
 
 for attempt in range(300):
     release, go, caught = threading.Event(), threading.Event(), threading.Event()
