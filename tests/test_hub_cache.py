@@ -3,7 +3,7 @@
 loads bit for bit, its base's files checked against their digests; a cache
 lacking a file of that commit, or holding a damaged one, is an error saying
 so. Against the local Hub server (`hub_server`), each load in a new process
-(`test_hub.Client`)."""
+(`test_hub.Client`). Small downloads show no progress bar of huggingface_hub."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pathlib
 
 import hub_server
 import pytest
-from test_hub import _FAMILY, Client
+from test_hub import _FAMILY, Client, _push
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("huggingface_hub") is None, reason="needs the `hub` extra (huggingface_hub)"
@@ -119,3 +119,32 @@ def hub(tmp_path):
 def hub_family(hub):
     client, state = hub
     return client, state, _family(client, state)
+
+
+def test_small_downloads_show_no_bar_of_huggingface_hub(hub, tmp_path):
+    """`info`, `ls` and a load of small files show no bar of huggingface_hub's
+    (issue 75: bars for sub-second reads); a download of `MIN_BYTES` does, as
+    eqx_ckpt's own bars do. Its bars are forced on here (`TQDM_POSITION=-1`),
+    as a terminal would show them."""
+    client, _ = hub
+    _push(client, "me/repo", 1.0, tmp_path)
+    code = """
+        import contextlib, io
+        from eqx_ckpt._base import _progress
+
+        def shown(task):
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                task()
+            return err.getvalue()
+
+        quiet = [shown(lambda: repr(eqx_ckpt.Checkpoint("hf://me/repo"))), shown(eqx_ckpt.Checkpoint("hf://me/repo").load)]
+        _progress.MIN_BYTES = 1
+        emit(quiet + [shown(lambda: eqx_ckpt.Checkpoint("hf://me/repo").load())])
+    """
+    info, load, large = client.run(code, HF_HUB_DISABLE_PROGRESS_BARS=None, TQDM_POSITION="-1")
+    assert info == load == ""
+    assert "Fetching" in large
+    for command in ("ls", "info"):
+        done = client.cli(command, "hf://me/repo", HF_HUB_DISABLE_PROGRESS_BARS=None, TQDM_POSITION="-1")
+        assert done.returncode == 0 and "8" in done.stdout and done.stderr == ""

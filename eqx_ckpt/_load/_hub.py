@@ -44,7 +44,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .._base import _threads
+from .._base import _progress, _threads
 from .._base._errors import (
     CheckpointConnectionError,
     CheckpointError,
@@ -621,7 +621,11 @@ def download(pinned: Pinned, names: list[str]) -> tuple[str, tuple[str, ...]]:
     Those already there are not fetched again. Offline, those missing are
     named. Each must lie in the cache, and is checked against the size and
     the digest (SHA-256 or git blob id) the Hub listed, or else the one its
-    blob in the cache is named after (`checked`)."""
+    blob in the cache is named after (`checked`).
+
+    huggingface_hub's own bars show as eqx_ckpt's do: for a download of at
+    least `_progress.MIN_BYTES` (listed), so the small files `ls`, `info` and
+    a partial load fetch show none."""
     hub = library()
     if pinned.offline:
         missing = _uncached(pinned, names)
@@ -638,6 +642,7 @@ def download(pinned: Pinned, names: list[str]) -> tuple[str, tuple[str, ...]]:
                 headers={_hub_http.MARK: "1"},
                 local_files_only=pinned.offline,
                 max_workers=THREADS,
+                tqdm_class=None if _large(pinned, names) else _quiet(hub),
             )
     except Exception as e:
         raise explained(e, pinned.repo, pinned.asked) from None
@@ -661,6 +666,21 @@ def _damaged(pinned: Pinned, name: str, what: str) -> CorruptCheckpointError:
         f"the cache (`hf cache rm`) and load again.",
         path=pinned.display,
     )
+
+
+def _large(pinned: Pinned, names: list[str]) -> bool:
+    """Whether `names` are worth a bar: their listed bytes reach `_progress.MIN_BYTES`."""
+    return sum(pinned.sizes.get(pinned.folder + n) or 0 for n in names) >= _progress.MIN_BYTES
+
+
+def _quiet(hub: Any) -> type:
+    """A huggingface_hub bar that never shows (for this call only: no setting of the library changes)."""
+
+    class Quiet(hub.utils.tqdm):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+    return Quiet
 
 
 def _check_digests(pinned: Pinned, local: str, names: list[str]) -> tuple[str, ...]:
