@@ -282,9 +282,10 @@ class Checkpoint(Mapping[str, Any]):
                 f"{len(self) - len(taken)} stored here"
             )
             if self.base_missing is not None:
+                here = len(self) - len(taken)
                 lines.append(
-                    f"The base cannot be reached: {self.base_missing} Only the {len(self) - len(taken)} leaves "
-                    f"stored here load without it."
+                    f"The base cannot be reached: {self.base_missing} Only the {here} "
+                    f"{'leaf stored here loads' if here == 1 else 'leaves stored here load'} without it."
                 )
         return "\n".join(lines)
 
@@ -310,9 +311,11 @@ class Checkpoint(Mapping[str, Any]):
                 rows.append((f"{indent}{name}/", leaves, human(entry.nbytes)))
             else:
                 record = self._records[entry]
+                taken = self._manifest.family is not None and entry in self._manifest.family.references
                 small = values and math.prod(record.shape) <= SMALL_VALUES
+                small = small and not (taken and self._base_missing is not None)  # (its value is in the base)
                 value = f"  = {_one_line(self[entry])}" if small else ""
-                if self._manifest.family is not None and entry in self._manifest.family.references:
+                if taken:
                     value = "  base" + value
                 rows.append((indent + name, describe(record), human(record.nbytes), value))
         if count < len(folder.entries):
