@@ -3,11 +3,20 @@
 A published folder whose `eqx_ckpt.json` names a base (`_published.Family`)
 holds only the leaves that differ from it. The others are recorded with the
 dotted path of the base's leaf holding the same bytes, and every leaf with the
-digest of its bytes. `with_base` opens the base as any source
-(`_source.open_source`: the Hub's cache for an `hf://` base, a local
-checkpoint, another published folder) and returns one `Source` whose opener
-and runs read each leaf from where it lives. Every load option works on it as
-on any source, since the load plan sees one set of records.
+digest of its bytes. `with_base` returns one `Source` whose opener and runs
+read each leaf from where it lives. Every load option works on it as on any
+source, since the load plan sees one set of records: the fine-tune's own,
+every leaf's path, dtype, shape and digest. (A taken leaf is read in runs of
+rows as a safetensors base's are: its record needs nothing of the base.)
+
+The base is opened as any source (`_source.open_source`: the Hub's cache for
+an `hf://` base, a local checkpoint, another published folder) only when a
+leaf taken from it is first needed (`Base`): by a load's plan before any read
+(`_source.Source.need`), by a read, by `Checkpoint` and `verify`, which
+describe the base. A load of only the leaves the fine-tune stores never opens
+it. Where it cannot be found, `Checkpoint` and `verify` say so
+(`Base.missing`) and still describe what is stored; a load that needs it
+raises the missing-base error.
 
 The record is untrusted input (a folder downloaded, unzipped, received from a
 colleague), and so is the base it names. Every check on a base is made here,
@@ -27,7 +36,8 @@ in this order:
   backs at most `MAX_BACKED` leaves of the fine-tune, which claim together at
   most `max(BACKED_FACTOR` times its bytes`, BACKED_BYTES)`. (The leaves of a
   record, taken ones among them, are bounded by `_published`.)
-- **Pin.** A recorded base is read at its pin: an `hf://` base at its commit;
+- **Pin**, once the base is opened, with its own base down a chain
+  (`_opened`). A recorded base is read at its pin: an `hf://` base at its commit;
   any other must have the record file whose sha256 the fine-tune recorded, as
   the base's source read it when it was opened (no second read by path). A
   base given at load time needs no pin: its leaves are checked one by one.

@@ -658,8 +658,8 @@ def _unverified(records: list[LeafRecord], taken: set[str], missing: CheckpointN
     return Problem(
         None,
         f"the {len(names)} {'leaf' if len(names) == 1 else 'leaves'} taken from its base "
-        f"({shown_names(names)}) were not verified, since the base cannot be found; the "
-        f"{len(records) - len(names)} stored here were. {missing}",
+        f"({shown_names(names)}) {'was' if len(names) == 1 else 'were'} not verified, since the base cannot be "
+        f"found; the {len(records) - len(names)} stored here were. {missing}",
     )
 
 
