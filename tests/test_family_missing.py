@@ -117,6 +117,9 @@ def test_a_load_of_the_leaves_stored_needs_no_base(family, faults):  # noqa: F81
             assert np.array_equal(ckpt.load(prefix="model.head.weight"), weight)
             assert np.array_equal(ckpt["model.head.weight"][:1], weight[:1])
             _assert_same(ckpt.load(prefix="model.head", trust=[Classifier]), head)
+            with pytest.warns(UserWarning, match="without `trust` returns nested dicts"):
+                lazily = ckpt.load(prefix="model.head", lazy=True)
+            assert np.array_equal(eqx_ckpt.materialise(lazily)["weight"], weight)
     # A load that needs a leaf of the base fails before anything is read.
     reads = _no_reads(faults)
     with pytest.raises(eqx_ckpt.CorruptCheckpointError, match="that base has changed since"):
