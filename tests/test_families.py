@@ -376,12 +376,16 @@ def test_nothing_or_everything_changed(tmp_path, changed, kind):
 # A base missing, changed or not the one the fine-tune was made from.
 
 
-def _every_load(folder: pathlib.Path, tree: Any) -> list[Any]:
+def _every_load(folder: pathlib.Path, tree: Any, *, opened: bool = True) -> list[Any]:
+    """Every kind of load that reads leaves taken from the base (a load of
+    only the leaves a fine-tune stores needs no base: tests/test_family_missing.py);
+    `opened`: and the opening of a `Checkpoint`, which checks a base it finds."""
     return [
-        lambda: eqx_ckpt.Checkpoint(folder),
+        *([lambda: eqx_ckpt.Checkpoint(folder)] if opened else []),
+        lambda: eqx_ckpt.Checkpoint(folder).load(trust=[Classifier]),
         lambda: eqx_ckpt.tree_deserialise_leaves(folder, _like(tree)),
         lambda: eqx_ckpt.tree_deserialise_leaves(folder, _like(tree), lazy=True),
-        lambda: eqx_ckpt.tree_deserialise_leaves(folder, _like(tree), where=lambda t: t["model"].head),
+        lambda: eqx_ckpt.tree_deserialise_leaves(folder, _like(tree), where=lambda t: t["model"].body),
         lambda: eqx_ckpt.tree_deserialise_leaves(folder, _like(tree["model"]), prefix="model"),
         lambda: eqx_ckpt.load_or_initialise(folder, lambda: {"model": _model(9)}),
     ]
@@ -394,10 +398,11 @@ def test_a_missing_base_is_an_error_naming_it(family, faults):
         f"{str(family.finetune)!r} is a fine-tune that holds only the leaves it changed; the others are read from its "
         f"base {str(family.base)!r}, which cannot be found: "
     )
-    for load in _every_load(family.finetune, family.tree):
+    for load in _every_load(family.finetune, family.tree, opened=False):
         with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=said + ".*Three ways work"):
             load()
     assert reads == []
+    assert eqx_ckpt.Checkpoint(family.finetune).base_missing.startswith("There is no")
 
 
 def test_each_of_the_three_ways_the_missing_base_error_names_works(tmp_path, capsys):
@@ -407,7 +412,7 @@ def test_each_of_the_three_ways_the_missing_base_error_names_works(tmp_path, cap
     eqx_ckpt.export_safetensors(ft, tuned, base=tmp_path / "base")
     shutil.move(tmp_path / "base", elsewhere)
     with pytest.raises(eqx_ckpt.CheckpointNotFoundError) as missing:
-        eqx_ckpt.Checkpoint(ft)
+        eqx_ckpt.Checkpoint(ft).load(trust=[Classifier])
     said = str(missing.value)
     assert "`base=` in Python, `--with-base BASE` on the CLI" in said
     assert f"`eqx-ckpt push {ft} owner/name --with-base BASE --base BASE` (or `export ... OUT`)" in said
@@ -694,7 +699,7 @@ def test_a_finetune_of_a_finetune_loads_bit_for_bit(tmp_path):
     _assert_same(eqx_ckpt.Checkpoint(tmp_path / "alone").load(trust=[Classifier]), second)
     # A missing base down the chain is named.
     with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(f"its base {str(tmp_path / 'ft1')!r}")):
-        eqx_ckpt.Checkpoint(tmp_path / "ft2")
+        eqx_ckpt.Checkpoint(tmp_path / "ft2").load(trust=[Classifier])
 
 
 def test_a_chain_loads_eight_deep_and_no_deeper(tmp_path):
@@ -828,7 +833,7 @@ def test_a_finetune_moved_with_its_base_still_loads(tmp_path):
     # Moved alone, it names where it looked.
     shutil.move(tmp_path / "new" / "ft", tmp_path / "ft")
     with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=re.escape(f"its base {str(tmp_path / 'base')!r}")):
-        eqx_ckpt.Checkpoint(tmp_path / "ft")
+        eqx_ckpt.Checkpoint(tmp_path / "ft").load(trust=[Classifier])
 
 
 def test_the_card_of_a_finetune_says_it_needs_its_base_and_how_to_do_without(tmp_path, capsys):

@@ -68,11 +68,12 @@ def test_a_base_whose_commit_is_gone_loads_from_the_cache_online(hub_family):
 def test_a_cache_lacking_a_file_of_a_gone_commit_says_both(hub_family, tmp_path):
     """A file of the gone commit missing from the cache: the error says the
     server no longer gives the commit and names what the cache lacks, whole
-    or by byte ranges; nothing is loaded."""
+    or by byte ranges (a lazy load); nothing is loaded. The fine-tune still
+    opens, saying why its base cannot be reached (tests/test_family_missing.py)."""
     client, _, commit = hub_family
     (link,) = (tmp_path / "hf" / "hub" / "models--me--base" / "snapshots").glob("*/model.safetensors")
     link.unlink()
-    for load in ("eqx_ckpt.Checkpoint('hf://me/tuned').load()", "eqx_ckpt.Checkpoint('hf://me/tuned')"):
+    for load in ("eqx_ckpt.Checkpoint('hf://me/tuned').load()", "eqx_ckpt.Checkpoint('hf://me/tuned').load(lazy=True)"):
         name, classes, message = client.run(f"emit(raised(lambda: {load}))")
         assert name == "CheckpointNotFoundError" and "FileNotFoundError" in classes, message
         assert f"its base hf://me/base@{commit}, which cannot be found" in message
@@ -80,6 +81,8 @@ def test_a_cache_lacking_a_file_of_a_gone_commit_says_both(hub_family, tmp_path)
         assert "the local cache" in message and "so it cannot be loaded" in message
     whole = client.run("emit(raised(lambda: eqx_ckpt.Checkpoint('hf://me/tuned').load()))")
     assert "lacks `model.safetensors` of it" in whole[2]
+    why = client.run("emit(eqx_ckpt.Checkpoint('hf://me/tuned').base_missing)")
+    assert why.startswith(f"hf://me/base@{commit}: the server no longer gives this commit"), why
 
 
 def test_a_damaged_cached_file_of_a_gone_commit_is_refused_by_its_digest(hub_family, tmp_path):

@@ -212,7 +212,10 @@ def _as_published(
                 raise _corrupt(
                     loc, f"{_published.NAME} takes the leaf {leaf.path!r} from its base, but it is stored here too"
                 )
-            out[leaf.path] = leaf
+            # Read in runs of rows as a safetensors base's are, its base unopened (`_family.Base`).
+            out[leaf.path] = dataclasses.replace(
+                leaf, chunks=_chunks(leaf.stored_shape, dtype_from_name(leaf.stored_dtype).itemsize)
+            )
             continue
         found = records.get(leaf.path)
         if found is None:

@@ -20,7 +20,7 @@ from .._ondisk import _trust
 from .._ondisk._format import SCALAR_TYPES, LeafRecord
 from .._ondisk._trust import Trust
 from .._store import _chunk_files
-from . import _deserialise, _nested, _rebuild, _source
+from . import _deserialise, _family, _nested, _rebuild, _source
 from ._lazy import LazyArray
 from ._load_plan import LoadOptions
 
@@ -83,6 +83,8 @@ class Checkpoint(Mapping[str, Any]):
         self._loc = self._source.loc
         self._manifest = self._source.manifest
         self._records = dict(sorted(self._manifest.by_path().items(), key=lambda item: _keypath.sort_key(item[0])))
+        # A fine-tune's base is opened to describe it; one that cannot be found is said (`base_missing`).
+        self._base_missing = None if self._source.base is None else self._source.base.missing()
 
     @property
     def path(self) -> str:
@@ -100,10 +102,22 @@ class Checkpoint(Mapping[str, Any]):
         """For a fine-tune stored as what changed (`export_safetensors(...,
         base=)`), the base its other leaves are read from, as pinned: an
         `hf://owner/name@<commit>`, or a path. `None` for every other source."""
-        family, base = self._manifest.family, self._source.base
-        if family is None or base is None:
+        family, lazy = self._manifest.family, self._source.base
+        if family is None or lazy is None:
             return None
+        base = lazy.open
+        if base is None:  # (a base that cannot be found)
+            return lazy.display
         return family.base.shown if family.base.revision and base.revision == family.base.revision else base.loc.display
+
+    @property
+    def base_missing(self) -> str | None:
+        """For a fine-tune whose base cannot be found, why (in one sentence);
+        else `None`. Its own leaves still load (`prefix`, `where`), and
+        `ls`, `info` and `verify` describe it. A load of a leaf taken from
+        the base raises [`eqx_ckpt.CheckpointNotFoundError`][], saying how to
+        load it without the base."""
+        return None if self._base_missing is None else _family.reason(self._base_missing)
 
     def from_base(self) -> dict[str, str]:
         """For a fine-tune, each leaf read from its base (by dotted path), with
@@ -267,6 +281,12 @@ class Checkpoint(Mapping[str, Any]):
                 f"; {len(taken)} of them ({human(nbytes)}, marked `base`) read from the base {self.base}, "
                 f"{len(self) - len(taken)} stored here"
             )
+            if self.base_missing is not None:
+                here = len(self) - len(taken)
+                lines.append(
+                    f"The base cannot be reached: {self.base_missing} Only the {here} "
+                    f"{'leaf stored here loads' if here == 1 else 'leaves stored here load'} without it."
+                )
         return "\n".join(lines)
 
     def _stored(self) -> str:
@@ -291,9 +311,11 @@ class Checkpoint(Mapping[str, Any]):
                 rows.append((f"{indent}{name}/", leaves, human(entry.nbytes)))
             else:
                 record = self._records[entry]
+                taken = self._manifest.family is not None and entry in self._manifest.family.references
                 small = values and math.prod(record.shape) <= SMALL_VALUES
+                small = small and not (taken and self._base_missing is not None)  # (its value is in the base)
                 value = f"  = {_one_line(self[entry])}" if small else ""
-                if self._manifest.family is not None and entry in self._manifest.family.references:
+                if taken:
                     value = "  base" + value
                 rows.append((indent + name, describe(record), human(record.nbytes), value))
         if count < len(folder.entries):

@@ -3,11 +3,20 @@
 A published folder whose `eqx_ckpt.json` names a base (`_published.Family`)
 holds only the leaves that differ from it. The others are recorded with the
 dotted path of the base's leaf holding the same bytes, and every leaf with the
-digest of its bytes. `with_base` opens the base as any source
-(`_source.open_source`: the Hub's cache for an `hf://` base, a local
-checkpoint, another published folder) and returns one `Source` whose opener
-and runs read each leaf from where it lives. Every load option works on it as
-on any source, since the load plan sees one set of records.
+digest of its bytes. `with_base` returns one `Source` whose opener and runs
+read each leaf from where it lives. Every load option works on it as on any
+source, since the load plan sees one set of records: the fine-tune's own,
+every leaf's path, dtype, shape and digest. (A taken leaf is read in runs of
+rows as a safetensors base's are: its record needs nothing of the base.)
+
+The base is opened as any source (`_source.open_source`: the Hub's cache for
+an `hf://` base, a local checkpoint, another published folder) only when a
+leaf taken from it is first needed (`Base`): by a load's plan before any read
+(`_source.Source.need`), by a read, by `Checkpoint` and `verify`, which
+describe the base. A load of only the leaves the fine-tune stores never opens
+it. Where it cannot be found, `Checkpoint` and `verify` say so
+(`Base.missing`) and still describe what is stored; a load that needs it
+raises the missing-base error.
 
 The record is untrusted input (a folder downloaded, unzipped, received from a
 colleague), and so is the base it names. Every check on a base is made here,
@@ -27,7 +36,8 @@ in this order:
   backs at most `MAX_BACKED` leaves of the fine-tune, which claim together at
   most `max(BACKED_FACTOR` times its bytes`, BACKED_BYTES)`. (The leaves of a
   record, taken ones among them, are bounded by `_published`.)
-- **Pin.** A recorded base is read at its pin: an `hf://` base at its commit;
+- **Pin**, once the base is opened, with its own base down a chain
+  (`_opened`). A recorded base is read at its pin: an `hf://` base at its commit;
   any other must have the record file whose sha256 the fine-tune recorded, as
   the base's source read it when it was opened (no second read by path). A
   base given at load time needs no pin: its leaves are checked one by one.
@@ -49,7 +59,8 @@ import functools
 import math
 import os
 import re
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -66,7 +77,7 @@ from .._base._errors import (
     from_file,
     stored_leaf_error,
 )
-from .._base._location import Location
+from .._base._location import Location, location
 from .._ondisk import _published
 from .._ondisk._format import LeafRecord
 from .._store import _storage, _storage_errors
@@ -207,7 +218,7 @@ def _mismatch(source: Source, record: LeafRecord, found: str, expected: str) -> 
     taken = None if family is None else family.references.get(record.path)
     if taken is not None and source.base is not None:
         why = (
-            f"it is taken from the base {source.base.loc.display!r} (its leaf {from_file(repr(taken))}), whose "
+            f"it is taken from the base {source.base.display!r} (its leaf {from_file(repr(taken))}), whose "
             f"bytes are not the ones the fine-tune was made from"
         )
         fix = (
@@ -370,7 +381,10 @@ def with_base(
     """`source`, a fine-tune, with its base's leaves: one `Source` of both (or
     `source` itself where it has no base). `options`: the load's
     (`LoadOptions`); its `base`, where the caller gave one (`base=` at load
-    time), is read instead of the recorded one."""
+    time), is read instead of the recorded one.
+
+    The base is checked for where it is and how much it backs now, but opened
+    only when a leaf taken from it is first needed (`Base`)."""
     given = options.base
     family: _published.Family | None = source.manifest.family
     where = source.loc
@@ -390,26 +404,96 @@ def with_base(
         )
     path = given if given is not None else recorded(family.base, where, hub=source.revision is not None)
     _bounded(source, family)
-    shown = family.base.shown if given is None and family.base.revision else repr(str(path))
+    pinned = given is None and bool(family.base.revision)
+    shown = family.base.shown if pinned else repr(str(path))
     opening = functools.partial(
         open_source, path, dataclasses.replace(options, base=None), whole=whole, depth=depth + 1
     )
-    base = _opened(where, family, shown, given, opening)
-    taken = _taken(source, base, family, shown)
+    base = Base(
+        family.base.shown if pinned else location(path).display,
+        family.references,
+        lambda: _checked(source, family, shown, given, opening),
+    )
     return dataclasses.replace(
         source,
-        manifest=dataclasses.replace(
-            source.manifest,
-            leaves=tuple(
-                dataclasses.replace(r, chunks=taken[r.path].chunks) if r.path in taken else r
-                for r in source.manifest.leaves
-            ),
-        ),
-        opener=lambda record: _open(source, base, taken, record),
-        runs=_runs(source, base, taken),
+        opener=lambda record: _open(source, base, record),
+        runs=_runs(source, base),
         changed=lambda: _changed(source, base),
         base=base,
     )
+
+
+class Base:
+    """A fine-tune's base, opened and checked (`_opened`, `_taken`) when a leaf
+    taken from it is first needed: by a load's plan before any read (`need`),
+    by a read, by `verify`. Until then nothing of it is opened or requested.
+
+    `display`: the base as messages name it. `references`: the fine-tune's
+    dotted path of each leaf taken from it -> the base's. An open that fails
+    is tried again when next needed (a base put back is then found)."""
+
+    def __init__(
+        self,
+        display: str,
+        references: dict[str, str],
+        opening: Callable[[], tuple[Source, dict[str, LeafRecord]]],
+    ):
+        self.references, self._display, self._opening = references, display, opening
+        self._opened: tuple[Source, dict[str, LeafRecord]] | None = None
+        self._lock = threading.Lock()
+
+    def opened(self) -> tuple[Source, dict[str, LeafRecord]]:
+        """The base's source, and its record of each leaf taken from it (by the
+        fine-tune's dotted path); opened and checked once. Raises as the
+        open or the checks do: a missing base is `CheckpointNotFoundError`."""
+        with self._lock:
+            if self._opened is None:
+                self._opened = self._opening()
+            return self._opened
+
+    @property
+    def source(self) -> Source:
+        return self.opened()[0]
+
+    @property
+    def open(self) -> Source | None:
+        """The base's source where it was opened already, else `None`."""
+        return None if self._opened is None else self._opened[0]
+
+    @property
+    def display(self) -> str:
+        opened = self.open
+        return self._display if opened is None else opened.loc.display
+
+    def need(self, paths: Iterable[str]) -> None:
+        """Open the base where one of the fine-tune's leaves `paths` is taken from it."""
+        if any(path in self.references for path in paths):
+            self.opened()
+
+    def missing(self) -> CheckpointNotFoundError | None:
+        """Why the base (or one down its chain) cannot be found, or `None`
+        where it opens. Every other error of the base (changed, hostile, too
+        deep) is raised."""
+        try:
+            self.opened()
+        except CheckpointNotFoundError as e:
+            return e
+        return None
+
+
+def _checked(
+    source: Source, family: _published.Family, shown: str, given: Any, opening: Callable[[], Source]
+) -> tuple[Source, dict[str, LeafRecord]]:
+    base = _opened(source.loc, family, shown, given, opening)
+    return base, _taken(source, base, family, shown)
+
+
+def reason(missing: CheckpointNotFoundError) -> str:
+    """The short reason a missing base cannot be found: the first sentence of
+    its open's own error."""
+    cause = str(missing.__cause__ or missing)
+    first = cause.split(". ", 1)[0].rstrip(".")
+    return first + "."
 
 
 def _opened(
@@ -420,6 +504,8 @@ def _opened(
     base (`shown`)."""
     try:
         base = opening()
+        if base.base is not None:  # its own base, down a chain of fine-tunes: opened with it
+            base.base.opened()
     except CheckpointNotFoundError as e:
         advice = "Check the path given as `base=`." if given is not None else _without_base(where)
         raise CheckpointNotFoundError(
@@ -498,11 +584,12 @@ def _taken(source: Source, base: Source, family: _published.Family, shown: str) 
     return taken
 
 
-def _open(source: Source, base: Source, taken: dict[str, LeafRecord], record: LeafRecord) -> Any:
-    found = taken.get(record.path)
-    if found is None:
+def _open(source: Source, lazy: Base, record: LeafRecord) -> Any:
+    if record.path not in lazy.references:
         assert source.opener is not None  # (a published folder's tensors)
         return source.opener(record)
+    base, taken = lazy.opened()
+    found = taken[record.path]
     if found.pack is not None:  # a tiny leaf of an eqx_ckpt base, packed with others
         try:
             return _storage.ready(_storage.in_memory(_pack.read_alone(base.data, found)))
@@ -517,21 +604,18 @@ def _open(source: Source, base: Source, taken: dict[str, LeafRecord], record: Le
     return base.open(found)
 
 
-def _runs(
-    source: Source, base: Source, taken: dict[str, LeafRecord]
-) -> Callable[[list[LeafRecord]], tuple[list[int], Any]] | None:
+def _runs(source: Source, lazy: Base) -> Callable[[list[LeafRecord]], tuple[list[int], Any]]:
     """The reader of runs of small leaves: the fine-tune's own from its files,
-    the base's from the base's (where its format reads runs)."""
-    if source.runs is None and base.runs is None:
-        return None
+    the base's from the base's (where its format reads runs; the base is
+    opened only where a run needs one of its leaves)."""
 
     def runs(records: list[LeafRecord]) -> tuple[list[int], Any]:
         done: list[int] = []
         groups = []
-        for reader, slots in (
-            (source.runs, [i for i, r in enumerate(records) if r.path not in taken]),
-            (base.runs, [i for i, r in enumerate(records) if r.path in taken]),
-        ):
+        own = [i for i, r in enumerate(records) if r.path not in lazy.references]
+        from_base = [i for i, r in enumerate(records) if r.path in lazy.references]
+        base, taken = lazy.opened() if from_base else (None, {})
+        for reader, slots in ((source.runs, own), (None if base is None else base.runs, from_base)):
             if reader is None or not slots:
                 continue
             read, found = reader([taken.get(records[i].path, records[i]) for i in slots])
@@ -542,11 +626,12 @@ def _runs(
     return runs
 
 
-def _changed(source: Source, base: Source) -> str | None:
+def _changed(source: Source, lazy: Base) -> str | None:
     """The name of a file of the fine-tune rewritten since it was opened;
-    a base replaced since raises as the base's own check does."""
+    a base replaced since it was opened raises as the base's own check does."""
     assert source.changed is not None
     name = source.changed()
-    if name is None:
+    base = lazy.open
+    if name is None and base is not None:
         base.check()
     return name

@@ -194,6 +194,12 @@ def plan(
     if report.kinds == {"shape changed"}:
         report.narrowing = _narrowing(leaves, chosen, report.reshaped)
     report.raise_if_any()
+    # A fine-tune's base is opened (and checked) here, where a leaf read is taken from it: before any read.
+    source.need(
+        [p.stored for p in leaves.reads]
+        + [p.stored for p, _ in leaves.custom]
+        + [name for t in leaves.transformed for name in t.stored]
+    )
     return LoadPlan(
         source.loc,
         treedef,

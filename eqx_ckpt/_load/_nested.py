@@ -42,6 +42,7 @@ def load(source: Source, records: list[LeafRecord], key: str, *, lazy: bool, pro
     host = any(_needs_host(dtype) for dtype in {record.dtype for record in records if record.type == "jax"})
     like = _Likes(host)
     _faults.fire("nested.load", data, key)
+    source.need([record.path for record in records])  # (a fine-tune's base, before any read)
     if lazy:
         leaf = functools.partial(_lazy_leaf, source, like=like)
         return structure(records, key, leaf, numbered=numbered)

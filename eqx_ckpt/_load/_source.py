@@ -29,7 +29,7 @@ import dataclasses
 import os
 import re
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from .._base._errors import CheckpointNotFoundError, CheckpointReplacedError, shown_names
@@ -73,8 +73,9 @@ class Source:
         to the commit it is read at (`_hub.Pinned`); `None` for every other source.
     - `checked`: for a Hub repository downloaded whole, what its download
         checked, as `verify` says it (`_hub.download`).
-    - `base`: for a fine-tune stored against a base (`_family`), the base's
-        source, from which `opener` reads the leaves it did not change.
+    - `base`: for a fine-tune stored against a base, its base
+        (`_family.Base`, opened when first needed), from which `opener`
+        reads the leaves it did not change.
     """
 
     format: str
@@ -86,7 +87,7 @@ class Source:
     runs: Runs | None = None
     pinned: _hub.Pinned | None = None
     checked: tuple[str, ...] = ()
-    base: Source | None = None
+    base: _family.Base | None = None
 
     @property
     def revision(self) -> str | None:
@@ -95,6 +96,13 @@ class Source:
 
     def open(self, record: LeafRecord) -> Any:
         return self.opener(record) if self.opener is not None else _storage.open_array(self.data, record, checked=False)
+
+    def need(self, paths: Iterable[str]) -> None:
+        """Open what reading the stored leaves `paths` needs, before any is
+        read: a fine-tune's base, where one of them is taken from it. Its
+        errors (a missing base among them) are raised here."""
+        if self.base is not None:
+            self.base.need(paths)
 
     def check(self) -> None:
         """Raise `CheckpointReplacedError` if the source was replaced since it was

@@ -196,6 +196,9 @@ def _info(args: argparse.Namespace) -> int:
         here = len(ckpt) - len(taken)
         leaves = "leaf" if here == 1 else "leaves"
         print(f"stored here:     {here} {leaves}, {human(stored)}; {len(taken)} read from the base")
+        if ckpt.base_missing is not None:
+            loads = "loads" if here == 1 else "load"
+            print(f"base missing:    {printable(ckpt.base_missing)} Only the {here} {leaves} stored here {loads}.")
     if ckpt.format == "eqx_ckpt":
         shared = _shared_files(location(_path(args.path)))
         if shared is not None:

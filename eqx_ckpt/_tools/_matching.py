@@ -55,7 +55,8 @@ def base_of(
         raise CheckpointValueError("`base=` and `standalone=True` contradict: a standalone export holds every leaf.")
     inherited = None
     if base is None:
-        inherited = pytree._source.base if isinstance(pytree, Checkpoint) and not standalone else None
+        lazy = pytree._source.base if isinstance(pytree, Checkpoint) and not standalone else None
+        inherited = None if lazy is None else lazy.source  # (a missing base: its error, saying what works)
         if inherited is None:
             return None
     if single is not None:

@@ -30,10 +30,12 @@ from typing import Any
 from .._base import _state
 from .._base._errors import (
     CheckpointError,
+    CheckpointNotFoundError,
     CheckpointStorageError,
     CheckpointValueError,
     CheckpointVersionError,
     CorruptCheckpointError,
+    shown_names,
 )
 from .._base._location import Location, location
 from .._base._progress import Progress, Tracker
@@ -590,17 +592,23 @@ def _check_foreign(loc: Location, progress: Progress, token: str | None, base: A
         # A Hub repository is verified as the cache holds it: downloaded whole,
         # every file checked against the digest the Hub lists for it.
         source = _source.open_source(loc, LoadOptions(token=token, base=base), whole=hub)
+        missing = None if source.base is None else source.base.missing()
     except CorruptCheckpointError as e:
         return Problems([Problem(None, str(e))])
     records = sorted(source.manifest.leaves, key=lambda r: r.path)
     digests = source.manifest.digests
+    # A fine-tune whose base cannot be found: its own leaves are verified, those taken from the base are not.
+    taken = set() if missing is None or source.base is None else set(source.base.references)
     bad: dict[str, Problem] = {}
-    with Tracker(progress, leaves=len(records), nbytes=source.manifest.total_bytes, what="verify") as tracker:
+    nbytes = sum(r.nbytes for r in records if r.path not in taken)
+    with Tracker(progress, leaves=len(records) - len(taken), nbytes=nbytes, what="verify") as tracker:
         _read_every_chunk(source.data, [r for r in records if r.path not in digests], source.open, tracker, bad)
-        bad.update(_compare_digests(source, [r for r in records if r.path in digests], tracker))
+        bad.update(_compare_digests(source, [r for r in records if r.path in digests and r.path not in taken], tracker))
     # (`file` names an eqx_ckpt chunk file, which steps share; these files are named in the message.)
     problems = [Problem(r.path, bad[r.path].message) for r in records if r.path in bad]
-    said = _family_said(source, len(digests) == len(records))
+    if missing is not None:
+        problems.insert(0, _unverified(records, taken, missing))
+    said = _family_said(source, len(digests) == len(records), missing is not None)
     if hub:  # (the whole load compared every file with the Hub's digest, or refused it)
         checked = source.checked + said
         return Problems(problems, () if checked else (SAFETENSORS_UNCHECKED,), checked=checked)
@@ -644,14 +652,28 @@ def _compare_digests(source: _source.Source, records: list[LeafRecord], tracker:
     return bad
 
 
-def _family_said(source: _source.Source, every: bool) -> tuple[str, ...]:
-    """What `verify` says it checked of a published folder by its digests."""
+def _unverified(records: list[LeafRecord], taken: set[str], missing: CheckpointNotFoundError) -> Problem:
+    """The problem of a fine-tune whose base cannot be found: the leaves taken from it are not verified."""
+    names = [r.path for r in records if r.path in taken]
+    return Problem(
+        None,
+        f"the {len(names)} {'leaf' if len(names) == 1 else 'leaves'} taken from its base "
+        f"({shown_names(names)}) {'was' if len(names) == 1 else 'were'} not verified, since the base cannot be "
+        f"found; the {len(records) - len(names)} stored here were. {missing}",
+    )
+
+
+def _family_said(source: _source.Source, every: bool, missing: bool) -> tuple[str, ...]:
+    """What `verify` says it checked of a published folder by its digests
+    (`missing`: of a fine-tune whose base cannot be found, its own leaves)."""
     if not every:
         return ()
+    if missing:
+        return (f"every leaf stored here, against the xxh3-128 digest {_published.NAME} records of it",)
     said = [f"every leaf's bytes, against the xxh3-128 digest {_published.NAME} records of it"]
     family = source.manifest.family
     if family is not None:
-        base = source.base
+        base = None if source.base is None else source.base.open
         shown = family.base.shown if family.base.revision or base is None else repr(base.loc.display)
         count = len(family.references)
         said.append(
