@@ -109,15 +109,25 @@ emit([same(got, base), said])
         _FAMILY
         + """
 error = raised(lambda: eqx_ckpt.Checkpoint("hf://bob/head").load())
+own = eqx_ckpt.tree_deserialise_leaves("hf://bob/head", skeleton(head["head"]), prefix="head")
+missing = eqx_ckpt.Checkpoint("hf://bob/head").base_missing
 with_base = eqx_ckpt.tree_deserialise_leaves("hf://bob/head", skeleton(head), base="hf://alice/base")
 lora_with_base = eqx_ckpt.Checkpoint("hf://bob/lora", base="hf://alice/base").load(trust=[])
-emit([error, same(eqx_ckpt.tree_deserialise_leaves("hf://bob/full", skeleton(full)), full),
-      same(with_base, head), same(lora_with_base, lora)])
+standalone = eqx_ckpt.tree_deserialise_leaves("hf://bob/full", skeleton(full))
+emit([error, same(own, head["head"]), missing, same(standalone, full), same(with_base, head),
+      same(lora_with_base, lora)])
 """
     )
-    error, full_loaded, with_base, lora_with_base = dave_day
+    error, own, missing, full_loaded, with_base, lora_with_base = dave_day
     assert error[0] == "CheckpointNotFoundError" and "Three ways work" in error[2], error
-    assert full_loaded and with_base and lora_with_base
+    assert missing and "no longer gives this commit" in missing, missing
+    assert own and full_loaded and with_base and lora_with_base
+    # What the fine-tune stores is described, and verified, without its base.
+    listed, info = dave.cli("ls", "hf://bob/head"), dave.cli("info", "hf://bob/head")
+    assert listed.returncode == 0 and "head/" in listed.stdout and "The base cannot be reached" in listed.stdout
+    assert info.returncode == 0 and "base missing:" in info.stdout, info
+    verified = dave.cli("verify", "hf://bob/head")
+    assert verified.returncode == 1 and "not verified" in verified.stdout + verified.stderr, verified
 
     # Bob stores the head again against the base as it is now; Dave loads it plainly.
     bob.run(_FAMILY + "emit(eqx_ckpt.push_to_hub(head, 'bob/head', base='hf://alice/base'))")
