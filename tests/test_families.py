@@ -333,6 +333,21 @@ def test_an_export_into_a_folder_switching_between_finetune_and_whole_deletes_th
     _assert_same(eqx_ckpt.Checkpoint(folder).load(trust=[Classifier]), finetuned)
 
 
+@pytest.mark.parametrize("shard", ["5GB", 8])
+def test_a_finetune_on_a_store_that_is_not_listed_is_found_by_its_names(tmp_path, shard):
+    """Where a folder is not listed (an object store), a load tries a
+    fine-tune's index and file after a whole model's."""
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    folder = f"memory://{tmp_path.name}-{shard}/ft/"
+    with pytest.warns(UserWarning, match="loads of it need the base given"):
+        names = eqx_ckpt.export_safetensors(folder, _finetuned(tree), base=tmp_path / "base", max_shard_size=shard)
+    assert names[0] == ("finetune.safetensors" if shard == "5GB" else "finetune-00001-of-00003.safetensors")
+    ckpt = eqx_ckpt.Checkpoint(folder, base=tmp_path / "base")
+    assert ckpt.metadata["eqx_ckpt.standalone"] == f"eqx-ckpt export --standalone {folder} <folder>"
+    _assert_same(ckpt.load(trust=[Classifier]), _finetuned(tree))
+
+
 def _copy(source: pathlib.Path, folder: pathlib.Path, names: list[str]) -> None:
     for name in names:
         shutil.copy(source / name, folder / name)
