@@ -311,6 +311,11 @@ def test_a_finetunes_label_keeps_the_users_metadata_and_its_bytes_are_the_same_e
     with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape(said)):
         eqx_ckpt.export_safetensors(tmp_path / "mine", tree, metadata={"eqx_ckpt.base": "elsewhere"})
     assert not (tmp_path / "mine").exists()
+    # A folder's name as a shell reads it.
+    eqx_ckpt.export_safetensors(tmp_path / "my ft", _finetuned(tree), base=tmp_path / "base")
+    with safe_open(str(tmp_path / "my ft" / "finetune.safetensors"), framework="np") as f:
+        command = f.metadata()["eqx_ckpt.standalone"]
+    assert shlex.split(command) == ["eqx-ckpt", "export", "--standalone", str(tmp_path / "my ft"), "<folder>"]
 
 
 @pytest.mark.parametrize("sharded", [False, True])

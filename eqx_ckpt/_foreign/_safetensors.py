@@ -21,6 +21,7 @@ import functools
 import math
 import os
 import re
+import shlex
 import types
 import urllib.parse
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -100,6 +101,8 @@ def shard_name(number: int, count: int, stem: str = MODEL) -> str:
 
 SINGLE = single_name(MODEL)
 INDEX = index_name(MODEL)
+# The single files a folder's layout names (`layout`), the whole model's first.
+SINGLES = tuple(single_name(stem) for stem in STEMS)
 # The keys of the `__metadata__` eqx_ckpt writes in each file of a fine-tune
 # (`finetune_metadata`); a user's keys must not start so.
 METADATA_PREFIX = "eqx_ckpt."
@@ -115,15 +118,14 @@ def finetune_metadata(base: str, revision: str, shown: str) -> dict[str, str]:
     `hf://` base's commit; `""` for any other): what the file holds, the
     base, and the command that makes a standalone copy."""
     return {
-        "eqx_ckpt.fine_tune": FINETUNE_NOTE,
-        "eqx_ckpt.base": base,
-        **({"eqx_ckpt.base_revision": revision} if revision else {}),
-        "eqx_ckpt.standalone": f"eqx-ckpt export --standalone {shown} <folder>",
+        METADATA_PREFIX + "fine_tune": FINETUNE_NOTE,
+        METADATA_PREFIX + "base": base,
+        **({METADATA_PREFIX + "base_revision": revision} if revision else {}),
+        # (quoted as a shell reads it: a folder's name may hold a space)
+        METADATA_PREFIX + "standalone": f"eqx-ckpt export --standalone {shlex.quote(shown)} <folder>",
     }
 
 
-# The single files a folder's layout names (`layout`), the whole model's first.
-SINGLES = tuple(single_name(stem) for stem in STEMS)
 # A shard an index may name: a safetensors file beside it.
 _SHARD = re.compile(r"[^/\\\x00-\x1f]+\.safetensors")
 
