@@ -276,8 +276,10 @@ def test_every_published_layout_version_has_a_fixture():
     from eqx_ckpt._ondisk._published import VERSION
 
     assert [int(p.name.removeprefix("published_")) for p in PUBLISHED] == list(range(1, VERSION + 1))
-    # Each holds an export or a family, never neither; a fine-tune is what version 2 added.
+    # Each holds an export or a family, never neither; a fine-tune is what version 2 added, and
+    # its files' own names what version 3 did.
     assert sorted(EXPORTS + FAMILIES) == PUBLISHED and FAMILIES and EXPORTS
+    assert [int(p.name.removeprefix("published_")) for p in FAMILIES] == list(range(2, VERSION + 1))
 
 
 def test_the_published_fixture_loads_bit_for_bit(published):
@@ -316,14 +318,30 @@ def test_the_published_fixtures_card_snippet_runs_as_written(published):
 
 
 def test_the_family_fixture_holds_what_its_version_wrote(family):
-    """A fine-tune stored against its base: version 2, the base by a relative
-    path pinned by the sha256 of its `eqx_ckpt.json`, only the changed leaves
-    in its safetensors, each other leaf naming the base's leaf with its bytes."""
+    """A fine-tune stored against its base: the base by a relative path pinned
+    by the sha256 of its `eqx_ckpt.json`, only the changed leaves in its
+    safetensors, each other leaf naming the base's leaf with its bytes. In
+    version 2 they are in `model.safetensors`; from version 3 in
+    `finetune.safetensors`, whose metadata names the base."""
     from safetensors import safe_open
 
     finetune, base = family / "finetune", family / "base"
     record = json.loads((finetune / "eqx_ckpt.json").read_text())
-    assert record["format_version"] == 2 == int(family.name.removeprefix("published_"))
+    version = int(family.name.removeprefix("published_"))
+    assert record["format_version"] == version in (2, 3)
+    stem = "model" if version == 2 else "finetune"
+    assert sorted(p.name for p in finetune.glob("*.safetensors*")) == [f"{stem}.safetensors"]
+    with safe_open(str(finetune / f"{stem}.safetensors"), framework="np") as f:
+        metadata = f.metadata() or {}
+    if version >= 3:
+        assert metadata["eqx_ckpt.base"] == "../base" and "eqx_ckpt.base_revision" not in metadata
+        assert (
+            metadata["eqx_ckpt.standalone"]
+            == f"eqx-ckpt export --standalone tests/fixtures/{family.name}/finetune <folder>"
+        )
+        assert "not a whole model" in metadata["eqx_ckpt.fine_tune"]
+    else:
+        assert metadata == {}
     sha256 = hashlib.sha256((base / "eqx_ckpt.json").read_bytes()).hexdigest()
     assert record["base"] == {"path": "../base", "sha256": sha256}
     assert json.loads((base / "eqx_ckpt.json").read_text())["format_version"] == 1

@@ -4,9 +4,9 @@ content (never by name alone); every load of the fine-tune reads the rest
 from the base, bit for bit, whatever the base is (a published folder, in one
 file or in shards; an eqx_ckpt checkpoint, its tiny leaves packed or not).
 
-Covered here: what the folder holds (its safetensors, its `eqx_ckpt.json`
-version 2 with the base's pin and each taken leaf, every leaf's digest, the
-card); every load option on a fine-tune; leaves matched by content (renamed,
+Covered here: what the folder holds (its safetensors, named and labelled as
+a fine-tune's, its `eqx_ckpt.json` version 3 with the base's pin and each
+taken leaf, every leaf's digest, the card); every load option on a fine-tune; leaves matched by content (renamed,
 re-wrapped); nothing or everything changed; a base missing, changed since or
 lacking a leaf, each an error naming the base with nothing loaded; standalone
 exports (the library and the command line); a re-export keeping its base; a
@@ -208,7 +208,7 @@ def _no_reads(faults) -> list[Any]:
 def test_a_finetune_holds_only_the_leaves_it_changed(family):
     assert sorted(_tensors(family.finetune)) == CHANGED
     record = _record(family.finetune)
-    assert record["format_version"] == 2
+    assert record["format_version"] == 3
     sha256 = hashlib.sha256(family.record_file.read_bytes()).hexdigest()
     assert record["base"] == {"path": os.path.join("..", "base"), "sha256": sha256}
     assert (family.finetune / record["base"]["path"]).resolve() == family.base.resolve()
@@ -233,6 +233,179 @@ def test_an_export_without_a_base_is_version_1_with_every_digest(tmp_path):
     for path, leaf in _leaves(tmp_path / "base").items():
         assert "base" not in leaf
         assert leaf["digest"] == "xxh3-128:" + xxhash.xxh3_128_hexdigest(stored[path]), path
+
+
+# A fine-tune's files: named and labelled for what they hold.
+
+
+def _files(folder: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith((".safetensors", ".json")))
+
+
+def _label(folder: pathlib.Path, name: str) -> dict[str, str]:
+    """The `__metadata__` of the file `name` of the fine-tune `folder`."""
+    with safe_open(str(folder / name), framework="np") as f:
+        metadata = f.metadata()
+    assert metadata == {
+        "eqx_ckpt.fine_tune": (
+            "This file holds only the tensors of a fine-tune that differ from its base. It is not a whole "
+            "model: eqx_ckpt reads the other tensors from the base."
+        ),
+        "eqx_ckpt.base": os.path.join("..", "base"),
+        "eqx_ckpt.standalone": f"eqx-ckpt export --standalone {folder} <folder>",
+    }
+    return metadata
+
+
+def test_a_finetunes_files_say_what_they_hold(family):
+    """Its tensors are in `finetune.safetensors`, never under the name a
+    loader takes for a whole model; the file's metadata names the base and
+    the command that makes a standalone copy."""
+    from safetensors.numpy import load_file
+
+    assert _files(family.finetune) == ["eqx_ckpt.json", "finetune.safetensors"]
+    command = _label(family.finetune, "finetune.safetensors")["eqx_ckpt.standalone"]
+    # A loader that looks for a whole model's file finds none.
+    with pytest.raises(FileNotFoundError):
+        load_file(str(family.finetune / "model.safetensors"))
+    ckpt = eqx_ckpt.Checkpoint(family.finetune)
+    assert ckpt.metadata["eqx_ckpt.standalone"] == command
+    assert eqx_ckpt.verify(family.finetune) == []
+    # The command does what it says: a copy that loads with the base gone.
+    argv = shlex.split(command.replace("<folder>", str(family.finetune.parent / "whole")))
+    assert argv[0] == "eqx-ckpt" and main(argv[1:]) == 0
+    assert _files(family.finetune.parent / "whole") == ["eqx_ckpt.json", "model.safetensors"]
+    with safe_open(str(family.finetune.parent / "whole" / "model.safetensors"), framework="np") as f:
+        assert not f.metadata()
+    shutil.rmtree(family.base)
+    _assert_same(eqx_ckpt.Checkpoint(family.finetune.parent / "whole").load(trust=[Classifier]), family.tree)
+
+
+def test_a_sharded_finetunes_files_say_what_they_hold(tmp_path):
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    eqx_ckpt.export_safetensors(tmp_path / "ft", _finetuned(tree), base=tmp_path / "base", max_shard_size=8)
+    shards = [f"finetune-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert _files(tmp_path / "ft") == sorted(["eqx_ckpt.json", "finetune.safetensors.index.json", *shards])
+    index = json.loads((tmp_path / "ft" / "finetune.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == shards and sorted(index["weight_map"]) == CHANGED
+    for name in shards:
+        _label(tmp_path / "ft", name)
+    assert "- `finetune.safetensors.index.json`" in (tmp_path / "ft" / "README.md").read_text()
+    _assert_same(eqx_ckpt.Checkpoint(tmp_path / "ft").load(trust=[Classifier]), _finetuned(tree))
+    assert eqx_ckpt.verify(tmp_path / "ft") == []
+
+
+def test_a_finetunes_label_keeps_the_users_metadata_and_its_bytes_are_the_same_each_time(tmp_path):
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    eqx_ckpt.export_safetensors(tmp_path / "ft", _finetuned(tree), base=tmp_path / "base", metadata={"format": "pt"})
+    first = {p.name: p.read_bytes() for p in (tmp_path / "ft").iterdir()}
+    with safe_open(str(tmp_path / "ft" / "finetune.safetensors"), framework="np") as f:
+        metadata = f.metadata()
+    assert metadata["format"] == "pt" and metadata["eqx_ckpt.base"] == os.path.join("..", "base")
+    eqx_ckpt.export_safetensors(tmp_path / "ft", _finetuned(tree), base=tmp_path / "base", metadata={"format": "pt"})
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ft").iterdir()} == first
+    # Keys under `eqx_ckpt.` are the library's: refused, nothing written.
+    said = "`metadata` has the key 'eqx_ckpt.base': keys starting with 'eqx_ckpt.' are the ones eqx_ckpt writes"
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape(said)):
+        eqx_ckpt.export_safetensors(tmp_path / "mine", tree, metadata={"eqx_ckpt.base": "elsewhere"})
+    assert not (tmp_path / "mine").exists()
+    # A folder's name as a shell reads it.
+    eqx_ckpt.export_safetensors(tmp_path / "my ft", _finetuned(tree), base=tmp_path / "base")
+    with safe_open(str(tmp_path / "my ft" / "finetune.safetensors"), framework="np") as f:
+        command = f.metadata()["eqx_ckpt.standalone"]
+    assert shlex.split(command) == ["eqx-ckpt", "export", "--standalone", str(tmp_path / "my ft"), "<folder>"]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_an_export_into_a_folder_switching_between_finetune_and_whole_deletes_the_other_files(tmp_path, sharded):
+    """A fine-tune exported again whole into its folder (or a whole model
+    exported again as a fine-tune) leaves no file of the other layout, which
+    a load would refuse beside the new one."""
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    shard = 8 if sharded else "5GB"
+    finetuned, folder = _finetuned(tree), tmp_path / "ft"
+    eqx_ckpt.export_safetensors(folder, finetuned, base=tmp_path / "base", max_shard_size=shard)
+    assert all(n.startswith(("finetune", "eqx_ckpt")) for n in _files(folder))
+    eqx_ckpt.export_safetensors(folder, finetuned, max_shard_size=shard)
+    assert all(n.startswith(("model", "eqx_ckpt")) for n in _files(folder))
+    assert _record(folder)["format_version"] == 1
+    _assert_same(eqx_ckpt.Checkpoint(folder).load(trust=[Classifier]), finetuned)
+    eqx_ckpt.export_safetensors(folder, eqx_ckpt.Checkpoint(folder), base=tmp_path / "base", max_shard_size=shard)
+    assert all(n.startswith(("finetune", "eqx_ckpt")) for n in _files(folder)) and sorted(_tensors(folder)) == CHANGED
+    _assert_same(eqx_ckpt.Checkpoint(folder).load(trust=[Classifier]), finetuned)
+
+
+@pytest.mark.parametrize("shard", ["5GB", 8])
+def test_a_finetune_on_a_store_that_is_not_listed_is_found_by_its_names(tmp_path, shard):
+    """Where a folder is not listed (an object store), a load tries a
+    fine-tune's index and file after a whole model's."""
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    folder = f"memory://{tmp_path.name}-{shard}/ft/"
+    with pytest.warns(UserWarning, match="loads of it need the base given"):
+        names = eqx_ckpt.export_safetensors(folder, _finetuned(tree), base=tmp_path / "base", max_shard_size=shard)
+    assert names[0] == ("finetune.safetensors" if shard == "5GB" else "finetune-00001-of-00003.safetensors")
+    ckpt = eqx_ckpt.Checkpoint(folder, base=tmp_path / "base")
+    assert ckpt.metadata["eqx_ckpt.standalone"] == f"eqx-ckpt export --standalone {folder} <folder>"
+    _assert_same(ckpt.load(trust=[Classifier]), _finetuned(tree))
+
+
+def _copy(source: pathlib.Path, folder: pathlib.Path, names: list[str]) -> None:
+    for name in names:
+        shutil.copy(source / name, folder / name)
+
+
+def test_a_folder_holding_a_whole_models_files_and_a_finetunes_is_refused_naming_both(tmp_path):
+    """Which of two layouts is the model is never guessed: one file of each
+    stem, an index with a single file of the other stem, two indexes."""
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    eqx_ckpt.export_safetensors(tmp_path / "whole", tree, max_shard_size=200)
+    eqx_ckpt.export_safetensors(tmp_path / "ft", _finetuned(tree), base=tmp_path / "base")
+    eqx_ckpt.export_safetensors(tmp_path / "ft_sharded", _finetuned(tree), base=tmp_path / "base", max_shard_size=8)
+    (tmp_path / "both").mkdir()
+    _copy(tmp_path / "base", tmp_path / "both", ["model.safetensors", "eqx_ckpt.json"])
+    _copy(tmp_path / "ft", tmp_path / "both", ["finetune.safetensors"])
+    indexed = [n for n in _files(tmp_path / "ft_sharded") if n.startswith("finetune")]
+    assert len(indexed) > 2
+    cases = {
+        "both": "the single files `model.safetensors` and `finetune.safetensors`",
+        "ft_sharded": "the index `finetune.safetensors.index.json` and the single file `model.safetensors`, which "
+        "it does not name",
+        "whole": "the index `model.safetensors.index.json` and the single file `finetune.safetensors`, which it "
+        "does not name",
+    }
+    _copy(tmp_path / "base", tmp_path / "ft_sharded", ["model.safetensors"])
+    _copy(tmp_path / "ft", tmp_path / "whole", ["finetune.safetensors"])
+    for name, held in cases.items():
+        said = f"it holds two layouts at once, {held}; which one is the model is not said, so nothing is loaded"
+        with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(said)):
+            eqx_ckpt.Checkpoint(tmp_path / name)
+        problems = eqx_ckpt.verify(tmp_path / name)
+        assert len(problems) == 1 and said in problems[0].message
+    (tmp_path / "whole" / "finetune.safetensors").unlink()
+    _copy(tmp_path / "ft_sharded", tmp_path / "whole", ["finetune.safetensors.index.json"])
+    said = "it holds two layouts at once, 2 indexes (finetune.safetensors.index.json, model.safetensors.index.json)"
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(said)):
+        eqx_ckpt.Checkpoint(tmp_path / "whole")
+
+
+def test_a_version_2_finetune_exported_again_is_version_3_and_leaves_no_model_file(tmp_path):
+    """A fine-tune written before version 3 (its tensors in `model.safetensors`,
+    the compatibility fixture) loads; exported again into its own folder it
+    is version 3, and its `model.safetensors` is gone."""
+    fixture = pathlib.Path(__file__).parent / "fixtures" / "published_2"
+    shutil.copytree(fixture, tmp_path / "family")
+    folder = tmp_path / "family" / "finetune"
+    before = eqx_ckpt.Checkpoint(folder).load(trust=[])
+    eqx_ckpt.export_safetensors(folder, eqx_ckpt.Checkpoint(folder))
+    assert _files(folder) == ["eqx_ckpt.json", "finetune.safetensors"] and _record(folder)["format_version"] == 3
+    after = eqx_ckpt.Checkpoint(folder).load(trust=[])
+    assert jax.tree.structure(after) == jax.tree.structure(before)  # (NaNs among them: compared bit for bit)
+    assert [bits(x) for x in jax.tree.leaves(after)] == [bits(x) for x in jax.tree.leaves(before)]
 
 
 # Every load option reads the base's leaves.
@@ -362,7 +535,8 @@ def test_nothing_or_everything_changed(tmp_path, changed, kind):
     record = _record(tmp_path / "ft")
     taken = [path for path, leaf in _leaves(tmp_path / "ft").items() if "base" in leaf]
     if changed == "nothing":
-        assert record["format_version"] == 2 and record["base"]["path"] == os.path.join("..", "base")
+        assert record["format_version"] == 3 and record["base"]["path"] == os.path.join("..", "base")
+        assert sorted(p.name for p in (tmp_path / "ft").glob("*.safetensors")) == ["finetune.safetensors"]
         assert _tensors(tmp_path / "ft") == {} and sorted(taken) == sorted(_by_path(tree))
     else:  # nothing taken from the base: a standalone folder, which loads without it
         assert record["format_version"] == 1 and "base" not in record
@@ -652,7 +826,7 @@ def test_a_reexport_of_a_finetune_keeps_its_base(family):
         ):
             eqx_ckpt.export_safetensors(out, eqx_ckpt.Checkpoint(family.finetune))
         again = _record(out)
-        assert again["format_version"] == 2
+        assert again["format_version"] == 3
         assert again["base"]["sha256"] == record["base"]["sha256"]
         assert again["base"]["path"] == os.path.relpath(family.base, out)
         assert _leaves(out) == _leaves(family.finetune)
@@ -737,7 +911,11 @@ HOSTILE = {
         lambda r: (_set(r, format_version=1), r.pop("base")),
         "it names a base, which only format version 2",
     ),
-    "version 2 without a base": (lambda r: r.pop("base"), "format version 2 records a `base` object with a `path`"),
+    "version 3 without a base": (lambda r: r.pop("base"), "format version 3 records a `base` object with a `path`"),
+    "version 2 without a base": (
+        lambda r: (_set(r, format_version=2), r.pop("base")),
+        "format version 2 records a `base` object with a `path`",
+    ),
     "a base that is no object": (lambda r: _set(r, base="../base"), "records a `base` object with a `path`"),
     "a base path with a control character": (
         lambda r: r["base"].update(path="../ba\x00se"),

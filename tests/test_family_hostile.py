@@ -405,7 +405,7 @@ class TestLeafByLeaf:
             eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", _like(_finetuned(tree)))
 
     def test_a_finetunes_own_tensor_changed_is_refused(self, family):
-        _rewrite(family.finetune / "model.safetensors", "head.weight")
+        _rewrite(family.finetune / "finetune.safetensors", "head.weight")
         loads = _loads(family.finetune, family.tree)
         for name in ("where", "prefix"):  # (they read the body, not the head)
             loads.pop(name)()

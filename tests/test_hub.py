@@ -1028,6 +1028,65 @@ def test_a_fine_tune_pushed_against_its_base_uploads_what_changed_and_loads_thro
     assert Client(client.url, tmp_path / "third_cache").run(load) == expected
 
 
+_FINETUNE_LOADS = (
+    _FAMILY
+    + """
+like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tuned)
+lazy = eqx_ckpt.tree_deserialise_leaves('hf://me/tuned', like, lazy=True)
+part = eqx_ckpt.tree_deserialise_leaves('hf://me/tuned', like, where=lambda t: t['head'])
+body = eqx_ckpt.tree_deserialise_leaves('hf://me/tuned', like['body'], prefix='body')
+whole = eqx_ckpt.tree_deserialise_leaves('hf://me/tuned', like)
+c = eqx_ckpt.Checkpoint('hf://me/tuned')
+same = [eqx.tree_equal(eqx_ckpt.materialise(lazy), tuned), eqx.tree_equal(part['head'], tuned['head']),
+        eqx.tree_equal(body, tuned['body']), eqx.tree_equal(whole, tuned), eqx.tree_equal(c.load(), tuned)]
+emit([[bool(x) for x in same], c.base, [p.message for p in eqx_ckpt.verify('hf://me/tuned')]])
+"""
+)
+
+
+def test_a_fine_tunes_files_on_the_hub_say_what_they_hold_and_a_push_whole_deletes_them(hub, tmp_path):
+    """Issue 75: a fine-tune pushed against its base is `finetune.safetensors`,
+    labelled with its base and the command that makes a standalone copy; it
+    loads by every load. Pushed whole, the repository holds `model.safetensors`
+    and not the fine-tune's file; pushed against the base again, the reverse.
+    A repository holding both is refused, naming both."""
+    client, state = hub
+    base_commit = client.run(_FAMILY + "emit(eqx_ckpt.push_to_hub(base, 'me/base'))")
+    client.run(_FAMILY + "emit(eqx_ckpt.push_to_hub(tuned, 'me/tuned', base='hf://me/base'))")
+    assert _files_at(state, "me/tuned") == ["README.md", "eqx_ckpt.json", "finetune.safetensors"]
+    read = (
+        "import huggingface_hub\nfrom safetensors import safe_open\n"
+        "with safe_open(huggingface_hub.hf_hub_download('me/tuned', 'finetune.safetensors'), 'np') as f:\n"
+        "    emit([f.metadata(), raised(lambda: huggingface_hub.hf_hub_download('me/tuned', 'model.safetensors'))])"
+    )
+    metadata, missing = client.run(read)
+    assert metadata == {
+        "eqx_ckpt.fine_tune": (
+            "This file holds only the tensors of a fine-tune that differ from its base. It is not a whole model: "
+            "eqx_ckpt reads the other tensors from the base."
+        ),
+        "eqx_ckpt.base": "hf://me/base",
+        "eqx_ckpt.base_revision": base_commit,
+        "eqx_ckpt.standalone": "eqx-ckpt export --standalone hf://me/tuned <folder>",
+    }
+    assert "EntryNotFoundError" in missing[1]  # a loader that looks for a whole model finds none
+    assert client.run(_FINETUNE_LOADS) == [[True] * 5, f"hf://me/base@{base_commit}", []]
+    for command, said in (("ls", "head"), ("info", f"hf://me/base@{base_commit}")):
+        shown = client.cli(command, "hf://me/tuned")
+        assert shown.returncode == 0 and said in shown.stdout, shown.stderr
+    client.run(_FAMILY + "emit(eqx_ckpt.push_to_hub(tuned, 'me/tuned'))")  # whole
+    assert _files_at(state, "me/tuned") == ["README.md", "eqx_ckpt.json", "model.safetensors"]
+    assert client.run(_FINETUNE_LOADS) == [[True] * 5, None, []]
+    client.run(_FAMILY + "emit(eqx_ckpt.push_to_hub(tuned, 'me/tuned', base='hf://me/base'))")
+    assert _files_at(state, "me/tuned") == ["README.md", "eqx_ckpt.json", "finetune.safetensors"]
+    assert client.run(_FINETUNE_LOADS)[:2] == [[True] * 5, f"hf://me/base@{base_commit}"]
+    state.put_files("me/tuned", {"model.safetensors": _safetensors_bytes(tmp_path)})
+    name, _, message = client.run("emit(raised(lambda: eqx_ckpt.Checkpoint('hf://me/tuned')))")
+    assert name == "CorruptCheckpointError"
+    said = "holds two safetensors layouts at once: the single files `model.safetensors` and `finetune.safetensors`"
+    assert said in message
+
+
 def test_a_fine_tune_from_the_hub_reads_no_base_outside_the_hub(hub, tmp_path):
     """What a repository names is untrusted: a fine-tune on the Hub whose
     record names a local base is refused before anything is read there; and a

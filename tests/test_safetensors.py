@@ -698,7 +698,10 @@ def test_a_folder_holding_two_layouts_is_refused_naming_both(tmp_path):
     eqx_ckpt.export_safetensors(tmp_path / "sharded", tree, max_shard_size="20KB")
     eqx_ckpt.export_safetensors(tmp_path / "single", tree)
     shutil.copy(tmp_path / "single" / "model.safetensors", tmp_path / "sharded" / "model.safetensors")
-    said = "it holds two layouts at once, the index `model.safetensors.index.json` and a `model.safetensors` it"
+    said = (
+        "it holds two layouts at once, the index `model.safetensors.index.json` and the single file "
+        "`model.safetensors`, which it does not name"
+    )
     with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(said)):
         eqx_ckpt.Checkpoint(tmp_path / "sharded")
     (tmp_path / "sharded" / "model.safetensors").unlink()

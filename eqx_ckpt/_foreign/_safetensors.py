@@ -21,6 +21,7 @@ import functools
 import math
 import os
 import re
+import shlex
 import types
 import urllib.parse
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -71,36 +72,99 @@ WHOLE_FILE_BYTES = 16 * 2**10
 # A load reads tensors of at most this many bytes in runs of adjacent tensors,
 # one range read per run (`read_runs`); larger ones through their own arrays.
 SMALL_BYTES = 2**20
-# The names of a Hugging Face folder's files: one file, or shards and their index.
-SINGLE = "model" + SUFFIX
+# The names of a Hugging Face folder's files: one file, or shards and their
+# index, under a stem. A whole model's is `model`, the name every loader looks
+# for. A fine-tune stored against a base holds only the tensors that differ
+# from it: its files are named for what they are, so that no loader unaware
+# of families takes them for a whole model. (Not PEFT's `adapter_model`: its
+# loaders would take them for an adapter.)
+MODEL = "model"
+FINETUNE = "finetune"
+STEMS = (MODEL, FINETUNE)
 INDEX_SUFFIX = ".safetensors.index.json"
-INDEX = "model" + INDEX_SUFFIX
+
+
+def single_name(stem: str = MODEL) -> str:
+    """The one file of a folder whose tensors fit one file: `model.safetensors`."""
+    return stem + SUFFIX
+
+
+def index_name(stem: str = MODEL) -> str:
+    """The index of a folder's shards: `model.safetensors.index.json`."""
+    return stem + INDEX_SUFFIX
+
+
+def shard_name(number: int, count: int, stem: str = MODEL) -> str:
+    """The name Hugging Face gives shard `number` (from 1) of `count`."""
+    return f"{stem}-{number:05d}-of-{count:05d}{SUFFIX}"
+
+
+SINGLE = single_name(MODEL)
+INDEX = index_name(MODEL)
+# The single files a folder's layout names (`layout`), the whole model's first.
+SINGLES = tuple(single_name(stem) for stem in STEMS)
+# The keys of the `__metadata__` eqx_ckpt writes in each file of a fine-tune
+# (`finetune_metadata`); a user's keys must not start so.
+METADATA_PREFIX = "eqx_ckpt."
+FINETUNE_NOTE = (
+    "This file holds only the tensors of a fine-tune that differ from its base. It is not a whole model: eqx_ckpt "
+    "reads the other tensors from the base."
+)
+
+
+def finetune_metadata(base: str, revision: str, shown: str) -> dict[str, str]:
+    """The `__metadata__` of each file of a fine-tune, as the folder or
+    repository `shown`, stored against the `base` recorded at `revision` (an
+    `hf://` base's commit; `""` for any other): what the file holds, the
+    base, and the command that makes a standalone copy."""
+    return {
+        METADATA_PREFIX + "fine_tune": FINETUNE_NOTE,
+        METADATA_PREFIX + "base": base,
+        **({METADATA_PREFIX + "base_revision": revision} if revision else {}),
+        # (quoted as a shell reads it: a folder's name may hold a space)
+        METADATA_PREFIX + "standalone": f"eqx-ckpt export --standalone {shlex.quote(shown)} <folder>",
+    }
+
+
 # A shard an index may name: a safetensors file beside it.
 _SHARD = re.compile(r"[^/\\\x00-\x1f]+\.safetensors")
 
 
-def shard_name(number: int, count: int) -> str:
-    """The name Hugging Face gives shard `number` (from 1) of `count`."""
-    return f"model-{number:05d}-of-{count:05d}{SUFFIX}"
-
-
 def is_published(name: str) -> bool:
     """Whether the file `name` of a folder belongs to the published layout:
-    a safetensors file, an index (any a load might read, `layout`), or
-    `eqx_ckpt.json`. An export into the folder, and a push to a repository,
-    delete those it does not write; a user's other files stay."""
+    a safetensors file (of any stem), an index (any a load might read,
+    `layout`), or `eqx_ckpt.json`. An export into the folder, and a push to a
+    repository, delete those it does not write (so a fine-tune exported
+    again whole loses its `finetune` files); a user's other files stay."""
     return "/" not in name and (name.endswith((SUFFIX, INDEX_SUFFIX)) or name == _published.NAME)
 
 
 def layout(names: Collection[str]) -> tuple[list[str], list[str]]:
     """The layout of a folder holding the files `names`: its indexes, and the
-    safetensors files a load may read without one (`model.safetensors` alone
-    where it is there). One index, or else one file, is a layout a load
-    reads; two indexes, or several files and no index, are not (a load
-    refuses them, or says what the folder holds)."""
+    safetensors files a load may read without one (those of `SINGLES` where
+    any is there, else all). One index, or else one file, is a layout a load
+    reads; anything else is not (`ambiguous` says what; a load refuses it, or
+    says what the folder holds)."""
     indexes = sorted(n for n in names if n.endswith(INDEX_SUFFIX))
     singles = sorted(n for n in names if n.endswith(SUFFIX))
-    return indexes, [SINGLE] if SINGLE in singles else singles
+    return indexes, [n for n in SINGLES if n in singles] or singles
+
+
+def ambiguous(names: Collection[str], index: str | None = None, shards: Collection[str] = ()) -> str | None:
+    """What makes a folder holding the files `names` hold two layouts at once
+    (`None`: nothing). Two indexes; an `index` and a single file of `SINGLES`
+    it does not name among its `shards`; no index and two files of `SINGLES`
+    (a whole model's and a fine-tune's). A load refuses such a folder, naming
+    both; which one is the model is not said."""
+    indexes = layout(names)[0]
+    if len(indexes) > 1:
+        return f"{len(indexes)} indexes ({', '.join(indexes[:5])})"
+    stray = [n for n in SINGLES if n in names and n not in shards]
+    if index is not None and stray:
+        return f"the index `{index}` and the single file `{stray[0]}`, which it does not name"
+    if not indexes and len(stray) > 1:
+        return f"the single files `{stray[0]}` and `{stray[1]}`"
+    return None
 
 
 def is_shard(name: Any) -> bool:
@@ -127,7 +191,8 @@ class Tensors:
 
 def find(loc: Location, where: Folder | None = None) -> Tensors | None:
     """The tensors of a `.safetensors` file, or of a directory holding one or a
-    Hugging Face index (`model.safetensors.index.json`) and its shards; `None`
+    Hugging Face index (`model.safetensors.index.json`, or a fine-tune's
+    `finetune.safetensors.index.json`) and its shards; `None`
     if `loc` is neither. `where`: the directory's files (`None`: read through
     `_storage`; the Hub's, `_hub.Files`).
 
@@ -135,17 +200,19 @@ def find(loc: Location, where: Folder | None = None) -> Tensors | None:
     `_published`). It then gives the tensors their key paths, types and
     dtypes, and the tree's structure record. Which files it reads is
     `layout`'s rule, where the directory is listed (on a local disk, on the
-    Hub); else it tries `model.safetensors.index.json`, then
-    `model.safetensors`."""
+    Hub); else it tries each stem's index, then each stem's one file
+    (`STEMS`)."""
     if is_file_path(loc):
         spec, name = split_file(loc)
         local = os.path.dirname(loc.local) if loc.local is not None else None
         return _tensors(loc, _storage.Folder(Location(spec, loc.display, local)), [name], index=None)
     where = _storage.Folder(loc) if where is None else where
     names = where.names()
-    indexes, singles = ([INDEX], [SINGLE]) if names is None else layout(names)
-    if len(indexes) > 1:
-        raise _corrupt(loc, f"it holds two layouts at once, {len(indexes)} indexes ({', '.join(indexes[:5])})")
+    # (A folder not listed, on an object store: each stem's index, then each one file.)
+    indexes, singles = ([index_name(s) for s in STEMS], list(SINGLES)) if names is None else layout(names)
+    both = None if names is None else ambiguous(names)
+    if both is not None:
+        raise _two_layouts(loc, both)
     record = functools.partial(_published_record, loc, where)
     for name in indexes:
         with _storage_errors.read_explained(loc, name):
@@ -153,19 +220,24 @@ def find(loc: Location, where: Folder | None = None) -> Tensors | None:
         if result.value is not None:
             weight_map = _weight_map(loc, name, result.value)
             files = sorted(set(weight_map.values()))
-            if SINGLE not in files and SINGLE in (names or ()):
-                raise _corrupt(
-                    loc,
-                    f"it holds two layouts at once, the index `{name}` and a `{SINGLE}` it does not name; which one "
-                    f"is the model is not said, so nothing is loaded (delete the stale one)",
-                )
+            both = None if names is None else ambiguous(names, name, files)
+            if both is not None:
+                raise _two_layouts(loc, both)
             return _tensors(loc, where, files, index=name, weight_map=weight_map, published=record)
-    for name in singles if len(singles) == 1 else ():
+    for name in singles if len(singles) == 1 or names is None else ():
         try:
             return _tensors(loc, where, [name], index=None, published=record)
         except CheckpointNotFoundError:
             continue
     return None
+
+
+def _two_layouts(loc: Location, held: str) -> CorruptCheckpointError:
+    return _corrupt(
+        loc,
+        f"it holds two layouts at once, {held}; which one is the model is not said, so nothing is loaded (delete "
+        f"the stale one)",
+    )
 
 
 class Folder(Protocol):

@@ -58,7 +58,7 @@ from .._base._errors import (
 )
 from .._base._location import Hub, Location
 from .._foreign import _safetensors
-from .._foreign._safetensors import INDEX_SUFFIX, SINGLE, SUFFIX
+from .._foreign._safetensors import INDEX_SUFFIX, SUFFIX
 from .._ondisk._format import MAX_MANIFEST_BYTES, MAX_SHARDS
 from .._ondisk._manifest import loads_file
 from .._ondisk._published import NAME as RECORD
@@ -454,7 +454,8 @@ def needed(pinned: Pinned, read_index: Callable[[str], bytes]) -> list[str]:
     They are the safetensors files (an index and its shards, or one file),
     and `eqx_ckpt.json` where it is there. A folder holding no safetensors
     file raises, saying what it holds; so does one holding two layouts at once
-    (an index and a single file, or two indexes). A commit answered from the
+    (`_safetensors.ambiguous`: an index and a single file, two indexes, a
+    whole model's file and a fine-tune's). A commit answered from the
     cache (`Pinned.cached`) whose files the cache lacks some of is asked of
     the server: one it no longer gives is named, with what the cache lacks."""
     names = _needed(pinned, read_index)
@@ -475,13 +476,15 @@ def _needed(pinned: Pinned, read_index: Callable[[str], bytes]) -> list[str]:
     extras = [n for n in (RECORD,) if n in files]
     if not pinned.listed and not indexes and not singles:
         raise CheckpointConnectionError(_partly_cached(pinned, []), path=pinned.display)
-    if len(indexes) > 1:
-        raise _two_layouts(pinned, f"{len(indexes)} indexes ({shown_names(indexes)})")
+    both = _safetensors.ambiguous(files)
+    if both is not None:
+        raise _two_layouts(pinned, both)
     _refuse_large(pinned, {**{n: MAX_INDEX for n in indexes}, **{n: MAX_MANIFEST_BYTES for n in extras}})
     if indexes:
         shards = _shards(pinned, indexes[0], read_index(indexes[0]))
-        if SINGLE in files and SINGLE not in shards:
-            raise _two_layouts(pinned, f"the index `{indexes[0]}` and the single file `{SINGLE}`")
+        both = _safetensors.ambiguous(files, indexes[0], shards)
+        if both is not None:
+            raise _two_layouts(pinned, both)
         return [indexes[0], *shards, *extras]
     if len(singles) > 1:
         raise _two_layouts(pinned, f"{len(singles)} safetensors files and no index ({shown_names(singles)})")

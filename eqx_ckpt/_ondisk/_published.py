@@ -1,8 +1,9 @@
 """The published layout's record: `eqx_ckpt.json`, beside Hugging Face safetensors.
 
 `export_safetensors` into a folder writes `model.safetensors` (or shards and
-`model.safetensors.index.json`), and this small JSON file. It says what the
-safetensors files cannot:
+`model.safetensors.index.json`; a fine-tune stored against a base, from
+version 3, `finetune.safetensors` and so on: `_safetensors.STEMS`), and this
+small JSON file. It says what the safetensors files cannot:
 
 - each leaf's key path, type and dtype as eqx_ckpt records them (so a dtype
   safetensors has no name for comes back exactly);
@@ -12,7 +13,11 @@ safetensors files cannot:
 Its fields (docs/interop.md, "The published layout"):
 
     format          "eqx_ckpt.safetensors"
-    format_version  1; 2 for a fine-tune stored against a base (`base` below)
+    format_version  1 for a folder holding every leaf; 3 for a fine-tune
+                    stored against a base (`base` below), whose files are
+                    `finetune.safetensors`..., labelled in their metadata
+                    (`_safetensors.finetune_metadata`); 2 for such a fine-tune
+                    written before, in `model.safetensors`... (read still)
     library_version the eqx_ckpt that wrote it
     created         ISO 8601, UTC: when the exported checkpoint was saved;
                     absent for an exported tree (so the same tree exports
@@ -29,7 +34,7 @@ Its fields (docs/interop.md, "The published layout"):
                     and, for a leaf a fine-tune takes from its base, `base`:
                     the dotted path of the base's leaf holding the same bytes
                     (it then has no tensor here)
-    base            version 2 only: the base a fine-tune's `base` leaves come
+    base            versions 2 and 3 only: the base a fine-tune's `base` leaves come
                     from, pinned, as an object:
                       path      "hf://owner/name[/folder]", a URL, or a local
                                 path relative to this folder
@@ -62,9 +67,12 @@ from ._manifest import invalid, parse_leaves, read_document
 
 NAME = PUBLISHED
 FORMAT = "eqx_ckpt.safetensors"
-VERSION = 2
+VERSION = 3
 # The version of a folder that holds all its leaves: readers of version 1 read it.
 STANDALONE_VERSION = 1
+# The versions of a fine-tune stored against a base: its tensors in files of
+# the whole model's names (2, read still), or of a fine-tune's (3, written).
+FAMILY_VERSIONS = (2, 3)
 DIGEST_PREFIX = "xxh3-128:"
 # The user's metadata is small: a description, hyperparameters, metrics.
 MAX_INFO_BYTES = 1 << 20
@@ -301,14 +309,14 @@ def _extras(raw: Any, bad: Callable[[str], Exception]) -> tuple[dict[str, str], 
 def _family(
     body: dict[str, Any], version: int, references: dict[str, str], bad: Callable[[str], Exception]
 ) -> Family | None:
-    """A version 2 record's base, checked, with its leaves' references."""
+    """A fine-tune's record's base (`FAMILY_VERSIONS`), checked, with its leaves' references."""
     base = body.get("base")
-    if version < 2:
+    if version not in FAMILY_VERSIONS:
         if base is not None or references:
-            raise bad("it names a base, which only format version 2 records")
+            raise bad("it names a base, which only format version 2 and later record")
         return None
     if not isinstance(base, dict) or "path" not in base:
-        raise bad("format version 2 records a `base` object with a `path`, which it lacks")
+        raise bad(f"format version {version} records a `base` object with a `path`, which it lacks")
     path = base["path"]
     if not isinstance(path, str):
         raise bad(f"its base's `path` is {type(path).__name__}, not a string")

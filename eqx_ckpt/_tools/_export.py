@@ -140,7 +140,10 @@ def export_safetensors(
     - `path`: a directory (local, or a kvstore URL / spec). It receives
         `model.safetensors`, or, above `max_shard_size`,
         `model-00001-of-0000N.safetensors`... and `model.safetensors.index.json`.
-        Then it receives `eqx_ckpt.json` and `README.md`. Or a path ending in
+        A fine-tune stored against a `base` gets `finetune.safetensors` (or
+        `finetune-00001-of-0000N.safetensors`... and its index) instead, so
+        that no loader takes it for a whole model. Then it receives
+        `eqx_ckpt.json` and `README.md`. Or a path ending in
         `.safetensors`: that one file alone. It gets no `eqx_ckpt.json` or
         card, so it loads into a `like` only, as any safetensors file.
     - `pytree`: what to export: a PyTree of arrays and scalars, or a
@@ -155,6 +158,8 @@ def export_safetensors(
         folder records no structure (it loads as nested dicts, or into a `like`
         with the same `rename`).
     - `metadata`: the header's `__metadata__` (strings), e.g. `{"format": "pt"}`.
+        Keys starting with `eqx_ckpt.` are eqx_ckpt's own: a fine-tune's files
+        name in them its base and the command that makes a standalone copy.
     - `info`: your own metadata, kept in `eqx_ckpt.json` and shown on the
         card. It is a dict of JSON values, at most 1 MiB as JSON: a
         `"description"`, hyperparameters, metrics (`"name"` titles the card;
@@ -253,10 +258,16 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> Exported:
     about, family, report, digests = _against_base(pytree, tensors, options, about, single, loc)
     stored = tensors if family is None else [t for t in tensors if t.record.path not in family.references]
     shards = _plan(stored, limit) if single is None else [stored]
-    names = [single] if single else _file_names(len(shards))
+    # A fine-tune's files are named and labelled for what they hold (`_safetensors.FINETUNE`).
+    stem = _safetensors.MODEL if family is None else _safetensors.FINETUNE
+    names = [single] if single else _file_names(len(shards), stem)
+    index = _safetensors.index_name(stem) if len(names) > 1 else None
     shown = options.card_path
     if shown is None:
         shown = str(path) if isinstance(path, (str, os.PathLike)) else loc.display
+    metadata = dict(options.metadata or {})
+    if family is not None:
+        metadata.update(_safetensors.finetune_metadata(family.base.path, family.base.revision, shown))
     _durable.ensure_directory(loc)  # only now: an export refused above leaves no empty folder behind
     files: dict[str, bytes] = {}
     try:
@@ -264,7 +275,7 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> Exported:
         with Tracker(options.progress, leaves=len(stored), nbytes=nbytes, what="export") as tracker:
             advance = functools.partial(tracker.advance, leaves=1)
             for name, shard in zip(names, shards):
-                _write_shard(loc, name, shard, options.metadata or {}, lambda n: advance(nbytes=n), digests)
+                _write_shard(loc, name, shard, metadata, lambda n: advance(nbytes=n), digests)
         if not single:
             described = None if options.rename is not None else structure
             files = _described(
@@ -272,7 +283,7 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> Exported:
                 tensors,
                 described,
                 info,
-                names,
+                names + ([index] if index else []),
                 shown=shown,
                 card=options.card,
                 about=about,
@@ -288,14 +299,15 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> Exported:
         raise
     # Only now, with every leaf read: the source may be these very files.
     _storage.publish(loc, names + list(files))
-    if len(names) > 1:
-        _write_index(loc, names, shards)
-        names.append(_safetensors.INDEX)
+    if index is not None:
+        _write_index(loc, index, names, shards)
+        names.append(index)
     names += list(files)
     if single in (None, _safetensors.SINGLE):
         # What an earlier export left here and this one did not rewrite (and
         # their temporaries), as a push deletes them: a stale index beside a
-        # new `model.safetensors` would be read instead of it.
+        # new `model.safetensors` would be read instead of it, and a fine-tune's
+        # `finetune.safetensors` beside a whole model's is refused.
         stale = [n for n in _storage.list_names(loc) if n not in names]
         _storage.remove(loc, [n for n in stale if _safetensors.is_published(n.removesuffix(UNPUBLISHED_SUFFIX))])
     if report is not None:
@@ -344,15 +356,21 @@ def _check_metadata(metadata: Any) -> None:
         raise CheckpointTypeError(
             f"`metadata` must be a dict mapping strings to strings (safetensors stores no other), not {metadata!r}."
         )
+    ours = sorted(k for k in metadata or () if k.startswith(_safetensors.METADATA_PREFIX))
+    if ours:
+        raise CheckpointValueError(
+            f"`metadata` has the key {ours[0]!r}: keys starting with {_safetensors.METADATA_PREFIX!r} are the ones "
+            f"eqx_ckpt writes itself (a fine-tune's base). Choose another key."
+        )
 
 
-def _write_index(loc: Location, names: list[str], shards: list[list[_Tensor]]) -> None:
-    """The shards' `model.safetensors.index.json`: the file of each tensor, and their bytes in all."""
-    index = {
+def _write_index(loc: Location, index: str, names: list[str], shards: list[list[_Tensor]]) -> None:
+    """The shards' `index` (`model.safetensors.index.json`): the file of each tensor, and their bytes in all."""
+    weights = {
         "metadata": {"total_size": sum(t.nbytes for shard in shards for t in shard)},
         "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard},
     }
-    _storage.write_file(loc, _safetensors.INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
+    _storage.write_file(loc, index, json.dumps(weights, indent=2, sort_keys=True).encode())
 
 
 def _described(
@@ -369,8 +387,9 @@ def _described(
     family: _published.Family | None,
 ) -> dict[str, bytes]:
     """The files describing the tensors of `source` (`eqx_ckpt.json`, and the
-    card loading the model as `shown`), after a warning of the parts that need
-    the model's code; the same `source` gives the same bytes."""
+    card loading the model as `shown` and listing the files `names`), after a
+    warning of the parts that need the model's code; the same `source` gives
+    the same bytes."""
     found = _rebuildable.needs(structure, source.path if isinstance(source, Checkpoint) else shown)
     _rebuildable.warn(found, shown)
     records = [t.record for t in tensors]
@@ -382,7 +401,7 @@ def _described(
         _published.NAME: _published.encode(records, structure, info, created=created, digests=digests, family=family)
     }
     if card:
-        listed = names + ([_safetensors.INDEX] if len(names) > 1 else []) + [_published.NAME]
+        listed = [*names, _published.NAME]
         text = model_card(
             shown,
             structure=structure,
@@ -636,10 +655,10 @@ def _plan(tensors: list[_Tensor], limit: int) -> list[list[_Tensor]]:
     return shards
 
 
-def _file_names(count: int) -> list[str]:
+def _file_names(count: int, stem: str) -> list[str]:
     if count == 1:
-        return [_safetensors.SINGLE]
-    return [_safetensors.shard_name(i, count) for i in range(1, count + 1)]
+        return [_safetensors.single_name(stem)]
+    return [_safetensors.shard_name(i, count, stem) for i in range(1, count + 1)]
 
 
 def _header(shard: list[_Tensor], metadata: dict[str, str]) -> bytes:
