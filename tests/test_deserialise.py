@@ -608,7 +608,8 @@ def test_an_empty_directory_says_no_checkpoint_is_there_and_why_there_may_be_non
     assert str(caught.value) == (
         f"There is no eqx_ckpt checkpoint at {str(tmp_path)!r} (no manifest.json). Check the path; a save that "
         f"was interrupted leaves no checkpoint. Nor is it another format eqx_ckpt reads: no "
-        f"`model.safetensors.index.json`, `model.safetensors` or orbax `_METADATA` there either (see "
+        f"`model.safetensors.index.json`, `model.safetensors` (or a fine-tune's `finetune.safetensors`) or orbax "
+        f"`_METADATA` there either (see "
         f"docs/interop.md)."
     )
 

@@ -55,6 +55,11 @@ emit({name: [same(eqx_ckpt.tree_deserialise_leaves("hf://bob/" + name, skeleton(
 """
 
 
+def _files(state: hub_server.Hub, repo: str) -> set[str]:
+    """The files of `repo` at the head of its main branch."""
+    return set(state.repos[repo].commits[state.repos[repo].branches["main"]])
+
+
 def _record(state: hub_server.Hub, repo: str) -> dict:
     """The `eqx_ckpt.json` of `repo` at the head of its main branch."""
     files = state.repos[repo].commits[state.repos[repo].branches["main"]]
@@ -86,6 +91,14 @@ emit([same(got, base), said])
     assert _record(state, "bob/head")["base"] == {"path": "hf://alice/base", "revision": first}
     assert _record(state, "bob/lora")["base"]["revision"] == first
     assert "base" not in _record(state, "bob/full")
+    # No tool that does not know families takes a fine-tune for a whole model.
+    for repo, kept, none in (
+        ("bob/head", "finetune", "model"),
+        ("bob/lora", "finetune", "model"),
+        ("bob/full", "model", "finetune"),
+    ):
+        files = _files(state, repo)
+        assert f"{kept}.safetensors" in files and f"{none}.safetensors" not in files, (repo, files)
     taken = {leaf["path"]: leaf["base"] for leaf in _record(state, "bob/lora")["leaves"] if "base" in leaf}
     frozen = {"body.frozen.weight": "body.weight", "body.frozen.bias": "body.bias"}  # the base's, re-wrapped
     assert taken == {**frozen, **{p: p for p in ("drop.p", "drop.inference", "head.weight", "head.bias")}}

@@ -140,6 +140,21 @@ def test_load_or_initialise_never_takes_a_missing_base_for_a_fresh_start(family)
     _assert_same(loaded["model"].body, fresh["model"].body)
 
 
+def test_an_export_that_needs_a_missing_base_writes_nothing(family, tmp_path):  # noqa: F811
+    """A standalone copy needs every leaf: the missing-base error comes before
+    the destination is made, as every refused export's does. A standalone
+    export of the leaves stored here alone needs no base."""
+    shutil.rmtree(family.base)
+    out = tmp_path / "standalone"
+    with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match="Three ways work"):
+        eqx_ckpt.export_safetensors(out, eqx_ckpt.Checkpoint(family.finetune), standalone=True)
+    assert not out.exists()
+    assert main(["export", "--standalone", str(family.finetune), str(out)]) == 2
+    assert not out.exists()
+    eqx_ckpt.export_safetensors(out, eqx_ckpt.Checkpoint(family.finetune), prefix="model.head", standalone=True)
+    _assert_same(eqx_ckpt.Checkpoint(out).load(trust=[Classifier]), family.tree["model"].head)
+
+
 # An `hf://` base whose commit is gone from the server, and not in the cache.
 
 _HUB = importlib.util.find_spec("huggingface_hub") is not None

@@ -701,3 +701,11 @@ def _one_line(leaf: Any) -> str:
         # A NumPy scalar (`np.float64` is a `float`) as its plain value, not `np.float64(0.1)`.
         return repr(leaf.item() if isinstance(leaf, np.generic) else leaf)
     return np.array2string(np.asarray(leaf), separator=", ", max_line_width=2**31).replace("\n", "")
+
+
+def need(tree: Any, paths: Iterable[str]) -> None:
+    """Open what reading the leaves `paths` of `tree`, a `Checkpoint`, needs
+    (a fine-tune's base), before any is read: its errors, a missing base
+    among them, are raised here. Any other tree needs nothing."""
+    if isinstance(tree, Checkpoint):
+        tree._source.need(paths)

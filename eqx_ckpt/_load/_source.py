@@ -189,8 +189,8 @@ def open_source(
     raise CheckpointNotFoundError(
         f"There is no eqx_ckpt checkpoint at {loc.display!r} (no {MANIFEST}). Check the path; a save that was "
         f"interrupted leaves no checkpoint. Nor is it another format eqx_ckpt reads: no `{_safetensors.INDEX}`, "
-        f"`{_safetensors.SINGLE}` or orbax `{_orbax.METADATA}` there either (see docs/interop.md)."
-        + _hub_hint(path, loc),
+        f"`{_safetensors.SINGLE}` (or a fine-tune's `{_safetensors.single_name(_safetensors.FINETUNE)}`) or orbax "
+        f"`{_orbax.METADATA}` there either (see docs/interop.md)." + _hub_hint(path, loc),
         path=loc.display,
     )
 

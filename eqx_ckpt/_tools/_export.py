@@ -38,7 +38,7 @@ from .._base._location import Location, location
 from .._base._progress import Progress, Tracker
 from .._foreign import _safetensors
 from .._load import _family, _rebuild
-from .._load._checkpoint import Checkpoint
+from .._load._checkpoint import Checkpoint, need
 from .._load._lazy import LazyArray
 from .._ondisk import _dtypes, _published, _structure
 from .._ondisk._format import (
@@ -262,12 +262,11 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> Exported:
     stem = _safetensors.MODEL if family is None else _safetensors.FINETUNE
     names = [single] if single else _file_names(len(shards), stem)
     index = _safetensors.index_name(stem) if len(names) > 1 else None
-    shown = options.card_path
-    if shown is None:
-        shown = str(path) if isinstance(path, (str, os.PathLike)) else loc.display
+    shown = options.card_path if options.card_path is not None else _as_given(path, loc)
     metadata = dict(options.metadata or {})
     if family is not None:
         metadata.update(_safetensors.finetune_metadata(family.base.path, family.base.revision, shown))
+    need(pytree, [t.record.path for t in stored])  # a fine-tune's base, where a leaf written is taken from it
     _durable.ensure_directory(loc)  # only now: an export refused above leaves no empty folder behind
     files: dict[str, bytes] = {}
     try:
@@ -313,6 +312,11 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> Exported:
     if report is not None:
         _LOG.info("%s: %s", shown, report)
     return Exported(names, report)
+
+
+def _as_given(path: Any, loc: Location) -> str:
+    """The destination as the caller gave it (a kvstore spec by its display)."""
+    return str(path) if isinstance(path, (str, os.PathLike)) else loc.display
 
 
 def _against_base(
