@@ -551,7 +551,11 @@ def structure(
             if found is None:
                 found = made[(kind, value, type(value))] = _plain_key(kind, value, numbered)
             keys.append(found)
-        _insert(root, keys, leaf(record))
+        # No leaf's path lies below another leaf's (`refuse_leaves_with_children`).
+        node = root
+        for part in keys[:-1]:
+            node = node.setdefault(part, _Node())
+        node[keys[-1]] = leaf(record)
     return _finish(root, names) if root else {}
 
 
@@ -642,13 +646,6 @@ def refuse_leaves_with_children(paths: list[str], where: str) -> None:
                     f"(`Checkpoint(path)[{path!r}]`), or load into a `like` with `tree_deserialise_leaves`.",
                     path=where,
                 )
-
-
-def _insert(node: _Node, keys: list[tuple[str, Any, str]], leaf: Any) -> None:
-    # No leaf's path lies below another leaf's (`refuse_leaves_with_children`).
-    for key in keys[:-1]:
-        node = node.setdefault(key, _Node())
-    node[keys[-1]] = leaf
 
 
 def _finish(node: Any, names: bool = False) -> Any:
