@@ -517,8 +517,10 @@ def nested(
     data = source.data
     refuse_leaves_with_children([record.path for record in records], data.display)
     # One kind of array in one load: if a leaf saved from JAX cannot be a JAX
-    # array at full precision (64 bits without x64), none of them is.
-    host = any(_needs_host(dtype) for dtype in {record.dtype for record in records if record.type == "jax"})
+    # array at full precision (64 bits without x64), none of them is: NumPy
+    # keeps them exactly.
+    dtypes = {record.dtype for record in records if record.type == "jax"}
+    host = any(_dtypes.x64_missing(dtype_from_name(dtype)) for dtype in dtypes)
     like = _Likes(host)
     _faults.fire("nested.load", data, key)
     if lazy:
@@ -557,13 +559,6 @@ def structure(
             node = node.setdefault(part, _Node())
         node[keys[-1]] = leaf(record)
     return _finish(root, names) if root else {}
-
-
-def _needs_host(dtype_name: str) -> bool:
-    """Whether a leaf saved from JAX as `dtype_name` holds 64-bit values this
-    process's JAX would round or wrap (x64 off): NumPy keeps them exactly."""
-    dtype = dtype_from_name(dtype_name)
-    return bool(jax.dtypes.canonicalize_dtype(dtype) != dtype)
 
 
 class _Likes:
