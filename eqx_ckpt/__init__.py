@@ -38,11 +38,11 @@ from ._save._serialise import (
 )
 from ._store._share import IntegrityWarning as IntegrityWarning
 from ._store._transaction import CommitWarning as CommitWarning
+from ._tools._card import NeedsCodeWarning as NeedsCodeWarning
 from ._tools._diff import CheckpointDiff as CheckpointDiff, diff as diff
 from ._tools._export import export_safetensors as export_safetensors
 from ._tools._migrate import convert_eqx_file as convert_eqx_file
 from ._tools._publish import push_to_hub as push_to_hub
-from ._tools._rebuildable import NeedsCodeWarning as NeedsCodeWarning
 from ._tools._verify import Problem as Problem, verify as verify
 
 try:

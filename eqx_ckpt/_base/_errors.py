@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -441,3 +444,19 @@ def shown_names(names: Sequence[str], most: int = 5) -> str:
     """The first `most` of `names` (read from files: `from_file`) in backticks, then how many more."""
     listed = ", ".join(f"`{from_file(n)}`" for n in names[:most])
     return listed + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def caller_level() -> int:
+    """The `stacklevel` of the user's line for a warning given by this function's
+    caller: the first frame outside eqx_ckpt, whichever public function it called,
+    past the frames `contextlib`'s decorators add."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and (
+        os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE)
+        or frame.f_code.co_filename == contextlib.__file__
+    ):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -132,7 +132,7 @@ DESCRIBED: Mapping[str, str] = types.MappingProxyType(
         "multihost.barrier": '(what, stage): a process reaches barrier `stage` of a save (`what`: "save"; a save of '
         'one process passes each stage too) or of a restore that shares reads ("restore"), before it tells the others '
         "it has.",
-        # A load (`_reader`, `_deserialise`, `_read_once`, `_untrusted`, `_pack`, `_window`, `_read`, `_nested`,
+        # A load (`_reader`, `_deserialise`, `_read_once`, `_untrusted`, `_pack`, `_window`, `_read`, `_lazy`,
         # `_tree`)
         "load.read_stored": "(loc): a load has planned every leaf (and run the custom filter specs and transforms) "
         "and starts reading the stored leaves (a `Checkpoint.load` without a skeleton too, a lazy leaf read whole, by "

@@ -158,17 +158,10 @@ def rules(table: Sequence[Any], *, what: str) -> Callable[[str], Target]:
     (`\\1` refers to a group). A replacement of `None` gives `None` (the leaf is
     not loaded), a tuple of replacements a tuple of paths. No match: unchanged.
     """
-    compiled = []
-    for rule in table:
-        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], (str, re.Pattern))):
-            raise CheckpointValueError(
-                f"`{what}` rules must be `(pattern, replacement)` pairs, like "
-                f"`(r'^blocks\\.(\\d+)\\.', r'model.layers.\\1.')`; got {rule!r}."
-            )
-        try:
-            compiled.append((re.compile(rule[0]), rule[1]))
-        except re.error as e:
-            raise CheckpointValueError(f"`{what}` rule {rule[0]!r} is not a regular expression: {e}.") from None
+    example = r"(r'^blocks\.(\d+)\.', r'model.layers.\1.')"
+    compiled = _compiled(
+        table, what, "(pattern, replacement)", example, lambda rule: isinstance(rule[0], (str, re.Pattern))
+    )
 
     def apply(path: str) -> Target:
         for pattern, replacement in compiled:
@@ -209,19 +202,23 @@ def finder(transform: Any) -> Callable[[str], Transform | None]:
                 )
         return table.get
     if isinstance(transform, Sequence) and not isinstance(transform, str):
-        rules = []
-        for rule in transform:
-            if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and callable(rule[1])):
-                raise CheckpointValueError(
-                    f"`transform` rules must be `(pattern, function)` pairs, like "
-                    f"`(r'conv\\.bias$', lambda b: b[:, None, None])`; got {rule!r}."
-                )
-            try:
-                rules.append((re.compile(rule[0]), rule[1]))
-            except (re.error, TypeError) as e:
-                raise CheckpointValueError(f"`transform` rule {rule[0]!r} is not a regular expression: {e}.") from None
-        return lambda path: next((fn for pattern, fn in rules if pattern.search(path)), None)
+        example = r"(r'conv\.bias$', lambda b: b[:, None, None])"
+        found = _compiled(transform, "transform", "(pattern, function)", example, lambda rule: callable(rule[1]))
+        return lambda path: next((fn for pattern, fn in found if pattern.search(path)), None)
     raise CheckpointValueError(
         f"`transform` must be a mapping from dotted paths of `like` to functions, or a list of "
         f"`(pattern, function)` rules, not {type(transform).__name__}."
     )
+
+
+def _compiled(table: Sequence[Any], what: str, pair: str, example: str, fits: Callable[[Any], bool]) -> list[Any]:
+    """The `(pattern, value)` rules of the option `what`, each pattern compiled."""
+    compiled = []
+    for rule in table:
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and fits(rule)):
+            raise CheckpointValueError(f"`{what}` rules must be `{pair}` pairs, like `{example}`; got {rule!r}.")
+        try:
+            compiled.append((re.compile(rule[0]), rule[1]))
+        except (re.error, TypeError) as e:
+            raise CheckpointValueError(f"`{what}` rule {rule[0]!r} is not a regular expression: {e}.") from None
+    return compiled

@@ -20,7 +20,7 @@ from .._ondisk import _trust
 from .._ondisk._format import SCALAR_TYPES, LeafRecord
 from .._ondisk._trust import Trust
 from .._store import _chunk_files
-from . import _deserialise, _family, _nested, _rebuild, _source
+from . import _deserialise, _family, _lazy, _rebuild, _source
 from ._lazy import LazyArray
 from ._load_plan import LoadOptions
 
@@ -528,7 +528,7 @@ class Checkpoint(Mapping[str, Any]):
         if key and not records:
             raise CheckpointKeyError(self._missing(key), path=self.path)
         self._say_trust(key)
-        return _nested.load(self._source, records, key, lazy=lazy, progress=progress, numbered=self._numbered)
+        return _lazy.nested(self._source, records, key, lazy=lazy, progress=progress, numbered=self._numbered)
 
     def _say_trust(self, prefix: str) -> None:
         """Warn, once per model, that a load without `trust` of a published model
@@ -578,11 +578,11 @@ class Checkpoint(Mapping[str, Any]):
         `load()` gives lists: sequence indices, and numbered names `0`, `1`...
         of a safetensors file), with a `"dtype[shape]"` description at each
         leaf (never reads arrays)."""
-        _nested.refuse_leaves_with_children(list(self._records), self.path)
+        _lazy.refuse_leaves_with_children(list(self._records), self.path)
         records = list(self._records.values())
         if len(records) == 1 and records[0].path == "":
             return {"": describe(records[0])}
-        return _nested.structure(records, "", describe, numbered=self._numbered, names=True)
+        return _lazy.structure(records, "", describe, numbered=self._numbered, names=True)
 
 
 # The lines `print(Checkpoint(path))` shows at most.

@@ -31,7 +31,7 @@ from .._ondisk import _dtypes
 from .._ondisk._format import SCALAR_TYPES
 from .._ondisk._trust import Trust
 from .._store import _window
-from . import _load_plan, _reader, _rebuild, _source, _transform
+from . import _lazy, _load_plan, _reader, _rebuild, _source
 from ._lazy import LazyArray, is_lazy
 from ._load_plan import LeafPlan, LoadOptions, LoadPlan
 from ._load_report import Report
@@ -308,7 +308,7 @@ def read_leaves(
 def _read_transformed(source: Source, plan: LoadPlan) -> list[Any]:
     """The values of the transformed leaves; their problems raised together."""
     cast = plan.options.cast
-    values, problems = _transform.load(source, plan.transformed, cast=cast, lazy=plan.options.lazy)
+    values, problems = _lazy.transformed(source, plan.transformed, cast=cast, lazy=plan.options.lazy)
     report = Report(plan.loc, cast=cast)
     for tplan, what, cause in problems:
         report.add_transform(tplan.keypath, tplan.stored, what, cause=cause)

@@ -1,27 +1,51 @@
-"""`LazyArray`: a stored leaf that is read only when asked (`materialise`, in
-`_deserialise`, reads many), by the reader of whole leaves (`_reader`)."""
+"""Leaves read when asked, leaves made by a `transform`, and a checkpoint as
+nested dicts.
+
+- `LazyArray`: a stored leaf that is read only when asked (`materialise`, in
+  `_deserialise`, reads many), by the reader of whole leaves (`_reader`).
+- `transformed`: stored arrays -> the array a leaf of `like` expects, for
+  layouts that differ between frameworks (a PyTorch conv bias is `(out,)`,
+  Equinox's `(out, 1, 1)`; PyTorch packs the query, key and value
+  projections of attention into one tensor). A transformed leaf is read whole
+  on the host, passed through its function, checked against `like`, then
+  placed like any other. Which leaves are transformed, and from which stored
+  arrays, the load plan says (`_load_plan.TransformPlan`; the option is
+  parsed by `_select.finder`).
+- `nested`: a load without a skeleton, a checkpoint (or a sub-tree of it) as
+  nested dicts and lists built from the key paths the manifest records, for
+  inspecting a checkpoint or converting one whose code is gone. Sequence
+  indices become lists. Every other key (dict keys, attribute names) becomes
+  a dict key. Keys of one container that cannot be sorted together (indices
+  beside names, from a custom pytree node) become their names in dotted
+  paths.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import jax
 import numpy as np
 
-from .._base import _state
-from .._base._errors import CheckpointTypeError
+from .._base import _faults, _keypath, _state
+from .._base._errors import CheckpointTypeError, CheckpointValueError, LeafError, leaf_message
 from .._base._location import Location
+from .._base._progress import Progress
 from .._ondisk import _dtypes
-from .._ondisk._format import LeafRecord, dtype_from_name
-from .._store import _memory, _storage_errors
-from . import _read, _reader
+from .._ondisk._format import SCALAR_TYPES, LeafRecord, dtype_from_name
+from .._store import _memory, _storage_errors, _window
+from . import _family, _read, _reader
 from ._load_plan import LeafPlan
 from ._rebuild import abstract
 
 if TYPE_CHECKING:
     from .._store._storage import Array
+    from ._load_plan import TransformPlan
     from ._source import Source
 
 
@@ -104,11 +128,11 @@ class LazyArray:
 
     @property
     def ndim(self) -> int:
-        return len(self._record.shape)
+        return len(self.shape)
 
     @property
     def size(self) -> int:
-        return int(np.prod(self._record.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -318,3 +342,332 @@ def _store_and_path(spec: dict[str, Any]) -> tuple[dict[str, Any], str]:
 
 def is_lazy(x: Any) -> bool:
     return isinstance(x, LazyArray)
+
+
+# A problem of a transformed leaf: its plan, what is wrong, and the exception the
+# `transform` raised (`None` if it returned a value that does not fit).
+Problem: TypeAlias = "tuple[TransformPlan, str, Exception | None]"
+
+
+def transformed(
+    source: Source, plans: list[TransformPlan], *, cast: bool, lazy: bool
+) -> tuple[list[Any], list[Problem]]:
+    """Read, transform and check every plan; returns the values (`None` where a
+    problem was found) and the problems, to be reported together. With `lazy`,
+    array leaves become `TransformedArray`s, read and transformed when asked."""
+    if lazy:
+        arrays = [i for i, plan in enumerate(plans) if _dtypes.like_type(plan.like) in ("jax", "numpy")]
+        now, found = transformed(source, [p for i, p in enumerate(plans) if i not in arrays], cast=cast, lazy=False)
+        eager = iter(now)
+        lazies = {i: TransformedArray(source, plans[i], cast=cast) for i in arrays}
+        return [lazies[i] if i in lazies else next(eager) for i in range(len(plans))], found
+    values: list[Any] = [None] * len(plans)
+    problems: list[Problem] = []
+
+    def finish(i: int, reads: list[Any]) -> None:
+        plan = plans[i]
+        arrays = []
+        for record, read in zip(plan.records, reads):
+            try:
+                arrays.append(_dtypes.decode(read(), record))
+            except Exception as e:
+                raise _storage_errors.leaf_io_error(e, record, source.data, "read") from e
+        try:
+            out = np.asarray(plan.fn(*arrays))
+        except Exception as e:
+            problems.append((plan, _raised(e), e))
+            return
+        values[i], problem = finish_value(out, plan.like, cast)
+        if problem:
+            problems.append((plan, problem, None))
+
+    def start(plan: TransformPlan) -> list[Any]:
+        return [_start(source, record) for record in plan.records]
+
+    # The stored arrays of a plan are read ahead of the transform that consumes them.
+    jobs = ((i, sum(r.nbytes for r in plan.records), functools.partial(start, plan)) for i, plan in enumerate(plans))
+    for i, _, reads in _window.windowed(jobs):
+        finish(i, reads)
+    return values, problems
+
+
+def _start(source: Source, record: LeafRecord) -> Callable[[], np.ndarray]:
+    """Start reading a stored array of a transformed leaf whole."""
+    _memory.refuse_beyond_memory(source.data, record, record.nbytes, "it")
+    try:
+        store = source.open(record).result()
+    except Exception as e:
+        raise _storage_errors.leaf_io_error(e, record, source.data, "open") from e
+    finish = _read.start_region(store, source.data, record)
+    check = _family.checker(source, record)
+    if check is None:
+        return finish
+
+    def checked() -> np.ndarray:
+        array = finish()
+        check(array)
+        check.result()
+        return array
+
+    return checked
+
+
+def _raised(e: Exception) -> str:
+    """The problem of a leaf whose `transform` raised `e` (which the error chains)."""
+    return f"its `transform` raised {type(e).__name__}: {e}."
+
+
+def finish_value(out: np.ndarray, like: Any, cast: bool) -> tuple[Any, str]:
+    """The transformed array as `like`'s type and placement, or a problem."""
+    out, problem = checked(out, like, cast)
+    if problem:
+        return None, problem
+    try:
+        return _dtypes.to_result(out, like, sharding=_read.target_sharding(like)), ""
+    except ValueError as e:
+        return None, f"after its `transform`, `like`'s Python {type(like).__name__} cannot hold it exactly: {e}."
+
+
+def checked(out: np.ndarray, like: Any, cast: bool) -> tuple[np.ndarray, str]:
+    shape, dtype = _dtypes.expected(like)
+    kind = _dtypes.like_type(like)
+    if tuple(out.shape) != shape:
+        return out, f"after its `transform` the shape is {tuple(out.shape)}, but `like` has {shape}."
+    if kind in ("jax", "numpy", "numpy_scalar") and out.dtype.name != dtype:
+        if not cast:
+            return out, (
+                f"after its `transform` the dtype is {out.dtype.name}, but `like` has {dtype} (pass `cast=True` "
+                f"to convert, or convert in the transform)."
+            )
+        try:
+            out = _dtypes.checked_cast(out, np.dtype(like.dtype))
+        except ValueError as e:
+            return out, f"after its `transform` it cannot become {np.dtype(like.dtype)}: {e}."
+    if kind == "jax" and _dtypes.x64_missing(out.dtype):
+        # `jax.device_put` would wrap or round it, as `_read.refuse_narrowing` says of a stored leaf.
+        return out, (
+            f"after its `transform` {_dtypes.x64_message(out.dtype)}. Enable it "
+            f"(`jax.config.update('jax_enable_x64', True)`), or load into a NumPy `like` leaf."
+        )
+    return out, ""
+
+
+class TransformedArray(LazyArray):
+    """A lazy leaf made by a `transform` of stored arrays. It has `like`'s shape
+    and dtype; reading any of it reads the stored arrays whole and transforms them
+    (a function of the whole array cannot be read in slices)."""
+
+    __slots__ = ("_cast", "_fn", "_keypath", "_parts")
+
+    def __init__(self, source: Source, plan: TransformPlan, *, cast: bool):
+        super().__init__(source, plan.records[0], plan.like)
+        self._parts = tuple(LazyArray(source, r) for r in plan.records)
+        self._fn, self._cast, self._keypath = plan.fn, cast, plan.keypath
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._like.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return np.dtype(self._like.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def __repr__(self) -> str:
+        return f"TransformedArray({self.path!r}, shape={self.shape}, dtype={self.dtype})"
+
+    def _host(self) -> np.ndarray:
+        """The transformed value, checked against `like` (its stored arrays read whole)."""
+        arrays = [np.asarray(part) for part in self._parts]
+        try:
+            made = np.asarray(self._fn(*arrays))
+        except Exception as e:
+            raise self._error(_raised(e)) from e
+        out, problem = checked(made, self._like, self._cast)
+        if problem:
+            raise self._error(problem)
+        return out
+
+    def _error(self, problem: str) -> LeafError:
+        message = leaf_message(problem, keypath=self._keypath, dotted=self.path, path=self._loc.display)
+        return LeafError(message, path=self._loc.display, keypaths=[self._keypath], dotted=[self.path])
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        return self._host()[index]
+
+    def start(self, *, checked: bool = True) -> Any:
+        def finish() -> Any:
+            value, problem = finish_value(self._host(), self._like, self._cast)
+            if problem:
+                raise self._error(problem)
+            return value
+
+        return finish
+
+
+def nested(
+    source: Source, records: list[LeafRecord], key: str, *, lazy: bool, progress: Progress, numbered: bool
+) -> Any:
+    """The leaves of `records` of `source` (all at or below dotted `key`) as
+    nested containers, read as any load reads (`_reader.read_leaves`),
+    or lazily. `numbered`: see `structure`."""
+    data = source.data
+    refuse_leaves_with_children([record.path for record in records], data.display)
+    # One kind of array in one load: if a leaf saved from JAX cannot be a JAX
+    # array at full precision (64 bits without x64), none of them is: NumPy
+    # keeps them exactly.
+    dtypes = {record.dtype for record in records if record.type == "jax"}
+    host = any(_dtypes.x64_missing(dtype_from_name(dtype)) for dtype in dtypes)
+    like = _Likes(host)
+    _faults.fire("nested.load", data, key)
+    source.need([record.path for record in records])  # (a fine-tune's base, before any read)
+    if lazy:
+        leaf = functools.partial(_lazy_leaf, source, like=like)
+        return structure(records, key, leaf, numbered=numbered)
+    plans = [LeafPlan.of(i, record, like(record)) for i, record in enumerate(records)]
+    values = dict(zip((record.path for record in records), _reader.read_leaves(source, plans, progress=progress)))
+    return structure(records, key, lambda record: values[record.path], numbered=numbered)
+
+
+def structure(
+    records: list[LeafRecord], key: str, leaf: Callable[[LeafRecord], Any], *, numbered: bool, names: bool = False
+) -> Any:
+    """`leaf(record)` for each record (all at or below dotted `key`), nested as
+    their key paths say. `numbered`: the source's key paths do not say which
+    keys index a sequence (safetensors names), so children named `0`, `1`, ...
+    (contiguous from 0) are a list. `names`: dicts are keyed by dotted-path
+    segments (escaped) rather than by the keys themselves."""
+    depth = len(_keypath.split_dotted(key))
+    if len(records) == 1 and records[0].path == key:
+        return leaf(records[0])
+    root = _Node()
+    # Each key made once (the same few recur in every leaf's key path); by
+    # value and type, so that `True` is never taken for the `1` it equals.
+    made: dict[tuple[str, Any, type], tuple[str, Any, str]] = {}
+    for record in records:
+        keys = []
+        for kind, value in record.keypath[depth:]:
+            found = made.get((kind, value, type(value)))
+            if found is None:
+                found = made[(kind, value, type(value))] = _plain_key(kind, value, numbered)
+            keys.append(found)
+        # No leaf's path lies below another leaf's (`refuse_leaves_with_children`).
+        node = root
+        for part in keys[:-1]:
+            node = node.setdefault(part, _Node())
+        node[keys[-1]] = leaf(record)
+    return _finish(root, names) if root else {}
+
+
+class _Likes:
+    """`_like` of each record, one object for all the records of one type,
+    dtype and shape: it is only asked for those (ten thousand tensors of a
+    model have a few dozen shapes)."""
+
+    def __init__(self, host: bool):
+        self.host = host
+        self.made: dict[tuple[Any, ...], Any] = {}
+
+    def __call__(self, record: LeafRecord) -> Any:
+        key = (record.type, record.dtype, tuple(record.shape), tuple(record.stored_shape), record.impl)
+        found = self.made.get(key)
+        if found is None:
+            found = self.made[key] = _like(record, self.host)
+        return found
+
+
+def _lazy_leaf(source: Source, record: LeafRecord, *, like: _Likes) -> Any:
+    """A `LazyArray` standing for the leaf as the type it was saved as (a NumPy
+    array where `host`); scalars are read at once (they come back as values,
+    lazy or not)."""
+    lazy = LazyArray(source, record, like(record))
+    if record.type in SCALAR_TYPES:
+        return lazy.read()
+    return lazy
+
+
+def _like(record: LeafRecord, host: bool) -> Any:
+    """A leaf of `like`, allocating nothing, that asks for the saved type on the
+    default device (or NumPy, where `host`: any leaf of the load needs it)."""
+    if host and record.type == "jax":
+        return np.broadcast_to(np.zeros((), dtype_from_name(record.dtype)), record.shape)
+    return abstract(record)
+
+
+_NUMBER = re.compile(r"0|[1-9][0-9]*")
+
+
+def _plain_key(kind: str, value: Any, numbered: bool) -> tuple[str, Any, str]:
+    """Sequence indices stay ints (and become list positions); other keys keep
+    their value (attribute names and string dict keys as they are), marked as
+    a `number` where `numbered` and the key is one. Last, the key's name in
+    dotted paths, for a dict whose keys cannot be sorted."""
+    if kind in ("index", "flat"):
+        return ("index", value, _keypath.stored_segment(kind, value))
+    name = _keypath.stored_segment(kind, value)
+    if numbered and kind == "key" and isinstance(value, str) and _NUMBER.fullmatch(value):
+        return ("number", value, name)
+    return ("key", value, name)
+
+
+class _Node(dict):
+    """A container being built: its children by `(kind, key)`."""
+
+
+def refuse_leaves_with_children(paths: list[str], where: str) -> None:
+    """Nested containers cannot show a leaf with leaves below it. An eqx_ckpt
+    manifest never has one; a safetensors file may (tensors `a` and `a.b`)."""
+    known = set(paths)
+    # Every path with a leaf below it, each walked up from once: a leaf among
+    # them is rare, and only then are the paths looked through for the message.
+    parents: set[str] = set()
+    for path in paths:
+        parent, dot, _ = path.rpartition(".")
+        while dot and parent not in parents:
+            parents.add(parent)
+            parent, dot, _ = parent.rpartition(".")
+    if known.isdisjoint(parents):
+        return
+    for path in paths:
+        parts = _keypath.split_dotted(path)
+        for n in range(1, len(parts)):
+            above = ".".join(parts[:n])
+            if above in known:
+                raise CheckpointValueError(
+                    f"`{above}` in {where!r} is a leaf and also has leaves below it (`{path}`), so the "
+                    f"checkpoint cannot be shown as nested containers. Read leaves by dotted path "
+                    f"(`Checkpoint(path)[{path!r}]`), or load into a `like` with `tree_deserialise_leaves`.",
+                    path=where,
+                )
+
+
+def _finish(node: Any, names: bool = False) -> Any:
+    """`_Node`s as lists or dicts.
+
+    - A list when every key is a sequence index. Indices that were not saved,
+      such as the activations between layers, are `None`.
+    - A list when every key is a `number` and they run from 0 without a gap.
+    - Otherwise a dict, also for indices too sparse to be a list, as a hostile
+      manifest may claim."""
+    if not isinstance(node, _Node):
+        return node
+    kinds = {kind for kind, _, _ in node}
+    if kinds == {"index"} and max(i for _, i, _ in node) < 2 * len(node) + 8:
+        out: list[Any] = [None] * (max(i for _, i, _ in node) + 1)
+        for (_, i, _), child in node.items():
+            out[i] = _finish(child, names)
+        return out
+    if kinds == {"number"} and {int(n) for _, n, _ in node} == set(range(len(node))):
+        return [_finish(child, names) for _, child in sorted(node.items(), key=lambda item: int(item[0][1]))]
+    if names:
+        return {name: _finish(child, names) for (_, _, name), child in node.items()}
+    try:
+        sorted(key for _, key, _ in node)
+    except TypeError:
+        # Keys JAX cannot sort (a custom node's indices beside names): each is
+        # named as in the dotted paths instead, which tells them apart.
+        return {name: _finish(child, names) for (_, _, name), child in node.items()}
+    return {key: _finish(child, names) for (_, key, _), child in node.items()}

@@ -405,7 +405,7 @@ def start(
 
 def _value(loc: Location, array: np.ndarray, record: LeafRecord, like: Any, sharding: Any) -> Any:
     if _dtypes.like_type(like) == "prng_key":
-        keys = _dtypes.wrap_keys(jax.numpy.asarray(array), record.impl)
+        keys = jax.random.wrap_key_data(jax.numpy.asarray(array), impl=record.impl)
         return jax.device_put(keys, sharding) if sharding is not None else keys
     return result(loc, record, array, like, sharding)
 

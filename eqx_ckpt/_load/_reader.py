@@ -2,7 +2,7 @@
 
 Every reader hands its leaves here as `LeafPlan`s:
 
-- an eager load, and a skeleton-free load (`_nested`);
+- an eager load, and a skeleton-free load (`_lazy.nested`);
 - `materialise`;
 - a lazy leaf's read (`LazyArray.read`, `np.asarray` of one);
 - a partial save staging a lazy leaf;
@@ -23,8 +23,8 @@ All is read within one host-memory budget and one pool of reading threads
 - Anything else is read through TensorStore (`_read.start`).
 
 A region of a stored leaf is read by `_read.start_region`: a slice of a lazy
-leaf (`_lazy`), a transformed leaf's stored arrays (`_transform`), the regions
-processes share (`_read_once`), a pack's run (`_pack`), the chunks `verify`
+leaf and a transformed leaf's stored arrays (`_lazy`), the regions processes
+share (`_read_once`), a pack's run (`_pack`), the chunks `verify`
 and `diff` scan (`_verify`, `_diff`). Every read of a leaf's stored elements through
 TensorStore ends in that function.
 """

@@ -24,13 +24,11 @@ The record is untrusted input, read in three passes:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import functools
 import inspect
 import operator
-import os
 import re
 import sys
 import types
@@ -51,6 +49,7 @@ from .._base._errors import (
     CheckpointValueError,
     CorruptCheckpointError,
     UntrustedError,
+    caller_level,
     from_file,
 )
 from .._ondisk import _structure
@@ -804,20 +803,11 @@ def _left_out(paths: list[str], read: Sequence[bool | None]) -> Callable[[str], 
     return left_out
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep
-
-
 def warn_static(messages: list[str]) -> None:
     """Give each of `messages` (`static_differences`) as a `StaticFieldWarning`
-    at the user's line: the first frame outside eqx_ckpt, whichever public
-    function it called, past the frames `contextlib`'s decorators add."""
-    frame, level = sys._getframe(), 1
-    while frame.f_back is not None and (
-        frame.f_code.co_filename.startswith(_PACKAGE) or frame.f_code.co_filename == contextlib.__file__
-    ):
-        frame, level = frame.f_back, level + 1
+    at the user's line."""
     for message in messages:
-        warnings.warn(message, StaticFieldWarning, stacklevel=level)
+        warnings.warn(message, StaticFieldWarning, stacklevel=caller_level())
 
 
 def differences(a: Manifest, b: Manifest, where_a: str, where_b: str) -> list[tuple[str, str]]:

@@ -377,7 +377,3 @@ def key_data_shape(impl: str) -> tuple[int, ...] | None:
         return tuple(jax.eval_shape(jax.random.key_data, key).shape)
     except Exception:
         return None
-
-
-def wrap_keys(data: jax.Array, impl: str) -> jax.Array:
-    return jax.random.wrap_key_data(data, impl=impl)

@@ -568,9 +568,6 @@ def _parse_packs(items: Any, commit: str, bad: Any, *, compressed: bool = False)
     return packs
 
 
-_STRINGS = ("type", "dtype", "stored_dtype", "encoding", "impl")
-
-
 def _compression(item: dict[str, Any], compressed: bool) -> str:
     """The `compression` of a leaf's or a pack's record: one of `COMPRESSIONS`
     from version 6 on (`compressed`), else none."""

@@ -3,10 +3,12 @@ what the model is, and a load snippet that works as written, loading it by
 the one name it is given (`model_card(name_or_path, ...)`).
 
 The snippet's `trust` list names the classes and functions the default trust
-does not cover (`_trust`). Where parts need the model's code (`_rebuildable`),
-it rebuilds the largest parts without them (`prefix=`), and the card shows
+does not cover (`_trust`). Some parts no trust rebuilds: what the save could
+not record as data, and what a fresh process cannot import (`needs`). An
+export warns of them (`NeedsCodeWarning`). The snippet then rebuilds the
+largest parts without them (`prefix=`, `rebuildable`), and the card shows
 the load into a `like` the model's code makes (docs/interop.md, "The model
-card").
+card"; docs/sharing.md, "Parts that need the model's code").
 """
 
 from __future__ import annotations
@@ -16,18 +18,18 @@ import json
 import math
 import os
 import re
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .._base import _keypath
-from .._base._errors import CheckpointError, CheckpointValueError, from_file
+from .._base._errors import CheckpointError, CheckpointValueError, caller_level, from_file
 from .._base._location import location
-from .._load import _hub
+from .._load import _hub, _rebuild
 from .._load._checkpoint import Checkpoint, human
-from .._ondisk import _published, _trust
+from .._ondisk import _published, _structure, _trust
 from .._ondisk._format import CARD, LeafRecord
 from .._store import _storage
-from ._rebuildable import Needs, importable, in_script, needs, rebuildable
 
 # Shown by name in the snippet, at most; more parts load as nested dicts.
 MAX_PARTS = 16
@@ -39,6 +41,130 @@ _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{
 _CODE = re.compile(r"(?!https?://[^<>]*[<>])[^\s`'\"\\]{1,300}")
 # Metric names written into the front matter (quoted): others are in the body only.
 _METRIC = re.compile(r"[A-Za-z0-9_./-]{1,100}")
+
+
+# Parts named in a warning, at most.
+SHOWN = 10
+_IDENTIFIERS = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+class NeedsCodeWarning(UserWarning):
+    """An export or a push holds parts that a load without `like` cannot
+    rebuild without the model's code.
+
+    Such a part is a lambda, a closure, an instance of a class defined inside a
+    function, or a class or function defined in a script (`__main__`). The
+    warning names each by its dotted key path. The model card's snippet then
+    rebuilds the other parts (`prefix=`), and shows the load into a `like`
+    that the model's code makes. To publish a model that rebuilds without its
+    code, define those parts in an importable module.
+
+    !!! example
+
+        ```python
+        import warnings
+        import eqx_ckpt
+
+        # An export that cannot be rebuilt without its code is then an error:
+        warnings.simplefilter("error", eqx_ckpt.NeedsCodeWarning)
+        ```
+    """
+
+
+NeedsCodeWarning.__module__ = "eqx_ckpt"
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """What a load without `like` of a structure record needs.
+
+    - `trust`: the classes and functions outside the default trust, by
+        `module:qualname`, sorted, each with the dotted paths that use it.
+    - `code`: the parts that need the model's code, by dotted path, sorted,
+        each with what it is (text from a checkpoint escaped).
+    """
+
+    trust: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    code: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def needs(structure: Any, where: str) -> Needs:
+    """What a load without `like` of the tree of `structure` (a record, or
+    `None`) needs; the record is checked as a load checks it, `where` naming
+    it in an error."""
+    if structure is None:
+        return Needs()
+    default = _trust.Trust([])
+    names = _rebuild.names(structure, "", where)
+    trust = {n: names[n] for n in sorted(names) if default.resolve(n) is None}
+    code = {
+        path: f"{from_file(why)}, which a checkpoint cannot record as data"
+        for path, why in _rebuild.unrecordable(structure, "", where).items()
+    }
+    for name, paths in trust.items():
+        if not importable(name):
+            where_defined = "defined in a script (`__main__`)" if in_script(name) else "which no `import` reaches"
+            for path in paths:
+                code.setdefault(path, f"`{from_file(_trust.python_name(name))}`, {where_defined}")
+    return Needs(trust, {path: code[path] for path in sorted(code, key=_keypath.sort_key)})
+
+
+def importable(name: str) -> bool:
+    """Whether a fresh process can import the object recorded as `name`: its
+    module is a module path other than a script's (`__main__`), its qualname
+    a path of identifiers (no `<locals>`)."""
+    module, _, qualname = name.partition(":")
+    return module != "__main__" and bool(_IDENTIFIERS.fullmatch(module)) and bool(_IDENTIFIERS.fullmatch(qualname))
+
+
+def in_script(name: str) -> bool:
+    """Whether the object recorded as `name` was defined in a script (`__main__`)."""
+    return name.partition(":")[0] == "__main__"
+
+
+def warn(found: Needs, name_or_path: str) -> None:
+    """Warn of the parts of `found` that need the model's code, each by its
+    dotted path; nothing where there are none."""
+    if not found.code:
+        return
+    lines = [f"  `{path or '(the root)'}`: {why}" for path, why in list(found.code.items())[:SHOWN]]
+    if len(found.code) > SHOWN:
+        lines.append(f"  and {len(found.code) - SHOWN} more")
+    message = (
+        f"`Checkpoint({from_file(name_or_path)!r}).load(trust=[...])` cannot rebuild these parts without the "
+        f"model's code:\n" + "\n".join(lines) + "\nThe model card shows the loads that work: the other parts "
+        "(`prefix=`), and all of it into a `like`. To publish a model that rebuilds without its code, define "
+        "these parts in an importable module."
+    )
+    warnings.warn(message, NeedsCodeWarning, stacklevel=caller_level())
+
+
+def rebuildable(structure: dict[str, Any], code: Iterable[str]) -> list[str]:
+    """The largest sub-trees of `structure` that hold stored leaves and none of
+    the parts at the dotted paths `code`, by dotted path, sorted."""
+    leaves: list[str] = []
+    _structure.walk(structure, lambda path, node: leaves.append(path) if node["t"] == "leaf" else None)
+    tainted, holding = _above(code), _above(leaves)
+    found, stack = [], [("", structure)]
+    while stack:
+        here, node = stack.pop()
+        if here not in holding:
+            continue
+        if here not in tainted:
+            found.append(here)
+            continue
+        for key, child in _structure.children(node):
+            stack.append((_keypath.join_dotted(here, _keypath.stored_segment(*key)), child))
+    return sorted(found, key=_keypath.sort_key)
+
+
+def _above(paths: Iterable[str]) -> set[str]:
+    """Every dotted path in `paths`, and every path above one (`""` too)."""
+    found: set[str] = set()
+    for path in paths:
+        segments = _keypath.split_dotted(path)
+        found.update(".".join(segments[:i]) for i in range(len(segments) + 1))
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +218,7 @@ def model_card(
     """The text of `README.md` for a folder of the published layout loaded as
     `name_or_path`, holding `files`, tensors of the leaf `records` (`stored`:
     those it holds itself, where a fine-tune takes the others from `base`).
-    `found` is `_rebuildable.needs(structure, ...)` where already known."""
+    `found` is `needs(structure, ...)` where already known."""
     found = needs(structure, name_or_path) if found is None else found
     title = info.get("name") if isinstance(info.get("name"), str) else _title(name_or_path)
     description = info.get("description") if isinstance(info.get("description"), str) else ""

@@ -227,11 +227,9 @@ def _compare_values(
             _logical(np.asarray(fa()), ra, data_a), _logical(np.asarray(fb()), rb, data_b), measured
         )
 
-    def stop() -> bool:
-        return bool(errors)
-
+    stop = lambda: bool(errors)
     jobs = ((pair[0], pair, index) for pair in opened for index in _chunk_scan.chunk_indices(pair[0], stop=stop))
-    done = _chunk_scan.read_chunks(jobs, skip=lambda r: bool(errors), failed=lambda r, e: errors.append(e), read=read)
+    done = _chunk_scan.read_chunks(jobs, skip=lambda r: stop(), failed=lambda r, e: errors.append(e), read=read)
     count = _chunk_scan.LeafCounter([ra for ra, _ in pairs], tracker)
     for record, (equal, largest, squared, norm), size in done:
         sums[record.path] = sums.get(record.path, 0.0) + norm

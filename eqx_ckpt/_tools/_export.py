@@ -51,7 +51,7 @@ from .._ondisk._format import (
     whole_chunks,
 )
 from .._store import _durable, _storage
-from . import _card, _matching, _rebuildable
+from . import _card, _matching
 from ._card import model_card
 
 _LOG = logging.getLogger("eqx_ckpt")
@@ -394,8 +394,8 @@ def _described(
     card loading the model as `shown` and listing the files `names`), after a
     warning of the parts that need the model's code; the same `source` gives
     the same bytes."""
-    found = _rebuildable.needs(structure, source.path if isinstance(source, Checkpoint) else shown)
-    _rebuildable.warn(found, shown)
+    found = _card.needs(structure, source.path if isinstance(source, Checkpoint) else shown)
+    _card.warn(found, shown)
     records = [t.record for t in tensors]
     created = source.created if isinstance(source, Checkpoint) else ""
     metrics = source._manifest.metrics if isinstance(source, Checkpoint) else {}
