@@ -4,14 +4,34 @@ Each step is one function here (`_collect`, `_plan`, `_write_all`, `_commit`);
 docs/architecture.md, "The story of a save", names the module behind each.
 An asynchronous save returns once its arrays are safe on the host
 (`_background`); with the default filter spec its plan is made in the
-background too. With several JAX processes, every process runs this same
-story, meeting the others at the stages of `_stages`.
+background too.
+
+With several JAX processes, every process runs this same story with the same
+tree and writes the pieces it holds (`_multihost.writes`, `_sharding`);
+process 0 alone runs the transaction, creates the arrays and writes the
+manifest. They meet at six barriers (`Stages`, through
+`_multihost.Group.sync`), each of which carries any process's error to all:
+
+1. `prepared`: every process has planned, and all planned the same save
+   (`_multihost.differing`);
+2. `begin`: process 0 has begun the transaction...
+3. `joined`: ...and every other process has joined it;
+4. `created`: process 0 has created the arrays; the others open them;
+5. `written`: every process has written and synced its pieces; process 0
+   commits...
+6. `committed`: ...and, once every process knows it did, cleans up.
+
+A save of one process is a group of one: each stage is only the step it
+wraps. Only such a save (`Stages.alone`) packs small leaves, plans in the
+background, shares chunk files with an earlier save, writes chunk files
+itself, or uses the OCDBT layout (one database has a single writer).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -35,11 +55,12 @@ from .._base._errors import (
 from .._base._handle import LeafHandle
 from .._base._location import Location, location, writable
 from .._base._progress import Progress, Tracker
+from .._hosts import _multihost
 from .._load import _source
 from .._load._lazy import LazyArray
 from .._ondisk import _dtypes, _format, _layout, _manifest, _structure
 from .._store import _chunk_files, _durable, _lease, _share, _storage_errors, _transaction, _untrusted
-from . import _background, _partial, _records, _stages, _staging
+from . import _background, _partial, _records, _staging
 from ._background import Handoff, PendingSave
 
 
@@ -250,7 +271,7 @@ def save(
 ) -> PendingSave | None:
     """`tree_serialise_leaves` at `loc`, with its `options` (and those of a
     `CheckpointManager`'s step: `SaveOptions`)."""
-    stages = _stages.Stages()
+    stages = Stages()
     share = check_flag("share", options.share, "`False` writes every chunk in full")
     overwrite, blocking, cast, budget, planned, expected = _collect_and_plan(
         loc, stages, pytree, filter_spec, is_leaf, options
@@ -301,7 +322,7 @@ def save(
 
 def _collect_and_plan(
     loc: Location,
-    stages: _stages.Stages,
+    stages: Stages,
     pytree: PyTree,
     filter_spec: Any,
     is_leaf: Callable[[Any], bool] | None,
@@ -394,7 +415,7 @@ def _collect(
 
 def _plan(
     loc: Location,
-    stages: _stages.Stages,
+    stages: Stages,
     leaves: list[Any],
     names: _tree.Names,
     specs: list[Any],
@@ -446,7 +467,7 @@ def _plan(
 @_gc.gc_paused()  # as `save` is, for the part of it that runs here
 def _plan_write_and_commit(
     loc: Location,
-    stages: _stages.Stages,
+    stages: Stages,
     held: _background.HeldLeaves,
     cast: Callable[[str, np.dtype], Any] | None,
     compression: str,
@@ -467,7 +488,7 @@ def _plan_write_and_commit(
 
 def _begin(
     loc: Location,
-    stages: _stages.Stages,
+    stages: Stages,
     batch: _staging.Batch,
     *,
     overwrite: bool,
@@ -477,7 +498,7 @@ def _begin(
     check: Callable[[_transaction.Transaction], None] | None = None,
 ) -> tuple[_transaction.Transaction, Tracker]:
     """Begin the transaction (with every process; `check` may refuse it, see
-    `_stages.Stages.begin`), and the progress report."""
+    `Stages.begin`), and the progress report."""
     if layout == "directories":
         _untrusted.check_path_lengths(loc, [p.record for p in batch.own])
     tracker = Tracker(progress, leaves=len(batch.pending), nbytes=batch.nbytes, what="save")
@@ -520,14 +541,14 @@ def _with_tracker(tracker: Tracker, run: Callable[[], None]) -> None:
 
 def _write_and_commit(
     tx: _transaction.Transaction,
-    stages: _stages.Stages,
+    stages: Stages,
     batch: _staging.Batch,
     *,
     metrics: dict[str, Any] | None,
     tracker: Tracker,
     sharing: _Sharing,
 ) -> None:
-    """Write every array, make it durable, then commit once (`_stages`). Before
+    """Write every array, make it durable, then commit once (`Stages`). Before
     the commit, any failure or interrupt deletes what this save wrote; after it,
     nothing undoes the save."""
     commits: list[Any] = []
@@ -562,7 +583,7 @@ def _write_and_commit(
 
 def _write_all(
     tx: _transaction.Transaction,
-    stages: _stages.Stages,
+    stages: Stages,
     batch: _staging.Batch,
     *,
     metrics: dict[str, Any] | None,
@@ -690,3 +711,128 @@ def _stop(tx: _transaction.Transaction) -> None:
         tx.leave()
     else:
         tx.abort()
+
+
+class Stages:
+    """The processes saving one checkpoint (`_multihost.Group`), and the
+    stages at which they meet."""
+
+    def __init__(self) -> None:
+        self._group = _multihost.Group("save")
+
+    @property
+    def alone(self) -> bool:
+        """Whether this is a save of one process (see the module docstring)."""
+        return self._group.count == 1
+
+    @property
+    def processes(self) -> int:
+        return self._group.count
+
+    def prepared(self, error: BaseException | None, planned: Any, *, layout: str, loc: Location) -> None:
+        """Stage 1 (`planned`: a `Batch`, or held leaves planned later; `error`:
+        this process's failure to plan): raises the first error of any process,
+        or says that they planned different saves."""
+        if error is None and layout == "ocdbt" and not self.alone:
+            error = CheckpointValueError(
+                f"`layout='ocdbt'` is not supported with {self._group.count} JAX processes: one "
+                f"OCDBT database has a single writer. Save with `layout='directories'`.",
+                path=loc.display,
+            )
+        plan = _plan_digest(planned) if not self.alone and isinstance(planned, _staging.Batch) else None
+        error = self._group.sync("prepared", error, plan)
+        if error is not None:
+            raise error
+
+    def begin(
+        self, begin: Callable[[], _transaction.Transaction], join: Callable[[], _transaction.Transaction]
+    ) -> _transaction.Transaction:
+        """Stages 2 and 3: the transaction, begun by process 0 (`begin`), joined
+        by the others (`join`); aborted once one has failed to join."""
+        group = self._group
+        if group.primary:
+            try:
+                tx = begin()
+            except BaseException as e:
+                group.sync("begin", e)
+                raise
+            group.sync("begin", None)  # only this process can fail at `begin`, and it did not
+            error = group.sync("joined", None)
+            if error is not None:
+                tx.abort()
+                raise error
+            return tx
+        error = group.sync("begin", None)
+        if error is not None:
+            raise error
+        try:
+            tx = join()
+        except BaseException as e:
+            group.sync("joined", e)
+            raise
+        error = group.sync("joined", None)
+        if error is not None:
+            raise error
+        return tx
+
+    def create(
+        self,
+        create: Callable[[], tuple[list[Any], BaseException | None]],
+        open_arrays: Callable[[], list[Any]],
+    ) -> list[Any]:
+        """Stage 4: the futures of the opened arrays, created by process 0
+        (`create`: the futures and the first error), opened by the others once
+        they exist (`open_arrays`)."""
+        opens: list[Any] = []
+        error: BaseException | None = None
+        if self._group.primary:
+            try:
+                opens, error = create()
+            except BaseException as e:  # the others wait for it at `created`
+                self._group.sync("created", e)
+                raise
+        error = self._group.sync("created", error)
+        if error is not None:
+            raise error
+        return opens if self._group.primary else open_arrays()
+
+    def by_committer(self, run: Callable[[], BaseException | None]) -> BaseException | None:
+        """Run `run` in the process that commits (process 0), and nowhere
+        else (while the others write: encoding the manifest); its error."""
+        return run() if self._group.primary else None
+
+    def commit(
+        self,
+        error: BaseException | None,
+        commit: Callable[[], BaseException | None],
+        clean: Callable[[], None],
+    ) -> BaseException | None:
+        """Stages 5 and 6: process 0 commits once every process has written
+        (`error`: this one's failure), and cleans up once every process knows it
+        did; the first error of any process."""
+        group = self._group
+        error = group.sync("written", error)
+        if error is None and group.primary:
+            error = commit()
+        error = group.sync("committed", error)
+        if error is None and group.primary:
+            # Inside the caller's `try`: an interrupt from here on still leaves the
+            # checkpoint whole and hands the lease back (`stop`).
+            clean()
+        return error
+
+    def stop(self, stop: Callable[[], None]) -> None:
+        """After a failure, or once the save is over: process 0 ends the
+        transaction (`stop`: undoes what was not committed, or leaves what was)."""
+        if self._group.primary:
+            stop()
+
+
+def _plan_digest(batch: _staging.Batch) -> str:
+    """What a save planned, in a few bytes: every record's path, stored shape,
+    dtype and chunk grid, in order."""
+    digest = hashlib.sha256()
+    for p in batch.pending:
+        r = p.record
+        digest.update(repr((r.path, r.stored_shape, r.stored_dtype, tuple(r.chunks))).encode())
+    return digest.hexdigest()
