@@ -605,18 +605,8 @@ def _write_all(
         opens = stages.create(
             functools.partial(_staging.create, data, batch), functools.partial(_staging.open_arrays, data, batch)
         )
-        writing = _staging.start_writes(
-            data,
-            batch,
-            opens,
-            layout=tx.layout,
-            processes=stages.processes,
-            budget=sharing.staging,
-            tracker=tracker,
-            out=out,
-            base=base,
-            remember=share and sharing.followed,
-        )
+        save = _chunk_files.Save(stages.processes, tx.layout, base, share and sharing.followed)
+        writing = _staging.start_writes(data, batch, opens, save, budget=sharing.staging, tracker=tracker, out=out)
     except Exception as e:
         error, writing = e, None
     if error is None:

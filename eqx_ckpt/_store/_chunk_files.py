@@ -19,7 +19,7 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import crc32c
 import numpy as np
@@ -85,6 +85,17 @@ def stored_bytes(data: Location, manifest: _manifest.Manifest) -> int | None:
     return total
 
 
+class Save(NamedTuple):
+    """How a save writes a location's chunk files: by `processes` processes,
+    in `layout`. Chunk files equal to `base`'s are shared; with `remember`,
+    the digest of each written is recorded (`_share`)."""
+
+    processes: int
+    layout: str
+    base: _share.Base | None = None
+    remember: bool = False
+
+
 class ChunkFiles(Protocol):
     """How the chunk files of one location are read and written (`chunk_files`).
     A save's `writer` takes every write, and a load's `pack_runs` every run of
@@ -108,20 +119,9 @@ class ChunkFiles(Protocol):
         """The reader of the runs of the packs here, for one load."""
         ...
 
-    def writer(
-        self,
-        *,
-        processes: int,
-        layout: str,
-        out: list[Any],
-        tracker: Tracker | None,
-        base: _share.Base | None,
-        remember: bool,
-    ) -> Writer:
-        """A save's writer of the chunk files here (by `processes` processes, in
-        `layout`), which puts in `out` every future that finishes when data is
-        written. Chunk files equal to `base`'s are shared; with `remember`, the
-        digest of each written is recorded (`_share`)."""
+    def writer(self, out: list[Any], tracker: Tracker | None, save: Save) -> Writer:
+        """A save's writer of the chunk files here, which puts in `out` every
+        future that finishes when data is written."""
         ...
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
@@ -184,20 +184,11 @@ class LocalFiles:
             and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
         )
 
-    def writer(
-        self,
-        *,
-        processes: int,
-        layout: str,
-        out: list[Any],
-        tracker: Tracker | None,
-        base: _share.Base | None,
-        remember: bool,
-    ) -> Writer:
+    def writer(self, out: list[Any], tracker: Tracker | None, save: Save) -> Writer:
         """A `LocalWriter` in a save it `writes`, else the plain `Writer`."""
-        if not self.writes(processes=processes, layout=layout):
+        if not self.writes(processes=save.processes, layout=save.layout):
             return Writer(out, tracker)
-        return LocalWriter(self, out, tracker, base, remember)
+        return LocalWriter(self, out, tracker, save.base, save.remember)
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
         """Shared where the checkpoint has the "directories" layout and its data root is on this disk."""
@@ -232,16 +223,7 @@ class TensorStoreFiles:
     def pack_runs(self, *, cached: bool) -> PackRuns:
         return PackRuns(self.loc, local=False, cached=cached)
 
-    def writer(
-        self,
-        *,
-        processes: int,
-        layout: str,
-        out: list[Any],
-        tracker: Tracker | None,
-        base: _share.Base | None,
-        remember: bool,
-    ) -> Writer:
+    def writer(self, out: list[Any], tracker: Tracker | None, save: Save) -> Writer:
         return Writer(out, tracker)
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
@@ -371,8 +353,7 @@ class Writer:
 class LocalWriter(Writer):
     """A save's writes of chunk files on a local disk by eqx_ckpt's own
     threads (`_local_write`): every pack, and each leaf `LocalFiles.writes_leaf`
-    (any other as `Writer` writes it). `base`, `remember`: as for
-    `ChunkFiles.writer`."""
+    (any other as `Writer` writes it). `base`, `remember`: as `Save` has them."""
 
     def __init__(
         self, files: LocalFiles, out: list[Any], tracker: Tracker | None, base: _share.Base | None, remember: bool
