@@ -276,33 +276,29 @@ def save(
     overwrite, blocking, cast, budget, planned, expected = _collect_and_plan(
         loc, stages, pytree, filter_spec, is_leaf, options
     )
-    metrics = options.metrics
-    begin: dict[str, Any] = dict(overwrite=overwrite, layout=options.layout, metrics=metrics, progress=options.progress)
+    begin: dict[str, Any] = dict(overwrite=overwrite, layout=options.layout, progress=options.progress)
     exclusive = _lease.acquire_exclusive(loc)
     handoff = options.handoff if options.handoff is not None else Handoff()
     tx: _transaction.Transaction | None = None
     tracker: Tracker | None = None
-    sharing = _Sharing(options.follows, share, options.followed, budget)
+    how = _Save(stages, options.metrics, options.follows, share, options.followed, budget)
     try:
         if not isinstance(planned, _staging.Batch):
             # Every array is safe on the host already: the plan, the transaction
             # and the writes all happen in the background.
             compression = compression_of(options.compression)
-            run = functools.partial(_plan_write_and_commit, loc, stages, planned, cast, compression, sharing, **begin)
+            run = functools.partial(_plan_write_and_commit, loc, how, planned, cast, compression, **begin)
             return _background.start(run, exclusive, handoff)
         check = None if expected is None else functools.partial(_partial.check_unreplaced, commit=expected)
         tx, tracker = _begin(loc, stages, planned, check=check, **begin)
-        run = functools.partial(
-            _write_and_commit, tx, stages, planned, metrics=metrics, tracker=tracker, sharing=sharing
-        )
+        run = functools.partial(_write_and_commit, tx, how, planned, tracker)
         if blocking:
-            with tracker:
-                run()
+            run()
             exclusive.release()
             return None
         # Every array is safe on the host already (a jax.Array's host data never
         # changes; NumPy arrays were copied): everything else happens in the background.
-        return _background.start(functools.partial(_with_tracker, tracker, run), exclusive, handoff)
+        return _background.start(run, exclusive, handoff)
     except BaseException as e:
         # A failure, or an interrupt between any two lines: unless a background
         # thread has taken the save over, what was begun is undone (or, once
@@ -467,11 +463,10 @@ def _plan(
 @_gc.gc_paused()  # as `save` is, for the part of it that runs here
 def _plan_write_and_commit(
     loc: Location,
-    stages: Stages,
+    how: _Save,
     held: _background.HeldLeaves,
     cast: Callable[[str, np.dtype], Any] | None,
     compression: str,
-    sharing: _Sharing,
     **options: Any,
 ) -> None:
     """The background part of an asynchronous save whose leaves were held (`_background.hold_tree`)."""
@@ -479,11 +474,10 @@ def _plan_write_and_commit(
     leaves, names = held()
     specs = [default_serialise_filter_spec] * len(leaves)
     batch = _plan(
-        loc, stages, leaves, names, specs, cast, private=False, step=sharing.followed, compression=compression
+        loc, how.stages, leaves, names, specs, cast, private=False, step=how.followed, compression=compression
     )
-    tx, tracker = _begin(loc, stages, batch, **options)
-    with tracker:
-        _write_and_commit(tx, stages, batch, metrics=options["metrics"], tracker=tracker, sharing=sharing)
+    tx, tracker = _begin(loc, how.stages, batch, **options)
+    _write_and_commit(tx, how, batch, tracker)
 
 
 def _begin(
@@ -493,7 +487,6 @@ def _begin(
     *,
     overwrite: bool,
     layout: str,
-    metrics: dict[str, Any] | None,
     progress: Progress,
     check: Callable[[_transaction.Transaction], None] | None = None,
 ) -> tuple[_transaction.Transaction, Tracker]:
@@ -534,62 +527,44 @@ def _begun(
     return tx
 
 
-def _with_tracker(tracker: Tracker, run: Callable[[], None]) -> None:
-    with tracker:
-        run()
-
-
-def _write_and_commit(
-    tx: _transaction.Transaction,
-    stages: Stages,
-    batch: _staging.Batch,
-    *,
-    metrics: dict[str, Any] | None,
-    tracker: Tracker,
-    sharing: _Sharing,
-) -> None:
+def _write_and_commit(tx: _transaction.Transaction, how: _Save, batch: _staging.Batch, tracker: Tracker) -> None:
     """Write every array, make it durable, then commit once (`Stages`). Before
     the commit, any failure or interrupt deletes what this save wrote; after it,
-    nothing undoes the save."""
-    commits: list[Any] = []
-    try:
-        error, encoded = _write_all(tx, stages, batch, metrics=metrics, tracker=tracker, out=commits, sharing=sharing)
-        error = stages.commit(error, functools.partial(_commit, tx, encoded), tx.clean)
-        if error is None:
-            return
-    except BaseException:
-        # An interrupt (KeyboardInterrupt, SystemExit): undo only what is not committed.
+    nothing undoes the save. The progress report (`tracker`) ends with it."""
+    with tracker:
+        commits: list[Any] = []
+        stages = how.stages
+        try:
+            error, encoded = _write_all(tx, how, batch, tracker, commits)
+            error = stages.commit(error, functools.partial(_commit, tx, encoded), tx.clean)
+            if error is None:
+                return
+        except BaseException:
+            # An interrupt (KeyboardInterrupt, SystemExit): undo only what is not committed.
+            _interrupts.settle(commits)
+            stages.stop(functools.partial(_stop, tx))
+            raise
         _interrupts.settle(commits)
         stages.stop(functools.partial(_stop, tx))
-        raise
-    _interrupts.settle(commits)
-    stages.stop(functools.partial(_stop, tx))
-    if isinstance(error, CheckpointError):
-        raise error
-    display = tx.loc.display
-    message = f"Saving checkpoint {display!r} failed, and nothing was committed: {error}"
-    refused = _storage_errors.write_refusal(error)
-    if refused is CheckpointConnectionError:
-        raise refused(f"{message.rstrip('. ')}. {_storage_errors.REACH}", path=display) from error
-    if refused is not None:
-        # The storage would not take the save: no leaf is at fault.
-        message = message.rstrip(". ") + (
-            ". Check that you may write there (credentials, permissions), that it has free space and that the "
-            "storage works, then save again."
-        )
-        raise refused(message, path=display) from error
-    raise LeafError(message, path=display) from error
+        if isinstance(error, CheckpointError):
+            raise error
+        display = tx.loc.display
+        message = f"Saving checkpoint {display!r} failed, and nothing was committed: {error}"
+        refused = _storage_errors.write_refusal(error)
+        if refused is CheckpointConnectionError:
+            raise refused(f"{message.rstrip('. ')}. {_storage_errors.REACH}", path=display) from error
+        if refused is not None:
+            # The storage would not take the save: no leaf is at fault.
+            message = message.rstrip(". ") + (
+                ". Check that you may write there (credentials, permissions), that it has free space and that the "
+                "storage works, then save again."
+            )
+            raise refused(message, path=display) from error
+        raise LeafError(message, path=display) from error
 
 
 def _write_all(
-    tx: _transaction.Transaction,
-    stages: Stages,
-    batch: _staging.Batch,
-    *,
-    metrics: dict[str, Any] | None,
-    tracker: Tracker,
-    out: list[Any],
-    sharing: _Sharing,
+    tx: _transaction.Transaction, how: _Save, batch: _staging.Batch, tracker: Tracker, out: list[Any]
 ) -> tuple[BaseException | None, list[bytes]]:
     """Create the arrays, write this process's pieces within the staging
     budget (`_staging`) and make them durable, while the process that commits
@@ -597,23 +572,24 @@ def _write_all(
     `out` the futures an abort must wait for."""
     error: BaseException | None = None
     encoded: list[bytes] = []
+    stages = how.stages
     try:
-        share = sharing.share and stages.alone
-        base = _base(tx, sharing.follows) if share else None
+        share = how.share and stages.alone
+        base = _base(tx, how.follows) if share else None
         _faults.fire("save.start_writes", tx.loc)
         data = tx.data
         opens = stages.create(
             functools.partial(_staging.create, data, batch), functools.partial(_staging.open_arrays, data, batch)
         )
-        save = _chunk_files.Save(stages.processes, tx.layout, base, share and sharing.followed)
-        writing = _staging.start_writes(data, batch, opens, save, budget=sharing.staging, tracker=tracker, out=out)
+        save = _chunk_files.Save(stages.processes, tx.layout, base, share and how.followed)
+        writing = _staging.start_writes(data, batch, opens, save, budget=how.staging, tracker=tracker, out=out)
     except Exception as e:
         error, writing = e, None
     if error is None:
         # While the data is being written (encoding the manifest of many
         # leaves takes a noticeable part of a save).
         error = stages.by_committer(
-            lambda: _interrupts.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, metrics)))
+            lambda: _interrupts.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, how.metrics)))
         )
     batch.free()
     if writing is not None:
@@ -628,11 +604,13 @@ def _write_all(
     return error, encoded
 
 
-class _Sharing(NamedTuple):
-    """What a save shares (`_share`): `follows`, `share` and `followed` as
-    `SaveOptions` has them; `staging`, the save's staging budget in bytes (how
-    its writes go, as sharing does)."""
+class _Save(NamedTuple):
+    """What the steps of one save after its plan share: its `Stages`;
+    `metrics`, `follows`, `share` and `followed` as `SaveOptions` has them
+    (what it shares, `_share`); `staging`, its staging budget in bytes."""
 
+    stages: Stages
+    metrics: dict[str, Any] | None
     follows: Location | None
     share: bool
     followed: bool
