@@ -143,13 +143,6 @@ def reuse(
     return plan
 
 
-def pending_of(plan: Plan, leaves: list[Any]) -> list[Pending]:
-    """The pending leaves of a save that `reuse`s `plan`: its records, with `leaves` as the pieces."""
-    return [
-        Pending(record, [((), x)], nbytes) for record, x, nbytes in zip(plan.records, leaves, plan.nbytes, strict=True)
-    ]
-
-
 def remember(
     names: _tree.Names, leaves: list[Any], pending: list[Pending], *, for_steps: bool, compression: str = ""
 ) -> Plan | None:

@@ -439,7 +439,7 @@ def _plan(
     if plan is not None:
         _faults.fire("save.records", loc)
         _faults.fire("save.records_reused", loc)
-        pending = _records.pending_of(plan, leaves)
+        pending = [_records.Pending(r, [((), x)], n) for r, x, n in zip(plan.records, leaves, plan.nbytes, strict=True)]
     else:
         pending = _records.build(loc, leaves, names, specs, cast, default=default, compression=compression)
         if stages.alone:
@@ -588,9 +588,8 @@ def _write_all(
     if error is None:
         # While the data is being written (encoding the manifest of many
         # leaves takes a noticeable part of a save).
-        error = stages.by_committer(
-            lambda: _interrupts.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, how.metrics)))
-        )
+        if stages.primary:  # the process that commits
+            error = _interrupts.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, how.metrics)))
     batch.free()
     if writing is not None:
         if error is not None:
@@ -764,10 +763,9 @@ class Stages:
             raise error
         return opens if self._group.primary else open_arrays()
 
-    def by_committer(self, run: Callable[[], BaseException | None]) -> BaseException | None:
-        """Run `run` in the process that commits (process 0), and nowhere
-        else (while the others write: encoding the manifest); its error."""
-        return run() if self._group.primary else None
+    @property
+    def primary(self) -> bool:
+        return self._group.primary
 
     def commit(
         self,

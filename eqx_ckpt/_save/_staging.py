@@ -233,17 +233,13 @@ def _pack_parts(pack: PackRecord, members: list[Pending], limit: int) -> list[tu
         start = p.record.offset // pack.chunk
         if part and start > first and nbytes >= limit:
             parts.append((range(first, start), part))
-            part = [q for q in part if _last_file(pack, q.record) >= start]
+            # Kept: the members whose last element (their first, if none) is in file `start` or later.
+            part = [q for q in part if max(q.record.offset + q.record.size - 1, q.record.offset) // pack.chunk >= start]
             first, nbytes = start, sum(q.nbytes for q in part)
         part.append(p)
         nbytes += p.nbytes
     parts.append((range(first, total), part))
     return parts
-
-
-def _last_file(pack: PackRecord, record: LeafRecord) -> int:
-    """The chunk file of `pack` holding `record`'s last element (its first, if it has none)."""
-    return max(record.offset + record.size - 1, record.offset) // pack.chunk
 
 
 class Writing:
