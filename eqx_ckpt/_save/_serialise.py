@@ -494,37 +494,26 @@ def _begin(
     `Stages.begin`), and the progress report."""
     if layout == "directories":
         _untrusted.check_path_lengths(loc, [p.record for p in batch.own])
+    packs, paths = [pack.name for pack, _ in batch.packs], [p.record.path for p in batch.own]
+
+    def begin() -> _transaction.Transaction:  # aborted where `check` refuses it
+        tx = _transaction.begin(loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
+        if check is not None:
+            try:
+                check(tx)
+            except BaseException:
+                tx.abort()
+                raise
+        return tx
+
     tracker = Tracker(progress, leaves=len(batch.pending), nbytes=batch.nbytes, what="save")
     try:
         with _storage_errors.explained(loc, "Saving checkpoint"):
-            packs = [pack.name for pack, _ in batch.packs]
-            paths = [p.record.path for p in batch.own]
-            begin = functools.partial(_begun, loc, overwrite, layout, paths, packs, check)
             tx = stages.begin(begin, functools.partial(_transaction.join, loc))
     except BaseException:
         tracker.close()
         raise
     return tx, tracker
-
-
-def _begun(
-    loc: Location,
-    overwrite: bool,
-    layout: str,
-    paths: list[str],
-    packs: list[str],
-    check: Callable[[_transaction.Transaction], None] | None,
-) -> _transaction.Transaction:
-    """The transaction begun (`_transaction.begin`), aborted where `check`
-    refuses it."""
-    tx = _transaction.begin(loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
-    if check is not None:
-        try:
-            check(tx)
-        except BaseException:
-            tx.abort()
-            raise
-    return tx
 
 
 def _write_and_commit(tx: _transaction.Transaction, how: _Save, batch: _staging.Batch, tracker: Tracker) -> None:

@@ -104,38 +104,30 @@ class ChunkFiles(Protocol):
 
     def reads(self, record: LeafRecord) -> bool:
         """Whether `start_read` reads this leaf, stored in an array of its own."""
-        ...
 
     def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
         """Start reading a whole leaf straight into one aligned buffer
         (`_local_read.start_read`); a function that waits and returns it."""
-        ...
 
     def start_chunks(self, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
         """Start reading chunks `[first, first + count)` of a leaf that `reads` into `out`."""
-        ...
 
     def pack_runs(self, *, cached: bool) -> PackRuns:
         """The reader of the runs of the packs here, for one load."""
-        ...
 
     def writer(self, out: list[Any], tracker: Tracker | None, save: Save) -> Writer:
         """A save's writer of the chunk files here, which puts in `out` every
         future that finishes when data is written."""
-        ...
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
         """The checkpoint here (`opened()`: its data root and manifest) as the
         base of an incremental save, or `None` where it cannot be shared."""
-        ...
 
     def forget_damaged(self, error: BaseException, record: LeafRecord) -> None:
         """`forget` the array of `record` where `error` says it is damaged."""
-        ...
 
     def forget(self, directory: str) -> None:
         """Forget what `_share` verified or wrote of the array folder `directory`."""
-        ...
 
 
 class LocalFiles:
