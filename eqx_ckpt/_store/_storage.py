@@ -124,11 +124,7 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
     _faults.fire("storage.read_file", loc, name)
     if loc.local is not None:
         full = os.path.join(loc.local, name)
-        _untrusted.refuse_links(loc, name)
-        entry = local_entry(full)
-        if entry.special:  # (a FIFO would wait forever, and is no missing file either)
-            raise _untrusted.special_error(loc, name, entry.special)
-        if not entry.file:
+        if not _local_file(loc, name).file:
             return None, b""
         _faults.fire("storage.file_found", full)
         # One line opens and enters: an interrupt between the two would leave
@@ -162,13 +158,19 @@ def file_exists(loc: Location, name: str) -> bool:
     `read_file` is."""
     _faults.fire("storage.read_file", loc, name)
     if loc.local is not None:
-        _untrusted.refuse_links(loc, name)
-        entry = local_entry(os.path.join(loc.local, name))
-        if entry.special:
-            raise _untrusted.special_error(loc, name, entry.special)
-        return entry.file
+        return _local_file(loc, name).file
     with read_explained(loc, name):
         return result(Folder(loc).read(name, slice(0, 0))).value is not None
+
+
+def _local_file(loc: Location, name: str) -> LocalEntry:
+    """What is at the local path of file `name`: no link on the way, and no
+    FIFO, socket or device (a FIFO would wait forever, and is no missing file either)."""
+    _untrusted.refuse_links(loc, name)
+    entry = local_entry(os.path.join(loc.local or "", name))
+    if entry.special:
+        raise _untrusted.special_error(loc, name, entry.special)
+    return entry
 
 
 def _refuse_large_object(loc: Location, name: str, limit: int) -> None:
