@@ -180,7 +180,7 @@ class LocalFiles:
         """A `LocalWriter` in a save it `writes`, else the plain `Writer`."""
         if not self.writes(processes=save.processes, layout=save.layout):
             return Writer(out, tracker)
-        return LocalWriter(self, out, tracker, save.base, save.remember)
+        return LocalWriter(self, out, tracker, save)
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
         """Shared where the checkpoint has the "directories" layout and its data root is on this disk."""
@@ -347,11 +347,9 @@ class LocalWriter(Writer):
     threads (`_local_write`): every pack, and each leaf `LocalFiles.writes_leaf`
     (any other as `Writer` writes it). `base`, `remember`: as `Save` has them."""
 
-    def __init__(
-        self, files: LocalFiles, out: list[Any], tracker: Tracker | None, base: _share.Base | None, remember: bool
-    ):
+    def __init__(self, files: LocalFiles, out: list[Any], tracker: Tracker | None, save: Save):
         super().__init__(out, tracker)
-        self.files, self.base, self.remember = files, base, remember
+        self.files, self.base, self.remember = files, save.base, save.remember
 
     def leaf(self, record: LeafRecord, pieces: Pieces, nbytes: int, opened: Mapped) -> list[Write]:
         if not self.files.writes_leaf(record, pieces):
