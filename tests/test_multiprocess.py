@@ -614,7 +614,7 @@ def test_a_process_that_never_calls_the_save_is_named(tmp_path: pathlib.Path) ->
     _check_first_save(where)
 
 
-# Each barrier of a save and of a restore that shares reads, in order (`_stages`,
+# Each barrier of a save and of a restore that shares reads, in order (`_serialise.Stages`,
 # `_read_once`), after `call`: before the process calls the save or load at all.
 _SAVE_STAGES = ["call", "prepared", "begin", "joined", "created", "written", "committed"]
 _RESTORE_STAGES = ["call", "planned", "read/0"]

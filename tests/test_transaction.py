@@ -241,8 +241,7 @@ def test_every_io_step_failing(tmp_path, kind, error):
 # `test_an_interrupt_at_every_line_around_the_commit`'s.)
 _COMMIT_MODULES = ("eqx_ckpt._store._transaction",)
 _COMMIT_FUNCTIONS = {
-    "eqx_ckpt._save._serialise": ("_write_and_commit", "_commit", "_stop"),
-    "eqx_ckpt._save._stages": ("commit", "stop"),
+    "eqx_ckpt._save._serialise": ("_write_and_commit", "_commit", "_stop", "commit", "stop"),
 }
 
 

@@ -1,7 +1,7 @@
 """Several JAX processes taking part in one save or one restore: the group,
 its barriers, and who writes which leaf.
 
-A save's stages (`_stages`), and a restore that reads each byte once
+A save's stages (`_serialise.Stages`), and a restore that reads each byte once
 (`_read_once`), each make a `Group` and meet at its barriers (`Group.sync`):
 keys of the coordination service of `jax.distributed`, not device
 collectives, so that the CPU backend needs none, each process's error

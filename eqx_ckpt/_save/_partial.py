@@ -8,6 +8,7 @@ leaves. docs/format.md, "Incremental and partial saves", states its rules.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from .._ondisk._format import MANIFEST
 from .._store import _transaction
 
 
+@dataclasses.dataclass(frozen=True)
 class Partial:
     """A partial save's leaves: the `new` ones (of the picked nodes) first, then
     the kept stored ones, with their names and filter specs; the stored
@@ -32,19 +34,14 @@ class Partial:
     their stored `chunks`; and the `structure` record, given the dotted paths
     stored, with the picked sub-trees spliced into the stored one."""
 
-    def __init__(
-        self,
-        leaves: list[Any],
-        names: _tree.Names,
-        specs: list[Any],
-        commit: str,
-        cast: Callable[[str, np.dtype], Any] | None,
-        chunks: dict[str, tuple[int, ...]],
-        new: int,
-        structure: Callable[[set[str]], Any],
-    ):
-        self.leaves, self.names, self.specs, self.commit, self.cast = leaves, names, specs, commit, cast
-        self.chunks, self.new, self.structure = chunks, new, structure
+    leaves: list[Any]
+    names: _tree.Names
+    specs: list[Any]
+    commit: str
+    cast: Callable[[str, np.dtype], Any] | None
+    chunks: dict[str, tuple[int, ...]]
+    new: int
+    structure: Callable[[set[str]], Any]
 
     def kept_damaged(self, error: IntegrityError, loc: Location) -> IntegrityError:
         """`error`, a kept leaf found damaged as it was read, said as this

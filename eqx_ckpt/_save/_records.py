@@ -143,13 +143,6 @@ def reuse(
     return plan
 
 
-def pending_of(plan: Plan, leaves: list[Any]) -> list[Pending]:
-    """The pending leaves of a save that `reuse`s `plan`: its records, with `leaves` as the pieces."""
-    return [
-        Pending(record, [((), x)], nbytes) for record, x, nbytes in zip(plan.records, leaves, plan.nbytes, strict=True)
-    ]
-
-
 def remember(
     names: _tree.Names, leaves: list[Any], pending: list[Pending], *, for_steps: bool, compression: str = ""
 ) -> Plan | None:
@@ -196,7 +189,7 @@ class _Collector:
         self._loc, self._names = loc, names
         self._written: set[str] = set()
         self._record_of: dict[str, list[list[Any]]] | None = None  # made at the first handle write
-        self._cast, self._primary = cast, primary
+        self.cast, self.primary = cast, primary
         # Who writes which slice of a leaf several processes hold: one deal for the save's leaves.
         self.deal = _sharding.Deal()
         # (dtype, shape) -> (stored dtype name or `None`, chunk shape, bytes): the
@@ -243,7 +236,7 @@ class _Collector:
         held = None
         if kind == "held":
             held, x, kind = x, x.value, "jax"
-        if self._cast is None and (
+        if self.cast is None and (
             kind == "numpy" or (kind == "jax" and (type(x.sharding) is _ONE_DEVICE or _sharding.on_one_device(x)))
         ):
             dtype, shape = x.dtype, x.shape
@@ -252,10 +245,10 @@ class _Collector:
                 fixed = self._fixed[dtype, shape] = _fixed_part(dtype, shape, self.limit)
             name, chunks, nbytes = fixed
             # (A deleted array goes the general way, which names the leaf.)
-            if name is not None and (held is not None or not self._primary or kind == "numpy" or not x.is_deleted()):
+            if name is not None and (held is not None or not self.primary or kind == "numpy" or not x.is_deleted()):
                 if held is not None:
                     pieces = held.pieces
-                elif self._primary:
+                elif self.primary:
                     pieces = [((), x)]
                 else:
                     pieces = []
@@ -265,7 +258,7 @@ class _Collector:
                 return
         if not isinstance(where, LeafHandle):
             where = self.handle(where)
-        self.pending.append(_general(where, x if held is None else held, self._cast, self._primary, keypath, self))
+        self.pending.append(_general(where, x if held is None else held, keypath, self))
 
 
 _ONE_DEVICE = jax.sharding.SingleDeviceSharding
@@ -326,24 +319,17 @@ class Unread:
         return np.asarray(self.lazy)
 
 
-def _general(
-    handle: LeafHandle,
-    x: Any,
-    cast: Callable[[str, np.dtype], Any] | None,
-    primary: bool,
-    keypath: list[list[Any]],
-    collector: _Collector,
-) -> Pending:
+def _general(handle: LeafHandle, x: Any, keypath: list[list[Any]], collector: _Collector) -> Pending:
     """The manifest record and the host pieces of a value written for a leaf
     the general way: any leaf type, a cast, a PRNG key, a sharded array, a
-    lazily loaded leaf. `collector`: the save's deal of slices between
-    processes, its chunks' limit and compression."""
+    lazily loaded leaf. `collector`: the save's cast, deal of slices between
+    processes, chunks' limit and compression."""
     _faults.fire("save.leaf_record", handle.path)
     held = None
     if isinstance(x, Held):
         held, x = x, x.value
     x, kind, impl, dtype_name, shape = _value(handle, x, held)
-    logical = _cast_dtype(handle, x.dtype, cast) if kind in ("jax", "numpy") else np.dtype(x.dtype)
+    logical = _cast_dtype(handle, x.dtype, collector.cast) if kind in ("jax", "numpy") else np.dtype(x.dtype)
     stored, encoding = _dtypes.stored_dtype(logical)
     if kind == "prng_key":
         encoding = "key_data"
@@ -352,7 +338,7 @@ def _general(
     chunks = tuple(chunk_shape(tuple(x.shape), itemsize, _sharding.block_shape(x), collector.limit))
     if held is not None:
         pieces = held.pieces
-    elif not _multihost.writes(x, primary):
+    elif not _multihost.writes(x, collector.primary):
         pieces = []
     elif isinstance(x, Unread):
         pieces = [((), x.piece())]

@@ -4,14 +4,34 @@ Each step is one function here (`_collect`, `_plan`, `_write_all`, `_commit`);
 docs/architecture.md, "The story of a save", names the module behind each.
 An asynchronous save returns once its arrays are safe on the host
 (`_background`); with the default filter spec its plan is made in the
-background too. With several JAX processes, every process runs this same
-story, meeting the others at the stages of `_stages`.
+background too.
+
+With several JAX processes, every process runs this same story with the same
+tree and writes the pieces it holds (`_multihost.writes`, `_sharding`);
+process 0 alone runs the transaction, creates the arrays and writes the
+manifest. They meet at six barriers (`Stages`, through
+`_multihost.Group.sync`), each of which carries any process's error to all:
+
+1. `prepared`: every process has planned, and all planned the same save
+   (`_multihost.differing`);
+2. `begin`: process 0 has begun the transaction...
+3. `joined`: ...and every other process has joined it;
+4. `created`: process 0 has created the arrays; the others open them;
+5. `written`: every process has written and synced its pieces; process 0
+   commits...
+6. `committed`: ...and, once every process knows it did, cleans up.
+
+A save of one process is a group of one: each stage is only the step it
+wraps. Only such a save (`Stages.alone`) packs small leaves, plans in the
+background, shares chunk files with an earlier save, writes chunk files
+itself, or uses the OCDBT layout (one database has a single writer).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -35,11 +55,12 @@ from .._base._errors import (
 from .._base._handle import LeafHandle
 from .._base._location import Location, location, writable
 from .._base._progress import Progress, Tracker
+from .._hosts import _multihost
 from .._load import _source
 from .._load._lazy import LazyArray
 from .._ondisk import _dtypes, _format, _layout, _manifest, _structure
 from .._store import _chunk_files, _durable, _lease, _share, _storage_errors, _transaction, _untrusted
-from . import _background, _partial, _records, _stages, _staging
+from . import _background, _partial, _records, _staging
 from ._background import Handoff, PendingSave
 
 
@@ -250,38 +271,34 @@ def save(
 ) -> PendingSave | None:
     """`tree_serialise_leaves` at `loc`, with its `options` (and those of a
     `CheckpointManager`'s step: `SaveOptions`)."""
-    stages = _stages.Stages()
+    stages = Stages()
     share = check_flag("share", options.share, "`False` writes every chunk in full")
     overwrite, blocking, cast, budget, planned, expected = _collect_and_plan(
         loc, stages, pytree, filter_spec, is_leaf, options
     )
-    metrics = options.metrics
-    begin: dict[str, Any] = dict(overwrite=overwrite, layout=options.layout, metrics=metrics, progress=options.progress)
+    begin: dict[str, Any] = dict(overwrite=overwrite, layout=options.layout, progress=options.progress)
     exclusive = _lease.acquire_exclusive(loc)
     handoff = options.handoff if options.handoff is not None else Handoff()
     tx: _transaction.Transaction | None = None
     tracker: Tracker | None = None
-    sharing = _Sharing(options.follows, share, options.followed, budget)
+    how = _Save(stages, options.metrics, options.follows, share, options.followed, budget)
     try:
         if not isinstance(planned, _staging.Batch):
             # Every array is safe on the host already: the plan, the transaction
             # and the writes all happen in the background.
             compression = compression_of(options.compression)
-            run = functools.partial(_plan_write_and_commit, loc, stages, planned, cast, compression, sharing, **begin)
+            run = functools.partial(_plan_write_and_commit, loc, how, planned, cast, compression, **begin)
             return _background.start(run, exclusive, handoff)
         check = None if expected is None else functools.partial(_partial.check_unreplaced, commit=expected)
         tx, tracker = _begin(loc, stages, planned, check=check, **begin)
-        run = functools.partial(
-            _write_and_commit, tx, stages, planned, metrics=metrics, tracker=tracker, sharing=sharing
-        )
+        run = functools.partial(_write_and_commit, tx, how, planned, tracker)
         if blocking:
-            with tracker:
-                run()
+            run()
             exclusive.release()
             return None
         # Every array is safe on the host already (a jax.Array's host data never
         # changes; NumPy arrays were copied): everything else happens in the background.
-        return _background.start(functools.partial(_with_tracker, tracker, run), exclusive, handoff)
+        return _background.start(run, exclusive, handoff)
     except BaseException as e:
         # A failure, or an interrupt between any two lines: unless a background
         # thread has taken the save over, what was begun is undone (or, once
@@ -301,7 +318,7 @@ def save(
 
 def _collect_and_plan(
     loc: Location,
-    stages: _stages.Stages,
+    stages: Stages,
     pytree: PyTree,
     filter_spec: Any,
     is_leaf: Callable[[Any], bool] | None,
@@ -394,7 +411,7 @@ def _collect(
 
 def _plan(
     loc: Location,
-    stages: _stages.Stages,
+    stages: Stages,
     leaves: list[Any],
     names: _tree.Names,
     specs: list[Any],
@@ -422,7 +439,7 @@ def _plan(
     if plan is not None:
         _faults.fire("save.records", loc)
         _faults.fire("save.records_reused", loc)
-        pending = _records.pending_of(plan, leaves)
+        pending = [_records.Pending(r, [((), x)], n) for r, x, n in zip(plan.records, leaves, plan.nbytes, strict=True)]
     else:
         pending = _records.build(loc, leaves, names, specs, cast, default=default, compression=compression)
         if stages.alone:
@@ -446,11 +463,10 @@ def _plan(
 @_gc.gc_paused()  # as `save` is, for the part of it that runs here
 def _plan_write_and_commit(
     loc: Location,
-    stages: _stages.Stages,
+    how: _Save,
     held: _background.HeldLeaves,
     cast: Callable[[str, np.dtype], Any] | None,
     compression: str,
-    sharing: _Sharing,
     **options: Any,
 ) -> None:
     """The background part of an asynchronous save whose leaves were held (`_background.hold_tree`)."""
@@ -458,34 +474,41 @@ def _plan_write_and_commit(
     leaves, names = held()
     specs = [default_serialise_filter_spec] * len(leaves)
     batch = _plan(
-        loc, stages, leaves, names, specs, cast, private=False, step=sharing.followed, compression=compression
+        loc, how.stages, leaves, names, specs, cast, private=False, step=how.followed, compression=compression
     )
-    tx, tracker = _begin(loc, stages, batch, **options)
-    with tracker:
-        _write_and_commit(tx, stages, batch, metrics=options["metrics"], tracker=tracker, sharing=sharing)
+    tx, tracker = _begin(loc, how.stages, batch, **options)
+    _write_and_commit(tx, how, batch, tracker)
 
 
 def _begin(
     loc: Location,
-    stages: _stages.Stages,
+    stages: Stages,
     batch: _staging.Batch,
     *,
     overwrite: bool,
     layout: str,
-    metrics: dict[str, Any] | None,
     progress: Progress,
     check: Callable[[_transaction.Transaction], None] | None = None,
 ) -> tuple[_transaction.Transaction, Tracker]:
     """Begin the transaction (with every process; `check` may refuse it, see
-    `_stages.Stages.begin`), and the progress report."""
+    `Stages.begin`), and the progress report."""
     if layout == "directories":
         _untrusted.check_path_lengths(loc, [p.record for p in batch.own])
+    packs, paths = [pack.name for pack, _ in batch.packs], [p.record.path for p in batch.own]
+
+    def begin() -> _transaction.Transaction:  # aborted where `check` refuses it
+        tx = _transaction.begin(loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
+        if check is not None:
+            try:
+                check(tx)
+            except BaseException:
+                tx.abort()
+                raise
+        return tx
+
     tracker = Tracker(progress, leaves=len(batch.pending), nbytes=batch.nbytes, what="save")
     try:
         with _storage_errors.explained(loc, "Saving checkpoint"):
-            packs = [pack.name for pack, _ in batch.packs]
-            paths = [p.record.path for p in batch.own]
-            begin = functools.partial(_begun, loc, overwrite, layout, paths, packs, check)
             tx = stages.begin(begin, functools.partial(_transaction.join, loc))
     except BaseException:
         tracker.close()
@@ -493,82 +516,44 @@ def _begin(
     return tx, tracker
 
 
-def _begun(
-    loc: Location,
-    overwrite: bool,
-    layout: str,
-    paths: list[str],
-    packs: list[str],
-    check: Callable[[_transaction.Transaction], None] | None,
-) -> _transaction.Transaction:
-    """The transaction begun (`_transaction.begin`), aborted where `check`
-    refuses it."""
-    tx = _transaction.begin(loc, overwrite=overwrite, layout=layout, paths=paths, packs=packs)
-    if check is not None:
-        try:
-            check(tx)
-        except BaseException:
-            tx.abort()
-            raise
-    return tx
-
-
-def _with_tracker(tracker: Tracker, run: Callable[[], None]) -> None:
-    with tracker:
-        run()
-
-
-def _write_and_commit(
-    tx: _transaction.Transaction,
-    stages: _stages.Stages,
-    batch: _staging.Batch,
-    *,
-    metrics: dict[str, Any] | None,
-    tracker: Tracker,
-    sharing: _Sharing,
-) -> None:
-    """Write every array, make it durable, then commit once (`_stages`). Before
+def _write_and_commit(tx: _transaction.Transaction, how: _Save, batch: _staging.Batch, tracker: Tracker) -> None:
+    """Write every array, make it durable, then commit once (`Stages`). Before
     the commit, any failure or interrupt deletes what this save wrote; after it,
-    nothing undoes the save."""
-    commits: list[Any] = []
-    try:
-        error, encoded = _write_all(tx, stages, batch, metrics=metrics, tracker=tracker, out=commits, sharing=sharing)
-        error = stages.commit(error, functools.partial(_commit, tx, encoded), tx.clean)
-        if error is None:
-            return
-    except BaseException:
-        # An interrupt (KeyboardInterrupt, SystemExit): undo only what is not committed.
+    nothing undoes the save. The progress report (`tracker`) ends with it."""
+    with tracker:
+        commits: list[Any] = []
+        stages = how.stages
+        try:
+            error, encoded = _write_all(tx, how, batch, tracker, commits)
+            error = stages.commit(error, functools.partial(_commit, tx, encoded), tx.clean)
+            if error is None:
+                return
+        except BaseException:
+            # An interrupt (KeyboardInterrupt, SystemExit): undo only what is not committed.
+            _interrupts.settle(commits)
+            stages.stop(functools.partial(_stop, tx))
+            raise
         _interrupts.settle(commits)
         stages.stop(functools.partial(_stop, tx))
-        raise
-    _interrupts.settle(commits)
-    stages.stop(functools.partial(_stop, tx))
-    if isinstance(error, CheckpointError):
-        raise error
-    display = tx.loc.display
-    message = f"Saving checkpoint {display!r} failed, and nothing was committed: {error}"
-    refused = _storage_errors.write_refusal(error)
-    if refused is CheckpointConnectionError:
-        raise refused(f"{message.rstrip('. ')}. {_storage_errors.REACH}", path=display) from error
-    if refused is not None:
-        # The storage would not take the save: no leaf is at fault.
-        message = message.rstrip(". ") + (
-            ". Check that you may write there (credentials, permissions), that it has free space and that the "
-            "storage works, then save again."
-        )
-        raise refused(message, path=display) from error
-    raise LeafError(message, path=display) from error
+        if isinstance(error, CheckpointError):
+            raise error
+        display = tx.loc.display
+        message = f"Saving checkpoint {display!r} failed, and nothing was committed: {error}"
+        refused = _storage_errors.write_refusal(error)
+        if refused is CheckpointConnectionError:
+            raise refused(f"{message.rstrip('. ')}. {_storage_errors.REACH}", path=display) from error
+        if refused is not None:
+            # The storage would not take the save: no leaf is at fault.
+            message = message.rstrip(". ") + (
+                ". Check that you may write there (credentials, permissions), that it has free space and that the "
+                "storage works, then save again."
+            )
+            raise refused(message, path=display) from error
+        raise LeafError(message, path=display) from error
 
 
 def _write_all(
-    tx: _transaction.Transaction,
-    stages: _stages.Stages,
-    batch: _staging.Batch,
-    *,
-    metrics: dict[str, Any] | None,
-    tracker: Tracker,
-    out: list[Any],
-    sharing: _Sharing,
+    tx: _transaction.Transaction, how: _Save, batch: _staging.Batch, tracker: Tracker, out: list[Any]
 ) -> tuple[BaseException | None, list[bytes]]:
     """Create the arrays, write this process's pieces within the staging
     budget (`_staging`) and make them durable, while the process that commits
@@ -576,34 +561,24 @@ def _write_all(
     `out` the futures an abort must wait for."""
     error: BaseException | None = None
     encoded: list[bytes] = []
+    stages = how.stages
     try:
-        share = sharing.share and stages.alone
-        base = _base(tx, sharing.follows) if share else None
+        share = how.share and stages.alone
+        base = _base(tx, how.follows) if share else None
         _faults.fire("save.start_writes", tx.loc)
         data = tx.data
         opens = stages.create(
             functools.partial(_staging.create, data, batch), functools.partial(_staging.open_arrays, data, batch)
         )
-        writing = _staging.start_writes(
-            data,
-            batch,
-            opens,
-            layout=tx.layout,
-            processes=stages.processes,
-            budget=sharing.staging,
-            tracker=tracker,
-            out=out,
-            base=base,
-            remember=share and sharing.followed,
-        )
+        save = _chunk_files.Save(stages.processes, tx.layout, base, share and how.followed)
+        writing = _staging.start_writes(data, batch, opens, save, budget=how.staging, tracker=tracker, out=out)
     except Exception as e:
         error, writing = e, None
     if error is None:
         # While the data is being written (encoding the manifest of many
         # leaves takes a noticeable part of a save).
-        error = stages.by_committer(
-            lambda: _interrupts.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, metrics)))
-        )
+        if stages.primary:  # the process that commits
+            error = _interrupts.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, how.metrics)))
     batch.free()
     if writing is not None:
         if error is not None:
@@ -617,11 +592,13 @@ def _write_all(
     return error, encoded
 
 
-class _Sharing(NamedTuple):
-    """What a save shares (`_share`): `follows`, `share` and `followed` as
-    `SaveOptions` has them; `staging`, the save's staging budget in bytes (how
-    its writes go, as sharing does)."""
+class _Save(NamedTuple):
+    """What the steps of one save after its plan share: its `Stages`;
+    `metrics`, `follows`, `share` and `followed` as `SaveOptions` has them
+    (what it shares, `_share`); `staging`, its staging budget in bytes."""
 
+    stages: Stages
+    metrics: dict[str, Any] | None
     follows: Location | None
     share: bool
     followed: bool
@@ -690,3 +667,127 @@ def _stop(tx: _transaction.Transaction) -> None:
         tx.leave()
     else:
         tx.abort()
+
+
+class Stages:
+    """The processes saving one checkpoint (`_multihost.Group`), and the
+    stages at which they meet."""
+
+    def __init__(self) -> None:
+        self._group = _multihost.Group("save")
+
+    @property
+    def alone(self) -> bool:
+        """Whether this is a save of one process (see the module docstring)."""
+        return self._group.count == 1
+
+    @property
+    def processes(self) -> int:
+        return self._group.count
+
+    def prepared(self, error: BaseException | None, planned: Any, *, layout: str, loc: Location) -> None:
+        """Stage 1 (`planned`: a `Batch`, or held leaves planned later; `error`:
+        this process's failure to plan): raises the first error of any process,
+        or says that they planned different saves."""
+        if error is None and layout == "ocdbt" and not self.alone:
+            error = CheckpointValueError(
+                f"`layout='ocdbt'` is not supported with {self._group.count} JAX processes: one "
+                f"OCDBT database has a single writer. Save with `layout='directories'`.",
+                path=loc.display,
+            )
+        plan = _plan_digest(planned) if not self.alone and isinstance(planned, _staging.Batch) else None
+        error = self._group.sync("prepared", error, plan)
+        if error is not None:
+            raise error
+
+    def begin(
+        self, begin: Callable[[], _transaction.Transaction], join: Callable[[], _transaction.Transaction]
+    ) -> _transaction.Transaction:
+        """Stages 2 and 3: the transaction, begun by process 0 (`begin`), joined
+        by the others (`join`); aborted once one has failed to join."""
+        group = self._group
+        if group.primary:
+            try:
+                tx = begin()
+            except BaseException as e:
+                group.sync("begin", e)
+                raise
+            group.sync("begin", None)  # only this process can fail at `begin`, and it did not
+            error = group.sync("joined", None)
+            if error is not None:
+                tx.abort()
+                raise error
+            return tx
+        error = group.sync("begin", None)
+        if error is not None:
+            raise error
+        try:
+            tx = join()
+        except BaseException as e:
+            group.sync("joined", e)
+            raise
+        error = group.sync("joined", None)
+        if error is not None:
+            raise error
+        return tx
+
+    def create(
+        self,
+        create: Callable[[], tuple[list[Any], BaseException | None]],
+        open_arrays: Callable[[], list[Any]],
+    ) -> list[Any]:
+        """Stage 4: the futures of the opened arrays, created by process 0
+        (`create`: the futures and the first error), opened by the others once
+        they exist (`open_arrays`)."""
+        opens: list[Any] = []
+        error: BaseException | None = None
+        if self._group.primary:
+            try:
+                opens, error = create()
+            except BaseException as e:  # the others wait for it at `created`
+                self._group.sync("created", e)
+                raise
+        error = self._group.sync("created", error)
+        if error is not None:
+            raise error
+        return opens if self._group.primary else open_arrays()
+
+    @property
+    def primary(self) -> bool:
+        return self._group.primary
+
+    def commit(
+        self,
+        error: BaseException | None,
+        commit: Callable[[], BaseException | None],
+        clean: Callable[[], None],
+    ) -> BaseException | None:
+        """Stages 5 and 6: process 0 commits once every process has written
+        (`error`: this one's failure), and cleans up once every process knows it
+        did; the first error of any process."""
+        group = self._group
+        error = group.sync("written", error)
+        if error is None and group.primary:
+            error = commit()
+        error = group.sync("committed", error)
+        if error is None and group.primary:
+            # Inside the caller's `try`: an interrupt from here on still leaves the
+            # checkpoint whole and hands the lease back (`stop`).
+            clean()
+        return error
+
+    def stop(self, stop: Callable[[], None]) -> None:
+        """After a failure, or once the save is over: process 0 ends the
+        transaction (`stop`: undoes what was not committed, or leaves what was)."""
+        if self._group.primary:
+            stop()
+
+
+def _plan_digest(batch: _staging.Batch) -> str:
+    """What a save planned, in a few bytes: every record's path, stored shape,
+    dtype and chunk grid, in order."""
+    digest = hashlib.sha256()
+    for p in batch.pending:
+        r = p.record
+        digest.update(repr((r.path, r.stored_shape, r.stored_dtype, tuple(r.chunks))).encode())
+    return digest.hexdigest()

@@ -26,7 +26,7 @@ from .._base._location import Location
 from .._base._progress import Tracker
 from .._ondisk import _format, _layout
 from .._ondisk._format import LeafRecord, PackRecord
-from .._store import _chunk_files, _durable, _memory, _share, _storage, _window
+from .._store import _chunk_files, _durable, _memory, _storage, _window
 from .._store._chunk_files import Steps, Write, Writer
 
 if TYPE_CHECKING:
@@ -182,25 +182,19 @@ def start_writes(
     data: Location,
     batch: Batch,
     opens: list[Any],
+    save: _chunk_files.Save,
     *,
-    layout: str,
-    processes: int,
     budget: int,
     tracker: Tracker | None = None,
     out: list[Any],
-    base: _share.Base | None = None,
-    remember: bool = False,
 ) -> Writing:
     """Start writing the arrays of `batch` (`opens`: their futures, from
     `create`) into `data` through the location's writer, in order, as many as
     `budget` staged bytes admit; the `Writing`, whose `follow` starts the rest.
 
     `out` gets every future that finishes when data is written, even after an
-    interrupt, so that an abort waits for it before deleting anything. `base`
-    and `remember`: as for `_chunk_files.ChunkFiles.writer`."""
-    writer = _chunk_files.chunk_files(data).writer(
-        processes=processes, layout=layout, out=out, tracker=tracker, base=base, remember=remember
-    )
+    interrupt, so that an abort waits for it before deleting anything."""
+    writer = _chunk_files.chunk_files(data).writer(out, tracker, save)
     writing = Writing(_writes(writer, batch, opens, budget), budget, out, writer)
     try:
         writing.fill()
@@ -239,17 +233,13 @@ def _pack_parts(pack: PackRecord, members: list[Pending], limit: int) -> list[tu
         start = p.record.offset // pack.chunk
         if part and start > first and nbytes >= limit:
             parts.append((range(first, start), part))
-            part = [q for q in part if _last_file(pack, q.record) >= start]
+            # Kept: the members whose last element (their first, if none) is in file `start` or later.
+            part = [q for q in part if max(q.record.offset + q.record.size - 1, q.record.offset) // pack.chunk >= start]
             first, nbytes = start, sum(q.nbytes for q in part)
         part.append(p)
         nbytes += p.nbytes
     parts.append((range(first, total), part))
     return parts
-
-
-def _last_file(pack: PackRecord, record: LeafRecord) -> int:
-    """The chunk file of `pack` holding `record`'s last element (its first, if it has none)."""
-    return max(record.offset + record.size - 1, record.offset) // pack.chunk
 
 
 class Writing:

@@ -19,7 +19,7 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import crc32c
 import numpy as np
@@ -85,6 +85,17 @@ def stored_bytes(data: Location, manifest: _manifest.Manifest) -> int | None:
     return total
 
 
+class Save(NamedTuple):
+    """How a save writes a location's chunk files: by `processes` processes,
+    in `layout`. Chunk files equal to `base`'s are shared; with `remember`,
+    the digest of each written is recorded (`_share`)."""
+
+    processes: int
+    layout: str
+    base: _share.Base | None = None
+    remember: bool = False
+
+
 class ChunkFiles(Protocol):
     """How the chunk files of one location are read and written (`chunk_files`).
     A save's `writer` takes every write, and a load's `pack_runs` every run of
@@ -93,49 +104,30 @@ class ChunkFiles(Protocol):
 
     def reads(self, record: LeafRecord) -> bool:
         """Whether `start_read` reads this leaf, stored in an array of its own."""
-        ...
 
     def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
         """Start reading a whole leaf straight into one aligned buffer
         (`_local_read.start_read`); a function that waits and returns it."""
-        ...
 
     def start_chunks(self, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
         """Start reading chunks `[first, first + count)` of a leaf that `reads` into `out`."""
-        ...
 
     def pack_runs(self, *, cached: bool) -> PackRuns:
         """The reader of the runs of the packs here, for one load."""
-        ...
 
-    def writer(
-        self,
-        *,
-        processes: int,
-        layout: str,
-        out: list[Any],
-        tracker: Tracker | None,
-        base: _share.Base | None,
-        remember: bool,
-    ) -> Writer:
-        """A save's writer of the chunk files here (by `processes` processes, in
-        `layout`), which puts in `out` every future that finishes when data is
-        written. Chunk files equal to `base`'s are shared; with `remember`, the
-        digest of each written is recorded (`_share`)."""
-        ...
+    def writer(self, out: list[Any], tracker: Tracker | None, save: Save) -> Writer:
+        """A save's writer of the chunk files here, which puts in `out` every
+        future that finishes when data is written."""
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
         """The checkpoint here (`opened()`: its data root and manifest) as the
         base of an incremental save, or `None` where it cannot be shared."""
-        ...
 
     def forget_damaged(self, error: BaseException, record: LeafRecord) -> None:
         """`forget` the array of `record` where `error` says it is damaged."""
-        ...
 
     def forget(self, directory: str) -> None:
         """Forget what `_share` verified or wrote of the array folder `directory`."""
-        ...
 
 
 class LocalFiles:
@@ -184,20 +176,11 @@ class LocalFiles:
             and tuple(record.chunks[1:]) == tuple(record.stored_shape[1:])
         )
 
-    def writer(
-        self,
-        *,
-        processes: int,
-        layout: str,
-        out: list[Any],
-        tracker: Tracker | None,
-        base: _share.Base | None,
-        remember: bool,
-    ) -> Writer:
+    def writer(self, out: list[Any], tracker: Tracker | None, save: Save) -> Writer:
         """A `LocalWriter` in a save it `writes`, else the plain `Writer`."""
-        if not self.writes(processes=processes, layout=layout):
+        if not self.writes(processes=save.processes, layout=save.layout):
             return Writer(out, tracker)
-        return LocalWriter(self, out, tracker, base, remember)
+        return LocalWriter(self, out, tracker, save)
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
         """Shared where the checkpoint has the "directories" layout and its data root is on this disk."""
@@ -232,16 +215,7 @@ class TensorStoreFiles:
     def pack_runs(self, *, cached: bool) -> PackRuns:
         return PackRuns(self.loc, local=False, cached=cached)
 
-    def writer(
-        self,
-        *,
-        processes: int,
-        layout: str,
-        out: list[Any],
-        tracker: Tracker | None,
-        base: _share.Base | None,
-        remember: bool,
-    ) -> Writer:
+    def writer(self, out: list[Any], tracker: Tracker | None, save: Save) -> Writer:
         return Writer(out, tracker)
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
@@ -371,14 +345,11 @@ class Writer:
 class LocalWriter(Writer):
     """A save's writes of chunk files on a local disk by eqx_ckpt's own
     threads (`_local_write`): every pack, and each leaf `LocalFiles.writes_leaf`
-    (any other as `Writer` writes it). `base`, `remember`: as for
-    `ChunkFiles.writer`."""
+    (any other as `Writer` writes it). `base`, `remember`: as `Save` has them."""
 
-    def __init__(
-        self, files: LocalFiles, out: list[Any], tracker: Tracker | None, base: _share.Base | None, remember: bool
-    ):
+    def __init__(self, files: LocalFiles, out: list[Any], tracker: Tracker | None, save: Save):
         super().__init__(out, tracker)
-        self.files, self.base, self.remember = files, base, remember
+        self.files, self.base, self.remember = files, save.base, save.remember
 
     def leaf(self, record: LeafRecord, pieces: Pieces, nbytes: int, opened: Mapped) -> list[Write]:
         if not self.files.writes_leaf(record, pieces):

@@ -173,6 +173,15 @@ def _open_chunk(folder: int, loc: Location, record: LeafRecord, key: str, direct
     return fd
 
 
+def _reopen_chunk(path: str, loc: Location, record: LeafRecord, key: str) -> int:
+    """`_open_chunk` of `key` in the array's folder `path`, in a reading thread."""
+    folder = _open_folder(path, loc, record)
+    try:
+        return _open_chunk(folder, loc, record, key, os.path.relpath(path, loc.local or ""))
+    finally:
+        os.close(folder)
+
+
 def _open_below(folder: int, key: str) -> int:
     """`os.open` of `key` relative to `folder`, one component at a time, each with
     `O_NOFOLLOW`: a link anywhere below the folder fails the open."""
@@ -270,11 +279,7 @@ def _read_piece(
     """Read one piece of a chunk file into `views`; the crc32c of its first
     `checked` bytes, computed right after each step's read, while those bytes
     are still in this core's cache."""
-    folder = _open_folder(path, loc, record)
-    try:
-        fd = _open_chunk(folder, loc, record, key, os.path.relpath(path, loc.local or ""))
-    finally:
-        os.close(folder)
+    fd = _reopen_chunk(path, loc, record, key)
     crc, done = 0, 0
     try:
         for step in _steps(views, STEP_BYTES):
@@ -301,11 +306,7 @@ def _read_compressed(
     checksum into `stored`, and, where its bytes give that checksum, decompress
     them into `segments` (the chunk's slice of the array, and any padding past
     its end); the crc32c of the compressed bytes, which `_Reads.wait` compares."""
-    folder = _open_folder(path, loc, record)
-    try:
-        fd = _open_chunk(folder, loc, record, key, os.path.relpath(path, loc.local or ""))
-    finally:
-        os.close(folder)
+    fd = _reopen_chunk(path, loc, record, key)
     try:
         size = local_stat(fd).st_size
         buffer = _compressed_buffer(size)

@@ -53,7 +53,8 @@ class Base:
         """The base's folder of the leaf at `record`'s place, if its chunks
         cover the same elements; else `None`."""
         old = self.leaves.get(record.path)
-        if old is None or _shape_of(old) != _shape_of(record):
+        shape = (record.stored_dtype, tuple(record.stored_shape), record.encoding, tuple(record.chunks))
+        if old is None or (old.stored_dtype, tuple(old.stored_shape), old.encoding, tuple(old.chunks)) != shape:
             return None
         return os.path.join(self.root, old.directory) if old.directory else self.root
 
@@ -62,10 +63,6 @@ class Base:
         if old is None or (old.dtype, old.size, old.chunk) != (pack.dtype, pack.size, pack.chunk):
             return None
         return os.path.join(self.root, pack.name)
-
-
-def _shape_of(record: LeafRecord) -> tuple[Any, ...]:
-    return (record.stored_dtype, tuple(record.stored_shape), record.encoding, tuple(record.chunks))
 
 
 class IntegrityWarning(UserWarning):

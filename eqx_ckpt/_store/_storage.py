@@ -112,7 +112,7 @@ def result(future: Future | Mapped) -> Any:
 
 
 def read_file(loc: Location, name: str, *, limit: int) -> bytes | None:
-    """The bytes of a small file, or `None` if it does not exist. A file of more
+    """The bytes of a small file, or `None` if it does not exist. One of more
     than `limit` bytes is a `CorruptCheckpointError`, found before it is read
     (on an object store, by asking for the one byte past the limit)."""
     return read_file_stamped(loc, name, limit=limit)[0]
@@ -124,11 +124,7 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
     _faults.fire("storage.read_file", loc, name)
     if loc.local is not None:
         full = os.path.join(loc.local, name)
-        _untrusted.refuse_links(loc, name)
-        entry = local_entry(full)
-        if entry.special:  # (a FIFO would wait forever, and is no missing file either)
-            raise _untrusted.special_error(loc, name, entry.special)
-        if not entry.file:
+        if not _local_file(loc, name).file:
             return None, b""
         _faults.fire("storage.file_found", full)
         # One line opens and enters: an interrupt between the two would leave
@@ -162,13 +158,19 @@ def file_exists(loc: Location, name: str) -> bool:
     `read_file` is."""
     _faults.fire("storage.read_file", loc, name)
     if loc.local is not None:
-        _untrusted.refuse_links(loc, name)
-        entry = local_entry(os.path.join(loc.local, name))
-        if entry.special:
-            raise _untrusted.special_error(loc, name, entry.special)
-        return entry.file
+        return _local_file(loc, name).file
     with read_explained(loc, name):
         return result(Folder(loc).read(name, slice(0, 0))).value is not None
+
+
+def _local_file(loc: Location, name: str) -> LocalEntry:
+    """What is at the local path of file `name`: no link on the way, and no
+    FIFO, socket or device (a FIFO would wait forever, and is no missing file either)."""
+    _untrusted.refuse_links(loc, name)
+    entry = local_entry(os.path.join(loc.local or "", name))
+    if entry.special:
+        raise _untrusted.special_error(loc, name, entry.special)
+    return entry
 
 
 def _refuse_large_object(loc: Location, name: str, limit: int) -> None:
@@ -562,7 +564,7 @@ class Array:
         return Array(self._array[index])
 
     def read(self) -> Future:
-        """Start reading it: a future of a NumPy array."""
+        """A future of a NumPy array."""
         return self._array.read()
 
     def write(self, value: np.ndarray, transaction: Transaction | None = None) -> Future:
@@ -651,7 +653,6 @@ class Folder:
         return Mapped(self._store.read(name, byte_range=byte_range), _found)
 
     def read_file(self, name: str, *, limit: int) -> bytes | None:
-        """`read_file` of one of its files."""
         return read_file(self.loc, name, limit=limit)
 
     def listed_size(self, name: str) -> int | None:
@@ -659,7 +660,6 @@ class Folder:
         return None
 
     def changed(self, name: str, generation: bytes) -> bool:
-        """`generation_changed` of one of its files."""
         return generation_changed(self.loc, name, generation)
 
 
@@ -680,26 +680,22 @@ def local_remaining(f: io.BufferedReader) -> int:
 
 
 def transaction() -> Transaction:
-    """A transaction for a save's array writes (see `Transaction`)."""
     _faults.fire("storage.transaction")
     return Transaction()
 
 
 def _opening(future: Any) -> Mapped:
-    """The future of an `Array`, of TensorStore's future of an opened array."""
     return Mapped(future, Array)
 
 
 def _leaf_spec(loc: Location, record: LeafRecord) -> dict[str, Any]:
-    """The spec of a leaf's own zarr v3 array, as its record describes it."""
-    return array_spec(
-        loc,
-        record.directory,
-        shape=record.stored_shape,
-        stored_dtype=record.stored_dtype,
-        chunks=list(record.chunks),
-        compression=record.compression,
+    shape, dtype, chunks, compression = (
+        record.stored_shape,
+        record.stored_dtype,
+        list(record.chunks),
+        record.compression,
     )
+    return array_spec(loc, record.directory, shape=shape, stored_dtype=dtype, chunks=chunks, compression=compression)
 
 
 def create_array(loc: Location, record: LeafRecord, *, synced: bool = True) -> Mapped:

@@ -124,9 +124,11 @@ def check_leaf_files(loc: Location, record: LeafRecord) -> None:
     why = first_wrong_chunk_file(loc, record.directory, shape, chunks, chunk_nbytes, record.compression)
     if why is None and record.compression:
         return
+    # With no chunk file amiss, its files changed while they were checked.
+    why = why or f"the manifest gives it {record.nbytes} bytes, but its folder holds only {found} bytes"
     raise stored_leaf_error(
         IntegrityError,
-        f"it is damaged or incomplete: {why or _short(record.nbytes, found)}. Nothing was read.",
+        f"it is damaged or incomplete: {why}. Nothing was read.",
         dotted=record.path,
         path=loc.display,
         fix=_DAMAGED_FIX,
@@ -204,11 +206,6 @@ def first_wrong_chunk_file(
         if why is not None:
             return why
     return None
-
-
-def _short(nbytes: int, found: int) -> str:
-    """Where no chunk file is amiss (its files changed while they were checked)."""
-    return f"the manifest gives it {nbytes} bytes, but its folder holds only {found} bytes"
 
 
 def _scan(loc: Location, directory: str, leaf: str | None) -> int:
