@@ -633,11 +633,7 @@ def _compare_digests(source: _source.Source, records: list[LeafRecord], tracker:
             bad[record.path] = Problem(record.path, str(_damage(e, record, source.data, "read")))
         else:
             if found != source.manifest.digests[record.path]:
-                where = (
-                    ""
-                    if family is None or record.path not in family.references
-                    else (f" (read from the base's leaf `{family.references[record.path]}`)")
-                )
+                where = "" if taken is None else f" (read from the base's leaf `{taken}`)"
                 bad[record.path] = Problem(
                     record.path,
                     f"its bytes{where} are not those its digest in {_published.NAME} records (xxh3-128 "
