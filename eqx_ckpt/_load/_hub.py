@@ -727,11 +727,6 @@ def _digest(path: str, *, lfs: bool) -> str:
     return digest.hexdigest()
 
 
-def local_location(pinned: Pinned, folder: str) -> Location:
-    """The cached copy of a pinned folder, as a local directory named in messages as the Hub's."""
-    return Location({"driver": "file", "path": folder.rstrip("/") + "/"}, pinned.display, folder.rstrip("/"))
-
-
 class Files:
     """The files of a pinned folder, read by byte ranges through
     `huggingface_hub`'s file system (`HfFileSystem`) at the commit: the

@@ -219,9 +219,9 @@ def _from_hub(where: Hub, whole: bool, token: str | None, pinned: _hub.Pinned | 
     names = _hub.needed(pinned, _hub.reader(files, whole=whole))
     checked: tuple[str, ...] = ()
     if whole or pinned.offline or _hub.cached(pinned, names):
-        downloaded = _hub.download(pinned, names)  # (the folder, and what was checked)
-        opened = _hub.local_location(pinned, downloaded[0])
-        checked = downloaded[1]
+        folder, checked = _hub.download(pinned, names)
+        # The cached copy, a local directory named in messages as the Hub's.
+        opened = Location({"driver": "file", "path": folder.rstrip("/") + "/"}, pinned.display, folder.rstrip("/"))
         found = _safetensors.find(opened)
     else:
         opened = files.loc
