@@ -219,9 +219,10 @@ def _from_hub(where: Hub, whole: bool, token: str | None, pinned: _hub.Pinned | 
     names = _hub.needed(pinned, _hub.reader(files, whole=whole))
     checked: tuple[str, ...] = ()
     if whole or pinned.offline or _hub.cached(pinned, names):
-        folder, checked = _hub.download(pinned, names)
-        # The cached copy, a local directory named in messages as the Hub's.
-        opened = Location({"driver": "file", "path": folder.rstrip("/") + "/"}, pinned.display, folder.rstrip("/"))
+        downloaded = _hub.download(pinned, names)  # (the folder, and what was checked)
+        folder = downloaded[0].rstrip("/")  # the cached copy, a local folder named in messages as the Hub's
+        opened = Location({"driver": "file", "path": folder + "/"}, pinned.display, folder)
+        checked = downloaded[1]
         found = _safetensors.find(opened)
     else:
         opened = files.loc
