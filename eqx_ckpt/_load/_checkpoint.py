@@ -123,11 +123,8 @@ class Checkpoint(Mapping[str, Any]):
         """For a fine-tune, each leaf read from its base (by dotted path), with
         the base's leaf holding its bytes; `{}` for every other source."""
         family = self._manifest.family
-        return (
-            {}
-            if family is None
-            else dict(sorted(family.references.items(), key=lambda item: _keypath.sort_key(item[0])))
-        )
+        references = {} if family is None else family.references
+        return dict(sorted(references.items(), key=lambda item: _keypath.sort_key(item[0])))
 
     @property
     def total_bytes(self) -> int:

@@ -560,15 +560,12 @@ def _taken(source: Source, base: Source, family: _published.Family, shown: str) 
     held = base.manifest.by_path()
     mine = source.manifest.by_path()
     taken: dict[str, LeafRecord] = {}
+    stored = lambda r: (r.stored_dtype, r.stored_shape, r.encoding)
     for path, name in family.references.items():
         record, found = mine[path], held.get(name)
         if found is None:
             why = f"has no leaf {from_file(repr(name))}"
-        elif (found.stored_dtype, found.stored_shape, found.encoding) != (
-            record.stored_dtype,
-            record.stored_shape,
-            record.encoding,
-        ):
+        elif stored(found) != stored(record):
             why = (
                 f"stores its leaf {from_file(repr(name))} as {found.stored_dtype}{list(found.stored_shape)}, not as "
                 f"the {record.stored_dtype}{list(record.stored_shape)} recorded"

@@ -727,11 +727,6 @@ def _digest(path: str, *, lfs: bool) -> str:
     return digest.hexdigest()
 
 
-def local_location(pinned: Pinned, folder: str) -> Location:
-    """The cached copy of a pinned folder, as a local directory named in messages as the Hub's."""
-    return Location({"driver": "file", "path": folder.rstrip("/") + "/"}, pinned.display, folder.rstrip("/"))
-
-
 class Files:
     """The files of a pinned folder, read by byte ranges through
     `huggingface_hub`'s file system (`HfFileSystem`) at the commit: the
@@ -849,19 +844,12 @@ class Published:
     changed: bool
 
 
-def publish(
-    write: Callable[[str], list[str]],
-    repo: str,
-    *,
-    token: str | None,
-    private: bool,
-    revision: str | None,
-    commit_message: str,
-    tag: str | None = None,
-) -> Published:
+def publish(write: Callable[[str], list[str]], options: Any, token: str | None) -> Published:
     """Write the files of a publication into a temporary folder, then make the
     branch hold exactly them, in one commit.
 
+    - `options` are the push's (`_publish.PushOptions`: the repository, its
+      branch, whether a new one is private, the commit's message and tag).
     - `write(folder)` writes the files and returns their names.
     - The repository is made first where there is none.
     - A branch named by `revision` is made from the default branch where there
@@ -873,11 +861,12 @@ def publish(
     - `tag` tags the commit that holds them."""
     hub = library()
     api = hub.HfApi(token=token)
+    repo, revision = options.repo_id, options.revision
     where = f"hf://{repo}@{revision or 'main'}"
     with tempfile.TemporaryDirectory(prefix="eqx_ckpt-push-") as folder:
         names = write(folder)
         try:
-            api.create_repo(repo, private=private, exist_ok=True)
+            api.create_repo(repo, private=options.private, exist_ok=True)
             if revision is not None:
                 api.create_branch(repo, branch=revision, exist_ok=True)
             info = _retried(lambda: api.model_info(repo, revision=revision, files_metadata=True))
@@ -895,11 +884,11 @@ def publish(
                     # own call, which nothing here can change.
                     warnings.filterwarnings("ignore", "Use 'content=<...>'", DeprecationWarning)
                     made = api.create_commit(
-                        repo, operations, commit_message=commit_message, revision=revision, parent_commit=parent
+                        repo, operations, commit_message=options.commit_message, revision=revision, parent_commit=parent
                     )
                 commit = _commit(str(made.oid), repo, revision)
-            if tag is not None:
-                _tag(hub, api, repo, tag, commit)
+            if options.tag is not None:
+                _tag(hub, api, repo, options.tag, commit)
         except Exception as e:
             if isinstance(e, (CheckpointTypeError, CheckpointValueError, CheckpointStorageError)):
                 raise

@@ -200,15 +200,7 @@ def plan(
         + [p.stored for p, _ in leaves.custom]
         + [name for t in leaves.transformed for name in t.stored]
     )
-    return LoadPlan(
-        source.loc,
-        treedef,
-        values,
-        leaves.reads,
-        leaves.custom,
-        leaves.transformed,
-        options,
-    )
+    return LoadPlan(source.loc, treedef, values, leaves.reads, leaves.custom, leaves.transformed, options)
 
 
 def _chosen(where: Callable[[Any], Any] | None, treedef: Any, leaves: _Leaves) -> list[int]:

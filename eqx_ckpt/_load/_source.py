@@ -220,7 +220,8 @@ def _from_hub(where: Hub, whole: bool, token: str | None, pinned: _hub.Pinned | 
     checked: tuple[str, ...] = ()
     if whole or pinned.offline or _hub.cached(pinned, names):
         downloaded = _hub.download(pinned, names)  # (the folder, and what was checked)
-        opened = _hub.local_location(pinned, downloaded[0])
+        folder = downloaded[0].rstrip("/")  # the cached copy, a local folder named in messages as the Hub's
+        opened = Location({"driver": "file", "path": folder + "/"}, pinned.display, folder)
         checked = downloaded[1]
         found = _safetensors.find(opened)
     else:

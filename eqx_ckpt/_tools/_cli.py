@@ -508,7 +508,7 @@ def _export_parser(commands: Any) -> None:
     export = commands.add_parser(
         "export", help="write a checkpoint as (Hugging Face sharded) safetensors", epilog=STORAGE_HELP
     )
-    export.add_argument("ckpt", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
+    export.add_argument("ckpt", help=_PATH_HELP)
     export.add_argument("out", help="output directory (or a path ending in .safetensors for one file)")
     export.add_argument("--token", default=None, help=_TOKEN_HELP)
     export.add_argument("--with-base", default=None, metavar="PATH", help=_WITH_BASE_HELP)
@@ -608,12 +608,23 @@ def _push_parser(commands: Any) -> None:
     push.set_defaults(run=_push)
 
 
+_PATH_HELP = "checkpoint directory, kvstore URL, or kvstore spec as JSON"
 _TOKEN_HELP = "a Hugging Face Hub token, for an hf:// path of a private or gated repository (default: HF_TOKEN)"
 _WITH_BASE_HELP = (
     "for a fine-tune stored against a base: read its base from PATH instead of where its record says (needed where "
     "that is not an hf:// base or a folder beside the fine-tune); its leaves are checked against the fine-tune's "
     "digests"
 )
+
+
+def _reader(commands: Any, name: str, run: Any, help: str, path: str = _PATH_HELP) -> Any:
+    """A command reading the checkpoint at its `path` (a fine-tune's base too: `--with-base`)."""
+    command = commands.add_parser(name, help=help, epilog=STORAGE_HELP)
+    command.add_argument("path", help=path)
+    command.add_argument("--token", default=None, help=_TOKEN_HELP)
+    command.add_argument("--with-base", default=None, metavar="PATH", help=_WITH_BASE_HELP)
+    command.set_defaults(run=run)
+    return command
 
 
 def _with_base(args: argparse.Namespace) -> Any:
@@ -630,33 +641,21 @@ def parser() -> argparse.ArgumentParser:
     )
     top.add_argument("--version", action="version", version=f"eqx-ckpt {__version__}")
     commands = top.add_subparsers(dest="command", required=True)
-    ls = commands.add_parser("ls", help="sorted tree of keys with dtype[shape] and size", epilog=STORAGE_HELP)
-    ls.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
-    ls.add_argument("--token", default=None, help=_TOKEN_HELP)
-    ls.add_argument("--with-base", default=None, metavar="PATH", help=_WITH_BASE_HELP)
+    ls = _reader(commands, "ls", _ls, "sorted tree of keys with dtype[shape] and size")
     ls.add_argument("--depth", type=int, default=None, help="show only this many levels")
     ls.add_argument("--values", action="store_true", help=f"print leaves of at most {SMALL_VALUES} elements")
     ls.add_argument(
         "--types", action="store_true", help="the classes and functions a load without `like` needs trusted"
     )
-    ls.set_defaults(run=_ls)
-    info = commands.add_parser(
-        "info", help="format and library version, creation time, leaf count, bytes", epilog=STORAGE_HELP
-    )
-    info.add_argument("path", help="checkpoint directory, kvstore URL, or kvstore spec as JSON")
-    info.add_argument("--token", default=None, help=_TOKEN_HELP)
-    info.add_argument("--with-base", default=None, metavar="PATH", help=_WITH_BASE_HELP)
-    info.set_defaults(run=_info)
-    verify = commands.add_parser(
+    _reader(commands, "info", _info, "format and library version, creation time, leaf count, bytes")
+    _reader(
+        commands,
         "verify",
-        help="read and check every byte (of other formats: what they can be checked for); exit 0 sound, "
+        _verify,
+        "read and check every byte (of other formats: what they can be checked for); exit 0 sound, "
         "1 damaged, 2 error or a newer format (not damage: upgrade eqx_ckpt)",
-        epilog=STORAGE_HELP,
+        "checkpoint, .safetensors file, Hugging Face or orbax directory, kvstore URL",
     )
-    verify.add_argument("path", help="checkpoint, .safetensors file, Hugging Face or orbax directory, kvstore URL")
-    verify.add_argument("--token", default=None, help=_TOKEN_HELP)
-    verify.add_argument("--with-base", default=None, metavar="PATH", help=_WITH_BASE_HELP)
-    verify.set_defaults(run=_verify)
     diff = commands.add_parser(
         "diff", help="compare two checkpoints; exit 0 equal, 1 different, 2 error", epilog=STORAGE_HELP
     )

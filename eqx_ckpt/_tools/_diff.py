@@ -21,7 +21,6 @@ from .._load._checkpoint import describe, human as _human
 from .._load._load_plan import LoadOptions
 from .._ondisk._format import LeafRecord, dtype_from_name
 from .._store import _storage, _storage_errors
-from . import _chunk_scan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,9 +227,9 @@ def _compare_values(
         )
 
     stop = lambda: bool(errors)
-    jobs = ((pair[0], pair, index) for pair in opened for index in _chunk_scan.chunk_indices(pair[0], stop=stop))
-    done = _chunk_scan.read_chunks(jobs, skip=lambda r: stop(), failed=lambda r, e: errors.append(e), read=read)
-    count = _chunk_scan.LeafCounter([ra for ra, _ in pairs], tracker)
+    jobs = ((pair[0], pair, index) for pair in opened for index in _read.chunk_indices(pair[0], stop=stop))
+    done = _read.scan_chunks(jobs, skip=lambda r: stop(), failed=lambda r, e: errors.append(e), read=read)
+    count = _read.LeafCounter([ra for ra, _ in pairs], tracker)
     for record, (equal, largest, squared, norm), size in done:
         sums[record.path] = sums.get(record.path, 0.0) + norm
         if not equal:

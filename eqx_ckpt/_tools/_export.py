@@ -41,15 +41,7 @@ from .._load import _family, _rebuild
 from .._load._checkpoint import Checkpoint, need
 from .._load._lazy import LazyArray
 from .._ondisk import _dtypes, _published, _structure
-from .._ondisk._format import (
-    CARD,
-    LEAF_TYPES,
-    MANIFEST,
-    UNPUBLISHED_SUFFIX,
-    LeafRecord,
-    dtype_from_name,
-    whole_chunks,
-)
+from .._ondisk._format import CARD, LEAF_TYPES, MANIFEST, UNPUBLISHED_SUFFIX, LeafRecord, dtype_from_name, whole_chunks
 from .._store import _durable, _storage
 from . import _card, _matching
 from ._card import model_card

@@ -170,16 +170,7 @@ def publish(tree_or_checkpoint_path: Any, options: PushOptions) -> tuple[_hub.Pu
         reports[0] = written.report
         return written.names
 
-    published = _hub.publish(
-        write,
-        options.repo_id,
-        token=token,
-        private=options.private,
-        revision=options.revision,
-        commit_message=options.commit_message,
-        tag=options.tag,
-    )
-    return published, reports[0]
+    return _hub.publish(write, options, token), reports[0]
 
 
 def _card_path(repo_id: str, revision: str | None) -> str:

@@ -4,7 +4,7 @@ It reads chunk by chunk, a bounded number of bytes at a time. So a checkpoint
 of any size (or a hostile one claiming an absurd shape) is checked in bounded
 memory. The readers:
 
-- a leaf's chunks: `_read_every_chunk`, in reads `_chunk_scan` bounds;
+- a leaf's chunks: `_read_every_chunk`, in reads `_read.scan_chunks` bounds;
 - a pack's: the pack reader (`_pack.read_chunks`);
 - each chunk: `_read.start_region`, the one way any reader reads stored elements.
 
@@ -47,7 +47,6 @@ from .._ondisk import _format, _layout, _manifest, _published
 from .._ondisk._format import MANIFEST, LeafRecord, PackRecord, dtype_from_name, step_name
 from .._ondisk._manifest import Manifest
 from .._store import _chunk_files, _storage, _storage_errors, _untrusted
-from . import _chunk_scan
 
 # Pack chunks read at once.
 _PACK_READS = 16
@@ -401,14 +400,11 @@ def _read_every_chunk(
         return lambda: path in bad
 
     jobs = (
-        (r, stores[r.path], i)
-        for r in records
-        if r.path in stores
-        for i in _chunk_scan.chunk_indices(r, stop=stop(r.path))
+        (r, stores[r.path], i) for r in records if r.path in stores for i in _read.chunk_indices(r, stop=stop(r.path))
     )
-    count = _chunk_scan.LeafCounter(records, tracker)
+    count = _read.LeafCounter(records, tracker)
     read = lambda record, store, index: _read.start_region(store, data, record, index, raw=True)
-    for record, _, size in _chunk_scan.read_chunks(jobs, skip=lambda r: r.path in bad, failed=failed, read=read):
+    for record, _, size in _read.scan_chunks(jobs, skip=lambda r: r.path in bad, failed=failed, read=read):
         count(record, size)
 
 
@@ -637,11 +633,7 @@ def _compare_digests(source: _source.Source, records: list[LeafRecord], tracker:
             bad[record.path] = Problem(record.path, str(_damage(e, record, source.data, "read")))
         else:
             if found != source.manifest.digests[record.path]:
-                where = (
-                    ""
-                    if family is None or record.path not in family.references
-                    else (f" (read from the base's leaf `{family.references[record.path]}`)")
-                )
+                where = "" if taken is None else f" (read from the base's leaf `{taken}`)"
                 bad[record.path] = Problem(
                     record.path,
                     f"its bytes{where} are not those its digest in {_published.NAME} records (xxh3-128 "
