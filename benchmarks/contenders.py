@@ -50,12 +50,13 @@ class EqxCkpt:
     name = "eqx_ckpt"
     suffix = ""
 
-    def __init__(self, staging_bytes: int | None = None) -> None:
+    def __init__(self, staging_bytes: int | None = None, compression: str | None = None) -> None:
         import eqx_ckpt
 
         self.lib = eqx_ckpt
-        # A save's staging budget; `None`: the library's default (not passed).
-        self.options = {} if staging_bytes is None else {"staging_bytes": staging_bytes}
+        # A save's staging budget and compression; `None`: the library's default (not passed).
+        given = {"staging_bytes": staging_bytes, "compression": compression}
+        self.options = {k: v for k, v in given.items() if v is not None}
 
     def save(self, path: str, state: Any) -> None:
         self.lib.tree_serialise_leaves(path, state, **self.options)

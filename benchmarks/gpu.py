@@ -1,7 +1,8 @@
 """A state held on the accelerator: eqx_ckpt against orbax-checkpoint and the raw floor (issue 50).
 
 `python -m benchmarks.gpu [--gib 4] [--dtypes float32,bfloat16] [--reps 1] [--dir DIR] [--json FILE]
-[--staging-mib MIB] [--contenders NAMES] [--processes] [--pool COUNTxMIB] [--read-threads N]`
+[--staging-mib MIB] [--compression NAME] [--contenders NAMES] [--processes] [--pool COUNTxMIB]
+[--read-threads N]`
 
 For each dtype, a state of `--gib` GiB is made on the default JAX device with
 `jax.random` (a dict of about 28 arrays of 64, 128 and 256 MiB; smaller ones
@@ -10,7 +11,9 @@ one process, each into a fresh directory under `--dir`:
 
 - `eqx_ckpt` `save`: `tree_serialise_leaves`, blocking (durable when it returns),
   with `staging_bytes` of `--staging-mib` where given (the peak RSS added
-  of a save stays within it: docs/scaling.md, "Host memory of a save");
+  of a save stays within it: docs/scaling.md, "Host memory of a save")
+  and `compression` of `--compression` where given (its chunks compressed by
+  eqx_ckpt's writing threads, and decompressed into the load pool's buffers);
   `save_async`: `blocking=False`, the time the caller is `blocked` (until the
   call returns) and `seconds` until `wait()` returns (committed, durable);
   `save_again`: a later blocking save, into another fresh directory;
@@ -37,7 +40,8 @@ it (page cache warm, `benchmarks/worker.py:set_cache`) and what it returns is
 compared, bit for bit and on the device, with the state saved. Every figure
 has its wall seconds, GB/s (10^9 bytes of the state a second) and the peak
 resident memory of this process during the operation over what it held
-before (psutil, sampled every 10 ms in a thread). Prints a table; `--json`
+before (psutil, sampled every 10 ms in a thread); an eqx_ckpt save's, the
+bytes its chunk files take (`stored_bytes`). Prints a table; `--json`
 writes the device's name, the versions and every figure, rewritten after each
 measurement so a run stopped midway keeps what it measured; a contender that
 fails is recorded with its error and the others go on. `--contenders` picks
@@ -109,6 +113,8 @@ def make_state(gib: float, dtype: Any, seed: int = 0) -> dict[str, jax.Array]:
 # eqx_ckpt's staging budget, in bytes (`--staging-mib`): the most host memory
 # its saves stage at a time; `None` passes none (the library's default).
 STAGING_BYTES: int | None = None
+# eqx_ckpt's saves' `compression` (`--compression`); `None` passes none (no compression).
+COMPRESSION: str | None = None
 
 
 def abstract(state: dict[str, jax.Array]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -157,9 +163,9 @@ def timed(operation: Callable[[], Any], nbytes: int) -> tuple[Any, dict[str, Any
     return value, figures
 
 
-def eqx_ckpt_save_async(path: str, state: Any) -> tuple[None, float]:
+def eqx_ckpt_save_async(eqx: contenders.EqxCkpt, path: str, state: Any) -> tuple[None, float]:
     start = time.perf_counter()
-    pending = contenders.EqxCkpt().save_async(path, state)
+    pending = eqx.save_async(path, state)
     blocked = time.perf_counter() - start
     pending.wait()
     return None, blocked
@@ -219,8 +225,9 @@ def operations(name: str) -> dict[str, Callable[[str, Any], Any]]:
     """`name`'s save, asynchronous save and load, each `(path, state or like)`
     (eqx_ckpt's a second blocking save too, `save_again`)."""
     if name.startswith("eqx_ckpt"):
-        eqx = contenders.EqxCkpt(STAGING_BYTES)
-        ops = {"save": eqx.save, "save_again": eqx.save, "save_async": eqx_ckpt_save_async, "load": eqx.load}
+        eqx = contenders.EqxCkpt(STAGING_BYTES, COMPRESSION)
+        save_async = functools.partial(eqx_ckpt_save_async, eqx)
+        ops = {"save": eqx.save, "save_again": eqx.save, "save_async": save_async, "load": eqx.load}
         return {op: unpinned(f) for op, f in ops.items()} if name == "eqx_ckpt_unpinned" else ops
     if name == "orbax":
         orbax = contenders.Orbax()
@@ -276,6 +283,8 @@ def bench_contender(name: str, state: dict[str, jax.Array], root: str) -> Iterat
             given = jax.block_until_ready({k: x.copy() for k, x in state.items()}) if op == "to_host" else state
             _, figures = timed(functools.partial(ops[op], paths[op], given), nbytes)
             del given
+            if name.startswith("eqx_ckpt"):
+                figures["stored_bytes"] = eqx_ckpt.Checkpoint(paths[op]).stored_bytes  # compressed, where it is
             yield {"op": op, **figures}
             if op != "save":
                 run.remove(paths[op])
@@ -329,6 +338,7 @@ def header(args: argparse.Namespace, root: str) -> dict[str, Any]:
         "gib": args.gib,
         "reps": args.reps,
         "staging_bytes": STAGING_BYTES,
+        "compression": COMPRESSION,
         "rows": [],
     }
 
@@ -359,6 +369,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="write the device, versions and every figure here")
     parser.add_argument("--staging-mib", type=float, default=None, help="eqx_ckpt's staging budget (default: its own)")
+    parser.add_argument("--compression", default=None, help="eqx_ckpt's saves' compression (default: none)")
     names = ", ".join(CONTENDERS)
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, from " + names)
     parser.add_argument("--processes", action="store_true", help="each contender in a process of its own")
@@ -394,8 +405,9 @@ def configure(args: argparse.Namespace) -> None:
     """This process's contenders and eqx_ckpt's settings, from the arguments."""
     from eqx_ckpt._store import _memory, _window
 
-    global STAGING_BYTES, CONTENDERS
+    global STAGING_BYTES, COMPRESSION, CONTENDERS
     STAGING_BYTES = None if args.staging_mib is None else int(args.staging_mib * 2**20)
+    COMPRESSION = args.compression
     CONTENDERS = tuple(args.contenders.split(","))
     if args.pool is not None:
         count, _, mib = args.pool.partition("x")

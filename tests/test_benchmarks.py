@@ -495,18 +495,24 @@ def test_the_gpu_script_records_every_figure_on_a_cpu(tmp_path):
         assert row.get("verified", True) is True and (("verified" in row) == row["op"].startswith("load")), row
         if row["op"] == "save_async":
             assert 0 < row["blocked"] <= row["seconds"], row
+        if row["op"].startswith("save") and row["contender"].startswith("eqx_ckpt"):
+            assert row["stored_bytes"] >= written[f"bytes_{row['dtype']}"], row  # not compressed
     assert written["run_seconds"] > 0
     assert [p.name for p in tmp_path.iterdir()] == ["gpu.json"]
 
 
 def test_the_gpu_script_measures_each_contender_in_a_process_of_its_own(tmp_path):
     """`--processes`: each contender picked runs this script in a process of
-    its own (here two, eqx_ckpt's pool and read threads as given), and its
-    rows come back to the one JSON, in order."""
+    its own (here two, eqx_ckpt's pool, read threads and compression as
+    given), and its rows come back to the one JSON, in order."""
     out = tmp_path / "gpu.json"
     argv = ["--gib", "0.002", "--dtypes", "float32", "--dir", str(tmp_path), "--json", str(out)]
-    gpu.main([*argv, "--processes", "--contenders", "numpy,eqx_ckpt", "--pool", "2x8", "--read-threads", "2"])
+    eqx = ["--pool", "2x8", "--read-threads", "2", "--compression", "blosc-lz4"]
+    gpu.main([*argv, "--processes", "--contenders", "numpy,eqx_ckpt", *eqx])
     written = json.loads(out.read_text())
+    assert written["compression"] == "blosc-lz4"
+    saves = [r for r in written["rows"] if r["contender"] == "eqx_ckpt" and r["op"].startswith("save")]
+    assert len(saves) == 3 and all(0 < r["stored_bytes"] < written["bytes_float32"] for r in saves)
     cold = worker.can_drop_caches()
     assert [r["contender"] for r in written["rows"]] == ["numpy"] * (3 + cold) + ["eqx_ckpt"] * (4 + cold)
     assert all(r.get("verified", True) is True for r in written["rows"]) and written["bytes_float32"] > 0

@@ -160,12 +160,13 @@ def test_64_bit_arrays_stay_64_bit_in_every_thread_that_copies_them(tmp_path, bl
     assert eqx.tree_equal(out, expected, typematch=True)
 
 
-def test_a_training_loop_saving_every_5_steps_resumes_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("compression", [None, "blosc-zstd"])
+def test_a_training_loop_saving_every_5_steps_resumes_bit_for_bit(tmp_path, compression):
     """50 steps of a jitted step that donates its state, saved every 5 steps
     in the background (each save holds pinned copies while the next steps
-    overwrite the state); a new manager resumes every saved step bit for
-    bit, on the device, and training on from step 50 gives what the
-    original run would have."""
+    overwrite the state; compressed, by eqx_ckpt's writing threads); a new
+    manager resumes every saved step bit for bit, on the device, and
+    training on from step 50 gives what the original run would have."""
     train = jax.jit(lambda t: jax.tree.map(lambda x: x * 0.5 + 1.0, t), donate_argnums=0)
     state = _state(leaves=4)
     saved: dict[int, dict[str, np.ndarray]] = {}
@@ -174,7 +175,7 @@ def test_a_training_loop_saving_every_5_steps_resumes_bit_for_bit(tmp_path):
         state = train(state)
         if step % 5 == 0:
             saved[step] = jax.tree.map(np.asarray, state)
-            manager.save(step, state)
+            manager.save(step, state, compression=compression)
     manager.wait_until_finished()
     manager.close()
     expected_next = jax.tree.map(np.asarray, train(jax.tree.map(jax.numpy.copy, state)))
@@ -189,18 +190,23 @@ def test_a_training_loop_saving_every_5_steps_resumes_bit_for_bit(tmp_path):
     assert eqx.tree_equal(jax.tree.map(np.asarray, train(latest)), expected_next, typematch=True)
 
 
-def test_a_load_through_the_pool_of_pinned_buffers_is_bit_for_bit_on_the_device(tmp_path, faults, monkeypatch):
+@pytest.mark.parametrize("compression", [None, "blosc-lz4", "zstd"])
+def test_a_load_through_the_pool_of_pinned_buffers_is_bit_for_bit_on_the_device(
+    tmp_path, faults, monkeypatch, compression
+):
     """Through a small pool (`_memory.PINNED_LOAD_POOL`, on by default on GPUs), a
     state of 8 leaves of 4 MiB (chunks of 1 MiB) is read through two reused
     buffers of 2 MiB (each leaf in two slabs, joined on the device): loaded
-    bit for bit onto the device, the buffers allocated once for two loads."""
+    bit for bit onto the device, the buffers allocated once for two loads.
+    Compressed chunks are decompressed straight into the pool's buffers."""
     from eqx_ckpt._ondisk import _format
 
     monkeypatch.setattr(_format, "CHUNK_BYTES", MIB)
     monkeypatch.setattr(_memory, "PINNED_LOAD_POOL", (2, 2 * MIB))
     reset_state("memory.load_pools")
     state = _state()
-    eqx_ckpt.tree_serialise_leaves(tmp_path / "c", state)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "c", state, compression=compression)
+    assert eqx_ckpt.Checkpoint(tmp_path / "c").compression == compression
     allocated: list[int] = []
     faults("load.pinned_pool", allocated.append)
     like = eqx.filter_eval_shape(lambda: state)

@@ -21,6 +21,10 @@ from eqx_ckpt._base import _state
 from eqx_ckpt._ondisk import _format
 from eqx_ckpt._store import _memory
 
+# The pinned paths as JAX's CPU devices take them; on an accelerator the state
+# would be placed on it, and tests/test_gpu.py runs these paths there.
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="simulates the pinned paths on CPU devices")
+
 P = jax.sharding.PartitionSpec
 BUFFER = 256 << 10
 

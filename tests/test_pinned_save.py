@@ -13,6 +13,10 @@ import pytest
 import eqx_ckpt
 from eqx_ckpt._store import _memory
 
+# The pinned paths as JAX's CPU devices take them; on an accelerator the state
+# would be placed on it, and tests/test_gpu.py runs these paths there.
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="simulates the pinned paths on CPU devices")
+
 
 @pytest.fixture
 def pinned_saves(monkeypatch):

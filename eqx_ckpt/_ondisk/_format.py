@@ -36,14 +36,25 @@ import dataclasses
 import json
 import math
 import re
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import ml_dtypes
-import numcodecs
 import numpy as np
 
 from .._base import _keypath, _state
+
+# numcodecs (0.16.4 on) warns on its import where `crc32c` is installed and
+# `google_crc32c` is not, about its own CRC32C codec, which eqx_ckpt never uses
+# (it checks chunks with `crc32c` itself). That warning is dropped, so `import
+# eqx_ckpt` prints nothing; any other warning of the import is shown.
+with warnings.catch_warnings(record=True) as _caught:
+    import numcodecs
+for _warning in _caught:
+    if not str(_warning.message).startswith("crc32c usage is deprecated"):
+        warnings.warn_explicit(_warning.message, _warning.category, _warning.filename, _warning.lineno)
+del _caught
 
 FORMAT = "eqx_ckpt"
 # Versions:
