@@ -21,7 +21,9 @@ from test_families import (  # noqa: F401 (`family`: a fixture, a base of each k
     CHANGED,
     Classifier,
     _assert_same,
+    _base_tree,
     _by_path,
+    _finetuned,
     _like,
     _make_base,
     _model,
@@ -65,6 +67,17 @@ def test_ls_and_info_describe_a_finetune_whose_base_is_missing(family, capsys): 
     out = capsys.readouterr().out
     assert f"base:            {family.base}\n" in out and f"{len(taken)} read from the base" in out
     assert f"base missing:    {ckpt.base_missing} Only the 3 leaves stored here load.\n" in out
+
+
+def test_the_reason_keeps_a_base_path_that_holds_a_full_stop(tmp_path):
+    """`base_missing` is the first sentence of the base's error, found after
+    the path it quotes: a folder named "v1. final" is not cut at its ". "."""
+    base, tree = tmp_path / "v1. final", _base_tree()
+    _make_base("checkpoint", base, tree)
+    eqx_ckpt.export_safetensors(tmp_path / "ft", _finetuned(tree), base=base)
+    shutil.rmtree(base)
+    why = eqx_ckpt.Checkpoint(tmp_path / "ft").base_missing
+    assert why == f"{MISSING} {str(base)!r} (no manifest.json)."
 
 
 def test_verify_checks_the_leaves_stored_and_says_the_others_were_not(family, capsys):  # noqa: F811

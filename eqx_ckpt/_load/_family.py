@@ -490,10 +490,13 @@ def _checked(
 
 def reason(missing: CheckpointNotFoundError) -> str:
     """The short reason a missing base cannot be found: the first sentence of
-    its open's own error."""
-    cause = str(missing.__cause__ or missing)
-    first = cause.split(". ", 1)[0].rstrip(".")
-    return first + "."
+    its open's own error, whose end is looked for after the path it quotes
+    (a path may hold ". " too)."""
+    cause = missing.__cause__ if isinstance(missing.__cause__, CheckpointError) else missing
+    text, quoted = str(cause), repr(cause.path)
+    start = text.find(quoted) + len(quoted) if quoted in text else 0
+    end = text.find(". ", start)
+    return (text if end < 0 else text[:end]).rstrip(".") + "."
 
 
 def _opened(
