@@ -41,6 +41,12 @@ A process pushes, one after another: the base; each fine-tune with
    without; hashing included, `--reps` times each, the order alternating.
    Target: at most 1.2x. `export stored`: the bytes of the two folders
    (target: the changed bytes plus 1 MiB).
+5. `local checkpoint base`: the fine-tune exported against an eqx_ckpt
+   checkpoint of the base beside it (`tree_serialise_leaves`), loaded whole
+   in this process, its taken leaves read from the checkpoint's chunks;
+   against its standalone export. Page cache warm (one untimed load of
+   each first), `--reps` times each, the order alternating. Target: at most
+   1.1x.
 
 Every load's values are checked bit for bit against what was pushed (a
 digest of every tensor's name, dtype, shape and bytes) before its time is
@@ -354,12 +360,38 @@ def exports(bench: Bench, reps: int) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
+def local_loads(bench: Bench, reps: int) -> list[dict[str, Any]]:
+    """Item 5: a fine-tune against a local eqx_ckpt checkpoint base, and its standalone export, in this process."""
+    import eqx_ckpt
+
+    folders = {kind: os.path.join(bench.directory, f"local-{kind}") for kind in ("base", "ft", "whole")}
+    eqx_ckpt.tree_serialise_leaves(folders["base"], bench.base)
+    tree, template = model(bench.big, TENSOR, HEAD, 0), like(bench.big, TENSOR, HEAD)
+    eqx_ckpt.export_safetensors(folders["ft"], tree, base=folders["base"])
+    eqx_ckpt.export_safetensors(folders["whole"], tree)
+    times: dict[str, list[float]] = {"ft": [], "whole": []}
+    for rep in range(reps + 1):  # the first untimed: the page cache warmed
+        for kind in ("ft", "whole") if rep % 2 == 0 else ("whole", "ft"):
+            start = time.perf_counter()
+            out = jax.block_until_ready(eqx_ckpt.tree_deserialise_leaves(folders[kind], template))
+            seconds = time.perf_counter() - start
+            if fingerprint(out) != bench.expected["bench/ft-0"]:
+                raise AssertionError(f"{folders[kind]} loads other values than were exported")
+            bench.checked += 1
+            if rep:
+                times[kind].append(seconds)
+    return [
+        row("load, local checkpoint base", "s", times["ft"], "standalone, local", times["whole"], "<= 1.1x", 1.1,
+            ratio_limit=True),
+    ]  # fmt: skip
+
+
 def bench_all(mib: int, reps: int, finetunes: int) -> tuple[list[dict[str, Any]], int]:
     """Every measurement, and the number of loads whose values were checked."""
     with tempfile.TemporaryDirectory(prefix="eqx_ckpt-bench-families-") as directory:
         with hub.hub(directory) as (_, state, env):
             bench = Bench(directory, state, env, mib, finetunes)
-            rows = pushes(bench) + caches(bench) + loads(bench, reps) + exports(bench, reps)
+            rows = pushes(bench) + caches(bench) + loads(bench, reps) + exports(bench, reps) + local_loads(bench, reps)
         return rows, bench.checked
 
 

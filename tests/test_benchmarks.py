@@ -767,9 +767,10 @@ def test_the_families_benchmark_measures_every_target(monkeypatch, capsys):
         "load standalone, cold",
         "export, `base=`",
         "export stored, `base=`",
+        "load, local checkpoint base",
     ]
-    # The loads of items 2 (2 + 2), 3 (the base, then 7) and 4 (2), each checked.
-    assert all(r["checked"] == 14 for r in rows)
+    # The loads of items 2 (2 + 2), 3 (the base, then 7), 4 (2) and 5 (2 + 2), each checked.
+    assert all(r["checked"] == 18 for r in rows)
     assert all(r["values"] and r["versus_median"] > 0 for r in rows)
     head = (16 * 16 + 16) * 4
     for name in ("upload, `base=`", "stored, `base=`", "cache, 2 fine-tunes", "export stored, `base=`"):
