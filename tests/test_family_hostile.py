@@ -60,6 +60,11 @@ def _base_tree() -> dict[str, Any]:
     }
 
 
+def _with_large(tree: dict[str, Any]) -> dict[str, Any]:
+    """`tree` and a leaf of 2 MiB: in a checkpoint, an array of its own (not packed), read from its chunk files."""
+    return {**tree, "large": jnp.arange(2**19, dtype=jnp.float32)}
+
+
 def _finetuned(tree: dict[str, Any]) -> dict[str, Any]:
     head = eqx.tree_at(lambda h: h.weight, tree["head"], tree["head"].weight + 1)
     return {**tree, "head": head, "step": 4}
@@ -429,23 +434,47 @@ class TestLeafByLeaf:
         assert not (tmp_path / "whole" / "eqx_ckpt.json").exists()
 
     @pytest.mark.parametrize("packing", ["packed", "unpacked"], indirect=True)
-    def test_a_damaged_checkpoint_base_is_an_integrity_error_naming_the_finetune(self, tmp_path, packing):
-        tree = _base_tree()
+    @pytest.mark.parametrize("leaf", ["embed", "large"])
+    def test_a_damaged_checkpoint_base_is_an_integrity_error_naming_the_finetune(self, tmp_path, packing, leaf):
+        """A tiny leaf (packed, or read through TensorStore) and a large one
+        (read straight from the base's chunk files)."""
+        tree = _with_large(_base_tree())
         eqx_ckpt.tree_serialise_leaves(tmp_path / "base", tree)
         eqx_ckpt.export_safetensors(tmp_path / "ft", _finetuned(tree), base=tmp_path / "base")
         root = tmp_path / "base"
+        names = {"embed", "packed.bfloat16"} if leaf == "embed" else {"large"}
         chunk = next(
             p
             for p in sorted(root.rglob("*"))
-            if p.is_file() and "c" in p.relative_to(root).parts and {"embed", "packed.bfloat16"} & set(p.parts)
+            if p.is_file() and "c" in p.relative_to(root).parts and names & set(p.parts)
         )
         data = bytearray(chunk.read_bytes())
         data[0] ^= 0xFF
         chunk.write_bytes(bytes(data))
         with pytest.raises(eqx_ckpt.IntegrityError) as caught:
             eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", _like(_finetuned(tree)))
-        assert caught.value.dotted == ("embed",)
-        assert str(tmp_path / "ft") in str(caught.value)
+        assert caught.value.dotted == (leaf,) and str(tmp_path / "ft") in str(caught.value)
+        if leaf == "large":
+            assert f"taken from the base {str(root)!r}, whose leaf cannot be read" in str(caught.value)
+
+    def test_a_large_leaf_taken_from_a_checkpoint_base_is_read_from_its_chunk_files(self, tmp_path, faults):
+        """As the base's own load reads it (no TensorStore read, no second
+        copy), and checked against the fine-tune's digest of it."""
+        tree = _with_large(_base_tree())
+        eqx_ckpt.tree_serialise_leaves(tmp_path / "base", tree)
+        eqx_ckpt.export_safetensors(tmp_path / "ft", _finetuned(tree), base=tmp_path / "base")
+        direct: list[str] = []
+        faults("local_read.start_reads", lambda path, keys: direct.append(path))
+        out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", _like(_finetuned(tree)))
+        _assert_same(out, _finetuned(tree))
+        assert len(direct) == 1 and pathlib.Path(direct[0]).name == "large"
+        assert pathlib.Path(direct[0]).is_relative_to(tmp_path / "base")
+        # Its digest is checked too: one the fine-tune records wrongly is refused.
+        record = _record(tmp_path / "ft")
+        next(leaf for leaf in record["leaves"] if leaf["path"] == "large")["digest"] = "xxh3-128:" + "0" * 32
+        _write_record(tmp_path / "ft", record)
+        with pytest.raises(eqx_ckpt.IntegrityError, match=r"Leaf `large`.*taken from the base .*whose bytes are not"):
+            eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", _like(_finetuned(tree)))
 
 
 # Bounds.

@@ -594,14 +594,41 @@ def _open(source: Source, lazy: Base, record: LeafRecord) -> Any:
         try:
             return _storage.ready(_storage.in_memory(_pack.read_alone(base.data, found)))
         except Exception as e:
-            failed = _storage_errors.leaf_io_error(e, found, base.data, "read")
-            raise stored_leaf_error(
-                IntegrityError,
-                f"it is taken from the base {base.loc.display!r}, whose leaf cannot be read: {failed}",
-                dotted=record.path,
-                path=source.loc.display,
-            ) from e
+            raise _unreadable(source, base, record, found, e) from e
     return base.open(found)
+
+
+def reading_taken(
+    source: Source,
+    base: Source,
+    record: LeafRecord,
+    found: LeafRecord,
+    reading: Callable[[], Callable[[], np.ndarray] | None],
+) -> Callable[[], np.ndarray] | None:
+    """`reading()`, the start of a read of the leaf `record` that the
+    fine-tune `source` takes from `base` (its record there `found`), its
+    failure an error naming the fine-tune's leaf."""
+    read = reading()
+    if read is None:
+        return None
+
+    def finish() -> np.ndarray:
+        try:
+            return read()
+        except Exception as e:
+            raise _unreadable(source, base, record, found, e) from e
+
+    return finish
+
+
+def _unreadable(source: Source, base: Source, record: LeafRecord, found: LeafRecord, e: Exception) -> IntegrityError:
+    failed = _storage_errors.leaf_io_error(e, found, base.data, "read")
+    return stored_leaf_error(
+        IntegrityError,
+        f"it is taken from the base {base.loc.display!r}, whose leaf cannot be read: {failed}",
+        dotted=record.path,
+        path=source.loc.display,
+    )
 
 
 def _runs(source: Source, lazy: Base) -> Callable[[list[LeafRecord]], tuple[list[int], Any]]:

@@ -431,27 +431,31 @@ def direct(files: _chunk_files.ChunkFiles, record: LeafRecord, like: Any) -> boo
 
 
 def start_direct(
-    files: _chunk_files.ChunkFiles,
+    reading: Callable[[], Callable[[], np.ndarray] | None],
     loc: Location,
     record: LeafRecord,
     like: Any,
     *,
     dtype: Any = None,
-    on_bytes: Callable[[int], None] | None = None,
+    check: Check | None = None,
 ) -> Callable[[], Any]:
     """`start`, for a leaf `direct` accepts.
 
-    Its chunk files are read straight into one aligned buffer, which becomes
-    the value without another copy. `on_bytes` is called with each chunk's
-    bytes as it is read and checked."""
+    `reading` starts the read of its chunk files straight into one aligned
+    buffer (`ChunkFiles.start_read`; a base's files, for a leaf a fine-tune
+    takes from it), which becomes the value without another copy. `check`,
+    as for `start`, is fed the leaf as stored."""
     convert = host_converter(record, dtype, loc)
     if _dtypes.like_type(like) == "jax":
         refuse_narrowing(loc, record, dtype)
-    read = files.start_read(record, on_bytes=on_bytes)
+    read = reading()
     assert read is not None
 
     def finish() -> Any:
-        return _value(loc, convert(read()), record, like, target_sharding(like))
+        array = read()
+        if check is not None:
+            check(array)
+        return _value(loc, convert(array), record, like, target_sharding(like))
 
     return finish
 

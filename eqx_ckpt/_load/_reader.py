@@ -18,7 +18,8 @@ All is read within one host-memory budget and one pool of reading threads
 - Small leaves of another format are read in runs of its file
   (`Source.runs`).
 - A large leaf on a local disk is read straight into one aligned buffer
-  (`_read.start_direct`). Where `_memory.PINNED_LOAD_POOL` is on, it goes
+  (`_read.start_direct`): a fine-tune's leaf taken from an eqx_ckpt base too,
+  from the base's chunk files. Where `_memory.PINNED_LOAD_POOL` is on, it goes
   through the process's pool of reused host buffers (`_start_pooled`).
 - Anything else is read through TensorStore (`_read.start`).
 
@@ -156,8 +157,9 @@ class _Reads:
         """Leaves read one array each.
 
         Large local ones are read straight into their buffers
-        (`_read.start_direct`). The others are read through TensorStore, opened
-        ahead of the reads."""
+        (`_read.start_direct`), those a fine-tune takes from an eqx_ckpt base
+        from the base's files. The others are read through TensorStore,
+        opened ahead of the reads."""
         source, data, files = self.source, self.data, _chunk_files.chunk_files(self.data)
         plans, records, checks = self.plans, self.records, self.checks
         # Bytes within each leaf, reported as its chunks or slabs land.
@@ -169,7 +171,7 @@ class _Reads:
                 finish = _start_pooled(files, data, records[i], plans[i].like, parts[i])
                 if finish is not None:
                     pooled[i] = finish
-        direct = {i for i in indices if source.opener is None and _read.direct(files, records[i], plans[i].like)}
+        direct = {i: at for i in indices if i not in pooled and (at := _direct(source, records[i], plans[i].like))}
         opens = {i: source.open(records[i]) for i in indices if i not in direct and i not in pooled}
 
         def start(i: int) -> Callable[[], Any]:
@@ -177,13 +179,17 @@ class _Reads:
             dtype = target_dtype(plan.like)
             if i in pooled:
                 return pooled[i]
+            check = None if checks is None else checks.for_record(record)
             if i in direct:
-                return _read.start_direct(files, data, record, plan.like, dtype=dtype, on_bytes=parts[i])
+                holder, stored = direct[i]
+                reading = functools.partial(_chunk_files.chunk_files(holder.data).start_read, stored, on_bytes=parts[i])
+                if holder is not source:  # taken from the base: its failures name the fine-tune's leaf
+                    reading = functools.partial(_family.reading_taken, source, holder, record, stored, reading)
+                return _read.start_direct(reading, data, record, plan.like, dtype=dtype, check=check)
             try:
                 store = opens.pop(i).result()
             except Exception as e:
                 raise _storage_errors.leaf_io_error(e, record, data, "open") from e
-            check = None if checks is None else checks.for_record(record)
             return _read.start(store, data, record, plan.like, dtype=dtype, on_bytes=parts[i], check=check)
 
         for i, _, finish in _window.windowed((i, records[i].nbytes, functools.partial(start, i)) for i in indices):
@@ -230,6 +236,16 @@ class _Reads:
                     check(record, host)
             self.place(members, _read.place(self.data, hosts, records, [self.plans[m].like for m in members]))
             self.tracker.count_leaves([record.nbytes for record in records])
+
+
+def _direct(source: Source, record: LeafRecord, like: Any) -> tuple[Source, LeafRecord] | None:
+    """Where a leaf read straight from its chunk files is stored (`_read.direct`):
+    an eqx_ckpt checkpoint's own leaf, or one a fine-tune takes from such a
+    base (its source and record there); `None` for any other leaf."""
+    holder, stored = source.stored_in(record)
+    if holder.opener is None and _read.direct(_chunk_files.chunk_files(holder.data), stored, like):
+        return holder, stored
+    return None
 
 
 def target_dtype(like: Any) -> np.dtype | None:

@@ -97,6 +97,15 @@ class Source:
     def open(self, record: LeafRecord) -> Any:
         return self.opener(record) if self.opener is not None else _storage.open_array(self.data, record, checked=False)
 
+    def stored_in(self, record: LeafRecord) -> tuple[Source, LeafRecord]:
+        """Where the bytes of the leaf `record` are: this source and `record`,
+        or for a leaf a fine-tune takes from its base, the base's source and
+        its record (the base opened, where it was not)."""
+        if self.base is not None and record.path in self.base.references:
+            opened = self.base.opened()  # (the base's source, its records of the leaves taken)
+            return opened[0], opened[1][record.path]
+        return self, record
+
     def need(self, paths: Iterable[str]) -> None:
         """Open what reading the stored leaves `paths` needs, before any is
         read: a fine-tune's base, where one of them is taken from it. Its
