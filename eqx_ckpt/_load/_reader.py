@@ -171,7 +171,8 @@ class _Reads:
                 finish = _start_pooled(files, data, records[i], plans[i].like, parts[i])
                 if finish is not None:
                     pooled[i] = finish
-        direct = {i: at for i in indices if i not in pooled and (at := _direct(source, records[i], plans[i].like))}
+        found = {i: _direct(source, records[i], plans[i].like, files) for i in indices if i not in pooled}
+        direct = {i: at for i, at in found.items() if at is not None}
         opens = {i: source.open(records[i]) for i in indices if i not in direct and i not in pooled}
 
         def start(i: int) -> Callable[[], Any]:
@@ -181,8 +182,8 @@ class _Reads:
                 return pooled[i]
             check = None if checks is None else checks.for_record(record)
             if i in direct:
-                holder, stored = direct[i]
-                reading = functools.partial(_chunk_files.chunk_files(holder.data).start_read, stored, on_bytes=parts[i])
+                holder, stored, holder_files = direct[i]
+                reading = functools.partial(holder_files.start_read, stored, on_bytes=parts[i])
                 if holder is not source:  # taken from the base: its failures name the fine-tune's leaf
                     reading = functools.partial(_family.reading_taken, source, holder, record, stored, reading)
                 return _read.start_direct(reading, data, record, plan.like, dtype=dtype, check=check)
@@ -238,14 +239,18 @@ class _Reads:
             self.tracker.count_leaves([record.nbytes for record in records])
 
 
-def _direct(source: Source, record: LeafRecord, like: Any) -> tuple[Source, LeafRecord] | None:
+def _direct(
+    source: Source, record: LeafRecord, like: Any, files: _chunk_files.ChunkFiles
+) -> tuple[Source, LeafRecord, _chunk_files.ChunkFiles] | None:
     """Where a leaf read straight from its chunk files is stored (`_read.direct`):
-    an eqx_ckpt checkpoint's own leaf, or one a fine-tune takes from such a
-    base (its source and record there); `None` for any other leaf."""
+    an eqx_ckpt checkpoint's own leaf (`files`: its chunk files), or one a
+    fine-tune takes from such a base (its source, record and chunk files
+    there); `None` for any other leaf."""
     holder, stored = source.stored_in(record)
-    if holder.opener is None and _read.direct(_chunk_files.chunk_files(holder.data), stored, like):
-        return holder, stored
-    return None
+    if holder.opener is not None:
+        return None
+    holder_files = files if holder is source else _chunk_files.chunk_files(holder.data)
+    return (holder, stored, holder_files) if _read.direct(holder_files, stored, like) else None
 
 
 def target_dtype(like: Any) -> np.dtype | None:
