@@ -949,9 +949,12 @@ def test_a_manifest_of_millions_of_empty_lists_is_refused_before_it_is_parsed(tm
 
 
 def test_a_large_static_vocabulary_beside_one_leaf_still_rebuilds(tmp_path):
-    """The container count is tied to the stored leaves: a dict of 200,000
-    stored integers (400,000 containers) beside one array."""
-    tree = {"w": np.arange(3.0), "vocab": {f"t{i}": i for i in range(200_000)}}
+    """The container count is tied to the stored leaves: a dict of stored
+    integers with more containers (two each) than the part of the bound that
+    is not (`_rebuild.NODES_BASE`), beside one array."""
+    from eqx_ckpt._load._rebuild import NODES_BASE
+
+    tree = {"w": np.arange(3.0), "vocab": {f"t{i}": i for i in range(NODES_BASE // 2 + 1_000)}}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path).load(trust=[]), tree, typematch=True)
 
