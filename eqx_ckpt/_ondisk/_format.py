@@ -45,15 +45,20 @@ import numpy as np
 
 from .._base import _keypath, _state
 
-# numcodecs (0.16.4 on) warns on its import where `crc32c` is installed and
-# `google_crc32c` is not, about its own CRC32C codec, which eqx_ckpt never uses
-# (it checks chunks with `crc32c` itself). That warning is dropped, so `import
-# eqx_ckpt` prints nothing; any other warning of the import is shown.
+
+def _warn_again(caught: list[warnings.WarningMessage]) -> None:
+    """The warnings of numcodecs' import, shown again, but one: from 0.16.4 on,
+    numcodecs warns where `crc32c` is installed and `google_crc32c` is not,
+    about its own CRC32C codec, which eqx_ckpt never uses (it checks chunks
+    with `crc32c` itself). So `import eqx_ckpt` prints nothing."""
+    for warning in caught:
+        if not str(warning.message).startswith("crc32c usage is deprecated"):
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+
+
 with warnings.catch_warnings(record=True) as _caught:
     import numcodecs
-for _warning in _caught:
-    if not str(_warning.message).startswith("crc32c usage is deprecated"):
-        warnings.warn_explicit(_warning.message, _warning.category, _warning.filename, _warning.lineno)
+_warn_again(_caught)
 del _caught
 
 FORMAT = "eqx_ckpt"
