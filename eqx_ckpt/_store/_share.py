@@ -53,8 +53,7 @@ class Base:
         """The base's folder of the leaf at `record`'s place, if its chunks
         cover the same elements; else `None`."""
         old = self.leaves.get(record.path)
-        shape = (record.stored_dtype, tuple(record.stored_shape), record.encoding, tuple(record.chunks))
-        if old is None or (old.stored_dtype, tuple(old.stored_shape), old.encoding, tuple(old.chunks)) != shape:
+        if old is None or _shape_of(old) != _shape_of(record):
             return None
         return os.path.join(self.root, old.directory) if old.directory else self.root
 
@@ -104,6 +103,10 @@ _READ_BYTES = 1 << 20
 _READ_FLAGS = READ_FLAGS | getattr(os, "O_NOFOLLOW", 0)
 _BUFFERS = threading.local()
 _UNOPENED = types.MappingProxyType({errno.ENOENT: "is missing", errno.ELOOP: "is a symbolic link (never followed)"})
+
+
+def _shape_of(record: LeafRecord) -> tuple[Any, ...]:
+    return (record.stored_dtype, tuple(record.stored_shape), record.encoding, tuple(record.chunks))
 
 
 def _key(info: os.stat_result) -> Key:

@@ -689,13 +689,15 @@ def _opening(future: Any) -> Mapped:
 
 
 def _leaf_spec(loc: Location, record: LeafRecord) -> dict[str, Any]:
-    shape, dtype, chunks, compression = (
-        record.stored_shape,
-        record.stored_dtype,
-        list(record.chunks),
-        record.compression,
+    """The spec of a leaf's own zarr v3 array, as its record describes it."""
+    return array_spec(
+        loc,
+        record.directory,
+        shape=record.stored_shape,
+        stored_dtype=record.stored_dtype,
+        chunks=list(record.chunks),
+        compression=record.compression,
     )
-    return array_spec(loc, record.directory, shape=shape, stored_dtype=dtype, chunks=chunks, compression=compression)
 
 
 def create_array(loc: Location, record: LeafRecord, *, synced: bool = True) -> Mapped:
