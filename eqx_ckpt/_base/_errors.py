@@ -73,17 +73,14 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 class CheckpointStorageError(CheckpointError, OSError):
     """The storage would not serve the checkpoint, or take a save.
 
-    - It refused: forbidden, unauthenticated, a local file's permissions, a
-        read-only or full disk.
-    - It failed: server errors once the retries were spent.
-    - It could not be reached ([`eqx_ckpt.CheckpointConnectionError`][], a
-        subclass).
-
-    It says nothing about the checkpoint, which may well be whole. It is
-    neither an `IntegrityError` nor a `CheckpointNotFoundError`, and
-    [`eqx_ckpt.verify`][] raises it instead of reporting damage. A save it
-    stops commits nothing (an overwritten checkpoint stays as it was). Check
-    access, space and the storage, then try again.
+    It refused (forbidden, unauthenticated, a local file's permissions, a
+    read-only or full disk), failed once its retries were spent, or could not
+    be reached ([`eqx_ckpt.CheckpointConnectionError`][], a subclass). The
+    checkpoint may well be whole: this is neither an `IntegrityError` nor a
+    `CheckpointNotFoundError`, and [`eqx_ckpt.verify`][] raises it instead of
+    reporting damage. A save it stops commits nothing (an overwritten
+    checkpoint stays as it was). Check access, space and the storage, then try
+    again.
 
     !!! example
 
@@ -100,12 +97,10 @@ class CheckpointStorageError(CheckpointError, OSError):
 
 
 class CheckpointConnectionError(CheckpointStorageError, ConnectionError):
-    """The storage could not be reached: a server that refuses the connection, a
-    host name that does not resolve, a connection that timed out. It says
-    nothing about the checkpoint, which may well be there. So it is not a
-    `CheckpointNotFoundError`, and code that starts afresh on
-    `FileNotFoundError` does not start afresh on it. Check the URL and the
-    server, then try again.
+    """The storage could not be reached (a refused connection, an unresolved
+    host name, a time-out). The checkpoint may well be there, so this is not a
+    `CheckpointNotFoundError`: code that starts afresh on `FileNotFoundError`
+    does not start afresh on it. Check the URL and the server, then try again.
 
     !!! example
 
@@ -161,13 +156,11 @@ class UntrustedError(CheckpointTypeError):
     """A checkpoint asks for something a load does not do unless told to.
 
     - A load without `like` would build a class or function that `trust` does
-      not hold. Nothing was imported or run. The message names every such
-      class and function, the key paths that use them, and the `trust=[...]`
-      to pass.
-    - A fine-tune's record names a base that is not followed on its own (not
-      an `hf://` base, nor a folder beside the fine-tune). Nothing there was
-      opened or requested. The message names the fine-tune, the base, and the
-      `base=` to pass.
+      not hold. Nothing was imported or run. The message names each one, the
+      key paths that use it, and the `trust=[...]` to pass.
+    - A fine-tune names a base that is not followed on its own (neither an
+      `hf://` base nor a folder beside it). Nothing there was opened. The
+      message names the fine-tune, the base, and the `base=` to pass.
 
     !!! example
 
@@ -230,11 +223,10 @@ class CorruptCheckpointError(CheckpointError, ValueError):
 
 
 class CheckpointVersionError(CheckpointError, ValueError):
-    """The checkpoint was written in a newer format than this eqx_ckpt reads
-    (a newer eqx_ckpt saved it). Nothing is wrong with it: it is not a
-    `CorruptCheckpointError`, and `eqx-ckpt verify` exits 2 on it, not 1 (a
-    clean-up script that deletes what is damaged keeps it). Upgrade eqx_ckpt
-    to read it.
+    """A newer eqx_ckpt wrote the checkpoint, in a format this one does not read.
+    It is not damaged: not a `CorruptCheckpointError`, and `eqx-ckpt verify`
+    exits 2 on it, not 1 (so a clean-up script deleting damage keeps it).
+    Upgrade eqx_ckpt to read it.
 
     !!! example
 
@@ -252,16 +244,13 @@ class CheckpointVersionError(CheckpointError, ValueError):
 
 
 class CheckpointReplacedError(CheckpointError, RuntimeError):
-    """The checkpoint was replaced by a newer save after it was opened, or
-    deleted (the message says which). It was opened by a `Checkpoint`, a lazy
-    load, or a load still reading. Nothing of the newer save was returned. Open
-    or load it again to read it.
+    """The checkpoint was replaced by a newer save, or deleted (the message says
+    which), after a `Checkpoint`, a lazy load or a running load opened it.
+    Nothing of the newer save was returned. Open or load it again to read it.
 
-    Other sources raise it too:
-
-    - a safetensors file or Hugging Face directory rewritten (by
-      `safetensors`, or `export_safetensors` into it);
-    - an orbax checkpoint saved again.
+    A safetensors file or Hugging Face directory rewritten (by `safetensors`,
+    or `export_safetensors` into it) raises it too, as does an orbax
+    checkpoint saved again.
 
     !!! example
 
@@ -299,8 +288,8 @@ class CheckpointKeyError(CheckpointError, KeyError):
 
 
 class LeafError(CheckpointError, RuntimeError):
-    """Something is wrong with one or more leaves: it cannot be saved, it is
-    missing, or its shape, dtype or type differs from `like`.
+    """One or more leaves cannot be saved, are missing, or differ from `like`
+    in shape, dtype or type.
 
     **Attributes:**
 
@@ -373,11 +362,9 @@ def describe_leaf(keypath: tuple[Any, ...] | None, dotted: str) -> str:
 
 
 def leaf_line(what: str, *, keypath: tuple[Any, ...] | None, dotted: str, where: str = "") -> str:
-    """One leaf and what is wrong with it.
-
-    A leaf of `like` (known by its key path) starts with Equinox's own words,
-    `Error at leaf with path (DictKey(key='a'),)`. So code and tests written
-    against Equinox's messages keep matching."""
+    """One leaf and what is wrong with it. A leaf with a key path starts with
+    Equinox's own words (`Error at leaf with path ...`), so that code matching
+    Equinox's messages keeps matching."""
     if keypath is None:
         return f"Leaf {describe_leaf(None, dotted)}{where}: {what}"
     return f"Error at leaf with path {keypath!r}: leaf {describe_leaf(keypath, dotted)}{where}: {what}"
@@ -391,8 +378,7 @@ def leaf_message(
     path: Any,
     fix: str = "",
 ) -> str:
-    """One sentence about one leaf: what differs, where, in which checkpoint, and
-    what to do about it."""
+    """One leaf: what differs, where, in which checkpoint, and the fix."""
     message = leaf_line(what, keypath=keypath, dotted=dotted, where=f" in checkpoint {str(path)!r}")
     if fix:
         message += f" {fix}"
@@ -400,15 +386,13 @@ def leaf_message(
 
 
 def stored_leaf_error(cls: type[_Leaf], what: str, *, dotted: str, path: Any, fix: str = "") -> _Leaf:
-    """A `LeafError` (or subclass) about one stored leaf, known by its dotted
-    path only: the message and the error's `path`/`dotted` from one place."""
+    """A `cls` about one stored leaf, known by its dotted path only."""
     message = leaf_message(what, keypath=None, dotted=dotted, path=path, fix=fix)
     return cls(message, path=path, dotted=[dotted])
 
 
 def check_flag(name: str, value: Any, meaning: str) -> bool:
-    """`value` of the option `name` as a `bool`, or a `CheckpointTypeError`: a
-    string such as `"no"` is truthy, and would silently mean yes."""
+    """`value` of the option `name` as a `bool` (a truthy string such as `"no"` is refused)."""
     if not isinstance(value, (bool, np.bool_)):
         raise CheckpointTypeError(f"`{name}` must be `True` or `False` ({meaning}), not {value!r}.")
     return bool(value)
@@ -419,12 +403,9 @@ MAX_SHOWN = 200
 
 
 def from_file(text: Any, limit: int = MAX_SHOWN) -> str:
-    """A string read from a file, as every message and CLI line shows it.
-
-    The string is a class or field name, a key, a reason, a tensor name. Each
-    control character, newline and terminal escape is written as its escape
-    (`\\n`, `\\x1b`), so that no file can forge a line of a message. At most
-    `limit` characters are shown, ending in `...` where it is cut.
+    """A string read from a file (a name, a key, a reason), as every message and
+    CLI line shows it: control characters escaped (`\\n`, `\\x1b`), so that no
+    file can forge a line, and at most `limit` characters, ending in `...`.
 
     !!! example
 
@@ -450,9 +431,8 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def caller_level() -> int:
-    """The `stacklevel` of the user's line for a warning given by this function's
-    caller: the first frame outside eqx_ckpt, whichever public function it called,
-    past the frames `contextlib`'s decorators add."""
+    """The `stacklevel` of the first frame outside eqx_ckpt (and `contextlib`'s
+    decorators), for a warning given by this function's caller."""
     frame, level = sys._getframe(1), 1
     while frame.f_back is not None and (
         os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE)

@@ -1,26 +1,15 @@
 """Named fault points: the one seam through which tests inject faults into I/O.
 
-Each point sits at one step of a save or a load, as a call
-`_faults.fire("<name>", *args)`. A test arms a point (`armed`, or the `faults`
-fixture of `tests/conftest.py`) to raise an exception there, or to run a
-callback with the point's arguments: count the calls, block, send a signal,
-raise on the Nth call. Disarmed, a point costs a call and one global lookup.
-Points are named by what happens, not by the function they sit in, so code
-can move without its tests changing.
+Each point is a call `_faults.fire("<name>", *args)` at one step of a save or
+a load. A test arms it (`armed`, or the `faults` fixture of
+`tests/conftest.py`) to raise there, or to run a callback with the point's
+arguments. Disarmed, a point costs a call and one global lookup. Points are
+named by what happens, not where, so code can move without its tests changing.
 
-Points fire in whatever thread reaches them:
-
-- the caller's;
-- the helper that keeps a save's futures from interrupts (`eqx_ckpt-io`);
-- an asynchronous save's thread (`eqx_ckpt-save`);
-- the chunk writers (`eqx_ckpt-write`);
-- the file checks and readers of a load (`eqx_ckpt-open`, `eqx_ckpt-read`);
-- a lease's heartbeat (`eqx_ckpt-lease`).
-
-Arming is seen by every thread at once;
-a callback that cares checks `threading.current_thread()`.
-
-What each point passes, and where and when it fires: `DESCRIBED`.
+Points fire in whatever thread reaches them: the caller's, or one of
+eqx_ckpt's (`eqx_ckpt-io`, `-save`, `-write`, `-open`, `-read`, `-lease`).
+Arming is seen by every thread at once; a callback that cares checks
+`threading.current_thread()`. What each point passes, and when: `DESCRIBED`.
 """
 
 from __future__ import annotations
@@ -54,10 +43,9 @@ DESCRIBED: Mapping[str, str] = types.MappingProxyType(
         "save holds it, and per leaf later).",
         "save.held": "(loc): the background thread of an asynchronous save whose leaves were held starts its plan, "
         "transaction and writes.",
-        "save.pinned_copies": "(arrays): an asynchronous save on an accelerator copies the caller's `arrays` into "
-        "their devices' pinned host memory (`_memory.pinned`); so does a blocking save, one piece at a time as its "
-        "staging budget admits it, on a GPU (`_memory.PINNED_SAVE_COPIES`); an exception raised here makes it copy "
-        "them through the host's CPU device instead, as it does where a device has none.",
+        "save.pinned_copies": "(arrays): a save on an accelerator copies `arrays` into pinned host memory "
+        "(`_memory.pinned`; a blocking one only on a GPU, piece by piece within its staging budget: "
+        "`_memory.PINNED_SAVE_COPIES`); an exception raised here makes it copy through the CPU device instead.",
         "save.copied": "(pending): the host data of the NumPy leaves of `pending` (the save's leaves) was copied, as "
         "an asynchronous save with a custom filter spec does in the caller's thread.",
         "save.start_writes": "(loc): a save starts creating and writing its arrays; an exception raised here is the "
@@ -119,9 +107,8 @@ DESCRIBED: Mapping[str, str] = types.MappingProxyType(
         "to verify it before sharing it: once per process per file (`_share`).",
         "share.link": "(source, path): an incremental save is about to make chunk file `path` a hard link to "
         "`source`, the same bytes in the checkpoint it follows (`_share`).",
-        "share.written": "(path): the chunk file `path`, just written, is recorded with the xxh3-128 of its data "
-        "bytes, so that a next save sharing it need not read it back (`_share`): every chunk file a "
-        "`CheckpointManager` step writes, and one a plain overwrite compared; none of a plain save with no base.",
+        "share.written": "(path): the chunk file `path`, just written (by a `CheckpointManager` step, or compared "
+        "by a plain overwrite), is recorded with its xxh3-128, so a next save sharing it need not read it (`_share`).",
         "local_read.check_files": "(directory): a load checks the folder and chunk files of array `directory` (in a "
         "thread of its own for a whole leaf).",
         "local_read.start_reads": "(path, keys): the reads of those chunk files are started in the reader threads.",
@@ -134,10 +121,9 @@ DESCRIBED: Mapping[str, str] = types.MappingProxyType(
         "it has.",
         # A load (`_reader`, `_deserialise`, `_read_once`, `_untrusted`, `_pack`, `_window`, `_read`, `_lazy`,
         # `_tree`)
-        "load.read_stored": "(loc): a load has planned every leaf (and run the custom filter specs and transforms) "
-        "and starts reading the stored leaves (a `Checkpoint.load` without a skeleton too, a lazy leaf read whole, by "
-        "`read` or `np.asarray`, as by a save or an export, and `materialise`, once for each checkpoint it reads "
-        "from: each reads through the same reader, `_reader.read_leaves`).",
+        "load.read_stored": "(loc): a load has planned every leaf (filter specs and transforms run) and starts "
+        "reading stored leaves through `_reader.read_leaves`; so do a skeleton-less `Checkpoint.load`, a lazy leaf "
+        "read whole, and `materialise` (once per checkpoint it reads from).",
         "load.read_once": "(path, regions): a process of a multi-process restore that shares reads (`_read_once`) "
         "read its slices `regions` (tuples of `(start, stop)` per axis) of the leaf at dotted `path` from storage, "
         "before the barrier that precedes the all-gather (only for a leaf it reads a slice of).",
@@ -149,9 +135,8 @@ DESCRIBED: Mapping[str, str] = types.MappingProxyType(
         "allocation's.",
         "untrusted.scan": "(directory): a load checks the files of a folder on a local disk (a leaf's, and each "
         "folder below it) for links and sizes.",
-        "pack.read_run": "(loc, pack, paths): a run of a pack, holding the packed leaves `paths`, starts being read "
-        "(by a load; after a run failed, each of its leaves alone, in order, to find the damaged one; by `verify`, "
-        "every chunk of the pack, each a run of its own).",
+        "pack.read_run": "(loc, pack, paths): a run of a pack holding the leaves `paths` starts being read (after "
+        "a failed run, each leaf alone, to find the damaged one; by `verify`, each chunk as a run).",
         "window.open": "(): a reader starts taking its reads through the one host-memory budget (every reader passes "
         "here).",
         "window.start": "(in_flight): a read starts within the one host-memory budget, `in_flight` reads (itself "
@@ -203,8 +188,8 @@ def armed(points: str | Iterable[str] | Mapping[str, Action], action: Action | N
     - `action`: an exception (instance or class), raised where the point fires,
       or a callable, called there with the point's arguments (it may raise).
 
-    A point armed already gets the new action inside the block and its previous
-    one back after it, whether the block ends normally or by an exception.
+    A point armed already gets its previous action back after the block,
+    however it ends.
     """
     if isinstance(points, Mapping):
         actions = dict(points)

@@ -20,11 +20,10 @@ class LeafHandle:
     - `path`: its dotted path in the checkpoint (`model.layers.0.weight`).
     - `checkpoint`: the checkpoint path, as given.
 
-    A serialising filter spec calls `handle.write(value)` while it runs (a
-    handle kept and written after the save has run its filter specs raises a
-    `LeafError`: the save has begun without that value); a deserialising one
-    calls `handle.read(like)`. `default_serialise_filter_spec` and
-    `default_deserialise_filter_spec` do exactly that for array-like leaves.
+    A serialising filter spec calls `handle.write(value)` while it runs (later,
+    the save has begun without that value: a `LeafError`); a deserialising one
+    calls `handle.read(like)`. The default filter specs do exactly that for
+    array-like leaves.
 
     !!! example
 

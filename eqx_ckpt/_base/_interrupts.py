@@ -1,13 +1,6 @@
-"""Running I/O to its end however the main thread is interrupted, and waiting
-for what it started.
-
-- `uninterrupted`: a save always knows what it started, whatever interrupts
-  the main thread (Ctrl-C, or `sys.exit` from a signal handler).
-- `outcome`: the one loop that waits for a future whatever interrupts the
-  wait; `finish` is built on it.
-- `attempt`: an error kept, not raised.
-- `settle`: every future settled before an abort deletes what they wrote.
-- `stop`: reads cancelled and stopped before their buffer is handed back.
+"""Running I/O to its end however the main thread is interrupted (Ctrl-C,
+`sys.exit` from a signal handler), and waiting for what it started: a save
+must know what it started before it undoes anything.
 """
 
 from __future__ import annotations
@@ -25,18 +18,13 @@ from . import _faults, _threads
 def uninterrupted(fn: Callable[[], Any]) -> None:
     """Run `fn` to its end, however the caller is interrupted.
 
-    Python raises an interrupt (Ctrl-C, `sys.exit` from a signal handler) in the
-    main thread, between any two bytecodes. That includes between a call that
-    starts an operation and the line that keeps its future, which is then lost.
-    A save then cannot know what it must wait for before it undoes anything. (A
-    manifest write that landed after the abort deleted the arrays committed a
-    checkpoint without its data.)
-
-    In the main thread, `fn` therefore runs in a helper thread, which signals
-    never reach. It keeps what it starts: it stores its results itself, in
-    objects the caller holds. An interrupt while waiting is raised once `fn`
-    has finished. In other threads `fn` just
-    runs. `fn`'s own error is raised as it is.
+    An interrupt lands in the main thread between any two bytecodes, also
+    between a call that starts an operation and the line that keeps its
+    future. (A manifest write that landed after the abort deleted the arrays
+    committed a checkpoint without its data.) So in the main thread `fn` runs
+    in a helper thread that signals never reach, storing its results in
+    objects the caller holds; an interrupt of the wait is raised once `fn` has
+    finished. Elsewhere `fn` just runs. `fn`'s own error is raised as it is.
 
     (Not `Thread.join`: an interrupted join in Python 3.11 can mark a running
     thread as finished, and the next join returns at once.)
@@ -103,10 +91,9 @@ def _serve() -> None:
 
 
 def _ensure_helper() -> None:
-    """Start the helper thread of `uninterrupted` unless one runs. Two threads
-    starting at once, or a start cut short by an interrupt, may leave two
-    helpers, which is harmless: each job is taken from the queue once. (No lock
-    here: one that an interrupt left held would stop every later save.)"""
+    """Start the helper thread of `uninterrupted` unless one runs. A race may
+    start two, which is harmless: each job is taken once. (No lock: one an
+    interrupt left held would stop every later save.)"""
     global _helper
     helper = _helper
     if helper is None or not helper.is_alive():
@@ -115,8 +102,7 @@ def _ensure_helper() -> None:
 
 
 def attempt(run: Callable[[], Any]) -> BaseException | None:
-    """Run `run`; its error, or `None`. Interrupts (KeyboardInterrupt,
-    SystemExit) are not errors of the save: they propagate as themselves."""
+    """Run `run`; its error, or `None`. Interrupts propagate."""
     try:
         run()
     except Exception as e:  # returned, and raised by the caller
@@ -134,18 +120,15 @@ def _stored(future: Any) -> BaseException | None:
 
 def outcome(future: Any) -> tuple[Any, BaseException | None, BaseException | None]:
     """Wait for `future` to finish, whatever interrupts the caller: an
-    operation left running when the interpreter exits aborts the process, and
-    a save must know whether a write happened before it decides what to undo.
+    operation left running at exit aborts the process, and a save must know
+    whether a write happened before it decides what to undo.
 
     **Returns:**
 
-    `(value, error, interrupt)`: the future's result (`None` where it
-    failed), its error, and the first interrupt (Ctrl-C, `sys.exit` from a
-    signal handler) of the wait, for the caller to raise once the outcome is
-    recorded. This is the one loop that waits for a future through
-    interrupts: `finish`, `settle` and `stop` are made of it, and no module
-    outside this one loops while catching an interrupt
-    (tests/test_architecture.py checks).
+    `(value, error, interrupt)`: the result (`None` where it failed), the
+    error, and the wait's first interrupt, for the caller to raise once the
+    outcome is recorded. The one loop that waits through interrupts
+    (tests/test_architecture.py checks no other module has one).
     """
     interrupt: BaseException | None = None
     while True:
@@ -160,8 +143,7 @@ def outcome(future: Any) -> tuple[Any, BaseException | None, BaseException | Non
 
 
 def finish(future: Any) -> Any:
-    """`future.result()`, except that an interrupt waits for the operation to
-    finish before it is raised (`outcome`)."""
+    """`future.result()`, an interrupt raised only once it has finished."""
     value, error, interrupt = outcome(future)
     if interrupt is not None:
         raise interrupt
@@ -171,9 +153,9 @@ def finish(future: Any) -> Any:
 
 
 def settle(futures: list[Any]) -> None:
-    """Wait until no write of `futures` is still running, so that deleting what
-    they wrote cannot race them. Errors are ignored (the save has failed
-    already); a further interrupt is raised once all have settled."""
+    """Wait until no write of `futures` runs, so that deleting what they wrote
+    cannot race them. Errors are ignored (the save has failed already); an
+    interrupt is raised once all have settled."""
     interrupt: BaseException | None = None
     for future in futures:
         interrupt = interrupt or outcome(future)[2]
@@ -182,9 +164,9 @@ def settle(futures: list[Any]) -> None:
 
 
 def stop(futures: Sequence[concurrent.futures.Future[Any]]) -> None:
-    """Cancel the `futures` not started and wait for the others, through
-    further interrupts too, which are dropped (the caller raises its own): no
-    thread may go on writing into a buffer once the caller has it."""
+    """Cancel the `futures` not started and wait for the others, dropping
+    interrupts (the caller raises its own): no thread may write into a buffer
+    once the caller has it back."""
     for future in futures:
         future.cancel()
     for future in futures:
@@ -192,8 +174,7 @@ def stop(futures: Sequence[concurrent.futures.Future[Any]]) -> None:
 
 
 def wait_all(futures: list[Any], error: BaseException | None) -> BaseException | None:
-    """Wait for every future (a save's writes, its arrays' creations); the
-    first error (or `error`, if given)."""
+    """Wait for every future; `error`, or else the first one's."""
     for future in futures:
         error = error or attempt(future.result)
     return error

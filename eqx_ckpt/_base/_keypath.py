@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import types
 from typing import Any
 
 import jax.tree_util as jtu
@@ -51,11 +52,8 @@ def escape(text: str) -> str:
 
 
 def segment(key: Any) -> str:
-    """The escaped path segment of one key of `jax.tree_util.tree_flatten_with_path`.
-
-    Derived from the key's manifest record, so that what a save writes and what a
-    reader recomputes from the manifest (`stored_segment`) can never disagree.
-    """
+    """The escaped path segment of one key, made from its manifest record so
+    that a reader recomputing it (`stored_segment`) can never disagree."""
     return stored_segment(*remembered_record(key))
 
 
@@ -75,13 +73,9 @@ def _memo_key(key: Any) -> tuple[type, Any, type] | None:
     return (cls, value, kind) if kind is str or kind is int else None
 
 
-def segments(keypath: tuple[Any, ...]) -> tuple[str, ...]:
-    return tuple(segment(key) for key in keypath)
-
-
 def dotted(keypath: tuple[Any, ...]) -> str:
     """The dotted path of a key path: `model.layers.0.weight`."""
-    return ".".join(segments(keypath))
+    return ".".join(segment(key) for key in keypath)
 
 
 def split_dotted(path: str) -> tuple[str, ...]:
@@ -136,16 +130,14 @@ _NUMBER = re.compile(r"^(%i)?(-?[0-9]+)$")
 
 
 def sort_key(path: str) -> tuple[tuple[int, Any, str], ...]:
-    """Sort dotted paths segment by segment, numbers by value: `layers.2` before
-    `layers.10`, as a list's items come; numbered names naturally, `k2` before
-    `k10`."""
+    """Sort dotted paths segment by segment, numbers by value (`layers.2` before
+    `layers.10`, `k2` before `k10`)."""
     return tuple(map(_segment_key, path.split("."))) if path else ()
 
 
 @_state.memo(2**16)
 def _segment_key(part: str) -> tuple[int, Any, str]:
-    """One segment's `sort_key`, remembered: a tree's few names and indices
-    recur in thousands of paths."""
+    """One segment's `sort_key`, remembered: a tree's few names recur in thousands of paths."""
     match = _NUMBER.match(part)
     # Python refuses `int()` of more than 4,300 digits: a segment that long (a
     # hostile file's) sorts as a name.
@@ -168,13 +160,10 @@ def to_json(keypath: tuple[Any, ...]) -> list[list[Any]]:
 
 
 def dotted_and_records(keypaths: list[tuple[Any, ...]]) -> tuple[list[str], list[list[list[Any]]]]:
-    """The dotted path and the manifest record (`to_json`) of every key path of
-    one flattened tree, in one pass.
-
-    `jax.tree_util.tree_flatten_with_path` gives the leaves under one node the
-    same key objects for their common prefix, so each key object is named once
-    (by identity: `keypaths` keeps every key alive meanwhile). The records of
-    the keys are shared between the key paths returned: never mutated."""
+    """The dotted path and manifest record (`to_json`) of every key path of one
+    flattened tree. Leaves under one node share the key objects of their
+    prefix, so each key object is named once (by identity: `keypaths` keeps
+    them alive). The records returned share their keys' lists: never mutate."""
     seen: dict[int, tuple[str, list[Any]]] = {}
     dotted: list[str] = []
     records: list[list[list[Any]]] = []
@@ -194,8 +183,7 @@ def dotted_and_records(keypaths: list[tuple[Any, ...]]) -> tuple[list[str], list
 
 
 def remembered_record(key: Any) -> tuple[str, Any]:
-    """`key_record(key)`, remembered for the common keys: a tree's few attribute
-    names and indices recur in thousands of key paths, on every save and load."""
+    """`key_record(key)`, remembered for the common keys, which recur in thousands of key paths."""
     memo = _memo_key(key)
     if memo is None:
         return key_record(key)
@@ -206,7 +194,17 @@ def remembered_record(key: Any) -> tuple[str, Any]:
 _RECORDS: _state.Table[tuple[type, Any, type], tuple[str, Any]] = _state.table("keypath.records", 2**16, "clear")
 
 
-_KINDS = frozenset({"index", "flat", "attr", "key", "key_int", "key_repr", "other"})
+# Each kind of key record, and the key it rebuilds (`_ReprKey` for the others).
+_KEYS = types.MappingProxyType(
+    {
+        "index": jtu.SequenceKey,
+        "flat": jtu.FlattenedIndexKey,
+        "attr": jtu.GetAttrKey,
+        "key": jtu.DictKey,
+        "key_int": jtu.DictKey,
+    }
+)
+_KINDS = frozenset({*_KEYS, "key_repr", "other"})
 
 
 def check_json(record: Any) -> None:
@@ -228,10 +226,8 @@ def check_json(record: Any) -> None:
 
 def stored_dotted(record: Any, checked: dict[tuple[Any, Any, type], str]) -> str:
     """The dotted path a manifest's key path record must come with; raises
-    `ValueError` if the record is malformed. `checked` remembers the keys
-    already checked and their segments (the same few keys recur in every leaf
-    of a manifest); the value's type is part of its key, so that `true` never
-    passes for the `1` it equals."""
+    `ValueError` if it is malformed. `checked` remembers the segments of the
+    keys checked, the value's type in its key (so `true` never passes for `1`)."""
     if type(record) is not list:
         raise ValueError("a key path must be a list")
     parts = []
@@ -256,19 +252,7 @@ def stored_dotted(record: Any, checked: dict[tuple[Any, Any, type], str]) -> str
 def from_json(record: Any) -> tuple[Any, ...]:
     """Rebuild a key path from its manifest record; raises `ValueError` if malformed."""
     check_json(record)
-    keys: list[Any] = []
-    for kind, value in record:
-        if kind == "index":
-            keys.append(jtu.SequenceKey(value))
-        elif kind == "flat":
-            keys.append(jtu.FlattenedIndexKey(value))
-        elif kind == "attr":
-            keys.append(jtu.GetAttrKey(value))
-        elif kind in ("key", "key_int"):
-            keys.append(jtu.DictKey(value))
-        else:  # "key_repr" or "other" (`check_json` refused any other kind)
-            keys.append(_ReprKey(value))
-    return tuple(keys)
+    return tuple(_KEYS.get(kind, _ReprKey)(value) for kind, value in record)
 
 
 class _ReprKey:

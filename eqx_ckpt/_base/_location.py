@@ -1,18 +1,9 @@
 """Where a checkpoint lives: a `Location`, made once from what the user passed as `path`.
 
-A local path, a TensorStore kvstore URL (`memory://`, `file://`, `s3://`,
-`gs://`...) or a kvstore spec dict all become one `Location`:
-
-- a kvstore spec whose path ends in `/`;
-- the path as the user wrote it (for messages);
-- the local directory when there is one;
-- for a Hugging Face Hub repository (`hf://`), which no kvstore reads, its
-  `Hub` reference instead of a kvstore spec (the Hub's transport, `_hub`,
-  reads it).
-
-URLs and spec dicts are normalised by TensorStore's own parser. That is why
-this module imports `tensorstore` (see `_storage` for everything else that
-does).
+A local path, a TensorStore kvstore URL or spec dict, or a Hugging Face Hub
+repository (`hf://`, read by `_hub`, not a kvstore) all become one `Location`.
+URLs and spec dicts are normalised by TensorStore's own parser: that is why
+this module imports `tensorstore` (everything else goes through `_storage`).
 """
 
 from __future__ import annotations
@@ -31,15 +22,9 @@ from ._errors import CheckpointTypeError, CheckpointValueError
 
 @dataclasses.dataclass(frozen=True)
 class Location:
-    """A checkpoint directory: a TensorStore kvstore spec whose path ends in `/`.
-
-    **Attributes:**
-
-    - `kvstore`: the kvstore spec dict.
-    - `display`: the path as the user wrote it, for messages.
-    - `local`: the absolute local directory, when it is one.
-    - `hub`: the Hub repository's folder, for an `hf://` path (its `kvstore` is then empty).
-    """
+    """A checkpoint directory: `kvstore`, a spec whose path ends in `/` (empty
+    for a `hub` folder); `display`, the path as the user wrote it; `local`,
+    the absolute local directory, when it is one."""
 
     kvstore: dict[str, Any]
     display: str
@@ -63,14 +48,8 @@ class Location:
 
 @dataclasses.dataclass(frozen=True)
 class Hub:
-    """A folder of a Hugging Face Hub model repository, at a revision.
-
-    **Attributes:**
-
-    - `repo`: `owner/name`.
-    - `revision`: a branch, tag or commit (`None`: the default branch).
-    - `folder`: the folder within the repository (`""`, or `"sub/folder/"`).
-    """
+    """A folder (`""`, or `"sub/folder/"`) of the Hub model repository `repo`
+    (`owner/name`), at a branch, tag or commit (`revision`; `None`: the default)."""
 
     repo: str
     revision: str | None
@@ -83,14 +62,9 @@ class Hub:
 
 
 def location(path: Any) -> Location:
-    """Turn what the user passed as `path` into a `Location`.
-
-    Accepts a local path (`str` or `os.PathLike`), a TensorStore kvstore URL
-    (`memory://`, `file://`, `s3://`, `gs://`...), or a kvstore spec `dict` (for
-    options a URL cannot carry, such as an S3 `endpoint` or `aws_credentials`).
-    An S3 location that names no `endpoint` reaches the server that
-    `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` names, as the AWS tools do.
-    """
+    """Turn what the user passed as `path` into a `Location`: a local path, a
+    kvstore URL (`memory://`, `s3://`...), or a kvstore spec `dict` (for
+    options a URL cannot carry, such as an S3 `endpoint`)."""
     if isinstance(path, Location):
         return path
     if isinstance(path, dict):
@@ -129,10 +103,8 @@ _REVISION = re.compile(r"[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*")
 
 
 def _hub_path(path: str) -> Location:
-    """`hf://owner/name`, `hf://owner/name@revision`, `hf://owner/name@revision/sub/folder`
-    or `hf://owner/name/sub/folder`: a Hugging Face Hub model repository (its
-    folder), at a branch, tag or commit (a revision holding `/`, such as
-    `refs/pr/1`, written `refs%2Fpr%2F1`, as `huggingface_hub`'s own `hf://` URLs do)."""
+    """`hf://owner/name[@revision][/sub/folder]`: a Hub repository's folder (a
+    revision holding `/` is written `refs%2Fpr%2F1`, as `huggingface_hub` does)."""
     rest = path[len(HUB_SCHEME) :].strip("/")
     parts = rest.split("/")
     if len(parts) < 2:
@@ -159,8 +131,7 @@ def _hub_path(path: str) -> Location:
 
 
 def writable(loc: Location, what: str) -> Location:
-    """`loc`, where `what` (a save, a manager) may write there: a Hub repository
-    is written only by a push, which makes the published layout in one commit."""
+    """`loc`, where `what` may write there (a Hub repository is written only by a push)."""
     if loc.hub is not None:
         raise CheckpointValueError(
             f"{what} cannot write to {loc.display!r}: a Hub repository is written only by a push, in one commit. "
@@ -196,18 +167,17 @@ _KEY_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
 
 def _directory(spec: dict[str, Any], display: str) -> Location:
-    """The checkpoint directory at a kvstore spec: its path ends in `/`; an
-    `s3` one without an `endpoint` takes the one `ENDPOINT_VARIABLES` name, and
-    without `aws_credentials` the keys in the environment, if both are set."""
+    """The checkpoint directory at a kvstore spec (its path ends in `/`). An `s3`
+    spec takes a missing `endpoint` from `ENDPOINT_VARIABLES`, and missing
+    `aws_credentials` from the environment's keys where both are set."""
     spec["path"] = spec.get("path", "")
     endpoint = next((os.environ[name] for name in ENDPOINT_VARIABLES if os.environ.get(name)), None)
     if spec.get("driver") == "s3" and "endpoint" not in spec and endpoint:
         spec["endpoint"] = endpoint
     if spec.get("driver") == "s3" and "aws_credentials" not in spec and all(map(os.environ.get, _KEY_VARIABLES)):
-        # The keys the AWS default chain would take first, named. The chain also
-        # reads the shared config files as it is built. Where there are none,
-        # the SDK printed five lines of errors on stderr at the first access
-        # (TensorStore's own logging, which Python cannot quieten).
+        # The keys AWS's default chain takes first, named: the chain also reads
+        # the shared config files, and where there are none the SDK printed
+        # errors on stderr that Python cannot quieten.
         spec["aws_credentials"] = {"type": "environment"}
     if spec["path"] and not spec["path"].endswith("/"):
         spec["path"] += "/"
@@ -216,7 +186,6 @@ def _directory(spec: dict[str, Any], display: str) -> Location:
 
 
 def on_local_disk(loc: Location) -> bool:
-    """Whether `loc` is a local directory reached through the `file` driver (so
-    writes can skip fsync and must then be flushed, and eqx_ckpt may read and
-    write its chunk files itself)."""
+    """Whether `loc` is a local directory reached through the `file` driver: its
+    writes may skip fsync (flushed later), and eqx_ckpt may do its chunk I/O itself."""
     return loc.local is not None and loc.kvstore.get("driver") == "file"

@@ -9,16 +9,13 @@ Every job that moves many bytes takes `progress=`:
 - `True`: a bar on stderr whatever the size (still only on a terminal).
 - `False`: nothing.
 - a callable: called as `progress(leaves_done, leaves_total, bytes_done,
-    bytes_total)` each time some leaves or bytes are done, with running totals
-    that only grow and end equal to the totals. Leaves that land together
-    (the small leaves of a pack) are counted a few at a time, at most
-    `1 / PARTIAL_STEPS` of the job's leaves per call.
+    bytes_total)` as work is done, with running counts that only grow and end
+    equal to the totals.
 
-Bytes are counted as they are written or read, a chunk file or a slab at a
-time. So one large leaf moves the bar in steps instead of from 0 to 100% at
-once. Such partial counts reach a callback only once they add up to
-`1 / PARTIAL_STEPS` of the job's bytes (a leaf done always does). So a job of
-many small chunks does not call it for every one.
+Bytes are counted a chunk file or a slab at a time, so one large leaf moves
+the bar in steps. Such partial counts reach a callback in steps of at least
+`1 / PARTIAL_STEPS` of the job's bytes (a leaf done, at once); leaves that land
+together (a pack's) are counted at most `1 / PARTIAL_STEPS` of them a call.
 """
 
 from __future__ import annotations
@@ -41,11 +38,8 @@ PARTIAL_STEPS = 256
 
 
 class Tracker:
-    """Running counts of one job, shown as a bar or passed to a callback.
-
-    The counts are guarded by a lock, so that a job may report from several
-    threads; the callback is called outside it.
-    """
+    """Running counts of one job, shown as a bar or passed to a callback. A lock
+    guards the counts, so that any thread may report; the callback runs outside it."""
 
     def __init__(self, progress: Progress, *, leaves: int, nbytes: int, what: str):
         self.leaves_total, self.bytes_total = leaves, nbytes
@@ -79,19 +73,16 @@ class Tracker:
             self._callback(*counts)
 
     def count_leaves(self, sizes: Sequence[int]) -> None:
-        """Report leaves done, of `sizes` bytes each (0 for a leaf whose bytes
-        were reported within it), a few at a time: at most 1 / `PARTIAL_STEPS`
-        of the job's leaves per call. The leaves of a pack land together, and
-        "n of N" still counts up from 1 instead of jumping to all of them."""
+        """Report leaves done, of `sizes` bytes each (0 where reported within it),
+        a few at a time, so that "n of N" counts up through a pack's leaves."""
         step = max(1, self.leaves_total // PARTIAL_STEPS)
         for i in range(0, len(sizes), step):
             part = sizes[i : i + step]
             self.advance(leaves=len(part), nbytes=sum(part))
 
     def within(self, nbytes: int) -> _Within:
-        """A function that reports bytes done within one leaf of `nbytes` (a chunk
-        or a slab at a time), with `rest()` giving what it left to report when
-        the leaf is done: partial counts never exceed the leaf's bytes."""
+        """A function reporting bytes done within one leaf of `nbytes`, never more
+        than it has; `rest()` gives what it left to report."""
         return _Within(self, nbytes)
 
     def describe(self, what: str) -> None:

@@ -1,19 +1,16 @@
 """Every registry and memo eqx_ckpt keeps for the life of the process.
 
-Each is made here, with a name and a bound, so that none grows without limit
-and one call empties them all (`reset`). `table(name, bound, evict)` is a dict
-whose `put` first makes room: `"clear"` forgets every entry (a memo cheap to
-fill again), `"oldest"` the oldest one, `"lru"` the least recently used (read
-by `recent`), and `"refuse"` raises (its entries are made once per name the
-code gives, so one more is a bug). A `"live"` table has no bound: each entry
-leaves when what it names ends (a thread, a save, a lease, a lazy leaf;
-`weak_table` holds its values weakly). `memo(bound)` is `functools.lru_cache`.
+Each is made here, named and bounded, so that none grows without limit and
+`reset` empties them all. `table(name, bound, evict)` is a dict whose `put`
+first makes room: `"clear"` forgets every entry, `"oldest"` the oldest one,
+`"lru"` the least recently used (read by `recent`), and `"refuse"` raises (one
+entry too many is a bug). A `"live"` table has no bound: each entry leaves when
+what it names ends (`weak_table` holds its values weakly). `memo(bound)` is
+`functools.lru_cache`.
 
-One read or write of a table is atomic (the GIL); its `lock` guards what is
-read and written together. A forked child has only the thread that forked: it
-renews every lock (one that a vanished thread held would never be released)
-and empties the tables made with `fork="empty"`, which hold the parent's
-threads, pools, saves and leases.
+Each `lock` guards what is read and written together. A forked child renews
+every lock (a vanished thread may hold one) and empties the tables made with
+`fork="empty"` (the parent's threads, pools, saves and leases).
 """
 
 from __future__ import annotations

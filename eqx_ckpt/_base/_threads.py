@@ -6,12 +6,9 @@
   saves still in flight).
 
 Every worker is recorded here before it starts, and every worker but a
-save's is a daemon thread. An interrupt that lands while a thread starts
-(`sys.exit` from a SIGTERM handler, while `Thread.start` waits for the thread
-to begin) therefore never leaves a thread that the exit waits for forever.
-(Issue 69: `ThreadPoolExecutor` recorded a worker only once `start` had
-returned. A signal that landed in between left a worker that nobody told to
-stop, and the interpreter waited for it forever at exit.)
+save's is a daemon thread. So an interrupt that lands inside `Thread.start`
+never leaves a thread the exit waits for forever (as `ThreadPoolExecutor`'s
+did: it recorded a worker only once `start` had returned).
 
 At interpreter exit, before Python joins its threads:
 
@@ -23,8 +20,7 @@ At interpreter exit, before Python joins its threads:
    then is named on stderr, and left to the interpreter.
 
 After an interrupt that does not end the process (a Ctrl-C in a notebook),
-the workers stay, idle, for the next call: the interrupted call settles its
-own work (`_interrupts`).
+the workers stay, idle, for the next call.
 """
 
 from __future__ import annotations
@@ -47,10 +43,8 @@ _Work = tuple["concurrent.futures.Future[Any]", Callable[..., Any], tuple[Any, .
 
 
 class Pool(concurrent.futures.Executor):
-    """A pool of up to `threads` daemon threads named `name_0`, `name_1`...,
-    with `ThreadPoolExecutor`'s `submit`, `map` and `shutdown`. A worker
-    starts when work comes and none is idle, and is recorded before it
-    starts (see the module docstring)."""
+    """Up to `threads` daemon threads named `name_0`, `name_1`..., started when
+    work comes and none is idle, with `ThreadPoolExecutor`'s interface."""
 
     def __init__(self, name: str, threads: int):
         self.name, self.threads = name, threads
@@ -119,8 +113,7 @@ _AT_EXIT: _state.Table[Callable[[], None], None] = _state.table("threads.at_exit
 
 
 def pool(name: str, threads: int) -> Pool:
-    """The process's pool named `name`, of up to `threads` threads, made on
-    first use."""
+    """The process's pool named `name`, made on first use."""
     with _POOLS.lock:
         made = _POOLS.get(name)
         return made if made is not None else _POOLS.put(name, Pool(name, threads))
@@ -129,10 +122,9 @@ def pool(name: str, threads: int) -> Pool:
 def thread(
     name: str, target: Callable[..., Any], *args: Any, stop: Callable[[], None] | None = None, daemon: bool = True
 ) -> threading.Thread:
-    """A thread named `name` that runs `target(*args)`, recorded here; the
-    caller starts it. The exit calls `stop` (which asks `target` to return)
-    and waits for the thread. `daemon=False` only for a save's thread, which
-    an `at_exit` function waits for."""
+    """A thread running `target(*args)`, recorded here; the caller starts it. The
+    exit calls `stop` (which asks `target` to return) and waits for it.
+    `daemon=False` only for a save's thread, which an `at_exit` function waits for."""
 
     def run() -> None:
         try:
@@ -148,8 +140,7 @@ def thread(
 
 
 def at_exit(fn: Callable[[], None]) -> None:
-    """Run `fn` at interpreter exit, before the workers stop (see the module
-    docstring)."""
+    """Run `fn` at interpreter exit, before the workers stop."""
     _AT_EXIT.put(fn, None)
 
 

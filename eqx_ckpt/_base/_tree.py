@@ -21,9 +21,8 @@ def leaf_specs(
     what: str = "pytree",
     count: int | None = None,
 ) -> list[Any]:
-    """One filter spec per leaf of `tree`: `filter_spec` is a callable or a PyTree
-    prefix of `tree` whose leaves are callables, as in Equinox. `count`: the
-    number of leaves of `tree`, when the caller knows it."""
+    """One filter spec per leaf of `tree`, from a callable or a PyTree prefix of
+    callables, as in Equinox. `count`: `tree`'s number of leaves, if known."""
     if count is not None and callable(filter_spec) and jtu.treedef_is_leaf(jtu.tree_structure(filter_spec)):
         return [filter_spec] * count  # one function for every leaf: nothing to map
     specs: list[Any] = []
@@ -45,9 +44,8 @@ def leaf_specs(
             f"(as `eqx.tree_serialise_leaves` takes it); its structure does not match `{what}`: {_short(e)}"
         ) from None
     if count is not None and len(specs) != count:
-        # `filter_spec` is mapped over the nodes of `tree`, `is_leaf` or not (as
-        # in Equinox), so a prefix reaching inside a node `is_leaf` makes one leaf
-        # splits that leaf.
+        # `filter_spec` is mapped over `tree` without `is_leaf` (as in Equinox):
+        # a prefix reaching inside a node `is_leaf` makes one leaf splits it.
         raise CheckpointValueError(
             f"`filter_spec` reaches inside a node that `is_leaf` makes one leaf of `{what}`: it gives "
             f"{len(specs)} filter specs for the {count} leaves of `{what}`. Give one callable for each node "
@@ -68,16 +66,13 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None) -> tuple[list[tupl
 class Names:
     """The names of every leaf of a flattened tree.
 
-    - `paths`, `records`: the dotted path and the key path record
-      (`_keypath.to_json`) of every leaf, in flattening order.
-    - `keypath(i)`: each leaf's key path, on request. A save needs a few, for
-      the leaves it cannot store the common way and for its errors.
-    - `treedef`: the tree's structure where known (a save records it:
-      `_structure`).
-    - `memo`: where the names are remembered by structure
-      (`names_from_structure`), a dict shared by every tree of that structure
-      while they are, else `None`. A save keeps there what it worked out from
-      them for the next one (`_records.Plan`)."""
+    - `paths`, `records`: each leaf's dotted path and key path record
+      (`_keypath.to_json`), in flattening order.
+    - `keypath(i)`: a leaf's key path, on request (a save needs a few).
+    - `treedef`: the tree's structure where known.
+    - `memo`: a dict shared by every tree of this structure while its names are
+      remembered (`names_from_structure`), else `None`; a save keeps its
+      `_records.Plan` there for the next one."""
 
     __slots__ = ("_keypath", "memo", "paths", "records", "treedef")
 
@@ -105,14 +100,10 @@ def names_from_keypaths(keypaths: list[tuple[Any, ...]], treedef: Any = None) ->
 def flatten_named(
     tree: Any, is_leaf: Callable[[Any], bool] | None, *, keypaths: bool = False
 ) -> tuple[list[Any], Names]:
-    """The leaves of `tree`, and their names: from its structure when every
-    node of it `rebuilds_plainly` (`named_structure`), else from its key paths,
-    as also when the caller will ask for every leaf's key path (`keypaths`).
-
-    From the structure is the faster way (for the `many` benchmark tree, about
-    half the time: docs/benchmarks.md). A tree with another node is
-    flattened once more, with its key paths; which way the last tree of the
-    same type went decides which is tried first."""
+    """The leaves of `tree`, and their names: from its structure (the faster
+    way: docs/benchmarks.md) when every node `rebuilds_plainly` and the caller
+    will not ask for every key path (`keypaths`), else from its key paths.
+    Which way the last tree of the same type went decides which is tried first."""
     if not keypaths and _PLAIN_ROOTS.get(type(tree), True):
         leaves, treedef = jtu.tree_flatten(tree, is_leaf)
         if rebuilds_plainly(treedef):
@@ -133,16 +124,12 @@ def names_from_structure(treedef: Any) -> Names:
     """The names of the leaves of a tree of structure `treedef`, whose nodes
     `rebuilds_plainly`, from the structure alone.
 
-    Each node's keys are those of a copy of the node rebuilt around numbers
-    (`_child_keys`). Each distinct subtree is named once, where it first
-    occurs. A later occurrence (the next block of a model, Adam's moments of
-    the parameters) copies those names behind its own prefix. That is a string
-    and a list joined per leaf, instead of a step per key.
-
-    The names of a whole tree are remembered by its structure too (`_NAMED`),
-    as `rebuilds_plainly` is: a training loop saves one structure again and
-    again. Only names that follow equality are (see `_names_follow_equality`):
-    an equal structure then has the same names."""
+    Each node's keys are those of a copy rebuilt around numbers
+    (`_child_keys`). Each distinct subtree is named once; a later occurrence
+    (the next block of a model) copies those names behind its own prefix. A
+    whole tree's names are remembered by structure (`_NAMED`) where they
+    follow equality (`_names_follow_equality`): a training loop saves one
+    structure again and again."""
     _faults.fire("tree.name_by_structure", treedef)
     named = _lookup(_NAMED, treedef)
     if named is None:
@@ -153,8 +140,7 @@ def names_from_structure(treedef: Any) -> Names:
 
 
 def _named(treedef: Any) -> tuple[list[str], list[list[list[Any]]], dict[Any, Any] | None]:
-    """The dotted paths and key path records of `names_from_structure`, made
-    from the structure; remembered (`_NAMED`) when they follow equality."""
+    """The dotted paths and key path records of `names_from_structure`."""
     paths: list[str] = []
     records: list[list[list[Any]]] = []
     # A subtree already named: (its first leaf, its last + 1, the length of the
@@ -196,9 +182,8 @@ def _named(treedef: Any) -> tuple[list[str], list[list[list[Any]]], dict[Any, An
         return paths, records, None
 
 
-# The names of the last few structures named (`names_from_structure`), the
-# oldest first, each with its `Names.memo`. The key path records in them are
-# shared by every save of the structure, and never changed.
+# The names of the last few structures named, each with its `Names.memo`; their
+# key path records are shared by every save of the structure: never changed.
 _NAMED: _state.Table[Any, tuple[list[str], list[list[list[Any]]], dict[Any, Any]]] = _state.table(
     "tree.named", 4, "oldest"
 )
@@ -214,13 +199,11 @@ def _lookup(first: dict[Any, Any], node: Any) -> Any:
 
 
 def _names_follow_equality(kind: str, value: Any) -> bool:
-    """Whether every key equal to this one has its name. Subtrees are told
-    apart by equality: `{1: x}` and `{True: x}` are equal structures whose keys
-    are named `%i1` and `True`, so a subtree holding a dict key other than a
-    string is named anew wherever it occurs. Attribute names and indices
-    follow from the node's type and length, which equal structures share. A
-    key equal to a string is one too, of a subclass such as `StrEnum` or
-    `np.str_`, named by the same characters."""
+    """Whether every key equal to this one has its name. `{1: x}` and `{True: x}`
+    are equal structures with different names (`%i1`, `True`), so a dict key
+    other than a `str` is named anew wherever it occurs. Attribute names and
+    indices follow from the node's type and length; a key equal to a `str` (a
+    `StrEnum`) is named by the same characters."""
     return kind in ("attr", "index") or (kind == "key" and type(value) is str)
 
 
@@ -248,12 +231,8 @@ def _rebuilt_keypaths(treedef: Any) -> list[tuple[Any, ...]]:
 
 class _StructureKeypaths:
     """The key path of leaf `i` of a tree of structure `treedef` (whose nodes
-    `rebuilds_plainly`).
-
-    The first few are found by descending through the nodes that hold it, a
-    fraction of a millisecond each. Then all of them are found at once, from a
-    copy of the tree with numbers for leaves: tens of milliseconds for ten
-    thousand leaves."""
+    `rebuilds_plainly`): the first few by descending through its nodes, then
+    all at once, from a copy of the tree with numbers for leaves."""
 
     _DESCENTS = 16
 
@@ -286,19 +265,16 @@ class _StructureKeypaths:
 
 
 def rebuilds_plainly(treedef: Any) -> bool:
-    """Whether every node of `treedef` is rebuilt by `tree_unflatten` without
-    running code of the user's (a class's `__init__`, a registered unflatten
-    function): dicts, lists, tuples, `None`, plain namedtuples and Equinox
-    modules (which Equinox rebuilds field by field). Remembered by structure:
-    a training loop saves one structure again and again."""
+    """Whether `tree_unflatten` rebuilds every node of `treedef` without running
+    the user's code: dicts, lists, tuples, `None`, plain namedtuples and
+    Equinox modules (rebuilt field by field). Remembered by structure."""
     try:
         found = _PLAIN.get(treedef)
         if found is None:
             found = _PLAIN.put(treedef, all(_rebuilds_plainly(cls) for cls in _node_types(treedef)))
     except Exception:
-        # Node data that cannot be hashed or compared (an array in a static
-        # field of an Equinox module: JAX raises comparing two such
-        # structures): said not to, so the key paths are taken in the caller.
+        # Node data that cannot be compared (an array in an Equinox module's
+        # static field): the caller takes the key paths instead.
         return False
     return found
 
@@ -307,9 +283,7 @@ _PLAIN: _state.Table[Any, bool] = _state.table("tree.plain", 64, "clear")
 
 
 def _node_types(treedef: Any) -> set[type]:
-    """The types of the nodes of `treedef`. Each distinct subtree is walked once
-    (a model's blocks share one structure): a few hundred steps for a tree of
-    ten thousand leaves."""
+    """The types of the nodes of `treedef`, each distinct subtree walked once."""
     types_: set[type] = set()
     seen: set[Any] = set()
     stack = [treedef]
@@ -328,8 +302,7 @@ def _rebuilds_plainly(cls: type) -> bool:
     if cls in _BUILTIN_NODES or issubclass(cls, eqx.Module):
         return True
     if issubclass(cls, tuple) and hasattr(cls, "_fields"):
-        # A namedtuple is rebuilt by calling it: plain unless a class has given it
-        # its own `__new__` or `__init__`.
+        # Rebuilt by calling it: plain unless given its own `__new__` or `__init__`.
         new_made_by_namedtuple = getattr(cls.__new__, "__module__", "").startswith("namedtuple_")
         return new_made_by_namedtuple and cls.__init__ is object.__init__
     return False
@@ -359,8 +332,7 @@ def check_unique(names: Names, *, checkpoint: str) -> None:
 
 
 def _same_name(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
-    """Why two different key paths have the same dotted path, said of the first
-    keys where they differ."""
+    """Why two key paths have the same dotted path, said of their first difference."""
     first, second = next(((x, y) for x, y in zip(a, b, strict=False) if x != y), (a[-1], b[-1]))
     if type(first) is not type(second) or type(getattr(first, "key", None)) is not type(getattr(second, "key", None)):
         return "their keys have different types but the same name."

@@ -1,15 +1,10 @@
 """orbax-checkpoint PyTree checkpoints as a source of leaves, read with TensorStore.
 
 An orbax PyTree checkpoint (`StandardCheckpointer`, `PyTreeCheckpointer`) is a
-directory that holds:
-
-- a `_METADATA` JSON file listing every leaf's key path;
-- one zarr (v2) or zarr3 array per leaf, named by the leaf's keys joined with
-  `.`. Each array is either a folder, or, with OCDBT (orbax's default), keys of
-  an OCDBT database at the checkpoint's root.
-
-TensorStore opens both (through `_storage`); orbax itself is not imported.
-Dotted paths are the key paths, escaped as eqx_ckpt escapes its own.
+directory holding a `_METADATA` JSON file listing every leaf's key path, and
+one zarr or zarr3 array per leaf, named by its keys joined with `.`: a folder,
+or with OCDBT (orbax's default) keys of a database at the root. TensorStore
+opens both (through `_storage`); orbax itself is not imported.
 """
 
 from __future__ import annotations
@@ -42,10 +37,8 @@ _SEQUENCE = 1
 
 @dataclasses.dataclass(frozen=True)
 class Arrays:
-    """The leaves `find` found, as a source of leaves: `_source.Source` reads
-    each member by name, and says what it is. `changed` names the file that
-    shows the checkpoint was saved again since it was opened; no `runs`: each
-    leaf is read through its own array."""
+    """The leaves `find` found, as a `_source.Source` reads them. `changed` names
+    a file showing the checkpoint was saved again since; no `runs`."""
 
     manifest: Manifest
     opener: Callable[[LeafRecord], _storage.Future]
@@ -55,8 +48,7 @@ class Arrays:
 
 
 def find(loc: Location) -> Arrays | None:
-    """The leaves of an orbax PyTree checkpoint at `loc`, or `None` if it is not
-    one."""
+    """The leaves of an orbax PyTree checkpoint at `loc`, or `None` if it is not one."""
     data, stamp = _storage.read_file_stamped(loc, METADATA, limit=MAX_MANIFEST_BYTES)
     if data is None:
         # A step of an orbax `CheckpointManager` keeps its one item in `default/`.
@@ -101,17 +93,14 @@ def find(loc: Location) -> Arrays | None:
     return Arrays(manifest, opener=lambda record: _storage.ready(stores[record.path]), changed=changed)
 
 
-# Files an orbax save writes anew besides `_METADATA`: the save's timestamps,
-# and an OCDBT database's manifest (its random id). `_METADATA` comes out the
-# same for a tree of the same structure, and on S3 an object's ETag is a digest
-# of its content. On a local disk every one is a new file: orbax saves into a
-# temporary directory and renames it, and `force=True` deletes the old one first.
+# Files an orbax save writes anew (its timestamps; an OCDBT manifest's random
+# id): on S3 an ETag digests content, and `_METADATA` is the same for a tree of
+# the same structure. (Locally, orbax's rename makes every file new.)
 _SAVED_ANEW = ("_CHECKPOINT_METADATA", "manifest.ocdbt")
 
 
 def _stamps(loc: Location) -> list[tuple[str, bytes]]:
-    """The stamps (`_storage.read_file_stamped`) of the files of `_SAVED_ANEW`
-    that `loc` holds (older versions of orbax write no `_CHECKPOINT_METADATA`)."""
+    """The stamps of the files of `_SAVED_ANEW` that `loc` holds (older orbax writes no `_CHECKPOINT_METADATA`)."""
     out = []
     for name in _SAVED_ANEW:
         try:
@@ -124,9 +113,8 @@ def _stamps(loc: Location) -> list[tuple[str, bytes]]:
 
 
 def writes_every_chunk(loc: Location) -> bool:
-    """Whether the orbax checkpoint at `loc` records that every chunk was
-    written (`store_array_data_equal_to_fill_value`). A missing chunk is then
-    damage. Older orbax left out chunks equal to the fill value."""
+    """Whether the orbax checkpoint at `loc` records that every chunk was written
+    (older orbax left out those equal to the fill value): a missing one is damage."""
     for folder in (loc, loc.joined(DEFAULT_ITEM)):
         data = _storage.read_file(folder, METADATA, limit=MAX_MANIFEST_BYTES)
         if data is not None:
@@ -156,9 +144,8 @@ def _leaf(entry: dict[str, Any]) -> tuple[list[list[Any]], str, str] | None:
     keys = entry["key_metadata"]
     keypath = [["index", int(k["key"])] if k["key_type"] == _SEQUENCE else ["key", str(k["key"])] for k in keys]
     name = ".".join(str(k["key"]) for k in keys)
-    # The names are untrusted: without OCDBT they are folders of the checkpoint.
-    # A key holding `/` (`{"dense/kernel": w}`) makes nested folders, which is
-    # fine; an empty, `.` or `..` part would name no folder inside it.
+    # Untrusted: without OCDBT they are folders. A `/` in a key makes nested
+    # folders, which is fine; an empty, `.` or `..` part names none inside it.
     if "\\" in name or any(part in ("", ".", "..") for part in name.split("/")):
         raise _Unopenable(
             f"its key path {keypath} gives the array name {name!r}, which is not a name inside the checkpoint"
@@ -190,10 +177,7 @@ def _record(loc: Location, keypath: list[list[Any]], name: str, kind: str, store
 
 def manager_steps(path: str) -> str:
     """A sentence naming the steps and how to load one, if the local directory
-    `path` is an orbax `CheckpointManager`'s; else "".
-
-    Such a directory has numbered step folders, each with its
-    `_CHECKPOINT_METADATA` or an item's `_METADATA`."""
+    `path` is an orbax `CheckpointManager`'s (numbered step folders); else ""."""
     if not _storage.local_entry(path).folder:
         return ""
     steps = sorted(int(n) for n in _storage.local_names(path) if n.isdigit() and _is_step(os.path.join(path, n)))

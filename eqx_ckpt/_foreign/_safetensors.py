@@ -4,14 +4,10 @@ A safetensors file is 8 bytes (little-endian header length), a JSON header
 (`name -> {dtype, shape, data_offsets}`), then each tensor's raw little-endian
 C-order bytes.
 
-Each tensor becomes a TensorStore array (`ts.virtual_chunked`) whose chunks
-are runs of rows. They are read with byte-range reads of the file, through the
-same kvstore as any checkpoint. So a load reads the headers and the bytes of
-the tensors (or rows) it selects, nothing else, locally or on an object store.
-
-This module is the safetensors reader. It reaches TensorStore only through
-`_storage` (`_storage.virtual_array`, `_storage.Folder`), which with
-`_location` is the only importer of `tensorstore`.
+Each tensor becomes a virtual TensorStore array (`_storage.virtual_array`)
+whose chunks are runs of rows, read with byte-range reads through the same
+kvstore as any checkpoint. So a load reads the headers and the bytes of the
+tensors (or rows) it selects, nothing else, locally or on an object store.
 """
 
 from __future__ import annotations
@@ -55,29 +51,25 @@ DTYPES = types.MappingProxyType({
 NAMES = types.MappingProxyType({ours: theirs for theirs, ours in DTYPES.items()})
 # The NumPy dtype of each of our names, looked up once, not once a tensor.
 _NUMPY = types.MappingProxyType({ours: dtype_from_name(ours) for ours in DTYPES.values()})
-# The safetensors library refuses headers above 100 MB; so do we, for one
-# file and for all the files of a directory together.
+# The safetensors library refuses headers above 100 MB; so do we, for one file and for a directory's together.
 MAX_HEADER = 100 * 2**20
 # The most tensors of a file, and of a directory's files together (real models
 # hold under 100,000), counted before a header is parsed.
 MAX_TENSORS = _published.MAX_LEAVES
 SUFFIX = ".safetensors"
-# A tensor is read in runs of rows of about this many bytes: one range request
-# each, many at once, and a slice or a device's shard reads only its runs.
+# A tensor is read in runs of rows of about this many bytes (one range request
+# each), so that a slice or a device's shard reads only its runs.
 ROW_CHUNK_BYTES = 4 * 2**20
 # A file of at most this many bytes whose size is listed (on the Hub) is read
-# whole when it is opened: its length, header and end in one request, not three.
-# (A partial load then reads at most this much more than it needs.)
+# whole when opened: its length, header and end in one request, not three.
 WHOLE_FILE_BYTES = 16 * 2**10
 # A load reads tensors of at most this many bytes in runs of adjacent tensors,
 # one range read per run (`read_runs`); larger ones through their own arrays.
 SMALL_BYTES = 2**20
-# The names of a Hugging Face folder's files: one file, or shards and their
-# index, under a stem. A whole model's is `model`, the name every loader looks
-# for. A fine-tune stored against a base holds only the tensors that differ
-# from it: its files are named for what they are, so that no loader unaware
-# of families takes them for a whole model. (Not PEFT's `adapter_model`: its
-# loaders would take them for an adapter.)
+# The stems of a Hugging Face folder's files (one file, or shards and their
+# index): a whole model's is `model`, which every loader looks for. A
+# fine-tune's files hold only the tensors that differ from its base, so their
+# stem keeps loaders unaware of families (and PEFT's, for `adapter_model`) off.
 MODEL = "model"
 FINETUNE = "finetune"
 STEMS = (MODEL, FINETUNE)
@@ -113,10 +105,9 @@ FINETUNE_NOTE = (
 
 
 def finetune_metadata(base: str, revision: str, shown: str) -> dict[str, str]:
-    """The `__metadata__` of each file of a fine-tune, as the folder or
-    repository `shown`, stored against the `base` recorded at `revision` (an
-    `hf://` base's commit; `""` for any other): what the file holds, the
-    base, and the command that makes a standalone copy."""
+    """The `__metadata__` of each file of the fine-tune `shown`, stored against
+    `base` at `revision` (an `hf://` base's commit, else `""`): what the file
+    holds, the base, and the command that makes a standalone copy."""
     return {
         METADATA_PREFIX + "fine_tune": FINETUNE_NOTE,
         METADATA_PREFIX + "base": base,
@@ -131,31 +122,25 @@ _SHARD = re.compile(r"[^/\\\x00-\x1f]+\.safetensors")
 
 
 def is_published(name: str) -> bool:
-    """Whether the file `name` of a folder belongs to the published layout:
-    a safetensors file (of any stem), an index (any a load might read,
-    `layout`), or `eqx_ckpt.json`. An export into the folder, and a push to a
-    repository, delete those it does not write (so a fine-tune exported
-    again whole loses its `finetune` files); a user's other files stay."""
+    """Whether the file `name` of a folder belongs to the published layout (a
+    safetensors file, an index, `eqx_ckpt.json`): an export or a push deletes
+    those it does not write, and keeps a user's other files."""
     return "/" not in name and (name.endswith((SUFFIX, INDEX_SUFFIX)) or name == _published.NAME)
 
 
 def layout(names: Collection[str]) -> tuple[list[str], list[str]]:
-    """The layout of a folder holding the files `names`: its indexes, and the
-    safetensors files a load may read without one (those of `SINGLES` where
-    any is there, else all). One index, or else one file, is a layout a load
-    reads; anything else is not (`ambiguous` says what; a load refuses it, or
-    says what the folder holds)."""
+    """The indexes of a folder holding the files `names`, and the safetensors
+    files a load may read without one (those of `SINGLES` where any is there,
+    else all). A load reads one index, or else one file (see `ambiguous`)."""
     indexes = sorted(n for n in names if n.endswith(INDEX_SUFFIX))
     singles = sorted(n for n in names if n.endswith(SUFFIX))
     return indexes, [n for n in SINGLES if n in singles] or singles
 
 
 def ambiguous(names: Collection[str], index: str | None = None, shards: Collection[str] = ()) -> str | None:
-    """What makes a folder holding the files `names` hold two layouts at once
-    (`None`: nothing). Two indexes; an `index` and a single file of `SINGLES`
-    it does not name among its `shards`; no index and two files of `SINGLES`
-    (a whole model's and a fine-tune's). A load refuses such a folder, naming
-    both; which one is the model is not said."""
+    """What makes a folder holding `names` hold two layouts at once, or `None`:
+    two indexes; an `index` and a file of `SINGLES` not among its `shards`; or
+    no index and two files of `SINGLES`. A load refuses such a folder."""
     indexes = layout(names)[0]
     if len(indexes) > 1:
         return f"{len(indexes)} indexes ({', '.join(indexes[:5])})"
@@ -178,9 +163,8 @@ def is_file_path(loc: Location) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Tensors:
-    """The tensors `find` found, as a source of leaves: `_source.Source` reads
-    each member by name, and says what it is (here `opener` is `_open`,
-    `changed` is `_Files.changed`, `runs` is `read_runs`)."""
+    """The tensors `find` found, as a `_source.Source` reads them (`opener` is
+    `_open`, `changed` is `_Files.changed`, `runs` is `read_runs`)."""
 
     manifest: Manifest
     opener: Callable[[LeafRecord], _storage.Future]
@@ -191,17 +175,13 @@ class Tensors:
 
 def find(loc: Location, where: Folder | None = None) -> Tensors | None:
     """The tensors of a `.safetensors` file, or of a directory holding one or a
-    Hugging Face index (`model.safetensors.index.json`, or a fine-tune's
-    `finetune.safetensors.index.json`) and its shards; `None`
-    if `loc` is neither. `where`: the directory's files (`None`: read through
-    `_storage`; the Hub's, `_hub.Files`).
+    Hugging Face index and its shards; `None` if `loc` is neither. `where`:
+    the directory's files (`None`: through `_storage`; the Hub's `_hub.Files`).
 
-    A directory may hold an `eqx_ckpt.json` (the published layout,
-    `_published`). It then gives the tensors their key paths, types and
-    dtypes, and the tree's structure record. Which files it reads is
-    `layout`'s rule, where the directory is listed (on a local disk, on the
-    Hub); else it tries each stem's index, then each stem's one file
-    (`STEMS`)."""
+    A directory's `eqx_ckpt.json` (`_published`) gives the tensors their key
+    paths, types and dtypes, and the tree's structure. The files read follow
+    `layout` where the directory is listed, else each stem's index, then each
+    stem's one file."""
     if is_file_path(loc):
         spec, name = split_file(loc)
         local = os.path.dirname(loc.local) if loc.local is not None else None
@@ -267,15 +247,9 @@ def _published_record(loc: Location, where: Folder) -> _published.Published | No
 def _as_published(
     loc: Location, published: _published.Published, records: dict[str, LeafRecord]
 ) -> dict[str, LeafRecord]:
-    """The headers' records replaced by those of `eqx_ckpt.json`, each checked
-    against its tensor.
-
-    Every recorded leaf must be there, stored as the header says (dtype and
-    shape). Every tensor must be recorded. (A record's path is its tensor's:
-    the files are read by the same `places`.)
-
-    A fine-tune's leaves taken from its base have no tensor here: they are
-    kept as recorded, read from the base (`_family`)."""
+    """The headers' records replaced by those of `eqx_ckpt.json`: every recorded
+    leaf stored as its header says, and every tensor recorded. A fine-tune's
+    leaves taken from its base have no tensor here (`_family` reads them)."""
     out: dict[str, LeafRecord] = {}
     references = published.family.references if published.family is not None else {}
     for leaf in published.leaves:
@@ -353,8 +327,7 @@ def _tensors(
     published: Callable[[], _published.Published | None] = lambda: None,
 ) -> Tensors:
     """Read every file's header (two small reads each, all files at once; one
-    for a small file whose size is listed, `WHOLE_FILE_BYTES`), and the
-    `published` record of the directory, if it has one."""
+    for a small listed file, `WHOLE_FILE_BYTES`), and the `published` record."""
     local = where.loc.local if _location.on_local_disk(where.loc) else None
     listed = [where.listed_size(name) for name in files]
     heads = [
@@ -424,15 +397,14 @@ def _headers(
     bodies: list[_storage.Future | _storage.Mapped],
     versions: list[bytes],
 ) -> tuple[list[bytes], list[bytes]]:
-    """The files' headers, each from the version of the file its length came
-    from, and those versions; their tensors counted before any is parsed."""
+    """The files' headers and versions, each header from the version its length
+    came from; their tensors counted before any is parsed."""
     headers, generations, counted = [], [], 0
     for name, size, body, version in zip(files, sizes, bodies, versions):
         found = _result(loc, name, body, "ends inside its header")
         data = found.value
         generations.append(found.generation)
         if found.generation != version:
-            # The header's length and the header came from two versions of the file.
             raise CheckpointReplacedError(
                 f"The safetensors file {name!r} of {loc.display!r} was rewritten while it was being opened. "
                 f"Open or load it again once it is written.",
@@ -450,11 +422,9 @@ def _headers(
 
 def _check_ends(loc: Location, where: Folder, files: list[str], ends: list[int], listed: list[int | None]) -> None:
     """Check that no file has bytes after its last tensor's: by its `listed`
-    size where it is known, else by reading the last byte a tensor uses and
-    the one after it, which must not be there (one read per file, all at once).
-
-    (Some servers answer oddly a range starting at the end of the file. All
-    refuse one ending past it.)"""
+    size, else by reading the last byte a tensor uses and the one after it,
+    which must not be there. (Servers answer oddly a range starting at the
+    end of the file; all refuse one ending past it.)"""
     probes = [
         (n, end, size, None if size is not None else where.read(n, slice(end - 1, end + 1)))
         for n, end, size in zip(files, ends, listed)
@@ -472,8 +442,7 @@ def _check_ends(loc: Location, where: Folder, files: list[str], ends: list[int],
 def _manifest(
     loc: Location, records: dict[str, LeafRecord], metadata: dict[str, str], published: _published.Published | None
 ) -> Manifest:
-    """The manifest of the tensors' `records`: as their headers say, or, in the
-    published layout, as its `eqx_ckpt.json` records them (layout "published")."""
+    """The manifest of the tensors' `records`, as their headers or `eqx_ckpt.json` say."""
     if published is None:
         return Manifest(tuple(records[path] for path in sorted(records)), layout="safetensors", metadata=metadata)
     records = _as_published(loc, published, records)
@@ -492,22 +461,15 @@ def _manifest(
 
 
 class _Files:
-    """The files of one opened source, as they were when their headers were read.
-
-    The offsets of its tensors hold only in those versions of the files. A file
-    rewritten since (by `safetensors`, by an export into the same directory)
-    has other tensors at those offsets. So:
-
-    - Every read of a tensor's bytes is checked against the version the header
-      came from (`read_matches`). On an object store the generation comes with
-      the bytes, in one response.
-    - `changed` names a file that is no longer that version."""
+    """The files of one opened source, as they were when their headers were read:
+    the tensors' offsets hold only in those versions. Every read is checked
+    against its file's version (`read_matches`; an object store sends the
+    generation with the bytes), and `changed` names a file no longer so."""
 
     def __init__(self, loc: Location, where: Folder, generations: dict[str, bytes], folder: str | None):
         # `loc` as the user named it (for messages); `where`, the folder of the files.
         self.loc, self.where, self.generations = loc, where, generations
-        # The local directory of the files, whose runs are read by `_chunk_files.read_local_range`.
-        self.folder = folder
+        self.folder = folder  # the local directory, whose runs are read directly
         # On a local disk a file can be rewritten in place while it is read, so
         # the files read from are also checked after the reads.
         self.local = _location.on_local_disk(loc)
@@ -534,11 +496,8 @@ class _Files:
 
 
 def _merged(metadata: dict[str, dict[str, str]]) -> dict[str, str]:
-    """The files' `__metadata__` as one map (Hugging Face shards repeat the
-    same).
-
-    A key whose value differs between files appears once per file, as
-    `file:key`, rather than one value hiding the others."""
+    """The files' `__metadata__` as one map (shards repeat the same); a key whose
+    value differs between files appears as `file:key`, once per file."""
     values: dict[str, set[str]] = {}
     for strings in metadata.values():
         for key, value in strings.items():
@@ -551,8 +510,7 @@ def _merged(metadata: dict[str, dict[str, str]]) -> dict[str, str]:
 
 
 def _result(loc: Location, name: str, read: _storage.Future | _storage.Mapped, short: str | None) -> Any:
-    """A byte-range read's result; a range past the end of the file means
-    `short` (the file is corrupt), or, without one, `None`."""
+    """A byte-range read's result; past the end of the file, `None`, or with `short` corrupt."""
     try:
         return read.result()
     except Exception as e:
@@ -568,8 +526,8 @@ def _result(loc: Location, name: str, read: _storage.Future | _storage.Mapped, s
 def _parse_header(
     loc: Location, file: str, data: bytes
 ) -> tuple[list[tuple[str, LeafRecord, int]], dict[str, str], int]:
-    """The tensors of a header (each with its name and offset), its
-    `__metadata__`, and how many bytes of data its tensors use."""
+    """The tensors of a header (with names and offsets), its `__metadata__`,
+    and how many bytes of data its tensors use."""
     try:
         header = loads_file(data)
     except ValueError as e:
@@ -615,8 +573,7 @@ _PLAIN = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
 
 
 def dotted(name: str) -> str:
-    """The dotted path of a tensor name: its `.`-separated parts, each escaped
-    as `Checkpoint(path).keys()` escapes keys (so `model.layers.0.weight` stays)."""
+    """The dotted path of a tensor name: each `.`-separated part escaped as keys are."""
     if _PLAIN.fullmatch(name):  # most names: nothing to escape, one match for the whole name
         return name
     return _keypath.join_dotted(*(_keypath.escape(part) for part in name.split("."))) if name else "%e"
@@ -657,8 +614,7 @@ def _record(name: str, entry: Any) -> tuple[LeafRecord, int, int]:
 
 @_state.memo(4096)
 def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
-    """Runs of whole rows of about `ROW_CHUNK_BYTES` (a model's few shapes
-    recur in thousands of tensors)."""
+    """Runs of whole rows of about `ROW_CHUNK_BYTES` (remembered: shapes recur)."""
     row = math.prod(shape[1:]) * itemsize
     rows = max(1, min(shape[0] if shape else 1, ROW_CHUNK_BYTES // max(row, 1)))
     return (rows, *(max(1, n) for n in shape[1:])) if shape else ()
@@ -697,7 +653,7 @@ def _read_rows(
                     raise
                 result = None
             if result is not None and not files.read_matches(file, result.generation):
-                raise OSError(f"{file!r} was rewritten since it was opened: its tensors are at other offsets now")
+                raise _rewritten(file)
             if result is None or result.value is None or len(result.value) != want:
                 files.short = True
                 raise OSError(
@@ -720,25 +676,18 @@ Run = tuple[str, int, int, list[int]]  # file, first byte, end, indices of the r
 def read_runs(
     files: _Files, places: dict[str, tuple[str, int]], records: Sequence[LeafRecord]
 ) -> tuple[list[int], Iterator[tuple[list[int], Callable[[], list[np.ndarray]]]]]:
-    """Read the small ones of `records` in a few large reads.
+    """Read the small ones of `records` in a few large reads (one array and one
+    request per tensor took seconds for ten thousand).
 
     **Returns:**
 
-    - which they are (indices into `records`);
-    - for each run of adjacent wanted tensors of one file, `(indices, finish)`.
-      `finish()` waits for the run's one range read and returns the host array
-      of each tensor in it.
-
-    Ten thousand small tensors read one array and one range request each took
-    seconds. Read so, one request (on a local disk, one read) covers all of
-    them. Tensors more than `_window.RUN_GAP_BYTES` apart start another run
-    (`_window.runs`), and so does a run longer than the read budget. So a
-    partial load reads little more than it wants. Runs are started ahead of
-    their use within the read budget (`_window`)."""
-    # On a local disk a larger tensor is read whole the same way, into memory
-    # `jax.device_put` adopts without a copy. That makes three copies of its
-    # bytes fewer than through a TensorStore array: the read's, the chunk's,
-    # the array's.
+    Their indices into `records`, and for each run of adjacent wanted tensors
+    of one file, `(indices, finish)`: `finish()` waits for the run's one range
+    read and returns each tensor's host array. Tensors far apart
+    (`_window.runs`), or past the read budget, start another run; runs start
+    ahead of their use within the budget (`_window`)."""
+    # On a local disk a larger tensor is read so too, into memory that
+    # `jax.device_put` adopts: three copies fewer than through a TensorStore array.
     most = _window.READ_BUDGET if files.folder is not None else SMALL_BYTES
     sizes = [record.nbytes for record in records]
     small = [i for i, nbytes in enumerate(sizes) if nbytes <= most]
@@ -770,11 +719,8 @@ def _runs(
 def _start_run(
     files: _Files, run: Run, records: list[LeafRecord], places: dict[str, tuple[str, int]]
 ) -> Callable[[], list[np.ndarray]]:
-    """Start one run's range read.
-
-    The returned function waits for it, and checks it came whole from the
-    version of the file the header was read from. It then slices each tensor
-    out of it."""
+    """Start one run's range read. The function returned waits for it, checks it
+    came whole from the header's version of the file, and slices out each tensor."""
     file, start, end, _ = run
     files.opened.add(file)
     _faults.fire("safetensors.read_run", files.loc, file, start, end)
@@ -812,8 +758,7 @@ def _start_run(
 def _run_bytes(
     files: _Files, file: str, start: int, end: int, read: _storage.Mapped | None, first: LeafRecord
 ) -> np.ndarray | None:
-    """A run's bytes, or `None` if the file ends before the run does; a file
-    rewritten since its header was read is an error."""
+    """A run's bytes, or `None` if the file ends before the run does."""
     if read is None:  # nothing to read (`end == start`)
         return np.empty(0, np.uint8)
     try:
@@ -823,17 +768,19 @@ def _run_bytes(
             return None
         raise _storage_errors.leaf_io_error(e, first, files.loc, "read") from e
     if not files.read_matches(file, result.generation):
-        raise OSError(f"{file!r} was rewritten since it was opened: its tensors are at other offsets now")
+        raise _rewritten(file)
     if result.value is None or len(result.value) != end - start:
         return None
     return np.frombuffer(result.value, np.uint8)
 
 
-def _truncated(files: _Files, file: str, records: list[LeafRecord], places: dict[str, tuple[str, int]]) -> Exception:
-    """The error of a run the file ends inside.
+def _rewritten(file: str) -> OSError:
+    return OSError(f"{file!r} was rewritten since it was opened: its tensors are at other offsets now")
 
-    It names the first tensor of the run whose bytes are not all there. That
-    tensor is found by bisecting on one-byte reads of the tensors' last bytes."""
+
+def _truncated(files: _Files, file: str, records: list[LeafRecord], places: dict[str, tuple[str, int]]) -> Exception:
+    """The error of a run the file ends inside, naming its first tensor not all
+    there (found by bisecting on one-byte reads of the tensors' last bytes)."""
     cut = [r for r in records if r.nbytes]
     lo, hi = 0, len(cut) - 1  # the last one is cut, or the run would have been whole
     while lo < hi:
@@ -847,7 +794,7 @@ def _truncated(files: _Files, file: str, records: list[LeafRecord], places: dict
                 return _storage_errors.leaf_io_error(e, cut[mid], files.loc, "read")
             whole = False
         if whole and not files.read_matches(file, found.generation):
-            return OSError(f"{file!r} was rewritten since it was opened: its tensors are at other offsets now")
+            return _rewritten(file)
         lo, hi = (mid + 1, hi) if whole else (lo, mid)
     record = cut[lo]
     start = places[record.path][1]

@@ -1,8 +1,8 @@
 """PyTorch state-dict names and layouts of the stock `eqx.nn` layers.
 
-`torch_layout(like)` finds every stock layer in `like`. It gives the rename
-rules and transforms that load into it the tensors PyTorch's matching module
-saves (`state_dict()` names, PyTorch's shapes). Layouts, Equinox <- PyTorch:
+`torch_layout(like)` gives the rename rules and transforms that load into
+every stock layer of `like` the tensors PyTorch's matching module saves
+(`state_dict()` names and shapes). Layouts, Equinox <- PyTorch:
 
 - `Linear`, `Embedding`, `LayerNorm`, `RMSNorm`, `GroupNorm`: same names, same
   shapes (PyTorch's `RMSNorm` has no bias: Equinox's keeps `like`'s value).
@@ -61,18 +61,21 @@ def torch_layout(
         `eqx.filter_eval_shape`); for `BatchNorm`, a tuple `(model, state)` as
         `eqx.nn.make_with_state` gives, so its running statistics go into `state`.
     - `rename`: `(pattern, replacement)` rules from a dotted path inside the
-        model to its PyTorch name (`[(r"^blocks\\.(\\d+)\\.attn", r"h.\\1.attn")]`).
-        The first match wins; a replacement of `None` skips it. The paths are
-        those of `like`, or of `model` in a `(model, state)` tuple (`norm`, not
-        `0.norm`), as PyTorch names them. The rules mean the same for a stock
-        layer's path (its module name) and a leaf outside stock layers (its
-        tensor name). A rule that is the first match of no such path is a
-        `CheckpointValueError`, before anything is loaded.
+        model to its PyTorch name (`[(r"^blocks\\.(\\d+)\\.attn", r"h.\\1.attn")]`):
+        a stock layer's path to its module name, another leaf's to its tensor
+        name. The first match wins; a replacement of `None` skips it. The paths
+        are those of `like`, or of `model` in a `(model, state)` tuple (`norm`,
+        not `0.norm`).
 
     **Returns:**
 
     `(rename, transform)`, to pass as `rename=` and `transform=` to
     [`eqx_ckpt.tree_deserialise_leaves`][] or [`eqx_ckpt.load_or_initialise`][].
+
+    **Raises:**
+
+    `CheckpointValueError`, before anything is loaded, for a `rename` rule that
+    is the first match of no path.
 
     !!! example
 
@@ -129,10 +132,8 @@ def _literal(target: Any) -> Any:
 
 
 def _refuse_unused(table: list[Any], layers: list[str], bare: list[str], tupled: bool) -> None:
-    """Raise for a rule that is the first match of no path inside the model.
-
-    It would leave the leaf it was written for under a name PyTorch never
-    wrote."""
+    """Raise for a rule that is the first match of no path inside the model: it
+    would leave its leaf under a name PyTorch never wrote."""
     patterns = [re.compile(rule[0]) for rule in table]
     used = {next((i for i, p in enumerate(patterns) if p.search(path)), None) for path in layers + bare}
     unused = [table[i] for i in range(len(table)) if i not in used]
@@ -188,14 +189,13 @@ def _entries(layer: Any, state: Any, paths: dict[int, str], where: str) -> list[
         return [(full("weight"), "weight", _transposed(layer.groups)), *_bias(arrays, full)]
     if isinstance(layer, eqx.nn.MultiheadAttention):
         return _attention(arrays, full)
-    if isinstance(layer, eqx.nn.LSTMCell):
+    if isinstance(layer, (eqx.nn.LSTMCell, eqx.nn.GRUCell)):
         out: list[Entry] = [(full("weight_ih"), "weight_ih", None), (full("weight_hh"), "weight_hh", None)]
-        return out + ([(full("bias"), ("bias_ih", "bias_hh"), np.add)] if "bias" in arrays else [])
-    if isinstance(layer, eqx.nn.GRUCell):
-        gru: list[Entry] = [(full("weight_ih"), "weight_ih", None), (full("weight_hh"), "weight_hh", None)]
-        if "bias" in arrays:
-            gru += [(full("bias"), ("bias_ih", "bias_hh"), _gru_bias), (full("bias_n"), "bias_hh", _gru_bias_n)]
-        return gru
+        if "bias" not in arrays:
+            return out
+        if isinstance(layer, eqx.nn.LSTMCell):
+            return [*out, (full("bias"), ("bias_ih", "bias_hh"), np.add)]
+        return [*out, (full("bias"), ("bias_ih", "bias_hh"), _gru_bias), (full("bias_n"), "bias_hh", _gru_bias_n)]
     return _batch_norm(layer, state, paths, arrays, full)
 
 
