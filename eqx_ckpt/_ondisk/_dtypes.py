@@ -93,10 +93,8 @@ def decode(array: np.ndarray, record: Any) -> np.ndarray:
 
 
 def check_cast(array: np.ndarray, dtype: Any) -> None:
-    """`ValueError` where `checked_cast(array, dtype)` would raise it, found a
-    block of rows at a time (of about `CHECK_BYTES`), nothing kept: a save
-    checks its casts before it writes anything, and casts each piece again as
-    it stages it (`stored_values`)."""
+    """`ValueError` where `checked_cast(array, dtype)` would raise it, nothing
+    kept: a save checks before it writes, and casts again as it stages."""
     if np.dtype(dtype) == array.dtype:
         return
     if array.ndim == 0 or array.nbytes <= CHECK_BYTES:
@@ -112,8 +110,7 @@ CHECK_BYTES = 16 << 20
 
 
 def stored_values(dtype: np.dtype, encoding: str, array: np.ndarray) -> np.ndarray:
-    """`array` cast to `dtype` (its values checked already: `check_cast`), then
-    encoded as stored: what `checked_cast` and `encode` give."""
+    """`checked_cast` then `encode`, for values `check_cast` has checked."""
     if array.dtype != dtype:
         if _kind(array.dtype) == "c" and _kind(dtype) != "c":
             array = np.real(array)
@@ -123,18 +120,9 @@ def stored_values(dtype: np.dtype, encoding: str, array: np.ndarray) -> np.ndarr
 
 
 def checked_cast(array: np.ndarray, dtype: Any) -> np.ndarray:
-    """`array` converted to `dtype`, or `ValueError` saying why the values would
-    change beyond rounding:
-
-    - an integer that does not fit;
-    - a float that is not a whole number, NaN or infinity into an integer;
-    - a finite value (float or integer) beyond a float target's range;
-    - infinity or NaN into a float type without them;
-    - a complex with an imaginary part into a real type.
-
-    Rounding
-    to a narrower float, or an integer too large to be exact in a float, is
-    what a cast means and is allowed."""
+    """`array` converted to `dtype`, or `ValueError` where a value would change
+    beyond rounding: out of range, a fraction or NaN into an integer, infinity
+    or NaN into a type without them, an imaginary part into a real type."""
     target = np.dtype(dtype)
     if array.dtype == target:
         return array
@@ -159,17 +147,11 @@ def checked_cast(array: np.ndarray, dtype: Any) -> np.ndarray:
 
 
 def _check_float_range(before: np.ndarray, after: np.ndarray, target: np.dtype) -> None:
-    """`ValueError` unless each value of `after` (`before` cast to the real or
-    complex `target`) is its value rounded. A cast changes more than that:
-
-    - A finite value beyond the largest of `target` (by more than rounding)
-      becomes infinity in IEEE types, NaN in the float8 types without infinity
-      and the largest value in `float4_e2m1fn`.
-    - Infinity and NaN become NaN or a number in the types without them.
-    - A negative value becomes NaN in the unsigned `float8_e8m0fnu`.
-
-    Compared in float64 a block at a time: a cast of a large leaf (`float32` to
-    `bfloat16` on save) must not hold two float64 copies of it."""
+    """`ValueError` unless each value of `after` is that of `before` rounded.
+    A cast does more: overflow gives infinity, NaN or the largest value, by
+    type; infinity and NaN become numbers in types without them;
+    `float8_e8m0fnu` makes negatives NaN. Compared in float64 a block at a time,
+    so a large leaf is never held twice in float64."""
     before, after = np.ravel(before), np.ravel(after)
     limit = _overflow_limit(target)
     for lo in range(0, before.size, _CHECK_BLOCK):
@@ -191,8 +173,8 @@ _CHECK_BLOCK = 2**20
 
 @_state.memo(64)
 def _overflow_limit(target: np.dtype) -> float:
-    """The magnitude from which a value no longer rounds to the largest finite
-    value of the real part of `target`: that value plus half its spacing."""
+    """The largest finite value of `target`'s real part plus half its spacing:
+    from there on a value no longer rounds to it."""
     real = np.dtype(np.real(np.zeros(1, target)).dtype)
     info = ml_dtypes.finfo(real)
     largest = float(info.max)
@@ -226,10 +208,8 @@ def _check_integer_range(array: np.ndarray, source: str, target: np.dtype) -> No
 
 def _check_whole_numbers(array: np.ndarray, target: np.dtype, info: Any) -> None:
     """`ValueError` unless every value of the float `array` is a whole number
-    within `target`'s range. A float becomes an integer only when that changes
-    no value (SPEC: "Values are never changed silently"). Dropping a fraction is
-    not rounding, and `2.7 -> 2` was once done silently. A block at a time, in
-    float64, as `_check_float_range`."""
+    within `target`'s range: dropping a fraction is not rounding (SPEC: "Values
+    are never changed silently"). A block at a time, as `_check_float_range`."""
     flat = np.ravel(array)
     for lo in range(0, flat.size, _CHECK_BLOCK):
         block = flat[lo : lo + _CHECK_BLOCK]
@@ -260,8 +240,8 @@ def is_floating(dtype: np.dtype) -> bool:
 
 
 def x64_missing(dtype: Any) -> bool:
-    """Whether a JAX array of `dtype` cannot exist here: a 64-bit dtype while
-    JAX's 64-bit mode is off (`jax.device_put` would silently narrow it)."""
+    """Whether `dtype` is 64-bit while JAX's 64-bit mode is off (`jax.device_put`
+    would silently narrow it)."""
     return _narrowed(np.dtype(dtype), bool(jax.config.read("jax_enable_x64")))
 
 
@@ -356,9 +336,8 @@ def to_result(array: np.ndarray, like: Any, *, sharding: Any = None) -> Any:
 
 
 def keep_weak_type(value: Any, like: Any) -> Any:
-    """`value` weakly typed if `like`'s leaf is (a Python scalar made into an array
-    is), so that a `jax.jit` traced with `like` is not traced again for the loaded
-    tree. Equinox drops the flag."""
+    """`value` weakly typed if `like`'s leaf is, so that a `jax.jit` traced with
+    `like` is not traced again for the loaded tree (Equinox drops the flag)."""
     if not (getattr(like, "weak_type", False) and isinstance(value, jax.Array)) or value.weak_type:
         return value
     try:
@@ -370,8 +349,8 @@ def keep_weak_type(value: Any, like: Any) -> Any:
 
 @_state.memo(32)
 def key_data_shape(impl: str) -> tuple[int, ...] | None:
-    """The trailing shape of the key data of one PRNG key of the implementation
-    named `impl` ("threefry2x32": `(2,)`), or `None` if JAX has no such one."""
+    """The key data shape of one PRNG key of `impl` ("threefry2x32": `(2,)`),
+    or `None` if JAX has no such implementation."""
     try:
         key = jax.eval_shape(lambda: jax.random.key(0, impl=impl))
         return tuple(jax.eval_shape(jax.random.key_data, key).shape)

@@ -1,15 +1,8 @@
-"""The on-disk format, in one place (described for users in docs/format.md).
-
-These live here, and every other module asks this one:
-
-- every name a checkpoint holds;
-- the format version;
-- the records of the manifest;
-- the zarr v3 chunk codec (checksum included);
-- the one answer to "did a save write this name?".
-
-Encoding and parsing the manifest itself is `_manifest`'s job. Turning key
-paths into folder names is `_keypath`'s.
+"""The on-disk format, in one place (described for users in docs/format.md):
+every name a checkpoint holds, the format version, the manifest's records, the
+zarr v3 chunk codec, and the one answer to "did a save write this name?".
+Encoding and parsing the manifest is `_manifest`'s job; key paths to folder
+names, `_keypath`'s.
 
 A checkpoint directory:
 
@@ -47,10 +40,8 @@ from .._base import _keypath, _state
 
 
 def _warn_again(caught: list[warnings.WarningMessage]) -> None:
-    """The warnings of numcodecs' import, shown again, but one: from 0.16.4 on,
-    numcodecs warns where `crc32c` is installed and `google_crc32c` is not,
-    about its own CRC32C codec, which eqx_ckpt never uses (it checks chunks
-    with `crc32c` itself). So `import eqx_ckpt` prints nothing."""
+    """numcodecs' import warnings, shown again but one: from 0.16.4 it warns
+    about its own CRC32C codec, which eqx_ckpt never uses."""
     for warning in caught:
         if not str(warning.message).startswith("crc32c usage is deprecated"):
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
@@ -155,10 +146,9 @@ def written_by_a_save(key: str) -> bool:
 
 
 def left_by_a_save(key: str) -> bool:
-    """Whether the file at `key` (relative to a checkpoint without a manifest)
-    is one a save writes before its commit, or that the deletion of a step
-    leaves. That is its journal (`saving.json`), TensorStore's temporary of the
-    journal or of the manifest, or a file of its arrays (`written_by_a_save`)."""
+    """Whether the file at `key` (in a checkpoint without a manifest) is one a
+    save writes before its commit or a step's deletion leaves: the journal, a
+    temporary of it or of the manifest, or a file of its arrays."""
     return key in _BEFORE_COMMIT or written_by_a_save(key)
 
 
@@ -216,11 +206,9 @@ MAX_MANIFEST_CONTAINERS = 20_000_000
 # 25, so parsing costs a small multiple of the manifest's size (about twelve
 # times at most). Millions of `[],` would cost twenty times and more.
 MANIFEST_BYTES_PER_CONTAINER = 6
-# The most shards a safetensors index (`model.safetensors.index.json`, ours or
-# Hugging Face's) may name. Real models use a few hundred at most (Llama 3.1
-# 405B: 191). A folder's every shard is read when it is opened (its header: on
-# the Hub, a request or two each), so ten thousand took minutes there; more are
-# refused before any is read or downloaded (`_safetensors`, `_hub`).
+# The most shards a safetensors index may name (Llama 3.1 405B has 191). Every
+# shard's header is read when a folder is opened (on the Hub, a request or two
+# each), so more are refused before any is read (`_safetensors`, `_hub`).
 MAX_SHARDS = 2048
 MAX_RANK = 32
 MAX_ELEMENTS = 2**53
@@ -238,18 +226,10 @@ ENCODINGS = ("plain", "view", "key_data")
 
 @dataclasses.dataclass(frozen=True)
 class PackRecord:
-    """One array holding several small leaves back to back (see `_pack`).
-
-    **Attributes:**
-
-    - `name`: its folder under the data root, `packed.<dtype>`.
-    - `dtype`: the stored dtype of every leaf in it.
-    - `size`: its length in elements (it is one-dimensional).
-    - `chunk`: the length of its chunks, in elements.
-    - `commit`: the commit of the manifest that lists it (not stored: it tells
-        apart the packs of two saves that used the same folder).
-    - `compression`: how its chunks are compressed (`COMPRESSIONS`), or "".
-    """
+    """One one-dimensional array, `packed.<dtype>`, holding small leaves of its
+    stored `dtype` back to back (see `_pack`); `size` and `chunk` in elements.
+    `commit` is the listing manifest's (not stored: it tells apart the packs of
+    two saves that used the same folder)."""
 
     name: str
     dtype: str
@@ -270,12 +250,9 @@ def pack_name(stored_dtype: str) -> str:
     return f"packed.{stored_dtype}"
 
 
-# Not `frozen`: a frozen dataclass's `__init__` costs six times as much, and a
-# save or load of ten thousand leaves makes a record for each. With slots, a
-# record takes 190 bytes instead of 240: memory whose fresh pages a save pays
-# for.
-# Never changed once made, except by `_records.assign` while its save has made it
-# and no one else has seen it.
+# Not `frozen`: a frozen dataclass's `__init__` costs six times as much, and
+# every leaf of a save or load makes one; slots save a fifth of its memory.
+# Never changed once made, except by `_records.assign` before anyone else sees it.
 @dataclasses.dataclass(slots=True)
 class LeafRecord:
     """One saved leaf.
@@ -288,13 +265,11 @@ class LeafRecord:
     - `shape`, `dtype`: as the leaf had them (`dtype` "key<threefry2x32>" for keys).
     - `stored_shape`, `stored_dtype`: of the zarr array (they differ for PRNG keys,
       for dtypes stored as raw bytes, and when cast on save).
-    - `encoding`: "plain", "view" (raw bytes as unsigned ints) or "key_data".
-    - `chunks`: the zarr chunk shape.
+    - `encoding`: one of `ENCODINGS`; `chunks`: the zarr chunk shape.
     - `impl`: the PRNG implementation name of a key array, else "".
-    - `pack`: the pack holding it, or `None` when it has its own array.
-    - `offset`: where its elements start in its pack (C order).
-    - `compression`: how its own array's chunks are compressed
-      (`COMPRESSIONS`), or "" (a packed leaf's are its pack's).
+    - `pack`, `offset`: the pack holding it and where its elements start, or
+      `None` when it has its own array.
+    - `compression`: its own array's (`COMPRESSIONS`), or "".
     """
 
     path: str
@@ -330,11 +305,9 @@ class LeafRecord:
         return math.prod(self.chunks) * _itemsize(self.stored_dtype)
 
     def to_json(self) -> dict[str, Any]:
-        """Its record in a version 4 manifest: what equals its default is left
-        out (`stored_shape` and `stored_dtype` equal to `shape` and `dtype`,
-        `encoding` "plain", `chunks` equal to the stored shape, `impl` "").
+        """Its record in a version 4 manifest, without what equals its default.
         Shapes stay tuples, which the encoders write as JSON arrays (a `list`
-        of each took a third of this call's time, ten thousand times a save)."""
+        of each took a third of this call's time)."""
         shape, stored = self.shape, self.stored_shape
         out: dict[str, Any] = {
             "path": self.path,
@@ -446,8 +419,7 @@ def decoded_size(compression: str, data: Any) -> int | None:
 
 def most_stored_bytes(chunk_nbytes: int, compression: str) -> int:
     """The most bytes a chunk of `chunk_nbytes` may take stored (before its
-    checksum): as many uncompressed; compressed, what blosc or zstd take at
-    worst for bytes that do not compress (a header and a little per block)."""
+    checksum); compressed, blosc's or zstd's worst case (a header and a little per block)."""
     return chunk_nbytes + (chunk_nbytes // 128 + 1024 if compression else 0)
 
 
@@ -455,12 +427,10 @@ def codecs(stored_dtype: str, compression: str = "") -> list[dict[str, Any]]:
     """Little-endian bytes, then the `compression` if any, then a crc32c
     checksum of every chunk as stored."""
     itemsize = dtype_from_name(stored_dtype).itemsize
-    if itemsize > 1:
-        first = {"name": "bytes", "configuration": {"endian": "little"}}
-    else:
-        first = {"name": "bytes"}
+    # Single bytes have no endianness to name.
+    endian = {"configuration": {"endian": "little"}} if itemsize > 1 else {}
     middle = [compressor(compression, itemsize)] if compression else []
-    return [first, *middle, {"name": "crc32c"}]
+    return [{"name": "bytes", **endian}, *middle, {"name": "crc32c"}]
 
 
 def array_metadata(
@@ -502,8 +472,8 @@ def chunk_shape(
 
 def chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...]) -> Iterator[str]:
     """The chunk files, in order, of an array whose chunks split only its first
-    axis; lazily: a hostile manifest's absurd shape fails at its first missing
-    file without listing a trillion names first. An empty array has none."""
+    axis; lazily, so a hostile manifest's absurd shape fails at its first
+    missing file."""
     if not shape:
         yield CHUNKS
         return

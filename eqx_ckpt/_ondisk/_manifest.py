@@ -1,11 +1,7 @@
-"""The manifest: one JSON file at the root of a checkpoint, written last.
-
-Its presence is what makes a checkpoint exist. It lists every saved leaf with its
-exact key path. It is treated as untrusted input when read:
-
-- every field is type-checked;
-- every directory is recomputed from the key path (never taken from the file);
-- a digest over the content detects edits.
+"""The manifest: one JSON file at the root of a checkpoint, written last (its
+presence makes the checkpoint exist), listing every saved leaf with its exact
+key path. Read as untrusted input: every field is type-checked, every directory
+recomputed from the key path, and a digest over the content detects edits.
 """
 
 from __future__ import annotations
@@ -49,9 +45,8 @@ from ._format import (
 
 @dataclasses.dataclass(frozen=True)
 class Declared:
-    """A parsed manifest's own totals, as its file gives them (for `verify`,
-    which compares them with its leaves). They are untrusted and unchecked:
-    any JSON value."""
+    """A parsed manifest's own totals, unchecked (any JSON value), for `verify`
+    to compare with its leaves."""
 
     leaf_count: Any
     total_bytes: Any
@@ -139,9 +134,8 @@ class Manifest:
 
 
 def version_of(leaves: Sequence[LeafRecord], packs: Sequence[PackRecord]) -> int:
-    """The format version a manifest of `leaves` and `packs` is written in: the
-    newest where a chunk is compressed, else the one before, which an
-    eqx_ckpt of that version reads too."""
+    """The newest format version where a chunk is compressed, else the one
+    before, so that an eqx_ckpt of that version reads it too."""
     compressed = any(pack.compression for pack in packs) or any(leaf.compression for leaf in leaves)
     return FORMAT_VERSION if compressed else UNCOMPRESSED_VERSION
 
@@ -158,14 +152,11 @@ def leaves_text(leaves: Sequence[LeafRecord]) -> list[Any]:
 
 
 def _records_text(records: Sequence[Any], to_json: Callable[[Any], Any] | None) -> list[Any]:
-    """`leaves_text`, with each of `records` made a record by `to_json` (`None`: they are).
+    """`leaves_text`, with `to_json` making each record (`None`: they are records).
 
-    The records are encoded by `orjson` (a fifth of the time of the standard
-    library's encoder), as compact JSON in UTF-8, `_BATCH` at a time. A batch
-    it cannot encode (an integer key beyond 64 bits, a string that is not
-    valid Unicode) falls back to the standard encoder, which escapes. Paths
-    and key strings are JSON strings, in which `},{"path"` cannot occur
-    unescaped."""
+    A batch `orjson` cannot encode (an integer beyond 64 bits, a string that is
+    not valid Unicode) falls back to `json`, which escapes. `},{"path"` cannot
+    occur unescaped inside a JSON string, so it splits records into lines."""
     parts: list[Any] = []
     for start in range(0, len(records), _BATCH):
         batch = records[start : start + _BATCH]
@@ -185,12 +176,9 @@ def _records_text(records: Sequence[Any], to_json: Callable[[Any], Any] | None) 
 
 
 def _encoded(body: dict[str, Any], leaves: list[Any], *, structure: bytes | None = None) -> bytes:
-    """The bytes of a version 4 manifest holding `body`, the text of its
-    `leaves` in parts (`leaves_text`), its digest last: `sha256` of every byte
-    before it.
-
-    `structure`, where given, goes before the leaves: a JSON string holding
-    the record's JSON text. The bytes are copied once, into the result."""
+    """The bytes of a version 4 manifest: `body`, then `structure` (a JSON
+    string), the `leaves` text in parts, and last the sha256 of every byte
+    before it. The bytes are copied once, into the result."""
     parts: list[Any] = [_head(body, structure) + b"[", *leaves, b"]"]
     digest = hashlib.sha256()
     for part in parts:
@@ -219,15 +207,11 @@ def encode_structure(record: Any) -> str:
 
 def structure_texts(record: Any) -> tuple[str, bytes]:
     """`record`'s JSON text, and that text as a JSON string (how the manifest
-    holds it).
+    holds it), byte for byte those of `_json(record)` and `orjson.dumps` of it.
 
-    Equal sub-trees share one sub-record (`_structure`): each shared one is
-    encoded and escaped once, and its texts joined where it occurs. JSON
-    escapes a string character by character, so the string of the joined
-    text is the join of the strings. The texts are those of `_json(record)`
-    and `orjson.dumps` of it, byte for byte. Where `orjson` cannot encode a
-    part (an integer beyond 64 bits), the record is encoded whole, as
-    `_json` does."""
+    Equal sub-trees share one sub-record (`_structure`), so each is encoded and
+    escaped once: JSON escapes character by character, so the string of a
+    joined text is the join of the strings."""
     try:
         text, string = _Texts().of(record)
     except orjson.JSONEncodeError:
@@ -362,9 +346,9 @@ def parse(data: bytes, *, where: str, stamp: bytes = b"") -> Manifest:
 
 
 def invalid(named: str, where: str, *, holder: str, fix: str = "") -> Callable[[str], CorruptCheckpointError]:
-    """The error of a versioned eqx_ckpt file at `where` that is invalid, and
-    why (`named`: how the message names the file, as for `read_document`;
-    `holder`: what it describes; `fix`: what else to do, after "do not load it")."""
+    """`bad(why)`, the error of an invalid versioned eqx_ckpt file at `where`
+    (`named`: how the message names it; `holder`: what it describes; `fix`:
+    what else to do, after "do not load it")."""
 
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -378,16 +362,10 @@ def invalid(named: str, where: str, *, holder: str, fix: str = "") -> Callable[[
 def read_document(
     data: bytes, bad: Callable[[str], Exception], *, fmt: str, newest: int, named: str, where: str
 ) -> tuple[dict[str, Any], int]:
-    """The JSON object of a versioned eqx_ckpt file, and its format version.
-
-    The file is a manifest or a published folder's `eqx_ckpt.json`, read as
-    untrusted input:
-
-    - bounded in bytes, then parsed by `loads_file`;
-    - it must say `"format": fmt` and a version from 1 to `newest`.
-
-    A newer version is a `CheckpointVersionError` (`named`: how the message
-    names the file). Any other problem is `bad(why)`."""
+    """The JSON object of a manifest or an `eqx_ckpt.json`, and its format
+    version: bounded in bytes, parsed by `loads_file`, saying `"format": fmt`
+    and a version from 1 to `newest`. A newer version is a
+    `CheckpointVersionError` (naming the file as `named`); any other problem, `bad(why)`."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise bad(f"it is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
     try:
@@ -472,20 +450,15 @@ def parse_leaves(leaves: Any, bad: Callable[[str], Exception]) -> list[LeafRecor
 
 
 def loads_file(data: bytes | str) -> Any:
-    """The JSON in a file eqx_ckpt reads: the one parser of JSON read from files.
-
-    Every file is untrusted input. It may be a manifest (through
-    `read_document`), a retention record, a step's metrics, a journal or
-    lease, a zarr.json, a safetensors header or index, orbax's metadata, or a
-    manifest's structure record. These are refused:
+    """The JSON in a file eqx_ckpt reads: the one parser of JSON read from files,
+    all untrusted. Refused, as a `ValueError` whose message is a clause (`it is
+    not valid JSON (...)`):
 
     - too many containers, counted before parsing (`too_many_containers`):
         millions of tiny ones (`[],`) would cost gigabytes of Python objects;
     - two names alike in one object (`json` keeps the last);
-    - `NaN` or `Infinity`, or a number such as `1e400` that is one as a float.
-
-    Every problem is a `ValueError`, its message a clause such as `it is not
-    valid JSON (...)` (JSON nested past Python's recursion too)."""
+    - `NaN`, `Infinity`, or a number such as `1e400` that is one as a float;
+    - JSON nested past Python's recursion limit."""
     why = too_many_containers(data, MAX_MANIFEST_CONTAINERS)
     if why:
         raise ValueError(why)
@@ -500,10 +473,8 @@ def loads_file(data: bytes | str) -> Any:
 
 
 def too_many_containers(data: bytes | str, limit: int) -> str | None:
-    """Why the JSON text `data` holds too many containers to parse (more than
-    `limit`, or fewer than `MANIFEST_BYTES_PER_CONTAINER` bytes of text a
-    container), or `None`. Every `{` and `[` counts, in strings too: a bound
-    from above, taken without parsing."""
+    """Why the JSON text `data` holds too many containers to parse, or `None`.
+    Every `{` and `[` counts, in strings too: a bound taken without parsing."""
     brackets = (b"{", b"[") if isinstance(data, bytes) else ("{", "[")
     count = data.count(brackets[0]) + data.count(brackets[1])  # type: ignore[arg-type]
     if count > limit:
@@ -581,10 +552,9 @@ def _compression(item: dict[str, Any], compressed: bool) -> str:
 def _parse_leaf(
     item: Any, packs: dict[str, PackRecord], *, lean: bool, checked: dict[Any, Any], compressed: bool = False
 ) -> LeafRecord:
-    """One leaf record, every field checked. `lean`: a version 4 record, whose
-    fields equal to their defaults are left out. `checked`: see `stored_dotted`.
-    `compressed`: a version 6 record, which may name its `compression`.
-    (Called for every leaf of a manifest, hence written for speed.)"""
+    """One leaf record, every field checked; written for speed (one a leaf).
+    `lean`: version 4 on, fields equal to their defaults left out; `compressed`:
+    version 6 on, `compression` allowed; `checked`: see `stored_dotted`."""
     if type(item) is not dict:
         raise TypeError("not a JSON object")
     path = item["path"]
@@ -644,7 +614,7 @@ def _parse_layout(
     lean: bool,
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], PackRecord | None, int]:
     """A leaf record's shape, stored shape, chunks, pack and offset in it, checked
-    against each other. (Part of `_parse_leaf`, called for every leaf.)"""
+    against each other."""
     shape = _shape(item["shape"], "shape")
     stored_shape = _shape(item["stored_shape"], "stored_shape") if "stored_shape" in item or not lean else shape
     if "chunks" in item or not lean:

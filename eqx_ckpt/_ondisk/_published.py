@@ -10,37 +10,9 @@ small JSON file. It says what the safetensors files cannot:
 - the tree's structure record (`_structure`);
 - the user's own metadata (`info`).
 
-Its fields (docs/interop.md, "The published layout"):
-
-    format          "eqx_ckpt.safetensors"
-    format_version  1 for a folder holding every leaf; 3 for a fine-tune
-                    stored against a base (`base` below), whose files are
-                    `finetune.safetensors`..., labelled in their metadata
-                    (`_safetensors.finetune_metadata`); 2 for such a fine-tune
-                    written before, in `model.safetensors`... (read still)
-    library_version the eqx_ckpt that wrote it
-    created         ISO 8601, UTC: when the exported checkpoint was saved;
-                    absent for an exported tree (so the same tree exports
-                    as the same bytes; older exports held the export's time)
-    leaf_count      the number of tensors
-    total_bytes     their bytes, as the safetensors files hold them
-    structure       the structure record (a JSON object), or null
-    info            the user's metadata: a JSON object, at most MAX_INFO_BYTES
-    leaves          one record per leaf, as a manifest's (`LeafRecord.to_json`
-                    without chunks): path, keypath, type, shape, dtype, and
-                    stored_shape, stored_dtype, encoding, impl where they differ;
-                    `digest`, the xxh3-128 of its stored bytes (as
-                    "xxh3-128:<32 hex digits>"; older exports have none),
-                    and, for a leaf a fine-tune takes from its base, `base`:
-                    the dotted path of the base's leaf holding the same bytes
-                    (it then has no tensor here)
-    base            versions 2 and 3 only: the base a fine-tune's `base` leaves come
-                    from, pinned, as an object:
-                      path      "hf://owner/name[/folder]", a URL, or a local
-                                path relative to this folder
-                      revision  for an `hf://` base, its commit (40 hex digits)
-                      sha256    for any other, the sha256 of its record file
-                                (`manifest.json`, or its own `eqx_ckpt.json`)
+Its fields are documented in docs/interop.md ("`eqx_ckpt.json`"): format
+version 1 for a folder holding every leaf, 3 for a fine-tune stored against a
+pinned `base` (2, in the whole model's file names, is still read).
 
 It is untrusted input, read by the manifest's own code:
 
@@ -68,10 +40,8 @@ from ._manifest import invalid, parse_leaves, read_document
 NAME = PUBLISHED
 FORMAT = "eqx_ckpt.safetensors"
 VERSION = 3
-# The version of a folder that holds all its leaves: readers of version 1 read it.
+# A folder holding all its leaves says 1, so that readers of version 1 read it.
 STANDALONE_VERSION = 1
-# The versions of a fine-tune stored against a base: its tensors in files of
-# the whole model's names (2, read still), or of a fine-tune's (3, written).
 FAMILY_VERSIONS = (2, 3)
 DIGEST_PREFIX = "xxh3-128:"
 # The user's metadata is small: a description, hyperparameters, metrics.
@@ -145,12 +115,10 @@ def encode(
     family: Family | None = None,
 ) -> bytes:
     """The bytes of an `eqx_ckpt.json` for `records` (every leaf, in the tree's
-    order, those a fine-tune takes from its base among them), the tree's
-    `structure` record (or `None`) and the user's `info`; each leaf's digest from `digests`, and a fine-tune's
-    base and references from `family`.
-
-    `created` is the exported checkpoint's own time (`""`: none, and no field).
-    Nothing else varies: the same arguments give the same bytes."""
+    order, those taken from a base included), the tree's `structure` record (or
+    `None`), the user's `info`, each leaf's digest and a fine-tune's `family`.
+    `created` (`""`: no field) is the only time in it: the same arguments give
+    the same bytes."""
     from .. import __version__
 
     leaves = []
@@ -175,7 +143,6 @@ def encode(
         **({"base": family.base.to_json()} if family is not None else {}),
     }
     # A field a line, a leaf a line: readable, and compact for ten thousand leaves.
-    # No time of the export's own: it would make every export of a tree differ.
     lines = [f"{json.dumps(key)}: {_compact(value)}," for key, value in head.items() if key != "created" or created]
     lines.append('"leaves": [\n' + ",\n".join(_compact(leaf) for leaf in leaves) + "\n]")
     return ("{\n" + "\n".join(lines) + "\n}\n").encode()
@@ -186,11 +153,8 @@ def _compact(value: Any) -> str:
 
 
 def check_info(info: Any) -> dict[str, Any]:
-    """`info` if it is a JSON object of JSON values; else an error.
-
-    JSON values are strings, finite numbers, booleans, null, lists, and objects
-    with string keys. They may be nested at most `MAX_INFO_DEPTH` deep, and
-    take at most `MAX_INFO_BYTES` encoded."""
+    """`info` if it is a JSON object of JSON values (nested at most
+    `MAX_INFO_DEPTH` deep, at most `MAX_INFO_BYTES` encoded); else an error."""
     if info is None:
         return {}
     if not isinstance(info, dict):
@@ -279,8 +243,7 @@ _BASE_PATH = re.compile(r"[^\x00-\x1f\x7f]+")
 
 
 def _extras(raw: Any, bad: Callable[[str], Exception]) -> tuple[dict[str, str], dict[str, str]]:
-    """The leaves' `digest` and `base` fields, checked (the rest is
-    `parse_leaves`' to check)."""
+    """The leaves' `digest` and `base` fields, checked (the rest is `parse_leaves`')."""
     digests: dict[str, str] = {}
     references: dict[str, str] = {}
     for leaf in raw if isinstance(raw, list) else []:

@@ -1,32 +1,10 @@
 """The structure record: a saved tree's nodes as data, so it can be rebuilt without its code.
 
 A save records every node of its tree in the manifest (format version 5), as
-JSON, never pickle. Each node is a JSON object with a kind `t`:
-
-    {"t": "leaf"}                                  an array or scalar the save stored
-    {"t": "value", "v": V}                         any other leaf, as data (see below)
-    {"t": "none"}                                  None
-    {"t": "dict", "k": [key...], "c": [node...]}   keys as key records (`_keypath`)
-    {"t": "list" | "tuple", "c": [node...]}
-    {"t": "namedtuple", "cls": NAME, "f": [field...], "c": [node...]}
-    {"t": "object", "cls": NAME, "f": [field...], "c": [node...]}
-                                                   a dataclass-style node (`eqx.Module`):
-                                                   every field in order, static or not
-    {"t": "node", "cls": NAME, "aux": V, "k": [key...], "c": [node...]}
-                                                   another registered pytree node
-    {"t": "unrecordable", "why": TEXT}             what cannot be recorded as data
-
-`NAME` is `module:qualname`. A value `V` is JSON data. `null`, `true`/`false`,
-integers, finite floats and strings are themselves. Any other value is an
-object with one tag:
-
-- `{"float": "nan" | "inf" | "-inf"}`, `{"complex": [V, V]}`;
-- `{"tuple": [V...]}`, `{"list": [V...]}`, `{"dict": [[V, V]...]}`;
-- `{"dtype": name}` (a NumPy dtype);
-- `{"scalar_type": name}` (a NumPy scalar type such as `np.float32`);
-- `{"jnp_type": name}` (`jnp.float32`);
-- `{"numpy": [dtype, V]}` (a NumPy scalar);
-- `{"enum": NAME, "name": member}`, `{"function": NAME}`.
+JSON, never pickle: each node a JSON object with a kind `t` (`leaf`, `value`,
+`none`, `dict`, `list`, `tuple`, `namedtuple`, `object`, `node`,
+`unrecordable`), classes and functions named `module:qualname`, static values
+as tagged JSON data. The grammar is in docs/format.md ("The structure record").
 
 What cannot be recorded (a lambda, a closure, an arbitrary object) never fails
 the save. It is recorded as "unrecordable" with the reason, and only a load
@@ -73,17 +51,13 @@ class Unrecordable(Exception):
 
 def record(treedef: Any, leaves: Sequence[Any], saved: Sequence[bool], keys: Sequence[Sequence[Any]]) -> dict[str, Any]:
     """The structure record of a tree flattened into `leaves` with structure
-    `treedef`.
+    `treedef`. `saved[i]`: whether leaf `i` is stored (else it is recorded as a
+    value). `keys[i]`: its key path record, whose keys name the children of
+    registered nodes.
 
-    - `saved[i]`: whether leaf `i` is stored (a `{"t": "leaf"}` node). Else it
-      is recorded as a value.
-    - `keys[i]`: leaf `i`'s key path record (`_keypath.to_json`), whose keys
-      name the children of registered nodes.
-
-    Nothing of the tree is rebuilt but Equinox modules, one level deep around
-    placeholders, to read their static fields. Equinox rebuilds a module field
-    by field, running no code of the user's. A save may run in the background,
-    after the caller has deleted its arrays."""
+    Only Equinox modules are rebuilt, one level deep around placeholders, to
+    read their static fields; that runs no code of the user's. A save may run
+    in the background, after the caller has deleted its arrays."""
     walk = _Walk(leaves, saved, keys)
     try:
         root = walk.node(treedef, 0)
@@ -110,9 +84,8 @@ class _Walk:
         """The record of the sub-tree `td` whose first leaf is leaf `self.count`.
 
         A sub-tree whose leaves are all stored is recorded once per structure
-        (and depth). A model's blocks, equal as JAX compares structures, share
-        one record: for ten thousand leaves, that takes a tenth of the time.
-        The records are never changed once made (`replaced` copies)."""
+        and depth, so a model's equal blocks share one record, never changed
+        once made (`replaced` copies)."""
         n = td.num_leaves
         if n and self.stored[self.count + n] - self.stored[self.count] == n:
             try:
@@ -187,10 +160,8 @@ class _Walk:
         return {"t": "object", "cls": name, "f": fields, "c": nodes}
 
     def _keyed(self, children: list[Any], depth: int) -> dict[str, Any]:
-        """The children of another registered node, each with its key.
-
-        A child's key is the one the key paths of its first leaf name it by. A
-        child without leaves is keyed by its index. (The node is never
+        """The children of another registered node, each keyed as its first
+        leaf's key path names it, or by its index if it has no leaves. (Never
         rebuilt: its unflatten is the user's code.)"""
         keys, start = [], self.count
         for i, child in enumerate(children):
@@ -266,15 +237,11 @@ def _value_of_other(x: Any, depth: int) -> Any:
     if isinstance(x, np.generic) and x.dtype.kind in "biufc" and is_known_dtype(x.dtype.name):
         return {"numpy": [x.dtype.name, value(x.item(), depth + 1)]}
     if isinstance(x, enum.Enum):
-        return _enum(x)
+        name = name_of(type(x))
+        if name is None:
+            raise Unrecordable(f"the enum member {x!r} of a class defined inside a function")
+        return {"enum": name, "name": x.name}
     return _function(x)
-
-
-def _enum(x: enum.Enum) -> Any:
-    name = name_of(type(x))
-    if name is None:
-        raise Unrecordable(f"the enum member {x!r} of a class defined inside a function")
-    return {"enum": name, "name": x.name}
 
 
 def _function(x: Any) -> Any:
@@ -331,10 +298,8 @@ def walk(node: dict[str, Any], visit: Callable[[str, dict[str, Any]], None], pat
 
 def replaced(root: Any, prefix: str, node: dict[str, Any]) -> dict[str, Any]:
     """A copy of the record `root` with the node at dotted `prefix` replaced by
-    `node` (a partial save's).
-
-    Raises `KeyError` where `root` has no node there, and
-    `ValueError`/`TypeError` where `root` is malformed."""
+    `node` (a partial save's). `KeyError` where `root` has no node there,
+    `ValueError`/`TypeError` where it is malformed."""
     if not prefix:
         return node
     head, _, rest = prefix.partition(".")

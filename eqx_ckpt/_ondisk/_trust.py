@@ -1,20 +1,16 @@
 """Which classes and functions a load without `like` may build: the trust list.
 
-A checkpoint's structure record names classes and functions as
-`module:qualname` strings. Such a name is only ever looked up here. The table
-is made from objects the caller passed (`trust=`) and a default set that JAX
-and Equinox own. Nothing is imported because a file named it, and there is no
-process-global registry.
+A structure record's `module:qualname` names are only ever looked up here, in
+a table made from the objects the caller passed (`trust=`) and a default set
+that JAX and Equinox own. Nothing is imported because a file named it, and
+there is no process-global registry.
 
 - A class or function object trusts itself.
-- A module object trusts the classes and functions *defined* in it or in its
-  submodules (by their own `__module__`), found by walking its attributes and
-  those of its submodules. A module it merely imports (`os` inside a trusted
-  module) is not a submodule. A function it imports from elsewhere is not
-  defined in it. Neither is reachable.
-- Every entry is filed under its own `__module__` and `__qualname__` (a
-  lambda under the name its own module holds it by). So the name in a file
-  must equal the object's own name exactly.
+- A module object trusts the classes and functions *defined* in it or its
+  submodules (by their own `__module__`): not a module it imports (`os`), nor
+  a function it imports from elsewhere.
+- Every entry is filed under its own `__module__` and `__qualname__`, so the
+  name in a file must equal the object's own name exactly.
 """
 
 from __future__ import annotations
@@ -34,14 +30,9 @@ from .._base._errors import CheckpointTypeError
 
 
 def name_of(obj: Any) -> str | None:
-    """The `module:qualname` a class or function is recorded under, or `None`
-    where it has none.
-
-    A lambda, or a function defined inside another, has none, unless its own
-    module holds it under a name. Nor has an object without `__module__`.
-
-    A lambda its module holds (`_identity = lambda x: x`, Equinox's MLP's
-    default last activation) is named by that attribute: `module:_identity`."""
+    """The `module:qualname` a class or function is recorded under, or `None`.
+    A lambda or nested function has one only where its own module holds it
+    (Equinox's MLP's `_identity = lambda x: x` is `module:_identity`)."""
     module = getattr(obj, "__module__", None)
     qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
     if not isinstance(module, str) or not isinstance(qualname, str):
@@ -86,9 +77,8 @@ _DENIED_ARRAY_IO = (
 
 
 def is_denied(name: str) -> bool:
-    """Whether the object recorded as `module:qualname` `name` is one no trust
-    reaches: file, network and code-running functions (`jnp.load`, `np.fromfile`,
-    `open`, anything of `os` or `pickle`)."""
+    """Whether the object recorded as `name` is one no trust reaches (`jnp.load`,
+    `np.fromfile`, `open`, anything of `os` or `pickle`)."""
     module, _, qualname = name.partition(":")
     if name in _DENIED_NAMES or any(module == m or module.startswith(m + ".") for m in _DENIED_MODULES):
         return True
@@ -163,7 +153,8 @@ def _module_table(module: types.ModuleType) -> dict[str, Any]:
     table: dict[str, Any] = {}
     for value in _walk(module, prefix):
         name = name_of(value)
-        if name is not None and _defined_under(value, prefix):
+        # Defined in `module` or a submodule (`name` starts with its `__module__`).
+        if name is not None and name.startswith((prefix + ":", prefix + ".")):
             table[name] = value
             table.update(_nested_classes(value))
     return table
@@ -187,11 +178,6 @@ def _walk(module: types.ModuleType, prefix: str) -> Iterator[Any]:
                 yield value
 
 
-def _defined_under(value: Any, prefix: str) -> bool:
-    module = getattr(value, "__module__", None)
-    return isinstance(module, str) and (module == prefix or module.startswith(prefix + "."))
-
-
 # The elementwise functions of `jax.numpy` trusted by default: activations and
 # the functions models keep as fields.
 _ELEMENTWISE = (
@@ -207,16 +193,9 @@ _ABSTRACT = ("StatefulLayer",)
 
 @_state.memo(1)
 def _default_table() -> dict[str, Any]:
-    """The default trust, filed under their own names:
-
-    - the concrete public classes of Equinox's `nn`;
-    - the functions and classes its layers store as fields (the pooling
-      operations, MLP's identity, the marker a `StateIndex` holds once its
-      state is taken);
-    - `jax.nn`'s public functions and the elementwise functions of `jax.numpy`.
-
-    Abstract bases, bare `eqx.Module` and private
-    helpers that no layer stores are left out."""
+    """The default trust: the concrete public classes of Equinox's `nn`, what
+    its layers store as fields, `jax.nn`'s public functions and the elementwise
+    functions of `jax.numpy`."""
     from equinox.nn import _mlp, _stateful
 
     objects: list[Any] = [
@@ -224,20 +203,15 @@ def _default_table() -> dict[str, Any]:
         for attr, value in vars(eqx.nn).items()
         if inspect.isclass(value) and not attr.startswith("_") and attr not in _ABSTRACT
     ]
-    objects += [value for attr, value in vars(jax.nn).items() if _public_function(attr, value)]
+    objects += [
+        value
+        for attr, value in vars(jax.nn).items()
+        if not attr.startswith("_") and callable(value) and not inspect.isclass(value)
+    ]
     objects += [getattr(jnp, name) for name in _ELEMENTWISE if hasattr(jnp, name)]
     # What Equinox's layers store: `Pool`s `jax.lax.add`/`max`, `AdaptivePool`s
     # `jnp.mean`/`max`, `MLP` its `_identity`, a taken `StateIndex` `_Sentinel()`.
     objects += [jax.lax.add, jax.lax.max, jnp.mean, jnp.max]
     objects += [getattr(_mlp, name) for name in ("_identity",) if hasattr(_mlp, name)]
     objects += [getattr(_stateful, name) for name in ("_Sentinel",) if hasattr(_stateful, name)]
-    table: dict[str, Any] = {}
-    for obj in objects:
-        name = name_of(obj)
-        if name is not None:
-            table[name] = obj
-    return table
-
-
-def _public_function(attr: str, value: Any) -> bool:
-    return not attr.startswith("_") and callable(value) and not inspect.isclass(value)
+    return {name: obj for obj in objects if (name := name_of(obj)) is not None}
