@@ -1,16 +1,12 @@
 """A location's chunk files: read and written by eqx_ckpt itself on a local
 disk, else through TensorStore.
 
-`chunk_files(loc)` makes that choice, once per location and nowhere else
-(tests/test_architecture.py checks). It returns a `ChunkFiles`, the one
-interface a save and a load use: `LocalFiles` on a local disk (eqx_ckpt
-reads and writes the files itself, `_local_read`, `_local_write`; an
-incremental save shares them, `_share`), else `TensorStoreFiles`.
-
-A save hands every write to the location's `Writer`, and a load every run of
-a pack to its `PackRuns`; neither declines any. A leaf that the local files
-cannot lay out goes through TensorStore inside them (`LocalFiles.writes_leaf`,
-`reads`): a property of the local files, not a second choice.
+`chunk_files(loc)` makes that choice, once per location and nowhere else. Its
+`ChunkFiles` is the one interface a save and a load use: `LocalFiles`
+(`_local_read`, `_local_write`, shared by `_share`) or `TensorStoreFiles`. A
+save hands every write to its `Writer`, a load every pack run to its
+`PackRuns`. A leaf the local files cannot lay out goes through TensorStore
+inside them (`LocalFiles.writes_leaf`, `reads`), not by a second choice.
 """
 
 from __future__ import annotations
@@ -48,17 +44,15 @@ Steps = list[tuple[int, list[int]]]
 
 
 def chunk_files(loc: Location) -> ChunkFiles:
-    """The chunk files of `loc`, chosen here and nowhere else: `LocalFiles` on
-    a local disk reached through the `file` driver, on a host with what that
-    needs (`LOCAL_PATH_SUPPORTED`); else `TensorStoreFiles`."""
+    """`LocalFiles` on a local disk (`file` driver) of a host that supports it
+    (`LOCAL_PATH_SUPPORTED`), else `TensorStoreFiles`."""
     if LOCAL_PATH_SUPPORTED and _location.on_local_disk(loc) and loc.local is not None:
         return LocalFiles(loc, loc.local)
     return TensorStoreFiles(loc)
 
 
 def read_local_range(path: str, start: int, end: int) -> np.ndarray | None:
-    """`_local_read.read_range`: bytes `start` to `end` of a local file of
-    another program's checkpoint (a safetensors file's run of tensors)."""
+    """Bytes `start` to `end` of another program's local file (`_local_read.read_range`)."""
     return _local_read.read_range(path, start, end)
 
 
@@ -69,10 +63,8 @@ def compressing_bytes() -> int:
 
 
 def stored_bytes(data: Location, manifest: _manifest.Manifest) -> int | None:
-    """The bytes the chunk files of `manifest`'s arrays take under `data`
-    (their checksums included; a compressed chunk's own size): on a local
-    disk in the "directories" layout, else `None` (an object store's listing
-    through TensorStore gives no sizes)."""
+    """The bytes the chunk files of `manifest`'s arrays take under `data`, on a
+    local disk in the "directories" layout; else `None` (no sizes are listed)."""
     if data.local is None or manifest.layout != "directories":
         return None
     arrays = [(r.directory, r.stored_shape, r.chunks) for r in manifest.leaves if r.pack is None]
@@ -98,16 +90,14 @@ class Save(NamedTuple):
 
 class ChunkFiles(Protocol):
     """How the chunk files of one location are read and written (`chunk_files`).
-    A save's `writer` takes every write, and a load's `pack_runs` every run of
-    a pack. `start_read` of a whole leaf returns `None` where it declines
-    (`reads` is false): the load then reads the leaf's `_storage.Array`."""
+    `start_read` returns `None` where `reads` is false: the load then reads
+    the leaf's `_storage.Array`."""
 
     def reads(self, record: LeafRecord) -> bool:
         """Whether `start_read` reads this leaf, stored in an array of its own."""
 
     def start_read(self, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None) -> Read | None:
-        """Start reading a whole leaf straight into one aligned buffer
-        (`_local_read.start_read`); a function that waits and returns it."""
+        """Start reading a whole leaf into one aligned buffer; a function that waits and returns it."""
 
     def start_chunks(self, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
         """Start reading chunks `[first, first + count)` of a leaf that `reads` into `out`."""
@@ -116,8 +106,7 @@ class ChunkFiles(Protocol):
         """The reader of the runs of the packs here, for one load."""
 
     def writer(self, out: list[Any], tracker: Tracker | None, save: Save) -> Writer:
-        """A save's writer of the chunk files here, which puts in `out` every
-        future that finishes when data is written."""
+        """A save's writer, which puts in `out` every future of data written."""
 
     def base(self, opened: Callable[[], tuple[Location, _manifest.Manifest] | None]) -> _share.Base | None:
         """The checkpoint here (`opened()`: its data root and manifest) as the
@@ -132,8 +121,7 @@ class ChunkFiles(Protocol):
 
 class LocalFiles:
     """Chunk files on a local disk, read and written by eqx_ckpt itself where
-    `reads` and `writes_leaf` say so (chunks that split an array's first
-    axis); any other leaf here goes through TensorStore."""
+    `reads` and `writes_leaf` say so; any other leaf goes through TensorStore."""
 
     def __init__(self, loc: Location, root: str):
         self.loc, self.root = loc, root
@@ -155,20 +143,18 @@ class LocalFiles:
         return _local_read.start_chunks(self.loc, record, first, count, out)
 
     def pack_runs(self, *, cached: bool) -> PackRuns:
-        """Each run read by eqx_ckpt itself (`_local_read.start_pack_run`),
-        except in a load of a few leaves at a time (`cached`: see `PackRuns`)."""
+        """Read by eqx_ckpt itself, except in a load of a few leaves at a time (`cached`)."""
         return PackRuns(self.loc, local=not cached, cached=cached)
 
     def writes(self, *, processes: int, layout: str) -> bool:
         """Whether eqx_ckpt writes chunk files itself in this save: one process
-        (a single writer of the fresh data root) and the "directories" layout
-        (an array's chunk files are files of their own)."""
+        (the single writer of the fresh data root), the "directories" layout."""
         return processes == 1 and layout == "directories"
 
     def writes_leaf(self, record: LeafRecord, pieces: Pieces) -> bool:
-        """Whether, in a save it `writes`, eqx_ckpt writes this leaf's chunk
-        files itself: one host piece holding the whole array, and chunks that
-        split only its first axis. (Every pack's are.)"""
+        """Whether, in a save it `writes`, eqx_ckpt writes this leaf itself: one
+        host piece of the whole array, chunks that split only its first axis
+        (every pack's are)."""
         return (
             record.pack is None
             and len(pieces) == 1
@@ -197,8 +183,7 @@ class LocalFiles:
 
 
 class TensorStoreFiles:
-    """Chunk files reached through TensorStore (`Writer`, `PackRuns`); a whole
-    leaf is read through its `_storage.Array` by the load. Nothing is shared."""
+    """Chunk files reached through TensorStore; nothing is shared."""
 
     def __init__(self, loc: Location):
         self.loc = loc
@@ -232,10 +217,9 @@ class TensorStoreFiles:
 
 
 class Write:
-    """One write of a save, admitted whole within the staging budget: a
-    leaf's pieces, or a pack's members (`datas`), holding `nbytes` of host
-    data. `start(hosts)` starts it: its futures and the progress steps they
-    report. `local`: started in the helper thread that interrupts never reach."""
+    """One write of a save, admitted whole within the staging budget: `datas`
+    (a leaf's pieces, a pack's members) of `nbytes`. `start(hosts)` returns its
+    futures and their progress steps. `local`: started where interrupts never reach."""
 
     __slots__ = ("datas", "local", "nbytes", "start")
 
@@ -244,12 +228,10 @@ class Write:
 
 
 class Writer:
-    """A save's writes through TensorStore: staged in a transaction, progress
-    reported as each is staged, written out by its commit once every write
-    has started (`commit`), or earlier when the staging window waits for
-    their bytes (`_Commit.result`). Each commit's future goes in `out`. (A
-    staged write only references its source, which never changes: see
-    `_staging.protect`.)"""
+    """A save's writes through TensorStore, staged in a transaction and written
+    out by its commit once every write has started (`commit`), or earlier when
+    the staging window waits for their bytes (`_Commit.result`). Each commit's
+    future goes in `out`. (Staged writes reference sources that never change.)"""
 
     def __init__(self, out: list[Any], tracker: Tracker | None):
         self._out, self._tracker = out, tracker
@@ -257,10 +239,8 @@ class Writer:
         self._commit: _Commit | None = None
 
     def leaf(self, record: LeafRecord, pieces: Pieces, nbytes: int, opened: Mapped) -> list[Write]:
-        """The writes of a leaf with an array of its own (`opened`, its array
-        opened to write; `nbytes`, its stored bytes): a piece at a time (a
-        sharded leaf's shards, or its slices), none where another process
-        writes it."""
+        """The writes of a leaf with an array of its own (`opened`; `nbytes`
+        stored bytes), a piece at a time; none where another process writes it."""
         datas = [piece for _, piece in pieces]
         if not datas:  # another process writes it
             return [Write([], 0, _written_elsewhere, False)]
@@ -277,9 +257,8 @@ class Writer:
     def pack(
         self, pack: PackRecord, records: list[LeafRecord], datas: list[Any], nbytes: int, run: range, opened: Mapped
     ) -> Write:
-        """The write of the chunk files `run` of `pack` (`opened`, its array
-        opened to write), from its members `records` (their pieces `datas`);
-        the run's contents, a new array, count as staged too."""
+        """The write of the chunk files `run` of `pack` (`opened`) from its
+        members `records` (pieces `datas`); the run's new contents count as staged."""
         contents = min(run.stop * pack.chunk, pack.size) - run.start * pack.chunk
         start = functools.partial(self._pack, opened, pack, records, run)
         return Write(datas, nbytes + contents * dtype_from_name(pack.dtype).itemsize, start, False)
@@ -343,9 +322,8 @@ class Writer:
 
 
 class LocalWriter(Writer):
-    """A save's writes of chunk files on a local disk by eqx_ckpt's own
-    threads (`_local_write`): every pack, and each leaf `LocalFiles.writes_leaf`
-    (any other as `Writer` writes it). `base`, `remember`: as `Save` has them."""
+    """A save's writes by eqx_ckpt's own threads (`_local_write`): every pack,
+    and each leaf `LocalFiles.writes_leaf`; any other as `Writer` writes it."""
 
     def __init__(self, files: LocalFiles, out: list[Any], tracker: Tracker | None, save: Save):
         super().__init__(out, tracker)
@@ -383,8 +361,7 @@ def _written_elsewhere(hosts: list[np.ndarray]) -> tuple[list[Any], Steps]:
 
 
 class _Commit:
-    """The commit of a transaction of a `Writer`, its writes' future:
-    waiting for it commits the transaction if it is still open."""
+    """A `Writer` transaction's commit; waiting for it commits if still open."""
 
     __slots__ = ("future", "owner")
 
@@ -400,17 +377,15 @@ class _Commit:
 
 
 def leaf_steps(nbytes: int, files: int) -> Steps:
-    """A leaf written in `files` chunk files: its bytes in equal shares as
-    each lands, the leaf done with the last."""
+    """A leaf written in `files` chunk files: equal shares of its bytes, done with the last."""
     n = max(files, 1)
     return [(nbytes * (k + 1) // n - nbytes * k // n, [0] if k == n - 1 else []) for k in range(n)]
 
 
 def pack_steps(pack: PackRecord, ends: np.ndarray, sizes: list[int], files: range) -> Steps:
     """The chunk files `files` of a pack, written in order: each member (of
-    `sizes` bytes, its elements stopping at `ends`, `_local_write.member_bounds`)
-    done once the file holding its last element has landed (a member whose
-    last element is in another run of files is counted there)."""
+    `sizes` bytes, ending at `ends`) done with the file holding its last
+    element (counted in the run of files that holds it)."""
     n = max(len(files), 1)
     total = max(-(-pack.size // pack.chunk), 1)
     last = np.minimum(np.maximum(ends - 1, 0) // pack.chunk, total - 1) - files.start
@@ -424,9 +399,8 @@ def pack_steps(pack: PackRecord, ends: np.ndarray, sizes: list[int], files: rang
 def _pack_contents(
     pack: PackRecord, starts: np.ndarray, stops: np.ndarray, pieces: Sequence[np.ndarray], files: range
 ) -> tuple[np.ndarray, int]:
-    """The contents of the chunk files `files` of `pack` (each member's bytes
-    at its offset, zeros between; members at `[starts, stops)`,
-    `_local_write.member_bounds`), and the offset they start at."""
+    """The contents of the chunk files `files` of `pack` (members at `[starts,
+    stops)`, zeros between), and the offset they start at."""
     lo, hi = files.start * pack.chunk, min(files.stop * pack.chunk, pack.size)
     out = np.zeros(max(hi - lo, 0), dtype_from_name(pack.dtype))
     for offset, end, piece in zip(starts.tolist(), stops.tolist(), pieces, strict=True):
@@ -441,20 +415,17 @@ def _pack_contents(
 
 
 class PackRuns:
-    """The runs of packs in `loc` read by one load (`_pack` cuts them): with
-    `local`, by eqx_ckpt itself (`_local_read.start_pack_run`), else through
-    TensorStore's array of the pack, opened once per pack for the load. A
-    load of a few leaves at a time (`cached`: a lazy leaf) reads through
-    TensorStore, whose shared open of the pack keeps its decoded chunks."""
+    """The runs of packs in `loc` read by one load: with `local`, by eqx_ckpt
+    itself, else through TensorStore's array of the pack, opened once per
+    load (`cached`: shared, keeping decoded chunks for lazy leaves)."""
 
     def __init__(self, loc: Location, *, local: bool, cached: bool) -> None:
         self._loc, self._local, self._cached = loc, local, cached
         self._stores: dict[str, Mapped] = {}
 
     def start(self, pack: PackRecord, start: int, stop: int, leaf: LeafRecord) -> Read:
-        """Start reading elements `[start, stop)` of `pack`, whose first member
-        read is `leaf`. A failure to open the pack is `leaf`'s, raised here; one
-        of the read is raised as storage raised it, when waited for."""
+        """Start reading elements `[start, stop)` of `pack` for `leaf`, its first
+        member read: a failure to open is `leaf`'s, raised now; a read's, when waited for."""
         if self._local and start < stop:  # (an empty run holds no chunk to read)
             return _deferred(self._loc, pack, start, stop)
         if pack.name not in self._stores:
@@ -467,8 +438,7 @@ class PackRuns:
 
 
 def _deferred(loc: Location, pack: PackRecord, start: int, stop: int) -> Any:
-    """`_local_read.start_pack_run`, a failure to start it raised when the run
-    is finished, where the caller finds which leaf is damaged."""
+    """`_local_read.start_pack_run`, its failure raised when waited for (where the caller knows the leaf)."""
     try:
         return _local_read.start_pack_run(loc, pack, start, stop)
     except Exception as e:

@@ -21,12 +21,10 @@ if TYPE_CHECKING:
 
 def flush(loc: Location) -> None:
     """Make everything written under `loc` without fsync durable, before a
-    commit: every file and directory fsynced, many at once (the journal
-    batches them), or, for many files on a local ext4, XFS or Btrfs, one
-    `syncfs` (docs/benchmarks.md; a few files are not worth another program's
-    unwritten data, and other file systems' `syncfs` may not reach the
-    server). Other processes' temporary files are skipped, and a file that
-    vanishes is no error: each process flushes what it wrote."""
+    commit: each file and directory fsynced, many at once, or, for many files
+    on ext4, XFS or Btrfs, one `syncfs` (elsewhere it may not reach the server;
+    docs/benchmarks.md). Other processes' temporary files are skipped, and a
+    file that vanishes is no error: each process flushes what it wrote."""
     _faults.fire("sync.flush", loc)
     local = loc.local if _location.on_local_disk(loc) else None
     if local is None:
@@ -77,8 +75,7 @@ def _libc() -> ctypes.CDLL:
 
 
 def file_system_type(path: str) -> int | None:
-    """The `statfs` magic number of the file system holding `path`, on 64-bit
-    Linux; None elsewhere or when unknown."""
+    """The `statfs` magic number of the file system holding `path` (64-bit Linux), else `None`."""
     if sys.platform != "linux" or ctypes.sizeof(ctypes.c_long) != 8:
         return None
     buffer = ctypes.create_string_buffer(512)  # struct statfs is 120 bytes; f_type comes first
@@ -109,9 +106,8 @@ def sync_directory(path: str) -> None:
 
 
 def ensure_directory(loc: Location) -> None:
-    """Create a local directory (and its parents), durably: the entry of each
-    new directory is synced in its parent, so a crash cannot lose the folder of
-    a committed checkpoint."""
+    """Create a local directory and its parents, each entry synced in its
+    parent, so a crash cannot lose a committed checkpoint's folder."""
     _faults.fire("sync.create_directory", loc)
     if loc.local is None:
         return

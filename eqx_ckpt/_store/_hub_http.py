@@ -2,15 +2,11 @@
 
 A server reached through `HF_ENDPOINT` is trusted with the bytes of the files
 it serves, not with anything that names a path, bounds a wait or sizes memory
-(docs/sharing.md, "Trust and bounds", lists each check). A refusal is a
-`CheckpointStorageError` (a stall a `CheckpointConnectionError`) naming the
-server, raised inside the library's call, so it writes nothing.
-
-The checks are hooked on the library's shared client by every eqx_ckpt Hub
-call (`guarded`; a user's `set_client_factory` or `close_session` makes a new
-client). They apply to eqx_ckpt's requests alone: those made in a thread
-inside `guarded`, and those with the header `MARK` (made in the library's own
-threads, as `snapshot_download`'s).
+(docs/sharing.md, "Trust and bounds"). A refusal is a `CheckpointStorageError`
+(a stall a `CheckpointConnectionError`) raised inside the library's call, so
+it writes nothing. Every eqx_ckpt Hub call hooks the checks on the library's
+shared client (`guarded`: a user may replace the client); they apply only to
+requests made inside `guarded` or marked with the header `MARK`.
 """
 
 from __future__ import annotations
@@ -79,7 +75,7 @@ def _hook() -> None:
 
 
 def _ours(request: Any) -> bool:
-    """Whether eqx_ckpt made `request` (a redirect keeps the mark, in its extensions)."""
+    """Whether eqx_ckpt made `request` (a redirect keeps the mark in its extensions)."""
     if request.headers.pop(MARK, None) is not None or _INSIDE.get():
         request.extensions["eqx_ckpt"] = True
     return bool(request.extensions.get("eqx_ckpt"))
@@ -190,8 +186,7 @@ def _refused(response: Any, what: str) -> CheckpointStorageError:
 
 
 class RangeIgnored(CheckpointStorageError):
-    """A byte range answered with the whole file: the server ignores `Range`
-    (`_hub.Files` then downloads each file whole instead)."""
+    """A byte range answered with the whole file (`_hub.Files` then downloads whole files)."""
 
 
 @_state.memo(1)

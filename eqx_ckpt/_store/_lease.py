@@ -52,10 +52,9 @@ def destination(loc: Location) -> str:
 
 def acquire_exclusive(loc: Location) -> Claim:
     """This process's claim on `loc`, once no other save holds it. A claim
-    still recorded for the calling thread is taken over at once: its blocking
-    save has ended, and an interrupt skipped the release (a save nested in a
-    progress callback takes it too, and the lease refuses it at once). Only a
-    claim handed to a background thread (`hand_over`) makes a later save wait."""
+    still recorded for the calling thread is taken over at once (an interrupt
+    skipped its release; a nested save is refused by the lease). Only a claim
+    handed to a background thread (`hand_over`) makes a later save wait."""
     with _places.lock:
         place = _places.setdefault(destination(loc), _Place())
     me = threading.get_ident()
@@ -84,8 +83,7 @@ class Claim:
         self.thread = thread
 
     def hand_over(self) -> None:
-        """The save goes on in a background thread, which releases the claim:
-        until then, every later save waits."""
+        """The save goes on in a background thread: every later save waits for its release."""
         self.thread = None
 
     def release(self) -> None:
@@ -171,10 +169,9 @@ class Lease:
                 del _held[key]
 
     def __del__(self) -> None:
-        # A lease dropped without release (a test, a crash) must not hold the
-        # directory for the rest of the process; its file goes stale.
-        # At interpreter exit, modules this would use may already be torn down:
-        # nothing here may raise (it would print "Exception ignored in...").
+        # A lease dropped without release must not hold the directory for the
+        # rest of the process (its file goes stale). Nothing here may raise: at
+        # interpreter exit, what it uses may be torn down.
         try:
             self._stop.set()
             fd, self._fd = self._fd, None
@@ -185,10 +182,10 @@ class Lease:
 
 
 def acquire(loc: Location, name: str, *, what: str, journal: bool = True) -> tuple[Lease, dict[str, Any] | None]:
-    """Take the lease `name` in directory `loc` (which must exist): the lease,
-    and the body of a stale lease it replaced (a dead writer's journal), or
-    `None`. A live holder is a `CheckpointExistsError` (`what` names it). With
-    `journal=False`, a directory that can be locked gets no lease file at all."""
+    """Take the lease `name` in the existing directory `loc`: the lease, and the
+    body of a stale lease it replaced (a dead writer's journal), or `None`. A
+    live holder is a `CheckpointExistsError` (`what` names it). Without
+    `journal`, a directory that can be locked gets no lease file."""
     _faults.fire("lease.acquire", loc, name)
     key = _held_key(loc, name)
     if key in _held:
@@ -207,9 +204,8 @@ def acquire(loc: Location, name: str, *, what: str, journal: bool = True) -> tup
             generation = _conditional_write(loc, name, body, seen)
             if generation is None:
                 if _read(loc, name) is None:
-                    # Refused twice, and still no lease there: nobody holds it,
-                    # the storage will not create it (an S3 bucket that does not
-                    # exist answers a create-if-absent write so).
+                    # Refused twice, and no lease there: the storage will not
+                    # create it (as a missing S3 bucket answers).
                     raise _not_created(loc, name, what)
                 raise _busy(loc, what, "in another process, which took the stale lock over first")
     except BaseException:
@@ -222,8 +218,7 @@ def acquire(loc: Location, name: str, *, what: str, journal: bool = True) -> tup
 
 
 def _wait_until_stale(loc: Location, name: str, fd: int | None, what: str) -> tuple[dict[str, Any], bytes]:
-    """The body and generation of a lease left by a dead writer; raise if its
-    writer is alive."""
+    """The body and generation of a lease left by a dead writer; raise if it is alive."""
     current = _read(loc, name)
     if current is None:
         return {}, ABSENT
@@ -267,7 +262,7 @@ def _held_key(loc: Location, name: str) -> str:
 
 def _flock(loc: Location, what: str) -> int | None:
     """An fd holding an exclusive `flock` on a local directory, or `None` where
-    nothing can be locked. A live holder elsewhere is an error."""
+    nothing can be locked; a live holder is an error."""
     if loc.local is None or loc.kvstore.get("driver") != "file":
         return None
     fd = os.open(loc.local, os.O_RDONLY | os.O_DIRECTORY)
@@ -294,9 +289,7 @@ def _read(loc: Location, name: str) -> tuple[dict[str, Any], bytes] | None:
 
 
 def _conditional_write(loc: Location, name: str, body: dict[str, Any], if_equal: bytes) -> bytes | None:
-    """Write `body` if the file's generation is `if_equal`; the new generation,
-    or `None` if it was not. A lease is written before its holder writes
-    anything: a failure says so (`_storage.write_if`)."""
+    """`_storage.write_if` of `body`: the new generation, or `None`."""
     return _storage.write_if(loc, name, json.dumps(body).encode(), if_equal)
 
 

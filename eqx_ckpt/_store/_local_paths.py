@@ -1,12 +1,9 @@
-"""What is at a local path: the one place that lists a local folder or looks
-at a local path (`stat`, links, real paths), and opens a local file to read
-(`local_open`, `READ_FLAGS`).
+"""What is at a local path: the one place that lists a local folder, looks at
+a local path (`stat`, links, real paths), or opens a local file to read.
 
-Only a regular file is ever read: a FIFO, a socket or a device node is told
-apart here (`special`), and every open is made without waiting (`O_NONBLOCK`)
-and checked before a read (docs/format.md says why). Every other module asks
-this one, or `_storage`, which passes `local_names` and `local_entry` on
-(tests/test_architecture.py checks).
+Only a regular file is ever read: a FIFO, a socket or a device is told apart
+(`special`), and every open is made without waiting and checked before a
+read (docs/format.md). Every other module asks this one, or `_storage`.
 """
 
 from __future__ import annotations
@@ -17,10 +14,8 @@ import stat
 from collections.abc import Iterator
 from typing import NamedTuple
 
-# The flags a local file is opened with to read. `O_NONBLOCK`: without it,
-# opening a named pipe (FIFO) waits for a writer, forever, and a load hung. A
-# regular file reads the same with it. What was opened is then checked with
-# `special` of its `fstat` before anything is read.
+# The flags a local file is opened with to read. Without `O_NONBLOCK`, opening
+# a FIFO waits for a writer forever; a regular file reads the same with it.
 READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 
 _SPECIAL = (
@@ -32,17 +27,15 @@ _SPECIAL = (
 
 
 def special(mode: int) -> str:
-    """What a file of `mode` (a `stat`'s `st_mode`) is where it is neither a
-    regular file nor a folder ("a named pipe (FIFO)", "a socket"...), in words
-    for a message; `""` where it is one of the two."""
+    """What a file of `st_mode` `mode` is, in words, where it is neither a
+    regular file nor a folder ("a socket"...); else `""`."""
     if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
         return ""
     return next((said for test, said in _SPECIAL if test(mode)), "a file of an unknown kind")
 
 
 def local_names(path: str) -> list[str]:
-    """The entries of the local folder `path`, sorted. Raises `OSError` where
-    it is no folder: check with `local_entry` first."""
+    """The entries of the local folder `path`, sorted (`OSError` where it is no folder)."""
     return sorted(os.listdir(path))
 
 
@@ -71,8 +64,7 @@ _NOTHING = LocalEntry(False, False, False, False, 0, None)
 
 
 def local_entry(path: str) -> LocalEntry:
-    """What the local `path` is (see `LocalEntry`). A user's path, an orbax
-    step and a manager's step folder are told apart alike."""
+    """What the local `path` is (see `LocalEntry`)."""
     try:
         info = os.lstat(path)
     except (OSError, ValueError):  # as `os.path.lexists`: a name that cannot be there is absent
@@ -96,11 +88,9 @@ class SpecialFileError(OSError):
 
 
 def local_open(path: str) -> io.BufferedReader:
-    """The local file `path` (a link followed), opened to read, where it is a
-    regular file. Where it is something else (`special`), a `SpecialFileError`,
-    raised without waiting: the open waits for nothing (`READ_FLAGS`), and
-    the opened file's `fstat` is checked before the file is returned. Other
-    failures are `OSError`s, as `open` raises them (a folder: `IsADirectoryError`)."""
+    """The regular local file `path` (a link followed), opened to read; anything
+    else `special` is a `SpecialFileError`, raised without waiting. Other
+    failures are `open`'s `OSError`s."""
     try:
         f = open(path, "rb", opener=lambda path, flags: os.open(path, flags | READ_FLAGS))
     except OSError:
@@ -128,10 +118,8 @@ def _special_at(path: str) -> str:
 
 
 def local_stat(target: str | int, *, follow: bool = True) -> os.stat_result:
-    """The `stat` of the local path `target` (a link followed unless not
-    `follow`), or of the open file descriptor `target`. Raises `OSError`
-    where there is nothing: for what `local_entry` does not hold (an inode's
-    link count, its modification time, the stamp of a file read)."""
+    """The `stat` of the local path (or open fd) `target`, for what `local_entry`
+    does not hold; `OSError` where there is nothing."""
     if isinstance(target, int):
         return os.fstat(target)
     return os.stat(target, follow_symlinks=follow)
@@ -140,12 +128,9 @@ def local_stat(target: str | int, *, follow: bool = True) -> os.stat_result:
 def local_walk(
     path: str, *, bottom_up: bool = False, strict: bool = False
 ) -> Iterator[tuple[str, list[str], list[str]]]:
-    """Every folder below the local folder `path` (itself included), as
-    `os.walk` gives it: its path, its folders' names and its files' names.
-    Links to folders are listed with the folders and never walked into.
-
-    A folder that cannot be listed is passed over; with `strict`, that is an
-    error unless the folder is gone already."""
+    """`os.walk` of the local folder `path`: links to folders are listed, never
+    walked into. A folder that cannot be listed is passed over; with `strict`,
+    that is an error unless the folder is gone already."""
     return os.walk(path, topdown=not bottom_up, onerror=_unless_missing if strict else None)
 
 

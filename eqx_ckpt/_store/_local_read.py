@@ -1,21 +1,15 @@
 """Reading a large leaf on a local disk straight into one aligned host buffer.
 
-A leaf whose chunks split only its first axis has every chunk's bytes
-contiguous in the array. So each chunk file is read with `os.preadv` into its
-slice of one 64-byte-aligned buffer (`_memory.fresh_bytes`: private anonymous
-memory), which `jax.device_put` adopts, where TensorStore would read each
-chunk into a buffer of its own and assemble a new array.
+A leaf whose chunks split only its first axis has each chunk's bytes
+contiguous in the array, so each chunk file is read with `os.preadv` into its
+slice of one buffer (`_memory.fresh_bytes`) that `jax.device_put` adopts,
+with no assembly as TensorStore's reads need.
 
-The checks of a leaf's files (no links, each file's size) run in a thread of
-a second pool, which then starts the reads, so that the next leaves' checks
-overlap them. Each reading thread checksums what it just read (the `crc32c`
-package, in hardware, without the GIL), a `STEP_BYTES` step at a time while
-it is in cache; the loading thread joins the pieces' checksums
-(`crc32c_combine`) and compares. docs/benchmarks.md, "Measurements behind
-the design", has the measurements behind each choice.
-
-The bytes are returned as stored; decoding is the caller's. Only eqx_ckpt's
-own zarr v3 arrays (`Source.opener is None`) are laid out so.
+A leaf's file checks (no links, each size) run on a second pool, so that the
+next leaves' checks overlap the reads. Each reading thread checksums what it
+just read, a `STEP_BYTES` step at a time while it is in cache; the loading
+thread joins the pieces' checksums (`crc32c_combine`). docs/benchmarks.md
+has the measurements. The bytes are returned as stored, not decoded.
 """
 
 from __future__ import annotations
@@ -54,17 +48,13 @@ _FOLDER_FLAGS = _FILE_FLAGS | getattr(os, "O_DIRECTORY", 0)
 def start_read(
     loc: Location, record: LeafRecord, *, on_bytes: Callable[[int], None] | None = None
 ) -> Callable[[], np.ndarray]:
-    """Start reading a whole leaf that `_chunk_files.LocalFiles.reads` takes
-    straight into one aligned host buffer; a function returning it as a NumPy
-    array of the stored shape and dtype (not decoded).
+    """Start reading a whole leaf (`LocalFiles.reads`) into one aligned buffer;
+    a function returning it as a NumPy array of the stored shape and dtype.
 
     Every chunk file is checked before the buffer is allocated, and every
-    chunk's crc32c before the array is returned; a failure is an
-    `IntegrityError` naming the leaf. An interrupt waits for the reading
-    threads before it is raised, so none writes into the buffer afterwards.
-    `on_bytes` is called with the bytes of each chunk once it is checked."""
-    # The checks of its files (on a cold cache, a wait on the disk for each) in a
-    # thread of their own, so that those of the next leaves overlap.
+    crc32c before it is returned (else an `IntegrityError` naming the leaf).
+    An interrupt waits for the reading threads, so none writes into the buffer
+    afterwards. `on_bytes` gets each chunk's bytes once it is checked."""
     started = _threads.pool("eqx_ckpt-open", _window.READ_THREADS).submit(_start_checked, loc, record)
 
     def finish() -> np.ndarray:
@@ -93,8 +83,7 @@ def _start_checked(loc: Location, record: LeafRecord) -> tuple[np.ndarray, _Read
 
 def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Callable[[], np.ndarray]:
     """Start reading elements `[start, stop)` (not empty) of a pack the same
-    way, in the whole chunks that hold them. A failure names the pack; the
-    caller finds the damaged leaf."""
+    way, in whole chunks. A failure names the pack; the caller finds the leaf."""
     first, count = start // pack.chunk, (stop - 1) // pack.chunk - start // pack.chunk + 1
     # The chunks read, as one array of their own: its chunk files are the pack's from `first` on.
     shape = (count * pack.chunk,)
@@ -116,9 +105,8 @@ def start_pack_run(loc: Location, pack: PackRecord, start: int, stop: int) -> Ca
 
 
 def start_chunks(loc: Location, record: LeafRecord, first: int, count: int, out: memoryview) -> Callable[[], None]:
-    """Start reading `count` chunks of a leaf that `start_read` reads, from
-    chunk `first` on (along its first axis), checked the same way, into `out`,
-    a buffer the caller reuses (`_reader`'s pool); the last chunk's cut at the leaf's end."""
+    """Start reading `count` chunks of a leaf, from chunk `first` on its first
+    axis, checked the same way, into the reused buffer `out` (cut at the leaf's end)."""
     keys = [_format.chunk_key([first + i, *[0] * (len(record.chunks) - 1)]) for i in range(count)]
     path = _check_chunk_files(loc, record, record.directory, iter(keys))
     reads = _read_chunks(path, loc, record, out, keys)
@@ -126,8 +114,7 @@ def start_chunks(loc: Location, record: LeafRecord, first: int, count: int, out:
 
 
 def _check_chunk_files(loc: Location, record: LeafRecord, directory: str, keys: Iterator[str]) -> str:
-    """Check the array's folder `directory` and each of its chunk files `keys`
-    (no links, a regular file of one full chunk and its checksum); the folder's path."""
+    """Check the array's folder `directory` and its chunk files `keys`; the folder's path."""
     _faults.fire("local_read.check_files", directory)
     refuse_links(loc, directory, leaf=record.path)
     path = os.path.join(loc.local or "", directory)
@@ -148,9 +135,8 @@ def _open_folder(path: str, loc: Location, record: LeafRecord) -> int:
 
 
 def _open_chunk(folder: int, loc: Location, record: LeafRecord, key: str, directory: str) -> int:
-    """Open a chunk file below the array's folder (`directory`, open as
-    `folder`), following no link, and check that it is a regular file of one
-    full chunk and its checksum."""
+    """Open a chunk file below the array's folder (open as `folder`), following
+    no link; check it is a regular file of one full chunk and its checksum."""
     try:
         fd = _open_below(folder, key)
     except FileNotFoundError:
@@ -258,9 +244,8 @@ class _Reads:
 
 
 def _pieces(segments: list[memoryview]) -> Iterator[tuple[int, list[memoryview], int]]:
-    """(file offset, buffers, bytes to check) for each piece of a chunk file;
-    `segments` are its bytes in file order, the checksum last. The last piece
-    reads to the end; the bytes to check are the piece's first, up to the checksum."""
+    """(file offset, buffers, bytes to check) for each piece of a chunk file,
+    `segments` in file order, the checksum last (checked bytes stop before it)."""
     total = sum(len(s) for s in segments)
     cuts = [*range(0, total - _format.CHECKSUM_BYTES, PIECE_BYTES)] or [0]
     for lo, hi in zip(cuts, [*cuts[1:], total]):
@@ -277,8 +262,7 @@ def _read_piece(
     path: str, loc: Location, record: LeafRecord, key: str, offset: int, views: list[memoryview], checked: int
 ) -> int:
     """Read one piece of a chunk file into `views`; the crc32c of its first
-    `checked` bytes, computed right after each step's read, while those bytes
-    are still in this core's cache."""
+    `checked` bytes, computed step by step while they are in cache."""
     fd = _reopen_chunk(path, loc, record, key)
     crc, done = 0, 0
     try:
@@ -302,10 +286,9 @@ def _read_piece(
 def _read_compressed(
     path: str, loc: Location, record: LeafRecord, key: str, segments: list[memoryview], stored: memoryview
 ) -> int:
-    """Read a compressed chunk file whole into this thread's buffer, copy its
-    checksum into `stored`, and, where its bytes give that checksum, decompress
-    them into `segments` (the chunk's slice of the array, and any padding past
-    its end); the crc32c of the compressed bytes, which `_Reads.wait` compares."""
+    """Read a compressed chunk file whole, copy its checksum into `stored`, and,
+    where its bytes give that checksum, decompress them into `segments`; the
+    crc32c of the compressed bytes, which `_Reads.wait` compares."""
     fd = _reopen_chunk(path, loc, record, key)
     try:
         size = local_stat(fd).st_size
@@ -325,9 +308,8 @@ def _read_compressed(
 
 
 def _decompress(loc: Location, record: LeafRecord, key: str, data: memoryview, segments: list[memoryview]) -> None:
-    """Decompress a chunk's checked bytes into `segments`: exactly one chunk,
-    as its codec's header must say (a frame of fewer bytes would leave the
-    rest of the array unwritten; of more, would not fit)."""
+    """Decompress a chunk's checked bytes into `segments`; its header must say
+    exactly one chunk (fewer bytes would leave some unwritten)."""
     size = _format.decoded_size(record.compression, data)
     if size != record.chunk_nbytes:
         said = "no size" if size is None else f"{size} bytes"
@@ -388,9 +370,8 @@ def _pread_all(fd: int, views: list[memoryview], offset: int) -> int:
 
 
 def read_range(path: str, start: int, end: int) -> np.ndarray | None:
-    """Bytes `start` to `end` of the local file `path` (another program's, read
-    only where it is a regular file), in memory `jax.device_put` adopts; `None`
-    if the file ends before `end`."""
+    """Bytes `start` to `end` of the regular file `path`, in memory
+    `jax.device_put` adopts; `None` if the file ends before `end`."""
     with local_open(path) as f:
         out = _memory.fresh_empty((end - start,), np.uint8)
         done = _pread_all(f.fileno(), [out.data], start)
@@ -414,9 +395,8 @@ _POLY = 0x82F63B78
 
 
 def crc32c_combine(crc1: int, crc2: int, length2: int) -> int:
-    """The crc32c of `a + b` from `crc1` of `a`, `crc2` of `b` and `len(b)`,
-    without reading either again: `crc1` times x^(8 * length2) modulo the
-    polynomial, plus `crc2`."""
+    """The crc32c of `a + b` from `crc1` of `a`, `crc2` of `b` and `len(b)`:
+    `crc1` times x^(8 * length2) modulo the polynomial, plus `crc2`."""
     return _multiply(_shift(length2), crc1) ^ crc2
 
 
@@ -456,13 +436,12 @@ def _shift(length: int) -> int:
 
 
 def _size_message(record: LeafRecord, key: str, size: int | None) -> str:
-    """Chunk file `key` of `record` is `size` bytes (`None`: missing), as a load
-    of a pack and `verify` word it (`wrong_size`)."""
+    """Chunk file `key` of `record` is `size` bytes (`None`: missing), in `wrong_size`'s words."""
     return wrong_size(_name(record, key), size, record.chunk_nbytes, record.compression) or ""
 
 
 def _name(record: LeafRecord, key: str) -> str:
-    """Chunk file `key` of `record`, named from the data root as `verify` names it."""
+    """Chunk file `key` of `record`, named from the data root."""
     return f"{record.directory}/{key}"
 
 

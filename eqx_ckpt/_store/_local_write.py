@@ -1,17 +1,12 @@
 """Writing chunk files on a local disk without TensorStore, writeback started at once.
 
-The mirror of `_local_read`. A single-process save of the "directories"
-layout writes the chunk files of every pack, and of each leaf whose chunks
-split only its first axis, itself (`_chunk_files.LocalFiles` says which), by
-a small pool of threads, into its own fresh data root (a file that exists is
-an error). A leaf's chunk goes straight from its host buffer (from
-`UNBUFFERED_FROM` bytes on past the page cache, `O_DIRECT`); a pack's is
-gathered into the writing thread's staging buffer a part at a time. A file
-written through the page cache has its writeback started at once
-(`sync_file_range`), so that the flush before the commit waits only for what
-is still in flight. The files are exactly what TensorStore's zarr3 driver
-writes (`tests/test_direct_write.py` checks). docs/format.md and
-docs/benchmarks.md ("Measurements behind the design") say why.
+The mirror of `_local_read`: a small pool of threads writes the files
+`_chunk_files.LocalFiles` picks into a fresh data root (a file that exists
+is an error). A leaf's chunk goes straight from its host buffer (past the
+page cache from `UNBUFFERED_FROM` bytes); a pack's is gathered into a staging
+buffer a part at a time. Writeback starts at once (`sync_file_range`), so
+the flush before the commit waits only for what is in flight. The files are
+exactly what TensorStore's zarr3 driver writes; docs/benchmarks.md says why.
 """
 
 from __future__ import annotations
@@ -46,10 +41,10 @@ _SYNC_FILE_RANGE_WRITE = 2
 def start_write(
     loc: Location, record: LeafRecord, piece: Any, base: str | None = None, *, remember: bool = False
 ) -> list[concurrent.futures.Future[None]]:
-    """Start writing every chunk file of one leaf (its `zarr.json` exists)
-    from `piece`, its stored array; one future per file. `base`: the leaf's
-    folder in the checkpoint this save follows, whose equal files are shared;
-    with `remember`, every file written is recorded with its digest (`_share`)."""
+    """Start writing every chunk file of one leaf from `piece`, its stored array;
+    one future per file. Files equal to those of `base` (the leaf's folder in
+    the checkpoint this save follows) are shared; with `remember`, each written
+    is recorded with its digest (`_share`)."""
     data = _bytes_of(piece, record.stored_dtype)
     itemsize = dtype_from_name(record.stored_dtype).itemsize
     shape, keys = record.stored_shape, list(_format.chunk_keys(record.stored_shape, record.chunks))
@@ -79,10 +74,9 @@ def start_pack(
     files: range | None = None,
     bounds: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[concurrent.futures.Future[None]]:
-    """Start writing the chunk files of `pack` (with `files`, those of these
-    indices): each member of `records` (in offset order) at its offset, zeros
-    between. `base` and `remember`: as for `start_write`. `bounds`:
-    `member_bounds(records)`, where the caller has them."""
+    """Start writing the chunk files of `pack` (with `files`, those indices):
+    each member of `records` (in offset order) at its offset, zeros between.
+    `base`, `remember`: as for `start_write`; `bounds`: `member_bounds(records)`."""
     n = len(records)
     starts, stops = bounds if bounds is not None else member_bounds(records)
     if n > 1 and bool((starts[1:] < stops[:-1]).any()):
@@ -123,9 +117,8 @@ def _compressing(make: Callable[[], Any], compression: str, itemsize: int) -> Ca
 
 
 def _compressed(make: Callable[[], Any], compression: str, itemsize: int) -> list[Any]:
-    """The bytes of the chunk `make()` gives (a leaf's views, or a pack's
-    `_Chunk`), compressed as the array's `zarr.json` says (`_format.compressor`),
-    as one view: in the writing thread, which the codec does not hold the GIL in."""
+    """The bytes of the chunk `make()` gives, compressed, as one view (in the
+    writing thread: the codec releases the GIL)."""
     content = make()
     if isinstance(content, _Chunk):
         raw = np.empty(content.nbytes, np.uint8)
@@ -144,10 +137,9 @@ class _Compressed(list[Any]):
 
 
 class _Chunk:
-    """One chunk of a pack, `[lo, hi)` in elements: `members` (host arrays) at
-    `[starts, stops)`, zeros between. Its writer gathers it into its staging
-    buffer, a part at a time (`part`, `gather`): a buffer reused from file to
-    file, as fresh pages cost more to fault in than the copy itself."""
+    """One chunk of a pack, `[lo, hi)` in elements: `members` at `[starts,
+    stops)`, zeros between. Gathered a part at a time into a reused staging
+    buffer: fresh pages cost more to fault in than the copy itself."""
 
     def __init__(self, members: list[Any], starts: np.ndarray, stops: np.ndarray, lo: int, hi: int, dtype: Any):
         self.members, self.starts, self.stops, self.lo, self.hi, self.dtype = members, starts, stops, lo, hi, dtype
@@ -191,16 +183,13 @@ class _Chunk:
 
 
 def _bytes_of(piece: Any, dtype: Any) -> np.ndarray:
-    """The stored bytes of a host piece, as a flat uint8 array (a view when it is
-    C-contiguous already). `dtype`: the stored dtype, or its name."""
+    """The stored bytes of a host piece (`dtype`, or its name) as a flat uint8 array."""
     dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
     return np.ascontiguousarray(_flat(piece, dtype)).view(np.uint8)
 
 
 def _flat(piece: Any, dtype: np.dtype) -> np.ndarray:
-    """A host piece's elements as a flat array of the stored `dtype` (a view
-    where it can be)."""
-    # Little-endian, as the codec says: only the byte order may change here.
+    """A host piece's elements as a flat array of `dtype`; only the byte order may change."""
     return np.asarray(piece).astype(dtype, casting="equiv", copy=False).reshape(-1)
 
 
@@ -212,15 +201,13 @@ def _start(
     base: str | None = None,
     remember: bool = False,
 ) -> list[concurrent.futures.Future[None]]:
-    """Write each chunk file `key` of `jobs` with what its `make()` gives (a
-    leaf's views, or a pack's `_Chunk`), by the pool's threads (`_write_chunk`);
-    one future per file."""
+    """Write each chunk file `key` of `jobs` with what `make()` gives, on the pool; one future per file."""
     folder = os.path.join(loc.local or "", directory) if directory else (loc.local or "")
     futures = []
     for key, make in jobs:
         job = functools.partial(_write_chunk, folder, directory, key, what, make, base, remember)
         try:
-            futures.append(_pool().submit(job))
+            futures.append(_threads.pool("eqx_ckpt-write", THREADS).submit(job))
         except RuntimeError:  # at interpreter exit no thread starts: written here, in turn
             futures.append(_run_now(job))
     return futures
@@ -239,11 +226,9 @@ def _run_now(job: Callable[[], None]) -> concurrent.futures.Future[None]:
 def _write_chunk(
     folder: str, directory: str, key: str, what: str, make: Callable[[], Any], base: str | None, remember: bool
 ) -> None:
-    """One chunk file: the bytes `make()` gives (a list of views, or a pack's
-    `_Chunk`), then their crc32c; or a link to the file `key` of `base`, where
-    that holds the same bytes. A file written is recorded with the xxh3-128
-    of its bytes where the comparison computed it, or, with `remember`,
-    computed as they are written (`_share.written`)."""
+    """One chunk file: the bytes `make()` gives (views, or a `_Chunk`) and their
+    crc32c, or a link to the file `key` of `base` that holds the same bytes. A
+    file written is recorded with its xxh3-128 where one is at hand (`_share.written`)."""
     _faults.fire("local_write.chunk", directory, key)
     content = make()
     path = os.path.join(folder, *key.split("/"))
@@ -256,9 +241,8 @@ def _write_chunk(
                 return
         fd = os.open(path, _FLAGS, 0o666)
         try:
-            # Hashed as the bytes are written, where the comparison did not
-            # hash them (no base, a new leaf, a large chunk whose start
-            # changed): from the stage in cache, not another pass over memory.
+            # Hashed as written where the comparison did not: from the stage
+            # in cache, not another pass over memory.
             hasher = xxhash.xxh3_128() if remember and digest is None else None
             _write_all(fd, content, checksum, hasher)
             digest = hasher.digest() if hasher is not None else digest
@@ -274,14 +258,11 @@ def _write_chunk(
 
 
 def _shared(source: str, path: str, content: Any, what: str) -> tuple[bool, bytes | None, int | None]:
-    """Whether `path` is now a link to the base's chunk file `source`, which
-    holds the same bytes as `content`; and the xxh3-128 and crc32c of
-    `content` where they were computed (a write need not compute them again)."""
+    """Whether `path` is now a link to the base's equal chunk file `source`; and
+    the xxh3-128 and crc32c of `content` where computed (for the write)."""
     nbytes = (content.nbytes if isinstance(content, _Chunk) else sum(len(v) for v in content)) + _format.CHECKSUM_BYTES
-    # A large chunk's first bytes are looked at first: one whose start changed
-    # is written at once, checksummed as it is staged (a hash here would add a
-    # pass over its bytes, the cost of comparing on an overwrite where
-    # everything changed).
+    # A large chunk whose first bytes changed is written at once, unhashed: a
+    # hash here would add a pass over its bytes where everything changed.
     large = nbytes >= UNBUFFERED_FROM and not isinstance(content, _Chunk)
     start = content[0] if large else None
     verified = _share.base_file(source, nbytes, what, start, sized=not isinstance(content, _Compressed))
@@ -292,10 +273,8 @@ def _shared(source: str, path: str, content: Any, what: str) -> tuple[bool, byte
 
 
 def _digest(content: Any) -> tuple[bytes, int | None]:
-    """The xxh3-128 of a chunk's bytes, and, for a pack's, their crc32c too:
-    its bytes are gathered into the writer's stage a part at a time, where both
-    cost little, and a write would gather them again. A leaf's are hashed
-    straight from its views."""
+    """The xxh3-128 of a chunk's bytes and, for a pack's, their crc32c too
+    (gathered into the stage, where both cost little)."""
     hasher = xxhash.xxh3_128()
     if isinstance(content, _Chunk):
         checksum = 0
@@ -313,11 +292,9 @@ def _digest(content: Any) -> tuple[bytes, int | None]:
 
 
 def _write_all(fd: int, content: Any, checksum: int | None = None, hasher: xxhash.xxh3_128 | None = None) -> None:
-    """Write `content` (a pack's `_Chunk`, or a list of views) and its crc32c
-    (`checksum`, where the caller has it) into the new file `fd`, its
-    writeback started at once; `hasher` (an xxh3-128 hasher), where given,
-    takes the content's bytes as they are written (the module docstring says
-    how; docs/benchmarks.md, "Measurements behind the design", why)."""
+    """Write `content` (a `_Chunk`, or views) and its crc32c (`checksum`, where
+    known) into the new file `fd`, writeback started; `hasher`, where given,
+    takes the bytes as they are written."""
     _faults.fire("local_write.chunk_bytes", fd)
     if isinstance(content, _Chunk):
         staged = _Staged(fd, direct=False, checksum=checksum, hasher=hasher)
@@ -331,7 +308,11 @@ def _write_all(fd: int, content: Any, checksum: int | None = None, hasher: xxhas
     unbuffered = STAGE_BYTES if isinstance(content, _Compressed) else UNBUFFERED_FROM
     if sum(len(view) for view in content) >= unbuffered and _set_direct(fd, True):
         try:
-            _write_unbuffered(fd, content, checksum, hasher)
+            _faults.fire("local_write.unbuffered", fd)
+            staged = _Staged(fd, direct=True, checksum=checksum, hasher=hasher)
+            for view in content:
+                staged.copy(view)
+            staged.finish()  # (its last block padded, then the file cut)
             return
         except _NotUnbuffered:
             # Refused (an alignment this device does not take): written again,
@@ -380,8 +361,7 @@ class _NotUnbuffered(Exception):
 
 
 def _set_direct(fd: int, on: bool) -> bool:
-    """Turn `O_DIRECT` on or off for `fd`; whether it is now as asked (a file
-    system without direct I/O refuses it, and that file is written buffered)."""
+    """Turn `O_DIRECT` on or off for `fd`; whether it is now as asked (some file systems refuse it)."""
     direct = getattr(os, "O_DIRECT", 0)
     if not direct:
         return not on
@@ -395,23 +375,9 @@ def _set_direct(fd: int, on: bool) -> bool:
     return True
 
 
-def _write_unbuffered(
-    fd: int, views: list[Any], checksum: int | None = None, hasher: xxhash.xxh3_128 | None = None
-) -> None:
-    """Write `views` and their crc32c through `fd` (`O_DIRECT`), then cut the
-    file to their length (its last write is padded to a whole block)."""
-    _faults.fire("local_write.unbuffered", fd)
-    staged = _Staged(fd, direct=True, checksum=checksum, hasher=hasher)
-    for view in views:
-        staged.copy(view)
-    staged.finish()
-
-
 class _Staged:
-    """One file written from the stage: bytes are staged until it is full, then
-    written (unbuffered with `direct`); their crc32c follows them (`checksum`,
-    where the caller has it, else computed as they are written). `hasher`,
-    where given, takes the bytes as they are written."""
+    """One file written from the stage, a full stage at a time (unbuffered with
+    `direct`), then the crc32c (`checksum`, else computed as written)."""
 
     def __init__(self, fd: int, *, direct: bool, checksum: int | None = None, hasher: xxhash.xxh3_128 | None = None):
         self.fd, self.direct, self.known, self.hasher = fd, direct, checksum, hasher
@@ -497,8 +463,7 @@ _STAGES = threading.local()
 
 
 def _stage() -> tuple[memoryview, np.ndarray]:
-    """This thread's staging buffer (page-aligned anonymous memory, kept for
-    the thread's next file), as a memoryview and as a NumPy array."""
+    """This thread's staging buffer (kept), as a memoryview and as a NumPy array."""
     stage = getattr(_STAGES, "buffer", None)
     if stage is None or len(stage[0]) != STAGE_BYTES:
         memory = _memory.fresh_bytes(STAGE_BYTES)
@@ -527,12 +492,7 @@ def _sync_file_range() -> Any:
 
 
 def _start_writeback(fd: int) -> None:
-    """Ask the kernel to start writing this file to disk now, without waiting
-    (Linux); durability still comes from the flush before the commit."""
+    """Start writing this file back now, without waiting (Linux); the flush makes it durable."""
     fn = _sync_file_range()
     if fn is not None:
         fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
-
-
-def _pool() -> _threads.Pool:
-    return _threads.pool("eqx_ckpt-write", THREADS)

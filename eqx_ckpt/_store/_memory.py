@@ -1,8 +1,6 @@
-"""Host memory for leaves: page-aligned private buffers and copies, the
-memory check before a read, the host data of a save's pieces (`Deferred`: a
-piece made host only when the save stages it), and the pinned paths of GPUs
-(`PINNED_PLATFORMS`: a load's pool of reused buffers, a blocking save's
-copies; docs/benchmarks.md, "GPU").
+"""Host memory for leaves: page-aligned buffers and copies, the memory check
+before a read, the host data of a save's pieces, and the pinned paths of
+GPUs (`PINNED_PLATFORMS`; docs/benchmarks.md, "GPU").
 """
 
 from __future__ import annotations
@@ -31,20 +29,17 @@ _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
 def fresh_bytes(nbytes: int) -> np.ndarray:
-    """`nbytes` of page-aligned anonymous memory (uninitialised, in fact zero),
-    as a NumPy `uint8` array that `jax.device_put` can adopt without a copy.
-    Fault point `memory.map`."""
+    """`nbytes` of page-aligned anonymous memory (zeroed), as a NumPy `uint8`
+    array that `jax.device_put` can adopt without a copy."""
     _faults.fire("memory.map", nbytes)
     memory = mmap.mmap(-1, nbytes, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, nbytes)
     return np.frombuffer(memory, np.uint8)
 
 
-# NumPy asks the kernel for huge pages for every array of 4 MiB or more, and
-# with the page cache full (after a save, on a training machine) the kernel
-# compacts memory to find them, so copies that large go into `fresh_bytes`
-# memory (several times faster then: docs/benchmarks.md). Smaller arrays stay
-# NumPy's (a mapping per leaf costs system calls and rounds each up to whole
-# pages).
+# NumPy asks for huge pages from 4 MiB on, and with the page cache full the
+# kernel compacts memory to find them: copies that large go into `fresh_bytes`
+# memory (docs/benchmarks.md). Smaller arrays stay NumPy's (a mapping per leaf
+# costs system calls and whole pages).
 FRESH_MIN_BYTES = 4 * 2**20
 
 
@@ -67,9 +62,8 @@ def private_copy(x: Any) -> np.ndarray:
 
 
 def private_copies(arrays: Sequence[Any]) -> list[np.ndarray]:
-    """`private_copy` of each; those of `FRESH_MIN_BYTES` or more by a few
-    threads (the copy releases the GIL, and faulting fresh pages in is most of
-    its cost; two threads halve it)."""
+    """`private_copy` of each; large ones by a few threads (the copy releases
+    the GIL, and faulting fresh pages in is most of its cost)."""
     arrays = [np.asarray(x) for x in arrays]
     big = [i for i, x in enumerate(arrays) if x.nbytes >= FRESH_MIN_BYTES]
     if len(big) < 2:
@@ -99,8 +93,7 @@ def physical_memory() -> int | None:
 
 def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: str) -> None:
     """Refuse a read that would allocate more than this machine's memory:
-    TensorStore would abort the whole process on the failed allocation (on an
-    object store, this stands between a hostile manifest's shape and a crash)."""
+    TensorStore would abort the process on the failed allocation."""
     memory = physical_memory()
     if memory is None or nbytes <= memory:
         return
@@ -118,23 +111,19 @@ def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: s
 # -- The pool of host buffers a load on an accelerator reads through -------------------------------
 
 # `(count, bytes)`: a load onto devices of `PINNED_PLATFORMS` reads each large
-# local leaf through `count` reused host buffers of `bytes` each (`_reader`),
-# its reads running ahead of the copies to the devices; `None`: off. On an H200
-# a warm load ran about twice as fast this way (docs/benchmarks.md, "GPU").
+# local leaf through `count` reused host buffers (`_reader`), reads running
+# ahead of the copies to the devices; `None`: off (docs/benchmarks.md, "GPU").
 PINNED_LOAD_POOL: tuple[int, int] | None = (4, 256 * 2**20)
 
-# The device platforms whose loads go through the pool and whose blocking saves
-# copy through pinned memory: the GPUs they were measured on. Tests add "cpu"
-# (JAX's CPU devices have the `pinned_host` memory kind too); TPUs are not
-# measured, so they copy the usual way.
+# The platforms whose loads use the pool and whose blocking saves copy through
+# pinned memory: the GPUs measured (not TPUs). Tests add "cpu".
 PINNED_PLATFORMS: frozenset[str] = frozenset({"gpu", "cuda", "rocm"})
 
 
 class BufferPool:
-    """`count` page-aligned host buffers of `size` bytes, each allocated once
-    (fault point `load.pinned_pool`, counted in `allocations`) and reused:
-    `take` hands out the next, round robin, once the copies from its last use
-    (`sent`) are done."""
+    """`count` host buffers of `size` bytes, each allocated once (counted in
+    `allocations`); `take` hands out the next, round robin, once the copies
+    from its last use (`sent`) are done."""
 
     def __init__(self, count: int, size: int):
         self.count, self.size, self.allocations = count, size, 0
@@ -168,8 +157,7 @@ _LOAD_POOLS: _state.Table[tuple[int, int], BufferPool] = _state.table("memory.lo
 
 
 def load_pool() -> BufferPool | None:
-    """The process's pool for `PINNED_LOAD_POOL` (made once per setting), or
-    `None` where it is off."""
+    """The process's pool for `PINNED_LOAD_POOL`, or `None` where it is off."""
     setting = PINNED_LOAD_POOL
     if setting is None:
         return None
@@ -187,9 +175,8 @@ def pinned_platform(device: Any) -> bool:
 
 
 class Deferred:
-    """A host piece made when the save stages it: `source` (a `jax.Array` or
-    a NumPy array, or a function making it, such as a device-side slice)
-    through `convert` (a cast, an encoding), `nbytes` bytes as stored."""
+    """A host piece made when the save stages it: `source` (an array, or a
+    function making one) through `convert` (a cast, an encoding), `nbytes` as stored."""
 
     __slots__ = ("__weakref__", "convert", "nbytes", "source")
 
@@ -219,11 +206,10 @@ def nbytes(data: Any) -> int:
 
 
 def ahead(data: Any) -> Any:
-    """Start copying a piece's device data to the host, without waiting; what
-    to stage it from then (`host`). The copy is a new array on the CPU device,
-    which the save owns (`copy_to_host_async` would cache it on the caller's
-    array, beyond any budget), made in the copy pool: `jax.device_put` from a
-    GPU returns only once it is done (docs/benchmarks.md)."""
+    """Start copying a piece's device data to the host; what to stage it from
+    (`host`). The copy is the save's own (`copy_to_host_async` would cache it
+    on the caller's array, beyond any budget), made in the copy pool:
+    `jax.device_put` from a GPU returns only once it is done."""
     if isinstance(data, Deferred):
         data.source = ahead(data.resolved())
         return data
@@ -240,24 +226,20 @@ def ahead(data: Any) -> Any:
     return data
 
 
-# Whether a blocking save copies its pieces on devices of `PINNED_PLATFORMS`
-# to the host through their pinned host memory (`ahead`, with `pinned`, as an
-# asynchronous save's caller does), as many at once as its staging budget
-# admits, the copies overlapping the writes before them. On an H200 a first
-# save ran about twice as fast this way (docs/benchmarks.md, "GPU").
+# Whether a blocking save copies pieces on `PINNED_PLATFORMS` devices to the
+# host through pinned memory (`ahead`), overlapping the writes before them
+# (docs/benchmarks.md, "GPU").
 PINNED_SAVE_COPIES = True
 
 
 def starts_copies() -> bool:
-    """Whether a save's pieces have copies to the host to start (`ahead`):
-    not where this process computes on CPUs alone, unless the pinned copies
-    are on for CPU devices (tests)."""
+    """Whether a save's pieces have copies to the host to start (`ahead`): not
+    on CPUs alone, unless the pinned copies are on for them (tests)."""
     return not only_cpus() or (PINNED_SAVE_COPIES and "cpu" in PINNED_PLATFORMS)
 
 
 def _pinnable(data: jax.Array) -> bool:
-    """An array on one device of `PINNED_PLATFORMS`, in its device memory,
-    of a plain dtype: what `pinned` copies for a blocking save."""
+    """What `pinned` copies for a blocking save: one device of `PINNED_PLATFORMS`, device memory, a plain dtype."""
     return (
         data.sharding.memory_kind not in _HOST_KINDS
         and pinned_platform(next(iter(data.devices())))
@@ -267,11 +249,9 @@ def _pinnable(data: jax.Array) -> bool:
 
 
 def pinned(arrays: list[jax.Array]) -> list[jax.Array] | None:
-    """Copies of `jax.Array`s in their devices' pinned host memory, made by
-    one `jax.device_put` that returns once they are enqueued, many times
-    faster than through the CPU device (docs/benchmarks.md, "Measurements
-    behind the design"); `None` where a device has none or the copy fails
-    (the caller copies through the CPU device then)."""
+    """Copies of `jax.Array`s in their devices' pinned host memory, enqueued by
+    one `jax.device_put` (much faster than through the CPU device); `None`
+    where a device has none or the copy fails."""
     try:
         if not all(has_pinned(next(iter(x.devices()))) for x in arrays):
             return None
@@ -313,9 +293,8 @@ def _on_host(data: jax.Array, cpu: Any) -> np.ndarray:
 
 
 def _put(arrays: Any, where: Any, **options: Any) -> Any:
-    """`jax.device_put(arrays, where, **options)`, 64-bit values kept 64-bit:
-    JAX's switch for them is per thread, and off (as in the copy pool's
-    threads) a copy between devices narrows them to 32 bits."""
+    """`jax.device_put`, 64-bit values kept 64-bit: JAX's switch is per thread,
+    and off (in the copy pool) a copy between devices narrows them."""
     dtypes = {x.dtype for x in (arrays if isinstance(arrays, list) else [arrays])}
     if not any(
         np.dtype(dtype).itemsize >= 8 for dtype in dtypes if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
@@ -326,8 +305,7 @@ def _put(arrays: Any, where: Any, **options: Any) -> Any:
 
 
 def host(data: Any) -> np.ndarray:
-    """A piece's host data, as stored (waits for its copy to the host, which
-    `ahead` started, or makes it now; never cached on the caller's array)."""
+    """A piece's host data, as stored: `ahead`'s copy waited for, or one made now."""
     if type(data) is _Copying:
         return data.future.result()
     if isinstance(data, Deferred):
@@ -340,44 +318,36 @@ def host(data: Any) -> np.ndarray:
 
 
 def hosts(datas: list[Any]) -> list[np.ndarray]:
-    """`host` of each of `datas`: on CPUs alone, where no piece is a copy
-    under way or deferred, `np.asarray` of each without `host`'s checks (a few
-    percent of a `many` save: docs/benchmarks.md, "Measurements behind the design")."""
+    """`host` of each; on CPUs alone, with no copy under way or deferred piece,
+    `np.asarray` without `host`'s checks (a few percent of a `many` save)."""
     if only_cpus() and not any(kind is _Copying or issubclass(kind, Deferred) for kind in set(map(type, datas))):
         return list(map(np.asarray, datas))
     return [host(data) for data in datas]
-
-
-def host_views(arrays: list[jax.Array]) -> list[np.ndarray]:
-    """The host data of `jax.Array`s on one device each, as `host` makes it:
-    views on a CPU; elsewhere copies the save owns, all started at once (one
-    `jax.device_put`), never cached on the caller's arrays."""
-    if only_cpus():
-        return list(map(np.asarray, arrays))
-    cpu = _cpu_device()
-    if cpu is None:
-        return [host(x) for x in arrays]
-    return list(map(np.asarray, _put(arrays, cpu)))
 
 
 def held(arrays: list[jax.Array]) -> list[Any]:
     """What an asynchronous save holds of `jax.Array`s on one device each
     while its caller waits, safe from a later donation or deletion: their host
     views on CPUs, else `pinned` copies (only enqueued), else copies through
-    the CPU device. A PRNG key array has no host view: `TypeError`."""
-    if not only_cpus():
-        if any(jax.dtypes.issubdtype(dtype, jax.dtypes.extended) for dtype in {x.dtype for x in arrays}):
-            raise TypeError("a PRNG key array has no host view")
-        copies = pinned(arrays)
-        if copies is not None:
-            return copies
-    return host_views(arrays)
+    the CPU device (one `jax.device_put`). A PRNG key array has no host view:
+    `TypeError`."""
+    if only_cpus():
+        return list(map(np.asarray, arrays))
+    if any(jax.dtypes.issubdtype(dtype, jax.dtypes.extended) for dtype in {x.dtype for x in arrays}):
+        raise TypeError("a PRNG key array has no host view")
+    copies = pinned(arrays)
+    if copies is not None:
+        return copies
+    cpu = _cpu_device()
+    if cpu is None:
+        return [host(x) for x in arrays]
+    return list(map(np.asarray, _put(arrays, cpu)))
 
 
 def protected(data: Any, copy: bool) -> Any:
-    """A piece that a change of the caller's arrays after an asynchronous save
-    returned cannot reach: a `jax.Array`'s host data (which never changes), or
-    with `copy` a private copy; a `Deferred` stays deferred, its source protected."""
+    """A piece that later changes to the caller's arrays cannot reach: a
+    `jax.Array`'s host data, or with `copy` a private copy; a `Deferred` stays
+    deferred, its source protected."""
     if isinstance(data, Deferred):
         source = data.resolved()
         return Deferred(protected(source, copy), data.nbytes, data.convert)

@@ -1,22 +1,14 @@
 """Incremental saves: chunk files equal to the previous save's are shared, not written.
 
-A save that replaces a checkpoint (`overwrite`), and a `CheckpointManager`'s
-next step, follow an earlier checkpoint: its *base*. On a local disk,
-`_local_write` compares each chunk file with the base's at the same place
-(the same elements) by length and the xxh3-128 of its data bytes, never by
-the crc32c it ends with (a damaged file still ends with the good bytes'
-checksum). An equal one becomes a hard link to the base's file.
-
-A base file is verified before it is shared, once per process: read whole,
-its crc32c checked, its digest kept (`_VERIFIED`, keyed by device, inode,
-size and modification time, which a hard link keeps). What this process
-writes is recorded too (`written`), so that a manager's next step reads
-nothing back. A file that fails is never shared (`IntegrityWarning`); a read
-or `verify` that finds an array's files damaged forgets them
-(`forget_damaged`).
-
-docs/format.md, "Incremental and partial saves", says what is compared, how
-sure "equal" is, and what is never shared.
+An overwrite, and a manager's next step, follow a *base* checkpoint. On a
+local disk `_local_write` compares each chunk file with the base's at the
+same place by length and the xxh3-128 of its data bytes, never by its crc32c
+(a damaged file still ends with the good bytes' checksum); an equal one
+becomes a hard link. A base file is verified once per process before it is
+shared (`_VERIFIED`); what this process writes is recorded too (`written`).
+A file that fails is never shared (`IntegrityWarning`); damage found by a
+read or `verify` forgets the array's files (`forget_damaged`).
+docs/format.md, "Incremental and partial saves", says more.
 """
 
 from __future__ import annotations
@@ -65,13 +57,12 @@ class Base:
 
 
 class IntegrityWarning(UserWarning):
-    """A save found a chunk file of the checkpoint it follows damaged, and did
-    not share it. (The checkpoint it follows is the one it replaces, or a
-    manager's previous step.) The save wrote that chunk's bytes anew, so the new
-    checkpoint is sound.
+    """A save found a damaged chunk file in the checkpoint it follows (the one
+    it replaces, or a manager's previous step), and did not share it. The save
+    wrote that chunk anew, so the new checkpoint is sound.
 
-    The warning names the file and its leaf. The checkpoint it follows is
-    damaged there: `eqx-ckpt verify` lists every damaged leaf of it.
+    The warning names the file and its leaf. `eqx-ckpt verify` lists every
+    damaged leaf of the old checkpoint.
 
     !!! example
 
@@ -90,9 +81,8 @@ IntegrityWarning.__module__ = "eqx_ckpt"
 # A file's identity while its bytes are unchanged: device, inode, size, modification time.
 Key = tuple[int, int, int, int]
 
-# The xxh3-128 digests of the data bytes of the chunk files this process
-# verified or wrote, least recently used first. It holds at most 2**17 of
-# them (about 300 bytes each); the least recently used is forgotten first.
+# The xxh3-128 digests of the chunk files this process verified or wrote, keyed
+# by what a hard link keeps; at most 2**17 (about 300 bytes each), LRU.
 _VERIFIED: _state.Table[Key, bytes] = _state.table("share.verified", 1 << 17, "lru")
 
 # How many first bytes of a large chunk are compared before its hash is computed.
@@ -123,12 +113,9 @@ class Verified(NamedTuple):
 
 def base_file(path: str, nbytes: int, what: str, start: Any = None, *, sized: bool = True) -> Verified | None:
     """The base's chunk file `path`, if it may be shared: a sound regular file
-    of `nbytes` bytes (data and checksum) whose first bytes are those of
-    `start`, where given (a cheap look before the hash of a large chunk). A
-    file not verified yet is read once (`_verify`); an unsound one is warned
-    about (naming `what`, its leaf or pack) and never shared. `sized`: every
-    chunk of the array is `nbytes` long (a compressed one's size is its
-    content's: another size is another content, not damage)."""
+    of `nbytes` bytes starting with `start`'s bytes, where given. An unsound
+    one is warned about (naming `what`) and never shared. Without `sized`
+    (compressed chunks), another size is another content, not damage."""
     try:
         fd = os.open(path, _READ_FLAGS)
     except OSError as e:
@@ -162,9 +149,8 @@ def base_file(path: str, nbytes: int, what: str, start: Any = None, *, sized: bo
 
 
 def _verify(fd: int, path: str, nbytes: int, what: str) -> bytes | None:
-    """Read the chunk file `fd` (`path`, `nbytes` bytes) once: the xxh3-128 of
-    its data bytes, if their crc32c is the one it ends with; else `None`,
-    after a warning."""
+    """The xxh3-128 of a chunk file's data bytes if their crc32c is the one it
+    ends with; else `None`, after a warning."""
     _faults.fire("share.verify", path)
     buffer = getattr(_BUFFERS, "buffer", None)
     if buffer is None:
@@ -197,17 +183,15 @@ def _warn(path: str, what: str, why: str) -> None:
 
 
 def written(fd: int, path: str, digest: bytes) -> None:
-    """Record the chunk file `fd` (`path`), just written whole by this
-    process, as one whose data bytes have the xxh3-128 `digest`."""
+    """Record the chunk file `fd`, just written by this process, with its `digest`."""
     _faults.fire("share.written", path)
     _VERIFIED.put(_key(local_stat(fd)), digest)
 
 
 def link(source: str, path: str, verified: Verified) -> bool:
-    """Make `path`, which does not exist, a hard link to the base's chunk file
-    `source`; whether it is now a link to the file that was `verified`
-    (checked again through the new name: the base may have changed
-    meanwhile). Where it is not, nothing is left at `path`."""
+    """Hard-link the new `path` to the base's chunk file `source`; whether it
+    links the file that was `verified` (the base may have changed since).
+    Where it does not, nothing is left at `path`."""
     _faults.fire("share.link", source, path)
     try:
         os.link(source, path, follow_symlinks=False)
@@ -225,17 +209,15 @@ def link(source: str, path: str, verified: Verified) -> bool:
 
 
 def forget_damaged(error: BaseException, root: str, record: LeafRecord) -> BaseException:
-    """Return `error`, a failure to read the leaf `record`, after forgetting
-    the files of its array (or pack) under the data root `root` where it is
-    an `IntegrityError`: the next save reads them again before it shares any."""
+    """Return `error`, after forgetting the files of `record`'s array (or pack)
+    where it is an `IntegrityError`: the next save verifies them again."""
     if isinstance(error, IntegrityError):
         forget(root, record.pack.name if record.pack is not None else record.directory)
     return error
 
 
 def forget(root: str, directory: str) -> None:
-    """Forget every file of the array folder `directory` of the data root
-    `root` (a local folder) that was verified or written."""
+    """Forget every file of the array folder `directory` under `root`."""
     folder = os.path.join(root, directory) if directory else root
     keys = []
     for found, _, names in local_walk(folder):
@@ -247,8 +229,7 @@ def forget(root: str, directory: str) -> None:
 
 
 def shared_files(root: str) -> tuple[int, int]:
-    """How many files under the local data root `root`, and how many bytes,
-    other checkpoints or steps also use (hard links: more than one name)."""
+    """How many files and bytes under `root` other checkpoints also use (hard links)."""
     count = nbytes = 0
     for folder, _, names in local_walk(root):
         for name in names:

@@ -1,15 +1,10 @@
-"""The storage seam: the interface through which every byte eqx_ckpt reads or
-writes passes, and, with `_location`, the only module that imports
-`tensorstore` (ruff's banned-api rule enforces it, see pyproject.toml). No
-TensorStore object leaves it (tests/test_architecture.py checks).
+"""The storage seam: every byte eqx_ckpt reads or writes passes through it.
 
-Futures are returned, not waited for: TensorStore's own (`Future`, set
-through a `Promise`), or a `Mapped`, which turns TensorStore's result into
-this module's type (an `Array`, a `Found`) as it is asked for. Callers block
-with `result` only at the public boundary.
-
-A location's chunk files are chosen in `_chunk_files`, which calls this
-module (this module calls none of it).
+With `_location`, the only module that imports `tensorstore` (ruff's
+banned-api rule); no TensorStore object leaves it. Functions return futures
+(TensorStore's `Future`, or a `Mapped` that converts the result when asked);
+callers block with `result` only at the public boundary. `_chunk_files`
+calls this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -46,14 +41,11 @@ from ._storage_errors import read_explained, read_only_store, unreachable, write
 Future = ts.Future
 Promise = ts.Promise
 
-# One context for every open: it makes `memory://` stores persist between calls,
-# and bounds file I/O concurrency for the whole process. Its retries make storage
-# that cannot be reached an error within seconds: TensorStore's defaults (32
-# attempts, backing off from 1 s to 32 s) retried a refused connection for
-# minutes. A refused connection and a brief hiccup (a 503) look alike, so a plain
-# `http://` server gets four attempts over about 4 s, an object store five over
-# about 6 s (a throttled request, as AWS's SDKs retry it). A kvstore spec's own
-# `"*_request_retries"` wins over these (docs/storage.md).
+# One context for every open: `memory://` stores persist between calls, and file
+# I/O concurrency is bounded per process. TensorStore's default retries spent
+# minutes on a refused connection; these give up within seconds, yet still ride
+# out a brief 503 or throttling. A kvstore spec's own `"*_request_retries"` wins
+# (docs/storage.md).
 RETRIES = {
     "http_request_retries": {"max_retries": 4, "initial_delay": "0.25s", "max_delay": "2s"},
     "s3_request_retries": {"max_retries": 5, "initial_delay": "0.25s", "max_delay": "2s"},
@@ -62,14 +54,14 @@ RETRIES = {
 CONTEXT = ts.Context(RETRIES)
 
 
-# For the arrays of a save to a local disk: no fsync per file (thousands of them
-# cost seconds each batch); the save flushes once before it commits (`_durable.flush`).
-# Only for the `file` driver: a `memory://` store lives in its context.
+# A save's arrays on a local disk: no fsync per file (thousands cost seconds);
+# the save flushes once before it commits (`_durable.flush`). `file` driver only:
+# a `memory://` store lives in its context.
 UNSYNCED = ts.Context({"file_io_sync": False})
 
 
-# For packs read one leaf at a time: their decoded chunks are kept, so that the
-# leaves of one chunk read it once. (A child of `CONTEXT`: same `memory://` stores.)
+# Packs read one leaf at a time keep their decoded chunks, so the leaves of one
+# chunk read it once. (A child of `CONTEXT`: same `memory://` stores.)
 CACHED = ts.Context({"cache_pool": {"total_bytes_limit": 64 * 2**20}}, parent=CONTEXT)
 
 
@@ -104,23 +96,20 @@ def _context(loc: Location, synced: bool) -> ts.Context:
 
 
 def result(future: Future | Mapped) -> Any:
-    """`future.result()`, except that an interrupt waits for the operation to
-    finish before it is raised (`_interrupts.finish`): one left running at
-    exit aborts the process, and a save must know whether a write happened
-    before it decides what to undo."""
+    """`future.result()`, but an interrupt waits for the operation first: one
+    left running at exit aborts the process, and a save must know whether a
+    write happened before it decides what to undo."""
     return _interrupts.finish(future)
 
 
 def read_file(loc: Location, name: str, *, limit: int) -> bytes | None:
-    """The bytes of a small file, or `None` if it does not exist. One of more
-    than `limit` bytes is a `CorruptCheckpointError`, found before it is read
-    (on an object store, by asking for the one byte past the limit)."""
+    """The bytes of a small file, or `None` if it does not exist. A file over
+    `limit` bytes is a `CorruptCheckpointError`, found before it is read."""
     return read_file_stamped(loc, name, limit=limit)[0]
 
 
 def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | None, bytes]:
-    """`read_file`, and a stamp that changes whenever the file is replaced (see
-    `file_changed`)."""
+    """`read_file`, and a stamp that changes when the file is replaced (`file_changed`)."""
     _faults.fire("storage.read_file", loc, name)
     if loc.local is not None:
         full = os.path.join(loc.local, name)
@@ -128,8 +117,7 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
             return None, b""
         _faults.fire("storage.file_found", full)
         # One line opens and enters: an interrupt between the two would leave
-        # the file open until the traceback is freed (the load-interrupt sweep
-        # of tests/test_transaction.py found it).
+        # the file open until the traceback is freed.
         try:
             with local_open(full) as f:
                 st = local_stat(f.fileno())
@@ -153,9 +141,7 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
 
 
 def file_exists(loc: Location, name: str) -> bool:
-    """Whether the file `name` is at `loc`, asked without reading it (a `stat`,
-    or a read of no bytes); refused, and faulted at `storage.read_file`, as
-    `read_file` is."""
+    """Whether the file `name` is at `loc`, asked without reading it; refused as `read_file` is."""
     _faults.fire("storage.read_file", loc, name)
     if loc.local is not None:
         return _local_file(loc, name).file
@@ -164,8 +150,7 @@ def file_exists(loc: Location, name: str) -> bool:
 
 
 def _local_file(loc: Location, name: str) -> LocalEntry:
-    """What is at the local path of file `name`: no link on the way, and no
-    FIFO, socket or device (a FIFO would wait forever, and is no missing file either)."""
+    """What is at the local path of file `name`, refusing links and FIFOs, sockets, devices."""
     _untrusted.refuse_links(loc, name)
     entry = local_entry(os.path.join(loc.local or "", name))
     if entry.special:
@@ -178,17 +163,15 @@ def _refuse_large_object(loc: Location, name: str, limit: int) -> None:
     try:
         probe = _read(loc, name, byte_range=slice(limit, limit + 1))
     except ValueError:
-        # OUT_OF_RANGE: the file ends before `limit`. (Some servers answer a range
-        # past the end otherwise, e.g. gcp-storage-emulator with a malformed
-        # Content-Range: the size is then checked after the read.)
+        # OUT_OF_RANGE: the file ends before `limit`. (A server that answers
+        # otherwise has the size checked after the read.)
         return
     if probe.state == "value" and len(probe.value):
         raise _storage_errors.too_large(loc, name, limit, None)
 
 
 def _read(loc: Location, name: str, **options: Any) -> Any:
-    """One read of a file of an object store or server (`ts.KvStore.read`);
-    storage that cannot be reached is a `CheckpointConnectionError`."""
+    """One `ts.KvStore.read`; storage that cannot be reached is a `CheckpointConnectionError`."""
     try:
         return result(_kvstore(loc).read(name, **options))
     except Exception as e:
@@ -215,21 +198,12 @@ def file_changed(loc: Location, name: str, stamp: bytes) -> bool:
         return _changed_since(loc, name, stamp[_DIGEST_BYTES:], stamp[:_DIGEST_BYTES])
 
 
-def generation_changed(loc: Location, name: str, generation: bytes) -> bool:
-    """Whether the file `name` is no longer the one a read found at
-    `generation` (`Folder.read`'s; a local file's is its device, inode and
-    modification time, an object's its generation or ETag)."""
-    return _changed_since(loc, name, generation, None)
-
-
 def _changed_since(loc: Location, name: str, generation: bytes, digest: bytes | None) -> bool:
     """Whether the file `name` is no longer the one a read found at
-    `generation`: one read, sent only if the generation differs, of the whole
-    file where `digest` (the SHA-256 of its bytes then) is given, else of one
-    byte. A server whose generations cannot be sent back in a condition
-    (gcp-storage-emulator's) is asked for a plain read's generation instead;
-    one that ignores the condition (Python's http.server) is judged by the
-    digest, or else the generation, of what it sends."""
+    `generation`: one conditional read, of the whole file where `digest` (its
+    SHA-256 then) is given, else of one byte. A server that refuses the
+    condition is asked for a plain read's generation; one that ignores it is
+    judged by what it sends."""
     whole = {} if digest is not None else {"byte_range": slice(0, 1)}
     try:
         found = _read(loc, name, if_not_equal=generation, **whole)
@@ -254,8 +228,7 @@ def _digest(data: bytes) -> bytes:
 
 
 def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes | None, bytes]:
-    """`read_file`, and the file's storage generation, for a write conditional
-    on it (`write_conditional`, `write_if`)."""
+    """`read_file`, and the file's generation, for a conditional write (`write_if`)."""
     _faults.fire("storage.read_generation", loc, name)
     _untrusted.refuse_links(loc, name)
     if loc.local is not None:
@@ -271,9 +244,8 @@ def read_file_generation(loc: Location, name: str, *, limit: int) -> tuple[bytes
 
 
 def read_generation(loc: Location, name: str) -> tuple[bytes | None, bytes]:
-    """The bytes of a small file this package writes (`None` if it is not
-    there) and its storage generation, its size unchecked (a lease's reader
-    takes a bounded prefix); a FIFO or a device refused."""
+    """A small file's bytes (`None` if absent) and generation, its size unchecked
+    (a lease's reader takes a bounded prefix); a FIFO or a device refused."""
     _untrusted.refuse_special(loc, name)
     found = result(_kvstore(loc).read(name))
     return (found.value if found.state == "value" else None), found.stamp.generation
@@ -284,20 +256,12 @@ def read_generation(loc: Location, name: str) -> tuple[bytes | None, bytes]:
 ABSENT = b"\x02"
 
 
-def _start_write_if(loc: Location, name: str, data: bytes | None, if_equal: bytes | None) -> Future:
-    """The one conditional write: `data` is written only if the file's
-    generation is still `if_equal`. `None` as `data` deletes; `None` as
-    `if_equal` means whatever it is. Returns a future of the file's new
-    timestamped generation, empty where the condition failed."""
-    return _kvstore(loc).write(name, data, if_equal=if_equal)
-
-
 def write_if(loc: Location, name: str, data: bytes | None, if_equal: bytes) -> bytes | None:
     """Write a small file (delete it, for `None`) only if its generation is
-    still `if_equal` (`ABSENT`: no file), and wait for it; its new generation,
-    or `None` if the condition failed. A local directory is then synced."""
+    still `if_equal` (`ABSENT`: no file); its new generation, or `None` if the
+    condition failed. A local directory is then synced."""
     try:
-        generation = result(_start_write_if(loc, name, data, if_equal)).generation
+        generation = result(_kvstore(loc).write(name, data, if_equal=if_equal)).generation
     except NotImplementedError:
         raise read_only_store(loc) from None
     except Exception as e:
@@ -312,19 +276,16 @@ def write_if(loc: Location, name: str, data: bytes | None, if_equal: bytes) -> b
 def write_conditional(
     loc: Location, name: str, data: bytes, if_equal: bytes
 ) -> tuple[bool, BaseException | None, BaseException | None]:
-    """Write a small file only if its generation is still `if_equal`:
-    `(written, error, interrupt)`. An interrupt waits for the write, so that
-    whether it happened is known, and is returned for the caller to raise
-    once that is recorded. `error`: the write's failure, or the directory
-    sync's, as raised."""
+    """`write_if`, as `(written, error, interrupt)`: an interrupt waits for the
+    write and is returned, for the caller to raise once the outcome is
+    recorded. `error`: the write's or the directory sync's failure."""
     _faults.fire("commit.manifest_write", loc, name)
-    # Waited through interrupts, kept and returned: the write's outcome is known first.
-    found, error, interrupt = _interrupts.outcome(_start_write_if(loc, name, data, if_equal))
+    found, error, interrupt = _interrupts.outcome(_kvstore(loc).write(name, data, if_equal=if_equal))
     if error is not None and "Malformed StorageGeneration" in str(error) and if_equal != b"":
         # A server that reported a generation it cannot be asked for back
         # (gcp-storage-emulator reports 0 on reads): the condition cannot be
         # expressed there, so the write is made without it.
-        found, error, interrupted = _interrupts.outcome(_start_write_if(loc, name, data, None))
+        found, error, interrupted = _interrupts.outcome(_kvstore(loc).write(name, data, if_equal=None))
         interrupt = interrupt or interrupted
     written = error is None and bool(found.generation)
     if written and loc.local is not None:
@@ -349,11 +310,9 @@ def write_file(loc: Location, name: str, data: bytes) -> None:
 
 
 def write_unpublished(loc: Location, name: str, parts: Iterable[bytes | memoryview]) -> None:
-    """Write a file of many parts (an export's shard), not yet under `name`.
-
-    On a local disk the parts are streamed to `name` + `.partial` and made
-    durable; `publish` gives the file its name. Elsewhere a file is written
-    whole: the parts are joined and written to `name`."""
+    """Write a file of many parts (an export's shard): on a local disk streamed
+    to `name` + `.partial`, durably, for `publish` to rename; elsewhere joined
+    and written to `name`."""
     if loc.local is None:
         write_file(loc, name, b"".join(parts))
         return
@@ -384,15 +343,14 @@ def _unpublished(loc: Location, name: str) -> str:
 
 
 def start_writes(loc: Location, files: dict[str, bytes], *, synced: bool = True) -> list[Future]:
-    """Start writing small files (name -> bytes), each atomically; their
-    futures. Unsynced (`synced=False`) on a local disk, as a save's arrays are."""
+    """Start writing small files (name -> bytes), each atomically; their futures."""
     store = _kvstore(loc, synced=synced)
     return [store.write(name, data) for name, data in files.items()]
 
 
 def delete_file(loc: Location, name: str) -> None:
     _faults.fire("storage.delete_file", loc, name)
-    result(_kvstore(loc).delete_range(ts.KvStore.KeyRange(name, name + "\0")))
+    result(_kvstore(loc).delete_range(_ranges(name)[0]))
 
 
 def list_names(loc: Location) -> list[str]:
@@ -404,8 +362,7 @@ def list_names(loc: Location) -> list[str]:
 
 
 def list_files(loc: Location) -> list[str]:
-    """Every file below `loc`, relative to it and `/`-separated, sorted. On a
-    local disk a symbolic link is listed as a file, never followed."""
+    """Every file below `loc`, relative and `/`-separated, sorted; a local link is listed, never followed."""
     if loc.local is None:
         return sorted(list_keys(loc))
     _faults.fire("storage.list", loc)
@@ -439,10 +396,9 @@ GCS_URL_VARIABLE = "TENSORSTORE_GCS_HTTP_URL"
 
 
 def _check_gcs_listing(loc: Location) -> None:
-    """An empty listing from TensorStore's `gcs` driver, which lists nothing
-    when GCS answers 401, 403 or 404: raise unless the directory is really
-    empty (refused credentials fail a read too; a missing bucket is a 404 of
-    its metadata, asked without credentials)."""
+    """Raise unless an empty `gcs` listing is really empty: the driver lists
+    nothing on 401, 403 or 404. Refused credentials fail a read too; a missing
+    bucket is a 404 of its metadata."""
     try:
         result(_kvstore(loc).read(_format.MANIFEST, byte_range=slice(0, 0)))  # no bytes: may it be read?
     except Exception as e:
@@ -476,25 +432,21 @@ def remove(loc: Location, names: Iterable[str]) -> None:
                 os.unlink(full)
         return
     store = _kvstore(loc)
-    futures = [store.delete_range(ts.KvStore.KeyRange(name, name + "\0")) for name in names]
-    futures += [store.delete_range(_below(name)) for name in names]
-    for future in futures:
+    for future in [store.delete_range(r) for name in names for r in _ranges(name)]:
         result(future)
 
 
 def remove_written(loc: Location, names: Iterable[str]) -> None:
-    """Remove what saves wrote under the top-level entries `names` of a
-    checkpoint: every file `written_by_a_save`, then every folder left empty.
-
-    Anything else (a user's notes in a leaf's folder) stays, with the folders
-    that lead to it: a save deletes only what saves wrote (SPEC 3)."""
+    """Remove every file `written_by_a_save` under the top-level entries
+    `names`, then every folder left empty. Anything else (a user's notes in a
+    leaf's folder) stays, with the folders that lead to it (SPEC 3)."""
     _faults.fire("storage.remove_written", loc, names)
     names = list(names)
     if loc.local is None:
         store = _kvstore(loc)
-        ranges = [r for name in names for r in (ts.KvStore.KeyRange(name, name + "\0"), _below(name))]
+        ranges = [r for name in names for r in _ranges(name)]
         keys = [key.decode("utf-8", "surrogateescape") for r in ranges for key in result(store.list(r))]
-        futures = [store.delete_range(ts.KvStore.KeyRange(k, k + "\0")) for k in keys if _format.written_by_a_save(k)]
+        futures = [store.delete_range(_ranges(k)[0]) for k in keys if _format.written_by_a_save(k)]
         for future in futures:
             result(future)
         return
@@ -521,9 +473,9 @@ def remove_written(loc: Location, names: Iterable[str]) -> None:
                     raise
 
 
-def _below(name: str) -> ts.KvStore.KeyRange:
-    """The keys inside a folder `name` ("0" follows "/")."""
-    return ts.KvStore.KeyRange(name + "/", name + "0")
+def _ranges(name: str) -> tuple[ts.KvStore.KeyRange, ts.KvStore.KeyRange]:
+    """The key `name` alone, and the keys inside a folder `name` ("0" follows "/")."""
+    return ts.KvStore.KeyRange(name, name + "\0"), ts.KvStore.KeyRange(name + "/", name + "0")
 
 
 def _unlink(path: str) -> None:
@@ -533,8 +485,8 @@ def _unlink(path: str) -> None:
 
 class Array:
     """An opened array, the only form in which one leaves this module: a thin
-    wrapper of TensorStore's array (no copy), whose region (`array[index]`)
-    is another `Array` and whose reads and writes return futures."""
+    wrapper of TensorStore's (no copy); a region is another `Array`, and reads
+    and writes return futures."""
 
     __slots__ = ("_array",)
 
@@ -547,8 +499,7 @@ class Array:
 
     @property
     def dtype_name(self) -> str:
-        """Its data type's name (`float32`, `bfloat16`, or one NumPy has none
-        for, such as `string`)."""
+        """Its data type's name (`float32`, `bfloat16`, `string`...)."""
         return str(self._array.dtype.name)
 
     @property
@@ -568,11 +519,9 @@ class Array:
         return self._array.read()
 
     def write(self, value: np.ndarray, transaction: Transaction | None = None) -> Future:
-        """Start writing `value` into it; a future of the write.
-
-        Staged in `transaction`, the write only references `value` until the
-        transaction's commit, which writes it out. `value` must not change
-        until then (see `_chunk_files.Writer`)."""
+        """Start writing `value` into it; a future of the write. Staged in
+        `transaction`, it references `value`, which must not change until the
+        commit writes it out."""
         if transaction is None:
             return self._array.write(value)
         staged = self._array.with_transaction(transaction._transaction)
@@ -598,9 +547,8 @@ class Transaction:
 
 
 class Mapped:
-    """A future of what this module makes of TensorStore's result (an `Array`
-    of an opened array, a `Found` of a file's read), made as it is asked for.
-    Like TensorStore's futures: `result`, `done`, `add_done_callback`."""
+    """A future of TensorStore's result made into this module's type (an
+    `Array`, a `Found`) when asked for; `result`, `done`, `add_done_callback`."""
 
     __slots__ = ("_future", "_make")
 
@@ -619,7 +567,7 @@ class Mapped:
 
 class Found(NamedTuple):
     """What a read of a file found: its bytes (`None` where there is no file)
-    and its storage generation (see `generation_changed`)."""
+    and its storage generation (see `Folder.changed`)."""
 
     value: bytes | None
     generation: bytes
@@ -645,10 +593,9 @@ class Folder:
         return local_names(self.loc.local)
 
     def read(self, name: str, byte_range: slice | None = None) -> Mapped:
-        """Start reading the file `name` (its bytes `byte_range`, else all of
-        it): a future of a `Found`. A range past the end of the file fails
-        with TensorStore's `OUT_OF_RANGE` error. A local FIFO, socket or
-        device is a `CorruptCheckpointError`, raised at once."""
+        """Start reading the file `name` (its bytes `byte_range`, else all):
+        a future of a `Found`. A range past the end fails (`OUT_OF_RANGE`); a
+        local FIFO, socket or device is a `CorruptCheckpointError` at once."""
         _untrusted.refuse_special(self.loc, name)  # before TensorStore opens it: a FIFO's open waits forever
         return Mapped(self._store.read(name, byte_range=byte_range), _found)
 
@@ -660,13 +607,13 @@ class Folder:
         return None
 
     def changed(self, name: str, generation: bytes) -> bool:
-        return generation_changed(self.loc, name, generation)
+        """Whether the file `name` is no longer the one a read found at `generation`."""
+        return _changed_since(self.loc, name, generation, None)
 
 
 def open_local_file(path: str) -> io.BufferedReader:
-    """A local file of another program's checkpoint (an Equinox `.eqx` file,
-    read in order by `_migrate`), opened to read: a regular file only (a FIFO
-    or a device is a `CorruptCheckpointError` naming it)."""
+    """A local file of another program's checkpoint (an `.eqx` file), opened to
+    read; anything but a regular file is a `CorruptCheckpointError`."""
     try:
         return local_open(path)
     except SpecialFileError as e:
@@ -711,10 +658,9 @@ def create_spec(spec: dict[str, Any], loc: Location, *, synced: bool = True) -> 
 
 
 def open_array(loc: Location, record: LeafRecord, *, synced: bool = True, checked: bool = True) -> Future | Mapped:
-    """Open a stored leaf (a packed one as an in-memory copy of its elements):
-    a future of its `Array`. With `checked`, its zarr.json is checked against
-    the manifest; without, the manifest's metadata is taken as it is (chunks
-    that do not decode that way fail their checksum when read)."""
+    """Open a stored leaf (a packed one in memory): a future of its `Array`.
+    Without `checked`, the manifest's metadata is trusted over its zarr.json
+    (chunks that do not decode that way fail their checksum)."""
     _faults.fire("storage.open_array", loc, record)
     if record.pack is not None:
         return open_packed(loc, record)
@@ -725,17 +671,15 @@ def open_array(loc: Location, record: LeafRecord, *, synced: bool = True, checke
 
 
 def open_to_write(loc: Location, record: LeafRecord) -> Mapped:
-    """Open a leaf's array that another process of this save created, to write
-    this process's shards into it; not `open_array`, whose checks of a leaf's
-    files fail while the other processes are still writing theirs."""
+    """Open a leaf's array another process of this save created, to write
+    shards into it (`open_array`'s file checks fail while others write)."""
     _faults.fire("storage.open_array", loc, record)
     spec = _leaf_spec(loc, record)
     return _opening(ts.open(spec, open=True, context=_context(loc, synced=False)))
 
 
 def open_spec(spec: dict[str, Any], loc: Location, *, cached: bool = False) -> Mapped:
-    """Open an existing array from its full spec, checking its zarr.json;
-    `cached` keeps decoded chunks in a shared cache (`_storage.CACHED`)."""
+    """Open an existing array from its full spec; `cached` keeps decoded chunks (`CACHED`)."""
     return _opening(ts.open(spec, open=True, context=CACHED if cached else CONTEXT))
 
 
@@ -745,16 +689,14 @@ def pack_spec(loc: Location, pack: PackRecord) -> dict[str, Any]:
     return array_spec(loc, pack.name, shape=shape, stored_dtype=pack.dtype, chunks=chunks, compression=pack.compression)
 
 
-# Packs opened for reading single leaves (lazy leaves, `Checkpoint[...]`, verify,
-# diff), with a cache of their decoded chunks. Reading a hundred leaves of one
-# chunk reads (and checks) that chunk once. Keyed by a digest, not the spec
+# Packs opened for reading single leaves (lazy leaves, verify, diff), so a
+# hundred leaves of one chunk read it once. Keyed by a digest, not the spec
 # (an http URL's query may hold a token).
 _OPEN: _state.Table[bytes, Mapped] = _state.table("storage.open_packs", 8, "lru")
 
 
 def open_pack(loc: Location, pack: PackRecord, *, cached: bool, leaf: str | None = None) -> Mapped:
-    """A future of the pack's `Array` (its `zarr.json` is read and checked
-    against the manifest). `leaf` names the leaf it is opened for."""
+    """A future of the pack's `Array`; `leaf` names the leaf it is opened for."""
     _faults.fire("storage.open_pack", loc, pack)
     _untrusted.check_pack_files(loc, pack, leaf=leaf)
     if not cached:
@@ -766,8 +708,7 @@ def open_pack(loc: Location, pack: PackRecord, *, cached: bool, leaf: str | None
 
 
 def open_packed(loc: Location, record: LeafRecord) -> Future:
-    """A future of one packed leaf as an in-memory `Array` of its stored shape
-    (a packed leaf is small: it is read when opened)."""
+    """A future of one (small) packed leaf, read now, as an in-memory `Array`."""
     assert record.pack is not None
     opened = open_pack(loc, record.pack, cached=True, leaf=record.path)
     promise, future = pending()
@@ -791,13 +732,9 @@ def open_packed(loc: Location, record: LeafRecord) -> Future:
 
 
 def open_for_reading(specs: list[dict[str, Any]]) -> list[Mapped]:
-    """Open existing arrays read-only from their full specs: futures of their
-    `Array`s.
-
-    Another program's arrays, of one checkpoint, in a context of their own
-    (a child of `CONTEXT`): an orbax checkpoint saved again at the same path
-    is another OCDBT database, which a shared open of the old one refuses
-    ("Configuration mismatch on uuid")."""
+    """Open another program's arrays read-only from their full specs: futures
+    of their `Array`s. A context of their own: an orbax checkpoint saved
+    again at one path is another OCDBT database, which a shared open refuses."""
     context = ts.Context({"cache_pool": {}, "ocdbt_coordinator": {}}, parent=CONTEXT)
     return [_opening(ts.open(spec, open=True, read=True, context=context)) for spec in specs]
 
@@ -821,9 +758,8 @@ def virtual_array(
     shape: tuple[int, ...],
     chunks: tuple[int, ...],
 ) -> Array:
-    """A read-only `Array` whose chunks `read(rows, array)` fills (a future):
-    `rows` is the chunk's `(first, end)` along the first axis (`None` for a
-    scalar), and `array` the chunk's buffer to fill."""
+    """A read-only `Array` whose chunks `read(rows, array)` fills (a future);
+    `rows`: the chunk's `(first, end)` on the first axis (`None`: a scalar)."""
 
     def fill(domain: Any, array: np.ndarray, _: Any) -> Future:
         return read((domain[0].inclusive_min, domain[0].exclusive_max) if shape else None, array)

@@ -1,8 +1,6 @@
-"""What a storage failure means to the user.
-
-TensorStore's and the OS's errors are turned into eqx_ckpt's: unreachable,
-refused, full, damaged. Each says where, what was being done, what the failure
-left, and what to do."""
+"""What a storage failure means to the user: TensorStore's and the OS's errors
+turned into eqx_ckpt's (unreachable, refused, full, damaged), each saying
+where, what was being done, what it left, and what to do."""
 
 from __future__ import annotations
 
@@ -27,33 +25,29 @@ if TYPE_CHECKING:
     from .._ondisk._format import LeafRecord
 
 
-# curl's codes for a connection that was never made: a proxy (5) or host (6)
-# name that does not resolve, a refused connection (7), a timeout (28).
-# TensorStore reports them, once its retries are spent, as `[curl_code='7']`.
+# curl's codes for a connection never made (TensorStore's `[curl_code='7']`): a
+# proxy (5) or host (6) that does not resolve, refused (7), a timeout (28).
 _UNREACHABLE = re.compile(r"\[curl_code='(5|6|7|28)'\]")
 
 
 # TensorStore's codes for storage that answered but would not serve: forbidden
-# (HTTP 403, or a local file's permissions), unauthenticated (401), failing
-# (5xx: `ABORTED: All 4 retry attempts failed`, or `UNAVAILABLE`).
+# (403, or file permissions), unauthenticated (401), failing (5xx).
 _REFUSED = re.compile(r"^(PERMISSION_DENIED|UNAUTHENTICATED|UNAVAILABLE|ABORTED):")
 
 
-# The OS's codes for a destination that will not take a write: forbidden
-# (EACCES, EPERM), read-only (EROFS), full (ENOSPC, EDQUOT, and EFBIG past a
-# file size limit), failing (EIO). TensorStore writes them as `[os_error_code='28']`
-# (or `[OS error 28: ...]`).
+# The OS's codes for a destination that will not take a write: forbidden,
+# read-only, full (EFBIG: past a file size limit), failing.
 _WRITE_REFUSED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
 
 
+# How TensorStore writes an OS error code: `[os_error_code='28']` or `[OS error 28: ...]`.
 _OS_ERROR = re.compile(r"(?:\[OS error |\[os_error_code=')(\d+)")
 
 
 def write_refusal(error: BaseException) -> type[CheckpointStorageError] | None:
-    """The class of error for a write that failed with `error` (TensorStore's or
-    the OS's) because of the storage: `CheckpointConnectionError` when it could
-    not be reached, `CheckpointStorageError` when it would not take the write
-    (forbidden, read-only, full, failing), else `None`."""
+    """The class of error for a write the storage failed: `CheckpointConnectionError`
+    (unreachable), `CheckpointStorageError` (forbidden, read-only, full,
+    failing), else `None`."""
     if isinstance(error, CheckpointStorageError):
         return type(error)
     text = explain(error)
@@ -74,8 +68,7 @@ _MISSING = re.compile(r"^NOT_FOUND:")
 
 def storage_failure(loc: Location, error: BaseException, what: str) -> CheckpointStorageError | None:
     """The error for storage that could not be reached or would not serve
-    `what` (a file, a leaf), if `error` (TensorStore's) says so; `None` for any
-    other failure."""
+    `what` (a file, a leaf), if `error` says so; else `None`."""
     connection = unreachable(loc, error)
     text = explain(error)
     if connection is not None or not _REFUSED.match(text):
@@ -88,8 +81,7 @@ def storage_failure(loc: Location, error: BaseException, what: str) -> Checkpoin
 
 
 def unreachable(loc: Location, error: BaseException) -> CheckpointConnectionError | None:
-    """The error for storage that could not be reached, if `error` (TensorStore's)
-    says so; `None` for any other failure."""
+    """The error for storage that could not be reached, if `error` says so; else `None`."""
     text = explain(error)
     if not _UNREACHABLE.search(text):
         return None
@@ -99,17 +91,6 @@ def unreachable(loc: Location, error: BaseException) -> CheckpointConnectionErro
 REACH = (
     "Check the URL (host name and port) and that the server is running and reachable from this machine, then try again."
 )
-
-
-def write_advice(refused: type[CheckpointStorageError] | None, error: BaseException) -> str:
-    """What to do about a write that failed with `error` (`refused`:
-    `write_refusal`'s class): reach the storage, create the bucket, or free
-    space and check permissions."""
-    if refused is CheckpointConnectionError:
-        return REACH
-    if _MISSING.match(explain(error)):
-        return "Check that the bucket exists and that these credentials may write to it."
-    return "Check that the destination is writable and has free space."
 
 
 def too_large(loc: Location, name: str, limit: int, size: int | None) -> CorruptCheckpointError:
@@ -123,8 +104,8 @@ def too_large(loc: Location, name: str, limit: int, size: int | None) -> Corrupt
 
 @contextlib.contextmanager
 def explained(loc: Location, doing: str) -> Iterator[None]:
-    """Turn a storage failure (TensorStore's or the OS's) into a `CheckpointError`
-    saying what was being done, where, and that nothing was changed."""
+    """Turn a storage failure into a `CheckpointError` saying what was being
+    done, where, and that nothing was changed."""
     try:
         yield
     except CheckpointError:
@@ -149,8 +130,7 @@ def read_explained(loc: Location, name: str) -> Iterator[None]:
 
 
 def read_error(loc: Location, name: str, error: BaseException) -> CheckpointError:
-    """The error of a failed read of the file `name` (TensorStore's `error`,
-    once its retries were spent)."""
+    """The error of a failed read of the file `name`."""
     refused = storage_failure(loc, error, f"{name!r}")
     if refused is not None:
         return refused
@@ -159,12 +139,17 @@ def read_error(loc: Location, name: str, error: BaseException) -> CheckpointErro
 
 
 def write_error(loc: Location, name: str, error: BaseException, outcome: str = "") -> CheckpointError:
-    """The error of a write that failed with `error`, in words (a full disk, a
-    read-only or forbidden destination); `outcome`: what the failure left."""
+    """The error of a write that failed with `error`; `outcome`: what the failure left."""
     so = f", so {outcome}" if outcome else ""
     refused = write_refusal(error)
+    if refused is CheckpointConnectionError:
+        advice = REACH
+    elif _MISSING.match(explain(error)):
+        advice = "Check that the bucket exists and that these credentials may write to it."
+    else:
+        advice = "Check that the destination is writable and has free space."
     return (refused or CheckpointError)(
-        f"Cannot write {name!r} in {loc.display!r}{so}: {error}. {write_advice(refused, error)}", path=loc.display
+        f"Cannot write {name!r} in {loc.display!r}{so}: {error}. {advice}", path=loc.display
     )
 
 
@@ -180,8 +165,7 @@ def read_only_store(loc: Location) -> CheckpointTypeError:
 
 
 def explain(error: BaseException) -> str:
-    """A TensorStore error's message, without the whole spec it appends (every
-    context resource, the metadata: noise to a user, and long)."""
+    """A TensorStore error's message, without the long spec it appends."""
     return re.sub(r"\s*\[(tensorstore_spec|source locations)='.*?'\]", "", str(error), flags=re.S)
 
 
@@ -207,8 +191,7 @@ def leaf_io_error(error: BaseException, record: LeafRecord, loc: Location, doing
 
 
 def list_error(loc: Location, error: BaseException) -> CheckpointStorageError:
-    """The error of a listing of `loc` that failed (TensorStore's `error`, once
-    its retries were spent): unreachable, refused, or a bucket that is not there."""
+    """The error of a failed listing of `loc`: unreachable, refused, or no bucket."""
     refused = storage_failure(loc, error, "the listing of its files")
     if refused is not None:
         return refused
@@ -220,8 +203,7 @@ def list_error(loc: Location, error: BaseException) -> CheckpointStorageError:
 
 
 def missing_bucket(loc: Location, bucket: str) -> CheckpointStorageError:
-    """The error of a listing of `loc` in a bucket that does not exist (which
-    TensorStore's `gcs` driver lists as empty)."""
+    """The error of a listing in a bucket that does not exist (which `gcs` lists as empty)."""
     return CheckpointStorageError(
         f"Cannot list the files of {loc.display!r}: the bucket {bucket!r} does not exist (NOT_FOUND). Check the "
         f"bucket's name in the path, then try again.",

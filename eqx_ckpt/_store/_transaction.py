@@ -17,9 +17,8 @@ into a name it did not create.
 - ABORTED (only from BEGUN or WRITTEN): what this save wrote is deleted.
 
 A save deletes only names its journal or an earlier manifest records, and
-inside the arrays it replaced only the files saves write
-(`_format.written_by_a_save`). docs/format.md, "Atomic commit and
-overwrite", tells the whole story.
+in the arrays it replaced only files saves write. docs/format.md, "Atomic
+commit and overwrite", tells the whole story.
 """
 
 from __future__ import annotations
@@ -49,8 +48,7 @@ class State(enum.Enum):
 
 
 def top_names(paths: Sequence[str], layout: str, packs: Sequence[str] = ()) -> tuple[str, ...]:
-    """The top-level entries of a data root holding leaves at dotted `paths`
-    (those with arrays of their own) and the packs named `packs`."""
+    """The top-level entries of a data root holding the arrays of leaves at dotted `paths`, and `packs`."""
     if layout == "ocdbt":
         return (_format.OCDBT_FOLDER,)
     names = {_format.ZARR_JSON, *packs}
@@ -99,10 +97,9 @@ class Transaction:
         def write() -> None:
             written, error, interrupt = _storage.write_conditional(self.loc, MANIFEST, data, self.expected)
             _faults.fire("commit.manifest_written", self.loc, written)
-            # Recorded here, in the helper thread that signals never reach. An
-            # interrupt landing in the caller between the write and this line
-            # would leave the save looking uncommitted. Its abort would then
-            # delete the arrays of the checkpoint it had just committed.
+            # Recorded here, where signals never reach: an interrupt between the
+            # write and this line would make the save look uncommitted, and its
+            # abort delete the arrays it had just committed.
             if written or _live_commit(self.loc) == self.commit_id:  # (a write that failed part way)
                 self.state = State.COMMITTED
             outcome.append((error, interrupt))
@@ -140,9 +137,8 @@ class Transaction:
         self._require(State.COMMITTED)
         stale = [n for n in (area(self.old) if self.old is not None else ()) if n not in self.names]
         try:
-            # `gen.<commit>` folders are the format's own namespace (no key maps
-            # there), and this save holds the lease. So one the new manifest
-            # does not use is what a failed or killed save of this checkpoint left.
+            # No key maps to a `gen.<commit>` folder, and this save holds the lease:
+            # one the new manifest does not use is a failed save's leftover.
             stale += [n for n in _storage.list_names(self.loc) if _format.is_generation(n) and n != self.target]
             # Only the files saves write: a user's file in an old leaf's folder stays.
             _storage.remove_written(self.loc, sorted(set(stale)))
@@ -170,9 +166,8 @@ class Transaction:
         try:
             live = _live_commit(self.loc) if self.state is State.WRITTEN else ""
             if live is None or live == self.commit_id:
-                # Whatever said this save had not committed, the live manifest may
-                # be its own (or cannot be read to tell). What it uses stays, and
-                # the journal is left for the next save to finish from.
+                # The live manifest may be this save's own (or cannot be read to
+                # tell): what it uses stays, and the journal is left for the next save.
                 if live == self.commit_id:
                     self.state = State.COMMITTED
                 self.leave()
@@ -235,9 +230,8 @@ def begin(
     paths: Sequence[str] = (),
     packs: Sequence[str] = (),
 ) -> Transaction:
-    """Take the directory's lease, clear leftovers of a save that died, and
-    choose where this save writes. `paths` are the dotted paths it will write
-    (into arrays of their own or packs), `packs` the packs' names."""
+    """Take the directory's lease, clear a dead save's leftovers, and choose
+    where this save writes the leaves at dotted `paths` and the `packs`."""
     _faults.fire("transaction.begin", loc)
     entry = _storage.local_entry(loc.local) if loc.local is not None else None
     if loc.local is not None and entry is not None and entry.link and not entry.exists:
@@ -370,16 +364,14 @@ CommitWarning.__module__ = "eqx_ckpt"
 
 
 def read_manifest(loc: Location) -> Manifest | None:
-    """The manifest committed at `loc`, parsed and checked (as untrusted
-    input, `_manifest.parse`), or `None` where there is none."""
+    """The manifest committed at `loc`, parsed and checked as untrusted input, or `None`."""
     data, stamp = _storage.read_file_stamped(loc, MANIFEST, limit=MAX_MANIFEST_BYTES)
     return None if data is None else parse(data, where=loc.display, stamp=stamp)
 
 
 def check_unchanged(loc: Location, manifest: Manifest) -> None:
-    """Raise if the checkpoint at `loc` was replaced (or deleted) since
-    `manifest` was read: called after reading arrays, since an overwrite
-    deletes the old arrays only after its commit."""
+    """Raise if the checkpoint at `loc` was replaced or deleted since `manifest`
+    was read (after reading arrays: an overwrite deletes them after its commit)."""
     if not _storage.file_changed(loc, MANIFEST, manifest.stamp):
         return
     if not _storage.file_exists(loc, MANIFEST):

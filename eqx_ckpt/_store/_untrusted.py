@@ -1,19 +1,11 @@
 """Checks on a local checkpoint directory before TensorStore reads from it.
 
 A checkpoint may come from elsewhere, so its files are untrusted
-(docs/format.md says what is refused):
-
-- no symbolic link inside it is followed (eqx_ckpt never writes one);
-- only regular files are read: a FIFO, a socket or a device node in a file's
-  place is refused (`refuse_special`, `special_error`) before TensorStore is
-  given its path;
-- a leaf's chunk files must hold the bytes its manifest gives it before it
-  is read, so that a hostile shape cannot make a load allocate terabytes.
-
-Object stores have no links, so only local paths are checked. A save checks
-first that no file in a leaf's folder would have a path longer than the
-system allows (`check_path_lengths`): TensorStore reports that only midway,
-naming no leaf.
+(docs/format.md): no symbolic link inside it is followed; only regular files
+are read (`refuse_special`); a leaf's chunk files must hold the bytes its
+manifest gives it, so a hostile shape cannot make a load allocate terabytes.
+A save checks first that no path would be too long (`check_path_lengths`):
+TensorStore reports that only midway, naming no leaf.
 """
 
 from __future__ import annotations
@@ -40,9 +32,8 @@ from ._local_paths import local_entry, local_names, local_real_path, local_stat,
 
 def refuse_links(loc: Location, relative: str, *, leaf: str | None = None, subtree: bool = False) -> int:
     """Raise if any component of `relative` below `loc` is a symbolic link, or
-    (with `subtree=True`) anything inside it is a link or no regular file nor
-    folder; the total size of the regular files inside (with `subtree`), else 0.
-    `leaf` names the leaf concerned."""
+    (with `subtree`) anything inside is a link or special; the total size of
+    the files inside (with `subtree`), else 0. `leaf` names the leaf concerned."""
     if loc.local is None:
         return 0
     current = loc.local
@@ -54,9 +45,8 @@ def refuse_links(loc: Location, relative: str, *, leaf: str | None = None, subtr
 
 
 def refuse_special(loc: Location, name: str, *, leaf: str | None = None) -> None:
-    """Raise if the file `name` below `loc` (a link followed) is there and is
-    neither a regular file nor a folder (`special_error`): before TensorStore
-    is given its path. `leaf` names the leaf concerned."""
+    """Raise if the file `name` below `loc` (a link followed) is neither a
+    regular file nor a folder. `leaf` names the leaf concerned."""
     if loc.local is None:
         return
     found = local_entry(os.path.join(loc.local, name)).special
@@ -65,9 +55,8 @@ def refuse_special(loc: Location, name: str, *, leaf: str | None = None) -> None
 
 
 def refuse_special_inside(loc: Location) -> None:
-    """Raise if any file below the local folder `loc` (a link followed, never
-    into a folder) is neither a regular file nor a folder (`special_error`):
-    for another program's checkpoint (orbax's), whose files no record names."""
+    """`refuse_special` of every file below `loc`: for another program's
+    checkpoint (orbax's), whose files no record names."""
     if loc.local is None:
         return
     for root, _, names in local_walk(loc.local):
@@ -79,8 +68,7 @@ def refuse_special_inside(loc: Location) -> None:
 
 
 def special_error(loc: Location, name: str, kind: str, *, leaf: str | None = None) -> CheckpointError:
-    """The error of the file `name` of `loc` that is `kind` (`_local_paths.special`:
-    a FIFO, a socket, a device node), not a regular file (`_corrupt`)."""
+    """The error of the file `name` of `loc` that is `kind` (a FIFO...), not a regular file."""
     what = (
         f"{name!r} in checkpoint {loc.display!r} is {kind}, not a regular file, so it was not opened. eqx_ckpt "
         f"reads only regular files from a checkpoint: opening a FIFO waits forever, and a device reads what it "
@@ -97,11 +85,8 @@ def _corrupt(loc: Location, what: str, leaf: str | None) -> CheckpointError:
 
 
 def _cached_blob(folder: str, path: str) -> bool:
-    """Whether `path`, in `folder`, is a file of a snapshot of the Hugging Face
-    Hub's cache (`models--owner--name/snapshots/<commit>/...`).
-
-    huggingface_hub makes such a file a link to the file's content in the same
-    repository's `blobs/`: a link that stays within that repository's cache."""
+    """Whether `path`, in `folder`, is a file of a Hugging Face Hub cache snapshot
+    (`models--owner--name/snapshots/<commit>/...`): a link to the same repository's `blobs/`."""
     parts = folder.split(os.sep)
     if "snapshots" not in parts[:-1]:
         return False
@@ -136,8 +121,7 @@ def check_leaf_files(loc: Location, record: LeafRecord) -> None:
 
 
 def check_pack_files(loc: Location, pack: PackRecord, *, leaf: str | None = None) -> None:
-    """Before a local pack is opened (for the leaf `leaf`, if one): no links,
-    and every chunk file there, of one full chunk and its checksum."""
+    """Before a local pack is opened (for `leaf`, if one): no links, and every chunk file sound."""
     if loc.local is None:
         return
     refuse_links(loc, pack.name, leaf=leaf, subtree=True)  # (a FIFO or device inside refused too)
@@ -172,9 +156,8 @@ def wrong_chunk_file(name: str, size: int | None, expected: int) -> str:
 
 def wrong_size(name: str, size: int | None, chunk_nbytes: int, compression: str) -> str | None:
     """Why a chunk file of `size` bytes (`None`: missing) is not what a save
-    writes for a chunk of `chunk_nbytes`: one full chunk and its checksum, or,
-    `compression`, at most as many as a compressed chunk takes at worst (a
-    larger file is refused before anything decompresses it). `None`: it is."""
+    writes for a chunk of `chunk_nbytes` (compressed: at most the worst case,
+    refused before decompressing); `None` where it is."""
     expected = chunk_nbytes + _format.CHECKSUM_BYTES
     if size is None or not compression:
         return None if size == expected else wrong_chunk_file(name, size, expected)
@@ -192,11 +175,8 @@ def first_wrong_chunk_file(
     chunk_nbytes: int,
     compression: str = "",
 ) -> str | None:
-    """The first chunk file of the array in `directory` that is missing or not
-    the size a save writes (`wrong_size`), or `None`.
-
-    It stops at the first, so a hostile manifest's absurd shape costs one
-    missing file."""
+    """Why the first wrong chunk file of the array in `directory` is wrong
+    (`wrong_size`), or `None`; a hostile shape costs one missing file."""
     for key in _format.chunk_keys(shape, chunks):
         try:
             size: int | None = local_stat(os.path.join(loc.local or "", directory, key), follow=False).st_size
@@ -238,9 +218,8 @@ _INSIDE = len("/" + _format.chunk_key([2**64 - 1] * MAX_RANK)) + len(_format.TEM
 
 
 def check_path_lengths(loc: Location, records: Sequence[LeafRecord]) -> None:
-    """Raise, before a save writes anything, if a file in the folder of a leaf
-    of `records` (those with an array of their own) would have a path longer
-    than the system allows."""
+    """Raise, before a save writes anything, if a file of a leaf of `records`
+    would have a path longer than the system allows."""
     if loc.local is None or not records:
         return
     limit = _path_max(loc.local)

@@ -1,14 +1,11 @@
 """One host-memory budget for every reader of a checkpoint.
 
-A load, `materialise`, a transformed load, `verify` and `diff` all start their
-reads through `windowed`: as many at once as fit in `READ_BUDGET` bytes (all
-at once would hold every leaf twice; one at a time would leave the disk
-idle), the oldest finished before the next starts. Every window of bytes in
-flight, a save's staging window (`_staging.Window`) too, admits work by one
-rule, `Budget` (tests/test_architecture.py checks it).
-
-Local files are read on one pool of threads shared by every reader
-(`read_pool`); small leaves stored side by side are read in runs (`runs`).
+Every reader (load, `materialise`, `verify`, `diff`) starts its reads through
+`windowed`: as many at once as fit in `READ_BUDGET` bytes (all at once would
+hold every leaf twice; one at a time would leave the disk idle). Every window
+of bytes in flight, a save's staging too, admits work by one rule, `Budget`.
+Local files are read on one shared pool (`read_pool`); small leaves side by
+side are read in runs (`runs`).
 """
 
 from __future__ import annotations
@@ -34,9 +31,8 @@ F = TypeVar("F")
 
 
 class Budget:
-    """Bytes in flight against a budget of `limit` bytes, the one rule by which
-    every window admits work: the next job starts while it fits in what is
-    left, or alone, when nothing else runs."""
+    """Bytes in flight against a budget of `limit` bytes: the next job starts
+    while it fits in what is left, or alone, when nothing else runs."""
 
     __slots__ = ("held", "limit")
 
@@ -58,12 +54,10 @@ def windowed(
     jobs: Iterable[tuple[K, int, Callable[[], F]]], *, max_reads: int | None = None
 ) -> Iterator[tuple[K, int, F]]:
     """Start each job `(key, size in bytes, start)` while they fit in
-    `READ_BUDGET` bytes (and, with `max_reads`, that many reads); yield
-    `(key, size, start())` of each, oldest first, when the next needs room.
-
-    Jobs are taken from `jobs` only as they start, so a lazy iterable may decide
-    at that moment what comes next. The caller finishes each yielded read before
-    asking for the next: that is what frees its bytes."""
+    `READ_BUDGET` bytes (and `max_reads` reads); yield `(key, size, start())`
+    of each, oldest first, when the next needs room. Jobs are taken only as
+    they start (a lazy iterable may decide then what comes next); the caller
+    finishes each yielded read before asking for the next, freeing its bytes."""
     _faults.fire("window.open")
     flight: collections.deque[tuple[K, int, F]] = collections.deque()
     budget = Budget(READ_BUDGET)
@@ -87,11 +81,9 @@ def read_pool() -> _threads.Pool:
 def runs(
     spans: Iterable[tuple[int, int, K]], most: int, alone: Callable[[int], bool] | None = None
 ) -> list[tuple[int, int, list[K]]]:
-    """Wanted leaves of one file (`spans`: `(start, end, key)` in bytes, sorted
-    by `start`), grouped into runs read by one read each. A leaf starts
-    a new run when it begins more than `RUN_GAP_BYTES` after the run's end,
-    when the run would grow past `most` bytes, or when it or the run's last
-    leaf is to be read `alone` (a function of its size)."""
+    """Wanted leaves of one file (`spans`: `(start, end, key)` in bytes, sorted),
+    grouped into runs of one read each. A leaf starts a new run past a gap of
+    `RUN_GAP_BYTES`, past `most` bytes, or where it or the run's last is `alone`."""
     out: list[tuple[int, int, list[K]]] = []
     members: list[K] = []
     lo = hi = 0
