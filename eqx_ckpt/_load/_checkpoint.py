@@ -73,8 +73,7 @@ class Checkpoint(Mapping[str, Any]):
         ```
     """
 
-    # Opening and loading make a few objects a leaf (records, sort keys, the
-    # tree's containers), as `tree_deserialise_leaves` does (see `_gc.gc_paused`).
+    # Opening makes a few objects a leaf (records, sort keys), as a load does.
     @_gc.gc_paused()
     def __init__(self, path: Any, *, token: str | None = None, base: Any = None):
         self._source = _source.open_source(path, LoadOptions(token=token, base=base), whole=False)
@@ -93,15 +92,14 @@ class Checkpoint(Mapping[str, Any]):
     @property
     def revision(self) -> str | None:
         """The commit a Hugging Face Hub repository (`hf://owner/name@branch`) was
-        opened at, resolved once: every file is read at it. `None` for every
-        other source."""
+        opened at, resolved once: every file is read at it. `None` otherwise."""
         return self._source.revision
 
     @property
     def base(self) -> str | None:
         """For a fine-tune stored as what changed (`export_safetensors(...,
         base=)`), the base its other leaves are read from, as pinned: an
-        `hf://owner/name@<commit>`, or a path. `None` for every other source."""
+        `hf://owner/name@<commit>`, or a path. `None` otherwise."""
         family, lazy = self._manifest.family, self._source.base
         if family is None or lazy is None:
             return None
@@ -113,10 +111,10 @@ class Checkpoint(Mapping[str, Any]):
     @property
     def base_missing(self) -> str | None:
         """For a fine-tune whose base cannot be found, why (in one sentence);
-        else `None`. Its own leaves still load (`prefix`, `where`), and
-        `ls`, `info` and `verify` describe it. A load of a leaf taken from
-        the base raises [`eqx_ckpt.CheckpointNotFoundError`][], saying how to
-        load it without the base."""
+        else `None`. Its own leaves still load (`prefix`, `where`), and `ls`,
+        `info` and `verify` describe it. A load of a leaf taken from the base
+        raises [`eqx_ckpt.CheckpointNotFoundError`][], saying how to load it
+        without the base."""
         return None if self._base_missing is None else _family.reason(self._base_missing)
 
     def from_base(self) -> dict[str, str]:
@@ -167,17 +165,15 @@ class Checkpoint(Mapping[str, Any]):
 
     @property
     def info(self) -> dict[str, Any]:
-        """The user's metadata of a folder `export_safetensors` wrote (its `info`:
-        a description, hyperparameters, metrics...), from its `eqx_ckpt.json`.
-        Empty for other checkpoints."""
+        """The `info` of a folder `export_safetensors` wrote (a description,
+        hyperparameters, metrics...). Empty for other checkpoints."""
         return copy.deepcopy(self._manifest.info)
 
     @property
     def metadata(self) -> dict[str, str]:
         """The strings a safetensors file keeps in its header's `__metadata__`
         (`{"format": "pt"}`); for a Hugging Face directory those of its shards
-        together (a key whose value differs between shards once per shard, as
-        `file:key`). Empty for other formats, and for a file without any."""
+        (a key whose value differs between shards as `file:key`). Else empty."""
         return dict(self._manifest.metadata)
 
     def record(self, key: str) -> LeafRecord:
@@ -230,12 +226,10 @@ class Checkpoint(Mapping[str, Any]):
         - `depth`: show only this many levels; a sub-tree below them is one line,
             with its number of leaves and bytes.
         - `max_rows`: show at most this many lines of the tree. Sub-trees open
-            breadth first, each whose entries still fit. Then, while lines are
-            left, one too large to open shows its first 5 entries and how many
-            more it has. Any other is one line, with its number of leaves and
-            bytes. So every sub-tree shows its shape down to the level that
-            fits, whatever sits beside it (`print(Checkpoint(path))` shows at
-            most 60 lines).
+            breadth first, each whose entries still fit; then one too large
+            shows its first 5 entries and how many more it has; any other is
+            one line, with its number of leaves and bytes
+            (`print(Checkpoint(path))` shows at most 60 lines).
         - `values`: also print the value of every leaf of at most
             `SMALL_VALUES` (16) elements (what `eqx-ckpt ls --values` prints).
 
@@ -287,16 +281,15 @@ class Checkpoint(Mapping[str, Any]):
         return "\n".join(lines)
 
     def _stored(self) -> str:
-        """How the totals line says the bytes are stored compressed, if they are."""
+        """The totals line's note on compression, if any."""
         if self.compression is None:
             return ""
         stored = self.stored_bytes
         return f", stored compressed ({self.compression})" + (f" in {human(stored)}" if stored is not None else "")
 
     def _rows(self, folder: _Folder, shown: dict[int, int], *, values: bool, level: int = 0) -> list[tuple[str, ...]]:
-        """The rows of `folder`'s first entries (as many as `shown` says): a
-        leaf with its `dtype[shape]` and size, a shown sub-tree with its rows
-        below it, any other sub-tree with its number of leaves and bytes."""
+        """The rows of `folder`'s first `shown` entries: a leaf, a shown sub-tree
+        with its rows below it, or a sub-tree's number of leaves and bytes."""
         rows: list[tuple[str, ...]] = []
         indent, count = "  " * level, shown[id(folder)]
         for (name, _), entry in itertools.islice(folder.entries.items(), count):
@@ -330,20 +323,17 @@ class Checkpoint(Mapping[str, Any]):
 
         - Stored JAX arrays and PRNG key arrays are `jax.ShapeDtypeStruct`s.
         - A stored NumPy array is a zero-strided read-only array of its shape
-            and dtype. It takes no memory. It is a NumPy type, so a load gives
-            NumPy back.
-        - A stored scalar is a zero of its type (`0`, `0.0`, `np.float32(0)`),
-            to be replaced by the load.
+            and dtype: no memory, and a load gives NumPy back.
+        - A stored scalar is a zero of its type (`0`, `0.0`, `np.float32(0)`).
 
-        Every other leaf and static field (strings,
-        numbers, tuples, dtypes, enums, functions such as `jax.nn.gelu`) is as
-        it was saved.
+        Every other leaf and static field (strings, numbers, tuples, dtypes,
+        enums, functions such as `jax.nn.gelu`) is as it was saved.
 
         Objects are built as `jax.tree_util.tree_unflatten` builds an Equinox
-        module: `object.__new__`, then the recorded fields set one by one. So
+        module: `object.__new__`, then the recorded fields set one by one, so
         no `__init__`, `__post_init__` or `__check_init__` runs
-        (`check_init=True` runs the last). A class that is not trusted is never looked up, let
-        alone imported: see [docs/structure.md](../structure.md).
+        (`check_init=True` runs the last). A class that is not trusted is
+        never looked up, let alone imported: see [docs/structure.md](../structure.md).
 
         **Arguments:**
 
@@ -413,10 +403,9 @@ class Checkpoint(Mapping[str, Any]):
         """The parts of the tree (or of its sub-tree at `prefix`) that its save
         could not record as data (a lambda, a closure, an arbitrary object),
         by dotted path (`""`: the whole tree), each with what it was, sorted.
-        A load without `like` cannot rebuild them, whatever `trust` holds: it
-        raises a `CheckpointValueError` naming the part; load with `like`, or
-        rebuild a sub-tree without them (`prefix=`). `eqx-ckpt ls --types PATH`
-        lists them.
+        A load without `like` cannot rebuild them (a `CheckpointValueError`):
+        load with `like`, or a sub-tree without them (`prefix=`).
+        `eqx-ckpt ls --types PATH` lists them.
 
         !!! example
 
@@ -529,10 +518,8 @@ class Checkpoint(Mapping[str, Any]):
 
     def _say_trust(self, prefix: str) -> None:
         """Warn, once per model, that a load without `trust` of a published model
-        (the layout `push_to_hub` and `export_safetensors` write, local or on the
-        Hub) whose record names classes returns nested dicts, and which `trust`
-        rebuilds it. (A checkpoint's nested dicts are the documented way to look
-        inside it: no warning.)"""
+        whose record names classes returns nested dicts, and which `trust`
+        rebuilds it. (An eqx_ckpt checkpoint's nested dicts are documented.)"""
         published = self._source.format == "safetensors" and self._manifest.layout == "published"
         if not published or self.path in _TRUST_SAID or self._manifest.structure is None:
             return
@@ -556,8 +543,7 @@ class Checkpoint(Mapping[str, Any]):
 
     def _download(self) -> None:
         """Before a load of all of a Hub repository opened by byte ranges, fetch
-        its files into the Hub's local cache (at the commit it was opened at),
-        and read them there from then on."""
+        its files into the Hub's cache (at the same commit) and read them there."""
         pinned = self._source.pinned
         if pinned is not None and self._source.loc.local is None:
             options = LoadOptions(token=self._token, base=self._given_base)
@@ -565,9 +551,8 @@ class Checkpoint(Mapping[str, Any]):
 
     @property
     def _numbered(self) -> bool:
-        """Whether numbered children are lists though the key paths do not
-        say so: safetensors names (`layers.0.weight`) never do, unless an
-        `eqx_ckpt.json` records their key paths (the published layout)."""
+        """Whether numbered children are lists though the key paths do not say
+        so, as safetensors names never do outside the published layout."""
         return self._source.format == "safetensors" and self._manifest.layout != "published"
 
     def tree(self) -> Any:
@@ -589,9 +574,8 @@ _SAMPLE = 5
 
 
 class _Folder:
-    """A sub-tree of a listing: its entries in key order (a sub-tree, or a
-    leaf's dotted key; a name may be both, in a foreign format), with its
-    number of leaves and bytes."""
+    """A sub-tree of a listing: its entries in key order (a sub-tree or a leaf's
+    dotted key; in a foreign format a name may be both), leaves and bytes."""
 
     __slots__ = ("entries", "leaves", "level", "nbytes")
 
@@ -615,14 +599,9 @@ class _Folder:
 
 
 def _shown(root: _Folder, *, max_rows: int | None, depth: int | None) -> dict[int, int]:
-    """How many entries of each sub-tree (by `id`) a listing shows; a sub-tree
-    not here is one line.
-
-    Sub-trees open breadth first, down to `depth`, the smaller first within a
-    level. Each opens whose entries still fit in `max_rows` lines. So a small
-    model beside a large sibling shows its layers. Then, while lines are left,
-    each sub-tree too large to open shows its first `_SAMPLE` entries and a
-    line saying how many more it has."""
+    """How many entries of each sub-tree (by `id`) a listing shows (see
+    `listing`); a sub-tree not here is one line. The smaller open first within
+    a level, so a small model beside a large sibling shows its layers."""
     if depth == 0:
         return {}
     budget = math.inf if max_rows is None else max_rows
@@ -701,8 +680,6 @@ def _one_line(leaf: Any) -> str:
 
 
 def need(tree: Any, paths: Iterable[str]) -> None:
-    """Open what reading the leaves `paths` of `tree`, a `Checkpoint`, needs
-    (a fine-tune's base), before any is read: its errors, a missing base
-    among them, are raised here. Any other tree needs nothing."""
+    """For a `Checkpoint` `tree`, `Source.need`; any other tree needs nothing."""
     if isinstance(tree, Checkpoint):
         tree._source.need(paths)

@@ -1,14 +1,8 @@
 """`tree_deserialise_leaves`: full, partial, re-rooted, renamed and lazy loads.
 
-A load is four steps, each one function:
-
-1. Open the source (`_source`): which format, its records.
-2. Plan the names of every leaf of `like` (`_load_plan`): which record feeds
-   each. Every mismatch is raised together.
-3. Read: custom filter specs, transforms, then the stored leaves. The stored
-   leaves are read by the reader of whole leaves, `_reader`, or as
-   `LazyArray`s that read through it when asked.
-4. Place the values into `like`'s tree.
+A load is four steps: open the source (`_source`), plan which record feeds
+each leaf of `like` (`_load_plan`), read (custom filter specs, transforms,
+then the stored leaves through `_reader`, or as `LazyArray`s), place.
 """
 
 from __future__ import annotations
@@ -224,8 +218,7 @@ def tree_deserialise_leaves(
 def deserialise(
     path: Any, like: PyTree, filter_spec: Any, is_leaf: Callable[[Any], bool] | None, options: LoadOptions
 ) -> PyTree:
-    """`tree_deserialise_leaves` of `path` with its `options` (those of every
-    public load: `LoadOptions`): open the source, then `load`."""
+    """`tree_deserialise_leaves` with its `options`: open the source, then `load`."""
     source = _source.open_source(path, options)
     flat = None
     if like is None:
@@ -245,12 +238,14 @@ def load(
     flat: tuple[list[Any], _tree.Names] | None = None,
     static: bool = False,
 ) -> PyTree:
-    """`like` loaded from an opened `source` with its `options`.
-    `flat`: `like` flattened and named, where the caller has it (`_load_plan.plan`).
-    `static` (with `flat`): warn, once the load succeeded, where a static field
-    of a part of `like` it read differs from the structure record."""
+    """`like` loaded from an opened `source`. `flat`: `like` flattened and named,
+    where the caller has it. `static` (with `flat`): once the load succeeded,
+    warn where a static field of a part of `like` it read differs from the record."""
     plan = _load_plan.plan(source, like, is_leaf, filter_spec, default_deserialise_filter_spec, options, flat)
-    tree = _place(plan, _read_values(source, plan))
+    leaves = list(plan.leaves)
+    for i, value in zip(_fed(plan), _read_values(source, plan)):
+        leaves[i] = value
+    tree = plan.treedef.unflatten(leaves)
     if static and flat is not None:
         prefix = options.prefix or ""
         read = functools.partial(_leaves_read, plan)
@@ -258,12 +253,16 @@ def load(
     return tree
 
 
+def _fed(plan: LoadPlan) -> list[int]:
+    """The indices of the leaves of `like` the plan feeds, in the order `_read_values` reads them."""
+    return [p.index for p, _ in plan.custom] + [t.index for t in plan.transformed] + [p.index for p in plan.reads]
+
+
 def _leaves_read(plan: LoadPlan) -> list[bool | None]:
     """For each leaf of `like`, whether the load read it (`None`: a leaf no load
     reads, a function), for the static-field check (`_rebuild.static_differences`)."""
     read: list[bool | None] = [False if _dtypes.like_type(leaf) is not None else None for leaf in plan.leaves]
-    indices = [leaf.index for leaf in plan.reads] + [leaf.index for leaf, _ in plan.custom]
-    for i in indices + [leaf.index for leaf in plan.transformed]:
+    for i in _fed(plan):
         read[i] = True
     return read
 
@@ -274,35 +273,21 @@ def rebuilt(source: Source, prefix: str, trust: Trust, *, check_init: bool = Fal
     return _rebuild.skeleton(source.manifest, prefix, trust, where=source.loc.display, check_init=check_init)
 
 
-def _read_values(source: Source, plan: LoadPlan) -> tuple[list[Any], list[Any], list[Any]]:
+def _read_values(source: Source, plan: LoadPlan) -> list[Any]:
     """The values of the leaves `plan.custom`, `plan.transformed` and `plan.reads`
-    feed (lazy ones as `LazyArray`s), read in that order."""
+    feed, read in that order. A lazy load reads only its scalars; its
+    checkpoint is checked as each lazy leaf is read."""
     options = plan.options
     try:
-        custom = [_run_custom(spec, leaf, source, options.cast, options.lazy) for leaf, spec in plan.custom]
-        transformed = _read_transformed(source, plan)
+        values = [_run_custom(spec, leaf, source, options.cast, options.lazy) for leaf, spec in plan.custom]
+        values += _read_transformed(source, plan)
+        if options.lazy:
+            _faults.fire("load.read_stored", source.loc)
+            return values + _lazy_leaves(source, plan.reads)
     except Exception:
         source.check()  # a read that failed because the checkpoint was replaced says so
         raise
-    stored = read_leaves(source, plan.reads, lazy=options.lazy, progress=options.progress, read_once=options.read_once)
-    return custom, transformed, stored
-
-
-def read_leaves(
-    source: Source, plans: list[LeafPlan], *, lazy: bool = False, progress: Progress, read_once: bool | None = False
-) -> list[Any]:
-    """The values of `plans`' stored leaves (as `LazyArray`s where `lazy`),
-    read by the reader of whole leaves (`_reader.read_leaves`): every
-    load's, and `Checkpoint.load`'s without a skeleton. A lazy load reads only
-    its scalars, and its checkpoint is checked as each lazy leaf is read."""
-    if not lazy:
-        return _reader.read_leaves(source, plans, progress=progress, read_once=read_once)
-    try:
-        _faults.fire("load.read_stored", source.loc)
-        return _lazy_leaves(source, plans)
-    except Exception:
-        source.check()  # a read that failed because the checkpoint was replaced says so
-        raise
+    return values + _reader.read_leaves(source, plan.reads, progress=options.progress, read_once=options.read_once)
 
 
 def _read_transformed(source: Source, plan: LoadPlan) -> list[Any]:
@@ -314,19 +299,6 @@ def _read_transformed(source: Source, plan: LoadPlan) -> list[Any]:
         report.add_transform(tplan.keypath, tplan.stored, what, cause=cause)
     report.raise_if_any()
     return values
-
-
-def _place(plan: LoadPlan, values: tuple[list[Any], list[Any], list[Any]]) -> PyTree:
-    """`like` with every leaf the plan feeds replaced by its value, the others as they are."""
-    custom, transformed, stored = values
-    leaves = list(plan.leaves)
-    for (leaf, _), value in zip(plan.custom, custom):
-        leaves[leaf.index] = value
-    for tplan, value in zip(plan.transformed, transformed):
-        leaves[tplan.index] = value
-    for leaf, value in zip(plan.reads, stored):
-        leaves[leaf.index] = value
-    return plan.treedef.unflatten(leaves)
 
 
 def _lazy_leaves(source: Source, plans: list[LeafPlan]) -> list[Any]:
@@ -414,10 +386,8 @@ def materialise(tree: PyTree, *, progress: Progress = None) -> PyTree:
     """
     values, treedef = jtu.tree_flatten(tree, is_leaf=is_lazy)
     lazy = [i for i, leaf in enumerate(values) if is_lazy(leaf)]
-    # By the checkpoint each leaf reads from: each group is read as one load
-    # reads (`_reader.read_leaves`: fault point `load.read_stored`, progress on
-    # this one tracker), and its checkpoint checked once, after every read.
-    # A transformed leaf reads its stored arrays and applies its function itself.
+    # Grouped by checkpoint: each group is read as one load reads, and its
+    # checkpoint checked once, after every read. A transformed leaf reads itself.
     groups: dict[int, list[int]] = {}
     for i in lazy:
         if type(values[i]) is LazyArray:

@@ -1,50 +1,36 @@
 """A fine-tune stored against its base: one source of leaves made of two.
 
 A published folder whose `eqx_ckpt.json` names a base (`_published.Family`)
-holds only the leaves that differ from it. The others are recorded with the
+holds only the leaves that differ from it; the others are recorded with the
 dotted path of the base's leaf holding the same bytes, and every leaf with the
 digest of its bytes. `with_base` returns one `Source` whose opener and runs
-read each leaf from where it lives. Every load option works on it as on any
-source, since the load plan sees one set of records: the fine-tune's own,
-every leaf's path, dtype, shape and digest. (A taken leaf is read in runs of
-rows as a safetensors base's are: its record needs nothing of the base.)
+read each leaf from where it lives, so every load option works on it as on
+any source.
 
-The base is opened as any source (`_source.open_source`: the Hub's cache for
-an `hf://` base, a local checkpoint, another published folder) only when a
-leaf taken from it is first needed (`Base`): by a load's plan before any read
-(`_source.Source.need`), by a read, by `Checkpoint` and `verify`, which
-describe the base. A load of only the leaves the fine-tune stores never opens
-it. Where it cannot be found, `Checkpoint` and `verify` say so
-(`Base.missing`) and still describe what is stored; a load that needs it
-raises the missing-base error.
+The base is opened as any source (`_source.open_source`) only when a leaf taken
+from it is first needed (`Base`): by a load's plan (`_source.Source.need`), a
+read, `Checkpoint` or `verify`. A load of only the fine-tune's own leaves never
+opens it. Where it cannot be found, `Checkpoint` and `verify` say so
+(`Base.missing`) and still describe what is stored.
 
-The record is untrusted input (a folder downloaded, unzipped, received from a
-colleague), and so is the base it names. Every check on a base is made here,
-in this order:
+The record, and the base it names, are untrusted input. Every check on a base
+is made here, in this order:
 
-- **Where** (`recorded`), before anything of the base is opened, stat'ed or
-  requested. A base the caller gives (`base=` at load time) is read wherever
-  it is. A recorded one is followed only where the user expects it: a pinned
-  `hf://` base, or a relative local path that stays inside the folder holding
-  the fine-tune (its parent folder: the two are kept side by side), through
-  no symbolic link that leads out of it. Anything else (an absolute path,
-  `..` above that folder, `~`, a URL or a bucket) is an `UntrustedError`
-  naming the fine-tune, the recorded base and how to give it; it never says
-  whether such a path exists. A fine-tune read from the Hub may name only an
-  `hf://` base.
-- **Bounds** (`_bounded`), before the base is opened: each leaf of the base
-  backs at most `MAX_BACKED` leaves of the fine-tune, which claim together at
-  most `max(BACKED_FACTOR` times its bytes`, BACKED_BYTES)`. (The leaves of a
-  record, taken ones among them, are bounded by `_published`.)
-- **Pin**, once the base is opened, with its own base down a chain
-  (`_opened`). A recorded base is read at its pin: an `hf://` base at its commit;
-  any other must have the record file whose sha256 the fine-tune recorded, as
-  the base's source read it when it was opened (no second read by path). A
+- **Where** (`recorded`), before anything of the base is opened or stat'ed: a
+  base given at load time (`base=`) is read wherever it is; a recorded one
+  only if it is a pinned `hf://` base, or a relative local path inside the
+  folder holding the fine-tune, through no symbolic link that leads out.
+  Anything else is an `UntrustedError` that never says whether the path
+  exists. A fine-tune read from the Hub may name only an `hf://` base.
+- **Bounds** (`_bounded`), before the base is opened: how many leaves, and
+  bytes, one leaf of the base may back.
+- **Pin** (`_opened`), once the base is opened: an `hf://` base is read at its
+  commit; any other must have the record file whose sha256 the fine-tune
+  recorded, as its source read it when opened (no second read by path). A
   base given at load time needs no pin: its leaves are checked one by one.
-- **Leaves.** Each leaf taken from the base is there, stored with the dtype and
-  shape recorded (`_taken`). Each leaf read whole is checked against the
-  digest the fine-tune records of it as it is read (`DigestCheck`, started by
-  the readers of whole leaves), taken and stored leaves alike.
+- **Leaves**: each taken leaf is there, with the dtype and shape recorded
+  (`_taken`); each leaf read whole, taken or stored, is checked against its
+  recorded digest as it is read (`DigestCheck`).
 
 A missing or changed base is an error naming the fine-tune, its base and what
 was expected, never a mix of two models. Bases of bases are followed, at most
@@ -102,12 +88,6 @@ BACKED_FACTOR = 4
 BACKED_BYTES = 64 * 2**20
 # Symbolic links followed inside the fine-tune's folder, at most (as the system's own limit).
 MAX_LINKS = 40
-# How a load is told where a base is.
-GIVE = (
-    "If you trust it, give the base yourself: `base=` on the load (`Checkpoint(path, base=...)`, "
-    "`tree_deserialise_leaves(..., base=...)`, `verify(path, base=...)`), or `--with-base` on the command line. "
-    "Its leaves are then checked against the digests the fine-tune records"
-)
 
 
 def digest(data: Any) -> str:
@@ -139,14 +119,12 @@ def _raw(array: np.ndarray) -> memoryview:
 
 
 class DigestCheck:
-    """The check of one leaf's stored bytes against the digest its source
-    records, fed in order as they are read (`update`: slabs of rows), then
-    `done`; or called with the whole leaf. `result` waits for it, and raises
-    `IntegrityError` where the bytes are not the recorded ones.
+    """The check of one leaf's stored bytes against its recorded digest: fed
+    slabs of rows in order (`update`, then `done`), or called with the whole
+    leaf. `result` waits for it, raising `IntegrityError` on a mismatch.
 
-    The hashing runs on a thread of its own (`_hashing`), in the order it was
-    asked for, while the reader goes on reading and placing the next leaves:
-    it holds the GIL, but the reader mostly waits for storage."""
+    It hashes on a thread of its own (`_hashing`) while the reader reads the
+    next leaves: hashing holds the GIL, but the reader mostly waits for storage."""
 
     def __init__(self, source: Source, record: LeafRecord, expected: str):
         self.source, self.record, self.expected = source, record, expected
@@ -180,9 +158,8 @@ def _hashing() -> _threads.Pool:
 
 
 class Checks:
-    """The digest checks of one read of many leaves (`_reader.read_now`):
-    each started as its leaf is read (`for_record`, or a call with the whole
-    leaf), all waited for before the values are returned (`wait`)."""
+    """The digest checks of one read of many leaves (`_reader.read_now`), each
+    started as its leaf is read, all waited for before the values are returned."""
 
     def __init__(self, source: Source):
         self.source = source
@@ -206,9 +183,8 @@ class Checks:
 
 
 def checker(source: Source, record: LeafRecord) -> DigestCheck | None:
-    """The check of the leaf `record` of `source` against its recorded digest,
-    or `None` where it records none (an eqx_ckpt checkpoint's chunks carry
-    their own checksums; plain safetensors and orbax hold none)."""
+    """The check of the leaf `record` against its recorded digest, or `None`
+    where there is none (an eqx_ckpt checkpoint's chunks carry checksums)."""
     expected = source.manifest.digests.get(record.path)
     return None if expected is None else DigestCheck(source, record, expected)
 
@@ -241,19 +217,15 @@ def _mismatch(source: Source, record: LeafRecord, found: str, expected: str) -> 
 
 
 def record_sha256(source: Source) -> str | None:
-    """The sha256 of the file recording `source`'s leaves (an eqx_ckpt
-    checkpoint's `manifest.json`, a published folder's `eqx_ckpt.json`), as
-    the source read it when it was opened; `None` for a source with neither
-    (plain safetensors, orbax)."""
+    """The sha256 of the file recording `source`'s leaves (`manifest.json`,
+    `eqx_ckpt.json`) as read when it was opened; `None` for safetensors or orbax."""
     return source.manifest.record_sha256 or None
 
 
 def recorded(base: _published.Base, where: Location, *, hub: bool) -> str:
-    """Where the recorded base of the fine-tune at `where` is read from, if it
-    is followed without the caller giving it (see the module docstring):
-    an `hf://` base at its commit, or a local one inside the fine-tune's
-    folder, as an absolute path with its links resolved. Else `UntrustedError`,
-    before anything at the base's path is opened or stat'ed."""
+    """Where the recorded base of the fine-tune at `where` is read from: an
+    `hf://` base at its commit, or a local one inside the fine-tune's folder
+    (its links resolved). Else `UntrustedError`, before anything there is opened."""
     if base.revision:
         return _published.hub_at(base.path, base.revision)
     if hub:
@@ -286,19 +258,16 @@ def recorded(base: _published.Base, where: Location, *, hub: bool) -> str:
 
 
 def beside(finetune: str, path: str) -> str | None:
-    """The local `path` of a base, relative to the fine-tune's folder
-    `finetune`, as a path relative to the folder holding that folder, where
-    it stays inside it (judged by its text alone); `None` where it leads out.
-    An export warns where the base it records is not beside the fine-tune so."""
+    """The local `path` of a base, relative to the fine-tune's folder `finetune`,
+    made relative to that folder's parent; `None` where its text leads out of it."""
     relative = os.path.normpath(os.path.join(os.path.basename(finetune), path))
     return None if relative in (".", "..") or relative.startswith("../") else relative
 
 
 def _confined(folder: str, relative: str) -> str | None:
     """`folder/relative` with its symbolic links resolved, or `None` where one
-    of them leads out of `folder` (or they loop). Only what is inside
-    `folder` is looked at: each link's target is judged by its text before
-    it is followed. A missing component is kept as it is (the open says so)."""
+    leads out of `folder` (or they loop): each link's target is judged by its
+    text before it is followed. A missing component is kept (the open says so)."""
     pending = relative.split("/")
     current, links = folder, 0
     while pending:
@@ -343,15 +312,16 @@ def _refused(where: Location, base: _published.Base, why: str) -> UntrustedError
     return UntrustedError(
         f"{where.display!r} is a fine-tune whose record names its base as {from_file(repr(base.path))}, which is not "
         f"followed: {why}. A folder received from elsewhere could otherwise make a load read, or contact, what you "
-        f"never named. Nothing was opened there. {GIVE}.",
+        f"never named. Nothing was opened there. If you trust it, give the base yourself: `base=` on the load "
+        f"(`Checkpoint(path, base=...)`, `tree_deserialise_leaves(..., base=...)`, `verify(path, base=...)`), or "
+        f"`--with-base` on the command line. Its leaves are then checked against the digests the fine-tune records.",
         path=where.display,
     )
 
 
 def may_back(count: int, claimed: int, size: int) -> bool:
-    """Whether one leaf of a base, of `size` bytes, may back `count` leaves of
-    a fine-tune claiming `claimed` bytes together (an export keeps within
-    this: `_matching`)."""
+    """Whether one leaf of a base, of `size` bytes, may back `count` leaves of a
+    fine-tune claiming `claimed` bytes together (`_matching` exports within this)."""
     return count <= MAX_BACKED and claimed <= max(BACKED_FACTOR * size, BACKED_BYTES)
 
 
@@ -379,12 +349,9 @@ def with_base(
     source: Source, open_source: Callable[..., Source], options: Options, *, whole: bool, depth: int
 ) -> Source:
     """`source`, a fine-tune, with its base's leaves: one `Source` of both (or
-    `source` itself where it has no base). `options`: the load's
-    (`LoadOptions`); its `base`, where the caller gave one (`base=` at load
-    time), is read instead of the recorded one.
-
-    The base is checked for where it is and how much it backs now, but opened
-    only when a leaf taken from it is first needed (`Base`)."""
+    `source` where it has no base). `options.base`, where given, is read instead
+    of the recorded one. Where the base is, and how much it backs, are checked
+    now; it is opened when a leaf taken from it is first needed (`Base`)."""
     given = options.base
     family: _published.Family | None = source.manifest.family
     where = source.loc
@@ -412,7 +379,7 @@ def with_base(
     base = Base(
         family.base.shown if pinned else location(path).display,
         family.references,
-        lambda: _checked(source, family, shown, given, opening),
+        lambda: _opened(source, family, shown, given, opening),
     )
     return dataclasses.replace(
         source,
@@ -424,9 +391,8 @@ def with_base(
 
 
 class Base:
-    """A fine-tune's base, opened and checked (`_opened`, `_taken`) when a leaf
-    taken from it is first needed: by a load's plan before any read (`need`),
-    by a read, by `verify`. Until then nothing of it is opened or requested.
+    """A fine-tune's base, opened and checked (`_opened`) when a leaf taken from
+    it is first needed; until then nothing of it is opened or requested.
 
     `display`: the base as messages name it. `references`: the fine-tune's
     dotted path of each leaf taken from it -> the base's. An open that fails
@@ -443,9 +409,8 @@ class Base:
         self._lock = threading.Lock()
 
     def opened(self) -> tuple[Source, dict[str, LeafRecord]]:
-        """The base's source, and its record of each leaf taken from it (by the
-        fine-tune's dotted path); opened and checked once. Raises as the
-        open or the checks do: a missing base is `CheckpointNotFoundError`."""
+        """The base's source and its record of each taken leaf, opened and checked
+        once; a missing base raises `CheckpointNotFoundError`."""
         with self._lock:
             if self._opened is None:
                 self._opened = self._opening()
@@ -471,21 +436,13 @@ class Base:
             self.opened()
 
     def missing(self) -> CheckpointNotFoundError | None:
-        """Why the base (or one down its chain) cannot be found, or `None`
-        where it opens. Every other error of the base (changed, hostile, too
-        deep) is raised."""
+        """Why the base (or one down its chain) cannot be found, or `None` where
+        it opens; any other error of the base is raised."""
         try:
             self.opened()
         except CheckpointNotFoundError as e:
             return e
         return None
-
-
-def _checked(
-    source: Source, family: _published.Family, shown: str, given: Any, opening: Callable[[], Source]
-) -> tuple[Source, dict[str, LeafRecord]]:
-    base = _opened(source.loc, family, shown, given, opening)
-    return base, _taken(source, base, family, shown)
 
 
 def reason(missing: CheckpointNotFoundError) -> str:
@@ -500,11 +457,12 @@ def reason(missing: CheckpointNotFoundError) -> str:
 
 
 def _opened(
-    where: Location, family: _published.Family, shown: str, given: Any, opening: Callable[[], Source]
-) -> Source:
-    """The base of the fine-tune at `where`, opened (`opening`) and checked
-    against its pin (a recorded one); its errors name the fine-tune and the
-    base (`shown`)."""
+    source: Source, family: _published.Family, shown: str, given: Any, opening: Callable[[], Source]
+) -> tuple[Source, dict[str, LeafRecord]]:
+    """The base of the fine-tune `source`, opened (`opening`) and checked against
+    its pin (a recorded one), and its taken leaves (`_taken`); its errors name
+    the fine-tune and the base (`shown`)."""
+    where = source.loc
     try:
         base = opening()
         if base.base is not None:  # its own base, down a chain of fine-tunes: opened with it
@@ -530,7 +488,7 @@ def _opened(
                 f"base as it is now.",
                 path=where.display,
             )
-    return base
+    return base, _taken(source, base, family, shown)
 
 
 def _without_base(where: Location) -> str:
@@ -605,9 +563,8 @@ def reading_taken(
     found: LeafRecord,
     reading: Callable[[], Callable[[], np.ndarray] | None],
 ) -> Callable[[], np.ndarray] | None:
-    """`reading()`, the start of a read of the leaf `record` that the
-    fine-tune `source` takes from `base` (its record there `found`), its
-    failure an error naming the fine-tune's leaf."""
+    """`reading()`, the start of a read of a leaf `source` takes from `base`,
+    its failure an error naming the fine-tune's leaf."""
     read = reading()
     if read is None:
         return None
@@ -632,9 +589,8 @@ def _unreadable(source: Source, base: Source, record: LeafRecord, found: LeafRec
 
 
 def _runs(source: Source, lazy: Base) -> Callable[[list[LeafRecord]], tuple[list[int], Any]]:
-    """The reader of runs of small leaves: the fine-tune's own from its files,
-    the base's from the base's (where its format reads runs; the base is
-    opened only where a run needs one of its leaves)."""
+    """The reader of runs of small leaves: each from its own files, the fine-tune's
+    or the base's (opened only where a run needs one of its leaves)."""
 
     def runs(records: list[LeafRecord]) -> tuple[list[int], Any]:
         done: list[int] = []

@@ -1,32 +1,28 @@
 """The Hugging Face Hub, a transport of leaves: `hf://` paths read, models published.
 
-Every request is `huggingface_hub`'s own. (It is an optional dependency,
-imported here only, at the first Hub call.)
+Every request is `huggingface_hub`'s own (an optional dependency, imported here
+only, at the first Hub call):
 
-- A revision is resolved by `HfApi.resolve_revision`, which records it in the
-  cache's `refs/` (and reads it from there offline).
-- The files at that commit are listed by `HfApi.model_info`, or offline by
-  the cache's own listing (`get_cached_repo_tree`).
-- Whole files are downloaded into its cache by `snapshot_download`, at the
-  resolved commit, with `allow_patterns` naming exactly the files a load reads.
-- Byte ranges are read through its file system (`HfFileSystem`).
-- A publication is committed by `HfApi.create_commit`: the new export's files
-  added, the stale files of the published layout deleted, in one commit.
+- `HfApi.resolve_revision` resolves a revision, and records it in the cache's
+  `refs/` (read from there offline).
+- `HfApi.model_info` lists the files at that commit; offline, the cache's own
+  listing (`get_cached_repo_tree`) does.
+- `snapshot_download` downloads whole files into its cache, at the resolved
+  commit, with `allow_patterns` naming exactly the files a load reads.
+- `HfFileSystem` reads byte ranges.
+- `HfApi.create_commit` publishes: the new export's files added and the stale
+  files of the published layout deleted, in one commit.
 
 So authentication (`HF_TOKEN`, `hf auth login`, `token=`), the cache
-(`HF_HOME`) and its bookkeeping, offline mode (`HF_HUB_OFFLINE`), retries and
-the Xet transfer path are the library's.
+(`HF_HOME`), offline mode (`HF_HUB_OFFLINE`), retries and the Xet transfer path
+are the library's.
 
-A repository is read at one commit. A branch or a tag is resolved to its
-commit once, when it is opened (`pin`): the `Pinned` folder, which the
-source read from it keeps (`_source.Source.pinned`), with what its download
-checked. Every file is then read at that commit, which no later push
-changes. Only the files a load needs are ever fetched: those `_safetensors`'
-rules name (`needed`). No Python file, pickle or configuration of a
-repository is downloaded, let alone run.
-
-No save reaches this module: a `Location` names a Hub folder by its typed
-`Hub` reference, which `_storage` never reads.
+A branch or tag is resolved to its commit once, when it is opened (`pin`: the
+`Pinned` folder its source keeps, `_source.Source.pinned`). Every file is then
+read at that commit, which no later push changes. Only the files
+`_safetensors`' rules name are fetched (`needed`): no Python file, pickle or
+configuration of a repository is downloaded, let alone run. No save reaches
+this module: `_storage` never reads a `Location`'s `Hub` reference.
 """
 
 from __future__ import annotations
@@ -65,7 +61,6 @@ from .._ondisk._published import NAME as RECORD
 from .._store import _hub_http, _storage, _storage_errors
 from .._store._local_paths import local_entry, local_link, local_open, local_real_path, local_walk
 
-INSTALL = 'pip install "eqx_ckpt[hub]"'
 # The most of an index `needed` reads (the safetensors reader refuses a larger one).
 MAX_INDEX = 100 * 2**20
 # Threads downloading whole files, and reading byte ranges, at once.
@@ -96,9 +91,9 @@ def library() -> Any:
         import huggingface_hub.file_download
     except ImportError:
         raise ImportError(
-            f"Reading from or publishing to the Hugging Face Hub needs `huggingface_hub`, an optional dependency "
-            f"of eqx_ckpt: install it with `{INSTALL}` (in a checkout, `pip install -c constraints.txt -e "
-            f'".[hub]"`).'
+            "Reading from or publishing to the Hugging Face Hub needs `huggingface_hub`, an optional dependency "
+            'of eqx_ckpt: install it with `pip install "eqx_ckpt[hub]"` (in a checkout, `pip install -c '
+            'constraints.txt -e ".[hub]"`).'
         ) from None
     return huggingface_hub
 
@@ -106,8 +101,6 @@ def library() -> Any:
 @dataclasses.dataclass(frozen=True)
 class Pinned:
     """A repository's folder at one commit.
-
-    **Attributes:**
 
     - `repo`: `owner/name`.
     - `asked`: the revision as the user named it (`None`: the default branch).
@@ -117,11 +110,9 @@ class Pinned:
     - `offline`: whether the commit and the files were found in the local cache only.
     - `sha256`: the SHA-256 the Hub lists for each LFS file, by path (none offline).
     - `blob_ids`: the git blob id the Hub lists for each file, by path (none offline).
-    - `listed`: whether `sizes` lists every file of the commit (offline, without
-      the cache's listing, it lists only the files the cache holds).
+    - `listed`: whether `sizes` lists every file of the commit (not only those the cache holds).
     - `token`: the token the files are read with (`None`: huggingface_hub's own).
-    - `cached`: whether the commit was answered from the cache's listing of it
-      without asking the server (`pin`), online.
+    - `cached`: whether `pin` answered the commit from the cache's listing, online.
     """
 
     repo: str
@@ -157,14 +148,12 @@ SMALL_BYTES = 2**20
 
 
 def pin(where: Hub, token: str | None = None) -> Pinned:
-    """Resolve the revision of a `hf://` location to its commit, once, and list
-    the repository's files there.
+    """Resolve the revision of a `hf://` location to its commit, once, and list its files there.
 
-    A commit (40 hex digits) whose listing the cache holds is answered from
-    the cache without asking the server, as huggingface_hub answers it: a
-    commit never changes, so one deleted from the server since still loads.
-    Where the Hub cannot be reached or `HF_HUB_OFFLINE` is set, both come from
-    the local cache, as the Hugging Face libraries do."""
+    A commit whose listing the cache holds is answered from the cache, as
+    huggingface_hub does: a commit never changes, so one deleted from the server
+    since still loads. Offline (unreachable, or `HF_HUB_OFFLINE`), both come
+    from the cache."""
     hub = library()
     repo, asked, folder = where.repo, where.revision, where.folder
     if hub.constants.HF_HUB_OFFLINE:
@@ -202,10 +191,14 @@ def _files_at(api: Any, repo: str, sha: str) -> list[tuple[Any, Any, Any, Any]]:
 
 
 def _refused_listing(repo: str, sha: str, what: str) -> CheckpointStorageError:
+    return _bad_answer(f"hf://{repo}@{sha}", f"the listing of commit {sha} with {what}")
+
+
+def _bad_answer(where: str, answered: str) -> CheckpointStorageError:
     return CheckpointStorageError(
-        f"hf://{repo}@{sha}: the Hub answered the listing of commit {sha} with {what}, so nothing of it is read. "
-        f"Check `HF_ENDPOINT` (a mirror or proxy answering for the Hub), and try again.",
-        path=f"hf://{repo}@{sha}",
+        f"{where}: the Hub answered {answered}, so nothing of it is read. Check `HF_ENDPOINT` (a mirror or proxy "
+        f"answering for the Hub), and try again.",
+        path=where,
     )
 
 
@@ -266,22 +259,14 @@ def _status(error: BaseException | None) -> int | None:
 def _commit(sha: Any, repo: str, asked: str | None) -> str:
     """`sha` where it is a commit id; a server's answer that is not one names no path."""
     if not isinstance(sha, str) or not _COMMIT.fullmatch(sha):
-        where = f"hf://{repo}@{asked or 'main'}"
-        raise CheckpointStorageError(
-            f"{where}: the Hub answered the revision with no commit id ({from_file(repr(sha))}), so nothing of it "
-            f"is read. Check `HF_ENDPOINT` (a mirror or proxy answering for the Hub), and try again.",
-            path=where,
-        )
+        raise _bad_answer(f"hf://{repo}@{asked or 'main'}", f"the revision with no commit id ({from_file(repr(sha))})")
     return sha
 
 
 def _from_cache(where: Hub, hub: Any, token: str | None) -> Pinned:
-    """The commit a revision resolved to when the repository was last fetched,
-    and its files as the cache lists them (the Hub could not be asked).
-
-    The cache's own listing of the commit (written by `snapshot_download`) is
-    every file of it, whether downloaded or not. Without one, the files are
-    those the cache holds."""
+    """The commit a revision resolved to when last fetched, and its files as the
+    cache lists them (the Hub could not be asked): the cache's own listing of
+    the commit (every file, downloaded or not), else the files the cache holds."""
     repo, asked, folder = where.repo, where.revision, where.folder
     try:
         sha = _commit(
@@ -289,7 +274,7 @@ def _from_cache(where: Hub, hub: Any, token: str | None) -> Pinned:
         )
     except (hub.errors.RevisionResolutionError, CheckpointStorageError):
         sha = None
-    snapshot = _snapshot(hub, repo, sha)
+    snapshot = None if sha is None else _snapshot(hub, repo, sha)
     listing = None if sha is None else _cached_tree(hub, repo, sha)
     if sha is not None and listing is not None:
         return Pinned(repo, asked, sha, folder, listing, True, token=token)
@@ -317,10 +302,8 @@ def _cached_tree(hub: Any, repo: str, sha: str) -> dict[str, int] | None:
         return None
 
 
-def _snapshot(hub: Any, repo: str, sha: str | None) -> str | None:
+def _snapshot(hub: Any, repo: str, sha: str) -> str:
     """The cache's folder of `repo` at commit `sha`."""
-    if sha is None:
-        return None
     name = hub.file_download.repo_folder_name(repo_id=repo, repo_type="model")
     return os.path.join(hub.constants.HF_HUB_CACHE, name, "snapshots", sha)
 
@@ -449,15 +432,13 @@ def _first_line(error: BaseException) -> str:
 
 
 def needed(pinned: Pinned, read_index: Callable[[str], bytes]) -> list[str]:
-    """The files of the pinned folder a load reads.
+    """The files of the pinned folder a load reads: the safetensors files (an
+    index and its shards, or one file), and `eqx_ckpt.json` where it is there.
 
-    They are the safetensors files (an index and its shards, or one file),
-    and `eqx_ckpt.json` where it is there. A folder holding no safetensors
-    file raises, saying what it holds; so does one holding two layouts at once
-    (`_safetensors.ambiguous`: an index and a single file, two indexes, a
-    whole model's file and a fine-tune's). A commit answered from the
-    cache (`Pinned.cached`) whose files the cache lacks some of is asked of
-    the server: one it no longer gives is named, with what the cache lacks."""
+    A folder with no safetensors file, or with two layouts at once
+    (`_safetensors.ambiguous`), raises, saying what it holds. A commit answered
+    from the cache (`Pinned.cached`) that lacks some of them is asked of the
+    server: one it no longer gives is named, with what the cache lacks."""
     names = _needed(pinned, read_index)
     missing = _uncached(pinned, names) if pinned.cached else []
     if missing:
@@ -473,7 +454,7 @@ def needed(pinned: Pinned, read_index: Callable[[str], bytes]) -> list[str]:
 def _needed(pinned: Pinned, read_index: Callable[[str], bytes]) -> list[str]:
     files = pinned.files()
     indexes, singles = _safetensors.layout(files)
-    extras = [n for n in (RECORD,) if n in files]
+    extras = [RECORD] if RECORD in files else []
     if not pinned.listed and not indexes and not singles:
         raise CheckpointConnectionError(_partly_cached(pinned, []), path=pinned.display)
     both = _safetensors.ambiguous(files)
@@ -531,10 +512,9 @@ def _partly_cached(pinned: Pinned, missing: list[str]) -> str:
 
 
 def _shards(pinned: Pinned, index: str, data: bytes) -> list[str]:
-    """The shards an index names (a name that is no file of the folder is left
-    for the safetensors reader to refuse, with its reason). A name that is no
-    safetensors file (a pickle, code, a configuration) is refused before
-    anything is downloaded."""
+    """The shards an index names that are files of the folder (the safetensors
+    reader refuses the others); a name that is no safetensors file is refused
+    before anything is downloaded."""
     try:
         weight_map = loads_file(data).get("weight_map", {})
         names = {v for v in weight_map.values() if isinstance(v, str)}
@@ -585,11 +565,8 @@ def _holds_nothing(pinned: Pinned) -> str:
 
 
 def reader(files: Files, *, whole: bool) -> Callable[[str], bytes]:
-    """How `needed` reads an index of the folder `files` reads.
-
-    For a whole load it is downloaded into the cache, and read there. So is
-    one already in the cache. Else it is read by one read through the Hub's
-    file system, and kept (`Files.read`)."""
+    """How `needed` reads an index: from the cache for a whole load or one
+    cached already (downloaded first), else by one read of `files`, which keeps it."""
     pinned = files.pinned
 
     def read(name: str) -> bytes:
@@ -617,18 +594,13 @@ def _uncached(pinned: Pinned, names: Iterable[str]) -> list[str]:
 
 
 def download(pinned: Pinned, names: list[str]) -> tuple[str, tuple[str, ...]]:
-    """Download `names` of the pinned folder into the Hub's local cache with
-    `snapshot_download`, at the pinned commit, and return the local folder
-    holding them, and what was checked of them, as `verify` says it.
+    """Download `names` of the pinned folder into the Hub's cache at the pinned
+    commit (`snapshot_download`: those there already are not fetched again);
+    return the local folder and what was checked of them, as `verify` says it.
 
-    Those already there are not fetched again. Offline, those missing are
-    named. Each must lie in the cache, and is checked against the size and
-    the digest (SHA-256 or git blob id) the Hub listed, or else the one its
-    blob in the cache is named after (`checked`).
-
-    huggingface_hub's own bars show as eqx_ckpt's do: for a download of at
-    least `_progress.MIN_BYTES` (listed), so the small files `ls`, `info` and
-    a partial load fetch show none."""
+    Offline, those missing are named. Each must lie in the cache, with the size
+    and digest the Hub listed (`_check_digests`). huggingface_hub's bars show
+    only from `_progress.MIN_BYTES`, as eqx_ckpt's do (`ls` and `info` show none)."""
     hub = library()
     if pinned.offline:
         missing = _uncached(pinned, names)
@@ -687,10 +659,8 @@ def _quiet(hub: Any) -> type:
 
 
 def _check_digests(pinned: Pinned, local: str, names: list[str]) -> tuple[str, ...]:
-    """Every file of a whole load against its digest (an LFS file's SHA-256,
-    any other's git blob id; all at once, at disk speed): bytes served or
-    cached that are not the commit's are refused. What was checked, a
-    sentence a file."""
+    """Refuse a file of a whole load whose digest is not the commit's (an LFS
+    file's SHA-256, any other's git blob id); what was checked, a sentence a file."""
     listed = [(n, *_listed_digest(pinned, local, n)) for n in sorted(names)]
     listed = [(n, lfs, digest, said) for n, lfs, digest, said in listed if digest is not None]
     hashing = _pool().map if len(listed) > 1 else map  # (one file: in this thread, maybe the pool's own)
@@ -705,10 +675,9 @@ def _check_digests(pinned: Pinned, local: str, names: list[str]) -> tuple[str, .
 
 
 def _listed_digest(pinned: Pinned, local: str, name: str) -> tuple[bool, str | None, str]:
-    """Whether `name` is an LFS file, the digest it must have (its SHA-256, or
-    its git blob id), and who said so: the Hub's listing; else (a listing from
-    the cache) the name of its blob in the cache, which huggingface_hub names
-    after the digest the server sent (its `ETag`)."""
+    """Whether `name` is an LFS file, the digest it must have, and who said so:
+    the Hub's listing, else the name of its blob in the cache (huggingface_hub
+    names it after the `ETag` the server sent)."""
     listed = pinned.sha256.get(pinned.folder + name) or pinned.blob_ids.get(pinned.folder + name)
     if listed is not None:
         return pinned.folder + name in pinned.sha256, listed, "the Hub lists"
@@ -728,15 +697,13 @@ def _digest(path: str, *, lfs: bool) -> str:
 
 
 class Files:
-    """The files of a pinned folder, read by byte ranges through
-    `huggingface_hub`'s file system (`HfFileSystem`) at the commit: the
-    folder `_safetensors.find` reads (a `_safetensors.Folder`). A small file
-    read whole is kept: a commit's files never change.
+    """The files of a pinned folder, read by byte ranges through `HfFileSystem`
+    at the commit: the `_safetensors.Folder` `_safetensors.find` reads. A small
+    file read whole is kept (a commit's files never change).
 
-    A server that answers a range with the whole file (a mirror ignoring
-    `Range`) has each file downloaded whole into the cache instead (`download`:
-    checked against its digest), with one line logged; the ranges are then
-    read there."""
+    Where a server answers a range with the whole file (a mirror ignoring
+    `Range`), each file is downloaded whole into the cache instead (`download`,
+    which checks it), with one line logged."""
 
     def __init__(self, pinned: Pinned):
         self.pinned = pinned
@@ -751,9 +718,8 @@ class Files:
         return sorted(self.pinned.files())
 
     def read(self, name: str, byte_range: slice | None = None) -> _storage.Mapped:
-        """A future of a `_storage.Found`, its generation the commit; a range
-        starting past the end of the file fails with `OUT_OF_RANGE`, as
-        TensorStore's reads do."""
+        """A future of a `_storage.Found`, its generation the commit; a range past
+        the end fails with `OUT_OF_RANGE`, as TensorStore's reads do."""
         return _storage.Mapped(_pool().submit(self._read, name, byte_range), lambda found: _storage.Found(*found))
 
     def read_file(self, name: str, *, limit: int) -> bytes | None:
@@ -829,9 +795,7 @@ class Files:
 
 
 def _pool() -> _threads.Pool:
-    """The pool reading byte ranges and hashing downloaded files (its owner,
-    `_threads`, stops it at exit). `snapshot_download`'s own threads are the
-    library's, joined before it returns."""
+    """The pool reading byte ranges and hashing downloaded files (`_threads` stops it at exit)."""
     return _threads.pool("eqx_ckpt-hub-read", THREADS * 2)
 
 
@@ -845,20 +809,14 @@ class Published:
 
 
 def publish(write: Callable[[str], list[str]], options: Any, token: str | None) -> Published:
-    """Write the files of a publication into a temporary folder, then make the
-    branch hold exactly them, in one commit.
+    """Make the branch hold exactly the files `write(folder)` writes (and names),
+    in one commit; `options` are the push's (`_publish.PushOptions`).
 
-    - `options` are the push's (`_publish.PushOptions`: the repository, its
-      branch, whether a new one is private, the commit's message and tag).
-    - `write(folder)` writes the files and returns their names.
-    - The repository is made first where there is none.
-    - A branch named by `revision` is made from the default branch where there
-      is none.
-    - Files of the published layout at the repository's root that `write` did
-      not write (`_safetensors.is_published`, the rule of an export into a
-      folder) are deleted in the same commit. Every other file stays.
-    - Where the branch holds these files already, nothing is committed.
-    - `tag` tags the commit that holds them."""
+    The repository and the branch (from the default one) are made where there
+    are none. Files of the published layout at the root that `write` did not
+    write (`_safetensors.is_published`) are deleted in the same commit; every
+    other file stays. Where the branch holds these files already, nothing is
+    committed. `tag` tags the commit that holds them."""
     hub = library()
     api = hub.HfApi(token=token)
     repo, revision = options.repo_id, options.revision

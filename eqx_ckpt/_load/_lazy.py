@@ -1,23 +1,17 @@
 """Leaves read when asked, leaves made by a `transform`, and a checkpoint as
 nested dicts.
 
-- `LazyArray`: a stored leaf that is read only when asked (`materialise`, in
-  `_deserialise`, reads many), by the reader of whole leaves (`_reader`).
+- `LazyArray`: a stored leaf read only when asked, by the reader of whole
+  leaves (`_reader`).
 - `transformed`: stored arrays -> the array a leaf of `like` expects, for
   layouts that differ between frameworks (a PyTorch conv bias is `(out,)`,
-  Equinox's `(out, 1, 1)`; PyTorch packs the query, key and value
-  projections of attention into one tensor). A transformed leaf is read whole
-  on the host, passed through its function, checked against `like`, then
-  placed like any other. Which leaves are transformed, and from which stored
-  arrays, the load plan says (`_load_plan.TransformPlan`; the option is
-  parsed by `_select.finder`).
-- `nested`: a load without a skeleton, a checkpoint (or a sub-tree of it) as
-  nested dicts and lists built from the key paths the manifest records, for
-  inspecting a checkpoint or converting one whose code is gone. Sequence
-  indices become lists. Every other key (dict keys, attribute names) becomes
-  a dict key. Keys of one container that cannot be sorted together (indices
-  beside names, from a custom pytree node) become their names in dotted
-  paths.
+  Equinox's `(out, 1, 1)`). A transformed leaf is read whole on the host,
+  passed through its function, checked against `like`, then placed like any
+  other; the load plan says which (`_load_plan.TransformPlan`).
+- `nested`: a load without a skeleton, as nested dicts and lists built from
+  the key paths the manifest records. Sequence indices become lists, other
+  keys dict keys; keys of one container that cannot be sorted together
+  become their names in dotted paths.
 """
 
 from __future__ import annotations
@@ -64,7 +58,7 @@ class LazyArray:
     A `LazyArray` is not a JAX array. `eqx.is_array` is `False` for it, so
     `eqx.filter` treats it as static. Passing it to a `jax.jit`-ted (or
     `eqx.filter_jit`-ted) function raises, saying to call
-    `eqx_ckpt.materialise` first. Materialise first.
+    `eqx_ckpt.materialise` first.
 
     !!! example
 
@@ -83,11 +77,8 @@ class LazyArray:
     __slots__ = ("__weakref__", "_like", "_loc", "_record", "_source", "_store")
 
     def __init__(self, source: Source, record: LeafRecord, like: Any = None):
-        # The opened checkpoint it reads from (`_source.Source`). It knows how a
-        # leaf of another format is opened. It checks, after every read, that
-        # the checkpoint was not replaced, so that a read never returns a later
-        # save's bytes. `materialise` reads many lazy leaves through it as one
-        # load does.
+        # The opened checkpoint, checked after every read so a read never
+        # returns a later save's bytes.
         self._source = source
         self._loc = source.data
         self._record = record
@@ -97,10 +88,8 @@ class LazyArray:
         _LIVE[id(live)] = live
 
     def __hash__(self) -> int:
-        # Unhashable on purpose: `jax.jit` would otherwise treat it as static.
-        # `eqx.filter_jit` hashes the non-array parts of its arguments, this
-        # among them: its error then says what to do, not JAX's "Non-hashable
-        # static arguments are not supported" alone.
+        # Unhashable on purpose, or `jax.jit` would treat it as static; then
+        # `eqx.filter_jit`'s hash of it says what to do.
         raise CheckpointTypeError(
             f"A LazyArray (leaf {self.path!r}, not read yet) is not a JAX array, so `jax.jit` and "
             f"`eqx.filter_jit` cannot take it (it is unhashable, and not an array). Read the lazy leaves first: "
@@ -186,24 +175,16 @@ class LazyArray:
         return array if dtype is None else array.astype(dtype)
 
     def _host(self) -> np.ndarray:
-        """The whole leaf as a NumPy array of its `dtype` (a PRNG key's, its key
-        data), read as a load reads it.
-
-        The reader of whole leaves reads it. On a local disk it reads
-        straight into one aligned buffer. A packed leaf comes from its pack,
-        through the process's cached open of it, as a leaf read alone. Its
-        checkpoint is checked after the read. How `np.asarray` reads it, a
-        save stages it, and `export_safetensors` writes it."""
+        """The whole leaf as a NumPy array of its `dtype` (a PRNG key's key data),
+        read as a load reads it (by `np.asarray`, a save and `export_safetensors` too)."""
         if self._record.type == "prng_key":
             return self[...]
         like = np.broadcast_to(np.zeros((), self.dtype), self.shape)
         return _reader.read_leaves(self._source, [LeafPlan.of(0, self._record, like)], cached=True)[0]
 
     def start(self, *, checked: bool = True) -> Any:
-        """The read of the whole leaf, to run: the returned function reads it
-        by the reader of whole leaves (`_reader.read_leaves`, as a load
-        reads it) and gives the value, then (unless `checked=False`) checks
-        that the checkpoint was not replaced."""
+        """A function reading the whole leaf as a load does, then (unless
+        `checked=False`) checking that the checkpoint was not replaced."""
         plan = LeafPlan.of(0, self._record, self._read_as())
         return lambda: _reader.read_leaves(self._source, [plan], checked=checked, cached=True)[0]
 
@@ -220,8 +201,7 @@ class LazyArray:
     @property
     def saved_as(self) -> str:
         """The leaf type a save of it records (`_dtypes.like_type` of what it
-        reads as: "jax", "numpy", "prng_key", a scalar's), "placed" for a JAX
-        array placed over several devices (saved shard by shard)."""
+        reads as), or "placed" for a JAX array over several devices."""
         like = self._read_as()
         sharding = _read.target_sharding(like)
         if sharding is not None and len(sharding.device_set) > 1:
@@ -229,13 +209,9 @@ class LazyArray:
         return _dtypes.like_type(like) or "other"
 
     def to_save(self) -> tuple[Any, str | None]:
-        """What a save of this leaf writes, and the leaf type it records when
-        that is not the value's own.
-
-        It writes `read()`'s value, with one exception: a leaf read as a JAX
-        array of a 64-bit dtype, in a process without JAX's 64-bit mode. That
-        one is read as NumPy, its values exact, and recorded as the JAX array it
-        stands for. So a lazily opened checkpoint saved again is a copy."""
+        """What a save of this leaf writes (`read()`'s value), and the leaf type it
+        records where that is not the value's own: a 64-bit JAX leaf without
+        x64 is written as exact NumPy, recorded as "jax", so a resave is a copy."""
         like = self._read_as()
         if _dtypes.like_type(like) == "jax" and _dtypes.x64_missing(self.dtype):
             return np.asarray(self), "jax"
@@ -247,12 +223,6 @@ def _is_advanced(index: Any) -> bool:
     return any(isinstance(item, (list, np.ndarray, jax.Array, bool, np.bool_)) for item in items)
 
 
-_VALID = (
-    "only integers, slices (`:`), ellipsis (`...`), None and integer or boolean arrays are valid indices "
-    "of a LazyArray, as of a NumPy array"
-)
-
-
 def _numpy_index(index: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:
     """`index` with NumPy's meaning made explicit: TensorStore reads negative and
     out-of-range bounds as literal coordinates, NumPy counts them from the end and
@@ -260,7 +230,10 @@ def _numpy_index(index: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:
     items = list(index) if isinstance(index, tuple) else [index]
     for item in items:
         if not (item is None or item is Ellipsis or isinstance(item, (slice, int, np.integer))):
-            raise IndexError(f"{_VALID}, not {type(item).__name__} ({item!r})")
+            raise IndexError(
+                "only integers, slices (`:`), ellipsis (`...`), None and integer or boolean arrays are valid "
+                f"indices of a LazyArray, as of a NumPy array, not {type(item).__name__} ({item!r})"
+            )
     axes = sum(1 for item in items if item is not None and item is not Ellipsis)
     if axes > len(shape):
         raise IndexError(f"too many indices for a LazyArray of shape {shape}")
@@ -453,9 +426,8 @@ def checked(out: np.ndarray, like: Any, cast: bool) -> tuple[np.ndarray, str]:
 
 
 class TransformedArray(LazyArray):
-    """A lazy leaf made by a `transform` of stored arrays. It has `like`'s shape
-    and dtype; reading any of it reads the stored arrays whole and transforms them
-    (a function of the whole array cannot be read in slices)."""
+    """A lazy leaf made by a `transform` of stored arrays, of `like`'s shape and
+    dtype; reading any of it reads and transforms the stored arrays whole."""
 
     __slots__ = ("_cast", "_fn", "_keypath", "_parts")
 
@@ -511,9 +483,8 @@ class TransformedArray(LazyArray):
 def nested(
     source: Source, records: list[LeafRecord], key: str, *, lazy: bool, progress: Progress, numbered: bool
 ) -> Any:
-    """The leaves of `records` of `source` (all at or below dotted `key`) as
-    nested containers, read as any load reads (`_reader.read_leaves`),
-    or lazily. `numbered`: see `structure`."""
+    """The leaves of `records` (all at or below dotted `key`) as nested
+    containers, read as any load reads, or lazily. `numbered`: see `structure`."""
     data = source.data
     refuse_leaves_with_children([record.path for record in records], data.display)
     # One kind of array in one load: if a leaf saved from JAX cannot be a JAX
@@ -536,10 +507,9 @@ def structure(
     records: list[LeafRecord], key: str, leaf: Callable[[LeafRecord], Any], *, numbered: bool, names: bool = False
 ) -> Any:
     """`leaf(record)` for each record (all at or below dotted `key`), nested as
-    their key paths say. `numbered`: the source's key paths do not say which
-    keys index a sequence (safetensors names), so children named `0`, `1`, ...
-    (contiguous from 0) are a list. `names`: dicts are keyed by dotted-path
-    segments (escaped) rather than by the keys themselves."""
+    their key paths say. `numbered`: children named `0`, `1`, ... are a list (the
+    key paths do not say which keys index a sequence: safetensors names).
+    `names`: dicts are keyed by escaped dotted-path segments, not the keys."""
     depth = len(_keypath.split_dotted(key))
     if len(records) == 1 and records[0].path == key:
         return leaf(records[0])
@@ -563,9 +533,8 @@ def structure(
 
 
 class _Likes:
-    """`_like` of each record, one object for all the records of one type,
-    dtype and shape: it is only asked for those (ten thousand tensors of a
-    model have a few dozen shapes)."""
+    """`_like` of each record, made once per type, dtype and shape (a model's
+    ten thousand tensors have a few dozen shapes)."""
 
     def __init__(self, host: bool):
         self.host = host
@@ -580,9 +549,7 @@ class _Likes:
 
 
 def _lazy_leaf(source: Source, record: LeafRecord, *, like: _Likes) -> Any:
-    """A `LazyArray` standing for the leaf as the type it was saved as (a NumPy
-    array where `host`); scalars are read at once (they come back as values,
-    lazy or not)."""
+    """A `LazyArray` of the leaf; a scalar is read at once (it comes back as a value, lazy or not)."""
     lazy = LazyArray(source, record, like(record))
     if record.type in SCALAR_TYPES:
         return lazy.read()
@@ -601,10 +568,9 @@ _NUMBER = re.compile(r"0|[1-9][0-9]*")
 
 
 def _plain_key(kind: str, value: Any, numbered: bool) -> tuple[str, Any, str]:
-    """Sequence indices stay ints (and become list positions); other keys keep
-    their value (attribute names and string dict keys as they are), marked as
-    a `number` where `numbered` and the key is one. Last, the key's name in
-    dotted paths, for a dict whose keys cannot be sorted."""
+    """`(kind, value, name)`: sequence indices stay ints ("index"); other keys
+    keep their value, as a "number" where `numbered` and it is one; `name` is
+    the key in dotted paths, for a dict whose keys cannot be sorted."""
     if kind in ("index", "flat"):
         return ("index", value, _keypath.stored_segment(kind, value))
     name = _keypath.stored_segment(kind, value)
@@ -645,13 +611,9 @@ def refuse_leaves_with_children(paths: list[str], where: str) -> None:
 
 
 def _finish(node: Any, names: bool = False) -> Any:
-    """`_Node`s as lists or dicts.
-
-    - A list when every key is a sequence index. Indices that were not saved,
-      such as the activations between layers, are `None`.
-    - A list when every key is a `number` and they run from 0 without a gap.
-    - Otherwise a dict, also for indices too sparse to be a list, as a hostile
-      manifest may claim."""
+    """`_Node`s as lists where every key is a sequence index (those not saved are
+    `None`) or every key a `number` from 0 without a gap; else as dicts (also
+    for indices too sparse to be a list, as a hostile manifest may claim)."""
     if not isinstance(node, _Node):
         return node
     kinds = {kind for kind, _, _ in node}

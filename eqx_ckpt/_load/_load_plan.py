@@ -1,17 +1,10 @@
 """The load plan: which stored record, if any, feeds each leaf of `like`, and how.
 
-A load's options are resolved here, once, by the same code for every source
-(`_source`): an eqx_ckpt checkpoint, a safetensors file, a Hugging Face
-directory of shards, an orbax checkpoint.
-
-- `where` picks leaves of `like`.
-- `prefix` and `rename` name where each is stored.
-- `transform` says which are made by a function of stored arrays.
-- `missing`, `strict` and `cast` say which differences are allowed.
-
-Every problem found is raised together, before anything is read, as one
-`LeafError` (`Report`). A check written here holds for every format: `plan` is
-the one place that sees every leaf of `like` with its stored name and record.
+A load's options are resolved here, once, for every source format: `where`
+picks leaves of `like`, `prefix` and `rename` name where each is stored,
+`transform` makes some from stored arrays, and `missing`, `strict` and `cast`
+say which differences are allowed. Every problem is raised together, before
+anything is read, as one `LeafError` (`Report`).
 """
 
 from __future__ import annotations
@@ -49,19 +42,12 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class LoadOptions:
-    """A load's options, made once where the load is asked for, then passed whole.
+    """A load's options, made once by each public load from its keyword
+    arguments, then passed whole to the source, the plan and the readers.
+    Each defaults and means as in `tree_deserialise_leaves`.
 
-    Every public load (`tree_deserialise_leaves`, `load_or_initialise`, a
-    manager's `restore` and `restore_or_initialise`, `Checkpoint.load`) makes
-    one from its keyword arguments, by name, in one call. It goes whole to the
-    source (`_source.open_source`: `token`, `base`, `whole`), the plan and the
-    readers. Each option defaults as in
-    `tree_deserialise_leaves`, whose docstring says what it does.
-
-    `missing`, `strict`, `lazy`, `cast` and `read_once` are checked as it is
-    made, in that order. The others are checked where they are used: `where`,
-    `prefix`, `rename` and `transform` as `plan` resolves them against `like`;
-    `trust` and `check_init` as a load without `like` rebuilds it."""
+    `missing`, `strict`, `lazy`, `cast` and `read_once` are checked here, in
+    that order; the others where they are used (by `plan`, or the rebuild)."""
 
     where: Callable[[Any], Any] | None = None
     prefix: str | None = None
@@ -101,9 +87,8 @@ class LoadOptions:
 
     @property
     def whole(self) -> bool:
-        """Whether the load asks for everything stored, so that a Hub load
-        downloads the files into its cache (a second load reads them there);
-        a partial or lazy one reads byte ranges."""
+        """Whether the load asks for everything stored: a Hub load then
+        downloads the files into its cache, instead of reading byte ranges."""
         return self.where is None and self.prefix is None and not self.lazy
 
 
@@ -126,8 +111,7 @@ class LeafPlan:
     @classmethod
     def of(cls, index: int, record: LeafRecord, like: Any) -> LeafPlan:
         """The plan of reading `record` as `like`, named by the record's own key
-        path: a read that no `like` tree planned (a nested load, `materialise`,
-        a save staging a lazy leaf)."""
+        path, for a read that no `like` tree planned (`materialise`, say)."""
         return cls(index, functools.partial(_keypath_of, record), like, record.path, record)
 
 
@@ -175,12 +159,9 @@ def plan(
     options: LoadOptions,
     flat: tuple[list[Any], _tree.Names] | None = None,
 ) -> LoadPlan:
-    """The plan of loading `source` into `like`, every problem found raised
-    together. `default`: the filter spec whose leaves the load reads itself.
-    `flat`: `like` flattened and named (`_tree.flatten_named`), where the
-    caller has it. Named as a save names its leaves: from the structure,
-    remembered for the next load of it; key paths only where an error names
-    a leaf."""
+    """The plan of loading `source` into `like`, every problem raised together.
+    `default`: the filter spec whose leaves the load reads itself. `flat`:
+    `like` flattened and named (`_tree.flatten_named`), where the caller has it."""
     values, named = flat if flat is not None else _tree.flatten_named(like, is_leaf)
     treedef = named.treedef
     specs = _tree.leaf_specs(filter_spec, like, is_leaf, what="like", count=len(values))
@@ -218,14 +199,14 @@ def _chosen(where: Callable[[Any], Any] | None, treedef: Any, leaves: _Leaves) -
 
 
 def _check_whole(leaves: _Leaves, names: _Names, report: Report, manifest: Manifest, *, strict: bool) -> None:
-    """The checks of the plan as a whole, once every leaf is planned: a load that
-    matches nothing, and the stored leaves `like` lacks (an error with `strict`,
-    else listed beside the leaves that do not match)."""
-    if not strict:  # with `strict=True` the report below lists both sides anyway
-        refuse_no_match(leaves.wanted, leaves.custom, leaves.transformed, manifest, report.loc, names.root)
-    if strict:
+    """The checks once every leaf is planned: a load that matches nothing, and the
+    stored leaves `like` lacks (an error with `strict`, else listed beside the
+    leaves that do not match)."""
+    if strict:  # the report lists both sides
         _report_unexpected(leaves, names, report)
-    elif report.lines:
+        return
+    refuse_no_match(leaves.wanted, leaves.custom, leaves.transformed, manifest, report.loc, names.root)
+    if report.lines:
         found = {plan.stored for plan in leaves.wanted} | {plan.stored for plan, _ in leaves.custom}
         report.unexpected = sorted(
             (p for p in names.records if _keypath.is_within(p, names.root) and p not in found), key=_keypath.sort_key
@@ -283,12 +264,10 @@ def _names(loc: Location, manifest: Manifest, dotted: list[str], options: LoadOp
 
 
 def _check_keys(options: LoadOptions, dotted: list[str], names: _Names, loc: Location) -> None:
-    """Refuse, before anything is read, a key of a `rename` or `transform` mapping
-    that names no leaf of `like` (any leaf, whatever `where` selects and
-    `missing` says; a `rename` key may also name a sub-tree). Such a key (a
-    typo, or the stored name, as load errors name leaves) once left a leaf as
-    `like` had it without a word. Rule lists and callables are not checked:
-    rules are often written for many models at once."""
+    """Refuse a key of a `rename` or `transform` mapping that names no leaf of
+    `like` (whatever `where` and `missing` say; a `rename` key may name a
+    sub-tree): it would leave a leaf as `like` has it without a word. Rule
+    lists and callables are not checked: they are often written for many models."""
     unmatched: list[tuple[str, str, set[str]]] = []
     if isinstance(options.rename, Mapping) and options.rename:
         # Every sub-tree of `like` holding a leaf (the root, `""`, is not a key `rename` applies).
@@ -345,17 +324,15 @@ class _Leaves:
         self.wanted: list[LeafPlan] = []
 
     def assign(self, chosen: list[int], names: _Names, report: Report, *, missing: str, cast: bool) -> None:
-        """Plan every leaf of `chosen`; problems go to `report`. (The checks of one
-        leaf; those of the plan as a whole, once every leaf is planned, are
-        `_check_whole`'s. This loop runs for every leaf of `like`, ten thousand
-        in the `many` benchmark.)"""
+        """Plan every leaf of `chosen`; problems go to `report`. (A hot loop: it
+        runs for every leaf of `like`, hence the names bound before it.)"""
         values, dotted, specs, default, records = self.values, self.dotted, self.specs, self.default, names.records
         stored_path, to_transform, wanted, reads = names.stored, names.transform, self.wanted, self.reads
         named = self.names.keypath
         for i in chosen:
             leaf = values[i]
             stored = stored_path(i)
-            if stored is None:
+            if stored is None:  # renamed to `None`: keeps `like`'s value
                 continue
             fn = to_transform(dotted[i])
             if specs[i] is not default:

@@ -1,12 +1,9 @@
-"""How a load says what does not match.
+"""How a load says what does not match (what is checked is `_load_plan`'s).
 
-- Every problem of a plan is raised together as one `LeafError` (`Report`).
-  Where the only problems are sub-trees that changed shape as a whole (a new
-  head), it prints the `where=` that loads the rest (`narrowed`).
-- A load that matches nothing has its own errors: no leaf at all, or a key of
-  `rename` or `transform` naming no leaf of `like`.
-
-What is checked is decided in `_load_plan`."""
+Every problem of a plan is raised together as one `LeafError` (`Report`).
+Where only whole sub-trees changed shape (a new head), it prints the `where=`
+that loads the rest (`narrowed`). A load that matches nothing has its own
+errors (`refuse_no_match`, `refuse_unmatched`)."""
 
 from __future__ import annotations
 
@@ -23,9 +20,8 @@ from .._base._errors import CheckpointValueError, LeafError, describe_leaf, leaf
 from .._base._location import Location
 from .._ondisk._manifest import Manifest
 
-# How many leaves a failed load names; the rest are counted (and all are in the
-# error's `dotted` attribute). A forgotten `prefix=` on a large tree would
-# otherwise print every leaf.
+# How many leaves a failed load names; the rest are counted. A forgotten
+# `prefix=` on a large tree would otherwise print every leaf.
 _SHOWN = 12
 _SHOWN_UNEXPECTED = 8
 
@@ -45,8 +41,7 @@ class Report:
         self.unexpected: list[str] = []
         # The first exception behind a problem (a `transform` that raised): the error chains it.
         self.cause: Exception | None = None
-        # The key paths of the leaves whose shape changed, and the fix that
-        # leaves out the sub-trees holding them (`narrowed`), where one fits.
+        # The leaves whose shape changed, and the `where` leaving them out, where one fits.
         self.reshaped: set[tuple[Any, ...]] = set()
         self.narrowing: Narrowing | None = None
 
@@ -64,8 +59,8 @@ class Report:
     def add_transform(
         self, keypath: tuple[Any, ...], stored: str | tuple[str, ...], problem: str, *, cause: Exception | None = None
     ) -> None:
-        """A problem of a transformed leaf: `missing: ...` is a missing leaf;
-        anything else is about the transform (`cause`: the exception it raised)."""
+        """A problem of a transformed leaf: `missing: ...`, or one of the transform
+        (`cause`: the exception it raised)."""
         if self.cause is None:
             self.cause = cause
         kind, sep, what = problem.partition(": ")
@@ -124,9 +119,8 @@ _NARROWED = 4
 
 @dataclasses.dataclass(frozen=True)
 class Narrowing:
-    """The sub-trees of `like` that changed shape as a whole (`changed`), and
-    the `where` selector (`selector`) that loads every other selected leaf,
-    each as Python text a user can paste."""
+    """The sub-trees of `like` that changed shape as a whole, and the `where`
+    that loads every other selected leaf, as Python text a user can paste."""
 
     changed: list[str]
     selector: str
@@ -145,13 +139,11 @@ class Narrowing:
 
 
 def narrowed(leaves: Sequence[tuple[tuple[Any, ...], str]]) -> Narrowing | None:
-    """The `where` that leaves out the sub-trees of `like` that changed shape,
-    where every leaf that did is in a sub-tree that changed as a whole.
-    `leaves`: the key path of every leaf of `like` that a load reads, in
-    order, with its state: `"changed"` (shape), `"kept"` (selected, fits) or
-    `"out"` (not selected). `None` where no such `where` fits: nothing would
-    load, a leaf changed beside a sibling that fits (a weight but not its
-    bias), too many sub-trees changed, or a key has no Python spelling."""
+    """The `where` that leaves out the sub-trees of `like` that changed shape as
+    a whole. `leaves`: each leaf a load reads, in order, with its state:
+    `"changed"` (shape), `"kept"` (selected, fits) or `"out"` (not selected).
+    `None` where no such `where` fits (a weight changed but not its bias, too
+    many sub-trees changed, a key with no Python spelling, nothing left)."""
     root = _Node()
     for keypath, state in leaves:
         root.add(keypath, state)
@@ -214,7 +206,7 @@ class _Node:
 
 def _sliced(parts: list[tuple[Any, ...]]) -> list[tuple[tuple[Any, ...], int]]:
     """`parts` as `(key path, count)`: three or more consecutive items of one
-    sequence as one slice (its first item's key path, and its length)."""
+    sequence as one slice from the first."""
     runs: list[list[tuple[Any, ...]]] = []
     for part in parts:
         if runs and _follows(runs[-1][-1], part):
@@ -231,9 +223,9 @@ def _follows(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 
 
 def _spelt(var: str, keypath: tuple[Any, ...], count: int = 1) -> str | None:
-    """The Python expression of the node at `keypath` of `var` (with `count`
-    > 1: the starred slice of that many items from it); `None` where a key has
-    no spelling that works on the node (a flattened index, an odd dict key)."""
+    """The Python expression of the node at `keypath` of `var` (with `count` > 1:
+    the starred slice of that many items from it); `None` where a key has no
+    spelling (a flattened index, an odd dict key)."""
     text = var
     for key in keypath[:-1] if count > 1 else keypath:
         spelt = _key_text(key)
@@ -275,11 +267,10 @@ def refuse_no_match(
 ) -> None:
     """A load that finds none of `like`'s leaves is almost always a forgotten
     `prefix=`, or the wrong checkpoint: never return `like` unchanged for it.
-    `wanted`, `custom`, `changed`: the plans (`_load_plan`) of the leaves the load
-    reads, those custom filter specs read, and the transformed ones."""
-    if not wanted or changed or any(plan.record is not None for plan in wanted):
-        return
-    if any(plan.record is not None for plan, _ in custom):
+    `wanted`, `custom`, `changed`: the plans of the leaves the load reads,
+    those custom filter specs read, and the transformed ones."""
+    found = [*wanted, *(plan for plan, _ in custom)]
+    if not wanted or changed or any(plan.record is not None for plan in found):
         return
     looked = ", ".join(f"`{plan.stored}`" for plan in wanted[:3]) + (", ..." if len(wanted) > 3 else "")
     below = keys_below(manifest, root)
@@ -307,8 +298,7 @@ def refuse_no_match(
 
 
 def keys_below(manifest: Manifest, root: str) -> list[str]:
-    """The first segments of the leaves' paths below dotted `root`, sorted (`""`
-    for a leaf at `root` itself)."""
+    """The first segments of the paths below dotted `root`, sorted (`""`: `root` is a leaf)."""
     firsts = set()
     for leaf in manifest.leaves:
         if _keypath.is_within(leaf.path, root):
@@ -336,9 +326,8 @@ class Unmatched:
 
 
 def refuse_unmatched(shown: Sequence[Unmatched], options: set[str], count: int, loc: Location) -> None:
-    """Refuse a load whose `rename` or `transform` mapping (`options`) has `count`
-    keys that name no leaf of `like` (`shown`: the first of them): such a key
-    would silently apply to nothing, leaving a leaf as `like` has it."""
+    """Refuse a load whose `rename` or `transform` mappings (`options`) have `count`
+    keys that name no leaf of `like` (`shown`: the first of them)."""
     which = " and ".join(f"`{option}`" for option in sorted(options))
     lines = [f"  - {_clip(_unmatched_line(u))}" for u in shown]
     if count > len(shown):

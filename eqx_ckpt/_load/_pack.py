@@ -1,22 +1,14 @@
 """Reading small leaves from their packs: one zarr v3 array per stored dtype.
 
-A leaf of at most `_records.PACK_BYTES` stored bytes does not get a folder of
-its own. Its elements (C order) are placed in the one-dimensional array
-`packed.<dtype>/` of the data root, at an offset the manifest records. Each
-leaf starts on a 64-byte boundary. This is a save's packing plan
-(`_records.assign`).
+A leaf of at most `_records.PACK_BYTES` stored bytes has no folder of its own:
+its elements (C order) sit in the one-dimensional array `packed.<dtype>/` of
+the data root, at a 64-byte aligned offset the manifest records (a save's
+packing plan, `_records.assign`). Any zarr v3 reader gets it back as
+`pack[offset : offset + size].reshape(shape)`.
 
-The pack is an ordinary zarr v3 array. Its chunks are at most
-`_records.PACK_CHUNK_BYTES`, each with its crc32c. The manifest records their
-length, and readers take it from there. So any zarr v3 reader gets a leaf back
-as `pack[offset : offset + size].reshape(shape)`. eqx_ckpt addresses it by its
-dotted path everywhere, as any other leaf.
-
-Why: a folder, a `zarr.json`, a chunk file and a TensorStore open per leaf cost
-far more than the bytes of a small leaf. Ten thousand 4 kB leaves took seconds
-to save and load, against a fraction of a second for one file. Leaves are
-packed in the tree's flattening order, so a sub-tree (`model`, say) is one
-contiguous run of the pack and a partial load reads only the chunks it covers.
+Why: a folder, a `zarr.json`, a chunk file and an open per leaf cost far more
+than a small leaf's bytes. Leaves are packed in flattening order, so a
+sub-tree is one contiguous run and a partial load reads only the chunks it covers.
 """
 
 from __future__ import annotations
@@ -49,12 +41,9 @@ def read_leaves(
     """Read packed leaves in a few large reads: for each run of a pack that
     covers some of them, `(indices into records, start, finish)`, where
     `finish()` waits and returns the run's elements from offset `start` on.
-
-    Runs are at most the read budget long (`_window`), and started ahead of
-    their use within it. `cached` is for leaves read a few at a time (a lazy
-    leaf). Then every pack is read through this process's cached open of it
-    (`_storage.open_pack`). Its chunk cache serves the next reads of its
-    neighbours, instead of each read checking and reading whole chunk files."""
+    Runs are at most the read budget long (`_window`). `cached`, for leaves
+    read a few at a time (a lazy leaf): through this process's cached open of
+    the pack, whose chunk cache serves its neighbours' next reads."""
     groups = by_pack(records)
     assert sum(map(len, groups.values())) == len(records), "every record must be packed"
     runs: list[tuple[PackRecord, int, int, list[int]]] = []
@@ -67,10 +56,6 @@ def read_leaves(
         most = max(_window.READ_BUDGET // itemsize, pack.chunk) * itemsize
         for lo, hi, members in _window.runs(spans, most):
             runs.append((pack, lo // itemsize, hi // itemsize, members))
-    # Each run is read by the location's reader of pack runs. On a local disk
-    # eqx_ckpt reads it itself, each chunk file checked before it is read. Else
-    # it goes through TensorStore, with one open (and one check of its files)
-    # per pack, not per run.
     reader = _chunk_files.chunk_files(loc).pack_runs(cached=cached)
 
     def start_run(pack: PackRecord, start: int, stop: int, members: list[int]) -> Callable[[], np.ndarray]:
@@ -91,14 +76,9 @@ def read_leaves(
 
 
 def read_alone(loc: Location, record: LeafRecord) -> np.ndarray:
-    """The elements of one packed leaf (its stored shape), read as a run of
-    its own (`pack.read_run`).
-
-    The location's reader of pack runs reads it, through this process's cached
-    open of its pack (`pack_runs(cached=True)`). This is how a reader whose run
-    failed finds which of its leaves is damaged. A failure
-    to read is raised as storage raised it (one to open the pack, as the
-    leaf's)."""
+    """The elements of one packed leaf (its stored shape), read as a run of its
+    own: how a reader whose run failed finds the damaged leaf. A failure is
+    raised as storage raised it."""
     pack = record.pack
     assert pack is not None
     _faults.fire("pack.read_run", loc, pack, [record.path])
@@ -109,15 +89,10 @@ def read_alone(loc: Location, record: LeafRecord) -> np.ndarray:
 def read_chunks(
     loc: Location, pack: PackRecord, records: Sequence[LeafRecord], *, max_reads: int
 ) -> Iterator[tuple[int, Callable[[], np.ndarray]]]:
-    """Every chunk of `pack`, in order: `(chunk index, finish)`.
-
-    `finish()` waits and returns the chunk's elements, or raises a failure as
-    storage raised it. Each chunk is read as a run of its own through
-    TensorStore. Its `pack.read_run` names those of its leaves `records` that
-    the chunk holds. At most `max_reads` run at once, within the read budget
-    (`_window`).
-    For `verify`, which names the leaves of each damaged chunk; the pack is
-    opened as `verify` opens it (its files checked, its chunks not cached)."""
+    """Every chunk of `pack`, in order, as `(chunk index, finish)`, for `verify`,
+    which names the leaves (of `records`) of each damaged chunk. `finish()`
+    returns the chunk's elements, or raises as storage raised it. At most
+    `max_reads` run at once, within the read budget (`_window`)."""
     store = _storage.open_pack(loc, pack, cached=False).result()
     whole = _whole(pack)
     held: dict[int, list[str]] = collections.defaultdict(list)
@@ -137,6 +112,6 @@ def read_chunks(
 
 
 def _whole(pack: PackRecord) -> LeafRecord:
-    """The pack as the record of one array (what a read of its regions is said to read)."""
+    """The pack as the record of one array (what a read of its regions reads)."""
     shape = (pack.size,)
     return LeafRecord(pack.name, [], "numpy", shape, pack.dtype, shape, pack.dtype, "plain", (pack.chunk,))

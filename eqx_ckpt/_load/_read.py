@@ -32,9 +32,8 @@ if TYPE_CHECKING:
 
 
 class Check(Protocol):
-    """A check of a leaf's stored bytes, fed in order as they are read
-    (`update`) then `done`, or called with the whole leaf
-    (`_family.DigestCheck`)."""
+    """A check of a leaf's stored bytes (`_family.DigestCheck`): fed in order
+    (`update`, then `done`), or called with the whole leaf."""
 
     def update(self, array: np.ndarray) -> None: ...
 
@@ -53,9 +52,8 @@ def target_sharding(like: Any) -> Any:
 
 
 def concrete(sharding: Any) -> Any:
-    """A sharding over real devices. `eqx.filter_eval_shape` gives shardings over
-    an `AbstractMesh` (axis names and sizes, no devices): lay that mesh out over
-    this process's devices the way `jax.make_mesh` does."""
+    """A sharding over real devices: an `AbstractMesh` (as `eqx.filter_eval_shape`
+    gives) laid out over this process's devices the way `jax.make_mesh` does."""
     mesh = getattr(sharding, "mesh", None)
     if not isinstance(mesh, jax.sharding.AbstractMesh):
         return sharding
@@ -69,7 +67,6 @@ def concrete(sharding: Any) -> Any:
 def host_converter(record: LeafRecord, dtype: Any, loc: Location) -> Callable[[np.ndarray], np.ndarray]:
     """Stored bytes -> the logical dtype -> `dtype`, when given and different.
     A conversion that would change values beyond rounding is an error."""
-
     return functools.partial(converted, record=record, dtype=dtype, loc=loc)
 
 
@@ -81,43 +78,21 @@ def converted(array: np.ndarray, record: LeafRecord, dtype: Any, loc: Location) 
     try:
         return _dtypes.checked_cast(array, dtype)
     except ValueError as e:
-        raise cast_error(loc, record, array.dtype, np.dtype(dtype), e) from None
-
-
-def cast_error(loc: Location, record: LeafRecord, source: np.dtype, dtype: np.dtype, why: Exception) -> LeafError:
-    """`source`: the dtype of the values converted (the stored one, for a leaf
-    cast on save)."""
-    stored = f"{source.name} (how this {record.dtype} leaf is stored)" if source.name != record.dtype else record.dtype
-    return stored_leaf_error(
-        LeafError,
-        f"cannot convert it from {stored} to {dtype}: {why}.",
-        dotted=record.path,
-        path=loc.display,
-        fix="Nothing was loaded. Load it into a `like` of a dtype that holds its values (or leave `cast` off).",
-    )
-
-
-def result(loc: Location, record: LeafRecord, array: np.ndarray, like: Any, sharding: Any = None) -> Any:
-    """`_dtypes.to_result`, with its refusal of a stored value that a Python
-    scalar `like` cannot hold exactly (an integer beyond 2**53 as a `float`)
-    as an error naming the leaf."""
-    try:
-        return _dtypes.to_result(array, like, sharding=sharding)
-    except ValueError as e:
+        # `array.dtype` differs from the leaf's for a leaf cast on save.
+        source = array.dtype.name
+        stored = f"{source} (how this {record.dtype} leaf is stored)" if source != record.dtype else record.dtype
         raise stored_leaf_error(
             LeafError,
-            f"`like` holds a Python {type(like).__name__}, which cannot hold it exactly: {e}.",
+            f"cannot convert it from {stored} to {np.dtype(dtype)}: {e}.",
             dotted=record.path,
             path=loc.display,
-            fix="Nothing was loaded. Load it into a `like` that holds its values (a Python int, or a "
-            "NumPy or JAX leaf of its dtype; `cast=True` rounds into a narrower one).",
+            fix="Nothing was loaded. Load it into a `like` of a dtype that holds its values (or leave `cast` off).",
         ) from None
 
 
 def refuse_narrowing(loc: Location, record: LeafRecord, dtype: Any) -> None:
-    """A 64-bit leaf cannot become a JAX array while JAX's 64-bit mode is off:
-    `jax.device_put` would silently wrap or round its values. `dtype`: the
-    leaf's as read (`None`: as saved)."""
+    """Refuse a 64-bit leaf as a JAX array while JAX's 64-bit mode is off, which
+    `jax.device_put` would silently wrap or round. `dtype`: as read (`None`: as saved)."""
     dtype = dtype_from_name(record.dtype) if dtype is None else dtype
     if not _dtypes.x64_missing(dtype):
         return
@@ -135,18 +110,13 @@ def refuse_narrowing(loc: Location, record: LeafRecord, dtype: Any) -> None:
 def start_region(
     store: Array, loc: Location, record: LeafRecord, index: tuple[Any, ...] = (), *, raw: bool = False
 ) -> Callable[[], np.ndarray]:
-    """Start reading the region `index` of the stored leaf `record`, opened as
-    `store` in the data root `loc`.
+    """Start reading the region `index` (as `Array[index]` takes; `()`: all) of
+    the stored leaf `record`, opened as `store` in the data root `loc`; the
+    returned function waits and gives it as stored. Every read of a leaf's
+    stored elements through TensorStore goes through here.
 
-    `index` is a tuple of slices and integers, as `Array[index]` takes; `()` is
-    all of it. This is the one way any reader reads a leaf's stored elements
-    through TensorStore. (A run of a pack, many leaves, is read by the
-    location's `_chunk_files.ChunkFiles.pack_runs`.) The returned function waits
-    and gives them as stored (a NumPy array).
-
-    A failure is the leaf's (`read_failed`). With `raw` it is as storage raised
-    it, for a caller that words it itself. Such a caller is a pack's run, whose
-    damaged leaf is found after, or `verify`, which tells damage from refusal."""
+    A failure is the leaf's (`read_failed`); with `raw`, as storage raised it,
+    for a caller that words it itself (a pack's run, `verify`)."""
     try:
         future = (store[index] if index else store).read()
     except Exception as e:
@@ -166,12 +136,8 @@ def start_region(
 
 
 def read_failed(error: BaseException, loc: Location, record: LeafRecord) -> Exception:
-    """A failure to read the stored leaf `record` as the leaf's error
-    (`_storage_errors.leaf_io_error`).
-
-    Where it says the leaf is damaged, its files are forgotten
-    (`ChunkFiles.forget_damaged`). So the next save reads them again before it
-    shares any."""
+    """A failure to read `record` as the leaf's error. A damaged leaf's files are
+    forgotten, so that the next save reads them again before it shares any."""
     failed = _storage_errors.leaf_io_error(error, record, loc, "read")
     _chunk_files.chunk_files(loc).forget_damaged(failed, record)
     return failed
@@ -237,10 +203,8 @@ def _start_in_slabs(
 
 def place(loc: Location, hosts: list[np.ndarray], records: list[LeafRecord], likes: list[Any]) -> list[Any]:
     """Host arrays read for `records` as the types, dtypes and placements of
-    `likes`.
-
-    They are converted one by one, then put on devices in one call per kind of
-    placement. One `jax.device_put` of many arrays costs far less than many."""
+    `likes`, put on devices in one call per placement: one `jax.device_put` of
+    many arrays costs far less than many."""
     out: list[Any] = [None] * len(hosts)
     batch: dict[Any, list[int]] = collections.defaultdict(list)
     narrowed: dict[Any, bool] = {}  # `x64_missing` of each dtype, asked once
@@ -268,17 +232,13 @@ def place(loc: Location, hosts: list[np.ndarray], records: list[LeafRecord], lik
 
 
 def put(hosts: list[np.ndarray], sharding: Any) -> list[jax.Array]:
-    """`jax.device_put(hosts, sharding)` for host arrays bound for one device
-    (`sharding` `None`, the default device, or a `SingleDeviceSharding`).
+    """`jax.device_put(hosts, sharding)` (not `jnp.array`, which compiles a copy
+    for every new shape and dtype).
 
-    Not `jnp.array`, which compiles a copy for every new shape and dtype (paid
-    by a fresh process on its first load).
-
-    Where it can, this calls the function `device_put` ends in:
-    `batched_device_put` of JAX's C++ extension. It passes what `device_put`
-    would pass it, at a third of the cost a small leaf (docs/benchmarks.md,
-    "Measurements behind the design"). Anything unusual, or a JAX where that call fails, goes
-    through `device_put` (`tests/test_read.py` checks both agree)."""
+    For one device, it calls what `device_put` ends in, `batched_device_put`
+    of JAX's C++ extension, with what `device_put` would pass: a third of the
+    cost a small leaf (docs/benchmarks.md). Anything unusual, or a JAX where
+    that call fails, goes through `device_put`."""
     global FAST_PUT
     target = _one_device(sharding)
     if target is not None and FAST_PUT is not None:
@@ -361,14 +321,10 @@ def start(
 ) -> Callable[[], Any]:
     """Start reading a leaf; the returned function waits and builds the value.
 
-    `dtype`, when given, is the dtype the value must have (`like`'s).
-    `on_bytes`, when given, is called with the bytes of each slab of a large
-    leaf, or of each device's region of a sharded one, as it lands. That is
-    progress within the leaf. `check`, when given, is fed the whole leaf as
-    stored before it is converted or placed (a recorded digest's check,
-    `_family.DigestCheck`: slab by slab for a large leaf); such a leaf is read
-    whole, even where it is placed across devices.
-    """
+    `dtype`: the dtype the value must have (`like`'s). `on_bytes`: called with
+    the bytes of each slab or device's region as it lands. `check`: fed the
+    leaf as stored, before it is converted; such a leaf is read whole, even
+    where it is placed across devices."""
     convert = host_converter(record, dtype, loc)
     sharding = target_sharding(like)
     kind = _dtypes.like_type(like)
@@ -416,15 +372,22 @@ def _value(loc: Location, array: np.ndarray, record: LeafRecord, like: Any, shar
     if _dtypes.like_type(like) == "prng_key":
         keys = jax.random.wrap_key_data(jax.numpy.asarray(array), impl=record.impl)
         return jax.device_put(keys, sharding) if sharding is not None else keys
-    return result(loc, record, array, like, sharding)
+    try:
+        return _dtypes.to_result(array, like, sharding=sharding)
+    except ValueError as e:  # a value a Python scalar `like` cannot hold exactly (an int beyond 2**53 as a float)
+        raise stored_leaf_error(
+            LeafError,
+            f"`like` holds a Python {type(like).__name__}, which cannot hold it exactly: {e}.",
+            dotted=record.path,
+            path=loc.display,
+            fix="Nothing was loaded. Load it into a `like` that holds its values (a Python int, or a "
+            "NumPy or JAX leaf of its dtype; `cast=True` rounds into a narrower one).",
+        ) from None
 
 
 def direct(files: _chunk_files.ChunkFiles, record: LeafRecord, like: Any) -> bool:
-    """Whether `start_direct` reads this leaf from `files` (its location's,
-    `_chunk_files.chunk_files`).
-
-    It does for a leaf that they read themselves (`reads`: a large one in its
-    own array on a local disk), going to one device (or to NumPy)."""
+    """Whether `start_direct` reads this leaf from `files`: a leaf they read
+    themselves (a large local one), going to one device or to NumPy."""
     sharding = target_sharding(like)
     placed = _dtypes.like_type(like) == "jax" and sharding is not None and len(sharding.device_set) > 1
     return not placed and files.reads(record)
@@ -439,12 +402,9 @@ def start_direct(
     dtype: Any = None,
     check: Check | None = None,
 ) -> Callable[[], Any]:
-    """`start`, for a leaf `direct` accepts.
-
-    `reading` starts the read of its chunk files straight into one aligned
-    buffer (`ChunkFiles.start_read`; a base's files, for a leaf a fine-tune
-    takes from it), which becomes the value without another copy. `check`,
-    as for `start`, is fed the leaf as stored."""
+    """`start`, for a leaf `direct` accepts: `reading` starts the read of its
+    chunk files straight into one aligned buffer, which becomes the value
+    without another copy."""
     convert = host_converter(record, dtype, loc)
     if _dtypes.like_type(like) == "jax":
         refuse_narrowing(loc, record, dtype)
@@ -499,9 +459,8 @@ def scan_chunks(
 ) -> Iterator[tuple[LeafRecord, Any, int]]:
     """Run chunk reads with a bounded number of bytes in flight; yield each
     `(record, value, bytes)` that read cleanly, and report the others.
-    `read(record, store, index)` starts reading one chunk and returns what
-    waits for its value (`start_region`, or a function of such reads)."""
-    # `skip` is asked as each chunk is about to start: a leaf stops at its first failure.
+    `read(record, store, index)` starts reading one chunk. `skip` is asked as
+    each chunk is about to start, so a leaf stops at its first failure."""
     starts = (
         (record, _chunk_bytes(record, index), functools.partial(read, record, store, index))
         for record, store, index in jobs

@@ -2,30 +2,23 @@
 parameters and optimiser state, in data-parallel training): each byte is read
 from storage by one process, and reaches the others through JAX's collectives.
 
-Which leaves: a stored leaf (not packed) loaded as a `jax.Array` whose
-sharding spans devices of several processes. One of its regions
-(`_sharding.regions_held`) must be held by at least `REPLICAS` processes, or by
-two with `read_once=True`. `read_once=False` reads every leaf in every process
-that needs it, as before.
+Which leaves: a stored leaf (not packed) loaded as a `jax.Array` one of
+whose regions is held by at least `REPLICAS` processes (two with
+`read_once=True`; never with `read_once=False`).
 
-How (every process computes the same plan from its `like`, with no
+How (every process computes the same plan from its `like`, without
 communication, and the processes compare a digest of it first):
 
-1. Each region held by several processes is cut into slices on the stored
-   chunk grid, as a multi-process save cuts what it writes (`_sharding.slices`),
-   and each slice is dealt to one of its holders (`_sharding.Deal`).
-2. The leaves are taken in batches within the read budget every load keeps
-   (`_window.READ_BUDGET`, a `_window.Budget` a batch; a larger leaf alone).
-   Each process reads its slices of the batch from storage.
-3. Every process then meets the others at a barrier of the coordination
-   service (`_multihost.Group`). It waits at most `TIMEOUT` seconds, and
-   finds a dead process within `_multihost.SILENT_SECONDS`. A reader that
-   failed, died or is late is an error naming it, in every process, before
-   any collective starts. (A collective that one process never joins waits
-   for ever.)
-4. One all-gather across the processes (`multihost_utils.process_allgather`)
-   gives every process every slice of the batch; each assembles the regions
-   its devices hold and places them, as any load does.
+1. Each shared region is cut into slices on the stored chunk grid
+   (`_sharding.slices`), each dealt to one of its holders (`_sharding.Deal`).
+2. The leaves are taken in batches within the read budget; each process
+   reads its slices of the batch.
+3. The processes meet at a barrier (`_multihost.Group`, at most `TIMEOUT`
+   seconds): a reader that failed, died or is late is an error in every
+   process before any collective starts, since a collective that one process
+   never joins waits for ever.
+4. One all-gather gives every process every slice of the batch; each
+   assembles the regions its devices hold and places them.
 """
 
 from __future__ import annotations
@@ -208,9 +201,8 @@ def _read_batch(
     number: int,
     batch: list[_Leaf],
 ) -> dict[tuple[int, int], np.ndarray]:
-    """This process's slices of `batch` read, then every process's shared
-    slices gathered: the bytes of each slice this process needs, by (leaf,
-    part index)."""
+    """The bytes of each slice of `batch` this process needs, by (leaf, part
+    index): its own read, then every process's shared ones gathered."""
     me = group.index
     error: BaseException | None
     mine: dict[tuple[int, int], np.ndarray] = {}
@@ -242,9 +234,8 @@ def _read_mine(
     me: int,
     mine: dict[tuple[int, int], np.ndarray],
 ) -> BaseException | None:
-    """Read this process's slices of `batch` into `mine` (as bytes, by leaf and
-    part index), every read started before any is waited for; the error of the
-    first leaf whose read failed."""
+    """Read this process's slices of `batch` into `mine`, every read started
+    before any is waited for; the error of the first leaf whose read failed."""
     started = []
     for leaf in batch:
         taken = [(k, p) for k, p in enumerate(leaf.parts) if p.owner == me]
@@ -267,11 +258,10 @@ def _read_mine(
 
 
 def _gather(mine: dict[int, np.ndarray], longest: int) -> Any:
-    """Every process's shared slices, gathered in every process by one
-    all-gather: row `i` holds process `i`'s, this process's (`mine`) at their
-    offsets. Rows are padded to one length, `longest` rounded up to a
-    multiple of the next power of two over `_LENGTHS`, so that batches of
-    near sizes share one compiled all-gather (the padding under an eighth)."""
+    """Every process's shared slices by one all-gather: row `i` holds process
+    `i`'s (`mine`: this process's, by offset). Rows are padded to `longest`
+    rounded up to a multiple of the next power of two over `_LENGTHS`, so that
+    batches of near sizes share one compiled all-gather."""
     from jax.experimental import multihost_utils
 
     step = max(1, (1 << longest.bit_length()) // _LENGTHS)

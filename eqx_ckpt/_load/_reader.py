@@ -1,33 +1,14 @@
-"""The reader of whole stored leaves: every whole leaf read from a checkpoint is read here.
-
-Every reader hands its leaves here as `LeafPlan`s:
-
-- an eager load, and a skeleton-free load (`_lazy.nested`);
-- `materialise`;
-- a lazy leaf's read (`LazyArray.read`, `np.asarray` of one);
-- a partial save staging a lazy leaf;
-- `export_safetensors`.
-
-All is read within one host-memory budget and one pool of reading threads
-(`_window`):
+"""The reader of whole stored leaves: every whole leaf read from a checkpoint
+(a load, `materialise`, a lazy leaf, a partial save, an export) is read here,
+within one host-memory budget and one pool of reading threads (`_window`).
+Each leaf goes to the first reader that takes it:
 
 - What several processes need is read once and shared (`_read_once`).
-- Packed leaves are read in runs of their packs (`_pack`). Each run is read
-  behind the storage seam, `_chunk_files.ChunkFiles.pack_runs`. A lazy leaf, read
-  alone, goes through the process's cached open of its pack.
-- Small leaves of another format are read in runs of its file
-  (`Source.runs`).
-- A large leaf on a local disk is read straight into one aligned buffer
-  (`_read.start_direct`): a fine-tune's leaf taken from an eqx_ckpt base too,
-  from the base's chunk files. Where `_memory.PINNED_LOAD_POOL` is on, it goes
-  through the process's pool of reused host buffers (`_start_pooled`).
+- Packed leaves are read in runs of their packs (`_pack`).
+- Small leaves of another format are read in runs of its file (`Source.runs`).
+- A large local leaf is read straight into one aligned buffer
+  (`_read.start_direct`), or through the pool of host buffers (`_start_pooled`).
 - Anything else is read through TensorStore (`_read.start`).
-
-A region of a stored leaf is read by `_read.start_region`: a slice of a lazy
-leaf and a transformed leaf's stored arrays (`_lazy`), the regions processes
-share (`_read_once`), a pack's run (`_pack`), the chunks `verify`
-and `diff` scan (`_verify`, `_diff`). Every read of a leaf's stored elements through
-TensorStore ends in that function.
 """
 
 from __future__ import annotations
@@ -66,16 +47,10 @@ def read_leaves(
     cached: bool = False,
     tracker: Tracker | None = None,
 ) -> list[Any]:
-    """The values of `plans`' stored leaves, read now (`read`).
-
-    - Unless `checked=False`, it checks after that `source` was not replaced
-      while they were read. A read that fails checks it too, so that a
-      replaced checkpoint says so.
-    - Fault point `load.read_stored` fires first.
-    - `cached`: see `read_now`.
-    - `tracker`: progress already shown, which the reads advance instead of
-      one of their own for `progress`. (It is `materialise`'s, over every
-      checkpoint it reads from.)"""
+    """The values of `plans`' stored leaves, read now. Unless `checked=False`,
+    `source` is checked after the reads (and always when one fails) not to
+    have been replaced. `tracker`: progress already shown (`materialise`'s),
+    advanced instead of one of its own for `progress`."""
     try:
         _faults.fire("load.read_stored", source.loc)
         if tracker is None:
@@ -98,8 +73,7 @@ def read(
     read_once: bool | None = False,
     cached: bool = False,
 ) -> list[Any]:
-    """The values of `plans`' stored leaves, read now with the progress
-    `progress` reports (`read_now`), the checkpoint not checked after."""
+    """`read_now` with the progress `progress` reports, the checkpoint not checked after."""
     records = [record_of(plan) for plan in plans]
     total = sum(r.nbytes for r in records)
     with _gc.gc_paused(), Tracker(progress, leaves=len(records), nbytes=total, what="load") as tracker:
@@ -109,12 +83,9 @@ def read(
 def read_now(
     source: Source, plans: list[LeafPlan], tracker: Tracker, read_once: bool | None = False, *, cached: bool = False
 ) -> list[Any]:
-    """The values of `plans`, read now, each by the first of the module
-    docstring's readers that takes it; all concurrently within the read
-    budget (`_window`), each converted (and its host buffer freed) as new
-    reads start. `cached`, for a leaf read alone (a lazy leaf's read): packs
-    are read through this process's cached open of them (`_pack.read_leaves`),
-    which serves its neighbours' reads next."""
+    """The values of `plans`, each read by the first of the module docstring's
+    readers that takes it, all concurrently within the read budget.
+    `cached`, for a leaf read alone: see `_pack.read_leaves`."""
     reads = _Reads(source, plans, tracker)
     records = reads.records
     # A leaf with a recorded digest is read whole by each process, to be checked.
@@ -136,12 +107,8 @@ def read_now(
 
 
 class _Reads:
-    """One `read_now`: its leaves (`plans`, their `records`), the values read
-    (`out`, by the same index), and the progress they report.
-
-    `checks`: each leaf checked against the digest its source records, where
-    it records them (a published folder's: an eqx_ckpt checkpoint's chunks
-    carry checksums)."""
+    """One `read_now`: its leaves, the values read (`out`, by the same index),
+    and the digest checks where the source records digests (a published folder)."""
 
     def __init__(self, source: Source, plans: list[LeafPlan], tracker: Tracker):
         self.source, self.data, self.plans, self.tracker = source, source.data, plans, tracker
@@ -154,12 +121,9 @@ class _Reads:
             self.out[i] = value
 
     def each(self, indices: list[int]) -> None:
-        """Leaves read one array each.
-
-        Large local ones are read straight into their buffers
-        (`_read.start_direct`), those a fine-tune takes from an eqx_ckpt base
-        from the base's files. The others are read through TensorStore,
-        opened ahead of the reads."""
+        """Leaves read one array each: large local ones (a fine-tune's taken
+        from an eqx_ckpt base, from the base's files) straight into their
+        buffers, the others through TensorStore, opened ahead of the reads."""
         source, data, files = self.source, self.data, _chunk_files.chunk_files(self.data)
         plans, records, checks = self.plans, self.records, self.checks
         # Bytes within each leaf, reported as its chunks or slabs land.
@@ -210,10 +174,8 @@ class _Reads:
         self._place_runs(runs, None)
 
     def runs(self, indices: list[int]) -> list[int]:
-        """Read and place, run by run, the small leaves of another format that
-        reads runs of adjacent leaves at once (`Source.runs`).
-
-        Returns the others, left to be read one by one."""
+        """Read and place the small leaves of another format in runs
+        (`Source.runs`); return the others, left to be read one by one."""
         assert self.source.runs is not None
         taken, runs = self.source.runs([self.records[i] for i in indices])
         self._place_runs((([indices[m] for m in members], finish) for members, finish in runs), self.checks)
@@ -225,10 +187,8 @@ class _Reads:
         runs: Iterable[tuple[list[int], Callable[[], list[np.ndarray]]]],
         check: Callable[[LeafRecord, np.ndarray], None] | None,
     ) -> None:
-        """Place runs of adjacent leaves, each together (one `device_put` for
-        many). A run is `(members, finish)`: the leaves' indices, and what
-        waits for their host arrays. `check`, when given, starts each one's
-        digest check first (`_family.Checks`)."""
+        """Place each run `(members, finish)` of adjacent leaves together (one
+        `device_put` for many); `check` starts each one's digest check first."""
         for members, finish in runs:
             hosts = finish()
             records = [self.records[m] for m in members]
@@ -242,10 +202,9 @@ class _Reads:
 def _direct(
     source: Source, record: LeafRecord, like: Any, files: _chunk_files.ChunkFiles
 ) -> tuple[Source, LeafRecord, _chunk_files.ChunkFiles] | None:
-    """Where a leaf read straight from its chunk files is stored (`_read.direct`):
-    an eqx_ckpt checkpoint's own leaf (`files`: its chunk files), or one a
-    fine-tune takes from such a base (its source, record and chunk files
-    there); `None` for any other leaf."""
+    """The source, record and chunk files of a leaf read straight from its
+    chunk files (`_read.direct`): its own, or its base's for a leaf a
+    fine-tune takes from one; `None` for any other leaf."""
     holder, stored = source.stored_in(record)
     if holder.opener is not None:
         return None
@@ -254,8 +213,7 @@ def _direct(
 
 
 def target_dtype(like: Any) -> np.dtype | None:
-    """The dtype a leaf read as `like` must have: `like`'s, for an array or a
-    NumPy scalar; `None` (the stored one) for anything else."""
+    """`like`'s dtype, for an array or a NumPy scalar; `None` (the stored one) else."""
     if _dtypes.like_type(like) in ("jax", "numpy", "numpy_scalar"):
         return np.dtype(like.dtype)
     return None
@@ -279,7 +237,7 @@ def _unpacked(
 
 
 def record_of(plan: LeafPlan) -> LeafRecord:
-    """The stored record a plan reads (every plan handed to the reader has one)."""
+    """The stored record a plan reads (every plan handed here has one)."""
     if plan.record is None:
         raise CheckpointValueError(f"Internal error: leaf `{plan.stored}` has no record to read.")
     return plan.record
@@ -287,36 +245,20 @@ def record_of(plan: LeafPlan) -> LeafRecord:
 
 # -- A large leaf through the pool of host buffers ------------------------------------------------
 #
-# On for GPUs (`_memory.PINNED_LOAD_POOL`, `PINNED_PLATFORMS`; measured in
-# docs/benchmarks.md, "GPU"). A large leaf on a local disk bound for
-# `jax.Array`s there loads as a pipeline as deep as the pool:
-#
-# - A few whole chunks at a time are read into a buffer of the pool
-#   (`_memory.BufferPool`), the reads running all but one buffer ahead.
-# - Each device's region of those rows is copied to it (`jax.device_put`),
-#   while the next chunks are read into the next buffers.
-# - Host memory stays bounded by the pool: no host copy of the whole leaf, no
-#   fresh pages per load.
-# - Each device gets only its region, as slabs that it joins
-#   (`jnp.concatenate`). So a device holds its region twice for a moment.
-#
-# JAX 0.10 gives no writable view of `pinned_host` memory (`np.asarray` of such
-# an array is read-only). So the buffers are page-aligned host memory, and the
-# copy from them goes through the runtime's own staging. The pool is used only
-# where every target device has `pinned_host` memory. A device without it loads
-# the leaf the usual way, and so does a pool that cannot be allocated (fault
-# point `load.pinned_pool`).
+# On for GPUs (`_memory.PINNED_LOAD_POOL`; docs/benchmarks.md, "GPU"). A large
+# local leaf bound for `jax.Array`s there loads as a pipeline as deep as the
+# pool: whole chunks are read into a buffer of the pool, all but one buffer
+# ahead, while each device's region of the rows before is copied to it. Host
+# memory stays bounded by the pool; a device joins its slabs, so holds its
+# region twice for a moment. JAX 0.10 gives no writable view of `pinned_host`
+# memory, so the buffers are page-aligned host memory and the copy goes
+# through the runtime's own staging.
 
 
 def _poolable(files: _chunk_files.ChunkFiles, record: LeafRecord, like: Any) -> bool:
-    """Whether this leaf loads through the pool. It does when all of these hold:
-
-    - the pool is on;
-    - it is a `jax.Array` leaf that `files` read themselves;
-    - it is stored as it is loaded (no decoding, no cast);
-    - its chunks fit a buffer;
-    - it is bound for the device memory of devices with pinned memory, of
-      `_memory.PINNED_PLATFORMS` (GPUs)."""
+    """Whether this leaf loads through the pool: a `jax.Array` leaf `files` read
+    themselves, stored as loaded, whose chunks fit a buffer, bound for the
+    memory of devices with pinned memory."""
     pool = _memory.PINNED_LOAD_POOL
     if pool is None or _dtypes.like_type(like) != "jax" or not files.reads(record) or not record.shape:
         return False
@@ -335,9 +277,9 @@ def _poolable(files: _chunk_files.ChunkFiles, record: LeafRecord, like: Any) -> 
 def _start_pooled(
     files: _chunk_files.ChunkFiles, loc: Location, record: LeafRecord, like: Any, on_bytes: Callable[[int], None] | None
 ) -> Callable[[], Any] | None:
-    """`_read.start_direct` through the pool, for a leaf `_poolable` accepts; the
-    read runs in the returned function (the pool bounds it, not the read
-    window). `None` where the pool cannot be allocated: read it the usual way."""
+    """`_read.start_direct` through the pool; the read runs in the returned
+    function (the pool bounds it, not the read window). `None` where the pool
+    cannot be allocated: read it the usual way."""
     pool = _memory.load_pool()
     if pool is None:
         return None

@@ -2,24 +2,17 @@
 
 The record is untrusted input, read in three passes:
 
-1. **Check** (`_Check`): every node and value well formed, within limits of
-   depth, count and length. Every class, function and enum named is
-   collected with the key paths that use it. Nothing is built, imported or
-   called.
-2. **Trust** (`_trust.Trust`): every name resolved among the trusted objects.
-   Any that is not is one error naming all of them.
-3. **Build** (`_Build`):
-   - Containers are built as themselves.
-   - A dataclass-style object (`eqx.Module`) is made with `object.__new__`,
-     and its recorded fields set with `object.__setattr__`, as
-     `jax.tree_util.tree_unflatten` does for Equinox. So no `__init__`,
-     `__post_init__` or `__check_init__` runs, unless `check_init=True` asks
-     for the last, on the finished skeleton.
-   - A namedtuple is made with `tuple.__new__`.
-   - Another registered node is made by its own registered unflatten function
-     (code of the trusted class).
-   - Each stored leaf becomes a `jax.ShapeDtypeStruct`, a zero-strided NumPy
-     array, or a zero of its scalar type (see `abstract`).
+1. **Check** (`_Check`): every node and value well formed and within limits;
+   every class, function and enum named is collected with the key paths that
+   use it. Nothing is built, imported or called.
+2. **Trust** (`_trust.Trust`): every name resolved among the trusted objects;
+   one error names all that are not.
+3. **Build** (`_Build`): containers as themselves; a dataclass-style object
+   (`eqx.Module`) by `object.__new__` and `object.__setattr__` of its fields,
+   as `jax.tree_util.tree_unflatten` does for Equinox, so no `__init__`,
+   `__post_init__` or `__check_init__` runs (unless `check_init=True` asks for
+   the last); a namedtuple by `tuple.__new__`; another registered node by its
+   own unflatten function. Each stored leaf becomes `abstract`'s stand-in.
 """
 
 from __future__ import annotations
@@ -33,7 +26,7 @@ import re
 import sys
 import types
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -59,18 +52,11 @@ from .._ondisk._manifest import Manifest, encode_structure, loads_file, too_many
 from .._ondisk._trust import Trust, python_name
 
 # Limits on an untrusted record, far beyond any model's. Its JSON containers
-# (objects and arrays: nodes, key records, field lists, tagged values) are
-# counted before it is parsed, so that a record far larger than its stored
-# leaves warrant is refused before any of it is walked. (A walk costs about
-# 9 microseconds a container: the 1,000,000 once allowed beside a few leaves
-# took seconds before they were refused.) It may hold:
-# - at most `NODES_PER_LEAF` a stored leaf. A saved tree has a few containers
-#   a leaf: 4 to 8 for Equinox's layers and optax's states, 17 for
-#   convolutions, whose static fields are tuples;
-# - `NODES_BASE` more, for static values, `None`s and empty containers: room
-#   for a static vocabulary of about 190,000 entries (a dict of strings, about
-#   one container an entry) beside a few leaves, rebuilt in about a second;
-# - never more than `MAX_NODES`.
+# are counted before it is parsed, so a record far larger than its stored
+# leaves warrant is refused before any of it is walked. It may hold at most
+# `NODES_PER_LEAF` a stored leaf (a saved tree has 4 to 17 a leaf),
+# `NODES_BASE` more (static values: room for a vocabulary of about 190,000
+# strings), and never more than `MAX_NODES`.
 MAX_NODES = 5_000_000
 NODES_PER_LEAF = 100
 NODES_BASE = 200_000
@@ -84,7 +70,7 @@ def no_record(manifest: Manifest, where: str) -> CheckpointValueError:
     structure: another format's (its layout names it), or an older eqx_ckpt's."""
     if manifest.layout == "published":
         why = "it was exported with leaves renamed or left out (`rename`), so its eqx_ckpt.json records no structure"
-    elif manifest.layout in _FOREIGN:
+    elif manifest.layout in ("safetensors", "orbax"):  # the layouts other formats are read into
         why = f"it is a {manifest.layout} checkpoint, which names its tensors but records no classes"
     else:
         why = (
@@ -101,10 +87,8 @@ def no_record(manifest: Manifest, where: str) -> CheckpointValueError:
 
 
 def record_of(manifest: Manifest, where: str) -> Any:
-    """The structure record of `manifest`, parsed from its JSON text (as
-    untrusted as the rest: refused past `node_cap` containers for its stored
-    leaves, or nested past what JSON parsing allows, before anything else);
-    `None` where it has none."""
+    """The structure record of `manifest` parsed (`None`: it has none), refused
+    first past `node_cap` containers or JSON's nesting limit."""
     text = manifest.structure
     if text is None:
         return None
@@ -122,10 +106,6 @@ def record_of(manifest: Manifest, where: str) -> Any:
 def node_cap(stored: int) -> int:
     """The most JSON containers a structure record of `stored` stored leaves may hold."""
     return min(MAX_NODES, NODES_PER_LEAF * stored + NODES_BASE)
-
-
-# The layouts of the manifests other formats are read into (`_safetensors`, `_orbax`).
-_FOREIGN = ("safetensors", "orbax")
 
 
 def subtree(manifest: Manifest, prefix: str, where: str) -> dict[str, Any]:
@@ -154,17 +134,13 @@ def subtree(manifest: Manifest, prefix: str, where: str) -> dict[str, Any]:
 def names(node: dict[str, Any], prefix: str, where: str) -> dict[str, list[str]]:
     """Every class, function and enum the sub-tree `node` names, with the dotted
     paths that use each (the record checked on the way)."""
-    check = _Check(where)
-    check.node(node, prefix, 0)
-    return check.names
+    return _Check(where).walk(node, prefix).names
 
 
 def unrecordable(node: dict[str, Any], prefix: str, where: str) -> dict[str, str]:
     """The parts of the sub-tree `node` a save could not record (a lambda, a
     closure), by dotted path, each with why (the record checked on the way)."""
-    check = _Check(where)
-    check.node(node, prefix, 0)
-    return check.unrecordable
+    return _Check(where).walk(node, prefix).unrecordable
 
 
 def unrecordable_error(where: str, path: str, why: str) -> CheckpointValueError:
@@ -198,11 +174,9 @@ def skeleton(
 
 
 def _check_inits(tree: Any, prefix: str, where: str) -> None:
-    """Run the `__check_init__` of every Equinox module of the rebuilt `tree`
-    as Equinox runs them after `__init__` (every class's own, base classes
-    first), its arrays abstract as under `eqx.filter_eval_shape`: traced by
-    `jax.eval_shape`, so `jnp.sum(self.w)` works. What one raises is a
-    `CheckpointValueError` naming the class and key path."""
+    """Run every Equinox module's `__check_init__`s as Equinox does after
+    `__init__` (base classes first), under `jax.eval_shape` so `jnp.sum(self.w)`
+    works on the abstract arrays; what one raises is a `CheckpointValueError`."""
     is_abstract = lambda x: isinstance(x, jax.ShapeDtypeStruct)
     dynamic, static = eqx.partition(tree, is_abstract, is_leaf=is_abstract)
     jax.eval_shape(lambda d: _run_check_inits(eqx.combine(d, static), prefix, where), dynamic)
@@ -254,12 +228,9 @@ def _require_trusted(needed: dict[str, list[str]], trust: Trust, where: str) -> 
 
 
 def _public_name(name: str) -> str:
-    """How a user writes the object recorded as `name`: by its top-level
-    package (`optax.ScaleByAdamState`) where that package holds the very same
-    object, else by its own module (`optax._src.transform.ScaleByAdamState`).
-
-    Only modules already imported are looked in, and only their `vars`: no
-    attribute hook runs and nothing is imported."""
+    """How a user writes the object recorded as `name`: by its top-level package
+    where that holds the very same object (`optax.ScaleByAdamState`), else by its
+    own module. Only the `vars` of modules imported already are looked in."""
     module, _, qualname = name.partition(":")
     top = module.partition(".")[0]
     holder, package = sys.modules.get(module), sys.modules.get(top)
@@ -288,8 +259,8 @@ class _Check:
     def bad(self, path: str, why: str) -> CorruptCheckpointError:
         return _corrupt(self.where, path, why)
 
-    def node(self, node: Any, path: str, depth: int) -> None:
-        stack = [(node, path, depth)]
+    def walk(self, node: Any, path: str) -> _Check:
+        stack = [(node, path, 0)]
         while stack:
             current, here, level = stack.pop()
             self.count += 1
@@ -310,6 +281,7 @@ class _Check:
                 stack.append((child, _keypath.join_dotted(here, segment), level + 1))
             if kind == "dict":
                 self.dict_keys(current["k"], segments, here)
+        return self
 
     def dict_keys(self, keys: list[Any], segments: list[str], path: str) -> None:
         """A dict node's keys: all strings or all integers (JAX sorts them), each once."""
@@ -462,13 +434,8 @@ def _corrupt(where: str, path: str, why: str) -> CorruptCheckpointError:
     )
 
 
-class _Slot:
-    """A stored leaf's place in the rebuilt tree, filled by `_fill`."""
-
-    __slots__ = ()
-
-
-_SLOT = _Slot()
+# A stored leaf's place in the rebuilt tree, filled by `_fill`.
+_SLOT = object()
 
 
 class _Build:
@@ -553,8 +520,7 @@ class _Build:
         if extra or lacking:
             raise CheckpointTypeError(
                 f"Checkpoint {self.where!r} saved `{path or '(the root)'}` as a {from_file(python_name(node['cls']))} "
-                f"with the "
-                f"fields {recorded}, but that class now has the fields {now}"
+                f"with the fields {recorded}, but that class now has the fields {now}"
                 + (f" (the saved {extra} are gone" if extra else " (")
                 + (f"{'; ' if extra else ''}{lacking} are new and have no default)" if lacking else ")")
                 + ". The class changed since the save: load with the class as it was, or "
@@ -609,11 +575,10 @@ class _Build:
 
 
 def _remedy(path: str, gone: list[str], new: list[str]) -> str:
-    """What to load a changed class with. Where saved fields are gone and as
-    many new ones appeared, they were likely renamed: the `rename` mapping the
-    new names (`like`'s paths) to the saved ones, as rules over every index of
-    a repeated layer (`blocks.0`, `blocks.1`...). `missing='keep'` there would
-    leave the renamed layers freshly initialised without a word."""
+    """What to load a changed class with. As many fields gone as new were likely
+    renamed: then the `rename` from the new paths to the saved ones, as rules
+    over every index of a repeated layer (`blocks.0`, `blocks.1`...), since
+    `missing='keep'` would leave them freshly initialised without a word."""
     if gone and len(gone) == len(new):
         segments = _keypath.split_dotted(path) if path else []
         groups = 0
@@ -653,8 +618,7 @@ def _default(f: dataclasses.Field[Any]) -> Any:
 
 
 def _fill(tree: Any, prefix: str, records: dict[str, LeafRecord], where: str) -> Any:
-    """`tree` with each stored leaf's place given its abstract leaf, found by its
-    dotted path (as a load names `like`'s leaves)."""
+    """`tree` with each stored leaf's place given its `abstract` leaf, by dotted path."""
     try:
         flat, treedef = jtu.tree_flatten_with_path(tree)
     except (TypeError, ValueError) as e:  # a value where no save puts one: a dict JAX cannot sort the keys of
@@ -679,13 +643,10 @@ def _fill(tree: Any, prefix: str, records: dict[str, LeafRecord], where: str) ->
 
 
 def abstract(record: LeafRecord) -> Any:
-    """A stand-in for a stored leaf that says what `like` needs to load it as
-    saved, holding no data.
-
-    - A JAX array or PRNG key array: a `jax.ShapeDtypeStruct`.
-    - A NumPy array: a zero-strided read-only array of its shape and dtype. It
-      takes no memory, and is a NumPy type, so the load gives NumPy back.
-    - A scalar: a zero of its type (`0`, `0.0`, `np.float32(0)`...)."""
+    """A stand-in for a stored leaf, holding no data, that a load reads as saved:
+    a `jax.ShapeDtypeStruct` for a JAX array or PRNG key, a zero-strided
+    read-only array for a NumPy one (so the load gives NumPy back), a zero of
+    its type for a scalar."""
     if record.type == "jax":
         return jax.ShapeDtypeStruct(record.shape, dtype_from_name(record.dtype))
     if record.type == "prng_key":
@@ -694,12 +655,7 @@ def abstract(record: LeafRecord) -> Any:
         return np.broadcast_to(np.zeros((), dtype_from_name(record.dtype)), record.shape)
     if record.type == "numpy_scalar":
         return dtype_from_name(record.dtype).type(0)
-    return _PYTHON[record.type]()
-
-
-_PYTHON: Mapping[str, Callable[[], Any]] = types.MappingProxyType(
-    {"bool": bool, "int": int, "float": float, "complex": complex}
-)
+    return {"bool": bool, "int": int, "float": float, "complex": complex}[record.type]()
 
 
 @_state.memo(16)
@@ -738,13 +694,11 @@ def static_differences(
     where: str,
     read: Callable[[], Sequence[bool | None]] | None = None,
 ) -> list[str]:
-    """The `StaticFieldWarning` messages of loading `like` at `prefix`: where a
-    static field of `like` differs from the value the record holds at the same
-    key path and class, in a part of `like` the load read. `read()`: for each
-    leaf of `like`, whether the load read it (`None`: a leaf no load reads, a
-    function), asked only where a field differs; `None`: it read every one.
-    The caller warns once the load succeeded (a load that fails says more
-    than this)."""
+    """The `StaticFieldWarning` messages of loading `like` at `prefix`: each
+    static field of a part the load read that differs from the record's at the
+    same key path and class. `read()` (asked only where one differs; `None`:
+    every leaf was read) says for each leaf of `like` whether the load read it.
+    The caller warns once the load succeeded."""
     if manifest.structure is None or not isinstance(prefix, str):
         return []  # a `prefix` that is not a string is the plan's error to raise
     mine = _structure.record(named.treedef, leaves, [True] * len(leaves), named.records)
@@ -781,9 +735,8 @@ def static_differences(
 
 def _left_out(paths: list[str], read: Sequence[bool | None]) -> Callable[[str], bool]:
     """Whether the static field at a dotted path of `like` describes a part the
-    load left out (outside `where`, or kept with `missing="keep"`): the nearest
-    node above it that holds leaves a load reads holds one it did not read. A
-    new head's `out_features` is not the body's concern."""
+    load left out (`where`, `missing="keep"`): the nearest node above it with
+    leaves a load reads holds one it did not read (a new head's `out_features`)."""
     unread: dict[str, bool] = {}  # node -> whether it holds a leaf left unread
     for path, was in zip(paths, read):
         if was is not None:
@@ -804,17 +757,15 @@ def _left_out(paths: list[str], read: Sequence[bool | None]) -> Callable[[str], 
 
 
 def warn_static(messages: list[str]) -> None:
-    """Give each of `messages` (`static_differences`) as a `StaticFieldWarning`
-    at the user's line."""
+    """Give each of `messages` as a `StaticFieldWarning` at the user's line."""
     for message in messages:
         warnings.warn(message, StaticFieldWarning, stacklevel=caller_level())
 
 
 def differences(a: Manifest, b: Manifest, where_a: str, where_b: str) -> list[tuple[str, str]]:
     """Where the saved structures of `a` and `b` differ other than in their
-    stored leaves (which `diff` compares itself): a class, a field, a static
-    value (a hyperparameter), a function; `(dotted path, "before -> after")`
-    pairs. None where either records no structure."""
+    stored leaves (which `diff` compares): `(dotted path, "before -> after")`
+    pairs, none where either records no structure."""
     if a.structure is None or b.structure is None:
         return []
     record_a, record_b = record_of(a, where_a), record_of(b, where_b)

@@ -1,26 +1,10 @@
 """Where a load reads leaves from: an eqx_ckpt checkpoint, safetensors, or orbax.
 
-Every load path (`tree_deserialise_leaves`, `Checkpoint`, lazy leaves,
-`load_or_initialise`, export) asks `open_source(path)` for a `Source`. It holds:
-
-- the stored leaves, as manifest records keyed by dotted path;
-- a function that opens one of them as a TensorStore array.
-
-The format decides only how those two are made. Everything after is the same
-code for every format:
-
-- the load plan (`_load_plan`: `where`, `prefix`, `rename`, `transform` and
-  the checks of records against `like`);
-- windows of reads;
-- sharded placement;
-- lazy reads.
-
-An eqx_ckpt checkpoint is opened by `checkpoint` alone, wherever it is opened
-(a load, `verify`, a partial save, an incremental save's base). It reads the
-manifest as untrusted input, refuses a data root that leads out of the
-checkpoint, and returns the `Source` of its leaves.
-
-Each foreign format module has a `find` (`FINDERS`).
+Every load path asks `open_source(path)` for a `Source`: the stored leaves as
+manifest records, and how to open each. The format decides only those two;
+the plan, the reads and the placement after are the same code for every
+format. An eqx_ckpt checkpoint is opened by `checkpoint` alone, wherever it is
+opened. Each foreign format module has a `find` (`FINDERS`).
 """
 
 from __future__ import annotations
@@ -46,8 +30,7 @@ Opener = Callable[[LeafRecord], "_storage.Future | _storage.Mapped"]
 Runs = Callable[[list[LeafRecord]], tuple[list[int], Any]]
 
 
-# What each foreign format's `find` returns for a checkpoint of its format,
-# read here by name into a `Source` (see there for each member).
+# What a foreign format's `find` returns, read by name into a `Source`.
 Foreign = _safetensors.Tensors | _orbax.Arrays
 # Each foreign format's `find`, in the order `open_source` tries them.
 FINDERS: tuple[Callable[[Location], Foreign | None], ...] = (_safetensors.find, _orbax.find)
@@ -55,38 +38,23 @@ FINDERS: tuple[Callable[[Location], Foreign | None], ...] = (_safetensors.find, 
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """The stored leaves of one checkpoint, whatever wrote it.
+    """The stored leaves of one checkpoint, whatever wrote it."""
 
-    **Attributes:**
-
-    - `format`: `"eqx_ckpt"`, `"safetensors"` or `"orbax"`.
-    - `loc`: the path as given (messages name it).
-    - `data`: the location the leaves' errors are reported against.
-    - `manifest`: the leaves' records (made from the files for other formats).
-    - `opener`: record -> future of the `_storage.Array` holding that leaf;
-        `None` for eqx_ckpt's own zarr3 arrays under `data` (`_storage.open_array`).
-    - `changed`: for other formats, the name of a file of the source that is
-        no longer the one opened (`None` while none is).
-    - `runs`: for safetensors, the reader of many small tensors in a few large
-        reads (`_safetensors.read_runs`); `None` for the others.
-    - `pinned`: for a Hugging Face Hub repository (`hf://`), its folder pinned
-        to the commit it is read at (`_hub.Pinned`); `None` for every other source.
-    - `checked`: for a Hub repository downloaded whole, what its download
-        checked, as `verify` says it (`_hub.download`).
-    - `base`: for a fine-tune stored against a base, its base
-        (`_family.Base`, opened when first needed), from which `opener`
-        reads the leaves it did not change.
-    """
-
-    format: str
-    loc: Location
-    data: Location
-    manifest: Manifest
+    format: str  # "eqx_ckpt", "safetensors" or "orbax"
+    loc: Location  # the path as given (messages name it)
+    data: Location  # what the leaves' errors are reported against
+    manifest: Manifest  # made from the files for other formats
+    # `None` for eqx_ckpt's own arrays under `data` (`_storage.open_array`).
     opener: Opener | None = None
+    # Other formats: the name of a file no longer the one opened, or `None`.
     changed: Callable[[], str | None] | None = None
+    # Safetensors: many small tensors in a few large reads (`_safetensors.read_runs`).
     runs: Runs | None = None
+    # A Hub repository (`hf://`): its folder pinned to the commit it is read at.
     pinned: _hub.Pinned | None = None
+    # A Hub repository downloaded whole: what its download checked, as `verify` says it.
     checked: tuple[str, ...] = ()
+    # A fine-tune's base (opened when first needed), from which `opener` reads the leaves it did not change.
     base: _family.Base | None = None
 
     @property
@@ -98,29 +66,23 @@ class Source:
         return self.opener(record) if self.opener is not None else _storage.open_array(self.data, record, checked=False)
 
     def stored_in(self, record: LeafRecord) -> tuple[Source, LeafRecord]:
-        """Where the bytes of the leaf `record` are: this source and `record`,
-        or for a leaf a fine-tune takes from its base, the base's source and
-        its record (the base opened, where it was not)."""
+        """Where the bytes of `record` are: here, or for a leaf a fine-tune
+        takes from its base, the base's source and record (opening the base)."""
         if self.base is not None and record.path in self.base.references:
             opened = self.base.opened()  # (the base's source, its records of the leaves taken)
             return opened[0], opened[1][record.path]
         return self, record
 
     def need(self, paths: Iterable[str]) -> None:
-        """Open what reading the stored leaves `paths` needs, before any is
-        read: a fine-tune's base, where one of them is taken from it. Its
-        errors (a missing base among them) are raised here."""
+        """Open a fine-tune's base before any of `paths` is read, where one is
+        taken from it, so that its errors (a missing base) are raised here."""
         if self.base is not None:
             self.base.need(paths)
 
     def check(self) -> None:
-        """Raise `CheckpointReplacedError` if the source was replaced since it was
-        opened.
-
-        Readers call it after reading, and when a read fails. So what they
-        return was read from the source as it was opened. An eqx_ckpt
-        checkpoint is checked by its manifest (`_transaction.check_unchanged`),
-        other formats by their files (`changed`)."""
+        """Raise `CheckpointReplacedError` if the source was replaced since it
+        was opened. Readers call it after reading and when a read fails, so
+        what they return was read from the source as it was opened."""
         if self.changed is None:
             _transaction.check_unchanged(self.loc, self.manifest)
             return
@@ -138,7 +100,7 @@ _LABELS = types.MappingProxyType({"safetensors": "Safetensors checkpoint", "orba
 
 
 class Options(Protocol):
-    """What a source reads of a load's options (`_load_plan.LoadOptions`)."""
+    """What a source reads of a load's options (`_load_plan.LoadOptions`, which imports this module)."""
 
     @property
     def whole(self) -> bool: ...
@@ -158,23 +120,13 @@ def open_source(
     depth: int = 0,
     pinned: _hub.Pinned | None = None,
 ) -> Source:
-    """The source at `path`, recognised from its files. It is an eqx_ckpt
-    checkpoint when nothing else matches, so its error names what is missing.
+    """The source at `path`, recognised from its files; an eqx_ckpt checkpoint
+    when nothing else matches, so its error names what is missing.
 
-    A Hub repository (`hf://`) is read at the commit its revision names now
-    (`_hub.pin`, once; `pinned`: where it was, by the source it is opened
-    again from). It is read from the Hub's local cache in two cases:
-    where the files a load reads are there, and where the load is `whole`
-    (they are downloaded into it first). Else it is read by byte ranges of its
-    files: the headers and the leaves a load selects.
-
-    `options` is the load's, whole (`LoadOptions`): `options.token` is the
-    Hub token it is read with (`None`: huggingface_hub's own, `HF_TOKEN`);
-    `whole` is `options.whole` unless the caller says (`Checkpoint` opens by
-    byte ranges, `verify` downloads a Hub repository). A fine-tune stored
-    against a base is returned with its base (`_family.with_base`), `depth`
-    bases deep: the one its record names, or `options.base`, where the
-    caller gives one."""
+    `whole` (default `options.whole`): a Hub repository is downloaded into its
+    cache first, else read by byte ranges unless its files are cached.
+    `pinned`: the commit a Hub repository was opened at before. A fine-tune
+    comes with its base (`_family.with_base`), `depth` bases deep."""
     loc = location(path)
     whole = options.whole if whole is None else whole
     base = options.base
@@ -205,8 +157,7 @@ def open_source(
 
 
 def _hub_hint(path: Any, loc: Location) -> str:
-    """A Hugging Face habit's hint: `owner/name` given for a Hub repository,
-    where no such local folder exists."""
+    """A hint for `owner/name` given for a Hub repository, where no such local folder exists."""
     if not isinstance(path, str) or loc.local is None or _storage.local_entry(os.path.dirname(loc.local)).exists:
         return ""  # (where the owner is a local folder, the path is one of its own)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(@[^/\s]+)?", path):
@@ -215,13 +166,9 @@ def _hub_hint(path: Any, loc: Location) -> str:
 
 
 def _from_hub(where: Hub, whole: bool, token: str | None, pinned: _hub.Pinned | None) -> Source:
-    """A folder of a Hub repository, pinned to a commit: its safetensors (with
-    `eqx_ckpt.json` where there is one).
-
-    It is read as a local folder of the cache where the cache holds them, else
-    by byte ranges. A folder pinned already (`pinned`: a `Checkpoint` loaded
-    whole after it was opened) keeps its pin: the revision it was asked by,
-    the commit, the token."""
+    """A Hub repository's safetensors folder, pinned to a commit (`pinned`, a
+    pin kept from an earlier open, unless the token changed): from the cache
+    where it holds them, else by byte ranges."""
     if pinned is None or (token is not None and token != pinned.token):
         pinned = _hub.pin(where, token)
     files = _hub.Files(pinned)
@@ -244,14 +191,10 @@ def _from_hub(where: Hub, whole: bool, token: str | None, pinned: _hub.Pinned | 
 
 
 def checkpoint(loc: Location, manifest: Manifest | None = None) -> Source | None:
-    """The eqx_ckpt checkpoint at `loc`, opened; `None` where there is none (no
-    manifest). Every module opens one here.
-
-    - Its manifest is read and checked as untrusted input (`_manifest`).
-    - Its data root (with an OCDBT database in it) must not lead out of it
-      through a symbolic link (`CorruptCheckpointError`).
-    - A `manifest` given is the one its caller already read from `loc` (the
-      one a save's transaction replaces). It is taken as it is."""
+    """The eqx_ckpt checkpoint at `loc`, opened; `None` where there is no
+    manifest. Its manifest is read as untrusted input, and its data root must
+    not lead out of it through a link. A `manifest` given (one the caller
+    read from `loc` already) is taken as it is."""
     if manifest is None:
         manifest = _transaction.read_manifest(loc)
         if manifest is None:
@@ -272,10 +215,7 @@ _PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 def _what_is_there(loc: Location) -> str:
     """What a local path that holds no format eqx_ckpt reads does hold, and what
-    to do with it ("" when nothing is recognised).
-
-    It recognises an Equinox `.eqx` file, PyTorch pickles, safetensors shards
-    without their index, and orbax items or steps."""
+    to do with it ("" when nothing is recognised)."""
     path = loc.local
     if path is None:
         return ""
