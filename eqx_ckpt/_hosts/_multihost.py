@@ -8,12 +8,10 @@ collectives, so that the CPU backend needs none, each process's error
 reaches the others, and an asynchronous save's thread cannot interleave with
 the training step's collectives.
 
-A barrier is waited for a second at a time. Between waits, the heartbeat of a
-process that has not arrived is checked: every process bumps a key of its
-own every `HEARTBEAT_SECONDS` (`_Heartbeat`, a thread started at import), so
-that one killed outright is found within `SILENT_SECONDS` and named, whether
-it died inside the group or before it joined it. The coordination service
-has no quicker answer of its own (docs/scaling.md says why).
+Between one-second waits at a barrier, the heartbeat of a process that has not
+arrived is checked (`_Heartbeat`), so that one killed outright is found within
+`SILENT_SECONDS` and named, whether it died inside the group or before it
+joined it: the coordination service has no quicker answer (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -67,9 +65,8 @@ def _client() -> Any:
 
 
 class Group:
-    """The processes taking part in one save or restore (`what`). With one
-    process, every step is local. A barrier waits `timeout` seconds for the
-    slowest process (`TIMEOUT_MS` by default)."""
+    """The processes taking part in one save or restore (`what`); a barrier
+    waits `timeout` seconds for the slowest (`TIMEOUT_MS` by default)."""
 
     def __init__(self, what: str = "save", timeout: float | None = None) -> None:
         self.count = jax.process_count()
@@ -123,9 +120,9 @@ class Group:
 
 
 def differing(plans: dict[int, str], count: int) -> CheckpointError | None:
-    """The error of a save whose processes planned different saves (`plans`:
-    each one's digest, by index), or `None`, the same in every process: given
-    different trees, a slice of a replicated leaf would go unwritten."""
+    """The error, the same in every process, of a save whose processes planned
+    different saves (`plans`: digests by index), where a slice of a replicated
+    leaf would go unwritten; else `None`."""
     digests = [plans.get(index) for index in range(count)]
     others = [index for index in range(1, count) if digests[index] != digests[0]]
     if not others:
@@ -138,8 +135,8 @@ def differing(plans: dict[int, str], count: int) -> CheckpointError | None:
 
 
 class _Stage(NamedTuple):
-    """A barrier of a save or a restore (`what`), in its group's keys
-    (`group`); `passed`: the stage before it, which every process reached."""
+    """A barrier of a save or a restore (`what`) in its group's keys (`group`),
+    after the stage every process `passed`."""
 
     what: str
     name: str
@@ -182,8 +179,7 @@ def _late(client: Any, key: str, count: int, stage: _Stage) -> CheckpointError:
 
 
 def _lost(client: Any, index: int, count: int, stage: _Stage) -> CheckpointError:
-    """The error of a barrier that process `index` will never reach: its
-    heartbeat stopped, inside this save or restore or before it joined it."""
+    """The error of a barrier that process `index`, its heartbeat stopped, will never reach."""
     silent = f"no heartbeat for {SILENT_SECONDS:g} s while the others waited for it at stage {stage.name!r}"
     if _has(client, f"{stage.group}/entered/{index}"):
         where = f"after stage {stage.passed!r}" if stage.passed else "before its first stage"
@@ -245,10 +241,9 @@ class _Silence:
 
 
 class _Heartbeat:
-    """This process's heartbeat (see the module docstring): a thread started
-    when eqx_ckpt is imported (`watch`). In a process where JAX's backend
-    started without `jax.distributed` (which can then no longer start), it
-    ends."""
+    """This process's heartbeat: a thread, started when eqx_ckpt is imported,
+    bumps a key every `HEARTBEAT_SECONDS`. It ends where JAX's backend started
+    without `jax.distributed` (which can then no longer start)."""
 
     _started: threading.Thread | None = None
     _stop = threading.Event()
@@ -326,10 +321,8 @@ def _describe(error: BaseException) -> str:
 def writes(x: Any, primary: bool | None = None) -> bool:
     """Whether this process writes (its pieces of) leaf `x`: a `jax.Array`
     spread over several processes is written by each that addresses shards of
-    it; anything else (a copy every process holds), by process 0."""
-    # `primary`: whether this is process 0, when the caller knows (asking JAX
-    # three times a leaf cost a `many` save; docs/benchmarks.md, "Measurements
-    # behind the design").
+    it; anything else, by process 0. `primary`: whether this is process 0,
+    when the caller knows (asking JAX for every leaf is slow: docs/benchmarks.md)."""
     if isinstance(x, jax.Array) and not on_one_device(x) and not x.is_fully_addressable:
         return True
     return jax.process_index() == 0 if primary is None else primary

@@ -59,11 +59,9 @@ def host_pieces(
     x: Any, chunks: tuple[int, ...] | None = None, itemsize: int = 1, *, deal: Deal | None = None, path: str = ""
 ) -> list[tuple[tuple[slice, ...], Any]]:
     """(region, data) for every piece this process writes: a `jax.Array`, a
-    `Deferred` slice of one (made when the save stages it), or NumPy data as
-    it is. Replicated data is written once. With several processes, each
-    region is cut between its holders (`slices`, on the chunk grid `chunks`)
-    and its slices dealt to them (`deal`). `path`: for the fault point
-    `save.slices`."""
+    `Deferred` slice of one, or NumPy data as it is. Replicated data is written
+    once. With several processes, each region is cut between its holders
+    (`slices`, on the chunk grid `chunks`) and its slices dealt (`deal`)."""
     if not isinstance(x, jax.Array):
         return [((), np.asarray(x))]
     if on_one_device(x):
@@ -121,17 +119,15 @@ def _share(
     is dealt, held here or not, so that every process's deal stays the same."""
     shape, me = tuple(x.shape), jax.process_index()
     shards = {region_key(shard.index, shape): shard for shard in x.addressable_shards}
-    pieces, regions = [], []
+    pieces: list[tuple[tuple[slice, ...], Any]] = []
     for region, holders in regions_held(x.sharding, shape):
         cut = slices(region, chunks if chunks is not None else (), len(holders), itemsize)
         owners = deal.owners(holders, [math.prod(b - a for a, b in part) * itemsize for part in cut])
         for owner, part in zip(owners, cut):
             if owner != me:
                 continue
-            index = tuple(slice(a, b) for a, b in part)
-            pieces.append((index, _slice(shards[region].data, part, region)))
-            regions.append(index)
-    _faults.fire("save.slices", path, regions)
+            pieces.append((tuple(slice(a, b) for a, b in part), _slice(shards[region].data, part, region)))
+    _faults.fire("save.slices", path, [index for index, _ in pieces])
     return pieces
 
 
@@ -171,13 +167,10 @@ def regions_held(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tup
 
 def slices(region: Region, chunks: tuple[int, ...], holders: int, itemsize: int) -> list[Region]:
     """`region` of a leaf (`(start, stop)` per axis) cut for its `holders`
-    processes into at most one slice each, a pure function of its arguments:
-    every process cuts the same way with no communication.
-
-    A region of at least `SPLIT_BYTES` is cut along the axis on which it spans
-    the most chunks of the grid `chunks`, at chunk boundaries only (no two
-    processes write one chunk file), the chunks shared as evenly as they go.
-    """
+    processes into at most one slice each, the same in every process. A region
+    of at least `SPLIT_BYTES` is cut along the axis on which it spans the most
+    chunks of the grid `chunks`, at chunk boundaries only (no two processes
+    write one chunk file), the chunks shared as evenly as they go."""
     nbytes = math.prod(b - a for a, b in region) * itemsize
     if holders == 1 or nbytes < SPLIT_BYTES or not region or not chunks:
         return [region]
@@ -205,10 +198,9 @@ def read_placed(
     convert: Callable[[np.ndarray], np.ndarray],
     on_bytes: Callable[[int], None] | None = None,
 ) -> Callable[[], jax.Array]:
-    """Start reading each device's region of a leaf (`read(region)`, a start of
-    `_read.start_region`; a replicated region read once); return a function
-    that waits and assembles the `jax.Array` with `sharding`. `on_bytes` is
-    called with the stored bytes of each region as it lands."""
+    """Start reading each device's region of a leaf (`read(region)`; a
+    replicated region read once); a function that waits and assembles the
+    `jax.Array` with `sharding`, calling `on_bytes` with each region's stored bytes."""
     index_map = sharding.addressable_devices_indices_map(shape)
     reads: dict[Any, Callable[[], np.ndarray]] = {}
     for index in index_map.values():

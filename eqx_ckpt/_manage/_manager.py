@@ -1,12 +1,9 @@
 """`CheckpointManager`: one checkpoint per training step, retention, and resume.
 
-In the manager's directory: `step_<step>/` (a complete eqx_ckpt checkpoint,
-its metrics in its manifest), `manager.json` (the lease of the manager
-writing here, `_lease`) and `retention.json` (`_retention`). A step exists
-only once its manifest does, so a save interrupted at any moment is never
-reported; the next save of the one manager holding the lease removes what it
-left. Anything else in the directory is never touched (docs/manager.md,
-"On-disk layout").
+A step (`step_<step>/`, its metrics in its manifest) exists only once its
+manifest does, so an interrupted save is never reported; the next save of the
+manager holding the lease (`manager.json`) removes what it left. Anything else
+in the directory is never touched (docs/manager.md, "On-disk layout").
 """
 
 from __future__ import annotations
@@ -90,11 +87,10 @@ class CheckpointManager:
         raises its error if it failed.
     - `adopt_steps`: with `True`, the retention rules apply to every step in the
         directory. By default they apply only to the steps saved under the same
-        rules (by this manager, or by an earlier one with the same rules: a
-        resumed run). Other steps (an earlier run with other rules, a manager
-        without rules) are left in place. An [`eqx_ckpt.RetentionWarning`][]
-        names those the rules would drop (see [docs/manager.md, "Steps saved
-        under other rules"](../manager.md#steps-saved-under-other-rules)).
+        rules (by this manager, or an earlier one with the same rules: a resumed
+        run); other steps stay, and a [`eqx_ckpt.RetentionWarning`][] names
+        those the rules would drop (see [docs/manager.md, "Steps saved under
+        other rules"](../manager.md#steps-saved-under-other-rules)).
     - `share`: on a local disk, each step shares the chunk files whose bytes
         did not change with the newest committed step (hard links, verified
         before they are shared; see [docs/manager.md](../manager.md)). With
@@ -170,10 +166,8 @@ class CheckpointManager:
         self.best_metric, self.best_mode, self.blocking = best_metric, best_mode, blocking
         self.adopt_steps = check_flag("adopt_steps", adopt_steps, "`True` applies retention to every step")
         self.share = check_flag("share", share, "`False` writes every chunk of every step in full")
-        # Which steps the rules keep, and which this manager may delete.
         self._retention = Retention(self._loc)
-        # The entries named like a step that no save wrote, named in a warning once.
-        self._left_alone: set[str] = set()
+        self._left_alone: set[str] = set()  # entries named like a step that no save wrote, warned of once
         self._pending: PendingSave | None = None
         self._pending_step: int | None = None
         # Saves and deletions from several threads take turns (a second thread's
@@ -205,10 +199,9 @@ class CheckpointManager:
                 raise
 
     def close(self) -> None:
-        """Wait for the background save (if any), then give up the directory's
-        lease so that another manager may write to it. Saving again takes it
-        back. If `reached_preemption` installed a SIGTERM handler, the previous
-        one is put back."""
+        """Wait for the background save (if any), give up the directory's lease
+        so that another manager may write to it (saving again takes it back),
+        and put back the SIGTERM handler `reached_preemption` replaced."""
         with self._lock:
             try:
                 self.wait_until_finished()
@@ -248,9 +241,7 @@ class CheckpointManager:
         return committed_steps(self._loc)
 
     def latest_step(self) -> int | None:
-        """The highest committed step, or `None` if there is none. (After rolling
-        back to an earlier step, `delete_steps_after` removes the abandoned ones,
-        so that this is the step of the new run.)"""
+        """The highest committed step, or `None` if there is none."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
@@ -259,9 +250,8 @@ class CheckpointManager:
         later step; steps without the metric, or where it is NaN, are never best),
         or `None` if no step has it.
 
-        A manager created without `best_metric` (an evaluator's, beside the
-        training run) ranks by the metric and mode the directory's retention
-        record names: those of the run that saved with `best_n`."""
+        A manager created without `best_metric` (an evaluator's) ranks by the
+        metric and mode of the run that saved here with `best_n`."""
         metric, mode = self.best_metric, self.best_mode
         if metric is None:
             metric, mode = recorded_best(self._loc)
@@ -337,16 +327,13 @@ class CheckpointManager:
         values = metrics_values(step, metrics, self.directory)
         with _storage_errors.explained(self._loc, f"Saving step {step} to"):
             state = self._tidy(step)
-        if state.get(step) and not overwrite:
-            raise CheckpointExistsError(
-                f"Step {step} already exists in {self.directory!r}. Pass `overwrite=True` "
-                f"to replace it, or save under another step.",
-                path=self.directory,
-            )
-        target = self._loc.joined(step_name(step))
-        # The metrics go into the step's manifest, so they commit with it; a
-        # leftover file of version 1 would shadow nothing, but is stale now.
-        with _storage_errors.explained(self._loc, f"Saving step {step} to"):
+            if state.get(step) and not overwrite:
+                raise CheckpointExistsError(
+                    f"Step {step} already exists in {self.directory!r}. Pass `overwrite=True` "
+                    f"to replace it, or save under another step.",
+                    path=self.directory,
+                )
+            # The metrics go into the step's manifest: a leftover file of version 1 is stale now.
             if state.get(step) and primary() and written_metrics(self._loc, step):
                 _storage.remove(self._loc, [_metrics_name(step)])
             self._retention.begin(step, self._rules())
@@ -371,7 +358,7 @@ class CheckpointManager:
                 follows=follows,
                 followed=True,
             )
-            pending = _serialise.save(target, pytree, filter_spec, is_leaf, options)
+            pending = _serialise.save(self._loc.joined(step_name(step)), pytree, filter_spec, is_leaf, options)
             _faults.fire("manager.save_returned", step, pending)
         except CheckpointExistsError:
             raise  # another writer's save: nothing of it is ours to remove
@@ -434,8 +421,8 @@ class CheckpointManager:
 
     def wait_until_finished(self) -> None:
         """Block until the background save (if any) has committed and old steps are
-        deleted. Raises that save's error if it failed; nothing of it was committed,
-        and its leftovers are removed."""
+        deleted. Raises that save's error if it failed (then nothing of it was
+        committed, and its leftovers are removed)."""
         with self._lock:
             pending = self._pending
             if pending is None:
@@ -454,17 +441,15 @@ class CheckpointManager:
         process, or any process of a `jax.distributed` job, was sent SIGTERM (as
         preemptible TPU and GPU fleets do, before a grace period ends).
 
-        Call it once per step, with the same steps in every process, and save and
-        exit when it answers `True`: it does so at the same `step` in every
-        process. Alone, a process answers `True` from the first call after the
-        signal. With several processes, a background thread in each agrees on
-        the step through JAX's coordination service: the first step after the
-        highest one any process has reached. So a step costs no round trip.
-        The call that follows a signal may wait for that agreement (one
-        barrier). The first call installs the manager's SIGTERM handler, from
-        the main thread: the handler only raises a flag (a previous Python
-        handler still runs after it; the default action, ending the process,
-        does not). `close()` puts the previous handler back.
+        Call it once per step, with the same steps in every process. It answers
+        `True` at the same `step` in every process: alone, from the first call
+        after the signal; with several, at the first step after the highest any
+        process has reached, agreed by a background thread through JAX's
+        coordination service (no round trip per step; the call after a signal
+        may wait at one barrier). The first call, from the main thread, installs
+        the manager's SIGTERM handler. It only raises a flag: a previous Python
+        handler still runs after it, the default action (ending the process)
+        does not. `close()` puts the previous handler back.
 
         **Arguments:**
 
@@ -501,9 +486,8 @@ class CheckpointManager:
         a training run (another process, or a thread, with a manager of its own
         on the same directory).
 
-        The directory is listed again and again, at first every 10 ms, then
-        less often, up to once a second. Only committed steps count: a save in
-        flight, interrupted, or deleted is never returned.
+        The directory is listed every 10 ms at first, then less often, up to
+        once a second. A save in flight, interrupted, or deleted is never returned.
 
         **Arguments:**
 
@@ -669,11 +653,10 @@ class CheckpointManager:
         **Arguments:**
 
         - `init`: a function of no arguments building the initial tree (the same
-            tree `save` is given). When there is a step, it is only traced, with
-            `eqx.filter_eval_shape`, to get the skeleton to load into. No initial
-            value is computed, except for the leaves the load leaves out (see
-            `missing`): `init` computes those under `jax.jit` (as
-            [`eqx_ckpt.load_or_initialise`][] does).
+            tree `save` is given). When there is a step, it is only traced
+            (`eqx.filter_eval_shape`) for the skeleton to load into, and computes
+            under `jax.jit` only the leaves the load leaves out (see `missing`),
+            as [`eqx_ckpt.load_or_initialise`][] does.
         - `filter_spec`, `is_leaf`, `where`, `prefix`, `rename`, `missing`, `strict`,
             `cast`, `lazy`, `transform`, `progress`, `read_once`, `token`, `base`: every option
             of [`eqx_ckpt.tree_deserialise_leaves`][], with its meaning and default.
@@ -746,11 +729,10 @@ class CheckpointManager:
     def delete_steps_after(self, step: int) -> list[int]:
         """Roll back: delete every committed step after `step`.
 
-        Steps are ordered by number, as in orbax: `latest_step()` is the highest,
-        and `max_to_keep` keeps the highest. When you restore an earlier step to
-        train again from it (after a loss spike, a bug), the later steps belong
-        to the abandoned run. Delete them, so that `latest_step()` and retention
-        follow the new run.
+        Steps are ordered by number, as in orbax. After restoring an earlier step
+        to train again from it (after a loss spike, a bug), delete the later
+        steps of the abandoned run, so that `latest_step()` and retention follow
+        the new run.
 
         **Arguments:**
 

@@ -1,15 +1,14 @@
 """Preemption: a SIGTERM handler that only raises a flag, and the one step at
 which every process of a job stops (`CheckpointManager.reached_preemption`).
 
-One process: the first call after the signal answers `True`. Several
-`jax.distributed` processes drift apart, and a barrier at every step would
-cost every step a round trip. So each runs a watcher thread, as JAX's own
-preemption sync manager does: the signalled process publishes a request in
-the coordination service's key-value store; every watcher sees it within
-`_POLL` seconds and publishes the last step its loop reported; at one
-barrier they take the first step after the highest as the stop step, which
-no process has passed. Meanwhile a main thread that calls again waits, so
-that its step does not move past the one its watcher published.
+Several `jax.distributed` processes drift apart, and a barrier at every step
+would cost every step a round trip. So each runs a watcher thread, as JAX's
+own preemption sync manager does: the signalled process publishes a request
+in the coordination service's key-value store; every watcher sees it within
+`_POLL` seconds and publishes the last step its loop reported; at one barrier
+they take the first step after the highest, which no process has passed.
+Meanwhile a main thread that calls again waits, so that its step does not
+move past the one its watcher published.
 """
 
 from __future__ import annotations
@@ -79,9 +78,8 @@ class Preemption:
         self._installed = True
 
     def _handle(self, signum: int, frame: Any) -> None:
-        """Only raise the flag: the loop saves and exits at the agreed step. A
-        previous Python handler still runs; the default action (ending the
-        process) does not, which is the point."""
+        """Only raise the flag (and run a previous Python handler): the loop
+        saves and exits at the agreed step."""
         self._signalled.set()
         if callable(self._previous):
             self._previous(signum, frame)

@@ -1,13 +1,12 @@
 """Retention of a `CheckpointManager`: which steps its rules keep, and which it
 may delete.
 
-The rules (`Rules`) apply only to the steps the manager governs: those saved
-under the same rules (the retention record `retention.json` lists them), or
-every step with `adopt_steps=True`. Of those, a step survives if any rule
-keeps it, if it is the latest or the one just saved, or while lazy leaves of
-this process read from it. Steps the rules would drop but that the manager
-does not govern stay: `Retention.apply` returns them once, for the
-`RetentionWarning` (docs/manager.md, "Steps saved under other rules").
+The rules apply only to the steps the manager governs: those saved under the
+same rules (listed in `retention.json`), or every step with `adopt_steps=True`.
+Of those, a step survives if any rule keeps it, if it is the latest or the one
+just saved, or while lazy leaves of this process read from it. Steps the rules
+would drop but that the manager does not govern stay: `Retention.apply` returns
+them once, for the `RetentionWarning`.
 """
 
 from __future__ import annotations
@@ -32,10 +31,9 @@ class RetentionWarning(UserWarning):
     """A `CheckpointManager` left in place what is not its own to delete, and
     names it. That is one of two things:
 
-    - Steps its retention rules would drop but that it did not save. These are
-      steps saved under other rules: by an earlier run with another
-      `max_to_keep`, a manager without rules, or an older eqx_ckpt.
-      `CheckpointManager(..., adopt_steps=True)` applies the rules to them too.
+    - Steps its retention rules would drop but that were saved under other
+      rules (by an earlier run with another `max_to_keep`, a manager without
+      rules, or an older eqx_ckpt). `adopt_steps=True` applies the rules to them too.
     - Entries of its directory named like a step that no eqx_ckpt save wrote:
       a user's file, symbolic link, or folder of other files.
 
@@ -106,9 +104,8 @@ class Retention:
         _write_record(self._loc, rules, sorted(governed | {step}))
 
     def apply(self, rules: Rules, saved: int | None) -> list[int]:
-        """Delete the committed steps retention governs that no rule keeps (never
-        the one just `saved`), and record the ones left; the other steps the rules
-        would drop, the first time there are any."""
+        """Delete the governed steps no rule keeps (never the one just `saved`),
+        and record the ones left; the other steps the rules would drop, once."""
         if not rules.any() or not primary():
             return []
         steps = committed_steps(self._loc)
@@ -142,8 +139,7 @@ class Retention:
         return (self._read(rules) | self._saving | ({saved} if saved is not None else set())) & set(steps)
 
     def _read(self, rules: Rules) -> set[int]:
-        """The steps the retention record lists under `rules`, read once (then
-        kept up to date here)."""
+        """The steps the retention record lists under `rules`, read once, then kept here."""
         if self._recorded is None:
             record = _read_record(self._loc)
             self._recorded = set(record[1]) if record is not None and record[0] == rules.record() else set()
@@ -177,9 +173,8 @@ def _kept(steps: list[int], ranked: list[int], rules: Rules, *, saved: int | Non
 
 
 def recorded_best(loc: Location) -> tuple[str | None, str]:
-    """The metric and mode that rank steps by the retention record of the
-    directory at `loc` (written by a manager with `best_n`); `(None, "min")`
-    where it names none."""
+    """The metric and mode the retention record at `loc` ranks by (a manager
+    with `best_n` writes them); `(None, "min")` where it names none."""
     record = _read_record(loc)
     rules = record[0] if record is not None else {}
     metric, mode = rules.get("best_metric"), rules.get("best_mode", "min")

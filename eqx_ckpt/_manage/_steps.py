@@ -80,10 +80,9 @@ def committed_steps(loc: Location) -> list[int]:
 
 def clean_interrupted(loc: Location, state: dict[int, bool]) -> list[tuple[str, str]]:
     """Remove what interrupted saves left: step folders without a manifest
-    that hold only files a save writes (or nothing), and metrics files a
-    version 1 manager wrote without a committed step. Returns the entries
-    named like a step that are not the manager's to remove, as
-    `(name, what it is)`; they stay."""
+    that hold only files a save writes, and metrics files a version 1 manager
+    wrote without a committed step. The entries named like a step that are not
+    the manager's to remove stay, and are returned as `(name, what it is)`."""
     if not primary():
         return []
     names = _storage.list_names(loc)
@@ -181,10 +180,9 @@ def read_metrics(loc: Location, step: int) -> dict[str, Any]:
 def read_small_file(
     loc: Location, name: str, limit: int, parse: Callable[[bytes], _T], *, what: str, fix: str
 ) -> _T | None:
-    """What `parse` makes of the manager's file `name` in `loc` (at most
-    `limit` bytes), or `None` where there is none. A file `parse` rejects
-    (with `ValueError`, `KeyError` or `TypeError`) is a `CorruptCheckpointError`
-    naming it (`what`: which file it is), then saying the `fix`."""
+    """What `parse` makes of the manager's file `name` in `loc` (at most `limit`
+    bytes), or `None` where there is none. A file `parse` rejects is a
+    `CorruptCheckpointError` naming it (`what`) and saying the `fix`."""
     data = _storage.read_file(loc, name, limit=limit)
     if data is None:
         return None

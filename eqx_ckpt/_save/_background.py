@@ -27,12 +27,10 @@ HeldLeaves = Callable[[], tuple[list[Any], _tree.Names]]
 
 
 def hold_tree(pytree: Any) -> HeldLeaves | None:
-    """What the caller of an asynchronous save (default filter spec, no
-    `is_leaf`) must wait for: every leaf's host data held (`_hold`). Returns
-    what the background calls for the leaves and their names (rebuilt there
-    from the structure, the faster way, unless a custom node's constructor
-    would run on arrays the caller may have deleted); `None` when a leaf's
-    error should be raised at once."""
+    """Hold every leaf's host data for an asynchronous save (default filter
+    spec, no `is_leaf`); what the background calls for the leaves and their
+    names (rebuilt from the structure unless a custom node's constructor would
+    run on arrays the caller may have deleted), or `None` to raise a leaf's error at once."""
     leaves, treedef = jax.tree_util.tree_flatten(pytree)
     keypaths = None
     if not _tree.rebuilds_plainly(treedef):
@@ -64,9 +62,8 @@ _DTYPE = operator.attrgetter("dtype")
 def _hold(leaves: list[Any]) -> tuple[list[Any], Sequence[int]] | None:
     """Every leaf's host data held (a `jax.Array` on one device by its host
     view, any other by its host pieces, NumPy arrays copied), and the indices
-    of the views; `None` when a leaf's error is for the caller's thread. The
-    common tree, every leaf a `jax.Array` on one device, is held with no step
-    of Python's per leaf (docs/benchmarks.md, "Measurements behind the design")."""
+    of the views; `None` when a leaf's error is for the caller's thread. A tree
+    of `jax.Array`s on one device takes no step of Python's per leaf."""
     kinds = _records.array_kind
     try:
         if all(kinds(cls) == "jax" for cls in set(map(type, leaves))) and set(map(type, map(_SHARDING, leaves))) == {
@@ -82,8 +79,7 @@ def _hold(leaves: list[Any]) -> tuple[list[Any], Sequence[int]] | None:
 
 
 def _keys_apart(leaves: list[jax.Array]) -> tuple[list[Any], list[int]] | None:
-    """`_hold` of a tree of `jax.Array`s on one device, some of them PRNG key
-    arrays: those held by their key data, the others by their views."""
+    """`_hold` of `jax.Array`s on one device, some of them PRNG keys (held by their key data)."""
     dtypes = list(map(_DTYPE, leaves))
     keys = {dtype for dtype in set(dtypes) if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)}
     if not keys:
@@ -254,8 +250,7 @@ class Handoff:
 
     def in_background(self) -> bool:
         """Whether, once `save` has returned or raised, its background thread owns
-        the save (or will when it starts): it commits it or removes what it
-        wrote, and nothing else may."""
+        the save (or will when it starts): then nothing else may undo it."""
         with self._lock:
             return self.begun and self._owner != "caller"
 
@@ -263,14 +258,12 @@ class Handoff:
 def start(run: Callable[[], None], exclusive: _lease.Claim, handoff: Handoff) -> PendingSave:
     """Run `run` in a new thread, which owns the save once it claims `handoff`;
     until then, the caller's `handoff.take_back()` undoes it instead."""
-    # The collector stays paused from the caller's part to the background part
-    # (the pause is adopted by the background thread, or ended by whichever
-    # side owns the save): enabled in between, it would walk the objects just
-    # made before the caller gets its thread back (docs/benchmarks.md,
-    # "Measurements behind the design").
+    # The collector stays paused until the background thread adopts the pause or
+    # either side ends it: enabled in between, it would walk the objects just
+    # made before the caller gets its thread back (docs/benchmarks.md).
     pause = _gc.GcPause()
     try:
-        pause.begin(None)  # until the background thread adopts it, or either side ends it
+        pause.begin(None)
         exclusive.hand_over()
         handoff.begun = True
         return PendingSave(functools.partial(_in_background, run, exclusive, handoff, pause))

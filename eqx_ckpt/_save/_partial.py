@@ -29,10 +29,9 @@ from .._store import _transaction
 class Partial:
     """A partial save's leaves: the `new` ones (of the picked nodes) first, then
     the kept stored ones, with their names and filter specs; the stored
-    checkpoint's `commit` (still the live one when the save begins, or the
-    save is refused); the `cast` that keeps each kept leaf's stored dtype, and
-    their stored `chunks`; and the `structure` record, given the dotted paths
-    stored, with the picked sub-trees spliced into the stored one."""
+    checkpoint's `commit` (the save is refused unless it is still the live
+    one); the `cast` and `chunks` that keep the kept leaves as stored; and the
+    `structure` record, with the picked sub-trees spliced into the stored one."""
 
     leaves: list[Any]
     names: _tree.Names
@@ -44,9 +43,8 @@ class Partial:
     structure: Callable[[set[str]], Any]
 
     def kept_damaged(self, error: IntegrityError, loc: Location) -> IntegrityError:
-        """`error`, a kept leaf found damaged as it was read, said as this
-        save's refusal: a kept leaf is carried over as stored, so a damaged one
-        is never saved again as if it were sound."""
+        """`error`, a kept leaf found damaged as it was read, as this save's
+        refusal: a damaged leaf is never saved again as if it were sound."""
         kept = set(self.names.paths[self.new :])
         if not error.dotted or not set(error.dotted) <= kept:
             return error  # a new leaf's (a lazy leaf of another checkpoint)
@@ -60,9 +58,8 @@ class Partial:
         )
 
     def keep_chunks(self, pending: list[Any]) -> None:
-        """Give each kept leaf with an array of its own (in `pending`, the
-        save's plan) the chunk grid it had (a sharded leaf's is its shards'),
-        so that its chunks are those stored, and shared with them."""
+        """Give each kept leaf with an array of its own (in `pending`) the chunk
+        grid it had, so that its chunk files are shared with those stored."""
         for p in pending:
             chunks = self.chunks.get(p.record.path)
             if chunks is not None and p.record.pack is None and len(chunks) == len(p.record.chunks):
@@ -154,12 +151,11 @@ def check_unreplaced(tx: _transaction.Transaction, *, commit: str) -> None:
     """Refuse a partial save whose checkpoint was replaced after its kept
     leaves were read (`commit` is theirs): committing would undo the other
     save's sub-trees."""
-    loc = tx.loc
     if tx.old is None or tx.old.commit != commit:
         raise CheckpointReplacedError(
-            f"Checkpoint {loc.display!r} was replaced by another save while this save with `where` read the "
+            f"Checkpoint {tx.loc.display!r} was replaced by another save while this save with `where` read the "
             f"leaves it keeps; nothing was written. Save again.",
-            path=loc.display,
+            path=tx.loc.display,
         )
 
 

@@ -1,12 +1,8 @@
 """A save's plan: each leaf's manifest record and host pieces, made here and
-nowhere else (`build`), and the packing of the small ones (`assign`).
-
-`build` runs the filter specs over a tree's leaves and makes a `Pending` (a
-`_format.LeafRecord` and the pieces written for it) for each value they
-write, by one path (`_Collector.add`), each value once. A piece is kept as
-what it comes from; its host data is made within the staging budget
-(`_staging`). A save of one process keeps its records for the next save of
-the same structure (`Plan`).
+nowhere else (`build`, by one path: `_Collector.add`, each value once), and
+the packing of the small ones (`assign`). A piece is kept as what it comes
+from; its host data is made within the staging budget (`_staging`). A save of
+one process keeps its records for the next save of the same structure (`Plan`).
 """
 
 from __future__ import annotations
@@ -42,11 +38,10 @@ class Pending:
 
 
 class Held:
-    """A `jax.Array` leaf (`value`) of an asynchronous save, with the host
-    data the save writes, taken while the caller waited, so that a donation
-    or deletion of the array after the call returns cannot reach it. `data`:
-    the array, or a PRNG key array's key data; `pieces`:
-    `_sharding.host_pieces(data)`, or `[]` when another process writes it."""
+    """A `jax.Array` leaf (`value`) of an asynchronous save, its host data taken
+    while the caller waited, out of reach of a later donation or deletion:
+    `data` (the array, or a PRNG key's key data) and its `pieces` (`[]` where
+    another process writes it)."""
 
     __slots__ = ("data", "pieces", "value")
 
@@ -55,9 +50,7 @@ class Held:
 
 
 def hold(x: jax.Array, primary: bool) -> Held:
-    """`x` with its host data taken by its host pieces; `primary`: whether
-    this is process 0. (`_background.hold_tree` holds a plain array on one
-    device by its view instead.)"""
+    """`x` held by its host pieces (`primary`: whether this is process 0)."""
     data = jax.random.key_data(x) if _dtypes.is_prng_key(x) else x
     if not _multihost.writes(data, primary):
         return Held(x, data, [])
@@ -74,12 +67,10 @@ def build(
     default: Callable[[LeafHandle, Any], None],
     compression: str = "",
 ) -> list[Pending]:
-    """Run the filter specs (`specs`, one per leaf) over the leaves, and make
-    the record and host pieces of every value they write (`_Collector.add`,
-    each leaf once); nothing is written yet, so a bad leaf leaves the
-    destination untouched. `default`: the default filter spec, whose work on
-    an array (writing it as it is) this does without the call or a handle.
-    `compression`: each array's (`_format.COMPRESSIONS`), or ""."""
+    """Run the filter specs (one per leaf) and make the record and host pieces
+    of every value they write. Nothing is written yet: a bad leaf leaves the
+    destination untouched. `default`: the default filter spec, whose work on an
+    array this does without the call or a handle."""
     _faults.fire("save.records", loc)
     paths, records = names.paths, names.records
     _tree.check_unique(names, checkpoint=loc.display)
@@ -107,12 +98,11 @@ def build(
 
 
 class Plan:
-    """A save's records, packs assigned, kept (in its `_tree.Names.memo`) for
-    the next save of the same structure, which takes them as they are
-    (`reuse`): a training loop saves one tree again and again. `text`: the
-    manifest's text of the records, made by the first save that encodes them.
-    Kept only where every leaf is the common leaf (`_Collector.add`), and
-    never changed once kept."""
+    """A save's records, packs assigned, kept in its `_tree.Names.memo` for the
+    next save of the same structure (a training loop saves one tree again and
+    again), only where every leaf is the common leaf, and never changed once
+    kept. `text`: the manifest's text of the records, made by the first save
+    that encodes them."""
 
     __slots__ = ("dtypes", "nbytes", "records", "shapes", "text", "types")
 
@@ -192,8 +182,7 @@ class _Collector:
         self.cast, self.primary = cast, primary
         # Who writes which slice of a leaf several processes hold: one deal for the save's leaves.
         self.deal = _sharding.Deal()
-        # (dtype, shape) -> (stored dtype name or `None`, chunk shape, bytes): the
-        # common leaf's fixed part, worked out once per dtype and shape of the save.
+        # (dtype, shape) -> the common leaf's fixed part (`_fixed_part`), worked out once each.
         self._fixed: dict[tuple[Any, tuple[int, ...]], tuple[str | None, tuple[int, ...], int]] = {}
         self.compression = compression
         self.limit = min(_format.CHUNK_BYTES, _format.COMPRESSED_CHUNK_BYTES) if compression else _format.CHUNK_BYTES
@@ -223,16 +212,14 @@ class _Collector:
         self.add(value, _KINDS.get(cls) or array_kind(cls), handle.path, keypath, handle)
 
     def add(self, x: Any, kind: str, path: str, keypath: list[list[Any]], where: int | LeafHandle) -> None:
-        """Make the record and host pieces of `x` (of `array_kind` `kind`), a
-        value written for the leaf at `path`; `where`: its handle, or the leaf's
-        index when the save made none.
+        """Make the record and host pieces of `x` (of `array_kind` `kind`), written
+        for the leaf at `path`; `where`: its handle, or the leaf's index.
 
-        The common leaf takes the short branch: a NumPy array, or a `jax.Array`
-        on one device, or either held, of a dtype stored as it is, not cast. Its
-        record's fixed part is worked out once per dtype and shape of the save
-        (faster than leaf by leaf: docs/benchmarks.md). Any other value goes the
-        general way (`_general`), which checks what it can store (a cast's values
-        included) and names the leaf in its errors."""
+        The common leaf (a NumPy array or a `jax.Array` on one device, held or
+        not, of a dtype stored as it is, not cast) takes the short branch: its
+        record's fixed part is worked out once per dtype and shape (faster than
+        leaf by leaf: docs/benchmarks.md). Any other value goes the general way
+        (`_general`), which checks what it can store and names the leaf in its errors."""
         held = None
         if kind == "held":
             held, x, kind = x, x.value, "jax"
@@ -269,9 +256,8 @@ _WRITTEN_AS_IS = frozenset(("jax", "numpy", "ndarray", "held"))
 
 
 def _fixed_part(dtype: np.dtype, shape: tuple[int, ...], limit: int) -> tuple[str | None, tuple[int, ...], int]:
-    """A common leaf's record's fixed part: the name of `dtype` (`None` when an
-    array of it is not stored as it is, or of too many dimensions), its chunk
-    shape and its bytes."""
+    """A common leaf's record's fixed part: its dtype's name (`None` where it
+    is not stored as it is, or has too many dimensions), chunk shape and bytes."""
     name = _plain_dtype(dtype) if len(shape) <= _format.MAX_RANK else None
     chunks = _chunk_grid(shape, dtype.itemsize, limit) if name else ()
     return name, chunks, math.prod(shape) * dtype.itemsize
@@ -292,11 +278,10 @@ def _leaf_failed(error: Exception, loc: Location, keypath: tuple[Any, ...], dott
 
 
 class Unread:
-    """An array leaf of a lazily loaded tree (a `LazyArray`), read only when
-    the save stages it (`_staging`), so that a save of lazy leaves holds no
-    more of them at once than its staging budget. (The checkpoint it reads
-    from stays whole until this save commits: a save writes into another data
-    root.) `kind`: the leaf type it was saved as."""
+    """An array leaf of a lazily loaded tree, read only when the save stages it,
+    so that a save of lazy leaves holds no more than its staging budget (its
+    checkpoint stays whole until the save commits: a save writes into another
+    data root). `kind`: the leaf type it was saved as."""
 
     def __init__(self, lazy: LazyArray, kind: str):
         self.lazy, self.kind = lazy, kind
@@ -304,8 +289,7 @@ class Unread:
 
     @classmethod
     def of(cls, lazy: LazyArray) -> Unread | None:
-        """`lazy` unread, when it stands for a NumPy or JAX array (`None`: a
-        scalar or a PRNG key, read now)."""
+        """`lazy` unread, where it stands for a NumPy or JAX array (else `None`: read now)."""
         kind = lazy.saved_as
         return cls(lazy, kind) if kind in ("jax", "numpy") else None
 
@@ -320,10 +304,8 @@ class Unread:
 
 
 def _general(handle: LeafHandle, x: Any, keypath: list[list[Any]], collector: _Collector) -> Pending:
-    """The manifest record and the host pieces of a value written for a leaf
-    the general way: any leaf type, a cast, a PRNG key, a sharded array, a
-    lazily loaded leaf. `collector`: the save's cast, deal of slices between
-    processes, chunks' limit and compression."""
+    """The record and host pieces of any other value (`_Collector.add`): any
+    leaf type, a cast, a PRNG key, a sharded array, a lazily loaded leaf."""
     _faults.fire("save.leaf_record", handle.path)
     held = None
     if isinstance(x, Held):
@@ -417,11 +399,9 @@ def _value(handle: LeafHandle, x: Any, held: Held | None) -> tuple[Any, str, str
 
 
 def _stored_pieces(handle: LeafHandle, x: Any, pieces: list[Any], logical: np.dtype, encoding: str) -> list[Any]:
-    """The pieces of `x` as stored: cast to `logical` (its dtype, or what
-    `cast` maps it to), then encoded, when the save stages them (`_staging`).
-    The cast's values are checked here, a block of host data at a time, so
-    that a value the cast would change is an error before anything is
-    written; the cast itself is made again when staged."""
+    """The pieces of `x` as stored: cast to `logical`, then encoded, as the save
+    stages them. The cast's values are checked here first, so that a value it
+    would change is an error before anything is written."""
     cast = logical != x.dtype
     if not cast and encoding != "view":
         return pieces
@@ -481,8 +461,7 @@ def _plain_dtype(dtype: np.dtype) -> str | None:
 
 @_state.memo(4096)
 def _chunk_grid(shape: tuple[int, ...], itemsize: int, limit: int) -> tuple[int, ...]:
-    """`chunk_shape`, remembered; `limit` (`CHUNK_BYTES`, which tests change)
-    is part of the key, so that no chunk shape outlives the limit it was made for."""
+    """`chunk_shape`, remembered (`limit`, which tests change, is part of the key)."""
     return tuple(chunk_shape(shape, itemsize, limit=limit))
 
 
@@ -550,12 +529,10 @@ def _dtype(value: Any) -> np.dtype:
 # Leaves of at most this many stored bytes are packed.
 PACK_BYTES = 1 << 20
 # The most bytes of a pack's chunk: what a partial load reads at least, and what
-# an incremental save writes again around a changed leaf (a chunk whose members
-# changed is written whole). A manager's step, which the next step shares
-# unchanged chunk files with, cuts small chunks, so that a fine-tune of a small
-# model adds about the changed bytes per step. Any other save cuts large ones,
-# which cost a `many` save less CPU (docs/benchmarks.md, "Measurements behind
-# the design"; docs/format.md, "How packs are cut").
+# an incremental save writes again around a changed leaf. A manager's step cuts
+# small chunks, so that a fine-tune of a small model adds about the changed
+# bytes per step; any other save cuts large ones, which cost less CPU
+# (docs/benchmarks.md; docs/format.md, "How packs are cut").
 PACK_CHUNK_BYTES = 4 << 20
 STEP_PACK_CHUNK_BYTES = 128 << 10
 ALIGN_BYTES = 64

@@ -3,17 +3,15 @@
 Each step is one function here (`_collect`, `_plan`, `_write_all`, `_commit`);
 docs/architecture.md, "The story of a save", names the module behind each.
 An asynchronous save returns once its arrays are safe on the host
-(`_background`); with the default filter spec its plan is made in the
-background too.
+(`_background`); with the default filter spec it plans in the background too.
 
-With several JAX processes, every process runs this same story with the same
-tree and writes the pieces it holds (`_multihost.writes`, `_sharding`);
-process 0 alone runs the transaction, creates the arrays and writes the
-manifest. They meet at six barriers (`Stages`, through
-`_multihost.Group.sync`), each of which carries any process's error to all:
+With several JAX processes, each runs this story with the same tree and writes
+the pieces it holds (`_multihost.writes`, `_sharding`); process 0 alone runs
+the transaction, creates the arrays and writes the manifest. They meet at six
+barriers (`Stages`, through `_multihost.Group.sync`), each of which carries any
+process's error to all:
 
-1. `prepared`: every process has planned, and all planned the same save
-   (`_multihost.differing`);
+1. `prepared`: every process planned the same save (`_multihost.differing`);
 2. `begin`: process 0 has begun the transaction...
 3. `joined`: ...and every other process has joined it;
 4. `created`: process 0 has created the arrays; the others open them;
@@ -21,10 +19,10 @@ manifest. They meet at six barriers (`Stages`, through
    commits...
 6. `committed`: ...and, once every process knows it did, cleans up.
 
-A save of one process is a group of one: each stage is only the step it
-wraps. Only such a save (`Stages.alone`) packs small leaves, plans in the
-background, shares chunk files with an earlier save, writes chunk files
-itself, or uses the OCDBT layout (one database has a single writer).
+A save of one process (`Stages.alone`) is a group of one. Only such a save
+packs small leaves, plans in the background, shares chunk files with an
+earlier save, writes chunk files itself, or uses the OCDBT layout (one
+database has a single writer).
 """
 
 from __future__ import annotations
@@ -107,13 +105,12 @@ def default_serialise_filter_spec(handle: LeafHandle, x: Any) -> None:
 @dataclasses.dataclass(frozen=True)
 class SaveOptions:
     """A save's options, made once where the save is asked for, then passed
-    whole. The first eight and `compression` are `tree_serialise_leaves`'
-    own, checked by `save`. Only a `CheckpointManager` passes the others: `metrics` (committed
-    in the manifest); `handoff` (whether an asynchronous save went on in the
-    background, after any exception); `follows` (the checkpoint this save
-    shares unchanged chunk files with where the destination holds none: the
-    previous step); `followed` (a later save will follow this one: the digest
-    of every chunk file it writes is recorded, `_share`)."""
+    whole. The first eight and `compression` are `tree_serialise_leaves`' own.
+    Only a `CheckpointManager` passes the others: `metrics` (committed in the
+    manifest); `handoff` (whether an asynchronous save went on in the
+    background); `follows` (the previous step, whose unchanged chunk files
+    this save shares where the destination holds none); `followed` (a later
+    save follows this one: record each chunk file's digest, `_share`)."""
 
     overwrite: Any = True
     blocking: Any = True
@@ -176,11 +173,10 @@ def tree_serialise_leaves(
         existing checkpoint is an error.
     - `blocking`: with `False`, return a [`eqx_ckpt.PendingSave`][] as soon as
         every array is safe on the host (NumPy arrays are copied; a `jax.Array`
-        needs no copy); with the default `filter_spec`, the leaf records,
-        creating, writing and committing all go on in the background, and an
-        error (a leaf that cannot be saved, say) is raised by its `wait()`.
-        Call `wait()` before relying on the checkpoint. A later save to the
-        same `path` first waits for this one.
+        needs no copy). With the default `filter_spec`, all the rest goes on in
+        the background, and an error (a leaf that cannot be saved, say) is
+        raised by its `wait()`. Call `wait()` before relying on the checkpoint.
+        A later save to the same `path` first waits for this one.
     - `cast`: store some arrays in another dtype: a mapping from dtype to dtype
         (`{jnp.float32: jnp.bfloat16}`) or a callable `(dotted_path, dtype) ->
         dtype | None`. The manifest records both dtypes. A load into `like`
@@ -194,42 +190,37 @@ def tree_serialise_leaves(
         process only). Loads need not be told. See [docs/scaling.md](../scaling.md).
     - `progress`: by default a progress bar (bytes and leaves) shows on stderr
         when it is a terminal and the save is large; `False` hides it, `True`
-        shows it whatever the size, and a callable is called as
-        `progress(leaves_done, leaves_total, bytes_done, bytes_total)` as the
-        bytes are written (a chunk file at a time on a local disk, so a large
-        leaf moves in steps; elsewhere as each leaf's data is handed to
-        TensorStore); the commit that makes them durable follows.
+        always shows it. A callable is called as `progress(leaves_done,
+        leaves_total, bytes_done, bytes_total)` as the bytes are written (on a
+        local disk a chunk file at a time; elsewhere as each leaf's data is
+        handed to TensorStore); the durable commit follows.
     - `where`: a partial save. A callable that picks nodes of `pytree`, as in
         `eqx.tree_at` (`where=lambda t: t["head"]`, or a tuple of nodes): the
         stored sub-tree at each picked node's path is replaced by that node
         (whose structure may differ), and every other stored leaf is kept. The
-        rest of `pytree` is never looked at (it may be abstract, from
-        `eqx.filter_eval_shape`). The checkpoint at `path` must exist; the
-        save is atomic like any overwrite. See
+        rest of `pytree` is never looked at (it may be abstract). The checkpoint
+        at `path` must exist; the save is atomic like any overwrite. See
         [docs/format.md](../format.md#incremental-and-partial-saves).
     - `share`: an overwrite on a local disk shares the chunk files whose bytes
         did not change with the checkpoint it replaces (hard links; see
         [docs/format.md](../format.md#incremental-and-partial-saves)); with
         `False`, every chunk is written in full and no file is shared.
     - `staging_bytes`: the most host memory, in bytes, the save stages at a
-        time: each piece of a leaf (a `jax.Array`'s data copied to the host, a
-        cast, a shard's slice) is made as the writes reach it, its copy to the
-        host started ahead of them, and freed once written. By default a
-        quarter of this machine's memory (at least 64 MiB; at most 1 GiB in a
-        process with an accelerator, where every piece is a copy); a piece larger
-        than the budget is staged alone. An asynchronous save holds besides
-        what keeps the caller's arrays safe (see `blocking`). See
+        time. Each piece of a leaf (a `jax.Array`'s data copied to the host, a
+        cast, a shard's slice) is made as the writes reach it and freed once
+        written. By default a quarter of this machine's memory (at least 64
+        MiB; at most 1 GiB in a process with an accelerator). A piece larger
+        than the budget is staged alone. An asynchronous save also holds what
+        keeps the caller's arrays safe (see `blocking`). See
         [docs/scaling.md](../scaling.md#host-memory-of-a-save).
     - `compression`: compress every chunk losslessly, with one of zarr v3's own
         codecs (written in each array's `zarr.json`, so zarr tools still read
         it): `"blosc-lz4"` (or `True`), `"blosc-zstd"` or `"zstd"`. Off by
-        default (`None`). Reading a compressed checkpoint needs an eqx_ckpt
-        that knows format version 6. See
-        [docs/format.md](../format.md#compression).
+        default (`None`). Reading it needs an eqx_ckpt that knows format
+        version 6. See [docs/format.md](../format.md#compression).
 
     With `jax.distributed` initialised, call this in every process with the same
-    tree: each process writes its own shards, and the checkpoint is committed once,
-    after all have finished.
+    tree: each writes its own shards, and the checkpoint is committed once all have finished.
 
     **Returns:**
 
@@ -269,8 +260,7 @@ def save(
     is_leaf: Callable[[Any], bool] | None,
     options: SaveOptions,
 ) -> PendingSave | None:
-    """`tree_serialise_leaves` at `loc`, with its `options` (and those of a
-    `CheckpointManager`'s step: `SaveOptions`)."""
+    """`tree_serialise_leaves` at `loc`, with its (or a manager's step's) `options`."""
     stages = Stages()
     share = check_flag("share", options.share, "`False` writes every chunk in full")
     overwrite, blocking, cast, budget, planned, expected = _collect_and_plan(
@@ -283,19 +273,17 @@ def save(
     tracker: Tracker | None = None
     how = _Save(stages, options.metrics, options.follows, share, options.followed, budget)
     try:
-        if not isinstance(planned, _staging.Batch):
-            # Every array is safe on the host already: the plan, the transaction
-            # and the writes all happen in the background.
+        if not isinstance(planned, _staging.Batch):  # held leaves: planned in the background too
             compression = compression_of(options.compression)
             run = functools.partial(_plan_write_and_commit, loc, how, planned, cast, compression, **begin)
-            return _background.start(run, exclusive, handoff)
-        check = None if expected is None else functools.partial(_partial.check_unreplaced, commit=expected)
-        tx, tracker = _begin(loc, stages, planned, check=check, **begin)
-        run = functools.partial(_write_and_commit, tx, how, planned, tracker)
-        if blocking:
-            run()
-            exclusive.release()
-            return None
+        else:
+            check = None if expected is None else functools.partial(_partial.check_unreplaced, commit=expected)
+            tx, tracker = _begin(loc, stages, planned, check=check, **begin)
+            run = functools.partial(_write_and_commit, tx, how, planned, tracker)
+            if blocking:
+                run()
+                exclusive.release()
+                return None
         # Every array is safe on the host already (a jax.Array's host data never
         # changes; NumPy arrays were copied): everything else happens in the background.
         return _background.start(run, exclusive, handoff)
@@ -329,43 +317,27 @@ def _collect_and_plan(
     (`_background.hold_tree`); last, for a partial save (`where`), the commit
     of the checkpoint whose leaves it keeps. Every process then meets the
     others at the first stage, whatever its outcome."""
-    layout, where, step = options.layout, options.where, options.followed
-    compression = options.compression
     planned: _staging.Batch | _background.HeldLeaves | None = None
     expected: str | None = None
     error: BaseException | None = None
     try:
-        _layout.check(layout)
+        _layout.check(options.layout)
         overwrite = check_flag("overwrite", options.overwrite, "whether to replace a checkpoint already there")
         blocking = check_flag("blocking", options.blocking, "`False` saves in the background")
         cast = _records.cast_function(options.cast)
         compression = compression_of(options.compression)
         reserved = _chunk_files.compressing_bytes() if compression else 0  # within the budget
         budget = max(_staging.budget(options.staging_bytes) - reserved, 1)
-        if where is not None:
+        plan = functools.partial(
+            _plan, loc, stages, private=not blocking, step=options.followed, compression=compression
+        )
+        if options.where is not None:
+            default = default_serialise_filter_spec
             partial = _partial.collect(
-                loc,
-                pytree,
-                where,
-                filter_spec,
-                is_leaf,
-                cast,
-                overwrite=overwrite,
-                default=default_serialise_filter_spec,
+                loc, pytree, options.where, filter_spec, is_leaf, cast, overwrite=overwrite, default=default
             )
             try:
-                planned = _plan(
-                    loc,
-                    stages,
-                    partial.leaves,
-                    partial.names,
-                    partial.specs,
-                    partial.cast,
-                    private=not blocking,
-                    structure=partial.structure,
-                    step=step,
-                    compression=compression,
-                )
+                planned = plan(partial.leaves, partial.names, partial.specs, partial.cast, structure=partial.structure)
             except IntegrityError as e:
                 raise partial.kept_damaged(e, loc) from e
             partial.keep_chunks(planned.pending)
@@ -375,13 +347,10 @@ def _collect_and_plan(
         elif not blocking and stages.alone and filter_spec is default_serialise_filter_spec and is_leaf is None:
             planned = _background.hold_tree(pytree)  # planned in the background
         if planned is None:
-            leaves, names, specs = _collect(pytree, filter_spec, is_leaf)
-            planned = _plan(
-                loc, stages, leaves, names, specs, cast, private=not blocking, step=step, compression=compression
-            )
+            planned = plan(*_collect(pytree, filter_spec, is_leaf), cast)
     except Exception as e:
         error = e
-    stages.prepared(error, planned, layout=layout, loc=loc)
+    stages.prepared(error, planned, layout=options.layout, loc=loc)
     assert planned is not None
     return overwrite, blocking, cast, budget, planned, expected
 
@@ -422,15 +391,11 @@ def _plan(
     step: bool = False,
     compression: str = "",
 ) -> _staging.Batch:
-    """What the save writes: every leaf's record and host pieces (the filter
-    specs run here, or a kept `_records.Plan` serves), the packs of small
-    leaves, and the tree's structure record (`structure`, given the dotted
-    paths stored, makes it for a partial save).
-
-    `private`: protect the leaves' data (`_staging.protect`) from the caller of
-    an asynchronous save. `step`: a manager's step, whose packs are cut in
-    chunks small enough to share (`_records.assign`). `compression`: of every
-    array (`_format.COMPRESSIONS`), or ""."""
+    """What the save writes: each leaf's record and host pieces (from the
+    filter specs, or a kept `_records.Plan`), the packs of small leaves, and
+    the structure record (a partial save's made by `structure`). `private`:
+    protect the data from an asynchronous save's caller (`_staging.protect`);
+    `step`: a manager's step, packed in chunks small enough to share."""
     default = default_serialise_filter_spec
     # Records kept from a save of this structure serve a save of one process, not cast, not partial.
     keeps = stages.alone and cast is None and structure is None
@@ -490,8 +455,7 @@ def _begin(
     progress: Progress,
     check: Callable[[_transaction.Transaction], None] | None = None,
 ) -> tuple[_transaction.Transaction, Tracker]:
-    """Begin the transaction (with every process; `check` may refuse it, see
-    `Stages.begin`), and the progress report."""
+    """Begin the transaction with every process (`check` may refuse it), and the progress report."""
     if layout == "directories":
         _untrusted.check_path_lengths(loc, [p.record for p in batch.own])
     packs, paths = [pack.name for pack, _ in batch.packs], [p.record.path for p in batch.own]
@@ -574,11 +538,9 @@ def _write_all(
         writing = _staging.start_writes(data, batch, opens, save, budget=how.staging, tracker=tracker, out=out)
     except Exception as e:
         error, writing = e, None
-    if error is None:
-        # While the data is being written (encoding the manifest of many
-        # leaves takes a noticeable part of a save).
-        if stages.primary:  # the process that commits
-            error = _interrupts.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, how.metrics)))
+    if error is None and stages.primary:
+        # Encoded while the data is written: for many leaves, a noticeable part of a save.
+        error = _interrupts.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, how.metrics)))
     batch.free()
     if writing is not None:
         if error is not None:
@@ -593,9 +555,8 @@ def _write_all(
 
 
 class _Save(NamedTuple):
-    """What the steps of one save after its plan share: its `Stages`;
-    `metrics`, `follows`, `share` and `followed` as `SaveOptions` has them
-    (what it shares, `_share`); `staging`, its staging budget in bytes."""
+    """What the steps of one save after its plan share: its `Stages`, four of
+    `SaveOptions`' fields, and `staging`, its staging budget in bytes."""
 
     stages: Stages
     metrics: dict[str, Any] | None
@@ -635,8 +596,7 @@ def _base_at(loc: Location, manifest: _manifest.Manifest | None) -> _share.Base 
 
 
 def _commit(tx: _transaction.Transaction, encoded: list[bytes]) -> BaseException | None:
-    """Commit the manifest (`encoded`): written last, in one conditional write
-    (`_transaction.Transaction.commit`); its error."""
+    """Commit the manifest (`encoded`), written last in one conditional write; its error."""
     tx.written()
     return _interrupts.attempt(lambda: tx.commit(encoded[0]))
 
@@ -686,9 +646,8 @@ class Stages:
         return self._group.count
 
     def prepared(self, error: BaseException | None, planned: Any, *, layout: str, loc: Location) -> None:
-        """Stage 1 (`planned`: a `Batch`, or held leaves planned later; `error`:
-        this process's failure to plan): raises the first error of any process,
-        or says that they planned different saves."""
+        """Stage 1: raise the first error of any process (`error`: this one's),
+        or say that they planned different saves."""
         if error is None and layout == "ocdbt" and not self.alone:
             error = CheckpointValueError(
                 f"`layout='ocdbt'` is not supported with {self._group.count} JAX processes: one "
@@ -706,28 +665,20 @@ class Stages:
         """Stages 2 and 3: the transaction, begun by process 0 (`begin`), joined
         by the others (`join`); aborted once one has failed to join."""
         group = self._group
-        if group.primary:
-            try:
-                tx = begin()
-            except BaseException as e:
-                group.sync("begin", e)
-                raise
-            group.sync("begin", None)  # only this process can fail at `begin`, and it did not
-            error = group.sync("joined", None)
-            if error is not None:
-                tx.abort()
-                raise error
-            return tx
-        error = group.sync("begin", None)
-        if error is not None:
-            raise error
+        if not group.primary:
+            self._meet("begin", lambda: (None, None))
+            return self._meet("joined", lambda: (join(), None))
         try:
-            tx = join()
+            tx = begin()
         except BaseException as e:
-            group.sync("joined", e)
+            group.sync("begin", e)
             raise
+        # Only this process can fail at `begin`, and it did not; a process lost
+        # here is this one's error at `joined`, once `tx` can be aborted.
+        group.sync("begin", None)
         error = group.sync("joined", None)
         if error is not None:
+            tx.abort()
             raise error
         return tx
 
@@ -737,20 +688,24 @@ class Stages:
         open_arrays: Callable[[], list[Any]],
     ) -> list[Any]:
         """Stage 4: the futures of the opened arrays, created by process 0
-        (`create`: the futures and the first error), opened by the others once
-        they exist (`open_arrays`)."""
-        opens: list[Any] = []
-        error: BaseException | None = None
+        (`create`), opened by the others once they exist (`open_arrays`)."""
         if self._group.primary:
-            try:
-                opens, error = create()
-            except BaseException as e:  # the others wait for it at `created`
-                self._group.sync("created", e)
-                raise
-        error = self._group.sync("created", error)
+            return self._meet("created", create)
+        self._meet("created", lambda: (None, None))
+        return open_arrays()
+
+    def _meet(self, stage: str, run: Callable[[], tuple[Any, BaseException | None]]) -> Any:
+        """`run()`'s value, once every process has reached `stage`; raises the
+        first error of any (`run`'s second value is this one's)."""
+        try:
+            value, error = run()
+        except BaseException as e:  # the others wait for it at `stage`
+            self._group.sync(stage, e)
+            raise
+        error = self._group.sync(stage, error)
         if error is not None:
             raise error
-        return opens if self._group.primary else open_arrays()
+        return value
 
     @property
     def primary(self) -> bool:
@@ -777,8 +732,7 @@ class Stages:
         return error
 
     def stop(self, stop: Callable[[], None]) -> None:
-        """After a failure, or once the save is over: process 0 ends the
-        transaction (`stop`: undoes what was not committed, or leaves what was)."""
+        """After a failure, or once the save is over: process 0 ends the transaction."""
         if self._group.primary:
             stop()
 

@@ -1,14 +1,11 @@
 """A save's writes: its leaves sorted by where they are written (`Batch`), the
 arrays created (`create`), then the writes started in order within the save's
-staging budget (`start_writes`), each made by the location's writer
-(`_chunk_files.chunk_files(loc).writer`).
+staging budget (`start_writes`), each made by the location's writer.
 
 A piece's host data (a `jax.Array`, a NumPy array, or a `_memory.Deferred`
 cast, slice or PRNG key's data) is made as its write is admitted (`Window`)
 and released once written. Every piece admitted counts at its stored size,
-whether staging copies it or not: the budget bounds what the save may hold.
-The fault point `save.staged` reports the bytes staged each time they change.
-docs/scaling.md, "Host memory of a save", states the rule.
+whether staging copies it or not (docs/scaling.md, "Host memory of a save").
 """
 
 from __future__ import annotations
@@ -67,23 +64,21 @@ def budget(staging_bytes: Any) -> int:
 class Batch:
     """A save's pending leaves (records final, packs assigned), sorted once by
     where they are written: `own`, the leaves with an array of their own, and
-    `packs`, each pack with its members, by name; `nbytes`, their stored bytes."""
+    `packs`, each pack with its members, by name; `nbytes`, their stored bytes.
+
+    `structure`: the tree's structure record; `plan`: the `_records.Plan` these
+    records are kept in; `made`: other lists made with `pending` (the flattened
+    tree), freed with it; `refused`: how an `IntegrityError` met while writing
+    is said (a partial save's `_partial.Partial.kept_damaged`)."""
 
     def __init__(
         self, pending: list[Pending], *, made: list[Any] | None = None, structure: Any = None, plan: Any = None
     ):
         self.pending = pending
-        # The tree's structure record, for the manifest (`_structure`).
         self.structure = structure
-        # The `_records.Plan` whose records these are, kept for the next save
-        # (the manifest's text of them is kept there too).
         self.plan = plan
-        # Other lists the save made along with `pending` (its flattened tree):
-        # freed with it, by `free`.
         self.made = made if made is not None else []
         self.freed = False
-        # How an `IntegrityError` met while writing is said (a partial save's
-        # refusal to keep a damaged leaf: `_partial.Partial.kept_damaged`).
         self.refused: Callable[[IntegrityError], IntegrityError] | None = None
         self.own: list[Pending] = []
         members: dict[str, tuple[PackRecord, list[Pending]]] = {}
@@ -106,10 +101,9 @@ class Batch:
         return [p.record for p in self.pending]
 
     def free(self) -> None:
-        """Empty this batch (the writes keep their own references to the data),
-        once the records are encoded: freeing ten thousand leaves' records
-        overlaps the writes then, where the end of a save waited for it
-        (docs/benchmarks.md). A few hundred go at a time, so that the writer
+        """Empty this batch once the records are encoded (the writes keep their
+        own references to the data), so that freeing many records overlaps the
+        writes (docs/benchmarks.md); a few hundred at a time, so that the writer
         threads get the GIL between them."""
         self.freed = True
         lists: list[list[Any]] = [self.pending, self.own, *(members for _, members in self.packs)]
@@ -123,12 +117,10 @@ _FREE_STEP = 256
 
 
 def create(data: Location, batch: Batch) -> tuple[list[Any], BaseException | None]:
-    """Create the arrays' metadata (and the groups'), in a single process or
-    process 0. The others open them once it has (`open_arrays`).
-
-    Returns the futures of the opened arrays (`batch.own`'s, then the
-    packs'), and the first error of creating them. The caller raises it,
-    once every process knows it."""
+    """Create the arrays' metadata (and the groups'), in process 0; the others
+    open them once it has (`open_arrays`). The futures of the opened arrays
+    (`batch.own`'s, then the packs'), and the first error, for the caller to
+    raise once every process knows it."""
     opens: list[Any] = []
     groups: list[Any] = []
 
@@ -145,22 +137,17 @@ def create(data: Location, batch: Batch) -> tuple[list[Any], BaseException | Non
 
     try:
         _interrupts.uninterrupted(start)
-    except BaseException:
-        # What was started must finish before an abort deletes it.
-        settle([*opens, *groups])
-        raise
-    # Every future, not just up to the first failure: an abort must find every file.
-    try:
+        # Every future, not just up to the first failure: an abort must find every file.
         return opens, wait_all([*opens, *groups], None)
-    except BaseException:  # an interrupt: nothing may be left running
+    except BaseException:
+        # A failure or an interrupt: what was started must finish before an abort deletes it.
         settle([*opens, *groups])
         raise
 
 
 def open_arrays(data: Location, batch: Batch) -> list[Any]:
-    """Open the arrays of `batch.own` to write, in a process other than 0,
-    once process 0 has created them (a store cannot be written before its
-    metadata exists): their futures."""
+    """The futures of `batch.own`'s arrays opened to write, in a process other
+    than 0, once process 0 has created them."""
     opens: list[Any] = []
     try:
         for p in batch.own:
@@ -188,12 +175,10 @@ def start_writes(
     tracker: Tracker | None = None,
     out: list[Any],
 ) -> Writing:
-    """Start writing the arrays of `batch` (`opens`: their futures, from
-    `create`) into `data` through the location's writer, in order, as many as
-    `budget` staged bytes admit; the `Writing`, whose `follow` starts the rest.
-
-    `out` gets every future that finishes when data is written, even after an
-    interrupt, so that an abort waits for it before deleting anything."""
+    """Start writing the arrays of `batch` (`opens`: their futures) into `data`,
+    in order, as many as `budget` staged bytes admit; the `Writing`, whose
+    `follow` starts the rest. `out` gets every future that finishes when data
+    is written, even after an interrupt: an abort waits for them before deleting."""
     writer = _chunk_files.chunk_files(data).writer(out, tracker, save)
     writing = Writing(_writes(writer, batch, opens, budget), budget, out, writer)
     try:
@@ -293,10 +278,9 @@ class Writing:
 
     def follow(self, tracker: Tracker) -> BaseException | None:
         """Report progress as the writes finish, oldest first (bytes as each
-        chunk file is written, so a large leaf moves in steps; its leaves with
-        the last), releasing each one's staged bytes and starting the next
-        that fit. A failed write stops the rest (its error is the caller's to
-        wait for, in `out`); returns the error of staging or starting one."""
+        chunk file is written), releasing each one's staged bytes and starting
+        the next that fit. A failed write stops the rest (its error is the
+        caller's to wait for, in `out`); returns the error of starting one."""
         error = None
         while self._started:
             unit, futures, steps = self._started.popleft()
@@ -328,7 +312,8 @@ class Window:
     """The admission of a save's writes within `budget` staged bytes, in order,
     by the one rule of every window (`_window.Budget`). `units`: objects with
     `nbytes` (what staging them holds) and `datas` (their pieces, whose copies
-    to the host `admit` starts)."""
+    to the host `admit` starts). The fault point `save.staged` reports the
+    bytes staged each time they change."""
 
     def __init__(self, units: Iterable[Any], budget: int):
         self._todo: collections.deque[Any] = collections.deque(units)
@@ -375,9 +360,8 @@ class Window:
 
 
 def protect(pending: list[Pending]) -> None:
-    """Make the pieces of `pending` safe from the caller, who may change or
-    delete its arrays once an asynchronous save has returned: a NumPy leaf's
-    piece becomes a private copy (`_memory.protected`)."""
+    """Make the pieces of `pending` safe from an asynchronous save's caller, who
+    may change or delete its arrays once the save returns."""
     for p in pending:
         copy = p.record.type == "numpy"
         p.pieces = [(index, _memory.protected(piece, copy)) for index, piece in p.pieces]
