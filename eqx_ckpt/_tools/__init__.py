@@ -1,3 +1,1 @@
-"""The tools: verify, diff, export, conversion of Equinox files, the CLI and
-the demo.
-"""
+"""The tools: verify, diff, export, conversion of Equinox files, the CLI and the demo."""

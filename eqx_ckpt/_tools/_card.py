@@ -1,14 +1,11 @@
 """The model card (`README.md`) of a published folder: the Hub's front matter,
-what the model is, and a load snippet that works as written, loading it by
-the one name it is given (`model_card(name_or_path, ...)`).
+what the model is, and a load snippet that works as written.
 
-The snippet's `trust` list names the classes and functions the default trust
-does not cover (`_trust`). Some parts no trust rebuilds: what the save could
-not record as data, and what a fresh process cannot import (`needs`). An
-export warns of them (`NeedsCodeWarning`). The snippet then rebuilds the
-largest parts without them (`prefix=`, `rebuildable`), and the card shows
-the load into a `like` the model's code makes (docs/interop.md, "The model
-card"; docs/sharing.md, "Parts that need the model's code").
+The snippet trusts what the default trust does not cover (`_trust`). Parts
+that no trust rebuilds (`needs`: what the save could not record as data, what
+a fresh process cannot import) make an export warn (`NeedsCodeWarning`). The
+snippet then rebuilds the largest parts without them (`rebuildable`), and the
+card shows the load into a `like` (docs/interop.md, "The model card").
 """
 
 from __future__ import annotations
@@ -33,6 +30,8 @@ from .._store import _storage
 
 # Shown by name in the snippet, at most; more parts load as nested dicts.
 MAX_PARTS = 16
+# Parts named in a warning, at most.
+SHOWN = 10
 # The most of a card a re-export reads for the license and base models it names.
 _CARD_BYTES = 2**20
 _LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")
@@ -41,10 +40,6 @@ _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{
 _CODE = re.compile(r"(?!https?://[^<>]*[<>])[^\s`'\"\\]{1,300}")
 # Metric names written into the front matter (quoted): others are in the body only.
 _METRIC = re.compile(r"[A-Za-z0-9_./-]{1,100}")
-
-
-# Parts named in a warning, at most.
-SHOWN = 10
 _IDENTIFIERS = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
@@ -76,22 +71,18 @@ NeedsCodeWarning.__module__ = "eqx_ckpt"
 
 @dataclasses.dataclass(frozen=True)
 class Needs:
-    """What a load without `like` of a structure record needs.
-
-    - `trust`: the classes and functions outside the default trust, by
-        `module:qualname`, sorted, each with the dotted paths that use it.
-    - `code`: the parts that need the model's code, by dotted path, sorted,
-        each with what it is (text from a checkpoint escaped).
-    """
+    """What a load without `like` of a structure record needs: `trust`, the
+    classes and functions outside the default trust (by `module:qualname`,
+    sorted) with the dotted paths using each; `code`, the parts that need the
+    model's code (by dotted path, sorted) with what each is (escaped)."""
 
     trust: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     code: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def needs(structure: Any, where: str) -> Needs:
-    """What a load without `like` of the tree of `structure` (a record, or
-    `None`) needs; the record is checked as a load checks it, `where` naming
-    it in an error."""
+    """What a load without `like` of `structure` (a record, or `None`) needs,
+    checked as a load checks it (`where` names it in an error)."""
     if structure is None:
         return Needs()
     default = _trust.Trust([])
@@ -110,9 +101,8 @@ def needs(structure: Any, where: str) -> Needs:
 
 
 def importable(name: str) -> bool:
-    """Whether a fresh process can import the object recorded as `name`: its
-    module is a module path other than a script's (`__main__`), its qualname
-    a path of identifiers (no `<locals>`)."""
+    """Whether a fresh process can import the object recorded as `name`: not
+    from a script (`__main__`), nor under `<locals>`."""
     module, _, qualname = name.partition(":")
     return module != "__main__" and bool(_IDENTIFIERS.fullmatch(module)) and bool(_IDENTIFIERS.fullmatch(qualname))
 
@@ -123,8 +113,7 @@ def in_script(name: str) -> bool:
 
 
 def warn(found: Needs, name_or_path: str) -> None:
-    """Warn of the parts of `found` that need the model's code, each by its
-    dotted path; nothing where there are none."""
+    """Warn of the parts of `found` that need the model's code, if any."""
     if not found.code:
         return
     lines = [f"  `{path or '(the root)'}`: {why}" for path, why in list(found.code.items())[:SHOWN]]
@@ -169,8 +158,7 @@ def _above(paths: Iterable[str]) -> set[str]:
 
 @dataclasses.dataclass(frozen=True)
 class About:
-    """What a card says of a model beyond its files: the export's `license`,
-    `base_model` and `code` options, checked (`about`)."""
+    """What a card says beyond the files: the export's checked `license`, `base_model` and `code`."""
 
     license: str | None = None
     base_model: tuple[str, ...] = ()
@@ -286,10 +274,8 @@ def _card_text(ckpt: Checkpoint) -> str:
 
 
 def front_matter(about: About, metrics: dict[str, Any]) -> str:
-    """The card's YAML front matter, as the Hub reads a card's metadata.
-
-    Every value given is quoted, so YAML reads it as a string (`no` or
-    `1.0` would otherwise be a boolean or a number)."""
+    """The card's YAML front matter, the metadata the Hub reads. Values are
+    quoted: YAML would read `no` or `1.0` as a boolean or a number."""
     lines = ["---", "library_name: eqx_ckpt"]
     if about.license is not None:
         lines.append(f'license: "{about.license}"')
@@ -308,17 +294,11 @@ def snippet(name_or_path: str, structure: Any, *, about: About = About(), found:
     """Python that loads the model named `name_or_path` (see the module docstring)."""
     name = json.dumps(name_or_path)
     if structure is None:
-        return (
-            "import eqx_ckpt\n\n# It records no structure (exported with `rename`): nested dicts of arrays.\n"
-            f"state = eqx_ckpt.Checkpoint({name}).load()\n"
-        )
+        return _as_dicts(name, "It records no structure (exported with `rename`): nested dicts of arrays.")
     found = needs(structure, name_or_path) if found is None else found
     parts = rebuildable(structure, found.code) if found.code else [""]
     if not parts or len(parts) > MAX_PARTS:
-        return (
-            "import eqx_ckpt\n\n# Parts of it need the model's code (see below): its arrays as nested dicts.\n"
-            f"state = eqx_ckpt.Checkpoint({name}).load()\n"
-        )
+        return _as_dicts(name, "Parts of it need the model's code (see below): its arrays as nested dicts.")
     names = [n for n, paths in found.trust.items() if importable(n) and _used(paths, parts)]
     lines = ["import eqx_ckpt"] + [f"import {module}" for module in sorted({n.partition(":")[0] for n in names})]
     lines.append("")
@@ -338,6 +318,11 @@ def snippet(name_or_path: str, structure: Any, *, about: About = About(), found:
         else:
             lines.append(f"parts = {{prefix: ckpt.load(prefix, {trust}) for prefix in {json.dumps(parts)}}}")
     return "\n".join(lines) + "\n"
+
+
+def _as_dicts(name: str, comment: str) -> str:
+    """A snippet loading the model named `name` (as JSON) as nested dicts of arrays."""
+    return f"import eqx_ckpt\n\n# {comment}\nstate = eqx_ckpt.Checkpoint({name}).load()\n"
 
 
 def _load_notes(name_or_path: str, about: About, found: Needs) -> list[str]:

@@ -101,9 +101,8 @@ def _step_path(given: str, manager: CheckpointManager, step: int) -> str:
 
 
 def _format_types(ckpt: Checkpoint) -> str:
-    """The classes and functions a load without `like` builds (those outside
-    the default trust marked), the parts the save could not record, and what
-    such a load says."""
+    """What a load without `like` builds (marking what needs trust), the parts
+    the save could not record, and what such a load says."""
     untrusted = ckpt.types(trust=[])
     lines, needed = [], []
     for name, paths in ckpt.types().items():
@@ -150,8 +149,7 @@ def _format_steps(given: str, manager: CheckpointManager, steps: list[int]) -> s
 
 
 def _metric(value: Any) -> str:
-    """A metric as people read it: six significant digits (a loss of
-    0.3333333333333333 is 0.333333), an int as it is."""
+    """A metric as people read it: a float to six significant digits, an int as it is."""
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
@@ -208,9 +206,8 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _shared_files(loc: Location) -> tuple[int, int] | None:
-    """The files (and bytes) of the checkpoint at `loc` that other checkpoints
-    or steps also use; `None` where files are never shared (off a local disk,
-    the OCDBT layout)."""
+    """The files (and bytes) of the checkpoint at `loc` that others also use;
+    `None` where files are never shared (off a local disk, the OCDBT layout)."""
     if loc.local is None:
         return None
     source = _source.checkpoint(loc)
@@ -279,9 +276,8 @@ def _report(report: str | None) -> None:
 
 
 def _push_source(args: argparse.Namespace) -> Checkpoint:
-    """The checkpoint `eqx-ckpt push` publishes: the one at the path, or a
-    step of the manager's directory there (`--step`, `--best`). A manager's
-    directory without either is an error naming its steps and the best."""
+    """The checkpoint at the path, or the step of the manager's directory there
+    (`--step`, `--best`); without either, an error naming its steps and the best."""
     if args.step is None and not args.best:
         try:
             return Checkpoint(_path(args.path), token=args.token, base=_with_base(args))
@@ -324,9 +320,8 @@ def _push_hint(args: argparse.Namespace, manager: CheckpointManager, steps: list
 
 
 def _metadata_values(items: list[str]) -> dict[str, Any] | None:
-    """`--metadata KEY=VALUE` items as a dict: each value as JSON where it
-    parses as JSON holding finite numbers only (`0.0576`, `true`, `[1, 2]`),
-    else as the string it is (`abc`, `NaN`)."""
+    """`--metadata KEY=VALUE` items as a dict: a value as JSON where it is JSON
+    of finite numbers (`0.0576`, `true`), else as a string (`abc`, `NaN`)."""
     found: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
@@ -450,15 +445,9 @@ def _diff(args: argparse.Namespace) -> int:
     return args.code
 
 
-def _demo(args: argparse.Namespace) -> int:
-    return run(args.dir, steps=args.steps)
-
-
 def _export(args: argparse.Namespace) -> int:
-    rules: list[tuple[str, str | None]] = []
-    for rule in args.rename:
-        pattern, sep, replacement = rule.partition("=")
-        rules.append((pattern, replacement if sep else None))
+    parts = [rule.partition("=") for rule in args.rename]
+    rules = [(pattern, replacement if sep else None) for pattern, sep, replacement in parts]
     metadata: dict[str, str] = {}
     for item in args.metadata:
         key, sep, value = item.partition("=")
@@ -505,13 +494,8 @@ STORAGE_HELP = (
 
 
 def _export_parser(commands: Any) -> None:
-    export = commands.add_parser(
-        "export", help="write a checkpoint as (Hugging Face sharded) safetensors", epilog=STORAGE_HELP
-    )
-    export.add_argument("ckpt", help=_PATH_HELP)
+    export = _reader(commands, "export", _export, "write a checkpoint as (Hugging Face sharded) safetensors", "ckpt")
     export.add_argument("out", help="output directory (or a path ending in .safetensors for one file)")
-    export.add_argument("--token", default=None, help=_TOKEN_HELP)
-    export.add_argument("--with-base", default=None, metavar="PATH", help=_WITH_BASE_HELP)
     export.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
     export.add_argument(
         "--rename",
@@ -537,7 +521,6 @@ def _export_parser(commands: Any) -> None:
     )
     export.add_argument("--no-card", action="store_true", help="write no README.md (leave one there as it is)")
     _export_options(export, "export")
-    export.set_defaults(run=_export)
 
 
 def _export_options(command: Any, verb: str) -> None:
@@ -617,10 +600,10 @@ _WITH_BASE_HELP = (
 )
 
 
-def _reader(commands: Any, name: str, run: Any, help: str, path: str = _PATH_HELP) -> Any:
+def _reader(commands: Any, name: str, run: Any, help: str, path: str = "path", path_help: str = _PATH_HELP) -> Any:
     """A command reading the checkpoint at its `path` (a fine-tune's base too: `--with-base`)."""
     command = commands.add_parser(name, help=help, epilog=STORAGE_HELP)
-    command.add_argument("path", help=path)
+    command.add_argument(path, help=path_help)
     command.add_argument("--token", default=None, help=_TOKEN_HELP)
     command.add_argument("--with-base", default=None, metavar="PATH", help=_WITH_BASE_HELP)
     command.set_defaults(run=run)
@@ -654,7 +637,7 @@ def parser() -> argparse.ArgumentParser:
         _verify,
         "read and check every byte (of other formats: what they can be checked for); exit 0 sound, "
         "1 damaged, 2 error or a newer format (not damage: upgrade eqx_ckpt)",
-        "checkpoint, .safetensors file, Hugging Face or orbax directory, kvstore URL",
+        path_help="checkpoint, .safetensors file, Hugging Face or orbax directory, kvstore URL",
     )
     diff = commands.add_parser(
         "diff", help="compare two checkpoints; exit 0 equal, 1 different, 2 error", epilog=STORAGE_HELP
@@ -668,7 +651,7 @@ def parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="train a small model, save, list and reload it")
     demo.add_argument("--dir", default=None, help="where to save (default: a new temporary directory)")
     demo.add_argument("--steps", type=int, default=50, help="training steps")
-    demo.set_defaults(run=_demo)
+    demo.set_defaults(run=lambda args: run(args.dir, steps=args.steps))
     return top
 
 

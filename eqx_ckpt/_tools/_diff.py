@@ -1,8 +1,5 @@
-"""`diff`: compare two checkpoints key by key, and optionally byte by byte.
-
-Values are read chunk by chunk, a bounded number of bytes at a time (as `verify`
-does), so checkpoints of any size are compared in bounded memory.
-"""
+"""`diff`: compare two checkpoints key by key, and optionally byte by byte:
+chunk by chunk, as `verify` reads, so in bounded memory whatever the size."""
 
 from __future__ import annotations
 
@@ -93,9 +90,8 @@ class CheckpointDiff:
         return f" (max |a-b| {largest:.3g}, |a-b|/|a| {relative:.3g})"
 
     def summary(self) -> str:
-        """One line of totals: the leaves in both (equal, with other values,
-        of another shape, dtype or type), added and removed, and the bytes
-        of those compared (`values=True`)."""
+        """One line of totals: the leaves in both (equal, differing in values,
+        or in shape, dtype or type), added, removed, and the bytes compared."""
         both = self.equal + len(self.values) + len(self.changed)
         line = (
             f"{both} leaves in both: {self.equal} equal, {len(self.values)} with other values "
@@ -188,11 +184,16 @@ def _signature(record: LeafRecord) -> str:
 
 
 def _open(source: _source.Source, record: LeafRecord) -> Any:
-    """A leaf's array: eqx_ckpt's with its zarr.json checked against the
-    manifest, another format's as its source opens it."""
-    if source.opener is None:
-        return _storage.open_array(source.data, record)
-    return source.open(record)
+    """A leaf's opened array: eqx_ckpt's with its zarr.json checked against the
+    manifest (`Source.open` does not), another format's as its source opens it."""
+    try:
+        if source.opener is None:
+            return _storage.open_array(source.data, record).result()
+        return source.open(record).result()
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise _storage_errors.leaf_io_error(e, record, source.data, "open") from e
 
 
 def _compare_values(
@@ -202,17 +203,7 @@ def _compare_values(
     (`CheckpointDiff.magnitudes`), read chunk by chunk: a differing leaf is
     read to its end, for its magnitude."""
     data_a, data_b = source_a.data, source_b.data
-    opened = []
-    for ra, rb in pairs:
-        stores = []
-        for source, record in ((source_a, ra), (source_b, rb)):
-            try:
-                stores.append(_open(source, record).result())
-            except CheckpointError:
-                raise
-            except Exception as e:
-                raise _storage_errors.leaf_io_error(e, record, source.data, "open") from e
-        opened.append((ra, rb, stores[0], stores[1]))
+    opened = [(ra, rb, _open(source_a, ra), _open(source_b, rb)) for ra, rb in pairs]
     errors: list[BaseException] = []
     # Per differing leaf: the largest |a - b|, the sums of |a - b|^2 and |a|^2.
     found: dict[str, list[float]] = {}

@@ -1,11 +1,10 @@
 """`export_safetensors`: a checkpoint or a tree as Hugging Face sharded safetensors.
 
 Leaves are read one at a time, from the checkpoint's storage. On a local disk
-each shard is streamed to a `.partial` file, and every shard is renamed into
-place only once all are written (the leaves may come from the very files
-being replaced). An object store takes whole objects: a shard is assembled
-in memory, and a source in the destination is refused (docs/interop.md,
-"Export to safetensors").
+each shard streams to a `.partial` file, and all are renamed into place once
+all are written (the leaves may come from the files being replaced). An object
+store takes whole objects: a shard is assembled in memory, and a source in the
+destination is refused (docs/interop.md, "Export to safetensors").
 """
 
 from __future__ import annotations
@@ -54,9 +53,8 @@ _UNITS = types.MappingProxyType({"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 
 
 @dataclasses.dataclass(frozen=True)
 class ExportOptions:
-    """An export's options: `export_safetensors`'s keywords (its docstring says
-    what each does), made once at its public entry (`export_safetensors`,
-    `push_to_hub`, `eqx-ckpt export` and `push`) and passed whole (`export`)."""
+    """`export_safetensors`'s keywords, made once at each public entry (the
+    functions, `eqx-ckpt export` and `push`) and passed whole (`export`)."""
 
     max_shard_size: int | str = "5GB"
     rename: Any = None
@@ -77,8 +75,7 @@ class ExportOptions:
 @dataclasses.dataclass(frozen=True)
 class Exported:
     """What an export wrote: its files' names, relative to its folder, and,
-    against a base, the line saying what it stored and took from the base
-    (`_matching.against`), which it logs."""
+    against a base, the line it logs of what it stored and took (`_matching.against`)."""
 
     names: list[str]
     report: str | None = None
@@ -86,9 +83,8 @@ class Exported:
 
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
-    """One tensor of the export: its safetensors name, the record
-    `eqx_ckpt.json` keeps of it (its stored dtype and shape are the tensor's),
-    and the function reading its value (before its encoding)."""
+    """One tensor of the export: its safetensors name, its record in `eqx_ckpt.json`
+    (its stored dtype and shape are the tensor's), and the reader of its value."""
 
     name: str
     record: LeafRecord
@@ -130,38 +126,33 @@ def export_safetensors(
     **Arguments:**
 
     - `path`: a directory (local, or a kvstore URL / spec). It receives
-        `model.safetensors`, or, above `max_shard_size`,
-        `model-00001-of-0000N.safetensors`... and `model.safetensors.index.json`.
-        A fine-tune stored against a `base` gets `finetune.safetensors` (or
-        `finetune-00001-of-0000N.safetensors`... and its index) instead, so
-        that no loader takes it for a whole model. Then it receives
-        `eqx_ckpt.json` and `README.md`. Or a path ending in
-        `.safetensors`: that one file alone. It gets no `eqx_ckpt.json` or
-        card, so it loads into a `like` only, as any safetensors file.
+        `model.safetensors` (above `max_shard_size`, `model-00001-of-0000N.safetensors`...
+        and `model.safetensors.index.json`), `eqx_ckpt.json` and `README.md`. A
+        fine-tune stored against a `base` gets `finetune.safetensors` (or its
+        shards and index) instead, so that no loader takes it for a whole model.
+        Or a path ending in `.safetensors`: that one file alone, with no
+        `eqx_ckpt.json` or card, so it loads into a `like` only.
     - `pytree`: what to export: a PyTree of arrays and scalars, or a
         [`eqx_ckpt.Checkpoint`][] (any source it opens), whose leaves are read
         from storage one by one. Non-array leaves of a tree are kept in the
         structure record, not as tensors.
     - `max_shard_size`: bytes per shard (an int, or `"5GB"`, `"500MB"`, `"1GiB"`);
         a larger tensor gets a shard of its own.
-    - `rename`: as `rename` of [`eqx_ckpt.tree_deserialise_leaves`][], from
-        a leaf's dotted path to its tensor name (a rule to `None` leaves the
-        leaf out). Without it, tensor names are the dotted paths. With it, the
-        folder records no structure (it loads as nested dicts, or into a `like`
-        with the same `rename`).
+    - `rename`: as for [`eqx_ckpt.tree_deserialise_leaves`][], from a leaf's
+        dotted path to its tensor name (a rule to `None` leaves the leaf out).
+        Without it, tensor names are the dotted paths. With it, the folder records
+        no structure: it loads as nested dicts, or into a `like` with the same `rename`.
     - `metadata`: the header's `__metadata__` (strings), e.g. `{"format": "pt"}`.
         Keys starting with `eqx_ckpt.` are eqx_ckpt's own: a fine-tune's files
         name in them its base and the command that makes a standalone copy.
-    - `info`: your own metadata, kept in `eqx_ckpt.json` and shown on the
-        card. It is a dict of JSON values, at most 1 MiB as JSON: a
-        `"description"`, hyperparameters, metrics (`"name"` titles the card;
-        `"metrics"`, a dict, fills the card's metrics). A loaded folder gives
-        it back as `Checkpoint(folder).info`. A `CheckpointManager` step
-        exported without `"metrics"` gets the metrics saved with it.
+    - `info`: your own metadata, a dict of JSON values (at most 1 MiB as JSON)
+        kept in `eqx_ckpt.json` and shown on the card: a `"description"`,
+        hyperparameters, metrics (`"name"` titles the card; a `"metrics"` dict
+        fills its metrics). `Checkpoint(folder).info` gives it back. A
+        `CheckpointManager` step exported without `"metrics"` gets its saved metrics.
     - `prefix`: export only the sub-tree at this dotted path (`"model"` of
-        `{"model": ..., "opt_state": ...}`). Its leaves' paths are relative to
-        it, so the folder loads as that sub-tree (`rename` then maps these
-        paths).
+        `{"model": ..., "opt_state": ...}`). Its leaves' paths are relative to it
+        (as `rename` sees them), so the folder loads as that sub-tree.
     - `card`: whether to write `README.md` (`False` leaves one there as it is).
     - `card_path`: the name the card's load snippet loads the model by;
         `path` as given by default.
@@ -172,18 +163,17 @@ def export_safetensors(
         or a list of them) it was fine-tuned or made from.
     - `code`: where the classes of the card's `trust` list come from: a pip
         requirement (`"mypkg"`, `"git+https://github.com/me/mypkg"`) or a URL.
-    - `base`: export a fine-tune as what changed: the path of the model it
-        was fine-tuned from (anything a load reads: `hf://owner/name@rev`, a
-        checkpoint, a published folder), or a `Checkpoint` of it. A leaf whose
-        bytes, dtype and shape equal a leaf of the base (matched by content,
-        whatever its name) is not written: `eqx_ckpt.json` names the base's
-        leaf, and the base, pinned (an `hf://` base to its commit, any other
-        to the sha256 of its record). Loads read those leaves from the base.
-        The card's `base_model` is an `hf://` base's repository unless given.
-        An export that would take under both 10% of its bytes and 1 MiB from
-        the base is written standalone. Either way, one line on the `eqx_ckpt`
-        logger (`INFO`) says the bytes stored and taken from the base.
-        See "Model families" in [docs/sharing.md](../sharing.md).
+    - `base`: export a fine-tune as what changed: the model it was fine-tuned
+        from (a path a load reads: `hf://owner/name@rev`, a checkpoint, a
+        published folder; or a `Checkpoint`). A leaf whose bytes, dtype and
+        shape equal a base leaf (matched by content, whatever its name) is not
+        written: `eqx_ckpt.json` names that leaf and pins the base (an `hf://`
+        base to its commit, any other to its record's sha256). Loads read those
+        leaves from the base. The card's `base_model` defaults to an `hf://`
+        base's repository. An export that would take under both 10% of its
+        bytes and 1 MiB from the base is written standalone. One `INFO` line on
+        the `eqx_ckpt` logger says the bytes stored and taken. See "Model
+        families" in [docs/sharing.md](../sharing.md).
     - `standalone`: where `pytree` is a fine-tune stored against a base,
         write every leaf (its base's too), so the folder loads without the
         base. Without it such a fine-tune is exported against the same base.
@@ -264,9 +254,8 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> Exported:
     try:
         nbytes = sum(t.nbytes for t in stored)
         with Tracker(options.progress, leaves=len(stored), nbytes=nbytes, what="export") as tracker:
-            advance = functools.partial(tracker.advance, leaves=1)
             for name, shard in zip(names, shards):
-                _write_shard(loc, name, shard, metadata, lambda n: advance(nbytes=n), digests)
+                _write_shard(loc, name, shard, metadata, lambda n: tracker.advance(leaves=1, nbytes=n), digests)
         if not single:
             described = None if options.rename is not None else structure
             files = _described(
@@ -330,9 +319,8 @@ def _against_base(
 
 
 def _exported(pytree: Any, options: ExportOptions) -> tuple[Any, list[_Tensor], Any]:
-    """What an export of `pytree` writes: the tree (a path opened as a
-    `Checkpoint`), its tensors under `prefix` as `rename` names them, and
-    their structure record; an error where there is none."""
+    """The tree to export (a path opened as a `Checkpoint`), its tensors under
+    `prefix` as `rename` names them (an error where there are none), and their structure record."""
     if isinstance(pytree, (str, os.PathLike)):
         pytree = Checkpoint(pytree, token=options.token)
     found, structure = _within(*_tensors(pytree), options.prefix)
@@ -382,10 +370,9 @@ def _described(
     digests: dict[str, str],
     family: _published.Family | None,
 ) -> dict[str, bytes]:
-    """The files describing the tensors of `source` (`eqx_ckpt.json`, and the
-    card loading the model as `shown` and listing the files `names`), after a
-    warning of the parts that need the model's code; the same `source` gives
-    the same bytes."""
+    """`eqx_ckpt.json` and the card (loading the model as `shown`, listing
+    `names`) for the tensors of `source`, the same bytes for the same `source`;
+    first a warning of the parts that need the model's code."""
     found = _card.needs(structure, source.path if isinstance(source, Checkpoint) else shown)
     _card.warn(found, shown)
     records = [t.record for t in tensors]
@@ -466,19 +453,14 @@ def _tensors(pytree: Any) -> tuple[list[_Tensor], Any]:
     return tensors, structure
 
 
-def _lazy(path: str, keypath: list[list[Any]], leaf: LazyArray) -> _Tensor:
-    """A lazy leaf, as it reads: a PRNG key's key data, else in the dtype (and
-    as the type) of the `like` it was loaded into."""
-    r = leaf._record
-    if r.type == "prng_key":
-        return _Tensor(path, _record(path, keypath, r.type, r.shape, r.dtype, r.impl), _reader(leaf))
-    kind = leaf.saved_as if leaf.saved_as in LEAF_TYPES else "jax"
-    return _Tensor(path, _record(path, keypath, kind, r.shape, _dtypes.name(np.dtype(leaf.dtype))), _reader(leaf))
-
-
 def _leaf(path: str, keypath: list[list[Any]], leaf: Any) -> _Tensor | None:
-    if isinstance(leaf, LazyArray):
-        return _lazy(path, keypath, leaf)
+    if isinstance(leaf, LazyArray):  # as it reads: a PRNG key's key data, else as the `like` it was loaded into
+        r = leaf._record
+        if r.type == "prng_key":
+            return _Tensor(path, _record(path, keypath, r.type, r.shape, r.dtype, r.impl), _reader(leaf))
+        as_type = leaf.saved_as if leaf.saved_as in LEAF_TYPES else "jax"
+        record = _record(path, keypath, as_type, r.shape, _dtypes.name(np.dtype(leaf.dtype)))
+        return _Tensor(path, record, _reader(leaf))
     kind = _dtypes.leaf_type(leaf)
     if kind is None:
         return None
@@ -509,15 +491,20 @@ def _record(
     elif dtype_from_name(dtype).itemsize in (1, 2, 4, 8):
         stored_shape, stored, encoding = shape, f"uint{8 * dtype_from_name(dtype).itemsize}", "view"
     else:
-        raise _unsupported(path, dtype)
+        raise _leaf_error(
+            path,
+            f"its dtype {dtype} has neither a safetensors name ({', '.join(sorted(_safetensors.NAMES))}) nor an "
+            f"unsigned integer of its width to be stored as.",
+            "Convert it first (a complex128 leaf into two float64 leaves), or leave it out with a `rename` rule to "
+            "`None`.",
+        )
     return LeafRecord(
         path, keypath, kind, shape, dtype, stored_shape, stored, encoding, whole_chunks(stored_shape), impl
     )
 
 
 def _reader(array: Any) -> Callable[[], np.ndarray]:
-    """A leaf's value as NumPy makes it (a lazy leaf's, by the reader of whole
-    leaves: `LazyArray.__array__`, a PRNG key's key data)."""
+    """A leaf's value as NumPy makes it (a lazy leaf's by `LazyArray.__array__`)."""
     return functools.partial(np.asarray, array)
 
 
@@ -541,15 +528,6 @@ def _stored(ckpt: Checkpoint, key: str) -> _Tensor:
     return _Tensor(key, _record(key, r.keypath, r.type, r.shape, r.dtype, r.impl), lambda: np.asarray(ckpt[key]))
 
 
-def _unsupported(name: str, dtype: str) -> LeafError:
-    return _leaf_error(
-        name,
-        f"its dtype {dtype} has neither a safetensors name ({', '.join(sorted(_safetensors.NAMES))}) nor an "
-        f"unsigned integer of its width to be stored as.",
-        "Convert it first (a complex128 leaf into two float64 leaves), or leave it out with a `rename` rule to `None`.",
-    )
-
-
 def _leaf_error(name: str, what: str, fix: str) -> LeafError:
     return LeafError(leaf_message(what, keypath=None, dotted=name, path="<export>", fix=fix), dotted=[name])
 
@@ -567,18 +545,14 @@ def _named(tensors: list[_Tensor], rename: Any) -> list[_Tensor]:
         if name in seen:
             raise CheckpointValueError(f"`rename` gives the name {name!r} to both `{seen[name]}` and `{tensor.name}`.")
         seen[name] = tensor.name
-        out.append(_renamed(tensor, _tensor_name(tensor.name, name), renamed=rename is not None))
+        name = _tensor_name(tensor.name, name)
+        if rename is None:
+            out.append(dataclasses.replace(tensor, name=name))
+        else:  # recorded under the name's dotted path and key path, as a plain safetensors tensor reads
+            keypath = [["key", part] for part in name.split(".")]
+            record = dataclasses.replace(tensor.record, path=_safetensors.dotted(name), keypath=keypath)
+            out.append(_Tensor(name, record, tensor.read))
     return out
-
-
-def _renamed(tensor: _Tensor, name: str, *, renamed: bool) -> _Tensor:
-    """`tensor` under its tensor name; a leaf renamed is recorded under that
-    name's dotted path and key path, as a plain safetensors tensor reads."""
-    if not renamed:
-        return dataclasses.replace(tensor, name=name)
-    keypath = [["key", part] for part in name.split(".")]
-    record = dataclasses.replace(tensor.record, path=_safetensors.dotted(name), keypath=keypath)
-    return _Tensor(name, record, tensor.read)
 
 
 def _tensor_name(leaf: str, path: str) -> str:
@@ -601,9 +575,8 @@ def _tensor_name(leaf: str, path: str) -> str:
 
 
 def _refuse_source_in_destination(loc: Location, pytree: Any) -> None:
-    """Refuse a source in the destination, on an object store: there a shard
-    replaces its file at once, and a later leaf read from it would read the
-    new bytes."""
+    """Refuse a source in the destination on an object store: a shard replaces
+    its file at once, and a later leaf read from it would read the new bytes."""
     if loc.local is not None:
         return
     lazy = [x for x in jtu.tree_leaves(pytree, is_leaf=lambda x: isinstance(x, LazyArray)) if isinstance(x, LazyArray)]

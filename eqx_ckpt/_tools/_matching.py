@@ -1,11 +1,9 @@
-"""An export against a base: which leaves a fine-tune takes from the model it
-was fine-tuned from (`export_safetensors(..., base=)`).
+"""An export against a base (`export_safetensors(..., base=)`): which leaves a
+fine-tune takes from the model it was fine-tuned from.
 
-A leaf is taken from the base where a leaf of the base holds the same bytes
-(by xxh3-128 digest), stored alike: matched by content, so a leaf renamed or
-re-wrapped still matches. The base is pinned in the record
-(`_published.Base`), which `_load._family` checks (docs/sharing.md, "Model
-families").
+A leaf is taken where a base leaf holds the same bytes (xxh3-128 digest),
+stored alike, whatever its name. The record pins the base (`_published.Base`),
+which `_load._family` checks (docs/sharing.md, "Model families").
 """
 
 from __future__ import annotations
@@ -119,8 +117,7 @@ def _pin(source: _source.Source, given: Any, destination: Location) -> _publishe
 
 
 def _not_followed(destination: Location, path: str, why: str) -> None:
-    """Warn that a load will not follow the base recorded as `path` on its own
-    (`_family.recorded`), so it needs `base=`."""
+    """Warn that a load will not follow the base recorded as `path` (`_family.recorded`): it needs `base=`."""
     warnings.warn(
         f"The fine-tune exported to {destination.display!r} records its base as {path!r}, which {why}: a load "
         f"follows a fine-tune's record only to an `hf://` base or a folder beside the fine-tune (so that a folder "
@@ -138,13 +135,11 @@ def against(
     tensor_bytes: Callable[[Any], Any],
     destination: Location,
 ) -> tuple[_published.Family | None, str]:
-    """The family of an export of `tensors` (`_export`'s, each with its
-    `record` and `nbytes`; `tensor_bytes` reads one's stored bytes) against
-    `based`, and one line saying what the export stores and takes from it.
-    The family is `None` where the export would take from the base under both
-    `STANDALONE_FRACTION` of its bytes and `STANDALONE_BYTES`: it then holds
-    every leaf, and needs no base. The digest of every leaf compared is kept
-    in `digests`."""
+    """The family of an export of `tensors` (each with `record` and `nbytes`;
+    `tensor_bytes` reads one's stored bytes) against `based`, and a line saying
+    what it stores and takes. The family is `None` (every leaf stored) where it
+    would take under both `STANDALONE_FRACTION` of its bytes and
+    `STANDALONE_BYTES`. Every digest computed is kept in `digests`."""
     references = _matched(tensors, based.source, digests, tensor_bytes)
     total = sum(t.nbytes for t in tensors)
     taken = sum(t.nbytes for t in tensors if t.record.path in references)

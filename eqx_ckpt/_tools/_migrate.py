@@ -41,8 +41,7 @@ def convert_eqx_file(
     it, and the result written with [`eqx_ckpt.tree_serialise_leaves`][]. From then
     on, any part of it can be loaded by path.
 
-    Values are never changed on the way. These are errors, and nothing is
-    written:
+    Values are never changed on the way. These are errors, and nothing is written:
 
     - a 64-bit leaf into a JAX `like` leaf while JAX's 64-bit mode is off (a
         NumPy one keeps it);

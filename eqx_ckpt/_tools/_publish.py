@@ -48,8 +48,7 @@ def push_to_hub(
         `pip install "eqx_ckpt[hub]"`). The repository is made where there is
         none, and the files are uploaded and committed together.
 
-    Load it back with `hf://owner/name@<revision>`
-    anywhere a checkpoint path is read (see [docs/sharing.md](../sharing.md)).
+    Load it back from `hf://owner/name@<revision>` where a checkpoint path is read ([docs/sharing.md](../sharing.md)).
 
     **Arguments:**
 
@@ -63,17 +62,15 @@ def push_to_hub(
     - `revision`: the branch to commit to (made from the default branch
         where there is none); `None`: the default branch.
     - `commit_message`: the commit's message.
-    - `metadata`: your own metadata, kept in `eqx_ckpt.json` and shown on the
-        model card (`info` of [`eqx_ckpt.export_safetensors`][]: a
-        `"description"`, hyperparameters, metrics; `"name"` titles the card);
-        `Checkpoint("hf://owner/name").info` gives it back. A `CheckpointManager`
-        step pushed without `"metrics"` shows the metrics saved with it.
+    - `metadata`: `info` of [`eqx_ckpt.export_safetensors`][]: your own metadata (a
+        `"description"`, hyperparameters, metrics; `"name"` titles the card), kept in
+        `eqx_ckpt.json`, shown on the card, and given back by `Checkpoint("hf://owner/name").info`.
+        A `CheckpointManager` step pushed without `"metrics"` shows the metrics saved with it.
     - `prefix`: publish only the sub-tree at this dotted path (`"model"`,
         leaving `"opt_state"` out), so that it loads as that sub-tree.
-    - `license`, `base_model`, `code`: the model card's license (a Hub license
-        id, `"apache-2.0"`), the repositories it was made from (`"owner/name"`
-        or a list), and where the classes it trusts come from (a pip
-        requirement or a URL), as for [`eqx_ckpt.export_safetensors`][].
+    - `license`, `base_model`, `code`: as for [`eqx_ckpt.export_safetensors`][]: the card's
+        license (a Hub license id, `"apache-2.0"`), the repositories it was made from
+        (`"owner/name"` or a list), where the classes it trusts come from (a pip requirement or a URL).
     - `tag`: a tag to put on the commit (`"v1.0"`), so that
         `hf://owner/name@v1.0` loads it.
     - `base`: publish a fine-tune as what changed: the `hf://owner/name[@rev]`
@@ -134,9 +131,8 @@ def push_to_hub(
 
 @dataclasses.dataclass(frozen=True)
 class PushOptions:
-    """A push's options, made once at its public entry (`push_to_hub`,
-    `eqx-ckpt push`): where it commits, and the export it commits (whose
-    `token` is the push's too; its `card_path` is the repository's)."""
+    """A push's options, made once at each public entry: where it commits, and
+    the export it commits (its `token` is the push's; its `card_path` the repository's)."""
 
     repo_id: str
     private: bool = False
@@ -148,21 +144,19 @@ class PushOptions:
 
 def publish(tree_or_checkpoint_path: Any, options: PushOptions) -> tuple[_hub.Published, str | None]:
     """`push_to_hub`, saying also whether it committed (`eqx-ckpt push` says
-    "unchanged"), and, against a base, what it stored and took from the base
-    (`Exported.report`)."""
+    "unchanged"), and, against a base, what it stored and took (`Exported.report`)."""
     _check_repo_id(options.repo_id)
     _hub.library()  # the install hint before anything is exported
     token = options.export.token
     reports: list[str | None] = [None]
 
     def write(folder: str) -> list[str]:
-        source = os.fspath(tree_or_checkpoint_path) if isinstance(tree_or_checkpoint_path, os.PathLike) else None
-        tree = source if source is not None else tree_or_checkpoint_path
-        if isinstance(tree, str):  # (a published model read with the token)
-            tree = Checkpoint(tree, token=token)
-        # The card loads the model by the name it is pushed to.
-        card_path = _card_path(options.repo_id, options.revision)
-        written = export(folder, tree, dataclasses.replace(options.export, card_path=card_path))
+        tree = tree_or_checkpoint_path
+        if isinstance(tree, (str, os.PathLike)):  # (a published model read with the token)
+            tree = Checkpoint(os.fspath(tree), token=token)
+        # The card loads the model by the name it is pushed to: at its branch, quoted as a Hub path spells it.
+        at = "" if options.revision is None else "@" + urllib.parse.quote(options.revision, safe="")
+        written = export(folder, tree, dataclasses.replace(options.export, card_path=f"hf://{options.repo_id}{at}"))
         given = options.export.base
         if given is None and isinstance(tree, Checkpoint):
             given = tree.base
@@ -171,12 +165,6 @@ def publish(tree_or_checkpoint_path: Any, options: PushOptions) -> tuple[_hub.Pu
         return written.names
 
     return _hub.publish(write, options, token), reports[0]
-
-
-def _card_path(repo_id: str, revision: str | None) -> str:
-    """The name the card loads the model by: at the branch it is pushed to
-    (quoted as a Hub path spells it: `/` is `%2F`), or the default branch."""
-    return f"hf://{repo_id}" + ("" if revision is None else "@" + urllib.parse.quote(revision, safe=""))
 
 
 def _check_repo_id(repo_id: Any) -> None:
@@ -193,9 +181,8 @@ def _check_repo_id(repo_id: Any) -> None:
 
 
 def _refuse_local_base(folder: str, given: Any) -> None:
-    """A fine-tune's base must be on the Hub: no one else can read a local one
-    (and a load from the Hub reads no base elsewhere). The base is named as
-    `given` (the record's path is relative to the temporary `folder`)."""
+    """Refuse a base off the Hub, which a load from the Hub does not read. The
+    base is named as `given` (the record's path is relative to the temporary `folder`)."""
     data = _storage.read_file(location(folder), _published.NAME, limit=MAX_MANIFEST_BYTES)
     family = None if data is None else _published.parse(data, where=folder).family
     if family is not None and not family.base.path.startswith(HUB_SCHEME):

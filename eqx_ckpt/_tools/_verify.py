@@ -1,21 +1,13 @@
-"""`verify`: read and check every byte of a checkpoint.
+"""`verify`: read and check every byte of a checkpoint, chunk by chunk, so in
+bounded memory whatever its size (or the absurd shape a hostile one claims).
 
-It reads chunk by chunk, a bounded number of bytes at a time. So a checkpoint
-of any size (or a hostile one claiming an absurd shape) is checked in bounded
-memory. The readers:
-
-- a leaf's chunks: `_read_every_chunk`, in reads `_read.scan_chunks` bounds;
-- a pack's: the pack reader (`_pack.read_chunks`);
-- each chunk: `_read.start_region`, the one way any reader reads stored elements.
-
-The other formats eqx_ckpt reads (a safetensors file, a Hugging Face
-directory of them, an orbax checkpoint) are checked for what their format can
-be checked for: opening one checks its metadata (`_safetensors`, `_orbax`),
-then every chunk of every tensor is read. Neither format stores checksums, so
-a changed byte cannot be detected, and the result says so (`unchecked`). A
-leaf of the published layout whose digest the record keeps (`_published`) is
-read whole and its digest compared instead; a fine-tune's leaves taken from
-its base are read from the base, at its pin (docs/interop.md, docs/sharing.md).
+A leaf's chunks are read by `_read_every_chunk` (in reads `_read.scan_chunks`
+bounds), a pack's by `_pack.read_chunks`, each by `_read.start_region`. Other
+formats are checked for what they can be: opening one checks its metadata,
+then every chunk is read; they store no checksums (`unchecked` says so). A
+published leaf whose digest the record keeps is read whole and its digest
+compared; a fine-tune's leaves taken from its base are read from the base, at
+its pin (docs/interop.md, docs/sharing.md).
 """
 
 from __future__ import annotations
@@ -103,11 +95,9 @@ class Problem:
 class Problems(list[Problem]):
     """What [`eqx_ckpt.verify`][] returns: a list of [`eqx_ckpt.Problem`][]s,
     empty when the checkpoint is sound, with `unchecked` and `steps` as its
-    docstring says; `checked`, sentences saying what was checked beyond the
-    format (a Hub repository's files, by their digests); and `newer`, the
-    steps of a manager's directory of a newer format than this eqx_ckpt
-    reads (not damage: `unchecked` says so). `damaged_files()` gives the root
-    causes."""
+    docstring says; `checked`, what was checked beyond the format (a Hub
+    repository's files, by digest); `newer`, a manager's steps of a newer
+    format (not damage). `damaged_files()` gives the root causes."""
 
     def __init__(
         self,
@@ -129,24 +119,14 @@ class Problems(list[Problem]):
         with the problems it causes in every step, most problems first."""
         groups: dict[Any, tuple[str, list[Problem]]] = {}
         for problem in self:
-            if problem.file is not None:
-                groups.setdefault(_identity(problem.file), (problem.file, []))[1].append(problem)
+            if problem.file is not None:  # one file under several names (hard links) is one
+                identity = _storage.local_entry(problem.file).identity or problem.file
+                groups.setdefault(identity, (problem.file, []))[1].append(problem)
         return sorted(groups.values(), key=lambda group: -len(group[1]))
-
-
-def _identity(file: str) -> Any:
-    """What makes two names one file: its device and inode (hard links), else its name."""
-    return _storage.local_entry(file).identity or file
 
 
 # Where a local read's error names the file it read.
 _LOCAL_FILE = re.compile(r'local file "([^"]+)"')
-
-
-def _file_of(error: BaseException) -> str | None:
-    """The local chunk file a failed read names, if it names one."""
-    found = _LOCAL_FILE.search(str(error))
-    return found.group(1) if found else None
 
 
 def verify(path: Any, *, progress: Progress = None, token: str | None = None, base: Any = None) -> Problems:
@@ -169,16 +149,13 @@ def verify(path: Any, *, progress: Progress = None, token: str | None = None, ba
     run still saving there is left out, and `unchecked` says so).
 
     A safetensors file, a Hugging Face directory or an orbax checkpoint is
-    checked for what its format can be checked for:
-
-    - its headers or metadata (offsets in bounds, one after another, the
-        file's size, the index's shards and tensors);
-    - that every tensor's bytes (every chunk) are there and read.
-
-    Neither format holds checksums, so a changed byte cannot be
-    detected: the result's `unchecked` says so. A Hub repository (`hf://`) is
-    downloaded into the Hub's cache, and every file is checked against the
-    SHA-256 (or git blob id) the Hub lists for it at the pinned commit.
+    checked for its headers or metadata (offsets in bounds, one after another,
+    the file's size, the index's shards and tensors), and that every tensor's
+    bytes (every chunk) are there and read. These formats hold no checksums, so
+    a changed byte cannot be detected: the result's `unchecked` says so. A Hub
+    repository (`hf://`) is downloaded into the Hub's cache, and every file is
+    checked against the SHA-256 (or git blob id) the Hub lists for it at the
+    pinned commit.
 
     **Arguments:**
 
@@ -258,9 +235,8 @@ def _check(source: _source.Source, tracker: Tracker) -> list[Problem]:
 
 
 def _verify_steps(loc: Location, steps: list[int], progress: Progress) -> Problems:
-    """Every committed step of a `CheckpointManager`'s directory, in order,
-    under one progress bar. A step deleted meanwhile (by the retention of the
-    manager saving there) is not reported on, and `unchecked` says so."""
+    """Every committed step of a manager's directory, in order, under one
+    progress bar; a step deleted meanwhile (by retention) is left out, and `unchecked` says so."""
     opened: dict[int, _source.Source | Problem] = {}
     gone: list[int] = []
     newer: dict[int, str] = {}
@@ -339,7 +315,9 @@ def _check_packs(data: Location, manifest: Manifest, tracker: Tracker) -> dict[s
             k = next((k for k in chunks if k in damaged), None)
             why = problem or (damaged[k] if k is not None else None)
             if why is not None:
-                file = None if k is None or data.local is None else _chunk_file(data.local, pack.name, (k,))
+                file = None
+                if k is not None and data.local is not None:
+                    file = os.path.join(data.local, pack.name, *_format.chunk_key((k,)).split("/"))
                 bad[record.path] = Problem(record.path, f"its pack {pack.name!r} is damaged: {why}", file=file)
         tracker.count_leaves([r.nbytes for r in members])
     return bad
@@ -394,7 +372,8 @@ def _read_every_chunk(
 
     def failed(record: LeafRecord, error: BaseException) -> None:
         message = str(_damage(error, record, data, "read"))
-        bad.setdefault(record.path, Problem(record.path, message, file=_file_of(error)))
+        named = _LOCAL_FILE.search(str(error))
+        bad.setdefault(record.path, Problem(record.path, message, file=named.group(1) if named else None))
 
     def stop(path: str) -> Callable[[], bool]:
         return lambda: path in bad
@@ -418,11 +397,6 @@ def _damage(error: BaseException, record: LeafRecord, data: Location, doing: str
     return explained
 
 
-def _chunk_file(root: str, directory: str, indices: tuple[int, ...]) -> str:
-    """The local file of a chunk of the array folder `directory`."""
-    return os.path.join(root, directory, *_format.chunk_key(indices).split("/"))
-
-
 def _check_file_sizes(
     data: Location,
     directory: str,
@@ -432,9 +406,8 @@ def _check_file_sizes(
     compression: str = "",
 ) -> str | None:
     """Every local chunk file is there and holds exactly one full chunk and its
-    checksum, or a compressed one's bytes at most (TensorStore ignores bytes
-    appended after the checksum, so reads alone would not notice them),
-    worded as a load words it (`_untrusted.wrong_size`)."""
+    checksum (a compressed one: at most that), as a load words it: TensorStore
+    ignores bytes appended after the checksum, so reads alone would not notice."""
     if data.local is None:
         return None
     why = _untrusted.first_wrong_chunk_file(data, directory, shape, chunks, chunk_nbytes, compression)
@@ -579,10 +552,9 @@ ORBAX_INCOMPLETE = (
 
 
 def _check_foreign(loc: Location, progress: Progress, token: str | None, base: Any) -> Problems:
-    """`verify` of the checkpoint of another format at `loc`, with what its
-    format could not be checked for (`unchecked`), and what was checked beyond
-    it (`checked`: a Hub repository's files, by their digests). `base`: a
-    fine-tune's base, as the caller gave it (`None`: as recorded)."""
+    """`verify` of another format's checkpoint at `loc`: what could not be
+    checked (`unchecked`), what was beyond the format (`checked`: a Hub
+    repository's files, by digest). `base`: a fine-tune's base as given, or `None`."""
     hub = loc.hub is not None
     try:
         # A Hub repository is verified as the cache holds it: downloaded whole,
