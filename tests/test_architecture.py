@@ -1112,3 +1112,27 @@ def test_no_options_by_reflection():
         and not node.args
     ]
     assert found == [], "options passed by reflection: " + ", ".join(found)
+
+
+def test_only_public_signatures_take_more_than_ten_parameters():
+    """A function of many parameters is options spread loose (issue 72: 32
+    functions took 7 or more). Past ten, only a public name's signature, which
+    users call by keyword and the SPEC fixes, may have them; inside, the
+    options travel as one value."""
+    import eqx_ckpt
+
+    public = {name for name in dir(eqx_ckpt) if not name.startswith("_")}
+    found = []
+    for path in MODULES:
+        tree = _tree(path)
+        for owner in [tree, *(node for node in tree.body if isinstance(node, ast.ClassDef))]:
+            for node in owner.body:
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                args = node.args
+                named = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs if a.arg not in ("self", "cls")]
+                count = len(named) + (args.vararg is not None) + (args.kwarg is not None)
+                name = owner.name if isinstance(owner, ast.ClassDef) else node.name
+                if count > 10 and (name not in public or node.name.startswith("_")):
+                    found.append(f"{path.name}:{node.lineno} {node.name} ({count})")
+    assert found == [], "functions of more than ten parameters: " + ", ".join(found)
