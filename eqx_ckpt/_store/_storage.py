@@ -350,7 +350,7 @@ def start_writes(loc: Location, files: dict[str, bytes], *, synced: bool = True)
 
 def delete_file(loc: Location, name: str) -> None:
     _faults.fire("storage.delete_file", loc, name)
-    result(_kvstore(loc).delete_range(_ranges(name)[0]))
+    result(_kvstore(loc).delete_range(_key_alone(name)))
 
 
 def list_names(loc: Location) -> list[str]:
@@ -446,7 +446,7 @@ def remove_written(loc: Location, names: Iterable[str]) -> None:
         store = _kvstore(loc)
         ranges = [r for name in names for r in _ranges(name)]
         keys = [key.decode("utf-8", "surrogateescape") for r in ranges for key in result(store.list(r))]
-        futures = [store.delete_range(_ranges(k)[0]) for k in keys if _format.written_by_a_save(k)]
+        futures = [store.delete_range(_key_alone(k)) for k in keys if _format.written_by_a_save(k)]
         for future in futures:
             result(future)
         return
@@ -473,9 +473,13 @@ def remove_written(loc: Location, names: Iterable[str]) -> None:
                     raise
 
 
+def _key_alone(name: str) -> ts.KvStore.KeyRange:
+    return ts.KvStore.KeyRange(name, name + "\0")
+
+
 def _ranges(name: str) -> tuple[ts.KvStore.KeyRange, ts.KvStore.KeyRange]:
     """The key `name` alone, and the keys inside a folder `name` ("0" follows "/")."""
-    return ts.KvStore.KeyRange(name, name + "\0"), ts.KvStore.KeyRange(name + "/", name + "0")
+    return _key_alone(name), ts.KvStore.KeyRange(name + "/", name + "0")
 
 
 def _unlink(path: str) -> None:
