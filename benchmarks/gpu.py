@@ -2,7 +2,7 @@
 
 `python -m benchmarks.gpu [--gib 4] [--dtypes float32,bfloat16] [--reps 1] [--dir DIR] [--json FILE]
 [--staging-mib MIB] [--compression NAME] [--contenders NAMES] [--processes] [--pool COUNTxMIB]
-[--read-threads N]`
+[--read-threads N] [--set MODULE.NAME=VALUE]`
 
 For each dtype, a state of `--gib` GiB is made on the default JAX device with
 `jax.random` (a dict of about 28 arrays of 64, 128 and 256 MiB; smaller ones
@@ -23,7 +23,8 @@ one process, each into a fresh directory under `--dir`:
   With its defaults, which on a GPU load through a pool of reused host
   buffers (`_memory.PINNED_LOAD_POOL`, `--pool` to set it) and copy a blocking
   save's pieces through pinned host memory (`_memory.PINNED_SAVE_COPIES`);
-  `--read-threads` sets its threads that read local files;
+  `--read-threads` sets its threads that read local files, and `--set` any
+  other knob of `_memory` or `_window` (`--set _memory.POOL_HUGE_PAGES=False`);
 - `eqx_ckpt_unpinned`: the same with those two off (as before issue 74);
 - `orbax`: `StandardCheckpointer` `save` (`save` + `wait_until_finished` + an
   fsync of every file, as `benchmarks/contenders.py` measures it), its
@@ -53,6 +54,7 @@ memory or cache of one reaches the next), its rows gathered here. docs/benchmark
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import gc
 import glob
@@ -205,18 +207,19 @@ def to_host(path: str, state: dict[str, jax.Array]) -> None:
 
 
 def unpinned(operation: Callable[..., Any]) -> Callable[..., Any]:
-    """`operation` with eqx_ckpt's pinned load pool and pinned blocking-save
-    copies switched off (`_memory.PINNED_LOAD_POOL`, `PINNED_SAVE_COPIES`)."""
+    """`operation` with eqx_ckpt's pinned load pool, pinned blocking-save
+    copies and an asynchronous save's first copies on the device switched off
+    (`_memory.PINNED_LOAD_POOL`, `PINNED_SAVE_COPIES`, `DEVICE_HOLD_FRACTION`)."""
     from eqx_ckpt._store import _memory
 
     @functools.wraps(operation)
     def switched(*args: Any) -> Any:
-        before = _memory.PINNED_LOAD_POOL, _memory.PINNED_SAVE_COPIES
-        _memory.PINNED_LOAD_POOL, _memory.PINNED_SAVE_COPIES = None, False
+        before = _memory.PINNED_LOAD_POOL, _memory.PINNED_SAVE_COPIES, _memory.DEVICE_HOLD_FRACTION
+        _memory.PINNED_LOAD_POOL, _memory.PINNED_SAVE_COPIES, _memory.DEVICE_HOLD_FRACTION = None, False, 0
         try:
             return operation(*args)
         finally:
-            _memory.PINNED_LOAD_POOL, _memory.PINNED_SAVE_COPIES = before
+            _memory.PINNED_LOAD_POOL, _memory.PINNED_SAVE_COPIES, _memory.DEVICE_HOLD_FRACTION = before
 
     return switched
 
@@ -375,6 +378,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--processes", action="store_true", help="each contender in a process of its own")
     parser.add_argument("--pool", default=None, help="eqx_ckpt's pool of load buffers, COUNTxMIB, or 'off'")
     parser.add_argument("--read-threads", type=int, default=None, help="eqx_ckpt's threads reading local files")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help="set a knob of eqx_ckpt's `_memory` or `_window` (a Python literal): _memory.POOL_HUGE_PAGES=False",
+    )
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     dtypes = [d for d in args.dtypes.split(",") if d]
@@ -414,6 +424,13 @@ def configure(args: argparse.Namespace) -> None:
         _memory.PINNED_LOAD_POOL = None if args.pool == "off" else (int(count), int(float(mib) * 2**20))
     if args.read_threads is not None:
         _window.READ_THREADS = args.read_threads
+    for setting in args.set:
+        name, _, value = setting.partition("=")
+        module, _, knob = name.partition(".")
+        target = {"_memory": _memory, "_window": _window}.get(module)
+        if target is None or not hasattr(target, knob) or not knob.isupper():
+            raise SystemExit(f"--set {setting}: no knob {name} (a NAME in capitals of _memory or _window)")
+        setattr(target, knob, ast.literal_eval(value))
 
 
 def measure_apart(args: argparse.Namespace, root: str, result: dict[str, Any]) -> None:

@@ -83,9 +83,13 @@ _ELSEWHERE = {
     "run by tests/test_multiprocess.py)",
     "save.pinned_copies": "reached by a save only on an accelerator (armed in tests/test_gpu.py; "
     "tests/test_host_memory.py arms it around `_memory.pinned` on a CPU)",
+    "save.device_copies": "reached only by an asynchronous save on a GPU's memory (armed in tests/test_gpu.py; "
+    "tests/test_pinned_save.py arms it on CPU devices with the pinned paths switched on for them)",
     "manager.undo": "reached only when a manager's save fails (armed in tests/test_manager.py)",
     "load.pinned_pool": "reached only by a load through the pool of host buffers, on for GPUs alone "
     "(`_memory.PINNED_PLATFORMS`; armed in tests/test_pinned_load.py, which switches it on for CPUs)",
+    "load.pinned_view": "reached only by a load through the pool's buffers in pinned memory, off by default "
+    "(armed in tests/test_pinned_load.py, which switches it on for CPUs)",
     "load.read_once": "reached only by a multi-process restore that shares reads (armed in "
     "tests/multiprocess_kill_worker.py, run by tests/test_multiprocess.py)",
 }

@@ -94,10 +94,11 @@ def _donate_and_check(tmp_path, state, pending) -> None:
     assert eqx.tree_equal(out, expected, typematch=True)
 
 
-def test_an_asynchronous_save_holds_copies_in_pinned_host_memory(tmp_path, faults):
+def test_an_asynchronous_save_holds_copies_in_pinned_host_memory(tmp_path, faults, monkeypatch):
     """The caller waits only for the copies into pinned host memory to be
     enqueued; they take no device memory, and a donating step after the
-    call cannot reach them."""
+    call cannot reach them. (Copies on the device first switched off.)"""
+    monkeypatch.setattr(_memory, "DEVICE_HOLD_FRACTION", 0)
     state = _state()
     nbytes = sum(x.nbytes for x in state.values())
     copied, go_on = [], threading.Event()
@@ -111,19 +112,47 @@ def test_an_asynchronous_save_holds_copies_in_pinned_host_memory(tmp_path, fault
     _donate_and_check(tmp_path, state, pending)
 
 
-def test_a_pinned_copy_that_fails_is_made_through_the_cpu_device(tmp_path, faults):
+def test_a_first_asynchronous_save_holds_copies_on_the_device_until_pinned(tmp_path, faults, monkeypatch):
+    """Before this process has pinned memory for them, the caller waits only
+    for copies on the device (`_memory.on_device`); the save's thread moves
+    them into pinned memory and frees them; a donating step after the call
+    cannot reach them. A second save copies straight into pinned memory."""
+    monkeypatch.setattr(_memory, "_PINNED_HELD", _memory._HighWater())
+    state = _state()
+    nbytes = sum(x.nbytes for x in state.values())
+    seen, go_on = [], threading.Event()
+    faults("save.device_copies", lambda arrays: seen.append(("device", len(arrays))))
+    faults("save.pinned_copies", lambda arrays: seen.append(("pinned", len(arrays))))
+    faults("save.held", lambda loc: go_on.wait(30))  # the background waits until checked
+    before = _in_use()
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path / "c", state, blocking=False)
+    grown = _in_use() - before
+    go_on.set()
+    assert seen == [("device", len(state))] and grown >= nbytes
+    _donate_and_check(tmp_path, state, pending)
+    assert seen == [("device", len(state)), ("pinned", len(state))]
+    assert _in_use() - before < nbytes  # the copies on the device are freed
+    seen.clear()
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path / "d", _state(), blocking=False)
+    pending.wait()
+    assert seen[0] == ("pinned", len(state))
+
+
+def test_a_pinned_copy_that_fails_is_made_through_the_cpu_device(tmp_path, faults, monkeypatch):
     """Where the copy into pinned memory fails (raised at the fault point),
     the call copies through the host's CPU device instead, and the save
     still writes what the caller passed."""
+    monkeypatch.setattr(_memory, "DEVICE_HOLD_FRACTION", 0)
     state = _state()
     faults("save.pinned_copies", MemoryError("RESOURCE_EXHAUSTED: out of memory"))
     pending = eqx_ckpt.tree_serialise_leaves(tmp_path / "c", state, blocking=False)
     _donate_and_check(tmp_path, state, pending)
 
 
-def test_an_asynchronous_save_with_a_prng_key_copies_the_rest_at_once(tmp_path, faults):
+def test_an_asynchronous_save_with_a_prng_key_copies_the_rest_at_once(tmp_path, faults, monkeypatch):
     """A PRNG key array is held by its key data; the other arrays still by
     pinned copies, made in one call."""
+    monkeypatch.setattr(_memory, "DEVICE_HOLD_FRACTION", 0)
     copied = []
     faults("save.pinned_copies", lambda arrays: copied.append(len(arrays)))
     state = {**_state(leaves=2), "key": jax.random.key(3)}
@@ -190,17 +219,20 @@ def test_a_training_loop_saving_every_5_steps_resumes_bit_for_bit(tmp_path, comp
     assert eqx.tree_equal(jax.tree.map(np.asarray, train(latest)), expected_next, typematch=True)
 
 
+@pytest.mark.parametrize("buffers", ["host", "pinned"])
 @pytest.mark.parametrize("compression", [None, "blosc-lz4", "zstd"])
 def test_a_load_through_the_pool_of_pinned_buffers_is_bit_for_bit_on_the_device(
-    tmp_path, faults, monkeypatch, compression
+    tmp_path, faults, monkeypatch, compression, buffers
 ):
     """Through a small pool (`_memory.PINNED_LOAD_POOL`, on by default on GPUs), a
     state of 8 leaves of 4 MiB (chunks of 1 MiB) is read through two reused
     buffers of 2 MiB (each leaf in two slabs, joined on the device): loaded
     bit for bit onto the device, the buffers allocated once for two loads.
-    Compressed chunks are decompressed straight into the pool's buffers."""
+    Compressed chunks are decompressed straight into the pool's buffers. The
+    buffers page-aligned host memory, or pinned (`_memory.PINNED_LOAD_BUFFERS`)."""
     from eqx_ckpt._ondisk import _format
 
+    monkeypatch.setattr(_memory, "PINNED_LOAD_BUFFERS", buffers == "pinned")
     monkeypatch.setattr(_format, "CHUNK_BYTES", MIB)
     monkeypatch.setattr(_memory, "PINNED_LOAD_POOL", (2, 2 * MIB))
     reset_state("memory.load_pools")
@@ -209,8 +241,8 @@ def test_a_load_through_the_pool_of_pinned_buffers_is_bit_for_bit_on_the_device(
     assert eqx_ckpt.Checkpoint(tmp_path / "c").compression == compression
     allocated: list[int] = []
     faults("load.pinned_pool", allocated.append)
-    like = eqx.filter_eval_shape(lambda: state)
-    for _ in range(2):
+    # An abstract skeleton, and the arrays themselves (their sharding: one device, committed).
+    for like in [eqx.filter_eval_shape(lambda: state)] * 2 + [state]:
         out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", like)
         assert eqx.tree_equal(out, state, typematch=True) and _on_device(out)
     assert allocated == [2 * MIB, 2 * MIB]

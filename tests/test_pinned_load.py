@@ -29,15 +29,27 @@ P = jax.sharding.PartitionSpec
 BUFFER = 256 << 10
 
 
-@pytest.fixture
-def pool(monkeypatch):
-    """The pool on: 2 buffers of 256 KiB, chunks of 64 KiB (a leaf of 1 MiB
-    or more is read a few chunks at a time); a fresh pool for each test."""
+def _pool_on(monkeypatch, pinned: bool):
+    monkeypatch.setattr(_memory, "PINNED_LOAD_BUFFERS", pinned)
     monkeypatch.setattr(_format, "CHUNK_BYTES", 64 << 10)
     monkeypatch.setattr(_memory, "PINNED_LOAD_POOL", (2, BUFFER))
     monkeypatch.setattr(_memory, "PINNED_PLATFORMS", _memory.PINNED_PLATFORMS | {"cpu"})
     _state.reset("memory.load_pools")
     return lambda: _memory.load_pool()
+
+
+@pytest.fixture(params=["host", "pinned"])
+def pool(monkeypatch, request):
+    """The pool on: 2 buffers of 256 KiB, chunks of 64 KiB (a leaf of 1 MiB
+    or more is read a few chunks at a time); a fresh pool for each test. Its
+    buffers page-aligned host memory, or pinned (`_memory.PINNED_LOAD_BUFFERS`)."""
+    return _pool_on(monkeypatch, request.param == "pinned")
+
+
+@pytest.fixture
+def pinned_pool(monkeypatch):
+    """`pool`, its buffers pinned."""
+    return _pool_on(monkeypatch, True)
 
 
 def _tree() -> dict[str, jax.Array]:
@@ -235,3 +247,38 @@ def test_host_memory_of_a_load_through_the_pool_is_the_state_and_the_pool(tmp_pa
     state, pool, region, margin = 256 << 20, 8 << 20, 8 << 20, 64 << 20
     assert measured["allocations"] == 2
     assert measured["added"] <= state + pool + region + margin, measured
+
+
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.uint8, jnp.int32, jnp.uint16, jnp.bool_]
+)
+def test_pinned_buffers_send_a_leaf_for_one_device_by_one_copy_viewed_there(tmp_path, pinned_pool, faults, dtype):
+    """With the pool's buffers in pinned memory, a leaf bound whole for the
+    first device goes there as the buffer's bytes, cut and viewed as its
+    dtype on the device (a bool leaf, which no view gives, the usual way);
+    bit for bit, the next load reusing the buffers too."""
+    viewed: list[tuple[int, ...]] = []
+    faults(["load.pinned_view"], viewed.append)
+    values = jax.random.normal(jax.random.key(0), (12000, 100)) * 50  # 1.2 MiB or more: not packed
+    tree = {"w": (values > 0) if dtype == jnp.bool_ else values.astype(dtype), "v": jnp.arange(7.0)}
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
+    for _ in range(2):
+        out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree)
+        assert eqx.tree_equal(out, tree, typematch=True)
+        assert out["w"].sharding == tree["w"].sharding
+    assert pinned_pool().allocations == 2 and pinned_pool().pinned
+    if dtype == jnp.bool_:
+        assert viewed == []
+    else:  # every row, each load, a buffer's rows at a time
+        assert sum(rows for rows, _ in viewed) == 2 * 12000 and {cols for _, cols in viewed} == {100}
+
+
+def test_a_pool_in_huge_pages_faulted_in_at_once_loads_bit_for_bit(tmp_path, pool, monkeypatch):
+    """`_memory.POOL_HUGE_PAGES`: the buffers asked for in huge pages and
+    written once each by a few threads as the pool is made."""
+    monkeypatch.setattr(_memory, "POOL_HUGE_PAGES", True)
+    tree = _placed(_tree())
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
+    for _ in range(2):
+        assert _equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), tree)
+    assert pool().allocations == 2

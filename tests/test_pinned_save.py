@@ -8,6 +8,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import eqx_ckpt
@@ -88,3 +89,83 @@ def test_a_sharded_leaf_saved_through_pinned_memory_round_trips(tmp_path, pinned
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", state)
     assert bool(eqx.tree_equal(out, state, typematch=True))
     assert sum(copied) == state["w"].nbytes
+
+
+@pytest.fixture
+def first_async_saves(pinned_saves, monkeypatch):
+    """An asynchronous save as on a GPU whose process has pinned nothing yet
+    (a CPU device's free memory is the host's available memory)."""
+    monkeypatch.setattr(_memory, "_PINNED_HELD", _memory._HighWater())
+
+
+def _arrays(n: int = 4) -> dict[str, jax.Array]:
+    keys = jax.random.split(jax.random.key(1), n)
+    return {f"w{i}": jax.random.normal(keys[i], (256, 1024)) for i in range(n)}
+
+
+def _watched(faults) -> list[tuple[str, int]]:
+    """The copies an asynchronous save makes, in order: (on the device or into pinned memory, arrays)."""
+    seen: list[tuple[str, int]] = []
+    faults(["save.device_copies"], lambda arrays: seen.append(("device", len(arrays))))
+    faults(["save.pinned_copies"], lambda arrays: seen.append(("pinned", len(arrays))))
+    return seen
+
+
+def test_a_first_asynchronous_save_copies_on_the_device_then_into_pinned_memory(tmp_path, first_async_saves, faults):
+    """The caller waits for copies on the device alone (no pinned allocation);
+    the save's thread moves them into pinned memory; the caller's arrays,
+    deleted as soon as the call returns, are not needed; a later save of as
+    many bytes copies straight into pinned memory, already allocated."""
+    seen = _watched(faults)
+    state = _arrays()
+    expected = jax.tree.map(np.asarray, state)
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path / "first", state, blocking=False)
+    assert seen[0] == ("device", len(state))
+    for x in state.values():
+        x.delete()
+    pending.wait()
+    assert seen == [("device", len(state)), ("pinned", len(state))]
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "first", expected), expected, typematch=True)
+    seen.clear()
+    again = _arrays()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "again", again, blocking=False).wait()
+    assert seen == [("pinned", len(again))]
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "again", again), again, typematch=True)
+
+
+def test_copies_on_the_device_only_where_they_fit_its_free_memory(tmp_path, first_async_saves, faults, monkeypatch):
+    seen = _watched(faults)
+    state = _arrays()
+    nbytes = sum(x.nbytes for x in state.values())
+    free = _memory.free_bytes(jax.devices()[0])
+    assert free > nbytes / _memory.DEVICE_HOLD_FRACTION  # (the default fits: the test above)
+    monkeypatch.setattr(_memory, "DEVICE_HOLD_FRACTION", nbytes / free / 2)  # half of what would fit
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", state, blocking=False).wait()
+    assert seen == [("pinned", len(state))]
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", state), state, typematch=True)
+
+
+@pytest.mark.parametrize("point", ["save.device_copies", "save.pinned_copies"])
+def test_a_failed_copy_on_the_device_or_into_pinned_memory_still_saves_what_was_passed(
+    tmp_path, first_async_saves, faults, point
+):
+    """A copy on the device that fails falls back to pinned copies; pinned
+    copies that fail in the save's thread leave the device's copies to be
+    staged as a blocking save's pieces are. Either way the caller's arrays
+    may be deleted once the call returns."""
+    faults([point], MemoryError("RESOURCE_EXHAUSTED: out of memory"))
+    state = _arrays()
+    expected = jax.tree.map(np.asarray, state)
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", state, blocking=False)
+    for x in state.values():
+        x.delete()
+    pending.wait()
+    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", expected), expected, typematch=True)
+
+
+def test_copies_on_the_device_are_off_with_a_fraction_of_zero(tmp_path, first_async_saves, faults, monkeypatch):
+    monkeypatch.setattr(_memory, "DEVICE_HOLD_FRACTION", 0)
+    seen = _watched(faults)
+    state = _arrays()
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", state, blocking=False).wait()
+    assert seen == [("pinned", len(state))]

@@ -56,7 +56,7 @@ _IO = [
 
 # The threads a save does its I/O in: the caller's, the helper that keeps every
 # future an interrupt could lose (`_interrupts.uninterrupted`), and the chunk writers.
-_SAVE_THREADS = ("eqx_ckpt-io", "eqx_ckpt-write")
+_SAVE_THREADS = ("eqx_ckpt-io", "eqx_ckpt-write", "eqx_ckpt-codec")
 
 
 class Injected(OSError):

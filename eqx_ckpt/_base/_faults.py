@@ -46,6 +46,9 @@ DESCRIBED: Mapping[str, str] = types.MappingProxyType(
         "save.pinned_copies": "(arrays): a save on an accelerator copies `arrays` into pinned host memory "
         "(`_memory.pinned`; a blocking one only on a GPU, piece by piece within its staging budget: "
         "`_memory.PINNED_SAVE_COPIES`); an exception raised here makes it copy through the CPU device instead.",
+        "save.device_copies": "(arrays): an asynchronous save on a GPU copies `arrays` on their devices, before "
+        "this process has pinned memory for them (`_memory.on_device`); an exception raised here makes it copy them "
+        "into pinned memory instead.",
         "save.copied": "(pending): the host data of the NumPy leaves of `pending` (the save's leaves) was copied, as "
         "an asynchronous save with a custom filter spec does in the caller's thread.",
         "save.start_writes": "(loc): a save starts creating and writing its arrays; an exception raised here is the "
@@ -127,6 +130,8 @@ DESCRIBED: Mapping[str, str] = types.MappingProxyType(
         "load.read_once": "(path, regions): a process of a multi-process restore that shares reads (`_read_once`) "
         "read its slices `regions` (tuples of `(start, stop)` per axis) of the leaf at dotted `path` from storage, "
         "before the barrier that precedes the all-gather (only for a leaf it reads a slice of).",
+        "load.pinned_view": "(shape): a load through the pool's buffers in pinned memory "
+        "(`_memory.PINNED_LOAD_BUFFERS`) sends one to its device, to be viewed there as rows of `shape`.",
         "load.pinned_pool": "(nbytes): a load allocates one buffer of `nbytes` of the pool it reads large leaves "
         "through onto a GPU (`_memory.PINNED_LOAD_POOL`, `_reader`), once per process; an exception raised here makes "
         "it load them the usual way.",

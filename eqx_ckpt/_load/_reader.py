@@ -252,7 +252,8 @@ def record_of(plan: LeafPlan) -> LeafRecord:
 # memory stays bounded by the pool; a device joins its slabs, so holds its
 # region twice for a moment. JAX 0.10 gives no writable view of `pinned_host`
 # memory, so the buffers are page-aligned host memory and the copy goes
-# through the runtime's own staging.
+# through the runtime's own staging; with `_memory.PINNED_LOAD_BUFFERS` they
+# are `pinned_host` arrays written through their address instead (`_from_pinned`).
 
 
 def _poolable(files: _chunk_files.ChunkFiles, record: LeafRecord, like: Any) -> bool:
@@ -285,8 +286,7 @@ def _start_pooled(
         return None
     try:
         with pool.lock:  # every buffer allocated now (once per process): a failure falls back before any read
-            while len(pool.buffers) < pool.count:
-                pool.take()
+            pool.fill()
     except Exception:  # (no memory for it, or a refusal: the usual way)
         return None
     return lambda: _load_pooled(pool, files, loc, record, like, on_bytes)
@@ -328,8 +328,12 @@ def _load_pooled(
                     wait()
                 except Exception as e:
                     raise _read.read_failed(e, loc, record) from e
-                host = buffer[: (hi - lo) * row_bytes].view(dtype).reshape((hi - lo, *shape[1:]))
-                copies = _copies(host, lo, hi, shape[0], regions)
+                pinned = pool.pinned_array(buffer)
+                if pinned is not None and _whole_on(pool.device, regions, dtype):
+                    copies = {pool.device: _from_pinned(pinned, (hi - lo) * row_bytes, dtype, (hi - lo, *shape[1:]))}
+                else:
+                    host = buffer[: (hi - lo) * row_bytes].view(dtype).reshape((hi - lo, *shape[1:]))
+                    copies = _copies(host, lo, hi, shape[0], regions)
                 for device, copy in copies.items():
                     slabs[device].append(copy)
                 pool.sent(buffer, list(copies.values()))
@@ -343,6 +347,34 @@ def _load_pooled(
     if sharding is None:
         return parts[None]
     return jax.make_array_from_single_device_arrays(shape, sharding, [parts[d] for d in regions])
+
+
+def _whole_on(device: Any, regions: dict[Any, Any], dtype: np.dtype) -> bool:
+    """Whether the leaf goes whole, committed, to `device` alone (the pool's
+    pinned buffers' device), in a dtype its bytes can be viewed as there."""
+    if len(regions) != 1 or device is None or np.dtype(dtype).kind not in "iufV":
+        return False
+    target, index = next(iter(regions.items()))
+    return target == device and all(part == slice(None) for part in index)
+
+
+def _from_pinned(pinned: jax.Array, nbytes: int, dtype: np.dtype, shape: tuple[int, ...]) -> jax.Array:
+    """The first `nbytes` of a pool buffer in pinned memory (`pinned`), on its
+    device as an array of `dtype` and `shape`: the whole buffer copied there
+    by one DMA, cut and viewed there."""
+    _faults.fire("load.pinned_view", shape)
+    whole = jax.device_put(pinned, pinned.sharding.with_memory_kind("device"), may_alias=False)
+    return _view_as(whole, nbytes, np.dtype(dtype), shape)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _view_as(whole: jax.Array, nbytes: int, dtype: np.dtype, shape: tuple[int, ...]) -> jax.Array:
+    data = whole[:nbytes]
+    if dtype.itemsize > 1:
+        data = jax.lax.bitcast_convert_type(data.reshape(-1, dtype.itemsize), dtype)
+    elif dtype != np.uint8:
+        data = jax.lax.bitcast_convert_type(data, dtype)
+    return data.reshape(shape)
 
 
 def _copies(host: np.ndarray, lo: int, hi: int, total: int, regions: dict[Any, Any]) -> dict[Any, jax.Array]:

@@ -41,6 +41,8 @@ def hold_tree(pytree: Any) -> HeldLeaves | None:
     held, viewed = taken
 
     def flat() -> tuple[list[Any], _tree.Names]:
+        nonlocal held
+        held = _memory.off_device(held)  # (copies made on their devices: to pinned memory now)
         if keypaths is not None:
             names = _tree.names_from_keypaths(keypaths, treedef)
         else:

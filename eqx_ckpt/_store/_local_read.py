@@ -203,8 +203,9 @@ def _read_chunks(path: str, loc: Location, record: LeafRecord, out: memoryview, 
         for key, segments, stored in chunks:
             pieces: list[tuple[int, concurrent.futures.Future[int]]] = []
             reads.futures.append(pieces)  # before submitting: an interrupt then still finds every read
-            if record.compression:  # read whole, then decompressed into the segments
-                pieces.append((0, pool.submit(_read_compressed, path, loc, record, key, segments, stored)))
+            if record.compression:  # read whole, then decompressed into the segments (on every core)
+                job = _window.codec_pool().submit(_read_compressed, path, loc, record, key, segments, stored)
+                pieces.append((0, job))
                 continue
             for offset, views, checked in _pieces([*segments, stored]):
                 pieces.append((checked, pool.submit(_read_piece, path, loc, record, key, offset, views, checked)))

@@ -30,7 +30,7 @@ from .._base import _faults, _state, _threads
 from .._base._location import Location
 from .._ondisk import _format
 from .._ondisk._format import LeafRecord, PackRecord, dtype_from_name
-from . import _memory, _share
+from . import _memory, _share, _window
 
 THREADS = 4
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -54,7 +54,7 @@ def start_write(
         (key, _compressing(functools.partial(_rows, data, i * size, size), record.compression, itemsize))
         for i, key in enumerate(keys)
     ]
-    return _start(loc, record.directory, f"leaf `{record.path}`", jobs, base, remember)
+    return _start(loc, record.directory, f"leaf `{record.path}`", jobs, base, remember, bool(record.compression))
 
 
 def _rows(data: np.ndarray, start: int, size: int) -> list[Any]:
@@ -97,7 +97,7 @@ def start_pack(
         first, last = int(np.searchsorted(stops, lo, "right")), int(np.searchsorted(starts, hi, "left"))
         chunk = _Chunk(members[first:last], starts[first:last], stops[first:last], lo, hi, dtype)
         jobs.append((key, _compressing(functools.partial(_given, chunk), pack.compression, dtype.itemsize)))
-    return _start(loc, pack.name, f"pack `{pack.name}` (small leaves)", jobs, base, remember)
+    return _start(loc, pack.name, f"pack `{pack.name}` (small leaves)", jobs, base, remember, bool(pack.compression))
 
 
 def member_bounds(records: Sequence[LeafRecord]) -> tuple[np.ndarray, np.ndarray]:
@@ -200,14 +200,17 @@ def _start(
     jobs: list[tuple[str, Callable[[], Any]]],
     base: str | None = None,
     remember: bool = False,
+    compressed: bool = False,
 ) -> list[concurrent.futures.Future[None]]:
-    """Write each chunk file `key` of `jobs` with what `make()` gives, on the pool; one future per file."""
+    """Write each chunk file `key` of `jobs` with what `make()` gives, on the
+    pool (`compressed`: the codec pool, one thread a core); one future per file."""
     folder = os.path.join(loc.local or "", directory) if directory else (loc.local or "")
+    pool = _window.codec_pool() if compressed else _threads.pool("eqx_ckpt-write", THREADS)
     futures = []
     for key, make in jobs:
         job = functools.partial(_write_chunk, folder, directory, key, what, make, base, remember)
         try:
-            futures.append(_threads.pool("eqx_ckpt-write", THREADS).submit(job))
+            futures.append(pool.submit(job))
         except RuntimeError:  # at interpreter exit no thread starts: written here, in turn
             futures.append(_run_now(job))
     return futures

@@ -6,6 +6,8 @@ GPUs (`PINNED_PLATFORMS`; docs/benchmarks.md, "GPU").
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import ctypes
 import mmap
 import os
 import threading
@@ -28,12 +30,23 @@ if TYPE_CHECKING:
 _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
-def fresh_bytes(nbytes: int) -> np.ndarray:
+def fresh_bytes(nbytes: int, *, huge: bool = False) -> np.ndarray:
     """`nbytes` of page-aligned anonymous memory (zeroed), as a NumPy `uint8`
-    array that `jax.device_put` can adopt without a copy."""
+    array that `jax.device_put` can adopt without a copy; `huge`: in huge
+    pages where the kernel gives them on request (`madvise`)."""
     _faults.fire("memory.map", nbytes)
     memory = mmap.mmap(-1, nbytes, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, nbytes)
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # (a kernel without them: small pages)
+            memory.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(memory, np.uint8)
+
+
+def faulted_in(buffer: np.ndarray) -> np.ndarray:
+    """`buffer`, each of its pages written once (a page's first touch is most
+    of the cost of fresh memory; docs/benchmarks.md, "GPU")."""
+    buffer[:: mmap.PAGESIZE] = 0
+    return buffer
 
 
 # NumPy asks for huge pages from 4 MiB on, and with the page cache full the
@@ -114,6 +127,20 @@ def refuse_beyond_memory(loc: Location, record: LeafRecord, nbytes: int, what: s
 # local leaf through `count` reused host buffers (`_reader`), reads running
 # ahead of the copies to the devices; `None`: off (docs/benchmarks.md, "GPU").
 PINNED_LOAD_POOL: tuple[int, int] | None = (4, 256 * 2**20)
+# Whether the pool's buffers ask for huge pages, and are faulted in by
+# `COPIERS` threads at once when the pool is made. Off: on an H200's host
+# they faulted in faster, yet a process's first cold load took no less
+# (docs/benchmarks.md, "GPU").
+POOL_HUGE_PAGES = False
+# Whether the pool's buffers are the first local device's pinned host memory
+# (`pinned_host` arrays, read into through their address): a leaf bound for
+# that device alone then goes to it by one DMA of the buffer, sliced and
+# viewed as its dtype there (one small program per shape), instead of
+# through the runtime's staging of pageable memory. Off: on an H200 a warm
+# load gained 5%, but the memory it pins is taken from what an asynchronous
+# save would reuse, whose next copies then waited for a new allocation
+# (docs/benchmarks.md, "GPU").
+PINNED_LOAD_BUFFERS = False
 
 # The platforms whose loads use the pool and whose blocking saves copy through
 # pinned memory: the GPUs measured (not TPUs). Tests add "cpu".
@@ -128,16 +155,35 @@ class BufferPool:
     def __init__(self, count: int, size: int):
         self.count, self.size, self.allocations = count, size, 0
         self.buffers: list[np.ndarray] = []
+        # Where the buffers are pinned (`PINNED_LOAD_BUFFERS`): the device, and each buffer's `pinned_host` array.
+        self.device: Any = None
+        self.pinned: dict[int, jax.Array] = {}
         self.pending: list[list[Any]] = []
         self.next = 0
         self.lock = threading.Lock()  # one load through the pool at a time
+
+    def fill(self) -> None:
+        """Allocate every buffer not yet allocated, faulted in by a few threads at once."""
+        missing = self.count - len(self.buffers)
+        if missing <= 0:
+            return
+        huge = POOL_HUGE_PAGES
+        made = []
+        for _ in range(missing):
+            _faults.fire("load.pinned_pool", self.size)
+            made.append(self._pinned() if PINNED_LOAD_BUFFERS else fresh_bytes(self.size, huge=huge))
+        if huge and not PINNED_LOAD_BUFFERS:
+            made = list(_threads.pool("eqx_ckpt-copy", COPIERS).map(faulted_in, made))
+        self.buffers += made
+        self.pending += [[] for _ in made]
+        self.allocations += missing
 
     def take(self) -> np.ndarray:
         i = self.next
         self.next = (i + 1) % self.count
         if i == len(self.buffers):
             _faults.fire("load.pinned_pool", self.size)
-            self.buffers.append(fresh_bytes(self.size))
+            self.buffers.append(self._pinned() if PINNED_LOAD_BUFFERS else fresh_bytes(self.size, huge=POOL_HUGE_PAGES))
             self.pending.append([])
             self.allocations += 1
         # Its copies to the devices are done: free to reuse. A copy may be the
@@ -146,6 +192,22 @@ class BufferPool:
         jax.block_until_ready([x for x in self.pending[i] if not x.is_deleted()])
         self.pending[i] = []
         return self.buffers[i]
+
+    def _pinned(self) -> np.ndarray:
+        """A buffer in the first local device's pinned host memory: a writable
+        view of a `pinned_host` array this pool keeps (JAX gives none of its
+        own), zeroed."""
+        device = jax.local_devices()[0]
+        sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=_PINNED)
+        array = jax.block_until_ready(jax.device_put(np.zeros(self.size, np.uint8), sharding))
+        view = np.ctypeslib.as_array((ctypes.c_uint8 * self.size).from_address(array.unsafe_buffer_pointer()))
+        self.device = device
+        self.pinned[view.ctypes.data] = array
+        return view
+
+    def pinned_array(self, buffer: np.ndarray) -> jax.Array | None:
+        """The `pinned_host` array whose memory `buffer` is, if it is one."""
+        return self.pinned.get(buffer.ctypes.data)
 
     def sent(self, buffer: np.ndarray, copies: list[Any]) -> None:
         """`copies`, made from `buffer`, which must finish before it is reused."""
@@ -328,20 +390,104 @@ def hosts(datas: list[Any]) -> list[np.ndarray]:
 def held(arrays: list[jax.Array]) -> list[Any]:
     """What an asynchronous save holds of `jax.Array`s on one device each
     while its caller waits, safe from a later donation or deletion: their host
-    views on CPUs, else `pinned` copies (only enqueued), else copies through
-    the CPU device (one `jax.device_put`). A PRNG key array has no host view:
-    `TypeError`."""
-    if only_cpus():
+    views on CPUs, else copies on their devices (`on_device`, for the save's
+    thread to move into pinned memory) or `pinned` copies (only enqueued),
+    else copies through the CPU device (one `jax.device_put`). A PRNG key
+    array has no host view: `TypeError`."""
+    if only_cpus() and "cpu" not in PINNED_PLATFORMS:
         return list(map(np.asarray, arrays))
     if any(jax.dtypes.issubdtype(dtype, jax.dtypes.extended) for dtype in {x.dtype for x in arrays}):
         raise TypeError("a PRNG key array has no host view")
+    copies = on_device(arrays)
+    if copies is not None:
+        return copies
     copies = pinned(arrays)
     if copies is not None:
+        _PINNED_HELD.note(sum(x.nbytes for x in arrays))
         return copies
     cpu = _cpu_device()
     if cpu is None:
         return [host(x) for x in arrays]
     return list(map(np.asarray, _put(arrays, cpu)))
+
+
+# An asynchronous save's first copies into pinned memory wait for the runtime
+# to allocate it; later ones are enqueued at once (it keeps what was freed;
+# docs/benchmarks.md, "GPU"). Until this process has held that many bytes in
+# pinned memory, `held` copies the arrays on their device instead (a few
+# milliseconds there), where the copies take at most `DEVICE_HOLD_FRACTION` of each
+# device's free memory; the save's thread moves them to pinned memory at once
+# (`off_device`), so they hold the device's memory only for that first
+# allocation. 0 turns it off (docs/scaling.md, "On a GPU: pinned buffers").
+DEVICE_HOLD_FRACTION = 0.25
+
+
+class _HighWater:
+    """The most bytes one asynchronous save has held in pinned memory in this process."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.lock = threading.Lock()
+
+    def note(self, nbytes: int) -> None:
+        with self.lock:
+            self.bytes = max(self.bytes, nbytes)
+
+
+_PINNED_HELD = _HighWater()
+
+
+def on_device(arrays: list[jax.Array]) -> list[jax.Array] | None:
+    """Copies of `arrays` on their own devices, where the pinned memory they
+    would take has not been allocated yet and they fit (`DEVICE_HOLD_FRACTION`);
+    else `None`."""
+    fraction = DEVICE_HOLD_FRACTION
+    nbytes = sum(x.nbytes for x in arrays)
+    if fraction <= 0 or nbytes <= _PINNED_HELD.bytes or not all(map(_pinnable, arrays)):
+        return None
+    wanted: dict[Any, int] = {}
+    for x in arrays:
+        device = next(iter(x.devices()))
+        if not has_pinned(device):
+            return None
+        wanted[device] = wanted.get(device, 0) + x.nbytes
+    if any(n > fraction * free_bytes(device) for device, n in wanted.items()):
+        return None
+    try:
+        _faults.fire("save.device_copies", arrays)
+        return _put(arrays, [x.sharding for x in arrays], may_alias=False)
+    except Exception:  # (no room after all: pinned copies, as without it)
+        return None
+
+
+def free_bytes(device: Any) -> int:
+    """The bytes `device`'s allocator has free now: for a CPU device, the
+    host's available memory; 0 where the backend does not say."""
+    try:
+        stats = device.memory_stats()
+        if stats is None and device.platform == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        return max(0, int(stats["bytes_limit"]) - int(stats["bytes_in_use"]))
+    except Exception:  # (a backend without memory statistics)
+        return 0
+
+
+def off_device(held: list[Any]) -> list[Any]:
+    """`held` with `on_device`'s copies replaced by copies in pinned memory
+    (enqueued; the device's copies are freed once they are made); in a save's
+    thread. Copies that cannot be pinned stay, and are staged as a blocking
+    save's pieces are."""
+    moving = [i for i, x in enumerate(held) if isinstance(x, jax.Array) and _pinnable(x)]
+    if not moving:
+        return held
+    copies = pinned([held[i] for i in moving])
+    if copies is None:
+        return held
+    _PINNED_HELD.note(sum(x.nbytes for x in copies))
+    out = list(held)
+    for i, copy in zip(moving, copies, strict=True):
+        out[i] = copy
+    return out
 
 
 def protected(data: Any, copy: bool) -> Any:

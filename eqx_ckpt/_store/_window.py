@@ -11,6 +11,7 @@ side are read in runs (`runs`).
 from __future__ import annotations
 
 import collections
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
@@ -21,6 +22,10 @@ from .._base import _faults, _threads
 READ_BUDGET = 128 * 2**20
 # Threads that read local files (`read_pool`), and that open local leaves.
 READ_THREADS = 4
+# Threads that read and decompress a compressed leaf's chunk files, and that
+# compress a save's (`codec_pool`): that work is the CPU's, so one thread a
+# core, from `READ_THREADS` up to 16 (docs/benchmarks.md, "GPU").
+CODEC_THREADS = max(READ_THREADS, min(os.cpu_count() or 1, 16))
 
 # Two wanted leaves of one file (or pack) closer than this are read in one
 # run, the bytes between them read and dropped.
@@ -76,6 +81,11 @@ def windowed(
 def read_pool() -> _threads.Pool:
     """The process's pool of threads that read local files, for every reader."""
     return _threads.pool("eqx_ckpt-read", READ_THREADS)
+
+
+def codec_pool() -> _threads.Pool:
+    """The process's pool of threads that compress and decompress chunks (`CODEC_THREADS`)."""
+    return _threads.pool("eqx_ckpt-codec", CODEC_THREADS)
 
 
 def runs(
