@@ -573,7 +573,7 @@ def test_a_missing_base_is_an_error_naming_it(family, faults):
         f"base {str(family.base)!r}, which cannot be found: "
     )
     for load in _every_load(family.finetune, family.tree, opened=False):
-        with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=said + ".*Three ways work"):
+        with pytest.raises(eqx_ckpt.CheckpointNotFoundError, match=said + ".*three ways work"):
             load()
     assert reads == []
     assert eqx_ckpt.Checkpoint(family.finetune).base_missing.startswith("There is no")
@@ -588,13 +588,14 @@ def test_each_of_the_three_ways_the_missing_base_error_names_works(tmp_path, cap
     with pytest.raises(eqx_ckpt.CheckpointNotFoundError) as missing:
         eqx_ckpt.Checkpoint(ft).load(trust=[Classifier])
     said = str(missing.value)
-    assert "`base=` in Python, `--with-base BASE` on the CLI" in said
-    assert f"`eqx-ckpt push {ft} owner/name --with-base BASE --base BASE` (or `export ... OUT`)" in said
+    assert "`base=BASE` in Python, or `--with-base BASE` on the command line" in said
+    assert f"2. Put the copy back at {str(tmp_path / 'base')!r}, where the record names the base" in said
     assert f"`eqx-ckpt export --standalone {ft} OUT --with-base BASE`" in said
     # 1. The base given, in Python and on the CLI.
     _assert_same(eqx_ckpt.Checkpoint(ft, base=elsewhere).load(trust=[Classifier]), tuned)
     assert main(["ls", ft, "--with-base", elsewhere]) == 0
-    # 2. Stored again against the base as it is now (here beside it: followed on its own).
+    # Stored again against the base where it is now (beside it: followed on its own). (The second way,
+    # the copy put back, is followed in tests/test_family_told.py.)
     again = str(tmp_path / "moved" / "ft")
     assert main(["export", ft, again, "--with-base", elsewhere, "--base", elsewhere]) == 0
     _assert_same(eqx_ckpt.Checkpoint(again).load(trust=[Classifier]), tuned)
@@ -836,7 +837,7 @@ def test_a_reexport_of_a_finetune_keeps_its_base(family):
         _assert_same(eqx_ckpt.Checkpoint(out, **given).load(trust=[Classifier]), family.tree)
         if not beside:
             with pytest.raises(eqx_ckpt.UntrustedError, match="leads out of the folder that holds the fine-tune"):
-                eqx_ckpt.Checkpoint(out)
+                eqx_ckpt.Checkpoint(out).load(trust=[Classifier])
     # A lazily loaded tree of it is a tree, not a `Checkpoint`: exported against the base given (none here).
     lazy = eqx_ckpt.tree_deserialise_leaves(family.finetune, _like(family.tree), lazy=True)
     eqx_ckpt.export_safetensors(family.finetune.parent / "tree", lazy)

@@ -132,7 +132,7 @@ emit([error, same(own, head["head"]), missing, same(standalone, full), same(with
 """
     )
     error, own, missing, full_loaded, with_base, lora_with_base = dave_day
-    assert error[0] == "CheckpointNotFoundError" and "Three ways work" in error[2], error
+    assert error[0] == "CheckpointNotFoundError" and "three ways work" in error[2], error
     assert missing and "no longer gives this commit" in missing, missing
     assert own and full_loaded and with_base and lora_with_base
     # What the fine-tune stores is described, and verified, without its base.

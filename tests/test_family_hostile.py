@@ -180,7 +180,7 @@ NOT_FOLLOWED: dict[str, tuple[Callable[[Family], str], str]] = {
     "an absolute path": (lambda f: str(f.outside), "it is an absolute path"),
     "dot-dot above the folder": (lambda f: "../../elsewhere/base", "it leads out of the folder"),
     "dot-dot through the fine-tune": (lambda f: "../ft/../../elsewhere/base", "it leads out of the folder"),
-    "the home folder": (lambda f: "~/base", "it is an absolute path"),
+    "the home folder": (lambda f: "~/base", "it starts with `~` (a home folder)"),
     "a file URL": (lambda f: f"file://{f.outside}", "it is a URL"),
     "a file URL without slashes": (lambda f: f"file:{f.outside}", "it is a URL"),
     "a symlink shipped beside it": (_symlink_out, "through a symbolic link"),
@@ -197,7 +197,6 @@ class TestWhereABaseMayBe:
         _recorded_base(family.finetune, recorded)
         reads = _no_reads(faults)
         loads = _loads(family.finetune, family.tree)
-        loads["verify"] = lambda: eqx_ckpt.verify(family.finetune)
         for name, load in loads.items():
             with pytest.raises(eqx_ckpt.UntrustedError, match=re.escape(why)) as caught:
                 load()
@@ -206,8 +205,16 @@ class TestWhereABaseMayBe:
                 name
             )
             assert "give the base yourself: `base=`" in message
+        # Not reachable, as a missing base: described and verified (not sound), its own leaves read (issue 88).
+        ckpt = eqx_ckpt.Checkpoint(family.finetune)
+        assert ckpt.base_missing.startswith(f"its record names it as `{recorded}`, which a load does not follow")
+        assert why in ckpt.base_missing
+        problems = eqx_ckpt.verify(family.finetune)
+        assert [p.leaf for p in problems] == [None] and "since the base is not followed" in problems[0].message
         assert reads == []
         assert not (family.finetune.parent / "exported").exists()
+        weight = family.tree["head"].weight  # (the one leaf the fine-tune changed)
+        _assert_same(eqx_ckpt.tree_deserialise_leaves(family.finetune, _like(weight), prefix="head.weight"), weight)
 
     @pytest.mark.parametrize("case", sorted(NOT_FOLLOWED))
     def test_the_same_base_given_by_the_caller_loads_bit_for_bit(self, family, case):
@@ -235,9 +242,10 @@ class TestWhereABaseMayBe:
         for path in (family.outside, family.outside.parent / "no_such_base", pathlib.Path("/etc/passwd")):
             _recorded_base(family.finetune, str(path))
             with pytest.raises(eqx_ckpt.UntrustedError) as caught:
-                eqx_ckpt.Checkpoint(family.finetune)
+                eqx_ckpt.Checkpoint(family.finetune).load(trust=[])
             said.append(str(caught.value).replace(repr(str(path)), "<path>"))
-        assert said[0] == said[1] == said[2]
+            said.append(str(eqx_ckpt.Checkpoint(family.finetune).base_missing).replace(str(path), "<path>"))
+        assert said[0] == said[2] == said[4] and said[1] == said[3] == said[5]
 
     def test_a_base_beside_the_finetune_or_inside_it_is_followed(self, family):
         # Beside it (the export's own record), and through a link that stays in the folder.
@@ -260,9 +268,12 @@ class TestWhereABaseMayBe:
     def test_the_command_line_refuses_it_and_takes_with_base(self, family, capsys):
         _recorded_base(family.finetune, str(family.outside))
         for command in ("ls", "info", "verify"):
-            assert main([command, str(family.finetune)]) == 2
-            err = capsys.readouterr().err
-            assert "is not followed: it is an absolute path" in err and "--with-base" in err
+            # What it holds is shown; the base is not reachable, so verify calls it not sound (issue 88).
+            assert main([command, str(family.finetune)]) == (1 if command == "verify" else 0)
+            out = capsys.readouterr().out
+            assert "not follow" in out and "it is an absolute path, and a fine-tune" in out, out
+            if command == "verify":
+                assert "--with-base" in out
             assert main([command, str(family.finetune), "--with-base", str(family.outside)]) == 0
             assert "Traceback" not in capsys.readouterr().err
         out = family.finetune.parent / "whole"
@@ -278,7 +289,7 @@ class TestWhereABaseMayBe:
         ):
             eqx_ckpt.export_safetensors(tmp_path / "runs" / "ft", _finetuned(tree), base=tmp_path / "models" / "base")
         with pytest.raises(eqx_ckpt.UntrustedError, match="leads out of the folder"):
-            eqx_ckpt.Checkpoint(tmp_path / "runs" / "ft")
+            eqx_ckpt.Checkpoint(tmp_path / "runs" / "ft").load(trust=[])
         given = eqx_ckpt.Checkpoint(tmp_path / "runs" / "ft", base=tmp_path / "models" / "base")
         _assert_same(given.load(trust=[]), _finetuned(tree))
         assert given.base == str(tmp_path / "models" / "base")
@@ -326,9 +337,9 @@ class TestNoRequestLeavesForARecordedRemoteBase:
         for load in _loads(family.finetune, family.tree).values():
             with pytest.raises(eqx_ckpt.UntrustedError, match="it is a URL"):
                 load()
-        for command in ("ls", "info", "verify"):
-            assert main([command, str(family.finetune)]) == 2
-            assert "it is a URL" in capsys.readouterr().err
+        for command in ("ls", "info", "verify"):  # what it holds, the base not reachable (issue 88)
+            assert main([command, str(family.finetune)]) == (1 if command == "verify" else 0)
+            assert "it is a URL" in capsys.readouterr().out
 
     def test_http(self, family, capsys):
         with _canary() as (url, seen):
@@ -396,7 +407,9 @@ class TestLeafByLeaf:
             assert not (tmp_path / "exported" / "eqx_ckpt.json").exists(), name
             del match
         problems = eqx_ckpt.verify(tmp_path / "ft")
-        assert [p.leaf for p in problems] == ["body.layers.0.weight"]
+        assert [p.leaf for p in problems] == [None]
+        assert "holds other values than when the fine-tune was exported: 1 of the" in problems[0].message
+        assert "(`body.layers.0.weight`)" in problems[0].message
         # Leaves that do not read the changed one still load, and are what was exported.
         head = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", _like(_finetuned(tree)["head"]), prefix="head")
         _assert_same(head, _finetuned(tree)["head"])
@@ -596,5 +609,7 @@ def test_verify_of_a_thousand_leaves_taken_from_one_base_leaf(tmp_path):
     assert eqx_ckpt.verify(tmp_path / "ft") == []
     _rewrite(tmp_path / "base" / "model.safetensors", "embed")
     problems = eqx_ckpt.verify(tmp_path / "ft")
-    assert sorted(p.leaf for p in problems) == sorted(["embed", *(f"copies.{i}" for i in range(999))])
-    assert all("read from the base's leaf `embed`" in p.message for p in problems)
+    # One problem of the base, not one of each leaf (issue 88).
+    assert [p.leaf for p in problems] == [None] and len(problems) == 1
+    assert "holds other values than when the fine-tune was exported: 1000 of the " in problems[0].message
+    assert "(`copies.0`, `copies.1`, " in problems[0].message

@@ -20,7 +20,7 @@ from .._ondisk import _trust
 from .._ondisk._format import SCALAR_TYPES, LeafRecord
 from .._ondisk._trust import Trust
 from .._store import _chunk_files
-from . import _deserialise, _family, _lazy, _rebuild, _source
+from . import _deserialise, _lazy, _rebuild, _source
 from ._lazy import LazyArray
 from ._load_plan import LoadOptions
 
@@ -82,7 +82,7 @@ class Checkpoint(Mapping[str, Any]):
         self._loc = self._source.loc
         self._manifest = self._source.manifest
         self._records = dict(sorted(self._manifest.by_path().items(), key=lambda item: _keypath.sort_key(item[0])))
-        # A fine-tune's base is opened to describe it; one that cannot be found is said (`base_missing`).
+        # A fine-tune's base is opened to describe it; one that cannot be reached is said (`base_missing`).
         self._base_missing = None if self._source.base is None else self._source.base.missing()
 
     @property
@@ -110,12 +110,16 @@ class Checkpoint(Mapping[str, Any]):
 
     @property
     def base_missing(self) -> str | None:
-        """For a fine-tune whose base cannot be found, why (in one sentence);
-        else `None`. Its own leaves still load (`prefix`, `where`), and `ls`,
-        `info` and `verify` describe it. A load of a leaf taken from the base
-        raises [`eqx_ckpt.CheckpointNotFoundError`][], saying how to load it
-        without the base."""
-        return None if self._base_missing is None else _family.reason(self._base_missing)
+        """For a fine-tune whose base cannot be reached, why (in one sentence);
+        else `None`. The base cannot be found, or its record names it where a
+        load does not follow on its own (an absolute path, a URL: nothing
+        there is opened). Its own leaves still load (`prefix`, `where`), and
+        `ls`, `info` and `verify` describe it. A load of a leaf taken from the
+        base raises [`eqx_ckpt.CheckpointNotFoundError`][] (saying how to load
+        it without the base) or [`eqx_ckpt.UntrustedError`][] (saying to give
+        the base, `base=`)."""
+        base = self._source.base
+        return None if self._base_missing is None or base is None else base.reason(self._base_missing)
 
     def from_base(self) -> dict[str, str]:
         """For a fine-tune, each leaf read from its base (by dotted path), with

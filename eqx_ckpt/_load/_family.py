@@ -20,8 +20,10 @@ is made here, in this order:
   base given at load time (`base=`) is read wherever it is; a recorded one
   only if it is a pinned `hf://` base, or a relative local path inside the
   folder holding the fine-tune, through no symbolic link that leads out.
-  Anything else is an `UntrustedError` that never says whether the path
-  exists. A fine-tune read from the Hub may name only an `hf://` base.
+  Anything else is not reachable (`Base.refused`): nothing there is opened,
+  the fine-tune's own leaves still read, and a read of a leaf taken from it
+  is an `UntrustedError` that never says whether the path exists. A
+  fine-tune read from the Hub may name only an `hf://` base.
 - **Bounds** (`_bounded`), before the base is opened: how many leaves, and
   bytes, one leaf of the base may back.
 - **Pin** (`_opened`), once the base is opened: an `hf://` base is read at its
@@ -45,6 +47,7 @@ import functools
 import math
 import os
 import re
+import shlex
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -222,39 +225,39 @@ def record_sha256(source: Source) -> str | None:
     return source.manifest.record_sha256 or None
 
 
-def recorded(base: _published.Base, where: Location, *, hub: bool) -> str:
+def recorded(base: _published.Base, where: Location, *, hub: bool) -> tuple[str, str]:
     """Where the recorded base of the fine-tune at `where` is read from: an
     `hf://` base at its commit, or a local one inside the fine-tune's folder
-    (its links resolved). Else `UntrustedError`, before anything there is opened."""
+    (its links resolved), and `""`. Else `""` and why a load does not follow
+    it, found before anything there is opened."""
     if base.revision:
-        return _published.hub_at(base.path, base.revision)
+        return _published.hub_at(base.path, base.revision), ""
     if hub:
-        raise _refused(where, base, "a fine-tune read from the Hub may take its base only from the Hub (`hf://`)")
+        return "", "a fine-tune read from the Hub may take its base only from the Hub (`hf://`)"
     path = base.path
+    beside_only = "and a fine-tune's record may name a base only beside it"
     if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", path):
-        raise _refused(where, base, "it is a URL, and a fine-tune's record may name a base only beside it")
-    if path.startswith(("/", "~")):
-        raise _refused(where, base, "it is an absolute path, and a fine-tune's record may name a base only beside it")
+        return "", f"it is a URL, {beside_only}"
+    if path.startswith("/"):
+        return "", f"it is an absolute path, {beside_only}"
+    if path.startswith("~"):
+        return "", f"it starts with `~` (a home folder), {beside_only}"
     if where.local is None:
-        raise _refused(
-            where, base, "it is a local path, relative to a folder on a local disk; this fine-tune is not on one"
-        )
+        return "", "it is a local path, relative to a folder on a local disk; this fine-tune is not on one"
     folder = os.path.dirname(where.local)
     relative = beside(where.local, path)
     if relative is None:
-        raise _refused(where, base, "it leads out of the folder that holds the fine-tune")
+        return "", "it leads out of the folder that holds the fine-tune"
     found = _confined(folder, relative)
     if found is None:
-        raise _refused(where, base, "it leads out of the folder that holds the fine-tune, through a symbolic link")
+        return "", "it leads out of the folder that holds the fine-tune, through a symbolic link"
     outside = _links_out(folder, found)
     if outside is not None:
-        raise _refused(
-            where,
-            base,
+        return "", (
             f"its entry {from_file(repr(outside))} is a symbolic link leading out of the folder that holds the "
-            f"fine-tune",
+            f"fine-tune"
         )
-    return found
+    return found, ""
 
 
 def beside(finetune: str, path: str) -> str | None:
@@ -369,18 +372,24 @@ def with_base(
             f"eqx_ckpt follows at most {MAX_DEPTH}. Export one of them with `standalone=True`.",
             path=where.display,
         )
-    path = given if given is not None else recorded(family.base, where, hub=source.revision is not None)
+    path, why = (given, "") if given is not None else recorded(family.base, where, hub=source.revision is not None)
     _bounded(source, family)
-    pinned = given is None and bool(family.base.revision)
-    shown = family.base.shown if pinned else repr(str(path))
-    opening = functools.partial(
-        open_source, path, dataclasses.replace(options, base=None), whole=whole, depth=depth + 1
-    )
-    base = Base(
-        family.base.shown if pinned else location(path).display,
-        family.references,
-        lambda: _opened(source, family, shown, given, opening),
-    )
+    if why:  # not reachable: a load of a leaf taken from it is refused, the fine-tune's own leaves still read
+        refused = _refused(where, family.base, why)
+        base = Base(from_file(family.base.path), family.references, _raising(refused), given=False)
+        base.refused = (refused, why)
+    else:
+        pinned = given is None and bool(family.base.revision)
+        shown = family.base.shown if pinned else repr(str(path))
+        opening = functools.partial(
+            open_source, path, dataclasses.replace(options, base=None), whole=whole, depth=depth + 1
+        )
+        base = Base(
+            family.base.shown if pinned else location(path).display,
+            family.references,
+            lambda: _opened(source, family, shown, given, location(path), opening),
+            given=given is not None,
+        )
     return dataclasses.replace(
         source,
         opener=lambda record: _open(source, base, record),
@@ -390,21 +399,34 @@ def with_base(
     )
 
 
+def _raising(error: UntrustedError) -> Callable[[], tuple[Source, dict[str, LeafRecord]]]:
+    def opening() -> tuple[Source, dict[str, LeafRecord]]:
+        raise error
+
+    return opening
+
+
 class Base:
     """A fine-tune's base, opened and checked (`_opened`) when a leaf taken from
     it is first needed; until then nothing of it is opened or requested.
 
     `display`: the base as messages name it. `references`: the fine-tune's
-    dotted path of each leaf taken from it -> the base's. An open that fails
-    is tried again when next needed (a base put back is then found)."""
+    dotted path of each leaf taken from it -> the base's. `given`: the base
+    was given at load time (`base=`), so it is held to the digests, not the
+    pin. `refused`: where the recorded base is not followed (`recorded`), why;
+    its every open raises that. An open that fails is tried again when next
+    needed (a base put back is then found)."""
 
     def __init__(
         self,
         display: str,
         references: dict[str, str],
         opening: Callable[[], tuple[Source, dict[str, LeafRecord]]],
+        *,
+        given: bool,
     ):
-        self.references, self._display, self._opening = references, display, opening
+        self.references, self._display, self._opening, self.given = references, display, opening, given
+        self.refused: tuple[UntrustedError, str] | None = None
         self._opened: tuple[Source, dict[str, LeafRecord]] | None = None
         self._lock = threading.Lock()
 
@@ -435,17 +457,26 @@ class Base:
         if any(path in self.references for path in paths):
             self.opened()
 
-    def missing(self) -> CheckpointNotFoundError | None:
-        """Why the base (or one down its chain) cannot be found, or `None` where
-        it opens; any other error of the base is raised."""
+    def missing(self) -> CheckpointError | None:
+        """Why the base (or one down its chain) cannot be reached, or `None`
+        where it opens: it cannot be found (`CheckpointNotFoundError`), or its
+        record names it where a load does not follow (`UntrustedError`,
+        nothing there opened). Any other error of the base is raised."""
         try:
             self.opened()
-        except CheckpointNotFoundError as e:
+        except (CheckpointNotFoundError, UntrustedError) as e:
             return e
         return None
 
+    def reason(self, missing: CheckpointError) -> str:
+        """`missing` (what `missing()` gave) in one sentence."""
+        if self.refused is not None and missing is self.refused[0]:
+            said = f"its record names it as `{self._display}`, which a load does not follow on its own"
+            return f"{said}: {self.refused[1]}."
+        return reason(missing)
 
-def reason(missing: CheckpointNotFoundError) -> str:
+
+def reason(missing: CheckpointError) -> str:
     """The short reason a missing base cannot be found: the first sentence of
     its open's own error, whose end is looked for after the path it quotes
     (a path may hold ". " too)."""
@@ -457,23 +488,29 @@ def reason(missing: CheckpointNotFoundError) -> str:
 
 
 def _opened(
-    source: Source, family: _published.Family, shown: str, given: Any, opening: Callable[[], Source]
+    source: Source, family: _published.Family, shown: str, given: Any, at: Location, opening: Callable[[], Source]
 ) -> tuple[Source, dict[str, LeafRecord]]:
-    """The base of the fine-tune `source`, opened (`opening`) and checked against
-    its pin (a recorded one), and its taken leaves (`_taken`); its errors name
-    the fine-tune and the base (`shown`)."""
+    """The base of the fine-tune `source`, opened (`opening`, of the base `at`)
+    and checked against its pin (a recorded one), and its taken leaves
+    (`_taken`); its errors name the fine-tune and the base (`shown`)."""
     where = source.loc
     try:
         base = opening()
         if base.base is not None:  # its own base, down a chain of fine-tunes: opened with it
             base.base.opened()
     except CheckpointNotFoundError as e:
-        advice = "Check the path given as `base=`." if given is not None else _without_base(where)
+        # Its reason alone: the base's own advice ("load another revision") would not load the fine-tune.
+        cause = _gone(at) or e
+        advice = (
+            "Check the path given as `base=`."
+            if given is not None
+            else _without_base(where, family.base, at, hub=source.revision is not None)
+        )
         raise CheckpointNotFoundError(
             f"{where.display!r} is a fine-tune that holds only the leaves it changed; the others are read from its "
-            f"base {shown}, which cannot be found: {e} {advice}",
+            f"base {shown}, which cannot be found: {reason(cause)} {advice}",
             path=where.display,
-        ) from e
+        ) from cause
     except CheckpointError as e:
         raise _named(e, f"{where.display!r} is a fine-tune whose base {shown} cannot be read: {e}", where) from e
     if given is None and not family.base.revision:
@@ -491,15 +528,45 @@ def _opened(
     return base, _taken(source, base, family, shown)
 
 
-def _without_base(where: Location) -> str:
-    """The three ways to load the fine-tune at `where` whose recorded base is
-    gone (a base uploaded again has another commit, so putting it back may not help)."""
-    tuned = where.display
+def _gone(at: Location) -> CheckpointNotFoundError | None:
+    """That nothing is at the local path `at` (a base moved or deleted), or `None`
+    where something is: the open's own error then says what it lacks."""
+    if at.local is None or local_entry(at.local).exists:
+        return None
+    return CheckpointNotFoundError(
+        f"There is nothing at {at.display!r}: no such folder (moved, renamed or deleted).", path=at.display
+    )
+
+
+def _without_base(where: Location, base: _published.Base, at: Location, *, hub: bool) -> str:
+    """The ways to load the fine-tune at `where` (read from the Hub: `hub`)
+    whose recorded `base` (read at `at`) is gone, each a command that works as printed once its
+    placeholders are filled in. Putting back an `hf://` base may not help
+    (the same bytes pushed again make another commit), so the fine-tune is
+    stored again against the repository as it is now; a local base is put back."""
+    tuned = shlex.quote(where.display)
+    places = "OUT a new folder"
+    ways = [
+        f"Give the copy: `base=BASE` in Python, or `--with-base BASE` on the command line "
+        f"(`eqx-ckpt ls {tuned} --with-base BASE`)."
+    ]
+    if base.revision:
+        now = shlex.quote(from_file(base.path))
+        if hub:
+            again, places = f"push {tuned} OWNER/NAME", places + " and OWNER/NAME the repository to push to"
+        else:
+            again = f"export {tuned} OUT"
+        ways.append(
+            f"Store the fine-tune again against the base as it is now (what the base no longer holds is then stored "
+            f"in the fine-tune): `eqx-ckpt {again} --with-base BASE --base {now}`."
+        )
+    else:
+        ways.append(f"Put the copy back at {at.display!r}, where the record names the base (its record unchanged).")
+    ways.append(f"Make a copy that needs no base, once: `eqx-ckpt export --standalone {tuned} OUT --with-base BASE`.")
+    listed = " ".join(f"{i}. {way}" for i, way in enumerate(ways, 1))
     return (
-        f"Three ways work. Give a copy of the base (the same leaves, at any path or commit): `base=` in Python, "
-        f"`--with-base BASE` on the CLI. Store the fine-tune again against the base as it is now: "
-        f"`eqx-ckpt push {tuned} owner/name --with-base BASE --base BASE` (or `export ... OUT`). Or copy it "
-        f"standalone, once: `eqx-ckpt export --standalone {tuned} OUT --with-base BASE`."
+        f"With BASE a copy of the base the fine-tune was made from (the same leaves, at any path or commit: a "
+        f"folder or checkpoint of it, or `hf://owner/name@<commit>`) and {places}, three ways work. {listed}"
     )
 
 

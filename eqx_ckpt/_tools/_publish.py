@@ -37,7 +37,7 @@ def push_to_hub(
     standalone: bool = False,
     max_shard_size: int | str = "5GB",
     progress: Progress = None,
-) -> str:
+) -> Commit:
     """Publish a model to the Hugging Face Hub, in one commit, as files anyone can read.
 
     1. The tree (or the checkpoint at a path, read leaf by leaf) is exported
@@ -78,7 +78,7 @@ def push_to_hub(
         uploaded; loads read the others from it, pinned to its commit, through
         the Hub's cache. The card's `base_model` names it. A push that would
         take under both 10% of its bytes and 1 MiB from the base publishes
-        every leaf; the `eqx_ckpt` logger (`INFO`) says which. A fine-tune
+        every leaf; the returned commit's `report` says which. A fine-tune
         exported against an `hf://` base is pushed against it without `base=`.
     - `standalone`: publish every leaf, the base's too (see
         [`eqx_ckpt.export_safetensors`][]).
@@ -88,8 +88,12 @@ def push_to_hub(
 
     **Returns:**
 
-    The commit's id (40 hex digits): pass it as `hf://owner/name@<id>` to load
-    exactly this version, whatever is pushed later.
+    The commit's id (a `str` of 40 hex digits): pass it as
+    `hf://owner/name@<id>` to load exactly this version, whatever is pushed
+    later. Its attribute `report` says, of a push against a base, what it
+    stored and what it took from the base, or that it was written standalone
+    (the line `eqx-ckpt push` prints; `None` without a base); `changed` is
+    `False` where the branch held this export already and nothing was committed.
 
     **Warns:**
 
@@ -126,7 +130,27 @@ def push_to_hub(
             progress=progress,
         ),
     )
-    return publish(tree_or_checkpoint_path, options)[0].commit
+    published, report = publish(tree_or_checkpoint_path, options)
+    return Commit(published.commit, report=report, changed=published.changed)
+
+
+class Commit(str):
+    """What [`eqx_ckpt.push_to_hub`][] returns: the commit's id (a `str` of 40
+    hex digits), with what the push did. `report`: against a base (`base=`),
+    the sentence saying what it stored and what it took from the base (or
+    that it was written standalone); `None` otherwise. `changed`: `False`
+    where the branch held exactly this export already and nothing was committed."""
+
+    report: str | None
+    changed: bool
+
+    def __new__(cls, commit: str, *, report: str | None = None, changed: bool = True) -> Commit:
+        made = super().__new__(cls, commit)
+        made.report, made.changed = report, changed
+        return made
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return str, (str(self),)  # (pickled as the plain id it is)
 
 
 @dataclasses.dataclass(frozen=True)

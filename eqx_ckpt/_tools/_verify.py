@@ -22,11 +22,11 @@ from typing import Any
 from .._base import _state
 from .._base._errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     CheckpointStorageError,
     CheckpointValueError,
     CheckpointVersionError,
     CorruptCheckpointError,
+    UntrustedError,
     shown_names,
 )
 from .._base._location import Location, location
@@ -565,15 +565,19 @@ def _check_foreign(loc: Location, progress: Progress, token: str | None, base: A
         return Problems([Problem(None, str(e))])
     records = sorted(source.manifest.leaves, key=lambda r: r.path)
     digests = source.manifest.digests
-    # A fine-tune whose base cannot be found: its own leaves are verified, those taken from the base are not.
+    # A fine-tune whose base cannot be reached: its own leaves are verified, those taken from the base are not.
     taken = set() if missing is None or source.base is None else set(source.base.references)
     bad: dict[str, Problem] = {}
     nbytes = sum(r.nbytes for r in records if r.path not in taken)
     with Tracker(progress, leaves=len(records) - len(taken), nbytes=nbytes, what="verify") as tracker:
         _read_every_chunk(source.data, [r for r in records if r.path not in digests], source.open, tracker, bad)
-        bad.update(_compare_digests(source, [r for r in records if r.path in digests and r.path not in taken], tracker))
+        compared = [r for r in records if r.path in digests and r.path not in taken]
+        found, differ = _compare_digests(source, compared, tracker)
+        bad.update(found)
     # (`file` names an eqx_ckpt chunk file, which steps share; these files are named in the message.)
     problems = [Problem(r.path, bad[r.path].message) for r in records if r.path in bad]
+    if differ:
+        problems.insert(0, _other_values(source, differ))
     if missing is not None:
         problems.insert(0, _unverified(records, taken, missing))
     said = _family_said(source, len(digests) == len(records), missing is not None)
@@ -585,11 +589,16 @@ def _check_foreign(loc: Location, progress: Progress, token: str | None, base: A
     return Problems(problems, (ORBAX_UNCHECKED,) + (() if _orbax.writes_every_chunk(loc) else (ORBAX_INCOMPLETE,)))
 
 
-def _compare_digests(source: _source.Source, records: list[LeafRecord], tracker: Tracker) -> dict[str, Problem]:
+def _compare_digests(
+    source: _source.Source, records: list[LeafRecord], tracker: Tracker
+) -> tuple[dict[str, Problem], list[str]]:
     """What is wrong with each leaf whose bytes are not those its recorded
-    digest says (or cannot be read), by dotted path. A leaf of a base that
-    backs several leaves of a fine-tune is read and hashed once."""
+    digest says (or cannot be read), by dotted path; and apart, the leaves
+    taken from a base whose bytes differ (one problem of the base, not one
+    of each leaf). A leaf of a base that backs several leaves of a fine-tune
+    is read and hashed once."""
     bad: dict[str, Problem] = {}
+    differ: list[str] = []
     family = source.manifest.family
     references = {} if family is None else family.references
     hashed: dict[str, str] = {}  # by the base's dotted path
@@ -604,26 +613,61 @@ def _compare_digests(source: _source.Source, records: list[LeafRecord], tracker:
         except Exception as e:
             bad[record.path] = Problem(record.path, str(_damage(e, record, source.data, "read")))
         else:
-            if found != source.manifest.digests[record.path]:
-                where = "" if taken is None else f" (read from the base's leaf `{taken}`)"
+            if found != source.manifest.digests[record.path] and taken is not None:
+                differ.append(record.path)
+            elif found != source.manifest.digests[record.path]:
                 bad[record.path] = Problem(
                     record.path,
-                    f"its bytes{where} are not those its digest in {_published.NAME} records (xxh3-128 "
+                    f"its bytes are not those its digest in {_published.NAME} records (xxh3-128 "
                     f"{found.removeprefix(_published.DIGEST_PREFIX)}, recorded "
                     f"{source.manifest.digests[record.path].removeprefix(_published.DIGEST_PREFIX)}): a changed byte",
                 )
         tracker.advance(leaves=1, nbytes=record.nbytes)
-    return bad
+    return bad, differ
 
 
-def _unverified(records: list[LeafRecord], taken: set[str], missing: CheckpointNotFoundError) -> Problem:
-    """The problem of a fine-tune whose base cannot be found: the leaves taken from it are not verified."""
+def _other_values(source: _source.Source, differ: list[str]) -> Problem:
+    """The one problem of a fine-tune whose base holds other bytes than its
+    record's digests say for the leaves `differ`: the base's, not each leaf's."""
+    assert source.base is not None  # (only leaves taken from a base are in `differ`)
+    count = len(source.base.references)
+    fix = (
+        "It is not the base the fine-tune was made from: give that one (`base=`, `--with-base`)."
+        if source.base.given
+        else "It was rewritten, or another model is under its name: give the base the fine-tune was made from "
+        "(`base=`, `--with-base`), or load a standalone export of it."
+    )
+    shown = f"given, {_base_shown(source)}," if source.base.given else _base_shown(source)
+    return Problem(
+        None,
+        f"the base {shown} holds other values than when the fine-tune was exported: {len(differ)} of "
+        f"the {count} {'leaf' if count == 1 else 'leaves'} taken from it ({shown_names(differ)}) "
+        f"{'holds' if len(differ) == 1 else 'hold'} other bytes than the xxh3-128 digests in {_published.NAME} "
+        f"record. {fix}",
+    )
+
+
+def _base_shown(source: _source.Source) -> str:
+    """How `verify` names the base a fine-tune's leaves were read from: as
+    given, or as pinned (an `hf://` base at its commit)."""
+    family, base = source.manifest.family, source.base
+    assert family is not None and base is not None
+    opened = base.open
+    if base.given:
+        return repr(base.display if opened is None else opened.loc.display)
+    return family.base.shown if family.base.revision or opened is None else repr(opened.loc.display)
+
+
+def _unverified(records: list[LeafRecord], taken: set[str], missing: CheckpointError) -> Problem:
+    """The problem of a fine-tune whose base cannot be reached (found, or
+    followed: `UntrustedError`): the leaves taken from it are not verified."""
     names = [r.path for r in records if r.path in taken]
+    why = "is not followed" if isinstance(missing, UntrustedError) else "cannot be found"
     return Problem(
         None,
         f"the {len(names)} {'leaf' if len(names) == 1 else 'leaves'} taken from its base "
-        f"({shown_names(names)}) {'was' if len(names) == 1 else 'were'} not verified, since the base cannot be "
-        f"found; the {len(records) - len(names)} stored here were. {missing}",
+        f"({shown_names(names)}) {'was' if len(names) == 1 else 'were'} not verified, since the base {why}; the "
+        f"{len(records) - len(names)} stored here were. {missing}",
     )
 
 
@@ -636,13 +680,19 @@ def _family_said(source: _source.Source, every: bool, missing: bool) -> tuple[st
         return (f"every leaf stored here, against the xxh3-128 digest {_published.NAME} records of it",)
     said = [f"every leaf's bytes, against the xxh3-128 digest {_published.NAME} records of it"]
     family = source.manifest.family
-    if family is not None:
-        base = None if source.base is None else source.base.open
-        shown = family.base.shown if family.base.revision or base is None else repr(base.loc.display)
+    if family is not None and source.base is not None:
         count = len(family.references)
-        said.append(
-            f"its base {shown} is there, at the version pinned (by "
-            f"{'its commit' if family.base.revision else 'the sha256 of its record'}), and the "
-            f"{count} {'leaf' if count == 1 else 'leaves'} taken from it are read from it"
-        )
+        leaves = f"{count} {'leaf' if count == 1 else 'leaves'}"
+        if source.base.given:
+            said.append(
+                f"the {leaves} taken from its base, read from the base given, {_base_shown(source)}, against "
+                f"the digests {_published.NAME} records of them (a base given is held to them; the base its record "
+                f"pins, {family.base.shown}, was not read)"
+            )
+        else:
+            said.append(
+                f"its base {_base_shown(source)} is there, at the version pinned (by "
+                f"{'its commit' if family.base.revision else 'the sha256 of its record'}), and the {leaves} taken "
+                f"from it are read from it"
+            )
     return tuple(said)
