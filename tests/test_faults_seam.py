@@ -84,6 +84,7 @@ _ELSEWHERE = {
     "save.pinned_copies": "reached by a save only on an accelerator (armed in tests/test_gpu.py; "
     "tests/test_host_memory.py arms it around `_memory.pinned` on a CPU)",
     "manager.undo": "reached only when a manager's save fails (armed in tests/test_manager.py)",
+    "hub.commit": "reached only by a push to a Hub (armed in tests/test_hub.py, against tests/hub_server.py)",
     "load.pinned_pool": "reached only by a load through the pool of host buffers, on for GPUs alone "
     "(`_memory.PINNED_PLATFORMS`; armed in tests/test_pinned_load.py, which switches it on for CPUs)",
     "load.read_once": "reached only by a multi-process restore that shares reads (armed in "

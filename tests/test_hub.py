@@ -1170,3 +1170,51 @@ def test_a_cached_hub_base_given_as_a_checkpoint_is_pinned_by_its_repository_and
         "path": "hf://me/base",
         "revision": commit,
     }
+
+
+_FIRST_PUSH = """
+from eqx_ckpt._base import _faults
+def push():
+    eqx_ckpt.push_to_hub({{"w": np.arange(600, dtype=np.float32)}}, {repo!r})
+def interrupted():
+    try:
+        with _faults.armed("hub.commit", KeyboardInterrupt):
+            push()
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt"
+emit([raised(push), interrupted()])
+"""
+
+
+def test_a_first_push_that_fails_before_its_commit_deletes_the_repository_it_made(hub, tmp_path):
+    """Issue 88: an interrupted first push left an empty repository. A push that
+    made the repository deletes it when the commit fails, or is interrupted
+    (Ctrl-C reaches the caller as itself); one into a repository that was there
+    keeps it."""
+    client, state = hub
+    state.fail(r"^POST /api/models/me/new/commit/", 400, times=1)
+    failed, interrupted = client.run(_FIRST_PUSH.format(repo="me/new"))
+    assert failed[0] == "CheckpointStorageError" and "HTTP 400" in failed[2], failed
+    assert "created" not in failed[2], failed
+    assert interrupted == "KeyboardInterrupt"
+    assert "me/new" not in state.repos
+    assert state.requests.count("DELETE /api/repos/delete") == 2
+    # A repository that was there before the push is left as it was, empty or not.
+    state.put_files("me/old", {})
+    state.fail(r"^POST /api/models/me/old/commit/", 400, times=1)
+    failed, interrupted = client.run(_FIRST_PUSH.format(repo="me/old"))
+    assert failed[0] == "CheckpointStorageError" and interrupted == "KeyboardInterrupt"
+    assert "me/old" in state.repos and state.requests.count("DELETE /api/repos/delete") == 2
+
+
+def test_a_first_push_that_cannot_delete_its_empty_repository_says_how_to(hub, tmp_path):
+    client, state = hub
+    state.fail(r"^POST /api/models/me/new/commit/", 400, times=1)
+    state.fail(r"^DELETE /api/repos/delete", 403, times=1)
+    failed, _ = client.run(_FIRST_PUSH.format(repo="me/new"))
+    assert failed[0] == "CheckpointStorageError", failed
+    assert "HTTP 400" in failed[2] and "created the repository hf://me/new, which is still empty" in failed[2]
+    assert "huggingface_hub.delete_repo('me/new')" in failed[2]
+    # The next push (the deletion no longer refused) commits into the repository left.
+    assert re.fullmatch(r"[0-9a-f]{40}", str(client.run("emit(eqx_ckpt.push_to_hub({'w': np.ones(3)}, 'me/new'))")))
+    assert "me/new" in state.repos

@@ -46,7 +46,9 @@ def push_to_hub(
         memory is bounded as the export's: a shard at a time.
     2. It is committed through `huggingface_hub` (the optional extra `hub`:
         `pip install "eqx_ckpt[hub]"`). The repository is made where there is
-        none, and the files are uploaded and committed together.
+        none, and the files are uploaded and committed together. A push that
+        made the repository and fails (or is interrupted) before its commit
+        deletes it again while it is empty; where it cannot, its error says so.
 
     Load it back from `hf://owner/name@<revision>` where a checkpoint path is read ([docs/sharing.md](../sharing.md)).
 
