@@ -61,6 +61,7 @@ from .._base._errors import (
     IntegrityError,
     UntrustedError,
     from_file,
+    option,
     stored_leaf_error,
 )
 from .._base._location import Location, location
@@ -199,8 +200,8 @@ def _mismatch(source: Source, record: LeafRecord, found: str, expected: str) -> 
         )
         fix = (
             "The base holds other values than it did when the fine-tune was exported (rewritten, or another "
-            "model under its name). Load the fine-tune with the base it was made from (`base=`), or load a "
-            "standalone export of it."
+            f"model under its name). Load the fine-tune with the base it was made from "
+            f"({option('`base=`', '`--with-base`')}), or load a standalone export of it."
         )
     else:
         why = "its bytes in the fine-tune's own files are not the ones recorded"
@@ -312,9 +313,8 @@ def _refused(where: Location, base: _published.Base, why: str) -> UntrustedError
     return UntrustedError(
         f"{where.display!r} is a fine-tune whose record names its base as {from_file(repr(base.path))}, which is not "
         f"followed: {why}. A folder received from elsewhere could otherwise make a load read, or contact, what you "
-        f"never named. Nothing was opened there. If you trust it, give the base yourself: `base=` on the load "
-        f"(`Checkpoint(path, base=...)`, `tree_deserialise_leaves(..., base=...)`, `verify(path, base=...)`), or "
-        f"`--with-base` on the command line. Its leaves are then checked against the digests the fine-tune records.",
+        f"never named. Nothing was opened there. If you trust it, give the base yourself: {_give_base()}. Its "
+        f"leaves are then checked against the digests the fine-tune records.",
         path=where.display,
     )
 
@@ -468,7 +468,8 @@ def _opened(
         if base.base is not None:  # its own base, down a chain of fine-tunes: opened with it
             base.base.opened()
     except CheckpointNotFoundError as e:
-        advice = "Check the path given as `base=`." if given is not None else _without_base(where)
+        given_as = option("`base=`", "`--with-base`")
+        advice = f"Check the path given as {given_as}." if given is not None else _without_base(where)
         raise CheckpointNotFoundError(
             f"{where.display!r} is a fine-tune that holds only the leaves it changed; the others are read from its "
             f"base {shown}, which cannot be found: {e} {advice}",
@@ -484,11 +485,21 @@ def _opened(
                 f"(its record's sha256 {family.base.sha256[:16]}...), but that base has changed since (now "
                 f"{'no record' if found is None else found[:16] + '...'}): its leaves may no longer be the ones the "
                 f"fine-tune was made from, so nothing is loaded. Restore the base, give the base it was made from "
-                f"as `base=` (its leaves are then checked one by one), or export the fine-tune again against the "
+                f"as {option('`base=`', '`--with-base`')} (its leaves are then checked one by one), or export the "
+                f"fine-tune again against the "
                 f"base as it is now.",
                 path=where.display,
             )
     return base, _taken(source, base, family, shown)
+
+
+def _give_base() -> str:
+    """How to give a fine-tune its base, in Python or on the command line (`option`)."""
+    python = (
+        "`base=` on the load (`Checkpoint(path, base=...)`, `tree_deserialise_leaves(..., base=...)`, "
+        "`verify(path, base=...)`)"
+    )
+    return option(python, "`--with-base BASE`")
 
 
 def _without_base(where: Location) -> str:
@@ -496,8 +507,8 @@ def _without_base(where: Location) -> str:
     gone (a base uploaded again has another commit, so putting it back may not help)."""
     tuned = where.display
     return (
-        f"Three ways work. Give a copy of the base (the same leaves, at any path or commit): `base=` in Python, "
-        f"`--with-base BASE` on the CLI. Store the fine-tune again against the base as it is now: "
+        f"Three ways work. Give a copy of the base (the same leaves, at any path or commit): "
+        f"{option('`base=`', '`--with-base BASE`')}. Store the fine-tune again against the base as it is now: "
         f"`eqx-ckpt push {tuned} owner/name --with-base BASE --base BASE` (or `export ... OUT`). Or copy it "
         f"standalone, once: `eqx-ckpt export --standalone {tuned} OUT --with-base BASE`."
     )

@@ -723,9 +723,14 @@ class Files:
         return _storage.Mapped(_pool().submit(self._read, name, byte_range), lambda found: _storage.Found(*found))
 
     def read_file(self, name: str, *, limit: int) -> bytes | None:
-        """A small file (`eqx_ckpt.json`), or `None`."""
-        data, _ = self.read(name).result()  # (its listed size was checked: `needed`)
-        if data is not None and len(data) > limit:
+        """A small file (`eqx_ckpt.json`), or `None`: downloaded into the Hub's
+        cache (`download`, which checks it), so that a whole load after this
+        open finds it there and does not fetch it again."""
+        if self.listed_size(name) is None:
+            return None
+        with local_open(os.path.join(download(self.pinned, [name])[0], name)) as f:
+            data = f.read(limit + 1)  # (its listed size was checked: `needed`)
+        if len(data) > limit:
             raise _storage_errors.too_large(self.loc, name, limit, len(data))
         return data
 

@@ -8,7 +8,7 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
-from .._base._errors import CheckpointTypeError, CheckpointValueError
+from .._base._errors import CheckpointTypeError, CheckpointValueError, option
 from .._base._location import HUB_SCHEME, location
 from .._base._progress import Progress
 from .._load import _hub
@@ -189,8 +189,9 @@ def _refuse_local_base(folder: str, given: Any) -> None:
     family = None if data is None else _published.parse(data, where=folder).family
     if family is not None and not family.base.path.startswith(HUB_SCHEME):
         shown = os.fspath(given) if isinstance(given, (str, os.PathLike)) else family.base.path
+        push_base = option('`base="hf://owner/base"`', "`--base hf://owner/base`")
         raise CheckpointValueError(
             f"This fine-tune is stored against the base {shown!r}, which is not on the Hub: no one who "
-            f'loads it from the Hub could read that. Push the base first and pass `base="hf://owner/base"` '
-            f"(`--base`), or publish every leaf with `standalone=True` (`--standalone`)."
+            f"loads it from the Hub could read that. Push the base first and pass {push_base}, or publish every "
+            f"leaf with {option('`standalone=True`', '`--standalone`')}."
         )
