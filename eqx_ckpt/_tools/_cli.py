@@ -133,12 +133,15 @@ def _format_types(ckpt: Checkpoint) -> str:
 
 
 def _format_steps(given: str, manager: CheckpointManager, steps: list[int]) -> str:
-    """A manager's directory: its committed steps, each with its size and metrics."""
+    """A manager's directory: its committed steps, each with its size (and,
+    compressed, the bytes its files take) and metrics."""
     rows = []
     for step in steps:
         ckpt = Checkpoint(manager.step_path(step))
         metrics = ", ".join(f"{name}={_metric(value)}" for name, value in sorted(manager.metrics(step).items()))
-        rows.append((f"step {step}", f"{len(ckpt)} leaves", human(ckpt.total_bytes), metrics))
+        stored = ckpt.stored_bytes if ckpt.compression is not None else None
+        size = human(ckpt.total_bytes) + ("" if stored is None else f" ({human(stored)} stored)")
+        rows.append((f"step {step}", f"{len(ckpt)} leaves", size, metrics))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {d}".rstrip() for a, b, c, d in rows]
     lines.append(
