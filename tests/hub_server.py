@@ -15,7 +15,8 @@ It answers, for model repositories only:
   redirect and reads `X-Linked-Etag` and `X-Linked-Size`, and its `GET`
   follows it, without the token, as it does to the Hub's storage);
 - `POST /api/repos/create` (`visibility`; 409 with the repo's URL where it
-  exists), `POST /api/models/{repo}/branch/{branch}` (from `startingPoint` or `main`),
+  exists), `DELETE /api/repos/delete` (404 where there is none),
+  `POST /api/models/{repo}/branch/{branch}` (from `startingPoint` or `main`),
   `POST /api/validate-yaml` (a model card's metadata: only that it parses);
 - `POST /api/models/{repo}/preupload/{rev}` (files of 1 KiB or more are LFS),
   `POST /{repo}.git/info/lfs/objects/batch` (the basic transfer: one `PUT`
@@ -445,6 +446,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.hub.blobs[m[1]] = data
             self.hub.received += len(data)
         self._send(200)
+
+    def do_DELETE(self) -> None:
+        if self._injected():
+            return
+        body = json.loads(self._body() or b"{}")
+        if urllib.parse.urlsplit(self.path).path != "/api/repos/delete" or self._token() is None:
+            return self._error(404 if self._token() else 401, None, "no route, or no token")
+        with self.hub.lock:
+            if self.hub.repos.pop(f"{body.get('organization') or 'user'}/{body.get('name')}", None) is None:
+                return self._error(404, "RepoNotFound", "Repository not found")
+        self._json({})
 
     def do_POST(self) -> None:
         if self._injected():

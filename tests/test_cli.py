@@ -28,6 +28,7 @@ import pytest
 import s3_server
 
 import eqx_ckpt
+from eqx_ckpt._load._checkpoint import human
 from eqx_ckpt._tools._cli import main
 
 EXE = shutil.which("eqx-ckpt", path=os.path.dirname(sys.executable)) or "eqx-ckpt"
@@ -262,6 +263,20 @@ def test_ls_on_a_manager_directory_lists_its_steps(tmp_path, capsys):
     assert lines[2].startswith("2 steps in a CheckpointManager directory")
     assert main(["ls", str(tmp_path / "nothing")]) == 2
     assert "no eqx_ckpt checkpoint" in capsys.readouterr().err
+
+
+def test_ls_on_a_manager_directory_of_compressed_steps_shows_the_bytes_stored(tmp_path, capsys):
+    """Issue 88: the sizes shown were the arrays' alone, however small the
+    files. (Steps that are not compressed show one size: the test above.)"""
+    with eqx_ckpt.CheckpointManager(tmp_path / "run") as manager:
+        for step in (1, 2):
+            manager.save(step, {"w": jnp.zeros((256, 256))}, metrics={"loss": 1 / step}, compression="zstd")
+    stored = [eqx_ckpt.Checkpoint(manager.step_path(step)).stored_bytes for step in (1, 2)]
+    assert all(n < 256 * 256 * 4 // 10 for n in stored)
+    assert main(["ls", str(tmp_path / "run")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for line, n, loss in zip(lines, stored, ("1", "0.5")):
+        assert line.split(None, 3)[3] == f"leaves  256.0 KiB ({human(n)} stored)  loss={loss}", line
 
 
 def test_verify_of_a_manager_directory_reports_each_step_and_exits_1_if_one_is_damaged(tmp_path):

@@ -591,6 +591,11 @@ def test_each_of_the_three_ways_the_missing_base_error_names_works(tmp_path, cap
     assert "`base=BASE` in Python, or `--with-base BASE` on the command line" in said
     assert f"2. Put the copy back at {str(tmp_path / 'base')!r}, where the record names the base" in said
     assert f"`eqx-ckpt export --standalone {ft} OUT --with-base BASE`" in said
+    # The same error on the command line names the flags, not the keywords (issue 88).
+    capsys.readouterr()
+    assert main(["export", ft, str(tmp_path / "out")]) == 2
+    cli = capsys.readouterr().err
+    assert "1. Give the copy: `--with-base BASE` (" in cli and "`base=" not in cli and "in Python" not in cli
     # 1. The base given, in Python and on the CLI.
     _assert_same(eqx_ckpt.Checkpoint(ft, base=elsewhere).load(trust=[Classifier]), tuned)
     assert main(["ls", ft, "--with-base", elsewhere]) == 0
@@ -812,6 +817,20 @@ def test_contradictory_or_impossible_base_options_are_refused(tmp_path):
         eqx_ckpt.export_safetensors(tmp_path / "out", tree, base=tmp_path / "nothere")
     # Each refused before anything is written: not even the folder (it was made, and left empty).
     assert not (tmp_path / "out").exists()
+
+
+def test_the_command_line_names_its_flags_where_python_names_keywords(tmp_path, capsys):
+    """Issue 88: `eqx-ckpt export --base` was called "`base=`" in its messages."""
+    tree = _base_tree()
+    eqx_ckpt.export_safetensors(tmp_path / "base", tree)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
+    base = str(tmp_path / "base")
+    nothere = str(tmp_path / "nothere")
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--base", nothere]) == 2
+    assert f"The base given as `--base` ({nothere!r}) cannot be found" in capsys.readouterr().err
+    # Python, after the command line ran, names keywords again.
+    with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("`base=` and `standalone=True` contradict")):
+        eqx_ckpt.export_safetensors(tmp_path / "out", tree, base=base, standalone=True)
 
 
 def test_a_reexport_of_a_finetune_keeps_its_base(family):

@@ -86,6 +86,7 @@ _ELSEWHERE = {
     "save.device_copies": "reached only by an asynchronous save on a GPU's memory (armed in tests/test_gpu.py; "
     "tests/test_pinned_save.py arms it on CPU devices with the pinned paths switched on for them)",
     "manager.undo": "reached only when a manager's save fails (armed in tests/test_manager.py)",
+    "hub.commit": "reached only by a push to a Hub (armed in tests/test_hub.py, against tests/hub_server.py)",
     "load.pinned_pool": "reached only by a load through the pool of host buffers, on for GPUs alone "
     "(`_memory.PINNED_PLATFORMS`; armed in tests/test_pinned_load.py, which switches it on for CPUs)",
     "load.pinned_view": "reached only by a load through the pool's buffers in pinned memory, off by default "

@@ -923,6 +923,8 @@ def test_the_cli_pushes_a_managers_best_step_as_its_model_with_the_card_options(
     options += ["--metadata", "lr=0.001", "--metadata", "run=abc", "--metadata", "sizes=[1, 2]", "--revision", "dev"]
     pushed = client.cli("push", str(tmp_path / "run"), "me/best", *options)
     assert pushed.returncode == 0, pushed.stderr
+    # Issue 88: it says which step it pushed, and why that one.
+    assert f"eqx-ckpt: pushing step 2 of {tmp_path / 'run'} (the best: val_loss=0.0576)\n" in pushed.stderr
     commit = pushed.stdout.split("@")[1].strip()
     card = _card_of(state, "me/best", commit)
     assert card.startswith(
@@ -1140,7 +1142,8 @@ def test_a_fine_tune_is_pushed_and_made_standalone_from_the_cli_and_its_missing_
     )
     assert client.cli("export", "--standalone", "hf://me/tuned", str(tmp_path / "whole")).returncode == 0
     nothere = client.cli("push", str(tmp_path / "ckpt"), "me/other", "--base", "hf://me/nothere")
-    assert nothere.returncode == 2 and "The base given as `base=` ('hf://me/nothere') cannot be found" in nothere.stderr
+    assert nothere.returncode == 2
+    assert "The base given as `--base` ('hf://me/nothere') cannot be found" in nothere.stderr
     assert json.loads((tmp_path / "whole" / "eqx_ckpt.json").read_text())["format_version"] == 1
     # The standalone copy keeps the card's metadata (issue 75, item 5).
     assert json.loads((tmp_path / "whole" / "eqx_ckpt.json").read_text())["info"] == {"description": "A head."}
@@ -1170,3 +1173,66 @@ def test_a_cached_hub_base_given_as_a_checkpoint_is_pinned_by_its_repository_and
         "path": "hf://me/base",
         "revision": commit,
     }
+
+
+_FIRST_PUSH = """
+from eqx_ckpt._base import _faults
+def push():
+    eqx_ckpt.push_to_hub({{"w": np.arange(600, dtype=np.float32)}}, {repo!r})
+def interrupted():
+    try:
+        with _faults.armed("hub.commit", KeyboardInterrupt):
+            push()
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt"
+emit([raised(push), interrupted()])
+"""
+
+
+def test_a_first_push_that_fails_before_its_commit_deletes_the_repository_it_made(hub, tmp_path):
+    """Issue 88: an interrupted first push left an empty repository. A push that
+    made the repository deletes it when the commit fails, or is interrupted
+    (Ctrl-C reaches the caller as itself); one into a repository that was there
+    keeps it."""
+    client, state = hub
+    state.fail(r"^POST /api/models/me/new/commit/", 400, times=1)
+    failed, interrupted = client.run(_FIRST_PUSH.format(repo="me/new"))
+    assert failed[0] == "CheckpointStorageError" and "HTTP 400" in failed[2], failed
+    assert "created" not in failed[2], failed
+    assert interrupted == "KeyboardInterrupt"
+    assert "me/new" not in state.repos
+    assert state.requests.count("DELETE /api/repos/delete") == 2
+    # A repository that was there before the push is left as it was, empty or not.
+    state.put_files("me/old", {})
+    state.fail(r"^POST /api/models/me/old/commit/", 400, times=1)
+    failed, interrupted = client.run(_FIRST_PUSH.format(repo="me/old"))
+    assert failed[0] == "CheckpointStorageError" and interrupted == "KeyboardInterrupt"
+    assert "me/old" in state.repos and state.requests.count("DELETE /api/repos/delete") == 2
+
+
+def test_a_first_push_that_cannot_delete_its_empty_repository_says_how_to(hub, tmp_path):
+    client, state = hub
+    state.fail(r"^POST /api/models/me/new/commit/", 400, times=1)
+    state.fail(r"^DELETE /api/repos/delete", 403, times=1)
+    failed, _ = client.run(_FIRST_PUSH.format(repo="me/new"))
+    assert failed[0] == "CheckpointStorageError", failed
+    assert "HTTP 400" in failed[2] and "created the repository hf://me/new, which is still empty" in failed[2]
+    assert "huggingface_hub.delete_repo('me/new')" in failed[2]
+    # The next push (the deletion no longer refused) commits into the repository left.
+    assert re.fullmatch(r"[0-9a-f]{40}", str(client.run("emit(eqx_ckpt.push_to_hub({'w': np.ones(3)}, 'me/new'))")))
+    assert "me/new" in state.repos
+
+
+def test_a_cold_load_downloads_the_structure_record_once(hub, tmp_path):
+    """Issue 88: a cold `Checkpoint("hf://...").load()` downloaded
+    `eqx_ckpt.json` twice (read by the open, then again into the cache)."""
+    client, state = hub
+    commit = _push(client, "me/model", 1.0, tmp_path)
+    oid = state.repos["me/model"].commits[commit]["eqx_ckpt.json"]
+    state.sent.clear()
+    got = client.run(
+        "emit(jax.tree.map(lambda x: np.asarray(x, np.float32).tolist(), eqx_ckpt.Checkpoint('hf://me/model').load()))"
+    )
+    assert got == _as_lists(_tree(1.0))
+    record = len(state.blobs[oid])
+    assert state.sent.get(oid, 0) + state.sent.get("eqx_ckpt.json", 0) == record, (state.sent, record)

@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -1058,3 +1059,20 @@ def test_local_entry_reads_a_path_as_os_path_does(tmp_path):
         if entry.file:
             assert entry.size == 5 and entry.identity == (os.stat(path).st_dev, os.stat(path).st_ino), name
     assert _storage.local_names(str(tmp_path)) == ["broken", "file", "folder", "to_file", "to_folder"]
+
+
+def test_the_manager_page_documents_every_keyword_of_save_with_its_default():
+    """Issue 88: docs/manager.md listed no `compression=` (nor `layout`,
+    `staging_bytes`, `progress`) on the manager's `save`."""
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "manager.md").read_text()
+    line = re.search(r"^- `save\((.*)\)`:$", page, re.M)
+    assert line is not None
+    signature = inspect.signature(eqx_ckpt.CheckpointManager.save)
+    for name, parameter in signature.parameters.items():
+        if parameter.default is inspect.Parameter.empty:
+            continue
+        value = parameter.default
+        default = getattr(value, "__name__", None) or (json.dumps(value) if isinstance(value, str) else repr(value))
+        assert f"{name}={default}" in line[1], name
+        if name not in ("metrics", "overwrite"):  # (said in the text; the others in the table)
+            assert f"| `{name}` | `{default}` |" in page, name

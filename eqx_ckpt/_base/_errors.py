@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import jax.tree_util as jtu
@@ -419,6 +420,26 @@ def from_file(text: Any, limit: int = MAX_SHOWN) -> str:
     if not text.isprintable():
         text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit + 1])
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# Whether messages are being made for `eqx-ckpt` (`command_line`), so name its flags, not keywords.
+_COMMAND_LINE: contextvars.ContextVar[bool] = contextvars.ContextVar("eqx_ckpt_command_line", default=False)
+
+
+def option(keyword: str, flag: str) -> str:
+    """How a message names an option: as the Python `keyword` (`` `base=` ``),
+    or, while `eqx-ckpt` runs a command (`command_line`), as its `flag` (`` `--base` ``)."""
+    return flag if _COMMAND_LINE.get() else keyword
+
+
+@contextlib.contextmanager
+def command_line() -> Iterator[None]:
+    """Messages made in this block (in this thread) name `eqx-ckpt`'s flags (`option`)."""
+    token = _COMMAND_LINE.set(True)
+    try:
+        yield
+    finally:
+        _COMMAND_LINE.reset(token)
 
 
 def shown_names(names: Sequence[str], most: int = 5) -> str:

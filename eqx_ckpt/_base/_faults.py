@@ -159,6 +159,9 @@ DESCRIBED: Mapping[str, str] = types.MappingProxyType(
         "went to the background.",
         "manager.undo": "(step): after a failed save, the manager is about to remove the step folder it created, "
         "unless it holds a committed checkpoint.",
+        # A push to the Hub (`_hub`)
+        "hub.commit": "(repo, revision): a push is about to make its commit to `repo` (at branch `revision`, or "
+        "the default one: `None`), the repository and the branch made already.",
         # Other formats (`_safetensors`)
         "safetensors.read_headers": "(loc, files): a safetensors source is being opened: each file's header length "
         "was read, its header is read next.",

@@ -64,6 +64,7 @@ from .._base._errors import (
     IntegrityError,
     UntrustedError,
     from_file,
+    option,
     stored_leaf_error,
 )
 from .._base._location import Location, location
@@ -202,8 +203,8 @@ def _mismatch(source: Source, record: LeafRecord, found: str, expected: str) -> 
         )
         fix = (
             "The base holds other values than it did when the fine-tune was exported (rewritten, or another "
-            "model under its name). Load the fine-tune with the base it was made from (`base=`), or load a "
-            "standalone export of it."
+            f"model under its name). Load the fine-tune with the base it was made from "
+            f"({option('`base=`', '`--with-base`')}), or load a standalone export of it."
         )
     else:
         why = "its bytes in the fine-tune's own files are not the ones recorded"
@@ -315,9 +316,8 @@ def _refused(where: Location, base: _published.Base, why: str) -> UntrustedError
     return UntrustedError(
         f"{where.display!r} is a fine-tune whose record names its base as {from_file(repr(base.path))}, which is not "
         f"followed: {why}. A folder received from elsewhere could otherwise make a load read, or contact, what you "
-        f"never named. Nothing was opened there. If you trust it, give the base yourself: `base=` on the load "
-        f"(`Checkpoint(path, base=...)`, `tree_deserialise_leaves(..., base=...)`, `verify(path, base=...)`), or "
-        f"`--with-base` on the command line. Its leaves are then checked against the digests the fine-tune records.",
+        f"never named. Nothing was opened there. If you trust it, give the base yourself: {_give_base()}. Its "
+        f"leaves are then checked against the digests the fine-tune records.",
         path=where.display,
     )
 
@@ -502,7 +502,7 @@ def _opened(
         # Its reason alone: the base's own advice ("load another revision") would not load the fine-tune.
         cause = _gone(at) or e
         advice = (
-            "Check the path given as `base=`."
+            f"Check the path given as {option('`base=`', '`--with-base`')}."
             if given is not None
             else _without_base(where, family.base, at, hub=source.revision is not None)
         )
@@ -521,7 +521,8 @@ def _opened(
                 f"(its record's sha256 {family.base.sha256[:16]}...), but that base has changed since (now "
                 f"{'no record' if found is None else found[:16] + '...'}): its leaves may no longer be the ones the "
                 f"fine-tune was made from, so nothing is loaded. Restore the base, give the base it was made from "
-                f"as `base=` (its leaves are then checked one by one), or export the fine-tune again against the "
+                f"as {option('`base=`', '`--with-base`')} (its leaves are then checked one by one), or export the "
+                f"fine-tune again against the "
                 f"base as it is now.",
                 path=where.display,
             )
@@ -538,6 +539,15 @@ def _gone(at: Location) -> CheckpointNotFoundError | None:
     )
 
 
+def _give_base() -> str:
+    """How to give a fine-tune its base, in Python or on the command line (`option`)."""
+    python = (
+        "`base=` on the load (`Checkpoint(path, base=...)`, `tree_deserialise_leaves(..., base=...)`, "
+        "`verify(path, base=...)`)"
+    )
+    return option(python, "`--with-base BASE`")
+
+
 def _without_base(where: Location, base: _published.Base, at: Location, *, hub: bool) -> str:
     """The ways to load the fine-tune at `where` (read from the Hub: `hub`)
     whose recorded `base` (read at `at`) is gone, each a command that works as printed once its
@@ -546,10 +556,8 @@ def _without_base(where: Location, base: _published.Base, at: Location, *, hub: 
     stored again against the repository as it is now; a local base is put back."""
     tuned = shlex.quote(where.display)
     places = "OUT a new folder"
-    ways = [
-        f"Give the copy: `base=BASE` in Python, or `--with-base BASE` on the command line "
-        f"(`eqx-ckpt ls {tuned} --with-base BASE`)."
-    ]
+    given = option("`base=BASE` in Python, or `--with-base BASE` on the command line", "`--with-base BASE`")
+    ways = [f"Give the copy: {given} (`eqx-ckpt ls {tuned} --with-base BASE`)."]
     if base.revision:
         now = shlex.quote(from_file(base.path))
         if hub:

@@ -40,7 +40,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .._base import _progress, _threads
+from .._base import _faults, _progress, _threads
 from .._base._errors import (
     CheckpointConnectionError,
     CheckpointError,
@@ -723,9 +723,14 @@ class Files:
         return _storage.Mapped(_pool().submit(self._read, name, byte_range), lambda found: _storage.Found(*found))
 
     def read_file(self, name: str, *, limit: int) -> bytes | None:
-        """A small file (`eqx_ckpt.json`), or `None`."""
-        data, _ = self.read(name).result()  # (its listed size was checked: `needed`)
-        if data is not None and len(data) > limit:
+        """A small file (`eqx_ckpt.json`), or `None`: downloaded into the Hub's
+        cache (`download`, which checks it), so that a whole load after this
+        open finds it there and does not fetch it again."""
+        if self.listed_size(name) is None:
+            return None
+        with local_open(os.path.join(download(self.pinned, [name])[0], name)) as f:
+            data = f.read(limit + 1)  # (its listed size was checked: `needed`)
+        if len(data) > limit:
             raise _storage_errors.too_large(self.loc, name, limit, len(data))
         return data
 
@@ -816,44 +821,95 @@ def publish(write: Callable[[str], list[str]], options: Any, token: str | None) 
     are none. Files of the published layout at the root that `write` did not
     write (`_safetensors.is_published`) are deleted in the same commit; every
     other file stays. Where the branch holds these files already, nothing is
-    committed. `tag` tags the commit that holds them."""
+    committed. `tag` tags the commit that holds them. A push that made the
+    repository and fails (or is interrupted) before its commit deletes it
+    again while it is still empty (`_undo_creation`)."""
     hub = library()
     api = hub.HfApi(token=token)
     repo, revision = options.repo_id, options.revision
     where = f"hf://{repo}@{revision or 'main'}"
     with tempfile.TemporaryDirectory(prefix="eqx_ckpt-push-") as folder:
         names = write(folder)
+        created = False
         try:
-            api.create_repo(repo, private=options.private, exist_ok=True)
-            if revision is not None:
-                api.create_branch(repo, branch=revision, exist_ok=True)
-            info = _retried(lambda: api.model_info(repo, revision=revision, files_metadata=True))
-            parent = _commit(info.sha, repo, revision)
-            held = {s.rfilename: s for s in info.siblings or ()}
-            added = [n for n in names if not _same(held.get(n), os.path.join(folder, n))]
-            deleted = sorted(p for p in held if p not in names and _safetensors.is_published(p))
-            commit = parent
-            if added or deleted:
-                operations = [hub.CommitOperationAdd(n, os.path.join(folder, n)) for n in added]
-                operations += [hub.CommitOperationDelete(p) for p in deleted]
-                with warnings.catch_warnings():
-                    # huggingface_hub's LFS upload (where the Hub offers no Xet) hands
-                    # httpx2 bytes as `data=`, which httpx2 deprecates: the library's
-                    # own call, which nothing here can change.
-                    warnings.filterwarnings("ignore", "Use 'content=<...>'", DeprecationWarning)
-                    made = api.create_commit(
-                        repo, operations, commit_message=options.commit_message, revision=revision, parent_commit=parent
-                    )
-                commit = _commit(str(made.oid), repo, revision)
-            if options.tag is not None:
-                _tag(hub, api, repo, options.tag, commit)
-        except Exception as e:
-            if isinstance(e, (CheckpointTypeError, CheckpointValueError, CheckpointStorageError)):
-                raise
-            raise explained(e, repo, revision) from None
-    if not (added or deleted):
-        _LOG.info("%s already holds this export at %s: nothing was committed.", where, commit)
+            created = _create_repo(hub, api, repo, options.private)
+            published = _commit_files(hub, api, options, folder, names)
+        except BaseException as e:
+            left = _undo_creation(api, repo, revision) if created else None
+            if not isinstance(e, Exception):
+                raise  # (an interrupt reaches the caller as itself; `_undo_creation` logged what it left)
+            error = e if isinstance(e, (CheckpointTypeError, CheckpointValueError, CheckpointStorageError)) else None
+            raised = error or explained(e, repo, revision)
+            if left and isinstance(raised, CheckpointError):  # (what `explained` gives, as the three above)
+                raised = type(raised)(f"{raised} {left}", path=raised.path or where)
+            raise raised from None
+    if not published.changed:
+        _LOG.info("%s already holds this export at %s: nothing was committed.", where, published.commit)
+    return published
+
+
+def _commit_files(hub: Any, api: Any, options: Any, folder: str, names: list[str]) -> Published:
+    """`publish`'s commit of the files `names` of `folder`, into a repository that exists."""
+    repo, revision = options.repo_id, options.revision
+    if revision is not None:
+        api.create_branch(repo, branch=revision, exist_ok=True)
+    info = _retried(lambda: api.model_info(repo, revision=revision, files_metadata=True))
+    parent = _commit(info.sha, repo, revision)
+    held = {s.rfilename: s for s in info.siblings or ()}
+    added = [n for n in names if not _same(held.get(n), os.path.join(folder, n))]
+    deleted = sorted(p for p in held if p not in names and _safetensors.is_published(p))
+    commit = parent
+    if added or deleted:
+        operations = [hub.CommitOperationAdd(n, os.path.join(folder, n)) for n in added]
+        operations += [hub.CommitOperationDelete(p) for p in deleted]
+        _faults.fire("hub.commit", repo, revision)
+        with warnings.catch_warnings():
+            # huggingface_hub's LFS upload (where the Hub offers no Xet) hands
+            # httpx2 bytes as `data=`, which httpx2 deprecates: the library's
+            # own call, which nothing here can change.
+            warnings.filterwarnings("ignore", "Use 'content=<...>'", DeprecationWarning)
+            made = api.create_commit(
+                repo, operations, commit_message=options.commit_message, revision=revision, parent_commit=parent
+            )
+        commit = _commit(str(made.oid), repo, revision)
+    if options.tag is not None:
+        _tag(hub, api, repo, options.tag, commit)
     return Published(commit, bool(added or deleted))
+
+
+def _create_repo(hub: Any, api: Any, repo: str, private: bool) -> bool:
+    """Make the repository where there is none: whether this call made it."""
+    try:
+        api.create_repo(repo, private=private)
+        return True
+    except hub.errors.HfHubHTTPError as e:
+        if _status(e) != 409:  # (401-403 may still mean "it exists": huggingface_hub's own check follows)
+            api.create_repo(repo, private=private, exist_ok=True)
+    return False
+
+
+def _undo_creation(api: Any, repo: str, revision: str | None) -> str | None:
+    """Delete the repository a failed push made, if nothing was committed to it
+    (it holds no file but the `.gitattributes` the Hub makes). `None` once it is
+    gone or not empty; else the sentence saying it is left, and how to remove it."""
+    try:
+        branches = api.list_repo_refs(repo).branches
+        empty = all(
+            {s.rfilename for s in api.model_info(repo, revision=b.target_commit).siblings or ()} <= {".gitattributes"}
+            for b in branches
+        )
+        if not empty:
+            return None
+        api.delete_repo(repo)
+        _LOG.info("hf://%s: this push made the repository and failed before its commit: it was deleted.", repo)
+        return None
+    except Exception as e:
+        left = (
+            f"This push created the repository hf://{repo}, which is still empty, and could not delete it "
+            f"({_first_line(e)}). Push again, or delete it: `huggingface_hub.delete_repo({repo!r})`."
+        )
+        _LOG.warning("%s", left)
+        return left
 
 
 def _same(listed: Any, path: str) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import __version__
-from .._base._errors import CheckpointError, CheckpointNotFoundError, CheckpointValueError, from_file
+from .._base._errors import CheckpointError, CheckpointNotFoundError, CheckpointValueError, command_line, from_file
 from .._base._location import HUB_SCHEME, Location, location
 from .._load import _source
 from .._load._checkpoint import SMALL_VALUES, Checkpoint, human
@@ -133,12 +133,15 @@ def _format_types(ckpt: Checkpoint) -> str:
 
 
 def _format_steps(given: str, manager: CheckpointManager, steps: list[int]) -> str:
-    """A manager's directory: its committed steps, each with its size and metrics."""
+    """A manager's directory: its committed steps, each with its size (and,
+    compressed, the bytes its files take) and metrics."""
     rows = []
     for step in steps:
         ckpt = Checkpoint(manager.step_path(step))
         metrics = ", ".join(f"{name}={_metric(value)}" for name, value in sorted(manager.metrics(step).items()))
-        rows.append((f"step {step}", f"{len(ckpt)} leaves", human(ckpt.total_bytes), metrics))
+        stored = ckpt.stored_bytes if ckpt.compression is not None else None
+        size = human(ckpt.total_bytes) + ("" if stored is None else f" ({human(stored)} stored)")
+        rows.append((f"step {step}", f"{len(ckpt)} leaves", size, metrics))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {d}".rstrip() for a, b, c, d in rows]
     lines.append(
@@ -296,7 +299,15 @@ def _push_source(args: argparse.Namespace) -> Checkpoint:
         raise CheckpointValueError(f"No step of {args.path} has the metric that ranks its steps: pass `--step N`.")
     if step not in steps:
         raise CheckpointValueError(f"{_describe_steps(args.path, steps)}, and no step {step}: pass one of them.")
+    best = f" (the best: {_best_metric(args, manager, step)})" if args.best else ""
+    _report(f"pushing step {step} of {args.path}{best}")
     return Checkpoint(manager.step_path(step))
+
+
+def _best_metric(args: argparse.Namespace, manager: CheckpointManager, step: int) -> str:
+    """`metric=value` of the best `step`, by the metric that ranks the manager's steps."""
+    metric = manager.best_metric or recorded_best(location(_path(args.path)))[0]
+    return f"{metric}={_metric(manager.metrics(step).get(metric or ''))}"
 
 
 def _push_hint(args: argparse.Namespace, manager: CheckpointManager, steps: list[int]) -> str:
@@ -309,9 +320,7 @@ def _push_hint(args: argparse.Namespace, manager: CheckpointManager, steps: list
     except CheckpointValueError:  # no metric ranks its steps
         best = None
     if best is not None:
-        metric = manager.best_metric or recorded_best(location(_path(args.path)))[0]
-        value = manager.metrics(best).get(metric or "")
-        hint += f", `{_step_path(args.path, manager, best)}` (the best: {metric}={_metric(value)})"
+        hint += f", `{_step_path(args.path, manager, best)}` (the best: {_best_metric(args, manager, best)})"
     options = "`--step N` or `--best`" if best is not None else "`--step N`"
     return (
         f"{_describe_steps(args.path, steps)}, not one checkpoint: push one of its steps, e.g. {hint}, or pass "
@@ -662,7 +671,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code) if isinstance(e.code, int) else 2
     try:
-        code: Any = args.run(args)
+        with command_line():  # (messages name this command's flags, `--base`, not the keywords, `base=`)
+            code: Any = args.run(args)
     except CheckpointError as e:
         print(f"eqx-ckpt {args.command}: {e}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._base._errors import CheckpointNotFoundError, CheckpointTypeError, CheckpointValueError
+from .._base._errors import CheckpointNotFoundError, CheckpointTypeError, CheckpointValueError, option
 from .._base._location import Location
 from .._load import _family, _source
 from .._load._checkpoint import Checkpoint, human
@@ -50,7 +50,8 @@ def base_of(
     """The base an export of `pytree` is made against: `base` as given; else,
     for a fine-tune's `Checkpoint`, its own base (unless `standalone`)."""
     if base is not None and standalone:
-        raise CheckpointValueError("`base=` and `standalone=True` contradict: a standalone export holds every leaf.")
+        both = f"{option('`base=`', '`--base`')} and {option('`standalone=True`', '`--standalone`')}"
+        raise CheckpointValueError(f"{both} contradict: a standalone export holds every leaf.")
     inherited = None
     if base is None:
         lazy = pytree._source.base if isinstance(pytree, Checkpoint) and not standalone else None
@@ -73,7 +74,8 @@ def base_of(
             source = _source.open_source(base, LoadOptions(token=token), whole=True)
         except CheckpointNotFoundError as e:
             raise CheckpointNotFoundError(
-                f"The base given as `base=` ({_shown(base)}) cannot be found: {e} Check the base's path or repository.",
+                f"The base given as {option('`base=`', '`--base`')} ({_shown(base)}) cannot be found: {e} Check "
+                f"the base's path or repository.",
                 path=e.path,
             ) from e
     else:
@@ -121,8 +123,8 @@ def _not_followed(destination: Location, path: str, why: str) -> None:
     warnings.warn(
         f"The fine-tune exported to {destination.display!r} records its base as {path!r}, which {why}: a load "
         f"follows a fine-tune's record only to an `hf://` base or a folder beside the fine-tune (so that a folder "
-        f"received from elsewhere reads nothing else), so loads of it need the base given (`base=`, or "
-        f"`--with-base`). Export it beside its base to load it without.",
+        f"received from elsewhere reads nothing else), so loads of it need the base given "
+        f"({option('`base=`', '`--with-base`')}). Export it beside its base to load it without.",
         UserWarning,
         stacklevel=5,
     )

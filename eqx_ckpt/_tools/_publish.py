@@ -8,7 +8,7 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
-from .._base._errors import CheckpointTypeError, CheckpointValueError
+from .._base._errors import CheckpointTypeError, CheckpointValueError, option
 from .._base._location import HUB_SCHEME, location
 from .._base._progress import Progress
 from .._load import _hub
@@ -46,7 +46,9 @@ def push_to_hub(
         memory is bounded as the export's: a shard at a time.
     2. It is committed through `huggingface_hub` (the optional extra `hub`:
         `pip install "eqx_ckpt[hub]"`). The repository is made where there is
-        none, and the files are uploaded and committed together.
+        none, and the files are uploaded and committed together. A push that
+        made the repository and fails (or is interrupted) before its commit
+        deletes it again while it is empty; where it cannot, its error says so.
 
     Load it back from `hf://owner/name@<revision>` where a checkpoint path is read ([docs/sharing.md](../sharing.md)).
 
@@ -211,8 +213,9 @@ def _refuse_local_base(folder: str, given: Any) -> None:
     family = None if data is None else _published.parse(data, where=folder).family
     if family is not None and not family.base.path.startswith(HUB_SCHEME):
         shown = os.fspath(given) if isinstance(given, (str, os.PathLike)) else family.base.path
+        push_base = option('`base="hf://owner/base"`', "`--base hf://owner/base`")
         raise CheckpointValueError(
             f"This fine-tune is stored against the base {shown!r}, which is not on the Hub: no one who "
-            f'loads it from the Hub could read that. Push the base first and pass `base="hf://owner/base"` '
-            f"(`--base`), or publish every leaf with `standalone=True` (`--standalone`)."
+            f"loads it from the Hub could read that. Push the base first and pass {push_base}, or publish every "
+            f"leaf with {option('`standalone=True`', '`--standalone`')}."
         )
