@@ -218,7 +218,7 @@ def _mismatch(source: Source, record: LeafRecord, found: _digests.Digested, expe
     blocks = _safetensors.block_digests(source.manifest, record, source.loc.display)
     if blocks is not None and found.blocks:  # the first block that differs, as a slice names it
         return _digests.mismatch(
-            blocks, _digests.first_differing(found.blocks, blocks.digests), taken=_from(source, record)
+            blocks, _digests.first_differing(found.blocks, blocks.digests), taken=_from(source.base, record)
         )
     if taken is not None and source.base is not None:
         why = (
@@ -244,11 +244,11 @@ def _mismatch(source: Source, record: LeafRecord, found: _digests.Digested, expe
     )
 
 
-def _from(source: Source, record: LeafRecord) -> str:
+def _from(base: Base | None, record: LeafRecord) -> str:
     """Where a fine-tune takes the leaf `record` from, as messages say it (`""`: its own files)."""
-    if source.base is None or record.path not in source.base.references:
+    if base is None or record.path not in base.references:
         return ""
-    return f"the base {source.base.display!r} (its leaf {from_file(repr(source.base.references[record.path]))})"
+    return f"the base {base.display!r} (its leaf {from_file(repr(base.references[record.path]))})"
 
 
 def record_sha256(source: Source) -> str | None:
@@ -594,7 +594,7 @@ def _open(source: Source, lazy: Base, record: LeafRecord) -> Any:
     return (
         opened
         if blocks is None
-        else _storage.ready(_checked_base(opened.result(), record, blocks, _from(source, record)))
+        else _storage.ready(_checked_base(opened.result(), record, blocks, _from(lazy, record)))
     )
 
 

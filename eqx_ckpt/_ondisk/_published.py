@@ -247,10 +247,11 @@ def parse(data: bytes, *, where: str) -> Published:
     )
 
 
-_DIGESTS = {
-    False: (re.compile(re.escape(_digests.XXH3) + "[0-9a-f]{32}"), f"{_digests.XXH3}<32 hex digits>"),
-    True: (re.compile(re.escape(_digests.SHA256) + "[0-9a-f]{64}"), f"{_digests.SHA256}<64 hex digits>"),
-}
+# A leaf's digest: before version 4, and from it.
+_DIGESTS = (
+    (re.compile(re.escape(_digests.XXH3) + "[0-9a-f]{32}"), f"{_digests.XXH3}<32 hex digits>"),
+    (re.compile(re.escape(_digests.SHA256) + "[0-9a-f]{64}"), f"{_digests.SHA256}<64 hex digits>"),
+)
 _COMMIT = re.compile("[0-9a-f]{40}")
 _SHA256 = re.compile("[0-9a-f]{64}")
 # A base's path: printable, no control characters, bounded.
