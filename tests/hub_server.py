@@ -134,6 +134,7 @@ class Hub:
         self.oids: dict[str, str] = {}  # sha256 -> git blob id
         self.failures: list[list[Any]] = []  # [pattern, status, times left]
         self.sent: dict[str, int] = {}  # path in repo -> bytes of its content sent
+        self.ranges: list[tuple[str, int, int]] = []  # each range served: (path as in `sent`, first byte, end)
         self.received = 0  # bytes of files uploaded (LFS uploads and files inline in commits)
         self.requests: list[str] = []
         self.lock = threading.Lock()
@@ -417,6 +418,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if start >= len(data):
                 return self._error(416, None, "Range Not Satisfiable")
             status, body = 206, data[start:end] + hostile.extra
+            if self.command != "HEAD":
+                with self.hub.lock:
+                    self.hub.ranges.append((counted, start, end))
             headers = {**headers, "Content-Range": f"bytes {start}-{end - 1}/{len(data)}"}
             if hostile.bomb:
                 body, headers["Content-Encoding"] = _bomb(hostile.bomb), "gzip"

@@ -29,7 +29,7 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 FOLDERS = sorted(FIXTURES.glob("format_*"), key=lambda p: int(p.name.removeprefix("format_")))
 # The published layout's fixtures (`export_safetensors` into a folder), one per version of its `eqx_ckpt.json`:
 # an export (its files in the folder), or from version 2 a model family (`base/`, and `finetune/` exported
-# against it).
+# against it); from version 4 (block digests), where both say one version, both.
 PUBLISHED = sorted(FIXTURES.glob("published_*"), key=lambda p: int(p.name.removeprefix("published_")))
 EXPORTS = [p for p in PUBLISHED if (p / "eqx_ckpt.json").is_file()]
 FAMILIES = [p for p in PUBLISHED if (p / "finetune" / "eqx_ckpt.json").is_file()]
@@ -278,7 +278,7 @@ def test_every_published_layout_version_has_a_fixture():
     assert [int(p.name.removeprefix("published_")) for p in PUBLISHED] == list(range(1, VERSION + 1))
     # Each holds an export or a family, never neither; a fine-tune is what version 2 added, and
     # its files' own names what version 3 did.
-    assert sorted(EXPORTS + FAMILIES) == PUBLISHED and FAMILIES and EXPORTS
+    assert sorted(set(EXPORTS + FAMILIES)) == PUBLISHED and FAMILIES and EXPORTS
     assert [int(p.name.removeprefix("published_")) for p in FAMILIES] == list(range(2, VERSION + 1))
 
 
@@ -296,7 +296,14 @@ def test_the_published_fixture_loads_bit_for_bit(published):
     lazy = eqx_ckpt.tree_deserialise_leaves(published, make_fixture.published_like(), lazy=True)
     assert np.asarray(lazy["small"]["u4"]).tobytes() == expected["small"]["u4"].tobytes()
     problems = eqx_ckpt.verify(published)
-    assert problems == [] and "Safetensors files hold no checksums" in problems.unchecked[0]
+    if int(published.name.removeprefix("published_")) < 4:
+        assert problems == [] and "Safetensors files hold no checksums" in problems.unchecked[0]
+    else:  # every leaf against its block digests; a slice reads and checks its blocks
+        assert problems == [] and problems.unchecked == () and "sha256 per 1 MiB block" in problems.checked[0]
+        large = max(ckpt, key=lambda k: ckpt[k].nbytes if hasattr(ckpt[k], "nbytes") else 0)
+        assert ckpt[large].nbytes > 2**20
+        rows = np.asarray(ckpt[large][1:3]) if ckpt[large].ndim else np.asarray(ckpt[large])
+        assert rows.tobytes() == np.asarray(ckpt[large])[1:3].tobytes()
 
 
 def _run_card_snippet(folder: pathlib.Path, expected: str) -> None:
@@ -328,7 +335,7 @@ def test_the_family_fixture_holds_what_its_version_wrote(family):
     finetune, base = family / "finetune", family / "base"
     record = json.loads((finetune / "eqx_ckpt.json").read_text())
     version = int(family.name.removeprefix("published_"))
-    assert record["format_version"] == version in (2, 3)
+    assert record["format_version"] == version in (2, 3, 4)
     stem = "model" if version == 2 else "finetune"
     assert sorted(p.name for p in finetune.glob("*.safetensors*")) == [f"{stem}.safetensors"]
     with safe_open(str(finetune / f"{stem}.safetensors"), framework="np") as f:
@@ -344,7 +351,7 @@ def test_the_family_fixture_holds_what_its_version_wrote(family):
         assert metadata == {}
     sha256 = hashlib.sha256((base / "eqx_ckpt.json").read_bytes()).hexdigest()
     assert record["base"] == {"path": "../base", "sha256": sha256}
-    assert json.loads((base / "eqx_ckpt.json").read_text())["format_version"] == 1
+    assert json.loads((base / "eqx_ckpt.json").read_text())["format_version"] == (1 if version < 4 else 4)
     stored = []
     for file in sorted(finetune.glob("*.safetensors")):
         with safe_open(str(file), framework="np") as f:
@@ -353,7 +360,11 @@ def test_the_family_fixture_holds_what_its_version_wrote(family):
     taken = {leaf["path"]: leaf["base"] for leaf in record["leaves"] if "base" in leaf}
     assert sorted(taken) == sorted(leaf["path"] for leaf in record["leaves"] if leaf["path"] not in stored)
     assert taken["adapter.w"] == "small.f32" and taken["special.f32"] == "special.f32"
-    assert all(re.fullmatch("xxh3-128:[0-9a-f]{32}", leaf["digest"]) for leaf in record["leaves"])
+    if version < 4:
+        assert all(re.fullmatch("xxh3-128:[0-9a-f]{32}", leaf["digest"]) for leaf in record["leaves"])
+    else:  # SHA-256 block digests, the base's leaves' too (issue 84)
+        assert all(re.fullmatch("sha256:[0-9a-f]{64}", leaf["digest"]) for leaf in record["leaves"])
+        assert all(re.fullmatch("([0-9a-f]{64})*", leaf["blocks"]) for leaf in record["leaves"])
     assert len(list(base.glob("model-*-of-*.safetensors"))) == 2
 
 

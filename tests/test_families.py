@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors
-import xxhash
 from arrays import bits
 from safetensors import safe_open
 
@@ -156,7 +155,13 @@ def _stored_bytes(x: Any) -> bytes:
 
 
 def _digest(x: Any) -> str:
-    return "xxh3-128:" + xxhash.xxh3_128_hexdigest(_stored_bytes(x))
+    return _sha256(_stored_bytes(x))
+
+
+def _sha256(data: bytes) -> str:
+    """The digest `eqx_ckpt.json` version 4 records: the SHA-256 of its blocks' SHA-256s."""
+    blocks = b"".join(hashlib.sha256(data[i : i + 2**20]).digest() for i in range(0, len(data), 2**20))
+    return "sha256:" + hashlib.sha256(blocks).hexdigest()
 
 
 def _by_path(tree: Any) -> dict[str, Any]:
@@ -208,7 +213,7 @@ def _no_reads(faults) -> list[Any]:
 def test_a_finetune_holds_only_the_leaves_it_changed(family):
     assert sorted(_tensors(family.finetune)) == CHANGED
     record = _record(family.finetune)
-    assert record["format_version"] == 3
+    assert record["format_version"] == 4
     sha256 = hashlib.sha256(family.record_file.read_bytes()).hexdigest()
     assert record["base"] == {"path": os.path.join("..", "base"), "sha256": sha256}
     assert (family.finetune / record["base"]["path"]).resolve() == family.base.resolve()
@@ -224,15 +229,15 @@ def test_a_finetune_holds_only_the_leaves_it_changed(family):
         assert data == _stored_bytes(expected[path]), path
 
 
-def test_an_export_without_a_base_is_version_1_with_every_digest(tmp_path):
+def test_an_export_without_a_base_is_version_4_with_every_digest(tmp_path):
     tree = _base_tree()
     eqx_ckpt.export_safetensors(tmp_path / "base", tree)
     record = _record(tmp_path / "base")
-    assert record["format_version"] == 1 and "base" not in record
+    assert record["format_version"] == 4 and "base" not in record
     stored = _tensors(tmp_path / "base")
     for path, leaf in _leaves(tmp_path / "base").items():
         assert "base" not in leaf
-        assert leaf["digest"] == "xxh3-128:" + xxhash.xxh3_128_hexdigest(stored[path]), path
+        assert leaf["digest"] == _sha256(stored[path]), path
 
 
 # A fine-tune's files: named and labelled for what they hold.
@@ -331,7 +336,7 @@ def test_an_export_into_a_folder_switching_between_finetune_and_whole_deletes_th
     assert all(n.startswith(("finetune", "eqx_ckpt")) for n in _files(folder))
     eqx_ckpt.export_safetensors(folder, finetuned, max_shard_size=shard)
     assert all(n.startswith(("model", "eqx_ckpt")) for n in _files(folder))
-    assert _record(folder)["format_version"] == 1
+    assert _record(folder)["format_version"] == 4
     _assert_same(eqx_ckpt.Checkpoint(folder).load(trust=[Classifier]), finetuned)
     eqx_ckpt.export_safetensors(folder, eqx_ckpt.Checkpoint(folder), base=tmp_path / "base", max_shard_size=shard)
     assert all(n.startswith(("finetune", "eqx_ckpt")) for n in _files(folder)) and sorted(_tensors(folder)) == CHANGED
@@ -402,7 +407,7 @@ def test_a_version_2_finetune_exported_again_is_version_3_and_leaves_no_model_fi
     folder = tmp_path / "family" / "finetune"
     before = eqx_ckpt.Checkpoint(folder).load(trust=[])
     eqx_ckpt.export_safetensors(folder, eqx_ckpt.Checkpoint(folder))
-    assert _files(folder) == ["eqx_ckpt.json", "finetune.safetensors"] and _record(folder)["format_version"] == 3
+    assert _files(folder) == ["eqx_ckpt.json", "finetune.safetensors"] and _record(folder)["format_version"] == 4
     after = eqx_ckpt.Checkpoint(folder).load(trust=[])
     assert jax.tree.structure(after) == jax.tree.structure(before)  # (NaNs among them: compared bit for bit)
     assert [bits(x) for x in jax.tree.leaves(after)] == [bits(x) for x in jax.tree.leaves(before)]
@@ -535,11 +540,11 @@ def test_nothing_or_everything_changed(tmp_path, changed, kind):
     record = _record(tmp_path / "ft")
     taken = [path for path, leaf in _leaves(tmp_path / "ft").items() if "base" in leaf]
     if changed == "nothing":
-        assert record["format_version"] == 3 and record["base"]["path"] == os.path.join("..", "base")
+        assert record["format_version"] == 4 and record["base"]["path"] == os.path.join("..", "base")
         assert sorted(p.name for p in (tmp_path / "ft").glob("*.safetensors")) == ["finetune.safetensors"]
         assert _tensors(tmp_path / "ft") == {} and sorted(taken) == sorted(_by_path(tree))
     else:  # nothing taken from the base: a standalone folder, which loads without it
-        assert record["format_version"] == 1 and "base" not in record
+        assert record["format_version"] == 4 and "base" not in record
         assert sorted(_tensors(tmp_path / "ft")) == sorted(_by_path(tree)) and taken == []
     _assert_same(eqx_ckpt.Checkpoint(tmp_path / "ft").load(trust=[Classifier]), tree)
     _assert_same(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", _like(tree)), tree)
@@ -689,7 +694,7 @@ def test_a_standalone_export_holds_every_leaf_and_loads_without_the_base(family)
     out = family.finetune.parent / "standalone"
     eqx_ckpt.export_safetensors(out, eqx_ckpt.Checkpoint(family.finetune), standalone=True)
     record = _record(out)
-    assert record["format_version"] == 1 and "base" not in record
+    assert record["format_version"] == 4 and "base" not in record
     assert all("base" not in leaf for leaf in record["leaves"])
     expected = _by_path(family.tree)
     assert {name: data for name, data in _tensors(out).items()} == {p: _stored_bytes(x) for p, x in expected.items()}
@@ -730,7 +735,7 @@ def test_the_cli_exports_against_a_base_and_standalone(tmp_path, capsys):
     # --standalone: every leaf; it loads with the base gone.
     assert main(["export", str(tmp_path / "cli"), str(tmp_path / "alone"), "--standalone"]) == 0
     eqx_ckpt.export_safetensors(tmp_path / "lib_alone", eqx_ckpt.Checkpoint(tmp_path / "lib"), standalone=True)
-    assert _record(tmp_path / "alone")["format_version"] == 1
+    assert _record(tmp_path / "alone")["format_version"] == 4
     assert (tmp_path / "alone" / "model.safetensors").read_bytes() == (
         tmp_path / "lib_alone" / "model.safetensors"
     ).read_bytes()
@@ -761,7 +766,7 @@ def test_a_full_finetune_exported_against_its_base_is_standalone_and_says_so(tmp
         eqx_ckpt.export_safetensors(tmp_path / "ft", tuned, base=tmp_path / "base")
     [said] = [r.getMessage() for r in caplog.records if "standalone" in r.getMessage()]
     record = _record(tmp_path / "ft")
-    assert record["format_version"] == 1 and "base" not in record
+    assert record["format_version"] == 4 and "base" not in record
     on_disk = _tensors(tmp_path / "ft")
     assert sorted(on_disk) == sorted(_by_path(tuned))
     total = sum(len(data) for data in on_disk.values())
@@ -846,7 +851,7 @@ def test_a_reexport_of_a_finetune_keeps_its_base(family):
         ):
             eqx_ckpt.export_safetensors(out, eqx_ckpt.Checkpoint(family.finetune))
         again = _record(out)
-        assert again["format_version"] == 3
+        assert again["format_version"] == 4
         assert again["base"]["sha256"] == record["base"]["sha256"]
         assert again["base"]["path"] == os.path.relpath(family.base, out)
         assert _leaves(out) == _leaves(family.finetune)
@@ -860,7 +865,7 @@ def test_a_reexport_of_a_finetune_keeps_its_base(family):
     # A lazily loaded tree of it is a tree, not a `Checkpoint`: exported against the base given (none here).
     lazy = eqx_ckpt.tree_deserialise_leaves(family.finetune, _like(family.tree), lazy=True)
     eqx_ckpt.export_safetensors(family.finetune.parent / "tree", lazy)
-    assert _record(family.finetune.parent / "tree")["format_version"] == 1
+    assert _record(family.finetune.parent / "tree")["format_version"] == 4
 
 
 # Chains.
@@ -925,15 +930,31 @@ def _set(record: dict[str, Any], **fields: Any) -> None:
     record.update(fields)
 
 
+def _as_version(record: dict[str, Any], version: int) -> None:
+    """`record` (version 4) made to say an earlier `version`: one xxh3-128 digest a leaf, no blocks."""
+    record.update(format_version=version)
+    record.pop("block_bytes")
+    for leaf in record["leaves"]:
+        leaf.pop("blocks")
+        leaf["digest"] = "xxh3-128:" + "0" * 32
+
+
 HOSTILE = {
-    "version 1 naming a base": (lambda r: _set(r, format_version=1), "it names a base, which only format version 2"),
+    "version 1 naming a base": (lambda r: _as_version(r, 1), "it names a base, which only format version 2"),
     "version 1 with a leaf taken from a base": (
-        lambda r: (_set(r, format_version=1), r.pop("base")),
+        lambda r: (_as_version(r, 1), r.pop("base")),
         "it names a base, which only format version 2",
     ),
-    "version 3 without a base": (lambda r: r.pop("base"), "format version 3 records a `base` object with a `path`"),
+    "version 4 taking leaves without a base": (
+        lambda r: r.pop("base"),
+        "format version 4 records a `base` object with a `path`",
+    ),
+    "version 4 with blocks missing": (
+        lambda r: _set(r, block_bytes=3),
+        "`block_bytes` 3 is not a power of two from 64 KiB to 64 MiB",
+    ),
     "version 2 without a base": (
-        lambda r: (_set(r, format_version=2), r.pop("base")),
+        lambda r: (_as_version(r, 2), r.pop("base")),
         "format version 2 records a `base` object with a `path`",
     ),
     "a base that is no object": (lambda r: _set(r, base="../base"), "records a `base` object with a `path`"),
@@ -970,12 +991,20 @@ HOSTILE = {
         "is not pinned by the sha256 of its record",
     ),
     "a malformed digest": (
-        lambda r: _taken_leaf(r).update(digest="xxh3-128:xyz"),
-        "the leaf 'embed' has the digest 'xxh3-128:xyz', not xxh3-128:<32 hex digits>",
+        lambda r: _taken_leaf(r).update(digest="sha256:xyz"),
+        "the leaf 'embed' has the digest 'sha256:xyz', not sha256:<64 hex digits>",
     ),
     "a digest of another hash": (
-        lambda r: _stored_leaf(r).update(digest="sha256:" + "0" * 32),
-        "the leaf 'step' has the digest 'sha256:",
+        lambda r: _stored_leaf(r).update(digest="xxh3-128:" + "0" * 32),
+        "the leaf 'step' has the digest 'xxh3-128:",
+    ),
+    "a digest that is not that of its blocks": (
+        lambda r: _stored_leaf(r).update(digest="sha256:" + "0" * 64),
+        "the leaf 'step' records a `digest` that is not the SHA-256 of its `blocks`",
+    ),
+    "blocks that are too few": (
+        lambda r: _stored_leaf(r).update(blocks=""),
+        "the leaf 'step' records `blocks` that are not 1 SHA-256 digests in hex",
     ),
     "a digest that is no string": (lambda r: _stored_leaf(r).update(digest=7), "the leaf 'step' has the digest '7'"),
     "a reference without a digest": (

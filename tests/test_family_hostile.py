@@ -25,6 +25,7 @@ or run without bound. Each starts from a genuine family made by
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import http.server
 import json
 import os
@@ -428,7 +429,9 @@ class TestLeafByLeaf:
         for name in ("where", "prefix"):  # (they read the body, not the head)
             loads.pop(name)()
         for load in loads.values():
-            with pytest.raises(eqx_ckpt.IntegrityError, match=r"Leaf `head.weight`.*in the fine-tune's own files"):
+            with pytest.raises(
+                eqx_ckpt.IntegrityError, match=r"Leaf `head.weight`.*its bytes are not those recorded: block 0 "
+            ):
                 load()
 
     def test_a_plain_published_folder_changed_is_refused(self, tmp_path):
@@ -484,9 +487,14 @@ class TestLeafByLeaf:
         assert pathlib.Path(direct[0]).is_relative_to(tmp_path / "base")
         # Its digest is checked too: one the fine-tune records wrongly is refused.
         record = _record(tmp_path / "ft")
-        next(leaf for leaf in record["leaves"] if leaf["path"] == "large")["digest"] = "xxh3-128:" + "0" * 32
+        leaf = next(leaf for leaf in record["leaves"] if leaf["path"] == "large")
+        blocks = bytes(len(leaf["blocks"]) // 2)  # (digests of no bytes, consistent with the leaf's digest)
+        leaf["blocks"], leaf["digest"] = blocks.hex(), "sha256:" + hashlib.sha256(blocks).hexdigest()
         _write_record(tmp_path / "ft", record)
-        with pytest.raises(eqx_ckpt.IntegrityError, match=r"Leaf `large`.*taken from the base .*whose bytes are not"):
+        with pytest.raises(
+            eqx_ckpt.IntegrityError,
+            match=r"Leaf `large`.*taken from the base .*whose bytes are not the ones.*: block 0 ",
+        ):
             eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", _like(_finetuned(tree)))
 
 

@@ -2,6 +2,7 @@
 `eqx_ckpt.json` and a model card, and the folder loads everywhere a checkpoint
 path is accepted, each leaf as it was, with no code from the folder."""
 
+import hashlib
 import json
 import os
 import re
@@ -17,7 +18,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors
-import xxhash
 from safetensors import safe_open
 
 import eqx_ckpt
@@ -150,6 +150,7 @@ def test_eqx_ckpt_json_holds_the_records_structure_and_info(folder):
     assert set(record) == {  # no `created`: a tree has no time of its own (issue 65 item 7)
         "format",
         "format_version",
+        "block_bytes",
         "library_version",
         "leaf_count",
         "total_bytes",
@@ -157,10 +158,11 @@ def test_eqx_ckpt_json_holds_the_records_structure_and_info(folder):
         "structure",
         "leaves",
     }
-    assert (record["format"], record["format_version"]) == ("eqx_ckpt.safetensors", 1)
+    assert (record["format"], record["format_version"], record["block_bytes"]) == ("eqx_ckpt.safetensors", 4, 2**20)
     assert record["info"] == {"description": "test"} and record["structure"]["t"] == "dict"
     leaves = {leaf["path"]: leaf for leaf in record["leaves"]}
-    # Each leaf's digest is the xxh3-128 of its tensor's bytes (issue 67: `verify` compares it).
+    # Each leaf records the SHA-256 of each MiB of its tensor's bytes, and its
+    # digest is the SHA-256 of those (issue 84: a slice checks its blocks).
     stored = {}
     for file in folder.glob("*.safetensors"):
         data = file.read_bytes()
@@ -171,7 +173,10 @@ def test_eqx_ckpt_json_holds_the_records_structure_and_info(folder):
                 stored[name] = data[8 + size + start : 8 + size + end]
     assert sorted(stored) == sorted(leaves)
     for name, leaf in leaves.items():
-        assert leaf.pop("digest") == "xxh3-128:" + xxhash.xxh3_128_hexdigest(stored[name]), name
+        data = stored[name]
+        blocks = b"".join(hashlib.sha256(data[i : i + 2**20]).digest() for i in range(0, len(data), 2**20))
+        assert leaf.pop("blocks") == blocks.hex(), name
+        assert leaf.pop("digest") == "sha256:" + hashlib.sha256(blocks).hexdigest(), name
     assert leaves["i4"] == {
         "path": "i4",
         "keypath": [["key", "i4"]],

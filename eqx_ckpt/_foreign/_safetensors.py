@@ -36,7 +36,7 @@ from .._base._errors import (
     from_file,
 )
 from .._base._location import Location
-from .._ondisk import _published
+from .._ondisk import _digests, _published
 from .._ondisk._format import MAX_ELEMENTS, MAX_MANIFEST_BYTES, MAX_RANK, MAX_SHARDS, LeafRecord, dtype_from_name
 from .._ondisk._manifest import Manifest, loads_file
 from .._store import _chunk_files, _storage, _storage_errors, _window
@@ -259,9 +259,8 @@ def _as_published(
                     loc, f"{_published.NAME} takes the leaf {leaf.path!r} from its base, but it is stored here too"
                 )
             # Read in runs of rows as a safetensors base's are, its base unopened (`_family.Base`).
-            out[leaf.path] = dataclasses.replace(
-                leaf, chunks=_chunks(leaf.stored_shape, dtype_from_name(leaf.stored_dtype).itemsize)
-            )
+            rows = _chunks(leaf.stored_shape, dtype_from_name(leaf.stored_dtype).itemsize, _run_bytes_of(published))
+            out[leaf.path] = dataclasses.replace(leaf, chunks=rows)
             continue
         found = records.get(leaf.path)
         if found is None:
@@ -272,12 +271,19 @@ def _as_published(
                 f"{_published.NAME} records the leaf {leaf.path!r} as stored {leaf.stored_dtype}"
                 f"{list(leaf.stored_shape)}, but its tensor is {found.stored_dtype}{list(found.stored_shape)}",
             )
-        # Read in the safetensors reader's runs of rows, whatever the record says.
-        out[leaf.path] = dataclasses.replace(leaf, chunks=found.chunks)
+        # Read in the safetensors reader's runs of rows, whatever the record says:
+        # of about one block where blocks are recorded (a slice reads few of them).
+        rows = _chunks(found.stored_shape, dtype_from_name(found.stored_dtype).itemsize, _run_bytes_of(published))
+        out[leaf.path] = dataclasses.replace(leaf, chunks=rows)
     extra = sorted(set(records) - set(out))
     if extra:
         raise _corrupt(loc, f"{_published.NAME} does not record the tensor {extra[0]!r} ({len(extra)} in all)")
     return out
+
+
+def _run_bytes_of(published: _published.Published) -> int:
+    """The bytes of a run of rows of a published folder's tensors: a block, where it records them."""
+    return published.block_bytes or ROW_CHUNK_BYTES
 
 
 def split_file(loc: Location) -> tuple[dict[str, Any], str]:
@@ -382,9 +388,10 @@ def _tensors(
         if holder.get(tensor) != file:
             raise _corrupt(loc, f"{index} lists the tensor {tensor!r} in {file!r}, which does not hold it")
     opened = _Files(loc, where, dict(zip(files, generations)), local)
+    manifest = _manifest(loc, records, _merged(metadata), published())
     return Tensors(
-        _manifest(loc, records, _merged(metadata), published()),
-        opener=functools.partial(_open, opened, places),
+        manifest,
+        opener=functools.partial(_open, opened, places, manifest),
         changed=opened.changed,
         runs=functools.partial(read_runs, opened, places),
     )
@@ -456,6 +463,8 @@ def _manifest(
         info=published.info,
         family=published.family,
         digests=published.digests,
+        blocks=published.blocks,
+        block_bytes=published.block_bytes,
         record_sha256=published.sha256,
     )
 
@@ -613,20 +622,28 @@ def _record(name: str, entry: Any) -> tuple[LeafRecord, int, int]:
 
 
 @_state.memo(4096)
-def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
-    """Runs of whole rows of about `ROW_CHUNK_BYTES` (remembered: shapes recur)."""
+def _chunks(shape: tuple[int, ...], itemsize: int, run: int = ROW_CHUNK_BYTES) -> tuple[int, ...]:
+    """Runs of whole rows of about `run` bytes (remembered: shapes recur)."""
     row = math.prod(shape[1:]) * itemsize
-    rows = max(1, min(shape[0] if shape else 1, ROW_CHUNK_BYTES // max(row, 1)))
+    rows = max(1, min(shape[0] if shape else 1, run // max(row, 1)))
     return (rows, *(max(1, n) for n in shape[1:])) if shape else ()
 
 
-def _open(files: _Files, places: dict[str, tuple[str, int]], record: LeafRecord) -> _storage.Future:
-    """A read-only TensorStore array over the tensor's bytes, as a future."""
+def _open(files: _Files, places: dict[str, tuple[str, int]], manifest: Manifest, record: LeafRecord) -> _storage.Future:
+    """A read-only TensorStore array over the tensor's bytes, as a future; its
+    reads checked block by block where `eqx_ckpt.json` records block digests."""
     file, start = places[record.path]
     files.opened.add(file)
     dtype = _NUMPY[record.stored_dtype]
-    read = functools.partial(_read_rows, files, file, start, dtype, record.stored_shape)
+    blocks = block_digests(manifest, record, f"{files.loc.display}/{file}")
+    read = functools.partial(_read_rows, files, file, start, dtype, record.stored_shape, blocks)
     return _storage.ready(_storage.virtual_array(read, dtype=dtype, shape=record.stored_shape, chunks=record.chunks))
+
+
+def block_digests(manifest: Manifest, record: LeafRecord, source: str) -> _digests.Blocks | None:
+    """The recorded block digests of the leaf `record` (`None`: none recorded), read from `source`."""
+    found = manifest.blocks.get(record.path)
+    return None if found is None else _digests.Blocks(found, record.nbytes, record.path, source, manifest.block_bytes)
 
 
 def _read_rows(
@@ -635,13 +652,16 @@ def _read_rows(
     start: int,
     dtype: np.dtype,
     shape: tuple[int, ...],
+    blocks: _digests.Blocks | None,
     rows: tuple[int, int] | None,
     array: np.ndarray,
 ) -> _storage.Future:
-    """Fill one chunk (a run of whole rows) from one byte-range read."""
+    """Fill one chunk (a run of whole rows) from one byte-range read: of the
+    whole blocks holding it, checked, where `blocks` are recorded."""
     row = math.prod(shape[1:]) * dtype.itemsize
     lo, hi = rows if rows is not None else (0, 1)
     want = (hi - lo) * row if shape else dtype.itemsize
+    first, end = (lo * row, lo * row + want) if blocks is None else blocks.covering(lo * row, lo * row + want)
     promise, done = _storage.pending()
 
     def fill(future: _storage.Mapped) -> None:
@@ -654,19 +674,23 @@ def _read_rows(
                 result = None
             if result is not None and not files.read_matches(file, result.generation):
                 raise _rewritten(file)
-            if result is None or result.value is None or len(result.value) != want:
+            if result is None or result.value is None or len(result.value) != end - first:
                 files.short = True
                 raise OSError(
-                    f"DATA_LOSS: {file!r} ends before the tensor's bytes {start + lo * row}..{start + lo * row + want} "
+                    f"DATA_LOSS: {file!r} ends before the tensor's bytes {start + first}..{start + end} "
                     f"(the file is truncated)"
                 )
+            data = memoryview(result.value)
+            if blocks is not None:
+                blocks.check(data, first)
             # Safetensors bytes are little-endian, as are the hosts JAX runs on.
-            array[...] = np.frombuffer(result.value, dtype).reshape(array.shape)
+            skip = lo * row - first
+            array[...] = np.frombuffer(data[skip : skip + want], dtype).reshape(array.shape)
             promise.set_result(None)
         except Exception as e:
             promise.set_exception(e)
 
-    files.where.read(file, slice(start + lo * row, start + lo * row + want)).add_done_callback(fill)
+    files.where.read(file, slice(start + first, start + end)).add_done_callback(fill)
     return done
 
 

@@ -32,7 +32,9 @@ is made here, in this order:
   base given at load time needs no pin: its leaves are checked one by one.
 - **Leaves**: each taken leaf is there, with the dtype and shape recorded
   (`_taken`); each leaf read whole, taken or stored, is checked against its
-  recorded digest as it is read (`DigestCheck`).
+  recorded digest as it is read (`DigestCheck`); from `eqx_ckpt.json`
+  version 4, a region of a taken leaf is read in whole blocks, each checked
+  against the fine-tune's block digests (`_checked_base`), whatever the base is.
 
 A missing or changed base is an error naming the fine-tune, its base and what
 was expected, never a mix of two models. Bases of bases are followed, at most
@@ -53,7 +55,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from .._base import _threads
 from .._base._errors import (
@@ -68,7 +69,8 @@ from .._base._errors import (
     stored_leaf_error,
 )
 from .._base._location import Location, location
-from .._ondisk import _published
+from .._foreign import _safetensors
+from .._ondisk import _digests, _published
 from .._ondisk._format import LeafRecord
 from .._store import _storage, _storage_errors
 from .._store._local_paths import local_entry, local_link, local_names
@@ -94,17 +96,18 @@ BACKED_BYTES = 64 * 2**20
 MAX_LINKS = 40
 
 
-def digest(data: Any) -> str:
-    """The recorded digest of a leaf's stored bytes (`_published`)."""
-    return _published.DIGEST_PREFIX + xxhash.xxh3_128_hexdigest(data)
+def digest(data: Any) -> _digests.Digested:
+    """The digests an export records of a leaf's stored bytes (`_digests`)."""
+    return _digests.of(data)
 
 
-def stored_digest(source: Source, record: LeafRecord) -> str:
-    """The digest of the leaf `record` of `source` as it is stored (a PRNG
-    key's key data, a viewed dtype's unsigned integers), read in slabs of rows
-    so a large leaf never needs its size in memory twice."""
+def stored_digest(source: Source, record: LeafRecord, *, like: str = _digests.SHA256) -> _digests.Digested:
+    """The digests of the leaf `record` of `source` as it is stored (a PRNG
+    key's key data, a viewed dtype's unsigned integers), of the kind of the
+    digest `like` (SHA-256 blocks, or an older record's xxh3-128), read in slabs
+    of rows so a large leaf never needs its size in memory twice."""
     store = source.open(record).result()
-    hasher = xxhash.xxh3_128()
+    hasher = _hasher(like)
     shape = tuple(record.stored_shape)
     if not shape or shape[0] == 0:
         hasher.update(_raw(store.read().result()))
@@ -114,7 +117,26 @@ def stored_digest(source: Source, record: LeafRecord) -> str:
         for start in range(0, shape[0], step):
             end = min(start + step, shape[0])
             hasher.update(_raw(store[start:end].read().result()))
-    return _published.DIGEST_PREFIX + hasher.hexdigest()
+    return hasher.finish()
+
+
+class _Xxh3:
+    """An older record's whole-leaf xxh3-128, fed as `_digests.Hasher` is."""
+
+    def __init__(self) -> None:
+        import xxhash
+
+        self.hasher = xxhash.xxh3_128()
+
+    def update(self, data: Any) -> None:
+        self.hasher.update(data)
+
+    def finish(self) -> _digests.Digested:
+        return _digests.Digested(_digests.XXH3 + self.hasher.hexdigest())
+
+
+def _hasher(like: str) -> _digests.Hasher | _Xxh3:
+    return _digests.Hasher() if like.startswith(_digests.SHA256) else _Xxh3()
 
 
 def _raw(array: np.ndarray) -> memoryview:
@@ -128,11 +150,12 @@ class DigestCheck:
     leaf. `result` waits for it, raising `IntegrityError` on a mismatch.
 
     It hashes on a thread of its own (`_hashing`) while the reader reads the
-    next leaves: hashing holds the GIL, but the reader mostly waits for storage."""
+    next leaves: the reader mostly waits for storage. Block digests (SHA-256,
+    which releases the GIL) are hashed from there on the pool of `_digests`."""
 
     def __init__(self, source: Source, record: LeafRecord, expected: str):
         self.source, self.record, self.expected = source, record, expected
-        self.hasher = xxhash.xxh3_128()
+        self.hasher = _hasher(expected)
         self.finished: concurrent.futures.Future[None] | None = None
 
     def update(self, array: np.ndarray) -> None:
@@ -150,14 +173,14 @@ class DigestCheck:
         self.finished.result()
 
     def _compare(self) -> None:
-        found = _published.DIGEST_PREFIX + self.hasher.hexdigest()
-        if found != self.expected:
+        found = self.hasher.finish()
+        if found.digest != self.expected:
             raise _mismatch(self.source, self.record, found, self.expected)
 
 
 def _hashing() -> _threads.Pool:
-    """The thread digests are taken on: one (hashing holds the GIL), so each
-    leaf's slabs are hashed in the order they were read."""
+    """The thread digests are fed from: one, so each leaf's slabs are hashed
+    in the order they were read."""
     return _threads.pool("eqx_ckpt-digest", 1)
 
 
@@ -193,9 +216,14 @@ def checker(source: Source, record: LeafRecord) -> DigestCheck | None:
     return None if expected is None else DigestCheck(source, record, expected)
 
 
-def _mismatch(source: Source, record: LeafRecord, found: str, expected: str) -> IntegrityError:
+def _mismatch(source: Source, record: LeafRecord, found: _digests.Digested, expected: str) -> IntegrityError:
     family = source.manifest.family
     taken = None if family is None else family.references.get(record.path)
+    blocks = _safetensors.block_digests(source.manifest, record, source.loc.display)
+    if blocks is not None and found.blocks:  # the first block that differs, as a slice names it
+        return _digests.mismatch(
+            blocks, _digests.first_differing(found.blocks, blocks.digests), taken=_from(source.base, record)
+        )
     if taken is not None and source.base is not None:
         why = (
             f"it is taken from the base {source.base.display!r} (its leaf {from_file(repr(taken))}), whose "
@@ -211,13 +239,20 @@ def _mismatch(source: Source, record: LeafRecord, found: str, expected: str) -> 
         fix = "The folder is damaged or was edited: restore it from a good copy (`eqx-ckpt verify` lists every leaf)."
     return stored_leaf_error(
         IntegrityError,
-        f"{why} (xxh3-128 {found.removeprefix(_published.DIGEST_PREFIX)[:16]}... read, "
-        f"{expected.removeprefix(_published.DIGEST_PREFIX)[:16]}... recorded in {_published.NAME}), so nothing "
+        f"{why} (xxh3-128 {found.digest.removeprefix(_digests.XXH3)[:16]}... read, "
+        f"{expected.removeprefix(_digests.XXH3)[:16]}... recorded in {_published.NAME}), so nothing "
         f"was loaded.",
         dotted=record.path,
         path=source.loc.display,
         fix=fix,
     )
+
+
+def _from(base: Base | None, record: LeafRecord) -> str:
+    """Where a fine-tune takes the leaf `record` from, as messages say it (`""`: its own files)."""
+    if base is None or record.path not in base.references:
+        return ""
+    return f"the base {base.display!r} (its leaf {from_file(repr(base.references[record.path]))})"
 
 
 def record_sha256(source: Source) -> str | None:
@@ -625,10 +660,49 @@ def _open(source: Source, lazy: Base, record: LeafRecord) -> Any:
     found = taken[record.path]
     if found.pack is not None:  # a tiny leaf of an eqx_ckpt base, packed with others
         try:
-            return _storage.ready(_storage.in_memory(_pack.read_alone(base.data, found)))
+            opened = _storage.ready(_storage.in_memory(_pack.read_alone(base.data, found)))
         except Exception as e:
             raise _unreadable(source, base, record, found, e) from e
-    return base.open(found)
+    else:
+        opened = base.open(found)
+    blocks = _safetensors.block_digests(source.manifest, record, source.loc.display)
+    return (
+        opened
+        if blocks is None
+        else _storage.ready(_checked_base(opened.result(), record, blocks, _from(lazy, record)))
+    )
+
+
+def _checked_base(inner: _storage.Array, record: LeafRecord, blocks: _digests.Blocks, taken: str) -> _storage.Array:
+    """The base's array `inner` of a leaf the fine-tune takes, read in runs of
+    rows (`record.chunks`), each from the base's rows holding the whole blocks
+    around it, checked against the fine-tune's block digests before it is used."""
+    dtype = inner.numpy_dtype
+    shape = tuple(record.stored_shape)
+    row = math.prod(shape[1:]) * dtype.itemsize
+
+    def read(rows: tuple[int, int] | None, array: np.ndarray) -> _storage.Future:
+        lo, hi = rows if rows is not None and row else (0, shape[0] if shape else 1)
+        first, end = blocks.covering(lo * row, hi * row) if shape else blocks.covering(0, dtype.itemsize)
+        # The base's rows holding those blocks (all of it, for a scalar or an empty row).
+        start, stop = (first // row, min(shape[0], -(-end // row))) if shape and row else (0, 0)
+        promise, done = _storage.pending()
+
+        def fill(future: Any) -> None:
+            try:
+                data = _raw(future.result())
+                skip = first - start * row
+                blocks.check(data[skip : skip + end - first], first, taken=taken)
+                wanted = lo * row - start * row
+                array[...] = np.frombuffer(data[wanted : wanted + array.nbytes], dtype).reshape(array.shape)
+                promise.set_result(None)
+            except Exception as e:
+                promise.set_exception(e)
+
+        (inner[start:stop] if stop > start else inner).read().add_done_callback(fill)
+        return done
+
+    return _storage.virtual_array(read, dtype=dtype, shape=shape, chunks=record.chunks)
 
 
 def reading_taken(

@@ -88,6 +88,9 @@ class Manifest:
     family: Any = dataclasses.field(default=None, compare=False)
     # A published folder's recorded digest of each leaf (`_published`), by dotted path.
     digests: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
+    # ... and its block digests (`_digests`, `eqx_ckpt.json` version 4 on), with their block size.
+    blocks: dict[str, bytes] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    block_bytes: int = dataclasses.field(default=0, compare=False)
     # The sha256 of the file this was parsed from (`manifest.json`, a published
     # folder's `eqx_ckpt.json`), as read: what pins it as a fine-tune's base
     # (`_family`). "" for one made otherwise.

@@ -11,8 +11,10 @@ small JSON file. It says what the safetensors files cannot:
 - the user's own metadata (`info`).
 
 Its fields are documented in docs/interop.md ("`eqx_ckpt.json`"): format
-version 1 for a folder holding every leaf, 3 for a fine-tune stored against a
-pinned `base` (2, in the whole model's file names, is still read).
+version 4 records each leaf's SHA-256 block digests (`_digests`), for a folder
+holding every leaf and for a fine-tune stored against a pinned `base`.
+Earlier versions recorded one xxh3-128 a leaf: 1 for a folder holding every
+leaf, 3 for a fine-tune (2, in the whole model's file names); all are still read.
 
 It is untrusted input, read by the manifest's own code:
 
@@ -34,16 +36,18 @@ from typing import Any
 
 from .._base._errors import CheckpointTypeError, CheckpointValueError, from_file
 from .._base._location import HUB_SCHEME
+from . import _digests
 from ._format import PUBLISHED, LeafRecord
 from ._manifest import invalid, parse_leaves, read_document
 
 NAME = PUBLISHED
 FORMAT = "eqx_ckpt.safetensors"
-VERSION = 3
-# A folder holding all its leaves says 1, so that readers of version 1 read it.
-STANDALONE_VERSION = 1
+VERSION = 4
+# The versions a fine-tune wrote, which always name a base; from 4 on, a record may.
 FAMILY_VERSIONS = (2, 3)
-DIGEST_PREFIX = "xxh3-128:"
+# The first version recording block digests (SHA-256), and the block sizes a record may say.
+BLOCKS_VERSION = 4
+BLOCK_SIZES = tuple(2**n for n in range(16, 27))
 # The user's metadata is small: a description, hyperparameters, metrics.
 MAX_INFO_BYTES = 1 << 20
 MAX_INFO_DEPTH = 32
@@ -93,6 +97,9 @@ class Published:
     format_version: int
     # Each leaf's recorded digest, by dotted path (none in older exports).
     digests: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Each leaf's block digests, one after the other (version 4 on), and the block size.
+    blocks: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    block_bytes: int = 0
     family: Family | None = None
     # The sha256 of the `eqx_ckpt.json` this was parsed from.
     sha256: str = ""
@@ -111,7 +118,7 @@ def encode(
     info: dict[str, Any] | None,
     *,
     created: str = "",
-    digests: dict[str, str] | None = None,
+    digests: dict[str, _digests.Digested] | None = None,
     family: Family | None = None,
 ) -> bytes:
     """The bytes of an `eqx_ckpt.json` for `records` (every leaf, in the tree's
@@ -127,13 +134,15 @@ def encode(
         item = record.to_json()
         item.pop("chunks", None)  # the safetensors reader chooses its own
         if digests and record.path in digests:
-            item["digest"] = digests[record.path]
+            item["digest"] = digests[record.path].digest
+            item["blocks"] = digests[record.path].blocks.hex()
         if record.path in references:
             item["base"] = references[record.path]
         leaves.append(item)
     head = {
         "format": FORMAT,
-        "format_version": VERSION if family is not None else STANDALONE_VERSION,
+        "format_version": VERSION,
+        "block_bytes": _digests.BLOCK_BYTES,
         "library_version": __version__,
         "created": created,
         "leaf_count": len(records),
@@ -217,9 +226,11 @@ def parse(data: bytes, *, where: str) -> Published:
     raw = body.get("leaves")
     if isinstance(raw, list) and len(raw) > MAX_LEAVES:
         raise bad(f"it records {len(raw)} leaves, more than the {MAX_LEAVES} allowed (those taken from a base count)")
-    digests, references = _extras(raw, bad)
+    block = _block_bytes(body, version, bad)
+    digests, references = _extras(raw, bad, version)
     leaves = parse_leaves(raw, bad)
     _check_totals(body, leaves, bad)
+    blocks = _blocks(raw or [], leaves, digests, block, bad) if version >= BLOCKS_VERSION else {}
     family = _family(body, version, references, bad)
     return Published(
         tuple(leaves),
@@ -229,12 +240,18 @@ def parse(data: bytes, *, where: str) -> Published:
         body.get("created", ""),
         version,
         digests,
+        blocks,
+        block,
         family,
         hashlib.sha256(data).hexdigest(),
     )
 
 
-_DIGEST = re.compile(re.escape(DIGEST_PREFIX) + "[0-9a-f]{32}")
+# A leaf's digest: before version 4, and from it.
+_DIGESTS = (
+    (re.compile(re.escape(_digests.XXH3) + "[0-9a-f]{32}"), f"{_digests.XXH3}<32 hex digits>"),
+    (re.compile(re.escape(_digests.SHA256) + "[0-9a-f]{64}"), f"{_digests.SHA256}<64 hex digits>"),
+)
 _COMMIT = re.compile("[0-9a-f]{40}")
 _SHA256 = re.compile("[0-9a-f]{64}")
 # A base's path: printable, no control characters, bounded.
@@ -242,8 +259,44 @@ MAX_BASE_PATH = 1024
 _BASE_PATH = re.compile(r"[^\x00-\x1f\x7f]+")
 
 
-def _extras(raw: Any, bad: Callable[[str], Exception]) -> tuple[dict[str, str], dict[str, str]]:
+def _block_bytes(body: dict[str, Any], version: int, bad: Callable[[str], Exception]) -> int:
+    """The block size of a record's block digests (`BLOCK_SIZES`; 0 before `BLOCKS_VERSION`)."""
+    block = body.get("block_bytes")
+    if version < BLOCKS_VERSION:
+        if block is not None:
+            raise bad(f"it records `block_bytes`, which only format version {BLOCKS_VERSION} and later record")
+        return 0
+    if type(block) is not int or block not in BLOCK_SIZES:
+        raise bad(f"`block_bytes` {from_file(repr(block), 40)} is not a power of two from 64 KiB to 64 MiB")
+    return block
+
+
+def _blocks(
+    raw: list[Any], leaves: list[LeafRecord], digests: dict[str, str], block: int, bad: Callable[[str], Exception]
+) -> dict[str, bytes]:
+    """Each leaf's `blocks` (version 4 on): hex digits of one SHA-256 a block,
+    as many as its bytes make, whose own SHA-256 is its `digest`."""
+    out: dict[str, bytes] = {}
+    for leaf, record in zip(raw, leaves):
+        text, path = leaf.get("blocks"), from_file(repr(record.path))
+        if record.path not in digests or not isinstance(text, str):
+            raise bad(f"the leaf {path} has no `digest` and `blocks`, which format version {BLOCKS_VERSION} records")
+        want = _digests.count(record.nbytes, block) * _digests.SIZE
+        try:
+            blocks = bytes.fromhex(text) if len(text) == 2 * want else None
+        except ValueError:
+            blocks = None
+        if blocks is None:
+            raise bad(f"the leaf {path} records `blocks` that are not {want // _digests.SIZE} SHA-256 digests in hex")
+        if _digests.root(blocks) != digests[record.path]:
+            raise bad(f"the leaf {path} records a `digest` that is not the SHA-256 of its `blocks`")
+        out[record.path] = blocks
+    return out
+
+
+def _extras(raw: Any, bad: Callable[[str], Exception], version: int) -> tuple[dict[str, str], dict[str, str]]:
     """The leaves' `digest` and `base` fields, checked (the rest is `parse_leaves`')."""
+    pattern, shown = _DIGESTS[version >= BLOCKS_VERSION]
     digests: dict[str, str] = {}
     references: dict[str, str] = {}
     for leaf in raw if isinstance(raw, list) else []:
@@ -251,10 +304,9 @@ def _extras(raw: Any, bad: Callable[[str], Exception]) -> tuple[dict[str, str], 
             continue  # (refused by `parse_leaves`)
         path, digest, base = leaf["path"], leaf.get("digest"), leaf.get("base")
         if digest is not None:
-            if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+            if not isinstance(digest, str) or not pattern.fullmatch(digest):
                 raise bad(
-                    f"the leaf {from_file(repr(path))} has the digest {from_file(repr(str(digest)), 80)}, not "
-                    f"{DIGEST_PREFIX}<32 hex digits>"
+                    f"the leaf {from_file(repr(path))} has the digest {from_file(repr(str(digest)), 80)}, not {shown}"
                 )
             digests[path] = digest
         if base is not None:
@@ -274,7 +326,7 @@ def _family(
 ) -> Family | None:
     """A fine-tune's record's base (`FAMILY_VERSIONS`), checked, with its leaves' references."""
     base = body.get("base")
-    if version not in FAMILY_VERSIONS:
+    if version not in FAMILY_VERSIONS and (version < BLOCKS_VERSION or (base is None and not references)):
         if base is not None or references:
             raise bad("it names a base, which only format version 2 and later record")
         return None

@@ -39,7 +39,7 @@ from .._foreign import _safetensors
 from .._load import _family, _rebuild
 from .._load._checkpoint import Checkpoint, need
 from .._load._lazy import LazyArray
-from .._ondisk import _dtypes, _published, _structure
+from .._ondisk import _digests, _dtypes, _published, _structure
 from .._ondisk._format import CARD, LEAF_TYPES, MANIFEST, UNPUBLISHED_SUFFIX, LeafRecord, dtype_from_name, whole_chunks
 from .._store import _durable, _storage
 from . import _card, _matching
@@ -302,11 +302,11 @@ def _as_given(path: Any, loc: Location) -> str:
 
 def _against_base(
     pytree: Any, tensors: list[_Tensor], options: ExportOptions, about: _card.About, single: str | None, loc: Location
-) -> tuple[_card.About, _published.Family | None, str | None, dict[str, str]]:
+) -> tuple[_card.About, _published.Family | None, str | None, dict[str, _digests.Digested]]:
     """An export's base, where it has one (`_matching`): the card's `about`
     naming an `hf://` base, the family, the line saying what the export
     stores and takes from the base, and the digests of the leaves compared."""
-    digests: dict[str, str] = {}
+    digests: dict[str, _digests.Digested] = {}
     based = _matching.base_of(
         pytree, options.base, standalone=options.standalone, single=single, destination=loc, token=options.token
     )
@@ -367,7 +367,7 @@ def _described(
     shown: str,
     card: bool,
     about: _card.About,
-    digests: dict[str, str],
+    digests: dict[str, _digests.Digested],
     family: _published.Family | None,
 ) -> dict[str, bytes]:
     """`eqx_ckpt.json` and the card (loading the model as `shown`, listing
@@ -658,7 +658,12 @@ def tensor_bytes(tensor: _Tensor) -> memoryview:
 
 
 def _write_shard(
-    loc: Location, name: str, shard: list[_Tensor], metadata: dict[str, str], update: Any, digests: dict[str, str]
+    loc: Location,
+    name: str,
+    shard: list[_Tensor],
+    metadata: dict[str, str],
+    update: Any,
+    digests: dict[str, _digests.Digested],
 ) -> None:
     """Write one file of the export, not yet under its name
     (`_storage.write_unpublished`), keeping each tensor's digest in `digests`."""

@@ -1,7 +1,7 @@
 """An export against a base (`export_safetensors(..., base=)`): which leaves a
 fine-tune takes from the model it was fine-tuned from.
 
-A leaf is taken where a base leaf holds the same bytes (xxh3-128 digest),
+A leaf is taken where a base leaf holds the same bytes (SHA-256 digest, `_digests`),
 stored alike, whatever its name. The record pins the base (`_published.Base`),
 which `_load._family` checks (docs/sharing.md, "Model families").
 """
@@ -20,7 +20,7 @@ from .._base._location import Location
 from .._load import _family, _source
 from .._load._checkpoint import Checkpoint, human
 from .._load._load_plan import LoadOptions
-from .._ondisk import _published
+from .._ondisk import _digests, _published
 from .._ondisk._format import LeafRecord
 
 # An export against a base that would take from it under both 10% of its
@@ -133,7 +133,7 @@ def _not_followed(destination: Location, path: str, why: str) -> None:
 def against(
     tensors: Sequence[Any],
     based: Based,
-    digests: dict[str, str],
+    digests: dict[str, _digests.Digested],
     tensor_bytes: Callable[[Any], Any],
     destination: Location,
 ) -> tuple[_published.Family | None, str]:
@@ -163,7 +163,10 @@ def _count(leaves: int) -> str:
 
 
 def _matched(
-    tensors: Sequence[Any], source: _source.Source, digests: dict[str, str], tensor_bytes: Callable[[Any], Any]
+    tensors: Sequence[Any],
+    source: _source.Source,
+    digests: dict[str, _digests.Digested],
+    tensor_bytes: Callable[[Any], Any],
 ) -> dict[str, str]:
     """Each of `tensors` whose bytes a leaf of the base `source` holds, with
     that leaf's dotted path."""
@@ -174,7 +177,7 @@ def _matched(
 
     def base_digest(record: LeafRecord) -> str:
         if record.path not in known:
-            known[record.path] = _family.stored_digest(source, record)
+            known[record.path] = _family.stored_digest(source, record).digest
         return known[record.path]
 
     references: dict[str, str] = {}
@@ -189,7 +192,7 @@ def _matched(
             count, claimed = backing.get(record.path, (0, 0))
             more = (count + 1, claimed + record.nbytes)
             # Beyond what a load accepts of one base leaf, the leaf is stored instead.
-            if _family.may_back(*more, record.nbytes) and base_digest(record) == mine:
+            if _family.may_back(*more, record.nbytes) and base_digest(record) == mine.digest:
                 references[tensor.record.path] = record.path
                 backing[record.path] = more
                 break

@@ -26,6 +26,7 @@ from .._base._errors import (
     CheckpointValueError,
     CheckpointVersionError,
     CorruptCheckpointError,
+    IntegrityError,
     UntrustedError,
     shown_names,
 )
@@ -35,7 +36,7 @@ from .._foreign import _orbax, _safetensors
 from .._load import _family, _pack, _read, _source
 from .._load._load_plan import LoadOptions
 from .._manage._steps import committed_steps
-from .._ondisk import _format, _layout, _manifest, _published
+from .._ondisk import _digests, _format, _layout, _manifest, _published
 from .._ondisk._format import MANIFEST, LeafRecord, PackRecord, dtype_from_name, step_name
 from .._ondisk._manifest import Manifest
 from .._store import _chunk_files, _storage, _storage_errors, _untrusted
@@ -601,27 +602,30 @@ def _compare_digests(
     differ: list[str] = []
     family = source.manifest.family
     references = {} if family is None else family.references
-    hashed: dict[str, str] = {}  # by the base's dotted path
+    hashed: dict[str, _digests.Digested | int] = {}  # by the base's dotted path (an int: its bad block)
     for record in records:
         taken = references.get(record.path)
+        expected = source.manifest.digests[record.path]
         try:
             found = hashed.get(taken) if taken is not None else None
             if found is None:
-                found = _family.stored_digest(source, record)
-                if taken is not None:
-                    hashed[taken] = found
+                found = _family.stored_digest(source, record, like=expected)
+        except IntegrityError as e:
+            if getattr(e, "block", None) is None:
+                bad[record.path] = Problem(record.path, str(_damage(e, record, source.data, "read")))
+            else:  # a block read through its check (`_digests.Blocks`)
+                found = e.block  # type: ignore[attr-defined]
         except Exception as e:
             bad[record.path] = Problem(record.path, str(_damage(e, record, source.data, "read")))
-        else:
-            if found != source.manifest.digests[record.path] and taken is not None:
+        if record.path in bad or found is None:
+            pass
+        elif isinstance(found, int) or found.digest != expected:
+            if taken is not None:  # (one problem of the base, not one of each leaf: `_other_values`)
                 differ.append(record.path)
-            elif found != source.manifest.digests[record.path]:
-                bad[record.path] = Problem(
-                    record.path,
-                    f"its bytes are not those its digest in {_published.NAME} records (xxh3-128 "
-                    f"{found.removeprefix(_published.DIGEST_PREFIX)}, recorded "
-                    f"{source.manifest.digests[record.path].removeprefix(_published.DIGEST_PREFIX)}): a changed byte",
-                )
+            else:
+                bad[record.path] = Problem(record.path, _differs(source, record, found, taken))
+        if taken is not None and found is not None:
+            hashed[taken] = found
         tracker.advance(leaves=1, nbytes=record.nbytes)
     return bad, differ
 
@@ -642,8 +646,8 @@ def _other_values(source: _source.Source, differ: list[str]) -> Problem:
         None,
         f"the base {shown} holds other values than when the fine-tune was exported: {len(differ)} of "
         f"the {count} {'leaf' if count == 1 else 'leaves'} taken from it ({shown_names(differ)}) "
-        f"{'holds' if len(differ) == 1 else 'hold'} other bytes than the xxh3-128 digests in {_published.NAME} "
-        f"record. {fix}",
+        f"{'holds' if len(differ) == 1 else 'hold'} other bytes than the digests in {_published.NAME} record "
+        f"({_digests.strength(source.manifest.block_bytes)}). {fix}",
     )
 
 
@@ -656,6 +660,24 @@ def _base_shown(source: _source.Source) -> str:
     if base.given:
         return repr(base.display if opened is None else opened.loc.display)
     return family.base.shown if family.base.revision or opened is None else repr(opened.loc.display)
+
+
+def _differs(source: _source.Source, record: LeafRecord, found: _digests.Digested | int, taken: str | None) -> str:
+    """What `verify` says of a leaf whose bytes are not those recorded (`found`:
+    their digests, or the first block whose check failed)."""
+    where = "" if taken is None else f" (read from the base's leaf `{taken}`)"
+    expected = source.manifest.digests[record.path]
+    if isinstance(found, int) or found.blocks:
+        blocks = source.manifest.blocks[record.path]
+        index = found if isinstance(found, int) else _digests.first_differing(found.blocks, blocks)
+        return (
+            f"its bytes{where} are not those its digests in {_published.NAME} record: block {index} of "
+            f"{len(blocks) // _digests.SIZE} differs from its SHA-256: a changed byte"
+        )
+    return (
+        f"its bytes{where} are not those its digest in {_published.NAME} records (xxh3-128 "
+        f"{found.digest.removeprefix(_digests.XXH3)}, recorded {expected.removeprefix(_digests.XXH3)}): a changed byte"
+    )
 
 
 def _unverified(records: list[LeafRecord], taken: set[str], missing: CheckpointError) -> Problem:
@@ -676,9 +698,10 @@ def _family_said(source: _source.Source, every: bool, missing: bool) -> tuple[st
     (`missing`: of a fine-tune whose base cannot be found, its own leaves)."""
     if not every:
         return ()
+    strength = _digests.strength(source.manifest.block_bytes)
     if missing:
-        return (f"every leaf stored here, against the xxh3-128 digest {_published.NAME} records of it",)
-    said = [f"every leaf's bytes, against the xxh3-128 digest {_published.NAME} records of it"]
+        return (f"every leaf stored here, against the digests {_published.NAME} records of it ({strength})",)
+    said = [f"every leaf's bytes, against the digests {_published.NAME} records of it ({strength})"]
     family = source.manifest.family
     if family is not None and source.base is not None:
         count = len(family.references)

@@ -1,0 +1,174 @@
+"""The digests a published folder records of each leaf (`_published`, version 4 on).
+
+A leaf's stored bytes (C order, as safetensors holds them) are cut into blocks
+of `_format.BLOCK_BYTES` (the last one shorter). Each block's SHA-256 is
+recorded, and the leaf's digest is the SHA-256 of those block digests, one
+after the other. A forger who controls the bytes (a base, a mirror, a folder
+passed along) cannot make other bytes match either.
+
+A read of a region reads the whole blocks covering it and checks each one
+(`Blocks.check`) before returning a byte; a whole read checks every block
+(`Hasher`). SHA-256 releases the GIL on large buffers, so blocks are hashed on
+a pool of threads (`eqx_ckpt-blocks`), in parallel with the reads.
+
+Earlier versions recorded one xxh3-128 per leaf, which catches accidents, not
+forgery; they are still read (`XXH3`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import os
+from typing import Any
+
+import xxhash
+
+from .._base import _threads
+from .._base._errors import IntegrityError, stored_leaf_error
+from ._format import BLOCK_BYTES
+
+SHA256 = "sha256:"
+XXH3 = "xxh3-128:"
+SIZE = hashlib.sha256().digest_size
+# Blocks hashed by one task of the pool: a task per block would cost more in
+# the pool than in SHA-256 for small blocks.
+_BLOCKS_A_TASK = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Digested:
+    """A leaf's recorded `digest` (`sha256:` or, before version 4, `xxh3-128:`
+    and hex digits) and its blocks' digests, one after the other (`b""` before version 4)."""
+
+    digest: str
+    blocks: bytes = b""
+
+
+def strength(block: int) -> str:
+    """What a record's digests check, as `verify` and `info` say it (`block`: its
+    block size, 0 for a record of one xxh3-128 a leaf)."""
+    if not block:
+        return "xxh3-128 per leaf (an earlier version: checks accidents, not forgery)"
+    size = f"{block // 2**20} MiB" if block >= 2**20 else f"{block // 2**10} KiB"
+    return f"sha256 per {size} block"
+
+
+def root(blocks: bytes) -> str:
+    """The digest of a leaf whose blocks have the digests `blocks`."""
+    return SHA256 + hashlib.sha256(blocks).hexdigest()
+
+
+def count(nbytes: int, block: int = BLOCK_BYTES) -> int:
+    """How many blocks `nbytes` bytes are cut into."""
+    return -(-nbytes // block)
+
+
+def of(data: Any, block: int = BLOCK_BYTES) -> Digested:
+    """The digests of the bytes `data` (a buffer)."""
+    hasher = Hasher(block)
+    hasher.update(data)
+    return hasher.finish()
+
+
+def xxh3(data: Any) -> Digested:
+    """The digest an eqx_ckpt of `eqx_ckpt.json` version 3 and earlier recorded."""
+    return Digested(XXH3 + xxhash.xxh3_128_hexdigest(data))
+
+
+def _pool() -> _threads.Pool:
+    return _threads.pool("eqx_ckpt-blocks", max(1, os.cpu_count() or 1))
+
+
+def _hash(view: memoryview, block: int) -> bytes:
+    return b"".join(hashlib.sha256(view[i : i + block]).digest() for i in range(0, len(view), block))
+
+
+class Hasher:
+    """The block digests of bytes fed in order (`update`, any lengths), whole
+    blocks hashed on the pool as they come; `finish` waits for them."""
+
+    def __init__(self, block: int = BLOCK_BYTES):
+        self.block = block
+        self.partial = bytearray()
+        self.parts: list[concurrent.futures.Future[bytes] | bytes] = []
+
+    def update(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        if self.partial:
+            taken = view[: self.block - len(self.partial)]
+            self.partial += taken
+            view = view[len(taken) :]
+            if len(self.partial) < self.block:
+                return
+            self.parts.append(hashlib.sha256(self.partial).digest())
+            self.partial = bytearray()
+        whole = len(view) - len(view) % self.block
+        step = self.block * _BLOCKS_A_TASK
+        for i in range(0, whole, step):
+            # (the view keeps the caller's buffer alive until it is hashed)
+            self.parts.append(_pool().submit(_hash, view[i : min(i + step, whole)], self.block))
+        self.partial += view[whole:]
+
+    def finish(self) -> Digested:
+        if self.partial:
+            self.parts.append(hashlib.sha256(self.partial).digest())
+            self.partial = bytearray()
+        blocks = b"".join(p if isinstance(p, bytes) else p.result() for p in self.parts)
+        return Digested(root(blocks), blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """The recorded block digests of one leaf of `nbytes` bytes, known as
+    `leaf` (its dotted path) in the source `source` (as messages name it), with
+    how to check a range of its bytes."""
+
+    digests: bytes
+    nbytes: int
+    leaf: str
+    source: str
+    block: int = BLOCK_BYTES
+
+    def covering(self, start: int, end: int) -> tuple[int, int]:
+        """The bytes of the whole blocks that hold bytes `start` to `end`."""
+        first = start - start % self.block
+        last = min(self.nbytes, count(end, self.block) * self.block) if end > start else first
+        return first, max(first, last)
+
+    def check(self, data: Any, start: int, *, taken: str = "") -> None:
+        """Check the bytes `data` of whole blocks from byte `start` (`covering`);
+        else `IntegrityError` naming the leaf, the first block that differs and
+        the source (`taken`: where a fine-tune takes the leaf from)."""
+        view = memoryview(data).cast("B")
+        first = start // self.block
+        found = _hash(view, self.block) if len(view) <= self.block * _BLOCKS_A_TASK else of(view, self.block).blocks
+        expected = self.digests[first * SIZE : first * SIZE + len(found)]
+        if found == expected:
+            return
+        raise mismatch(self, first + first_differing(found, expected), taken=taken)
+
+
+def first_differing(found: bytes, expected: bytes) -> int:
+    """The index of the first block whose digest in `found` is not the one in `expected`."""
+    return next((i for i in range(0, len(found), SIZE) if found[i : i + SIZE] != expected[i : i + SIZE]), 0) // SIZE
+
+
+def mismatch(blocks: Blocks, index: int, *, taken: str = "") -> IntegrityError:
+    """The error of a block of a leaf whose bytes are not those recorded."""
+    lo = index * blocks.block
+    hi = min(lo + blocks.block, blocks.nbytes)
+    why = f"it is taken from {taken}, whose bytes are not the ones the fine-tune was made from" if taken else ""
+    error = stored_leaf_error(
+        IntegrityError,
+        f"{why or 'its bytes are not those recorded'}: block {index} (bytes {lo} to {hi} of the leaf) differs "
+        f"from its SHA-256 digest in the record, a changed byte. Nothing of it was returned.",
+        dotted=blocks.leaf,
+        path=blocks.source,
+        fix="The bytes were changed after the record was written (a rewritten file, a mirror serving other "
+        "bytes, a base that is not the one pinned). Get the files again from where they were published, or "
+        "run `eqx-ckpt verify` to list every leaf that differs.",
+    )
+    error.block = index  # type: ignore[attr-defined]  # (`verify` words its own problem)
+    return error
