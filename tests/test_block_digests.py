@@ -125,3 +125,18 @@ def test_a_rewritten_block_served_over_http_is_refused_by_every_read(tmp_path):
         assert error is not None and error[0] == "IntegrityError", (what, error)
         assert re.search(_message("http", "hf://me/pub"), error[2]), (what, error[2])
     assert np.asarray(kept, np.float32).tobytes() == np.asarray(_tree()["model"]["body"]["weight"][:2]).tobytes()
+
+
+@pytest.mark.parametrize(
+    ("folder", "said"),
+    [
+        ("published_4", "sha256 per 1 MiB block"),
+        ("published_3/base", "xxh3-128 per leaf (an earlier version: checks accidents, not forgery)"),
+    ],
+)
+def test_info_says_which_digests_a_folder_carries(folder, said, capsys):
+    from eqx_ckpt._tools._cli import main
+
+    fixture = pathlib.Path(__file__).parent / "fixtures" / folder
+    assert main(["info", str(fixture)]) == 0
+    assert f"\ndigests:         {said}\n" in capsys.readouterr().out

@@ -23,6 +23,7 @@ from .._load._checkpoint import SMALL_VALUES, Checkpoint, human
 from .._load._rebuild import unrecordable_error
 from .._manage._manager import CheckpointManager
 from .._manage._retention import recorded_best
+from .._ondisk import _digests
 from .._ondisk._format import MANIFEST, step_name
 from .._store import _share
 from ._demo import run
@@ -190,6 +191,10 @@ def _info(args: argparse.Namespace) -> int:
         if stored is not None:
             ratio = stored / max(ckpt.total_bytes, 1)
             print(f"stored:          {stored} ({human(stored)}, {ratio:.2f}x, checksums included)")
+    digests = ckpt._manifest.digests  # (a published folder's, in eqx_ckpt.json)
+    if digests:
+        every = "" if len(digests) == len(ckpt) else f" ({len(digests)} of the {len(ckpt)} leaves)"
+        print(f"digests:         {_digests.strength(ckpt._manifest.block_bytes)}{every}")
     taken = ckpt.from_base()
     if taken:
         stored = ckpt.total_bytes - sum(ckpt.record(path).nbytes for path in taken)
