@@ -249,7 +249,7 @@ def _damaged(path: str, checkpoint: str, why: str) -> IntegrityError:
         path,
         checkpoint,
         f"its iterator state is damaged: {why}.",
-        "Nothing was loaded. Restore an earlier step, or load with `missing='keep'` and a `like` without it.",
+        "Nothing was loaded. Restore an earlier step, or start the data afresh: load with no iterator there.",
     )
 
 
