@@ -210,3 +210,12 @@ def test_the_manager_saves_and_restores_a_step_with_its_data(tmp_path):
         assert eqx.tree_equal(_take(out["data"], 2), after, typematch=True)
         out = manager.restore({"w": jnp.zeros(2), "data": iter(ds)}, step=0)
         assert out["data"].get_state() == {"next_index": 1}
+
+
+def test_verify_checks_every_state_digest(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2), "data": Position({"at": 1})})
+    assert eqx_ckpt.verify(tmp_path) == []
+    _edit_states(tmp_path, lambda s: s[0].update(data='{"at":2}'))
+    (problem,) = eqx_ckpt.verify(tmp_path)
+    assert problem.leaf == "data" and "the state of process 0" in problem.message
+    assert "do not match their digest" in problem.message
