@@ -25,7 +25,7 @@ from .._base._progress import Progress
 from .._hosts import _sharding
 from .._ondisk import _dtypes, _iterators
 from .._ondisk._format import LeafRecord
-from .._ondisk._manifest import Manifest
+from .._ondisk._manifest import Manifest, loads_file
 from ._load_report import (
     Narrowing,
     Report,
@@ -211,7 +211,8 @@ def _iterator_states(
                 report.add("missing", "its iterator state is not in the checkpoint.", leaves.names.keypath(i), path)
             continue
         where = report.loc.display
-        state = _iterators.state_of(record, jax.process_index(), jax.process_count(), checkpoint=where)
+        process, processes = jax.process_index(), jax.process_count()
+        state = _iterators.state_of(record, process, processes, checkpoint=where, loads=loads_file)
         out.append((i, leaves.names.keypath(i), path, state))
     return out
 

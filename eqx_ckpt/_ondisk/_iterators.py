@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .._base import _keypath
@@ -191,7 +192,9 @@ def _parse_one(item: Any, checked: dict[Any, Any]) -> IteratorRecord:
 # -- Loading -------------------------------------------------------------------------------------
 
 
-def state_of(record: IteratorRecord, process: int, processes: int, *, checkpoint: str) -> Any:
+def state_of(
+    record: IteratorRecord, process: int, processes: int, *, checkpoint: str, loads: Callable[[bytes], Any]
+) -> Any:
     """Process `process`'s state of `record` (of a job of `processes`),
     checked: as many states as processes, within the size bound, of its kind,
     its digest matching. A damaged state is an `IntegrityError` naming the leaf."""
@@ -205,11 +208,12 @@ def state_of(record: IteratorRecord, process: int, processes: int, *, checkpoint
             "Restore with as many processes as saved it, or load with a `like` holding no iterator there "
             "(a fresh iterator starts the data from the beginning).",
         )
-    return check_state(record.states[process], record.path, checkpoint=checkpoint)
+    return check_state(record.states[process], record.path, checkpoint=checkpoint, loads=loads)
 
 
-def check_state(state: State, path: str, *, checkpoint: str) -> Any:
-    """The value of one stored state, checked (see `state_of`)."""
+def check_state(state: State, path: str, *, checkpoint: str, loads: Callable[[bytes], Any]) -> Any:
+    """The value of one stored state, checked (see `state_of`); JSON parsed by
+    `loads` (`_manifest.loads_file`, the one parser of JSON from files)."""
     try:
         raw = base64.b64decode(state.data, validate=True) if state.kind == "bytes" else state.data.encode()
     except (binascii.Error, ValueError):
@@ -220,10 +224,8 @@ def check_state(state: State, path: str, *, checkpoint: str) -> Any:
         raise _damaged(path, checkpoint, "its bytes do not match their digest")
     if state.kind == "bytes":
         return raw
-    from ._manifest import loads_file
-
     try:
-        return loads_file(raw)
+        return loads(raw)
     except ValueError as e:
         raise _damaged(path, checkpoint, str(e)) from None
 

@@ -242,7 +242,7 @@ def _check_iterators(loc: Location, manifest: Manifest) -> list[Problem]:
     for record in manifest.iterators:
         for process, state in enumerate(record.states):
             try:
-                _iterators.check_state(state, record.path, checkpoint=loc.display)
+                _iterators.check_state(state, record.path, checkpoint=loc.display, loads=_manifest.loads_file)
             except LeafError as e:
                 problems.append(Problem(record.path, f"the state of process {process}: {e}"))
     return problems
