@@ -270,12 +270,14 @@ def to_text(captured: Captured) -> str:
     return json.dumps([[path, keypath, state.to_json()] for path, keypath, state in captured])
 
 
-def records(texts: dict[int, str], processes: int, kept: tuple[IteratorRecord, ...] = ()) -> list[IteratorRecord]:
+def records(
+    texts: dict[int, str], processes: int, kept: tuple[IteratorRecord, ...] = (), *, loads: Callable[[str], Any]
+) -> list[IteratorRecord]:
     """The manifest's iterator records: each iterator's state from every
     process (`texts`, by index, from `to_text`), and the `kept` records of a
     partial save, sorted by path. Processes that saved different iterators
     are an error naming them."""
-    by_process = [[(p, k, State(**s)) for p, k, s in json.loads(texts[i])] for i in range(processes)]
+    by_process = [[(p, k, State(**s)) for p, k, s in loads(texts[i])] for i in range(processes)]
     first = [(path, keypath) for path, keypath, _ in by_process[0]]
     others = [i for i in range(1, processes) if [(p, k) for p, k, _ in by_process[i]] != first]
     if others:

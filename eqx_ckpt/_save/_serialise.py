@@ -369,7 +369,7 @@ def _collect_and_plan(
         error = e
     texts = stages.prepared(error, planned, layout=options.layout, loc=loc, states=_iterators.to_text(captured))
     assert planned is not None
-    iterators = _iterators.records(texts, stages.processes, kept) if stages.primary else []
+    iterators = _iterators.records(texts, stages.processes, kept, loads=_manifest.loads_file) if stages.primary else []
     return overwrite, blocking, cast, budget, planned, expected, iterators
 
 
