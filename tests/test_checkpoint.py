@@ -78,7 +78,7 @@ def test_total_bytes_and_records(tmp_path):
     assert ckpt.library_version == eqx_ckpt.__version__
     # Uncompressed, the version before compression (an eqx_ckpt of version 5 reads it).
     assert ckpt.format_version == _format.UNCOMPRESSED_VERSION == 5
-    assert _format.FORMAT_VERSION == 6
+    assert _format.COMPRESSED_VERSION == 6 and _format.FORMAT_VERSION == 7
     assert ckpt.created
     assert "7 leaves" in repr(ckpt)
 

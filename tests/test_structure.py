@@ -961,11 +961,13 @@ def test_a_large_static_vocabulary_beside_one_leaf_still_rebuilds(tmp_path):
 
 def test_format_md_names_the_version_saves_write():
     """docs/format.md's list of versions ends with the ones a save writes."""
-    from eqx_ckpt._ondisk._format import FORMAT_VERSION, UNCOMPRESSED_VERSION
+    from eqx_ckpt._ondisk._format import COMPRESSED_VERSION, FORMAT_VERSION, UNCOMPRESSED_VERSION
 
     text = (pathlib.Path(__file__).parent.parent / "docs" / "format.md").read_text()
-    found = re.findall(r"saves write\s+version (\d+),\s+or (\d+) where they compress", text)
-    assert found == [(str(UNCOMPRESSED_VERSION), str(FORMAT_VERSION))]
+    found = re.findall(
+        r"saves write\s+version (\d+),\s+or (\d+) where they compress,\s+or (\d+) where they hold an iterator", text
+    )
+    assert found == [(str(UNCOMPRESSED_VERSION), str(COMPRESSED_VERSION), str(FORMAT_VERSION))]
 
 
 def test_the_default_trust_holds_concrete_public_classes_and_what_layers_store():

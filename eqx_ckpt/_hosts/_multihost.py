@@ -87,10 +87,13 @@ class Group:
     def primary(self) -> bool:
         return self.index == 0
 
-    def sync(self, stage: str, error: BaseException | None, plan: str | None = None) -> BaseException | None:
+    def sync(
+        self, stage: str, error: BaseException | None, plan: str | None = None, *, shared: str | None = None
+    ) -> BaseException | None:
         """Wait until every process has reached `stage`; this process's `error`,
         else one naming the processes that failed or stopped answering, or
-        differ in their `plan` (a digest: `differing`), else `None`."""
+        differ in their `plan` (a digest: `differing`), else `None`. `shared`:
+        a text every process gives, which process 0 then reads (`gathered`)."""
         _faults.fire("multihost.barrier", self.what, stage)
         if self.count == 1:
             return error
@@ -101,6 +104,8 @@ class Group:
         key = f"{self._name}/{stage}"
         if plan is not None:  # before this process's barrier key: whoever passes the barrier sees it
             client.key_value_set(f"{key}-plan/{self.index}", plan)
+        if shared is not None:
+            client.key_value_set(f"{key}-shared/{self.index}", shared)
         client.key_value_set(f"{key}/{self.index}", "" if error is None else _describe(error))
         self._lost = _wait(client, key, self.count, _Stage(self.what, stage, self._timeout, self._name, self._passed))
         if error is not None or self._lost is not None:
@@ -117,6 +122,13 @@ class Group:
         return differing(
             {int(k.rsplit("/", 1)[-1]): v for k, v in client.key_value_dir_get(f"{key}-plan/")}, self.count
         )
+
+    def gathered(self, stage: str, own: str) -> dict[int, str]:
+        """Every process's `shared` text of `stage` (this process's is `own`), by index."""
+        if self.count == 1:
+            return {0: own}
+        texts = _client().key_value_dir_get(f"{self._name}/{stage}-shared/")
+        return {int(k.rsplit("/", 1)[-1]): v for k, v in texts}
 
 
 def differing(plans: dict[int, str], count: int) -> CheckpointError | None:

@@ -21,7 +21,7 @@ from .._base._errors import CheckpointError, LeafError, check_flag, leaf_message
 from .._base._handle import LeafHandle
 from .._base._location import Location
 from .._base._progress import Progress, Tracker
-from .._ondisk import _dtypes
+from .._ondisk import _dtypes, _iterators
 from .._ondisk._format import SCALAR_TYPES
 from .._ondisk._trust import Trust
 from .._store import _window
@@ -245,6 +245,9 @@ def load(
     leaves = list(plan.leaves)
     for i, value in zip(_fed(plan), _read_values(source, plan)):
         leaves[i] = value
+    # Last, once every read succeeded: a failed load leaves the iterators where they were.
+    for i, keypath, path, state in plan.iterators:
+        _iterators.put(leaves[i], state, path, keypath, checkpoint=source.loc.display)
     tree = plan.treedef.unflatten(leaves)
     if static and flat is not None:
         prefix = options.prefix or ""

@@ -15,6 +15,7 @@ import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 
 from .._base import _keypath, _select, _tree
@@ -22,9 +23,9 @@ from .._base._errors import CheckpointTypeError, CheckpointValueError, check_fla
 from .._base._location import Location
 from .._base._progress import Progress
 from .._hosts import _sharding
-from .._ondisk import _dtypes
+from .._ondisk import _dtypes, _iterators
 from .._ondisk._format import LeafRecord
-from .._ondisk._manifest import Manifest
+from .._ondisk._manifest import Manifest, loads_file
 from ._load_report import (
     Narrowing,
     Report,
@@ -148,6 +149,9 @@ class LoadPlan:
     transformed: list[TransformPlan]
     # The load's options (`cast`, `lazy`, `read_once`: how the readers read).
     options: LoadOptions
+    # The iterators of `like` the load puts a state into: (index, key path,
+    # dotted path stored, the state, checked: `_iterators.state_of`).
+    iterators: list[tuple[int, tuple[Any, ...], str, Any]] = dataclasses.field(default_factory=list)
 
 
 def plan(
@@ -171,6 +175,7 @@ def plan(
     _check_keys(options, named.paths, names, source.loc)
     report = Report(source.loc, cast=options.cast)
     leaves.assign(chosen, names, report, missing=options.missing, cast=options.cast)
+    iterators = _iterator_states(leaves, chosen, names, source.manifest, report, missing=options.missing)
     _check_whole(leaves, names, report, source.manifest, strict=options.strict)
     if report.kinds == {"shape changed"}:
         report.narrowing = _narrowing(leaves, chosen, report.reshaped)
@@ -181,14 +186,43 @@ def plan(
         + [p.stored for p, _ in leaves.custom]
         + [name for t in leaves.transformed for name in t.stored]
     )
-    return LoadPlan(source.loc, treedef, values, leaves.reads, leaves.custom, leaves.transformed, options)
+    return LoadPlan(source.loc, treedef, values, leaves.reads, leaves.custom, leaves.transformed, options, iterators)
+
+
+def _iterator_states(
+    leaves: _Leaves, chosen: list[int], names: _Names, manifest: Manifest, report: Report, *, missing: str
+) -> list[tuple[int, tuple[Any, ...], str, Any]]:
+    """The checked state of each chosen iterator of `like`, from this process's
+    place in the job (`_iterators.state_of`). One the checkpoint lacks goes to
+    `report` (unless `missing="keep"`: the fresh iterator is kept)."""
+    at = leaves.iterators
+    if not at:
+        return []
+    stored = {it.path: it for it in manifest.iterators}
+    picked = set(chosen)
+    out = []
+    for i in at:
+        path = names.stored(i) if i in picked else None
+        if not isinstance(path, str):  # not selected, renamed to `None` (or to several)
+            continue
+        record = stored.get(path)
+        if record is None:
+            if missing == "error":
+                report.add("missing", "its iterator state is not in the checkpoint.", leaves.names.keypath(i), path)
+            continue
+        where = report.loc.display
+        process, processes = jax.process_index(), jax.process_count()
+        state = _iterators.state_of(record, process, processes, checkpoint=where, loads=loads_file)
+        out.append((i, leaves.names.keypath(i), path, state))
+    return out
 
 
 def _chosen(where: Callable[[Any], Any] | None, treedef: Any, leaves: _Leaves) -> list[int]:
     """The indices of the leaves of `like` that `where` selects, in order."""
     chosen = _select.selected(where, treedef, len(leaves.values))
     values, specs, default, dotted = leaves.values, leaves.specs, leaves.default, leaves.dotted
-    if where is not None and not any(_loaded(values[i], specs[i], default) for i in chosen):
+    iterators = set(leaves.iterators)
+    if where is not None and not any(_loaded(values[i], specs[i], default) or i in iterators for i in chosen):
         shown = ", ".join(f"`{dotted[i]}`" for i in sorted(chosen)[:3])
         raise CheckpointValueError(
             f"`where` selected only leaves of `like` that are not loaded ({shown}: not arrays or scalars, such "
@@ -320,6 +354,8 @@ class _Leaves:
         self.reads: list[LeafPlan] = []
         self.custom: list[tuple[LeafPlan, Any]] = []
         self.transformed: list[TransformPlan] = []
+        # The indices of the iterators among `values` (`_iterators`).
+        self.iterators = _iterators.found(values)
         # Every array leaf the load reads itself, whether its record passed the checks or not.
         self.wanted: list[LeafPlan] = []
 
@@ -329,8 +365,11 @@ class _Leaves:
         values, dotted, specs, default, records = self.values, self.dotted, self.specs, self.default, names.records
         stored_path, to_transform, wanted, reads = names.stored, names.transform, self.wanted, self.reads
         named = self.names.keypath
+        iterators = set(self.iterators)
         for i in chosen:
             leaf = values[i]
+            if iterators and i in iterators:  # given its state by `_iterator_states`
+                continue
             stored = stored_path(i)
             if stored is None:  # renamed to `None`: keeps `like`'s value
                 continue

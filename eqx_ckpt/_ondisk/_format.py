@@ -60,11 +60,16 @@ FORMAT = "eqx_ckpt"
 # - 4 leaves out of a leaf's record what equals its default (see
 #   `LeafRecord.to_json`) and takes the digest over the file's own bytes;
 # - 5 adds the tree's structure record (`structure`, see `_structure`);
-# - 6 compresses chunks (a leaf's and a pack's `compression`, `COMPRESSIONS`).
-# Versions 1 to 5 are still read. A save writes 5 unless it compresses, so
-# that an eqx_ckpt of version 5 still reads what it can.
-FORMAT_VERSION = 6
+# - 6 compresses chunks (a leaf's and a pack's `compression`, `COMPRESSIONS`);
+# - 7 records iterator states (`iterators`, see `_iterators`).
+# Versions 1 to 6 are still read. A save writes 5 unless it compresses (6) or
+# holds an iterator (7), so that an older eqx_ckpt still reads what it can.
+FORMAT_VERSION = 7
 UNCOMPRESSED_VERSION = 5
+COMPRESSED_VERSION = 6
+# The most bytes of one iterator's state (its JSON text, or its bytes) in one
+# process. Grain's are a few hundred bytes; the bound keeps a manifest small.
+MAX_ITERATOR_STATE_BYTES = 2**20
 # How to upgrade, worded as README installs eqx_ckpt: from its source checkout.
 UPGRADE = (
     "Upgrade eqx_ckpt as you installed it (from its source checkout, as README does: `git pull`, then "

@@ -19,8 +19,10 @@ import orjson
 
 from .._base import _gc, _keypath
 from .._base._errors import CheckpointVersionError, CorruptCheckpointError, from_file
+from . import _iterators
 from ._dtypes import is_known_dtype, key_data_shape
 from ._format import (
+    COMPRESSED_VERSION,
     COMPRESSIONS,
     ENCODINGS,
     FORMAT,
@@ -95,6 +97,8 @@ class Manifest:
     # folder's `eqx_ckpt.json`), as read: what pins it as a fine-tune's base
     # (`_family`). "" for one made otherwise.
     record_sha256: str = dataclasses.field(default="", compare=False)
+    # The iterator states saved with the tree (version 7 on, `_iterators`).
+    iterators: tuple[_iterators.IteratorRecord, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -117,7 +121,7 @@ class Manifest:
         """The manifest's bytes. `leaves`: `leaves_text(self.leaves)`, where the caller kept it."""
         body = {
             "format": FORMAT,
-            "format_version": version_of(self.leaves, self.packs),
+            "format_version": version_of(self.leaves, self.packs, self.iterators),
             "library_version": self.library_version,
             "created": self.created,
             "data_root": self.data_root,
@@ -128,6 +132,8 @@ class Manifest:
             "leaf_count": len(self.leaves),
             "total_bytes": self.total_bytes,
         }
+        if self.iterators:
+            body["iterators"] = [record.to_json() for record in self.iterators]
         structure = self.structure_string
         if structure is None and self.structure is not None:
             structure = orjson.dumps(self.structure)
@@ -136,11 +142,13 @@ class Manifest:
         return _encoded(body, leaves, structure=structure)
 
 
-def version_of(leaves: Sequence[LeafRecord], packs: Sequence[PackRecord]) -> int:
-    """The newest format version where a chunk is compressed, else the one
-    before, so that an eqx_ckpt of that version reads it too."""
+def version_of(leaves: Sequence[LeafRecord], packs: Sequence[PackRecord], iterators: Sequence[Any] = ()) -> int:
+    """The oldest format version that holds what the manifest does (iterator
+    states, compressed chunks), so that an eqx_ckpt of that version reads it too."""
+    if iterators:
+        return FORMAT_VERSION
     compressed = any(pack.compression for pack in packs) or any(leaf.compression for leaf in leaves)
-    return FORMAT_VERSION if compressed else UNCOMPRESSED_VERSION
+    return COMPRESSED_VERSION if compressed else UNCOMPRESSED_VERSION
 
 
 # Leaf records encoded at a time: their dicts are freed before the next ones are
@@ -277,6 +285,7 @@ def new_manifest(
     metrics: dict[str, Any] | None = None,
     packs: Sequence[PackRecord] = (),
     structure: Any = None,
+    iterators: Sequence[_iterators.IteratorRecord] = (),
 ) -> Manifest:
     """A manifest of `leaves`, which use `packs` (sorted by name), and the
     tree's `structure` record."""
@@ -295,6 +304,7 @@ def new_manifest(
         packs=tuple(packs),
         structure=text,
         structure_string=string,
+        iterators=tuple(iterators),
     )
 
 
@@ -328,6 +338,7 @@ def parse(data: bytes, *, where: str, stamp: bytes = b"") -> Manifest:
     packs = _parse_packs(body.get("packs", []), commit, bad, compressed=version >= 6)
     nbytes: dict[int, Any] = {}
     records = _parse_leaves(body.get("leaves"), packs, version, bad, nbytes)
+    iterators = _parse_iterators(body, version, records, bad)
     for key in ("created", "library_version", "structure"):
         if not isinstance(body.get(key, ""), str):
             raise bad(f"`{key}` is not a string")
@@ -345,7 +356,37 @@ def parse(data: bytes, *, where: str, stamp: bytes = b"") -> Manifest:
         structure=body.get("structure") if version >= 5 else None,
         declared=Declared(body.get("leaf_count"), body.get("total_bytes"), nbytes),
         record_sha256=hashlib.sha256(data).hexdigest(),
+        iterators=iterators,
     )
+
+
+def _parse_iterators(
+    body: dict[str, Any], version: int, records: list[LeafRecord], bad: Callable[[str], Exception]
+) -> tuple[_iterators.IteratorRecord, ...]:
+    """The manifest's iterator states (version 7 on), checked; an iterator
+    at a leaf's path, or inside or above one, is refused."""
+    if "iterators" not in body:
+        return ()
+    if version < 7:
+        raise bad(f"it holds `iterators`, which format version {version} does not")
+    try:
+        iterators = _iterators.parse(body["iterators"], {})
+    except ValueError as e:
+        raise bad(str(e)) from None
+    leaves = {record.path for record in records}
+    paths = {it.path for it in iterators}
+    if len(paths) != len(iterators):
+        raise bad("an iterator is listed twice")
+    for path in [*paths, *leaves] if paths else ():
+        if _ancestors(path) & paths or (path in paths and (path in leaves or _ancestors(path) & leaves)):
+            raise bad(f"iterator or leaf {from_file(path)!r} lies inside another, or at the same path")
+    return iterators
+
+
+def _ancestors(path: str) -> set[str]:
+    """The dotted paths above `path`, the root included."""
+    parts = _keypath.split_dotted(path)
+    return {".".join(parts[:n]) for n in range(len(parts))}
 
 
 def invalid(named: str, where: str, *, holder: str, fix: str = "") -> Callable[[str], CorruptCheckpointError]:

@@ -41,6 +41,8 @@ class Partial:
     chunks: dict[str, tuple[int, ...]]
     new: int
     structure: Callable[[set[str]], Any]
+    # The stored iterator states outside the picked sub-trees, kept as they are.
+    iterators: tuple[Any, ...] = ()
 
     def kept_damaged(self, error: IntegrityError, loc: Location) -> IntegrityError:
         """`error`, a kept leaf found damaged as it was read, as this save's
@@ -128,6 +130,7 @@ def collect(
         {r.path: tuple(r.chunks) for r in kept if r.pack is None},
         len(new),
         lambda stored: _spliced(_rebuild.record_of(manifest, loc.display), prefixes, treedef, flat, names, stored),
+        tuple(it for it in manifest.iterators if not any(_keypath.is_within(it.path, p) for p in prefixes)),
     )
 
 

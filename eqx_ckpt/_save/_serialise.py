@@ -37,7 +37,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from .._base import _faults, _gc, _interrupts, _tree
+from .._base import _faults, _gc, _interrupts, _keypath, _tree
 from .._base._errors import (
     CheckpointConnectionError,
     CheckpointError,
@@ -56,7 +56,7 @@ from .._base._progress import Progress, Tracker
 from .._hosts import _multihost
 from .._load import _source
 from .._load._lazy import LazyArray
-from .._ondisk import _dtypes, _format, _layout, _manifest, _structure
+from .._ondisk import _dtypes, _format, _iterators, _layout, _manifest, _structure
 from .._store import _chunk_files, _durable, _lease, _share, _storage_errors, _transaction, _untrusted
 from . import _background, _partial, _records, _staging
 from ._background import Handoff, PendingSave
@@ -263,7 +263,7 @@ def save(
     """`tree_serialise_leaves` at `loc`, with its (or a manager's step's) `options`."""
     stages = Stages()
     share = check_flag("share", options.share, "`False` writes every chunk in full")
-    overwrite, blocking, cast, budget, planned, expected = _collect_and_plan(
+    overwrite, blocking, cast, budget, planned, expected, iterators = _collect_and_plan(
         loc, stages, pytree, filter_spec, is_leaf, options
     )
     begin: dict[str, Any] = dict(overwrite=overwrite, layout=options.layout, progress=options.progress)
@@ -271,7 +271,7 @@ def save(
     handoff = options.handoff if options.handoff is not None else Handoff()
     tx: _transaction.Transaction | None = None
     tracker: Tracker | None = None
-    how = _Save(stages, options.metrics, options.follows, share, options.followed, budget)
+    how = _Save(stages, options.metrics, options.follows, share, options.followed, budget, iterators)
     try:
         if not isinstance(planned, _staging.Batch):  # held leaves: planned in the background too
             compression = compression_of(options.compression)
@@ -311,15 +311,26 @@ def _collect_and_plan(
     filter_spec: Any,
     is_leaf: Callable[[Any], bool] | None,
     options: SaveOptions,
-) -> tuple[bool, bool, Callable[[str, np.dtype], Any] | None, int, _staging.Batch | _background.HeldLeaves, str | None]:
+) -> tuple[
+    bool,
+    bool,
+    Callable[[str, np.dtype], Any] | None,
+    int,
+    _staging.Batch | _background.HeldLeaves,
+    str | None,
+    list[_iterators.IteratorRecord],
+]:
     """The options checked (returned as `save` uses them), then the leaves
     collected and planned, or held to be planned in the background
-    (`_background.hold_tree`); last, for a partial save (`where`), the commit
-    of the checkpoint whose leaves it keeps. Every process then meets the
-    others at the first stage, whatever its outcome."""
+    (`_background.hold_tree`); for a partial save (`where`), the commit
+    of the checkpoint whose leaves it keeps; last, the iterator states, taken
+    now (`_iterators`). Every process then meets the others at the first
+    stage, whatever its outcome, and gives process 0 its iterator states."""
     planned: _staging.Batch | _background.HeldLeaves | None = None
     expected: str | None = None
     error: BaseException | None = None
+    captured: _iterators.Captured = []
+    kept: tuple[_iterators.IteratorRecord, ...] = ()
     try:
         _layout.check(options.layout)
         overwrite = check_flag("overwrite", options.overwrite, "whether to replace a checkpoint already there")
@@ -343,16 +354,34 @@ def _collect_and_plan(
             partial.keep_chunks(planned.pending)
             # A kept leaf is read as the save stages it: found damaged then, the refusal says so too.
             planned.refused = functools.partial(partial.kept_damaged, loc=loc)
-            expected = partial.commit
+            expected, kept = partial.commit, partial.iterators
+            captured = _states(loc, partial.leaves[: partial.new], partial.names.paths, partial.names.keypath)
         elif not blocking and stages.alone and filter_spec is default_serialise_filter_spec and is_leaf is None:
             planned = _background.hold_tree(pytree)  # planned in the background
+            if planned is not None:
+                flat = jax.tree_util.tree_leaves(pytree)
+                captured = _states(loc, flat, None, lambda i: _tree.flatten(pytree, None)[0][i][0])
         if planned is None:
-            planned = plan(*_collect(pytree, filter_spec, is_leaf), cast)
+            leaves, names, specs = _collect(pytree, filter_spec, is_leaf)
+            captured = _states(loc, leaves, names.paths, names.keypath)
+            planned = plan(leaves, names, specs, cast)
     except Exception as e:
         error = e
-    stages.prepared(error, planned, layout=options.layout, loc=loc)
+    texts = stages.prepared(error, planned, layout=options.layout, loc=loc, states=_iterators.to_text(captured))
     assert planned is not None
-    return overwrite, blocking, cast, budget, planned, expected
+    iterators = _iterators.records(texts, stages.processes, kept, loads=_manifest.loads_file) if stages.primary else []
+    return overwrite, blocking, cast, budget, planned, expected, iterators
+
+
+def _states(
+    loc: Location, leaves: list[Any], paths: list[str] | None, keypath: Callable[[int], tuple[Any, ...]]
+) -> _iterators.Captured:
+    """This process's state of every iterator among `leaves`, named by their
+    dotted `paths` (made from `keypath` where `None`), taken now."""
+    at = _iterators.found(leaves)
+    keypaths = [keypath(i) for i in at]
+    dotted = [paths[i] for i in at] if paths is not None else [_keypath.dotted(k) for k in keypaths]
+    return _iterators.capture([leaves[i] for i in at], keypaths, dotted, checkpoint=loc.display)
 
 
 def compression_of(value: Any) -> str:
@@ -540,7 +569,7 @@ def _write_all(
         error, writing = e, None
     if error is None and stages.primary:
         # Encoded while the data is written: for many leaves, a noticeable part of a save.
-        error = _interrupts.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, how.metrics)))
+        error = _interrupts.attempt(lambda: encoded.append(_manifest_bytes(tx, batch, how)))
     batch.free()
     if writing is not None:
         if error is not None:
@@ -556,7 +585,8 @@ def _write_all(
 
 class _Save(NamedTuple):
     """What the steps of one save after its plan share: its `Stages`, four of
-    `SaveOptions`' fields, and `staging`, its staging budget in bytes."""
+    `SaveOptions`' fields, `staging`, its staging budget in bytes, and the
+    `iterators`' states the manifest records (process 0's; empty elsewhere)."""
 
     stages: Stages
     metrics: dict[str, Any] | None
@@ -564,6 +594,7 @@ class _Save(NamedTuple):
     share: bool
     followed: bool
     staging: int
+    iterators: list[_iterators.IteratorRecord]
 
 
 def _base(tx: _transaction.Transaction, follows: Location | None) -> _share.Base | None:
@@ -601,16 +632,17 @@ def _commit(tx: _transaction.Transaction, encoded: list[bytes]) -> BaseException
     return _interrupts.attempt(lambda: tx.commit(encoded[0]))
 
 
-def _manifest_bytes(tx: _transaction.Transaction, batch: _staging.Batch, metrics: dict[str, Any] | None) -> bytes:
+def _manifest_bytes(tx: _transaction.Transaction, batch: _staging.Batch, how: _Save) -> bytes:
     packs = [pack for pack, _ in batch.packs]
     manifest = _manifest.new_manifest(
         batch.records(),
         tx.target,
         tx.layout,
         commit=tx.commit_id,
-        metrics=metrics,
+        metrics=how.metrics,
         packs=packs,
         structure=batch.structure,
+        iterators=how.iterators,
     )
     _faults.fire("commit.manifest_encode", tx.loc)
     plan = batch.plan
@@ -645,9 +677,12 @@ class Stages:
     def processes(self) -> int:
         return self._group.count
 
-    def prepared(self, error: BaseException | None, planned: Any, *, layout: str, loc: Location) -> None:
+    def prepared(
+        self, error: BaseException | None, planned: Any, *, layout: str, loc: Location, states: str
+    ) -> dict[int, str]:
         """Stage 1: raise the first error of any process (`error`: this one's),
-        or say that they planned different saves."""
+        or say that they planned different saves; else every process's
+        iterator `states` (`_iterators.to_text`), by index, for process 0."""
         if error is None and layout == "ocdbt" and not self.alone:
             error = CheckpointValueError(
                 f"`layout='ocdbt'` is not supported with {self._group.count} JAX processes: one "
@@ -655,9 +690,10 @@ class Stages:
                 path=loc.display,
             )
         plan = _plan_digest(planned) if not self.alone and isinstance(planned, _staging.Batch) else None
-        error = self._group.sync("prepared", error, plan)
+        error = self._group.sync("prepared", error, plan, shared=states)
         if error is not None:
             raise error
+        return self._group.gathered("prepared", states) if self.primary else {}
 
     def begin(
         self, begin: Callable[[], _transaction.Transaction], join: Callable[[], _transaction.Transaction]

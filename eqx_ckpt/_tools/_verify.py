@@ -27,6 +27,7 @@ from .._base._errors import (
     CheckpointVersionError,
     CorruptCheckpointError,
     IntegrityError,
+    LeafError,
     UntrustedError,
     shown_names,
 )
@@ -36,7 +37,7 @@ from .._foreign import _orbax, _safetensors
 from .._load import _family, _pack, _read, _source
 from .._load._load_plan import LoadOptions
 from .._manage._steps import committed_steps
-from .._ondisk import _digests, _format, _layout, _manifest, _published
+from .._ondisk import _digests, _format, _iterators, _layout, _manifest, _published
 from .._ondisk._format import MANIFEST, LeafRecord, PackRecord, dtype_from_name, step_name
 from .._ondisk._manifest import Manifest
 from .._store import _chunk_files, _storage, _storage_errors, _untrusted
@@ -232,7 +233,20 @@ def _check(source: _source.Source, tracker: Tracker) -> list[Problem]:
     problems += _check_groups(data, manifest)
     bad = _check_packs(data, manifest, tracker)
     bad |= _check_leaves(data, [r for r in records if r.pack is None], tracker)
-    return problems + [bad[r.path] for r in records if r.path in bad]
+    return problems + [bad[r.path] for r in records if r.path in bad] + _check_iterators(source.loc, manifest)
+
+
+def _check_iterators(loc: Location, manifest: Manifest) -> list[Problem]:
+    """The problems of the manifest's iterator states: each decoded, bounded
+    and its digest matched, as a load checks it before `set_state`."""
+    problems = []
+    for record in manifest.iterators:
+        for process, state in enumerate(record.states):
+            try:
+                _iterators.check_state(state, record.path, checkpoint=loc.display, loads=_manifest.loads_file)
+            except LeafError as e:
+                problems.append(Problem(record.path, f"the state of process {process}: {e}"))
+    return problems
 
 
 def _verify_steps(loc: Location, steps: list[int], progress: Progress) -> Problems:
