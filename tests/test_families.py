@@ -1096,6 +1096,12 @@ def test_ls_info_and_diff_say_which_leaves_come_from_the_base(family, capsys):
     assert sum(line.endswith("  base") for line in lines) == len(taken)
     assert not any(line.startswith("step") and line.endswith("base") for line in lines)
     assert f"; {len(taken)} of them (" in lines[-1] and f"read from the base {family.base}" in lines[-1]
+    # A folder shown as one line says how many of its leaves the base holds (issue 88).
+    assert main(["ls", str(family.finetune), "--depth", "1"]) == 0
+    (model,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("model/")]
+    in_model = [p for p in _by_path(family.tree) if p.startswith("model.")]
+    based = [p for p in taken if p.startswith("model.")]
+    assert f"{len(in_model)} leaves ({len(based)} from the base)" in model
     capsys.readouterr()
     assert main(["info", str(family.finetune)]) == 0
     out = capsys.readouterr().out

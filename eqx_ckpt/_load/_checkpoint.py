@@ -6,7 +6,7 @@ import copy
 import itertools
 import math
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import equinox as eqx
@@ -255,7 +255,8 @@ class Checkpoint(Mapping[str, Any]):
         for name, count in (("depth", depth), ("max_rows", max_rows)):
             if count is not None and (type(count) is not int or count < 0):
                 raise CheckpointTypeError(f"`{name}` must be an int of at least 0 or None, not {count!r}.")
-        root = _Folder.of(self._records)
+        family = self._manifest.family
+        root = _Folder.of(self._records, () if family is None else family.references)
         shown = _shown(root, max_rows=max_rows, depth=depth)
         rows = self._rows(root, shown, values=values) if shown else []
         # A sub-tree's "... and N more" row (one column) sets no column's width.
@@ -302,6 +303,8 @@ class Checkpoint(Mapping[str, Any]):
                 rows += self._rows(entry, shown, values=values, level=level + 1)
             elif isinstance(entry, _Folder):
                 leaves = "1 leaf" if entry.leaves == 1 else f"{entry.leaves} leaves"
+                if entry.based:
+                    leaves += f" ({entry.based} from the base)"
                 rows.append((f"{indent}{name}/", leaves, human(entry.nbytes)))
             else:
                 record = self._records[entry]
@@ -581,23 +584,27 @@ class _Folder:
     """A sub-tree of a listing: its entries in key order (a sub-tree or a leaf's
     dotted key; in a foreign format a name may be both), leaves and bytes."""
 
-    __slots__ = ("entries", "leaves", "level", "nbytes")
+    __slots__ = ("based", "entries", "leaves", "level", "nbytes")
 
     def __init__(self, level: int):
         self.entries: dict[tuple[str, bool], _Folder | str] = {}
-        self.level, self.leaves, self.nbytes = level, 0, 0
+        self.level, self.leaves, self.nbytes, self.based = level, 0, 0, 0
 
     @staticmethod
-    def of(records: Mapping[str, LeafRecord]) -> _Folder:
+    def of(records: Mapping[str, LeafRecord], taken: Container[str] = ()) -> _Folder:
+        """The sub-trees of `records`, counting in each its leaves that are `taken` from a base (`based`)."""
         root = _Folder(0)
         for key, record in records.items():
             parts = _keypath.split_dotted(key) or ("<root>",)
+            based = key in taken
             folder = root
             for part in parts[:-1]:
                 folder.leaves, folder.nbytes = folder.leaves + 1, folder.nbytes + record.nbytes
+                folder.based += based
                 # Keyed `(part, True)`: always a sub-tree.
                 folder = cast(_Folder, folder.entries.setdefault((part, True), _Folder(folder.level + 1)))
             folder.leaves, folder.nbytes = folder.leaves + 1, folder.nbytes + record.nbytes
+            folder.based += based
             folder.entries[(parts[-1], False)] = key
         return root
 
