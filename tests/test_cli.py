@@ -613,3 +613,19 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=120)
     assert (process.returncode, err) == (130, "eqx-ckpt demo: interrupted\n"), out
+
+
+def test_ls_types_suggests_a_private_modules_public_package(tmp_path, monkeypatch):
+    """Issue 88.7e: an optax state's classes live in `optax._src`; `ls --types`
+    suggests `trust=[optax]`, which works when followed as printed."""
+    import optax
+
+    monkeypatch.chdir(tmp_path)
+    params = {"w": jnp.ones((2, 3))}
+    state = {"params": params, "opt": optax.adam(1e-3).init(params)}
+    eqx_ckpt.tree_serialise_leaves("run", state)
+    lines = run("ls", "run", "--types", check_code=0).stdout.splitlines()
+    assert any(line.startswith("optax._src.") and "(needs trust)" in line for line in lines), lines
+    assert lines[-1] == "Checkpoint(path).load(trust=[optax]) rebuilds it (import them first)."
+    rebuilt = eqx_ckpt.Checkpoint("run").load(trust=[optax])
+    assert eqx.tree_equal(rebuilt, state, typematch=True)

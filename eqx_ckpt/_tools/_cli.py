@@ -108,8 +108,8 @@ def _format_types(ckpt: Checkpoint) -> str:
     lines, needed = [], []
     for name, paths in ckpt.types().items():
         python = from_file(name.replace(":", "."))  # a name from the file: one line, bounded
-        if name in untrusted:
-            needed.append(python)
+        if name in untrusted and _trusted_as(name) not in needed:
+            needed.append(_trusted_as(name))
         shown = ", ".join(from_file(p) or "(the root)" for p in paths[:3]) + (
             f" and {len(paths) - 3} more" if len(paths) > 3 else ""
         )
@@ -131,6 +131,19 @@ def _format_types(ckpt: Checkpoint) -> str:
     else:
         lines.append("Checkpoint(path).load(trust=[]) rebuilds it: every class and function is trusted by default.")
     return "\n".join(lines)
+
+
+def _trusted_as(name: str) -> str:
+    """What `trust=[...]` names for the recorded `module:qualname`: the class
+    or function itself, or where its module is private to a package
+    (`optax._src.base`), that package (`optax`), which trusts what is defined
+    in it and below, as its users import it."""
+    module, _, _ = name.partition(":")
+    parts = module.split(".")
+    private = next((i for i, part in enumerate(parts) if part.startswith("_")), None)
+    if private is None or private == 0:
+        return from_file(name.replace(":", "."))
+    return from_file(".".join(parts[:private]))
 
 
 def _format_steps(given: str, manager: CheckpointManager, steps: list[int]) -> str:
