@@ -503,6 +503,17 @@ def test_leaves_are_matched_by_content_never_by_name(tmp_path):
     assert sorted(_tensors(tmp_path / "ft")) == ["as_ints", "b", "flat", "lora.a"]
     _assert_same(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", _like(tree)), tree)
     _assert_same(eqx_ckpt.Checkpoint(tmp_path / "ft").load(trust=[]), tree)
+    # `diff` of the base and the fine-tune pairs the re-wrapped weight with the
+    # base's, read and found the same bytes (issue 88.7g); `bias` is added beside
+    # a `b` in both, so no leaf moved.
+    changes = eqx_ckpt.diff(tmp_path / "base", tmp_path / "ft")
+    assert changes.rewrapped == (("w", "lora.w"),)
+    assert "+ lora.w: the same bytes as `w`, re-wrapped" in list(changes)
+    assert "- w: the same bytes now at `lora.w`" in list(changes)
+    assert "! b: values differ" in list(changes) and "zeros" in changes.removed
+    back = eqx_ckpt.diff(tmp_path / "ft", tmp_path / "base")
+    assert back.rewrapped == (("lora.w", "w"),)
+    assert eqx_ckpt.diff(tmp_path / "base", tmp_path / "ft", values=False).rewrapped == ()
     # A base given as a `Checkpoint` is the same base: the same record.
     eqx_ckpt.export_safetensors(tmp_path / "ft2", tree, base=eqx_ckpt.Checkpoint(tmp_path / "base"))
     assert (tmp_path / "ft2" / "eqx_ckpt.json").read_bytes() == (tmp_path / "ft" / "eqx_ckpt.json").read_bytes()

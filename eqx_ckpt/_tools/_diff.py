@@ -41,6 +41,11 @@ class CheckpointDiff:
         static value (a hyperparameter such as an MLP's `depth`), a function
         (`jax.nn.relu -> jax.nn.gelu`); compared where both checkpoints record
         their structure (format 5 on). Lines `* key: ...`.
+    - `rewrapped`: `(key in the first, key in the second)` pairs of a leaf
+        removed and one added that hold the same bytes, where one checkpoint
+        is a fine-tune that takes the leaf from the other under another key
+        path (a weight re-wrapped, as a LoRA wrapper does, or renamed):
+        compared with `values=True` only. Their `+`/`-` lines say so.
     - `magnitudes`: for each of `values`, how far apart they are:
         `(max_abs, relative)`, the largest `|a - b|` and `‖a - b‖ / ‖a‖`
         (2-norms over the whole leaf; `inf` where `‖a‖` is 0; NaN where a
@@ -68,6 +73,7 @@ class CheckpointDiff:
     changed: tuple[tuple[str, str], ...] = ()
     values: tuple[str, ...] = ()
     structure: tuple[tuple[str, str], ...] = ()
+    rewrapped: tuple[tuple[str, str], ...] = ()
     magnitudes: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict, hash=False)
     equal: int = 0
     nbytes: int = 0
@@ -77,7 +83,13 @@ class CheckpointDiff:
         """One sorted line per difference (what iterating gives); with
         `magnitudes=True`, each `!` line also says how far apart the values
         are (as `eqx-ckpt diff` prints it)."""
-        out = [(k, f"+ {k}") for k in self.added] + [(k, f"- {k}") for k in self.removed]
+        now = {a: b for a, b in self.rewrapped}
+        before = {b: a for a, b in self.rewrapped}
+        out = [
+            (k, f"+ {k}" + (f": the same bytes as `{before[k]}`, re-wrapped" if k in before else ""))
+            for k in self.added
+        ]
+        out += [(k, f"- {k}" + (f": the same bytes now at `{now[k]}`" if k in now else "")) for k in self.removed]
         out += [(k, f"~ {k}: {what}") for k, what in self.changed]
         out += [(k, f"! {k}: values differ{self._magnitude(k) if magnitudes else ''}") for k in self.values]
         out += [(k, f"* {k or '(the root)'}: {what}") for k, what in self.structure]
@@ -161,9 +173,13 @@ def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None, toke
             same.append((ra, rb))
     differ: dict[str, tuple[float, float]] = {}
     nbytes = sum(ra.nbytes for ra, _ in same)
+    moved = _moved(source_a.manifest, source_b.manifest, recs_a, recs_b) if values else []
     if values:
-        with Tracker(progress, leaves=len(same), nbytes=nbytes, what="diff") as tracker:
-            differ = _compare_values(source_a, source_b, same, tracker)
+        pairs = same + [(recs_a[x], recs_b[y]) for x, y in moved]
+        total = nbytes + sum(recs_a[x].nbytes for x, _ in moved)
+        with Tracker(progress, leaves=len(pairs), nbytes=total, what="diff") as tracker:
+            differ = _compare_values(source_a, source_b, pairs, tracker)
+        moved = [(x, y) for x, y in moved if differ.pop(x, None) is None]
     structure = _rebuild.differences(source_a.manifest, source_b.manifest, source_a.loc.display, source_b.loc.display)
     return CheckpointDiff(
         added=tuple(sorted(set(recs_b) - set(recs_a))),
@@ -171,11 +187,29 @@ def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None, toke
         changed=tuple(changed),
         values=tuple(sorted(differ)),
         structure=tuple(structure),
+        rewrapped=tuple(moved),
         magnitudes=differ,
         equal=len(same) - len(differ) if values else 0,
         nbytes=nbytes if values else 0,
         changed_nbytes=sum(recs_a[path].nbytes for path in differ),
     )
+
+
+def _moved(
+    manifest_a: Any, manifest_b: Any, recs_a: dict[str, LeafRecord], recs_b: dict[str, LeafRecord]
+) -> list[tuple[str, str]]:
+    """`(key in a, key in b)` of each leaf only in one that a fine-tune (either
+    one) records as taken from a leaf only in the other, under another key,
+    of the same shape and dtype: to be compared (`CheckpointDiff.rewrapped`)."""
+    pairs = set()
+    for manifest, flip in ((manifest_b, False), (manifest_a, True)):
+        family = getattr(manifest, "family", None)
+        for key, taken in ({} if family is None else family.references).items():
+            x, y = (key, taken) if flip else (taken, key)
+            if x in recs_a and y in recs_b and x not in recs_b and y not in recs_a:
+                if _signature(recs_a[x]) == _signature(recs_b[y]):
+                    pairs.add((x, y))
+    return sorted(pairs)
 
 
 def _signature(record: LeafRecord) -> str:
