@@ -510,9 +510,14 @@ def test_an_interrupt_while_the_manifest_is_written_never_commits_a_checkpoint_w
     future's would land."""
     old, new = {"w": np.zeros(64, np.float32), "n": 1}, {"w": np.ones(64, np.float32), "n": 2}
     eqx_ckpt.tree_serialise_leaves(tmp_path, old)
-    interrupt_after(0.2)
-    # The interrupt lands while the write waits here.
-    with _faults.armed("commit.manifest_write", lambda loc, name: time.sleep(0.5)):
+
+    def held_back(loc, name):
+        # The interrupt lands while the write waits here: timed from the write's
+        # start, so a busy machine's slower save cannot land it before.
+        interrupt_after(0.1)
+        time.sleep(0.5)
+
+    with _faults.armed("commit.manifest_write", held_back):
         with pytest.raises(_Interrupt):
             eqx_ckpt.tree_serialise_leaves(tmp_path, new)
         time.sleep(0.6)  # anything still in flight has landed by now
