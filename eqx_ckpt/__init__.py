@@ -1,6 +1,7 @@
 """eqx_ckpt: Equinox checkpoints that know where each leaf lives."""
 
 import importlib as _importlib
+import types as _types
 
 TYPE_CHECKING = False  # as `typing.TYPE_CHECKING` (type checkers know the name), without importing `typing`
 
@@ -53,47 +54,49 @@ if TYPE_CHECKING:
     from ._tools._publish import push_to_hub as push_to_hub
     from ._tools._verify import Problem as Problem, verify as verify
 
-_PUBLIC = {
-    "CheckpointConnectionError": "._base._errors",
-    "CheckpointError": "._base._errors",
-    "CheckpointExistsError": "._base._errors",
-    "CheckpointKeyError": "._base._errors",
-    "CheckpointNotFoundError": "._base._errors",
-    "CheckpointReplacedError": "._base._errors",
-    "CheckpointStorageError": "._base._errors",
-    "CheckpointTypeError": "._base._errors",
-    "CheckpointValueError": "._base._errors",
-    "CheckpointVersionError": "._base._errors",
-    "CorruptCheckpointError": "._base._errors",
-    "IntegrityError": "._base._errors",
-    "LeafError": "._base._errors",
-    "UntrustedError": "._base._errors",
-    "LeafHandle": "._base._handle",
-    "torch_layout": "._foreign._torch",
-    "Checkpoint": "._load._checkpoint",
-    "skeleton": "._load._checkpoint",
-    "default_deserialise_filter_spec": "._load._deserialise",
-    "materialise": "._load._deserialise",
-    "tree_deserialise_leaves": "._load._deserialise",
-    "LazyArray": "._load._lazy",
-    "StaticFieldWarning": "._load._rebuild",
-    "load_or_initialise": "._manage._initialise",
-    "CheckpointManager": "._manage._manager",
-    "RetentionWarning": "._manage._retention",
-    "PendingSave": "._save._serialise",
-    "default_serialise_filter_spec": "._save._serialise",
-    "tree_serialise_leaves": "._save._serialise",
-    "IntegrityWarning": "._store._share",
-    "CommitWarning": "._store._transaction",
-    "NeedsCodeWarning": "._tools._card",
-    "CheckpointDiff": "._tools._diff",
-    "diff": "._tools._diff",
-    "export_safetensors": "._tools._export",
-    "convert_eqx_file": "._tools._migrate",
-    "push_to_hub": "._tools._publish",
-    "Problem": "._tools._verify",
-    "verify": "._tools._verify",
-}
+_PUBLIC = _types.MappingProxyType(
+    {
+        "CheckpointConnectionError": "._base._errors",
+        "CheckpointError": "._base._errors",
+        "CheckpointExistsError": "._base._errors",
+        "CheckpointKeyError": "._base._errors",
+        "CheckpointNotFoundError": "._base._errors",
+        "CheckpointReplacedError": "._base._errors",
+        "CheckpointStorageError": "._base._errors",
+        "CheckpointTypeError": "._base._errors",
+        "CheckpointValueError": "._base._errors",
+        "CheckpointVersionError": "._base._errors",
+        "CorruptCheckpointError": "._base._errors",
+        "IntegrityError": "._base._errors",
+        "LeafError": "._base._errors",
+        "UntrustedError": "._base._errors",
+        "LeafHandle": "._base._handle",
+        "torch_layout": "._foreign._torch",
+        "Checkpoint": "._load._checkpoint",
+        "skeleton": "._load._checkpoint",
+        "default_deserialise_filter_spec": "._load._deserialise",
+        "materialise": "._load._deserialise",
+        "tree_deserialise_leaves": "._load._deserialise",
+        "LazyArray": "._load._lazy",
+        "StaticFieldWarning": "._load._rebuild",
+        "load_or_initialise": "._manage._initialise",
+        "CheckpointManager": "._manage._manager",
+        "RetentionWarning": "._manage._retention",
+        "PendingSave": "._save._serialise",
+        "default_serialise_filter_spec": "._save._serialise",
+        "tree_serialise_leaves": "._save._serialise",
+        "IntegrityWarning": "._store._share",
+        "CommitWarning": "._store._transaction",
+        "NeedsCodeWarning": "._tools._card",
+        "CheckpointDiff": "._tools._diff",
+        "diff": "._tools._diff",
+        "export_safetensors": "._tools._export",
+        "convert_eqx_file": "._tools._migrate",
+        "push_to_hub": "._tools._publish",
+        "Problem": "._tools._verify",
+        "verify": "._tools._verify",
+    }
+)
 __all__ = sorted(_PUBLIC)  # `from eqx_ckpt import *` as before
 
 

@@ -16,8 +16,8 @@ import threading
 
 def _interrupted_while_starting(signum: int, frame: Any) -> None:
     """Ctrl-C during the imports below: one line and exit 130, as `main` ends a command."""
-    os.write(2, b"eqx-ckpt: interrupted\n")
-    os._exit(130)
+    print("eqx-ckpt: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)  # at once: nothing has begun that needs finishing
 
 
 # The imports below (JAX's among them) take a second or two. A Ctrl-C there
