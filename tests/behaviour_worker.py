@@ -30,6 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import eqx_ckpt  # noqa: E402
+from eqx_ckpt import Checkpoint as _public_names  # noqa: E402, F401  (imports them all, outside the traces: `import eqx_ckpt` is lazy)
 
 PACKAGE = pathlib.Path(eqx_ckpt.__file__).resolve().parent
 HELPERS = {"_errors", "_faults", "_format"}

@@ -629,3 +629,65 @@ def test_ls_types_suggests_a_private_modules_public_package(tmp_path, monkeypatc
     assert lines[-1] == "Checkpoint(path).load(trust=[optax]) rebuilds it (import them first)."
     rebuilt = eqx_ckpt.Checkpoint("run").load(trust=[optax])
     assert eqx.tree_equal(rebuilt, state, typematch=True)
+
+
+def _python_start() -> float:
+    """Seconds Python takes to start and end here, now: `eqx-ckpt`'s own code
+    runs a few hundredths of a second later (after `import eqx_ckpt`, which
+    imports no JAX)."""
+    began = time.monotonic()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    return time.monotonic() - began
+
+
+@pytest.mark.parametrize("moment", [0.1, 0.5, 1.0, 2.0])
+def test_ctrl_c_during_start_up_prints_one_line_and_exits_130(tmp_path, moment):
+    """Issue 88, point 5: Ctrl-C in a command's first second or two (its
+    imports of JAX) printed a traceback and exited -2, or blamed jaxlib's
+    extension. A real SIGINT to the installed console script at several
+    moments of its start-up (the first no earlier than its own code runs:
+    Python's start-up is Python's); later, in its work, is the test above's."""
+    first = max(0.1, 3 * _python_start()) if moment == 0.1 else moment
+    process = subprocess.Popen(
+        [EXE, "demo", "--steps", "100000000", "--dir", str(tmp_path / "demo")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(first)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()  # (one the signal did not end would train on for hours)
+    assert process.returncode == 130, (out, err)
+    assert "Traceback" not in err and re.fullmatch(r"eqx-ckpt( demo)?: interrupted\n", err), err
+
+
+def test_export_of_a_manager_directory_takes_step_and_best_as_push_does(tmp_path, monkeypatch, capsys):
+    """Issue 88, point 6: `eqx-ckpt export` of a manager's directory said there
+    was no checkpoint, where `push`, `ls`, `info`, `diff` and `verify` know
+    one. It takes `--step N` and `--best` as `push` does, and without either
+    names the steps to export."""
+    with eqx_ckpt.CheckpointManager(tmp_path / "run", max_to_keep=3, best_n=1, best_metric="val_loss") as manager:
+        for step, loss in [(1, 0.5), (2, 0.0576), (3, 0.25)]:
+            manager.save(step, {"w": np.full(3, float(step))}, metrics={"val_loss": loss})
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "run", "out"]) == 2
+    assert capsys.readouterr().err == (
+        "eqx-ckpt export: run is a CheckpointManager directory of 3 steps (1, 2, 3), not one checkpoint: export one "
+        "of its steps, e.g. `eqx-ckpt export run/step_00000003 out` (the latest), `run/step_00000002` (the best: "
+        "val_loss=0.0576), or pass `--step N` or `--best`.\n"
+    )
+    assert not (tmp_path / "out").exists()
+    assert main(["export", "run", "best", "--best"]) == 0
+    assert main(["export", "run", "first", "--step", "1"]) == 0
+    assert np.asarray(eqx_ckpt.Checkpoint("best")["w"]).tolist() == [2.0] * 3
+    assert np.asarray(eqx_ckpt.Checkpoint("first")["w"]).tolist() == [1.0] * 3
+    assert eqx_ckpt.Checkpoint("best").info["metrics"] == {"val_loss": 0.0576}
+    capsys.readouterr()
+    assert main(["export", "run", "out", "--step", "7"]) == 2
+    assert "run is a CheckpointManager directory of 3 steps (1, 2, 3), and no step 7: pass one of them." in (
+        capsys.readouterr().err
+    )
+    assert main(["export", "run", "out", "--step", "1", "--best"]) == 2  # one or the other

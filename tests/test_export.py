@@ -448,3 +448,31 @@ def test_cli_export_fills_the_card(tmp_path):
     card = (tmp_path / "out" / "README.md").read_text()
     assert card.startswith('---\nlibrary_name: eqx_ckpt\nlicense: "mit"\nbase_model:\n- "me/base"\n- "me/other"\n')
     assert "The model's code (its classes, for `trust`): `pip install mypkg`.\n" in card
+
+
+def test_published_files_name_no_path_of_the_machine_that_wrote_them(tmp_path, monkeypatch):
+    """Issue 88, point 9: an export wrote its folder's absolute path into
+    `README.md` (`Checkpoint("/tmp/...")`) and into a fine-tune's metadata
+    (`eqx_ckpt.standalone`). Exports by absolute paths, from Python and from
+    the CLI, a base and a fine-tune of it: no byte of any file written holds
+    the folder's path, its parents', the home directory or the working one."""
+    root = (tmp_path / "exporter-8f3c1a-private").resolve()
+    root.mkdir()
+    monkeypatch.chdir(tmp_path)
+    base = {"w": np.ones(300, np.float32), "b": np.zeros(3, np.float32)}
+    eqx_ckpt.export_safetensors(root / "base", base)
+    eqx_ckpt.export_safetensors(root / "tuned", dict(base, b=np.ones(3, np.float32)), base=root / "base")
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", base)
+    assert main(["export", str(tmp_path / "ckpt"), str(root / "cli")]) == 0
+    assert main(["export", str(root / "tuned"), str(root / "whole"), "--standalone"]) == 0
+    assert eqx_ckpt.Checkpoint(root / "tuned").base is not None  # a fine-tune indeed
+    places = {str(root), str(tmp_path), str(tmp_path.parent), str(pathlib.Path.home()), str(pathlib.Path.cwd())}
+    places |= {str(root.relative_to(root.anchor))}  # the path without its leading slash
+    places = {place for place in places if len(place) > 1}  # a home of "/" is in every path
+    written = [path for path in root.rglob("*") if path.is_file()]
+    assert {path.parent.name for path in written} == {"base", "tuned", "cli", "whole"}
+    for path in written:
+        data = path.read_bytes()
+        assert not [place for place in places if place.encode() in data], path
+    card = (root / "tuned" / "README.md").read_text()
+    assert 'Checkpoint("tuned")' in card and "export --standalone tuned <folder>" in card

@@ -257,12 +257,13 @@ def _label(folder: pathlib.Path, name: str) -> dict[str, str]:
             "model: eqx_ckpt reads the other tensors from the base."
         ),
         "eqx_ckpt.base": os.path.join("..", "base"),
-        "eqx_ckpt.standalone": f"eqx-ckpt export --standalone {folder} <folder>",
+        # The folder by its name (issue 88, point 9): run where it is.
+        "eqx_ckpt.standalone": f"eqx-ckpt export --standalone {folder.name} <folder>",
     }
     return metadata
 
 
-def test_a_finetunes_files_say_what_they_hold(family):
+def test_a_finetunes_files_say_what_they_hold(family, monkeypatch):
     """Its tensors are in `finetune.safetensors`, never under the name a
     loader takes for a whole model; the file's metadata names the base and
     the command that makes a standalone copy."""
@@ -278,6 +279,7 @@ def test_a_finetunes_files_say_what_they_hold(family):
     assert eqx_ckpt.verify(family.finetune) == []
     # The command does what it says: a copy that loads with the base gone.
     argv = shlex.split(command.replace("<folder>", str(family.finetune.parent / "whole")))
+    monkeypatch.chdir(family.finetune.parent)  # the command names the folder by its name
     assert argv[0] == "eqx-ckpt" and main(argv[1:]) == 0
     assert _files(family.finetune.parent / "whole") == ["eqx_ckpt.json", "model.safetensors"]
     with safe_open(str(family.finetune.parent / "whole" / "model.safetensors"), framework="np") as f:
@@ -320,7 +322,7 @@ def test_a_finetunes_label_keeps_the_users_metadata_and_its_bytes_are_the_same_e
     eqx_ckpt.export_safetensors(tmp_path / "my ft", _finetuned(tree), base=tmp_path / "base")
     with safe_open(str(tmp_path / "my ft" / "finetune.safetensors"), framework="np") as f:
         command = f.metadata()["eqx_ckpt.standalone"]
-    assert shlex.split(command) == ["eqx-ckpt", "export", "--standalone", str(tmp_path / "my ft"), "<folder>"]
+    assert shlex.split(command) == ["eqx-ckpt", "export", "--standalone", "my ft", "<folder>"]
 
 
 @pytest.mark.parametrize("sharded", [False, True])
@@ -1074,7 +1076,7 @@ def test_a_finetune_moved_with_its_base_still_loads(tmp_path):
         eqx_ckpt.Checkpoint(tmp_path / "ft").load(trust=[Classifier])
 
 
-def test_the_card_of_a_finetune_says_it_needs_its_base_and_how_to_do_without(tmp_path, capsys):
+def test_the_card_of_a_finetune_says_it_needs_its_base_and_how_to_do_without(tmp_path, capsys, monkeypatch):
     tree = _base_tree()
     eqx_ckpt.export_safetensors(tmp_path / "base", tree)
     finetuned = _finetuned(tree)
@@ -1086,7 +1088,8 @@ def test_the_card_of_a_finetune_says_it_needs_its_base_and_how_to_do_without(tmp
     # The command it shows makes a copy that needs no base.
     command = re.search(r"`(eqx-ckpt export --standalone [^`]*)`", card).group(1)
     argv = shlex.split(command.replace("<folder>", shlex.quote(str(tmp_path / "alone"))))
-    assert argv[:3] == ["eqx-ckpt", "export", "--standalone"] and argv[3] == str(tmp_path / "ft")
+    assert argv[:3] == ["eqx-ckpt", "export", "--standalone"] and argv[3] == "ft"  # by its name (issue 88.9)
+    monkeypatch.chdir(tmp_path)
     assert main(argv[1:]) == 0
     shutil.rmtree(tmp_path / "base")
     _assert_same(eqx_ckpt.Checkpoint(tmp_path / "alone").load(trust=[Classifier]), finetuned)

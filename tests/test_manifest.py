@@ -324,3 +324,53 @@ def test_the_structure_texts_are_those_of_the_json_encoders():
         assert text == whole == _manifest.encode_structure(record)
         assert string == orjson.dumps(whole)
         assert json.loads(json.loads(string)) == record
+
+
+def _newer_layouts(body):
+    """A manifest of version 99 written in ways this version's are not: no
+    trailing digest and its fields in another order; its digest after the
+    JSON, outside it; its version last, behind the leaves."""
+    body = dict(body, format_version=99)
+    digest = body.pop("digest")
+    reordered = json.dumps({key: body[key] for key in reversed(list(body))}, indent=2).encode()
+    trailer = json.dumps(body).encode() + b"\n" + digest.encode() + b"\n"
+    last = dict(body)
+    last["format_version"] = last.pop("format_version")
+    return {"reordered": reordered, "trailer": trailer, "version_last": json.dumps(last).encode() + b"\x00"}
+
+
+@pytest.mark.parametrize("layout", ["reordered", "trailer", "version_last"])
+def test_a_newer_manifest_in_another_layout_is_refused_by_its_version(tmp_path, capsys, layout):
+    """Issue 88, point 8: a manifest of a newer format that did not end as this
+    version's do was called damaged ("it does not end with its digest"). Its
+    version is read first, and only its version: every reader says
+    `CheckpointVersionError`, and `verify` exits 2, not 1."""
+    from eqx_ckpt._tools._cli import main
+
+    tree = _save(tmp_path)
+    (tmp_path / "manifest.json").write_bytes(_newer_layouts(_body(tmp_path))[layout])
+    for read in (
+        lambda: eqx_ckpt.Checkpoint(tmp_path),
+        lambda: eqx_ckpt.tree_deserialise_leaves(tmp_path, tree),
+        lambda: eqx_ckpt.tree_deserialise_leaves(tmp_path),
+    ):
+        with pytest.raises(eqx_ckpt.CheckpointVersionError, match="format version 99") as info:
+            read()
+        assert not isinstance(info.value, eqx_ckpt.CorruptCheckpointError)
+    capsys.readouterr()
+    for command, code in (("ls", 2), ("info", 2), ("verify", 2)):
+        assert main([command, str(tmp_path)]) == code, command
+        out, err = capsys.readouterr()
+        assert "format version 99" in out + err and "damaged" not in err, (command, out, err)
+
+
+def test_only_the_top_level_version_is_read_before_the_digest():
+    """The version read first is the top-level `format_version` only: one in
+    a nested object or a string does not count, and the rest of an edited
+    file is still judged (a current version with a broken digest is damage)."""
+    assert _manifest.declared_version(b'{"format": "eqx_ckpt", "format_version": 5, "x": 1}') == 5
+    nested = b'{"m": {"format_version": 99}, "s": "\\"format_version\\": 98", "format_version": 4}'
+    assert _manifest.declared_version(nested) == 4
+    assert _manifest.declared_version(b'{"m": {"format_version": 99}}') is None
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match="does not end with its digest"):
+        _manifest.parse(b'{"format": "eqx_ckpt", "format_version": 5, "m": {"format_version": 99}}', where="x")

@@ -244,3 +244,29 @@ def test_push_to_hub_writes_its_signature_once():
     keywords = {n: p.default for n, p in pushed.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert {n: fields.get(n, "not an option") for n in keywords} == keywords
     assert list(inspect.signature(_publish.publish).parameters) == ["tree_or_checkpoint_path", "options"]
+
+
+def test_the_names_type_checkers_see_are_the_names_imported_on_first_use():
+    """`import eqx_ckpt` imports its public names on first use (`_PUBLIC`,
+    issue 88.5); type checkers read them from an `if TYPE_CHECKING:` block. The
+    two lists are one: each name from the same module."""
+    import ast
+
+    source = pathlib.Path(eqx_ckpt.__file__).read_text()
+    (block,) = [
+        node
+        for node in ast.parse(source).body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    ]
+    seen = {
+        alias.asname: "." * node.level + (node.module or "")
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert all(
+        alias == name
+        for alias, name in ((a.asname, a.name) for n in block.body if isinstance(n, ast.ImportFrom) for a in n.names)
+    )
+    assert seen == dict(eqx_ckpt._PUBLIC)
+    assert sorted(seen) == eqx_ckpt.__all__

@@ -203,7 +203,7 @@ def test_the_cards_snippet_works_as_written(folder, tmp_path):
     card = (folder / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: eqx_ckpt\ntags:\n- jax\n- equinox\n---\n")
     snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
-    assert f'eqx_ckpt.Checkpoint("{folder}").load(trust=[])' in snippet
+    assert f'eqx_ckpt.Checkpoint("{folder.name}").load(trust=[])' in snippet  # by its name (issue 88.9)
     check = snippet + textwrap.dedent(
         """
         import equinox as eqx
@@ -211,7 +211,7 @@ def test_the_cards_snippet_works_as_written(folder, tmp_path):
               model["model"].layers[0].weight))
         """
     )
-    run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=tmp_path, env=_env())
+    run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=folder.parent, env=_env())
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["MLP", "7", "True"]
 

@@ -409,7 +409,18 @@ def read_document(
     """The JSON object of a manifest or an `eqx_ckpt.json`, and its format
     version: bounded in bytes, parsed by `loads_file`, saying `"format": fmt`
     and a version from 1 to `newest`. A newer version is a
-    `CheckpointVersionError` (naming the file as `named`); any other problem, `bad(why)`."""
+    `CheckpointVersionError` (naming the file as `named`); any other problem, `bad(why)`.
+
+    The version is read first (`declared_version`), before anything else of
+    the file is judged: a newer format may write everything else differently,
+    its digest too, and must not be called damaged for that."""
+    version = declared_version(data)
+    if version is not None and version > newest:
+        raise CheckpointVersionError(
+            f"{named} says format version {version}, which is not one this eqx_ckpt reads (up to {newest}): a newer "
+            f"eqx_ckpt wrote it, and nothing is wrong with the checkpoint. {UPGRADE} to load it.",
+            path=where,
+        )
     if len(data) > MAX_MANIFEST_BYTES:
         raise bad(f"it is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
     try:
@@ -419,15 +430,34 @@ def read_document(
     if not isinstance(body, dict) or body.get("format") != fmt:
         raise bad(f'it does not say `"format": "{fmt}"`')
     version = body.get("format_version")
-    if type(version) is int and version > newest:
-        raise CheckpointVersionError(
-            f"{named} says format version {version}, which is not one this eqx_ckpt reads (up to {newest}): a newer "
-            f"eqx_ckpt wrote it, and nothing is wrong with the checkpoint. {UPGRADE} to load it.",
-            path=where,
-        )
-    if type(version) is not int or version < 1:
+    if type(version) is not int or not 1 <= version <= newest:
         raise bad(f"format version {version!r} is not one this eqx_ckpt reads (up to {newest})")
     return body, version
+
+
+# The tokens that say where a JSON text's top level is: strings (skipped
+# whole, so that no bracket or key inside one counts) and brackets.
+_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[{}\[\]]', re.DOTALL)
+_VERSION_VALUE = re.compile(rb"\s*:\s*(\d{1,9})\s*[,}]")
+
+
+def declared_version(data: bytes) -> int | None:
+    """The `format_version` that the top-level JSON object of `data` declares,
+    read without parsing the rest: nothing else of the file is trusted or
+    judged by it (an edited file that declares a newer version is refused
+    all the same), and it reads at most `MAX_MANIFEST_BYTES`. `None` where
+    none is found (the full parse then says what is wrong)."""
+    depth = 0
+    for token in _TOKENS.finditer(data, 0, MAX_MANIFEST_BYTES):
+        text = token.group()
+        if text in (b"{", b"["):
+            depth += 1
+        elif text in (b"}", b"]"):
+            depth -= 1
+        elif depth == 1 and text == b'"format_version"':
+            value = _VERSION_VALUE.match(data, token.end())
+            return None if value is None else int(value.group(1))
+    return None
 
 
 def _parse_json(data: bytes, bad: Callable[[str], Exception], named: str, where: str) -> tuple[dict[str, Any], int]:

@@ -8,29 +8,56 @@ newer format too: no damage, but not checked), 130 interrupted (Ctrl-C).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
+import signal
 import sys
-from collections.abc import Sequence
-from typing import Any
+import threading
 
-from .. import __version__
-from .._base._errors import CheckpointError, CheckpointNotFoundError, CheckpointValueError, command_line, from_file
-from .._base._location import HUB_SCHEME, Location, location
-from .._load import _source
-from .._load._checkpoint import SMALL_VALUES, Checkpoint, human
-from .._load._rebuild import unrecordable_error
-from .._manage._manager import CheckpointManager
-from .._manage._retention import recorded_best
-from .._ondisk import _digests
-from .._ondisk._format import MANIFEST, step_name
-from .._store import _share
-from ._demo import run
-from ._diff import diff
-from ._export import ExportOptions, export
-from ._publish import PushOptions, publish
-from ._verify import Problem, Problems, verify
+
+def _interrupted_while_starting(signum: int, frame: Any) -> None:
+    """Ctrl-C during the imports below: one line and exit 130, as `main` ends a command."""
+    print("eqx-ckpt: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)  # at once: nothing has begun that needs finishing
+
+
+# The imports below (JAX's among them) take a second or two. A Ctrl-C there
+# printed a traceback from inside them, or an error blaming jaxlib's extension
+# (issue 88): while they run, it ends the process at once (nothing has begun
+# that needs finishing). Only in the main thread and over Python's own handler,
+# which is back once they are done: a process importing this module with a
+# handler of its own keeps it. (`import eqx_ckpt` imports no JAX, so these
+# imports are the command's start-up.)
+_STARTING = (
+    threading.current_thread() is threading.main_thread()
+    and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+)
+if _STARTING:
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
+try:
+    import argparse
+    import json
+    from collections.abc import Sequence
+    from typing import Any
+
+    from .. import __version__
+    from .._base._errors import CheckpointError, CheckpointNotFoundError, CheckpointValueError, command_line, from_file
+    from .._base._location import HUB_SCHEME, Location, location
+    from .._load import _source
+    from .._load._checkpoint import SMALL_VALUES, Checkpoint, human
+    from .._load._rebuild import unrecordable_error
+    from .._manage._manager import CheckpointManager
+    from .._manage._retention import recorded_best
+    from .._ondisk import _digests
+    from .._ondisk._format import MANIFEST, step_name
+    from .._store import _share
+    from ._demo import run
+    from ._diff import diff
+    from ._export import ExportOptions, export
+    from ._publish import PushOptions, publish
+    from ._verify import Problem, Problems, verify
+finally:
+    if _STARTING:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _path(text: str) -> Any:
@@ -282,7 +309,7 @@ def _push(args: argparse.Namespace) -> int:
             token=args.token,
         ),
     )
-    published, report = publish(_push_source(args), options)
+    published, report = publish(_chosen(args, args.path, args.repo), options)
     unchanged = "" if published.changed else " (unchanged: the repository held this export already; nothing committed)"
     print(f"hf://{args.repo}@{published.commit}{unchanged}")
     _report(report)
@@ -296,53 +323,55 @@ def _report(report: str | None) -> None:
         print(printable(f"eqx-ckpt: {report}"), file=sys.stderr)
 
 
-def _push_source(args: argparse.Namespace) -> Checkpoint:
-    """The checkpoint at the path, or the step of the manager's directory there
-    (`--step`, `--best`); without either, an error naming its steps and the best."""
+def _chosen(args: argparse.Namespace, given: str, target: str) -> Checkpoint:
+    """What `export` and `push` read (`given`, written to `target`): the
+    checkpoint there, or the step of the manager's directory there that
+    `--step` or `--best` chooses; without either, an error naming its steps
+    and the best."""
     if args.step is None and not args.best:
         try:
-            return Checkpoint(_path(args.path), token=args.token, base=_with_base(args))
+            return Checkpoint(_path(given), token=args.token, base=_with_base(args))
         except CheckpointNotFoundError as missing:
-            manager, steps = _manager_steps(args.path, missing)
-            raise CheckpointValueError(_push_hint(args, manager, steps)) from None
-    manager = CheckpointManager(_path(args.path))
+            manager, steps = _manager_steps(given, missing)
+            raise CheckpointValueError(_steps_hint(args, given, target, manager, steps)) from None
+    manager = CheckpointManager(_path(given))
     steps = manager.all_steps()
     if not steps:
         raise CheckpointNotFoundError(
-            f"{args.path} holds no step of a CheckpointManager: `--step` and `--best` choose one of its steps.",
-            path=args.path,
+            f"{given} holds no step of a CheckpointManager: `--step` and `--best` choose one of its steps.",
+            path=given,
         )
     step = manager.best_step() if args.best else args.step
     if step is None:
-        raise CheckpointValueError(f"No step of {args.path} has the metric that ranks its steps: pass `--step N`.")
+        raise CheckpointValueError(f"No step of {given} has the metric that ranks its steps: pass `--step N`.")
     if step not in steps:
-        raise CheckpointValueError(f"{_describe_steps(args.path, steps)}, and no step {step}: pass one of them.")
-    best = f" (the best: {_best_metric(args, manager, step)})" if args.best else ""
-    _report(f"pushing step {step} of {args.path}{best}")
-    return Checkpoint(manager.step_path(step))
+        raise CheckpointValueError(f"{_describe_steps(given, steps)}, and no step {step}: pass one of them.")
+    best = f" (the best: {_best_metric(given, manager, step)})" if args.best else ""
+    _report(f"{'exporting' if args.command == 'export' else 'pushing'} step {step} of {given}{best}")
+    return Checkpoint(manager.step_path(step), token=args.token, base=_with_base(args))
 
 
-def _best_metric(args: argparse.Namespace, manager: CheckpointManager, step: int) -> str:
+def _best_metric(given: str, manager: CheckpointManager, step: int) -> str:
     """`metric=value` of the best `step`, by the metric that ranks the manager's steps."""
-    metric = manager.best_metric or recorded_best(location(_path(args.path)))[0]
+    metric = manager.best_metric or recorded_best(location(_path(given)))[0]
     return f"{metric}={_metric(manager.metrics(step).get(metric or ''))}"
 
 
-def _push_hint(args: argparse.Namespace, manager: CheckpointManager, steps: list[int]) -> str:
-    """What to push of a manager's directory: its latest step, its best (by
-    the metric its retention record names, if any), or `--step`/`--best`."""
-    latest = _step_path(args.path, manager, steps[-1])
-    hint = f"`eqx-ckpt push {latest} {args.repo}` (the latest)"
+def _steps_hint(args: argparse.Namespace, given: str, target: str, manager: CheckpointManager, steps: list[int]) -> str:
+    """What to export or push of a manager's directory: its latest step, its
+    best (by the metric its retention record names, if any), or `--step`/`--best`."""
+    latest = _step_path(given, manager, steps[-1])
+    hint = f"`eqx-ckpt {args.command} {latest} {target}` (the latest)"
     try:
         best = manager.best_step()
     except CheckpointValueError:  # no metric ranks its steps
         best = None
     if best is not None:
-        hint += f", `{_step_path(args.path, manager, best)}` (the best: {_best_metric(args, manager, best)})"
+        hint += f", `{_step_path(given, manager, best)}` (the best: {_best_metric(given, manager, best)})"
     options = "`--step N` or `--best`" if best is not None else "`--step N`"
     return (
-        f"{_describe_steps(args.path, steps)}, not one checkpoint: push one of its steps, e.g. {hint}, or pass "
-        f"{options}."
+        f"{_describe_steps(given, steps)}, not one checkpoint: {args.command} one of its steps, e.g. {hint}, or "
+        f"pass {options}."
     )
 
 
@@ -503,7 +532,7 @@ def _export(args: argparse.Namespace) -> int:
         standalone=args.standalone,
         token=args.token,
     )
-    written = export(_path(args.out), Checkpoint(_path(args.ckpt), token=args.token, base=_with_base(args)), options)
+    written = export(_path(args.out), _chosen(args, args.ckpt, args.out), options)
     for name in written.names:
         print(name)
     _report(written.report)
@@ -521,7 +550,14 @@ STORAGE_HELP = (
 
 
 def _export_parser(commands: Any) -> None:
-    export = _reader(commands, "export", _export, "write a checkpoint as (Hugging Face sharded) safetensors", "ckpt")
+    export = _reader(
+        commands,
+        "export",
+        _export,
+        "write a checkpoint as (Hugging Face sharded) safetensors",
+        "ckpt",
+        "checkpoint directory (or a CheckpointManager's, with --step or --best), kvstore URL or spec",
+    )
     export.add_argument("out", help="output directory (or a path ending in .safetensors for one file)")
     export.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
     export.add_argument(
@@ -548,6 +584,7 @@ def _export_parser(commands: Any) -> None:
     )
     export.add_argument("--no-card", action="store_true", help="write no README.md (leave one there as it is)")
     _export_options(export, "export")
+    _step_options(export, "export")
 
 
 def _export_options(command: Any, verb: str) -> None:
@@ -610,12 +647,17 @@ def _push_parser(commands: Any) -> None:
     push.add_argument(
         "--tag", default=None, help="a tag to put on the commit, e.g. v1.0 (load it as hf://owner/name@v1.0)"
     )
-    chosen = push.add_mutually_exclusive_group()
-    chosen.add_argument("--step", type=int, default=None, help="of a CheckpointManager's directory, push this step")
-    chosen.add_argument(
-        "--best", action="store_true", help="of a CheckpointManager's directory, push the step with the best metric"
-    )
+    _step_options(push, "push")
     push.set_defaults(run=_push)
+
+
+def _step_options(command: Any, verb: str) -> None:
+    """`--step` and `--best`, of `export` and `push`: which step of a manager's directory to read."""
+    chosen = command.add_mutually_exclusive_group()
+    chosen.add_argument("--step", type=int, default=None, help=f"of a CheckpointManager's directory, {verb} this step")
+    chosen.add_argument(
+        "--best", action="store_true", help=f"of a CheckpointManager's directory, {verb} the step with the best metric"
+    )
 
 
 _PATH_HELP = "checkpoint directory, kvstore URL, or kvstore spec as JSON"
@@ -688,6 +730,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser().parse_args(argv)
     except SystemExit as e:
         return int(e.code) if isinstance(e.code, int) else 2
+    except KeyboardInterrupt:
+        print("eqx-ckpt: interrupted", file=sys.stderr)
+        return 130
     try:
         with command_line():  # (messages name this command's flags, `--base`, not the keywords, `base=`)
             code: Any = args.run(args)

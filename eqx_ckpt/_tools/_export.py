@@ -244,7 +244,7 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> Exported:
     stem = _safetensors.MODEL if family is None else _safetensors.FINETUNE
     names = [single] if single else _file_names(len(shards), stem)
     index = _safetensors.index_name(stem) if len(names) > 1 else None
-    shown = options.card_path if options.card_path is not None else _as_given(path, loc)
+    shown = options.card_path if options.card_path is not None else _portable(_as_given(path, loc))
     metadata = dict(options.metadata or {})
     if family is not None:
         metadata.update(_safetensors.finetune_metadata(family.base.path, family.base.revision, shown))
@@ -293,6 +293,15 @@ def export(path: Any, pytree: PyTree, options: ExportOptions) -> Exported:
     if report is not None:
         _LOG.info("%s: %s", shown, report)
     return Exported(names, report)
+
+
+def _portable(given: str) -> str:
+    """How the published files (the card, a fine-tune's metadata) name a
+    local folder: by its name, never by a path of the machine that wrote it
+    (issue 88: a card said `Checkpoint("/home/me/...")`); a URL as it is."""
+    if given.lstrip().startswith("{") or ("://" in given and not given.startswith("file://")):
+        return given
+    return os.path.basename(os.path.normpath(given.removeprefix("file://"))) or given
 
 
 def _as_given(path: Any, loc: Location) -> str:
