@@ -1,14 +1,16 @@
 """eqx_ckpt: Equinox checkpoints that know where each leaf lives."""
 
 import importlib as _importlib
+import os as _os
+import sys as _sys
 import types as _types
 
 TYPE_CHECKING = False  # as `typing.TYPE_CHECKING` (type checkers know the name), without importing `typing`
 
 # The public names, for readers and type checkers; at run time each is
-# imported on first use (`__getattr__`), from the module `_PUBLIC` names.
-# `import eqx_ckpt` imports no JAX (nor anything much), so that `eqx-ckpt` (`_tools/_cli.py`, below
-# this package) takes Ctrl-C during its start-up as at any later moment.
+# imported from the module `_PUBLIC` names (`__getattr__`): at once, below,
+# except in `eqx-ckpt`, whose `import eqx_ckpt` imports no JAX (nor anything
+# much), so that it takes Ctrl-C during its start-up as at any later moment.
 if TYPE_CHECKING:
     __version__: str
     from ._base._errors import (
@@ -127,3 +129,10 @@ def _version() -> str:
 
 
 del TYPE_CHECKING
+
+# A program that imports eqx_ckpt gets every public name at once, as it always
+# did: its heartbeat thread starts now (`_hosts._multihost`), so a process that
+# dies before its first save is still named. `eqx-ckpt` alone imports them
+# after its Ctrl-C handler is in place (`_tools._cli`).
+if _os.path.basename((getattr(_sys, "argv", None) or [""])[0]) not in ("eqx-ckpt", "eqx-ckpt.exe"):
+    __getattr__("Checkpoint")

@@ -144,6 +144,12 @@ def at_exit(fn: Callable[[], None]) -> None:
     _AT_EXIT.put(fn, None)
 
 
+def run_exit() -> None:
+    """What the interpreter's exit runs of eqx_ckpt's, now, for a program
+    about to end without that exit (`os._exit`)."""
+    _exit()
+
+
 def _exit() -> None:
     """Stop everything, in the order the module docstring gives."""
     for fn in list(_AT_EXIT):

@@ -40,6 +40,7 @@ try:
     from typing import Any
 
     from .. import __version__
+    from .._base import _threads
     from .._base._errors import CheckpointError, CheckpointNotFoundError, CheckpointValueError, command_line, from_file
     from .._base._location import HUB_SCHEME, Location, location
     from .._load import _source
@@ -724,6 +725,19 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def _end_interrupted() -> None:
+    """In the `eqx-ckpt` program itself, end at once with 130 once eqx_ckpt's
+    own exit work is done (saves in flight waited for, its threads stopped):
+    JAX's runtime, interrupted while it started, crashed the interpreter's
+    exit (SIGSEGV, seen on a Ctrl-C two seconds into `eqx-ckpt demo`)."""
+    if os.path.basename((sys.argv or [""])[0]) not in ("eqx-ckpt", "eqx-ckpt.exe"):
+        return  # (`main` called from Python: its caller goes on)
+    _threads.run_exit()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `eqx-ckpt` with `argv`; returns the exit code."""
     try:
@@ -742,6 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         # Ctrl-C: the user knows where; a traceback says nothing more.
         print(f"eqx-ckpt {args.command}: interrupted", file=sys.stderr)
+        _end_interrupted()
         return 130
     except BrokenPipeError:
         # The reader (`| head`) went away; that is not an error of ours. The
