@@ -134,5 +134,7 @@ del TYPE_CHECKING
 # did: its heartbeat thread starts now (`_hosts._multihost`), so a process that
 # dies before its first save is still named. `eqx-ckpt` alone imports them
 # after its Ctrl-C handler is in place (`_tools._cli`).
-if _os.path.basename((getattr(_sys, "argv", None) or [""])[0]) not in ("eqx-ckpt", "eqx-ckpt.exe"):
+# Whether this process is the `eqx-ckpt` program (its console script).
+_PROGRAM = _os.path.basename((getattr(_sys, "argv", None) or [""])[0]) in ("eqx-ckpt", "eqx-ckpt.exe")
+if not _PROGRAM:
     __getattr__("Checkpoint")

@@ -570,14 +570,19 @@ def test_diff_prints_magnitudes_and_totals_bounded(tmp_path):
     assert list(changes)[1] == "! k00: values differ"  # iterating stays as it was
 
 
+def _ranked_run(path) -> None:
+    """A manager's directory of 3 steps, the best (by `val_loss`) the second."""
+    with eqx_ckpt.CheckpointManager(path, max_to_keep=3, best_n=1, best_metric="val_loss") as manager:
+        for step, loss in [(1, 0.5), (2, 0.0576), (3, 0.25)]:
+            manager.save(step, {"w": np.full(3, float(step))}, metrics={"val_loss": loss})
+
+
 def test_push_of_a_manager_directory_names_its_steps_and_the_best(tmp_path, monkeypatch, capsys):
     """Issue 65 item 6: `eqx-ckpt push` of a manager's directory said there was
     no checkpoint. It names the steps to push: the latest, the best by the
     metric the run ranked steps by, or `--step N` / `--best`. (Before any
     Hub call: the hint needs no `huggingface_hub`.)"""
-    with eqx_ckpt.CheckpointManager(tmp_path / "run", max_to_keep=3, best_n=1, best_metric="val_loss") as manager:
-        for step, loss in [(1, 0.5), (2, 0.0576), (3, 0.25)]:
-            manager.save(step, {"w": np.full(3, float(step))}, metrics={"val_loss": loss})
+    _ranked_run(tmp_path / "run")
     monkeypatch.chdir(tmp_path)
     assert main(["push", "run", "me/model"]) == 2
     assert capsys.readouterr().err == (
@@ -669,9 +674,7 @@ def test_export_of_a_manager_directory_takes_step_and_best_as_push_does(tmp_path
     was no checkpoint, where `push`, `ls`, `info`, `diff` and `verify` know
     one. It takes `--step N` and `--best` as `push` does, and without either
     names the steps to export."""
-    with eqx_ckpt.CheckpointManager(tmp_path / "run", max_to_keep=3, best_n=1, best_metric="val_loss") as manager:
-        for step, loss in [(1, 0.5), (2, 0.0576), (3, 0.25)]:
-            manager.save(step, {"w": np.full(3, float(step))}, metrics={"val_loss": loss})
+    _ranked_run(tmp_path / "run")
     monkeypatch.chdir(tmp_path)
     assert main(["export", "run", "out"]) == 2
     assert capsys.readouterr().err == (

@@ -182,10 +182,7 @@ class BufferPool:
         i = self.next
         self.next = (i + 1) % self.count
         if i == len(self.buffers):
-            _faults.fire("load.pinned_pool", self.size)
-            self.buffers.append(self._pinned() if PINNED_LOAD_BUFFERS else fresh_bytes(self.size, huge=POOL_HUGE_PAGES))
-            self.pending.append([])
-            self.allocations += 1
+            self.fill()
         # Its copies to the devices are done: free to reuse. A copy may be the
         # caller's array by now (a leaf of one slab), deleted or donated since:
         # the load waited for it before returning it (`_reader._Reads.each`).

@@ -39,7 +39,7 @@ try:
     from collections.abc import Sequence
     from typing import Any
 
-    from .. import __version__
+    from .. import _PROGRAM, __version__
     from .._base import _threads
     from .._base._errors import CheckpointError, CheckpointNotFoundError, CheckpointValueError, command_line, from_file
     from .._base._location import HUB_SCHEME, Location, location
@@ -730,7 +730,7 @@ def _end_interrupted() -> None:
     own exit work is done (saves in flight waited for, its threads stopped):
     JAX's runtime, interrupted while it started, crashed the interpreter's
     exit (SIGSEGV, seen on a Ctrl-C two seconds into `eqx-ckpt demo`)."""
-    if os.path.basename((sys.argv or [""])[0]) not in ("eqx-ckpt", "eqx-ckpt.exe"):
+    if not _PROGRAM:
         return  # (`main` called from Python: its caller goes on)
     _threads.run_exit()
     sys.stdout.flush()
