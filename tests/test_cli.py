@@ -658,6 +658,8 @@ def test_ctrl_c_during_start_up_prints_one_line_and_exits_130(tmp_path, moment):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C's default, as in a terminal: a shell's background job inherits SIGINT ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         time.sleep(first)
@@ -665,6 +667,7 @@ def test_ctrl_c_during_start_up_prints_one_line_and_exits_130(tmp_path, moment):
         out, err = process.communicate(timeout=120)
     finally:
         process.kill()  # (one the signal did not end would train on for hours)
+        process.communicate()  # (its pipes closed here, not left to a later test's collector)
     assert process.returncode == 130, (out, err)
     assert "Traceback" not in err and re.fullmatch(r"eqx-ckpt( demo)?: interrupted\n", err), err
 
