@@ -652,14 +652,14 @@ def test_ctrl_c_during_start_up_prints_one_line_and_exits_130(tmp_path, moment):
     extension. A real SIGINT to the installed console script at several
     moments of its start-up (the first no earlier than its own code runs:
     Python's start-up is Python's); later, in its work, is the test above's."""
-    first = max(0.1, 3 * _python_start()) if moment == 0.1 else moment
+    start = _python_start()
+    first = start + (max(0.1, 3 * start) if moment == 0.1 else moment)
+    command = [EXE, "demo", "--steps", "100000000", "--dir", str(tmp_path / "demo")]
+    # Ctrl-C's default, as in a terminal (a shell's background job inherits SIGINT ignored), set by a
+    # small Python that then becomes the program: a `preexec_fn` would fork this JAX-holding process.
+    trampoline = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
     process = subprocess.Popen(
-        [EXE, "demo", "--steps", "100000000", "--dir", str(tmp_path / "demo")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        # Ctrl-C's default, as in a terminal: a shell's background job inherits SIGINT ignored.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        [sys.executable, "-c", trampoline, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         time.sleep(first)
