@@ -4,7 +4,7 @@
   as they are stored: Markdown cells as Markdown, code cells as Python blocks,
   the outputs saved with them as text or images; each page links to its
   `.ipynb`, which the site also serves. No notebook is run by the build and no
-  plugin is needed: `tests/test_notebooks.py` runs them.
+  plugin is needed: `tests/docs/test_notebooks.py` runs them.
 - The build refuses to run without ruff or black, which wrap signatures.
 - The footer names the package version (and the site links to the repository
   when `pyproject.toml` has a `[project.urls]` `Repository`), read from

@@ -2,7 +2,7 @@
 
 `python -m benchmarks.families [--mib 256] [--reps 3] [--finetunes 10]`
 
-Starts the local server the tests use (`tests/hub_server.py`, in a thread of
+Starts the local server the tests use (`tests/support/hub_server.py`, in a thread of
 this process), as `benchmarks.hub` does. The base is `--mib` MiB of float32
 body tensors of 16 MiB (tensor i holds i everywhere) and a head: a 1 MiB
 weight and a 1 KiB bias. Fine-tune i keeps the body and changes the head

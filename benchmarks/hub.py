@@ -2,7 +2,7 @@
 
 `python -m benchmarks.hub [--mib 1024] [--reps 3] [--shards 2] [--tree PATH]`
 
-Starts the local server the tests use (`tests/hub_server.py`, in a thread of
+Starts the local server the tests use (`tests/support/hub_server.py`, in a thread of
 this process; the loads run in other processes), publishes a model of `--mib`
 MiB (float32 tensors of 16 MiB, and a few small ones) with
 `eqx_ckpt.push_to_hub`, then times, each measurement in a fresh process with
@@ -116,7 +116,7 @@ def model(mib: int) -> dict[str, Any]:
 @contextlib.contextmanager
 def hub(directory: str) -> Iterator[tuple[str, Any, dict[str, str]]]:
     """The local Hub server, and the environment of a process that reaches it."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
     import hub_server
 
     with hub_server.serving() as (url, state):

@@ -7,7 +7,7 @@ Each notebook runs top to bottom in a fresh kernel whose temporary folder
 (`TMPDIR`, where the notebooks make their scratch folders) is a new empty
 folder, with progress bars off; a notebook whose run raises is not saved. The
 outputs are saved with that folder's path written as `<tmp>`, so no path of the
-machine that ran them is committed. `tests/test_notebooks.py` checks that the
+machine that ran them is committed. `tests/docs/test_notebooks.py` checks that the
 saved outputs are a fresh run's (`same_outputs`).
 """
 

@@ -18,7 +18,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 @pytest.fixture(scope="session", autouse=True)
 def _prefork_templates():
-    """The template processes `prefork` started (tests/test_hub.py), ended with the session."""
+    """The template processes `prefork` started (tests/sources/test_hub.py), ended with the session."""
     yield
     prefork.close()
 

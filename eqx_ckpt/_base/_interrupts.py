@@ -128,7 +128,7 @@ def outcome(future: Any) -> tuple[Any, BaseException | None, BaseException | Non
     `(value, error, interrupt)`: the result (`None` where it failed), the
     error, and the wait's first interrupt, for the caller to raise once the
     outcome is recorded. The one loop that waits through interrupts
-    (tests/test_architecture.py checks no other module has one).
+    (tests/package/test_architecture.py checks no other module has one).
     """
     interrupt: BaseException | None = None
     while True:

@@ -1,0 +1,221 @@
+"""A data pipeline's position saved with the tree (`_iterators`, issue 85),
+with real Grain pipelines and real files."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import equinox as eqx
+import grain
+import iterator_worker
+import jax.numpy as jnp
+import manifests
+import numpy as np
+import places
+import pytest
+
+import eqx_ckpt
+
+
+class Position:
+    """An iterator of the shape eqx_ckpt saves: any state it is given."""
+
+    def __init__(self, state, refuse=None):
+        self.state, self.refuse = state, refuse
+
+    def get_state(self):
+        return self.state
+
+    def set_state(self, state):
+        if self.refuse is not None:
+            raise ValueError(self.refuse)
+        self.state = state
+
+
+def _dataset():
+    return grain.MapDataset.range(11).shuffle(seed=7).map(lambda x: x * 3).batch(2)
+
+
+def _take(iterator, count):
+    return [np.asarray(next(iterator)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_map_dataset_iterators_resume_where_they_were(tmp_path, blocking):
+    ds = _dataset()
+    train, evaluation = iter(ds), iter(ds.repeat(3))
+    _take(train, 2), _take(evaluation, 9)  # the second one in its second epoch
+    tree = {"w": jnp.arange(3.0), "data": [train, {"eval": evaluation}]}
+    pending = eqx_ckpt.tree_serialise_leaves(tmp_path / "c", tree, blocking=blocking)
+    after = _take(train, 3), _take(evaluation, 6)  # taken after the save asked for the states
+    if pending is not None:
+        pending.wait()
+    like = {"w": jnp.zeros(3), "data": [iter(ds), {"eval": iter(ds.repeat(3))}]}
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", like)
+    assert out["data"][0] is like["data"][0] and out["data"][1]["eval"] is like["data"][1]["eval"]
+    assert eqx.tree_equal(out["w"], tree["w"], typematch=True)
+    resumed = _take(out["data"][0], 3), _take(out["data"][1]["eval"], 6)
+    assert eqx.tree_equal(resumed, after, typematch=True)
+
+
+def test_a_data_loader_iterator_resumes_over_epochs(tmp_path):
+    uninterrupted = iter(iterator_worker.loader())
+    expected = _take(uninterrupted, 7)  # three epochs of ten records, by four
+    run = iter(iterator_worker.loader())
+    _take(run, 4)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "c", {"step": 4, "data": run})
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert manifest["format_version"] == 7
+    assert [s["kind"] for s in manifest["iterators"][0]["states"]] == ["bytes"]  # as Grain gives it
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", {"step": 0, "data": iter(iterator_worker.loader())})
+    assert out["step"] == 4
+    assert eqx.tree_equal(_take(out["data"], 3), expected[4:], typematch=True)
+
+
+WORKER = places.SUPPORT / "iterator_worker.py"
+
+
+def _run(directory, out, *extra):
+    out.mkdir()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
+    command = [sys.executable, str(WORKER), str(directory), "7", str(out), *map(str, extra)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads((out / "batches.json").read_text())
+
+
+def test_a_preempted_run_resumes_its_data_and_ends_bit_for_bit(tmp_path):
+    whole = _run(tmp_path / "whole", tmp_path / "whole_out")
+    first = _run(tmp_path / "run", tmp_path / "first", 3)  # SIGTERM after step 3's batch
+    assert eqx_ckpt.CheckpointManager(tmp_path / "run").all_steps() == [2, 3]
+    second = _run(tmp_path / "run", tmp_path / "second")  # a fresh process resumes at step 4
+    assert len(first) == 4 and first + second == whole
+    a = eqx_ckpt.Checkpoint(tmp_path / "whole_out" / "model")
+    b = eqx_ckpt.Checkpoint(tmp_path / "second" / "model")
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert np.asarray(a[key]).tobytes() == np.asarray(b[key]).tobytes()
+
+
+@pytest.mark.parametrize(
+    "state, why",
+    [
+        (b"x" * (2**20 + 1), "it is 1048577 bytes, more than the 1048576 allowed"),
+        ({"next_index": (1, 2)}, "it holds a builtins.tuple, which is neither JSON nor bytes"),
+        ({"next_index": np.int64(3)}, "it holds a numpy.int64"),
+        ({1: 2}, "it is a dict with a key of type int (1), not str"),
+        ({"at": float("nan")}, "it holds nan, which JSON has no number for"),
+    ],
+)
+def test_a_state_that_cannot_be_saved_names_the_leaf_and_commits_nothing(tmp_path, state, why):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2)})
+    before = (tmp_path / "manifest.json").read_bytes()
+    for blocking in (True, False):
+        with pytest.raises(eqx_ckpt.LeafError, match=re.escape("['pipe'][0]") + ".*" + re.escape(why)):
+            eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2), "pipe": [Position(state)]}, blocking=blocking)
+    assert (tmp_path / "manifest.json").read_bytes() == before
+
+
+def _edit_states(path, edit):
+    body = json.loads((path / "manifest.json").read_text())
+    edit(body["iterators"][0]["states"])
+    (path / "manifest.json").write_bytes(manifests.sign(body))
+
+
+@pytest.mark.parametrize(
+    "edit, error, why",
+    [
+        (lambda s: s[0].update(data='{"next_index":9}'), eqx_ckpt.IntegrityError, "do not match their digest"),
+        (lambda s: s[0].update(kind="bytes"), eqx_ckpt.IntegrityError, "not base64"),
+        (lambda s: s[0].update(data="e30="), eqx_ckpt.IntegrityError, "do not match their digest"),
+        (lambda s: s[0].update(data="not base64!", kind="bytes"), eqx_ckpt.IntegrityError, "not base64"),
+        (lambda s: s.append(dict(s[0])), eqx_ckpt.LeafError, "saved by 2 JAX process(es), but 1 are loading it"),
+    ],
+)
+def test_a_damaged_or_foreign_state_is_an_error_naming_the_leaf(tmp_path, edit, error, why):
+    it = iter(_dataset())
+    _take(it, 2)
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2), "data": it})
+    _edit_states(tmp_path, edit)
+    fresh = iter(_dataset())
+    with pytest.raises(error, match=r"`data`.*" + re.escape(why)):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(2), "data": fresh})
+    assert fresh.get_state() == {"next_index": 0}  # never a silent restart, never half-set
+
+
+def test_a_manifest_whose_states_are_malformed_is_refused(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2), "data": Position({"at": 1})})
+    _edit_states(tmp_path, lambda s: s[0].update(data="x" * (2 * 2**20)))
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match="iterator #0: a state is not one of"):
+        eqx_ckpt.Checkpoint(tmp_path)
+
+
+def test_a_missing_state_is_an_error_unless_kept(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2)})
+    like = {"w": jnp.zeros(2), "data": Position({"at": 0})}
+    with pytest.raises(eqx_ckpt.LeafError, match=re.escape("['data']") + ".*its iterator state is not in"):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, missing="keep")
+    assert out["data"] is like["data"] and out["data"].state == {"at": 0}
+
+
+def test_a_refused_state_is_an_error_with_the_iterators_message(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2), "data": Position(b"\x00\xff")})
+    like = {"w": jnp.zeros(2), "data": Position(None, refuse="not my pipeline")}
+    with pytest.raises(eqx_ckpt.LeafError, match=r"`data`.*refused the saved state: ValueError: not my pipeline"):
+        eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(2), "data": Position(None)})
+    assert out["data"].state == b"\x00\xff"
+
+
+def test_a_load_that_does_not_select_the_iterator_leaves_it_alone(tmp_path):
+    saved = {"model": {"w": jnp.ones(2)}, "data": Position({"at": 5})}
+    eqx_ckpt.tree_serialise_leaves(tmp_path, saved)
+    like = {"model": {"w": jnp.zeros(2)}, "data": Position({"at": 0})}
+    for options in ({"where": lambda t: t["model"]}, {"where": lambda t: t["model"], "lazy": True}):
+        out = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, **options)
+        assert out["data"] is like["data"] and like["data"].state == {"at": 0}
+    fresh = Position({"at": 0})
+    assert eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(2)}, prefix="model")["w"].shape == (2,)
+    assert fresh.state == {"at": 0}
+    # A plain leaf where the iterator was is left as it is.
+    assert eqx_ckpt.tree_deserialise_leaves(tmp_path, {"model": {"w": jnp.zeros(2)}, "data": None})["data"] is None
+    # Selected alone, the iterator is loaded.
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, where=lambda t: t["data"])
+    assert like["data"].state == {"at": 5} and eqx.tree_equal(out["model"], like["model"])
+
+
+def test_a_partial_save_keeps_the_states_it_does_not_pick(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": Position({"at": 1}), "b": Position({"at": 2}), "w": jnp.ones(2)})
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": None, "b": Position({"at": 3}), "w": None}, where=lambda t: t["b"])
+    like = {"a": Position(None), "b": Position(None), "w": jnp.zeros(2)}
+    out = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
+    assert (out["a"].state, out["b"].state) == ({"at": 1}, {"at": 3})
+    assert eqx.tree_equal(out["w"], jnp.ones(2), typematch=True)
+
+
+def test_the_manager_saves_and_restores_a_step_with_its_data(tmp_path):
+    ds = _dataset()
+    with eqx_ckpt.CheckpointManager(tmp_path) as manager:
+        it = iter(ds)
+        for step in range(3):
+            _take(it, 1)
+            manager.save(step, {"w": jnp.full(2, float(step)), "data": it})
+        after = _take(it, 2)
+        out = manager.restore({"w": jnp.zeros(2), "data": iter(ds)})
+        assert eqx.tree_equal(_take(out["data"], 2), after, typematch=True)
+        out = manager.restore({"w": jnp.zeros(2), "data": iter(ds)}, step=0)
+        assert out["data"].get_state() == {"next_index": 1}
+
+
+def test_verify_checks_every_state_digest(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2), "data": Position({"at": 1})})
+    assert eqx_ckpt.verify(tmp_path) == []
+    _edit_states(tmp_path, lambda s: s[0].update(data='{"at":2}'))
+    (problem,) = eqx_ckpt.verify(tmp_path)
+    assert problem.leaf == "data" and "the state of process 0" in problem.message
+    assert "do not match their digest" in problem.message
