@@ -1,0 +1,159 @@
+"""Where every test that existed before the tests moved into folders (issue 89) is now.
+
+    python tests/support/moved.py
+
+collects the tests of `BEFORE`, the last commit with every test in one flat
+folder (in a temporary git worktree of it), and the tests of this checkout,
+and prints each test of then that has no place now: its file is mapped by
+`MOVED`, a test merged into another or renamed by `REPLACED`. It exits 1 if
+any has none. (tests/package/test_layout.py checks the table against the
+tree on every run; this script, which collects two suites, is run by hand.)"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BEFORE = "1bdaad95a1a6100fbe00dfa7b5e435db60a77780"
+
+# tests/<old file> -> tests/<new place>
+MOVED = {
+    "test_serialise.py": "save/test_serialise.py",
+    "test_async.py": "save/test_async.py",
+    "test_cast.py": "save/test_cast.py",
+    "test_partial.py": "save/test_partial.py",
+    "test_incremental.py": "save/test_incremental.py",
+    "test_pack.py": "save/test_pack.py",
+    "test_records.py": "save/test_records.py",
+    "test_staging.py": "save/test_staging.py",
+    "test_write.py": "save/test_write.py",
+    "test_compression.py": "save/test_compression.py",
+    "test_pinned_save.py": "save/test_pinned_save.py",
+    "test_progress.py": "save/test_progress.py",
+    "test_deserialise.py": "load/test_deserialise.py",
+    "test_lazy.py": "load/test_lazy.py",
+    "test_checkpoint.py": "load/test_checkpoint.py",
+    "test_select.py": "load/test_select.py",
+    "test_nested.py": "load/test_nested.py",
+    "test_read.py": "load/test_read.py",
+    "test_direct.py": "load/test_direct.py",
+    "test_pinned_load.py": "load/test_pinned_load.py",
+    "test_window.py": "load/test_window.py",
+    "test_properties.py": "load/test_properties.py",
+    "test_hub.py": "sources/test_hub.py",
+    "test_hub_cache.py": "sources/test_hub_cache.py",
+    "test_hub_mirror.py": "sources/test_hub_mirror.py",
+    "test_hub_ranges.py": "sources/test_hub_ranges.py",
+    "test_families.py": "sources/test_families.py",
+    "test_family_day.py": "sources/test_family_day.py",
+    "test_family_missing.py": "sources/test_family_missing.py",
+    "test_family_told.py": "sources/test_family_told.py",
+    "test_finetune.py": "sources/test_finetune.py",
+    "test_block_digests.py": "sources/test_block_digests.py",
+    "test_load_names.py": "sources/test_load_names.py",
+    "test_verify_sources.py": "sources/test_verify_sources.py",
+    "test_published.py": "sources/test_published.py",
+    "test_s3.py": "store/test_s3.py",
+    "test_gcs.py": "store/test_gcs.py",
+    "test_commit.py": "store/test_commit.py",
+    "test_share.py": "store/test_share.py",
+    "test_direct_write.py": "store/test_direct_write.py",
+    "test_local_paths.py": "store/test_local_paths.py",
+    "test_ocdbt.py": "store/test_ocdbt.py",
+    "test_concurrency.py": "store/test_concurrency.py",
+    "test_manager.py": "manage/test_manager.py",
+    "test_preemption.py": "manage/test_preemption.py",
+    "test_initialise.py": "manage/test_initialise.py",
+    "test_iterators.py": "manage/test_iterators.py",
+    "test_multiprocess.py": "hosts/test_multiprocess.py",
+    "test_sharding.py": "hosts/test_sharding.py",
+    "test_heartbeat.py": "hosts/test_heartbeat.py",
+    "test_gpu.py": "hosts/test_gpu.py",
+    "test_host_memory.py": "hosts/test_host_memory.py",
+    "test_cli.py": "tools/test_cli.py",
+    "test_export.py": "tools/test_export.py",
+    "test_migrate.py": "tools/test_migrate.py",
+    "test_manifest.py": "ondisk/test_manifest.py",
+    "test_compat.py": "ondisk/test_compat.py",
+    "test_keypath.py": "ondisk/test_keypath.py",
+    "test_dtypes.py": "ondisk/test_dtypes.py",
+    "test_structure.py": "ondisk/test_structure.py",
+    "test_integrity.py": "ondisk/test_integrity.py",
+    "test_safetensors.py": "interop/test_safetensors.py",
+    "test_orbax.py": "interop/test_orbax.py",
+    "test_torch.py": "interop/test_torch.py",
+    "test_hf_models.py": "interop/test_hf_models.py",
+    "test_equinox_compat.py": "interop/test_equinox_compat.py",
+    "test_hostile.py": "hostile/test_hostile.py",
+    "test_hostile_files.py": "hostile/test_hostile_files.py",
+    "test_hub_hostile.py": "hostile/test_hub_hostile.py",
+    "test_family_hostile.py": "hostile/test_family_hostile.py",
+    "test_crash.py": "interrupts/test_crash.py",
+    "test_faults.py": "interrupts/test_faults.py",
+    "test_faults_seam.py": "interrupts/test_faults_seam.py",
+    "test_transaction.py": "interrupts/test_transaction.py",
+    "test_threads.py": "interrupts/test_threads.py",
+    "test_doc_examples.py": "docs/test_doc_examples.py",
+    "test_docs.py": "docs/test_docs.py",
+    "test_notebooks.py": "docs/test_notebooks.py",
+    "test_readme.py": "docs/test_readme.py",
+    "test_public.py": "package/test_public.py",
+    "test_architecture.py": "package/test_architecture.py",
+    "test_state.py": "package/test_state.py",
+    "test_benchmarks.py": "bench/test_benchmarks.py",
+}
+
+# A test of then (its id with the old file) -> the test of now that covers it,
+# where it was merged, renamed or rewritten rather than moved as it was.
+REPLACED: dict[str, str] = {}
+
+
+def collect(folder: pathlib.Path) -> list[str]:
+    """The ids of the tests pytest collects in `folder`'s checkout."""
+    env = {**os.environ, "PYTHONPATH": str(folder), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    ids = [line for line in done.stdout.splitlines() if "::" in line]
+    if done.returncode != 0 or not ids:
+        raise SystemExit(f"collecting the tests in {folder} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return ids
+
+
+def new_place(test: str) -> str:
+    """Where the test `test` (an id of `BEFORE`'s) is now, by the tables."""
+    if test in REPLACED:
+        return REPLACED[test]
+    file, _, rest = test.partition("::")
+    name = file.removeprefix("tests/")
+    return f"tests/{MOVED[name]}::{rest}" if name in MOVED else test
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory() as scratch:
+        old = pathlib.Path(scratch) / "before"
+        subprocess.run(["git", "worktree", "add", "-q", "--detach", str(old), BEFORE], cwd=ROOT, check=True)
+        try:
+            before = collect(old)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, check=False)
+    now = set(collect(ROOT))
+    lost = [test for test in before if new_place(test) not in now]
+    for test in lost:
+        print(f"{test}: no test at {new_place(test)}")
+    kept = len(before) - len(lost)
+    print(f"{kept} of the {len(before)} tests of {BEFORE[:12]} are in this checkout ({len(now)} in all)")
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
