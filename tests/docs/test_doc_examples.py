@@ -27,8 +27,6 @@ import json
 import os
 import pathlib
 import re
-import subprocess
-import sys
 import urllib.request
 
 import equinox as eqx
@@ -38,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import places
+import prefork
 import pytest
 
 import eqx_ckpt
@@ -102,6 +101,17 @@ def test_every_marker_stands_before_a_python_block():
             )
 
 
+# `python -W error doc_runner.py BLOCKS.json`, as `prefork` runs it.
+RUN_PAGE = (
+    "import sys, warnings\n"
+    "warnings.simplefilter('error')\n"
+    f"sys.path.insert(0, {str(places.SUPPORT)!r})\n"
+    "import doc_runner\n"
+    "del sys.path[0]\n"
+    "sys.exit(doc_runner.main(['doc_runner.py', *sys.argv[1:]]))\n"
+)
+
+
 @pytest.mark.parametrize("page", RUN)
 def test_page_runs(page, tmp_path, request):
     runnable = [b for b in ALL if b.page == page and b.marker != "skip"]
@@ -123,8 +133,9 @@ def test_page_runs(page, tmp_path, request):
         (tmp_path / "blocks.json").write_text(
             json.dumps({"page": page, "blocks": [dataclasses.asdict(b) for b in runnable]})
         )
-        command = [sys.executable, "-W", "error", str(places.SUPPORT / "doc_runner.py"), str(tmp_path / "blocks.json")]
-        done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+        # A new process per page, forked from one that imported JAX (`prefork`): what a page's
+        # script would be run as, with warnings as errors from its first line (`-W error`).
+        done = prefork.run(["-c", RUN_PAGE, str(tmp_path / "blocks.json")], env=env, cwd=work, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     # Nothing said on the side (no warning, no unclosed file), except the AWS
     # SDK's own log lines about the configuration files it looks for.

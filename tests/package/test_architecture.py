@@ -5,6 +5,7 @@ back, and every module is on the contributor's map."""
 
 import ast
 import dataclasses
+import functools
 import itertools
 import pathlib
 import re
@@ -49,13 +50,21 @@ _ON_DISK = re.compile(
 _CHECKSUM = 4
 
 
+@functools.cache
 def _tree(path: pathlib.Path) -> ast.Module:
+    """`path` parsed, once a process: no test changes a tree, and most walk every module."""
     return ast.parse(path.read_text(), filename=str(path))
+
+
+@functools.cache
+def _walk(node: ast.AST) -> tuple[ast.AST, ...]:
+    """`_walk(node)`, once a process for each node."""
+    return tuple(ast.walk(node))
 
 
 def _docstrings(tree: ast.Module) -> set[int]:
     found = set()
-    for node in ast.walk(tree):
+    for node in _walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
@@ -63,7 +72,8 @@ def _docstrings(tree: ast.Module) -> set[int]:
     return found
 
 
-def _imports(tree: ast.Module, *, typing: bool = False) -> set[str]:
+@functools.cache
+def _imports(tree: ast.Module, *, typing: bool = False) -> frozenset[str]:
     """The eqx_ckpt modules `tree` imports at run time, at any depth (inside
     functions too), leaving out imports under `if TYPE_CHECKING:` unless
     `typing`."""
@@ -78,7 +88,7 @@ def _imports(tree: ast.Module, *, typing: bool = False) -> set[str]:
             visit(child)
 
     visit(tree)
-    return found
+    return frozenset(found)
 
 
 def _not_a_chunk_folder(tree: ast.Module) -> set[int]:
@@ -87,7 +97,7 @@ def _not_a_chunk_folder(tree: ast.Module) -> set[int]:
     or the key of `.get`. Any other `"c"` (joined into a path, returned, added
     to a set of names) is the chunk folder, which `_format.CHUNKS` names."""
     found: set[int] = set()
-    for node in ast.walk(tree):
+    for node in _walk(tree):
         if isinstance(node, ast.Dict):
             found.update(id(key) for key in node.keys if key is not None)
         elif isinstance(node, ast.Subscript):
@@ -105,7 +115,7 @@ def _on_disk_literals(path: pathlib.Path) -> list[str]:
     tree = _tree(path)
     docstrings, not_chunks = _docstrings(tree), _not_a_chunk_folder(tree)
     found = []
-    for node in ast.walk(tree):
+    for node in _walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
             name = node.value
             if not re.search(r"\s", name) and (_ON_DISK.search(name) or (name == "c" and id(node) not in not_chunks)):
@@ -126,7 +136,7 @@ def test_only_the_storage_seam_imports_tensorstore(path):
     imported = any(
         (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "tensorstore" for a in node.names))
         or (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "tensorstore")
-        for node in ast.walk(_tree(path))
+        for node in _walk(_tree(path))
     )
     assert imported == (path.name in ("_storage.py", "_location.py"))
 
@@ -208,7 +218,7 @@ def test_every_function_reads_in_one_screen():
     long = []
     for path in MODULES:
         lines = path.read_text().splitlines()
-        for node in ast.walk(_tree(path)):
+        for node in _walk(_tree(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _code_lines(node, lines) > 60:
                 long.append(f"{path.name}: {node.name} ({_code_lines(node, lines)} lines)")
     assert long == []
@@ -227,7 +237,7 @@ def _imported_names(tree: ast.Module) -> dict[str, object]:
     import importlib
 
     names: dict[str, object] = {}
-    for node in ast.walk(tree):
+    for node in _walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] == "eqx_ckpt":
@@ -271,7 +281,7 @@ def _private_patches(path: pathlib.Path) -> list[str]:
     tree = _tree(path)
     names = _imported_names(tree)
     found = []
-    for node in ast.walk(tree):
+    for node in _walk(tree):
         target: tuple[object, str | None] | None = None
         if isinstance(node, ast.Call) and node.args:
             func = ast.unparse(node.func)
@@ -319,7 +329,7 @@ def _patches_through_ours(path: pathlib.Path) -> list[str]:
     tree = _tree(path)
     names = _imported_names(tree)
     found = []
-    for node in ast.walk(tree):
+    for node in _walk(tree):
         chain: list[object] = []
         if isinstance(node, ast.Call) and node.args:
             func = ast.unparse(node.func)
@@ -374,7 +384,7 @@ def test_foreign_formats_return_one_typed_source():
         assert returned[0].__dataclass_params__.frozen and members <= fields, f"{returned[0]}: {members - fields}"
     unpacked = [
         f"_source.py:{node.lineno}"
-        for node in ast.walk(_tree(_path("_source")))
+        for node in _walk(_tree(_path("_source")))
         if isinstance(node, ast.Assign) and any(isinstance(t, (ast.Tuple, ast.Starred)) for t in node.targets)
     ]
     assert unpacked == [], f"a foreign source is read by name, not unpacked: {unpacked}"
@@ -384,7 +394,7 @@ def _private_uses(path: pathlib.Path, modules: tuple[str, ...]) -> list[str]:
     """Where `path` imports or reaches a `_`-prefixed name of one of `modules`
     (`from ._steps import _scan`, `_steps._scan`)."""
     found = []
-    for node in ast.walk(_tree(path)):
+    for node in _walk(_tree(path)):
         if isinstance(node, ast.ImportFrom) and node.level >= 1 and (node.module or "").split(".")[-1] in modules:
             found += [f"{path.name}:{node.lineno}: {a.name}" for a in node.names if a.name.startswith("_")]
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
@@ -400,7 +410,7 @@ def test_retention_has_one_home_and_the_manager_only_calls_it():
     imported 11 private names of `_steps` and decided retention itself)."""
     used = [found for path in MODULES for found in _private_uses(path, ("_steps", "_retention"))]
     assert used == [], "use (or add) a name without a leading underscore:\n" + "\n".join(used)
-    manager = {node.name for node in ast.walk(_tree(_path("_manager"))) if isinstance(node, ast.FunctionDef)}
+    manager = {node.name for node in _walk(_tree(_path("_manager"))) if isinstance(node, ast.FunctionDef)}
     assert not manager & {"_governed_steps", "_recorded", "_delete_unkept", "_keep", "_kept", "_record_governed"}
 
 
@@ -408,7 +418,7 @@ def _users(module: str, name: str) -> set[str]:
     """The modules that call `module.name` (or import `name` from it)."""
     found = set()
     for path in MODULES:
-        for node in ast.walk(_tree(path)):
+        for node in _walk(_tree(path)):
             if isinstance(node, ast.ImportFrom) and node.level >= 1 and (node.module or "").split(".")[-1] == module:
                 found.update(path.stem for alias in node.names if alias.name == name)
             elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == module:
@@ -464,7 +474,7 @@ def test_no_tensorstore_object_leaves_the_storage_seam():
     for path in MODULES:
         if path.name in ("_storage.py", "_location.py"):
             continue
-        for node in ast.walk(_tree(path)):
+        for node in _walk(_tree(path)):
             if isinstance(node, ast.Attribute) and (
                 node.attr in _TENSORSTORE_ONLY or ast.unparse(node).endswith(".stamp.generation")  # a read result's
             ):
@@ -496,7 +506,7 @@ def test_local_files_or_tensorstore_is_chosen_in_one_place():
         f"{path.name}:{node.lineno}: {ast.unparse(node)}"
         for path in MODULES
         if path != chooser
-        for node in ast.walk(_tree(path))
+        for node in _walk(_tree(path))
         if (isinstance(node, ast.Name) and node.id in choosing)
         or (isinstance(node, ast.Attribute) and node.attr in choosing)
         or (isinstance(node, ast.ImportFrom) and any(alias.name in choosing for alias in node.names))
@@ -508,9 +518,9 @@ def test_local_files_or_tensorstore_is_chosen_in_one_place():
     assert reaching == [], f"these reach the local implementation past `_storage`: {reaching}"
     makers = {
         function.name
-        for function in ast.walk(_tree(chooser))
+        for function in _walk(_tree(chooser))
         if isinstance(function, ast.FunctionDef)
-        for node in ast.walk(function)
+        for node in _walk(function)
         if isinstance(node, ast.Call) and ast.unparse(node.func) in ("LocalFiles", "TensorStoreFiles")
     }
     assert makers == {"chunk_files"}, f"the choice is made in `_chunk_files.chunk_files` alone, not in {makers}"
@@ -533,7 +543,7 @@ def test_chunk_files_are_written_and_packs_read_behind_the_seam():
     for path in MODULES:
         if path.parent.name == "_store":
             continue
-        for node in ast.walk(_tree(path)):
+        for node in _walk(_tree(path)):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "_storage":
                 if node.attr in ("transaction", "Transaction"):
                     outside.append(f"{path.name}:{node.lineno}: _storage.{node.attr}")
@@ -588,8 +598,8 @@ def test_waits_through_interrupts_have_one_owner():
         f"{path.name}:{loop.lineno}"
         for path in MODULES
         if path.name != "_interrupts.py"
-        for loop in ast.walk(_tree(path))
-        if isinstance(loop, ast.While) and any(_catches_interrupts(node) for node in ast.walk(loop))
+        for loop in _walk(_tree(path))
+        if isinstance(loop, ast.While) and any(_catches_interrupts(node) for node in _walk(loop))
     ]
     assert found == [], "wait through interrupts with `_interrupts.outcome` (or `finish`, `settle`, `stop`):\n" + (
         "\n".join(found)
@@ -612,7 +622,7 @@ def test_threads_and_pools_have_one_owner():
         f"{path.name}:{node.lineno}: {ast.unparse(node.func)}"
         for path in MODULES
         if path.name != "_threads.py" and path.name not in _THREADS_NOT_YET_OWNED
-        for node in ast.walk(_tree(path))
+        for node in _walk(_tree(path))
         if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in makers
     ]
     assert found == [], "make threads with `_threads.pool` or `_threads.thread`:\n" + "\n".join(found)
@@ -621,7 +631,7 @@ def test_threads_and_pools_have_one_owner():
     made = {
         node.args[0].value
         for path in MODULES
-        for node in ast.walk(_tree(path))
+        for node in _walk(_tree(path))
         if isinstance(node, ast.Call)
         and ast.unparse(node.func) in ("_threads.pool", "_threads.thread")
         and node.args
@@ -667,13 +677,13 @@ def _process_state(path: pathlib.Path) -> list[str]:
             mutable = True
         if mutable and (path.name, name) not in _JSON_CONSTANTS:
             found.append(f"{path.name}:{node.lineno}: {name}")
-    for function in ast.walk(tree):
+    for function in _walk(tree):
         if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
             continue
         for decorator in function.decorator_list:
             if ast.unparse(getattr(decorator, "func", decorator)).split(".")[-1] in _MEMOS:
                 found.append(f"{path.name}:{function.lineno}: {ast.unparse(decorator)}, not `_state.memo`")
-        for node in (node for statement in function.body for node in ast.walk(statement)):
+        for node in (node for statement in function.body for node in _walk(statement)):
             if isinstance(node, ast.Call) and ast.unparse(node.func) in (
                 "_state.table",
                 "_state.weak_table",
@@ -703,10 +713,10 @@ def _budget_comparisons(path: pathlib.Path) -> list[str]:
         id(node)
         for cls in tree.body
         if isinstance(cls, ast.ClassDef) and cls.name == "Budget" and path.name == "_window.py"
-        for node in ast.walk(cls)
+        for node in _walk(cls)
     }
     found = []
-    for node in ast.walk(tree):
+    for node in _walk(tree):
         if isinstance(node, ast.Compare) and id(node) not in owner:
             text = ast.unparse(node).lower()
             if "budget" in text and re.search(r"nbytes|size|staged|flight|held|bytes", text):
@@ -745,7 +755,7 @@ def test_every_byte_of_a_checkpoint_goes_through_the_storage_layer():
     for path in MODULES:
         if path.parent.name == "_store" or path.name in ("_location.py", *_NOT_CHECKPOINT_IO):
             continue
-        for node in ast.walk(_tree(path)):
+        for node in _walk(_tree(path)):
             if not isinstance(node, ast.Call):
                 continue
             func = node.func
@@ -786,7 +796,7 @@ def test_local_listing_and_stat_have_one_owner():
     for path in MODULES:
         if path.name == _LISTING_OWNER or path.name in _NOT_YET_LISTING_THROUGH_THE_OWNER:
             continue
-        for node in ast.walk(_tree(path)):
+        for node in _walk(_tree(path)):
             if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
                 continue
             owner, name = ast.unparse(node.func.value), node.func.attr
@@ -820,14 +830,14 @@ def test_json_read_from_files_has_one_parser():
     trees = {path: _tree(path) for path in MODULES if path.name not in _NOT_FILE_JSON}
     owner = next(
         node
-        for node in ast.walk(trees[_STEMS["_manifest"]])
+        for node in _walk(trees[_STEMS["_manifest"]])
         if isinstance(node, ast.FunctionDef) and node.name == "loads_file"
     )
-    owned = {id(node) for node in ast.walk(owner) if parses(node)}
+    owned = {id(node) for node in _walk(owner) if parses(node)}
     found = [
         f"{path.name}:{node.lineno}: {ast.unparse(node)}"
         for path, tree in trees.items()
-        for node in ast.walk(tree)
+        for node in _walk(tree)
         if parses(node) and id(node) not in owned
     ]
     assert owned and found == [], "parse JSON with `_manifest.loads_file` only:\n" + "\n".join(found)
@@ -1016,7 +1026,7 @@ def _comments_and_docstrings(path: pathlib.Path) -> list[tuple[int, str]]:
         for t in tokenize.generate_tokens(io.StringIO(text).readline)
         if t.type == tokenize.COMMENT
     ]
-    for node in ast.walk(_tree(path)):
+    for node in _walk(_tree(path)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             docstring = ast.get_docstring(node, clean=False)
             found += [(node.body[0].lineno, docstring)] if docstring else []
@@ -1075,7 +1085,7 @@ def test_other_formats_file_names_have_one_owner():
             continue
         tree = _tree(path)
         docstrings = _docstrings(tree)
-        for node in ast.walk(tree):
+        for node in _walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
                 for owner, pattern in _FOREIGN_NAMES.items():
                     if owner != path.name and not re.search(r"\s", node.value) and pattern.search(node.value):
@@ -1089,7 +1099,7 @@ def test_whether_a_manifest_exists_is_asked_without_reading_it():
     four places did)."""
     found = []
     for path in MODULES:
-        for node in ast.walk(_tree(path)):
+        for node in _walk(_tree(path)):
             if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
                 call = node.left
                 if isinstance(call, ast.Call) and ast.unparse(call.func).endswith("read_file"):
@@ -1106,7 +1116,7 @@ def test_no_options_by_reflection():
     found = [
         f"{path.name}:{node.lineno}"
         for path in MODULES
-        for node in ast.walk(_tree(path))
+        for node in _walk(_tree(path))
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
         and node.func.id in ("locals", "vars")
