@@ -226,7 +226,19 @@ def test_every_function_reads_in_one_screen():
 
 # -- Tests inject failures through fault points and documented knobs -----------------------------
 
-TESTS = sorted(PACKAGE.parent.glob("tests/*.py"))
+# Every test and helper in every folder of tests/ (the fixtures' maker aside).
+TESTS = sorted(p for p in places.TESTS.rglob("*.py") if "fixtures" not in p.relative_to(places.TESTS).parts)
+
+
+def test_the_checks_over_the_tests_read_every_folder():
+    """The checks of the tests below (no private code replaced, no outside
+    name patched, the formatter's skips) read every test and helper, wherever
+    it lives: after the move into folders (issue 89), a flat `glob` had read
+    only tests/conftest.py, and each check passed on nothing."""
+    tests = {p for p in places.TESTS.rglob("test_*.py") if "fixtures" not in p.parts}
+    assert len(tests) > 80 and {*tests, places.TESTS / "conftest.py", places.SUPPORT / "prefork.py"} <= set(TESTS)
+
+
 # A documented knob: a module constant (`_records.PACK_BYTES`, `_window.READ_BUDGET`...).
 _KNOB = re.compile(r"^_?[A-Z][A-Z0-9_]*$")
 
