@@ -431,10 +431,15 @@ def test_replicated_state_is_written_by_every_process(
 
 KILL_WORKER = places.SUPPORT / "multiprocess_kill_worker.py"
 # The kill workers' `_multihost.SILENT_SECONDS` (10 s by default): how long the
-# others wait for a heartbeat before naming a process as gone. Five times its
-# beat (`HEARTBEAT_SECONDS`, 1 s), so that a busy machine never silences a
-# process that lives; half the waits of the default.
-SILENT_SECONDS = 5
+# others wait for a heartbeat before naming a process as gone. Twelve times
+# their beat (`HEARTBEAT_SECONDS`, 1 s by default, a quarter here), so that a
+# busy machine never silences a process that lives; and a barrier looks at the
+# heartbeats every quarter second (`_WAIT_MS`, 1 s by default), so that the
+# others name the victim soon after its silence passes. The same code path as
+# the defaults, in a third of their wait.
+SILENT_SECONDS = 3
+HEARTBEAT_SECONDS = 0.25
+WAIT_MS = 250
 
 
 def _run_victim(tmp_path: pathlib.Path, processes: int, job: dict, *, kill: bool) -> tuple[list[Any], list[str]]:
@@ -445,7 +450,8 @@ def _run_victim(tmp_path: pathlib.Path, processes: int, job: dict, *, kill: bool
     The seconds from the victim's stop until the others had all exited are
     left in `_run_victim.waited`."""
     marker, victim = tmp_path / "victim-stopped", job["victim"]
-    argument = json.dumps({**job, "marker": str(marker), "silent_seconds": SILENT_SECONDS})
+    timings = {"silent_seconds": SILENT_SECONDS, "heartbeat_seconds": HEARTBEAT_SECONDS, "wait_ms": WAIT_MS}
+    argument = json.dumps({**job, "marker": str(marker), **timings})
     port, env = _free_port(), {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     logs = [tmp_path / f"worker{i}.log" for i in range(processes)]
@@ -587,7 +593,7 @@ def test_a_reader_killed_mid_restore(tmp_path: pathlib.Path, processes: int, vic
 def test_a_reader_that_never_calls_the_restore_is_named(tmp_path: pathlib.Path) -> None:
     """A process alive but never reaching a restore that shares reads: the
     others give up at the barrier before any collective once its time-out
-    passes (shortened to 5 s), naming it."""
+    passes (shortened to 1 s: nobody else is on the way), naming it."""
     where = str(tmp_path / "ckpt")
     job = {
         "checkpoint": where,
@@ -595,10 +601,10 @@ def test_a_reader_that_never_calls_the_restore_is_named(tmp_path: pathlib.Path) 
         "replicated": True,
         "restore": "load.read_once",
         "absent": True,
-        "read_timeout": 5,
+        "read_timeout": 1,
     }
     procs, outputs = _run_victim(tmp_path, 2, job, kill=False)
-    said = "Process 1 of 2 did not reach stage 'planned' of the restore within 5 s, although it is still running"
+    said = "Process 1 of 2 did not reach stage 'planned' of the restore within 1 s, although it is still running"
     _check_restore_survivors(procs, outputs, 1, said)
 
 
@@ -606,11 +612,12 @@ def test_a_process_that_never_calls_the_save_is_named(tmp_path: pathlib.Path) ->
     """A process that is alive but never reaches the save (a different code
     path): once the barrier's timeout has passed, the others raise an error
     naming it (they raised `jax.distributed`'s bare DEADLINE_EXCEEDED). The
-    workers shorten the timeout (an hour) to 5 s."""
+    workers shorten the timeout (an hour) to 1 s: the only other process is
+    already at the barrier."""
     where = str(tmp_path / "ckpt")
-    job = {"checkpoint": where, "victim": 1, "absent": True, "timeout_ms": 5000}
+    job = {"checkpoint": where, "victim": 1, "absent": True, "timeout_ms": 1000}
     procs, outputs = _run_victim(tmp_path, 2, job, kill=False)
-    said = "Process 1 of 2 did not reach stage 'prepared' of the save within 5 s, although it is still running"
+    said = "Process 1 of 2 did not reach stage 'prepared' of the save within 1 s, although it is still running"
     _check_survivors(procs, outputs, 1, said)
     _check_first_save(where)
 

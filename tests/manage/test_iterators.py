@@ -4,8 +4,6 @@ with real Grain pipelines and real files."""
 import json
 import os
 import re
-import subprocess
-import sys
 
 import equinox as eqx
 import grain
@@ -14,6 +12,7 @@ import jax.numpy as jnp
 import manifests
 import numpy as np
 import places
+import prefork
 import pytest
 
 import eqx_ckpt
@@ -77,22 +76,36 @@ def test_a_data_loader_iterator_resumes_over_epochs(tmp_path):
 WORKER = places.SUPPORT / "iterator_worker.py"
 
 
-def _run(directory, out, *extra):
+def _run(directory, out, env, *extra):
+    """`python iterator_worker.py DIRECTORY 7 OUT ...`, forked from a `prefork`
+    template that imported JAX (a new process all the same: its own data
+    loader, model and manager, its own SIGTERM): the batches it took."""
     out.mkdir()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
-    command = [sys.executable, str(WORKER), str(directory), "7", str(out), *map(str, extra)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout + done.stderr
+    log = out.parent / f"{out.name}.log"
+    process = prefork.spawn([str(WORKER), str(directory), "7", str(out), *map(str, extra)], env=env, output=log)
+    try:
+        code = process.wait(timeout=240)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert code == 0, log.read_text()
     return json.loads((out / "batches.json").read_text())
 
 
 def test_a_preempted_run_resumes_its_data_and_ends_bit_for_bit(tmp_path):
-    whole = _run(tmp_path / "whole", tmp_path / "whole_out")
-    first = _run(tmp_path / "run", tmp_path / "first", 3)  # SIGTERM after step 3's batch
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(places.ROOT), env.get("PYTHONPATH", "")])
+    # The three runs compile the same programs: the first writes them to a
+    # persistent compilation cache, the others load the same executables.
+    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax-cache")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(2**30)  # (a size limit: the cache then locks its files)
+    whole = _run(tmp_path / "whole", tmp_path / "whole_out", env)
+    first = _run(tmp_path / "run", tmp_path / "first", env, 3)  # SIGTERM after step 3's batch
     assert eqx_ckpt.CheckpointManager(tmp_path / "run").all_steps() == [2, 3]
-    second = _run(tmp_path / "run", tmp_path / "second")  # a fresh process resumes at step 4
+    second = _run(tmp_path / "run", tmp_path / "second", env)  # a new process resumes at step 4
     assert len(first) == 4 and first + second == whole
     a = eqx_ckpt.Checkpoint(tmp_path / "whole_out" / "model")
     b = eqx_ckpt.Checkpoint(tmp_path / "second" / "model")

@@ -7,10 +7,10 @@ import pathlib
 import queue
 import random
 import re
+import shutil
 import signal
 import socket
-import subprocess
-import sys
+import tempfile
 import threading
 import time
 
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import places
 import preempt_worker
+import prefork
 import pytest
 
 import eqx_ckpt
@@ -187,35 +188,92 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    """The environment of the processes these tests start: one CPU device each,
+    this checkout first on the path, and one persistent compilation cache for
+    all (every launch compiles the same programs: the first writes them, the
+    others load them, the same executables; its lock keeps a process from
+    reading an entry another is writing)."""
+    environ = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    environ.pop("XLA_FLAGS", None)  # one CPU device per process
+    environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), environ.get("PYTHONPATH", "")])
+    environ["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax-cache"))
+    environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(2**30)  # (a size limit: the cache then locks its files)
+    return environ
+
+
+class _Child:
+    """`subprocess.Popen([sys.executable, *args], stdout=PIPE, stderr=STDOUT,
+    text=True)`, forked from a `prefork` template that imported JAX (a second
+    and more less per launch): a real process (`pid`, signalled as any),
+    its output read from a FIFO as from a pipe, line by line as it prints."""
+
+    def __init__(self, args: list[str], env: dict[str, str], cwd: pathlib.Path | None = None) -> None:
+        self._folder = tempfile.mkdtemp(prefix="eqx-ckpt-child-")
+        fifo = os.path.join(self._folder, "out")
+        os.mkfifo(fifo)
+        # Opened before the child (without blocking: nobody writes yet), so
+        # that the template's open for writing returns at once.
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            self.process = prefork.spawn(args, env=env, output=fifo, cwd=None if cwd is None else str(cwd))
+        except BaseException:
+            os.close(fd)
+            shutil.rmtree(self._folder, ignore_errors=True)
+            raise
+        os.set_blocking(fd, True)  # the child holds the writing end: reads wait for its lines, end at its exit
+        self.stdout = os.fdopen(fd, "r")
+        self.pid = self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.process.wait(timeout)
+
+    def send_signal(self, sig: int) -> None:
+        self.process.send_signal(sig)
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def close(self) -> None:
+        self.stdout.close()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
 class _Job:
     """One launch of the training job: `count` worker processes, started at once
     (their imports overlap whatever the parent does next), training on `go`."""
 
     def __init__(
-        self, directory: pathlib.Path, count: int = 1, env: dict | None = None, args: list[str] | None = None
+        self,
+        directory: pathlib.Path,
+        env: dict[str, str],
+        count: int = 1,
+        options: list[str] | None = None,
+        args: list[str] | None = None,
     ) -> None:
-        environ = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
-        environ.pop("XLA_FLAGS", None)  # one CPU device per process
-        environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), environ.get("PYTHONPATH", "")])
         distributed = [] if count == 1 else [str(_free_port()), str(count)]
         self.lines: queue.Queue = queue.Queue()
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[_Child] = []
         self.readers: list[threading.Thread] = []
+        self._go = pathlib.Path(tempfile.mkdtemp(prefix="eqx-ckpt-job-")) / "go"
         for i in range(count):
             extra = [] if count == 1 else [str(i), distributed[1], distributed[0]]
-            command = [sys.executable, str(WORKER), *(args or [str(directory), str(STEPS)]), *extra]
-            proc = subprocess.Popen(
-                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ
-            )
+            command = [str(WORKER), f"--go={self._go}", *(options or []), *(args or [str(directory), str(STEPS)])]
+            proc = _Child([*command, *extra], env)
             reader = threading.Thread(target=self._read, args=(i, proc), daemon=True)
             reader.start()
             self.procs.append(proc)
             self.readers.append(reader)
         self.outputs: list[list[str]] = [[] for _ in range(count)]
         self.ended = [0.0] * count  # when each process's output ended
-        self.died = 0.0  # when a process said it dies (EQX_CKPT_DIE_AT)
+        self.died = 0.0  # when a process said it dies (`--die-at`)
 
-    def _read(self, i: int, proc: subprocess.Popen) -> None:
+    def _read(self, i: int, proc: _Child) -> None:
         for line in proc.stdout:
             self.lines.put((i, line.rstrip("\n")))
         self.lines.put((i, None))
@@ -224,9 +282,7 @@ class _Job:
         """Let the job train; after process `to` reports step `term_at`, wait
         `delay` seconds and send it SIGTERM. Returns the exit codes; a job still
         running after `limit` seconds (a hang) is killed and fails the test."""
-        for proc in self.procs:
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
+        self._go.touch()
         deadline, open_ = time.monotonic() + limit, len(self.procs)
         try:
             while open_:
@@ -257,8 +313,8 @@ class _Job:
                 proc.kill()
             proc.wait()
             reader.join()
-            proc.stdin.close()
-            proc.stdout.close()
+            proc.close()
+        shutil.rmtree(self._go.parent, ignore_errors=True)
 
 
 def _final(directory: pathlib.Path) -> dict:
@@ -278,20 +334,22 @@ def _bitwise_equal(a: dict, b: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, env):
     """The final state of a run that was never interrupted."""
     directory = tmp_path_factory.mktemp("reference") / "run"
-    job = _Job(directory)
+    job = _Job(directory, env)
     assert job.run() == [0], job.text()
     assert job.outputs[0][-1] == "finished"
     return _final(directory)
 
 
-def _campaign(directory: pathlib.Path, count: int, interruptions: int, rng: random.Random) -> collections.Counter:
+def _campaign(
+    directory: pathlib.Path, env: dict[str, str], count: int, interruptions: int, rng: random.Random
+) -> collections.Counter:
     """Train to the end under `interruptions` SIGTERMs (each to a random process,
     at a random step and moment), relaunching after each; the figures."""
     figures: collections.Counter = collections.Counter()
-    job = _Job(directory, count)
+    job = _Job(directory, env, count)
     while True:
         latest = eqx_ckpt.CheckpointManager(directory).latest_step()
         start = 0 if latest is None else latest + 1
@@ -301,7 +359,7 @@ def _campaign(directory: pathlib.Path, count: int, interruptions: int, rng: rand
         # a few steps before the end, so that the processes can agree in time.
         term_at = start + rng.randrange(max(1, (STEPS - 12 - start) // max(1, left))) if signalled else None
         to, delay = rng.randrange(count), rng.uniform(0, 0.02)
-        spare = _Job(directory, count)  # the relaunch, importing meanwhile
+        spare = _Job(directory, env, count)  # the relaunch, importing meanwhile
         codes = job.run(term_at, to, delay)
         figures["runs"] += 1
         figures["resumes"] += start > 0
@@ -326,8 +384,8 @@ def rng():
 
 
 @pytest.mark.parametrize("count, interruptions", [(1, 5), (2, 3)], ids=["one-process", "two-processes"])
-def test_a_preempted_run_resumes_to_the_same_bits(tmp_path, reference, rng, count, interruptions):
-    figures = _campaign(tmp_path / "run", count, interruptions, rng)
+def test_a_preempted_run_resumes_to_the_same_bits(tmp_path, env, reference, rng, count, interruptions):
+    figures = _campaign(tmp_path / "run", env, count, interruptions, rng)
     equal = _bitwise_equal(_final(tmp_path / "run"), reference)
     print(
         f"{count} process(es): {figures['runs']} runs, {figures['interruptions']} SIGTERMs, "
@@ -337,14 +395,14 @@ def test_a_preempted_run_resumes_to_the_same_bits(tmp_path, reference, rng, coun
     assert equal
 
 
-def test_a_process_waiting_in_a_save_stops_at_the_same_step(tmp_path):
+def test_a_process_waiting_in_a_save_stops_at_the_same_step(tmp_path, env):
     """Process 0 is slow, so process 1 runs ahead and waits for it in the
     barriers of its next save; process 0 is then sent SIGTERM. Process 1's main
     thread cannot answer while it waits there (a stop step agreed by the main
     threads, at a barrier, would deadlock: each waiting for the other), but its
     watcher thread can: both processes save the same step, after the one
     process 1 was saving, and exit 0."""
-    job = _Job(tmp_path / "run", 2, env={"EQX_CKPT_SLOW_PROCESS": "0"})
+    job = _Job(tmp_path / "run", env, 2, options=["--slow=0"])
     codes = job.run(term_at=5, to=0)
     assert codes == [0, 0], job.text()
     stops = {out[-1] for out in job.outputs}
@@ -357,18 +415,27 @@ def test_a_process_waiting_in_a_save_stops_at_the_same_step(tmp_path):
     assert eqx_ckpt.CheckpointManager(tmp_path / "run").latest_step() == step
 
 
+# `jax.distributed`'s heartbeat time-out in the workers of the test below (10 s
+# in the others): how long the survivor takes to learn that process 1 died.
+# Its heartbeats come from a thread of JAX's own, in C++: a busy machine does
+# not silence a process that lives for seconds. (Shorter than eqx_ckpt's own
+# `_multihost.SILENT_SECONDS`, 10 s, which a barrier of the save would wait
+# for: JAX ends the survivor first.)
+HEARTBEAT = 4
+
+
 @pytest.mark.parametrize("dying", [0, 1])
-def test_a_process_dying_mid_save_fails_the_other_and_the_run_resumes(tmp_path, reference, rng, dying):
+def test_a_process_dying_mid_save_fails_the_other_and_the_run_resumes(tmp_path, env, reference, rng, dying):
     """One of two processes is SIGKILLed in the middle of saving a step (process
     0 before the commit, process 1 joining it). The other does not hang: the
     coordination service reports the dead process (after the job's heartbeat
-    time-out, 10 s in the worker; at once if process 0, which runs the service,
+    time-out, `HEARTBEAT`; at once if process 0, which runs the service,
     died) and JAX ends the survivor ("another task died"). The last committed
     step is whole, the step in flight is not one, and a relaunch resumes to the
     same bits as a run that was never interrupted."""
     directory = tmp_path / "run"
     die_at = preempt_worker.EVERY * rng.randrange(2, 6) - 1  # a periodic save
-    job = _Job(directory, 2, env={"EQX_CKPT_DIE_AT": f"{die_at}:{dying}"})
+    job = _Job(directory, env, 2, options=[f"--die-at={die_at}:{dying}", f"--heartbeat={HEARTBEAT}"])
     codes = job.run()
     survivor = 1 - dying
     assert codes[dying] == -signal.SIGKILL and f"process {dying} dies saving step {die_at}" in job.text()
@@ -388,13 +455,13 @@ def test_a_process_dying_mid_save_fails_the_other_and_the_run_resumes(tmp_path, 
     assert restored["data"] == latest + 1
     if dying == 1:
         return  # the relaunch is the same as after process 0's death (CI's time)
-    relaunch = _Job(directory, 2)
+    relaunch = _Job(directory, env, 2)
     assert relaunch.run() == [0, 0], relaunch.text()
     assert [out[-1] for out in relaunch.outputs] == ["finished", "finished"]
     assert _bitwise_equal(_final(directory), reference)
 
 
-def test_an_evaluator_beside_a_training_run_never_sees_a_partial_step(tmp_path):
+def test_an_evaluator_beside_a_training_run_never_sees_a_partial_step(tmp_path, env):
     """A trainer process saves 30 steps in the background with `max_to_keep=2`;
     this process follows it with a manager of its own (`wait_for_new_step`, then
     `restore`). Every step restored is exactly the one saved; a step retention
@@ -402,7 +469,7 @@ def test_an_evaluator_beside_a_training_run_never_sees_a_partial_step(tmp_path):
     naming the steps kept, and the evaluator goes on to the next; it ends on the
     trainer's last step."""
     steps, directory = 30, tmp_path / "run"
-    trainer, codes = _Job(directory, args=["--trainer", str(directory), str(steps)]), []
+    trainer, codes = _Job(directory, env, args=["--trainer", str(directory), str(steps)]), []
     training = threading.Thread(target=lambda: codes.append(trainer.run()))
     training.start()
     evaluator = eqx_ckpt.CheckpointManager(directory)
@@ -437,30 +504,27 @@ def _documented(section: str) -> str:
     return re.search(r"```python\n(.*?)```", part, re.S).group(1)
 
 
-def _start(script: str, cwd: pathlib.Path) -> subprocess.Popen:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    command = [sys.executable, script]
-    return subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+def _start(script: str, cwd: pathlib.Path, env: dict[str, str]) -> _Child:
+    """`python script` in `cwd` (its folder first on the path, as `python` puts it)."""
+    return _Child([script], env, cwd=cwd)
 
 
-def _finish(proc: subprocess.Popen, lines: list[str]) -> int:
+def _finish(proc: _Child, lines: list[str]) -> int:
     """Read the rest of `proc`'s output into `lines`; its exit code."""
     lines.extend(line.rstrip("\n") for line in proc.stdout)
-    proc.stdout.close()
+    proc.close()
     return proc.wait()
 
 
-def test_the_documented_loops_run(tmp_path):
+def test_the_documented_loops_run(tmp_path, env):
     """docs/manager.md's `train.py` and `evaluate.py`, as written: the training
     script is sent SIGTERM, saves the step it stopped at and exits 0; relaunched,
     it resumes there and finishes; the evaluator beside it follows every launch
     and ends on the last step."""
     (tmp_path / "train.py").write_text(_documented("Preemption"))
     (tmp_path / "evaluate.py").write_text(_documented("Following a run: an evaluator"))
-    evaluator = _start("evaluate.py", tmp_path)
-    trainer = _start("train.py", tmp_path)
+    evaluator = _start("evaluate.py", tmp_path, env)
+    trainer = _start("train.py", tmp_path, env)
     procs = [evaluator, trainer]
     # A hang fails the test instead of stalling the suite.
     watchdog = threading.Timer(300, lambda: [p.kill() for p in procs if p.poll() is None])
@@ -476,7 +540,7 @@ def test_the_documented_loops_run(tmp_path):
         assert first[0] == "starting at step 0" and first[-1].startswith("preempted: saved step "), first
         stopped = int(first[-1].removeprefix("preempted: saved step "))
         assert stopped >= 100
-        procs.append(relaunch := _start("train.py", tmp_path))
+        procs.append(relaunch := _start("train.py", tmp_path, env))
         second: list[str] = []
         assert _finish(relaunch, second) == 0, "\n".join(second)
         assert second[0] == f"starting at step {stopped + 1}" and second[-1] == "done", second
@@ -487,6 +551,7 @@ def test_the_documented_loops_run(tmp_path):
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
+            if not proc.stdout.closed:
                 _finish(proc, [])
     steps = [int(re.match(r"step (\d+): loss \d+\.\d+$", line).group(1)) for line in evaluated]
     assert steps == sorted(set(steps)) and steps[-1] == 999, evaluated

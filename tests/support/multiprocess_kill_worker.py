@@ -33,7 +33,10 @@ replaces `_read_once.TIMEOUT`. The others print `worker <id> failed:
 prints `worker <id> loaded`.
 
 `silent_seconds` replaces `_multihost.SILENT_SECONDS` (how long the others
-wait for the victim's heartbeat before naming it as gone).
+wait for the victim's heartbeat before naming it as gone), `heartbeat_seconds`
+`_multihost.HEARTBEAT_SECONDS` (how often each process beats) and `wait_ms`
+`_multihost._WAIT_MS` (how long a barrier waits between two looks at the
+heartbeats and its time-out).
 
 With `fresh`, there is no first save: the second step (the save of `value(2)`,
 or the load of a checkpoint the test wrote) is each process's first call of
@@ -86,6 +89,10 @@ def main(process_id: int, num_processes: int, port: int, job: dict) -> None:
     )
     if "silent_seconds" in job:
         _multihost.SILENT_SECONDS = job["silent_seconds"]
+    if "heartbeat_seconds" in job:  # (the next beat on: the heartbeat thread reads it before each wait)
+        _multihost.HEARTBEAT_SECONDS = job["heartbeat_seconds"]
+    if "wait_ms" in job:
+        _multihost._WAIT_MS = job["wait_ms"]
     mesh = jax.make_mesh((num_processes,), ("rows",), devices=jax.devices())
     sharding = NamedSharding(mesh, P() if job.get("replicated") else P("rows"))
     if job.get("replicated"):

@@ -1,9 +1,10 @@
 """A preemptible training run, for tests/manage/test_preemption.py (not a test module).
 
-Run as `python preempt_worker.py DIRECTORY STEPS [PROCESS_ID NUM_PROCESSES PORT]`
+Run as `python preempt_worker.py [OPTIONS] DIRECTORY STEPS [PROCESS_ID NUM_PROCESSES PORT]`
 (with the last three, one of the processes of a `jax.distributed` job on this
-machine). It prints `ready` once imported and waits for a line on stdin, so a
-parent can start the next run while this one trains. Then it trains a small
+machine). It prints `ready` once imported and waits for a line on stdin (or,
+with `--go=PATH`, for the file PATH to exist), so a parent can start the next
+run while this one trains. Then it trains a small
 Equinox MLP with optax's Adam, a PRNG key and a data position (batch `i` is a
 function of `i` alone) for STEPS steps, resuming from the latest step in
 DIRECTORY, as a preemptible job does:
@@ -16,12 +17,17 @@ DIRECTORY, as a preemptible job does:
         if preempted: exit
 
 It prints `step S` after asking about step S, then `preempted at S` or
-`finished`. As `python preempt_worker.py --trainer DIRECTORY STEPS`, it is the
-run an evaluator follows instead (`trainer`). With `EQX_CKPT_DIE_AT=STEP:PROCESS`, process PROCESS kills itself
-with SIGKILL in the middle of saving step STEP (before that step's commit in
-process 0, while joining it in the others): a process dying outright. With
-`EQX_CKPT_SLOW_PROCESS=PROCESS`, that process's steps take 0.2 s instead of
-0.03 s, so the others run ahead and wait for it in their next save.
+`finished`. As `python preempt_worker.py [OPTIONS] --trainer DIRECTORY STEPS`, it is the
+run an evaluator follows instead (`trainer`).
+
+Options (given as arguments, not variables of the environment, so that the
+test's `prefork` template serves every launch): with `--die-at=STEP:PROCESS`,
+process PROCESS kills itself with SIGKILL in the middle of saving step STEP
+(before that step's commit in process 0, while joining it in the others): a
+process dying outright. With `--slow=PROCESS`, that process's steps take 0.2 s
+instead of 0.03 s, so the others run ahead and wait for it in their next save.
+`--heartbeat=SECONDS` replaces `jax.distributed`'s heartbeat time-out (10 s
+here): how long the others take to notice a process that died.
 """
 
 import contextlib
@@ -92,12 +98,12 @@ _saving = -1  # the step being saved
 _armed = contextlib.ExitStack()  # the fault point stays armed until the process dies
 
 
-def train(directory: str, steps: int) -> None:
+def train(directory: str, steps: int, options: dict[str, str]) -> None:
     global _saving
-    die = os.environ.get("EQX_CKPT_DIE_AT")
+    die = options.get("die-at")
     if die is not None and int(die.split(":")[1]) == jax.process_index():
         _die_while_saving(int(die.split(":")[0]))
-    slow = os.environ.get("EQX_CKPT_SLOW_PROCESS")
+    slow = options.get("slow")
     pace = 0.2 if slow is not None and int(slow) == jax.process_index() else 0.03
     with eqx_ckpt.CheckpointManager(directory, max_to_keep=2) as manager:
         step, state = manager.restore_or_initialise(make_state)
@@ -130,9 +136,15 @@ def trainer(directory: str, steps: int) -> None:
 
 
 def main(argv: list[str]) -> None:
+    options = dict(a.removeprefix("--").split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+    argv = [a for a in argv if not (a.startswith("--") and "=" in a)]
     jax.config.update("jax_platforms", "cpu")
     print("ready", flush=True)
-    sys.stdin.readline()
+    if "go" in options:
+        while not os.path.exists(options["go"]):
+            time.sleep(0.005)
+    else:
+        sys.stdin.readline()
     if argv[0] == "--trainer":
         trainer(argv[1], int(argv[2]))
         return
@@ -144,9 +156,9 @@ def main(argv: list[str]) -> None:
             process_id=process,
             initialization_timeout=60,
             # A process that died is noticed by the others after this long.
-            heartbeat_timeout_seconds=10,
+            heartbeat_timeout_seconds=int(options.get("heartbeat", 10)),
         )
-    train(argv[0], int(argv[1]))
+    train(argv[0], int(argv[1]), options)
 
 
 if __name__ == "__main__":

@@ -292,7 +292,8 @@ def _child(request: dict[str, Any], out: IO[bytes], err: IO[bytes]) -> int:
     os.chdir(request["cwd"])
     main = types.ModuleType("__main__")
     sys.modules["__main__"] = main
-    flag, target, *arguments = request["args"]
+    # (`[script]` alone: a script run without arguments, `target` unused)
+    flag, target, *arguments = request["args"] if len(request["args"]) > 1 else [*request["args"], ""]
     try:
         if flag == "-c":
             sys.argv = ["-c", *arguments]
