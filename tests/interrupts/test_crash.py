@@ -10,6 +10,10 @@ handled by `sys.exit`, which run Python code in the saving process.
 
 The randomness is seeded (set `EQX_CKPT_CRASH_SEED` to replay a run) and the seed
 is printed. Workers are started one ahead, so their import overlaps the checks.
+A worker to be SIGKILLed is forked from a template process that has JAX
+imported (`prefork`): the kill runs nothing of the process, so a new
+interpreter would add only its start-up. A worker to get SIGINT or SIGTERM is
+a new interpreter: the signal runs its handlers and its exit.
 """
 
 import collections
@@ -32,28 +36,38 @@ WORKER = places.SUPPORT / "crash_worker.py"
 
 
 class _Pool:
-    """The worker in use and one spare, importing in the background; and how long
-    a save of each mode takes, learnt from the saves that were not killed (the
-    machine's speed varies with its load, so a fixed time would miss)."""
+    """The worker in use and one spare, importing in the background, of each
+    kind: forked from a template for SIGKILL (which runs nothing of the
+    worker's), a new interpreter for SIGINT and SIGTERM (which run the worker's
+    handlers and its exit); and how long a save of each mode takes, learnt from
+    the saves that were not killed (the machine's speed varies with its load,
+    so a fixed time would miss)."""
 
     def __init__(self) -> None:
-        self.current, self.spare = Worker(), Worker()
+        self.workers: dict[bool, list[Worker]] = {}
         self.seconds: dict[str, float] = {}
         self.aborts = 0
         self.resent = 0
 
+    def _pair(self, fresh: bool) -> list[Worker]:
+        if fresh not in self.workers:
+            self.workers[fresh] = [Worker(fresh=fresh), Worker(fresh=fresh)]
+        return self.workers[fresh]
+
     def run(self, mode: str, path: pathlib.Path, generation: int, fraction: float, sig: int = signal.SIGKILL) -> bool:
         """Start a save and send `sig` (SIGKILL by default) after `fraction` of a
         save's usual time; whether it was signalled."""
-        self.current.start(mode, path, generation)
+        pair = self._pair(fresh=sig != signal.SIGKILL)
+        current = pair[0]
+        current.start(mode, path, generation)
         start = time.perf_counter()
         # The first save of a mode is not killed: it measures how long one takes.
-        if self.current.finished_within(fraction * self.seconds[mode] if mode in self.seconds else 120):
-            assert self.current.last == "done", self.current.last
+        if current.finished_within(fraction * self.seconds[mode] if mode in self.seconds else 120):
+            assert current.last == "done", current.last
             self.seconds[mode] = time.perf_counter() - start
             return False
-        code = self.current.kill(sig)
-        self.resent += self.current.resent
+        code = current.kill(sig)
+        self.resent += current.resent
         # SIGINT: KeyboardInterrupt ends the process (Python re-raises SIGINT, or
         # exits 1 if it landed in a handler); SIGTERM: the handler's sys.exit(143).
         expected = {signal.SIGKILL: {-9}, signal.SIGINT: {-2, 1}, signal.SIGTERM: {143}}[sig]
@@ -63,13 +77,15 @@ class _Pool:
             # caller checks the checkpoint as for any other exit; it is counted.
             self.aborts += 1
             code = next(iter(expected))
-        assert code in expected, f"the worker exited with {code} after signal {sig}"
-        self.current, self.spare = self.spare, Worker()
+        assert code in expected, f"the worker exited with {code} after signal {sig}: {current.said()[-3000:]}"
+        current.close()
+        pair[:] = [pair[1], Worker(fresh=sig != signal.SIGKILL)]
         return True
 
     def close(self) -> None:
-        self.current.close()
-        self.spare.close()
+        for pair in self.workers.values():
+            for worker in pair:
+                worker.close()
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +250,7 @@ def test_a_worker_started_with_sigint_ignored_still_stops_on_sigint(tmp_path):
     Python's handler itself, so the campaign tests Ctrl-C whatever started it."""
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        worker = Worker()  # inherits SIGINT ignored, as under `pytest &`
+        worker = Worker(fresh=True)  # a new interpreter inherits SIGINT ignored, as under `pytest &`
     finally:
         signal.signal(signal.SIGINT, previous)
     try:

@@ -3,7 +3,9 @@ interpreter exit, however the process was stopped.
 
 Real processes (`exit_worker.py`) are stopped by real signals at random
 moments of saves, overwrites, asynchronous saves, manager steps and loads,
-with busy processes loading the machine. SIGTERM runs a handler calling
+with busy processes loading the machine while an operation runs and its
+process exits (they are paused in between, while the next processes start and
+the checkpoints are checked: neither is under test). SIGTERM runs a handler calling
 `sys.exit(143)`, as a preemptible training job's does; SIGINT is Python's
 Ctrl-C. Each process must exit within `EXIT_SECONDS` of beginning to, and
 leave a whole checkpoint. A process that does not is killed after its
@@ -81,8 +83,11 @@ class _Worker:
             time.sleep(0.02)
         return False
 
-    def command(self, kind: str, path: pathlib.Path, generation: int) -> None:
+    def wait_ready(self) -> None:
         assert self.wait_for("ready", 120), f"the worker did not start: {self.err.read_text()[-2000:]}"
+
+    def command(self, kind: str, path: pathlib.Path, generation: int) -> None:
+        self.wait_ready()
         assert self.process.stdin is not None
         self.process.stdin.write(f"{kind} {path} {generation}\n".encode())
         self.process.stdin.flush()
@@ -132,17 +137,40 @@ class _Hung(Exception):
     """A worker that did not exit."""
 
 
-@contextlib.contextmanager
-def _busy(count: int, seconds: float):
-    """`count` processes that keep a core busy each, for at most `seconds`."""
-    loop = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
-    processes = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(count)]
-    try:
-        yield
-    finally:
-        for process in processes:
+class _Busy:
+    """`count` processes that keep a core busy each, for at most `seconds` in
+    all; paused (SIGSTOP) until `resume`, and again by `pause`."""
+
+    def __init__(self, count: int, seconds: float) -> None:
+        loop = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
+        self.processes = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(count)]
+        self.pause()
+
+    def _send(self, sig: int) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                os.kill(process.pid, sig)
+
+    def pause(self) -> None:
+        self._send(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._send(signal.SIGCONT)
+
+    def kill(self) -> None:
+        for process in self.processes:
             process.kill()
             process.wait()
+
+
+@contextlib.contextmanager
+def _busy(count: int, seconds: float):
+    """`_Busy(count, seconds)`, killed at the end of the block."""
+    busy = _Busy(count, seconds)
+    try:
+        yield busy
+    finally:
+        busy.kill()
 
 
 def _generation(path: pathlib.Path, generations: list[int]) -> int:
@@ -221,22 +249,27 @@ def test_every_process_exits_after_a_signal_at_a_random_moment(tmp_path):
     seconds = collections.defaultdict(lambda: 1.0)
     outcomes: collections.Counter[str] = collections.Counter()
     hung = []
-    with _busy(2, 600):
+    with _busy(2, 600) as busy:
         workers = [_Worker(tmp_path, f"w{i}") for i in range(2)]
         try:
             for i, (kind, sig) in enumerate(trials):
                 worker = workers.pop(0)
                 workers.append(_Worker(tmp_path, f"w{i + 2}"))
                 path, generation = campaign.target(kind, rng)
+                worker.wait_ready()
                 began = time.monotonic()
-                worker.command(kind, path, generation)
-                time.sleep(rng.uniform(0, 1.2) * seconds[kind])
-                finished = worker.finished()
+                busy.resume()  # loaded from the operation's start to the process's end
                 try:
-                    code = worker.stopped(sig)
-                except _Hung as e:
-                    hung.append(f"trial {i} ({kind}, {signal.Signals(sig).name}): {e}")
-                    code = next(iter(EXPECTED_CODES[sig]))
+                    worker.command(kind, path, generation)
+                    time.sleep(rng.uniform(0, 1.2) * seconds[kind])
+                    finished = worker.finished()
+                    try:
+                        code = worker.stopped(sig)
+                    except _Hung as e:
+                        hung.append(f"trial {i} ({kind}, {signal.Signals(sig).name}): {e}")
+                        code = next(iter(EXPECTED_CODES[sig]))
+                finally:
+                    busy.pause()
                 if finished is not None:
                     seconds[kind] = finished
                 assert code in EXPECTED_CODES[sig] | {-signal.SIGABRT}, f"exit code {code} after {sig!r}"

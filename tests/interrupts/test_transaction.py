@@ -9,6 +9,9 @@ call k failing, for every k. After each: the checkpoint loads as exactly the old
 or exactly the new save, an interrupt reaches the caller as itself, the user's
 files in the directory are unchanged, and the next save succeeds and leaves
 nothing behind.
+
+Every test here saves and loads in a folder in memory (`ramdisk`): the
+same code, without a busy disk's fsyncs, for the hundreds of small saves each makes.
 """
 
 import contextlib
@@ -26,6 +29,7 @@ import warnings
 import equinox as eqx
 import numpy as np
 import pytest
+import ramdisk
 from disk import snapshot
 
 import eqx_ckpt
@@ -96,6 +100,13 @@ def _tree(generation):
         "frozen": np.arange(4, dtype=np.float32),
         "step": generation,
     }
+
+
+@pytest.fixture
+def tmp_path(tmp_path):
+    """The test's folder, in memory (see the module docstring)."""
+    with ramdisk.folder(tmp_path) as folder:
+        yield folder
 
 
 @pytest.fixture(autouse=True)

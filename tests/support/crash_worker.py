@@ -2,11 +2,12 @@
 tests/interrupts/test_crash.py or to race another by tests/store/test_concurrency.py; and
 `Worker`, the parent's handle on one.
 
-It reads commands from stdin, one per line: `MODE PATH GENERATION`, saves
-`tree(GENERATION)` to `PATH` the way `MODE` says, and prints `done` when the
-save has returned (`error CLASS: MESSAGE` if it raised an eqx_ckpt error). It
-prints `ready` once imported, so the parent can start the clock only when the
-save itself starts.
+Run as `python crash_worker.py COMMANDS`. It reads commands from the file
+`COMMANDS` as the parent appends them, one per line: `MODE PATH GENERATION`,
+saves `tree(GENERATION)` to `PATH` the way `MODE` says, and prints `done` when
+the save has returned (`error CLASS: MESSAGE` if it raised an eqx_ckpt error).
+It prints `ready` once imported, so the parent can start the clock only when
+the save itself starts.
 
 Modes: `save` (blocking `tree_serialise_leaves`), `big` (the same, with a tree
 of about 1,500 leaves), `async` (`blocking=False`, then `wait()`), `manager`
@@ -19,14 +20,16 @@ calling `sys.exit(143)`; SIGINT raises KeyboardInterrupt as Python does.
 import faulthandler
 import os
 import pathlib
-import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import jax
 import numpy as np
+import prefork
 
 import eqx_ckpt
 
@@ -63,32 +66,68 @@ def save(mode: str, path: str, generation: int) -> None:
 
 
 class Worker:
-    """The parent's side: a worker process, started at once, importing in the background."""
+    """The parent's side: a worker process, started at once, importing in the
+    background; what it prints (stdout and stderr) goes to a file.
 
-    def __init__(self) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, str(SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
+    `fresh`: a new interpreter (`python crash_worker.py`), for a signal that
+    runs Python code in the worker, its exit included (SIGINT, SIGTERM), or
+    for what the new process inherits (a signal's disposition). Otherwise the
+    worker is forked from `prefork`'s template, which has JAX imported (about
+    a second less): for SIGKILL, which runs nothing of the worker's, and for
+    workers that only save."""
+
+    def __init__(self, *, fresh: bool = False) -> None:
+        self.directory = pathlib.Path(tempfile.mkdtemp(prefix="crash_worker_"))
+        self.commands, self.output = self.directory / "commands", self.directory / "output"
+        self.commands.touch()
+        args = [str(SCRIPT), str(self.commands)]
+        self.process: subprocess.Popen | prefork.Process
+        if fresh:
+            with self.output.open("wb") as out:
+                self.process = subprocess.Popen(
+                    [sys.executable, *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+                )
+        else:
+            self.process = prefork.spawn(args, env=dict(os.environ), output=self.output)
+        self.seen = 0  # the lines `ready`, `done`, `error ...` read so far
         self.ready = False
         self.last = ""
         self.resent = False
 
+    def said(self) -> str:
+        """What the worker printed so far."""
+        return self.output.read_text(errors="replace") if self.output.exists() else ""
+
+    def _next(self, seconds: float) -> str | None:
+        """The next line of the protocol the worker prints within `seconds`."""
+        deadline = time.monotonic() + seconds
+        while True:
+            lines = [line for line in self.said().splitlines(keepends=True) if line.startswith(_PROTOCOL)]
+            complete = [line.strip() for line in lines if line.endswith("\n")]
+            if len(complete) > self.seen:
+                self.seen += 1
+                return complete[self.seen - 1]
+            if self.process.poll() is not None:
+                raise AssertionError(f"the worker exited ({self.process.returncode}): {self.said()[-3000:]}")
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.005)
+
     def start(self, mode: str, path: pathlib.Path, generation: int) -> None:
         if not self.ready:
-            assert self.process.stdout is not None and self.process.stdout.readline().strip() == "ready"
+            line = self._next(120)
+            assert line == "ready", f"the worker did not start: {self.said()[-3000:]}"
             self.ready = True
-        assert self.process.stdin is not None
-        self.process.stdin.write(f"{mode} {path} {generation}\n")
-        self.process.stdin.flush()
+        with self.commands.open("a") as commands:
+            commands.write(f"{mode} {path} {generation}\n")
 
     def finished_within(self, seconds: float) -> bool:
         """Whether the save returned within `seconds` (the worker then lives on)."""
-        assert self.process.stdout is not None
-        readable, _, _ = select.select([self.process.stdout], [], [], seconds)
-        if not readable:
+        line = self._next(seconds)
+        if line is None:
             return False
-        self.last = self.process.stdout.readline().strip()
-        assert self.last == "done" or self.last.startswith("error "), f"worker failed: {self.last!r}"
+        self.last = line
+        assert self.last == "done" or self.last.startswith("error "), f"worker failed: {self.said()[-3000:]}"
         return True
 
     def kill(self, sig: int = signal.SIGKILL) -> int:
@@ -109,22 +148,24 @@ class Worker:
                 self.process.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 signals = _signal_state(self.process.pid)
-                os.kill(self.process.pid, signal.SIGUSR1)  # its threads' stacks, on stderr
+                os.kill(self.process.pid, signal.SIGUSR1)  # its threads' stacks, in its output
                 time.sleep(2)
                 os.kill(self.process.pid, signal.SIGKILL)
                 self.process.wait()
-                printed = self.process.stdout.read() if self.process.stdout is not None else ""
                 raise AssertionError(
-                    f"the worker did not exit within 120 s of signal {sig} (its threads' stacks are "
-                    f"in the captured stderr); it printed {printed!r}; its signal masks: {signals}"
+                    f"the worker did not exit within 120 s of signal {sig}; its signal masks: {signals}; "
+                    f"it printed (its threads' stacks last):\n{self.said()[-6000:]}"
                 ) from None
-        for pipe in (self.process.stdin, self.process.stdout):
-            if pipe is not None:
-                pipe.close()
         return self.process.returncode
 
     def close(self) -> None:
+        """Kill the process if it runs; remove its files."""
         self.kill()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+# What the worker prints for its parent (anything else is a diagnostic).
+_PROTOCOL = ("ready", "done", "error ")
 
 
 def _signal_state(pid: int) -> str:
@@ -159,22 +200,28 @@ def main() -> None:
     # JAX matter, which the saves of this worker need not exercise.)
     jax.devices()
     print("ready", flush=True)
-    while True:
-        # Wait for the next command in short steps: a signal the kernel hands to
-        # another thread (TensorStore's, XLA's) does not interrupt a blocking read
-        # of the main thread, whose Python handler would then never run.
-        while not select.select([sys.stdin], [], [], 0.1)[0]:
-            pass
-        line = sys.stdin.readline()
-        if not line:
-            return
-        mode, path, generation = line.split()
-        try:
-            save(mode, path, int(generation))
-        except eqx_ckpt.CheckpointError as e:
-            print(f"error {type(e).__name__}: {e}".replace("\n", " "), flush=True)
-        else:
-            print("done", flush=True)
+    parent = os.getppid()
+    with open(sys.argv[1]) as commands:
+        pending = ""
+        while True:
+            # Wait for the next command in short sleeps: a signal the kernel hands
+            # to another thread (TensorStore's, XLA's) does not interrupt a
+            # blocking wait of the main thread, whose Python handler would then
+            # never run.
+            pending += commands.readline()
+            if not pending.endswith("\n"):
+                if os.getppid() != parent:  # the parent is gone
+                    return
+                time.sleep(0.01)
+                continue
+            mode, path, generation = pending.split()
+            pending = ""
+            try:
+                save(mode, path, int(generation))
+            except eqx_ckpt.CheckpointError as e:
+                print(f"error {type(e).__name__}: {e}".replace("\n", " "), flush=True)
+            else:
+                print("done", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Load hostile checkpoints under a memory limit; used by tests/hostile/test_hostile.py.
 
-Usage: python hostile_worker.py CHECKPOINT...
+Usage: python hostile_worker.py CHECKPOINT... (the test calls `main` in a process
+forked by `prefork`, which has JAX imported).
 
 Imports everything and warms up first, then caps the address space at what the
 process uses plus `HEADROOM`, so any attempt to allocate a hostile shape fails.
