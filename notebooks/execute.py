@@ -39,8 +39,15 @@ def execute(path: pathlib.Path) -> nbformat.NotebookNode:
         # The folder, and the scratch folder a notebook makes in it (`tempfile.mkdtemp()`).
         scratch_path = re.compile(re.escape(scratch) + "(" + re.escape(os.sep + tempfile.gettempprefix()) + r"\w+)?")
         env = {**os.environ, "TMPDIR": scratch, "TQDM_DISABLE": "1", "JAX_PLATFORMS": "cpu"}
+        # (the kernel ended at once when the last cell is done: a graceful end waited seconds for its
+        # interpreter to exit, and there is nothing left to run or to read from it)
         client = NotebookClient(
-            notebook, timeout=300, kernel_name="python3", record_timing=False, resources={"metadata": {"path": scratch}}
+            notebook,
+            timeout=300,
+            kernel_name="python3",
+            record_timing=False,
+            resources={"metadata": {"path": scratch}},
+            shutdown_kernel="immediate",
         )
         client.execute(env=env)
         for cell in notebook.cells:

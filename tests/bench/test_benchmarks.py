@@ -9,8 +9,12 @@ The benchmarks' fresh processes (`subprocess.run([sys.executable, "-c" or "-m",
 same command in a new process, a second and a half less each: no figure the
 tests check depends on the imports. The harness's own start of a worker runs
 for real in `test_the_worker_reports_its_own_failure`, and `replicas.py` and
-`alternating` start theirs for real."""
+`alternating` start theirs for real. The page cache is never dropped (every
+step of a cold measurement still runs), and what JAX compiles in one of these
+processes is taken by the next (`_forked`); the benchmarks' `gc.collect()`s
+in this process leave out what the session held before (`_frozen`)."""
 
+import gc
 import importlib.util
 import json
 import os
@@ -61,32 +65,65 @@ _RUN = subprocess.run
 
 
 def _forked_run(command, *, capture_output=False, text=False, timeout=None, cwd=None, env=None, check=False, **other):
-    """`subprocess.run` of `python -c ...` or `python -m ...` with its output
-    captured as text, forked from a `prefork` template; any other call as it is."""
+    """`subprocess.run` of `python -c ...` or `python -m ...`, its output
+    captured as text or not captured at all, forked from a `prefork` template
+    (output not captured is written to this process's, as a child's would
+    be); any other call as it is."""
     command = list(command) if isinstance(command, (list, tuple)) else command
     if not (
         isinstance(command, list)
         and command[:1] == [sys.executable]
         and command[1:2] in (["-c"], ["-m"])
-        and capture_output
-        and text
+        and capture_output == text
         and not other
     ):
         return _RUN(
             command, capture_output=capture_output, text=text, timeout=timeout, cwd=cwd, env=env, check=check, **other
         )
     done = prefork.run(command[1:], env=dict(os.environ if env is None else env), cwd=cwd, timeout=timeout or 3600)
+    if not capture_output:
+        sys.stdout.write(done.stdout)
+        sys.stderr.write(done.stderr)
+        done = subprocess.CompletedProcess(done.args, done.returncode)
     if check:
         done.check_returncode()
     return done
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _forked():
-    """The benchmarks' fresh processes, forked from a template (the module's docstring)."""
+def _forked(tmp_path_factory):
+    """The benchmarks' fresh processes, forked from a template (the module's
+    docstring). Each of them, and the cold measurements here, write the page
+    cache's switch to a file of the test's (`EQX_CKPT_BENCH_DROP_CACHES`),
+    as root too: every step of a cold measurement runs (as where the kernel's
+    switch may be written), and the page cache of everything else on the
+    machine stays. The processes keep what JAX compiles in a folder of the
+    module's and take there what an earlier one compiled (JAX's persistent
+    compilation cache, every program however fast it compiled): each of them
+    makes the same workload's arrays and compares them, compiling each
+    program again, for nothing a test checks."""
+    scratch = tmp_path_factory.mktemp("bench-processes")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(subprocess, "run", _forked_run)
+        patch.setenv("EQX_CKPT_BENCH_DROP_CACHES", str(scratch / "drop_caches"))
+        patch.setattr(worker, "DROP_CACHES", str(scratch / "drop_caches"))
+        patch.setenv("JAX_COMPILATION_CACHE_DIR", str(scratch / "jax-compiled"))
+        patch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        patch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
         yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _frozen():
+    """What this process held before the module, left out of the collections
+    the benchmarks run in it (`gc.freeze`): each of their `gc.collect()`s
+    (before every measurement, for steady memory figures) walked every
+    object of the test session, a few tenths of a second each after the whole
+    suite's collection, for nothing a test checks. Given back after."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,18 @@
 """Fixtures of the tests of other sources: model families."""
 
+import pathlib
+
 import pytest
 from families import BASES, Family, _base_tree, _finetuned, _make_base
 
 import eqx_ckpt
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory) -> pathlib.Path:
+    """A folder where the Hub tests' processes keep what JAX compiled for the
+    next one (`hub_client.Client(..., compiled=)`), for this session."""
+    return tmp_path_factory.mktemp("jax-compiled")
 
 
 @pytest.fixture(params=BASES)

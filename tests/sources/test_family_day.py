@@ -9,7 +9,9 @@ Then Erin loads everything through a mirror that answers as olah does.
 
 Every task must work at the first try and every load is bit for bit
 (`typematch`). Each person is a new process with a cache of their own, against
-the local Hub server (`hub_server`, through `test_hub.Client`)."""
+the local Hub server (`hub_server`, through `hub_client.Client`); what JAX
+compiles to make and compare the family is compiled once, not by every
+process (`compiled`: its persistent compilation cache)."""
 
 from __future__ import annotations
 
@@ -66,9 +68,10 @@ def _record(state: hub_server.Hub, repo: str) -> dict:
     return json.loads(state.blobs[files["eqx_ckpt.json"]])
 
 
-def test_a_family_day_works_at_the_first_try(hub, tmp_path):
+def test_a_family_day_works_at_the_first_try(hub, tmp_path, compiled):
     url, state = hub
-    alice, bob, carol, dave, erin = (Client(url, tmp_path / who) for who in ("alice", "bob", "carol", "dave", "erin"))
+    people = ("alice", "bob", "carol", "dave", "erin")
+    alice, bob, carol, dave, erin = (Client(url, tmp_path / who, compiled=compiled) for who in people)
 
     first = alice.run(FAMILY + "emit(eqx_ckpt.push_to_hub(base, 'alice/base'))")
 

@@ -2,7 +2,14 @@
 the Hugging Face Hub, for every test that publishes or loads `hf://` paths:
 `Client(url, home).run(code)` runs `code` in a new process (forked from a
 template that imported JAX once, `prefork`) with `HF_ENDPOINT` pointing at
-the server and a cache of its own, and returns what it `emit`ted."""
+the server and a cache of its own, and returns what it `emit`ted.
+
+`Client(url, home, compiled=folder)` has each of its processes keep what JAX
+compiles in `folder` and take there what an earlier one compiled (JAX's
+persistent compilation cache, every program kept however fast it compiled):
+a test of many processes that make and compare the same models compiles
+each program once, not once a process (seconds each). What a process
+computes is the same; only where its compiled programs come from differs."""
 
 from __future__ import annotations
 
@@ -39,12 +46,20 @@ def raised(call):
     return None
 """
 
+# Run first in each process of a `Client` given `compiled` (the folder).
+COMPILED = """
+jax.config.update("jax_compilation_cache_dir", {folder!r})
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+"""
+
 
 class Client:
     """Runs code in a new process that reaches the server `url` as the Hub, with its cache at `home`."""
 
-    def __init__(self, url: str, home: pathlib.Path):
+    def __init__(self, url: str, home: pathlib.Path, *, compiled: pathlib.Path | None = None):
         self.url, self.home = url, home
+        self.prelude = PRELUDE + ("" if compiled is None else COMPILED.format(folder=str(compiled)))
         prefork.start(self.env())  # (its imports overlap with what the test does first)
 
     def env(self, **extra: str | None) -> dict[str, str]:
@@ -69,7 +84,7 @@ class Client:
     def run(self, code: str, **env: str | None) -> object:
         """What `code` (after `PRELUDE`) `emit`ted last, run as `python -c` in a new process."""
         done = prefork.run(
-            ["-c", PRELUDE + textwrap.dedent(code)], env=self.env(**env), cwd=self.home.parent, timeout=300
+            ["-c", self.prelude + textwrap.dedent(code)], env=self.env(**env), cwd=self.home.parent, timeout=300
         )
         results = [line[len("RESULT ") :] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         assert done.returncode == 0 and results, done.stdout[-3000:] + done.stderr[-6000:]
