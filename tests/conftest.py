@@ -1,9 +1,12 @@
 import contextlib
 
+import gcs_server
+import hub_server
 import jax
 import prefork
 import pytest
 import s3_server
+from hub_client import Client
 
 from eqx_ckpt._base import _faults
 
@@ -23,20 +26,64 @@ def _prefork_templates():
     prefork.close()
 
 
-# The S3 tests (test_s3.py, test_async.py) share one moto server per module.
-@pytest.fixture(scope="module")
-def s3():
+# The local servers: each started once per session (one per xdist worker), and
+# reset before and after each test that asks for it, so that no test sees
+# anything of another's: objects and buckets, repositories, injected failures,
+# hostile answers, held or refused writes, records of requests and counts.
+
+
+@pytest.fixture(scope="session")
+def _s3_server():
     with s3_server.running() as server:
         yield server
+
+
+@pytest.fixture
+def s3(_s3_server):
+    """The moto S3 server (tests/support/s3_server.py), holding only an empty bucket."""
+    _s3_server.reset()
+    yield _s3_server
+    _s3_server.reset()  # (also: never leave a save of a failed test blocked in the server)
 
 
 @pytest.fixture
 def store(s3, monkeypatch, request):
     """A fresh checkpoint location (kvstore spec) in the bucket."""
     s3_server.credentials(monkeypatch)
-    s3.gate.reset()
-    yield s3.spec(f"{request.node.name}/ckpt/")
-    s3.gate.reset()  # never leave a save of a failed test blocked in the server
+    return s3.spec(f"{request.node.name}/ckpt/")
+
+
+@pytest.fixture(scope="session")
+def _gcs_server():
+    with gcs_server.running() as server:
+        yield server
+
+
+@pytest.fixture
+def gcs(_gcs_server, monkeypatch):
+    """The GCS emulator's URL (tests/support/gcs_server.py), holding only an
+    empty bucket, TensorStore pointed at it for this test."""
+    _gcs_server.reset()
+    _gcs_server.environ(monkeypatch)
+    yield _gcs_server.url
+    _gcs_server.reset()
+
+
+@pytest.fixture(scope="session")
+def hub_session():
+    """The local Hub server (tests/support/hub_server.py); tests take it through `hub`."""
+    server = hub_server.Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def hub(hub_session, tmp_path):
+    """A `hub_client.Client` whose Hub cache is `tmp_path/hf`, and the state of
+    the Hub server, new and empty for this test."""
+    state = hub_session.reset()
+    yield Client(hub_session.url, tmp_path / "hf"), state
+    hub_session.reset()
 
 
 @pytest.fixture

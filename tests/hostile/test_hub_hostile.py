@@ -55,11 +55,14 @@ def model(repo: str) -> bytes:
 
 
 @pytest.fixture
-def hub(tmp_path):
-    """A client whose `HF_HOME` is `tmp_path/home/hf`; `outside` lists what appeared elsewhere under `tmp_path`."""
+def hub(hub_session, tmp_path):
+    """A client whose `HF_HOME` is `tmp_path/home/hf` (`outside` lists what
+    appeared elsewhere under `tmp_path`), and the state of the Hub server
+    (tests/conftest.py), new and empty for this test."""
     (tmp_path / "home").mkdir()
-    with hub_server.serving() as (url, state):
-        yield Client(url, tmp_path / "home" / "hf"), state
+    state = hub_session.reset()
+    yield Client(hub_session.url, tmp_path / "home" / "hf"), state
+    hub_session.reset()
 
 
 def outside(tmp_path: pathlib.Path) -> list[str]:

@@ -1,11 +1,16 @@
 """`lazy=True`, `LazyArray` and `materialise`."""
 
+import json
+import os
 import re
+import shutil
+import subprocess
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import prefork
 import pytest
 
 import eqx_ckpt
@@ -275,24 +280,40 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp
 import eqx_ckpt
 like = {"f": jnp.zeros(1), "i": jnp.zeros(1, jnp.int64), "s": jnp.float32(0)}
-out = eqx_ckpt.tree_deserialise_leaves(sys.argv[1], like)
-print(json.dumps({k: [type(v).__name__, str(v.dtype), v.tolist()] for k, v in out.items()}))
+loaded = {}
+for path in sys.argv[1:]:
+    out = eqx_ckpt.tree_deserialise_leaves(path, like)
+    loaded[path] = {k: [type(v).__name__, str(v.dtype), v.tolist()] for k, v in out.items()}
+print(json.dumps(loaded))
 """
+
+
+def _x64_python(code: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -c code args`, forked from a template that imported JAX (`prefork`):
+    the code turns JAX's 64-bit mode on as its first step, as a new process would."""
+    return prefork.run(["-c", code, *args], env=dict(os.environ), timeout=120)
+
+
+@pytest.fixture(scope="module")
+def x64_checkpoint(tmp_path_factory):
+    """A checkpoint of 64-bit JAX leaves, saved once by a process in JAX's 64-bit mode (tests copy it)."""
+    path = tmp_path_factory.mktemp("x64") / "source"
+    done = _x64_python(_SAVE_X64, str(path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return path
 
 
 @pytest.mark.skipif(jax.config.read("jax_enable_x64"), reason="about a process without JAX's 64-bit mode")
 @pytest.mark.parametrize("opened", ["checkpoint", "lazy-load"])
-def test_a_lazy_checkpoint_of_64_bit_jax_leaves_saves_again_without_x64(tmp_path, opened):
+def test_a_lazy_checkpoint_of_64_bit_jax_leaves_saves_again_without_x64(tmp_path, opened, x64_checkpoint):
     """Saving a lazily opened checkpoint is a copy: 64-bit JAX leaves, which this
     process cannot hold as JAX arrays, were refused with the x64 error. They
     are written as their exact host values, recorded as JAX leaves, also back
-    onto the checkpoint itself."""
-    import json
-    import subprocess
-    import sys
-
+    onto the checkpoint itself. (The checkpoint is saved once, in a 64-bit
+    process, and copied for each test; both copies are loaded in one 64-bit
+    process at the end.)"""
     source = tmp_path / "source"
-    subprocess.run([sys.executable, "-c", _SAVE_X64, str(source)], check=True, timeout=120)
+    shutil.copytree(x64_checkpoint, source)
     for destination in (tmp_path / "copy", source):
         if opened == "checkpoint":
             tree = dict(eqx_ckpt.Checkpoint(source).items())
@@ -306,18 +327,19 @@ def test_a_lazy_checkpoint_of_64_bit_jax_leaves_saves_again_without_x64(tmp_path
             "f": ("jax", "float64"),
             "i": ("jax", "int64"),
             "s": ("jax", "float32"),
-        }
+        }, destination
         host = saved.load()
-        assert host["i"].tolist() == [2**40 + 5] and host["f"].tolist() == [1 / 3]
-        done = subprocess.run(
-            [sys.executable, "-c", _LOAD_X64, str(destination)], capture_output=True, text=True, timeout=120
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert json.loads(done.stdout) == {
+        assert host["i"].tolist() == [2**40 + 5] and host["f"].tolist() == [1 / 3], destination
+    destinations = [str(tmp_path / "copy"), str(source)]
+    done = _x64_python(_LOAD_X64, *destinations)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = json.loads(done.stdout)
+    for destination in destinations:
+        assert loaded[destination] == {
             "f": ["ArrayImpl", "float64", [1 / 3]],
             "i": ["ArrayImpl", "int64", [2**40 + 5]],
             "s": ["ArrayImpl", "float32", 2.5],
-        }
+        }, destination
 
 
 @pytest.mark.parametrize("how", ["read", "asarray", "materialise"])

@@ -264,12 +264,16 @@ def test_kept_records_follow_the_knobs_and_a_managers_packs(tmp_path, monkeypatc
     """Records kept by a save are never taken by one that would make them
     otherwise: after a knob changed (`PACK_BYTES`, `_format.CHUNK_BYTES`, as
     tests change them), or for a manager's step, whose packs are cut in
-    smaller chunks (`STEP_PACK_CHUNK_BYTES`) than a plain save's."""
+    smaller chunks (`STEP_PACK_CHUNK_BYTES`) than a plain save's. (That
+    knob is lowered here to 8 KiB, so that a pack of 200 blocks is cut in
+    several chunks: the default's 128 KiB took 2,000 blocks, ten times the
+    leaves to save and load, by the same code.)"""
     from eqx_ckpt._ondisk import _format
 
+    monkeypatch.setattr(_records, "STEP_PACK_CHUNK_BYTES", 8 << 10)
     reused = []
     faults("save.records_reused", lambda loc: reused.append(loc.display))
-    tree = _tree_of(n=2000)  # 2000 x 60 bytes: a pack of over `STEP_PACK_CHUNK_BYTES`
+    tree = _tree_of(n=200)  # 200 x 60 bytes, each leaf aligned to 64: a pack of over `STEP_PACK_CHUNK_BYTES`
     eqx_ckpt.tree_serialise_leaves(tmp_path / "plain", tree)
     with eqx_ckpt.CheckpointManager(tmp_path / "steps") as manager:
         manager.save(1, tree)  # (an earlier test may have kept its records)
@@ -278,6 +282,7 @@ def test_kept_records_follow_the_knobs_and_a_managers_packs(tmp_path, monkeypatc
     plain, steps = _manifest(tmp_path / "plain"), _manifest(tmp_path / "steps" / "step_00000002")
     assert steps["packs"] == _manifest(tmp_path / "steps" / "step_00000001")["packs"]
     assert all(p["chunks"][0] * 4 <= _records.STEP_PACK_CHUNK_BYTES for p in steps["packs"])
+    assert all(p["shape"][0] * 4 > _records.STEP_PACK_CHUNK_BYTES for p in steps["packs"])  # so cut in several chunks
     assert plain["packs"][0]["chunks"][0] > steps["packs"][0]["chunks"][0]
     assert reused == [str(tmp_path / "steps" / "step_00000002")]
     monkeypatch.setattr(_records, "PACK_BYTES", -1)

@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 
 import equinox as eqx
 import hub_server
@@ -39,6 +40,15 @@ like = eqx_ckpt.Checkpoint({local!r}).load()
 like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like)
 got = eqx_ckpt.tree_deserialise_leaves({path!r}, like)
 emit(jax.tree.map(lambda x: np.asarray(x, np.float32).tolist(), got))
+"""
+
+# `load(path)`: `_LOAD`'s load, a function (for several loads in one process).
+_LOADER = """
+like = eqx_ckpt.Checkpoint({local!r}).load()
+like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like)
+def load(path):
+    got = eqx_ckpt.tree_deserialise_leaves(path, like)
+    return jax.tree.map(lambda x: np.asarray(x, np.float32).tolist(), got)
 """
 
 
@@ -228,21 +238,24 @@ def test_server_errors_are_retried_then_named(hub, tmp_path):
     """A download that fails twice with 503 is retried by huggingface_hub and
     loads; so does a revision asked while the Hub answers 503 twice (eqx_ckpt
     asks again); a model info answered 429 or 500 every time is named with its
-    status."""
+    status. (eqx_ckpt's wait between its tries, `_hub.RETRY_SECONDS`, is a
+    hundredth of a second here: the tries are the same.)"""
     client, state = hub
     push(client, "me/flaky", 1.0, tmp_path)
+    quick = "import eqx_ckpt._load._hub\neqx_ckpt._load._hub.RETRY_SECONDS = 0.01\n"
     state.fail(r"^(HEAD|GET) /me/flaky/resolve/", 503, times=2)
-    got = client.run(_LOAD.format(local=str(tmp_path / "local-1.0"), path="hf://me/flaky"))
+    got = client.run(quick + _LOAD.format(local=str(tmp_path / "local-1.0"), path="hf://me/flaky"))
     assert got == _as_lists(tree(1.0))
     assert sum(1 for r in state.requests if re.match(r"(HEAD|GET) /me/flaky/resolve/", r)) >= 3
     state.fail(r"^GET /api/models/me/flaky", 503, times=2)
-    assert client.run(_LOAD.format(local=str(tmp_path / "local-1.0"), path="hf://me/flaky")) == _as_lists(tree(1.0))
+    got = client.run(quick + _LOAD.format(local=str(tmp_path / "local-1.0"), path="hf://me/flaky"))
+    assert got == _as_lists(tree(1.0))
     for status, said in ((429, "rate limited (HTTP 429)"), (500, "failed (HTTP 500)")):
         # (huggingface_hub resolves a branch from its cache while the Hub answers 5xx;
         # the files' listing is then asked for, and fails, by commit.)
         state.failures.clear()
         state.fail(r"^GET /api/models/me/flaky", status, times=6)
-        name, _, message = _raised(client, "hf://me/flaky")
+        name, _, message = client.run(quick + "emit(raised(lambda: eqx_ckpt.Checkpoint('hf://me/flaky')))")
         assert name == "CheckpointStorageError"
         assert message.startswith(f"hf://me/flaky@main: the Hub {said}")
 
@@ -399,17 +412,28 @@ def test_a_branch_and_a_private_repo_are_published(hub, tmp_path):
     """`revision=` commits to a branch (made from `main`), leaving `main` as it
     was; `private=True` makes a repository only its token reads."""
     client, state = hub
-    main = push(client, "me/branched", 1.0, tmp_path)
-    dev = push(client, "me/branched", 2.0, tmp_path, revision="dev", commit_message="try")
+    local = {scale: str(tmp_path / f"local-{scale}") for scale in (1.0, 2.0)}
+    for scale, path in local.items():
+        eqx_ckpt.tree_serialise_leaves(path, tree(scale))
+    # The two pushes in one process; the loads and the private push in one more.
+    main, dev = client.run(f"""
+        main = eqx_ckpt.push_to_hub({local[1.0]!r}, "me/branched")
+        emit([main, eqx_ckpt.push_to_hub({local[2.0]!r}, "me/branched", revision="dev", commit_message="try")])
+    """)
     assert state.repos["me/branched"].branches == {"main": main, "dev": dev}
-    local = str(tmp_path / "local-1.0")
-    assert client.run(_LOAD.format(local=local, path="hf://me/branched@dev")) == _as_lists(tree(2.0))
-    assert client.run(_LOAD.format(local=local, path="hf://me/branched")) == _as_lists(tree(1.0))
-    push(client, "me/secret", 1.0, tmp_path, private=True)
+    on_dev, on_main, secret = client.run(
+        _LOADER.format(local=local[1.0])
+        + f"""
+eqx_ckpt.push_to_hub({local[1.0]!r}, "me/secret", private=True)
+emit([load("hf://me/branched@dev"), load("hf://me/branched"), load("hf://me/secret")])
+"""
+    )
+    assert on_dev == _as_lists(tree(2.0))
+    assert on_main == _as_lists(tree(1.0))
     assert state.repos["me/secret"].private
     name, _, _ = _raised(client, "hf://me/secret", HF_TOKEN=None)
     assert name == "CheckpointNotFoundError"
-    assert client.run(_LOAD.format(local=local, path="hf://me/secret")) == _as_lists(tree(1.0))
+    assert secret == _as_lists(tree(1.0))
 
 
 def test_load_or_initialise_loads_by_name(hub, tmp_path):
@@ -442,39 +466,43 @@ def test_a_plain_hugging_face_repo_and_a_subfolder_load_by_name(hub, tmp_path):
 
 
 def test_the_cli_pushes_lists_verifies_and_diffs(hub, tmp_path):
+    """The push in a process of its own; the commands after it (which name the
+    commit it printed) in one more (`Client.clis`)."""
     client, _ = hub
     eqx_ckpt.tree_serialise_leaves(tmp_path / "local", tree(1.0))
-    run = client.cli
-    pushed = run("push", str(tmp_path / "local"), "me/cli", "--message", "first")
+    pushed = client.cli("push", str(tmp_path / "local"), "me/cli", "--message", "first")
     assert pushed.returncode == 0, pushed.stderr
     (url,) = pushed.stdout.split()
     assert re.fullmatch(r"hf://me/cli@[0-9a-f]{40}", url)
-    listed = run("ls", "hf://me/cli")
+    listed, info, verified, same, missing, again = client.clis(
+        ["ls", "hf://me/cli"],
+        ["info", url],
+        ["verify", url],
+        ["diff", url, str(tmp_path / "local")],
+        ["ls", "hf://me/nothing"],
+        ["push", str(tmp_path / "local"), "me/cli"],
+    )
     assert listed.returncode == 0 and "blocks" in listed.stdout and "embed" in listed.stdout, listed.stderr
-    info = run("info", url)
     assert info.returncode == 0 and f"path:            {url}" in info.stdout and "safetensors" in info.stdout
     assert f"revision:        {url.rpartition('@')[2]}" in info.stdout
-    verified = run("verify", url)
     assert verified.returncode == 0 and verified.stdout.strip().endswith("sound"), verified.stdout + verified.stderr
-    same = run("diff", url, str(tmp_path / "local"))
     assert same.returncode == 0, same.stdout + same.stderr
-    missing = run("ls", "hf://me/nothing")
     assert missing.returncode == 2 and "hf://me/nothing@main: there is no such repository" in missing.stderr
-    again = run("push", str(tmp_path / "local"), "me/cli")
     assert again.returncode == 0 and again.stdout.split()[0] == url, again.stderr
     assert "(unchanged: the repository held this export already; nothing committed)" in again.stdout
 
 
 def test_every_cli_command_that_reads_takes_a_token(hub, tmp_path):
     """A private repository, no `HF_TOKEN`: `ls`, `info`, `verify`, `diff`,
-    `export` and `push` (of a published model) read it with `--token`."""
+    `export` and `push` (of a published model) read it with `--token`. Each
+    command runs without the token, then with it, in a process of its own
+    (`Client.clis`: the run without a token first, so that none is left)."""
     client, _ = hub
     eqx_ckpt.tree_serialise_leaves(tmp_path / "local", tree(1.0))
-
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return client.cli(*args, HF_TOKEN=None)
-
-    assert run("push", str(tmp_path / "local"), "me/private-cli", "--private", "--token", "writer").returncode == 0
+    pushed = client.cli(
+        "push", str(tmp_path / "local"), "me/private-cli", "--private", "--token", "writer", HF_TOKEN=None
+    )
+    assert pushed.returncode == 0, pushed.stderr
     url, token = "hf://me/private-cli", ["--token", "writer"]
     for args in (
         ["ls", url],
@@ -484,9 +512,8 @@ def test_every_cli_command_that_reads_takes_a_token(hub, tmp_path):
         ["export", url, str(tmp_path / "exported")],
         ["push", url, "me/private-copy", "--private"],
     ):
-        refused = run(*args)
+        refused, done = client.clis(args, [*args, *token], HF_TOKEN=None)
         assert refused.returncode == 2 and "there is no such repository, or it is private" in refused.stderr, args
-        done = run(*args, *token)
         assert done.returncode == 0, (args, done.stdout, done.stderr)
 
 
@@ -637,22 +664,31 @@ def test_checkpoint_load_fills_the_cache_and_then_needs_no_network(tmp_path):
 def test_a_partly_cached_repository_offline_says_what_is_missing(tmp_path):
     """Offline, a cache holding only the card (one file downloaded by hand), or
     a download that lost a shard, is no empty repository: the error names what
-    the cache lacks and says to connect once."""
+    the cache lacks and says to connect once. (Online, the pushes and the
+    downloads in one process; offline, both loads in one more.)"""
+    local = str(tmp_path / "local")
+    eqx_ckpt.tree_serialise_leaves(local, tree(1.0))
     with hub_server.serving() as (url, _):
         client = Client(url, tmp_path / "hf")
-        push(client, "me/card-only", 1.0, tmp_path)
-        push(client, "me/lost-shard", 1.0, tmp_path, max_shard_size="20KB")
-        client.run("import huggingface_hub; emit(huggingface_hub.hf_hub_download('me/card-only', 'README.md'))")
-        client.run("emit(str(eqx_ckpt.Checkpoint('hf://me/lost-shard').load() is not None))")
+        client.run(f"""
+            import huggingface_hub
+            eqx_ckpt.push_to_hub({local!r}, "me/card-only")
+            eqx_ckpt.push_to_hub({local!r}, "me/lost-shard", max_shard_size="20KB")
+            huggingface_hub.hf_hub_download("me/card-only", "README.md")
+            emit(str(eqx_ckpt.Checkpoint("hf://me/lost-shard").load() is not None))
+        """)
     (shard,) = [p for p in (tmp_path / "hf").rglob("model-00002-of-*.safetensors") if "lost-shard" in str(p)]
     shard.unlink()
-    name, classes, message = _raised(client, "hf://me/card-only", HF_HUB_OFFLINE="1")
+    card_only, lost_shard = client.run(
+        "emit([raised(lambda: eqx_ckpt.Checkpoint('hf://me/card-only')),"
+        " raised(lambda: eqx_ckpt.Checkpoint('hf://me/lost-shard').load())])",
+        HF_HUB_OFFLINE="1",
+    )
+    name, classes, message = card_only
     assert name == "CheckpointConnectionError" and "CheckpointNotFoundError" not in classes
     assert "offline mode is on (`HF_HUB_OFFLINE=1`)" in message
     assert "it holds only `README.md` of it, not its weights" in message and "Connect once" in message
-    name, _, message = client.run(
-        "emit(raised(lambda: eqx_ckpt.Checkpoint('hf://me/lost-shard').load()))", HF_HUB_OFFLINE="1"
-    )
+    name, _, message = lost_shard
     assert name == "CheckpointConnectionError"
     assert re.search(r"it lacks `model-00002-of-\d+\.safetensors`", message) and "Connect once" in message
 
@@ -969,15 +1005,20 @@ def test_a_fine_tunes_files_on_the_hub_say_what_they_hold_and_a_push_whole_delet
     and not the fine-tune's file; pushed against the base again, the reverse.
     A repository holding both is refused, naming both."""
     client, state = hub
-    base_commit = client.run(FAMILY + "emit(eqx_ckpt.push_to_hub(base, 'me/base'))")
-    client.run(FAMILY + "emit(eqx_ckpt.push_to_hub(tuned, 'me/tuned', base='hf://me/base'))")
+    base_commit, tuned_commit = client.run(
+        FAMILY + "emit([eqx_ckpt.push_to_hub(base, 'me/base'),"
+        " eqx_ckpt.push_to_hub(tuned, 'me/tuned', base='hf://me/base')])"
+    )
+    assert state.repos["me/tuned"].branches["main"] == tuned_commit
     assert _files_at(state, "me/tuned") == ["README.md", "eqx_ckpt.json", "finetune.safetensors"]
     read = (
         "import huggingface_hub\nfrom safetensors import safe_open\n"
         "with safe_open(huggingface_hub.hf_hub_download('me/tuned', 'finetune.safetensors'), 'np') as f:\n"
-        "    emit([f.metadata(), raised(lambda: huggingface_hub.hf_hub_download('me/tuned', 'model.safetensors'))])"
+        "    read = [f.metadata(), raised(lambda: huggingface_hub.hf_hub_download('me/tuned', 'model.safetensors'))]\n"
     )
-    metadata, missing = client.run(read)
+    (metadata, missing), loads = client.run(
+        read + _FINETUNE_LOADS.replace("emit(", "loads = (") + "emit([read, loads])"
+    )
     assert metadata == {
         "eqx_ckpt.fine_tune": (
             "This file holds only the tensors of a fine-tune that differ from its base. It is not a whole model: "
@@ -988,16 +1029,20 @@ def test_a_fine_tunes_files_on_the_hub_say_what_they_hold_and_a_push_whole_delet
         "eqx_ckpt.standalone": "eqx-ckpt export --standalone hf://me/tuned <folder>",
     }
     assert "EntryNotFoundError" in missing[1]  # a loader that looks for a whole model finds none
-    assert client.run(_FINETUNE_LOADS) == [[True] * 5, f"hf://me/base@{base_commit}", []]
+    assert loads == [[True] * 5, f"hf://me/base@{base_commit}", []]
     for command, said in (("ls", "head"), ("info", f"hf://me/base@{base_commit}")):
         shown = client.cli(command, "hf://me/tuned")
         assert shown.returncode == 0 and said in shown.stdout, shown.stderr
-    client.run(FAMILY + "emit(eqx_ckpt.push_to_hub(tuned, 'me/tuned'))")  # whole
-    assert _files_at(state, "me/tuned") == ["README.md", "eqx_ckpt.json", "model.safetensors"]
-    assert client.run(_FINETUNE_LOADS) == [[True] * 5, None, []]
-    client.run(FAMILY + "emit(eqx_ckpt.push_to_hub(tuned, 'me/tuned', base='hf://me/base'))")
+    # Each push with the loads after it in one process, which loads what the server holds then.
+    push_and_load = _FINETUNE_LOADS.replace("emit(", "loads = (") + "emit([commit, loads])"
+    push_and_load = push_and_load.replace(FAMILY, FAMILY + "commit = eqx_ckpt.push_to_hub(tuned, 'me/tuned'OPTIONS)\n")
+    whole, loads = client.run(push_and_load.replace("OPTIONS", ""))
+    assert _files_at(state, "me/tuned", whole) == ["README.md", "eqx_ckpt.json", "model.safetensors"]
+    assert loads == [[True] * 5, None, []]
+    against, loads = client.run(push_and_load.replace("OPTIONS", ", base='hf://me/base'"))
+    assert state.repos["me/tuned"].branches["main"] == against
     assert _files_at(state, "me/tuned") == ["README.md", "eqx_ckpt.json", "finetune.safetensors"]
-    assert client.run(_FINETUNE_LOADS)[:2] == [[True] * 5, f"hf://me/base@{base_commit}"]
+    assert loads[:2] == [[True] * 5, f"hf://me/base@{base_commit}"]
     state.put_files("me/tuned", {"model.safetensors": _safetensors_bytes(tmp_path)})
     name, _, message = client.run("emit(raised(lambda: eqx_ckpt.Checkpoint('hf://me/tuned')))")
     assert name == "CorruptCheckpointError"
@@ -1036,18 +1081,16 @@ def test_a_fine_tune_is_pushed_and_made_standalone_from_the_cli_and_its_missing_
     --standalone hf://...` writes every leaf; a base whose repository is gone
     is a `CheckpointNotFoundError` naming the base at its pinned commit."""
     client, state = hub
-    client.run(FAMILY + f"eqx_ckpt.tree_serialise_leaves({str(tmp_path / 'ckpt')!r}, tuned); emit(0)")
-    base_commit = client.run(FAMILY + "emit(eqx_ckpt.push_to_hub(base, 'me/base'))")
-    pushed = client.cli(
-        "push",
-        str(tmp_path / "ckpt"),
-        "me/tuned",
-        "--base",
-        "hf://me/base",
-        "--license",
-        "mit",
-        "--metadata",
-        "description=A head.",
+    base_commit = client.run(
+        FAMILY + f"eqx_ckpt.tree_serialise_leaves({str(tmp_path / 'ckpt')!r}, tuned)\n"
+        "emit(eqx_ckpt.push_to_hub(base, 'me/base'))"
+    )
+    # The three commands in one process (`Client.clis`).
+    options = ["--base", "hf://me/base", "--license", "mit", "--metadata", "description=A head."]
+    pushed, exported, nothere = client.clis(
+        ["push", str(tmp_path / "ckpt"), "me/tuned", *options],
+        ["export", "--standalone", "hf://me/tuned", str(tmp_path / "whole")],
+        ["push", str(tmp_path / "ckpt"), "me/other", "--base", "hf://me/nothere"],
     )
     assert pushed.returncode == 0, pushed.stderr
     base, tuned = _family_trees()
@@ -1056,8 +1099,7 @@ def test_a_fine_tune_is_pushed_and_made_standalone_from_the_cli_and_its_missing_
         f"eqx-ckpt: stored 1 leaf, {tuned['head'].nbytes} bytes (12.0 KiB); took 2 leaves, {taken} bytes "
         f"(1.0 MiB) from the base hf://me/base@{base_commit}."
     )
-    assert client.cli("export", "--standalone", "hf://me/tuned", str(tmp_path / "whole")).returncode == 0
-    nothere = client.cli("push", str(tmp_path / "ckpt"), "me/other", "--base", "hf://me/nothere")
+    assert exported.returncode == 0, exported.stderr
     assert nothere.returncode == 2
     assert "The base given as `--base` ('hf://me/nothere') cannot be found" in nothere.stderr
     assert json.loads((tmp_path / "whole" / "eqx_ckpt.json").read_text())["format_version"] == 4
@@ -1152,3 +1194,47 @@ def test_a_cold_load_downloads_the_structure_record_once(hub, tmp_path):
     assert got == _as_lists(tree(1.0))
     record = len(state.blobs[oid])
     assert state.sent.get(oid, 0) + state.sent.get("eqx_ckpt.json", 0) == record, (state.sent, record)
+
+
+def test_the_shared_server_is_reset_to_an_empty_hub(hub, hub_session):
+    """The Hub server serves every test of a worker (tests/conftest.py): its
+    reset leaves nothing of a test for the next, repositories, failures,
+    hostile answers, the mirror mode and the counts; a request still being
+    answered keeps to the state it began with."""
+    import urllib.error
+    import urllib.request
+
+    _, state = hub
+    state.put_files("me/left", {"a.txt": b"left"})
+    state.fail("GET /api/models/me/other", 503)
+    entered, release = threading.Event(), threading.Event()
+
+    def held(info: dict) -> dict:  # (the model info's answer waits here, in the server)
+        entered.set()
+        release.wait(30)
+        return info
+
+    state.hostile["me/left"] = hub_server.Hostile(info=held)
+    state.mirror = True
+    with urllib.request.urlopen(f"{hub_session.url}/me/left/resolve/main/a.txt") as answer:
+        assert answer.read() == b"left"
+    assert state.requests and state.sent
+    stalled: list = []
+    asking = threading.Thread(
+        target=lambda: stalled.append(
+            urllib.request.urlopen(f"{hub_session.url}/api/models/me/left/revision/main").status
+        )
+    )
+    asking.start()
+    assert entered.wait(30)
+    new = hub_session.reset()
+    release.set()
+    asking.join()
+    assert stalled == [200] and new is hub_session.hub and new is not state
+    assert (new.repos, new.blobs, new.failures, new.hostile, new.mirror) == ({}, {}, [], {}, False)
+    assert (new.sent, new.ranges, new.received, new.requests) == ({}, [], 0, [])
+    assert new.storage == state.storage
+    for path in ("/api/models/me/left", "/api/models/me/other"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(hub_session.url + path)
+        assert refused.value.code == 404, path

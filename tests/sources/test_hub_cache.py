@@ -37,12 +37,20 @@ emit([bool(eqx.tree_equal(got, want, typematch=True)) for got, want in
 
 def _family(client: Client, state: hub_server.Hub) -> str:
     """Push the base and a fine-tune against it; load the fine-tune whole
-    (filling the cache); push the base again and delete its first commit from
-    the server. Returns that commit."""
-    commit = str(client.run(FAMILY + "emit(eqx_ckpt.push_to_hub(base, 'me/base'))"))
-    client.run(FAMILY + "emit(eqx_ckpt.push_to_hub(tuned, 'me/tuned', base='hf://me/base'))")
-    assert client.run(FAMILY + "emit(bool(eqx.tree_equal(eqx_ckpt.Checkpoint('hf://me/tuned').load(), tuned)))")
-    client.run(FAMILY + "base['head'] = base['head'] + 1; emit(eqx_ckpt.push_to_hub(base, 'me/base'))")
+    (filling the cache); push the base again (all in one process) and delete
+    its first commit from the server. Returns that commit."""
+    commit, loaded, again = client.run(
+        FAMILY
+        + """
+commit = eqx_ckpt.push_to_hub(base, 'me/base')
+eqx_ckpt.push_to_hub(tuned, 'me/tuned', base='hf://me/base')
+loaded = bool(eqx.tree_equal(eqx_ckpt.Checkpoint('hf://me/tuned').load(), tuned))
+base['head'] = base['head'] + 1
+emit([commit, loaded, eqx_ckpt.push_to_hub(base, 'me/base')])
+"""
+    )
+    assert loaded
+    assert state.repos["me/base"].branches["main"] == again
     del state.repos["me/base"].commits[commit]
     assert state.repos["me/base"].branches["main"] != commit
     return commit
@@ -110,12 +118,6 @@ def test_a_gone_commit_never_cached_is_named_as_gone(hub, tmp_path):
     assert name == "CheckpointNotFoundError"
     assert message.startswith(f"hf://me/base@{commit}: the server no longer gives this commit")
     assert "does not hold the files a load of it reads" in message and "list_repo_refs('me/base')" in message
-
-
-@pytest.fixture
-def hub(tmp_path):
-    with hub_server.serving() as (url, state):
-        yield Client(url, tmp_path / "hf"), state
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import hub_server
 import pytest
 from hub_client import FAMILY, Client
 
@@ -74,9 +73,3 @@ def test_a_missing_revision_is_never_called_a_missing_repository(hub, mirror):
     assert message.startswith("hf://me/there@v9: ") and said in message and "list_repo_refs('me/there')" in message
     name, _, message = client.run("emit(raised(lambda: eqx_ckpt.Checkpoint('hf://me/absent@v9')))")
     assert name == "CheckpointNotFoundError" and "there is no such repository" in message
-
-
-@pytest.fixture
-def hub(tmp_path):
-    with hub_server.serving() as (url, state):
-        yield Client(url, tmp_path / "hf"), state

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
-import hub_server
 import pytest
-from hub_client import Client
 
 from eqx_ckpt._ondisk._format import BLOCK_BYTES
 
@@ -19,26 +17,25 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_a_slice_fetches_the_blocks_holding_it(tmp_path):
+def test_a_slice_fetches_the_blocks_holding_it(hub):
     """Two rows of a 16 MiB tensor fetch one block of 1 MiB in one range
     request (and the file's header), rows across a block's end two blocks;
     the values are the rows."""
-    with hub_server.serving() as (url, state):
-        client = Client(url, tmp_path / "hf")
-        tensor = "np.arange(1 << 22, dtype=np.float32).reshape(4096, 1024)"
-        client.run(f"emit(eqx_ckpt.push_to_hub({{'w': {tensor}}}, 'me/big'))")
-        header = 2**10  # (at most: one tensor's entry, and the file's length)
-        for rows, blocks in (((0, 2), 1), ((255, 257), 2), ((1023, 1025), 2)):
-            state.sent.clear()
-            state.ranges.clear()
-            got = client.run(
-                f"x = np.asarray(eqx_ckpt.Checkpoint('hf://me/big')['w'][{rows[0]}:{rows[1]}]);"
-                f"emit(bool((x == {tensor}[{rows[0]}:{rows[1]}]).all()))"
-            )
-            assert got is True
-            # The tensor's file: its header's reads, and one range of whole blocks a run of rows.
-            file = max(state.ranges, key=lambda r: r[2] - r[1])[0]  # (the record is read whole, and small)
-            ranges = [(a, b) for name, a, b in state.ranges if name == file]
-            large = [(a, b) for a, b in ranges if b - a > header]
-            assert len(large) == blocks and all(b - a == BLOCK_BYTES for a, b in large), state.ranges
-            assert sum(b - a for a, b in ranges) <= blocks * BLOCK_BYTES + header, state.ranges
+    client, state = hub
+    tensor = "np.arange(1 << 22, dtype=np.float32).reshape(4096, 1024)"
+    client.run(f"emit(eqx_ckpt.push_to_hub({{'w': {tensor}}}, 'me/big'))")
+    header = 2**10  # (at most: one tensor's entry, and the file's length)
+    for rows, blocks in (((0, 2), 1), ((255, 257), 2), ((1023, 1025), 2)):
+        state.sent.clear()
+        state.ranges.clear()
+        got = client.run(
+            f"x = np.asarray(eqx_ckpt.Checkpoint('hf://me/big')['w'][{rows[0]}:{rows[1]}]);"
+            f"emit(bool((x == {tensor}[{rows[0]}:{rows[1]}]).all()))"
+        )
+        assert got is True
+        # The tensor's file: its header's reads, and one range of whole blocks a run of rows.
+        file = max(state.ranges, key=lambda r: r[2] - r[1])[0]  # (the record is read whole, and small)
+        ranges = [(a, b) for name, a, b in state.ranges if name == file]
+        large = [(a, b) for a, b in ranges if b - a > header]
+        assert len(large) == blocks and all(b - a == BLOCK_BYTES for a, b in large), state.ranges
+        assert sum(b - a for a, b in ranges) <= blocks * BLOCK_BYTES + header, state.ranges

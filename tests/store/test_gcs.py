@@ -16,12 +16,6 @@ import tensorstore as ts
 import eqx_ckpt
 
 
-@pytest.fixture(scope="module")
-def gcs():
-    with pytest.MonkeyPatch.context() as monkeypatch, gcs_server.running(monkeypatch) as url:
-        yield url
-
-
 @pytest.fixture
 def url(gcs, request):
     return f"gs://{gcs_server.BUCKET}/{request.node.name}/ckpt"
@@ -172,3 +166,19 @@ def test_every_manager_step_is_written_whole_here(url):
 
 def test_compressed_saves_round_trip_here(url):
     stores.check_compressed_saves_round_trip(url)
+
+
+def test_the_shared_server_is_reset_to_an_empty_bucket(url, request):
+    """The emulator serves every test of a worker (tests/conftest.py): its
+    reset leaves nothing of a test for the next, objects, buckets, and a
+    `Gate` refusing."""
+    eqx_ckpt.tree_serialise_leaves(url, _tree(1))
+    server = request.getfixturevalue("_gcs_server")
+    from gcp_storage_emulator.handlers import buckets
+
+    buckets.create_bucket("another-bucket", server._server._storage)
+    gcs_server.Gate.status = HTTPStatus.FORBIDDEN
+    server.reset()
+    assert gcs_server.Gate.status is None
+    assert sorted(server._server._storage.buckets) == [gcs_server.BUCKET]
+    assert _keys(f"gs://{gcs_server.BUCKET}/") == []

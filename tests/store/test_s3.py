@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import urllib.request
 
 import equinox as eqx
 import http_server
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import s3_server
 import stores
 import tensorstore as ts
 
@@ -618,3 +620,21 @@ def test_every_manager_step_is_written_whole_here(store):
 
 def test_compressed_saves_round_trip_here(store):
     stores.check_compressed_saves_round_trip(store)
+
+
+def test_the_shared_server_is_reset_to_an_empty_bucket(s3, store):
+    """The server serves every test of a worker (tests/conftest.py): its reset
+    leaves nothing of a test for the next, objects, buckets, the gate's
+    refusals and its records of requests."""
+    eqx_ckpt.tree_serialise_leaves(store, _tree(1))
+    urllib.request.urlopen(urllib.request.Request(f"{s3.endpoint}/another-bucket", method="PUT")).close()
+    assert s3.gate.puts and _keys(s3, store)
+    s3.gate.refuse, s3.gate.forbidden, s3.gate.forbidden_puts = True, "/never-read", "/never-written"
+    s3.gate.open.clear()
+    s3.reset()
+    assert (s3.gate.refuse, s3.gate.forbidden, s3.gate.forbidden_puts, s3.gate.open.is_set()) == (False, "", "", True)
+    assert (s3.gate.gets, s3.gate.puts) == ([], [])
+    with urllib.request.urlopen(s3.endpoint) as listing:
+        buckets = re.findall(r"<Name>([^<]*)</Name>", listing.read().decode())
+    assert buckets == [s3_server.BUCKET]
+    assert list(ts.KvStore.open({**s3.spec(""), "path": ""}).result().list().result()) == []

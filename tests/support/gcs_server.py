@@ -118,9 +118,31 @@ class Gate:
         return handling
 
 
+class GcsServer:
+    """The emulator, running: `url`; `environ` points TensorStore at it for a
+    test; `reset` empties it (one server may serve a whole test session:
+    tests/conftest.py, one per pytest worker)."""
+
+    def __init__(self, server: Any, url: str) -> None:
+        self._server, self.url = server, url
+
+    def environ(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """TensorStore's `gcs` driver sent to this server, with a token, until the test ends."""
+        monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", self.url)
+        monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "eqx-ckpt-test-token")
+
+    def reset(self) -> None:
+        """As new: no bucket or object but an empty `BUCKET`, and no `Gate` refusing."""
+        from gcp_storage_emulator.handlers import buckets
+
+        Gate.status = None
+        self._server.wipe()
+        buckets.create_bucket(BUCKET, self._server._storage)
+
+
 @contextlib.contextmanager
-def running(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Start the emulator with an empty bucket; yields its URL."""
+def running() -> Iterator[GcsServer]:
+    """Start the emulator with an empty bucket (its handlers patched while it runs)."""
     emulator = pytest.importorskip(
         "gcp_storage_emulator.server",
         reason="gcp-storage-emulator is not installed; `pip install -e .[test]` installs it "
@@ -130,18 +152,16 @@ def running(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
     # It logs every missing object (a normal answer to TensorStore) as an error.
     logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)
-    monkeypatch.setattr(emulator.Router, "handle", Gate.wrap(emulator.Router.handle))
-    for _, handlers in emulator.HANDLERS:
-        if handlers.get(emulator.GET) is objects.ls:
-            monkeypatch.setitem(handlers, emulator.GET, _missing_bucket_as_gcs(_with_offsets(objects.ls)))
-        elif handlers.get(emulator.GET) is objects.get:
-            monkeypatch.setitem(handlers, emulator.GET, _with_generations(objects.get))
-    server = emulator.create_server("127.0.0.1", 0, in_memory=True, default_bucket=BUCKET)
-    server.start()
-    try:
-        url = "http://{}:{}".format(*server._api._httpd.server_address[:2])
-        monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", url)
-        monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "eqx-ckpt-test-token")
-        yield url
-    finally:
-        server.stop()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(emulator.Router, "handle", Gate.wrap(emulator.Router.handle))
+        for _, handlers in emulator.HANDLERS:
+            if handlers.get(emulator.GET) is objects.ls:
+                monkeypatch.setitem(handlers, emulator.GET, _missing_bucket_as_gcs(_with_offsets(objects.ls)))
+            elif handlers.get(emulator.GET) is objects.get:
+                monkeypatch.setitem(handlers, emulator.GET, _with_generations(objects.get))
+        server = emulator.create_server("127.0.0.1", 0, in_memory=True, default_bucket=BUCKET)
+        server.start()
+        try:
+            yield GcsServer(server, "http://{}:{}".format(*server._api._httpd.server_address[:2]))
+        finally:
+            server.stop()

@@ -3,19 +3,23 @@ port nothing listens on, and a way to run loads that might hang."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import http.server
 import json
+import os
 import pathlib
 import re
 import socket
-import subprocess
-import sys
+import tempfile
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
+
+import prefork
 
 
 class Files(http.server.SimpleHTTPRequestHandler):
@@ -61,29 +65,60 @@ _CHILD = """
 import json, sys, time
 sys.path.insert(0, {tests!r})
 {code}
-for name, call in CALLS.items():
-    start = time.monotonic()
-    try:
-        call()
-        raised = None
-    except Exception as e:
-        raised = e
-    kind = type(raised)
-    print(json.dumps({{"call": name, "seconds": time.monotonic() - start, "message": str(raised),
-                       "type": f"{{kind.__module__}}.{{kind.__qualname__}}"}}), flush=True)
+name = list(CALLS)[int(sys.argv[1])]
+start = time.monotonic()
+try:
+    CALLS[name]()
+    raised = None
+except Exception as e:
+    raised = e
+kind = type(raised)
+print("RESULT " + json.dumps({{"call": name, "seconds": time.monotonic() - start, "message": str(raised),
+                              "type": f"{{kind.__module__}}.{{kind.__qualname__}}"}}), flush=True)
 """
 
 
+def _call_names(code: str) -> list[str]:
+    """The keys of the dict literal `CALLS = {...}` in `code`, in order."""
+    for node in ast.walk(ast.parse(code)):
+        if (
+            isinstance(node, ast.Assign)
+            and [getattr(t, "id", None) for t in node.targets] == ["CALLS"]
+            and isinstance(node.value, ast.Dict)
+        ):
+            return [ast.literal_eval(key) for key in node.value.keys if key is not None]
+    raise ValueError("`code` must assign a dict literal to `CALLS`, its keys strings")
+
+
 def raised(code: str, *, timeout: float = 120) -> dict[str, dict[str, Any]]:
-    """Run `code`, which defines `CALLS` (a dict, name -> function of no
-    arguments), in a fresh Python; for each call, what it raised: its `type`
-    (`eqx_ckpt.CheckpointConnectionError`), `message` and `seconds`. A call that
-    hangs fails the test at `timeout` instead of blocking the whole run."""
-    child = _CHILD.format(tests=str(pathlib.Path(__file__).parent), code=textwrap.dedent(code))
-    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    return {line.pop("call"): line for line in lines}
+    """Run `code`, which defines `CALLS` (a dict literal, name -> function of
+    no arguments), then one of the calls, in a new process for each call (all
+    at once, each forked from a template that imported JAX: `prefork.spawn`;
+    the calls wait out retries side by side); for each call, what it raised:
+    its `type` (`eqx_ckpt.CheckpointConnectionError`), `message` and
+    `seconds`. A call that hangs fails the test at `timeout` instead of
+    blocking the whole run."""
+    code = textwrap.dedent(code)
+    names = _call_names(code)
+    child = _CHILD.format(tests=str(pathlib.Path(__file__).parent), code=code)
+    with tempfile.TemporaryDirectory() as folder:
+        outputs = [pathlib.Path(folder, f"{i}.out") for i in range(len(names))]
+        env = dict(os.environ)
+        processes = [prefork.spawn(["-c", child, str(i)], env=env, output=out) for i, out in enumerate(outputs)]
+        deadline = time.monotonic() + timeout
+        try:
+            codes = [process.wait(timeout=max(deadline - time.monotonic(), 0.0)) for process in processes]
+        finally:
+            for process in processes:
+                process.kill()
+        said = [out.read_text(errors="replace") for out in outputs]
+    found: dict[str, dict[str, Any]] = {}
+    for name, returncode, text in zip(names, codes, said):
+        assert returncode == 0, (name, text[-3000:])
+        lines = [json.loads(line[len("RESULT ") :]) for line in text.splitlines() if line.startswith("RESULT ")]
+        assert [line.pop("call") for line in lines] == [name], (name, text[-3000:])
+        found[name] = lines[0]
+    return found
 
 
 _COUNTING = threading.Lock()

@@ -94,6 +94,28 @@ class Client:
         """`eqx-ckpt ARGS`, run as `python -m eqx_ckpt._tools._cli ARGS` in a new process."""
         return prefork.run(["-m", "eqx_ckpt._tools._cli", *args], env=self.env(**env), timeout=300)
 
+    def clis(self, *commands: list[str], **env: str | None) -> list[subprocess.CompletedProcess]:
+        """`eqx-ckpt ARGS` for each `ARGS` of `commands`, in order, in one new
+        process: each the CLI's `main(ARGS)` (what `python -m
+        eqx_ckpt._tools._cli ARGS` runs), its exit code and output as
+        `cli` gives them. For commands whose answers do not depend on a new
+        process: what one leaves in the process, the next one meets."""
+        code = """
+            import contextlib, io
+            from eqx_ckpt._tools._cli import main
+            done = []
+            for args in COMMANDS:
+                out, err = io.StringIO(), io.StringIO()
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    code = main(args)
+                done.append([code, out.getvalue(), err.getvalue()])
+            emit(done)
+        """.replace("COMMANDS", repr([list(map(str, args)) for args in commands]))
+        return [
+            subprocess.CompletedProcess(["eqx-ckpt", *args], code, out, err)
+            for args, (code, out, err) in zip(commands, self.run(code, **env))  # type: ignore[arg-type]
+        ]
+
 
 def tree(scale: float = 1.0) -> dict:
     return {

@@ -57,6 +57,10 @@ A repository may be made hostile (`Hub.hostile[repo] = Hostile(...)`): its
 model info rewritten, its files' headers and bytes replaced, ranges ignored or
 answered gzip-encoded, answers delayed, dripped or never sent. Tests of the
 `hf://` loader as untrusted input use it (tests/hostile/test_hub_hostile.py).
+
+`serving()` serves one state for a `with` block; a `Server` serves for as
+long as it runs (tests/conftest.py: one per pytest worker), `reset` giving
+each test a new, empty state.
 """
 
 from __future__ import annotations
@@ -205,6 +209,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args: Any) -> None:
         pass
+
+    def parse_request(self) -> bool:
+        # The state served now, taken as each request arrives: one still being
+        # answered when `Server.reset` swaps the state (a stalled one, say)
+        # keeps to the state it began with, and a kept-alive connection's next
+        # request gets the new one.
+        self.hub = type(self).hub
+        return super().parse_request()
 
     # --- plumbing ---
 
@@ -591,27 +603,54 @@ def _git_oid(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
+class Server:
+    """A `Hub` served on 127.0.0.1 (the API on `port`, its LFS storage on
+    another): `url`, and `hub`, the state it answers from, which `reset`
+    replaces with a new, empty one (so that the tests sharing one server see
+    nothing of each other's repositories, failures, hostility or counts)."""
+
+    def __init__(self, hub: Hub | None = None, port: int = 0) -> None:
+        self._handler = type("BoundHandler", (Handler,), {"hub": hub if hub is not None else Hub()})
+        self._servers = [http.server.ThreadingHTTPServer(("127.0.0.1", p), self._handler) for p in (port, 0)]
+        self.url = f"http://127.0.0.1:{self._servers[0].server_address[1]}"
+        self.storage = f"http://127.0.0.1:{self._servers[1].server_address[1]}"
+        self.hub.storage = self.storage
+        self._threads = []
+        for server in self._servers:
+            server.daemon_threads = True
+            # (`shutdown` waits for the loop to look again: a tenth of the default half second)
+            self._threads.append(threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True))
+            self._threads[-1].start()
+
+    @property
+    def hub(self) -> Hub:
+        return self._handler.hub
+
+    def reset(self) -> Hub:
+        """A new, empty state served from now on (each request takes the state
+        once, as it begins: `Handler.handle_one_request`); returns it."""
+        hub = Hub()
+        hub.storage = self.storage
+        self._handler.hub = hub
+        return hub
+
+    def stop(self) -> None:
+        """Both ports closed: a later connection to either is refused."""
+        for server, thread in zip(self._servers, self._threads):
+            server.shutdown()
+            server.server_close()
+            thread.join()
+
+
 @contextlib.contextmanager
 def serving(hub: Hub | None = None, port: int = 0) -> Iterator[tuple[str, Hub]]:
     """Serve a `Hub` on 127.0.0.1 (the API on `port`, its LFS storage on
     another), yielding the API's URL and the state; on leaving, both ports are closed."""
-    hub = hub if hub is not None else Hub()
-    handler = type("BoundHandler", (Handler,), {"hub": hub})
-    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", p), handler) for p in (port, 0)]
-    hub.storage = f"http://127.0.0.1:{servers[1].server_address[1]}"
-    threads = []
-    for server in servers:
-        server.daemon_threads = True
-        # (`shutdown` waits for the loop to look again: a tenth of the default half second)
-        threads.append(threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True))
-        threads[-1].start()
+    server = Server(hub, port)
     try:
-        yield f"http://127.0.0.1:{servers[0].server_address[1]}", hub
+        yield server.url, server.hub
     finally:
-        for server, thread in zip(servers, threads):
-            server.shutdown()
-            server.server_close()
-            thread.join()
+        server.stop()
 
 
 if __name__ == "__main__":  # `python tests/support/hub_server.py PORT`: serve until killed (benchmarks/hub.py)

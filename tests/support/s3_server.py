@@ -4,6 +4,8 @@ moto (`moto[s3]`, in the `test` extra) implements the S3 REST API; TensorStore's
 `s3` kvstore talks to it over HTTP exactly as it would to AWS. The gate lets a
 test hold the server's writes of array chunks (so a save is provably still in
 flight) or refuse them (so a save fails in the background, for real, over HTTP).
+One server may serve a whole test session (tests/conftest.py: one per pytest
+worker): `S3Server.reset` empties it between tests.
 """
 
 from __future__ import annotations
@@ -40,8 +42,21 @@ class Gate:
         self.gets: list[tuple[str, str | None]] = []
         # The path of every PUT, for tests of what a save writes.
         self.puts: list[str] = []
+        # Requests being answered now (`S3Server.reset` waits for none).
+        self.busy = 0
+        self.idle = threading.Condition()
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        with self.idle:
+            self.busy += 1
+        try:
+            return self._answer(environ, start_response)
+        finally:
+            with self.idle:
+                self.busy -= 1
+                self.idle.notify_all()
+
+    def _answer(self, environ: dict[str, Any], start_response: Any) -> Any:
         path = environ.get("PATH_INFO", "")
         if environ["REQUEST_METHOD"] == "GET":
             self.gets.append((path, environ.get("HTTP_RANGE")))
@@ -89,8 +104,28 @@ class S3Server:
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
+        self._bucket()
+
+    def _bucket(self) -> None:
         # moto accepts unsigned requests, so the bucket is made without an S3 client.
         urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/{BUCKET}", method="PUT")).close()
+
+    def reset(self) -> None:
+        """As new: the gate open and refusing nothing, once no request is
+        being answered (a save's held writes released); every bucket and
+        object gone (moto's own reset) but an empty `BUCKET`; moto's count of
+        requests (`INITIAL_NO_AUTH_ACTION_COUNT` counts from it) and the
+        gate's records of requests emptied."""
+        from moto.core.authorization import ActionAuthenticatorMixin
+
+        self.gate.reset()
+        with self.gate.idle:
+            self.gate.idle.wait_for(lambda: self.gate.busy == 0, timeout=30)
+        urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")).close()
+        self._bucket()
+        ActionAuthenticatorMixin.request_count = 0
+        self.gate.gets.clear()
+        self.gate.puts.clear()
 
     def spec(self, path: str) -> dict[str, Any]:
         """The kvstore spec of `s3://eqx-ckpt-test/<path>` on this server."""

@@ -479,32 +479,28 @@ def test_published_files_name_no_path_of_the_machine_that_wrote_them(tmp_path, m
     assert 'Checkpoint("tuned")' in card and "export --standalone tuned <folder>" in card
 
 
-def test_pushed_files_name_no_path_of_the_machine_that_pushed_them(tmp_path):
+def test_pushed_files_name_no_path_of_the_machine_that_pushed_them(hub, tmp_path):
     """Issue 88, point 9, for the Hub: a checkpoint, a base and a fine-tune of
     it pushed from folders under a distinctive path (the fine-tune stored
     against the pushed base), with the standalone and base options: no byte of
     any file the server received holds that path, its parents' or the pusher's
     working folder."""
-    import hub_server
-    from hub_client import Client
-
     root = (tmp_path / "pusher-5e9d2b-private").resolve()
     root.mkdir()
     base = {"w": np.ones(300, np.float32), "b": np.zeros(3, np.float32)}
     eqx_ckpt.tree_serialise_leaves(root / "ckpt", base)
     eqx_ckpt.export_safetensors(root / "base", base)
     eqx_ckpt.export_safetensors(root / "tuned", dict(base, b=np.ones(3, np.float32)), base=root / "base")
-    with hub_server.serving() as (url, state):
-        client = Client(url, tmp_path / "hf")
-        client.run(
-            f"eqx_ckpt.push_to_hub({str(root / 'ckpt')!r}, 'me/ckpt')\n"
-            f"eqx_ckpt.push_to_hub({str(root / 'base')!r}, 'me/base')\n"
-            f"eqx_ckpt.push_to_hub({str(root / 'tuned')!r}, 'me/tuned', base='hf://me/base')\n"
-            f"eqx_ckpt.push_to_hub({str(root / 'tuned')!r}, 'me/whole', standalone=True)\n"
-            "emit(True)"
-        )
-        blobs = dict(state.blobs)
-        pushed = {repo: state.repos[repo].commits for repo in ("me/ckpt", "me/base", "me/tuned", "me/whole")}
+    client, state = hub
+    client.run(
+        f"eqx_ckpt.push_to_hub({str(root / 'ckpt')!r}, 'me/ckpt')\n"
+        f"eqx_ckpt.push_to_hub({str(root / 'base')!r}, 'me/base')\n"
+        f"eqx_ckpt.push_to_hub({str(root / 'tuned')!r}, 'me/tuned', base='hf://me/base')\n"
+        f"eqx_ckpt.push_to_hub({str(root / 'tuned')!r}, 'me/whole', standalone=True)\n"
+        "emit(True)"
+    )
+    blobs = dict(state.blobs)
+    pushed = {repo: state.repos[repo].commits for repo in ("me/ckpt", "me/base", "me/tuned", "me/whole")}
     assert all(pushed.values()) and len(blobs) >= 8
     # The cards and records were among them (each names its repository).
     assert any(b"me/tuned" in data and b"Checkpoint(" in data for data in blobs.values())
