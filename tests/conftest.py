@@ -1,4 +1,6 @@
 import contextlib
+import os
+import tempfile
 
 import gcs_server
 import hub_server
@@ -9,6 +11,13 @@ import s3_server
 from hub_client import Client
 
 from eqx_ckpt._base import _faults
+
+# The processes tests start (hundreds: CLI runs, Hub snippets, workers, doc
+# pages) read eqx_ckpt's bytecode from one cache outside the checkout instead
+# of each compiling its source again (a second a process where the
+# environment says not to write bytecode). The code they run is the same.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), "eqx_ckpt-tests-pycache"))
 
 # Several CPU devices, so sharded saves and loads are tested for real on one
 # machine; strict promotion, so no test passes by an accidental dtype promotion.
