@@ -184,18 +184,17 @@ emit([bool(eqx.tree_equal(got, want, typematch=True)) for got, want in
 
 
 @pytest.mark.skipif(not _HUB, reason="needs the `hub` extra (huggingface_hub)")
-def test_an_hf_finetune_whose_base_commit_is_gone_is_described_and_partly_loaded(tmp_path, compiled):
+def test_an_hf_finetune_whose_base_commit_is_gone_is_described_and_partly_loaded(tmp_path):
     import hub_server
     from hub_client import FAMILY, Client
 
     with hub_server.serving() as (url, state):
-        client = Client(url, tmp_path / "hf", compiled=compiled)
+        client = Client(url, tmp_path / "hf")
         commit = str(client.run(FAMILY + "emit(eqx_ckpt.push_to_hub(base, 'me/base'))"))
         client.run(FAMILY + "emit(eqx_ckpt.push_to_hub(tuned, 'me/tuned', base='hf://me/base'))")
         client.run(FAMILY + "base['head'] = base['head'] + 1; emit(eqx_ckpt.push_to_hub(base, 'me/base'))")
         del state.repos["me/base"].commits[commit]
-        # (a cache that never held the base: the push read it)
-        client = Client(url, tmp_path / "fresh", compiled=compiled)
+        client = Client(url, tmp_path / "fresh")  # (a cache that never held the base: the push read it)
         state.requests.clear()
         assert client.run(FAMILY + _STORED_LOADS) == [True] * 3
         assert not [r for r in state.requests if "me/base" in r], state.requests
