@@ -1,5 +1,4 @@
 import contextlib
-import gc
 import os
 import tempfile
 
@@ -27,15 +26,6 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 # Matrix products in full float32 on an accelerator too (a GPU's default, TF32,
 # misses the 1e-5 that tests comparing a model's outputs with PyTorch's ask).
 jax.config.update("jax_default_matmul_precision", "highest")
-
-
-def pytest_collection_finish(session):
-    """What the collection made (every test module, its parameters, JAX)
-    lives for the whole session: out of the garbage collector's way
-    (`gc.freeze`), so that neither an automatic full collection nor a
-    test's own `gc.collect()` walks its hundreds of thousands of objects."""
-    gc.collect()
-    gc.freeze()
 
 
 @pytest.fixture(scope="session", autouse=True)

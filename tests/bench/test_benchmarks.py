@@ -119,11 +119,11 @@ def _frozen():
     the benchmarks run in it (`gc.freeze`): each of their `gc.collect()`s
     (before every measurement, for steady memory figures) walked every
     object of the test session, a few tenths of a second each after the whole
-    suite's collection, for nothing a test checks. Left frozen, as what the
-    collection made is (tests/conftest.py): an unfreeze would thaw that too."""
+    suite's collection, for nothing a test checks. Given back after."""
     gc.collect()
     gc.freeze()
     yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="module")
