@@ -34,9 +34,12 @@ _STARTING = (
 if _STARTING:
     signal.signal(signal.SIGINT, _interrupted_while_starting)
 try:
+    import _thread
     import argparse
+    import contextlib
     import json
-    from collections.abc import Sequence
+    import time
+    from collections.abc import Iterator, Sequence
     from typing import Any
 
     from .. import _PROGRAM, __version__
@@ -728,14 +731,48 @@ def parser() -> argparse.ArgumentParser:
 def _end_interrupted() -> None:
     """In the `eqx-ckpt` program itself, end at once with 130 once eqx_ckpt's
     own exit work is done (saves in flight waited for, its threads stopped):
-    JAX's runtime, interrupted while it started, crashed the interpreter's
-    exit (SIGSEGV, seen on a Ctrl-C two seconds into `eqx-ckpt demo`)."""
+    the interpreter's own exit crashed (SIGSEGV) when the interrupt left a JAX
+    compile running, in jaxlib's client teardown (`eqx-ckpt demo`, a Ctrl-C
+    as it compiles its training step). `main` called from Python returns 130:
+    its caller's process goes on."""
     if not _PROGRAM:
         return  # (`main` called from Python: its caller goes on)
     _threads.run_exit()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(130)
+
+
+def _interrupt_soon() -> None:
+    """The main thread interrupted again, from another thread, once the callback
+    that dropped its interrupt has returned (from the main thread itself, the
+    handler would run at once, inside `sys.unraisablehook`, and be dropped there)."""
+    time.sleep(0.05)
+    _thread.interrupt_main()
+
+
+@contextlib.contextmanager
+def _interrupts_delivered() -> Iterator[None]:
+    """A Ctrl-C whose `KeyboardInterrupt` is raised where Python drops
+    exceptions (a finaliser, a garbage collector's callback: JAX keeps one)
+    is raised again, not lost: it was printed as "Exception ignored" and the
+    command went on (issue 88: `eqx-ckpt demo` trained on). Python hands such
+    an exception to `sys.unraisablehook`; from there the main thread is
+    interrupted again once that callback has returned (if that lands in
+    another such callback, once more)."""
+    hook = sys.unraisablehook
+
+    def redeliver(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            _threads.thread("eqx_ckpt-interrupt", _interrupt_soon).start()
+        else:
+            hook(unraisable)
+
+    sys.unraisablehook = redeliver
+    try:
+        yield
+    finally:
+        sys.unraisablehook = hook
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -748,7 +785,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("eqx-ckpt: interrupted", file=sys.stderr)
         return 130
     try:
-        with command_line():  # (messages name this command's flags, `--base`, not the keywords, `base=`)
+        with command_line(), _interrupts_delivered():  # (messages name this command's flags, `--base`)
             code: Any = args.run(args)
     except CheckpointError as e:
         print(f"eqx-ckpt {args.command}: {e}", file=sys.stderr)
