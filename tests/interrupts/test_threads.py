@@ -17,8 +17,13 @@ interpreter then waited for it forever at exit. The campaign hit it in a few
 runs of ten; `test_an_interrupted_thread_start_never_blocks_the_exit` hits
 that moment every time.
 
-The randomness is seeded (set `EQX_CKPT_EXIT_SEED` to replay a run) and the
-seed is printed.
+Each pair of an operation and a signal is tried (first saves and overwrites
+apart, overwrites twice), and each operation's moments are stratified: its
+trials' moments spread over the window of 0 to `WINDOW` times its usual
+duration, one in each equal part of it (issue 89: twelve fresh processes, where
+there were twenty at uniformly random moments). The randomness (the
+order, the part each trial gets, the moment within it) is seeded (set
+`EQX_CKPT_EXIT_SEED` to replay a run) and the seed is printed.
 """
 
 import collections
@@ -49,12 +54,18 @@ EXIT_SECONDS = 30
 # before the signal counts as lost (docs/reliability.md, "Known limits") and is
 # sent again.
 LOST_SECONDS = 30
-# The trials of the campaign: (kind, signal), each in a fresh process.
+# The trials of the campaign: (kind, signal), each in a fresh process. A
+# `first` save goes into a new directory, a `save` overwrites.
 TRIALS = [
     (kind, sig)
-    for kind in ("save", "save", "async", "manager", "load")
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGINT)
+    for kind in ("first", "save", "save", "async", "manager", "load")
+    for sig in (signal.SIGTERM, signal.SIGINT)
 ]
+# The signals land between 0 and `WINDOW` times an operation's usual duration
+# (before, during and after it).
+WINDOW = 1.2
+# The operation each kind runs in the worker.
+OPERATIONS = {"first": "save", "save": "save", "async": "async", "manager": "manager", "load": "load"}
 EXPECTED_CODES = {signal.SIGTERM: {143}, signal.SIGINT: {-signal.SIGINT, 1}}
 
 
@@ -211,11 +222,11 @@ class _Campaign:
         self.held["manager"] = 1
         self.firsts = 0
 
-    def target(self, kind: str, rng: random.Random) -> tuple[pathlib.Path, int]:
+    def target(self, kind: str) -> tuple[pathlib.Path, int]:
         """Where the next operation of `kind` goes, and its generation."""
         if kind == "manager":
             return self.run, self.held[kind] + 1
-        if kind == "save" and rng.random() < 0.3:  # a first save, into a new directory
+        if kind == "first":  # a first save, into a new directory
             self.firsts += 1
             return self.directory / f"first{self.firsts}", 1
         return self.paths[kind], self.held[kind] + 1
@@ -238,11 +249,28 @@ class _Campaign:
         return "new" if self.held[kind] == generation else "old"
 
 
+def _schedule(rng: random.Random) -> list[tuple[str, int, float]]:
+    """The trials in a random order, each with the moment of its signal as a
+    fraction of its operation's usual duration: the n trials of a kind get one
+    moment in each n-th of `[0, WINDOW)` (stratified), at random within it,
+    the parts dealt to its signals at random."""
+    by_kind: dict[str, list[int]] = collections.defaultdict(list)
+    for kind, sig in TRIALS:
+        by_kind[kind].append(sig)
+    trials = []
+    for kind, sigs in by_kind.items():
+        parts = list(range(len(sigs)))
+        rng.shuffle(parts)
+        trials += [(kind, sig, WINDOW * (part + rng.random()) / len(sigs)) for sig, part in zip(sigs, parts)]
+    rng.shuffle(trials)
+    return trials
+
+
 def test_every_process_exits_after_a_signal_at_a_random_moment(tmp_path):
+    """A signal at a moment of each operation, stratified (see the module docstring)."""
     print(f"\nexit trials seeded with EQX_CKPT_EXIT_SEED={SEED}")
     rng = random.Random(SEED)
-    trials = list(TRIALS)
-    rng.shuffle(trials)
+    trials = _schedule(rng)
     campaign = _Campaign(tmp_path)
     # How long each kind of operation takes in a fresh process, learnt from the
     # operations that finished before their signal (a first guess until then).
@@ -252,16 +280,18 @@ def test_every_process_exits_after_a_signal_at_a_random_moment(tmp_path):
     with _busy(2, 600) as busy:
         workers = [_Worker(tmp_path, f"w{i}") for i in range(2)]
         try:
-            for i, (kind, sig) in enumerate(trials):
+            for i, (kind, sig, fraction) in enumerate(trials):
+                operation = OPERATIONS[kind]
                 worker = workers.pop(0)
-                workers.append(_Worker(tmp_path, f"w{i + 2}"))
-                path, generation = campaign.target(kind, rng)
+                if i + 2 < len(trials):
+                    workers.append(_Worker(tmp_path, f"w{i + 2}"))
+                path, generation = campaign.target(kind)
                 worker.wait_ready()
                 began = time.monotonic()
                 busy.resume()  # loaded from the operation's start to the process's end
                 try:
-                    worker.command(kind, path, generation)
-                    time.sleep(rng.uniform(0, 1.2) * seconds[kind])
+                    worker.command(operation, path, generation)
+                    time.sleep(fraction * seconds[operation])
                     finished = worker.finished()
                     try:
                         code = worker.stopped(sig)
@@ -271,11 +301,11 @@ def test_every_process_exits_after_a_signal_at_a_random_moment(tmp_path):
                 finally:
                     busy.pause()
                 if finished is not None:
-                    seconds[kind] = finished
+                    seconds[operation] = finished
                 assert code in EXPECTED_CODES[sig] | {-signal.SIGABRT}, f"exit code {code} after {sig!r}"
                 held = campaign.check(kind, path, generation)
                 name = signal.Signals(sig).name
-                print(f"trial {i}: {kind} {name} {held} in {time.monotonic() - began:.1f} s")
+                print(f"trial {i}: {kind} {name} at {fraction:.2f} {held} in {time.monotonic() - began:.1f} s")
                 outcomes[f"{kind} {name} {'finished' if finished else 'hit'}: {held}"] += 1
                 outcomes["aborted at exit (docs/reliability.md, 'Known limits')"] += code == -signal.SIGABRT
                 outcomes["signal lost, sent again"] += worker.resent
