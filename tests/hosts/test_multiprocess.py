@@ -431,15 +431,18 @@ def test_replicated_state_is_written_by_every_process(
 
 KILL_WORKER = places.SUPPORT / "multiprocess_kill_worker.py"
 # The kill workers' `_multihost.SILENT_SECONDS` (10 s by default): how long the
-# others wait for a heartbeat before naming a process as gone. Twelve times
-# their beat (`HEARTBEAT_SECONDS`, 1 s by default, a quarter here), so that a
-# busy machine never silences a process that lives; and a barrier looks at the
-# heartbeats every quarter second (`_WAIT_MS`, 1 s by default), so that the
-# others name the victim soon after its silence passes. The same code path as
-# the defaults, in a third of their wait.
-SILENT_SECONDS = 3
-HEARTBEAT_SECONDS = 0.25
-WAIT_MS = 250
+# others wait for a heartbeat before naming a process as gone. Sixteen times
+# their beat (`HEARTBEAT_SECONDS`, 1 s by default, an eighth here), so that a
+# busy machine never silences a process that lives (each beat needs the GIL
+# and a round trip to the coordination service for a moment: a process is
+# named only after 16 beats in a row did not come); and a barrier looks at the heartbeats
+# every eighth of a second (`_WAIT_MS`, 1 s by default), so that the others
+# name the victim soon after its silence passes. The same code path as the
+# defaults, in a fifth of their wait (each test of a killed process waits it
+# once).
+SILENT_SECONDS = 2
+HEARTBEAT_SECONDS = 0.125
+WAIT_MS = 125
 
 
 def _run_victim(tmp_path: pathlib.Path, processes: int, job: dict, *, kill: bool) -> tuple[list[Any], list[str]]:
