@@ -119,6 +119,14 @@ REPLACED: dict[str, str] = {
         for shard in ("single", "sharded")
         for data in ("data3", "data4")
     },
+    # One run of the processes saves and loads a local directory's checkpoints and S3's, each checked and named.
+    **{
+        f"tests/test_multiprocess.py::TestProcessMatrix::test_save_and_load[{shape}-{storage}]": (
+            f"tests/hosts/test_multiprocess.py::TestProcessMatrix::test_save_and_load[{shape}-local+s3]"
+        )
+        for shape in ("2-2", "4-1")
+        for storage in ("local", "s3")
+    },
 }
 
 
