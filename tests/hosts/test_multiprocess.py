@@ -186,10 +186,11 @@ def _run_matrix(
     return _run_workers(logs / "_", count=processes, timeout=150, worker=MATRIX_WORKER, job=json.dumps(job))
 
 
-def _bytes_read(outputs: list[str], name: str, read_once: bool | None) -> list[int]:
-    """What each worker read from storage for the load of checkpoint `name` with `read_once`."""
+def _bytes_read(outputs: list[str], name: str, read_once: bool | None, nth: int = 0) -> list[int]:
+    """What each worker read from storage for the load with `read_once` of
+    the `nth` checkpoint of sharding `name` in the job (in the job's order)."""
     said = re.compile(rf"worker \d+ read (\d+) bytes for {name} read_once={read_once}\n")
-    return [int(said.search(out).group(1)) for out in outputs]
+    return [int(said.findall(out)[nth]) for out in outputs]
 
 
 def _stored_bytes(where: Any) -> int:
@@ -241,21 +242,27 @@ class TestProcessMatrix:
     8 processes of JAX are slow on a small machine, and slower on S3."""
 
     @pytest.mark.parametrize(
-        "processes, devices, storage",
+        "processes, devices, storages",
         [
-            (2, 1, "local"),
-            (2, 2, "local"),
-            (4, 1, "local"),
-            (4, 2, "local"),
-            (8, 1, "local"),
-            (2, 2, "s3"),
-            (4, 1, "s3"),
+            (2, 1, ("local",)),
+            (2, 2, ("local", "s3")),
+            (4, 1, ("local", "s3")),
+            (4, 2, ("local",)),
+            (8, 1, ("local",)),
         ],
-        ids=lambda v: str(v),
+        ids=lambda v: "+".join(v) if isinstance(v, tuple) else str(v),
     )
-    def test_save_and_load(self, tmp_path: pathlib.Path, storage_for: Any, processes: int, devices: int, storage: str):
-        s3 = storage_for(storage)
-        checkpoints = [[_where(tmp_path, storage, s3, name), name, i] for i, name in enumerate(SHARDINGS)]
+    def test_save_and_load(
+        self, tmp_path: pathlib.Path, storage_for: Any, processes: int, devices: int, storages: tuple[str, ...]
+    ):
+        """With two storages, one run of the processes saves and loads each
+        storage's checkpoints in turn (one start-up of the processes for
+        both); every check is made, and named, for each storage."""
+        checkpoints = [
+            [_where(tmp_path, storage, storage_for(storage), f"{storage}-{name}"), name, i]
+            for storage in storages
+            for i, name in enumerate(SHARDINGS)
+        ]
         # Chunks of 128 KiB: the processes cut the replicated array between them.
         outputs = _run_matrix(
             tmp_path,
@@ -267,20 +274,27 @@ class TestProcessMatrix:
             chunk_bytes=128 << 10,
             read_once=[False, True, None],
         )
-        for where, _, scale in checkpoints:
-            _check_whole(where, MATRIX_SHAPE, scale)
-        # Each byte of the replicated array read from storage once in all (its
-        # zarr.json and the manifest aside), against once per process unshared.
-        stored = _stored_bytes(checkpoints[2][0])
-        assert sum(_bytes_read(outputs, "replicated", True)) <= 1.1 * stored, _bytes_read(outputs, "replicated", True)
-        assert all(n >= stored for n in _bytes_read(outputs, "replicated", False)), _bytes_read(
-            outputs, "replicated", False
-        )
-        # Rows each held by one process: nothing to share, the same reads either way.
-        assert _bytes_read(outputs, "rows", True) == _bytes_read(outputs, "rows", False)
-        # By default, shared from `_read_once.REPLICAS` (4) processes holding a region.
-        shared = processes >= _read_once.REPLICAS
-        assert _bytes_read(outputs, "replicated", None) == _bytes_read(outputs, "replicated", shared)
+        for nth, storage in enumerate(storages):
+            ours = checkpoints[nth * len(SHARDINGS) : (nth + 1) * len(SHARDINGS)]
+            for where, name, scale in ours:
+                try:
+                    _check_whole(where, MATRIX_SHAPE, scale)
+                except AssertionError as e:
+                    raise AssertionError(f"{storage}, {name}: {e}") from e
+
+            def read(name: str, read_once: bool | None, nth: int = nth) -> list[int]:
+                return _bytes_read(outputs, name, read_once, nth)
+
+            # Each byte of the replicated array read from storage once in all (its
+            # zarr.json and the manifest aside), against once per process unshared.
+            stored = _stored_bytes(ours[2][0])
+            assert sum(read("replicated", True)) <= 1.1 * stored, (storage, read("replicated", True))
+            assert all(n >= stored for n in read("replicated", False)), (storage, read("replicated", False))
+            # Rows each held by one process: nothing to share, the same reads either way.
+            assert read("rows", True) == read("rows", False), (storage, read("rows", True), read("rows", False))
+            # By default, shared from `_read_once.REPLICAS` (4) processes holding a region.
+            shared = processes >= _read_once.REPLICAS
+            assert read("replicated", None) == read("replicated", shared), (storage, read("replicated", None))
 
     def test_compressed_saves_by_two_processes(self, tmp_path: pathlib.Path):
         """Issue 73: each process's shards compressed by TensorStore, every
@@ -431,15 +445,18 @@ def test_replicated_state_is_written_by_every_process(
 
 KILL_WORKER = places.SUPPORT / "multiprocess_kill_worker.py"
 # The kill workers' `_multihost.SILENT_SECONDS` (10 s by default): how long the
-# others wait for a heartbeat before naming a process as gone. Twelve times
-# their beat (`HEARTBEAT_SECONDS`, 1 s by default, a quarter here), so that a
-# busy machine never silences a process that lives; and a barrier looks at the
-# heartbeats every quarter second (`_WAIT_MS`, 1 s by default), so that the
-# others name the victim soon after its silence passes. The same code path as
-# the defaults, in a third of their wait.
-SILENT_SECONDS = 3
-HEARTBEAT_SECONDS = 0.25
-WAIT_MS = 250
+# others wait for a heartbeat before naming a process as gone. Sixteen times
+# their beat (`HEARTBEAT_SECONDS`, 1 s by default, an eighth here), so that a
+# busy machine never silences a process that lives (each beat needs the GIL
+# and a round trip to the coordination service for a moment: a process is
+# named only after 16 beats in a row did not come); and a barrier looks at the heartbeats
+# every eighth of a second (`_WAIT_MS`, 1 s by default), so that the others
+# name the victim soon after its silence passes. The same code path as the
+# defaults, in a fifth of their wait (each test of a killed process waits it
+# once).
+SILENT_SECONDS = 2
+HEARTBEAT_SECONDS = 0.125
+WAIT_MS = 125
 
 
 def _run_victim(tmp_path: pathlib.Path, processes: int, job: dict, *, kill: bool) -> tuple[list[Any], list[str]]:

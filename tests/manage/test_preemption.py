@@ -359,7 +359,8 @@ def _campaign(
         # a few steps before the end, so that the processes can agree in time.
         term_at = start + rng.randrange(max(1, (STEPS - 12 - start) // max(1, left))) if signalled else None
         to, delay = rng.randrange(count), rng.uniform(0, 0.02)
-        spare = _Job(directory, env, count)  # the relaunch, importing meanwhile
+        # The relaunch, importing meanwhile; none after a run that no SIGTERM stops (it finishes).
+        spare = _Job(directory, env, count) if signalled else None
         codes = job.run(term_at, to, delay)
         figures["runs"] += 1
         figures["resumes"] += start > 0
@@ -367,10 +368,11 @@ def _campaign(
         assert codes == [0] * count and len(stops) == 1, f"exit codes {codes}:\n{job.text()}"
         (stop,) = stops
         if stop == "finished":
-            spare.close()
+            if spare is not None:
+                spare.close()
             return figures
         # Every process saved the same step, at or after the one signalled, and exited.
-        assert signalled and stop.startswith("preempted at "), job.text()
+        assert signalled and spare is not None and stop.startswith("preempted at "), job.text()
         step = int(stop.removeprefix("preempted at "))
         assert term_at <= step and eqx_ckpt.CheckpointManager(directory).latest_step() == step
         figures["interruptions"] += 1

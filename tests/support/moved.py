@@ -123,6 +123,14 @@ REPLACED: dict[str, str] = {
     "tests/test_cli.py::test_ctrl_c_prints_one_line_and_exits_130": (
         "tests/tools/test_cli.py::test_ctrl_c_prints_one_line_and_exits_130[3.0]"
     ),
+    # One run of the processes saves and loads a local directory's checkpoints and S3's, each checked and named.
+    **{
+        f"tests/test_multiprocess.py::TestProcessMatrix::test_save_and_load[{shape}-{storage}]": (
+            f"tests/hosts/test_multiprocess.py::TestProcessMatrix::test_save_and_load[{shape}-local+s3]"
+        )
+        for shape in ("2-2", "4-1")
+        for storage in ("local", "s3")
+    },
 }
 
 
