@@ -20,16 +20,23 @@ from eqx_ckpt._base import _faults
 # environment says not to write bytecode). The code they run is the same.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), "eqx_ckpt-tests-pycache"))
-# And what JAX compiles (the same small functions, in those processes and in
-# each worker) is kept in one persistent cache beside it: a later process
-# loads the program instead of compiling it again. A test that sets a cache of
-# its own keeps it.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "eqx_ckpt-tests-jax-cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+# And what JAX compiles (the same small models' programs, in those processes,
+# the docs' pages and notebooks, and each worker: most of a page's seconds) is
+# kept in one persistent cache beside it, every program however fast it
+# compiled: a later process loads it instead of compiling it again. A size
+# limit has JAX lock the cache's files, so that no process reads an entry
+# another is still writing. A test that sets a cache of its own keeps it.
+for _name, _value in {
+    "JAX_COMPILATION_CACHE_DIR": os.path.join(tempfile.gettempdir(), "eqx_ckpt-tests-jax-cache"),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_COMPILATION_CACHE_MAX_SIZE": str(2**31),
+}.items():
+    os.environ.setdefault(_name, _value)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update(
     "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
 )
+jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
 
 # Several CPU devices, so sharded saves and loads are tested for real on one
 # machine; strict promotion, so no test passes by an accidental dtype promotion.
