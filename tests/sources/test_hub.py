@@ -63,9 +63,13 @@ def test_publish_then_load_by_name_in_a_fresh_process(hub, tmp_path):
     commit = push(client, "me/model", 1.0, tmp_path)
     assert re.fullmatch(r"[0-9a-f]{40}", commit)
     assert state.repos["me/model"].branches["main"] == commit
-    got = client.run(_LOAD.format(local=str(tmp_path / "local-1.0"), path="hf://me/model"))
+    # The load and the open in one more process.
+    got, opened = client.run(
+        _LOADER.format(local=str(tmp_path / "local-1.0"))
+        + "c = eqx_ckpt.Checkpoint('hf://me/model@main')\n"
+        + "emit([load('hf://me/model'), [c.revision, c.path, sorted(c)]])"
+    )
     assert got == _as_lists(tree(1.0))
-    opened = client.run("c = eqx_ckpt.Checkpoint('hf://me/model@main'); emit([c.revision, c.path, sorted(c)])")
     assert opened == [commit, f"hf://me/model@{commit}", sorted(eqx_ckpt.Checkpoint(tmp_path / "local-1.0"))]
 
 
@@ -129,12 +133,20 @@ def test_publish_twice_then_load_the_first_revision(hub, tmp_path):
     second's at `main`; and a repository opened at `main` keeps reading the
     commit it was opened at while another push lands."""
     client, _ = hub
-    first = push(client, "me/twice", 1.0, tmp_path)
-    second = push(client, "me/twice", 2.0, tmp_path)
+    local = {scale: str(tmp_path / f"local-{scale}") for scale in (1.0, 2.0)}
+    for scale, path in local.items():
+        eqx_ckpt.tree_serialise_leaves(path, tree(scale))
+    # The two pushes in one process; the two loads in one more.
+    first, second = client.run(f"""
+        first = eqx_ckpt.push_to_hub({local[1.0]!r}, "me/twice")
+        emit([first, eqx_ckpt.push_to_hub({local[2.0]!r}, "me/twice")])
+    """)
     assert first != second
-    local = str(tmp_path / "local-1.0")
-    assert client.run(_LOAD.format(local=local, path=f"hf://me/twice@{first}")) == _as_lists(tree(1.0))
-    assert client.run(_LOAD.format(local=local, path="hf://me/twice@main")) == _as_lists(tree(2.0))
+    at_first, at_main = client.run(
+        _LOADER.format(local=local[1.0]) + f"emit([load('hf://me/twice@{first}'), load('hf://me/twice@main')])"
+    )
+    assert at_first == _as_lists(tree(1.0)), "the first push's commit"
+    assert at_main == _as_lists(tree(2.0)), "main, after the second push"
     # Opened at `main` (second), then a third push: the open checkpoint still reads the second.
     eqx_ckpt.tree_serialise_leaves(tmp_path / "local-3.0", tree(3.0))
     got = client.run(f"""
@@ -607,10 +619,14 @@ def test_a_push_with_another_layout_replaces_the_old_one_in_one_commit(hub, tmp_
         "sub/model.safetensors",
     ]
     assert len(state.repos["me/relaid"].commits) == 4  # made, sharded, the user's files, single: one commit each
-    local = str(tmp_path / "local-1.0")
-    assert client.run(_LOAD.format(local=local, path="hf://me/relaid")) == _as_lists(tree(2.0))
-    assert client.run(_LOAD.format(local=local, path=f"hf://me/relaid@{sharded}")) == _as_lists(tree(1.0))
-    assert client.run("emit(list(eqx_ckpt.verify('hf://me/relaid')))") == []
+    # The two loads and the verify in one process.
+    on_main, at_sharded, problems = client.run(
+        _LOADER.format(local=str(tmp_path / "local-1.0"))
+        + f"emit([load('hf://me/relaid'), load('hf://me/relaid@{sharded}'), list(eqx_ckpt.verify('hf://me/relaid'))])"
+    )
+    assert on_main == _as_lists(tree(2.0)), "main: the single file"
+    assert at_sharded == _as_lists(tree(1.0)), "the sharded push's commit"
+    assert problems == []
 
 
 def test_a_folder_holding_two_layouts_is_refused_naming_both(hub, tmp_path):
@@ -933,12 +949,16 @@ def test_a_tag_names_the_pushed_commit(hub, tmp_path):
     client, state = hub
     commit = push(client, "me/tagged", 1.0, tmp_path, tag="v1.0")
     assert state.repos["me/tagged"].tags == {"v1.0": commit}
-    assert client.run("emit(eqx_ckpt.Checkpoint('hf://me/tagged@v1.0').revision)") == commit
-    assert push(client, "me/tagged", 1.0, tmp_path, tag="v1.0") == commit  # unchanged, the tag already on it
     eqx_ckpt.tree_serialise_leaves(tmp_path / "local-2.0", tree(2.0), overwrite=True)
-    name, _, message = client.run(
-        f"emit(raised(lambda: eqx_ckpt.push_to_hub({str(tmp_path / 'local-2.0')!r}, 'me/tagged', tag='v1.0')))"
-    )
+    # The load by the tag and the two pushes after it in one more process.
+    opened, again, (name, _, message) = client.run(f"""
+        opened = eqx_ckpt.Checkpoint('hf://me/tagged@v1.0').revision
+        again = eqx_ckpt.push_to_hub({str(tmp_path / "local-1.0")!r}, 'me/tagged', tag='v1.0')
+        emit([opened, again,
+              raised(lambda: eqx_ckpt.push_to_hub({str(tmp_path / "local-2.0")!r}, 'me/tagged', tag='v1.0'))])
+    """)
+    assert opened == commit, "the tag loads"
+    assert again == commit, "unchanged, the tag already on it"
     assert name == "CheckpointValueError"
     assert message.startswith(f"hf://me/tagged: the tag 'v1.0' names another commit ({commit}), so it was not moved")
     assert state.repos["me/tagged"].tags == {"v1.0": commit}
@@ -1030,9 +1050,9 @@ def test_a_fine_tunes_files_on_the_hub_say_what_they_hold_and_a_push_whole_delet
     }
     assert "EntryNotFoundError" in missing[1]  # a loader that looks for a whole model finds none
     assert loads == [[True] * 5, f"hf://me/base@{base_commit}", []]
-    for command, said in (("ls", "head"), ("info", f"hf://me/base@{base_commit}")):
-        shown = client.cli(command, "hf://me/tuned")
-        assert shown.returncode == 0 and said in shown.stdout, shown.stderr
+    shown = client.clis(["ls", "hf://me/tuned"], ["info", "hf://me/tuned"])  # (in one process)
+    for done, (command, said) in zip(shown, (("ls", "head"), ("info", f"hf://me/base@{base_commit}"))):
+        assert done.returncode == 0 and said in done.stdout, (command, done.stdout, done.stderr)
     # Each push with the loads after it in one process, which loads what the server holds then.
     push_and_load = _FINETUNE_LOADS.replace("emit(", "loads = (") + "emit([commit, loads])"
     push_and_load = push_and_load.replace(FAMILY, FAMILY + "commit = eqx_ckpt.push_to_hub(tuned, 'me/tuned'OPTIONS)\n")
