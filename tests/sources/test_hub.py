@@ -118,9 +118,11 @@ def test_publish_then_load_with_trust_never_runs_the_constructor(hub, tmp_path):
 def test_load_equals_the_original_with_typematch(hub, tmp_path):
     """`eqx.tree_equal(..., typematch=True)` of the loaded tree and the original, in the process that loads."""
     client, _ = hub
-    push(client, "me/typed", 1.0, tmp_path)
+    local = str(tmp_path / "local-1.0")
+    eqx_ckpt.tree_serialise_leaves(local, tree(1.0))
     same = client.run(f"""
-        original = eqx_ckpt.Checkpoint({str(tmp_path / "local-1.0")!r}).load()
+        eqx_ckpt.push_to_hub({local!r}, "me/typed")  # (the push in the same process)
+        original = eqx_ckpt.Checkpoint({local!r}).load()
         like = eqx.filter_eval_shape(lambda: original)
         got = eqx_ckpt.tree_deserialise_leaves("hf://me/typed", like)
         emit(bool(eqx.tree_equal(got, original, typematch=True)))
@@ -206,11 +208,15 @@ def _raised(client: Client, path: str, **env: str | None) -> list:
 def test_a_missing_repo_or_revision_is_named(hub, tmp_path):
     client, _ = hub
     push(client, "me/there", 1.0, tmp_path)
-    name, mro, message = _raised(client, "hf://me/absent")
-    assert name == "CheckpointNotFoundError" and "FileNotFoundError" in mro
+    absent, no_revision = client.run(
+        "emit([raised(lambda: eqx_ckpt.Checkpoint('hf://me/absent')),"
+        " raised(lambda: eqx_ckpt.Checkpoint('hf://me/there@v9'))])"  # (both in one process)
+    )
+    name, mro, message = absent
+    assert name == "CheckpointNotFoundError" and "FileNotFoundError" in mro, absent
     assert message.startswith("hf://me/absent@main: there is no such repository")
-    name, _, message = _raised(client, "hf://me/there@v9")
-    assert name == "CheckpointNotFoundError"
+    name, _, message = no_revision
+    assert name == "CheckpointNotFoundError", no_revision
     assert message.startswith(re.escape("hf://me/there@v9: the repository has no revision 'v9'").replace("\\", ""))
 
 
@@ -410,8 +416,10 @@ def test_a_damaged_cached_file_is_refused(hub, tmp_path):
     """A file of the cache that is not the size the Hub lists (damaged on disk
     since it was downloaded) is refused, naming it and the fix."""
     client, _ = hub
-    push(client, "me/damaged", 1.0, tmp_path)
-    client.run(_LOAD.format(local=str(tmp_path / "local-1.0"), path="hf://me/damaged"))
+    local = str(tmp_path / "local-1.0")
+    eqx_ckpt.tree_serialise_leaves(local, tree(1.0))
+    # The push and the load that fills the cache in one process.
+    client.run(f"eqx_ckpt.push_to_hub({local!r}, 'me/damaged')\n" + _LOAD.format(local=local, path="hf://me/damaged"))
     (blob,) = [p for p in (tmp_path / "hf").rglob("blobs/*") if p.stat().st_size > 50_000]
     with open(blob, "r+b") as f:
         f.truncate(blob.stat().st_size - 4)
@@ -450,8 +458,9 @@ emit([load("hf://me/branched@dev"), load("hf://me/branched"), load("hf://me/secr
 
 def test_load_or_initialise_loads_by_name(hub, tmp_path):
     client, _ = hub
-    push(client, "me/init", 1.0, tmp_path)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "local-1.0", tree(1.0))
     got = client.run(f"""
+        eqx_ckpt.push_to_hub({str(tmp_path / "local-1.0")!r}, "me/init")  # (the push in the same process)
         local = eqx_ckpt.Checkpoint({str(tmp_path / "local-1.0")!r}).load()
         loaded = eqx_ckpt.load_or_initialise("hf://me/init", lambda: jax.tree.map(jnp.zeros_like, local))
         emit(jax.tree.map(lambda x: np.asarray(x, np.float32).tolist(), loaded))
@@ -714,8 +723,12 @@ def test_verify_checks_every_file_against_the_hubs_digest(hub, tmp_path):
     (tests/hostile/test_hub_hostile.py), and `verify("hf://...")` names it by the
     SHA-256 the Hub lists."""
     client, _ = hub
-    push(client, "me/digest", 1.0, tmp_path)
-    checked = client.run("p = eqx_ckpt.verify('hf://me/digest'); emit([list(p), list(p.checked), list(p.unchecked)])")
+    local = str(tmp_path / "local-1.0")
+    eqx_ckpt.tree_serialise_leaves(local, tree(1.0))
+    checked = client.run(  # (the push and the first verify in one process)
+        f"eqx_ckpt.push_to_hub({local!r}, 'me/digest')\n"
+        "p = eqx_ckpt.verify('hf://me/digest'); emit([list(p), list(p.checked), list(p.unchecked)])"
+    )
     assert checked[0] == [] and checked[2] == []
     # Each file against the Hub's digest, then each leaf against the digest eqx_ckpt.json records (issue 67).
     assert [line.split(":")[0] for line in checked[1][:2]] == ["`eqx_ckpt.json`", "`model.safetensors`"]
