@@ -225,20 +225,30 @@ def test_private_and_gated_repos_need_a_token_with_access(hub, tmp_path):
     files = {"model.safetensors": _safetensors_bytes(tmp_path)}
     state.put_files("team/private", files, private=True, readers={"reader"})
     state.put_files("team/gated", files, gated=True, readers={"reader"})
-    for token in (None, "stranger"):
-        name, _, message = _raised(client, "hf://team/private", HF_TOKEN=token)
+    # A process for each token; the stranger's two reads in one, the reader's two in one.
+    private = "raised(lambda: eqx_ckpt.Checkpoint('hf://team/private'))"
+    gated = "raised(lambda: eqx_ckpt.Checkpoint('hf://team/gated'))"
+    refused = {
+        None: client.run(f"emit([{private}, None])", HF_TOKEN=None),
+        "stranger": client.run(f"emit([{private}, {gated}])", HF_TOKEN="stranger"),
+    }
+    for token, (private_said, _) in refused.items():
+        name, _, message = private_said
         said = "none was given" if token is None else "one was given"
-        assert name == "CheckpointNotFoundError"
+        assert name == "CheckpointNotFoundError", token
         assert message.startswith(
             f"hf://team/private@main: there is no such repository, or it is private and the token ({said}) "
             "has no access"
-        )
-    name, mro, message = _raised(client, "hf://team/gated", HF_TOKEN="stranger")
+        ), token
+    name, mro, message = refused["stranger"][1]
     assert name == "CheckpointStorageError" and "OSError" in mro
     assert message.startswith("hf://team/gated@main: the repository is gated")
-    opened = client.run("emit(sorted(eqx_ckpt.Checkpoint('hf://team/private')))", HF_TOKEN="reader")
-    assert opened == ["w"]
-    assert client.run("emit(sorted(eqx_ckpt.Checkpoint('hf://team/gated')))", HF_TOKEN="reader") == ["w"]
+    private, gated = client.run(
+        "emit([sorted(eqx_ckpt.Checkpoint('hf://team/private')), sorted(eqx_ckpt.Checkpoint('hf://team/gated'))])",
+        HF_TOKEN="reader",
+    )
+    assert private == ["w"], "the private repository, read with access"
+    assert gated == ["w"], "the gated repository, read with access"
 
 
 def test_no_network_says_so_with_the_cache_hint(tmp_path):
@@ -644,14 +654,18 @@ def test_a_folder_holding_two_layouts_is_refused_naming_both(hub, tmp_path):
     client, state = hub
     push(client, "me/both", 1.0, tmp_path, max_shard_size="20KB")
     state.put_files("me/both", {"model.safetensors": _safetensors_bytes(tmp_path)})
-    for call in ("eqx_ckpt.Checkpoint('hf://me/both')", "eqx_ckpt.Checkpoint('hf://me/both').load()"):
-        name, _, message = client.run(f"emit(raised(lambda: {call}))")
-        assert name == "CorruptCheckpointError"
+    calls = ("eqx_ckpt.Checkpoint('hf://me/both')", "eqx_ckpt.Checkpoint('hf://me/both').load()")
+    *errors, problems = client.run(  # (the two reads and the verify in one process)
+        "emit(["
+        + "".join(f"raised(lambda: {call}), " for call in calls)
+        + "[p.message for p in eqx_ckpt.verify('hf://me/both')]])"
+    )
+    for call, (name, _, message) in zip(calls, errors):
+        assert name == "CorruptCheckpointError", call
         assert (
             "holds two safetensors layouts at once: the index `model.safetensors.index.json` and the single "
             "file `model.safetensors`" in message
-        )
-    problems = client.run("emit([p.message for p in eqx_ckpt.verify('hf://me/both')])")
+        ), call
     assert len(problems) == 1 and "two safetensors layouts" in problems[0]
 
 
@@ -1005,11 +1019,14 @@ def test_a_fine_tune_pushed_against_its_base_uploads_what_changed_and_loads_thro
         " np.asarray(c['body.w'][3, :2]).tolist()])"
     )
     expected = [True, f"hf://me/base@{base_commit}", ["body.b", "body.w"], [1536.0, 1537.0]]
-    assert fresh.run(load) == expected
-    assert fresh.run(load, HF_HUB_OFFLINE="1") == expected  # the base's files are in the cache too
-    card = fresh.run(
-        "import huggingface_hub; emit(open(huggingface_hub.hf_hub_download('me/tuned', 'README.md')).read())"
+    # The online load and the card's download in one process.
+    online, card = fresh.run(
+        load.replace("emit(", "loaded = (")
+        + "\nimport huggingface_hub\n"
+        + "emit([loaded, open(huggingface_hub.hf_hub_download('me/tuned', 'README.md')).read()])"
     )
+    assert online == expected
+    assert fresh.run(load, HF_HUB_OFFLINE="1") == expected  # the base's files are in the cache too
     assert 'base_model: "me/base"' in card and "holds only the leaves that differ from its base" in card
     client.run(FAMILY + "base['body']['w'] = base['body']['w'] + 1; emit(eqx_ckpt.push_to_hub(base, 'me/base'))")
     assert Client(client.url, tmp_path / "third_cache").run(load) == expected
@@ -1092,14 +1109,17 @@ def test_a_fine_tune_from_the_hub_reads_no_base_outside_the_hub(hub, tmp_path):
     eqx_ckpt.export_safetensors(tmp_path / "base", base)
     eqx_ckpt.export_safetensors(tmp_path / "tuned", tuned, base=tmp_path / "base")
     state.put_files("me/hostile", {p.name: p.read_bytes() for p in (tmp_path / "tuned").iterdir()})
-    error = client.run("emit(raised(lambda: eqx_ckpt.Checkpoint('hf://me/hostile').load()))")
-    assert error[0] == "UntrustedError" and "may take its base only from the Hub" in error[2]
-    push = f"emit(raised(lambda: eqx_ckpt.push_to_hub({str(tmp_path / 'tuned')!r}, 'me/tuned')))"
-    error = client.run(push)
+    # The load and the two refused pushes in one process (run in tmp_path).
+    loaded, pushed, given = client.run(
+        "emit([raised(lambda: eqx_ckpt.Checkpoint('hf://me/hostile').load()),"
+        f" raised(lambda: eqx_ckpt.push_to_hub({str(tmp_path / 'tuned')!r}, 'me/tuned')),"
+        f" raised(lambda: eqx_ckpt.push_to_hub({str(tmp_path / 'tuned')!r}, 'me/tuned', base='base'))])"
+    )
+    assert loaded[0] == "UntrustedError" and "may take its base only from the Hub" in loaded[2], loaded
+    error = pushed
     assert error[0] == "CheckpointValueError" and "`standalone=True`" in error[2] and "Push the base first" in error[2]
     assert f"stored against the base {str(tmp_path / 'base')!r}, which is not on the Hub" in error[2]
-    given = f"emit(raised(lambda: eqx_ckpt.push_to_hub({str(tmp_path / 'tuned')!r}, 'me/tuned', base='base')))"
-    error = client.run(given)  # (run in tmp_path)
+    error = given
     assert "stored against the base 'base', which is not on the Hub" in error[2]  # as given, not via a temporary folder
     standalone = f"emit(eqx_ckpt.push_to_hub({str(tmp_path / 'tuned')!r}, 'me/tuned', standalone=True))"
     client.run(standalone)
