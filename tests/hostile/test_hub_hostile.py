@@ -373,7 +373,9 @@ def test_a_users_own_hub_calls_are_not_checked(hub):
     no blob id, a range answered whole), which eqx_ckpt refuses for itself."""
     client, state = hub
     state.put_files("slow/model", {"model.safetensors": model("slow/model")})
-    state.hostile["slow/model"] = hub_server.Hostile(on="GET /api/models/", stall=1.5)
+    # (Its first request stalled, the revision's: the user's calls are made
+    # meanwhile; the load's later requests are answered at once.)
+    state.hostile["slow/model"] = hub_server.Hostile(on="GET /api/models/slow/model/revision/main", stall=2.5)
     for repo in ("user/files", "own/files"):
         state.put_files(repo, {"small.safetensors": safetensors({"w": b"1"})})
         state.hostile[repo] = hub_server.Hostile(headers={"ETag": '"no-blob-id"'}, ignore_range=True)

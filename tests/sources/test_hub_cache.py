@@ -81,13 +81,14 @@ def test_a_cache_lacking_a_file_of_a_gone_commit_says_both(hub_family, tmp_path)
     client, _, commit = hub_family
     (link,) = (tmp_path / "hf" / "hub" / "models--me--base" / "snapshots").glob("*/model.safetensors")
     link.unlink()
+    said = {}
     for load in ("eqx_ckpt.Checkpoint('hf://me/tuned').load()", "eqx_ckpt.Checkpoint('hf://me/tuned').load(lazy=True)"):
-        name, classes, message = client.run(f"emit(raised(lambda: {load}))")
+        name, classes, message = said[load] = client.run(f"emit(raised(lambda: {load}))")
         assert name == "CheckpointNotFoundError" and "FileNotFoundError" in classes, message
         assert f"its base hf://me/base@{commit}, which cannot be found" in message
         assert f"hf://me/base@{commit}: the server no longer gives this commit" in message, message
         assert "the local cache" in message and "so it cannot be loaded" in message
-    whole = client.run("emit(raised(lambda: eqx_ckpt.Checkpoint('hf://me/tuned').load()))")
+    whole = said["eqx_ckpt.Checkpoint('hf://me/tuned').load()"]  # (that load, in its own process above)
     assert "lacks `model.safetensors` of it" in whole[2]
     why = client.run("emit(eqx_ckpt.Checkpoint('hf://me/tuned').base_missing)")
     assert why.startswith(f"hf://me/base@{commit}: the server no longer gives this commit"), why
@@ -111,8 +112,10 @@ def test_a_gone_commit_never_cached_is_named_as_gone(hub, tmp_path):
     """A commit the server no longer gives, and the cache never held: the
     error says so, not that the revision is misspelled."""
     client, state = hub
-    commit = client.run(FAMILY + "emit(eqx_ckpt.push_to_hub(base, 'me/base'))")
-    client.run(FAMILY + "base['head'] = base['head'] + 1; emit(eqx_ckpt.push_to_hub(base, 'me/base'))")
+    commit, _ = client.run(  # (the two pushes in one process)
+        FAMILY + "commit = eqx_ckpt.push_to_hub(base, 'me/base')\n"
+        "base['head'] = base['head'] + 1; emit([commit, eqx_ckpt.push_to_hub(base, 'me/base')])"
+    )
     del state.repos["me/base"].commits[commit]
     name, _, message = client.run(f"emit(raised(lambda: eqx_ckpt.Checkpoint('hf://me/base@{commit}')))")
     assert name == "CheckpointNotFoundError"

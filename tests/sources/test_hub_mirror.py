@@ -42,8 +42,10 @@ emit([[same(body, tuned["body"]), same(where, tuned), same(np.asarray(rows), bas
 @pytest.mark.parametrize("mirror", [False, True], ids=["hub", "mirror"])
 def test_every_load_through_a_mirror_is_bit_for_bit(hub, tmp_path, mirror):
     client, state = hub
-    client.run(FAMILY + "emit(eqx_ckpt.push_to_hub(base, 'me/base'))")
-    client.run(FAMILY + "emit(eqx_ckpt.push_to_hub(tuned, 'me/tuned', base='hf://me/base'))")
+    client.run(  # (the two pushes in one process)
+        FAMILY + "eqx_ckpt.push_to_hub(base, 'me/base')\n"
+        "emit(eqx_ckpt.push_to_hub(tuned, 'me/tuned', base='hf://me/base'))"
+    )
     state.mirror = mirror
     fresh = Client(client.url, tmp_path / "fresh")
     loaded, said = fresh.run(_LOADS)
