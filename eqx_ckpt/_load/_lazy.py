@@ -280,8 +280,10 @@ def _region_size(index: tuple[Any, ...]) -> int:
 _LIVE: _state.Table[int, weakref.ref[LazyArray]] = _state.table("lazy.live", None, "live")
 
 
-def _forget(live: weakref.ref[LazyArray]) -> None:
-    _LIVE.pop(id(live), None)
+def _forget(live: weakref.ref[LazyArray], table: _state.Table[int, weakref.ref[LazyArray]] = _LIVE) -> None:
+    # (The table bound at definition: a leaf a script keeps to its end dies as the
+    # interpreter exits, when this module's globals may already be None.)
+    table.pop(id(live), None)
 
 
 def reads_from(loc: Location) -> bool:

@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import equinox as eqx
 import jax
@@ -403,3 +404,20 @@ def test_materialise_reads_by_the_loads_reader_once_per_checkpoint(tmp_path, fau
     assert sorted(reads) == [str(tmp_path / "a"), str(tmp_path / "b")]
     nbytes = 2 * sum(x.nbytes for x in jax.tree.leaves(tree))
     assert calls[-1] == (6, 6, nbytes, nbytes)
+
+
+def test_a_script_that_keeps_lazy_leaves_to_its_end_exits_without_a_word(tmp_path):
+    """A lazy leaf a script holds until it ends dies as the interpreter exits,
+    after eqx_ckpt's modules are emptied: its finaliser printed a traceback
+    (`AttributeError: 'NoneType' object has no attribute 'pop'`) on every
+    such run. A fresh interpreter, as the exit is what is tested."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import jax.numpy as jnp, eqx_ckpt\n"
+        f"eqx_ckpt.tree_serialise_leaves({str(tmp_path / 'c')!r}, {{'w': jnp.ones((3, 3)), 'b': jnp.zeros(4)}})\n"
+        f"tree = eqx_ckpt.Checkpoint({str(tmp_path / 'c')!r}).load(lazy=True)\n"
+        f"leaf = eqx_ckpt.Checkpoint({str(tmp_path / 'c')!r})['w']\n"
+        "print(type(leaf).__name__, type(tree['b']).__name__)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "LazyArray LazyArray\n", "")
