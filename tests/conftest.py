@@ -1,8 +1,6 @@
 import contextlib
-import gc
 import os
 import tempfile
-import warnings
 
 import gcs_server
 import hub_server
@@ -20,23 +18,17 @@ from eqx_ckpt._base import _faults
 # environment says not to write bytecode). The code they run is the same.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), "eqx_ckpt-tests-pycache"))
-# And what JAX compiles (the same small models' programs, in those processes,
-# the docs' pages and notebooks, and each worker: most of a page's seconds) is
-# kept in one persistent cache beside it, every program however fast it
-# compiled: a later process loads it instead of compiling it again. A size
-# limit has JAX lock the cache's files, so that no process reads an entry
-# another is still writing. A test that sets a cache of its own keeps it.
-for _name, _value in {
-    "JAX_COMPILATION_CACHE_DIR": os.path.join(tempfile.gettempdir(), "eqx_ckpt-tests-jax-cache"),
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    "JAX_COMPILATION_CACHE_MAX_SIZE": str(2**31),
-}.items():
-    os.environ.setdefault(_name, _value)
-jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update(
-    "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
-)
-jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+# And what JAX compiles in those processes (the same small models' programs,
+# in hundreds of them: most of a docs page's seconds) is kept in one
+# persistent cache beside it, every program however fast it compiled: a later
+# process loads it instead of compiling it again. A size limit has JAX lock
+# the cache's files, so that no process reads an entry another is still
+# writing. Not in the workers themselves (JAX read its settings at the import
+# above): each compiles a program once anyway, and writing each to the cache
+# cost them more than it saved. A test that sets a cache of its own keeps it.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "eqx_ckpt-tests-jax-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2**31))
 
 # Several CPU devices, so sharded saves and loads are tested for real on one
 # machine; strict promotion, so no test passes by an accidental dtype promotion.
@@ -112,12 +104,6 @@ def hub(hub_session, tmp_path):
     state = hub_session.reset()
     yield Client(hub_session.url, tmp_path / "hf"), state
     hub_session.reset()
-    # A handler whose client hung up mid-answer leaves its connection to the
-    # collector: finalised here, in the test that made it, not as an error in
-    # whichever test of the worker runs next (the server now lives for the session).
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        gc.collect()
 
 
 @pytest.fixture

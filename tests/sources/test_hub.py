@@ -1273,11 +1273,12 @@ def test_the_shared_server_is_reset_to_an_empty_hub(hub, hub_session):
         assert answer.read() == b"left"
     assert state.requests and state.sent
     stalled: list = []
-    asking = threading.Thread(
-        target=lambda: stalled.append(
-            urllib.request.urlopen(f"{hub_session.url}/api/models/me/left/revision/main").status
-        )
-    )
+
+    def ask() -> None:
+        with urllib.request.urlopen(f"{hub_session.url}/api/models/me/left/revision/main") as answer:
+            stalled.append(answer.status)
+
+    asking = threading.Thread(target=ask)
     asking.start()
     assert entered.wait(30)
     new = hub_session.reset()
@@ -1290,4 +1291,5 @@ def test_the_shared_server_is_reset_to_an_empty_hub(hub, hub_session):
     for path in ("/api/models/me/left", "/api/models/me/other"):
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(hub_session.url + path)
+        refused.value.close()  # (its answer holds the connection)
         assert refused.value.code == 404, path
