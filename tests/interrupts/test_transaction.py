@@ -318,11 +318,12 @@ def interrupt_at_line(fail_at):
             return local
         return None
 
+    before = sys.gettrace()  # (a coverage run's: put back, or it measures nothing after this test)
     sys.settrace(calls)
     try:
         yield lines
     finally:
-        sys.settrace(None)
+        sys.settrace(before)
 
 
 @pytest.mark.parametrize("kind", ["first", "overwrite"])
@@ -426,11 +427,12 @@ def interrupt_in(codes, fail_at):
     lines, as in `interrupt_at_line`)."""
     lines = []
     local = _line_tracer(lines, fail_at)
+    before = sys.gettrace()  # (a coverage run's: put back, or it measures nothing after this test)
     sys.settrace(lambda frame, event, arg: local if frame.f_code in codes else None)
     try:
         yield lines
     finally:
-        sys.settrace(None)
+        sys.settrace(before)
 
 
 @contextlib.contextmanager
