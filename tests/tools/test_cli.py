@@ -608,6 +608,21 @@ def test_push_of_a_manager_directory_names_its_steps_and_the_best(tmp_path, monk
     assert "`best_step()` needs to know which metric ranks steps" in capsys.readouterr().err
 
 
+def _endless_demo(tmp_path: pathlib.Path, then: str) -> subprocess.Popen:
+    """`eqx-ckpt demo` training for ever, started as its console script starts
+    it (the program, by its name; Ctrl-C Python's), with the code `then` run
+    once its imports are done, just before the command."""
+    argv = [EXE, "demo", "--steps", "100000000", "--dir", str(tmp_path / "demo")]
+    code = (
+        "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        f"sys.argv = {argv!r}\n"
+        "from eqx_ckpt._tools._cli import main\n"
+        f"{then}"
+        "sys.exit(main())\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 @pytest.mark.parametrize("after", [0.2, 3.0])
 def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, after):
     """Issue 75: Ctrl-C printed a traceback. A real SIGINT to the program, `after`
@@ -616,15 +631,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, after):
     a line once the imports are done. Issue 88: the program ends at once with
     130 after its own exit work; a normal interpreter exit crashed (SIGSEGV) in
     jaxlib's client teardown while an interrupted compile still ran."""
-    argv = [EXE, "demo", "--steps", "100000000", "--dir", str(tmp_path / "demo")]
-    code = (
-        "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-        f"sys.argv = {argv!r}  # (as the console script starts: the program, by its name)\n"
-        "from eqx_ckpt._tools._cli import main\n"
-        "print('ready', flush=True)\n"
-        "sys.exit(main())\n"
-    )
-    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = _endless_demo(tmp_path, "print('ready', flush=True)\n")
     try:
         assert process.stdout.readline() == "ready\n"
         time.sleep(after)
@@ -642,21 +649,17 @@ def test_ctrl_c_landing_in_a_garbage_collector_callback_still_ends_the_command(t
     and lost: `eqx-ckpt demo` trained on. The signal here lands just there,
     every time: a callback sends SIGINT to its own process and runs on, so the
     handler raises inside it. The command still ends with its one line and 130."""
-    argv = [EXE, "demo", "--steps", "100000000", "--dir", str(tmp_path / "demo")]
-    code = (
-        "import gc, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-        f"sys.argv = {argv!r}\n"
-        "from eqx_ckpt._tools._cli import main\n"
+    process = _endless_demo(
+        tmp_path,
+        "import gc\n"
         "armed = [True]\n"
         "def interrupted_here(phase, info):\n"
         "    if armed and phase == 'start' and 'optax' in sys.modules:  # (in the command: its training)\n"
         "        armed.clear()\n"
         "        signal.raise_signal(signal.SIGINT)\n"
         "        for _ in range(10000): pass  # (the handler runs here, inside the callback)\n"
-        "gc.callbacks.insert(0, interrupted_here)\n"
-        "sys.exit(main())\n"
+        "gc.callbacks.insert(0, interrupted_here)\n",
     )
-    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = process.communicate(timeout=120)
     finally:
