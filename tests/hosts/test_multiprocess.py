@@ -12,7 +12,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import time
 from typing import Any
@@ -38,18 +37,12 @@ MATRIX_WORKER = places.SUPPORT / "multiprocess_matrix_worker.py"
 ROWS_COLS = (8, 4)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_workers(
     path: pathlib.Path, count: int = 2, timeout: float = 55, worker: pathlib.Path = WORKER, job: str | None = None
 ) -> list[str]:
     """Run `worker` in `count` processes (its last argument `job`, or else
     `path`); their output, or a failure with it. Logs go beside `path`."""
-    port = _free_port()
+    port = places.free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     # Output goes to files: a full pipe would block a worker that nobody reads yet.
@@ -469,7 +462,7 @@ def _run_victim(tmp_path: pathlib.Path, processes: int, job: dict, *, kill: bool
     marker, victim = tmp_path / "victim-stopped", job["victim"]
     timings = {"silent_seconds": SILENT_SECONDS, "heartbeat_seconds": HEARTBEAT_SECONDS, "wait_ms": WAIT_MS}
     argument = json.dumps({**job, "marker": str(marker), **timings})
-    port, env = _free_port(), {**os.environ, "JAX_PLATFORMS": "cpu"}
+    port, env = places.free_port(), {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     logs = [tmp_path / f"worker{i}.log" for i in range(processes)]
     procs = []

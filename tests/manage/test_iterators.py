@@ -3,11 +3,13 @@ with real Grain pipelines and real files."""
 
 import json
 import os
+import random
 import re
 
 import equinox as eqx
 import grain
 import iterator_worker
+import jax
 import jax.numpy as jnp
 import manifests
 import numpy as np
@@ -74,44 +76,97 @@ def test_a_data_loader_iterator_resumes_over_epochs(tmp_path):
 
 
 WORKER = places.SUPPORT / "iterator_worker.py"
+STEPS = 7
+# The step after whose batch the preempted runs send SIGTERM; print the seed to rerun one.
+SEED = int(os.environ.get("EQX_CKPT_ITERATOR_SEED", random.randrange(2**32)))
 
 
-def _run(directory, out, env, *extra):
-    """`python iterator_worker.py DIRECTORY 7 OUT ...`, forked from a `prefork`
-    template that imported JAX (a new process all the same: its own data
-    loader, model and manager, its own SIGTERM): the batches it took."""
+@pytest.fixture
+def env(tmp_path):
+    """The environment of the runs: one CPU device a process, this checkout first
+    on the path, and one persistent compilation cache (the runs compile the
+    same programs: the first writes them, the others load the same executables)."""
+    environ = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    environ.pop("XLA_FLAGS", None)
+    environ["PYTHONPATH"] = os.pathsep.join([str(places.ROOT), environ.get("PYTHONPATH", "")])
+    environ["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax-cache")
+    environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(2**30)  # (a size limit: the cache then locks its files)
+    return environ
+
+
+def _run(directory, out, env, term_at=None, processes=1, workers=0):
+    """One launch of `iterator_worker.py DIRECTORY STEPS OUT [TERM_AT]` in
+    `processes` processes of a `jax.distributed` job (each forked from a
+    `prefork` template that imported JAX: a new process all the same, with its
+    own data loader, model, manager and SIGTERM): each process's batches, and
+    the line each ended with."""
     out.mkdir()
-    log = out.parent / f"{out.name}.log"
-    process = prefork.spawn([str(WORKER), str(directory), "7", str(out), *map(str, extra)], env=env, output=log)
+    port, launched = places.free_port(), []
+    for i in range(processes):
+        flags = [f"--workers={workers}"] + ([f"--process={i},{processes},{port}"] if processes > 1 else [])
+        args = [str(WORKER), *flags, str(directory), str(STEPS), str(out)] + ([] if term_at is None else [str(term_at)])
+        log = out.parent / f"{out.name}.{i}.log"
+        launched.append((prefork.spawn(args, env=env, output=log), log))
     try:
-        code = process.wait(timeout=240)
+        codes = [process.wait(timeout=240) for process, _ in launched]
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    assert code == 0, log.read_text()
-    return json.loads((out / "batches.json").read_text())
+        for process, _ in launched:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    logs = [log.read_text() for _, log in launched]
+    assert codes == [0] * processes, "\n".join(logs)
+    names = ["batches.json"] if processes == 1 else [f"batches.{i}.json" for i in range(processes)]
+    return [json.loads((out / name).read_text()) for name in names], [log.strip().splitlines()[-1] for log in logs]
 
 
-def test_a_preempted_run_resumes_its_data_and_ends_bit_for_bit(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(places.ROOT), env.get("PYTHONPATH", "")])
-    # The three runs compile the same programs: the first writes them to a
-    # persistent compilation cache, the others load the same executables.
-    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax-cache")
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    env["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(2**30)  # (a size limit: the cache then locks its files)
-    whole = _run(tmp_path / "whole", tmp_path / "whole_out", env)
-    first = _run(tmp_path / "run", tmp_path / "first", env, 3)  # SIGTERM after step 3's batch
-    assert eqx_ckpt.CheckpointManager(tmp_path / "run").all_steps() == [2, 3]
-    second = _run(tmp_path / "run", tmp_path / "second", env)  # a new process resumes at step 4
-    assert len(first) == 4 and first + second == whole
-    a = eqx_ckpt.Checkpoint(tmp_path / "whole_out" / "model")
-    b = eqx_ckpt.Checkpoint(tmp_path / "second" / "model")
+def _same_model(a, b):
+    a, b = eqx_ckpt.Checkpoint(a), eqx_ckpt.Checkpoint(b)
     assert sorted(a) == sorted(b)
     for key in a:
-        assert np.asarray(a[key]).tobytes() == np.asarray(b[key]).tobytes()
+        assert np.asarray(a[key]).tobytes() == np.asarray(b[key]).tobytes(), key
+
+
+@pytest.mark.parametrize(
+    "processes, workers",
+    [(1, 2), (2, 0)],
+    ids=["one-process-two-grain-workers", "two-jax-processes"],
+)
+def test_a_preempted_run_resumes_its_data_and_ends_bit_for_bit(tmp_path, env, processes, workers):
+    """A run preempted by SIGTERM at a random step, through the manager, and
+    resumed by a fresh launch takes, in each process, the batches an
+    uninterrupted run takes after that step, and ends with its parameters bit
+    for bit. With two `jax.distributed` processes each reads its own shard."""
+    term_at = random.Random(SEED).randrange(STEPS - 2)
+    print(f"SIGTERM after step {term_at} (EQX_CKPT_ITERATOR_SEED={SEED})")
+    whole, ends = _run(tmp_path / "whole", tmp_path / "whole_out", env, processes=processes, workers=workers)
+    assert ends == ["finished"] * processes
+    first, ends = _run(tmp_path / "run", tmp_path / "first", env, term_at, processes, workers)
+    (stop,) = set(ends)  # every process stopped at the same step, at or after the SIGTERM
+    stopped = int(stop.removeprefix("preempted at "))
+    assert term_at <= stopped < STEPS - 1 and eqx_ckpt.CheckpointManager(tmp_path / "run").latest_step() == stopped
+    second, ends = _run(tmp_path / "run", tmp_path / "second", env, processes=processes, workers=workers)
+    assert ends == ["finished"] * processes
+    for i in range(processes):
+        assert len(first[i]) == stopped + 1 and first[i] + second[i] == whole[i], f"process {i}"
+    _same_model(tmp_path / "whole_out" / "model", tmp_path / "second" / "model")
+    if processes > 1:
+        _check_per_process(tmp_path / "run", stopped, whole)
+
+
+def _check_per_process(run, step, whole):
+    """Each process read its own shard; the step holds each process's state,
+    and a restore by another number of processes is an error naming the leaf."""
+    assert not {str(row) for batch in whole[0] for row in batch} & {str(row) for batch in whole[1] for row in batch}
+    (folder,) = [p for p in run.iterdir() if p.name.endswith(f"{step:08d}")]
+    (record,) = json.loads((folder / "manifest.json").read_text())["iterators"]
+    assert record["path"] == "data" and len(record["states"]) == 2
+    assert record["states"][0]["data"] != record["states"][1]["data"]
+    like = {"w": jax.ShapeDtypeStruct((2, 4), jnp.float32), "data": iter(iterator_worker.loader((0, 2)))}
+    said = r"Leaf `data` .*its iterator states were saved by 2 JAX process\(es\), but 1 are loading it"
+    with pytest.raises(eqx_ckpt.LeafError, match=said):
+        eqx_ckpt.CheckpointManager(run).restore(like, step=step)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -182,12 +181,6 @@ WORKER = places.SUPPORT / "preempt_worker.py"
 ROOT = places.ROOT
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict[str, str]:
     """The environment of the processes these tests start: one CPU device each,
@@ -256,7 +249,7 @@ class _Job:
         options: list[str] | None = None,
         args: list[str] | None = None,
     ) -> None:
-        distributed = [] if count == 1 else [str(_free_port()), str(count)]
+        distributed = [] if count == 1 else [str(places.free_port()), str(count)]
         self.lines: queue.Queue = queue.Queue()
         self.procs: list[_Child] = []
         self.readers: list[threading.Thread] = []

@@ -1,17 +1,29 @@
 """A training run fed by a Grain `DataLoader`, for tests/manage/test_iterators.py (not a test module).
 
-Run as `python iterator_worker.py DIRECTORY STEPS OUT [TERM_AT]`. It resumes
-from the latest step in DIRECTORY (the data loader's position included), trains
-until STEPS, and writes the batches it took to OUT/batches.json. With TERM_AT,
-it sends itself SIGTERM after taking the batch of step TERM_AT, saves that step
-and stops, as a preempted job does; else it writes its final model to OUT/model.
+Run as `python iterator_worker.py [OPTIONS] DIRECTORY STEPS OUT [TERM_AT]`. It
+resumes from the latest step in DIRECTORY (the data loader's position
+included), trains until STEPS, and writes the batches it took to
+OUT/batches.json. With TERM_AT, it sends itself SIGTERM after taking the batch
+of step TERM_AT, saves the step the manager stops at and stops, as a preempted
+job does, printing `preempted at STEP`; else it writes its final model to
+OUT/model and prints `finished`.
+
+Options: `--process=I,N,PORT` makes it process I of a `jax.distributed` job of
+N processes (coordinator on PORT of this machine). Each process then reads its
+own shard of the records (Grain's `ShardOptions`), and its model is its own row
+of a global array sharded over the processes, trained on its batches alone, so
+that no collective is needed; its batches go to OUT/batches.I.json, and only
+process 0 sends itself SIGTERM (the manager stops every process at the same
+step). `--workers=K` reads with K Grain worker processes.
 """
 
+import gc
 import json
 import os
 import pathlib
 import signal
 import sys
+import time
 
 import equinox as eqx
 import grain
@@ -19,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_ckpt
 
@@ -30,16 +43,20 @@ class Scale(grain.transforms.Map):
         return element * np.float32(0.5) + np.float32(1.0)
 
 
-def loader() -> grain.DataLoader:
-    """Ten records, shuffled, mapped and batched by four, over three epochs."""
-    source = [np.arange(4, dtype=np.float32) + 10 * i for i in range(10)]
-    sampler = grain.samplers.IndexSampler(len(source), shuffle=True, seed=3, num_epochs=3)
-    return grain.DataLoader(data_source=source, sampler=sampler, operations=[Scale(), grain.transforms.Batch(4)])
+def loader(shard: tuple[int, int] = (0, 1), workers: int = 0) -> grain.DataLoader:
+    """Ten records a process, shuffled, mapped and batched by four, over three epochs."""
+    index, count = shard
+    source = [np.arange(4, dtype=np.float32) + 10 * i for i in range(10 * count)]
+    options = grain.sharding.ShardOptions(shard_index=index, shard_count=count, drop_remainder=True)
+    sampler = grain.samplers.IndexSampler(len(source), shard_options=options, shuffle=True, seed=3, num_epochs=3)
+    operations = [Scale(), grain.transforms.Batch(4)]
+    return grain.DataLoader(data_source=source, sampler=sampler, operations=operations, worker_count=workers)
 
 
-def fresh() -> dict:
+def fresh(workers: int = 0) -> dict:
     model = eqx.nn.Linear(4, 1, key=jax.random.key(0))
-    return {"model": model, "opt": OPTIMISER.init(eqx.filter(model, eqx.is_array)), "data": iter(loader())}
+    data = iter(loader(workers=workers))
+    return {"model": model, "opt": OPTIMISER.init(eqx.filter(model, eqx.is_array)), "data": data}
 
 
 @eqx.filter_jit
@@ -49,31 +66,85 @@ def _update(model, opt, x):
     return eqx.apply_updates(model, updates), opt
 
 
-def main(directory: str, steps: int, out: str, term_at: int | None) -> None:
-    taken = []
+def _step(state: dict, x: np.ndarray) -> dict:
+    model, opt = _update(state["model"], state["opt"], jnp.asarray(x))
+    return {"model": model, "opt": opt, "data": state["data"]}
+
+
+# -- One process of several: each its own shard and its own row of the model --
+
+
+def _sharding() -> NamedSharding:
+    return NamedSharding(jax.make_mesh((jax.process_count(),), ("p",), devices=jax.devices()), P("p"))
+
+
+def _rows(local: jax.Array) -> jax.Array:
+    """The global array whose row `jax.process_index()` is `local` (one row, on this process's device)."""
+    shape = (jax.process_count(), local.shape[-1])
+    return jax.make_array_from_single_device_arrays(shape, _sharding(), [local])
+
+
+def fresh_sharded(workers: int = 0) -> dict:
+    local = jax.device_put(jnp.zeros((1, 4), jnp.float32), jax.local_devices()[0])
+    shard = (jax.process_index(), jax.process_count())
+    return {"w": _rows(local), "data": iter(loader(shard, workers))}
+
+
+@jax.jit
+def _update_row(row, x):
+    return row * 0.5 + jnp.mean(x, axis=0, keepdims=True) * 0.25
+
+
+def _step_sharded(state: dict, x: np.ndarray) -> dict:
+    (shard,) = state["w"].addressable_shards
+    return {"w": _rows(_update_row(shard.data, jnp.asarray(x))), "data": state["data"]}
+
+
+def main(directory: str, steps: int, out: str, term_at: int | None, options: dict[str, str]) -> None:
+    workers = int(options.get("workers", 0))
+    sharded = "process" in options
+    taken, stop = [], "finished"
     with eqx_ckpt.CheckpointManager(directory) as manager:
-        state, latest = fresh(), manager.latest_step()
+        state = fresh_sharded(workers) if sharded else fresh(workers)
+        latest = manager.latest_step()
         if latest is not None:
             state = manager.restore(state, step=latest)
         for step in range(0 if latest is None else latest + 1, steps):
             x = next(state["data"])
             taken.append(x.tolist())
-            model, opt = _update(state["model"], state["opt"], jnp.asarray(x))
-            state = {"model": model, "opt": opt, "data": state["data"]}
-            if step == term_at:
+            state = _step_sharded(state, x) if sharded else _step(state, x)
+            if step == term_at and jax.process_index() == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
+            if sharded:
+                time.sleep(0.05)  # a step of a real job takes longer than the processes take to agree
             preempted = manager.reached_preemption(step)
             if preempted or step % 3 == 2:
                 manager.save(step, state)
             if preempted:
+                stop = f"preempted at {step}"
                 break
-    pathlib.Path(out, "batches.json").write_text(json.dumps(taken))
-    if term_at is None:
-        eqx_ckpt.tree_serialise_leaves(pathlib.Path(out, "model"), state["model"])
-    print("preempted" if term_at is not None else "finished", flush=True)
+    name = f"batches.{jax.process_index()}.json" if sharded else "batches.json"
+    pathlib.Path(out, name).write_text(json.dumps(taken))
+    if stop == "finished":
+        eqx_ckpt.tree_serialise_leaves(pathlib.Path(out, "model"), state["w"] if sharded else state["model"])
+    # Grain's worker processes are stopped before the interpreter's teardown
+    # (their finalisers, run during it, find their modules emptied).
+    del state
+    gc.collect()
+    print(stop, flush=True)
 
 
 if __name__ == "__main__":
     jax.config.update("jax_platforms", "cpu")
-    args = sys.argv[1:]
-    main(args[0], int(args[1]), args[2], int(args[3]) if len(args) > 3 else None)
+    flags = dict(a.removeprefix("--").split("=", 1) for a in sys.argv[1:] if a.startswith("--"))
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if "process" in flags:
+        index, count, port = map(int, flags["process"].split(","))
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}", num_processes=count, process_id=index, initialization_timeout=60
+        )
+    if int(flags.get("workers", 0)):
+        from absl import flags as absl_flags  # Grain's workers read its flags, which no `app.run` parsed
+
+        absl_flags.FLAGS.mark_as_parsed()
+    main(args[0], int(args[1]), args[2], int(args[3]) if len(args) > 3 else None, flags)

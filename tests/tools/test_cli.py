@@ -156,6 +156,8 @@ def test_demo_runs_end_to_end(tmp_path):
     out = run("demo", "--dir", tmp_path / "demo", "--steps", "5", check_code=0).stdout
     assert "Full load into an eqx.filter_eval_shape skeleton" in out
     assert "equal to what was saved: True" in out
+    assert "Data pipeline resumed from its saved position {'seed': 0, 'epoch': 0, 'position': 160}: " in out
+    assert "the next batches are the same: True" in out
     assert "Params-only load (prefix='model'" in out
     rebuilt = "Load without the model's code (Checkpoint(path).load('model', trust=[])): a MLP, equal to the trained"
     assert f"{rebuilt} model: True." in out
