@@ -45,7 +45,7 @@ from .._base._errors import (
     caller_level,
     from_file,
 )
-from .._ondisk import _structure
+from .._ondisk import _iterators, _structure
 from .._ondisk._dtypes import is_known_dtype
 from .._ondisk._format import LeafRecord, dtype_from_name
 from .._ondisk._manifest import Manifest, encode_structure, loads_file, too_many_containers
@@ -701,7 +701,9 @@ def static_differences(
     The caller warns once the load succeeded."""
     if manifest.structure is None or not isinstance(prefix, str):
         return []  # a `prefix` that is not a string is the plan's error to raise
-    mine = _structure.record(named.treedef, leaves, [True] * len(leaves), named.records)
+    # An iterator is saved as its state, not as an array: the save recorded it as not stored.
+    iterators = set(_iterators.found(leaves))
+    mine = _structure.record(named.treedef, leaves, [i not in iterators for i in range(len(leaves))], named.records)
     if not prefix and encode_structure(mine) == manifest.structure:
         return []  # the record `like` makes is the stored one: nothing to parse or compare
     try:

@@ -52,6 +52,7 @@ from benchmarks import (  # noqa: E402
     gpu_join,
     hub,
     incremental,
+    iterators,
     page_sizes,
     report,
     run,
@@ -919,3 +920,23 @@ def test_alternating_loads_a_published_folder(tmp_path):
     assert (tmp_path / "published" / "eqx_ckpt.json").is_file() and not (tmp_path / "checkpoint").exists()
     timed = alternating.work({**job, "op": "load"})
     assert len(timed["wall"]) == len(timed["cpu"]) == 2
+
+
+def test_the_iterators_benchmark_times_saves_and_restores_with_and_without_the_data_position(tmp_path):
+    out = iterators.measure("tiny", 2, tmp_path)
+    assert out["rounds"] == 2 and out["leaves"] > 10
+    for name in ("save_s", "save_with_iterator_s", "restore_s", "restore_with_iterator_s", "capture_s"):
+        assert out[name] > 0, name
+    assert out["save_ratio_low"] <= out["save_ratio"] <= out["save_ratio_high"]
+    assert 100 < out["state_bytes"] < 4096  # Grain's DataLoader state: its JSON, a few hundred bytes
+    # A step saved with the iterator holds its state, and a restore puts it back.
+    manager = eqx_ckpt.CheckpointManager(tmp_path / "run")
+    (step,) = [
+        s
+        for s in manager.all_steps()
+        if (pathlib.Path(manager.step_path(s)) / "manifest.json").read_text().count('"iterators"')
+    ]
+    moved = iterators.pipeline()
+    next(moved)
+    like = {**eqx.filter_eval_shape(workload.make_state, workload.PRESETS["tiny"]), "data": moved}
+    assert manager.restore(like, step=step)["data"].get_state() == iterators.pipeline().get_state()

@@ -141,6 +141,20 @@ def test_only_the_storage_seam_imports_tensorstore(path):
     assert imported == (path.name in ("_storage.py", "_location.py"))
 
 
+def test_no_module_imports_a_data_loader():
+    """Iterators are found by their shape (`get_state`, `set_state`): Grain is a
+    test dependency only, and eqx_ckpt imports no data loader (issue 85)."""
+    loaders = {"grain", "tensorflow", "tensorflow_datasets", "torch", "datasets"}
+    found = [
+        f"{path.name}:{node.lineno}"
+        for path in MODULES
+        for node in _walk(_tree(path))
+        if (isinstance(node, ast.Import) and any(a.name.split(".")[0] in loaders for a in node.names))
+        or (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in loaders)
+    ]
+    assert found == []
+
+
 def test_no_import_cycles():
     """No module imports another that imports it back, at run time or, inside
     one folder, under `if TYPE_CHECKING:` (issue 61: `_storage` imported
