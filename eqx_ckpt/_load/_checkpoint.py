@@ -16,8 +16,10 @@ from jaxtyping import PyTree
 from .._base import _gc, _keypath, _state
 from .._base._errors import CheckpointError, CheckpointKeyError, CheckpointTypeError, check_flag
 from .._base._progress import Progress
-from .._ondisk import _trust
+from .._ondisk import _iterators, _trust
 from .._ondisk._format import SCALAR_TYPES, LeafRecord
+from .._ondisk._iterators import IteratorRecord
+from .._ondisk._manifest import loads_file
 from .._ondisk._trust import Trust
 from .._store import _chunk_files
 from . import _deserialise, _lazy, _rebuild, _source
@@ -35,7 +37,9 @@ class Checkpoint(Mapping[str, Any]):
     scalar leaf, its value (read when looked up). Keys are sorted segment by
     segment, numbers by value (`layers.2` before `layers.10`, `k2` before
     `k10`). `print(ckpt)` shows the saved tree, as `eqx-ckpt ls` does
-    (summarised in 60 lines for large ones: see `listing`).
+    (summarised in 60 lines for large ones: see `listing`). An iterator's
+    saved state (a data pipeline's position) is not a key:
+    [`eqx_ckpt.Checkpoint.iterator_states`][] reads it.
 
     **Arguments:**
 
@@ -82,6 +86,9 @@ class Checkpoint(Mapping[str, Any]):
         self._loc = self._source.loc
         self._manifest = self._source.manifest
         self._records = dict(sorted(self._manifest.by_path().items(), key=lambda item: _keypath.sort_key(item[0])))
+        # Iterator leaves (`_iterators`): not keys of the mapping, which are array leaves.
+        iterators = sorted(self._manifest.iterators, key=lambda record: _keypath.sort_key(record.path))
+        self._iterators = {record.path: record for record in iterators}
         # A fine-tune's base is opened to describe it; one that cannot be reached is said (`base_missing`).
         self._base_missing = None if self._source.base is None else self._source.base.missing()
 
@@ -188,6 +195,9 @@ class Checkpoint(Mapping[str, Any]):
             raise CheckpointKeyError(self._missing(key), path=self.path) from None
 
     def _missing(self, key: Any) -> str:
+        inside = [path for path in self._iterators if isinstance(key, str) and key and _keypath.is_within(path, key)]
+        if inside and (key in self._iterators or not any(_keypath.is_within(p, key) for p in self._records)):
+            return self._iterator_key(key, inside)
         if not isinstance(key, str):
             return (
                 f"{key!r} is not a leaf of checkpoint {self.path!r}: leaves are named by their dotted "
@@ -197,6 +207,54 @@ class Checkpoint(Mapping[str, Any]):
         close = [k for k in self._records if k.startswith(key.split(".")[0])][:5]
         hint = f" Keys starting alike: {close}." if close else ""
         return f"{key!r} is not a leaf of checkpoint {self.path!r}.{hint} `Checkpoint(path).keys()` lists them all."
+
+    def _iterator_key(self, key: str, inside: list[str]) -> str:
+        """That `key` names an iterator's state, or a sub-tree holding only
+        iterators (`inside`), and how to read them."""
+        if key in self._iterators:
+            return (
+                f"{key!r} is the saved state of an iterator in checkpoint {self.path!r}, not an array leaf. "
+                f"`Checkpoint(path).iterator_states()[{key!r}]` reads it; a load puts it back into the iterator "
+                f"at that path of `like`."
+            )
+        shown = ", ".join(inside[:3]) + (f" and {len(inside) - 3} more" if len(inside) > 3 else "")
+        return (
+            f"{key!r} holds no array leaf of checkpoint {self.path!r}, only the saved states of iterators "
+            f"({shown}). `Checkpoint(path).iterator_states()` reads them; a load puts them back into the "
+            f"iterators at those paths of `like`."
+        )
+
+    def iterator_states(self) -> dict[str, list[Any]]:
+        """The saved state of each iterator of the tree (a leaf with
+        `get_state()` and `set_state(state)`, such as a Grain iterator), by
+        dotted path, sorted; `{}` where there is none. Each is a list of its
+        states by JAX process index, as `get_state()` gave them: a JSON value,
+        or bytes. Each state is checked (its size, kind and digest) as a load
+        checks it before `set_state` sees it.
+
+        The mapping's keys are the array leaves only: a load puts these states
+        back into the iterators of `like` (see [docs/manager.md](../manager.md#resuming-the-data)).
+
+        **Raises:**
+
+        [`eqx_ckpt.IntegrityError`][] naming the leaf if a state is damaged.
+
+        !!! example
+
+            ```python
+            import grain, jax.numpy as jnp
+            import eqx_ckpt
+
+            data = iter(grain.MapDataset.range(10).batch(2))
+            next(data)
+            eqx_ckpt.tree_serialise_leaves("ckpt", {"w": jnp.ones(2), "data": data})
+            print(eqx_ckpt.Checkpoint("ckpt").iterator_states())  # {'data': [{'next_index': 1}]}
+            ```
+        """
+        return {
+            path: [_iterators.check_state(s, path, checkpoint=self.path, loads=loads_file) for s in record.states]
+            for path, record in self._iterators.items()
+        }
 
     def __getitem__(self, key: str) -> Any:
         lazy = LazyArray(self._source, self.record(key))
@@ -215,7 +273,9 @@ class Checkpoint(Mapping[str, Any]):
         return key in self._records
 
     def __repr__(self) -> str:
-        return f"Checkpoint({self.path!r}, {len(self)} leaves, {self.total_bytes} bytes)"
+        count = len(self._iterators)
+        iterators = f", {count} iterator{'' if count == 1 else 's'}" if count else ""
+        return f"Checkpoint({self.path!r}, {len(self)} leaves{iterators}, {self.total_bytes} bytes)"
 
     def __str__(self) -> str:
         metadata = f"metadata: {self._manifest.metadata}\n" if self._manifest.metadata else ""
@@ -223,7 +283,10 @@ class Checkpoint(Mapping[str, Any]):
 
     def listing(self, *, depth: int | None = None, max_rows: int | None = None, values: bool = False) -> str:
         """The saved tree, one key per line, indented, with `dtype[shape]` and size,
-        then the totals (what `eqx-ckpt ls` prints).
+        then the totals (what `eqx-ckpt ls` prints). An iterator's line says
+        the kind of its state (`json` or `bytes`), how many processes saved
+        one, and the size of the largest: `iterator (json, 1 process)  16 B`
+        (`iterator_states` reads them).
 
         **Arguments:**
 
@@ -256,7 +319,7 @@ class Checkpoint(Mapping[str, Any]):
             if count is not None and (type(count) is not int or count < 0):
                 raise CheckpointTypeError(f"`{name}` must be an int of at least 0 or None, not {count!r}.")
         family = self._manifest.family
-        root = _Folder.of(self._records, () if family is None else family.references)
+        root = _Folder.of(self._entries(), () if family is None else family.references)
         shown = _shown(root, max_rows=max_rows, depth=depth)
         rows = self._rows(root, shown, values=values) if shown else []
         # A sub-tree's "... and N more" row (one column) sets no column's width.
@@ -266,10 +329,11 @@ class Checkpoint(Mapping[str, Any]):
             f"{r[0]:<{width}}  {r[1]:<{kind}}  {r[2]:>10}{''.join(r[3:])}".rstrip() if len(r) > 1 else r[0]
             for r in rows
         ]
-        unlisted = len(self._records) - sum(1 for row in rows if len(row) == 4)  # a leaf's row has a value
+        # A leaf's row (an iterator's too) has a value.
+        unlisted = len(self._records) + len(self._iterators) - sum(1 for row in rows if len(row) == 4)
         if max_rows is not None and unlisted:
             lines.append(f"... {unlisted} leaves not listed one by one (`Checkpoint(path).listing()` lists them all)")
-        lines.append(f"{len(self)} leaves, {human(self.total_bytes)}{self._stored()}")
+        lines.append(f"{len(self)} leaves, {human(self.total_bytes)}{self._stored()}{self._iterated()}")
         taken = self.from_base()
         if taken:
             nbytes = sum(self._records[path].nbytes for path in taken)
@@ -284,6 +348,21 @@ class Checkpoint(Mapping[str, Any]):
                     f"{'leaf stored here loads' if here == 1 else 'leaves stored here load'} without it."
                 )
         return "\n".join(lines)
+
+    def _entries(self) -> Mapping[str, LeafRecord | IteratorRecord]:
+        """The array leaves and the iterators, in key order."""
+        if not self._iterators:
+            return self._records
+        both: dict[str, LeafRecord | IteratorRecord] = {**self._records, **self._iterators}
+        return dict(sorted(both.items(), key=lambda item: _keypath.sort_key(item[0])))
+
+    def _iterated(self) -> str:
+        """The totals line's count of iterators, and the bytes of their largest states, if any."""
+        count = len(self._iterators)
+        if not count:
+            return ""
+        nbytes = sum(record.nbytes for record in self._iterators.values())
+        return f"; {count} iterator{'' if count == 1 else 's'}, {human(nbytes)} of state"
 
     def _stored(self) -> str:
         """The totals line's note on compression, if any."""
@@ -302,10 +381,10 @@ class Checkpoint(Mapping[str, Any]):
                 rows.append((f"{indent}{name}/", "", ""))
                 rows += self._rows(entry, shown, values=values, level=level + 1)
             elif isinstance(entry, _Folder):
-                leaves = "1 leaf" if entry.leaves == 1 else f"{entry.leaves} leaves"
-                if entry.based:
-                    leaves += f" ({entry.based} from the base)"
-                rows.append((f"{indent}{name}/", leaves, human(entry.nbytes)))
+                rows.append((f"{indent}{name}/", entry.holds(), human(entry.nbytes)))
+            elif entry in self._iterators:
+                iterator = self._iterators[entry]
+                rows.append((indent + name, _iterators.describe(iterator), human(iterator.nbytes), ""))
             else:
                 record = self._records[entry]
                 taken = self._manifest.family is not None and entry in self._manifest.family.references
@@ -582,31 +661,44 @@ _SAMPLE = 5
 
 class _Folder:
     """A sub-tree of a listing: its entries in key order (a sub-tree or a leaf's
-    dotted key; in a foreign format a name may be both), leaves and bytes."""
+    dotted key; in a foreign format a name may be both), its array leaves,
+    iterators and bytes (an iterator's: its largest state)."""
 
-    __slots__ = ("based", "entries", "leaves", "level", "nbytes")
+    __slots__ = ("based", "entries", "iterators", "leaves", "level", "nbytes")
 
     def __init__(self, level: int):
         self.entries: dict[tuple[str, bool], _Folder | str] = {}
-        self.level, self.leaves, self.nbytes, self.based = level, 0, 0, 0
+        self.level, self.leaves, self.iterators, self.nbytes, self.based = level, 0, 0, 0, 0
 
     @staticmethod
-    def of(records: Mapping[str, LeafRecord], taken: Container[str] = ()) -> _Folder:
+    def of(records: Mapping[str, LeafRecord | IteratorRecord], taken: Container[str] = ()) -> _Folder:
         """The sub-trees of `records`, counting in each its leaves that are `taken` from a base (`based`)."""
         root = _Folder(0)
         for key, record in records.items():
             parts = _keypath.split_dotted(key) or ("<root>",)
-            based = key in taken
             folder = root
             for part in parts[:-1]:
-                folder.leaves, folder.nbytes = folder.leaves + 1, folder.nbytes + record.nbytes
-                folder.based += based
+                folder.count(record, based=key in taken)
                 # Keyed `(part, True)`: always a sub-tree.
                 folder = cast(_Folder, folder.entries.setdefault((part, True), _Folder(folder.level + 1)))
-            folder.leaves, folder.nbytes = folder.leaves + 1, folder.nbytes + record.nbytes
-            folder.based += based
+            folder.count(record, based=key in taken)
             folder.entries[(parts[-1], False)] = key
         return root
+
+    def count(self, record: LeafRecord | IteratorRecord, *, based: bool) -> None:
+        iterator = isinstance(record, IteratorRecord)
+        self.leaves, self.iterators = self.leaves + (not iterator), self.iterators + iterator
+        self.nbytes, self.based = self.nbytes + record.nbytes, self.based + based
+
+    def holds(self) -> str:
+        """Its leaves and iterators, as a listing's line of a sub-tree says them."""
+        leaves = "1 leaf" if self.leaves == 1 else f"{self.leaves} leaves"
+        said = [] if self.leaves == 0 and self.iterators else [leaves]
+        if self.based:
+            said[-1] += f" ({self.based} from the base)"
+        if self.iterators:
+            said.append("1 iterator" if self.iterators == 1 else f"{self.iterators} iterators")
+        return ", ".join(said)
 
 
 def _shown(root: _Folder, *, max_rows: int | None, depth: int | None) -> dict[int, int]:

@@ -774,8 +774,21 @@ def differences(a: Manifest, b: Manifest, where_a: str, where_b: str) -> list[tu
     names(_checked_shape(record_a, where_a, ""), "", where_a)
     names(_checked_shape(record_b, where_b, ""), "", where_b)
     out: list[tuple[str, str]] = []
-    _compare(record_a, record_b, "", out)
+    _compare(_iterators_as_leaves(record_a, a, b), _iterators_as_leaves(record_b, b, a), "", out)
     return out
+
+
+def _iterators_as_leaves(record: dict[str, Any], manifest: Manifest, other: Manifest) -> dict[str, Any]:
+    """`record` with each iterator `other` has not at its path as a stored
+    leaf: `diff` says it was added, removed or changed. (The save records an
+    iterator as a part it could not record.)"""
+    theirs = {it.path for it in other.iterators}
+    for path in (it.path for it in manifest.iterators if it.path not in theirs):
+        try:
+            record = _structure.replaced(record, path, {"t": "leaf"})
+        except (KeyError, ValueError, TypeError):  # (a record that does not reach it: compared as it is)
+            continue
+    return record
 
 
 def _compare(a: dict[str, Any], b: dict[str, Any], path: str, out: list[tuple[str, str]]) -> None:

@@ -80,6 +80,14 @@ class IteratorRecord:
         return {"path": self.path, "keypath": self.keypath, "states": [s.to_json() for s in self.states]}
 
 
+def describe(record: IteratorRecord) -> str:
+    """An iterator leaf as `eqx-ckpt ls` and `diff` show it: the kind of its
+    states and how many processes saved one, `iterator (json, 1 process)`."""
+    kinds = "/".join(kind for kind in KINDS if any(s.kind == kind for s in record.states))
+    count = len(record.states)
+    return f"iterator ({kinds}, {count} {'process' if count == 1 else 'processes'})"
+
+
 def _size(state: State) -> int:
     if state.kind == "bytes":
         return len(state.data) // 4 * 3 - state.data[-2:].count("=")

@@ -53,6 +53,7 @@ try:
     from .._manage._retention import recorded_best
     from .._ondisk import _digests
     from .._ondisk._format import MANIFEST, step_name
+    from .._ondisk._iterators import IteratorRecord
     from .._store import _share
     from ._demo import run
     from ._diff import diff
@@ -228,6 +229,8 @@ def _info(args: argparse.Namespace) -> int:
     for key, value in ckpt.info.items():  # a published folder's `info` (eqx_ckpt.json)
         print(f"info:            {printable(key)}={printable(json.dumps(value, sort_keys=True))}")
     print(f"leaves:          {len(ckpt)}")
+    if ckpt._manifest.iterators:
+        print(f"iterators:       {printable(_iterators_line(ckpt._manifest.iterators))}")
     print(f"bytes:           {ckpt.total_bytes} ({human(ckpt.total_bytes)})")
     if ckpt.compression is not None:
         print(f"compression:     {ckpt.compression}")
@@ -255,6 +258,16 @@ def _info(args: argparse.Namespace) -> int:
             count, nbytes = shared
             print(f"shared:          {count} files, {human(nbytes)}, also used by other checkpoints or steps")
     return 0
+
+
+def _iterators_line(records: Sequence[IteratorRecord]) -> str:
+    """`info`'s line of the iterator states: how many, of which leaves, saved by how many processes."""
+    states, processes = sum(len(r.states) for r in records), sorted({len(r.states) for r in records})
+    paths = [r.path for r in records]
+    shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+    by = str(processes[0]) if len(processes) == 1 else f"{processes[0]} to {processes[-1]}"
+    process = "process" if processes == [1] else "processes"
+    return f"{_count(states, 'state')} of {_count(len(paths), 'iterator')} ({shown}), saved by {by} {process}"
 
 
 def _shared_files(loc: Location) -> tuple[int, int] | None:
@@ -703,7 +716,7 @@ def parser() -> argparse.ArgumentParser:
     ls.add_argument(
         "--types", action="store_true", help="the classes and functions a load without `like` needs trusted"
     )
-    _reader(commands, "info", _info, "format and library version, creation time, leaf count, bytes")
+    _reader(commands, "info", _info, "format and library version, creation time, leaf count, iterator states, bytes")
     _reader(
         commands,
         "verify",

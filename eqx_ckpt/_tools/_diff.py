@@ -16,7 +16,9 @@ from .._base._progress import Progress, Tracker
 from .._load import _read, _rebuild, _source
 from .._load._checkpoint import describe, human as _human
 from .._load._load_plan import LoadOptions
+from .._ondisk import _iterators
 from .._ondisk._format import LeafRecord, dtype_from_name
+from .._ondisk._iterators import IteratorRecord
 from .._store import _storage, _storage_errors
 
 
@@ -25,16 +27,18 @@ class CheckpointDiff:
     """How two checkpoints differ, as [`eqx_ckpt.diff`][] finds it.
 
     Iterating gives one sorted line per differing key: `+ key` added, `- key`
-    removed, `~ key` shape, dtype or type changed, `! key` values differ.
-    `len()` counts them. So the diff is falsy exactly when the checkpoints hold
-    the same leaves with the same bytes.
+    removed, `~ key` shape, dtype or type changed, `! key` values (or an
+    iterator's saved states) differ. `len()` counts them. So the diff is falsy
+    exactly when the checkpoints hold the same leaves with the same bytes, and
+    the same iterator states.
 
     **Attributes:**
 
-    - `added`: dotted paths only in the second checkpoint.
+    - `added`: dotted paths only in the second checkpoint (an iterator's too).
     - `removed`: dotted paths only in the first.
     - `changed`: `(dotted path, "before -> after")` pairs whose shape, dtype or
-        leaf type differ.
+        leaf type differ; for an iterator, the kind of its states or how many
+        processes saved them (`iterator (json, 1 process) -> iterator (json, 2 processes)`).
     - `values`: dotted paths with the same shape and dtype but different values.
     - `structure`: `(dotted path, "before -> after")` pairs where the saved
         structures differ other than in stored leaves: a class, its fields, a
@@ -46,6 +50,11 @@ class CheckpointDiff:
         is a fine-tune that takes the leaf from the other under another key
         path (a weight re-wrapped, as a LoRA wrapper does, or renamed):
         compared with `values=True` only. Their `+`/`-` lines say so.
+    - `iterators`: `(dotted path, what)` pairs of iterators in both whose
+        saved states differ (see [docs/manager.md](../manager.md#resuming-the-data)):
+        `what` is `"iterator state differs"`, or, saved by several processes,
+        says which (`"iterator states differ in processes 1, 3 of 4"`).
+        Lines `! key: ...`.
     - `magnitudes`: for each of `values`, how far apart they are:
         `(max_abs, relative)`, the largest `|a - b|` and `‖a - b‖ / ‖a‖`
         (2-norms over the whole leaf; `inf` where `‖a‖` is 0; NaN where a
@@ -74,6 +83,7 @@ class CheckpointDiff:
     values: tuple[str, ...] = ()
     structure: tuple[tuple[str, str], ...] = ()
     rewrapped: tuple[tuple[str, str], ...] = ()
+    iterators: tuple[tuple[str, str], ...] = ()
     magnitudes: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict, hash=False)
     equal: int = 0
     nbytes: int = 0
@@ -93,6 +103,7 @@ class CheckpointDiff:
         out += [(k, f"~ {k}: {what}") for k, what in self.changed]
         out += [(k, f"! {k}: values differ{self._magnitude(k) if magnitudes else ''}") for k in self.values]
         out += [(k, f"* {k or '(the root)'}: {what}") for k, what in self.structure]
+        out += [(k, f"! {k}: {what}") for k, what in self.iterators]
         return [line for _, line in sorted(out)]
 
     def _magnitude(self, key: str) -> str:
@@ -110,17 +121,23 @@ class CheckpointDiff:
             f"({_human(self.changed_nbytes)} of {_human(self.nbytes)} compared), {len(self.changed)} of another "
             f"shape, dtype or type; {len(self.added)} added, {len(self.removed)} removed"
         )
-        return line + (f"; {len(self.structure)} structure differences" if self.structure else "")
+        line += f"; {len(self.structure)} structure differences" if self.structure else ""
+        count = len(self.iterators)
+        if count:
+            line += "; 1 iterator whose state differs" if count == 1 else f"; {count} iterators whose states differ"
+        return line
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.lines())
 
     def __len__(self) -> int:
-        return len(self.added) + len(self.removed) + len(self.changed) + len(self.values) + len(self.structure)
+        kinds = (self.added, self.removed, self.changed, self.values, self.structure, self.iterators)
+        return sum(map(len, kinds))
 
 
 def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None, token: str | None = None) -> CheckpointDiff:
-    """Compare two checkpoints key by key.
+    """Compare two checkpoints key by key: their leaves, their structure, and
+    the saved states of their iterators (a data pipeline's position).
 
     **Arguments:**
 
@@ -163,14 +180,19 @@ def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None, toke
     options = LoadOptions(token=token)
     source_a, source_b = _source.open_source(a, options, whole=False), _source.open_source(b, options, whole=False)
     recs_a, recs_b = source_a.manifest.by_path(), source_b.manifest.by_path()
-    changed, same = [], []
-    for key in sorted(set(recs_a) & set(recs_b)):
-        ra, rb = recs_a[key], recs_b[key]
-        before, after = _signature(ra), _signature(rb)
+    its_a = {it.path: it for it in source_a.manifest.iterators}
+    its_b = {it.path: it for it in source_b.manifest.iterators}
+    keys_a, keys_b = recs_a.keys() | its_a.keys(), recs_b.keys() | its_b.keys()
+    changed, same, states = [], [], []
+    for key in sorted(keys_a & keys_b):
+        before = _signature(recs_a[key] if key in recs_a else its_a[key])
+        after = _signature(recs_b[key] if key in recs_b else its_b[key])
         if before != after:
             changed.append((key, f"{before} -> {after}"))
-        else:
-            same.append((ra, rb))
+        elif key in recs_a:
+            same.append((recs_a[key], recs_b[key]))
+        elif (what := _states_differ(its_a[key], its_b[key])) is not None:
+            states.append((key, what))
     differ: dict[str, tuple[float, float]] = {}
     nbytes = sum(ra.nbytes for ra, _ in same)
     moved = _moved(source_a.manifest, source_b.manifest, recs_a, recs_b) if values else []
@@ -182,12 +204,13 @@ def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None, toke
         moved = [(x, y) for x, y in moved if differ.pop(x, None) is None]
     structure = _rebuild.differences(source_a.manifest, source_b.manifest, source_a.loc.display, source_b.loc.display)
     return CheckpointDiff(
-        added=tuple(sorted(set(recs_b) - set(recs_a))),
-        removed=tuple(sorted(set(recs_a) - set(recs_b))),
+        added=tuple(sorted(keys_b - keys_a)),
+        removed=tuple(sorted(keys_a - keys_b)),
         changed=tuple(changed),
         values=tuple(sorted(differ)),
         structure=tuple(structure),
         rewrapped=tuple(moved),
+        iterators=tuple(states),
         magnitudes=differ,
         equal=len(same) - len(differ) if values else 0,
         nbytes=nbytes if values else 0,
@@ -212,9 +235,24 @@ def _moved(
     return sorted(pairs)
 
 
-def _signature(record: LeafRecord) -> str:
+def _signature(record: LeafRecord | IteratorRecord) -> str:
+    if isinstance(record, IteratorRecord):
+        return _iterators.describe(record)
     shown = describe(record).split(" (stored")[0]
     return shown if record.type in ("jax", "numpy") else f"{shown} ({record.type})"
+
+
+def _states_differ(a: IteratorRecord, b: IteratorRecord) -> str | None:
+    """How the states of an iterator of the same kind and processes differ
+    (their stored text compared: equal states are stored alike), or `None`."""
+    pairs = enumerate(zip(a.states, b.states, strict=True))
+    differ = [i for i, (x, y) in pairs if (x.kind, x.data) != (y.kind, y.data)]
+    if not differ:
+        return None
+    if len(a.states) == 1:
+        return "iterator state differs"
+    which = f"process {differ[0]}" if len(differ) == 1 else f"processes {', '.join(map(str, differ))}"
+    return f"iterator states differ in {which} of {len(a.states)}"
 
 
 def _open(source: _source.Source, record: LeafRecord) -> Any:

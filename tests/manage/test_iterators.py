@@ -18,6 +18,7 @@ import prefork
 import pytest
 
 import eqx_ckpt
+from eqx_ckpt._tools._cli import main
 
 
 class Position:
@@ -301,3 +302,116 @@ def test_a_load_into_the_same_tree_reads_no_structure_record(tmp_path, monkeypat
     monkeypatch.setattr(_rebuild, "subtree", lambda *args: parsed.append(args) or subtree(*args))
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", {"w": jnp.zeros(3), "data": Position(None)})
     assert out["data"].state == {"at": 5} and parsed == []
+
+
+# -- Seen by `Checkpoint`, `ls`, `info` and `diff` -----------------------------------------------
+
+
+def _two_iterators(path):
+    """A checkpoint of two arrays and two iterators, one of JSON state, one of bytes."""
+    tree = {"w": jnp.ones(3), "data": [Position({"at": 1}), {"eval": Position(b"\x00\xff\x01")}], "step": 7}
+    eqx_ckpt.tree_serialise_leaves(path, tree)
+
+
+def test_ls_and_info_show_each_iterator_with_the_arrays(tmp_path, capsys):
+    _two_iterators(tmp_path / "c")
+    assert main(["ls", str(tmp_path / "c")]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "data/",
+        "  0       iterator (json, 1 process)          8 B",
+        "  1/",
+        "    eval  iterator (bytes, 1 process)         3 B",
+        "step      int64[]                             8 B",
+        "w         float32[3]                         12 B",
+        "2 leaves, 20 B; 2 iterators, 11 B of state",
+    ]
+    assert main(["ls", "--depth", "1", str(tmp_path / "c")]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "data/  2 iterators        11 B"
+    assert main(["info", str(tmp_path / "c")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("leaves:          2")
+    assert lines[at + 1] == "iterators:       2 states of 2 iterators (data.0, data.1.eval), saved by 1 process"
+    # A checkpoint without iterators shows none.
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "plain", {"w": jnp.ones(3)})
+    assert main(["info", str(tmp_path / "plain")]) == 0
+    assert "iterator" not in capsys.readouterr().out
+    assert main(["ls", str(tmp_path / "plain")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "1 leaves, 12 B"
+
+
+def test_checkpoint_counts_iterators_and_reads_their_states(tmp_path):
+    _two_iterators(tmp_path)
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)
+    assert repr(ckpt) == f"Checkpoint({str(tmp_path)!r}, 2 leaves, 2 iterators, 20 bytes)"
+    assert list(ckpt) == ["step", "w"] and "data.0" not in ckpt  # the mapping's keys are array leaves
+    assert ckpt.iterator_states() == {"data.0": [{"at": 1}], "data.1.eval": [b"\x00\xff\x01"]}
+    with pytest.raises(eqx_ckpt.CheckpointKeyError, match=r"'data\.0' is the saved state of an iterator") as info:
+        ckpt["data.0"]
+    assert "`Checkpoint(path).iterator_states()['data.0']` reads it" in str(info.value)
+    with pytest.raises(eqx_ckpt.CheckpointKeyError, match=r"'data' holds no array leaf .*\(data\.0, data\.1\.eval\)"):
+        ckpt.load("data")
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "plain", {"w": jnp.ones(3)})
+    plain = eqx_ckpt.Checkpoint(tmp_path / "plain")
+    assert plain.iterator_states() == {} and "iterator" not in repr(plain)
+
+
+def test_checkpoint_refuses_a_damaged_state_naming_the_leaf(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2), "data": Position({"at": 1})})
+    _edit_states(tmp_path, lambda s: s.append(dict(s[0])))  # as two processes save it
+    assert eqx_ckpt.Checkpoint(tmp_path).iterator_states() == {"data": [{"at": 1}, {"at": 1}]}
+    _edit_states(tmp_path, lambda s: s[1].update(data='{"at":2}'))
+    ckpt = eqx_ckpt.Checkpoint(tmp_path)  # opens: the states are checked where they are read
+    with pytest.raises(eqx_ckpt.IntegrityError, match=r"`data`.*its iterator state is damaged.*do not match"):
+        ckpt.iterator_states()
+
+
+def test_diff_of_checkpoints_differing_only_in_the_data_position(tmp_path, capsys):
+    it = iter(_dataset())
+    _take(it, 1)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "a", {"w": jnp.ones(3), "pipeline": it})
+    _take(it, 1)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "b", {"w": jnp.ones(3), "pipeline": it})
+    changes = eqx_ckpt.diff(tmp_path / "a", tmp_path / "b")
+    assert changes.iterators == (("pipeline", "iterator state differs"),) and len(changes) == 1
+    assert list(changes) == ["! pipeline: iterator state differs"]
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "! pipeline: iterator state differs",
+        "1 leaves in both: 1 equal, 0 with other values (0 B of 12 B compared), 0 of another shape, dtype or type; "
+        "0 added, 0 removed; 1 iterator whose state differs",
+    ]
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "a")]) == 0
+    assert capsys.readouterr().out == (
+        f"{tmp_path / 'a'} and {tmp_path / 'a'} are equal: the same leaves, dtypes, shapes, values and structure.\n"
+    )
+    assert not eqx_ckpt.diff(tmp_path / "a", tmp_path / "a")
+
+
+def test_diff_names_the_process_whose_state_differs(tmp_path, capsys):
+    for name in "abc":
+        eqx_ckpt.tree_serialise_leaves(tmp_path / name, {"w": jnp.ones(2), "data": Position({"at": 1})})
+    # As three processes save it: in `b`, process 1 is elsewhere.
+    _edit_states(tmp_path / "a", lambda s: s.extend([dict(s[0]), dict(s[0])]))
+    _edit_states(tmp_path / "b", lambda s: s.extend([dict(s[0], data='{"at":2}'), dict(s[0])]))
+    assert list(eqx_ckpt.diff(tmp_path / "a", tmp_path / "b")) == ["! data: iterator states differ in process 1 of 3"]
+    assert list(eqx_ckpt.diff(tmp_path / "c", tmp_path / "a")) == [
+        "~ data: iterator (json, 1 process) -> iterator (json, 3 processes)"
+    ]
+    row = eqx_ckpt.Checkpoint(tmp_path / "a").listing().splitlines()[0]
+    assert row.split() == "data iterator (json, 3 processes) 8 B".split()
+    assert main(["info", str(tmp_path / "a")]) == 0
+    assert "iterators:       3 states of 1 iterator (data), saved by 3 processes\n" in capsys.readouterr().out
+
+
+def test_diff_of_an_iterator_in_one_checkpoint_only(tmp_path):
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "a", {"w": jnp.ones(2), "data": Position({"at": 1}), "z": Position(1)})
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "b", {"w": jnp.ones(2), "data": Position(b"\x01"), "z": jnp.ones(1)})
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "c", {"w": jnp.ones(2)})
+    assert list(eqx_ckpt.diff(tmp_path / "a", tmp_path / "b")) == [
+        "~ data: iterator (json, 1 process) -> iterator (bytes, 1 process)",
+        "~ z: iterator (json, 1 process) -> float32[1]",
+    ]
+    # Said once, as an added or removed leaf (not again as a part of the structure).
+    changes = eqx_ckpt.diff(tmp_path / "c", tmp_path / "a")
+    assert list(changes) == ["+ data", "+ z"] and changes.added == ("data", "z")
+    assert list(eqx_ckpt.diff(tmp_path / "a", tmp_path / "c")) == ["- data", "- z"]
