@@ -377,8 +377,10 @@ def _parse_iterators(
     paths = {it.path for it in iterators}
     if len(paths) != len(iterators):
         raise bad("an iterator is listed twice")
-    for path in [*paths, *leaves] if paths else ():
-        if _ancestors(path) & paths or (path in paths and (path in leaves or _ancestors(path) & leaves)):
+    taken = leaves | paths
+    for path in paths:  # (a few: each checked against every leaf's path, not each leaf's ancestors)
+        inside = path + "." if path else ""
+        if path in leaves or _ancestors(path) & taken or any(leaf.startswith(inside) for leaf in leaves):
             raise bad(f"iterator or leaf {from_file(path)!r} lies inside another, or at the same path")
     return iterators
 

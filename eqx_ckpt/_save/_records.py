@@ -22,7 +22,7 @@ from .._base._handle import LeafHandle
 from .._base._location import Location
 from .._hosts import _multihost, _sharding
 from .._load._lazy import LazyArray
-from .._ondisk import _dtypes, _format
+from .._ondisk import _dtypes, _format, _iterators
 from .._ondisk._format import LeafRecord, PackRecord, chunk_shape, dtype_from_name, pack_name, whole_chunks
 from .._store import _memory
 
@@ -100,19 +100,26 @@ def build(
 class Plan:
     """A save's records, packs assigned, kept in its `_tree.Names.memo` for the
     next save of the same structure (a training loop saves one tree again and
-    again), only where every leaf is the common leaf, and never changed once
-    kept. `text`: the manifest's text of the records, made by the first save
-    that encodes them."""
+    again), only where every leaf is the common leaf (or an iterator, whose
+    state the save records apart), and never changed once kept. `written`:
+    the indices of the leaves written (`None`: all). `text`: the manifest's
+    text of the records, made by the first save that encodes them."""
 
-    __slots__ = ("dtypes", "nbytes", "records", "shapes", "text", "types")
+    __slots__ = ("dtypes", "nbytes", "records", "shapes", "text", "types", "written")
 
-    def __init__(self, pending: list[Pending], leaves: list[Any]):
+    def __init__(self, pending: list[Pending], leaves: list[Any], written: tuple[int, ...] | None):
         self.records = [p.record for p in pending]
         self.nbytes = [p.nbytes for p in pending]
         self.types = list(map(type, leaves))
-        self.dtypes = [x.dtype for x in leaves]
-        self.shapes = [x.shape for x in leaves]
+        self.written = written
+        arrays = self.arrays(leaves)
+        self.dtypes = [x.dtype for x in arrays]
+        self.shapes = [x.shape for x in arrays]
         self.text: list[Any] | None = None
+
+    def arrays(self, leaves: list[Any]) -> list[Any]:
+        """The leaves this plan writes, of a tree of its structure."""
+        return leaves if self.written is None else [leaves[i] for i in self.written]
 
 
 def reuse(
@@ -122,13 +129,15 @@ def reuse(
     `leaves` is of the type, dtype and shape it was, on one device, written
     by the `default` filter spec; else `None`."""
     plan = names.memo.get(_plan_key(for_steps, compression)) if names.memo is not None else None
-    if plan is None or len(plan.records) != len(leaves):
+    if plan is None or len(plan.types) != len(leaves):
         return None
+    if any(spec is not default for spec in specs) or any(type(x) is not c for x, c in zip(leaves, plan.types)):
+        return None  # (the same types: the iterators, found by their class, where they were)
     one_device = _ONE_DEVICE
-    for x, spec, cls, dtype, shape in zip(leaves, specs, plan.types, plan.dtypes, plan.shapes, strict=True):
-        if spec is not default or type(x) is not cls or x.shape != shape or x.dtype != dtype:
+    for x, dtype, shape in zip(plan.arrays(leaves), plan.dtypes, plan.shapes, strict=True):
+        if x.shape != shape or x.dtype != dtype:
             return None
-        if cls is not np.ndarray and (type(x.sharding) is not one_device or x.is_deleted()):
+        if type(x) is not np.ndarray and (type(x.sharding) is not one_device or x.is_deleted()):
             return None  # (a deleted array goes the way that names it)
     return plan
 
@@ -137,11 +146,16 @@ def remember(
     names: _tree.Names, leaves: list[Any], pending: list[Pending], *, for_steps: bool, compression: str = ""
 ) -> Plan | None:
     """Keep the plan of a save of one process (records made and packs assigned)
-    for the next save of the same structure, where every leaf is the common
-    leaf, written whole as it is (see `Plan`). The plan kept, or `None`."""
-    if names.memo is None or len(pending) != len(leaves):
+    for the next save of the same structure, where every leaf but the
+    iterators is the common leaf, written whole as it is (see `Plan`). The
+    plan kept, or `None`."""
+    iterators = _iterators.found(leaves)
+    written = tuple(sorted(set(range(len(leaves))) - set(iterators))) if iterators else None
+    at = range(len(leaves)) if written is None else written
+    if names.memo is None or len(pending) != len(at):
         return None
-    for x, p, path in zip(leaves, pending, names.paths, strict=True):
+    for i, p in zip(at, pending, strict=True):
+        x, path = leaves[i], names.paths[i]
         kind = _KINDS.get(type(x))
         pieces, record = p.pieces, p.record
         if kind not in ("jax", "numpy") or len(pieces) != 1 or pieces[0][1] is not x or pieces[0][0]:
@@ -150,7 +164,7 @@ def remember(
             return None
         if kind == "jax" and type(x.sharding) is not _ONE_DEVICE:
             return None
-    plan = names.memo[_plan_key(for_steps, compression)] = Plan(pending, leaves)
+    plan = names.memo[_plan_key(for_steps, compression)] = Plan(pending, leaves, written)
     return plan
 
 

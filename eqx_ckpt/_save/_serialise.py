@@ -433,7 +433,8 @@ def _plan(
     if plan is not None:
         _faults.fire("save.records", loc)
         _faults.fire("save.records_reused", loc)
-        pending = [_records.Pending(r, [((), x)], n) for r, x, n in zip(plan.records, leaves, plan.nbytes, strict=True)]
+        arrays = plan.arrays(leaves)
+        pending = [_records.Pending(r, [((), x)], n) for r, x, n in zip(plan.records, arrays, plan.nbytes, strict=True)]
     else:
         pending = _records.build(loc, leaves, names, specs, cast, default=default, compression=compression)
         if stages.alone:

@@ -228,6 +228,26 @@ def test_a_manifest_whose_states_are_malformed_is_refused(tmp_path):
         eqx_ckpt.Checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "paths",
+    [["model.w"], ["model.w.inner"], ["model"], [""], ["data", "data.inner"], ["data", "data"]],
+    ids=["at-a-leaf", "inside-a-leaf", "above-a-leaf", "the-root", "inside-an-iterator", "twice"],
+)
+def test_an_iterator_where_another_part_lies_is_refused(tmp_path, paths):
+    """A record places each iterator apart from every leaf and every other
+    iterator: one at, inside or above another part is a damaged manifest."""
+    eqx_ckpt.tree_serialise_leaves(tmp_path, {"model": {"w": jnp.ones(2)}, "data": Position({"at": 1})})
+    body = json.loads((tmp_path / "manifest.json").read_text())
+    (record,) = body["iterators"]
+    assert record["keypath"] == [["key", "data"]]
+    keypath = lambda path: [["key", part] for part in path.split(".")] if path else []
+    body["iterators"] = [{**record, "path": path, "keypath": keypath(path)} for path in paths]
+    (tmp_path / "manifest.json").write_bytes(manifests.sign(body))
+    said = "an iterator is listed twice" if len(set(paths)) < len(paths) else "lies inside another, or at the same"
+    with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=said):
+        eqx_ckpt.Checkpoint(tmp_path)
+
+
 def test_a_missing_state_is_an_error_unless_kept(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones(2)})
     like = {"w": jnp.zeros(2), "data": Position({"at": 0})}

@@ -225,10 +225,25 @@ def _changed(tree):
         "jax": {**tree, "blocks": [{**first, "b": jnp.asarray(first["b"])}, *tree["blocks"][1:]]},
         "scalar": {**tree, "blocks": [{**first, "b": 2.5}, *tree["blocks"][1:]]},
         "deleted": {**tree, "blocks": [{**first, "w": deleted}, *tree["blocks"][1:]]},
+        # (an iterator's state is recorded apart: the arrays' records are still kept and taken)
+        "iterator": {**tree, "blocks": [{**first, "data": _Position()}, *tree["blocks"][1:]]},
     }
 
 
-@pytest.mark.parametrize("change", ["values", "dtype", "shape", "numpy", "jax", "scalar", "deleted"])
+class _Position:
+    """A data iterator's shape: its state is saved apart from the arrays."""
+
+    def __init__(self):
+        self.state = {"at": 3}
+
+    def get_state(self):
+        return self.state
+
+    def set_state(self, state):
+        self.state = state
+
+
+@pytest.mark.parametrize("change", ["values", "dtype", "shape", "numpy", "jax", "scalar", "deleted", "iterator"])
 def test_a_save_after_one_of_the_same_structure_writes_what_a_first_save_writes(tmp_path, faults, packing, change):
     """A save keeps its records for the next save of the same structure
     (`_records.Plan`): taken as they are only where every leaf is of the type,
