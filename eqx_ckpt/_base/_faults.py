@@ -123,10 +123,13 @@ DESCRIBED: Mapping[str, str] = types.MappingProxyType(
         'one process passes each stage too) or of a restore that shares reads ("restore"), before it tells the others '
         "it has.",
         # A load (`_reader`, `_deserialise`, `_read_once`, `_untrusted`, `_pack`, `_window`, `_read`, `_lazy`,
-        # `_tree`)
+        # `_tree`, `_rebuild`)
         "load.read_stored": "(loc): a load has planned every leaf (filter specs and transforms run) and starts "
         "reading stored leaves through `_reader.read_leaves`; so do a skeleton-less `Checkpoint.load`, a lazy leaf "
         "read whole, and `materialise` (once per checkpoint it reads from).",
+        "load.structure_compared": "(where): a load with `like` parses the stored structure record of checkpoint "
+        "`where` to compare its static fields with `like`'s (`_rebuild`), because the record `like` makes differs "
+        "from it.",
         "load.read_once": "(path, regions): a process of a multi-process restore that shares reads (`_read_once`) "
         "read its slices `regions` (tuples of `(start, stop)` per axis) of the leaf at dotted `path` from storage, "
         "before the barrier that precedes the all-gather (only for a leaf it reads a slice of).",

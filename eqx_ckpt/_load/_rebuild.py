@@ -34,7 +34,7 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from .._base import _gc, _keypath, _state, _tree
+from .._base import _faults, _gc, _keypath, _state, _tree
 from .._base._errors import (
     CheckpointError,
     CheckpointKeyError,
@@ -706,6 +706,7 @@ def static_differences(
     mine = _structure.record(named.treedef, leaves, [i not in iterators for i in range(len(leaves))], named.records)
     if not prefix and encode_structure(mine) == manifest.structure:
         return []  # the record `like` makes is the stored one: nothing to parse or compare
+    _faults.fire("load.structure_compared", where)
     try:
         stored = subtree(manifest, prefix, where)
         names(stored, prefix, where)
