@@ -135,14 +135,15 @@ def _same_model(a, b):
 
 @pytest.mark.parametrize(
     "processes, workers",
-    [(1, 2), (2, 0)],
-    ids=["one-process-two-grain-workers", "two-jax-processes"],
+    [(1, 1), (2, 0)],
+    ids=["one-process-a-grain-worker", "two-jax-processes"],
 )
 def test_a_preempted_run_resumes_its_data_and_ends_bit_for_bit(tmp_path, env, processes, workers):
     """A run preempted by SIGTERM at a random step, through the manager, and
     resumed by a fresh launch takes, in each process, the batches an
     uninterrupted run takes after that step, and ends with its parameters bit
-    for bit. With two `jax.distributed` processes each reads its own shard."""
+    for bit. One process reads through a Grain worker process; with two
+    `jax.distributed` processes, each reads its own shard."""
     # (from step 1: the manager takes SIGTERM over at the loop's first `reached_preemption`)
     term_at = random.Random(SEED).randrange(1, STEPS - 2)
     print(f"SIGTERM after step {term_at} (EQX_CKPT_ITERATOR_SEED={SEED})")

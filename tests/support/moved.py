@@ -131,10 +131,10 @@ REPLACED: dict[str, str] = {
         for shape in ("2-2", "4-1")
         for storage in ("local", "s3")
     },
-    # The same preempted run, now read with two Grain workers; beside it, two `jax.distributed` processes.
+    # The same preempted run, now read with a Grain worker process; beside it, two `jax.distributed` processes.
     "tests/test_iterators.py::test_a_preempted_run_resumes_its_data_and_ends_bit_for_bit": (
         "tests/manage/test_iterators.py::test_a_preempted_run_resumes_its_data_and_ends_bit_for_bit"
-        "[one-process-two-grain-workers]"
+        "[one-process-a-grain-worker]"
     ),
 }
 
