@@ -309,7 +309,9 @@ class Unread:
         Read by the load's reader (`LazyArray`'s NumPy value: on a local disk,
         straight into one aligned buffer, which the writer takes without another copy)."""
         kind = lazy.saved_as
-        return cls(functools.partial(np.asarray, lazy), lazy.dtype, lazy.shape, kind) if kind in ("jax", "numpy") else None
+        if kind not in ("jax", "numpy"):
+            return None
+        return cls(functools.partial(np.asarray, lazy), lazy.dtype, lazy.shape, kind)
 
     def piece(self) -> _memory.Deferred:
         """The host data, as the staging makes it."""

@@ -157,9 +157,7 @@ def _tree_of(ckpt: Checkpoint) -> Any:
     return _lazy.nested(ckpt._source, records, "", lazy=True, progress=False, numbered=ckpt._numbered)
 
 
-def _method(
-    name: Any, inputs: Any, weights: Any, base: Any, density: Any, t: Any, key: Any
-) -> Method:
+def _method(name: Any, inputs: Any, weights: Any, base: Any, density: Any, t: Any, key: Any) -> Method:
     """The options checked against the method, as one `Method`."""
     if name not in methods.METHODS:
         raise CheckpointValueError(f"`method` must be one of {', '.join(map(repr, methods.METHODS))}; not {name!r}.")
@@ -208,7 +206,7 @@ def _seed(key: Any) -> int:
     """DARE's key as an int: itself, or a JAX PRNG key's key data."""
     if key is None:
         return 0
-    if isinstance(key, numbers.Integral) and not isinstance(key, bool) and key >= 0:
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool) and int(key) >= 0:
         return int(key)
     if isinstance(key, jax.Array):
         data = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
@@ -272,13 +270,15 @@ def _account(opened: list[Checkpoint], based: Checkpoint | None, chosen: list[st
         compare(ckpt, f"input {i}", chosen)
         extra = [p for p in ckpt if p not in selected and _selected_prefix(p, chosen, first)]
         for p in extra:
-            lines.append(leaf_message(f"input {i} holds it; the first input does not.", keypath=None, dotted=p, path=ckpt.path))
+            what = f"input {i} holds it; the first input does not."
+            lines.append(leaf_message(what, keypath=None, dotted=p, path=ckpt.path))
             dotted.append(p)
     if based is not None:
         compare(based, "the base", [p for p in chosen if p in merged])
     if lines:
         shown = "\n".join(f"  - {line}" for line in lines[:MAX_LISTED])
-        more = f"\n  ... and {len(lines) - MAX_LISTED} more (`.dotted` names them all)" if len(lines) > MAX_LISTED else ""
+        hidden = len(lines) - MAX_LISTED
+        more = f"\n  ... and {hidden} more (`.dotted` names them all)" if hidden > 0 else ""
         raise LeafError(
             f"`merge` needs the same leaves, shapes and dtypes in every input; {len(lines)} differ "
             f"(nothing was written):\n{shown}{more}\nMerge models of one architecture, or merge only the "
@@ -389,4 +389,3 @@ class _Merged:
             norm0 += float(np.sum(a * a))
             norm1 += float(np.sum(b * b))
         return methods.slerp_coefficients(dot, math.sqrt(norm0), math.sqrt(norm1), self.method.t or 0.0)
-

@@ -75,27 +75,34 @@ def weighted_sum(xs: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarr
     return total
 
 
-def combine(method: Method, xs: list[np.ndarray], base: np.ndarray | None, **whole: object) -> np.ndarray:
-    """One block of the merged leaf. `whole`: what `_merge` worked out over
-    the whole leaf first: `thresholds` (TIES), `coefficients` (SLERP), and
-    for DARE `seeds` (one per input) and `start` (the block's first element)."""
+def combine(
+    method: Method,
+    xs: list[np.ndarray],
+    base: np.ndarray | None,
+    *,
+    thresholds: Sequence[int] = (),
+    coefficients: tuple[float, float] = (1.0, 0.0),
+    seeds: Sequence[int] = (),
+    start: int = 0,
+) -> np.ndarray:
+    """One block of the merged leaf. What `_merge` worked out over the whole
+    leaf first: `thresholds` (TIES), `coefficients` (SLERP), and for DARE
+    `seeds` (one per input); `start`: the block's first element."""
     if method.name == "linear":
         return linear(xs, method.weights)
+    acc = xs[0].dtype.type
     if method.name == "slerp":
-        s0, s1 = whole["coefficients"]  # type: ignore[misc]
-        acc = xs[0].dtype.type
-        return acc(s0) * xs[0] + acc(s1) * xs[1]
-    assert base is not None
+        return acc(coefficients[0]) * xs[0] + acc(coefficients[1]) * xs[1]
+    if base is None:
+        raise RuntimeError(f"Internal error: `method={method.name!r}` merged without a base.")
     deltas = [x - base for x in xs]
     if method.name == "task_arithmetic":
         return base + weighted_sum(deltas, method.weights)
     if method.name == "ties":
-        thresholds: Sequence[int] = whole["thresholds"]  # type: ignore[assignment]
         deltas = [trimmed(d, k) for d, k in zip(deltas, thresholds, strict=True)]
     else:
-        seeds: Sequence[int] = whole["seeds"]  # type: ignore[assignment]
-        start: int = whole["start"]  # type: ignore[assignment]
-        deltas = [dropped(d, method.density or 1.0, seed, start) for d, seed in zip(deltas, seeds, strict=True)]
+        density = method.density or 1.0
+        deltas = [dropped(d, density, seed, start) for d, seed in zip(deltas, seeds, strict=True)]
     elect = method.name != "dare_linear"
     return base + disjoint(deltas, method.weights, elect=elect, mean=method.name == "ties")
 
