@@ -24,7 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._base import _keypath, _select, _tree
-from .._base._errors import CheckpointTypeError, CheckpointValueError, LeafError, leaf_message, shown_names
+from .._base._errors import (
+    CheckpointTypeError,
+    CheckpointValueError,
+    LeafError,
+    leaf_message,
+    option,
+    shown_names,
+)
 from .._base._location import location, writable
 from .._base._progress import Progress
 from .._load import _lazy, _rebuild
@@ -178,12 +185,17 @@ def _method(name: Any, inputs: Any, weights: Any, base: Any, density: Any, t: An
     return Method(name, checked, density, t, _seed(key))
 
 
-def _allowed(name: str, option: str, value: Any, methods_: Any, meaning: str, *, needed: bool = True) -> None:
-    """`option` given exactly where `name` uses it (`needed`: and must be)."""
+def _allowed(name: str, keyword: str, value: Any, methods_: Any, meaning: str, *, needed: bool = True) -> None:
+    """`keyword` given exactly where `name` uses it (`needed`: and must be)."""
+    shown = option(f"`{keyword}`", f"`--{_FLAGS.get(keyword, keyword)}`")
     if value is not None and name not in methods_:
-        raise CheckpointValueError(f'`{option}` is not used by `method="{name}"`; leave it out.')
-    if value is None and needed and name in methods_ and option != "weights":
-        raise CheckpointValueError(f'`method="{name}"` needs `{option}` ({meaning}).')
+        raise CheckpointValueError(f'{shown} is not used by `method="{name}"`; leave it out.')
+    if value is None and needed and name in methods_ and keyword != "weights":
+        raise CheckpointValueError(f'`method="{name}"` needs {shown} ({meaning}).')
+
+
+# The flags of `eqx-ckpt merge` named otherwise than their keywords.
+_FLAGS = {"key": "seed"}
 
 
 def _real(x: Any) -> bool:
