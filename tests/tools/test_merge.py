@@ -21,21 +21,25 @@ from eqx_ckpt._tools._cli import main
 F32 = np.float32
 
 
-def _model(seed, dtype=jnp.float32):
+# An MLP's shape, made once: its leaves come from NumPy (no JAX computation to compile).
+MLP = eqx.filter_eval_shape(eqx.nn.MLP, 4, 3, 8, 2, key=jax.random.key(0))
+
+
+def _model(seed, dtype=np.float32):
     """A small model: an MLP, an embedding, integer and boolean arrays, a scalar."""
-    key = jax.random.key(seed)
-    mlp = eqx.nn.MLP(4, 3, 8, 2, key=key)
-    mlp = jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, mlp)
+    rng = np.random.default_rng(seed)
+    normal = lambda shape: jnp.asarray(rng.standard_normal(shape, F32).astype(dtype))
+    mlp = jax.tree.map(lambda x: normal(x.shape) if isinstance(x, jax.ShapeDtypeStruct) else x, MLP)
     return {
         "model": mlp,
-        "emb": jax.random.normal(jax.random.fold_in(key, 1), (40, 6), dtype),
-        "count": jnp.arange(5, dtype=jnp.int32) + seed,
+        "emb": normal((40, 6)),
+        "count": jnp.asarray(np.arange(5, dtype=np.int32) + seed),
         "mask": np.array([seed % 2 == 0, True]),
         "step": 3 + seed,
     }
 
 
-def _saved(tmp_path, seeds, dtype=jnp.float32):
+def _saved(tmp_path, seeds, dtype=np.float32):
     paths = []
     for seed in seeds:
         path = tmp_path / f"in{seed}"
@@ -186,7 +190,7 @@ def test_slerp_matches_numpy_and_is_linear_when_parallel(tmp_path):
     eqx_ckpt.merge(tmp_path / "out", [a, b], method="slerp", t=0.3)
     _check(tmp_path / "out", lambda k, xs: _slerp_reference(*xs, 0.3), [a, b], exact=False, rtol=1e-5, atol=1e-6)
     # A model and twice itself are parallel: a linear blend, 1.3 times the first.
-    twice = jax.tree.map(lambda x: x * 2 if eqx.is_inexact_array(x) else x, _model(0))
+    twice = jax.tree.map(lambda x: jnp.asarray(np.asarray(x) * 2) if eqx.is_inexact_array(x) else x, _model(0))
     eqx_ckpt.tree_serialise_leaves(tmp_path / "twice", twice)
     eqx_ckpt.merge(tmp_path / "par", [a, tmp_path / "twice"], method="slerp", t=0.3)
     got, first = _arrays(tmp_path / "par"), _arrays(a)
@@ -206,8 +210,8 @@ def test_every_mismatch_listed_at_once_and_nothing_written(tmp_path):
     (a,) = _saved(tmp_path, [0])
     other = _model(1)
     other["emb"] = other["emb"][:, :5]  # another shape
-    other["model"] = eqx.tree_at(lambda m: m.layers[0].bias, other["model"], jnp.zeros(8, jnp.float16))
-    other["extra"] = jnp.ones(2)
+    other["model"] = eqx.tree_at(lambda m: m.layers[0].bias, other["model"], jnp.asarray(np.zeros(8, np.float16)))
+    other["extra"] = np.ones(2, F32)
     del other["count"]
     eqx_ckpt.tree_serialise_leaves(tmp_path / "other", other)
     with pytest.raises(eqx_ckpt.LeafError) as caught:
@@ -219,7 +223,7 @@ def test_every_mismatch_listed_at_once_and_nothing_written(tmp_path):
     assert sorted(caught.value.dotted) == ["count", "emb", "extra", "model.layers.0.bias"]
     assert not (tmp_path / "out").exists()
     # A base lacking a merged leaf is named too.
-    eqx_ckpt.tree_serialise_leaves(tmp_path / "base", {"emb": jnp.zeros((40, 6))})
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "base", {"emb": np.zeros((40, 6), F32)})
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("`model.layers.2.weight`")):
         eqx_ckpt.merge(tmp_path / "out", [a, a], method="task_arithmetic", base=tmp_path / "base")
     assert not (tmp_path / "out").exists()
@@ -286,7 +290,7 @@ def test_where_merges_only_the_selected_subtrees(tmp_path):
 
 
 def test_bfloat16_inputs_merge_in_float32(tmp_path):
-    a, b = _saved(tmp_path, [0, 1], dtype=jnp.bfloat16)
+    a, b = _saved(tmp_path, [0, 1], dtype=ml_dtypes.bfloat16)
     eqx_ckpt.merge(tmp_path / "out", [a, b], method="linear", weights=[0.25, 0.75])
     got = _arrays(tmp_path / "out")
     assert got["emb"].dtype == ml_dtypes.bfloat16
