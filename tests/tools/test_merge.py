@@ -28,7 +28,9 @@ MLP = eqx.filter_eval_shape(eqx.nn.MLP, 4, 3, 8, 2, key=jax.random.key(0))
 def _model(seed, dtype=np.float32):
     """A small model: an MLP, an embedding, integer and boolean arrays, a scalar."""
     rng = np.random.default_rng(seed)
-    normal = lambda shape: jnp.asarray(rng.standard_normal(shape, F32).astype(dtype))
+    # (float64 as NumPy arrays, which keep it without x64.)
+    wrap = np.asarray if dtype == np.float64 else jnp.asarray
+    normal = lambda shape: wrap(rng.standard_normal(shape, F32).astype(dtype))
     mlp = jax.tree.map(lambda x: normal(x.shape) if isinstance(x, jax.ShapeDtypeStruct) else x, MLP)
     return {
         "model": mlp,
@@ -197,13 +199,24 @@ def test_slerp_matches_numpy_and_is_linear_when_parallel(tmp_path):
     np.testing.assert_allclose(got["emb"], F32(0.7) * first["emb"] + F32(0.3) * 2 * first["emb"], rtol=1e-6)
 
 
-def test_published_folder_input(tmp_path):
+def test_published_folder_and_fine_tune_inputs(tmp_path):
     a, b = _saved(tmp_path, [0, 1])
     eqx_ckpt.export_safetensors(tmp_path / "pub", eqx_ckpt.Checkpoint(b))
     eqx_ckpt.merge(tmp_path / "one", [a, b], method="linear")
     eqx_ckpt.merge(tmp_path / "two", [a, tmp_path / "pub"], method="linear")
     one, two = _arrays(tmp_path / "one"), _arrays(tmp_path / "two")
     assert all(one[k].tobytes() == two[k].tobytes() for k in one)
+    # A fine-tune of the published `b` that stores only what changed, read with its base.
+    tuned = _model(1)
+    tuned["emb"] = tuned["emb"] + 1
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "tuned", tuned)
+    eqx_ckpt.export_safetensors(tmp_path / "ft", eqx_ckpt.Checkpoint(tmp_path / "tuned"), base=tmp_path / "pub")
+    taken = eqx_ckpt.Checkpoint(tmp_path / "ft").from_base()
+    assert "emb" not in taken and "model.layers.0.weight" in taken
+    eqx_ckpt.merge(tmp_path / "three", [a, tmp_path / "tuned"], method="linear")
+    eqx_ckpt.merge(tmp_path / "four", [a, tmp_path / "ft"], method="linear")
+    three, four = _arrays(tmp_path / "three"), _arrays(tmp_path / "four")
+    assert all(three[k].tobytes() == four[k].tobytes() for k in three)
 
 
 def test_every_mismatch_listed_at_once_and_nothing_written(tmp_path):
@@ -341,3 +354,27 @@ def test_command_line(tmp_path, capsys):
     assert _leaf_files(out) == _leaf_files(tmp_path / "api")
     assert main(["merge", str(tmp_path / "x"), str(a), "--method", "slerp", "--t", "0.5"]) != 0
     assert "two inputs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("dtype", "acc"), [(np.float16, np.float32), (np.float64, np.float64)])
+def test_float16_upcast_float64_kept(tmp_path, dtype, acc):
+    a, b, base = _saved(tmp_path, [0, 1, 3], dtype=dtype)
+    eqx_ckpt.merge(tmp_path / "lin", [a, b], method="linear", weights=[0.3, 0.7])
+    eqx_ckpt.merge(tmp_path / "ties", [a, b], method="ties", base=base, density=0.5, weights=[0.3, 0.7])
+    got, ties, x, y, z = (_arrays(p)["emb"] for p in (tmp_path / "lin", tmp_path / "ties", a, b, base))
+    x, y, z = x.astype(acc), y.astype(acc), z.astype(acc)
+    w0, w1 = acc(0.3), acc(0.7)
+    assert got.dtype == dtype and got.tobytes() == ((w0 * x + w1 * y) / (acc(0) + w0 + w1)).astype(dtype).tobytes()
+    # TIES in `acc`: the trim, the election and the mean, on whole arrays.
+    deltas = []
+    for d in (x - z, y - z):
+        threshold = np.sort(np.abs(d).reshape(-1))[::-1][int(0.5 * d.size) - 1]
+        deltas.append(np.where(np.abs(d) >= threshold, d, acc(0)))
+    weighted = [w0 * deltas[0], w1 * deltas[1]]
+    sign = np.where(weighted[0] + weighted[1] >= 0, acc(1), acc(-1))
+    agree = [np.sign(w) == sign for w in weighted]
+    divisor = w0 * agree[0] + w1 * agree[1]
+    divisor[divisor == 0] = 1
+    want = (z + (weighted[0] * agree[0] + weighted[1] * agree[1]) / divisor).astype(dtype)
+    assert ties.dtype == dtype
+    np.testing.assert_allclose(ties.astype(acc), want.astype(acc), rtol=1e-3 if dtype == np.float16 else 1e-12)
