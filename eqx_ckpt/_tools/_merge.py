@@ -5,8 +5,8 @@ choose the leaves merged (`_chosen`: `where`, float arrays), account for
 every leaf of every input (`_account`, one error before anything is
 written), then save the first input's tree as nested dicts through the
 ordinary save: each merged leaf an `_records.Unread` made when the save
-stages it (`_Merged`: the inputs read a block of rows at a time, by lazy
-reads), every other leaf the first input's lazy leaf. The save commits the
+stages it (`_Merged`: a block of rows at a time, each input read by
+windows of whole chunks, `_Rows`), every other leaf the first input's lazy leaf. The save commits the
 first input's structure record and the merge's options (`metrics`).
 """
 
@@ -67,8 +67,8 @@ def merge(
     """Merge models leaf by leaf into a new checkpoint at `path`.
 
     Every input is read lazily, a block of rows at a time; the merge holds one
-    leaf of the result (in its dtype) and a few blocks of the inputs in
-    float32, so it never holds a whole model. Floating-point array leaves are
+    leaf of the result (in its dtype), the chunks of each input that the
+    current block lies in, and a few float32 blocks: never a whole model. Floating-point array leaves are
     merged in float32 (float64 leaves in float64) and stored in their own
     dtype; every other leaf (integers, booleans, scalars) and every leaf
     outside `where` is the first input's. The result is a checkpoint like a
@@ -139,8 +139,8 @@ def merge(
     _account(opened, based, [p for p in first if p in chosen], merged)
     for i, dotted in enumerate(names.paths):
         if dotted in merged:
-            parts = [ckpt[dotted] for ckpt in opened]
-            leaves[i] = _Merged(checked, dotted, parts, based[dotted] if based is not None else None).unread()
+            parts = [_Rows.of(ckpt, dotted) for ckpt in opened]
+            leaves[i] = _Merged(checked, dotted, parts, None if based is None else _Rows.of(based, dotted)).unread()
     record = _rebuild.record_of(first._manifest, first.path)
     options = _serialise.SaveOptions(
         overwrite=overwrite,
@@ -327,16 +327,54 @@ def _metrics(method: Method, opened: list[Checkpoint], based: Checkpoint | None)
     return {k: v for k, v in out.items() if v != ""}
 
 
-class _Merged:
-    """One merged leaf: the inputs' (and the base's) lazy leaves at `path`."""
+class _Rows:
+    """One input's leaf, read by rows: each read a window of whole chunks
+    (of an eqx_ckpt checkpoint, whose chunk files are read whole), kept for
+    the blocks inside it; the rows asked for alone from other sources (a
+    safetensors file is read by byte ranges)."""
 
-    def __init__(self, method: Method, path: str, inputs: list[LazyArray], base: LazyArray | None):
+    def __init__(self, leaf: LazyArray, chunk_rows: int):
+        self.leaf, self.chunk_rows = leaf, max(chunk_rows, 1)
+        self.dtype, self.shape = np.dtype(leaf.dtype), tuple(leaf.shape)
+        self.kind = leaf.saved_as
+        self._window: tuple[int, int, np.ndarray] | None = None
+
+    @classmethod
+    def of(cls, ckpt: Checkpoint, dotted: str) -> _Rows:
+        record = ckpt.record(dotted)
+        whole = ckpt.format == "eqx_ckpt" and record.pack is None and len(record.chunks) == len(record.shape)
+        return cls(ckpt[dotted], record.chunks[0] if whole and record.shape else 1)
+
+    def read(self, rows: Any) -> np.ndarray:
+        """The rows `rows` (a slice of the first axis, or `()` for a scalar leaf)."""
+        if rows == ():
+            return np.asarray(self.leaf)
+        if self.chunk_rows == 1:
+            return self.leaf[rows]
+        if self._window is None or not (self._window[0] <= rows.start and rows.stop <= self._window[1]):
+            self._window = None  # (freed before the next window is read)
+            start = rows.start - rows.start % self.chunk_rows
+            stop = min(self.shape[0], -(-rows.stop // self.chunk_rows) * self.chunk_rows)
+            # A window of the whole leaf is read as a load reads it (locally, straight into one buffer).
+            whole = start == 0 and stop == self.shape[0]
+            self._window = (start, stop, np.asarray(self.leaf) if whole else self.leaf[start:stop])
+        start, _, window = self._window
+        return window[rows.start - start : rows.stop - start]
+
+    def done(self) -> None:
+        self._window = None
+
+
+class _Merged:
+    """One merged leaf: the inputs' (and the base's) leaves at `path`, read by rows."""
+
+    def __init__(self, method: Method, path: str, inputs: list[_Rows], base: _Rows | None):
         self.method, self.path, self.inputs, self.base = method, path, inputs, base
-        self.dtype, self.shape = np.dtype(inputs[0].dtype), tuple(inputs[0].shape)
+        self.dtype, self.shape = inputs[0].dtype, inputs[0].shape
         self.acc = methods.accumulator(self.dtype)
 
     def unread(self) -> _records.Unread:
-        kind = self.inputs[0].saved_as
+        kind = self.inputs[0].kind
         return _records.Unread(self.value, self.dtype, self.shape, kind if kind in ("jax", "numpy") else "jax")
 
     def blocks(self) -> Iterator[tuple[Any, int]]:
@@ -349,22 +387,25 @@ class _Merged:
         for start in range(0, self.shape[0], step):
             yield slice(start, min(start + step, self.shape[0])), start * row
 
-    def read(self, leaf: LazyArray, rows: Any) -> np.ndarray:
-        """A block of `leaf`, flat, in the accumulator dtype (only those rows are read)."""
-        block = np.asarray(leaf) if rows == () else leaf[rows]
-        return np.asarray(block).astype(self.acc).reshape(-1)
+    def read(self, leaf: _Rows, rows: Any) -> np.ndarray:
+        """A block of `leaf`, flat, in the accumulator dtype."""
+        return np.asarray(leaf.read(rows)).astype(self.acc).reshape(-1)
 
     def value(self) -> np.ndarray:
         """The merged leaf, made a block at a time into one array of its dtype."""
-        whole = self._whole()
-        out = np.empty(self.shape, self.dtype)
-        flat = out.reshape(-1)
-        for rows, start in self.blocks():
-            xs = [self.read(x, rows) for x in self.inputs]
-            base = None if self.base is None else self.read(self.base, rows)
-            block = methods.combine(self.method, xs, base, start=start, **whole)
-            flat[start : start + block.size] = block.astype(self.dtype)
-        return out
+        try:
+            whole = self._whole()
+            out = np.empty(self.shape, self.dtype)
+            flat = out.reshape(-1)
+            for rows, start in self.blocks():
+                xs = [self.read(x, rows) for x in self.inputs]
+                base = None if self.base is None else self.read(self.base, rows)
+                block = methods.combine(self.method, xs, base, start=start, **whole)
+                flat[start : start + block.size] = block.astype(self.dtype)
+            return out
+        finally:
+            for leaf in [*self.inputs, *([self.base] if self.base is not None else [])]:
+                leaf.done()
 
     def _whole(self) -> dict[str, Any]:
         """What each block needs of the whole leaf (`methods.combine`)."""
@@ -377,13 +418,14 @@ class _Merged:
             return {"seeds": [methods.seed(self.method.seed, self.path, i) for i in range(len(self.inputs))]}
         return {}
 
-    def _threshold(self, leaf: LazyArray) -> int:
+    def _threshold(self, leaf: _Rows) -> int:
         """The magnitude (`methods.magnitude_keys`) of `leaf`'s difference from the base that TIES keeps at least."""
         size = math.prod(self.shape)
         density = self.method.density or 1.0
         if density >= 1 or size == 0:
             return 0
-        assert self.base is not None
+        if self.base is None:
+            raise RuntimeError("Internal error: a TIES merge without a base.")
         base = self.base
 
         def keys() -> Iterator[np.ndarray]:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import eqx_ckpt
+from eqx_ckpt._ondisk import _format
 from eqx_ckpt._tools import _merge
 from eqx_ckpt._tools._cli import main
 
@@ -312,12 +313,14 @@ def test_bfloat16_inputs_merge_in_float32(tmp_path):
 
 
 def test_never_holds_whole_inputs(tmp_path, monkeypatch, faults):
-    """Three inputs of 8 MiB (one leaf of 4 MiB, four of 1 MiB) and a base
-    merged with a 1 MiB staging budget: NumPy's peak (about 8 MiB measured)
-    is one leaf of the result, its copy as written, and a few blocks of 256
-    KiB; reading the large leaf whole from the inputs and the base would hold
-    20 MiB with the result. The save stages one leaf at a time."""
+    """Three inputs of 8 MiB (one leaf of 4 MiB in chunks of 1 MiB, four of
+    1 MiB) and a base merged with a 1 MiB staging budget: NumPy's peak is
+    one leaf of the result, its copy as written, one chunk of each input and
+    the base, and a few blocks of 256 KiB; reading the large leaf whole from
+    the inputs and the base would hold 20 MiB with the result. The save
+    stages one leaf at a time."""
     monkeypatch.setattr(_merge, "BLOCK_ELEMENTS", 1 << 16)
+    monkeypatch.setattr(_format, "CHUNK_BYTES", 2**20)  # the large leaf in four chunk files
     rng = np.random.default_rng(0)
     paths = []
     for i in range(3):
