@@ -187,15 +187,11 @@ def _method(name: Any, inputs: Any, weights: Any, base: Any, density: Any, t: An
 
 def _allowed(name: str, keyword: str, value: Any, methods_: Any, meaning: str, *, needed: bool = True) -> None:
     """`keyword` given exactly where `name` uses it (`needed`: and must be)."""
-    shown = option(f"`{keyword}`", f"`--{_FLAGS.get(keyword, keyword)}`")
+    shown = option(f"`{keyword}`", "`--seed`" if keyword == "key" else f"`--{keyword}`")
     if value is not None and name not in methods_:
         raise CheckpointValueError(f'{shown} is not used by `method="{name}"`; leave it out.')
     if value is None and needed and name in methods_ and keyword != "weights":
         raise CheckpointValueError(f'`method="{name}"` needs {shown} ({meaning}).')
-
-
-# The flags of `eqx-ckpt merge` named otherwise than their keywords.
-_FLAGS = {"key": "seed"}
 
 
 def _real(x: Any) -> bool:

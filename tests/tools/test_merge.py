@@ -350,8 +350,8 @@ def test_never_holds_whole_inputs(tmp_path, monkeypatch, faults):
 def test_command_line(tmp_path, capsys):
     a, b, base = _saved(tmp_path, [0, 1, 3])
     out = tmp_path / "out"
-    code = main(["merge", str(out), str(a), str(b), "--method", "ties", "--base", str(base), "--density", "0.5",
-                 "--weights", "1", "0.5"])  # fmt: skip
+    options = ["--method", "ties", "--base", str(base), "--density", "0.5", "--weights", "1", "0.5"]
+    code = main(["merge", str(out), str(a), str(b), *options])
     assert code == 0, capsys.readouterr()
     eqx_ckpt.merge(tmp_path / "api", [a, b], method="ties", base=base, density=0.5, weights=[1, 0.5])
     assert _leaf_files(out) == _leaf_files(tmp_path / "api")
