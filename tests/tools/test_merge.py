@@ -305,7 +305,12 @@ def test_where_merges_only_the_selected_subtrees(tmp_path):
 
 def test_bfloat16_inputs_merge_in_float32(tmp_path):
     a, b = _saved(tmp_path, [0, 1], dtype=ml_dtypes.bfloat16)
-    eqx_ckpt.merge(tmp_path / "out", [a, b], method="linear", weights=[0.25, 0.75])
+    calls = []
+    progress = lambda *counts: calls.append(counts)
+    eqx_ckpt.merge(tmp_path / "out", [a, b], method="linear", weights=[0.25, 0.75], progress=progress)
+    # The save's progress counts the result's leaves and bytes, to their totals.
+    leaves, leaves_total, nbytes, bytes_total = calls[-1]
+    assert (leaves, nbytes) == (leaves_total, bytes_total) == (10, eqx_ckpt.Checkpoint(a).total_bytes)
     got = _arrays(tmp_path / "out")
     assert got["emb"].dtype == ml_dtypes.bfloat16
     divisor = F32(0) + F32(0.25) + F32(0.75)
