@@ -207,6 +207,10 @@ def test_published_folder_and_fine_tune_inputs(tmp_path):
     eqx_ckpt.merge(tmp_path / "two", [a, tmp_path / "pub"], method="linear")
     one, two = _arrays(tmp_path / "one"), _arrays(tmp_path / "two")
     assert all(one[k].tobytes() == two[k].tobytes() for k in one)
+    # A published folder first: its structure record is the result's.
+    eqx_ckpt.merge(tmp_path / "first", [tmp_path / "pub", a], method="linear")
+    rebuilt = eqx_ckpt.Checkpoint(tmp_path / "first").load(trust=[])
+    assert jax.tree.structure(rebuilt) == jax.tree.structure(eqx_ckpt.Checkpoint(b).load(trust=[]))
     # A fine-tune of the published `b` that stores only what changed, read with its base.
     tuned = _model(1)
     tuned["emb"] = tuned["emb"] + 1
