@@ -1,6 +1,6 @@
 """`merge`: several models' leaves merged into one checkpoint, out of core.
 
-The story: check the options (`_method`), open every input and the base,
+The story: check the options (`_merge_methods.checked`), open every input and the base,
 choose the leaves merged (`_chosen`: `where`, float arrays), account for
 every leaf of every input (`_account`, one error before anything is
 written), then save the first input's tree as nested dicts through the
@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -29,7 +27,6 @@ from .._base._errors import (
     CheckpointValueError,
     LeafError,
     leaf_message,
-    option,
     shown_names,
 )
 from .._base._location import location, writable
@@ -128,7 +125,7 @@ def merge(
         print(eqx_ckpt.Checkpoint("soup").metrics["merge_method"])   # linear
         ```
     """
-    checked = _method(method, inputs, weights, base, density, t, key)
+    checked = methods.checked(method, inputs, weights, base, density, t, key)
     opened = [Checkpoint(p) for p in inputs]
     based = Checkpoint(base) if base is not None else None
     first = opened[0]
@@ -162,65 +159,6 @@ def _tree_of(ckpt: Checkpoint) -> Any:
     structure record the result commits."""
     records = list(ckpt._records.values())
     return _lazy.nested(ckpt._source, records, "", lazy=True, progress=False, numbered=ckpt._numbered)
-
-
-def _method(name: Any, inputs: Any, weights: Any, base: Any, density: Any, t: Any, key: Any) -> Method:
-    """The options checked against the method, as one `Method`."""
-    if name not in methods.METHODS:
-        raise CheckpointValueError(f"`method` must be one of {', '.join(map(repr, methods.METHODS))}; not {name!r}.")
-    if isinstance(inputs, (str, bytes, os.PathLike)) or not isinstance(inputs, Sequence) or not inputs:
-        raise CheckpointTypeError(f"`inputs` must be a non-empty list of paths (`['a', 'b']`), not {inputs!r}.")
-    if name == "slerp" and len(inputs) != 2:
-        raise CheckpointValueError(f'`method="slerp"` merges two inputs; {len(inputs)} were given.')
-    _allowed(name, "base", base, methods.WITH_BASE, "the model whose differences are merged")
-    _allowed(name, "density", density, methods.WITH_DENSITY, "the fraction of each difference kept, in (0, 1]")
-    _allowed(name, "t", t, {"slerp"}, "where between the two inputs, from 0 to 1")
-    _allowed(name, "weights", weights, set(methods.METHODS) - {"slerp"}, "one number per input")
-    _allowed(name, "key", key, methods.RANDOM, "the random drops' key, an int or a JAX PRNG key", needed=False)
-    if density is not None and not (_real(density) and 0 < density <= 1):
-        raise CheckpointValueError(f"`density` must be a number in (0, 1] (the fraction kept), not {density!r}.")
-    if t is not None and not (_real(t) and 0 <= t <= 1):
-        raise CheckpointValueError(f"`t` must be a number from 0 to 1, not {t!r}.")
-    checked = _weights(weights, len(inputs), name)
-    return Method(name, checked, density, t, _seed(key))
-
-
-def _allowed(name: str, keyword: str, value: Any, methods_: Any, meaning: str, *, needed: bool = True) -> None:
-    """`keyword` given exactly where `name` uses it (`needed`: and must be)."""
-    shown = option(f"`{keyword}`", "`--seed`" if keyword == "key" else f"`--{keyword}`")
-    if value is not None and name not in methods_:
-        raise CheckpointValueError(f'{shown} is not used by `method="{name}"`; leave it out.')
-    if value is None and needed and name in methods_ and keyword != "weights":
-        raise CheckpointValueError(f'`method="{name}"` needs {shown} ({meaning}).')
-
-
-def _real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _weights(weights: Any, count: int, name: str) -> tuple[float, ...]:
-    if weights is None:
-        return (1.0,) * count
-    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or len(weights) != count:
-        raise CheckpointValueError(f"`weights` must be a list of {count} numbers, one per input; not {weights!r}.")
-    if not all(_real(w) for w in weights):
-        raise CheckpointValueError(f"`weights` must be finite numbers; not {list(weights)!r}.")
-    if name == "linear" and sum(float(w) for w in weights) == 0:
-        raise CheckpointValueError(f'`method="linear"` divides by the sum of `weights`, which is 0: {list(weights)!r}.')
-    return tuple(float(w) for w in weights)
-
-
-def _seed(key: Any) -> int:
-    """DARE's key as an int: itself, or a JAX PRNG key's key data."""
-    if key is None:
-        return 0
-    if isinstance(key, numbers.Integral) and not isinstance(key, bool) and int(key) >= 0:
-        return int(key)
-    if isinstance(key, jax.Array):
-        data = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
-        if jax.dtypes.issubdtype(data.dtype, np.unsignedinteger):
-            return int.from_bytes(np.asarray(data).tobytes(), "little")
-    raise CheckpointTypeError(f"`key` must be a non-negative int or a JAX PRNG key (`jax.random.key(0)`), not {key!r}.")
 
 
 def _chosen(where: Any, tree: Any, paths: list[str]) -> set[str]:
