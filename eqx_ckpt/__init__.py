@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from ._tools._card import NeedsCodeWarning as NeedsCodeWarning
     from ._tools._diff import CheckpointDiff as CheckpointDiff, diff as diff
     from ._tools._export import export_safetensors as export_safetensors
+    from ._tools._merge import merge as merge
     from ._tools._migrate import convert_eqx_file as convert_eqx_file
     from ._tools._publish import push_to_hub as push_to_hub
     from ._tools._verify import Problem as Problem, verify as verify
@@ -93,6 +94,7 @@ _PUBLIC = _types.MappingProxyType(
         "CheckpointDiff": "._tools._diff",
         "diff": "._tools._diff",
         "export_safetensors": "._tools._export",
+        "merge": "._tools._merge",
         "convert_eqx_file": "._tools._migrate",
         "push_to_hub": "._tools._publish",
         "Problem": "._tools._verify",

@@ -59,7 +59,8 @@ class Checkpoint(Mapping[str, Any]):
     **Attributes:**
 
     - `total_bytes`, `created`, `library_version`, `format_version`, `format`,
-        `metadata` (a safetensors file's `__metadata__`).
+        `metadata` (a safetensors file's `__metadata__`), `metrics` (what
+        its save committed with it: a manager's metrics, a merge's options).
     - `compression`, `stored_bytes`: how its chunks are compressed, and the
         bytes they take on a local disk (see their docstrings).
 
@@ -179,6 +180,13 @@ class Checkpoint(Mapping[str, Any]):
         """The `info` of a folder `export_safetensors` wrote (a description,
         hyperparameters, metrics...). Empty for other checkpoints."""
         return copy.deepcopy(self._manifest.info)
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """The numbers and strings its save committed with it: a manager's
+        step's `metrics`, or how [`eqx_ckpt.merge`][] made it (`merge_method`,
+        `merge_inputs`...). Empty for other checkpoints."""
+        return dict(self._manifest.metrics)
 
     @property
     def metadata(self) -> dict[str, str]:

@@ -292,29 +292,30 @@ def _leaf_failed(error: Exception, loc: Location, keypath: tuple[Any, ...], dott
 
 
 class Unread:
-    """An array leaf of a lazily loaded tree, read only when the save stages it,
-    so that a save of lazy leaves holds no more than its staging budget (its
-    checkpoint stays whole until the save commits: a save writes into another
-    data root). `kind`: the leaf type it was saved as."""
+    """An array leaf read (or made) only when the save stages it, so that a
+    save of such leaves holds no more than its staging budget: a lazily loaded
+    leaf (`of`; its checkpoint stays whole until the save commits: a save
+    writes into another data root), or a leaf a tool computes (a merge's).
+    `read`: makes its NumPy value, exactly of `dtype` and `shape`; `kind`:
+    the leaf type it is saved as ("jax" or "numpy")."""
 
-    def __init__(self, lazy: LazyArray, kind: str):
-        self.lazy, self.kind = lazy, kind
-        self.dtype, self.shape = np.dtype(lazy.dtype), tuple(lazy.shape)
+    def __init__(self, read: Callable[[], np.ndarray], dtype: Any, shape: tuple[int, ...], kind: str):
+        self.read, self.kind = read, kind
+        self.dtype, self.shape = np.dtype(dtype), tuple(shape)
 
     @classmethod
     def of(cls, lazy: LazyArray) -> Unread | None:
-        """`lazy` unread, where it stands for a NumPy or JAX array (else `None`: read now)."""
+        """`lazy` unread, where it stands for a NumPy or JAX array (else `None`: read now).
+        Read by the load's reader (`LazyArray`'s NumPy value: on a local disk,
+        straight into one aligned buffer, which the writer takes without another copy)."""
         kind = lazy.saved_as
-        return cls(lazy, kind) if kind in ("jax", "numpy") else None
+        if kind not in ("jax", "numpy"):
+            return None
+        return cls(functools.partial(np.asarray, lazy), lazy.dtype, lazy.shape, kind)
 
     def piece(self) -> _memory.Deferred:
-        """The host data, as the staging makes it: the leaf read as NumPy, exactly."""
-        return _memory.Deferred(self._read, int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize)
-
-    def _read(self) -> np.ndarray:
-        """Read by the load's reader (`LazyArray`'s NumPy value: on a local disk,
-        straight into one aligned buffer, which the writer takes without another copy)."""
-        return np.asarray(self.lazy)
+        """The host data, as the staging makes it."""
+        return _memory.Deferred(self.read, int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize)
 
 
 def _general(handle: LeafHandle, x: Any, keypath: list[list[Any]], collector: _Collector) -> Pending:
@@ -367,6 +368,8 @@ def _value(handle: LeafHandle, x: Any, held: Held | None) -> tuple[Any, str, str
             "Save outside the transformed function, with the arrays it returns.",
         )
     recorded_as = None
+    if isinstance(x, Unread):
+        return x, x.kind, "", _dtypes.name(x.dtype), x.shape
     if isinstance(x, LazyArray):
         unread = Unread.of(x)
         if unread is not None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -98,7 +98,7 @@ def default_serialise_filter_spec(handle: LeafHandle, x: Any) -> None:
             f"it is abstract ({x.dtype}{list(x.shape)}, as `eqx.filter_eval_shape` gives): it has no value to save.",
             "Save a concrete tree, or skip abstract leaves with a `filter_spec`.",
         )
-    if _dtypes.leaf_type(x) is not None or isinstance(x, LazyArray):
+    if _dtypes.leaf_type(x) is not None or isinstance(x, (LazyArray, _records.Unread)):
         handle.write(x)
 
 
@@ -110,7 +110,10 @@ class SaveOptions:
     manifest); `handoff` (whether an asynchronous save went on in the
     background); `follows` (the previous step, whose unchanged chunk files
     this save shares where the destination holds none); `followed` (a later
-    save follows this one: record each chunk file's digest, `_share`)."""
+    save follows this one: record each chunk file's digest, `_share`).
+    A merge passes `structure` (the structure record to commit, made from the
+    paths of the leaves written) and `keypaths` (each leaf's key path record,
+    by dotted path): its first input's, whose tree it saves as nested dicts."""
 
     overwrite: Any = True
     blocking: Any = True
@@ -125,6 +128,8 @@ class SaveOptions:
     follows: Location | None = None
     followed: bool = False
     compression: Any = None
+    structure: Callable[[set[str]], Any] | None = None
+    keypaths: Mapping[str, list[list[Any]]] | None = None
 
 
 def tree_serialise_leaves(
@@ -364,7 +369,9 @@ def _collect_and_plan(
         if planned is None:
             leaves, names, specs = _collect(pytree, filter_spec, is_leaf)
             captured = _states(loc, leaves, names.paths, names.keypath)
-            planned = plan(leaves, names, specs, cast)
+            if options.keypaths is not None:
+                names.records = [options.keypaths.get(p, r) for p, r in zip(names.paths, names.records, strict=True)]
+            planned = plan(leaves, names, specs, cast, structure=options.structure)
     except Exception as e:
         error = e
     texts = stages.prepared(error, planned, layout=options.layout, loc=loc, states=_iterators.to_text(captured))

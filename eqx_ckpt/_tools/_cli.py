@@ -58,6 +58,8 @@ try:
     from ._demo import run
     from ._diff import diff
     from ._export import ExportOptions, export
+    from ._merge import merge
+    from ._merge_methods import METHODS
     from ._publish import PushOptions, publish
     from ._verify import Problem, Problems, verify
 finally:
@@ -556,6 +558,41 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _merge(args: argparse.Namespace) -> int:
+    where = args.where or None
+    merge(
+        _path(args.out),
+        [_path(given) for given in args.inputs],
+        method=args.method,
+        weights=args.weights,
+        base=None if args.base is None else _path(args.base),
+        density=args.density,
+        t=args.t,
+        key=args.seed,
+        where=where,
+    )
+    print(f"{printable(args.out)}: a {args.method} merge of {len(args.inputs)} inputs")
+    return 0
+
+
+def _merge_parser(commands: Any) -> None:
+    merge = commands.add_parser(
+        "merge", help="merge models leaf by leaf into a new checkpoint; exit 0 written, 2 error", epilog=STORAGE_HELP
+    )
+    merge.add_argument("out", help="the checkpoint to write")
+    merge.add_argument("inputs", nargs="+", metavar="input", help="the models: checkpoints, published folders, hf://")
+    merge.add_argument("--method", required=True, choices=METHODS, help="how leaves are merged")
+    merge.add_argument("--weights", type=float, nargs="+", default=None, help="one weight per input (default: 1)")
+    merge.add_argument("--base", default=None, help="the model differences are taken from (all but linear, slerp)")
+    merge.add_argument("--density", type=float, default=None, help="the fraction of each difference kept (ties, dare)")
+    merge.add_argument("--t", type=float, default=None, help="slerp: 0 the first input, 1 the second")
+    merge.add_argument("--seed", type=int, default=None, help="the key of dare's random drops (default 0)")
+    merge.add_argument(
+        "--where", action="append", default=[], metavar="PATH", help="merge only this sub-tree (repeatable)"
+    )
+    merge.set_defaults(run=_merge)
+
+
 # The one way the CLI reaches an S3-compatible server (docs/storage.md says the same).
 STORAGE_HELP = (
     "An S3-compatible server (MinIO, Ceph, a local test server): set AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) "
@@ -734,6 +771,7 @@ def parser() -> argparse.ArgumentParser:
     diff.set_defaults(run=_diff)
     _export_parser(commands)
     _push_parser(commands)
+    _merge_parser(commands)
     demo = commands.add_parser("demo", help="train a small model, save, list and reload it")
     demo.add_argument("--dir", default=None, help="where to save (default: a new temporary directory)")
     demo.add_argument("--steps", type=int, default=50, help="training steps")

@@ -53,6 +53,7 @@ from benchmarks import (  # noqa: E402
     hub,
     incremental,
     iterators,
+    merge,
     page_sizes,
     report,
     run,
@@ -780,6 +781,21 @@ def test_the_staging_benchmark_measures_each_budget_in_a_fresh_process(tmp_path)
     # 8 leaves of 4 MiB, 2 MiB each as bfloat16: the default stages them all at once, 2 MiB one at a time.
     assert rows[0]["staged_peak"] == 16 * 2**20 and rows[1]["staged_peak"] == 2 * 2**20
     assert [p.name for p in tmp_path.iterdir()] == ["staging.json"]
+
+
+def test_the_merge_benchmark_measures_a_merge_and_its_reference_in_fresh_processes(tmp_path):
+    """`benchmarks.merge` at 4 MiB a model: a row for the merge and one for
+    its reference, each with its seconds and peak RSS; the models are deleted."""
+    out = tmp_path / "merge.json"
+    rows = merge.main(
+        ["--gib", "0.00390625", "--leaves", "2", "--methods", "ties", "--dir", str(tmp_path), "--json", str(out)]
+    )
+    assert json.loads(out.read_text()) == rows
+    assert [(r["method"], r["what"]) for r in rows] == [("ties", "merge"), ("ties", "reference")]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["seconds"] > 0 and isinstance(row["rss_added"], int)
+    assert [p.name for p in tmp_path.iterdir()] == ["merge.json"]
 
 
 def test_the_hub_benchmark_fetches_and_loads_every_way(monkeypatch, capsys):

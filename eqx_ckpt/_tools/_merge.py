@@ -1,0 +1,379 @@
+"""`merge`: several models' leaves merged into one checkpoint, out of core.
+
+The story: check the options (`_merge_methods.checked`), open every input and the base,
+choose the leaves merged (`_chosen`: `where`, float arrays), account for
+every leaf of every input (`_account`, one error before anything is
+written), then save the first input's tree as nested dicts through the
+ordinary save: each merged leaf an `_records.Unread` made when the save
+stages it (`_Merged`: a block of rows at a time, each input read by
+windows of whole chunks, `_Rows`), every other leaf the first input's lazy leaf. The save commits the
+first input's structure record and the merge's options (`metrics`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._base import _keypath, _select, _tree
+from .._base._errors import (
+    CheckpointTypeError,
+    CheckpointValueError,
+    LeafError,
+    leaf_message,
+    shown_names,
+)
+from .._base._location import location, writable
+from .._base._progress import Progress
+from .._load import _lazy, _rebuild
+from .._load._checkpoint import Checkpoint
+from .._load._lazy import LazyArray
+from .._ondisk._format import dtype_from_name
+from .._save import _records, _serialise
+from . import _merge_methods as methods
+from ._merge_methods import Method
+
+# A block holds whole rows (of the first axis) of about this many elements,
+# of every input at once: a fixed size, so that no budget changes a byte.
+BLOCK_ELEMENTS = 1 << 18
+# The most mismatched leaves an error lists one by one (it names them all in `dotted`).
+MAX_LISTED = 50
+
+
+def merge(
+    path: Any,
+    inputs: Sequence[Any],
+    *,
+    method: str,
+    weights: Sequence[float] | None = None,
+    base: Any = None,
+    density: float | None = None,
+    t: float | None = None,
+    key: Any = None,
+    where: Any = None,
+    overwrite: bool = True,
+    progress: Progress = None,
+    staging_bytes: int | None = None,
+) -> None:
+    """Merge models leaf by leaf into a new checkpoint at `path`.
+
+    Every input is read lazily, a block of rows at a time; the merge holds one
+    leaf of the result (in its dtype), the chunks of each input that the
+    current block lies in, and a few float32 blocks: never a whole model. Floating-point array leaves are
+    merged in float32 (float64 leaves in float64) and stored in their own
+    dtype; every other leaf (integers, booleans, scalars) and every leaf
+    outside `where` is the first input's. The result is a checkpoint like a
+    save of the first input: the same leaves, and its structure record, so a
+    load without `like` rebuilds the same model. Its manifest's `metrics`
+    record the method, the inputs and the options ([`eqx_ckpt.Checkpoint.metrics`][]).
+    The same inputs and options give the same bytes. See
+    [docs/sharing.md](../sharing.md#merging) for the formulas.
+
+    **Arguments:**
+
+    - `path`: where to save the result, as for [`eqx_ckpt.tree_serialise_leaves`][].
+    - `inputs`: the models, any path [`eqx_ckpt.Checkpoint`][] opens
+        (checkpoints, published folders, `hf://` repositories, fine-tunes
+        with their bases). They must hold the same leaves, of the same shapes
+        and dtypes.
+    - `method`: `"linear"` (weighted average), `"task_arithmetic"` (`base`
+        plus the weighted sum of the inputs' differences from it), `"ties"`
+        (each difference trimmed to its `density` largest magnitudes, a sign
+        elected per element, the weighted mean of the agreeing ones),
+        `"dare_linear"` and `"dare_ties"` (differences dropped at random with
+        probability `1 - density`, the kept ones divided by `density`, then
+        summed, or summed where they agree with the elected sign), `"slerp"`
+        (two inputs, spherical interpolation at `t`, per leaf).
+    - `weights`: one number per input (default: all 1). Not for `"slerp"`.
+    - `base`: the model the differences are taken from (all but `"linear"`
+        and `"slerp"`).
+    - `density`: the fraction of each difference kept, in (0, 1] (`"ties"`, `"dare_*"`).
+    - `t`: `"slerp"`'s position from the first input (0) to the second (1).
+    - `key`: DARE's random drops: an int or a JAX PRNG key (default 0).
+    - `where`: the sub-trees merged: a dotted path (`"model.encoder"`), a
+        list of them, or a callable picking nodes of the first input's tree
+        as `Checkpoint(inputs[0]).load(lazy=True)` gives it (nested dicts
+        and lists, `lambda t: t["encoder"]`). Only those leaves are merged
+        and accounted for; the rest are the first input's.
+    - `overwrite`, `progress`, `staging_bytes`: as for
+        [`eqx_ckpt.tree_serialise_leaves`][]; the progress counts the leaves
+        of the result as they are merged and written.
+
+    **Raises:**
+
+    - [`eqx_ckpt.LeafError`][] listing every leaf missing from an input (or
+        the base), or of another shape or dtype, before anything is written.
+    - `CheckpointValueError`, `CheckpointTypeError` for options that do not
+        fit the method.
+
+    !!! example
+
+        ```python
+        import equinox as eqx, jax
+        import eqx_ckpt
+
+        for seed in (0, 1):
+            eqx_ckpt.tree_serialise_leaves(f"mlp{seed}", eqx.nn.MLP(2, 2, 8, 2, key=jax.random.key(seed)))
+        eqx_ckpt.merge("soup", ["mlp0", "mlp1"], method="linear", weights=[0.75, 0.25])
+        soup = eqx_ckpt.Checkpoint("soup").load(trust=[])   # an MLP, as the inputs were
+        print(eqx_ckpt.Checkpoint("soup").metrics["merge_method"])   # linear
+        ```
+    """
+    checked = methods.checked(method, inputs, weights, base, density, t, key)
+    opened = [Checkpoint(p) for p in inputs]
+    based = Checkpoint(base) if base is not None else None
+    first = opened[0]
+    tree = _tree_of(first)
+    leaves, names = _tree.flatten_named(tree, lambda x: isinstance(x, LazyArray), keypaths=True)
+    chosen = _chosen(where, tree, names.paths)
+    merged = {p for p in chosen if _floating(first, p)}
+    _account(opened, based, [p for p in first if p in chosen], merged)
+    for i, dotted in enumerate(names.paths):
+        if dotted in merged:
+            parts = [_Rows.of(ckpt, dotted) for ckpt in opened]
+            leaves[i] = _Merged(checked, dotted, parts, None if based is None else _Rows.of(based, dotted)).unread()
+    record = _rebuild.record_of(first._manifest, first.path)
+    options = _serialise.SaveOptions(
+        overwrite=overwrite,
+        progress=progress,
+        staging_bytes=staging_bytes,
+        metrics=_metrics(checked, opened, based),
+        structure=None if record is None else (lambda _: record),
+        keypaths={p: first.record(p).keypath for p in first},
+    )
+    out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree, lambda x: isinstance(x, LazyArray)), leaves)
+    loc = writable(location(path), "`merge`")
+    _serialise.save(loc, out, _serialise.default_serialise_filter_spec, None, options)
+
+
+def _tree_of(ckpt: Checkpoint) -> Any:
+    """The checkpoint's tree as nested dicts and lists of lazy leaves (and
+    scalars), as `Checkpoint.load(lazy=True)` gives it, without its warning
+    that a published model's classes are not rebuilt: they are, from the
+    structure record the result commits."""
+    records = list(ckpt._records.values())
+    return _lazy.nested(ckpt._source, records, "", lazy=True, progress=False, numbered=ckpt._numbered)
+
+
+def _chosen(where: Any, tree: Any, paths: list[str]) -> set[str]:
+    """The dotted paths of the leaves `where` selects (all where `None`)."""
+    if where is None:
+        return set(paths)
+    if isinstance(where, str) or (isinstance(where, Sequence) and all(isinstance(w, str) for w in where)):
+        prefixes = [where] if isinstance(where, str) else list(where)
+        unknown = [p for p in prefixes if not any(_keypath.is_within(path, p) for path in paths)]
+        if unknown:
+            raise CheckpointValueError(f"`where` names no leaf of the first input: {shown_names(unknown)}.")
+        return {path for path in paths if any(_keypath.is_within(path, p) for p in prefixes)}
+    if not callable(where):
+        raise CheckpointTypeError(f"`where` must be a dotted path, a list of them or a callable; not {where!r}.")
+    treedef = jax.tree_util.tree_structure(tree, lambda x: isinstance(x, LazyArray))
+    try:
+        picked = _select.marked_indices(where(_select.marked(treedef, len(paths))))
+    except Exception as e:
+        raise CheckpointValueError(
+            f"`where` raised {type(e).__name__}: {e}. It is called on the first input's tree as nested dicts and "
+            f"lists (`Checkpoint(path).load(lazy=True)`), e.g. `where=lambda t: t['encoder']`."
+        ) from e
+    if not picked:
+        raise CheckpointValueError("`where` selected no leaves of the first input; it must return nodes of its tree.")
+    return {paths[i] for i in picked}
+
+
+def _floating(ckpt: Checkpoint, dotted: str) -> bool:
+    """Whether the leaf is a floating-point array (merged; else taken as it is)."""
+    record = ckpt.record(dotted)
+    return record.type in ("jax", "numpy") and jnp.issubdtype(dtype_from_name(record.dtype), jnp.floating)
+
+
+def _account(opened: list[Checkpoint], based: Checkpoint | None, chosen: list[str], merged: set[str]) -> None:
+    """One `LeafError` naming every leaf of `chosen` (all the first input's
+    where `where` is `None`) missing from an input, or of another shape or
+    dtype, every leaf an input holds there that the first does not, and
+    every merged leaf the base lacks or holds differently."""
+    first, lines, dotted = opened[0], [], []
+
+    def compare(ckpt: Checkpoint, which: str, paths: Sequence[str]) -> None:
+        for p in paths:
+            if p not in ckpt:
+                what = f"it is missing from {which}."
+            else:
+                want, have = first.record(p), ckpt.record(p)
+                if (tuple(want.shape), want.dtype) == (tuple(have.shape), have.dtype):
+                    continue
+                what = f"{which} holds {have.dtype}{list(have.shape)}, the first input {want.dtype}{list(want.shape)}."
+            lines.append(leaf_message(what, keypath=None, dotted=p, path=ckpt.path))
+            dotted.append(p)
+
+    selected = set(chosen)
+    for i, ckpt in enumerate(opened[1:], start=2):
+        compare(ckpt, f"input {i}", chosen)
+        extra = [p for p in ckpt if p not in selected and _selected_prefix(p, chosen, first)]
+        for p in extra:
+            what = f"input {i} holds it; the first input does not."
+            lines.append(leaf_message(what, keypath=None, dotted=p, path=ckpt.path))
+            dotted.append(p)
+    if based is not None:
+        compare(based, "the base", [p for p in chosen if p in merged])
+    if lines:
+        shown = "\n".join(f"  - {line}" for line in lines[:MAX_LISTED])
+        hidden = len(lines) - MAX_LISTED
+        more = f"\n  ... and {hidden} more (`.dotted` names them all)" if hidden > 0 else ""
+        raise LeafError(
+            f"`merge` needs the same leaves, shapes and dtypes in every input; {len(lines)} differ "
+            f"(nothing was written):\n{shown}{more}\nMerge models of one architecture, or merge only the "
+            f"sub-trees they share (`where=`).",
+            path=first.path,
+            dotted=dotted,
+        )
+
+
+def _selected_prefix(path: str, chosen: list[str], first: Checkpoint) -> bool:
+    """Whether a leaf the first input lacks is inside the merged part: all of
+    it without `where`, else under a node holding a chosen leaf."""
+    if len(chosen) == len(first):
+        return True
+    parent = path.rpartition(".")[0]
+    return any(_keypath.is_within(c, parent) for c in chosen) if parent else False
+
+
+def _metrics(method: Method, opened: list[Checkpoint], based: Checkpoint | None) -> dict[str, Any]:
+    """What the result records of how it was made (its manifest's `metrics`)."""
+
+    def name(ckpt: Checkpoint) -> str:
+        return ckpt.path if ckpt.revision is None or "@" in ckpt.path else f"{ckpt.path}@{ckpt.revision}"
+
+    out: dict[str, Any] = {
+        "merge_method": method.name,
+        "merge_inputs": json.dumps([name(c) for c in opened]),
+        "merge_weights": json.dumps(list(method.weights)) if method.name != "slerp" else "",
+    }
+    extra = {"merge_base": based and name(based), "merge_density": method.density, "merge_t": method.t}
+    if method.name in methods.RANDOM:
+        extra["merge_key"] = str(method.seed)
+    out.update({k: v for k, v in extra.items() if v is not None and v != ""})
+    return {k: v for k, v in out.items() if v != ""}
+
+
+class _Rows:
+    """One input's leaf, read by rows: each read a window of whole chunks
+    (of an eqx_ckpt checkpoint, whose chunk files are read whole), kept for
+    the blocks inside it; the rows asked for alone from other sources (a
+    safetensors file is read by byte ranges)."""
+
+    def __init__(self, leaf: LazyArray, chunk_rows: int):
+        self.leaf, self.chunk_rows = leaf, max(chunk_rows, 1)
+        self.dtype, self.shape = np.dtype(leaf.dtype), tuple(leaf.shape)
+        self.kind = leaf.saved_as
+        self._window: tuple[int, int, np.ndarray] | None = None
+
+    @classmethod
+    def of(cls, ckpt: Checkpoint, dotted: str) -> _Rows:
+        record = ckpt.record(dotted)
+        whole = ckpt.format == "eqx_ckpt" and record.pack is None and len(record.chunks) == len(record.shape)
+        return cls(ckpt[dotted], record.chunks[0] if whole and record.shape else 1)
+
+    def read(self, rows: Any) -> np.ndarray:
+        """The rows `rows` (a slice of the first axis, or `()` for a scalar leaf)."""
+        if rows == ():
+            return np.asarray(self.leaf)
+        if self.chunk_rows == 1:
+            return self.leaf[rows]
+        if self._window is None or not (self._window[0] <= rows.start and rows.stop <= self._window[1]):
+            self._window = None  # (freed before the next window is read)
+            start = rows.start - rows.start % self.chunk_rows
+            stop = min(self.shape[0], -(-rows.stop // self.chunk_rows) * self.chunk_rows)
+            # A window of the whole leaf is read as a load reads it (locally, straight into one buffer).
+            whole = start == 0 and stop == self.shape[0]
+            self._window = (start, stop, np.asarray(self.leaf) if whole else self.leaf[start:stop])
+        start, _, window = self._window
+        return window[rows.start - start : rows.stop - start]
+
+    def done(self) -> None:
+        self._window = None
+
+
+class _Merged:
+    """One merged leaf: the inputs' (and the base's) leaves at `path`, read by rows."""
+
+    def __init__(self, method: Method, path: str, inputs: list[_Rows], base: _Rows | None):
+        self.method, self.path, self.inputs, self.base = method, path, inputs, base
+        self.dtype, self.shape = inputs[0].dtype, inputs[0].shape
+        self.acc = methods.accumulator(self.dtype)
+
+    def unread(self) -> _records.Unread:
+        kind = self.inputs[0].kind
+        return _records.Unread(self.value, self.dtype, self.shape, kind if kind in ("jax", "numpy") else "jax")
+
+    def blocks(self) -> Iterator[tuple[Any, int]]:
+        """Each block's index (rows of the first axis) and first element."""
+        if not self.shape:
+            yield (), 0
+            return
+        row = math.prod(self.shape[1:])
+        step = max(1, BLOCK_ELEMENTS // max(row, 1))
+        for start in range(0, self.shape[0], step):
+            yield slice(start, min(start + step, self.shape[0])), start * row
+
+    def read(self, leaf: _Rows, rows: Any) -> np.ndarray:
+        """A block of `leaf`, flat, in the accumulator dtype."""
+        return np.asarray(leaf.read(rows)).astype(self.acc).reshape(-1)
+
+    def value(self) -> np.ndarray:
+        """The merged leaf, made a block at a time into one array of its dtype."""
+        try:
+            whole = self._whole()
+            out = np.empty(self.shape, self.dtype)
+            flat = out.reshape(-1)
+            for rows, start in self.blocks():
+                xs = [self.read(x, rows) for x in self.inputs]
+                base = None if self.base is None else self.read(self.base, rows)
+                block = methods.combine(self.method, xs, base, start=start, **whole)
+                flat[start : start + block.size] = block.astype(self.dtype)
+            return out
+        finally:
+            for leaf in [*self.inputs, *([self.base] if self.base is not None else [])]:
+                leaf.done()
+
+    def _whole(self) -> dict[str, Any]:
+        """What each block needs of the whole leaf (`methods.combine`)."""
+        name = self.method.name
+        if name == "ties":
+            return {"thresholds": [self._threshold(x) for x in self.inputs]}
+        if name == "slerp":
+            return {"coefficients": self._coefficients()}
+        if name in methods.RANDOM:
+            return {"seeds": [methods.seed(self.method.seed, self.path, i) for i in range(len(self.inputs))]}
+        return {}
+
+    def _threshold(self, leaf: _Rows) -> int:
+        """The magnitude (`methods.magnitude_keys`) of `leaf`'s difference from the base that TIES keeps at least."""
+        size = math.prod(self.shape)
+        density = self.method.density or 1.0
+        if density >= 1 or size == 0:
+            return 0
+        if self.base is None:
+            raise RuntimeError("Internal error: a TIES merge without a base.")
+        base = self.base
+
+        def keys() -> Iterator[np.ndarray]:
+            for rows, _ in self.blocks():
+                yield methods.magnitude_keys(self.read(leaf, rows) - self.read(base, rows))
+
+        return methods.kth_largest(keys, methods.kept_count(density, size), 8 * self.acc.itemsize)
+
+    def _coefficients(self) -> tuple[float, float]:
+        """SLERP's two weights for this leaf, from its dot product and norms in float64."""
+        dot = norm0 = norm1 = 0.0
+        for rows, _ in self.blocks():
+            a, b = (self.read(x, rows).astype(np.float64) for x in self.inputs)
+            dot += float(np.sum(a * b))
+            norm0 += float(np.sum(a * a))
+            norm1 += float(np.sum(b * b))
+        return methods.slerp_coefficients(dot, math.sqrt(norm0), math.sqrt(norm1), self.method.t or 0.0)

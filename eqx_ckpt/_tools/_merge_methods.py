@@ -1,0 +1,270 @@
+"""The merge methods, as pure functions on blocks of NumPy arrays, and a
+merge's options checked against them (`checked`); `_merge` reads the blocks
+and writes the result.
+
+A block holds consecutive elements of one leaf of every input, flattened,
+in the accumulator dtype (`accumulator`): float32 for float16, bfloat16 and
+float32 inputs, float64 for float64. Sums run in input order. What needs
+the whole leaf is worked out first, over its blocks, and passed to every
+block: TIES's threshold per input (`kth_largest`, exact, in two passes of
+16 bits over float32 magnitudes), SLERP's angle (`slerp_coefficients`, in
+float64). DARE's random drops depend only on the key, the leaf's path, the
+input and the element's index (`kept`), so no block size changes a byte.
+
+The definitions follow mergekit's (Goddard et al. 2024): TIES is Yadav et
+al. 2023 (trim, elect the sign, disjoint mean), DARE is Yu et al. 2023 (drop
+with probability `1 - density`, rescale by `1 / density`); `dare_ties` and
+`dare_linear` sum the kept differences without dividing by the weights, as
+mergekit does by default. docs/sharing.md ("Merging") has the formulas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import numbers
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._base._errors import CheckpointTypeError, CheckpointValueError, option
+
+METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "slerp")
+# The methods that add differences from a base.
+WITH_BASE = frozenset(("task_arithmetic", "ties", "dare_linear", "dare_ties"))
+WITH_DENSITY = frozenset(("ties", "dare_linear", "dare_ties"))
+RANDOM = frozenset(("dare_linear", "dare_ties"))
+# SLERP blends linearly where the two leaves' cosine is above this in
+# magnitude (mergekit's `DOT_THRESHOLD`), or where either's norm is at most `NORM_EPS`.
+DOT_THRESHOLD = 0.9995
+NORM_EPS = 1e-8
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A merge's method and options, checked (`_merge`). `seed`: DARE's key as an int."""
+
+    name: str
+    weights: tuple[float, ...]
+    density: float | None = None
+    t: float | None = None
+    seed: int = 0
+
+
+def checked(name: Any, inputs: Any, weights: Any, base: Any, density: Any, t: Any, key: Any) -> Method:
+    """The options checked against the method, as one `Method`."""
+    if name not in METHODS:
+        raise CheckpointValueError(f"`method` must be one of {', '.join(map(repr, METHODS))}; not {name!r}.")
+    if isinstance(inputs, (str, bytes, os.PathLike)) or not isinstance(inputs, Sequence) or not inputs:
+        raise CheckpointTypeError(f"`inputs` must be a non-empty list of paths (`['a', 'b']`), not {inputs!r}.")
+    if name == "slerp" and len(inputs) != 2:
+        raise CheckpointValueError(f'`method="slerp"` merges two inputs; {len(inputs)} were given.')
+    _allowed(name, "base", base, WITH_BASE, "the model whose differences are merged")
+    _allowed(name, "density", density, WITH_DENSITY, "the fraction of each difference kept, in (0, 1]")
+    _allowed(name, "t", t, {"slerp"}, "where between the two inputs, from 0 to 1")
+    _allowed(name, "weights", weights, set(METHODS) - {"slerp"}, "one number per input")
+    _allowed(name, "key", key, RANDOM, "the random drops' key, an int or a JAX PRNG key", needed=False)
+    if density is not None and not (_real(density) and 0 < density <= 1):
+        raise CheckpointValueError(f"`density` must be a number in (0, 1] (the fraction kept), not {density!r}.")
+    if t is not None and not (_real(t) and 0 <= t <= 1):
+        raise CheckpointValueError(f"`t` must be a number from 0 to 1, not {t!r}.")
+    checked = _weights(weights, len(inputs), name)
+    return Method(name, checked, density, t, _seed(key))
+
+
+def _allowed(name: str, keyword: str, value: Any, methods_: Any, meaning: str, *, needed: bool = True) -> None:
+    """`keyword` given exactly where `name` uses it (`needed`: and must be)."""
+    shown = option(f"`{keyword}`", "`--seed`" if keyword == "key" else f"`--{keyword}`")
+    if value is not None and name not in methods_:
+        raise CheckpointValueError(f'{shown} is not used by `method="{name}"`; leave it out.')
+    if value is None and needed and name in methods_ and keyword != "weights":
+        raise CheckpointValueError(f'`method="{name}"` needs {shown} ({meaning}).')
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _weights(weights: Any, count: int, name: str) -> tuple[float, ...]:
+    if weights is None:
+        return (1.0,) * count
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or len(weights) != count:
+        raise CheckpointValueError(f"`weights` must be a list of {count} numbers, one per input; not {weights!r}.")
+    if not all(_real(w) for w in weights):
+        raise CheckpointValueError(f"`weights` must be finite numbers; not {list(weights)!r}.")
+    if name == "linear" and sum(float(w) for w in weights) == 0:
+        raise CheckpointValueError(f'`method="linear"` divides by the sum of `weights`, which is 0: {list(weights)!r}.')
+    return tuple(float(w) for w in weights)
+
+
+def _seed(key: Any) -> int:
+    """DARE's key as an int: itself, or a JAX PRNG key's key data."""
+    if key is None:
+        return 0
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool) and int(key) >= 0:
+        return int(key)
+    if isinstance(key, jax.Array):
+        data = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+        if jax.dtypes.issubdtype(data.dtype, np.unsignedinteger):
+            return int.from_bytes(np.asarray(data).tobytes(), "little")
+    raise CheckpointTypeError(f"`key` must be a non-negative int or a JAX PRNG key (`jax.random.key(0)`), not {key!r}.")
+
+
+def accumulator(dtype: np.dtype) -> np.dtype:
+    """The dtype a leaf of `dtype` is merged in: float64 kept, float32 otherwise."""
+    return np.dtype(np.float64) if np.dtype(dtype).itemsize >= 8 else np.dtype(np.float32)
+
+
+def linear(xs: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """The weighted average: `sum(w_i * x_i) / sum(w_i)`."""
+    return weighted_sum(xs, weights) / total(weights, xs[0].dtype.type)
+
+
+def total(weights: Sequence[float], acc: type[np.floating]) -> np.floating:
+    """The weights summed in `acc`, in order."""
+    out = acc(0)
+    for w in weights:
+        out += acc(w)
+    return out
+
+
+def weighted_sum(xs: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """`sum(w_i * x_i)`, in input order."""
+    acc = xs[0].dtype.type
+    total = acc(weights[0]) * xs[0]
+    for x, w in zip(xs[1:], weights[1:], strict=True):
+        total += acc(w) * x
+    return total
+
+
+def combine(
+    method: Method,
+    xs: list[np.ndarray],
+    base: np.ndarray | None,
+    *,
+    thresholds: Sequence[int] = (),
+    coefficients: tuple[float, float] = (1.0, 0.0),
+    seeds: Sequence[int] = (),
+    start: int = 0,
+) -> np.ndarray:
+    """One block of the merged leaf. What `_merge` worked out over the whole
+    leaf first: `thresholds` (TIES), `coefficients` (SLERP), and for DARE
+    `seeds` (one per input); `start`: the block's first element."""
+    if method.name == "linear":
+        return linear(xs, method.weights)
+    acc = xs[0].dtype.type
+    if method.name == "slerp":
+        return acc(coefficients[0]) * xs[0] + acc(coefficients[1]) * xs[1]
+    if base is None:
+        raise RuntimeError(f"Internal error: `method={method.name!r}` merged without a base.")
+    deltas = [x - base for x in xs]
+    if method.name == "task_arithmetic":
+        return base + weighted_sum(deltas, method.weights)
+    if method.name == "ties":
+        deltas = [trimmed(d, k) for d, k in zip(deltas, thresholds, strict=True)]
+    else:
+        density = method.density or 1.0
+        deltas = [dropped(d, density, seed, start) for d, seed in zip(deltas, seeds, strict=True)]
+    elect = method.name != "dare_linear"
+    return base + disjoint(deltas, method.weights, elect=elect, mean=method.name == "ties")
+
+
+def disjoint(deltas: list[np.ndarray], weights: Sequence[float], *, elect: bool, mean: bool) -> np.ndarray:
+    """The weighted differences summed: with `elect`, only those whose sign is
+    the sign of their sum (0 counts as +; a zero difference has no sign); with
+    `mean`, divided by the weights summed (of those kept; 1 where none is)."""
+    acc = deltas[0].dtype.type
+    weighted = [acc(w) * d for d, w in zip(deltas, weights, strict=True)]
+    summed = weighted_sum(weighted, [1.0] * len(weighted))
+    if not elect:
+        return summed / total(weights, acc) if mean else summed
+    majority = np.where(summed >= 0, acc(1), acc(-1))
+    agreeing = np.zeros_like(summed)
+    divisor = np.zeros_like(summed)
+    for wd, w in zip(weighted, weights, strict=True):
+        agree = np.sign(wd) == majority
+        agreeing += wd * agree
+        divisor += acc(w) * agree
+    if not mean:
+        return agreeing
+    divisor[divisor == 0] = 1
+    return agreeing / divisor
+
+
+def magnitude_keys(delta: np.ndarray) -> np.ndarray:
+    """`|delta|` as unsigned integers of its width, in the same order."""
+    return np.abs(delta).view(np.uint64 if delta.dtype.itemsize == 8 else np.uint32)
+
+
+def trimmed(delta: np.ndarray, threshold: int) -> np.ndarray:
+    """`delta` where its magnitude (`magnitude_keys`) is at least `threshold`, else 0."""
+    return np.where(magnitude_keys(delta) >= threshold, delta, delta.dtype.type(0))
+
+
+def kept_count(density: float, size: int) -> int:
+    """How many of a leaf's `size` differences TIES keeps: `int(density * size)`, at least 1."""
+    return max(1, int(density * size))
+
+
+def kth_largest(keys: Callable[[], Iterable[np.ndarray]], k: int, bits: int) -> int:
+    """The `k`-th largest (from 1) of the unsigned `bits`-bit integers that
+    `keys()` yields in blocks, read 16 bits at a time from the top: one pass
+    over the blocks per 16 bits, each a histogram of 65,536 counts."""
+    prefix, shift = 0, bits
+    while shift > 0:
+        shift -= 16
+        counts = np.zeros(1 << 16, np.int64)
+        for block in keys():
+            if shift + 16 < bits:
+                block = block[(block >> (shift + 16)) == prefix]
+            counts += np.bincount(((block >> shift) & 0xFFFF).astype(np.intp), minlength=1 << 16)
+        at_least = np.cumsum(counts[::-1])  # how many have a digit >= 0xFFFF - i
+        i = int(np.searchsorted(at_least, k))
+        if i >= at_least.size:  # fewer than k: every key is kept
+            return 0
+        k -= int(at_least[i - 1]) if i else 0
+        prefix = (prefix << 16) | (0xFFFF - i)
+    return prefix
+
+
+def seed(key: int, path: str, index: int) -> int:
+    """The seed of DARE's drops of input `index`'s leaf at `path` under `key`."""
+    digest = hashlib.blake2b(f"{key}\0{path}\0{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def kept(seed: int, start: int, size: int, density: float) -> np.ndarray:
+    """Whether each element `start`, ..., `start + size - 1` is kept, with
+    probability `density`: SplitMix64 of (seed, index), its top 53 bits below
+    `density * 2**53`."""
+    z = np.arange(start, start + size, dtype=np.uint64)
+    z += np.uint64(1)
+    z *= np.uint64(0x9E3779B97F4A7C15)
+    z += np.uint64(seed)
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)) < np.uint64(int(density * 2**53))
+
+
+def dropped(delta: np.ndarray, density: float, seed: int, start: int) -> np.ndarray:
+    """`delta` with elements dropped (`kept`), the kept ones divided by `density`."""
+    return delta * kept(seed, start, delta.size, density) / delta.dtype.type(density)
+
+
+def slerp_coefficients(dot: float, norm0: float, norm1: float, t: float) -> tuple[float, float]:
+    """The weights of the two leaves' SLERP at `t`, from their dot product and
+    norms (float64); linear (`1 - t`, `t`) where they are nearly parallel."""
+    if norm0 <= NORM_EPS or norm1 <= NORM_EPS:
+        return 1.0 - t, t
+    cosine = dot / (norm0 * norm1)
+    if abs(cosine) > DOT_THRESHOLD:
+        return 1.0 - t, t
+    theta = math.acos(cosine)
+    return math.sin((1.0 - t) * theta) / math.sin(theta), math.sin(t * theta) / math.sin(theta)
