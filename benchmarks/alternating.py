@@ -14,7 +14,11 @@ with one untimed operation, then times `--reps` operations:
   rounds;
 - `load-published`: the same load of a published folder that tree exported
   once before the rounds (`export_safetensors`: safetensors and an
-  `eqx_ckpt.json` recording each leaf's digest, which a load checks).
+  `eqx_ckpt.json` recording each leaf's digest, which a load checks);
+- `slice-published`: `SLICES` lazy slices of 2 rows each, spread over the
+  largest leaf of two or more dimensions of that folder, opened once as a
+  `Checkpoint` (each slice reads, and where the record holds block digests
+  checks, the blocks holding its rows).
 
 Wall time and the process's CPU time (`time.process_time`, all its threads)
 are printed per tree, median and min. On a shared machine CPU time is the
@@ -40,6 +44,7 @@ import argparse
 import gc
 import importlib.util
 import json
+import math
 import os
 import random
 import shutil
@@ -51,6 +56,8 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The lazy 2-row slices one `slice-published` operation reads.
+SLICES = 64
 
 
 def load_workload() -> Any:
@@ -105,6 +112,11 @@ def work(job: dict[str, Any]) -> dict[str, Any]:
             # left unwritten is written out, not in this save's syncs.
             shutil.rmtree(path, ignore_errors=True)
             os.sync()
+    elif op == "slice":
+        operation = _slices(eqx_ckpt.Checkpoint(checkpoint))
+
+        def before() -> None:
+            pass
     else:
         like = workload.skeleton(sizes)
 
@@ -119,6 +131,21 @@ def work(job: dict[str, Any]) -> dict[str, Any]:
     if op == "save":
         shutil.rmtree(path)
     return {"library": eqx_ckpt.__file__, "wall": [t[0] for t in times], "cpu": [t[1] for t in times]}
+
+
+def _slices(ckpt: Any) -> Any:
+    """`SLICES` lazy reads of 2 rows, spread over the largest leaf of `ckpt` of two or more dimensions."""
+    import numpy as np
+
+    leaves = [ckpt[key] for key in ckpt]
+    lazy = max((x for x in leaves if len(x.shape) >= 2), key=lambda x: math.prod(x.shape) * x.dtype.itemsize)
+    starts = [i * (lazy.shape[0] - 2) // (SLICES - 1) for i in range(SLICES)]
+
+    def operation() -> None:
+        for start in starts:
+            np.asarray(lazy[start : start + 2])
+
+    return operation
 
 
 def run(tree: str, job: dict[str, Any]) -> dict[str, Any]:
@@ -174,7 +201,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tree", action="append", default=[], help="NAME=FOLDER, twice or more")
     parser.add_argument("--workload", default="many", choices=["many", "small", "large", "tiny"])
-    parser.add_argument("--op", default="save", choices=["save", "load", "load-published"])
+    parser.add_argument("--op", default="save", choices=["save", "load", "load-published", "slice-published"])
     parser.add_argument("--rounds", type=int, default=3, help="rounds at least")
     parser.add_argument("--spread", type=float, default=None, help="add rounds until each interval is this narrow")
     parser.add_argument("--max-rounds", type=int, default=20, help="rounds at most, with --spread")
@@ -196,17 +223,17 @@ def main() -> None:
 
 
 def measure(trees: dict[str, str], args: argparse.Namespace, scratch: str) -> None:
-    published = args.op == "load-published"
+    published = args.op in ("load-published", "slice-published")
     base = {
         "workload": args.workload,
-        "op": "load" if published else args.op,
+        "op": {"load-published": "load", "slice-published": "slice"}.get(args.op, args.op),
         "reps": args.reps,
         "published": published,
     }
     folders = {name: os.path.join(scratch, name) for name in trees}
     for name, tree in trees.items():
         os.makedirs(folders[name])
-        if base["op"] == "load":
+        if base["op"] in ("load", "slice"):
             run(tree, {**base, "op": "prepare", "folder": folders[name]})
     results: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in trees}
     rounds: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in trees}

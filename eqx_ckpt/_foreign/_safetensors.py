@@ -465,6 +465,7 @@ def _manifest(
         digests=published.digests,
         blocks=published.blocks,
         block_bytes=published.block_bytes,
+        block_algorithm=published.block_algorithm,
         record_sha256=published.sha256,
     )
 
@@ -642,8 +643,10 @@ def _open(files: _Files, places: dict[str, tuple[str, int]], manifest: Manifest,
 
 def block_digests(manifest: Manifest, record: LeafRecord, source: str) -> _digests.Blocks | None:
     """The recorded block digests of the leaf `record` (`None`: none recorded), read from `source`."""
-    found = manifest.blocks.get(record.path)
-    return None if found is None else _digests.Blocks(found, record.nbytes, record.path, source, manifest.block_bytes)
+    found, algorithm = manifest.blocks.get(record.path), manifest.block_algorithm
+    if found is None or algorithm is None:  # (a record of block digests names their hash)
+        return None
+    return _digests.Blocks(found, record.nbytes, record.path, source, algorithm, manifest.block_bytes)
 
 
 def _read_rows(

@@ -97,15 +97,16 @@ MAX_LINKS = 40
 
 
 def digest(data: Any) -> _digests.Digested:
-    """The digests an export records of a leaf's stored bytes (`_digests`)."""
-    return _digests.of(data)
+    """The digests an export records of a leaf's stored bytes (`_digests`, in
+    the hash of the version it writes)."""
+    return _digests.of(data, _published.BLOCK_ALGORITHMS[_published.VERSION])
 
 
-def stored_digest(source: Source, record: LeafRecord, *, like: str = _digests.SHA256) -> _digests.Digested:
+def stored_digest(source: Source, record: LeafRecord, *, like: str) -> _digests.Digested:
     """The digests of the leaf `record` of `source` as it is stored (a PRNG
     key's key data, a viewed dtype's unsigned integers), of the kind of the
-    digest `like` (SHA-256 blocks, or an older record's xxh3-128), read in slabs
-    of rows so a large leaf never needs its size in memory twice."""
+    digest `like` (blocks in the hash it names, or an older record's xxh3-128),
+    read in slabs of rows so a large leaf never needs its size in memory twice."""
     store = source.open(record).result()
     hasher = _hasher(like)
     shape = tuple(record.stored_shape)
@@ -136,7 +137,8 @@ class _Xxh3:
 
 
 def _hasher(like: str) -> _digests.Hasher | _Xxh3:
-    return _digests.Hasher() if like.startswith(_digests.SHA256) else _Xxh3()
+    algorithm = _digests.algorithm_of(like)
+    return _Xxh3() if algorithm is None else _digests.Hasher(algorithm)
 
 
 def _raw(array: np.ndarray) -> memoryview:
@@ -150,8 +152,8 @@ class DigestCheck:
     leaf. `result` waits for it, raising `IntegrityError` on a mismatch.
 
     It hashes on a thread of its own (`_hashing`) while the reader reads the
-    next leaves: the reader mostly waits for storage. Block digests (SHA-256,
-    which releases the GIL) are hashed from there on the pool of `_digests`."""
+    next leaves: the reader mostly waits for storage. Block digests (SHA-256 or
+    BLAKE3, which release the GIL) are hashed from there on the pool of `_digests`."""
 
     def __init__(self, source: Source, record: LeafRecord, expected: str):
         self.source, self.record, self.expected = source, record, expected

@@ -1,15 +1,21 @@
 """The digests a published folder records of each leaf (`_published`, version 4 on).
 
 A leaf's stored bytes (C order, as safetensors holds them) are cut into blocks
-of `_format.BLOCK_BYTES` (the last one shorter). Each block's SHA-256 is
-recorded, and the leaf's digest is the SHA-256 of those block digests, one
-after the other. A forger who controls the bytes (a base, a mirror, a folder
-passed along) cannot make other bytes match either.
+of `_format.BLOCK_BYTES` (the last one shorter). Each block's digest is
+recorded, and the leaf's digest is the digest of those block digests, one
+after the other. The hash is the one of the record's version
+(`_published.BLOCK_ALGORITHMS`): SHA-256 in version 4, BLAKE3 from version 5.
+A forger who controls the bytes (a base, a mirror, a folder passed along)
+cannot make other bytes match either.
 
 A read of a region reads the whole blocks covering it and checks each one
 (`Blocks.check`) before returning a byte; a whole read checks every block
-(`Hasher`). SHA-256 releases the GIL on large buffers, so blocks are hashed on
-a pool of threads (`eqx_ckpt-blocks`), in parallel with the reads.
+(`Hasher`). Both hashes release the GIL on large buffers, so blocks are hashed
+on a pool of threads (`eqx_ckpt-blocks`, a thread a core), in parallel with
+the reads. Each block is hashed by one thread, never with BLAKE3's own threads
+(`max_threads`): measured, those split each block over the cores the pool
+already keeps busy, for more CPU and less throughput (docs/benchmarks.md,
+"BLAKE3 per 1 MiB block (issue 84)").
 
 Earlier versions recorded one xxh3-128 per leaf, which catches accidents, not
 forgery; they are still read (`XXH3`).
@@ -21,43 +27,73 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import os
+from collections.abc import Callable
 from typing import Any
 
+import blake3
 import xxhash
 
 from .._base import _threads
 from .._base._errors import IntegrityError, stored_leaf_error
 from ._format import BLOCK_BYTES
 
-SHA256 = "sha256:"
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """A hash of block digests: its `name` (a digest's prefix before the `:`,
+    and what `strength` says), as messages name it (`shown`), and `new(data)`,
+    its hasher of a buffer (both release the GIL on large buffers)."""
+
+    name: str
+    shown: str
+    new: Callable[[Any], Any]
+
+    @property
+    def prefix(self) -> str:
+        return self.name + ":"
+
+    def digest(self, data: Any) -> bytes:
+        return bytes(self.new(data).digest())
+
+
+SHA256 = Algorithm("sha256", "SHA-256", hashlib.sha256)
+BLAKE3 = Algorithm("blake3", "BLAKE3", blake3.blake3)
 XXH3 = "xxh3-128:"
-SIZE = hashlib.sha256().digest_size
+# Both hashes' digests are 32 bytes.
+SIZE = 32
 # Blocks hashed by one task of the pool: a task per block would cost more in
-# the pool than in SHA-256 for small blocks.
+# the pool than in the hash for small blocks.
 _BLOCKS_A_TASK = 8
 
 
 @dataclasses.dataclass(frozen=True)
 class Digested:
-    """A leaf's recorded `digest` (`sha256:` or, before version 4, `xxh3-128:`
-    and hex digits) and its blocks' digests, one after the other (`b""` before version 4)."""
+    """A leaf's recorded `digest` (`blake3:` or `sha256:`, or before version 4
+    `xxh3-128:`, and hex digits) and its blocks' digests, one after the other
+    (`b""` before version 4)."""
 
     digest: str
     blocks: bytes = b""
 
 
-def strength(block: int) -> str:
+def strength(block: int, algorithm: Algorithm | None) -> str:
     """What a record's digests check, as `verify` and `info` say it (`block`: its
-    block size, 0 for a record of one xxh3-128 a leaf)."""
-    if not block:
+    block size, `algorithm` its hash; 0 and `None` for a record of one xxh3-128 a leaf)."""
+    if not block or algorithm is None:
         return "xxh3-128 per leaf (an earlier version: checks accidents, not forgery)"
     size = f"{block // 2**20} MiB" if block >= 2**20 else f"{block // 2**10} KiB"
-    return f"sha256 per {size} block"
+    return f"{algorithm.name} per {size} block"
 
 
-def root(blocks: bytes) -> str:
+def algorithm_of(digest: str) -> Algorithm | None:
+    """The hash of the block digests a leaf's recorded `digest` is the root of
+    (`None`: an older record's xxh3-128)."""
+    return next((h for h in (BLAKE3, SHA256) if digest.startswith(h.prefix)), None)
+
+
+def root(blocks: bytes, algorithm: Algorithm) -> str:
     """The digest of a leaf whose blocks have the digests `blocks`."""
-    return SHA256 + hashlib.sha256(blocks).hexdigest()
+    return algorithm.prefix + algorithm.new(blocks).hexdigest()
 
 
 def count(nbytes: int, block: int = BLOCK_BYTES) -> int:
@@ -65,9 +101,9 @@ def count(nbytes: int, block: int = BLOCK_BYTES) -> int:
     return -(-nbytes // block)
 
 
-def of(data: Any, block: int = BLOCK_BYTES) -> Digested:
+def of(data: Any, algorithm: Algorithm, block: int = BLOCK_BYTES) -> Digested:
     """The digests of the bytes `data` (a buffer)."""
-    hasher = Hasher(block)
+    hasher = Hasher(algorithm, block)
     hasher.update(data)
     return hasher.finish()
 
@@ -81,16 +117,26 @@ def _pool() -> _threads.Pool:
     return _threads.pool("eqx_ckpt-blocks", max(1, os.cpu_count() or 1))
 
 
-def _hash(view: memoryview, block: int) -> bytes:
-    return b"".join(hashlib.sha256(view[i : i + block]).digest() for i in range(0, len(view), block))
+def _hash(view: memoryview, block: int, algorithm: Algorithm) -> bytes:
+    return b"".join(algorithm.digest(view[i : i + block]) for i in range(0, len(view), block))
+
+
+def _spread(view: memoryview, block: int, algorithm: Algorithm) -> bytes:
+    """The digests of the blocks of `view`, hashed on every core: a share of
+    whole blocks to each thread of the pool but one, the first share here (a
+    slice's two blocks take the time of one)."""
+    blocks = count(len(view), block)
+    step = max(1, count(blocks, min(blocks, _pool().threads))) * block
+    rest = [_pool().submit(_hash, view[i : i + step], block, algorithm) for i in range(step, len(view), step)]
+    return _hash(view[:step], block, algorithm) + b"".join(future.result() for future in rest)
 
 
 class Hasher:
     """The block digests of bytes fed in order (`update`, any lengths), whole
     blocks hashed on the pool as they come; `finish` waits for them."""
 
-    def __init__(self, block: int = BLOCK_BYTES):
-        self.block = block
+    def __init__(self, algorithm: Algorithm, block: int = BLOCK_BYTES):
+        self.algorithm, self.block = algorithm, block
         self.partial = bytearray()
         self.parts: list[concurrent.futures.Future[bytes] | bytes] = []
 
@@ -102,33 +148,34 @@ class Hasher:
             view = view[len(taken) :]
             if len(self.partial) < self.block:
                 return
-            self.parts.append(hashlib.sha256(self.partial).digest())
+            self.parts.append(self.algorithm.digest(self.partial))
             self.partial = bytearray()
         whole = len(view) - len(view) % self.block
         step = self.block * _BLOCKS_A_TASK
         for i in range(0, whole, step):
             # (the view keeps the caller's buffer alive until it is hashed)
-            self.parts.append(_pool().submit(_hash, view[i : min(i + step, whole)], self.block))
+            self.parts.append(_pool().submit(_hash, view[i : min(i + step, whole)], self.block, self.algorithm))
         self.partial += view[whole:]
 
     def finish(self) -> Digested:
         if self.partial:
-            self.parts.append(hashlib.sha256(self.partial).digest())
+            self.parts.append(self.algorithm.digest(self.partial))
             self.partial = bytearray()
         blocks = b"".join(p if isinstance(p, bytes) else p.result() for p in self.parts)
-        return Digested(root(blocks), blocks)
+        return Digested(root(blocks, self.algorithm), blocks)
 
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
     """The recorded block digests of one leaf of `nbytes` bytes, known as
     `leaf` (its dotted path) in the source `source` (as messages name it), with
-    how to check a range of its bytes."""
+    how to check a range of its bytes (`algorithm`: the record's)."""
 
     digests: bytes
     nbytes: int
     leaf: str
     source: str
+    algorithm: Algorithm
     block: int = BLOCK_BYTES
 
     def covering(self, start: int, end: int) -> tuple[int, int]:
@@ -143,7 +190,7 @@ class Blocks:
         the source (`taken`: where a fine-tune takes the leaf from)."""
         view = memoryview(data).cast("B")
         first = start // self.block
-        found = _hash(view, self.block) if len(view) <= self.block * _BLOCKS_A_TASK else of(view, self.block).blocks
+        found = _spread(view, self.block, self.algorithm)
         expected = self.digests[first * SIZE : first * SIZE + len(found)]
         if found == expected:
             return
@@ -163,7 +210,7 @@ def mismatch(blocks: Blocks, index: int, *, taken: str = "") -> IntegrityError:
     error = stored_leaf_error(
         IntegrityError,
         f"{why or 'its bytes are not those recorded'}: block {index} (bytes {lo} to {hi} of the leaf) differs "
-        f"from its SHA-256 digest in the record, a changed byte. Nothing of it was returned.",
+        f"from its {blocks.algorithm.shown} digest in the record, a changed byte. Nothing of it was returned.",
         dotted=blocks.leaf,
         path=blocks.source,
         fix="The bytes were changed after the record was written (a rewritten file, a mirror serving other "

@@ -19,7 +19,7 @@ import orjson
 
 from .._base import _gc, _keypath
 from .._base._errors import CheckpointVersionError, CorruptCheckpointError, from_file
-from . import _iterators
+from . import _digests, _iterators
 from ._dtypes import is_known_dtype, key_data_shape
 from ._format import (
     COMPRESSED_VERSION,
@@ -90,9 +90,11 @@ class Manifest:
     family: Any = dataclasses.field(default=None, compare=False)
     # A published folder's recorded digest of each leaf (`_published`), by dotted path.
     digests: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
-    # ... and its block digests (`_digests`, `eqx_ckpt.json` version 4 on), with their block size.
+    # ... and its block digests (`_digests`, `eqx_ckpt.json` version 4 on), with
+    # their block size and hash (the record's version's).
     blocks: dict[str, bytes] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     block_bytes: int = dataclasses.field(default=0, compare=False)
+    block_algorithm: _digests.Algorithm | None = dataclasses.field(default=None, compare=False)
     # The sha256 of the file this was parsed from (`manifest.json`, a published
     # folder's `eqx_ckpt.json`), as read: what pins it as a fine-tune's base
     # (`_family`). "" for one made otherwise.

@@ -11,10 +11,12 @@ small JSON file. It says what the safetensors files cannot:
 - the user's own metadata (`info`).
 
 Its fields are documented in docs/interop.md ("`eqx_ckpt.json`"): format
-version 4 records each leaf's SHA-256 block digests (`_digests`), for a folder
-holding every leaf and for a fine-tune stored against a pinned `base`.
-Earlier versions recorded one xxh3-128 a leaf: 1 for a folder holding every
-leaf, 3 for a fine-tune (2, in the whole model's file names); all are still read.
+version 5 records each leaf's BLAKE3 block digests (`_digests`), for a folder
+holding every leaf and for a fine-tune stored against a pinned `base`; version
+4 recorded SHA-256 ones (`BLOCK_ALGORITHMS`: the version says which hash a
+reader checks with). Earlier versions recorded one xxh3-128 a leaf: 1 for a
+folder holding every leaf, 3 for a fine-tune (2, in the whole model's file
+names); all are still read.
 
 It is untrusted input, read by the manifest's own code:
 
@@ -31,6 +33,7 @@ import hashlib
 import json
 import math
 import re
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,11 +45,13 @@ from ._manifest import invalid, parse_leaves, read_document
 
 NAME = PUBLISHED
 FORMAT = "eqx_ckpt.safetensors"
-VERSION = 4
+VERSION = 5
 # The versions a fine-tune wrote, which always name a base; from 4 on, a record may.
 FAMILY_VERSIONS = (2, 3)
-# The first version recording block digests (SHA-256), and the block sizes a record may say.
+# The first version recording block digests, and the block sizes a record may say.
 BLOCKS_VERSION = 4
+# The hash of each version's block digests: an export records `VERSION`'s.
+BLOCK_ALGORITHMS = types.MappingProxyType({4: _digests.SHA256, 5: _digests.BLAKE3})
 BLOCK_SIZES = tuple(2**n for n in range(16, 27))
 # The user's metadata is small: a description, hyperparameters, metrics.
 MAX_INFO_BYTES = 1 << 20
@@ -97,9 +102,11 @@ class Published:
     format_version: int
     # Each leaf's recorded digest, by dotted path (none in older exports).
     digests: dict[str, str] = dataclasses.field(default_factory=dict)
-    # Each leaf's block digests, one after the other (version 4 on), and the block size.
+    # Each leaf's block digests, one after the other (version 4 on), the block
+    # size and the hash (`BLOCK_ALGORITHMS`).
     blocks: dict[str, bytes] = dataclasses.field(default_factory=dict)
     block_bytes: int = 0
+    block_algorithm: _digests.Algorithm | None = None
     family: Family | None = None
     # The sha256 of the `eqx_ckpt.json` this was parsed from.
     sha256: str = ""
@@ -227,10 +234,11 @@ def parse(data: bytes, *, where: str) -> Published:
     if isinstance(raw, list) and len(raw) > MAX_LEAVES:
         raise bad(f"it records {len(raw)} leaves, more than the {MAX_LEAVES} allowed (those taken from a base count)")
     block = _block_bytes(body, version, bad)
+    algorithm = BLOCK_ALGORITHMS[version] if version >= BLOCKS_VERSION else None
     digests, references = _extras(raw, bad, version)
     leaves = parse_leaves(raw, bad)
     _check_totals(body, leaves, bad)
-    blocks = _blocks(raw or [], leaves, digests, block, bad) if version >= BLOCKS_VERSION else {}
+    blocks = {} if algorithm is None else _blocks(raw or [], leaves, digests, block, algorithm, bad)
     family = _family(body, version, references, bad)
     return Published(
         tuple(leaves),
@@ -242,15 +250,19 @@ def parse(data: bytes, *, where: str) -> Published:
         digests,
         blocks,
         block,
+        algorithm,
         family,
         hashlib.sha256(data).hexdigest(),
     )
 
 
-# A leaf's digest: before version 4, and from it.
-_DIGESTS = (
-    (re.compile(re.escape(_digests.XXH3) + "[0-9a-f]{32}"), f"{_digests.XXH3}<32 hex digits>"),
-    (re.compile(re.escape(_digests.SHA256) + "[0-9a-f]{64}"), f"{_digests.SHA256}<64 hex digits>"),
+# A leaf's digest: one xxh3-128 before version 4, then its blocks' root in the version's hash.
+_XXH3_DIGEST = re.compile(re.escape(_digests.XXH3) + "[0-9a-f]{32}"), f"{_digests.XXH3}<32 hex digits>"
+_ROOTS = types.MappingProxyType(
+    {
+        version: (re.compile(re.escape(algorithm.prefix) + "[0-9a-f]{64}"), f"{algorithm.prefix}<64 hex digits>")
+        for version, algorithm in BLOCK_ALGORITHMS.items()
+    }
 )
 _COMMIT = re.compile("[0-9a-f]{40}")
 _SHA256 = re.compile("[0-9a-f]{64}")
@@ -272,10 +284,16 @@ def _block_bytes(body: dict[str, Any], version: int, bad: Callable[[str], Except
 
 
 def _blocks(
-    raw: list[Any], leaves: list[LeafRecord], digests: dict[str, str], block: int, bad: Callable[[str], Exception]
+    raw: list[Any],
+    leaves: list[LeafRecord],
+    digests: dict[str, str],
+    block: int,
+    algorithm: _digests.Algorithm,
+    bad: Callable[[str], Exception],
 ) -> dict[str, bytes]:
-    """Each leaf's `blocks` (version 4 on): hex digits of one SHA-256 a block,
-    as many as its bytes make, whose own SHA-256 is its `digest`."""
+    """Each leaf's `blocks` (version 4 on): hex digits of one digest a block
+    of `block` bytes, in the version's hash `algorithm`, as many as its bytes
+    make, whose own digest is its `digest`."""
     out: dict[str, bytes] = {}
     for leaf, record in zip(raw, leaves):
         text, path = leaf.get("blocks"), from_file(repr(record.path))
@@ -287,16 +305,17 @@ def _blocks(
         except ValueError:
             blocks = None
         if blocks is None:
-            raise bad(f"the leaf {path} records `blocks` that are not {want // _digests.SIZE} SHA-256 digests in hex")
-        if _digests.root(blocks) != digests[record.path]:
-            raise bad(f"the leaf {path} records a `digest` that is not the SHA-256 of its `blocks`")
+            shown = f"{want // _digests.SIZE} {algorithm.shown} digests"
+            raise bad(f"the leaf {path} records `blocks` that are not {shown} in hex")
+        if _digests.root(blocks, algorithm) != digests[record.path]:
+            raise bad(f"the leaf {path} records a `digest` that is not the {algorithm.shown} of its `blocks`")
         out[record.path] = blocks
     return out
 
 
 def _extras(raw: Any, bad: Callable[[str], Exception], version: int) -> tuple[dict[str, str], dict[str, str]]:
     """The leaves' `digest` and `base` fields, checked (the rest is `parse_leaves`')."""
-    pattern, shown = _DIGESTS[version >= BLOCKS_VERSION]
+    pattern, shown = _ROOTS[version] if version >= BLOCKS_VERSION else _XXH3_DIGEST
     digests: dict[str, str] = {}
     references: dict[str, str] = {}
     for leaf in raw if isinstance(raw, list) else []:

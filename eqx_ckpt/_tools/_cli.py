@@ -243,7 +243,8 @@ def _info(args: argparse.Namespace) -> int:
     digests = ckpt._manifest.digests  # (a published folder's, in eqx_ckpt.json)
     if digests:
         every = "" if len(digests) == len(ckpt) else f" ({len(digests)} of the {len(ckpt)} leaves)"
-        print(f"digests:         {_digests.strength(ckpt._manifest.block_bytes)}{every}")
+        strength = _digests.strength(ckpt._manifest.block_bytes, ckpt._manifest.block_algorithm)
+        print(f"digests:         {strength}{every}")
     taken = ckpt.from_base()
     if taken:
         stored = ckpt.total_bytes - sum(ckpt.record(path).nbytes for path in taken)

@@ -1,9 +1,10 @@
 """An export against a base (`export_safetensors(..., base=)`): which leaves a
 fine-tune takes from the model it was fine-tuned from.
 
-A leaf is taken where a base leaf holds the same bytes (SHA-256 digest, `_digests`),
-stored alike, whatever its name. The record pins the base (`_published.Base`),
-which `_load._family` checks (docs/sharing.md, "Model families").
+A leaf is taken where a base leaf holds the same bytes (the digest an export
+records, `_digests`), stored alike, whatever its name. The record pins the
+base (`_published.Base`), which `_load._family` checks (docs/sharing.md,
+"Model families").
 """
 
 from __future__ import annotations
@@ -175,9 +176,9 @@ def _matched(
         candidates.setdefault(_kind(record), []).append(record)
     known: dict[str, str] = {}  # the base's digests, by dotted path, as they are read
 
-    def base_digest(record: LeafRecord) -> str:
+    def base_digest(record: LeafRecord, like: str) -> str:
         if record.path not in known:
-            known[record.path] = _family.stored_digest(source, record).digest
+            known[record.path] = _family.stored_digest(source, record, like=like).digest
         return known[record.path]
 
     references: dict[str, str] = {}
@@ -192,7 +193,7 @@ def _matched(
             count, claimed = backing.get(record.path, (0, 0))
             more = (count + 1, claimed + record.nbytes)
             # Beyond what a load accepts of one base leaf, the leaf is stored instead.
-            if _family.may_back(*more, record.nbytes) and base_digest(record) == mine.digest:
+            if _family.may_back(*more, record.nbytes) and base_digest(record, mine.digest) == mine.digest:
                 references[tensor.record.path] = record.path
                 backing[record.path] = more
                 break

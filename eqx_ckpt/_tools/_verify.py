@@ -661,7 +661,7 @@ def _other_values(source: _source.Source, differ: list[str]) -> Problem:
         f"the base {shown} holds other values than when the fine-tune was exported: {len(differ)} of "
         f"the {count} {'leaf' if count == 1 else 'leaves'} taken from it ({shown_names(differ)}) "
         f"{'holds' if len(differ) == 1 else 'hold'} other bytes than the digests in {_published.NAME} record "
-        f"({_digests.strength(source.manifest.block_bytes)}). {fix}",
+        f"({_digests.strength(source.manifest.block_bytes, source.manifest.block_algorithm)}). {fix}",
     )
 
 
@@ -682,11 +682,12 @@ def _differs(source: _source.Source, record: LeafRecord, found: _digests.Digeste
     where = "" if taken is None else f" (read from the base's leaf `{taken}`)"
     expected = source.manifest.digests[record.path]
     if isinstance(found, int) or found.blocks:
-        blocks = source.manifest.blocks[record.path]
+        blocks, algorithm = source.manifest.blocks[record.path], source.manifest.block_algorithm
+        assert algorithm is not None  # (a record of block digests names their hash)
         index = found if isinstance(found, int) else _digests.first_differing(found.blocks, blocks)
         return (
             f"its bytes{where} are not those its digests in {_published.NAME} record: block {index} of "
-            f"{len(blocks) // _digests.SIZE} differs from its SHA-256: a changed byte"
+            f"{len(blocks) // _digests.SIZE} differs from its {algorithm.shown}: a changed byte"
         )
     return (
         f"its bytes{where} are not those its digest in {_published.NAME} records (xxh3-128 "
@@ -712,7 +713,7 @@ def _family_said(source: _source.Source, every: bool, missing: bool) -> tuple[st
     (`missing`: of a fine-tune whose base cannot be found, its own leaves)."""
     if not every:
         return ()
-    strength = _digests.strength(source.manifest.block_bytes)
+    strength = _digests.strength(source.manifest.block_bytes, source.manifest.block_algorithm)
     if missing:
         return (f"every leaf stored here, against the digests {_published.NAME} records of it ({strength})",)
     said = [f"every leaf's bytes, against the digests {_published.NAME} records of it ({strength})"]

@@ -928,13 +928,17 @@ def test_alternating_adds_rounds_until_the_interval_is_narrow(tmp_path):
 
 def test_alternating_loads_a_published_folder(tmp_path):
     """`--op load-published`: a process exports the workload once, and the
-    measuring processes load the published folder (its digests checked)."""
+    measuring processes load the published folder (its digests checked), or
+    (`--op slice-published`) read lazy slices of it."""
     from benchmarks import alternating
 
     job = {"workload": "tiny", "folder": str(tmp_path), "reps": 2, "published": True}
     alternating.work({**job, "op": "prepare"})
     assert (tmp_path / "published" / "eqx_ckpt.json").is_file() and not (tmp_path / "checkpoint").exists()
     timed = alternating.work({**job, "op": "load"})
+    assert len(timed["wall"]) == len(timed["cpu"]) == 2
+    # `--op slice-published`: lazy slices of 2 rows of the same folder.
+    timed = alternating.work({**job, "op": "slice"})
     assert len(timed["wall"]) == len(timed["cpu"]) == 2
 
 

@@ -313,10 +313,12 @@ def test_the_published_fixture_loads_bit_for_bit(published):
     lazy = eqx_ckpt.tree_deserialise_leaves(published, make_fixture.published_like(), lazy=True)
     assert np.asarray(lazy["small"]["u4"]).tobytes() == expected["small"]["u4"].tobytes()
     problems = eqx_ckpt.verify(published)
-    if int(published.name.removeprefix("published_")) < 4:
+    version = int(published.name.removeprefix("published_"))
+    if version < 4:
         assert problems == [] and "Safetensors files hold no checksums" in problems.unchecked[0]
-    else:  # every leaf against its block digests; a slice reads and checks its blocks
-        assert problems == [] and problems.unchecked == () and "sha256 per 1 MiB block" in problems.checked[0]
+    else:  # every leaf against its block digests (SHA-256, then BLAKE3); a slice reads and checks its blocks
+        said = f"{'sha256' if version == 4 else 'blake3'} per 1 MiB block"
+        assert problems == [] and problems.unchecked == () and said in problems.checked[0]
         large = max(ckpt, key=lambda k: ckpt[k].nbytes if hasattr(ckpt[k], "nbytes") else 0)
         assert ckpt[large].nbytes > 2**20
         rows = np.asarray(ckpt[large][1:3]) if ckpt[large].ndim else np.asarray(ckpt[large])
@@ -355,7 +357,7 @@ def test_the_family_fixture_holds_what_its_version_wrote(family):
     finetune, base = family / "finetune", family / "base"
     record = json.loads((finetune / "eqx_ckpt.json").read_text())
     version = int(family.name.removeprefix("published_"))
-    assert record["format_version"] == version in (2, 3, 4)
+    assert record["format_version"] == version in (2, 3, 4, 5)
     stem = "model" if version == 2 else "finetune"
     assert sorted(p.name for p in finetune.glob("*.safetensors*")) == [f"{stem}.safetensors"]
     with safe_open(str(finetune / f"{stem}.safetensors"), framework="np") as f:
@@ -371,7 +373,7 @@ def test_the_family_fixture_holds_what_its_version_wrote(family):
         assert metadata == {}
     sha256 = hashlib.sha256((base / "eqx_ckpt.json").read_bytes()).hexdigest()
     assert record["base"] == {"path": "../base", "sha256": sha256}
-    assert json.loads((base / "eqx_ckpt.json").read_text())["format_version"] == (1 if version < 4 else 4)
+    assert json.loads((base / "eqx_ckpt.json").read_text())["format_version"] == (1 if version < 4 else version)
     stored = []
     for file in sorted(finetune.glob("*.safetensors")):
         with safe_open(str(file), framework="np") as f:
@@ -382,8 +384,9 @@ def test_the_family_fixture_holds_what_its_version_wrote(family):
     assert taken["adapter.w"] == "small.f32" and taken["special.f32"] == "special.f32"
     if version < 4:
         assert all(re.fullmatch("xxh3-128:[0-9a-f]{32}", leaf["digest"]) for leaf in record["leaves"])
-    else:  # SHA-256 block digests, the base's leaves' too (issue 84)
-        assert all(re.fullmatch("sha256:[0-9a-f]{64}", leaf["digest"]) for leaf in record["leaves"])
+    else:  # block digests, the base's leaves' too (issue 84): SHA-256 in version 4, then BLAKE3
+        algorithm = "sha256" if version == 4 else "blake3"
+        assert all(re.fullmatch(f"{algorithm}:[0-9a-f]{{64}}", leaf["digest"]) for leaf in record["leaves"])
         assert all(re.fullmatch("([0-9a-f]{64})*", leaf["blocks"]) for leaf in record["leaves"])
     assert len(list(base.glob("model-*-of-*.safetensors"))) == 2
 

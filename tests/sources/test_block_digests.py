@@ -1,14 +1,16 @@
 """Every byte a lazy read returns is checked (issue 84): a published folder
-records the SHA-256 of each block of every leaf (`eqx_ckpt.json` version 4),
-and a slice, a row range, a prefix and a whole load of a leaf whose bytes were
-rewritten under an unchanged record each raise `IntegrityError` naming the
+records the BLAKE3 of each block of every leaf (`eqx_ckpt.json` version 5;
+version 4 recorded SHA-256, still checked with it), and a slice, a row
+range, a prefix and a whole load of a leaf whose bytes were rewritten under
+an unchanged record each raise `IntegrityError` naming the
 leaf, the block and the source; the other leaves (and blocks) still load bit
 for bit, and `verify` names the leaf (or the base). For every source a
 published folder, or a fine-tune's base, is read from: a local folder, one on
 S3 and on GCS, a fine-tune's own files, a fine-tune's base (a published
 folder, an eqx_ckpt checkpoint) given at load time, and over HTTP from the
 local Hub server and a mirror: a published folder, a fine-tune's own files
-and its `hf://` base, each served rewritten at its pinned commit."""
+and its `hf://` base, each served rewritten at its pinned commit. And the
+fixtures of versions 4 and 5, each checked with its version's hash."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import importlib.util
 import json
 import pathlib
 import re
+import shutil
 from typing import Any
 
 import equinox as eqx
@@ -64,23 +67,25 @@ def _others(tree: dict) -> tuple:
     return tree["model"]["head"], tree["model"]["body"]["bias"], tree["model"]["embed"]
 
 
-def _rewritten(data: bytes) -> bytes | None:
-    """The safetensors file `data` with other values in block `FLIPPED` of
-    the weight (same names, shapes, size); `None` where it does not hold it."""
+def _rewritten(data: bytes, name: str = WEIGHT, at: int = FLIPPED * BLOCK_BYTES + 100) -> bytes | None:
+    """The safetensors file `data` with an inf at byte `at` of the tensor
+    `name` (by default in block `FLIPPED` of the weight, among its counting
+    numbers; same names, shapes, size); `None` where it does not hold it."""
     size = int.from_bytes(data[:8], "little")
-    entry = json.loads(data[8 : 8 + size]).get(WEIGHT)
+    entry = json.loads(data[8 : 8 + size]).get(name)
     if entry is None:
         return None
-    start = 8 + size + entry["data_offsets"][0] + FLIPPED * BLOCK_BYTES
-    return data[: start + 100] + b"\x00\x00\x80\x7f" + data[start + 104 :]  # an inf among the counting numbers
+    start = 8 + size + entry["data_offsets"][0] + at
+    assert data[start : start + 4] != b"\x00\x00\x80\x7f"
+    return data[:start] + b"\x00\x00\x80\x7f" + data[start + 4 :]
 
 
-def _rewrite(where: Any) -> None:
-    """Rewrite the weight in the folder at `where` (a path, a kvstore spec or
-    a URL), under its unchanged `eqx_ckpt.json`."""
+def _rewrite(where: Any, name: str = WEIGHT, at: int = FLIPPED * BLOCK_BYTES + 100) -> None:
+    """Rewrite the tensor `name` (`_rewritten`) in the folder at `where` (a
+    path, a kvstore spec or a URL), under its unchanged `eqx_ckpt.json`."""
     store = ts.KvStore.open(location(where).kvstore).result()
     keys = [k for k in store.list().result() if k.endswith(b".safetensors")]
-    found = [(k, _rewritten(store.read(k).result().value)) for k in keys]
+    found = [(k, _rewritten(store.read(k).result().value, name, at)) for k in keys]
     ((key, data),) = [(k, d) for k, d in found if d is not None]
     store.write(key, data).result()
 
@@ -122,23 +127,28 @@ def _source(request: pytest.FixtureRequest, tmp_path: pathlib.Path, source: str)
     return where, {}, _tree()
 
 
-def _message(named: str, base: str | None = None) -> str:
+def _message(
+    named: str, base: str | None = None, *, leaf: str = WEIGHT, block: int = FLIPPED, hashed: str = "BLAKE3"
+) -> str:
     """What each error says: the leaf, the block, the source (and the base a
-    fine-tune takes the leaf from: a regular expression of how it is named)."""
-    taken = "" if base is None else rf".*taken from the base '{base}' \(its leaf '{re.escape(WEIGHT)}'\)"
-    return rf"Leaf `{re.escape(WEIGHT)}` in checkpoint '{re.escape(named)}[^']*'{taken}.*: block {FLIPPED} \("
+    fine-tune takes the leaf from: a regular expression of how it is named),
+    and the hash of the record's version."""
+    taken = "" if base is None else rf".*taken from the base '{base}' \(its leaf '{re.escape(leaf)}'\)"
+    said = rf": block {block} \(.*\) differs from its {hashed} digest in the record"
+    return rf"Leaf `{re.escape(leaf)}` in checkpoint '{re.escape(named)}[^']*'{taken}.*{said}"
 
 
 def _check_verified(problems: list[tuple[str | None, str]], taken: bool) -> None:
     """`verify`'s problems (leaf, message): the weight's block, or one of the
-    base, not one of each leaf taken from it (issue 88)."""
+    base, not one of each leaf taken from it (issue 88), with the hash of the
+    version an export writes."""
     if not taken:
         assert [leaf for leaf, _ in problems] == [WEIGHT], problems
-        assert f"block {FLIPPED} of 3 differs from its SHA-256" in problems[0][1]
+        assert f"block {FLIPPED} of 3 differs from its BLAKE3" in problems[0][1]
     else:
         assert [leaf for leaf, _ in problems] == [None], problems
         assert "holds other values than when the fine-tune was exported: 1 of the" in problems[0][1]
-        assert f"(`{WEIGHT}`)" in problems[0][1] and "sha256 per 1 MiB block" in problems[0][1]
+        assert f"(`{WEIGHT}`)" in problems[0][1] and "blake3 per 1 MiB block" in problems[0][1]
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -266,9 +276,59 @@ def test_rewritten_bytes_served_over_http_are_refused_by_every_read(hub, tmp_pat
             _check_verified([tuple(p) for p in problems], taken=repo == "me/ft")
 
 
+# -- Each version's fixture, checked with its version's hash -----------------------------------
+
+# The hash of each version's block digests: as an error names it, and as `verify` says a record's.
+HASHES = {4: ("SHA-256", "sha256"), 5: ("BLAKE3", "blake3")}
+
+
+@pytest.mark.parametrize("version", sorted(HASHES))
+def test_each_version_checks_its_blocks_with_its_hash(tmp_path, version):
+    """A copy of the fixture of version 4 (SHA-256 block digests) and of 5
+    (BLAKE3): its export's large leaf rewritten in its second block under its
+    unchanged record, and its fine-tune given a base holding other bytes in
+    the leaf it takes as `small.f32` and `adapter.w` (an export of its own,
+    whose record matches them: only the fine-tune's record, of its version,
+    can tell). Every read of them is refused, naming the hash of the version;
+    the other blocks and leaves load as in the fixture, bit for bit."""
+    shown, said = HASHES[version]
+    fixture, folder = places.FIXTURES / f"published_{version}", tmp_path / "fixture"
+    shutil.copytree(fixture, folder)
+    assert json.loads((folder / "eqx_ckpt.json").read_text())["format_version"] == version
+    _rewrite(folder, "big", BLOCK_BYTES)  # (row 256 of 257: the second block)
+    ckpt, original = eqx_ckpt.Checkpoint(folder), eqx_ckpt.Checkpoint(fixture)
+    message = _message(str(folder), leaf="big", block=1, hashed=shown)
+    for read in (lambda: ckpt["big"][255:257], lambda: np.asarray(ckpt["big"]), lambda: ckpt.load(trust=[])):
+        with pytest.raises(eqx_ckpt.IntegrityError, match=message):
+            read()
+    assert np.asarray(ckpt["big"][1:3]).tobytes() == np.asarray(original["big"][1:3]).tobytes()
+    problems = [(p.leaf, p.message) for p in eqx_ckpt.verify(folder)]
+    assert [leaf for leaf, _ in problems] == ["big"] and f"block 1 of 2 differs from its {shown}" in problems[0][1]
+    tree = eqx_ckpt.Checkpoint(fixture / "base").load(trust=[])
+    tree["small"]["f32"] = tree["small"]["f32"].at[0, 0].set(jnp.inf)
+    eqx_ckpt.export_safetensors(tmp_path / "forged", tree)
+    finetune = eqx_ckpt.Checkpoint(folder / "finetune", base=tmp_path / "forged")
+    message = _message(
+        str(folder / "finetune"), re.escape(str(tmp_path / "forged")), leaf="small.f32", block=0, hashed=shown
+    )
+    for read in (lambda: finetune["small.f32"][0:1], lambda: np.asarray(finetune["small.f32"])):
+        with pytest.raises(eqx_ckpt.IntegrityError, match=message):
+            read()
+    with pytest.raises(eqx_ckpt.IntegrityError, match=f"taken from the base .* differs from its {shown} digest"):
+        finetune.load(trust=[])
+    original = eqx_ckpt.Checkpoint(fixture / "finetune")
+    for leaf in ("special.f32", "model.layers.1.weight"):  # taken from the base, and its own
+        assert np.asarray(finetune[leaf]).tobytes() == np.asarray(original[leaf]).tobytes()
+    problems = [(p.leaf, p.message) for p in eqx_ckpt.verify(folder / "finetune", base=tmp_path / "forged")]
+    assert [leaf for leaf, _ in problems] == [None], problems
+    assert "holds other values than when the fine-tune was exported: 2 of the" in problems[0][1]
+    assert "(`adapter.w`, `small.f32`)" in problems[0][1] and f"({said} per 1 MiB block)" in problems[0][1]
+
+
 @pytest.mark.parametrize(
     ("folder", "said"),
     [
+        ("published_5", "blake3 per 1 MiB block"),
         ("published_4", "sha256 per 1 MiB block"),
         ("published_3/base", "xxh3-128 per leaf (an earlier version: checks accidents, not forgery)"),
     ],

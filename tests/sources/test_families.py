@@ -38,6 +38,7 @@ from families import (  # noqa: F401
     Family,
     _assert_same,
     _base_tree,
+    _blake3,
     _by_path,
     _digest,
     _finetuned,
@@ -47,7 +48,6 @@ from families import (  # noqa: F401
     _model,
     _no_reads,
     _record,
-    _sha256,
     _stored_bytes,
     _tensors,
 )
@@ -62,7 +62,7 @@ from eqx_ckpt._tools._cli import main
 def test_a_finetune_holds_only_the_leaves_it_changed(family):
     assert sorted(_tensors(family.finetune)) == CHANGED
     record = _record(family.finetune)
-    assert record["format_version"] == 4
+    assert record["format_version"] == 5
     sha256 = hashlib.sha256(family.record_file.read_bytes()).hexdigest()
     assert record["base"] == {"path": os.path.join("..", "base"), "sha256": sha256}
     assert (family.finetune / record["base"]["path"]).resolve() == family.base.resolve()
@@ -78,15 +78,15 @@ def test_a_finetune_holds_only_the_leaves_it_changed(family):
         assert data == _stored_bytes(expected[path]), path
 
 
-def test_an_export_without_a_base_is_version_4_with_every_digest(tmp_path):
+def test_an_export_without_a_base_is_version_5_with_every_digest(tmp_path):
     tree = _base_tree()
     eqx_ckpt.export_safetensors(tmp_path / "base", tree)
     record = _record(tmp_path / "base")
-    assert record["format_version"] == 4 and "base" not in record
+    assert record["format_version"] == 5 and "base" not in record
     stored = _tensors(tmp_path / "base")
     for path, leaf in _leaves(tmp_path / "base").items():
         assert "base" not in leaf
-        assert leaf["digest"] == _sha256(stored[path]), path
+        assert leaf["digest"] == _blake3(stored[path]), path
 
 
 # A fine-tune's files: named and labelled for what they hold.
@@ -187,7 +187,7 @@ def test_an_export_into_a_folder_switching_between_finetune_and_whole_deletes_th
     assert all(n.startswith(("finetune", "eqx_ckpt")) for n in _files(folder))
     eqx_ckpt.export_safetensors(folder, finetuned, max_shard_size=shard)
     assert all(n.startswith(("model", "eqx_ckpt")) for n in _files(folder))
-    assert _record(folder)["format_version"] == 4
+    assert _record(folder)["format_version"] == 5
     _assert_same(eqx_ckpt.Checkpoint(folder).load(trust=[Classifier]), finetuned)
     eqx_ckpt.export_safetensors(folder, eqx_ckpt.Checkpoint(folder), base=tmp_path / "base", max_shard_size=shard)
     assert all(n.startswith(("finetune", "eqx_ckpt")) for n in _files(folder)) and sorted(_tensors(folder)) == CHANGED
@@ -258,7 +258,7 @@ def test_a_version_2_finetune_exported_again_is_version_3_and_leaves_no_model_fi
     folder = tmp_path / "family" / "finetune"
     before = eqx_ckpt.Checkpoint(folder).load(trust=[])
     eqx_ckpt.export_safetensors(folder, eqx_ckpt.Checkpoint(folder))
-    assert _files(folder) == ["eqx_ckpt.json", "finetune.safetensors"] and _record(folder)["format_version"] == 4
+    assert _files(folder) == ["eqx_ckpt.json", "finetune.safetensors"] and _record(folder)["format_version"] == 5
     after = eqx_ckpt.Checkpoint(folder).load(trust=[])
     assert jax.tree.structure(after) == jax.tree.structure(before)  # (NaNs among them: compared bit for bit)
     assert [bits(x) for x in jax.tree.leaves(after)] == [bits(x) for x in jax.tree.leaves(before)]
@@ -402,11 +402,11 @@ def test_nothing_or_everything_changed(tmp_path, changed, kind):
     record = _record(tmp_path / "ft")
     taken = [path for path, leaf in _leaves(tmp_path / "ft").items() if "base" in leaf]
     if changed == "nothing":
-        assert record["format_version"] == 4 and record["base"]["path"] == os.path.join("..", "base")
+        assert record["format_version"] == 5 and record["base"]["path"] == os.path.join("..", "base")
         assert sorted(p.name for p in (tmp_path / "ft").glob("*.safetensors")) == ["finetune.safetensors"]
         assert _tensors(tmp_path / "ft") == {} and sorted(taken) == sorted(_by_path(tree))
     else:  # nothing taken from the base: a standalone folder, which loads without it
-        assert record["format_version"] == 4 and "base" not in record
+        assert record["format_version"] == 5 and "base" not in record
         assert sorted(_tensors(tmp_path / "ft")) == sorted(_by_path(tree)) and taken == []
     _assert_same(eqx_ckpt.Checkpoint(tmp_path / "ft").load(trust=[Classifier]), tree)
     _assert_same(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", _like(tree)), tree)
@@ -556,7 +556,7 @@ def test_a_standalone_export_holds_every_leaf_and_loads_without_the_base(family)
     out = family.finetune.parent / "standalone"
     eqx_ckpt.export_safetensors(out, eqx_ckpt.Checkpoint(family.finetune), standalone=True)
     record = _record(out)
-    assert record["format_version"] == 4 and "base" not in record
+    assert record["format_version"] == 5 and "base" not in record
     assert all("base" not in leaf for leaf in record["leaves"])
     expected = _by_path(family.tree)
     assert {name: data for name, data in _tensors(out).items()} == {p: _stored_bytes(x) for p, x in expected.items()}
@@ -597,7 +597,7 @@ def test_the_cli_exports_against_a_base_and_standalone(tmp_path, capsys):
     # --standalone: every leaf; it loads with the base gone.
     assert main(["export", str(tmp_path / "cli"), str(tmp_path / "alone"), "--standalone"]) == 0
     eqx_ckpt.export_safetensors(tmp_path / "lib_alone", eqx_ckpt.Checkpoint(tmp_path / "lib"), standalone=True)
-    assert _record(tmp_path / "alone")["format_version"] == 4
+    assert _record(tmp_path / "alone")["format_version"] == 5
     assert (tmp_path / "alone" / "model.safetensors").read_bytes() == (
         tmp_path / "lib_alone" / "model.safetensors"
     ).read_bytes()
@@ -628,7 +628,7 @@ def test_a_full_finetune_exported_against_its_base_is_standalone_and_says_so(tmp
         eqx_ckpt.export_safetensors(tmp_path / "ft", tuned, base=tmp_path / "base")
     [said] = [r.getMessage() for r in caplog.records if "standalone" in r.getMessage()]
     record = _record(tmp_path / "ft")
-    assert record["format_version"] == 4 and "base" not in record
+    assert record["format_version"] == 5 and "base" not in record
     on_disk = _tensors(tmp_path / "ft")
     assert sorted(on_disk) == sorted(_by_path(tuned))
     total = sum(len(data) for data in on_disk.values())
@@ -713,7 +713,7 @@ def test_a_reexport_of_a_finetune_keeps_its_base(family):
         ):
             eqx_ckpt.export_safetensors(out, eqx_ckpt.Checkpoint(family.finetune))
         again = _record(out)
-        assert again["format_version"] == 4
+        assert again["format_version"] == 5
         assert again["base"]["sha256"] == record["base"]["sha256"]
         assert again["base"]["path"] == os.path.relpath(family.base, out)
         assert _leaves(out) == _leaves(family.finetune)
@@ -727,7 +727,7 @@ def test_a_reexport_of_a_finetune_keeps_its_base(family):
     # A lazily loaded tree of it is a tree, not a `Checkpoint`: exported against the base given (none here).
     lazy = eqx_ckpt.tree_deserialise_leaves(family.finetune, _like(family.tree), lazy=True)
     eqx_ckpt.export_safetensors(family.finetune.parent / "tree", lazy)
-    assert _record(family.finetune.parent / "tree")["format_version"] == 4
+    assert _record(family.finetune.parent / "tree")["format_version"] == 5
 
 
 # Chains.
@@ -793,7 +793,7 @@ def _set(record: dict[str, Any], **fields: Any) -> None:
 
 
 def _as_version(record: dict[str, Any], version: int) -> None:
-    """`record` (version 4) made to say an earlier `version`: one xxh3-128 digest a leaf, no blocks."""
+    """`record` (version 5) made to say an earlier `version`: one xxh3-128 digest a leaf, no blocks."""
     record.update(format_version=version)
     record.pop("block_bytes")
     for leaf in record["leaves"]:
@@ -807,11 +807,11 @@ HOSTILE = {
         lambda r: (_as_version(r, 1), r.pop("base")),
         "it names a base, which only format version 2",
     ),
-    "version 4 taking leaves without a base": (
+    "version 5 taking leaves without a base": (
         lambda r: r.pop("base"),
-        "format version 4 records a `base` object with a `path`",
+        "format version 5 records a `base` object with a `path`",
     ),
-    "version 4 with blocks missing": (
+    "version 5 with blocks missing": (
         lambda r: _set(r, block_bytes=3),
         "`block_bytes` 3 is not a power of two from 64 KiB to 64 MiB",
     ),
@@ -853,20 +853,20 @@ HOSTILE = {
         "is not pinned by the sha256 of its record",
     ),
     "a malformed digest": (
-        lambda r: _taken_leaf(r).update(digest="sha256:xyz"),
-        "the leaf 'embed' has the digest 'sha256:xyz', not sha256:<64 hex digits>",
+        lambda r: _taken_leaf(r).update(digest="blake3:xyz"),
+        "the leaf 'embed' has the digest 'blake3:xyz', not blake3:<64 hex digits>",
     ),
     "a digest of another hash": (
         lambda r: _stored_leaf(r).update(digest="xxh3-128:" + "0" * 32),
         "the leaf 'step' has the digest 'xxh3-128:",
     ),
     "a digest that is not that of its blocks": (
-        lambda r: _stored_leaf(r).update(digest="sha256:" + "0" * 64),
-        "the leaf 'step' records a `digest` that is not the SHA-256 of its `blocks`",
+        lambda r: _stored_leaf(r).update(digest="blake3:" + "0" * 64),
+        "the leaf 'step' records a `digest` that is not the BLAKE3 of its `blocks`",
     ),
     "blocks that are too few": (
         lambda r: _stored_leaf(r).update(blocks=""),
-        "the leaf 'step' records `blocks` that are not 1 SHA-256 digests in hex",
+        "the leaf 'step' records `blocks` that are not 1 BLAKE3 digests in hex",
     ),
     "a digest that is no string": (lambda r: _stored_leaf(r).update(digest=7), "the leaf 'step' has the digest '7'"),
     "a reference without a digest": (

@@ -2,7 +2,6 @@
 `eqx_ckpt.json` and a model card, and the folder loads everywhere a checkpoint
 path is accepted, each leaf as it was, with no code from the folder."""
 
-import hashlib
 import json
 import os
 import re
@@ -11,6 +10,7 @@ import sys
 import textwrap
 import warnings
 
+import blake3
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -160,11 +160,11 @@ def test_eqx_ckpt_json_holds_the_records_structure_and_info(folder):
         "structure",
         "leaves",
     }
-    assert (record["format"], record["format_version"], record["block_bytes"]) == ("eqx_ckpt.safetensors", 4, 2**20)
+    assert (record["format"], record["format_version"], record["block_bytes"]) == ("eqx_ckpt.safetensors", 5, 2**20)
     assert record["info"] == {"description": "test"} and record["structure"]["t"] == "dict"
     leaves = {leaf["path"]: leaf for leaf in record["leaves"]}
-    # Each leaf records the SHA-256 of each MiB of its tensor's bytes, and its
-    # digest is the SHA-256 of those (issue 84: a slice checks its blocks).
+    # Each leaf records the BLAKE3 of each MiB of its tensor's bytes, and its
+    # digest is the BLAKE3 of those (issue 84: a slice checks its blocks; version 4 said SHA-256).
     stored = {}
     for file in folder.glob("*.safetensors"):
         data = file.read_bytes()
@@ -176,9 +176,9 @@ def test_eqx_ckpt_json_holds_the_records_structure_and_info(folder):
     assert sorted(stored) == sorted(leaves)
     for name, leaf in leaves.items():
         data = stored[name]
-        blocks = b"".join(hashlib.sha256(data[i : i + 2**20]).digest() for i in range(0, len(data), 2**20))
+        blocks = b"".join(blake3.blake3(data[i : i + 2**20]).digest() for i in range(0, len(data), 2**20))
         assert leaf.pop("blocks") == blocks.hex(), name
-        assert leaf.pop("digest") == "sha256:" + hashlib.sha256(blocks).hexdigest(), name
+        assert leaf.pop("digest") == "blake3:" + blake3.blake3(blocks).hexdigest(), name
     assert leaves["i4"] == {
         "path": "i4",
         "keypath": [["key", "i4"]],
@@ -326,6 +326,15 @@ HOSTILE = {
     "a key data shape that does not fit": (
         lambda r: _leaf(r, "key").update(stored_shape=[3]),
         "the key data of 'threefry2x32' keys of shape [] is uint32 of shape [2]",
+    ),
+    # The version says the hash: a digest of another is refused, never checked with the hash it names.
+    "a SHA-256 digest in version 5": (
+        lambda r: _leaf(r, "step").update(digest="sha256:" + _leaf(r, "step")["digest"].removeprefix("blake3:")),
+        "the leaf 'step' has the digest 'sha256:",
+    ),
+    "version 4 with BLAKE3 digests": (
+        lambda r: r.update(format_version=4),
+        "not sha256:<64 hex digits>",
     ),
 }
 

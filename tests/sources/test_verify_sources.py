@@ -148,7 +148,7 @@ def test_a_flipped_byte_in_a_published_folder_is_found_by_its_digest(tmp_path, c
     problems = eqx_ckpt.verify(path)
     assert [p.leaf for p in problems] == ["model.w"]
     assert re.search(
-        r"its bytes are not those its digests in eqx_ckpt.json record: block \d+ of \d+ differs from its SHA-256: "
+        r"its bytes are not those its digests in eqx_ckpt.json record: block \d+ of \d+ differs from its BLAKE3: "
         r"a changed byte",
         problems[0].message,
     )

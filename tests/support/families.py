@@ -3,11 +3,11 @@ each kind (`BASES`, made by `_make_base`), its head-only fine-tune
 (`_finetuned`), and what those tests compare and read with. The `family`
 fixture (tests/sources/conftest.py) builds one of each kind."""
 
-import hashlib
 import json
 import pathlib
 from typing import Any, NamedTuple
 
+import blake3
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -118,13 +118,13 @@ def _stored_bytes(x: Any) -> bytes:
 
 
 def _digest(x: Any) -> str:
-    return _sha256(_stored_bytes(x))
+    return _blake3(_stored_bytes(x))
 
 
-def _sha256(data: bytes) -> str:
-    """The digest `eqx_ckpt.json` version 4 records: the SHA-256 of its blocks' SHA-256s."""
-    blocks = b"".join(hashlib.sha256(data[i : i + 2**20]).digest() for i in range(0, len(data), 2**20))
-    return "sha256:" + hashlib.sha256(blocks).hexdigest()
+def _blake3(data: bytes) -> str:
+    """The digest `eqx_ckpt.json` version 5 records: the BLAKE3 of its blocks' BLAKE3s."""
+    blocks = b"".join(blake3.blake3(data[i : i + 2**20]).digest() for i in range(0, len(data), 2**20))
+    return "blake3:" + blake3.blake3(blocks).hexdigest()
 
 
 def _by_path(tree: Any) -> dict[str, Any]:

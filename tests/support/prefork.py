@@ -46,7 +46,7 @@ from typing import IO, Any
 
 # What the template imports (those installed): eqx_ckpt's dependencies and
 # huggingface_hub's. None reads an `HF_*` variable or starts a Python thread.
-PRELOAD = ["numpy", "jax", "jax.numpy", "equinox", "tensorstore", "crc32c", "xxhash", "orjson"]
+PRELOAD = ["numpy", "jax", "jax.numpy", "equinox", "tensorstore", "crc32c", "xxhash", "blake3", "orjson"]
 PRELOAD += ["yaml", "fsspec", "tqdm", "filelock", "httpx2", "httpcore2", "anyio", "trio", "truststore"]
 
 
