@@ -123,7 +123,11 @@ def read_file_stamped(loc: Location, name: str, *, limit: int) -> tuple[bytes | 
                 st = local_stat(f.fileno())
                 if st.st_size > limit:
                     raise _storage_errors.too_large(loc, name, limit, st.st_size)
-                data, stamp = f.read(limit + 1), _stat_stamp(st)
+                # As many bytes as the stat says, and one more: a read of
+                # `limit` bytes would allocate all of them (256 MiB for a manifest).
+                data, stamp = f.read(st.st_size + 1), _stat_stamp(st)
+                if st.st_size < len(data) <= limit:  # it grew since the stat: read on, to the limit
+                    data += f.read(limit + 1 - len(data))
         except FileNotFoundError:  # deleted since the check (a writer's retention)
             return None, b""
         except SpecialFileError as e:  # put in its place since the check

@@ -61,3 +61,21 @@ def test_exists_refuses_a_linked_file_as_a_read_does(tmp_path):
     with pytest.raises(CorruptCheckpointError) as asked:
         _storage.file_exists(loc, _format.MANIFEST)
     assert str(asked.value) == str(read.value)
+
+
+def test_a_small_file_read_under_a_large_limit_allocates_its_size(tmp_path):
+    """A manifest is read under a limit of 256 MiB; the read allocates what the
+    file holds, not the limit (every `Checkpoint(path)` opened read one)."""
+    import tracemalloc
+
+    (tmp_path / "small").write_bytes(b"x" * 1000)
+    loc = location(str(tmp_path))
+    tracemalloc.start()
+    try:
+        data, _ = _storage.read_file_stamped(loc, "small", limit=256 * 2**20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert data == b"x" * 1000 and peak < 2**20, peak
+    with pytest.raises(CorruptCheckpointError, match="more than the 999"):
+        _storage.read_file_stamped(loc, "small", limit=999)
