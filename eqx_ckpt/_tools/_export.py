@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import types
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from .._base._errors import (
     CheckpointTypeError,
     CheckpointValueError,
     LeafError,
+    caller_level,
     leaf_message,
 )
 from .._base._location import Location, location
@@ -39,7 +41,7 @@ from .._foreign import _safetensors
 from .._load import _family, _rebuild
 from .._load._checkpoint import Checkpoint, need
 from .._load._lazy import LazyArray
-from .._ondisk import _digests, _dtypes, _published, _structure
+from .._ondisk import _digests, _dtypes, _iterators, _published, _structure
 from .._ondisk._format import CARD, LEAF_TYPES, MANIFEST, UNPUBLISHED_SUFFIX, LeafRecord, dtype_from_name, whole_chunks
 from .._store import _durable, _storage
 from . import _card, _matching
@@ -333,6 +335,7 @@ def _exported(pytree: Any, options: ExportOptions) -> tuple[Any, list[_Tensor], 
     if isinstance(pytree, (str, os.PathLike)):
         pytree = Checkpoint(pytree, token=options.token)
     found, structure = _within(*_tensors(pytree), options.prefix)
+    _warn_of_iterators(pytree, options.prefix)
     tensors = _named(found, options.rename)
     if not tensors:
         raise CheckpointValueError(
@@ -445,6 +448,26 @@ def _shard_bytes(size: int | str) -> int:
             f"`max_shard_size` must be a positive number of bytes or a size like '5GB' or '500MiB', not {size!r}."
         )
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def _warn_of_iterators(pytree: Any, prefix: Any) -> None:
+    """Warn of the data iterators under `prefix` (a run's data position, which
+    a published folder, a model's arrays, does not hold)."""
+    if isinstance(pytree, Checkpoint):
+        paths = [it.path for it in pytree._manifest.iterators]
+    else:
+        leaves, names = _tree.flatten_named(pytree, lambda x: isinstance(x, LazyArray))
+        paths = [names.paths[i] for i in _iterators.found(leaves)]
+    paths = [p for p in paths if not isinstance(prefix, str) or _keypath.is_within(p, prefix)]
+    if paths:
+        named = ", ".join(f"`{p}`" for p in paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+        warnings.warn(
+            f"Not exported: {named}, a data iterator's state (a run's data position). A published folder holds a "
+            f"model's arrays; save the run with `tree_serialise_leaves` or a `CheckpointManager` to keep its data "
+            f"position, and export the model alone (`prefix=`) to leave this warning out.",
+            UserWarning,
+            stacklevel=caller_level(),
+        )
 
 
 def _tensors(pytree: Any) -> tuple[list[_Tensor], Any]:

@@ -5,6 +5,7 @@ import json
 import os
 import random
 import re
+import warnings
 
 import equinox as eqx
 import grain
@@ -442,3 +443,19 @@ def test_diff_of_an_iterator_in_one_checkpoint_only(tmp_path):
     changes = eqx_ckpt.diff(tmp_path / "c", tmp_path / "a")
     assert list(changes) == ["+ data", "+ z"] and changes.added == ("data", "z")
     assert list(eqx_ckpt.diff(tmp_path / "a", tmp_path / "c")) == ["- data", "- z"]
+
+
+def test_an_export_names_the_iterators_it_leaves_out(tmp_path):
+    """A published folder holds a model's arrays: a run's data position is not
+    exported, and the export says so, naming it (never silently)."""
+    run = {"model": {"w": jnp.ones(3)}, "data": Position({"at": 2})}
+    # (and, as for any object, that a load without `like` cannot rebuild it)
+    with pytest.warns(eqx_ckpt.NeedsCodeWarning), pytest.warns(UserWarning, match=r"Not exported: `data`, a data"):
+        eqx_ckpt.export_safetensors(tmp_path / "pub", run)
+    eqx_ckpt.tree_serialise_leaves(tmp_path / "c", run)
+    with pytest.warns(eqx_ckpt.NeedsCodeWarning), pytest.warns(UserWarning, match=r"Not exported: `data`"):
+        eqx_ckpt.export_safetensors(tmp_path / "pub2", tmp_path / "c")  # a checkpoint's path, likewise
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the model alone: no warning
+        eqx_ckpt.export_safetensors(tmp_path / "model", run, prefix="model")
+    assert eqx_ckpt.Checkpoint(tmp_path / "model").keys() == {"w"}
