@@ -33,6 +33,7 @@ from .._base._errors import (
     CheckpointValueError,
     LeafError,
     caller_level,
+    from_file,
     leaf_message,
 )
 from .._base._location import Location, location
@@ -334,8 +335,9 @@ def _exported(pytree: Any, options: ExportOptions) -> tuple[Any, list[_Tensor], 
     `prefix` as `rename` names them (an error where there are none), and their structure record."""
     if isinstance(pytree, (str, os.PathLike)):
         pytree = Checkpoint(pytree, token=options.token)
-    found, structure = _within(*_tensors(pytree), options.prefix)
-    _warn_of_iterators(pytree, options.prefix)
+    tensors, structure, iterators = _tensors(pytree)
+    found, structure = _within(tensors, structure, options.prefix)
+    _warn_of_iterators(iterators, options.prefix)
     tensors = _named(found, options.rename)
     if not tensors:
         raise CheckpointValueError(
@@ -450,17 +452,15 @@ def _shard_bytes(size: int | str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
-def _warn_of_iterators(pytree: Any, prefix: Any) -> None:
-    """Warn of the data iterators under `prefix` (a run's data position, which
-    a published folder, a model's arrays, does not hold)."""
-    if isinstance(pytree, Checkpoint):
-        paths = [it.path for it in pytree._manifest.iterators]
-    else:
-        leaves, names = _tree.flatten_named(pytree, lambda x: isinstance(x, LazyArray))
-        paths = [names.paths[i] for i in _iterators.found(leaves)]
+def _warn_of_iterators(paths: list[str], prefix: Any) -> None:
+    """Warn of the data iterators (at dotted `paths`) under `prefix`: a run's
+    data position, which a published folder, a model's arrays, does not hold."""
     paths = [p for p in paths if not isinstance(prefix, str) or _keypath.is_within(p, prefix)]
     if paths:
-        named = ", ".join(f"`{p}`" for p in paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+        # (a checkpoint's paths were read from its manifest: shown escaped)
+        named = ", ".join(f"`{from_file(p)}`" for p in paths[:5]) + (
+            f" and {len(paths) - 5} more" if len(paths) > 5 else ""
+        )
         warnings.warn(
             f"Not exported: {named}, a data iterator's state (a run's data position). A published folder holds a "
             f"model's arrays; save the run with `tree_serialise_leaves` or a `CheckpointManager` to keep its data "
@@ -470,11 +470,13 @@ def _warn_of_iterators(pytree: Any, prefix: Any) -> None:
         )
 
 
-def _tensors(pytree: Any) -> tuple[list[_Tensor], Any]:
-    """The tensors of `pytree`, in order, and the structure record of its tree
-    (`_structure`; a checkpoint's own, or `None` where it has none)."""
+def _tensors(pytree: Any) -> tuple[list[_Tensor], Any, list[str]]:
+    """The tensors of `pytree`, in order, the structure record of its tree
+    (`_structure`; a checkpoint's own, or `None` where it has none), and the
+    dotted paths of its data iterators (which are not exported)."""
     if isinstance(pytree, Checkpoint):
-        return [_stored(pytree, key) for key in pytree], _rebuild.record_of(pytree._manifest, pytree.path)
+        iterators = [it.path for it in pytree._manifest.iterators]
+        return [_stored(pytree, key) for key in pytree], _rebuild.record_of(pytree._manifest, pytree.path), iterators
     leaves, names = _tree.flatten_named(pytree, lambda x: isinstance(x, LazyArray), keypaths=True)
     abstract = [(names.keypath(i), x) for i, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)]
     if abstract:
@@ -482,7 +484,7 @@ def _tensors(pytree: Any) -> tuple[list[_Tensor], Any]:
     tensors = [t for i, x in enumerate(leaves) if (t := _leaf(names.paths[i], names.records[i], x)) is not None]
     saved = {t.record.path for t in tensors}
     structure = _structure.record(names.treedef, leaves, [p in saved for p in names.paths], names.records)
-    return tensors, structure
+    return tensors, structure, [names.paths[i] for i in _iterators.found(leaves)]
 
 
 def _leaf(path: str, keypath: list[list[Any]], leaf: Any) -> _Tensor | None:
