@@ -25,11 +25,11 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
+
+from .staging import measure_in_fresh_process
 
 MIB = 2**20
 
@@ -83,13 +83,7 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
 
 def run_one(job: dict[str, Any]) -> dict[str, Any]:
     """`measure(job)` in a fresh Python process; its row (or its error)."""
-    code = "import json, sys; from benchmarks import merge; print(json.dumps(merge.measure(json.loads(sys.argv[1]))))"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(job)], capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        return {"error": done.stderr[-2000:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return measure_in_fresh_process("merge", job)
 
 
 def make_models(root: str, gib: float, leaves: int) -> list[str]:

@@ -101,8 +101,14 @@ class _staged_probe:
 
 def run_one(job: dict[str, Any]) -> dict[str, Any]:
     """`measure(job)` in a fresh Python process; its row (or its error)."""
+    return measure_in_fresh_process("staging", job)
+
+
+def measure_in_fresh_process(module: str, job: dict[str, Any]) -> dict[str, Any]:
+    """`benchmarks.<module>.measure(job)` in a fresh Python process, its
+    result printed as JSON on its last line; that row (or its error)."""
     code = (
-        "import json, sys; from benchmarks import staging; print(json.dumps(staging.measure(json.loads(sys.argv[1]))))"
+        f"import json, sys; from benchmarks import {module} as m; print(json.dumps(m.measure(json.loads(sys.argv[1]))))"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
