@@ -5,6 +5,7 @@ import json
 import os
 import random
 import re
+import signal
 import warnings
 
 import equinox as eqx
@@ -97,16 +98,17 @@ def env(tmp_path):
     return environ
 
 
-def _run(directory, out, env, term_at=None, processes=1, workers=0):
+def _run(directory, out, env, term_at=None, processes=1, workers=0, kill_at=None):
     """One launch of `iterator_worker.py DIRECTORY STEPS OUT [TERM_AT]` in
     `processes` processes of a `jax.distributed` job (each forked from a
     `prefork` template that imported JAX: a new process all the same, with its
     own data loader, model, manager and SIGTERM): each process's batches, and
-    the line each ended with."""
+    the line each ended with (`None` for a run SIGKILLed at `kill_at`)."""
     out.mkdir()
     port, launched = places.free_port(), []
     for i in range(processes):
         flags = [f"--workers={workers}"] + ([f"--process={i},{processes},{port}"] if processes > 1 else [])
+        flags += [] if kill_at is None else [f"--kill-at={kill_at}"]
         args = [str(WORKER), *flags, str(directory), str(STEPS), str(out)] + ([] if term_at is None else [str(term_at)])
         log = out.parent / f"{out.name}.{i}.log"
         launched.append((prefork.spawn(args, env=env, output=log), log))
@@ -118,6 +120,9 @@ def _run(directory, out, env, term_at=None, processes=1, workers=0):
                 process.kill()
                 process.wait()
     logs = [log.read_text() for _, log in launched]
+    if kill_at is not None:
+        assert codes == [-signal.SIGKILL] * processes, "\n".join(logs)
+        return None
     assert codes == [0] * processes, "\n".join(logs)
     names = ["batches.json"] if processes == 1 else [f"batches.{i}.json" for i in range(processes)]
     # (Grain's workers may leave a warning of Python's after it)
@@ -161,6 +166,22 @@ def test_a_preempted_run_resumes_its_data_and_ends_bit_for_bit(tmp_path, env, pr
     _same_model(tmp_path / "whole_out" / "model", tmp_path / "second" / "model")
     if processes > 1:
         _check_per_process(tmp_path / "run", stopped, whole)
+
+
+def test_a_killed_run_resumes_its_data_from_its_last_step_bit_for_bit(tmp_path, env):
+    """A run SIGKILLed (no save, no exit work) after it took a batch resumes,
+    in a fresh process, from its last committed step: it takes again the
+    batches after that step, as an uninterrupted run does, and ends with its
+    parameters bit for bit."""
+    kill_at = random.Random(SEED).randrange(3, STEPS - 1)  # after step 2's periodic save
+    print(f"SIGKILL after step {kill_at}'s batch (EQX_CKPT_ITERATOR_SEED={SEED})")
+    (whole,), _ = _run(tmp_path / "whole", tmp_path / "whole_out", env)
+    assert _run(tmp_path / "run", tmp_path / "first", env, kill_at=kill_at) is None
+    latest = eqx_ckpt.CheckpointManager(tmp_path / "run").latest_step()
+    assert latest == kill_at - 1 - (kill_at - 1 - 2) % 3  # the last periodic save (steps 2, 5, ...) before it
+    (second,), ends = _run(tmp_path / "run", tmp_path / "second", env)
+    assert ends == ["finished"] and second == whole[latest + 1 :]
+    _same_model(tmp_path / "whole_out" / "model", tmp_path / "second" / "model")
 
 
 def _check_per_process(run, step, whole):

@@ -14,7 +14,8 @@ own shard of the records (Grain's `ShardOptions`), and its model is its own row
 of a global array sharded over the processes, trained on its batches alone, so
 that no collective is needed; its batches go to OUT/batches.I.json, and only
 process 0 sends itself SIGTERM (the manager stops every process at the same
-step). `--workers=K` reads with K Grain worker processes.
+step). `--workers=K` reads with K Grain worker processes. `--kill-at=STEP`
+makes it SIGKILL itself once it took the batch of step STEP.
 """
 
 import gc
@@ -111,6 +112,8 @@ def main(directory: str, steps: int, out: str, term_at: int | None, options: dic
             state = manager.restore(state, step=latest)
         for step in range(0 if latest is None else latest + 1, steps):
             x = next(state["data"])
+            if step == int(options.get("kill-at", -1)):
+                os.kill(os.getpid(), signal.SIGKILL)  # no save, no exit work: the last committed step is all
             taken.append(x.tolist())
             state = _step_sharded(state, x) if sharded else _step(state, x)
             if step == term_at and jax.process_index() == 0:
