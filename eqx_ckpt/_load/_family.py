@@ -72,9 +72,8 @@ from .._base._location import Location, location
 from .._foreign import _safetensors
 from .._ondisk import _digests, _published
 from .._ondisk._format import LeafRecord
-from .._store import _storage, _storage_errors
+from .._store import _chunk_files, _storage, _storage_errors
 from .._store._local_paths import local_entry, local_link, local_names
-from . import _pack
 
 # A `_source.Source` and its `Options` (typed loosely: `_source` imports this
 # module, not the reverse).
@@ -662,7 +661,7 @@ def _open(source: Source, lazy: Base, record: LeafRecord) -> Any:
     found = taken[record.path]
     if found.pack is not None:  # a tiny leaf of an eqx_ckpt base, packed with others
         try:
-            opened = _storage.ready(_storage.in_memory(_pack.read_alone(base.data, found)))
+            opened = _storage.ready(_storage.in_memory(_chunk_files.read_alone(base.data, found)))
         except Exception as e:
             raise _unreadable(source, base, record, found, e) from e
     else:

@@ -75,17 +75,6 @@ def read_leaves(
         yield members, first, finish
 
 
-def read_alone(loc: Location, record: LeafRecord) -> np.ndarray:
-    """The elements of one packed leaf (its stored shape), read as a run of its
-    own: how a reader whose run failed finds the damaged leaf. A failure is
-    raised as storage raised it."""
-    pack = record.pack
-    assert pack is not None
-    _faults.fire("pack.read_run", loc, pack, [record.path])
-    runs = _chunk_files.chunk_files(loc).pack_runs(cached=True)
-    return runs.start(pack, record.offset, record.offset + record.size, record)().reshape(record.stored_shape)
-
-
 def read_chunks(
     loc: Location, pack: PackRecord, records: Sequence[LeafRecord], *, max_reads: int
 ) -> Iterator[tuple[int, Callable[[], np.ndarray]]]:

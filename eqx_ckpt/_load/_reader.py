@@ -229,7 +229,7 @@ def _unpacked(
         # Which leaf of the run is damaged: read them one by one.
         for m in members:
             try:
-                _pack.read_alone(data, records[m])
+                _chunk_files.read_alone(data, records[m])
             except Exception as each:
                 raise _storage_errors.leaf_io_error(each, records[m], data, "read") from e
         raise _storage_errors.leaf_io_error(e, records[members[0]], data, "read") from e

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Protocol
 import crc32c
 import numpy as np
 
-from .._base import _interrupts, _location
+from .._base import _faults, _interrupts, _location
 from .._base._location import Location
 from .._base._progress import Tracker
 from .._ondisk import _format, _manifest
@@ -54,6 +54,18 @@ def chunk_files(loc: Location) -> ChunkFiles:
 def read_local_range(path: str, start: int, end: int) -> np.ndarray | None:
     """Bytes `start` to `end` of another program's local file (`_local_read.read_range`)."""
     return _local_read.read_range(path, start, end)
+
+
+def read_alone(loc: Location, record: LeafRecord) -> np.ndarray:
+    """The elements of one packed leaf (its stored shape), read as a run of its
+    own: how a reader whose run failed finds the damaged leaf, and how a
+    fine-tune reads a leaf it takes from a packed base. A failure is raised
+    as storage raised it."""
+    pack = record.pack
+    assert pack is not None
+    _faults.fire("pack.read_run", loc, pack, [record.path])
+    runs = chunk_files(loc).pack_runs(cached=True)
+    return runs.start(pack, record.offset, record.offset + record.size, record)().reshape(record.stored_shape)
 
 
 def compressing_bytes() -> int:
