@@ -1,3 +1,3 @@
-"""The load story: sources, the plan, the readers, replicated restores, lazy
-leaves, trees rebuilt without their code, `Checkpoint`.
+"""The load story: the plan, the readers, replicated restores, lazy leaves,
+trees rebuilt without their code, `Checkpoint`.
 """

@@ -21,8 +21,9 @@ from .._ondisk._format import SCALAR_TYPES, LeafRecord
 from .._ondisk._iterators import IteratorRecord
 from .._ondisk._manifest import loads_file
 from .._ondisk._trust import Trust
+from .._sources import _source
 from .._store import _chunk_files
-from . import _deserialise, _lazy, _rebuild, _source
+from . import _deserialise, _lazy, _rebuild
 from ._lazy import LazyArray
 from ._load_plan import LoadOptions
 

@@ -24,12 +24,13 @@ from .._base._progress import Progress, Tracker
 from .._ondisk import _dtypes, _iterators
 from .._ondisk._format import SCALAR_TYPES
 from .._ondisk._trust import Trust
+from .._sources import _source
+from .._sources._source import Source
 from .._store import _window
-from . import _lazy, _load_plan, _reader, _rebuild, _source
+from . import _lazy, _load_plan, _reader, _rebuild
 from ._lazy import LazyArray, is_lazy
 from ._load_plan import LeafPlan, LoadOptions, LoadPlan
 from ._load_report import Report
-from ._source import Source
 
 
 def default_deserialise_filter_spec(handle: LeafHandle, x: Any) -> Any:

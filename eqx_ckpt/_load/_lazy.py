@@ -32,15 +32,16 @@ from .._base._location import Location
 from .._base._progress import Progress
 from .._ondisk import _dtypes
 from .._ondisk._format import SCALAR_TYPES, LeafRecord, dtype_from_name
+from .._sources import _family
 from .._store import _memory, _storage_errors, _window
-from . import _family, _read, _reader
+from . import _read, _reader
 from ._load_plan import LeafPlan
 from ._rebuild import abstract
 
 if TYPE_CHECKING:
+    from .._sources._source import Source
     from .._store._storage import Array
     from ._load_plan import TransformPlan
-    from ._source import Source
 
 
 class LazyArray:

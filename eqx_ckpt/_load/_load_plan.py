@@ -38,7 +38,7 @@ from ._load_report import (
 )
 
 if TYPE_CHECKING:
-    from ._source import Source
+    from .._sources._source import Source
 
 
 @dataclasses.dataclass(frozen=True)

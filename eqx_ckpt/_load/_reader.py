@@ -29,12 +29,13 @@ from .._base._location import Location
 from .._base._progress import Progress, Tracker
 from .._ondisk import _dtypes
 from .._ondisk._format import LeafRecord, dtype_from_name
+from .._sources import _family
 from .._store import _chunk_files, _memory, _storage_errors, _window
-from . import _family, _pack, _read, _read_once
+from . import _pack, _read, _read_once
 from ._load_plan import LeafPlan
 
 if TYPE_CHECKING:
-    from ._source import Source
+    from .._sources._source import Source
 
 
 def read_leaves(

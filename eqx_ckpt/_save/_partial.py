@@ -18,10 +18,11 @@ import numpy as np
 from .._base import _keypath, _select, _tree
 from .._base._errors import CheckpointNotFoundError, CheckpointReplacedError, CheckpointValueError, IntegrityError
 from .._base._location import Location
-from .._load import _rebuild, _source
+from .._load import _rebuild
 from .._load._lazy import LazyArray
 from .._ondisk import _structure
 from .._ondisk._format import MANIFEST
+from .._sources import _source
 from .._store import _transaction
 
 

@@ -54,9 +54,9 @@ from .._base._handle import LeafHandle
 from .._base._location import Location, location, writable
 from .._base._progress import Progress, Tracker
 from .._hosts import _multihost
-from .._load import _source
 from .._load._lazy import LazyArray
 from .._ondisk import _dtypes, _format, _iterators, _layout, _manifest, _structure
+from .._sources import _source
 from .._store import _chunk_files, _durable, _lease, _share, _storage_errors, _transaction, _untrusted
 from . import _background, _partial, _records, _staging
 from ._background import Handoff, PendingSave

@@ -22,10 +22,11 @@ from typing import Any
 from .._base import _keypath
 from .._base._errors import CheckpointError, CheckpointValueError, caller_level, from_file
 from .._base._location import location
-from .._load import _hub, _rebuild
+from .._load import _rebuild
 from .._load._checkpoint import Checkpoint, human
 from .._ondisk import _published, _structure, _trust
 from .._ondisk._format import CARD, LeafRecord
+from .._sources import _hub
 from .._store import _storage
 
 # Shown by name in the snippet, at most; more parts load as nested dicts.

@@ -46,7 +46,6 @@ try:
     from .._base import _threads
     from .._base._errors import CheckpointError, CheckpointNotFoundError, CheckpointValueError, command_line, from_file
     from .._base._location import HUB_SCHEME, Location, location
-    from .._load import _source
     from .._load._checkpoint import SMALL_VALUES, Checkpoint, human
     from .._load._rebuild import unrecordable_error
     from .._manage._manager import CheckpointManager
@@ -54,6 +53,7 @@ try:
     from .._ondisk import _digests
     from .._ondisk._format import MANIFEST, step_name
     from .._ondisk._iterators import IteratorRecord
+    from .._sources import _source
     from .._store import _share
     from ._demo import run
     from ._diff import diff

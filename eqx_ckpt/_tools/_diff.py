@@ -13,12 +13,13 @@ import numpy as np
 from .._base._errors import CheckpointError, check_flag
 from .._base._location import Location
 from .._base._progress import Progress, Tracker
-from .._load import _read, _rebuild, _source
+from .._load import _read, _rebuild
 from .._load._checkpoint import describe, human as _human
 from .._load._load_plan import LoadOptions
 from .._ondisk import _iterators
 from .._ondisk._format import LeafRecord, dtype_from_name
 from .._ondisk._iterators import IteratorRecord
+from .._sources import _source
 from .._store import _storage, _storage_errors
 
 

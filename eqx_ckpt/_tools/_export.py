@@ -39,11 +39,12 @@ from .._base._errors import (
 from .._base._location import Location, location
 from .._base._progress import Progress, Tracker
 from .._foreign import _safetensors
-from .._load import _family, _rebuild
+from .._load import _rebuild
 from .._load._checkpoint import Checkpoint, need
 from .._load._lazy import LazyArray
 from .._ondisk import _digests, _dtypes, _iterators, _published, _structure
 from .._ondisk._format import CARD, LEAF_TYPES, MANIFEST, UNPUBLISHED_SUFFIX, LeafRecord, dtype_from_name, whole_chunks
+from .._sources import _family
 from .._store import _durable, _storage
 from . import _card, _matching
 from ._card import model_card

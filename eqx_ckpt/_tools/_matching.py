@@ -3,7 +3,7 @@ fine-tune takes from the model it was fine-tuned from.
 
 A leaf is taken where a base leaf holds the same bytes (the digest an export
 records, `_digests`), stored alike, whatever its name. The record pins the
-base (`_published.Base`), which `_load._family` checks (docs/sharing.md,
+base (`_published.Base`), which `_family` checks (docs/sharing.md,
 "Model families").
 """
 
@@ -18,11 +18,11 @@ from typing import Any
 
 from .._base._errors import CheckpointNotFoundError, CheckpointTypeError, CheckpointValueError, option
 from .._base._location import Location
-from .._load import _family, _source
 from .._load._checkpoint import Checkpoint, human
 from .._load._load_plan import LoadOptions
 from .._ondisk import _digests, _published
 from .._ondisk._format import LeafRecord
+from .._sources import _family, _source
 
 # An export against a base that would take from it under both 10% of its
 # tensors' bytes and 1 MiB is written standalone: so few bytes are not worth a

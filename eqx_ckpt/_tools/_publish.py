@@ -11,10 +11,10 @@ from typing import Any
 from .._base._errors import CheckpointTypeError, CheckpointValueError, option
 from .._base._location import HUB_SCHEME, location
 from .._base._progress import Progress
-from .._load import _hub
 from .._load._checkpoint import Checkpoint
 from .._ondisk import _published
 from .._ondisk._format import MAX_MANIFEST_BYTES
+from .._sources import _hub
 from .._store import _storage
 from ._export import ExportOptions, export
 

@@ -34,12 +34,13 @@ from .._base._errors import (
 from .._base._location import Location, location
 from .._base._progress import Progress, Tracker
 from .._foreign import _orbax, _safetensors
-from .._load import _family, _pack, _read, _source
+from .._load import _pack, _read
 from .._load._load_plan import LoadOptions
 from .._manage._steps import committed_steps
 from .._ondisk import _digests, _format, _iterators, _layout, _manifest, _published
 from .._ondisk._format import MANIFEST, LeafRecord, PackRecord, dtype_from_name, step_name
 from .._ondisk._manifest import Manifest
+from .._sources import _family, _source
 from .._store import _chunk_files, _storage, _storage_errors, _untrusted
 
 # Pack chunks read at once.

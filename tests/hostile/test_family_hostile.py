@@ -45,8 +45,8 @@ import s3_server
 from arrays import bits
 
 import eqx_ckpt
-from eqx_ckpt._load import _family
 from eqx_ckpt._ondisk import _published
+from eqx_ckpt._sources import _family
 from eqx_ckpt._tools._cli import main
 
 

@@ -21,10 +21,10 @@ from hypothesis import given, settings, strategies as st
 import eqx_ckpt
 from eqx_ckpt._base import _location
 from eqx_ckpt._load._load_plan import LoadOptions
-from eqx_ckpt._load._source import open_source
 from eqx_ckpt._ondisk import _format
 from eqx_ckpt._ondisk._format import LeafRecord
 from eqx_ckpt._save import _records
+from eqx_ckpt._sources._source import open_source
 from eqx_ckpt._store import _chunk_files, _local_read, _memory, _storage
 
 

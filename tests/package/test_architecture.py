@@ -19,7 +19,7 @@ MODULES = sorted(PACKAGE.rglob("*.py"))
 # The folders of private modules, each a story, in the one order they may
 # import each other: a module imports from its own folder or a folder before it
 # (docs/architecture.md, "Folders").
-FOLDERS = ("_base", "_ondisk", "_store", "_hosts", "_foreign", "_load", "_save", "_manage", "_tools")
+FOLDERS = ("_base", "_ondisk", "_store", "_hosts", "_foreign", "_sources", "_load", "_save", "_manage", "_tools")
 _STEMS = {path.stem: path for path in MODULES if not path.stem.startswith("__")}
 
 
@@ -399,7 +399,7 @@ def test_foreign_formats_return_one_typed_source():
     """Each foreign format's `find` returns one frozen dataclass (one of
     `_source.Foreign`) with every member `_source` reads by name: no
     positional tuple unpacked by position (issue 48, "one way to do each thing")."""
-    from eqx_ckpt._load import _source
+    from eqx_ckpt._sources import _source
 
     members = {"format", "manifest", "opener", "changed", "runs"}
     for find in _source.FINDERS:

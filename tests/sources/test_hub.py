@@ -270,7 +270,7 @@ def test_server_errors_are_retried_then_named(hub, tmp_path):
     hundredth of a second here: the tries are the same.)"""
     client, state = hub
     push(client, "me/flaky", 1.0, tmp_path)
-    quick = "import eqx_ckpt._load._hub\neqx_ckpt._load._hub.RETRY_SECONDS = 0.01\n"
+    quick = "import eqx_ckpt._sources._hub\neqx_ckpt._sources._hub.RETRY_SECONDS = 0.01\n"
     state.fail(r"^(HEAD|GET) /me/flaky/resolve/", 503, times=2)
     got = client.run(quick + _LOAD.format(local=str(tmp_path / "local-1.0"), path="hf://me/flaky"))
     assert got == _as_lists(tree(1.0))

@@ -58,8 +58,9 @@ from .._foreign._safetensors import INDEX_SUFFIX, SUFFIX
 from .._ondisk._format import MAX_MANIFEST_BYTES, MAX_SHARDS
 from .._ondisk._manifest import loads_file
 from .._ondisk._published import NAME as RECORD
-from .._store import _hub_http, _storage, _storage_errors
+from .._store import _storage, _storage_errors
 from .._store._local_paths import local_entry, local_link, local_open, local_real_path, local_walk
+from . import _hub_http
 
 # The most of an index `needed` reads (the safetensors reader refuses a larger one).
 MAX_INDEX = 100 * 2**20
