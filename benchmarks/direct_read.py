@@ -30,7 +30,7 @@ import numpy as np
 
 import eqx_ckpt
 from eqx_ckpt._load._load_plan import LoadOptions
-from eqx_ckpt._sources._source import open_source
+from eqx_ckpt._sources._opening import open_source
 from eqx_ckpt._store import _chunk_files, _storage
 
 from . import contenders, workload

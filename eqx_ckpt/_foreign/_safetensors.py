@@ -36,7 +36,7 @@ from .._base._errors import (
     from_file,
 )
 from .._base._location import Location
-from .._ondisk import _digests, _published
+from .._ondisk import _published
 from .._ondisk._format import MAX_ELEMENTS, MAX_MANIFEST_BYTES, MAX_RANK, MAX_SHARDS, LeafRecord, dtype_from_name
 from .._ondisk._manifest import Manifest, loads_file
 from .._store import _chunk_files, _storage, _storage_errors, _window
@@ -161,13 +161,30 @@ def is_file_path(loc: Location) -> bool:
     return loc.kvstore.get("path", "").rstrip("/").endswith(SUFFIX)
 
 
+class Region(Protocol):
+    """What the bytes of one tensor must hash to, block by block
+    (`_verified.Region`): the bytes of the whole blocks holding a range of
+    them, and the check of those bytes, which raises where one differs."""
+
+    def covering(self, start: int, end: int) -> tuple[int, int]: ...
+
+    def check(self, data: memoryview, start: int) -> None: ...
+
+
+# The region check of a tensor read from the file named (as messages name
+# it), or `None` where nothing is recorded: the verifying reader's
+# (`_verified.region`), which knows what each byte must hash to.
+Regions = Callable[[LeafRecord, str], Region | None]
+
+
 @dataclasses.dataclass(frozen=True)
 class Tensors:
     """The tensors `find` found, as a `_source.Source` reads them (`opener` is
-    `_open`, `changed` is `_Files.changed`, `runs` is `read_runs`)."""
+    `_open`, given the checks of the verifying reader; `changed` is
+    `_Files.changed`, `runs` is `read_runs`)."""
 
     manifest: Manifest
-    opener: Callable[[LeafRecord], _storage.Future]
+    opener: Callable[[LeafRecord, Regions], _storage.Future]
     changed: Callable[[], str | None]
     runs: Callable[[list[LeafRecord]], tuple[list[int], Any]] | None
     format: str = "safetensors"
@@ -258,7 +275,7 @@ def _as_published(
                 raise _corrupt(
                     loc, f"{_published.NAME} takes the leaf {leaf.path!r} from its base, but it is stored here too"
                 )
-            # Read in runs of rows as a safetensors base's are, its base unopened (`_family.Base`).
+            # Read in runs of rows as a safetensors base's are, its base unopened (`_source.Base`).
             rows = _chunks(leaf.stored_shape, dtype_from_name(leaf.stored_dtype).itemsize, _run_bytes_of(published))
             out[leaf.path] = dataclasses.replace(leaf, chunks=rows)
             continue
@@ -391,7 +408,7 @@ def _tensors(
     manifest = _manifest(loc, records, _merged(metadata), published())
     return Tensors(
         manifest,
-        opener=functools.partial(_open, opened, places, manifest),
+        opener=functools.partial(_open, opened, places),
         changed=opened.changed,
         runs=functools.partial(read_runs, opened, places),
     )
@@ -630,23 +647,16 @@ def _chunks(shape: tuple[int, ...], itemsize: int, run: int = ROW_CHUNK_BYTES) -
     return (rows, *(max(1, n) for n in shape[1:])) if shape else ()
 
 
-def _open(files: _Files, places: dict[str, tuple[str, int]], manifest: Manifest, record: LeafRecord) -> _storage.Future:
-    """A read-only TensorStore array over the tensor's bytes, as a future; its
-    reads checked block by block where `eqx_ckpt.json` records block digests."""
+def _open(files: _Files, places: dict[str, tuple[str, int]], record: LeafRecord, regions: Regions) -> _storage.Future:
+    """A read-only TensorStore array over the tensor's bytes, as a future; each
+    read checked by its region check (`regions`, the verifying reader's), where
+    one is recorded."""
     file, start = places[record.path]
     files.opened.add(file)
     dtype = _NUMPY[record.stored_dtype]
-    blocks = block_digests(manifest, record, f"{files.loc.display}/{file}")
-    read = functools.partial(_read_rows, files, file, start, dtype, record.stored_shape, blocks)
+    region = regions(record, f"{files.loc.display}/{file}")
+    read = functools.partial(_read_rows, files, file, start, dtype, record.stored_shape, region)
     return _storage.ready(_storage.virtual_array(read, dtype=dtype, shape=record.stored_shape, chunks=record.chunks))
-
-
-def block_digests(manifest: Manifest, record: LeafRecord, source: str) -> _digests.Blocks | None:
-    """The recorded block digests of the leaf `record` (`None`: none recorded), read from `source`."""
-    found, algorithm = manifest.blocks.get(record.path), manifest.block_algorithm
-    if found is None or algorithm is None:  # (a record of block digests names their hash)
-        return None
-    return _digests.Blocks(found, record.nbytes, record.path, source, algorithm, manifest.block_bytes)
 
 
 def _read_rows(
@@ -655,16 +665,16 @@ def _read_rows(
     start: int,
     dtype: np.dtype,
     shape: tuple[int, ...],
-    blocks: _digests.Blocks | None,
+    region: Region | None,
     rows: tuple[int, int] | None,
     array: np.ndarray,
 ) -> _storage.Future:
     """Fill one chunk (a run of whole rows) from one byte-range read: of the
-    whole blocks holding it, checked, where `blocks` are recorded."""
+    whole blocks holding it, checked by `region`, where one is recorded."""
     row = math.prod(shape[1:]) * dtype.itemsize
     lo, hi = rows if rows is not None else (0, 1)
     want = (hi - lo) * row if shape else dtype.itemsize
-    first, end = (lo * row, lo * row + want) if blocks is None else blocks.covering(lo * row, lo * row + want)
+    first, end = (lo * row, lo * row + want) if region is None else region.covering(lo * row, lo * row + want)
     promise, done = _storage.pending()
 
     def fill(future: _storage.Mapped) -> None:
@@ -684,8 +694,8 @@ def _read_rows(
                     f"(the file is truncated)"
                 )
             data = memoryview(result.value)
-            if blocks is not None:
-                blocks.check(data, first)
+            if region is not None:
+                region.check(data, first)
             # Safetensors bytes are little-endian, as are the hosts JAX runs on.
             skip = lo * row - first
             array[...] = np.frombuffer(data[skip : skip + want], dtype).reshape(array.shape)

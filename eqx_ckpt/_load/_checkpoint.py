@@ -21,7 +21,7 @@ from .._ondisk._format import SCALAR_TYPES, LeafRecord
 from .._ondisk._iterators import IteratorRecord
 from .._ondisk._manifest import loads_file
 from .._ondisk._trust import Trust
-from .._sources import _source
+from .._sources import _opening
 from .._store import _chunk_files
 from . import _deserialise, _lazy, _rebuild
 from ._lazy import LazyArray
@@ -82,7 +82,7 @@ class Checkpoint(Mapping[str, Any]):
     # Opening makes a few objects a leaf (records, sort keys), as a load does.
     @_gc.gc_paused()
     def __init__(self, path: Any, *, token: str | None = None, base: Any = None):
-        self._source = _source.open_source(path, LoadOptions(token=token, base=base), whole=False)
+        self._source = _opening.open_source(path, LoadOptions(token=token, base=base), whole=False)
         self._token = token
         self._given_base = base
         self._loc = self._source.loc
@@ -642,7 +642,7 @@ class Checkpoint(Mapping[str, Any]):
         pinned = self._source.pinned
         if pinned is not None and self._source.loc.local is None:
             options = LoadOptions(token=self._token, base=self._given_base)
-            self._source = _source.open_source(self._source.loc, options, whole=True, pinned=pinned)
+            self._source = _opening.open_source(self._source.loc, options, whole=True, pinned=pinned)
 
     @property
     def _numbered(self) -> bool:

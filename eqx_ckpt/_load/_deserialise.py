@@ -24,7 +24,7 @@ from .._base._progress import Progress, Tracker
 from .._ondisk import _dtypes, _iterators
 from .._ondisk._format import SCALAR_TYPES
 from .._ondisk._trust import Trust
-from .._sources import _source
+from .._sources import _opening
 from .._sources._source import Source
 from .._store import _window
 from . import _lazy, _load_plan, _reader, _rebuild
@@ -220,7 +220,7 @@ def deserialise(
     path: Any, like: PyTree, filter_spec: Any, is_leaf: Callable[[Any], bool] | None, options: LoadOptions
 ) -> PyTree:
     """`tree_deserialise_leaves` with its `options`: open the source, then `load`."""
-    source = _source.open_source(path, options)
+    source = _opening.open_source(path, options)
     flat = None
     if like is None:
         like = rebuilt(source, options.prefix or "", Trust(options.trust), check_init=options.check_init)

@@ -32,14 +32,14 @@ from .._base._location import Location
 from .._base._progress import Progress
 from .._ondisk import _dtypes
 from .._ondisk._format import SCALAR_TYPES, LeafRecord, dtype_from_name
-from .._sources import _family
+from .._sources import _verified
+from .._sources._source import Source
 from .._store import _memory, _storage_errors, _window
 from . import _read, _reader
 from ._load_plan import LeafPlan
 from ._rebuild import abstract
 
 if TYPE_CHECKING:
-    from .._sources._source import Source
     from .._store._storage import Array
     from ._load_plan import TransformPlan
 
@@ -374,18 +374,7 @@ def _start(source: Source, record: LeafRecord) -> Callable[[], np.ndarray]:
         store = source.open(record).result()
     except Exception as e:
         raise _storage_errors.leaf_io_error(e, record, source.data, "open") from e
-    finish = _read.start_region(store, source.data, record)
-    check = _family.checker(source, record)
-    if check is None:
-        return finish
-
-    def checked() -> np.ndarray:
-        array = finish()
-        check(array)
-        check.result()
-        return array
-
-    return checked
+    return _verified.whole(source, record, _read.start_region(store, source.data, record))
 
 
 def _raised(e: Exception) -> str:

@@ -13,7 +13,7 @@ import dataclasses
 import difflib
 import functools
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,6 +26,7 @@ from .._hosts import _sharding
 from .._ondisk import _dtypes, _iterators
 from .._ondisk._format import LeafRecord
 from .._ondisk._manifest import Manifest, loads_file
+from .._sources._source import Source
 from ._load_report import (
     Narrowing,
     Report,
@@ -36,9 +37,6 @@ from ._load_report import (
     refuse_unmatched,
     shown_keys,
 )
-
-if TYPE_CHECKING:
-    from .._sources._source import Source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +89,10 @@ class LoadOptions:
         """Whether the load asks for everything stored: a Hub load then
         downloads the files into its cache, instead of reading byte ranges."""
         return self.where is None and self.prefix is None and not self.lazy
+
+    def without_base(self) -> LoadOptions:
+        """These options with no base given: what a fine-tune's base is opened with."""
+        return dataclasses.replace(self, base=None)
 
 
 @dataclasses.dataclass

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 class Check(Protocol):
-    """A check of a leaf's stored bytes (`_family.DigestCheck`): fed in order
+    """A check of a leaf's stored bytes (`_verified.DigestCheck`): fed in order
     (`update`, then `done`), or called with the whole leaf."""
 
     def update(self, array: np.ndarray) -> None: ...

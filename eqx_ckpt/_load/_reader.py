@@ -17,7 +17,7 @@ import collections
 import contextlib
 import functools
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,13 +29,11 @@ from .._base._location import Location
 from .._base._progress import Progress, Tracker
 from .._ondisk import _dtypes
 from .._ondisk._format import LeafRecord, dtype_from_name
-from .._sources import _family
+from .._sources import _family, _verified
+from .._sources._source import Source
 from .._store import _chunk_files, _memory, _storage_errors, _window
 from . import _pack, _read, _read_once
 from ._load_plan import LeafPlan
-
-if TYPE_CHECKING:
-    from .._sources._source import Source
 
 
 def read_leaves(
@@ -115,7 +113,7 @@ class _Reads:
         self.source, self.data, self.plans, self.tracker = source, source.data, plans, tracker
         self.records = [record_of(plan) for plan in plans]
         self.out: list[Any] = [None] * len(plans)
-        self.checks = _family.Checks(source) if source.manifest.digests else None
+        self.checks = _verified.Checks(source) if source.manifest.digests else None
 
     def place(self, indices: list[int], values: Iterable[Any]) -> None:
         for i, value in zip(indices, values):

@@ -7,8 +7,8 @@ digest of its bytes. `with_base` returns one `Source` whose opener and runs
 read each leaf from where it lives, so every load option works on it as on
 any source.
 
-The base is opened as any source (`_source.open_source`) only when a leaf taken
-from it is first needed (`Base`): by a load's plan (`_source.Source.need`), a
+The base is opened as any source (`_opening.open_source`) only when a leaf taken
+from it is first needed (`_source.Base`): by a load's plan (`_source.Source.need`), a
 read, `Checkpoint` or `verify`. A load of only the fine-tune's own leaves never
 opens it. Where it cannot be found, `Checkpoint` and `verify` say so
 (`Base.missing`) and still describe what is stored.
@@ -32,9 +32,9 @@ is made here, in this order:
   base given at load time needs no pin: its leaves are checked one by one.
 - **Leaves**: each taken leaf is there, with the dtype and shape recorded
   (`_taken`); each leaf read whole, taken or stored, is checked against its
-  recorded digest as it is read (`DigestCheck`); from `eqx_ckpt.json`
+  recorded digest as it is read (`_verified.DigestCheck`); from `eqx_ckpt.json`
   version 4, a region of a taken leaf is read in whole blocks, each checked
-  against the fine-tune's block digests (`_checked_base`), whatever the base is.
+  against the fine-tune's block digests (`_verified.taken`), whatever the base is.
 
 A missing or changed base is an error naming the fine-tune, its base and what
 was expected, never a mix of two models. Bases of bases are followed, at most
@@ -43,20 +43,15 @@ was expected, never a mix of two models. Bases of bases are followed, at most
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
-import math
 import os
 import re
 import shlex
-import threading
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
-from .._base import _threads
 from .._base._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -69,21 +64,15 @@ from .._base._errors import (
     stored_leaf_error,
 )
 from .._base._location import Location, location
-from .._foreign import _safetensors
-from .._ondisk import _digests, _published
+from .._ondisk import _published
 from .._ondisk._format import LeafRecord
 from .._store import _chunk_files, _storage, _storage_errors
 from .._store._local_paths import local_entry, local_link, local_names
-
-# A `_source.Source` and its `Options` (typed loosely: `_source` imports this
-# module, not the reverse).
-Source = Any
-Options = Any
+from . import _verified
+from ._source import Base, Opening, Options, Read, Source, reason
 
 # Bases of bases followed at most this deep (a chain of fine-tunes).
 MAX_DEPTH = 8
-# A leaf's digest is taken over reads of about this many bytes (rows of it).
-DIGEST_SLAB_BYTES = 64 * 2**20
 # One leaf of a base backs at most this many leaves of a fine-tune. Several
 # are real (tied weights, biases that are all zeros), thousands are not.
 MAX_BACKED = 1024
@@ -93,167 +82,6 @@ BACKED_FACTOR = 4
 BACKED_BYTES = 64 * 2**20
 # Symbolic links followed inside the fine-tune's folder, at most (as the system's own limit).
 MAX_LINKS = 40
-
-
-def digest(data: Any) -> _digests.Digested:
-    """The digests an export records of a leaf's stored bytes (`_digests`, in
-    the hash of the version it writes)."""
-    return _digests.of(data, _published.BLOCK_ALGORITHMS[_published.VERSION])
-
-
-def stored_digest(source: Source, record: LeafRecord, *, like: str) -> _digests.Digested:
-    """The digests of the leaf `record` of `source` as it is stored (a PRNG
-    key's key data, a viewed dtype's unsigned integers), of the kind of the
-    digest `like` (blocks in the hash it names, or an older record's xxh3-128),
-    read in slabs of rows so a large leaf never needs its size in memory twice."""
-    store = source.open(record).result()
-    hasher = _hasher(like)
-    shape = tuple(record.stored_shape)
-    if not shape or shape[0] == 0:
-        hasher.update(_raw(store.read().result()))
-    else:
-        row = max(1, math.prod(shape[1:]) * store.numpy_dtype.itemsize)
-        step = max(1, DIGEST_SLAB_BYTES // row)
-        for start in range(0, shape[0], step):
-            end = min(start + step, shape[0])
-            hasher.update(_raw(store[start:end].read().result()))
-    return hasher.finish()
-
-
-class _Xxh3:
-    """An older record's whole-leaf xxh3-128, fed as `_digests.Hasher` is."""
-
-    def __init__(self) -> None:
-        import xxhash
-
-        self.hasher = xxhash.xxh3_128()
-
-    def update(self, data: Any) -> None:
-        self.hasher.update(data)
-
-    def finish(self) -> _digests.Digested:
-        return _digests.Digested(_digests.XXH3 + self.hasher.hexdigest())
-
-
-def _hasher(like: str) -> _digests.Hasher | _Xxh3:
-    algorithm = _digests.algorithm_of(like)
-    return _Xxh3() if algorithm is None else _digests.Hasher(algorithm)
-
-
-def _raw(array: np.ndarray) -> memoryview:
-    """An array's bytes in C order (a bfloat16's too: as bytes, not as a buffer of its dtype)."""
-    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
-
-
-class DigestCheck:
-    """The check of one leaf's stored bytes against its recorded digest: fed
-    slabs of rows in order (`update`, then `done`), or called with the whole
-    leaf. `result` waits for it, raising `IntegrityError` on a mismatch.
-
-    It hashes on a thread of its own (`_hashing`) while the reader reads the
-    next leaves: the reader mostly waits for storage. Block digests (SHA-256 or
-    BLAKE3, which release the GIL) are hashed from there on the pool of `_digests`."""
-
-    def __init__(self, source: Source, record: LeafRecord, expected: str):
-        self.source, self.record, self.expected = source, record, expected
-        self.hasher = _hasher(expected)
-        self.finished: concurrent.futures.Future[None] | None = None
-
-    def update(self, array: np.ndarray) -> None:
-        _hashing().submit(self.hasher.update, _raw(array))
-
-    def done(self) -> None:
-        self.finished = _hashing().submit(self._compare)
-
-    def __call__(self, array: np.ndarray) -> None:
-        self.update(array)
-        self.done()
-
-    def result(self) -> None:
-        assert self.finished is not None, "a digest check waited for before its leaf was read"
-        self.finished.result()
-
-    def _compare(self) -> None:
-        found = self.hasher.finish()
-        if found.digest != self.expected:
-            raise _mismatch(self.source, self.record, found, self.expected)
-
-
-def _hashing() -> _threads.Pool:
-    """The thread digests are fed from: one, so each leaf's slabs are hashed
-    in the order they were read."""
-    return _threads.pool("eqx_ckpt-digest", 1)
-
-
-class Checks:
-    """The digest checks of one read of many leaves (`_reader.read_now`), each
-    started as its leaf is read, all waited for before the values are returned."""
-
-    def __init__(self, source: Source):
-        self.source = source
-        self.started: list[DigestCheck] = []
-
-    def for_record(self, record: LeafRecord) -> DigestCheck | None:
-        check = checker(self.source, record)
-        if check is not None:
-            self.started.append(check)
-        return check
-
-    def __call__(self, record: LeafRecord, array: np.ndarray) -> None:
-        check = self.for_record(record)
-        if check is not None:
-            check(array)
-
-    def wait(self) -> None:
-        """Raise the first leaf's `IntegrityError`, in the order they were read."""
-        for check in self.started:
-            check.result()
-
-
-def checker(source: Source, record: LeafRecord) -> DigestCheck | None:
-    """The check of the leaf `record` against its recorded digest, or `None`
-    where there is none (an eqx_ckpt checkpoint's chunks carry checksums)."""
-    expected = source.manifest.digests.get(record.path)
-    return None if expected is None else DigestCheck(source, record, expected)
-
-
-def _mismatch(source: Source, record: LeafRecord, found: _digests.Digested, expected: str) -> IntegrityError:
-    family = source.manifest.family
-    taken = None if family is None else family.references.get(record.path)
-    blocks = _safetensors.block_digests(source.manifest, record, source.loc.display)
-    if blocks is not None and found.blocks:  # the first block that differs, as a slice names it
-        return _digests.mismatch(
-            blocks, _digests.first_differing(found.blocks, blocks.digests), taken=_from(source.base, record)
-        )
-    if taken is not None and source.base is not None:
-        why = (
-            f"it is taken from the base {source.base.display!r} (its leaf {from_file(repr(taken))}), whose "
-            f"bytes are not the ones the fine-tune was made from"
-        )
-        fix = (
-            "The base holds other values than it did when the fine-tune was exported (rewritten, or another "
-            f"model under its name). Load the fine-tune with the base it was made from "
-            f"({option('`base=`', '`--with-base`')}), or load a standalone export of it."
-        )
-    else:
-        why = "its bytes in the fine-tune's own files are not the ones recorded"
-        fix = "The folder is damaged or was edited: restore it from a good copy (`eqx-ckpt verify` lists every leaf)."
-    return stored_leaf_error(
-        IntegrityError,
-        f"{why} (xxh3-128 {found.digest.removeprefix(_digests.XXH3)[:16]}... read, "
-        f"{expected.removeprefix(_digests.XXH3)[:16]}... recorded in {_published.NAME}), so nothing "
-        f"was loaded.",
-        dotted=record.path,
-        path=source.loc.display,
-        fix=fix,
-    )
-
-
-def _from(base: Base | None, record: LeafRecord) -> str:
-    """Where a fine-tune takes the leaf `record` from, as messages say it (`""`: its own files)."""
-    if base is None or record.path not in base.references:
-        return ""
-    return f"the base {base.display!r} (its leaf {from_file(repr(base.references[record.path]))})"
 
 
 def record_sha256(source: Source) -> str | None:
@@ -384,9 +212,7 @@ def _bounded(source: Source, family: _published.Family) -> None:
             )
 
 
-def with_base(
-    source: Source, open_source: Callable[..., Source], options: Options, *, whole: bool, depth: int
-) -> Source:
+def with_base(source: Source, open_source: Opening, options: Options, *, whole: bool, depth: int) -> Source:
     """`source`, a fine-tune, with its base's leaves: one `Source` of both (or
     `source` where it has no base). `options.base`, where given, is read instead
     of the recorded one. Where the base is, and how much it backs, are checked
@@ -417,9 +243,7 @@ def with_base(
     else:
         pinned = given is None and bool(family.base.revision)
         shown = family.base.shown if pinned else repr(str(path))
-        opening = functools.partial(
-            open_source, path, dataclasses.replace(options, base=None), whole=whole, depth=depth + 1
-        )
+        opening = functools.partial(open_source, path, options.without_base(), whole=whole, depth=depth + 1)
         base = Base(
             family.base.shown if pinned else location(path).display,
             family.references,
@@ -442,89 +266,8 @@ def _raising(error: UntrustedError) -> Callable[[], tuple[Source, dict[str, Leaf
     return opening
 
 
-class Base:
-    """A fine-tune's base, opened and checked (`_opened`) when a leaf taken from
-    it is first needed; until then nothing of it is opened or requested.
-
-    `display`: the base as messages name it. `references`: the fine-tune's
-    dotted path of each leaf taken from it -> the base's. `given`: the base
-    was given at load time (`base=`), so it is held to the digests, not the
-    pin. `refused`: where the recorded base is not followed (`recorded`), why;
-    its every open raises that. An open that fails is tried again when next
-    needed (a base put back is then found)."""
-
-    def __init__(
-        self,
-        display: str,
-        references: dict[str, str],
-        opening: Callable[[], tuple[Source, dict[str, LeafRecord]]],
-        *,
-        given: bool,
-    ):
-        self.references, self._display, self._opening, self.given = references, display, opening, given
-        self.refused: tuple[UntrustedError, str] | None = None
-        self._opened: tuple[Source, dict[str, LeafRecord]] | None = None
-        self._lock = threading.Lock()
-
-    def opened(self) -> tuple[Source, dict[str, LeafRecord]]:
-        """The base's source and its record of each taken leaf, opened and checked
-        once; a missing base raises `CheckpointNotFoundError`."""
-        with self._lock:
-            if self._opened is None:
-                self._opened = self._opening()
-            return self._opened
-
-    @property
-    def source(self) -> Source:
-        return self.opened()[0]
-
-    @property
-    def open(self) -> Source | None:
-        """The base's source where it was opened already, else `None`."""
-        return None if self._opened is None else self._opened[0]
-
-    @property
-    def display(self) -> str:
-        opened = self.open
-        return self._display if opened is None else opened.loc.display
-
-    def need(self, paths: Iterable[str]) -> None:
-        """Open the base where one of the fine-tune's leaves `paths` is taken from it."""
-        if any(path in self.references for path in paths):
-            self.opened()
-
-    def missing(self) -> CheckpointError | None:
-        """Why the base (or one down its chain) cannot be reached, or `None`
-        where it opens: it cannot be found (`CheckpointNotFoundError`), or its
-        record names it where a load does not follow (`UntrustedError`,
-        nothing there opened). Any other error of the base is raised."""
-        try:
-            self.opened()
-        except (CheckpointNotFoundError, UntrustedError) as e:
-            return e
-        return None
-
-    def reason(self, missing: CheckpointError) -> str:
-        """`missing` (what `missing()` gave) in one sentence."""
-        if self.refused is not None and missing is self.refused[0]:
-            said = f"its record names it as `{self._display}`, which a load does not follow on its own"
-            return f"{said}: {self.refused[1]}."
-        return reason(missing)
-
-
-def reason(missing: CheckpointError) -> str:
-    """The short reason a missing base cannot be found: the first sentence of
-    its open's own error, whose end is looked for after the path it quotes
-    (a path may hold ". " too)."""
-    cause = missing.__cause__ if isinstance(missing.__cause__, CheckpointError) else missing
-    text, quoted = str(cause), repr(cause.path)
-    start = text.find(quoted) + len(quoted) if quoted in text else 0
-    end = text.find(". ", start)
-    return (text if end < 0 else text[:end]).rstrip(".") + "."
-
-
 def _opened(
-    source: Source, family: _published.Family, shown: str, given: Any, at: Location, opening: Callable[[], Source]
+    source: Source, family: _published.Family, shown: str, given: object, at: Location, opening: Callable[[], Source]
 ) -> tuple[Source, dict[str, LeafRecord]]:
     """The base of the fine-tune `source`, opened (`opening`, of the base `at`)
     and checked against its pin (a recorded one), and its taken leaves
@@ -653,7 +396,7 @@ def _taken(source: Source, base: Source, family: _published.Family, shown: str) 
     return taken
 
 
-def _open(source: Source, lazy: Base, record: LeafRecord) -> Any:
+def _open(source: Source, lazy: Base, record: LeafRecord) -> _storage.Future | _storage.Mapped:
     if record.path not in lazy.references:
         assert source.opener is not None  # (a published folder's tensors)
         return source.opener(record)
@@ -661,49 +404,14 @@ def _open(source: Source, lazy: Base, record: LeafRecord) -> Any:
     found = taken[record.path]
     if found.pack is not None:  # a tiny leaf of an eqx_ckpt base, packed with others
         try:
-            opened = _storage.ready(_storage.in_memory(_chunk_files.read_alone(base.data, found)))
+            opened: _storage.Future | _storage.Mapped = _storage.ready(
+                _storage.in_memory(_chunk_files.read_alone(base.data, found))
+            )
         except Exception as e:
             raise _unreadable(source, base, record, found, e) from e
     else:
         opened = base.open(found)
-    blocks = _safetensors.block_digests(source.manifest, record, source.loc.display)
-    return (
-        opened
-        if blocks is None
-        else _storage.ready(_checked_base(opened.result(), record, blocks, _from(lazy, record)))
-    )
-
-
-def _checked_base(inner: _storage.Array, record: LeafRecord, blocks: _digests.Blocks, taken: str) -> _storage.Array:
-    """The base's array `inner` of a leaf the fine-tune takes, read in runs of
-    rows (`record.chunks`), each from the base's rows holding the whole blocks
-    around it, checked against the fine-tune's block digests before it is used."""
-    dtype = inner.numpy_dtype
-    shape = tuple(record.stored_shape)
-    row = math.prod(shape[1:]) * dtype.itemsize
-
-    def read(rows: tuple[int, int] | None, array: np.ndarray) -> _storage.Future:
-        lo, hi = rows if rows is not None and row else (0, shape[0] if shape else 1)
-        first, end = blocks.covering(lo * row, hi * row) if shape else blocks.covering(0, dtype.itemsize)
-        # The base's rows holding those blocks (all of it, for a scalar or an empty row).
-        start, stop = (first // row, min(shape[0], -(-end // row))) if shape and row else (0, 0)
-        promise, done = _storage.pending()
-
-        def fill(future: Any) -> None:
-            try:
-                data = _raw(future.result())
-                skip = first - start * row
-                blocks.check(data[skip : skip + end - first], first, taken=taken)
-                wanted = lo * row - start * row
-                array[...] = np.frombuffer(data[wanted : wanted + array.nbytes], dtype).reshape(array.shape)
-                promise.set_result(None)
-            except Exception as e:
-                promise.set_exception(e)
-
-        (inner[start:stop] if stop > start else inner).read().add_done_callback(fill)
-        return done
-
-    return _storage.virtual_array(read, dtype=dtype, shape=shape, chunks=record.chunks)
+    return _verified.taken(source, lazy, record, opened)
 
 
 def reading_taken(
@@ -738,11 +446,11 @@ def _unreadable(source: Source, base: Source, record: LeafRecord, found: LeafRec
     )
 
 
-def _runs(source: Source, lazy: Base) -> Callable[[list[LeafRecord]], tuple[list[int], Any]]:
+def _runs(source: Source, lazy: Base) -> Callable[[list[LeafRecord]], tuple[list[int], Read]]:
     """The reader of runs of small leaves: each from its own files, the fine-tune's
     or the base's (opened only where a run needs one of its leaves)."""
 
-    def runs(records: list[LeafRecord]) -> tuple[list[int], Any]:
+    def runs(records: list[LeafRecord]) -> tuple[list[int], Read]:
         done: list[int] = []
         groups = []
         own = [i for i, r in enumerate(records) if r.path not in lazy.references]

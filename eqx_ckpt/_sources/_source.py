@@ -1,38 +1,44 @@
-"""Where a load reads leaves from: an eqx_ckpt checkpoint, safetensors, or orbax.
+"""The stored leaves of one source, whatever wrote it (`Source`), and a
+fine-tune's base (`Base`), opened when first needed.
 
-Every load path asks `open_source(path)` for a `Source`: the stored leaves as
+A source is an eqx_ckpt checkpoint, safetensors, or orbax: its leaves as
 manifest records, and how to open each. The format decides only those two;
 the plan, the reads and the placement after are the same code for every
-format. An eqx_ckpt checkpoint is opened by `checkpoint` alone, wherever it is
-opened. Each foreign format module has a `find` (`FINDERS`).
+format. `_opening.open_source` recognises a source from its files. An eqx_ckpt
+checkpoint is opened by `checkpoint` alone, wherever it is opened. Each
+foreign format module has a `find` (`FINDERS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
+import threading
 import types
-from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
-from .._base._errors import CheckpointNotFoundError, CheckpointReplacedError, shown_names
-from .._base._location import Hub, Location, location
+import numpy as np
+
+from .._base._errors import CheckpointError, CheckpointNotFoundError, CheckpointReplacedError, UntrustedError
+from .._base._location import Location
 from .._foreign import _orbax, _safetensors
 from .._ondisk import _format, _layout
-from .._ondisk._format import MANIFEST, LeafRecord
+from .._ondisk._format import LeafRecord
 from .._ondisk._manifest import Manifest
 from .._store import _storage, _transaction, _untrusted
-from . import _family, _hub
+from . import _hub
 
 # A record -> a future of the `_storage.Array` of that leaf.
 Opener = Callable[[LeafRecord], "_storage.Future | _storage.Mapped"]
-Runs = Callable[[list[LeafRecord]], tuple[list[int], Any]]
+# Runs of small leaves: the indices of the records read so, and for each run
+# `(indices, finish)`, `finish()` returning each one's host array.
+Read = Iterator[tuple[list[int], Callable[[], list[np.ndarray]]]]
+Runs = Callable[[list[LeafRecord]], tuple[list[int], Read]]
 
 
 # What a foreign format's `find` returns, read by name into a `Source`.
 Foreign = _safetensors.Tensors | _orbax.Arrays
-# Each foreign format's `find`, in the order `open_source` tries them.
+# Each foreign format's `find`, in the order `_opening.open_source` tries them.
 FINDERS: tuple[Callable[[Location], Foreign | None], ...] = (_safetensors.find, _orbax.find)
 
 
@@ -55,14 +61,14 @@ class Source:
     # A Hub repository downloaded whole: what its download checked, as `verify` says it.
     checked: tuple[str, ...] = ()
     # A fine-tune's base (opened when first needed), from which `opener` reads the leaves it did not change.
-    base: _family.Base | None = None
+    base: Base | None = None
 
     @property
     def revision(self) -> str | None:
         """The commit a Hub repository is read at (`None`: no Hub repository)."""
         return None if self.pinned is None else self.pinned.sha
 
-    def open(self, record: LeafRecord) -> Any:
+    def open(self, record: LeafRecord) -> _storage.Future | _storage.Mapped:
         return self.opener(record) if self.opener is not None else _storage.open_array(self.data, record, checked=False)
 
     def stored_in(self, record: LeafRecord) -> tuple[Source, LeafRecord]:
@@ -100,7 +106,7 @@ _LABELS = types.MappingProxyType({"safetensors": "Safetensors checkpoint", "orba
 
 
 class Options(Protocol):
-    """What a source reads of a load's options (`_load_plan.LoadOptions`, which imports this module)."""
+    """What a source reads of a load's options (`_load_plan.LoadOptions`)."""
 
     @property
     def whole(self) -> bool: ...
@@ -109,85 +115,17 @@ class Options(Protocol):
     def token(self) -> str | None: ...
 
     @property
-    def base(self) -> Any: ...
+    def base(self) -> object:
+        """The base given at load time (`base=`): a path, as `location` takes it, or `None`."""
+
+    def without_base(self) -> Options:
+        """The same options with no base given (what a base is opened with)."""
 
 
-def open_source(
-    path: Any,
-    options: Options,
-    *,
-    whole: bool | None = None,
-    depth: int = 0,
-    pinned: _hub.Pinned | None = None,
-) -> Source:
-    """The source at `path`, recognised from its files; an eqx_ckpt checkpoint
-    when nothing else matches, so its error names what is missing.
+class Opening(Protocol):
+    """`_opening.open_source`, as a fine-tune opens its base (`_family.with_base`)."""
 
-    `whole` (default `options.whole`): a Hub repository is downloaded into its
-    cache first, else read by byte ranges unless its files are cached.
-    `pinned`: the commit a Hub repository was opened at before. A fine-tune
-    comes with its base (`_family.with_base`), `depth` bases deep."""
-    loc = location(path)
-    whole = options.whole if whole is None else whole
-    base = options.base
-    if loc.hub is not None:
-        hub = _from_hub(loc.hub, whole, options.token, pinned)
-        return _family.with_base(hub, open_source, options, whole=whole, depth=depth)
-    # A `.safetensors` path is never a directory: `_safetensors.find` reads it
-    # (or raises), before anything else is tried.
-    source = None if _safetensors.is_file_path(loc) else checkpoint(loc)
-    if source is not None:  # (no base of its own: a `base` given is refused there)
-        return source if base is None else _family.with_base(source, open_source, options, whole=whole, depth=depth)
-    for find in FINDERS:
-        found = find(loc)
-        if found is not None:
-            return _family.with_base(_foreign(loc, found), open_source, options, whole=whole, depth=depth)
-    held = _what_is_there(loc)
-    if held:
-        # What it is and what to do, nothing else: the note on interrupted
-        # saves sent users looking for one beside a `pytorch_model.bin`.
-        raise CheckpointNotFoundError(f"{loc.display!r} is not a checkpoint eqx_ckpt reads.{held}", path=loc.display)
-    raise CheckpointNotFoundError(
-        f"There is no eqx_ckpt checkpoint at {loc.display!r} (no {MANIFEST}). Check the path; a save that was "
-        f"interrupted leaves no checkpoint. Nor is it another format eqx_ckpt reads: no `{_safetensors.INDEX}`, "
-        f"`{_safetensors.SINGLE}` (or a fine-tune's `{_safetensors.single_name(_safetensors.FINETUNE)}`) or orbax "
-        f"`{_orbax.METADATA}` there either (see docs/interop.md)." + _hub_hint(path, loc),
-        path=loc.display,
-    )
-
-
-def _hub_hint(path: Any, loc: Location) -> str:
-    """A hint for `owner/name` given for a Hub repository, where no such local folder exists."""
-    if not isinstance(path, str) or loc.local is None or _storage.local_entry(os.path.dirname(loc.local)).exists:
-        return ""  # (where the owner is a local folder, the path is one of its own)
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(@[^/\s]+)?", path):
-        return ""
-    return f" No local folder {path!r} exists either: did you mean the Hugging Face Hub repository `hf://{path}`?"
-
-
-def _from_hub(where: Hub, whole: bool, token: str | None, pinned: _hub.Pinned | None) -> Source:
-    """A Hub repository's safetensors folder, pinned to a commit (`pinned`, a
-    pin kept from an earlier open, unless the token changed): from the cache
-    where it holds them, else by byte ranges."""
-    if pinned is None or (token is not None and token != pinned.token):
-        pinned = _hub.pin(where, token)
-    files = _hub.Files(pinned)
-    names = _hub.needed(pinned, _hub.reader(files, whole=whole))
-    checked: tuple[str, ...] = ()
-    if whole or pinned.offline or _hub.cached(pinned, names):
-        downloaded = _hub.download(pinned, names)  # (the folder, and what was checked)
-        folder = downloaded[0].rstrip("/")  # the cached copy, a local folder named in messages as the Hub's
-        opened = Location({"driver": "file", "path": folder + "/"}, pinned.display, folder)
-        checked = downloaded[1]
-        found = _safetensors.find(opened)
-    else:
-        opened = files.loc
-        found = _safetensors.find(opened, files)
-    if found is None:  # `needed` found safetensors files there
-        raise CheckpointNotFoundError(
-            f"{pinned.display} holds no safetensors file eqx_ckpt reads.", path=pinned.display
-        )
-    return dataclasses.replace(_foreign(opened, found), pinned=pinned, checked=checked)
+    def __call__(self, path: object, options: Options, *, whole: bool | None = None, depth: int = 0) -> Source: ...
 
 
 def checkpoint(loc: Location, manifest: Manifest | None = None) -> Source | None:
@@ -205,52 +143,86 @@ def checkpoint(loc: Location, manifest: Manifest | None = None) -> Source | None
     return Source("eqx_ckpt", loc, _layout.data_location(loc, manifest.data_root, manifest.layout), manifest)
 
 
-def _foreign(loc: Location, found: Foreign) -> Source:
-    return Source(found.format, loc, loc, found.manifest, found.opener, found.changed, found.runs)
+class Base:
+    """A fine-tune's base, opened and checked (`_opened`) when a leaf taken from
+    it is first needed; until then nothing of it is opened or requested.
+
+    `display`: the base as messages name it. `references`: the fine-tune's
+    dotted path of each leaf taken from it -> the base's. `given`: the base
+    was given at load time (`base=`), so it is held to the digests, not the
+    pin. `refused`: where the recorded base is not followed (`recorded`), why;
+    its every open raises that. An open that fails is tried again when next
+    needed (a base put back is then found)."""
+
+    def __init__(
+        self,
+        display: str,
+        references: dict[str, str],
+        opening: Callable[[], tuple[Source, dict[str, LeafRecord]]],
+        *,
+        given: bool,
+    ):
+        self.references = references
+        self._display = display
+        self._opening = opening
+        self.given = given
+        self.refused: tuple[UntrustedError, str] | None = None
+        self._opened: tuple[Source, dict[str, LeafRecord]] | None = None
+        self._lock = threading.Lock()
+
+    def opened(self) -> tuple[Source, dict[str, LeafRecord]]:
+        """The base's source and its record of each taken leaf, opened and checked
+        once; a missing base raises `CheckpointNotFoundError`."""
+        with self._lock:
+            if self._opened is None:
+                self._opened = self._opening()
+            return self._opened
+
+    @property
+    def source(self) -> Source:
+        return self.opened()[0]
+
+    @property
+    def open(self) -> Source | None:
+        """The base's source where it was opened already, else `None`."""
+        return None if self._opened is None else self._opened[0]
+
+    @property
+    def display(self) -> str:
+        opened = self.open
+        return self._display if opened is None else opened.loc.display
+
+    def need(self, paths: Iterable[str]) -> None:
+        """Open the base where one of the fine-tune's leaves `paths` is taken from it."""
+        if any(path in self.references for path in paths):
+            self.opened()
+
+    def missing(self) -> CheckpointError | None:
+        """Why the base (or one down its chain) cannot be reached, or `None`
+        where it opens: it cannot be found (`CheckpointNotFoundError`), or its
+        record names it where a load does not follow (`UntrustedError`,
+        nothing there opened). Any other error of the base is raised."""
+        try:
+            self.opened()
+        except (CheckpointNotFoundError, UntrustedError) as e:
+            return e
+        return None
+
+    def reason(self, missing: CheckpointError) -> str:
+        """`missing` (what `missing()` gave) in one sentence."""
+        if self.refused is not None and missing is self.refused[0]:
+            said = f"its record names it as `{self._display}`, which a load does not follow on its own"
+            return f"{said}: {self.refused[1]}."
+        return reason(missing)
 
 
-# Files of PyTorch's pickle format, which eqx_ckpt never opens.
-_PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
-def _what_is_there(loc: Location) -> str:
-    """What a local path that holds no format eqx_ckpt reads does hold, and what
-    to do with it ("" when nothing is recognised)."""
-    path = loc.local
-    if path is None:
-        return ""
-    entry = _storage.local_entry(path)
-    if not entry.exists:
-        return ""
-    if not entry.folder:
-        if path.endswith(".eqx"):
-            return (
-                " It is an Equinox file (`eqx.tree_serialise_leaves` writes one stream with no names in it): "
-                "convert it once with `eqx_ckpt.convert_eqx_file(eqx_path, ckpt_path, like)`, then load the "
-                "checkpoint."
-            )
-        return " It is a file; an eqx_ckpt checkpoint is a directory."
-    names = _storage.local_names(path)
-    shards = [n for n in names if n.endswith(_safetensors.SUFFIX)]
-    if shards:
-        return (
-            f" It holds {len(shards)} safetensors files ({shown_names(shards)}) but no `{_safetensors.INDEX}` saying "
-            f"which tensor is in which: load one file by its path, or write the index."
-        )
-    pickles = [n for n in names if n.endswith(_PICKLES)]
-    if pickles:
-        return (
-            f" It holds {shown_names(pickles)}: pickled files (PyTorch's `torch.save`), which eqx_ckpt never reads, "
-            f"since unpickling runs code from the file. Where you trust the file, convert it with PyTorch "
-            f"(`safetensors.torch.save_file(torch.load(path), 'model.safetensors')`) and load that."
-        )
-    items = [n for n in names if _storage.local_entry(os.path.join(path, n, _orbax.METADATA)).file]
-    if items:
-        return f" It is an orbax checkpoint of several items ({shown_names(items)}): pass one item's folder."
-    orbax_manager = _orbax.manager_steps(path)
-    if orbax_manager:
-        return orbax_manager
-    steps = [n for n in names if n.isdigit() and _storage.local_entry(os.path.join(path, n)).folder]
-    if steps:
-        return f" It looks like an orbax CheckpointManager's directory (steps {shown_names(steps)}): pass one step."
-    return ""
+def reason(missing: CheckpointError) -> str:
+    """The short reason a missing base cannot be found: the first sentence of
+    its open's own error, whose end is looked for after the path it quotes
+    (a path may hold ". " too)."""
+    cause = missing.__cause__ if isinstance(missing.__cause__, CheckpointError) else missing
+    text = str(cause)
+    quoted = repr(cause.path)
+    start = text.find(quoted) + len(quoted) if quoted in text else 0
+    end = text.find(". ", start)
+    return (text if end < 0 else text[:end]).rstrip(".") + "."

@@ -19,7 +19,7 @@ from .._load._load_plan import LoadOptions
 from .._ondisk import _iterators
 from .._ondisk._format import LeafRecord, dtype_from_name
 from .._ondisk._iterators import IteratorRecord
-from .._sources import _source
+from .._sources import _opening, _source
 from .._store import _storage, _storage_errors
 
 
@@ -179,7 +179,7 @@ def diff(a: Any, b: Any, *, values: bool = True, progress: Progress = None, toke
     """
     values = check_flag("values", values, "whether to compare the values of leaves that agree in shape and dtype")
     options = LoadOptions(token=token)
-    source_a, source_b = _source.open_source(a, options, whole=False), _source.open_source(b, options, whole=False)
+    source_a, source_b = _opening.open_source(a, options, whole=False), _opening.open_source(b, options, whole=False)
     recs_a, recs_b = source_a.manifest.by_path(), source_b.manifest.by_path()
     its_a = {it.path: it for it in source_a.manifest.iterators}
     its_b = {it.path: it for it in source_b.manifest.iterators}

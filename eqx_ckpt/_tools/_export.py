@@ -44,7 +44,7 @@ from .._load._checkpoint import Checkpoint, need
 from .._load._lazy import LazyArray
 from .._ondisk import _digests, _dtypes, _iterators, _published, _structure
 from .._ondisk._format import CARD, LEAF_TYPES, MANIFEST, UNPUBLISHED_SUFFIX, LeafRecord, dtype_from_name, whole_chunks
-from .._sources import _family
+from .._sources import _verified
 from .._store import _durable, _storage
 from . import _card, _matching
 from ._card import model_card
@@ -708,7 +708,7 @@ def _write_shard(
         for tensor in shard:
             data = tensor_bytes(tensor)
             if tensor.record.path not in digests:
-                digests[tensor.record.path] = _family.digest(data)
+                digests[tensor.record.path] = _verified.digest(data)
             yield data
             update(tensor.nbytes)
 

@@ -22,7 +22,7 @@ from .._load._checkpoint import Checkpoint, human
 from .._load._load_plan import LoadOptions
 from .._ondisk import _digests, _published
 from .._ondisk._format import LeafRecord
-from .._sources import _family, _source
+from .._sources import _family, _opening, _source, _verified
 
 # An export against a base that would take from it under both 10% of its
 # tensors' bytes and 1 MiB is written standalone: so few bytes are not worth a
@@ -72,7 +72,7 @@ def base_of(
         source = base._source
     elif isinstance(base, (str, os.PathLike, dict)):
         try:
-            source = _source.open_source(base, LoadOptions(token=token), whole=True)
+            source = _opening.open_source(base, LoadOptions(token=token), whole=True)
         except CheckpointNotFoundError as e:
             raise CheckpointNotFoundError(
                 f"The base given as {option('`base=`', '`--base`')} ({_shown(base)}) cannot be found: {e} Check "
@@ -178,7 +178,7 @@ def _matched(
 
     def base_digest(record: LeafRecord, like: str) -> str:
         if record.path not in known:
-            known[record.path] = _family.stored_digest(source, record, like=like).digest
+            known[record.path] = _verified.stored_digest(source, record, like=like).digest
         return known[record.path]
 
     references: dict[str, str] = {}
@@ -187,7 +187,7 @@ def _matched(
         found = candidates.get(_kind(tensor.record))
         if not found:
             continue
-        mine = digests[tensor.record.path] = _family.digest(tensor_bytes(tensor))
+        mine = digests[tensor.record.path] = _verified.digest(tensor_bytes(tensor))
         # The leaf of the same name first: a fine-tune mostly keeps its names.
         for record in sorted(found, key=lambda r: r.path != tensor.record.path):
             count, claimed = backing.get(record.path, (0, 0))

@@ -40,7 +40,7 @@ from .._manage._steps import committed_steps
 from .._ondisk import _digests, _format, _iterators, _layout, _manifest, _published
 from .._ondisk._format import MANIFEST, LeafRecord, PackRecord, dtype_from_name, step_name
 from .._ondisk._manifest import Manifest
-from .._sources import _family, _source
+from .._sources import _opening, _source, _verified
 from .._store import _chunk_files, _storage, _storage_errors, _untrusted
 
 # Pack chunks read at once.
@@ -575,7 +575,7 @@ def _check_foreign(loc: Location, progress: Progress, token: str | None, base: A
     try:
         # A Hub repository is verified as the cache holds it: downloaded whole,
         # every file checked against the digest the Hub lists for it.
-        source = _source.open_source(loc, LoadOptions(token=token, base=base), whole=hub)
+        source = _opening.open_source(loc, LoadOptions(token=token, base=base), whole=hub)
         missing = None if source.base is None else source.base.missing()
     except CorruptCheckpointError as e:
         return Problems([Problem(None, str(e))])
@@ -624,11 +624,11 @@ def _compare_digests(
         try:
             found = hashed.get(taken) if taken is not None else None
             if found is None:
-                found = _family.stored_digest(source, record, like=expected)
+                found = _verified.stored_digest(source, record, like=expected)
         except IntegrityError as e:
             if getattr(e, "block", None) is None:
                 bad[record.path] = Problem(record.path, str(_damage(e, record, source.data, "read")))
-            else:  # a block read through its check (`_digests.Blocks`)
+            else:  # a block read through its check (`_verified.Region`)
                 found = e.block  # type: ignore[attr-defined]
         except Exception as e:
             bad[record.path] = Problem(record.path, str(_damage(e, record, source.data, "read")))

@@ -24,7 +24,7 @@ from eqx_ckpt._load._load_plan import LoadOptions
 from eqx_ckpt._ondisk import _format
 from eqx_ckpt._ondisk._format import LeafRecord
 from eqx_ckpt._save import _records
-from eqx_ckpt._sources._source import open_source
+from eqx_ckpt._sources._opening import open_source
 from eqx_ckpt._store import _chunk_files, _local_read, _memory, _storage
 
 

@@ -409,8 +409,9 @@ def test_foreign_formats_return_one_typed_source():
         fields = {field.name for field in dataclasses.fields(returned[0])}
         assert returned[0].__dataclass_params__.frozen and members <= fields, f"{returned[0]}: {members - fields}"
     unpacked = [
-        f"_source.py:{node.lineno}"
-        for node in _walk(_tree(_path("_source")))
+        f"{stem}.py:{node.lineno}"
+        for stem in ("_source", "_opening")
+        for node in _walk(_tree(_path(stem)))
         if isinstance(node, ast.Assign) and any(isinstance(t, (ast.Tuple, ast.Starred)) for t in node.targets)
     ]
     assert unpacked == [], f"a foreign source is read by name, not unpacked: {unpacked}"

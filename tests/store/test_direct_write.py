@@ -23,7 +23,7 @@ from eqx_ckpt._base import _faults, _interrupts, _location
 from eqx_ckpt._load._load_plan import LoadOptions
 from eqx_ckpt._ondisk import _format
 from eqx_ckpt._save import _records
-from eqx_ckpt._sources._source import open_source
+from eqx_ckpt._sources._opening import open_source
 from eqx_ckpt._store import _chunk_files, _local_write, _storage
 
 pytestmark = pytest.mark.skipif(not _chunk_files.LOCAL_PATH_SUPPORTED, reason="no direct writes on this host")
