@@ -8,6 +8,8 @@ Each tensor becomes a virtual TensorStore array (`_storage.virtual_array`)
 whose chunks are runs of rows, read with byte-range reads through the same
 kvstore as any checkpoint. So a load reads the headers and the bytes of the
 tensors (or rows) it selects, nothing else, locally or on an object store.
+Where `eqx_ckpt.json` records block digests, each read is checked by the
+verifying reader's check of its region (`Regions`, `_verified.region`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ What is checked depends on what the source records of a leaf:
   (`taken`), whatever the base is.
 - **A whole-leaf digest** (every published folder): a leaf read whole is
   hashed as it is read (`DigestCheck`, `Checks` for a load of many, `whole`
-  for a lazy leaf's), and compared once it is all read.
+  for a transformed leaf's stored arrays), and compared once it is all read;
+  `verify` hashes each leaf so (`stored_digest`).
 - **Chunk checksums** (an eqx_ckpt checkpoint): each chunk carries its own,
   which the storage layer checks as it decodes it; nothing is added here
   (`checker` is `None`).

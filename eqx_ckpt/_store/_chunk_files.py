@@ -58,8 +58,9 @@ def read_local_range(path: str, start: int, end: int) -> np.ndarray | None:
 
 def read_alone(loc: Location, record: LeafRecord) -> np.ndarray:
     """The elements of one packed leaf (its stored shape), read as a run of its
-    own: how a reader whose run failed finds the damaged leaf. A failure is
-    raised as storage raised it."""
+    own: how a reader whose run failed finds the damaged leaf, and how a
+    fine-tune reads a leaf it takes from a packed base. A failure is raised
+    as storage raised it."""
     pack = record.pack
     assert pack is not None
     _faults.fire("pack.read_run", loc, pack, [record.path])

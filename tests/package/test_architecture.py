@@ -463,6 +463,20 @@ def test_an_eqx_ckpt_checkpoint_is_opened_in_one_place():
     assert _users("_layout", "data_location") == {"_source", "_transaction"}
 
 
+def test_every_checked_byte_goes_through_the_verifying_reader():
+    """What a leaf's bytes must hash to is known in one place, `_verified`
+    (issue 84, point 3: the safetensors reader, a fine-tune's base and lazy
+    reads each checked blocks or digests on their own). No other module
+    hashes a leaf's bytes or checks them against its recorded digests
+    (`_digests.Blocks`, `Hasher`, `of`, `mismatch`); a safetensors read
+    checks its region with the check `_verified.region` hands it."""
+    hashing = ("Blocks", "Hasher", "of", "xxh3", "mismatch")
+    users = {name: _users("_digests", name) - {"_digests", "_verified"} for name in hashing}
+    assert users == {name: set() for name in hashing}, users
+    assert _users("_verified", "region") == set()  # (its own `tensors` and `taken` hand it out)
+    assert {"_safetensors", "_verified"} >= {path.stem for path in MODULES if ".covering(" in path.read_text()}
+
+
 # Attributes and keywords that only TensorStore's objects have (its arrays,
 # kvstores, transactions, read results, index domains): used outside `_storage`,
 # they drive a TensorStore object that should not have left it.
