@@ -144,13 +144,14 @@ def checkpoint(loc: Location, manifest: Manifest | None = None) -> Source | None
 
 
 class Base:
-    """A fine-tune's base, opened and checked (`_opened`) when a leaf taken from
-    it is first needed; until then nothing of it is opened or requested.
+    """A fine-tune's base, opened and checked (`_family.with_base` makes it)
+    when a leaf taken from it is first needed; until then nothing of it is
+    opened or requested.
 
     `display`: the base as messages name it. `references`: the fine-tune's
     dotted path of each leaf taken from it -> the base's. `given`: the base
     was given at load time (`base=`), so it is held to the digests, not the
-    pin. `refused`: where the recorded base is not followed (`recorded`), why;
+    pin. `refused`: where the recorded base is not followed (`_family.recorded`), why;
     its every open raises that. An open that fails is tried again when next
     needed (a base put back is then found)."""
 
