@@ -15,7 +15,9 @@ on a pool of threads (`eqx_ckpt-blocks`, a thread a core), in parallel with
 the reads. Each block is hashed by one thread, never with BLAKE3's own threads
 (`max_threads`): measured, those split each block over the cores the pool
 already keeps busy, for more CPU and less throughput (docs/benchmarks.md,
-"BLAKE3 per 1 MiB block (issue 84)").
+"BLAKE3 per 1 MiB block (issue 84)"). A region of one or two blocks (a
+slice's) is hashed by the thread that read it: the hand-off to the pool
+cost about what hashing a block does.
 
 Earlier versions recorded one xxh3-128 per leaf, which catches accidents, not
 forgery; they are still read (`XXH3`).
@@ -64,6 +66,9 @@ SIZE = 32
 # Blocks hashed by one task of the pool: a task per block would cost more in
 # the pool than in the hash for small blocks.
 _BLOCKS_A_TASK = 8
+# A region of at most this many blocks (a slice's) is hashed here: the pool's
+# hand-off costs about what hashing one block does.
+_BLOCKS_HERE = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +131,8 @@ def _spread(view: memoryview, block: int, algorithm: Algorithm) -> bytes:
     whole blocks to each thread of the pool but one, the first share here (a
     slice's two blocks take the time of one)."""
     blocks = count(len(view), block)
+    if blocks <= _BLOCKS_HERE:
+        return _hash(view, block, algorithm)
     step = max(1, count(blocks, min(blocks, _pool().threads))) * block
     rest = [_pool().submit(_hash, view[i : i + step], block, algorithm) for i in range(step, len(view), step)]
     return _hash(view[:step], block, algorithm) + b"".join(future.result() for future in rest)

@@ -119,13 +119,14 @@ def digest(data: Any) -> _digests.Digested:
     return _digests.of(data, _published.BLOCK_ALGORITHMS[_published.VERSION])
 
 
-def stored_digest(source: Source, record: LeafRecord, *, like: str) -> _digests.Digested:
+def stored_digest(source: Source, record: LeafRecord, *, like: str, block: int) -> _digests.Digested:
     """The digests of the leaf `record` of `source` as it is stored (a PRNG
     key's key data, a viewed dtype's unsigned integers), of the kind of the
-    digest `like` (blocks in the hash it names, or an older record's xxh3-128),
-    read in slabs of rows so a large leaf never needs its size in memory twice."""
+    digest `like` (blocks of `block` bytes in the hash it names, or an older
+    record's xxh3-128), read in slabs of rows so a large leaf never needs its
+    size in memory twice."""
     store = source.open(record).result()
-    hasher = _hasher(like)
+    hasher = _hasher(like, block)
     shape = tuple(record.stored_shape)
     if not shape or shape[0] == 0:
         hasher.update(_raw(store.read().result()))
@@ -153,9 +154,15 @@ class _Xxh3:
         return _digests.Digested(_digests.XXH3 + self.hasher.hexdigest())
 
 
-def _hasher(like: str) -> _digests.Hasher | _Xxh3:
+def _hasher(like: str, block: int) -> _digests.Hasher | _Xxh3:
     algorithm = _digests.algorithm_of(like)
-    return _Xxh3() if algorithm is None else _digests.Hasher(algorithm)
+    return _Xxh3() if algorithm is None else _digests.Hasher(algorithm, block)
+
+
+def recorded_block(source: Source) -> int:
+    """The block size of the digests `source`'s record holds: its own, as a
+    record says it (a folder of another size than an export writes now loads)."""
+    return source.manifest.block_bytes or _digests.BLOCK_BYTES
 
 
 def _raw(array: np.ndarray) -> memoryview:
@@ -174,7 +181,7 @@ class DigestCheck:
 
     def __init__(self, source: Source, record: LeafRecord, expected: str):
         self.source, self.record, self.expected = source, record, expected
-        self.hasher = _hasher(expected)
+        self.hasher = _hasher(expected, recorded_block(source))
         self.finished: concurrent.futures.Future[None] | None = None
 
     def update(self, array: np.ndarray) -> None:

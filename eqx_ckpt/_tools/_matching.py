@@ -178,7 +178,8 @@ def _matched(
 
     def base_digest(record: LeafRecord, like: str) -> str:
         if record.path not in known:
-            known[record.path] = _verified.stored_digest(source, record, like=like).digest
+            # (blocks of the size an export records, whatever size the base's own record says)
+            known[record.path] = _verified.stored_digest(source, record, like=like, block=_digests.BLOCK_BYTES).digest
         return known[record.path]
 
     references: dict[str, str] = {}

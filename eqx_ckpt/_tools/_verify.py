@@ -624,7 +624,7 @@ def _compare_digests(
         try:
             found = hashed.get(taken) if taken is not None else None
             if found is None:
-                found = _verified.stored_digest(source, record, like=expected)
+                found = _verified.stored_digest(source, record, like=expected, block=_verified.recorded_block(source))
         except IntegrityError as e:
             if getattr(e, "block", None) is None:
                 bad[record.path] = Problem(record.path, str(_damage(e, record, source.data, "read")))

@@ -35,15 +35,18 @@ import eqx_ckpt
 from eqx_ckpt._base._location import location
 from eqx_ckpt._ondisk._format import BLOCK_BYTES
 
-ROWS, COLUMNS = 768, 1024  # float32: 3 MiB, 3 blocks of 256 rows
+COLUMNS = 1024
+BLOCK_ROWS = BLOCK_BYTES // (4 * COLUMNS)  # float32 rows a block: 32 of 128 KiB
+ROWS = 3 * BLOCK_ROWS  # 3 blocks
 WEIGHT = "model.body.weight"
 FLIPPED = 1  # the block whose bytes are rewritten
+MID = BLOCK_ROWS + BLOCK_ROWS // 6  # a row inside block `FLIPPED`
 READS = {  # the rows each read covers: every one meets block `FLIPPED`
-    "slice": (300, 302),
-    "row range": (200, 300),
-    "prefix": (0, 600),
+    "slice": (MID, MID + 2),
+    "row range": (3 * BLOCK_ROWS // 4, MID),
+    "prefix": (0, 2 * BLOCK_ROWS + BLOCK_ROWS // 3),
 }
-KEPT = ((0, 2), (700, ROWS))  # rows of the blocks not rewritten
+KEPT = ((0, 2), (2 * BLOCK_ROWS + 3 * BLOCK_ROWS // 4, ROWS))  # rows of the blocks not rewritten
 
 
 def _tree(head: float = 0.0, other: bool = False) -> dict:
@@ -148,7 +151,7 @@ def _check_verified(problems: list[tuple[str | None, str]], taken: bool) -> None
     else:
         assert [leaf for leaf, _ in problems] == [None], problems
         assert "holds other values than when the fine-tune was exported: 1 of the" in problems[0][1]
-        assert f"(`{WEIGHT}`)" in problems[0][1] and "blake3 per 1 MiB block" in problems[0][1]
+        assert f"(`{WEIGHT}`)" in problems[0][1] and f"blake3 per {BLOCK_BYTES // 1024} KiB block" in problems[0][1]
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -295,7 +298,8 @@ def test_each_version_checks_its_blocks_with_its_hash(tmp_path, version):
     fixture, folder = places.FIXTURES / f"published_{version}", tmp_path / "fixture"
     shutil.copytree(fixture, folder)
     assert json.loads((folder / "eqx_ckpt.json").read_text())["format_version"] == version
-    _rewrite(folder, "big", BLOCK_BYTES)  # (row 256 of 257: the second block)
+    # (row 256 of 257: the second block of the fixture's, which are 1 MiB as it records)
+    _rewrite(folder, "big", 2**20)
     ckpt, original = eqx_ckpt.Checkpoint(folder), eqx_ckpt.Checkpoint(fixture)
     message = _message(str(folder), leaf="big", block=1, hashed=shown)
     for read in (lambda: ckpt["big"][255:257], lambda: np.asarray(ckpt["big"]), lambda: ckpt.load(trust=[])):

@@ -748,7 +748,7 @@ def test_verify_checks_every_file_against_the_hubs_digest(hub, tmp_path):
     assert [line.split(":")[0] for line in checked[1][:2]] == ["`eqx_ckpt.json`", "`model.safetensors`"]
     assert "`model.safetensors`: its SHA-256 is the one the Hub lists at " in checked[1][1]
     assert checked[1][2:] == [
-        "every leaf's bytes, against the digests eqx_ckpt.json records of it (blake3 per 1 MiB block)"
+        "every leaf's bytes, against the digests eqx_ckpt.json records of it (blake3 per 128 KiB block)"
     ]
     (blob,) = [p for p in (tmp_path / "hf").rglob("blobs/*") if p.stat().st_size > 50_000]
     data = bytearray(blob.read_bytes())

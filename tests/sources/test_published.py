@@ -23,6 +23,7 @@ import safetensors
 from safetensors import safe_open
 
 import eqx_ckpt
+from eqx_ckpt._ondisk._format import BLOCK_BYTES
 from eqx_ckpt._tools._cli import main
 
 SHARDS = {"single": "5GB", "sharded": 400}
@@ -160,7 +161,8 @@ def test_eqx_ckpt_json_holds_the_records_structure_and_info(folder):
         "structure",
         "leaves",
     }
-    assert (record["format"], record["format_version"], record["block_bytes"]) == ("eqx_ckpt.safetensors", 5, 2**20)
+    said = (record["format"], record["format_version"], record["block_bytes"])
+    assert said == ("eqx_ckpt.safetensors", 5, BLOCK_BYTES)
     assert record["info"] == {"description": "test"} and record["structure"]["t"] == "dict"
     leaves = {leaf["path"]: leaf for leaf in record["leaves"]}
     # Each leaf records the BLAKE3 of each MiB of its tensor's bytes, and its
@@ -176,7 +178,7 @@ def test_eqx_ckpt_json_holds_the_records_structure_and_info(folder):
     assert sorted(stored) == sorted(leaves)
     for name, leaf in leaves.items():
         data = stored[name]
-        blocks = b"".join(blake3.blake3(data[i : i + 2**20]).digest() for i in range(0, len(data), 2**20))
+        blocks = b"".join(blake3.blake3(data[i : i + BLOCK_BYTES]).digest() for i in range(0, len(data), BLOCK_BYTES))
         assert leaf.pop("blocks") == blocks.hex(), name
         assert leaf.pop("digest") == "blake3:" + blake3.blake3(blocks).hexdigest(), name
     assert leaves["i4"] == {
