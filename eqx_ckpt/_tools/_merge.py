@@ -41,7 +41,7 @@ from ._merge_methods import Method
 
 # A block holds whole rows (of the first axis) of about this many elements,
 # of every input at once: a fixed size, so that no budget changes a byte.
-BLOCK_ELEMENTS = 1 << 18
+BLOCK_ELEMENTS = 1 << 16
 # The most mismatched leaves an error lists one by one (it names them all in `dotted`).
 MAX_LISTED = 50
 
@@ -65,9 +65,10 @@ def merge(
 
     Every input is read lazily, a block of rows at a time; the merge holds one
     leaf of the result (in its dtype), the chunks of each input that the
-    current block lies in, and a few float32 blocks: never a whole model. Floating-point array leaves are
-    merged in float32 (float64 leaves in float64) and stored in their own
-    dtype; every other leaf (integers, booleans, scalars) and every leaf
+    current block lies in, and a few float32 blocks (for TIES, first the
+    magnitudes of one input's differences for the leaf): never a whole
+    model. Floating-point array leaves are merged in float32 (float64
+    leaves in float64) and stored in their own dtype; every other leaf (integers, booleans, scalars) and every leaf
     outside `where` is the first input's. The result is a checkpoint like a
     save of the first input: the same leaves, and its structure record, so a
     load without `like` rebuilds the same model. Its manifest's `metrics`
@@ -323,7 +324,7 @@ class _Merged:
 
     def read(self, leaf: _Rows, rows: Any) -> np.ndarray:
         """A block of `leaf`, flat, in the accumulator dtype."""
-        return np.asarray(leaf.read(rows)).astype(self.acc).reshape(-1)
+        return np.asarray(leaf.read(rows)).astype(self.acc, copy=False).reshape(-1)
 
     def value(self) -> np.ndarray:
         """The merged leaf, made a block at a time into one array of its dtype."""
@@ -335,7 +336,7 @@ class _Merged:
                 xs = [self.read(x, rows) for x in self.inputs]
                 base = None if self.base is None else self.read(self.base, rows)
                 block = methods.combine(self.method, xs, base, start=start, **whole)
-                flat[start : start + block.size] = block.astype(self.dtype)
+                flat[start : start + block.size] = block if block.dtype == self.dtype else block.astype(self.dtype)
             return out
         finally:
             for leaf in [*self.inputs, *([self.base] if self.base is not None else [])]:
@@ -353,20 +354,21 @@ class _Merged:
         return {}
 
     def _threshold(self, leaf: _Rows) -> int:
-        """The magnitude (`methods.magnitude_keys`) of `leaf`'s difference from the base that TIES keeps at least."""
+        """The magnitude (`methods.magnitude_keys`) of `leaf`'s difference from
+        the base that TIES keeps at least: the magnitudes are made a block at a
+        time into one array of the leaf's size (before the result's leaf is),
+        and the threshold selected among them."""
         size = math.prod(self.shape)
         density = self.method.density or 1.0
         if density >= 1 or size == 0:
             return 0
         if self.base is None:
             raise RuntimeError("Internal error: a TIES merge without a base.")
-        base = self.base
-
-        def keys() -> Iterator[np.ndarray]:
-            for rows, _ in self.blocks():
-                yield methods.magnitude_keys(self.read(leaf, rows) - self.read(base, rows))
-
-        return methods.kth_largest(keys, methods.kept_count(density, size), 8 * self.acc.itemsize)
+        magnitudes = np.empty(size, self.acc)
+        for rows, start in self.blocks():
+            x, base = self.read(leaf, rows), self.read(self.base, rows)
+            np.subtract(x, base, out=magnitudes[start : start + x.size])
+        return methods.kth_largest(methods.magnitude_keys(magnitudes, magnitudes), methods.kept_count(density, size))
 
     def _coefficients(self) -> tuple[float, float]:
         """SLERP's two weights for this leaf, from its dot product and norms in float64."""
