@@ -25,11 +25,12 @@ MIB = 2**20
 
 # The family, made the same way in every process: float32 leaves of 1 MiB
 # (one block of the digests), 2 MiB (two) and small ones; an integer leaf.
+# No fine-tune changes `body.norm` or `body.b`.
 FAMILY = """
 import os, shutil
 rng = np.random.default_rng(0)
 normal = lambda *shape: rng.standard_normal(shape, np.float32)
-base = {"emb": normal(256, 1024), "body": {"w": normal(512, 1024), "b": normal(1024)},
+base = {"emb": normal(256, 1024), "body": {"w": normal(512, 1024), "b": normal(1024), "norm": normal(256, 1024)},
         "head": {"w": normal(1024, 256), "b": normal(256)}, "count": np.arange(8, dtype=np.int32)}
 def tuned(**changed):
     tree = jax.tree.map(lambda x: x, base)
@@ -114,7 +115,7 @@ for name, tree in TUNED.items():
 emit([sorted(eqx_ckpt.Checkpoint(p).from_base()) for p in INPUTS])
 """
     )
-    everything = ["body.b", "body.w", "count", "emb", "head.b", "head.w"]
+    everything = ["body.b", "body.norm", "body.w", "count", "emb", "head.b", "head.w"]
     stored = {"ft1": ["head.b", "head.w"], "ft2": ["body.w"], "ft3": ["emb", "head.w"]}
     assert said == [sorted(set(everything) - set(s)) for s in stored.values()]
     for name in stored:
@@ -159,7 +160,7 @@ emit([same_bytes("merged", "reference"), formula])
     read, whole = _reads(state)
     assert all(n == 0 for n in whole.values()), whole  # nothing downloaded whole
     chosen = lambda leaves: [k for k in leaves if selected is None or k in selected]
-    sizes = {"emb": MIB, "body.w": 2 * MIB, "body.b": 4096, "head.w": MIB, "head.b": 1024}
+    sizes = {"emb": MIB, "body.w": 2 * MIB, "body.b": 4096, "body.norm": MIB, "head.w": MIB, "head.b": 1024}
     for name, own in stored.items():
         got = read.get((f"me/{name}", "finetune.safetensors"), {})
         # Only the stored leaves the merge merges, each read once (TIES too: a
@@ -174,3 +175,50 @@ emit([same_bytes("merged", "reference"), formula])
         want = {k: n for k, n in sizes.items() if k in selected or k not in stored["ft1"]}
     want["count"] = 32  # (not a float: the first input's, which takes it from the base)
     assert base_read == want, base_read
+
+
+def test_a_merge_is_pushed_as_a_fine_tune_of_the_base_and_its_card_says_how_it_was_made(family):
+    """The merge of the family, pushed against the family's base, stores only
+    the leaves that differ from it and loads bit for bit with it, cold; its
+    card names the method, each input at its commit with its weight, the
+    base at its commit and the density."""
+    client, state, _ = family
+    options = {"method": "ties", "density": 0.4, "weights": [1.0, 0.5, 0.25]}
+    pushed = client.run(
+        FAMILY
+        + f"""
+eqx_ckpt.merge("merged", INPUTS, base="hf://me/base", **{options!r})
+emit(eqx_ckpt.push_to_hub("merged", "me/merged", base="hf://me/base"))
+"""
+    )
+    files = _files(state, "me/merged")
+    assert pushed == state.repos["me/merged"].branches["main"]
+    assert "finetune.safetensors" in files and "model.safetensors" not in files
+    record = json.loads(state.blobs[files["eqx_ckpt.json"]])
+    taken = {leaf["path"] for leaf in record["leaves"] if "base" in leaf}
+    assert taken == {"body.b", "body.norm", "count"}  # (no input changed them: the merge is the base there)
+    stored = _tensors(state.blobs[files["finetune.safetensors"]])
+    assert sorted(stored) == ["body.w", "emb", "head.b", "head.w"]
+    # Cold, in a new process: the same model as the merge saved, bit for bit.
+    loaded = Client(client.url, client.home.parent / "cold").run(
+        FAMILY
+        + """
+eqx_ckpt.merge("again", INPUTS, base="hf://me/base", method="ties", density=0.4, weights=[1.0, 0.5, 0.25])
+pushed, saved = eqx_ckpt.Checkpoint("hf://me/merged").load(trust=[]), eqx_ckpt.Checkpoint("again").load(trust=[])
+emit([bool(eqx.tree_equal(pushed, saved, typematch=True)), eqx_ckpt.Checkpoint("hf://me/merged").base])
+"""
+    )
+    commit = lambda repo: state.repos[repo].branches["main"]
+    assert loaded == [True, f"hf://me/base@{commit('me/base')}"]
+    card = state.blobs[files["README.md"]].decode()
+    assert "tags:\n- jax\n- equinox\n- merge\n---\n" in card and "metrics:" not in card.split("---")[1]
+    said = (
+        "A merge of 3 models by `ties`, made by `eqx_ckpt.merge`: "
+        f"base `hf://me/base@{commit('me/base')}`, density `0.4`. "
+    )
+    assert said in card, card
+    table = "| input | weight |\n|---|---:|\n" + "".join(
+        f"| `hf://me/{name}@{commit(f'me/{name}')}` | {weight} |\n"
+        for name, weight in zip(("ft1", "ft2", "ft3"), options["weights"])
+    )
+    assert table in card, card
