@@ -72,8 +72,10 @@ def merge(
     leaf of the result (in its dtype), the chunks of each input that the
     current block lies in, and a few float32 blocks (for TIES, first the
     magnitudes of one input's differences for the leaf): never a whole
-    model. Floating-point array leaves are merged in float32 (float64
-    leaves in float64) and stored in their own dtype; every other leaf (integers, booleans, scalars) and every leaf
+    model. Inputs whose leaf records the same digest (a fine-tune's leaf
+    taken from its base) are read once. Floating-point array leaves are
+    merged in float32 (float64 leaves in float64) and stored in their own
+    dtype; every other leaf (integers, booleans, scalars) and every leaf
     outside `where` is the first input's. The result is a checkpoint like a
     save of the first input: the same leaves, and its structure record, so a
     load without `like` rebuilds the same model. Its manifest's `metrics`

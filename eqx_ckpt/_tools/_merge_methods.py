@@ -189,7 +189,9 @@ def disjoint(deltas: list[np.ndarray], weights: Sequence[float], *, elect: bool,
         summed += wd
     if not elect:
         return summed / total(weights, acc) if mean else summed
-    majority = np.where(summed >= 0, acc(1), acc(-1))
+    # The sign elected, 1 or -1 (`2 * (summed >= 0) - 1`: `np.where` takes ten times as long).
+    majority = np.multiply(np.greater_equal(summed, 0), acc(2))
+    majority -= acc(1)
     agreeing = np.zeros_like(summed)
     divisor = np.zeros_like(summed) if mean else None
     scratch, agree = summed, np.empty(summed.shape, bool)  # (the sum is not needed past the election)
@@ -204,6 +206,10 @@ def disjoint(deltas: list[np.ndarray], weights: Sequence[float], *, elect: bool,
     return np.divide(agreeing, divisor, out=agreeing)
 
 
+# The magnitude key of an infinity, by the accumulator's itemsize: every larger key is a NaN's.
+_INFINITY = {4: int(np.float32(np.inf).view(np.uint32)), 8: int(np.float64(np.inf).view(np.uint64))}
+
+
 def magnitude_keys(delta: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """`|delta|` as unsigned integers of its width, in the same order (made in `out`, if given)."""
     return np.abs(delta, out=out).view(np.uint64 if delta.dtype.itemsize == 8 else np.uint32)
@@ -211,8 +217,15 @@ def magnitude_keys(delta: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
 
 def trimmed(delta: np.ndarray, threshold: int, scratch: np.ndarray | None = None) -> np.ndarray:
     """`delta` where its magnitude (`magnitude_keys`) is at least `threshold`,
-    else 0, in place (`scratch`: an array of its shape and dtype to use)."""
-    np.copyto(delta, delta.dtype.type(0), where=magnitude_keys(delta, scratch) < threshold)
+    else 0, in place (`scratch`: an array of its shape and dtype to use).
+
+    Made as `delta * kept` (a tenth of a masked copy's time) where every
+    element dropped is finite, so that each is then 0, or -0 where it was
+    negative: `disjoint` makes the same of both (no sign, summed to 0)."""
+    keys = magnitude_keys(delta, scratch)
+    if threshold <= _INFINITY[delta.dtype.itemsize]:
+        return np.multiply(delta, np.greater_equal(keys, threshold), out=delta)
+    np.copyto(delta, delta.dtype.type(0), where=keys < threshold)  # (an infinity may be dropped)
     return delta
 
 
