@@ -1,6 +1,7 @@
 """Host memory and time of `merge` against one read of its inputs and one write.
 
-`python -m benchmarks.merge [--gib 1] [--leaves 32] [--methods linear,ties,slerp] [--dir DIR] [--json FILE]`
+`python -m benchmarks.merge [--gib 1] [--leaves 32] [--methods linear,ties,slerp] [--rounds 1]
+[--dir DIR] [--json FILE]`
 
 Three models of `--gib` GiB of float32 each (`--leaves` equal leaves of
 1024 columns, different values) are saved under `--dir`. Then, each in a
@@ -17,6 +18,11 @@ Each row reports `seconds` and `rss_added`: the peak resident memory over
 what the process held before (sampled every 10 ms in a thread,
 `benchmarks.gpu.PeakRSS`). The page cache is warm: the inputs were just
 written. JAX's backend is made before either is measured. Prints a table; `--json` writes every row.
+
+`--rounds N` measures each method's merge and reference N times, one after
+the other in each round (`round` in each row), and prints the median of
+the rounds' ratios of merge to reference: on a shared machine, a round's
+two runs meet about the same load, which the ratio cancels.
 """
 
 from __future__ import annotations
@@ -113,11 +119,29 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def ratios(rows: list[dict[str, Any]]) -> str:
+    """Each method's median ratio of its merge's seconds to its reference's, over the rounds."""
+    import statistics
+
+    lines = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        pairs: dict[int, dict[str, float]] = {}
+        for r in rows:
+            if r["method"] == method and "error" not in r:
+                pairs.setdefault(r.get("round", 0), {})[r["what"]] = r["seconds"]
+        each = [p["merge"] / p["reference"] for p in pairs.values() if len(p) == 2]
+        if each:
+            shown = ", ".join(f"{x:.2f}" for x in each)
+            lines.append(f"{method:>16s} merge / reference: median {statistics.median(each):.2f}x ({shown})")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0, help="GiB of float32 per model")
     parser.add_argument("--leaves", type=int, default=32, help="leaves of equal size per model")
     parser.add_argument("--methods", default="linear,ties,slerp", help="comma-separated merge methods")
+    parser.add_argument("--rounds", type=int, default=1, help="merge and reference measured this many times")
     parser.add_argument("--dir", default=None, help="where the models go (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="write every row here")
     args = parser.parse_args(argv)
@@ -125,17 +149,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     try:
         models = make_models(root, args.gib, args.leaves)
-        for method in [m for m in args.methods.split(",") if m]:
-            for what in ("merge", "reference"):
-                out = os.path.join(root, f"out-{method}-{what}")
-                job = {"method": method, "models": models, "out": out, "reference": what == "reference"}
-                os.sync()  # what earlier writes left unwritten is written now, not during this one
-                rows.append({"method": method, "what": what, "gib": args.gib, **run_one(job)})
-                shutil.rmtree(out, ignore_errors=True)
-                print(table(rows[-1:]).splitlines()[1], flush=True)
+        for round_ in range(args.rounds):
+            for method in [m for m in args.methods.split(",") if m]:
+                for what in ("merge", "reference"):
+                    out = os.path.join(root, f"out-{method}-{what}")
+                    job = {"method": method, "models": models, "out": out, "reference": what == "reference"}
+                    os.sync()  # what earlier writes left unwritten is written now, not during this one
+                    row = {"method": method, "what": what, "gib": args.gib, "round": round_, **run_one(job)}
+                    rows.append(row)
+                    shutil.rmtree(out, ignore_errors=True)
+                    print(table(rows[-1:]).splitlines()[1], flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(table(rows), flush=True)
+    print(ratios(rows), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -39,6 +39,9 @@ _LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")
 _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 # A pip requirement or a URL (which the card writes as `<url>`: no `<` or `>` in it).
 _CODE = re.compile(r"(?!https?://[^<>]*[<>])[^\s`'\"\\]{1,300}")
+# The `metrics` a merge records (`_merge._metrics`), and the most of an input's name a card shows.
+MERGE_PREFIX = "merge_"
+MERGE_SHOWN = 300
 # Metric names written into the front matter (quoted): others are in the body only.
 _METRIC = re.compile(r"[A-Za-z0-9_./-]{1,100}")
 _IDENTIFIERS = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -212,7 +215,10 @@ def model_card(
     title = info.get("name") if isinstance(info.get("name"), str) else _title(name_or_path)
     description = info.get("description") if isinstance(info.get("description"), str) else ""
     metrics: dict[str, Any] = info["metrics"] if isinstance(info.get("metrics"), dict) else {}
-    parts = [front_matter(about, metrics), f"# {title}\n"]
+    merged = merge_section(metrics)
+    if merged:  # (what `merge` recorded is said there, not as measured metrics)
+        metrics = {k: v for k, v in metrics.items() if not (isinstance(k, str) and k.startswith(MERGE_PREFIX))}
+    parts = [front_matter(about, metrics, merged=bool(merged)), f"# {title}\n"]
     if description:
         parts.append(description.strip() + "\n")
     parts.append(
@@ -229,6 +235,8 @@ def model_card(
             f"to that version. The load below needs nothing more; to make a copy that needs no base, run "
             f"`eqx-ckpt export --standalone {name_or_path} <folder>`.\n"
         )
+    if merged:
+        parts.append(merged)
     parts.append("## Load it\n\n```python\n" + snippet(name_or_path, structure, about=about, found=found) + "```\n")
     parts += _load_notes(name_or_path, about, found)
     if metrics:
@@ -274,9 +282,42 @@ def _card_text(ckpt: Checkpoint) -> str:
     return "" if data is None else data.decode("utf-8", "replace")
 
 
-def front_matter(about: About, metrics: dict[str, Any]) -> str:
-    """The card's YAML front matter, the metadata the Hub reads. Values are
-    quoted: YAML would read `no` or `1.0` as a boolean or a number."""
+def merge_section(metrics: dict[str, Any]) -> str:
+    """The card's "Merge" section, from the `metrics` that `merge` records
+    (`merge_method`, `merge_inputs`, ...): the method, each input (an `hf://`
+    one at its commit) with its weight, and the options. `""` where they are
+    not there, or not as `merge` writes them."""
+    method, inputs = metrics.get("merge_method"), metrics.get("merge_inputs")
+    try:
+        inputs = json.loads(inputs) if isinstance(inputs, str) else None
+        weights = json.loads(metrics.get("merge_weights") or "null")
+    except ValueError:
+        return ""
+    if not isinstance(method, str) or not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
+        return ""
+    if not (isinstance(weights, list) and len(weights) == len(inputs)):
+        weights = None
+    options = [
+        f"{name} {_code(metrics[MERGE_PREFIX + name])}"
+        for name in ("base", "density", "t", "key")
+        if MERGE_PREFIX + name in metrics
+    ]
+    said = f": {', '.join(options)}" if options else ""
+    rows = "".join(
+        f"| {_code(name)} |" + (f" {_cell(json.dumps(weights[i]))} |" if weights else "") + "\n"
+        for i, name in enumerate(inputs)
+    )
+    header = "| input | weight |\n|---|---:|\n" if weights else "| input |\n|---|\n"
+    return (
+        f"## Merge\n\nA merge of {len(inputs)} models by {_code(method, 100)}, made by `eqx_ckpt.merge`{said}. "
+        f"The same inputs and options give the same bytes.\n\n{header}{rows}"
+    )
+
+
+def front_matter(about: About, metrics: dict[str, Any], *, merged: bool = False) -> str:
+    """The card's YAML front matter, the metadata the Hub reads (`merged`: a
+    merge's, tagged `merge`). Values are quoted: YAML would read `no` or
+    `1.0` as a boolean or a number."""
     lines = ["---", "library_name: eqx_ckpt"]
     if about.license is not None:
         lines.append(f'license: "{about.license}"')
@@ -284,7 +325,7 @@ def front_matter(about: About, metrics: dict[str, Any]) -> str:
         lines.append(f'base_model: "{about.base_model[0]}"')
     elif about.base_model:
         lines += ["base_model:"] + [f'- "{model}"' for model in about.base_model]
-    lines += ["tags:", "- jax", "- equinox"]
+    lines += ["tags:", "- jax", "- equinox"] + (["- merge"] if merged else [])
     names = [name for name in metrics if _METRIC.fullmatch(name)]
     if names:
         lines += ["metrics:"] + [f'- "{name}"' for name in names]
@@ -388,9 +429,14 @@ def _row(name: Any, value: Any) -> str:
     return f"| {_cell(name)} | {_cell(shown)} |\n"
 
 
-def _cell(text: Any) -> str:
+def _cell(text: Any, limit: int = 100) -> str:
     """Text as one cell of a Markdown table: one line, no `|`, bounded."""
-    return from_file(str(text), 100).replace("|", "\\|")
+    return from_file(str(text), limit).replace("|", "\\|")
+
+
+def _code(text: Any, limit: int = MERGE_SHOWN) -> str:
+    """Text as code in a line or a cell of a Markdown table (no backquote in it)."""
+    return "`" + _cell(text, limit).replace("`", "'") + "`"
 
 
 def _code_source(code: str, *, markdown: bool = False) -> str:

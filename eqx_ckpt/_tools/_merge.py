@@ -34,14 +34,19 @@ from .._base._progress import Progress
 from .._load import _lazy, _rebuild
 from .._load._checkpoint import Checkpoint
 from .._load._lazy import LazyArray
-from .._ondisk._format import dtype_from_name
+from .._ondisk import _digests
+from .._ondisk._format import BLOCK_BYTES, dtype_from_name
 from .._save import _records, _serialise
 from . import _merge_methods as methods
 from ._merge_methods import Method
 
 # A block holds whole rows (of the first axis) of about this many elements,
 # of every input at once: a fixed size, so that no budget changes a byte.
-BLOCK_ELEMENTS = 1 << 18
+BLOCK_ELEMENTS = 1 << 16
+# A window of a safetensors leaf holds whole blocks of `BLOCK_BYTES` of its
+# stored bytes (each read and checked whole), at most this many bytes of them
+# (as an eqx_ckpt chunk file at most): a leaf of that size is read once.
+WINDOW_BYTES = 64 * 2**20
 # The most mismatched leaves an error lists one by one (it names them all in `dotted`).
 MAX_LISTED = 50
 
@@ -65,7 +70,10 @@ def merge(
 
     Every input is read lazily, a block of rows at a time; the merge holds one
     leaf of the result (in its dtype), the chunks of each input that the
-    current block lies in, and a few float32 blocks: never a whole model. Floating-point array leaves are
+    current block lies in, and a few float32 blocks (for TIES, first the
+    magnitudes of one input's differences for the leaf): never a whole
+    model. Inputs whose leaf records the same digest (a fine-tune's leaf
+    taken from its base) are read once. Floating-point array leaves are
     merged in float32 (float64 leaves in float64) and stored in their own
     dtype; every other leaf (integers, booleans, scalars) and every leaf
     outside `where` is the first input's. The result is a checkpoint like a
@@ -136,8 +144,10 @@ def merge(
     _account(opened, based, [p for p in first if p in chosen], merged)
     for i, dotted in enumerate(names.paths):
         if dotted in merged:
-            parts = [_Rows.of(ckpt, dotted) for ckpt in opened]
-            leaves[i] = _Merged(checked, dotted, parts, None if based is None else _Rows.of(based, dotted)).unread()
+            same: dict[str, _Rows] = {}  # (the base first: a fine-tune's leaf taken from it is read there)
+            base_rows = None if based is None else _Rows.shared(based, dotted, same)
+            parts = [_Rows.shared(ckpt, dotted, same) for ckpt in opened]
+            leaves[i] = _Merged(checked, dotted, parts, base_rows).unread()
     record = _rebuild.record_of(first._manifest, first.path)
     options = _serialise.SaveOptions(
         overwrite=overwrite,
@@ -263,9 +273,11 @@ def _metrics(method: Method, opened: list[Checkpoint], based: Checkpoint | None)
 
 class _Rows:
     """One input's leaf, read by rows: each read a window of whole chunks
-    (of an eqx_ckpt checkpoint, whose chunk files are read whole), kept for
-    the blocks inside it; the rows asked for alone from other sources (a
-    safetensors file is read by byte ranges)."""
+    (of an eqx_ckpt checkpoint, whose chunk files are read whole) or of whole
+    blocks of `BLOCK_BYTES` up to `WINDOW_BYTES` (of a safetensors file, read
+    by byte ranges: a published folder's digests are of such blocks), kept
+    for the blocks inside it. A window's rows that the next one holds too are
+    not read again."""
 
     def __init__(self, leaf: LazyArray, chunk_rows: int):
         self.leaf, self.chunk_rows = leaf, max(chunk_rows, 1)
@@ -276,8 +288,31 @@ class _Rows:
     @classmethod
     def of(cls, ckpt: Checkpoint, dotted: str) -> _Rows:
         record = ckpt.record(dotted)
-        whole = ckpt.format == "eqx_ckpt" and record.pack is None and len(record.chunks) == len(record.shape)
-        return cls(ckpt[dotted], record.chunks[0] if whole and record.shape else 1)
+        if not record.shape:
+            return cls(ckpt[dotted], 1)
+        if ckpt.format == "eqx_ckpt" and record.pack is None and len(record.chunks) == len(record.shape):
+            return cls(ckpt[dotted], record.chunks[0])
+        # Whole blocks (the fewest rows that end where one does, or else those
+        # that hold one), as many as `WINDOW_BYTES` holds.
+        row = record.nbytes // record.stored_shape[0] if record.stored_shape[0] else 0
+        if not row:
+            return cls(ckpt[dotted], record.shape[0])
+        unit = BLOCK_BYTES // math.gcd(BLOCK_BYTES, row)
+        unit = unit if unit * row <= WINDOW_BYTES else -(-BLOCK_BYTES // row)
+        return cls(ckpt[dotted], unit * max(1, WINDOW_BYTES // (unit * row)))
+
+    @classmethod
+    def shared(cls, ckpt: Checkpoint, dotted: str, same: dict[str, _Rows]) -> _Rows:
+        """`of(ckpt, dotted)`, or the one made for another input (in `same`)
+        whose leaf has the same recorded digest (SHA-256 or BLAKE3, as
+        published folders record them): the same bytes, read once. Each read
+        is checked against its own source's digest, so either holds them."""
+        digest = ckpt._manifest.digests.get(dotted, "")
+        if _digests.algorithm_of(digest) is None:
+            return cls.of(ckpt, dotted)
+        if digest not in same:
+            same[digest] = cls.of(ckpt, dotted)
+        return same[digest]
 
     def read(self, rows: Any) -> np.ndarray:
         """The rows `rows` (a slice of the first axis, or `()` for a scalar leaf)."""
@@ -286,14 +321,26 @@ class _Rows:
         if self.chunk_rows == 1:
             return self.leaf[rows]
         if self._window is None or not (self._window[0] <= rows.start and rows.stop <= self._window[1]):
-            self._window = None  # (freed before the next window is read)
             start = rows.start - rows.start % self.chunk_rows
             stop = min(self.shape[0], -(-rows.stop // self.chunk_rows) * self.chunk_rows)
-            # A window of the whole leaf is read as a load reads it (locally, straight into one buffer).
-            whole = start == 0 and stop == self.shape[0]
-            self._window = (start, stop, np.asarray(self.leaf) if whole else self.leaf[start:stop])
+            kept, self._window = self._kept(start), None  # (the rest freed before the next window is read)
+            if kept is not None:  # the rows of the last window that this one holds, then the rest
+                rest = np.asarray(self.leaf[start + len(kept) : stop])
+                self._window = (start, stop, np.concatenate([kept, rest]))
+            else:
+                # A window of the whole leaf is read as a load reads it (locally, straight into one buffer).
+                whole = start == 0 and stop == self.shape[0]
+                self._window = (start, stop, np.asarray(self.leaf) if whole else np.asarray(self.leaf[start:stop]))
         start, _, window = self._window
         return window[rows.start - start : rows.stop - start]
+
+    def _kept(self, start: int) -> np.ndarray | None:
+        """The last window's rows from `start` to its end, where it starts at
+        or before `start` and ends after it (a block that straddles two windows)."""
+        if self._window is None or not (self._window[0] <= start < self._window[1]):
+            return None
+        first, _, window = self._window
+        return window[start - first :]
 
     def done(self) -> None:
         self._window = None
@@ -323,7 +370,7 @@ class _Merged:
 
     def read(self, leaf: _Rows, rows: Any) -> np.ndarray:
         """A block of `leaf`, flat, in the accumulator dtype."""
-        return np.asarray(leaf.read(rows)).astype(self.acc).reshape(-1)
+        return np.asarray(leaf.read(rows)).astype(self.acc, copy=False).reshape(-1)
 
     def value(self) -> np.ndarray:
         """The merged leaf, made a block at a time into one array of its dtype."""
@@ -335,7 +382,7 @@ class _Merged:
                 xs = [self.read(x, rows) for x in self.inputs]
                 base = None if self.base is None else self.read(self.base, rows)
                 block = methods.combine(self.method, xs, base, start=start, **whole)
-                flat[start : start + block.size] = block.astype(self.dtype)
+                flat[start : start + block.size] = block if block.dtype == self.dtype else block.astype(self.dtype)
             return out
         finally:
             for leaf in [*self.inputs, *([self.base] if self.base is not None else [])]:
@@ -344,8 +391,12 @@ class _Merged:
     def _whole(self) -> dict[str, Any]:
         """What each block needs of the whole leaf (`methods.combine`)."""
         name = self.method.name
-        if name == "ties":
-            return {"thresholds": [self._threshold(x) for x in self.inputs]}
+        if name == "ties":  # (once for inputs read by one `_Rows`: the same bytes)
+            found: dict[int, int] = {}
+            for x in self.inputs:
+                if id(x) not in found:
+                    found[id(x)] = self._threshold(x)
+            return {"thresholds": [found[id(x)] for x in self.inputs]}
         if name == "slerp":
             return {"coefficients": self._coefficients()}
         if name in methods.RANDOM:
@@ -353,20 +404,21 @@ class _Merged:
         return {}
 
     def _threshold(self, leaf: _Rows) -> int:
-        """The magnitude (`methods.magnitude_keys`) of `leaf`'s difference from the base that TIES keeps at least."""
+        """The magnitude (`methods.magnitude_keys`) of `leaf`'s difference from
+        the base that TIES keeps at least: the magnitudes are made a block at a
+        time into one array of the leaf's size (before the result's leaf is),
+        and the threshold selected among them."""
         size = math.prod(self.shape)
         density = self.method.density or 1.0
         if density >= 1 or size == 0:
             return 0
         if self.base is None:
             raise RuntimeError("Internal error: a TIES merge without a base.")
-        base = self.base
-
-        def keys() -> Iterator[np.ndarray]:
-            for rows, _ in self.blocks():
-                yield methods.magnitude_keys(self.read(leaf, rows) - self.read(base, rows))
-
-        return methods.kth_largest(keys, methods.kept_count(density, size), 8 * self.acc.itemsize)
+        magnitudes = np.empty(size, self.acc)
+        for rows, start in self.blocks():
+            x, base = self.read(leaf, rows), self.read(self.base, rows)
+            np.subtract(x, base, out=magnitudes[start : start + x.size])
+        return methods.kth_largest(methods.magnitude_keys(magnitudes, magnitudes), methods.kept_count(density, size))
 
     def _coefficients(self) -> tuple[float, float]:
         """SLERP's two weights for this leaf, from its dot product and norms in float64."""

@@ -784,17 +784,22 @@ def test_the_staging_benchmark_measures_each_budget_in_a_fresh_process(tmp_path)
 
 
 def test_the_merge_benchmark_measures_a_merge_and_its_reference_in_fresh_processes(tmp_path):
-    """`benchmarks.merge` at 4 MiB a model: a row for the merge and one for
-    its reference, each with its seconds and peak RSS; the models are deleted."""
+    """`benchmarks.merge` at 4 MiB a model, in two rounds: a row for the merge
+    and one for its reference each round, each with its seconds and peak RSS;
+    the median of the rounds' ratios; the models are deleted."""
     out = tmp_path / "merge.json"
-    rows = merge.main(
-        ["--gib", "0.00390625", "--leaves", "2", "--methods", "ties", "--dir", str(tmp_path), "--json", str(out)]
-    )
+    argv = ["--gib", "0.00390625", "--leaves", "2", "--methods", "ties", "--rounds", "2"]
+    rows = merge.main([*argv, "--dir", str(tmp_path), "--json", str(out)])
     assert json.loads(out.read_text()) == rows
-    assert [(r["method"], r["what"]) for r in rows] == [("ties", "merge"), ("ties", "reference")]
+    assert [(r["method"], r["what"], r["round"]) for r in rows] == [
+        ("ties", what, round_) for round_ in (0, 1) for what in ("merge", "reference")
+    ]
     for row in rows:
         assert "error" not in row, row
         assert row["seconds"] > 0 and isinstance(row["rss_added"], int)
+    each = [rows[i]["seconds"] / rows[i + 1]["seconds"] for i in (0, 2)]
+    said = merge.ratios(rows)
+    assert said.startswith("            ties merge / reference: median ") and f"{sum(each) / 2:.2f}x" in said
     assert [p.name for p in tmp_path.iterdir()] == ["merge.json"]
 
 

@@ -286,6 +286,17 @@ def test_same_bytes_twice_whatever_the_budget(tmp_path, monkeypatch):
     monkeypatch.setattr(_merge, "BLOCK_ELEMENTS", 1 << 18)
     eqx_ckpt.merge(tmp_path / "four", [a, b], **ties)
     assert _leaf_files(tmp_path / "three") == _leaf_files(tmp_path / "four")
+    # Published inputs, read by windows of a few rows that the blocks straddle
+    # (3 rows of `emb` a window, 2 a block): the same bytes.
+    for path in (a, b, base):
+        eqx_ckpt.export_safetensors(tmp_path / f"pub-{path.name}", eqx_ckpt.Checkpoint(path))
+    monkeypatch.setattr(_merge, "BLOCK_ELEMENTS", 16)
+    monkeypatch.setattr(_merge, "BLOCK_BYTES", 64)
+    monkeypatch.setattr(_merge, "WINDOW_BYTES", 64)
+    published = [tmp_path / f"pub-{p.name}" for p in (a, b)]
+    eqx_ckpt.merge(tmp_path / "five", published, **{**ties, "base": tmp_path / f"pub-{base.name}"})
+    five, three = _arrays(tmp_path / "five"), _arrays(tmp_path / "three")
+    assert sorted(five) == sorted(three) and all(five[k].tobytes() == three[k].tobytes() for k in five)
 
 
 def test_where_merges_only_the_selected_subtrees(tmp_path):
