@@ -24,7 +24,7 @@ from .._base._errors import CheckpointError, CheckpointValueError, caller_level,
 from .._base._location import location
 from .._load import _rebuild
 from .._load._checkpoint import Checkpoint, human
-from .._ondisk import _published, _structure, _trust
+from .._ondisk import _manifest, _published, _structure, _trust
 from .._ondisk._format import CARD, LeafRecord
 from .._sources import _hub
 from .._store import _storage
@@ -289,8 +289,8 @@ def merge_section(metrics: dict[str, Any]) -> str:
     not there, or not as `merge` writes them."""
     method, inputs = metrics.get("merge_method"), metrics.get("merge_inputs")
     try:
-        inputs = json.loads(inputs) if isinstance(inputs, str) else None
-        weights = json.loads(metrics.get("merge_weights") or "null")
+        inputs = _manifest.loads_file(inputs) if isinstance(inputs, str) else None
+        weights = _manifest.loads_file(metrics.get("merge_weights") or "null")
     except ValueError:
         return ""
     if not isinstance(method, str) or not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):

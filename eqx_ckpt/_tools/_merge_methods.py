@@ -21,17 +21,18 @@ mergekit does by default. docs/sharing.md ("Merging") has the formulas.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import math
 import numbers
 import os
+import types
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from .._base import _state
 from .._base._errors import CheckpointTypeError, CheckpointValueError, option
 
 METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "slerp")
@@ -207,7 +208,9 @@ def disjoint(deltas: list[np.ndarray], weights: Sequence[float], *, elect: bool,
 
 
 # The magnitude key of an infinity, by the accumulator's itemsize: every larger key is a NaN's.
-_INFINITY = {4: int(np.float32(np.inf).view(np.uint32)), 8: int(np.float64(np.inf).view(np.uint64))}
+_INFINITY = types.MappingProxyType(
+    {4: int(np.float32(np.inf).view(np.uint32)), 8: int(np.float64(np.inf).view(np.uint64))}
+)
 
 
 def magnitude_keys(delta: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -254,7 +257,7 @@ def seed(key: int, path: str, index: int) -> int:
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
-@functools.lru_cache(maxsize=4)
+@_state.memo(4)
 def _strides(size: int) -> np.ndarray:
     """`j * 0x9E3779B97F4A7C15` (modulo 2**64) for `j` in `range(size)`, read-only."""
     out = np.arange(size, dtype=np.uint64)
