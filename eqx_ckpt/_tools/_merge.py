@@ -8,12 +8,20 @@ ordinary save: each merged leaf an `_records.Unread` made when the save
 stages it (`_Merged`: a block of rows at a time, each input read by
 windows of whole chunks, `_Rows`), every other leaf the first input's lazy leaf. The save commits the
 first input's structure record and the merge's options (`metrics`).
+
+Two cores are kept busy (`_Ahead`): while one leaf's blocks are made (by
+`MERGE_THREADS` threads, each block into its own place), the next leaf's
+inputs are read, and what it needs of its whole leaf worked out, on a thread
+of its own. Each block is made alone, so no thread's timing changes a byte.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import json
 import math
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._base import _keypath, _select, _tree
+from .._base import _interrupts, _keypath, _select, _threads, _tree
 from .._base._errors import (
     CheckpointTypeError,
     CheckpointValueError,
@@ -49,6 +57,13 @@ BLOCK_ELEMENTS = 1 << 16
 WINDOW_BYTES = 64 * 2**20
 # The most mismatched leaves an error lists one by one (it names them all in `dotted`).
 MAX_LISTED = 50
+# The threads that make a leaf's blocks (`TASK_BLOCKS` blocks handed to one at a time).
+MERGE_THREADS = max(1, min(os.cpu_count() or 1, 4))
+TASK_BLOCKS = 8
+# Whether the next merged leaf's inputs are read (and TIES's thresholds and
+# SLERP's angle worked out) while a leaf is made (`_Ahead`): it holds what
+# one more leaf's reads hold. `False`: each leaf is read when it is made.
+READ_AHEAD = True
 
 
 def merge(
@@ -142,12 +157,13 @@ def merge(
     chosen = _chosen(where, tree, names.paths)
     merged = {p for p in chosen if _floating(first, p)}
     _account(opened, based, [p for p in first if p in chosen], merged)
+    ahead = _Ahead()
     for i, dotted in enumerate(names.paths):
         if dotted in merged:
             same: dict[str, _Rows] = {}  # (the base first: a fine-tune's leaf taken from it is read there)
             base_rows = None if based is None else _Rows.shared(based, dotted, same)
             parts = [_Rows.shared(ckpt, dotted, same) for ckpt in opened]
-            leaves[i] = _Merged(checked, dotted, parts, base_rows).unread()
+            leaves[i] = ahead.add(_Merged(checked, dotted, parts, base_rows, ahead)).unread()
     record = _rebuild.record_of(first._manifest, first.path)
     options = _serialise.SaveOptions(
         overwrite=overwrite,
@@ -159,7 +175,10 @@ def merge(
     )
     out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree, lambda x: isinstance(x, LazyArray)), leaves)
     loc = writable(location(path), "`merge`")
-    _serialise.save(loc, out, _serialise.default_serialise_filter_spec, None, options)
+    try:
+        _serialise.save(loc, out, _serialise.default_serialise_filter_spec, None, options)
+    finally:
+        ahead.close()
 
 
 def _tree_of(ckpt: Checkpoint) -> Any:
@@ -346,13 +365,56 @@ class _Rows:
         self._window = None
 
 
+class _Ahead:
+    """A merge's merged leaves, in the tree's order (the order the save makes
+    them in, but for packed leaves, made last): while one is made, the next
+    one not yet made is prepared (`_Merged.prepare`: its inputs' first
+    windows read, what it needs of its whole leaf worked out) on the
+    `eqx_ckpt-merge-ahead` thread. A leaf made before its turn is prepared
+    when it is made."""
+
+    def __init__(self) -> None:
+        self.leaves: list[_Merged] = []
+        self.started: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
+        self.made: set[int] = set()
+
+    def add(self, leaf: _Merged) -> _Merged:
+        leaf.index = len(self.leaves)
+        self.leaves.append(leaf)
+        return leaf
+
+    def prepared(self, leaf: _Merged) -> dict[str, Any]:
+        """What `leaf` needs of its whole leaf (`_Merged.whole`), its first
+        windows read; then the next leaf's preparation started."""
+        self.made.add(leaf.index)
+        future = self.started.pop(leaf.index, None)
+        whole = _interrupts.finish(future) if future is not None else leaf.prepare()
+        if READ_AHEAD:
+            after = (i for i in range(leaf.index + 1, len(self.leaves)) if i not in self.made)
+            following = next(after, None)
+            if following is not None and following not in self.started:
+                pool = _threads.pool("eqx_ckpt-merge-ahead", 1)
+                self.started[following] = pool.submit(self.leaves[following].prepare)
+        return whole
+
+    def close(self) -> None:
+        """Wait for the preparations still under way (the save has ended, or
+        failed), and drop what they read."""
+        futures = list(self.started.values())
+        _interrupts.stop(futures)
+        for index in self.started:
+            self.leaves[index].done()
+        self.started.clear()
+
+
 class _Merged:
     """One merged leaf: the inputs' (and the base's) leaves at `path`, read by rows."""
 
-    def __init__(self, method: Method, path: str, inputs: list[_Rows], base: _Rows | None):
+    def __init__(self, method: Method, path: str, inputs: list[_Rows], base: _Rows | None, ahead: _Ahead):
         self.method, self.path, self.inputs, self.base = method, path, inputs, base
         self.dtype, self.shape = inputs[0].dtype, inputs[0].shape
         self.acc = methods.accumulator(self.dtype)
+        self.ahead, self.index = ahead, 0
 
     def unread(self) -> _records.Unread:
         kind = self.inputs[0].kind
@@ -370,25 +432,66 @@ class _Merged:
 
     def read(self, leaf: _Rows, rows: Any) -> np.ndarray:
         """A block of `leaf`, flat, in the accumulator dtype."""
-        return np.asarray(leaf.read(rows)).astype(self.acc, copy=False).reshape(-1)
+        return self.flat(leaf.read(rows))
+
+    def flat(self, block: Any) -> np.ndarray:
+        return np.asarray(block).astype(self.acc, copy=False).reshape(-1)
+
+    def rows(self) -> list[_Rows]:
+        """The leaves read, each once (inputs read by one `_Rows` are the same bytes)."""
+        return list({id(x): x for x in [*([self.base] if self.base is not None else []), *self.inputs]}.values())
+
+    def prepare(self) -> dict[str, Any]:
+        """What each block needs of the whole leaf (`whole`), with the first
+        window of each leaf read."""
+        whole = self.whole()
+        first = next(self.blocks())[0]
+        for leaf in self.rows():
+            leaf.read(first)
+        return whole
 
     def value(self) -> np.ndarray:
-        """The merged leaf, made a block at a time into one array of its dtype."""
+        """The merged leaf, made a block at a time into one array of its dtype:
+        `TASK_BLOCKS` blocks at a time on the `eqx_ckpt-merge` threads, the
+        blocks read (their rows cut from the windows) here, in order."""
+        tasks: collections.deque[concurrent.futures.Future[None]] = collections.deque()
         try:
-            whole = self._whole()
+            whole = self.ahead.prepared(self)
             out = np.empty(self.shape, self.dtype)
             flat = out.reshape(-1)
+            pool = _threads.pool("eqx_ckpt-merge", MERGE_THREADS)
+            task: list[tuple[int, list[Any], Any]] = []
             for rows, start in self.blocks():
-                xs = [self.read(x, rows) for x in self.inputs]
-                base = None if self.base is None else self.read(self.base, rows)
-                block = methods.combine(self.method, xs, base, start=start, **whole)
-                flat[start : start + block.size] = block if block.dtype == self.dtype else block.astype(self.dtype)
+                base = None if self.base is None else self.base.read(rows)
+                task.append((start, [x.read(rows) for x in self.inputs], base))
+                if len(task) == TASK_BLOCKS:
+                    tasks.append(pool.submit(self.make, flat, task, whole))
+                    task = []
+                    while len(tasks) > 2 * MERGE_THREADS:
+                        _interrupts.finish(tasks.popleft())
+            if task and not tasks:  # (a small leaf: made here)
+                self.make(flat, task, whole)
+            elif task:
+                tasks.append(pool.submit(self.make, flat, task, whole))
+            while tasks:
+                _interrupts.finish(tasks.popleft())
             return out
         finally:
-            for leaf in [*self.inputs, *([self.base] if self.base is not None else [])]:
-                leaf.done()
+            _interrupts.stop(list(tasks))  # (after an error: no thread writes into `out` once it is dropped)
+            self.done()
 
-    def _whole(self) -> dict[str, Any]:
+    def make(self, flat: np.ndarray, task: list[tuple[int, list[Any], Any]], whole: dict[str, Any]) -> None:
+        """The blocks of `task` (each its first element, its inputs' and base's rows), into `flat`."""
+        for start, xs, base in task:
+            acc_base = None if base is None else self.flat(base)
+            block = methods.combine(self.method, [self.flat(x) for x in xs], acc_base, start=start, **whole)
+            flat[start : start + block.size] = block if block.dtype == self.dtype else block.astype(self.dtype)
+
+    def done(self) -> None:
+        for leaf in self.rows():
+            leaf.done()
+
+    def whole(self) -> dict[str, Any]:
         """What each block needs of the whole leaf (`methods.combine`)."""
         name = self.method.name
         if name == "ties":  # (once for inputs read by one `_Rows`: the same bytes)
