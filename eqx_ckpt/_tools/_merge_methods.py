@@ -185,26 +185,51 @@ def disjoint(deltas: list[np.ndarray], weights: Sequence[float], *, elect: bool,
     `deltas` are weighted in place."""
     acc = deltas[0].dtype.type
     weighted = [np.multiply(acc(w), d, out=d) for d, w in zip(deltas, weights, strict=True)]
-    summed = weighted[0] * acc(1)
-    for wd in weighted[1:]:
-        summed += wd
     if not elect:
+        summed = weighted[0] * acc(1)
+        for wd in weighted[1:]:
+            summed += wd
         return summed / total(weights, acc) if mean else summed
-    # The sign elected, 1 or -1 (`2 * (summed >= 0) - 1`: `np.where` takes ten times as long).
-    majority = np.multiply(np.greater_equal(summed, 0), acc(2))
-    majority -= acc(1)
-    agreeing = np.zeros_like(summed)
-    divisor = np.zeros_like(summed) if mean else None
-    scratch, agree = summed, np.empty(summed.shape, bool)  # (the sum is not needed past the election)
+    positive, negative = elected(weighted)
+    agreeing = divisor = None
+    product = np.empty_like(weighted[0])
+    agree, opposite = np.empty(product.shape, bool), np.empty(product.shape, bool)
     for wd, w in zip(weighted, weights, strict=True):
-        np.equal(np.sign(wd, out=scratch), majority, out=agree)
-        agreeing += np.multiply(wd, agree, out=scratch)
-        if divisor is not None:
-            divisor += np.multiply(acc(w), agree, out=scratch)
+        agreeing_ = _agreeing(wd, positive, negative, agree, opposite)
+        if agreeing is None:  # (`0 + p`, as a sum from 0 makes it: -0 becomes 0)
+            agreeing = np.add(np.multiply(wd, agreeing_, out=product), acc(0))
+        else:
+            agreeing += np.multiply(wd, agreeing_, out=product)
+        if mean:  # (the divisor's zeros, whatever their sign, are made 1 below)
+            if divisor is None:
+                divisor = np.multiply(acc(w), agreeing_)
+            else:
+                divisor += np.multiply(acc(w), agreeing_, out=product)
+    assert agreeing is not None
     if divisor is None:
         return agreeing
-    divisor[divisor == 0] = 1
+    # 1 where it is 0 (`divisor + (divisor == 0)`: a masked assignment takes ten times as long).
+    np.add(divisor, np.equal(divisor, 0, out=agree), out=divisor)
     return np.divide(agreeing, divisor, out=agreeing)
+
+
+def elected(weighted: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Where the sign elected is + (the weighted differences' sum at least 0), and where it is -."""
+    summed = np.add(weighted[0], weighted[1]) if len(weighted) > 1 else weighted[0]
+    for wd in weighted[2:]:
+        summed += wd
+    positive = np.greater_equal(summed, 0)
+    return positive, np.logical_not(positive)
+
+
+def _agreeing(
+    wd: np.ndarray, positive: np.ndarray, negative: np.ndarray, agree: np.ndarray, opposite: np.ndarray
+) -> np.ndarray:
+    """Where `wd` has the sign elected (`np.sign(wd)` is +1 where + is, -1 where
+    - is; never where it is 0 or NaN), made in `agree` (`opposite`: scratch)."""
+    np.logical_and(np.greater(wd, 0, out=agree), positive, out=agree)
+    np.logical_and(np.less(wd, 0, out=opposite), negative, out=opposite)
+    return np.logical_or(agree, opposite, out=agree)
 
 
 # The magnitude key of an infinity, by the accumulator's itemsize: every larger key is a NaN's.
