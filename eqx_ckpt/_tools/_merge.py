@@ -484,8 +484,10 @@ class _Merged:
         """The blocks of `task` (each its first element, its inputs' and base's rows), into `flat`."""
         for start, xs, base in task:
             acc_base = None if base is None else self.flat(base)
-            block = methods.combine(self.method, [self.flat(x) for x in xs], acc_base, start=start, **whole)
-            flat[start : start + block.size] = block if block.dtype == self.dtype else block.astype(self.dtype)
+            into = flat[start : start + xs[0].size] if self.acc == self.dtype else None  # (else cast below)
+            block = methods.combine(self.method, [self.flat(x) for x in xs], acc_base, start=start, out=into, **whole)
+            if into is None:
+                flat[start : start + block.size] = block.astype(self.dtype)
 
     def done(self) -> None:
         for leaf in self.rows():

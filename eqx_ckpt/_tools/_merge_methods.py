@@ -121,9 +121,9 @@ def accumulator(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(dtype).itemsize >= 8 else np.dtype(np.float32)
 
 
-def linear(xs: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
-    """The weighted average: `sum(w_i * x_i) / sum(w_i)`."""
-    return weighted_sum(xs, weights) / total(weights, xs[0].dtype.type)
+def linear(xs: Sequence[np.ndarray], weights: Sequence[float], out: np.ndarray | None = None) -> np.ndarray:
+    """The weighted average: `sum(w_i * x_i) / sum(w_i)` (made in `out`, if given)."""
+    return np.divide(weighted_sum(xs, weights), total(weights, xs[0].dtype.type), out=out)
 
 
 def total(weights: Sequence[float], acc: type[np.floating]) -> np.floating:
@@ -153,21 +153,23 @@ def combine(
     coefficients: tuple[float, float] = (1.0, 0.0),
     seeds: Sequence[int] = (),
     start: int = 0,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """One block of the merged leaf. What `_merge` worked out over the whole
-    leaf first: `thresholds` (TIES), `coefficients` (SLERP), and for DARE
-    `seeds` (one per input); `start`: the block's first element."""
+    """One block of the merged leaf (made in `out`, if given: an array of the
+    block's size and dtype). What `_merge` worked out over the whole leaf
+    first: `thresholds` (TIES), `coefficients` (SLERP), and for DARE `seeds`
+    (one per input); `start`: the block's first element."""
     if method.name == "linear":
-        return linear(xs, method.weights)
+        return linear(xs, method.weights, out)
     acc = xs[0].dtype.type
     if method.name == "slerp":
-        return acc(coefficients[0]) * xs[0] + acc(coefficients[1]) * xs[1]
+        return np.add(acc(coefficients[0]) * xs[0], acc(coefficients[1]) * xs[1], out=out)
     if base is None:
         raise RuntimeError(f"Internal error: `method={method.name!r}` merged without a base.")
     # (Each difference is a new array of the block's: the steps below change it in place.)
     deltas = [np.subtract(x, base) for x in xs]
     if method.name == "task_arithmetic":
-        return base + weighted_sum(deltas, method.weights)
+        return np.add(base, weighted_sum(deltas, method.weights), out=out)
     if method.name == "ties":
         scratch = np.empty_like(base)
         deltas = [trimmed(d, k, scratch) for d, k in zip(deltas, thresholds, strict=True)]
@@ -175,7 +177,7 @@ def combine(
         density = method.density or 1.0
         deltas = [dropped(d, density, seed, start) for d, seed in zip(deltas, seeds, strict=True)]
     elect = method.name != "dare_linear"
-    return base + disjoint(deltas, method.weights, elect=elect, mean=method.name == "ties")
+    return np.add(base, disjoint(deltas, method.weights, elect=elect, mean=method.name == "ties"), out=out)
 
 
 def disjoint(deltas: list[np.ndarray], weights: Sequence[float], *, elect: bool, mean: bool) -> np.ndarray:
