@@ -299,6 +299,42 @@ def test_same_bytes_twice_whatever_the_budget(tmp_path, monkeypatch):
     assert sorted(five) == sorted(three) and all(five[k].tobytes() == three[k].tobytes() for k in five)
 
 
+@pytest.mark.parametrize("method", ["ties", "dare_ties", "slerp", "linear"])
+def test_same_bytes_whatever_the_threads(tmp_path, monkeypatch, method):
+    """Blocks made one task each on three threads, the next leaf read ahead,
+    or everything on one thread in order: the same bytes."""
+    a, b, base = _saved(tmp_path, [0, 1, 3], dtype=ml_dtypes.bfloat16)
+    options = {"method": method, "t": 0.3} if method == "slerp" else {"method": method}
+    if method in ("ties", "dare_ties"):
+        options.update(base=base, density=0.4, weights=[0.6, -1.5])
+    monkeypatch.setattr(_merge, "BLOCK_ELEMENTS", 8)  # many blocks a leaf, each task one
+    monkeypatch.setattr(_merge, "TASK_BLOCKS", 1)
+    monkeypatch.setattr(_merge, "MERGE_THREADS", 3)
+    eqx_ckpt.merge(tmp_path / "threads", [a, b], **options)
+    monkeypatch.setattr(_merge, "MERGE_THREADS", 1)
+    monkeypatch.setattr(_merge, "READ_AHEAD", False)
+    monkeypatch.setattr(_merge, "TASK_BLOCKS", 1 << 20)
+    eqx_ckpt.merge(tmp_path / "one", [a, b], **options)
+    assert _leaf_files(tmp_path / "threads") == _leaf_files(tmp_path / "one")
+
+
+def test_a_damaged_input_read_ahead_fails_the_merge(tmp_path):
+    """A chunk file damaged in a leaf read while the one before it is made:
+    the merge fails naming it, and writes nothing."""
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(3):
+        paths.append(tmp_path / f"in{i}")
+        eqx_ckpt.tree_serialise_leaves(paths[-1], {k: rng.standard_normal((512, 1024), F32) for k in "abc"})
+    chunk = next((paths[1] / eqx_ckpt.Checkpoint(paths[1]).record("b").directory).rglob("c/*/*"))
+    damaged = bytearray(chunk.read_bytes())
+    damaged[0] ^= 0xFF
+    chunk.write_bytes(bytes(damaged))
+    with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("`b`")):
+        eqx_ckpt.merge(tmp_path / "out", paths[1:], method="ties", base=paths[0], density=0.5)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 def test_where_merges_only_the_selected_subtrees(tmp_path):
     a, b = _saved(tmp_path, [0, 1])
     other = _model(1)
