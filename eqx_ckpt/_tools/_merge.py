@@ -85,9 +85,10 @@ def merge(
 
     Every input is read lazily, a block of rows at a time; the merge holds one
     leaf of the result (in its dtype), the chunks of each input that the
-    current block lies in, and a few float32 blocks (for TIES, first the
-    magnitudes of one input's differences for the leaf): never a whole
-    model. Inputs whose leaf records the same digest (a fine-tune's leaf
+    current block lies in, the same of the next leaf (read ahead, on another
+    thread), and a few float32 blocks for each thread (for TIES, the
+    magnitudes of one input's differences for the next leaf): never a whole
+    model. Blocks are made on several threads, each into its own place. Inputs whose leaf records the same digest (a fine-tune's leaf
     taken from its base) are read once. Floating-point array leaves are
     merged in float32 (float64 leaves in float64) and stored in their own
     dtype; every other leaf (integers, booleans, scalars) and every leaf
