@@ -88,11 +88,12 @@ def merge(
     current block lies in, the same of the next leaf (read ahead, on another
     thread), and a few float32 blocks for each thread (for TIES, the
     magnitudes of one input's differences for the next leaf): never a whole
-    model. Blocks are made on several threads, each into its own place. Inputs whose leaf records the same digest (a fine-tune's leaf
-    taken from its base) are read once. Floating-point array leaves are
-    merged in float32 (float64 leaves in float64) and stored in their own
-    dtype; every other leaf (integers, booleans, scalars) and every leaf
-    outside `where` is the first input's. The result is a checkpoint like a
+    model. Blocks are made on several threads, each into its own place.
+    Inputs whose leaf records the same digest (a fine-tune's leaf taken from
+    its base) are read once. Floating-point array leaves are merged in float32
+    (float64 leaves in float64) and stored in their own dtype; every other
+    leaf (integers, booleans, scalars) and every leaf outside `where` is the
+    first input's. The result is a checkpoint like a
     save of the first input: the same leaves, and its structure record, so a
     load without `like` rebuilds the same model. Its manifest's `metrics`
     record the method, the inputs and the options ([`eqx_ckpt.Checkpoint.metrics`][]).
@@ -499,9 +500,10 @@ class _Merged:
         name = self.method.name
         if name == "ties":  # (once for inputs read by one `_Rows`: the same bytes)
             found: dict[int, int] = {}
+            magnitudes = np.empty(math.prod(self.shape), self.acc)  # (one array for every input's)
             for x in self.inputs:
                 if id(x) not in found:
-                    found[id(x)] = self._threshold(x)
+                    found[id(x)] = self._threshold(x, magnitudes)
             return {"thresholds": [found[id(x)] for x in self.inputs]}
         if name == "slerp":
             return {"coefficients": self._coefficients()}
@@ -509,18 +511,17 @@ class _Merged:
             return {"seeds": [methods.seed(self.method.seed, self.path, i) for i in range(len(self.inputs))]}
         return {}
 
-    def _threshold(self, leaf: _Rows) -> int:
+    def _threshold(self, leaf: _Rows, magnitudes: np.ndarray) -> int:
         """The magnitude (`methods.magnitude_keys`) of `leaf`'s difference from
         the base that TIES keeps at least: the magnitudes are made a block at a
-        time into one array of the leaf's size (before the result's leaf is),
-        and the threshold selected among them."""
+        time into `magnitudes` (an array of the leaf's size, `acc`), and the
+        threshold selected among them."""
         size = math.prod(self.shape)
         density = self.method.density or 1.0
         if density >= 1 or size == 0:
             return 0
         if self.base is None:
             raise RuntimeError("Internal error: a TIES merge without a base.")
-        magnitudes = np.empty(size, self.acc)
         for rows, start in self.blocks():
             x, base = self.read(leaf, rows), self.read(self.base, rows)
             np.subtract(x, base, out=magnitudes[start : start + x.size])
