@@ -178,6 +178,7 @@ def merge(
     out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree, lambda x: isinstance(x, LazyArray)), leaves)
     loc = writable(location(path), "`merge`")
     try:
+        ahead.start(0)
         _serialise.save(loc, out, _serialise.default_serialise_filter_spec, None, options)
     finally:
         ahead.close()
@@ -391,13 +392,16 @@ class _Ahead:
         self.made.add(leaf.index)
         future = self.started.pop(leaf.index, None)
         whole = _interrupts.finish(future) if future is not None else leaf.prepare()
-        if READ_AHEAD:
-            after = (i for i in range(leaf.index + 1, len(self.leaves)) if i not in self.made)
-            following = next(after, None)
-            if following is not None and following not in self.started:
-                pool = _threads.pool("eqx_ckpt-merge-ahead", 1)
-                self.started[following] = pool.submit(self.leaves[following].prepare)
+        self.start(leaf.index + 1)
         return whole
+
+    def start(self, index: int) -> None:
+        """Start preparing the first leaf from `index` on not yet made (the
+        first leaf: as the save begins), unless it is under way."""
+        following = next((i for i in range(index, len(self.leaves)) if i not in self.made), None)
+        if READ_AHEAD and following is not None and following not in self.started:
+            pool = _threads.pool("eqx_ckpt-merge-ahead", 1)
+            self.started[following] = pool.submit(self.leaves[following].prepare)
 
     def close(self) -> None:
         """Wait for the preparations still under way (the save has ended, or
