@@ -22,6 +22,7 @@ import concurrent.futures
 import json
 import math
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -87,7 +88,7 @@ def merge(
     leaf of the result (in its dtype), the chunks of each input that the
     current block lies in, the same of the next leaf (read ahead, on another
     thread), and a few float32 blocks for each thread (for TIES, the
-    magnitudes of one input's differences for the next leaf): never a whole
+    magnitudes of one input's differences for one leaf): never a whole
     model. Blocks are made on several threads, each into its own place.
     Inputs whose leaf records the same digest (a fine-tune's leaf taken from
     its base) are read once. Floating-point array leaves are merged in float32
@@ -380,6 +381,25 @@ class _Ahead:
         self.leaves: list[_Merged] = []
         self.started: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
         self.made: set[int] = set()
+        # TIES's magnitudes, kept from leaf to leaf (a fresh array faults in
+        # every page again); taken by one preparation at a time.
+        self.scratch: np.ndarray | None = None
+        self.lock = threading.Lock()
+
+    def magnitudes(self, size: int, dtype: np.dtype) -> np.ndarray:
+        """An array of `size` elements of `dtype`: the kept one, if it holds them."""
+        with self.lock:
+            kept, self.scratch = self.scratch, None
+        if kept is None or kept.dtype != dtype or kept.size < size:
+            kept = None  # (freed before the larger one is made)
+            return np.empty(size, dtype)
+        return kept[:size]
+
+    def keep(self, magnitudes: np.ndarray) -> None:
+        """Keep `magnitudes` (`magnitudes`'s array) for the next leaf."""
+        whole = magnitudes.base if isinstance(magnitudes.base, np.ndarray) else magnitudes
+        with self.lock:
+            self.scratch = whole
 
     def add(self, leaf: _Merged) -> _Merged:
         leaf.index = len(self.leaves)
@@ -411,6 +431,7 @@ class _Ahead:
         for index in self.started:
             self.leaves[index].done()
         self.started.clear()
+        self.scratch = None
 
 
 class _Merged:
@@ -504,10 +525,11 @@ class _Merged:
         name = self.method.name
         if name == "ties":  # (once for inputs read by one `_Rows`: the same bytes)
             found: dict[int, int] = {}
-            magnitudes = np.empty(math.prod(self.shape), self.acc)  # (one array for every input's)
+            magnitudes = self.ahead.magnitudes(math.prod(self.shape), self.acc)  # (one array for every input's)
             for x in self.inputs:
                 if id(x) not in found:
                     found[id(x)] = self._threshold(x, magnitudes)
+            self.ahead.keep(magnitudes)
             return {"thresholds": [found[id(x)] for x in self.inputs]}
         if name == "slerp":
             return {"coefficients": self._coefficients()}
