@@ -469,13 +469,17 @@ class _Merged:
         return list({id(x): x for x in [*([self.base] if self.base is not None else []), *self.inputs]}.values())
 
     def prepare(self) -> dict[str, Any]:
-        """What each block needs of the whole leaf (`whole`), with the first
-        window of each leaf read."""
-        whole = self.whole()
+        """What each block needs of the whole leaf (`whole`), once the first
+        window of each leaf is read: all at once, on the `eqx_ckpt-merge` threads."""
         first = next(self.blocks())[0]
-        for leaf in self.rows():
-            leaf.read(first)
-        return whole
+        pool = _threads.pool("eqx_ckpt-merge", MERGE_THREADS)
+        reads = [pool.submit(leaf.read, first) for leaf in self.rows()]
+        try:
+            for read in reads:
+                _interrupts.finish(read)
+        finally:
+            _interrupts.stop(reads)
+        return self.whole()
 
     def value(self) -> np.ndarray:
         """The merged leaf, made a block at a time into one array of its dtype:

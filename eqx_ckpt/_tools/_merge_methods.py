@@ -186,7 +186,8 @@ def disjoint(deltas: list[np.ndarray], weights: Sequence[float], *, elect: bool,
     `mean`, divided by the weights summed (of those kept; 1 where none is).
     `deltas` are weighted in place."""
     acc = deltas[0].dtype.type
-    weighted = [np.multiply(acc(w), d, out=d) for d, w in zip(deltas, weights, strict=True)]
+    # (A weight of 1 changes no bit: a difference is made by arithmetic, so it is never a signalling NaN.)
+    weighted = [d if w == 1 else np.multiply(acc(w), d, out=d) for d, w in zip(deltas, weights, strict=True)]
     if not elect:
         summed = weighted[0] * acc(1)
         for wd in weighted[1:]:
