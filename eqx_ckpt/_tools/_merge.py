@@ -471,9 +471,9 @@ class _Merged:
     def prepare(self) -> dict[str, Any]:
         """What each block needs of the whole leaf (`whole`), once the first
         window of each leaf is read: all at once, on the `eqx_ckpt-merge` threads."""
-        first = next(self.blocks())[0]
+        first = next(self.blocks(), None)  # (none: an empty leaf)
         pool = _threads.pool("eqx_ckpt-merge", MERGE_THREADS)
-        reads = [pool.submit(leaf.read, first) for leaf in self.rows()]
+        reads = [pool.submit(leaf.read, first[0]) for leaf in self.rows()] if first is not None else []
         try:
             for read in reads:
                 _interrupts.finish(read)

@@ -318,6 +318,16 @@ def test_same_bytes_whatever_the_threads(tmp_path, monkeypatch, method):
     assert _leaf_files(tmp_path / "threads") == _leaf_files(tmp_path / "one")
 
 
+def test_an_empty_leaf_is_merged(tmp_path):
+    paths = []
+    for i in range(3):
+        paths.append(tmp_path / f"in{i}")
+        eqx_ckpt.tree_serialise_leaves(paths[-1], {"empty": np.zeros((0, 4), F32), "w": np.full((3, 4), i, F32)})
+    eqx_ckpt.merge(tmp_path / "out", paths[1:], method="ties", base=paths[0], density=0.5)
+    got = _arrays(tmp_path / "out")
+    assert got["empty"].shape == (0, 4) and got["w"].shape == (3, 4)
+
+
 def test_a_damaged_input_read_ahead_fails_the_merge(tmp_path):
     """A chunk file damaged in a leaf read while the one before it is made:
     the merge fails naming it, and writes nothing."""
