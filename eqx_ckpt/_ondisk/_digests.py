@@ -63,9 +63,10 @@ BLAKE3 = Algorithm("blake3", "BLAKE3", blake3.blake3)
 XXH3 = "xxh3-128:"
 # Both hashes' digests are 32 bytes.
 SIZE = 32
-# Blocks hashed by one task of the pool: a task per block would cost more in
-# the pool than in the hash for small blocks.
-_BLOCKS_A_TASK = 8
+# Bytes hashed by one task of the pool (whole blocks of them): a task per
+# block would cost more in the pool than in the hash for small blocks. In
+# bytes, not blocks, so that a record's block size does not change the tasks.
+_TASK_BYTES = 8 * 2**20
 # A region of at most this many blocks (a slice's) is hashed here: the pool's
 # hand-off costs about what hashing one block does.
 _BLOCKS_HERE = 2
@@ -158,7 +159,7 @@ class Hasher:
             self.parts.append(self.algorithm.digest(self.partial))
             self.partial = bytearray()
         whole = len(view) - len(view) % self.block
-        step = self.block * _BLOCKS_A_TASK
+        step = self.block * max(1, _TASK_BYTES // self.block)
         for i in range(0, whole, step):
             # (the view keeps the caller's buffer alive until it is hashed)
             self.parts.append(_pool().submit(_hash, view[i : min(i + step, whole)], self.block, self.algorithm))
