@@ -217,6 +217,7 @@ def model_card(
     metrics: dict[str, Any] = info["metrics"] if isinstance(info.get("metrics"), dict) else {}
     merged = merge_section(metrics)
     if merged:  # (what `merge` recorded is said there, not as measured metrics)
+        about = dataclasses.replace(about, base_model=merged_from(about.base_model, metrics))
         metrics = {k: v for k, v in metrics.items() if not (isinstance(k, str) and k.startswith(MERGE_PREFIX))}
     parts = [front_matter(about, metrics, merged=bool(merged)), f"# {title}\n"]
     if description:
@@ -314,10 +315,29 @@ def merge_section(metrics: dict[str, Any]) -> str:
     )
 
 
+def merged_from(models: Sequence[str], metrics: dict[str, Any]) -> tuple[str, ...]:
+    """The models a merge's card names as its `base_model`: `models` (those
+    the caller named), then each Hub repository among the inputs and the base
+    that `merge` recorded in `metrics`, once each, in that order."""
+    try:
+        inputs = _manifest.loads_file(metrics.get("merge_inputs") or "[]")
+    except ValueError:
+        inputs = []
+    named = [*(inputs if isinstance(inputs, list) else []), metrics.get(MERGE_PREFIX + "base")]
+    found = list(models)
+    for name in named:
+        if isinstance(name, str) and name.startswith("hf://"):
+            repo = "/".join(name.removeprefix("hf://").split("@")[0].split("/")[:2])
+            if _REPO.fullmatch(repo) and repo not in found:
+                found.append(repo)
+    return tuple(found)
+
+
 def front_matter(about: About, metrics: dict[str, Any], *, merged: bool = False) -> str:
     """The card's YAML front matter, the metadata the Hub reads (`merged`: a
-    merge's, tagged `merge`). Values are quoted: YAML would read `no` or
-    `1.0` as a boolean or a number."""
+    merge's, tagged `merge`, its base models in the relation `merge`, which
+    the Hub draws as the merge's parents in its model tree). Values are
+    quoted: YAML would read `no` or `1.0` as a boolean or a number."""
     lines = ["---", "library_name: eqx_ckpt"]
     if about.license is not None:
         lines.append(f'license: "{about.license}"')
@@ -325,6 +345,8 @@ def front_matter(about: About, metrics: dict[str, Any], *, merged: bool = False)
         lines.append(f'base_model: "{about.base_model[0]}"')
     elif about.base_model:
         lines += ["base_model:"] + [f'- "{model}"' for model in about.base_model]
+    if merged and about.base_model:
+        lines.append("base_model_relation: merge")
     lines += ["tags:", "- jax", "- equinox"] + (["- merge"] if merged else [])
     names = [name for name in metrics if _METRIC.fullmatch(name)]
     if names:

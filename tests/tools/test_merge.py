@@ -449,3 +449,17 @@ def test_float16_upcast_float64_kept(tmp_path, dtype, acc):
     want = (z + (weighted[0] * agree[0] + weighted[1] * agree[1]) / divisor).astype(dtype)
     assert ties.dtype == dtype
     np.testing.assert_allclose(ties.astype(acc), want.astype(acc), rtol=1e-3 if dtype == np.float16 else 1e-12)
+
+
+def test_a_merges_card_names_its_base_models_as_a_merge(tmp_path):
+    """An export of a merge lists the base models it is given in the relation
+    `merge` (the Hub's model tree draws them as the merge's parents); local
+    inputs are no Hub repositories, so a card given none lists none."""
+    a, b = _saved(tmp_path, [0, 1])
+    eqx_ckpt.merge(tmp_path / "merged", [a, b], method="linear")
+    eqx_ckpt.export_safetensors(tmp_path / "named", tmp_path / "merged", base_model=["me/a", "me/b"])
+    front = (tmp_path / "named" / "README.md").read_text().split("\n---\n")[0]
+    assert 'base_model:\n- "me/a"\n- "me/b"\nbase_model_relation: merge\ntags:' in front, front
+    eqx_ckpt.export_safetensors(tmp_path / "plain", tmp_path / "merged")
+    front = (tmp_path / "plain" / "README.md").read_text().split("\n---\n")[0]
+    assert "base_model" not in front and "- merge" in front, front

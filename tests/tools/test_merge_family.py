@@ -181,7 +181,8 @@ def test_a_merge_is_pushed_as_a_fine_tune_of_the_base_and_its_card_says_how_it_w
     """The merge of the family, pushed against the family's base, stores only
     the leaves that differ from it and loads bit for bit with it, cold; its
     card names the method, each input at its commit with its weight, the
-    base at its commit and the density."""
+    base at its commit and the density, and its front matter lists the base
+    and the inputs as the base models of a merge."""
     client, state, _ = family
     options = {"method": "ties", "density": 0.4, "weights": [1.0, 0.5, 0.25]}
     pushed = client.run(
@@ -211,7 +212,10 @@ emit([bool(eqx.tree_equal(pushed, saved, typematch=True)), eqx_ckpt.Checkpoint("
     commit = lambda repo: state.repos[repo].branches["main"]
     assert loaded == [True, f"hf://me/base@{commit('me/base')}"]
     card = state.blobs[files["README.md"]].decode()
-    assert "tags:\n- jax\n- equinox\n- merge\n---\n" in card and "metrics:" not in card.split("---")[1]
+    # The Hub draws the merge's parents in its model tree: the base, then each input.
+    parents = "".join(f'- "me/{name}"\n' for name in ("base", "ft1", "ft2", "ft3"))
+    front = f"base_model:\n{parents}base_model_relation: merge\ntags:\n- jax\n- equinox\n- merge\n---\n"
+    assert front in card and "metrics:" not in card.split("---")[1], card
     said = (
         "A merge of 3 models by `ties`, made by `eqx_ckpt.merge`: "
         f"base `hf://me/base@{commit('me/base')}`, density `0.4`. "
