@@ -124,9 +124,10 @@ def merge(
     - `key`: DARE's random drops: an int or a JAX PRNG key (default 0).
     - `where`: the sub-trees merged: a dotted path (`"model.encoder"`), a
         list of them, or a callable picking nodes of the first input's tree
-        as `Checkpoint(inputs[0]).load(lazy=True)` gives it (nested dicts
-        and lists, `lambda t: t["encoder"]`). Only those leaves are merged
-        and accounted for; the rest are the first input's.
+        as `Checkpoint(inputs[0]).load(lazy=True)` gives it: nested dicts
+        and lists whose keys are also attributes, so `lambda m: m.encoder`
+        picks a Module's field as `lambda t: t["encoder"]` does. Only those
+        leaves are merged and accounted for; the rest are the first input's.
     - `overwrite`, `progress`, `staging_bytes`: as for
         [`eqx_ckpt.tree_serialise_leaves`][]; the progress counts the leaves
         of the result as they are merged and written.
@@ -208,15 +209,57 @@ def _chosen(where: Any, tree: Any, paths: list[str]) -> set[str]:
         raise CheckpointTypeError(f"`where` must be a dotted path, a list of them or a callable; not {where!r}.")
     treedef = jax.tree_util.tree_structure(tree, lambda x: isinstance(x, LazyArray))
     try:
-        picked = _select.marked_indices(where(_select.marked(treedef, len(paths))))
+        picked = _select.marked_indices(_unwrapped(where(_Node(_select.marked(treedef, len(paths))))))
     except Exception as e:
         raise CheckpointValueError(
             f"`where` raised {type(e).__name__}: {e}. It is called on the first input's tree as nested dicts and "
-            f"lists (`Checkpoint(path).load(lazy=True)`), e.g. `where=lambda t: t['encoder']`."
+            f"lists (`Checkpoint(path).load(lazy=True)`), whose keys are also attributes: "
+            f"`where=lambda m: m.encoder` or `where=lambda t: t['encoder']`."
         ) from e
     if not picked:
         raise CheckpointValueError("`where` selected no leaves of the first input; it must return nodes of its tree.")
     return {paths[i] for i in picked}
+
+
+class _Node:
+    """A node of the first input's tree as `where` sees it: its keys are
+    items (`t["encoder"]`, `t["layers"][0]`) and, as a Module's fields are,
+    attributes (`m.encoder.layers[0]`), so a selector written for the model
+    picks the same nodes. `_unwrapped` gives back what `where` returned."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: Any):
+        self._value = value
+
+    def __getattr__(self, name: str) -> Any:
+        value = object.__getattribute__(self, "_value")
+        if isinstance(value, dict) and name in value:
+            return _wrapped(value[name])
+        keys = f" (its keys: {', '.join(map(str, value))})" if isinstance(value, dict) else ""
+        raise AttributeError(f"the node has no key {name!r}{keys}")
+
+    def __getitem__(self, key: Any) -> Any:
+        return _wrapped(self._value[key])
+
+    def __len__(self) -> int:
+        return len(self._value)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._value) if isinstance(self._value, dict) else map(_wrapped, self._value)
+
+
+def _wrapped(value: Any) -> Any:
+    return _Node(value) if isinstance(value, (dict, list, tuple)) else value
+
+
+def _unwrapped(value: Any) -> Any:
+    """What `where` returned, its nodes the tree's own (tuples and lists of them too)."""
+    if isinstance(value, _Node):
+        return value._value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unwrapped(v) for v in value)
+    return value
 
 
 def _floating(ckpt: Checkpoint, dotted: str) -> bool:

@@ -352,6 +352,8 @@ def test_where_merges_only_the_selected_subtrees(tmp_path):
     eqx_ckpt.tree_serialise_leaves(b, other)
     eqx_ckpt.merge(tmp_path / "out", [a, b], method="linear", where="model.layers.0")
     eqx_ckpt.merge(tmp_path / "fn", [a, b], method="linear", where=lambda t: t["model"]["layers"][0])
+    # As a selector of the model is written: keys as attributes, as a Module's fields.
+    eqx_ckpt.merge(tmp_path / "attr", [a, b], method="linear", where=lambda m: (m.model.layers[0],))
     got, first, second = _arrays(tmp_path / "out"), _arrays(a), _arrays(b)
     for key in got:
         if key.startswith("model.layers.0."):
@@ -359,9 +361,14 @@ def test_where_merges_only_the_selected_subtrees(tmp_path):
             assert got[key].tobytes() == want.tobytes()
         else:
             assert got[key].tobytes() == first[key].tobytes(), key
-    assert _leaf_files(tmp_path / "out") == _leaf_files(tmp_path / "fn")
+    assert _leaf_files(tmp_path / "out") == _leaf_files(tmp_path / "fn") == _leaf_files(tmp_path / "attr")
     with pytest.raises(eqx_ckpt.CheckpointValueError, match="names no leaf"):
         eqx_ckpt.merge(tmp_path / "no", [a, b], method="linear", where="decoder")
+    with pytest.raises(
+        eqx_ckpt.CheckpointValueError, match=r"AttributeError: the node has no key 'decoder' \(its keys: "
+    ):
+        eqx_ckpt.merge(tmp_path / "no", [a, b], method="linear", where=lambda m: m.decoder)
+    assert not (tmp_path / "no").exists()
 
 
 def test_bfloat16_inputs_merge_in_float32(tmp_path):
