@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import places
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 from eqx_ckpt._tools._cli import main
@@ -35,7 +36,7 @@ def _shown(after: str) -> str:
 
 def test_quick_start_runs(quick_start, tmp_path):
     namespace = quick_start
-    assert eqx.tree_equal(namespace["model"], namespace["state"]["model"], typematch=True)
+    assert tree_equal(namespace["model"], namespace["state"]["model"], typematch=True)
     # Its leaves are small: packed, one zarr v3 array per dtype, with the manifest beside them.
     assert (tmp_path / "ckpt" / "packed.float32" / "zarr.json").is_file()
     assert (tmp_path / "ckpt" / "manifest.json").is_file()

@@ -11,6 +11,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from arrays import tree_equal
 from staged import MIB, Staged
 
 import eqx_ckpt
@@ -40,7 +41,7 @@ def test_the_default_budget_is_bounded_on_an_accelerator(tmp_path, faults):
     quarter = max(_staging.STAGING_MIN_BYTES, int(_memory.physical_memory() * _staging.STAGING_FRACTION))
     assert {b for _, b in staged.seen} == {min(quarter, _staging.ACCELERATOR_STAGING_BYTES)}
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", state)
-    assert eqx.tree_equal(out, state, typematch=True) and _on_device(out)
+    assert tree_equal(out, state, typematch=True) and _on_device(out)
 
 
 @pytest.mark.parametrize("budget", [4 * MIB, 12 * MIB])
@@ -53,7 +54,7 @@ def test_copies_to_the_host_stay_within_the_budget(tmp_path, faults, budget):
     assert staged.peak <= budget and staged.seen[-1][0] == 0
     like = eqx.filter_eval_shape(lambda: state)
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", like)
-    assert eqx.tree_equal(out, state, typematch=True) and _on_device(out)
+    assert tree_equal(out, state, typematch=True) and _on_device(out)
 
 
 def test_an_asynchronous_save_survives_a_donating_step(tmp_path):
@@ -66,7 +67,7 @@ def test_an_asynchronous_save_survives_a_donating_step(tmp_path):
     jax.block_until_ready(step(state))
     pending.wait()
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", expected)
-    assert eqx.tree_equal(out, expected, typematch=True)
+    assert tree_equal(out, expected, typematch=True)
 
 
 def test_a_failed_copy_to_the_host_fails_the_save_by_name(tmp_path):
@@ -91,7 +92,7 @@ def _donate_and_check(tmp_path, state, pending) -> None:
     jax.block_until_ready(step(state))
     pending.wait()
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", expected)
-    assert eqx.tree_equal(out, expected, typematch=True)
+    assert tree_equal(out, expected, typematch=True)
 
 
 def test_an_asynchronous_save_holds_copies_in_pinned_host_memory(tmp_path, faults, monkeypatch):
@@ -164,7 +165,7 @@ def test_an_asynchronous_save_with_a_prng_key_copies_the_rest_at_once(tmp_path, 
     pending.wait()
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", like)
     assert _on_device(out)
-    assert eqx.tree_equal({k: np.asarray(v) for k, v in out.items() if k != "key"}, expected, typematch=True)
+    assert tree_equal({k: np.asarray(v) for k, v in out.items() if k != "key"}, expected, typematch=True)
     assert np.array_equal(np.asarray(jax.random.key_data(out["key"])), key_data)
 
 
@@ -186,7 +187,7 @@ def test_64_bit_arrays_stay_64_bit_in_every_thread_that_copies_them(tmp_path, bl
     if pending is not None:
         pending.wait()
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", expected)
-    assert eqx.tree_equal(out, expected, typematch=True)
+    assert tree_equal(out, expected, typematch=True)
 
 
 @pytest.mark.parametrize("compression", [None, "blosc-zstd"])
@@ -214,9 +215,9 @@ def test_a_training_loop_saving_every_5_steps_resumes_bit_for_bit(tmp_path, comp
     for step in resumed.all_steps():
         out = resumed.restore(like, step=step)
         assert _on_device(out)
-        assert eqx.tree_equal(jax.tree.map(np.asarray, out), saved[step], typematch=True), step
+        assert tree_equal(jax.tree.map(np.asarray, out), saved[step], typematch=True), step
     latest = resumed.restore(like)
-    assert eqx.tree_equal(jax.tree.map(np.asarray, train(latest)), expected_next, typematch=True)
+    assert tree_equal(jax.tree.map(np.asarray, train(latest)), expected_next, typematch=True)
 
 
 @pytest.mark.parametrize("buffers", ["host", "pinned"])
@@ -244,7 +245,7 @@ def test_a_load_through_the_pool_of_pinned_buffers_is_bit_for_bit_on_the_device(
     # An abstract skeleton, and the arrays themselves (their sharding: one device, committed).
     for like in [eqx.filter_eval_shape(lambda: state)] * 2 + [state]:
         out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", like)
-        assert eqx.tree_equal(out, state, typematch=True) and _on_device(out)
+        assert tree_equal(out, state, typematch=True) and _on_device(out)
     assert allocated == [2 * MIB, 2 * MIB]
 
 
@@ -255,7 +256,7 @@ def test_a_load_falls_back_when_the_pool_cannot_be_allocated(tmp_path, faults, m
     eqx_ckpt.tree_serialise_leaves(tmp_path / "c", state)
     faults("load.pinned_pool", MemoryError("RESOURCE_EXHAUSTED: out of memory"))
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", eqx.filter_eval_shape(lambda: state))
-    assert eqx.tree_equal(out, state, typematch=True) and _on_device(out)
+    assert tree_equal(out, state, typematch=True) and _on_device(out)
 
 
 @pytest.mark.parametrize("budget", [4 * MIB, 12 * MIB])
@@ -271,4 +272,4 @@ def test_a_blocking_save_through_pinned_memory_stays_within_the_budget(tmp_path,
     assert staged.peak <= budget and staged.seen[-1][0] == 0
     assert sorted(copied) == sorted(x.nbytes for x in state.values())
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", eqx.filter_eval_shape(lambda: state))
-    assert eqx.tree_equal(out, state, typematch=True) and _on_device(out)
+    assert tree_equal(out, state, typematch=True) and _on_device(out)

@@ -7,11 +7,11 @@ a view, written, loaded back) runs here as it does on a GPU
 
 from __future__ import annotations
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 from eqx_ckpt._store import _memory
@@ -43,7 +43,7 @@ def test_pinned_copies_are_new_arrays_in_pinned_host_memory(faults):
     assert {x.sharding.memory_kind for x in copies} == {"pinned_host"}
     for x in state.values():
         x.delete()
-    assert eqx.tree_equal(dict(zip(expected, map(np.asarray, copies))), expected, typematch=True)
+    assert tree_equal(dict(zip(expected, map(np.asarray, copies))), expected, typematch=True)
 
 
 def test_a_failed_pinned_copy_is_none_for_the_caller_to_copy_otherwise(faults):
@@ -67,7 +67,7 @@ def test_a_state_in_host_memory_round_trips(tmp_path, kind, blocking):
     like = _in(kind, jax.tree.map(jnp.zeros_like, _state()))
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
     assert {x.sharding.memory_kind for x in out.values()} == {kind}
-    assert eqx.tree_equal(jax.tree.map(np.asarray, out), expected, typematch=True)
+    assert tree_equal(jax.tree.map(np.asarray, out), expected, typematch=True)
 
 
 def test_pinned_copies_saved_asynchronously_are_what_the_caller_passed(tmp_path):
@@ -82,7 +82,7 @@ def test_pinned_copies_saved_asynchronously_are_what_the_caller_passed(tmp_path)
     jax.block_until_ready(step(state))
     eqx_ckpt.tree_serialise_leaves(tmp_path, copies, blocking=False).wait()
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, expected)
-    assert eqx.tree_equal(out, expected, typematch=True)
+    assert tree_equal(out, expected, typematch=True)
 
 
 def test_hosts_gives_what_host_gives_piece_by_piece():

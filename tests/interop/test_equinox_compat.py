@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 
@@ -50,7 +51,7 @@ def test_mixed_tree_round_trip(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
     array, np_array, boolean, integer, floating, cplx, fn, obj, small, np_scalar = loaded
-    assert eqx.tree_equal(array, tree[0], typematch=True)
+    assert tree_equal(array, tree[0], typematch=True)
     assert type(np_array) is np.ndarray and np.array_equal(np_array, tree[1])
     assert boolean is True
     assert type(integer) is int and integer == 1
@@ -58,7 +59,7 @@ def test_mixed_tree_round_trip(tmp_path):
     assert type(cplx) is complex and cplx == 1 + 1j
     assert fn is like_fn
     assert obj is like_obj
-    assert eqx.tree_equal(small, tree[8], typematch=True)
+    assert tree_equal(small, tree[8], typematch=True)
     assert type(np_scalar) is np.float64 and np_scalar == 0.5
 
 
@@ -72,7 +73,7 @@ def test_generic_dtypes(tmp_path):
         assert type(got) is type(want)
         assert got.dtype == want.dtype
         assert got == want
-    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert tree_equal(loaded, tree, typematch=True)
 
 
 def test_generic_dtypes_after_jit(tmp_path):
@@ -146,7 +147,7 @@ def test_stateful_model_round_trip(tmp_path):
 
     model2 = _TwoNorms(jax.random.key(1))
     state2 = eqx.nn.State(model2)
-    assert not eqx.tree_equal(state2, state)
+    assert not tree_equal(state2, state)
     loaded_model, loaded_state = eqx_ckpt.tree_deserialise_leaves(tmp_path, (model2, state2))
     # Each BatchNorm's state index holds a fresh marker (a static field), so the
     # tree structures differ; the leaves must be the saved ones.
@@ -161,16 +162,16 @@ def test_stateful_model_round_trip(tmp_path):
         ]
 
     assert bits(loaded_model) == bits(model)
-    assert eqx.tree_equal(leaves(loaded_state), leaves(state), typematch=True)
+    assert tree_equal(leaves(loaded_state), leaves(state), typematch=True)
     for norm in ("norm1", "norm2"):
         got = loaded_state.get(getattr(loaded_model, norm).ema_state_index)
         want = state.get(getattr(model, norm).ema_state_index)
-        assert eqx.tree_equal(got, want, typematch=True)
+        assert tree_equal(got, want, typematch=True)
     # The loaded pair works together.
     out, new_state = _run(loaded_model, loaded_state, batch)
     expected, expected_state = _run(model, state, batch)
     assert jnp.array_equal(out, expected)
-    assert eqx.tree_equal(leaves(new_state), leaves(expected_state))
+    assert tree_equal(leaves(new_state), leaves(expected_state))
 
 
 def test_shape_mismatch_uses_equinoxs_phrase(tmp_path):
@@ -275,10 +276,10 @@ def test_state_is_keyed_by_position_and_the_named_pattern_is_safe(tmp_path):
     want = state.get(model.norm1.ema_state_index)
     # By position, the inserted layer takes norm1's statistics (and norm1 norm2's).
     positional = eqx_ckpt.tree_deserialise_leaves(tmp_path / "positional", fresh, missing="keep")
-    assert eqx.tree_equal(positional.get(bigger.extra.ema_state_index), want)
+    assert tree_equal(positional.get(bigger.extra.ema_state_index), want)
     # By name, each layer gets its own; the new one keeps its initial state.
     named = eqx_ckpt.tree_deserialise_leaves(tmp_path / "named", _named_state(bigger, fresh), missing="keep")
     initial = fresh.get(bigger.extra.ema_state_index)
     loaded = _set_named_state(bigger, fresh, named)  # `State.set` consumes `fresh`
-    assert eqx.tree_equal(loaded.get(bigger.norm1.ema_state_index), want)
-    assert eqx.tree_equal(loaded.get(bigger.extra.ema_state_index), initial)
+    assert tree_equal(loaded.get(bigger.norm1.ema_state_index), want)
+    assert tree_equal(loaded.get(bigger.extra.ema_state_index), initial)

@@ -6,7 +6,6 @@ import json
 import re
 import shutil
 
-import equinox as eqx
 import http_server
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensorstore as ts
+from arrays import tree_equal
 from http_server import RangeServer, serving_ranges
 from safetensors.numpy import load_file, save, save_file
 
@@ -60,21 +60,21 @@ def test_checkpoint_lists_a_file_and_reads_regions(single):
 def test_load_with_options(single):
     like = {"w": jnp.zeros((3, 4)), "b": np.zeros(4, np.int64)}
     loaded = eqx_ckpt.tree_deserialise_leaves(single, like, prefix="model")
-    assert eqx.tree_equal(loaded, {"w": jnp.asarray(W), "b": B}, typematch=True)
+    assert tree_equal(loaded, {"w": jnp.asarray(W), "b": B}, typematch=True)
     # `where`: only the selected leaf is loaded, the other is `like`'s.
     part = eqx_ckpt.tree_deserialise_leaves(single, like, prefix="model", where=lambda t: t["w"])
-    assert eqx.tree_equal(part, {"w": jnp.asarray(W), "b": like["b"]}, typematch=True)
+    assert tree_equal(part, {"w": jnp.asarray(W), "b": like["b"]}, typematch=True)
     # Mapping `rename` and `missing="keep"`.
     like2 = {"weight": jnp.zeros((3, 4)), "extra": jnp.ones(2)}
     loaded = eqx_ckpt.tree_deserialise_leaves(single, like2, rename={"weight": "model.w"}, missing="keep")
-    assert eqx.tree_equal(loaded, {"weight": jnp.asarray(W), "extra": jnp.ones(2)}, typematch=True)
+    assert tree_equal(loaded, {"weight": jnp.asarray(W), "extra": jnp.ones(2)}, typematch=True)
     # `cast`: bfloat16 on disk, float32 asked for.
     head = eqx_ckpt.tree_deserialise_leaves(single, {"w": jnp.zeros((2, 2))}, prefix="head", cast=True)
-    assert eqx.tree_equal(head, {"w": jnp.full((2, 2), 0.5)}, typematch=True)
+    assert tree_equal(head, {"w": jnp.full((2, 2), 0.5)}, typematch=True)
     # Lazy leaves read on demand; a Python scalar of `like` comes back as one.
     lazy = eqx_ckpt.tree_deserialise_leaves(single, {"model": like, "step": 0}, lazy=True)
     assert isinstance(lazy["model"]["w"], eqx_ckpt.LazyArray)
-    assert eqx.tree_equal(eqx_ckpt.materialise(lazy), {"model": {"w": jnp.asarray(W), "b": B}, "step": 3})
+    assert tree_equal(eqx_ckpt.materialise(lazy), {"model": {"w": jnp.asarray(W), "b": B}, "step": 3})
 
 
 def test_load_problems_are_reported_together(single):
@@ -95,7 +95,7 @@ def test_regex_rules_and_transform(single):
     transform = [(r"kernel$", np.transpose), (r"bias$", lambda b: b.astype(np.float32))]
     loaded = eqx_ckpt.tree_deserialise_leaves(single, like, rename=rules, transform=transform, strict=False)
     expected = {"layers": [{"kernel": jnp.asarray(W.T), "bias": jnp.asarray(B, jnp.float32)}], "skip": jnp.ones(2)}
-    assert eqx.tree_equal(loaded, expected, typematch=True)
+    assert tree_equal(loaded, expected, typematch=True)
     # Several stored tensors combined by one transform.
     both = eqx_ckpt.tree_deserialise_leaves(
         single,
@@ -119,7 +119,7 @@ def test_regex_rules_and_transform(single):
     lazy = eqx_ckpt.tree_deserialise_leaves(single, like, rename=rules, transform=transform, lazy=True)
     assert isinstance(lazy["layers"][0]["kernel"], eqx_ckpt.LazyArray) and lazy["layers"][0]["kernel"].shape == (4, 3)
     np.testing.assert_array_equal(lazy["layers"][0]["kernel"][1:3], W.T[1:3])
-    assert eqx.tree_equal(eqx_ckpt.materialise(lazy), expected, typematch=True)
+    assert tree_equal(eqx_ckpt.materialise(lazy), expected, typematch=True)
     bad = eqx_ckpt.tree_deserialise_leaves(
         single, {"k": jnp.zeros((4, 3))}, rename=[("^k$", "model.w")], transform={"k": np.asarray}, lazy=True
     )
@@ -316,7 +316,7 @@ def test_on_an_object_store(s3, store):
     loaded = eqx_ckpt.tree_deserialise_leaves(
         store, {"w": jnp.zeros((3, 4)), "b": np.zeros(4, np.int64)}, prefix="model"
     )
-    assert eqx.tree_equal(loaded, {"w": jnp.asarray(W), "b": B}, typematch=True)
+    assert tree_equal(loaded, {"w": jnp.asarray(W), "b": B}, typematch=True)
     assert eqx_ckpt.Checkpoint(store).format == "safetensors"
 
 
@@ -428,7 +428,7 @@ def test_a_tensor_with_tensors_below_it_cannot_be_shown_nested(tmp_path):
     # By dotted path, or into a `like`, each is there.
     np.testing.assert_array_equal(ckpt["a.b"].read(), np.zeros(3, np.float32))
     loaded = eqx_ckpt.tree_deserialise_leaves(path, {"a": np.zeros(2, np.float32)})
-    assert eqx.tree_equal(loaded, {"a": np.ones(2, np.float32)}, typematch=True)
+    assert tree_equal(loaded, {"a": np.ones(2, np.float32)}, typematch=True)
 
 
 def test_an_index_listing_a_tensor_its_shard_lacks_is_corrupt(tmp_path):
@@ -664,4 +664,4 @@ def test_a_folder_holding_two_layouts_is_refused_naming_both(tmp_path):
     with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape(said)):
         eqx_ckpt.Checkpoint(tmp_path / "sharded")
     (tmp_path / "sharded" / "model.safetensors").unlink()
-    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "sharded").load(), tree)
+    assert tree_equal(eqx_ckpt.Checkpoint(tmp_path / "sharded").load(), tree)

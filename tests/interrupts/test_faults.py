@@ -18,10 +18,10 @@ import shutil
 import subprocess
 import textwrap
 
-import equinox as eqx
 import numpy as np
 import prefork
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 
@@ -38,7 +38,7 @@ def _tree(generation: int, size: int = 100) -> dict:
 
 def _loads_as(path, generation: int, size: int = 100) -> bool:
     loaded = eqx_ckpt.tree_deserialise_leaves(path, _tree(0, size))
-    return bool(eqx.tree_equal(loaded, _tree(generation, size), typematch=True)) and eqx_ckpt.verify(path) == []
+    return bool(tree_equal(loaded, _tree(generation, size), typematch=True)) and eqx_ckpt.verify(path) == []
 
 
 def _committed_entries(path: pathlib.Path) -> set[str]:

@@ -7,10 +7,10 @@ import os
 import re
 import threading
 
-import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 from eqx_ckpt._base import _faults
@@ -133,13 +133,13 @@ def reached(tmp_path_factory):
             eqx_ckpt.tree_serialise_leaves(path / "custom", tree, custom, blocking=False).wait()
             on_device = eqx_ckpt.tree_deserialise_leaves(path / "ckpt", {"small": jnp.zeros(3, jnp.int32)}, cast=True)
             assert np.array_equal(on_device["small"], tree["small"] + 2)
-            assert eqx.tree_equal(eqx_ckpt.Checkpoint(path / "custom").load(), tree)
+            assert tree_equal(eqx_ckpt.Checkpoint(path / "custom").load(), tree)
             # A save through TensorStore (its transaction), not local chunk
             # files, with a leaf whose record is made the general way (a scalar).
             eqx_ckpt.tree_serialise_leaves(f"memory://{path.name}/ts", {**tree, "step": 3})
             # Another format's source (`_safetensors`).
             eqx_ckpt.export_safetensors(path / "st", tree)
-            assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path / "st", like), tree)
+            assert tree_equal(eqx_ckpt.tree_deserialise_leaves(path / "st", like), tree)
             with eqx_ckpt.CheckpointManager(path / "steps", max_to_keep=1) as manager:
                 for step in (1, 2):
                     manager.save(step, tree)

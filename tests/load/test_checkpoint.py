@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 from eqx_ckpt._ondisk import _format
@@ -117,7 +118,7 @@ def test_skeleton_equals_filter_eval_shape():
     kwargs = {"key": jax.random.key(0)}
     made = eqx_ckpt.skeleton(eqx.nn.MLP, *args, **kwargs)
     expected = eqx.filter_eval_shape(eqx.nn.MLP, *args, **kwargs)
-    assert eqx.tree_equal(made, expected)
+    assert tree_equal(made, expected)
     assert isinstance(made.layers[0].weight, jax.ShapeDtypeStruct)
     assert made.layers[0].weight.shape == (8, 3)
 
@@ -126,7 +127,7 @@ def test_skeleton_loads(tmp_path):
     model = eqx.nn.Linear(3, 4, key=jax.random.key(1))
     eqx_ckpt.tree_serialise_leaves(tmp_path, model)
     like = eqx_ckpt.skeleton(eqx.nn.Linear, 3, 4, key=jax.random.key(2))
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, like), model, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, like), model, typematch=True)
 
 
 def test_numeric_keys_sort_by_value(tmp_path):
@@ -192,7 +193,7 @@ def test_load_without_like_names_keys_that_cannot_be_sorted_as_dotted_paths_do(t
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"m": _Mixed(np.zeros(3), np.ones(2)), "l": [np.ones(1)]})
     loaded = eqx_ckpt.Checkpoint(tmp_path).load()
     expected = {"l": [np.ones(1)], "m": {"0": np.zeros(3), "b": np.ones(2)}}
-    assert eqx.tree_equal(loaded, expected, typematch=True)
+    assert tree_equal(loaded, expected, typematch=True)
     assert sorted(eqx_ckpt.Checkpoint(tmp_path).keys()) == ["l.0", "m.0", "m.b"]
 
 
@@ -211,9 +212,9 @@ def test_a_checkpoint_loads_over_http(tmp_path):
         ckpt = eqx_ckpt.Checkpoint(url)
         assert list(ckpt.keys()) == ["big", "model.w", "step"]
         np.testing.assert_array_equal(ckpt["big"][5:9], tree["big"][5:9])
-        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(url, tree), tree, typematch=True)
+        assert tree_equal(eqx_ckpt.tree_deserialise_leaves(url, tree), tree, typematch=True)
         lazy = eqx_ckpt.tree_deserialise_leaves(url, tree, lazy=True)
-        assert eqx.tree_equal(eqx_ckpt.materialise(lazy), tree, typematch=True)
+        assert tree_equal(eqx_ckpt.materialise(lazy), tree, typematch=True)
 
 
 def test_an_unreachable_server_is_a_connection_error_within_seconds():

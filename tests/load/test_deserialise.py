@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 
@@ -26,7 +27,7 @@ def test_python_scalars_come_back_exact_and_as_their_type(tmp_path):
     tree = {"tenth": 0.1, "third": 1 / 3, "big": 2**62 + 1, "neg": -7, "t": True, "f": False, "c": 0.1 + 1 / 3 * 1j}
     like = {"tenth": 0.0, "third": 0.0, "big": 0, "neg": 0, "t": False, "f": True, "c": 0j}
     loaded = _round_trip(tmp_path, tree, like)
-    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert tree_equal(loaded, tree, typematch=True)
     assert loaded["tenth"] == 0.1 and type(loaded["tenth"]) is float
     assert loaded["third"].hex() == (1 / 3).hex()
     assert type(loaded["big"]) is int and loaded["big"] == 2**62 + 1
@@ -51,7 +52,7 @@ def test_numpy_stays_numpy_and_jax_stays_jax(tmp_path):
         "np_int_scalar": np.int64(-2),
     }
     loaded = _round_trip(tmp_path, tree)
-    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert tree_equal(loaded, tree, typematch=True)
     assert type(loaded["np64"]) is np.ndarray and loaded["np64"].dtype == np.float64
     assert type(loaded["zero_d_np"]) is np.ndarray and loaded["zero_d_np"].shape == ()
     assert isinstance(loaded["jax"], jax.Array)
@@ -67,12 +68,12 @@ def test_prng_keys_round_trip(tmp_path):
         "rbg": jax.random.key(5, impl="rbg"),
     }
     loaded = _round_trip(tmp_path, tree)
-    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert tree_equal(loaded, tree, typematch=True)
     assert jax.random.key_impl(loaded["rbg"]) == jax.random.key_impl(tree["rbg"])
     assert loaded["keys"].shape == (2, 3)
     assert jax.random.normal(loaded["key"]) == jax.random.normal(tree["key"])
     abstract = eqx.filter_eval_shape(lambda: tree)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, abstract), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, abstract), tree, typematch=True)
 
 
 def test_key_like_with_plain_stored_array_is_a_type_error(tmp_path):
@@ -97,8 +98,8 @@ def test_mixed_tree_keeps_likes_functions_and_objects(tmp_path):
     assert loaded["fn"] is like_fn
     assert loaded["obj"] is like_obj
     assert loaded["s"] == "other"
-    assert eqx.tree_equal(loaded["arr"], tree["arr"], typematch=True)
-    assert eqx.tree_equal(loaded["np"], tree["np"], typematch=True)
+    assert tree_equal(loaded["arr"], tree["arr"], typematch=True)
+    assert tree_equal(loaded["np"], tree["np"], typematch=True)
 
 
 def test_model_into_filter_eval_shape_skeleton(tmp_path):
@@ -107,7 +108,7 @@ def test_model_into_filter_eval_shape_skeleton(tmp_path):
     like = eqx.filter_eval_shape(_mlp, 1)
     assert isinstance(like.layers[0].weight, jax.ShapeDtypeStruct)
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
-    assert eqx.tree_equal(loaded, model, typematch=True)
+    assert tree_equal(loaded, model, typematch=True)
     x = jnp.ones(3)
     assert jnp.array_equal(loaded(x), model(x))
 
@@ -119,9 +120,9 @@ def test_stateful_batchnorm_model_round_trips(tmp_path):
     _, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
     eqx_ckpt.tree_serialise_leaves(tmp_path, (model, state))
     fresh_model, fresh_state = make()
-    assert not eqx.tree_equal(fresh_state, state)
+    assert not tree_equal(fresh_state, state)
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, (fresh_model, fresh_state))
-    assert eqx.tree_equal(loaded, (model, state), typematch=True)
+    assert tree_equal(loaded, (model, state), typematch=True)
 
 
 def test_missing_checkpoint(tmp_path):
@@ -188,7 +189,7 @@ def test_dtype_change_needs_cast(tmp_path):
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("pass `cast=True`")):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, cast=True)
-    assert eqx.tree_equal(loaded, {"x": saved["x"].astype(jnp.bfloat16)}, typematch=True)
+    assert tree_equal(loaded, {"x": saved["x"].astype(jnp.bfloat16)}, typematch=True)
 
 
 def test_loaded_array_is_placed_like_likes_leaf(tmp_path):
@@ -231,7 +232,7 @@ def test_deserialise_filter_spec_prefix_tree(tmp_path):
     spec = {"a": keep, "b": eqx_ckpt.default_deserialise_filter_spec}
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, spec)
     assert loaded["a"] is like["a"]
-    assert eqx.tree_equal(loaded["b"], saved["b"], typematch=True)
+    assert tree_equal(loaded["b"], saved["b"], typematch=True)
 
 
 def test_manifest_edit_is_detected_on_load(tmp_path):
@@ -262,7 +263,7 @@ def test_custom_spec_result_is_checked_against_like(tmp_path):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, like, lambda h, x: jnp.zeros(2))
     # An abstract `like` accepts the JAX array the spec reads.
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, eqx.filter_eval_shape(lambda: like), lambda h, x: h.read(x))
-    assert eqx.tree_equal(out, {"w": jnp.ones(3)}, typematch=True)
+    assert tree_equal(out, {"w": jnp.ones(3)}, typematch=True)
 
 
 def _state(seed=0):
@@ -281,7 +282,7 @@ def test_a_load_matching_nothing_names_the_top_level_keys(tmp_path, missing):
     assert len(message) < 600
     # With the prefix, the same load works.
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, _mlp(1), prefix="model", missing=missing)
-    assert eqx.tree_equal(loaded, _mlp(0), typematch=True)
+    assert tree_equal(loaded, _mlp(0), typematch=True)
 
 
 def test_a_failed_load_lists_stored_leaves_like_lacks_and_stays_short(tmp_path):
@@ -309,7 +310,7 @@ def test_lazy_scalars_come_back_as_values(tmp_path):
     assert lazy["lr"] == np.float32(0.5) and type(lazy["lr"]) is np.float32
     assert lazy["flag"] is True
     assert isinstance(lazy["w"], eqx_ckpt.LazyArray) and isinstance(lazy["n"], eqx_ckpt.LazyArray)
-    assert eqx.tree_equal(eqx_ckpt.materialise(lazy), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.materialise(lazy), tree, typematch=True)
 
 
 def test_weak_type_of_like_is_kept(tmp_path):
@@ -318,7 +319,7 @@ def test_weak_type_of_like_is_kept(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"scale": jnp.asarray(3.0), "w": jnp.ones(2)})
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
     assert loaded["scale"].weak_type and not loaded["w"].weak_type
-    assert eqx.tree_equal(loaded, {"scale": jnp.asarray(3.0), "w": jnp.ones(2)}, typematch=True)
+    assert tree_equal(loaded, {"scale": jnp.asarray(3.0), "w": jnp.ones(2)}, typematch=True)
     abstract = eqx.filter_eval_shape(lambda: like)
     assert eqx_ckpt.tree_deserialise_leaves(tmp_path, abstract)["scale"].weak_type
     traces = []
@@ -365,7 +366,7 @@ def test_64_bit_values_are_exact_or_refused_without_x64(tmp_path):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, {"f": jax.ShapeDtypeStruct((1,), np.float64)})
     assert "would hold them as float32 and change them" in str(info.value)
     small = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"f": jnp.zeros(1, jnp.float32)}, cast=True)
-    assert eqx.tree_equal(small, {"f": jnp.array([0.1], jnp.float32)}, typematch=True)
+    assert tree_equal(small, {"f": jnp.array([0.1], jnp.float32)}, typematch=True)
 
 
 def test_prng_implementation_mismatch_does_not_suggest_cast(tmp_path):
@@ -405,7 +406,7 @@ def test_a_load_racing_an_overwrite_says_the_checkpoint_was_replaced(tmp_path):
     assert message.startswith(f"Checkpoint {str(tmp_path)!r} was replaced by a newer save after it was opened")
     assert "Open or load it again to read the new one" in message
     assert "gen." not in message
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(3)}), {"w": jnp.ones(3)})
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(3)}), {"w": jnp.ones(3)})
 
 
 def test_a_python_scalar_like_holds_the_stored_value_exactly_or_is_an_error(tmp_path):
@@ -420,7 +421,7 @@ def test_a_python_scalar_like_holds_the_stored_value_exactly_or_is_an_error(tmp_
             info.value
         )
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"step": 0, "small": 0.0, "flag": 0})
-    assert eqx.tree_equal(loaded, {"step": 2**53 + 1, "small": 7.0, "flag": 1}, typematch=True)
+    assert tree_equal(loaded, {"step": 2**53 + 1, "small": 7.0, "flag": 1}, typematch=True)
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("which cannot hold it exactly")):  # lazily too
         eqx_ckpt.tree_deserialise_leaves(tmp_path, {"step": 0.0, "small": 0, "flag": False}, lazy=True)
 
@@ -520,7 +521,7 @@ def test_where_selecting_only_leaves_that_are_not_loaded_is_an_error(tmp_path):
         with pytest.raises(eqx_ckpt.CheckpointValueError, match=r"selected only leaves of `like` that are not loaded"):
             eqx_ckpt.tree_deserialise_leaves(tmp_path, like, where=where)
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, where=lambda m: (m.w, m.act))
-    assert eqx.tree_equal(loaded, Net(jnp.ones(3), jax.nn.relu, "n"))
+    assert tree_equal(loaded, Net(jnp.ones(3), jax.nn.relu, "n"))
 
 
 def test_a_prefix_naming_one_leaf_says_so(tmp_path):
@@ -533,7 +534,7 @@ def test_a_prefix_naming_one_leaf_says_so(tmp_path):
     with pytest.raises(eqx_ckpt.LeafError, match=r"its keys below `prefix` 'model' are 'w'\."):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, like, prefix="model")
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like["weight"], prefix="model.w")
-    assert eqx.tree_equal(loaded, jnp.ones((3, 4)))
+    assert tree_equal(loaded, jnp.ones((3, 4)))
 
 
 def _eqx_file(tmp_path):
@@ -622,11 +623,11 @@ def test_read_once_in_one_process_reads_as_any_load(tmp_path, read_once):
     tree = {"model": _mlp(), "step": 3, "mean": jnp.arange(5.0)}
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree, read_once=read_once)
-    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert tree_equal(loaded, tree, typematch=True)
     manager = eqx_ckpt.CheckpointManager(tmp_path / "run")
     manager.save(0, tree)
-    assert eqx.tree_equal(manager.restore(tree, read_once=read_once), tree, typematch=True)
-    assert eqx.tree_equal(manager.restore_or_initialise(lambda: tree, read_once=read_once)[1], tree, typematch=True)
+    assert tree_equal(manager.restore(tree, read_once=read_once), tree, typematch=True)
+    assert tree_equal(manager.restore_or_initialise(lambda: tree, read_once=read_once)[1], tree, typematch=True)
 
 
 @pytest.mark.parametrize("value", ["yes", 1, "auto"])
@@ -730,7 +731,7 @@ def test_every_public_load_checks_and_uses_its_options(tmp_path, entry):
         load({"w": jnp.zeros(3)}, prefix="model")
     with pytest.raises(eqx_ckpt.LeafError, match="pass `cast=True` to convert"):
         load({"w": jnp.zeros(3, jnp.int32)}, cast=False)
-    assert eqx.tree_equal(load({"w": jnp.zeros(3, jnp.int32)}, cast=True), {"w": jnp.ones(3, jnp.int32)})
+    assert tree_equal(load({"w": jnp.zeros(3, jnp.int32)}, cast=True), {"w": jnp.ones(3, jnp.int32)})
     if entry in ("tree_deserialise_leaves", "restore", "restore_or_initialise"):
         loaded = load({"w": jnp.zeros(3), "new": jnp.zeros(2)}, missing="keep")
-        assert eqx.tree_equal(loaded["w"], jnp.ones(3)) and loaded["new"].shape == (2,)
+        assert tree_equal(loaded["w"], jnp.ones(3)) and loaded["new"].shape == (2,)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import prefork
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 from eqx_ckpt._ondisk import _format
@@ -55,8 +56,8 @@ def test_materialise_gives_the_eager_result(tmp_path):
     lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, lazy=True)
     eager = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
     materialised = eqx_ckpt.materialise(lazy)
-    assert eqx.tree_equal(materialised, eager, typematch=True)
-    assert eqx.tree_equal(materialised, tree, typematch=True)
+    assert tree_equal(materialised, eager, typematch=True)
+    assert tree_equal(materialised, tree, typematch=True)
     assert type(materialised["n"]) is np.ndarray
     assert isinstance(materialised["w"], jax.Array)
 
@@ -64,7 +65,7 @@ def test_materialise_gives_the_eager_result(tmp_path):
 def test_lazy_read_honours_cast(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": jnp.arange(3, dtype=jnp.int32)})
     lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": jnp.zeros(3)}, lazy=True, cast=True)
-    assert eqx.tree_equal(eqx_ckpt.materialise(lazy), {"x": jnp.arange(3.0)}, typematch=True)
+    assert tree_equal(eqx_ckpt.materialise(lazy), {"x": jnp.arange(3.0)}, typematch=True)
 
 
 @pytest.mark.usefixtures("unpacked")  # a leaf of several chunks (a packed leaf is read whole)
@@ -100,7 +101,7 @@ def test_lazy_prng_key_slicing(tmp_path):
     lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"k": keys}, lazy=True)["k"]
     assert lazy.shape == (4,)
     np.testing.assert_array_equal(lazy[1:3], np.asarray(jax.random.key_data(keys))[1:3])
-    assert eqx.tree_equal(lazy.read(), keys, typematch=True)
+    assert tree_equal(lazy.read(), keys, typematch=True)
 
 
 def test_lazy_array_is_not_an_array(tmp_path):
@@ -211,8 +212,8 @@ def test_read_without_like_gives_the_saved_type(tmp_path):
     ckpt = eqx_ckpt.Checkpoint(tmp_path)
     got = {key: ckpt[key].read() for key in tree}
     assert type(got["n"]) is np.ndarray
-    assert eqx.tree_equal(got["n"], tree["n"], typematch=True)
-    assert eqx.tree_equal(got["j"], tree["j"], typematch=True)
+    assert tree_equal(got["n"], tree["n"], typematch=True)
+    assert tree_equal(got["j"], tree["j"], typematch=True)
     assert jax.random.key_impl(got["k"]) == jax.random.key_impl(tree["k"])
     assert jnp.array_equal(jax.random.key_data(got["k"]), jax.random.key_data(tree["k"]))
 
@@ -225,7 +226,7 @@ def test_lazy_read_keeps_the_weak_type_of_like(tmp_path):
     lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, lazy=True)
     loaded = eqx_ckpt.materialise(lazy)
     assert loaded["scale"].weak_type
-    assert eqx.tree_equal(loaded, like, typematch=True)
+    assert tree_equal(loaded, like, typematch=True)
 
 
 @pytest.mark.parametrize("index", [np.s_[:: 10**20], np.s_[:, :: -(10**20)], np.s_[1 :: 2**63], np.s_[:: -(2**63)]])
@@ -361,7 +362,7 @@ def test_a_lazy_leaf_is_read_by_the_loads_reader(tmp_path, faults, how):
         value = np.asarray(lazy["big"])
     else:
         value = eqx_ckpt.materialise({"big": lazy["big"]})["big"]
-    assert eqx.tree_equal(value, tree["big"], typematch=True)
+    assert tree_equal(value, tree["big"], typematch=True)
     assert any(e.startswith("direct ") for e in events), events
     assert events[0] == "read_stored", events  # (`materialise` too, since it reads through `read_leaves`)
 
@@ -379,7 +380,7 @@ def test_a_lazily_read_packed_leaf_is_read_from_its_pack_by_the_pack_reader(tmp_
     faults("pack.read_run", lambda loc, pack, paths: runs.append(paths))
     for key in ("a", "b"):
         value = lazy[key].read() if how == "read" else np.asarray(lazy[key])
-        assert eqx.tree_equal(value, tree[key] if how == "read" else np.asarray(tree[key]), typematch=True)
+        assert tree_equal(value, tree[key] if how == "read" else np.asarray(tree[key]), typematch=True)
     assert runs == [["a"], ["b"]]
 
 
@@ -400,7 +401,7 @@ def test_materialise_reads_by_the_loads_reader_once_per_checkpoint(tmp_path, fau
     reads, calls = [], []
     faults(["load.read_stored"], lambda loc: reads.append(loc.display))
     back = eqx_ckpt.materialise(lazy, progress=lambda *counts: calls.append(counts))
-    assert eqx.tree_equal(back, {"a": tree, "b": other}, typematch=True)
+    assert tree_equal(back, {"a": tree, "b": other}, typematch=True)
     assert sorted(reads) == [str(tmp_path / "a"), str(tmp_path / "b")]
     nbytes = 2 * sum(x.nbytes for x in jax.tree.leaves(tree))
     assert calls[-1] == (6, 6, nbytes, nbytes)

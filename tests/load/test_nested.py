@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 
@@ -43,7 +44,7 @@ def test_whole_checkpoint_as_nested_dicts_and_lists(tmp_path):
         "a.b": tree["a.b"],
         "ints": tree["ints"],  # int dict keys stay dict keys, not list positions
     }
-    assert eqx.tree_equal(out, expected, typematch=True)
+    assert tree_equal(out, expected, typematch=True)
     assert isinstance(out["model"]["layers"], list) and isinstance(out["opt"][0], np.ndarray)
     assert out["model"]["layers"][0]["weight"].devices() == {jax.devices()[0]}
 
@@ -53,8 +54,8 @@ def test_sub_tree_leaf_and_lazy(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     ckpt = eqx_ckpt.Checkpoint(tmp_path)
     layer = tree["model"].layers[1]
-    assert eqx.tree_equal(ckpt.load("model.layers.1"), {"weight": layer.weight, "bias": layer.bias}, typematch=True)
-    assert eqx.tree_equal(ckpt.load("model.layers.1.bias"), layer.bias, typematch=True)
+    assert tree_equal(ckpt.load("model.layers.1"), {"weight": layer.weight, "bias": layer.bias}, typematch=True)
+    assert tree_equal(ckpt.load("model.layers.1.bias"), layer.bias, typematch=True)
     assert ckpt.load("opt.1.count") == np.int64(5)
 
     lazy = ckpt.load("model", lazy=True)
@@ -62,7 +63,7 @@ def test_sub_tree_leaf_and_lazy(tmp_path):
     assert isinstance(weight, eqx_ckpt.LazyArray) and weight.shape == (4, 3)
     np.testing.assert_array_equal(weight[1:3], np.asarray(tree["model"].layers[0].weight)[1:3])
     assert ckpt.load(lazy=True)["step"] == 7  # scalars are values, lazy or not
-    assert eqx.tree_equal(eqx_ckpt.materialise(lazy), ckpt.load("model"), typematch=True)
+    assert tree_equal(eqx_ckpt.materialise(lazy), ckpt.load("model"), typematch=True)
 
     seen = []
     ckpt.load("model", progress=lambda *counts: seen.append(counts))
@@ -73,12 +74,12 @@ def test_sub_tree_leaf_and_lazy(tmp_path):
 def test_gaps_in_a_sequence_are_none(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, [jnp.ones(2), jax.nn.relu, np.arange(3)])
     out = eqx_ckpt.Checkpoint(tmp_path).load()
-    assert eqx.tree_equal(out, [jnp.ones(2), None, np.arange(3)], typematch=True)
+    assert tree_equal(out, [jnp.ones(2), None, np.arange(3)], typematch=True)
 
 
 def test_root_leaf_and_empty_checkpoint(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path / "leaf", jnp.arange(3))
-    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "leaf").load(), jnp.arange(3), typematch=True)
+    assert tree_equal(eqx_ckpt.Checkpoint(tmp_path / "leaf").load(), jnp.arange(3), typematch=True)
     eqx_ckpt.tree_serialise_leaves(tmp_path / "empty", {"f": jax.nn.relu})
     assert eqx_ckpt.Checkpoint(tmp_path / "empty").load() == {}
 
@@ -137,9 +138,9 @@ def test_numbered_layers_are_lists_for_every_source_in_load_and_tree(tmp_path, k
     layers "0" for every source, while `load()` of eqx_ckpt gave lists."""
     tree = _layers()
     ckpt = eqx_ckpt.Checkpoint(_source(kind, tmp_path, tree))
-    assert eqx.tree_equal(ckpt.load(), tree, typematch=True)
-    assert eqx.tree_equal(ckpt.load("model.layers"), tree["model"]["layers"], typematch=True)
-    assert eqx.tree_equal(eqx_ckpt.materialise(ckpt.load(lazy=True)), tree, typematch=True)
+    assert tree_equal(ckpt.load(), tree, typematch=True)
+    assert tree_equal(ckpt.load("model.layers"), tree["model"]["layers"], typematch=True)
+    assert tree_equal(eqx_ckpt.materialise(ckpt.load(lazy=True)), tree, typematch=True)
     assert ckpt.tree() == {
         "model": {"embed": "float32[4]", "layers": [{"weight": "float32[2,3]"}] * 3},
     }
@@ -150,7 +151,7 @@ def test_names_that_are_not_a_run_of_numbers_stay_dict_keys(tmp_path, kind):
     tree = {"gap": {"0": jnp.ones(1), "2": jnp.ones(1)}, "mixed": {"0": jnp.ones(1), "x": jnp.ones(1)}}
     tree["padded"] = {"00": jnp.ones(1), "1": jnp.ones(1)}
     ckpt = eqx_ckpt.Checkpoint(_source(kind, tmp_path, tree))
-    assert eqx.tree_equal(ckpt.load(), tree, typematch=True)
+    assert tree_equal(ckpt.load(), tree, typematch=True)
     assert ckpt.tree()["gap"] == {"0": "float32[1]", "2": "float32[1]"}
 
 
@@ -158,7 +159,7 @@ def test_an_eqx_ckpt_dict_keyed_by_numbers_stays_a_dict(tmp_path):
     """eqx_ckpt records which keys index a sequence: a dict keyed "0", "1" is one."""
     tree = {"d": {"0": jnp.ones(1), "1": jnp.zeros(1)}}
     ckpt = eqx_ckpt.Checkpoint(_source("eqx_ckpt", tmp_path, tree))
-    assert eqx.tree_equal(ckpt.load(), tree, typematch=True)
+    assert tree_equal(ckpt.load(), tree, typematch=True)
     assert ckpt.tree() == {"d": {"0": "float32[1]", "1": "float32[1]"}}
 
 
@@ -190,6 +191,6 @@ def test_one_load_without_a_skeleton_gives_one_kind_of_array(tmp_path, kind):
     ckpt = eqx_ckpt.Checkpoint(path)
     expected = {"n": np.array([2**40 + 5]), "w": np.arange(3, dtype=np.float32)}
     for out in (ckpt.load(), eqx_ckpt.materialise(ckpt.load(lazy=True))):
-        assert eqx.tree_equal(out, expected, typematch=True)
+        assert tree_equal(out, expected, typematch=True)
         assert {type(leaf) for leaf in out.values()} == {np.ndarray}
-    assert eqx.tree_equal(ckpt.load("w"), jnp.arange(3, dtype=jnp.float32), typematch=True)
+    assert tree_equal(ckpt.load("w"), jnp.arange(3, dtype=jnp.float32), typematch=True)

@@ -10,11 +10,11 @@ import re
 import subprocess
 import sys
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 from eqx_ckpt._base import _state
@@ -77,7 +77,7 @@ def _placed(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
 def _equal(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> bool:
     """`eqx.tree_equal(..., typematch=True)` leaf by leaf (leaves on different
     devices cannot be compared in one)."""
-    return a.keys() == b.keys() and all(bool(eqx.tree_equal(a[k], b[k], typematch=True)) for k in a)
+    return a.keys() == b.keys() and all(bool(tree_equal(a[k], b[k], typematch=True)) for k in a)
 
 
 @pytest.mark.parametrize("compression", [None, "blosc-lz4"])
@@ -108,7 +108,7 @@ def test_a_leaf_on_one_device_is_placed_through_the_pool_as_the_usual_way_places
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
     shaped = {"w": jax.ShapeDtypeStruct((2048, 256), jnp.float32)} if like == "shape" else tree
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", shaped)
-    assert eqx.tree_equal(out, tree, typematch=True)
+    assert tree_equal(out, tree, typematch=True)
     assert pool().allocations == 2
     monkeypatch.setattr(_memory, "PINNED_LOAD_POOL", None)
     usual = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", shaped)
@@ -131,7 +131,7 @@ def test_a_leaf_bound_for_host_memory_loads_the_usual_way(tmp_path, pool, kind):
     like = {"w": jax.device_put(tree["w"], tree["w"].sharding.with_memory_kind(kind))}
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", like)
     assert out["w"].sharding.memory_kind == kind
-    assert eqx.tree_equal(out, like, typematch=True)
+    assert tree_equal(out, like, typematch=True)
     assert pool().allocations == 0
 
 
@@ -145,7 +145,7 @@ def test_the_pool_is_on_for_gpus_and_not_for_cpus(tmp_path, faults, monkeypatch)
     faults(["load.pinned_pool"], allocated.append)
     tree = {"w": jax.random.normal(jax.random.key(0), (2048, 256))}
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), tree, typematch=True)
     assert allocated == [] and _memory._LOAD_POOLS == {}
 
 
@@ -182,7 +182,7 @@ def test_a_damaged_chunk_amid_reads_ahead_leaves_the_pool_fit_for_the_next_load(
     with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("its chunk file 'w/c/9/0' fails its crc32c")):
         eqx_ckpt.tree_deserialise_leaves(tmp_path / "bad", tree)
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "good", tree)
-    assert eqx.tree_equal(out, {"w": -tree["w"]}, typematch=True)
+    assert tree_equal(out, {"w": -tree["w"]}, typematch=True)
     assert pool().allocations == 4
 
 
@@ -199,7 +199,7 @@ def test_arrays_deleted_or_donated_after_a_load_leave_the_pool_fit_for_the_next(
     jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), donate_argnums=0)({"b": first["b"], "c": first["c"]})
     for _ in range(2):
         out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree)
-        assert eqx.tree_equal(out, tree, typematch=True)
+        assert tree_equal(out, tree, typematch=True)
 
 
 _PEAK = """
@@ -264,7 +264,7 @@ def test_pinned_buffers_send_a_leaf_for_one_device_by_one_copy_viewed_there(tmp_
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
     for _ in range(2):
         out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree)
-        assert eqx.tree_equal(out, tree, typematch=True)
+        assert tree_equal(out, tree, typematch=True)
         assert out["w"].sharding == tree["w"].sharding
     assert pinned_pool().allocations == 2 and pinned_pool().pinned
     if dtype == jnp.bool_:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from arrays import tree_equal
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqx_ckpt
@@ -148,7 +149,7 @@ def _equal(a: Any, b: Any) -> bool:
     unwrap = lambda x: jax.random.key_data(x) if eqx.is_array(x) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
     same_kind = jax.tree.map(lambda x, y: type(x) is type(y), a, b)
     return all(jax.tree.leaves(same_kind)) and bool(
-        eqx.tree_equal(jax.tree.map(unwrap, a), jax.tree.map(unwrap, b), typematch=True)
+        tree_equal(jax.tree.map(unwrap, a), jax.tree.map(unwrap, b), typematch=True)
     )
 
 
@@ -230,4 +231,4 @@ def test_overlong_keys_are_stored_under_short_distinct_names(tmp_path, keys):
     eqx_ckpt.tree_serialise_leaves(parent / "ckpt", tree)
     names = [n for n in os.listdir(parent / "ckpt") if n not in ("manifest.json", "zarr.json")]
     assert len(names) == len(tree) and all(len(n) <= 200 and _keypath.is_valid_dotted(n) for n in names)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(parent / "ckpt", tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(parent / "ckpt", tree), tree, typematch=True)

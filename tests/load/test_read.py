@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from arrays import in_a_mapping
+from arrays import in_a_mapping, tree_equal
 
 import eqx_ckpt
 from eqx_ckpt._load import _read
@@ -35,7 +35,7 @@ def test_large_leaves_round_trip_through_slabs(tmp_path, small_slabs):
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     assert len(list((tmp_path / "jax" / "c").iterdir())) > 4  # several chunks, several slabs
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, eqx.filter_eval_shape(lambda: tree) | {"numpy": tree["numpy"]})
-    assert eqx.tree_equal(out, tree, typematch=True)
+    assert tree_equal(out, tree, typematch=True)
     # The JAX array adopted the aligned buffer: no second copy was made.
     assert out["jax"].unsafe_buffer_pointer() % 64 == 0
 
@@ -53,7 +53,7 @@ def test_slab_buffers_from_the_threshold_on_are_mapped_memory(tmp_path, small_sl
     }
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
-    assert eqx.tree_equal(out, tree, typematch=True)
+    assert tree_equal(out, tree, typematch=True)
     assert in_a_mapping(out["numpy"])
     assert out["jax"].unsafe_buffer_pointer() % mmap.PAGESIZE == 0
 
@@ -61,7 +61,7 @@ def test_slab_buffers_from_the_threshold_on_are_mapped_memory(tmp_path, small_sl
 def test_slab_reads_cast_when_asked(tmp_path, small_slabs):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.ones((64, 64), jnp.float32)})
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros((64, 64), jnp.bfloat16)}, cast=True)
-    assert eqx.tree_equal(out, {"w": jnp.ones((64, 64), jnp.bfloat16)}, typematch=True)
+    assert tree_equal(out, {"w": jnp.ones((64, 64), jnp.bfloat16)}, typematch=True)
 
 
 def test_damage_in_a_later_slab_names_the_leaf(tmp_path, small_slabs):
@@ -83,7 +83,7 @@ def test_a_small_window_still_loads_everything_in_order(tmp_path, monkeypatch, p
     tree = {f"l{i}": jnp.full((i + 1, 3), i, jnp.int32) for i in range(12)}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, eqx.filter_eval_shape(lambda: tree))
-    assert eqx.tree_equal(out, tree, typematch=True)
+    assert tree_equal(out, tree, typematch=True)
 
 
 def _put_cases():

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 
@@ -54,7 +55,7 @@ def test_where_single_node_loads_only_it(tmp_path):
     net = _save_net(tmp_path)
     like = eqx.filter_eval_shape(Net, jax.random.key(1))
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, where=lambda m: m.encoder)
-    assert eqx.tree_equal(loaded.encoder, net.encoder, typematch=True)
+    assert tree_equal(loaded.encoder, net.encoder, typematch=True)
     assert _is_abstract(loaded.embed) and _is_abstract(loaded.head)
     assert _same_leaves(loaded.embed, like.embed)
     assert _same_leaves(loaded.head, like.head)
@@ -64,12 +65,12 @@ def test_where_tuple_of_nodes(tmp_path):
     net = _save_net(tmp_path)
     like = Net(jax.random.key(1))
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, where=lambda m: (m.encoder, m.embed))
-    assert eqx.tree_equal(loaded.encoder, net.encoder, typematch=True)
-    assert eqx.tree_equal(loaded.embed, net.embed, typematch=True)
+    assert tree_equal(loaded.encoder, net.encoder, typematch=True)
+    assert tree_equal(loaded.embed, net.embed, typematch=True)
     # Unselected concrete leaves are the very objects of `like`.
     assert loaded.head.weight is like.head.weight
     assert loaded.head.bias is like.head.bias
-    assert not eqx.tree_equal(loaded.head, net.head)
+    assert not tree_equal(loaded.head, net.head)
 
 
 def test_where_reads_nothing_outside_the_selection(tmp_path, packing, packed_reads):
@@ -79,8 +80,8 @@ def test_where_reads_nothing_outside_the_selection(tmp_path, packing, packed_rea
         shutil.rmtree(tmp_path / "encoder" / "layers" / "1")
     like = eqx.filter_eval_shape(Net, jax.random.key(1))
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, where=lambda m: (m.embed, m.encoder.layers[0]))
-    assert eqx.tree_equal(loaded.embed, net.embed, typematch=True)
-    assert eqx.tree_equal(loaded.encoder.layers[0], net.encoder.layers[0], typematch=True)
+    assert tree_equal(loaded.embed, net.embed, typematch=True)
+    assert tree_equal(loaded.encoder.layers[0], net.encoder.layers[0], typematch=True)
     assert _is_abstract(loaded.head) and _is_abstract(loaded.encoder.layers[1])
     if packing == "packed":
         selected = ["embed.weight", "encoder.layers.0.bias", "encoder.layers.0.weight"]
@@ -95,7 +96,7 @@ def test_where_single_leaf(tmp_path):
     net = _save_net(tmp_path)
     like = eqx.filter_eval_shape(Net, jax.random.key(1))
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, where=lambda m: m.head.bias)
-    assert eqx.tree_equal(loaded.head.bias, net.head.bias, typematch=True)
+    assert tree_equal(loaded.head.bias, net.head.bias, typematch=True)
     assert _is_abstract(loaded.head.weight)
 
 
@@ -105,7 +106,7 @@ def test_where_on_a_dict(tmp_path):
     like = {"model": {"w": jnp.zeros(3)}, "opt": {"mu": jnp.full(3, 9.0)}, "step": 0}
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, where=lambda t: (t["model"], t["step"]))
     assert loaded["step"] == 5
-    assert eqx.tree_equal(loaded["model"], tree["model"], typematch=True)
+    assert tree_equal(loaded["model"], tree["model"], typematch=True)
     assert loaded["opt"]["mu"] is like["opt"]["mu"]
 
 
@@ -124,7 +125,7 @@ def test_prefix_loads_a_bare_model_out_of_a_training_state(tmp_path, packing, pa
         shutil.rmtree(tmp_path / "opt_state")
     like = eqx.filter_eval_shape(Net, jax.random.key(1))
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, prefix="model")
-    assert eqx.tree_equal(loaded, state["model"], typematch=True)
+    assert tree_equal(loaded, state["model"], typematch=True)
     model = [k for k in eqx_ckpt.Checkpoint(tmp_path) if k.startswith("model.")]
     assert sorted(packed_reads) == (sorted(model) if packing == "packed" else [])
 
@@ -134,7 +135,7 @@ def test_prefix_with_where(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, state)
     like = Net(jax.random.key(1))
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, prefix="model", where=lambda m: m.head)
-    assert eqx.tree_equal(loaded.head, state["model"].head, typematch=True)
+    assert tree_equal(loaded.head, state["model"].head, typematch=True)
     assert _same_leaves(loaded.encoder, like.encoder)
 
 
@@ -143,7 +144,7 @@ def test_nested_prefix(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, state)
     like = eqx.nn.Linear(4, 2, key=jax.random.key(3))
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, prefix="model.head")
-    assert eqx.tree_equal(loaded, state["model"].head, typematch=True)
+    assert tree_equal(loaded, state["model"].head, typematch=True)
 
 
 def test_unknown_prefix_lists_the_top_level_keys(tmp_path):
@@ -164,9 +165,9 @@ def test_rename_mapping_renames_a_sub_tree(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, saved)
     like = {"encoder": {"layer": {"w": jnp.zeros(3), "b": jnp.zeros(2)}}, "extra": jnp.full(1, 5.0)}
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, rename={"encoder": "body"})
-    assert eqx.tree_equal(loaded["encoder"], saved["body"], typematch=True)
+    assert tree_equal(loaded["encoder"], saved["body"], typematch=True)
     # Unmapped paths pass through.
-    assert eqx.tree_equal(loaded["extra"], saved["extra"], typematch=True)
+    assert tree_equal(loaded["extra"], saved["extra"], typematch=True)
 
 
 def test_rename_longest_match_wins(tmp_path):
@@ -189,7 +190,7 @@ def test_rename_callable_with_prefix(tmp_path):
         return path.replace("mlp", "encoder", 1)
 
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, prefix="model", rename=rename)
-    assert eqx.tree_equal(loaded["mlp"], state["model"].encoder, typematch=True)
+    assert tree_equal(loaded["mlp"], state["model"].encoder, typematch=True)
     assert "mlp.layers.0.weight" in seen
 
 
@@ -224,7 +225,7 @@ def test_missing_keep_keeps_likes_leaf(tmp_path):
     with pytest.raises(eqx_ckpt.LeafError, match="2 leaves do not match"):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, missing="keep")
-    assert eqx.tree_equal(loaded["body"], jnp.arange(3.0), typematch=True)
+    assert tree_equal(loaded["body"], jnp.arange(3.0), typematch=True)
     assert loaded["head"] is head
     assert loaded["abstract"] is like["abstract"]
 
@@ -251,7 +252,7 @@ def test_strict_with_prefix_only_looks_below_it(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, state)
     like = eqx.filter_eval_shape(Net, jax.random.key(1))
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, prefix="model", strict=True)
-    assert eqx.tree_equal(loaded, state["model"], typematch=True)
+    assert tree_equal(loaded, state["model"], typematch=True)
     small = eqx.tree_at(lambda m: m.head, like, None)
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("`model.head.weight`")):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, small, prefix="model", strict=True)
@@ -268,7 +269,7 @@ def test_cast_with_partial_load(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.arange(3, dtype=jnp.int32), "b": jnp.ones(2)})
     like = {"a": jnp.zeros(3, jnp.float32), "b": jnp.zeros(2, jnp.int32)}
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, where=lambda t: t["a"], cast=True)
-    assert eqx.tree_equal(loaded["a"], jnp.arange(3.0), typematch=True)
+    assert tree_equal(loaded["a"], jnp.arange(3.0), typematch=True)
     assert loaded["b"] is like["b"]
     with pytest.raises(eqx_ckpt.LeafError, match="has changed dtype from float32 in `like` to int32"):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, like, where=lambda t: t["a"])

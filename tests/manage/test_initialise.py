@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 
@@ -28,10 +29,10 @@ def test_body_loaded_head_initialised(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"body": body})
     model = eqx_ckpt.load_or_initialise(tmp_path, _make)
     # The body is the checkpoint's, not what `init` would have made.
-    assert eqx.tree_equal(model["body"], body, typematch=True)
-    assert not eqx.tree_equal(model["body"], _make()["body"])
+    assert tree_equal(model["body"], body, typematch=True)
+    assert not tree_equal(model["body"], _make()["body"])
     # The head is exactly what `init` makes.
-    assert eqx.tree_equal(model["head"], _make()["head"], typematch=True)
+    assert tree_equal(model["head"], _make()["head"], typematch=True)
     for leaf in jax.tree_util.tree_leaves(model):
         assert not isinstance(leaf, jax.ShapeDtypeStruct)
     assert model["head"](model["body"](jnp.ones(4))).shape == (3,)
@@ -51,7 +52,7 @@ def test_loaded_leaves_are_never_computed(tmp_path):
     init = lambda: {"body": counted("body", (5,)), "head": counted("head", (2,))}
     model = eqx_ckpt.load_or_initialise(tmp_path, init)
     assert calls == {"body": 0, "head": 1}
-    assert eqx.tree_equal(model, {"body": jnp.full(5, 3.0), "head": jnp.full(2, -1.0)}, typematch=True)
+    assert tree_equal(model, {"body": jnp.full(5, 3.0), "head": jnp.full(2, -1.0)}, typematch=True)
 
 
 def test_everything_loaded_runs_nothing(tmp_path):
@@ -63,15 +64,15 @@ def test_everything_loaded_runs_nothing(tmp_path):
 
         return {"a": jax.pure_callback(host, jax.ShapeDtypeStruct((2,), jnp.float32))}
 
-    assert eqx.tree_equal(eqx_ckpt.load_or_initialise(tmp_path, init), {"a": jnp.ones(2)}, typematch=True)
+    assert tree_equal(eqx_ckpt.load_or_initialise(tmp_path, init), {"a": jnp.ones(2)}, typematch=True)
 
 
 def test_prefix_and_rename(tmp_path):
     body = _body(0)
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"model": {"encoder": body}, "step": 3})
     model = eqx_ckpt.load_or_initialise(tmp_path, _make, prefix="model", rename={"body": "encoder"})
-    assert eqx.tree_equal(model["body"], body, typematch=True)
-    assert eqx.tree_equal(model["head"], _make()["head"], typematch=True)
+    assert tree_equal(model["body"], body, typematch=True)
+    assert tree_equal(model["head"], _make()["head"], typematch=True)
 
 
 def test_where_and_progress(tmp_path):
@@ -82,7 +83,7 @@ def test_where_and_progress(tmp_path):
     model = eqx_ckpt.load_or_initialise(
         tmp_path, _make, where=lambda m: m["body"], progress=lambda *counts: calls.append(counts)
     )
-    assert eqx.tree_equal(model, {"body": body, "head": _make()["head"]}, typematch=True)
+    assert tree_equal(model, {"body": body, "head": _make()["head"]}, typematch=True)
     body_leaves = len(jax.tree_util.tree_leaves(eqx.filter(body, eqx.is_array)))
     assert calls and calls[-1][:2] == (body_leaves, body_leaves)
 
@@ -159,4 +160,4 @@ def test_a_checkpoint_matching_nothing_is_an_error_not_a_fresh_start(tmp_path):
         eqx_ckpt.load_or_initialise(tmp_path, make)
     assert "`prefix='model'`" in str(info.value)
     model = eqx_ckpt.load_or_initialise(tmp_path, make, prefix="model")
-    assert eqx.tree_equal(model, make(), typematch=True)
+    assert tree_equal(model, make(), typematch=True)

@@ -8,7 +8,6 @@ import re
 import signal
 import warnings
 
-import equinox as eqx
 import grain
 import iterator_worker
 import jax
@@ -18,6 +17,7 @@ import numpy as np
 import places
 import prefork
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 from eqx_ckpt._tools._cli import main
@@ -59,9 +59,9 @@ def test_map_dataset_iterators_resume_where_they_were(tmp_path, blocking):
     like = {"w": jnp.zeros(3), "data": [iter(ds), {"eval": iter(ds.repeat(3))}]}
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", like)
     assert out["data"][0] is like["data"][0] and out["data"][1]["eval"] is like["data"][1]["eval"]
-    assert eqx.tree_equal(out["w"], tree["w"], typematch=True)
+    assert tree_equal(out["w"], tree["w"], typematch=True)
     resumed = _take(out["data"][0], 3), _take(out["data"][1]["eval"], 6)
-    assert eqx.tree_equal(resumed, after, typematch=True)
+    assert tree_equal(resumed, after, typematch=True)
 
 
 def test_a_data_loader_iterator_resumes_over_epochs(tmp_path):
@@ -75,7 +75,7 @@ def test_a_data_loader_iterator_resumes_over_epochs(tmp_path):
     assert [s["kind"] for s in manifest["iterators"][0]["states"]] == ["bytes"]  # as Grain gives it
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", {"step": 0, "data": iter(iterator_worker.loader())})
     assert out["step"] == 4
-    assert eqx.tree_equal(_take(out["data"], 3), expected[4:], typematch=True)
+    assert tree_equal(_take(out["data"], 3), expected[4:], typematch=True)
 
 
 WORKER = places.SUPPORT / "iterator_worker.py"
@@ -303,7 +303,7 @@ def test_a_load_that_does_not_select_the_iterator_leaves_it_alone(tmp_path):
     assert eqx_ckpt.tree_deserialise_leaves(tmp_path, {"model": {"w": jnp.zeros(2)}, "data": None})["data"] is None
     # Selected alone, the iterator is loaded.
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, where=lambda t: t["data"])
-    assert like["data"].state == {"at": 5} and eqx.tree_equal(out["model"], like["model"])
+    assert like["data"].state == {"at": 5} and tree_equal(out["model"], like["model"])
 
 
 def test_a_partial_save_keeps_the_states_it_does_not_pick(tmp_path):
@@ -312,7 +312,7 @@ def test_a_partial_save_keeps_the_states_it_does_not_pick(tmp_path):
     like = {"a": Position(None), "b": Position(None), "w": jnp.zeros(2)}
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
     assert (out["a"].state, out["b"].state) == ({"at": 1}, {"at": 3})
-    assert eqx.tree_equal(out["w"], jnp.ones(2), typematch=True)
+    assert tree_equal(out["w"], jnp.ones(2), typematch=True)
 
 
 def test_the_manager_saves_and_restores_a_step_with_its_data(tmp_path):
@@ -324,7 +324,7 @@ def test_the_manager_saves_and_restores_a_step_with_its_data(tmp_path):
             manager.save(step, {"w": jnp.full(2, float(step)), "data": it})
         after = _take(it, 2)
         out = manager.restore({"w": jnp.zeros(2), "data": iter(ds)})
-        assert eqx.tree_equal(_take(out["data"], 2), after, typematch=True)
+        assert tree_equal(_take(out["data"], 2), after, typematch=True)
         out = manager.restore({"w": jnp.zeros(2), "data": iter(ds)}, step=0)
         assert out["data"].get_state() == {"next_index": 1}
 

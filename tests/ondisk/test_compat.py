@@ -14,13 +14,12 @@ import re
 import shutil
 from typing import Any
 
-import equinox as eqx
 import jax
 import numpy as np
 import places
 import prefork
 import pytest
-from arrays import bits
+from arrays import bits, tree_equal
 
 import eqx_ckpt
 from eqx_ckpt._ondisk._format import FORMAT_VERSION
@@ -114,7 +113,7 @@ def _allbits(tree: Any) -> list[tuple[str, Any]]:
 
 def _assert_loaded(loaded: Any, expected: Any) -> None:
     """Equal as Equinox sees it (NaNs aside, which never equal themselves), and bit for bit."""
-    assert eqx.tree_equal({**loaded, "special": None}, {**expected, "special": None}, typematch=True), (
+    assert tree_equal({**loaded, "special": None}, {**expected, "special": None}, typematch=True), (
         "the loaded tree differs from the saved one"
     )
     assert _allbits(loaded) == _allbits(expected)
@@ -159,7 +158,7 @@ def test_the_fixture_holds_what_its_format_wrote(fixture):
 
 def test_it_loads_bit_for_bit(fixture):
     like = make_fixture.like()
-    assert not eqx.tree_equal(like["scalars"], make_fixture.expected()["scalars"])  # so a load that reads nothing fails
+    assert not tree_equal(like["scalars"], make_fixture.expected()["scalars"])  # so a load that reads nothing fails
     loaded = eqx_ckpt.tree_deserialise_leaves(fixture, like)
     _assert_loaded(loaded, make_fixture.expected())
 
@@ -225,13 +224,13 @@ def test_a_partial_load_reads_only_the_selection(fixture):
     assert _allbits(loaded["model"]) == _allbits(expected["model"])
     assert _allbits(loaded["escaped"]) == _allbits(expected["escaped"])
     # Everything else is `like`'s own leaf, unread.
-    assert loaded["big"] is like["big"] and eqx.tree_equal(loaded["scalars"], like["scalars"], typematch=True)
+    assert loaded["big"] is like["big"] and tree_equal(loaded["scalars"], like["scalars"], typematch=True)
 
 
 def test_a_load_by_prefix_reads_a_sub_tree(fixture):
     like, expected = make_fixture.like(), make_fixture.expected()
     model = eqx_ckpt.tree_deserialise_leaves(fixture, like["model"], prefix="model")
-    assert eqx.tree_equal(model, expected["model"], typematch=True)
+    assert tree_equal(model, expected["model"], typematch=True)
     escaped = eqx_ckpt.tree_deserialise_leaves(fixture, like["escaped"]["权重"], prefix="escaped.%E6%9D%83%E9%87%8D")
     assert bits(escaped) == bits(expected["escaped"]["权重"])
 
@@ -408,7 +407,7 @@ def test_the_family_fixture_loads_bit_for_bit(family):
     assert np.asarray(ckpt["small.u4"]).tobytes() == expected["small"]["u4"].tobytes()
     _assert_loaded(eqx_ckpt.materialise(lazy), expected)
     model = eqx_ckpt.tree_deserialise_leaves(finetune, make_fixture.family_like()["model"], prefix="model")
-    assert eqx.tree_equal(model, expected["model"], typematch=True)
+    assert tree_equal(model, expected["model"], typematch=True)
     like = make_fixture.family_like()
     part = eqx_ckpt.tree_deserialise_leaves(finetune, like, where=lambda t: (t["adapter"], t["keys"]))
     assert _allbits(part["adapter"]) == _allbits(expected["adapter"])

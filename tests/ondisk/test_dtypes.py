@@ -2,6 +2,7 @@
 
 import json
 
+import arrays
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensorstore as ts
+from arrays import tree_equal
 
 import eqx_ckpt
 
@@ -87,7 +89,7 @@ def test_jax_array_round_trip(tmp_path, name, packing):
     assert x.dtype == _dtype(name)
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": x})
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": jnp.zeros_like(x)})
-    assert eqx.tree_equal(loaded, {"x": x}, typematch=True)
+    assert tree_equal(loaded, {"x": x}, typematch=True)
     assert isinstance(loaded["x"], jax.Array)
     assert _same_bits(loaded["x"], x)
     abstract = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": jax.ShapeDtypeStruct(x.shape, x.dtype)})
@@ -100,7 +102,7 @@ def test_numpy_array_round_trip(tmp_path, name, packing):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": x})
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": np.zeros_like(x)})
     assert type(loaded["x"]) is np.ndarray
-    assert eqx.tree_equal(loaded, {"x": x}, typematch=True)
+    assert tree_equal(loaded, {"x": x}, typematch=True)
     assert _same_bits(loaded["x"], x)
 
 
@@ -111,7 +113,7 @@ def test_x64_jax_array_round_trip(tmp_path, name):
         assert x.dtype == _dtype(name)
         eqx_ckpt.tree_serialise_leaves(tmp_path, {"x": x})
         loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": jax.ShapeDtypeStruct(x.shape, x.dtype)})
-        assert eqx.tree_equal(loaded, {"x": x}, typematch=True)
+        assert tree_equal(loaded, {"x": x}, typematch=True)
         assert _same_bits(loaded["x"], x)
 
 
@@ -123,7 +125,7 @@ def test_numpy_scalar_round_trip(tmp_path, name):
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": x.dtype.type(0)})
     assert type(loaded["x"]) is type(x)
     assert loaded["x"].dtype == x.dtype
-    assert eqx.tree_equal(loaded, {"x": x}, typematch=True)
+    assert tree_equal(loaded, {"x": x}, typematch=True)
 
 
 def test_special_float_values_are_bit_exact(tmp_path):
@@ -171,15 +173,15 @@ def test_cast_on_save_then_load(tmp_path, packing):
     assert json.loads((_array_of(tmp_path, "i")[0] / "zarr.json").read_text())["data_type"] == "int32"
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"x": jnp.zeros(3), "i": jnp.zeros(3, jnp.int32)}, cast=True)
     expected = x.astype(jnp.bfloat16).astype(jnp.float32)
-    assert eqx.tree_equal(loaded["x"], expected, typematch=True)
-    assert not eqx.tree_equal(loaded["x"], x)
+    assert tree_equal(loaded["x"], expected, typematch=True)
+    assert not tree_equal(loaded["x"], x)
 
 
 def test_byte_order_is_kept(tmp_path):
     tree = {"f": np.arange(4, dtype=">f4"), "c": np.array([1 + 2j], dtype=">c8"), "i": np.arange(3, dtype=">i2")}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
-    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert tree_equal(loaded, tree, typematch=True)
     assert loaded["f"].dtype == np.dtype(">f4")
     # Stored little-endian, so a native-order `like` reads the same values.
     native = eqx_ckpt.tree_deserialise_leaves(
@@ -188,3 +190,31 @@ def test_byte_order_is_kept(tmp_path):
     for key in tree:
         np.testing.assert_array_equal(native[key], tree[key])
         assert native[key].dtype.isnative
+
+
+def test_the_host_comparison_of_the_tests_answers_as_equinox_does():
+    """`arrays.tree_equal`, which most round trips here are checked with,
+    gives `eqx.tree_equal`'s answer for every JAX dtype: equal arrays, one
+    element changed, another shape, another dtype, NumPy against JAX with
+    and without `typematch`, NaNs, tolerances, PRNG keys and leaves that are
+    not arrays."""
+    cases = []
+    for name in JAX_DTYPES:
+        x = _values(name)
+        a = jnp.asarray(x)
+        flipped = x.copy().reshape(-1)
+        flipped[1] = flipped[0]  # (the values differ at 0 and 1 in every family)
+        cases += [(a, jnp.asarray(x)), (a, jnp.asarray(flipped.reshape(x.shape))), (a, a[:1]), (a, x)]
+        other = "int32" if name == "float32" else "float32"
+        cases.append((a, jnp.zeros(x.shape, other)))
+    nan = jnp.asarray([1.0, np.nan], jnp.float32)
+    near = jnp.asarray([1.0, 2.0], jnp.bfloat16), jnp.asarray([1.0, 2.0078125], jnp.bfloat16)
+    cases += [(nan, nan), (*near,), ({"a": [1, jnp.zeros(2)]}, {"a": [1, jnp.zeros(2)]}), ({"a": 1}, {"a": 2})]
+    cases += [({"a": 1}, {"b": 1}), (jax.random.key(0), jax.random.key(0)), (jax.random.key(0), jax.random.key(1))]
+    answers, reference = set(), eqx.tree_equal
+    for x, y in cases:
+        for options in ({}, {"typematch": True}, {"rtol": 0.01}, {"atol": 1e-6}):
+            want = bool(reference(x, y, **options))
+            assert arrays.tree_equal(x, y, **options) is want, (x, y, options)
+            answers.add(want)
+    assert answers == {True, False}

@@ -7,13 +7,13 @@ import pathlib
 import re
 import shutil
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import manifests
 import numpy as np
 import pytest
 import tensorstore as ts
+from arrays import tree_equal
 from jax.sharding import NamedSharding, PartitionSpec
 
 import eqx_ckpt
@@ -51,7 +51,7 @@ def _same(a, b) -> bool:
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x, y = jax.random.key_data(x), jax.random.key_data(y)
-        if not eqx.tree_equal(jax.device_get(x), jax.device_get(y), typematch=True) or type(x) is not type(y):
+        if not tree_equal(jax.device_get(x), jax.device_get(y), typematch=True) or type(x) is not type(y):
             return False
     return True
 
@@ -297,7 +297,7 @@ def test_damaged_group_metadata_is_reported(tmp_path, layout, damage, key):
     assert re.match(re.escape(f"The zarr group metadata {key!r} {says}"), problem.message), problem
     assert "Loads do not read it, but zarr tools do" in problem.message
     # Loads never read it.
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, _GROUPED), _GROUPED, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, _GROUPED), _GROUPED, typematch=True)
 
 
 @pytest.mark.parametrize("layout", ["directories", "ocdbt"])

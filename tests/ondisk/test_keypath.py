@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
+from arrays import tree_equal
 from jax.random import key as jax_key
 
 import eqx_ckpt
@@ -117,7 +118,7 @@ def test_awkward_keys_round_trip_and_stay_inside(tmp_path, packing):
     eqx_ckpt.tree_serialise_leaves(ckpt, tree)
 
     loaded = eqx_ckpt.tree_deserialise_leaves(ckpt, tree)
-    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert tree_equal(loaded, tree, typematch=True)
     # Every leaf has its own key and (unpacked) array folder: nothing collided.
     keys = list(eqx_ckpt.Checkpoint(ckpt))
     assert len(keys) == len(tree)
@@ -147,7 +148,7 @@ def test_nested_dot_keys_do_not_alias_nesting(tmp_path):
     assert (tmp_path / "a%2Eb" / "zarr.json").is_file()
     assert (tmp_path / "a" / "b" / "zarr.json").is_file()
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
-    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert tree_equal(loaded, tree, typematch=True)
 
 
 @pytest.mark.usefixtures("unpacked")  # the folders of keys
@@ -156,7 +157,7 @@ def test_keys_longer_than_a_file_name_are_stored(tmp_path):
     tree = {long_a: jnp.zeros(1), long_b: jnp.ones(1), "é" * 150: jnp.full(1, 2.0), "short": jnp.ones(1)}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree)
-    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert tree_equal(loaded, tree, typematch=True)
     names = [name for name in os.listdir(tmp_path) if name not in ("manifest.json", "zarr.json")]
     assert len(names) == 4 and all(len(name) <= _keypath.MAX_SEGMENT for name in names)
     # The manifest keeps the whole key; the shortened names differ.
@@ -176,7 +177,7 @@ def test_int_enum_dict_keys_round_trip(tmp_path):
     tree = {Colour.RED: jnp.ones(2), 2: jnp.zeros(3)}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, {Colour.RED: jnp.zeros(2), 2: jnp.ones(3)})
-    assert eqx.tree_equal(out, tree, typematch=True)
+    assert tree_equal(out, tree, typematch=True)
     assert sorted(eqx_ckpt.Checkpoint(tmp_path)) == ["%i2", "%r" + _keypath.escape(repr(Colour.RED))]
 
 
@@ -187,7 +188,7 @@ def test_numpy_integer_dict_keys_are_the_int_keys(tmp_path):
     # JAX gives `{3: ...}` and `{np.int64(3): ...}` one treedef; a load takes either.
     like = {3: jnp.zeros(2), -1: jnp.ones(2)}
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
-    assert eqx.tree_equal(loaded, {3: jnp.ones(2), -1: jnp.zeros(2)}, typematch=True)
+    assert tree_equal(loaded, {3: jnp.ones(2), -1: jnp.zeros(2)}, typematch=True)
 
 
 def test_sort_key_orders_numbers_by_value():
@@ -319,7 +320,7 @@ def test_equal_structures_with_differently_named_keys_are_named_apart(tmp_path):
     assert names.paths == ["a.%i1", "b.%rTrue"]
     eqx_ckpt.tree_serialise_leaves(tmp_path / "c", tree)
     assert sorted(eqx_ckpt.Checkpoint(tmp_path / "c")) == ["a.%i1", "b.%rTrue"]
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "c", tree), tree, typematch=True)
 
 
 class _Registered:

@@ -24,6 +24,7 @@ import numpy as np
 import optax
 import places
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 from eqx_ckpt._tools._cli import main
@@ -106,21 +107,21 @@ def test_a_saved_tree_comes_back_with_its_own_classes(tmp_path):
     tree = _tree()
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     loaded = eqx_ckpt.Checkpoint(tmp_path).load(trust=TRUST)
-    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert tree_equal(loaded, tree, typematch=True)
     assert jax.tree.structure(loaded) == jax.tree.structure(tree)
     tokens = jnp.arange(5)
-    assert eqx.tree_equal(loaded["block"](tokens), tree["block"](tokens))
+    assert tree_equal(loaded["block"](tokens), tree["block"](tokens))
     x = jnp.ones(3)
-    assert eqx.tree_equal(loaded["mlp"](x), tree["mlp"](x))
+    assert tree_equal(loaded["mlp"](x), tree["mlp"](x))
     assert loaded["mlp"].activation is jax.nn.gelu and loaded["seq"].layers[1].fn is jax.nn.relu
     image = jnp.ones((3, 6, 6))
-    assert eqx.tree_equal(loaded["conv"](image), tree["conv"](image))
+    assert tree_equal(loaded["conv"](image), tree["conv"](image))
     batch_norm, state = loaded["bn"]
     ours = jax.vmap(batch_norm, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(jnp.ones((5, 4)), state)
     theirs = jax.vmap(tree["bn"][0], axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
         jnp.ones((5, 4)), tree["bn"][1]
     )
-    assert eqx.tree_equal(ours, theirs)
+    assert tree_equal(ours, theirs)
 
 
 def test_every_way_of_loading_without_like_agrees(tmp_path):
@@ -128,21 +129,21 @@ def test_every_way_of_loading_without_like_agrees(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     ckpt = eqx_ckpt.Checkpoint(tmp_path)
     one_call = eqx_ckpt.tree_deserialise_leaves(tmp_path, trust=TRUST)
-    assert eqx.tree_equal(one_call, tree, typematch=True)
+    assert tree_equal(one_call, tree, typematch=True)
     skeleton = ckpt.skeleton(trust=TRUST)
     assert skeleton["mlp"].layers[0].weight == jax.ShapeDtypeStruct((8, 3), jnp.float32)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, skeleton), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, skeleton), tree, typematch=True)
     # The skeleton is a `like` for every other load option.
     only_mlp = eqx_ckpt.tree_deserialise_leaves(tmp_path, skeleton, where=lambda t: t["mlp"])
-    assert eqx.tree_equal(only_mlp["mlp"], tree["mlp"], typematch=True)
+    assert tree_equal(only_mlp["mlp"], tree["mlp"], typematch=True)
     assert only_mlp["conv"].weight == skeleton["conv"].weight
     lazy = ckpt.load(trust=TRUST, lazy=True)
     assert isinstance(lazy["mlp"].layers[0].weight, eqx_ckpt.LazyArray)
-    assert eqx.tree_equal(eqx_ckpt.materialise(lazy), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.materialise(lazy), tree, typematch=True)
     # A sub-tree by dotted prefix, everywhere.
-    assert eqx.tree_equal(ckpt.load("mlp", trust=[]), tree["mlp"], typematch=True)
-    assert eqx.tree_equal(ckpt.skeleton("block.attention"), eqx.filter_eval_shape(lambda: tree["block"].attention))
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, prefix="mlp"), tree["mlp"], typematch=True)
+    assert tree_equal(ckpt.load("mlp", trust=[]), tree["mlp"], typematch=True)
+    assert tree_equal(ckpt.skeleton("block.attention"), eqx.filter_eval_shape(lambda: tree["block"].attention))
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, prefix="mlp"), tree["mlp"], typematch=True)
     # Without `trust`, `Checkpoint.load` keeps giving nested dicts.
     assert isinstance(ckpt.load()["mlp"], dict)
 
@@ -155,7 +156,7 @@ def test_a_skeleton_holds_no_data_and_numpy_and_scalars_keep_their_types(tmp_pat
     assert (skeleton["int"], skeleton["f"], skeleton["np_scalar"]) == (0, 0.0, np.int8(0))
     assert type(skeleton["f"]) is float and type(skeleton["np_scalar"]) is np.int8
     assert skeleton["key"].dtype == KEYS[0].dtype
-    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path).load(trust=[]), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.Checkpoint(tmp_path).load(trust=[]), tree, typematch=True)
 
 
 def test_an_untrusted_class_is_named_with_its_paths_and_the_trust_to_pass(tmp_path):
@@ -213,14 +214,14 @@ def test_what_cannot_be_recorded_never_fails_the_save_and_is_named_on_load(tmp_p
     tree = {"good": _mlp(), "odd": eqx.nn.Lambda(make_closure()), "thing": {"obj": object()}}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     ckpt = eqx_ckpt.Checkpoint(tmp_path)
-    assert eqx.tree_equal(ckpt.load("good", trust=[]), tree["good"], typematch=True)
+    assert tree_equal(ckpt.load("good", trust=[]), tree["good"], typematch=True)
     with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("cannot rebuild `odd.fn`")) as info:
         ckpt.load(trust=[])
     assert "a lambda" in str(info.value) and "pass `like`" in str(info.value)
     with pytest.raises(eqx_ckpt.CheckpointValueError, match=re.escape("an object of class builtins.object")):
         ckpt.skeleton("thing")
     # With a skeleton for that part, the rest still loads as ever.
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
 
 
 class Grown(eqx.Module):
@@ -283,7 +284,7 @@ def test_no_init_runs_and_check_init_runs_only_when_asked(tmp_path):
     object.__setattr__(model, "weight", jnp.ones(3))
     eqx_ckpt.tree_serialise_leaves(tmp_path, model)
     loaded = eqx_ckpt.Checkpoint(tmp_path).load(trust=[Checked])
-    assert eqx.tree_equal(loaded, model, typematch=True)
+    assert tree_equal(loaded, model, typematch=True)
     with pytest.raises(ValueError, match="weight must have shape"):
         eqx_ckpt.Checkpoint(tmp_path).skeleton(trust=[Checked], check_init=True)
 
@@ -295,7 +296,7 @@ def test_a_partial_save_updates_the_record_of_the_replaced_sub_tree(tmp_path):
     new["head"] = _block()
     eqx_ckpt.tree_serialise_leaves(tmp_path, new, where=lambda t: t["head"])
     loaded = eqx_ckpt.Checkpoint(tmp_path).load(trust=[Block])
-    assert eqx.tree_equal(loaded, {"body": tree["body"], "head": new["head"]}, typematch=True)
+    assert tree_equal(loaded, {"body": tree["body"], "head": new["head"]}, typematch=True)
 
 
 def test_asynchronous_incremental_and_manager_saves_record_the_structure(tmp_path):
@@ -305,13 +306,13 @@ def test_asynchronous_incremental_and_manager_saves_record_the_structure(tmp_pat
     manager.save(2, eqx.tree_at(lambda t: t["step"], tree, 2), blocking=False) if _takes_blocking(manager) else None
     manager.wait_until_finished()
     last = manager.latest_step()
-    assert eqx.tree_equal(manager.restore(step=1, trust=[Block]), tree, typematch=True)
+    assert tree_equal(manager.restore(step=1, trust=[Block]), tree, typematch=True)
     assert manager.restore(step=last, trust=[Block])["step"] == last
     pending = eqx_ckpt.tree_serialise_leaves(tmp_path / "async", tree, blocking=False)
     pending.wait()
-    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "async").load(trust=[Block]), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.Checkpoint(tmp_path / "async").load(trust=[Block]), tree, typematch=True)
     eqx_ckpt.tree_serialise_leaves(tmp_path / "async", tree)  # an incremental overwrite
-    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "async").load(trust=[Block]), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.Checkpoint(tmp_path / "async").load(trust=[Block]), tree, typematch=True)
 
 
 def _takes_blocking(manager) -> bool:
@@ -628,7 +629,7 @@ def test_a_hostile_structure_record_is_refused(tmp_path, name):
         eqx_ckpt.tree_deserialise_leaves(tmp_path)
     # Nothing a record names is imported; a load with `like` never reads the record.
     assert not {"antigravity_xyz", "not_imported_xyz", "subprocess", "signal"} & (set(sys.modules) - before)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": np.zeros(3)}), {"w": np.arange(3.0)})
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": np.zeros(3)}), {"w": np.arange(3.0)})
 
 
 def test_a_trusted_dataclass_that_subclasses_dict_is_refused_not_crashed(tmp_path):
@@ -749,7 +750,7 @@ def test_a_record_nested_ten_thousand_deep_is_refused(tmp_path):
     with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("structure record of checkpoint")) as info:
         ckpt.load(trust=[])
     assert "it is not valid JSON" in str(info.value)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": np.zeros(3)}), {"w": np.arange(3.0)})
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": np.zeros(3)}), {"w": np.arange(3.0)})
 
 
 def test_a_record_of_ten_million_nodes_is_refused_before_it_is_parsed(tmp_path):
@@ -785,7 +786,7 @@ def test_a_record_far_larger_than_its_leaves_warrant_is_refused_before_it_is_par
     assert f"({_rebuild.NODES_PER_LEAF} a stored leaf and {_rebuild.NODES_BASE} more" in said
     # A load with `like` reads no record: the leaves load.
     got = eqx_ckpt.tree_deserialise_leaves(tmp_path, {k: np.zeros(3) for k in "abcd"})
-    assert eqx.tree_equal(got, {k: np.arange(3.0) for k in "abcd"})
+    assert tree_equal(got, {k: np.arange(3.0) for k in "abcd"})
 
 
 class _Tokeniser(eqx.Module):
@@ -810,7 +811,7 @@ def test_a_static_vocabulary_of_thousands_beside_few_leaves_still_rebuilds(tmp_p
         body = json.loads((path / "manifest.json").read_text())
         containers = body["structure"].count("{") + body["structure"].count("[")
         assert 20_000 < containers <= _rebuild.node_cap(len(body["leaves"])), name
-        assert eqx.tree_equal(eqx_ckpt.Checkpoint(path).load(trust=[_Tokeniser]), tree, typematch=True), name
+        assert tree_equal(eqx_ckpt.Checkpoint(path).load(trust=[_Tokeniser]), tree, typematch=True), name
 
 
 def _records():
@@ -925,10 +926,10 @@ def test_checkpoint_load_takes_prefix_as_the_spec_names_it(tmp_path):
     tree = {"model": _mlp(), "step": 3}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     ckpt = eqx_ckpt.Checkpoint(tmp_path)
-    assert eqx.tree_equal(ckpt.load(prefix="model", trust=[]), tree["model"], typematch=True)
-    assert eqx.tree_equal(ckpt.load(prefix="model"), ckpt.load("model"))
+    assert tree_equal(ckpt.load(prefix="model", trust=[]), tree["model"], typematch=True)
+    assert tree_equal(ckpt.load(prefix="model"), ckpt.load("model"))
     with pytest.warns(DeprecationWarning, match=re.escape("`key` is now called `prefix`")):
-        assert eqx.tree_equal(ckpt.load(key="model"), ckpt.load("model"))
+        assert tree_equal(ckpt.load(key="model"), ckpt.load("model"))
     with pytest.raises(eqx_ckpt.CheckpointTypeError, match=re.escape("`Checkpoint.load`'s `prefix` must be a dotted")):
         ckpt.load(3)
 
@@ -960,7 +961,7 @@ def test_a_large_static_vocabulary_beside_one_leaf_still_rebuilds(tmp_path, monk
     monkeypatch.setattr(_rebuild, "NODES_BASE", 4_000)
     tree = {"w": np.arange(3.0), "vocab": {f"t{i}": i for i in range(_rebuild.NODES_BASE // 2 + 1_000)}}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
-    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path).load(trust=[]), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.Checkpoint(tmp_path).load(trust=[]), tree, typematch=True)
 
 
 def test_format_md_names_the_version_saves_write():
@@ -1006,7 +1007,7 @@ def test_the_default_trust_holds_concrete_public_classes_and_what_layers_store()
 )
 def test_pooling_layers_load_with_the_default_trust(tmp_path, layer):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"pool": layer})
-    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path).load(trust=[]), {"pool": layer}, typematch=True)
+    assert tree_equal(eqx_ckpt.Checkpoint(tmp_path).load(trust=[]), {"pool": layer}, typematch=True)
 
 
 def test_a_like_with_other_static_fields_warns_naming_the_path_and_both_values(tmp_path):
@@ -1063,7 +1064,7 @@ def test_a_renamed_field_suggests_the_rename_that_loads_the_trained_values(tmp_p
     mlps = lambda tree, name: [
         getattr(b, name) for b in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, (old, new)))
     ]
-    assert eqx.tree_equal(mlps(loaded, "mlp"), mlps({"blocks": trained}, "ff"), typematch=True)
+    assert tree_equal(mlps(loaded, "mlp"), mlps({"blocks": trained}, "ff"), typematch=True)
 
 
 class Summed(eqx.Module):
@@ -1079,9 +1080,9 @@ def test_check_init_runs_traced_and_its_refusal_names_the_class_and_path(tmp_pat
     good = {"layers": [Summed(jnp.ones(2))]}
     eqx_ckpt.tree_serialise_leaves(tmp_path / "good", good)
     skeleton = eqx_ckpt.Checkpoint(tmp_path / "good").skeleton(trust=[Summed], check_init=True)
-    assert eqx.tree_equal(skeleton, eqx.filter_eval_shape(lambda: good), typematch=True)
+    assert tree_equal(skeleton, eqx.filter_eval_shape(lambda: good), typematch=True)
     loaded = eqx_ckpt.Checkpoint(tmp_path / "good").load(trust=[Summed], check_init=True)
-    assert eqx.tree_equal(loaded, good, typematch=True)
+    assert tree_equal(loaded, good, typematch=True)
     bad = object.__new__(Summed)  # past its own check, as a hostile or old file may hold
     object.__setattr__(bad, "weight", jnp.ones(3))
     eqx_ckpt.tree_serialise_leaves(tmp_path / "bad", {"layers": [bad]})

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorstore as ts
+from arrays import tree_equal
 
 import eqx_ckpt
 from eqx_ckpt._base import _gc, _tree as tree_util
@@ -46,7 +47,7 @@ def test_local_round_trip(tmp_path):
     pending.wait()
     assert pending.done()
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path, _tree(0))
-    assert eqx.tree_equal(out, expected, typematch=True)
+    assert tree_equal(out, expected, typematch=True)
     assert eqx_ckpt.tree_serialise_leaves(tmp_path, _tree(2)) is None  # a blocking save returns nothing
 
 
@@ -64,7 +65,7 @@ def test_caller_may_change_its_arrays_before_anything_is_written(tmp_path, fault
     assert not pending.done()
     release.set()
     pending.wait()
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, expected), expected, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, expected), expected, typematch=True)
 
 
 def test_returns_with_writes_in_flight_and_keeps_original_values(s3, store):
@@ -100,7 +101,7 @@ def test_donating_the_arrays_after_return_keeps_original_values(s3, store):
     s3.gate.open.set()
     pending.wait()
     out = eqx_ckpt.tree_deserialise_leaves(store, jax.tree.map(np.array, params))
-    assert eqx.tree_equal(out, expected, typematch=True)
+    assert tree_equal(out, expected, typematch=True)
 
 
 def test_background_failure_raises_on_wait_and_commits_nothing(s3, store):
@@ -118,7 +119,7 @@ def test_background_failure_raises_on_wait_and_commits_nothing(s3, store):
     assert _manifest(store) == manifest
     names = {k.decode().split("/")[0] for k in ts.KvStore.open(store).result().list().result()}
     assert not any(n.startswith("gen.") for n in names) and "saving.json" not in names
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
 
 
 def test_second_save_to_the_same_path_waits_for_the_first(s3, store, faults):
@@ -136,7 +137,7 @@ def test_second_save_to_the_same_path_waits_for_the_first(s3, store, faults):
     first.wait()
     assert begun_after_first_committed == [True]
     out = eqx_ckpt.tree_deserialise_leaves(store, _tree(0))
-    assert eqx.tree_equal(out, _tree(2), typematch=True)
+    assert tree_equal(out, _tree(2), typematch=True)
 
 
 _SCRIPT_HEAD = """
@@ -169,7 +170,7 @@ def test_a_script_ending_with_a_save_in_flight_waits_for_it(tmp_path):
         """
     _script_ending_in_flight(body, path)
     expected = {f"layer{i}": np.full(50_000, i, np.float32) for i in range(40)}
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, expected), expected, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(path, expected), expected, typematch=True)
     assert eqx_ckpt.verify(path) == []
 
 
@@ -188,7 +189,7 @@ def test_a_script_ending_with_a_managers_save_in_flight_counts_it_once(tmp_path)
     manager = eqx_ckpt.CheckpointManager(path)
     assert manager.all_steps() == [1]  # step 0 went: retention ran after the save
     expected = {f"layer{i}": np.full(50_000, i, np.float32) for i in range(40)}
-    assert eqx.tree_equal(manager.restore(expected), expected, typematch=True)
+    assert tree_equal(manager.restore(expected), expected, typematch=True)
 
 
 def _held_back(faults):
@@ -225,7 +226,7 @@ def test_large_numpy_leaves_changed_after_the_call_are_saved_as_they_were(tmp_pa
         leaf[...] = 0
     pending.wait()
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, expected)
-    assert eqx.tree_equal(loaded, expected, typematch=True)
+    assert tree_equal(loaded, expected, typematch=True)
     assert loaded["c"].dtype == np.dtype(">i4")
     assert eqx_ckpt.verify(tmp_path) == []
 
@@ -377,7 +378,7 @@ def test_the_collector_stays_paused_until_the_background_part_ends(tmp_path, fau
         assert not (tmp_path / "manifest.json").exists()
     else:
         pending.wait()
-        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, _tree(0)), _tree(1), typematch=True)
+        assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, _tree(0)), _tree(1), typematch=True)
     assert gc.isenabled()
 
 
@@ -402,7 +403,7 @@ def test_what_the_caller_holds_is_decided_by_type(tmp_path):
     pending = eqx_ckpt.tree_serialise_leaves(tmp_path, tree, blocking=False)
     sub[...] = -1
     pending.wait()
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, np.zeros(4), prefix="sub"), np.arange(4.0))
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, np.zeros(4), prefix="sub"), np.arange(4.0))
 
 
 def test_a_tree_of_arrays_on_one_device_is_held_with_no_step_per_leaf(tmp_path, faults):
@@ -473,7 +474,7 @@ def test_the_trees_containers_may_change_after_the_call(tmp_path, faults):
     release.set()
     pending.wait()
     assert sorted(eqx_ckpt.Checkpoint(tmp_path)) == ["a", "b.0", "b.1"]
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, expected), expected, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, expected), expected, typematch=True)
 
 
 def test_is_leaf_with_an_asynchronous_save(tmp_path):
@@ -527,7 +528,7 @@ def test_the_records_are_freed_while_the_writes_keep_their_data(where, tmp_path,
     release.set()
     pending.wait()
     out = eqx_ckpt.tree_deserialise_leaves(path, expected)
-    assert eqx.tree_equal(out, expected, typematch=True)
+    assert tree_equal(out, expected, typematch=True)
     del junk
 
 
@@ -606,7 +607,7 @@ def test_a_wait_interrupted_by_ctrl_c_can_be_waited_for_again(tmp_path, saver):
     if saver == "manager":
         assert result == {"steps": [1, 2]}
         step = eqx_ckpt.CheckpointManager(path).restore({f"l{i}": np.zeros(8) for i in range(6)}, step=1)
-        assert eqx.tree_equal(step, {f"l{i}": np.full(8, float(i)) for i in range(6)}, typematch=True)
+        assert tree_equal(step, {f"l{i}": np.full(8, float(i)) for i in range(6)}, typematch=True)
     else:
         assert result == {"committed": True}
 
@@ -708,7 +709,7 @@ def test_a_custom_node_is_not_rebuilt_from_arrays_deleted_after_the_call(tmp_pat
     assert node.built == 0
     assert sorted(eqx_ckpt.Checkpoint(tmp_path)) == ["params.w", "step"]
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"params": node(jnp.zeros(1000)), "step": 0})
-    assert eqx.tree_equal(loaded, {"params": node(jnp.ones(1000)), "step": 3}, typematch=True)
+    assert tree_equal(loaded, {"params": node(jnp.ones(1000)), "step": 3}, typematch=True)
 
 
 class _Adam(NamedTuple):
@@ -750,7 +751,7 @@ def test_a_structure_that_cannot_be_compared_is_saved_with_its_key_paths_taken_i
         _ = jax.tree_util.tree_structure(first) == jax.tree_util.tree_structure(second)
     for i, tree in enumerate((first, second)):
         eqx_ckpt.tree_serialise_leaves(tmp_path / str(i), tree, blocking=False).wait()
-        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / str(i), tree), tree, typematch=True)
+        assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / str(i), tree), tree, typematch=True)
     assert not tree_util.rebuilds_plainly(jax.tree_util.tree_structure(second))
 
 
@@ -771,5 +772,5 @@ def test_an_asynchronous_save_names_and_stores_leaves_as_a_synchronous_one(tmp_p
         records[name] = [(key, ckpt.record(key).keypath, ckpt.record(key).type, ckpt.record(key).dtype) for key in ckpt]
     assert records["sync"] == records["async"] and len(records["sync"]) == len(jax.tree_util.tree_leaves(tree))
     loaded = [eqx_ckpt.tree_deserialise_leaves(tmp_path / name, tree) for name in ("sync", "async")]
-    assert eqx.tree_equal(loaded[0], loaded[1], typematch=True)
-    assert eqx.tree_equal(jax.random.key_data(loaded[1]["default"]["x"][1]), jax.random.key_data(jax.random.key(1)))
+    assert tree_equal(loaded[0], loaded[1], typematch=True)
+    assert tree_equal(jax.random.key_data(loaded[1]["default"]["x"][1]), jax.random.key_data(jax.random.key(1)))

@@ -8,13 +8,13 @@ import os
 import pathlib
 import re
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import manifests
 import numpy as np
 import pytest
 import tensorstore as ts
+from arrays import tree_equal
 
 import eqx_ckpt
 from eqx_ckpt._save import _records
@@ -81,9 +81,9 @@ def test_every_load_of_packed_leaves(tmp_path, lazy):
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     skeleton = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x, tree)
     back = eqx_ckpt.tree_deserialise_leaves(tmp_path, skeleton, lazy=lazy)
-    assert eqx.tree_equal(eqx_ckpt.materialise(back), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.materialise(back), tree, typematch=True)
     model = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree["model"], prefix="model", lazy=lazy)
-    assert eqx.tree_equal(eqx_ckpt.materialise(model), tree["model"], typematch=True)
+    assert tree_equal(eqx_ckpt.materialise(model), tree["model"], typematch=True)
     ckpt = eqx_ckpt.Checkpoint(tmp_path)
     np.testing.assert_array_equal(ckpt["model.w"][1:, ::2], np.arange(12.0).reshape(3, 4)[1:, ::2])
     assert ckpt["opt.count"] == 7 and ckpt["opt.flag"] is True
@@ -99,7 +99,7 @@ def test_a_packed_leaf_loads_onto_several_devices(tmp_path):
     assert "pack" in _leaf(_manifest(tmp_path), "v")
     like = {"v": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=sharding)}
     back = eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
-    assert back["v"].sharding == sharding and eqx.tree_equal(back, tree, typematch=True)
+    assert back["v"].sharding == sharding and tree_equal(back, tree, typematch=True)
 
 
 def test_a_sharded_leaf_keeps_its_own_array(tmp_path):
@@ -108,7 +108,7 @@ def test_a_sharded_leaf_keeps_its_own_array(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"v": sharded, "s": jnp.ones(3)})
     body = _manifest(tmp_path)
     assert "pack" not in _leaf(body, "v") and "pack" in _leaf(body, "s")
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"v": sharded, "s": jnp.ones(3)})["v"], sharded)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"v": sharded, "s": jnp.ones(3)})["v"], sharded)
 
 
 def test_overwrites_remove_the_old_packs(tmp_path):
@@ -118,7 +118,7 @@ def test_overwrites_remove_the_old_packs(tmp_path):
     (generation,) = [n for n in os.listdir(tmp_path) if n.startswith("gen.")]
     assert sorted(os.listdir(tmp_path)) == [generation, "manifest.json"]
     assert sorted(os.listdir(tmp_path / generation)) == ["packed.int32", "zarr.json"]
-    assert eqx.tree_equal(
+    assert tree_equal(
         eqx_ckpt.tree_deserialise_leaves(tmp_path, {"a": jnp.ones(3, jnp.int32)}), {"a": jnp.zeros(3, jnp.int32)}
     )
 
@@ -161,7 +161,7 @@ def test_damage_to_a_pack_names_the_leaves_in_that_chunk(tmp_path):
     # ...one that does not never reads it: a partial load reads only its chunks.
     first = {k: v for k, v in tree.items() if _chunk_of(body, k) == 0 and k not in in_chunk}
     back = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree, where=lambda t: [t[k] for k in first])
-    assert eqx.tree_equal({k: back[k] for k in first}, first)
+    assert tree_equal({k: back[k] for k in first}, first)
 
 
 def _pack_chunk(body: dict) -> int:
@@ -254,12 +254,12 @@ def test_checkpoints_written_before_packing_still_load(tmp_path, monkeypatch):
     del body["packs"]
     (tmp_path / "manifest.json").write_bytes(manifests.as_version(body, 2))
     assert os.path.isdir(tmp_path / "model" / "w")
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
     assert eqx_ckpt.Checkpoint(tmp_path).format_version == 2 and eqx_ckpt.verify(tmp_path) == []
     # Overwritten by this version, it is packed, and the old folders are gone.
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     assert not os.path.exists(tmp_path / "model") and _manifest(tmp_path)["format_version"] == 5
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
 
 
 def test_the_first_packed_format_verifies_without_a_root_group(tmp_path):
@@ -282,7 +282,7 @@ def test_ocdbt_layout_packs_too(tmp_path):
     tree = _tree()
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree, layout="ocdbt")
     assert any(leaf.get("pack") for leaf in _manifest(tmp_path)["leaves"])
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
     assert eqx_ckpt.verify(tmp_path) == []
 
 
@@ -293,7 +293,7 @@ def test_an_asynchronous_save_copies_numpy_leaves_before_it_returns(tmp_path):
     for value in tree.values():
         value[:] = -1  # the caller changes its arrays while the save is written
     pending.wait()
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), expected)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), expected)
 
 
 def _striped(count=60):
@@ -322,13 +322,13 @@ def test_local_packs_are_read_by_eqx_ckpt_only_the_chunks_a_load_needs(tmp_path,
     faults("storage.open_pack", no_tensorstore)
     read = []
     faults("local_read.start_reads", lambda path, keys: read.extend(keys))
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
     assert sorted(set(read)) == sorted(f"c/{i}" for i in range(len(os.listdir(tmp_path / "packed.float32" / "c"))))
     chosen = ["l20", "l21", "l22"]
     needed = {f"c/{c}" for k in chosen for c in range(_chunk_of(body, k), _last_chunk_of(body, k) + 1)}
     read.clear()
     back = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree, where=lambda t: [t[k] for k in chosen])
-    assert eqx.tree_equal({k: back[k] for k in chosen}, {k: tree[k] for k in chosen}, typematch=True)
+    assert tree_equal({k: back[k] for k in chosen}, {k: tree[k] for k in chosen}, typematch=True)
     assert set(read) == needed
 
 
@@ -373,7 +373,7 @@ def test_verify_names_a_link_to_a_folder_or_to_nothing_in_a_pack(tmp_path, targe
 def test_packs_elsewhere_are_read_through_tensorstore(small_pack_chunks):
     tree = _striped()
     eqx_ckpt.tree_serialise_leaves("memory://striped/", tree)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves("memory://striped/", tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves("memory://striped/", tree), tree, typematch=True)
 
 
 def _held(tree: dict, body: dict) -> list[list[str]]:
@@ -439,7 +439,7 @@ def test_a_packs_chunk_files_hold_its_data_not_padding(tmp_path, elements):
     stored = sum(f.stat().st_size - 4 for f in files)  # each ends with its crc32c
     assert 0 <= stored - size * 4 < 64 * len(files), (size, chunk, len(files))
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", leaves)
-    assert eqx.tree_equal(loaded, leaves, typematch=True)
+    assert tree_equal(loaded, leaves, typematch=True)
 
 
 def _sizes(elements):

@@ -5,11 +5,11 @@ GPUs alone (`_memory.PINNED_PLATFORMS`); `tests/hosts/test_gpu.py` runs it there
 
 from __future__ import annotations
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 from eqx_ckpt._store import _memory
@@ -46,7 +46,7 @@ def test_the_copies_are_on_for_gpus_and_not_for_cpus(tmp_path, faults):
     state = _state()
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", state)
     assert copied == []
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", state), state, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", state), state, typematch=True)
 
 
 def test_a_blocking_save_copies_each_piece_through_pinned_memory_within_its_budget(tmp_path, pinned_saves, faults):
@@ -63,7 +63,7 @@ def test_a_blocking_save_copies_each_piece_through_pinned_memory_within_its_budg
     faults(["save.pinned_copies"], copying)
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", state, staging_bytes=budget)
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", state)
-    assert eqx.tree_equal(out, state, typematch=True)
+    assert tree_equal(out, state, typematch=True)
     # Every large leaf went through pinned memory, one at a time as admitted.
     large = sorted(x.nbytes for k, x in state.items() if k not in ("small", "key"))
     assert sorted(nbytes for nbytes, _ in copied if nbytes >= 2**20) == large
@@ -76,7 +76,7 @@ def test_a_failed_pinned_copy_saves_through_the_usual_copy(tmp_path, pinned_save
     faults(["save.pinned_copies"], MemoryError("no pinned memory"))
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", state)
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", state)
-    assert eqx.tree_equal(out, state, typematch=True)
+    assert tree_equal(out, state, typematch=True)
 
 
 def test_a_sharded_leaf_saved_through_pinned_memory_round_trips(tmp_path, pinned_saves, faults):
@@ -87,7 +87,7 @@ def test_a_sharded_leaf_saved_through_pinned_memory_round_trips(tmp_path, pinned
     faults(["save.pinned_copies"], lambda arrays: copied.extend(x.nbytes for x in arrays))
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", state)
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", state)
-    assert bool(eqx.tree_equal(out, state, typematch=True))
+    assert bool(tree_equal(out, state, typematch=True))
     assert sum(copied) == state["w"].nbytes
 
 
@@ -125,12 +125,12 @@ def test_a_first_asynchronous_save_copies_on_the_device_then_into_pinned_memory(
         x.delete()
     pending.wait()
     assert seen == [("device", len(state)), ("pinned", len(state))]
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "first", expected), expected, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "first", expected), expected, typematch=True)
     seen.clear()
     again = _arrays()
     eqx_ckpt.tree_serialise_leaves(tmp_path / "again", again, blocking=False).wait()
     assert seen == [("pinned", len(again))]
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "again", again), again, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "again", again), again, typematch=True)
 
 
 def test_copies_on_the_device_only_where_they_fit_its_free_memory(tmp_path, first_async_saves, faults, monkeypatch):
@@ -142,7 +142,7 @@ def test_copies_on_the_device_only_where_they_fit_its_free_memory(tmp_path, firs
     monkeypatch.setattr(_memory, "DEVICE_HOLD_FRACTION", nbytes / free / 2)  # half of what would fit
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", state, blocking=False).wait()
     assert seen == [("pinned", len(state))]
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", state), state, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", state), state, typematch=True)
 
 
 @pytest.mark.parametrize("point", ["save.device_copies", "save.pinned_copies"])
@@ -160,7 +160,7 @@ def test_a_failed_copy_on_the_device_or_into_pinned_memory_still_saves_what_was_
     for x in state.values():
         x.delete()
     pending.wait()
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", expected), expected, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", expected), expected, typematch=True)
 
 
 def test_copies_on_the_device_are_off_with_a_fraction_of_zero(tmp_path, first_async_saves, faults, monkeypatch):

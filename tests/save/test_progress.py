@@ -14,11 +14,11 @@ import termios
 import threading
 import time
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from arrays import tree_equal
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_ckpt
@@ -62,7 +62,7 @@ def test_callbacks_of_save_load_verify_diff(tmp_path):
 
     loaded = Calls()
     out = eqx_ckpt.tree_deserialise_leaves(tmp_path / "a", tree, progress=loaded)
-    assert eqx.tree_equal(out, tree, typematch=True)
+    assert tree_equal(out, tree, typematch=True)
     loaded.check(6, stored)
 
     verified = Calls()
@@ -83,12 +83,12 @@ def test_callbacks_of_lazy_reads_and_the_manager(tmp_path, monkeypatch):
     arrays = [x for x in jax.tree.leaves(lazy, is_leaf=eqx_ckpt._load._lazy.is_lazy) if eqx_ckpt._load._lazy.is_lazy(x)]
     assert 0 < len(arrays) < 6
     read = Calls()
-    assert eqx.tree_equal(eqx_ckpt.materialise(lazy, progress=read), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.materialise(lazy, progress=read), tree, typematch=True)
     read.check(len(arrays), sum(x.nbytes for x in arrays))
     # With a window smaller than any leaf, reads finish one by one, in order.
     monkeypatch.setattr(_window, "READ_BUDGET", 1)
     read = Calls()
-    assert eqx.tree_equal(eqx_ckpt.materialise(lazy, progress=read), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.materialise(lazy, progress=read), tree, typematch=True)
     assert [c[0] for c in read] == list(range(1, len(arrays) + 1))
 
     manager = eqx_ckpt.CheckpointManager(tmp_path / "runs")
@@ -121,7 +121,7 @@ def test_a_large_leaf_moves_in_steps(tmp_path, monkeypatch, request, store):
         assert len(_steps_within(saved, total)) >= 8, saved
         assert [c[0] for c in saved] == [0] * (len(saved) - 1) + [1]
     loaded = Calls()
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, tree, progress=loaded), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(path, tree, progress=loaded), tree, typematch=True)
     loaded.check(1, total)
     assert len(_steps_within(loaded, total)) >= 7, loaded
     assert [c[0] for c in loaded] == [0] * (len(loaded) - 1) + [1]
@@ -149,7 +149,7 @@ def test_packed_leaves_count_up_from_one(tmp_path, request, store):
     eqx_ckpt.tree_serialise_leaves(path, tree, progress=saved)
     assert {eqx_ckpt.Checkpoint(path).record(key).pack is not None for key in tree} == {True}
     out = eqx_ckpt.tree_deserialise_leaves(path, tree, progress=loaded)
-    assert eqx.tree_equal(out, tree, typematch=True)
+    assert tree_equal(out, tree, typematch=True)
     jobs = [saved, loaded]
     if store == "local":
         verified = Calls()

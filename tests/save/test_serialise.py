@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorstore as ts
+from arrays import tree_equal
 from disk import snapshot
 
 import eqx_ckpt
@@ -61,7 +62,7 @@ def test_saving_into_an_existing_empty_directory(tmp_path):
     assert tmp_path.is_dir() and os.listdir(tmp_path) == []
     tree = {"a": jnp.arange(3)}
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
 
 
 def test_saving_creates_missing_parents(tmp_path):
@@ -117,7 +118,7 @@ def test_overwrite_false_refuses_and_keeps_the_old_checkpoint(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, old)
     with pytest.raises(eqx_ckpt.CheckpointExistsError, match="overwrite=False"):
         eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.arange(3) + 1}, overwrite=False)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +139,7 @@ def test_bad_leaf_leaves_existing_checkpoint_untouched(tmp_path, bad, message):
     assert "(DictKey(key='b'),)" in str(info.value)
     assert isinstance(info.value, RuntimeError)
     assert snapshot(tmp_path) == before
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
 
 
 def test_custom_filter_spec_callable(tmp_path):
@@ -202,14 +203,14 @@ def test_is_leaf_stores_a_node_as_one_leaf(tmp_path):
 
     like = {"p": Pair(jnp.zeros(2), jnp.zeros(2))}
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, load, is_leaf=is_pair)
-    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert tree_equal(loaded, tree, typematch=True)
 
 
 def test_int_and_str_keys_side_by_side(tmp_path):
     tree = collections.OrderedDict([("a", jnp.zeros(1)), (0, jnp.ones(1)), ("0", jnp.full(1, 2.0))])
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     assert list(eqx_ckpt.Checkpoint(tmp_path)) == ["%i0", "0", "a"]
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
 
 
 class _SameRepr:
@@ -235,7 +236,7 @@ def test_empty_tree_saves_and_loads(tmp_path):
 def test_root_leaf(tmp_path):
     x = jnp.arange(4.0)
     eqx_ckpt.tree_serialise_leaves(tmp_path, x)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, jnp.zeros(4)), x, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, jnp.zeros(4)), x, typematch=True)
 
 
 def test_kvstore_url_round_trip(tmp_path, unpacked):
@@ -243,12 +244,12 @@ def test_kvstore_url_round_trip(tmp_path, unpacked):
     url = f"memory://{tmp_path.name}/ckpt/"
     eqx_ckpt.tree_serialise_leaves(url, tree)
     loaded = eqx_ckpt.tree_deserialise_leaves(url, eqx.filter_eval_shape(lambda: tree))
-    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert tree_equal(loaded, tree, typematch=True)
     assert "model.layers.0.weight" in eqx_ckpt.Checkpoint(url)
     file_url = (tmp_path / "on_disk").as_uri()
     eqx_ckpt.tree_serialise_leaves(file_url, tree)
     assert (tmp_path / "on_disk" / "model" / "layers" / "0" / "weight" / "zarr.json").is_file()
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "on_disk", tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "on_disk", tree), tree, typematch=True)
 
 
 def test_a_lazily_loaded_tree_saved_back_keeps_every_value(tmp_path):
@@ -268,7 +269,7 @@ def test_a_lazily_loaded_tree_saved_back_keeps_every_value(tmp_path):
     for path in ("ckpt", "copy"):
         assert sorted(eqx_ckpt.Checkpoint(tmp_path / path)) == ["b.c", "step", "w"]
         loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path / path, tree)
-        assert eqx.tree_equal(loaded, expected, typematch=True)
+        assert tree_equal(loaded, expected, typematch=True)
 
 
 def test_an_abstract_tree_is_refused_not_saved_empty(tmp_path):
@@ -279,7 +280,7 @@ def test_an_abstract_tree_is_refused_not_saved_empty(tmp_path):
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape(message) + ".*it is abstract") as info:
         eqx_ckpt.tree_serialise_leaves(tmp_path, skeleton)
     assert "filter_eval_shape" in str(info.value)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, skeleton), make(), typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, skeleton), make(), typematch=True)
 
 
 def test_a_store_that_cannot_list_is_refused_clearly():
@@ -321,7 +322,7 @@ def test_a_filter_spec_that_writes_a_leaf_twice_is_an_error_and_nothing_is_writt
     assert info.value.dotted == ("y",)
     assert not path.exists()
     eqx_ckpt.tree_serialise_leaves(path, {"y": np.ones(1)})
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, {"y": np.zeros(1)}), {"y": np.ones(1)})
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(path, {"y": np.zeros(1)}), {"y": np.ones(1)})
 
 
 @pytest.mark.parametrize("blocking", [True, False])
@@ -348,7 +349,7 @@ def test_a_masked_array_is_refused_not_saved_without_its_mask(tmp_path, blocking
     # What the message suggests round-trips.
     tree = {"data": masked.data, "mask": np.ma.getmaskarray(masked)}
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), tree, typematch=True)
 
 
 @pytest.mark.parametrize("blocking", [True, False])
@@ -380,7 +381,7 @@ def test_a_handle_written_after_the_filter_spec_returned_is_refused(tmp_path, bl
     assert [r["path"] for r in json.loads((tmp_path / "manifest.json").read_text())["leaves"]] == ["w"]
     assert eqx_ckpt.verify(tmp_path) == []
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, {"w": jnp.zeros(3)})
-    assert eqx.tree_equal(loaded, {"w": jnp.ones(3)}, typematch=True)
+    assert tree_equal(loaded, {"w": jnp.ones(3)}, typematch=True)
 
 
 def test_a_filter_spec_finer_than_is_leaf_is_a_clear_error(tmp_path):
@@ -413,9 +414,9 @@ def test_a_leaf_path_longer_than_the_system_allows_names_the_leaf(tmp_path, unpa
     assert info.value.dotted == (dotted,)
     assert 'Save with `layout="ocdbt"`' in str(info.value) and "Error reading local file" not in str(info.value)
     assert snapshot(path) == before
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, {"x": jnp.zeros(2)}), {"x": jnp.ones(2)})
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(path, {"x": jnp.zeros(2)}), {"x": jnp.ones(2)})
     eqx_ckpt.tree_serialise_leaves(path, tree, layout="ocdbt")
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(path, tree), tree, typematch=True)
 
 
 class _Tag:

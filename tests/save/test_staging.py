@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import re
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from arrays import tree_equal
 from staged import MIB, Staged
 
 import eqx_ckpt
@@ -48,7 +48,7 @@ def test_staged_bytes_never_exceed_the_budget(tmp_path, faults, where, cast):
     like = tree if cast is None else {k: np.zeros(v.shape, ml_dtypes.bfloat16) for k, v in tree.items()}
     loaded = eqx_ckpt.tree_deserialise_leaves(path, like)
     expected = tree if cast is None else {k: np.asarray(v).astype(ml_dtypes.bfloat16) for k, v in tree.items()}
-    assert eqx.tree_equal(loaded, expected, typematch=True)
+    assert tree_equal(loaded, expected, typematch=True)
     # The same bytes as a save that stages everything at once.
     if where == "local":
         eqx_ckpt.tree_serialise_leaves(tmp_path / "default", tree, cast=cast)
@@ -65,7 +65,7 @@ def test_a_leaf_larger_than_the_budget_is_staged_alone(tmp_path, faults):
     over = [n for n, _ in staged.seen if n > 3 * MIB]
     assert over == [8 * MIB]  # staged once, alone
     assert staged.seen[-1][0] == 0
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
 
 
 def test_sharded_leaves_are_staged_a_shard_at_a_time(faults, tmp_path):
@@ -81,7 +81,7 @@ def test_sharded_leaves_are_staged_a_shard_at_a_time(faults, tmp_path):
     eqx_ckpt.tree_serialise_leaves(path, tree, staging_bytes=2 * shard)
     assert staged.peak == 2 * shard
     loaded = eqx_ckpt.tree_deserialise_leaves(path, tree)
-    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert tree_equal(loaded, tree, typematch=True)
 
 
 def test_an_asynchronous_save_stages_within_the_budget_and_keeps_the_callers_values(tmp_path, faults):
@@ -105,7 +105,7 @@ def test_an_asynchronous_save_stages_within_the_budget_and_keeps_the_callers_val
                 value.delete()
         pending.wait()
         like = {k: np.zeros(v.shape, ml_dtypes.bfloat16) for k, v in tree.items()}
-        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, like), expected, typematch=True)
+        assert tree_equal(eqx_ckpt.tree_deserialise_leaves(path, like), expected, typematch=True)
     assert staged.peak == 3 * MIB  # two leaves of 1.5 MiB
 
 
@@ -115,7 +115,7 @@ def test_a_partial_save_and_a_managers_save_take_the_budget(tmp_path, faults):
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
     changed = {**tree, "w1": jnp.full((768, 1024), 7.0)}
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", changed, where=lambda t: t["w1"], staging_bytes=4 * MIB)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), changed, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), changed, typematch=True)
     with eqx_ckpt.CheckpointManager(tmp_path / "steps") as manager:
         manager.save(1, tree, staging_bytes=7 * MIB)
     budgets = [b for _, b in staged.seen]
@@ -140,7 +140,7 @@ def test_a_partial_save_reads_the_leaves_it_keeps_as_it_stages_them(tmp_path, fa
         tmp_path / "ckpt", changed, where=lambda t: t["w1"], staging_bytes=4 * MIB, share=False
     )
     saved = list(events)  # the save's, not the load's below
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), changed, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), changed, typematch=True)
     reads = [i for i, (what, _) in enumerate(saved) if what == "read"]
     first_staged = next(i for i, (what, _) in enumerate(saved) if what == "staged")
     assert len(reads) >= 7 and reads[-1] > first_staged, saved
@@ -222,7 +222,7 @@ def test_a_pack_is_staged_a_run_of_its_chunk_files_at_a_time(tmp_path, faults, m
     staged = Staged(faults)
     eqx_ckpt.tree_serialise_leaves(path, tree, staging_bytes=2 * MIB)
     assert staged.peak <= 2 * MIB and staged.peak > MIB and staged.seen[-1][0] == 0
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(path, tree), tree, typematch=True)
     assert len(eqx_ckpt.Checkpoint(path).keys()) == 400
     if where == "local":
         assert eqx_ckpt.verify(path) == []

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import places
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 
@@ -110,8 +111,8 @@ def test_a_new_head_is_named_and_the_printed_where_loads_the_rest(publish, make,
             warnings.simplefilter("always")
             model = load(where=eval(_selector(message)))
         assert [str(w.message) for w in record] == []
-        assert eqx.tree_equal(kept(model), kept(trained), typematch=True)
-        assert eqx.tree_equal(model, eqx.tree_at(kept, new(), kept(trained)), typematch=True)
+        assert tree_equal(kept(model), kept(trained), typematch=True)
+        assert tree_equal(model, eqx.tree_at(kept, new(), kept(trained)), typematch=True)
 
 
 def test_a_manager_restore_prints_the_where_too(tmp_path):
@@ -130,7 +131,7 @@ def test_a_manager_restore_prints_the_where_too(tmp_path):
                 restore()
             assert _selector(str(info.value)) == "lambda m: m.body"
             model = restore(where=eval(_selector(str(info.value))))
-            assert eqx.tree_equal(model, eqx.tree_at(lambda m: m.body, new(), _classifier(4).body), typematch=True)
+            assert tree_equal(model, eqx.tree_at(lambda m: m.body, new(), _classifier(4).body), typematch=True)
     finally:
         manager.close()
 

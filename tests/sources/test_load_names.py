@@ -21,6 +21,7 @@ import re
 import equinox as eqx
 import numpy as np
 import pytest
+from arrays import tree_equal
 from layers import NormAndGain
 from safetensors.numpy import save_file
 
@@ -133,7 +134,7 @@ class TestNamesThatMatchNothing:
         loaded = eqx_ckpt.tree_deserialise_leaves(
             source, _like(), prefix="model", rename=RENAME, transform={"proj": np.transpose}
         )
-        assert eqx.tree_equal(loaded, {"embed": EMBED, "proj": PROJ.T}, typematch=True)
+        assert tree_equal(loaded, {"embed": EMBED, "proj": PROJ.T}, typematch=True)
         # A `rename` key naming a sub-tree; a `transform` key of a leaf `where` leaves out.
         like = {"enc": {"embed_tokens": np.zeros((4, 4), np.float32), "proj": np.ones((3, 3), np.float32)}}
         loaded = eqx_ckpt.tree_deserialise_leaves(
@@ -143,7 +144,7 @@ class TestNamesThatMatchNothing:
             where=lambda t: t["enc"]["embed_tokens"],
             transform={"enc.proj": np.transpose},
         )
-        assert eqx.tree_equal(loaded, {"enc": {"embed_tokens": EMBED, "proj": like["enc"]["proj"]}}, typematch=True)
+        assert tree_equal(loaded, {"enc": {"embed_tokens": EMBED, "proj": like["enc"]["proj"]}}, typematch=True)
         # Rule lists are not checked: a rule that matches nothing is fine.
         loaded = eqx_ckpt.tree_deserialise_leaves(
             source,
@@ -152,7 +153,7 @@ class TestNamesThatMatchNothing:
             rename=[("^emb$", "nowhere"), ("^embed$", "embed_tokens")],
             transform=[("prj", np.transpose)],
         )
-        assert eqx.tree_equal(loaded, {"embed": EMBED, "proj": PROJ}, typematch=True)
+        assert tree_equal(loaded, {"embed": EMBED, "proj": PROJ}, typematch=True)
 
 
 # What each source is replaced with: other values, and a tensor stored first,
@@ -238,7 +239,7 @@ class TestReplacedSources:
         # rewritten shard leaves the other one's tensor as it was).
         fresh = eqx_ckpt.tree_deserialise_leaves(path, _like(), prefix="model", rename=RENAME)
         embed = EMBED if kind == "hf-shard" else NEW["model.embed_tokens"]
-        assert eqx.tree_equal(fresh, {"embed": embed, "proj": NEW["model.proj"]}, typematch=True)
+        assert tree_equal(fresh, {"embed": embed, "proj": NEW["model.proj"]}, typematch=True)
         np.testing.assert_array_equal(np.asarray(eqx_ckpt.Checkpoint(path)["model.proj"]), NEW["model.proj"])
 
     def test_a_source_replaced_while_an_eager_load_runs_raises(self, replaced):
@@ -269,7 +270,7 @@ class TestReplacedSources:
             with _said_replaced(path):
                 read()
         fresh = eqx_ckpt.tree_deserialise_leaves(path, _like(), prefix="model", rename=RENAME)
-        assert eqx.tree_equal(fresh, {"embed": EMBED, "proj": PROJ}, typematch=True)
+        assert tree_equal(fresh, {"embed": EMBED, "proj": PROJ}, typematch=True)
 
 
 def _nested(flat):
@@ -391,7 +392,7 @@ def test_rename_targets_may_be_stored_names_as_the_file_spells_them(tmp_path, ki
     like = {"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)}
     out = eqx_ckpt.tree_deserialise_leaves(path, like, rename=rename)
     expected = {"w": KERNEL, "b": np.ones(3, np.float32)}
-    assert eqx.tree_equal(out, expected, typematch=True)
+    assert tree_equal(out, expected, typematch=True)
     # A name that matches nothing is still an error naming it, never nothing loaded.
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("params%2FDense_1%2Fkernel")):
         eqx_ckpt.tree_deserialise_leaves(path, {"w": like["w"]}, rename={"w": "params/Dense_1/kernel"})

@@ -20,6 +20,7 @@ import places
 import prefork
 import pytest
 import safetensors
+from arrays import tree_equal
 from safetensors import safe_open
 
 import eqx_ckpt
@@ -60,7 +61,7 @@ def folder(request, tmp_path):
 
 
 def _equal(a, b):
-    return bool(eqx.tree_equal(a, b, typematch=True))
+    return bool(tree_equal(a, b, typematch=True))
 
 
 @pytest.mark.filterwarnings("ignore:.*without `trust` returns nested dicts:UserWarning")

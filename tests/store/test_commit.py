@@ -16,11 +16,11 @@ import textwrap
 import threading
 import time
 
-import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 import prefork
 import pytest
+from arrays import tree_equal
 from disk import snapshot
 
 import eqx_ckpt
@@ -60,7 +60,7 @@ def test_overwrites_use_fresh_data_roots_and_leave_nothing_stale(tmp_path, packi
         eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
         root = _data_root(tmp_path)
         roots.append(root)
-        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+        assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
         arrays = packed if packing == "packed" else [k.replace(".", "/") for k in sorted(eqx_ckpt.Checkpoint(tmp_path))]
         assert _array_dirs(tmp_path) == [f"{root}/{a}" if root else a for a in arrays]
         first = {a.split("/")[0] for a in arrays}
@@ -94,7 +94,7 @@ def test_old_checkpoint_loads_until_the_new_manifest_is_written(tmp_path):
     def check():
         # Everything new is written; the old checkpoint is still the visible one.
         seen["new arrays"] = _array_dirs(tmp_path)
-        seen["old loads"] = eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
+        seen["old loads"] = tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
 
     with _fail_manifest(check):
         with pytest.raises(eqx_ckpt.CheckpointError, match="nothing was committed"):
@@ -102,7 +102,7 @@ def test_old_checkpoint_loads_until_the_new_manifest_is_written(tmp_path):
     new = [d for d in seen["new arrays"] if d not in old_arrays]  # (packed) an int32 and a float64 array
     assert len(new) == 2 and _is_generation(new[0].split("/")[0]) and seen["old loads"]
     assert snapshot(tmp_path) == before
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
 
 
 def test_a_failure_encoding_the_manifest_beside_the_writes_commits_nothing(tmp_path):
@@ -121,9 +121,9 @@ def test_a_failure_encoding_the_manifest_beside_the_writes_commits_nothing(tmp_p
     # An OSError without an errno the storage gives: not the storage's fault.
     assert isinstance(info.value, eqx_ckpt.LeafError) and not isinstance(info.value, eqx_ckpt.CheckpointStorageError)
     assert snapshot(tmp_path) == before
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
     eqx_ckpt.tree_serialise_leaves(tmp_path, new)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, new), new, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, new), new, typematch=True)
 
 
 # A save killed after writing every array, just before its manifest.
@@ -172,7 +172,7 @@ def test_a_sync_failing_after_the_manifest_landed_is_a_warning_that_it_was_commi
     message = " ".join(str(w.message) for w in caught)
     assert "was committed (its manifest is this save's)" in message, message
     assert "may not survive a power loss" in message and "injected" in message, message
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(path, old), new, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(path, old), new, typematch=True)
     assert eqx_ckpt.verify(path) == []
 
 
@@ -185,7 +185,7 @@ def test_interrupted_save_leaves_no_checkpoint_and_next_save_cleans_up(tmp_path)
     tree = {"a": jnp.ones(2, jnp.int32)}  # another dtype: the dead save's pack must be cleared, not reused
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     assert sorted(os.listdir(tmp_path)) == ["manifest.json", "packed.int32", "zarr.json"]
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
 
 
 def test_interrupted_overwrite_keeps_the_old_checkpoint(tmp_path):
@@ -195,10 +195,10 @@ def test_interrupted_overwrite_keeps_the_old_checkpoint(tmp_path):
     dead = [d for d in _array_dirs(tmp_path) if d != "packed.int32"]
     assert len(dead) == 1 and dead[0].endswith("/packed.float32")  # the killed save's `half`
     assert list(eqx_ckpt.Checkpoint(tmp_path)) == ["a"]
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
     new = {"b": jnp.arange(3) * 5}
     eqx_ckpt.tree_serialise_leaves(tmp_path, new)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, new), new, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, new), new, typematch=True)
     assert _array_dirs(tmp_path) == [f"{_data_root(tmp_path)}/packed.int32"]
     assert not (tmp_path / "saving.json").exists()
 
@@ -231,7 +231,7 @@ def test_user_files_named_like_keys_survive_overwrites(tmp_path):
     for value in (1.0, 2.0, 3.0):
         tree = {"a": jnp.full(2, value), "logs": jnp.full(3, value)}
         eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
-        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+        assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
         assert (tmp_path / "logs" / "run1.txt").read_text() == "log"
     assert sorted(os.listdir(tmp_path / "logs")) == ["run1.txt"]
     assert (tmp_path / "NOTES").read_text() == "notes"
@@ -276,7 +276,7 @@ def test_a_users_files_inside_a_replaced_checkpoints_folders_survive(tmp_path, l
         eqx_ckpt.tree_serialise_leaves(tmp_path, tree, layout=layout)
     assert (tmp_path / root / "kept.txt").read_text() == "mine"
     assert os.listdir(tmp_path / root) == ["kept.txt"]
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
     assert eqx_ckpt.verify(tmp_path) == []
 
 
@@ -344,7 +344,7 @@ def test_lock_files_of_a_killed_write_are_cleared(tmp_path):
     (tmp_path / "manifest.json.__lock").write_text("{")
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     assert sorted(os.listdir(tmp_path)) == sorted([_data_root(tmp_path), "manifest.json"])
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
 
 
 def test_arrays_are_flushed_before_the_manifest_commits(tmp_path, faults):
@@ -462,7 +462,7 @@ def test_a_generation_folder_no_manifest_uses_is_cleared_by_the_next_save(tmp_pa
     eqx_ckpt.tree_serialise_leaves(tmp_path, {"a": jnp.ones(2)})
     root = _data_root(tmp_path)
     assert sorted(os.listdir(tmp_path)) == sorted([root, "gen.notes", "manifest.json"])
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"a": jnp.zeros(2)}), {"a": jnp.ones(2)})
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, {"a": jnp.zeros(2)}), {"a": jnp.ones(2)})
 
 
 class _Interrupt(BaseException):
@@ -526,7 +526,7 @@ def test_an_interrupt_while_the_manifest_is_written_never_commits_a_checkpoint_w
         time.sleep(0.6)  # anything still in flight has landed by now
     # The write happened, so the save is committed, and whole.
     assert eqx_ckpt.verify(tmp_path) == []
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), new, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), new, typematch=True)
 
 
 @pytest.mark.parametrize("queued", [True, False], ids=["after-the-put", "before-the-put"])

@@ -13,9 +13,9 @@ held across overwrites. Two managers on one directory: the second is refused.
 import collections
 import threading
 
-import equinox as eqx
 import numpy as np
 import pytest
+from arrays import tree_equal
 from crash_worker import Worker, tree
 
 import eqx_ckpt
@@ -35,7 +35,7 @@ def _generation(path) -> int:
     """The generation the checkpoint holds, checking it is exactly that one."""
     loaded = eqx_ckpt.tree_deserialise_leaves(path, tree(0))
     generation = loaded["step"]
-    assert eqx.tree_equal(loaded, tree(generation), typematch=True), f"a mix of generations at {path}"
+    assert tree_equal(loaded, tree(generation), typematch=True), f"a mix of generations at {path}"
     return generation
 
 
@@ -171,7 +171,7 @@ def test_a_second_manager_on_one_directory_is_refused(tmp_path):
         second.save(2, tree(2))
     first.wait_until_finished()
     assert first.all_steps() == [1] and second.all_steps() == [1]
-    assert eqx.tree_equal(second.restore(tree(0)), tree(1), typematch=True)  # reading needs no lease
+    assert tree_equal(second.restore(tree(0)), tree(1), typematch=True)  # reading needs no lease
     first.close()
     second.save(2, tree(2))  # once the first is closed, the second may write
     assert second.all_steps() == [1, 2]

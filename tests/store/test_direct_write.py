@@ -11,12 +11,11 @@ import signal
 import threading
 import time
 
-import equinox as eqx
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from arrays import values
+from arrays import tree_equal, values
 
 import eqx_ckpt
 from eqx_ckpt._base import _faults, _interrupts, _location
@@ -93,7 +92,7 @@ def test_big_endian_arrays_are_stored_little_endian(tmp_path, own_folders):
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
     assert _files(tmp_path / "ckpt" / "big") == _files(tmp_path / "ckpt" / "little")
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", {"big": x, "little": x})
-    assert eqx.tree_equal(loaded, {"big": x, "little": x}, typematch=True)
+    assert tree_equal(loaded, {"big": x, "little": x}, typematch=True)
 
 
 def test_encoded_leaves_round_trip_through_tensorstore(tmp_path, own_folders):
@@ -104,7 +103,7 @@ def test_encoded_leaves_round_trip_through_tensorstore(tmp_path, own_folders):
         "key": jax.random.split(jax.random.key(0), 300),
     }
     eqx_ckpt.tree_serialise_leaves(tmp_path / "ckpt", tree)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), tree, typematch=True)
     assert eqx_ckpt.verify(tmp_path / "ckpt") == []
 
 
@@ -135,7 +134,7 @@ def test_a_packs_chunk_files_are_the_bytes_tensorstore_writes(tmp_path, monkeypa
     np.testing.assert_array_equal(
         _storage.open_spec(_storage.pack_spec(data, pack), data).result().read().result(), expected
     )
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", tree), tree, typematch=True)
 
 
 def _generation(n: int) -> dict:
@@ -147,7 +146,7 @@ def _generation(n: int) -> dict:
 
 def _loads_as(path, n: int) -> bool:
     loaded = eqx_ckpt.tree_deserialise_leaves(path, _generation(0))
-    return bool(eqx.tree_equal(loaded, _generation(n), typematch=True)) and eqx_ckpt.verify(path) == []
+    return bool(tree_equal(loaded, _generation(n), typematch=True)) and eqx_ckpt.verify(path) == []
 
 
 def _count_chunk_files(path) -> int:

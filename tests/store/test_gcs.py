@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import stores
 import tensorstore as ts
+from arrays import tree_equal
 
 import eqx_ckpt
 
@@ -39,12 +40,12 @@ def _tree(step):
 def test_save_overwrite_load(url):
     first = _tree(1)
     eqx_ckpt.tree_serialise_leaves(url, first)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(url, first), first, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(url, first), first, typematch=True)
     assert "manifest.json" in _keys(url) and "packed.float32/zarr.json" in _keys(url)  # small leaves are packed
 
     second = _tree(2)
     eqx_ckpt.tree_serialise_leaves(url, second)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(url, first), second, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(url, first), second, typematch=True)
     # The overwrite went to the other data root and the old arrays were deleted,
     # by a range delete that left the new ones alone.
     keys = _keys(url)
@@ -55,7 +56,7 @@ def test_save_overwrite_load(url):
 
     with pytest.raises(eqx_ckpt.CheckpointExistsError, match=re.escape("`overwrite=False`")):
         eqx_ckpt.tree_serialise_leaves(url, first, overwrite=False)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(url, first), second, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(url, first), second, typematch=True)
 
 
 def test_partial_lazy_and_skeleton_free_loads(url):
@@ -63,14 +64,14 @@ def test_partial_lazy_and_skeleton_free_loads(url):
     eqx_ckpt.tree_serialise_leaves(url, tree)
     like = eqx.filter_eval_shape(lambda: _tree(0))
     out = eqx_ckpt.tree_deserialise_leaves(url, like, where=lambda t: t["model"])
-    assert eqx.tree_equal(out["model"], jax.tree.map(jnp.asarray, tree["model"]), typematch=True)
+    assert tree_equal(out["model"], jax.tree.map(jnp.asarray, tree["model"]), typematch=True)
     assert out["opt_state"] == like["opt_state"]
     encoder = eqx_ckpt.tree_deserialise_leaves(url, _tree(0)["model"]["encoder"], prefix="model.encoder")
-    assert eqx.tree_equal(encoder, tree["model"]["encoder"], typematch=True)
+    assert tree_equal(encoder, tree["model"]["encoder"], typematch=True)
 
     ckpt = eqx_ckpt.Checkpoint(url)
     np.testing.assert_array_equal(ckpt["model.encoder.w"][1:3], tree["model"]["encoder"]["w"][1:3])
-    assert eqx.tree_equal(ckpt.load(), tree, typematch=True)
+    assert tree_equal(ckpt.load(), tree, typematch=True)
 
 
 def test_manager_on_gcs(url):
@@ -79,7 +80,7 @@ def test_manager_on_gcs(url):
         manager.save(step, _tree(step))
     manager.wait_until_finished()
     assert manager.all_steps() == [2, 3] and manager.latest_step() == 3
-    assert eqx.tree_equal(manager.restore(_tree(0)), _tree(3), typematch=True)
+    assert tree_equal(manager.restore(_tree(0)), _tree(3), typematch=True)
     # Retention deleted the objects of the steps it dropped, and only those.
     assert {k.split("/")[0] for k in _keys(url) if "/" in k} == {"step_00000002", "step_00000003"}
 
@@ -146,7 +147,7 @@ def test_an_empty_directory_in_a_bucket_has_no_steps(url):
     """The checks of an empty listing do not turn a new run into an error."""
     manager = eqx_ckpt.CheckpointManager(url)
     assert manager.latest_step() is None and manager.all_steps() == []
-    assert eqx.tree_equal(manager.restore_or_initialise(lambda: _tree(0)), (None, _tree(0)), typematch=True)
+    assert tree_equal(manager.restore_or_initialise(lambda: _tree(0)), (None, _tree(0)), typematch=True)
 
 
 def test_a_save_to_a_bucket_that_does_not_exist_says_so(gcs):

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensorstore as ts
+from arrays import tree_equal
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_ckpt
@@ -46,7 +47,7 @@ def test_round_trip_and_few_files(tmp_path):
     tree = _tree()
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree, layout="ocdbt")
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, _like())
-    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert tree_equal(loaded, tree, typematch=True)
     assert sorted(os.listdir(tmp_path)) == ["manifest.json", "ocdbt.db"]
     assert json.loads((tmp_path / "manifest.json").read_text())["layout"] == "ocdbt"
     leaves = len(json.loads((tmp_path / "manifest.json").read_text())["leaves"])
@@ -80,10 +81,10 @@ def test_partial_load_reads_only_the_selection(tmp_path, packing):
         database.delete_range(ts.KvStore.KeyRange(name + "/", name + "0")).result()
     like = eqx.filter_eval_shape(_tree)
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path, like, where=lambda t: t["model"])
-    assert eqx.tree_equal(loaded["model"], tree["model"], typematch=True)
+    assert tree_equal(loaded["model"], tree["model"], typematch=True)
     assert loaded["half"] is like["half"]
     model = eqx_ckpt.tree_deserialise_leaves(tmp_path, eqx.filter_eval_shape(lambda: tree["model"]), prefix="model")
-    assert eqx.tree_equal(model, tree["model"], typematch=True)
+    assert tree_equal(model, tree["model"], typematch=True)
     with pytest.raises(eqx_ckpt.IntegrityError, match=re.escape("is damaged or incomplete")):
         eqx_ckpt.tree_deserialise_leaves(tmp_path, like)
 
@@ -108,7 +109,7 @@ def test_checkpoint_and_lazy_reads(tmp_path):
     np.testing.assert_array_equal(ckpt["table"][1:], np.arange(3, 6, dtype=np.uint8).reshape(1, 3))
     lazy = eqx_ckpt.tree_deserialise_leaves(tmp_path, tree, lazy=True)
     assert isinstance(lazy["table"], eqx_ckpt.LazyArray)
-    assert eqx.tree_equal(eqx_ckpt.materialise(lazy), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.materialise(lazy), tree, typematch=True)
 
 
 def _root(path):
@@ -123,7 +124,7 @@ def test_overwrite_writes_a_new_database_and_removes_the_old_one(tmp_path):
         eqx_ckpt.tree_serialise_leaves(tmp_path, tree, layout="ocdbt")
         assert sorted(os.listdir(tmp_path)) == sorted([_root(tmp_path), "manifest.json"])
         assert os.listdir(tmp_path / _root(tmp_path)) == ["ocdbt.db"]
-        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, first), tree, typematch=True)
+        assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, first), tree, typematch=True)
 
 
 def test_switching_layouts_on_overwrite(tmp_path):
@@ -135,7 +136,7 @@ def test_switching_layouts_on_overwrite(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path, tree)
     assert sorted(os.listdir(tmp_path)) == sorted([_root(tmp_path), "manifest.json"])
     assert sorted(os.listdir(tmp_path / _root(tmp_path))) == ["packed.int32", "zarr.json"]
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, tree), tree, typematch=True)
 
 
 def test_failed_save_leaves_the_old_checkpoint(tmp_path):
@@ -151,14 +152,14 @@ def test_failed_save_leaves_the_old_checkpoint(tmp_path):
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("['z']")):
         eqx_ckpt.tree_serialise_leaves(tmp_path, {"w": jnp.arange(3) + 1, "z": jnp.ones(2)}, spec, layout="ocdbt")
     assert _files(tmp_path) == before
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path, old), old, typematch=True)
 
 
 def test_memory_store_and_background_save():
     tree = {"w": jnp.arange(6.0).reshape(2, 3), "n": 4}
     pending = eqx_ckpt.tree_serialise_leaves("memory://ocdbt_test/ckpt/", tree, layout="ocdbt", blocking=False)
     pending.wait()
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves("memory://ocdbt_test/ckpt/", tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves("memory://ocdbt_test/ckpt/", tree), tree, typematch=True)
 
 
 def test_damaged_database_is_an_integrity_error(tmp_path, packing):

@@ -16,6 +16,7 @@ import pytest
 import s3_server
 import stores
 import tensorstore as ts
+from arrays import tree_equal
 
 import eqx_ckpt
 from eqx_ckpt._base._location import location
@@ -94,13 +95,13 @@ def test_keys_in_the_environment_are_used_without_the_sdks_errors_on_stderr(tmp_
 def test_save_load_overwrite(s3, store):
     first = _tree(1)
     eqx_ckpt.tree_serialise_leaves(store, first)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, first), first, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(store, first), first, typematch=True)
     assert "manifest.json" in _keys(s3, store) and "saving.json" not in _keys(s3, store)
     assert "packed.float32/zarr.json" in _keys(s3, store)  # small leaves are packed, one array per dtype
 
     second = _tree(2)
     eqx_ckpt.tree_serialise_leaves(store, second)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, first), second, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(store, first), second, typematch=True)
     # The overwrite went to a new data root, and the old arrays were deleted
     # (delete_range over a prefix works on the object store).
     keys = _keys(s3, store)
@@ -110,7 +111,7 @@ def test_save_load_overwrite(s3, store):
 
     with pytest.raises(eqx_ckpt.CheckpointExistsError, match=re.escape("`overwrite=False`")):
         eqx_ckpt.tree_serialise_leaves(store, first, overwrite=False)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, first), second, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(store, first), second, typematch=True)
 
 
 def test_partial_load(store):
@@ -119,11 +120,11 @@ def test_partial_load(store):
     like = eqx.filter_eval_shape(lambda: _tree(0))
     out = eqx_ckpt.tree_deserialise_leaves(store, like, where=lambda t: t["model"])
     # Loaded into an abstract skeleton, every leaf comes back as a jax.Array.
-    assert eqx.tree_equal(out["model"], jax.tree.map(jnp.asarray, tree["model"]), typematch=True)
+    assert tree_equal(out["model"], jax.tree.map(jnp.asarray, tree["model"]), typematch=True)
     assert out["opt_state"] == like["opt_state"] and out["step"] == like["step"]
 
     encoder = eqx_ckpt.tree_deserialise_leaves(store, _tree(0)["model"]["encoder"], prefix="model.encoder")
-    assert eqx.tree_equal(encoder, tree["model"]["encoder"], typematch=True)
+    assert tree_equal(encoder, tree["model"]["encoder"], typematch=True)
 
 
 def test_checkpoint_inspection_and_lazy_reads(store):
@@ -136,7 +137,7 @@ def test_checkpoint_inspection_and_lazy_reads(store):
     np.testing.assert_array_equal(w[1:3, 2:4], tree["model"]["encoder"]["w"][1:3, 2:4])
     lazy = eqx_ckpt.tree_deserialise_leaves(store, tree, lazy=True)
     assert isinstance(lazy["opt_state"]["mu"], eqx_ckpt.LazyArray)
-    assert eqx.tree_equal(eqx_ckpt.materialise(lazy), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.materialise(lazy), tree, typematch=True)
 
 
 def test_not_a_checkpoint_is_never_written_into(s3, store):
@@ -159,7 +160,7 @@ def test_failed_writes_commit_nothing(s3, store):
     s3.gate.reset()
     assert ts.KvStore.open(store).result().read("manifest.json").result().value == manifest
     assert not any(k.startswith("gen.") or k == "saving.json" for k in _keys(s3, store))
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
 
 
 def _what_a_put_writes(path: str) -> str:
@@ -200,9 +201,9 @@ def test_a_save_the_storage_refuses_at_any_write_is_a_storage_error(s3, store, b
             assert "any checkpoint there before is unchanged" in message, message
         assert store["path"] in message, (kind, message)
         s3.gate.reset()
-        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True), kind
+        assert tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True), kind
     eqx_ckpt.tree_serialise_leaves(store, _tree(2))
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, _tree(2)), _tree(2), typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(store, _tree(2)), _tree(2), typematch=True)
 
 
 @pytest.mark.parametrize(
@@ -235,7 +236,7 @@ def test_storage_that_refuses_reads_is_a_storage_error_never_damage(s3, store, r
         assert "may well be whole" in message and "AccessDenied" in message, (name, message)
     s3.gate.reset()
     assert eqx_ckpt.verify(store) == []
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(store, tree), tree, typematch=True)
 
 
 _KILLED_SAVE = """
@@ -268,13 +269,13 @@ def test_killed_save_is_invisible_and_its_lease_goes_stale(s3, store, monkeypatc
     manifest = json.loads(ts.KvStore.open(store).result().read("manifest.json").result().value)
     assert manifest["data_root"] == ""  # ...but the manifest still points at the old ones
     assert sorted(eqx_ckpt.Checkpoint(store).keys()) == ["model.encoder.b", "model.encoder.w", "opt_state.mu", "step"]
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
 
     # The next save waits `STALE_SECONDS` without a heartbeat, then takes over.
     monkeypatch.setattr(_lease, "STALE_SECONDS", 1.0)
     after = _tree(3)
     eqx_ckpt.tree_serialise_leaves(store, after)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, after), after, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(store, after), after, typematch=True)
     keys = _keys(s3, store)
     assert "saving.json" not in keys and not any(k.split("/")[0] in dead for k in keys)
 
@@ -295,9 +296,9 @@ def test_a_live_writer_in_another_process_is_refused(s3, store, monkeypatch):
             eqx_ckpt.tree_serialise_leaves(store, _tree(2))
     finally:
         other.release()
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, _tree(0)), _tree(1), typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(store, _tree(0)), _tree(1), typematch=True)
     eqx_ckpt.tree_serialise_leaves(store, _tree(2))  # once released, saves go ahead
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, _tree(0)), _tree(2), typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(store, _tree(0)), _tree(2), typematch=True)
 
 
 def test_remove_and_list_names(store):
@@ -333,7 +334,7 @@ def test_an_overwrite_keeps_a_users_object_in_an_old_folder(s3, store):
     root = json.loads(kv.read("manifest.json").result().value)["data_root"]
     assert [k for k in _keys(s3, store) if not k.startswith(f"{root}/")] == ["manifest.json", "model/README.txt"]
     assert kv.read("model/README.txt").result().value == b"mine"
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, _tree(0)), _tree(2), typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(store, _tree(0)), _tree(2), typematch=True)
 
 
 def test_manager_on_s3(s3, store):
@@ -342,7 +343,7 @@ def test_manager_on_s3(s3, store):
         manager.save(step, _tree(step))
     manager.wait_until_finished()
     assert manager.all_steps() == [2, 3] and manager.latest_step() == 3
-    assert eqx.tree_equal(manager.restore(_tree(0)), _tree(3), typematch=True)
+    assert tree_equal(manager.restore(_tree(0)), _tree(3), typematch=True)
     # Retention deleted the objects of the steps it dropped.
     assert {k.split("/")[0] for k in _keys(s3, store) if "/" in k} == {"step_00000002", "step_00000003"}
 
@@ -442,7 +443,7 @@ def test_verify_checks_the_group_metadata(s3, store):
     # The oversized file was never downloaded: only the byte past the limit was asked for.
     assert [rng for path, rng in s3.gate.gets if path.endswith("/opt_state/zarr.json")] == ["bytes=1048576-1048576"]
     # Loads never read them.
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, _tree(0)), _tree(1), typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(store, _tree(0)), _tree(1), typematch=True)
 
 
 def test_a_save_to_a_bucket_that_does_not_exist_says_so(store):
@@ -585,7 +586,7 @@ def test_a_save_that_loses_the_endpoint_midway_says_to_check_the_url(store, faul
     with pytest.raises(eqx_ckpt.CheckpointConnectionError, match=re.escape("nothing was committed")) as caught:
         eqx_ckpt.tree_serialise_leaves(store, _tree(2))
     assert "Check the URL (host name and port)" in str(caught.value) and "free space" not in str(caught.value)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(store, before), before, typematch=True)
 
 
 @pytest.mark.parametrize("call", ["latest_step", "all_steps", "restore_or_initialise"])

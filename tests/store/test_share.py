@@ -9,10 +9,10 @@ import re
 import threading
 
 import crc32c
-import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from arrays import tree_equal
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_ckpt
@@ -90,7 +90,7 @@ def _flip(path, *, keep_mtime=False):
 
 def _loads_bit_for_bit(ckpt, tree):
     loaded = eqx_ckpt.tree_deserialise_leaves(ckpt, tree)
-    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert tree_equal(loaded, tree, typematch=True)
     pairs = zip(jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(tree), strict=True)
     assert all(np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in pairs)
     assert eqx_ckpt.verify(ckpt) == []
@@ -167,7 +167,7 @@ def test_a_partial_save_keeping_a_damaged_leaf_is_refused(tmp_path, kind):
     assert _damaged_leaves(ckpt) == list(leaves)
     top = {leaf.split(".")[0] for leaf in leaves}
     sound = {k: v for k, v in tree.items() if k not in top}
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(ckpt, sound), sound, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(ckpt, sound), sound, typematch=True)
 
 
 def _same_crc32c(data, bit):

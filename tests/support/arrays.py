@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import mmap
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -65,3 +68,46 @@ def bits(x):
         array = np.asarray(x)
         return (type(x), array.dtype.name, array.shape, array.tobytes())
     return (type(x), x)
+
+
+def tree_equal(*trees, typematch: bool = False, rtol=0.0, atol=0.0):
+    """`eqx.tree_equal`, with each pair of JAX arrays compared on the host.
+
+    The answer is the same: the structures, each leaf's type (`typematch`),
+    each array's shape and dtype, then its values (equal, or within
+    `rtol`/`atol` for inexact dtypes). But no comparison is compiled: JAX
+    compiles one for each dtype and shape it meets, most of the seconds of
+    a test comparing a tree of many (a traced array is compared by JAX)."""
+    flat, treedef = jax.tree.flatten(trees[0])
+    for tree in trees[1:]:
+        other, other_def = jax.tree.flatten(tree)
+        if other_def != treedef:
+            return False
+        for x, y in zip(flat, other):
+            if typematch and type(x) is not type(y):
+                return False
+            if _concrete(x) and _concrete(y):
+                if x.shape != y.shape or x.dtype != y.dtype:
+                    return False
+                if not _host_equal(_host(x), _host(y), rtol, atol):
+                    return False
+            elif not eqx.tree_equal(x, y, typematch=typematch, rtol=rtol, atol=atol):
+                return False
+    return True
+
+
+def _concrete(x) -> bool:
+    return isinstance(x, (np.ndarray, np.generic)) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
+
+
+def _host(x) -> np.ndarray:
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(x))
+    return np.asarray(x)
+
+
+def _host_equal(x: np.ndarray, y: np.ndarray, rtol, atol) -> bool:
+    if (rtol == 0 and atol == 0) or not jnp.issubdtype(x.dtype, jnp.inexact):
+        return bool(np.all(x == y))
+    wide = np.complex128 if jnp.issubdtype(x.dtype, jnp.complexfloating) else np.float64
+    return bool(np.allclose(x.astype(wide), y.astype(wide), rtol=rtol, atol=atol))

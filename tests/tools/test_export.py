@@ -14,6 +14,7 @@ import numpy as np
 import places
 import pytest
 import tensorstore as ts
+from arrays import tree_equal
 from disk import snapshot
 from safetensors import safe_open
 from safetensors.numpy import load, load_file, save_file
@@ -60,7 +61,7 @@ def test_checkpoint_exported_in_shards_round_trips(tmp_path):
         tensors["model.mlp.layers.0.weight"], np.asarray(tree["model"]["mlp"].layers[0].weight)
     )
     assert tensors["model.embed"].dtype == ml_dtypes.bfloat16 and tensors["step"].dtype == np.int64
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "hf", tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "hf", tree), tree, typematch=True)
 
 
 def test_tree_to_one_file_with_rename_and_metadata(tmp_path):
@@ -73,7 +74,7 @@ def test_tree_to_one_file_with_rename_and_metadata(tmp_path):
         assert "mlp.1.bias" in f.keys() and "lr" not in f.keys()
     # Loading back uses the same rules the other way round.
     back = eqx_ckpt.tree_deserialise_leaves(tmp_path / "one.safetensors", tree, rename=rename)
-    assert eqx.tree_equal(back, tree, typematch=True)
+    assert tree_equal(back, tree, typematch=True)
 
 
 def test_small_export_is_one_file_and_errors(tmp_path):
@@ -111,7 +112,7 @@ def test_an_export_replaces_an_earlier_export_and_leaves_other_files(tmp_path, i
     # One file by its path has no `eqx_ckpt.json`: the earlier one is removed with the shards.
     described = ["eqx_ckpt.json"] if into == "directory" else []
     assert _files(out) == ["README.md", "config.json", *described, "model.safetensors"]
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(out, old), new, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(out, old), new, typematch=True)
     # Sharded again, over the single file: the shards and their index only.
     eqx_ckpt.export_safetensors(out, old, max_shard_size="5KB")
     assert _files(out) == [
@@ -122,7 +123,7 @@ def test_an_export_replaces_an_earlier_export_and_leaves_other_files(tmp_path, i
         "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",
     ]
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(out, new), old, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(out, new), old, typematch=True)
 
 
 @pytest.mark.parametrize("out", ["ckpt", "ckpt/weights.safetensors"])
@@ -210,7 +211,7 @@ def test_cli_export_from_an_object_store(tmp_path, store):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert "mlp.layers.0.weight" in index["weight_map"] and "step" not in index["weight_map"]
     back = eqx_ckpt.tree_deserialise_leaves(out, tree["model"])
-    assert eqx.tree_equal(back, tree["model"], typematch=True)
+    assert tree_equal(back, tree["model"], typematch=True)
 
 
 def test_export_to_an_object_store(store):
@@ -224,7 +225,7 @@ def test_export_to_an_object_store(store):
     ]
     bucket = ts.KvStore.open(store).result()
     assert load(bucket.read("model-00002-of-00002.safetensors").result().value)["w"].shape == (2, 3)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(store, tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(store, tree), tree, typematch=True)
 
 
 def test_cli_lists_other_formats(tmp_path, capsys):
@@ -243,7 +244,7 @@ def test_a_sharded_directory_exported_onto_itself_keeps_its_values(tmp_path):
     eqx_ckpt.export_safetensors(out, tree, max_shard_size=48)
     for metadata in ({"format": "pt", "about": "a header longer than before " * 4}, None):
         eqx_ckpt.export_safetensors(out, eqx_ckpt.Checkpoint(out), max_shard_size=32, metadata=metadata)
-        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(out, tree), tree, typematch=True)
+        assert tree_equal(eqx_ckpt.tree_deserialise_leaves(out, tree), tree, typematch=True)
     # The same file names, [a, b] + [c] before, [a] + [b, c] now: nothing else left behind.
     assert _files(out) == [
         "README.md",
@@ -256,7 +257,7 @@ def test_a_sharded_directory_exported_onto_itself_keeps_its_values(tmp_path):
     lazy = eqx_ckpt.tree_deserialise_leaves(out, tree, lazy=True)
     eqx_ckpt.export_safetensors(out, lazy)
     assert _files(out) == ["README.md", "eqx_ckpt.json", "model.safetensors"]
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(out, tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(out, tree), tree, typematch=True)
 
 
 def test_an_export_onto_its_source_on_an_object_store_is_refused(store):
@@ -277,7 +278,7 @@ def test_tensor_names_load_back_as_the_same_keys(tmp_path, key):
     eqx_ckpt.export_safetensors(tmp_path / "one.safetensors", tree)
     assert sorted(load_file(str(tmp_path / "one.safetensors"))) == sorted([f"m.{key}", key])
     back = eqx_ckpt.tree_deserialise_leaves(tmp_path / "one.safetensors", tree)
-    assert eqx.tree_equal(back, tree, typematch=True)
+    assert tree_equal(back, tree, typematch=True)
 
 
 @pytest.mark.parametrize(("tree", "leaf"), [({"x.y": 1.0, "x%2Ey": 2.0}, "x%2Ey"), ({1: 1.0}, "%i1")])
@@ -289,7 +290,7 @@ def test_a_key_no_tensor_name_reads_back_as_is_refused(tmp_path, tree, leaf):
     # Named by `rename`, loaded back by the same `rename`.
     rename = {leaf: "renamed"}
     eqx_ckpt.export_safetensors(tmp_path / "hf", tree, rename=rename)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "hf", tree, rename=rename), tree)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "hf", tree, rename=rename), tree)
 
 
 @pytest.mark.parametrize("rename", [None, {"w": "__metadata__"}])
@@ -324,7 +325,7 @@ def test_numpy_scalars_export_and_bad_scalars_are_leaf_errors(tmp_path):
     tree = {"lr": np.float64(1.5), "beta": np.float32(0.5), "step": np.int64(3), "flag": np.bool_(True)}
     eqx_ckpt.export_safetensors(tmp_path / "s.safetensors", tree)
     assert load_file(str(tmp_path / "s.safetensors"))["lr"].dtype == np.float64
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "s.safetensors", tree), tree, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "s.safetensors", tree), tree, typematch=True)
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("Leaf `z` in checkpoint '<export>': its dtype complex128")):
         eqx_ckpt.export_safetensors(tmp_path / "c.safetensors", {"z": np.complex128(1 + 2j)})
     # An int beyond int64: a bare OverflowError.
@@ -371,7 +372,7 @@ def test_an_export_reads_stored_leaves_by_the_loads_reader(tmp_path, faults, wha
     arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, (jax.Array, np.ndarray))]
     assert len(reads) == len(arrays) == 8
     exported = eqx_ckpt.tree_deserialise_leaves(tmp_path / "hf", tree)
-    assert eqx.tree_equal(exported, tree, typematch=True)
+    assert tree_equal(exported, tree, typematch=True)
 
 
 def _exported(source, into):
@@ -410,8 +411,8 @@ def test_prefix_exports_a_sub_tree_that_loads_as_it(tmp_path, capsys):
     eqx_ckpt.export_safetensors(tmp_path / "out", stored, prefix="model")
     out = eqx_ckpt.Checkpoint(tmp_path / "out")
     assert sorted(out) == sorted(k.removeprefix("model.") for k in stored if k.startswith("model."))
-    assert eqx.tree_equal(out.load(trust=[]), model, typematch=True)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "out", model), model, typematch=True)
+    assert tree_equal(out.load(trust=[]), model, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "out", model), model, typematch=True)
     leaves = {leaf["path"]: leaf for leaf in json.loads((tmp_path / "out" / "eqx_ckpt.json").read_text())["leaves"]}
     assert leaves["layers.0.weight"]["keypath"] == [
         ["attr", "layers"],
@@ -422,7 +423,7 @@ def test_prefix_exports_a_sub_tree_that_loads_as_it(tmp_path, capsys):
     eqx_ckpt.export_safetensors(tmp_path / "tree", state, prefix="opt_state", rename=[(r"^mu$", "m")])
     assert sorted(eqx_ckpt.Checkpoint(tmp_path / "tree")) == ["count", "m"]
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "cli"), "--prefix", "model"]) == 0
-    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "cli").load(trust=[]), model, typematch=True)
+    assert tree_equal(eqx_ckpt.Checkpoint(tmp_path / "cli").load(trust=[]), model, typematch=True)
     for prefix, error, message in [
         (
             "opt",

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 
@@ -29,16 +30,16 @@ def test_convert_round_trip(tmp_path):
     tree = _tree(1)
     eqx.tree_serialise_leaves(tmp_path / "model.eqx", tree)
     out = eqx_ckpt.convert_eqx_file(tmp_path / "model.eqx", tmp_path / "ckpt", _tree(0))
-    assert eqx.tree_equal(out, tree, typematch=True)
+    assert tree_equal(out, tree, typematch=True)
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", _tree(0))
-    assert eqx.tree_equal(loaded, tree, typematch=True)
+    assert tree_equal(loaded, tree, typematch=True)
     # Keyed by path now: a part can be loaded by itself.
     keys = set(eqx_ckpt.Checkpoint(tmp_path / "ckpt"))
     assert {"model.layers.0.weight", "embed", "mask", "count", "step", "lr", "flag"} <= keys
     model = eqx_ckpt.tree_deserialise_leaves(
         tmp_path / "ckpt", eqx.filter_eval_shape(lambda: _tree(0)["model"]), prefix="model"
     )
-    assert eqx.tree_equal(model, tree["model"], typematch=True)
+    assert tree_equal(model, tree["model"], typematch=True)
 
 
 def test_convert_with_abstract_like(tmp_path):
@@ -46,7 +47,7 @@ def test_convert_with_abstract_like(tmp_path):
     eqx.tree_serialise_leaves(tmp_path / "model.eqx", tree["model"])
     like = eqx.filter_eval_shape(lambda: _tree(0)["model"])
     eqx_ckpt.convert_eqx_file(str(tmp_path / "model.eqx"), str(tmp_path / "ckpt"), like)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", like), tree["model"], typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", like), tree["model"], typematch=True)
 
 
 def test_convert_stateful_model(tmp_path):
@@ -57,7 +58,7 @@ def test_convert_stateful_model(tmp_path):
     eqx.tree_serialise_leaves(tmp_path / "bn.eqx", (model, state))
     eqx_ckpt.convert_eqx_file(tmp_path / "bn.eqx", tmp_path / "ckpt", make())
     loaded = eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", make())
-    assert eqx.tree_equal(loaded, (model, state), typematch=True)
+    assert tree_equal(loaded, (model, state), typematch=True)
 
 
 def test_existing_checkpoint_is_kept_unless_overwrite(tmp_path):
@@ -66,11 +67,9 @@ def test_existing_checkpoint_is_kept_unless_overwrite(tmp_path):
     eqx_ckpt.convert_eqx_file(tmp_path / "a.eqx", tmp_path / "ckpt", {"w": jnp.zeros(3)})
     with pytest.raises(eqx_ckpt.CheckpointExistsError, match=re.escape("`overwrite=False`")):
         eqx_ckpt.convert_eqx_file(tmp_path / "b.eqx", tmp_path / "ckpt", {"w": jnp.zeros(3)})
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", {"w": jnp.zeros(3)}), {"w": jnp.ones(3)})
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", {"w": jnp.zeros(3)}), {"w": jnp.ones(3)})
     eqx_ckpt.convert_eqx_file(tmp_path / "b.eqx", tmp_path / "ckpt", {"w": jnp.zeros(3)}, overwrite=True)
-    assert eqx.tree_equal(
-        eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", {"w": jnp.zeros(3)}), {"w": jnp.full(3, 2.0)}
-    )
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", {"w": jnp.zeros(3)}), {"w": jnp.full(3, 2.0)})
 
 
 def test_missing_file(tmp_path):
@@ -103,8 +102,8 @@ def test_64_bit_values_are_kept_or_refused_without_x64(tmp_path):
     numpy_like = {"step": np.zeros(1, np.int64), "w": np.zeros(1, np.float64)}
     expected = {"step": np.array([value], np.int64), "w": np.array([fine], np.float64)}
     out = eqx_ckpt.convert_eqx_file(tmp_path / "x64.eqx", tmp_path / "ckpt", numpy_like)
-    assert eqx.tree_equal(out, expected, typematch=True)
-    assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", numpy_like), expected, typematch=True)
+    assert tree_equal(out, expected, typematch=True)
+    assert tree_equal(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ckpt", numpy_like), expected, typematch=True)
 
 
 @pytest.mark.parametrize(
@@ -140,10 +139,10 @@ def test_the_file_named_is_read_even_without_a_suffix(tmp_path):
         eqx.tree_serialise_leaves(f, {"w": jnp.full(3, 1.0)})
     eqx.tree_serialise_leaves(tmp_path / "weights.eqx", {"w": jnp.full(3, 2.0)})  # another file beside it
     out = eqx_ckpt.convert_eqx_file(tmp_path / "weights", tmp_path / "ckpt", {"w": jnp.zeros(3)})
-    assert eqx.tree_equal(out, {"w": jnp.full(3, 1.0)}, typematch=True)
+    assert tree_equal(out, {"w": jnp.full(3, 1.0)}, typematch=True)
     (tmp_path / "weights.eqx").unlink()
     out = eqx_ckpt.convert_eqx_file(tmp_path / "weights", tmp_path / "ckpt", {"w": jnp.zeros(3)}, overwrite=True)
-    assert eqx.tree_equal(out, {"w": jnp.full(3, 1.0)}, typematch=True)
+    assert tree_equal(out, {"w": jnp.full(3, 1.0)}, typematch=True)
 
 
 def test_object_arrays_and_damaged_records_are_refused(tmp_path):
@@ -170,7 +169,7 @@ def test_custom_filter_spec(tmp_path):
     keep_jax = lambda f, x: x if isinstance(x, jax.Array) else eqx.default_deserialise_filter_spec(f, x)
     like = {"w": jnp.zeros(3), "n": np.zeros(3, np.int64), "lr": 0.0}
     out = eqx_ckpt.convert_eqx_file(tmp_path / "model.eqx", tmp_path / "ckpt", like, filter_spec=keep_jax)
-    assert eqx.tree_equal(out, {"w": jnp.zeros(3), "n": np.arange(3), "lr": 0.5}, typematch=True)
+    assert tree_equal(out, {"w": jnp.zeros(3), "n": np.arange(3), "lr": 0.5}, typematch=True)
     bad = lambda f, x: eqx.default_deserialise_filter_spec(f, x) if isinstance(x, np.ndarray) else 1
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape("leaf `lr` (key path ['lr'])")) as info:
         eqx_ckpt.convert_eqx_file(tmp_path / "model.eqx", tmp_path / "ckpt2", like, filter_spec=bad)
