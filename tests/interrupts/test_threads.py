@@ -335,10 +335,10 @@ def test_an_interrupted_thread_start_never_blocks_the_exit(tmp_path, prefix):
     SIGTERM handler's lands while `start` waits for the thread to begin): the
     process exits, and the checkpoint is whole."""
     kind = FIRST_STARTS[prefix]
+    worker = _Worker(tmp_path, "worker", "--stop-first-start", prefix)  # (it imports while the test saves)
     path = tmp_path / "ckpt"
-    eqx_ckpt.tree_serialise_leaves(path, tree(1))
-    worker = _Worker(tmp_path, "worker", "--stop-first-start", prefix)
     try:
+        eqx_ckpt.tree_serialise_leaves(path, tree(1))
         worker.command(kind, path, 2)
         assert worker.wait_for("interrupted the start", 60), worker.lines()
         assert worker.stopped(None) == 143
@@ -388,7 +388,7 @@ stop = threading.Event()
 _threads.thread("eqx_ckpt-polite", lambda: (stop.wait(), say("the thread was asked to stop")), stop=stop.set).start()
 _threads.thread("eqx_ckpt-deaf", time.sleep, 600).start()
 pool = _threads.pool("eqx_ckpt-busy", 1)
-pool.submit(lambda: (time.sleep(0.5), say("the running work finished")))
+pool.submit(lambda: (time.sleep(0.3), say("the running work finished")))
 queued = pool.submit(say, "queued work ran")
 say("main ends")
 """
@@ -402,7 +402,7 @@ def test_the_exit_runs_at_exit_functions_then_stops_every_worker():
     (The process is forked from `prefork`'s template and exits through the
     interpreter's whole finalization, as a new one does: `finalize=True`.)"""
     began = time.monotonic()
-    done = prefork.run(["-c", EXIT_SCRIPT, "2"], env=dict(os.environ), cwd=places.ROOT, timeout=120, finalize=True)
+    done = prefork.run(["-c", EXIT_SCRIPT, "1"], env=dict(os.environ), cwd=places.ROOT, timeout=120, finalize=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[:2] == ["main ends", "at_exit runs first"]
     assert sorted(done.stdout.splitlines()[2:]) == ["the running work finished", "the thread was asked to stop"]
