@@ -10,10 +10,12 @@ handled by `sys.exit`, which run Python code in the saving process.
 
 The randomness is seeded (set `EQX_CKPT_CRASH_SEED` to replay a run) and the seed
 is printed. Workers are started one ahead, so their import overlaps the checks.
-A worker to be SIGKILLed is forked from a template process that has JAX
-imported (`prefork`): the kill runs nothing of the process, so a new
-interpreter would add only its start-up. A worker to get SIGINT or SIGTERM is
-a new interpreter: the signal runs its handlers and its exit.
+Every worker of the campaigns is forked from a template process that has JAX
+imported (`prefork`), a real process that gets real signals: a new
+interpreter would add only its start-up. A worker to be SIGKILLed runs
+nothing more; one to get SIGINT or SIGTERM runs its handlers and exits
+through the interpreter's whole finalization, as a new interpreter does
+(`finalize=True`).
 """
 
 import collections
@@ -37,9 +39,9 @@ WORKER = places.SUPPORT / "crash_worker.py"
 
 class _Pool:
     """The worker in use and one spare, importing in the background, of each
-    kind: forked from a template for SIGKILL (which runs nothing of the
-    worker's), a new interpreter for SIGINT and SIGTERM (which run the worker's
-    handlers and its exit); and how long a save of each mode takes, learnt from
+    kind, forked from a template: for SIGKILL (which runs nothing of the
+    worker's), and for SIGINT and SIGTERM (which run the worker's handlers,
+    and its exit: the interpreter's whole finalization); and how long a save of each mode takes, learnt from
     the saves that were not killed (the machine's speed varies with its load,
     so a fixed time would miss)."""
 
@@ -49,10 +51,10 @@ class _Pool:
         self.aborts = 0
         self.resent = 0
 
-    def _pair(self, fresh: bool) -> list[Worker]:
-        pair = self.workers.setdefault(fresh, [])
+    def _pair(self, finalize: bool) -> list[Worker]:
+        pair = self.workers.setdefault(finalize, [])
         while len(pair) < 2:
-            pair.append(Worker(fresh=fresh))
+            pair.append(Worker(finalize=finalize))
         return pair
 
     def run(
@@ -66,10 +68,10 @@ class _Pool:
     ) -> bool:
         """Start a save and send `sig` (SIGKILL by default) after `fraction` of a
         save's usual time; whether it was signalled. `spare=False` on a test's
-        last trial: a worker signalled is not replaced at once (a new
-        interpreter's start, for nothing if no test of the module uses it; the
-        next `run` starts it)."""
-        pair = self._pair(fresh=sig != signal.SIGKILL)
+        last trial: a worker signalled is not replaced at once (a worker's
+        start, for nothing if no test of the module uses it; the next `run`
+        starts it)."""
+        pair = self._pair(finalize=sig != signal.SIGKILL)
         current = pair[0]
         current.start(mode, path, generation)
         start = time.perf_counter()
@@ -91,7 +93,7 @@ class _Pool:
             code = next(iter(expected))
         assert code in expected, f"the worker exited with {code} after signal {sig}: {current.said()[-3000:]}"
         current.close()
-        pair[:] = pair[1:] + ([Worker(fresh=sig != signal.SIGKILL)] if spare else [])
+        pair[:] = pair[1:] + ([Worker(finalize=sig != signal.SIGKILL)] if spare else [])
         return True
 
     def close(self) -> None:

@@ -39,6 +39,7 @@ import time
 
 import equinox as eqx
 import places
+import prefork
 import pytest
 from exit_worker import tree
 
@@ -70,15 +71,20 @@ EXPECTED_CODES = {signal.SIGTERM: {143}, signal.SIGINT: {-signal.SIGINT, 1}}
 
 
 class _Worker:
-    """One worker process, started at once; its output goes to files."""
+    """One worker process, started at once; its output (stdout and stderr)
+    goes to a file, its command comes in another.
+
+    The process is forked from `prefork`'s template, which has JAX imported
+    (about two seconds less than a new interpreter): a real process, which
+    gets real signals, runs its own handlers and exits through the
+    interpreter's whole finalization (`finalize=True`), as a new one does."""
 
     def __init__(self, directory: pathlib.Path, name: str, *options: str) -> None:
-        self.out, self.err = directory / f"{name}.out", directory / f"{name}.err"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parent), *sys.path])}
-        with self.out.open("w") as out, self.err.open("w") as err:
-            self.process = subprocess.Popen(
-                [sys.executable, str(WORKER), *options], stdin=subprocess.PIPE, stdout=out, stderr=err, env=env
-            )
+        self.out, self.commands = directory / f"{name}.out", directory / f"{name}.commands"
+        self.commands.touch()
+        self.process = prefork.spawn(
+            [str(WORKER), str(self.commands), *options], env=dict(os.environ), output=self.out, finalize=True
+        )
         self.resent = False
 
     def lines(self) -> list[str]:
@@ -95,13 +101,12 @@ class _Worker:
         return False
 
     def wait_ready(self) -> None:
-        assert self.wait_for("ready", 120), f"the worker did not start: {self.err.read_text()[-2000:]}"
+        assert self.wait_for("ready", 120), f"the worker did not start: {self.out.read_text()[-2000:]}"
 
     def command(self, kind: str, path: pathlib.Path, generation: int) -> None:
         self.wait_ready()
-        assert self.process.stdin is not None
-        self.process.stdin.write(f"{kind} {path} {generation}\n".encode())
-        self.process.stdin.flush()
+        with self.commands.open("a") as commands:
+            commands.write(f"{kind} {path} {generation}\n")
 
     def finished(self) -> float | None:
         """The seconds the operation took, if it has finished."""
@@ -127,21 +132,18 @@ class _Worker:
             time.sleep(2)
             self.kill()
             raise _Hung(
-                f"the worker did not exit within {EXIT_SECONDS} s; it printed {self.lines()}; its threads:\n"
-                + self.err.read_text()[-6000:]
+                f"the worker did not exit within {EXIT_SECONDS} s; it printed (its threads' stacks last):\n"
+                + self.out.read_text()[-6000:]
             ) from None
         finally:
             self.kill()
         return self.process.returncode
 
     def kill(self) -> None:
-        """Kill the process if it runs; close its pipe."""
+        """Kill the process if it runs."""
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        assert self.process.stdin is not None
-        with contextlib.suppress(BrokenPipeError):
-            self.process.stdin.close()
 
 
 class _Hung(Exception):
@@ -333,10 +335,10 @@ def test_an_interrupted_thread_start_never_blocks_the_exit(tmp_path, prefix):
     SIGTERM handler's lands while `start` waits for the thread to begin): the
     process exits, and the checkpoint is whole."""
     kind = FIRST_STARTS[prefix]
+    worker = _Worker(tmp_path, "worker", "--stop-first-start", prefix)  # (it imports while the test saves)
     path = tmp_path / "ckpt"
-    eqx_ckpt.tree_serialise_leaves(path, tree(1))
-    worker = _Worker(tmp_path, "worker", "--stop-first-start", prefix)
     try:
+        eqx_ckpt.tree_serialise_leaves(path, tree(1))
         worker.command(kind, path, 2)
         assert worker.wait_for("interrupted the start", 60), worker.lines()
         assert worker.stopped(None) == 143
@@ -386,23 +388,21 @@ stop = threading.Event()
 _threads.thread("eqx_ckpt-polite", lambda: (stop.wait(), say("the thread was asked to stop")), stop=stop.set).start()
 _threads.thread("eqx_ckpt-deaf", time.sleep, 600).start()
 pool = _threads.pool("eqx_ckpt-busy", 1)
-pool.submit(lambda: (time.sleep(0.5), say("the running work finished")))
+pool.submit(lambda: (time.sleep(0.3), say("the running work finished")))
 queued = pool.submit(say, "queued work ran")
 say("main ends")
 """
 
 
-def test_the_exit_runs_at_exit_functions_then_stops_every_worker(tmp_path):
+def test_the_exit_runs_at_exit_functions_then_stops_every_worker():
     """At exit: the `at_exit` functions, then every thread asked to stop, work
     running finished and work queued cancelled; a thread that does not stop
-    is waited for `STOP_SECONDS`, then named and left to the interpreter."""
-    script = tmp_path / "exit.py"
-    script.write_text(EXIT_SCRIPT)
-    root = places.ROOT
+    is waited for `STOP_SECONDS`, then named and left to the interpreter.
+
+    (The process is forked from `prefork`'s template and exits through the
+    interpreter's whole finalization, as a new one does: `finalize=True`.)"""
     began = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, str(script), "2"], capture_output=True, text=True, cwd=root, timeout=120, check=False
-    )
+    done = prefork.run(["-c", EXIT_SCRIPT, "1"], env=dict(os.environ), cwd=places.ROOT, timeout=120, finalize=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[:2] == ["main ends", "at_exit runs first"]
     assert sorted(done.stdout.splitlines()[2:]) == ["the running work finished", "the thread was asked to stop"]

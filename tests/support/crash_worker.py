@@ -69,14 +69,15 @@ class Worker:
     """The parent's side: a worker process, started at once, importing in the
     background; what it prints (stdout and stderr) goes to a file.
 
-    `fresh`: a new interpreter (`python crash_worker.py`), for a signal that
-    runs Python code in the worker, its exit included (SIGINT, SIGTERM), or
-    for what the new process inherits (a signal's disposition). Otherwise the
-    worker is forked from `prefork`'s template, which has JAX imported (about
-    a second less): for SIGKILL, which runs nothing of the worker's, and for
-    workers that only save."""
+    `fresh`: a new interpreter (`python crash_worker.py`), for what the new
+    process inherits (a signal's disposition). Otherwise the worker is forked
+    from `prefork`'s template, which has JAX imported (about two seconds
+    less): for SIGKILL, which runs nothing of the worker's, and for workers
+    that only save; with `finalize`, for a signal that runs Python code in the
+    worker, its exit included (SIGINT, SIGTERM): its exit is then the
+    interpreter's whole finalization, as a new interpreter's."""
 
-    def __init__(self, *, fresh: bool = False) -> None:
+    def __init__(self, *, fresh: bool = False, finalize: bool = False) -> None:
         self.directory = pathlib.Path(tempfile.mkdtemp(prefix="crash_worker_"))
         self.commands, self.output = self.directory / "commands", self.directory / "output"
         self.commands.touch()
@@ -88,7 +89,7 @@ class Worker:
                     [sys.executable, *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
                 )
         else:
-            self.process = prefork.spawn(args, env=dict(os.environ), output=self.output)
+            self.process = prefork.spawn(args, env=dict(os.environ), output=self.output, finalize=finalize)
         self.seen = 0  # the lines `ready`, `done`, `error ...` read so far
         self.ready = False
         self.last = ""

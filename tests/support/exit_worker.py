@@ -1,10 +1,12 @@
 """A process that runs one eqx_ckpt operation and is stopped by a signal, for
 tests/interrupts/test_threads.py (not a test module).
 
-Run as `python exit_worker.py`. It prints `ready` once JAX is up, then reads
-one line, `KIND PATH`, runs that operation on `PATH` and prints `done
-SECONDS`. Then it waits for stdin to close. The parent signals it at a moment
-of its choosing: before, during or after the operation.
+Run as `python exit_worker.py COMMANDS` (the test forks it from `prefork`'s
+template, to exit as a new interpreter does: `finalize=True`). It prints
+`ready` once JAX is up, then waits for a line `KIND PATH GENERATION` in the
+file `COMMANDS` (the parent appends it), runs that operation on `PATH` and
+prints `done SECONDS`. Then it waits. The parent signals it at a moment of its
+choosing: before, during or after the operation.
 
 Kinds: `save` (a blocking save, a first save or an overwrite), `async`
 (`blocking=False`, then `wait()`), `manager` (a `CheckpointManager` step,
@@ -18,7 +20,7 @@ As a preemptible training job does, SIGTERM runs a handler that calls
 so the parent tells a process that hangs at exit from one whose signal was
 lost. SIGUSR1 prints every thread's stack on stderr.
 
-With `--stop-first-start PREFIX`, the first thread whose name starts with
+With `--stop-first-start PREFIX` after `COMMANDS`, the first thread whose name starts with
 `PREFIX` is started and then `Thread.start` raises `SystemExit(143)`, as a
 SIGTERM handler's `sys.exit` does when the signal lands while `start` waits
 for the new thread to begin.
@@ -26,7 +28,6 @@ for the new thread to begin.
 
 import faulthandler
 import os
-import select
 import signal
 import sys
 import threading
@@ -92,21 +93,26 @@ def main() -> None:
     # Registered after eqx_ckpt's own hooks, so it runs before them: the
     # parent learns that the interpreter has begun to exit.
     threading._register_atexit(_say, "exiting")  # type: ignore[attr-defined]
-    if len(sys.argv) == 3 and sys.argv[1] == "--stop-first-start":
-        _stop_first_start(sys.argv[2])
+    if len(sys.argv) == 4 and sys.argv[2] == "--stop-first-start":
+        _stop_first_start(sys.argv[3])
     jax.devices()  # as in a training job, JAX's backend is up before any save
     _say("ready")
-    # Short waits: a signal handed to another thread (TensorStore's, XLA's)
-    # does not interrupt a blocking read of the main thread.
-    while not select.select([sys.stdin], [], [], 0.1)[0]:
-        pass
-    kind, path, generation = sys.stdin.readline().split()
+    # Short sleeps: a signal handed to another thread (TensorStore's, XLA's)
+    # does not interrupt a blocking wait of the main thread.
+    parent = os.getppid()
+    with open(sys.argv[1]) as commands:
+        line = commands.readline()
+        while not line.endswith("\n"):
+            if os.getppid() != parent:  # the parent is gone
+                return
+            time.sleep(0.01)
+            line += commands.readline()
+    kind, path, generation = line.split()
     start = time.perf_counter()
     run(kind, path, int(generation))
     _say(f"done {time.perf_counter() - start:.3f}")
-    while not select.select([sys.stdin], [], [], 0.1)[0]:
-        pass
-    os.read(sys.stdin.fileno(), 1)
+    while os.getppid() == parent:  # until the signal, or the parent is gone
+        time.sleep(0.01)
 
 
 if __name__ == "__main__":

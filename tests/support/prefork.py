@@ -16,7 +16,9 @@ the template, never from another child); eqx_ckpt and huggingface_hub
 imported in the child (huggingface_hub reads `HF_*` variables at import, and
 eqx_ckpt starts a thread at import, which a fork would not carry over); and
 it exits as any interpreter does (threads joined, `atexit` functions run),
-but for the teardown of its modules (`_exit`).
+but for the teardown of its modules (`_exit`). A child of `spawn(...,
+finalize=True)` (or `run`) exits through the interpreter's own finalization, teardown
+included (`_Finalize`), as a test of how a process exits wants it.
 
 A template is started with the environment of its children less their
 `HF_*` variables and `PYTEST_CURRENT_TEST` (set in each child): a call whose
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import importlib
 import importlib.util
 import json
@@ -118,17 +121,26 @@ def start(env: dict[str, str]) -> None:
         _template(env)
 
 
-def run(args: list[str], *, env: dict[str, str], cwd: str | os.PathLike[str] | None = None, timeout: float) -> Any:
+def run(
+    args: list[str],
+    *,
+    env: dict[str, str],
+    cwd: str | os.PathLike[str] | None = None,
+    timeout: float,
+    finalize: bool = False,
+) -> Any:
     """As `subprocess.run([sys.executable, *args], env=env, cwd=cwd,
     capture_output=True, text=True, timeout=timeout)`, where `args` is `["-c",
     code, *arguments]` or `["-m", module, *arguments]`: a `subprocess.CompletedProcess`,
-    or `subprocess.TimeoutExpired` (the child killed)."""
+    or `subprocess.TimeoutExpired` (the child killed). `finalize`: as `spawn`'s."""
     if args[0] not in ("-c", "-m") or len(args) < 2:
         raise ValueError(f"`args` must be ['-c', code, *arguments] or ['-m', module, *arguments], not {args!r}")
     command = [sys.executable, *args]
     if not hasattr(os, "fork"):  # (Windows: no template)
         return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     request = {"args": args, "env": env, "cwd": os.fspath(cwd or os.getcwd()), "timeout": timeout}
+    if finalize:
+        request["finalize"] = True
     done = _template(env).run(request)
     if done["timed_out"]:
         raise subprocess.TimeoutExpired(command, timeout, done["stdout"], done["stderr"])
@@ -169,17 +181,28 @@ class Process:
         self.send_signal(signal.SIGKILL)
 
 
-def spawn(args: list[str], *, env: dict[str, str], output: str | os.PathLike[str], cwd: str | None = None) -> Process:
+def spawn(
+    args: list[str],
+    *,
+    env: dict[str, str],
+    output: str | os.PathLike[str],
+    cwd: str | None = None,
+    finalize: bool = False,
+) -> Process:
     """As `subprocess.Popen([sys.executable, *args], env=env, cwd=cwd,
     stdout=file, stderr=subprocess.STDOUT)`, `file` opened for writing at
     `output`, where `args` is `["-c", code]`, `["-m", module, *arguments]` or
-    `[script, *arguments]`: a `Process`, started at once."""
+    `[script, *arguments]`: a `Process`, started at once. `finalize`: the
+    child's exit is the interpreter's whole finalization, as a new
+    interpreter's (see `_Finalize`), not `_exit`'s shortcut."""
     if not hasattr(os, "fork"):  # (Windows: no template)
         with open(output, "w") as out:
             command = [sys.executable, *args]
             popen = subprocess.Popen(command, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
         return Process(None, popen.pid, popen)
     request = {"spawn": args, "env": env, "cwd": os.fspath(cwd or os.getcwd()), "output": os.fspath(output)}
+    if finalize:
+        request["finalize"] = True
     template = _template(env)
     return Process(template, template.run(request)["pid"])
 
@@ -202,7 +225,7 @@ def serve() -> None:
     for name in PRELOAD:
         if importlib.util.find_spec(name.partition(".")[0]) is not None:
             importlib.import_module(name)
-    starter = os.getppid()
+    starter, template = os.getppid(), os.getpid()
     spawned: dict[int, int | None] = {}  # the children of `spawn`, and the exit code of each that ended
     try:
         while line := requests.readline():
@@ -210,10 +233,29 @@ def serve() -> None:
             replies.write(json.dumps(reply).encode() + b"\n")
             replies.flush()
     finally:
-        for pid, code in spawned.items():  # (killed with whatever each started)
+        # (Not in a child leaving through here, `_Finalize`: these are its siblings.)
+        for pid, code in spawned.items() if os.getpid() == template else ():  # (killed with whatever each started)
             if code is None:
                 with contextlib.suppress(OSError):
                     os.killpg(pid, signal.SIGKILL)
+
+
+class _Finalize(SystemExit):
+    """Raised in a child of `spawn(..., finalize=True)` once its program has
+    ended, with its exit code: it leaves the template's frames (which do
+    nothing more in a child) and the template's `-c` program, so that the
+    interpreter exits as a new one would: `threading`'s hooks and the threads
+    joined, the `atexit` functions, then the teardown of the modules and the
+    objects they hold (a C++ library's destructors among them), and last the
+    exit code (a KeyboardInterrupt that ended the program: 1, as a new
+    interpreter's when the interrupt lands in a handler).
+
+    The objects the template made before the fork (its imports: the same in
+    every child, none of them eqx_ckpt's) are frozen (`gc.freeze`) as the
+    child begins, as a pre-forking server does: the collections, the last
+    ones of the exit among them, skip them, and collect everything the child
+    made. Otherwise the exit's collections walk the template's whole heap,
+    copying its pages as they go: a second more than a new interpreter's."""
 
 
 def _answer(
@@ -252,6 +294,9 @@ def _fork(
     if pid == 0:
         requests.close()
         replies.close()
+        if request.get("finalize"):
+            gc.freeze()  # (see `_Finalize`)
+            raise _Finalize(_child({**request, "args": args}, out, err))
         _exit(_child({**request, "args": args}, out, err))
     with contextlib.suppress(OSError):  # (as the child does: whichever runs first)
         os.setpgid(pid, pid)
