@@ -17,13 +17,13 @@ import time
 from typing import Any
 
 import arrays
-import equinox as eqx
 import jax
 import numpy as np
 import places
 import prefork
 import pytest
 import s3_server
+from arrays import tree_equal
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_ckpt
@@ -131,13 +131,13 @@ def test_one_process_loads_all(saved: pathlib.Path, devices: int) -> None:
         "step": 14,
     }
     host = {**loaded, **{name: np.asarray(loaded[name]) for name in ("sharded", "half", "replicated")}}
-    assert eqx.tree_equal(host, expected, typematch=True)
+    assert tree_equal(host, expected, typematch=True)
     if sharding is not None:
         assert loaded["sharded"].sharding == sharding
     # The processes recorded one structure: the checkpoint rebuilds without a skeleton.
     rebuilt = eqx_ckpt.Checkpoint(saved).load(trust=[])
     rebuilt = {**rebuilt, **{name: np.asarray(rebuilt[name]) for name in ("sharded", "half", "replicated")}}
-    assert eqx.tree_equal(rebuilt, expected, typematch=True)
+    assert tree_equal(rebuilt, expected, typematch=True)
 
 
 def test_export_of_a_multiprocess_checkpoint(saved: pathlib.Path, tmp_path: pathlib.Path) -> None:
@@ -200,7 +200,7 @@ def _check_whole(where: Any, shape: tuple[int, int], scale: int) -> None:
     """One process, no sharding: the whole array, bit for bit, and nothing damaged."""
     expected = _matrix_value(shape, scale)
     loaded = eqx_ckpt.tree_deserialise_leaves(where, {"w": np.zeros(shape, np.float32)})
-    assert eqx.tree_equal(loaded, {"w": expected}, typematch=True)
+    assert tree_equal(loaded, {"w": expected}, typematch=True)
     assert loaded["w"].tobytes() == expected.tobytes()
     assert eqx_ckpt.verify(where) == []
 
@@ -424,7 +424,7 @@ def test_replicated_state_is_written_by_every_process(
     assert all(0 < len(paths) < len(values["small"]) for paths in small), small
     assert max(map(len, small)) - min(map(len, small)) <= 1, small
     loaded = eqx_ckpt.tree_deserialise_leaves(where, jax.tree.map(np.zeros_like, values))
-    assert eqx.tree_equal(loaded, values, typematch=True)
+    assert tree_equal(loaded, values, typematch=True)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(values)))
     # One process, the same arrays on as many devices, small leaves not packed.
     monkeypatch.setattr(_format, "CHUNK_BYTES", arrays.STATE_CHUNK_BYTES)
@@ -509,7 +509,7 @@ def _check_first_save(where: Any) -> None:
     shape = (64, 16)  # as the kill worker saves it: the first save holds value(1)
     expected = {"w": np.arange(np.prod(shape), dtype=np.float32).reshape(shape)}
     loaded = eqx_ckpt.tree_deserialise_leaves(where, {"w": np.zeros(shape, np.float32)})
-    assert eqx.tree_equal(loaded, expected, typematch=True)
+    assert tree_equal(loaded, expected, typematch=True)
     assert eqx_ckpt.verify(where) == []
 
 
@@ -699,7 +699,7 @@ def test_a_process_killed_before_each_stage_is_named(
     else:  # process 0 committed before the victim died: the save it made loads
         like = {"w": np.zeros((64, 16), np.float32)}
         expected = {"w": np.arange(64 * 16, dtype=np.float32).reshape(64, 16) * np.float32(2)}
-        assert eqx.tree_equal(eqx_ckpt.tree_deserialise_leaves(where, like), expected, typematch=True)
+        assert tree_equal(eqx_ckpt.tree_deserialise_leaves(where, like), expected, typematch=True)
 
 
 def test_shared_reads_are_batched_within_the_read_budget(monkeypatch):

@@ -25,9 +25,9 @@ import random
 import signal
 import time
 
-import equinox as eqx
 import places
 import pytest
+from arrays import tree_equal
 from crash_worker import BIG_LAYERS, LAYERS, Worker, tree
 
 import eqx_ckpt
@@ -122,7 +122,7 @@ def _which(path: pathlib.Path, generations: list[int], layers: int = LAYERS) -> 
         loaded = eqx_ckpt.tree_deserialise_leaves(path, tree(0, layers))
     except eqx_ckpt.CheckpointNotFoundError:
         return None
-    matches = [g for g in generations if eqx.tree_equal(loaded, tree(g, layers), typematch=True)]
+    matches = [g for g in generations if tree_equal(loaded, tree(g, layers), typematch=True)]
     assert len(matches) == 1, f"{path} holds none of generations {generations}: a mix"
     assert eqx_ckpt.verify(path) == []
     return matches[0]
@@ -178,7 +178,7 @@ def test_kill_manager_save(tmp_path, pool, rng):
         assert last in steps or last + 1 in steps, f"steps {steps} lost the last committed one"
         assert manager.latest_step() in (last, last + 1)
         for step in steps:
-            assert eqx.tree_equal(manager.restore(tree(0), step=step), tree(step), typematch=True)
+            assert tree_equal(manager.restore(tree(0), step=step), tree(step), typematch=True)
         outcomes[f"{'killed' if killed else 'finished'}-{'old' if manager.latest_step() == last else 'new'}"] += 1
         manager.save(last + 2, tree(last + 2))
         assert manager.latest_step() == last + 2 and len(manager.all_steps()) == 2
@@ -245,7 +245,7 @@ def test_interrupt_campaign(tmp_path, pool, rng, sig):
             steps = manager.all_steps()
             assert last in steps or last + 1 in steps, f"steps {steps} lost the last committed one"
             for step in steps:
-                assert eqx.tree_equal(manager.restore(tree(0), step=step), tree(step), typematch=True)
+                assert tree_equal(manager.restore(tree(0), step=step), tree(step), typematch=True)
             outcomes[f"manager-{'hit' if hit else 'finished'}-{'old' if manager.latest_step() == last else 'new'}"] += 1
             manager.save(last + 2, tree(last + 2))
         last += 2

@@ -37,10 +37,10 @@ import sys
 import threading
 import time
 
-import equinox as eqx
 import places
 import prefork
 import pytest
+from arrays import tree_equal
 from exit_worker import tree
 
 import eqx_ckpt
@@ -190,7 +190,7 @@ def _generation(path: pathlib.Path, generations: list[int]) -> int:
     """Which of `generations` the checkpoint at `path` holds, whole; anything
     else (none, a mix, a damaged leaf) fails the test."""
     loaded = eqx_ckpt.tree_deserialise_leaves(path, tree(0))
-    matches = [g for g in generations if eqx.tree_equal(loaded, tree(g), typematch=True)]
+    matches = [g for g in generations if tree_equal(loaded, tree(g), typematch=True)]
     assert len(matches) == 1, f"{path} holds none of generations {generations}: a mix"
     assert eqx_ckpt.verify(path) == []
     return matches[0]
@@ -203,7 +203,7 @@ def _steps(path: pathlib.Path, old: int, new: int) -> int:
         steps = manager.all_steps()
         assert old in steps or new in steps, f"steps {steps} lost the last committed one"
         for step in steps:
-            assert eqx.tree_equal(manager.restore(tree(0), step=step), tree(step), typematch=True)
+            assert tree_equal(manager.restore(tree(0), step=step), tree(step), typematch=True)
         latest = manager.latest_step()
         assert latest in (old, new)
         return latest

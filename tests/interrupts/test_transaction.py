@@ -26,10 +26,10 @@ import threading
 import types
 import warnings
 
-import equinox as eqx
 import numpy as np
 import pytest
 import ramdisk
+from arrays import tree_equal
 from disk import snapshot
 
 import eqx_ckpt
@@ -119,7 +119,7 @@ def mixed(monkeypatch):
 
 def _holds(path, generation):
     loaded = eqx_ckpt.tree_deserialise_leaves(path, _tree(0))
-    return eqx.tree_equal(loaded, _tree(generation), typematch=True) and eqx_ckpt.verify(path) == []
+    return tree_equal(loaded, _tree(generation), typematch=True) and eqx_ckpt.verify(path) == []
 
 
 # The user's files: beside the checkpoint, and (for an overwrite) inside the
@@ -585,7 +585,7 @@ def test_an_interrupt_at_every_line_of_a_load(tmp_path):
         assert raised is None or type(raised) is KeyboardInterrupt, f"{where}: got {raised!r}"
         interrupted += raised is not None
         loaded = eqx_ckpt.tree_deserialise_leaves(directory, _tree(0))
-        assert eqx.tree_equal(loaded, _tree(1), typematch=True), where
+        assert tree_equal(loaded, _tree(1), typematch=True), where
         assert not _gc._active and gc.isenabled(), f"{where}: the collector was left paused"
     assert interrupted >= total - 3, (interrupted, total)
 

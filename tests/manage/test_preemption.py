@@ -22,6 +22,7 @@ import places
 import preempt_worker
 import prefork
 import pytest
+from arrays import tree_equal
 
 import eqx_ckpt
 
@@ -115,7 +116,7 @@ def test_wait_for_new_step_returns_committed_steps_only(tmp_path, faults):
         release.set()
         saving.join()
     assert evaluator.wait_for_new_step(after=3, timeout=60) == 5
-    assert eqx.tree_equal(evaluator.restore(_tree(0), step=5), _tree(5), typematch=True)
+    assert tree_equal(evaluator.restore(_tree(0), step=5), _tree(5), typematch=True)
     with pytest.raises(eqx_ckpt.CheckpointValueError, match="`timeout` must be a non-negative number"):
         evaluator.wait_for_new_step(after=3, timeout=-1)
 
@@ -481,7 +482,7 @@ def test_an_evaluator_beside_a_training_run_never_sees_a_partial_step(tmp_path, 
                 assert re.search(rf"[Ss]tep {step}\b.*the committed steps (now )?are \[", str(e)), str(e)
                 deleted.append(step)
             else:
-                assert eqx.tree_equal(state, crash_worker.tree(step), typematch=True), f"step {step} is not as saved"
+                assert tree_equal(state, crash_worker.tree(step), typematch=True), f"step {step} is not as saved"
                 evaluated.append(step)
             seen = step
     finally:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import places
 import pytest
+from arrays import tree_equal
 from hub_client import FAMILY, Client, push, tree
 
 import eqx_ckpt
@@ -605,7 +606,7 @@ def test_a_cache_snapshot_may_link_only_to_its_own_blobs(tmp_path):
         blob.write_bytes((published / name).read_bytes())
         (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
     loaded = eqx_ckpt.Checkpoint(snapshot).load(trust=[])
-    assert eqx.tree_equal(loaded, {"w": jnp.arange(3.0)}, typematch=True)
+    assert tree_equal(loaded, {"w": jnp.arange(3.0)}, typematch=True)
     (snapshot / "eqx_ckpt.json").unlink()
     (snapshot / "eqx_ckpt.json").symlink_to(published / "eqx_ckpt.json")
     with pytest.raises(eqx_ckpt.CorruptCheckpointError, match=re.escape("'eqx_ckpt.json' in checkpoint")):
@@ -813,7 +814,7 @@ def test_hugging_face_habits_get_a_hint(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         eqx_ckpt.Checkpoint(tmp_path / "mlp").load()  # once per checkpoint
-        assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "mlp").load(trust=[]), model, typematch=True)
+        assert tree_equal(eqx_ckpt.Checkpoint(tmp_path / "mlp").load(trust=[]), model, typematch=True)
 
 
 def test_the_hub_extra_takes_a_range_and_the_constraints_pin_it():
@@ -1160,7 +1161,7 @@ def test_a_fine_tune_is_pushed_and_made_standalone_from_the_cli_and_its_missing_
     assert json.loads((tmp_path / "whole" / "eqx_ckpt.json").read_text())["info"] == {"description": "A head."}
     front = (tmp_path / "whole" / "README.md").read_text().split("\n---", 1)[0]
     assert 'license: "mit"' in front and 'base_model: "me/base"' in front
-    assert eqx.tree_equal(eqx_ckpt.Checkpoint(tmp_path / "whole").load(), tuned)
+    assert tree_equal(eqx_ckpt.Checkpoint(tmp_path / "whole").load(), tuned)
     del state.repos["me/base"]
     error = Client(client.url, tmp_path / "fresh").run(
         "emit(raised(lambda: eqx_ckpt.Checkpoint('hf://me/tuned').load()))"

@@ -27,6 +27,7 @@ import places
 import prefork
 import pytest
 import s3_server
+from arrays import tree_equal
 
 import eqx_ckpt
 from eqx_ckpt._load._checkpoint import human
@@ -689,7 +690,7 @@ def test_ls_types_suggests_a_private_modules_public_package(tmp_path, monkeypatc
     assert any(line.startswith("optax._src.") and "(needs trust)" in line for line in lines), lines
     assert lines[-1] == "Checkpoint(path).load(trust=[optax]) rebuilds it (import them first)."
     rebuilt = eqx_ckpt.Checkpoint("run").load(trust=[optax])
-    assert eqx.tree_equal(rebuilt, state, typematch=True)
+    assert tree_equal(rebuilt, state, typematch=True)
 
 
 def _python_start() -> float:
