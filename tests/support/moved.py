@@ -5,10 +5,11 @@
 collects the tests of `BEFORE`, the last commit with every test in one flat
 folder (in a temporary git worktree of it), and the tests of this checkout,
 and prints each test of then that has no place now: its file is mapped by
-`MOVED`, a test merged into another or renamed by `REPLACED`. It exits 1 if
-any has none. A test of a block of a docs page, named by the
-block's first line, is matched by its rank among that page's blocks. (tests/package/test_layout.py checks the table against the
-tree on every run; this script, which collects two suites, is run by hand.)"""
+`MOVED`, a test merged into another or renamed by `REPLACED`, a test of a
+block of a docs page (named by the block's first line, which moves as the
+page is edited) by its rank among that page's blocks. It exits 1 if any has
+none. (tests/package/test_layout.py checks the table against the tree on
+every run; this script, which collects two suites, is run by hand.)"""
 
 from __future__ import annotations
 
