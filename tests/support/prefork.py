@@ -225,6 +225,9 @@ def serve() -> None:
     for name in PRELOAD:
         if importlib.util.find_spec(name.partition(".")[0]) is not None:
             importlib.import_module(name)
+    # What the imports made is never garbage: frozen, no child's collection
+    # walks it (nor copies its pages, touching each object as it goes).
+    gc.freeze()
     starter, template = os.getppid(), os.getpid()
     spawned: dict[int, int | None] = {}  # the children of `spawn`, and the exit code of each that ended
     try:
