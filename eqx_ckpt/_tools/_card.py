@@ -20,8 +20,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .._base import _keypath
-from .._base._errors import CheckpointError, CheckpointValueError, caller_level, from_file
-from .._base._location import location
+from .._base._errors import CheckpointError, CheckpointTypeError, CheckpointValueError, caller_level, from_file
+from .._base._location import HUB_SCHEME, location
 from .._load import _rebuild
 from .._load._checkpoint import Checkpoint, human
 from .._ondisk import _manifest, _published, _structure, _trust
@@ -288,13 +288,12 @@ def merge_section(metrics: dict[str, Any]) -> str:
     (`merge_method`, `merge_inputs`, ...): the method, each input (an `hf://`
     one at its commit) with its weight, and the options. `""` where they are
     not there, or not as `merge` writes them."""
-    method, inputs = metrics.get("merge_method"), metrics.get("merge_inputs")
+    method, inputs = metrics.get("merge_method"), _merge_inputs(metrics)
     try:
-        inputs = _manifest.loads_file(inputs) if isinstance(inputs, str) else None
         weights = _manifest.loads_file(metrics.get("merge_weights") or "null")
     except ValueError:
         return ""
-    if not isinstance(method, str) or not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
+    if not isinstance(method, str) or inputs is None:
         return ""
     if not (isinstance(weights, list) and len(weights) == len(inputs)):
         weights = None
@@ -315,21 +314,30 @@ def merge_section(metrics: dict[str, Any]) -> str:
     )
 
 
+def _merge_inputs(metrics: dict[str, Any]) -> list[str] | None:
+    """The inputs `merge` recorded in `metrics` (`merge_inputs`), or `None`
+    where they are not there as it writes them."""
+    inputs = metrics.get("merge_inputs")
+    try:
+        inputs = _manifest.loads_file(inputs) if isinstance(inputs, str) else None
+    except ValueError:
+        return None
+    return inputs if isinstance(inputs, list) and all(isinstance(i, str) for i in inputs) else None
+
+
 def merged_from(models: Sequence[str], metrics: dict[str, Any]) -> tuple[str, ...]:
     """The models a merge's card names as its `base_model`: `models` (those
-    the caller named), then each Hub repository among the inputs and the base
-    that `merge` recorded in `metrics`, once each, in that order."""
-    try:
-        inputs = _manifest.loads_file(metrics.get("merge_inputs") or "[]")
-    except ValueError:
-        inputs = []
-    named = [*(inputs if isinstance(inputs, list) else []), metrics.get(MERGE_PREFIX + "base")]
+    the caller named), then the Hub repository of each `hf://` input and base
+    that `merge` recorded in `metrics` (read as a load reads the path), once
+    each, in that order."""
     found = list(models)
-    for name in named:
-        if isinstance(name, str) and name.startswith("hf://"):
-            repo = "/".join(name.removeprefix("hf://").split("@")[0].split("/")[:2])
-            if _REPO.fullmatch(repo) and repo not in found:
-                found.append(repo)
+    for name in [*(_merge_inputs(metrics) or []), metrics.get(MERGE_PREFIX + "base")]:
+        try:
+            hub = location(name).hub if isinstance(name, str) and name.startswith(HUB_SCHEME) else None
+        except CheckpointTypeError:  # (not a Hub path a load reads: not named)
+            hub = None
+        if hub is not None and _REPO.fullmatch(hub.repo) and hub.repo not in found:
+            found.append(hub.repo)
     return tuple(found)
 
 
