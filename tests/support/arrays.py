@@ -77,7 +77,8 @@ def tree_equal(*trees, typematch: bool = False, rtol=0.0, atol=0.0):
     each array's shape and dtype, then its values (equal, or within
     `rtol`/`atol` for inexact dtypes). But no comparison is compiled: JAX
     compiles one for each dtype and shape it meets, most of the seconds of
-    a test comparing a tree of many (a traced array is compared by JAX)."""
+    a test comparing a tree of many. A leaf that is not a concrete array (a
+    scalar, `None`, an object, a tracer) is compared by `eqx.tree_equal`."""
     flat, treedef = jax.tree.flatten(trees[0])
     for tree in trees[1:]:
         other, other_def = jax.tree.flatten(tree)

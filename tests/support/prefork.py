@@ -253,12 +253,12 @@ class _Finalize(SystemExit):
     exit code (a KeyboardInterrupt that ended the program: 1, as a new
     interpreter's when the interrupt lands in a handler).
 
-    The objects the template made before the fork (its imports: the same in
-    every child, none of them eqx_ckpt's) are frozen (`gc.freeze`) as the
-    child begins, as a pre-forking server does: the collections, the last
-    ones of the exit among them, skip them, and collect everything the child
-    made. Otherwise the exit's collections walk the template's whole heap,
-    copying its pages as they go: a second more than a new interpreter's."""
+    The objects the template's imports made (the same in every child, none
+    of them eqx_ckpt's) were frozen (`gc.freeze`) before any fork, as a
+    pre-forking server does (`serve`): the collections, the last ones of the
+    exit among them, skip them, and collect everything the child made.
+    Otherwise the exit's collections walk the template's whole heap, copying
+    its pages as they go: a second more than a new interpreter's."""
 
 
 def _answer(
@@ -298,7 +298,6 @@ def _fork(
         requests.close()
         replies.close()
         if request.get("finalize"):
-            gc.freeze()  # (see `_Finalize`)
             raise _Finalize(_child({**request, "args": args}, out, err))
         _exit(_child({**request, "args": args}, out, err))
     with contextlib.suppress(OSError):  # (as the child does: whichever runs first)
