@@ -236,7 +236,7 @@ class _Node:
         value = object.__getattribute__(self, "_value")
         if isinstance(value, dict) and name in value:
             return _wrapped(value[name])
-        keys = f" (its keys: {', '.join(map(str, value))})" if isinstance(value, dict) else ""
+        keys = f" (its keys: {shown_names([str(k) for k in value])})" if isinstance(value, dict) else ""
         raise AttributeError(f"the node has no key {name!r}{keys}")
 
     def __getitem__(self, key: Any) -> Any:
