@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import threading
 import time
 import types
@@ -255,7 +256,9 @@ class _Silence:
 class _Heartbeat:
     """This process's heartbeat: a thread, started when eqx_ckpt is imported,
     bumps a key every `HEARTBEAT_SECONDS`. It ends where JAX's backend started
-    without `jax.distributed` (which can then no longer start)."""
+    without `jax.distributed` (which can then no longer start). A process
+    forked after the import (a data loader's worker, a pre-forking server's
+    child) starts one of its own (`_forked`)."""
 
     _started: threading.Thread | None = None
     _stop = threading.Event()
@@ -314,6 +317,23 @@ class _Heartbeat:
             except Exception:
                 return  # the coordination service is gone (shut down, or process 0 died)
 
+    @classmethod
+    def _forked(cls) -> None:
+        """In a forked child: a fork carries no thread over, so the child
+        watches for a `jax.distributed` of its own. A child of a process that
+        had joined one (its client, copied, is not the child's) never beats:
+        a parent that dies is then named, not hidden by its child's beats."""
+        cls._started, cls._given = None, None
+        cls._stop, cls._lock = threading.Event(), threading.Lock()
+        try:
+            from jax._src import distributed
+
+            joined = distributed.global_state.client is not None
+        except (ImportError, AttributeError):
+            joined = False
+        if not joined:
+            cls.watch()
+
 
 class _NoDistributed(NamedTuple):
     """`jax.distributed`'s state where it cannot be read: no client, one process."""
@@ -324,6 +344,7 @@ class _NoDistributed(NamedTuple):
 
 
 _Heartbeat.watch()
+os.register_at_fork(after_in_child=_Heartbeat._forked)
 
 
 def _describe(error: BaseException) -> str:

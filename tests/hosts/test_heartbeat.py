@@ -73,3 +73,47 @@ def test_the_heartbeat_thread_ends_in_a_process_without_jax_distributed(tmp_path
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["imported True", "after the backend started False"], done.stdout
+
+
+def test_a_forked_child_watches_for_itself_unless_its_parent_had_joined_jax_distributed(tmp_path):
+    """A fork carries no thread over. A child forked after the import (a data
+    loader's worker, a pre-forking server's child) starts a heartbeat of its
+    own, so that it can join a `jax.distributed` job and be named if it dies
+    there; a child of a process that had joined one starts none, and never
+    beats with its parent's client as its parent."""
+    script = tmp_path / "forked.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, socket, threading
+            import eqx_ckpt, jax
+
+            names = lambda: [t.name for t in threading.enumerate() if t.name.startswith("eqx_ckpt")]
+
+            def in_a_child():
+                read, write = os.pipe()
+                pid = os.fork()
+                if pid == 0:
+                    os.write(write, repr(names()).encode())
+                    os._exit(0)
+                os.waitpid(pid, 0)
+                return os.read(read, 1000).decode()
+
+            print("parent", names())
+            print("child", in_a_child())
+            with socket.socket() as free:
+                free.bind(("localhost", 0))
+                port = free.getsockname()[1]
+            jax.distributed.initialize(f"localhost:{port}", num_processes=1, process_id=0)
+            print("child of a joined process", in_a_child())
+            jax.distributed.shutdown()
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=places.ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "parent ['eqx_ckpt-heartbeat']",
+        "child ['eqx_ckpt-heartbeat']",
+        "child of a joined process []",
+    ], done.stdout

@@ -8,15 +8,15 @@ the test signals itself (`os.kill`), and its exit code, as `Popen` gives it.
 
 A *template* process imports the libraries every snippet needs and none
 reads a variable of the Hub's (numpy, JAX, Equinox, TensorStore, the HTTP
-stack: most of a 2.5 s start), runs nothing else, and forks a child for each
-call. The child is a new process as `python -c CODE` or `python -m MODULE
-ARGS` would be: its own environment, working directory, `__main__`,
+stack, eqx_ckpt: most of a 2.8 s start), runs nothing else, and forks a child
+for each call. The child is a new process as `python -c CODE` or `python -m
+MODULE ARGS` would be: its own environment, working directory, `__main__`,
 `sys.argv` and output; nothing of an earlier call (each child is forked from
-the template, never from another child); eqx_ckpt and huggingface_hub
-imported in the child (huggingface_hub reads `HF_*` variables at import, and
-eqx_ckpt starts a thread at import, which a fork would not carry over); and
-it exits as any interpreter does (threads joined, `atexit` functions run),
-but for the teardown of its modules (`_exit`). A child of `spawn(...,
+the template, never from another child); huggingface_hub imported in the
+child (it reads `HF_*` variables at import); eqx_ckpt's heartbeat started
+anew in the child, as in any process forked after the import; and it
+exits as any interpreter does (threads joined, `atexit` functions run), but
+for the teardown of its modules (`_exit`). A child of `spawn(...,
 finalize=True)` (or `run`) exits through the interpreter's own finalization, teardown
 included (`_Finalize`), as a test of how a process exits wants it.
 
@@ -51,6 +51,10 @@ from typing import IO, Any
 # huggingface_hub's. None reads an `HF_*` variable or starts a Python thread.
 PRELOAD = ["numpy", "jax", "jax.numpy", "equinox", "tensorstore", "crc32c", "xxhash", "blake3", "orjson"]
 PRELOAD += ["yaml", "fsspec", "tqdm", "filelock", "httpx2", "httpcore2", "anyio", "trio", "truststore"]
+# And eqx_ckpt itself (a third of a second a child): it reads no variable at
+# import, and a forked child starts its heartbeat anew (`_multihost._Heartbeat`).
+# A child whose path finds another eqx_ckpt first imports that one (`_shadowed`).
+PRELOAD += ["eqx_ckpt"]
 
 
 # --- in the test's process ---
@@ -253,8 +257,8 @@ class _Finalize(SystemExit):
     exit code (a KeyboardInterrupt that ended the program: 1, as a new
     interpreter's when the interrupt lands in a handler).
 
-    The objects the template's imports made (the same in every child, none
-    of them eqx_ckpt's) were frozen (`gc.freeze`) before any fork, as a
+    The objects the template's imports made (the same in every child: the
+    modules and what they hold at import) were frozen (`gc.freeze`) before any fork, as a
     pre-forking server does (`serve`): the collections, the last ones of the
     exit among them, skip them, and collect everything the child made.
     Otherwise the exit's collections walk the template's whole heap, copying
@@ -344,15 +348,18 @@ def _child(request: dict[str, Any], out: IO[bytes], err: IO[bytes]) -> int:
     try:
         if flag == "-c":
             sys.argv = ["-c", *arguments]
+            _shadowed("eqx_ckpt")
             # (`dont_inherit`: compiled without this module's `from __future__` imports)
             exec(compile(target, "<string>", "exec", dont_inherit=True), main.__dict__)
         elif flag == "-m":
             sys.argv = ["-m", *arguments]
             sys.path[0] = os.getcwd()
+            _shadowed("eqx_ckpt")
             runpy._run_module_as_main(target)  # type: ignore[attr-defined]  # (what `python -m` calls)
         else:  # a script: its folder first on the path, as `python script.py` has it
             sys.argv = request["args"]
             sys.path[0] = os.path.dirname(os.path.abspath(flag))
+            _shadowed("eqx_ckpt")
             runpy.run_path(flag, run_name="__main__")
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
@@ -365,6 +372,22 @@ def _child(request: dict[str, Any], out: IO[bytes], err: IO[bytes]) -> int:
         sys.excepthook(type(e), e, e.__traceback__)
         return 1
     return 0
+
+
+def _shadowed(package: str) -> None:
+    """Forget the template's `package` (and its modules) where the child's
+    path finds another one first: an old release, a test's stand-in."""
+    module = sys.modules.get(package)
+    if module is None:
+        return
+    del sys.modules[package]  # (else `find_spec` answers with the module imported)
+    try:
+        found = importlib.util.find_spec(package)
+    finally:
+        sys.modules[package] = module
+    if found is None or found.origin != module.__file__:
+        for name in [name for name in sys.modules if name == package or name.startswith(package + ".")]:
+            del sys.modules[name]
 
 
 def _exit(code: int) -> None:
