@@ -1,6 +1,20 @@
+# ruff: noqa: E402  (the imports below come after the bytecode cache is set)
 import contextlib
 import os
+import sys
 import tempfile
+
+# Bytecode in one cache outside the checkout, written even where the
+# environment says not to write it: the test command installs without
+# compiling (`pip install --no-compile`: 37 s of the install), and this
+# process, its workers and the hundreds of processes tests start compile each
+# module they import once, for all of them, instead of every one compiling
+# its source again (a second a process). The code they run is the same.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+sys.pycache_prefix = os.environ.setdefault(
+    "PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), "eqx_ckpt-tests-pycache")
+)
 
 import gcs_server
 import hub_server
@@ -12,13 +26,7 @@ from hub_client import Client
 
 from eqx_ckpt._base import _faults
 
-# The processes tests start (hundreds: CLI runs, Hub snippets, workers, doc
-# pages) read eqx_ckpt's bytecode from one cache outside the checkout instead
-# of each compiling its source again (a second a process where the
-# environment says not to write bytecode). The code they run is the same.
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), "eqx_ckpt-tests-pycache"))
-# And what JAX compiles in those processes (the same small models' programs,
+# What JAX compiles in those processes (the same small models' programs,
 # in hundreds of them: most of a docs page's seconds) is kept in one
 # persistent cache beside it, every program however fast it compiled: a later
 # process loads it instead of compiling it again. A size limit has JAX lock
