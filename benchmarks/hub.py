@@ -128,7 +128,7 @@ def hub(directory: str) -> Iterator[tuple[str, Any, dict[str, str]]]:
             HF_HUB_DISABLE_TELEMETRY="1",
             HF_TOKEN="bench",
             JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
-            PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
         )
         yield url, state, env
 

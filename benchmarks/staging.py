@@ -111,7 +111,7 @@ def measure_in_fresh_process(module: str, job: dict[str, Any]) -> dict[str, Any]
         f"import json, sys; from benchmarks import {module} as m; print(json.dumps(m.measure(json.loads(sys.argv[1]))))"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
     done = subprocess.run([sys.executable, "-c", code, json.dumps(job)], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         return {"error": done.stderr[-2000:]}

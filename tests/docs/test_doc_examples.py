@@ -120,7 +120,7 @@ def test_page_runs(page, tmp_path, request):
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
     }
     env.pop("XLA_FLAGS", None)  # the page runs as a user's script would, with one CPU device
     if any(b.marker == "s3" for b in runnable):

@@ -91,7 +91,7 @@ def env(tmp_path):
     same programs: the first writes them, the others load the same executables)."""
     environ = {**os.environ, "JAX_PLATFORMS": "cpu"}
     environ.pop("XLA_FLAGS", None)
-    environ["PYTHONPATH"] = os.pathsep.join([str(places.ROOT), environ.get("PYTHONPATH", "")])
+    environ["PYTHONPATH"] = os.pathsep.join([str(places.ROOT), *filter(None, [environ.get("PYTHONPATH")])])
     environ["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax-cache")
     environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(2**30)  # (a size limit: the cache then locks its files)

@@ -191,7 +191,7 @@ def env(tmp_path_factory) -> dict[str, str]:
     reading an entry another is writing)."""
     environ = {**os.environ, "JAX_PLATFORMS": "cpu"}
     environ.pop("XLA_FLAGS", None)  # one CPU device per process
-    environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), environ.get("PYTHONPATH", "")])
+    environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [environ.get("PYTHONPATH")])])
     environ["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax-cache"))
     environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(2**30)  # (a size limit: the cache then locks its files)

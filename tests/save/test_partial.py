@@ -148,7 +148,7 @@ def test_a_checkpoint_replaced_while_a_partial_save_read_it_is_refused(tmp_path)
     other save replaced, so it is refused and the other checkpoint stays."""
     path = tmp_path / "ckpt"
     eqx_ckpt.tree_serialise_leaves(path, _first())
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
     def replace(*args):
         subprocess.run([sys.executable, "-c", _OTHER_SAVE, str(path)], env=env, check=True, timeout=300)

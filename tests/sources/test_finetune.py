@@ -161,20 +161,20 @@ def test_the_where_given_is_narrowed_not_widened(publish):
     [
         # A weight that changed beside a bias that did not: another layer, not a new head.
         (
-            {"body": _mlp(16), "head": eqx.nn.Linear(16, 4, key=jax.random.key(0))},
-            {"body": _mlp(16), "head": eqx.nn.Linear(12, 4, key=jax.random.key(0))},
+            lambda: {"body": _mlp(16), "head": eqx.nn.Linear(16, 4, key=jax.random.key(0))},
+            lambda: {"body": _mlp(16), "head": eqx.nn.Linear(12, 4, key=jax.random.key(0))},
             "To load anyway: shapes must match: build `like` with the saved shapes.",
         ),
         # Every leaf changed: nothing would load.
         (
-            {"head": jnp.ones((4, 16))},
-            {"head": jnp.ones((6, 16))},
+            lambda: {"head": jnp.ones((4, 16))},
+            lambda: {"head": jnp.ones((6, 16))},
             "To load anyway: shapes must match: build `like` with the saved shapes.",
         ),
         # Another kind of mismatch beside the shape: the message as it was.
         (
-            {"body": _mlp(16), "head": jnp.ones((4, 16))},
-            {"body": _mlp(16), "head": jnp.ones((6, 16)), "new": jnp.ones(2)},
+            lambda: {"body": _mlp(16), "head": jnp.ones((4, 16))},
+            lambda: {"body": _mlp(16), "head": jnp.ones((6, 16)), "new": jnp.ones(2)},
             "To load anyway: `missing='keep'` keeps `like`'s value for missing leaves; "
             "`where=`/`prefix=`/`rename=` pick and map what is loaded; "
             "shapes must match: build `like` with the saved shapes.",
@@ -183,9 +183,10 @@ def test_the_where_given_is_narrowed_not_widened(publish):
     ids=["weight-not-bias", "everything", "missing-too"],
 )
 def test_other_mismatches_keep_their_message(publish, saved, like, fix):
-    path = publish(saved)
+    # (Trees built by the test, not when the module is collected: in every worker.)
+    path = publish(saved())
     with pytest.raises(eqx_ckpt.LeafError, match=re.escape(fix) + "$") as info:
-        eqx_ckpt.tree_deserialise_leaves(path, like)
+        eqx_ckpt.tree_deserialise_leaves(path, like())
     assert "where=lambda" not in str(info.value)
 
 
