@@ -276,14 +276,8 @@ class _Heartbeat:
         with cls._lock:
             if cls._started is not None:
                 return
-            try:  # here: a thread that imports can deadlock an import
-                from jax._src import distributed, xla_bridge
-
-                run = functools.partial(cls._run, distributed.global_state, xla_bridge.backends_are_initialized)
-            except (ImportError, AttributeError):
-                # A JAX without these private names: the first beat comes with
-                # this process's first group (`start`), as before issue 59.
-                run = functools.partial(cls._run, _NoDistributed(), lambda: False)
+            # (Read here: a thread that imports can deadlock an import.)
+            run = functools.partial(cls._run, *_jax_state())
             # Stopped at exit before `jax.distributed` shuts its client down (`_threads`).
             cls._started = _threads.thread("eqx_ckpt-heartbeat", run, stop=cls._stop.set)
             cls._started.start()
@@ -325,13 +319,8 @@ class _Heartbeat:
         a parent that dies is then named, not hidden by its child's beats."""
         cls._started, cls._given = None, None
         cls._stop, cls._lock = threading.Event(), threading.Lock()
-        try:
-            from jax._src import distributed
-
-            joined = distributed.global_state.client is not None
-        except (ImportError, AttributeError):
-            joined = False
-        if not joined:
+        state, _ = _jax_state()
+        if state.client is None:
             cls.watch()
 
 
@@ -341,6 +330,19 @@ class _NoDistributed(NamedTuple):
     client: Any = None
     num_processes: int = 1
     process_id: int = 0
+
+
+def _jax_state() -> tuple[Any, Callable[[], bool]]:
+    """`jax.distributed`'s state, and whether JAX's backend has started. A JAX
+    without these private names: no client and never (the first beat then
+    comes with this process's first group, `_Heartbeat.start`, as before
+    issue 59)."""
+    try:
+        from jax._src import distributed, xla_bridge
+
+        return distributed.global_state, xla_bridge.backends_are_initialized
+    except (ImportError, AttributeError):
+        return _NoDistributed(), lambda: False
 
 
 _Heartbeat.watch()

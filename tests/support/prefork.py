@@ -345,21 +345,24 @@ def _child(request: dict[str, Any], out: IO[bytes], err: IO[bytes]) -> int:
     sys.modules["__main__"] = main
     # (`[script]` alone: a script run without arguments, `target` unused)
     flag, target, *arguments = request["args"] if len(request["args"]) > 1 else [*request["args"], ""]
+    # The path's first entry as the interpreter sets it: `-c`'s `''` (the
+    # current folder) is the template's already; `-m`, the current folder; a
+    # script, its own folder. Then the eqx_ckpt that path finds.
+    if flag == "-m":
+        sys.path[0] = os.getcwd()
+    elif flag != "-c":
+        sys.path[0] = os.path.dirname(os.path.abspath(flag))
+    _shadowed("eqx_ckpt")
     try:
         if flag == "-c":
             sys.argv = ["-c", *arguments]
-            _shadowed("eqx_ckpt")
             # (`dont_inherit`: compiled without this module's `from __future__` imports)
             exec(compile(target, "<string>", "exec", dont_inherit=True), main.__dict__)
         elif flag == "-m":
             sys.argv = ["-m", *arguments]
-            sys.path[0] = os.getcwd()
-            _shadowed("eqx_ckpt")
             runpy._run_module_as_main(target)  # type: ignore[attr-defined]  # (what `python -m` calls)
-        else:  # a script: its folder first on the path, as `python script.py` has it
+        else:  # a script
             sys.argv = request["args"]
-            sys.path[0] = os.path.dirname(os.path.abspath(flag))
-            _shadowed("eqx_ckpt")
             runpy.run_path(flag, run_name="__main__")
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
