@@ -162,6 +162,9 @@ DESCRIBED: Mapping[str, str] = types.MappingProxyType(
         "went to the background.",
         "manager.undo": "(step): after a failed save, the manager is about to remove the step folder it created, "
         "unless it holds a committed checkpoint.",
+        "tiers.copy_file": "(step, name): a manager's background copy of `step` from its local tier to its "
+        "persistent directory is about to write the file `name` there (the manifest last); an exception raised here "
+        "is that write's first attempt's.",
         # A push to the Hub (`_hub`)
         "hub.commit": "(repo, revision): a push is about to make its commit to `repo` (at branch `revision`, or "
         "the default one: `None`), the repository and the branch made already.",

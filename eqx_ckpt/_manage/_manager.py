@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import jax
 from jaxtyping import PyTree
 
 from .._base import _faults
@@ -22,10 +23,13 @@ from .._base._errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointStorageError,
     CheckpointValueError,
+    CorruptCheckpointError,
+    IntegrityError,
     check_flag,
 )
-from .._base._location import location, writable
+from .._base._location import Location, location, writable
 from .._base._progress import Progress
 from .._foreign import _orbax
 from .._load._deserialise import default_deserialise_filter_spec, deserialise
@@ -34,8 +38,9 @@ from .._ondisk._format import MANAGER_LEASE, metrics_name as _metrics_name, step
 from .._save import _serialise
 from .._save._serialise import PendingSave, default_serialise_filter_spec
 from .._store import _durable, _lease, _storage, _storage_errors
+from .._store._share import IntegrityWarning
 from .._store._transaction import CommitWarning
-from . import _initialise, _preemption
+from . import _initialise, _preemption, _tiers
 from ._retention import Retention, RetentionWarning, Rules, rank, recorded_best
 from ._steps import (
     check_step,
@@ -95,6 +100,21 @@ class CheckpointManager:
         did not change with the newest committed step (hard links, verified
         before they are shared; see [docs/manager.md](../manager.md)). With
         `False`, every step writes all of its chunks in full.
+    - `local`: a directory on this host (a RAM disk such as `/dev/shm`, or a
+        local disk) for a second, faster tier. Every step is saved there, and
+        `save` waits only for that; every `persistent_every`-th step is then
+        copied from it to `directory` in the background. See [docs/manager.md,
+        "Tiers"](../manager.md#tiers).
+    - `persistent_every`: with `local`, copy the steps with
+        `step % persistent_every == 0` (and the step saved after
+        `reached_preemption` answered `True`) to `directory`; every step by
+        default.
+    - `local_max_to_keep`: with `local`, how many of the newest steps the local
+        tier keeps (besides a step still being copied); the retention rules
+        above apply to `directory`.
+    - `peers`: how many other processes hold a copy of each process's part of a
+        local step. Only `0` (the default) is supported so far: a local tier
+        is for a single process.
 
     A step survives if any rule keeps it. These always survive:
 
@@ -136,6 +156,10 @@ class CheckpointManager:
         blocking: bool = True,
         adopt_steps: bool = False,
         share: bool = True,
+        local: Any = None,
+        persistent_every: int | None = None,
+        local_max_to_keep: int = _tiers.LOCAL_KEEP,
+        peers: int = 0,
     ):
         for name, value in (("max_to_keep", max_to_keep), ("keep_every", keep_every), ("best_n", best_n)):
             if value is not None and (type(value) is not int or value < 1):
@@ -145,8 +169,8 @@ class CheckpointManager:
         if best_mode not in ("min", "max"):
             raise CheckpointValueError(f"`best_mode` must be 'min' or 'max', not {best_mode!r}.")
         self._loc = writable(location(directory), "A `CheckpointManager`")
-        local = self._loc.local
-        entry = None if local is None else _storage.local_entry(local)
+        here = self._loc.local
+        entry = None if here is None else _storage.local_entry(here)
         if entry is not None and entry.found and not entry.folder:
             what = "a broken symbolic link" if entry.link else "a file"
             raise CheckpointValueError(
@@ -154,7 +178,7 @@ class CheckpointManager:
                 f"folder per step in a directory. Give the path of a directory (it is created on the first save).",
                 path=self.directory,
             )
-        if local is not None and (orbax := _orbax.manager_steps(local)) and not any(scan(self._loc)):
+        if here is not None and (orbax := _orbax.manager_steps(here)) and not any(scan(self._loc)):
             # It would report no steps, and its first save would start a new run beside orbax's.
             raise CheckpointValueError(
                 f"{self.directory!r} is not an eqx_ckpt CheckpointManager's directory.{orbax} To save an "
@@ -176,6 +200,43 @@ class CheckpointManager:
         self._lease: _lease.Lease | None = None
         self._preemption = _preemption.Preemption()
         self._followed: set[int] = set()  # the steps `wait_for_new_step` returned
+        self._init_tiers(local, persistent_every, local_max_to_keep, peers)
+
+    def _init_tiers(self, local: Any, every: int | None, keep: int, peers: int) -> None:
+        for name, value in (("persistent_every", every), ("local_max_to_keep", keep)):
+            if value is not None and (type(value) is not int or value < 1):
+                raise CheckpointValueError(f"`{name}` must be a positive int, not {value!r}.")
+        if type(peers) is not int or peers < 0:
+            raise CheckpointValueError(f"`peers` must be a non-negative int, not {peers!r}.")
+        if local is None:
+            if every is not None:
+                raise CheckpointValueError(
+                    "`persistent_every` says how often steps of the local tier are copied to `directory`: pass "
+                    "`local=` (a directory on this host) too."
+                )
+            if peers:
+                raise CheckpointValueError("`peers` hold copies of a local tier's steps: pass `local=` too.")
+        elif peers:
+            raise CheckpointValueError(
+                f"`peers={peers}`: holding a copy of each process's local part on other processes is not "
+                f"supported yet. Pass `peers=0`: the persistent tier ({self.directory!r}) holds every "
+                f"`persistent_every`-th step."
+            )
+        self.persistent_every = None if local is None else (every or 1)
+        self.local_max_to_keep, self.peers = keep, peers
+        # The local tier: a manager of its own (saves, leases, retention), or None.
+        self._local: CheckpointManager | None = None
+        if local is not None:
+            _tiers.check_local(local, self._loc)
+            self._local = CheckpointManager(local, max_to_keep=keep, blocking=self.blocking, share=self.share)
+        self._upload: _tiers.Upload | None = None  # the persistent copy in flight, or the last one
+        self._upload_error: BaseException | None = None  # a failed copy's error, raised once
+        self._preempted_step: int | None = None  # the step `reached_preemption` answered True for
+
+    @property
+    def local(self) -> str | None:
+        """The local tier's directory (`local=`), or `None`."""
+        return None if self._local is None else self._local.directory
 
     @property
     def directory(self) -> str:
@@ -183,7 +244,8 @@ class CheckpointManager:
         return self._loc.display
 
     def __repr__(self) -> str:
-        options = ("max_to_keep", "keep_every", "best_n", "best_metric", "best_mode", "blocking")
+        # (`local` and `persistent_every` are None without a local tier: not shown)
+        options = "max_to_keep keep_every best_n best_metric best_mode blocking local persistent_every".split()
         shown = "".join(f", {name}={getattr(self, name)!r}" for name in options if getattr(self, name) is not None)
         return f"CheckpointManager({self.directory!r}{shown})"
 
@@ -207,12 +269,16 @@ class CheckpointManager:
                 self.wait_until_finished()
             finally:
                 try:
-                    if self._pending is None:  # never while a save still writes (an interrupted wait)
+                    if self._pending is None and self._uploading() is None:  # never while a save still writes
                         lease, self._lease = self._lease, None
                         if lease is not None:
                             lease.release()
                 finally:
-                    self._preemption.close()
+                    try:
+                        if self._local is not None:
+                            self._local.close()
+                    finally:
+                        self._preemption.close()
 
     def _hold_directory(self) -> None:
         """Take the directory's lease (once): only one manager writes here."""
@@ -233,12 +299,30 @@ class CheckpointManager:
         directory it is absolute: the manager's, resolved when it was created,
         so that an `os.chdir` since changes nothing. Else it is the URL.
         """
-        loc = self._loc.joined(step_name(check_step(step)))
+        loc = self._step_loc(check_step(step))
         return loc.display if loc.local is None else loc.local
 
+    def _step_loc(self, step: int) -> Location:
+        """Where `step` is read from: the local tier if it holds it, committed, else `directory`."""
+        if self._local is not None and step in self._local.all_steps():
+            return self._local._loc.joined(step_name(step))
+        return self._loc.joined(step_name(step))
+
     def all_steps(self) -> list[int]:
-        """The committed steps, sorted. A save in flight or interrupted is not one."""
-        return committed_steps(self._loc)
+        """The committed steps, sorted. A save in flight or interrupted is not one.
+        With a local tier: the steps committed in either tier."""
+        steps = committed_steps(self._loc)
+        if self._local is not None:
+            steps = sorted(set(steps) | set(self._local.all_steps()))
+        return steps
+
+    def tier_steps(self) -> dict[str, list[int]]:
+        """The committed steps of each tier, sorted: `{"local": [...],
+        "persistent": [...]}` (without a local tier, only `"persistent"`)."""
+        steps = {"persistent": committed_steps(self._loc)}
+        if self._local is not None:
+            steps = {"local": self._local.all_steps(), **steps}
+        return steps
 
     def latest_step(self) -> int | None:
         """The highest committed step, or `None` if there is none."""
@@ -261,7 +345,7 @@ class CheckpointManager:
                 f"record of {self.directory!r} names one (a run that saves with `best_n=` records it): create the "
                 f"manager with `best_metric=` (and `best_mode=` if higher is better)."
             )
-        metrics = {step: read_metrics(self._loc, step) for step in self.all_steps()}
+        metrics = {step: self._metrics(step) for step in self.all_steps()}
         ranked = rank(metrics, metric, mode)
         return ranked[0] if ranked else None
 
@@ -277,6 +361,11 @@ class CheckpointManager:
         A dict from metric name to number.
         """
         self._require(check_step(step))
+        return self._metrics(step)
+
+    def _metrics(self, step: int) -> dict[str, Any]:
+        if self._local is not None and step in self._local.all_steps():
+            return self._local.metrics(step)
         return read_metrics(self._loc, step)
 
     @_one_at_a_time
@@ -319,8 +408,15 @@ class CheckpointManager:
         **Raises:**
 
         The error of the previous background save, if it failed (this save is then
-        not started); otherwise any error `tree_serialise_leaves` raises.
+        not started); otherwise any error `tree_serialise_leaves` raises. With a
+        local tier, also the error of a persistent copy that failed since the
+        last call that raised one (this save is then not started either).
         """
+        if self._local is not None:
+            tiered = {"filter_spec": filter_spec, "is_leaf": is_leaf, "cast": cast, "layout": layout}
+            tiered.update(overwrite=overwrite, progress=progress, staging_bytes=staging_bytes)
+            self._save_tiered(step, pytree, metrics, compression=compression, **tiered)
+            return
         self.wait_until_finished()
         step = check_step(step)
         overwrite = check_flag("overwrite", overwrite, "whether to replace a step already there")
@@ -383,6 +479,86 @@ class CheckpointManager:
 
         self._pending, self._pending_step = PendingSave(finish, wraps=pending), step
 
+    def _save_tiered(self, step: Any, pytree: PyTree, metrics: Any, **options: Any) -> None:
+        """Save to the local tier; if `step` is due, copy it to `directory` in the background."""
+        self._raise_upload_error()
+        step = check_step(step)
+        if jax.process_count() > 1:
+            raise CheckpointValueError(
+                f"A local tier (`local={self.local!r}`) with {jax.process_count()} JAX processes is not supported "
+                f"yet: each host would hold only its own part. Save without `local=`, to the shared directory "
+                f"{self.directory!r}.",
+                path=self.directory,
+            )
+        assert self._local is not None and self.persistent_every is not None
+        with _storage_errors.explained(self._loc, f"Saving step {step} to"):
+            self._hold_directory()  # taken here, in the caller's thread: a second run's save fails at once
+        self._local.save(step, pytree, metrics, **options)
+        if step % self.persistent_every != 0 and step != self._preempted_step:
+            return
+        local_save = self._local._pending
+        self._local._retention.held.add(step)  # the local step stays while it is copied
+        previous = self._upload
+        if previous is not None:
+            # One copy at a time: a link slower than the saves holds training here.
+            try:
+                previous.wait()
+            except Exception as e:
+                self._upload_error = self._upload_error or e
+
+        def upload() -> None:
+            if local_save is not None:
+                try:
+                    local_save.wait()
+                except BaseException:
+                    return  # the local save failed: the manager raises its error; there is nothing to copy
+            try:
+                self._copy_to_persistent(step)
+            except Exception as e:
+                raise _tiers.upload_error(step, self._local_loc(), self._loc, e) from e
+
+        self._upload = _tiers.Upload(step, upload)
+
+    def _local_loc(self) -> Location:
+        assert self._local is not None
+        return self._local._loc
+
+    def _copy_to_persistent(self, step: int) -> None:
+        """In the upload's thread: copy the committed local `step` to `directory`, then apply retention there."""
+        assert self._local is not None
+        try:
+            state = self._tidy(step)
+            if state.get(step):
+                delete_step(self._loc, step)  # saved again (`overwrite=True`): the local tier holds the new one
+            self._retention.begin(step, self._rules())
+            _tiers.copy_step(self._local_loc().joined(step_name(step)), self._loc.joined(step_name(step)), step)
+        except BaseException:
+            self._undo(step)
+            raise
+        held = self._local._retention.held
+        held.difference_update([s for s in list(held) if s <= step])
+        self._apply_retention(step)
+        with self._local._lock:  # the local steps this copy held go now, not at the next save
+            self._local._apply_retention()
+
+    def _uploading(self) -> _tiers.Upload | None:
+        """The persistent copy still in flight, if any."""
+        upload = self._upload
+        return None if upload is None or upload.done() else upload
+
+    def _raise_upload_error(self) -> None:
+        """Raise (once) the error of a persistent copy that failed."""
+        upload = self._upload
+        if upload is not None and upload.done():
+            self._upload = None
+            try:
+                upload.wait()
+            except Exception as e:
+                self._upload_error = self._upload_error or e
+        error, self._upload_error = self._upload_error, None
+        if error is not None:
+            raise error
+
     def _tidy(self, step: int) -> dict[int, bool]:
         """Before saving `step`: take the directory's lease, remove what
         interrupted saves left, and warn (once each) of the entries named like
@@ -422,8 +598,18 @@ class CheckpointManager:
     def wait_until_finished(self) -> None:
         """Block until the background save (if any) has committed and old steps are
         deleted. Raises that save's error if it failed (then nothing of it was
-        committed, and its leftovers are removed)."""
+        committed, and its leftovers are removed). With a local tier, also wait
+        for the copy of a step to `directory`, and raise its error if it failed."""
         with self._lock:
+            if self._local is not None:
+                self._local.wait_until_finished()
+                upload = self._upload
+                if upload is not None:
+                    try:
+                        upload.wait()
+                    except Exception as e:
+                        self._upload_error = self._upload_error or e
+                self._raise_upload_error()
             pending = self._pending
             if pending is None:
                 return
@@ -479,7 +665,11 @@ class CheckpointManager:
             print(manager.all_steps())   # [5]
             ```
         """
-        return self._preemption.reached(check_step(step))
+        step = check_step(step)
+        reached = self._preemption.reached(step)
+        if reached:
+            self._preempted_step = step  # with a local tier, its save is copied to `directory` too
+        return reached
 
     def wait_for_new_step(self, after: int | None = None, timeout: float | None = None) -> int | None:
         """Wait for a committed step newer than `after`: an evaluator's loop beside
@@ -615,7 +805,7 @@ class CheckpointManager:
             base=base,
         )
         try:
-            return deserialise(self._loc.joined(step_name(step)), like, filter_spec, is_leaf, options)
+            return self._load_nearest(step, lambda loc: deserialise(loc, like, filter_spec, is_leaf, options))
         except (CheckpointError, OSError) as e:
             # Retention (this manager's, or that of the one saving here) deleted
             # the step while it was read: say so, not what the read tripped on.
@@ -702,9 +892,29 @@ class CheckpointManager:
             token=token,
             base=base,
         )
-        return step, _initialise.initialise_unloaded(
-            self._loc.joined(step_name(step)), init, filter_spec, is_leaf, options
+        return step, self._load_nearest(
+            step, lambda loc: _initialise.initialise_unloaded(loc, init, filter_spec, is_leaf, options)
         )
+
+    def _load_nearest(self, step: int, load: Callable[[Location], PyTree]) -> PyTree:
+        """`load(loc)` of `step` from the nearest tier that holds it. A local
+        step that fails its checks (or that its storage would not serve) is
+        never returned: the persistent one is loaded instead, if there is one."""
+        loc = self._step_loc(step)
+        if self._local is None or step not in self._local.all_steps():
+            return load(loc)
+        try:
+            return load(loc)
+        except (IntegrityError, CorruptCheckpointError, CheckpointNotFoundError, CheckpointStorageError) as e:
+            if step not in committed_steps(self._loc):
+                raise
+            warnings.warn(
+                f"Step {step} of the local tier ({loc.display!r}) could not be loaded ({e}); it was loaded from "
+                f"the persistent tier ({self.directory!r}) instead.",
+                IntegrityWarning,
+                stacklevel=4,
+            )
+            return load(self._loc.joined(step_name(step)))
 
     def _require(self, step: int) -> None:
         steps = self.all_steps()
@@ -763,8 +973,11 @@ class CheckpointManager:
             self._hold_directory()  # deleting steps is writing: one manager at a time
         later = [s for s in self.all_steps() if s > step]
         if primary():
-            for s in later:
-                delete_step(self._loc, s)
+            for s in committed_steps(self._loc):
+                if s > step:
+                    delete_step(self._loc, s)
+        if self._local is not None:
+            self._local.delete_steps_after(step)
         return later
 
     def _apply_retention(self, saved: int | None = None) -> None:

@@ -89,6 +89,9 @@ class Retention:
         # after the commit came before retention recorded it.
         self._saving: set[int] = set()
         self._warned = False
+        # Steps kept whatever the rules say: a local tier's step while it is
+        # copied to the persistent tier (`_tiers`).
+        self.held: set[int] = set()
 
     def begin(self, step: int, rules: Rules) -> None:
         """Before saving `step`: record that it is the manager's own, so that a
@@ -111,7 +114,7 @@ class Retention:
         steps = committed_steps(self._loc)
         governed = set(steps) if rules.adopt_steps else self._governed(steps, rules, saved)
         mine = [step for step in steps if step in governed]
-        keep = self._keep(mine, rules, saved)
+        keep = self._keep(mine, rules, saved) | set(self.held)
         for step in mine:
             if step in keep:
                 continue

@@ -61,7 +61,11 @@ class IntegrityWarning(UserWarning):
     it replaces, or a manager's previous step), and did not share it. The save
     wrote that chunk anew, so the new checkpoint is sound.
 
-    The warning names the file and its leaf. `eqx-ckpt verify` lists every
+    A manager's `restore` warns with it too, when a step of its local tier
+    failed its checks (or its disk would not serve it) and the same step was
+    loaded from the persistent tier instead.
+
+    The warning names the file and its leaf (or the step). `eqx-ckpt verify` lists every
     damaged leaf of the old checkpoint.
 
     !!! example

@@ -91,7 +91,7 @@ def _ls(args: argparse.Namespace) -> int:
     try:
         ckpt = Checkpoint(path, token=args.token, base=_with_base(args))
     except CheckpointNotFoundError as missing:
-        manager, steps = _manager_steps(args.path, missing)
+        manager, steps = _manager_steps(args.path, missing, args.local)
         if not (args.types or args.values or args.depth is not None):
             print(_format_steps(args.path, manager, steps))
             return 0
@@ -106,14 +106,19 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _manager_steps(given: str, error: CheckpointNotFoundError) -> tuple[CheckpointManager, list[int]]:
+def _manager_steps(
+    given: str, error: CheckpointNotFoundError, local: str | None = None
+) -> tuple[CheckpointManager, list[int]]:
     """The manager's directory at `given`, where there is no checkpoint, and
-    its committed steps; else `error`, that there is no checkpoint."""
+    its committed steps (with its local tier, `--local`: the steps of both);
+    else `error`, that there is no checkpoint."""
     if given.startswith(HUB_SCHEME):  # a Hub repository is no manager's directory
         raise error from None
     try:
-        manager = CheckpointManager(_path(given))
+        manager = CheckpointManager(_path(given), local=local)
     except CheckpointValueError:  # a file: no manager's directory either
+        if local is not None:
+            raise
         raise error from None
     steps = manager.all_steps()
     if not steps:
@@ -123,13 +128,19 @@ def _manager_steps(given: str, error: CheckpointNotFoundError) -> tuple[Checkpoi
 
 def _describe_steps(given: str, steps: list[int]) -> str:
     """`given`: a manager's directory, and its steps (a long list cut short)."""
-    shown = ", ".join(map(str, steps)) if len(steps) <= 8 else f"{steps[0]}, {steps[1]}, ..., {steps[-1]}"
-    return f"{given} is a CheckpointManager directory of {_count(len(steps), 'step')} ({shown})"
+    return f"{given} is a CheckpointManager directory of {_count(len(steps), 'step')} ({_shown(steps)})"
+
+
+def _shown(steps: list[int]) -> str:
+    """Steps, a long list cut short."""
+    return ", ".join(map(str, steps)) if len(steps) <= 8 else f"{steps[0]}, {steps[1]}, ..., {steps[-1]}"
 
 
 def _step_path(given: str, manager: CheckpointManager, step: int) -> str:
     """A step's path, below the directory as the user gave it (a relative
     path stays relative), else as the manager names it (a URL)."""
+    if manager.local is not None and step in manager.tier_steps()["local"]:
+        return os.path.join(manager.local, step_name(step))
     if given.lstrip().startswith("{") or "://" in given:
         return manager.step_path(step)
     return os.path.join(given, step_name(step))
@@ -184,11 +195,14 @@ def _format_steps(given: str, manager: CheckpointManager, steps: list[int]) -> s
     """A manager's directory: its committed steps, each with its size (and,
     compressed, the bytes its files take) and metrics."""
     rows = []
+    tiers = manager.tier_steps()
     for step in steps:
         ckpt = Checkpoint(manager.step_path(step))
         metrics = ", ".join(f"{name}={_metric(value)}" for name, value in sorted(manager.metrics(step).items()))
         stored = ckpt.stored_bytes if ckpt.compression is not None else None
         size = human(ckpt.total_bytes) + ("" if stored is None else f" ({human(stored)} stored)")
+        if manager.local is not None:  # in which tiers it is
+            metrics = " ".join(filter(None, ["[" + "+".join(t for t in tiers if step in tiers[t]) + "]", metrics]))
         rows.append((f"step {step}", f"{len(ckpt)} leaves", size, metrics))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {d}".rstrip() for a, b, c, d in rows]
@@ -208,9 +222,12 @@ def _info(args: argparse.Namespace) -> int:
     try:
         ckpt = Checkpoint(_path(args.path), token=args.token, base=_with_base(args))
     except CheckpointNotFoundError as missing:
-        manager, steps = _manager_steps(args.path, missing)
+        manager, steps = _manager_steps(args.path, missing, args.local)
         latest = _step_path(args.path, manager, steps[-1])
         print(printable(f"{_describe_steps(args.path, steps)}, not one checkpoint."))
+        for tier, held in manager.tier_steps().items() if manager.local is not None else ():
+            where = manager.local if tier == "local" else args.path
+            print(printable(f"{tier} tier ({where}): {_count(len(held), 'step')} ({_shown(held)})"))
         print(printable(f"`eqx-ckpt info {latest}` describes the latest; `eqx-ckpt ls {args.path}` lists them all."))
         return 0
     print(f"path:            {printable(ckpt.path)}")
@@ -724,6 +741,9 @@ _WITH_BASE_HELP = (
 )
 
 
+_LOCAL_HELP = "of a CheckpointManager directory: its local tier (`local=`), whose steps are shown too, with their tiers"
+
+
 def _reader(commands: Any, name: str, run: Any, help: str, path: str = "path", path_help: str = _PATH_HELP) -> Any:
     """A command reading the checkpoint at its `path` (a fine-tune's base too: `--with-base`)."""
     command = commands.add_parser(name, help=help, epilog=STORAGE_HELP)
@@ -749,12 +769,16 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--version", action="version", version=f"eqx-ckpt {__version__}")
     commands = top.add_subparsers(dest="command", required=True)
     ls = _reader(commands, "ls", _ls, "sorted tree of keys with dtype[shape] and size")
+    ls.add_argument("--local", default=None, metavar="DIR", help=_LOCAL_HELP)
     ls.add_argument("--depth", type=int, default=None, help="show only this many levels")
     ls.add_argument("--values", action="store_true", help=f"print leaves of at most {SMALL_VALUES} elements")
     ls.add_argument(
         "--types", action="store_true", help="the classes and functions a load without `like` needs trusted"
     )
-    _reader(commands, "info", _info, "format and library version, creation time, leaf count, iterator states, bytes")
+    info = _reader(
+        commands, "info", _info, "format and library version, creation time, leaf count, iterator states, bytes"
+    )
+    info.add_argument("--local", default=None, metavar="DIR", help=_LOCAL_HELP)
     _reader(
         commands,
         "verify",

@@ -69,6 +69,7 @@ from benchmarks import (  # noqa: E402
     report,
     run,
     staging,
+    tiers,
     warm_memory,
     worker,
     workload,
@@ -1096,3 +1097,24 @@ def test_the_iterators_benchmark_times_saves_and_restores_with_and_without_the_d
     assert moved.get_state() != saved
     like = {**eqx.filter_eval_shape(workload.make_state, workload.PRESETS["tiny"]), "data": moved}
     assert manager.restore(like, step=step)["data"].get_state() == saved
+
+
+def test_the_tiers_benchmark_times_each_contender_and_restores_both_tiers_bit_for_bit(tmp_path, capsys):
+    """`benchmarks.tiers` on 4 MiB in two leaves, one round, the bucket behind a
+    link of 50 MB/s: every contender's save and its time to the bucket, and
+    the tiered step restored from each tier (the benchmark compares them bit
+    for bit, and raises otherwise); the local tier's folders are removed. No
+    time is asserted."""
+    out = tmp_path / "tiers.json"
+    local = tmp_path / "shm"
+    local.mkdir()
+    argv = ["--mib", "4", "--leaves", "2", "--reps", "1", "--mbps", "50", "--local", str(local)]
+    assert tiers.main([*argv, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(row["contender"] for row in rows) == sorted(tiers.CONTENDERS)
+    for row in rows:
+        assert 0 < row["save_s"] <= row["done_s"], row
+        assert ("restore_local_s" in row) == (row["contender"] == "tiered"), row
+    printed = capsys.readouterr().out
+    assert "tiered save blocks" in printed and "restore from the local tier" in printed
+    assert list(local.iterdir()) == []

@@ -86,6 +86,8 @@ _ELSEWHERE = {
     "save.device_copies": "reached only by an asynchronous save on a GPU's memory (armed in tests/hosts/test_gpu.py; "
     "tests/save/test_pinned_save.py arms it on CPU devices with the pinned paths switched on for them)",
     "manager.undo": "reached only when a manager's save fails (armed in tests/manage/test_manager.py)",
+    "tiers.copy_file": "reached only by a manager with a local tier, copying a step to its directory "
+    "(armed in tests/manage/test_tiers.py)",
     "hub.commit": "reached only by a push to a Hub "
     "(armed in tests/sources/test_hub.py, against tests/support/hub_server.py)",
     "load.pinned_pool": "reached only by a load through the pool of host buffers, on for GPUs alone "

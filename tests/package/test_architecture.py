@@ -1185,6 +1185,8 @@ def test_only_public_signatures_take_more_than_ten_parameters():
                 named = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs if a.arg not in ("self", "cls")]
                 count = len(named) + (args.vararg is not None) + (args.kwarg is not None)
                 name = owner.name if isinstance(owner, ast.ClassDef) else node.name
-                if count > 10 and (name not in public or node.name.startswith("_")):
+                # A public class's `__init__` is its public signature (the SPEC's `CheckpointManager(...)`).
+                private = node.name.startswith("_") and not (node.name == "__init__" and owner is not tree)
+                if count > 10 and (name not in public or private):
                     found.append(f"{path.name}:{node.lineno} {node.name} ({count})")
     assert found == [], "functions of more than ten parameters: " + ", ".join(found)

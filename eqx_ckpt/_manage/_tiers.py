@@ -1,0 +1,174 @@
+"""Tiers: a manager's steps saved to a local directory first and, every
+`persistent_every` steps, copied from there to the manager's own directory.
+
+The local tier is an ordinary manager directory (`local`: a RAM disk such as
+`/dev/shm`, or a local disk), saved to as any step is. The persistent copy
+never reads the devices again: a background thread copies the committed local
+step's files, the manifest last, so the persistent step is committed only once
+every file is there (docs/manager.md, "Tiers").
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .._base import _faults
+from .._base._errors import (
+    CheckpointError,
+    CheckpointStorageError,
+    CheckpointValueError,
+)
+from .._base._location import Location, location
+from .._ondisk._format import MANIFEST, step_name
+from .._save._background import PendingSave
+from .._store import _storage, _storage_errors
+from .._store._local_paths import local_real_path
+
+# How many bytes of files a copy reads ahead of the writes that finished.
+COPY_WINDOW = 256 * 2**20
+
+# How often a file's write is tried before the copy fails, and the pause
+# before each retry, in seconds.
+ATTEMPTS = 3
+PAUSES = (0.2, 1.0)
+
+# The local tier keeps this many steps, by default (besides one still being
+# copied to the persistent tier).
+LOCAL_KEEP = 2
+
+
+def check_local(local: Any, persistent: Location) -> None:
+    """Check that `local` is a directory on this host, neither the persistent
+    directory nor inside it (nor it inside the local one)."""
+    loc = location(local)
+    if loc.local is None:
+        raise CheckpointValueError(
+            f"`local` must be a directory on this host (a RAM disk such as /dev/shm, or a local disk), not "
+            f"{loc.display!r}: the persistent tier is the manager's `directory`.",
+            path=loc.display,
+        )
+    if persistent.local is not None:
+        mine, theirs = local_real_path(loc.local), local_real_path(persistent.local)
+        if mine == theirs or _inside(mine, theirs) or _inside(theirs, mine):
+            raise CheckpointValueError(
+                f"The local tier {loc.display!r} and the persistent directory {persistent.display!r} must be "
+                f"two separate directories, neither inside the other: each holds steps of its own.",
+                path=loc.display,
+            )
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def copy_step(source: Location, target: Location, step: int) -> None:
+    """Copy the committed step folder `source` (local) to `target`: every
+    file, the manifest last, so `target` is committed only once it is whole.
+    Each write is tried `ATTEMPTS` times; then the error names the file."""
+    manifest = _read_local(source, MANIFEST, step)
+    if manifest is None:
+        raise CheckpointError(
+            f"Step {step} is no longer committed in the local tier ({source.display!r}), so it was not copied "
+            f"to the persistent tier.",
+            path=source.display,
+        )
+    names = [name for name in _storage.list_files(source) if name != MANIFEST]
+    writing: list[tuple[str, bytes, Any]] = []
+    ahead = 0
+    for name in names:
+        data = _read_local(source, name, step)
+        if data is None:
+            raise CheckpointError(
+                f"{name!r} of step {step} went from the local tier ({source.display!r}) while it was copied to "
+                f"the persistent tier, so the step was not copied.",
+                path=source.display,
+            )
+        writing.append((name, data, _start(target, name, data, step)))
+        ahead += len(data)
+        if ahead >= COPY_WINDOW:
+            _finish(target, writing, step)
+            writing, ahead = [], 0
+    _finish(target, writing, step)
+    _write(target, MANIFEST, manifest, _start(target, MANIFEST, manifest, step, now=True), step)
+
+
+def _read_local(source: Location, name: str, step: int) -> bytes | None:
+    """A file of the local step (through the storage seam), or `None` if it is gone."""
+    return _storage.read_file(source, name, limit=_WHOLE)
+
+
+# No bound on the size of a local step's file (a chunk holds up to a leaf's bytes).
+_WHOLE = 2**62
+
+
+def _start(target: Location, name: str, data: bytes, step: int, *, now: bool = False) -> Any:
+    """The first attempt at writing `name`: its future (finished, with `now`), or the exception it raised."""
+    try:
+        _faults.fire("tiers.copy_file", step, name)
+        if now:
+            _storage.write_file(target, name, data)
+            return None
+        return _storage.start_writes(target, {name: data})[0]
+    except Exception as e:
+        return e
+
+
+def _finish(target: Location, writing: list[tuple[str, bytes, Any]], step: int) -> None:
+    for name, data, first in writing:
+        _write(target, name, data, first, step)
+
+
+def _write(target: Location, name: str, data: bytes, first: Any, step: int) -> None:
+    """Finish the first attempt at writing `name` (`_start`'s answer); if it
+    failed, write it again, up to `ATTEMPTS` attempts in all."""
+    for attempt in range(ATTEMPTS):
+        try:
+            if attempt == 0:
+                if isinstance(first, Exception):
+                    raise first
+                if first is not None:
+                    try:
+                        _storage.result(first)
+                    except Exception as e:
+                        raise _storage_errors.write_error(target, name, e) from e
+            else:
+                time.sleep(PAUSES[min(attempt - 1, len(PAUSES) - 1)])
+                _faults.fire("tiers.copy_file", step, name)
+                _storage.write_file(target, name, data)
+            return
+        except Exception as e:
+            if attempt == ATTEMPTS - 1:
+                if isinstance(e, CheckpointError):
+                    raise
+                raise _storage_errors.write_error(target, name, e) from e
+
+
+class Upload:
+    """The persistent copy of one step, in a background thread (`PendingSave`:
+    a program that ends waits for it); its error is raised once."""
+
+    def __init__(self, step: int, run: Callable[[], None]):
+        self.step = step
+        self._pending = PendingSave(run)
+
+    def done(self) -> bool:
+        return self._pending.done()
+
+    def wait(self) -> None:
+        self._pending.wait()
+
+
+def upload_error(step: int, local: Location, persistent: Location, error: Exception) -> CheckpointError:
+    """What a failed persistent copy of `step` raises: a `CheckpointStorageError`
+    (or its subclass) where the storage refused or failed."""
+    kind = type(error) if isinstance(error, CheckpointStorageError) else CheckpointError
+    what = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+    return kind(
+        f"Step {step} was saved to the local tier ({local.joined(step_name(step)).display!r}), but its copy to "
+        f"the persistent tier ({persistent.display!r}) failed: {what.rstrip('.')}. Nothing of it is committed "
+        f"there, and the local tier keeps it until a later step's copy succeeds.",
+        path=persistent.display,
+    )
