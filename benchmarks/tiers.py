@@ -21,6 +21,8 @@ small tree with the same manager options:
   arrays are on the host, and the upload goes on (the save after waits).
 - `tiered`: `CheckpointManager(bucket, local=DIR, persistent_every=1)`: `save`
   returns once the local step is committed; the copy to the bucket goes on.
+- `tiered-async`: the same with `blocking=False`: the local write goes on in
+  the background too.
 
 Timed for each: `save` (what training blocks for), and `done`, the time until
 `wait_until_finished()` returns (the step is in the bucket). Then, from the
@@ -51,7 +53,7 @@ import numpy as np
 
 from .compression import aws_environment, delete_objects, object_store, rotated, s3_spec
 
-CONTENDERS = ["persistent", "persistent-async", "tiered"]
+CONTENDERS = ["persistent", "persistent-async", "tiered", "tiered-async"]
 
 
 def state_of(mib: int, leaves: int) -> dict[str, jax.Array]:
@@ -67,7 +69,7 @@ def manager_of(contender: str, where: dict[str, Any], local: str) -> Any:
         return eqx_ckpt.CheckpointManager(where)
     if contender == "persistent-async":
         return eqx_ckpt.CheckpointManager(where, blocking=False)
-    return eqx_ckpt.CheckpointManager(where, local=local, persistent_every=1)
+    return eqx_ckpt.CheckpointManager(where, local=local, persistent_every=1, blocking=contender == "tiered")
 
 
 def one_save(contender: str, state: Any, where: dict[str, Any], local: str) -> dict[str, float]:
