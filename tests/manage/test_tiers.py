@@ -172,17 +172,25 @@ def test_a_failed_write_of_the_copy_is_tried_again(tmp_path, faults):
     assert tree_equal(eqx_ckpt.CheckpointManager(persistent).restore(_like()), _tree(0), typematch=True)
 
 
-def test_a_copy_that_keeps_failing_is_named_once_and_leaves_nothing_half_there(tmp_path, faults):
+# Every file of a step of `_tree`: the first copied, a leaf's, a pack's, and the manifest, written last.
+_STEP_FILES = ["packed.float32/c/0", "w/c/0", "w/zarr.json", "zarr.json", _format.MANIFEST]
+
+
+@pytest.mark.parametrize("failing", _STEP_FILES)
+def test_a_copy_that_keeps_failing_is_named_once_and_leaves_nothing_half_there(tmp_path, faults, failing):
     local, persistent = tmp_path / "local", tmp_path / "persistent"
     manager = eqx_ckpt.CheckpointManager(persistent, local=local, persistent_every=2, local_max_to_keep=1)
     manager.save(0, _tree(0))
     manager.wait_until_finished()
-    faults("tiers.copy_file", lambda step, name: step != 2 or name != "w/c/0" or _raise(OSError("link down")))
+    assert sorted(_files(local / _format.step_name(0))) == sorted(
+        [*_STEP_FILES, "packed.float32/zarr.json", "packed.int64/c/0", "packed.int64/zarr.json"]
+    )
+    faults("tiers.copy_file", lambda step, name: step != 2 or name != failing or _raise(OSError("link down")))
     manager.save(1, _tree(1))
     manager.save(2, _tree(2))
     message = (
         r"Step 2 was saved to the local tier \('.*step_00000002'\), but its copy to the persistent tier \('.*"
-        r"persistent'\) failed: Cannot write 'w/c/0' .*link down.* Nothing of it is committed there"
+        rf"persistent'\) failed: Cannot write '{failing}' .*link down.* Nothing of it is committed there"
     )
     with pytest.raises(eqx_ckpt.CheckpointError, match=message):
         manager.wait_until_finished()
@@ -197,6 +205,46 @@ def test_a_copy_that_keeps_failing_is_named_once_and_leaves_nothing_half_there(t
 
 def _raise(error):
     raise error
+
+
+def test_a_program_that_ends_finishes_the_copy_first(tmp_path):
+    """A script whose last line saves a step: the copy to the persistent tier
+    goes on in the background, and the interpreter waits for it at exit."""
+    local, persistent = tmp_path / "local", tmp_path / "persistent"
+    program = textwrap.dedent(
+        f"""
+        import time
+        import jax.numpy as jnp
+        import eqx_ckpt
+        from eqx_ckpt._base import _faults
+
+        _faults.armed("tiers.copy_file", lambda step, name: time.sleep(0.2)).__enter__()   # a slow link
+        manager = eqx_ckpt.CheckpointManager({str(persistent)!r}, local={str(local)!r})
+        manager.save(3, {{"w": jnp.arange(300_000.0)}})
+        print(manager.tier_steps(), flush=True)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "{'local': [3], 'persistent': []}\n"
+    assert "waiting for 1 checkpoint save(s) to commit before exiting" in done.stderr
+    manager = eqx_ckpt.CheckpointManager(persistent)
+    assert manager.all_steps() == [3]
+    assert tree_equal(manager.restore({"w": jnp.zeros(300_000)}), {"w": jnp.arange(300_000.0)}, typematch=True)
+
+
+def test_an_interrupted_tiered_save_leaves_no_step_in_either_tier(tmp_path, faults):
+    local, persistent = tmp_path / "local", tmp_path / "persistent"
+    manager = eqx_ckpt.CheckpointManager(persistent, local=local)
+    faults("save.start_writes", KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(1, _tree(1))
+    faults("save.start_writes", lambda loc: None)
+    assert manager.tier_steps() == {"local": [], "persistent": []}
+    manager.save(2, _tree(2))
+    manager.close()
+    assert manager.tier_steps() == {"local": [2], "persistent": [2]}
+    assert [name for name in sorted(os.listdir(local)) if name.startswith("step_")] == [_format.step_name(2)]
 
 
 def test_a_process_killed_during_the_copy_leaves_no_persistent_step(tmp_path):
