@@ -531,7 +531,12 @@ class CheckpointManager:
             if state.get(step):
                 delete_step(self._loc, step)  # saved again (`overwrite=True`): the local tier holds the new one
             self._retention.begin(step, self._rules())
-            _tiers.copy_step(self._local_loc().joined(step_name(step)), self._loc.joined(step_name(step)), step)
+            # On a local disk, chunk files equal to the newest step's are shared with it.
+            before = max((s for s, committed in state.items() if committed and s != step), default=None)
+            previous = None if before is None or not self.share else self._loc.joined(step_name(before))
+            _tiers.copy_step(
+                self._local_loc().joined(step_name(step)), self._loc.joined(step_name(step)), step, previous
+            )
         except BaseException:
             self._undo(step)
             raise

@@ -24,7 +24,7 @@ from .._base._errors import (
 from .._base._location import Location, location
 from .._ondisk._format import MANIFEST, step_name
 from .._save._background import PendingSave
-from .._store import _storage, _storage_errors
+from .._store import _durable, _share, _storage, _storage_errors
 from .._store._local_paths import local_real_path
 
 # How many bytes of files a copy reads ahead of the writes that finished.
@@ -64,10 +64,13 @@ def _inside(path: str, folder: str) -> bool:
     return path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
-def copy_step(source: Location, target: Location, step: int) -> None:
+def copy_step(source: Location, target: Location, step: int, previous: Location | None = None) -> None:
     """Copy the committed step folder `source` (local) to `target`: every
     file, the manifest last, so `target` is committed only once it is whole.
-    Each write is tried `ATTEMPTS` times; then the error names the file."""
+    Each write is tried `ATTEMPTS` times; then the error names the file. With
+    `previous` (the newest committed step of a local `target`'s directory),
+    a chunk file equal to its file of the same name is shared (a hard link),
+    as a manager's incremental saves share them."""
     manifest = _read_local(source, MANIFEST, step)
     if manifest is None:
         raise CheckpointError(
@@ -78,6 +81,7 @@ def copy_step(source: Location, target: Location, step: int) -> None:
     names = [name for name in _storage.list_files(source) if name != MANIFEST]
     writing: list[tuple[str, bytes, Any]] = []
     ahead = 0
+    linked: set[str] = set()  # the folders a link was made in
     for name in names:
         data = _read_local(source, name, step)
         if data is None:
@@ -86,13 +90,26 @@ def copy_step(source: Location, target: Location, step: int) -> None:
                 f"the persistent tier, so the step was not copied.",
                 path=source.display,
             )
+        if _shared(previous, target, name, data):
+            linked.add(os.path.dirname(os.path.join(target.local or "", *name.split("/"))))
+            continue
         writing.append((name, data, _start(target, name, data, step)))
         ahead += len(data)
         if ahead >= COPY_WINDOW:
             _finish(target, writing, step)
             writing, ahead = [], 0
     _finish(target, writing, step)
+    for folder in sorted(linked):
+        _durable.fsync(folder)  # the links' names, before the manifest commits the step
     _write(target, MANIFEST, manifest, _start(target, MANIFEST, manifest, step, now=True), step)
+
+
+def _shared(previous: Location | None, target: Location, name: str, data: bytes) -> bool:
+    """Whether the chunk file `name` was shared with `previous`'s (a hard link)."""
+    if previous is None or previous.local is None or target.local is None or "c" not in name.split("/")[:-1]:
+        return False
+    parts = name.split("/")
+    return _share.link_if_equal(os.path.join(previous.local, *parts), os.path.join(target.local, *parts), data)
 
 
 def _read_local(source: Location, name: str, step: int) -> bytes | None:

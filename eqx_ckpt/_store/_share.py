@@ -29,7 +29,7 @@ from .._base import _faults, _state
 from .._base._errors import IntegrityError
 from .._ondisk import _format, _manifest
 from .._ondisk._format import LeafRecord, PackRecord
-from ._local_paths import READ_FLAGS, local_stat, local_walk
+from ._local_paths import READ_FLAGS, SpecialFileError, local_open, local_stat, local_walk
 
 
 class Base:
@@ -210,6 +210,24 @@ def link(source: str, path: str, verified: Verified) -> bool:
         pass
     os.unlink(path)
     return False
+
+
+def link_if_equal(source: str, path: str, data: bytes) -> bool:
+    """A copy's file shared: hard-link the new `path` to `source` (the same file
+    of an earlier copy, on a local disk) if `source` holds exactly `data`, now
+    and once linked; whether it did. Otherwise nothing is left at `path`
+    (a manager's tiers: `_tiers.copy_step`)."""
+    try:
+        entry = local_stat(source, follow=False)
+        if not stat.S_ISREG(entry.st_mode) or entry.st_size != len(data):
+            return False
+        with local_open(source) as f:
+            if f.read(len(data) + 1) != data:
+                return False
+    except (OSError, SpecialFileError):
+        return False
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return link(source, path, Verified(b"", _key(entry)))
 
 
 def forget_damaged(error: BaseException, root: str, record: LeafRecord) -> BaseException:

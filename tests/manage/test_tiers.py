@@ -388,3 +388,31 @@ def test_ls_and_info_say_which_steps_each_tier_holds(tmp_path, capsys, monkeypat
     # Without `--local`: the persistent tier, an ordinary manager directory.
     assert main(["ls", "run"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("3 steps in a CheckpointManager directory")
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_a_copy_shares_unchanged_chunk_files_with_the_newest_persistent_step(tmp_path, share):
+    local, persistent = tmp_path / "local", tmp_path / "persistent"
+    frozen = jnp.arange(500_000, dtype=jnp.float32)  # a frozen base: the same bytes at every step
+
+    def tree(step):
+        return {"frozen": frozen, "damaged": frozen + 1, "head": frozen + step}
+
+    def chunk(step, name):
+        return persistent / _format.step_name(step) / name / "c" / "0"
+
+    with eqx_ckpt.CheckpointManager(persistent, local=local, persistent_every=2, share=share) as manager:
+        for step in range(3):
+            manager.save(step, tree(step))
+            if step == 0:
+                manager.wait_until_finished()
+                # A byte changed in the persistent step 0: step 2 must not share that file.
+                damaged = bytearray(chunk(0, "damaged").read_bytes())
+                damaged[100] ^= 1
+                chunk(0, "damaged").write_bytes(bytes(damaged))
+    assert chunk(2, "frozen").stat().st_nlink == (2 if share else 1)
+    assert (chunk(2, "frozen").stat().st_ino == chunk(0, "frozen").stat().st_ino) == share
+    assert chunk(2, "damaged").stat().st_nlink == 1 and chunk(2, "head").stat().st_nlink == 1
+    restored = eqx_ckpt.CheckpointManager(persistent).restore(tree(0), step=2)
+    assert tree_equal(restored, tree(2), typematch=True)
+    assert eqx_ckpt.verify(str(persistent / _format.step_name(2))) == []
