@@ -917,7 +917,7 @@ class CheckpointManager:
                 f"Step {step} of the local tier ({loc.display!r}) could not be loaded ({e}); it was loaded from "
                 f"the persistent tier ({self.directory!r}) instead.",
                 IntegrityWarning,
-                stacklevel=4,
+                stacklevel=3,  # the caller of `restore` or `restore_or_initialise`
             )
             return load(self._loc.joined(step_name(step)))
 

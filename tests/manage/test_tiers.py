@@ -122,8 +122,11 @@ def test_a_damaged_local_step_is_loaded_from_the_persistent_tier_or_refused(tmp_
                 path.unlink() if path.is_file() else path.rmdir()
             folder.rmdir()
     manager = eqx_ckpt.CheckpointManager(persistent, local=local, persistent_every=2)
-    with pytest.warns(eqx_ckpt.IntegrityWarning, match=r"Step 2 of the local tier .* loaded from the persistent tier"):
+    with pytest.warns(
+        eqx_ckpt.IntegrityWarning, match=r"Step 2 of the local tier .* loaded from the persistent tier"
+    ) as caught:
         assert tree_equal(manager.restore(_like(), step=2), _tree(2), typematch=True)
+    assert caught[0].filename == __file__  # said where `restore` was called
     # Step 3 is in the local tier alone: never returned damaged.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
