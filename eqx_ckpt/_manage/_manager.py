@@ -229,7 +229,7 @@ class CheckpointManager:
         if local is not None:
             _tiers.check_local(local, self._loc)
             self._local = CheckpointManager(local, max_to_keep=keep, blocking=self.blocking, share=self.share)
-        self._upload: _tiers.Upload | None = None  # the persistent copy in flight, or the last one
+        self._upload: PendingSave | None = None  # the persistent copy in flight, or the last one
         self._upload_error: BaseException | None = None  # a failed copy's error, raised once
         self._preempted_step: int | None = None  # the step `reached_preemption` answered True for
 
@@ -304,9 +304,13 @@ class CheckpointManager:
 
     def _step_loc(self, step: int) -> Location:
         """Where `step` is read from: the local tier if it holds it, committed, else `directory`."""
+        return self._tier_of(step).joined(step_name(step))
+
+    def _tier_of(self, step: int) -> Location:
+        """The manager directory `step` is read from: the local tier's if it holds it, committed, else `directory`."""
         if self._local is not None and step in self._local.all_steps():
-            return self._local._loc.joined(step_name(step))
-        return self._loc.joined(step_name(step))
+            return self._local_loc()
+        return self._loc
 
     def all_steps(self) -> list[int]:
         """The committed steps, sorted. A save in flight or interrupted is not one.
@@ -364,9 +368,7 @@ class CheckpointManager:
         return self._metrics(step)
 
     def _metrics(self, step: int) -> dict[str, Any]:
-        if self._local is not None and step in self._local.all_steps():
-            return self._local.metrics(step)
-        return read_metrics(self._loc, step)
+        return read_metrics(self._tier_of(step), step)
 
     @_one_at_a_time
     def save(
@@ -498,13 +500,7 @@ class CheckpointManager:
             return
         local_save = self._local._pending
         self._local._retention.held.add(step)  # the local step stays while it is copied
-        previous = self._upload
-        if previous is not None:
-            # One copy at a time: a link slower than the saves holds training here.
-            try:
-                previous.wait()
-            except Exception as e:
-                self._upload_error = self._upload_error or e
+        self._finish_upload()  # one copy at a time: a link slower than the saves holds training here
 
         def upload() -> None:
             if local_save is not None:
@@ -517,7 +513,7 @@ class CheckpointManager:
             except Exception as e:
                 raise _tiers.upload_error(step, self._local_loc(), self._loc, e) from e
 
-        self._upload = _tiers.Upload(step, upload)
+        self._upload = PendingSave(upload)
 
     def _local_loc(self) -> Location:
         assert self._local is not None
@@ -546,20 +542,24 @@ class CheckpointManager:
         with self._local._lock:  # the local steps this copy held go now, not at the next save
             self._local._apply_retention()
 
-    def _uploading(self) -> _tiers.Upload | None:
+    def _uploading(self) -> PendingSave | None:
         """The persistent copy still in flight, if any."""
         upload = self._upload
         return None if upload is None or upload.done() else upload
 
-    def _raise_upload_error(self) -> None:
-        """Raise (once) the error of a persistent copy that failed."""
-        upload = self._upload
-        if upload is not None and upload.done():
-            self._upload = None
+    def _finish_upload(self) -> None:
+        """Wait for the persistent copy (if any), and keep its error for `_raise_upload_error`."""
+        upload, self._upload = self._upload, None
+        if upload is not None:
             try:
                 upload.wait()
             except Exception as e:
                 self._upload_error = self._upload_error or e
+
+    def _raise_upload_error(self) -> None:
+        """Raise (once) the error of a persistent copy that failed and has finished."""
+        if self._upload is not None and self._upload.done():
+            self._finish_upload()
         error, self._upload_error = self._upload_error, None
         if error is not None:
             raise error
@@ -608,12 +608,7 @@ class CheckpointManager:
         with self._lock:
             if self._local is not None:
                 self._local.wait_until_finished()
-                upload = self._upload
-                if upload is not None:
-                    try:
-                        upload.wait()
-                    except Exception as e:
-                        self._upload_error = self._upload_error or e
+                self._finish_upload()
                 self._raise_upload_error()
             pending = self._pending
             if pending is None:
@@ -905,8 +900,9 @@ class CheckpointManager:
         """`load(loc)` of `step` from the nearest tier that holds it. A local
         step that fails its checks (or that its storage would not serve) is
         never returned: the persistent one is loaded instead, if there is one."""
-        loc = self._step_loc(step)
-        if self._local is None or step not in self._local.all_steps():
+        tier = self._tier_of(step)
+        loc = tier.joined(step_name(step))
+        if tier is self._loc:
             return load(loc)
         try:
             return load(loc)

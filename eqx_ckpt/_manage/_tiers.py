@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 from .._base import _faults
@@ -23,7 +22,6 @@ from .._base._errors import (
 )
 from .._base._location import Location, location
 from .._ondisk._format import MANIFEST, step_name
-from .._save._background import PendingSave
 from .._store import _durable, _share, _storage, _storage_errors
 from .._store._local_paths import local_real_path
 
@@ -161,21 +159,6 @@ def _write(target: Location, name: str, data: bytes, first: Any, step: int) -> N
                 if isinstance(e, CheckpointError):
                     raise
                 raise _storage_errors.write_error(target, name, e) from e
-
-
-class Upload:
-    """The persistent copy of one step, in a background thread (`PendingSave`:
-    a program that ends waits for it); its error is raised once."""
-
-    def __init__(self, step: int, run: Callable[[], None]):
-        self.step = step
-        self._pending = PendingSave(run)
-
-    def done(self) -> bool:
-        return self._pending.done()
-
-    def wait(self) -> None:
-        self._pending.wait()
 
 
 def upload_error(step: int, local: Location, persistent: Location, error: Exception) -> CheckpointError:

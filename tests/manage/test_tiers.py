@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from arrays import tree_equal
+from disk import snapshot
 
 import eqx_ckpt
 from eqx_ckpt._base._location import location
@@ -43,17 +44,6 @@ def _tree(step):
 
 def _like():
     return _tree(0)
-
-
-def _files(folder):
-    """Every file below `folder`: relative path -> bytes."""
-    found = {}
-    for root, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                found[os.path.relpath(path, folder)] = f.read()
-    return found
 
 
 @pytest.fixture(params=["disk", "s3"])
@@ -86,7 +76,7 @@ def test_every_step_goes_to_the_local_tier_and_every_nth_is_copied(tmp_path, per
         assert eqx_ckpt.verify(location(persistent).joined(_format.step_name(step)).kvstore) == []
     if not isinstance(persistent, dict):
         # A copy, byte for byte, of the local step.
-        assert _files(os.path.join(persistent, _format.step_name(6))) == _files(local / _format.step_name(6))
+        assert snapshot(os.path.join(persistent, _format.step_name(6))) == snapshot(local / _format.step_name(6))
 
 
 def test_restore_takes_the_newest_step_of_either_tier_from_the_nearest(tmp_path, persistent):
@@ -185,7 +175,7 @@ def test_a_copy_that_keeps_failing_is_named_once_and_leaves_nothing_half_there(t
     manager = eqx_ckpt.CheckpointManager(persistent, local=local, persistent_every=2, local_max_to_keep=1)
     manager.save(0, _tree(0))
     manager.wait_until_finished()
-    assert sorted(_files(local / _format.step_name(0))) == sorted(
+    assert sorted(snapshot(local / _format.step_name(0))) == sorted(
         [*_STEP_FILES, "packed.float32/zarr.json", "packed.int64/c/0", "packed.int64/zarr.json"]
     )
     faults("tiers.copy_file", lambda step, name: step != 2 or name != failing or _raise(OSError("link down")))
