@@ -46,10 +46,11 @@ SILENT_SECONDS = 10.0
 # One wait for a process's barrier key, between checks of its heartbeat.
 _WAIT_MS = 1000
 
-# Saves (and restores that share reads) are numbered in the order each process
-# makes them. That order is the same in every process, so the n-th save's
-# barriers have the same names everywhere.
-_numbers = types.MappingProxyType({"save": itertools.count(), "restore": itertools.count()})
+# Saves (and restores that share reads, a tiered manager's copies of its parts
+# and its agreements on them) are numbered in the order each process makes
+# them. That order is the same in every process, so the n-th save's barriers
+# have the same names everywhere.
+_numbers = types.MappingProxyType({what: itertools.count() for what in ("save", "restore", "copy", "tiers")})
 
 
 def _client() -> Any:
@@ -115,8 +116,7 @@ class Group:
         failed = sorted((int(k.rsplit("/", 1)[-1]), v) for k, v in client.key_value_dir_get(f"{key}/") if v)
         if failed:
             lines = "\n".join(f"  - process {i}: {message}" for i, message in failed)
-            saving = self.what == "save"
-            doing, outcome = ("Saving", "nothing was committed") if saving else ("Loading", "nothing was loaded")
+            doing, outcome = _FAILED[self.what]
             return CheckpointError(f"{doing} failed in {len(failed)} other process(es), so {outcome}:\n{lines}")
         if plan is None:
             return None
@@ -182,7 +182,7 @@ def _late(client: Any, key: str, count: int, stage: _Stage) -> CheckpointError:
     """The error of a barrier that some processes, still running, did not reach in time."""
     arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(f"{key}/")}
     missing = [index for index in range(count) if index not in arrived]
-    call = "save with the same tree" if stage.what == "save" else "load with the same `like`"
+    call = _CALLS[stage.what]
     who = f"Process {missing[0]}" if len(missing) == 1 else f"Processes {', '.join(map(str, missing))}"
     still = "it is" if len(missing) == 1 else "they are"
     return CheckpointError(
@@ -198,11 +198,7 @@ def _lost(client: Any, index: int, count: int, stage: _Stage) -> CheckpointError
         where = f"after stage {stage.passed!r}" if stage.passed else "before its first stage"
         what = f"stopped answering during the {stage.what}, {where} ({silent}): it was killed or crashed"
     else:
-        call = (
-            "the save, or as the save started"
-            if stage.what == "save"
-            else "the load, or in the load before its shared reads"
-        )
+        call = _BEFORE[stage.what]
         what = (
             f"never joined the {stage.what}: it stopped answering before it began it ({silent}). It was killed or "
             f"crashed before it called {call}"
@@ -222,12 +218,46 @@ def _has(client: Any, key: str) -> bool:
 
 
 def _outcome(stage: _Stage) -> str:
-    """What a save or restore that stopped at `stage` left."""
+    """What a save, restore, copy or agreement that stopped at `stage` left."""
     if stage.what == "restore":
         return "Nothing was loaded."
+    if stage.what == "tiers":
+        return "No step was chosen."
+    if stage.what == "copy":
+        if stage.name == "committed":
+            return "Process 0 may have committed the step there: list the persistent tier's steps to see."
+        return "Nothing of the step was committed in the persistent tier; the local tiers keep it."
     if stage.name == "committed":
         return "Process 0 may have committed it: load the checkpoint to see which save it holds."
     return "Nothing was committed: the checkpoint saved before is unchanged."
+
+
+# How each kind of group's errors speak of it: what failed and what that left,
+# what every process must call, and what a process that never joined had not reached.
+_FAILED = types.MappingProxyType(
+    {
+        "save": ("Saving", "nothing was committed"),
+        "restore": ("Loading", "nothing was loaded"),
+        "copy": ("Copying a local step to the persistent tier", "nothing of it was committed there"),
+        "tiers": ("Listing the local tier's steps", "no step was chosen"),
+    }
+)
+_CALLS = types.MappingProxyType(
+    {
+        "save": "save with the same tree",
+        "restore": "load with the same `like`",
+        "copy": "save the same steps with a manager of the same `persistent_every`",
+        "tiers": "list the steps (or restore) of its tiered manager",
+    }
+)
+_BEFORE = types.MappingProxyType(
+    {
+        "save": "the save, or as the save started",
+        "restore": "the load, or in the load before its shared reads",
+        "copy": "the save of the step, or as its copy started",
+        "tiers": "the manager's first listing of its steps",
+    }
+)
 
 
 class _Silence:

@@ -56,12 +56,19 @@ def on_one_device(x: jax.Array) -> bool:
 
 
 def host_pieces(
-    x: Any, chunks: tuple[int, ...] | None = None, itemsize: int = 1, *, deal: Deal | None = None, path: str = ""
+    x: Any,
+    chunks: tuple[int, ...] | None = None,
+    itemsize: int = 1,
+    *,
+    deal: Deal | None = None,
+    path: str = "",
+    part: bool = False,
 ) -> list[tuple[tuple[slice, ...], Any]]:
     """(region, data) for every piece this process writes: a `jax.Array`, a
     `Deferred` slice of one, or NumPy data as it is. Replicated data is written
     once. With several processes, each region is cut between its holders
-    (`slices`, on the chunk grid `chunks`) and its slices dealt (`deal`)."""
+    (`slices`, on the chunk grid `chunks`) and its slices dealt (`deal`); a
+    process's own `part` (a local tier's) holds every region it addresses, whole."""
     if not isinstance(x, jax.Array):
         return [((), np.asarray(x))]
     if on_one_device(x):
@@ -70,7 +77,20 @@ def host_pieces(
         return [((), x.addressable_data(0))]  # one replica, on its one device
     if x.is_fully_addressable:
         return [(shard.index, shard.data) for shard in x.addressable_shards if shard.replica_id == 0]
+    if part:
+        return list(own_regions(x).values())
     return _share(x, chunks, itemsize, deal if deal is not None else Deal(), path)
+
+
+def own_regions(x: jax.Array) -> dict[Region, tuple[tuple[slice, ...], jax.Array]]:
+    """Every region of `x` this process addresses, once (its first device's shard of it), by region."""
+    shape = tuple(x.shape)
+    regions: dict[Region, tuple[tuple[slice, ...], jax.Array]] = {}
+    for shard in x.addressable_shards:
+        region = region_key(shard.index, shape)
+        if region not in regions:
+            regions[region] = (tuple(slice(a, b) for a, b in region), shard.data)
+    return regions
 
 
 # A region of a leaf may be held by several processes: a replicated leaf, or a

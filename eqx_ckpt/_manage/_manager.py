@@ -32,6 +32,7 @@ from .._base._errors import (
 from .._base._location import Location, location, writable
 from .._base._progress import Progress
 from .._foreign import _orbax
+from .._hosts import _multihost
 from .._load._deserialise import default_deserialise_filter_spec, deserialise
 from .._load._load_plan import LoadOptions
 from .._ondisk._format import MANAGER_LEASE, metrics_name as _metrics_name, step_name
@@ -200,6 +201,9 @@ class CheckpointManager:
         self._lease: _lease.Lease | None = None
         self._preemption = _preemption.Preemption()
         self._followed: set[int] = set()  # the steps `wait_for_new_step` returned
+        # Whether this is a local tier's manager of one process of several: each
+        # process then saves, keeps and deletes its own part of each step here.
+        self._own_part = False
         self._init_tiers(local, persistent_every, local_max_to_keep, peers)
 
     def _init_tiers(self, local: Any, every: int | None, keep: int, peers: int) -> None:
@@ -226,9 +230,14 @@ class CheckpointManager:
         self.local_max_to_keep, self.peers = keep, peers
         # The local tier: a manager of its own (saves, leases, retention), or None.
         self._local: CheckpointManager | None = None
+        # With several processes, the local steps whole across every process's
+        # tier: agreed at the first listing (`_tiers.agree`), then each step saved.
+        self._parts = local is not None and jax.process_count() > 1
+        self._whole: set[int] | None = None
         if local is not None:
             _tiers.check_local(local, self._loc)
             self._local = CheckpointManager(local, max_to_keep=keep, blocking=self.blocking, share=self.share)
+            self._local._own_part = self._local._retention.own = self._parts
         self._upload: PendingSave | None = None  # the persistent copy in flight, or the last one
         self._upload_error: BaseException | None = None  # a failed copy's error, raised once
         self._preempted_step: int | None = None  # the step `reached_preemption` answered True for
@@ -280,9 +289,14 @@ class CheckpointManager:
                     finally:
                         self._preemption.close()
 
+    def _primary(self) -> bool:
+        """Whether this process writes and deletes the manager's own files:
+        process 0, or every process in its own part of a local tier."""
+        return self._own_part or primary()
+
     def _hold_directory(self) -> None:
         """Take the directory's lease (once): only one manager writes here."""
-        if self._lease is None and primary():
+        if self._lease is None and self._primary():
             _durable.ensure_directory(self._loc)
             self._lease, _ = _lease.acquire(self._loc, MANAGER_LEASE, what="CheckpointManager", journal=False)
 
@@ -308,16 +322,29 @@ class CheckpointManager:
 
     def _tier_of(self, step: int) -> Location:
         """The manager directory `step` is read from: the local tier's if it holds it, committed, else `directory`."""
-        if self._local is not None and step in self._local.all_steps():
+        if self._local is not None and step in self._local_steps():
             return self._local_loc()
         return self._loc
 
+    def _local_steps(self) -> list[int]:
+        """The steps committed in the local tier; with several processes,
+        those whole there: committed in every process's part (`_tiers.agree`)."""
+        assert self._local is not None
+        steps = self._local.all_steps()
+        if not self._parts:
+            return steps
+        if self._whole is None:
+            self._whole = _tiers.agree(steps, self._loc)
+        return [step for step in steps if step in self._whole]
+
     def all_steps(self) -> list[int]:
         """The committed steps, sorted. A save in flight or interrupted is not one.
-        With a local tier: the steps committed in either tier."""
+        With a local tier: the steps committed in either tier (with several
+        processes, in every process's local tier: the first call, in every
+        process, agrees on them)."""
         steps = committed_steps(self._loc)
         if self._local is not None:
-            steps = sorted(set(steps) | set(self._local.all_steps()))
+            steps = sorted(set(steps) | set(self._local_steps()))
         return steps
 
     def tier_steps(self) -> dict[str, list[int]]:
@@ -432,7 +459,7 @@ class CheckpointManager:
                     path=self.directory,
                 )
             # The metrics go into the step's manifest: a leftover file of version 1 is stale now.
-            if state.get(step) and primary() and written_metrics(self._loc, step):
+            if state.get(step) and self._primary() and written_metrics(self._loc, step):
                 _storage.remove(self._loc, [_metrics_name(step)])
             self._retention.begin(step, self._rules())
         handoff = _serialise.Handoff()
@@ -455,6 +482,7 @@ class CheckpointManager:
                 handoff=handoff,
                 follows=follows,
                 followed=True,
+                part=self._own_part,
             )
             pending = _serialise.save(self._loc.joined(step_name(step)), pytree, filter_spec, is_leaf, options)
             _faults.fire("manager.save_returned", step, pending)
@@ -485,31 +513,35 @@ class CheckpointManager:
         """Save to the local tier; if `step` is due, copy it to `directory` in the background."""
         self._raise_upload_error()
         step = check_step(step)
-        if jax.process_count() > 1:
-            raise CheckpointValueError(
-                f"A local tier (`local={self.local!r}`) with {jax.process_count()} JAX processes is not supported "
-                f"yet: each host would hold only its own part. Save without `local=`, to the shared directory "
-                f"{self.directory!r}.",
-                path=self.directory,
-            )
         assert self._local is not None and self.persistent_every is not None
         with _storage_errors.explained(self._loc, f"Saving step {step} to"):
             self._hold_directory()  # taken here, in the caller's thread: a second run's save fails at once
+        if self._parts and step not in self._local_steps() and step in self._local.all_steps():
+            # This process's part of a step some other process's part is missing
+            # from (a save that failed there): never restored, so replaced.
+            options["overwrite"] = True
         self._local.save(step, pytree, metrics, **options)
+        if self._whole is not None:
+            self._whole.add(step)
         if step % self.persistent_every != 0 and step != self._preempted_step:
             return
         local_save = self._local._pending
         self._local._retention.held.add(step)  # the local step stays while it is copied
         self._finish_upload()  # one copy at a time: a link slower than the saves holds training here
+        # Made here, in the same order in every process, so that their copies meet at the same barriers.
+        group = _multihost.Group("copy") if self._parts else None
 
         def upload() -> None:
+            failed: BaseException | None = None
             if local_save is not None:
                 try:
                     local_save.wait()
-                except BaseException:
-                    return  # the local save failed: the manager raises its error; there is nothing to copy
+                except BaseException as e:
+                    if group is None:
+                        return  # the local save failed: the manager raises its error; there is nothing to copy
+                    failed = e  # the other processes learn it at the copy's first barrier
             try:
-                self._copy_to_persistent(step)
+                self._copy_to_persistent(step, group, failed)
             except Exception as e:
                 raise _tiers.upload_error(step, self._local_loc(), self._loc, e) from e
 
@@ -519,20 +551,36 @@ class CheckpointManager:
         assert self._local is not None
         return self._local._loc
 
-    def _copy_to_persistent(self, step: int) -> None:
-        """In the upload's thread: copy the committed local `step` to `directory`, then apply retention there."""
+    def _copy_to_persistent(
+        self, step: int, group: _multihost.Group | None = None, failed: BaseException | None = None
+    ) -> None:
+        """In the upload's thread: copy the committed local `step` to
+        `directory`, then apply retention there. With several processes
+        (`group`), process 0 prepares `directory` and each process copies its
+        part (`_tiers.copy_parts`); `failed`: this process's local save's error."""
         assert self._local is not None
         try:
-            state = self._tidy(step)
-            if state.get(step):
-                delete_step(self._loc, step)  # saved again (`overwrite=True`): the local tier holds the new one
-            self._retention.begin(step, self._rules())
+            error = failed
+            if error is None and self._primary():
+                try:
+                    state = self._tidy(step)
+                    if state.get(step):
+                        delete_step(self._loc, step)  # saved again (`overwrite=True`): the local tier holds the new one
+                    self._retention.begin(step, self._rules())
+                except Exception as e:
+                    error = e
+            if group is not None:
+                error = group.sync("prepared", error)
+            if error is not None:
+                raise error
             # On a local disk, chunk files equal to the newest step's are shared with it.
-            before = max((s for s, committed in state.items() if committed and s != step), default=None)
+            before = max((s for s in committed_steps(self._loc) if s != step), default=None)
             previous = None if before is None or not self.share else self._loc.joined(step_name(before))
-            _tiers.copy_step(
-                self._local_loc().joined(step_name(step)), self._loc.joined(step_name(step)), step, previous
-            )
+            source, target = self._local_loc().joined(step_name(step)), self._loc.joined(step_name(step))
+            if group is None:
+                _tiers.copy_step(source, target, step, previous)
+            else:
+                _tiers.copy_parts(source, target, step, previous, group)
         except BaseException:
             self._undo(step)
             raise
@@ -572,7 +620,7 @@ class CheckpointManager:
         if self._lease is not None:
             self._lease.check()
         state = scan(self._loc)
-        foreign = clean_interrupted(self._loc, state)
+        foreign = clean_interrupted(self._loc, state, own=self._own_part)
         for name, what in foreign:
             if name == step_name(step):
                 raise CheckpointExistsError(
@@ -597,7 +645,7 @@ class CheckpointManager:
         """After a failed save: a step folder this save created, and that holds
         no committed checkpoint, goes. A committed step is never deleted here."""
         _faults.fire("manager.undo", step)
-        if primary() and not scan(self._loc).get(step, False):
+        if self._primary() and not scan(self._loc).get(step, False):
             _storage.remove(self._loc, [step_name(step)])
 
     def wait_until_finished(self) -> None:
@@ -797,7 +845,7 @@ class CheckpointManager:
             strict=strict,
             cast=cast,
             lazy=lazy,
-            read_once=read_once,
+            read_once=self._reads_once(read_once),
             progress=progress,
             trust=trust,
             check_init=check_init,
@@ -887,7 +935,7 @@ class CheckpointManager:
             strict=strict,
             cast=cast,
             lazy=lazy,
-            read_once=read_once,
+            read_once=self._reads_once(read_once),
             progress=progress,
             token=token,
             base=base,
@@ -895,6 +943,20 @@ class CheckpointManager:
         return step, self._load_nearest(
             step, lambda loc: _initialise.initialise_unloaded(loc, init, filter_spec, is_leaf, options)
         )
+
+    def _reads_once(self, read_once: bool | None) -> bool | None:
+        """`read_once` for a restore: never shared between the processes of a
+        tiered manager, each of which may read its part from its own tier."""
+        if not self._parts:
+            return read_once
+        if read_once:
+            raise CheckpointValueError(
+                f"`read_once=True` shares reads between the processes, but each process of a manager with a local "
+                f"tier (`local={self.local!r}`) reads its own part, from its own tier. Restore with "
+                f"`read_once=None` or `False`.",
+                path=self.directory,
+            )
+        return False
 
     def _load_nearest(self, step: int, load: Callable[[Location], PyTree]) -> PyTree:
         """`load(loc)` of `step` from the nearest tier that holds it. A local
@@ -973,7 +1035,7 @@ class CheckpointManager:
         with _storage_errors.explained(self._loc, "Deleting steps from"):
             self._hold_directory()  # deleting steps is writing: one manager at a time
         later = [s for s in self.all_steps() if s > step]
-        if primary():
+        if self._primary():
             for s in committed_steps(self._loc):
                 if s > step:
                     delete_step(self._loc, s)

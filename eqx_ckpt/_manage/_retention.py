@@ -92,13 +92,16 @@ class Retention:
         # Steps kept whatever the rules say: a local tier's step while it is
         # copied to the persistent tier (`_tiers`).
         self.held: set[int] = set()
+        # Whether this process applies the rules: process 0, or each process
+        # to its own local tier (`own`).
+        self.own = False
 
     def begin(self, step: int, rules: Rules) -> None:
         """Before saving `step`: record that it is the manager's own, so that a
         process killed after the commit and before retention ran leaves a step
         the next manager with the same rules knows for its own (and prunes)."""
         self._saving.add(step)
-        if not primary() or rules.adopt_steps or not rules.any():
+        if not (self.own or primary()) or rules.adopt_steps or not rules.any():
             return
         try:
             governed = self._read(rules)
@@ -109,7 +112,7 @@ class Retention:
     def apply(self, rules: Rules, saved: int | None) -> list[int]:
         """Delete the governed steps no rule keeps (never the one just `saved`),
         and record the ones left; the other steps the rules would drop, once."""
-        if not rules.any() or not primary():
+        if not rules.any() or not (self.own or primary()):
             return []
         steps = committed_steps(self._loc)
         governed = set(steps) if rules.adopt_steps else self._governed(steps, rules, saved)

@@ -78,12 +78,13 @@ def committed_steps(loc: Location) -> list[int]:
     return sorted(step for step, committed in scan(loc).items() if committed)
 
 
-def clean_interrupted(loc: Location, state: dict[int, bool]) -> list[tuple[str, str]]:
+def clean_interrupted(loc: Location, state: dict[int, bool], *, own: bool = False) -> list[tuple[str, str]]:
     """Remove what interrupted saves left: step folders without a manifest
     that hold only files a save writes, and metrics files a version 1 manager
     wrote without a committed step. The entries named like a step that are not
-    the manager's to remove stay, and are returned as `(name, what it is)`."""
-    if not primary():
+    the manager's to remove stay, and are returned as `(name, what it is)`.
+    Process 0 does, or each process in a directory of its `own`."""
+    if not (own or primary()):
         return []
     names = _storage.list_names(loc)
     stale, foreign = [], _not_folders(loc, names)

@@ -6,6 +6,13 @@ The local tier is an ordinary manager directory (`local`: a RAM disk such as
 never reads the devices again: a background thread copies the committed local
 step's files, the manifest last, so the persistent step is committed only once
 every file is there (docs/manager.md, "Tiers").
+
+With several JAX processes, each process's local tier holds its own part of
+each step: every leaf, and every region of a sharded one it addresses (a
+save of its own, `SaveOptions.part`). A step is whole in the local tier where
+every process committed its part: the processes agree on which steps are
+(`agree`), and copy their parts to the shared persistent directory together
+(`copy_parts`), each file once, process 0 writing the manifest last.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from .._base._errors import (
     CheckpointValueError,
 )
 from .._base._location import Location, location
+from .._hosts import _multihost
 from .._ondisk._format import MANIFEST, step_name
 from .._store import _durable, _share, _storage, _storage_errors
 from .._store._local_paths import local_real_path
@@ -36,6 +44,11 @@ PAUSES = (0.2, 1.0)
 # The local tier keeps this many steps, by default (besides one still being
 # copied to the persistent tier).
 LOCAL_KEEP = 2
+
+# How long the processes of a tiered manager wait for each other to agree on
+# the local steps that are whole, in seconds (a process killed outright is
+# named sooner: `_multihost.SILENT_SECONDS`).
+AGREE_SECONDS = 300.0
 
 
 def check_local(local: Any, persistent: Location) -> None:
@@ -69,6 +82,14 @@ def copy_step(source: Location, target: Location, step: int, previous: Location 
     `previous` (the newest committed step of a local `target`'s directory),
     a chunk file equal to its file of the same name is shared (a hard link),
     as a manager's incremental saves share them."""
+    manifest = _committed_manifest(source, step)
+    names = [name for name in _storage.list_files(source) if name != MANIFEST]
+    _copy_files(source, target, step, previous, names)
+    _write(target, MANIFEST, manifest, _start(target, MANIFEST, manifest, step, now=True), step)
+
+
+def _committed_manifest(source: Location, step: int) -> bytes:
+    """The manifest of the local step `source`, which must still be committed."""
     manifest = _read_local(source, MANIFEST, step)
     if manifest is None:
         raise CheckpointError(
@@ -76,7 +97,11 @@ def copy_step(source: Location, target: Location, step: int, previous: Location 
             f"to the persistent tier.",
             path=source.display,
         )
-    names = [name for name in _storage.list_files(source) if name != MANIFEST]
+    return manifest
+
+
+def _copy_files(source: Location, target: Location, step: int, previous: Location | None, names: list[str]) -> None:
+    """Copy the files `names` of `source` to `target`, at most `COPY_WINDOW` bytes ahead of the writes."""
     writing: list[tuple[str, bytes, Any]] = []
     ahead = 0
     linked: set[str] = set()  # the folders a link was made in
@@ -99,7 +124,70 @@ def copy_step(source: Location, target: Location, step: int, previous: Location 
     _finish(target, writing, step)
     for folder in sorted(linked):
         _durable.fsync(folder)  # the links' names, before the manifest commits the step
-    _write(target, MANIFEST, manifest, _start(target, MANIFEST, manifest, step, now=True), step)
+
+
+def copy_parts(
+    source: Location, target: Location, step: int, previous: Location | None, group: _multihost.Group
+) -> None:
+    """`copy_step` of every process's part of `step` (`source`: this
+    process's) to the shared `target`, together: each file is copied by the
+    first process whose part holds it, and process 0 writes its manifest
+    (every part's lists every process's state) once every process's files
+    are there. The first error of any process is every process's."""
+    error: BaseException | None = None
+    manifest, names = b"", []
+    try:
+        manifest = _committed_manifest(source, step)
+        names = [name for name in _storage.list_files(source) if name != MANIFEST]
+    except Exception as e:
+        error = e
+    error = group.sync("listed", error, shared="\n".join(names))
+    if error is not None:
+        raise error
+    held = group.gathered("listed", "\n".join(names))
+    first = {}
+    for index in sorted(held, reverse=True):
+        first.update(dict.fromkeys(held[index].split("\n"), index))
+    try:
+        _copy_files(source, target, step, previous, [name for name in names if first.get(name) == group.index])
+    except Exception as e:
+        error = e
+    error = group.sync("copied", error)
+    if error is None and group.primary:
+        try:
+            _write(target, MANIFEST, manifest, _start(target, MANIFEST, manifest, step, now=True), step)
+        except Exception as e:
+            error = e
+    error = group.sync("committed", error)
+    if error is not None:
+        raise error
+
+
+def agree(steps: list[int], persistent: Location) -> set[int]:
+    """The local steps whole across every process's tier: those each process
+    (`steps`: this one's) has committed. Every process calls it; one that
+    does not within `AGREE_SECONDS` is named."""
+    group = _multihost.Group("tiers", timeout=AGREE_SECONDS)
+    own = ",".join(map(str, steps))
+    error = group.sync("listed", None, shared=own)
+    if error is not None:
+        raise error
+    whole = set(steps)
+    for index, text in group.gathered("listed", own).items():
+        whole &= _steps_of(text, index, persistent)
+    return whole
+
+
+def _steps_of(text: str, index: int, persistent: Location) -> set[int]:
+    """The steps process `index` listed (`agree`), checked."""
+    try:
+        return {int(word) for word in text.split(",") if word}
+    except ValueError:
+        raise CheckpointError(
+            f"Process {index} listed its local steps of the run in {persistent.display!r} as {text[:200]!r}, not "
+            f"as step numbers: is it running another version of eqx_ckpt?",
+            path=persistent.display,
+        ) from None
 
 
 def _shared(previous: Location | None, target: Location, name: str, data: bytes) -> bool:

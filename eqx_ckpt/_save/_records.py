@@ -66,15 +66,18 @@ def build(
     *,
     default: Callable[[LeafHandle, Any], None],
     compression: str = "",
+    part: bool = False,
 ) -> list[Pending]:
     """Run the filter specs (one per leaf) and make the record and host pieces
     of every value they write. Nothing is written yet: a bad leaf leaves the
     destination untouched. `default`: the default filter spec, whose work on an
-    array this does without the call or a handle."""
+    array this does without the call or a handle. `part`: this process's own
+    part of a local tier's step, which holds every leaf and every region of
+    one it addresses (`_sharding.host_pieces`)."""
     _faults.fire("save.records", loc)
     paths, records = names.paths, names.records
     _tree.check_unique(names, checkpoint=loc.display)
-    collector = _Collector(loc, names, cast, jax.process_index() == 0, compression)
+    collector = _Collector(loc, names, cast, part or jax.process_index() == 0, compression, part=part)
     add, kinds, as_is = collector.add, _KINDS, _WRITTEN_AS_IS
     i = 0
     try:
@@ -187,6 +190,8 @@ class _Collector:
         cast: Callable[[str, np.dtype], Any] | None,
         primary: bool,
         compression: str,
+        *,
+        part: bool = False,
     ):
         self.pending: list[Pending] = []
         self.collecting = True  # until the specs have run: `pending` is then the save's, and final
@@ -196,6 +201,7 @@ class _Collector:
         self.cast, self.primary = cast, primary
         # Who writes which slice of a leaf several processes hold: one deal for the save's leaves.
         self.deal = _sharding.Deal()
+        self.part = part  # a process's own part: every region it addresses (`build`)
         # (dtype, shape) -> the common leaf's fixed part (`_fixed_part`), worked out once each.
         self._fixed: dict[tuple[Any, tuple[int, ...]], tuple[str | None, tuple[int, ...], int]] = {}
         self.compression = compression
@@ -340,7 +346,7 @@ def _general(handle: LeafHandle, x: Any, keypath: list[list[Any]], collector: _C
     elif isinstance(x, Unread):
         pieces = [((), x.piece())]
     else:
-        pieces = _sharding.host_pieces(x, chunks, itemsize, deal=collector.deal, path=handle.path)
+        pieces = _sharding.host_pieces(x, chunks, itemsize, deal=collector.deal, path=handle.path, part=collector.part)
     pieces = _stored_pieces(handle, x, pieces, logical, encoding)
     record = LeafRecord(
         handle.path,

@@ -23,6 +23,12 @@ A save of one process (`Stages.alone`) is a group of one. Only such a save
 packs small leaves, plans in the background, shares chunk files with an
 earlier save, writes chunk files itself, or uses the OCDBT layout (one
 database has a single writer).
+
+A process's own part of a local tier's step (`SaveOptions.part`) is a save of
+its own directory: every process begins, creates and commits its own, and
+the processes meet only at stage 1 (every part's manifest then records every
+process's iterator states) and at stages 5 and 6, so that a part is committed
+in each process only where every process wrote its own.
 """
 
 from __future__ import annotations
@@ -113,7 +119,9 @@ class SaveOptions:
     save follows this one: record each chunk file's digest, `_share`).
     A merge passes `structure` (the structure record to commit, made from the
     paths of the leaves written) and `keypaths` (each leaf's key path record,
-    by dotted path): its first input's, whose tree it saves as nested dicts."""
+    by dotted path): its first input's, whose tree it saves as nested dicts.
+    A tiered manager with several processes passes `part`: the save is this
+    process's own part of a local step (see the module docstring)."""
 
     overwrite: Any = True
     blocking: Any = True
@@ -130,6 +138,7 @@ class SaveOptions:
     compression: Any = None
     structure: Callable[[set[str]], Any] | None = None
     keypaths: Mapping[str, list[list[Any]]] | None = None
+    part: bool = False
 
 
 def tree_serialise_leaves(
@@ -266,7 +275,7 @@ def save(
     options: SaveOptions,
 ) -> PendingSave | None:
     """`tree_serialise_leaves` at `loc`, with its (or a manager's step's) `options`."""
-    stages = Stages()
+    stages = Stages(part=options.part)
     share = check_flag("share", options.share, "`False` writes every chunk in full")
     overwrite, blocking, cast, budget, planned, expected, iterators = _collect_and_plan(
         loc, stages, pytree, filter_spec, is_leaf, options
@@ -443,7 +452,9 @@ def _plan(
         arrays = plan.arrays(leaves)
         pending = [_records.Pending(r, [((), x)], n) for r, x, n in zip(plan.records, arrays, plan.nbytes, strict=True)]
     else:
-        pending = _records.build(loc, leaves, names, specs, cast, default=default, compression=compression)
+        pending = _records.build(
+            loc, leaves, names, specs, cast, default=default, compression=compression, part=stages.part
+        )
         if stages.alone:
             records, pieces = [p.record for p in pending], [p.pieces for p in pending]
             _records.assign(records, pieces, for_steps=step, compression=compression)
@@ -673,8 +684,9 @@ class Stages:
     """The processes saving one checkpoint (`_multihost.Group`), and the
     stages at which they meet."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, part: bool = False) -> None:
         self._group = _multihost.Group("save")
+        self.part = part and self._group.count > 1
 
     @property
     def alone(self) -> bool:
@@ -709,6 +721,8 @@ class Stages:
         """Stages 2 and 3: the transaction, begun by process 0 (`begin`), joined
         by the others (`join`); aborted once one has failed to join."""
         group = self._group
+        if self.part:
+            return begin()
         if not group.primary:
             self._meet("begin", lambda: (None, None))
             return self._meet("joined", lambda: (join(), None))
@@ -733,6 +747,11 @@ class Stages:
     ) -> list[Any]:
         """Stage 4: the futures of the opened arrays, created by process 0
         (`create`), opened by the others once they exist (`open_arrays`)."""
+        if self.part:
+            value, error = create()
+            if error is not None:
+                raise error
+            return value
         if self._group.primary:
             return self._meet("created", create)
         self._meet("created", lambda: (None, None))
@@ -753,7 +772,8 @@ class Stages:
 
     @property
     def primary(self) -> bool:
-        return self._group.primary
+        """Whether this process writes the manifest and commits: process 0, or each of a part."""
+        return self.part or self._group.primary
 
     def commit(
         self,
@@ -766,18 +786,18 @@ class Stages:
         did; the first error of any process."""
         group = self._group
         error = group.sync("written", error)
-        if error is None and group.primary:
+        if error is None and self.primary:
             error = commit()
         error = group.sync("committed", error)
-        if error is None and group.primary:
+        if error is None and self.primary:
             # Inside the caller's `try`: an interrupt from here on still leaves the
             # checkpoint whole and hands the lease back (`stop`).
             clean()
         return error
 
     def stop(self, stop: Callable[[], None]) -> None:
-        """After a failure, or once the save is over: process 0 ends the transaction."""
-        if self._group.primary:
+        """After a failure, or once the save is over: process 0 (each, for a part) ends the transaction."""
+        if self.primary:
             stop()
 
 

@@ -15,7 +15,13 @@ of a global array sharded over the processes, trained on its batches alone, so
 that no collective is needed; its batches go to OUT/batches.I.json, and only
 process 0 sends itself SIGTERM (the manager stops every process at the same
 step). `--workers=K` reads with K Grain worker processes. `--kill-at=STEP`
-makes it SIGKILL itself once it took the batch of step STEP.
+makes it SIGKILL itself once it took the batch of step STEP. `--local=DIR`
+saves every step to a local tier of its own (`{i}` in DIR is the process's
+index: each process its own folder, as each host its own disk), and
+`--every=K` copies every K-th step to DIRECTORY (tests/manage/test_tier_processes.py).
+`--die-in-commit=STEP`: process 1 SIGKILLs itself as it commits its part of
+step STEP (the others have written theirs, and commit them); the others then
+print `failed: <message>` and exit with status 3.
 """
 
 import gc
@@ -101,11 +107,41 @@ def _step_sharded(state: dict, x: np.ndarray) -> dict:
     return {"w": _rows(_update_row(shard.data, jnp.asarray(x))), "data": state["data"]}
 
 
+def _die_in_commit(step: int):
+    """Arms process 1 to be SIGKILLed as it writes the manifest of its local part of `step`."""
+    from eqx_ckpt._base import _faults
+    from eqx_ckpt._hosts import _multihost
+
+    _multihost.SILENT_SECONDS = 2.0  # the others name it sooner
+
+    def die(loc, name):
+        if jax.process_index() == 1 and loc.display.rstrip("/").endswith(f"{step:08d}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return _faults.armed("commit.manifest_write", die)
+
+
 def main(directory: str, steps: int, out: str, term_at: int | None, options: dict[str, str]) -> None:
+    if "die-in-commit" not in options:
+        _train(directory, steps, out, term_at, options)
+        return
+    with _die_in_commit(int(options["die-in-commit"])):
+        try:
+            _train(directory, steps, out, term_at, options)
+        except eqx_ckpt.CheckpointError as e:
+            print(f"failed: {e}", flush=True)
+            os._exit(3)  # not `jax.distributed`'s exit hook, which waits for the killed process
+
+
+def _train(directory: str, steps: int, out: str, term_at: int | None, options: dict[str, str]) -> None:
     workers = int(options.get("workers", 0))
     sharded = "process" in options
     taken, stop = [], "finished"
-    with eqx_ckpt.CheckpointManager(directory) as manager:
+    tiers = {}
+    if "local" in options:
+        tiers = {"local": options["local"].replace("{i}", str(jax.process_index()))}
+        tiers["persistent_every"] = int(options.get("every", 1))
+    with eqx_ckpt.CheckpointManager(directory, **tiers) as manager:
         state = fresh_sharded(workers) if sharded else fresh(workers)
         latest = manager.latest_step()
         if latest is not None:

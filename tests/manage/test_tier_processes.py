@@ -1,0 +1,147 @@
+"""A local tier with several JAX processes (issue 86): four real
+`jax.distributed` processes on this machine, each with a local directory of
+its own (standing for its own host's RAM disk), the persistent tier shared.
+
+Each run is `iterator_worker.py`: a model sharded by rows over the processes,
+each process reading its own shard of the data, saving at steps 2 and 5 (and
+where it is preempted)."""
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+
+import numpy as np
+import places
+import prefork
+import pytest
+
+import eqx_ckpt
+
+PROCESSES = 4
+STEPS = 7
+WORKER = places.SUPPORT / "iterator_worker.py"
+# The step after whose batch the preempted run sends SIGTERM; print the seed to rerun one.
+SEED = int(os.environ.get("EQX_CKPT_ITERATOR_SEED", random.randrange(2**32)))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """One CPU device a process, this checkout first on the path, one compilation cache for every run."""
+    environ = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    environ.pop("XLA_FLAGS", None)
+    environ["PYTHONPATH"] = os.pathsep.join([str(places.ROOT), *filter(None, [environ.get("PYTHONPATH")])])
+    environ["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax-cache"))
+    environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(2**30)
+    return environ
+
+
+def _run(root, name, env, *flags, term_at=None, codes=0):
+    """One launch of the tiered run in `root` (persistent tier `root/run`,
+    process i's local tier `root/local_i`), its outputs in `root/name`: each
+    process's batches and last line (`None` for a run that ends otherwise:
+    every process's exit status is then `codes`, one or one per process)."""
+    out = root / name
+    out.mkdir()
+    port, launched = places.free_port(), []
+    for i in range(PROCESSES):
+        tiers = [f"--process={i},{PROCESSES},{port}", f"--local={root}/local_{{i}}", *flags]
+        args = [str(WORKER), *tiers, str(root / "run"), str(STEPS), str(out)]
+        log = root / f"{name}.{i}.log"
+        launched.append((prefork.spawn(args + ([] if term_at is None else [str(term_at)]), env=env, output=log), log))
+    try:
+        ended = [process.wait(timeout=240) for process, _ in launched]
+    finally:
+        for process, _ in launched:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    logs = [log.read_text() for _, log in launched]
+    expected = codes if isinstance(codes, list) else [codes] * PROCESSES
+    assert ended == expected, "\n".join(logs)
+    if codes != 0:
+        return logs
+    ends = [re.findall(r"^(finished|preempted at \d+)$", log, re.MULTILINE)[-1:] for log in logs]
+    batches = [json.loads((out / f"batches.{i}.json").read_text()) for i in range(PROCESSES)]
+    return batches, [end[0] if end else log for end, log in zip(ends, logs)]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, env):
+    """An uninterrupted tiered run: each process's batches, and the folder of its final model."""
+    root = tmp_path_factory.mktemp("whole")
+    batches, ends = _run(root, "out", env, "--every=2")
+    assert ends == ["finished"] * PROCESSES
+    return batches, root / "out" / "model"
+
+
+def _resumes(root, env, whole, restored):
+    """A fresh launch in `root` resumes from step `restored`: each process takes
+    the batches an uninterrupted run takes after it, and ends with its model bit for bit."""
+    batches, ends = _run(root, "second", env, "--every=2")
+    assert ends == ["finished"] * PROCESSES
+    for i in range(PROCESSES):
+        assert batches[i] == whole[0][i][restored + 1 :], f"process {i}"
+    ours, theirs = eqx_ckpt.Checkpoint(root / "second" / "model"), eqx_ckpt.Checkpoint(whole[1])
+    assert sorted(ours) == sorted(theirs) and len(ours) == 1
+    for key in ours:
+        assert np.asarray(ours[key]).tobytes() == np.asarray(theirs[key]).tobytes()
+
+
+def _chunks(step_folder):
+    return sorted(p.name for p in (step_folder / "w" / "c").iterdir())
+
+
+def test_each_process_saves_its_part_and_a_preempted_run_resumes_from_the_local_tiers(tmp_path, env, whole):
+    """Preempted at a random step: each process's local tier holds its own row
+    of the model, with every process's data position; the persistent step is
+    their parts together. With the persistent step deleted, the relaunch
+    restores it from the local tiers alone, bit for bit."""
+    term_at = random.Random(SEED).randrange(1, STEPS - 2)
+    print(f"SIGTERM after step {term_at} (EQX_CKPT_ITERATOR_SEED={SEED})")
+    _, ends = _run(tmp_path, "first", env, "--every=1000", term_at=term_at)
+    (stop,) = set(ends)
+    stopped = int(stop.removeprefix("preempted at "))
+    persistent = eqx_ckpt.CheckpointManager(tmp_path / "run")
+    assert persistent.all_steps() == [stopped]  # the preempted step is copied, whatever `persistent_every` says
+    name = f"step_{stopped:08d}"
+    manifests = [(tmp_path / f"local_{i}" / name / "manifest.json").read_bytes() for i in range(PROCESSES)]
+    for i in range(PROCESSES):
+        assert _chunks(tmp_path / f"local_{i}" / name) == [str(i)]  # its own row, and no other
+    assert _chunks(tmp_path / "run" / name) == [str(i) for i in range(PROCESSES)]
+    assert (tmp_path / "run" / name / "manifest.json").read_bytes() == manifests[0]
+    states = [json.loads(m)["iterators"] for m in manifests]
+    assert all(s == states[0] for s in states) and len(states[0][0]["states"]) == PROCESSES
+    shutil.rmtree(tmp_path / "run" / name)
+    _resumes(tmp_path, env, whole, stopped)
+
+
+@pytest.mark.parametrize("emptied", ["one-host", "every-host"])
+def test_a_lost_local_tier_restores_the_newest_whole_step(tmp_path, env, whole, emptied):
+    """Killed after step 6's batch: the local tiers hold steps 2 and 5, the
+    persistent tier step 2. With one host's tier emptied (a host replaced)
+    or every host's, every process restores step 2 from the persistent
+    tier, never a mix of steps."""
+    _run(tmp_path, "first", env, "--every=2", "--kill-at=6", codes=-signal.SIGKILL)
+    assert eqx_ckpt.CheckpointManager(tmp_path / "run").all_steps() == [2]
+    assert all((tmp_path / f"local_{i}" / "step_00000005" / "manifest.json").exists() for i in range(PROCESSES))
+    for i in {"one-host": [1], "every-host": range(PROCESSES)}[emptied]:
+        shutil.rmtree(tmp_path / f"local_{i}")
+    _resumes(tmp_path, env, whole, 2)
+
+
+def test_a_process_killed_as_it_commits_its_part_leaves_the_step_unwhole(tmp_path, env, whole):
+    """Process 1 is SIGKILLed as it commits its part of step 5, after every
+    process wrote its own: the others commit theirs, and name it. The step is
+    whole nowhere, so the relaunch restores step 2, and saves step 5 again."""
+    codes = [3, -signal.SIGKILL, 3, 3]
+    logs = _run(tmp_path, "first", env, "--every=2", "--die-in-commit=5", codes=codes)
+    for i in (0, 2, 3):
+        assert re.search(r"failed: Process 1 of 4 stopped answering during the save", logs[i]), logs[i]
+    parts = [(tmp_path / f"local_{i}" / "step_00000005" / "manifest.json").exists() for i in range(PROCESSES)]
+    assert parts == [True, False, True, True]
+    _resumes(tmp_path, env, whole, 2)
+    assert all((tmp_path / f"local_{i}" / "step_00000005" / "manifest.json").exists() for i in range(PROCESSES))
