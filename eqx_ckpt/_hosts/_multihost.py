@@ -46,11 +46,11 @@ SILENT_SECONDS = 10.0
 # One wait for a process's barrier key, between checks of its heartbeat.
 _WAIT_MS = 1000
 
-# Saves (and restores that share reads, a tiered manager's copies of its parts
-# and its agreements on them) are numbered in the order each process makes
+# Saves (and restores that share reads, a tiered manager's saves of its parts,
+# its copies of them and its agreements on them) are numbered in the order each process makes
 # them. That order is the same in every process, so the n-th save's barriers
 # have the same names everywhere.
-_numbers = types.MappingProxyType({what: itertools.count() for what in ("save", "restore", "copy", "tiers")})
+_numbers = types.MappingProxyType({what: itertools.count() for what in ("save", "restore", "part", "copy", "tiers")})
 
 
 def _client() -> Any:
@@ -186,7 +186,7 @@ def _late(client: Any, key: str, count: int, stage: _Stage) -> CheckpointError:
     who = f"Process {missing[0]}" if len(missing) == 1 else f"Processes {', '.join(map(str, missing))}"
     still = "it is" if len(missing) == 1 else "they are"
     return CheckpointError(
-        f"{who} of {count} did not reach stage {stage.name!r} of the {stage.what} within {stage.timeout:g} s, "
+        f"{who} of {count} did not reach stage {stage.name!r} of the {_NOUNS[stage.what]} within {stage.timeout:g} s, "
         f"although {still} still running. {_outcome(stage)} Every process must call the {call}, in the same order."
     )
 
@@ -196,15 +196,15 @@ def _lost(client: Any, index: int, count: int, stage: _Stage) -> CheckpointError
     silent = f"no heartbeat for {SILENT_SECONDS:g} s while the others waited for it at stage {stage.name!r}"
     if _has(client, f"{stage.group}/entered/{index}"):
         where = f"after stage {stage.passed!r}" if stage.passed else "before its first stage"
-        what = f"stopped answering during the {stage.what}, {where} ({silent}): it was killed or crashed"
+        what = f"stopped answering during the {_NOUNS[stage.what]}, {where} ({silent}): it was killed or crashed"
     else:
         call = _BEFORE[stage.what]
         what = (
-            f"never joined the {stage.what}: it stopped answering before it began it ({silent}). It was killed or "
-            f"crashed before it called {call}"
+            f"never joined the {_NOUNS[stage.what]}: it stopped answering before it began it ({silent}). It was "
+            f"killed or crashed before it called {call}"
         )
     return CheckpointError(
-        f"Process {index} of {count} {what}, so this {stage.what} cannot finish. {_outcome(stage)} Its own log "
+        f"Process {index} of {count} {what}, so this {_NOUNS[stage.what]} cannot finish. {_outcome(stage)} Its own log "
         f"says why it stopped; `jax.distributed` ends the remaining processes too once its own heartbeat times out."
     )
 
@@ -223,6 +223,11 @@ def _outcome(stage: _Stage) -> str:
         return "Nothing was loaded."
     if stage.what == "tiers":
         return "No step was chosen."
+    if stage.what == "part" and stage.name == "committed":
+        return (
+            "Each other process committed its own part in its own local tier; the step is restored from there "
+            "only where every process's part is."
+        )
     if stage.what == "copy":
         if stage.name == "committed":
             return "Process 0 may have committed the step there: list the persistent tier's steps to see."
@@ -232,11 +237,16 @@ def _outcome(stage: _Stage) -> str:
     return "Nothing was committed: the checkpoint saved before is unchanged."
 
 
-# How each kind of group's errors speak of it: what failed and what that left,
-# what every process must call, and what a process that never joined had not reached.
+# How each kind of group's errors speak of it: its name, what failed and what
+# that left, what every process must call, and what a process that never
+# joined had not reached.
+_NOUNS = types.MappingProxyType(
+    {"save": "save", "restore": "restore", "part": "save", "copy": "copy", "tiers": "agreement"}
+)
 _FAILED = types.MappingProxyType(
     {
         "save": ("Saving", "nothing was committed"),
+        "part": ("Saving", "nothing was committed"),
         "restore": ("Loading", "nothing was loaded"),
         "copy": ("Copying a local step to the persistent tier", "nothing of it was committed there"),
         "tiers": ("Listing the local tier's steps", "no step was chosen"),
@@ -245,6 +255,7 @@ _FAILED = types.MappingProxyType(
 _CALLS = types.MappingProxyType(
     {
         "save": "save with the same tree",
+        "part": "save with the same tree",
         "restore": "load with the same `like`",
         "copy": "save the same steps with a manager of the same `persistent_every`",
         "tiers": "list the steps (or restore) of its tiered manager",
@@ -253,6 +264,7 @@ _CALLS = types.MappingProxyType(
 _BEFORE = types.MappingProxyType(
     {
         "save": "the save, or as the save started",
+        "part": "the save, or as the save started",
         "restore": "the load, or in the load before its shared reads",
         "copy": "the save of the step, or as its copy started",
         "tiers": "the manager's first listing of its steps",

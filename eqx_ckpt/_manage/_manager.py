@@ -104,7 +104,9 @@ class CheckpointManager:
     - `local`: a directory on this host (a RAM disk such as `/dev/shm`, or a
         local disk) for a second, faster tier. Every step is saved there, and
         `save` waits only for that; every `persistent_every`-th step is then
-        copied from it to `directory` in the background. See [docs/manager.md,
+        copied from it to `directory` in the background. With several JAX
+        processes, each passes a directory on its own host, and saves its own
+        part of each step there. See [docs/manager.md,
         "Tiers"](../manager.md#tiers).
     - `persistent_every`: with `local`, copy the steps with
         `step % persistent_every == 0` (and the step saved after
@@ -114,8 +116,7 @@ class CheckpointManager:
         tier keeps (besides a step still being copied); the retention rules
         above apply to `directory`.
     - `peers`: how many other processes hold a copy of each process's part of a
-        local step. Only `0` (the default) is supported so far: a local tier
-        is for a single process.
+        local step. Only `0` (the default) is supported so far.
 
     A step survives if any rule keeps it. These always survive:
 

@@ -685,8 +685,8 @@ class Stages:
     stages at which they meet."""
 
     def __init__(self, *, part: bool = False) -> None:
-        self._group = _multihost.Group("save")
-        self.part = part and self._group.count > 1
+        self.part = part and jax.process_count() > 1
+        self._group = _multihost.Group("part" if self.part else "save")
 
     @property
     def alone(self) -> bool:
