@@ -165,6 +165,8 @@ DESCRIBED: Mapping[str, str] = types.MappingProxyType(
         "tiers.copy_file": "(step, name): a manager's background copy of `step` from its local tier to its "
         "persistent directory is about to write the file `name` there (the manifest last); an exception raised here "
         "is that write's first attempt's.",
+        "exchange.window": "(start, length): the processes of a tiered manager with `peers` are about to move one "
+        "window of a part's bytes (`length` bytes from byte `start`) to its peer, or back, by one collective.",
         # A push to the Hub (`_hub`)
         "hub.commit": "(repo, revision): a push is about to make its commit to `repo` (at branch `revision`, or "
         "the default one: `None`), the repository and the branch made already.",

@@ -24,12 +24,16 @@ from ._errors import CheckpointTypeError, CheckpointValueError
 class Location:
     """A checkpoint directory: `kvstore`, a spec whose path ends in `/` (empty
     for a `hub` folder); `display`, the path as the user wrote it; `local`,
-    the absolute local directory, when it is one."""
+    the absolute local directory, when it is one. `part`: a local tier's
+    directory of one process's parts of its steps, which lack the regions
+    of the other processes (every read checks its chunk files first), as
+    do the directories below it."""
 
     kvstore: dict[str, Any]
     display: str
     local: str | None
     hub: Hub | None = None
+    part: bool = False
 
     def key(self, relative: str) -> str:
         return self.kvstore.get("path", "") + relative
@@ -43,7 +47,7 @@ class Location:
         """The location of a sub-directory (used by the manager for its steps)."""
         local = None if self.local is None else os.path.join(self.local, relative)
         display = self.display.rstrip("/") + "/" + relative
-        return Location(self.child(relative), display, local)
+        return Location(self.child(relative), display, local, part=self.part)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,10 +47,12 @@ SILENT_SECONDS = 10.0
 _WAIT_MS = 1000
 
 # Saves (and restores that share reads, a tiered manager's saves of its parts,
-# its copies of them and its agreements on them) are numbered in the order each process makes
+# its copies of them, its agreements on them and its moves of them between
+# peers) are numbered in the order each process makes
 # them. That order is the same in every process, so the n-th save's barriers
 # have the same names everywhere.
-_numbers = types.MappingProxyType({what: itertools.count() for what in ("save", "restore", "part", "copy", "tiers")})
+_KINDS = ("save", "restore", "part", "copy", "tiers", "peers")
+_numbers = types.MappingProxyType({what: itertools.count() for what in _KINDS})
 
 
 def _client() -> Any:
@@ -223,6 +225,8 @@ def _outcome(stage: _Stage) -> str:
         return "Nothing was loaded."
     if stage.what == "tiers":
         return "No step was chosen."
+    if stage.what == "peers":
+        return "The parts each process committed in its own local tier are unchanged."
     if stage.what == "part" and stage.name == "committed":
         return (
             "Each other process committed its own part in its own local tier; the step is restored from there "
@@ -241,7 +245,14 @@ def _outcome(stage: _Stage) -> str:
 # that left, what every process must call, and what a process that never
 # joined had not reached.
 _NOUNS = types.MappingProxyType(
-    {"save": "save", "restore": "restore", "part": "save", "copy": "copy", "tiers": "agreement"}
+    {
+        "save": "save",
+        "restore": "restore",
+        "part": "save",
+        "copy": "copy",
+        "tiers": "agreement",
+        "peers": "move of parts between peers",
+    }
 )
 _FAILED = types.MappingProxyType(
     {
@@ -250,6 +261,7 @@ _FAILED = types.MappingProxyType(
         "restore": ("Loading", "nothing was loaded"),
         "copy": ("Copying a local step to the persistent tier", "nothing of it was committed there"),
         "tiers": ("Listing the local tier's steps", "no step was chosen"),
+        "peers": ("Moving parts of a local step between peers", "no copy it made is kept"),
     }
 )
 _CALLS = types.MappingProxyType(
@@ -259,6 +271,7 @@ _CALLS = types.MappingProxyType(
         "restore": "load with the same `like`",
         "copy": "save the same steps with a manager of the same `persistent_every`",
         "tiers": "list the steps (or restore) of its tiered manager",
+        "peers": "save and restore the same steps of its tiered manager",
     }
 )
 _BEFORE = types.MappingProxyType(
@@ -268,6 +281,7 @@ _BEFORE = types.MappingProxyType(
         "restore": "the load, or in the load before its shared reads",
         "copy": "the save of the step, or as its copy started",
         "tiers": "the manager's first listing of its steps",
+        "peers": "the save or restore of the step",
     }
 )
 

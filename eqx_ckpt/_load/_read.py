@@ -25,7 +25,7 @@ from .._base._progress import Tracker
 from .._hosts import _sharding
 from .._ondisk import _dtypes
 from .._ondisk._format import LeafRecord, dtype_from_name
-from .._store import _chunk_files, _memory, _storage_errors, _window
+from .._store import _chunk_files, _memory, _storage_errors, _untrusted, _window
 
 if TYPE_CHECKING:
     from .._store._storage import Array
@@ -117,6 +117,8 @@ def start_region(
 
     A failure is the leaf's (`read_failed`); with `raw`, as storage raised it,
     for a caller that words it itself (a pack's run, `verify`)."""
+    if loc.part:  # (a process's part of a local tier's step holds its own regions only)
+        _untrusted.check_region_files(loc, record, index)
     try:
         future = (store[index] if index else store).read()
     except Exception as e:

@@ -8,6 +8,7 @@ in the directory is never touched (docs/manager.md, "On-disk layout").
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -41,7 +42,7 @@ from .._save._serialise import PendingSave, default_serialise_filter_spec
 from .._store import _durable, _lease, _storage, _storage_errors
 from .._store._share import IntegrityWarning
 from .._store._transaction import CommitWarning
-from . import _initialise, _preemption, _tiers
+from . import _initialise, _peers, _preemption, _tiers
 from ._retention import Retention, RetentionWarning, Rules, rank, recorded_best
 from ._steps import (
     check_step,
@@ -55,6 +56,24 @@ from ._steps import (
     show_steps,
     written_metrics,
 )
+
+
+def _check_peers(peers: int, stride: int) -> None:
+    """Check that `peers` copies, `stride` apart, go to as many other processes."""
+    count = jax.process_count()
+    if count == 1:
+        raise CheckpointValueError(
+            f"`peers={peers}`: peers are other JAX processes, which hold copies of each process's part of a local "
+            f"step, and this job has one process. Pass `peers=0`: the persistent tier holds the steps it copies."
+        )
+    shifts = _peers.shifts(peers, stride, count)
+    if 0 in shifts or len(set(shifts)) != peers:
+        raise CheckpointValueError(
+            f"`peers={peers}` with `peer_stride={stride}` and {count} JAX process(es): each process's part would "
+            f"not go to {peers} other processes ({', '.join(f'+{s}' for s in shifts)}, modulo {count}). Give "
+            f"fewer `peers` than processes, and a `peer_stride` none of whose first {peers} multiples is a "
+            f"multiple of {count}."
+        )
 
 
 def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -115,8 +134,14 @@ class CheckpointManager:
     - `local_max_to_keep`: with `local`, how many of the newest steps the local
         tier keeps (besides a step still being copied); the retention rules
         above apply to `directory`.
-    - `peers`: how many other processes hold a copy of each process's part of a
-        local step. Only `0` (the default) is supported so far.
+    - `peers`: with several JAX processes and `local`, how many other
+        processes hold a copy of each process's part of every local step, so
+        that a host replaced by an empty one fetches its part from a peer
+        (sent by JAX's collectives; see [docs/manager.md,
+        "Peers"](../manager.md#peers)). `0` (the default): none.
+    - `peer_stride`: process `i`'s copies go to processes `i + peer_stride`,
+        `i + 2 * peer_stride`, ... (modulo their number). Set it to the number
+        of processes on each host, so that every copy is on another host.
 
     A step survives if any rule keeps it. These always survive:
 
@@ -162,6 +187,7 @@ class CheckpointManager:
         persistent_every: int | None = None,
         local_max_to_keep: int = _tiers.LOCAL_KEEP,
         peers: int = 0,
+        peer_stride: int = 1,
     ):
         for name, value in (("max_to_keep", max_to_keep), ("keep_every", keep_every), ("best_n", best_n)):
             if value is not None and (type(value) is not int or value < 1):
@@ -205,10 +231,10 @@ class CheckpointManager:
         # Whether this is a local tier's manager of one process of several: each
         # process then saves, keeps and deletes its own part of each step here.
         self._own_part = False
-        self._init_tiers(local, persistent_every, local_max_to_keep, peers)
+        self._init_tiers(local, persistent_every, local_max_to_keep, peers, peer_stride)
 
-    def _init_tiers(self, local: Any, every: int | None, keep: int, peers: int) -> None:
-        for name, value in (("persistent_every", every), ("local_max_to_keep", keep)):
+    def _init_tiers(self, local: Any, every: int | None, keep: int, peers: int, stride: int) -> None:
+        for name, value in (("persistent_every", every), ("local_max_to_keep", keep), ("peer_stride", stride)):
             if value is not None and (type(value) is not int or value < 1):
                 raise CheckpointValueError(f"`{name}` must be a positive int, not {value!r}.")
         if type(peers) is not int or peers < 0:
@@ -222,23 +248,22 @@ class CheckpointManager:
             if peers:
                 raise CheckpointValueError("`peers` hold copies of a local tier's steps: pass `local=` too.")
         elif peers:
-            raise CheckpointValueError(
-                f"`peers={peers}`: holding a copy of each process's local part on other processes is not "
-                f"supported yet. Pass `peers=0`: the persistent tier ({self.directory!r}) holds every "
-                f"`persistent_every`-th step."
-            )
+            _check_peers(peers, stride)
         self.persistent_every = None if local is None else (every or 1)
-        self.local_max_to_keep, self.peers = keep, peers
+        self.local_max_to_keep, self.peers, self.peer_stride = keep, peers, stride
         # The local tier: a manager of its own (saves, leases, retention), or None.
         self._local: CheckpointManager | None = None
         # With several processes, the local steps whole across every process's
         # tier: agreed at the first listing (`_tiers.agree`), then each step saved.
         self._parts = local is not None and jax.process_count() > 1
         self._whole: set[int] | None = None
+        self._routes: dict[int, list[_peers.Route]] = {}  # with `peers`: where each process's part of each is
         if local is not None:
             _tiers.check_local(local, self._loc)
             self._local = CheckpointManager(local, max_to_keep=keep, blocking=self.blocking, share=self.share)
             self._local._own_part = self._local._retention.own = self._parts
+            if self._parts:  # (its steps lack the other processes' regions: reads check their chunk files)
+                self._local._loc = dataclasses.replace(self._local._loc, part=True)
         self._upload: PendingSave | None = None  # the persistent copy in flight, or the last one
         self._upload_error: BaseException | None = None  # a failed copy's error, raised once
         self._preempted_step: int | None = None  # the step `reached_preemption` answered True for
@@ -323,7 +348,7 @@ class CheckpointManager:
 
     def _tier_of(self, step: int) -> Location:
         """The manager directory `step` is read from: the local tier's if it holds it, committed, else `directory`."""
-        if self._local is not None and step in self._local_steps():
+        if self._local is not None and step in self._local_steps() and step in self._local.all_steps():
             return self._local_loc()
         return self._loc
 
@@ -334,8 +359,13 @@ class CheckpointManager:
         steps = self._local.all_steps()
         if not self._parts:
             return steps
-        if self._whole is None:
+        if self._whole is None and self.peers:
+            self._routes = _peers.agree(self._local_loc(), steps, _tiers.AGREE_SECONDS)
+            self._whole = set(self._routes)
+        elif self._whole is None:
             self._whole = _tiers.agree(steps, self._loc)
+        if self.peers:  # (whole with the peers' copies, held here or not)
+            return sorted(self._whole)
         return [step for step in steps if step in self._whole]
 
     def all_steps(self) -> list[int]:
@@ -524,8 +554,14 @@ class CheckpointManager:
         self._local.save(step, pytree, metrics, **options)
         if self._whole is not None:
             self._whole.add(step)
-        if step % self.persistent_every != 0 and step != self._preempted_step:
-            return
+        if step % self.persistent_every == 0 or step == self._preempted_step:
+            self._start_upload(step)
+        if self.peers:
+            self._replicate(step)
+
+    def _start_upload(self, step: int) -> None:
+        """Copy the local `step` to `directory` in the background, once its local save is done."""
+        assert self._local is not None
         local_save = self._local._pending
         self._local._retention.held.add(step)  # the local step stays while it is copied
         self._finish_upload()  # one copy at a time: a link slower than the saves holds training here
@@ -547,6 +583,14 @@ class CheckpointManager:
                 raise _tiers.upload_error(step, self._local_loc(), self._loc, e) from e
 
         self._upload = PendingSave(upload)
+
+    def _replicate(self, step: int) -> None:
+        """With `peers`: send this process's part of `step` to its peers, and keep theirs."""
+        assert self._local is not None and self._whole is not None
+        self._local.wait_until_finished()  # (the part committed, in every process)
+        ids = _peers.replicate(self._local_loc(), step, self.peers, self.peer_stride)
+        self._routes[step] = [_peers.Route(index, part, True) for index, part in enumerate(ids)]
+        _peers.tidy(self._local_loc(), self._local.all_steps())
 
     def _local_loc(self) -> Location:
         assert self._local is not None
@@ -965,7 +1009,10 @@ class CheckpointManager:
         never returned: the persistent one is loaded instead, if there is one."""
         tier = self._tier_of(step)
         loc = tier.joined(step_name(step))
-        if tier is self._loc:
+        if step in self._routes and step in self._local_steps():
+            # Every process's part, moved from a peer to the process it is missing from.
+            loc = _peers.fetch(self._local_loc(), step, self._routes[step])
+        elif tier is self._loc:
             return load(loc)
         try:
             return load(loc)

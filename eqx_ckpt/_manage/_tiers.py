@@ -29,7 +29,7 @@ from .._base._errors import (
 )
 from .._base._location import Location, location
 from .._hosts import _multihost
-from .._ondisk._format import MANIFEST, step_name
+from .._ondisk._format import MANIFEST, TEMPORARY, step_name
 from .._store import _durable, _share, _storage, _storage_errors
 from .._store._local_paths import local_real_path
 
@@ -83,9 +83,16 @@ def copy_step(source: Location, target: Location, step: int, previous: Location 
     a chunk file equal to its file of the same name is shared (a hard link),
     as a manager's incremental saves share them."""
     manifest = _committed_manifest(source, step)
-    names = [name for name in _storage.list_files(source) if name != MANIFEST]
+    names = step_files(source)
     _copy_files(source, target, step, previous, names)
     _write(target, MANIFEST, manifest, _start(target, MANIFEST, manifest, step, now=True), step)
+
+
+def step_files(source: Location) -> list[str]:
+    """The files of a committed local step but its manifest, sorted: not a
+    file TensorStore is still renaming into place (`TEMPORARY`), seen once
+    beside a committed step."""
+    return sorted(n for n in _storage.list_files(source) if n != MANIFEST and not n.endswith(TEMPORARY))
 
 
 def _committed_manifest(source: Location, step: int) -> bytes:
@@ -138,7 +145,7 @@ def copy_parts(
     manifest, names = b"", []
     try:
         manifest = _committed_manifest(source, step)
-        names = [name for name in _storage.list_files(source) if name != MANIFEST]
+        names = step_files(source)
     except Exception as e:
         error = e
     error = group.sync("listed", error, shared="\n".join(names))

@@ -20,7 +20,9 @@ A manager's run holds:
 - their `step_<...>.metrics.json` (version 1);
 - `retention.json`: the rules its steps were saved under, so that retention
   deletes no step saved under others;
-- while a manager writes there, `manager.json` (its lease, see `_lease`).
+- while a manager writes there, `manager.json` (its lease, see `_lease`);
+- in a local tier with peers, `peers/step_<...>/` (`parts.json` and the
+  copies of other processes' parts, see `_peers`).
 """
 
 from __future__ import annotations
@@ -192,6 +194,10 @@ def parse_step(name: str) -> int | None:
 RETENTION = "retention.json"
 # The lease of the manager writing a run's directory (see `_lease`).
 MANAGER_LEASE = "manager.json"
+# In a local tier with peers (`_peers`): the folder of the copies of other
+# processes' parts, and each step's record of every process's part.
+PEERS = "peers"
+PARTS = "parts.json"
 
 
 def metrics_name(step: int) -> str:

@@ -10,8 +10,10 @@ TensorStore reports that only midway, naming no leaf.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from .._base import _faults
 from .._base._errors import (
@@ -99,10 +101,13 @@ def _cached_blob(folder: str, path: str) -> bool:
 
 
 def check_leaf_files(loc: Location, record: LeafRecord) -> None:
-    """Before a local leaf is opened: no links, and enough bytes on disk."""
+    """Before a local leaf is opened: no links, and enough bytes on disk (in
+    a process's part, its regions' chunk files, as each is read: `check_region_files`)."""
     if loc.local is None:
         return
     found = refuse_links(loc, record.directory, leaf=record.path, subtree=True)
+    if loc.part:
+        return
     if found >= record.nbytes and not record.compression:
         return
     shape, chunks, chunk_nbytes = record.stored_shape, record.chunks, record.chunk_nbytes
@@ -118,6 +123,33 @@ def check_leaf_files(loc: Location, record: LeafRecord) -> None:
         path=loc.display,
         fix=_DAMAGED_FIX,
     )
+
+
+def check_region_files(loc: Location, record: LeafRecord, index: tuple[Any, ...]) -> None:
+    """Before the region `index` of a leaf of a process's part (`Location.part`)
+    is read: each chunk file it covers is there, the size a save writes. (A
+    part lacks the other processes' regions, which a read would give as zeros.)"""
+    if loc.local is None:
+        return
+    spans = []
+    for axis, (size, chunk) in enumerate(zip(record.stored_shape, record.chunks)):
+        start, stop, _ = (index[axis] if axis < len(index) else slice(None)).indices(size)
+        spans.append(range(start // chunk, -(-stop // chunk)) if stop > start else range(0))
+    for indices in itertools.product(*spans):
+        key = _format.chunk_key(indices)
+        try:
+            found: int | None = local_stat(os.path.join(loc.local, record.directory, key), follow=False).st_size
+        except FileNotFoundError:
+            found = None
+        why = wrong_size(f"{record.directory}/{key}", found, record.chunk_nbytes, record.compression)
+        if why is not None:
+            raise stored_leaf_error(
+                IntegrityError,
+                f"this process's part of it is damaged or incomplete: {why}. Nothing was read.",
+                dotted=record.path,
+                path=loc.display,
+                fix=_DAMAGED_FIX,
+            )
 
 
 def check_pack_files(loc: Location, pack: PackRecord, *, leaf: str | None = None) -> None:

@@ -1118,3 +1118,31 @@ def test_the_tiers_benchmark_times_each_contender_and_restores_both_tiers_bit_fo
     printed = capsys.readouterr().out
     assert "tiered save blocks" in printed and "restore from the local tier" in printed
     assert list(local.iterdir()) == []
+
+
+def test_the_tiers_benchmark_with_two_processes_takes_the_slowest_and_restores_each_part(tmp_path, capsys):
+    """`benchmarks.tiers --processes 2 --peers 1`: two real `jax.distributed`
+    worker processes, each leaf sharded by rows over them, each with its own
+    local tier. Every contender's row holds both processes' figures and the
+    slowest of each; the three restores ran on both processes (each compares
+    the shards it holds bit for bit, and fails otherwise), none from the
+    bucket in place of the local tier; the local tiers are removed. No time
+    is asserted."""
+    out = tmp_path / "tiers.json"
+    local = tmp_path / "shm"
+    local.mkdir()
+    argv = ["--mib", "4", "--leaves", "2", "--reps", "1", "--mbps", "50", "--local", str(local), "--processes", "2"]
+    argv += ["--peers", "1"]
+    assert tiers.main([*argv, "--json", str(out), "--timeout", "120"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(row["contender"] for row in rows) == sorted(tiers.CONTENDERS)
+    for row in rows:
+        assert len(row["processes"]) == 2, row
+        for key in ("save_s", "done_s"):
+            assert row[key] == max(part[key] for part in row["processes"]) > 0, row
+        restored = {"restore_persistent_s", "restore_local_s", "restore_peer_s"} <= row["processes"][1].keys()
+        assert restored == (row["contender"] == "tiered"), row
+        assert not any("restore_local_fell_back" in part for part in row["processes"]), row
+    printed = capsys.readouterr().out
+    assert "2 processes" in printed and "process 1's part from its peer" in printed
+    assert list(local.iterdir()) == []

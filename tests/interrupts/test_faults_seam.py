@@ -88,6 +88,8 @@ _ELSEWHERE = {
     "manager.undo": "reached only when a manager's save fails (armed in tests/manage/test_manager.py)",
     "tiers.copy_file": "reached only by a manager with a local tier, copying a step to its directory "
     "(armed in tests/manage/test_tiers.py)",
+    "exchange.window": "reached only by a tiered manager with `peers`, of several processes (armed in "
+    "tests/support/iterator_worker.py, run by tests/manage/test_tier_processes.py)",
     "hub.commit": "reached only by a push to a Hub "
     "(armed in tests/sources/test_hub.py, against tests/support/hub_server.py)",
     "load.pinned_pool": "reached only by a load through the pool of host buffers, on for GPUs alone "

@@ -78,21 +78,21 @@ def whole(tmp_path_factory, env):
     return batches, root / "out" / "model"
 
 
-def _resumes(root, env, whole, restored):
+def _resumes(root, env, whole, restored, *flags):
     """A fresh launch in `root` resumes from step `restored`: each process takes
     the batches an uninterrupted run takes after it, and ends with its model bit for bit."""
-    batches, ends = _run(root, "second", env, "--every=2")
+    batches, ends = _run(root, "second", env, "--every=2", *flags)
     assert ends == ["finished"] * PROCESSES
     for i in range(PROCESSES):
         assert batches[i] == whole[0][i][restored + 1 :], f"process {i}"
     ours, theirs = eqx_ckpt.Checkpoint(root / "second" / "model"), eqx_ckpt.Checkpoint(whole[1])
-    assert sorted(ours) == sorted(theirs) and len(ours) == 1
+    assert sorted(ours) == sorted(theirs) == ["table", "w"]
     for key in ours:
         assert np.asarray(ours[key]).tobytes() == np.asarray(theirs[key]).tobytes()
 
 
-def _chunks(step_folder):
-    return sorted(p.name for p in (step_folder / "w" / "c").iterdir())
+def _chunks(step_folder, leaf):
+    return sorted(p.name for p in (step_folder / leaf / "c").iterdir())
 
 
 def test_each_process_saves_its_part_and_a_preempted_run_resumes_from_the_local_tiers(tmp_path, env, whole):
@@ -110,8 +110,10 @@ def test_each_process_saves_its_part_and_a_preempted_run_resumes_from_the_local_
     name = f"step_{stopped:08d}"
     manifests = [(tmp_path / f"local_{i}" / name / "manifest.json").read_bytes() for i in range(PROCESSES)]
     for i in range(PROCESSES):
-        assert _chunks(tmp_path / f"local_{i}" / name) == [str(i)]  # its own row, and no other
-    assert _chunks(tmp_path / "run" / name) == [str(i) for i in range(PROCESSES)]
+        for leaf in ("w", "table"):
+            assert _chunks(tmp_path / f"local_{i}" / name, leaf) == [str(i)]  # its own rows, and no other
+    for leaf in ("w", "table"):
+        assert _chunks(tmp_path / "run" / name, leaf) == [str(i) for i in range(PROCESSES)]
     assert (tmp_path / "run" / name / "manifest.json").read_bytes() == manifests[0]
     states = [json.loads(m)["iterators"] for m in manifests]
     assert all(s == states[0] for s in states) and len(states[0][0]["states"]) == PROCESSES
@@ -146,3 +148,38 @@ def test_a_process_killed_as_it_commits_its_part_leaves_the_step_unwhole(tmp_pat
     assert parts == [True, False, True, True]
     _resumes(tmp_path, env, whole, 2)
     assert all((tmp_path / f"local_{i}" / "step_00000005" / "manifest.json").exists() for i in range(PROCESSES))
+
+
+def _parts(root, index, step):
+    return json.loads((root / f"local_{index}" / "peers" / f"step_{step:08d}" / "parts.json").read_text())["parts"]
+
+
+def test_a_host_replaced_by_an_empty_one_fetches_its_part_from_a_peer(tmp_path, env, whole):
+    """With `peers=1`, each process's part of steps 2 and 5 is also held by the
+    next process. Process 1's local tier emptied, the relaunch restores step 5
+    (which the persistent tier lacks) with process 1's part fetched from its
+    peer, bit for bit, and process 1 holds it again."""
+    _run(tmp_path, "first", env, "--every=2", "--peers=1", "--kill-at=6", codes=-signal.SIGKILL)
+    assert eqx_ckpt.CheckpointManager(tmp_path / "run").all_steps() == [2]
+    ids = _parts(tmp_path, 0, 5)
+    assert len(set(ids)) == PROCESSES and all(_parts(tmp_path, i, 5) == ids for i in range(PROCESSES))
+    for i in range(PROCESSES):  # the copy of the previous process's part, committed
+        copies = [p.name for p in (tmp_path / f"local_{i}" / "peers" / "step_00000005").iterdir() if p.is_dir()]
+        assert copies == [ids[i - 1]]
+        assert (tmp_path / f"local_{i}" / "peers" / "step_00000005" / ids[i - 1] / "manifest.json").exists()
+    shutil.rmtree(tmp_path / "local_1")
+    _resumes(tmp_path, env, whole, 5, "--peers=1")
+    fetched = tmp_path / "local_1" / "peers" / "step_00000005" / ids[1]
+    assert _chunks(fetched, "table") == ["1"]
+
+
+def test_a_job_killed_while_parts_move_to_peers_restores_the_newest_whole_step(tmp_path, env, whole):
+    """Every process is killed while its part of step 5 moves to its peer: the
+    local parts of step 5 are committed, their copies are not. With process
+    1's tier emptied, step 5 is whole nowhere, so every process restores step 2."""
+    _run(tmp_path, "first", env, "--every=2", "--peers=1", "--die-in-exchange=5", codes=-signal.SIGKILL)
+    assert all((tmp_path / f"local_{i}" / "step_00000005" / "manifest.json").exists() for i in range(PROCESSES))
+    copies = list((tmp_path / "local_2" / "peers" / "step_00000005").glob("*/manifest.json"))
+    assert copies == []
+    shutil.rmtree(tmp_path / "local_1")
+    _resumes(tmp_path, env, whole, 2, "--peers=1")

@@ -335,7 +335,8 @@ def test_the_step_saved_at_preemption_is_copied_whatever_persistent_every(tmp_pa
         ({"persistent_every": 5}, re.escape("`persistent_every` says how often") + ".*pass `local=`"),
         ({"local": "LOCAL", "persistent_every": 0}, "`persistent_every` must be a positive int, not 0"),
         ({"local": "LOCAL", "local_max_to_keep": 1.5}, "`local_max_to_keep` must be a positive int, not 1.5"),
-        ({"local": "LOCAL", "peers": 1}, r"`peers=1`: holding a copy .* is not supported yet"),
+        ({"local": "LOCAL", "peers": 1}, r"`peers=1`: peers are other JAX processes, .* this job has one process"),
+        ({"local": "LOCAL", "peer_stride": 0}, "`peer_stride` must be a positive int, not 0"),
         ({"peers": -1}, "`peers` must be a non-negative int, not -1"),
     ],
 )

@@ -18,7 +18,11 @@ step). `--workers=K` reads with K Grain worker processes. `--kill-at=STEP`
 makes it SIGKILL itself once it took the batch of step STEP. `--local=DIR`
 saves every step to a local tier of its own (`{i}` in DIR is the process's
 index: each process its own folder, as each host its own disk), and
-`--every=K` copies every K-th step to DIRECTORY (tests/manage/test_tier_processes.py).
+`--every=K` copies every K-th step to DIRECTORY, and `--peers=P` sends each
+process's part to P other processes (tests/manage/test_tier_processes.py);
+the state then also has a `table` of 64 rows of 1024 floats a process.
+`--die-in-exchange=STEP`: every process SIGKILLs itself as the parts of
+step STEP move to their peers (a job killed mid-transfer).
 `--die-in-commit=STEP`: process 1 SIGKILLs itself as it commits its part of
 step STEP (the others have written theirs, and commit them); the others then
 print `failed: <message>` and exit with status 3.
@@ -91,10 +95,19 @@ def _rows(local: jax.Array) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, _sharding(), [local])
 
 
-def fresh_sharded(workers: int = 0) -> dict:
+def fresh_sharded(workers: int = 0, table: bool = False) -> dict:
     local = jax.device_put(jnp.zeros((1, 4), jnp.float32), jax.local_devices()[0])
     shard = (jax.process_index(), jax.process_count())
-    return {"w": _rows(local), "data": iter(loader(shard, workers))}
+    state = {"w": _rows(local), "data": iter(loader(shard, workers))}
+    if table:  # a leaf of 256 KiB a process: larger than a part's files besides its chunks
+        state["table"] = _table(jnp.full((64, 1024), jax.process_index(), jnp.float32))
+    return state
+
+
+def _table(local: jax.Array) -> jax.Array:
+    """The global array whose rows `64 * i` to `64 * (i + 1)` are process `i`'s `local`."""
+    local = jax.device_put(local, jax.local_devices()[0])
+    return jax.make_array_from_single_device_arrays((64 * jax.process_count(), 1024), _sharding(), [local])
 
 
 @jax.jit
@@ -104,7 +117,16 @@ def _update_row(row, x):
 
 def _step_sharded(state: dict, x: np.ndarray) -> dict:
     (shard,) = state["w"].addressable_shards
-    return {"w": _rows(_update_row(shard.data, jnp.asarray(x))), "data": state["data"]}
+    stepped = {"w": _rows(_update_row(shard.data, jnp.asarray(x))), "data": state["data"]}
+    if "table" in state:
+        (rows,) = state["table"].addressable_shards
+        stepped["table"] = _table(_bump(rows.data))
+    return stepped
+
+
+@jax.jit
+def _bump(rows):
+    return rows + 1.0
 
 
 def _die_in_commit(step: int):
@@ -121,7 +143,28 @@ def _die_in_commit(step: int):
     return _faults.armed("commit.manifest_write", die)
 
 
+_saving = [-1]  # the step whose save runs
+
+
+def _die_in_exchange(step: int):
+    """Arms every process to be SIGKILLed in the second window of its part of `step` sent to its peer."""
+    from eqx_ckpt._base import _faults
+    from eqx_ckpt._hosts import _exchange
+
+    _exchange.WINDOW = 64 << 10  # (a part of several windows)
+
+    def die(start, length):
+        if _saving[0] == step and start > 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return _faults.armed("exchange.window", die)
+
+
 def main(directory: str, steps: int, out: str, term_at: int | None, options: dict[str, str]) -> None:
+    if "die-in-exchange" in options:
+        with _die_in_exchange(int(options["die-in-exchange"])):
+            _train(directory, steps, out, term_at, options)
+        return
     if "die-in-commit" not in options:
         _train(directory, steps, out, term_at, options)
         return
@@ -141,8 +184,9 @@ def _train(directory: str, steps: int, out: str, term_at: int | None, options: d
     if "local" in options:
         tiers = {"local": options["local"].replace("{i}", str(jax.process_index()))}
         tiers["persistent_every"] = int(options.get("every", 1))
+        tiers["peers"] = int(options.get("peers", 0))
     with eqx_ckpt.CheckpointManager(directory, **tiers) as manager:
-        state = fresh_sharded(workers) if sharded else fresh(workers)
+        state = fresh_sharded(workers, table="local" in options) if sharded else fresh(workers)
         latest = manager.latest_step()
         if latest is not None:
             state = manager.restore(state, step=latest)
@@ -158,6 +202,7 @@ def _train(directory: str, steps: int, out: str, term_at: int | None, options: d
                 time.sleep(0.05)  # a step of a real job takes longer than the processes take to agree
             preempted = manager.reached_preemption(step)
             if preempted or step % 3 == 2:
+                _saving[0] = step
                 manager.save(step, state)
             if preempted:
                 stop = f"preempted at {step}"
@@ -165,7 +210,8 @@ def _train(directory: str, steps: int, out: str, term_at: int | None, options: d
     name = f"batches.{jax.process_index()}.json" if sharded else "batches.json"
     pathlib.Path(out, name).write_text(json.dumps(taken))
     if stop == "finished":
-        eqx_ckpt.tree_serialise_leaves(pathlib.Path(out, "model"), state["w"] if sharded else state["model"])
+        model = {k: v for k, v in state.items() if k != "data"} if "table" in state else state["w"]
+        eqx_ckpt.tree_serialise_leaves(pathlib.Path(out, "model"), model if sharded else state["model"])
     # Grain's worker processes are stopped before the interpreter's teardown
     # (their finalisers, run during it, find their modules emptied).
     del state

@@ -1,0 +1,432 @@
+"""Peers: copies of each process's part of a local step, held by other
+processes (`CheckpointManager(..., peers=K, peer_stride=S)`), so that a host
+replaced by an empty one fetches its part back from a peer instead of reading
+the persistent tier (docs/manager.md, "Peers").
+
+In each process's local tier, `peers/step_<step>/` holds:
+
+- `parts.json`: the id of every process's part of the step, by the index of
+  the process that saved it;
+- `<id>/`: a copy of another process's part (its files, the manifest last:
+  a copy without one is not committed).
+
+A part's id is a digest of its files' names: of what it holds (each leaf's
+chunk files are named by their region), not of the process that held it.
+
+The bytes move by JAX's collectives (`_exchange`). What a peer sends is
+untrusted: `_Incoming` checks every name and size before it writes a byte,
+computes the id again from the names received, and writes only inside the
+part's folder; a part is then loaded as any checkpoint is, every chunk checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+
+from .._base._errors import CheckpointError
+from .._base._location import Location
+from .._hosts import _exchange, _multihost
+from .._ondisk._format import MANIFEST, PARTS, PEERS, parse_step, step_name
+from .._ondisk._manifest import loads_file
+from .._store import _storage
+from . import _tiers
+
+# Bounds on what a peer may announce: the header of a part's stream, and its
+# number of files.
+_MAX_HEADER = 16 << 20
+_MAX_FILES = 1 << 20
+_ID = re.compile(r"[0-9a-f]{32}")
+
+
+class Route(NamedTuple):
+    """Where a process's part of a step comes from: the process `holder`
+    holds the part `id` as its own step (`own`) or as a copy (not `own`)."""
+
+    holder: int
+    id: str
+    own: bool
+
+
+def part_id(names: Iterable[str]) -> str:
+    """The id of a part whose files are `names`."""
+    listed = "\n".join(sorted(name for name in names if name != MANIFEST))
+    return hashlib.sha256(listed.encode()).hexdigest()[:32]
+
+
+def folder(local: Location, step: int) -> Location:
+    """The local tier's folder of `step`'s peer copies and `parts.json`."""
+    return local.joined(PEERS).joined(step_name(step))
+
+
+def shifts(peers: int, stride: int, count: int) -> list[int]:
+    """How far each of a part's `peers` copies is sent: to `index + shift`."""
+    return [(k * stride) % count for k in range(1, peers + 1)]
+
+
+class _Outgoing:
+    """A part's files as one stream: 8 bytes giving the header's length, the
+    header (JSON: the part's id, its step, each file's name and size, the
+    manifest last), then each file's bytes. Read once, in order (`read`)."""
+
+    def __init__(self, loc: Location, step: int):
+        names = _tiers.step_files(loc)
+        assert loc.local is not None
+        files = []
+        for name in [*names, MANIFEST]:
+            entry = _storage.local_entry(os.path.join(loc.local, *name.split("/")))
+            if not entry.file or entry.link:  # (a step of the local tier holds regular files only)
+                raise CheckpointError(
+                    f"{name!r} of step {step} in {loc.display!r} is {'missing' if not entry.found else 'no file'}: "
+                    f"this process's part of the step cannot be sent to its peers.",
+                    path=loc.display,
+                )
+            files.append((name, entry.size))
+        self.id = part_id(names)
+        header = json.dumps({"id": self.id, "step": step, "files": files}).encode()
+        self._loc, self._files = loc, files
+        self.size = 8 + len(header) + sum(size for _, size in files)
+        self._pieces = self._produce(len(header).to_bytes(8, "little") + header)
+        self._buffer = b""
+        self.error: BaseException | None = None
+
+    def _produce(self, head: bytes) -> Iterator[bytes]:
+        yield head
+        for name, size in self._files:
+            data = _storage.read_file(self._loc, name, limit=size)
+            if data is None or len(data) != size:
+                raise CheckpointError(f"{name!r} of {self._loc.display!r} changed while it was sent to a peer.")
+            yield data
+
+    def read(self, offset: int, count: int) -> bytes:
+        """The next `count` bytes (from `offset`, where the last read ended); zeros after an error, kept in `error`."""
+        while len(self._buffer) < count and self.error is None:
+            try:
+                self._buffer += next(self._pieces)
+            except StopIteration:
+                break
+            except Exception as e:
+                self.error = e
+        data, self._buffer = self._buffer[:count], self._buffer[count:]
+        return data if self.error is None else bytes(count)
+
+
+class _Incoming:
+    """A part received from a peer (`who`), checked, written into
+    `folder/<id>/`, its manifest last (`finish`). Its errors are kept, not
+    raised (`_exchange.transfer`), and the bytes after one are dropped."""
+
+    def __init__(self, where: Location, step: int, announced: dict[str, Any], who: str):
+        self._where, self._step, self._who = where, step, who
+        self._id, self._size = announced["id"], announced["size"]
+        self._buffer = bytearray()
+        self._files: list[tuple[str, int]] | None = None
+        self._manifest: bytes | None = None
+        self.error: BaseException | None = None
+        self._received = 0
+
+    def take(self, offset: int, data: bytes) -> None:
+        if self.error is not None:
+            return
+        try:
+            self._received += len(data)
+            self._buffer += data
+            if self._files is None:
+                self._read_header()
+            if self._files is not None:
+                self._write_files()
+        except Exception as e:
+            self.error = e
+
+    def _read_header(self) -> None:
+        if len(self._buffer) < 8:
+            return
+        length = int.from_bytes(self._buffer[:8], "little")
+        if length > _MAX_HEADER or 8 + length > self._size:
+            raise self._refused(f"its header would be {length} bytes long")
+        if len(self._buffer) < 8 + length:
+            return
+        files = _checked_files(loads_file(bytes(self._buffer[8 : 8 + length])), self._step, self._id, self._refused)
+        if 8 + length + sum(size for _, size in files) != self._size:
+            raise self._refused("its files' sizes do not add up to the bytes it announced")
+        del self._buffer[: 8 + length]
+        _storage.remove(self._where, [self._id])  # what an interrupted copy of it left
+        self._files = files
+
+    def _write_files(self) -> None:
+        assert self._files is not None
+        while self._files and len(self._buffer) >= self._files[0][1]:
+            name, size = self._files.pop(0)
+            data = bytes(self._buffer[:size])
+            del self._buffer[:size]
+            if name == MANIFEST:
+                self._manifest = data
+            else:
+                _storage.write_file(self._where.joined(self._id), name, data)
+
+    def finish(self) -> BaseException | None:
+        """Commit the copy (its manifest, written last); the first error, if any."""
+        if self.error is None and (self._manifest is None or self._received != self._size):
+            self.error = self._refused(f"it sent {self._received} of the {self._size} bytes it announced")
+        if self.error is None:
+            try:
+                _storage.write_file(self._where.joined(self._id), MANIFEST, self._manifest or b"")
+            except Exception as e:
+                self.error = e
+        return self.error
+
+    def _refused(self, why: str) -> CheckpointError:
+        return CheckpointError(
+            f"The copy of part {self._id} of step {self._step} that {self._who} sent was refused: {why}. Nothing "
+            f"of it is kept.",
+            path=self._where.display,
+        )
+
+
+def _checked_files(header: Any, step: int, expected: str, refused: Any) -> list[tuple[str, int]]:
+    """The files a peer's header lists, each name and size checked, the manifest last."""
+    if not isinstance(header, dict) or header.get("step") != step or header.get("id") != expected:
+        raise refused(f"its header is not that of part {expected} of step {step}")
+    files = header.get("files")
+    if not isinstance(files, list) or not 0 < len(files) <= _MAX_FILES:
+        raise refused("its header lists no files, or too many")
+    checked: list[tuple[str, int]] = []
+    for entry in files:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
+            raise refused("a file of its header is not a name and a size")
+        name, size = entry
+        if type(size) is not int or not 0 <= size < 2**48 or not _safe_name(name):
+            raise refused(f"it names the file {name[:200]!r} of {size!r} bytes")
+        checked.append((name, size))
+    names = [name for name, _ in checked]
+    if names[-1] != MANIFEST or len(set(names)) != len(names) or part_id(names) != expected:
+        raise refused(f"its files are not those of part {expected}")
+    return checked
+
+
+def _safe_name(name: str) -> bool:
+    """Whether `name` is a relative path inside the part's folder."""
+    parts = name.split("/")
+    return 0 < len(name) <= 1024 and all(
+        part not in ("", ".", "..") and "\\" not in part and all(ord(c) >= 32 for c in part) for part in parts
+    )
+
+
+# -- Collectives: every process calls each, in the same order ---------------------------------------------
+
+
+def replicate(local: Location, step: int, peers: int, stride: int) -> list[str]:
+    """Send this process's committed part of `step` to its `peers` (the
+    processes `shifts` away), and take theirs; record every part's id
+    (`parts.json`). The ids of the parts, by process index."""
+    group = _multihost.Group("peers")
+    error: BaseException | None = None
+    announced: dict[str, Any] = {}
+    try:
+        announced = _announce(_Outgoing(local.joined(step_name(step)), step))
+    except Exception as e:
+        error = e
+    error = group.sync("listed", error, shared=json.dumps(announced))
+    if error is not None:
+        raise error
+    listed = _listed(group.gathered("listed", json.dumps(announced)), range(group.count))
+    ids = [listed[index]["id"] for index in range(group.count)]
+    try:
+        parts = {"step": step, "parts": ids}
+        _storage.write_file(folder(local, step), PARTS, json.dumps(parts).encode())
+    except Exception as e:
+        error = e
+    for shift in shifts(peers, stride, group.count):
+        pairs = [(index, (index + shift) % group.count) for index in range(group.count)]
+        source = (group.index - shift) % group.count
+        sent = _send(local.joined(step_name(step)), step, pairs, listed, (folder(local, step), source))
+        error = error or sent
+    error = group.sync("received", error)
+    if error is not None:
+        raise error
+    return ids
+
+
+def _announce(outgoing: _Outgoing) -> dict[str, Any]:
+    return {"id": outgoing.id, "size": outgoing.size}
+
+
+def _listed(texts: dict[int, str], indices: Iterable[int]) -> dict[int, dict[str, Any]]:
+    """What each process of `indices` announced of the part it sends (its id and size), checked."""
+    listed = {}
+    for index in indices:
+        try:
+            value = loads_file(texts.get(index, ""))
+        except ValueError:
+            value = None
+        if not (isinstance(value, dict) and isinstance(value.get("id"), str) and _ID.fullmatch(value["id"])):
+            raise CheckpointError(f"Process {index} announced no part to send its peers ({texts.get(index)!r:.200}).")
+        if type(value.get("size")) is not int or not 0 < value["size"] < 2**48:
+            raise CheckpointError(f"Process {index} announced a part of {value.get('size')!r:.50} bytes.")
+        listed[index] = value
+    return listed
+
+
+def _send(
+    loc: Location | None,
+    step: int,
+    pairs: list[tuple[int, int]],
+    listed: dict[int, dict[str, Any]],
+    into: tuple[Location, int] | None,
+) -> BaseException | None:
+    """One collective move of parts along `pairs`: this process sends the part
+    at `loc` (if it sends), and receives into `into` (its folder, and the
+    sender's index) the part the sender announced (`listed`). The first error."""
+    me = jax.process_index()
+    outgoing: _Outgoing | None = None
+    error: BaseException | None = None
+    if loc is not None and any(sender == me for sender, _ in pairs):
+        try:
+            outgoing = _Outgoing(loc, step)
+        except Exception as e:
+            error = e
+    incoming = None if into is None else _Incoming(into[0], step, listed[into[1]], f"process {into[1]}")
+
+    def read(offset: int, count: int) -> bytes:
+        return bytes(count) if outgoing is None else outgoing.read(offset, count)
+
+    def write(offset: int, data: bytes) -> None:
+        if incoming is not None:
+            incoming.take(offset, data)
+
+    _exchange.transfer(pairs, {sender: listed[sender]["size"] for sender, _ in pairs}, read, write)
+    error = error or (outgoing.error if outgoing is not None else None)
+    return error or (incoming.finish() if incoming is not None else None)
+
+
+def fetch(local: Location, step: int, routes: list[Route]) -> Location:
+    """Move each process's part of `step` to it from the process that holds
+    it (`routes`, `agree`'s), where that is another; where this process's
+    part now is (its own step folder, or a copy in `folder(local, step)`)."""
+    group, me = _multihost.Group("peers"), jax.process_index()
+    needs = [(route.holder, index) for index, route in enumerate(routes) if route.holder != index]
+    for number, batch in enumerate(_exchange.rounds(needs)):
+        error: BaseException | None = None
+        sending = next((receiver for sender, receiver in batch if sender == me), None)
+        loc = None if sending is None else _held(local, step, routes[sending])
+        announced: dict[str, Any] = {}
+        if loc is not None:
+            try:
+                announced = _announce(_Outgoing(loc, step))
+            except Exception as e:
+                error = e
+        error = group.sync(f"listed-{number}", error, shared=json.dumps(announced))
+        if error is not None:
+            raise error
+        listed = _listed(group.gathered(f"listed-{number}", json.dumps(announced)), [s for s, _ in batch])
+        source = next((sender for sender, receiver in batch if receiver == me), None)
+        if source is not None and listed[source]["id"] != routes[me].id:
+            error = CheckpointError(f"Process {source} announced part {listed[source]['id']}, not {routes[me].id}.")
+        error = _send(loc, step, batch, listed, None if source is None else (folder(local, step), source)) or error
+        error = group.sync(f"received-{number}", error)
+        if error is not None:
+            raise error
+    route = routes[me]
+    return _held(local, step, route) if route.holder == me else folder(local, step).joined(route.id)
+
+
+def _held(local: Location, step: int, route: Route) -> Location:
+    """Where the process holding a part (`route.holder`) keeps it."""
+    return local.joined(step_name(step)) if route.own else folder(local, step).joined(route.id)
+
+
+def agree(local: Location, own: list[int], timeout: float) -> dict[int, list[Route]]:
+    """The local steps whole across every process's tier and its peers'
+    copies, each with where each process's part comes from: its own tier
+    where it holds the part, else the first process that does."""
+    group = _multihost.Group("tiers", timeout=timeout)
+    mine = json.dumps(holdings(local, own)._asdict())
+    error = group.sync("listed", None, shared=mine)
+    if error is not None:
+        raise error
+    return routes([_holdings_of(text) for _, text in sorted(group.gathered("listed", mine).items())])
+
+
+class Holdings(NamedTuple):
+    """What a process's local tier holds, by step: the id of its own part
+    (`own`), the ids of its committed copies of peers' parts (`held`), and
+    the ids of every process's part (`parts`, its `parts.json`)."""
+
+    own: dict[int, str]
+    held: dict[int, list[str]]
+    parts: dict[int, Any]
+
+
+def holdings(local: Location, own: list[int]) -> Holdings:
+    """This process's `Holdings`; `own`: its committed steps."""
+    held = Holdings({}, {}, {})
+    for step in own:
+        held.own[step] = part_id(_tiers.step_files(local.joined(step_name(step))))
+    for name in _storage.list_names(local.joined(PEERS)):
+        found = parse_step(name)
+        if found is None:
+            continue
+        step, where = found, folder(local, found)
+        ids = [n for n in _storage.list_names(where) if _ID.fullmatch(n)]
+        held.held[step] = [i for i in ids if _storage.file_exists(where.joined(i), MANIFEST)]
+        held.parts[step] = _parts_of(_storage.read_file(where, PARTS, limit=1 << 24))
+    return held
+
+
+def _parts_of(data: bytes | None) -> Any:
+    """The ids a `parts.json` lists (`None` where it is missing or damaged: the step is then not whole)."""
+    try:
+        value = None if data is None else loads_file(data)
+    except ValueError:
+        return None
+    return value.get("parts") if isinstance(value, dict) else None
+
+
+def _holdings_of(text: str) -> Holdings:
+    """A process's `Holdings`, as another process sent them, checked."""
+    try:
+        value = loads_file(text)
+        own, held, parts = ({int(step): v for step, v in value[kind].items()} for kind in Holdings._fields)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CheckpointError(f"A process listed its local tier as {text[:200]!r}: is it another eqx_ckpt?") from None
+    return Holdings(own, held, parts)
+
+
+def routes(listings: list[Holdings]) -> dict[int, list[Route]]:
+    """`agree`'s answer from every process's `Holdings` (by index)."""
+    count, whole = len(listings), {}
+    for step in sorted({step for listing in listings for step in listing.parts}):
+        parts = {json.dumps(listing.parts[step]) for listing in listings if step in listing.parts}
+        ids = loads_file(parts.pop()) if len(parts) == 1 else None
+        if not isinstance(ids, list) or len(ids) != count:
+            continue  # saved by another number of processes, or their records differ: never whole
+        found = [_route(listings, step, index, part) for index, part in enumerate(ids)]
+        if all(route is not None for route in found):
+            whole[step] = [route for route in found if route is not None]
+    return whole
+
+
+def _route(listings: list[Holdings], step: int, index: int, part: Any) -> Route | None:
+    """Where process `index`'s part of `step` (`part`) comes from, or `None`."""
+    for holder in [index, *(h for h in range(len(listings)) if h != index)]:
+        listing = listings[holder]
+        if listing.own.get(step) == part:
+            return Route(holder, part, True)
+        held = listing.held.get(step)
+        if isinstance(held, list) and part in held:
+            return Route(holder, part, False)
+    return None
+
+
+def tidy(local: Location, keep: Iterable[int]) -> None:
+    """Remove the peer copies and records of the steps not in `keep`."""
+    kept = {step_name(step) for step in keep}
+    stale = [name for name in _storage.list_names(local.joined(PEERS)) if name not in kept]
+    if stale:
+        _storage.remove(local.joined(PEERS), stale)
