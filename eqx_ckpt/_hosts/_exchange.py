@@ -27,15 +27,16 @@ WINDOW = 64 << 20
 def transfer(
     pairs: Sequence[tuple[int, int]],
     sizes: Mapping[int, int],
-    read: Callable[[int, int], bytes],
-    write: Callable[[int, bytes], None],
+    fill: Callable[[int, memoryview], None],
+    take: Callable[[int, memoryview], None],
 ) -> None:
     """Send `sizes[sender]` bytes from each sender to its receiver (`pairs`:
     `(sender, receiver)`, each process in at most one pair as each). This
-    process, if it sends, gives them by `read(offset, count)`; if it
-    receives, takes them by `write(offset, data)`, in order. `read` and
-    `write` must not raise (the other processes go on with the collective):
-    they keep their errors for the caller."""
+    process, if it sends, gives them by `fill(offset, view)`, which fills
+    `view`; if it receives, takes them by `take(offset, view)` (a view of
+    this window, valid during the call), in order. Neither may raise (the
+    other processes go on with the collective): they keep their errors for
+    the caller."""
     count, me = jax.process_count(), jax.process_index()
     longest = max((sizes[sender] for sender, _ in pairs), default=0)
     sending = sizes[me] if any(sender == me for sender, _ in pairs) else 0
@@ -44,13 +45,13 @@ def transfer(
         length = min(WINDOW, longest - start)
         row = np.zeros(length, np.uint8)
         if start < sending:
-            data = read(start, min(length, sending - start))
-            row[: len(data)] = np.frombuffer(data, np.uint8)
+            fill(start, row.data[: min(length, sending - start)])
         _faults.fire("exchange.window", start, length)
         received = _permute(tuple(pairs), count, length)(_global_row(row, count))
+        del row
         if source is not None and start < sizes[source]:
             mine = np.asarray(received.addressable_shards[0].data).reshape(-1)
-            write(start, mine[: min(length, sizes[source] - start)].tobytes())
+            take(start, mine.data[: min(length, sizes[source] - start)])
 
 
 def rounds(pairs: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:

@@ -93,7 +93,7 @@ class _Outgoing:
         self._loc, self._files = loc, files
         self.size = 8 + len(header) + sum(size for _, size in files)
         self._pieces = self._produce(len(header).to_bytes(8, "little") + header)
-        self._buffer = b""
+        self._piece, self._at = memoryview(b""), 0  # the piece being sent, and how much of it went
         self.error: BaseException | None = None
 
     def _produce(self, head: bytes) -> Iterator[bytes]:
@@ -104,17 +104,22 @@ class _Outgoing:
                 raise CheckpointError(f"{name!r} of {self._loc.display!r} changed while it was sent to a peer.")
             yield data
 
-    def read(self, offset: int, count: int) -> bytes:
-        """The next `count` bytes (from `offset`, where the last read ended); zeros after an error, kept in `error`."""
-        while len(self._buffer) < count and self.error is None:
-            try:
-                self._buffer += next(self._pieces)
-            except StopIteration:
-                break
-            except Exception as e:
-                self.error = e
-        data, self._buffer = self._buffer[:count], self._buffer[count:]
-        return data if self.error is None else bytes(count)
+    def fill(self, offset: int, out: memoryview) -> None:
+        """Fill `out` with the next bytes (from `offset`, where the last fill
+        ended); left as it is (zeros) after an error, kept in `error`."""
+        done = 0
+        while done < len(out) and self.error is None:
+            if self._at == len(self._piece):
+                try:
+                    self._piece, self._at = memoryview(next(self._pieces)), 0
+                except StopIteration:
+                    return
+                except Exception as e:
+                    self.error = e
+                    return
+            count = min(len(out) - done, len(self._piece) - self._at)
+            out[done : done + count] = self._piece[self._at : self._at + count]
+            done, self._at = done + count, self._at + count
 
 
 class _Incoming:
@@ -125,60 +130,75 @@ class _Incoming:
     def __init__(self, where: Location, step: int, announced: dict[str, Any], who: str):
         self._where, self._step, self._who = where, step, who
         self._id, self._size = announced["id"], announced["size"]
-        self._buffer = bytearray()
+        self._buffer = bytearray()  # the header, until it is read
+        self._file = bytearray()  # the file being received
         self._files: list[tuple[str, int]] | None = None
         self._manifest: bytes | None = None
+        self._writes: list[Any] = []  # the files' writes, waited for before the manifest's
         self.error: BaseException | None = None
         self._received = 0
 
-    def take(self, offset: int, data: bytes) -> None:
+    def take(self, offset: int, data: memoryview) -> None:
+        """The next bytes of the stream (from `offset`); errors kept in `error`."""
         if self.error is not None:
             return
         try:
             self._received += len(data)
-            self._buffer += data
             if self._files is None:
-                self._read_header()
+                self._buffer += data
+                data = self._read_header()
             if self._files is not None:
-                self._write_files()
+                self._write_files(data)
         except Exception as e:
             self.error = e
 
-    def _read_header(self) -> None:
+    def _read_header(self) -> memoryview:
+        """Once the header is whole: check it, and give the bytes after it."""
         if len(self._buffer) < 8:
-            return
+            return memoryview(b"")
         length = int.from_bytes(self._buffer[:8], "little")
         if length > _MAX_HEADER or 8 + length > self._size:
             raise self._refused(f"its header would be {length} bytes long")
         if len(self._buffer) < 8 + length:
-            return
+            return memoryview(b"")
         files = _checked_files(loads_file(bytes(self._buffer[8 : 8 + length])), self._step, self._id, self._refused)
         if 8 + length + sum(size for _, size in files) != self._size:
             raise self._refused("its files' sizes do not add up to the bytes it announced")
-        del self._buffer[: 8 + length]
         _storage.remove(self._where, [self._id])  # what an interrupted copy of it left
         self._files = files
+        rest, self._buffer = memoryview(bytes(self._buffer[8 + length :])), bytearray()
+        return rest
 
-    def _write_files(self) -> None:
+    def _write_files(self, data: memoryview) -> None:
+        """Take `data` into the files being received, writing each once whole."""
         assert self._files is not None
-        while self._files and len(self._buffer) >= self._files[0][1]:
-            name, size = self._files.pop(0)
-            data = bytes(self._buffer[:size])
-            del self._buffer[:size]
+        while self._files:
+            name, size = self._files[0]
+            count = min(size - len(self._file), len(data))
+            self._file += data[:count]
+            data = data[count:]
+            if len(self._file) < size:
+                return
+            self._files.pop(0)
+            whole, self._file = bytes(self._file), bytearray()
             if name == MANIFEST:
-                self._manifest = data
-            else:
-                _storage.write_file(self._where.joined(self._id), name, data)
+                self._manifest = whole
+            else:  # (not made durable one by one: the manifest's write, last, is)
+                self._writes += _storage.start_writes(self._where.joined(self._id), {name: whole}, synced=False)
+        if len(data):
+            raise self._refused("it sent more bytes than its files hold")
 
     def finish(self) -> BaseException | None:
         """Commit the copy (its manifest, written last); the first error, if any."""
         if self.error is None and (self._manifest is None or self._received != self._size):
             self.error = self._refused(f"it sent {self._received} of the {self._size} bytes it announced")
-        if self.error is None:
-            try:
+        try:
+            for write in self._writes:
+                _storage.result(write)
+            if self.error is None:
                 _storage.write_file(self._where.joined(self._id), MANIFEST, self._manifest or b"")
-            except Exception as e:
-                self.error = e
+        except Exception as e:
+            self.error = self.error or e
         return self.error
 
     def _refused(self, why: str) -> CheckpointError:
@@ -293,14 +313,15 @@ def _send(
             error = e
     incoming = None if into is None else _Incoming(into[0], step, listed[into[1]], f"process {into[1]}")
 
-    def read(offset: int, count: int) -> bytes:
-        return bytes(count) if outgoing is None else outgoing.read(offset, count)
+    def fill(offset: int, out: memoryview) -> None:
+        if outgoing is not None:
+            outgoing.fill(offset, out)
 
-    def write(offset: int, data: bytes) -> None:
+    def take(offset: int, data: memoryview) -> None:
         if incoming is not None:
             incoming.take(offset, data)
 
-    _exchange.transfer(pairs, {sender: listed[sender]["size"] for sender, _ in pairs}, read, write)
+    _exchange.transfer(pairs, {sender: listed[sender]["size"] for sender, _ in pairs}, fill, take)
     error = error or (outgoing.error if outgoing is not None else None)
     return error or (incoming.finish() if incoming is not None else None)
 

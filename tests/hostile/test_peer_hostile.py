@@ -31,7 +31,7 @@ def _receive(tmp_path, stream, *, part, size=None, step=5, windows=7):
     incoming = _peers._Incoming(where, step, {"id": part, "size": len(stream) if size is None else size}, "process 3")
     cut = max(1, len(stream) // windows)
     for start in range(0, len(stream), cut):
-        incoming.take(start, stream[start : start + cut])
+        incoming.take(start, memoryview(stream)[start : start + cut])
     return incoming.finish()
 
 
@@ -42,7 +42,10 @@ def _files(tmp_path):
 def test_a_genuine_part_is_written_with_its_manifest_last(tmp_path):
     eqx_ckpt.tree_serialise_leaves(tmp_path / "part", {"w": jnp.arange(6.0), "b": np.ones(3)})
     outgoing = _peers._Outgoing(location(tmp_path / "part"), 5)
-    stream = b"".join(outgoing.read(start, 100) for start in range(0, outgoing.size, 100))
+    stream = bytearray(outgoing.size)
+    for start in range(0, outgoing.size, 100):
+        outgoing.fill(start, memoryview(stream)[start : start + 100])
+    stream = bytes(stream)
     assert len(stream) == outgoing.size and outgoing.error is None
     assert _receive(tmp_path, stream, part=outgoing.id) is None
     copy = tmp_path / "local" / "peers" / "step_00000005" / outgoing.id
