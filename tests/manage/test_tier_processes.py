@@ -21,6 +21,7 @@ import pytest
 import eqx_ckpt
 
 PROCESSES = 4
+KILLED = "killed"
 STEPS = 7
 WORKER = places.SUPPORT / "iterator_worker.py"
 # The step after whose batch the preempted run sends SIGTERM; print the seed to rerun one.
@@ -43,7 +44,9 @@ def _run(root, name, env, *flags, term_at=None, codes=0):
     """One launch of the tiered run in `root` (persistent tier `root/run`,
     process i's local tier `root/local_i`), its outputs in `root/name`: each
     process's batches and last line (`None` for a run that ends otherwise:
-    every process's exit status is then `codes`, one or one per process)."""
+    every process's exit status is then `codes`, one or one per process;
+    `KILLED`: each SIGKILLed, or aborted by `jax.distributed` once the
+    process running its coordinator was)."""
     out = root / name
     out.mkdir()
     port, launched = places.free_port(), []
@@ -61,6 +64,9 @@ def _run(root, name, env, *flags, term_at=None, codes=0):
                 process.wait()
     logs = [log.read_text() for _, log in launched]
     expected = codes if isinstance(codes, list) else [codes] * PROCESSES
+    if codes == KILLED:
+        expected = [code if code == -signal.SIGABRT else -signal.SIGKILL for code in ended]
+        assert ended[0] == -signal.SIGKILL, "\n".join(logs)  # (the coordinator's process)
     assert ended == expected, "\n".join(logs)
     if codes != 0:
         return logs
@@ -127,7 +133,7 @@ def test_a_lost_local_tier_restores_the_newest_whole_step(tmp_path, env, whole, 
     persistent tier step 2. With one host's tier emptied (a host replaced)
     or every host's, every process restores step 2 from the persistent
     tier, never a mix of steps."""
-    _run(tmp_path, "first", env, "--every=2", "--kill-at=6", codes=-signal.SIGKILL)
+    _run(tmp_path, "first", env, "--every=2", "--kill-at=6", codes=KILLED)
     assert eqx_ckpt.CheckpointManager(tmp_path / "run").all_steps() == [2]
     assert all((tmp_path / f"local_{i}" / "step_00000005" / "manifest.json").exists() for i in range(PROCESSES))
     for i in {"one-host": [1], "every-host": range(PROCESSES)}[emptied]:
@@ -159,7 +165,7 @@ def test_a_host_replaced_by_an_empty_one_fetches_its_part_from_a_peer(tmp_path, 
     next process. Process 1's local tier emptied, the relaunch restores step 5
     (which the persistent tier lacks) with process 1's part fetched from its
     peer, bit for bit, and process 1 holds it again."""
-    _run(tmp_path, "first", env, "--every=2", "--peers=1", "--kill-at=6", codes=-signal.SIGKILL)
+    _run(tmp_path, "first", env, "--every=2", "--peers=1", "--kill-at=6", codes=KILLED)
     assert eqx_ckpt.CheckpointManager(tmp_path / "run").all_steps() == [2]
     ids = _parts(tmp_path, 0, 5)
     assert len(set(ids)) == PROCESSES and all(_parts(tmp_path, i, 5) == ids for i in range(PROCESSES))
@@ -177,7 +183,7 @@ def test_a_job_killed_while_parts_move_to_peers_restores_the_newest_whole_step(t
     """Every process is killed while its part of step 5 moves to its peer: the
     local parts of step 5 are committed, their copies are not. With process
     1's tier emptied, step 5 is whole nowhere, so every process restores step 2."""
-    _run(tmp_path, "first", env, "--every=2", "--peers=1", "--die-in-exchange=5", codes=-signal.SIGKILL)
+    _run(tmp_path, "first", env, "--every=2", "--peers=1", "--die-in-exchange=5", codes=KILLED)
     assert all((tmp_path / f"local_{i}" / "step_00000005" / "manifest.json").exists() for i in range(PROCESSES))
     copies = list((tmp_path / "local_2" / "peers" / "step_00000005").glob("*/manifest.json"))
     assert copies == []
