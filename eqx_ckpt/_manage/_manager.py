@@ -880,7 +880,8 @@ class CheckpointManager:
                     path=self.directory,
                 )
         else:
-            self._require(check_step(step))
+            step = check_step(step)
+            self._require(step)
         options = LoadOptions(
             where=where,
             prefix=prefix,
@@ -1006,7 +1007,9 @@ class CheckpointManager:
     def _load_nearest(self, step: int, load: Callable[[Location], PyTree]) -> PyTree:
         """`load(loc)` of `step` from the nearest tier that holds it. A local
         step that fails its checks (or that its storage would not serve) is
-        never returned: the persistent one is loaded instead, if there is one."""
+        never returned: the persistent one is loaded instead, if there is one.
+        With several processes, where any process's part fails, every process
+        loads the persistent one: each returns the same step, from one tier."""
         tier = self._tier_of(step)
         loc = tier.joined(step_name(step))
         if step in self._routes and step in self._local_steps():
@@ -1014,18 +1017,24 @@ class CheckpointManager:
             loc = _peers.fetch(self._local_loc(), step, self._routes[step])
         elif tier is self._loc:
             return load(loc)
+        error: BaseException | None = None
         try:
-            return load(loc)
+            tree = load(loc)
         except (IntegrityError, CorruptCheckpointError, CheckpointNotFoundError, CheckpointStorageError) as e:
-            if step not in committed_steps(self._loc):
-                raise
-            warnings.warn(
-                f"Step {step} of the local tier ({loc.display!r}) could not be loaded ({e}); it was loaded from "
-                f"the persistent tier ({self.directory!r}) instead.",
-                IntegrityWarning,
-                stacklevel=3,  # the caller of `restore` or `restore_or_initialise`
-            )
-            return load(self._loc.joined(step_name(step)))
+            error = e
+        if self._parts:
+            error = _multihost.Group("restore", timeout=_tiers.AGREE_SECONDS).sync("loaded", error)
+        if error is None:
+            return tree
+        if step not in committed_steps(self._loc):
+            raise error
+        warnings.warn(
+            f"Step {step} of the local tier ({loc.display!r}) could not be loaded ({error}); it was loaded from "
+            f"the persistent tier ({self.directory!r}) instead.",
+            IntegrityWarning,
+            stacklevel=3,  # the caller of `restore` or `restore_or_initialise`
+        )
+        return load(self._loc.joined(step_name(step)))
 
     def _require(self, step: int) -> None:
         steps = self.all_steps()

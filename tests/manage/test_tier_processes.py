@@ -101,11 +101,14 @@ def _chunks(step_folder, leaf):
     return sorted(p.name for p in (step_folder / leaf / "c").iterdir())
 
 
-def test_each_process_saves_its_part_and_a_preempted_run_resumes_from_the_local_tiers(tmp_path, env, whole):
+@pytest.mark.parametrize("then", ["persistent-step-deleted", "a-part-damaged"])
+def test_each_process_saves_its_part_and_a_preempted_run_resumes_from_the_local_tiers(tmp_path, env, whole, then):
     """Preempted at a random step: each process's local tier holds its own row
     of the model, with every process's data position; the persistent step is
     their parts together. With the persistent step deleted, the relaunch
-    restores it from the local tiers alone, bit for bit."""
+    restores it from the local tiers alone, bit for bit. With a byte of
+    process 1's part flipped, every process loads the persistent step (with
+    an `IntegrityWarning`), never process 1's part, nor a mix of tiers."""
     term_at = random.Random(SEED).randrange(1, STEPS - 2)
     print(f"SIGTERM after step {term_at} (EQX_CKPT_ITERATOR_SEED={SEED})")
     _, ends = _run(tmp_path, "first", env, "--every=1000", term_at=term_at)
@@ -123,8 +126,20 @@ def test_each_process_saves_its_part_and_a_preempted_run_resumes_from_the_local_
     assert (tmp_path / "run" / name / "manifest.json").read_bytes() == manifests[0]
     states = [json.loads(m)["iterators"] for m in manifests]
     assert all(s == states[0] for s in states) and len(states[0][0]["states"]) == PROCESSES
-    shutil.rmtree(tmp_path / "run" / name)
+    if then == "persistent-step-deleted":
+        shutil.rmtree(tmp_path / "run" / name)
+        _resumes(tmp_path, env, whole, stopped)
+        return
+    chunk = tmp_path / "local_1" / name / "table" / "c" / "1" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 1
+    chunk.write_bytes(bytes(data))
     _resumes(tmp_path, env, whole, stopped)
+    for i in range(PROCESSES):
+        log = (tmp_path / f"second.{i}.log").read_text()
+        said = rf"IntegrityWarning: Step {stopped} of the local tier .*Leaf `table`.* loaded from the persistent tier"
+        assert re.search(said, log, re.DOTALL), log
+        assert ("Loading failed in 1 other process(es)" in log) == (i != 1), log
 
 
 @pytest.mark.parametrize("emptied", ["one-host", "every-host"])

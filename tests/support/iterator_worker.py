@@ -210,8 +210,10 @@ def _train(directory: str, steps: int, out: str, term_at: int | None, options: d
     name = f"batches.{jax.process_index()}.json" if sharded else "batches.json"
     pathlib.Path(out, name).write_text(json.dumps(taken))
     if stop == "finished":
-        model = {k: v for k, v in state.items() if k != "data"} if "table" in state else state["w"]
-        eqx_ckpt.tree_serialise_leaves(pathlib.Path(out, "model"), model if sharded else state["model"])
+        model = state["w"] if sharded else state["model"]
+        if "table" in state:
+            model = {"w": state["w"], "table": state["table"]}
+        eqx_ckpt.tree_serialise_leaves(pathlib.Path(out, "model"), model)
     # Grain's worker processes are stopped before the interpreter's teardown
     # (their finalisers, run during it, find their modules emptied).
     del state
