@@ -1,97 +1,191 @@
-"""Bytes sent from process to process of a `jax.distributed` job by JAX's own
-collectives: a tiered manager's parts, to their peers and back (`_peers`).
+"""Bytes moved from process to process of a `jax.distributed` job by JAX's own
+transfer server (`jax.experimental.transfer`): a tiered manager's parts, to
+their peers and back (`_peers`).
 
-No network service of eqx_ckpt's own: each window of bytes is one row of a
-global array (one device of each process), moved by `jax.lax.ppermute`
-under `jax.shard_map`, as JAX moves any array between processes. Every
-process calls `transfer` with the same pairs and sizes, in the same order:
-a collective that one process never joins waits for ever, so a caller meets
-the others at a barrier (`_multihost.Group`) before it.
+No network service of eqx_ckpt's own, and no collective: each process starts
+one JAX transfer server, publishes its address through the coordination
+service, and a receiver pulls each window of bytes (a `uint8` array on the
+sender's device) from its sender. Not being a collective, a move may run in a
+background thread beside the training step's collectives. A sender publishes
+a window once its receivers took the one before (`_ACK`), so at most two
+windows of each stream are in memory at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+import datetime
+import hashlib
+import socket
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from .._base import _faults, _state
+from .._base._errors import CheckpointError
 
-# The bytes a process sends in one collective (a larger part takes several):
-# what each process holds in memory at once, twice (sent and received).
+# The bytes of one pull (a stream takes several).
 WINDOW = 64 << 20
 
+# How long a receiver waits for a window, and a sender for its receivers to
+# take one, in seconds.
+TRANSFER_SECONDS = 300.0
 
-def transfer(
-    pairs: Sequence[tuple[int, int]],
-    sizes: Mapping[int, int],
-    fill: Callable[[int, memoryview], None],
-    take: Callable[[int, memoryview], None],
-) -> None:
-    """Send `sizes[sender]` bytes from each sender to its receiver (`pairs`:
-    `(sender, receiver)`, each process in at most one pair as each). This
-    process, if it sends, gives them by `fill(offset, view)`, which fills
-    `view`; if it receives, takes them by `take(offset, view)` (a view of
-    this window, valid during the call), in order. Neither may raise (the
-    other processes go on with the collective): they keep their errors for
-    the caller."""
-    count, me = jax.process_count(), jax.process_index()
-    longest = max((sizes[sender] for sender, _ in pairs), default=0)
-    sending = sizes[me] if any(sender == me for sender, _ in pairs) else 0
-    source = next((sender for sender, receiver in pairs if receiver == me), None)
-    for start in range(0, longest, WINDOW):
-        length = min(WINDOW, longest - start)
+# The address this process's transfer server is reached at by the others:
+# `None` for the address this process reaches the job's coordinator from.
+ADDRESS: str | None = None
+
+
+class Stream(NamedTuple):
+    """One stream of a move: `size` bytes from process `sender` to process `receiver`."""
+
+    sender: int
+    receiver: int
+    size: int
+
+
+def move(
+    name: str,
+    streams: list[Stream],
+    addresses: Mapping[int, str],
+    fill: Callable[[Stream, int, memoryview], None],
+    take: Callable[[Stream, int, memoryview], None],
+) -> BaseException | None:
+    """Move every stream this process sends or receives, a window at a time:
+    `fill(stream, offset, view)` gives a window it sends, `take(stream,
+    offset, view)` a window it received (a view valid during the call).
+    `name` is unique to this move in the job; `addresses`, every process's
+    `address()`. Neither `fill` nor `take` may raise: they keep their
+    errors. The first error of this process's transfers, or `None`."""
+    me, client = jax.process_index(), _client()
+    mine = [s for s in streams if s.sender == me]
+    theirs = [s for s in streams if s.receiver == me]
+    windows = max((-(-s.size // WINDOW) for s in mine + theirs), default=0)
+    error: BaseException | None = None
+    for k in range(windows):
+        for stream in mine:
+            error = error or _publish(name, stream, k, fill)
+        for stream in theirs:
+            error = error or _pull(name, stream, k, addresses, take, client)
+        if k:
+            error = error or _taken(name, mine, k - 1, client)
+    if windows:
+        error = error or _taken(name, mine, windows - 1, client)
+    return error
+
+
+def address() -> str:
+    """Where the other processes reach this process's transfer server."""
+    return _server()[1]
+
+
+@_state.memo(1)
+def _server() -> tuple[Any, str]:
+    """This process's transfer server (started once), and its address."""
+    from jax.experimental import transfer
+
+    host = ADDRESS or _own_host()
+    server = transfer.start_transfer_server(jax.local_devices()[0].client, f"{host}:0", [f"{host}:0"])
+    return server, server.address()
+
+
+def _own_host() -> str:
+    """The address this process reaches the job's coordinator from."""
+    from jax._src import distributed
+
+    coordinator = distributed.global_state.coordinator_address or "127.0.0.1:0"
+    host, _, port = coordinator.rpartition(":")
+    with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host.strip("[]"), int(port or 0)))
+        return s.getsockname()[0]
+
+
+def _client() -> Any:
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise CheckpointError("Moving parts between processes needs `jax.distributed.initialize(...)` first.")
+    return client
+
+
+def _uuid(name: str, stream: Stream, k: int) -> int:
+    digest = hashlib.sha256(f"{name}/{stream.sender}/{stream.receiver}/{k}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _window(stream: Stream, k: int) -> tuple[int, int]:
+    start = k * WINDOW
+    return start, max(0, min(WINDOW, stream.size - start))
+
+
+def _publish(
+    name: str, stream: Stream, k: int, fill: Callable[[Stream, int, memoryview], None]
+) -> BaseException | None:
+    """Offer window `k` of `stream` to its receiver."""
+    start, length = _window(stream, k)
+    if not length:
+        return None
+    try:
         row = np.zeros(length, np.uint8)
-        if start < sending:
-            fill(start, row.data[: min(length, sending - start)])
+        fill(stream, start, row.data)
         _faults.fire("exchange.window", start, length)
-        received = _permute(tuple(pairs), count, length)(_global_row(row, count))
-        del row
-        if source is not None and start < sizes[source]:
-            mine = np.asarray(received.addressable_shards[0].data).reshape(-1)
-            take(start, mine.data[: min(length, sizes[source] - start)])
+        array = jax.device_put(row, jax.local_devices()[0])
+        _server()[0].await_pull(_uuid(name, stream, k), [array], timeout=_deadline())
+    except Exception as e:
+        return e
+    return None
 
 
-def rounds(pairs: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """`pairs` split into rounds in which each process sends at most once
-    and receives at most once (in order: the same rounds in every process)."""
-    out: list[list[tuple[int, int]]] = []
-    for pair in pairs:
-        for batch in out:
-            if all(pair[0] != s and pair[1] != r for s, r in batch):
-                batch.append(pair)
-                break
-        else:
-            out.append([pair])
-    return out
+def _pull(
+    name: str,
+    stream: Stream,
+    k: int,
+    addresses: Mapping[int, str],
+    take: Callable[[Stream, int, memoryview], None],
+    client: Any,
+) -> BaseException | None:
+    """Take window `k` of `stream` from its sender, and say so (`_ACK`)."""
+    start, length = _window(stream, k)
+    if not length:
+        return None
+    try:
+        _faults.fire("exchange.window", start, length)
+        connection = _connection(addresses[stream.sender])
+        like = jax.ShapeDtypeStruct((length,), np.uint8, sharding=_own_device())
+        (array,) = connection.pull(_uuid(name, stream, k), [like], timeout=_deadline())
+        take(stream, start, np.asarray(array).data)
+        client.key_value_set(_ACK.format(name=name, sender=stream.sender, receiver=stream.receiver, k=k), "")
+    except Exception as e:
+        return CheckpointError(f"Process {stream.sender}'s bytes {start} to {start + length} did not arrive: {e}")
+    return None
 
 
-def _devices() -> list[jax.Device]:
-    """One device of each process (its first), by process index."""
-    first: dict[int, jax.Device] = {}
-    for device in jax.devices():
-        first.setdefault(device.process_index, device)
-    return [first[index] for index in range(jax.process_count())]
+def _taken(name: str, streams: list[Stream], k: int, client: Any) -> BaseException | None:
+    """Wait until each receiver of `streams` took its window `k` (if it has one)."""
+    for stream in streams:
+        if not _window(stream, k)[1]:
+            continue
+        key = _ACK.format(name=name, sender=stream.sender, receiver=stream.receiver, k=k)
+        try:
+            client.blocking_key_value_get(key, int(TRANSFER_SECONDS * 1000))
+        except Exception as e:
+            return CheckpointError(f"Process {stream.receiver} did not take bytes this process sent it: {e}")
+    return None
 
 
-def _global_row(row: np.ndarray, count: int) -> jax.Array:
-    """The global `(count, len(row))` array whose row `jax.process_index()` is `row`."""
-    devices = _devices()
-    sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("p",)), jax.sharding.PartitionSpec("p"))
-    local = jax.device_put(row.reshape(1, -1), devices[jax.process_index()])
-    return jax.make_array_from_single_device_arrays((count, row.size), sharding, [local])
+_ACK = "eqx_ckpt/{name}/taken/{sender}/{receiver}/{k}"
 
 
 @_state.memo(64)
-def _permute(pairs: tuple[tuple[int, int], ...], count: int, length: int) -> Callable[[jax.Array], jax.Array]:
-    """The compiled collective moving row `sender` to row `receiver` for each pair (others: zeros)."""
-    del length  # (a key of the memo: one program per row length)
-    mesh = jax.sharding.Mesh(np.array(_devices()), ("p",))
-    spec = jax.sharding.PartitionSpec("p")
-    shard_map: Any = getattr(jax, "shard_map", None)
-    if shard_map is None:  # JAX before 0.7
-        from jax.experimental.shard_map import shard_map
-    moved = shard_map(lambda x: jax.lax.ppermute(x, "p", list(pairs)), mesh=mesh, in_specs=spec, out_specs=spec)
-    return jax.jit(moved)
+def _connection(address: str) -> Any:
+    return _server()[0].connect(address)
+
+
+def _own_device() -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _deadline() -> datetime.datetime:
+    return datetime.datetime.now() + datetime.timedelta(seconds=TRANSFER_SECONDS)

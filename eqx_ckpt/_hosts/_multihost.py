@@ -91,6 +91,11 @@ class Group:
     def primary(self) -> bool:
         return self.index == 0
 
+    @property
+    def name(self) -> str:
+        """The group's name, unique in the job ("" for one process)."""
+        return self._name
+
     def sync(
         self, stage: str, error: BaseException | None, plan: str | None = None, *, shared: str | None = None
     ) -> BaseException | None:

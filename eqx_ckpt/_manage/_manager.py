@@ -265,6 +265,7 @@ class CheckpointManager:
             if self._parts:  # (its steps lack the other processes' regions: reads check their chunk files)
                 self._local._loc = dataclasses.replace(self._local._loc, part=True)
         self._upload: PendingSave | None = None  # the persistent copy in flight, or the last one
+        self._replication: PendingSave | None = None  # with `peers`, the move of a step's parts to them
         self._upload_error: BaseException | None = None  # a failed copy's error, raised once
         self._preempted_step: int | None = None  # the step `reached_preemption` answered True for
 
@@ -585,12 +586,43 @@ class CheckpointManager:
         self._upload = PendingSave(upload)
 
     def _replicate(self, step: int) -> None:
-        """With `peers`: send this process's part of `step` to its peers, and keep theirs."""
-        assert self._local is not None and self._whole is not None
-        self._local.wait_until_finished()  # (the part committed, in every process)
-        ids = _peers.replicate(self._local_loc(), step, self.peers, self.peer_stride)
-        self._routes[step] = [_peers.Route(index, part, True) for index, part in enumerate(ids)]
-        _peers.tidy(self._local_loc(), self._local.all_steps())
+        """With `peers`: in the background, once this process's part of `step`
+        is committed, send it to its peers and keep theirs (one step at a time)."""
+        assert self._local is not None
+        local, local_save = self._local, self._local._pending
+        local._retention.held.add(step)  # the local step stays until it is sent
+        self._finish_replication()
+        # Made here, in the same order in every process, so that their moves meet at the same barriers.
+        group = _multihost.Group("peers")
+
+        def replicate() -> None:
+            failed = None
+            if local_save is not None:
+                try:
+                    local_save.wait()
+                except BaseException as e:
+                    failed = e  # the manager raises it; the others learn it at the first barrier
+            try:
+                ids = _peers.replicate(self._local_loc(), step, self.peers, self.peer_stride, group, failed)
+            except BaseException as e:
+                if e is failed:
+                    return
+                raise
+            finally:
+                local._retention.held.discard(step)
+            self._routes[step] = [_peers.Route(index, part, True) for index, part in enumerate(ids)]
+            _peers.tidy(self._local_loc(), local.all_steps())
+
+        self._replication = PendingSave(replicate)
+
+    def _finish_replication(self) -> None:
+        """Wait for the move of a step's parts to their peers (if any), and keep its error."""
+        replication, self._replication = self._replication, None
+        if replication is not None:
+            try:
+                replication.wait()
+            except Exception as e:
+                self._upload_error = self._upload_error or e
 
     def _local_loc(self) -> Location:
         assert self._local is not None
@@ -636,9 +668,11 @@ class CheckpointManager:
             self._local._apply_retention()
 
     def _uploading(self) -> PendingSave | None:
-        """The persistent copy still in flight, if any."""
-        upload = self._upload
-        return None if upload is None or upload.done() else upload
+        """The persistent copy (or the move to the peers) still in flight, if any."""
+        for upload in (self._upload, self._replication):
+            if upload is not None and not upload.done():
+                return upload
+        return None
 
     def _finish_upload(self) -> None:
         """Wait for the persistent copy (if any), and keep its error for `_raise_upload_error`."""
@@ -650,9 +684,11 @@ class CheckpointManager:
                 self._upload_error = self._upload_error or e
 
     def _raise_upload_error(self) -> None:
-        """Raise (once) the error of a persistent copy that failed and has finished."""
+        """Raise (once) the error of a persistent copy (or a move to the peers) that failed and has finished."""
         if self._upload is not None and self._upload.done():
             self._finish_upload()
+        if self._replication is not None and self._replication.done():
+            self._finish_replication()
         error, self._upload_error = self._upload_error, None
         if error is not None:
             raise error
@@ -702,6 +738,7 @@ class CheckpointManager:
             if self._local is not None:
                 self._local.wait_until_finished()
                 self._finish_upload()
+                self._finish_replication()
                 self._raise_upload_error()
             pending = self._pending
             if pending is None:

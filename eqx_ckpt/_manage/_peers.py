@@ -238,18 +238,24 @@ def _safe_name(name: str) -> bool:
     )
 
 
-# -- Collectives: every process calls each, in the same order ---------------------------------------------
+# -- Moves: every process calls each, in the same order ---------------------------------------------------
 
 
-def replicate(local: Location, step: int, peers: int, stride: int) -> list[str]:
+def replicate(
+    local: Location, step: int, peers: int, stride: int, group: _multihost.Group, failed: BaseException | None = None
+) -> list[str]:
     """Send this process's committed part of `step` to its `peers` (the
     processes `shifts` away), and take theirs; record every part's id
-    (`parts.json`). The ids of the parts, by process index."""
-    group = _multihost.Group("peers")
-    error: BaseException | None = None
+    (`parts.json`). The ids of the parts, by process index. No collective:
+    it may run in a background thread (`group`: made in the caller's).
+    `failed`: this process's save of the part failed so (raised here, once
+    the others know it)."""
+    error: BaseException | None = failed
     announced: dict[str, Any] = {}
+    own = local.joined(step_name(step))
     try:
-        announced = _announce(_Outgoing(local.joined(step_name(step)), step))
+        if error is None:
+            announced = {**_announce(_Outgoing(own, step)), "address": _exchange.address()}
     except Exception as e:
         error = e
     error = group.sync("listed", error, shared=json.dumps(announced))
@@ -258,15 +264,18 @@ def replicate(local: Location, step: int, peers: int, stride: int) -> list[str]:
     listed = _listed(group.gathered("listed", json.dumps(announced)), range(group.count))
     ids = [listed[index]["id"] for index in range(group.count)]
     try:
-        parts = {"step": step, "parts": ids}
-        _storage.write_file(folder(local, step), PARTS, json.dumps(parts).encode())
+        _storage.write_file(folder(local, step), PARTS, json.dumps({"step": step, "parts": ids}).encode())
     except Exception as e:
         error = e
-    for shift in shifts(peers, stride, group.count):
-        pairs = [(index, (index + shift) % group.count) for index in range(group.count)]
-        source = (group.index - shift) % group.count
-        sent = _send(local.joined(step_name(step)), step, pairs, listed, (folder(local, step), source))
-        error = error or sent
+    count, me = group.count, group.index
+    streams = [
+        _exchange.Stream(index, (index + shift) % count, listed[index]["size"])
+        for shift in shifts(peers, stride, count)
+        for index in range(count)
+    ]
+    sends = {s.receiver: own for s in streams if s.sender == me}
+    announced_by = {stream: listed[stream.sender] for stream in streams}
+    error = _move(group.name, step, announced_by, sends, folder(local, step)) or error
     error = group.sync("received", error)
     if error is not None:
         raise error
@@ -278,7 +287,7 @@ def _announce(outgoing: _Outgoing) -> dict[str, Any]:
 
 
 def _listed(texts: dict[int, str], indices: Iterable[int]) -> dict[int, dict[str, Any]]:
-    """What each process of `indices` announced of the part it sends (its id and size), checked."""
+    """What each process of `indices` announced of the part it sends (its id, size and address), checked."""
     listed = {}
     for index in indices:
         try:
@@ -289,41 +298,48 @@ def _listed(texts: dict[int, str], indices: Iterable[int]) -> dict[int, dict[str
             raise CheckpointError(f"Process {index} announced no part to send its peers ({texts.get(index)!r:.200}).")
         if type(value.get("size")) is not int or not 0 < value["size"] < 2**48:
             raise CheckpointError(f"Process {index} announced a part of {value.get('size')!r:.50} bytes.")
+        if not isinstance(value.get("address"), str) or len(value["address"]) > 256:
+            raise CheckpointError(f"Process {index} announced no address to take its part from.")
         listed[index] = value
     return listed
 
 
-def _send(
-    loc: Location | None,
+def _move(
+    name: str,
     step: int,
-    pairs: list[tuple[int, int]],
-    listed: dict[int, dict[str, Any]],
-    into: tuple[Location, int] | None,
+    streams: dict[_exchange.Stream, dict[str, Any]],
+    sends: dict[int, Location],
+    into: Location,
 ) -> BaseException | None:
-    """One collective move of parts along `pairs`: this process sends the part
-    at `loc` (if it sends), and receives into `into` (its folder, and the
-    sender's index) the part the sender announced (`listed`). The first error."""
+    """Move the parts of `streams` (each with what its sender announced: the
+    part's id, size and the sender's address): this process sends the part
+    at `sends[receiver]` to each of its receivers, and receives into `into`
+    each part sent to it. The first error."""
     me = jax.process_index()
-    outgoing: _Outgoing | None = None
+    outgoing: dict[int, _Outgoing] = {}
     error: BaseException | None = None
-    if loc is not None and any(sender == me for sender, _ in pairs):
+    for receiver, loc in sends.items():
         try:
-            outgoing = _Outgoing(loc, step)
+            outgoing[receiver] = _Outgoing(loc, step)
         except Exception as e:
-            error = e
-    incoming = None if into is None else _Incoming(into[0], step, listed[into[1]], f"process {into[1]}")
+            error = error or e
+    mine = [(stream, said) for stream, said in streams.items() if stream.receiver == me]
+    incoming = {stream: _Incoming(into, step, said, f"process {stream.sender}") for stream, said in mine}
 
-    def fill(offset: int, out: memoryview) -> None:
-        if outgoing is not None:
-            outgoing.fill(offset, out)
+    def fill(stream: _exchange.Stream, offset: int, out: memoryview) -> None:
+        if stream.receiver in outgoing:
+            outgoing[stream.receiver].fill(offset, out)
 
-    def take(offset: int, data: memoryview) -> None:
-        if incoming is not None:
-            incoming.take(offset, data)
+    def take(stream: _exchange.Stream, offset: int, data: memoryview) -> None:
+        incoming[stream].take(offset, data)
 
-    _exchange.transfer(pairs, {sender: listed[sender]["size"] for sender, _ in pairs}, fill, take)
-    error = error or (outgoing.error if outgoing is not None else None)
-    return error or (incoming.finish() if incoming is not None else None)
+    addresses = {stream.sender: said["address"] for stream, said in streams.items()}
+    error = _exchange.move(name, list(streams), addresses, fill, take) or error
+    for sent in outgoing.values():
+        error = error or sent.error
+    for received in incoming.values():
+        error = received.finish() or error
+    return error
 
 
 def fetch(local: Location, step: int, routes: list[Route]) -> Location:
@@ -332,29 +348,42 @@ def fetch(local: Location, step: int, routes: list[Route]) -> Location:
     part now is (its own step folder, or a copy in `folder(local, step)`)."""
     group, me = _multihost.Group("peers"), jax.process_index()
     needs = [(route.holder, index) for index, route in enumerate(routes) if route.holder != index]
-    for number, batch in enumerate(_exchange.rounds(needs)):
+    if needs:
+        sends = {receiver: _held(local, step, routes[receiver]) for holder, receiver in needs if holder == me}
         error: BaseException | None = None
-        sending = next((receiver for sender, receiver in batch if sender == me), None)
-        loc = None if sending is None else _held(local, step, routes[sending])
-        announced: dict[str, Any] = {}
-        if loc is not None:
-            try:
-                announced = _announce(_Outgoing(loc, step))
-            except Exception as e:
-                error = e
-        error = group.sync(f"listed-{number}", error, shared=json.dumps(announced))
+        announced: dict[str, Any] = {"address": _exchange.address(), "parts": {}}
+        try:
+            for receiver, loc in sends.items():
+                announced["parts"][str(receiver)] = _announce(_Outgoing(loc, step))
+        except Exception as e:
+            error = e
+        error = group.sync("listed", error, shared=json.dumps(announced))
         if error is not None:
             raise error
-        listed = _listed(group.gathered(f"listed-{number}", json.dumps(announced)), [s for s, _ in batch])
-        source = next((sender for sender, receiver in batch if receiver == me), None)
-        if source is not None and listed[source]["id"] != routes[me].id:
-            error = CheckpointError(f"Process {source} announced part {listed[source]['id']}, not {routes[me].id}.")
-        error = _send(loc, step, batch, listed, None if source is None else (folder(local, step), source)) or error
-        error = group.sync(f"received-{number}", error)
+        listed = _fetched(group.gathered("listed", json.dumps(announced)), needs, routes)
+        streams = {_exchange.Stream(h, r, listed[r]["size"]): listed[r] for h, r in needs}
+        error = _move(group.name, step, streams, sends, folder(local, step))
+        error = group.sync("received", error)
         if error is not None:
             raise error
     route = routes[me]
     return _held(local, step, route) if route.holder == me else folder(local, step).joined(route.id)
+
+
+def _fetched(texts: dict[int, str], needs: list[tuple[int, int]], routes: list[Route]) -> dict[int, dict[str, Any]]:
+    """What each holder announced of each part it sends (by receiver), checked against `routes`."""
+    out = {}
+    for holder, receiver in needs:
+        try:
+            value = loads_file(texts.get(holder, ""))
+            announced = {**value["parts"][str(receiver)], "address": value["address"]}
+        except (ValueError, KeyError, TypeError):
+            raise CheckpointError(f"Process {holder} did not announce the part of process {receiver}.") from None
+        checked = _listed({receiver: json.dumps(announced)}, [receiver])[receiver]
+        if checked["id"] != routes[receiver].id:
+            raise CheckpointError(f"Process {holder} announced part {checked['id']}, not {routes[receiver].id}.")
+        out[receiver] = checked
+    return out
 
 
 def _held(local: Location, step: int, route: Route) -> Location:

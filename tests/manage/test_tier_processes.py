@@ -12,6 +12,7 @@ import random
 import re
 import shutil
 import signal
+import time
 
 import numpy as np
 import places
@@ -40,13 +41,14 @@ def env(tmp_path_factory):
     return environ
 
 
-def _run(root, name, env, *flags, term_at=None, codes=0):
+def _run(root, name, env, *flags, term_at=None, codes=0, kill_on=None):
     """One launch of the tiered run in `root` (persistent tier `root/run`,
     process i's local tier `root/local_i`), its outputs in `root/name`: each
     process's batches and last line (`None` for a run that ends otherwise:
     every process's exit status is then `codes`, one or one per process;
     `KILLED`: each SIGKILLed, or aborted by `jax.distributed` once the
-    process running its coordinator was)."""
+    process running its coordinator was). `kill_on`: a file whose creation
+    makes this SIGKILL every process (a job killed from outside)."""
     out = root / name
     out.mkdir()
     port, launched = places.free_port(), []
@@ -56,6 +58,8 @@ def _run(root, name, env, *flags, term_at=None, codes=0):
         log = root / f"{name}.{i}.log"
         launched.append((prefork.spawn(args + ([] if term_at is None else [str(term_at)]), env=env, output=log), log))
     try:
+        if kill_on is not None:
+            _kill_on(out / kill_on, [process for process, _ in launched])
         ended = [process.wait(timeout=240) for process, _ in launched]
     finally:
         for process, _ in launched:
@@ -73,6 +77,15 @@ def _run(root, name, env, *flags, term_at=None, codes=0):
     ends = [re.findall(r"^(finished|preempted at \d+)$", log, re.MULTILINE)[-1:] for log in logs]
     batches = [json.loads((out / f"batches.{i}.json").read_text()) for i in range(PROCESSES)]
     return batches, [end[0] if end else log for end, log in zip(ends, logs)]
+
+
+def _kill_on(marker, processes):
+    """SIGKILL every process once `marker` exists (or one has ended)."""
+    deadline = time.monotonic() + 120
+    while not marker.exists() and all(p.poll() is None for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for process in processes:
+        process.kill()
 
 
 @pytest.fixture(scope="module")
@@ -195,10 +208,13 @@ def test_a_host_replaced_by_an_empty_one_fetches_its_part_from_a_peer(tmp_path, 
 
 
 def test_a_job_killed_while_parts_move_to_peers_restores_the_newest_whole_step(tmp_path, env, whole):
-    """Every process is killed while its part of step 5 moves to its peer: the
-    local parts of step 5 are committed, their copies are not. With process
+    """The job is killed while the parts of step 5 move to their peers (as
+    the first process passes the first window): the local parts of step 5
+    are committed, their copies are not. With process
     1's tier emptied, step 5 is whole nowhere, so every process restores step 2."""
-    _run(tmp_path, "first", env, "--every=2", "--peers=1", "--die-in-exchange=5", codes=KILLED)
+    flags = ["--every=2", "--peers=1", "--die-in-exchange=5"]
+    _run(tmp_path, "first", env, *flags, codes=KILLED, kill_on="exchange.marker")
+    assert (tmp_path / "first" / "exchange.marker").exists()
     assert all((tmp_path / f"local_{i}" / "step_00000005" / "manifest.json").exists() for i in range(PROCESSES))
     copies = list((tmp_path / "local_2" / "peers" / "step_00000005").glob("*/manifest.json"))
     assert copies == []

@@ -21,8 +21,9 @@ index: each process its own folder, as each host its own disk), and
 `--every=K` copies every K-th step to DIRECTORY, and `--peers=P` sends each
 process's part to P other processes (tests/manage/test_tier_processes.py);
 the state then also has a `table` of 64 rows of 1024 floats a process.
-`--die-in-exchange=STEP`: every process SIGKILLs itself as the parts of
-step STEP move to their peers (a job killed mid-transfer).
+`--die-in-exchange=STEP`: as the parts of step STEP move to their peers, a
+process that is past the first window creates OUT/exchange.marker and waits
+(for the test to kill the whole job mid-transfer).
 `--die-in-commit=STEP`: process 1 SIGKILLs itself as it commits its part of
 step STEP (the others have written theirs, and commit them); the others then
 print `failed: <message>` and exit with status 3.
@@ -146,23 +147,24 @@ def _die_in_commit(step: int):
 _saving = [-1]  # the step whose save runs
 
 
-def _die_in_exchange(step: int):
-    """Arms every process to be SIGKILLed in the second window of its part of `step` sent to its peer."""
+def _die_in_exchange(step: int, out: str):
+    """Arms every process to stop past the first window of the parts of `step` moving to their peers."""
     from eqx_ckpt._base import _faults
     from eqx_ckpt._hosts import _exchange
 
     _exchange.WINDOW = 64 << 10  # (a part of several windows)
 
-    def die(start, length):
+    def stop(start, length):
         if _saving[0] == step and start > 0:
-            os.kill(os.getpid(), signal.SIGKILL)
+            pathlib.Path(out, "exchange.marker").touch()
+            time.sleep(600)  # until the test kills the job
 
-    return _faults.armed("exchange.window", die)
+    return _faults.armed("exchange.window", stop)
 
 
 def main(directory: str, steps: int, out: str, term_at: int | None, options: dict[str, str]) -> None:
     if "die-in-exchange" in options:
-        with _die_in_exchange(int(options["die-in-exchange"])):
+        with _die_in_exchange(int(options["die-in-exchange"]), out):
             _train(directory, steps, out, term_at, options)
         return
     if "die-in-commit" not in options:
@@ -173,6 +175,8 @@ def main(directory: str, steps: int, out: str, term_at: int | None, options: dic
             _train(directory, steps, out, term_at, options)
         except eqx_ckpt.CheckpointError as e:
             print(f"failed: {e}", flush=True)
+            if jax.process_index() == 0:
+                time.sleep(2)  # the coordinator's process last: the others would abort once it is gone
             os._exit(3)  # not `jax.distributed`'s exit hook, which waits for the killed process
 
 
@@ -193,6 +197,8 @@ def _train(directory: str, steps: int, out: str, term_at: int | None, options: d
         for step in range(0 if latest is None else latest + 1, steps):
             x = next(state["data"])
             if step == int(options.get("kill-at", -1)):
+                if "peers" in options:
+                    manager.wait_until_finished()  # (killed once the last step's parts reached their peers)
                 os.kill(os.getpid(), signal.SIGKILL)  # no save, no exit work: the last committed step is all
             taken.append(x.tolist())
             state = _step_sharded(state, x) if sharded else _step(state, x)
