@@ -145,29 +145,35 @@ class _Incoming:
         try:
             self._received += len(data)
             if self._files is None:
-                self._buffer += data
-                data = self._read_header()
+                data = self._read_header(data)
             if self._files is not None:
                 self._write_files(data)
         except Exception as e:
             self.error = e
 
-    def _read_header(self) -> memoryview:
-        """Once the header is whole: check it, and give the bytes after it."""
+    def _read_header(self, data: memoryview) -> memoryview:
+        """Take the header's bytes from `data`; once it is whole, check it.
+        The bytes of `data` after it."""
         if len(self._buffer) < 8:
-            return memoryview(b"")
+            count = 8 - len(self._buffer)
+            self._buffer += data[:count]
+            data = data[count:]
+            if len(self._buffer) < 8:
+                return data
         length = int.from_bytes(self._buffer[:8], "little")
         if length > _MAX_HEADER or 8 + length > self._size:
             raise self._refused(f"its header would be {length} bytes long")
+        count = 8 + length - len(self._buffer)
+        self._buffer += data[:count]
+        data = data[count:]
         if len(self._buffer) < 8 + length:
-            return memoryview(b"")
+            return data
         files = _checked_files(loads_file(bytes(self._buffer[8 : 8 + length])), self._step, self._id, self._refused)
         if 8 + length + sum(size for _, size in files) != self._size:
             raise self._refused("its files' sizes do not add up to the bytes it announced")
         _storage.remove(self._where, [self._id])  # what an interrupted copy of it left
-        self._files = files
-        rest, self._buffer = memoryview(bytes(self._buffer[8 + length :])), bytearray()
-        return rest
+        self._files, self._buffer = files, bytearray()
+        return data
 
     def _write_files(self, data: memoryview) -> None:
         """Take `data` into the files being received, writing each once whole."""
@@ -175,12 +181,15 @@ class _Incoming:
         while self._files:
             name, size = self._files[0]
             count = min(size - len(self._file), len(data))
-            self._file += data[:count]
-            data = data[count:]
-            if len(self._file) < size:
-                return
+            if not self._file and count == size:  # the whole file in this window: copied once
+                whole, data = bytes(data[:count]), data[count:]
+            else:
+                self._file += data[:count]
+                data = data[count:]
+                if len(self._file) < size:
+                    return
+                whole, self._file = bytes(self._file), bytearray()
             self._files.pop(0)
-            whole, self._file = bytes(self._file), bytearray()
             if name == MANIFEST:
                 self._manifest = whole
             else:  # (not made durable one by one: the manifest's write, last, is)
