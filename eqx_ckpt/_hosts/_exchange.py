@@ -26,7 +26,7 @@ from .._base import _faults, _state
 from .._base._errors import CheckpointError
 
 # The bytes of one pull (a stream takes several).
-WINDOW = 64 << 20
+WINDOW = 16 << 20
 
 # How long a receiver waits for a window, and a sender for its receivers to
 # take one, in seconds.
