@@ -618,11 +618,7 @@ class CheckpointManager:
     def _finish_replication(self) -> None:
         """Wait for the move of a step's parts to their peers (if any), and keep its error."""
         replication, self._replication = self._replication, None
-        if replication is not None:
-            try:
-                replication.wait()
-            except Exception as e:
-                self._upload_error = self._upload_error or e
+        self._keep_error(replication)
 
     def _local_loc(self) -> Location:
         assert self._local is not None
@@ -677,9 +673,13 @@ class CheckpointManager:
     def _finish_upload(self) -> None:
         """Wait for the persistent copy (if any), and keep its error for `_raise_upload_error`."""
         upload, self._upload = self._upload, None
-        if upload is not None:
+        self._keep_error(upload)
+
+    def _keep_error(self, work: PendingSave | None) -> None:
+        """Wait for a copy or move in the background (if any); its error is raised by `_raise_upload_error`."""
+        if work is not None:
             try:
-                upload.wait()
+                work.wait()
             except Exception as e:
                 self._upload_error = self._upload_error or e
 

@@ -105,21 +105,13 @@ def _run(directory, out, env, term_at=None, processes=1, workers=0, kill_at=None
     own data loader, model, manager and SIGTERM): each process's batches, and
     the line each ended with (`None` for a run SIGKILLed at `kill_at`)."""
     out.mkdir()
-    port, launched = places.free_port(), []
+    port, launches = places.free_port(), []
     for i in range(processes):
         flags = [f"--workers={workers}"] + ([f"--process={i},{processes},{port}"] if processes > 1 else [])
         flags += [] if kill_at is None else [f"--kill-at={kill_at}"]
         args = [str(WORKER), *flags, str(directory), str(STEPS), str(out)] + ([] if term_at is None else [str(term_at)])
-        log = out.parent / f"{out.name}.{i}.log"
-        launched.append((prefork.spawn(args, env=env, output=log), log))
-    try:
-        codes = [process.wait(timeout=240) for process, _ in launched]
-    finally:
-        for process, _ in launched:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    logs = [log.read_text() for _, log in launched]
+        launches.append((args, out.parent / f"{out.name}.{i}.log"))
+    codes, logs = prefork.run_all(launches, env=env)
     if kill_at is not None:
         assert codes == [-signal.SIGKILL] * processes, "\n".join(logs)
         return None

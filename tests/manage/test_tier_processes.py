@@ -6,6 +6,7 @@ Each run is `iterator_worker.py`: a model sharded by rows over the processes,
 each process reading its own shard of the data, saving at steps 2 and 5 (and
 where it is preempted)."""
 
+import functools
 import json
 import os
 import random
@@ -51,22 +52,13 @@ def _run(root, name, env, *flags, term_at=None, codes=0, kill_on=None):
     makes this SIGKILL every process (a job killed from outside)."""
     out = root / name
     out.mkdir()
-    port, launched = places.free_port(), []
+    port, launches = places.free_port(), []
     for i in range(PROCESSES):
         tiers = [f"--process={i},{PROCESSES},{port}", f"--local={root}/local_{{i}}", *flags]
         args = [str(WORKER), *tiers, str(root / "run"), str(STEPS), str(out)]
-        log = root / f"{name}.{i}.log"
-        launched.append((prefork.spawn(args + ([] if term_at is None else [str(term_at)]), env=env, output=log), log))
-    try:
-        if kill_on is not None:
-            _kill_on(out / kill_on, [process for process, _ in launched])
-        ended = [process.wait(timeout=240) for process, _ in launched]
-    finally:
-        for process, _ in launched:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    logs = [log.read_text() for _, log in launched]
+        launches.append((args + ([] if term_at is None else [str(term_at)]), root / f"{name}.{i}.log"))
+    watch = None if kill_on is None else functools.partial(_kill_on, out / kill_on)
+    ended, logs = prefork.run_all(launches, env=env, watch=watch)
     expected = codes if isinstance(codes, list) else [codes] * PROCESSES
     if codes == KILLED:
         expected = [code if code == -signal.SIGABRT else -signal.SIGKILL for code in ended]

@@ -36,6 +36,7 @@ import importlib
 import importlib.util
 import json
 import os
+import pathlib
 import runpy
 import signal
 import subprocess
@@ -209,6 +210,30 @@ def spawn(
         request["finalize"] = True
     template = _template(env)
     return Process(template, template.run(request)["pid"])
+
+
+def run_all(
+    launches: list[tuple[list[str], os.PathLike[str]]],
+    *,
+    env: dict[str, str],
+    timeout: float = 240,
+    watch: Any = None,
+) -> tuple[list[int], list[str]]:
+    """`spawn` each `(args, output)` at once, and wait for every one (each
+    left running after `timeout` seconds, or after an error, is killed);
+    `watch(processes)` runs first, while they run. Their exit statuses, and
+    their outputs' texts."""
+    launched = [(spawn(args, env=env, output=output), output) for args, output in launches]
+    try:
+        if watch is not None:
+            watch([process for process, _ in launched])
+        codes = [process.wait(timeout=timeout) for process, _ in launched]
+    finally:
+        for process, _ in launched:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return codes, [pathlib.Path(output).read_text() for _, output in launched]
 
 
 def close() -> None:
