@@ -7,7 +7,7 @@ one JAX transfer server, publishes its address through the coordination
 service, and a receiver pulls each window of bytes (a `uint8` array on the
 sender's device) from its sender. Not being a collective, a move may run in a
 background thread beside the training step's collectives. A sender publishes
-a window once its receivers took the one before (`_ACK`), so at most two
+a window once its receivers took the one before (`_TAKEN`), so at most two
 windows of each stream are in memory at once.
 """
 
@@ -22,8 +22,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from .._base import _faults, _state
+from .._base import _faults, _state, _threads
 from .._base._errors import CheckpointError
+from . import _multihost
 
 # The bytes of one pull (a stream takes several).
 WINDOW = 16 << 20
@@ -69,9 +70,13 @@ def move(
         for stream in theirs:
             error = error or _pull(name, stream, k, addresses, take, client)
         if k:
-            error = error or _taken(name, mine, k - 1, client)
-    if windows:
-        error = error or _taken(name, mine, windows - 1, client)
+            error = error or _taken(name, mine, k - 1)
+        if error is not None:
+            break
+    if windows and error is None:
+        error = _taken(name, mine, windows - 1)
+    if error is not None:  # the others stop waiting for this process's windows
+        client.key_value_set(_abandoned(name), f"process {me} gave up the move ({error})", allow_overwrite=True)
     return error
 
 
@@ -133,6 +138,7 @@ def _publish(
         _faults.fire("exchange.window", start, length)
         array = jax.device_put(row, jax.local_devices()[0])
         _server()[0].await_pull(_uuid(name, stream, k), [array], timeout=_deadline())
+        _client().key_value_set(_key(_OFFERED, name, stream, k), "")
     except Exception as e:
         return e
     return None
@@ -146,36 +152,56 @@ def _pull(
     take: Callable[[Stream, int, memoryview], None],
     client: Any,
 ) -> BaseException | None:
-    """Take window `k` of `stream` from its sender, and say so (`_ACK`)."""
+    """Take window `k` of `stream` from its sender, once offered (`_OFFERED`), and say so (`_TAKEN`)."""
     start, length = _window(stream, k)
     if not length:
         return None
     try:
         _faults.fire("exchange.window", start, length)
+        offered = _key(_OFFERED, name, stream, k)
+        silent = _multihost.wait_key(offered, stream.sender, TRANSFER_SECONDS, _abandoned(name))
+        if silent is not None:
+            raise CheckpointError(silent)
         connection = _connection(addresses[stream.sender])
         like = jax.ShapeDtypeStruct((length,), np.uint8, sharding=_own_device())
-        (array,) = connection.pull(_uuid(name, stream, k), [like], timeout=_deadline())
+        # Pulled in a thread of its own, so that a sender that dies meanwhile is named within seconds.
+        pulling = _threads.pool("eqx_ckpt-pull", 4).submit(
+            connection.pull, _uuid(name, stream, k), [like], timeout=_deadline()
+        )
+        silent = _multihost.wait_done(pulling, stream.sender, TRANSFER_SECONDS, _abandoned(name))
+        if silent is not None:
+            raise CheckpointError(silent)
+        (array,) = pulling.result()
         take(stream, start, np.asarray(array).data)
-        client.key_value_set(_ACK.format(name=name, sender=stream.sender, receiver=stream.receiver, k=k), "")
+        client.key_value_set(_key(_TAKEN, name, stream, k), "")
     except Exception as e:
-        return CheckpointError(f"Process {stream.sender}'s bytes {start} to {start + length} did not arrive: {e}")
+        where = f"Bytes {start} to {start + length} of process {stream.sender}'s part"
+        return CheckpointError(f"{where} did not arrive: {e}")
     return None
 
 
-def _taken(name: str, streams: list[Stream], k: int, client: Any) -> BaseException | None:
+def _taken(name: str, streams: list[Stream], k: int) -> BaseException | None:
     """Wait until each receiver of `streams` took its window `k` (if it has one)."""
     for stream in streams:
         if not _window(stream, k)[1]:
             continue
-        key = _ACK.format(name=name, sender=stream.sender, receiver=stream.receiver, k=k)
-        try:
-            client.blocking_key_value_get(key, int(TRANSFER_SECONDS * 1000))
-        except Exception as e:
-            return CheckpointError(f"Process {stream.receiver} did not take bytes this process sent it: {e}")
+        silent = _multihost.wait_key(_key(_TAKEN, name, stream, k), stream.receiver, TRANSFER_SECONDS, _abandoned(name))
+        if silent is not None:
+            return CheckpointError(f"The bytes this process sent were not all taken: {silent}.")
     return None
 
 
-_ACK = "eqx_ckpt/{name}/taken/{sender}/{receiver}/{k}"
+# The coordination service's keys of a move: a window offered by its sender, taken by its receiver.
+_OFFERED, _TAKEN = "offered", "taken"
+
+
+def _abandoned(name: str) -> str:
+    """The key a process sets once it gives a move up: the others stop waiting for it."""
+    return f"eqx_ckpt/{name}/abandoned"
+
+
+def _key(what: str, name: str, stream: Stream, k: int) -> str:
+    return f"eqx_ckpt/{name}/{what}/{stream.sender}/{stream.receiver}/{k}"
 
 
 @_state.memo(64)

@@ -16,6 +16,7 @@ joined it: the coordination service has no quicker answer (docs/scaling.md).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
 import os
@@ -274,9 +275,9 @@ _CALLS = types.MappingProxyType(
         "save": "save with the same tree",
         "part": "save with the same tree",
         "restore": "load with the same `like`",
-        "copy": "save the same steps with a manager of the same `persistent_every`",
-        "tiers": "list the steps (or restore) of its tiered manager",
-        "peers": "save and restore the same steps of its tiered manager",
+        "copy": "save of each step, with managers of the same `persistent_every`",
+        "tiers": "first listing of its tiered manager's steps (`all_steps`, `latest_step`, `restore`...)",
+        "peers": "save and restore of the same steps, with managers of the same `peers`",
     }
 )
 _BEFORE = types.MappingProxyType(
@@ -289,6 +290,51 @@ _BEFORE = types.MappingProxyType(
         "peers": "the save or restore of the step",
     }
 )
+
+
+def wait_key(key: str, index: int, timeout: float, abandoned: str = "") -> str | None:
+    """Wait for `key` of the coordination service, which process `index` sets;
+    `None` once it is there, else why not (`_waited`)."""
+    client = _client()
+
+    def ready() -> bool:
+        try:
+            client.blocking_key_value_get(key, _WAIT_MS)
+        except Exception as e:
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
+            return False
+        return True
+
+    return _waited(ready, index, timeout, abandoned)
+
+
+def wait_done(future: concurrent.futures.Future[Any], index: int, timeout: float, abandoned: str = "") -> str | None:
+    """Wait for `future`, work that needs process `index`; `None` once it is
+    done (its outcome is the caller's to take), else why not (`_waited`)."""
+
+    def ready() -> bool:
+        done, _ = concurrent.futures.wait([future], timeout=_WAIT_MS / 1000)
+        return bool(done)
+
+    return _waited(ready, index, timeout, abandoned)
+
+
+def _waited(ready: Callable[[], bool], index: int, timeout: float, abandoned: str) -> str | None:
+    """Call `ready` (which waits a little) until it is true; else why not:
+    process `index` stopped answering (silent for `SILENT_SECONDS`), the key
+    `abandoned` was set (its text says why), or `timeout` seconds passed."""
+    client = _client()
+    silence, deadline = _Silence(client), time.monotonic() + timeout
+    while not ready():
+        if abandoned and _has(client, abandoned):
+            return str(client.key_value_try_get(abandoned))
+        if silence.dead(index):
+            silent = f"no heartbeat for {SILENT_SECONDS:g} s"
+            return f"process {index} stopped answering ({silent}): it was killed or crashed"
+        if time.monotonic() > deadline:
+            return f"process {index} did not answer within {timeout:g} s"
+    return None
 
 
 class _Silence:

@@ -604,10 +604,13 @@ class CheckpointManager:
                     failed = e  # the manager raises it; the others learn it at the first barrier
             try:
                 ids = _peers.replicate(self._local_loc(), step, self.peers, self.peer_stride, group, failed)
-            except BaseException as e:
+            except Exception as e:
                 if e is failed:
                     return
-                raise
+                raise CheckpointError(
+                    f"Step {step} was saved to the local tiers, but sending the parts to their peers failed: "
+                    f"{str(e).rstrip('.')}. Each part stays in its own process's tier, with no copy elsewhere."
+                ) from e
             finally:
                 local._retention.held.discard(step)
             self._routes[step] = [_peers.Route(index, part, True) for index, part in enumerate(ids)]

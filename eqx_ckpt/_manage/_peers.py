@@ -347,7 +347,8 @@ def _move(
     for sent in outgoing.values():
         error = error or sent.error
     for received in incoming.values():
-        error = received.finish() or error
+        finished = received.finish()  # (its writes waited for, whatever happened)
+        error = error or finished
     return error
 
 

@@ -24,6 +24,7 @@ import eqx_ckpt
 
 PROCESSES = 4
 KILLED = "killed"
+ENDED = "process 2 killed"
 STEPS = 7
 WORKER = places.SUPPORT / "iterator_worker.py"
 # The step after whose batch the preempted run sends SIGTERM; print the seed to rerun one.
@@ -63,6 +64,9 @@ def _run(root, name, env, *flags, term_at=None, codes=0, kill_on=None):
     if codes == KILLED:
         expected = [code if code == -signal.SIGABRT else -signal.SIGKILL for code in ended]
         assert ended[0] == -signal.SIGKILL, "\n".join(logs)  # (the coordinator's process)
+    if codes == ENDED:  # process 2 killed; each other one stopped itself (3) or was ended by `jax.distributed`
+        stopped = [code if code in (3, -signal.SIGABRT) else 3 for code in ended]
+        expected = [*stopped[:2], -signal.SIGKILL, *stopped[3:]]
     assert ended == expected, "\n".join(logs)
     if codes != 0:
         return logs
@@ -212,3 +216,51 @@ def test_a_job_killed_while_parts_move_to_peers_restores_the_newest_whole_step(t
     assert copies == []
     shutil.rmtree(tmp_path / "local_1")
     _resumes(tmp_path, env, whole, 2, "--peers=1")
+
+
+def test_a_peer_killed_while_parts_move_is_named_and_its_host_restores_the_newest_whole_step(tmp_path, env, whole):
+    """Process 2 is SIGKILLed while the parts of step 5 move to their peers.
+    Each other process either names it within seconds (its part did not
+    arrive: its heartbeat stopped, or its connection broke; or the next
+    barrier found it gone), or is ended first by `jax.distributed`, which
+    ends a job whose process died. Its
+    host then replaced by an empty one, step 5 is whole nowhere (process 2's
+    part has no committed copy), so every process restores step 2."""
+    flags = ["--every=2", "--peers=1", "--peer-dies=5"]
+    logs = _run(tmp_path, "first", env, *flags, codes=ENDED)
+    for i in (0, 1, 3):
+        # Named by the move of step 5, or (where this process's move had ended) by the next barrier.
+        said = r"failed: Step 5 was saved to the local tiers, but sending the parts to their peers failed: "
+        move = re.search(said + r".*process 2's part did not arrive", logs[i], re.DOTALL)
+        named = move or re.search(r"failed: Process 2 of 4 (never joined|stopped answering)", logs[i])
+        assert named or "Terminating process because the JAX distributed service" in logs[i], logs[i]
+    assert not list((tmp_path / "local_3" / "peers" / "step_00000005").glob("*/manifest.json"))
+    shutil.rmtree(tmp_path / "local_2")
+    _resumes(tmp_path, env, whole, 2, "--peers=1")
+
+
+def _outlived(index, processes):
+    """SIGKILL process `index` once every other one has ended."""
+    deadline = time.monotonic() + 120
+    while any(p.poll() is None for i, p in enumerate(processes) if i != index) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    processes[index].kill()
+
+
+def test_a_process_that_never_lists_the_steps_is_named(tmp_path, env):
+    """Process 3 never makes its manager's first listing of the steps: the
+    others stop waiting for it after `_tiers.AGREE_SECONDS` (3 s here), and
+    their error names it, still running, and what every process must call."""
+    port, launches = places.free_port(), []
+    for i in range(PROCESSES):
+        flags = [f"--process={i},{PROCESSES},{port}", f"--local={tmp_path}/local_{{i}}", "--absent=3"]
+        args = [str(WORKER), *flags, str(tmp_path / "run"), str(STEPS), str(tmp_path)]
+        launches.append((args, tmp_path / f"{i}.log"))
+    ended, logs = prefork.run_all(launches, env=env, watch=functools.partial(_outlived, 3))
+    assert ended[:3] == [3, 3, 3] and ended[3] in (-signal.SIGKILL, -signal.SIGABRT), "\n".join(logs)
+    said = (
+        r"failed: Process 3 of 4 did not reach stage 'listed' of the agreement within 3 s, although it is still "
+        r"running\. No step was chosen\. Every process must call the first listing of its tiered manager's steps"
+    )
+    for log in logs[:3]:
+        assert re.search(said, log), log

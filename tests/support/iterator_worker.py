@@ -24,11 +24,18 @@ the state then also has a `table` of 64 rows of 1024 floats a process.
 `--die-in-exchange=STEP`: as the parts of step STEP move to their peers, a
 process that is past the first window creates OUT/exchange.marker and waits
 (for the test to kill the whole job mid-transfer).
+`--peer-dies=STEP`: process 2 SIGKILLs itself past the first window of the
+parts of step STEP moving to their peers; the others print `failed: <message>`
+and exit with status 3.
+`--absent=I`: process I never lists the steps (it sleeps until killed); the
+others give up agreeing on them after 3 s, print `failed: <message>` and exit
+with status 3.
 `--die-in-commit=STEP`: process 1 SIGKILLs itself as it commits its part of
 step STEP (the others have written theirs, and commit them); the others then
 print `failed: <message>` and exit with status 3.
 """
 
+import contextlib
 import gc
 import json
 import os
@@ -162,15 +169,42 @@ def _die_in_exchange(step: int, out: str):
     return _faults.armed("exchange.window", stop)
 
 
+def _absent(index: int):
+    """Process `index` sleeps (until killed); the others wait 3 s for it to agree on the steps."""
+    from eqx_ckpt._manage import _tiers
+
+    _tiers.AGREE_SECONDS = 3.0
+    if jax.process_index() == index:
+        time.sleep(600)
+    return contextlib.nullcontext()
+
+
+def _peer_dies(step: int):
+    """Arms process 2 to be SIGKILLed past the first window of the parts of `step` moving to their peers."""
+    from eqx_ckpt._base import _faults
+    from eqx_ckpt._hosts import _exchange, _multihost
+
+    _exchange.WINDOW = 64 << 10  # (a part of several windows)
+    _multihost.SILENT_SECONDS = 2.0  # the others name it sooner
+
+    def die(start, length):
+        if _saving[0] == step and start > 0 and jax.process_index() == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return _faults.armed("exchange.window", die)
+
+
 def main(directory: str, steps: int, out: str, term_at: int | None, options: dict[str, str]) -> None:
     if "die-in-exchange" in options:
         with _die_in_exchange(int(options["die-in-exchange"]), out):
             _train(directory, steps, out, term_at, options)
         return
-    if "die-in-commit" not in options:
+    failing = {"die-in-commit": _die_in_commit, "absent": _absent, "peer-dies": _peer_dies}
+    armed = [arm(int(options[name])) for name, arm in failing.items() if name in options]
+    if not armed:
         _train(directory, steps, out, term_at, options)
         return
-    with _die_in_commit(int(options["die-in-commit"])):
+    with armed[0]:
         try:
             _train(directory, steps, out, term_at, options)
         except eqx_ckpt.CheckpointError as e:
@@ -208,6 +242,8 @@ def _train(directory: str, steps: int, out: str, term_at: int | None, options: d
                 time.sleep(0.05)  # a step of a real job takes longer than the processes take to agree
             preempted = manager.reached_preemption(step)
             if preempted or step % 3 == 2:
+                if "die-in-exchange" in options or "peer-dies" in options:
+                    manager.wait_until_finished()  # (the move that stops is this step's, not the last one's)
                 _saving[0] = step
                 manager.save(step, state)
             if preempted:
