@@ -110,8 +110,27 @@ def _committed_manifest(source: Location, step: int) -> bytes:
 def _copy_files(source: Location, target: Location, step: int, previous: Location | None, names: list[str]) -> None:
     """Copy the files `names` of `source` to `target`, at most `COPY_WINDOW` bytes ahead of the writes."""
     writing: list[tuple[str, bytes, Any]] = []
-    ahead = 0
     linked: set[str] = set()  # the folders a link was made in
+    try:
+        _copy_into(source, target, step, previous, names, writing, linked)
+    except BaseException:
+        _settle(writing)  # no write may land after the failed copy's folder is removed
+        raise
+    for folder in sorted(linked):
+        _durable.fsync(folder)  # the links' names, before the manifest commits the step
+
+
+def _copy_into(
+    source: Location,
+    target: Location,
+    step: int,
+    previous: Location | None,
+    names: list[str],
+    writing: list[tuple[str, bytes, Any]],
+    linked: set[str],
+) -> None:
+    """`_copy_files`' loop: `writing` holds the writes in flight, `linked` the folders linked in."""
+    ahead = 0
     for name in names:
         data = _read_local(source, name, step)
         if data is None:
@@ -127,10 +146,10 @@ def _copy_files(source: Location, target: Location, step: int, previous: Locatio
         ahead += len(data)
         if ahead >= COPY_WINDOW:
             _finish(target, writing, step)
-            writing, ahead = [], 0
+            writing.clear()
+            ahead = 0
     _finish(target, writing, step)
-    for folder in sorted(linked):
-        _durable.fsync(folder)  # the links' names, before the manifest commits the step
+    writing.clear()
 
 
 def copy_parts(
@@ -229,6 +248,16 @@ def _start(target: Location, name: str, data: bytes, step: int, *, now: bool = F
 def _finish(target: Location, writing: list[tuple[str, bytes, Any]], step: int) -> None:
     for name, data, first in writing:
         _write(target, name, data, first, step)
+
+
+def _settle(writing: list[tuple[str, bytes, Any]]) -> None:
+    """Wait for every write still in flight, whatever its outcome."""
+    for _, _, first in writing:
+        if first is not None and not isinstance(first, Exception):
+            try:
+                _storage.result(first)
+            except Exception:
+                pass  # (the copy fails with the first error)
 
 
 def _write(target: Location, name: str, data: bytes, first: Any, step: int) -> None:
