@@ -77,6 +77,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .compression import aws_environment, delete_objects, object_store, rotated, s3_spec
+from .gpu import PeakRSS
 
 CONTENDERS = ["persistent", "persistent-async", "tiered", "tiered-async"]
 COLUMNS = 1024  # of each leaf, with several processes
@@ -117,13 +118,14 @@ def one_save(
     manager.save(0, warm)  # imports, thread pools, the first request
     manager.wait_until_finished()
     sync(f"save {where['path']}")
-    start = time.perf_counter()
-    manager.save(1, state)
-    saved = time.perf_counter() - start
-    manager.wait_until_finished()
-    done = time.perf_counter() - start
+    with PeakRSS() as rss:  # (what the save, its copies and its moves hold at once)
+        start = time.perf_counter()
+        manager.save(1, state)
+        saved = time.perf_counter() - start
+        manager.wait_until_finished()
+        done = time.perf_counter() - start
     manager.close()
-    return {"save_s": saved, "done_s": done}
+    return {"save_s": saved, "done_s": done, "rss_added_mib": rss.added / 2**20}
 
 
 def restores(
@@ -285,7 +287,7 @@ def slowest(parts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     for group in zip(*parts):
         if len({(row["contender"], row["rep"]) for row in group}) != 1:
             raise AssertionError(f"the processes' rounds differ: {group}")
-        figures = [key for key in group[0] if key.endswith("_s")]
+        figures = [key for key in group[0] if key.endswith(("_s", "_mib"))]
         row: dict[str, Any] = {"contender": group[0]["contender"], "rep": group[0]["rep"]}
         row.update({key: max(part[key] for part in group) for key in figures})
         row["processes"] = [{k: v for k, v in part.items() if k not in ("contender", "rep")} for part in group]
@@ -386,6 +388,13 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines.append(
         f"- restore from the local tier {local / remote:.3f}x one from the bucket (target <= 0.2x): "
         f"{'met' if local / remote <= 0.2 else 'not met'}"
+    )
+    from eqx_ckpt._save import _staging
+
+    added, budget = median("tiered", "rss_added_mib"), _staging.budget(None) / 2**20
+    lines.append(
+        f"- peak memory a tiered save, its copy and its moves add: {added:.0f} MiB (the staging budget: "
+        f"{budget:.0f} MiB): {'within' if added <= budget else 'over'}"
     )
     if peer is not None:
         lines.append(
