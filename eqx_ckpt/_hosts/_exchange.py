@@ -59,7 +59,7 @@ def move(
     `name` is unique to this move in the job; `addresses`, every process's
     `address()`. Neither `fill` nor `take` may raise: they keep their
     errors. The first error of this process's transfers, or `None`."""
-    me, client = jax.process_index(), _client()
+    me, client = jax.process_index(), _multihost._client()
     mine = [s for s in streams if s.sender == me]
     theirs = [s for s in streams if s.receiver == me]
     windows = max((-(-s.size // WINDOW) for s in mine + theirs), default=0)
@@ -106,15 +106,6 @@ def _own_host() -> str:
         return s.getsockname()[0]
 
 
-def _client() -> Any:
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None:
-        raise CheckpointError("Moving parts between processes needs `jax.distributed.initialize(...)` first.")
-    return client
-
-
 def _uuid(name: str, stream: Stream, k: int) -> int:
     digest = hashlib.sha256(f"{name}/{stream.sender}/{stream.receiver}/{k}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
@@ -138,7 +129,7 @@ def _publish(
         _faults.fire("exchange.window", start, length)
         array = jax.device_put(row, jax.local_devices()[0])
         _server()[0].await_pull(_uuid(name, stream, k), [array], timeout=_deadline())
-        _client().key_value_set(_key(_OFFERED, name, stream, k), "")
+        _multihost._client().key_value_set(_key(_OFFERED, name, stream, k), "")
     except Exception as e:
         return e
     return None

@@ -76,6 +76,16 @@ def _check_peers(peers: int, stride: int) -> None:
         )
 
 
+def _outcome(save: PendingSave | None) -> BaseException | None:
+    """Wait for a local tier's save in the background (if any); its error, or `None`."""
+    if save is not None:
+        try:
+            save.wait()
+        except BaseException as e:
+            return e
+    return None
+
+
 def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
     """A manager method that runs while no other thread runs one (`_lock`)."""
 
@@ -349,15 +359,18 @@ class CheckpointManager:
 
     def _tier_of(self, step: int) -> Location:
         """The manager directory `step` is read from: the local tier's if it holds it, committed, else `directory`."""
-        if self._local is not None and step in self._local_steps() and step in self._local.all_steps():
-            return self._local_loc()
+        if self._local is not None:
+            own = self._local.all_steps()
+            if step in own and step in self._local_steps(own):
+                return self._local_loc()
         return self._loc
 
-    def _local_steps(self) -> list[int]:
-        """The steps committed in the local tier; with several processes,
-        those whole there: committed in every process's part (`_tiers.agree`)."""
+    def _local_steps(self, own: list[int] | None = None) -> list[int]:
+        """The steps committed in the local tier (`own`: this process's tier's,
+        if listed already); with several processes, those whole there:
+        committed in every process's part (`_tiers.agree`)."""
         assert self._local is not None
-        steps = self._local.all_steps()
+        steps = self._local.all_steps() if own is None else own
         if not self._parts:
             return steps
         if self._whole is None and self.peers:
@@ -366,6 +379,11 @@ class CheckpointManager:
         elif self._whole is None:
             self._whole = _tiers.agree(steps, self._loc)
         if self.peers:  # (whole with the peers' copies, held here or not)
+            if len(steps) >= self.local_max_to_keep:
+                # Every process's local retention dropped the steps older than these.
+                for step in [s for s in self._whole if s < steps[0]]:
+                    self._whole.discard(step)
+                    self._routes.pop(step, None)
             return sorted(self._whole)
         return [step for step in steps if step in self._whole]
 
@@ -548,7 +566,8 @@ class CheckpointManager:
         assert self._local is not None and self.persistent_every is not None
         with _storage_errors.explained(self._loc, f"Saving step {step} to"):
             self._hold_directory()  # taken here, in the caller's thread: a second run's save fails at once
-        if self._parts and step not in self._local_steps() and step in self._local.all_steps():
+        own = self._local.all_steps()
+        if self._parts and step in own and step not in self._local_steps(own):
             # This process's part of a step some other process's part is missing
             # from (a save that failed there): never restored, so replaced.
             options["overwrite"] = True
@@ -570,15 +589,10 @@ class CheckpointManager:
         group = _multihost.Group("copy") if self._parts else None
 
         def upload() -> None:
-            failed: BaseException | None = None
-            if local_save is not None:
-                try:
-                    local_save.wait()
-                except BaseException as e:
-                    if group is None:
-                        return  # the local save failed: the manager raises its error; there is nothing to copy
-                    failed = e  # the other processes learn it at the copy's first barrier
-            try:
+            failed = _outcome(local_save)
+            if failed is not None and group is None:
+                return  # the local save failed: the manager raises its error; there is nothing to copy
+            try:  # (with a group, the other processes learn of a failed local save at the copy's first barrier)
                 self._copy_to_persistent(step, group, failed)
             except Exception as e:
                 raise _tiers.upload_error(step, self._local_loc(), self._loc, e) from e
@@ -596,12 +610,7 @@ class CheckpointManager:
         group = _multihost.Group("peers")
 
         def replicate() -> None:
-            failed = None
-            if local_save is not None:
-                try:
-                    local_save.wait()
-                except BaseException as e:
-                    failed = e  # the manager raises it; the others learn it at the first barrier
+            failed = _outcome(local_save)  # the manager raises it; the others learn it at the first barrier
             try:
                 ids = _peers.replicate(self._local_loc(), step, self.peers, self.peer_stride, group, failed)
             except Exception as e:
@@ -1052,7 +1061,7 @@ class CheckpointManager:
         loads the persistent one: each returns the same step, from one tier."""
         tier = self._tier_of(step)
         loc = tier.joined(step_name(step))
-        if step in self._routes and step in self._local_steps():
+        if step in self._routes:  # (only whole steps, pruned by the listing that chose `step`)
             # Every process's part, moved from a peer to the process it is missing from.
             loc = _peers.fetch(self._local_loc(), step, self._routes[step])
         elif tier is self._loc:

@@ -125,7 +125,7 @@ class _Outgoing:
 class _Incoming:
     """A part received from a peer (`who`), checked, written into
     `folder/<id>/`, its manifest last (`finish`). Its errors are kept, not
-    raised (`_exchange.transfer`), and the bytes after one are dropped."""
+    raised (`_exchange.move`), and the bytes after one are dropped."""
 
     def __init__(self, where: Location, step: int, announced: dict[str, Any], who: str):
         self._where, self._step, self._who = where, step, who

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .._base import _faults
@@ -116,13 +116,7 @@ def check_leaf_files(loc: Location, record: LeafRecord) -> None:
         return
     # With no chunk file amiss, its files changed while they were checked.
     why = why or f"the manifest gives it {record.nbytes} bytes, but its folder holds only {found} bytes"
-    raise stored_leaf_error(
-        IntegrityError,
-        f"it is damaged or incomplete: {why}. Nothing was read.",
-        dotted=record.path,
-        path=loc.display,
-        fix=_DAMAGED_FIX,
-    )
+    raise _incomplete(loc, record, why, "it")
 
 
 def check_region_files(loc: Location, record: LeafRecord, index: tuple[Any, ...]) -> None:
@@ -135,21 +129,21 @@ def check_region_files(loc: Location, record: LeafRecord, index: tuple[Any, ...]
     for axis, (size, chunk) in enumerate(zip(record.stored_shape, record.chunks)):
         start, stop, _ = (index[axis] if axis < len(index) else slice(None)).indices(size)
         spans.append(range(start // chunk, -(-stop // chunk)) if stop > start else range(0))
-    for indices in itertools.product(*spans):
-        key = _format.chunk_key(indices)
-        try:
-            found: int | None = local_stat(os.path.join(loc.local, record.directory, key), follow=False).st_size
-        except FileNotFoundError:
-            found = None
-        why = wrong_size(f"{record.directory}/{key}", found, record.chunk_nbytes, record.compression)
-        if why is not None:
-            raise stored_leaf_error(
-                IntegrityError,
-                f"this process's part of it is damaged or incomplete: {why}. Nothing was read.",
-                dotted=record.path,
-                path=loc.display,
-                fix=_DAMAGED_FIX,
-            )
+    keys = (_format.chunk_key(indices) for indices in itertools.product(*spans))
+    why = _first_wrong(loc, record.directory, keys, record.chunk_nbytes, record.compression)
+    if why is not None:
+        raise _incomplete(loc, record, why, "this process's part of it")
+
+
+def _incomplete(loc: Location, record: LeafRecord, why: str, what: str) -> IntegrityError:
+    """The error of a leaf (`what` of it) whose chunk files are not those a save writes (`why`)."""
+    return stored_leaf_error(
+        IntegrityError,
+        f"{what} is damaged or incomplete: {why}. Nothing was read.",
+        dotted=record.path,
+        path=loc.display,
+        fix=_DAMAGED_FIX,
+    )
 
 
 def check_pack_files(loc: Location, pack: PackRecord, *, leaf: str | None = None) -> None:
@@ -209,7 +203,12 @@ def first_wrong_chunk_file(
 ) -> str | None:
     """Why the first wrong chunk file of the array in `directory` is wrong
     (`wrong_size`), or `None`; a hostile shape costs one missing file."""
-    for key in _format.chunk_keys(shape, chunks):
+    return _first_wrong(loc, directory, _format.chunk_keys(shape, chunks), chunk_nbytes, compression)
+
+
+def _first_wrong(loc: Location, directory: str, keys: Iterable[str], chunk_nbytes: int, compression: str) -> str | None:
+    """`first_wrong_chunk_file` of the chunk files `keys` (taken lazily)."""
+    for key in keys:
         try:
             size: int | None = local_stat(os.path.join(loc.local or "", directory, key), follow=False).st_size
         except FileNotFoundError:
