@@ -118,6 +118,9 @@ DESCRIBED: Mapping[str, str] = types.MappingProxyType(
         "local_read.read": "(fd, offset): a reader thread reads one step of a chunk file, or a run of a safetensors "
         "file on a local disk (`_chunk_files.read_local_range`); an `OSError` raised here is reported as the read's.",
         "local_read.crc": "(key): a chunk's joined crc32c is compared with its stored one.",
+        "digests.filled": "(end): a reader thread read a run of a published folder's safetensors file on a local "
+        "disk up to its byte `end`, and hashes the whole blocks below it (`_digests.Feed`); an exception raised here "
+        "is reported as the read's.",
         # Several processes (`_multihost`)
         "multihost.barrier": '(what, stage): a process reaches barrier `stage` of a save (`what`: "save"; a save of '
         'one process passes each stage too) or of a restore that shares reads ("restore"), before it tells the others '

@@ -43,7 +43,7 @@ class Arrays:
     manifest: Manifest
     opener: Callable[[LeafRecord], _storage.Future]
     changed: Callable[[], str | None]
-    runs: Callable[[list[LeafRecord]], tuple[list[int], Any]] | None = None
+    runs: None = None
     format: str = "orbax"
 
 

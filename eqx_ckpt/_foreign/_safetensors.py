@@ -188,7 +188,7 @@ class Tensors:
     manifest: Manifest
     opener: Callable[[LeafRecord, Regions], _storage.Future]
     changed: Callable[[], str | None]
-    runs: Callable[[list[LeafRecord]], tuple[list[int], Any]] | None
+    runs: Callable[[list[LeafRecord], Feeding | None], tuple[list[int], Any]] | None
     format: str = "safetensors"
 
 
@@ -712,11 +712,21 @@ def _read_rows(
 Run = tuple[str, int, int, list[int]]  # file, first byte, end, indices of the records it holds
 
 
+# Given the records of a run read from a local file, each with the offset of
+# its bytes in the run, the function that hashes them as the run's buffer
+# fills (`_digests.Feed.filled`), or `None`.
+Feeding = Callable[[list[tuple[LeafRecord, int]]], Callable[[np.ndarray, int], None] | None]
+
+
 def read_runs(
-    files: _Files, places: dict[str, tuple[str, int]], records: Sequence[LeafRecord]
+    files: _Files,
+    places: dict[str, tuple[str, int]],
+    records: Sequence[LeafRecord],
+    feeding: Feeding | None = None,
 ) -> tuple[list[int], Iterator[tuple[list[int], Callable[[], list[np.ndarray]]]]]:
     """Read the small ones of `records` in a few large reads (one array and one
-    request per tensor took seconds for ten thousand).
+    request per tensor took seconds for ten thousand). A run read from a local
+    file is hashed as it is read where `feeding` says how.
 
     **Returns:**
 
@@ -730,8 +740,9 @@ def read_runs(
     most = _window.READ_BUDGET if files.folder is not None else SMALL_BYTES
     sizes = [record.nbytes for record in records]
     small = [i for i, nbytes in enumerate(sizes) if nbytes <= most]
+    start = functools.partial(_start_run, files, places=places, feeding=feeding)
     jobs = (
-        (run[3], run[2] - run[1], functools.partial(_start_run, files, run, [records[m] for m in run[3]], places))
+        (run[3], run[2] - run[1], functools.partial(start, run, [records[m] for m in run[3]]))
         for run in _runs(places, records, sizes, small)
     )
     return small, ((members, finish) for members, _, finish in _window.windowed(jobs))
@@ -756,7 +767,7 @@ def _runs(
 
 
 def _start_run(
-    files: _Files, run: Run, records: list[LeafRecord], places: dict[str, tuple[str, int]]
+    files: _Files, run: Run, records: list[LeafRecord], *, places: dict[str, tuple[str, int]], feeding: Feeding | None
 ) -> Callable[[], list[np.ndarray]]:
     """Start one run's range read. The function returned waits for it, checks it
     came whole from the header's version of the file, and slices out each tensor."""
@@ -765,7 +776,14 @@ def _start_run(
     _faults.fire("safetensors.read_run", files.loc, file, start, end)
     if files.folder is not None:
         # Checked after the reads, as every read of a local file is (`_Files.changed`).
-        local = _window.read_pool().submit(_chunk_files.read_local_range, os.path.join(files.folder, file), start, end)
+        within = [(r, places[r.path][1] - start) for r in records]
+        filled = (
+            None
+            if feeding is None
+            else feeding([(r, at) for r, at in within if 0 <= at <= at + r.nbytes <= end - start])
+        )
+        path = os.path.join(files.folder, file)
+        local = _window.read_pool().submit(_chunk_files.read_local_range, path, start, end, filled)
     else:
         read = files.where.read(file, slice(start, end)) if end > start else None
 

@@ -76,7 +76,8 @@ def move(
     if windows and error is None:
         error = _taken(name, mine, windows - 1)
     if error is not None:  # the others stop waiting for this process's windows
-        client.key_value_set(_abandoned(name), f"process {me} gave up the move ({error})", allow_overwrite=True)
+        why = _multihost._describe(error)
+        client.key_value_set(_abandoned(name), f"process {me} gave up the move ({why})", allow_overwrite=True)
     return error
 
 

@@ -327,8 +327,8 @@ def _waited(ready: Callable[[], bool], index: int, timeout: float, abandoned: st
     client = _client()
     silence, deadline = _Silence(client), time.monotonic() + timeout
     while not ready():
-        if abandoned and _has(client, abandoned):
-            return str(client.key_value_try_get(abandoned))
+        if abandoned and _has(client, abandoned):  # (its text bounded, as every process's error it shows)
+            return str(client.key_value_try_get(abandoned))[:_SHOWN]
         if silence.dead(index):
             silent = f"no heartbeat for {SILENT_SECONDS:g} s"
             return f"process {index} stopped answering ({silent}): it was killed or crashed"
@@ -456,8 +456,12 @@ _Heartbeat.watch()
 os.register_at_fork(after_in_child=_Heartbeat._forked)
 
 
+# The most characters of another process's error a message shows.
+_SHOWN = 2000
+
+
 def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"[:2000] or type(error).__name__
+    return f"{type(error).__name__}: {error}"[:_SHOWN] or type(error).__name__
 
 
 def writes(x: Any, primary: bool | None = None) -> bool:

@@ -176,7 +176,8 @@ class _Reads:
         """Read and place the small leaves of another format in runs
         (`Source.runs`); return the others, left to be read one by one."""
         assert self.source.runs is not None
-        taken, runs = self.source.runs([self.records[i] for i in indices])
+        feeding = None if self.checks is None else self.checks.feeding
+        taken, runs = self.source.runs([self.records[i] for i in indices], feeding)
         self._place_runs((([indices[m] for m in members], finish) for members, finish in runs), self.checks)
         done = {indices[m] for m in taken}
         return [i for i in indices if i not in done]

@@ -30,12 +30,12 @@ import dataclasses
 import hashlib
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import blake3
 import xxhash
 
-from .._base import _threads
+from .._base import _faults, _threads
 from .._base._errors import IntegrityError, stored_leaf_error
 from ._format import BLOCK_BYTES
 
@@ -171,6 +171,53 @@ class Hasher:
             self.partial = bytearray()
         blocks = b"".join(p if isinstance(p, bytes) else p.result() for p in self.parts)
         return Digested(root(blocks, self.algorithm), blocks)
+
+
+class Span(NamedTuple):
+    """One leaf's bytes in a buffer that holds several (`Feed`): from `start`,
+    `nbytes` of them, cut into blocks of `block` bytes hashed by `algorithm`."""
+
+    start: int
+    nbytes: int
+    algorithm: Algorithm
+    block: int
+
+
+class Feed:
+    """The block digests of leaves laid out in one buffer (`spans`, in the order
+    of their bytes), taken as the buffer fills: `filled(buffer, end)` hashes,
+    in the calling thread, each block whose bytes all lie below `end`. A file
+    read in pieces is so hashed by the thread that read it, each piece while it
+    is still in that core's cache (docs/benchmarks.md, "Hashed as read (issue 84)")."""
+
+    def __init__(self, spans: list[Span]):
+        self.spans = spans
+        self.blocks = [bytearray() for _ in spans]
+        self.done = [0] * len(spans)  # each span's bytes hashed
+        self.first = 0  # the first span not hashed whole
+
+    def filled(self, buffer: Any, end: int) -> None:
+        _faults.fire("digests.filled", end)
+        view = memoryview(buffer).cast("B")
+        for i in range(self.first, len(self.spans)):
+            start, nbytes, algorithm, block = self.spans[i]
+            if start >= end and nbytes:
+                break
+            done, ready = self.done[i], min(nbytes, end - start)
+            while done < nbytes and min(done + block, nbytes) <= ready:
+                step = min(block, nbytes - done)
+                self.blocks[i] += algorithm.digest(view[start + done : start + done + step])
+                done += step
+            self.done[i] = done
+            if done == nbytes and i == self.first:
+                self.first += 1
+
+    def digested(self, i: int) -> Digested:
+        """The digests of span `i`, once the buffer holds all of it."""
+        _, nbytes, algorithm, _ = self.spans[i]
+        assert self.done[i] == nbytes, "a leaf's digests asked for before its bytes were all read"
+        blocks = bytes(self.blocks[i])
+        return Digested(root(blocks, algorithm), blocks)
 
 
 @dataclasses.dataclass(frozen=True)

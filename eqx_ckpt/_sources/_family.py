@@ -64,12 +64,13 @@ from .._base._errors import (
     stored_leaf_error,
 )
 from .._base._location import Location, location
+from .._foreign import _safetensors
 from .._ondisk import _published
 from .._ondisk._format import LeafRecord
 from .._store import _chunk_files, _storage, _storage_errors
 from .._store._local_paths import local_entry, local_link, local_names
 from . import _verified
-from ._source import Base, Opening, Options, Read, Source, reason
+from ._source import Base, Opening, Options, Read, Runs, Source, reason
 
 # Bases of bases followed at most this deep (a chain of fine-tunes).
 MAX_DEPTH = 8
@@ -446,20 +447,22 @@ def _unreadable(source: Source, base: Source, record: LeafRecord, found: LeafRec
     )
 
 
-def _runs(source: Source, lazy: Base) -> Callable[[list[LeafRecord]], tuple[list[int], Read]]:
+def _runs(source: Source, lazy: Base) -> Runs:
     """The reader of runs of small leaves: each from its own files, the fine-tune's
-    or the base's (opened only where a run needs one of its leaves)."""
+    or the base's (opened only where a run needs one of its leaves). Only the
+    fine-tune's own runs are hashed as read (`feeding`): the base's records
+    are the base's, and its leaves are checked against the fine-tune's digests."""
 
-    def runs(records: list[LeafRecord]) -> tuple[list[int], Read]:
+    def runs(records: list[LeafRecord], feeding: _safetensors.Feeding | None) -> tuple[list[int], Read]:
         done: list[int] = []
         groups = []
         own = [i for i, r in enumerate(records) if r.path not in lazy.references]
         from_base = [i for i, r in enumerate(records) if r.path in lazy.references]
         base, taken = lazy.opened() if from_base else (None, {})
-        for reader, slots in ((source.runs, own), (None if base is None else base.runs, from_base)):
+        for reader, slots, fed in ((source.runs, own, feeding), (None if base is None else base.runs, from_base, None)):
             if reader is None or not slots:
                 continue
-            read, found = reader([taken.get(records[i].path, records[i]) for i in slots])
+            read, found = reader([taken.get(records[i].path, records[i]) for i in slots], fed)
             done += [slots[m] for m in read]
             groups.append((slots, found))
         return done, (([slots[m] for m in members], finish) for slots, found in groups for members, finish in found)

@@ -33,7 +33,10 @@ Opener = Callable[[LeafRecord], "_storage.Future | _storage.Mapped"]
 # Runs of small leaves: the indices of the records read so, and for each run
 # `(indices, finish)`, `finish()` returning each one's host array.
 Read = Iterator[tuple[list[int], Callable[[], list[np.ndarray]]]]
-Runs = Callable[[list[LeafRecord]], tuple[list[int], Read]]
+
+# (a run read from a local file is hashed as it is read where the second
+# argument says how: `_verified.Checks.feeding`)
+Runs = Callable[[list[LeafRecord], _safetensors.Feeding | None], tuple[list[int], Read]]
 
 
 # What a foreign format's `find` returns, read by name into a `Source`.

@@ -198,8 +198,18 @@ class DigestCheck:
         assert self.finished is not None, "a digest check waited for before its leaf was read"
         self.finished.result()
 
-    def _compare(self) -> None:
-        found = self.hasher.finish()
+    def hashed(self, found: _digests.Digested) -> None:
+        """Compare the digests `found` of the leaf's bytes, hashed as they were read (`Checks.feeding`)."""
+        self.finished = concurrent.futures.Future()
+        try:
+            self._compare(found)
+        except IntegrityError as e:
+            self.finished.set_exception(e)
+        else:
+            self.finished.set_result(None)
+
+    def _compare(self, found: _digests.Digested | None = None) -> None:
+        found = self.hasher.finish() if found is None else found
         if found.digest != self.expected:
             raise _mismatch(self.source, self.record, found, self.expected)
 
@@ -217,6 +227,27 @@ class Checks:
     def __init__(self, source: Source):
         self.source = source
         self.started: list[DigestCheck] = []
+        # The leaves being hashed as they are read: each one's feed and place in it.
+        self.fed: dict[str, tuple[_digests.Feed, int]] = {}
+
+    def feeding(self, leaves: list[tuple[LeafRecord, int]]) -> Callable[[np.ndarray, int], None] | None:
+        """How a run of `leaves` (each with the offset of its bytes in the run),
+        read from a local file, is hashed by the thread that reads it, a piece
+        at a time while the piece is in that core's cache (`_digests.Feed`);
+        `None` where none of them records block digests. Their digests are
+        compared as the run is placed (`__call__`)."""
+        spans, paths = [], []
+        for record, offset in sorted(leaves, key=lambda leaf: leaf[1]):
+            expected = self.source.manifest.digests.get(record.path)
+            algorithm = None if expected is None else _digests.algorithm_of(expected)
+            if algorithm is not None and record.path not in self.fed:
+                spans.append(_digests.Span(offset, record.nbytes, algorithm, recorded_block(self.source)))
+                paths.append(record.path)
+        if not spans:
+            return None
+        feed = _digests.Feed(spans)
+        self.fed.update((path, (feed, i)) for i, path in enumerate(paths))
+        return feed.filled
 
     def for_record(self, record: LeafRecord) -> DigestCheck | None:
         check = checker(self.source, record)
@@ -226,7 +257,10 @@ class Checks:
 
     def __call__(self, record: LeafRecord, array: np.ndarray) -> None:
         check = self.for_record(record)
-        if check is not None:
+        fed = self.fed.pop(record.path, None)
+        if check is not None and fed is not None:
+            check.hashed(fed[0].digested(fed[1]))
+        elif check is not None:
             check(array)
 
     def wait(self) -> None:

@@ -51,9 +51,11 @@ def chunk_files(loc: Location) -> ChunkFiles:
     return TensorStoreFiles(loc)
 
 
-def read_local_range(path: str, start: int, end: int) -> np.ndarray | None:
+def read_local_range(
+    path: str, start: int, end: int, filled: Callable[[np.ndarray, int], None] | None = None
+) -> np.ndarray | None:
     """Bytes `start` to `end` of another program's local file (`_local_read.read_range`)."""
-    return _local_read.read_range(path, start, end)
+    return _local_read.read_range(path, start, end, filled)
 
 
 def read_alone(loc: Location, record: LeafRecord) -> np.ndarray:

@@ -370,13 +370,33 @@ def _pread_all(fd: int, views: list[memoryview], offset: int) -> int:
     return done
 
 
-def read_range(path: str, start: int, end: int) -> np.ndarray | None:
+# With `filled`, a range is read in pieces of this many bytes: each piece is
+# still in the reading core's cache when `filled` hashes it (docs/benchmarks.md,
+# "Hashed as read (issue 84)").
+FILL_BYTES = 2**20
+
+
+def read_range(
+    path: str, start: int, end: int, filled: Callable[[np.ndarray, int], None] | None = None
+) -> np.ndarray | None:
     """Bytes `start` to `end` of the regular file `path`, in memory
-    `jax.device_put` adopts; `None` if the file ends before `end`."""
+    `jax.device_put` adopts; `None` if the file ends before `end`. `filled(out,
+    n)`: called, in this thread, each time the first `n` bytes of `out` are read."""
+    size = end - start
     with local_open(path) as f:
-        out = _memory.fresh_empty((end - start,), np.uint8)
-        done = _pread_all(f.fileno(), [out.data], start)
-    return out if done == end - start else None
+        out = _memory.fresh_empty((size,), np.uint8)
+        if filled is None:
+            done = _pread_all(f.fileno(), [out.data], start)
+        else:
+            done = 0
+            while done < size:
+                want = min(FILL_BYTES, size - done)
+                got = _pread_all(f.fileno(), [out.data[done : done + want]], start + done)
+                done += got
+                if got < want:  # (the file ends early)
+                    break
+                filled(out, done)
+    return out if done == size else None
 
 
 def _check_crc(loc: Location, record: LeafRecord, key: str, computed: int, stored: memoryview) -> None:

@@ -201,6 +201,24 @@ def test_a_host_replaced_by_an_empty_one_fetches_its_part_from_a_peer(tmp_path, 
     assert _chunks(fetched, "table") == ["1"]
 
 
+def test_steps_every_local_tier_dropped_are_no_longer_listed_with_peers(tmp_path, env, whole):
+    """With `peers=1` and `local_max_to_keep=1`, nothing in the persistent tier:
+    once step 5 is saved, every process's retention drops step 2, its part and
+    the peers' copies of it, and no process lists it any more, then or after a
+    relaunch, which restores step 5."""
+    flags = ["--every=3", "--peers=1", "--keep=1"]
+    _, ends = _run(tmp_path, "first", env, *flags)
+    assert ends == ["finished"] * PROCESSES
+    logs = [(tmp_path / f"first.{i}.log").read_text() for i in range(PROCESSES)]
+    assert all(re.findall(r"^steps (.*)$", log, re.MULTILINE) == ["[5]"] for log in logs), "\n".join(logs)
+    assert eqx_ckpt.CheckpointManager(tmp_path / "run").all_steps() == []
+    for i in range(PROCESSES):
+        local = tmp_path / f"local_{i}"
+        assert sorted(p.name for p in local.glob("step_*")) == ["step_00000005"]
+        assert sorted(p.name for p in (local / "peers").iterdir()) == ["step_00000005"]
+    _resumes(tmp_path, env, whole, 5, *flags)
+
+
 def test_a_job_killed_while_parts_move_to_peers_restores_the_newest_whole_step(tmp_path, env, whole):
     """The job is killed while the parts of step 5 move to their peers (as
     the first process passes the first window): the local parts of step 5

@@ -223,6 +223,7 @@ def _train(directory: str, steps: int, out: str, term_at: int | None, options: d
         tiers = {"local": options["local"].replace("{i}", str(jax.process_index()))}
         tiers["persistent_every"] = int(options.get("every", 1))
         tiers["peers"] = int(options.get("peers", 0))
+        tiers["local_max_to_keep"] = int(options.get("keep", 2))
     with eqx_ckpt.CheckpointManager(directory, **tiers) as manager:
         state = fresh_sharded(workers, table="local" in options) if sharded else fresh(workers)
         latest = manager.latest_step()
@@ -249,6 +250,9 @@ def _train(directory: str, steps: int, out: str, term_at: int | None, options: d
             if preempted:
                 stop = f"preempted at {step}"
                 break
+        if "keep" in options:
+            manager.wait_until_finished()
+            print(f"steps {manager.all_steps()}", flush=True)
     name = f"batches.{jax.process_index()}.json" if sharded else "batches.json"
     pathlib.Path(out, name).write_text(json.dumps(taken))
     if stop == "finished":
