@@ -485,6 +485,7 @@ def _manifest(
         blocks=published.blocks,
         block_bytes=published.block_bytes,
         block_algorithm=published.block_algorithm,
+        row_blocks=published.row_blocks,
         record_sha256=published.sha256,
     )
 

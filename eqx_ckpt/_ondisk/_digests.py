@@ -28,8 +28,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import blake3
@@ -82,13 +83,24 @@ class Digested:
     blocks: bytes = b""
 
 
-def strength(block: int, algorithm: Algorithm | None) -> str:
+def strength(block: int, algorithm: Algorithm | None, rows: bool = False) -> str:
     """What a record's digests check, as `verify` and `info` say it (`block`: its
-    block size, `algorithm` its hash; 0 and `None` for a record of one xxh3-128 a leaf)."""
+    block size, `algorithm` its hash; 0 and `None` for a record of one xxh3-128
+    a leaf; `rows`: blocks of whole rows, of at most `block` bytes)."""
     if not block or algorithm is None:
         return "xxh3-128 per leaf (an earlier version: checks accidents, not forgery)"
     size = f"{block // 2**20} MiB" if block >= 2**20 else f"{block // 2**10} KiB"
-    return f"{algorithm.name} per {size} block"
+    return f"{algorithm.name} per block of whole rows, up to {size}" if rows else f"{algorithm.name} per {size} block"
+
+
+def leaf_block(shape: Sequence[int], itemsize: int, most: int = BLOCK_BYTES) -> int:
+    """The bytes of each block of a leaf of `shape` and `itemsize`, in a record
+    of blocks of whole rows (version 6 on): as many whole rows as `most` bytes
+    hold, so that the reader's run of rows of a leaf (`_safetensors._chunks`)
+    is one block, and a slice reads and hashes no byte beyond its runs. A row
+    longer than `most` is cut into blocks of `most`."""
+    row = math.prod(shape[1:]) * itemsize if len(shape) else itemsize
+    return most if not row or row > most else most // row * row
 
 
 def algorithm_of(digest: str) -> Algorithm | None:

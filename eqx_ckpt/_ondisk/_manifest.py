@@ -91,10 +91,12 @@ class Manifest:
     # A published folder's recorded digest of each leaf (`_published`), by dotted path.
     digests: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
     # ... and its block digests (`_digests`, `eqx_ckpt.json` version 4 on), with
-    # their block size and hash (the record's version's).
+    # their block size and hash (the record's version's), and whether each
+    # leaf's blocks are whole rows of at most that size (version 6 on).
     blocks: dict[str, bytes] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     block_bytes: int = dataclasses.field(default=0, compare=False)
     block_algorithm: _digests.Algorithm | None = dataclasses.field(default=None, compare=False)
+    row_blocks: bool = dataclasses.field(default=False, compare=False)
     # The sha256 of the file this was parsed from (`manifest.json`, a published
     # folder's `eqx_ckpt.json`), as read: what pins it as a fine-tune's base
     # (`_family`). "" for one made otherwise.

@@ -11,10 +11,11 @@ small JSON file. It says what the safetensors files cannot:
 - the user's own metadata (`info`).
 
 Its fields are documented in docs/interop.md ("`eqx_ckpt.json`"): format
-version 5 records each leaf's BLAKE3 block digests (`_digests`), for a folder
-holding every leaf and for a fine-tune stored against a pinned `base`; version
-4 recorded SHA-256 ones (`BLOCK_ALGORITHMS`: the version says which hash a
-reader checks with). Earlier versions recorded one xxh3-128 a leaf: 1 for a
+version 6 records each leaf's BLAKE3 block digests (`_digests`), each block
+whole rows of the leaf (`_digests.leaf_block`), for a folder holding every
+leaf and for a fine-tune stored against a pinned `base`; version 5 recorded
+blocks of `block_bytes` each, and version 4 SHA-256 ones (`BLOCK_ALGORITHMS`:
+the version says which hash a reader checks with). Earlier versions recorded one xxh3-128 a leaf: 1 for a
 folder holding every leaf, 3 for a fine-tune (2, in the whole model's file
 names); all are still read.
 
@@ -40,18 +41,20 @@ from typing import Any
 from .._base._errors import CheckpointTypeError, CheckpointValueError, from_file
 from .._base._location import HUB_SCHEME
 from . import _digests
-from ._format import PUBLISHED, LeafRecord
+from ._format import PUBLISHED, LeafRecord, dtype_from_name
 from ._manifest import invalid, parse_leaves, read_document
 
 NAME = PUBLISHED
 FORMAT = "eqx_ckpt.safetensors"
-VERSION = 5
+VERSION = 6
 # The versions a fine-tune wrote, which always name a base; from 4 on, a record may.
 FAMILY_VERSIONS = (2, 3)
 # The first version recording block digests, and the block sizes a record may say.
 BLOCKS_VERSION = 4
 # The hash of each version's block digests: an export records `VERSION`'s.
-BLOCK_ALGORITHMS = types.MappingProxyType({4: _digests.SHA256, 5: _digests.BLAKE3})
+BLOCK_ALGORITHMS = types.MappingProxyType({4: _digests.SHA256, 5: _digests.BLAKE3, 6: _digests.BLAKE3})
+# The first version whose blocks are whole rows of each leaf, of at most `block_bytes`.
+ROWS_VERSION = 6
 BLOCK_SIZES = tuple(2**n for n in range(16, 27))
 # The user's metadata is small: a description, hyperparameters, metrics.
 MAX_INFO_BYTES = 1 << 20
@@ -110,6 +113,8 @@ class Published:
     family: Family | None = None
     # The sha256 of the `eqx_ckpt.json` this was parsed from.
     sha256: str = ""
+    # Whether each leaf's blocks are whole rows of at most `block_bytes` (version 6 on).
+    row_blocks: bool = False
 
 
 def hub_at(path: str, revision: str) -> str:
@@ -238,7 +243,8 @@ def parse(data: bytes, *, where: str) -> Published:
     digests, references = _extras(raw, bad, version)
     leaves = parse_leaves(raw, bad)
     _check_totals(body, leaves, bad)
-    blocks = {} if algorithm is None else _blocks(raw or [], leaves, digests, block, algorithm, bad)
+    rows = version >= ROWS_VERSION
+    blocks = {} if algorithm is None else _blocks(raw or [], leaves, digests, block, algorithm, bad, rows=rows)
     family = _family(body, version, references, bad)
     return Published(
         tuple(leaves),
@@ -253,6 +259,7 @@ def parse(data: bytes, *, where: str) -> Published:
         algorithm,
         family,
         hashlib.sha256(data).hexdigest(),
+        rows,
     )
 
 
@@ -290,16 +297,20 @@ def _blocks(
     block: int,
     algorithm: _digests.Algorithm,
     bad: Callable[[str], Exception],
+    *,
+    rows: bool,
 ) -> dict[str, bytes]:
     """Each leaf's `blocks` (version 4 on): hex digits of one digest a block
-    of `block` bytes, in the version's hash `algorithm`, as many as its bytes
-    make, whose own digest is its `digest`."""
+    of `block` bytes (`rows`: of the whole rows of the leaf that `block` bytes
+    hold, `_digests.leaf_block`), in the version's hash `algorithm`, as many
+    as its bytes make, whose own digest is its `digest`."""
     out: dict[str, bytes] = {}
     for leaf, record in zip(raw, leaves):
         text, path = leaf.get("blocks"), from_file(repr(record.path))
         if record.path not in digests or not isinstance(text, str):
             raise bad(f"the leaf {path} has no `digest` and `blocks`, which format version {BLOCKS_VERSION} records")
-        want = _digests.count(record.nbytes, block) * _digests.SIZE
+        size = leaf_block(record, block) if rows else block
+        want = _digests.count(record.nbytes, size) * _digests.SIZE
         try:
             blocks = bytes.fromhex(text) if len(text) == 2 * want else None
         except ValueError:
@@ -311,6 +322,12 @@ def _blocks(
             raise bad(f"the leaf {path} records a `digest` that is not the {algorithm.shown} of its `blocks`")
         out[record.path] = blocks
     return out
+
+
+def leaf_block(record: LeafRecord, most: int) -> int:
+    """The bytes of each block of the leaf `record`, in a record of blocks of
+    whole rows of at most `most` bytes (`_digests.leaf_block`)."""
+    return _digests.leaf_block(record.stored_shape, dtype_from_name(record.stored_dtype).itemsize, most)
 
 
 def _extras(raw: Any, bad: Callable[[str], Exception], version: int) -> tuple[dict[str, str], dict[str, str]]:

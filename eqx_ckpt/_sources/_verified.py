@@ -69,7 +69,7 @@ def block_digests(manifest: Manifest, record: LeafRecord, source: str) -> _diges
     found, algorithm = manifest.blocks.get(record.path), manifest.block_algorithm
     if found is None or algorithm is None:  # (a record of block digests names their hash)
         return None
-    return _digests.Blocks(found, record.nbytes, record.path, source, algorithm, manifest.block_bytes)
+    return _digests.Blocks(found, record.nbytes, record.path, source, algorithm, recorded_block(manifest, record))
 
 
 def region(manifest: Manifest, record: LeafRecord, source: str, *, taken: str = "") -> Region | None:
@@ -113,10 +113,16 @@ def whole(source: Source, record: LeafRecord, finish: Callable[[], np.ndarray]) 
     return checked
 
 
-def digest(data: Any) -> _digests.Digested:
-    """The digests an export records of a leaf's stored bytes (`_digests`, in
-    the hash of the version it writes)."""
-    return _digests.of(data, _published.BLOCK_ALGORITHMS[_published.VERSION])
+def digest(data: Any, record: LeafRecord) -> _digests.Digested:
+    """The digests an export records of the stored bytes `data` of the leaf
+    `record` (`_digests`, in the hash and blocks of the version it writes)."""
+    return _digests.of(data, _published.BLOCK_ALGORITHMS[_published.VERSION], export_block(record))
+
+
+def export_block(record: LeafRecord) -> int:
+    """The bytes of each block of the leaf `record` that an export records:
+    whole rows of at most `_digests.BLOCK_BYTES` (`_published.leaf_block`)."""
+    return _published.leaf_block(record, _digests.BLOCK_BYTES)
 
 
 def stored_digest(source: Source, record: LeafRecord, *, like: str, block: int) -> _digests.Digested:
@@ -159,10 +165,18 @@ def _hasher(like: str, block: int) -> _digests.Hasher | _Xxh3:
     return _Xxh3() if algorithm is None else _digests.Hasher(algorithm, block)
 
 
-def recorded_block(source: Source) -> int:
-    """The block size of the digests `source`'s record holds: its own, as a
-    record says it (a folder of another size than an export writes now loads)."""
-    return source.manifest.block_bytes or _digests.BLOCK_BYTES
+def strength(manifest: Manifest) -> str:
+    """What the digests `manifest` records check, as `verify` and `info` say it."""
+    return _digests.strength(manifest.block_bytes, manifest.block_algorithm, manifest.row_blocks)
+
+
+def recorded_block(manifest: Manifest, record: LeafRecord) -> int:
+    """The bytes of each block of the digests `manifest` records of the leaf
+    `record`: its own size, as the record says it (a folder of another size
+    than an export writes now loads), or from version 6 on the whole rows of
+    the leaf it holds."""
+    most = manifest.block_bytes or _digests.BLOCK_BYTES
+    return _published.leaf_block(record, most) if manifest.row_blocks else most
 
 
 def _raw(array: np.ndarray) -> memoryview:
@@ -181,7 +195,7 @@ class DigestCheck:
 
     def __init__(self, source: Source, record: LeafRecord, expected: str):
         self.source, self.record, self.expected = source, record, expected
-        self.hasher = _hasher(expected, recorded_block(source))
+        self.hasher = _hasher(expected, recorded_block(source.manifest, record))
         self.finished: concurrent.futures.Future[None] | None = None
 
     def update(self, array: np.ndarray) -> None:
@@ -241,7 +255,8 @@ class Checks:
             expected = self.source.manifest.digests.get(record.path)
             algorithm = None if expected is None else _digests.algorithm_of(expected)
             if algorithm is not None and record.path not in self.fed:
-                spans.append(_digests.Span(offset, record.nbytes, algorithm, recorded_block(self.source)))
+                block = recorded_block(self.source.manifest, record)
+                spans.append(_digests.Span(offset, record.nbytes, algorithm, block))
                 paths.append(record.path)
         if not spans:
             return None

@@ -50,10 +50,9 @@ try:
     from .._load._rebuild import unrecordable_error
     from .._manage._manager import CheckpointManager
     from .._manage._retention import recorded_best
-    from .._ondisk import _digests
     from .._ondisk._format import MANIFEST, step_name
     from .._ondisk._iterators import IteratorRecord
-    from .._sources import _source
+    from .._sources import _source, _verified
     from .._store import _share
     from ._demo import run
     from ._diff import diff
@@ -260,7 +259,7 @@ def _info(args: argparse.Namespace) -> int:
     digests = ckpt._manifest.digests  # (a published folder's, in eqx_ckpt.json)
     if digests:
         every = "" if len(digests) == len(ckpt) else f" ({len(digests)} of the {len(ckpt)} leaves)"
-        strength = _digests.strength(ckpt._manifest.block_bytes, ckpt._manifest.block_algorithm)
+        strength = _verified.strength(ckpt._manifest)
         print(f"digests:         {strength}{every}")
     taken = ckpt.from_base()
     if taken:

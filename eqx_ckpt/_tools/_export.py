@@ -708,7 +708,7 @@ def _write_shard(
         for tensor in shard:
             data = tensor_bytes(tensor)
             if tensor.record.path not in digests:
-                digests[tensor.record.path] = _verified.digest(data)
+                digests[tensor.record.path] = _verified.digest(data, tensor.record)
             yield data
             update(tensor.nbytes)
 

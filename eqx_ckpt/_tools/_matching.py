@@ -179,7 +179,8 @@ def _matched(
     def base_digest(record: LeafRecord, like: str) -> str:
         if record.path not in known:
             # (blocks of the size an export records, whatever size the base's own record says)
-            known[record.path] = _verified.stored_digest(source, record, like=like, block=_digests.BLOCK_BYTES).digest
+            block = _verified.export_block(record)
+            known[record.path] = _verified.stored_digest(source, record, like=like, block=block).digest
         return known[record.path]
 
     references: dict[str, str] = {}
@@ -188,7 +189,7 @@ def _matched(
         found = candidates.get(_kind(tensor.record))
         if not found:
             continue
-        mine = digests[tensor.record.path] = _verified.digest(tensor_bytes(tensor))
+        mine = digests[tensor.record.path] = _verified.digest(tensor_bytes(tensor), tensor.record)
         # The leaf of the same name first: a fine-tune mostly keeps its names.
         for record in sorted(found, key=lambda r: r.path != tensor.record.path):
             count, claimed = backing.get(record.path, (0, 0))

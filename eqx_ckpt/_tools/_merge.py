@@ -44,15 +44,16 @@ from .._load import _lazy, _rebuild
 from .._load._checkpoint import Checkpoint
 from .._load._lazy import LazyArray
 from .._ondisk import _digests
-from .._ondisk._format import BLOCK_BYTES, dtype_from_name
+from .._ondisk._format import dtype_from_name
 from .._save import _records, _serialise
+from .._sources import _verified
 from . import _merge_methods as methods
 from ._merge_methods import Method
 
 # A block holds whole rows (of the first axis) of about this many elements,
 # of every input at once: a fixed size, so that no budget changes a byte.
 BLOCK_ELEMENTS = 1 << 16
-# A window of a safetensors leaf holds whole blocks of `BLOCK_BYTES` of its
+# A window of a safetensors leaf holds whole blocks of the digests recorded of its
 # stored bytes (each read and checked whole), at most this many bytes of them
 # (as an eqx_ckpt chunk file at most): a leaf of that size is read once.
 WINDOW_BYTES = 64 * 2**20
@@ -340,7 +341,7 @@ def _metrics(method: Method, opened: list[Checkpoint], based: Checkpoint | None)
 class _Rows:
     """One input's leaf, read by rows: each read a window of whole chunks
     (of an eqx_ckpt checkpoint, whose chunk files are read whole) or of whole
-    blocks of `BLOCK_BYTES` up to `WINDOW_BYTES` (of a safetensors file, read
+    blocks up to `WINDOW_BYTES` (of a safetensors file, read
     by byte ranges: a published folder's digests are of such blocks), kept
     for the blocks inside it. A window's rows that the next one holds too are
     not read again."""
@@ -363,8 +364,9 @@ class _Rows:
         row = record.nbytes // record.stored_shape[0] if record.stored_shape[0] else 0
         if not row:
             return cls(ckpt[dotted], record.shape[0])
-        unit = BLOCK_BYTES // math.gcd(BLOCK_BYTES, row)
-        unit = unit if unit * row <= WINDOW_BYTES else -(-BLOCK_BYTES // row)
+        block = _verified.recorded_block(ckpt._manifest, record)  # (a folder's own size, or its rows')
+        unit = block // math.gcd(block, row)
+        unit = unit if unit * row <= WINDOW_BYTES else -(-block // row)
         return cls(ckpt[dotted], unit * max(1, WINDOW_BYTES // (unit * row)))
 
     @classmethod

@@ -624,7 +624,8 @@ def _compare_digests(
         try:
             found = hashed.get(taken) if taken is not None else None
             if found is None:
-                found = _verified.stored_digest(source, record, like=expected, block=_verified.recorded_block(source))
+                block = _verified.recorded_block(source.manifest, record)
+                found = _verified.stored_digest(source, record, like=expected, block=block)
         except IntegrityError as e:
             if getattr(e, "block", None) is None:
                 bad[record.path] = Problem(record.path, str(_damage(e, record, source.data, "read")))
@@ -662,7 +663,7 @@ def _other_values(source: _source.Source, differ: list[str]) -> Problem:
         f"the base {shown} holds other values than when the fine-tune was exported: {len(differ)} of "
         f"the {count} {'leaf' if count == 1 else 'leaves'} taken from it ({shown_names(differ)}) "
         f"{'holds' if len(differ) == 1 else 'hold'} other bytes than the digests in {_published.NAME} record "
-        f"({_digests.strength(source.manifest.block_bytes, source.manifest.block_algorithm)}). {fix}",
+        f"({_verified.strength(source.manifest)}). {fix}",
     )
 
 
@@ -714,7 +715,7 @@ def _family_said(source: _source.Source, every: bool, missing: bool) -> tuple[st
     (`missing`: of a fine-tune whose base cannot be found, its own leaves)."""
     if not every:
         return ()
-    strength = _digests.strength(source.manifest.block_bytes, source.manifest.block_algorithm)
+    strength = _verified.strength(source.manifest)
     if missing:
         return (f"every leaf stored here, against the digests {_published.NAME} records of it ({strength})",)
     said = [f"every leaf's bytes, against the digests {_published.NAME} records of it ({strength})"]

@@ -316,7 +316,8 @@ def test_the_published_fixture_loads_bit_for_bit(published):
     if version < 4:
         assert problems == [] and "Safetensors files hold no checksums" in problems.unchecked[0]
     else:  # every leaf against its block digests (SHA-256, then BLAKE3); a slice reads and checks its blocks
-        said = f"{'sha256' if version == 4 else 'blake3'} per 1 MiB block"
+        said = {4: "sha256 per 1 MiB block", 5: "blake3 per 1 MiB block"}.get(version)
+        said = said or "blake3 per block of whole rows, up to 128 KiB"
         assert problems == [] and problems.unchecked == () and said in problems.checked[0]
         large = max(ckpt, key=lambda k: ckpt[k].nbytes if hasattr(ckpt[k], "nbytes") else 0)
         assert ckpt[large].nbytes > 2**20
@@ -356,7 +357,7 @@ def test_the_family_fixture_holds_what_its_version_wrote(family):
     finetune, base = family / "finetune", family / "base"
     record = json.loads((finetune / "eqx_ckpt.json").read_text())
     version = int(family.name.removeprefix("published_"))
-    assert record["format_version"] == version in (2, 3, 4, 5)
+    assert record["format_version"] == version in (2, 3, 4, 5, 6)
     stem = "model" if version == 2 else "finetune"
     assert sorted(p.name for p in finetune.glob("*.safetensors*")) == [f"{stem}.safetensors"]
     with safe_open(str(finetune / f"{stem}.safetensors"), framework="np") as f:

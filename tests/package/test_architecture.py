@@ -468,9 +468,9 @@ def test_every_checked_byte_goes_through_the_verifying_reader():
     (issue 84, point 3: the safetensors reader, a fine-tune's base and lazy
     reads each checked blocks or digests on their own). No other module
     hashes a leaf's bytes or checks them against its recorded digests
-    (`_digests.Blocks`, `Hasher`, `of`, `mismatch`); a safetensors read
+    (`_digests.Blocks`, `Hasher`, `Feed`, `of`, `mismatch`); a safetensors read
     checks its region with the check `_verified.region` hands it."""
-    hashing = ("Blocks", "Hasher", "of", "xxh3", "mismatch")
+    hashing = ("Blocks", "Hasher", "Feed", "of", "xxh3", "mismatch")
     users = {name: _users("_digests", name) - {"_digests", "_verified"} for name in hashing}
     assert users == {name: set() for name in hashing}, users
     assert _users("_verified", "region") == set()  # (its own `tensors` and `taken` hand it out)

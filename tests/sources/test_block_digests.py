@@ -151,7 +151,10 @@ def _check_verified(problems: list[tuple[str | None, str]], taken: bool) -> None
     else:
         assert [leaf for leaf, _ in problems] == [None], problems
         assert "holds other values than when the fine-tune was exported: 1 of the" in problems[0][1]
-        assert f"(`{WEIGHT}`)" in problems[0][1] and f"blake3 per {BLOCK_BYTES // 1024} KiB block" in problems[0][1]
+        assert (
+            f"(`{WEIGHT}`)" in problems[0][1]
+            and f"blake3 per block of whole rows, up to {BLOCK_BYTES // 1024} KiB" in problems[0][1]
+        )
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -281,33 +284,40 @@ def test_rewritten_bytes_served_over_http_are_refused_by_every_read(hub, tmp_pat
 
 # -- Each version's fixture, checked with its version's hash -----------------------------------
 
-# The hash of each version's block digests: as an error names it, and as `verify` says a record's.
-HASHES = {4: ("SHA-256", "sha256"), 5: ("BLAKE3", "blake3")}
+# The hash of each version's block digests, as an error names it, and as `verify` says a record's
+# digests; the block of the large leaf holding its byte 2**20 (its row 256), and its blocks: of
+# 1 MiB in the fixtures of versions 4 and 5, then of the 32 rows of 4 KiB that 128 KiB holds.
+HASHES = {
+    4: ("SHA-256", "sha256 per 1 MiB block", 1, 2),
+    5: ("BLAKE3", "blake3 per 1 MiB block", 1, 2),
+    6: ("BLAKE3", "blake3 per block of whole rows, up to 128 KiB", 8, 9),
+}
 
 
 @pytest.mark.parametrize("version", sorted(HASHES))
 def test_each_version_checks_its_blocks_with_its_hash(tmp_path, version):
-    """A copy of the fixture of version 4 (SHA-256 block digests) and of 5
-    (BLAKE3): its export's large leaf rewritten in its second block under its
-    unchanged record, and its fine-tune given a base holding other bytes in
+    """A copy of the fixture of version 4 (SHA-256 block digests), of 5
+    (BLAKE3) and of 6 (BLAKE3, blocks of whole rows): its export's large leaf
+    rewritten in its row 256 under its unchanged record, and its fine-tune given a base holding other bytes in
     the leaf it takes as `small.f32` and `adapter.w` (an export of its own,
     whose record matches them: only the fine-tune's record, of its version,
     can tell). Every read of them is refused, naming the hash of the version;
     the other blocks and leaves load as in the fixture, bit for bit."""
-    shown, said = HASHES[version]
+    shown, said, block, count = HASHES[version]
     fixture, folder = places.FIXTURES / f"published_{version}", tmp_path / "fixture"
     shutil.copytree(fixture, folder)
     assert json.loads((folder / "eqx_ckpt.json").read_text())["format_version"] == version
-    # (row 256 of 257: the second block of the fixture's, which are 1 MiB as it records)
-    _rewrite(folder, "big", 2**20)
+    _rewrite(folder, "big", 2**20)  # (row 256 of 257)
     ckpt, original = eqx_ckpt.Checkpoint(folder), eqx_ckpt.Checkpoint(fixture)
-    message = _message(str(folder), leaf="big", block=1, hashed=shown)
+    message = _message(str(folder), leaf="big", block=block, hashed=shown)
     for read in (lambda: ckpt["big"][255:257], lambda: np.asarray(ckpt["big"]), lambda: ckpt.load(trust=[])):
         with pytest.raises(eqx_ckpt.IntegrityError, match=message):
             read()
     assert np.asarray(ckpt["big"][1:3]).tobytes() == np.asarray(original["big"][1:3]).tobytes()
     problems = [(p.leaf, p.message) for p in eqx_ckpt.verify(folder)]
-    assert [leaf for leaf, _ in problems] == ["big"] and f"block 1 of 2 differs from its {shown}" in problems[0][1]
+    assert [leaf for leaf, _ in problems] == [
+        "big"
+    ] and f"block {block} of {count} differs from its {shown}" in problems[0][1]
     tree = eqx_ckpt.Checkpoint(fixture / "base").load(trust=[])
     tree["small"]["f32"] = tree["small"]["f32"].at[0, 0].set(jnp.inf)
     eqx_ckpt.export_safetensors(tmp_path / "forged", tree)
@@ -326,12 +336,13 @@ def test_each_version_checks_its_blocks_with_its_hash(tmp_path, version):
     problems = [(p.leaf, p.message) for p in eqx_ckpt.verify(folder / "finetune", base=tmp_path / "forged")]
     assert [leaf for leaf, _ in problems] == [None], problems
     assert "holds other values than when the fine-tune was exported: 2 of the" in problems[0][1]
-    assert "(`adapter.w`, `small.f32`)" in problems[0][1] and f"({said} per 1 MiB block)" in problems[0][1]
+    assert "(`adapter.w`, `small.f32`)" in problems[0][1] and f"({said})" in problems[0][1]
 
 
 @pytest.mark.parametrize(
     ("folder", "said"),
     [
+        ("published_6", "blake3 per block of whole rows, up to 128 KiB"),
         ("published_5", "blake3 per 1 MiB block"),
         ("published_4", "sha256 per 1 MiB block"),
         ("published_3/base", "xxh3-128 per leaf (an earlier version: checks accidents, not forgery)"),

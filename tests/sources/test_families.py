@@ -54,6 +54,7 @@ from families import (  # noqa: F401
 from safetensors import safe_open
 
 import eqx_ckpt
+from eqx_ckpt._ondisk._published import VERSION
 from eqx_ckpt._tools._cli import main
 
 # The folder and its record.
@@ -62,7 +63,7 @@ from eqx_ckpt._tools._cli import main
 def test_a_finetune_holds_only_the_leaves_it_changed(family):
     assert sorted(_tensors(family.finetune)) == CHANGED
     record = _record(family.finetune)
-    assert record["format_version"] == 5
+    assert record["format_version"] == VERSION
     sha256 = hashlib.sha256(family.record_file.read_bytes()).hexdigest()
     assert record["base"] == {"path": os.path.join("..", "base"), "sha256": sha256}
     assert (family.finetune / record["base"]["path"]).resolve() == family.base.resolve()
@@ -78,11 +79,11 @@ def test_a_finetune_holds_only_the_leaves_it_changed(family):
         assert data == _stored_bytes(expected[path]), path
 
 
-def test_an_export_without_a_base_is_version_5_with_every_digest(tmp_path):
+def test_an_export_without_a_base_is_the_current_version_with_every_digest(tmp_path):
     tree = _base_tree()
     eqx_ckpt.export_safetensors(tmp_path / "base", tree)
     record = _record(tmp_path / "base")
-    assert record["format_version"] == 5 and "base" not in record
+    assert record["format_version"] == VERSION and "base" not in record
     stored = _tensors(tmp_path / "base")
     for path, leaf in _leaves(tmp_path / "base").items():
         assert "base" not in leaf
@@ -187,7 +188,7 @@ def test_an_export_into_a_folder_switching_between_finetune_and_whole_deletes_th
     assert all(n.startswith(("finetune", "eqx_ckpt")) for n in _files(folder))
     eqx_ckpt.export_safetensors(folder, finetuned, max_shard_size=shard)
     assert all(n.startswith(("model", "eqx_ckpt")) for n in _files(folder))
-    assert _record(folder)["format_version"] == 5
+    assert _record(folder)["format_version"] == VERSION
     _assert_same(eqx_ckpt.Checkpoint(folder).load(trust=[Classifier]), finetuned)
     eqx_ckpt.export_safetensors(folder, eqx_ckpt.Checkpoint(folder), base=tmp_path / "base", max_shard_size=shard)
     assert all(n.startswith(("finetune", "eqx_ckpt")) for n in _files(folder)) and sorted(_tensors(folder)) == CHANGED
@@ -258,7 +259,7 @@ def test_a_version_2_finetune_exported_again_is_version_3_and_leaves_no_model_fi
     folder = tmp_path / "family" / "finetune"
     before = eqx_ckpt.Checkpoint(folder).load(trust=[])
     eqx_ckpt.export_safetensors(folder, eqx_ckpt.Checkpoint(folder))
-    assert _files(folder) == ["eqx_ckpt.json", "finetune.safetensors"] and _record(folder)["format_version"] == 5
+    assert _files(folder) == ["eqx_ckpt.json", "finetune.safetensors"] and _record(folder)["format_version"] == VERSION
     after = eqx_ckpt.Checkpoint(folder).load(trust=[])
     assert jax.tree.structure(after) == jax.tree.structure(before)  # (NaNs among them: compared bit for bit)
     assert [bits(x) for x in jax.tree.leaves(after)] == [bits(x) for x in jax.tree.leaves(before)]
@@ -402,11 +403,11 @@ def test_nothing_or_everything_changed(tmp_path, changed, kind):
     record = _record(tmp_path / "ft")
     taken = [path for path, leaf in _leaves(tmp_path / "ft").items() if "base" in leaf]
     if changed == "nothing":
-        assert record["format_version"] == 5 and record["base"]["path"] == os.path.join("..", "base")
+        assert record["format_version"] == VERSION and record["base"]["path"] == os.path.join("..", "base")
         assert sorted(p.name for p in (tmp_path / "ft").glob("*.safetensors")) == ["finetune.safetensors"]
         assert _tensors(tmp_path / "ft") == {} and sorted(taken) == sorted(_by_path(tree))
     else:  # nothing taken from the base: a standalone folder, which loads without it
-        assert record["format_version"] == 5 and "base" not in record
+        assert record["format_version"] == VERSION and "base" not in record
         assert sorted(_tensors(tmp_path / "ft")) == sorted(_by_path(tree)) and taken == []
     _assert_same(eqx_ckpt.Checkpoint(tmp_path / "ft").load(trust=[Classifier]), tree)
     _assert_same(eqx_ckpt.tree_deserialise_leaves(tmp_path / "ft", _like(tree)), tree)
@@ -556,7 +557,7 @@ def test_a_standalone_export_holds_every_leaf_and_loads_without_the_base(family)
     out = family.finetune.parent / "standalone"
     eqx_ckpt.export_safetensors(out, eqx_ckpt.Checkpoint(family.finetune), standalone=True)
     record = _record(out)
-    assert record["format_version"] == 5 and "base" not in record
+    assert record["format_version"] == VERSION and "base" not in record
     assert all("base" not in leaf for leaf in record["leaves"])
     expected = _by_path(family.tree)
     assert {name: data for name, data in _tensors(out).items()} == {p: _stored_bytes(x) for p, x in expected.items()}
@@ -597,7 +598,7 @@ def test_the_cli_exports_against_a_base_and_standalone(tmp_path, capsys):
     # --standalone: every leaf; it loads with the base gone.
     assert main(["export", str(tmp_path / "cli"), str(tmp_path / "alone"), "--standalone"]) == 0
     eqx_ckpt.export_safetensors(tmp_path / "lib_alone", eqx_ckpt.Checkpoint(tmp_path / "lib"), standalone=True)
-    assert _record(tmp_path / "alone")["format_version"] == 5
+    assert _record(tmp_path / "alone")["format_version"] == VERSION
     assert (tmp_path / "alone" / "model.safetensors").read_bytes() == (
         tmp_path / "lib_alone" / "model.safetensors"
     ).read_bytes()
@@ -628,7 +629,7 @@ def test_a_full_finetune_exported_against_its_base_is_standalone_and_says_so(tmp
         eqx_ckpt.export_safetensors(tmp_path / "ft", tuned, base=tmp_path / "base")
     [said] = [r.getMessage() for r in caplog.records if "standalone" in r.getMessage()]
     record = _record(tmp_path / "ft")
-    assert record["format_version"] == 5 and "base" not in record
+    assert record["format_version"] == VERSION and "base" not in record
     on_disk = _tensors(tmp_path / "ft")
     assert sorted(on_disk) == sorted(_by_path(tuned))
     total = sum(len(data) for data in on_disk.values())
@@ -713,7 +714,7 @@ def test_a_reexport_of_a_finetune_keeps_its_base(family):
         ):
             eqx_ckpt.export_safetensors(out, eqx_ckpt.Checkpoint(family.finetune))
         again = _record(out)
-        assert again["format_version"] == 5
+        assert again["format_version"] == VERSION
         assert again["base"]["sha256"] == record["base"]["sha256"]
         assert again["base"]["path"] == os.path.relpath(family.base, out)
         assert _leaves(out) == _leaves(family.finetune)
@@ -727,7 +728,7 @@ def test_a_reexport_of_a_finetune_keeps_its_base(family):
     # A lazily loaded tree of it is a tree, not a `Checkpoint`: exported against the base given (none here).
     lazy = eqx_ckpt.tree_deserialise_leaves(family.finetune, _like(family.tree), lazy=True)
     eqx_ckpt.export_safetensors(family.finetune.parent / "tree", lazy)
-    assert _record(family.finetune.parent / "tree")["format_version"] == 5
+    assert _record(family.finetune.parent / "tree")["format_version"] == VERSION
 
 
 # Chains.
@@ -793,7 +794,7 @@ def _set(record: dict[str, Any], **fields: Any) -> None:
 
 
 def _as_version(record: dict[str, Any], version: int) -> None:
-    """`record` (version 5) made to say an earlier `version`: one xxh3-128 digest a leaf, no blocks."""
+    """`record` (of the current version) made to say an earlier `version`: one xxh3-128 digest a leaf, no blocks."""
     record.update(format_version=version)
     record.pop("block_bytes")
     for leaf in record["leaves"]:
@@ -809,7 +810,7 @@ HOSTILE = {
     ),
     "version 5 taking leaves without a base": (
         lambda r: r.pop("base"),
-        "format version 5 records a `base` object with a `path`",
+        f"format version {VERSION} records a `base` object with a `path`",
     ),
     "version 5 with blocks missing": (
         lambda r: _set(r, block_bytes=3),

@@ -89,7 +89,8 @@ def test_verify_checks_the_leaves_stored_and_says_the_others_were_not(family, ca
     assert "were not verified, since the base cannot be found; the 3 stored here were." in said
     assert "which cannot be found" in said and "three ways work" in said
     assert problems.checked == (
-        "every leaf stored here, against the digests eqx_ckpt.json records of it (blake3 per 128 KiB block)",
+        "every leaf stored here, against the digests eqx_ckpt.json records of it "
+        "(blake3 per block of whole rows, up to 128 KiB)",
     )
     assert main(["verify", str(family.finetune)]) == 1
     out = capsys.readouterr().out

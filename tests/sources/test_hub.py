@@ -32,6 +32,7 @@ from arrays import tree_equal
 from hub_client import FAMILY, Client, push, tree
 
 import eqx_ckpt
+from eqx_ckpt._ondisk._published import VERSION
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("huggingface_hub") is None, reason="needs the `hub` extra (huggingface_hub)"
@@ -749,7 +750,8 @@ def test_verify_checks_every_file_against_the_hubs_digest(hub, tmp_path):
     assert [line.split(":")[0] for line in checked[1][:2]] == ["`eqx_ckpt.json`", "`model.safetensors`"]
     assert "`model.safetensors`: its SHA-256 is the one the Hub lists at " in checked[1][1]
     assert checked[1][2:] == [
-        "every leaf's bytes, against the digests eqx_ckpt.json records of it (blake3 per 128 KiB block)"
+        "every leaf's bytes, against the digests eqx_ckpt.json records of it "
+        "(blake3 per block of whole rows, up to 128 KiB)"
     ]
     (blob,) = [p for p in (tmp_path / "hf").rglob("blobs/*") if p.stat().st_size > 50_000]
     data = bytearray(blob.read_bytes())
@@ -1156,7 +1158,7 @@ def test_a_fine_tune_is_pushed_and_made_standalone_from_the_cli_and_its_missing_
     assert exported.returncode == 0, exported.stderr
     assert nothere.returncode == 2
     assert "The base given as `--base` ('hf://me/nothere') cannot be found" in nothere.stderr
-    assert json.loads((tmp_path / "whole" / "eqx_ckpt.json").read_text())["format_version"] == 5
+    assert json.loads((tmp_path / "whole" / "eqx_ckpt.json").read_text())["format_version"] == VERSION
     # The standalone copy keeps the card's metadata (issue 75, item 5).
     assert json.loads((tmp_path / "whole" / "eqx_ckpt.json").read_text())["info"] == {"description": "A head."}
     front = (tmp_path / "whole" / "README.md").read_text().split("\n---", 1)[0]

@@ -39,3 +39,20 @@ def test_a_slice_fetches_the_blocks_holding_it(hub):
         large = [(a, b) for a, b in ranges if b - a > header]
         assert len(large) == blocks and all(b - a == BLOCK_BYTES for a, b in large), state.ranges
         assert sum(b - a for a, b in ranges) <= blocks * BLOCK_BYTES + header, state.ranges
+
+
+def test_a_slice_of_rows_that_do_not_divide_a_block_fetches_its_rows_run(hub):
+    """Rows of 3,000 bytes: each block is 43 whole rows (`eqx_ckpt.json`
+    version 6), the run a slice reads. Two rows fetch that one run of 129,000
+    bytes, not the two blocks of 128 KiB around it."""
+    client, state = hub
+    tensor = "np.arange(750_000, dtype=np.float32).reshape(1000, 750)"
+    client.run(f"emit(eqx_ckpt.push_to_hub({{'w': {tensor}}}, 'me/rows'))")
+    state.ranges.clear()
+    got = client.run(
+        f"x = np.asarray(eqx_ckpt.Checkpoint('hf://me/rows')['w'][44:46]); emit(bool((x == {tensor}[44:46]).all()))"
+    )
+    assert got is True
+    file = max(state.ranges, key=lambda r: r[2] - r[1])[0]
+    large = [(a, b) for name, a, b in state.ranges if name == file and b - a > 2**10]
+    assert len(large) == 1 and large[0][1] - large[0][0] == 43 * 3000, state.ranges

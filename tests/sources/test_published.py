@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 import eqx_ckpt
 from eqx_ckpt._ondisk._format import BLOCK_BYTES
+from eqx_ckpt._ondisk._published import VERSION
 from eqx_ckpt._tools._cli import main
 
 SHARDS = {"single": "5GB", "sharded": 400}
@@ -163,7 +164,7 @@ def test_eqx_ckpt_json_holds_the_records_structure_and_info(folder):
         "leaves",
     }
     said = (record["format"], record["format_version"], record["block_bytes"])
-    assert said == ("eqx_ckpt.safetensors", 5, BLOCK_BYTES)
+    assert said == ("eqx_ckpt.safetensors", VERSION, BLOCK_BYTES)
     assert record["info"] == {"description": "test"} and record["structure"]["t"] == "dict"
     leaves = {leaf["path"]: leaf for leaf in record["leaves"]}
     # Each leaf records the BLAKE3 of each MiB of its tensor's bytes, and its

@@ -286,12 +286,11 @@ def test_same_bytes_twice_whatever_the_budget(tmp_path, monkeypatch):
     monkeypatch.setattr(_merge, "BLOCK_ELEMENTS", 1 << 18)
     eqx_ckpt.merge(tmp_path / "four", [a, b], **ties)
     assert _leaf_files(tmp_path / "three") == _leaf_files(tmp_path / "four")
-    # Published inputs, read by windows of a few rows that the blocks straddle
-    # (3 rows of `emb` a window, 2 a block): the same bytes.
+    # Published inputs, read by windows of the fewest whole blocks (each the
+    # rows that 128 KiB holds: a window of 64 bytes is smaller): the same bytes.
     for path in (a, b, base):
         eqx_ckpt.export_safetensors(tmp_path / f"pub-{path.name}", eqx_ckpt.Checkpoint(path))
     monkeypatch.setattr(_merge, "BLOCK_ELEMENTS", 16)
-    monkeypatch.setattr(_merge, "BLOCK_BYTES", 64)
     monkeypatch.setattr(_merge, "WINDOW_BYTES", 64)
     published = [tmp_path / f"pub-{p.name}" for p in (a, b)]
     eqx_ckpt.merge(tmp_path / "five", published, **{**ties, "base": tmp_path / f"pub-{base.name}"})
