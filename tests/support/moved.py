@@ -139,9 +139,9 @@ REPLACED: dict[str, str] = {
     "tests/test_block_digests.py::test_a_rewritten_block_served_over_http_is_refused_by_every_read": (
         "tests/sources/test_block_digests.py::test_rewritten_bytes_served_over_http_are_refused_by_every_read"
     ),
-    # An export writes version 5 (BLAKE3 block digests) now, where it wrote version 4.
+    # An export writes the current version (6: BLAKE3 digests of blocks of whole rows), where it wrote 4.
     "tests/test_families.py::test_an_export_without_a_base_is_version_4_with_every_digest": (
-        "tests/sources/test_families.py::test_an_export_without_a_base_is_version_5_with_every_digest"
+        "tests/sources/test_families.py::test_an_export_without_a_base_is_the_current_version_with_every_digest"
     ),
     **{
         f"tests/test_families.py::test_a_damaged_or_hostile_record_is_corrupt[version 4 {case}]": (
