@@ -559,19 +559,26 @@ def _functions_of(*modules):
     return codes
 
 
-def test_an_interrupt_at_every_line_of_a_load(tmp_path):
+@pytest.mark.parametrize("source", ["checkpoint", "published"])
+def test_an_interrupt_at_every_line_of_a_load(tmp_path, source):
     """A load holds process-wide state too (the collector's pause, reads in
-    flight in the read window): an interrupt at any line of the load's modules
-    leaves the collector as it was, and the next load returns the checkpoint."""
+    flight in the read window; of a published folder, runs hashed as they are
+    read): an interrupt at any line of the load's modules leaves the collector
+    as it was, and the next load returns the checkpoint."""
     from eqx_ckpt._base import _gc, _tree as tree_module
-    from eqx_ckpt._load import _deserialise, _load_plan, _load_report, _read
+    from eqx_ckpt._foreign import _safetensors
+    from eqx_ckpt._load import _deserialise, _load_plan, _load_report, _read, _reader
+    from eqx_ckpt._ondisk import _digests
+    from eqx_ckpt._sources import _verified
     from eqx_ckpt._store import _window
 
-    codes = _functions_of(
-        _deserialise, _load_plan, _load_report, _window, tree_module, _gc, _read, _local_read, _memory, _pack, _storage
-    )
+    modules = [_deserialise, _load_plan, _load_report, _window, tree_module, _gc, _read, _local_read, _memory, _pack]
+    if source == "published":  # (what its load runs in this thread)
+        modules += [_reader, _safetensors, _verified, _digests]
+    codes = _functions_of(*modules, _storage)
     directory = tmp_path / "ckpt"
-    eqx_ckpt.tree_serialise_leaves(directory, _tree(1))
+    save = eqx_ckpt.export_safetensors if source == "published" else eqx_ckpt.tree_serialise_leaves
+    save(directory, _tree(1))
     eqx_ckpt.tree_deserialise_leaves(directory, _tree(0))  # as every load after it: caches filled
     with interrupt_in(codes, None) as lines:
         eqx_ckpt.tree_deserialise_leaves(directory, _tree(0))
