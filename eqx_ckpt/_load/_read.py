@@ -151,7 +151,7 @@ def _part_rows(loc: Location, record: LeafRecord, index: tuple[Any, ...]) -> Cal
     per_chunk = record.chunks[0]
     if step != 1 or start % per_chunk or (stop % per_chunk and stop != shape[0]) or stop <= start:
         return None
-    out = np.empty((stop - start, *shape[1:]), dtype_from_name(record.stored_dtype))
+    out = _aligned_empty((stop - start, *shape[1:]), dtype_from_name(record.stored_dtype))  # (adopted, not copied)
     count = -(-(stop - start) // per_chunk)
     wait = files.start_chunks(record, start // per_chunk, count, out.reshape(-1).view(np.uint8).data)
 

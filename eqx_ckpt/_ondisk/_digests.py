@@ -83,7 +83,7 @@ class Digested:
     blocks: bytes = b""
 
 
-def strength(block: int, algorithm: Algorithm | None, rows: bool = False) -> str:
+def strength(block: int, algorithm: Algorithm | None, rows: bool) -> str:
     """What a record's digests check, as `verify` and `info` say it (`block`: its
     block size, `algorithm` its hash; 0 and `None` for a record of one xxh3-128
     a leaf; `rows`: blocks of whole rows, of at most `block` bytes)."""
@@ -216,12 +216,12 @@ class Feed:
             if start >= end and nbytes:
                 break
             done, ready = self.done[i], min(nbytes, end - start)
-            while done < nbytes and min(done + block, nbytes) <= ready:
-                step = min(block, nbytes - done)
-                self.blocks[i] += algorithm.digest(view[start + done : start + done + step])
-                done += step
-            self.done[i] = done
-            if done == nbytes and i == self.first:
+            # Its whole blocks below `end`, and its last one once it is all there.
+            upto = nbytes if ready == nbytes else done + max(0, ready - done) // block * block
+            if upto > done:
+                self.blocks[i] += _hash(view[start + done : start + upto], block, algorithm)
+                self.done[i] = upto
+            if self.done[i] == nbytes and i == self.first:
                 self.first += 1
 
     def digested(self, i: int) -> Digested:

@@ -382,19 +382,17 @@ def read_range(
     """Bytes `start` to `end` of the regular file `path`, in memory
     `jax.device_put` adopts; `None` if the file ends before `end`. `filled(out,
     n)`: called, in this thread, each time the first `n` bytes of `out` are read."""
-    size = end - start
+    size, done = end - start, 0
+    piece = size if filled is None else FILL_BYTES
     with local_open(path) as f:
         out = _memory.fresh_empty((size,), np.uint8)
-        if filled is None:
-            done = _pread_all(f.fileno(), [out.data], start)
-        else:
-            done = 0
-            while done < size:
-                want = min(FILL_BYTES, size - done)
-                got = _pread_all(f.fileno(), [out.data[done : done + want]], start + done)
-                done += got
-                if got < want:  # (the file ends early)
-                    break
+        while done < size:
+            want = min(piece, size - done)
+            got = _pread_all(f.fileno(), [out.data[done : done + want]], start + done)
+            done += got
+            if got < want:  # (the file ends early)
+                break
+            if filled is not None:
                 filled(out, done)
     return out if done == size else None
 
