@@ -148,13 +148,14 @@ def _slices(ckpt: Any) -> Any:
     return operation
 
 
-def run(tree: str, job: dict[str, Any]) -> dict[str, Any]:
-    """`job` in a fresh interpreter that imports eqx_ckpt from `tree`.
+def run(tree: str, job: dict[str, Any], *, script: str = __file__) -> dict[str, Any]:
+    """`job` in a fresh interpreter that imports eqx_ckpt from `tree`, run by
+    `script`'s `--job` (this file's, or a benchmark's that reuses it).
 
     `-P`: the folder of this script is not put on `sys.path` (its modules could
     shadow others); the working directory is a scratch folder, for the same reason."""
     env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
-    command = [sys.executable, "-P", os.path.abspath(__file__), "--job", json.dumps(job)]
+    command = [sys.executable, "-P", os.path.abspath(script), "--job", json.dumps(job)]
     done = subprocess.run(command, env=env, cwd=job["folder"], capture_output=True, text=True)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -164,6 +165,11 @@ def run(tree: str, job: dict[str, Any]) -> dict[str, Any]:
                 raise SystemExit(f"{tree}: the process imported {result['library']}, not {expected}")
             return result
     raise SystemExit(f"{tree}: the process exited with status {done.returncode}:\n{done.stderr[-4000:]}")
+
+
+def answer(work: Any, job: str) -> None:
+    """A fresh process's part of `run`: the result of `work` of the `--job` JSON, printed for `run` to find."""
+    print("RESULT " + json.dumps(work(json.loads(job))), flush=True)
 
 
 def summary(values: list[float]) -> str:
@@ -210,7 +216,7 @@ def main() -> None:
     parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
-        print("RESULT " + json.dumps(work(json.loads(args.job))), flush=True)
+        answer(work, args.job)
         return
     trees = dict(tree.split("=", 1) for tree in args.tree)
     if len(trees) < 2:

@@ -19,6 +19,7 @@ measurement still runs), and what JAX compiles in one of these processes is
 taken by the next (`_forked`); the benchmarks' `gc.collect()`s in this process
 leave out what the session held before (`_frozen`)."""
 
+import argparse
 import contextlib
 import gc
 import importlib.util
@@ -1075,6 +1076,49 @@ def test_alternating_loads_a_published_folder(tmp_path):
     # `--op slice-published`: lazy slices of 2 rows of the same folder.
     timed = alternating.work({**job, "op": "slice"})
     assert len(timed["wall"]) == len(timed["cpu"]) == 2
+
+
+def test_check_floor_hashes_the_blocks_a_checked_load_hashes(tmp_path):
+    """`benchmarks.check_floor`: its `hash` arm hashes each tensor in the
+    blocks its record pins (the digests it gives are the recorded ones), its
+    `hash-fixed` arm in blocks of the record's `block_bytes`; `plain` is the
+    same safetensors file with no record. A process of each arm times its
+    operation; the floor of a round is `(plain + hash) / plain`."""
+    from benchmarks import alternating, check_floor
+    from eqx_ckpt._ondisk import _digests
+
+    # Rows of 4,000 bytes: blocks of 32 rows (128,000 bytes), not of 128 KiB.
+    state = {"w": jnp.arange(300 * 1000, dtype=jnp.float32).reshape(300, 1000), "b": jnp.ones(5), "step": 3}
+    eqx_ckpt.export_safetensors(tmp_path / "rows", state)
+    record = json.loads((tmp_path / "rows" / "eqx_ckpt.json").read_bytes())
+    leaves = {leaf["path"]: leaf["blocks"] for leaf in record["leaves"]}
+    data = memoryview((tmp_path / "rows" / "model.safetensors").read_bytes())
+    tensors = check_floor.blocks(str(tmp_path / "rows"))
+    assert sorted(name for name, *_ in tensors) == sorted(leaves) and ("w", 1_200_000, 128_000) in {
+        (name, nbytes, block) for name, _, nbytes, block in tensors
+    }
+    for name, offset, nbytes, block in tensors:
+        assert _digests._hash(data[offset : offset + nbytes], block, _digests.BLAKE3).hex() == leaves[name], name
+    fixed = check_floor.blocks(str(tmp_path / "rows"), fixed=True)
+    assert [t[:3] for t in fixed] == [t[:3] for t in tensors]
+    assert {block for *_, block in fixed} == {record["block_bytes"]} == {128 * 1024}
+
+    job = {"workload": "tiny", "folder": str(tmp_path), "reps": 2, "published": True}
+    alternating.work({**job, "op": "prepare"})
+    published, plain = tmp_path / "published", tmp_path / "plain"
+    check_floor.plain_copy(str(published), str(plain))
+    assert os.listdir(plain) == ["model.safetensors"]
+    assert os.path.samefile(plain / "model.safetensors", published / "model.safetensors")
+    for arm in check_floor.ARMS:
+        timed = check_floor.work({**job, "arm": arm})
+        assert len(timed["wall"]) == len(timed["cpu"]) == 2 and min(timed["cpu"]) > 0, arm
+    # A plain load on 1.8 cores (1.8 s of CPU in 1 s) and a hash of 0.45 s: 1.25x, in CPU and wall time.
+    rounds = {arm: {"wall": [1.0, 2.0], "cpu": [1.8, 3.6]} for arm in check_floor.ARMS}
+    rounds["hash"] = {"wall": [0.45, 0.9], "cpu": [0.45, 0.9]}
+    assert check_floor.floors(rounds) == {"cpu": [1.25, 1.25], "wall": [1.25, 1.25]}
+    report = check_floor.report(rounds, argparse.Namespace(workload="tiny", reps=2))
+    assert "floor with hash, cpu: 1.250x plain" in report and "floor with hash-fixed, wall: 2.000x plain" in report
+    assert "checked, cpu: 1.000x plain" in report
 
 
 def test_the_iterators_benchmark_times_saves_and_restores_with_and_without_the_data_position(tmp_path):
