@@ -51,8 +51,6 @@ ARMS = ("plain", "checked", "hash", "hash-fixed")
 # Each tensor is read and hashed a piece of about this many bytes at a time
 # (whole blocks), as a checked load reads a local file (`_local_read.FILL_BYTES`).
 PIECE_BYTES = 2**20
-# Bytes per element of each safetensors dtype the workloads hold.
-_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
 
 
 def work(job: dict[str, Any]) -> dict[str, Any]:
@@ -67,7 +65,8 @@ def work(job: dict[str, Any]) -> dict[str, Any]:
         operation()  # warm-up
         times = [operation() for _ in range(job["reps"])]
     else:
-        like = alternating.load_workload().skeleton(alternating.load_workload().PRESETS[job["workload"]])
+        workload = alternating.load_workload()
+        like = workload.skeleton(workload.PRESETS[job["workload"]])
         path = os.path.join(folder, "published" if arm == "checked" else "plain")
 
         def load() -> None:
@@ -83,7 +82,9 @@ def blocks(published: str, *, fixed: bool = False) -> list[tuple[str, int, int, 
     `published` (one safetensors file), cut into blocks as its record cuts
     them (`_digests.leaf_block`); `fixed`: in blocks of the record's
     `block_bytes` instead (`hash-fixed`)."""
+    from eqx_ckpt._foreign._safetensors import DTYPES
     from eqx_ckpt._ondisk import _digests
+    from eqx_ckpt._ondisk._format import dtype_from_name
 
     with open(os.path.join(published, "eqx_ckpt.json"), "rb") as f:
         most = json.loads(f.read())["block_bytes"]
@@ -94,7 +95,8 @@ def blocks(published: str, *, fixed: bool = False) -> list[tuple[str, int, int, 
     for name, tensor in header.items():
         if name != "__metadata__":
             start, end = tensor["data_offsets"]
-            block = most if fixed else _digests.leaf_block(tensor["shape"], _ITEMSIZE[tensor["dtype"]], most)
+            itemsize = dtype_from_name(DTYPES[tensor["dtype"]]).itemsize
+            block = most if fixed else _digests.leaf_block(tensor["shape"], itemsize, most)
             out.append((name, 8 + length + start, end - start, block))
     return out
 
@@ -105,17 +107,19 @@ def hashing(published: str, *, fixed: bool = False) -> Any:
     alone, reads left out."""
     from eqx_ckpt._ondisk import _digests
 
-    tensors = blocks(published, fixed=fixed)
-    biggest = max(max(block, PIECE_BYTES // block * block) for *_, block in tensors)
-    view = memoryview(bytearray(biggest))  # (faulted in by the warm-up, before the timed operations)
+    # Each tensor's pieces: whole blocks, about `PIECE_BYTES` of them.
+    tensors = [
+        (offset, nbytes, block, max(block, PIECE_BYTES // block * block))
+        for _, offset, nbytes, block in blocks(published, fixed=fixed)
+    ]
+    view = memoryview(bytearray(max(t[3] for t in tensors)))  # (faulted in by the warm-up, before the timed operations)
     path = os.path.join(published, "model.safetensors")
 
     def operation() -> tuple[float, float]:
         wall = cpu = 0.0
         fd = os.open(path, os.O_RDONLY)
         try:
-            for _, offset, nbytes, block in tensors:
-                piece = max(block, PIECE_BYTES // block * block)
+            for offset, nbytes, block, piece in tensors:
                 for done in range(0, nbytes, piece):
                     n = os.preadv(fd, [view[: min(piece, nbytes - done)]], offset + done)
                     started, thread = time.perf_counter(), time.thread_time()
